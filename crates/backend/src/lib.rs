@@ -1,0 +1,187 @@
+//! The Backend trait: the coarse operations a decoder-only transformer is made of, and the
+//! CPU reference backend ([`cpu::CpuBackend`]) that implements them in plain f32.
+//!
+//! The model files (crate `ferrite-models`) are written against this trait only, so the same
+//! forward pass runs on every backend, and every fast backend can be checked op by op against
+//! the CPU one (`ferrite check`).
+//!
+//! Conventions shared by every op:
+//! - Activations are f32 matrices stored row-major in a backend buffer: one row per token.
+//!   Their shape travels with them in [`Act`].
+//! - A weight matrix is `[n_out, n_in]` (PyTorch's `nn.Linear` layout) stored in its file
+//!   type (quantized weights stay quantized); `matmul` computes `y[t] = W x[t]`.
+//! - Positions are absolute token positions in the sequence (for RoPE and the causal mask).
+
+pub mod cpu;
+
+use anyhow::Result;
+use ferrite_formats::GgmlType;
+
+/// A weight as read from a model file, before it is handed to a backend.
+#[derive(Clone, Debug)]
+pub struct HostTensor<'a> {
+    pub dtype: GgmlType,
+    /// Row-major shape: the last dimension is contiguous.
+    pub shape: Vec<usize>,
+    pub data: std::borrow::Cow<'a, [u8]>,
+}
+
+/// Activation matrix `[rows, cols]` in backend memory.
+#[derive(Clone, Debug)]
+pub struct Act<B> {
+    pub buf: B,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// How rotary embeddings pair the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pairs `(x[2i], x[2i+1])`: ggml's "normal" mode, used for GGUF `llama` files, whose
+    /// Q/K rows llama.cpp's converter permuted from the Hugging Face order.
+    Adjacent,
+    /// Pairs `(x[i], x[i + d/2])`: Hugging Face `rotate_half`, ggml's "NeoX" mode.
+    Neox,
+}
+
+/// Rotary position embedding parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope {
+    pub style: RopeStyle,
+    pub theta: f32,
+    /// Number of leading dimensions of each head that rotate (= head_dim unless partial).
+    pub rot_dim: usize,
+}
+
+/// Shape of a (grouped-query) attention layer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Mixture-of-experts routing parameters.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeRouting {
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Renormalise the top-k routing weights to sum to 1 (`norm_topk_prob`).
+    pub norm_topk: bool,
+}
+
+/// The three stacked expert matrices of one MoE layer, each `[n_experts, n_out, n_in]`.
+pub struct ExpertWeights<'a, W> {
+    pub gate: &'a W,
+    pub up: &'a W,
+    pub down: &'a W,
+}
+
+/// The operations a model is made of. Implemented by the CPU reference backend and by the
+/// accelerated backends; `ferrite check` compares every implementation against the CPU one.
+pub trait Backend: Send + Sync {
+    /// A device buffer of f32 values.
+    type Buf: Send + Sync;
+    /// A stored weight tensor (any [`GgmlType`]) in device memory.
+    type Weight: Send + Sync;
+    /// One sequence's key/value cache for every layer.
+    type Kv: Send + Sync;
+
+    /// Short human-readable name ("cpu (2 threads)", "cuda:0 NVIDIA H200").
+    fn name(&self) -> String;
+
+    /// Moves a weight into backend memory, keeping its storage type.
+    fn upload(&self, t: &HostTensor<'_>) -> Result<Self::Weight>;
+    /// A zero-filled activation matrix.
+    fn zeros(&self, rows: usize, cols: usize) -> Result<Act<Self::Buf>>;
+    /// An activation matrix holding `data` (row-major).
+    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Act<Self::Buf>>;
+    /// Copies an activation matrix back to the host.
+    fn to_host(&self, x: &Act<Self::Buf>) -> Result<Vec<f32>>;
+
+    /// `out[t] = table[tokens[t]]` (rows of the embedding matrix, dequantized).
+    fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Act<Self::Buf>) -> Result<()>;
+    /// `out = x / rms(x) * w` row by row (`w` has `cols` elements).
+    fn rms_norm(
+        &self,
+        x: &Act<Self::Buf>,
+        w: &Self::Weight,
+        eps: f32,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+    /// RMSNorm applied to each `head_dim`-sized head of every row in place (Qwen3's QK-norm).
+    fn head_rms_norm(
+        &self,
+        x: &mut Act<Self::Buf>,
+        w: &Self::Weight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// `out[t] = W x[t]` for a weight `[n_out, n_in]`; `out` is `[rows, n_out]`.
+    fn matmul(
+        &self,
+        x: &Act<Self::Buf>,
+        w: &Self::Weight,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+    /// Rows `start..start+n` of `x` as a new activation.
+    fn slice_rows(&self, x: &Act<Self::Buf>, start: usize, n: usize) -> Result<Act<Self::Buf>>;
+    /// `x += y` elementwise.
+    fn add_assign(&self, x: &mut Act<Self::Buf>, y: &Act<Self::Buf>) -> Result<()>;
+    /// `out = silu(gate) * up` elementwise.
+    fn swiglu(
+        &self,
+        gate: &Act<Self::Buf>,
+        up: &Act<Self::Buf>,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+    /// Rotates every head of every row in place; row `t` is at position `pos0 + t`.
+    fn rope(
+        &self,
+        x: &mut Act<Self::Buf>,
+        head_dim: usize,
+        pos0: usize,
+        rope: &Rope,
+    ) -> Result<()>;
+
+    /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
+    fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
+    /// Causal attention for the rows of `q` at positions `pos0..pos0+rows`: first stores
+    /// `k`, `v` (`[rows, n_kv_heads*head_dim]`) at those positions of `layer`, then attends
+    /// each query row to positions `0..=its position`. `out` is `[rows, n_heads*head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        pos0: usize,
+        q: &Act<Self::Buf>,
+        k: &Act<Self::Buf>,
+        v: &Act<Self::Buf>,
+        shape: AttnShape,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+
+    /// Mixture-of-experts SwiGLU FFN: `router_logits` `[rows, n_experts]` → softmax → top-k
+    /// (ties to the lower expert id) → optional renormalisation; then
+    /// `out[t] = Σ_k w_k · down_e(silu(gate_e x[t]) * up_e x[t])`.
+    fn moe(
+        &self,
+        x: &Act<Self::Buf>,
+        router_logits: &Act<Self::Buf>,
+        experts: ExpertWeights<'_, Self::Weight>,
+        routing: MoeRouting,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+}
+
+/// Checks that two activations have the shapes an op needs; used by every backend.
+pub fn check_shape<B>(what: &str, x: &Act<B>, rows: usize, cols: usize) -> Result<()> {
+    anyhow::ensure!(
+        x.rows == rows && x.cols == cols,
+        "{what}: expected [{rows}, {cols}], got [{}, {}]",
+        x.rows,
+        x.cols
+    );
+    Ok(())
+}

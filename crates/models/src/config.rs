@@ -1,0 +1,222 @@
+//! Model hyperparameters, read from GGUF metadata or a Hugging Face `config.json`.
+
+use anyhow::{bail, Context, Result};
+use ferrite_backend::{AttnShape, MoeRouting, Rope, RopeStyle};
+use ferrite_formats::gguf::GgufFile;
+
+/// The architectures ferrite runs. Adding one = a file in this crate + a line in
+/// [`Arch::from_gguf_name`] / [`Arch::from_hf_name`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Qwen3,
+    Qwen3Moe,
+}
+
+impl Arch {
+    pub fn from_gguf_name(name: &str) -> Result<Arch> {
+        Ok(match name {
+            "llama" => Arch::Llama,
+            "qwen3" => Arch::Qwen3,
+            "qwen3moe" => Arch::Qwen3Moe,
+            other => bail!("unsupported GGUF architecture '{other}' (supported: llama, qwen3, qwen3moe)"),
+        })
+    }
+    pub fn from_hf_name(name: &str) -> Result<Arch> {
+        Ok(match name {
+            "LlamaForCausalLM" | "llama" => Arch::Llama,
+            "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
+            "Qwen3MoeForCausalLM" | "qwen3_moe" => Arch::Qwen3Moe,
+            other => bail!(
+                "unsupported architecture '{other}' (supported: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
+            ),
+        })
+    }
+    /// The name GGUF files use.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3moe",
+        }
+    }
+}
+
+/// Mixture-of-experts hyperparameters.
+#[derive(Clone, Debug)]
+pub struct MoeConfig {
+    pub routing: MoeRouting,
+    /// Hidden size of one expert's SwiGLU FFN.
+    pub expert_ffn: usize,
+    /// Layers that use a dense FFN instead of experts (Qwen3-MoE `mlp_only_layers` and
+    /// `decoder_sparse_step`).
+    pub dense_layers: Vec<usize>,
+}
+
+/// Everything the forward pass needs to know about the model's shape.
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden: usize,
+    pub n_layers: usize,
+    pub attn: AttnShape,
+    /// Dense FFN hidden size (0 when every layer is MoE).
+    pub ffn: usize,
+    pub vocab: usize,
+    pub rms_eps: f32,
+    pub rope: Rope,
+    /// Longest context the model was trained for.
+    pub max_ctx: usize,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub moe: Option<MoeConfig>,
+}
+
+impl ModelConfig {
+    /// Is layer `i` a mixture-of-experts layer?
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| !m.dense_layers.contains(&i))
+    }
+}
+
+/// Reads a GGUF file's `<arch>.*` hyperparameters (llama.cpp's key names).
+pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
+    let arch_name = f.get("general.architecture").and_then(|v| v.as_str()).context("GGUF has no general.architecture")?;
+    let arch = Arch::from_gguf_name(arch_name)?;
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let get_usize = |k: &str| f.get(&key(k)).and_then(|v| v.as_usize());
+    let need = |k: &str| get_usize(k).with_context(|| format!("GGUF is missing {}", key(k)));
+    let get_f32 = |k: &str| f.get(&key(k)).and_then(|v| v.as_f32());
+
+    let hidden = need("embedding_length")?;
+    let n_heads = need("attention.head_count")?;
+    let n_kv_heads = get_usize("attention.head_count_kv").unwrap_or(n_heads);
+    let head_dim = get_usize("attention.key_length").unwrap_or(hidden / n_heads.max(1));
+    if let Some(vl) = get_usize("attention.value_length") {
+        anyhow::ensure!(vl == head_dim, "value_length {vl} != key_length {head_dim} is not supported");
+    }
+    if let Some(t) = f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+        anyhow::ensure!(t == "none", "RoPE scaling '{t}' is not supported yet");
+    }
+    let moe = match arch {
+        Arch::Qwen3Moe => Some(MoeConfig {
+            routing: MoeRouting {
+                n_experts: need("expert_count")?,
+                top_k: need("expert_used_count")?,
+                // llama.cpp always renormalises qwen3moe's top-k weights; newer files say so.
+                norm_topk: f.get(&key("expert_weights_norm")).and_then(|v| v.as_bool()).unwrap_or(true),
+            },
+            expert_ffn: need("expert_feed_forward_length")?,
+            dense_layers: vec![],
+        }),
+        _ => None,
+    };
+    let cfg = ModelConfig {
+        arch,
+        hidden,
+        n_layers: need("block_count")?,
+        attn: AttnShape { n_heads, n_kv_heads, head_dim },
+        ffn: get_usize("feed_forward_length").unwrap_or(0),
+        vocab,
+        rms_eps: get_f32("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+        rope: Rope {
+            // llama.cpp's converter permutes llama Q/K rows for the adjacent-pair rotation;
+            // qwen3 files keep the Hugging Face order and use NeoX rotation.
+            style: if arch == Arch::Llama { RopeStyle::Adjacent } else { RopeStyle::Neox },
+            theta: get_f32("rope.freq_base").unwrap_or(10000.0),
+            rot_dim: get_usize("rope.dimension_count").unwrap_or(head_dim),
+        },
+        max_ctx: get_usize("context_length").unwrap_or(4096),
+        qk_norm: arch != Arch::Llama,
+        moe,
+    };
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// Reads a Hugging Face `config.json` (text models; VLM wrappers' `text_config` too).
+pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
+    let arch_name = config["architectures"]
+        .get(0)
+        .and_then(|v| v.as_str())
+        .or_else(|| config["model_type"].as_str())
+        .context("config.json names no architecture (neither 'architectures' nor 'model_type')")?;
+    let arch = Arch::from_hf_name(arch_name)?;
+    let c = config.get("text_config").unwrap_or(config);
+    let get_usize = |k: &str| c.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
+    let need = |k: &str| get_usize(k).with_context(|| format!("config.json is missing '{k}'"));
+    let get_f32 = |k: &str| c.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+
+    let hidden = need("hidden_size")?;
+    let n_heads = need("num_attention_heads")?;
+    let head_dim = get_usize("head_dim").unwrap_or(hidden / n_heads.max(1));
+    if c.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
+        bail!("attention_bias = true is not supported for {arch_name}");
+    }
+    // transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta`/`rope_scaling`.
+    let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
+    let rope_type = rope_params
+        .and_then(|p| p.get("rope_type"))
+        .or_else(|| c.get("rope_scaling").and_then(|s| s.get("rope_type").or_else(|| s.get("type"))))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    anyhow::ensure!(rope_type == "default", "RoPE scaling '{rope_type}' is not supported yet");
+    let theta = rope_params
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(|v| v.as_f64())
+        .map(|v| v as f32)
+        .or_else(|| get_f32("rope_theta"))
+        .unwrap_or(10000.0);
+    let moe = match arch {
+        Arch::Qwen3Moe => {
+            let n_layers = need("num_hidden_layers")?;
+            let step = get_usize("decoder_sparse_step").unwrap_or(1).max(1);
+            let mut dense: Vec<usize> = c
+                .get("mlp_only_layers")
+                .and_then(|v| v.as_array())
+                .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as usize).collect())
+                .unwrap_or_default();
+            // transformers: a layer is sparse iff not in mlp_only_layers and (i+1) % step == 0.
+            dense.extend((0..n_layers).filter(|i| (i + 1) % step != 0));
+            dense.sort_unstable();
+            dense.dedup();
+            Some(MoeConfig {
+                routing: MoeRouting {
+                    n_experts: need("num_experts")?,
+                    top_k: need("num_experts_per_tok")?,
+                    norm_topk: c.get("norm_topk_prob").and_then(|v| v.as_bool()).unwrap_or(false),
+                },
+                expert_ffn: need("moe_intermediate_size")?,
+                dense_layers: dense,
+            })
+        }
+        _ => None,
+    };
+    let cfg = ModelConfig {
+        arch,
+        hidden,
+        n_layers: need("num_hidden_layers")?,
+        attn: AttnShape { n_heads, n_kv_heads: get_usize("num_key_value_heads").unwrap_or(n_heads), head_dim },
+        ffn: get_usize("intermediate_size").unwrap_or(0),
+        vocab: need("vocab_size")?,
+        rms_eps: get_f32("rms_norm_eps").unwrap_or(1e-6),
+        rope: Rope { style: RopeStyle::Neox, theta, rot_dim: head_dim },
+        max_ctx: get_usize("max_position_embeddings").unwrap_or(4096),
+        qk_norm: arch != Arch::Llama,
+        moe,
+    };
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+fn validate(c: &ModelConfig) -> Result<()> {
+    let a = &c.attn;
+    anyhow::ensure!(c.hidden > 0 && c.n_layers > 0 && c.vocab > 0, "model has a zero dimension: {c:?}");
+    anyhow::ensure!(a.n_heads > 0 && a.n_kv_heads > 0 && a.head_dim > 0, "bad attention shape {a:?}");
+    anyhow::ensure!(a.n_heads % a.n_kv_heads == 0, "{} heads is not a multiple of {} kv heads", a.n_heads, a.n_kv_heads);
+    anyhow::ensure!(c.rope.rot_dim <= a.head_dim && c.rope.rot_dim % 2 == 0, "bad rotary dim {}", c.rope.rot_dim);
+    if let Some(m) = &c.moe {
+        anyhow::ensure!(m.routing.top_k >= 1 && m.routing.top_k <= m.routing.n_experts, "top-k {} of {} experts", m.routing.top_k, m.routing.n_experts);
+    }
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! Model architectures: configuration, tensor names, and the forward pass written against
+//! the [`ferrite_backend::Backend`] ops.
+
+pub mod config;
+pub mod decoder;
+pub mod source;
+
+pub use config::{Arch, ModelConfig};
+pub use decoder::{Logits, Model};
+pub use source::ModelFile;

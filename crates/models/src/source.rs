@@ -1,0 +1,194 @@
+//! Where the weights come from: a GGUF file or a Hugging Face safetensors checkpoint, and
+//! the tensor names each uses.
+
+use std::borrow::Cow;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use ferrite_backend::HostTensor;
+use ferrite_formats::gguf::GgufFile;
+use ferrite_formats::safetensors_dir::SafetensorsCheckpoint;
+use ferrite_formats::{TensorSource, TensorView};
+
+use crate::config::{self, ModelConfig};
+
+/// An opened model file.
+pub enum ModelFile {
+    Gguf(GgufFile),
+    Safetensors(SafetensorsCheckpoint),
+}
+
+/// The logical weights of a decoder layer, named once; [`ModelFile::name`] maps them to
+/// each format's tensor names.
+#[derive(Clone, Copy, Debug)]
+pub enum Tensor {
+    Embed,
+    OutputNorm,
+    Output,
+    AttnNorm(usize),
+    Q(usize),
+    K(usize),
+    V(usize),
+    O(usize),
+    QNorm(usize),
+    KNorm(usize),
+    FfnNorm(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+    Router(usize),
+}
+
+impl ModelFile {
+    /// Opens a `.gguf` file, or a safetensors checkpoint (a directory, or a `.safetensors`
+    /// file inside one).
+    pub fn open(path: &Path) -> Result<ModelFile> {
+        let is_gguf = path.is_file() && path.extension().is_none_or(|e| e != "safetensors" && e != "json");
+        if is_gguf {
+            Ok(ModelFile::Gguf(GgufFile::open(path)?))
+        } else if path.exists() {
+            Ok(ModelFile::Safetensors(SafetensorsCheckpoint::open(path)?))
+        } else {
+            bail!("model path {} does not exist", path.display())
+        }
+    }
+
+    pub fn tensors(&self) -> &dyn TensorSource {
+        match self {
+            ModelFile::Gguf(f) => f,
+            ModelFile::Safetensors(c) => c,
+        }
+    }
+
+    /// The model's hyperparameters.
+    pub fn config(&self) -> Result<ModelConfig> {
+        match self {
+            ModelFile::Gguf(f) => {
+                let embd = f.tensor("token_embd.weight").context("GGUF has no token_embd.weight")?;
+                config::from_gguf(f, embd.shape[0])
+            }
+            ModelFile::Safetensors(c) => config::from_hf(c.config()),
+        }
+    }
+
+    /// This format's name for a logical tensor.
+    pub fn name(&self, t: Tensor) -> String {
+        use Tensor::*;
+        match self {
+            ModelFile::Gguf(_) => match t {
+                Embed => "token_embd.weight".into(),
+                OutputNorm => "output_norm.weight".into(),
+                Output => "output.weight".into(),
+                AttnNorm(i) => format!("blk.{i}.attn_norm.weight"),
+                Q(i) => format!("blk.{i}.attn_q.weight"),
+                K(i) => format!("blk.{i}.attn_k.weight"),
+                V(i) => format!("blk.{i}.attn_v.weight"),
+                O(i) => format!("blk.{i}.attn_output.weight"),
+                QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
+                KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
+                FfnNorm(i) => format!("blk.{i}.ffn_norm.weight"),
+                Gate(i) => format!("blk.{i}.ffn_gate.weight"),
+                Up(i) => format!("blk.{i}.ffn_up.weight"),
+                Down(i) => format!("blk.{i}.ffn_down.weight"),
+                Router(i) => format!("blk.{i}.ffn_gate_inp.weight"),
+            },
+            ModelFile::Safetensors(_) => match t {
+                Embed => "model.embed_tokens.weight".into(),
+                OutputNorm => "model.norm.weight".into(),
+                Output => "lm_head.weight".into(),
+                AttnNorm(i) => format!("model.layers.{i}.input_layernorm.weight"),
+                Q(i) => format!("model.layers.{i}.self_attn.q_proj.weight"),
+                K(i) => format!("model.layers.{i}.self_attn.k_proj.weight"),
+                V(i) => format!("model.layers.{i}.self_attn.v_proj.weight"),
+                O(i) => format!("model.layers.{i}.self_attn.o_proj.weight"),
+                QNorm(i) => format!("model.layers.{i}.self_attn.q_norm.weight"),
+                KNorm(i) => format!("model.layers.{i}.self_attn.k_norm.weight"),
+                FfnNorm(i) => format!("model.layers.{i}.post_attention_layernorm.weight"),
+                Gate(i) => format!("model.layers.{i}.mlp.gate_proj.weight"),
+                Up(i) => format!("model.layers.{i}.mlp.up_proj.weight"),
+                Down(i) => format!("model.layers.{i}.mlp.down_proj.weight"),
+                Router(i) => format!("model.layers.{i}.mlp.gate.weight"),
+            },
+        }
+    }
+
+    /// The tensor, if present.
+    pub fn get(&self, t: Tensor) -> Option<HostTensor<'_>> {
+        self.tensors().tensor(&self.name(t)).map(host)
+    }
+
+    /// The tensor, with a clear error naming it when absent.
+    pub fn need(&self, t: Tensor) -> Result<HostTensor<'_>> {
+        let name = self.name(t);
+        self.tensors().tensor(&name).map(host).with_context(|| format!("model file has no tensor '{name}'"))
+    }
+
+    /// The stacked `[n_experts, n_out, n_in]` gate, up and down weights of MoE layer `i`.
+    /// GGUF stores them stacked; Hugging Face checkpoints either per expert
+    /// (`mlp.experts.{e}.gate_proj.weight`) or fused (`mlp.experts.gate_up_proj`, gate rows
+    /// first, and `mlp.experts.down_proj`).
+    pub fn experts(&self, i: usize, n_experts: usize) -> Result<[HostTensor<'_>; 3]> {
+        let src = self.tensors();
+        let get = |name: String| src.tensor(&name).map(host).with_context(|| format!("model file has no tensor '{name}'"));
+        match self {
+            ModelFile::Gguf(_) => Ok([
+                get(format!("blk.{i}.ffn_gate_exps.weight"))?,
+                get(format!("blk.{i}.ffn_up_exps.weight"))?,
+                get(format!("blk.{i}.ffn_down_exps.weight"))?,
+            ]),
+            ModelFile::Safetensors(_) => {
+                let p = format!("model.layers.{i}.mlp.experts");
+                if let Some(gu) = src.tensor(&format!("{p}.gate_up_proj")) {
+                    let down = get(format!("{p}.down_proj"))?;
+                    let [gate, up] = split_gate_up(gu)?;
+                    return Ok([gate, up, down]);
+                }
+                let stack = |w: &str| -> Result<HostTensor<'_>> {
+                    let parts: Vec<TensorView<'_>> = (0..n_experts)
+                        .map(|e| {
+                            let name = format!("{p}.{e}.{w}.weight");
+                            src.tensor(&name).with_context(|| format!("model file has no tensor '{name}'"))
+                        })
+                        .collect::<Result<_>>()?;
+                    stack_experts(&parts)
+                };
+                Ok([stack("gate_proj")?, stack("up_proj")?, stack("down_proj")?])
+            }
+        }
+    }
+}
+
+fn host(v: TensorView<'_>) -> HostTensor<'_> {
+    HostTensor { dtype: v.dtype, shape: v.shape.to_vec(), data: Cow::Borrowed(v.data) }
+}
+
+/// Concatenates per-expert `[n_out, n_in]` matrices into one `[n_experts, n_out, n_in]`.
+fn stack_experts<'a>(parts: &[TensorView<'_>]) -> Result<HostTensor<'a>> {
+    let first = parts.first().context("no experts")?;
+    let mut data = Vec::with_capacity(first.data.len() * parts.len());
+    for p in parts {
+        anyhow::ensure!(p.shape == first.shape && p.dtype == first.dtype, "experts differ in shape or type");
+        data.extend_from_slice(p.data);
+    }
+    let mut shape = vec![parts.len()];
+    shape.extend_from_slice(first.shape);
+    Ok(HostTensor { dtype: first.dtype, shape, data: Cow::Owned(data) })
+}
+
+/// Splits a fused `[n_experts, 2*ffn, n_in]` gate/up tensor (gate rows first) in two.
+fn split_gate_up<'a>(gu: TensorView<'_>) -> Result<[HostTensor<'a>; 2]> {
+    let [e, two_f, n_in] = gu.shape[..] else {
+        bail!("fused gate_up_proj has shape {:?}, expected 3 dims", gu.shape)
+    };
+    anyhow::ensure!(two_f % 2 == 0, "fused gate_up_proj has an odd row count {two_f}");
+    let f = two_f / 2;
+    let row = gu.dtype.bytes_for(n_in)?;
+    let (mut gate, mut up) = (Vec::with_capacity(e * f * row), Vec::with_capacity(e * f * row));
+    for x in 0..e {
+        let base = x * two_f * row;
+        gate.extend_from_slice(&gu.data[base..base + f * row]);
+        up.extend_from_slice(&gu.data[base + f * row..base + two_f * row]);
+    }
+    let t = |data| HostTensor { dtype: gu.dtype, shape: vec![e, f, n_in], data: Cow::Owned(data) };
+    Ok([t(gate), t(up)])
+}
