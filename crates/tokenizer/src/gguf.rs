@@ -1,0 +1,247 @@
+//! Building a [`Tokenizer`] from GGUF metadata, the way llama.cpp reads it
+//! (`llama_vocab::impl::load` in `src/llama-vocab.cpp`).
+//!
+//! Keys read:
+//! - `tokenizer.ggml.model`: `"gpt2"` (byte-level BPE) is supported; `"llama"`
+//!   (SentencePiece) is not yet.
+//! - `tokenizer.ggml.pre`: the pre-tokenizer name, looked up in [`crate::pretokenizers`].
+//! - `tokenizer.ggml.tokens`, `tokenizer.ggml.merges` (`"a b"` strings),
+//!   `tokenizer.ggml.token_type` (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
+//!   6 byte).
+//! - `tokenizer.ggml.{bos,eos,eot,eom,pad}_token_id`, `tokenizer.ggml.add_bos_token`,
+//!   `tokenizer.ggml.add_eos_token`, `tokenizer.chat_template`.
+//!
+//! The result is an in-memory `tokenizer.json` loaded by the `tokenizers` crate: no
+//! normalizer (llama.cpp does not normalize BPE input), the pre-tokenizer's regexes as
+//! `Isolated` splits, then byte-level mapping and BPE. Control tokens become special added
+//! tokens (split out only when parsing special text); user-defined ones become non-special
+//! added tokens (always split out, as llama.cpp does).
+
+use std::collections::{HashMap, HashSet};
+
+use ferrite_formats::gguf::{GgufFile, GgufValue};
+use serde_json::{json, Value};
+
+use crate::{pretokenizers, Parts, PieceStyle, Result, Tokenizer, TokenizerError};
+
+/// `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
+pub mod token_type {
+    pub const NORMAL: i32 = 1;
+    pub const UNKNOWN: i32 = 2;
+    pub const CONTROL: i32 = 3;
+    pub const USER_DEFINED: i32 = 4;
+    pub const UNUSED: i32 = 5;
+    pub const BYTE: i32 = 6;
+}
+
+/// Builds the tokenizer from a GGUF file's metadata.
+pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
+    from_metadata(&|key| file.get(key))
+}
+
+/// Builds the tokenizer from any source of GGUF metadata (a file, or a map in tests).
+pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<Tokenizer> {
+    let invalid = |what: String| TokenizerError::Invalid(format!("GGUF tokenizer: {what}"));
+    let get_str = |key: &str| -> Option<&'a str> { get(key).and_then(GgufValue::as_str) };
+
+    let model = get_str("tokenizer.ggml.model")
+        .ok_or_else(|| invalid("missing tokenizer.ggml.model".into()))?;
+    match model {
+        "gpt2" => {}
+        "llama" => {
+            return Err(TokenizerError::Unsupported(
+                "SentencePiece GGUF tokenizers (tokenizer.ggml.model = \"llama\") are not \
+                 supported yet; supported: \"gpt2\" (byte-level BPE)"
+                    .into(),
+            ))
+        }
+        other => {
+            return Err(TokenizerError::Unsupported(format!(
+                "tokenizer.ggml.model = \"{other}\"; supported: \"gpt2\" (byte-level BPE)"
+            )))
+        }
+    }
+    // llama.cpp falls back to "default" (with a loud warning) when the key is missing.
+    let pre_name = get_str("tokenizer.ggml.pre").unwrap_or("default");
+    let pre = pretokenizers::lookup(pre_name)?;
+
+    let tokens = get("tokenizer.ggml.tokens")
+        .and_then(GgufValue::as_str_array)
+        .ok_or_else(|| {
+            invalid("tokenizer.ggml.tokens missing or not an array of strings".into())
+        })?;
+    let n = tokens.len();
+    if n == 0 {
+        return Err(invalid("tokenizer.ggml.tokens is empty".into()));
+    }
+    let types = match get("tokenizer.ggml.token_type") {
+        Some(v) => {
+            let t = v.as_i32_array().ok_or_else(|| {
+                invalid("tokenizer.ggml.token_type is not an integer array".into())
+            })?;
+            if t.len() != n {
+                return Err(invalid(format!(
+                    "tokenizer.ggml.token_type has {} entries for {n} tokens",
+                    t.len()
+                )));
+            }
+            t
+        }
+        None => vec![token_type::NORMAL; n],
+    };
+    let merges_raw = get("tokenizer.ggml.merges")
+        .and_then(GgufValue::as_str_array)
+        .ok_or_else(|| {
+            invalid("tokenizer.ggml.merges missing or not an array of strings".into())
+        })?;
+
+    // A missing, negative or out-of-range id means "no such token": llama.cpp warns and
+    // ignores those too (converters write -1, and some ids point past a trimmed vocabulary).
+    let id_key = |key: &str| -> Option<u32> { get(key)?.as_u32().filter(|&id| (id as usize) < n) };
+    let bos = id_key("tokenizer.ggml.bos_token_id");
+    let eos = id_key("tokenizer.ggml.eos_token_id");
+    let eot = id_key("tokenizer.ggml.eot_token_id");
+    let eom = id_key("tokenizer.ggml.eom_token_id");
+    let pad = id_key("tokenizer.ggml.padding_token_id");
+    let add_bos = get("tokenizer.ggml.add_bos_token")
+        .and_then(GgufValue::as_bool)
+        .unwrap_or(pre.add_bos_default);
+    let add_eos = get("tokenizer.ggml.add_eos_token")
+        .and_then(GgufValue::as_bool)
+        .unwrap_or(false);
+    if add_bos && bos.is_none() {
+        return Err(invalid(
+            "tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is not set"
+                .into(),
+        ));
+    }
+    if add_eos && eos.is_none() {
+        return Err(invalid(
+            "tokenizer.ggml.add_eos_token is true but tokenizer.ggml.eos_token_id is not set"
+                .into(),
+        ));
+    }
+
+    // Vocabulary: the first id of a duplicated string wins (the map cannot hold both).
+    let mut vocab = serde_json::Map::with_capacity(n);
+    for (id, t) in tokens.iter().enumerate() {
+        if !vocab.contains_key(*t) {
+            vocab.insert((*t).to_string(), json!(id));
+        }
+    }
+    let mut merges = Vec::with_capacity(merges_raw.len());
+    for (i, m) in merges_raw.iter().enumerate() {
+        // The separator is the first space after the first character: llama.cpp searches
+        // from index 1 so that a merge whose left part is a space still splits correctly.
+        let first_len = m.chars().next().map(char::len_utf8).unwrap_or(0);
+        let pos = m[first_len..].find(' ').map(|p| p + first_len);
+        match pos {
+            Some(p) => merges.push(json!([&m[..p], &m[p + 1..]])),
+            None => return Err(invalid(format!("merge #{i} {m:?} has no space separator"))),
+        }
+    }
+
+    let mut added = Vec::new();
+    let mut special = HashSet::new();
+    for (id, (t, &ty)) in tokens.iter().zip(&types).enumerate() {
+        let is_control = ty == token_type::CONTROL || ty == token_type::UNKNOWN;
+        if is_control || ty == token_type::USER_DEFINED {
+            if t.is_empty() {
+                continue; // an empty pattern would match everywhere
+            }
+            added.push(json!({
+                "id": id, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": is_control,
+            }));
+            if is_control {
+                special.insert(id as u32);
+            }
+        }
+    }
+
+    let mut pre_seq: Vec<Value> = pre
+        .regexes
+        .iter()
+        .map(|r| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
+        .collect();
+    pre_seq.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
+
+    let post_processor = template_processing(
+        add_bos
+            .then(|| bos.map(|id| (id, tokens[id as usize])))
+            .flatten(),
+        add_eos
+            .then(|| eos.map(|id| (id, tokens[id as usize])))
+            .flatten(),
+    );
+
+    let tokenizer_json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_seq},
+        "post_processor": post_processor,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignore_merges,
+            "vocab": vocab, "merges": merges,
+        },
+    });
+    let hf: tokenizers::Tokenizer = serde_json::from_value(tokenizer_json)
+        .map_err(|e| invalid(format!("building the BPE tokenizer failed: {e}")))?;
+
+    // Bytes of each id: control/user-defined tokens are stored raw, the rest byte-level.
+    let pieces = tokens
+        .iter()
+        .zip(&types)
+        .map(|(t, &ty)| match ty {
+            token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED => {
+                t.as_bytes().to_vec()
+            }
+            _ => PieceStyle::BYTE_LEVEL.token_bytes(t),
+        })
+        .collect();
+
+    Ok(Tokenizer::from_parts(Parts {
+        hf,
+        pieces,
+        special,
+        bos,
+        eos,
+        extra_eos: eot.into_iter().chain(eom).collect(),
+        pad,
+        strip_leading_space: false,
+        chat_template: get_str("tokenizer.chat_template").map(str::to_string),
+    }))
+}
+
+/// A `TemplateProcessing` post-processor that adds BOS before and/or EOS after a sequence;
+/// `null` when neither is added.
+fn template_processing(bos: Option<(u32, &str)>, eos: Option<(u32, &str)>) -> Value {
+    if bos.is_none() && eos.is_none() {
+        return Value::Null;
+    }
+    let special = |t: &str| json!({"SpecialToken": {"id": t, "type_id": 0}});
+    let seq = |s: &str| json!({"Sequence": {"id": s, "type_id": 0}});
+    let mut single = Vec::new();
+    let mut pair = Vec::new();
+    let mut special_tokens = HashMap::new();
+    if let Some((id, t)) = bos {
+        single.push(special(t));
+        pair.push(special(t));
+        special_tokens.insert(t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]}));
+    }
+    single.push(seq("A"));
+    pair.push(seq("A"));
+    pair.push(seq("B"));
+    if let Some((id, t)) = eos {
+        single.push(special(t));
+        pair.push(special(t));
+        special_tokens.insert(t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]}));
+    }
+    json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens})
+}

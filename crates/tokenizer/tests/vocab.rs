@@ -1,0 +1,200 @@
+//! llama.cpp's tokenizer test vectors (`ggml-vocab-*.gguf.inp/.out`, from llama.cpp's
+//! `models/`), encoded without special tokens added and without parsing special-token text,
+//! exactly as `tests/test-tokenizer-0.cpp` does. Also: the Qwen3 tokenizer.json against the
+//! same vectors, decoding round trips, and streaming decoding.
+
+mod common;
+
+use common::{data_dir, read_vocab_cases, VocabCase};
+use ferrite_formats::gguf::GgufFile;
+use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
+
+fn gguf_tokenizer(dir: &str, name: &str) -> (Tokenizer, Vec<VocabCase>) {
+    let path = data_dir().join(dir).join(name);
+    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let tok = Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let cases = read_vocab_cases(&path.with_extension("gguf.inp"));
+    (tok, cases)
+}
+
+/// Encodes every case and reports all mismatches at once.
+fn check_cases(label: &str, tok: &Tokenizer, cases: &[VocabCase]) {
+    let mut failures = Vec::new();
+    for c in cases {
+        let got = tok.encode(&c.text, false, false).unwrap();
+        if got != c.ids {
+            failures.push(format!(
+                "{:?}\n   expected {:?}\n   got      {:?}",
+                c.text, c.ids, got
+            ));
+        }
+    }
+    eprintln!(
+        "{label}: {}/{} cases match",
+        cases.len() - failures.len(),
+        cases.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{label}: {} mismatches:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// Decoding the expected ids must give the text back (byte-level BPE is lossless).
+fn check_round_trip(label: &str, tok: &Tokenizer, cases: &[VocabCase]) {
+    for c in cases {
+        assert_eq!(
+            tok.decode(&c.ids, false).unwrap(),
+            c.text,
+            "{label}: decode"
+        );
+        let mut dec = IncrementalDecoder::new(false);
+        let mut streamed = String::new();
+        for &id in &c.ids {
+            let delta = dec.push(tok, id);
+            // Every delta is a whole string: no replacement characters from split sequences.
+            assert!(
+                !delta.contains('\u{fffd}') || c.text.contains('\u{fffd}'),
+                "{label}: {delta:?}"
+            );
+            streamed.push_str(&delta);
+        }
+        streamed.push_str(&dec.flush());
+        assert_eq!(streamed, c.text, "{label}: streamed decode");
+    }
+}
+
+#[test]
+fn qwen2_gguf_vectors() {
+    let (tok, cases) = gguf_tokenizer("qwen2-gguf", "ggml-vocab-qwen2.gguf");
+    assert!(!cases.is_empty());
+    check_cases("qwen2", &tok, &cases);
+    check_round_trip("qwen2", &tok, &cases);
+}
+
+#[test]
+fn qwen35_gguf_vectors() {
+    let (tok, cases) = gguf_tokenizer("qwen35-gguf", "ggml-vocab-qwen35.gguf");
+    assert!(!cases.is_empty());
+    check_cases("qwen35", &tok, &cases);
+    check_round_trip("qwen35", &tok, &cases);
+}
+
+#[test]
+fn qwen3_tokenizer_json_matches_qwen2_vectors() {
+    let dir = data_dir().join("qwen3-json");
+    let tok = Tokenizer::from_json_file(
+        &dir.join("tokenizer.json"),
+        Some(&dir.join("tokenizer_config.json")),
+    )
+    .unwrap();
+    let cases = read_vocab_cases(&data_dir().join("qwen2-gguf/ggml-vocab-qwen2.gguf.inp"));
+    check_cases("qwen3 tokenizer.json", &tok, &cases);
+    check_round_trip("qwen3 tokenizer.json", &tok, &cases);
+}
+
+#[test]
+fn special_tokens_parse_only_when_asked() {
+    let (tok, _) = gguf_tokenizer("qwen2-gguf", "ggml-vocab-qwen2.gguf");
+    let im_start = tok
+        .token_to_id("<|im_start|>")
+        .expect("<|im_start|> in vocab");
+    assert!(tok.is_special(im_start));
+    let text = "<|im_start|>user\nhi";
+    let parsed = tok.encode(text, false, true).unwrap();
+    assert_eq!(parsed[0], im_start);
+    let plain = tok.encode(text, false, false).unwrap();
+    assert!(!plain.contains(&im_start), "{plain:?}");
+    assert!(plain.len() > parsed.len());
+    // Both decode to the same text.
+    assert_eq!(tok.decode(&parsed, false).unwrap(), text);
+    assert_eq!(tok.decode(&plain, false).unwrap(), text);
+    // Skipping special tokens drops <|im_start|> only.
+    assert_eq!(tok.decode(&parsed, true).unwrap(), "user\nhi");
+}
+
+#[test]
+fn qwen_stop_tokens() {
+    let dir = data_dir().join("qwen3-json");
+    let tok = Tokenizer::from_json_file(
+        &dir.join("tokenizer.json"),
+        Some(&dir.join("tokenizer_config.json")),
+    )
+    .unwrap();
+    let im_end = tok.token_to_id("<|im_end|>").unwrap();
+    let eot = tok.token_to_id("<|endoftext|>").unwrap();
+    assert_eq!(tok.eos_id(), Some(im_end));
+    assert_eq!(tok.pad_id(), Some(eot));
+    assert_eq!(tok.bos_id(), None);
+    assert!(tok.eos_ids().contains(&im_end) && tok.eos_ids().contains(&eot));
+    assert!(tok.chat_template().is_some());
+    // <think> is a user-defined (non-special) token: one id even when not parsing specials.
+    let think = tok.token_to_id("<think>").unwrap();
+    assert!(!tok.is_special(think));
+    assert_eq!(tok.encode("<think>", false, false).unwrap(), vec![think]);
+
+    let (gtok, _) = gguf_tokenizer("qwen35-gguf", "ggml-vocab-qwen35.gguf");
+    let g_im_end = gtok.token_to_id("<|im_end|>").unwrap();
+    assert!(gtok.eos_ids().contains(&g_im_end), "{:?}", gtok.eos_ids());
+}
+
+#[test]
+fn incremental_decoder_holds_split_characters() {
+    let (tok, _) = gguf_tokenizer("qwen2-gguf", "ggml-vocab-qwen2.gguf");
+    for text in ["🦙 llama", "日本語のテキスト", "a😶‍🌫️b", "Cửa Việt", "🚀"]
+    {
+        let ids = tok.encode(text, false, false).unwrap();
+        let mut dec = IncrementalDecoder::new(false);
+        let mut out = String::new();
+        let mut held_back = false;
+        for &id in &ids {
+            let d = dec.push(&tok, id);
+            assert!(!d.contains('\u{fffd}'), "{text:?}: broken delta {d:?}");
+            held_back |= dec.has_pending();
+            out.push_str(&d);
+        }
+        assert_eq!(dec.flush(), "");
+        assert_eq!(out, text);
+        if text == "🚀" {
+            // A single emoji is several byte tokens in this vocabulary unless it has its own.
+            eprintln!("🚀 -> {ids:?} (held back: {held_back})");
+        }
+    }
+
+    // Feed the four UTF-8 bytes of 🦙 as four byte tokens: nothing until the last one.
+    let byte_ids: Vec<u32> = "🦙"
+        .as_bytes()
+        .iter()
+        .map(|b| {
+            (0..tok.vocab_size() as u32)
+                .find(|&id| tok.token_bytes(id) == [*b])
+                .expect("a byte token")
+        })
+        .collect();
+    let mut dec = IncrementalDecoder::new(false);
+    assert_eq!(dec.push(&tok, byte_ids[0]), "");
+    assert_eq!(dec.push(&tok, byte_ids[1]), "");
+    assert_eq!(dec.push(&tok, byte_ids[2]), "");
+    assert_eq!(dec.push(&tok, byte_ids[3]), "🦙");
+    // An incomplete sequence at the end is flushed as a replacement character.
+    assert_eq!(dec.push(&tok, byte_ids[0]), "");
+    assert_eq!(dec.flush(), "\u{fffd}");
+    // An invalid byte in the middle does not stall the stream.
+    let cont = byte_ids[1]; // a continuation byte on its own is never valid
+    let a = tok.encode("a", false, false).unwrap()[0];
+    assert_eq!(dec.push(&tok, cont), "\u{fffd}");
+    assert_eq!(dec.push(&tok, a), "a");
+}
+
+#[test]
+fn unknown_pre_tokenizer_is_a_clear_error() {
+    let err = ferrite_tokenizer::pretokenizers::lookup("no-such-pre")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no-such-pre") && err.contains("qwen2") && err.contains("llama-bpe"),
+        "{err}"
+    );
+}
