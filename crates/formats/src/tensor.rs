@@ -23,11 +23,7 @@ impl TensorView<'_> {
     /// Number of rows when seen as a matrix whose rows are the last dimension.
     pub fn n_rows(&self) -> usize {
         let last = self.shape.last().copied().unwrap_or(1);
-        if last == 0 {
-            0
-        } else {
-            self.n_elements() / last
-        }
+        self.n_elements().checked_div(last).unwrap_or(0)
     }
     /// Length of one row (the contiguous last dimension).
     pub fn row_len(&self) -> usize {

@@ -1,0 +1,336 @@
+//! Hugging Face checkpoints: a directory with `config.json` and either `model.safetensors`
+//! or shards listed by `model.safetensors.index.json`.
+//!
+//! Each shard is memory-mapped; its header is parsed and validated by the `safetensors`
+//! crate (header length, offsets contiguous and inside the file, dtype × shape equal to the
+//! byte length). BF16/F16/F32 tensors are handed out as [`TensorView`]s; tensors in other
+//! dtypes (I64 position ids, FP8 weights, U8 packed data, ...) stay listed with their
+//! safetensors dtype and can be read raw, but [`TensorSource::tensor`] does not return them
+//! and [`TensorSource::require_tensor`] names the dtype.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Component, Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::quant::GgmlType;
+use crate::tensor::{TensorSource, TensorView};
+use crate::{FormatError, Result};
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// One tensor of a checkpoint.
+#[derive(Clone, Debug)]
+pub struct SafetensorsTensorInfo {
+    pub name: String,
+    /// The dtype as stored.
+    pub dtype: Dtype,
+    /// The ggml type, for the dtypes ferrite computes with directly (BF16, F16, F32).
+    pub ggml: Option<GgmlType>,
+    /// Row-major, as stored.
+    pub shape: Vec<usize>,
+    /// Index into [`SafetensorsCheckpoint::shard_paths`].
+    pub shard: usize,
+    /// Absolute byte range in the shard file (validated at open).
+    start: usize,
+    end: usize,
+}
+
+impl SafetensorsTensorInfo {
+    pub fn n_bytes(&self) -> usize {
+        self.end - self.start
+    }
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+}
+
+/// An open checkpoint: config parsed, every shard mapped and its header validated.
+pub struct SafetensorsCheckpoint {
+    dir: PathBuf,
+    config: serde_json::Value,
+    shards: Vec<Shard>,
+    /// Shard order, then data-offset order within a shard (the order the bytes lie in).
+    tensors: Vec<SafetensorsTensorInfo>,
+    index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for SafetensorsCheckpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SafetensorsCheckpoint")
+            .field("dir", &self.dir)
+            .field("shards", &self.shards.len())
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FormatError + '_ {
+    move |source| FormatError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn corrupt(path: &Path, what: impl Into<String>) -> FormatError {
+    FormatError::Corrupt {
+        path: path.to_path_buf(),
+        what: what.into(),
+    }
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read(path).map_err(io_err(path))?;
+    serde_json::from_slice(&text).map_err(|e| corrupt(path, format!("invalid JSON: {e}")))
+}
+
+fn ggml_type_of(dtype: Dtype) -> Option<GgmlType> {
+    match dtype {
+        Dtype::F32 => Some(GgmlType::F32),
+        Dtype::F16 => Some(GgmlType::F16),
+        Dtype::BF16 => Some(GgmlType::BF16),
+        _ => None,
+    }
+}
+
+impl SafetensorsCheckpoint {
+    /// Open a checkpoint directory, or one `.safetensors` file or index file inside one.
+    ///
+    /// A directory must hold `config.json`. When a file is given, `config.json` next to it is
+    /// read if present (otherwise `config()` is `Null`).
+    pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsCheckpoint> {
+        let path = path.as_ref();
+        let meta = std::fs::metadata(path).map_err(io_err(path))?;
+        let (dir, weights, config_required) = if meta.is_dir() {
+            let index = path.join(INDEX_FILE);
+            let single = path.join(SINGLE_FILE);
+            let weights = if index.is_file() {
+                index
+            } else if single.is_file() {
+                single
+            } else {
+                return Err(FormatError::Other(format!(
+                    "{}: no {SINGLE_FILE} or {INDEX_FILE} in this directory",
+                    path.display()
+                )));
+            };
+            (path.to_path_buf(), weights, true)
+        } else {
+            let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+            (dir, path.to_path_buf(), false)
+        };
+
+        let config_path = dir.join(CONFIG_FILE);
+        let config = if config_path.is_file() {
+            read_json(&config_path)?
+        } else if config_required {
+            return Err(FormatError::Other(format!(
+                "{}: no {CONFIG_FILE} in the checkpoint directory",
+                dir.display()
+            )));
+        } else {
+            serde_json::Value::Null
+        };
+
+        let is_index = weights
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.ends_with(".json"));
+        let (shard_names, weight_map) = if is_index {
+            let (names, map) = read_index(&weights)?;
+            (names, Some(map))
+        } else {
+            (vec![weights.clone()], None)
+        };
+
+        let mut ckpt = SafetensorsCheckpoint {
+            dir,
+            config,
+            shards: Vec::with_capacity(shard_names.len()),
+            tensors: Vec::new(),
+            index: HashMap::new(),
+        };
+        for shard_path in shard_names {
+            ckpt.add_shard(shard_path)?;
+        }
+        if let (Some(map), Some(index_path)) = (weight_map, is_index.then_some(&weights)) {
+            ckpt.check_weight_map(&map, index_path)?;
+        }
+        Ok(ckpt)
+    }
+
+    fn add_shard(&mut self, path: PathBuf) -> Result<()> {
+        let file = File::open(&path).map_err(io_err(&path))?;
+        // SAFETY: read-only map; see GgufFile::open for why mapping is accepted.
+        let map = unsafe { Mmap::map(&file) }.map_err(io_err(&path))?;
+        // `read_metadata` checks the header length against the file, that the tensors tile
+        // the data section exactly, and dtype × shape == bytes for each (with overflow
+        // checks). A truncated file fails the "data section ends at the file end" check.
+        let (header_len, metadata) = SafeTensors::read_metadata(&map)
+            .map_err(|e| corrupt(&path, format!("invalid safetensors: {e}")))?;
+        let data_start = 8usize
+            .checked_add(header_len)
+            .ok_or_else(|| corrupt(&path, "header length overflows"))?;
+        let shard = self.shards.len();
+        for name in metadata.offset_keys() {
+            let Some(info) = metadata.info(&name) else {
+                continue;
+            };
+            let (s, e) = info.data_offsets;
+            let (Some(start), Some(end)) = (data_start.checked_add(s), data_start.checked_add(e))
+            else {
+                return Err(corrupt(&path, format!("tensor '{name}': offsets overflow")));
+            };
+            // Already guaranteed by read_metadata; checked again because slicing relies on it.
+            if start > end || end > map.len() {
+                return Err(corrupt(
+                    &path,
+                    format!("tensor '{name}': data outside the file"),
+                ));
+            }
+            if let Some(&prev) = self.index.get(&name) {
+                let other = &self.shards[self.tensors[prev].shard].path;
+                return Err(corrupt(
+                    &path,
+                    format!("tensor '{name}' is also stored in {}", other.display()),
+                ));
+            }
+            self.index.insert(name.clone(), self.tensors.len());
+            self.tensors.push(SafetensorsTensorInfo {
+                name,
+                dtype: info.dtype,
+                ggml: ggml_type_of(info.dtype),
+                shape: info.shape.clone(),
+                shard,
+                start,
+                end,
+            });
+        }
+        self.shards.push(Shard { path, map });
+        Ok(())
+    }
+
+    /// Every tensor the index names must be in the shard it names.
+    fn check_weight_map(&self, map: &[(String, PathBuf)], index_path: &Path) -> Result<()> {
+        for (name, file) in map {
+            let found = self
+                .index
+                .get(name)
+                .map(|&i| &self.shards[self.tensors[i].shard].path);
+            if found != Some(file) {
+                return Err(corrupt(
+                    index_path,
+                    format!(
+                        "weight_map puts '{name}' in {}, but it is not there",
+                        file.display()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The parsed `config.json` (`Null` when a lone file without one was opened).
+    pub fn config(&self) -> &serde_json::Value {
+        &self.config
+    }
+    /// `architectures[0]` of the config (e.g. "Qwen3ForCausalLM"), else its `model_type`.
+    pub fn architecture(&self) -> Option<&str> {
+        self.config
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str())
+            .or_else(|| self.config.get("model_type").and_then(|m| m.as_str()))
+    }
+    pub fn shard_paths(&self) -> Vec<&Path> {
+        self.shards.iter().map(|s| s.path.as_path()).collect()
+    }
+    /// All tensors, supported dtype or not.
+    pub fn tensor_infos(&self) -> &[SafetensorsTensorInfo] {
+        &self.tensors
+    }
+    pub fn tensor_info(&self, name: &str) -> Option<&SafetensorsTensorInfo> {
+        self.index.get(name).map(|&i| &self.tensors[i])
+    }
+    /// The stored bytes of any tensor, whatever its dtype (FP8 weights, I64 buffers, ...).
+    pub fn raw_tensor(&self, name: &str) -> Option<(&SafetensorsTensorInfo, &[u8])> {
+        let info = self.tensor_info(name)?;
+        let bytes = self.shards[info.shard].map.get(info.start..info.end)?;
+        Some((info, bytes))
+    }
+}
+
+/// (tensor name, shard path) pairs of an index's `weight_map`.
+type WeightMap = Vec<(String, PathBuf)>;
+
+/// Read `weight_map` from an index file: (tensor name, shard path) pairs and the distinct
+/// shard paths in sorted order (shards are named `model-00001-of-00004.safetensors`, ...).
+fn read_index(index_path: &Path) -> Result<(Vec<PathBuf>, WeightMap)> {
+    let json = read_json(index_path)?;
+    let dir = index_path.parent().unwrap_or(Path::new(""));
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| corrupt(index_path, "no \"weight_map\" object"))?;
+    let mut pairs = Vec::with_capacity(map.len());
+    let mut shards = BTreeSet::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| corrupt(index_path, format!("weight_map['{name}'] is not a string")))?;
+        // Shards live next to the index: a path that leaves the directory is not a shard.
+        let mut comps = Path::new(file).components();
+        if !matches!(
+            (comps.next(), comps.next()),
+            (Some(Component::Normal(_)), None)
+        ) {
+            return Err(corrupt(
+                index_path,
+                format!("weight_map['{name}'] = {file:?} is not a file name"),
+            ));
+        }
+        let path = dir.join(file);
+        shards.insert(path.clone());
+        pairs.push((name.clone(), path));
+    }
+    if pairs.is_empty() {
+        return Err(corrupt(index_path, "weight_map is empty"));
+    }
+    Ok((shards.into_iter().collect(), pairs))
+}
+
+impl TensorSource for SafetensorsCheckpoint {
+    fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        let (info, data) = self.raw_tensor(name)?;
+        Some(TensorView {
+            dtype: info.ggml?,
+            shape: &info.shape,
+            data,
+        })
+    }
+    fn tensor_names(&self) -> Vec<String> {
+        self.tensors.iter().map(|t| t.name.clone()).collect()
+    }
+    fn require_tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| FormatError::MissingTensor(name.to_owned()))?;
+        match self.tensor(name) {
+            Some(view) => Ok(view),
+            None => Err(FormatError::UnsupportedDtype {
+                name: name.to_owned(),
+                dtype: info.dtype.to_string(),
+            }),
+        }
+    }
+}
