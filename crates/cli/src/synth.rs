@@ -1,0 +1,752 @@
+//! `ferrite synth`: random-weight GGUFs of real architectures, real quant mixes and real
+//! tokenizer metadata, so machines without model files (and without network) can run and
+//! benchmark at real sizes.
+//!
+//! The files are what llama.cpp's converter (`convert_hf_to_gguf.py`) plus `llama-quantize`
+//! would write for the architecture: the same metadata keys, tensor names, shapes and
+//! per-tensor types (`llama_tensor_get_type` in llama.cpp's `src/llama-quant.cpp` for the
+//! Q4_K_M mix). Only the weight values are random: finite, normal-ish with std 0.02 for
+//! matrices, ~1.0 for norm weights.
+//!
+//! Weights are generated and quantized in parallel (rayon) chunk by chunk, each chunk of rows
+//! from its own seeded SplitMix64 stream (so the file depends only on `--seed`, not on the
+//! thread count), and written while the next chunk is generated. Memory stays at two chunk
+//! buffers, never the whole model.
+//!
+//! Block-size fallback: a tensor whose row length is not a multiple of its type's block
+//! (e.g. Q4_K's 256 with the tiny presets' hidden size 128) is written as Q8_0 (32-element
+//! blocks), or F16 if even that does not fit. llama.cpp falls back the same way but to
+//! Q5_0/Q5_1 for Q4_K/Q5_K, which ferrite does not implement; Q8_0 is the nearest type we
+//! have that is at least as precise.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use ferrite_formats::gguf::{GgufFile, GgufValue, GgufWriter};
+use ferrite_formats::GgmlType;
+use rayon::prelude::*;
+
+/// Arguments of `ferrite synth`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SynthArgs {
+    /// Architecture and dimensions.
+    #[arg(long, value_enum)]
+    pub preset: Preset,
+    /// Quantization mix (as llama.cpp's converter + llama-quantize would produce it).
+    #[arg(long, value_enum, ignore_case = true, default_value_t = SynthQuant::Q4_K_M)]
+    pub quant: SynthQuant,
+    /// Output .gguf path.
+    #[arg(long, short = 'o')]
+    pub output: PathBuf,
+    /// GGUF whose `tokenizer.*` metadata is copied (default: the Qwen2 vocabulary shipped in
+    /// the repository at tests/data/tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf).
+    #[arg(long)]
+    pub vocab: Option<PathBuf>,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Model presets: real dimensions for benchmarks, tiny ones for tests.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// Qwen3-8B (dense, 36 layers, hidden 4096, GQA 32/8).
+    #[value(name = "qwen3-8b")]
+    Qwen3_8B,
+    /// Qwen3-30B-A3B (MoE, 48 layers, 128 experts, 8 active).
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30B_A3B,
+    /// A 2-layer Llama (hidden 128).
+    #[value(name = "tiny-llama")]
+    TinyLlama,
+    /// A 2-layer Qwen3 (hidden 128).
+    #[value(name = "tiny-qwen3")]
+    TinyQwen3,
+    /// A 2-layer Qwen3-MoE (hidden 128, 8 experts, top 2).
+    #[value(name = "tiny-qwen3-moe")]
+    TinyQwen3Moe,
+}
+
+/// Quantization mixes.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SynthQuant {
+    /// All matrices F16, norms F32.
+    #[value(name = "F16")]
+    F16,
+    /// All matrices BF16, norms F32.
+    #[value(name = "BF16")]
+    BF16,
+    /// All matrices Q8_0, norms F32.
+    #[value(name = "Q8_0")]
+    Q8_0,
+    /// llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for output.weight and for attn_v/ffn_down on
+    /// the "use_more_bits" layers.
+    #[value(name = "Q4_K_M")]
+    Q4_K_M,
+}
+
+impl SynthQuant {
+    /// `general.file_type` (llama.cpp's `llama_ftype`).
+    fn file_type(self) -> u32 {
+        match self {
+            SynthQuant::F16 => 1,
+            SynthQuant::Q8_0 => 7,
+            SynthQuant::Q4_K_M => 15,
+            SynthQuant::BF16 => 32,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            SynthQuant::F16 => "F16",
+            SynthQuant::BF16 => "BF16",
+            SynthQuant::Q8_0 => "Q8_0",
+            SynthQuant::Q4_K_M => "Q4_K_M",
+        }
+    }
+}
+
+/// MoE dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeDims {
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub expert_ffn: usize,
+}
+
+/// Everything the file's shape depends on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArchDims {
+    /// `general.architecture`: "llama", "qwen3" or "qwen3moe".
+    pub arch: &'static str,
+    pub name: &'static str,
+    pub hidden: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Dense FFN size (`<arch>.feed_forward_length`; for Qwen3-MoE the config's
+    /// `intermediate_size`, which the converter writes although no layer uses it).
+    pub ffn: usize,
+    /// `None` = take it from the vocabulary GGUF.
+    pub vocab: Option<usize>,
+    pub context: usize,
+    pub rope_theta: f32,
+    pub rms_eps: f32,
+    /// Per-head RMS norms on q and k (Qwen3).
+    pub qk_norm: bool,
+    pub moe: Option<MoeDims>,
+}
+
+impl Preset {
+    pub fn dims(self) -> ArchDims {
+        let tiny = |arch, name, qk_norm, moe, rope_theta, rms_eps| ArchDims {
+            arch,
+            name,
+            hidden: 128,
+            n_layer: 2,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 32,
+            ffn: 256,
+            vocab: None,
+            context: 4096,
+            rope_theta,
+            rms_eps,
+            qk_norm,
+            moe,
+        };
+        match self {
+            Preset::Qwen3_8B => ArchDims {
+                arch: "qwen3",
+                name: "Qwen3-8B (synthetic random weights)",
+                hidden: 4096,
+                n_layer: 36,
+                n_head: 32,
+                n_head_kv: 8,
+                head_dim: 128,
+                ffn: 12288,
+                vocab: Some(151936),
+                context: 40960,
+                rope_theta: 1e6,
+                rms_eps: 1e-6,
+                qk_norm: true,
+                moe: None,
+            },
+            Preset::Qwen3_30B_A3B => ArchDims {
+                arch: "qwen3moe",
+                name: "Qwen3-30B-A3B (synthetic random weights)",
+                hidden: 2048,
+                n_layer: 48,
+                n_head: 32,
+                n_head_kv: 4,
+                head_dim: 128,
+                ffn: 6144,
+                vocab: Some(151936),
+                context: 40960,
+                rope_theta: 1e6,
+                rms_eps: 1e-6,
+                qk_norm: true,
+                // norm_topk_prob = true: llama.cpp always renormalizes the top-k weights for
+                // qwen3moe, and its converter writes no key for it.
+                moe: Some(MoeDims { n_expert: 128, n_expert_used: 8, expert_ffn: 768 }),
+            },
+            Preset::TinyLlama => tiny("llama", "tiny-llama (synthetic random weights)", false, None, 10000.0, 1e-5),
+            Preset::TinyQwen3 => tiny("qwen3", "tiny-qwen3 (synthetic random weights)", true, None, 1e6, 1e-6),
+            Preset::TinyQwen3Moe => tiny(
+                "qwen3moe",
+                "tiny-qwen3-moe (synthetic random weights)",
+                true,
+                Some(MoeDims { n_expert: 8, n_expert_used: 2, expert_ffn: 64 }),
+                1e6,
+                1e-6,
+            ),
+        }
+    }
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Init {
+    /// Normal-ish, mean 0, std 0.02.
+    Matrix,
+    /// 1.0 plus normal-ish noise of std 0.02 (RMS-norm weights).
+    Norm,
+}
+
+/// What kind of tensor, for choosing its type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Norm,
+    TokenEmbd,
+    Output,
+    AttnQ,
+    AttnK,
+    AttnV,
+    AttnOut,
+    FfnGateUp,
+    FfnDown,
+    Router,
+}
+
+/// One tensor of the plan.
+#[derive(Clone, Debug)]
+struct TensorPlan {
+    name: String,
+    /// Row-major.
+    shape: Vec<usize>,
+    dtype: GgmlType,
+    init: Init,
+}
+
+/// llama.cpp's `use_more_bits`: the first and last eighth of the layers and every third one
+/// in between get more bits in the Q4_K_M mix.
+fn use_more_bits(i_layer: usize, n_layers: usize) -> bool {
+    let (i, n) = (i_layer as i64, n_layers as i64);
+    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
+}
+
+/// The type of one tensor under a mix (following `llama_tensor_get_type` for Q4_K_M), then
+/// the block-size fallback.
+fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: usize) -> GgmlType {
+    let n_expert = d.moe.map_or(0, |m| m.n_expert);
+    let t = match role {
+        // 1-D tensors and the MoE router stay F32 in every mix (the converter forces
+        // ffn_gate_inp to F32 and llama-quantize never quantizes it).
+        Role::Norm | Role::Router => return GgmlType::F32,
+        _ => match q {
+            SynthQuant::F16 => GgmlType::F16,
+            SynthQuant::BF16 => GgmlType::BF16,
+            SynthQuant::Q8_0 => GgmlType::Q8_0,
+            SynthQuant::Q4_K_M => match role {
+                Role::Output => GgmlType::Q6K,
+                Role::AttnV if n_expert == 8 => GgmlType::Q8_0,
+                Role::AttnV if use_more_bits(layer, d.n_layer) => GgmlType::Q6K,
+                Role::AttnK if n_expert == 8 => GgmlType::Q8_0,
+                Role::AttnOut if n_expert == 8 => GgmlType::Q5K,
+                Role::FfnDown if use_more_bits(layer, d.n_layer) => GgmlType::Q6K,
+                _ => GgmlType::Q4K,
+            },
+        },
+    };
+    if row_len % t.block_size() == 0 {
+        t
+    } else if row_len % GgmlType::Q8_0.block_size() == 0 && t != GgmlType::F16 && t != GgmlType::BF16 {
+        GgmlType::Q8_0
+    } else {
+        GgmlType::F16
+    }
+}
+
+/// The tensors of the model, in file order.
+fn plan(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
+    let mut v = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, role: Role, layer: usize| {
+        let row = *shape.last().unwrap();
+        let init = if role == Role::Norm { Init::Norm } else { Init::Matrix };
+        v.push(TensorPlan { dtype: tensor_type(q, role, layer, d, row), name, shape, init });
+    };
+    let (h, qd, kvd) = (d.hidden, d.n_head * d.head_dim, d.n_head_kv * d.head_dim);
+    add("token_embd.weight".into(), vec![vocab, h], Role::TokenEmbd, 0);
+    for i in 0..d.n_layer {
+        let b = |s: &str| format!("blk.{i}.{s}");
+        add(b("attn_norm.weight"), vec![h], Role::Norm, i);
+        add(b("attn_q.weight"), vec![qd, h], Role::AttnQ, i);
+        add(b("attn_k.weight"), vec![kvd, h], Role::AttnK, i);
+        add(b("attn_v.weight"), vec![kvd, h], Role::AttnV, i);
+        add(b("attn_output.weight"), vec![h, qd], Role::AttnOut, i);
+        if d.qk_norm {
+            add(b("attn_q_norm.weight"), vec![d.head_dim], Role::Norm, i);
+            add(b("attn_k_norm.weight"), vec![d.head_dim], Role::Norm, i);
+        }
+        add(b("ffn_norm.weight"), vec![h], Role::Norm, i);
+        match d.moe {
+            None => {
+                add(b("ffn_gate.weight"), vec![d.ffn, h], Role::FfnGateUp, i);
+                add(b("ffn_up.weight"), vec![d.ffn, h], Role::FfnGateUp, i);
+                add(b("ffn_down.weight"), vec![h, d.ffn], Role::FfnDown, i);
+            }
+            Some(m) => {
+                add(b("ffn_gate_inp.weight"), vec![m.n_expert, h], Role::Router, i);
+                add(b("ffn_gate_exps.weight"), vec![m.n_expert, m.expert_ffn, h], Role::FfnGateUp, i);
+                add(b("ffn_up_exps.weight"), vec![m.n_expert, m.expert_ffn, h], Role::FfnGateUp, i);
+                add(b("ffn_down_exps.weight"), vec![m.n_expert, h, m.expert_ffn], Role::FfnDown, i);
+            }
+        }
+    }
+    add("output_norm.weight".into(), vec![h], Role::Norm, 0);
+    add("output.weight".into(), vec![vocab, h], Role::Output, 0);
+    v
+}
+
+/// The architecture metadata, with the keys llama.cpp's converter writes.
+fn arch_metadata(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<(String, GgufValue)> {
+    let a = d.arch;
+    let u = |x: usize| GgufValue::U32(x as u32);
+    let mut kv: Vec<(String, GgufValue)> = vec![
+        ("general.architecture".into(), GgufValue::String(a.into())),
+        ("general.type".into(), GgufValue::String("model".into())),
+        ("general.name".into(), GgufValue::String(d.name.into())),
+        (format!("{a}.block_count"), u(d.n_layer)),
+        (format!("{a}.context_length"), u(d.context)),
+        (format!("{a}.embedding_length"), u(d.hidden)),
+        (format!("{a}.feed_forward_length"), u(d.ffn)),
+        (format!("{a}.attention.head_count"), u(d.n_head)),
+        (format!("{a}.attention.head_count_kv"), u(d.n_head_kv)),
+        (format!("{a}.rope.freq_base"), GgufValue::F32(d.rope_theta)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), GgufValue::F32(d.rms_eps)),
+        (format!("{a}.attention.key_length"), u(d.head_dim)),
+        (format!("{a}.attention.value_length"), u(d.head_dim)),
+    ];
+    if let Some(m) = d.moe {
+        kv.push((format!("{a}.expert_count"), u(m.n_expert)));
+        kv.push((format!("{a}.expert_used_count"), u(m.n_expert_used)));
+        kv.push((format!("{a}.expert_feed_forward_length"), u(m.expert_ffn)));
+    }
+    if a == "llama" {
+        // LlamaModel.set_gguf_parameters adds these two.
+        kv.push((format!("{a}.vocab_size"), u(vocab)));
+        kv.push((format!("{a}.rope.dimension_count"), u(d.head_dim)));
+    }
+    kv.push(("general.file_type".into(), GgufValue::U32(q.file_type())));
+    kv.push(("general.quantization_version".into(), GgufValue::U32(2)));
+    kv
+}
+
+const DEFAULT_VOCAB_REL: &str = "tests/data/tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf";
+
+/// The default vocabulary GGUF: searched upward from the executable, from the current
+/// directory, and from this crate's source directory (for `cargo run`/`cargo test`).
+fn default_vocab_path() -> Result<PathBuf> {
+    let mut starts: Vec<PathBuf> = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        starts.extend(exe.parent().map(Path::to_path_buf));
+    }
+    if let Ok(cwd) = std::env::current_dir() {
+        starts.push(cwd);
+    }
+    starts.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    for s in &starts {
+        for dir in s.ancestors() {
+            let p = dir.join(DEFAULT_VOCAB_REL);
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+    }
+    bail!(
+        "the default vocabulary {DEFAULT_VOCAB_REL} was not found near the executable or the current \
+         directory; pass --vocab PATH (any GGUF with tokenizer.* metadata, e.g. a llama.cpp ggml-vocab-*.gguf)"
+    )
+}
+
+/// The `tokenizer.*` metadata of the vocabulary GGUF and its token count. When the model's
+/// vocabulary is larger than the tokenizer's, the token list is padded with `[PAD{i}]`
+/// entries of type UNUSED, as the converter does.
+fn tokenizer_metadata(vocab_path: &Path, model_vocab: Option<usize>) -> Result<(Vec<(String, GgufValue)>, usize)> {
+    let f = GgufFile::open(vocab_path).with_context(|| format!("reading the vocabulary {}", vocab_path.display()))?;
+    let mut kv: Vec<(String, GgufValue)> =
+        f.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned().collect();
+    let n_tokens = f.get_array("tokenizer.ggml.tokens").map(|a| a.len()).with_context(|| {
+        format!("{}: no tokenizer.ggml.tokens array; --vocab must be a GGUF with tokenizer metadata", vocab_path.display())
+    })?;
+    let vocab = model_vocab.unwrap_or(n_tokens);
+    if n_tokens > vocab {
+        bail!("{}: {n_tokens} tokens, more than the preset's vocabulary of {vocab}", vocab_path.display());
+    }
+    if n_tokens < vocab {
+        for (k, v) in kv.iter_mut() {
+            let GgufValue::Array(items) = v else { continue };
+            if items.len() != n_tokens {
+                continue;
+            }
+            match k.as_str() {
+                "tokenizer.ggml.tokens" => items.extend((n_tokens..vocab).map(|i| GgufValue::String(format!("[PAD{i}]")))),
+                // llama.cpp's LLAMA_TOKEN_TYPE_UNUSED.
+                "tokenizer.ggml.token_type" => items.extend((n_tokens..vocab).map(|_| GgufValue::I32(5))),
+                "tokenizer.ggml.scores" => items.extend((n_tokens..vocab).map(|_| GgufValue::F32(0.0))),
+                _ => {}
+            }
+        }
+    }
+    Ok((kv, vocab))
+}
+
+/// SplitMix64: a tiny, fast, well-mixed generator; each chunk of rows gets its own stream.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    #[inline]
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Approximately N(0, 1): the sum of four 16-bit uniforms (Irwin–Hall), centred and
+    /// scaled. Bounded (|x| <= 3.47), so always finite.
+    #[inline]
+    fn normalish(&mut self) -> f32 {
+        let r = self.next();
+        let s = (r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48);
+        // Mean 2 * 65535, variance 4 * 65536^2 / 12.
+        const SCALE: f32 = 1.0 / (65536.0 * 0.577_350_3);
+        (s as f32 - 131070.0) * SCALE
+    }
+}
+
+/// Seed of the stream for rows starting at `row` of tensor number `tensor`.
+fn chunk_seed(seed: u64, tensor: usize, row: usize) -> u64 {
+    let mut s = SplitMix64(seed ^ (tensor as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    let a = s.next();
+    SplitMix64(a ^ (row as u64).wrapping_mul(0xA24B_AED4_963E_E407)).next()
+}
+
+/// Rows generated per RNG stream / rayon task (~256k elements).
+fn rows_per_task(row_len: usize) -> usize {
+    (262_144 / row_len).max(1)
+}
+
+/// Fill `out` (the encoded rows `row0..row0 + out.len() / row_bytes` of tensor `ti`).
+fn fill_rows(t: &TensorPlan, ti: usize, seed: u64, row0: usize, out: &mut [u8]) -> Result<()> {
+    let row_len = *t.shape.last().unwrap();
+    let row_bytes = t.dtype.bytes_for(row_len)?;
+    let per_task = rows_per_task(row_len);
+    out.par_chunks_mut(per_task * row_bytes).enumerate().try_for_each(|(ci, chunk)| -> Result<()> {
+        let first = row0 + ci * per_task;
+        let mut rng = SplitMix64(chunk_seed(seed, ti, first));
+        let mut x = vec![0f32; row_len];
+        for row in chunk.chunks_mut(row_bytes) {
+            match t.init {
+                Init::Matrix => x.iter_mut().for_each(|v| *v = 0.02 * rng.normalish()),
+                Init::Norm => x.iter_mut().for_each(|v| *v = 1.0 + 0.02 * rng.normalish()),
+            }
+            ferrite_formats::quant::quantize(t.dtype, &x, row)?;
+        }
+        Ok(())
+    })
+}
+
+/// Bytes generated per pipeline step (one buffer is written while the next is filled).
+const CHUNK_BYTES: usize = 64 << 20;
+
+/// Write the GGUF described by `args`.
+pub fn synth(args: &SynthArgs) -> Result<()> {
+    let d = args.preset.dims();
+    let vocab_path = match &args.vocab {
+        Some(p) => p.clone(),
+        None => default_vocab_path()?,
+    };
+    let (tok_kv, vocab) = tokenizer_metadata(&vocab_path, d.vocab)?;
+    let tensors = plan(&d, vocab, args.quant);
+
+    // Write to a temporary name and rename at the end: an interrupted run never leaves a
+    // file that looks complete.
+    let mut tmp_name = args.output.file_name().context("--output must name a file")?.to_os_string();
+    tmp_name.push(".part");
+    let tmp = args.output.with_file_name(tmp_name);
+    let mut w = GgufWriter::create(&tmp)?;
+    for (k, v) in arch_metadata(&d, vocab, args.quant).into_iter().chain(tok_kv) {
+        w.add_kv(k, v)?;
+    }
+    for t in &tensors {
+        w.add_tensor_info(&t.name, t.dtype, &t.shape)?;
+    }
+    let total = w.planned_data_bytes();
+    tracing::info!(
+        "synth {:?} {}: {} tensors, {:.2} GB of tensor data -> {}",
+        args.preset,
+        args.quant.name(),
+        tensors.len(),
+        total as f64 / 1e9,
+        args.output.display()
+    );
+    w.write_header()?;
+
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let start = std::time::Instant::now();
+
+    let mut filled: Vec<u8> = Vec::new();
+    let mut spare: Vec<u8> = Vec::new();
+    for (ti, t) in tensors.iter().enumerate() {
+        bar.set_message(t.name.clone());
+        let row_len = *t.shape.last().unwrap();
+        let n_rows: usize = t.shape.iter().product::<usize>() / row_len;
+        let row_bytes = t.dtype.bytes_for(row_len)?;
+        let rows_per_chunk = (CHUNK_BYTES / row_bytes).max(1);
+        w.begin_tensor(&t.name)?;
+        // Pipeline: write chunk k while chunk k+1 is generated.
+        let mut row = 0;
+        let mut pending = false;
+        while row < n_rows || pending {
+            let rows = rows_per_chunk.min(n_rows - row);
+            spare.resize(rows * row_bytes, 0);
+            let (wr, fr) = rayon::join(
+                || -> Result<()> {
+                    if pending {
+                        w.write_tensor_bytes(&filled)?;
+                        bar.inc(filled.len() as u64);
+                    }
+                    Ok(())
+                },
+                || if rows > 0 { fill_rows(t, ti, args.seed, row, &mut spare) } else { Ok(()) },
+            );
+            wr?;
+            fr?;
+            std::mem::swap(&mut filled, &mut spare);
+            pending = rows > 0;
+            row += rows;
+        }
+        w.end_tensor()?;
+    }
+    w.finish()?;
+    bar.finish_and_clear();
+    std::fs::rename(&tmp, &args.output)
+        .with_context(|| format!("cannot move {} to {}", tmp.display(), args.output.display()))?;
+    let secs = start.elapsed().as_secs_f64();
+    tracing::info!(
+        "wrote {} ({:.2} GB in {:.1} s, {:.2} GB/s)",
+        args.output.display(),
+        total as f64 / 1e9,
+        secs,
+        total as f64 / 1e9 / secs.max(1e-9)
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct TempDir(PathBuf);
+    impl TempDir {
+        fn new(tag: &str) -> Self {
+            let p = std::env::temp_dir().join(format!("ferrite-synth-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&p);
+            std::fs::create_dir_all(&p).unwrap();
+            TempDir(p)
+        }
+    }
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn use_more_bits_matches_llama_cpp() {
+        // 36 layers: n/8 = 4, 7n/8 = 31 -> 0..4, 31..36 and 4 + 3k + 2.
+        let got: Vec<usize> = (0..36).filter(|&i| use_more_bits(i, 36)).collect();
+        assert_eq!(got, vec![0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35]);
+        // 2 layers: n/8 = 0, 7n/8 = 1 -> layer 1, and layer 0 since (0 - 0) % 3 != 2.
+        assert_eq!((0..2).filter(|&i| use_more_bits(i, 2)).collect::<Vec<_>>(), vec![1]);
+    }
+
+    #[test]
+    fn qwen3_8b_q4_k_m_plan() {
+        let d = Preset::Qwen3_8B.dims();
+        let p = plan(&d, 151936, SynthQuant::Q4_K_M);
+        let get = |n: &str| p.iter().find(|t| t.name == n).unwrap_or_else(|| panic!("{n}"));
+        assert_eq!(p.len(), 2 + 36 * 11 + 1);
+        assert_eq!(get("token_embd.weight").dtype, GgmlType::Q4K);
+        assert_eq!(get("output.weight").dtype, GgmlType::Q6K);
+        assert_eq!(get("output.weight").shape, vec![151936, 4096]);
+        assert_eq!(get("output_norm.weight").dtype, GgmlType::F32);
+        assert_eq!(get("blk.0.attn_v.weight").dtype, GgmlType::Q6K);
+        assert_eq!(get("blk.4.attn_v.weight").dtype, GgmlType::Q4K);
+        assert_eq!(get("blk.6.ffn_down.weight").dtype, GgmlType::Q6K);
+        assert_eq!(get("blk.7.ffn_down.weight").dtype, GgmlType::Q4K);
+        assert_eq!(get("blk.7.ffn_down.weight").shape, vec![4096, 12288]);
+        assert_eq!(get("blk.7.attn_q.weight").shape, vec![4096, 4096]);
+        assert_eq!(get("blk.7.attn_k.weight").shape, vec![1024, 4096]);
+        assert_eq!(get("blk.7.attn_k_norm.weight").shape, vec![128]);
+        assert_eq!(get("blk.7.attn_output.weight").dtype, GgmlType::Q4K);
+        // Total size is what a real Qwen3-8B Q4_K_M weighs (~5.0 GB).
+        let bytes: usize = p.iter().map(|t| t.dtype.bytes_for(t.shape.iter().product()).unwrap()).sum();
+        assert!((4.8e9..5.2e9).contains(&(bytes as f64)), "{bytes}");
+    }
+
+    #[test]
+    fn qwen3_30b_plan() {
+        let d = Preset::Qwen3_30B_A3B.dims();
+        let p = plan(&d, 151936, SynthQuant::Q4_K_M);
+        let get = |n: &str| p.iter().find(|t| t.name == n).unwrap();
+        assert_eq!(get("blk.0.ffn_gate_exps.weight").shape, vec![128, 768, 2048]);
+        assert_eq!(get("blk.0.ffn_down_exps.weight").shape, vec![128, 2048, 768]);
+        assert_eq!(get("blk.0.ffn_down_exps.weight").dtype, GgmlType::Q6K);
+        assert_eq!(get("blk.10.ffn_down_exps.weight").dtype, GgmlType::Q4K);
+        assert_eq!(get("blk.0.ffn_gate_inp.weight").dtype, GgmlType::F32);
+        assert_eq!(get("blk.0.attn_q.weight").shape, vec![4096, 2048]);
+        let bytes: usize = p.iter().map(|t| t.dtype.bytes_for(t.shape.iter().product()).unwrap()).sum();
+        // A real Qwen3-30B-A3B Q4_K_M is ~18.6 GB.
+        assert!((17.5e9..19.5e9).contains(&(bytes as f64)), "{bytes}");
+    }
+
+    #[test]
+    fn rng_is_sane() {
+        let mut r = SplitMix64(1);
+        let n = 200_000;
+        let xs: Vec<f32> = (0..n).map(|_| r.normalish()).collect();
+        let mean = xs.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
+        let var = xs.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+        assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "{mean} {var}");
+        assert!(xs.iter().all(|x| x.is_finite() && x.abs() < 3.5));
+    }
+
+    fn check_file(preset: Preset, quant: SynthQuant, dir: &Path) {
+        let out = dir.join(format!("{preset:?}-{}.gguf", quant.name()));
+        let args = SynthArgs { preset, quant, output: out.clone(), vocab: None, seed: 7 };
+        synth(&args).unwrap();
+        let f = GgufFile::open(&out).unwrap();
+        let d = preset.dims();
+        let a = d.arch;
+        assert_eq!(f.architecture(), Some(a));
+        assert_eq!(f.get_u32(&format!("{a}.embedding_length")), Some(128));
+        assert_eq!(f.get_u32(&format!("{a}.block_count")), Some(2));
+        assert_eq!(f.get_u32(&format!("{a}.attention.head_count")), Some(4));
+        assert_eq!(f.get_u32(&format!("{a}.attention.head_count_kv")), Some(2));
+        assert_eq!(f.get_u32(&format!("{a}.attention.key_length")), Some(32));
+        assert_eq!(f.get_f32(&format!("{a}.rope.freq_base")), Some(d.rope_theta));
+        assert_eq!(f.get_u32("general.file_type"), Some(quant.file_type()));
+        let vocab = f.get_array("tokenizer.ggml.tokens").unwrap().len();
+        assert_eq!(vocab, 151936);
+        assert_eq!(f.get_str("tokenizer.ggml.model"), Some("gpt2"));
+        assert!(f.get("tokenizer.ggml.merges").is_some());
+        let want = plan(&d, vocab, quant);
+        assert_eq!(f.tensor_infos().len(), want.len());
+        for (info, t) in f.tensor_infos().iter().zip(&want) {
+            assert_eq!((&info.name, &info.shape, info.dtype), (&t.name, &t.shape, t.dtype));
+        }
+        let ty = |n: &str| f.tensor_info(n).unwrap_or_else(|| panic!("{n}")).dtype;
+        assert_eq!(ty("output_norm.weight"), GgmlType::F32);
+        assert_eq!(ty("blk.0.attn_norm.weight"), GgmlType::F32);
+        match quant {
+            SynthQuant::F16 => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::F16),
+            SynthQuant::BF16 => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::BF16),
+            // Rows of 128 don't fit Q4_K/Q6_K blocks: Q8_0 fallback; rows of 256 do.
+            SynthQuant::Q8_0 | SynthQuant::Q4_K_M => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::Q8_0),
+        }
+        if let Some(m) = d.moe {
+            assert_eq!(f.get_u32(&format!("{a}.expert_count")), Some(m.n_expert as u32));
+            assert_eq!(f.get_u32(&format!("{a}.expert_used_count")), Some(m.n_expert_used as u32));
+            assert_eq!(f.get_u32(&format!("{a}.expert_feed_forward_length")), Some(m.expert_ffn as u32));
+            assert_eq!(f.tensor_info("blk.1.ffn_up_exps.weight").unwrap().shape, vec![8, 64, 128]);
+            assert_eq!(ty("blk.1.ffn_gate_inp.weight"), GgmlType::F32);
+            if quant == SynthQuant::Q4_K_M {
+                // n_expert == 8: attn_k/attn_v bumped to Q8_0, as llama.cpp does.
+                assert_eq!(ty("blk.0.attn_v.weight"), GgmlType::Q8_0);
+            }
+        } else {
+            assert_eq!(f.tensor_info("blk.1.ffn_down.weight").unwrap().shape, vec![128, 256]);
+            if quant == SynthQuant::Q4_K_M {
+                // ffn_down rows are 256 long: real K-quants, Q6_K on the "more bits" layer 1.
+                assert_eq!(ty("blk.0.ffn_down.weight"), GgmlType::Q4K);
+                assert_eq!(ty("blk.1.ffn_down.weight"), GgmlType::Q6K);
+            }
+        }
+        assert_eq!(f.tensor_info("blk.0.attn_q_norm.weight").is_some(), d.qk_norm);
+        // Values are finite and sane.
+        for name in ["token_embd.weight", "blk.1.attn_norm.weight", "output.weight"] {
+            let info = f.tensor_info(name).unwrap();
+            let mut x = vec![0f32; info.n_elements()];
+            ferrite_formats::quant::dequantize(info.dtype, f.tensor_data(info), &mut x).unwrap();
+            assert!(x.iter().all(|v| v.is_finite()), "{name}");
+            let mean = x.iter().map(|&v| v as f64).sum::<f64>() / x.len() as f64;
+            let rms = (x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / x.len() as f64).sqrt();
+            if name.contains("norm") {
+                assert!((mean - 1.0).abs() < 0.01, "{name} {mean}");
+            } else {
+                assert!(mean.abs() < 0.001 && (0.015..0.025).contains(&rms), "{name} {mean} {rms}");
+            }
+        }
+        // No temporary file left behind.
+        assert!(!dir.join(format!("{preset:?}-{}.gguf.part", quant.name())).exists());
+    }
+
+    #[test]
+    fn synth_tiny_presets_all_quants() {
+        let t = TempDir::new("tiny");
+        for preset in [Preset::TinyLlama, Preset::TinyQwen3, Preset::TinyQwen3Moe] {
+            for quant in [SynthQuant::F16, SynthQuant::BF16, SynthQuant::Q8_0, SynthQuant::Q4_K_M] {
+                check_file(preset, quant, &t.0);
+            }
+        }
+    }
+
+    #[test]
+    fn same_seed_same_file() {
+        let t = TempDir::new("seed");
+        let run = |seed, name: &str| {
+            let out = t.0.join(name);
+            synth(&SynthArgs { preset: Preset::TinyQwen3, quant: SynthQuant::Q4_K_M, output: out.clone(), vocab: None, seed })
+                .unwrap();
+            std::fs::read(out).unwrap()
+        };
+        let a = run(1, "a.gguf");
+        assert_eq!(a, run(1, "b.gguf"));
+        assert_ne!(a, run(2, "c.gguf"));
+    }
+
+    #[test]
+    fn bad_vocab_is_a_clear_error() {
+        let t = TempDir::new("badvocab");
+        let e = synth(&SynthArgs {
+            preset: Preset::TinyQwen3,
+            quant: SynthQuant::F16,
+            output: t.0.join("x.gguf"),
+            vocab: Some(t.0.join("missing.gguf")),
+            seed: 0,
+        })
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("missing.gguf"), "{e:#}");
+    }
+}
