@@ -16,7 +16,9 @@ use anyhow::{bail, ensure, Context, Result};
 use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
 
-use crate::{check_shape, Act, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope, RopeStyle};
+use crate::{
+    check_shape, Act, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope, RopeStyle,
+};
 
 /// A weight in host memory, in its file type.
 pub struct CpuWeight {
@@ -30,7 +32,9 @@ impl CpuWeight {
     /// Bytes of one row (the last dimension).
     fn row_bytes(&self) -> usize {
         // Validated at upload: the row length is a whole number of blocks.
-        self.shape.last().map_or(0, |&n| n / self.dtype.block_size() * self.dtype.type_size())
+        self.shape
+            .last()
+            .map_or(0, |&n| n / self.dtype.block_size() * self.dtype.type_size())
     }
     fn row(&self, i: usize) -> &[u8] {
         let rb = self.row_bytes();
@@ -66,19 +70,39 @@ impl CpuBackend {
 /// `out[t][o] = W[o] · xs[t]` for `t < rows`, W given as raw rows of `dtype`.
 /// Parallel over output rows; each weight row is dequantized once per call and dotted with
 /// every token (`dot_many`), so decode (rows = 1) and prefill run the same arithmetic.
-fn matmul_raw(dtype: GgmlType, w: &[u8], n_out: usize, n_in: usize, xs: &[f32], rows: usize, out: &mut [f32]) {
+fn matmul_raw(
+    dtype: GgmlType,
+    w: &[u8],
+    n_out: usize,
+    n_in: usize,
+    xs: &[f32],
+    rows: usize,
+    out: &mut [f32],
+) {
     let rb = w.len() / n_out.max(1);
     if rows == 1 {
-        out.par_iter_mut().with_min_len(64).enumerate().for_each(|(o, y)| {
-            quant::dot_many(dtype, &w[o * rb..(o + 1) * rb], xs, n_in, std::slice::from_mut(y));
-        });
+        out.par_iter_mut()
+            .with_min_len(64)
+            .enumerate()
+            .for_each(|(o, y)| {
+                quant::dot_many(
+                    dtype,
+                    &w[o * rb..(o + 1) * rb],
+                    xs,
+                    n_in,
+                    std::slice::from_mut(y),
+                );
+            });
         return;
     }
     // Column-major scratch: one contiguous run of `rows` results per weight row.
     let mut tmp = vec![0f32; n_out * rows];
-    tmp.par_chunks_mut(rows).with_min_len(8).enumerate().for_each(|(o, col)| {
-        quant::dot_many(dtype, &w[o * rb..(o + 1) * rb], xs, n_in, col);
-    });
+    tmp.par_chunks_mut(rows)
+        .with_min_len(8)
+        .enumerate()
+        .for_each(|(o, col)| {
+            quant::dot_many(dtype, &w[o * rb..(o + 1) * rb], xs, n_in, col);
+        });
     out.par_chunks_mut(n_out).enumerate().for_each(|(t, row)| {
         for (o, y) in row.iter_mut().enumerate() {
             *y = tmp[o * rows + t];
@@ -106,8 +130,15 @@ pub fn route_top_k(logits: &[f32], routing: &MoeRouting) -> Vec<(usize, f32)> {
     let sum: f32 = exps.iter().sum();
     let mut idx: Vec<usize> = (0..logits.len()).collect();
     // Stable sort by descending probability keeps the lower id first on ties.
-    idx.sort_by(|&a, &b| exps[b].partial_cmp(&exps[a]).unwrap_or(std::cmp::Ordering::Equal));
-    let mut chosen: Vec<(usize, f32)> = idx[..routing.top_k].iter().map(|&e| (e, exps[e] / sum)).collect();
+    idx.sort_by(|&a, &b| {
+        exps[b]
+            .partial_cmp(&exps[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let mut chosen: Vec<(usize, f32)> = idx[..routing.top_k]
+        .iter()
+        .map(|&e| (e, exps[e] / sum))
+        .collect();
     if routing.norm_topk {
         let s: f32 = chosen.iter().map(|c| c.1).sum();
         for c in &mut chosen {
@@ -129,23 +160,50 @@ impl Backend for CpuBackend {
     fn upload(&self, t: &HostTensor<'_>) -> Result<CpuWeight> {
         let n: usize = t.shape.iter().product();
         let want = t.dtype.bytes_for(n)?;
-        ensure!(t.data.len() == want, "weight of shape {:?} {} has {} bytes, expected {}", t.shape, t.dtype, t.data.len(), want);
+        ensure!(
+            t.data.len() == want,
+            "weight of shape {:?} {} has {} bytes, expected {}",
+            t.shape,
+            t.dtype,
+            t.data.len(),
+            want
+        );
         let row = t.shape.last().copied().unwrap_or(1);
-        ensure!(row % t.dtype.block_size() == 0, "row length {row} is not a multiple of the {} block size", t.dtype);
+        ensure!(
+            row % t.dtype.block_size() == 0,
+            "row length {row} is not a multiple of the {} block size",
+            t.dtype
+        );
         let data = match &t.data {
             Cow::Borrowed(b) => b.to_vec(),
             Cow::Owned(v) => v.clone(),
         };
-        Ok(CpuWeight { dtype: t.dtype, shape: t.shape.clone(), data })
+        Ok(CpuWeight {
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            data,
+        })
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<Act<Vec<f32>>> {
-        Ok(Act { buf: vec![0.0; rows * cols], rows, cols })
+        Ok(Act {
+            buf: vec![0.0; rows * cols],
+            rows,
+            cols,
+        })
     }
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Act<Vec<f32>>> {
-        ensure!(data.len() == rows * cols, "from_host: {} values for [{rows}, {cols}]", data.len());
-        Ok(Act { buf: data.to_vec(), rows, cols })
+        ensure!(
+            data.len() == rows * cols,
+            "from_host: {} values for [{rows}, {cols}]",
+            data.len()
+        );
+        Ok(Act {
+            buf: data.to_vec(),
+            rows,
+            cols,
+        })
     }
 
     fn to_host(&self, x: &Act<Vec<f32>>) -> Result<Vec<f32>> {
@@ -156,21 +214,43 @@ impl Backend for CpuBackend {
         let (vocab, dim) = table.matrix_dims()?;
         check_shape("embed out", out, tokens.len(), dim)?;
         for (&tok, row) in tokens.iter().zip(out.buf.chunks_mut(dim)) {
-            ensure!((tok as usize) < vocab, "token id {tok} is outside the vocabulary (size {vocab})");
+            ensure!(
+                (tok as usize) < vocab,
+                "token id {tok} is outside the vocabulary (size {vocab})"
+            );
             quant::dequantize(table.dtype, table.row(tok as usize), row)?;
         }
         Ok(())
     }
 
-    fn rms_norm(&self, x: &Act<Vec<f32>>, w: &CpuWeight, eps: f32, out: &mut Act<Vec<f32>>) -> Result<()> {
+    fn rms_norm(
+        &self,
+        x: &Act<Vec<f32>>,
+        w: &CpuWeight,
+        eps: f32,
+        out: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
         check_shape("rms_norm out", out, x.rows, x.cols)?;
         let wf = dequant_vec(w, x.cols)?;
-        out.buf.par_chunks_mut(x.cols).zip(x.buf.par_chunks(x.cols)).for_each(|(o, xr)| rms_norm_row(xr, &wf, eps, o));
+        out.buf
+            .par_chunks_mut(x.cols)
+            .zip(x.buf.par_chunks(x.cols))
+            .for_each(|(o, xr)| rms_norm_row(xr, &wf, eps, o));
         Ok(())
     }
 
-    fn head_rms_norm(&self, x: &mut Act<Vec<f32>>, w: &CpuWeight, head_dim: usize, eps: f32) -> Result<()> {
-        ensure!(x.cols % head_dim == 0, "head_rms_norm: {} columns is not a whole number of {head_dim}-heads", x.cols);
+    fn head_rms_norm(
+        &self,
+        x: &mut Act<Vec<f32>>,
+        w: &CpuWeight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        ensure!(
+            x.cols % head_dim == 0,
+            "head_rms_norm: {} columns is not a whole number of {head_dim}-heads",
+            x.cols
+        );
         let wf = dequant_vec(w, head_dim)?;
         x.buf.par_chunks_mut(head_dim).for_each(|h| {
             let src = h.to_vec();
@@ -181,15 +261,29 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, x: &Act<Vec<f32>>, w: &CpuWeight, out: &mut Act<Vec<f32>>) -> Result<()> {
         let (n_out, n_in) = w.matrix_dims()?;
-        ensure!(x.cols == n_in, "matmul: input has {} columns, weight {:?} wants {n_in}", x.cols, w.shape);
+        ensure!(
+            x.cols == n_in,
+            "matmul: input has {} columns, weight {:?} wants {n_in}",
+            x.cols,
+            w.shape
+        );
         check_shape("matmul out", out, x.rows, n_out)?;
         matmul_raw(w.dtype, &w.data, n_out, n_in, &x.buf, x.rows, &mut out.buf);
         Ok(())
     }
 
     fn slice_rows(&self, x: &Act<Vec<f32>>, start: usize, n: usize) -> Result<Act<Vec<f32>>> {
-        ensure!(start + n <= x.rows, "slice_rows: rows {start}..{} of {}", start + n, x.rows);
-        Ok(Act { buf: x.buf[start * x.cols..(start + n) * x.cols].to_vec(), rows: n, cols: x.cols })
+        ensure!(
+            start + n <= x.rows,
+            "slice_rows: rows {start}..{} of {}",
+            start + n,
+            x.rows
+        );
+        Ok(Act {
+            buf: x.buf[start * x.cols..(start + n) * x.cols].to_vec(),
+            rows: n,
+            cols: x.cols,
+        })
     }
 
     fn add_assign(&self, x: &mut Act<Vec<f32>>, y: &Act<Vec<f32>>) -> Result<()> {
@@ -198,27 +292,47 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn swiglu(&self, gate: &Act<Vec<f32>>, up: &Act<Vec<f32>>, out: &mut Act<Vec<f32>>) -> Result<()> {
+    fn swiglu(
+        &self,
+        gate: &Act<Vec<f32>>,
+        up: &Act<Vec<f32>>,
+        out: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
         check_shape("swiglu up", up, gate.rows, gate.cols)?;
         check_shape("swiglu out", out, gate.rows, gate.cols)?;
-        out.buf.par_iter_mut().zip(gate.buf.par_iter().zip(&up.buf)).for_each(|(o, (&g, &u))| *o = silu(g) * u);
+        out.buf
+            .par_iter_mut()
+            .zip(gate.buf.par_iter().zip(&up.buf))
+            .for_each(|(o, (&g, &u))| *o = silu(g) * u);
         Ok(())
     }
 
     fn rope(&self, x: &mut Act<Vec<f32>>, head_dim: usize, pos0: usize, rope: &Rope) -> Result<()> {
-        ensure!(x.cols % head_dim == 0, "rope: {} columns is not a whole number of {head_dim}-heads", x.cols);
-        ensure!(rope.rot_dim <= head_dim && rope.rot_dim % 2 == 0, "rope: bad rotary dim {}", rope.rot_dim);
+        ensure!(
+            x.cols % head_dim == 0,
+            "rope: {} columns is not a whole number of {head_dim}-heads",
+            x.cols
+        );
+        ensure!(
+            rope.rot_dim <= head_dim && rope.rot_dim % 2 == 0,
+            "rope: bad rotary dim {}",
+            rope.rot_dim
+        );
         let half = rope.rot_dim / 2;
         // inv_freq[i] = theta^(-2i/rot_dim), as Hugging Face computes it (in f32).
-        let inv_freq: Vec<f32> =
-            (0..half).map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32)).collect();
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32))
+            .collect();
         let cols = x.cols;
         x.buf.par_chunks_mut(cols).enumerate().for_each(|(t, row)| {
             let pos = (pos0 + t) as f32;
-            let cs: Vec<(f32, f32)> = inv_freq.iter().map(|&f| {
-                let a = pos * f;
-                (a.cos(), a.sin())
-            }).collect();
+            let cs: Vec<(f32, f32)> = inv_freq
+                .iter()
+                .map(|&f| {
+                    let a = pos * f;
+                    (a.cos(), a.sin())
+                })
+                .collect();
             for h in row.chunks_mut(head_dim) {
                 for (i, &(c, s)) in cs.iter().enumerate() {
                     let (a, b) = match rope.style {
@@ -238,7 +352,12 @@ impl Backend for CpuBackend {
         let per_layer = capacity
             .checked_mul(shape.n_kv_heads * shape.head_dim)
             .context("KV cache size overflows")?;
-        Ok(CpuKv { k: vec![vec![0.0; per_layer]; n_layers], v: vec![vec![0.0; per_layer]; n_layers], shape, capacity })
+        Ok(CpuKv {
+            k: vec![vec![0.0; per_layer]; n_layers],
+            v: vec![vec![0.0; per_layer]; n_layers],
+            shape,
+            capacity,
+        })
     }
 
     fn attention(
@@ -252,17 +371,35 @@ impl Backend for CpuBackend {
         shape: AttnShape,
         out: &mut Act<Vec<f32>>,
     ) -> Result<()> {
-        let AttnShape { n_heads, n_kv_heads, head_dim } = shape;
+        let AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        } = shape;
         let rows = q.rows;
         let kvd = n_kv_heads * head_dim;
-        ensure!(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "attention: {n_heads} heads over {n_kv_heads} kv heads");
+        ensure!(
+            n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+            "attention: {n_heads} heads over {n_kv_heads} kv heads"
+        );
         check_shape("attention q", q, rows, n_heads * head_dim)?;
         check_shape("attention k", k, rows, kvd)?;
         check_shape("attention v", v, rows, kvd)?;
         check_shape("attention out", out, rows, n_heads * head_dim)?;
-        ensure!(layer < kv.k.len(), "attention: layer {layer} outside the cache");
-        ensure!(kv.shape.n_kv_heads == n_kv_heads && kv.shape.head_dim == head_dim, "attention: cache shape differs");
-        ensure!(pos0 + rows <= kv.capacity, "context full: positions up to {} but the cache holds {}", pos0 + rows, kv.capacity);
+        ensure!(
+            layer < kv.k.len(),
+            "attention: layer {layer} outside the cache"
+        );
+        ensure!(
+            kv.shape.n_kv_heads == n_kv_heads && kv.shape.head_dim == head_dim,
+            "attention: cache shape differs"
+        );
+        ensure!(
+            pos0 + rows <= kv.capacity,
+            "context full: positions up to {} but the cache holds {}",
+            pos0 + rows,
+            kv.capacity
+        );
 
         kv.k[layer][pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&k.buf);
         kv.v[layer][pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&v.buf);
@@ -271,32 +408,35 @@ impl Backend for CpuBackend {
         let scale = 1.0 / (head_dim as f32).sqrt();
 
         // One task per (query row, head): scores over positions 0..=pos, softmax, Σ p·v.
-        out.buf.par_chunks_mut(head_dim).enumerate().for_each(|(i, o)| {
-            let (t, h) = (i / n_heads, i % n_heads);
-            let qh = &q.buf[t * n_heads * head_dim + h * head_dim..][..head_dim];
-            let off = (h / group) * head_dim;
-            let n_pos = pos0 + t + 1;
-            let mut scores: Vec<f32> = (0..n_pos)
-                .map(|p| {
-                    let kh = &kc[p * kvd + off..][..head_dim];
-                    qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale
-                })
-                .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for s in &mut scores {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            o.fill(0.0);
-            for (p, &s) in scores.iter().enumerate() {
-                let w = s / sum;
-                let vh = &vc[p * kvd + off..][..head_dim];
-                for (a, &b) in o.iter_mut().zip(vh) {
-                    *a += w * b;
+        out.buf
+            .par_chunks_mut(head_dim)
+            .enumerate()
+            .for_each(|(i, o)| {
+                let (t, h) = (i / n_heads, i % n_heads);
+                let qh = &q.buf[t * n_heads * head_dim + h * head_dim..][..head_dim];
+                let off = (h / group) * head_dim;
+                let n_pos = pos0 + t + 1;
+                let mut scores: Vec<f32> = (0..n_pos)
+                    .map(|p| {
+                        let kh = &kc[p * kvd + off..][..head_dim];
+                        qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for s in &mut scores {
+                    *s = (*s - max).exp();
+                    sum += *s;
                 }
-            }
-        });
+                o.fill(0.0);
+                for (p, &s) in scores.iter().enumerate() {
+                    let w = s / sum;
+                    let vh = &vc[p * kvd + off..][..head_dim];
+                    for (a, &b) in o.iter_mut().zip(vh) {
+                        *a += w * b;
+                    }
+                }
+            });
         Ok(())
     }
 
@@ -312,17 +452,35 @@ impl Backend for CpuBackend {
         let hidden = x.cols;
         check_shape("moe router logits", router_logits, rows, routing.n_experts)?;
         check_shape("moe out", out, rows, hidden)?;
-        ensure!(routing.top_k >= 1 && routing.top_k <= routing.n_experts, "moe: top-k {} of {} experts", routing.top_k, routing.n_experts);
+        ensure!(
+            routing.top_k >= 1 && routing.top_k <= routing.n_experts,
+            "moe: top-k {} of {} experts",
+            routing.top_k,
+            routing.n_experts
+        );
         let dims = |w: &CpuWeight| -> Result<(usize, usize)> {
             match w.shape[..] {
                 [e, o, i] if e == routing.n_experts => Ok((o, i)),
-                _ => bail!("expert weight shape {:?} does not hold {} experts", w.shape, routing.n_experts),
+                _ => bail!(
+                    "expert weight shape {:?} does not hold {} experts",
+                    w.shape,
+                    routing.n_experts
+                ),
             }
         };
         let (ffn, h_in) = dims(experts.gate)?;
-        ensure!(h_in == hidden && dims(experts.up)? == (ffn, hidden) && dims(experts.down)? == (hidden, ffn), "moe: expert shapes disagree");
+        ensure!(
+            h_in == hidden
+                && dims(experts.up)? == (ffn, hidden)
+                && dims(experts.down)? == (hidden, ffn),
+            "moe: expert shapes disagree"
+        );
 
-        let routes: Vec<Vec<(usize, f32)>> = router_logits.buf.chunks(routing.n_experts).map(|l| route_top_k(l, &routing)).collect();
+        let routes: Vec<Vec<(usize, f32)>> = router_logits
+            .buf
+            .chunks(routing.n_experts)
+            .map(|l| route_top_k(l, &routing))
+            .collect();
 
         // Group (token, slot) pairs by expert so each expert's weights are read once per step.
         let mut by_expert: Vec<Vec<(usize, usize)>> = vec![Vec::new(); routing.n_experts];
@@ -333,10 +491,11 @@ impl Backend for CpuBackend {
         }
         // y[(t, slot)] = down_e(silu(gate_e x_t) * up_e x_t)
         let mut y = vec![0f32; rows * routing.top_k * hidden];
-        let expert_bytes = |w: &CpuWeight, e: usize| -> &[u8] {
-            let per = w.data.len() / routing.n_experts;
+        fn expert_bytes(w: &CpuWeight, e: usize, n: usize) -> &[u8] {
+            let per = w.data.len() / n;
             &w.data[e * per..(e + 1) * per]
-        };
+        }
+        let ne = routing.n_experts;
         for (e, members) in by_expert.iter().enumerate() {
             if members.is_empty() {
                 continue;
@@ -348,15 +507,40 @@ impl Backend for CpuBackend {
             }
             let mut g = vec![0f32; n * ffn];
             let mut u = vec![0f32; n * ffn];
-            matmul_raw(experts.gate.dtype, expert_bytes(experts.gate, e), ffn, hidden, &xs, n, &mut g);
-            matmul_raw(experts.up.dtype, expert_bytes(experts.up, e), ffn, hidden, &xs, n, &mut u);
+            matmul_raw(
+                experts.gate.dtype,
+                expert_bytes(experts.gate, e, ne),
+                ffn,
+                hidden,
+                &xs,
+                n,
+                &mut g,
+            );
+            matmul_raw(
+                experts.up.dtype,
+                expert_bytes(experts.up, e, ne),
+                ffn,
+                hidden,
+                &xs,
+                n,
+                &mut u,
+            );
             for (gi, &ui) in g.iter_mut().zip(&u) {
                 *gi = silu(*gi) * ui;
             }
             let mut d = vec![0f32; n * hidden];
-            matmul_raw(experts.down.dtype, expert_bytes(experts.down, e), hidden, ffn, &g, n, &mut d);
+            matmul_raw(
+                experts.down.dtype,
+                expert_bytes(experts.down, e, ne),
+                hidden,
+                ffn,
+                &g,
+                n,
+                &mut d,
+            );
             for (j, &(t, slot)) in members.iter().enumerate() {
-                y[(t * routing.top_k + slot) * hidden..][..hidden].copy_from_slice(&d[j * hidden..(j + 1) * hidden]);
+                y[(t * routing.top_k + slot) * hidden..][..hidden]
+                    .copy_from_slice(&d[j * hidden..(j + 1) * hidden]);
             }
         }
         // Combine in top-k order per token: independent of batch composition.
@@ -364,7 +548,10 @@ impl Backend for CpuBackend {
             let o = &mut out.buf[t * hidden..(t + 1) * hidden];
             o.fill(0.0);
             for (slot, &(_, w)) in r.iter().enumerate() {
-                for (a, &b) in o.iter_mut().zip(&y[(t * routing.top_k + slot) * hidden..][..hidden]) {
+                for (a, &b) in o
+                    .iter_mut()
+                    .zip(&y[(t * routing.top_k + slot) * hidden..][..hidden])
+                {
                     *a += w * b;
                 }
             }

@@ -118,12 +118,7 @@ pub trait Backend: Send + Sync {
         eps: f32,
     ) -> Result<()>;
     /// `out[t] = W x[t]` for a weight `[n_out, n_in]`; `out` is `[rows, n_out]`.
-    fn matmul(
-        &self,
-        x: &Act<Self::Buf>,
-        w: &Self::Weight,
-        out: &mut Act<Self::Buf>,
-    ) -> Result<()>;
+    fn matmul(&self, x: &Act<Self::Buf>, w: &Self::Weight, out: &mut Act<Self::Buf>) -> Result<()>;
     /// Rows `start..start+n` of `x` as a new activation.
     fn slice_rows(&self, x: &Act<Self::Buf>, start: usize, n: usize) -> Result<Act<Self::Buf>>;
     /// `x += y` elementwise.
@@ -136,13 +131,8 @@ pub trait Backend: Send + Sync {
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
     /// Rotates every head of every row in place; row `t` is at position `pos0 + t`.
-    fn rope(
-        &self,
-        x: &mut Act<Self::Buf>,
-        head_dim: usize,
-        pos0: usize,
-        rope: &Rope,
-    ) -> Result<()>;
+    fn rope(&self, x: &mut Act<Self::Buf>, head_dim: usize, pos0: usize, rope: &Rope)
+        -> Result<()>;
 
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;

@@ -16,7 +16,9 @@ use crate::{Device, ModelArgs};
 pub fn init_threads(threads: Option<usize>) {
     if let Some(n) = threads {
         // Fails only if the pool was already built, which is harmless.
-        let _ = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global();
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global();
     }
 }
 
@@ -26,13 +28,20 @@ pub fn tokenizer_for(file: &ModelFile, path: &Path) -> Result<Option<Tokenizer>>
     match file {
         ModelFile::Gguf(g) => Ok(Some(Tokenizer::from_gguf(g)?)),
         ModelFile::Safetensors(_) => {
-            let dir = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+            let dir = if path.is_dir() {
+                path
+            } else {
+                path.parent().unwrap_or(Path::new("."))
+            };
             let tj = dir.join("tokenizer.json");
             if !tj.exists() {
                 return Ok(None);
             }
             let tc = dir.join("tokenizer_config.json");
-            Ok(Some(Tokenizer::from_json_file(&tj, tc.exists().then_some(tc.as_path()))?))
+            Ok(Some(Tokenizer::from_json_file(
+                &tj,
+                tc.exists().then_some(tc.as_path()),
+            )?))
         }
     }
 }
@@ -63,7 +72,8 @@ pub fn model<B: ferrite_backend::Backend>(be: &B, file: &ModelFile) -> Result<Mo
             bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
             bar.set_length(total as u64);
             bar.set_style(
-                ProgressStyle::with_template("loading {bar:40} {pos}/{len} layers {elapsed}").expect("valid template"),
+                ProgressStyle::with_template("loading {bar:40} {pos}/{len} layers {elapsed}")
+                    .expect("valid template"),
             );
         }
         bar.set_position(done as u64);

@@ -1,15 +1,8 @@
 //! `ferrite`: run, inspect and benchmark LLMs from GGUF files and Hugging Face checkpoints.
 
-mod load;
-mod model_spec;
-mod run;
-mod synth;
-mod tools;
-
-use std::path::PathBuf;
-
 use anyhow::Result;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
+use ferrite_cli::{run, synth, tools};
 
 #[derive(Parser)]
 #[command(
@@ -43,30 +36,6 @@ enum Command {
     Synth(synth::SynthArgs),
 }
 
-/// Where to run.
-#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
-pub enum Device {
-    /// The GPU when there is one, else the CPU.
-    Auto,
-    Cpu,
-    Cuda,
-}
-
-/// Options shared by every command that loads a model.
-#[derive(Args, Clone, Debug)]
-pub struct ModelArgs {
-    /// Model: a .gguf file, a Hugging Face checkpoint directory, or empty for the default
-    /// model ($FERRITE_MODEL, else SmolLM2-135M-Instruct from the user cache, fetched if absent).
-    #[arg(long, short = 'm')]
-    pub model: Option<String>,
-    /// Device to run on.
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
-    pub device: Device,
-    /// CPU threads (default: all available cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-}
-
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -90,9 +59,4 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Info(a) => tools::info(&a),
         Command::Synth(a) => synth::synth(&a),
     }
-}
-
-/// Resolves `--model` (or the default) to a path.
-pub fn model_path(spec: Option<&str>) -> Result<PathBuf> {
-    model_spec::resolve_model(spec)
 }

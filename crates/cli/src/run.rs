@@ -55,7 +55,9 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let engine = crate::load::engine(&a.model)?;
     let tok = &engine.tok;
     let prompt = if a.chat {
-        let tmpl = tok.compile_chat_template()?.context("this model has no chat template; drop --chat")?;
+        let tmpl = tok
+            .compile_chat_template()?
+            .context("this model has no chat template; drop --chat")?;
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
             msgs.push(ChatMessage::new("system", s.as_str()));
@@ -78,7 +80,11 @@ pub fn run(a: &RunArgs) -> Result<()> {
             g.decode_argmax,
             g.max_abs_diff
         );
-        tracing::info!("prefill/decode gate passed (argmax {}, max |Δlogit| {:.3e})", g.prefill_argmax, g.max_abs_diff);
+        tracing::info!(
+            "prefill/decode gate passed (argmax {}, max |Δlogit| {:.3e})",
+            g.prefill_argmax,
+            g.max_abs_diff
+        );
     }
 
     let params = GenerateParams {

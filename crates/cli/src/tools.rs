@@ -29,14 +29,18 @@ pub fn logits(a: &LogitsArgs) -> Result<()> {
     let model = load::model(&be, &file)?;
     anyhow::ensure!(!a.tokens.is_empty(), "--tokens is empty");
     if let Some(&bad) = a.tokens.iter().find(|&&t| t as usize >= model.cfg.vocab) {
-        anyhow::bail!("token id {bad} is outside the vocabulary (size {})", model.cfg.vocab);
+        anyhow::bail!(
+            "token id {bad} is outside the vocabulary (size {})",
+            model.cfg.vocab
+        );
     }
     let mut kv = model.new_kv(&be, a.tokens.len())?;
     let out = model.forward(&be, &mut kv, 0, &a.tokens, Logits::All)?;
     let (rows, cols) = (out.rows, out.cols);
     let data = be.to_host(&out)?;
     let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, cols], &bytes)?;
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, cols], &bytes)?;
     safetensors::serialize_to_file([("logits", view)], None, &a.output)
         .with_context(|| format!("writing {}", a.output.display()))?;
     eprintln!("wrote logits [{rows}, {cols}] to {}", a.output.display());
@@ -58,7 +62,8 @@ pub fn tokenize(a: &TokenizeArgs) -> Result<()> {
     // Vocab-only GGUFs have no weights: read the tokenizer straight from the metadata.
     let tok = if path.is_dir() || path.extension().is_some_and(|e| e == "json") {
         let file = ModelFile::open(&path)?;
-        load::tokenizer_for(&file, &path)?.with_context(|| format!("{} has no tokenizer.json", path.display()))?
+        load::tokenizer_for(&file, &path)?
+            .with_context(|| format!("{} has no tokenizer.json", path.display()))?
     } else {
         let g = ferrite_formats::gguf::GgufFile::open(&path)?;
         ferrite_tokenizer::Tokenizer::from_gguf(&g)?
@@ -119,14 +124,33 @@ pub fn info(a: &InfoArgs) -> Result<()> {
         }
     }
     let total: usize = by_type.values().map(|v| v.1).sum();
-    println!("tensors:       {} ({:.2} MiB)", names.len(), total as f64 / (1 << 20) as f64);
+    println!(
+        "tensors:       {} ({:.2} MiB)",
+        names.len(),
+        total as f64 / (1 << 20) as f64
+    );
     for (ty, (n, b)) in &by_type {
-        println!("  {ty:<6} {n:>6} tensors {:>12.2} MiB", *b as f64 / (1 << 20) as f64);
+        println!(
+            "  {ty:<6} {n:>6} tensors {:>12.2} MiB",
+            *b as f64 / (1 << 20) as f64
+        );
     }
     match load::tokenizer_for(&file, &path) {
         Ok(Some(t)) => {
-            println!("tokenizer:     {} tokens, bos {:?}, end ids {:?}", t.vocab_size(), t.bos_id(), t.eos_ids());
-            println!("chat template: {}", if t.chat_template().is_some() { "present" } else { "absent" });
+            println!(
+                "tokenizer:     {} tokens, bos {:?}, end ids {:?}",
+                t.vocab_size(),
+                t.bos_id(),
+                t.eos_ids()
+            );
+            println!(
+                "chat template: {}",
+                if t.chat_template().is_some() {
+                    "present"
+                } else {
+                    "absent"
+                }
+            );
         }
         Ok(None) => println!("tokenizer:     none"),
         Err(e) => println!("tokenizer:     unusable: {e:#}"),

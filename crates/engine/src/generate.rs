@@ -32,7 +32,13 @@ pub struct GenerateParams {
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        GenerateParams { max_tokens: 256, sampler: SamplerConfig::greedy(), stop: vec![], ignore_eos: false, context: None }
+        GenerateParams {
+            max_tokens: 256,
+            sampler: SamplerConfig::greedy(),
+            stop: vec![],
+            ignore_eos: false,
+            context: None,
+        }
     }
 }
 
@@ -62,10 +68,18 @@ impl Generation {
     /// Decode speed in tokens/s (steps after the first token, which prefill produced).
     pub fn decode_tps(&self) -> f64 {
         let steps = self.tokens.len().saturating_sub(1);
-        if self.decode_s > 0.0 { steps as f64 / self.decode_s } else { 0.0 }
+        if self.decode_s > 0.0 {
+            steps as f64 / self.decode_s
+        } else {
+            0.0
+        }
     }
     pub fn prefill_tps(&self) -> f64 {
-        if self.prefill_s > 0.0 { self.prompt_tokens as f64 / self.prefill_s } else { 0.0 }
+        if self.prefill_s > 0.0 {
+            self.prompt_tokens as f64 / self.prefill_s
+        } else {
+            0.0
+        }
     }
 }
 
@@ -109,13 +123,26 @@ impl<B: Backend> Engine<B> {
         for (i, &t) in prompt.iter().enumerate() {
             dec = be.to_host(&m.forward(be, &mut kv, i, &[t], Logits::Last)?)?;
         }
-        let max_abs_diff = pre.iter().zip(&dec).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        Ok(GateResult { prefill_argmax: argmax(&pre), decode_argmax: argmax(&dec), max_abs_diff })
+        let max_abs_diff = pre
+            .iter()
+            .zip(&dec)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        Ok(GateResult {
+            prefill_argmax: argmax(&pre),
+            decode_argmax: argmax(&dec),
+            max_abs_diff,
+        })
     }
 
     /// Generates from `prompt`, calling `on_text` with each new piece of text as soon as it
     /// is final (never broken UTF-8, never part of a stop string).
-    pub fn generate(&self, prompt: &[u32], p: &GenerateParams, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        p: &GenerateParams,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Generation> {
         let (be, m) = (&self.be, &self.model);
         let ctx = self.context_for(prompt.len(), p)?;
         let mut kv = m.new_kv(be, ctx)?;

@@ -19,7 +19,9 @@ impl Arch {
             "llama" => Arch::Llama,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
-            other => bail!("unsupported GGUF architecture '{other}' (supported: llama, qwen3, qwen3moe)"),
+            other => {
+                bail!("unsupported GGUF architecture '{other}' (supported: llama, qwen3, qwen3moe)")
+            }
         })
     }
     pub fn from_hf_name(name: &str) -> Result<Arch> {
@@ -75,13 +77,18 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Is layer `i` a mixture-of-experts layer?
     pub fn is_moe_layer(&self, i: usize) -> bool {
-        self.moe.as_ref().is_some_and(|m| !m.dense_layers.contains(&i))
+        self.moe
+            .as_ref()
+            .is_some_and(|m| !m.dense_layers.contains(&i))
     }
 }
 
 /// Reads a GGUF file's `<arch>.*` hyperparameters (llama.cpp's key names).
 pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
-    let arch_name = f.get("general.architecture").and_then(|v| v.as_str()).context("GGUF has no general.architecture")?;
+    let arch_name = f
+        .get("general.architecture")
+        .and_then(|v| v.as_str())
+        .context("GGUF has no general.architecture")?;
     let arch = Arch::from_gguf_name(arch_name)?;
     let key = |k: &str| format!("{arch_name}.{k}");
     let get_usize = |k: &str| f.get(&key(k)).and_then(|v| v.as_usize());
@@ -93,7 +100,10 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
     let n_kv_heads = get_usize("attention.head_count_kv").unwrap_or(n_heads);
     let head_dim = get_usize("attention.key_length").unwrap_or(hidden / n_heads.max(1));
     if let Some(vl) = get_usize("attention.value_length") {
-        anyhow::ensure!(vl == head_dim, "value_length {vl} != key_length {head_dim} is not supported");
+        anyhow::ensure!(
+            vl == head_dim,
+            "value_length {vl} != key_length {head_dim} is not supported"
+        );
     }
     if let Some(t) = f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
         anyhow::ensure!(t == "none", "RoPE scaling '{t}' is not supported yet");
@@ -104,7 +114,10 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
                 n_experts: need("expert_count")?,
                 top_k: need("expert_used_count")?,
                 // llama.cpp always renormalises qwen3moe's top-k weights; newer files say so.
-                norm_topk: f.get(&key("expert_weights_norm")).and_then(|v| v.as_bool()).unwrap_or(true),
+                norm_topk: f
+                    .get(&key("expert_weights_norm"))
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(true),
             },
             expert_ffn: need("expert_feed_forward_length")?,
             dense_layers: vec![],
@@ -115,14 +128,22 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
         arch,
         hidden,
         n_layers: need("block_count")?,
-        attn: AttnShape { n_heads, n_kv_heads, head_dim },
+        attn: AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        },
         ffn: get_usize("feed_forward_length").unwrap_or(0),
         vocab,
         rms_eps: get_f32("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
         rope: Rope {
             // llama.cpp's converter permutes llama Q/K rows for the adjacent-pair rotation;
             // qwen3 files keep the Hugging Face order and use NeoX rotation.
-            style: if arch == Arch::Llama { RopeStyle::Adjacent } else { RopeStyle::Neox },
+            style: if arch == Arch::Llama {
+                RopeStyle::Adjacent
+            } else {
+                RopeStyle::Neox
+            },
             theta: get_f32("rope.freq_base").unwrap_or(10000.0),
             rot_dim: get_usize("rope.dimension_count").unwrap_or(head_dim),
         },
@@ -157,10 +178,16 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
     let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
     let rope_type = rope_params
         .and_then(|p| p.get("rope_type"))
-        .or_else(|| c.get("rope_scaling").and_then(|s| s.get("rope_type").or_else(|| s.get("type"))))
+        .or_else(|| {
+            c.get("rope_scaling")
+                .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
+        })
         .and_then(|v| v.as_str())
         .unwrap_or("default");
-    anyhow::ensure!(rope_type == "default", "RoPE scaling '{rope_type}' is not supported yet");
+    anyhow::ensure!(
+        rope_type == "default",
+        "RoPE scaling '{rope_type}' is not supported yet"
+    );
     let theta = rope_params
         .and_then(|p| p.get("rope_theta"))
         .and_then(|v| v.as_f64())
@@ -174,7 +201,12 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
             let mut dense: Vec<usize> = c
                 .get("mlp_only_layers")
                 .and_then(|v| v.as_array())
-                .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as usize).collect())
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_u64())
+                        .map(|x| x as usize)
+                        .collect()
+                })
                 .unwrap_or_default();
             // transformers: a layer is sparse iff not in mlp_only_layers and (i+1) % step == 0.
             dense.extend((0..n_layers).filter(|i| (i + 1) % step != 0));
@@ -182,9 +214,15 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
             dense.dedup();
             Some(MoeConfig {
                 routing: MoeRouting {
-                    n_experts: need("num_experts")?,
+                    // transformers 5 saves `num_local_experts`; Hub configs say `num_experts`.
+                    n_experts: get_usize("num_experts")
+                        .or_else(|| get_usize("num_local_experts"))
+                        .context("config.json is missing 'num_experts'")?,
                     top_k: need("num_experts_per_tok")?,
-                    norm_topk: c.get("norm_topk_prob").and_then(|v| v.as_bool()).unwrap_or(false),
+                    norm_topk: c
+                        .get("norm_topk_prob")
+                        .and_then(|v| v.as_bool())
+                        .unwrap_or(false),
                 },
                 expert_ffn: need("moe_intermediate_size")?,
                 dense_layers: dense,
@@ -196,11 +234,19 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
         arch,
         hidden,
         n_layers: need("num_hidden_layers")?,
-        attn: AttnShape { n_heads, n_kv_heads: get_usize("num_key_value_heads").unwrap_or(n_heads), head_dim },
+        attn: AttnShape {
+            n_heads,
+            n_kv_heads: get_usize("num_key_value_heads").unwrap_or(n_heads),
+            head_dim,
+        },
         ffn: get_usize("intermediate_size").unwrap_or(0),
         vocab: need("vocab_size")?,
         rms_eps: get_f32("rms_norm_eps").unwrap_or(1e-6),
-        rope: Rope { style: RopeStyle::Neox, theta, rot_dim: head_dim },
+        rope: Rope {
+            style: RopeStyle::Neox,
+            theta,
+            rot_dim: head_dim,
+        },
         max_ctx: get_usize("max_position_embeddings").unwrap_or(4096),
         qk_norm: arch != Arch::Llama,
         moe,
@@ -211,12 +257,32 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
 
 fn validate(c: &ModelConfig) -> Result<()> {
     let a = &c.attn;
-    anyhow::ensure!(c.hidden > 0 && c.n_layers > 0 && c.vocab > 0, "model has a zero dimension: {c:?}");
-    anyhow::ensure!(a.n_heads > 0 && a.n_kv_heads > 0 && a.head_dim > 0, "bad attention shape {a:?}");
-    anyhow::ensure!(a.n_heads % a.n_kv_heads == 0, "{} heads is not a multiple of {} kv heads", a.n_heads, a.n_kv_heads);
-    anyhow::ensure!(c.rope.rot_dim <= a.head_dim && c.rope.rot_dim % 2 == 0, "bad rotary dim {}", c.rope.rot_dim);
+    anyhow::ensure!(
+        c.hidden > 0 && c.n_layers > 0 && c.vocab > 0,
+        "model has a zero dimension: {c:?}"
+    );
+    anyhow::ensure!(
+        a.n_heads > 0 && a.n_kv_heads > 0 && a.head_dim > 0,
+        "bad attention shape {a:?}"
+    );
+    anyhow::ensure!(
+        a.n_heads % a.n_kv_heads == 0,
+        "{} heads is not a multiple of {} kv heads",
+        a.n_heads,
+        a.n_kv_heads
+    );
+    anyhow::ensure!(
+        c.rope.rot_dim <= a.head_dim && c.rope.rot_dim % 2 == 0,
+        "bad rotary dim {}",
+        c.rope.rot_dim
+    );
     if let Some(m) = &c.moe {
-        anyhow::ensure!(m.routing.top_k >= 1 && m.routing.top_k <= m.routing.n_experts, "top-k {} of {} experts", m.routing.top_k, m.routing.n_experts);
+        anyhow::ensure!(
+            m.routing.top_k >= 1 && m.routing.top_k <= m.routing.n_experts,
+            "top-k {} of {} experts",
+            m.routing.top_k,
+            m.routing.n_experts
+        );
     }
     Ok(())
 }

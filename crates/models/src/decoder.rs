@@ -69,9 +69,18 @@ impl<B: Backend> Model<B> {
             let ffn = if cfg.is_moe_layer(i) {
                 let n = cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts);
                 let [g, u, d] = file.experts(i, n)?;
-                Ffn::Moe { router: up(Tensor::Router(i))?, gate: be.upload(&g)?, up: be.upload(&u)?, down: be.upload(&d)? }
+                Ffn::Moe {
+                    router: up(Tensor::Router(i))?,
+                    gate: be.upload(&g)?,
+                    up: be.upload(&u)?,
+                    down: be.upload(&d)?,
+                }
             } else {
-                Ffn::Dense { gate: up(Tensor::Gate(i))?, up: up(Tensor::Up(i))?, down: up(Tensor::Down(i))? }
+                Ffn::Dense {
+                    gate: up(Tensor::Gate(i))?,
+                    up: up(Tensor::Up(i))?,
+                    down: up(Tensor::Down(i))?,
+                }
             };
             layers.push(Layer {
                 attn_norm: up(Tensor::AttnNorm(i))?,
@@ -79,7 +88,11 @@ impl<B: Backend> Model<B> {
                 wk: up(Tensor::K(i))?,
                 wv: up(Tensor::V(i))?,
                 wo: up(Tensor::O(i))?,
-                qk_norm: if cfg.qk_norm { Some((up(Tensor::QNorm(i))?, up(Tensor::KNorm(i))?)) } else { None },
+                qk_norm: if cfg.qk_norm {
+                    Some((up(Tensor::QNorm(i))?, up(Tensor::KNorm(i))?))
+                } else {
+                    None
+                },
                 ffn_norm: up(Tensor::FfnNorm(i))?,
                 ffn,
             });
@@ -89,7 +102,13 @@ impl<B: Backend> Model<B> {
             Some(t) => Some(be.upload(&t)?),
             None => None,
         };
-        Ok(Model { embed: up(Tensor::Embed)?, out_norm: up(Tensor::OutputNorm)?, output, layers, cfg })
+        Ok(Model {
+            embed: up(Tensor::Embed)?,
+            out_norm: up(Tensor::OutputNorm)?,
+            output,
+            layers,
+            cfg,
+        })
     }
 
     /// A KV cache for one sequence of up to `capacity` tokens.
@@ -99,7 +118,14 @@ impl<B: Backend> Model<B> {
 
     /// Runs `tokens` at positions `pos0..` through the model, appending to the KV cache;
     /// returns logits `[rows, vocab]` for the positions `which` asks for.
-    pub fn forward(&self, be: &B, kv: &mut B::Kv, pos0: usize, tokens: &[u32], which: Logits) -> Result<Act<B::Buf>> {
+    pub fn forward(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        pos0: usize,
+        tokens: &[u32],
+        which: Logits,
+    ) -> Result<Act<B::Buf>> {
         let cfg = &self.cfg;
         let t = tokens.len();
         let a = cfg.attn;
@@ -141,11 +167,22 @@ impl<B: Backend> Model<B> {
                     be.swiglu(&g, &u, &mut gu)?;
                     be.matmul(&gu, down, &mut y)?;
                 }
-                Ffn::Moe { router, gate, up, down } => {
+                Ffn::Moe {
+                    router,
+                    gate,
+                    up,
+                    down,
+                } => {
                     let moe = cfg.moe.as_ref().expect("MoE layer without MoE config");
                     let mut logits = be.zeros(t, moe.routing.n_experts)?;
                     be.matmul(&h, router, &mut logits)?;
-                    be.moe(&h, &logits, ExpertWeights { gate, up, down }, moe.routing, &mut y)?;
+                    be.moe(
+                        &h,
+                        &logits,
+                        ExpertWeights { gate, up, down },
+                        moe.routing,
+                        &mut y,
+                    )?;
                 }
             }
             be.add_assign(&mut x, &y)?;

@@ -2,6 +2,7 @@
 //! the [`ferrite_backend::Backend`] ops.
 
 pub mod config;
+pub mod convert;
 pub mod decoder;
 pub mod source;
 

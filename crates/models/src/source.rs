@@ -43,7 +43,10 @@ impl ModelFile {
     /// Opens a `.gguf` file, or a safetensors checkpoint (a directory, or a `.safetensors`
     /// file inside one).
     pub fn open(path: &Path) -> Result<ModelFile> {
-        let is_gguf = path.is_file() && path.extension().is_none_or(|e| e != "safetensors" && e != "json");
+        let is_gguf = path.is_file()
+            && path
+                .extension()
+                .is_none_or(|e| e != "safetensors" && e != "json");
         if is_gguf {
             Ok(ModelFile::Gguf(GgufFile::open(path)?))
         } else if path.exists() {
@@ -64,10 +67,34 @@ impl ModelFile {
     pub fn config(&self) -> Result<ModelConfig> {
         match self {
             ModelFile::Gguf(f) => {
-                let embd = f.tensor("token_embd.weight").context("GGUF has no token_embd.weight")?;
+                let embd = f
+                    .tensor("token_embd.weight")
+                    .context("GGUF has no token_embd.weight")?;
                 config::from_gguf(f, embd.shape[0])
             }
             ModelFile::Safetensors(c) => config::from_hf(c.config()),
+        }
+    }
+
+    /// llama.cpp's GGUF name for a logical tensor.
+    pub fn gguf_tensor_name(t: Tensor) -> String {
+        use Tensor::*;
+        match t {
+            Embed => "token_embd.weight".into(),
+            OutputNorm => "output_norm.weight".into(),
+            Output => "output.weight".into(),
+            AttnNorm(i) => format!("blk.{i}.attn_norm.weight"),
+            Q(i) => format!("blk.{i}.attn_q.weight"),
+            K(i) => format!("blk.{i}.attn_k.weight"),
+            V(i) => format!("blk.{i}.attn_v.weight"),
+            O(i) => format!("blk.{i}.attn_output.weight"),
+            QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
+            KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
+            FfnNorm(i) => format!("blk.{i}.ffn_norm.weight"),
+            Gate(i) => format!("blk.{i}.ffn_gate.weight"),
+            Up(i) => format!("blk.{i}.ffn_up.weight"),
+            Down(i) => format!("blk.{i}.ffn_down.weight"),
+            Router(i) => format!("blk.{i}.ffn_gate_inp.weight"),
         }
     }
 
@@ -75,23 +102,7 @@ impl ModelFile {
     pub fn name(&self, t: Tensor) -> String {
         use Tensor::*;
         match self {
-            ModelFile::Gguf(_) => match t {
-                Embed => "token_embd.weight".into(),
-                OutputNorm => "output_norm.weight".into(),
-                Output => "output.weight".into(),
-                AttnNorm(i) => format!("blk.{i}.attn_norm.weight"),
-                Q(i) => format!("blk.{i}.attn_q.weight"),
-                K(i) => format!("blk.{i}.attn_k.weight"),
-                V(i) => format!("blk.{i}.attn_v.weight"),
-                O(i) => format!("blk.{i}.attn_output.weight"),
-                QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
-                KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
-                FfnNorm(i) => format!("blk.{i}.ffn_norm.weight"),
-                Gate(i) => format!("blk.{i}.ffn_gate.weight"),
-                Up(i) => format!("blk.{i}.ffn_up.weight"),
-                Down(i) => format!("blk.{i}.ffn_down.weight"),
-                Router(i) => format!("blk.{i}.ffn_gate_inp.weight"),
-            },
+            ModelFile::Gguf(_) => Self::gguf_tensor_name(t),
             ModelFile::Safetensors(_) => match t {
                 Embed => "model.embed_tokens.weight".into(),
                 OutputNorm => "model.norm.weight".into(),
@@ -120,7 +131,10 @@ impl ModelFile {
     /// The tensor, with a clear error naming it when absent.
     pub fn need(&self, t: Tensor) -> Result<HostTensor<'_>> {
         let name = self.name(t);
-        self.tensors().tensor(&name).map(host).with_context(|| format!("model file has no tensor '{name}'"))
+        self.tensors()
+            .tensor(&name)
+            .map(host)
+            .with_context(|| format!("model file has no tensor '{name}'"))
     }
 
     /// The stacked `[n_experts, n_out, n_in]` gate, up and down weights of MoE layer `i`.
@@ -129,7 +143,11 @@ impl ModelFile {
     /// first, and `mlp.experts.down_proj`).
     pub fn experts(&self, i: usize, n_experts: usize) -> Result<[HostTensor<'_>; 3]> {
         let src = self.tensors();
-        let get = |name: String| src.tensor(&name).map(host).with_context(|| format!("model file has no tensor '{name}'"));
+        let get = |name: String| {
+            src.tensor(&name)
+                .map(host)
+                .with_context(|| format!("model file has no tensor '{name}'"))
+        };
         match self {
             ModelFile::Gguf(_) => Ok([
                 get(format!("blk.{i}.ffn_gate_exps.weight"))?,
@@ -147,7 +165,8 @@ impl ModelFile {
                     let parts: Vec<TensorView<'_>> = (0..n_experts)
                         .map(|e| {
                             let name = format!("{p}.{e}.{w}.weight");
-                            src.tensor(&name).with_context(|| format!("model file has no tensor '{name}'"))
+                            src.tensor(&name)
+                                .with_context(|| format!("model file has no tensor '{name}'"))
                         })
                         .collect::<Result<_>>()?;
                     stack_experts(&parts)
@@ -159,7 +178,11 @@ impl ModelFile {
 }
 
 fn host(v: TensorView<'_>) -> HostTensor<'_> {
-    HostTensor { dtype: v.dtype, shape: v.shape.to_vec(), data: Cow::Borrowed(v.data) }
+    HostTensor {
+        dtype: v.dtype,
+        shape: v.shape.to_vec(),
+        data: Cow::Borrowed(v.data),
+    }
 }
 
 /// Concatenates per-expert `[n_out, n_in]` matrices into one `[n_experts, n_out, n_in]`.
@@ -167,28 +190,48 @@ fn stack_experts<'a>(parts: &[TensorView<'_>]) -> Result<HostTensor<'a>> {
     let first = parts.first().context("no experts")?;
     let mut data = Vec::with_capacity(first.data.len() * parts.len());
     for p in parts {
-        anyhow::ensure!(p.shape == first.shape && p.dtype == first.dtype, "experts differ in shape or type");
+        anyhow::ensure!(
+            p.shape == first.shape && p.dtype == first.dtype,
+            "experts differ in shape or type"
+        );
         data.extend_from_slice(p.data);
     }
     let mut shape = vec![parts.len()];
     shape.extend_from_slice(first.shape);
-    Ok(HostTensor { dtype: first.dtype, shape, data: Cow::Owned(data) })
+    Ok(HostTensor {
+        dtype: first.dtype,
+        shape,
+        data: Cow::Owned(data),
+    })
 }
 
 /// Splits a fused `[n_experts, 2*ffn, n_in]` gate/up tensor (gate rows first) in two.
 fn split_gate_up<'a>(gu: TensorView<'_>) -> Result<[HostTensor<'a>; 2]> {
     let [e, two_f, n_in] = gu.shape[..] else {
-        bail!("fused gate_up_proj has shape {:?}, expected 3 dims", gu.shape)
+        bail!(
+            "fused gate_up_proj has shape {:?}, expected 3 dims",
+            gu.shape
+        )
     };
-    anyhow::ensure!(two_f % 2 == 0, "fused gate_up_proj has an odd row count {two_f}");
+    anyhow::ensure!(
+        two_f % 2 == 0,
+        "fused gate_up_proj has an odd row count {two_f}"
+    );
     let f = two_f / 2;
     let row = gu.dtype.bytes_for(n_in)?;
-    let (mut gate, mut up) = (Vec::with_capacity(e * f * row), Vec::with_capacity(e * f * row));
+    let (mut gate, mut up) = (
+        Vec::with_capacity(e * f * row),
+        Vec::with_capacity(e * f * row),
+    );
     for x in 0..e {
         let base = x * two_f * row;
         gate.extend_from_slice(&gu.data[base..base + f * row]);
         up.extend_from_slice(&gu.data[base + f * row..base + two_f * row]);
     }
-    let t = |data| HostTensor { dtype: gu.dtype, shape: vec![e, f, n_in], data: Cow::Owned(data) };
+    let t = |data| HostTensor {
+        dtype: gu.dtype,
+        shape: vec![e, f, n_in],
+        data: Cow::Owned(data),
+    };
     Ok([t(gate), t(up)])
 }

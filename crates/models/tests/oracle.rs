@@ -1,0 +1,179 @@
+//! External oracle: tiny random-weight checkpoints made by Hugging Face `transformers`
+//! (tools/oracle/make_oracle.py), with transformers' fp32 logits. The CPU reference backend
+//! must reproduce them, from the safetensors checkpoint and from the same model written as
+//! GGUF.
+
+use std::path::{Path, PathBuf};
+
+use ferrite_backend::cpu::CpuBackend;
+use ferrite_backend::Backend;
+use ferrite_models::{Logits, Model, ModelFile};
+
+/// NMSE = mse(ours, oracle) / mean(oracle²). Both sides compute in f32 from the same
+/// bf16-rounded weights; what differs is summation order (ours: blockwise dot products,
+/// f64 RMSNorm sums; PyTorch: its own GEMM tiling), worth ~1e-12..1e-9 at these sizes.
+/// 1e-5 is the bar and still catches any real error (a wrong rope pairing or
+/// norm gives NMSE ≥ 1e-2).
+const ORACLE_NMSE: f64 = 1e-5;
+
+/// GGUF vs safetensors of the same weights: identical except for the llama Q/K row
+/// permutation, which only reorders the terms of q·k dot products (f32 rounding, ~1e-14).
+const FORMAT_NMSE: f64 = 1e-10;
+
+fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle")
+}
+
+struct Oracle {
+    tokens: Vec<u32>,
+    logits: Vec<f32>,
+    vocab: usize,
+}
+
+fn read_oracle(dir: &Path) -> Oracle {
+    let bytes = std::fs::read(dir.join("oracle.safetensors")).expect("oracle.safetensors");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
+    let t = st.tensor("tokens").unwrap();
+    let tokens: Vec<u32> = match t.dtype() {
+        safetensors::Dtype::I64 => t
+            .data()
+            .chunks(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect(),
+        safetensors::Dtype::I32 => t
+            .data()
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect(),
+        d => panic!("tokens dtype {d:?}"),
+    };
+    let l = st.tensor("logits").unwrap();
+    let vocab = l.shape()[1];
+    let logits = l
+        .data()
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    Oracle {
+        tokens,
+        logits,
+        vocab,
+    }
+}
+
+fn nmse(a: &[f32], reference: &[f32]) -> f64 {
+    let mse: f64 = a
+        .iter()
+        .zip(reference)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum::<f64>();
+    let pow: f64 = reference.iter().map(|y| (*y as f64).powi(2)).sum::<f64>();
+    mse / pow
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
+}
+
+fn all_logits(file: &ModelFile, tokens: &[u32]) -> Vec<f32> {
+    let be = CpuBackend::new();
+    let m: Model<CpuBackend> = Model::load(&be, file, &|_, _| {}).expect("model loads");
+    let mut kv = m.new_kv(&be, tokens.len()).unwrap();
+    be.to_host(&m.forward(&be, &mut kv, 0, tokens, Logits::All).unwrap())
+        .unwrap()
+}
+
+fn check_model(name: &str) {
+    let dir = data_dir().join(name);
+    let o = read_oracle(&dir);
+    let file = ModelFile::open(&dir).expect("checkpoint opens");
+    let ours = all_logits(&file, &o.tokens);
+    assert_eq!(ours.len(), o.logits.len());
+    let e = nmse(&ours, &o.logits);
+    println!("{name}: NMSE vs transformers = {e:.3e}");
+    assert!(e < ORACLE_NMSE, "{name}: NMSE {e:e} ≥ {ORACLE_NMSE:e}");
+    for (t, (a, b)) in ours
+        .chunks(o.vocab)
+        .zip(o.logits.chunks(o.vocab))
+        .enumerate()
+    {
+        assert_eq!(
+            argmax(a),
+            argmax(b),
+            "{name}: argmax differs at position {t}"
+        );
+    }
+
+    // Same weights through GGUF (llama.cpp's names, layout and for llama its Q/K permutation).
+    let gguf =
+        std::env::temp_dir().join(format!("ferrite-oracle-{name}-{}.gguf", std::process::id()));
+    ferrite_models::convert::hf_to_gguf(&dir, &gguf).expect("convert to GGUF");
+    let gfile = ModelFile::open(&gguf).expect("GGUF opens");
+    let from_gguf = all_logits(&gfile, &o.tokens);
+    std::fs::remove_file(&gguf).ok();
+    let e2 = nmse(&from_gguf, &ours);
+    println!("{name}: NMSE GGUF vs safetensors = {e2:.3e}");
+    assert!(
+        e2 < FORMAT_NMSE,
+        "{name}: GGUF and safetensors disagree: NMSE {e2:e}"
+    );
+
+    // Greedy continuation with the KV cache, token by token, as transformers generated it.
+    let g: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("greedy.json")).unwrap()).unwrap();
+    let prompt: Vec<u32> = g["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let want: Vec<u32> = g["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let be = CpuBackend::new();
+    let m: Model<CpuBackend> = Model::load(&be, &file, &|_, _| {}).unwrap();
+    let mut kv = m.new_kv(&be, prompt.len() + want.len()).unwrap();
+    let mut logits = be
+        .to_host(&m.forward(&be, &mut kv, 0, &prompt, Logits::Last).unwrap())
+        .unwrap();
+    let mut got = vec![];
+    for i in 0..want.len() {
+        let t = argmax(&logits) as u32;
+        got.push(t);
+        logits = be
+            .to_host(
+                &m.forward(&be, &mut kv, prompt.len() + i, &[t], Logits::Last)
+                    .unwrap(),
+            )
+            .unwrap();
+    }
+    assert_eq!(
+        got, want,
+        "{name}: greedy continuation differs from transformers"
+    );
+}
+
+#[test]
+fn qwen3_matches_transformers() {
+    check_model("qwen3-tiny");
+}
+
+#[test]
+fn qwen3_moe_matches_transformers() {
+    check_model("qwen3-moe-tiny");
+}
+
+#[test]
+fn qwen3_moe_without_topk_renormalisation_matches_transformers() {
+    check_model("qwen3-moe-tiny-nonorm");
+}
+
+#[test]
+fn llama_tied_embeddings_matches_transformers() {
+    check_model("llama-tiny");
+}
