@@ -342,3 +342,43 @@ fn bad_lengths_are_errors() {
         );
     }
 }
+
+/// Throughput of `dot` (GB/s of weights) and `quantize` (MB/s of output) on one core.
+/// Not a correctness test: `cargo test -p ferrite-formats --test quant_vectors -- --ignored
+/// --nocapture throughput`.
+#[test]
+#[ignore]
+fn throughput() {
+    use std::time::Instant;
+    let (rows, n) = (1536usize, 576usize); // a SmolLM2-135M FFN matrix
+    let x = activations(n, 1);
+    for t in GgmlType::ALL {
+        let n_q = if t.block_size() == 256 { 2304 } else { n };
+        let src = activations(rows * n_q, 2);
+        let rb = t.bytes_for(n_q).unwrap();
+        let mut w = vec![0u8; rows * rb];
+        let t0 = Instant::now();
+        for (r, o) in src.chunks_exact(n_q).zip(w.chunks_exact_mut(rb)) {
+            quantize(t, r, o).unwrap();
+        }
+        let qs = t0.elapsed().as_secs_f64();
+        let xq = activations(n_q, 3);
+        let xs = if n_q == n { &x } else { &xq };
+        let mut sink = 0.0f32;
+        let reps = 50;
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            for r in w.chunks_exact(rb) {
+                sink += dot(t, r, xs);
+            }
+        }
+        let ds = t0.elapsed().as_secs_f64() / reps as f64;
+        eprintln!(
+            "{t:>5}: dot {:6.2} GB/s ({:5.1} Melem/s)  quantize {:7.1} MB/s out ({:6.1} Melem/s)  [{sink:.1}]",
+            w.len() as f64 / ds / 1e9,
+            (rows * n_q) as f64 / ds / 1e6,
+            w.len() as f64 / qs / 1e6,
+            (rows * n_q) as f64 / qs / 1e6,
+        );
+    }
+}
