@@ -1,0 +1,182 @@
+//! The CLI contract on small committed data: tokenize, logits, info, and clear errors on bad
+//! input (exit code 1 with a message, never a panic).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn data(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/data")
+        .join(p)
+}
+
+fn ferrite(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn tmp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("ferrite-cli-{}-{name}", std::process::id()))
+}
+
+#[test]
+fn tokenize_vocab_only_gguf() {
+    let v = data("tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf");
+    let out = ferrite(&[
+        "tokenize",
+        "--model",
+        v.to_str().unwrap(),
+        "--text",
+        "Hello world<|im_start|>",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids: Vec<u32> = serde_json::from_slice(&out.stdout).unwrap();
+    // "Hello" " world" then the special-token text as plain text: "<|", "im", "_start", "|>".
+    assert_eq!(&ids[..2], &[9707, 1879]);
+    assert!(
+        ids.len() > 3 && !ids.contains(&151644),
+        "special text must not be parsed: {ids:?}"
+    );
+}
+
+#[test]
+fn logits_command_matches_oracle() {
+    let dir = data("oracle/qwen3-tiny");
+    let out_path = tmp("logits.safetensors");
+    let out = ferrite(&[
+        "logits",
+        "--model",
+        dir.to_str().unwrap(),
+        "--tokens",
+        "1,5,9,200",
+        "--output",
+        out_path.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&out_path).unwrap();
+    std::fs::remove_file(&out_path).ok();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits").unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::F32);
+    assert_eq!(t.shape(), &[4, 1024]);
+    let v: Vec<f32> = t
+        .data()
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert!(v.iter().all(|x| x.is_finite()));
+    assert!(
+        v.iter().map(|x| x.abs()).sum::<f32>() > 1.0,
+        "logits are not all zero"
+    );
+}
+
+#[test]
+fn info_describes_checkpoint() {
+    let dir = data("oracle/qwen3-moe-tiny");
+    let out = ferrite(&["info", "--model", dir.to_str().unwrap()]);
+    assert!(out.status.success());
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("Qwen3Moe") && s.contains("experts:       8 (top 2"),
+        "{s}"
+    );
+    assert!(s.contains("bf16"), "{s}");
+}
+
+fn assert_clean_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "expected a clean error, got {:?}: {stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains(needle),
+        "error should mention {needle:?}: {stderr}"
+    );
+}
+
+#[test]
+fn corrupt_and_missing_inputs_are_clear_errors() {
+    let bad = tmp("bad.gguf");
+    std::fs::write(&bad, b"GGUF\x03\x00\x00\x00\xff\xff").unwrap();
+    assert_clean_error(
+        &ferrite(&["info", "--model", bad.to_str().unwrap()]),
+        "bad.gguf",
+    );
+    std::fs::write(&bad, b"NOPE this is not a model").unwrap();
+    assert_clean_error(
+        &ferrite(&["run", "--model", bad.to_str().unwrap(), "--prompt", "hi"]),
+        "not a GGUF file",
+    );
+    std::fs::remove_file(&bad).ok();
+    assert_clean_error(
+        &ferrite(&["info", "--model", "/nonexistent/model.gguf"]),
+        "no such file",
+    );
+    let dir = data("oracle/qwen3-tiny");
+    assert_clean_error(
+        &ferrite(&[
+            "logits",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tokens",
+            "1,99999",
+            "--output",
+            "/dev/null",
+        ]),
+        "outside the vocabulary",
+    );
+    assert_clean_error(
+        &ferrite(&["run", "--model", dir.to_str().unwrap(), "--prompt", "hi"]),
+        "no tokenizer",
+    );
+}
+
+#[test]
+fn synth_tiny_model_runs() {
+    let path = tmp("tiny-qwen3.gguf");
+    let vocab = data("tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf");
+    let out = ferrite(&[
+        "synth",
+        "--preset",
+        "tiny-qwen3",
+        "--quant",
+        "Q8_0",
+        "--output",
+        path.to_str().unwrap(),
+        "--vocab",
+        vocab.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ferrite(&[
+        "run",
+        "--model",
+        path.to_str().unwrap(),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "4",
+    ]);
+    std::fs::remove_file(&path).ok();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("gate passed"), "{stderr}");
+}
