@@ -157,6 +157,41 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    fn device_name(&self) -> String {
+        // /proc/cpuinfo where there is one; the architecture otherwise.
+        std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|n| n.trim().to_string())
+            })
+            .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+    }
+
+    fn copy_bandwidth(&self) -> Result<f64> {
+        // 256 MiB, far beyond any cache; all threads copy their share; best of 5.
+        const BYTES: usize = 256 << 20;
+        let src = vec![1u8; BYTES];
+        let mut dst = vec![0u8; BYTES];
+        let chunk = BYTES / rayon::current_num_threads().max(1);
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t0 = std::time::Instant::now();
+            dst.par_chunks_mut(chunk)
+                .zip(src.par_chunks(chunk))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(&dst);
+        Ok(2.0 * BYTES as f64 / best)
+    }
+
+    fn kv_bytes_per_element(&self) -> f64 {
+        4.0
+    }
+
     fn upload(&self, t: &HostTensor<'_>) -> Result<CpuWeight> {
         let n: usize = t.shape.iter().product();
         let want = t.dtype.bytes_for(n)?;

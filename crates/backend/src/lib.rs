@@ -90,6 +90,14 @@ pub trait Backend: Send + Sync {
     /// Short human-readable name ("cpu (2 threads)", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
 
+    /// The device's name for reports ("NVIDIA H200", the CPU model).
+    fn device_name(&self) -> String;
+    /// Measured copy bandwidth in bytes/s, counting bytes read plus bytes written: the
+    /// ceiling the bandwidth roofline is computed against.
+    fn copy_bandwidth(&self) -> Result<f64>;
+    /// Bytes per cached key or value element (4 for f32, 2 for f16, ~1.06 for q8_0).
+    fn kv_bytes_per_element(&self) -> f64;
+
     /// Moves a weight into backend memory, keeping its storage type.
     fn upload(&self, t: &HostTensor<'_>) -> Result<Self::Weight>;
     /// A zero-filled activation matrix.

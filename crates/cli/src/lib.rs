@@ -1,6 +1,7 @@
 //! The `ferrite` command-line tool as a library, so integration tests can drive the same
 //! code paths the binary uses.
 
+pub mod bench;
 pub mod load;
 pub mod model_spec;
 pub mod run;

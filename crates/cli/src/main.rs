@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use ferrite_cli::{run, synth, tools};
+use ferrite_cli::{bench, run, synth, tools};
 
 #[derive(Parser)]
 #[command(
@@ -31,6 +31,9 @@ enum Command {
     Tokenize(tools::TokenizeArgs),
     /// Describe a model file: architecture, dimensions, tensor types, tokenizer.
     Info(tools::InfoArgs),
+    /// Measure prefill and decode speed (after the prefill/decode gate), with achieved
+    /// bandwidth and % of the bandwidth roofline.
+    Bench(bench::BenchArgs),
     /// Write a random-weight GGUF of a real architecture and quant mix (for benchmarks on
     /// machines without model files).
     Synth(synth::SynthArgs),
@@ -58,5 +61,6 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Tokenize(a) => tools::tokenize(&a),
         Command::Info(a) => tools::info(&a),
         Command::Synth(a) => synth::synth(&a),
+        Command::Bench(a) => bench::bench(&a),
     }
 }

@@ -1,0 +1,341 @@
+//! `ferrite bench`: the prefill/decode gate first, then prefill and decode speed, achieved
+//! bandwidth and % of the bandwidth roofline; optionally recorded in bench/results.jsonl.
+//!
+//! Roofline: decode at batch 1 must read every weight it uses once per token, plus the KV
+//! cache up to the current depth. bytes_per_token / copy_bandwidth is the fastest a token
+//! can be; `roofline_pct` = achieved tokens/s ÷ that bound.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ferrite_backend::Backend;
+use ferrite_engine::sampler::argmax;
+use ferrite_models::{Logits, ModelFile};
+use serde::Serialize;
+
+use crate::{load, ModelArgs};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length of the prefill test (pp).
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// Tokens generated in the decode test (tg).
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Tokens already in the KV cache before each test (context depth).
+    #[arg(long, default_value_t = 0)]
+    pub depth: usize,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Tokens used by the prefill/decode gate.
+    #[arg(long, default_value_t = 32)]
+    pub gate_tokens: usize,
+    /// Print the results as JSON lines on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Append the results to bench/results.jsonl (or --results FILE).
+    #[arg(long)]
+    pub record: bool,
+    /// Results file for --record.
+    #[arg(long, default_value = "bench/results.jsonl")]
+    pub results: PathBuf,
+    /// Model label for the record (default: from the file's general.name).
+    #[arg(long)]
+    pub label: Option<String>,
+}
+
+/// One measurement, as appended to bench/results.jsonl.
+#[derive(Serialize, Debug)]
+pub struct Record {
+    pub date: String,
+    pub git_sha: &'static str,
+    pub gpu: String,
+    pub engine: &'static str,
+    pub backend: String,
+    pub model: String,
+    pub quant: String,
+    pub test: String,
+    pub depth: usize,
+    pub tokens_per_s: f64,
+    pub achieved_gb_s: Option<f64>,
+    pub roofline_pct: Option<f64>,
+    pub bytes_per_token: Option<u64>,
+    pub copy_bandwidth_gb_s: f64,
+    pub reps: usize,
+}
+
+/// llama.cpp's `llama_ftype` names for `general.file_type`.
+fn ftype_name(ft: u32) -> String {
+    match ft {
+        0 => "F32".into(),
+        1 => "F16".into(),
+        2 => "Q4_0".into(),
+        3 => "Q4_1".into(),
+        7 => "Q8_0".into(),
+        14 => "Q4_K_S".into(),
+        15 => "Q4_K_M".into(),
+        16 => "Q5_K_S".into(),
+        17 => "Q5_K_M".into(),
+        18 => "Q6_K".into(),
+        32 => "BF16".into(),
+        n => format!("ftype{n}"),
+    }
+}
+
+/// Weight bytes one decode token must read: every matrix, the output projection (or the
+/// tied embedding), only `top_k / n_experts` of the expert stacks, and one embedding row
+/// (negligible, ignored).
+fn weight_bytes_per_token(file: &ModelFile) -> Result<u64> {
+    let cfg = file.config()?;
+    let src = file.tensors();
+    let names = src.tensor_names();
+    let has_output = names
+        .iter()
+        .any(|n| n == "output.weight" || n == "lm_head.weight");
+    let expert_frac = cfg
+        .moe
+        .as_ref()
+        .map_or(1.0, |m| m.routing.top_k as f64 / m.routing.n_experts as f64);
+    let mut total = 0f64;
+    for n in &names {
+        let Some(t) = src.tensor(n) else { continue };
+        let bytes = t.data.len() as f64;
+        let is_embed = n == "token_embd.weight" || n == "model.embed_tokens.weight";
+        if is_embed {
+            if !has_output {
+                total += bytes;
+            }
+        } else if n.contains("_exps") || n.contains(".experts.") {
+            total += bytes * expert_frac;
+        } else {
+            total += bytes;
+        }
+    }
+    Ok(total as u64)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Deterministic prompt tokens that avoid the vocabulary's top (special tokens).
+fn bench_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let hi = (vocab as u64 * 9 / 10).max(101);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (100 + s % hi.saturating_sub(100).max(1)) as u32
+        })
+        .collect()
+}
+
+pub fn bench(a: &BenchArgs) -> Result<()> {
+    anyhow::ensure!(
+        a.reps >= 1 && a.gen_tokens >= 1 && a.prompt_tokens >= 1,
+        "reps, gen-tokens and prompt-tokens must be ≥ 1"
+    );
+    let (path, file) = load::open(&a.model)?;
+    let be = load::cpu_backend(a.model.device)?;
+    let model = load::model(&be, &file)?;
+    let cfg = model.cfg.clone();
+    let (label, quant) = match &file {
+        ModelFile::Gguf(g) => (
+            g.get_str("general.name")
+                .map(|s| s.to_lowercase().replace(' ', "-")),
+            g.get_u32("general.file_type").map(ftype_name),
+        ),
+        ModelFile::Safetensors(_) => (None, None),
+    };
+    let label = a.label.clone().or(label).unwrap_or_else(|| {
+        path.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    });
+    let quant = quant.unwrap_or_else(|| "unknown".into());
+
+    // Gate first: no timing is worth anything if prefill and decode disagree.
+    let gate_prompt = bench_tokens(a.gate_tokens.max(2), cfg.vocab, 7);
+    {
+        let mut kv = model.new_kv(&be, gate_prompt.len())?;
+        let pre = be.to_host(&model.forward(&be, &mut kv, 0, &gate_prompt, Logits::Last)?)?;
+        let mut kv = model.new_kv(&be, gate_prompt.len())?;
+        let mut dec = vec![];
+        for (i, &t) in gate_prompt.iter().enumerate() {
+            dec = be.to_host(&model.forward(&be, &mut kv, i, &[t], Logits::Last)?)?;
+        }
+        let (p, d) = (argmax(&pre), argmax(&dec));
+        anyhow::ensure!(
+            p == d,
+            "prefill/decode gate FAILED: prefill argmax {p} != decode argmax {d}"
+        );
+        eprintln!(
+            "gate: passed (prefill argmax {p} == decode argmax {d}, {} tokens)",
+            gate_prompt.len()
+        );
+    }
+
+    let bw = be.copy_bandwidth()?;
+    let weight_bytes = weight_bytes_per_token(&file)?;
+    let kv_elem_bytes = be.kv_bytes_per_element() as u64;
+    let kv_per_pos =
+        (cfg.n_layers * 2 * cfg.attn.n_kv_heads * cfg.attn.head_dim) as u64 * kv_elem_bytes;
+    let depth = a.depth;
+    let ctx = depth + a.prompt_tokens.max(a.gen_tokens) + 1;
+    let fill = bench_tokens(depth, cfg.vocab, 11);
+    let prompt = bench_tokens(a.prompt_tokens, cfg.vocab, 13);
+
+    let prefill_at_depth =
+        |kv: &mut <ferrite_backend::cpu::CpuBackend as Backend>::Kv| -> Result<()> {
+            // Fill the cache to `depth` in prompt-sized chunks (untimed).
+            for (i, chunk) in fill.chunks(512).enumerate() {
+                model.forward(&be, kv, i * 512, chunk, Logits::Last)?;
+            }
+            Ok(())
+        };
+
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    for _ in 0..a.reps {
+        let mut kv = model.new_kv(&be, ctx)?;
+        prefill_at_depth(&mut kv)?;
+        let t0 = Instant::now();
+        let l = model.forward(&be, &mut kv, depth, &prompt, Logits::Last)?;
+        be.to_host(&l)?;
+        pp.push(a.prompt_tokens as f64 / t0.elapsed().as_secs_f64());
+
+        let mut kv = model.new_kv(&be, ctx)?;
+        prefill_at_depth(&mut kv)?;
+        let mut tok = prompt[0];
+        let t0 = Instant::now();
+        for i in 0..a.gen_tokens {
+            let l = be.to_host(&model.forward(&be, &mut kv, depth + i, &[tok], Logits::Last)?)?;
+            tok = argmax(&l);
+        }
+        tg.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());
+    }
+    let (pp, tg) = (median(pp), median(tg));
+    // Average KV bytes read per decode token over the generated span.
+    let kv_bytes = kv_per_pos * (depth as u64 + a.gen_tokens as u64 / 2);
+    let bytes_tg = weight_bytes + kv_bytes;
+    let device = be.device_name();
+    let date = utc_now();
+    let records = vec![
+        Record {
+            date: date.clone(),
+            git_sha: env!("FERRITE_GIT_SHA"),
+            gpu: device.clone(),
+            engine: "ferrite",
+            backend: be.name(),
+            model: label.clone(),
+            quant: quant.clone(),
+            test: format!("pp{}", a.prompt_tokens),
+            depth,
+            tokens_per_s: pp,
+            achieved_gb_s: None,
+            roofline_pct: None,
+            bytes_per_token: None,
+            copy_bandwidth_gb_s: bw / 1e9,
+            reps: a.reps,
+        },
+        Record {
+            date,
+            git_sha: env!("FERRITE_GIT_SHA"),
+            gpu: device,
+            engine: "ferrite",
+            backend: be.name(),
+            model: label,
+            quant,
+            test: format!("tg{}", a.gen_tokens),
+            depth,
+            tokens_per_s: tg,
+            achieved_gb_s: Some(tg * bytes_tg as f64 / 1e9),
+            roofline_pct: Some(100.0 * tg * bytes_tg as f64 / bw),
+            bytes_per_token: Some(bytes_tg),
+            copy_bandwidth_gb_s: bw / 1e9,
+            reps: a.reps,
+        },
+    ];
+    if a.json {
+        for r in &records {
+            println!("{}", serde_json::to_string(r)?);
+        }
+    } else {
+        println!(
+            "{} {} on {} ({}), depth {}, median of {} reps",
+            records[0].model, records[0].quant, records[0].gpu, records[0].backend, depth, a.reps
+        );
+        println!(
+            "copy bandwidth {:.1} GB/s; decode reads {:.1} MB/token",
+            bw / 1e9,
+            bytes_tg as f64 / 1e6
+        );
+        println!(
+            "{:<8} {:>12} {:>12} {:>10}",
+            "test", "tokens/s", "GB/s", "roofline"
+        );
+        for r in &records {
+            println!(
+                "{:<8} {:>12.1} {:>12} {:>10}",
+                r.test,
+                r.tokens_per_s,
+                r.achieved_gb_s.map_or("-".into(), |v| format!("{v:.1}")),
+                r.roofline_pct.map_or("-".into(), |v| format!("{v:.1}%"))
+            );
+        }
+    }
+    if a.record {
+        if let Some(dir) = a.results.parent() {
+            std::fs::create_dir_all(dir).ok();
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&a.results)
+            .with_context(|| format!("opening {}", a.results.display()))?;
+        for r in &records {
+            writeln!(f, "{}", serde_json::to_string(r)?)?;
+        }
+        eprintln!(
+            "recorded {} results in {}",
+            records.len(),
+            a.results.display()
+        );
+    }
+    Ok(())
+}
+
+/// The current UTC time as ISO 8601 (no time-zone crate needed for UTC).
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
