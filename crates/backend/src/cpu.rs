@@ -17,7 +17,8 @@ use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
 
 use crate::{
-    check_shape, Act, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope, RopeStyle,
+    check_shape, Act, AttnArgs, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope,
+    RopeStyle, StepInput,
 };
 
 /// A weight in host memory, in its file type.
@@ -150,8 +151,10 @@ pub fn route_top_k(logits: &[f32], routing: &MoeRouting) -> Vec<(usize, f32)> {
 
 impl Backend for CpuBackend {
     type Buf = Vec<f32>;
+    type IBuf = Vec<i32>;
     type Weight = CpuWeight;
     type Kv = CpuKv;
+    type Graph = ();
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -225,7 +228,34 @@ impl Backend for CpuBackend {
             buf: vec![0.0; rows * cols],
             rows,
             cols,
+            capacity: rows,
         })
+    }
+
+    fn step_input(&self, capacity: usize) -> Result<StepInput<Vec<i32>>> {
+        Ok(StepInput {
+            tokens: vec![0; capacity],
+            positions: vec![0; capacity],
+            rows: 0,
+            pos0: 0,
+            capacity,
+        })
+    }
+
+    fn set_step(&self, step: &mut StepInput<Vec<i32>>, tokens: &[u32], pos0: usize) -> Result<()> {
+        ensure!(
+            tokens.len() <= step.capacity,
+            "{} tokens in a step of {}",
+            tokens.len(),
+            step.capacity
+        );
+        for (i, &t) in tokens.iter().enumerate() {
+            step.tokens[i] = i32::try_from(t).context("token id does not fit in i32")?;
+            step.positions[i] = i32::try_from(pos0 + i).context("position does not fit in i32")?;
+        }
+        step.rows = tokens.len();
+        step.pos0 = pos0;
+        Ok(())
     }
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Act<Vec<f32>>> {
@@ -238,19 +268,25 @@ impl Backend for CpuBackend {
             buf: data.to_vec(),
             rows,
             cols,
+            capacity: rows,
         })
     }
 
     fn to_host(&self, x: &Act<Vec<f32>>) -> Result<Vec<f32>> {
-        Ok(x.buf.clone())
+        Ok(x.buf[..x.len()].to_vec())
     }
 
-    fn embed(&self, table: &CpuWeight, tokens: &[u32], out: &mut Act<Vec<f32>>) -> Result<()> {
+    fn embed(
+        &self,
+        table: &CpuWeight,
+        step: &StepInput<Vec<i32>>,
+        out: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
         let (vocab, dim) = table.matrix_dims()?;
-        check_shape("embed out", out, tokens.len(), dim)?;
-        for (&tok, row) in tokens.iter().zip(out.buf.chunks_mut(dim)) {
+        check_shape("embed out", out, step.rows, dim)?;
+        for (&tok, row) in step.tokens[..step.rows].iter().zip(out.buf.chunks_mut(dim)) {
             ensure!(
-                (tok as usize) < vocab,
+                tok >= 0 && (tok as usize) < vocab,
                 "token id {tok} is outside the vocabulary (size {vocab})"
             );
             quant::dequantize(table.dtype, table.row(tok as usize), row)?;
@@ -267,9 +303,10 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         check_shape("rms_norm out", out, x.rows, x.cols)?;
         let wf = dequant_vec(w, x.cols)?;
-        out.buf
+        let n = x.len();
+        out.buf[..n]
             .par_chunks_mut(x.cols)
-            .zip(x.buf.par_chunks(x.cols))
+            .zip(x.buf[..n].par_chunks(x.cols))
             .for_each(|(o, xr)| rms_norm_row(xr, &wf, eps, o));
         Ok(())
     }
@@ -287,7 +324,8 @@ impl Backend for CpuBackend {
             x.cols
         );
         let wf = dequant_vec(w, head_dim)?;
-        x.buf.par_chunks_mut(head_dim).for_each(|h| {
+        let n = x.len();
+        x.buf[..n].par_chunks_mut(head_dim).for_each(|h| {
             let src = h.to_vec();
             rms_norm_row(&src, &wf, eps, h);
         });
@@ -303,27 +341,44 @@ impl Backend for CpuBackend {
             w.shape
         );
         check_shape("matmul out", out, x.rows, n_out)?;
-        matmul_raw(w.dtype, &w.data, n_out, n_in, &x.buf, x.rows, &mut out.buf);
+        let (nx, no) = (x.len(), out.len());
+        matmul_raw(
+            w.dtype,
+            &w.data,
+            n_out,
+            n_in,
+            &x.buf[..nx],
+            x.rows,
+            &mut out.buf[..no],
+        );
         Ok(())
     }
 
-    fn slice_rows(&self, x: &Act<Vec<f32>>, start: usize, n: usize) -> Result<Act<Vec<f32>>> {
+    fn copy_rows(&self, x: &Act<Vec<f32>>, start: usize, out: &mut Act<Vec<f32>>) -> Result<()> {
         ensure!(
-            start + n <= x.rows,
-            "slice_rows: rows {start}..{} of {}",
-            start + n,
+            start + out.rows <= x.rows,
+            "copy_rows: rows {start}..{} of {}",
+            start + out.rows,
             x.rows
         );
-        Ok(Act {
-            buf: x.buf[start * x.cols..(start + n) * x.cols].to_vec(),
-            rows: n,
-            cols: x.cols,
-        })
+        ensure!(
+            out.cols == x.cols,
+            "copy_rows: {} columns into {}",
+            x.cols,
+            out.cols
+        );
+        let n = out.len();
+        out.buf[..n].copy_from_slice(&x.buf[start * x.cols..start * x.cols + n]);
+        Ok(())
     }
 
     fn add_assign(&self, x: &mut Act<Vec<f32>>, y: &Act<Vec<f32>>) -> Result<()> {
         check_shape("add_assign", y, x.rows, x.cols)?;
-        x.buf.iter_mut().zip(&y.buf).for_each(|(a, b)| *a += b);
+        let n = x.len();
+        x.buf[..n]
+            .iter_mut()
+            .zip(&y.buf[..n])
+            .for_each(|(a, b)| *a += b);
         Ok(())
     }
 
@@ -335,14 +390,21 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         check_shape("swiglu up", up, gate.rows, gate.cols)?;
         check_shape("swiglu out", out, gate.rows, gate.cols)?;
-        out.buf
+        let n = gate.len();
+        out.buf[..n]
             .par_iter_mut()
-            .zip(gate.buf.par_iter().zip(&up.buf))
+            .zip(gate.buf[..n].par_iter().zip(&up.buf[..n]))
             .for_each(|(o, (&g, &u))| *o = silu(g) * u);
         Ok(())
     }
 
-    fn rope(&self, x: &mut Act<Vec<f32>>, head_dim: usize, pos0: usize, rope: &Rope) -> Result<()> {
+    fn rope(
+        &self,
+        x: &mut Act<Vec<f32>>,
+        head_dim: usize,
+        step: &StepInput<Vec<i32>>,
+        rope: &Rope,
+    ) -> Result<()> {
         ensure!(
             x.cols % head_dim == 0,
             "rope: {} columns is not a whole number of {head_dim}-heads",
@@ -353,33 +415,39 @@ impl Backend for CpuBackend {
             "rope: bad rotary dim {}",
             rope.rot_dim
         );
+        ensure!(
+            x.rows == step.rows,
+            "rope: {} rows for a step of {}",
+            x.rows,
+            step.rows
+        );
         let half = rope.rot_dim / 2;
-        // inv_freq[i] = theta^(-2i/rot_dim), as Hugging Face computes it (in f32).
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32))
-            .collect();
-        let cols = x.cols;
-        x.buf.par_chunks_mut(cols).enumerate().for_each(|(t, row)| {
-            let pos = (pos0 + t) as f32;
-            let cs: Vec<(f32, f32)> = inv_freq
-                .iter()
-                .map(|&f| {
-                    let a = pos * f;
-                    (a.cos(), a.sin())
-                })
-                .collect();
-            for h in row.chunks_mut(head_dim) {
-                for (i, &(c, s)) in cs.iter().enumerate() {
-                    let (a, b) = match rope.style {
-                        RopeStyle::Adjacent => (2 * i, 2 * i + 1),
-                        RopeStyle::Neox => (i, i + half),
-                    };
-                    let (x0, x1) = (h[a], h[b]);
-                    h[a] = x0 * c - x1 * s;
-                    h[b] = x0 * s + x1 * c;
+        let inv_freq = rope_inv_freq(rope);
+        let (cols, n) = (x.cols, x.len());
+        x.buf[..n]
+            .par_chunks_mut(cols)
+            .enumerate()
+            .for_each(|(t, row)| {
+                let pos = step.positions[t] as f32;
+                let cs: Vec<(f32, f32)> = inv_freq
+                    .iter()
+                    .map(|&f| {
+                        let a = pos * f;
+                        (a.cos(), a.sin())
+                    })
+                    .collect();
+                for h in row.chunks_mut(head_dim) {
+                    for (i, &(c, s)) in cs.iter().enumerate() {
+                        let (a, b) = match rope.style {
+                            RopeStyle::Adjacent => (2 * i, 2 * i + 1),
+                            RopeStyle::Neox => (i, i + half),
+                        };
+                        let (x0, x1) = (h[a], h[b]);
+                        h[a] = x0 * c - x1 * s;
+                        h[b] = x0 * s + x1 * c;
+                    }
                 }
-            }
-        });
+            });
         Ok(())
     }
 
@@ -398,14 +466,17 @@ impl Backend for CpuBackend {
     fn attention(
         &self,
         kv: &mut CpuKv,
-        layer: usize,
-        pos0: usize,
-        q: &Act<Vec<f32>>,
-        k: &Act<Vec<f32>>,
-        v: &Act<Vec<f32>>,
-        shape: AttnShape,
+        step: &StepInput<Vec<i32>>,
+        a: AttnArgs<'_, Vec<f32>>,
         out: &mut Act<Vec<f32>>,
     ) -> Result<()> {
+        let AttnArgs {
+            layer,
+            q,
+            k,
+            v,
+            shape,
+        } = a;
         let AttnShape {
             n_heads,
             n_kv_heads,
@@ -416,6 +487,11 @@ impl Backend for CpuBackend {
         ensure!(
             n_kv_heads > 0 && n_heads % n_kv_heads == 0,
             "attention: {n_heads} heads over {n_kv_heads} kv heads"
+        );
+        ensure!(
+            rows == step.rows,
+            "attention: {rows} rows for a step of {}",
+            step.rows
         );
         check_shape("attention q", q, rows, n_heads * head_dim)?;
         check_shape("attention k", k, rows, kvd)?;
@@ -429,28 +505,33 @@ impl Backend for CpuBackend {
             kv.shape.n_kv_heads == n_kv_heads && kv.shape.head_dim == head_dim,
             "attention: cache shape differs"
         );
+        let positions = &step.positions[..rows];
+        let max_pos = positions.iter().copied().max().unwrap_or(0);
         ensure!(
-            pos0 + rows <= kv.capacity,
-            "context full: positions up to {} but the cache holds {}",
-            pos0 + rows,
+            positions.iter().all(|&p| p >= 0) && (max_pos as usize) < kv.capacity,
+            "context full: position {max_pos} but the cache holds {} positions",
             kv.capacity
         );
 
-        kv.k[layer][pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&k.buf);
-        kv.v[layer][pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&v.buf);
+        for (t, &p) in positions.iter().enumerate() {
+            let p = p as usize;
+            kv.k[layer][p * kvd..(p + 1) * kvd].copy_from_slice(&k.buf[t * kvd..(t + 1) * kvd]);
+            kv.v[layer][p * kvd..(p + 1) * kvd].copy_from_slice(&v.buf[t * kvd..(t + 1) * kvd]);
+        }
         let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
         let group = n_heads / n_kv_heads;
         let scale = 1.0 / (head_dim as f32).sqrt();
 
         // One task per (query row, head): scores over positions 0..=pos, softmax, Σ p·v.
-        out.buf
+        let n = out.len();
+        out.buf[..n]
             .par_chunks_mut(head_dim)
             .enumerate()
             .for_each(|(i, o)| {
                 let (t, h) = (i / n_heads, i % n_heads);
                 let qh = &q.buf[t * n_heads * head_dim + h * head_dim..][..head_dim];
                 let off = (h / group) * head_dim;
-                let n_pos = pos0 + t + 1;
+                let n_pos = positions[t] as usize + 1;
                 let mut scores: Vec<f32> = (0..n_pos)
                     .map(|p| {
                         let kh = &kc[p * kvd + off..][..head_dim];
@@ -511,8 +592,7 @@ impl Backend for CpuBackend {
             "moe: expert shapes disagree"
         );
 
-        let routes: Vec<Vec<(usize, f32)>> = router_logits
-            .buf
+        let routes: Vec<Vec<(usize, f32)>> = router_logits.buf[..router_logits.len()]
             .chunks(routing.n_experts)
             .map(|l| route_top_k(l, &routing))
             .collect();
@@ -593,6 +673,51 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
+
+    fn argmax(&self, logits: &Act<Vec<f32>>, out: &mut Vec<i32>) -> Result<()> {
+        ensure!(
+            out.len() >= logits.rows,
+            "argmax: {} rows into {}",
+            logits.rows,
+            out.len()
+        );
+        for (t, row) in logits.buf[..logits.len()].chunks(logits.cols).enumerate() {
+            out[t] = argmax_row(row) as i32;
+        }
+        Ok(())
+    }
+
+    fn read_i32(&self, x: &Vec<i32>, n: usize) -> Result<Vec<i32>> {
+        ensure!(n <= x.len(), "read_i32: {n} of {}", x.len());
+        Ok(x[..n].to_vec())
+    }
+
+    fn capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<()>> {
+        f()?;
+        Ok(None)
+    }
+
+    fn replay(&self, _g: &()) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Index of the largest value; ties (and NaN) resolve to the lower index.
+pub fn argmax_row(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// `inv_freq[i] = theta^(-2i/rot_dim)`, computed in f32 as Hugging Face computes it.
+pub fn rope_inv_freq(rope: &Rope) -> Vec<f32> {
+    (0..rope.rot_dim / 2)
+        .map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32))
+        .collect()
 }
 
 /// A 1-D weight (norm scale) as f32.

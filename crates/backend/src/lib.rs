@@ -26,12 +26,50 @@ pub struct HostTensor<'a> {
     pub data: std::borrow::Cow<'a, [u8]>,
 }
 
-/// Activation matrix `[rows, cols]` in backend memory.
+/// Activation matrix `[rows, cols]` in backend memory. The buffer may hold more rows than
+/// are active (`capacity`): workspaces are allocated once for the largest step and reused,
+/// so a decode step can be captured in a CUDA graph and replayed with the same buffers.
 #[derive(Clone, Debug)]
 pub struct Act<B> {
     pub buf: B,
+    /// Active rows (tokens in this step).
     pub rows: usize,
     pub cols: usize,
+    /// Rows the buffer can hold.
+    pub capacity: usize,
+}
+
+impl<B> Act<B> {
+    /// Changes the number of active rows (≤ capacity).
+    pub fn set_rows(&mut self, rows: usize) -> Result<()> {
+        anyhow::ensure!(
+            rows <= self.capacity,
+            "{rows} rows do not fit in a buffer of {}",
+            self.capacity
+        );
+        self.rows = rows;
+        Ok(())
+    }
+    /// Active element count.
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The inputs of one forward step in backend memory: token ids and their absolute positions
+/// (one per row). Ops read positions from here rather than from host arguments, so one
+/// captured decode step replays correctly at every position.
+pub struct StepInput<I> {
+    pub tokens: I,
+    pub positions: I,
+    /// Active rows.
+    pub rows: usize,
+    /// Position of the first row (host copy, for shape checks and the CPU backend).
+    pub pos0: usize,
+    pub capacity: usize,
 }
 
 /// How rotary embeddings pair the dimensions of a head.
@@ -82,10 +120,14 @@ pub struct ExpertWeights<'a, W> {
 pub trait Backend: Send + Sync {
     /// A device buffer of f32 values.
     type Buf: Send + Sync;
+    /// A device buffer of i32 values (token ids, positions).
+    type IBuf: Send + Sync;
     /// A stored weight tensor (any [`GgmlType`]) in device memory.
     type Weight: Send + Sync;
     /// One sequence's key/value cache for every layer.
     type Kv: Send + Sync;
+    /// A captured sequence of ops that can be replayed (a CUDA graph).
+    type Graph;
 
     /// Short human-readable name ("cpu (2 threads)", "cuda:0 NVIDIA H200").
     fn name(&self) -> String;
@@ -100,15 +142,26 @@ pub trait Backend: Send + Sync {
 
     /// Moves a weight into backend memory, keeping its storage type.
     fn upload(&self, t: &HostTensor<'_>) -> Result<Self::Weight>;
-    /// A zero-filled activation matrix.
+    /// A zero-filled activation matrix with `rows` active rows and that capacity.
     fn zeros(&self, rows: usize, cols: usize) -> Result<Act<Self::Buf>>;
+    /// A step input buffer for up to `capacity` rows.
+    fn step_input(&self, capacity: usize) -> Result<StepInput<Self::IBuf>>;
+    /// Writes the token ids of the next step; row `t` is at position `pos0 + t`.
+    /// Runs outside graph capture (it is the host→device input of a step).
+    fn set_step(&self, step: &mut StepInput<Self::IBuf>, tokens: &[u32], pos0: usize)
+        -> Result<()>;
     /// An activation matrix holding `data` (row-major).
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Act<Self::Buf>>;
-    /// Copies an activation matrix back to the host.
+    /// Copies the active rows of an activation matrix back to the host.
     fn to_host(&self, x: &Act<Self::Buf>) -> Result<Vec<f32>>;
 
     /// `out[t] = table[tokens[t]]` (rows of the embedding matrix, dequantized).
-    fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Act<Self::Buf>) -> Result<()>;
+    fn embed(
+        &self,
+        table: &Self::Weight,
+        step: &StepInput<Self::IBuf>,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
     /// `out = x / rms(x) * w` row by row (`w` has `cols` elements).
     fn rms_norm(
         &self,
@@ -127,8 +180,8 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// `out[t] = W x[t]` for a weight `[n_out, n_in]`; `out` is `[rows, n_out]`.
     fn matmul(&self, x: &Act<Self::Buf>, w: &Self::Weight, out: &mut Act<Self::Buf>) -> Result<()>;
-    /// Rows `start..start+n` of `x` as a new activation.
-    fn slice_rows(&self, x: &Act<Self::Buf>, start: usize, n: usize) -> Result<Act<Self::Buf>>;
+    /// Copies rows `start..start+out.rows` of `x` into `out`.
+    fn copy_rows(&self, x: &Act<Self::Buf>, start: usize, out: &mut Act<Self::Buf>) -> Result<()>;
     /// `x += y` elementwise.
     fn add_assign(&self, x: &mut Act<Self::Buf>, y: &Act<Self::Buf>) -> Result<()>;
     /// `out = silu(gate) * up` elementwise.
@@ -138,25 +191,26 @@ pub trait Backend: Send + Sync {
         up: &Act<Self::Buf>,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// Rotates every head of every row in place; row `t` is at position `pos0 + t`.
-    fn rope(&self, x: &mut Act<Self::Buf>, head_dim: usize, pos0: usize, rope: &Rope)
-        -> Result<()>;
+    /// Rotates every head of every row in place; row `t` is at `step.positions[t]`.
+    fn rope(
+        &self,
+        x: &mut Act<Self::Buf>,
+        head_dim: usize,
+        step: &StepInput<Self::IBuf>,
+        rope: &Rope,
+    ) -> Result<()>;
 
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
-    /// Causal attention for the rows of `q` at positions `pos0..pos0+rows`: first stores
-    /// `k`, `v` (`[rows, n_kv_heads*head_dim]`) at those positions of `layer`, then attends
-    /// each query row to positions `0..=its position`. `out` is `[rows, n_heads*head_dim]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Causal attention for the rows of `q` at positions `step.positions`: first stores
+    /// `k`, `v` (`[rows, n_kv_heads*head_dim]`) at those positions of layer `a.layer`, then
+    /// attends each query row to positions `0..=its position`. `out` is
+    /// `[rows, n_heads*head_dim]`.
     fn attention(
         &self,
         kv: &mut Self::Kv,
-        layer: usize,
-        pos0: usize,
-        q: &Act<Self::Buf>,
-        k: &Act<Self::Buf>,
-        v: &Act<Self::Buf>,
-        shape: AttnShape,
+        step: &StepInput<Self::IBuf>,
+        a: AttnArgs<'_, Self::Buf>,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
 
@@ -171,6 +225,26 @@ pub trait Backend: Send + Sync {
         routing: MoeRouting,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
+
+    /// Greedy token choice on the device: `out[t] = argmax(logits[t])` (ties to the lower id).
+    fn argmax(&self, logits: &Act<Self::Buf>, out: &mut Self::IBuf) -> Result<()>;
+    /// Reads `n` values of an i32 buffer back to the host.
+    fn read_i32(&self, x: &Self::IBuf, n: usize) -> Result<Vec<i32>>;
+
+    /// Records the ops `f` issues into a graph (`Ok(None)` where the backend has no graphs:
+    /// then `f` has simply run, and the caller runs it again each time).
+    fn capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<Self::Graph>>;
+    /// Replays a captured graph.
+    fn replay(&self, g: &Self::Graph) -> Result<()>;
+}
+
+/// The operands of one attention call.
+pub struct AttnArgs<'a, B> {
+    pub layer: usize,
+    pub q: &'a Act<B>,
+    pub k: &'a Act<B>,
+    pub v: &'a Act<B>,
+    pub shape: AttnShape,
 }
 
 /// Checks that two activations have the shapes an op needs; used by every backend.

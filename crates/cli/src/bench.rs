@@ -12,8 +12,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferrite_backend::Backend;
-use ferrite_engine::sampler::argmax;
-use ferrite_models::{Logits, ModelFile};
+use ferrite_engine::Sequence;
+use ferrite_models::ModelFile;
 use serde::Serialize;
 
 use crate::{load, ModelArgs};
@@ -166,24 +166,20 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
 
     // Gate first: no timing is worth anything if prefill and decode disagree.
     let gate_prompt = bench_tokens(a.gate_tokens.max(2), cfg.vocab, 7);
-    {
-        let mut kv = model.new_kv(&be, gate_prompt.len())?;
-        let pre = be.to_host(&model.forward(&be, &mut kv, 0, &gate_prompt, Logits::Last)?)?;
-        let mut kv = model.new_kv(&be, gate_prompt.len())?;
-        let mut dec = vec![];
-        for (i, &t) in gate_prompt.iter().enumerate() {
-            dec = be.to_host(&model.forward(&be, &mut kv, i, &[t], Logits::Last)?)?;
-        }
-        let (p, d) = (argmax(&pre), argmax(&dec));
-        anyhow::ensure!(
-            p == d,
-            "prefill/decode gate FAILED: prefill argmax {p} != decode argmax {d}"
-        );
-        eprintln!(
-            "gate: passed (prefill argmax {p} == decode argmax {d}, {} tokens)",
-            gate_prompt.len()
-        );
-    }
+    let g = ferrite_engine::gate(&be, &model, &gate_prompt)?;
+    anyhow::ensure!(
+        g.passed(),
+        "prefill/decode gate FAILED: prefill argmax {} != decode argmax {}",
+        g.prefill_argmax,
+        g.decode_argmax
+    );
+    eprintln!(
+        "gate: passed (prefill argmax {} == decode argmax {}, {} tokens, max |Δlogit| {:.2e})",
+        g.prefill_argmax,
+        g.decode_argmax,
+        gate_prompt.len(),
+        g.max_abs_diff
+    );
 
     let bw = be.copy_bandwidth()?;
     let weight_bytes = weight_bytes_per_token(&file)?;
@@ -191,37 +187,36 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
     let kv_per_pos =
         (cfg.n_layers * 2 * cfg.attn.n_kv_heads * cfg.attn.head_dim) as u64 * kv_elem_bytes;
     let depth = a.depth;
-    let ctx = depth + a.prompt_tokens.max(a.gen_tokens) + 1;
+    let ctx = depth + a.prompt_tokens.max(a.gen_tokens + 2);
     let fill = bench_tokens(depth, cfg.vocab, 11);
     let prompt = bench_tokens(a.prompt_tokens, cfg.vocab, 13);
-
-    let prefill_at_depth =
-        |kv: &mut <ferrite_backend::cpu::CpuBackend as Backend>::Kv| -> Result<()> {
-            // Fill the cache to `depth` in prompt-sized chunks (untimed).
-            for (i, chunk) in fill.chunks(512).enumerate() {
-                model.forward(&be, kv, i * 512, chunk, Logits::Last)?;
-            }
-            Ok(())
-        };
 
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     for _ in 0..a.reps {
-        let mut kv = model.new_kv(&be, ctx)?;
-        prefill_at_depth(&mut kv)?;
+        // Prefill test: fill the cache to `depth` (untimed), then time the prompt.
+        let mut seq = Sequence::new(&be, &model, ctx)?;
+        if !fill.is_empty() {
+            seq.prefill(&fill)?;
+        }
         let t0 = Instant::now();
-        let l = model.forward(&be, &mut kv, depth, &prompt, Logits::Last)?;
-        be.to_host(&l)?;
+        seq.prefill(&prompt)?;
+        seq.greedy()?; // waits for the device
         pp.push(a.prompt_tokens as f64 / t0.elapsed().as_secs_f64());
 
-        let mut kv = model.new_kv(&be, ctx)?;
-        prefill_at_depth(&mut kv)?;
-        let mut tok = prompt[0];
-        let t0 = Instant::now();
-        for i in 0..a.gen_tokens {
-            let l = be.to_host(&model.forward(&be, &mut kv, depth + i, &[tok], Logits::Last)?)?;
-            tok = argmax(&l);
+        // Decode test: greedy, token by token, from `depth`.
+        let mut seq = Sequence::new(&be, &model, ctx)?;
+        if !fill.is_empty() {
+            seq.prefill(&fill)?;
         }
+        let mut tok = prompt[0];
+        seq.decode(tok)?; // the first step captures the graph: not timed
+        let t0 = Instant::now();
+        for _ in 0..a.gen_tokens {
+            tok = seq.greedy()?;
+            seq.decode(tok)?;
+        }
+        seq.greedy()?;
         tg.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());
     }
     let (pp, tg) = (median(pp), median(tg));

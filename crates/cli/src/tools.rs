@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrite_backend::Backend;
 use ferrite_models::{Logits, ModelFile};
 
 use crate::load;
@@ -35,9 +34,13 @@ pub fn logits(a: &LogitsArgs) -> Result<()> {
         );
     }
     let mut kv = model.new_kv(&be, a.tokens.len())?;
-    let out = model.forward(&be, &mut kv, 0, &a.tokens, Logits::All)?;
-    let (rows, cols) = (out.rows, out.cols);
-    let data = be.to_host(&out)?;
+    let mut ws = model.workspace(
+        &be,
+        a.tokens.len().min(ferrite_engine::generate::PREFILL_CHUNK),
+        Logits::All,
+    )?;
+    let data = model.run(&be, &mut ws, &mut kv, 0, &a.tokens, Logits::All)?;
+    let (rows, cols) = (a.tokens.len(), model.cfg.vocab);
     let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view =
         safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows, cols], &bytes)?;

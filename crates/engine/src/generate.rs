@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Result};
 use ferrite_backend::Backend;
-use ferrite_models::{Logits, Model};
+use ferrite_models::{Logits, Model, Workspace};
 use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
@@ -83,6 +83,30 @@ impl Generation {
     }
 }
 
+/// The prefill/decode gate: the argmax of the last position after a batched prefill must
+/// equal the argmax after feeding the same prompt one token at a time through the decode
+/// step (the graph-replayed path where the backend has graphs).
+pub fn gate<B: Backend>(be: &B, model: &Model<B>, prompt: &[u32]) -> Result<GateResult> {
+    let mut s = Sequence::new(be, model, prompt.len())?;
+    s.prefill(prompt)?;
+    let pre = s.logits()?;
+    let mut s = Sequence::new(be, model, prompt.len())?;
+    for &t in prompt {
+        s.decode(t)?;
+    }
+    let dec = s.logits()?;
+    let max_abs_diff = pre
+        .iter()
+        .zip(&dec)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    Ok(GateResult {
+        prefill_argmax: argmax(&pre),
+        decode_argmax: argmax(&dec),
+        max_abs_diff,
+    })
+}
+
 /// Outcome of the prefill/decode gate.
 #[derive(Clone, Copy, Debug)]
 pub struct GateResult {
@@ -95,6 +119,100 @@ pub struct GateResult {
 impl GateResult {
     pub fn passed(&self) -> bool {
         self.prefill_argmax == self.decode_argmax
+    }
+}
+
+/// Prompts are prefilled in chunks of at most this many tokens (bounds the workspace).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// One sequence's state on the backend: its KV cache, a prefill workspace, and a one-row
+/// decode workspace whose step is captured as a graph once and replayed for every token.
+pub struct Sequence<'e, B: Backend> {
+    be: &'e B,
+    model: &'e Model<B>,
+    kv: B::Kv,
+    prefill: Option<Workspace<B>>,
+    decode: Workspace<B>,
+    graph: Option<B::Graph>,
+    /// Tokens in the cache.
+    pub pos: usize,
+    /// Which workspace holds the latest logits.
+    last_was_decode: bool,
+}
+
+impl<'e, B: Backend> Sequence<'e, B> {
+    /// A sequence that can hold `ctx` tokens.
+    pub fn new(be: &'e B, model: &'e Model<B>, ctx: usize) -> Result<Self> {
+        let m = model;
+        Ok(Sequence {
+            be,
+            model,
+            kv: m.new_kv(be, ctx)?,
+            prefill: None,
+            decode: m.workspace(be, 1, Logits::Last)?,
+            graph: None,
+            pos: 0,
+            last_was_decode: false,
+        })
+    }
+
+    /// Appends `tokens` in one batched forward per chunk; logits of the last one follow.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
+        let (be, m) = (self.be, self.model);
+        let ws = match &mut self.prefill {
+            Some(ws) if ws.capacity() >= tokens.len().min(PREFILL_CHUNK) => ws,
+            slot => {
+                slot.insert(m.workspace(be, tokens.len().clamp(1, PREFILL_CHUNK), Logits::Last)?)
+            }
+        };
+        for chunk in tokens.chunks(ws.capacity()) {
+            be.set_step(&mut ws.step, chunk, self.pos)?;
+            m.forward(be, ws, &mut self.kv, Logits::Last)?;
+            self.pos += chunk.len();
+        }
+        self.last_was_decode = false;
+        Ok(())
+    }
+
+    /// Appends one token with the decode step (graph replay where the backend has graphs).
+    pub fn decode(&mut self, token: u32) -> Result<()> {
+        let (be, m) = (self.be, self.model);
+        be.set_step(&mut self.decode.step, &[token], self.pos)?;
+        match &self.graph {
+            Some(g) => be.replay(g)?,
+            None => {
+                let (ws, kv) = (&mut self.decode, &mut self.kv);
+                self.graph = be.capture(&mut || m.forward(be, ws, kv, Logits::Last))?;
+                // A captured graph has recorded the step, not run it.
+                if let Some(g) = &self.graph {
+                    be.replay(g)?;
+                }
+            }
+        }
+        self.pos += 1;
+        self.last_was_decode = true;
+        Ok(())
+    }
+
+    fn ws(&mut self) -> &mut Workspace<B> {
+        match (&mut self.prefill, self.last_was_decode) {
+            (Some(p), false) => p,
+            _ => &mut self.decode,
+        }
+    }
+
+    /// The latest logits on the host.
+    pub fn logits(&mut self) -> Result<Vec<f32>> {
+        let be = self.be;
+        be.to_host(&self.ws().logits)
+    }
+
+    /// The greedy choice for the latest position, computed on the device (a 4-byte read).
+    pub fn greedy(&mut self) -> Result<u32> {
+        let be = self.be;
+        let ws = self.ws();
+        be.argmax(&ws.logits, &mut ws.argmax)?;
+        Ok(be.read_i32(&ws.argmax, 1)?[0] as u32)
     }
 }
 
@@ -114,25 +232,7 @@ impl<B: Backend> Engine<B> {
     /// The gate: the argmax of the last position after one batched prefill must equal the
     /// argmax after feeding the same prompt one token at a time.
     pub fn gate(&self, prompt: &[u32]) -> Result<GateResult> {
-        let (be, m) = (&self.be, &self.model);
-        let ctx = prompt.len();
-        let mut kv = m.new_kv(be, ctx)?;
-        let pre = be.to_host(&m.forward(be, &mut kv, 0, prompt, Logits::Last)?)?;
-        let mut kv = m.new_kv(be, ctx)?;
-        let mut dec = Vec::new();
-        for (i, &t) in prompt.iter().enumerate() {
-            dec = be.to_host(&m.forward(be, &mut kv, i, &[t], Logits::Last)?)?;
-        }
-        let max_abs_diff = pre
-            .iter()
-            .zip(&dec)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        Ok(GateResult {
-            prefill_argmax: argmax(&pre),
-            decode_argmax: argmax(&dec),
-            max_abs_diff,
-        })
+        gate(&self.be, &self.model, prompt)
     }
 
     /// Generates from `prompt`, calling `on_text` with each new piece of text as soon as it
@@ -143,10 +243,15 @@ impl<B: Backend> Engine<B> {
         p: &GenerateParams,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Generation> {
-        let (be, m) = (&self.be, &self.model);
         let ctx = self.context_for(prompt.len(), p)?;
-        let mut kv = m.new_kv(be, ctx)?;
-        let mut sampler = Sampler::new(p.sampler.clone(), m.cfg.vocab);
+        anyhow::ensure!(p.max_tokens > 0, "max_tokens must be at least 1");
+        let mut seq = Sequence::new(&self.be, &self.model, ctx)?;
+        let mut sampler = Sampler::new(p.sampler.clone(), self.model.cfg.vocab);
+        // Greedy without penalties needs no logits on the host: argmax runs on the device.
+        let device_greedy = p.sampler.temperature <= 0.0
+            && p.sampler.repetition_penalty == 1.0
+            && p.sampler.presence_penalty == 0.0
+            && p.sampler.frequency_penalty == 0.0;
         let mut stops = StopChecker::new(p.stop.iter().cloned());
         let mut detok = IncrementalDecoder::new(true);
         let eos = self.tok.eos_ids();
@@ -164,12 +269,18 @@ impl<B: Backend> Engine<B> {
         let mut emitted = 0;
 
         let t0 = Instant::now();
-        let mut logits = be.to_host(&m.forward(be, &mut kv, 0, prompt, Logits::Last)?)?;
+        seq.prefill(prompt)?;
+        let mut next = |seq: &mut Sequence<'_, B>, history: &[u32]| -> Result<u32> {
+            if device_greedy {
+                seq.greedy()
+            } else {
+                Ok(sampler.sample(&mut seq.logits()?, history))
+            }
+        };
+        let mut tok = next(&mut seq, &history)?;
         out.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut pos = prompt.len();
-        while out.tokens.len() < p.max_tokens {
-            let tok = sampler.sample(&mut logits, &history);
+        loop {
             out.tokens.push(tok);
             history.push(tok);
             if !p.ignore_eos && eos.contains(&tok) {
@@ -190,11 +301,11 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             }
-            if out.tokens.len() >= p.max_tokens || pos + 1 >= ctx {
+            if out.tokens.len() >= p.max_tokens || seq.pos >= ctx {
                 break;
             }
-            logits = be.to_host(&m.forward(be, &mut kv, pos, &[tok], Logits::Last)?)?;
-            pos += 1;
+            seq.decode(tok)?;
+            tok = next(&mut seq, &history)?;
         }
         out.decode_s = t1.elapsed().as_secs_f64();
         if out.finish == FinishReason::Length {

@@ -3,5 +3,5 @@
 pub mod generate;
 pub mod sampler;
 
-pub use generate::{Engine, FinishReason, GateResult, GenerateParams, Generation};
+pub use generate::{gate, Engine, FinishReason, GateResult, GenerateParams, Generation, Sequence};
 pub use sampler::{Sampler, SamplerConfig};

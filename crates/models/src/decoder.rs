@@ -17,8 +17,8 @@
 //! how their files name tensors ([`crate::source`]); Qwen3.5's hybrid layers get a file of
 //! their own.
 
-use anyhow::Result;
-use ferrite_backend::{Act, Backend, ExpertWeights};
+use anyhow::{Context, Result};
+use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, StepInput};
 
 use crate::config::ModelConfig;
 use crate::source::{ModelFile, Tensor};
@@ -116,86 +116,227 @@ impl<B: Backend> Model<B> {
         be.kv_new(self.cfg.n_layers, self.cfg.attn, capacity)
     }
 
-    /// Runs `tokens` at positions `pos0..` through the model, appending to the KV cache;
-    /// returns logits `[rows, vocab]` for the positions `which` asks for.
+    /// Activation buffers for steps of up to `max_rows` tokens, allocated once and reused
+    /// (a decode step then touches no allocator and can be captured as a graph). `which`
+    /// says whether steps will want every row's logits or only the last one's.
+    pub fn workspace(&self, be: &B, max_rows: usize, which: Logits) -> Result<Workspace<B>> {
+        let c = &self.cfg;
+        let a = c.attn;
+        let ffn = c.ffn.max(1);
+        let n_exp = c.moe.as_ref().map_or(1, |m| m.routing.n_experts);
+        Ok(Workspace {
+            step: be.step_input(max_rows)?,
+            x: be.zeros(max_rows, c.hidden)?,
+            h: be.zeros(max_rows, c.hidden)?,
+            q: be.zeros(max_rows, a.n_heads * a.head_dim)?,
+            k: be.zeros(max_rows, a.n_kv_heads * a.head_dim)?,
+            v: be.zeros(max_rows, a.n_kv_heads * a.head_dim)?,
+            att: be.zeros(max_rows, a.n_heads * a.head_dim)?,
+            y: be.zeros(max_rows, c.hidden)?,
+            gate: be.zeros(max_rows, ffn)?,
+            up: be.zeros(max_rows, ffn)?,
+            act: be.zeros(max_rows, ffn)?,
+            router: be.zeros(max_rows, n_exp)?,
+            last: be.zeros(1, c.hidden)?,
+            logits: be.zeros(if which == Logits::All { max_rows } else { 1 }, c.vocab)?,
+            argmax: be.step_input(max_rows)?.tokens,
+        })
+    }
+
+    /// Runs the step in `ws.step` (tokens and positions set with [`Backend::set_step`])
+    /// through the model, appending its keys and values to `kv`. Logits land in
+    /// `ws.logits`: one row (the last position) for [`Logits::Last`], every row for
+    /// [`Logits::All`].
     pub fn forward(
         &self,
         be: &B,
+        ws: &mut Workspace<B>,
+        kv: &mut B::Kv,
+        which: Logits,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let a = cfg.attn;
+        let t = ws.step.rows;
+        anyhow::ensure!(t > 0, "forward: no tokens");
+        ws.set_rows(t)?;
+        let Workspace {
+            step,
+            x,
+            h,
+            q,
+            k,
+            v,
+            att,
+            y,
+            gate,
+            up,
+            act,
+            router,
+            last,
+            logits,
+            ..
+        } = ws;
+
+        be.embed(&self.embed, step, x)?;
+        for (il, l) in self.layers.iter().enumerate() {
+            // Attention block.
+            be.rms_norm(x, &l.attn_norm, cfg.rms_eps, h)?;
+            be.matmul(h, &l.wq, q)?;
+            be.matmul(h, &l.wk, k)?;
+            be.matmul(h, &l.wv, v)?;
+            if let Some((qn, kn)) = &l.qk_norm {
+                be.head_rms_norm(q, qn, a.head_dim, cfg.rms_eps)?;
+                be.head_rms_norm(k, kn, a.head_dim, cfg.rms_eps)?;
+            }
+            be.rope(q, a.head_dim, step, &cfg.rope)?;
+            be.rope(k, a.head_dim, step, &cfg.rope)?;
+            be.attention(
+                kv,
+                step,
+                AttnArgs {
+                    layer: il,
+                    q,
+                    k,
+                    v,
+                    shape: a,
+                },
+                att,
+            )?;
+            be.matmul(att, &l.wo, y)?;
+            be.add_assign(x, y)?;
+
+            // Feed-forward block.
+            be.rms_norm(x, &l.ffn_norm, cfg.rms_eps, h)?;
+            match &l.ffn {
+                Ffn::Dense {
+                    gate: wg,
+                    up: wu,
+                    down: wd,
+                } => {
+                    be.matmul(h, wg, gate)?;
+                    be.matmul(h, wu, up)?;
+                    be.swiglu(gate, up, act)?;
+                    be.matmul(act, wd, y)?;
+                }
+                Ffn::Moe {
+                    router: wr,
+                    gate: wg,
+                    up: wu,
+                    down: wd,
+                } => {
+                    let moe = cfg.moe.as_ref().context("MoE layer without MoE config")?;
+                    be.matmul(h, wr, router)?;
+                    be.moe(
+                        h,
+                        router,
+                        ExpertWeights {
+                            gate: wg,
+                            up: wu,
+                            down: wd,
+                        },
+                        moe.routing,
+                        y,
+                    )?;
+                }
+            }
+            be.add_assign(x, y)?;
+        }
+
+        let out_w = self.output.as_ref().unwrap_or(&self.embed);
+        match which {
+            Logits::All => {
+                logits
+                    .set_rows(t)
+                    .context("this workspace keeps only the last position's logits")?;
+                be.rms_norm(x, &self.out_norm, cfg.rms_eps, h)?;
+                be.matmul(h, out_w, logits)?;
+            }
+            Logits::Last => {
+                be.copy_rows(x, t - 1, last)?;
+                h.set_rows(1)?;
+                logits.set_rows(1)?;
+                be.rms_norm(last, &self.out_norm, cfg.rms_eps, h)?;
+                be.matmul(h, out_w, logits)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Convenience for tools and tests: runs `tokens` at positions `pos0..` in chunks of
+    /// the workspace's capacity and returns the requested logits on the host.
+    pub fn run(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
         kv: &mut B::Kv,
         pos0: usize,
         tokens: &[u32],
         which: Logits,
-    ) -> Result<Act<B::Buf>> {
-        let cfg = &self.cfg;
-        let t = tokens.len();
-        let a = cfg.attn;
-        anyhow::ensure!(t > 0, "forward: no tokens");
-        let mut x = be.zeros(t, cfg.hidden)?;
-        be.embed(&self.embed, tokens, &mut x)?;
-        let mut h = be.zeros(t, cfg.hidden)?;
-        let mut q = be.zeros(t, a.n_heads * a.head_dim)?;
-        let mut k = be.zeros(t, a.n_kv_heads * a.head_dim)?;
-        let mut v = be.zeros(t, a.n_kv_heads * a.head_dim)?;
-        let mut att = be.zeros(t, a.n_heads * a.head_dim)?;
-        let mut y = be.zeros(t, cfg.hidden)?;
-
-        for (il, l) in self.layers.iter().enumerate() {
-            // Attention block.
-            be.rms_norm(&x, &l.attn_norm, cfg.rms_eps, &mut h)?;
-            be.matmul(&h, &l.wq, &mut q)?;
-            be.matmul(&h, &l.wk, &mut k)?;
-            be.matmul(&h, &l.wv, &mut v)?;
-            if let Some((qn, kn)) = &l.qk_norm {
-                be.head_rms_norm(&mut q, qn, a.head_dim, cfg.rms_eps)?;
-                be.head_rms_norm(&mut k, kn, a.head_dim, cfg.rms_eps)?;
+    ) -> Result<Vec<f32>> {
+        anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
+        let cap = ws.step.capacity;
+        let mut out = Vec::new();
+        let n_chunks = tokens.len().div_ceil(cap);
+        for (i, chunk) in tokens.chunks(cap).enumerate() {
+            be.set_step(&mut ws.step, chunk, pos0 + i * cap)?;
+            let last_chunk = i + 1 == n_chunks;
+            let w = if which == Logits::All {
+                Logits::All
+            } else {
+                Logits::Last
+            };
+            self.forward(be, ws, kv, w)?;
+            if which == Logits::All || last_chunk {
+                out.extend(be.to_host(&ws.logits)?);
             }
-            be.rope(&mut q, a.head_dim, pos0, &cfg.rope)?;
-            be.rope(&mut k, a.head_dim, pos0, &cfg.rope)?;
-            be.attention(kv, il, pos0, &q, &k, &v, a, &mut att)?;
-            be.matmul(&att, &l.wo, &mut y)?;
-            be.add_assign(&mut x, &y)?;
-
-            // Feed-forward block.
-            be.rms_norm(&x, &l.ffn_norm, cfg.rms_eps, &mut h)?;
-            match &l.ffn {
-                Ffn::Dense { gate, up, down } => {
-                    let mut g = be.zeros(t, cfg.ffn)?;
-                    let mut u = be.zeros(t, cfg.ffn)?;
-                    be.matmul(&h, gate, &mut g)?;
-                    be.matmul(&h, up, &mut u)?;
-                    let mut gu = be.zeros(t, cfg.ffn)?;
-                    be.swiglu(&g, &u, &mut gu)?;
-                    be.matmul(&gu, down, &mut y)?;
-                }
-                Ffn::Moe {
-                    router,
-                    gate,
-                    up,
-                    down,
-                } => {
-                    let moe = cfg.moe.as_ref().expect("MoE layer without MoE config");
-                    let mut logits = be.zeros(t, moe.routing.n_experts)?;
-                    be.matmul(&h, router, &mut logits)?;
-                    be.moe(
-                        &h,
-                        &logits,
-                        ExpertWeights { gate, up, down },
-                        moe.routing,
-                        &mut y,
-                    )?;
-                }
-            }
-            be.add_assign(&mut x, &y)?;
         }
+        Ok(out)
+    }
+}
 
-        let x = match which {
-            Logits::All => x,
-            Logits::Last => be.slice_rows(&x, t - 1, 1)?,
-        };
-        let mut h = be.zeros(x.rows, cfg.hidden)?;
-        be.rms_norm(&x, &self.out_norm, cfg.rms_eps, &mut h)?;
-        let mut logits = be.zeros(x.rows, cfg.vocab)?;
-        be.matmul(&h, self.output.as_ref().unwrap_or(&self.embed), &mut logits)?;
-        Ok(logits)
+/// Preallocated activations of one sequence's steps (see [`Model::workspace`]).
+pub struct Workspace<B: Backend> {
+    /// Token ids and positions of the current step.
+    pub step: StepInput<B::IBuf>,
+    x: Act<B::Buf>,
+    h: Act<B::Buf>,
+    q: Act<B::Buf>,
+    k: Act<B::Buf>,
+    v: Act<B::Buf>,
+    att: Act<B::Buf>,
+    y: Act<B::Buf>,
+    gate: Act<B::Buf>,
+    up: Act<B::Buf>,
+    act: Act<B::Buf>,
+    router: Act<B::Buf>,
+    last: Act<B::Buf>,
+    /// Logits of the last step: `[1, vocab]` or `[rows, vocab]`.
+    pub logits: Act<B::Buf>,
+    /// Greedy choices of the last step (device side), see [`Backend::argmax`].
+    pub argmax: B::IBuf,
+}
+
+impl<B: Backend> Workspace<B> {
+    fn set_rows(&mut self, t: usize) -> Result<()> {
+        for a in [
+            &mut self.x,
+            &mut self.h,
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.att,
+            &mut self.y,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.act,
+            &mut self.router,
+        ] {
+            a.set_rows(t)?;
+        }
+        Ok(())
+    }
+    /// Most rows one step can hold.
+    pub fn capacity(&self) -> usize {
+        self.step.capacity
     }
 }

@@ -7,5 +7,5 @@ pub mod decoder;
 pub mod source;
 
 pub use config::{Arch, ModelConfig};
-pub use decoder::{Logits, Model};
+pub use decoder::{Logits, Model, Workspace};
 pub use source::ModelFile;

@@ -6,7 +6,6 @@
 use std::path::{Path, PathBuf};
 
 use ferrite_backend::cpu::CpuBackend;
-use ferrite_backend::Backend;
 use ferrite_models::{Logits, Model, ModelFile};
 
 /// NMSE = mse(ours, oracle) / mean(oracle²). Both sides compute in f32 from the same
@@ -81,7 +80,8 @@ fn all_logits(file: &ModelFile, tokens: &[u32]) -> Vec<f32> {
     let be = CpuBackend::new();
     let m: Model<CpuBackend> = Model::load(&be, file, &|_, _| {}).expect("model loads");
     let mut kv = m.new_kv(&be, tokens.len()).unwrap();
-    be.to_host(&m.forward(&be, &mut kv, 0, tokens, Logits::All).unwrap())
+    let mut ws = m.workspace(&be, tokens.len(), Logits::All).unwrap();
+    m.run(&be, &mut ws, &mut kv, 0, tokens, Logits::All)
         .unwrap()
 }
 
@@ -138,18 +138,16 @@ fn check_model(name: &str) {
     let be = CpuBackend::new();
     let m: Model<CpuBackend> = Model::load(&be, &file, &|_, _| {}).unwrap();
     let mut kv = m.new_kv(&be, prompt.len() + want.len()).unwrap();
-    let mut logits = be
-        .to_host(&m.forward(&be, &mut kv, 0, &prompt, Logits::Last).unwrap())
+    let mut ws = m.workspace(&be, prompt.len(), Logits::Last).unwrap();
+    let mut logits = m
+        .run(&be, &mut ws, &mut kv, 0, &prompt, Logits::Last)
         .unwrap();
     let mut got = vec![];
     for i in 0..want.len() {
         let t = argmax(&logits) as u32;
         got.push(t);
-        logits = be
-            .to_host(
-                &m.forward(&be, &mut kv, prompt.len() + i, &[t], Logits::Last)
-                    .unwrap(),
-            )
+        logits = m
+            .run(&be, &mut ws, &mut kv, prompt.len() + i, &[t], Logits::Last)
             .unwrap();
     }
     assert_eq!(
