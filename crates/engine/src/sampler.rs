@@ -72,11 +72,16 @@ impl Default for SamplerConfig {
 impl SamplerConfig {
     /// Greedy decoding: argmax, no penalties.
     pub fn greedy() -> Self {
-        SamplerConfig { temperature: 0.0, ..Default::default() }
+        SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
 
     fn has_penalties(&self) -> bool {
-        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
     }
 }
 
@@ -138,7 +143,13 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        Sampler { cfg, rng, counts: vec![0; vocab_size], seen: Vec::new(), cands: Vec::with_capacity(vocab_size) }
+        Sampler {
+            cfg,
+            rng,
+            counts: vec![0; vocab_size],
+            seen: Vec::new(),
+            cands: Vec::with_capacity(vocab_size),
+        }
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -156,7 +167,11 @@ impl Sampler {
         }
         // Branch-free so it vectorizes: NaN -> -inf, +inf -> MAX.
         for l in logits.iter_mut() {
-            *l = if l.is_nan() { f32::NEG_INFINITY } else { l.min(f32::MAX) };
+            *l = if l.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                l.min(f32::MAX)
+            };
         }
         if self.cfg.has_penalties() {
             self.apply_penalties(logits, history);
@@ -169,7 +184,11 @@ impl Sampler {
         let cands = &mut self.cands;
         cands.clear();
         cands.extend(
-            logits.iter().enumerate().filter(|(_, v)| **v > f32::NEG_INFINITY).map(|(i, &v)| Cand { id: i as u32, v }),
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| **v > f32::NEG_INFINITY)
+                .map(|(i, &v)| Cand { id: i as u32, v }),
         );
         if cands.is_empty() {
             return 0;
@@ -223,7 +242,11 @@ impl Sampler {
             }
         }
         // Rounding put u at the very end: take the last token with non-zero mass.
-        cands.iter().rev().find(|c| c.v > 0.0).map_or(cands[0].id, |c| c.id)
+        cands
+            .iter()
+            .rev()
+            .find(|c| c.v > 0.0)
+            .map_or(cands[0].id, |c| c.id)
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {
@@ -240,7 +263,11 @@ impl Sampler {
                 self.counts[t] += 1;
             }
         }
-        let (rep, pres, freq) = (self.cfg.repetition_penalty, self.cfg.presence_penalty, self.cfg.frequency_penalty);
+        let (rep, pres, freq) = (
+            self.cfg.repetition_penalty,
+            self.cfg.presence_penalty,
+            self.cfg.frequency_penalty,
+        );
         for &t in &self.seen {
             let t = t as usize;
             let count = self.counts[t];
@@ -334,9 +361,17 @@ impl StopChecker {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        let stops: Vec<String> = stops.into_iter().map(Into::into).filter(|s| !s.is_empty()).collect();
+        let stops: Vec<String> = stops
+            .into_iter()
+            .map(Into::into)
+            .filter(|s| !s.is_empty())
+            .collect();
         let max_len = stops.iter().map(|s| s.len()).max().unwrap_or(0);
-        StopChecker { stops, max_len, checked: 0 }
+        StopChecker {
+            stops,
+            max_len,
+            checked: 0,
+        }
     }
 
     pub fn stops(&self) -> &[String] {
@@ -357,7 +392,9 @@ impl StopChecker {
     /// listed stop string).
     pub fn check(&mut self, text: &str) -> StopCheck {
         if self.stops.is_empty() {
-            return StopCheck::Continue { safe_len: text.len() };
+            return StopCheck::Continue {
+                safe_len: text.len(),
+            };
         }
         if text.len() < self.checked {
             self.checked = 0;
@@ -375,17 +412,24 @@ impl StopChecker {
             }
         }
         if let Some((pos, stop)) = best {
-            return StopCheck::Stop { len: start + pos, stop };
+            return StopCheck::Stop {
+                len: start + pos,
+                stop,
+            };
         }
         // Hold back the longest suffix that is a proper prefix of some stop string.
         let tail_start = floor_char_boundary(text, text.len().saturating_sub(self.max_len - 1));
         for (i, _) in text[tail_start..].char_indices() {
             let suffix = &text[tail_start + i..];
             if self.stops.iter().any(|s| s.starts_with(suffix)) {
-                return StopCheck::Continue { safe_len: tail_start + i };
+                return StopCheck::Continue {
+                    safe_len: tail_start + i,
+                };
             }
         }
-        StopCheck::Continue { safe_len: text.len() }
+        StopCheck::Continue {
+            safe_len: text.len(),
+        }
     }
 }
 
@@ -404,7 +448,11 @@ mod tests {
     use super::*;
 
     fn cfg(temperature: f32) -> SamplerConfig {
-        SamplerConfig { temperature, seed: Some(42), ..Default::default() }
+        SamplerConfig {
+            temperature,
+            seed: Some(42),
+            ..Default::default()
+        }
     }
 
     /// Deterministic pseudo-random logits (no RNG crate needed for inputs).
@@ -427,7 +475,10 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
         assert_eq!(argmax(&[]), 0);
         assert_eq!(argmax(&[f32::NEG_INFINITY, -1e30]), 1);
-        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::INFINITY, f32::INFINITY]), 1);
+        assert_eq!(
+            argmax(&[f32::NEG_INFINITY, f32::INFINITY, f32::INFINITY]),
+            1
+        );
         for seed in 0..10 {
             let l = logits(10_000, seed);
             assert_eq!(argmax(&l), argmax_scalar(&l));
@@ -441,14 +492,28 @@ mod tests {
         assert_eq!(s.sample(&mut l, &[]), 2);
         assert!(l[1] == f32::NEG_INFINITY);
         // Negative temperature is greedy too.
-        let mut s = Sampler::new(SamplerConfig { temperature: -1.0, ..cfg(1.0) }, 5);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                temperature: -1.0,
+                ..cfg(1.0)
+            },
+            5,
+        );
         assert_eq!(s.sample(&mut vec![0.1, 5.0, 2.0, 2.0, -1.0], &[]), 1);
     }
 
     #[test]
     fn all_nan_does_not_panic() {
         for t in [0.0, 1.0] {
-            let mut s = Sampler::new(SamplerConfig { top_p: 0.5, min_p: 0.1, top_k: 3, ..cfg(t) }, 4);
+            let mut s = Sampler::new(
+                SamplerConfig {
+                    top_p: 0.5,
+                    min_p: 0.1,
+                    top_k: 3,
+                    ..cfg(t)
+                },
+                4,
+            );
             assert_eq!(s.sample(&mut vec![f32::NAN; 4], &[1, 2, 9]), 0);
         }
         let mut s = Sampler::new(cfg(1.0), 4);
@@ -463,8 +528,18 @@ mod tests {
     fn seeded_is_reproducible() {
         let base = logits(1000, 7);
         let run = |seed| {
-            let mut s = Sampler::new(SamplerConfig { seed: Some(seed), top_k: 50, top_p: 0.9, ..cfg(1.0) }, 1000);
-            (0..200).map(|_| s.sample(&mut base.clone(), &[])).collect::<Vec<_>>()
+            let mut s = Sampler::new(
+                SamplerConfig {
+                    seed: Some(seed),
+                    top_k: 50,
+                    top_p: 0.9,
+                    ..cfg(1.0)
+                },
+                1000,
+            );
+            (0..200)
+                .map(|_| s.sample(&mut base.clone(), &[]))
+                .collect::<Vec<_>>()
         };
         let a = run(1);
         assert_eq!(a, run(1));
@@ -481,16 +556,43 @@ mod tests {
         for seed in 0..20 {
             let base = logits(150_000, seed);
             let want = argmax(&base);
-            let mut s = Sampler::new(SamplerConfig { top_k: 1, seed: Some(seed), ..cfg(1.5) }, base.len());
+            let mut s = Sampler::new(
+                SamplerConfig {
+                    top_k: 1,
+                    seed: Some(seed),
+                    ..cfg(1.5)
+                },
+                base.len(),
+            );
             assert_eq!(s.sample(&mut base.clone(), &[]), want);
-            let mut s = Sampler::new(SamplerConfig { top_p: 1e-9, seed: Some(seed), ..cfg(1.5) }, base.len());
+            let mut s = Sampler::new(
+                SamplerConfig {
+                    top_p: 1e-9,
+                    seed: Some(seed),
+                    ..cfg(1.5)
+                },
+                base.len(),
+            );
             assert_eq!(s.sample(&mut base.clone(), &[]), want);
             // min_p = 1 keeps only the max.
-            let mut s = Sampler::new(SamplerConfig { min_p: 1.0, seed: Some(seed), ..cfg(1.5) }, base.len());
+            let mut s = Sampler::new(
+                SamplerConfig {
+                    min_p: 1.0,
+                    seed: Some(seed),
+                    ..cfg(1.5)
+                },
+                base.len(),
+            );
             assert_eq!(s.sample(&mut base.clone(), &[]), want);
         }
         // Ties: lowest id wins under top-k=1.
-        let mut s = Sampler::new(SamplerConfig { top_k: 1, ..cfg(1.0) }, 4);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                top_k: 1,
+                ..cfg(1.0)
+            },
+            4,
+        );
         assert_eq!(s.sample(&mut vec![0.0, 3.0, 3.0, 3.0], &[]), 1);
     }
 
@@ -500,7 +602,13 @@ mod tests {
         let mut order: Vec<u32> = (0..5000).collect();
         order.sort_by(|&a, &b| base[b as usize].total_cmp(&base[a as usize]));
         let top: std::collections::HashSet<u32> = order[..10].iter().copied().collect();
-        let mut s = Sampler::new(SamplerConfig { top_k: 10, ..cfg(5.0) }, 5000);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                top_k: 10,
+                ..cfg(5.0)
+            },
+            5000,
+        );
         for _ in 0..500 {
             assert!(top.contains(&s.sample(&mut base.clone(), &[])));
         }
@@ -511,13 +619,28 @@ mod tests {
         // probs (T=1): exp of ln p -> 0.5, 0.3, 0.15, 0.05
         let base: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
         // top_p 0.79 -> {0, 1}; 0.81 -> {0, 1, 2}
-        let mut s = Sampler::new(SamplerConfig { top_p: 0.79, ..cfg(1.0) }, 4);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                top_p: 0.79,
+                ..cfg(1.0)
+            },
+            4,
+        );
         let mut seen = [0u32; 4];
         for _ in 0..2000 {
             seen[s.sample(&mut base.clone(), &[]) as usize] += 1;
         }
-        assert!(seen[0] > 0 && seen[1] > 0 && seen[2] == 0 && seen[3] == 0, "{seen:?}");
-        let mut s = Sampler::new(SamplerConfig { top_p: 0.81, ..cfg(1.0) }, 4);
+        assert!(
+            seen[0] > 0 && seen[1] > 0 && seen[2] == 0 && seen[3] == 0,
+            "{seen:?}"
+        );
+        let mut s = Sampler::new(
+            SamplerConfig {
+                top_p: 0.81,
+                ..cfg(1.0)
+            },
+            4,
+        );
         let mut seen = [0u32; 4];
         for _ in 0..4000 {
             seen[s.sample(&mut base.clone(), &[]) as usize] += 1;
@@ -535,10 +658,23 @@ mod tests {
     #[test]
     fn top_p_on_large_vocab_matches_full_sort() {
         // The growing-prefix top-p must keep exactly what a full sort keeps.
-        for (seed, p) in [(1u64, 0.5f64), (2, 0.9), (3, 0.99), (4, 0.999), (5, 1e-9), (6, 1.0)] {
+        for (seed, p) in [
+            (1u64, 0.5f64),
+            (2, 0.9),
+            (3, 0.99),
+            (4, 0.999),
+            (5, 1e-9),
+            (6, 1.0),
+        ] {
             let base = logits(20_000, seed);
-            let mut cands: Vec<Cand> =
-                base.iter().enumerate().map(|(i, &v)| Cand { id: i as u32, v: (v * 2.0).exp() }).collect();
+            let mut cands: Vec<Cand> = base
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| Cand {
+                    id: i as u32,
+                    v: (v * 2.0).exp(),
+                })
+                .collect();
             let sum: f64 = cands.iter().map(|c| c.v as f64).sum();
             let mut full = cands.clone();
             full.sort_by(desc);
@@ -561,14 +697,29 @@ mod tests {
     fn min_p_filters_relative_to_max() {
         // probs 0.5, 0.3, 0.15, 0.05 -> min_p 0.25 keeps p >= 0.125: ids 0, 1, 2.
         let base: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
-        let mut s = Sampler::new(SamplerConfig { min_p: 0.25, ..cfg(1.0) }, 4);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                min_p: 0.25,
+                ..cfg(1.0)
+            },
+            4,
+        );
         let mut seen = [0u32; 4];
         for _ in 0..3000 {
             seen[s.sample(&mut base.clone(), &[]) as usize] += 1;
         }
-        assert!(seen[0] > 0 && seen[1] > 0 && seen[2] > 0 && seen[3] == 0, "{seen:?}");
+        assert!(
+            seen[0] > 0 && seen[1] > 0 && seen[2] > 0 && seen[3] == 0,
+            "{seen:?}"
+        );
         // min_p 0.61 keeps only p >= 0.305: id 0 only.
-        let mut s = Sampler::new(SamplerConfig { min_p: 0.61, ..cfg(1.0) }, 4);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                min_p: 0.61,
+                ..cfg(1.0)
+            },
+            4,
+        );
         for _ in 0..200 {
             assert_eq!(s.sample(&mut base.clone(), &[]), 0);
         }
@@ -622,7 +773,13 @@ mod tests {
 
     #[test]
     fn repetition_penalty_alone() {
-        let mut s = Sampler::new(SamplerConfig { repetition_penalty: 1.3, ..SamplerConfig::greedy() }, 3);
+        let mut s = Sampler::new(
+            SamplerConfig {
+                repetition_penalty: 1.3,
+                ..SamplerConfig::greedy()
+            },
+            3,
+        );
         let mut l = vec![2.6f32, -1.0, 2.5];
         // Seen token 0 drops below token 2.
         assert_eq!(s.sample(&mut l, &[0, 0, 0, 1]), 2);
@@ -666,7 +823,10 @@ mod tests {
         assert_eq!(sc.check("abc\n\nUs"), StopCheck::Continue { safe_len: 3 });
         // Diverges: everything becomes safe.
         assert_eq!(sc.check("abc\n\nUsx"), StopCheck::Continue { safe_len: 8 });
-        assert_eq!(sc.check("abc\n\nUsx\n\nUser:"), StopCheck::Stop { len: 8, stop: 0 });
+        assert_eq!(
+            sc.check("abc\n\nUsx\n\nUser:"),
+            StopCheck::Stop { len: 8, stop: 0 }
+        );
     }
 
     #[test]
@@ -676,10 +836,31 @@ mod tests {
         assert_eq!(sc.check("hello world"), StopCheck::Stop { len: 3, stop: 1 });
         // Multi-byte text: boundaries stay on chars; holdback of a multi-byte prefix.
         let mut sc = StopChecker::new(["émoji🙂end"]);
-        assert_eq!(sc.check("ça va é"), StopCheck::Continue { safe_len: "ça va ".len() });
-        assert_eq!(sc.check("ça va émoji🙂"), StopCheck::Continue { safe_len: "ça va ".len() });
-        assert_eq!(sc.check("ça va émoji🙂en"), StopCheck::Continue { safe_len: "ça va ".len() });
-        assert_eq!(sc.check("ça va émoji🙂end!"), StopCheck::Stop { len: "ça va ".len(), stop: 0 });
+        assert_eq!(
+            sc.check("ça va é"),
+            StopCheck::Continue {
+                safe_len: "ça va ".len()
+            }
+        );
+        assert_eq!(
+            sc.check("ça va émoji🙂"),
+            StopCheck::Continue {
+                safe_len: "ça va ".len()
+            }
+        );
+        assert_eq!(
+            sc.check("ça va émoji🙂en"),
+            StopCheck::Continue {
+                safe_len: "ça va ".len()
+            }
+        );
+        assert_eq!(
+            sc.check("ça va émoji🙂end!"),
+            StopCheck::Stop {
+                len: "ça va ".len(),
+                stop: 0
+            }
+        );
         // No stops: everything is safe.
         let mut sc = StopChecker::new(Vec::<String>::new());
         assert!(sc.is_empty());
