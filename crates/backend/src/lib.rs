@@ -13,6 +13,7 @@
 //! - Positions are absolute token positions in the sequence (for RoPE and the causal mask).
 
 pub mod cpu;
+pub mod cuda;
 
 use anyhow::Result;
 use ferrite_formats::GgmlType;

@@ -1,0 +1,1 @@
+// attention.cu — being written.

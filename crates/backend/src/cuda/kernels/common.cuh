@@ -1,0 +1,124 @@
+// common.cuh — prepended to every kernel file.
+//
+// The ggml block types as they sit in VRAM (exactly the GGUF bytes; no repacking here), and
+// a reference per-element decoder used by the simple kernels (embedding rows, expert
+// weights). The GEMV/matmul kernels have their own vectorised decoders; they must agree
+// with these, which `ferrite check` verifies through the CPU oracle.
+//
+// Type ids are ggml's (see ferrite_formats::GgmlType::id).
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+// NVRTC has no libc headers: the fixed-width types it needs, spelled out.
+typedef unsigned char uint8_t;
+typedef signed char int8_t;
+typedef unsigned short uint16_t;
+typedef short int16_t;
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+
+#define GGML_F32 0
+#define GGML_F16 1
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q8_0 8
+#define GGML_Q4_K 12
+#define GGML_Q5_K 13
+#define GGML_Q6_K 14
+#define GGML_BF16 30
+
+// Bytes per block / elements per block.
+#define Q4_0_BYTES 18
+#define Q4_1_BYTES 20
+#define Q8_0_BYTES 34
+#define Q4_K_BYTES 144
+#define Q5_K_BYTES 176
+#define Q6_K_BYTES 210
+#define QK 32
+#define QK_K 256
+
+__device__ __forceinline__ float f16_at(const uint8_t* p) {
+    // Blocks are only 2-byte aligned: assemble the half from bytes.
+    unsigned short u = (unsigned short)p[0] | ((unsigned short)p[1] << 8);
+    return __half2float(__ushort_as_half(u));
+}
+
+__device__ __forceinline__ float bf16_at(const uint8_t* p) {
+    unsigned int u = ((unsigned int)p[0] | ((unsigned int)p[1] << 8)) << 16;
+    return __uint_as_float(u);
+}
+
+// ggml's get_scale_min_k4: 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block.
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t* s, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *m = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+// Element i of a row stored as `type` (row points at the row's first byte).
+__device__ float ggml_get(const uint8_t* row, int type, int i) {
+    switch (type) {
+    case GGML_F32: {
+        const uint8_t* p = row + 4 * (size_t)i;
+        unsigned int u = (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) | ((unsigned int)p[3] << 24);
+        return __uint_as_float(u);
+    }
+    case GGML_F16: return f16_at(row + 2 * (size_t)i);
+    case GGML_BF16: return bf16_at(row + 2 * (size_t)i);
+    case GGML_Q4_0: {
+        const uint8_t* b = row + (size_t)(i / QK) * Q4_0_BYTES;
+        int j = i % QK;
+        int q = j < 16 ? (b[2 + j] & 0xF) : (b[2 + j - 16] >> 4);
+        return (float)(q - 8) * f16_at(b);
+    }
+    case GGML_Q4_1: {
+        const uint8_t* b = row + (size_t)(i / QK) * Q4_1_BYTES;
+        int j = i % QK;
+        int q = j < 16 ? (b[4 + j] & 0xF) : (b[4 + j - 16] >> 4);
+        return (float)q * f16_at(b) + f16_at(b + 2);
+    }
+    case GGML_Q8_0: {
+        const uint8_t* b = row + (size_t)(i / QK) * Q8_0_BYTES;
+        return (float)(int8_t)b[2 + i % QK] * f16_at(b);
+    }
+    case GGML_Q4_K: {
+        const uint8_t* b = row + (size_t)(i / QK_K) * Q4_K_BYTES;
+        int r = i % QK_K, g = r / 64, w = r % 64, l = w % 32;
+        float sc, m;
+        scale_min_k4(2 * g + (w >= 32), b + 4, &sc, &m);
+        uint8_t byte = b[16 + g * 32 + l];
+        int q = w < 32 ? (byte & 0xF) : (byte >> 4);
+        return f16_at(b) * sc * (float)q - f16_at(b + 2) * m;
+    }
+    case GGML_Q5_K: {
+        const uint8_t* b = row + (size_t)(i / QK_K) * Q5_K_BYTES;
+        int r = i % QK_K, g = r / 64, w = r % 64, l = w % 32;
+        float sc, m;
+        scale_min_k4(2 * g + (w >= 32), b + 4, &sc, &m);
+        uint8_t byte = b[48 + g * 32 + l];
+        int q = w < 32 ? (byte & 0xF) : (byte >> 4);
+        int hb = (b[16 + l] >> (2 * g + (w >= 32))) & 1;
+        return f16_at(b) * sc * (float)(q + 16 * hb) - f16_at(b + 2) * m;
+    }
+    case GGML_Q6_K: {
+        const uint8_t* b = row + (size_t)(i / QK_K) * Q6_K_BYTES;
+        const uint8_t* ql = b;
+        const uint8_t* qh = b + 128;
+        const int8_t* sc = (const int8_t*)(b + 192);
+        float d = f16_at(b + 208);
+        int r = i % QK_K, n = r / 128, rr = r % 128, quarter = rr / 32, l = rr % 32;
+        uint8_t lo = ql[64 * n + l + (quarter & 1) * 32];
+        int low = quarter >= 2 ? (lo >> 4) : (lo & 0xF);
+        int high = (qh[32 * n + l] >> (2 * quarter)) & 3;
+        int q = (low | (high << 4)) - 32;
+        return d * (float)sc[8 * n + l / 16 + 2 * quarter] * (float)q;
+    }
+    default: return __int_as_float(0x7fc00000);  // NaN: an unknown type must never pass check
+    }
+}

@@ -1,0 +1,127 @@
+// elementwise.cu — the small ops of a decoder layer.
+//
+// All of these move O(rows × cols) floats and are bandwidth-trivial next to the matmuls;
+// their cost at decode is launch latency, which CUDA graphs hide. Plans:
+// - embed:        one block per token row; threads stride over the row, decoding each
+//                 element from the stored block type (ggml_get).
+// - rms_norm:     one block per row; each thread sums squares of a strided slice, warp
+//                 shuffles then shared memory reduce; then every thread scales its slice.
+// - head_rms_norm: one warp per head (head_dim ≤ 256: 8 values per lane at most).
+// - rope:         one thread per rotated pair; the angle pos·θ^(-2i/d) computed in f32 as
+//                 the CPU reference and Hugging Face compute it; the position is read from
+//                 device memory so a captured decode graph is valid at every position.
+// - add / swiglu: one thread per element.
+// - argmax:       one block per row: per-thread best (value, lowest index), then a shared
+//                 reduction; ties resolve to the lower index like the CPU.
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void embed(const uint8_t* __restrict__ table, int type, long long row_bytes,
+                                 const int* __restrict__ tokens, float* __restrict__ out, int dim) {
+    int t = blockIdx.x;
+    const uint8_t* row = table + (long long)tokens[t] * row_bytes;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(long long)t * dim + i] = ggml_get(row, type, i);
+}
+
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
+                                    float* __restrict__ out, int cols, float eps) {
+    __shared__ float partial[32];
+    const float* xr = x + (long long)blockIdx.x * cols;
+    float* orow = out + (long long)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = warp_sum(ss);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    if (lane == 0) partial[wid] = ss;
+    __syncthreads();
+    if (wid == 0) {
+        int nw = (blockDim.x + 31) >> 5;
+        float v = lane < nw ? partial[lane] : 0.f;
+        v = warp_sum(v);
+        if (lane == 0) partial[0] = v;
+    }
+    __syncthreads();
+    float scale = rsqrtf(partial[0] / (float)cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) orow[i] = (xr[i] * scale) * w[i];
+}
+
+// x: n_heads_total heads of head_dim floats, normalised in place, one warp per head.
+extern "C" __global__ void head_rms_norm(float* __restrict__ x, const float* __restrict__ w,
+                                         int n_heads_total, int head_dim, float eps) {
+    int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (head >= n_heads_total) return;
+    float* h = x + (long long)head * head_dim;
+    float ss = 0.f;
+    for (int i = lane; i < head_dim; i += 32) ss += h[i] * h[i];
+    ss = warp_sum(ss);
+    float scale = rsqrtf(ss / (float)head_dim + eps);
+    for (int i = lane; i < head_dim; i += 32) h[i] = (h[i] * scale) * w[i];
+}
+
+// One thread per (row, head, pair i < rot_dim/2).
+extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ positions, int rows, int cols,
+                                int head_dim, int rot_dim, int neox, float theta) {
+    int half = rot_dim / 2;
+    int heads = cols / head_dim;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)rows * heads * half;
+    if (idx >= total) return;
+    int i = (int)(idx % half);
+    long long rh = idx / half;
+    int head = (int)(rh % heads);
+    int t = (int)(rh / heads);
+    float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)rot_dim);
+    float a = (float)positions[t] * inv_freq;
+    float c = cosf(a), s = sinf(a);
+    float* h = x + (long long)t * cols + (long long)head * head_dim;
+    int ia = neox ? i : 2 * i;
+    int ib = neox ? i + half : 2 * i + 1;
+    float x0 = h[ia], x1 = h[ib];
+    h[ia] = x0 * c - x1 * s;
+    h[ib] = x0 * s + x1 * c;
+}
+
+extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u,
+                                  float* __restrict__ out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = g[i];
+        out[i] = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int cols) {
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
+    const float* row = logits + (long long)blockIdx.x * cols;
+    float best = __int_as_float(0xff800000);  // -inf
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = row[i];
+        if (v > best) { best = v; idx = i; }  // strided ascending: first max per thread
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float v = bv[threadIdx.x + s];
+            int j = bi[threadIdx.x + s];
+            if (v > bv[threadIdx.x] || (v == bv[threadIdx.x] && j < bi[threadIdx.x])) {
+                bv[threadIdx.x] = v;
+                bi[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = bi[0] == 0x7fffffff ? 0 : bi[0];
+}

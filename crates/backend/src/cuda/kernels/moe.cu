@@ -1,0 +1,1 @@
+// moe.cu — being written.

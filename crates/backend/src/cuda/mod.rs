@@ -1,0 +1,415 @@
+//! The CUDA backend: our own kernels (`kernels/*.cu`, compiled at first use by NVRTC for the
+//! device's architecture), weights in VRAM in their file types, preallocated activations, and
+//! decode steps captured as CUDA graphs.
+//!
+//! Loaded dynamically (cudarc `dynamic-loading`): the same binary builds and runs on machines
+//! without CUDA; [`CudaBackend::available`] says whether a GPU can be used.
+//!
+//! Kernel families, one launcher module each:
+//! - [`ops`]: embedding, RMSNorm, per-head RMSNorm, RoPE, add, SwiGLU, argmax (`elementwise.cu`).
+//! - [`matmul`]: decode GEMV for every weight type and the prefill matmul on the tensor cores.
+//! - [`attention`]: KV cache (f16 / q8_0), prefill flash attention, split-K decode attention.
+//! - [`moe`]: top-k routing and batched expert FFNs.
+
+pub mod attention;
+pub mod matmul;
+pub mod moe;
+pub mod nvrtc;
+pub mod ops;
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream};
+use ferrite_formats::GgmlType;
+
+use crate::{
+    Act, AttnArgs, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope, StepInput,
+};
+
+/// Source shared by every kernel file: block layouts and dequantization of the ggml types
+/// (prepended to each `.cu` before compilation).
+pub const COMMON_CUH: &str = include_str!("kernels/common.cuh");
+
+/// A weight in VRAM, in its file type (quantized blocks exactly as stored in the GGUF).
+/// 1-D weights (norm scales) are converted to f32 at upload: they are tiny and read often.
+pub struct CudaWeight {
+    pub dtype: GgmlType,
+    /// Row-major shape; the last dimension is contiguous.
+    pub shape: Vec<usize>,
+    pub data: CudaSlice<u8>,
+}
+
+impl CudaWeight {
+    /// Bytes of one row (the last dimension).
+    pub fn row_bytes(&self) -> usize {
+        self.shape
+            .last()
+            .map_or(0, |&n| n / self.dtype.block_size() * self.dtype.type_size())
+    }
+}
+
+/// The device, its stream and every compiled kernel.
+pub struct CudaBackend {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// NVRTC architecture, e.g. `compute_90a`.
+    pub arch: &'static str,
+    pub sm_count: usize,
+    pub device_name: String,
+    pub ops: ops::Kernels,
+    pub matmul: matmul::Kernels,
+    pub attention: attention::Kernels,
+    pub moe: moe::Kernels,
+}
+
+/// Compiles `src` (with [`COMMON_CUH`] prepended) and loads it as a module.
+pub fn load_module(
+    ctx: &Arc<CudaContext>,
+    arch: &'static str,
+    name: &str,
+    src: &str,
+) -> Result<Arc<CudaModule>> {
+    let full = format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}");
+    let ptx = nvrtc::compile(name, &full, arch)?;
+    ctx.load_module(ptx)
+        .with_context(|| format!("loading the {name} kernels"))
+}
+
+/// Every kernel source: (name, text). Compiled together by [`compile_all`].
+pub fn sources() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("elementwise", ops::SRC),
+        ("matmul", matmul::SRC),
+        ("attention", attention::SRC),
+        ("moe", moe::SRC),
+    ]
+}
+
+/// Compiles every kernel for `arch` with NVRTC (no GPU needed): catches compile errors on
+/// machines without a device. Returns (name, PTX bytes) per file.
+pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, usize)>> {
+    sources()
+        .into_iter()
+        .map(|(name, src)| {
+            let full = format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}");
+            Ok((name, nvrtc::compile(name, &full, arch)?.to_src().len()))
+        })
+        .collect()
+}
+
+/// Loads a kernel by its `extern "C"` name (once, at start-up).
+pub fn function(m: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
+    m.load_function(name)
+        .with_context(|| format!("kernel {name} not found"))
+}
+
+impl CudaBackend {
+    /// Whether a CUDA device can be used: the driver library loads and reports a device.
+    /// cudarc panics when a library is missing, so the probe runs under `catch_unwind` with
+    /// the panic message silenced.
+    pub fn available() -> bool {
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let ok = std::panic::catch_unwind(|| {
+            CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+        })
+        .unwrap_or(false);
+        std::panic::set_hook(hook);
+        ok
+    }
+
+    /// Opens device `ordinal` and compiles every kernel for it.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        ensure!(
+            Self::available(),
+            "no CUDA device found (the CUDA driver library did not load or reports no GPU)"
+        );
+        let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
+        // One stream, in order: no cross-stream events needed (they also break graph capture).
+        // SAFETY: called before any other stream or allocation exists.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().context("creating a CUDA stream")?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = nvrtc::arch_for(major, minor);
+        let sm_count = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
+        let device_name = ctx.name()?;
+        Ok(CudaBackend {
+            ops: ops::Kernels::load(&ctx, arch)?,
+            matmul: matmul::Kernels::load(&ctx, arch)?,
+            attention: attention::Kernels::load(&ctx, arch)?,
+            moe: moe::Kernels::load(&ctx, arch)?,
+            ctx,
+            stream,
+            arch,
+            sm_count,
+            device_name,
+        })
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaSlice<f32>;
+    type IBuf = CudaSlice<i32>;
+    type Weight = CudaWeight;
+    type Kv = attention::CudaKv;
+    type Graph = CudaGraph;
+
+    fn name(&self) -> String {
+        format!(
+            "cuda:{} {} ({}, {} SMs)",
+            self.ctx.ordinal(),
+            self.device_name,
+            self.arch,
+            self.sm_count
+        )
+    }
+
+    fn device_name(&self) -> String {
+        self.device_name.clone()
+    }
+
+    fn copy_bandwidth(&self) -> Result<f64> {
+        ops::copy_bandwidth(self)
+    }
+
+    fn kv_bytes_per_element(&self) -> f64 {
+        attention::KV_BYTES_PER_ELEMENT
+    }
+
+    fn upload(&self, t: &HostTensor<'_>) -> Result<CudaWeight> {
+        ops::upload(self, t)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> Result<Act<CudaSlice<f32>>> {
+        let buf = self.stream.alloc_zeros::<f32>((rows * cols).max(1))?;
+        Ok(Act {
+            buf,
+            rows,
+            cols,
+            capacity: rows,
+        })
+    }
+
+    fn step_input(&self, capacity: usize) -> Result<StepInput<CudaSlice<i32>>> {
+        Ok(StepInput {
+            tokens: self.stream.alloc_zeros::<i32>(capacity.max(1))?,
+            positions: self.stream.alloc_zeros::<i32>(capacity.max(1))?,
+            rows: 0,
+            pos0: 0,
+            capacity,
+        })
+    }
+
+    fn set_step(
+        &self,
+        step: &mut StepInput<CudaSlice<i32>>,
+        tokens: &[u32],
+        pos0: usize,
+    ) -> Result<()> {
+        ensure!(
+            tokens.len() <= step.capacity,
+            "{} tokens in a step of {}",
+            tokens.len(),
+            step.capacity
+        );
+        let ids: Vec<i32> = tokens
+            .iter()
+            .map(|&t| i32::try_from(t).context("token id does not fit in i32"))
+            .collect::<Result<_>>()?;
+        let pos: Vec<i32> = (0..tokens.len())
+            .map(|i| i32::try_from(pos0 + i).context("position does not fit in i32"))
+            .collect::<Result<_>>()?;
+        self.stream
+            .memcpy_htod(&ids, &mut step.tokens.slice_mut(..ids.len()))?;
+        self.stream
+            .memcpy_htod(&pos, &mut step.positions.slice_mut(..pos.len()))?;
+        step.rows = tokens.len();
+        step.pos0 = pos0;
+        Ok(())
+    }
+
+    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Act<CudaSlice<f32>>> {
+        ensure!(
+            data.len() == rows * cols,
+            "from_host: {} values for [{rows}, {cols}]",
+            data.len()
+        );
+        let buf = if data.is_empty() {
+            self.stream.alloc_zeros::<f32>(1)?
+        } else {
+            self.stream.clone_htod(data)?
+        };
+        Ok(Act {
+            buf,
+            rows,
+            cols,
+            capacity: rows,
+        })
+    }
+
+    fn to_host(&self, x: &Act<CudaSlice<f32>>) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; x.len()];
+        if !out.is_empty() {
+            self.stream.memcpy_dtoh(&x.buf.slice(..x.len()), &mut out)?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    fn embed(
+        &self,
+        table: &CudaWeight,
+        step: &StepInput<CudaSlice<i32>>,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        ops::embed(self, table, step, out)
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        eps: f32,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        ops::rms_norm(self, x, w, eps, out)
+    }
+
+    fn head_rms_norm(
+        &self,
+        x: &mut Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        ops::head_rms_norm(self, x, w, head_dim, eps)
+    }
+
+    fn matmul(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        matmul::matmul(self, x, w, out)
+    }
+
+    fn copy_rows(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        start: usize,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        ensure!(
+            start + out.rows <= x.rows,
+            "copy_rows: rows {start}..{} of {}",
+            start + out.rows,
+            x.rows
+        );
+        ensure!(
+            out.cols == x.cols,
+            "copy_rows: {} columns into {}",
+            x.cols,
+            out.cols
+        );
+        let n = out.len();
+        let src = x.buf.slice(start * x.cols..start * x.cols + n);
+        self.stream.memcpy_dtod(&src, &mut out.buf.slice_mut(..n))?;
+        Ok(())
+    }
+
+    fn add_assign(&self, x: &mut Act<CudaSlice<f32>>, y: &Act<CudaSlice<f32>>) -> Result<()> {
+        ops::add_assign(self, x, y)
+    }
+
+    fn swiglu(
+        &self,
+        gate: &Act<CudaSlice<f32>>,
+        up: &Act<CudaSlice<f32>>,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        ops::swiglu(self, gate, up, out)
+    }
+
+    fn rope(
+        &self,
+        x: &mut Act<CudaSlice<f32>>,
+        head_dim: usize,
+        step: &StepInput<CudaSlice<i32>>,
+        rope: &Rope,
+    ) -> Result<()> {
+        ops::rope(self, x, head_dim, step, rope)
+    }
+
+    fn kv_new(
+        &self,
+        n_layers: usize,
+        shape: AttnShape,
+        capacity: usize,
+    ) -> Result<attention::CudaKv> {
+        attention::kv_new(self, n_layers, shape, capacity)
+    }
+
+    fn attention(
+        &self,
+        kv: &mut attention::CudaKv,
+        step: &StepInput<CudaSlice<i32>>,
+        a: AttnArgs<'_, CudaSlice<f32>>,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        attention::attention(self, kv, step, a, out)
+    }
+
+    fn moe(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        router_logits: &Act<CudaSlice<f32>>,
+        experts: ExpertWeights<'_, CudaWeight>,
+        routing: MoeRouting,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        moe::moe(self, x, router_logits, experts, routing, out)
+    }
+
+    fn argmax(&self, logits: &Act<CudaSlice<f32>>, out: &mut CudaSlice<i32>) -> Result<()> {
+        ops::argmax(self, logits, out)
+    }
+
+    fn read_i32(&self, x: &CudaSlice<i32>, n: usize) -> Result<Vec<i32>> {
+        ensure!(n <= x.len(), "read_i32: {n} of {}", x.len());
+        let mut out = vec![0i32; n];
+        if n > 0 {
+            self.stream.memcpy_dtoh(&x.slice(..n), &mut out)?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    fn capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<Option<CudaGraph>> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let recorded = f();
+        // End the capture even when recording failed, so the stream is usable again.
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        recorded?;
+        let graph = graph.context("instantiating the captured decode step")?;
+        if let Some(g) = &graph {
+            g.upload()?;
+        }
+        Ok(graph)
+    }
+
+    fn replay(&self, g: &CudaGraph) -> Result<()> {
+        g.launch()?;
+        Ok(())
+    }
+}

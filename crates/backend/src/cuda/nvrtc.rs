@@ -1,0 +1,135 @@
+//! Kernel compilation: `.cu` sources embedded in the binary, compiled at first use by NVRTC
+//! for the device's exact architecture (`compute_90a` on Hopper, so wgmma/TMA are available),
+//! cached on disk by (source hash, architecture, options, NVRTC version).
+//!
+//! NVRTC needs the CUDA headers (`cuda_bf16.h`, `cuda_fp16.h`, ...). They are found through
+//! `CUDA_HOME` / `CUDA_PATH`, then `/usr/local/cuda/include`, then the `nvidia/*/include`
+//! directories of pip's CUDA wheels; the error names every path tried.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+
+/// Directories that may hold the CUDA headers, in search order.
+fn include_candidates() -> Vec<PathBuf> {
+    let mut c = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(v) = std::env::var_os(var) {
+            c.push(PathBuf::from(v).join("include"));
+        }
+    }
+    c.push(PathBuf::from("/usr/local/cuda/include"));
+    // pip wheels: <site-packages>/nvidia/{cu13,cuda_runtime,...}/include
+    if let Ok(out) = std::process::Command::new("python3")
+        .args(["-c", "import site,sys; print('\\n'.join(site.getsitepackages()+[site.getusersitepackages()]))"])
+        .output()
+    {
+        for sp in String::from_utf8_lossy(&out.stdout).lines() {
+            let nv = Path::new(sp).join("nvidia");
+            if let Ok(rd) = std::fs::read_dir(&nv) {
+                let mut dirs: Vec<PathBuf> = rd.flatten().map(|e| e.path().join("include")).collect();
+                dirs.sort();
+                c.extend(dirs);
+            }
+        }
+    }
+    c
+}
+
+/// The include directory that holds `cuda_bf16.h`.
+pub fn cuda_include_dir() -> Result<PathBuf> {
+    let cands = include_candidates();
+    for d in &cands {
+        if d.join("cuda_bf16.h").exists() {
+            return Ok(d.clone());
+        }
+    }
+    bail!(
+        "CUDA headers (cuda_bf16.h) not found; NVRTC needs them. Set CUDA_HOME to a CUDA toolkit. Tried: {}",
+        cands.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )
+}
+
+/// NVRTC's architecture name for a compute capability: `compute_90a` on Hopper (the `a`
+/// unlocks wgmma and TMA), `compute_XY` elsewhere.
+pub fn arch_for(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (9, 0) => "compute_90a",
+        (10, 0) => "compute_100a",
+        (8, 9) => "compute_89",
+        (8, 6) => "compute_86",
+        (8, 0) => "compute_80",
+        (12, _) => "compute_120",
+        _ => "compute_80",
+    }
+}
+
+/// NVRTC's (major, minor) version.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through valid pointers.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    anyhow::ensure!(
+        r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS,
+        "nvrtcVersion failed: {r:?}"
+    );
+    Ok((major, minor))
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("FERRITE_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("ferrite")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/ferrite")))?;
+    Some(base.join("kernels"))
+}
+
+/// Compiles one `.cu` source to PTX for `arch`, through the disk cache.
+pub fn compile(name: &str, src: &str, arch: &'static str) -> Result<Ptx> {
+    let include = cuda_include_dir()?;
+    let options = vec![
+        "--std=c++17".to_string(),
+        "-default-device".to_string(),
+        "-lineinfo".to_string(),
+    ];
+    let (major, minor) = nvrtc_version()?;
+    let mut h = DefaultHasher::new();
+    (src, arch, &options, major, minor).hash(&mut h);
+    let key = format!("{name}-{arch}-{:016x}.ptx", h.finish());
+    let cached = cache_dir().map(|d| d.join(&key));
+    if let Some(p) = &cached {
+        if let Ok(ptx) = std::fs::read_to_string(p) {
+            return Ok(Ptx::from_src(ptx));
+        }
+    }
+    let opts = CompileOptions {
+        arch: Some(arch),
+        include_paths: vec![include.display().to_string()],
+        options,
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(src, opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            anyhow::anyhow!(
+                "NVRTC failed to compile {name}.cu for {arch}:\n{}",
+                log.to_string_lossy()
+            )
+        }
+        other => anyhow::anyhow!("NVRTC failed on {name}.cu: {other:?}"),
+    })?;
+    if let Some(p) = &cached {
+        // A cache that cannot be written only costs a recompile next time.
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, ptx.to_src()).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(ptx)
+}

@@ -1,0 +1,326 @@
+//! Launchers for the small ops (`kernels/elementwise.cu`) and weight upload.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use anyhow::{ensure, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use ferrite_formats::{quant, GgmlType};
+
+use super::{function, load_module, CudaBackend, CudaWeight};
+use crate::{check_shape, Act, HostTensor, Rope, RopeStyle, StepInput};
+
+pub const SRC: &str = include_str!("kernels/elementwise.cu");
+
+/// The compiled kernels of `elementwise.cu`.
+pub struct Kernels {
+    embed: CudaFunction,
+    rms_norm: CudaFunction,
+    head_rms_norm: CudaFunction,
+    rope: CudaFunction,
+    add_assign: CudaFunction,
+    swiglu: CudaFunction,
+    argmax_rows: CudaFunction,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
+        let m = load_module(ctx, arch, "elementwise", SRC)?;
+        Ok(Kernels {
+            embed: function(&m, "embed")?,
+            rms_norm: function(&m, "rms_norm")?,
+            head_rms_norm: function(&m, "head_rms_norm")?,
+            rope: function(&m, "rope")?,
+            add_assign: function(&m, "add_assign")?,
+            swiglu: function(&m, "swiglu")?,
+            argmax_rows: function(&m, "argmax_rows")?,
+        })
+    }
+}
+
+fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(threads).max(1), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Weights go to VRAM as stored; 1-D weights (norm scales) as f32.
+pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
+    let n: usize = t.shape.iter().product();
+    let want = t.dtype.bytes_for(n)?;
+    ensure!(
+        t.data.len() == want,
+        "weight of shape {:?} {} has {} bytes, expected {}",
+        t.shape,
+        t.dtype,
+        t.data.len(),
+        want
+    );
+    let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) =
+        if t.shape.len() == 1 && t.dtype != GgmlType::F32 {
+            let mut f = vec![0f32; n];
+            quant::dequantize(t.dtype, &t.data, &mut f)?;
+            (
+                GgmlType::F32,
+                Cow::Owned(f.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            )
+        } else {
+            (t.dtype, Cow::Borrowed(&t.data[..]))
+        };
+    let data = if bytes.is_empty() {
+        be.stream.alloc_zeros::<u8>(1)?
+    } else {
+        be.stream.clone_htod(&bytes[..])?
+    };
+    Ok(CudaWeight {
+        dtype,
+        shape: t.shape.clone(),
+        data,
+    })
+}
+
+/// The f32 view of a 1-D weight uploaded by [`upload`].
+fn f32_vec(w: &CudaWeight, n: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
+    ensure!(
+        w.dtype == GgmlType::F32 && w.shape.iter().product::<usize>() == n,
+        "expected an f32 vector of {n}, got {:?} {}",
+        w.shape,
+        w.dtype
+    );
+    // SAFETY: the buffer holds exactly n little-endian f32 values.
+    unsafe { w.data.transmute::<f32>(n) }.ok_or_else(|| anyhow::anyhow!("weight buffer too small"))
+}
+
+pub fn embed(
+    be: &CudaBackend,
+    table: &CudaWeight,
+    step: &StepInput<CudaSlice<i32>>,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let [_, dim] = table.shape[..] else {
+        anyhow::bail!("embedding table is not 2-D: {:?}", table.shape)
+    };
+    check_shape("embed out", out, step.rows, dim)?;
+    let (ty, rb) = (table.dtype.id() as i32, table.row_bytes() as i64);
+    let cfg = LaunchConfig {
+        grid_dim: (step.rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let dim = dim as i32;
+    // SAFETY: token ids were range-checked on the host in set_step's caller (the model's
+    // vocabulary); the kernel reads row_bytes per token and writes rows×dim floats.
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.embed)
+            .arg(&table.data)
+            .arg(&ty)
+            .arg(&rb)
+            .arg(&step.tokens)
+            .arg(&mut out.buf)
+            .arg(&dim)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+pub fn rms_norm(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    eps: f32,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    check_shape("rms_norm out", out, x.rows, x.cols)?;
+    let wv = f32_vec(w, x.cols)?;
+    let cols = x.cols as i32;
+    let cfg = LaunchConfig {
+        grid_dim: (x.rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: shapes checked above; one block per row.
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.rms_norm)
+            .arg(&x.buf)
+            .arg(&wv)
+            .arg(&mut out.buf)
+            .arg(&cols)
+            .arg(&eps)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+pub fn head_rms_norm(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    head_dim: usize,
+    eps: f32,
+) -> Result<()> {
+    ensure!(
+        x.cols % head_dim == 0,
+        "head_rms_norm: {} columns is not a whole number of {head_dim}-heads",
+        x.cols
+    );
+    let wv = f32_vec(w, head_dim)?;
+    let heads = (x.rows * x.cols / head_dim) as i32;
+    let hd = head_dim as i32;
+    let cfg = LaunchConfig {
+        grid_dim: ((heads as u32).div_ceil(8).max(1), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: heads × head_dim floats in x; one warp per head.
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.head_rms_norm)
+            .arg(&mut x.buf)
+            .arg(&wv)
+            .arg(&heads)
+            .arg(&hd)
+            .arg(&eps)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+pub fn rope(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    head_dim: usize,
+    step: &StepInput<CudaSlice<i32>>,
+    rope: &Rope,
+) -> Result<()> {
+    ensure!(
+        x.cols % head_dim == 0,
+        "rope: {} columns is not a whole number of {head_dim}-heads",
+        x.cols
+    );
+    ensure!(
+        rope.rot_dim <= head_dim && rope.rot_dim % 2 == 0,
+        "rope: bad rotary dim {}",
+        rope.rot_dim
+    );
+    ensure!(
+        x.rows == step.rows,
+        "rope: {} rows for a step of {}",
+        x.rows,
+        step.rows
+    );
+    let total = x.rows * (x.cols / head_dim) * (rope.rot_dim / 2);
+    let (rows, cols, hd, rd) = (
+        x.rows as i32,
+        x.cols as i32,
+        head_dim as i32,
+        rope.rot_dim as i32,
+    );
+    let neox = i32::from(rope.style == RopeStyle::Neox);
+    // SAFETY: one thread per rotated pair, bounds-checked in the kernel.
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.rope)
+            .arg(&mut x.buf)
+            .arg(&step.positions)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&hd)
+            .arg(&rd)
+            .arg(&neox)
+            .arg(&rope.theta)
+            .launch(grid_1d(total, 256))
+    }?;
+    Ok(())
+}
+
+pub fn add_assign(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    y: &Act<CudaSlice<f32>>,
+) -> Result<()> {
+    check_shape("add_assign", y, x.rows, x.cols)?;
+    let n = x.len() as i64;
+    // SAFETY: n elements in both buffers.
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.add_assign)
+            .arg(&mut x.buf)
+            .arg(&y.buf)
+            .arg(&n)
+            .launch(grid_1d(n as usize, 256))
+    }?;
+    Ok(())
+}
+
+pub fn swiglu(
+    be: &CudaBackend,
+    g: &Act<CudaSlice<f32>>,
+    u: &Act<CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    check_shape("swiglu up", u, g.rows, g.cols)?;
+    check_shape("swiglu out", out, g.rows, g.cols)?;
+    let n = g.len() as i64;
+    // SAFETY: n elements in all three buffers.
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.swiglu)
+            .arg(&g.buf)
+            .arg(&u.buf)
+            .arg(&mut out.buf)
+            .arg(&n)
+            .launch(grid_1d(n as usize, 256))
+    }?;
+    Ok(())
+}
+
+pub fn argmax(
+    be: &CudaBackend,
+    logits: &Act<CudaSlice<f32>>,
+    out: &mut CudaSlice<i32>,
+) -> Result<()> {
+    ensure!(
+        out.len() >= logits.rows,
+        "argmax: {} rows into {}",
+        logits.rows,
+        out.len()
+    );
+    let cols = logits.cols as i32;
+    let cfg = LaunchConfig {
+        grid_dim: (logits.rows as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one block of 1024 threads per row (the kernel's shared arrays hold 1024).
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.argmax_rows)
+            .arg(&logits.buf)
+            .arg(out)
+            .arg(&cols)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), best of 10 copies of
+/// 1 GiB: the ceiling the decode roofline is measured against.
+pub fn copy_bandwidth(be: &CudaBackend) -> Result<f64> {
+    const N: usize = 1 << 30;
+    let src = be.stream.alloc_zeros::<u8>(N)?;
+    let mut dst = be.stream.alloc_zeros::<u8>(N)?;
+    be.stream.memcpy_dtod(&src, &mut dst)?; // warm-up
+    be.stream.synchronize()?;
+    let mut best = f64::MAX;
+    for _ in 0..10 {
+        let t0 = std::time::Instant::now();
+        be.stream.memcpy_dtod(&src, &mut dst)?;
+        be.stream.synchronize()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * N as f64 / best)
+}
