@@ -138,6 +138,10 @@ pub trait Backend: Send + Sync {
     /// Measured copy bandwidth in bytes/s, counting bytes read plus bytes written: the
     /// ceiling the bandwidth roofline is computed against.
     fn copy_bandwidth(&self) -> Result<f64>;
+    /// Device memory (used, total) in bytes, where the backend has its own memory.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Bytes per cached key or value element (4 for f32, 2 for f16, ~1.06 for q8_0).
     fn kv_bytes_per_element(&self) -> f64;
 

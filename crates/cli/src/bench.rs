@@ -146,10 +146,18 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
         "reps, gen-tokens and prompt-tokens must be ≥ 1"
     );
     let (path, file) = load::open(&a.model)?;
-    let be = load::cpu_backend(a.model.device)?;
-    let model = load::model(&be, &file)?;
+    crate::on_backend!(a.model.device, be => bench_on(&be, &path, &file, a))
+}
+
+fn bench_on<B: Backend>(
+    be: &B,
+    path: &std::path::Path,
+    file: &ModelFile,
+    a: &BenchArgs,
+) -> Result<()> {
+    let model = load::model(be, file)?;
     let cfg = model.cfg.clone();
-    let (label, quant) = match &file {
+    let (label, quant) = match file {
         ModelFile::Gguf(g) => (
             g.get_str("general.name")
                 .map(|s| s.to_lowercase().replace(' ', "-")),
@@ -166,7 +174,7 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
 
     // Gate first: no timing is worth anything if prefill and decode disagree.
     let gate_prompt = bench_tokens(a.gate_tokens.max(2), cfg.vocab, 7);
-    let g = ferrite_engine::gate(&be, &model, &gate_prompt)?;
+    let g = ferrite_engine::gate(be, &model, &gate_prompt)?;
     anyhow::ensure!(
         g.passed(),
         "prefill/decode gate FAILED: prefill argmax {} != decode argmax {}",
@@ -182,7 +190,7 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
     );
 
     let bw = be.copy_bandwidth()?;
-    let weight_bytes = weight_bytes_per_token(&file)?;
+    let weight_bytes = weight_bytes_per_token(file)?;
     let kv_elem_bytes = be.kv_bytes_per_element() as u64;
     let kv_per_pos =
         (cfg.n_layers * 2 * cfg.attn.n_kv_heads * cfg.attn.head_dim) as u64 * kv_elem_bytes;
@@ -195,7 +203,7 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
     let mut tg = Vec::new();
     for _ in 0..a.reps {
         // Prefill test: fill the cache to `depth` (untimed), then time the prompt.
-        let mut seq = Sequence::new(&be, &model, ctx)?;
+        let mut seq = Sequence::new(be, &model, ctx)?;
         if !fill.is_empty() {
             seq.prefill(&fill)?;
         }
@@ -205,7 +213,7 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
         pp.push(a.prompt_tokens as f64 / t0.elapsed().as_secs_f64());
 
         // Decode test: greedy, token by token, from `depth`.
-        let mut seq = Sequence::new(&be, &model, ctx)?;
+        let mut seq = Sequence::new(be, &model, ctx)?;
         if !fill.is_empty() {
             seq.prefill(&fill)?;
         }

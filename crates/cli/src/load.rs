@@ -3,8 +3,9 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
-use ferrite_backend::cpu::CpuBackend;
+use anyhow::{Context, Result};
+use ferrite_backend::cuda::CudaBackend;
+use ferrite_backend::Backend;
 use ferrite_engine::Engine;
 use ferrite_models::{Model, ModelFile};
 use ferrite_tokenizer::Tokenizer;
@@ -46,12 +47,51 @@ pub fn tokenizer_for(file: &ModelFile, path: &Path) -> Result<Option<Tokenizer>>
     }
 }
 
-/// Picks the backend for `--device`.
-pub fn cpu_backend(device: Device) -> Result<CpuBackend> {
+/// Which backend `--device` resolves to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Cpu,
+    Cuda,
+}
+
+/// Resolves `--device`: `auto` takes the GPU when one is usable.
+pub fn choose(device: Device) -> Result<DeviceChoice> {
     match device {
-        Device::Auto | Device::Cpu => Ok(CpuBackend::new()),
-        Device::Cuda => bail!("the CUDA backend is not part of this build yet; use --device cpu"),
+        Device::Cpu => Ok(DeviceChoice::Cpu),
+        Device::Cuda => {
+            anyhow::ensure!(
+                CudaBackend::available(),
+                "--device cuda: no CUDA device found (the CUDA driver library did not load or reports no GPU)"
+            );
+            Ok(DeviceChoice::Cuda)
+        }
+        Device::Auto => {
+            if CudaBackend::available() {
+                Ok(DeviceChoice::Cuda)
+            } else {
+                tracing::info!("no CUDA device found: running on the CPU");
+                Ok(DeviceChoice::Cpu)
+            }
+        }
     }
+}
+
+/// Runs `$body` with `$be` bound to the backend `--device` picks (a concrete type in each
+/// arm, so the body is compiled once per backend).
+#[macro_export]
+macro_rules! on_backend {
+    ($device:expr, $be:ident => $body:expr) => {
+        match $crate::load::choose($device)? {
+            $crate::load::DeviceChoice::Cpu => {
+                let $be = ferrite_backend::cpu::CpuBackend::new();
+                $body
+            }
+            $crate::load::DeviceChoice::Cuda => {
+                let $be = ferrite_backend::cuda::CudaBackend::new(0)?;
+                $body
+            }
+        }
+    };
 }
 
 /// Opens the model file named by `args` (or the default model).
@@ -64,7 +104,7 @@ pub fn open(args: &ModelArgs) -> Result<(std::path::PathBuf, ModelFile)> {
 
 /// Uploads the weights with a progress bar (shown only on a terminal, for models that take
 /// a moment).
-pub fn model<B: ferrite_backend::Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
+pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
     let t0 = Instant::now();
     let bar = ProgressBar::hidden();
     let model = Model::load(be, file, &|done, total| {
@@ -79,6 +119,13 @@ pub fn model<B: ferrite_backend::Backend>(be: &B, file: &ModelFile) -> Result<Mo
         bar.set_position(done as u64);
     })?;
     bar.finish_and_clear();
+    if let Some((used, total)) = be.device_memory() {
+        tracing::info!(
+            "device memory: {:.2} GiB used of {:.2} GiB",
+            used as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64
+        );
+    }
     tracing::info!(
         "loaded {:?} model ({} layers, hidden {}) on {} in {:.2}s",
         model.cfg.arch,
@@ -90,12 +137,11 @@ pub fn model<B: ferrite_backend::Backend>(be: &B, file: &ModelFile) -> Result<Mo
     Ok(model)
 }
 
-/// Model + tokenizer on the chosen backend.
-pub fn engine(args: &ModelArgs) -> Result<Engine<CpuBackend>> {
+/// Model + tokenizer on backend `be`.
+pub fn engine<B: Backend>(be: B, args: &ModelArgs) -> Result<Engine<B>> {
     let (path, file) = open(args)?;
     let tok = tokenizer_for(&file, &path)?
         .with_context(|| format!("{} has no tokenizer (tokenizer.json)", path.display()))?;
-    let be = cpu_backend(args.device)?;
     let model = model(&be, &file)?;
     Ok(Engine { be, model, tok })
 }

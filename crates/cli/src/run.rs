@@ -4,7 +4,8 @@ use std::io::Write;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrite_engine::{GenerateParams, SamplerConfig};
+use ferrite_backend::Backend;
+use ferrite_engine::{Engine, GenerateParams, SamplerConfig};
 use ferrite_tokenizer::ChatMessage;
 
 use crate::ModelArgs;
@@ -52,7 +53,11 @@ pub struct RunArgs {
 }
 
 pub fn run(a: &RunArgs) -> Result<()> {
-    let engine = crate::load::engine(&a.model)?;
+    crate::load::init_threads(a.model.threads);
+    crate::on_backend!(a.model.device, be => run_on(crate::load::engine(be, &a.model)?, a))
+}
+
+fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs) -> Result<()> {
     let tok = &engine.tok;
     let prompt = if a.chat {
         let tmpl = tok

@@ -24,8 +24,12 @@ pub struct LogitsArgs {
 
 pub fn logits(a: &LogitsArgs) -> Result<()> {
     let (_, file) = load::open(&a.model)?;
-    let be = load::cpu_backend(a.model.device)?;
-    let model = load::model(&be, &file)?;
+    crate::on_backend!(a.model.device, be => logits_on(&be, &file, a))
+}
+
+fn logits_on<B: ferrite_backend::Backend>(be: &B, file: &ModelFile, a: &LogitsArgs) -> Result<()> {
+    let be = be;
+    let model = load::model(be, file)?;
     anyhow::ensure!(!a.tokens.is_empty(), "--tokens is empty");
     if let Some(&bad) = a.tokens.iter().find(|&&t| t as usize >= model.cfg.vocab) {
         anyhow::bail!(
@@ -33,13 +37,13 @@ pub fn logits(a: &LogitsArgs) -> Result<()> {
             model.cfg.vocab
         );
     }
-    let mut kv = model.new_kv(&be, a.tokens.len())?;
+    let mut kv = model.new_kv(be, a.tokens.len())?;
     let mut ws = model.workspace(
         &be,
         a.tokens.len().min(ferrite_engine::generate::PREFILL_CHUNK),
         Logits::All,
     )?;
-    let data = model.run(&be, &mut ws, &mut kv, 0, &a.tokens, Logits::All)?;
+    let data = model.run(be, &mut ws, &mut kv, 0, &a.tokens, Logits::All)?;
     let (rows, cols) = (a.tokens.len(), model.cfg.vocab);
     let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
     let view =

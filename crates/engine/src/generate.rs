@@ -125,6 +125,17 @@ impl GateResult {
 /// Prompts are prefilled in chunks of at most this many tokens (bounds the workspace).
 pub const PREFILL_CHUNK: usize = 512;
 
+/// Where the decode step stands with graph capture.
+enum GraphState<G> {
+    /// Next step runs eagerly (the first one).
+    Eager,
+    /// Next step is captured.
+    Capture,
+    Replay(G),
+    /// The backend has no graphs.
+    Unsupported,
+}
+
 /// One sequence's state on the backend: its KV cache, a prefill workspace, and a one-row
 /// decode workspace whose step is captured as a graph once and replayed for every token.
 pub struct Sequence<'e, B: Backend> {
@@ -133,7 +144,7 @@ pub struct Sequence<'e, B: Backend> {
     kv: B::Kv,
     prefill: Option<Workspace<B>>,
     decode: Workspace<B>,
-    graph: Option<B::Graph>,
+    graph: GraphState<B::Graph>,
     /// Tokens in the cache.
     pub pos: usize,
     /// Which workspace holds the latest logits.
@@ -150,7 +161,7 @@ impl<'e, B: Backend> Sequence<'e, B> {
             kv: m.new_kv(be, ctx)?,
             prefill: None,
             decode: m.workspace(be, 1, Logits::Last)?,
-            graph: None,
+            graph: GraphState::Eager,
             pos: 0,
             last_was_decode: false,
         })
@@ -174,20 +185,29 @@ impl<'e, B: Backend> Sequence<'e, B> {
         Ok(())
     }
 
-    /// Appends one token with the decode step (graph replay where the backend has graphs).
+    /// Appends one token with the decode step. The first step runs eagerly (kernels size
+    /// their scratch buffers then); the second is captured as a graph where the backend has
+    /// graphs, and every later step replays it: one launch per token.
     pub fn decode(&mut self, token: u32) -> Result<()> {
         let (be, m) = (self.be, self.model);
         be.set_step(&mut self.decode.step, &[token], self.pos)?;
+        let (ws, kv) = (&mut self.decode, &mut self.kv);
         match &self.graph {
-            Some(g) => be.replay(g)?,
-            None => {
-                let (ws, kv) = (&mut self.decode, &mut self.kv);
-                self.graph = be.capture(&mut || m.forward(be, ws, kv, Logits::Last))?;
-                // A captured graph has recorded the step, not run it.
-                if let Some(g) = &self.graph {
-                    be.replay(g)?;
-                }
+            GraphState::Eager => {
+                m.forward(be, ws, kv, Logits::Last)?;
+                self.graph = GraphState::Capture;
             }
+            GraphState::Capture => match be.capture(&mut || m.forward(be, ws, kv, Logits::Last))? {
+                // A captured graph has recorded the step, not run it.
+                Some(g) => {
+                    be.replay(&g)?;
+                    self.graph = GraphState::Replay(g);
+                }
+                // No graphs on this backend: `capture` ran the step; keep running eagerly.
+                None => self.graph = GraphState::Unsupported,
+            },
+            GraphState::Replay(g) => be.replay(g)?,
+            GraphState::Unsupported => m.forward(be, ws, kv, Logits::Last)?,
         }
         self.pos += 1;
         self.last_was_decode = true;

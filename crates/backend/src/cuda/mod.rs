@@ -180,6 +180,12 @@ impl Backend for CudaBackend {
         ops::copy_bandwidth(self)
     }
 
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        self.mem_info()
+            .ok()
+            .map(|(free, total)| ((total - free) as u64, total as u64))
+    }
+
     fn kv_bytes_per_element(&self) -> f64 {
         attention::KV_BYTES_PER_ELEMENT
     }
