@@ -32,7 +32,7 @@ const F16_REBIAS: f32 = f32::from_bits((127 + 112) << 23);
 /// 2^-112 times the value (a binary32 subnormal when the f16 is subnormal); multiplying by
 /// 2^112 is exact because the result is representable.
 #[inline(always)]
-pub fn f16_to_f32(h: u16) -> f32 {
+pub const fn f16_to_f32(h: u16) -> f32 {
     let h = h as u32;
     let sign = (h & 0x8000) << 16;
     let em = h & 0x7fff;
@@ -133,21 +133,27 @@ fn chunk_bf16(b: &[u8; 2 * FLOAT_DOT_CHUNK], out: &mut [f32; FLOAT_DOT_CHUNK]) {
     }
 }
 
+#[inline(always)]
 pub(crate) fn dot_f32(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, chunk_f32)
 }
+#[inline(always)]
 pub(crate) fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, chunk_f16)
 }
+#[inline(always)]
 pub(crate) fn dot_bf16(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, chunk_bf16)
 }
+#[inline(always)]
 pub(crate) fn dot_many_f32(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, chunk_f32)
 }
+#[inline(always)]
 pub(crate) fn dot_many_f16(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, chunk_f16)
 }
+#[inline(always)]
 pub(crate) fn dot_many_bf16(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, chunk_bf16)
 }

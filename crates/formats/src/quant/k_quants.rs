@@ -79,7 +79,7 @@ fn round_clamped(v: f32, lo: f32, hi: f32) -> f32 {
 
 /// 6-bit scale and min of sub-block `j` (0..8) of a q4_K/q5_K `scales` field.
 #[inline(always)]
-fn get_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+pub(super) fn get_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -782,21 +782,27 @@ fn quant_block_q6_k_with(x: &[f32; QK_K], out: &mut [u8; Q6_K_BYTES], search: Su
 
 // ---------------------------------------------------------------- row drivers
 
+#[inline(always)]
 pub(crate) fn dot_q4_k(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, dequant_block_q4_k)
 }
+#[inline(always)]
 pub(crate) fn dot_q5_k(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, dequant_block_q5_k)
 }
+#[inline(always)]
 pub(crate) fn dot_q6_k(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, dequant_block_q6_k)
 }
+#[inline(always)]
 pub(crate) fn dot_many_q4_k(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, dequant_block_q4_k)
 }
+#[inline(always)]
 pub(crate) fn dot_many_q5_k(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, dequant_block_q5_k)
 }
+#[inline(always)]
 pub(crate) fn dot_many_q6_k(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, dequant_block_q6_k)
 }

@@ -136,21 +136,27 @@ pub(crate) fn quant_block_q8_0(x: &[f32; QK], out: &mut [u8; Q8_0_BYTES]) {
 
 // ---------------------------------------------------------------- row drivers
 
+#[inline(always)]
 pub(crate) fn dot_q4_0(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, dequant_block_q4_0)
 }
+#[inline(always)]
 pub(crate) fn dot_q4_1(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, dequant_block_q4_1)
 }
+#[inline(always)]
 pub(crate) fn dot_q8_0(row: &[u8], x: &[f32]) -> f32 {
     dot_impl(row, x, dequant_block_q8_0)
 }
+#[inline(always)]
 pub(crate) fn dot_many_q4_0(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, dequant_block_q4_0)
 }
+#[inline(always)]
 pub(crate) fn dot_many_q4_1(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, dequant_block_q4_1)
 }
+#[inline(always)]
 pub(crate) fn dot_many_q8_0(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     dot_many_impl(row, xs, n_in, out, dequant_block_q8_0)
 }

@@ -5,6 +5,8 @@
 //! One module per family: [`legacy`] (q4_0 q4_1 q8_0), [`k_quants`] (q4_K q5_K q6_K),
 //! [`float`] (f32 f16 bf16).
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 pub mod float;
 pub mod k_quants;
 pub mod legacy;
@@ -301,6 +303,10 @@ pub fn quantize(t: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
 /// left to right into an f32 starting at 0. Results are therefore deterministic and equal
 /// to [`dot_many`]'s, but not bitwise equal to a naive sequential f32 sum.
 ///
+/// On x86-64 CPUs with AVX2 the work is done by explicit SIMD kernels (`quant/avx2.rs`)
+/// that perform exactly these operations in this order, so the result is bit-identical to
+/// the portable code ([`dot_scalar`]) on every machine (`tests/avx2_identity.rs`).
+///
 /// Shapes are the caller's contract (validated at load): `row.len()` must be
 /// `t.bytes_for(x.len())`. A mismatch is caught by a debug assertion; in release builds it
 /// yields an unspecified value, never a panic or an out-of-bounds read.
@@ -310,6 +316,26 @@ pub fn dot(t: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         Some(row.len()),
         "{t} row/x length mismatch"
     );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && t.bytes_for(x.len()).ok() == Some(row.len()) {
+        let mut out = 0.0f32;
+        // SAFETY: the CPU supports AVX2 and the shapes are consistent (both checked above;
+        // one vector of x.len() in x).
+        unsafe { avx2::dot_many(t, row, x, x.len(), std::slice::from_mut(&mut out)) };
+        return out;
+    }
+    dot_dispatch(t, row, x)
+}
+
+/// [`dot`] without the explicit SIMD kernels: the portable code that defines the results.
+/// For tests that check the kernels against it bit for bit.
+#[doc(hidden)]
+pub fn dot_scalar(t: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    dot_dispatch(t, row, x)
+}
+
+#[inline(always)]
+fn dot_dispatch(t: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     match t {
         GgmlType::F32 => float::dot_f32(row, x),
         GgmlType::F16 => float::dot_f16(row, x),
@@ -340,6 +366,25 @@ pub fn dot_many(t: GgmlType, row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32
         out.len() * n_in,
         "xs must hold out.len() vectors of n_in"
     );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2")
+        && t.bytes_for(n_in).ok() == Some(row.len())
+        && Some(xs.len()) == out.len().checked_mul(n_in)
+    {
+        // SAFETY: the CPU supports AVX2 and the shapes are consistent (both checked above).
+        return unsafe { avx2::dot_many(t, row, xs, n_in, out) };
+    }
+    dot_many_dispatch(t, row, xs, n_in, out)
+}
+
+/// [`dot_many`] without the explicit SIMD kernels (see [`dot_scalar`]).
+#[doc(hidden)]
+pub fn dot_many_scalar(t: GgmlType, row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
+    dot_many_dispatch(t, row, xs, n_in, out)
+}
+
+#[inline(always)]
+fn dot_many_dispatch(t: GgmlType, row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
     match t {
         GgmlType::F32 => float::dot_many_f32(row, xs, n_in, out),
         GgmlType::F16 => float::dot_many_f16(row, xs, n_in, out),
