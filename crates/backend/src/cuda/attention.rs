@@ -1,46 +1,444 @@
-//! KV cache and attention launchers. (Being written; see kernels/attention.cu.)
+//! KV cache and attention launchers (`kernels/attention.cu`; its header holds the plan).
+//!
+//! The cache is f16, laid out `[layer][kv_head][pos][head_dim]` so that one kv head's keys
+//! over a run of positions are contiguous (coalesced 16-byte loads for decode splits and
+//! prefill tiles). Each attention call:
+//! 1. `kv_store`: the step's k, v rows (f32) → f16 at `step.positions[t]` of the layer;
+//! 2. rows ≤ [`DECODE_MAX_ROWS`] (decode, MTP verify): split-K flash-decoding into the
+//!    cache's scratch, then `attn_decode_merge`; the grid depends only on the cache (split
+//!    count fixed at [`kv_new`]) and the row count, never on the position, so a captured
+//!    decode step replays at every position;
+//! 3. more rows (prefill): causal flash attention over query tiles.
+//!
+//! Head dims 32, 64, 128 and 256 have tuned kernels; any other head_dim ≤ 512 runs a simple
+//! warp-per-head fallback (`attn_generic`).
 
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
-use cudarc::driver::{CudaContext, CudaSlice};
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
-use super::CudaBackend;
-use crate::{Act, AttnArgs, AttnShape, StepInput};
+use super::{function, load_module, CudaBackend};
+use crate::{check_shape, Act, AttnArgs, AttnShape, StepInput};
 
 /// Bytes per cached key/value element (f16).
 pub const KV_BYTES_PER_ELEMENT: f64 = 2.0;
 
+/// Steps of up to this many rows use the split-K decode kernel (decode, MTP verify of up to
+/// 15 drafts); longer steps use the prefill kernel. Scratch is sized for this many rows.
+pub const DECODE_MAX_ROWS: usize = 16;
+/// Upper bound on the decode split count (scratch grows linearly with it).
+const MAX_SPLITS: usize = 64;
+/// Fewest positions a decode split covers (must equal DECODE_MIN_CHUNK in attention.cu).
+const DECODE_MIN_CHUNK: usize = 64;
+/// Decode blocks wanted per SM at rows = 1 (4 blocks × 4 warps, ~64 KB of loads in flight
+/// per SM: enough to cover DRAM latency at full bandwidth).
+const DECODE_BLOCKS_PER_SM: usize = 4;
+/// Head dims with tuned kernels.
+const FAST_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
+/// Largest head_dim of the fallback kernel (16 values per lane).
+const GENERIC_MAX_HEAD_DIM: usize = 512;
+/// Threads per prefill block (PREFILL_THREADS in attention.cu).
+const PREFILL_THREADS: usize = 256;
+
 /// One sequence's KV cache in VRAM.
-pub struct CudaKv {}
+pub struct CudaKv {
+    /// Keys, f16 bits, `[layer][kv_head][pos][head_dim]`.
+    pub k: CudaSlice<u16>,
+    /// Values, same layout.
+    pub v: CudaSlice<u16>,
+    pub n_layers: usize,
+    pub shape: AttnShape,
+    /// Positions per layer.
+    pub capacity: usize,
+    /// Decode splits per (row, head); fixed for the cache's lifetime so every decode launch
+    /// has the same grid and a row's arithmetic depends only on its own position.
+    pub n_splits: usize,
+    /// Split-K partials: unnormalised output `[rows][n_heads][n_splits][head_dim]`.
+    part_acc: CudaSlice<f32>,
+    /// Split-K partials: (running max, running sum) per `[rows][n_heads][n_splits]`.
+    part_ml: CudaSlice<f32>,
+}
 
 /// The compiled attention kernels.
-pub struct Kernels {}
+pub struct Kernels {
+    kv_store: CudaFunction,
+    /// `decode[hd index][log2 heads-per-block]`.
+    decode: Vec<Vec<CudaFunction>>,
+    decode_merge: CudaFunction,
+    prefill: Vec<CudaFunction>,
+    generic: CudaFunction,
+}
 
 impl Kernels {
-    pub fn load(_ctx: &Arc<CudaContext>, _arch: &'static str) -> Result<Self> {
-        Ok(Kernels {})
+    pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
+        let m = load_module(ctx, arch, "attention", SRC)?;
+        let decode = FAST_HEAD_DIMS
+            .iter()
+            .map(|hd| {
+                [1, 2, 4, 8]
+                    .iter()
+                    .map(|gb| function(&m, &format!("attn_decode_{hd}_{gb}")))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let prefill = FAST_HEAD_DIMS
+            .iter()
+            .map(|hd| function(&m, &format!("attn_prefill_{hd}")))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Kernels {
+            kv_store: function(&m, "kv_store")?,
+            decode,
+            decode_merge: function(&m, "attn_decode_merge")?,
+            prefill,
+            generic: function(&m, "attn_generic")?,
+        })
     }
 }
 
+/// Index of `head_dim` among the tuned sizes.
+fn fast_index(head_dim: usize) -> Option<usize> {
+    FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
+}
+
+/// Query heads per decode block: the largest of 8, 4, 2, 1 that divides the GQA group, so
+/// a block's heads share one kv head and each K/V row is read once for all of them.
+fn heads_per_block(group: usize) -> usize {
+    [8, 4, 2, 1]
+        .into_iter()
+        .find(|gb| group % gb == 0)
+        .unwrap_or(1)
+}
+
+/// Query slots of one prefill block for `head_dim` (threads / threads-per-query).
+fn prefill_slots(head_dim: usize) -> usize {
+    PREFILL_THREADS / if head_dim >= 256 { 8 } else { 4 }
+}
+
+/// The fixed decode split count for a cache: enough blocks for every SM at rows = 1, no more
+/// splits than `capacity` has minimum-size chunks.
+fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize) -> usize {
+    let group = shape.n_heads / shape.n_kv_heads.max(1);
+    let blocks_x = (shape.n_heads / heads_per_block(group)).max(1);
+    let want = (DECODE_BLOCKS_PER_SM * sm_count.max(1)).div_ceil(blocks_x);
+    want.clamp(1, MAX_SPLITS)
+        .min(capacity.div_ceil(DECODE_MIN_CHUNK).max(1))
+}
+
 pub fn kv_new(
-    _be: &CudaBackend,
-    _n_layers: usize,
-    _shape: AttnShape,
-    _capacity: usize,
+    be: &CudaBackend,
+    n_layers: usize,
+    shape: AttnShape,
+    capacity: usize,
 ) -> Result<CudaKv> {
-    bail!("the CUDA KV cache is not available yet")
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    ensure!(
+        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+        "KV cache: {n_heads} heads over {n_kv_heads} kv heads"
+    );
+    ensure!(
+        head_dim > 0 && head_dim <= GENERIC_MAX_HEAD_DIM,
+        "KV cache: head_dim {head_dim} is not supported by the CUDA attention (at most {GENERIC_MAX_HEAD_DIM})"
+    );
+    ensure!(
+        capacity > 0 && capacity <= i32::MAX as usize,
+        "KV cache: capacity {capacity} positions is out of range"
+    );
+    let per_tensor = n_layers
+        .checked_mul(n_kv_heads)
+        .and_then(|x| x.checked_mul(capacity))
+        .and_then(|x| x.checked_mul(head_dim))
+        .context("KV cache size overflows")?
+        .max(1);
+    let n_splits = decode_splits(be.sm_count, shape, capacity);
+    let part_rows = DECODE_MAX_ROWS * n_heads * n_splits;
+    let scratch = part_rows * (head_dim + 2);
+    let bytes = 2 * per_tensor * 2 + scratch * 4;
+    let (free, total) = be.mem_info()?;
+    // Leave room for the context's own bookkeeping and small allocations.
+    const HEADROOM: usize = 64 << 20;
+    ensure!(
+        bytes + HEADROOM <= free,
+        "KV cache for {capacity} positions × {n_layers} layers needs {:.2} GiB (f16) but only \
+         {:.2} of {:.2} GiB of device memory are free: lower the context length",
+        bytes as f64 / (1u64 << 30) as f64,
+        free as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64
+    );
+    Ok(CudaKv {
+        k: be.stream.alloc_zeros::<u16>(per_tensor)?,
+        v: be.stream.alloc_zeros::<u16>(per_tensor)?,
+        n_layers,
+        shape,
+        capacity,
+        n_splits,
+        part_acc: be.stream.alloc_zeros::<f32>(part_rows * head_dim)?,
+        part_ml: be.stream.alloc_zeros::<f32>(part_rows * 2)?,
+    })
 }
 
 pub fn attention(
-    _be: &CudaBackend,
-    _kv: &mut CudaKv,
-    _step: &StepInput<CudaSlice<i32>>,
-    _a: AttnArgs<'_, CudaSlice<f32>>,
-    _out: &mut Act<CudaSlice<f32>>,
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    step: &StepInput<CudaSlice<i32>>,
+    a: AttnArgs<'_, CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    bail!("CUDA attention is not available yet")
+    let AttnArgs {
+        layer,
+        q,
+        k,
+        v,
+        shape,
+    } = a;
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    let rows = q.rows;
+    let kvd = n_kv_heads * head_dim;
+    ensure!(
+        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+        "attention: {n_heads} heads over {n_kv_heads} kv heads"
+    );
+    ensure!(
+        rows == step.rows,
+        "attention: {rows} rows for a step of {}",
+        step.rows
+    );
+    check_shape("attention q", q, rows, n_heads * head_dim)?;
+    check_shape("attention k", k, rows, kvd)?;
+    check_shape("attention v", v, rows, kvd)?;
+    check_shape("attention out", out, rows, n_heads * head_dim)?;
+    ensure!(
+        layer < kv.n_layers,
+        "attention: layer {layer} outside the cache"
+    );
+    ensure!(
+        kv.shape.n_kv_heads == n_kv_heads
+            && kv.shape.head_dim == head_dim
+            && n_heads <= kv.shape.n_heads,
+        "attention: cache shape differs"
+    );
+    ensure!(
+        step.pos0 + rows <= kv.capacity,
+        "context full: position {} but the cache holds {} positions",
+        step.pos0 + rows.max(1) - 1,
+        kv.capacity
+    );
+    ensure!(
+        step.positions.len() >= rows,
+        "attention: {rows} rows but {} positions",
+        step.positions.len()
+    );
+    if rows == 0 {
+        return Ok(());
+    }
+
+    let group = n_heads / n_kv_heads;
+    let capacity = kv.capacity as i32;
+    let layer_off = (layer * n_kv_heads * kv.capacity * head_dim) as i64;
+    let (rows_i, n_heads_i, group_i, kv_i, hd_i) = (
+        rows as i32,
+        n_heads as i32,
+        group as i32,
+        n_kv_heads as i32,
+        head_dim as i32,
+    );
+    let scale_log2 = std::f32::consts::LOG2_E / (head_dim as f32).sqrt();
+
+    // 1. Store this step's keys and values.
+    let n = rows * kvd;
+    let store_cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: k, v hold rows×kvd floats (checked); the kernel bounds-checks positions
+    // against capacity and writes inside layer `layer` of the cache.
+    unsafe {
+        be.stream
+            .launch_builder(&be.attention.kv_store)
+            .arg(&k.buf)
+            .arg(&v.buf)
+            .arg(&step.positions)
+            .arg(&mut kv.k)
+            .arg(&mut kv.v)
+            .arg(&layer_off)
+            .arg(&rows_i)
+            .arg(&kv_i)
+            .arg(&hd_i)
+            .arg(&capacity)
+            .launch(store_cfg)
+    }?;
+
+    let fast = fast_index(head_dim);
+
+    // 2. Decode (few rows): split-K, then merge.
+    if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
+        let gb = heads_per_block(group);
+        let n_splits = kv.n_splits;
+        ensure!(
+            rows * n_heads * n_splits * head_dim <= kv.part_acc.len(),
+            "attention: decode scratch too small"
+        );
+        let func = &be.attention.decode[fi][gb.trailing_zeros() as usize];
+        let cfg = LaunchConfig {
+            grid_dim: ((n_heads / gb) as u32, n_splits as u32, rows as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let splits_i = n_splits as i32;
+        // SAFETY: q is [rows, n_heads*hd]; scratch holds DECODE_MAX_ROWS × n_heads × n_splits
+        // partials (sized at kv_new for n_heads ≥ this call's); positions are clamped to
+        // capacity in the kernel.
+        unsafe {
+            be.stream
+                .launch_builder(func)
+                .arg(&q.buf)
+                .arg(&kv.k)
+                .arg(&kv.v)
+                .arg(&step.positions)
+                .arg(&mut kv.part_acc)
+                .arg(&mut kv.part_ml)
+                .arg(&layer_off)
+                .arg(&n_heads_i)
+                .arg(&group_i)
+                .arg(&capacity)
+                .arg(&splits_i)
+                .arg(&scale_log2)
+                .launch(cfg)
+        }?;
+        let merge_cfg = LaunchConfig {
+            grid_dim: (n_heads as u32, rows as u32, 1),
+            block_dim: (head_dim.next_multiple_of(32).min(256) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: reads the partials written above; writes rows × n_heads × hd floats.
+        unsafe {
+            be.stream
+                .launch_builder(&be.attention.decode_merge)
+                .arg(&kv.part_acc)
+                .arg(&kv.part_ml)
+                .arg(&mut out.buf)
+                .arg(&n_heads_i)
+                .arg(&hd_i)
+                .arg(&splits_i)
+                .launch(merge_cfg)
+        }?;
+        return Ok(());
+    }
+
+    // 3. Prefill: query tiles × kv heads.
+    if let (Some(fi), true) = (fast, group <= prefill_slots(head_dim)) {
+        let rows_per_tile = prefill_slots(head_dim) / group;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
+            block_dim: (PREFILL_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: shapes checked above; each block writes only its own (row, head) outputs.
+        unsafe {
+            be.stream
+                .launch_builder(&be.attention.prefill[fi])
+                .arg(&q.buf)
+                .arg(&kv.k)
+                .arg(&kv.v)
+                .arg(&step.positions)
+                .arg(&mut out.buf)
+                .arg(&layer_off)
+                .arg(&rows_i)
+                .arg(&n_heads_i)
+                .arg(&group_i)
+                .arg(&capacity)
+                .arg(&scale_log2)
+                .launch(cfg)
+        }?;
+        return Ok(());
+    }
+
+    // 4. Any other head_dim (or a GQA group wider than a prefill tile): the fallback.
+    ensure!(
+        head_dim <= GENERIC_MAX_HEAD_DIM,
+        "attention: head_dim {head_dim} is not supported (at most {GENERIC_MAX_HEAD_DIM})"
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (n_heads.div_ceil(4) as u32, rows as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one warp per (row, head), bounds-checked against n_heads and hd.
+    unsafe {
+        be.stream
+            .launch_builder(&be.attention.generic)
+            .arg(&q.buf)
+            .arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&step.positions)
+            .arg(&mut out.buf)
+            .arg(&layer_off)
+            .arg(&n_heads_i)
+            .arg(&group_i)
+            .arg(&hd_i)
+            .arg(&capacity)
+            .arg(&scale_log2)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(n_heads: usize, n_kv_heads: usize, head_dim: usize) -> AttnShape {
+        AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        }
+    }
+
+    #[test]
+    fn heads_per_block_divides_the_group() {
+        for group in 1..=32 {
+            let gb = heads_per_block(group);
+            assert!(group % gb == 0 && gb <= 8, "group {group} → {gb}");
+        }
+        assert_eq!(heads_per_block(4), 4);
+        assert_eq!(heads_per_block(6), 2);
+        assert_eq!(heads_per_block(16), 8);
+    }
+
+    #[test]
+    fn split_count_is_bounded() {
+        // Qwen3-8B on an H200: 32 heads / 8 kv heads → 8 blocks per split.
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960), 64);
+        // Short caches never get empty-by-construction splits.
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 100), 2);
+        assert_eq!(decode_splits(132, shape(4, 2, 32), 1), 1);
+        // Many heads: fewer splits.
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960), 9);
+    }
+
+    /// The device computes chunk = max(64, roundup(ceil(n/splits), 64)); every position
+    /// 0..n must fall in exactly one of the n_splits chunks for every n ≤ capacity.
+    #[test]
+    fn decode_chunks_cover_every_position() {
+        for splits in [1usize, 2, 3, 7, 33, 64] {
+            for n in 1..3000usize {
+                let per = n.div_ceil(splits);
+                let chunk = DECODE_MIN_CHUNK.max(per.next_multiple_of(64));
+                assert!(chunk * splits >= n, "splits {splits} n {n}");
+            }
+        }
+    }
 }

@@ -1,1 +1,506 @@
-// attention.cu — being written.
+// attention.cu — KV cache store, split-K decode attention, causal prefill attention.
+//
+// Semantics (the oracle is CpuBackend::attention): the step's k, v rows are first stored at
+// positions[t] of layer `layer`; then query row t, head h (kv head h / group) attends to cache
+// positions 0..=positions[t] with scale 1/sqrt(head_dim): softmax, weighted sum of V.
+// Positions are always read from device memory, so a captured decode graph replays at every
+// position.
+//
+// KV LAYOUT (f16): [layer][kv_head][pos][head_dim]. One kv head's keys for a run of positions
+// are one contiguous block of memory: a decode split streams `chunk × head_dim × 2` contiguous
+// bytes per tensor, a prefill tile `BK × head_dim × 2` contiguous bytes (one 16-byte load per
+// 8 elements, fully coalesced, DRAM-page friendly, and TMA-able later). The cost is paid at
+// store time: a step's row of n_kv*head_dim values scatters into n_kv runs of head_dim halves
+// (≥ 64 contiguous bytes each), which is negligible. Values are rounded to f16 with
+// saturation to ±65504 (an inf in the cache would turn masked 0·inf into NaN); NaN stays NaN.
+// The cache is zero-filled at allocation, so never-written positions hold finite values.
+//
+// Softmax is computed in base 2: q is pre-multiplied by scale·log2(e) and exp2f is used
+// (exact same math as exp(s·scale - max) up to rounding). Running maxima start at -1e30
+// (not -inf) so that merging two empty states never computes -inf - -inf = NaN.
+//
+// kv_store: one thread per element of rows × n_kv × head_dim (grid-stride): f32 → f16.
+//
+// attn_decode_<HD>_<GB> (rows ≤ 16, i.e. decode and MTP verify), split-K flash-decoding:
+//   grid (n_heads/GB, n_splits, rows), 128 threads = 4 warps. A block owns GB query heads
+//   that share one kv head (GB = largest of 8,4,2,1 dividing the GQA group), so each K/V row
+//   is read once for the GB heads. The split count is fixed per cache (from SM count, heads
+//   and capacity: host), and the chunk of positions a split owns is computed ON THE DEVICE
+//   from that row's own position: chunk = max(64, roundup(ceil((pos+1)/n_splits), 64)).
+//   So the launch is position-independent (graph-safe), the work spreads over all splits at
+//   any context length, and a row's result depends only on its own position — identical
+//   bits whether it is decoded alone or inside a verify batch (batch invariance).
+//   Within a block: TPK = HD/8 threads per key, each owning 8 dims (one 16-byte load of K,
+//   one of V); a warp covers 32/TPK keys at once, the block KPB = 4·32/TPK keys, unrolled U
+//   deep (U·2 16-byte loads in flight per thread). Score = 8-dim partial dot reduced across
+//   the TPK lanes by xor-shuffles; each thread keeps per head an online-softmax state
+//   (m, l, acc[8]) over the keys its slot saw; at the end states merge across slots by
+//   shuffles, across warps through shared memory, and the block writes (m, l) and the
+//   unnormalised acc[HD] per head to scratch. Bytes: each K/V byte of the head read once.
+// attn_decode_merge: grid (n_heads, rows), one thread per dim: combines the n_splits
+//   partials (max, rescale, sum in split order), out = acc / l.
+//
+// attn_prefill_<HD> (rows > 16): flash attention, causal, f32 math on CUDA cores (SIMT).
+//   grid (query tiles, n_kv_heads), 256 threads. The block's BQ query slots are (row, head
+//   of the GQA group) pairs, row-major: BQ/group consecutive rows × every head of the group,
+//   so one K/V tile in shared memory serves group× more queries. TPQ threads per query
+//   (4, or 8 for HD=256), each owning HD/TPQ dims as float4 groups interleaved by TPQ
+//   (conflict-free LDS.128 with broadcast across the slots of a warp). K/V tiles of BK =
+//   4096/HD keys are loaded with 16-byte loads, converted to f32 into shared memory (32 KB).
+//   Keys are consumed 8 at a time: 8 scores, one rescale, 8 V accumulations; keys past a
+//   query's own position are masked (p = 0). The block's key bound is the max position of its
+//   rows (read from device memory). Tiles are launched heaviest-first (reversed blockIdx).
+//   Summation over keys is in ascending position order per query, like the CPU.
+//   NEXT (tensor cores): mma.sync m16n8k16 f16 with f32 accumulate: a warp owns 16 query
+//   rows; S = Q·Kᵀ from ldmatrix'd K (row-major [pos][hd] = the "col" operand directly);
+//   P converted to f16 in registers and reused as the A operand of P·V (V via ldmatrix.trans);
+//   cp.async double-buffered K/V tiles of 64 keys. Then FA3-style wgmma + TMA on sm_90a.
+//
+// attn_generic: any head_dim ≤ 512 (and groups larger than a prefill tile): one warp per
+//   (row, head), lane-strided dims, one key at a time. Slow; correct; the fallback.
+
+#define ATT_NEG (-1.0e30f)
+#define ATT_FULL 0xffffffffu
+#define DECODE_THREADS 128
+#define DECODE_MIN_CHUNK 64
+#define PREFILL_THREADS 256
+
+__device__ __forceinline__ unsigned short f32_to_f16_sat(float x) {
+    float c = (x != x) ? x : fminf(fmaxf(x, -65504.f), 65504.f);
+    return __half_as_ushort(__float2half_rn(c));
+}
+
+// 8 halves packed in a uint4 → 8 floats.
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+    unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
+        f[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
+    }
+}
+
+extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __restrict__ v,
+                                    const int* __restrict__ positions,
+                                    unsigned short* __restrict__ kc, unsigned short* __restrict__ vc,
+                                    long long layer_off, int rows, int n_kv, int hd, int capacity) {
+    const int kvd = n_kv * hd;
+    const long long n = (long long)rows * kvd;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        int t = (int)(i / kvd), j = (int)(i % kvd);
+        int h = j / hd, d = j % hd;
+        int p = positions[t];
+        if (p < 0 || p >= capacity) continue;
+        long long dst = layer_off + ((long long)h * capacity + p) * hd + d;
+        kc[dst] = f32_to_f16_sat(k[i]);
+        vc[dst] = f32_to_f16_sat(v[i]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode: split-K flash-decoding.
+
+template <int HD, int GB>
+__device__ __forceinline__ void attn_decode_impl(
+    const float* __restrict__ q, const unsigned short* __restrict__ kc,
+    const unsigned short* __restrict__ vc, const int* __restrict__ positions,
+    float* __restrict__ part_acc, float* __restrict__ part_ml, long long layer_off,
+    int n_heads, int group, int capacity, int n_splits, float scale_log2) {
+    constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
+    constexpr int KPW = 32 / TPK;    // keys per warp per pass
+    constexpr int NW = DECODE_THREADS / 32;
+    constexpr int KPB = NW * KPW;    // keys per block per pass
+    constexpr int U = GB >= 8 ? 2 : 4;
+    static_assert(HD % 8 == 0 && 32 % TPK == 0, "decode head_dim");
+
+    __shared__ float sm_acc[NW][GB][HD];
+    __shared__ float sm_m[NW][GB], sm_l[NW][GB];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int sub = lane % TPK, slot = warp * KPW + lane / TPK;
+    const int h0 = blockIdx.x * GB, split = blockIdx.y, t = blockIdx.z;
+    const int kvh = h0 / group;
+
+    int n_keys = positions[t] + 1;
+    n_keys = max(0, min(n_keys, capacity));
+    const int per = (n_keys + n_splits - 1) / n_splits;
+    const int chunk = max(DECODE_MIN_CHUNK, (per + 63) & ~63);
+    const int start = split * chunk;
+    const int end = min(n_keys, start + chunk);
+
+    float qr[GB][8];
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+        const float4* qp = reinterpret_cast<const float4*>(
+            q + ((long long)t * n_heads + h0 + g) * HD + sub * 8);
+        float4 a = qp[0], b = qp[1];
+        qr[g][0] = a.x * scale_log2; qr[g][1] = a.y * scale_log2;
+        qr[g][2] = a.z * scale_log2; qr[g][3] = a.w * scale_log2;
+        qr[g][4] = b.x * scale_log2; qr[g][5] = b.y * scale_log2;
+        qr[g][6] = b.z * scale_log2; qr[g][7] = b.w * scale_log2;
+    }
+    float m[GB], l[GB], acc[GB][8];
+#pragma unroll
+    for (int g = 0; g < GB; g++) {
+        m[g] = ATT_NEG;
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+    }
+
+    const long long head_off = layer_off + (long long)kvh * capacity * HD + sub * 8;
+    const uint4* kb = reinterpret_cast<const uint4*>(kc + head_off);
+    const uint4* vb = reinterpret_cast<const uint4*>(vc + head_off);
+    // Row kp of this head starts kp*HD halves = kp*HD/8 uint4 further.
+    for (int base = start; base < end; base += KPB * U) {  // uniform across the block
+        uint4 kr[U], vr[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int kp = base + u * KPB + slot;
+            ok[u] = kp < end;
+            if (ok[u]) {
+                kr[u] = __ldg(kb + (long long)kp * (HD / 8));
+                vr[u] = __ldg(vb + (long long)kp * (HD / 8));
+            } else {
+                kr[u] = make_uint4(0, 0, 0, 0);
+                vr[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+        float s[U][GB];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float kf[8];
+            unpack8(kr[u], kf);
+#pragma unroll
+            for (int g = 0; g < GB; g++) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) d = fmaf(qr[g][i], kf[i], d);
+#pragma unroll
+                for (int o = TPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(ATT_FULL, d, o);
+                s[u][g] = ok[u] ? d : ATT_NEG;
+            }
+        }
+        float mn[GB];
+#pragma unroll
+        for (int g = 0; g < GB; g++) {
+            mn[g] = m[g];
+#pragma unroll
+            for (int u = 0; u < U; u++) mn[g] = fmaxf(mn[g], s[u][g]);
+            float corr = exp2f(m[g] - mn[g]);
+            l[g] *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] *= corr;
+            m[g] = mn[g];
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float vf[8];
+            unpack8(vr[u], vf);
+#pragma unroll
+            for (int g = 0; g < GB; g++) {
+                float p = ok[u] ? exp2f(s[u][g] - m[g]) : 0.f;
+                l[g] += p;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+            }
+        }
+    }
+
+    // Merge the key slots of a warp (lanes with the same `sub`): butterfly over slot bits.
+#pragma unroll
+    for (int o = TPK; o < 32; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < GB; g++) {
+            float mo = __shfl_xor_sync(ATT_FULL, m[g], o);
+            float lo = __shfl_xor_sync(ATT_FULL, l[g], o);
+            float mx = fmaxf(m[g], mo);
+            float c1 = exp2f(m[g] - mx), c2 = exp2f(mo - mx);
+            l[g] = l[g] * c1 + lo * c2;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float ao = __shfl_xor_sync(ATT_FULL, acc[g][i], o);
+                acc[g][i] = acc[g][i] * c1 + ao * c2;
+            }
+            m[g] = mx;
+        }
+    }
+    if (lane < TPK) {
+#pragma unroll
+        for (int g = 0; g < GB; g++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sm_acc[warp][g][sub * 8 + i] = acc[g][i];
+            if (sub == 0) {
+                sm_m[warp][g] = m[g];
+                sm_l[warp][g] = l[g];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < GB * HD; idx += DECODE_THREADS) {
+        const int g = idx / HD, d = idx % HD;
+        float mx = ATT_NEG;
+#pragma unroll
+        for (int w = 0; w < NW; w++) mx = fmaxf(mx, sm_m[w][g]);
+        float a = 0.f, lsum = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            float c = exp2f(sm_m[w][g] - mx);
+            a += sm_acc[w][g][d] * c;
+            lsum += sm_l[w][g] * c;
+        }
+        const long long prow = ((long long)t * n_heads + h0 + g) * n_splits + split;
+        part_acc[prow * HD + d] = a;
+        if (d == 0) {
+            part_ml[2 * prow] = mx;
+            part_ml[2 * prow + 1] = lsum;
+        }
+    }
+}
+
+#define DECODE_ARGS                                                                          \
+    const float *__restrict__ q, const unsigned short *__restrict__ kc,                      \
+        const unsigned short *__restrict__ vc, const int *__restrict__ positions,            \
+        float *__restrict__ part_acc, float *__restrict__ part_ml, long long layer_off,      \
+        int n_heads, int group, int capacity, int n_splits, float scale_log2
+#define DECODE_KERNEL(HD, GB)                                                                \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                            \
+        attn_decode_##HD##_##GB(DECODE_ARGS) {                                               \
+        attn_decode_impl<HD, GB>(q, kc, vc, positions, part_acc, part_ml, layer_off,         \
+                                 n_heads, group, capacity, n_splits, scale_log2);            \
+    }
+
+DECODE_KERNEL(32, 1)
+DECODE_KERNEL(32, 2)
+DECODE_KERNEL(32, 4)
+DECODE_KERNEL(32, 8)
+DECODE_KERNEL(64, 1)
+DECODE_KERNEL(64, 2)
+DECODE_KERNEL(64, 4)
+DECODE_KERNEL(64, 8)
+DECODE_KERNEL(128, 1)
+DECODE_KERNEL(128, 2)
+DECODE_KERNEL(128, 4)
+DECODE_KERNEL(128, 8)
+DECODE_KERNEL(256, 1)
+DECODE_KERNEL(256, 2)
+DECODE_KERNEL(256, 4)
+DECODE_KERNEL(256, 8)
+
+// One block per (head, row); thread d combines dim d over the splits in split order.
+extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_acc,
+                                             const float* __restrict__ part_ml,
+                                             float* __restrict__ out, int n_heads, int hd,
+                                             int n_splits) {
+    const int h = blockIdx.x, t = blockIdx.y;
+    const long long row0 = ((long long)t * n_heads + h) * n_splits;
+    float mx = ATT_NEG;
+    for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, part_ml[2 * (row0 + s)]);
+    float lsum = 0.f;
+    for (int s = 0; s < n_splits; s++)
+        lsum += part_ml[2 * (row0 + s) + 1] * exp2f(part_ml[2 * (row0 + s)] - mx);
+    const float inv = 1.f / lsum;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < n_splits; s++)
+            a += part_acc[(row0 + s) * hd + d] * exp2f(part_ml[2 * (row0 + s)] - mx);
+        out[((long long)t * n_heads + h) * hd + d] = a * inv;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Prefill: causal flash attention, SIMT f32.
+
+template <int HD>
+__device__ __forceinline__ void attn_prefill_impl(
+    const float* __restrict__ q, const unsigned short* __restrict__ kc,
+    const unsigned short* __restrict__ vc, const int* __restrict__ positions,
+    float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
+    int capacity, float scale_log2) {
+    constexpr int TPQ = HD >= 256 ? 8 : 4;          // threads per query
+    constexpr int BQ = PREFILL_THREADS / TPQ;       // query slots per block
+    constexpr int NG = HD / (4 * TPQ);              // float4 groups per thread
+    constexpr int HD4 = HD / 4;
+    constexpr int BK = 4096 / HD;                   // keys per tile (K+V tiles = 32 KB f32)
+    static_assert(NG >= 1 && BK % 8 == 0, "prefill head_dim");
+
+    __shared__ float4 sk[BK * HD4];
+    __shared__ float4 sv[BK * HD4];
+    __shared__ int s_kmax;
+
+    const int tid = threadIdx.x, j = tid % TPQ, qi = tid / TPQ;
+    const int rpt = BQ / group;  // rows per tile (host guarantees 1 ≤ group ≤ BQ)
+    const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest (latest rows) first
+    const int kvh = blockIdx.y;
+    const int r = qi / group, gi = qi % group;
+    const int t = tile * rpt + r;
+    const bool valid = r < rpt && t < rows;
+    const int h = kvh * group + gi;
+    const int P = valid ? min(positions[t], capacity - 1) : -1;
+
+    if (tid == 0) s_kmax = 0;
+    __syncthreads();
+    if (valid && j == 0) atomicMax(&s_kmax, P + 1);
+    __syncthreads();
+    const int kmax = s_kmax;
+
+    float4 qv[NG], acc[NG];
+#pragma unroll
+    for (int c = 0; c < NG; c++) {
+        acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (valid) {
+            float4 a = reinterpret_cast<const float4*>(q + ((long long)t * n_heads + h) * HD)[c * TPQ + j];
+            qv[c] = make_float4(a.x * scale_log2, a.y * scale_log2, a.z * scale_log2, a.w * scale_log2);
+        } else {
+            qv[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    float m = ATT_NEG, l = 0.f;
+
+    const long long head_off = layer_off + (long long)kvh * capacity * HD;
+    const uint4* kb = reinterpret_cast<const uint4*>(kc + head_off);
+    const uint4* vb = reinterpret_cast<const uint4*>(vc + head_off);
+
+    for (int k0 = 0; k0 < kmax; k0 += BK) {
+        __syncthreads();  // the previous tile is consumed
+        for (int i = tid; i < BK * HD / 8; i += PREFILL_THREADS) {
+            const int kp = k0 + (i * 8) / HD;
+            uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
+            if (kp < kmax) {
+                a = __ldg(kb + (long long)k0 * (HD / 8) + i);
+                b = __ldg(vb + (long long)k0 * (HD / 8) + i);
+            }
+            float f[8];
+            unpack8(a, f);
+            sk[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+            sk[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+            unpack8(b, f);
+            sv[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+            sv[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+        }
+        __syncthreads();
+        const int nk = min(BK, kmax - k0);
+        for (int kk = 0; kk < nk; kk += 8) {  // uniform across the block
+            float s[8];
+            float mn = m;
+#pragma unroll
+            for (int c8 = 0; c8 < 8; c8++) {
+                const float4* kr = sk + (kk + c8) * HD4 + j;
+                float d = 0.f;
+#pragma unroll
+                for (int c = 0; c < NG; c++) {
+                    float4 kf = kr[c * TPQ];
+                    d = fmaf(qv[c].x, kf.x, d);
+                    d = fmaf(qv[c].y, kf.y, d);
+                    d = fmaf(qv[c].z, kf.z, d);
+                    d = fmaf(qv[c].w, kf.w, d);
+                }
+#pragma unroll
+                for (int o = TPQ / 2; o > 0; o >>= 1) d += __shfl_xor_sync(ATT_FULL, d, o);
+                s[c8] = (k0 + kk + c8 <= P) ? d : ATT_NEG;
+                mn = fmaxf(mn, s[c8]);
+            }
+            const float corr = exp2f(m - mn);
+            l *= corr;
+#pragma unroll
+            for (int c = 0; c < NG; c++) {
+                acc[c].x *= corr; acc[c].y *= corr; acc[c].z *= corr; acc[c].w *= corr;
+            }
+            m = mn;
+#pragma unroll
+            for (int c8 = 0; c8 < 8; c8++) {
+                const float p = (k0 + kk + c8 <= P) ? exp2f(s[c8] - m) : 0.f;
+                l += p;
+                const float4* vr = sv + (kk + c8) * HD4 + j;
+#pragma unroll
+                for (int c = 0; c < NG; c++) {
+                    float4 vf = vr[c * TPQ];
+                    acc[c].x = fmaf(p, vf.x, acc[c].x);
+                    acc[c].y = fmaf(p, vf.y, acc[c].y);
+                    acc[c].z = fmaf(p, vf.z, acc[c].z);
+                    acc[c].w = fmaf(p, vf.w, acc[c].w);
+                }
+            }
+        }
+    }
+    if (valid) {
+        const float inv = 1.f / l;
+        float4* o = reinterpret_cast<float4*>(out + ((long long)t * n_heads + h) * HD);
+#pragma unroll
+        for (int c = 0; c < NG; c++)
+            o[c * TPQ + j] = make_float4(acc[c].x * inv, acc[c].y * inv, acc[c].z * inv, acc[c].w * inv);
+    }
+}
+
+#define PREFILL_ARGS                                                                         \
+    const float *__restrict__ q, const unsigned short *__restrict__ kc,                      \
+        const unsigned short *__restrict__ vc, const int *__restrict__ positions,            \
+        float *__restrict__ out, long long layer_off, int rows, int n_heads, int group,      \
+        int capacity, float scale_log2
+#define PREFILL_KERNEL(HD)                                                                   \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)                           \
+        attn_prefill_##HD(PREFILL_ARGS) {                                                    \
+        attn_prefill_impl<HD>(q, kc, vc, positions, out, layer_off, rows, n_heads, group,    \
+                              capacity, scale_log2);                                         \
+    }
+
+PREFILL_KERNEL(32)
+PREFILL_KERNEL(64)
+PREFILL_KERNEL(128)
+PREFILL_KERNEL(256)
+
+// ---------------------------------------------------------------------------------------
+// Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
+
+extern "C" __global__ void __launch_bounds__(128)
+attn_generic(const float* __restrict__ q, const unsigned short* __restrict__ kc,
+             const unsigned short* __restrict__ vc, const int* __restrict__ positions,
+             float* __restrict__ out, long long layer_off, int n_heads, int group, int hd,
+             int capacity, float scale_log2) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = blockIdx.x * 4 + warp, t = blockIdx.y;
+    if (h >= n_heads) return;  // whole warp; no block-level synchronisation below
+    const int kvh = h / group;
+    const int P = min(positions[t], capacity - 1);
+    const float* qr = q + ((long long)t * n_heads + h) * hd;
+    float qv[16], acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int d = lane + 32 * i;
+        qv[i] = d < hd ? qr[d] * scale_log2 : 0.f;
+        acc[i] = 0.f;
+    }
+    const long long head_off = layer_off + (long long)kvh * capacity * hd;
+    float m = ATT_NEG, l = 0.f;
+    for (int p = 0; p <= P; p++) {
+        const unsigned short* kr = kc + head_off + (long long)p * hd;
+        const unsigned short* vr = vc + head_off + (long long)p * hd;
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const int d = lane + 32 * i;
+            if (d < hd) s = fmaf(qv[i], __half2float(__ushort_as_half(kr[d])), s);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(ATT_FULL, s, o);
+        const float mn = fmaxf(m, s);
+        const float corr = exp2f(m - mn), pr = exp2f(s - mn);
+        l = l * corr + pr;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const int d = lane + 32 * i;
+            const float vv = d < hd ? __half2float(__ushort_as_half(vr[d])) : 0.f;
+            acc[i] = fmaf(pr, vv, acc[i] * corr);
+        }
+        m = mn;
+    }
+    const float inv = 1.f / l;
+    float* o = out + ((long long)t * n_heads + h) * hd;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        const int d = lane + 32 * i;
+        if (d < hd) o[d] = acc[i] * inv;
+    }
+}
