@@ -1,1 +1,373 @@
-// matmul.cu — being written.
+// matmul.cu — out[t][o] = sum_i W[o][i] * x[t][i] for a weight [n_out, n_in] stored as a
+// ggml type (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K, the GGUF bytes as they sit in VRAM),
+// x [rows, n_in] f32 row-major, out [rows, n_out] f32 row-major.
+//
+// Two kernel families (launchers in matmul.rs; the row split is GEMV_MAX_ROWS there):
+//
+// 1. gemv_<type>_r<R>   (decode and speculative verify: rows <= 16; memory-bound)
+//    - A block is 4 warps (128 threads). Each warp owns NW = 2 consecutive output rows and
+//      walks them both with the same lane->element mapping, so every x value it loads is
+//      used for NW weight rows (halves the L1 traffic for x, which for 4-bit weights is 7x
+//      the weight bytes when f32).
+//    - Lane mapping, chosen so that at each load instruction 8 consecutive lanes read 32
+//      consecutive floats of x (one 128-B line: no L1 wavefront amplification), and the
+//      weight bytes a warp reads per instruction are one contiguous span of the row:
+//        F32:       lane reads 4 floats (16 B, float4) per step; 32 lanes = 128 elements.
+//        F16/BF16:  lane reads 4 halves (8 B, uint2) per step.
+//        Q8_0:      8 lanes per block; lane j reads quants 4j..4j+3 (4 B) + the f16 scale.
+//        Q4_0/Q4_1: 4 lanes per block; lane j reads qs[4j..4j+3] = elements 4j.. (low
+//                   nibbles) and 16+4j.. (high nibbles).
+//        Q4_K/Q5_K: one warp per super-block; lane (g = lane/8, j = lane%8) reads qs word
+//                   32g+4j (elements 64g+4j.. low nibbles, 64g+32+4j.. high nibbles) and the
+//                   16-B header (d, dmin, scales) as one uint4 (all lanes the same address:
+//                   a broadcast); Q5_K also the qh word 4j.
+//        Q6_K:      one warp per super-block; lane (n = lane/16, p = lane/8%2, c = lane%8)
+//                   reads ql word 64n+32p+4c and qh word 32n+4c: elements 128n+32p+4c.. and
+//                   128n+64+32p+4c.., their two int8 scales and d.
+//      Rows of Q8_0/Q4_0/Q6_K are only 2-byte aligned: their 4-byte words are read with
+//      ld4() (aligned loads + funnel shift). Q4_1 (20 B), Q4_K (144 B) and Q5_K (176 B)
+//      blocks keep 4/16-byte alignment (the buffer base is 256-aligned).
+//    - Bytes moved per output row: exactly the row's stored bytes (n_in/bs*ts; e.g. Q4_K
+//      0.5625 B/element, Q6_K 0.82, Q8_0 1.0625, F16 2) from DRAM, read once, with
+//      streaming (evict-first) loads; x comes from L1/L2 (it is read by every warp).
+//    - Nibbles/bytes -> f32 exactly with the 2^23 trick: prmt the byte into the mantissa of
+//      8388608.0f and subtract (PRMT + FADD instead of the slow I2F).
+//    - R = rows rounded up to an instantiated size (1, 2, 4, 8, 16); padded rows recompute
+//      the last real row and are not stored. Every accumulator is one explicit fmaf chain in
+//      a fixed element order and the warp reduction is a fixed xor-butterfly, so out[t][o]
+//      is bitwise independent of R and of the other rows: decode (rows = 1) and speculative
+//      verify (rows = K+1) give identical results for the same token.
+//
+// 2. mm_<type>          (prefill: rows > 16; tensor cores, mma.sync m16n8k16 bf16 -> f32)
+//    - Block tile 128 outputs (M) x 128 tokens (N) x 32 (K), 256 threads = 8 warps as 4 (M)
+//      x 2 (N); each warp computes 32 outputs x 64 tokens = 2 x 8 mma tiles (64 f32
+//      accumulators per thread).
+//    - Per K step each thread decodes 16 consecutive weight elements of one output row
+//      (row = tid/2, half = tid%2) from the stored blocks straight into bf16, and converts
+//      16 floats of one token row of x to bf16; both go to shared memory (rows padded to 40
+//      bf16 = 80 B so that fragment loads are bank-conflict free). Two smem buffers: the
+//      next tile is loaded into registers before the mma of the current one and stored
+//      after it; one __syncthreads per K step.
+//    - blockIdx.x walks the token tiles fastest, so the blocks that read the same weight
+//      tile run together and share it through L2: weights come from DRAM about once.
+//    - Precision: bf16 inputs (x and the dequantized weights rounded to nearest even; 8-bit
+//      mantissa, relative error <= 2^-9 per element) and f32 accumulation. bf16 rather than
+//      f16 because it has f32's exponent range: activation outliers cannot overflow and no
+//      per-row scaling is needed. Expected NMSE vs the f32 oracle ~1e-6..1e-5.
+//    - Edges: token rows >= rows and output rows >= n_out read a clamped valid row and are
+//      not stored; K beyond n_in (float types with n_in % 32 != 0) is zero in both A and B.
+//
+// Decoders here must agree with ggml_get in common.cuh (checked by `ferrite check`).
+
+#define GEMV_WARPS 4
+#define GEMV_NW 2
+
+// ---------------------------------------------------------------------------------------
+// Loads
+
+// Weights are read once per call: streaming loads (evict-first in L1 and L2).
+__device__ __forceinline__ uint32_t ldw(const uint32_t* p) { return __ldcs((const unsigned int*)p); }
+
+// The 4 bytes at p (only 2-byte aligned) as a little-endian word: one aligned load when p is
+// 4-aligned, else two aligned loads and a funnel shift. The second load is predicated off when
+// aligned, so it never reads past a 4-aligned end of the buffer. (When p is 2 mod 4, the second
+// word can extend up to 2 bytes past the last needed byte; it stays inside an aligned word of
+// the allocation granule, so it cannot fault.)
+__device__ __forceinline__ uint32_t ld4(const uint8_t* p) {
+    size_t a = (size_t)p;
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
+    uint32_t sh = (uint32_t)(a & 3) * 8;
+    uint32_t lo = ldw(q);
+    uint32_t hi = sh ? ldw(q + 1) : 0u;
+    return __funnelshift_r(lo, hi, sh);
+}
+
+__device__ __forceinline__ uint16_t ld2(const uint8_t* p) {
+    return __ldcs((const unsigned short*)p);
+}
+
+__device__ __forceinline__ float h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
+__device__ __forceinline__ float b2f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
+
+// Byte k (0..3) of w, which must be < 256 as an unsigned value, as an exact float plus 2^23.
+// (prmt builds the bits 0x4B0000bb = 8388608 + bb.)
+template <int K>
+__device__ __forceinline__ float byte_f(uint32_t w) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - 8388608.0f;
+}
+
+// Byte k of the 12 K-quant scale bytes held in three words.
+__device__ __forceinline__ uint32_t sbyte(uint32_t s0, uint32_t s1, uint32_t s2, int k) {
+    uint32_t w = k < 4 ? s0 : (k < 8 ? s1 : s2);
+    return (w >> ((k & 3) * 8)) & 0xFF;
+}
+
+// ggml's get_scale_min_k4 from the scale words.
+__device__ __forceinline__ void scale_min_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(sbyte(s0, s1, s2, j) & 63);
+        *m = (float)(sbyte(s0, s1, s2, j + 4) & 63);
+    } else {
+        uint32_t a = sbyte(s0, s1, s2, j + 4), lo = sbyte(s0, s1, s2, j - 4), hi = sbyte(s0, s1, s2, j);
+        *sc = (float)((a & 0xF) | ((lo >> 6) << 4));
+        *m = (float)((a >> 4) | ((hi >> 6) << 4));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMV
+
+// acc[r][w] += wv[w][k] * x[r][e + k] for k < 4 (x row r clamped to rows-1).
+template <int R, int NW>
+__device__ __forceinline__ void fma4(float (&acc)[R][NW], const float* __restrict__ x, int n_in, int rows,
+                                     int e, const float (&wv)[NW][4]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int rr = r < rows ? r : rows - 1;
+        const float4 xv = __ldg((const float4*)(x + (size_t)rr * n_in + e));
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            acc[r][w] = fmaf(wv[w][0], xv.x, acc[r][w]);
+            acc[r][w] = fmaf(wv[w][1], xv.y, acc[r][w]);
+            acc[r][w] = fmaf(wv[w][2], xv.z, acc[r][w]);
+            acc[r][w] = fmaf(wv[w][3], xv.w, acc[r][w]);
+        }
+    }
+}
+
+// One scalar element for the unaligned float paths.
+template <int R, int NW>
+__device__ __forceinline__ void fma1(float (&acc)[R][NW], const float* __restrict__ x, int n_in, int rows,
+                                     int e, const float (&wv)[NW]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int rr = r < rows ? r : rows - 1;
+        const float xv = __ldg(x + (size_t)rr * n_in + e);
+#pragma unroll
+        for (int w = 0; w < NW; w++) acc[r][w] = fmaf(wv[w], xv, acc[r][w]);
+    }
+}
+
+// Per type: accumulate this lane's share of the NW rows `wr` into acc.
+template <int TYPE, int R, int NW>
+__device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_in, const float* __restrict__ x,
+                                          int rows, int lane, float (&acc)[R][NW]) {
+    if (TYPE == GGML_F32) {
+        if ((n_in & 3) == 0) {
+            const int n4 = n_in >> 2;
+#pragma unroll 4
+            for (int i = lane; i < n4; i += 32) {
+                float wv[NW][4];
+#pragma unroll
+                for (int w = 0; w < NW; w++) {
+                    const float4 v = __ldcs((const float4*)wr[w] + i);
+                    wv[w][0] = v.x; wv[w][1] = v.y; wv[w][2] = v.z; wv[w][3] = v.w;
+                }
+                fma4<R, NW>(acc, x, n_in, rows, 4 * i, wv);
+            }
+        } else {
+            for (int i = lane; i < n_in; i += 32) {
+                float wv[NW];
+#pragma unroll
+                for (int w = 0; w < NW; w++) wv[w] = __ldcs((const float*)wr[w] + i);
+                fma1<R, NW>(acc, x, n_in, rows, i, wv);
+            }
+        }
+    } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
+        if ((n_in & 3) == 0) {
+            const int n4 = n_in >> 2;
+#pragma unroll 4
+            for (int i = lane; i < n4; i += 32) {
+                float wv[NW][4];
+#pragma unroll
+                for (int w = 0; w < NW; w++) {
+                    const uint2 v = __ldcs((const uint2*)wr[w] + i);
+                    const uint16_t h0 = v.x & 0xFFFF, h1 = v.x >> 16, h2 = v.y & 0xFFFF, h3 = v.y >> 16;
+                    if (TYPE == GGML_F16) {
+                        wv[w][0] = h2f(h0); wv[w][1] = h2f(h1); wv[w][2] = h2f(h2); wv[w][3] = h2f(h3);
+                    } else {
+                        wv[w][0] = b2f(h0); wv[w][1] = b2f(h1); wv[w][2] = b2f(h2); wv[w][3] = b2f(h3);
+                    }
+                }
+                fma4<R, NW>(acc, x, n_in, rows, 4 * i, wv);
+            }
+        } else {
+            for (int i = lane; i < n_in; i += 32) {
+                float wv[NW];
+#pragma unroll
+                for (int w = 0; w < NW; w++) {
+                    const uint16_t h = ld2(wr[w] + 2 * (size_t)i);
+                    wv[w] = TYPE == GGML_F16 ? h2f(h) : b2f(h);
+                }
+                fma1<R, NW>(acc, x, n_in, rows, i, wv);
+            }
+        }
+    } else if (TYPE == GGML_Q8_0) {
+        const int units = (n_in / QK) * 8;  // 8 lanes per block
+#pragma unroll 4
+        for (int u = lane; u < units; u += 32) {
+            const int b = u >> 3, j = u & 7;
+            float wv[NW][4];
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const uint8_t* blk = wr[w] + (size_t)b * Q8_0_BYTES;
+                const float d = h2f(ld2(blk));
+                const uint32_t q = ld4(blk + 2 + 4 * j) ^ 0x80808080u;  // int8 -> q + 128
+                wv[w][0] = (byte_f<0>(q) - 128.0f) * d;
+                wv[w][1] = (byte_f<1>(q) - 128.0f) * d;
+                wv[w][2] = (byte_f<2>(q) - 128.0f) * d;
+                wv[w][3] = (byte_f<3>(q) - 128.0f) * d;
+            }
+            fma4<R, NW>(acc, x, n_in, rows, b * QK + 4 * j, wv);
+        }
+    } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
+        const int units = (n_in / QK) * 4;  // 4 lanes per block
+#pragma unroll 4
+        for (int u = lane; u < units; u += 32) {
+            const int b = u >> 2, j = u & 3;
+            float lo[NW][4], hi[NW][4];
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                if (TYPE == GGML_Q4_0) {
+                    const uint8_t* blk = wr[w] + (size_t)b * Q4_0_BYTES;
+                    const float d = h2f(ld2(blk));
+                    const uint32_t q = ld4(blk + 2 + 4 * j);
+                    const uint32_t ql = q & 0x0F0F0F0Fu, qh = (q >> 4) & 0x0F0F0F0Fu;
+                    lo[w][0] = (byte_f<0>(ql) - 8.0f) * d; lo[w][1] = (byte_f<1>(ql) - 8.0f) * d;
+                    lo[w][2] = (byte_f<2>(ql) - 8.0f) * d; lo[w][3] = (byte_f<3>(ql) - 8.0f) * d;
+                    hi[w][0] = (byte_f<0>(qh) - 8.0f) * d; hi[w][1] = (byte_f<1>(qh) - 8.0f) * d;
+                    hi[w][2] = (byte_f<2>(qh) - 8.0f) * d; hi[w][3] = (byte_f<3>(qh) - 8.0f) * d;
+                } else {
+                    const uint8_t* blk = wr[w] + (size_t)b * Q4_1_BYTES;  // 4-aligned
+                    const uint32_t dm = ldw((const uint32_t*)blk);
+                    const float d = h2f(dm & 0xFFFF), m = h2f(dm >> 16);
+                    const uint32_t q = ldw((const uint32_t*)(blk + 4 + 4 * j));
+                    const uint32_t ql = q & 0x0F0F0F0Fu, qh = (q >> 4) & 0x0F0F0F0Fu;
+                    lo[w][0] = fmaf(byte_f<0>(ql), d, m); lo[w][1] = fmaf(byte_f<1>(ql), d, m);
+                    lo[w][2] = fmaf(byte_f<2>(ql), d, m); lo[w][3] = fmaf(byte_f<3>(ql), d, m);
+                    hi[w][0] = fmaf(byte_f<0>(qh), d, m); hi[w][1] = fmaf(byte_f<1>(qh), d, m);
+                    hi[w][2] = fmaf(byte_f<2>(qh), d, m); hi[w][3] = fmaf(byte_f<3>(qh), d, m);
+                }
+            }
+            fma4<R, NW>(acc, x, n_in, rows, b * QK + 4 * j, lo);
+            fma4<R, NW>(acc, x, n_in, rows, b * QK + 16 + 4 * j, hi);
+        }
+    } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+        const int nsb = n_in / QK_K;
+        const int g = lane >> 3, j = lane & 7;
+        const int bytes = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
+#pragma unroll 2
+        for (int s = 0; s < nsb; s++) {
+            float lo[NW][4], hi[NW][4];
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const uint8_t* blk = wr[w] + (size_t)s * bytes;  // 16-aligned
+                const uint4 h = __ldcs((const uint4*)blk);
+                const float d = h2f(h.x & 0xFFFF), dmin = h2f(h.x >> 16);
+                float sc0, m0, sc1, m1;
+                scale_min_w(2 * g, h.y, h.z, h.w, &sc0, &m0);
+                scale_min_w(2 * g + 1, h.y, h.z, h.w, &sc1, &m1);
+                const float ds0 = d * sc0, dm0 = dmin * m0, ds1 = d * sc1, dm1 = dmin * m1;
+                uint32_t ql, qh;
+                if (TYPE == GGML_Q4_K) {
+                    const uint32_t q = ldw((const uint32_t*)(blk + 16 + 32 * g + 4 * j));
+                    ql = q & 0x0F0F0F0Fu;
+                    qh = (q >> 4) & 0x0F0F0F0Fu;
+                } else {
+                    const uint32_t hb = ldw((const uint32_t*)(blk + 16 + 4 * j));
+                    const uint32_t q = ldw((const uint32_t*)(blk + 48 + 32 * g + 4 * j));
+                    ql = (q & 0x0F0F0F0Fu) | (((hb >> (2 * g)) & 0x01010101u) << 4);
+                    qh = ((q >> 4) & 0x0F0F0F0Fu) | (((hb >> (2 * g + 1)) & 0x01010101u) << 4);
+                }
+                lo[w][0] = fmaf(byte_f<0>(ql), ds0, -dm0); lo[w][1] = fmaf(byte_f<1>(ql), ds0, -dm0);
+                lo[w][2] = fmaf(byte_f<2>(ql), ds0, -dm0); lo[w][3] = fmaf(byte_f<3>(ql), ds0, -dm0);
+                hi[w][0] = fmaf(byte_f<0>(qh), ds1, -dm1); hi[w][1] = fmaf(byte_f<1>(qh), ds1, -dm1);
+                hi[w][2] = fmaf(byte_f<2>(qh), ds1, -dm1); hi[w][3] = fmaf(byte_f<3>(qh), ds1, -dm1);
+            }
+            const int e = s * QK_K + 64 * g + 4 * j;
+            fma4<R, NW>(acc, x, n_in, rows, e, lo);
+            fma4<R, NW>(acc, x, n_in, rows, e + 32, hi);
+        }
+    } else if (TYPE == GGML_Q6_K) {
+        const int nsb = n_in / QK_K;
+        const int n = lane >> 4, p = (lane >> 3) & 1, c = lane & 7;
+#pragma unroll 2
+        for (int s = 0; s < nsb; s++) {
+            float lo[NW][4], hi[NW][4];
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const uint8_t* blk = wr[w] + (size_t)s * Q6_K_BYTES;  // 2-aligned
+                const uint32_t ql = ld4(blk + 64 * n + 32 * p + 4 * c);
+                const uint32_t qh = ld4(blk + 128 + 32 * n + 4 * c);
+                const int si = 192 + 8 * n + (c >> 2) + 2 * p;
+                const float d = h2f(ld2(blk + 208));
+                const float ds0 = d * (float)(int8_t)__ldcs((const signed char*)(blk + si));
+                const float ds1 = d * (float)(int8_t)__ldcs((const signed char*)(blk + si + 4));
+                const uint32_t q0 = (ql & 0x0F0F0F0Fu) | (((qh >> (2 * p)) & 0x03030303u) << 4);
+                const uint32_t q1 = ((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (2 * p + 4)) & 0x03030303u) << 4);
+                lo[w][0] = (byte_f<0>(q0) - 32.0f) * ds0; lo[w][1] = (byte_f<1>(q0) - 32.0f) * ds0;
+                lo[w][2] = (byte_f<2>(q0) - 32.0f) * ds0; lo[w][3] = (byte_f<3>(q0) - 32.0f) * ds0;
+                hi[w][0] = (byte_f<0>(q1) - 32.0f) * ds1; hi[w][1] = (byte_f<1>(q1) - 32.0f) * ds1;
+                hi[w][2] = (byte_f<2>(q1) - 32.0f) * ds1; hi[w][3] = (byte_f<3>(q1) - 32.0f) * ds1;
+            }
+            const int e = s * QK_K + 128 * n + 32 * p + 4 * c;
+            fma4<R, NW>(acc, x, n_in, rows, e, lo);
+            fma4<R, NW>(acc, x, n_in, rows, e + 64, hi);
+        }
+    }
+}
+
+template <int TYPE, int R>
+__device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                     const float* __restrict__ x, int rows, float* __restrict__ out) {
+    constexpr int NW = GEMV_NW;
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * NW;
+    if (o0 >= n_out) return;  // whole warp; there is no block-level barrier in this kernel
+    const uint8_t* wr[NW];
+#pragma unroll
+    for (int w = 0; w < NW; w++) {
+        const int o = o0 + w < n_out ? o0 + w : n_out - 1;
+        wr[w] = W + (size_t)o * (size_t)rb;
+    }
+    float acc[R][NW];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
+    gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, acc);
+    // Fixed xor butterfly: every lane ends with the same total; lane (r*NW+w)%32 stores it.
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            float v = acc[r][w];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = v;
+        }
+    }
+}
+
+#define GEMV_KERNEL(name, TYPE, R)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
+                           const float* __restrict__ x, int rows, float* __restrict__ out) {                \
+        gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out);                                                    \
+    }
+#define GEMV_ALL_R(name, TYPE) \
+    GEMV_KERNEL(name, TYPE, 1) \
+    GEMV_KERNEL(name, TYPE, 2) \
+    GEMV_KERNEL(name, TYPE, 4) \
+    GEMV_KERNEL(name, TYPE, 8) \
+    GEMV_KERNEL(name, TYPE, 16)
+
+GEMV_ALL_R(f32, GGML_F32)
+GEMV_ALL_R(f16, GGML_F16)
+GEMV_ALL_R(bf16, GGML_BF16)
+GEMV_ALL_R(q8_0, GGML_Q8_0)
+GEMV_ALL_R(q4_0, GGML_Q4_0)
+GEMV_ALL_R(q4_1, GGML_Q4_1)
+GEMV_ALL_R(q4_k, GGML_Q4_K)
+GEMV_ALL_R(q5_k, GGML_Q5_K)
+GEMV_ALL_R(q6_k, GGML_Q6_K)
