@@ -82,10 +82,12 @@ fn matmul_raw(
 ) {
     let rb = w.len() / n_out.max(1);
     if rows == 1 {
-        out.par_iter_mut()
-            .with_min_len(64)
-            .enumerate()
-            .for_each(|(o, y)| {
+        // One contiguous range of output rows per thread (a few per thread for balance):
+        // per-row tasks cost more in scheduling than the dot products at decode sizes.
+        let chunk = n_out.div_ceil(rayon::current_num_threads() * 4).max(16);
+        out.par_chunks_mut(chunk).enumerate().for_each(|(c, ys)| {
+            for (j, y) in ys.iter_mut().enumerate() {
+                let o = c * chunk + j;
                 quant::dot_many(
                     dtype,
                     &w[o * rb..(o + 1) * rb],
@@ -93,7 +95,8 @@ fn matmul_raw(
                     n_in,
                     std::slice::from_mut(y),
                 );
-            });
+            }
+        });
         return;
     }
     // Column-major scratch: one contiguous run of `rows` results per weight row.
@@ -325,10 +328,13 @@ impl Backend for CpuBackend {
         );
         let wf = dequant_vec(w, head_dim)?;
         let n = x.len();
-        x.buf[..n].par_chunks_mut(head_dim).for_each(|h| {
-            let src = h.to_vec();
-            rms_norm_row(&src, &wf, eps, h);
-        });
+        x.buf[..n]
+            .par_chunks_mut(head_dim)
+            .with_min_len(16)
+            .for_each(|h| {
+                let src = h.to_vec();
+                rms_norm_row(&src, &wf, eps, h);
+            });
         Ok(())
     }
 
@@ -393,6 +399,7 @@ impl Backend for CpuBackend {
         let n = gate.len();
         out.buf[..n]
             .par_iter_mut()
+            .with_min_len(1 << 14)
             .zip(gate.buf[..n].par_iter().zip(&up.buf[..n]))
             .for_each(|(o, (&g, &u))| *o = silu(g) * u);
         Ok(())
