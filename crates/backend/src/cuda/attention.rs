@@ -109,7 +109,7 @@ fn fast_index(head_dim: usize) -> Option<usize> {
 fn heads_per_block(group: usize) -> usize {
     [8, 4, 2, 1]
         .into_iter()
-        .find(|gb| group % gb == 0)
+        .find(|gb| group.is_multiple_of(*gb))
         .unwrap_or(1)
 }
 
