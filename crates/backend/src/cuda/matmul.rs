@@ -1,32 +1,200 @@
-//! Matmul launchers: decode GEMV for every weight type, prefill matmul on the tensor cores.
-//! (Being written; see kernels/gemv.cu and kernels/matmul.cu.)
+//! Matmul launchers (`kernels/matmul.cu`): `out[t][o] = Σ_i W[o][i] · x[t][i]` for a 2-D
+//! weight `[n_out, n_in]` stored in any ggml type, read straight from its GGUF blocks.
+//!
+//! - rows ≤ [`GEMV_MAX_ROWS`]: `gemv_<type>_r<R>`, the memory-bound decode/verify GEMV in f32
+//!   (each output is bitwise independent of how many rows come along).
+//! - more rows: `mm_<type>`, the prefill matmul on the tensor cores (bf16 inputs, f32
+//!   accumulation), dequantizing weight tiles on the fly.
+//!
+//! The plans, bytes moved and precision are in the kernel file's header and `MATMUL.md`.
 
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
-use cudarc::driver::{CudaContext, CudaSlice};
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use ferrite_formats::GgmlType;
+
+use super::{function, load_module, CudaBackend, CudaWeight};
+use crate::{check_shape, Act};
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/matmul.cu");
 
-use super::{CudaBackend, CudaWeight};
-use crate::Act;
+/// Largest row count served by the f32 GEMV; more rows go to the tensor-core kernel.
+///
+/// 16 rather than 8: speculative verify runs K+1 rows (K ≤ 8 draft tokens → up to 9), and
+/// it must run the same kernel as plain decode (rows = 1) so that greedy output with MTP is
+/// token-identical to plain greedy decode. The GEMV gives bitwise the same value for a row
+/// whatever R it is launched with; the bf16 tensor-core kernel would not match it. Cost: the
+/// f32 GEMV becomes FMA-bound rather than bandwidth-bound above ~4 rows (see MATMUL.md).
+pub const GEMV_MAX_ROWS: usize = 16;
 
-/// The compiled matmul kernels.
-pub struct Kernels {}
+/// Row counts the GEMV is instantiated for (rows round up to the next one).
+const GEMV_R: [usize; 5] = [1, 2, 4, 8, 16];
+/// Warps per GEMV block and output rows per warp (GEMV_WARPS, GEMV_NW in matmul.cu).
+const GEMV_WARPS: usize = 4;
+const GEMV_NW: usize = 2;
+/// Prefill tile: outputs × tokens per block, threads per block (MM_TM, MM_TN in matmul.cu).
+const MM_TM: usize = 128;
+const MM_TN: usize = 128;
+const MM_THREADS: u32 = 256;
+
+/// Weight types in kernel-name order.
+const TYPES: [(GgmlType, &str); 9] = [
+    (GgmlType::F32, "f32"),
+    (GgmlType::F16, "f16"),
+    (GgmlType::BF16, "bf16"),
+    (GgmlType::Q8_0, "q8_0"),
+    (GgmlType::Q4_0, "q4_0"),
+    (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q4K, "q4_k"),
+    (GgmlType::Q5K, "q5_k"),
+    (GgmlType::Q6K, "q6_k"),
+];
+
+/// The compiled matmul kernels, indexed like [`TYPES`].
+pub struct Kernels {
+    gemv: Vec<[CudaFunction; 5]>,
+    mm: Vec<CudaFunction>,
+}
 
 impl Kernels {
-    pub fn load(_ctx: &Arc<CudaContext>, _arch: &'static str) -> Result<Self> {
-        Ok(Kernels {})
+    pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
+        let m = load_module(ctx, arch, "matmul", SRC)?;
+        let mut gemv = Vec::with_capacity(TYPES.len());
+        let mut mm = Vec::with_capacity(TYPES.len());
+        for (_, name) in TYPES {
+            let f = |r: usize| function(&m, &format!("gemv_{name}_r{r}"));
+            gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(16)?]);
+            mm.push(function(&m, &format!("mm_{name}"))?);
+        }
+        Ok(Kernels { gemv, mm })
     }
+}
+
+fn type_index(t: GgmlType) -> Result<usize> {
+    TYPES
+        .iter()
+        .position(|&(ty, _)| ty == t)
+        .ok_or_else(|| anyhow::anyhow!("CUDA matmul: unsupported weight type {t}"))
 }
 
 /// `out[t] = W x[t]` for a weight `[n_out, n_in]` of any stored type.
 pub fn matmul(
-    _be: &CudaBackend,
-    _x: &Act<CudaSlice<f32>>,
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
     w: &CudaWeight,
-    _out: &mut Act<CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    bail!("CUDA matmul for {} is not available yet", w.dtype)
+    let [n_out, n_in] = w.shape[..] else {
+        bail!("matmul: weight is not 2-D: {:?} {}", w.shape, w.dtype)
+    };
+    ensure!(
+        x.cols == n_in,
+        "matmul: input has {} columns, weight {:?} wants {n_in}",
+        x.cols,
+        w.shape
+    );
+    check_shape("matmul out", out, x.rows, n_out)?;
+    let rows = x.rows;
+    if rows == 0 || n_out == 0 {
+        return Ok(());
+    }
+    ensure!(
+        n_in > 0,
+        "matmul: weight {:?} has no input columns",
+        w.shape
+    );
+    let ti = type_index(w.dtype)?;
+    let bs = w.dtype.block_size();
+    ensure!(
+        n_in % bs == 0,
+        "matmul: {} rows of {n_in} elements are not whole blocks of {bs}",
+        w.dtype
+    );
+    let rb = w.row_bytes();
+    ensure!(
+        w.data.len() >= n_out * rb,
+        "matmul: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
+        w.data.len(),
+        w.dtype,
+        n_out * rb
+    );
+    ensure!(
+        x.buf.len() >= rows * n_in && out.buf.len() >= rows * n_out,
+        "matmul: activation buffers smaller than their shapes"
+    );
+    ensure!(
+        n_in <= i32::MAX as usize && n_out <= i32::MAX as usize && rows <= i32::MAX as usize,
+        "matmul: shape [{rows}, {n_in}] x [{n_out}, {n_in}] too large"
+    );
+    // The kernels use 16-byte loads on rows whose length is a multiple of 16 bytes; that needs
+    // a 16-byte aligned base (cudaMalloc gives 256).
+    {
+        let (ptr, _sync) = w.data.device_ptr(&be.stream);
+        ensure!(
+            ptr % 16 == 0,
+            "matmul: weight buffer is not 16-byte aligned"
+        );
+    }
+    let (rb, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+
+    let (func, cfg) = if rows <= GEMV_MAX_ROWS {
+        let ri = GEMV_R
+            .iter()
+            .position(|&r| r >= rows)
+            .expect("GEMV_R covers 1..=GEMV_MAX_ROWS");
+        let per_block = GEMV_WARPS * GEMV_NW;
+        let cfg = LaunchConfig {
+            grid_dim: (n_out.div_ceil(per_block) as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (&be.matmul.gemv[ti][ri], cfg)
+    } else {
+        let gy = n_out.div_ceil(MM_TM);
+        ensure!(gy <= 65535, "matmul: {n_out} outputs exceed the grid limit");
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(MM_TN) as u32, gy as u32, 1),
+            block_dim: (MM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (&be.matmul.mm[ti], cfg)
+    };
+    // SAFETY: shapes and buffer sizes checked above; the kernels read n_out rows of rb bytes
+    // of W and rows×n_in floats of x, and write rows×n_out floats of out.
+    unsafe {
+        be.stream
+            .launch_builder(func)
+            .arg(&w.data)
+            .arg(&rb)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&mut out.buf)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemv_sizes_cover_the_gemv_rows() {
+        assert_eq!(GEMV_R.last().copied(), Some(GEMV_MAX_ROWS));
+        assert!(GEMV_R.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(GEMV_R[0], 1);
+    }
+
+    #[test]
+    fn every_type_has_kernels() {
+        for t in GgmlType::ALL {
+            assert!(type_index(t).is_ok(), "{t}");
+        }
+    }
 }

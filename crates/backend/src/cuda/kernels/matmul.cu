@@ -371,3 +371,283 @@ GEMV_ALL_R(q4_1, GGML_Q4_1)
 GEMV_ALL_R(q4_k, GGML_Q4_K)
 GEMV_ALL_R(q5_k, GGML_Q5_K)
 GEMV_ALL_R(q6_k, GGML_Q6_K)
+
+// ---------------------------------------------------------------------------------------
+// Prefill: tensor cores (mma.sync m16n8k16, bf16 inputs, f32 accumulators)
+
+#define MM_TM 128  // outputs per block (mma M)
+#define MM_TN 128  // tokens per block (mma N)
+#define MM_TK 32   // K per step
+#define MM_LDS 40  // smem row stride in bf16 (80 B: 16-B aligned rows, conflict-free fragments)
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half) = the lower k
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Plain (cached) loads for the prefill decoders: the same weight tile is read by the blocks of
+// every token tile, so it should stay in L2.
+__device__ __forceinline__ uint32_t ld4c(const uint8_t* p) {
+    size_t a = (size_t)p;
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
+    uint32_t sh = (uint32_t)(a & 3) * 8;
+    uint32_t lo = __ldg(q);
+    uint32_t hi = sh ? __ldg(q + 1) : 0u;
+    return __funnelshift_r(lo, hi, sh);
+}
+__device__ __forceinline__ uint16_t ld2c(const uint8_t* p) { return __ldg((const unsigned short*)p); }
+
+// Weight elements k0..k0+15 (k0 % 16 == 0) of one row as 8 packed bf16 pairs. Elements at or
+// beyond n_in are zero (only float types can have n_in % 32 != 0).
+template <int TYPE>
+__device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0, int n_in, uint32_t (&o)[8]) {
+    if (TYPE == GGML_F32 || TYPE == GGML_F16 || TYPE == GGML_BF16) {
+        float v[16];
+        const bool vec = k0 + 16 <= n_in && (TYPE == GGML_F32 ? (n_in & 3) == 0 : (n_in & 7) == 0);
+        if (vec) {
+            if (TYPE == GGML_F32) {
+                const float4* p = (const float4*)(row + 4 * (size_t)k0);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float4 f = __ldg(p + i);
+                    v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+                }
+            } else {
+                const uint4* p = (const uint4*)(row + 2 * (size_t)k0);
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const uint4 u = __ldg(p + i);
+                    const uint32_t ws[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        if (TYPE == GGML_BF16) {
+                            o[4 * i + k] = ws[k];  // already bf16 pairs
+                        } else {
+                            v[8 * i + 2 * k] = h2f(ws[k] & 0xFFFF);
+                            v[8 * i + 2 * k + 1] = h2f(ws[k] >> 16);
+                        }
+                    }
+                }
+                if (TYPE == GGML_BF16) return;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                const int k = k0 + i;
+                float f = 0.0f;
+                if (k < n_in) {
+                    if (TYPE == GGML_F32) f = __ldg((const float*)row + k);
+                    else if (TYPE == GGML_F16) f = h2f(ld2c(row + 2 * (size_t)k));
+                    else f = b2f(ld2c(row + 2 * (size_t)k));
+                }
+                v[i] = f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+    } else if (TYPE == GGML_Q8_0) {
+        const uint8_t* blk = row + (size_t)(k0 / QK) * Q8_0_BYTES;
+        const float d = h2f(ld2c(blk));
+        const uint8_t* qs = blk + 2 + (k0 & 16);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t q = ld4c(qs + 4 * i) ^ 0x80808080u;
+            o[2 * i] = pack_bf16((byte_f<0>(q) - 128.0f) * d, (byte_f<1>(q) - 128.0f) * d);
+            o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 128.0f) * d, (byte_f<3>(q) - 128.0f) * d);
+        }
+    } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
+        const bool q40 = TYPE == GGML_Q4_0;
+        const uint8_t* blk = row + (size_t)(k0 / QK) * (q40 ? Q4_0_BYTES : Q4_1_BYTES);
+        const float d = h2f(ld2c(blk));
+        const float m = q40 ? -8.0f * d : h2f(ld2c(blk + 2));
+        const int shift = (k0 & 16) ? 4 : 0;  // second half of the block = high nibbles
+        const uint8_t* qs = blk + (q40 ? 2 : 4);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t q = (ld4c(qs + 4 * i) >> shift) & 0x0F0F0F0Fu;
+            // Q4_0: (q - 8) * d computed as q*d - 8d: exact q, one rounding more than the
+            // oracle's (q-8)*d, far below bf16's rounding.
+            o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), d, m), fmaf(byte_f<1>(q), d, m));
+            o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), d, m), fmaf(byte_f<3>(q), d, m));
+        }
+    } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+        const bool q4 = TYPE == GGML_Q4_K;
+        const uint8_t* blk = row + (size_t)(k0 / QK_K) * (q4 ? Q4_K_BYTES : Q5_K_BYTES);  // 16-aligned
+        const int r = k0 % QK_K, g = r / 64, w = r % 64, l0 = w % 32, sub = 2 * g + (w >= 32);
+        const uint4 h = __ldg((const uint4*)blk);
+        float sc, mn;
+        scale_min_w(sub, h.y, h.z, h.w, &sc, &mn);
+        const float ds = h2f(h.x & 0xFFFF) * sc, dm = h2f(h.x >> 16) * mn;
+        const uint4 qv = __ldg((const uint4*)(blk + (q4 ? 16 : 48) + 32 * g + l0));
+        const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
+        uint32_t hw[4] = {0u, 0u, 0u, 0u};
+        if (!q4) {
+            const uint4 hv = __ldg((const uint4*)(blk + 16 + l0));
+            hw[0] = hv.x; hw[1] = hv.y; hw[2] = hv.z; hw[3] = hv.w;
+        }
+        const int shift = w >= 32 ? 4 : 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint32_t q = (qw[i] >> shift) & 0x0F0F0F0Fu;
+            if (!q4) q |= ((hw[i] >> sub) & 0x01010101u) << 4;
+            o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), ds, -dm), fmaf(byte_f<1>(q), ds, -dm));
+            o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), ds, -dm), fmaf(byte_f<3>(q), ds, -dm));
+        }
+    } else if (TYPE == GGML_Q6_K) {
+        const uint8_t* blk = row + (size_t)(k0 / QK_K) * Q6_K_BYTES;  // 2-aligned
+        const int r = k0 % QK_K, n = r / 128, rr = r % 128, quarter = rr / 32, l0 = rr % 32;
+        const uint8_t* ql = blk + 64 * n + l0 + (quarter & 1) * 32;
+        const uint8_t* qh = blk + 128 + 32 * n + l0;
+        const float d = h2f(ld2c(blk + 208));
+        const float ds = d * (float)(int8_t)__ldg((const signed char*)(blk + 192 + 8 * n + l0 / 16 + 2 * quarter));
+        const int lshift = quarter >= 2 ? 4 : 0, hshift = 2 * quarter;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t q = ((ld4c(ql + 4 * i) >> lshift) & 0x0F0F0F0Fu) |
+                               (((ld4c(qh + 4 * i) >> hshift) & 0x03030303u) << 4);
+            o[2 * i] = pack_bf16((byte_f<0>(q) - 32.0f) * ds, (byte_f<1>(q) - 32.0f) * ds);
+            o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 32.0f) * ds, (byte_f<3>(q) - 32.0f) * ds);
+        }
+    }
+}
+
+// x elements k0..k0+15 of one token row as 8 bf16 pairs (zero at or beyond n_in).
+__device__ __forceinline__ void load_x16(const float* __restrict__ xr, int k0, int n_in, uint32_t (&o)[8]) {
+    if (k0 + 16 <= n_in && (n_in & 3) == 0) {
+        const float4* p = (const float4*)(xr + k0);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float4 f = __ldg(p + i);
+            o[2 * i] = pack_bf16(f.x, f.y);
+            o[2 * i + 1] = pack_bf16(f.z, f.w);
+        }
+    } else {
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = k0 + i < n_in ? __ldg(xr + k0 + i) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+    }
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int TYPE>
+__device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                   const float* __restrict__ x, int rows, float* __restrict__ out) {
+    __shared__ __align__(16) uint16_t sA[2][MM_TM * MM_LDS];
+    __shared__ __align__(16) uint16_t sB[2][MM_TN * MM_LDS];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp & 3, wn = warp >> 2;  // warp tile: outputs 32*wm.., tokens 64*wn..
+    const int g = lane >> 2, t4 = lane & 3;
+    const int t0 = blockIdx.x * MM_TN, o0 = blockIdx.y * MM_TM;
+
+    // Loader role: one row of A and one row of B, 16 of the 32 K elements each.
+    const int lr = tid >> 1, lh = tid & 1;
+    const int lo = o0 + lr < n_out ? o0 + lr : n_out - 1;
+    const int lt = t0 + lr < rows ? t0 + lr : rows - 1;
+    const uint8_t* wrow = W + (size_t)lo * (size_t)rb;
+    const float* xrow = x + (size_t)lt * (size_t)n_in;
+
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+
+    const int nk = (n_in + MM_TK - 1) / MM_TK;
+    uint32_t ra[8], rx[8];
+    decode16<TYPE>(wrow, 16 * lh, n_in, ra);
+    load_x16(xrow, 16 * lh, n_in, rx);
+    {
+        uint4* pa = (uint4*)&sA[0][lr * MM_LDS + 16 * lh];
+        uint4* pb = (uint4*)&sB[0][lr * MM_LDS + 16 * lh];
+        pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
+        pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
+        pb[0] = make_uint4(rx[0], rx[1], rx[2], rx[3]);
+        pb[1] = make_uint4(rx[4], rx[5], rx[6], rx[7]);
+    }
+    __syncthreads();
+
+    for (int kt = 0; kt < nk; kt++) {
+        const int cur = kt & 1;
+        const bool more = kt + 1 < nk;
+        if (more) {
+            const int k0 = (kt + 1) * MM_TK + 16 * lh;
+            decode16<TYPE>(wrow, k0, n_in, ra);
+            load_x16(xrow, k0, n_in, rx);
+        }
+        const uint16_t* A = sA[cur];
+        const uint16_t* B = sB[cur];
+#pragma unroll
+        for (int kk = 0; kk < MM_TK; kk += 16) {
+            uint32_t af[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const uint16_t* p = A + (wm * 32 + mi * 16 + g) * MM_LDS + kk + 2 * t4;
+                af[mi][0] = *(const uint32_t*)p;
+                af[mi][1] = *(const uint32_t*)(p + 8 * MM_LDS);
+                af[mi][2] = *(const uint32_t*)(p + 8);
+                af[mi][3] = *(const uint32_t*)(p + 8 * MM_LDS + 8);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 8; ni++) {
+                const uint16_t* p = B + (wn * 64 + ni * 8 + g) * MM_LDS + kk + 2 * t4;
+                const uint32_t b0 = *(const uint32_t*)p, b1 = *(const uint32_t*)(p + 8);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) mma_bf16(acc[mi][ni], af[mi][0], af[mi][1], af[mi][2], af[mi][3], b0, b1);
+            }
+        }
+        if (more) {
+            // Buffer cur^1 was last read in step kt-1, which ended with a barrier.
+            uint4* pa = (uint4*)&sA[cur ^ 1][lr * MM_LDS + 16 * lh];
+            uint4* pb = (uint4*)&sB[cur ^ 1][lr * MM_LDS + 16 * lh];
+            pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
+            pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
+            pb[0] = make_uint4(rx[0], rx[1], rx[2], rx[3]);
+            pb[1] = make_uint4(rx[4], rx[5], rx[6], rx[7]);
+        }
+        __syncthreads();
+    }
+
+    // C fragment: c0,c1 = (output g, tokens 2*t4, 2*t4+1); c2,c3 = output g+8.
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+        for (int ni = 0; ni < 8; ni++) {
+            const int o = o0 + wm * 32 + mi * 16 + g;
+            const int t = t0 + wn * 64 + ni * 8 + 2 * t4;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int oo = o + (k >= 2 ? 8 : 0), tt = t + (k & 1);
+                if (oo < n_out && tt < rows) out[(size_t)tt * n_out + oo] = acc[mi][ni][k];
+            }
+        }
+    }
+}
+
+#define MM_KERNEL(name, TYPE)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256)                                                        \
+        mm_##name(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const float* __restrict__ x, \
+                  int rows, float* __restrict__ out) {                                                        \
+        mm<TYPE>(W, rb, n_out, n_in, x, rows, out);                                                          \
+    }
+
+MM_KERNEL(f32, GGML_F32)
+MM_KERNEL(f16, GGML_F16)
+MM_KERNEL(bf16, GGML_BF16)
+MM_KERNEL(q8_0, GGML_Q8_0)
+MM_KERNEL(q4_0, GGML_Q4_0)
+MM_KERNEL(q4_1, GGML_Q4_1)
+MM_KERNEL(q4_k, GGML_Q4_K)
+MM_KERNEL(q5_k, GGML_Q5_K)
+MM_KERNEL(q6_k, GGML_Q6_K)
