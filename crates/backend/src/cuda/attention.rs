@@ -13,6 +13,7 @@
 //! Head dims 32, 64, 128 and 256 have tuned kernels; any other head_dim ≤ 512 runs a simple
 //! warp-per-head fallback (`attn_generic`).
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
@@ -24,8 +25,29 @@ pub const SRC: &str = include_str!("kernels/attention.cu");
 use super::{function, load_module, CudaBackend};
 use crate::{check_shape, Act, AttnArgs, AttnShape, StepInput};
 
-/// Bytes per cached key/value element (f16).
+/// Bytes per cached key/value element of the default cache type (f16).
 pub const KV_BYTES_PER_ELEMENT: f64 = 2.0;
+
+/// Storage type of the KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvType {
+    /// f16 (the default): 2 bytes per element.
+    #[default]
+    F16,
+    /// ggml q8_0 in planes (int8 quants + one f16 scale per 32): 1.0625 bytes per element.
+    /// Needs head_dim % 32 == 0.
+    Q8_0,
+}
+
+impl KvType {
+    /// Bytes per cached key or value element.
+    pub fn bytes_per_element(self) -> f64 {
+        match self {
+            KvType::F16 => 2.0,
+            KvType::Q8_0 => 1.0 + 2.0 / 32.0,
+        }
+    }
+}
 
 /// Steps of up to this many rows use the split-K decode kernel (decode, MTP verify of up to
 /// 15 drafts); longer steps use the prefill kernel. Scratch is sized for this many rows.
@@ -46,10 +68,16 @@ const PREFILL_THREADS: usize = 256;
 
 /// One sequence's KV cache in VRAM.
 pub struct CudaKv {
-    /// Keys, f16 bits, `[layer][kv_head][pos][head_dim]`.
-    pub k: CudaSlice<u16>,
+    pub kv_type: KvType,
+    /// Keys, `[layer][kv_head][pos][head_dim]`: f16 bits (2 bytes each) or q8_0 quants.
+    pub k: CudaSlice<u8>,
     /// Values, same layout.
-    pub v: CudaSlice<u16>,
+    pub v: CudaSlice<u8>,
+    /// q8_0 scales (f16 bits) of the keys, `[layer][kv_head][pos][head_dim/32]`; one unused
+    /// element for f16 caches.
+    pub k_scales: CudaSlice<u16>,
+    /// q8_0 scales of the values.
+    pub v_scales: CudaSlice<u16>,
     pub n_layers: usize,
     pub shape: AttnShape,
     /// Positions per layer.
@@ -65,37 +93,59 @@ pub struct CudaKv {
 
 /// The compiled attention kernels.
 pub struct Kernels {
-    kv_store: CudaFunction,
-    /// `decode[hd index][log2 heads-per-block]`.
-    decode: Vec<Vec<CudaFunction>>,
+    /// Cache type of the next [`kv_new`] (a [`KvType`] as u8; F16 unless set).
+    kv_type: AtomicU8,
+    /// `[f16, q8_0]` variants of each kernel.
+    kv_store: [CudaFunction; 2],
+    /// `decode[q8][hd index][log2 heads-per-block]`.
+    decode: [Vec<Vec<CudaFunction>>; 2],
     decode_merge: CudaFunction,
-    prefill: Vec<CudaFunction>,
+    /// `prefill[q8][hd index]`.
+    prefill: [Vec<CudaFunction>; 2],
     generic: CudaFunction,
 }
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "attention", SRC)?;
-        let decode = FAST_HEAD_DIMS
-            .iter()
-            .map(|hd| {
-                [1, 2, 4, 8]
-                    .iter()
-                    .map(|gb| function(&m, &format!("attn_decode_{hd}_{gb}")))
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let prefill = FAST_HEAD_DIMS
-            .iter()
-            .map(|hd| function(&m, &format!("attn_prefill_{hd}")))
-            .collect::<Result<Vec<_>>>()?;
+        let decode = |pre: &str| {
+            FAST_HEAD_DIMS
+                .iter()
+                .map(|hd| {
+                    [1, 2, 4, 8]
+                        .iter()
+                        .map(|gb| function(&m, &format!("attn_decode_{pre}{hd}_{gb}")))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        let prefill = |pre: &str| {
+            FAST_HEAD_DIMS
+                .iter()
+                .map(|hd| function(&m, &format!("attn_prefill_{pre}{hd}")))
+                .collect::<Result<Vec<_>>>()
+        };
         Ok(Kernels {
-            kv_store: function(&m, "kv_store")?,
-            decode,
+            kv_type: AtomicU8::new(0),
+            kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
+            decode: [decode("")?, decode("q8_")?],
             decode_merge: function(&m, "attn_decode_merge")?,
-            prefill,
+            prefill: [prefill("")?, prefill("q8_")?],
             generic: function(&m, "attn_generic")?,
         })
+    }
+
+    /// Chooses the storage type of the caches that [`kv_new`] makes from now on.
+    pub fn set_kv_type(&self, t: KvType) {
+        self.kv_type.store(t as u8, Ordering::Relaxed);
+    }
+
+    /// The storage type [`kv_new`] uses.
+    pub fn kv_type(&self) -> KvType {
+        match self.kv_type.load(Ordering::Relaxed) {
+            1 => KvType::Q8_0,
+            _ => KvType::F16,
+        }
     }
 }
 
@@ -128,11 +178,24 @@ fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize) -> usize {
         .min(capacity.div_ceil(DECODE_MIN_CHUNK).max(1))
 }
 
+/// A cache of the type chosen with [`Kernels::set_kv_type`] (f16 by default).
 pub fn kv_new(
     be: &CudaBackend,
     n_layers: usize,
     shape: AttnShape,
     capacity: usize,
+) -> Result<CudaKv> {
+    kv_new_typed(be, n_layers, shape, capacity, be.attention.kv_type())
+}
+
+/// A cache of `kv_type` for `n_layers` layers of `shape`, `capacity` positions each, with the
+/// split-K decode scratch.
+pub fn kv_new_typed(
+    be: &CudaBackend,
+    n_layers: usize,
+    shape: AttnShape,
+    capacity: usize,
+    kv_type: KvType,
 ) -> Result<CudaKv> {
     let AttnShape {
         n_heads,
@@ -157,24 +220,35 @@ pub fn kv_new(
         .and_then(|x| x.checked_mul(head_dim))
         .context("KV cache size overflows")?
         .max(1);
+    ensure!(
+        kv_type == KvType::F16 || head_dim % 32 == 0,
+        "KV cache: a q8_0 cache needs head_dim divisible by 32, got {head_dim}"
+    );
+    let (data_bytes, n_scales) = match kv_type {
+        KvType::F16 => (per_tensor * 2, 1),
+        KvType::Q8_0 => (per_tensor, (per_tensor / 32).max(1)),
+    };
     let n_splits = decode_splits(be.sm_count, shape, capacity);
     let part_rows = DECODE_MAX_ROWS * n_heads * n_splits;
     let scratch = part_rows * (head_dim + 2);
-    let bytes = 2 * per_tensor * 2 + scratch * 4;
+    let bytes = 2 * (data_bytes + n_scales * 2) + scratch * 4;
     let (free, total) = be.mem_info()?;
     // Leave room for the context's own bookkeeping and small allocations.
     const HEADROOM: usize = 64 << 20;
     ensure!(
         bytes + HEADROOM <= free,
-        "KV cache for {capacity} positions × {n_layers} layers needs {:.2} GiB (f16) but only \
-         {:.2} of {:.2} GiB of device memory are free: lower the context length",
+        "KV cache for {capacity} positions × {n_layers} layers needs {:.2} GiB ({kv_type:?}) but \
+         only {:.2} of {:.2} GiB of device memory are free: lower the context length",
         bytes as f64 / (1u64 << 30) as f64,
         free as f64 / (1u64 << 30) as f64,
         total as f64 / (1u64 << 30) as f64
     );
     Ok(CudaKv {
-        k: be.stream.alloc_zeros::<u16>(per_tensor)?,
-        v: be.stream.alloc_zeros::<u16>(per_tensor)?,
+        kv_type,
+        k: be.stream.alloc_zeros::<u8>(data_bytes)?,
+        v: be.stream.alloc_zeros::<u8>(data_bytes)?,
+        k_scales: be.stream.alloc_zeros::<u16>(n_scales)?,
+        v_scales: be.stream.alloc_zeros::<u16>(n_scales)?,
         n_layers,
         shape,
         capacity,
@@ -254,31 +328,31 @@ pub fn attention(
         head_dim as i32,
     );
     let scale_log2 = std::f32::consts::LOG2_E / (head_dim as f32).sqrt();
+    let q8 = usize::from(kv.kv_type == KvType::Q8_0);
 
-    // 1. Store this step's keys and values.
+    // 1. Store this step's keys and values (f16: a thread per element; q8_0: a warp per
+    // 32-element block).
     let n = rows * kvd;
     let store_cfg = LaunchConfig {
         grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
+    let mut store = be.stream.launch_builder(&be.attention.kv_store[q8]);
+    store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
+    store.arg(&mut kv.k).arg(&mut kv.v);
+    if q8 == 1 {
+        store.arg(&mut kv.k_scales).arg(&mut kv.v_scales);
+    }
+    store
+        .arg(&layer_off)
+        .arg(&rows_i)
+        .arg(&kv_i)
+        .arg(&hd_i)
+        .arg(&capacity);
     // SAFETY: k, v hold rows×kvd floats (checked); the kernel bounds-checks positions
-    // against capacity and writes inside layer `layer` of the cache.
-    unsafe {
-        be.stream
-            .launch_builder(&be.attention.kv_store)
-            .arg(&k.buf)
-            .arg(&v.buf)
-            .arg(&step.positions)
-            .arg(&mut kv.k)
-            .arg(&mut kv.v)
-            .arg(&layer_off)
-            .arg(&rows_i)
-            .arg(&kv_i)
-            .arg(&hd_i)
-            .arg(&capacity)
-            .launch(store_cfg)
-    }?;
+    // against capacity and writes inside layer `layer` of the cache (and its scales).
+    unsafe { store.launch(store_cfg) }?;
 
     let fast = fast_index(head_dim);
 
@@ -290,7 +364,7 @@ pub fn attention(
             rows * n_heads * n_splits * head_dim <= kv.part_acc.len(),
             "attention: decode scratch too small"
         );
-        let func = &be.attention.decode[fi][gb.trailing_zeros() as usize];
+        let func = &be.attention.decode[q8][fi][gb.trailing_zeros() as usize];
         let cfg = LaunchConfig {
             grid_dim: ((n_heads / gb) as u32, n_splits as u32, rows as u32),
             block_dim: (128, 1, 1),
@@ -306,6 +380,8 @@ pub fn attention(
                 .arg(&q.buf)
                 .arg(&kv.k)
                 .arg(&kv.v)
+                .arg(&kv.k_scales)
+                .arg(&kv.v_scales)
                 .arg(&step.positions)
                 .arg(&mut kv.part_acc)
                 .arg(&mut kv.part_ml)
@@ -348,10 +424,12 @@ pub fn attention(
         // SAFETY: shapes checked above; each block writes only its own (row, head) outputs.
         unsafe {
             be.stream
-                .launch_builder(&be.attention.prefill[fi])
+                .launch_builder(&be.attention.prefill[q8][fi])
                 .arg(&q.buf)
                 .arg(&kv.k)
                 .arg(&kv.v)
+                .arg(&kv.k_scales)
+                .arg(&kv.v_scales)
                 .arg(&step.positions)
                 .arg(&mut out.buf)
                 .arg(&layer_off)
@@ -375,6 +453,7 @@ pub fn attention(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
+    let q8_i = q8 as i32;
     // SAFETY: one warp per (row, head), bounds-checked against n_heads and hd.
     unsafe {
         be.stream
@@ -382,6 +461,9 @@ pub fn attention(
             .arg(&q.buf)
             .arg(&kv.k)
             .arg(&kv.v)
+            .arg(&kv.k_scales)
+            .arg(&kv.v_scales)
+            .arg(&q8_i)
             .arg(&step.positions)
             .arg(&mut out.buf)
             .arg(&layer_off)

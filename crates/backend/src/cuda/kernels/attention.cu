@@ -15,6 +15,12 @@
 // saturation to ±65504 (an inf in the cache would turn masked 0·inf into NaN); NaN stays NaN.
 // The cache is zero-filled at allocation, so never-written positions hold finite values.
 //
+// q8_0 KV (optional, chosen at kv_new): the same [layer][kv_head][pos][head_dim] layout in
+// planes: int8 quants (1 B/element) and one f16 scale per 32 elements ([..][pos][hd/32]),
+// 1.0625 B/element. Stored with ggml's quantize_row_q8_0_ref (one warp per 32-block: amax by
+// shuffles). Kernels are the same templates with Q8 = true: a thread's 8 elements are one
+// 8-byte load plus its block's 2-byte scale (shared by 4 lanes, served from L1).
+//
 // Softmax is computed in base 2: q is pre-multiplied by scale·log2(e) and exp2f is used
 // (exact same math as exp(s·scale - max) up to rounding). Running maxima start at -1e30
 // (not -inf) so that merging two empty states never computes -inf - -inf = NaN.
@@ -80,6 +86,42 @@ __device__ __forceinline__ void unpack8(uint4 u, float* f) {
     }
 }
 
+// Loads the 8 cached elements starting at element index e (a multiple of 8) of a K or V
+// tensor: f16 → one 16-byte load; q8_0 → 8 quant bytes (.x, .y) + the block's f16 scale (.z).
+template <bool Q8>
+__device__ __forceinline__ uint4 load8(const unsigned char* __restrict__ base,
+                                       const unsigned short* __restrict__ scales, long long e) {
+    if constexpr (Q8) {
+        uint2 qv = __ldg(reinterpret_cast<const uint2*>(base + e));
+        unsigned short sc = __ldg(scales + e / 32);
+        return make_uint4(qv.x, qv.y, (unsigned int)sc, 0u);
+    } else {
+        return __ldg(reinterpret_cast<const uint4*>(base + 2 * e));
+    }
+}
+
+template <bool Q8>
+__device__ __forceinline__ void unpack8x(uint4 u, float* f) {
+    if constexpr (Q8) {
+        const float d = __half2float(__ushort_as_half((unsigned short)u.z));
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            f[i] = (float)(signed char)((u.x >> (8 * i)) & 0xffu) * d;
+            f[4 + i] = (float)(signed char)((u.y >> (8 * i)) & 0xffu) * d;
+        }
+    } else {
+        unpack8(u, f);
+    }
+}
+
+// One cached element (the fallback kernel).
+__device__ __forceinline__ float kv_elem(const unsigned char* __restrict__ base,
+                                         const unsigned short* __restrict__ scales, long long e,
+                                         int q8) {
+    if (q8) return (float)(signed char)base[e] * __half2float(__ushort_as_half(scales[e / 32]));
+    return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short*>(base)[e]));
+}
+
 extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __restrict__ v,
                                     const int* __restrict__ positions,
                                     unsigned short* __restrict__ kc, unsigned short* __restrict__ vc,
@@ -98,13 +140,49 @@ extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __
     }
 }
 
+// ggml's quantize_row_q8_0_ref for one 32-element block held one element per lane:
+// d = amax/127 (stored as f16), q = roundf(x / d) with the unrounded d.
+__device__ __forceinline__ void q8_store(float x, unsigned char* __restrict__ q,
+                                         unsigned short* __restrict__ sc, long long e, int lane) {
+    float a = fabsf(x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(ATT_FULL, a, o));
+    const float d = a / 127.f;
+    const float id = d != 0.f ? 1.f / d : 0.f;
+    q[e] = (unsigned char)(signed char)(int)roundf(x * id);
+    if (lane == 0) sc[e / 32] = __half_as_ushort(__float2half_rn(d));
+}
+
+// q8_0 store: one warp per 32-element block (head_dim % 32 == 0, so a block never straddles
+// two heads). The loop and the position test are uniform per warp.
+extern "C" __global__ void kv_store_q8(const float* __restrict__ k, const float* __restrict__ v,
+                                       const int* __restrict__ positions,
+                                       unsigned char* __restrict__ kq, unsigned char* __restrict__ vq,
+                                       unsigned short* __restrict__ ks, unsigned short* __restrict__ vs,
+                                       long long layer_off, int rows, int n_kv, int hd, int capacity) {
+    const int kvd = n_kv * hd, nb_row = kvd / 32, lane = threadIdx.x & 31;
+    const long long nblocks = (long long)rows * nb_row;
+    const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long b = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < nblocks;
+         b += nwarps) {
+        const int t = (int)(b / nb_row), j = (int)(b % nb_row) * 32 + lane;
+        const int h = j / hd, d = j % hd;
+        const int p = positions[t];
+        if (p < 0 || p >= capacity) continue;
+        const long long e = layer_off + ((long long)h * capacity + p) * hd + d;
+        q8_store(k[(long long)t * kvd + j], kq, ks, e, lane);
+        q8_store(v[(long long)t * kvd + j], vq, vs, e, lane);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Decode: split-K flash-decoding.
 
-template <int HD, int GB>
+template <int HD, int GB, bool Q8>
 __device__ __forceinline__ void attn_decode_impl(
-    const float* __restrict__ q, const unsigned short* __restrict__ kc,
-    const unsigned short* __restrict__ vc, const int* __restrict__ positions,
+    const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
+    const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ part_acc, float* __restrict__ part_ml, long long layer_off,
     int n_heads, int group, int capacity, int n_splits, float scale_log2) {
     constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
@@ -149,10 +227,8 @@ __device__ __forceinline__ void attn_decode_impl(
         for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
     }
 
+    // Element index of this thread's 8 dims at position 0 of its kv head.
     const long long head_off = layer_off + (long long)kvh * capacity * HD + sub * 8;
-    const uint4* kb = reinterpret_cast<const uint4*>(kc + head_off);
-    const uint4* vb = reinterpret_cast<const uint4*>(vc + head_off);
-    // Row kp of this head starts kp*HD halves = kp*HD/8 uint4 further.
     for (int base = start; base < end; base += KPB * U) {  // uniform across the block
         uint4 kr[U], vr[U];
         bool ok[U];
@@ -161,8 +237,8 @@ __device__ __forceinline__ void attn_decode_impl(
             int kp = base + u * KPB + slot;
             ok[u] = kp < end;
             if (ok[u]) {
-                kr[u] = __ldg(kb + (long long)kp * (HD / 8));
-                vr[u] = __ldg(vb + (long long)kp * (HD / 8));
+                kr[u] = load8<Q8>(kc, ks, head_off + (long long)kp * HD);
+                vr[u] = load8<Q8>(vc, vs, head_off + (long long)kp * HD);
             } else {
                 kr[u] = make_uint4(0, 0, 0, 0);
                 vr[u] = make_uint4(0, 0, 0, 0);
@@ -172,7 +248,7 @@ __device__ __forceinline__ void attn_decode_impl(
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float kf[8];
-            unpack8(kr[u], kf);
+            unpack8x<Q8>(kr[u], kf);
 #pragma unroll
             for (int g = 0; g < GB; g++) {
                 float d = 0.f;
@@ -198,7 +274,7 @@ __device__ __forceinline__ void attn_decode_impl(
 #pragma unroll
         for (int u = 0; u < U; u++) {
             float vf[8];
-            unpack8(vr[u], vf);
+            unpack8x<Q8>(vr[u], vf);
 #pragma unroll
             for (int g = 0; g < GB; g++) {
                 float p = ok[u] ? exp2f(s[u][g] - m[g]) : 0.f;
@@ -261,16 +337,20 @@ __device__ __forceinline__ void attn_decode_impl(
 }
 
 #define DECODE_ARGS                                                                          \
-    const float *__restrict__ q, const unsigned short *__restrict__ kc,                      \
-        const unsigned short *__restrict__ vc, const int *__restrict__ positions,            \
+    const float *__restrict__ q, const unsigned char *__restrict__ kc,                       \
+        const unsigned char *__restrict__ vc, const unsigned short *__restrict__ ks,         \
+        const unsigned short *__restrict__ vs, const int *__restrict__ positions,            \
         float *__restrict__ part_acc, float *__restrict__ part_ml, long long layer_off,      \
         int n_heads, int group, int capacity, int n_splits, float scale_log2
-#define DECODE_KERNEL(HD, GB)                                                                \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                            \
-        attn_decode_##HD##_##GB(DECODE_ARGS) {                                               \
-        attn_decode_impl<HD, GB>(q, kc, vc, positions, part_acc, part_ml, layer_off,         \
-                                 n_heads, group, capacity, n_splits, scale_log2);            \
+#define DECODE_KERNEL1(NAME, HD, GB, Q8)                                                     \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) NAME(DECODE_ARGS) {        \
+        attn_decode_impl<HD, GB, Q8>(q, kc, vc, ks, vs, positions, part_acc, part_ml,        \
+                                     layer_off, n_heads, group, capacity, n_splits,          \
+                                     scale_log2);                                            \
     }
+#define DECODE_KERNEL(HD, GB)                                                                \
+    DECODE_KERNEL1(attn_decode_##HD##_##GB, HD, GB, false)                                   \
+    DECODE_KERNEL1(attn_decode_q8_##HD##_##GB, HD, GB, true)
 
 DECODE_KERNEL(32, 1)
 DECODE_KERNEL(32, 2)
@@ -313,10 +393,11 @@ extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_acc,
 // ---------------------------------------------------------------------------------------
 // Prefill: causal flash attention, SIMT f32.
 
-template <int HD>
+template <int HD, bool Q8>
 __device__ __forceinline__ void attn_prefill_impl(
-    const float* __restrict__ q, const unsigned short* __restrict__ kc,
-    const unsigned short* __restrict__ vc, const int* __restrict__ positions,
+    const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
+    const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
     int capacity, float scale_log2) {
     constexpr int TPQ = HD >= 256 ? 8 : 4;          // threads per query
@@ -359,9 +440,7 @@ __device__ __forceinline__ void attn_prefill_impl(
     }
     float m = ATT_NEG, l = 0.f;
 
-    const long long head_off = layer_off + (long long)kvh * capacity * HD;
-    const uint4* kb = reinterpret_cast<const uint4*>(kc + head_off);
-    const uint4* vb = reinterpret_cast<const uint4*>(vc + head_off);
+    const long long head_off = layer_off + (long long)kvh * capacity * HD;  // element index
 
     for (int k0 = 0; k0 < kmax; k0 += BK) {
         __syncthreads();  // the previous tile is consumed
@@ -369,14 +448,14 @@ __device__ __forceinline__ void attn_prefill_impl(
             const int kp = k0 + (i * 8) / HD;
             uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
             if (kp < kmax) {
-                a = __ldg(kb + (long long)k0 * (HD / 8) + i);
-                b = __ldg(vb + (long long)k0 * (HD / 8) + i);
+                a = load8<Q8>(kc, ks, head_off + (long long)k0 * HD + i * 8);
+                b = load8<Q8>(vc, vs, head_off + (long long)k0 * HD + i * 8);
             }
             float f[8];
-            unpack8(a, f);
+            unpack8x<Q8>(a, f);
             sk[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
             sk[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
-            unpack8(b, f);
+            unpack8x<Q8>(b, f);
             sv[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
             sv[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
         }
@@ -435,16 +514,19 @@ __device__ __forceinline__ void attn_prefill_impl(
 }
 
 #define PREFILL_ARGS                                                                         \
-    const float *__restrict__ q, const unsigned short *__restrict__ kc,                      \
-        const unsigned short *__restrict__ vc, const int *__restrict__ positions,            \
+    const float *__restrict__ q, const unsigned char *__restrict__ kc,                       \
+        const unsigned char *__restrict__ vc, const unsigned short *__restrict__ ks,         \
+        const unsigned short *__restrict__ vs, const int *__restrict__ positions,            \
         float *__restrict__ out, long long layer_off, int rows, int n_heads, int group,      \
         int capacity, float scale_log2
-#define PREFILL_KERNEL(HD)                                                                   \
-    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)                           \
-        attn_prefill_##HD(PREFILL_ARGS) {                                                    \
-        attn_prefill_impl<HD>(q, kc, vc, positions, out, layer_off, rows, n_heads, group,    \
-                              capacity, scale_log2);                                         \
+#define PREFILL_KERNEL1(NAME, HD, Q8)                                                        \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) NAME(PREFILL_ARGS) {      \
+        attn_prefill_impl<HD, Q8>(q, kc, vc, ks, vs, positions, out, layer_off, rows,        \
+                                  n_heads, group, capacity, scale_log2);                     \
     }
+#define PREFILL_KERNEL(HD)                                                                   \
+    PREFILL_KERNEL1(attn_prefill_##HD, HD, false)                                            \
+    PREFILL_KERNEL1(attn_prefill_q8_##HD, HD, true)
 
 PREFILL_KERNEL(32)
 PREFILL_KERNEL(64)
@@ -455,8 +537,9 @@ PREFILL_KERNEL(256)
 // Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
 
 extern "C" __global__ void __launch_bounds__(128)
-attn_generic(const float* __restrict__ q, const unsigned short* __restrict__ kc,
-             const unsigned short* __restrict__ vc, const int* __restrict__ positions,
+attn_generic(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+             const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
+             const unsigned short* __restrict__ vs, int q8, const int* __restrict__ positions,
              float* __restrict__ out, long long layer_off, int n_heads, int group, int hd,
              int capacity, float scale_log2) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -475,13 +558,12 @@ attn_generic(const float* __restrict__ q, const unsigned short* __restrict__ kc,
     const long long head_off = layer_off + (long long)kvh * capacity * hd;
     float m = ATT_NEG, l = 0.f;
     for (int p = 0; p <= P; p++) {
-        const unsigned short* kr = kc + head_off + (long long)p * hd;
-        const unsigned short* vr = vc + head_off + (long long)p * hd;
+        const long long row = head_off + (long long)p * hd;
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int d = lane + 32 * i;
-            if (d < hd) s = fmaf(qv[i], __half2float(__ushort_as_half(kr[d])), s);
+            if (d < hd) s = fmaf(qv[i], kv_elem(kc, ks, row + d, q8), s);
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(ATT_FULL, s, o);
@@ -491,7 +573,7 @@ attn_generic(const float* __restrict__ q, const unsigned short* __restrict__ kc,
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             const int d = lane + 32 * i;
-            const float vv = d < hd ? __half2float(__ushort_as_half(vr[d])) : 0.f;
+            const float vv = d < hd ? kv_elem(vc, vs, row + d, q8) : 0.f;
             acc[i] = fmaf(pr, vv, acc[i] * corr);
         }
         m = mn;
