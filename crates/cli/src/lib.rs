@@ -2,6 +2,7 @@
 //! code paths the binary uses.
 
 pub mod bench;
+pub mod check;
 pub mod check_e2e;
 pub mod load;
 pub mod model_spec;

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use ferrite_cli::{bench, run, synth, tools};
+use ferrite_cli::{bench, check, run, synth, tools};
 
 #[derive(Parser)]
 #[command(
@@ -37,6 +37,9 @@ enum Command {
     /// Write a random-weight GGUF of a real architecture and quant mix (for benchmarks on
     /// machines without model files).
     Synth(synth::SynthArgs),
+    /// Check every backend op against the CPU reference on random inputs (NMSE per op);
+    /// --perf also times them.
+    Check(check::CheckArgs),
 }
 
 fn main() {
@@ -62,5 +65,6 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Info(a) => tools::info(&a),
         Command::Synth(a) => synth::synth(&a),
         Command::Bench(a) => bench::bench(&a),
+        Command::Check(a) => check::check(&a),
     }
 }

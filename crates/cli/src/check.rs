@@ -1,0 +1,1478 @@
+//! `ferrite check`: every op of the [`Backend`] trait on the backend under test against the
+//! CPU reference backend, modeled on llama.cpp's `test-backend-ops`.
+//!
+//! Each case draws fresh random inputs from its own seed (a hash of the global seed and the
+//! case name, so `--filter` never changes a case's data; never zeros), builds the case on
+//! both backends from the SAME host data, poisons the outputs (NaN, plus one extra poisoned
+//! row past the active rows that must survive: kernels may touch only `rows`), runs the op
+//! on both and compares:
+//!
+//! - NMSE = mse(test, cpu) / mse(cpu, 0) must be ≤ the op's threshold (named constants
+//!   below, each with the reason for its size), every value finite;
+//! - argmax must be exactly equal.
+//!
+//! One line per case, then the Backend ops that have no case, then `ALL GREEN` or
+//! `N FAILED` (and a non-zero exit code). `--perf` also times each case on the backend
+//! under test (warm-up, then batches of repetitions, median) and prints µs, the GB/s of the
+//! bytes the op must move, and that as a % of the measured copy bandwidth.
+//!
+//! Weights are real quantizations of random rows where that is cheap; large weights (the
+//! real Qwen3 shapes, 128-expert stacks) are built block by block: random quant bytes with
+//! sane f16 scales (the K-quant reference quantizer runs at tens of MB/s).
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use ferrite_backend::cpu::{route_top_k, CpuBackend};
+use ferrite_backend::cuda::CudaBackend;
+use ferrite_backend::{
+    Act, AttnArgs, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope, RopeStyle,
+    StepInput,
+};
+use ferrite_formats::{quant, GgmlType};
+use rayon::prelude::*;
+
+use crate::Device;
+
+// ============================================================================ thresholds
+
+/// Exact ops (copies): the bits must be equal.
+const EXACT_NMSE: f64 = 0.0;
+/// Elementwise f32 arithmetic (add, SwiGLU, RMSNorm, embedding decode): at most a few ulp
+/// per element from `expf`/`rsqrtf`/FMA contraction and reduction order, i.e. relative
+/// errors ~1e-7 → NMSE ~1e-14. 1e-12 leaves room; any indexing error gives NMSE ≥ 1e-2.
+const ELEMENTWISE_NMSE: f64 = 1e-12;
+/// RoPE: the angle `pos · θ^(-2i/d)` amplifies a 1-ulp difference of `powf` between CUDA and
+/// Rust by the position (1e-7 relative × pos ~1000 → ~1e-4 rad at worst on a few pairs),
+/// worth NMSE ~1e-10; a wrong pairing or position gives ≥ 1e-2.
+const ROPE_NMSE: f64 = 1e-8;
+/// Decode GEMV (rows ≤ 8): weights decoded exactly, f32 activations, f32 accumulation; only
+/// the summation order differs from the CPU (relative ~1e-7 per output → NMSE ~1e-13).
+const MATMUL_GEMV_NMSE: f64 = 1e-9;
+/// Prefill matmul (rows > 8) on the tensor cores: activations (and dequantized weights)
+/// rounded to bf16 (8 significant bits, relative RMS ~1.1e-3 per operand) gives NMSE
+/// ~1e-6; 1e-5 leaves headroom, and a wrong tile or layout gives ≥ 1e-2.
+const MATMUL_TC_NMSE: f64 = 1e-5;
+/// Rows at or below which a matmul is a decode GEMV (the f32 path).
+const GEMV_MAX_ROWS: usize = 8;
+/// Attention with an f32 KV cache: summation order only.
+const ATTN_F32_NMSE: f64 = 1e-9;
+/// Decode attention over an f16 KV cache: each cached K/V element rounded to 11 bits
+/// (relative RMS ~1.4e-4), through the softmax and the weighted sum NMSE ~1e-7.
+const ATTN_F16_DECODE_NMSE: f64 = 1e-6;
+/// Prefill attention over an f16 KV cache on the tensor cores (Q and P rounded to
+/// bf16/f16 for the MMAs): NMSE ~1e-6. Causal-mask and position errors show at the short
+/// depths as ≥ 1e-3.
+const ATTN_F16_PREFILL_NMSE: f64 = 1e-5;
+/// Attention over a q8_0 KV cache (8-bit K/V, relative RMS ~4e-3 per element).
+const ATTN_Q8_NMSE: f64 = 1e-4;
+/// MoE: expert GEMVs with f32 activations and exact weight decoding, the routing softmax
+/// with `expf` (ulp-level weight differences). Same class as the decode GEMV. A wrong
+/// expert choice or slot order gives NMSE ≥ 1e-2.
+const MOE_NMSE: f64 = 1e-9;
+/// Graph capture + replay of RoPE at new positions: as RoPE.
+const GRAPH_NMSE: f64 = ROPE_NMSE;
+
+/// RMSNorm epsilon used by the cases (Qwen3's).
+const EPS: f32 = 1e-6;
+/// Rows per KV-fill step before an attention case (a prefill chunk).
+const FILL_CHUNK: usize = 512;
+
+// ============================================================================ CLI
+
+/// Arguments of `ferrite check`.
+#[derive(Args, Clone, Debug)]
+pub struct CheckArgs {
+    /// Backend under test: `cuda`, `cpu` (the CPU backend against itself: NMSE 0), or `auto`
+    /// (CUDA when a GPU is usable, else the CPU against itself).
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    /// Also time each case on the backend under test: µs, GB/s, % of the copy bandwidth.
+    #[arg(long)]
+    pub perf: bool,
+    /// Run only the cases whose name contains this text.
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// A reduced case set (small shapes only; for CI).
+    #[arg(long)]
+    pub quick: bool,
+    /// List the cases and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0x5eed)]
+    pub seed: u64,
+    /// Repetitions per timing batch in --perf mode (5 batches after a warm-up; median).
+    #[arg(long, default_value_t = 20)]
+    pub reps: usize,
+    /// CPU threads for the reference backend (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// Runs `ferrite check`; an error (non-zero exit) when any case fails.
+pub fn check(args: &CheckArgs) -> Result<()> {
+    crate::load::init_threads(args.threads);
+    let all = cases(args.quick);
+    if args.list {
+        for c in &all {
+            println!("{}", c.name);
+        }
+        return Ok(());
+    }
+    let cpu = CpuBackend::new();
+    let failed = match args.device {
+        Device::Cpu => run_cases(&CpuBackend::new(), &cpu, &all, args)?,
+        Device::Cuda => {
+            ensure_gpu()?;
+            run_cases(&CudaBackend::new(0)?, &cpu, &all, args)?
+        }
+        Device::Auto => {
+            if CudaBackend::available() {
+                run_cases(&CudaBackend::new(0)?, &cpu, &all, args)?
+            } else {
+                println!(
+                    "no GPU found (the CUDA driver did not load or reports no device): \
+                     checking the CPU backend against itself"
+                );
+                run_cases(&CpuBackend::new(), &cpu, &all, args)?
+            }
+        }
+    };
+    if failed > 0 {
+        bail!("{failed} FAILED");
+    }
+    Ok(())
+}
+
+fn ensure_gpu() -> Result<()> {
+    anyhow::ensure!(
+        CudaBackend::available(),
+        "--device cuda: no GPU found (the CUDA driver did not load or reports no device)"
+    );
+    Ok(())
+}
+
+// ============================================================================ cases
+
+/// The Backend ops `ferrite check` knows about (the data-movement methods upload, zeros,
+/// from_host, to_host, set_step and read_i32 are exercised by every case).
+const OPS: &[&str] = &[
+    "embed",
+    "rms_norm",
+    "head_rms_norm",
+    "matmul",
+    "copy_rows",
+    "add_assign",
+    "swiglu",
+    "rope",
+    "attention",
+    "moe",
+    "argmax",
+    "capture/replay",
+];
+
+#[derive(Clone, Debug)]
+enum Op {
+    Embed {
+        ty: GgmlType,
+        vocab: usize,
+        dim: usize,
+        rows: usize,
+    },
+    RmsNorm {
+        wty: GgmlType,
+        rows: usize,
+        cols: usize,
+    },
+    HeadRmsNorm {
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+    },
+    Matmul {
+        ty: GgmlType,
+        n_in: usize,
+        n_out: usize,
+        rows: usize,
+    },
+    Rope {
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        rope: Rope,
+        pos0: usize,
+    },
+    AddAssign {
+        rows: usize,
+        cols: usize,
+    },
+    Swiglu {
+        rows: usize,
+        cols: usize,
+    },
+    CopyRows {
+        src_rows: usize,
+        cols: usize,
+        start: usize,
+        rows: usize,
+    },
+    Attention {
+        shape: AttnShape,
+        pos0: usize,
+        rows: usize,
+    },
+    Moe {
+        routing: MoeRouting,
+        hidden: usize,
+        ffn: usize,
+        gate_ty: GgmlType,
+        down_ty: GgmlType,
+        rows: usize,
+    },
+    Argmax {
+        rows: usize,
+        cols: usize,
+        kind: ArgmaxKind,
+    },
+    /// copy_rows + rope captured at one position and replayed at another.
+    Graph {
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        pos_capture: usize,
+        pos_replay: usize,
+    },
+}
+
+#[derive(Clone, Copy, Debug)]
+enum ArgmaxKind {
+    Random,
+    /// The maximum planted at several far-apart indices: the lowest must win.
+    Ties,
+    /// Every value equal: index 0.
+    Constant,
+    /// All values negative (the running maximum must not start at 0).
+    Negative,
+}
+
+/// One check case: an op at one shape.
+pub struct Case {
+    pub name: String,
+    /// Which entry of [`OPS`] it covers.
+    pub op_name: &'static str,
+    op: Op,
+}
+
+impl Case {
+    fn new(op: Op) -> Case {
+        let (op_name, name) = describe(&op);
+        Case { name, op_name, op }
+    }
+}
+
+fn describe(op: &Op) -> (&'static str, String) {
+    match op {
+        Op::Embed {
+            ty,
+            vocab,
+            dim,
+            rows,
+        } => ("embed", format!("embed {ty} {vocab}x{dim} rows={rows}")),
+        Op::RmsNorm { wty, rows, cols } => (
+            "rms_norm",
+            format!("rms_norm w={wty} cols={cols} rows={rows}"),
+        ),
+        Op::HeadRmsNorm {
+            rows,
+            heads,
+            head_dim,
+        } => (
+            "head_rms_norm",
+            format!("head_rms_norm hd={head_dim} heads={heads} rows={rows}"),
+        ),
+        Op::Matmul {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => ("matmul", format!("matmul {ty} {n_in}->{n_out} rows={rows}")),
+        Op::Rope {
+            rows,
+            heads,
+            head_dim,
+            rope,
+            pos0,
+        } => (
+            "rope",
+            format!(
+                "rope {:?} hd={head_dim} rot={} θ={} heads={heads} rows={rows} pos0={pos0}",
+                rope.style, rope.rot_dim, rope.theta
+            ),
+        ),
+        Op::AddAssign { rows, cols } => ("add_assign", format!("add_assign {rows}x{cols}")),
+        Op::Swiglu { rows, cols } => ("swiglu", format!("swiglu {rows}x{cols}")),
+        Op::CopyRows {
+            src_rows,
+            cols,
+            start,
+            rows,
+        } => (
+            "copy_rows",
+            format!("copy_rows {src_rows}x{cols} start={start} rows={rows}"),
+        ),
+        Op::Attention { shape, pos0, rows } => (
+            "attention",
+            format!(
+                "attention hd={} heads={}/kv{} {} rows={rows} pos0={pos0}",
+                shape.head_dim,
+                shape.n_heads,
+                shape.n_kv_heads,
+                if *rows == 1 { "decode" } else { "prefill" }
+            ),
+        ),
+        Op::Moe {
+            routing,
+            hidden,
+            ffn,
+            gate_ty,
+            down_ty,
+            rows,
+        } => (
+            "moe",
+            format!(
+                "moe e{} top{} {hidden}/{ffn} {gate_ty}/{down_ty} norm={} rows={rows}",
+                routing.n_experts, routing.top_k, routing.norm_topk
+            ),
+        ),
+        Op::Argmax { rows, cols, kind } => ("argmax", format!("argmax {kind:?} {rows}x{cols}")),
+        Op::Graph {
+            rows,
+            heads,
+            head_dim,
+            pos_capture,
+            pos_replay,
+        } => (
+            "capture/replay",
+            format!(
+                "graph copy_rows+rope hd={head_dim} heads={heads} rows={rows} \
+                 captured@{pos_capture} replayed@{pos_replay}"
+            ),
+        ),
+    }
+}
+
+const ALL_TYPES: [GgmlType; 9] = GgmlType::ALL;
+
+/// Weight types of real model files, checked at the real shapes.
+const MAIN_TYPES: [GgmlType; 5] = [
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+    GgmlType::Q8_0,
+    GgmlType::F16,
+    GgmlType::BF16,
+];
+
+fn is_float(t: GgmlType) -> bool {
+    t.block_size() == 1
+}
+
+/// The case list. `quick` keeps only small shapes (seconds on a laptop CPU).
+pub fn cases(quick: bool) -> Vec<Case> {
+    let mut v = Vec::new();
+    let mut add = |op: Op| v.push(Case::new(op));
+
+    // --- embed: every type; odd dims for the float types.
+    for ty in ALL_TYPES {
+        let dim = if is_float(ty) {
+            50
+        } else if ty.block_size() == 32 {
+            96
+        } else {
+            512
+        };
+        for rows in [1, 7, 64] {
+            add(Op::Embed {
+                ty,
+                vocab: 300,
+                dim,
+                rows,
+            });
+        }
+    }
+
+    // --- norms
+    for wty in [GgmlType::F32, GgmlType::F16] {
+        for cols in [64, 1000, 4096, 5120] {
+            for rows in [1, 7, 64] {
+                if quick && (cols > 1000 || rows > 7) {
+                    continue;
+                }
+                add(Op::RmsNorm { wty, rows, cols });
+            }
+        }
+    }
+    for head_dim in [64, 128, 256] {
+        for (heads, rows) in [(8, 1), (32, 7), (8, 64)] {
+            add(Op::HeadRmsNorm {
+                rows,
+                heads,
+                head_dim,
+            });
+        }
+    }
+
+    // --- matmul
+    // Small and odd shapes for every type; n_in is a whole number of blocks.
+    for ty in ALL_TYPES {
+        let shapes: &[(usize, usize)] = if is_float(ty) {
+            &[(33, 5), (100, 67), (768, 130), (256, 1)]
+        } else if ty.block_size() == 32 {
+            &[(32, 3), (96, 67), (768, 130), (1280, 1)]
+        } else {
+            &[(256, 3), (512, 67), (768, 130), (1280, 1)]
+        };
+        for (si, &(n_in, n_out)) in shapes.iter().enumerate() {
+            let rows_set: &[usize] = if si == 2 {
+                &[1, 2, 7, 8, 9, 64, 512]
+            } else {
+                &[1, 9, 64]
+            };
+            for &rows in rows_set {
+                if quick && rows > 9 {
+                    continue;
+                }
+                add(Op::Matmul {
+                    ty,
+                    n_in,
+                    n_out,
+                    rows,
+                });
+            }
+        }
+    }
+    if !quick {
+        // The real Qwen3-8B shapes: q/o, k/v, gate/up, down.
+        let real = [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)];
+        for ty in MAIN_TYPES {
+            for &(n_in, n_out) in &real {
+                for rows in [1, 8, 9, 64, 512] {
+                    add(Op::Matmul {
+                        ty,
+                        n_in,
+                        n_out,
+                        rows,
+                    });
+                }
+            }
+        }
+        for ty in [GgmlType::Q5K, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32] {
+            for rows in [1, 9, 64] {
+                add(Op::Matmul {
+                    ty,
+                    n_in: 4096,
+                    n_out: 4096,
+                    rows,
+                });
+            }
+        }
+        // The output head (vocabulary 151936): the types lm_heads are stored in.
+        for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4K] {
+            for rows in [1, 9] {
+                add(Op::Matmul {
+                    ty,
+                    n_in: 4096,
+                    n_out: 151936,
+                    rows,
+                });
+            }
+        }
+    }
+
+    // --- rope: both styles, partial rotary dims, positions from 0 and from 1000.
+    let ropes = [
+        (128, 128, 1e6f32, 32),
+        (64, 32, 1e4, 4),
+        (128, 64, 1e7, 8),
+        (256, 256, 1e7, 2),
+    ];
+    for style in [RopeStyle::Adjacent, RopeStyle::Neox] {
+        for &(head_dim, rot_dim, theta, heads) in &ropes {
+            for (rows, pos0) in [(1, 0), (7, 0), (1, 1000), (64, 1000)] {
+                if quick && rows > 7 {
+                    continue;
+                }
+                add(Op::Rope {
+                    rows,
+                    heads,
+                    head_dim,
+                    rope: Rope {
+                        style,
+                        theta,
+                        rot_dim,
+                    },
+                    pos0,
+                });
+            }
+        }
+    }
+
+    // --- elementwise
+    for (rows, cols) in [(1, 1), (1, 4096), (7, 33), (64, 12288)] {
+        if quick && cols > 4096 {
+            continue;
+        }
+        add(Op::AddAssign { rows, cols });
+        add(Op::Swiglu { rows, cols });
+    }
+    for (src_rows, cols, start, rows) in [(10, 37, 0, 1), (10, 37, 9, 1), (64, 4096, 3, 60)] {
+        add(Op::CopyRows {
+            src_rows,
+            cols,
+            start,
+            rows,
+        });
+    }
+
+    // --- attention
+    // Every head_dim × GQA group at a short decode depth and a short prefill.
+    for head_dim in [32, 64, 128, 256] {
+        for group in [1, 2, 4, 8] {
+            let shape = AttnShape {
+                n_heads: 2 * group,
+                n_kv_heads: 2,
+                head_dim,
+            };
+            add(Op::Attention {
+                shape,
+                pos0: 17,
+                rows: 1,
+            });
+            if !quick || head_dim == 128 {
+                add(Op::Attention {
+                    shape,
+                    pos0: 5,
+                    rows: 7,
+                });
+            }
+        }
+    }
+    // Qwen3-8B's shape (32 heads over 8 KV heads of 128) at decode depths and prefills.
+    let q8b = AttnShape {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    };
+    let small = AttnShape {
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 128,
+    };
+    for pos0 in [0, 1, 17] {
+        add(Op::Attention {
+            shape: q8b,
+            pos0,
+            rows: 1,
+        });
+    }
+    add(Op::Attention {
+        shape: q8b,
+        pos0: 0,
+        rows: 7,
+    });
+    if !quick {
+        add(Op::Attention {
+            shape: q8b,
+            pos0: 1000,
+            rows: 1,
+        });
+        // Depth 5000 with fewer heads: the CPU fills the cache with a causal prefill.
+        add(Op::Attention {
+            shape: small,
+            pos0: 5000,
+            rows: 1,
+        });
+        let pf = AttnShape {
+            n_heads: 8,
+            n_kv_heads: 2,
+            head_dim: 128,
+        };
+        for rows in [7, 64, 512] {
+            for pos0 in [0, 300] {
+                add(Op::Attention {
+                    shape: pf,
+                    pos0,
+                    rows,
+                });
+            }
+        }
+        for head_dim in [64, 256] {
+            add(Op::Attention {
+                shape: AttnShape {
+                    n_heads: 8,
+                    n_kv_heads: 4,
+                    head_dim,
+                },
+                pos0: 300,
+                rows: 64,
+            });
+        }
+    }
+
+    // --- moe: 8 experts top-2 (small, every path incl. the generic decoders) and the
+    // Qwen3-30B-A3B layer (128 experts top-8, hidden 2048, expert ffn 768).
+    let small_types = [
+        (GgmlType::Q4K, GgmlType::Q6K),
+        (GgmlType::Q8_0, GgmlType::Q8_0),
+        (GgmlType::F16, GgmlType::BF16),
+        (GgmlType::Q5K, GgmlType::Q4_0),
+        (GgmlType::Q4_1, GgmlType::F32),
+    ];
+    for (gate_ty, down_ty) in small_types {
+        for norm_topk in [true, false] {
+            for rows in [1, 5, 64] {
+                if quick && rows > 5 {
+                    continue;
+                }
+                add(Op::Moe {
+                    routing: MoeRouting {
+                        n_experts: 8,
+                        top_k: 2,
+                        norm_topk,
+                    },
+                    hidden: 256,
+                    ffn: 512,
+                    gate_ty,
+                    down_ty,
+                    rows,
+                });
+            }
+        }
+    }
+    if !quick {
+        for (gate_ty, down_ty) in [
+            (GgmlType::Q4K, GgmlType::Q6K),
+            (GgmlType::Q8_0, GgmlType::Q8_0),
+            (GgmlType::BF16, GgmlType::BF16),
+        ] {
+            for norm_topk in [true, false] {
+                for rows in [1, 5, 64] {
+                    add(Op::Moe {
+                        routing: MoeRouting {
+                            n_experts: 128,
+                            top_k: 8,
+                            norm_topk,
+                        },
+                        hidden: 2048,
+                        ffn: 768,
+                        gate_ty,
+                        down_ty,
+                        rows,
+                    });
+                }
+            }
+        }
+    }
+
+    // --- argmax
+    for (rows, cols) in [(1, 1), (1, 7), (3, 1000), (8, 151936)] {
+        for kind in [
+            ArgmaxKind::Random,
+            ArgmaxKind::Ties,
+            ArgmaxKind::Constant,
+            ArgmaxKind::Negative,
+        ] {
+            if (quick && cols > 1000) || (cols < 4 && matches!(kind, ArgmaxKind::Ties)) {
+                continue;
+            }
+            add(Op::Argmax { rows, cols, kind });
+        }
+    }
+
+    // --- graph capture / replay
+    for (rows, pos_capture, pos_replay) in [(1, 5, 6), (1, 3, 4000), (4, 0, 100)] {
+        add(Op::Graph {
+            rows,
+            heads: 4,
+            head_dim: 128,
+            pos_capture,
+            pos_replay,
+        });
+    }
+    v
+}
+
+// ============================================================================ random data
+
+/// SplitMix64 with Box–Muller normals.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        let mut r = Rng(seed ^ 0x243F_6A88_85A3_08D3);
+        r.next();
+        r
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+    fn normal(&mut self) -> f32 {
+        let u1 = self.uniform().max(1e-300);
+        let u2 = self.uniform();
+        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    }
+    fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| scale * self.normal()).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// FNV-1a of the case name mixed with the global seed.
+fn case_seed(seed: u64, name: &str) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
+    for b in name.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    h
+}
+
+/// Weights quantized for real up to this many elements (the K-quant reference quantizer is
+/// slow); larger ones are built block by block.
+const REAL_QUANT_MAX: usize = 1 << 20;
+
+/// A random weight of `shape` stored as `ty` (never all zeros).
+fn gen_weight(ty: GgmlType, shape: &[usize], seed: u64) -> Result<Vec<u8>> {
+    let row_len = *shape.last().unwrap_or(&1);
+    let n: usize = shape.iter().product();
+    let n_rows = n / row_len.max(1);
+    let rb = ty.bytes_for(row_len)?;
+    let mut data = vec![0u8; rb * n_rows];
+    let real = is_float(ty) || n <= REAL_QUANT_MAX;
+    data.par_chunks_mut(rb)
+        .enumerate()
+        .try_for_each(|(r, row)| -> Result<()> {
+            let mut rng = Rng::new(seed ^ (r as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+            if real {
+                let x = rng.normals(row_len, 0.05);
+                quant::quantize(ty, &x, row)?;
+            } else {
+                synth_blocks(ty, row, &mut rng);
+            }
+            Ok(())
+        })?;
+    Ok(data)
+}
+
+fn put_f16(b: &mut [u8], v: f32) {
+    b[..2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+}
+
+/// Random quant bytes with sane f16 scales (layouts as in ferrite_formats::quant).
+fn synth_blocks(ty: GgmlType, row: &mut [u8], rng: &mut Rng) {
+    for q in row.chunks_mut(8) {
+        let r = rng.next().to_le_bytes();
+        q.copy_from_slice(&r[..q.len()]);
+    }
+    for b in row.chunks_mut(ty.type_size()) {
+        let u = 0.5 + rng.uniform() as f32;
+        let sign = if rng.next() & 1 == 0 { 1.0 } else { -1.0 };
+        match ty {
+            GgmlType::Q4_0 => put_f16(&mut b[0..2], sign * 0.01 * u),
+            GgmlType::Q4_1 => {
+                put_f16(&mut b[0..2], 0.01 * u);
+                put_f16(&mut b[2..4], -0.08 * u);
+            }
+            GgmlType::Q8_0 => put_f16(&mut b[0..2], sign * 0.0005 * u),
+            // d | dmin | scales[12] | (qh[32]) | qs[128]
+            GgmlType::Q4K | GgmlType::Q5K => {
+                put_f16(&mut b[0..2], 0.001 * u);
+                put_f16(&mut b[2..4], 0.002 * u);
+            }
+            // ql[128] | qh[64] | scales[16] | d
+            GgmlType::Q6K => put_f16(&mut b[208..210], sign * 0.0003 * u),
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {}
+        }
+    }
+}
+
+/// Host inputs of one case, shared by both backends.
+#[derive(Default)]
+struct HostData {
+    weights: Vec<(GgmlType, Vec<usize>, Vec<u8>)>,
+    /// Input activations: (values, rows, cols).
+    acts: Vec<(Vec<f32>, usize, usize)>,
+    /// Output: rows, cols (an extra poisoned row is added).
+    out: (usize, usize),
+    tokens: Vec<u32>,
+    pos0: usize,
+    /// Attention: the KV-fill steps before the checked step: (q, k, v, pos0, rows).
+    fill: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, usize, usize)>,
+}
+
+fn gen(op: &Op, seed: u64) -> Result<HostData> {
+    let mut rng = Rng::new(seed);
+    let mut h = HostData::default();
+    match *op {
+        Op::Embed {
+            ty,
+            vocab,
+            dim,
+            rows,
+        } => {
+            h.weights
+                .push((ty, vec![vocab, dim], gen_weight(ty, &[vocab, dim], seed)?));
+            // The first and the last id always, to catch row-offset errors at both ends.
+            h.tokens = (0..rows)
+                .map(|i| match i {
+                    0 => vocab as u32 - 1,
+                    1 => 0,
+                    _ => rng.below(vocab) as u32,
+                })
+                .collect();
+            h.out = (rows, dim);
+        }
+        Op::RmsNorm { wty, rows, cols } => {
+            let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+            let mut wb = vec![0u8; wty.bytes_for(cols)?];
+            quant::quantize(wty, &w, &mut wb)?;
+            h.weights.push((wty, vec![cols], wb));
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.out = (rows, cols);
+        }
+        Op::HeadRmsNorm {
+            rows,
+            heads,
+            head_dim,
+        } => {
+            let w: Vec<f32> = (0..head_dim).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+            h.weights.push((
+                GgmlType::F32,
+                vec![head_dim],
+                w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ));
+            let cols = heads * head_dim;
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.out = (rows, cols);
+        }
+        Op::Matmul {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => {
+            h.weights
+                .push((ty, vec![n_out, n_in], gen_weight(ty, &[n_out, n_in], seed)?));
+            h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
+            h.out = (rows, n_out);
+        }
+        Op::Rope {
+            rows,
+            heads,
+            head_dim,
+            pos0,
+            ..
+        } => {
+            let cols = heads * head_dim;
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.out = (rows, cols);
+            h.tokens = vec![0; rows];
+            h.pos0 = pos0;
+        }
+        Op::AddAssign { rows, cols } | Op::Swiglu { rows, cols } => {
+            h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.out = (rows, cols);
+        }
+        Op::CopyRows {
+            src_rows,
+            cols,
+            rows,
+            ..
+        } => {
+            h.acts
+                .push((rng.normals(src_rows * cols, 1.0), src_rows, cols));
+            h.out = (rows, cols);
+        }
+        Op::Attention { shape, pos0, rows } => {
+            let qd = shape.n_heads * shape.head_dim;
+            let kvd = shape.n_kv_heads * shape.head_dim;
+            let mut p = 0;
+            while p < pos0 {
+                let n = FILL_CHUNK.min(pos0 - p);
+                h.fill.push((
+                    rng.normals(n * qd, 1.0),
+                    rng.normals(n * kvd, 1.0),
+                    rng.normals(n * kvd, 1.0),
+                    p,
+                    n,
+                ));
+                p += n;
+            }
+            h.acts.push((rng.normals(rows * qd, 1.0), rows, qd));
+            h.acts.push((rng.normals(rows * kvd, 1.0), rows, kvd));
+            h.acts.push((rng.normals(rows * kvd, 1.0), rows, kvd));
+            h.out = (rows, qd);
+            h.tokens = vec![0; rows];
+            h.pos0 = pos0;
+        }
+        Op::Moe {
+            routing,
+            hidden,
+            ffn,
+            gate_ty,
+            down_ty,
+            rows,
+        } => {
+            let ne = routing.n_experts;
+            for (i, (ty, shape)) in [
+                (gate_ty, [ne, ffn, hidden]),
+                (gate_ty, [ne, ffn, hidden]),
+                (down_ty, [ne, hidden, ffn]),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let data = gen_weight(ty, &shape, seed.wrapping_add(i as u64 + 1))?;
+                h.weights.push((ty, shape.to_vec(), data));
+            }
+            h.acts.push((rng.normals(rows * hidden, 1.0), rows, hidden));
+            h.acts.push((rng.normals(rows * ne, 2.0), rows, ne));
+            h.out = (rows, hidden);
+        }
+        Op::Argmax { rows, cols, kind } => {
+            let mut x = match kind {
+                ArgmaxKind::Constant => vec![1.5; rows * cols],
+                ArgmaxKind::Negative => (0..rows * cols)
+                    .map(|_| -100.0 - rng.normal().abs())
+                    .collect(),
+                _ => rng.normals(rows * cols, 1.0),
+            };
+            if let ArgmaxKind::Ties = kind {
+                for row in x.chunks_mut(cols) {
+                    // Far apart (different threads of a row-parallel reduction), lowest last.
+                    for j in [cols - 1, (cols * 2) / 3, cols / 3 + 1] {
+                        row[j] = 10.0;
+                    }
+                }
+            }
+            h.acts.push((x, rows, cols));
+            h.out = (rows, 1);
+        }
+        Op::Graph {
+            rows,
+            heads,
+            head_dim,
+            pos_capture,
+            ..
+        } => {
+            let cols = heads * head_dim;
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.out = (rows, cols);
+            h.tokens = vec![0; rows];
+            h.pos0 = pos_capture;
+        }
+    }
+    Ok(h)
+}
+
+// ============================================================================ execution
+
+/// A case's buffers on one backend.
+struct Prepared<B: Backend> {
+    w: Vec<B::Weight>,
+    a: Vec<Act<B::Buf>>,
+    /// Output, with one poisoned row past the active ones.
+    out: Act<B::Buf>,
+    step: StepInput<B::IBuf>,
+    kv: Option<B::Kv>,
+    /// argmax output: `tokens` of a step input (poisoned with i32::MAX).
+    iout: Option<StepInput<B::IBuf>>,
+}
+
+const POISON_ID: u32 = i32::MAX as u32;
+
+fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
+    let mut w = Vec::new();
+    for (ty, shape, data) in &h.weights {
+        w.push(be.upload(&HostTensor {
+            dtype: *ty,
+            shape: shape.clone(),
+            data: std::borrow::Cow::Borrowed(data),
+        })?);
+    }
+    let mut a = Vec::new();
+    for (x, rows, cols) in &h.acts {
+        a.push(be.from_host(x, *rows, *cols)?);
+    }
+    let (rows, cols) = h.out;
+    let mut out = be.from_host(&vec![f32::NAN; (rows + 1) * cols], rows + 1, cols)?;
+    out.set_rows(rows)?;
+    let mut step = be.step_input(h.tokens.len().max(1))?;
+    if !h.tokens.is_empty() {
+        be.set_step(&mut step, &h.tokens, h.pos0)?;
+    }
+    let mut kv = None;
+    let mut iout = None;
+    match op {
+        Op::Attention { shape, pos0, rows } => {
+            let mut cache = be.kv_new(2, *shape, pos0 + rows + 3)?;
+            let (qd, kvd) = (
+                shape.n_heads * shape.head_dim,
+                shape.n_kv_heads * shape.head_dim,
+            );
+            let mut fstep = be.step_input(FILL_CHUNK)?;
+            for (q, k, v, p, n) in &h.fill {
+                be.set_step(&mut fstep, &vec![0; *n], *p)?;
+                let (q, k, v) = (
+                    be.from_host(q, *n, qd)?,
+                    be.from_host(k, *n, kvd)?,
+                    be.from_host(v, *n, kvd)?,
+                );
+                let mut o = be.zeros(*n, qd)?;
+                be.attention(
+                    &mut cache,
+                    &fstep,
+                    AttnArgs {
+                        layer: 1,
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        shape: *shape,
+                    },
+                    &mut o,
+                )?;
+            }
+            kv = Some(cache);
+        }
+        Op::Argmax { rows, .. } => {
+            let mut s = be.step_input(rows + 1)?;
+            be.set_step(&mut s, &vec![POISON_ID; rows + 1], 0)?;
+            iout = Some(s);
+        }
+        _ => {}
+    }
+    Ok(Prepared {
+        w,
+        a,
+        out,
+        step,
+        kv,
+        iout,
+    })
+}
+
+/// Resets the output of an in-place op to its input (not part of the timed op).
+fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
+    match op {
+        Op::HeadRmsNorm { .. } | Op::Rope { .. } | Op::AddAssign { .. } => {
+            be.copy_rows(&p.a[0], 0, &mut p.out)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The rotation graph cases capture (Qwen3's).
+const GRAPH_ROPE: Rope = Rope {
+    style: RopeStyle::Neox,
+    theta: 1e6,
+    rot_dim: 128,
+};
+
+/// The body a graph case captures: restore x from the pristine input, rotate it.
+fn graph_body<B: Backend>(
+    be: &B,
+    x0: &Act<B::Buf>,
+    out: &mut Act<B::Buf>,
+    step: &StepInput<B::IBuf>,
+    head_dim: usize,
+) -> Result<()> {
+    be.copy_rows(x0, 0, out)?;
+    be.rope(out, head_dim, step, &GRAPH_ROPE)
+}
+
+/// Runs the op once (the timed part).
+fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
+    match op {
+        Op::Embed { .. } => be.embed(&p.w[0], &p.step, &mut p.out),
+        Op::RmsNorm { .. } => be.rms_norm(&p.a[0], &p.w[0], EPS, &mut p.out),
+        Op::HeadRmsNorm { head_dim, .. } => be.head_rms_norm(&mut p.out, &p.w[0], *head_dim, EPS),
+        Op::Matmul { .. } => be.matmul(&p.a[0], &p.w[0], &mut p.out),
+        Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
+        Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
+        Op::Swiglu { .. } => be.swiglu(&p.a[0], &p.a[1], &mut p.out),
+        Op::CopyRows { start, .. } => be.copy_rows(&p.a[0], *start, &mut p.out),
+        Op::Attention { shape, .. } => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
+            be.attention(
+                kv,
+                &p.step,
+                AttnArgs {
+                    layer: 1,
+                    q: &p.a[0],
+                    k: &p.a[1],
+                    v: &p.a[2],
+                    shape: *shape,
+                },
+                &mut p.out,
+            )
+        }
+        Op::Moe { routing, .. } => be.moe(
+            &p.a[0],
+            &p.a[1],
+            ExpertWeights {
+                gate: &p.w[0],
+                up: &p.w[1],
+                down: &p.w[2],
+            },
+            *routing,
+            &mut p.out,
+        ),
+        Op::Argmax { .. } => {
+            let s = p
+                .iout
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("no argmax output"))?;
+            be.argmax(&p.a[0], &mut s.tokens)
+        }
+        Op::Graph {
+            rows,
+            head_dim,
+            pos_replay,
+            ..
+        } => {
+            let (x0, out, step) = (&p.a[0], &mut p.out, &p.step);
+            let graph = be.capture(&mut || graph_body(be, x0, out, step, *head_dim))?;
+            // New positions, written outside the graph as the engine does, then replay.
+            be.set_step(&mut p.step, &vec![0; *rows], *pos_replay)?;
+            match graph {
+                Some(g) => be.replay(&g),
+                None => graph_body(be, &p.a[0], &mut p.out, &p.step, *head_dim),
+            }
+        }
+    }
+}
+
+enum Output {
+    F(Vec<f32>),
+    I(Vec<i32>),
+}
+
+/// Runs the case once on a fresh preparation and reads the result; checks that the poisoned
+/// row past the active rows is untouched.
+fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepared<B>)> {
+    let mut p = prepare(be, op, h)?;
+    reset(be, op, &mut p)?;
+    exec(be, op, &mut p)?;
+    if let Op::Argmax { rows, .. } = op {
+        let s = p
+            .iout
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no argmax output"))?;
+        let ids = be.read_i32(&s.tokens, rows + 1)?;
+        anyhow::ensure!(
+            ids[*rows] == POISON_ID as i32,
+            "argmax wrote past its {rows} rows"
+        );
+        return Ok((Output::I(ids[..*rows].to_vec()), p));
+    }
+    let rows = p.out.rows;
+    p.out.set_rows(rows + 1)?;
+    let all = be.to_host(&p.out)?;
+    p.out.set_rows(rows)?;
+    let cols = p.out.cols;
+    anyhow::ensure!(
+        all[rows * cols..].iter().all(|v| v.is_nan()),
+        "the op wrote past its {rows} active rows (into the capacity)"
+    );
+    let mut all = all;
+    all.truncate(rows * cols);
+    Ok((Output::F(all), p))
+}
+
+fn nmse(test: &[f32], reference: &[f32]) -> f64 {
+    let err: f64 = test
+        .iter()
+        .zip(reference)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
+    let pow: f64 = reference.iter().map(|b| (*b as f64).powi(2)).sum();
+    if pow == 0.0 {
+        err
+    } else {
+        err / pow
+    }
+}
+
+fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
+    match op {
+        Op::CopyRows { .. } => EXACT_NMSE,
+        Op::Embed { .. }
+        | Op::RmsNorm { .. }
+        | Op::HeadRmsNorm { .. }
+        | Op::AddAssign { .. }
+        | Op::Swiglu { .. } => ELEMENTWISE_NMSE,
+        Op::Rope { .. } => ROPE_NMSE,
+        Op::Graph { .. } => GRAPH_NMSE,
+        Op::Matmul { rows, .. } => {
+            if *rows <= GEMV_MAX_ROWS {
+                MATMUL_GEMV_NMSE
+            } else {
+                MATMUL_TC_NMSE
+            }
+        }
+        Op::Attention { rows, .. } => {
+            let b = be.kv_bytes_per_element();
+            if b >= 4.0 {
+                ATTN_F32_NMSE
+            } else if b >= 2.0 {
+                if *rows == 1 {
+                    ATTN_F16_DECODE_NMSE
+                } else {
+                    ATTN_F16_PREFILL_NMSE
+                }
+            } else {
+                ATTN_Q8_NMSE
+            }
+        }
+        Op::Moe { .. } => MOE_NMSE,
+        Op::Argmax { .. } => 0.0,
+    }
+}
+
+/// Bytes the op must move (read + write), for the --perf GB/s.
+fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
+    let acts: usize = h.acts.iter().map(|(x, _, _)| x.len() * 4).sum();
+    let out = h.out.0 * h.out.1 * 4;
+    let f = |x: usize| x as f64;
+    match op {
+        Op::Embed { ty, dim, rows, .. } => f(rows * ty.bytes_for(*dim).unwrap_or(0)) + f(out),
+        Op::Matmul { .. } => f(h.weights[0].2.len() + acts + out),
+        Op::RmsNorm { .. } | Op::Swiglu { .. } => f(acts + out),
+        Op::HeadRmsNorm { .. } | Op::Rope { .. } => f(2 * out),
+        Op::AddAssign { .. } => f(3 * out),
+        Op::CopyRows { .. } => f(2 * out),
+        Op::Argmax { .. } => f(acts),
+        Op::Graph { .. } => f(3 * out),
+        Op::Attention { shape, pos0, rows } => {
+            let kvd = shape.n_kv_heads * shape.head_dim;
+            f((pos0 + rows) * kvd * 2) * be.kv_bytes_per_element() + f(acts + out)
+        }
+        Op::Moe { routing, rows, .. } => {
+            // The distinct experts the tokens chose (from the CPU routing of the same logits).
+            let (logits, _, ne) = &h.acts[1];
+            let mut used = BTreeSet::new();
+            for l in logits.chunks(*ne).take(*rows) {
+                for (e, _) in route_top_k(l, routing) {
+                    used.insert(e);
+                }
+            }
+            let per_expert: usize = h
+                .weights
+                .iter()
+                .map(|w| w.2.len() / routing.n_experts)
+                .sum();
+            f(used.len() * per_expert + acts + out)
+        }
+    }
+}
+
+/// Median µs per op: warm-up, then 5 batches of `reps` back-to-back runs, each closed by a
+/// device synchronisation (a 1-element read back).
+fn time_case<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>, reps: usize) -> Result<f64> {
+    let tiny = be.from_host(&[0.0], 1, 1)?;
+    for _ in 0..3 {
+        exec(be, op, p)?;
+    }
+    be.to_host(&tiny)?;
+    let reps = reps.max(1);
+    let mut per = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            exec(be, op, p)?;
+        }
+        be.to_host(&tiny)?;
+        per.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
+    }
+    per.sort_by(|a, b| a.total_cmp(b));
+    Ok(per[per.len() / 2])
+}
+
+/// Runs `cases` (after `--filter`) on `be` against `cpu`; prints one line per case, the
+/// coverage and the verdict. Returns the number of failed cases.
+pub fn run_cases<B: Backend>(
+    be: &B,
+    cpu: &CpuBackend,
+    all: &[Case],
+    args: &CheckArgs,
+) -> Result<usize> {
+    println!("ferrite check: {} against {}", be.name(), cpu.name());
+    let bw = if args.perf {
+        let bw = be.copy_bandwidth()?;
+        println!("copy bandwidth: {:.1} GB/s", bw / 1e9);
+        bw
+    } else {
+        0.0
+    };
+    let selected: Vec<&Case> = all
+        .iter()
+        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
+        .collect();
+    let (mut failed, mut passed) = (0usize, 0usize);
+    let t_all = Instant::now();
+    for c in &selected {
+        let seed = case_seed(args.seed, &c.name);
+        let thr = threshold(be, &c.op);
+        let line = match check_case(be, cpu, c, seed, thr, args, bw) {
+            Ok((ok, text)) => {
+                if ok {
+                    passed += 1;
+                } else {
+                    failed += 1;
+                }
+                format!("{:<72} {text}", c.name)
+            }
+            Err(e) => {
+                failed += 1;
+                format!("{:<72} ERROR {e:#}  FAIL", c.name)
+            }
+        };
+        println!("{line}");
+    }
+    println!(
+        "{} cases in {:.1} s: {passed} passed, {failed} failed",
+        selected.len(),
+        t_all.elapsed().as_secs_f64()
+    );
+    let covered: BTreeSet<&str> = all.iter().map(|c| c.op_name).collect();
+    let missing: Vec<&str> = OPS
+        .iter()
+        .copied()
+        .filter(|o| !covered.contains(o))
+        .collect();
+    if missing.is_empty() {
+        println!("coverage: every Backend op has cases ({})", OPS.join(", "));
+    } else {
+        println!("Backend ops with no case: {}", missing.join(", "));
+    }
+    if failed == 0 {
+        println!("ALL GREEN");
+    } else {
+        println!("{failed} FAILED");
+    }
+    Ok(failed)
+}
+
+/// One case: (passed, the rest of its report line).
+fn check_case<B: Backend>(
+    be: &B,
+    cpu: &CpuBackend,
+    c: &Case,
+    seed: u64,
+    thr: f64,
+    args: &CheckArgs,
+    bw: f64,
+) -> Result<(bool, String)> {
+    let h = gen(&c.op, seed)?;
+    let (want, _) = run_once(cpu, &c.op, &h)?;
+    let (got, mut p) = run_once(be, &c.op, &h)?;
+    let (ok, mut text) = match (&got, &want) {
+        (Output::I(g), Output::I(w)) => {
+            let ok = g == w;
+            let text = if ok {
+                format!("{:<25}  OK", "ids equal")
+            } else {
+                format!("ids {g:?} != cpu {w:?}  FAIL")
+            };
+            (ok, text)
+        }
+        (Output::F(g), Output::F(w)) => {
+            let bad = g.iter().filter(|v| !v.is_finite()).count();
+            let cpu_bad = w.iter().filter(|v| !v.is_finite()).count();
+            let e = nmse(g, w);
+            let ok = bad == 0 && cpu_bad == 0 && e <= thr;
+            let mut text = format!("NMSE {e:>9.2e} <= {thr:<7.0e}");
+            if bad > 0 {
+                text += &format!(" {bad} non-finite values");
+            }
+            if cpu_bad > 0 {
+                text += &format!(" ({cpu_bad} non-finite on the CPU: bad case)");
+            }
+            text += if ok { "  OK" } else { "  FAIL" };
+            (ok, text)
+        }
+        _ => bail!("output kinds differ"),
+    };
+    if args.perf && !matches!(c.op, Op::Graph { .. }) {
+        let us = time_case(be, &c.op, &mut p, args.reps)?;
+        let gbs = bytes_moved(be, &c.op, &h) / (us * 1e-6) / 1e9;
+        text += &format!(
+            "  {us:>10.1} µs {gbs:>8.1} GB/s {:>5.1}%",
+            100.0 * gbs * 1e9 / bw.max(1.0)
+        );
+    }
+    Ok((ok, text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nmse_basics() {
+        assert_eq!(nmse(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((nmse(&[0.0, 0.0], &[1.0, 1.0]) - 1.0).abs() < 1e-12);
+        assert!(nmse(&[f32::NAN], &[1.0]).is_nan());
+    }
+
+    /// Block-built weights decode to finite, non-zero, sanely scaled values for every type.
+    #[test]
+    fn synthesized_blocks_are_sane() {
+        for ty in GgmlType::ALL {
+            let n = 512;
+            let mut row = vec![0u8; ty.bytes_for(n).unwrap()];
+            synth_blocks(ty, &mut row, &mut Rng::new(7));
+            if is_float(ty) {
+                continue; // float rows are always drawn and converted, never block-built
+            }
+            let mut f = vec![0f32; n];
+            quant::dequantize(ty, &row, &mut f).unwrap();
+            assert!(f.iter().all(|v| v.is_finite() && v.abs() < 10.0), "{ty}");
+            assert!(f.iter().filter(|v| **v != 0.0).count() > n / 2, "{ty}");
+        }
+    }
+
+    #[test]
+    fn weights_are_deterministic_and_nonzero() {
+        for ty in GgmlType::ALL {
+            let shape = [3, ty.block_size().max(64)];
+            let a = gen_weight(ty, &shape, 1).unwrap();
+            assert_eq!(a, gen_weight(ty, &shape, 1).unwrap(), "{ty}");
+            assert_ne!(a, gen_weight(ty, &shape, 2).unwrap(), "{ty}");
+        }
+    }
+
+    #[test]
+    fn case_names_are_unique() {
+        for quick in [true, false] {
+            let c = cases(quick);
+            let names: BTreeSet<&str> = c.iter().map(|c| c.name.as_str()).collect();
+            assert_eq!(names.len(), c.len());
+        }
+    }
+}

@@ -1,0 +1,45 @@
+//! `ferrite check --device cpu` checks the CPU backend against itself: every case must pass
+//! with NMSE 0 (the harness itself is what is under test here: case construction, output
+//! poisoning, the capacity-row guard, graph capture fallback, the report).
+
+use std::process::Command;
+
+#[test]
+fn check_cpu_against_itself_quick() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["check", "--device", "cpu", "--quick"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.trim_end().ends_with("ALL GREEN"), "{stdout}");
+    assert!(!stdout.contains("FAIL"), "{stdout}");
+    assert!(
+        stdout.contains("coverage: every Backend op has cases"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn check_filter_and_perf() {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args([
+            "check", "--device", "cpu", "--quick", "--filter", "swiglu", "--perf", "--reps", "2",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains(" OK")).collect();
+    assert!(!lines.is_empty(), "{stdout}");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.starts_with("swiglu") && l.contains("GB/s")),
+        "{stdout}"
+    );
+}
