@@ -61,6 +61,12 @@
 
 #define GEMV_WARPS 4
 #define GEMV_NW 2
+// Loop unroll depths (iterations of a lane's step loop whose loads can be in flight together):
+// aim for >= ~24 KB in flight per SM (4.3 TB/s x ~700 ns / 132 SMs). F: float types (8-16 B
+// per row per step), B: 32-element block types (2-5 B per lane per row), K: super-blocks.
+#define GEMV_UNROLL_F 8
+#define GEMV_UNROLL_B 8
+#define GEMV_UNROLL_K 4
 
 // ---------------------------------------------------------------------------------------
 // Loads
@@ -155,7 +161,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
     if (TYPE == GGML_F32) {
         if ((n_in & 3) == 0) {
             const int n4 = n_in >> 2;
-#pragma unroll 4
+#pragma unroll GEMV_UNROLL_F
             for (int i = lane; i < n4; i += 32) {
                 float wv[NW][4];
 #pragma unroll
@@ -176,7 +182,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
     } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
         if ((n_in & 3) == 0) {
             const int n4 = n_in >> 2;
-#pragma unroll 4
+#pragma unroll GEMV_UNROLL_F
             for (int i = lane; i < n4; i += 32) {
                 float wv[NW][4];
 #pragma unroll
@@ -204,7 +210,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
         }
     } else if (TYPE == GGML_Q8_0) {
         const int units = (n_in / QK) * 8;  // 8 lanes per block
-#pragma unroll 4
+#pragma unroll GEMV_UNROLL_B
         for (int u = lane; u < units; u += 32) {
             const int b = u >> 3, j = u & 7;
             float wv[NW][4];
@@ -222,7 +228,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
         }
     } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
         const int units = (n_in / QK) * 4;  // 4 lanes per block
-#pragma unroll 4
+#pragma unroll GEMV_UNROLL_B
         for (int u = lane; u < units; u += 32) {
             const int b = u >> 2, j = u & 3;
             float lo[NW][4], hi[NW][4];
@@ -256,7 +262,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
         const int nsb = n_in / QK_K;
         const int g = lane >> 3, j = lane & 7;
         const int bytes = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
-#pragma unroll 2
+#pragma unroll GEMV_UNROLL_K
         for (int s = 0; s < nsb; s++) {
             float lo[NW][4], hi[NW][4];
 #pragma unroll
@@ -291,7 +297,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
     } else if (TYPE == GGML_Q6_K) {
         const int nsb = n_in / QK_K;
         const int n = lane >> 4, p = (lane >> 3) & 1, c = lane & 7;
-#pragma unroll 2
+#pragma unroll GEMV_UNROLL_K
         for (int s = 0; s < nsb; s++) {
             float lo[NW][4], hi[NW][4];
 #pragma unroll
