@@ -57,7 +57,9 @@
 //    - Edges: token rows >= rows and output rows >= n_out read a clamped valid row and are
 //      not stored; K beyond n_in (float types with n_in % 32 != 0) is zero in both A and B.
 //
-// Decoders here must agree with ggml_get in common.cuh (checked by `ferrite check`).
+// Decoders here must agree with ggml_get in common.cuh (checked by `ferrite check`; before any
+// GPU run they and the mma tile indexing were checked on the host by compiling this file with
+// g++ against ggml_get, with an emulated mma.sync; see MATMUL.md).
 
 #define GEMV_WARPS 4
 #define GEMV_NW 2
