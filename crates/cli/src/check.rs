@@ -116,6 +116,11 @@ pub struct CheckArgs {
     /// CPU threads for the reference backend (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// After the op cases, run the end-to-end gates (whole models against the CPU and the
+    /// Hugging Face oracle logits, prefill/decode gate) with the oracle checkpoints of this
+    /// directory (the repository's `tests/data/oracle`).
+    #[arg(long, value_name = "ORACLE_DIR")]
+    pub e2e: Option<std::path::PathBuf>,
 }
 
 /// Runs `ferrite check`; an error (non-zero exit) when any case fails.
@@ -128,22 +133,21 @@ pub fn check(args: &CheckArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let cpu = CpuBackend::new();
     let failed = match args.device {
-        Device::Cpu => run_cases(&CpuBackend::new(), &cpu, &all, args)?,
+        Device::Cpu => run_all(&CpuBackend::new(), &all, args)?,
         Device::Cuda => {
             ensure_gpu()?;
-            run_cases(&CudaBackend::new(0)?, &cpu, &all, args)?
+            run_all(&CudaBackend::new(0)?, &all, args)?
         }
         Device::Auto => {
             if CudaBackend::available() {
-                run_cases(&CudaBackend::new(0)?, &cpu, &all, args)?
+                run_all(&CudaBackend::new(0)?, &all, args)?
             } else {
                 println!(
                     "no GPU found (the CUDA driver did not load or reports no device): \
                      checking the CPU backend against itself"
                 );
-                run_cases(&CpuBackend::new(), &cpu, &all, args)?
+                run_all(&CpuBackend::new(), &all, args)?
             }
         }
     };
@@ -151,6 +155,30 @@ pub fn check(args: &CheckArgs) -> Result<()> {
         bail!("{failed} FAILED");
     }
     Ok(())
+}
+
+/// The op cases, then the end-to-end gates when asked, then the verdict line.
+fn run_all<B: Backend>(be: &B, all: &[Case], args: &CheckArgs) -> Result<usize> {
+    let mut failed = run_cases(be, &CpuBackend::new(), all, args)?;
+    if let Some(dir) = &args.e2e {
+        println!("end-to-end gates ({}):", dir.display());
+        let scratch = std::env::temp_dir().join(format!("ferrite-check-{}", std::process::id()));
+        let r = crate::check_e2e::run(be, dir, &scratch);
+        std::fs::remove_dir_all(&scratch).ok();
+        match r {
+            Ok(n) => failed += n,
+            Err(e) => {
+                println!("end-to-end gates: ERROR {e:#}  FAIL");
+                failed += 1;
+            }
+        }
+    }
+    if failed == 0 {
+        println!("ALL GREEN");
+    } else {
+        println!("{failed} FAILED");
+    }
+    Ok(failed)
 }
 
 fn ensure_gpu() -> Result<()> {
@@ -832,9 +860,12 @@ struct HostData {
     out: (usize, usize),
     tokens: Vec<u32>,
     pos0: usize,
-    /// Attention: the KV-fill steps before the checked step: (q, k, v, pos0, rows).
-    fill: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, usize, usize)>,
+    /// Attention: the KV-fill steps before the checked step.
+    fill: Vec<FillStep>,
 }
+
+/// One KV-fill (prefill) step: (q, k, v, first position, rows).
+type FillStep = (Vec<f32>, Vec<f32>, Vec<f32>, usize, usize);
 
 fn gen(op: &Op, seed: u64) -> Result<HostData> {
     let mut rng = Rng::new(seed);
@@ -1327,8 +1358,8 @@ fn time_case<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>, reps: usize) -> R
     Ok(per[per.len() / 2])
 }
 
-/// Runs `cases` (after `--filter`) on `be` against `cpu`; prints one line per case, the
-/// coverage and the verdict. Returns the number of failed cases.
+/// Runs `cases` (after `--filter`) on `be` against `cpu`; prints one line per case and the
+/// coverage. Returns the number of failed cases (the caller prints the verdict).
 pub fn run_cases<B: Backend>(
     be: &B,
     cpu: &CpuBackend,
@@ -1383,11 +1414,6 @@ pub fn run_cases<B: Backend>(
         println!("coverage: every Backend op has cases ({})", OPS.join(", "));
     } else {
         println!("Backend ops with no case: {}", missing.join(", "));
-    }
-    if failed == 0 {
-        println!("ALL GREEN");
-    } else {
-        println!("{failed} FAILED");
     }
     Ok(failed)
 }
