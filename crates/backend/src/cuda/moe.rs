@@ -25,6 +25,8 @@ use crate::{check_shape, Act, ExpertWeights, MoeRouting};
 const MOE_WARPS: usize = 8;
 /// The routing kernel keeps one f32 per expert in shared memory (48 KiB default limit).
 const MAX_EXPERTS: usize = 8192;
+/// moe_down keeps every slot's partial result of its rows in shared memory.
+const MAX_TOP_K: usize = 64;
 
 /// Device scratch for one MoE call; grown geometrically, never shrunk.
 struct Scratch {
@@ -109,6 +111,10 @@ pub fn moe(
     ensure!(
         n_experts <= MAX_EXPERTS,
         "moe: {n_experts} experts (the routing kernel supports up to {MAX_EXPERTS})"
+    );
+    ensure!(
+        top_k <= MAX_TOP_K,
+        "moe: top-k {top_k} (the expert kernels support up to {MAX_TOP_K})"
     );
     let (ffn, h_in) = expert_dims("gate", experts.gate, n_experts)?;
     ensure!(
@@ -200,8 +206,8 @@ pub fn moe(
         u.row_bytes() as i64,
         d.row_bytes() as i64,
     );
-    let blocks = |n_items: usize, n_rows: usize| -> Result<LaunchConfig> {
-        let b = n_items * n_rows.div_ceil(MOE_WARPS);
+    let blocks = |n_items: usize, n_rows: usize, per_block: usize| -> Result<LaunchConfig> {
+        let b = n_items * n_rows.div_ceil(per_block);
         ensure!(b < (1usize << 31), "moe: grid of {b} blocks is too large");
         Ok(LaunchConfig {
             grid_dim: (b as u32, 1, 1),
@@ -230,10 +236,13 @@ pub fn moe(
             .arg(&hid)
             .arg(&ff)
             .arg(&ne)
-            .launch(blocks(pairs, ffn)?)
+            .launch(blocks(pairs, ffn, MOE_WARPS)?)
     }?;
 
-    // 3. Down + combine in top-k order: one warp per (token, hidden row).
+    // 3. Down + combine in top-k order: one warp per (token, slot, hidden row), a block
+    // holding every slot of `per_block` rows.
+    let per_block = (MOE_WARPS / top_k).max(1);
+    let per_block_i = per_block as i32;
     // SAFETY: as above; out holds rows × hidden floats (checked).
     unsafe {
         be.stream
@@ -251,7 +260,8 @@ pub fn moe(
             .arg(&hid)
             .arg(&ff)
             .arg(&ne)
-            .launch(blocks(rows, hidden)?)
+            .arg(&per_block_i)
+            .launch(blocks(rows, hidden, per_block)?)
     }?;
     Ok(())
 }

@@ -21,11 +21,12 @@
 //    consecutive ffn rows of one (token, slot), so neighbouring blocks stream neighbouring
 //    rows of the same expert. Bytes at decode: top_k·2·ffn·hidden·(bytes/weight), e.g.
 //    Qwen3-30B-A3B Q4_K: 8·2·768·2048·0.5625 B ≈ 14.2 MB per layer.
-// 3. moe_down: one warp per (token, hidden row): for k = 0..top_k in order, the down row of
-//    expert ids[t,k] · h[t,k], accumulated as acc += w_k·d_k (no FMA contraction, like the
-//    CPU). The combine is fused here: no [rows, top_k, hidden] scratch and no fourth launch,
-//    same summation order as a separate combine. Bytes at decode: top_k·hidden·ffn·bpw
-//    (≈ 7.1 MB per layer for the example above).
+// 3. moe_down: one warp per (token, slot, hidden row) computes the down row of expert
+//    ids[t,k] · h[t,k]; a block holds every slot of its rows, so the combine is fused: the
+//    slot results meet in shared memory and one thread per row adds w_k·d_k for k in top-k
+//    order (no FMA contraction, like the CPU). No [rows, top_k, hidden] scratch, no fourth
+//    launch, the same summation order as a separate combine kernel. Bytes at decode:
+//    top_k·hidden·ffn·bpw (≈ 7.1 MB per layer for the example above).
 //
 // Row dot products, one warp per row (each lane sums a strided share, then a shuffle
 // reduction). Decoders per stored type, each equal to common.cuh's ggml_get element by
@@ -271,24 +272,46 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ x, const int* _
     if (lane == 0) *dst = g / (1.0f + expf(-g)) * u;
 }
 
-// Grid: rows · ceil(hidden / MOE_WARPS) blocks of MOE_WARPS warps.
+// A block covers R = rows_per_block consecutive hidden rows of one token (R·top_k items,
+// R = max(1, MOE_WARPS / top_k) chosen on the host): item i = (row r = i / top_k, slot
+// k = i % top_k), warp w takes items w, w + MOE_WARPS, ... So at top-8 every warp owns one
+// (slot, row) dot product: rows·top_k·hidden warps in flight at decode instead of
+// rows·hidden. The partial results meet in shared memory and thread r adds row r's slots
+// in top-k order. Grid: rows · ceil(hidden / R) blocks of MOE_WARPS warps.
+#define MOE_MAX_TOPK 64
 extern "C" __global__ void moe_down(const float* __restrict__ h, const int* __restrict__ ids,
                                     const float* __restrict__ wts, const uint8_t* __restrict__ down,
                                     int down_type, long long down_rb, int down_a16, float* __restrict__ out,
-                                    int rows, int top_k, int hidden, int ffn, int n_experts) {
+                                    int rows, int top_k, int hidden, int ffn, int n_experts,
+                                    int rows_per_block) {
+    __shared__ float part[MOE_MAX_TOPK * MOE_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const long long chunks = (hidden + MOE_WARPS - 1) / MOE_WARPS;
+    const int R = rows_per_block;
+    const long long chunks = (hidden + R - 1) / R;
     const long long t = (long long)blockIdx.x / chunks;
-    const int o = (int)((long long)blockIdx.x % chunks) * MOE_WARPS + warp;
-    if (t >= rows || o >= hidden) return;
-    float acc = 0.f;
-    for (int k = 0; k < top_k; ++k) {
-        const long long pair = t * top_k + k;
-        const int e = ids[pair];
-        if (e < 0 || e >= n_experts) { acc = __int_as_float(0x7fc00000); break; }
-        const float d = row_dot(down + ((long long)e * hidden + o) * down_rb, down_type, down_a16,
-                                h + pair * ffn, ffn, lane);
-        acc = __fadd_rn(acc, __fmul_rn(wts[pair], d));
+    const int o0 = (int)((long long)blockIdx.x % chunks) * R;
+    const int items = R * top_k;  // <= MOE_MAX_TOPK * MOE_WARPS (host-checked)
+    for (int i = warp; i < items; i += MOE_WARPS) {
+        const int r = i / top_k, k = i % top_k;
+        const int o = o0 + r;
+        float d = 0.f;
+        if (t < rows && o < hidden) {
+            const long long pair = t * top_k + k;
+            const int e = ids[pair];
+            if (e < 0 || e >= n_experts) d = __int_as_float(0x7fc00000);
+            else d = row_dot(down + ((long long)e * hidden + o) * down_rb, down_type, down_a16,
+                             h + pair * ffn, ffn, lane);
+        }
+        if (lane == 0) part[i] = d;
     }
-    if (lane == 0) out[t * hidden + o] = acc;
+    __syncthreads();
+    if (threadIdx.x < R && t < rows) {
+        const int r = threadIdx.x, o = o0 + r;
+        if (o < hidden) {
+            float acc = 0.f;
+            for (int k = 0; k < top_k; ++k)
+                acc = __fadd_rn(acc, __fmul_rn(wts[t * top_k + k], part[r * top_k + k]));
+            out[t * hidden + o] = acc;
+        }
+    }
 }
