@@ -31,6 +31,14 @@ pub const SRC: &str = include_str!("kernels/matmul.cu");
 /// f32 GEMV becomes FMA-bound rather than bandwidth-bound above ~4 rows (see MATMUL.md).
 pub const GEMV_MAX_ROWS: usize = 16;
 
+/// Matrices with at most this many outputs (MoE routers: 8–256 experts) always run the f32
+/// GEMV, 16 rows per launch, also at prefill: the routing decision is a discrete argmax-like
+/// choice, and bf16 inputs would flip near-tied experts between prefill and decode. Because
+/// the GEMV is bitwise independent of the row count, a token's router logits are then
+/// identical whether it arrives in a prompt or alone. The cost is negligible (the router is
+/// `n_experts × hidden`).
+pub const F32_SMALL_OUT: usize = 256;
+
 /// Row counts the GEMV is instantiated for (rows round up to the next one).
 const GEMV_R: [usize; 5] = [1, 2, 4, 8, 16];
 /// Warps per GEMV block and output rows per warp (GEMV_WARPS, GEMV_NW in matmul.cu).
@@ -79,6 +87,15 @@ fn type_index(t: GgmlType) -> Result<usize> {
         .iter()
         .position(|&(ty, _)| ty == t)
         .ok_or_else(|| anyhow::anyhow!("CUDA matmul: unsupported weight type {t}"))
+}
+
+fn gemv_config(n_out: usize) -> LaunchConfig {
+    let per_block = GEMV_WARPS * GEMV_NW;
+    LaunchConfig {
+        grid_dim: (n_out.div_ceil(per_block) as u32, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// `out[t] = W x[t]` for a weight `[n_out, n_in]` of any stored type.
@@ -141,18 +158,37 @@ pub fn matmul(
     }
     let (rb, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
 
+    if rows > GEMV_MAX_ROWS && n_out <= F32_SMALL_OUT {
+        let func = &be.matmul.gemv[ti][GEMV_R.len() - 1];
+        let cfg = gemv_config(n_out);
+        for r0 in (0..rows).step_by(GEMV_MAX_ROWS) {
+            let n = GEMV_MAX_ROWS.min(rows - r0);
+            let xs = x.buf.slice(r0 * n_in..(r0 + n) * n_in);
+            let mut ys = out.buf.slice_mut(r0 * n_out..(r0 + n) * n_out);
+            let n_i = n as i32;
+            // SAFETY: as below, for the row range r0..r0+n of x and out.
+            unsafe {
+                be.stream
+                    .launch_builder(func)
+                    .arg(&w.data)
+                    .arg(&rb)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&xs)
+                    .arg(&n_i)
+                    .arg(&mut ys)
+                    .launch(cfg)
+            }?;
+        }
+        return Ok(());
+    }
+
     let (func, cfg) = if rows <= GEMV_MAX_ROWS {
         let ri = GEMV_R
             .iter()
             .position(|&r| r >= rows)
             .expect("GEMV_R covers 1..=GEMV_MAX_ROWS");
-        let per_block = GEMV_WARPS * GEMV_NW;
-        let cfg = LaunchConfig {
-            grid_dim: (n_out.div_ceil(per_block) as u32, 1, 1),
-            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        (&be.matmul.gemv[ti][ri], cfg)
+        (&be.matmul.gemv[ti][ri], gemv_config(n_out))
     } else {
         let gy = n_out.div_ceil(MM_TM);
         ensure!(gy <= 65535, "matmul: {n_out} outputs exceed the grid limit");

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU session on the H200 machine (which has no Rust, no models and no network): the
+# binary built on the development machine travels as target/release/ferrite.
+#
+#   tools/h200/session.sh STAGE...    with OUT set to a directory whose files come back
+#
+# Stages (run in the order given):
+#   info     nvidia-smi, versions
+#   check    ferrite check --device cuda (every op vs the CPU reference + end-to-end gates)
+#   perf     ferrite check --device cuda --perf
+#   bench8b  synth Qwen3-8B Q4_K_M, Q8_0, F16 and bench pp512/tg128 each (--record)
+#   bench30b synth Qwen3-30B-A3B Q4_K_M and bench it
+#   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
+# Logs and bench/results.jsonl lines are written under $OUT.
+set -uo pipefail
+: "${OUT:?set OUT to the directory for logs}"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+export FERRITE_CACHE_DIR=/tmp/ferrite-cache
+F=./target/dist/ferrite
+M=/tmp/ferrite-models
+mkdir -p "$M"
+RES="$OUT/results.jsonl"
+
+synth() { # preset quant
+    local f="$M/$1-$2.gguf"
+    [ -f "$f" ] || $F synth --preset "$1" --quant "$2" --output "$f" 2>&1 | tail -1
+    echo "$f"
+}
+
+for stage in "$@"; do
+    echo "=== $stage $(date -u +%H:%M:%S)"
+    case "$stage" in
+    info)
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+        $F --version
+        ;;
+    check) $F check --device cuda --e2e tests/data/oracle 2>&1 | tee "$OUT/check.log" | tail -60 ;;
+    perf) $F check --device cuda --perf 2>&1 | tee "$OUT/perf.log" | tail -80 ;;
+    bench8b)
+        for q in Q4_K_M Q8_0 F16; do
+            f=$(synth qwen3-8b $q | tail -1)
+            $F bench --model "$f" --label qwen3-8b --reps 3 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -8
+            rm -f "$f"
+        done
+        ;;
+    bench30b)
+        f=$(synth qwen3-30b-a3b Q4_K_M | tail -1)
+        $F bench --model "$f" --label qwen3-30b-a3b --reps 3 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -8
+        rm -f "$f"
+        ;;
+    depth)
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        for d in 8192 32768; do
+            $F bench --model "$f" --label qwen3-8b --depth $d --prompt-tokens 512 --reps 1 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -6
+        done
+        ;;
+    *) echo "unknown stage $stage" ;;
+    esac
+done
+echo "=== done $(date -u +%H:%M:%S)"
