@@ -694,6 +694,34 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn top_k(
+        &self,
+        logits: &Act<Vec<f32>>,
+        k: usize,
+        ids: &mut Vec<i32>,
+        vals: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
+        ensure!(
+            k >= 1 && k <= logits.cols,
+            "top_k: k = {k} of {} logits",
+            logits.cols
+        );
+        check_shape("top_k values", vals, logits.rows, k)?;
+        ensure!(
+            ids.len() >= logits.rows * k,
+            "top_k: ids buffer holds {} of {}",
+            ids.len(),
+            logits.rows * k
+        );
+        for (t, row) in logits.buf[..logits.len()].chunks(logits.cols).enumerate() {
+            for (j, (i, v)) in top_k_row(row, k).into_iter().enumerate() {
+                ids[t * k + j] = i as i32;
+                vals.buf[t * k + j] = v;
+            }
+        }
+        Ok(())
+    }
+
     fn read_i32(&self, x: &Vec<i32>, n: usize) -> Result<Vec<i32>> {
         ensure!(n <= x.len(), "read_i32: {n} of {}", x.len());
         Ok(x[..n].to_vec())
@@ -707,6 +735,20 @@ impl Backend for CpuBackend {
     fn replay(&self, _g: &()) -> Result<()> {
         Ok(())
     }
+}
+
+/// The `k` best `(index, value)` of a row: value descending, ties to the lower index, NaN
+/// ranked as -inf.
+pub fn top_k_row(v: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let key = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    let cmp = |a: &usize, b: &usize| key(v[*b]).total_cmp(&key(v[*a])).then(a.cmp(b));
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(cmp);
+    idx.into_iter().map(|i| (i, v[i])).collect()
 }
 
 /// Index of the largest value; ties (and NaN) resolve to the lower index.

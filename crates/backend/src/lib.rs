@@ -233,6 +233,16 @@ pub trait Backend: Send + Sync {
 
     /// Greedy token choice on the device: `out[t] = argmax(logits[t])` (ties to the lower id).
     fn argmax(&self, logits: &Act<Self::Buf>, out: &mut Self::IBuf) -> Result<()>;
+    /// The `k` largest logits of each row, best first, ties to the lower id (NaN counts as
+    /// -inf): `ids[t*k + j]` and `vals[t][j]` (`vals` is `[rows, k]`). Sampling with top-k
+    /// then needs only these k pairs on the host, not the whole vocabulary.
+    fn top_k(
+        &self,
+        logits: &Act<Self::Buf>,
+        k: usize,
+        ids: &mut Self::IBuf,
+        vals: &mut Act<Self::Buf>,
+    ) -> Result<()>;
     /// Reads `n` values of an i32 buffer back to the host.
     fn read_i32(&self, x: &Self::IBuf, n: usize) -> Result<Vec<i32>>;
 

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use anyhow::{ensure, Result};
 use ferrite_backend::Backend;
-use ferrite_models::{Logits, Model, Workspace};
+use ferrite_models::{Logits, Model, Workspace, TOP_K_MAX};
 use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
@@ -227,6 +227,22 @@ impl<'e, B: Backend> Sequence<'e, B> {
         be.to_host(&self.ws().logits)
     }
 
+    /// The `k ≤ TOP_K_MAX` best `(token, logit)` of the latest position, best first,
+    /// selected on the device (k pairs cross to the host, not the vocabulary).
+    pub fn top_k(&mut self, k: usize) -> Result<Vec<(u32, f32)>> {
+        anyhow::ensure!(
+            (1..=TOP_K_MAX).contains(&k),
+            "top-k on the device needs 1 ≤ k ≤ {TOP_K_MAX}"
+        );
+        let be = self.be;
+        let ws = self.ws();
+        let mut vals = be.zeros(1, k)?;
+        be.top_k(&ws.logits, k, &mut ws.top_ids, &mut vals)?;
+        let ids = be.read_i32(&ws.top_ids, k)?;
+        let vals = be.to_host(&vals)?;
+        Ok(ids.into_iter().map(|i| i as u32).zip(vals).collect())
+    }
+
     /// The greedy choice for the latest position, computed on the device (a 4-byte read).
     pub fn greedy(&mut self) -> Result<u32> {
         let be = self.be;
@@ -267,11 +283,13 @@ impl<B: Backend> Engine<B> {
         anyhow::ensure!(p.max_tokens > 0, "max_tokens must be at least 1");
         let mut seq = Sequence::new(&self.be, &self.model, ctx)?;
         let mut sampler = Sampler::new(p.sampler.clone(), self.model.cfg.vocab);
-        // Greedy without penalties needs no logits on the host: argmax runs on the device.
-        let device_greedy = p.sampler.temperature <= 0.0
-            && p.sampler.repetition_penalty == 1.0
+        // Without penalties the logits need not cross to the host: greedy is an argmax on the
+        // device, and top-k sampling needs only the k best, selected on the device.
+        let no_penalties = p.sampler.repetition_penalty == 1.0
             && p.sampler.presence_penalty == 0.0
             && p.sampler.frequency_penalty == 0.0;
+        let device_greedy = no_penalties && p.sampler.temperature <= 0.0;
+        let device_top_k = no_penalties && (1..=TOP_K_MAX).contains(&p.sampler.top_k);
         let mut stops = StopChecker::new(p.stop.iter().cloned());
         let mut detok = IncrementalDecoder::new(true);
         let eos = self.tok.eos_ids();
@@ -293,6 +311,8 @@ impl<B: Backend> Engine<B> {
         let mut next = |seq: &mut Sequence<'_, B>, history: &[u32]| -> Result<u32> {
             if device_greedy {
                 seq.greedy()
+            } else if device_top_k {
+                Ok(sampler.sample_top_k(&seq.top_k(p.sampler.top_k)?))
             } else {
                 Ok(sampler.sample(&mut seq.logits()?, history))
             }

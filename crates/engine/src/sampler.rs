@@ -194,13 +194,45 @@ impl Sampler {
             return 0;
         }
 
-        // top-k: partition so the k best come first (unsorted), drop the rest.
+        // top-k: partition so the k best come first, drop the rest, and sort them (best
+        // first, ties to the lower id) so the draw below sees the same order whether the
+        // candidates were selected here or on the device (`sample_top_k`).
         let k = self.cfg.top_k;
         if k > 0 && k < cands.len() {
             cands.select_nth_unstable_by(k - 1, desc);
             cands.truncate(k);
+            cands.sort_unstable_by(desc);
         }
+        self.draw()
+    }
 
+    /// Samples from the `top_k` best candidates already selected on the device: `(id, logit)`
+    /// sorted best first, ties to the lower id. Gives the same token as [`Sampler::sample`]
+    /// on the full logits with the same configuration and RNG state, when no penalties apply
+    /// and `cands` holds the configured `top_k` best logits.
+    pub fn sample_top_k(&mut self, cands: &[(u32, f32)]) -> u32 {
+        if !(self.cfg.temperature > 0.0) {
+            return cands.first().map_or(0, |c| c.0);
+        }
+        self.cands.clear();
+        self.cands.extend(
+            cands
+                .iter()
+                .filter(|c| !c.1.is_nan() && c.1 > f32::NEG_INFINITY)
+                .map(|&(id, v)| Cand {
+                    id,
+                    v: v.min(f32::MAX),
+                }),
+        );
+        if self.cands.is_empty() {
+            return cands.first().map_or(0, |c| c.0);
+        }
+        self.draw()
+    }
+
+    /// Temperature softmax, top-p, min-p and the seeded draw over `self.cands`.
+    fn draw(&mut self) -> u32 {
+        let cands = &mut self.cands;
         // softmax(logits / T), unnormalized: exp((l - max) / T), the max gets 1.
         let max = cands.iter().map(|c| c.v).fold(f32::NEG_INFINITY, f32::max);
         let inv_t = 1.0 / self.cfg.temperature;
@@ -222,10 +254,13 @@ impl Sampler {
         let min_p = self.cfg.min_p;
         if min_p > 0.0 && cands.len() > 1 {
             let before = cands.len();
+            let best = cands
+                .iter()
+                .fold(cands[0], |b, c| if c.v > b.v { *c } else { b })
+                .id;
             cands.retain(|c| c.v >= min_p);
-            debug_assert!(!cands.is_empty(), "the max has probability 1 >= min_p");
             if cands.is_empty() {
-                return argmax(logits);
+                return best; // min_p > 1 keeps nothing: the most likely token
             }
             if cands.len() != before {
                 sum = cands.iter().map(|c| c.v as f64).sum();
@@ -874,5 +909,43 @@ mod tests {
         assert_eq!(sc.check("ab"), StopCheck::Stop { len: 0, stop: 0 });
         sc.reset();
         assert_eq!(sc.check("xab"), StopCheck::Stop { len: 1, stop: 0 });
+    }
+
+    #[test]
+    fn device_top_k_path_draws_the_same_tokens() {
+        // Candidates as the device returns them (best first, ties to the lower id) must give
+        // the same draws as sampling the full logits with the same top_k and seed.
+        let vocab = 5000;
+        let mut logits: Vec<f32> = (0..vocab)
+            .map(|i| ((i * 7919) % 1000) as f32 / 137.0)
+            .collect();
+        logits[17] = logits[4000]; // a tie
+        for (k, t, p, mp) in [
+            (40, 0.8, 0.95, 0.0),
+            (5, 1.3, 1.0, 0.05),
+            (64, 0.5, 0.9, 0.1),
+        ] {
+            let cfg = SamplerConfig {
+                temperature: t,
+                top_k: k,
+                top_p: p,
+                min_p: mp,
+                seed: Some(9),
+                ..Default::default()
+            };
+            let mut idx: Vec<u32> = (0..vocab as u32).collect();
+            idx.sort_by(|&a, &b| {
+                logits[b as usize]
+                    .total_cmp(&logits[a as usize])
+                    .then(a.cmp(&b))
+            });
+            let top: Vec<(u32, f32)> = idx[..k].iter().map(|&i| (i, logits[i as usize])).collect();
+            let (mut full, mut dev) = (Sampler::new(cfg.clone(), vocab), Sampler::new(cfg, vocab));
+            for _ in 0..200 {
+                let a = full.sample(&mut logits.clone(), &[]);
+                let b = dev.sample_top_k(&top);
+                assert_eq!(a, b);
+            }
+        }
     }
 }

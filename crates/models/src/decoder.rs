@@ -140,6 +140,7 @@ impl<B: Backend> Model<B> {
             last: be.zeros(1, c.hidden)?,
             logits: be.zeros(if which == Logits::All { max_rows } else { 1 }, c.vocab)?,
             argmax: be.step_input(max_rows)?.tokens,
+            top_ids: be.step_input(TOP_K_MAX)?.tokens,
         })
     }
 
@@ -314,7 +315,12 @@ pub struct Workspace<B: Backend> {
     pub logits: Act<B::Buf>,
     /// Greedy choices of the last step (device side), see [`Backend::argmax`].
     pub argmax: B::IBuf,
+    /// The best `k ≤ TOP_K_MAX` logits of the last position, see [`Backend::top_k`].
+    pub top_ids: B::IBuf,
 }
+
+/// Largest top-k the device selects for sampling (larger k copies the logits to the host).
+pub const TOP_K_MAX: usize = 64;
 
 impl<B: Backend> Workspace<B> {
     fn set_rows(&mut self, t: usize) -> Result<()> {

@@ -7,5 +7,5 @@ pub mod decoder;
 pub mod source;
 
 pub use config::{Arch, ModelConfig};
-pub use decoder::{Logits, Model, Workspace};
+pub use decoder::{Logits, Model, Workspace, TOP_K_MAX};
 pub use source::ModelFile;

@@ -389,6 +389,16 @@ impl Backend for CudaBackend {
         ops::argmax(self, logits, out)
     }
 
+    fn top_k(
+        &self,
+        logits: &Act<CudaSlice<f32>>,
+        k: usize,
+        ids: &mut CudaSlice<i32>,
+        vals: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        ops::top_k(self, logits, k, ids, vals)
+    }
+
     fn read_i32(&self, x: &CudaSlice<i32>, n: usize) -> Result<Vec<i32>> {
         ensure!(n <= x.len(), "read_i32: {n} of {}", x.len());
         let mut out = vec![0i32; n];

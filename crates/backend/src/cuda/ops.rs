@@ -21,6 +21,7 @@ pub struct Kernels {
     add_assign: CudaFunction,
     swiglu: CudaFunction,
     argmax_rows: CudaFunction,
+    topk_rows: CudaFunction,
 }
 
 impl Kernels {
@@ -34,6 +35,7 @@ impl Kernels {
             add_assign: function(&m, "add_assign")?,
             swiglu: function(&m, "swiglu")?,
             argmax_rows: function(&m, "argmax_rows")?,
+            topk_rows: function(&m, "topk_rows")?,
         })
     }
 }
@@ -302,6 +304,45 @@ pub fn argmax(
             .arg(&logits.buf)
             .arg(out)
             .arg(&cols)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+pub fn top_k(
+    be: &CudaBackend,
+    logits: &Act<CudaSlice<f32>>,
+    k: usize,
+    ids: &mut CudaSlice<i32>,
+    vals: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    ensure!(
+        k >= 1 && k <= logits.cols,
+        "top_k: k = {k} of {} logits",
+        logits.cols
+    );
+    check_shape("top_k values", vals, logits.rows, k)?;
+    ensure!(
+        ids.len() >= logits.rows * k,
+        "top_k: ids buffer holds {} of {}",
+        ids.len(),
+        logits.rows * k
+    );
+    let (cols, k) = (logits.cols as i32, k as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (logits.rows as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one block of 1024 threads per row; writes k ids and k values per row.
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.topk_rows)
+            .arg(&logits.buf)
+            .arg(ids)
+            .arg(&mut vals.buf)
+            .arg(&cols)
+            .arg(&k)
             .launch(cfg)
     }?;
     Ok(())
