@@ -68,6 +68,8 @@ pub struct Record {
     pub roofline_pct: Option<f64>,
     pub bytes_per_token: Option<u64>,
     pub copy_bandwidth_gb_s: f64,
+    /// Device memory in use after the test (weights, KV cache, workspaces), GiB.
+    pub vram_used_gib: Option<f64>,
     pub reps: usize,
 }
 
@@ -228,6 +230,9 @@ fn bench_on<B: Backend>(
         tg.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());
     }
     let (pp, tg) = (median(pp), median(tg));
+    let vram_used_gib = be
+        .device_memory()
+        .map(|(used, _)| used as f64 / (1u64 << 30) as f64);
     // Average KV bytes read per decode token over the generated span.
     let kv_bytes = kv_per_pos * (depth as u64 + a.gen_tokens as u64 / 2);
     let bytes_tg = weight_bytes + kv_bytes;
@@ -249,6 +254,7 @@ fn bench_on<B: Backend>(
             roofline_pct: None,
             bytes_per_token: None,
             copy_bandwidth_gb_s: bw / 1e9,
+            vram_used_gib,
             reps: a.reps,
         },
         Record {
@@ -266,6 +272,7 @@ fn bench_on<B: Backend>(
             roofline_pct: Some(100.0 * tg * bytes_tg as f64 / bw),
             bytes_per_token: Some(bytes_tg),
             copy_bandwidth_gb_s: bw / 1e9,
+            vram_used_gib,
             reps: a.reps,
         },
     ];
@@ -279,9 +286,12 @@ fn bench_on<B: Backend>(
             records[0].model, records[0].quant, records[0].gpu, records[0].backend, depth, a.reps
         );
         println!(
-            "copy bandwidth {:.1} GB/s; decode reads {:.1} MB/token",
+            "copy bandwidth {:.1} GB/s; decode reads {:.1} MB/token{}",
             bw / 1e9,
-            bytes_tg as f64 / 1e6
+            bytes_tg as f64 / 1e6,
+            vram_used_gib.map_or(String::new(), |g| format!(
+                "; device memory in use {g:.2} GiB"
+            ))
         );
         println!(
             "{:<8} {:>12} {:>12} {:>10}",
