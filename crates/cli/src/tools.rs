@@ -131,6 +131,15 @@ pub fn info(a: &InfoArgs) -> Result<()> {
         }
     }
     let total: usize = by_type.values().map(|v| v.1).sum();
+    if let Ok(c) = file.config() {
+        // What a GPU needs: the weights as stored, plus an f16 KV cache per token.
+        let kv_per_1k = 1000 * c.n_layers * 2 * c.attn.n_kv_heads * c.attn.head_dim * 2;
+        println!(
+            "VRAM:          {:.2} GiB of weights + {:.1} MiB of f16 KV cache per 1000 tokens",
+            total as f64 / (1u64 << 30) as f64,
+            kv_per_1k as f64 / (1 << 20) as f64
+        );
+    }
     println!(
         "tensors:       {} ({:.2} MiB)",
         names.len(),
