@@ -1,8 +1,12 @@
 //! Mixture-of-experts launchers (`kernels/moe.cu`): device-side top-k routing, the expert
 //! gate/up GEMVs with SwiGLU, and the expert down GEMVs fused with the weighted combine.
 //!
-//! Three launches per layer, none of which depends on host knowledge of the routing, so a
-//! captured decode graph replays correctly whatever experts the tokens pick. Scratch
+//! Decode (rows <= [`DECODE_MAX_ROWS`]): three launches per layer (route, gate/up, down +
+//! combine), f32 math. Prefill (more rows): route, a device-side counting sort of the
+//! (token, slot) pairs by expert, a grouped gate/up+SwiGLU GEMM and a grouped down GEMM on
+//! the tensor cores (bf16 inputs, f32 accumulation), then the combine in top-k order. No
+//! launch depends on host knowledge of the routing (grids are sized from the worst case),
+//! so a captured graph replays correctly whatever experts the tokens pick. Scratch
 //! buffers (routing ids/weights, SwiGLU activations) live in [`Kernels`] and grow on first
 //! use with a bigger shape; the engine runs its first decode step eagerly before capturing,
 //! so no allocation ever happens inside a capture. Buffers replaced by a bigger one are kept
@@ -12,8 +16,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
 };
+use ferrite_formats::GgmlType;
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/moe.cu");
@@ -28,15 +34,63 @@ const MAX_EXPERTS: usize = 8192;
 /// moe_down keeps every slot's partial result of its rows in shared memory.
 const MAX_TOP_K: usize = 64;
 
+/// Rows at or below which the f32 decode kernels run; above, the grouped tensor-core path.
+pub const DECODE_MAX_ROWS: usize = 16;
+/// Pairs per token tile of the grouped GEMMs (`GM_TN` in moe.cu).
+const GM_TN: usize = 64;
+/// Outputs per block: gate/up (64 ffn rows, each as gate and up) and down (128 hidden rows).
+const GM_GU_OUT: usize = 64;
+const GM_DOWN_OUT: usize = 128;
+/// moe_sort keeps two ints per expert in shared memory (48 KiB default limit).
+const SORT_MAX_EXPERTS: usize = 4096;
+
+/// Weight types of the grouped kernels, in kernel-name order.
+const TYPES: [(GgmlType, &str); 9] = [
+    (GgmlType::F32, "f32"),
+    (GgmlType::F16, "f16"),
+    (GgmlType::BF16, "bf16"),
+    (GgmlType::Q8_0, "q8_0"),
+    (GgmlType::Q4_0, "q4_0"),
+    (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q4K, "q4_k"),
+    (GgmlType::Q5K, "q5_k"),
+    (GgmlType::Q6K, "q6_k"),
+];
+
 /// Device scratch for one MoE call; grown geometrically, never shrunk.
 struct Scratch {
     /// `[rows·top_k]` expert ids, then weights.
     ids: CudaSlice<i32>,
     wts: CudaSlice<f32>,
-    /// `[rows·top_k, ffn]` SwiGLU activations.
+    /// `[rows·top_k, ffn]` SwiGLU activations (prefill: in sorted pair order).
     h: CudaSlice<f32>,
+    /// Prefill only: `[n_experts + 1]` list offsets per expert, the tile count, the tile
+    /// table `[2·max_tiles]` (expert, first list position), the sorted pair list.
+    offsets: CudaSlice<i32>,
+    n_tiles: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    list: CudaSlice<i32>,
+    /// Prefill only: `[rows·top_k, hidden]` per-pair expert outputs before the combine.
+    y: CudaSlice<f32>,
     /// Buffers replaced by bigger ones: a captured graph may still reference them.
-    retired: Vec<(CudaSlice<i32>, CudaSlice<f32>, CudaSlice<f32>)>,
+    retired_i: Vec<CudaSlice<i32>>,
+    retired_f: Vec<CudaSlice<f32>>,
+}
+
+/// Replaces `buf` by a zeroed buffer of at least `need` elements (next power of two) when it
+/// is too small, keeping the old one alive in `retired`.
+fn grow<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    buf: &mut CudaSlice<T>,
+    need: usize,
+    retired: &mut Vec<CudaSlice<T>>,
+) -> Result<()> {
+    if buf.len() < need {
+        let n = need.next_power_of_two().max(buf.len());
+        let fresh = stream.alloc_zeros::<T>(n)?;
+        retired.push(std::mem::replace(buf, fresh));
+    }
+    Ok(())
 }
 
 /// The compiled MoE kernels and their scratch.
@@ -44,19 +98,38 @@ pub struct Kernels {
     route: CudaFunction,
     gate_up: CudaFunction,
     down: CudaFunction,
+    sort: CudaFunction,
+    combine: CudaFunction,
+    /// Grouped prefill GEMMs, indexed like [`TYPES`].
+    mm_gu: Vec<CudaFunction>,
+    mm_down: Vec<CudaFunction>,
     scratch: Mutex<Option<Scratch>>,
 }
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "moe", SRC)?;
+        let mut mm_gu = Vec::with_capacity(TYPES.len());
+        let mut mm_down = Vec::with_capacity(TYPES.len());
+        for (_, name) in TYPES {
+            mm_gu.push(function(&m, &format!("moe_mm_gu_{name}"))?);
+            mm_down.push(function(&m, &format!("moe_mm_down_{name}"))?);
+        }
         Ok(Kernels {
             route: function(&m, "moe_route")?,
             gate_up: function(&m, "moe_gate_up")?,
             down: function(&m, "moe_down")?,
+            sort: function(&m, "moe_sort")?,
+            combine: function(&m, "moe_combine")?,
+            mm_gu,
+            mm_down,
             scratch: Mutex::new(None),
         })
     }
+}
+
+fn type_index(t: GgmlType) -> Option<usize> {
+    TYPES.iter().position(|&(ty, _)| ty == t)
 }
 
 /// `(n_out, n_in)` of a stacked expert weight `[n_experts, n_out, n_in]`.
@@ -131,35 +204,62 @@ pub fn moe(
     }
     let pairs = rows * top_k;
 
+    let (g, u, d) = (experts.gate, experts.up, experts.down);
+    let x_a16 = aligned16(be, &x.buf);
+    // The grouped path: many rows, gate and up of one type, known types, aligned buffers.
+    let grouped = match (type_index(g.dtype), type_index(d.dtype)) {
+        (Some(gi), Some(di))
+            if rows > DECODE_MAX_ROWS
+                && g.dtype == u.dtype
+                && n_experts <= SORT_MAX_EXPERTS
+                && x_a16
+                && aligned16(be, &g.data)
+                && aligned16(be, &u.data)
+                && aligned16(be, &d.data) =>
+        {
+            Some((gi, di))
+        }
+        _ => None,
+    };
+    let max_tiles = pairs.div_ceil(GM_TN) + n_experts.min(pairs);
+
     let mut guard = be
         .moe
         .scratch
         .lock()
         .map_err(|_| anyhow::anyhow!("moe scratch lock poisoned"))?;
-    let grow = match guard.as_ref() {
-        None => true,
-        Some(s) => s.ids.len() < pairs || s.h.len() < pairs * ffn,
-    };
-    if grow {
-        // Geometric growth keeps the number of retired buffers logarithmic.
-        let (old_pairs, old_h) = guard.as_ref().map_or((0, 0), |s| (s.ids.len(), s.h.len()));
-        let np = pairs.next_power_of_two().max(old_pairs);
-        let nh = (pairs * ffn).next_power_of_two().max(old_h);
-        let mut fresh = Scratch {
-            ids: be.stream.alloc_zeros::<i32>(np)?,
-            wts: be.stream.alloc_zeros::<f32>(np)?,
-            h: be.stream.alloc_zeros::<f32>(nh)?,
-            retired: Vec::new(),
-        };
-        if let Some(old) = guard.take() {
-            fresh.retired = old.retired;
-            fresh.retired.push((old.ids, old.wts, old.h));
-        }
-        *guard = Some(fresh);
+    if guard.is_none() {
+        let one_i = || be.stream.alloc_zeros::<i32>(1);
+        let one_f = || be.stream.alloc_zeros::<f32>(1);
+        *guard = Some(Scratch {
+            ids: one_i()?,
+            wts: one_f()?,
+            h: one_f()?,
+            offsets: one_i()?,
+            n_tiles: one_i()?,
+            tiles: one_i()?,
+            list: one_i()?,
+            y: one_f()?,
+            retired_i: Vec::new(),
+            retired_f: Vec::new(),
+        });
     }
     let s = guard
         .as_mut()
         .ok_or_else(|| anyhow::anyhow!("moe scratch missing"))?;
+    {
+        let st = &be.stream;
+        let (ri, rf) = (&mut s.retired_i, &mut s.retired_f);
+        grow(st, &mut s.ids, pairs, ri)?;
+        grow(st, &mut s.wts, pairs, rf)?;
+        grow(st, &mut s.h, pairs * ffn, rf)?;
+        if grouped.is_some() {
+            grow(st, &mut s.offsets, n_experts + 1, ri)?;
+            grow(st, &mut s.tiles, 2 * max_tiles, ri)?;
+            grow(st, &mut s.list, pairs, ri)?;
+            grow(st, &mut s.y, pairs * hidden, rf)?;
+        }
+    }
 
     let (ne, tk, hid, ff) = (
         i32_arg("n_experts", n_experts)?,
@@ -189,10 +289,24 @@ pub fn moe(
             .launch(cfg)
     }?;
 
+    if let Some((gi, di)) = grouped {
+        return grouped_experts(
+            be,
+            x,
+            s,
+            (g, u, d),
+            (gi, di),
+            rows,
+            hidden,
+            ffn,
+            routing,
+            max_tiles,
+            out,
+        );
+    }
+
     // 2. Gate/up + SwiGLU: one warp per (pair, ffn row).
-    let x_a16 = aligned16(be, &x.buf);
     let h_a16 = aligned16(be, &s.h);
-    let (g, u, d) = (experts.gate, experts.up, experts.down);
     let g_a16 = i32::from(x_a16 && aligned16(be, &g.data));
     let u_a16 = i32::from(x_a16 && aligned16(be, &u.data));
     let d_a16 = i32::from(h_a16 && aligned16(be, &d.data));
@@ -262,6 +376,142 @@ pub fn moe(
             .arg(&ne)
             .arg(&per_block_i)
             .launch(blocks(rows, hidden, per_block)?)
+    }?;
+    Ok(())
+}
+
+/// The prefill path: counting sort of the pairs by expert, grouped gate/up + SwiGLU and down
+/// GEMMs on the tensor cores, combine in top-k order (moe.cu, kernels 4-7). Expects the
+/// routing in `s.ids` / `s.wts` and every scratch buffer grown for this shape.
+#[allow(clippy::too_many_arguments)]
+fn grouped_experts(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    s: &mut Scratch,
+    (g, u, d): (&CudaWeight, &CudaWeight, &CudaWeight),
+    (gi, di): (usize, usize),
+    rows: usize,
+    hidden: usize,
+    ffn: usize,
+    routing: MoeRouting,
+    max_tiles: usize,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let (n_experts, top_k) = (routing.n_experts, routing.top_k);
+    let pairs = rows * top_k;
+    let (ne, tk, hid, ff) = (
+        i32_arg("n_experts", n_experts)?,
+        i32_arg("top_k", top_k)?,
+        i32_arg("hidden", hidden)?,
+        i32_arg("ffn", ffn)?,
+    );
+    let (rows_i, pairs_i) = (i32_arg("rows", rows)?, i32_arg("rows·top_k", pairs)?);
+    ensure!(
+        u.row_bytes() == g.row_bytes(),
+        "moe: gate and up rows differ in size"
+    );
+    let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
+    ensure!(
+        max_tiles < (1usize << 31) && pairs * hidden < (1usize << 62),
+        "moe: {pairs} pairs is too many"
+    );
+
+    // 4. Counting sort by expert (one block).
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: (2 * n_experts * 4) as u32,
+    };
+    // SAFETY: ids hold pairs entries; offsets ≥ ne+1, tiles ≥ 2·max_tiles (the most tiles
+    // any routing yields), list ≥ pairs (grown by the caller).
+    unsafe {
+        be.stream
+            .launch_builder(&be.moe.sort)
+            .arg(&s.ids)
+            .arg(&pairs_i)
+            .arg(&ne)
+            .arg(&mut s.offsets)
+            .arg(&mut s.n_tiles)
+            .arg(&mut s.tiles)
+            .arg(&mut s.list)
+            .launch(cfg)
+    }?;
+
+    // 5. Gate/up + SwiGLU: grid (worst-case tiles, ffn / 64); surplus tiles exit at once.
+    let cfg = LaunchConfig {
+        grid_dim: (max_tiles as u32, ffn.div_ceil(GM_GU_OUT) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: tile entries come from moe_sort (experts < ne, positions < pairs); gate/up hold
+    // ne·ffn rows of gu_rb bytes; x holds rows × hidden floats; h ≥ pairs × ffn.
+    unsafe {
+        be.stream
+            .launch_builder(&be.moe.mm_gu[gi])
+            .arg(&g.data)
+            .arg(&u.data)
+            .arg(&gu_rb)
+            .arg(&ff)
+            .arg(&hid)
+            .arg(&x.buf)
+            .arg(&s.offsets)
+            .arg(&s.n_tiles)
+            .arg(&s.tiles)
+            .arg(&s.list)
+            .arg(&tk)
+            .arg(&mut s.h)
+            .launch(cfg)
+    }?;
+
+    // 6. Down: grid (worst-case tiles, hidden / 128).
+    let cfg = LaunchConfig {
+        grid_dim: (max_tiles as u32, hidden.div_ceil(GM_DOWN_OUT) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above; down holds ne·hidden rows of d_rb bytes; y ≥ pairs × hidden.
+    unsafe {
+        be.stream
+            .launch_builder(&be.moe.mm_down[di])
+            .arg(&d.data)
+            .arg(&d_rb)
+            .arg(&hid)
+            .arg(&ff)
+            .arg(&s.h)
+            .arg(&s.offsets)
+            .arg(&s.n_tiles)
+            .arg(&s.tiles)
+            .arg(&s.list)
+            .arg(&tk)
+            .arg(&mut s.y)
+            .launch(cfg)
+    }?;
+
+    // 7. Combine in top-k order: one thread per output element.
+    let n = rows * hidden;
+    let blocks = n.div_ceil(256);
+    ensure!(
+        blocks < (1usize << 31),
+        "moe: grid of {blocks} blocks is too large"
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: y holds pairs × hidden, ids/wts pairs, out rows × hidden (checked by the caller).
+    unsafe {
+        be.stream
+            .launch_builder(&be.moe.combine)
+            .arg(&s.y)
+            .arg(&s.ids)
+            .arg(&s.wts)
+            .arg(&mut out.buf)
+            .arg(&rows_i)
+            .arg(&tk)
+            .arg(&hid)
+            .arg(&ne)
+            .launch(cfg)
     }?;
     Ok(())
 }

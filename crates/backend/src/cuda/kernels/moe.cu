@@ -10,7 +10,7 @@
 // experts were chosen):
 //
 // 1. moe_route: one warp per token. Max (warp shuffle), exps into shared memory, their sum
-//    added sequentially by lane 0 (the CPU's order), then top_k rounds of a warp-wide
+//    (lane-strided partials + xor butterfly: ulp-level differences from the CPU's order), then top_k rounds of a warp-wide
 //    arg-max over (probability desc, id asc); the winner is marked taken (-1 in shared
 //    memory). Lane 0 writes (id, p/sum) per slot and renormalises if asked. A token's
 //    routing depends only on its own logits (batch-invariant). Bytes: rows·n_experts·4 in,
@@ -50,6 +50,8 @@
 // stays graph-safe), reading quantized tiles directly.
 
 #define MOE_WARPS 8
+
+__device__ __forceinline__ void scale_min_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, float* sc, float* m);
 
 __device__ __forceinline__ float moe_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -161,6 +163,51 @@ __device__ float part_q6_k(const uint8_t* row, const float* x, int n, int lane) 
     return acc;
 }
 
+// Gate and up rows of one Q4_K expert at once (both 16-byte aligned): each x value loaded
+// feeds both rows, the 16-byte block header is one (broadcast) load, and the step loop is
+// unrolled so a lane has up to 4 steps x 2 rows of loads in flight. Same lane -> element
+// mapping as part_q4_k.
+__device__ __forceinline__ void part2_q4_k(const uint8_t* ra, const uint8_t* rb, const float* x, int n, int lane,
+                                           float* acc_a, float* acc_b) {
+    const int nb = n / QK_K;
+    const int l16 = lane & 15;
+    const int g = l16 >> 2;
+    const int l0 = (l16 & 3) * 8;
+    float aa = 0.f, ab = 0.f;
+#pragma unroll 4
+    for (int b = lane >> 4; b < nb; b += 2) {
+        const float* xb = x + (size_t)b * QK_K + g * 64 + l0;
+        const float4 xa = *(const float4*)xb, xb4 = *(const float4*)(xb + 4);
+        const float4 xc = *(const float4*)(xb + 32), xd = *(const float4*)(xb + 36);
+        const float xlo = xa.x + xa.y + xa.z + xa.w + xb4.x + xb4.y + xb4.z + xb4.w;
+        const float xhi = xc.x + xc.y + xc.z + xc.w + xd.x + xd.y + xd.z + xd.w;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint8_t* blk = (r ? rb : ra) + (size_t)b * Q4_K_BYTES;
+            const uint4 hd = __ldcs((const uint4*)blk);
+            const uint2 q = __ldcs((const uint2*)(blk + 16 + g * 32 + l0));
+            const float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xFFFF)));
+            const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
+            float sc0, m0, sc1, m1;
+            scale_min_w(2 * g, hd.y, hd.z, hd.w, &sc0, &m0);
+            scale_min_w(2 * g + 1, hd.y, hd.z, hd.w, &sc1, &m1);
+            const unsigned int w0 = q.x, w1 = q.y;
+            const float slo = dot4(xa, (float)(w0 & 0xF), (float)((w0 >> 8) & 0xF), (float)((w0 >> 16) & 0xF),
+                                   (float)((w0 >> 24) & 0xF)) +
+                              dot4(xb4, (float)(w1 & 0xF), (float)((w1 >> 8) & 0xF), (float)((w1 >> 16) & 0xF),
+                                   (float)((w1 >> 24) & 0xF));
+            const float shi = dot4(xc, (float)((w0 >> 4) & 0xF), (float)((w0 >> 12) & 0xF),
+                                   (float)((w0 >> 20) & 0xF), (float)(w0 >> 28)) +
+                              dot4(xd, (float)((w1 >> 4) & 0xF), (float)((w1 >> 12) & 0xF),
+                                   (float)((w1 >> 20) & 0xF), (float)(w1 >> 28));
+            const float v = d * sc0 * slo - dmin * m0 * xlo + d * sc1 * shi - dmin * m1 * xhi;
+            if (r) ab += v; else aa += v;
+        }
+    }
+    *acc_a = aa;
+    *acc_b = ab;
+}
+
 // F16 / BF16, n % 8 == 0, row 16-byte aligned.
 __device__ float part_half8(const uint8_t* row, int bf, const float* x, int n, int lane) {
     const uint4* w = (const uint4*)row;
@@ -215,10 +262,11 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_exp
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     for (int e = lane; e < n_experts; e += 32) p[e] = expf(l[e] - mx);
     __syncwarp();
+    // Lane-strided partial sums, then a fixed xor butterfly (deterministic, per token; a
+    // sequential sum by one lane cost ~2 µs per layer at 128 experts).
     float sum = 0.f;
-    if (lane == 0)
-        for (int e = 0; e < n_experts; ++e) sum += p[e];
-    sum = __shfl_sync(0xffffffffu, sum, 0);
+    for (int e = lane; e < n_experts; e += 32) sum += p[e];
+    sum = moe_warp_sum(sum);
     int* my_ids = ids + (long long)t * top_k;
     float* my_w = wts + (long long)t * top_k;
     for (int k = 0; k < top_k; ++k) {
@@ -267,8 +315,15 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ x, const int* _
     }
     const float* xt = x + (pair / top_k) * (long long)hidden;
     const long long r = (long long)e * ffn + o;
-    const float g = row_dot(gate + r * gate_rb, gate_type, gate_a16, xt, hidden, lane);
-    const float u = row_dot(up + r * up_rb, up_type, up_a16, xt, hidden, lane);
+    float g, u;
+    if (gate_a16 && up_a16 && gate_type == GGML_Q4_K && up_type == GGML_Q4_K && hidden % QK_K == 0) {
+        part2_q4_k(gate + r * gate_rb, up + r * up_rb, xt, hidden, lane, &g, &u);
+        g = moe_warp_sum(g);
+        u = moe_warp_sum(u);
+    } else {
+        g = row_dot(gate + r * gate_rb, gate_type, gate_a16, xt, hidden, lane);
+        u = row_dot(up + r * up_rb, up_type, up_a16, xt, hidden, lane);
+    }
     if (lane == 0) *dst = g / (1.0f + expf(-g)) * u;
 }
 
@@ -314,4 +369,438 @@ extern "C" __global__ void moe_down(const float* __restrict__ h, const int* __re
             out[t * hidden + o] = acc;
         }
     }
+}
+
+// =======================================================================================
+// Grouped prefill path (rows > 16; launcher: moe.rs). bf16 tensor cores, f32 accumulation.
+//
+// 4. moe_sort (one block of 1024 threads): counting sort of the rows·top_k (token, slot)
+//    pairs by expert. Histogram with shared-memory atomics into cnt[n_experts], one warp
+//    scans the counts (and the 64-pair tiles per expert) with shuffles, then every pair is
+//    scattered to list[offsets[e] + atomicAdd(cursor[e])]. Order inside an expert does not
+//    matter: each pair's output row is computed by the same K-ordered mma chain wherever it
+//    sits in a tile. Also writes the tile table (expert, first list position) and the tile
+//    count, so the GEMM grids can be sized from the worst case (pairs/64 + n_experts tiles)
+//    without the host knowing the routing. Bytes: pairs·4 in, ~pairs·4 + tiles·8 out.
+// 5. moe_mm_gu_<type>: per (tile, 64 ffn outputs) block, 256 threads = 8 warps as 4 (M) x
+//    2 (N). A = 128 smem rows: warp wm's 32 rows are 16 gate rows then the same 16 up rows
+//    (outputs o0+16wm..+15), so one thread holds gate and up of the same (output, pair) in
+//    its accumulators and applies SwiGLU in the epilogue. B = the 64 pairs' x rows (token =
+//    pair / top_k, gathered), converted to bf16. K steps of 32, two smem buffers, the next
+//    step decoded into registers during the mma of the current one (as mm_* in matmul.cu,
+//    whose decoders are copied here). Writes h[list position, ffn] in f32.
+//    __launch_bounds__(256, 3): <= 80 registers so 3 blocks share an SM; with one K step of
+//    register prefetch per block, more resident blocks is what keeps weight loads in flight.
+// 6. moe_mm_down_<type>: per (tile, 128 hidden outputs) block; A = 128 down rows of the
+//    expert, B = the tile's h rows (contiguous in list order). Writes y[pair, hidden] f32.
+// 7. moe_combine: out[t][o] = sum_k w[t,k] · y[t·top_k + k][o] in top-k order (no FMA
+//    contraction, like the CPU). Bytes: pairs·hidden·4 in, rows·hidden·4 out.
+// Weights: each expert's tile rows are read by its ceil(count/64) token tiles (mostly from
+// L2 when several), i.e. about once per layer at pp512 (~340 MB for Qwen3-30B-A3B Q4_K).
+// Precision: bf16 x, h and weights (rel. error <= 2^-9 each), f32 accumulation.
+
+__device__ __forceinline__ float gm_h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
+__device__ __forceinline__ float gm_b2f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
+
+template <int K>
+__device__ __forceinline__ float byte_f(uint32_t w) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - 8388608.0f;
+}
+
+__device__ __forceinline__ uint32_t sbyte(uint32_t s0, uint32_t s1, uint32_t s2, int k) {
+    uint32_t w = k < 4 ? s0 : (k < 8 ? s1 : s2);
+    return (w >> ((k & 3) * 8)) & 0xFF;
+}
+
+__device__ __forceinline__ void scale_min_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(sbyte(s0, s1, s2, j) & 63);
+        *m = (float)(sbyte(s0, s1, s2, j + 4) & 63);
+    } else {
+        uint32_t a = sbyte(s0, s1, s2, j + 4), lo = sbyte(s0, s1, s2, j - 4), hi = sbyte(s0, s1, s2, j);
+        *sc = (float)((a & 0xF) | ((lo >> 6) << 4));
+        *m = (float)((a >> 4) | ((hi >> 6) << 4));
+    }
+}
+
+#define GM_TM 128  // smem rows of A per block
+#define GM_TN 64   // pairs per tile (mma N)
+#define GM_TK 32   // K per step
+#define GM_LDS 40  // smem row stride in bf16 (80 B: 16-B aligned rows, conflict-free fragments)
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half) = the lower k
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t ld4c(const uint8_t* p) {
+    size_t a = (size_t)p;
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
+    uint32_t sh = (uint32_t)(a & 3) * 8;
+    uint32_t lo = __ldg(q);
+    uint32_t hi = sh ? __ldg(q + 1) : 0u;
+    return __funnelshift_r(lo, hi, sh);
+}
+__device__ __forceinline__ uint16_t ld2c(const uint8_t* p) { return __ldg((const unsigned short*)p); }
+
+// Weight elements k0..k0+15 (k0 % 16 == 0) of one row as 8 packed bf16 pairs; zero at or
+// beyond n_in. (matmul.cu's decode16, verbatim.)
+template <int TYPE>
+__device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0, int n_in, uint32_t (&o)[8]) {
+    if (TYPE == GGML_F32 || TYPE == GGML_F16 || TYPE == GGML_BF16) {
+        float v[16];
+        const bool vec = k0 + 16 <= n_in && (TYPE == GGML_F32 ? (n_in & 3) == 0 : (n_in & 7) == 0);
+        if (vec) {
+            if (TYPE == GGML_F32) {
+                const float4* p = (const float4*)(row + 4 * (size_t)k0);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float4 f = __ldg(p + i);
+                    v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
+                }
+            } else {
+                const uint4* p = (const uint4*)(row + 2 * (size_t)k0);
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const uint4 u = __ldg(p + i);
+                    const uint32_t ws[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        if (TYPE == GGML_BF16) {
+                            o[4 * i + k] = ws[k];
+                        } else {
+                            v[8 * i + 2 * k] = gm_h2f(ws[k] & 0xFFFF);
+                            v[8 * i + 2 * k + 1] = gm_h2f(ws[k] >> 16);
+                        }
+                    }
+                }
+                if (TYPE == GGML_BF16) return;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                const int k = k0 + i;
+                float f = 0.0f;
+                if (k < n_in) {
+                    if (TYPE == GGML_F32) f = __ldg((const float*)row + k);
+                    else if (TYPE == GGML_F16) f = gm_h2f(ld2c(row + 2 * (size_t)k));
+                    else f = gm_b2f(ld2c(row + 2 * (size_t)k));
+                }
+                v[i] = f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+    } else if (TYPE == GGML_Q8_0) {
+        const uint8_t* blk = row + (size_t)(k0 / QK) * Q8_0_BYTES;
+        const float d = gm_h2f(ld2c(blk));
+        const uint8_t* qs = blk + 2 + (k0 & 16);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t q = ld4c(qs + 4 * i) ^ 0x80808080u;
+            o[2 * i] = pack_bf16((byte_f<0>(q) - 128.0f) * d, (byte_f<1>(q) - 128.0f) * d);
+            o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 128.0f) * d, (byte_f<3>(q) - 128.0f) * d);
+        }
+    } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
+        const bool q40 = TYPE == GGML_Q4_0;
+        const uint8_t* blk = row + (size_t)(k0 / QK) * (q40 ? Q4_0_BYTES : Q4_1_BYTES);
+        const float d = gm_h2f(ld2c(blk));
+        const float m = q40 ? -8.0f * d : gm_h2f(ld2c(blk + 2));
+        const int shift = (k0 & 16) ? 4 : 0;
+        const uint8_t* qs = blk + (q40 ? 2 : 4);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t q = (ld4c(qs + 4 * i) >> shift) & 0x0F0F0F0Fu;
+            o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), d, m), fmaf(byte_f<1>(q), d, m));
+            o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), d, m), fmaf(byte_f<3>(q), d, m));
+        }
+    } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+        const bool q4 = TYPE == GGML_Q4_K;
+        const uint8_t* blk = row + (size_t)(k0 / QK_K) * (q4 ? Q4_K_BYTES : Q5_K_BYTES);  // 16-aligned
+        const int r = k0 % QK_K, g = r / 64, w = r % 64, l0 = w % 32, sub = 2 * g + (w >= 32);
+        const uint4 h = __ldg((const uint4*)blk);
+        float sc, mn;
+        scale_min_w(sub, h.y, h.z, h.w, &sc, &mn);
+        const float ds = gm_h2f(h.x & 0xFFFF) * sc, dm = gm_h2f(h.x >> 16) * mn;
+        const uint4 qv = __ldg((const uint4*)(blk + (q4 ? 16 : 48) + 32 * g + l0));
+        const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
+        uint32_t hw[4] = {0u, 0u, 0u, 0u};
+        if (!q4) {
+            const uint4 hv = __ldg((const uint4*)(blk + 16 + l0));
+            hw[0] = hv.x; hw[1] = hv.y; hw[2] = hv.z; hw[3] = hv.w;
+        }
+        const int shift = w >= 32 ? 4 : 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            uint32_t q = (qw[i] >> shift) & 0x0F0F0F0Fu;
+            if (!q4) q |= ((hw[i] >> sub) & 0x01010101u) << 4;
+            o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), ds, -dm), fmaf(byte_f<1>(q), ds, -dm));
+            o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), ds, -dm), fmaf(byte_f<3>(q), ds, -dm));
+        }
+    } else if (TYPE == GGML_Q6_K) {
+        const uint8_t* blk = row + (size_t)(k0 / QK_K) * Q6_K_BYTES;  // 2-aligned
+        const int r = k0 % QK_K, n = r / 128, rr = r % 128, quarter = rr / 32, l0 = rr % 32;
+        const uint8_t* ql = blk + 64 * n + l0 + (quarter & 1) * 32;
+        const uint8_t* qh = blk + 128 + 32 * n + l0;
+        const float d = gm_h2f(ld2c(blk + 208));
+        const float ds = d * (float)(int8_t)__ldg((const signed char*)(blk + 192 + 8 * n + l0 / 16 + 2 * quarter));
+        const int lshift = quarter >= 2 ? 4 : 0, hshift = 2 * quarter;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint32_t q = ((ld4c(ql + 4 * i) >> lshift) & 0x0F0F0F0Fu) |
+                               (((ld4c(qh + 4 * i) >> hshift) & 0x03030303u) << 4);
+            o[2 * i] = pack_bf16((byte_f<0>(q) - 32.0f) * ds, (byte_f<1>(q) - 32.0f) * ds);
+            o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 32.0f) * ds, (byte_f<3>(q) - 32.0f) * ds);
+        }
+    }
+}
+
+// Activation elements k0..k0+7 of one f32 row as 4 bf16 pairs (zero at or beyond n, or for a
+// padding row: valid == false).
+__device__ __forceinline__ void load_act8(const float* __restrict__ r, int k0, int n, bool valid, uint32_t (&o)[4]) {
+    if (!valid) {
+        o[0] = o[1] = o[2] = o[3] = 0u;
+    } else if (k0 + 8 <= n && (n & 3) == 0) {
+        const float4 a = __ldg((const float4*)(r + k0)), b = __ldg((const float4*)(r + k0 + 4));
+        o[0] = pack_bf16(a.x, a.y); o[1] = pack_bf16(a.z, a.w);
+        o[2] = pack_bf16(b.x, b.y); o[3] = pack_bf16(b.z, b.w);
+    } else {
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = k0 + i < n ? __ldg(r + k0 + i) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+    }
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One block of 1024 threads; dynamic shared memory: 2·n_experts ints.
+// idx layout (ints): offsets[n_experts + 1] | n_tiles[1] | tiles[2·max_tiles] | list[pairs]
+extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int pairs, int n_experts,
+                                                            int* __restrict__ offsets, int* __restrict__ n_tiles,
+                                                            int* __restrict__ tiles, int* __restrict__ list) {
+    extern __shared__ int sm[];
+    int* cnt = sm;
+    int* cur = sm + n_experts;
+    const int tid = threadIdx.x;
+    for (int e = tid; e < n_experts; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = tid; p < pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < n_experts) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const int lane = tid;
+        const int chunk = (n_experts + 31) / 32;
+        const int e0 = min(n_experts, lane * chunk), e1 = min(n_experts, e0 + chunk);
+        int s = 0, st = 0;
+        for (int e = e0; e < e1; ++e) {
+            s += cnt[e];
+            st += (cnt[e] + GM_TN - 1) / GM_TN;
+        }
+        int is = s, ist = st;  // inclusive scans over lanes
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, is, o), b = __shfl_up_sync(0xffffffffu, ist, o);
+            if (lane >= o) { is += a; ist += b; }
+        }
+        int base = is - s, tb = ist - st;
+        for (int e = e0; e < e1; ++e) {
+            offsets[e] = base;
+            cur[e] = base;
+            const int c = cnt[e];
+            for (int j = 0; j * GM_TN < c; ++j) {
+                tiles[2 * (tb + j)] = e;
+                tiles[2 * (tb + j) + 1] = base + j * GM_TN;
+            }
+            tb += (c + GM_TN - 1) / GM_TN;
+            base += c;
+        }
+        if (lane == 31) {
+            offsets[n_experts] = is;
+            *n_tiles = ist;
+        }
+    }
+    __syncthreads();
+    for (int p = tid; p < pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < n_experts) list[atomicAdd(&cur[e], 1)] = p;
+    }
+}
+
+// GU: gate/up + SwiGLU (W0 = gate, W1 = up, n_out = ffn, n_in = hidden, src = x rows by
+// token, dst = h[list position, ffn]). !GU: down (W0 = down, n_out = hidden, n_in = ffn,
+// src = h rows by list position, dst = y[pair, hidden]).
+template <int TYPE, bool GU>
+__device__ __forceinline__ void moe_mm(const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, long long rb,
+                                       int n_out, int n_in, const float* __restrict__ src,
+                                       const int* __restrict__ offsets, const int* __restrict__ n_tiles,
+                                       const int* __restrict__ tiles, const int* __restrict__ list, int top_k,
+                                       float* __restrict__ dst) {
+    __shared__ __align__(16) uint16_t sA[2][GM_TM * GM_LDS];
+    __shared__ __align__(16) uint16_t sB[2][GM_TN * GM_LDS];
+    const int tile = blockIdx.x;
+    if (tile >= *n_tiles) return;  // whole block, before any barrier
+    const int e = tiles[2 * tile], start = tiles[2 * tile + 1];
+    const int cnt = min(GM_TN, offsets[e + 1] - start);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp & 3, wn = warp >> 2;  // warp tile: A rows 32*wm.., pairs 32*wn..
+    const int g = lane >> 2, t4 = lane & 3;
+    const int o0 = blockIdx.y * (GU ? GM_TM / 2 : GM_TM);
+
+    // A loader: smem row lr, 16 of the 32 K elements (half lh).
+    const int lr = tid >> 1, lh = tid & 1;
+    int lo;
+    const uint8_t* W;
+    if (GU) {
+        const int j = lr & 31;
+        lo = o0 + 16 * (lr >> 5) + (j & 15);
+        W = j >= 16 ? W1 : W0;
+    } else {
+        lo = o0 + lr;
+        W = W0;
+    }
+    lo = lo < n_out ? lo : n_out - 1;
+    const uint8_t* wrow = W + ((size_t)e * (size_t)n_out + (size_t)lo) * (size_t)rb;
+    // B loader: tile row bi, 8 K elements at 8*bq.
+    const int bi = tid >> 2, bq = tid & 3;
+    const bool bvalid = bi < cnt;
+    const int bpos = start + (bvalid ? bi : 0);
+    const float* srow = GU ? src + (size_t)(list[bpos] / top_k) * (size_t)n_in : src + (size_t)bpos * (size_t)n_in;
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
+
+    const int nk = (n_in + GM_TK - 1) / GM_TK;
+    uint32_t ra[8], rx[4];
+    decode16<TYPE>(wrow, 16 * lh, n_in, ra);
+    load_act8(srow, 8 * bq, n_in, bvalid, rx);
+    {
+        uint4* pa = (uint4*)&sA[0][lr * GM_LDS + 16 * lh];
+        pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
+        pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
+        *(uint4*)&sB[0][bi * GM_LDS + 8 * bq] = make_uint4(rx[0], rx[1], rx[2], rx[3]);
+    }
+    __syncthreads();
+
+    for (int kt = 0; kt < nk; kt++) {
+        const int cur = kt & 1;
+        const bool more = kt + 1 < nk;
+        if (more) {
+            decode16<TYPE>(wrow, (kt + 1) * GM_TK + 16 * lh, n_in, ra);
+            load_act8(srow, (kt + 1) * GM_TK + 8 * bq, n_in, bvalid, rx);
+        }
+        const uint16_t* A = sA[cur];
+        const uint16_t* B = sB[cur];
+#pragma unroll
+        for (int kk = 0; kk < GM_TK; kk += 16) {
+            uint32_t af[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const uint16_t* p = A + (wm * 32 + mi * 16 + g) * GM_LDS + kk + 2 * t4;
+                af[mi][0] = *(const uint32_t*)p;
+                af[mi][1] = *(const uint32_t*)(p + 8 * GM_LDS);
+                af[mi][2] = *(const uint32_t*)(p + 8);
+                af[mi][3] = *(const uint32_t*)(p + 8 * GM_LDS + 8);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const uint16_t* p = B + (wn * 32 + ni * 8 + g) * GM_LDS + kk + 2 * t4;
+                const uint32_t b0 = *(const uint32_t*)p, b1 = *(const uint32_t*)(p + 8);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+                    mma_bf16(acc[mi][ni], af[mi][0], af[mi][1], af[mi][2], af[mi][3], b0, b1);
+            }
+        }
+        if (more) {
+            // Buffer cur^1 was last read in step kt-1, which ended with a barrier.
+            uint4* pa = (uint4*)&sA[cur ^ 1][lr * GM_LDS + 16 * lh];
+            pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
+            pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
+            *(uint4*)&sB[cur ^ 1][bi * GM_LDS + 8 * bq] = make_uint4(rx[0], rx[1], rx[2], rx[3]);
+        }
+        __syncthreads();
+    }
+
+    // C fragment: c0,c1 = (A row g, pairs 2*t4, 2*t4+1); c2,c3 = A row g+8.
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int i = wn * 32 + ni * 8 + 2 * t4 + (k & 1);
+            const int r = g + (k >= 2 ? 8 : 0);
+            if (i >= cnt) continue;
+            if (GU) {
+                const int o = o0 + 16 * wm + r;
+                if (o < n_out) {
+                    const float gv = acc[0][ni][k], uv = acc[1][ni][k];
+                    dst[(size_t)(start + i) * (size_t)n_out + o] = gv / (1.0f + expf(-gv)) * uv;
+                }
+            } else {
+                const size_t p = (size_t)list[start + i];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    const int o = o0 + wm * 32 + mi * 16 + r;
+                    if (o < n_out) dst[p * (size_t)n_out + o] = acc[mi][ni][k];
+                }
+            }
+        }
+    }
+}
+
+#define MOE_MM_KERNELS(name, TYPE)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                                          \
+        moe_mm_gu_##name(const uint8_t* __restrict__ gate, const uint8_t* __restrict__ up, long long rb,        \
+                         int ffn, int hidden, const float* __restrict__ x, const int* __restrict__ offsets,    \
+                         const int* __restrict__ n_tiles, const int* __restrict__ tiles,                       \
+                         const int* __restrict__ list, int top_k, float* __restrict__ h) {                     \
+        moe_mm<TYPE, true>(gate, up, rb, ffn, hidden, x, offsets, n_tiles, tiles, list, top_k, h);             \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 3)                                                          \
+        moe_mm_down_##name(const uint8_t* __restrict__ down, long long rb, int hidden, int ffn,               \
+                           const float* __restrict__ h, const int* __restrict__ offsets,                       \
+                           const int* __restrict__ n_tiles, const int* __restrict__ tiles,                     \
+                           const int* __restrict__ list, int top_k, float* __restrict__ y) {                   \
+        moe_mm<TYPE, false>(down, down, rb, hidden, ffn, h, offsets, n_tiles, tiles, list, top_k, y);          \
+    }
+
+MOE_MM_KERNELS(f32, GGML_F32)
+MOE_MM_KERNELS(f16, GGML_F16)
+MOE_MM_KERNELS(bf16, GGML_BF16)
+MOE_MM_KERNELS(q8_0, GGML_Q8_0)
+MOE_MM_KERNELS(q4_0, GGML_Q4_0)
+MOE_MM_KERNELS(q4_1, GGML_Q4_1)
+MOE_MM_KERNELS(q4_k, GGML_Q4_K)
+MOE_MM_KERNELS(q5_k, GGML_Q5_K)
+MOE_MM_KERNELS(q6_k, GGML_Q6_K)
+
+// out[t][o] = sum_k wts[t,k] · y[t·top_k + k][o], k ascending. One thread per element.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids,
+                                       const float* __restrict__ wts, float* __restrict__ out, int rows, int top_k,
+                                       int hidden, int n_experts) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)rows * hidden) return;
+    const long long t = idx / hidden;
+    const int o = (int)(idx % hidden);
+    float acc = 0.f;
+    for (int k = 0; k < top_k; ++k) {
+        const long long pair = t * top_k + k;
+        const int e = ids[pair];
+        const float d = (e < 0 || e >= n_experts) ? __int_as_float(0x7fc00000) : y[pair * hidden + o];
+        acc = __fadd_rn(acc, __fmul_rn(wts[pair], d));
+    }
+    out[idx] = acc;
 }
