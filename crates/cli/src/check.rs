@@ -74,13 +74,14 @@ const ATTN_F16_PREFILL_NMSE: f64 = 1e-5;
 /// ~6e-3 per element, NMSE ~4e-5 through V and the scores; 5e-4 still fails any
 /// indexing error (≥ 1e-2).
 const ATTN_Q8_NMSE: f64 = 5e-4;
-/// MoE. Decode rows (≤ 16): expert GEMVs with f32 activations and exact weight decoding
-/// (measured ~1e-13). More rows: the grouped tensor-core path rounds x, the SwiGLU
-/// activations and the dequantized weights to bf16 (8 significant bits: relative RMS
-/// ~2e-3 per operand) through two chained GEMMs: measured 1.5–1.8e-5 (bf16 weights ~8e-6).
-/// One constant covers both paths, so it is the prefill bound; a wrong expert choice, slot
+/// MoE at decode rows (≤ 16): expert GEMVs with f32 activations and exact weight decoding
+/// (measured ~1e-13); only summation order differs, as for the f32 GEMV.
+const MOE_DECODE_NMSE: f64 = 1e-9;
+/// MoE at prefill: the grouped tensor-core path rounds x, the SwiGLU activations and the
+/// dequantized weights to bf16 (8 significant bits: relative RMS ~2e-3 per operand) through
+/// two chained GEMMs: measured 1.5–1.8e-5 (bf16 weights ~8e-6). A wrong expert choice, slot
 /// order or tile gives NMSE ≥ 1e-2.
-const MOE_NMSE: f64 = 5e-5;
+const MOE_PREFILL_NMSE: f64 = 5e-5;
 /// Graph capture + replay of RoPE at new positions: as RoPE.
 const GRAPH_NMSE: f64 = ROPE_NMSE;
 
@@ -1359,7 +1360,13 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
                 ATTN_Q8_NMSE
             }
         }
-        Op::Moe { .. } => MOE_NMSE,
+        Op::Moe { rows, .. } => {
+            if *rows <= GEMV_MAX_ROWS {
+                MOE_DECODE_NMSE
+            } else {
+                MOE_PREFILL_NMSE
+            }
+        }
         Op::Argmax { .. } | Op::TopK { .. } => 0.0,
     }
 }
