@@ -1361,7 +1361,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
             }
         }
         Op::Moe { rows, .. } => {
-            if *rows <= GEMV_MAX_ROWS {
+            if *rows <= ferrite_backend::cuda::moe::DECODE_MAX_ROWS {
                 MOE_DECODE_NMSE
             } else {
                 MOE_PREFILL_NMSE
