@@ -40,10 +40,14 @@ pub const GEMV_MAX_ROWS: usize = 16;
 pub const F32_SMALL_OUT: usize = 256;
 
 /// Row counts the GEMV is instantiated for (rows round up to the next one).
-const GEMV_R: [usize; 5] = [1, 2, 4, 8, 16];
+/// 9 = speculative verify of 8 draft tokens (K + 1), which would otherwise pad to 16.
+const GEMV_R: [usize; 6] = [1, 2, 4, 8, 9, 16];
 /// Warps per GEMV block and output rows per warp (GEMV_WARPS, GEMV_NW in matmul.cu).
-const GEMV_WARPS: usize = 4;
+const GEMV_WARPS: usize = 8;
 const GEMV_NW: usize = 2;
+/// Resident-warp goal per SM for the GEMV split-K choice (Little's law: ~30 KB in flight per
+/// SM at ~0.5–1 KB per warp).
+const GEMV_TARGET_WARPS_PER_SM: usize = 64;
 /// Prefill tile: outputs × tokens per block, threads per block (MM_TM, MM_TN in matmul.cu).
 const MM_TM: usize = 128;
 const MM_TN: usize = 128;
@@ -64,7 +68,7 @@ const TYPES: [(GgmlType, &str); 9] = [
 
 /// The compiled matmul kernels, indexed like [`TYPES`].
 pub struct Kernels {
-    gemv: Vec<[CudaFunction; 5]>,
+    gemv: Vec<[CudaFunction; 6]>,
     mm: Vec<CudaFunction>,
 }
 
@@ -75,7 +79,7 @@ impl Kernels {
         let mut mm = Vec::with_capacity(TYPES.len());
         for (_, name) in TYPES {
             let f = |r: usize| function(&m, &format!("gemv_{name}_r{r}"));
-            gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(16)?]);
+            gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]);
             mm.push(function(&m, &format!("mm_{name}"))?);
         }
         Ok(Kernels { gemv, mm })
@@ -89,8 +93,38 @@ fn type_index(t: GgmlType) -> Result<usize> {
         .ok_or_else(|| anyhow::anyhow!("CUDA matmul: unsupported weight type {t}"))
 }
 
-fn gemv_config(n_out: usize) -> LaunchConfig {
-    let per_block = GEMV_WARPS * GEMV_NW;
+/// K steps of a GEMV lane loop (32 lanes' units each) for a row of `n_in` elements: the
+/// most warps that can usefully split one row (must follow the step loops of matmul.cu).
+fn gemv_steps(t: GgmlType, n_in: usize) -> usize {
+    let units = match t {
+        GgmlType::F32 if n_in % 4 == 0 => n_in / 4,
+        GgmlType::F16 | GgmlType::BF16 if n_in % 4 == 0 => n_in / 4,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => n_in,
+        GgmlType::Q8_0 => n_in / 32 * 8,
+        GgmlType::Q4_0 | GgmlType::Q4_1 => n_in / 32 * 4,
+        // K-quants: one super-block per warp step.
+        _ => return n_in / 256,
+    };
+    units.div_ceil(32)
+}
+
+/// Warps splitting the K dimension of one GEMV row group (1, 2, 4 or 8 = GEMV_WARPS): the
+/// fewest that give `GEMV_TARGET_WARPS_PER_SM` warps per SM, capped by the steps a row has.
+/// A function of the shape only, never of the row count: the reduction order of an output
+/// (lane chains, butterfly, then the ks warp totals in warp order) must not depend on R.
+fn gemv_ks(t: GgmlType, n_in: usize, n_out: usize, sm_count: usize) -> usize {
+    let steps = gemv_steps(t, n_in);
+    let want = GEMV_TARGET_WARPS_PER_SM * sm_count.max(1);
+    let groups = n_out.div_ceil(GEMV_NW);
+    let mut ks = 1;
+    while ks < GEMV_WARPS && 2 * ks <= steps && groups * ks < want {
+        ks *= 2;
+    }
+    ks
+}
+
+fn gemv_config(n_out: usize, ks: usize) -> LaunchConfig {
+    let per_block = GEMV_WARPS / ks * GEMV_NW;
     LaunchConfig {
         grid_dim: (n_out.div_ceil(per_block) as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
@@ -160,7 +194,9 @@ pub fn matmul(
 
     if rows > GEMV_MAX_ROWS && n_out <= F32_SMALL_OUT {
         let func = &be.matmul.gemv[ti][GEMV_R.len() - 1];
-        let cfg = gemv_config(n_out);
+        let ks = gemv_ks(w.dtype, n_in, n_out, be.sm_count);
+        let cfg = gemv_config(n_out, ks);
+        let ks_i = ks as i32;
         for r0 in (0..rows).step_by(GEMV_MAX_ROWS) {
             let n = GEMV_MAX_ROWS.min(rows - r0);
             let xs = x.buf.slice(r0 * n_in..(r0 + n) * n_in);
@@ -177,19 +213,38 @@ pub fn matmul(
                     .arg(&xs)
                     .arg(&n_i)
                     .arg(&mut ys)
+                    .arg(&ks_i)
                     .launch(cfg)
             }?;
         }
         return Ok(());
     }
 
-    let (func, cfg) = if rows <= GEMV_MAX_ROWS {
+    if rows <= GEMV_MAX_ROWS {
         let ri = GEMV_R
             .iter()
             .position(|&r| r >= rows)
             .expect("GEMV_R covers 1..=GEMV_MAX_ROWS");
-        (&be.matmul.gemv[ti][ri], gemv_config(n_out))
-    } else {
+        let ks = gemv_ks(w.dtype, n_in, n_out, be.sm_count);
+        let ks_i = ks as i32;
+        // SAFETY: shapes and buffer sizes checked above; the kernel reads n_out rows of rb
+        // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
+        unsafe {
+            be.stream
+                .launch_builder(&be.matmul.gemv[ti][ri])
+                .arg(&w.data)
+                .arg(&rb)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&x.buf)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&ks_i)
+                .launch(gemv_config(n_out, ks))
+        }?;
+        return Ok(());
+    }
+    let (func, cfg) = {
         let gy = n_out.div_ceil(MM_TM);
         ensure!(gy <= 65535, "matmul: {n_out} outputs exceed the grid limit");
         let cfg = LaunchConfig {

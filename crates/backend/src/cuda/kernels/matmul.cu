@@ -5,22 +5,26 @@
 // Two kernel families (launchers in matmul.rs; the row split is GEMV_MAX_ROWS there):
 //
 // 1. gemv_<type>_r<R>   (decode and speculative verify: rows <= 16; memory-bound)
-//    - A block is 4 warps (128 threads). Each warp owns NW = 2 consecutive output rows and
-//      walks them both with the same lane->element mapping, so every x value it loads is
-//      used for NW weight rows (halves the L1 traffic for x, which for 4-bit weights is 7x
-//      the weight bytes when f32).
+//    - A block is 8 warps (256 threads) = 8/ks row groups of ks warps. A row group owns NW = 2
+//      consecutive output rows; its ks warps split the row's K steps (warp kw takes steps kw,
+//      kw+ks, ...), walk both rows with the same lane->element mapping (each x value serves
+//      NW weight rows), reduce with a fixed xor butterfly and add their ks totals through
+//      shared memory in warp order. ks in {1,2,4,8} is a launch argument chosen by the
+//      launcher from the shape only (enough warps per SM for ~30 KB in flight; 1024-output
+//      K/V projections get ks = 8/4, the 151936-row lm head ks = 1), never from R.
 //    - Lane mapping, chosen so that at each load instruction 8 consecutive lanes read 32
 //      consecutive floats of x (one 128-B line: no L1 wavefront amplification), and the
 //      weight bytes a warp reads per instruction are one contiguous span of the row:
 //        F32:       lane reads 4 floats (16 B, float4) per step; 32 lanes = 128 elements.
-//        F16/BF16:  lane reads 4 halves (8 B, uint2) per step.
+//        F16/BF16:  lane reads 4 halves (8 B, uint2) per step (16-B loads were slower:
+//                   a lane's x then spans two float4, 2x the L1 wavefronts).
 //        Q8_0:      8 lanes per block; lane j reads quants 4j..4j+3 (4 B) + the f16 scale.
 //        Q4_0/Q4_1: 4 lanes per block; lane j reads qs[4j..4j+3] = elements 4j.. (low
 //                   nibbles) and 16+4j.. (high nibbles).
 //        Q4_K/Q5_K: one warp per super-block; lane (g = lane/8, j = lane%8) reads qs word
-//                   32g+4j (elements 64g+4j.. low nibbles, 64g+32+4j.. high nibbles) and the
-//                   16-B header (d, dmin, scales) as one uint4 (all lanes the same address:
-//                   a broadcast); Q5_K also the qh word 4j.
+//                   32g+4j (elements 64g+4j.. low nibbles, 64g+32+4j.. high nibbles);
+//                   Q5_K also the qh word 4j; the 16-B header (d, dmin, scales) as one uint4
+//                   (a broadcast), both sub-block scales decoded at once (scale_min_pair).
 //        Q6_K:      one warp per super-block; lane (n = lane/16, p = lane/8%2, c = lane%8)
 //                   reads ql word 64n+32p+4c and qh word 32n+4c: elements 128n+32p+4c.. and
 //                   128n+64+32p+4c.., their two int8 scales and d.
@@ -32,9 +36,10 @@
 //      streaming (evict-first) loads; x comes from L1/L2 (it is read by every warp).
 //    - Nibbles/bytes -> f32 exactly with the 2^23 trick: prmt the byte into the mantissa of
 //      8388608.0f and subtract (PRMT + FADD instead of the slow I2F).
-//    - R = rows rounded up to an instantiated size (1, 2, 4, 8, 16); padded rows recompute
+//    - R = rows rounded up to an instantiated size (1, 2, 4, 8, 9, 16); padded rows recompute
 //      the last real row and are not stored. Every accumulator is one explicit fmaf chain in
-//      a fixed element order and the warp reduction is a fixed xor-butterfly, so out[t][o]
+//      a fixed element order, the warp reduction a fixed xor-butterfly and the ks partials are
+//      added in warp order, all fixed by the shape, so out[t][o]
 //      is bitwise independent of R and of the other rows: decode (rows = 1) and speculative
 //      verify (rows = K+1) give identical results for the same token.
 //
@@ -61,7 +66,7 @@
 // GPU run they and the mma tile indexing were checked on the host by compiling this file with
 // g++ against ggml_get, with an emulated mma.sync; see MATMUL.md).
 
-#define GEMV_WARPS 4
+#define GEMV_WARPS 8
 #define GEMV_NW 2
 // Loop unroll depths (iterations of a lane's step loop whose loads can be in flight together):
 // aim for >= ~24 KB in flight per SM (4.3 TB/s x ~700 ns / 132 SMs). F: float types (8-16 B
@@ -125,6 +130,36 @@ __device__ __forceinline__ void scale_min_w(int j, uint32_t s0, uint32_t s1, uin
 // ---------------------------------------------------------------------------------------
 // GEMV
 
+// Byte k of w (< 256) minus the constant B, exactly: prmt builds the float 2^23 + byte and one
+// FADD subtracts 2^23 + B (both exact: every value involved is an integer below 2^24). Same
+// bits as (byte_f<K>(w) - B), one instruction fewer.
+template <int K, int B>
+__device__ __forceinline__ float byte_fb(uint32_t w) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - (8388608.0f + (float)B);
+}
+
+// K-quant scales and mins of the sub-block pair (2g, 2g+1) from the 12 scale bytes (words
+// s0 s1 s2), as in ggml's get_scale_min_k4, both sub-blocks at once: the two bytes sit next to
+// each other at byte 2(g&1) of their words. Exact small integers, so the floats equal the
+// per-sub-block scale_min_w ones.
+__device__ __forceinline__ void scale_min_pair(int g, uint32_t s0, uint32_t s1, uint32_t s2, float* sc0, float* m0,
+                                               float* sc1, float* m1) {
+    const uint32_t sh = 16u * (uint32_t)(g & 1);
+    const uint32_t a0 = s0 >> sh, a1 = s1 >> sh, a2 = s2 >> sh;
+    uint32_t sc, m;
+    if (g < 2) {
+        sc = a0 & 0x3F3Fu;
+        m = a1 & 0x3F3Fu;
+    } else {
+        sc = (a2 & 0x0F0Fu) | ((a0 >> 2) & 0x3030u);
+        m = ((a2 >> 4) & 0x0F0Fu) | ((a1 >> 2) & 0x3030u);
+    }
+    *sc0 = byte_fb<0, 0>(sc);
+    *sc1 = byte_fb<1, 0>(sc);
+    *m0 = byte_fb<0, 0>(m);
+    *m1 = byte_fb<1, 0>(m);
+}
+
 // acc[r][w] += wv[w][k] * x[r][e + k] for k < 4 (x row r clamped to rows-1).
 template <int R, int NW>
 __device__ __forceinline__ void fma4(float (&acc)[R][NW], const float* __restrict__ x, int n_in, int rows,
@@ -156,15 +191,19 @@ __device__ __forceinline__ void fma1(float (&acc)[R][NW], const float* __restric
     }
 }
 
-// Per type: accumulate this lane's share of the NW rows `wr` into acc.
+// Per type: accumulate this lane's share of the NW rows `wr` into acc. The step loop of every
+// type is split over the ks warps of a row group: warp kw takes steps kw, kw + ks, ... (a step
+// = 32 lanes' units), so each lane's fmaf chain depends only on (type, n_in, ks), and ks only
+// on the shape (chosen by the launcher), never on R.
 template <int TYPE, int R, int NW>
 __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_in, const float* __restrict__ x,
-                                          int rows, int lane, float (&acc)[R][NW]) {
+                                          int rows, int lane, int kw, int ks, float (&acc)[R][NW]) {
+    const int u0 = lane + 32 * kw, us = 32 * ks;
     if (TYPE == GGML_F32) {
         if ((n_in & 3) == 0) {
             const int n4 = n_in >> 2;
 #pragma unroll GEMV_UNROLL_F
-            for (int i = lane; i < n4; i += 32) {
+            for (int i = u0; i < n4; i += us) {
                 float wv[NW][4];
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
@@ -174,7 +213,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                 fma4<R, NW>(acc, x, n_in, rows, 4 * i, wv);
             }
         } else {
-            for (int i = lane; i < n_in; i += 32) {
+            for (int i = u0; i < n_in; i += us) {
                 float wv[NW];
 #pragma unroll
                 for (int w = 0; w < NW; w++) wv[w] = __ldcs((const float*)wr[w] + i);
@@ -183,9 +222,12 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
         }
     } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
         if ((n_in & 3) == 0) {
+            // 8-B loads (4 halves): 8 lanes read one 128-B line of x per instruction. (16-B
+            // loads made a lane's x span two float4 per step: 2x L1 wavefronts, 1.6x slower
+            // at R = 16.)
             const int n4 = n_in >> 2;
 #pragma unroll GEMV_UNROLL_F
-            for (int i = lane; i < n4; i += 32) {
+            for (int i = u0; i < n4; i += us) {
                 float wv[NW][4];
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
@@ -200,7 +242,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                 fma4<R, NW>(acc, x, n_in, rows, 4 * i, wv);
             }
         } else {
-            for (int i = lane; i < n_in; i += 32) {
+            for (int i = u0; i < n_in; i += us) {
                 float wv[NW];
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
@@ -213,7 +255,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
     } else if (TYPE == GGML_Q8_0) {
         const int units = (n_in / QK) * 8;  // 8 lanes per block
 #pragma unroll GEMV_UNROLL_B
-        for (int u = lane; u < units; u += 32) {
+        for (int u = u0; u < units; u += us) {
             const int b = u >> 3, j = u & 7;
             float wv[NW][4];
 #pragma unroll
@@ -221,17 +263,17 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                 const uint8_t* blk = wr[w] + (size_t)b * Q8_0_BYTES;
                 const float d = h2f(ld2(blk));
                 const uint32_t q = ld4(blk + 2 + 4 * j) ^ 0x80808080u;  // int8 -> q + 128
-                wv[w][0] = (byte_f<0>(q) - 128.0f) * d;
-                wv[w][1] = (byte_f<1>(q) - 128.0f) * d;
-                wv[w][2] = (byte_f<2>(q) - 128.0f) * d;
-                wv[w][3] = (byte_f<3>(q) - 128.0f) * d;
+                wv[w][0] = byte_fb<0, 128>(q) * d;
+                wv[w][1] = byte_fb<1, 128>(q) * d;
+                wv[w][2] = byte_fb<2, 128>(q) * d;
+                wv[w][3] = byte_fb<3, 128>(q) * d;
             }
             fma4<R, NW>(acc, x, n_in, rows, b * QK + 4 * j, wv);
         }
     } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
         const int units = (n_in / QK) * 4;  // 4 lanes per block
 #pragma unroll GEMV_UNROLL_B
-        for (int u = lane; u < units; u += 32) {
+        for (int u = u0; u < units; u += us) {
             const int b = u >> 2, j = u & 3;
             float lo[NW][4], hi[NW][4];
 #pragma unroll
@@ -241,10 +283,10 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                     const float d = h2f(ld2(blk));
                     const uint32_t q = ld4(blk + 2 + 4 * j);
                     const uint32_t ql = q & 0x0F0F0F0Fu, qh = (q >> 4) & 0x0F0F0F0Fu;
-                    lo[w][0] = (byte_f<0>(ql) - 8.0f) * d; lo[w][1] = (byte_f<1>(ql) - 8.0f) * d;
-                    lo[w][2] = (byte_f<2>(ql) - 8.0f) * d; lo[w][3] = (byte_f<3>(ql) - 8.0f) * d;
-                    hi[w][0] = (byte_f<0>(qh) - 8.0f) * d; hi[w][1] = (byte_f<1>(qh) - 8.0f) * d;
-                    hi[w][2] = (byte_f<2>(qh) - 8.0f) * d; hi[w][3] = (byte_f<3>(qh) - 8.0f) * d;
+                    lo[w][0] = byte_fb<0, 8>(ql) * d; lo[w][1] = byte_fb<1, 8>(ql) * d;
+                    lo[w][2] = byte_fb<2, 8>(ql) * d; lo[w][3] = byte_fb<3, 8>(ql) * d;
+                    hi[w][0] = byte_fb<0, 8>(qh) * d; hi[w][1] = byte_fb<1, 8>(qh) * d;
+                    hi[w][2] = byte_fb<2, 8>(qh) * d; hi[w][3] = byte_fb<3, 8>(qh) * d;
                 } else {
                     const uint8_t* blk = wr[w] + (size_t)b * Q4_1_BYTES;  // 4-aligned
                     const uint32_t dm = ldw((const uint32_t*)blk);
@@ -265,7 +307,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
         const int g = lane >> 3, j = lane & 7;
         const int bytes = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
 #pragma unroll GEMV_UNROLL_K
-        for (int s = 0; s < nsb; s++) {
+        for (int s = kw; s < nsb; s += ks) {
             float lo[NW][4], hi[NW][4];
 #pragma unroll
             for (int w = 0; w < NW; w++) {
@@ -273,8 +315,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                 const uint4 h = __ldcs((const uint4*)blk);
                 const float d = h2f(h.x & 0xFFFF), dmin = h2f(h.x >> 16);
                 float sc0, m0, sc1, m1;
-                scale_min_w(2 * g, h.y, h.z, h.w, &sc0, &m0);
-                scale_min_w(2 * g + 1, h.y, h.z, h.w, &sc1, &m1);
+                scale_min_pair(g, h.y, h.z, h.w, &sc0, &m0, &sc1, &m1);
                 const float ds0 = d * sc0, dm0 = dmin * m0, ds1 = d * sc1, dm1 = dmin * m1;
                 uint32_t ql, qh;
                 if (TYPE == GGML_Q4_K) {
@@ -300,7 +341,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
         const int nsb = n_in / QK_K;
         const int n = lane >> 4, p = (lane >> 3) & 1, c = lane & 7;
 #pragma unroll GEMV_UNROLL_K
-        for (int s = 0; s < nsb; s++) {
+        for (int s = kw; s < nsb; s += ks) {
             float lo[NW][4], hi[NW][4];
 #pragma unroll
             for (int w = 0; w < NW; w++) {
@@ -313,10 +354,10 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                 const float ds1 = d * (float)(int8_t)__ldcs((const signed char*)(blk + si + 4));
                 const uint32_t q0 = (ql & 0x0F0F0F0Fu) | (((qh >> (2 * p)) & 0x03030303u) << 4);
                 const uint32_t q1 = ((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (2 * p + 4)) & 0x03030303u) << 4);
-                lo[w][0] = (byte_f<0>(q0) - 32.0f) * ds0; lo[w][1] = (byte_f<1>(q0) - 32.0f) * ds0;
-                lo[w][2] = (byte_f<2>(q0) - 32.0f) * ds0; lo[w][3] = (byte_f<3>(q0) - 32.0f) * ds0;
-                hi[w][0] = (byte_f<0>(q1) - 32.0f) * ds1; hi[w][1] = (byte_f<1>(q1) - 32.0f) * ds1;
-                hi[w][2] = (byte_f<2>(q1) - 32.0f) * ds1; hi[w][3] = (byte_f<3>(q1) - 32.0f) * ds1;
+                lo[w][0] = byte_fb<0, 32>(q0) * ds0; lo[w][1] = byte_fb<1, 32>(q0) * ds0;
+                lo[w][2] = byte_fb<2, 32>(q0) * ds0; lo[w][3] = byte_fb<3, 32>(q0) * ds0;
+                hi[w][0] = byte_fb<0, 32>(q1) * ds1; hi[w][1] = byte_fb<1, 32>(q1) * ds1;
+                hi[w][2] = byte_fb<2, 32>(q1) * ds1; hi[w][3] = byte_fb<3, 32>(q1) * ds1;
             }
             const int e = s * QK_K + 128 * n + 32 * p + 4 * c;
             fma4<R, NW>(acc, x, n_in, rows, e, lo);
@@ -325,34 +366,63 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
     }
 }
 
+// Block = GEMV_WARPS warps = (GEMV_WARPS / ks) row groups of ks warps; a row group owns NW
+// consecutive output rows and its ks warps split the K steps. Each warp reduces its lanes with
+// a fixed xor butterfly; the ks warp totals are added through shared memory in warp order
+// (((p0 + p1) + p2) + ...). ks = 1 stores the butterfly total directly (the same value).
 template <int TYPE, int R>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                                     const float* __restrict__ x, int rows, float* __restrict__ out) {
+                                     const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {
     constexpr int NW = GEMV_NW;
-    const int lane = threadIdx.x & 31;
-    const int o0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * NW;
-    if (o0 >= n_out) return;  // whole warp; there is no block-level barrier in this kernel
-    const uint8_t* wr[NW];
-#pragma unroll
-    for (int w = 0; w < NW; w++) {
-        const int o = o0 + w < n_out ? o0 + w : n_out - 1;
-        wr[w] = W + (size_t)o * (size_t)rb;
-    }
+    __shared__ float red[GEMV_WARPS][R * NW];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kw = warp % ks, grp = warp / ks;
+    const int o0 = (blockIdx.x * (GEMV_WARPS / ks) + grp) * NW;
+    const bool active = o0 < n_out;  // whole warp
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
-    gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, acc);
-    // Fixed xor butterfly: every lane ends with the same total; lane (r*NW+w)%32 stores it.
-#pragma unroll
-    for (int r = 0; r < R; r++) {
+    if (active) {
+        const uint8_t* wr[NW];
 #pragma unroll
         for (int w = 0; w < NW; w++) {
-            float v = acc[r][w];
+            const int o = o0 + w < n_out ? o0 + w : n_out - 1;
+            wr[w] = W + (size_t)o * (size_t)rb;
+        }
+        gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, kw, ks, acc);
+        // Fixed xor butterfly: every lane ends with the same totals.
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = v;
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) acc[r][w] += __shfl_xor_sync(0xffffffffu, acc[r][w], off);
+            }
+    }
+    if (ks == 1) {  // uniform over the block
+        if (!active) return;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int w = 0; w < NW; w++)
+                if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = acc[r][w];
+        return;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int w = 0; w < NW; w++) red[warp][r * NW + w] = acc[r][w];
+    }
+    __syncthreads();
+    if (active && kw == 0) {
+        for (int i = lane; i < R * NW; i += 32) {
+            float v = red[warp][i];
+            for (int k = 1; k < ks; k++) v += red[warp + k][i];
+            const int r = i / NW, w = i % NW;
+            if (r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = v;
         }
     }
 }
@@ -360,14 +430,15 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
 #define GEMV_KERNEL(name, TYPE, R)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
-                           const float* __restrict__ x, int rows, float* __restrict__ out) {                \
-        gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out);                                                    \
+                           const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {        \
+        gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out, ks);                                                \
     }
 #define GEMV_ALL_R(name, TYPE) \
     GEMV_KERNEL(name, TYPE, 1) \
     GEMV_KERNEL(name, TYPE, 2) \
     GEMV_KERNEL(name, TYPE, 4) \
     GEMV_KERNEL(name, TYPE, 8) \
+    GEMV_KERNEL(name, TYPE, 9) \
     GEMV_KERNEL(name, TYPE, 16)
 
 GEMV_ALL_R(f32, GGML_F32)
