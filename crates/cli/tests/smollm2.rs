@@ -19,11 +19,14 @@ const PROMPT: [u32; 16] = [
 const ANSWER: [u32; 8] = [504, 3575, 282, 4649, 314, 7042, 30, 2];
 
 fn engine() -> ferrite_engine::Engine<ferrite_backend::cpu::CpuBackend> {
-    load::engine(&ModelArgs {
-        model: None,
-        device: Device::Cpu,
-        threads: None,
-    })
+    load::engine(
+        ferrite_backend::cpu::CpuBackend::new(),
+        &ModelArgs {
+            model: None,
+            device: Device::Cpu,
+            threads: None,
+        },
+    )
     .expect("default model loads")
 }
 
