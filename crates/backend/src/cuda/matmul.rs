@@ -8,9 +8,10 @@
 //!
 //! The plans, bytes moved and precision are in the kernel file's header and `MATMUL.md`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
 };
@@ -48,10 +49,19 @@ const GEMV_NW: usize = 2;
 /// Resident-warp goal per SM for the GEMV split-K choice (Little's law: ~30 KB in flight per
 /// SM at ~0.5–1 KB per warp).
 const GEMV_TARGET_WARPS_PER_SM: usize = 64;
-/// Prefill tile: outputs × tokens per block, threads per block (MM_TM, MM_TN in matmul.cu).
+/// Prefill tile: outputs per block, K per step, smem row stride in bf16, threads per block
+/// (MM_TM, MM_TK, MM_LDS in matmul.cu). Tokens per block (BN) are 128 or 64, chosen by shape.
 const MM_TM: usize = 128;
-const MM_TN: usize = 128;
+const MM_TK: usize = 64;
+const MM_LDS: usize = 72;
 const MM_THREADS: u32 = 256;
+/// Token-tile widths instantiated as `mm_<type>_n<BN>`, in kernel-array order.
+const MM_BN: [usize; 2] = [128, 64];
+
+/// Dynamic shared memory of `mm_<type>_n<bn>`: two stages of the bf16 A and B tiles.
+fn mm_smem(bn: usize) -> usize {
+    2 * (MM_TM + bn) * MM_LDS * 2
+}
 
 /// Weight types in kernel-name order.
 const TYPES: [(GgmlType, &str); 9] = [
@@ -69,20 +79,41 @@ const TYPES: [(GgmlType, &str); 9] = [
 /// The compiled matmul kernels, indexed like [`TYPES`].
 pub struct Kernels {
     gemv: Vec<[CudaFunction; 6]>,
-    mm: Vec<CudaFunction>,
+    /// `mm_<type>_n128`, `mm_<type>_n64` (see [`MM_BN`]).
+    mm: Vec<[CudaFunction; 2]>,
+    /// x f32 → bf16 scratch (zero-padded to whole K steps), run before every prefill matmul.
+    mm_x: CudaFunction,
+    /// The bf16 copy of x, grown on demand (prefill only: never during a captured decode step).
+    xb: Mutex<Option<CudaSlice<u16>>>,
 }
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "matmul", SRC)?;
+        ctx.bind_to_thread()?;
         let mut gemv = Vec::with_capacity(TYPES.len());
         let mut mm = Vec::with_capacity(TYPES.len());
         for (_, name) in TYPES {
             let f = |r: usize| function(&m, &format!("gemv_{name}_r{r}"));
             gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]);
-            mm.push(function(&m, &format!("mm_{name}"))?);
+            let g = |bn: usize| -> Result<CudaFunction> {
+                let f = function(&m, &format!("mm_{name}_n{bn}"))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    mm_smem(bn) as i32,
+                )
+                .with_context(|| format!("mm_{name}_n{bn}: raising the shared-memory limit"))?;
+                Ok(f)
+            };
+            mm.push([g(MM_BN[0])?, g(MM_BN[1])?]);
         }
-        Ok(Kernels { gemv, mm })
+        let mm_x = function(&m, "mm_x_bf16")?;
+        Ok(Kernels {
+            gemv,
+            mm,
+            mm_x,
+            xb: Mutex::new(None),
+        })
     }
 }
 
@@ -244,26 +275,104 @@ pub fn matmul(
         }?;
         return Ok(());
     }
-    let (func, cfg) = {
-        let gy = n_out.div_ceil(MM_TM);
-        ensure!(gy <= 65535, "matmul: {n_out} outputs exceed the grid limit");
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(MM_TN) as u32, gy as u32, 1),
-            block_dim: (MM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        (&be.matmul.mm[ti], cfg)
+    mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
+}
+
+/// Token-tile width for a prefill matmul: 64 when 128-token tiles would leave most SMs idle
+/// (fewer blocks than half the SMs) or most of a tile empty; `FERRITE_MM_BN` (128 or 64)
+/// overrides it. Measured on the H200 (MATMUL.md): 4096→4096 at 512 rows (128 blocks of 128)
+/// is faster with 128, 4096→1024 (32 blocks) with 64.
+fn mm_bn(rows: usize, n_out: usize, sm_count: usize) -> usize {
+    static FORCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let force = *FORCE.get_or_init(|| {
+        std::env::var("FERRITE_MM_BN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|b| MM_BN.contains(b))
+    });
+    if let Some(b) = force {
+        return b;
+    }
+    let blocks128 = rows.div_ceil(128) * n_out.div_ceil(MM_TM);
+    if rows <= 64 || 2 * blocks128 < sm_count.max(1) {
+        64
+    } else {
+        128
+    }
+}
+
+/// Prefill (rows > GEMV_MAX_ROWS): x → bf16 scratch by `mm_x_bf16`, then the tensor-core
+/// `mm_<type>_n<BN>`.
+#[allow(clippy::too_many_arguments)]
+fn mm_launch(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+    ti: usize,
+    rb: i64,
+    n_out: usize,
+    n_in: usize,
+    rows: usize,
+) -> Result<()> {
+    let gy = n_out.div_ceil(MM_TM);
+    ensure!(gy <= 65535, "matmul: {n_out} outputs exceed the grid limit");
+    let kp = n_in.div_ceil(MM_TK) * MM_TK;
+    let need = rows * kp;
+    ensure!(
+        need / 8 <= i32::MAX as usize && kp <= i32::MAX as usize,
+        "matmul: [{rows}, {n_in}] activations too large for the bf16 scratch"
+    );
+    let bn = mm_bn(rows, n_out, be.sm_count);
+    let bi = MM_BN
+        .iter()
+        .position(|&b| b == bn)
+        .ok_or_else(|| anyhow!("matmul: no kernel for token tile {bn}"))?;
+    let mut guard = be
+        .matmul
+        .xb
+        .lock()
+        .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
+    if guard.as_ref().map_or(true, |b| b.len() < need) {
+        *guard = None; // free the old one first (stream-ordered)
+        *guard = Some(be.stream.alloc_zeros::<u16>(need)?);
+    }
+    let xb = guard
+        .as_mut()
+        .ok_or_else(|| anyhow!("matmul: bf16 scratch missing"))?;
+    let (n_out_i, n_in_i, rows_i, kp_i) = (n_out as i32, n_in as i32, rows as i32, kp as i32);
+    let cvt = LaunchConfig {
+        grid_dim: ((need / 8).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     };
-    // SAFETY: shapes and buffer sizes checked above; the kernels read n_out rows of rb bytes
-    // of W and rows×n_in floats of x, and write rows×n_out floats of out.
+    // SAFETY: x holds rows×n_in floats (checked by the caller); xb holds ≥ rows×kp bf16.
     unsafe {
         be.stream
-            .launch_builder(func)
+            .launch_builder(&be.matmul.mm_x)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&n_in_i)
+            .arg(&kp_i)
+            .arg(&mut *xb)
+            .launch(cvt)
+    }?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
+        block_dim: (MM_THREADS, 1, 1),
+        shared_mem_bytes: mm_smem(bn) as u32,
+    };
+    // SAFETY: shapes and buffer sizes checked by the caller; the kernel reads n_out rows of rb
+    // bytes of W and rows×kp bf16 of xb, and writes rows×n_out floats of out.
+    unsafe {
+        be.stream
+            .launch_builder(&be.matmul.mm[ti][bi])
             .arg(&w.data)
             .arg(&rb)
             .arg(&n_out_i)
             .arg(&n_in_i)
-            .arg(&x.buf)
+            .arg(&*xb)
+            .arg(&kp_i)
             .arg(&rows_i)
             .arg(&mut out.buf)
             .launch(cfg)

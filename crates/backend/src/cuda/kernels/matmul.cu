@@ -453,160 +453,204 @@ GEMV_ALL_R(q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // Prefill: tensor cores (mma.sync m16n8k16, bf16 inputs, f32 accumulators)
+//
+// Plan (mm_<type>_n<BN>, BN = 128 or 64 tokens per block; 256 threads = 8 warps as 4 (M) x 2 (N)):
+//  - x is first converted once per call to a bf16 scratch [rows, kp] (kp = n_in rounded up to
+//    64, zero padded) by mm_x_bf16: halves the activation bytes every block reads from L2 and
+//    removes the per-block conversion.
+//  - Block tile 128 outputs x BN tokens x 64 K; warp tile 32 outputs x BN/2 tokens.
+//  - Double-buffered smem (rows padded to 72 bf16 = 144 B: ldmatrix rows land in distinct
+//    banks), one __syncthreads per K step. In step k each thread first issues the global loads
+//    of step k+2 into one of two register sets (raw weight bytes of 2 x 16 elements of one
+//    output row, and BN*8/256 16-B vectors of the bf16 x tile), then runs the step-k MMAs from
+//    smem (fragments by ldmatrix.x4), then decodes the other set (step k+1, loaded a step
+//    earlier) to bf16 and stores it into the other smem buffer. Decode happens once per weight
+//    tile per block.
+//  - Measured limit (ncu, q4_K 4096x4096x512): L1/TEX throughput ~78% (global loads where each
+//    warp instruction touches 16 rows = 16 lines, plus ldmatrix/STS wavefronts); tensor pipe
+//    far from busy. See MATMUL.md.
+//  - Grid (token tiles, output tiles), token tiles fastest: blocks sharing a weight tile run
+//    together, so weights come from DRAM about once.
+//  - Edges: token rows >= rows read a clamped valid row and are not stored; output rows >=
+//    n_out likewise; K beyond n_in is zero in x (padding) and in the decoded weights.
 
 #define MM_TM 128  // outputs per block (mma M)
-#define MM_TN 128  // tokens per block (mma N)
-#define MM_TK 32   // K per step
-#define MM_LDS 40  // smem row stride in bf16 (80 B: 16-B aligned rows, conflict-free fragments)
+#define MM_TK 64   // K per step
+#define MM_LDS 72  // smem row stride in bf16 (144 B)
 
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
     __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half) = the lower k
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Plain (cached) loads for the prefill decoders: the same weight tile is read by the blocks of
-// every token tile, so it should stay in L2.
-__device__ __forceinline__ uint32_t ld4c(const uint8_t* p) {
-    size_t a = (size_t)p;
-    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
-    uint32_t sh = (uint32_t)(a & 3) * 8;
-    uint32_t lo = __ldg(q);
-    uint32_t hi = sh ? __ldg(q + 1) : 0u;
-    return __funnelshift_r(lo, hi, sh);
-}
 __device__ __forceinline__ uint16_t ld2c(const uint8_t* p) { return __ldg((const unsigned short*)p); }
 
-// Weight elements k0..k0+15 (k0 % 16 == 0) of one row as 8 packed bf16 pairs. Elements at or
-// beyond n_in are zero (only float types can have n_in % 32 != 0).
+// Raw (undecoded) bytes of 16 consecutive weight elements of one row, held in registers
+// between the load (before a step's MMAs) and the decode (after them), so that no
+// instruction waits on the global load in front of the MMAs.
+struct Raw16 {
+    uint32_t w[16];
+    uint32_t s0, s1, s2, s3;
+};
+
+// Loads the 16 bytes at p (2-byte aligned) as aligned words: w[0..4] plus the shift (0/16).
+__device__ __forceinline__ void ld16u(const uint8_t* p, uint32_t* w, uint32_t& sh) {
+    const size_t a = (size_t)p;
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
+    sh = (uint32_t)(a & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = __ldg(q + i);
+    w[4] = sh ? __ldg(q + 4) : 0u;
+}
+
 template <int TYPE>
-__device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0, int n_in, uint32_t (&o)[8]) {
-    if (TYPE == GGML_F32 || TYPE == GGML_F16 || TYPE == GGML_BF16) {
-        float v[16];
-        const bool vec = k0 + 16 <= n_in && (TYPE == GGML_F32 ? (n_in & 3) == 0 : (n_in & 7) == 0);
-        if (vec) {
-            if (TYPE == GGML_F32) {
-                const float4* p = (const float4*)(row + 4 * (size_t)k0);
+__device__ __forceinline__ void raw16(const uint8_t* __restrict__ row, int k0, int n_in, Raw16& r) {
+    if (TYPE == GGML_F32) {
+        if (k0 + 16 <= n_in && (n_in & 3) == 0) {
+            const uint4* p = (const uint4*)(row + 4 * (size_t)k0);
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const float4 f = __ldg(p + i);
-                    v[4 * i] = f.x; v[4 * i + 1] = f.y; v[4 * i + 2] = f.z; v[4 * i + 3] = f.w;
-                }
-            } else {
-                const uint4* p = (const uint4*)(row + 2 * (size_t)k0);
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    const uint4 u = __ldg(p + i);
-                    const uint32_t ws[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        if (TYPE == GGML_BF16) {
-                            o[4 * i + k] = ws[k];  // already bf16 pairs
-                        } else {
-                            v[8 * i + 2 * k] = h2f(ws[k] & 0xFFFF);
-                            v[8 * i + 2 * k + 1] = h2f(ws[k] >> 16);
-                        }
-                    }
-                }
-                if (TYPE == GGML_BF16) return;
+            for (int i = 0; i < 4; i++) {
+                const uint4 u = __ldg(p + i);
+                r.w[4 * i] = u.x; r.w[4 * i + 1] = u.y; r.w[4 * i + 2] = u.z; r.w[4 * i + 3] = u.w;
             }
         } else {
 #pragma unroll
-            for (int i = 0; i < 16; i++) {
-                const int k = k0 + i;
-                float f = 0.0f;
-                if (k < n_in) {
-                    if (TYPE == GGML_F32) f = __ldg((const float*)row + k);
-                    else if (TYPE == GGML_F16) f = h2f(ld2c(row + 2 * (size_t)k));
-                    else f = b2f(ld2c(row + 2 * (size_t)k));
-                }
-                v[i] = f;
+            for (int i = 0; i < 16; i++)
+                r.w[i] = k0 + i < n_in ? __ldg((const unsigned int*)row + k0 + i) : 0u;
+        }
+    } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
+        if (k0 + 16 <= n_in && (n_in & 7) == 0) {
+            const uint4* p = (const uint4*)(row + 2 * (size_t)k0);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const uint4 u = __ldg(p + i);
+                r.w[4 * i] = u.x; r.w[4 * i + 1] = u.y; r.w[4 * i + 2] = u.z; r.w[4 * i + 3] = u.w;
             }
-        }
+        } else {
 #pragma unroll
-        for (int i = 0; i < 8; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
-    } else if (TYPE == GGML_Q8_0) {
-        const uint8_t* blk = row + (size_t)(k0 / QK) * Q8_0_BYTES;
-        const float d = h2f(ld2c(blk));
-        const uint8_t* qs = blk + 2 + (k0 & 16);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint32_t q = ld4c(qs + 4 * i) ^ 0x80808080u;
-            o[2 * i] = pack_bf16((byte_f<0>(q) - 128.0f) * d, (byte_f<1>(q) - 128.0f) * d);
-            o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 128.0f) * d, (byte_f<3>(q) - 128.0f) * d);
+            for (int i = 0; i < 16; i++) r.w[i] = k0 + i < n_in ? (uint32_t)ld2c(row + 2 * (size_t)(k0 + i)) : 0u;
         }
-    } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
-        const bool q40 = TYPE == GGML_Q4_0;
-        const uint8_t* blk = row + (size_t)(k0 / QK) * (q40 ? Q4_0_BYTES : Q4_1_BYTES);
-        const float d = h2f(ld2c(blk));
-        const float m = q40 ? -8.0f * d : h2f(ld2c(blk + 2));
-        const int shift = (k0 & 16) ? 4 : 0;  // second half of the block = high nibbles
-        const uint8_t* qs = blk + (q40 ? 2 : 4);
+    } else {
+        if (k0 >= n_in) return;  // whole 16-element chunk beyond the row (quant rows are whole blocks)
+        if (TYPE == GGML_Q8_0) {
+            const uint8_t* blk = row + (size_t)(k0 / QK) * Q8_0_BYTES;
+            r.s0 = ld2c(blk);
+            ld16u(blk + 2 + (k0 & 16), r.w, r.s1);
+        } else if (TYPE == GGML_Q4_0) {
+            const uint8_t* blk = row + (size_t)(k0 / QK) * Q4_0_BYTES;
+            r.s0 = ld2c(blk);
+            ld16u(blk + 2, r.w, r.s1);
+        } else if (TYPE == GGML_Q4_1) {
+            const uint8_t* blk = row + (size_t)(k0 / QK) * Q4_1_BYTES;  // 4-aligned
+            r.s0 = __ldg((const unsigned int*)blk);
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint32_t q = (ld4c(qs + 4 * i) >> shift) & 0x0F0F0F0Fu;
-            // Q4_0: (q - 8) * d computed as q*d - 8d: exact q, one rounding more than the
-            // oracle's (q-8)*d, far below bf16's rounding.
-            o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), d, m), fmaf(byte_f<1>(q), d, m));
-            o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), d, m), fmaf(byte_f<3>(q), d, m));
-        }
-    } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
-        const bool q4 = TYPE == GGML_Q4_K;
-        const uint8_t* blk = row + (size_t)(k0 / QK_K) * (q4 ? Q4_K_BYTES : Q5_K_BYTES);  // 16-aligned
-        const int r = k0 % QK_K, g = r / 64, w = r % 64, l0 = w % 32, sub = 2 * g + (w >= 32);
-        const uint4 h = __ldg((const uint4*)blk);
-        float sc, mn;
-        scale_min_w(sub, h.y, h.z, h.w, &sc, &mn);
-        const float ds = h2f(h.x & 0xFFFF) * sc, dm = h2f(h.x >> 16) * mn;
-        const uint4 qv = __ldg((const uint4*)(blk + (q4 ? 16 : 48) + 32 * g + l0));
-        const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
-        uint32_t hw[4] = {0u, 0u, 0u, 0u};
-        if (!q4) {
-            const uint4 hv = __ldg((const uint4*)(blk + 16 + l0));
-            hw[0] = hv.x; hw[1] = hv.y; hw[2] = hv.z; hw[3] = hv.w;
-        }
-        const int shift = w >= 32 ? 4 : 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            uint32_t q = (qw[i] >> shift) & 0x0F0F0F0Fu;
-            if (!q4) q |= ((hw[i] >> sub) & 0x01010101u) << 4;
-            o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), ds, -dm), fmaf(byte_f<1>(q), ds, -dm));
-            o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), ds, -dm), fmaf(byte_f<3>(q), ds, -dm));
-        }
-    } else if (TYPE == GGML_Q6_K) {
-        const uint8_t* blk = row + (size_t)(k0 / QK_K) * Q6_K_BYTES;  // 2-aligned
-        const int r = k0 % QK_K, n = r / 128, rr = r % 128, quarter = rr / 32, l0 = rr % 32;
-        const uint8_t* ql = blk + 64 * n + l0 + (quarter & 1) * 32;
-        const uint8_t* qh = blk + 128 + 32 * n + l0;
-        const float d = h2f(ld2c(blk + 208));
-        const float ds = d * (float)(int8_t)__ldg((const signed char*)(blk + 192 + 8 * n + l0 / 16 + 2 * quarter));
-        const int lshift = quarter >= 2 ? 4 : 0, hshift = 2 * quarter;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const uint32_t q = ((ld4c(ql + 4 * i) >> lshift) & 0x0F0F0F0Fu) |
-                               (((ld4c(qh + 4 * i) >> hshift) & 0x03030303u) << 4);
-            o[2 * i] = pack_bf16((byte_f<0>(q) - 32.0f) * ds, (byte_f<1>(q) - 32.0f) * ds);
-            o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 32.0f) * ds, (byte_f<3>(q) - 32.0f) * ds);
+            for (int i = 0; i < 4; i++) r.w[i] = __ldg((const unsigned int*)(blk + 4) + i);
+        } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+            const bool q4 = TYPE == GGML_Q4_K;
+            const uint8_t* blk = row + (size_t)(k0 / QK_K) * (q4 ? Q4_K_BYTES : Q5_K_BYTES);  // 16-aligned
+            const int rr = k0 % QK_K, g = rr / 64, l0 = rr % 32;
+            const uint4 h = __ldg((const uint4*)blk);
+            r.s0 = h.x; r.s1 = h.y; r.s2 = h.z; r.s3 = h.w;
+            const uint4 qv = __ldg((const uint4*)(blk + (q4 ? 16 : 48) + 32 * g + l0));
+            r.w[0] = qv.x; r.w[1] = qv.y; r.w[2] = qv.z; r.w[3] = qv.w;
+            if (!q4) {
+                const uint4 hv = __ldg((const uint4*)(blk + 16 + l0));
+                r.w[4] = hv.x; r.w[5] = hv.y; r.w[6] = hv.z; r.w[7] = hv.w;
+            }
+        } else if (TYPE == GGML_Q6_K) {
+            const uint8_t* blk = row + (size_t)(k0 / QK_K) * Q6_K_BYTES;  // 2-aligned
+            const int rr = k0 % QK_K, n = rr / 128, r2 = rr % 128, quarter = r2 / 32, l0 = r2 % 32;
+            ld16u(blk + 64 * n + l0 + (quarter & 1) * 32, r.w, r.s2);
+            uint32_t sh2;
+            ld16u(blk + 128 + 32 * n + l0, r.w + 5, sh2);  // same alignment as the ql run
+            r.s0 = ld2c(blk + 208);
+            r.s1 = (uint32_t)(int)__ldg((const signed char*)(blk + 192 + 8 * n + l0 / 16 + 2 * quarter));
         }
     }
 }
 
-// x elements k0..k0+15 of one token row as 8 bf16 pairs (zero at or beyond n_in).
-__device__ __forceinline__ void load_x16(const float* __restrict__ xr, int k0, int n_in, uint32_t (&o)[8]) {
-    if (k0 + 16 <= n_in && (n_in & 3) == 0) {
-        const float4* p = (const float4*)(xr + k0);
+// Decodes what raw16 loaded for the same (k0, n_in) into 8 packed bf16 pairs.
+template <int TYPE>
+__device__ __forceinline__ void dec16(const Raw16& r, int k0, int n_in, uint32_t (&o)[8]) {
+    if (TYPE == GGML_F32) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float4 f = __ldg(p + i);
-            o[2 * i] = pack_bf16(f.x, f.y);
-            o[2 * i + 1] = pack_bf16(f.z, f.w);
+        for (int i = 0; i < 8; i++) o[i] = pack_bf16(__uint_as_float(r.w[2 * i]), __uint_as_float(r.w[2 * i + 1]));
+    } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
+        const bool vec = k0 + 16 <= n_in && (n_in & 7) == 0;
+        if (vec) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                if (TYPE == GGML_BF16) o[i] = r.w[i];
+                else o[i] = pack_bf16(h2f(r.w[i] & 0xFFFF), h2f(r.w[i] >> 16));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                if (TYPE == GGML_BF16) o[i] = (r.w[2 * i] & 0xFFFF) | (r.w[2 * i + 1] << 16);
+                else o[i] = pack_bf16(h2f(r.w[2 * i]), h2f(r.w[2 * i + 1]));
+            }
         }
     } else {
-        float v[16];
+        if (k0 >= n_in) {
 #pragma unroll
-        for (int i = 0; i < 16; i++) v[i] = k0 + i < n_in ? __ldg(xr + k0 + i) : 0.0f;
+            for (int i = 0; i < 8; i++) o[i] = 0u;
+            return;
+        }
+        if (TYPE == GGML_Q8_0) {
+            const float d = h2f(r.s0);
 #pragma unroll
-        for (int i = 0; i < 8; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+            for (int i = 0; i < 4; i++) {
+                const uint32_t q = __funnelshift_r(r.w[i], r.w[i + 1], r.s1) ^ 0x80808080u;
+                o[2 * i] = pack_bf16((byte_f<0>(q) - 128.0f) * d, (byte_f<1>(q) - 128.0f) * d);
+                o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 128.0f) * d, (byte_f<3>(q) - 128.0f) * d);
+            }
+        } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
+            const bool q40 = TYPE == GGML_Q4_0;
+            const float d = h2f(r.s0 & 0xFFFF);
+            const float m = q40 ? -8.0f * d : h2f(r.s0 >> 16);
+            const int shift = (k0 & 16) ? 4 : 0;  // second half of the block = high nibbles
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint32_t w = q40 ? __funnelshift_r(r.w[i], r.w[i + 1], r.s1) : r.w[i];
+                const uint32_t q = (w >> shift) & 0x0F0F0F0Fu;
+                o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), d, m), fmaf(byte_f<1>(q), d, m));
+                o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), d, m), fmaf(byte_f<3>(q), d, m));
+            }
+        } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+            const bool q4 = TYPE == GGML_Q4_K;
+            const int rr = k0 % QK_K, g = rr / 64, w = rr % 64, sub = 2 * g + (w >= 32);
+            float sc, mn;
+            scale_min_w(sub, r.s1, r.s2, r.s3, &sc, &mn);
+            const float ds = h2f(r.s0 & 0xFFFF) * sc, dm = h2f(r.s0 >> 16) * mn;
+            const int shift = w >= 32 ? 4 : 0;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint32_t q = (r.w[i] >> shift) & 0x0F0F0F0Fu;
+                if (!q4) q |= ((r.w[4 + i] >> sub) & 0x01010101u) << 4;
+                o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), ds, -dm), fmaf(byte_f<1>(q), ds, -dm));
+                o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), ds, -dm), fmaf(byte_f<3>(q), ds, -dm));
+            }
+        } else if (TYPE == GGML_Q6_K) {
+            const int rr = k0 % QK_K, quarter = (rr % 128) / 32;
+            const float ds = h2f(r.s0) * (float)(int)r.s1;
+            const int lshift = quarter >= 2 ? 4 : 0, hshift = 2 * quarter;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint32_t lw = __funnelshift_r(r.w[i], r.w[i + 1], r.s2);
+                const uint32_t hw = __funnelshift_r(r.w[5 + i], r.w[6 + i], r.s2);
+                const uint32_t q = ((lw >> lshift) & 0x0F0F0F0Fu) | (((hw >> hshift) & 0x03030303u) << 4);
+                o[2 * i] = pack_bf16((byte_f<0>(q) - 32.0f) * ds, (byte_f<1>(q) - 32.0f) * ds);
+                o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 32.0f) * ds, (byte_f<3>(q) - 32.0f) * ds);
+            }
+        }
     }
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -618,93 +662,147 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int TYPE>
-__device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                                   const float* __restrict__ x, int rows, float* __restrict__ out) {
-    __shared__ __align__(16) uint16_t sA[2][MM_TM * MM_LDS];
-    __shared__ __align__(16) uint16_t sB[2][MM_TN * MM_LDS];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int wm = warp & 3, wn = warp >> 2;  // warp tile: outputs 32*wm.., tokens 64*wn..
-    const int g = lane >> 2, t4 = lane & 3;
-    const int t0 = blockIdx.x * MM_TN, o0 = blockIdx.y * MM_TM;
+// x [rows, n_in] f32 -> xb [rows, kp] bf16 (kp % 64 == 0, zero beyond n_in); one 16-B vector
+// of xb per thread.
+extern "C" __global__ void __launch_bounds__(256)
+    mm_x_bf16(const float* __restrict__ x, int rows, int n_in, int kp, uint16_t* __restrict__ xb) {
+    const int per_row = kp >> 3;
+    const long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= (long long)rows * per_row) return;
+    const int t = (int)(u / per_row), c = (int)(u % per_row) * 8;
+    const float* xr = x + (size_t)t * n_in;
+    uint32_t o[4];
+    if ((n_in & 3) == 0 && c + 8 <= n_in) {
+        const float4 a = __ldg((const float4*)(xr + c)), b = __ldg((const float4*)(xr + c + 4));
+        o[0] = pack_bf16(a.x, a.y); o[1] = pack_bf16(a.z, a.w);
+        o[2] = pack_bf16(b.x, b.y); o[3] = pack_bf16(b.z, b.w);
+    } else {
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = c + i < n_in ? __ldg(xr + c + i) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
+    }
+    *(uint4*)(xb + (size_t)t * kp + c) = make_uint4(o[0], o[1], o[2], o[3]);
+}
 
-    // Loader role: one row of A and one row of B, 16 of the 32 K elements each.
+// BN tokens per block (128 or 64). Dynamic smem: 2 * (MM_TM + BN) * MM_LDS * 2 bytes.
+template <int TYPE, int BN>
+__device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                   const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {
+    extern __shared__ __align__(16) uint8_t mm_smem[];
+    constexpr int NT = BN / 16;          // n-tiles (8 tokens) per warp
+    constexpr int XV = BN * 8 / 256;     // 16-B x vectors per thread per step (4 or 2)
+    constexpr int XTPR = 8 / XV;         // threads per x row
+    constexpr int A_STAGE = MM_TM * MM_LDS, B_STAGE = BN * MM_LDS;  // in bf16
+    uint16_t* sA = (uint16_t*)mm_smem;
+    uint16_t* sB = sA + 2 * A_STAGE;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int wm = warp & 3, wn = warp >> 2;  // warp tile: outputs 32*wm.., tokens (BN/2)*wn..
+    const int g = lane >> 2, t4 = lane & 3;
+    const int t0 = blockIdx.x * BN, o0 = blockIdx.y * MM_TM;
+
+    // Weight loader: output row lr, elements 16*lh.. and 32+16*lh.. of each 64-K step.
     const int lr = tid >> 1, lh = tid & 1;
     const int lo = o0 + lr < n_out ? o0 + lr : n_out - 1;
-    const int lt = t0 + lr < rows ? t0 + lr : rows - 1;
     const uint8_t* wrow = W + (size_t)lo * (size_t)rb;
-    const float* xrow = x + (size_t)lt * (size_t)n_in;
+    // x loader: token row xr, XV vectors from element 8*XV*xc.
+    const int xr = tid / XTPR, xc = tid % XTPR;
+    const int xt = t0 + xr < rows ? t0 + xr : rows - 1;
+    const uint4* xrow = (const uint4*)(xb + (size_t)xt * kp) + xc * XV;
 
-    float acc[2][8][4];
+    float acc[2][NT][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
-        for (int j = 0; j < 8; j++)
+        for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int k = 0; k < 4; k++) acc[i][j][k] = 0.0f;
 
-    const int nk = (n_in + MM_TK - 1) / MM_TK;
-    uint32_t ra[8], rx[8];
-    decode16<TYPE>(wrow, 16 * lh, n_in, ra);
-    load_x16(xrow, 16 * lh, n_in, rx);
-    {
-        uint4* pa = (uint4*)&sA[0][lr * MM_LDS + 16 * lh];
-        uint4* pb = (uint4*)&sB[0][lr * MM_LDS + 16 * lh];
-        pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
-        pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
-        pb[0] = make_uint4(rx[0], rx[1], rx[2], rx[3]);
-        pb[1] = make_uint4(rx[4], rx[5], rx[6], rx[7]);
-    }
-    __syncthreads();
+    const int nk = kp / MM_TK;
+    // Two register sets of raw loads: the loads of step k+2 are issued in step k, so each has
+    // two steps of MMAs to land before its decode (after the MMAs of step k+1).
+    Raw16 rA0, rA1, rB0, rB1;
+    uint4 xA[XV], xB[XV];
 
-    for (int kt = 0; kt < nk; kt++) {
+    // smem addresses (bytes) of this thread's ldmatrix rows, buffer 0, kk = 0.
+    const uint32_t sA0 = (uint32_t)__cvta_generic_to_shared(sA);
+    const uint32_t sB0 = (uint32_t)__cvta_generic_to_shared(sB);
+    const uint32_t aoff = ((wm * 32 + (lane & 15)) * MM_LDS + (lane >> 4) * 8) * 2;
+    const uint32_t boff = ((wn * (BN / 2) + (lane & 7) + ((lane >> 4) << 3)) * MM_LDS + ((lane >> 3) & 1) * 8) * 2;
+
+    auto load = [&](int kt, Raw16& r0, Raw16& r1, uint4 (&xv)[XV]) {
+        const int k = kt * MM_TK;
+        raw16<TYPE>(wrow, k + 16 * lh, n_in, r0);
+        raw16<TYPE>(wrow, k + 32 + 16 * lh, n_in, r1);
+#pragma unroll
+        for (int v = 0; v < XV; v++) xv[v] = __ldg(xrow + (size_t)k / 8 + v);
+    };
+    auto store = [&](int kt, const Raw16& r0, const Raw16& r1, const uint4 (&xv)[XV]) {
+        const int k = kt * MM_TK, buf = kt & 1;
+        uint32_t da[8];
+        uint4* pa = (uint4*)(sA + buf * A_STAGE + lr * MM_LDS + 16 * lh);
+        dec16<TYPE>(r0, k + 16 * lh, n_in, da);
+        pa[0] = make_uint4(da[0], da[1], da[2], da[3]);
+        pa[1] = make_uint4(da[4], da[5], da[6], da[7]);
+        dec16<TYPE>(r1, k + 32 + 16 * lh, n_in, da);
+        pa[4] = make_uint4(da[0], da[1], da[2], da[3]);
+        pa[5] = make_uint4(da[4], da[5], da[6], da[7]);
+        uint4* pb = (uint4*)(sB + buf * B_STAGE + xr * MM_LDS) + xc * XV;
+#pragma unroll
+        for (int v = 0; v < XV; v++) pb[v] = xv[v];
+    };
+    auto mma_step = [&](int kt) {
         const int cur = kt & 1;
-        const bool more = kt + 1 < nk;
-        if (more) {
-            const int k0 = (kt + 1) * MM_TK + 16 * lh;
-            decode16<TYPE>(wrow, k0, n_in, ra);
-            load_x16(xrow, k0, n_in, rx);
-        }
-        const uint16_t* A = sA[cur];
-        const uint16_t* B = sB[cur];
+        const uint32_t aB = sA0 + cur * A_STAGE * 2 + aoff;
+        const uint32_t bB = sB0 + cur * B_STAGE * 2 + boff;
 #pragma unroll
         for (int kk = 0; kk < MM_TK; kk += 16) {
             uint32_t af[2][4];
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
-                const uint16_t* p = A + (wm * 32 + mi * 16 + g) * MM_LDS + kk + 2 * t4;
-                af[mi][0] = *(const uint32_t*)p;
-                af[mi][1] = *(const uint32_t*)(p + 8 * MM_LDS);
-                af[mi][2] = *(const uint32_t*)(p + 8);
-                af[mi][3] = *(const uint32_t*)(p + 8 * MM_LDS + 8);
-            }
+            for (int mi = 0; mi < 2; mi++)
+                ldsm_x4(aB + (mi * 16 * MM_LDS + kk) * 2, af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
 #pragma unroll
-            for (int ni = 0; ni < 8; ni++) {
-                const uint16_t* p = B + (wn * 64 + ni * 8 + g) * MM_LDS + kk + 2 * t4;
-                const uint32_t b0 = *(const uint32_t*)p, b1 = *(const uint32_t*)(p + 8);
+            for (int nj = 0; nj < NT / 2; nj++) {
+                uint32_t b0, b1, b2, b3;  // n-tile 2nj: (b0, b1); n-tile 2nj+1: (b2, b3)
+                ldsm_x4(bB + (nj * 16 * MM_LDS + kk) * 2, b0, b1, b2, b3);
 #pragma unroll
-                for (int mi = 0; mi < 2; mi++) mma_bf16(acc[mi][ni], af[mi][0], af[mi][1], af[mi][2], af[mi][3], b0, b1);
+                for (int mi = 0; mi < 2; mi++) {
+                    mma_bf16(acc[mi][2 * nj], af[mi][0], af[mi][1], af[mi][2], af[mi][3], b0, b1);
+                    mma_bf16(acc[mi][2 * nj + 1], af[mi][0], af[mi][1], af[mi][2], af[mi][3], b2, b3);
+                }
             }
         }
-        if (more) {
-            // Buffer cur^1 was last read in step kt-1, which ended with a barrier.
-            uint4* pa = (uint4*)&sA[cur ^ 1][lr * MM_LDS + 16 * lh];
-            uint4* pb = (uint4*)&sB[cur ^ 1][lr * MM_LDS + 16 * lh];
-            pa[0] = make_uint4(ra[0], ra[1], ra[2], ra[3]);
-            pa[1] = make_uint4(ra[4], ra[5], ra[6], ra[7]);
-            pb[0] = make_uint4(rx[0], rx[1], rx[2], rx[3]);
-            pb[1] = make_uint4(rx[4], rx[5], rx[6], rx[7]);
-        }
+    };
+
+    // Prologue: step 0 decoded into buffer 0, step 1 in flight in set B.
+    load(0, rA0, rA1, xA);
+    if (nk > 1) load(1, rB0, rB1, xB);
+    store(0, rA0, rA1, xA);
+    __syncthreads();
+
+    // Step kt: issue the loads of kt+2 (into the set just decoded), MMAs of kt, decode kt+1
+    // into the other buffer (last read in step kt-1, which ended with a barrier), barrier.
+    for (int kt = 0; kt < nk; kt += 2) {
+        if (kt + 2 < nk) load(kt + 2, rA0, rA1, xA);
+        mma_step(kt);
+        if (kt + 1 < nk) store(kt + 1, rB0, rB1, xB);
         __syncthreads();
+        if (kt + 1 < nk) {
+            if (kt + 3 < nk) load(kt + 3, rB0, rB1, xB);
+            mma_step(kt + 1);
+            if (kt + 2 < nk) store(kt + 2, rA0, rA1, xA);
+            __syncthreads();
+        }
     }
 
     // C fragment: c0,c1 = (output g, tokens 2*t4, 2*t4+1); c2,c3 = output g+8.
 #pragma unroll
     for (int mi = 0; mi < 2; mi++) {
 #pragma unroll
-        for (int ni = 0; ni < 8; ni++) {
+        for (int ni = 0; ni < NT; ni++) {
             const int o = o0 + wm * 32 + mi * 16 + g;
-            const int t = t0 + wn * 64 + ni * 8 + 2 * t4;
+            const int t = t0 + wn * (BN / 2) + ni * 8 + 2 * t4;
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const int oo = o + (k >= 2 ? 8 : 0), tt = t + (k & 1);
@@ -714,11 +812,16 @@ __device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, 
     }
 }
 
-#define MM_KERNEL(name, TYPE)                                                                                \
-    extern "C" __global__ void __launch_bounds__(256)                                                        \
-        mm_##name(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const float* __restrict__ x, \
-                  int rows, float* __restrict__ out) {                                                        \
-        mm<TYPE>(W, rb, n_out, n_in, x, rows, out);                                                          \
+#define MM_KERNEL(name, TYPE)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                    \
+        mm_##name##_n128(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                  \
+                         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {      \
+        mm<TYPE, 128>(W, rb, n_out, n_in, xb, kp, rows, out);                                               \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                    \
+        mm_##name##_n64(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                   \
+                        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {       \
+        mm<TYPE, 64>(W, rb, n_out, n_in, xb, kp, rows, out);                                                \
     }
 
 MM_KERNEL(f32, GGML_F32)
