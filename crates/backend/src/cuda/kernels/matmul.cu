@@ -693,7 +693,7 @@ __device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, 
     extern __shared__ __align__(16) uint8_t mm_smem[];
     constexpr int NT = BN / 16;          // n-tiles (8 tokens) per warp
     constexpr int XV = BN * 8 / 256;     // 16-B x vectors per thread per step (4 or 2)
-    constexpr int XTPR = 8 / XV;         // threads per x row
+    constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
     constexpr int A_STAGE = MM_TM * MM_LDS, B_STAGE = BN * MM_LDS;  // in bf16
     uint16_t* sA = (uint16_t*)mm_smem;
     uint16_t* sB = sA + 2 * A_STAGE;
@@ -706,10 +706,15 @@ __device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, 
     const int lr = tid >> 1, lh = tid & 1;
     const int lo = o0 + lr < n_out ? o0 + lr : n_out - 1;
     const uint8_t* wrow = W + (size_t)lo * (size_t)rb;
-    // x loader: token row xr, XV vectors from element 8*XV*xc.
-    const int xr = tid / XTPR, xc = tid % XTPR;
-    const int xt = t0 + xr < rows ? t0 + xr : rows - 1;
-    const uint4* xrow = (const uint4*)(xb + (size_t)xt * kp) + xc * XV;
+    // x loader: vector v of this thread is 16-B column xc of token row xr + v * (256 / 8), so
+    // 8 consecutive lanes read one 128-B row slice (4 lines per warp instruction).
+    const int xr = tid >> 3, xc = tid & 7;
+    const uint4* xrow[XV];
+#pragma unroll
+    for (int v = 0; v < XV; v++) {
+        const int t = t0 + xr + 32 * v;
+        xrow[v] = (const uint4*)(xb + (size_t)(t < rows ? t : rows - 1) * kp) + xc;
+    }
 
     float acc[2][NT][4];
 #pragma unroll
@@ -734,9 +739,10 @@ __device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, 
     auto load = [&](int kt, Raw16& r0, Raw16& r1, uint4 (&xv)[XV]) {
         const int k = kt * MM_TK;
         raw16<TYPE>(wrow, k + 16 * lh, n_in, r0);
-        raw16<TYPE>(wrow, k + 32 + 16 * lh, n_in, r1);
+        // K-quants: both chunks are the low and high nibbles of the same bytes (same header).
+        if (!KQ) raw16<TYPE>(wrow, k + 32 + 16 * lh, n_in, r1);
 #pragma unroll
-        for (int v = 0; v < XV; v++) xv[v] = __ldg(xrow + (size_t)k / 8 + v);
+        for (int v = 0; v < XV; v++) xv[v] = __ldg(xrow[v] + k / 8);
     };
     auto store = [&](int kt, const Raw16& r0, const Raw16& r1, const uint4 (&xv)[XV]) {
         const int k = kt * MM_TK, buf = kt & 1;
@@ -745,12 +751,11 @@ __device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, 
         dec16<TYPE>(r0, k + 16 * lh, n_in, da);
         pa[0] = make_uint4(da[0], da[1], da[2], da[3]);
         pa[1] = make_uint4(da[4], da[5], da[6], da[7]);
-        dec16<TYPE>(r1, k + 32 + 16 * lh, n_in, da);
+        dec16<TYPE>(KQ ? r0 : r1, k + 32 + 16 * lh, n_in, da);
         pa[4] = make_uint4(da[0], da[1], da[2], da[3]);
         pa[5] = make_uint4(da[4], da[5], da[6], da[7]);
-        uint4* pb = (uint4*)(sB + buf * B_STAGE + xr * MM_LDS) + xc * XV;
 #pragma unroll
-        for (int v = 0; v < XV; v++) pb[v] = xv[v];
+        for (int v = 0; v < XV; v++) *((uint4*)(sB + buf * B_STAGE + (xr + 32 * v) * MM_LDS) + xc) = xv[v];
     };
     auto mma_step = [&](int kt) {
         const int cur = kt & 1;
