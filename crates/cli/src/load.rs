@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::{Device, ModelArgs};
 
-/// Sets the size of the CPU thread pool (once per process).
+/// Sets the size of the CPU thread pool (once per process; later calls are no-ops).
 pub fn init_threads(threads: Option<usize>) {
     if let Some(n) = threads {
         // Fails only if the pool was already built, which is harmless.
