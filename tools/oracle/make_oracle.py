@@ -58,7 +58,13 @@ SPECS = [
     ("qwen3-moe-tiny", "qwen3_moe", 2, 2000, {"norm_topk_prob": True}),
     ("qwen3-moe-tiny-nonorm", "qwen3_moe", 2, 3000, {"norm_topk_prob": False}),
     ("llama-tiny", "llama", 2, 4000, {}),
+    # Qwen3.5 hybrids: layers 0-2 Gated DeltaNet, layer 3 gated full attention.
+    ("qwen35-tiny", "qwen3_5", 4, 5000, {}),
+    ("qwen35-moe-tiny", "qwen3_5_moe", 4, 6000, {}),
 ]
+QWEN35 = ("qwen3_5", "qwen3_5_moe")
+MOE = ("qwen3_moe", "qwen3_5_moe")
+PARTIAL_ROTARY = 0.25  # Qwen3.5's default: 8 of each head's 32 dimensions rotate
 
 
 def log(*a):
@@ -102,6 +108,35 @@ def make_config(family, layers, extra):
             mlp_only_layers=[],
             output_router_logits=False,
         )
+    elif family in QWEN35:
+        linear = dict(
+            layer_types=["linear_attention"] * (layers - 1) + ["full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            tie_word_embeddings=False,
+        )
+        theta = 1e7
+        rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": PARTIAL_ROTARY}
+        if family == "qwen3_5":
+            cls_cfg, cls_model = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
+            fields = dict(common, **linear, intermediate_size=128)
+        else:
+            cls_cfg, cls_model = transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM
+            fields = dict(
+                common,
+                **linear,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+                output_router_logits=False,
+            )
+            del fields["intermediate_size"]
+        fields.update(extra)
+        return cls_cfg, cls_model, cls_cfg(**fields, rope_parameters=rope), theta
     elif family == "llama":
         cls_cfg, cls_model = transformers.LlamaConfig, transformers.LlamaForCausalLM
         theta = 10000.0
@@ -130,8 +165,10 @@ def make_config(family, layers, extra):
     raise last
 
 
-def redraw_weights(model, seed):
+def redraw_weights(model, seed, family=None):
     """Replace the init with larger random weights so logits are decisive."""
+    if family in QWEN35:
+        return redraw_weights_qwen35(model, seed)
     g = torch.Generator().manual_seed(seed)
     seen = set()
     with torch.no_grad():
@@ -142,6 +179,29 @@ def redraw_weights(model, seed):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if p.ndim == 1:  # RMSNorm weights (no biases in these models)
                 p.copy_(1.0 + NORM_STD * noise)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(ROUTER_STD * noise)
+            else:
+                p.copy_(WEIGHT_STD * noise)
+
+
+def redraw_weights_qwen35(model, seed):
+    """Qwen3.5's RMSNorms scale by (1 + weight) (zero-centred), except the gated norm of the
+    linear-attention output, which scales by weight. A_log and dt_bias set the decay
+    g = -exp(A_log) * softplus(a + dt_bias); the conv taps get a larger std so the short
+    convolution matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + NORM_STD * noise)
+            elif name.endswith("A_log") or name.endswith("dt_bias"):
+                p.copy_(0.5 * noise)
+            elif p.ndim == 1:  # zero-centred RMSNorm weights
+                p.copy_(NORM_STD * noise)
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * noise)
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(ROUTER_STD * noise)
             else:
@@ -288,7 +348,7 @@ def build_one(name, family, layers, seed0, extra, out_root):
         torch.manual_seed(seed)
         model = cls_model(cfg)
         model = model.float()
-        redraw_weights(model, seed)
+        redraw_weights(model, seed, family)
         if family == "llama":
             assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "llama not tied"
         else:
@@ -303,9 +363,9 @@ def build_one(name, family, layers, seed0, extra, out_root):
         native = saved_tensor_info(st_path)
         fused = [k for k in native if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj")]
         native_layout = None
-        if family == "qwen3_moe":
+        if family in MOE:
             native_layout = "fused" if fused else "per_expert"
-            if fused:
+            if fused and family == "qwen3_moe":
                 log(f"[{name}] save_pretrained wrote FUSED expert tensors; rewriting as per-expert Hub layout")
                 rewrite_fused_experts(st_path, cfg)
 
@@ -322,7 +382,7 @@ def build_one(name, family, layers, seed0, extra, out_root):
                 f.write("\n")
 
         # Reload exactly what was saved, in fp32.
-        model, info = load_fp32(tmp, family == "qwen3_moe")
+        model, info = load_fp32(tmp, family in MOE)
         problems = {k: [str(x) for x in v] for k, v in info.items() if v}
         if problems:
             log(f"[{name}] loading info (checked by the weight comparison below): {problems}")
@@ -340,10 +400,11 @@ def build_one(name, family, layers, seed0, extra, out_root):
             if hasattr(mod, "inv_freq") and isinstance(mod.inv_freq, torch.Tensor):
                 inv = mod.inv_freq.double()
                 break
-        exp_inv = 1.0 / (theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
-        assert inv is not None and inv.numel() == HEAD_DIM // 2, "no inv_freq"
+        rot = int(HEAD_DIM * PARTIAL_ROTARY) if family in QWEN35 else HEAD_DIM
+        exp_inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+        assert inv is not None and inv.numel() == rot // 2, "no inv_freq"
         assert torch.allclose(inv, exp_inv, rtol=1e-5), ("rope theta mismatch", inv[:3], exp_inv[:3])
-        attn = model.model.layers[0].self_attn
+        attn = [l.self_attn for l in model.model.layers if hasattr(l, "self_attn")][0]
         assert getattr(attn, "head_dim", HEAD_DIM) == HEAD_DIM
 
         g = torch.Generator().manual_seed(seed)
@@ -414,8 +475,9 @@ def build_one(name, family, layers, seed0, extra, out_root):
             "seed": seed,
             "init": {
                 "linear_and_embedding_std": WEIGHT_STD,
-                "router_std": ROUTER_STD if family == "qwen3_moe" else None,
-                "rmsnorm_weight": f"1 + {NORM_STD} * randn",
+                "router_std": ROUTER_STD if family in MOE else None,
+                "rmsnorm_weight": f"1 + {NORM_STD} * randn"
+                + (" (Qwen3.5: stored weight = the randn term, scale = 1 + weight)" if family in QWEN35 else ""),
                 "generator": "torch.Generator().manual_seed(seed), params in named_parameters() order",
             },
             "weights_dtype": "bfloat16",
@@ -435,9 +497,9 @@ def build_one(name, family, layers, seed0, extra, out_root):
             "model_safetensors_sha256": sha,
             "oracle_tensors": {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in oracle.items()},
         }
-        if family == "qwen3_moe":
+        if family in MOE:
             meta["expert_layout_written_by_save_pretrained"] = native_layout
-            meta["expert_layout_in_model_safetensors"] = "per_expert"
+            meta["expert_layout_in_model_safetensors"] = "per_expert" if family == "qwen3_moe" else native_layout
             meta["runtime_expert_params_layer0"] = {
                 k: v for k, v in runtime_params.items() if k.startswith("model.layers.0.mlp.")
             }

@@ -16,9 +16,10 @@ use anyhow::{bail, ensure, Context, Result};
 use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
 
+use crate::gated_delta::{self, HeadInputs};
 use crate::{
-    check_shape, Act, AttnArgs, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope,
-    RopeStyle, StepInput,
+    check_shape, Act, AttnArgs, AttnShape, Backend, DeltaArgs, DeltaShape, ExpertWeights,
+    HostTensor, MoeRouting, Rope, RopeStyle, StepInput,
 };
 
 /// A weight in host memory, in its file type.
@@ -50,12 +51,30 @@ impl CpuWeight {
     }
 }
 
-/// One sequence's KV cache: per layer, `capacity` positions of `n_kv_heads * head_dim` f32.
+/// One sequence's KV cache: per layer, `capacity` positions of `n_kv_heads * head_dim` f32;
+/// for hybrid models also each linear-attention layer's state.
 pub struct CpuKv {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     shape: AttnShape,
     capacity: usize,
+    /// Per linear layer: the last `conv_kernel - 1` conv inputs, `[kernel - 1, conv_dim]`.
+    conv: Vec<Vec<f32>>,
+    /// Per linear layer: the recurrent state, `[n_v_heads, k_head_dim, v_head_dim]`.
+    delta: Vec<Vec<f32>>,
+    delta_shape: Option<DeltaShape>,
+}
+
+impl CpuKv {
+    fn delta_shape(&self, layer: usize) -> Result<DeltaShape> {
+        ensure!(
+            layer < self.delta.len(),
+            "linear-attention layer {layer} outside the cache ({} layers)",
+            self.delta.len()
+        );
+        self.delta_shape
+            .context("this cache holds no linear-attention state")
+    }
 }
 
 /// The CPU reference backend. Uses the global rayon pool (its size is set by the caller).
@@ -116,6 +135,27 @@ fn matmul_raw(
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// PyTorch's `F.softplus` (beta 1, threshold 20): `ln(1 + e^x)`, or `x` above 20.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// `x / sqrt(Σx² + 1e-6)`: the L2 normalisation of q and k in Gated DeltaNet (fla's and
+/// transformers' `l2norm`, eps inside the root).
+fn l2_normalize(x: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// `x / sqrt(mean(x²) + eps) * w`, the sum of squares accumulated in f64.
@@ -467,7 +507,194 @@ impl Backend for CpuBackend {
             v: vec![vec![0.0; per_layer]; n_layers],
             shape,
             capacity,
+            conv: vec![],
+            delta: vec![],
+            delta_shape: None,
         })
+    }
+
+    fn kv_new_hybrid(
+        &self,
+        n_attn_layers: usize,
+        shape: AttnShape,
+        capacity: usize,
+        n_linear_layers: usize,
+        delta: DeltaShape,
+    ) -> Result<CpuKv> {
+        ensure!(
+            delta.conv_kernel >= 1 && delta.n_k_heads > 0 && delta.n_v_heads % delta.n_k_heads == 0,
+            "bad linear-attention shape {delta:?}"
+        );
+        let mut kv = self.kv_new(n_attn_layers, shape, capacity)?;
+        let conv = (delta.conv_kernel - 1) * delta.conv_dim();
+        let state = delta.n_v_heads * delta.k_head_dim * delta.v_head_dim;
+        kv.conv = vec![vec![0.0; conv]; n_linear_layers];
+        kv.delta = vec![vec![0.0; state]; n_linear_layers];
+        kv.delta_shape = Some(delta);
+        Ok(kv)
+    }
+
+    fn causal_conv1d(
+        &self,
+        kv: &mut CpuKv,
+        layer: usize,
+        x: &Act<Vec<f32>>,
+        w: &CpuWeight,
+        out: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
+        let ds = kv.delta_shape(layer)?;
+        let (c, kernel) = (ds.conv_dim(), ds.conv_kernel);
+        check_shape("causal_conv1d x", x, x.rows, c)?;
+        check_shape("causal_conv1d out", out, x.rows, c)?;
+        ensure!(
+            w.shape == [c, kernel],
+            "causal_conv1d: weight {:?}, expected [{c}, {kernel}]",
+            w.shape
+        );
+        let wf = dequant_vec(w, c * kernel)?;
+        // The input extended on the left by the state: e = [state (kernel-1 rows); x].
+        let hist = kernel - 1;
+        let mut e = Vec::with_capacity((hist + x.rows) * c);
+        e.extend_from_slice(&kv.conv[layer]);
+        e.extend_from_slice(&x.buf[..x.len()]);
+        let n = out.len();
+        out.buf[..n]
+            .par_chunks_mut(c)
+            .enumerate()
+            .for_each(|(t, o)| {
+                for (ch, y) in o.iter_mut().enumerate() {
+                    let taps = &wf[ch * kernel..][..kernel];
+                    let s: f32 = taps
+                        .iter()
+                        .enumerate()
+                        .map(|(j, &wj)| wj * e[(t + j) * c + ch])
+                        .sum();
+                    *y = silu(s);
+                }
+            });
+        let rows = hist + x.rows;
+        kv.conv[layer].copy_from_slice(&e[(rows - hist) * c..]);
+        Ok(())
+    }
+
+    fn gated_delta_rule(
+        &self,
+        kv: &mut CpuKv,
+        a: DeltaArgs<'_, Vec<f32>, CpuWeight>,
+        out: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
+        let ds = kv.delta_shape(a.layer)?;
+        ensure!(ds == a.shape, "gated_delta_rule: cache shape differs");
+        let rows = a.qkv.rows;
+        let (nv, dk, dv) = (ds.n_v_heads, ds.k_head_dim, ds.v_head_dim);
+        let key_dim = ds.key_dim();
+        check_shape("gated_delta_rule qkv", a.qkv, rows, ds.conv_dim())?;
+        check_shape("gated_delta_rule a", a.a, rows, nv)?;
+        check_shape("gated_delta_rule b", a.b, rows, nv)?;
+        check_shape("gated_delta_rule out", out, rows, ds.value_dim())?;
+        let ssm_a = dequant_vec(a.ssm_a, nv)?;
+        let dt_bias = dequant_vec(a.dt_bias, nv)?;
+        let group = nv / ds.n_k_heads;
+        let scale = 1.0 / (dk as f32).sqrt();
+        let qkv = &a.qkv.buf;
+        let c = ds.conv_dim();
+
+        // One task per value head: gather its inputs, run the recurrence on its state.
+        let per_head: Vec<Vec<f32>> = kv.delta[a.layer]
+            .par_chunks_mut(dk * dv)
+            .enumerate()
+            .map(|(h, state)| {
+                let kh = h / group;
+                let mut q = Vec::with_capacity(rows * dk);
+                let mut k = Vec::with_capacity(rows * dk);
+                let mut v = Vec::with_capacity(rows * dv);
+                let (mut g, mut beta) = (vec![0f32; rows], vec![0f32; rows]);
+                for t in 0..rows {
+                    let row = &qkv[t * c..][..c];
+                    let qs = q.len();
+                    q.extend_from_slice(&row[kh * dk..][..dk]);
+                    l2_normalize(&mut q[qs..]);
+                    q[qs..].iter_mut().for_each(|x| *x *= scale);
+                    let ks = k.len();
+                    k.extend_from_slice(&row[key_dim + kh * dk..][..dk]);
+                    l2_normalize(&mut k[ks..]);
+                    v.extend_from_slice(&row[2 * key_dim + h * dv..][..dv]);
+                    g[t] = ssm_a[h] * softplus(a.a.buf[t * nv + h] + dt_bias[h]);
+                    beta[t] = sigmoid(a.b.buf[t * nv + h]);
+                }
+                let mut o = vec![0f32; rows * dv];
+                let x = HeadInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    g: &g,
+                    beta: &beta,
+                    dk,
+                    dv,
+                };
+                gated_delta::recurrent(&x, state, &mut o);
+                o
+            })
+            .collect();
+        for (h, o) in per_head.iter().enumerate() {
+            for t in 0..rows {
+                out.buf[t * nv * dv + h * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
+            }
+        }
+        Ok(())
+    }
+
+    fn gated_rms_norm(
+        &self,
+        x: &mut Act<Vec<f32>>,
+        z: &Act<Vec<f32>>,
+        w: &CpuWeight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        check_shape("gated_rms_norm z", z, x.rows, x.cols)?;
+        ensure!(
+            x.cols % head_dim == 0,
+            "gated_rms_norm: {} columns is not a whole number of {head_dim}-heads",
+            x.cols
+        );
+        let wf = dequant_vec(w, head_dim)?;
+        let n = x.len();
+        x.buf[..n]
+            .par_chunks_mut(head_dim)
+            .zip(z.buf[..n].par_chunks(head_dim))
+            .for_each(|(h, zh)| {
+                let src = h.to_vec();
+                rms_norm_row(&src, &wf, eps, h);
+                for (a, &g) in h.iter_mut().zip(zh) {
+                    *a *= silu(g);
+                }
+            });
+        Ok(())
+    }
+
+    fn sigmoid_gate(&self, x: &mut Act<Vec<f32>>, gate: &Act<Vec<f32>>) -> Result<()> {
+        ensure!(
+            gate.rows == x.rows && (gate.cols == x.cols || gate.cols == 1),
+            "sigmoid_gate: gate [{}, {}] for x [{}, {}]",
+            gate.rows,
+            gate.cols,
+            x.rows,
+            x.cols
+        );
+        let cols = x.cols;
+        for t in 0..x.rows {
+            let row = &mut x.buf[t * cols..(t + 1) * cols];
+            if gate.cols == 1 {
+                let s = sigmoid(gate.buf[t]);
+                row.iter_mut().for_each(|v| *v *= s);
+            } else {
+                for (v, &g) in row.iter_mut().zip(&gate.buf[t * cols..(t + 1) * cols]) {
+                    *v *= sigmoid(g);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn attention(

@@ -14,6 +14,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod gated_delta;
 
 use anyhow::Result;
 use ferrite_formats::GgmlType;
@@ -107,6 +108,51 @@ pub struct MoeRouting {
     pub top_k: usize,
     /// Renormalise the top-k routing weights to sum to 1 (`norm_topk_prob`).
     pub norm_topk: bool,
+}
+
+/// Shape of a Gated DeltaNet (linear attention) layer: `n_k_heads` query/key heads of
+/// `k_head_dim`, `n_v_heads` value heads of `v_head_dim` (a multiple of the key heads; value
+/// head `h` reads key head `h / (n_v_heads / n_k_heads)`), and the short causal convolution's
+/// kernel length. The convolution runs over the concatenated `[q | k | v]` channels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaShape {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl DeltaShape {
+    /// Width of the query (and of the key) block: `n_k_heads * k_head_dim`.
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.k_head_dim
+    }
+    /// Width of the value block and of the output: `n_v_heads * v_head_dim`.
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.v_head_dim
+    }
+    /// Channels of the convolution: `[q | k | v]`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
+/// The operands of one Gated DeltaNet call (after the convolution).
+pub struct DeltaArgs<'a, B, W> {
+    /// Index of this linear-attention layer among the model's linear-attention layers.
+    pub layer: usize,
+    /// `[rows, conv_dim]`: `[q | k | v]` after the convolution and SiLU.
+    pub qkv: &'a Act<B>,
+    /// `[rows, n_v_heads]`: the decay input (`in_proj_a`).
+    pub a: &'a Act<B>,
+    /// `[rows, n_v_heads]`: the write-strength logits (`in_proj_b`).
+    pub b: &'a Act<B>,
+    /// `[n_v_heads]`: `-exp(A_log)` (GGUF stores it so: `ssm_a`).
+    pub ssm_a: &'a W,
+    /// `[n_v_heads]`: the bias added to `a` before the softplus.
+    pub dt_bias: &'a W,
+    pub shape: DeltaShape,
 }
 
 /// The three stacked expert matrices of one MoE layer, each `[n_experts, n_out, n_in]`.
@@ -218,6 +264,59 @@ pub trait Backend: Send + Sync {
         a: AttnArgs<'_, Self::Buf>,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
+
+    /// A cache for a hybrid model: `n_attn_layers` attention layers as [`Backend::kv_new`]
+    /// (indexed by attention-layer number), plus for each of `n_linear_layers` Gated
+    /// DeltaNet layers its convolution state (the last `conv_kernel - 1` inputs of every
+    /// channel) and its recurrent state (`[k_head_dim, v_head_dim]` f32 per value head), all
+    /// zero: the state a sequence carries from prefill into decode.
+    fn kv_new_hybrid(
+        &self,
+        n_attn_layers: usize,
+        shape: AttnShape,
+        capacity: usize,
+        n_linear_layers: usize,
+        delta: DeltaShape,
+    ) -> Result<Self::Kv>;
+    /// Causal depthwise convolution over time followed by SiLU, continuing the stored
+    /// state of linear layer `layer`: with `w` `[channels, kernel]` and the input extended
+    /// on the left by the state, `out[t][c] = silu(Σ_j w[c][j] · x[t - (kernel-1) + j][c])`;
+    /// then the state keeps the last `kernel - 1` inputs.
+    fn causal_conv1d(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        x: &Act<Self::Buf>,
+        w: &Self::Weight,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+    /// The gated delta rule (Gated DeltaNet), continuing the recurrent state of linear
+    /// layer `a.layer`. Per token and value head, with `q`, `k` L2-normalised (eps 1e-6),
+    /// `q` scaled by `k_head_dim^-1/2`, `g = ssm_a · softplus(a + dt_bias)`,
+    /// `β = sigmoid(b)`:
+    /// `S ← e^g S;  S ← S + k (β (v − Sᵀk))ᵀ;  o = Sᵀq`  (`S` is `[k_head_dim, v_head_dim]`).
+    /// `out` is `[rows, n_v_heads * v_head_dim]`. The result must equal the token-by-token
+    /// recurrence however the backend evaluates it (chunked for prefill: see
+    /// [`gated_delta`]).
+    fn gated_delta_rule(
+        &self,
+        kv: &mut Self::Kv,
+        a: DeltaArgs<'_, Self::Buf, Self::Weight>,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+    /// Gated RMSNorm in place on each `head_dim`-sized head:
+    /// `x = x / rms(x) · w · silu(z)` (`w` has `head_dim` elements, `z` is shaped like `x`).
+    fn gated_rms_norm(
+        &self,
+        x: &mut Act<Self::Buf>,
+        z: &Act<Self::Buf>,
+        w: &Self::Weight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()>;
+    /// `x *= sigmoid(gate)` elementwise; a one-column `gate` scales whole rows (the shared
+    /// expert's gate).
+    fn sigmoid_gate(&self, x: &mut Act<Self::Buf>, gate: &Act<Self::Buf>) -> Result<()>;
 
     /// Mixture-of-experts SwiGLU FFN: `router_logits` `[rows, n_experts]` → softmax → top-k
     /// (ties to the lower expert id) → optional renormalisation; then

@@ -1,7 +1,7 @@
 //! Model hyperparameters, read from GGUF metadata or a Hugging Face `config.json`.
 
 use anyhow::{bail, Context, Result};
-use ferrite_backend::{AttnShape, MoeRouting, Rope, RopeStyle};
+use ferrite_backend::{AttnShape, DeltaShape, MoeRouting, Rope, RopeStyle};
 use ferrite_formats::gguf::GgufFile;
 
 /// The architectures ferrite runs. Adding one = a file in this crate + a line in
@@ -11,6 +11,10 @@ pub enum Arch {
     Llama,
     Qwen3,
     Qwen3Moe,
+    /// Qwen3.5 / Qwen3.6 hybrid (Gated DeltaNet + gated full attention), dense FFN.
+    Qwen35,
+    /// Qwen3.5 / Qwen3.6 hybrid with a mixture of experts plus a gated shared expert.
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -29,8 +33,17 @@ impl Arch {
             "LlamaForCausalLM" | "llama" => Arch::Llama,
             "Qwen3ForCausalLM" | "qwen3" => Arch::Qwen3,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Arch::Qwen3Moe,
+            // The released checkpoints are vision-language wrappers; their text model loads.
+            "Qwen3_5ForCausalLM"
+            | "Qwen3_5ForConditionalGeneration"
+            | "qwen3_5_text"
+            | "qwen3_5" => Arch::Qwen35,
+            "Qwen3_5MoeForCausalLM"
+            | "Qwen3_5MoeForConditionalGeneration"
+            | "qwen3_5_moe_text"
+            | "qwen3_5_moe" => Arch::Qwen35Moe,
             other => bail!(
-                "unsupported architecture '{other}' (supported: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"
+                "unsupported architecture '{other}' (supported: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)"
             ),
         })
     }
@@ -40,7 +53,30 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Qwen35 => "qwen35",
+            Arch::Qwen35Moe => "qwen35moe",
         }
+    }
+    /// Qwen3.5's hybrid layer stack ([`crate::qwen3_5`]).
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, Arch::Qwen35 | Arch::Qwen35Moe)
+    }
+}
+
+/// The layer stack of a hybrid (Qwen3.5) model.
+#[derive(Clone, Debug)]
+pub struct HybridConfig {
+    /// Per layer: `true` for a Gated DeltaNet (linear attention) layer, `false` for full
+    /// attention (`layer_types`).
+    pub linear: Vec<bool>,
+    pub delta: DeltaShape,
+}
+
+impl HybridConfig {
+    /// Number of linear-attention and of full-attention layers.
+    pub fn counts(&self) -> (usize, usize) {
+        let n_lin = self.linear.iter().filter(|&&l| l).count();
+        (n_lin, self.linear.len() - n_lin)
     }
 }
 
@@ -53,6 +89,9 @@ pub struct MoeConfig {
     /// Layers that use a dense FFN instead of experts (Qwen3-MoE `mlp_only_layers` and
     /// `decoder_sparse_step`).
     pub dense_layers: Vec<usize>,
+    /// Hidden size of the always-on shared expert (Qwen3.5-MoE), gated by
+    /// `sigmoid(shared_expert_gate · x)`; 0 when there is none.
+    pub shared_expert_ffn: usize,
 }
 
 /// Everything the forward pass needs to know about the model's shape.
@@ -72,6 +111,8 @@ pub struct ModelConfig {
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
     pub moe: Option<MoeConfig>,
+    /// Qwen3.5's linear/full attention layer pattern and linear-attention shape.
+    pub hybrid: Option<HybridConfig>,
 }
 
 impl ModelConfig {
@@ -121,6 +162,7 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
             },
             expert_ffn: need("expert_feed_forward_length")?,
             dense_layers: vec![],
+            shared_expert_ffn: 0,
         }),
         _ => None,
     };
@@ -150,6 +192,7 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
         max_ctx: get_usize("context_length").unwrap_or(4096),
         qk_norm: arch != Arch::Llama,
         moe,
+        hybrid: None,
     };
     validate(&cfg)?;
     Ok(cfg)
@@ -164,6 +207,9 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
         .context("config.json names no architecture (neither 'architectures' nor 'model_type')")?;
     let arch = Arch::from_hf_name(arch_name)?;
     let c = config.get("text_config").unwrap_or(config);
+    if arch.is_hybrid() {
+        return from_hf_qwen35(arch, c);
+    }
     let get_usize = |k: &str| c.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
     let need = |k: &str| get_usize(k).with_context(|| format!("config.json is missing '{k}'"));
     let get_f32 = |k: &str| c.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
@@ -226,6 +272,7 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
                 },
                 expert_ffn: need("moe_intermediate_size")?,
                 dense_layers: dense,
+                shared_expert_ffn: 0,
             })
         }
         _ => None,
@@ -250,6 +297,122 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
         max_ctx: get_usize("max_position_embeddings").unwrap_or(4096),
         qk_norm: arch != Arch::Llama,
         moe,
+        hybrid: None,
+    };
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// Qwen3.5's `qwen3_5_text` / `qwen3_5_moe_text` config (the `text_config` of the
+/// vision-language wrappers), as transformers 5.17 reads it.
+fn from_hf_qwen35(arch: Arch, c: &serde_json::Value) -> Result<ModelConfig> {
+    let get_usize = |k: &str| c.get(k).and_then(|v| v.as_u64()).map(|v| v as usize);
+    let need = |k: &str| get_usize(k).with_context(|| format!("config.json is missing '{k}'"));
+    let get_f32 = |k: &str| c.get(k).and_then(|v| v.as_f64()).map(|v| v as f32);
+    if c.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
+        bail!("attention_bias = true is not supported for Qwen3.5");
+    }
+    let hidden = need("hidden_size")?;
+    let n_layers = need("num_hidden_layers")?;
+    let n_heads = need("num_attention_heads")?;
+    let head_dim = get_usize("head_dim").unwrap_or(256);
+
+    // RoPE: `rope_parameters` (transformers 5) or top-level keys. The multimodal rotary
+    // embedding (`mrope_section`) gives every section the same position for text-only input,
+    // so it reduces to plain NeoX rotation of the first `partial_rotary_factor · head_dim`
+    // dimensions.
+    let rp = c.get("rope_parameters").filter(|v| v.is_object());
+    let rp_f = |k: &str| {
+        rp.and_then(|p| p.get(k))
+            .or_else(|| c.get(k))
+            .and_then(|v| v.as_f64())
+    };
+    let rope_type = rp
+        .and_then(|p| p.get("rope_type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    anyhow::ensure!(
+        rope_type == "default",
+        "RoPE scaling '{rope_type}' is not supported yet"
+    );
+    let theta = rp_f("rope_theta").unwrap_or(10_000_000.0) as f32;
+    let partial = rp_f("partial_rotary_factor").unwrap_or(0.25);
+    let rot_dim = (head_dim as f64 * partial) as usize;
+
+    // layer_types, or every `full_attention_interval`-th layer full (transformers' default).
+    let linear: Vec<bool> = match c.get("layer_types").and_then(|v| v.as_array()) {
+        Some(a) => a
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("linear_attention") | Some("mamba") => Ok(true),
+                Some("full_attention") | Some("attention") => Ok(false),
+                other => bail!("unknown layer type {other:?}"),
+            })
+            .collect::<Result<_>>()?,
+        None => {
+            let every = get_usize("full_attention_interval").unwrap_or(4).max(1);
+            (0..n_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    anyhow::ensure!(
+        linear.len() == n_layers,
+        "layer_types has {} entries for {n_layers} layers",
+        linear.len()
+    );
+    let delta = DeltaShape {
+        n_k_heads: need("linear_num_key_heads")?,
+        n_v_heads: need("linear_num_value_heads")?,
+        k_head_dim: need("linear_key_head_dim")?,
+        v_head_dim: need("linear_value_head_dim")?,
+        conv_kernel: get_usize("linear_conv_kernel_dim").unwrap_or(4),
+    };
+    anyhow::ensure!(
+        delta.n_k_heads > 0 && delta.n_v_heads % delta.n_k_heads == 0,
+        "{} linear value heads is not a multiple of {} key heads",
+        delta.n_v_heads,
+        delta.n_k_heads
+    );
+    let (moe, ffn) = if arch == Arch::Qwen35Moe {
+        let shared = get_usize("shared_expert_intermediate_size").unwrap_or(0);
+        let moe = MoeConfig {
+            routing: MoeRouting {
+                n_experts: get_usize("num_experts")
+                    .or_else(|| get_usize("num_local_experts"))
+                    .context("config.json is missing 'num_experts'")?,
+                top_k: need("num_experts_per_tok")?,
+                // Qwen3_5MoeTopKRouter always renormalises the top-k probabilities.
+                norm_topk: true,
+            },
+            expert_ffn: need("moe_intermediate_size")?,
+            dense_layers: vec![],
+            shared_expert_ffn: shared,
+        };
+        // The dense FFN buffers serve the shared expert.
+        (Some(moe), shared)
+    } else {
+        (None, need("intermediate_size")?)
+    };
+    let cfg = ModelConfig {
+        arch,
+        hidden,
+        n_layers,
+        attn: AttnShape {
+            n_heads,
+            n_kv_heads: get_usize("num_key_value_heads").unwrap_or(n_heads),
+            head_dim,
+        },
+        ffn,
+        vocab: need("vocab_size")?,
+        rms_eps: get_f32("rms_norm_eps").unwrap_or(1e-6),
+        rope: Rope {
+            style: RopeStyle::Neox,
+            theta,
+            rot_dim,
+        },
+        max_ctx: get_usize("max_position_embeddings").unwrap_or(32768),
+        qk_norm: true,
+        moe,
+        hybrid: Some(HybridConfig { linear, delta }),
     };
     validate(&cfg)?;
     Ok(cfg)

@@ -54,6 +54,8 @@ pub struct Model<B: Backend> {
     pub cfg: ModelConfig,
     embed: B::Weight,
     layers: Vec<Layer<B::Weight>>,
+    /// Qwen3.5's hybrid layers ([`crate::qwen3_5`]); empty for the plain decoders.
+    hybrid: Vec<crate::qwen3_5::Layer<B::Weight>>,
     out_norm: B::Weight,
     /// `None` when the output projection is tied to the embedding.
     output: Option<B::Weight>,
@@ -63,6 +65,9 @@ impl<B: Backend> Model<B> {
     /// Uploads every weight; `progress(done, total)` is called after each layer.
     pub fn load(be: &B, file: &ModelFile, progress: &dyn Fn(usize, usize)) -> Result<Self> {
         let cfg = file.config()?;
+        if cfg.arch.is_hybrid() {
+            return crate::qwen3_5::load(be, file, cfg, progress);
+        }
         let up = |t: Tensor| -> Result<B::Weight> { be.upload(&file.need(t)?) };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
@@ -107,13 +112,39 @@ impl<B: Backend> Model<B> {
             out_norm: up(Tensor::OutputNorm)?,
             output,
             layers,
+            hybrid: vec![],
             cfg,
         })
     }
 
-    /// A KV cache for one sequence of up to `capacity` tokens.
+    /// A hybrid model from its parts (see [`crate::qwen3_5::load`]).
+    pub(crate) fn from_hybrid(
+        cfg: ModelConfig,
+        embed: B::Weight,
+        hybrid: Vec<crate::qwen3_5::Layer<B::Weight>>,
+        out_norm: B::Weight,
+        output: Option<B::Weight>,
+    ) -> Self {
+        Model {
+            cfg,
+            embed,
+            layers: vec![],
+            hybrid,
+            out_norm,
+            output,
+        }
+    }
+
+    /// A KV cache for one sequence of up to `capacity` tokens (for hybrid models also the
+    /// linear-attention layers' state).
     pub fn new_kv(&self, be: &B, capacity: usize) -> Result<B::Kv> {
-        be.kv_new(self.cfg.n_layers, self.cfg.attn, capacity)
+        match &self.cfg.hybrid {
+            Some(h) => {
+                let (n_lin, n_attn) = h.counts();
+                be.kv_new_hybrid(n_attn, self.cfg.attn, capacity, n_lin, h.delta)
+            }
+            None => be.kv_new(self.cfg.n_layers, self.cfg.attn, capacity),
+        }
     }
 
     /// Activation buffers for steps of up to `max_rows` tokens, allocated once and reused
@@ -141,6 +172,10 @@ impl<B: Backend> Model<B> {
             logits: be.zeros(if which == Logits::All { max_rows } else { 1 }, c.vocab)?,
             argmax: be.step_input(max_rows)?.tokens,
             top_ids: be.step_input(TOP_K_MAX)?.tokens,
+            hybrid: match &c.hybrid {
+                Some(_) => Some(crate::qwen3_5::Buffers::new(be, c, max_rows)?),
+                None => None,
+            },
         })
     }
 
@@ -160,6 +195,11 @@ impl<B: Backend> Model<B> {
         let t = ws.step.rows;
         anyhow::ensure!(t > 0, "forward: no tokens");
         ws.set_rows(t)?;
+        if !self.hybrid.is_empty() {
+            be.embed(&self.embed, &ws.step, &mut ws.x)?;
+            crate::qwen3_5::forward_layers(be, cfg, &self.hybrid, ws, kv)?;
+            return self.output_logits(be, ws, which);
+        }
         let Workspace {
             step,
             x,
@@ -173,8 +213,6 @@ impl<B: Backend> Model<B> {
             up,
             act,
             router,
-            last,
-            logits,
             ..
         } = ws;
 
@@ -243,6 +281,16 @@ impl<B: Backend> Model<B> {
             be.add_assign(x, y)?;
         }
 
+        self.output_logits(be, ws, which)
+    }
+
+    /// Final norm and output projection of the step's last row, or of every row.
+    fn output_logits(&self, be: &B, ws: &mut Workspace<B>, which: Logits) -> Result<()> {
+        let cfg = &self.cfg;
+        let t = ws.step.rows;
+        let Workspace {
+            x, h, last, logits, ..
+        } = ws;
         let out_w = self.output.as_ref().unwrap_or(&self.embed);
         match which {
             Logits::All => {
@@ -299,24 +347,26 @@ impl<B: Backend> Model<B> {
 pub struct Workspace<B: Backend> {
     /// Token ids and positions of the current step.
     pub step: StepInput<B::IBuf>,
-    x: Act<B::Buf>,
-    h: Act<B::Buf>,
-    q: Act<B::Buf>,
-    k: Act<B::Buf>,
-    v: Act<B::Buf>,
-    att: Act<B::Buf>,
-    y: Act<B::Buf>,
-    gate: Act<B::Buf>,
-    up: Act<B::Buf>,
-    act: Act<B::Buf>,
-    router: Act<B::Buf>,
-    last: Act<B::Buf>,
+    pub(crate) x: Act<B::Buf>,
+    pub(crate) h: Act<B::Buf>,
+    pub(crate) q: Act<B::Buf>,
+    pub(crate) k: Act<B::Buf>,
+    pub(crate) v: Act<B::Buf>,
+    pub(crate) att: Act<B::Buf>,
+    pub(crate) y: Act<B::Buf>,
+    pub(crate) gate: Act<B::Buf>,
+    pub(crate) up: Act<B::Buf>,
+    pub(crate) act: Act<B::Buf>,
+    pub(crate) router: Act<B::Buf>,
+    pub(crate) last: Act<B::Buf>,
     /// Logits of the last step: `[1, vocab]` or `[rows, vocab]`.
     pub logits: Act<B::Buf>,
     /// Greedy choices of the last step (device side), see [`Backend::argmax`].
     pub argmax: B::IBuf,
     /// The best `k ≤ TOP_K_MAX` logits of the last position, see [`Backend::top_k`].
     pub top_ids: B::IBuf,
+    /// Qwen3.5's extra buffers (linear attention, attention gate, shared expert).
+    pub(crate) hybrid: Option<crate::qwen3_5::Buffers<B>>,
 }
 
 /// Largest top-k the device selects for sampling (larger k copies the logits to the host).
@@ -338,6 +388,9 @@ impl<B: Backend> Workspace<B> {
             &mut self.router,
         ] {
             a.set_rows(t)?;
+        }
+        if let Some(hb) = &mut self.hybrid {
+            hb.set_rows(t)?;
         }
         Ok(())
     }

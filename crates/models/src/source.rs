@@ -155,29 +155,40 @@ impl ModelFile {
                 get(format!("blk.{i}.ffn_down_exps.weight"))?,
             ]),
             ModelFile::Safetensors(_) => {
-                let p = format!("model.layers.{i}.mlp.experts");
-                if let Some(gu) = src.tensor(&format!("{p}.gate_up_proj")) {
-                    let down = get(format!("{p}.down_proj"))?;
-                    let [gate, up] = split_gate_up(gu)?;
-                    return Ok([gate, up, down]);
-                }
-                let stack = |w: &str| -> Result<HostTensor<'_>> {
-                    let parts: Vec<TensorView<'_>> = (0..n_experts)
-                        .map(|e| {
-                            let name = format!("{p}.{e}.{w}.weight");
-                            src.tensor(&name)
-                                .with_context(|| format!("model file has no tensor '{name}'"))
-                        })
-                        .collect::<Result<_>>()?;
-                    stack_experts(&parts)
-                };
-                Ok([stack("gate_proj")?, stack("up_proj")?, stack("down_proj")?])
+                self.hf_experts(&format!("model.layers.{i}.mlp.experts"), n_experts)
             }
         }
     }
+
+    /// The stacked gate, up and down weights of the Hugging Face experts under `p`
+    /// (`…mlp.experts`), stored per expert or fused.
+    pub fn hf_experts(&self, p: &str, n_experts: usize) -> Result<[HostTensor<'_>; 3]> {
+        let src = self.tensors();
+        let get = |name: String| {
+            src.tensor(&name)
+                .map(host)
+                .with_context(|| format!("model file has no tensor '{name}'"))
+        };
+        if let Some(gu) = src.tensor(&format!("{p}.gate_up_proj")) {
+            let down = get(format!("{p}.down_proj"))?;
+            let [gate, up] = split_gate_up(gu)?;
+            return Ok([gate, up, down]);
+        }
+        let stack = |w: &str| -> Result<HostTensor<'_>> {
+            let parts: Vec<TensorView<'_>> = (0..n_experts)
+                .map(|e| {
+                    let name = format!("{p}.{e}.{w}.weight");
+                    src.tensor(&name)
+                        .with_context(|| format!("model file has no tensor '{name}'"))
+                })
+                .collect::<Result<_>>()?;
+            stack_experts(&parts)
+        };
+        Ok([stack("gate_proj")?, stack("up_proj")?, stack("down_proj")?])
+    }
 }
 
-fn host(v: TensorView<'_>) -> HostTensor<'_> {
+pub(crate) fn host(v: TensorView<'_>) -> HostTensor<'_> {
     HostTensor {
         dtype: v.dtype,
         shape: v.shape.to_vec(),

@@ -86,6 +86,11 @@ fn all_logits(file: &ModelFile, tokens: &[u32]) -> Vec<f32> {
 }
 
 fn check_model(name: &str) {
+    check_model_formats(name, true)
+}
+
+/// `gguf`: also convert to GGUF and compare (not yet for Qwen3.5).
+fn check_model_formats(name: &str, gguf: bool) {
     let dir = data_dir().join(name);
     let o = read_oracle(&dir);
     let file = ModelFile::open(&dir).expect("checkpoint opens");
@@ -107,17 +112,35 @@ fn check_model(name: &str) {
     }
 
     // Same weights through GGUF (llama.cpp's names, layout and for llama its Q/K permutation).
-    let gguf =
-        std::env::temp_dir().join(format!("ferrite-oracle-{name}-{}.gguf", std::process::id()));
-    ferrite_models::convert::hf_to_gguf(&dir, &gguf).expect("convert to GGUF");
-    let gfile = ModelFile::open(&gguf).expect("GGUF opens");
-    let from_gguf = all_logits(&gfile, &o.tokens);
-    std::fs::remove_file(&gguf).ok();
-    let e2 = nmse(&from_gguf, &ours);
-    println!("{name}: NMSE GGUF vs safetensors = {e2:.3e}");
+    if gguf {
+        let gguf =
+            std::env::temp_dir().join(format!("ferrite-oracle-{name}-{}.gguf", std::process::id()));
+        ferrite_models::convert::hf_to_gguf(&dir, &gguf).expect("convert to GGUF");
+        let gfile = ModelFile::open(&gguf).expect("GGUF opens");
+        let from_gguf = all_logits(&gfile, &o.tokens);
+        std::fs::remove_file(&gguf).ok();
+        let e2 = nmse(&from_gguf, &ours);
+        println!("{name}: NMSE GGUF vs safetensors = {e2:.3e}");
+        assert!(
+            e2 < FORMAT_NMSE,
+            "{name}: GGUF and safetensors disagree: NMSE {e2:e}"
+        );
+    }
+
+    // Token by token through the cache (conv + recurrent state for Qwen3.5) gives the
+    // same logits at every position as the one-step prefill.
+    let be = CpuBackend::new();
+    let m: Model<CpuBackend> = Model::load(&be, &file, &|_, _| {}).unwrap();
+    let mut kv = m.new_kv(&be, o.tokens.len()).unwrap();
+    let mut ws = m.workspace(&be, 1, Logits::All).unwrap();
+    let stepwise = m
+        .run(&be, &mut ws, &mut kv, 0, &o.tokens, Logits::All)
+        .unwrap();
+    let e3 = nmse(&stepwise, &ours);
+    println!("{name}: NMSE token-by-token vs prefill = {e3:.3e}");
     assert!(
-        e2 < FORMAT_NMSE,
-        "{name}: GGUF and safetensors disagree: NMSE {e2:e}"
+        e3 < FORMAT_NMSE,
+        "{name}: decode and prefill disagree: NMSE {e3:e}"
     );
 
     // Greedy continuation with the KV cache, token by token, as transformers generated it.
@@ -174,4 +197,14 @@ fn qwen3_moe_without_topk_renormalisation_matches_transformers() {
 #[test]
 fn llama_tied_embeddings_matches_transformers() {
     check_model("llama-tiny");
+}
+
+#[test]
+fn qwen35_matches_transformers() {
+    check_model_formats("qwen35-tiny", false);
+}
+
+#[test]
+fn qwen35_moe_matches_transformers() {
+    check_model_formats("qwen35-moe-tiny", false);
 }

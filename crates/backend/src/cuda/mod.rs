@@ -364,6 +364,56 @@ impl Backend for CudaBackend {
         attention::kv_new(self, n_layers, shape, capacity)
     }
 
+    fn kv_new_hybrid(
+        &self,
+        _n_attn_layers: usize,
+        _shape: AttnShape,
+        _capacity: usize,
+        _n_linear_layers: usize,
+        _delta: crate::DeltaShape,
+    ) -> Result<attention::CudaKv> {
+        anyhow::bail!("not supported on CUDA yet: Gated DeltaNet state (kv_new_hybrid)")
+    }
+
+    fn causal_conv1d(
+        &self,
+        _kv: &mut attention::CudaKv,
+        _layer: usize,
+        _x: &Act<CudaSlice<f32>>,
+        _w: &CudaWeight,
+        _out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        anyhow::bail!("not supported on CUDA yet: causal_conv1d")
+    }
+
+    fn gated_delta_rule(
+        &self,
+        _kv: &mut attention::CudaKv,
+        _a: crate::DeltaArgs<'_, CudaSlice<f32>, CudaWeight>,
+        _out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        anyhow::bail!("not supported on CUDA yet: gated_delta_rule")
+    }
+
+    fn gated_rms_norm(
+        &self,
+        _x: &mut Act<CudaSlice<f32>>,
+        _z: &Act<CudaSlice<f32>>,
+        _w: &CudaWeight,
+        _head_dim: usize,
+        _eps: f32,
+    ) -> Result<()> {
+        anyhow::bail!("not supported on CUDA yet: gated_rms_norm")
+    }
+
+    fn sigmoid_gate(
+        &self,
+        _x: &mut Act<CudaSlice<f32>>,
+        _gate: &Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        anyhow::bail!("not supported on CUDA yet: sigmoid_gate")
+    }
+
     fn attention(
         &self,
         kv: &mut attention::CudaKv,
