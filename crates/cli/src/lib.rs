@@ -7,6 +7,7 @@ pub mod check_e2e;
 pub mod load;
 pub mod model_spec;
 pub mod run;
+pub mod serve;
 pub mod synth;
 pub mod tools;
 

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use ferrite_cli::{bench, check, run, synth, tools};
+use ferrite_cli::{bench, check, run, serve, synth, tools};
 
 #[derive(Parser)]
 #[command(
@@ -40,6 +40,8 @@ enum Command {
     /// Check every backend op against the CPU reference on random inputs (NMSE per op);
     /// --perf also times them.
     Check(check::CheckArgs),
+    /// Serve the OpenAI-compatible HTTP API (chat and text completions, streaming).
+    Serve(serve::ServeArgs),
 }
 
 fn main() {
@@ -87,5 +89,6 @@ fn dispatch(cli: Cli) -> Result<()> {
         Command::Synth(a) => synth::synth(&a),
         Command::Bench(a) => bench::bench(&a),
         Command::Check(a) => check::check(&a),
+        Command::Serve(a) => serve::serve(&a),
     }
 }

@@ -1,0 +1,809 @@
+//! The serving scheduler: continuous batching at the iteration level over one [`Engine`].
+//!
+//! A dedicated thread owns the engine and runs the loop; requests arrive on a channel and
+//! each request's results go back through its own [`EventSink`]. Every loop iteration:
+//!
+//! ```text
+//! intake      take every request that arrived (block only when there is nothing to do)
+//! reap        drop requests whose client went away: sequence and KV pages freed at once
+//! admit       move waiting requests into the running batch while there is a batch slot
+//!             and KV pages for their prompt (otherwise they wait: never a crash)
+//! prefill     at most `prefill_chunk` prompt tokens in total, so a long prompt cannot
+//!             stall the running decodes for more than one chunk
+//! decode      every running sequence past its prompt advances by one token; a sequence
+//!             that cannot get a page for it preempts the newest running sequence
+//! ```
+//!
+//! **KV pages.** KV memory is budgeted in fixed-size pages (`page_size` tokens) out of a
+//! global pool; each sequence has a block table of page ids, grown as the sequence grows.
+//! When the pool runs dry, admission waits, and a running sequence that needs a page takes
+//! it by preempting the most recently admitted sequence (vLLM's recompute preemption): its
+//! pages and KV are freed and it is requeued at the head of the queue, to be re-prefilled
+//! with its prompt plus the tokens it had generated, after which it continues where it was
+//! (the next token after a resume comes from prefill logits instead of a decode step).
+//!
+//! **What is not here yet.** The backend's KV cache is still one contiguous buffer per
+//! sequence (`Sequence::new(be, model, ctx)`), and every running sequence takes its own
+//! one-row decode step. So the pages are the scheduler's *accounting* unit — they bound
+//! memory and drive admission and preemption exactly as a paged cache would — but the true
+//! paged-attention kernel (attention reading K/V through the block table) and a batched
+//! multi-sequence backend step (one matmul over all running rows) belong to the CUDA serving
+//! work. The scheduler's interface does not change when they arrive.
+//!
+//! **Determinism.** Each sequence's computation is independent of the others: its own KV,
+//! its own workspaces, its own sampler and RNG, and prefill chunk boundaries that depend only
+//! on the sequence itself (chunk `k` covers prompt positions `[k·C, (k+1)·C)` whatever else
+//! is running). A greedy request therefore gives the same tokens served in a busy batch as
+//! served alone; the tests assert it.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+
+use anyhow::{ensure, Result};
+use ferrite_backend::Backend;
+use ferrite_models::TOP_K_MAX;
+use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
+
+use crate::generate::{Engine, FinishReason, Sequence};
+use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
+
+/// Scheduler limits, fixed at start-up.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Most sequences in the running batch.
+    pub max_batch: usize,
+    /// Longest sequence (prompt + generated) a request may reach.
+    pub max_context: usize,
+    /// KV budget in tokens (rounded up to whole pages; at least `max_context`, so that a
+    /// request alone always fits).
+    pub kv_tokens: usize,
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// Most prompt tokens prefilled per loop iteration (all sequences together).
+    pub prefill_chunk: usize,
+    /// Most requests waiting for admission; more are refused ([`SubmitError::QueueFull`]).
+    pub max_waiting: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_batch: 8,
+            max_context: 4096,
+            kv_tokens: 8 * 4096,
+            page_size: 16,
+            prefill_chunk: 256,
+            max_waiting: 64,
+        }
+    }
+}
+
+/// What to generate for one request.
+#[derive(Clone, Debug)]
+pub struct RequestParams {
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Generation ends before the first occurrence of any of these strings.
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// `Some(k)`: report the log-probability of every generated token and of the `k` most
+    /// likely alternatives (raw model distribution, before penalties and temperature).
+    pub logprobs: Option<usize>,
+}
+
+impl Default for RequestParams {
+    fn default() -> Self {
+        RequestParams {
+            max_tokens: 256,
+            sampler: SamplerConfig::greedy(),
+            stop: vec![],
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// Log-probability of a generated token and of the most likely alternatives (best first).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What a request's sink receives, in order: `Token`s, then exactly one `Done` or `Error`.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// One generated token. `text` is the text that became final with it (often empty: an
+    /// incomplete character or a possible start of a stop string is held back).
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    /// The end. `text` is the final text not yet sent in `Token` events.
+    Done {
+        finish: FinishReason,
+        text: String,
+        usage: Usage,
+    },
+    Error(String),
+}
+
+/// Where a request's events go. `send` returns `false` when the client has gone away; the
+/// request is then dropped at once.
+pub trait EventSink: Send + 'static {
+    fn send(&mut self, ev: Event) -> bool;
+    /// Whether the client has gone away (checked every iteration, also while waiting).
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+impl EventSink for mpsc::Sender<Event> {
+    fn send(&mut self, ev: Event) -> bool {
+        mpsc::Sender::send(self, ev).is_ok()
+    }
+}
+
+/// One generation request.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: RequestParams,
+    pub sink: Box<dyn EventSink>,
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The waiting queue is full: try again later.
+    QueueFull,
+    /// Prompt + `max_tokens` exceeds `max_context` (or the prompt is empty).
+    Invalid(String),
+    /// The scheduler thread has stopped.
+    Stopped,
+}
+
+impl std::fmt::Display for SubmitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SubmitError::QueueFull => f.write_str("the server is at capacity; retry later"),
+            SubmitError::Invalid(m) => f.write_str(m),
+            SubmitError::Stopped => f.write_str("the scheduler has stopped"),
+        }
+    }
+}
+
+impl std::error::Error for SubmitError {}
+
+/// Live numbers for monitoring (updated by the scheduler thread every iteration).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub kv_pages_used: AtomicUsize,
+    pub kv_pages_total: AtomicUsize,
+    pub preemptions: AtomicU64,
+    /// Prompt tokens prefilled, re-prefills after preemption included.
+    pub prefill_tokens: AtomicU64,
+    pub decode_steps: AtomicU64,
+}
+
+/// A pool of fixed-size KV pages; a sequence's block table is a `Vec` of page ids.
+#[derive(Debug)]
+pub struct PagePool {
+    page_size: usize,
+    total: usize,
+    free: Vec<u32>,
+}
+
+impl PagePool {
+    pub fn new(total_pages: usize, page_size: usize) -> PagePool {
+        assert!(page_size > 0, "page size must be positive");
+        PagePool {
+            page_size,
+            total: total_pages,
+            // Popped from the end: page 0 is handed out first.
+            free: (0..total_pages as u32).rev().collect(),
+        }
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    pub fn used(&self) -> usize {
+        self.total - self.free.len()
+    }
+
+    pub fn available(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Pages needed to hold `tokens` tokens.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_size)
+    }
+
+    /// Grows `table` to hold `tokens` tokens; all or nothing (`false`: not enough free pages,
+    /// `table` unchanged).
+    pub fn grow(&mut self, table: &mut Vec<u32>, tokens: usize) -> bool {
+        let need = self.pages_for(tokens).saturating_sub(table.len());
+        if need > self.free.len() {
+            return false;
+        }
+        let at = self.free.len() - need;
+        table.extend(self.free.drain(at..).rev());
+        true
+    }
+
+    /// Returns every page of `table` to the pool.
+    pub fn release(&mut self, table: &mut Vec<u32>) {
+        self.free.append(table);
+    }
+}
+
+/// Handle to the scheduler thread. Dropping it (or [`Scheduler::shutdown`]) lets the thread
+/// finish the requests it has and exit.
+pub struct Scheduler {
+    tx: Option<mpsc::Sender<Request>>,
+    stats: Arc<Stats>,
+    tok: Arc<Tokenizer>,
+    cfg: SchedulerConfig,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread, which takes ownership of `engine`. `cfg.max_context` is
+    /// capped at the model's context; `cfg.kv_tokens` is raised to at least `max_context`.
+    pub fn spawn<B: Backend + 'static>(engine: Engine<B>, cfg: SchedulerConfig) -> Result<Self>
+    where
+        Engine<B>: Send,
+    {
+        let mut cfg = cfg;
+        ensure!(cfg.max_batch > 0, "max_batch must be at least 1");
+        ensure!(cfg.page_size > 0, "page_size must be at least 1");
+        ensure!(cfg.prefill_chunk > 0, "prefill_chunk must be at least 1");
+        cfg.max_context = cfg.max_context.min(engine.model.cfg.max_ctx).max(2);
+        if cfg.kv_tokens < cfg.max_context {
+            tracing::warn!(
+                "KV budget of {} tokens is below the context of {}; raised to it",
+                cfg.kv_tokens,
+                cfg.max_context
+            );
+            cfg.kv_tokens = cfg.max_context;
+        }
+        let Engine { be, model, tok } = engine;
+        let tok = Arc::new(tok);
+        let stats = Arc::new(Stats::default());
+        let (tx, rx) = mpsc::channel();
+        let pages = PagePool::new(cfg.kv_tokens.div_ceil(cfg.page_size), cfg.page_size);
+        stats.kv_pages_total.store(pages.total(), Ordering::Relaxed);
+        let (tok2, stats2, cfg2) = (tok.clone(), stats.clone(), cfg.clone());
+        let thread = std::thread::Builder::new()
+            .name("ferrite-scheduler".into())
+            .spawn(move || {
+                let mut l = Loop {
+                    be: &be,
+                    model: &model,
+                    tok: &tok2,
+                    cfg: cfg2,
+                    stats: stats2,
+                    pages,
+                    waiting: VecDeque::new(),
+                    running: Vec::new(),
+                    next_id: 0,
+                };
+                l.run(rx);
+            })?;
+        Ok(Scheduler {
+            tx: Some(tx),
+            stats,
+            tok,
+            cfg,
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues a request. Fails at once when the waiting queue is full or the request can
+    /// never fit.
+    pub fn submit(&self, req: Request) -> std::result::Result<(), SubmitError> {
+        let n = req.prompt.len();
+        if n == 0 {
+            return Err(SubmitError::Invalid("the prompt is empty".into()));
+        }
+        if req.params.max_tokens == 0 {
+            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
+        }
+        if n + req.params.max_tokens > self.cfg.max_context {
+            return Err(SubmitError::Invalid(format!(
+                "the prompt is {n} tokens and max_tokens is {}, but the context is {} tokens",
+                req.params.max_tokens, self.cfg.max_context
+            )));
+        }
+        let waiting = self.stats.waiting.fetch_add(1, Ordering::SeqCst);
+        if waiting >= self.cfg.max_waiting {
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull);
+        }
+        let tx = self.tx.as_ref().ok_or(SubmitError::Stopped)?;
+        tx.send(req).map_err(|_| {
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::Stopped
+        })
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tok
+    }
+
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// The configuration in effect (after capping).
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Stops taking requests, lets the running ones finish and joins the thread.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One request inside the scheduler, waiting or running.
+struct Active<'e, B: Backend> {
+    /// Admission order (lower = older); preemption takes the highest.
+    id: u64,
+    prompt_len: usize,
+    params: RequestParams,
+    sink: Box<dyn EventSink>,
+    /// `None` while waiting (never admitted, or preempted).
+    seq: Option<Sequence<'e, B>>,
+    /// Context the sequence's KV is allocated for.
+    ctx: usize,
+    /// Tokens to prefill: the prompt, plus the generated tokens after a preemption.
+    feed: Vec<u32>,
+    prefilled: usize,
+    /// Sampled but not yet in the KV cache (decoded next step).
+    pending: Option<u32>,
+    pages: Vec<u32>,
+    generated: Vec<u32>,
+    sampler: Sampler,
+    stops: StopChecker,
+    detok: IncrementalDecoder,
+    text: String,
+    emitted: usize,
+}
+
+/// What became of a sequence after a step.
+enum Outcome {
+    Continue,
+    /// Finished or failed; the sink has had its last event (or is gone).
+    Remove,
+}
+
+struct Loop<'e, B: Backend> {
+    be: &'e B,
+    model: &'e ferrite_models::Model<B>,
+    tok: &'e Tokenizer,
+    cfg: SchedulerConfig,
+    stats: Arc<Stats>,
+    pages: PagePool,
+    waiting: VecDeque<Active<'e, B>>,
+    /// In admission order: the last one is the newest.
+    running: Vec<Active<'e, B>>,
+    next_id: u64,
+}
+
+impl<'e, B: Backend> Loop<'e, B> {
+    fn run(&mut self, rx: mpsc::Receiver<Request>) {
+        loop {
+            // Intake: block only when idle.
+            if self.running.is_empty() && self.waiting.is_empty() {
+                self.publish();
+                match rx.recv() {
+                    Ok(r) => self.enqueue(r),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(r) = rx.try_recv() {
+                self.enqueue(r);
+            }
+            self.reap();
+            self.admit();
+            self.prefill();
+            self.decode();
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let s = &self.stats;
+        s.running.store(self.running.len(), Ordering::Relaxed);
+        s.kv_pages_used.store(self.pages.used(), Ordering::Relaxed);
+    }
+
+    fn enqueue(&mut self, r: Request) {
+        let vocab = self.model.cfg.vocab;
+        let ctx = r.prompt.len() + r.params.max_tokens;
+        self.waiting.push_back(Active {
+            id: 0,
+            prompt_len: r.prompt.len(),
+            sampler: Sampler::new(r.params.sampler.clone(), vocab),
+            stops: StopChecker::new(r.params.stop.iter().cloned()),
+            params: r.params,
+            sink: r.sink,
+            seq: None,
+            ctx,
+            feed: r.prompt,
+            prefilled: 0,
+            pending: None,
+            pages: Vec::new(),
+            generated: Vec::new(),
+            detok: IncrementalDecoder::new(true),
+            text: String::new(),
+            emitted: 0,
+        });
+    }
+
+    /// Drops requests whose client has gone away.
+    fn reap(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|a| !a.sink.is_closed());
+        let gone = before - self.waiting.len();
+        self.stats.waiting.fetch_sub(gone, Ordering::SeqCst);
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].sink.is_closed() {
+                self.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn remove(&mut self, i: usize) {
+        let mut a = self.running.remove(i);
+        self.pages.release(&mut a.pages);
+    }
+
+    /// Waiting requests join the batch, oldest first, while there is a slot and pages for
+    /// their whole prefill.
+    fn admit(&mut self) {
+        while self.running.len() < self.cfg.max_batch {
+            let Some(a) = self.waiting.front_mut() else {
+                break;
+            };
+            if !self.pages.grow(&mut a.pages, a.feed.len()) {
+                break;
+            }
+            let mut a = self.waiting.pop_front().expect("front exists");
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            match Sequence::new(self.be, self.model, a.ctx) {
+                Ok(seq) => {
+                    a.seq = Some(seq);
+                    a.id = self.next_id;
+                    self.next_id += 1;
+                    self.running.push(a);
+                }
+                Err(e) => {
+                    a.sink
+                        .send(Event::Error(format!("allocating the sequence: {e:#}")));
+                    self.pages.release(&mut a.pages);
+                }
+            }
+        }
+    }
+
+    /// Up to `prefill_chunk` prompt tokens over the sequences still prefilling, oldest
+    /// first, in chunks whose boundaries depend only on the sequence.
+    fn prefill(&mut self) {
+        let c = self.cfg.prefill_chunk;
+        let mut budget = c;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let a = &mut self.running[i];
+            if a.prefilled >= a.feed.len() {
+                i += 1;
+                continue;
+            }
+            let start = a.prefilled;
+            let end = ((start / c + 1) * c).min(a.feed.len());
+            if end - start > budget {
+                break;
+            }
+            budget -= end - start;
+            let seq = a.seq.as_mut().expect("running sequences have a sequence");
+            let r = seq.prefill(&a.feed[start..end]);
+            self.stats
+                .prefill_tokens
+                .fetch_add((end - start) as u64, Ordering::Relaxed);
+            let outcome = match r {
+                Err(e) => fail(a, &e),
+                Ok(()) => {
+                    a.prefilled = end;
+                    if end == a.feed.len() {
+                        self.step_token(i)
+                    } else {
+                        Outcome::Continue
+                    }
+                }
+            };
+            match outcome {
+                Outcome::Continue => i += 1,
+                Outcome::Remove => self.remove(i),
+            }
+        }
+    }
+
+    /// Every sequence past its prefill decodes its pending token and samples the next.
+    fn decode(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let Some(tok) = self.running[i].pending else {
+                i += 1;
+                continue;
+            };
+            // A page for the token about to enter the cache, preempting the newest if needed.
+            let mut preempted_self = false;
+            loop {
+                let a = &mut self.running[i];
+                let need = a.seq.as_ref().map_or(0, |s| s.pos) + 1;
+                if self.pages.grow(&mut a.pages, need) {
+                    break;
+                }
+                let victim = self.running.len() - 1;
+                if victim == 0 {
+                    // Alone and out of pages: cannot happen with kv_tokens ≥ max_context,
+                    // but end the request rather than loop.
+                    let a = &mut self.running[i];
+                    let outcome = finish(a, self.tok, FinishReason::Length);
+                    debug_assert!(matches!(outcome, Outcome::Remove));
+                    self.remove(i);
+                    preempted_self = true;
+                    break;
+                }
+                self.preempt(victim);
+                if victim == i {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                continue;
+            }
+            let a = &mut self.running[i];
+            let r = a.seq.as_mut().expect("running").decode(tok);
+            self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+            let outcome = match r {
+                Err(e) => fail(a, &e),
+                Ok(()) => {
+                    a.pending = None;
+                    self.step_token(i)
+                }
+            };
+            match outcome {
+                Outcome::Continue => i += 1,
+                Outcome::Remove => self.remove(i),
+            }
+        }
+    }
+
+    /// Frees running sequence `i` and puts it at the head of the queue, to be re-prefilled
+    /// with everything it has so far.
+    fn preempt(&mut self, i: usize) {
+        let mut a = self.running.remove(i);
+        self.pages.release(&mut a.pages);
+        a.seq = None;
+        a.feed.truncate(a.prompt_len);
+        a.feed.extend_from_slice(&a.generated);
+        a.prefilled = 0;
+        a.pending = None;
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        self.stats.waiting.fetch_add(1, Ordering::SeqCst);
+        tracing::debug!("preempted a sequence of {} tokens", a.feed.len());
+        self.waiting.push_front(a);
+    }
+
+    /// Samples the next token of running sequence `i` from its latest logits and handles it.
+    fn step_token(&mut self, i: usize) -> Outcome {
+        let a = &mut self.running[i];
+        let seq = a.seq.as_mut().expect("running");
+        let p = &a.params.sampler;
+        let no_penalties =
+            p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
+        let sampled = if a.params.logprobs.is_none() && no_penalties && p.temperature <= 0.0 {
+            seq.greedy().map(|t| (t, None))
+        } else if a.params.logprobs.is_none() && no_penalties && (1..=TOP_K_MAX).contains(&p.top_k)
+        {
+            let k = p.top_k;
+            seq.top_k(k).map(|c| (a.sampler.sample_top_k(&c), None))
+        } else {
+            seq.logits().map(|mut logits| {
+                let raw = a
+                    .params
+                    .logprobs
+                    .map(|k| (log_softmax_top(&logits, k), logits.clone()));
+                let t = if p.temperature <= 0.0 && no_penalties {
+                    argmax(&logits)
+                } else {
+                    // Penalties see the generated tokens only (OpenAI semantics).
+                    a.sampler.sample(&mut logits, &a.generated)
+                };
+                let lp = raw.map(|((lse, top), raw)| TokenLogprob {
+                    logprob: raw[t as usize] - lse,
+                    top,
+                });
+                (t, lp)
+            })
+        };
+        match sampled {
+            Err(e) => fail(a, &e),
+            Ok((t, lp)) => on_token(a, self.tok, t, lp),
+        }
+    }
+}
+
+/// `(logsumexp, k best (id, logprob))` of a logit vector.
+fn log_softmax_top(logits: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() < k || l > top[top.len() - 1].1 {
+                let at = top.partition_point(|&(_, v)| v >= l);
+                top.insert(at, (i as u32, l));
+                top.truncate(k);
+            }
+        }
+    }
+    (lse, top.into_iter().map(|(i, l)| (i, l - lse)).collect())
+}
+
+fn fail<B: Backend>(a: &mut Active<'_, B>, e: &anyhow::Error) -> Outcome {
+    tracing::error!("generation failed: {e:#}");
+    a.sink.send(Event::Error(format!("{e:#}")));
+    Outcome::Remove
+}
+
+/// Handles a freshly sampled token: stop conditions, text, events.
+fn on_token<B: Backend>(
+    a: &mut Active<'_, B>,
+    tok: &Tokenizer,
+    t: u32,
+    logprob: Option<TokenLogprob>,
+) -> Outcome {
+    a.generated.push(t);
+    let eos = !a.params.ignore_eos && tok.eos_ids().contains(&t);
+    let mut stop = eos;
+    let mut delta = String::new();
+    if !eos {
+        a.text.push_str(&a.detok.push(tok, t));
+        match a.stops.check(&a.text) {
+            StopCheck::Stop { len, .. } => {
+                a.text.truncate(len);
+                stop = true;
+            }
+            StopCheck::Continue { safe_len } => {
+                if safe_len > a.emitted {
+                    delta = a.text[a.emitted..safe_len].to_string();
+                    a.emitted = safe_len;
+                }
+            }
+        }
+    }
+    if !a.sink.send(Event::Token {
+        id: t,
+        text: delta,
+        logprob,
+    }) {
+        return Outcome::Remove;
+    }
+    if stop {
+        return finish(a, tok, FinishReason::Stop);
+    }
+    let pos = a.prompt_len + a.generated.len() - 1;
+    if a.generated.len() >= a.params.max_tokens || pos >= a.ctx {
+        return finish(a, tok, FinishReason::Length);
+    }
+    a.pending = Some(t);
+    Outcome::Continue
+}
+
+/// Sends the final event.
+fn finish<B: Backend>(a: &mut Active<'_, B>, _tok: &Tokenizer, finish: FinishReason) -> Outcome {
+    if finish == FinishReason::Length {
+        a.text.push_str(&a.detok.flush());
+        if let StopCheck::Stop { len, .. } = a.stops.check(&a.text) {
+            a.text.truncate(len);
+        }
+    }
+    let text = a.text.get(a.emitted..).unwrap_or("").to_string();
+    a.emitted = a.text.len();
+    a.sink.send(Event::Done {
+        finish,
+        text,
+        usage: Usage {
+            prompt_tokens: a.prompt_len,
+            completion_tokens: a.generated.len(),
+        },
+    });
+    Outcome::Remove
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_grow_all_or_nothing_and_release() {
+        let mut pool = PagePool::new(4, 16);
+        let (mut a, mut b) = (vec![], vec![]);
+        assert!(pool.grow(&mut a, 1));
+        assert_eq!(a.len(), 1);
+        assert!(pool.grow(&mut a, 16), "16 tokens still fit one page");
+        assert_eq!(a.len(), 1);
+        assert!(pool.grow(&mut a, 17));
+        assert_eq!(a.len(), 2);
+        assert!(!pool.grow(&mut b, 3 * 16), "3 pages asked, 2 free");
+        assert!(b.is_empty(), "a failed grow takes nothing");
+        assert!(pool.grow(&mut b, 32));
+        assert_eq!((pool.used(), pool.available()), (4, 0));
+        let mut all: Vec<u32> = a.iter().chain(&b).copied().collect();
+        all.sort();
+        assert_eq!(all, vec![0, 1, 2, 3], "every page handed out once");
+        pool.release(&mut a);
+        assert!(a.is_empty());
+        assert_eq!(pool.used(), 2);
+        assert!(pool.grow(&mut b, 64));
+        assert_eq!(pool.used(), 4);
+    }
+
+    #[test]
+    fn pages_for_rounds_up() {
+        let pool = PagePool::new(8, 16);
+        assert_eq!(pool.pages_for(0), 0);
+        assert_eq!(pool.pages_for(1), 1);
+        assert_eq!(pool.pages_for(16), 1);
+        assert_eq!(pool.pages_for(17), 2);
+    }
+
+    #[test]
+    fn log_softmax_top_is_normalized_and_sorted() {
+        let logits = [1.0f32, 3.0, 2.0, -1.0];
+        let (lse, top) = log_softmax_top(&logits, 2);
+        let total: f32 = logits.iter().map(|l| (l - lse).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!(top[0].1 > top[1].1);
+    }
+}
