@@ -594,7 +594,6 @@ impl Backend for CpuBackend {
         check_shape("gated_delta_rule out", out, rows, ds.value_dim())?;
         let ssm_a = dequant_vec(a.ssm_a, nv)?;
         let dt_bias = dequant_vec(a.dt_bias, nv)?;
-        let group = nv / ds.n_k_heads;
         let scale = 1.0 / (dk as f32).sqrt();
         let qkv = &a.qkv.buf;
         let c = ds.conv_dim();
@@ -604,7 +603,7 @@ impl Backend for CpuBackend {
             .par_chunks_mut(dk * dv)
             .enumerate()
             .map(|(h, state)| {
-                let kh = h / group;
+                let kh = ds.k_head_of(h);
                 let mut q = Vec::with_capacity(rows * dk);
                 let mut k = Vec::with_capacity(rows * dk);
                 let mut v = Vec::with_capacity(rows * dv);

@@ -111,9 +111,9 @@ pub struct MoeRouting {
 }
 
 /// Shape of a Gated DeltaNet (linear attention) layer: `n_k_heads` query/key heads of
-/// `k_head_dim`, `n_v_heads` value heads of `v_head_dim` (a multiple of the key heads; value
-/// head `h` reads key head `h / (n_v_heads / n_k_heads)`), and the short causal convolution's
-/// kernel length. The convolution runs over the concatenated `[q | k | v]` channels.
+/// `k_head_dim`, `n_v_heads` value heads of `v_head_dim` (a multiple of the key heads), and
+/// the short causal convolution's kernel length. The convolution runs over the concatenated
+/// `[q | k | v]` channels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeltaShape {
     pub n_k_heads: usize,
@@ -121,9 +121,23 @@ pub struct DeltaShape {
     pub k_head_dim: usize,
     pub v_head_dim: usize,
     pub conv_kernel: usize,
+    /// How value heads share key heads. Hugging Face groups them (value head `h` reads key
+    /// head `h / (n_v_heads / n_k_heads)`); llama.cpp's converter reorders the value heads
+    /// of GGUF files to tiled order (value head `h` reads key head `h % n_k_heads`) so ggml
+    /// can broadcast. Every per-value-head weight follows the same order, so only this
+    /// mapping differs.
+    pub tiled_v_heads: bool,
 }
 
 impl DeltaShape {
+    /// The key head value head `h` reads.
+    pub fn k_head_of(&self, h: usize) -> usize {
+        if self.tiled_v_heads {
+            h % self.n_k_heads
+        } else {
+            h / (self.n_v_heads / self.n_k_heads)
+        }
+    }
     /// Width of the query (and of the key) block: `n_k_heads * k_head_dim`.
     pub fn key_dim(&self) -> usize {
         self.n_k_heads * self.k_head_dim

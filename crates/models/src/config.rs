@@ -23,8 +23,10 @@ impl Arch {
             "llama" => Arch::Llama,
             "qwen3" => Arch::Qwen3,
             "qwen3moe" => Arch::Qwen3Moe,
+            "qwen35" => Arch::Qwen35,
+            "qwen35moe" => Arch::Qwen35Moe,
             other => {
-                bail!("unsupported GGUF architecture '{other}' (supported: llama, qwen3, qwen3moe)")
+                bail!("unsupported GGUF architecture '{other}' (supported: llama, qwen3, qwen3moe, qwen35, qwen35moe)")
             }
         })
     }
@@ -131,6 +133,9 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
         .and_then(|v| v.as_str())
         .context("GGUF has no general.architecture")?;
     let arch = Arch::from_gguf_name(arch_name)?;
+    if arch.is_hybrid() {
+        return from_gguf_qwen35(f, arch, vocab);
+    }
     let key = |k: &str| format!("{arch_name}.{k}");
     let get_usize = |k: &str| f.get(&key(k)).and_then(|v| v.as_usize());
     let need = |k: &str| get_usize(k).with_context(|| format!("GGUF is missing {}", key(k)));
@@ -193,6 +198,84 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
         qk_norm: arch != Arch::Llama,
         moe,
         hybrid: None,
+    };
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// llama.cpp's `qwen35` / `qwen35moe` metadata, as its converter (`Qwen3NextModel` and
+/// `_LinearAttentionVReorderBase` in `convert_hf_to_gguf.py`) writes it: the Gated DeltaNet
+/// shape in the `ssm.*` keys (`conv_kernel` = kernel, `state_size` = key head dim,
+/// `group_count` = key heads, `time_step_rank` = value heads, `inner_size` = value heads ×
+/// value head dim), every `full_attention_interval`-th layer full attention, value heads in
+/// tiled order, `block_count` counting the `nextn_predict_layers` MTP layers at the end.
+fn from_gguf_qwen35(f: &GgufFile, arch: Arch, vocab: usize) -> Result<ModelConfig> {
+    let arch_name = arch.gguf_name();
+    let key = |k: &str| format!("{arch_name}.{k}");
+    let get_usize = |k: &str| f.get(&key(k)).and_then(|v| v.as_usize());
+    let need = |k: &str| get_usize(k).with_context(|| format!("GGUF is missing {}", key(k)));
+    let get_f32 = |k: &str| f.get(&key(k)).and_then(|v| v.as_f32());
+
+    let hidden = need("embedding_length")?;
+    let n_layers = need("block_count")? - get_usize("nextn_predict_layers").unwrap_or(0);
+    let n_heads = need("attention.head_count")?;
+    let head_dim = need("attention.key_length")?;
+    let every = get_usize("full_attention_interval").unwrap_or(4).max(1);
+    let n_v_heads = need("ssm.time_step_rank")?;
+    let delta = DeltaShape {
+        n_k_heads: need("ssm.group_count")?,
+        n_v_heads,
+        k_head_dim: need("ssm.state_size")?,
+        v_head_dim: need("ssm.inner_size")? / n_v_heads.max(1),
+        conv_kernel: need("ssm.conv_kernel")?,
+        tiled_v_heads: true,
+    };
+    anyhow::ensure!(
+        delta.n_k_heads > 0 && delta.n_v_heads % delta.n_k_heads == 0,
+        "{} linear value heads is not a multiple of {} key heads",
+        delta.n_v_heads,
+        delta.n_k_heads
+    );
+    let (moe, ffn) = if arch == Arch::Qwen35Moe {
+        let shared = get_usize("expert_shared_feed_forward_length").unwrap_or(0);
+        let moe = MoeConfig {
+            routing: MoeRouting {
+                n_experts: need("expert_count")?,
+                top_k: need("expert_used_count")?,
+                norm_topk: true,
+            },
+            expert_ffn: need("expert_feed_forward_length")?,
+            dense_layers: vec![],
+            shared_expert_ffn: shared,
+        };
+        (Some(moe), shared)
+    } else {
+        (None, need("feed_forward_length")?)
+    };
+    let cfg = ModelConfig {
+        arch,
+        hidden,
+        n_layers,
+        attn: AttnShape {
+            n_heads,
+            n_kv_heads: get_usize("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim,
+        },
+        ffn,
+        vocab,
+        rms_eps: get_f32("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
+        rope: Rope {
+            style: RopeStyle::Neox,
+            theta: get_f32("rope.freq_base").unwrap_or(10_000_000.0),
+            rot_dim: get_usize("rope.dimension_count").unwrap_or(head_dim / 4),
+        },
+        max_ctx: get_usize("context_length").unwrap_or(32768),
+        qk_norm: true,
+        moe,
+        hybrid: Some(HybridConfig {
+            linear: (0..n_layers).map(|i| (i + 1) % every != 0).collect(),
+            delta,
+        }),
     };
     validate(&cfg)?;
     Ok(cfg)
@@ -365,6 +448,7 @@ fn from_hf_qwen35(arch: Arch, c: &serde_json::Value) -> Result<ModelConfig> {
         k_head_dim: need("linear_key_head_dim")?,
         v_head_dim: need("linear_value_head_dim")?,
         conv_kernel: get_usize("linear_conv_kernel_dim").unwrap_or(4),
+        tiled_v_heads: false,
     };
     anyhow::ensure!(
         delta.n_k_heads > 0 && delta.n_v_heads % delta.n_k_heads == 0,

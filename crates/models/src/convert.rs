@@ -44,6 +44,9 @@ pub fn hf_to_gguf(src: &Path, dst: &Path) -> Result<()> {
         src.display()
     );
     let cfg = file.config()?;
+    if cfg.arch.is_hybrid() {
+        return crate::qwen3_5::hf_to_gguf(&file, &cfg, dst);
+    }
     let arch = cfg.arch.gguf_name();
     let mut w = GgufWriter::create(dst)?;
     let k = |s: &str| format!("{arch}.{s}");

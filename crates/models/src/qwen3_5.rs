@@ -360,20 +360,332 @@ fn split_query_gate(
     Ok([mk(q), mk(g)])
 }
 
-/// Uploads a Qwen3.5 checkpoint (Hugging Face safetensors).
+/// The logical weights of a Qwen3.5 model; [`Names::of`] maps them to each format's names.
+#[derive(Clone, Copy, Debug)]
+enum W {
+    Embed,
+    OutputNorm,
+    Output,
+    AttnNorm(usize),
+    FfnNorm(usize),
+    Qkv(usize),
+    Z(usize),
+    B(usize),
+    A(usize),
+    Conv(usize),
+    SsmA(usize),
+    DtBias(usize),
+    SsmNorm(usize),
+    SsmOut(usize),
+    Q(usize),
+    K(usize),
+    V(usize),
+    O(usize),
+    QNorm(usize),
+    KNorm(usize),
+    Gate(usize),
+    Up(usize),
+    Down(usize),
+    Router(usize),
+    SharedGate(usize),
+    SharedUp(usize),
+    SharedDown(usize),
+    SharedExpertGate(usize),
+}
+
+/// Tensor naming of one file: llama.cpp's GGUF names, or Hugging Face names under a prefix
+/// (`model.` for `Qwen3_5ForCausalLM`, `model.language_model.` for the VL wrappers).
+enum Names {
+    Gguf,
+    Hf(&'static str),
+}
+
+impl Names {
+    fn of(&self, w: W) -> String {
+        use W::*;
+        match self {
+            Names::Gguf => match w {
+                Embed => "token_embd.weight".into(),
+                OutputNorm => "output_norm.weight".into(),
+                Output => "output.weight".into(),
+                AttnNorm(i) => format!("blk.{i}.attn_norm.weight"),
+                FfnNorm(i) => format!("blk.{i}.post_attention_norm.weight"),
+                Qkv(i) => format!("blk.{i}.attn_qkv.weight"),
+                Z(i) => format!("blk.{i}.attn_gate.weight"),
+                B(i) => format!("blk.{i}.ssm_beta.weight"),
+                A(i) => format!("blk.{i}.ssm_alpha.weight"),
+                Conv(i) => format!("blk.{i}.ssm_conv1d.weight"),
+                SsmA(i) => format!("blk.{i}.ssm_a"),
+                DtBias(i) => format!("blk.{i}.ssm_dt.bias"),
+                SsmNorm(i) => format!("blk.{i}.ssm_norm.weight"),
+                SsmOut(i) => format!("blk.{i}.ssm_out.weight"),
+                Q(i) => format!("blk.{i}.attn_q.weight"),
+                K(i) => format!("blk.{i}.attn_k.weight"),
+                V(i) => format!("blk.{i}.attn_v.weight"),
+                O(i) => format!("blk.{i}.attn_output.weight"),
+                QNorm(i) => format!("blk.{i}.attn_q_norm.weight"),
+                KNorm(i) => format!("blk.{i}.attn_k_norm.weight"),
+                Gate(i) => format!("blk.{i}.ffn_gate.weight"),
+                Up(i) => format!("blk.{i}.ffn_up.weight"),
+                Down(i) => format!("blk.{i}.ffn_down.weight"),
+                Router(i) => format!("blk.{i}.ffn_gate_inp.weight"),
+                SharedGate(i) => format!("blk.{i}.ffn_gate_shexp.weight"),
+                SharedUp(i) => format!("blk.{i}.ffn_up_shexp.weight"),
+                SharedDown(i) => format!("blk.{i}.ffn_down_shexp.weight"),
+                SharedExpertGate(i) => format!("blk.{i}.ffn_gate_inp_shexp.weight"),
+            },
+            Names::Hf(p) => {
+                let la = |i: usize, n: &str| format!("{p}layers.{i}.linear_attn.{n}");
+                let sa = |i: usize, n: &str| format!("{p}layers.{i}.self_attn.{n}");
+                let mlp = |i: usize, n: &str| format!("{p}layers.{i}.mlp.{n}");
+                match w {
+                    Embed => format!("{p}embed_tokens.weight"),
+                    OutputNorm => format!("{p}norm.weight"),
+                    Output => "lm_head.weight".into(),
+                    AttnNorm(i) => format!("{p}layers.{i}.input_layernorm.weight"),
+                    FfnNorm(i) => format!("{p}layers.{i}.post_attention_layernorm.weight"),
+                    Qkv(i) => la(i, "in_proj_qkv.weight"),
+                    Z(i) => la(i, "in_proj_z.weight"),
+                    B(i) => la(i, "in_proj_b.weight"),
+                    A(i) => la(i, "in_proj_a.weight"),
+                    Conv(i) => la(i, "conv1d.weight"),
+                    SsmA(i) => la(i, "A_log"),
+                    DtBias(i) => la(i, "dt_bias"),
+                    SsmNorm(i) => la(i, "norm.weight"),
+                    SsmOut(i) => la(i, "out_proj.weight"),
+                    Q(i) => sa(i, "q_proj.weight"),
+                    K(i) => sa(i, "k_proj.weight"),
+                    V(i) => sa(i, "v_proj.weight"),
+                    O(i) => sa(i, "o_proj.weight"),
+                    QNorm(i) => sa(i, "q_norm.weight"),
+                    KNorm(i) => sa(i, "k_norm.weight"),
+                    Gate(i) => mlp(i, "gate_proj.weight"),
+                    Up(i) => mlp(i, "up_proj.weight"),
+                    Down(i) => mlp(i, "down_proj.weight"),
+                    Router(i) => mlp(i, "gate.weight"),
+                    SharedGate(i) => mlp(i, "shared_expert.gate_proj.weight"),
+                    SharedUp(i) => mlp(i, "shared_expert.up_proj.weight"),
+                    SharedDown(i) => mlp(i, "shared_expert.down_proj.weight"),
+                    SharedExpertGate(i) => mlp(i, "shared_expert_gate.weight"),
+                }
+            }
+        }
+    }
+}
+
+/// Uploads a Qwen3.5 model from a Hugging Face checkpoint or a llama.cpp GGUF file.
+/// The files differ in more than names: llama.cpp's converter stores the zero-centred norms
+/// as `1 + w`, `A_log` as `-exp(A_log)`, the conv taps squeezed to `[channels, kernel]`,
+/// and the value heads in tiled order (see [`DeltaShape::tiled_v_heads`], set from the
+/// format by [`crate::config`]); this loader brings Hugging Face tensors to the same form.
 pub(crate) fn load<B: Backend>(
     be: &B,
     file: &ModelFile,
     cfg: ModelConfig,
     progress: &dyn Fn(usize, usize),
 ) -> Result<Model<B>> {
-    let ModelFile::Safetensors(_) = file else {
-        bail!("Qwen3.5 from GGUF (llama.cpp's qwen35 / qwen35moe) is not supported yet")
-    };
     let hy = cfg.hybrid.clone().context("not a hybrid model")?;
     let src = file.tensors();
-    // The text model of a vision-language wrapper sits under `model.language_model.`.
-    let p = if src
+    let names = match file {
+        ModelFile::Gguf(_) => Names::Gguf,
+        // The text model of a vision-language wrapper sits under `model.language_model.`.
+        ModelFile::Safetensors(_) => Names::Hf(
+            if src
+                .tensor("model.language_model.embed_tokens.weight")
+                .is_some()
+            {
+                "model.language_model."
+            } else {
+                "model."
+            },
+        ),
+    };
+    let hf = matches!(names, Names::Hf(_));
+    let get = |w: W| -> Result<HostTensor<'_>> {
+        let name = names.of(w);
+        src.tensor(&name)
+            .map(host)
+            .with_context(|| format!("model file has no tensor '{name}'"))
+    };
+    let up = |w: W| -> Result<B::Weight> { be.upload(&get(w)?) };
+    // Zero-centred RMSNorm weights: Hugging Face stores w, GGUF 1 + w.
+    let up_norm = |w: W| -> Result<B::Weight> {
+        let t = get(w)?;
+        be.upload(&if hf { plus_one(&t)? } else { t })
+    };
+    let d: DeltaShape = hy.delta;
+
+    let mut layers = Vec::with_capacity(cfg.n_layers);
+    let (mut n_lin, mut n_attn) = (0, 0);
+    for (i, &linear) in hy.linear.iter().enumerate() {
+        let mixer = if linear {
+            let mut conv = get(W::Conv(i))?;
+            let n: usize = conv.shape.iter().product();
+            anyhow::ensure!(
+                n == d.conv_dim() * d.conv_kernel,
+                "conv1d weight has shape {:?}, expected {} channels × {} taps",
+                conv.shape,
+                d.conv_dim(),
+                d.conv_kernel
+            );
+            conv.shape = vec![d.conv_dim(), d.conv_kernel];
+            let ssm_a = get(W::SsmA(i))?;
+            let m = Mixer::Linear {
+                slot: n_lin,
+                qkv: up(W::Qkv(i))?,
+                z: up(W::Z(i))?,
+                b: up(W::B(i))?,
+                a: up(W::A(i))?,
+                conv: be.upload(&conv)?,
+                ssm_a: be.upload(&if hf {
+                    map_f32(&ssm_a, |x| -x.exp())?
+                } else {
+                    ssm_a
+                })?,
+                dt_bias: up(W::DtBias(i))?,
+                norm: up(W::SsmNorm(i))?,
+                out: up(W::SsmOut(i))?,
+            };
+            n_lin += 1;
+            m
+        } else {
+            let [q, gate] = split_query_gate(&get(W::Q(i))?, cfg.attn.n_heads, cfg.attn.head_dim)?;
+            let m = Mixer::Attention {
+                slot: n_attn,
+                q: be.upload(&q)?,
+                gate: be.upload(&gate)?,
+                k: up(W::K(i))?,
+                v: up(W::V(i))?,
+                o: up(W::O(i))?,
+                q_norm: up_norm(W::QNorm(i))?,
+                k_norm: up_norm(W::KNorm(i))?,
+            };
+            n_attn += 1;
+            m
+        };
+        let ffn = match &cfg.moe {
+            Some(m) => {
+                let n = m.routing.n_experts;
+                let [g, u, dn] = match &names {
+                    Names::Gguf => file.experts(i, n)?,
+                    Names::Hf(p) => file.hf_experts(&format!("{p}layers.{i}.mlp.experts"), n)?,
+                };
+                let mut seg = get(W::SharedExpertGate(i))?;
+                seg.shape = vec![1, cfg.hidden];
+                Ffn::Moe {
+                    router: up(W::Router(i))?,
+                    gate: be.upload(&g)?,
+                    up: be.upload(&u)?,
+                    down: be.upload(&dn)?,
+                    shared_gate: up(W::SharedGate(i))?,
+                    shared_up: up(W::SharedUp(i))?,
+                    shared_down: up(W::SharedDown(i))?,
+                    shared_expert_gate: be.upload(&seg)?,
+                }
+            }
+            None => Ffn::Dense {
+                gate: up(W::Gate(i))?,
+                up: up(W::Up(i))?,
+                down: up(W::Down(i))?,
+            },
+        };
+        layers.push(Layer {
+            attn_norm: up_norm(W::AttnNorm(i))?,
+            mixer,
+            ffn_norm: up_norm(W::FfnNorm(i))?,
+            ffn,
+        });
+        progress(i + 1, cfg.n_layers);
+    }
+    let embed = up(W::Embed)?;
+    let out_norm = up_norm(W::OutputNorm)?;
+    let output = match src.tensor(&names.of(W::Output)) {
+        Some(t) => Some(be.upload(&host(t))?),
+        None => None,
+    };
+    Ok(Model::from_hybrid(cfg, embed, layers, out_norm, output))
+}
+
+/// llama.cpp's converter's value-head reorder (`_LinearAttentionVReorderBase`): along a
+/// dimension of `n_v_heads` blocks of `block` items, grouped order `[k][j]` (value head
+/// `k·r + j` reads key head `k`) becomes tiled order `[j][k]`. Returns, for each new block
+/// position, the old block index.
+fn tiled_order(d: &DeltaShape) -> Vec<usize> {
+    let (nk, r) = (d.n_k_heads, d.n_v_heads / d.n_k_heads);
+    (0..d.n_v_heads).map(|t| (t % nk) * r + t / nk).collect()
+}
+
+/// Reorders blocks of `block_bytes` bytes of `data` (starting at byte `start`) by `order`.
+fn reorder_blocks(data: &mut [u8], start: usize, block_bytes: usize, order: &[usize]) {
+    let old = data[start..start + order.len() * block_bytes].to_vec();
+    for (t, &g) in order.iter().enumerate() {
+        data[start + t * block_bytes..][..block_bytes]
+            .copy_from_slice(&old[g * block_bytes..][..block_bytes]);
+    }
+}
+
+/// Writes a Qwen3.5 safetensors checkpoint as llama.cpp's converter writes a `qwen35` /
+/// `qwen35moe` GGUF (metadata keys, tensor names, `1 + w` norms, `-exp(A_log)`, squeezed
+/// conv taps, tiled value heads). Tensors keep their stored type except the f32 ones the
+/// converter computes. The MTP tensors are not written (llama.cpp writes them only when
+/// asked; ferrite does not use them yet).
+pub(crate) fn hf_to_gguf(file: &ModelFile, cfg: &ModelConfig, dst: &std::path::Path) -> Result<()> {
+    use ferrite_formats::gguf::GgufWriter;
+    let hy = cfg.hybrid.as_ref().context("not a hybrid model")?;
+    let d = hy.delta;
+    anyhow::ensure!(
+        !d.tiled_v_heads,
+        "source is already in GGUF value-head order"
+    );
+    // llama.cpp derives the layer pattern from one interval: check the file has one.
+    let every = hy
+        .linear
+        .iter()
+        .position(|&l| !l)
+        .map_or(hy.linear.len() + 1, |p| p + 1);
+    anyhow::ensure!(
+        hy.linear
+            .iter()
+            .enumerate()
+            .all(|(i, &l)| l == ((i + 1) % every != 0)),
+        "layer_types is not every-{every}th-layer full attention: GGUF cannot express it"
+    );
+    let arch = cfg.arch.gguf_name();
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut w = GgufWriter::create(dst)?;
+    w.add_kv("general.architecture", arch)?;
+    w.add_kv(k("context_length"), cfg.max_ctx as u32)?;
+    w.add_kv(k("embedding_length"), cfg.hidden as u32)?;
+    w.add_kv(k("block_count"), cfg.n_layers as u32)?;
+    w.add_kv(k("attention.head_count"), cfg.attn.n_heads as u32)?;
+    w.add_kv(k("attention.head_count_kv"), cfg.attn.n_kv_heads as u32)?;
+    w.add_kv(k("attention.key_length"), cfg.attn.head_dim as u32)?;
+    w.add_kv(k("attention.value_length"), cfg.attn.head_dim as u32)?;
+    w.add_kv(k("attention.layer_norm_rms_epsilon"), cfg.rms_eps)?;
+    w.add_kv(k("rope.freq_base"), cfg.rope.theta)?;
+    w.add_kv(k("rope.dimension_count"), cfg.rope.rot_dim as u32)?;
+    w.add_kv(k("rope.dimension_sections"), vec![11i32, 11, 10, 0])?;
+    w.add_kv(k("ssm.conv_kernel"), d.conv_kernel as u32)?;
+    w.add_kv(k("ssm.state_size"), d.k_head_dim as u32)?;
+    w.add_kv(k("ssm.group_count"), d.n_k_heads as u32)?;
+    w.add_kv(k("ssm.time_step_rank"), d.n_v_heads as u32)?;
+    w.add_kv(k("ssm.inner_size"), d.value_dim() as u32)?;
+    w.add_kv(k("full_attention_interval"), every as u32)?;
+    match &cfg.moe {
+        Some(m) => {
+            w.add_kv(k("expert_count"), m.routing.n_experts as u32)?;
+            w.add_kv(k("expert_used_count"), m.routing.top_k as u32)?;
+            w.add_kv(k("expert_feed_forward_length"), m.expert_ffn as u32)?;
+            w.add_kv(
+                k("expert_shared_feed_forward_length"),
+                m.shared_expert_ffn as u32,
+            )?;
+        }
+        None => w.add_kv(k("feed_forward_length"), cfg.ffn as u32)?,
+    }
+
+    let src = file.tensors();
+    let hf_prefix = if src
         .tensor("model.language_model.embed_tokens.weight")
         .is_some()
     {
@@ -381,99 +693,144 @@ pub(crate) fn load<B: Backend>(
     } else {
         "model."
     };
-    let get = |name: &str| -> Result<HostTensor<'_>> {
-        src.tensor(name)
+    let (hf, gg) = (Names::Hf(hf_prefix), Names::Gguf);
+    let get = |x: W| -> Result<HostTensor<'_>> {
+        let name = hf.of(x);
+        src.tensor(&name)
             .map(host)
             .with_context(|| format!("model file has no tensor '{name}'"))
     };
-    let up = |name: &str| -> Result<B::Weight> { be.upload(&get(name)?) };
-    let up_norm = |name: &str| -> Result<B::Weight> { be.upload(&plus_one(&get(name)?)?) };
-    let d: DeltaShape = hy.delta;
-
-    let mut layers = Vec::with_capacity(cfg.n_layers);
-    let (mut n_lin, mut n_attn) = (0, 0);
+    let order = tiled_order(&d);
+    let reorder = d.n_v_heads != d.n_k_heads;
+    // Rows `start..` of a 2-D tensor: value heads of `rows_per_head` rows each → tiled.
+    let reorder_rows = |t: &mut HostTensor<'_>, start_row: usize, rows_per_head: usize| {
+        if !reorder {
+            return Ok::<(), anyhow::Error>(());
+        }
+        let row = t.dtype.bytes_for(*t.shape.last().unwrap_or(&1))?;
+        let mut data = t.data.to_vec();
+        reorder_blocks(&mut data, start_row * row, rows_per_head * row, &order);
+        t.data = Cow::Owned(data);
+        Ok(())
+    };
+    let mut out: Vec<(String, HostTensor<'_>)> = vec![(gg.of(W::Embed), get(W::Embed)?)];
     for (i, &linear) in hy.linear.iter().enumerate() {
-        let l = format!("{p}layers.{i}.");
-        let mixer = if linear {
-            let la = format!("{l}linear_attn.");
-            let mut conv = get(&format!("{la}conv1d.weight"))?;
-            anyhow::ensure!(
-                conv.shape == [d.conv_dim(), 1, d.conv_kernel],
-                "conv1d.weight has shape {:?}, expected [{}, 1, {}]",
-                conv.shape,
-                d.conv_dim(),
-                d.conv_kernel
-            );
+        let mut put = |x: W, t: HostTensor<'static>| out.push((gg.of(x), t));
+        put(W::AttnNorm(i), plus_one(&get(W::AttnNorm(i))?)?);
+        if linear {
+            let mut qkv = get(W::Qkv(i))?;
+            reorder_rows(&mut qkv, 2 * d.key_dim(), d.v_head_dim)?;
+            let mut z = get(W::Z(i))?;
+            reorder_rows(&mut z, 0, d.v_head_dim)?;
+            let mut b = get(W::B(i))?;
+            reorder_rows(&mut b, 0, 1)?;
+            let mut a = get(W::A(i))?;
+            reorder_rows(&mut a, 0, 1)?;
+            let mut conv = get(W::Conv(i))?;
             conv.shape = vec![d.conv_dim(), d.conv_kernel];
-            let a_log = get(&format!("{la}A_log"))?;
-            let m = Mixer::Linear {
-                slot: n_lin,
-                qkv: up(&format!("{la}in_proj_qkv.weight"))?,
-                z: up(&format!("{la}in_proj_z.weight"))?,
-                b: up(&format!("{la}in_proj_b.weight"))?,
-                a: up(&format!("{la}in_proj_a.weight"))?,
-                conv: be.upload(&conv)?,
-                ssm_a: be.upload(&map_f32(&a_log, |x| -x.exp())?)?,
-                dt_bias: up(&format!("{la}dt_bias"))?,
-                norm: up(&format!("{la}norm.weight"))?,
-                out: up(&format!("{la}out_proj.weight"))?,
-            };
-            n_lin += 1;
-            m
+            reorder_rows(&mut conv, 2 * d.key_dim(), d.v_head_dim)?;
+            let mut ssm_a = map_f32(&get(W::SsmA(i))?, |x| -x.exp())?;
+            ssm_a.shape = vec![d.n_v_heads, 1];
+            reorder_rows(&mut ssm_a, 0, 1)?;
+            ssm_a.shape = vec![d.n_v_heads];
+            let mut dt = map_f32(&get(W::DtBias(i))?, |x| x)?;
+            dt.shape = vec![d.n_v_heads, 1];
+            reorder_rows(&mut dt, 0, 1)?;
+            dt.shape = vec![d.n_v_heads];
+            // out_proj: its input columns are the value heads.
+            let mut o = get(W::SsmOut(i))?;
+            if reorder {
+                anyhow::ensure!(
+                    o.dtype.block_size() == 1,
+                    "reordering out_proj columns needs an unquantized type, not {}",
+                    o.dtype
+                );
+                let es = o.dtype.type_size();
+                let n_in = o.shape[1];
+                let mut data = o.data.to_vec();
+                for r in data.chunks_mut(n_in * es) {
+                    reorder_blocks(r, 0, d.v_head_dim * es, &order);
+                }
+                o.data = Cow::Owned(data);
+            }
+            for (x, t) in [
+                (W::Qkv(i), qkv),
+                (W::Z(i), z),
+                (W::B(i), b),
+                (W::A(i), a),
+                (W::Conv(i), conv),
+            ] {
+                put(x, t.into_owned_tensor());
+            }
+            put(W::SsmA(i), ssm_a);
+            put(W::DtBias(i), dt);
+            put(W::SsmNorm(i), get(W::SsmNorm(i))?.into_owned_tensor());
+            put(W::SsmOut(i), o.into_owned_tensor());
         } else {
-            let sa = format!("{l}self_attn.");
-            let [q, gate] = split_query_gate(
-                &get(&format!("{sa}q_proj.weight"))?,
-                cfg.attn.n_heads,
-                cfg.attn.head_dim,
-            )?;
-            let m = Mixer::Attention {
-                slot: n_attn,
-                q: be.upload(&q)?,
-                gate: be.upload(&gate)?,
-                k: up(&format!("{sa}k_proj.weight"))?,
-                v: up(&format!("{sa}v_proj.weight"))?,
-                o: up(&format!("{sa}o_proj.weight"))?,
-                q_norm: up_norm(&format!("{sa}q_norm.weight"))?,
-                k_norm: up_norm(&format!("{sa}k_norm.weight"))?,
-            };
-            n_attn += 1;
-            m
-        };
-        let mlp = format!("{l}mlp.");
-        let ffn = match &cfg.moe {
+            for x in [W::Q(i), W::K(i), W::V(i), W::O(i)] {
+                put(x, get(x)?.into_owned_tensor());
+            }
+            put(W::QNorm(i), plus_one(&get(W::QNorm(i))?)?);
+            put(W::KNorm(i), plus_one(&get(W::KNorm(i))?)?);
+        }
+        put(W::FfnNorm(i), plus_one(&get(W::FfnNorm(i))?)?);
+        match &cfg.moe {
             Some(m) => {
-                let [g, u, dn] = file.hf_experts(&format!("{mlp}experts"), m.routing.n_experts)?;
-                Ffn::Moe {
-                    router: up(&format!("{mlp}gate.weight"))?,
-                    gate: be.upload(&g)?,
-                    up: be.upload(&u)?,
-                    down: be.upload(&dn)?,
-                    shared_gate: up(&format!("{mlp}shared_expert.gate_proj.weight"))?,
-                    shared_up: up(&format!("{mlp}shared_expert.up_proj.weight"))?,
-                    shared_down: up(&format!("{mlp}shared_expert.down_proj.weight"))?,
-                    shared_expert_gate: up(&format!("{mlp}shared_expert_gate.weight"))?,
+                put(W::Router(i), get(W::Router(i))?.into_owned_tensor());
+                let [g, u, dn] = file.hf_experts(
+                    &format!("{hf_prefix}layers.{i}.mlp.experts"),
+                    m.routing.n_experts,
+                )?;
+                for (n, t) in [("gate", g), ("up", u), ("down", dn)] {
+                    out.push((
+                        format!("blk.{i}.ffn_{n}_exps.weight"),
+                        t.into_owned_tensor(),
+                    ));
+                }
+                let mut put = |x: W, t: HostTensor<'static>| out.push((gg.of(x), t));
+                for x in [
+                    W::SharedGate(i),
+                    W::SharedUp(i),
+                    W::SharedDown(i),
+                    W::SharedExpertGate(i),
+                ] {
+                    put(x, get(x)?.into_owned_tensor());
                 }
             }
-            None => Ffn::Dense {
-                gate: up(&format!("{mlp}gate_proj.weight"))?,
-                up: up(&format!("{mlp}up_proj.weight"))?,
-                down: up(&format!("{mlp}down_proj.weight"))?,
-            },
-        };
-        layers.push(Layer {
-            attn_norm: up_norm(&format!("{l}input_layernorm.weight"))?,
-            mixer,
-            ffn_norm: up_norm(&format!("{l}post_attention_layernorm.weight"))?,
-            ffn,
-        });
-        progress(i + 1, cfg.n_layers);
+            None => {
+                for x in [W::Gate(i), W::Up(i), W::Down(i)] {
+                    out.push((gg.of(x), get(x)?.into_owned_tensor()));
+                }
+            }
+        }
     }
-    let embed = up(&format!("{p}embed_tokens.weight"))?;
-    let out_norm = up_norm(&format!("{p}norm.weight"))?;
-    let output = match src.tensor("lm_head.weight") {
-        Some(t) => Some(be.upload(&host(t))?),
-        None => None,
-    };
-    Ok(Model::from_hybrid(cfg, embed, layers, out_norm, output))
+    out.push((gg.of(W::OutputNorm), plus_one(&get(W::OutputNorm)?)?));
+    if let Some(t) = src.tensor(&hf.of(W::Output)) {
+        out.push((gg.of(W::Output), host(t)));
+    }
+
+    for (name, t) in &out {
+        w.add_tensor_info(name, t.dtype, &t.shape)?;
+    }
+    w.write_header()?;
+    for (name, t) in &out {
+        w.write_tensor_data(name, &t.data)?;
+    }
+    w.finish()
+        .with_context(|| format!("writing {}", dst.display()))?;
+    Ok(())
+}
+
+trait IntoOwned {
+    fn into_owned_tensor(self) -> HostTensor<'static>;
+}
+
+impl IntoOwned for HostTensor<'_> {
+    fn into_owned_tensor(self) -> HostTensor<'static> {
+        HostTensor {
+            dtype: self.dtype,
+            shape: self.shape,
+            data: Cow::Owned(self.data.into_owned()),
+        }
+    }
 }
