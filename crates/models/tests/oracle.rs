@@ -209,3 +209,49 @@ fn qwen35_matches_transformers() {
 fn qwen35_moe_matches_transformers() {
     check_model_formats("qwen35-moe-tiny", true);
 }
+
+/// The released Qwen3.5 checkpoints are vision-language wrappers
+/// (`Qwen3_5ForConditionalGeneration`): the text config under `text_config`, the text model's
+/// tensors under `model.language_model.`, plus vision (`model.visual.*`) and MTP (`mtp.*`)
+/// tensors. The same tiny weights repackaged that way give the same logits.
+#[test]
+fn qwen35_vision_language_wrapper_loads_its_text_model() {
+    let dir = data_dir().join("qwen35-tiny");
+    let o = read_oracle(&dir);
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let name = match name.strip_prefix("model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => name,
+            };
+            (name, t)
+        })
+        .collect();
+    // Tensors the text model must ignore.
+    let lm = st.tensor("lm_head.weight").unwrap();
+    tensors.push(("mtp.fc.weight".into(), lm.clone()));
+    tensors.push(("model.visual.merger.weight".into(), lm));
+    let out = std::env::temp_dir().join(format!("ferrite-qwen35-vl-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    safetensors::serialize_to_file(tensors, None, &out.join("model.safetensors")).unwrap();
+    let text: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": {"depth": 1},
+    });
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+
+    let file = ModelFile::open(&out).expect("wrapper opens");
+    let ours = all_logits(&file, &o.tokens);
+    std::fs::remove_dir_all(&out).ok();
+    let e = nmse(&ours, &o.logits);
+    println!("qwen35-tiny as a VL wrapper: NMSE vs transformers = {e:.3e}");
+    assert!(e < ORACLE_NMSE, "NMSE {e:e}");
+}
