@@ -79,11 +79,25 @@ impl CpuKv {
 
 /// The CPU reference backend. Uses the global rayon pool (its size is set by the caller).
 #[derive(Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// Evaluate multi-token Gated DeltaNet steps with the chunked form
+    /// ([`gated_delta::chunked`]) instead of the token-by-token recurrence.
+    chunked_delta: bool,
+}
 
 impl CpuBackend {
+    /// The reference: the gated delta rule token by token, so prefill and decode run the
+    /// same arithmetic.
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+    /// Prefill steps evaluate the gated delta rule in chunks of [`gated_delta::CHUNK`], the
+    /// way accelerated prefill kernels do; used to check that form end to end against the
+    /// recurrence.
+    pub fn with_chunked_delta() -> Self {
+        CpuBackend {
+            chunked_delta: true,
+        }
     }
 }
 
@@ -631,7 +645,11 @@ impl Backend for CpuBackend {
                     dk,
                     dv,
                 };
-                gated_delta::recurrent(&x, state, &mut o);
+                if self.chunked_delta && rows > 1 {
+                    gated_delta::chunked(&x, gated_delta::CHUNK, state, &mut o);
+                } else {
+                    gated_delta::recurrent(&x, state, &mut o);
+                }
                 o
             })
             .collect();

@@ -255,3 +255,54 @@ fn qwen35_vision_language_wrapper_loads_its_text_model() {
     println!("qwen35-tiny as a VL wrapper: NMSE vs transformers = {e:.3e}");
     assert!(e < ORACLE_NMSE, "NMSE {e:e}");
 }
+
+/// Every row's logits of `tokens` on `be`: the first `prefill` tokens in one step, the rest
+/// one token per step (decode), the cache carried between them.
+fn prefill_then_decode(
+    be: &CpuBackend,
+    file: &ModelFile,
+    tokens: &[u32],
+    prefill: usize,
+) -> Vec<f32> {
+    let m: Model<CpuBackend> = Model::load(be, file, &|_, _| {}).unwrap();
+    let mut kv = m.new_kv(be, tokens.len()).unwrap();
+    let mut ws = m.workspace(be, prefill, Logits::All).unwrap();
+    let mut out = m
+        .run(be, &mut ws, &mut kv, 0, &tokens[..prefill], Logits::All)
+        .unwrap();
+    let mut ws1 = m.workspace(be, 1, Logits::All).unwrap();
+    out.extend(
+        m.run(
+            be,
+            &mut ws1,
+            &mut kv,
+            prefill,
+            &tokens[prefill..],
+            Logits::All,
+        )
+        .unwrap(),
+    );
+    out
+}
+
+/// The chunked gated delta rule (chunks of 64, as prefill kernels compute it) through the
+/// whole model equals the token-by-token recurrence, and its final state carries into
+/// decode: a 150-token prompt (two full chunks and a partial one) prefilled chunked, then
+/// 40 tokens decoded, against the recurrence throughout. Both are f32 and differ only in
+/// association order (the unit tests in `ferrite_backend::gated_delta` measure ~1e-13 per
+/// layer); 1e-10 leaves room for four layers and still fails any real error.
+#[test]
+fn qwen35_chunked_prefill_equals_recurrence() {
+    for name in ["qwen35-tiny", "qwen35-moe-tiny"] {
+        let file = ModelFile::open(&data_dir().join(name)).unwrap();
+        let tokens: Vec<u32> = (0..190u32).map(|i| (i * 7919 + 13) % 1024).collect();
+        let reference = prefill_then_decode(&CpuBackend::new(), &file, &tokens, 1);
+        let chunked = prefill_then_decode(&CpuBackend::with_chunked_delta(), &file, &tokens, 150);
+        let e = nmse(&chunked, &reference);
+        println!("{name}: NMSE chunked prefill + decode vs recurrence = {e:.3e}");
+        assert!(e < 1e-10, "{name}: NMSE {e:e}");
+        for (t, (a, b)) in chunked.chunks(1024).zip(reference.chunks(1024)).enumerate() {
+            assert_eq!(argmax(a), argmax(b), "{name}: argmax differs at {t}");
+        }
+    }
+}
