@@ -466,22 +466,7 @@ impl Backend for CpuBackend {
         step: &StepInput<Vec<i32>>,
         rope: &Rope,
     ) -> Result<()> {
-        ensure!(
-            x.cols % head_dim == 0,
-            "rope: {} columns is not a whole number of {head_dim}-heads",
-            x.cols
-        );
-        ensure!(
-            rope.rot_dim <= head_dim && rope.rot_dim % 2 == 0,
-            "rope: bad rotary dim {}",
-            rope.rot_dim
-        );
-        ensure!(
-            x.rows == step.rows,
-            "rope: {} rows for a step of {}",
-            x.rows,
-            step.rows
-        );
+        crate::check_rope(x, head_dim, step, rope)?;
         let half = rope.rot_dim / 2;
         let inv_freq = rope_inv_freq(rope);
         let (cols, n) = (x.cols, x.len());
@@ -735,19 +720,17 @@ impl Backend for CpuBackend {
         } = shape;
         let rows = q.rows;
         let kvd = n_kv_heads * head_dim;
-        ensure!(
-            n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-            "attention: {n_heads} heads over {n_kv_heads} kv heads"
-        );
-        ensure!(
-            rows == step.rows,
-            "attention: {rows} rows for a step of {}",
-            step.rows
-        );
-        check_shape("attention q", q, rows, n_heads * head_dim)?;
-        check_shape("attention k", k, rows, kvd)?;
-        check_shape("attention v", v, rows, kvd)?;
-        check_shape("attention out", out, rows, n_heads * head_dim)?;
+        crate::check_attention(
+            step,
+            &AttnArgs {
+                layer,
+                q,
+                k,
+                v,
+                shape,
+            },
+            out,
+        )?;
         ensure!(
             layer < kv.k.len(),
             "attention: layer {layer} outside the cache"

@@ -375,6 +375,57 @@ pub struct AttnArgs<'a, B> {
     pub shape: AttnShape,
 }
 
+/// The shape checks every backend's `rope` makes.
+pub fn check_rope<B, I>(
+    x: &Act<B>,
+    head_dim: usize,
+    step: &StepInput<I>,
+    rope: &Rope,
+) -> Result<()> {
+    anyhow::ensure!(
+        head_dim > 0 && x.cols % head_dim == 0,
+        "rope: {} columns is not a whole number of {head_dim}-heads",
+        x.cols
+    );
+    anyhow::ensure!(
+        rope.rot_dim <= head_dim && rope.rot_dim % 2 == 0,
+        "rope: bad rotary dim {}",
+        rope.rot_dim
+    );
+    anyhow::ensure!(
+        x.rows == step.rows,
+        "rope: {} rows for a step of {}",
+        x.rows,
+        step.rows
+    );
+    Ok(())
+}
+
+/// The shape checks every backend's `attention` makes on its operands (cache checks are
+/// the backend's own).
+pub fn check_attention<B, I>(step: &StepInput<I>, a: &AttnArgs<'_, B>, out: &Act<B>) -> Result<()> {
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = a.shape;
+    let rows = a.q.rows;
+    let kvd = n_kv_heads * head_dim;
+    anyhow::ensure!(
+        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
+        "attention: {n_heads} heads over {n_kv_heads} kv heads"
+    );
+    anyhow::ensure!(
+        rows == step.rows,
+        "attention: {rows} rows for a step of {}",
+        step.rows
+    );
+    check_shape("attention q", a.q, rows, n_heads * head_dim)?;
+    check_shape("attention k", a.k, rows, kvd)?;
+    check_shape("attention v", a.v, rows, kvd)?;
+    check_shape("attention out", out, rows, n_heads * head_dim)
+}
+
 /// Checks that two activations have the shapes an op needs; used by every backend.
 pub fn check_shape<B>(what: &str, x: &Act<B>, rows: usize, cols: usize) -> Result<()> {
     anyhow::ensure!(

@@ -211,6 +211,13 @@ const OPS: &[&str] = &[
     "argmax",
     "top_k",
     "capture/replay",
+    // Qwen3.5's hybrid-layer ops: checked end to end against transformers on the CPU
+    // (crates/models/tests); op cases arrive with their CUDA kernels.
+    "kv_new_hybrid",
+    "causal_conv1d",
+    "gated_delta_rule",
+    "gated_rms_norm",
+    "sigmoid_gate",
 ];
 
 #[derive(Clone, Debug)]

@@ -23,7 +23,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKer
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
 use super::{function, load_module, CudaBackend};
-use crate::{check_shape, Act, AttnArgs, AttnShape, StepInput};
+use crate::{Act, AttnArgs, AttnShape, StepInput};
 
 /// Bytes per cached key/value element of the default cache type (f16).
 pub const KV_BYTES_PER_ELEMENT: f64 = 2.0;
@@ -279,19 +279,17 @@ pub fn attention(
     } = shape;
     let rows = q.rows;
     let kvd = n_kv_heads * head_dim;
-    ensure!(
-        n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-        "attention: {n_heads} heads over {n_kv_heads} kv heads"
-    );
-    ensure!(
-        rows == step.rows,
-        "attention: {rows} rows for a step of {}",
-        step.rows
-    );
-    check_shape("attention q", q, rows, n_heads * head_dim)?;
-    check_shape("attention k", k, rows, kvd)?;
-    check_shape("attention v", v, rows, kvd)?;
-    check_shape("attention out", out, rows, n_heads * head_dim)?;
+    crate::check_attention(
+        step,
+        &AttnArgs {
+            layer,
+            q,
+            k,
+            v,
+            shape,
+        },
+        out,
+    )?;
     ensure!(
         layer < kv.n_layers,
         "attention: layer {layer} outside the cache"

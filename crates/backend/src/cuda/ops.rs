@@ -198,22 +198,7 @@ pub fn rope(
     step: &StepInput<CudaSlice<i32>>,
     rope: &Rope,
 ) -> Result<()> {
-    ensure!(
-        x.cols % head_dim == 0,
-        "rope: {} columns is not a whole number of {head_dim}-heads",
-        x.cols
-    );
-    ensure!(
-        rope.rot_dim <= head_dim && rope.rot_dim % 2 == 0,
-        "rope: bad rotary dim {}",
-        rope.rot_dim
-    );
-    ensure!(
-        x.rows == step.rows,
-        "rope: {} rows for a step of {}",
-        x.rows,
-        step.rows
-    );
+    crate::check_rope(x, head_dim, step, rope)?;
     let total = x.rows * (x.cols / head_dim) * (rope.rot_dim / 2);
     let (rows, cols, hd, rd) = (
         x.rows as i32,
