@@ -63,8 +63,9 @@ fn mm_smem(bn: usize) -> usize {
     2 * (MM_TM + bn) * MM_LDS * 2
 }
 
-/// Weight types in kernel-name order.
-const TYPES: [(GgmlType, &str); 9] = [
+/// Weight types in kernel-name order (the `<type>` of `gemv_<type>_*`, `mm_<type>_*` and the
+/// MoE kernels).
+pub(crate) const TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::F32, "f32"),
     (GgmlType::F16, "f16"),
     (GgmlType::BF16, "bf16"),

@@ -44,18 +44,8 @@ const GM_DOWN_OUT: usize = 128;
 /// moe_sort keeps two ints per expert in shared memory (48 KiB default limit).
 const SORT_MAX_EXPERTS: usize = 4096;
 
-/// Weight types of the grouped kernels, in kernel-name order.
-const TYPES: [(GgmlType, &str); 9] = [
-    (GgmlType::F32, "f32"),
-    (GgmlType::F16, "f16"),
-    (GgmlType::BF16, "bf16"),
-    (GgmlType::Q8_0, "q8_0"),
-    (GgmlType::Q4_0, "q4_0"),
-    (GgmlType::Q4_1, "q4_1"),
-    (GgmlType::Q4K, "q4_k"),
-    (GgmlType::Q5K, "q5_k"),
-    (GgmlType::Q6K, "q6_k"),
-];
+/// Weight types of the grouped kernels, in kernel-name order: the matmul kernels' list.
+use super::matmul::TYPES;
 
 /// Device scratch for one MoE call; grown geometrically, never shrunk.
 struct Scratch {
