@@ -56,7 +56,8 @@ fn logits_on<B: ferrite_backend::Backend>(be: &B, file: &ModelFile, a: &LogitsAr
 
 #[derive(Args, Debug)]
 pub struct TokenizeArgs {
-    /// A .gguf file (vocab-only files work) or a checkpoint directory with tokenizer.json.
+    /// A .gguf file (vocab-only files work), a checkpoint directory with tokenizer.json, or a
+    /// Qwen3.5/3.6 .tiktoken vocabulary.
     #[arg(long, short = 'm')]
     pub model: Option<String>,
     /// Text to tokenize.
@@ -71,6 +72,8 @@ pub fn tokenize(a: &TokenizeArgs) -> Result<()> {
         let file = ModelFile::open(&path)?;
         load::tokenizer_for(&file, &path)?
             .with_context(|| format!("{} has no tokenizer.json", path.display()))?
+    } else if path.extension().is_some_and(|e| e == "tiktoken") {
+        ferrite_tokenizer::Tokenizer::from_tiktoken_file(&path)?
     } else {
         let g = ferrite_formats::gguf::GgufFile::open(&path)?;
         ferrite_tokenizer::Tokenizer::from_gguf(&g)?

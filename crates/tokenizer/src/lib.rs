@@ -2,7 +2,8 @@
 //!
 //! - [`Tokenizer`]: a Hugging Face `tokenizers::Tokenizer` built from a `tokenizer.json`
 //!   ([`Tokenizer::from_json_file`]) or from GGUF metadata ([`Tokenizer::from_gguf`], see
-//!   [`gguf`]), plus what the engine needs around it: special-token ids, end-of-generation
+//!   [`gguf`]) or from a tiktoken vocabulary ([`Tokenizer::from_tiktoken`], see
+//!   [`tiktoken`]), plus what the engine needs around it: special-token ids, end-of-generation
 //!   ids, the raw bytes of every token and the model's chat template.
 //! - [`IncrementalDecoder`]: ids in, text deltas out, never a broken UTF-8 sequence.
 //! - [`ChatTemplate`]: Jinja chat templates rendered with minijinja the way Hugging Face
@@ -19,6 +20,7 @@ pub mod chat;
 pub mod gguf;
 pub mod incremental;
 pub mod pretokenizers;
+pub mod tiktoken;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -416,7 +418,7 @@ fn parse_byte_token(token: &str) -> Option<u8> {
 
 /// GPT-2's byte → printable-character table: printable Latin-1 bytes map to themselves,
 /// the other 68 bytes to U+0100.. in byte order.
-fn byte_to_char_table() -> [char; 256] {
+pub(crate) fn byte_to_char_table() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
