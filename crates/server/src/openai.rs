@@ -102,6 +102,14 @@ pub struct InMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's earlier tool calls (OpenAI's shape), replayed by the template.
+    #[serde(default)]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's call id and tool name.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -417,7 +425,19 @@ impl ChatRequest {
                         s
                     }
                 };
-                Ok(ferrite_tokenizer::ChatMessage::new(role, content))
+                if let Some(tc) = &m.tool_calls {
+                    if !tc.is_array() {
+                        return Err(ApiError::invalid(
+                            &format!("messages[{i}].tool_calls"),
+                            "tool_calls must be an array",
+                        ));
+                    }
+                }
+                let mut msg = ferrite_tokenizer::ChatMessage::new(role, content);
+                msg.tool_calls = m.tool_calls.clone();
+                msg.tool_call_id = m.tool_call_id.clone();
+                msg.name = m.name.clone();
+                Ok(msg)
             })
             .collect()
     }
@@ -662,6 +682,29 @@ mod tests {
         assert_eq!(p.sampler.top_k, 0);
         let (max, _) = common(json!({"max_completion_tokens": 3, "max_tokens": 50})).unwrap();
         assert_eq!(max, Some(3), "max_completion_tokens wins");
+    }
+
+    #[test]
+    fn tool_round_trip_messages_reach_the_template() {
+        let r: ChatRequest = parse(
+            br#"{"model": "m", "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "22 C"}]}"#,
+        )
+        .unwrap();
+        let m = r.messages().unwrap();
+        let calls = m[1].tool_calls.as_ref().unwrap();
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(m[2].role, "tool");
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("call_1"));
+        assert_eq!(m[2].name.as_deref(), Some("get_weather"));
+        let bad: ChatRequest = parse(
+            br#"{"model": "m", "messages": [{"role": "assistant", "content": "", "tool_calls": {"x": 1}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(bad.messages().unwrap_err().status, StatusCode::BAD_REQUEST);
     }
 
     #[test]

@@ -24,6 +24,17 @@ pub struct ChatMessage {
     /// Earlier reasoning of an assistant turn, for templates that handle it (Qwen3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// The tool calls an assistant turn made, in OpenAI's shape
+    /// (`[{"type": "function", "function": {"name", "arguments"}}]`; `arguments` a JSON
+    /// string or object), for templates that replay them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// For `tool` turns: which call this is the result of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// For `tool` turns: the tool's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -32,6 +43,9 @@ impl ChatMessage {
             role: role.into(),
             content: content.into(),
             reasoning_content: None,
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }

@@ -103,6 +103,15 @@ CONVERSATIONS = {
     ],
 }
 
+# A tool round trip as OpenAI clients send it back: the assistant's call (arguments as a JSON
+# string, OpenAI's wire form) and the tool's answer.
+TOOL_ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"C\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "22 C, sunny"},
+]
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -146,9 +155,15 @@ def main():
                   "enable_thinking": None, "tools": True,
                   "expected": hf_render(templates["qwen3"], CONVERSATIONS["system_user"], **kw)})
 
+    CONVERSATIONS_WITH_TOOLS = dict(CONVERSATIONS, tool_round_trip=TOOL_ROUND_TRIP)
+    kw = dict(add_generation_prompt=True, tools=TOOLS, **specials["qwen3"])
+    cases.append({"template": "qwen3", "conversation": "tool_round_trip", "add_generation_prompt": True,
+                  "enable_thinking": None, "tools": True,
+                  "expected": hf_render(templates["qwen3"], TOOL_ROUND_TRIP, **kw)})
+
     out = {"generated_by": "crates/tokenizer/tools/chat_template_check.py (jinja2 "
                            + jinja2.__version__ + ", HF transformers settings)",
-           "conversations": CONVERSATIONS, "tools": TOOLS, "cases": cases}
+           "conversations": CONVERSATIONS_WITH_TOOLS, "tools": TOOLS, "cases": cases}
     (DATA / "chat_expected.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {len(cases)} cases to {DATA / 'chat_expected.json'}")
 
