@@ -116,6 +116,10 @@ pub fn info(a: &InfoArgs) -> Result<()> {
                     m.routing.n_experts, m.routing.top_k, m.expert_ffn, m.routing.norm_topk
                 );
             }
+            if let Some(h) = &c.hybrid {
+                let (lin, full) = h.counts();
+                println!("layers:        {lin} linear attention (Gated DeltaNet) + {full} full attention");
+            }
             println!("vocab:         {}", c.vocab);
             println!("context:       {}", c.max_ctx);
             println!("rms eps:       {:e}", c.rms_eps);
@@ -135,8 +139,10 @@ pub fn info(a: &InfoArgs) -> Result<()> {
     }
     let total: usize = by_type.values().map(|v| v.1).sum();
     if let Ok(c) = file.config() {
-        // What a GPU needs: the weights as stored, plus an f16 KV cache per token.
-        let kv_per_1k = 1000 * c.n_layers * 2 * c.attn.n_kv_heads * c.attn.head_dim * 2;
+        // What a GPU needs: the weights as stored, plus an f16 KV cache per token for the
+        // full-attention layers (a hybrid's linear-attention layers keep a fixed-size state).
+        let full_layers = c.hybrid.as_ref().map_or(c.n_layers, |h| h.counts().1);
+        let kv_per_1k = 1000 * full_layers * 2 * c.attn.n_kv_heads * c.attn.head_dim * 2;
         println!(
             "VRAM:          {:.2} GiB of weights + {:.1} MiB of f16 KV cache per 1000 tokens",
             total as f64 / (1u64 << 30) as f64,
