@@ -12,6 +12,11 @@
 #   bench30b synth Qwen3-30B-A3B Q4_K_M and bench it
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 # Logs and bench/results.jsonl lines are written under $OUT.
+#
+# SmolLM2 (98 MB) is larger than what one call may carry next to the working tree: split it
+# into ignored parts (`split -b 31M -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .xfer/smol.part`),
+# carry one part per call into /tmp/smol/ while the machine stays warm, then concatenate,
+# check the sha256 (b179c952...) and run `ferrite run --device cuda --chat ...` on it.
 set -uo pipefail
 : "${OUT:?set OUT to the directory for logs}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
