@@ -269,22 +269,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, t: &HostTensor<'_>) -> Result<CpuWeight> {
-        let n: usize = t.shape.iter().product();
-        let want = t.dtype.bytes_for(n)?;
-        ensure!(
-            t.data.len() == want,
-            "weight of shape {:?} {} has {} bytes, expected {}",
-            t.shape,
-            t.dtype,
-            t.data.len(),
-            want
-        );
-        let row = t.shape.last().copied().unwrap_or(1);
-        ensure!(
-            row % t.dtype.block_size() == 0,
-            "row length {row} is not a multiple of the {} block size",
-            t.dtype
-        );
+        t.validate()?;
         let data = match &t.data {
             Cow::Borrowed(b) => b.to_vec(),
             Cow::Owned(v) => v.clone(),
@@ -409,14 +394,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &Act<Vec<f32>>, w: &CpuWeight, out: &mut Act<Vec<f32>>) -> Result<()> {
-        let (n_out, n_in) = w.matrix_dims()?;
-        ensure!(
-            x.cols == n_in,
-            "matmul: input has {} columns, weight {:?} wants {n_in}",
-            x.cols,
-            w.shape
-        );
-        check_shape("matmul out", out, x.rows, n_out)?;
+        let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
         let (nx, no) = (x.len(), out.len());
         matmul_raw(
             w.dtype,
@@ -431,18 +409,7 @@ impl Backend for CpuBackend {
     }
 
     fn copy_rows(&self, x: &Act<Vec<f32>>, start: usize, out: &mut Act<Vec<f32>>) -> Result<()> {
-        ensure!(
-            start + out.rows <= x.rows,
-            "copy_rows: rows {start}..{} of {}",
-            start + out.rows,
-            x.rows
-        );
-        ensure!(
-            out.cols == x.cols,
-            "copy_rows: {} columns into {}",
-            x.cols,
-            out.cols
-        );
+        crate::check_copy_rows(x, start, out)?;
         let n = out.len();
         out.buf[..n].copy_from_slice(&x.buf[start * x.cols..start * x.cols + n]);
         Ok(())
@@ -722,6 +689,7 @@ impl Backend for CpuBackend {
         a: AttnArgs<'_, Vec<f32>>,
         out: &mut Act<Vec<f32>>,
     ) -> Result<()> {
+        crate::check_attention(step, &a, out)?;
         let AttnArgs {
             layer,
             q,
@@ -736,17 +704,6 @@ impl Backend for CpuBackend {
         } = shape;
         let rows = q.rows;
         let kvd = n_kv_heads * head_dim;
-        crate::check_attention(
-            step,
-            &AttnArgs {
-                layer,
-                q,
-                k,
-                v,
-                shape,
-            },
-            out,
-        )?;
         ensure!(
             layer < kv.k.len(),
             "attention: layer {layer} outside the cache"
@@ -944,18 +901,7 @@ impl Backend for CpuBackend {
         ids: &mut Vec<i32>,
         vals: &mut Act<Vec<f32>>,
     ) -> Result<()> {
-        ensure!(
-            k >= 1 && k <= logits.cols,
-            "top_k: k = {k} of {} logits",
-            logits.cols
-        );
-        check_shape("top_k values", vals, logits.rows, k)?;
-        ensure!(
-            ids.len() >= logits.rows * k,
-            "top_k: ids buffer holds {} of {}",
-            ids.len(),
-            logits.rows * k
-        );
+        crate::check_top_k(logits, k, ids.len(), vals)?;
         for (t, row) in logits.buf[..logits.len()].chunks(logits.cols).enumerate() {
             for (j, (i, v)) in top_k_row(row, k).into_iter().enumerate() {
                 ids[t * k + j] = i as i32;

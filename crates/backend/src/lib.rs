@@ -28,6 +28,30 @@ pub struct HostTensor<'a> {
     pub data: std::borrow::Cow<'a, [u8]>,
 }
 
+impl HostTensor<'_> {
+    /// Checks that the bytes hold exactly the shape's elements in whole blocks (the check
+    /// every backend's `upload` makes); returns the element count.
+    pub fn validate(&self) -> Result<usize> {
+        let n: usize = self.shape.iter().product();
+        let want = self.dtype.bytes_for(n)?;
+        anyhow::ensure!(
+            self.data.len() == want,
+            "weight of shape {:?} {} has {} bytes, expected {}",
+            self.shape,
+            self.dtype,
+            self.data.len(),
+            want
+        );
+        let row = self.shape.last().copied().unwrap_or(1);
+        anyhow::ensure!(
+            row % self.dtype.block_size() == 0,
+            "row length {row} is not a multiple of the {} block size",
+            self.dtype
+        );
+        Ok(n)
+    }
+}
+
 /// Activation matrix `[rows, cols]` in backend memory. The buffer may hold more rows than
 /// are active (`capacity`): workspaces are allocated once for the largest step and reused,
 /// so a decode step can be captured in a CUDA graph and replayed with the same buffers.
@@ -373,6 +397,54 @@ pub struct AttnArgs<'a, B> {
     pub k: &'a Act<B>,
     pub v: &'a Act<B>,
     pub shape: AttnShape,
+}
+
+/// The shape checks every backend's `matmul` makes, for a weight of shape `w_shape`;
+/// returns `(n_out, n_in)`.
+pub fn check_matmul<B>(x: &Act<B>, w_shape: &[usize], out: &Act<B>) -> Result<(usize, usize)> {
+    let [n_out, n_in] = w_shape[..] else {
+        anyhow::bail!("matmul: expected a 2-D weight, got shape {w_shape:?}")
+    };
+    anyhow::ensure!(
+        x.cols == n_in,
+        "matmul: input has {} columns, weight {w_shape:?} wants {n_in}",
+        x.cols
+    );
+    check_shape("matmul out", out, x.rows, n_out)?;
+    Ok((n_out, n_in))
+}
+
+/// The shape checks every backend's `copy_rows` makes.
+pub fn check_copy_rows<B>(x: &Act<B>, start: usize, out: &Act<B>) -> Result<()> {
+    anyhow::ensure!(
+        start + out.rows <= x.rows,
+        "copy_rows: rows {start}..{} of {}",
+        start + out.rows,
+        x.rows
+    );
+    anyhow::ensure!(
+        out.cols == x.cols,
+        "copy_rows: {} columns into {}",
+        x.cols,
+        out.cols
+    );
+    Ok(())
+}
+
+/// The shape checks every backend's `top_k` makes (`ids_len`: the ids buffer's length).
+pub fn check_top_k<B>(logits: &Act<B>, k: usize, ids_len: usize, vals: &Act<B>) -> Result<()> {
+    anyhow::ensure!(
+        k >= 1 && k <= logits.cols,
+        "top_k: k = {k} of {} logits",
+        logits.cols
+    );
+    check_shape("top_k values", vals, logits.rows, k)?;
+    anyhow::ensure!(
+        ids_len >= logits.rows * k,
+        "top_k: ids buffer holds {ids_len} of {}",
+        logits.rows * k
+    );
+    Ok(())
 }
 
 /// The shape checks every backend's `rope` makes.

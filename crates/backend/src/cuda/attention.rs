@@ -265,6 +265,7 @@ pub fn attention(
     a: AttnArgs<'_, CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
+    crate::check_attention(step, &a, out)?;
     let AttnArgs {
         layer,
         q,
@@ -279,17 +280,6 @@ pub fn attention(
     } = shape;
     let rows = q.rows;
     let kvd = n_kv_heads * head_dim;
-    crate::check_attention(
-        step,
-        &AttnArgs {
-            layer,
-            q,
-            k,
-            v,
-            shape,
-        },
-        out,
-    )?;
     ensure!(
         layer < kv.n_layers,
         "attention: layer {layer} outside the cache"

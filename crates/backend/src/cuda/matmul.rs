@@ -10,7 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{anyhow, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
@@ -18,7 +18,7 @@ use cudarc::driver::{
 use ferrite_formats::GgmlType;
 
 use super::{function, load_module, CudaBackend, CudaWeight};
-use crate::{check_shape, Act};
+use crate::Act;
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/matmul.cu");
@@ -171,16 +171,7 @@ pub fn matmul(
     w: &CudaWeight,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    let [n_out, n_in] = w.shape[..] else {
-        bail!("matmul: weight is not 2-D: {:?} {}", w.shape, w.dtype)
-    };
-    ensure!(
-        x.cols == n_in,
-        "matmul: input has {} columns, weight {:?} wants {n_in}",
-        x.cols,
-        w.shape
-    );
-    check_shape("matmul out", out, x.rows, n_out)?;
+    let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
     let rows = x.rows;
     if rows == 0 || n_out == 0 {
         return Ok(());

@@ -314,18 +314,7 @@ impl Backend for CudaBackend {
         start: usize,
         out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        ensure!(
-            start + out.rows <= x.rows,
-            "copy_rows: rows {start}..{} of {}",
-            start + out.rows,
-            x.rows
-        );
-        ensure!(
-            out.cols == x.cols,
-            "copy_rows: {} columns into {}",
-            x.cols,
-            out.cols
-        );
+        crate::check_copy_rows(x, start, out)?;
         let n = out.len();
         let src = x.buf.slice(start * x.cols..start * x.cols + n);
         self.stream.memcpy_dtod(&src, &mut out.buf.slice_mut(..n))?;

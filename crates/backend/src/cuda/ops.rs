@@ -50,16 +50,7 @@ fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
 
 /// Weights go to VRAM as stored; 1-D weights (norm scales) as f32.
 pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
-    let n: usize = t.shape.iter().product();
-    let want = t.dtype.bytes_for(n)?;
-    ensure!(
-        t.data.len() == want,
-        "weight of shape {:?} {} has {} bytes, expected {}",
-        t.shape,
-        t.dtype,
-        t.data.len(),
-        want
-    );
+    let n = t.validate()?;
     let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) =
         if t.shape.len() == 1 && t.dtype != GgmlType::F32 {
             let mut f = vec![0f32; n];
@@ -301,18 +292,7 @@ pub fn top_k(
     ids: &mut CudaSlice<i32>,
     vals: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    ensure!(
-        k >= 1 && k <= logits.cols,
-        "top_k: k = {k} of {} logits",
-        logits.cols
-    );
-    check_shape("top_k values", vals, logits.rows, k)?;
-    ensure!(
-        ids.len() >= logits.rows * k,
-        "top_k: ids buffer holds {} of {}",
-        ids.len(),
-        logits.rows * k
-    );
+    crate::check_top_k(logits, k, ids.len(), vals)?;
     let (cols, k) = (logits.cols as i32, k as i32);
     let cfg = LaunchConfig {
         grid_dim: (logits.rows as u32, 1, 1),
