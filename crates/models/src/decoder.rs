@@ -40,6 +40,21 @@ struct Layer<W> {
     ffn: Ffn<W>,
 }
 
+/// The SwiGLU MLP `out = W_down (silu(W_gate h) * W_up h)` of one (dense or shared-expert)
+/// FFN, with `gate`, `up` and `act` as scratch activations.
+pub(crate) fn swiglu_mlp<B: Backend>(
+    be: &B,
+    h: &Act<B::Buf>,
+    w: ExpertWeights<'_, B::Weight>,
+    (gate, up, act): (&mut Act<B::Buf>, &mut Act<B::Buf>, &mut Act<B::Buf>),
+    out: &mut Act<B::Buf>,
+) -> Result<()> {
+    be.matmul(h, w.gate, gate)?;
+    be.matmul(h, w.up, up)?;
+    be.swiglu(gate, up, act)?;
+    be.matmul(act, w.down, out)
+}
+
 /// Which positions' logits a forward pass returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -251,12 +266,17 @@ impl<B: Backend> Model<B> {
                     gate: wg,
                     up: wu,
                     down: wd,
-                } => {
-                    be.matmul(h, wg, gate)?;
-                    be.matmul(h, wu, up)?;
-                    be.swiglu(gate, up, act)?;
-                    be.matmul(act, wd, y)?;
-                }
+                } => swiglu_mlp(
+                    be,
+                    h,
+                    ExpertWeights {
+                        gate: wg,
+                        up: wu,
+                        down: wd,
+                    },
+                    (gate, up, act),
+                    y,
+                )?,
                 Ffn::Moe {
                     router: wr,
                     gate: wg,

@@ -40,7 +40,7 @@ use ferrite_backend::{
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
-use crate::decoder::{Model, Workspace};
+use crate::decoder::{swiglu_mlp, Model, Workspace};
 use crate::source::{host, ModelFile};
 
 /// How a layer mixes tokens.
@@ -270,12 +270,17 @@ pub(crate) fn forward_layers<B: Backend>(
                 gate: wg,
                 up: wu,
                 down: wd,
-            } => {
-                be.matmul(h, wg, gate)?;
-                be.matmul(h, wu, up)?;
-                be.swiglu(gate, up, act)?;
-                be.matmul(act, wd, y)?;
-            }
+            } => swiglu_mlp(
+                be,
+                h,
+                ExpertWeights {
+                    gate: wg,
+                    up: wu,
+                    down: wd,
+                },
+                (gate, up, act),
+                y,
+            )?,
             Ffn::Moe {
                 router: wr,
                 gate: wg,
@@ -299,10 +304,17 @@ pub(crate) fn forward_layers<B: Backend>(
                     moe.routing,
                     y,
                 )?;
-                be.matmul(h, shared_gate, gate)?;
-                be.matmul(h, shared_up, up)?;
-                be.swiglu(gate, up, act)?;
-                be.matmul(act, shared_down, &mut hb.shared)?;
+                swiglu_mlp(
+                    be,
+                    h,
+                    ExpertWeights {
+                        gate: shared_gate,
+                        up: shared_up,
+                        down: shared_down,
+                    },
+                    (gate, up, act),
+                    &mut hb.shared,
+                )?;
                 be.matmul(h, shared_expert_gate, &mut hb.shared_gate)?;
                 be.sigmoid_gate(&mut hb.shared, &hb.shared_gate)?;
                 be.add_assign(y, &hb.shared)?;
