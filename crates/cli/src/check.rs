@@ -788,21 +788,19 @@ pub fn cases(quick: bool) -> Vec<Case> {
 
 // ============================================================================ random data
 
+use crate::synth::SplitMix64;
+
 /// SplitMix64 with Box–Muller normals.
-struct Rng(u64);
+struct Rng(SplitMix64);
 
 impl Rng {
     fn new(seed: u64) -> Rng {
-        let mut r = Rng(seed ^ 0x243F_6A88_85A3_08D3);
+        let mut r = Rng(SplitMix64(seed ^ 0x243F_6A88_85A3_08D3));
         r.next();
         r
     }
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next()
     }
     /// Uniform in [0, 1).
     fn uniform(&mut self) -> f64 {
