@@ -773,31 +773,13 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let rows = x.rows;
         let hidden = x.cols;
-        check_shape("moe router logits", router_logits, rows, routing.n_experts)?;
-        check_shape("moe out", out, rows, hidden)?;
-        ensure!(
-            routing.top_k >= 1 && routing.top_k <= routing.n_experts,
-            "moe: top-k {} of {} experts",
-            routing.top_k,
-            routing.n_experts
-        );
-        let dims = |w: &CpuWeight| -> Result<(usize, usize)> {
-            match w.shape[..] {
-                [e, o, i] if e == routing.n_experts => Ok((o, i)),
-                _ => bail!(
-                    "expert weight shape {:?} does not hold {} experts",
-                    w.shape,
-                    routing.n_experts
-                ),
-            }
-        };
-        let (ffn, h_in) = dims(experts.gate)?;
-        ensure!(
-            h_in == hidden
-                && dims(experts.up)? == (ffn, hidden)
-                && dims(experts.down)? == (hidden, ffn),
-            "moe: expert shapes disagree"
-        );
+        let ffn = crate::check_moe(
+            x,
+            router_logits,
+            [&experts.gate.shape, &experts.up.shape, &experts.down.shape],
+            &routing,
+            out,
+        )?;
 
         let routes: Vec<Vec<(usize, f32)>> = router_logits.buf[..router_logits.len()]
             .chunks(routing.n_experts)

@@ -447,6 +447,42 @@ pub fn check_top_k<B>(logits: &Act<B>, k: usize, ids_len: usize, vals: &Act<B>) 
     Ok(())
 }
 
+/// The shape checks every backend's `moe` makes; `shapes` are those of the stacked gate, up
+/// and down expert weights (`[n_experts, n_out, n_in]`). Returns the experts' FFN size.
+pub fn check_moe<B>(
+    x: &Act<B>,
+    router_logits: &Act<B>,
+    shapes: [&[usize]; 3],
+    routing: &MoeRouting,
+    out: &Act<B>,
+) -> Result<usize> {
+    let MoeRouting {
+        n_experts, top_k, ..
+    } = *routing;
+    let (rows, hidden) = (x.rows, x.cols);
+    check_shape("moe router logits", router_logits, rows, n_experts)?;
+    check_shape("moe out", out, rows, hidden)?;
+    anyhow::ensure!(
+        top_k >= 1 && top_k <= n_experts,
+        "moe: top-k {top_k} of {n_experts} experts"
+    );
+    let dims = |what: &str, s: &[usize]| -> Result<(usize, usize)> {
+        match s[..] {
+            [e, o, i] if e == n_experts => Ok((o, i)),
+            _ => anyhow::bail!(
+                "moe {what}: expert weight shape {s:?} does not hold {n_experts} experts"
+            ),
+        }
+    };
+    let [gate, up, down] = shapes;
+    let (ffn, h_in) = dims("gate", gate)?;
+    anyhow::ensure!(
+        h_in == hidden && dims("up", up)? == (ffn, hidden) && dims("down", down)? == (hidden, ffn),
+        "moe: expert shapes disagree (gate {gate:?}, up {up:?}, down {down:?}, hidden {hidden})"
+    );
+    Ok(ffn)
+}
+
 /// The shape checks every backend's `rope` makes.
 pub fn check_rope<B, I>(
     x: &Act<B>,

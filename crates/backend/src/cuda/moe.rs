@@ -14,7 +14,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     PushKernelArg, ValidAsZeroBits,
@@ -25,7 +25,7 @@ use ferrite_formats::GgmlType;
 pub const SRC: &str = include_str!("kernels/moe.cu");
 
 use super::{function, load_module, CudaBackend, CudaWeight};
-use crate::{check_shape, Act, ExpertWeights, MoeRouting};
+use crate::{Act, ExpertWeights, MoeRouting};
 
 /// Warps per block of the expert kernels (`MOE_WARPS` in moe.cu).
 const MOE_WARPS: usize = 8;
@@ -122,23 +122,17 @@ fn type_index(t: GgmlType) -> Option<usize> {
     TYPES.iter().position(|&(ty, _)| ty == t)
 }
 
-/// `(n_out, n_in)` of a stacked expert weight `[n_experts, n_out, n_in]`.
-fn expert_dims(what: &str, w: &CudaWeight, n_experts: usize) -> Result<(usize, usize)> {
-    match w.shape[..] {
-        [e, o, i] if e == n_experts => {
-            let bs = w.dtype.block_size();
-            ensure!(
-                i % bs == 0,
-                "moe {what}: row length {i} is not a multiple of the {} block size {bs}",
-                w.dtype
-            );
-            Ok((o, i))
-        }
-        _ => bail!(
-            "moe {what}: expert weight shape {:?} does not hold {n_experts} experts",
-            w.shape
-        ),
-    }
+/// A stacked expert weight's rows must be whole blocks (shapes are checked by
+/// [`crate::check_moe`]).
+fn check_blocks(what: &str, w: &CudaWeight) -> Result<()> {
+    let i = w.shape.last().copied().unwrap_or(0);
+    let bs = w.dtype.block_size();
+    ensure!(
+        i % bs == 0,
+        "moe {what}: row length {i} is not a multiple of the {} block size {bs}",
+        w.dtype
+    );
+    Ok(())
 }
 
 /// Whether a device buffer starts 16-byte aligned (the fast decoders' precondition).
@@ -165,12 +159,13 @@ pub fn moe(
         top_k,
         norm_topk,
     } = routing;
-    check_shape("moe router logits", router_logits, rows, n_experts)?;
-    check_shape("moe out", out, rows, hidden)?;
-    ensure!(
-        top_k >= 1 && top_k <= n_experts,
-        "moe: top-k {top_k} of {n_experts} experts"
-    );
+    let ffn = crate::check_moe(
+        x,
+        router_logits,
+        [&experts.gate.shape, &experts.up.shape, &experts.down.shape],
+        &routing,
+        out,
+    )?;
     ensure!(
         n_experts <= MAX_EXPERTS,
         "moe: {n_experts} experts (the routing kernel supports up to {MAX_EXPERTS})"
@@ -179,16 +174,9 @@ pub fn moe(
         top_k <= MAX_TOP_K,
         "moe: top-k {top_k} (the expert kernels support up to {MAX_TOP_K})"
     );
-    let (ffn, h_in) = expert_dims("gate", experts.gate, n_experts)?;
-    ensure!(
-        h_in == hidden
-            && expert_dims("up", experts.up, n_experts)? == (ffn, hidden)
-            && expert_dims("down", experts.down, n_experts)? == (hidden, ffn),
-        "moe: expert shapes disagree (gate {:?}, up {:?}, down {:?}, hidden {hidden})",
-        experts.gate.shape,
-        experts.up.shape,
-        experts.down.shape
-    );
+    check_blocks("gate", experts.gate)?;
+    check_blocks("up", experts.up)?;
+    check_blocks("down", experts.down)?;
     if rows == 0 {
         return Ok(());
     }
