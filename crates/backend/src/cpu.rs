@@ -450,33 +450,89 @@ impl Backend for CpuBackend {
         rope: &Rope,
     ) -> Result<()> {
         crate::check_rope(x, head_dim, step, rope)?;
-        let half = rope.rot_dim / 2;
         let inv_freq = rope_inv_freq(rope);
         let (cols, n) = (x.cols, x.len());
         x.buf[..n]
             .par_chunks_mut(cols)
             .enumerate()
             .for_each(|(t, row)| {
-                let pos = step.positions[t] as f32;
-                let cs: Vec<(f32, f32)> = inv_freq
-                    .iter()
-                    .map(|&f| {
-                        let a = pos * f;
-                        (a.cos(), a.sin())
-                    })
-                    .collect();
+                let cs = rope_cos_sin(&inv_freq, step.positions[t]);
                 for h in row.chunks_mut(head_dim) {
-                    for (i, &(c, s)) in cs.iter().enumerate() {
-                        let (a, b) = match rope.style {
-                            RopeStyle::Adjacent => (2 * i, 2 * i + 1),
-                            RopeStyle::Neox => (i, i + half),
-                        };
-                        let (x0, x1) = (h[a], h[b]);
-                        h[a] = x0 * c - x1 * s;
-                        h[b] = x0 * s + x1 * c;
-                    }
+                    rope_head(h, &cs, rope);
                 }
             });
+        Ok(())
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut Act<Vec<f32>>,
+        y: &Act<Vec<f32>>,
+        w: &CpuWeight,
+        eps: f32,
+        h: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
+        let wlen = w.shape.iter().product();
+        crate::check_add_rms_norm(x, y, wlen, h)?;
+        let wf = dequant_vec(w, x.cols)?;
+        let (cols, n) = (x.cols, x.len());
+        // Row by row: the add of `add_assign`, then `rms_norm_row` on the sum, so the
+        // result is bitwise that of the two ops.
+        x.buf[..n]
+            .par_chunks_mut(cols)
+            .zip(y.buf[..n].par_chunks(cols))
+            .zip(h.buf[..n].par_chunks_mut(cols))
+            .for_each(|((xr, yr), hr)| {
+                xr.iter_mut().zip(yr).for_each(|(a, b)| *a += b);
+                rms_norm_row(xr, &wf, eps, hr);
+            });
+        Ok(())
+    }
+
+    fn qk_norm_rope(
+        &self,
+        q: &mut Act<Vec<f32>>,
+        k: &mut Act<Vec<f32>>,
+        q_norm: Option<&CpuWeight>,
+        k_norm: Option<&CpuWeight>,
+        head_dim: usize,
+        eps: f32,
+        step: &StepInput<Vec<i32>>,
+        rope: &Rope,
+    ) -> Result<()> {
+        let len = |w: &CpuWeight| w.shape.iter().product::<usize>();
+        crate::check_qk_norm_rope(
+            q,
+            k,
+            [q_norm.map(len), k_norm.map(len)],
+            head_dim,
+            step,
+            rope,
+        )?;
+        let qw = q_norm.map(|w| dequant_vec(w, head_dim)).transpose()?;
+        let kw = k_norm.map(|w| dequant_vec(w, head_dim)).transpose()?;
+        let inv_freq = rope_inv_freq(rope);
+        // Per head: `head_rms_norm`'s `rms_norm_row`, then `rope`'s rotation with the same
+        // angles, so the result is bitwise that of the four ops.
+        let per_head = |h: &mut [f32], w: Option<&Vec<f32>>, cs: &[(f32, f32)]| {
+            if let Some(w) = w {
+                let src = h.to_vec();
+                rms_norm_row(&src, w, eps, h);
+            }
+            rope_head(h, cs, rope);
+        };
+        for (x, w) in [(q, qw.as_ref()), (k, kw.as_ref())] {
+            let (cols, n) = (x.cols, x.len());
+            x.buf[..n]
+                .par_chunks_mut(cols)
+                .enumerate()
+                .for_each(|(t, row)| {
+                    let cs = rope_cos_sin(&inv_freq, step.positions[t]);
+                    for h in row.chunks_mut(head_dim) {
+                        per_head(h, w, &cs);
+                    }
+                });
+        }
         Ok(())
     }
 
@@ -938,6 +994,32 @@ pub fn rope_inv_freq(rope: &Rope) -> Vec<f32> {
     (0..rope.rot_dim / 2)
         .map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32))
         .collect()
+}
+
+/// `(cos, sin)` of every rotary frequency at `pos` (angle `pos · inv_freq` in f32).
+fn rope_cos_sin(inv_freq: &[f32], pos: i32) -> Vec<(f32, f32)> {
+    let pos = pos as f32;
+    inv_freq
+        .iter()
+        .map(|&f| {
+            let a = pos * f;
+            (a.cos(), a.sin())
+        })
+        .collect()
+}
+
+/// Rotates one head in place by the angles `cs` (the leading `2 · cs.len()` dimensions).
+fn rope_head(h: &mut [f32], cs: &[(f32, f32)], rope: &Rope) {
+    let half = rope.rot_dim / 2;
+    for (i, &(c, s)) in cs.iter().enumerate() {
+        let (a, b) = match rope.style {
+            RopeStyle::Adjacent => (2 * i, 2 * i + 1),
+            RopeStyle::Neox => (i, i + half),
+        };
+        let (x0, x1) = (h[a], h[b]);
+        h[a] = x0 * c - x1 * s;
+        h[b] = x0 * s + x1 * c;
+    }
 }
 
 /// A 1-D weight (norm scale) as f32.

@@ -16,7 +16,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod gated_delta;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use ferrite_formats::GgmlType;
 
 /// A weight as read from a model file, before it is handed to a backend.
@@ -288,6 +288,33 @@ pub trait Backend: Send + Sync {
         step: &StepInput<Self::IBuf>,
         rope: &Rope,
     ) -> Result<()>;
+    /// The residual add fused with the next RMSNorm: `x += y`, then `h = x / rms(x) * w`
+    /// row by row. Equals [`Backend::add_assign`] followed by [`Backend::rms_norm`] (the
+    /// CPU backend bitwise).
+    fn add_rms_norm(
+        &self,
+        x: &mut Act<Self::Buf>,
+        y: &Act<Self::Buf>,
+        w: &Self::Weight,
+        eps: f32,
+        h: &mut Act<Self::Buf>,
+    ) -> Result<()>;
+    /// Attention's query/key preparation in one op: on every `head_dim`-sized head of `q`
+    /// and of `k`, the per-head RMSNorm where its weight is given (Qwen3's QK-norm), then
+    /// the rotation of [`Backend::rope`]. Equals `head_rms_norm(q)`, `head_rms_norm(k)`,
+    /// `rope(q)`, `rope(k)` (the CPU backend bitwise).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        q: &mut Act<Self::Buf>,
+        k: &mut Act<Self::Buf>,
+        q_norm: Option<&Self::Weight>,
+        k_norm: Option<&Self::Weight>,
+        head_dim: usize,
+        eps: f32,
+        step: &StepInput<Self::IBuf>,
+        rope: &Rope,
+    ) -> Result<()>;
 
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
@@ -506,6 +533,42 @@ pub fn check_rope<B, I>(
         x.rows,
         step.rows
     );
+    Ok(())
+}
+
+/// The shape checks every backend's `add_rms_norm` makes (`w_len`: the norm weight's
+/// element count).
+pub fn check_add_rms_norm<B>(x: &Act<B>, y: &Act<B>, w_len: usize, h: &Act<B>) -> Result<()> {
+    check_shape("add_rms_norm y", y, x.rows, x.cols)?;
+    check_shape("add_rms_norm out", h, x.rows, x.cols)?;
+    anyhow::ensure!(
+        w_len == x.cols,
+        "add_rms_norm: norm weight has {w_len} elements, expected {}",
+        x.cols
+    );
+    Ok(())
+}
+
+/// The shape checks every backend's `qk_norm_rope` makes (`norm_lens`: the element counts
+/// of the q and k norm weights, where given).
+pub fn check_qk_norm_rope<B, I>(
+    q: &Act<B>,
+    k: &Act<B>,
+    norm_lens: [Option<usize>; 2],
+    head_dim: usize,
+    step: &StepInput<I>,
+    rope: &Rope,
+) -> Result<()> {
+    check_rope(q, head_dim, step, rope).context("qk_norm_rope q")?;
+    check_rope(k, head_dim, step, rope).context("qk_norm_rope k")?;
+    for (what, len) in ["q", "k"].into_iter().zip(norm_lens) {
+        if let Some(n) = len {
+            anyhow::ensure!(
+                n == head_dim,
+                "qk_norm_rope: {what} norm weight has {n} elements, expected {head_dim}"
+            );
+        }
+    }
     Ok(())
 }
 

@@ -82,6 +82,15 @@ const MOE_DECODE_NMSE: f64 = 1e-9;
 /// two chained GEMMs: measured 1.5–1.8e-5 (bf16 weights ~8e-6). A wrong expert choice, slot
 /// order or tile gives NMSE ≥ 1e-2.
 const MOE_PREFILL_NMSE: f64 = 5e-5;
+/// Residual add fused with RMSNorm: the sum is the same f32 add as `add_assign` (bitwise),
+/// the norm the same arithmetic as `rms_norm` (f32 reduction in another order than the
+/// CPU's f64 sum): as any elementwise op. The NMSE is taken over each output (x and h)
+/// apart and the larger reported, so an error in one is not diluted by the other.
+const ADD_RMS_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
+/// QK-norm + RoPE: the per-head norm is elementwise-exact (~1e-14); the rotation's angle
+/// error (see ROPE_NMSE) dominates, so RoPE's threshold. A wrong head, pair, weight or
+/// q/k mix-up gives ≥ 1e-2.
+const QK_NORM_ROPE_NMSE: f64 = ROPE_NMSE;
 /// Graph capture + replay of RoPE at new positions: as RoPE.
 const GRAPH_NMSE: f64 = ROPE_NMSE;
 
@@ -206,6 +215,8 @@ const OPS: &[&str] = &[
     "add_assign",
     "swiglu",
     "rope",
+    "add_rms_norm",
+    "qk_norm_rope",
     "attention",
     "moe",
     "argmax",
@@ -254,6 +265,22 @@ enum Op {
     AddAssign {
         rows: usize,
         cols: usize,
+    },
+    /// `x += y; h = rms_norm(x) · w`.
+    AddRmsNorm {
+        wty: GgmlType,
+        rows: usize,
+        cols: usize,
+    },
+    /// Per-head RMSNorm (when `norm`) + RoPE on q and k in one op.
+    QkNormRope {
+        rows: usize,
+        q_heads: usize,
+        k_heads: usize,
+        head_dim: usize,
+        rope: Rope,
+        norm: bool,
+        pos0: usize,
     },
     Swiglu {
         rows: usize,
@@ -366,6 +393,26 @@ fn describe(op: &Op) -> (&'static str, String) {
             ),
         ),
         Op::AddAssign { rows, cols } => ("add_assign", format!("add_assign {rows}x{cols}")),
+        Op::AddRmsNorm { wty, rows, cols } => (
+            "add_rms_norm",
+            format!("add_rms_norm w={wty} cols={cols} rows={rows}"),
+        ),
+        Op::QkNormRope {
+            rows,
+            q_heads,
+            k_heads,
+            head_dim,
+            rope,
+            norm,
+            pos0,
+        } => (
+            "qk_norm_rope",
+            format!(
+                "qk_norm_rope {:?} hd={head_dim} rot={} θ={} heads={q_heads}/{k_heads} \
+                 norm={norm} rows={rows} pos0={pos0}",
+                rope.style, rope.rot_dim, rope.theta
+            ),
+        ),
         Op::Swiglu { rows, cols } => ("swiglu", format!("swiglu {rows}x{cols}")),
         Op::CopyRows {
             src_rows,
@@ -586,6 +633,60 @@ pub fn cases(quick: bool) -> Vec<Case> {
         add(Op::AddAssign { rows, cols });
         add(Op::Swiglu { rows, cols });
     }
+    // --- fused residual add + RMSNorm: Qwen3-8B (4096), Qwen3-30B-A3B / Qwen3.5-2B (2048),
+    // SmolLM2-135M (576), odd widths; decode, a few rows, a prefill chunk.
+    for cols in [4096, 2048, 576, 1000, 33] {
+        for rows in [1, 7, 512] {
+            if quick && (cols > 1000 || rows > 7) {
+                continue;
+            }
+            add(Op::AddRmsNorm {
+                wty: GgmlType::F32,
+                rows,
+                cols,
+            });
+        }
+    }
+    add(Op::AddRmsNorm {
+        wty: GgmlType::F16,
+        rows: 7,
+        cols: 576,
+    });
+
+    // --- fused QK-norm + RoPE: Qwen3-8B (32/8 × 128, NeoX, norm), Llama GGUF (adjacent
+    // pairs, no norm), Qwen3.5 full attention (16/2 × 256, NeoX on 64 dims), SmolLM2
+    // (9/3 × 64), odd shapes (36 pairs: lanes wrap; 3 of 4 pairs rotated).
+    let qk = [
+        (32, 8, 128, 128, RopeStyle::Neox, 1e6f32, true),
+        (32, 8, 128, 128, RopeStyle::Neox, 1e6, false),
+        (32, 8, 128, 128, RopeStyle::Adjacent, 5e5, false),
+        (16, 2, 256, 64, RopeStyle::Neox, 1e7, true),
+        (9, 3, 64, 64, RopeStyle::Adjacent, 1e5, true),
+        (3, 1, 72, 72, RopeStyle::Neox, 1e4, true),
+        (5, 5, 96, 72, RopeStyle::Adjacent, 1e4, true),
+        (4, 2, 32, 16, RopeStyle::Neox, 1e4, false),
+    ];
+    for &(q_heads, k_heads, head_dim, rot_dim, style, theta, norm) in &qk {
+        for (rows, pos0) in [(1, 0), (1, 1000), (7, 3), (512, 0)] {
+            if quick && (rows > 7 || q_heads > 16) {
+                continue;
+            }
+            add(Op::QkNormRope {
+                rows,
+                q_heads,
+                k_heads,
+                head_dim,
+                rope: Rope {
+                    style,
+                    theta,
+                    rot_dim,
+                },
+                norm,
+                pos0,
+            });
+        }
+    }
+
     for (src_rows, cols, start, rows) in [(10, 37, 0, 1), (10, 37, 9, 1), (64, 4096, 3, 60)] {
         add(Op::CopyRows {
             src_rows,
@@ -896,6 +997,9 @@ struct HostData {
     acts: Vec<(Vec<f32>, usize, usize)>,
     /// Output: rows, cols (an extra poisoned row is added).
     out: (usize, usize),
+    /// A second output of the ops that have two (add_rms_norm's x, qk_norm_rope's k),
+    /// poisoned the same way.
+    out2: Option<(usize, usize)>,
     tokens: Vec<u32>,
     pos0: usize,
     /// Attention: the KV-fill steps before the checked step.
@@ -971,6 +1075,44 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             let cols = heads * head_dim;
             h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
             h.out = (rows, cols);
+            h.tokens = vec![0; rows];
+            h.pos0 = pos0;
+        }
+        Op::AddRmsNorm { wty, rows, cols } => {
+            let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+            let mut wb = vec![0u8; wty.bytes_for(cols)?];
+            quant::quantize(wty, &w, &mut wb)?;
+            h.weights.push((wty, vec![cols], wb));
+            // x (the residual stream) larger than y (the block output), as in a model.
+            h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.out = (rows, cols);
+            h.out2 = Some((rows, cols));
+        }
+        Op::QkNormRope {
+            rows,
+            q_heads,
+            k_heads,
+            head_dim,
+            norm,
+            pos0,
+            ..
+        } => {
+            if norm {
+                for _ in 0..2 {
+                    let w: Vec<f32> = (0..head_dim).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+                    h.weights.push((
+                        GgmlType::F32,
+                        vec![head_dim],
+                        w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    ));
+                }
+            }
+            let (qd, kd) = (q_heads * head_dim, k_heads * head_dim);
+            h.acts.push((rng.normals(rows * qd, 1.0), rows, qd));
+            h.acts.push((rng.normals(rows * kd, 3.0), rows, kd));
+            h.out = (rows, qd);
+            h.out2 = Some((rows, kd));
             h.tokens = vec![0; rows];
             h.pos0 = pos0;
         }
@@ -1085,6 +1227,8 @@ struct Prepared<B: Backend> {
     a: Vec<Act<B::Buf>>,
     /// Output, with one poisoned row past the active ones.
     out: Act<B::Buf>,
+    /// The second output where the op has one ([`HostData::out2`]), poisoned the same way.
+    out2: Option<Act<B::Buf>>,
     step: StepInput<B::IBuf>,
     kv: Option<B::Kv>,
     /// argmax output: `tokens` of a step input (poisoned with i32::MAX).
@@ -1109,6 +1253,14 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
     let (rows, cols) = h.out;
     let mut out = be.from_host(&vec![f32::NAN; (rows + 1) * cols], rows + 1, cols)?;
     out.set_rows(rows)?;
+    let out2 = match h.out2 {
+        Some((rows, cols)) => {
+            let mut o = be.from_host(&vec![f32::NAN; (rows + 1) * cols], rows + 1, cols)?;
+            o.set_rows(rows)?;
+            Some(o)
+        }
+        None => None,
+    };
     let mut step = be.step_input(h.tokens.len().max(1))?;
     if !h.tokens.is_empty() {
         be.set_step(&mut step, &h.tokens, h.pos0)?;
@@ -1163,6 +1315,7 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
         w,
         a,
         out,
+        out2,
         step,
         kv,
         iout,
@@ -1175,8 +1328,18 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::HeadRmsNorm { .. } | Op::Rope { .. } | Op::AddAssign { .. } => {
             be.copy_rows(&p.a[0], 0, &mut p.out)
         }
+        Op::AddRmsNorm { .. } => be.copy_rows(&p.a[0], 0, out2(&mut p.out2)?),
+        Op::QkNormRope { .. } => {
+            be.copy_rows(&p.a[0], 0, &mut p.out)?;
+            be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?)
+        }
         _ => Ok(()),
     }
+}
+
+fn out2<T>(o: &mut Option<Act<T>>) -> Result<&mut Act<T>> {
+    o.as_mut()
+        .ok_or_else(|| anyhow::anyhow!("no second output"))
 }
 
 /// The rotation graph cases capture (Qwen3's).
@@ -1207,6 +1370,31 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::Matmul { .. } => be.matmul(&p.a[0], &p.w[0], &mut p.out),
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
+        Op::AddRmsNorm { .. } => {
+            be.add_rms_norm(out2(&mut p.out2)?, &p.a[1], &p.w[0], EPS, &mut p.out)
+        }
+        Op::QkNormRope {
+            head_dim,
+            rope,
+            norm,
+            ..
+        } => {
+            let (qn, kn) = if *norm {
+                (Some(&p.w[0]), Some(&p.w[1]))
+            } else {
+                (None, None)
+            };
+            be.qk_norm_rope(
+                &mut p.out,
+                out2(&mut p.out2)?,
+                qn,
+                kn,
+                *head_dim,
+                EPS,
+                &p.step,
+                rope,
+            )
+        }
         Op::Swiglu { .. } => be.swiglu(&p.a[0], &p.a[1], &mut p.out),
         Op::CopyRows { start, .. } => be.copy_rows(&p.a[0], *start, &mut p.out),
         Op::Attention { shape, .. } => {
@@ -1306,18 +1494,27 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
         ids.extend(vals.iter().map(|v| v.to_bits() as i32));
         return Ok((Output::I(ids), p));
     }
-    let rows = p.out.rows;
-    p.out.set_rows(rows + 1)?;
-    let all = be.to_host(&p.out)?;
-    p.out.set_rows(rows)?;
-    let cols = p.out.cols;
+    let mut all = read_guarded(be, &mut p.out)?;
+    if let Some(o) = &mut p.out2 {
+        all.extend(read_guarded(be, o)?);
+    }
+    Ok((Output::F(all), p))
+}
+
+/// The active rows of an output; checks that the poisoned row past them is untouched.
+fn read_guarded<B: Backend>(be: &B, out: &mut Act<B::Buf>) -> Result<Vec<f32>> {
+    let rows = out.rows;
+    out.set_rows(rows + 1)?;
+    let all = be.to_host(out);
+    out.set_rows(rows)?;
+    let mut all = all?;
+    let cols = out.cols;
     anyhow::ensure!(
         all[rows * cols..].iter().all(|v| v.is_nan()),
         "the op wrote past its {rows} active rows (into the capacity)"
     );
-    let mut all = all;
     all.truncate(rows * cols);
-    Ok((Output::F(all), p))
+    Ok(all)
 }
 
 fn nmse(test: &[f32], reference: &[f32]) -> f64 {
@@ -1343,6 +1540,8 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         | Op::AddAssign { .. }
         | Op::Swiglu { .. } => ELEMENTWISE_NMSE,
         Op::Rope { .. } => ROPE_NMSE,
+        Op::AddRmsNorm { .. } => ADD_RMS_NORM_NMSE,
+        Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
         Op::Matmul { rows, .. } => {
             if *rows <= GEMV_MAX_ROWS {
@@ -1387,6 +1586,10 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::RmsNorm { .. } | Op::Swiglu { .. } => f(acts + out),
         Op::HeadRmsNorm { .. } | Op::Rope { .. } => f(2 * out),
         Op::AddAssign { .. } => f(3 * out),
+        // Reads x and y; writes x and h.
+        Op::AddRmsNorm { .. } => f(acts + 2 * out),
+        // Reads and writes q and k.
+        Op::QkNormRope { .. } => f(2 * acts),
         Op::CopyRows { .. } => f(2 * out),
         Op::Argmax { .. } => f(acts),
         Op::TopK { k, .. } => f(acts * k),
@@ -1522,7 +1725,13 @@ fn check_case<B: Backend>(
         (Output::F(g), Output::F(w)) => {
             let bad = g.iter().filter(|v| !v.is_finite()).count();
             let cpu_bad = w.iter().filter(|v| !v.is_finite()).count();
-            let e = nmse(g, w);
+            // Two outputs: each compared apart, the worse one counts.
+            let split = p.out.len().min(g.len());
+            let e = if split < g.len() {
+                nmse(&g[..split], &w[..split]).max(nmse(&g[split..], &w[split..]))
+            } else {
+                nmse(g, w)
+            };
             let ok = bad == 0 && cpu_bad == 0 && e <= thr;
             let mut text = format!("NMSE {e:>9.2e} <= {thr:<7.0e}");
             if bad > 0 {

@@ -16,6 +16,12 @@
 //! The architectures differ only in the flags of [`ModelConfig`] (`qk_norm`, `moe`) and in
 //! how their files name tensors ([`crate::source`]); Qwen3.5's hybrid layers get a file of
 //! their own.
+//!
+//! Fused ops, one launch each on an accelerator: the QK-norm and both rotations are one
+//! [`Backend::qk_norm_rope`]; every residual add is fused with the RMSNorm that follows it
+//! ([`Backend::add_rms_norm`]): the attention output's add with `ffn_norm`, the FFN
+//! output's add with the next layer's `attn_norm` (or, after the last layer, with
+//! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
 use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, StepInput};
@@ -212,7 +218,7 @@ impl<B: Backend> Model<B> {
         ws.set_rows(t)?;
         if !self.hybrid.is_empty() {
             be.embed(&self.embed, &ws.step, &mut ws.x)?;
-            crate::qwen3_5::forward_layers(be, cfg, &self.hybrid, ws, kv)?;
+            crate::qwen3_5::forward_layers(be, cfg, &self.hybrid, &self.out_norm, ws, kv)?;
             return self.output_logits(be, ws, which);
         }
         let Workspace {
@@ -232,18 +238,20 @@ impl<B: Backend> Model<B> {
         } = ws;
 
         be.embed(&self.embed, step, x)?;
+        // h = the first layer's attention input; from then on every norm is fused with
+        // the residual add before it.
+        let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
+        be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         for (il, l) in self.layers.iter().enumerate() {
-            // Attention block.
-            be.rms_norm(x, &l.attn_norm, cfg.rms_eps, h)?;
+            // Attention block (h = rms_norm(x) · attn_norm).
             be.matmul(h, &l.wq, q)?;
             be.matmul(h, &l.wk, k)?;
             be.matmul(h, &l.wv, v)?;
-            if let Some((qn, kn)) = &l.qk_norm {
-                be.head_rms_norm(q, qn, a.head_dim, cfg.rms_eps)?;
-                be.head_rms_norm(k, kn, a.head_dim, cfg.rms_eps)?;
-            }
-            be.rope(q, a.head_dim, step, &cfg.rope)?;
-            be.rope(k, a.head_dim, step, &cfg.rope)?;
+            let (qn, kn) = match &l.qk_norm {
+                Some((qn, kn)) => (Some(qn), Some(kn)),
+                None => (None, None),
+            };
+            be.qk_norm_rope(q, k, qn, kn, a.head_dim, cfg.rms_eps, step, &cfg.rope)?;
             be.attention(
                 kv,
                 step,
@@ -257,10 +265,9 @@ impl<B: Backend> Model<B> {
                 att,
             )?;
             be.matmul(att, &l.wo, y)?;
-            be.add_assign(x, y)?;
 
-            // Feed-forward block.
-            be.rms_norm(x, &l.ffn_norm, cfg.rms_eps, h)?;
+            // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm.
+            be.add_rms_norm(x, y, &l.ffn_norm, cfg.rms_eps, h)?;
             match &l.ffn {
                 Ffn::Dense {
                     gate: wg,
@@ -298,18 +305,24 @@ impl<B: Backend> Model<B> {
                     )?;
                 }
             }
-            be.add_assign(x, y)?;
+            // x += y, h = the next layer's attention input (or the output norm's result).
+            let next_norm = self
+                .layers
+                .get(il + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
         }
 
         self.output_logits(be, ws, which)
     }
 
-    /// Final norm and output projection of the step's last row, or of every row.
+    /// The output projection of the step's last row, or of every row; `ws.h` holds
+    /// `rms_norm(x) · output_norm` of every row (the layers fuse that norm with their last
+    /// residual add).
     fn output_logits(&self, be: &B, ws: &mut Workspace<B>, which: Logits) -> Result<()> {
-        let cfg = &self.cfg;
         let t = ws.step.rows;
         let Workspace {
-            x, h, last, logits, ..
+            h, last, logits, ..
         } = ws;
         let out_w = self.output.as_ref().unwrap_or(&self.embed);
         match which {
@@ -317,15 +330,19 @@ impl<B: Backend> Model<B> {
                 logits
                     .set_rows(t)
                     .context("this workspace keeps only the last position's logits")?;
-                be.rms_norm(x, &self.out_norm, cfg.rms_eps, h)?;
                 be.matmul(h, out_w, logits)?;
             }
             Logits::Last => {
-                be.copy_rows(x, t - 1, last)?;
-                h.set_rows(1)?;
                 logits.set_rows(1)?;
-                be.rms_norm(last, &self.out_norm, cfg.rms_eps, h)?;
-                be.matmul(h, out_w, logits)?;
+                if t == 1 {
+                    // A decode step: h is that one row.
+                    be.matmul(h, out_w, logits)?;
+                } else {
+                    // RMSNorm is row-wise: the last row of the normalised rows is the
+                    // norm of the last row.
+                    be.copy_rows(h, t - 1, last)?;
+                    be.matmul(last, out_w, logits)?;
+                }
             }
         }
         Ok(())

@@ -22,6 +22,10 @@
 //!     x += Σ_top-k w_e·expert_e(h) + σ(h·w_sg)·shared_expert(h)   (MoE, top-k renormalised)
 //! logits = rms_norm(x) · (1 + output_norm) · Woutᵀ
 //! ```
+//! As in [`crate::decoder`], the QK-norm and the (partial) rotation are one
+//! [`Backend::qk_norm_rope`] and every residual add is fused with the RMSNorm after it
+//! ([`Backend::add_rms_norm`]).
+//!
 //! transformers' zero-centred norms scale by `1 + w`, computed in f32 from the stored
 //! weight; the loader stores that sum as an f32 weight, so the backend's plain RMSNorm ops
 //! apply it. The linear-attention output norm (`Qwen3_5RMSNormGated`) scales by `w` itself.
@@ -158,11 +162,13 @@ impl<B: Backend> Buffers<B> {
     }
 }
 
-/// Runs every layer of the step in `ws.step` on `ws.x` (already embedded).
+/// Runs every layer of the step in `ws.step` on `ws.x` (already embedded); leaves
+/// `rms_norm(x) · out_norm` in `ws.h` (the last residual add fused with that norm).
 pub(crate) fn forward_layers<B: Backend>(
     be: &B,
     cfg: &ModelConfig,
     layers: &[Layer<B::Weight>],
+    out_norm: &B::Weight,
     ws: &mut Workspace<B>,
     kv: &mut B::Kv,
 ) -> Result<()> {
@@ -190,9 +196,11 @@ pub(crate) fn forward_layers<B: Backend>(
         .context("workspace lacks the hybrid buffers")?;
     let step: &StepInput<B::IBuf> = step;
 
-    for l in layers {
-        // Token mixer.
-        be.rms_norm(x, &l.attn_norm, eps, h)?;
+    // h = the first layer's mixer input; every later norm is fused with the residual add
+    // before it.
+    be.rms_norm(x, layers.first().map_or(out_norm, |l| &l.attn_norm), eps, h)?;
+    for (il, l) in layers.iter().enumerate() {
+        // Token mixer (h = rms_norm(x) · attn_norm).
         match &l.mixer {
             Mixer::Linear {
                 slot,
@@ -241,10 +249,16 @@ pub(crate) fn forward_layers<B: Backend>(
                 be.matmul(h, wg, &mut hb.attn_gate)?;
                 be.matmul(h, wk, k)?;
                 be.matmul(h, wv, v)?;
-                be.head_rms_norm(q, q_norm, a.head_dim, eps)?;
-                be.head_rms_norm(k, k_norm, a.head_dim, eps)?;
-                be.rope(q, a.head_dim, step, &cfg.rope)?;
-                be.rope(k, a.head_dim, step, &cfg.rope)?;
+                be.qk_norm_rope(
+                    q,
+                    k,
+                    Some(q_norm),
+                    Some(k_norm),
+                    a.head_dim,
+                    eps,
+                    step,
+                    &cfg.rope,
+                )?;
                 be.attention(
                     kv,
                     step,
@@ -261,10 +275,9 @@ pub(crate) fn forward_layers<B: Backend>(
                 be.matmul(att, wo, y)?;
             }
         }
-        be.add_assign(x, y)?;
 
-        // Feed-forward.
-        be.rms_norm(x, &l.ffn_norm, eps, h)?;
+        // Feed-forward: x += y, h = rms_norm(x) · ffn_norm.
+        be.add_rms_norm(x, y, &l.ffn_norm, eps, h)?;
         match &l.ffn {
             Ffn::Dense {
                 gate: wg,
@@ -320,7 +333,9 @@ pub(crate) fn forward_layers<B: Backend>(
                 be.add_assign(y, &hb.shared)?;
             }
         }
-        be.add_assign(x, y)?;
+        // x += y, h = the next layer's mixer input (or the output norm's result).
+        let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
+        be.add_rms_norm(x, y, next_norm, eps, h)?;
     }
     Ok(())
 }

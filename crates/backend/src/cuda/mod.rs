@@ -6,7 +6,8 @@
 //! without CUDA; [`CudaBackend::available`] says whether a GPU can be used.
 //!
 //! Kernel families, one launcher module each:
-//! - [`ops`]: embedding, RMSNorm, per-head RMSNorm, RoPE, add, SwiGLU, argmax (`elementwise.cu`).
+//! - [`ops`]: embedding, RMSNorm, per-head RMSNorm, RoPE, add, SwiGLU, argmax, and the fused
+//!   add + RMSNorm and QK-norm + RoPE (`elementwise.cu`).
 //! - [`matmul`]: decode GEMV for every weight type and the prefill matmul on the tensor cores.
 //! - [`attention`]: KV cache (f16 / q8_0), prefill flash attention, split-K decode attention.
 //! - [`moe`]: top-k routing and batched expert FFNs.
@@ -342,6 +343,31 @@ impl Backend for CudaBackend {
         rope: &Rope,
     ) -> Result<()> {
         ops::rope(self, x, head_dim, step, rope)
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut Act<CudaSlice<f32>>,
+        y: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        eps: f32,
+        h: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        ops::add_rms_norm(self, x, y, w, eps, h)
+    }
+
+    fn qk_norm_rope(
+        &self,
+        q: &mut Act<CudaSlice<f32>>,
+        k: &mut Act<CudaSlice<f32>>,
+        q_norm: Option<&CudaWeight>,
+        k_norm: Option<&CudaWeight>,
+        head_dim: usize,
+        eps: f32,
+        step: &StepInput<CudaSlice<i32>>,
+        rope: &Rope,
+    ) -> Result<()> {
+        ops::qk_norm_rope(self, q, k, q_norm, k_norm, head_dim, eps, step, rope)
     }
 
     fn kv_new(

@@ -18,6 +18,8 @@ pub struct Kernels {
     rms_norm: CudaFunction,
     head_rms_norm: CudaFunction,
     rope: CudaFunction,
+    add_rms_norm: CudaFunction,
+    qk_norm_rope: CudaFunction,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
     argmax_rows: CudaFunction,
@@ -32,6 +34,8 @@ impl Kernels {
             rms_norm: function(&m, "rms_norm")?,
             head_rms_norm: function(&m, "head_rms_norm")?,
             rope: function(&m, "rope")?,
+            add_rms_norm: function(&m, "add_rms_norm")?,
+            qk_norm_rope: function(&m, "qk_norm_rope")?,
             add_assign: function(&m, "add_assign")?,
             swiglu: function(&m, "swiglu")?,
             argmax_rows: function(&m, "argmax_rows")?,
@@ -211,6 +215,116 @@ pub fn rope(
             .arg(&neox)
             .arg(&rope.theta)
             .launch(grid_1d(total, 256))
+    }?;
+    Ok(())
+}
+
+/// Threads per block of `add_rms_norm`: about 4 columns per thread (a decode row of 4096
+/// spreads over a whole 1024-thread block). Chosen from `cols` alone, so a row's summation
+/// order never depends on the number of rows in the step.
+fn add_rms_norm_threads(cols: usize) -> u32 {
+    (cols.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
+}
+
+pub fn add_rms_norm(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    y: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    eps: f32,
+    h: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    crate::check_add_rms_norm(x, y, w.shape.iter().product(), h)?;
+    if x.rows == 0 {
+        return Ok(());
+    }
+    let wv = f32_vec(w, x.cols)?;
+    let cols = x.cols as i32;
+    let cfg = LaunchConfig {
+        grid_dim: (x.rows as u32, 1, 1),
+        block_dim: (add_rms_norm_threads(x.cols), 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows);
+    // one block per row, at most 1024 threads (32 warps: the kernel's shared partials).
+    unsafe {
+        be.stream
+            .launch_builder(&be.ops.add_rms_norm)
+            .arg(&mut x.buf)
+            .arg(&y.buf)
+            .arg(&wv)
+            .arg(&mut h.buf)
+            .arg(&cols)
+            .arg(&eps)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    be: &CudaBackend,
+    q: &mut Act<CudaSlice<f32>>,
+    k: &mut Act<CudaSlice<f32>>,
+    q_norm: Option<&CudaWeight>,
+    k_norm: Option<&CudaWeight>,
+    head_dim: usize,
+    eps: f32,
+    step: &StepInput<CudaSlice<i32>>,
+    rope: &Rope,
+) -> Result<()> {
+    let len = |w: &CudaWeight| w.shape.iter().product::<usize>();
+    crate::check_qk_norm_rope(
+        q,
+        k,
+        [q_norm.map(len), k_norm.map(len)],
+        head_dim,
+        step,
+        rope,
+    )?;
+    let qw = q_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
+    let kw = k_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
+    let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
+    let warps = q.rows * (q_heads + k_heads);
+    if warps == 0 {
+        return Ok(());
+    }
+    let (rows, qh, kh, hd, rd) = (
+        q.rows as i32,
+        q_heads as i32,
+        k_heads as i32,
+        head_dim as i32,
+        rope.rot_dim as i32,
+    );
+    let neox = i32::from(rope.style == RopeStyle::Neox);
+    // A null device pointer: that head family has no norm weight.
+    let null: u64 = 0;
+    // 8 warps per block; one warp per (row, head).
+    let cfg = grid_1d(warps * 32, 256);
+    // SAFETY: q is [rows, q_heads·head_dim], k [rows, k_heads·head_dim] (checked, same rows
+    // as the step); norm weights hold head_dim floats (f32_vec); the kernel returns for
+    // warps past rows·(q_heads + k_heads).
+    unsafe {
+        let mut b = be.stream.launch_builder(&be.ops.qk_norm_rope);
+        b.arg(&mut q.buf).arg(&mut k.buf);
+        match &qw {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        match &kw {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&step.positions)
+            .arg(&rows)
+            .arg(&qh)
+            .arg(&kh)
+            .arg(&hd)
+            .arg(&rd)
+            .arg(&neox)
+            .arg(&rope.theta)
+            .arg(&eps)
+            .launch(cfg)
     }?;
     Ok(())
 }

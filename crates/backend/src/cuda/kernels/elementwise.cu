@@ -11,6 +11,26 @@
 //                 the CPU reference and Hugging Face compute it; the position is read from
 //                 device memory so a captured decode graph is valid at every position.
 // - add / swiglu: one thread per element.
+// - add_rms_norm: the residual add fused with the next RMSNorm (x += y; h = rms_norm(x)·w),
+//                 replacing add_assign + rms_norm twice per layer. One block per row,
+//                 ~4 columns per thread (32..1024 threads, from cols only so a row's result
+//                 never depends on how many rows share the step): pass 1 adds, stores x
+//                 and sums the squares of the sum (exactly add_assign's f32 add, so x is
+//                 bitwise the CPU's); shared reduce as rms_norm; pass 2 re-reads its own x
+//                 elements and writes h. Moves 3 reads + 2 writes of rows·cols floats where
+//                 the two ops moved 3 + 1 then 1 + 1 (and one launch instead of two).
+// - qk_norm_rope: Qwen3's per-head QK-norm (where weights are given) and RoPE on q AND k in
+//                 one launch, replacing head_rms_norm ×2 + rope ×2. One warp per (row, head):
+//                 warps [0, rows·q_heads) take q's heads, the rest k's (a head's offset is
+//                 warp·head_dim since heads are contiguous across rows). The warp sums the
+//                 head's squares lane-strided (as head_rms_norm) and shuffles; then lane l
+//                 takes rotary pairs p = l, l+32, ... (NeoX (p, p+rot/2) or adjacent (2p, 2p+1)),
+//                 normalises both elements in registers, rotates them with the rope kernel's
+//                 angle arithmetic, writes them; the dims past rot_dim (partial rotary) are
+//                 only normalised. Every element is read and written by one lane, and all
+//                 lanes finish pass-1 reads before the shuffle, so no lane sees another's
+//                 writes. One read (two with norm, the second from L1/L2) and one write per
+//                 element.
 // - topk_rows:    one block per row, k passes: pass j finds the best element strictly after
 //                 the (j-1)-th in the total order (value desc, index asc; NaN as -inf), so
 //                 no selection list is kept; k·cols reads (k ≤ 64: ~40 MB at 150k vocab,
@@ -87,6 +107,89 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
     float x0 = h[ia], x1 = h[ib];
     h[ia] = x0 * c - x1 * s;
     h[ib] = x0 * s + x1 * c;
+}
+
+// x += y; h = (x · rsqrt(mean(x²) + eps)) · w; one block per row.
+extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y,
+                                        const float* __restrict__ w, float* __restrict__ h,
+                                        int cols, float eps) {
+    __shared__ float partial[32];
+    float* xr = x + (long long)blockIdx.x * cols;
+    const float* yr = y + (long long)blockIdx.x * cols;
+    float* hr = h + (long long)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = xr[i] + yr[i];
+        xr[i] = v;
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    if (lane == 0) partial[wid] = ss;
+    __syncthreads();
+    if (wid == 0) {
+        int nw = (blockDim.x + 31) >> 5;
+        float v = lane < nw ? partial[lane] : 0.f;
+        v = warp_sum(v);
+        if (lane == 0) partial[0] = v;
+    }
+    __syncthreads();
+    float scale = rsqrtf(partial[0] / (float)cols + eps);
+    // Each thread re-reads only the x elements it wrote itself.
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) hr[i] = (xr[i] * scale) * w[i];
+}
+
+// q: rows × q_heads heads, k: rows × k_heads heads, each head_dim floats, in place.
+// qw / kw: the heads' norm weights (head_dim floats), or null for no norm.
+extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
+                                        const float* __restrict__ qw, const float* __restrict__ kw,
+                                        const int* __restrict__ positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, int rot_dim, int neox,
+                                        float theta, float eps) {
+    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    long long nq = (long long)rows * q_heads;
+    long long total = nq + (long long)rows * k_heads;
+    if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
+    float* hp;
+    const float* w;
+    int t;
+    if (warp < nq) {
+        hp = q + warp * head_dim;
+        w = qw;
+        t = (int)(warp / q_heads);
+    } else {
+        long long kh = warp - nq;
+        hp = k + kh * head_dim;
+        w = kw;
+        t = (int)(kh / k_heads);
+    }
+    const bool norm = w != nullptr;
+    float scale = 1.f;
+    if (norm) {
+        float ss = 0.f;
+        for (int i = lane; i < head_dim; i += 32) ss += hp[i] * hp[i];
+        ss = warp_sum(ss);
+        scale = rsqrtf(ss / (float)head_dim + eps);
+    }
+    const int half = rot_dim / 2;
+    const float pos = (float)positions[t];
+    for (int p = lane; p < half; p += 32) {
+        int ia = neox ? p : 2 * p;
+        int ib = neox ? p + half : 2 * p + 1;
+        float x0 = hp[ia], x1 = hp[ib];
+        if (norm) {
+            x0 = (x0 * scale) * w[ia];
+            x1 = (x1 * scale) * w[ib];
+        }
+        float inv_freq = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
+        float a = pos * inv_freq;
+        float c = cosf(a), s = sinf(a);
+        hp[ia] = x0 * c - x1 * s;
+        hp[ib] = x0 * s + x1 * c;
+    }
+    if (norm)
+        for (int i = rot_dim + lane; i < head_dim; i += 32) hp[i] = (hp[i] * scale) * w[i];
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
