@@ -269,6 +269,43 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// `out[t] = W x[t]` for a weight `[n_out, n_in]`; `out` is `[rows, n_out]`.
     fn matmul(&self, x: &Act<Self::Buf>, w: &Self::Weight, out: &mut Act<Self::Buf>) -> Result<()>;
+
+    /// `outs[i] = ws[i] · x` for several weights reading the same `x` (the Q, K and V
+    /// projections). Same results as one `matmul` each; a backend may share the preparation
+    /// of `x` (the CUDA decode GEMV quantizes it once).
+    fn matmuls(
+        &self,
+        x: &Act<Self::Buf>,
+        ws: &[&Self::Weight],
+        outs: &mut [&mut Act<Self::Buf>],
+    ) -> Result<()> {
+        anyhow::ensure!(
+            ws.len() == outs.len(),
+            "matmuls: {} weights, {} outputs",
+            ws.len(),
+            outs.len()
+        );
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, w, out)?;
+        }
+        Ok(())
+    }
+
+    /// `act = silu(gate · x) ⊙ (up · x)`, the first half of a SwiGLU FFN. `g` and `u` are
+    /// scratch for the two projections; a backend that fuses the three steps into one kernel
+    /// may leave them untouched.
+    fn matmul_swiglu(
+        &self,
+        x: &Act<Self::Buf>,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        (g, u): (&mut Act<Self::Buf>, &mut Act<Self::Buf>),
+        act: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.matmul(x, gate, g)?;
+        self.matmul(x, up, u)?;
+        self.swiglu(g, u, act)
+    }
     /// Copies rows `start..start+out.rows` of `x` into `out`.
     fn copy_rows(&self, x: &Act<Self::Buf>, start: usize, out: &mut Act<Self::Buf>) -> Result<()>;
     /// `x += y` elementwise.

@@ -26,6 +26,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 use ferrite_backend::cpu::{route_top_k, CpuBackend};
+use ferrite_backend::cuda::matmul as cuda_matmul;
 use ferrite_backend::cuda::CudaBackend;
 use ferrite_backend::{
     Act, AttnArgs, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope, RopeStyle,
@@ -52,10 +53,33 @@ const ROPE_NMSE: f64 = 1e-8;
 /// accumulation; only the summation order differs from the CPU (relative ~1e-7 per output
 /// → NMSE ~1e-13).
 const MATMUL_GEMV_NMSE: f64 = 1e-9;
+/// Decode GEMV of the quantized weight types: x rounded to int8 per 32-element block (absmax
+/// scale; relative RMS error ~0.5% per element on Gaussian x, NMSE ~3e-5 on a dot product),
+/// weights exact, integer dot products, f32 scales. Measured 2e-5..1e-4 on the H200 (random
+/// seeds vary); 5e-4 leaves headroom; a wrong element,
+/// scale or block gives ≥ 1e-2.
+const MATMUL_GEMVQ_NMSE: f64 = 5e-4;
 /// Prefill matmul (more rows) on the tensor cores: activations (and dequantized weights)
 /// rounded to bf16 (8 significant bits, relative RMS ~1.1e-3 per operand) gives NMSE
 /// ~1e-6; 1e-5 leaves headroom, and a wrong tile or layout gives ≥ 1e-2.
 const MATMUL_TC_NMSE: f64 = 1e-5;
+/// `silu(g) · u` of two matmul outputs carries both their errors, and silu shrinks the
+/// reference's magnitude (negative g) more than the error: measured NMSE ~4–8× the plain
+/// matmul's on the H200 (e.g. 2.5e-4 for Q4_K at 512→300, 1.7e-5 on the tensor cores).
+const SWIGLU_NMSE_FACTOR: f64 = 5.0;
+
+/// The threshold of a matmul of a `ty` weight with `n_out` outputs on `rows` rows: that of
+/// the kernel the CUDA launcher picks.
+fn matmul_nmse(ty: GgmlType, n_out: usize, rows: usize) -> f64 {
+    if cuda_matmul::gemvq_applies(ty, n_out, rows) {
+        MATMUL_GEMVQ_NMSE
+    } else if rows <= GEMV_MAX_ROWS {
+        MATMUL_GEMV_NMSE
+    } else {
+        MATMUL_TC_NMSE
+    }
+}
+
 /// Rows at or below which a matmul runs the decode GEMV (the f32 path); the CUDA
 /// launcher's own switch point, so the threshold follows the kernel actually run.
 const GEMV_MAX_ROWS: usize = ferrite_backend::cuda::matmul::GEMV_MAX_ROWS;
@@ -211,6 +235,8 @@ const OPS: &[&str] = &[
     "rms_norm",
     "head_rms_norm",
     "matmul",
+    "matmuls",
+    "matmul_swiglu",
     "copy_rows",
     "add_assign",
     "swiglu",
@@ -250,6 +276,22 @@ enum Op {
         head_dim: usize,
     },
     Matmul {
+        ty: GgmlType,
+        n_in: usize,
+        n_out: usize,
+        rows: usize,
+    },
+    /// `matmuls` of two weights reading the same x (a Q4_K [1024, n_in] one first, then the
+    /// checked `[n_out, n_in]` one of type `ty`): the second GEMV reuses the first's
+    /// preparation of x.
+    Matmuls {
+        ty: GgmlType,
+        n_in: usize,
+        n_out: usize,
+        rows: usize,
+    },
+    /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`.
+    MatmulSwiglu {
         ty: GgmlType,
         n_in: usize,
         n_out: usize,
@@ -379,6 +421,24 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_out,
             rows,
         } => ("matmul", format!("matmul {ty} {n_in}->{n_out} rows={rows}")),
+        Op::Matmuls {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => (
+            "matmuls",
+            format!("matmuls q4_K+{ty} {n_in}->{n_out} rows={rows}"),
+        ),
+        Op::MatmulSwiglu {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => (
+            "matmul_swiglu",
+            format!("matmul_swiglu {ty} {n_in}->{n_out} rows={rows}"),
+        ),
         Op::Rope {
             rows,
             heads,
@@ -559,6 +619,24 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
     }
+    // The quantized-x decode GEMV (more than F32_SMALL_OUT outputs): an odd output count,
+    // a row length that is not a whole warp step (3 super-blocks; 24 blocks of 32).
+    for ty in GgmlType::ALL
+        .into_iter()
+        .filter(|t| cuda_matmul::quantized_x(*t))
+    {
+        for rows in [1, 2, 5, 9, 16] {
+            if quick && rows > 9 {
+                continue;
+            }
+            add(Op::Matmul {
+                ty,
+                n_in: 768,
+                n_out: 263,
+                rows,
+            });
+        }
+    }
     if !quick {
         // The real Qwen3-8B shapes: q/o, k/v, gate/up, down.
         let real = [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)];
@@ -591,6 +669,44 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     ty,
                     n_in: 4096,
                     n_out: 151936,
+                    rows,
+                });
+            }
+        }
+    }
+
+    // --- matmuls / matmul_swiglu: the fused decode paths (and their fallbacks: float types,
+    // prefill rows).
+    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
+        for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
+            for rows in [1, 3, 9, 17] {
+                if quick && rows > 9 {
+                    continue;
+                }
+                add(Op::Matmuls {
+                    ty,
+                    n_in,
+                    n_out,
+                    rows,
+                });
+            }
+        }
+    }
+    for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q5K, GgmlType::BF16] {
+        let shapes: &[(usize, usize)] = if quick {
+            &[(512, 300)]
+        } else {
+            &[(512, 300), (4096, 12288), (2048, 768)]
+        };
+        for &(n_in, n_out) in shapes {
+            for rows in [1, 2, 9, 16, 17] {
+                if quick && rows > 9 {
+                    continue;
+                }
+                add(Op::MatmulSwiglu {
+                    ty,
+                    n_in,
+                    n_out,
                     rows,
                 });
             }
@@ -1065,6 +1181,45 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
             h.out = (rows, n_out);
         }
+        Op::Matmuls {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => {
+            let first = [1024, n_in];
+            h.weights.push((
+                GgmlType::Q4K,
+                first.to_vec(),
+                gen_weight(GgmlType::Q4K, &first, seed)?,
+            ));
+            h.weights.push((
+                ty,
+                vec![n_out, n_in],
+                gen_weight(ty, &[n_out, n_in], seed ^ 0x9e37)?,
+            ));
+            h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
+            h.acts.push((vec![0.0; rows * 1024], rows, 1024));
+            h.out = (rows, n_out);
+        }
+        Op::MatmulSwiglu {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => {
+            for salt in [0, 0x51ed] {
+                h.weights.push((
+                    ty,
+                    vec![n_out, n_in],
+                    gen_weight(ty, &[n_out, n_in], seed ^ salt)?,
+                ));
+            }
+            h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
+            h.acts.push((vec![0.0; rows * n_out], rows, n_out));
+            h.acts.push((vec![0.0; rows * n_out], rows, n_out));
+            h.out = (rows, n_out);
+        }
         Op::Rope {
             rows,
             heads,
@@ -1368,6 +1523,18 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::RmsNorm { .. } => be.rms_norm(&p.a[0], &p.w[0], EPS, &mut p.out),
         Op::HeadRmsNorm { head_dim, .. } => be.head_rms_norm(&mut p.out, &p.w[0], *head_dim, EPS),
         Op::Matmul { .. } => be.matmul(&p.a[0], &p.w[0], &mut p.out),
+        Op::Matmuls { .. } => {
+            let [x, first] = &mut p.a[..] else {
+                bail!("matmuls: expected 2 activations")
+            };
+            be.matmuls(x, &[&p.w[0], &p.w[1]], &mut [first, &mut p.out])
+        }
+        Op::MatmulSwiglu { .. } => {
+            let [x, g, u] = &mut p.a[..] else {
+                bail!("matmul_swiglu: expected 3 activations")
+            };
+            be.matmul_swiglu(x, &p.w[0], &p.w[1], (g, u), &mut p.out)
+        }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
         Op::AddRmsNorm { .. } => {
@@ -1543,13 +1710,15 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::AddRmsNorm { .. } => ADD_RMS_NORM_NMSE,
         Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
-        Op::Matmul { rows, .. } => {
-            if *rows <= GEMV_MAX_ROWS {
-                MATMUL_GEMV_NMSE
-            } else {
-                MATMUL_TC_NMSE
-            }
+        Op::Matmul {
+            ty, n_out, rows, ..
         }
+        | Op::Matmuls {
+            ty, n_out, rows, ..
+        } => matmul_nmse(*ty, *n_out, *rows),
+        Op::MatmulSwiglu {
+            ty, n_out, rows, ..
+        } => SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *n_out, *rows),
         Op::Attention { rows, .. } => {
             let b = be.kv_bytes_per_element();
             if b >= 4.0 {
@@ -1583,6 +1752,10 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
     match op {
         Op::Embed { ty, dim, rows, .. } => f(rows * ty.bytes_for(*dim).unwrap_or(0)) + f(out),
         Op::Matmul { .. } => f(h.weights[0].2.len() + acts + out),
+        Op::Matmuls { .. } | Op::MatmulSwiglu { .. } => {
+            let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
+            f(w + acts + out)
+        }
         Op::RmsNorm { .. } | Op::Swiglu { .. } => f(acts + out),
         Op::HeadRmsNorm { .. } | Op::Rope { .. } => f(2 * out),
         Op::AddAssign { .. } => f(3 * out),
@@ -1617,8 +1790,11 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
     }
 }
 
-/// Median µs per op: warm-up, then 5 batches of `reps` back-to-back runs, each closed by a
-/// device synchronisation (a 1-element read back).
+/// Median µs per op: warm-up, then 5 batches of `reps` runs, each closed by a device
+/// synchronisation (a 1-element read back). Where the backend has graphs the `reps` runs are
+/// captured once and the batches replay that graph: the time is then what the op costs
+/// inside a captured decode step (no host launch overhead, only the device's gaps between
+/// kernels). Otherwise the runs are launched back to back.
 fn time_case<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>, reps: usize) -> Result<f64> {
     let tiny = be.from_host(&[0.0], 1, 1)?;
     for _ in 0..3 {
@@ -1626,11 +1802,26 @@ fn time_case<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>, reps: usize) -> R
     }
     be.to_host(&tiny)?;
     let reps = reps.max(1);
+    let graph = be.capture(&mut || {
+        for _ in 0..reps {
+            exec(be, op, p)?;
+        }
+        Ok(())
+    });
+    let graph = match graph {
+        Ok(g) => g,
+        Err(_) => None, // not capturable: time eager launches
+    };
     let mut per = Vec::new();
     for _ in 0..5 {
         let t0 = Instant::now();
-        for _ in 0..reps {
-            exec(be, op, p)?;
+        match &graph {
+            Some(g) => be.replay(g)?,
+            None => {
+                for _ in 0..reps {
+                    exec(be, op, p)?;
+                }
+            }
         }
         be.to_host(&tiny)?;
         per.push(t0.elapsed().as_secs_f64() * 1e6 / reps as f64);

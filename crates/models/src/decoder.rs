@@ -55,9 +55,7 @@ pub(crate) fn swiglu_mlp<B: Backend>(
     (gate, up, act): (&mut Act<B::Buf>, &mut Act<B::Buf>, &mut Act<B::Buf>),
     out: &mut Act<B::Buf>,
 ) -> Result<()> {
-    be.matmul(h, w.gate, gate)?;
-    be.matmul(h, w.up, up)?;
-    be.swiglu(gate, up, act)?;
+    be.matmul_swiglu(h, w.gate, w.up, (gate, up), act)?;
     be.matmul(act, w.down, out)
 }
 
@@ -244,9 +242,7 @@ impl<B: Backend> Model<B> {
         be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
-            be.matmul(h, &l.wq, q)?;
-            be.matmul(h, &l.wk, k)?;
-            be.matmul(h, &l.wv, v)?;
+            be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),

@@ -1,8 +1,10 @@
 //! Matmul launchers (`kernels/matmul.cu`): `out[t][o] = Σ_i W[o][i] · x[t][i]` for a 2-D
 //! weight `[n_out, n_in]` stored in any ggml type, read straight from its GGUF blocks.
 //!
-//! - rows ≤ [`GEMV_MAX_ROWS`]: `gemv_<type>_r<R>`, the memory-bound decode/verify GEMV in f32
-//!   (each output is bitwise independent of how many rows come along).
+//! - rows ≤ [`GEMV_MAX_ROWS`]: the memory-bound decode/verify GEMV (each output is bitwise
+//!   independent of how many rows come along): `gemvq_<type>_r<R>` for the quantized types
+//!   (x quantized to int8 per 32 elements by `quant_x_q8`, dp4a dot products), `gemv_<type>_r<R>`
+//!   in f32 for the float types and for small-output matrices (MoE routers).
 //! - more rows: `mm_<type>`, the prefill matmul on the tensor cores (bf16 inputs, f32
 //!   accumulation), dequantizing weight tiles on the fly.
 //!
@@ -80,6 +82,13 @@ pub(crate) const TYPES: [(GgmlType, &str); 9] = [
 /// The compiled matmul kernels, indexed like [`TYPES`].
 pub struct Kernels {
     gemv: Vec<[CudaFunction; 6]>,
+    /// `gemvq_<type>_r<R>` and `gemvq_swiglu_<type>_r<R>` (quantized types only).
+    gemvq: Vec<Option<[[CudaFunction; 6]; 2]>>,
+    /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
+    quant_x: CudaFunction,
+    /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
+    /// input seen; grown only by an eager (first) step, never inside a captured one.
+    xq: Mutex<Option<XQuant>>,
     /// `mm_<type>_n128`, `mm_<type>_n64` (see [`MM_BN`]).
     mm: Vec<[CudaFunction; 2]>,
     /// x f32 → bf16 scratch (zero-padded to whole K steps), run before every prefill matmul.
@@ -94,9 +103,26 @@ impl Kernels {
         ctx.bind_to_thread()?;
         let mut gemv = Vec::with_capacity(TYPES.len());
         let mut mm = Vec::with_capacity(TYPES.len());
-        for (_, name) in TYPES {
+        let mut gemvq = Vec::with_capacity(TYPES.len());
+        for (ty, name) in TYPES {
             let f = |r: usize| function(&m, &format!("gemv_{name}_r{r}"));
             gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]);
+            gemvq.push(if quantized_x(ty) {
+                let q = |kind: &str, r: usize| function(&m, &format!("gemvq{kind}_{name}_r{r}"));
+                let all = |kind: &str| -> Result<[CudaFunction; 6]> {
+                    Ok([
+                        q(kind, 1)?,
+                        q(kind, 2)?,
+                        q(kind, 4)?,
+                        q(kind, 8)?,
+                        q(kind, 9)?,
+                        q(kind, 16)?,
+                    ])
+                };
+                Some([all("")?, all("_swiglu")?])
+            } else {
+                None
+            });
             let g = |bn: usize| -> Result<CudaFunction> {
                 let f = function(&m, &format!("mm_{name}_n{bn}"))?;
                 f.set_attribute(
@@ -111,11 +137,37 @@ impl Kernels {
         let mm_x = function(&m, "mm_x_bf16")?;
         Ok(Kernels {
             gemv,
+            gemvq,
+            quant_x: function(&m, "quant_x_q8")?,
+            xq: Mutex::new(None),
             mm,
             mm_x,
             xb: Mutex::new(None),
         })
     }
+}
+
+/// Activations quantized to int8 per 32 elements (`quant_x_q8`): the int8 values and, per
+/// block, (scale d, d · Σq) as two f32.
+pub(crate) struct XQuant {
+    q: CudaSlice<i8>,
+    d: CudaSlice<f32>,
+    /// Elements per row the buffers are laid out for (rows are `n_in` apart).
+    cap: usize,
+}
+
+/// Weight types whose decode GEMV runs on int8-quantized activations (dp4a). The float types
+/// keep the f32 GEMV: they are bandwidth-bound already and gain nothing from it.
+pub fn quantized_x(t: GgmlType) -> bool {
+    matches!(
+        t,
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+    )
 }
 
 fn type_index(t: GgmlType) -> Result<usize> {
@@ -150,6 +202,21 @@ fn gemv_ks(t: GgmlType, n_in: usize, n_out: usize, sm_count: usize) -> usize {
     let groups = n_out.div_ceil(GEMV_NW);
     let mut ks = 1;
     while ks < GEMV_WARPS && 2 * ks <= steps && groups * ks < want {
+        ks *= 2;
+    }
+    ks
+}
+
+/// [`gemv_ks`] for the quantized-x GEMV, whose lane unit is 32 elements (32-element blocks:
+/// a block per lane; K-quants: 8 lanes per super-block, 4 super-blocks per warp step).
+fn gemvq_ks(t: GgmlType, n_in: usize, n_out_groups: usize, sm_count: usize) -> usize {
+    let steps = match t {
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => (n_in / 256).div_ceil(4),
+        _ => (n_in / 32).div_ceil(32),
+    };
+    let want = GEMV_TARGET_WARPS_PER_SM * sm_count.max(1);
+    let mut ks = 1;
+    while ks < GEMV_WARPS && 2 * ks <= steps && n_out_groups * ks < want {
         ks *= 2;
     }
     ks
@@ -243,6 +310,14 @@ pub fn matmul(
         return Ok(());
     }
 
+    if rows <= GEMV_MAX_ROWS && uses_gemvq(w, rows) {
+        let xq = quantize_x(be, x)?;
+        let xq = xq
+            .as_ref()
+            .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
+        return gemvq_launch(be, xq, w, None, out, rows);
+    }
+
     if rows <= GEMV_MAX_ROWS {
         let ri = GEMV_R
             .iter()
@@ -268,6 +343,225 @@ pub fn matmul(
         return Ok(());
     }
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
+}
+
+/// Whether a matmul of a `t` weight with `n_out` outputs on `rows` rows runs the
+/// quantized-x GEMV. Small-output matrices (routers) keep the f32 GEMV at every row count
+/// (see [`F32_SMALL_OUT`]).
+pub fn gemvq_applies(t: GgmlType, n_out: usize, rows: usize) -> bool {
+    rows <= GEMV_MAX_ROWS && quantized_x(t) && n_out > F32_SMALL_OUT
+}
+
+fn uses_gemvq(w: &CudaWeight, rows: usize) -> bool {
+    w.shape.len() == 2 && gemvq_applies(w.dtype, w.shape[0], rows)
+}
+
+/// Quantizes the rows of x (≤ GEMV_MAX_ROWS, `cols` a multiple of 32) into the backend's int8
+/// scratch and returns it locked: the GEMVs that follow read it in stream order.
+fn quantize_x<'a>(
+    be: &'a CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+) -> Result<std::sync::MutexGuard<'a, Option<XQuant>>> {
+    let (rows, n_in) = (x.rows, x.cols);
+    ensure!(
+        rows <= GEMV_MAX_ROWS && n_in % 32 == 0 && x.buf.len() >= rows * n_in,
+        "quantize_x: [{rows}, {n_in}] is not a GEMV input"
+    );
+    let mut guard = be
+        .matmul
+        .xq
+        .lock()
+        .map_err(|_| anyhow!("matmul: int8 scratch lock poisoned"))?;
+    if guard.as_ref().map_or(true, |b| b.cap < n_in) {
+        // Sized for GEMV_MAX_ROWS rows whatever `rows` is now, so that the first (eager)
+        // decode step already allocates what a later captured verify step needs.
+        *guard = None;
+        *guard = Some(XQuant {
+            q: be.stream.alloc_zeros::<i8>(GEMV_MAX_ROWS * n_in)?,
+            d: be
+                .stream
+                .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
+            cap: n_in,
+        });
+    }
+    let xq = guard
+        .as_mut()
+        .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
+    let blocks = rows * n_in / 32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks.div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows_i, n_in_i) = (rows as i32, n_in as i32);
+    // SAFETY: x holds rows×n_in floats; q holds ≥ rows×n_in bytes and d ≥ rows×n_in/32 pairs.
+    unsafe {
+        be.stream
+            .launch_builder(&be.matmul.quant_x)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&n_in_i)
+            .arg(&mut xq.q)
+            .arg(&mut xq.d)
+            .launch(cfg)
+    }?;
+    Ok(guard)
+}
+
+/// The quantized-x GEMV of `w` (or, with `up`, the fused SwiGLU pair `silu(w·x) ⊙ (up·x)`)
+/// on the quantized rows in `xq`. The caller checked shapes and that [`uses_gemvq`] holds.
+fn gemvq_launch(
+    be: &CudaBackend,
+    xq: &XQuant,
+    w: &CudaWeight,
+    up: Option<&CudaWeight>,
+    out: &mut Act<CudaSlice<f32>>,
+    rows: usize,
+) -> Result<()> {
+    let (n_out, n_in) = (w.shape[0], w.shape[1]);
+    ensure!(
+        xq.cap >= n_in && out.buf.len() >= rows * n_out && rows >= 1,
+        "gemvq: buffers smaller than [{rows}, {n_in}] -> {n_out}"
+    );
+    let ti = type_index(w.dtype)?;
+    let fams = be.matmul.gemvq[ti]
+        .as_ref()
+        .ok_or_else(|| anyhow!("gemvq: no quantized-x kernel for {}", w.dtype))?;
+    let ri = GEMV_R
+        .iter()
+        .position(|&r| r >= rows)
+        .ok_or_else(|| anyhow!("gemvq: {rows} rows"))?;
+    let rb = w.row_bytes() as i64;
+    let (n_out_i, n_in_i, rows_i) = (n_out as i32, n_in as i32, rows as i32);
+    // The kernel indexes x rows n_in apart: the scratch was filled for this n_in.
+    let xd = xq.d.slice(..rows * n_in / 32 * 2);
+    let xqs = xq.q.slice(..rows * n_in);
+    match up {
+        None => {
+            let ks = gemvq_ks(w.dtype, n_in, n_out.div_ceil(GEMV_NW), be.sm_count);
+            let ks_i = ks as i32;
+            // SAFETY: w holds n_out rows of rb bytes (checked by the caller); x scratch holds
+            // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats.
+            unsafe {
+                be.stream
+                    .launch_builder(&fams[0][ri])
+                    .arg(&w.data)
+                    .arg(&rb)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&xqs)
+                    .arg(&xd)
+                    .arg(&rows_i)
+                    .arg(&mut out.buf)
+                    .arg(&ks_i)
+                    .launch(gemv_config(n_out, ks))
+            }?;
+        }
+        Some(up) => {
+            ensure!(
+                up.dtype == w.dtype && up.shape == w.shape && up.data.len() >= n_out * rb as usize,
+                "gemvq: gate {:?} {} and up {:?} {} differ",
+                w.shape,
+                w.dtype,
+                up.shape,
+                up.dtype
+            );
+            // One output per row group (gate row o with up row o).
+            let ks = gemvq_ks(w.dtype, n_in, n_out, be.sm_count);
+            let ks_i = ks as i32;
+            // SAFETY: as above, for both weights (same type and shape).
+            unsafe {
+                be.stream
+                    .launch_builder(&fams[1][ri])
+                    .arg(&w.data)
+                    .arg(&up.data)
+                    .arg(&rb)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&xqs)
+                    .arg(&xd)
+                    .arg(&rows_i)
+                    .arg(&mut out.buf)
+                    .arg(&ks_i)
+                    .launch(gemv_config(n_out * GEMV_NW, ks))
+            }?;
+        }
+    }
+    Ok(())
+}
+
+/// `outs[i] = ws[i] · x` for weights reading the same x (the Q, K, V projections): in the
+/// quantized-x GEMV case x is quantized once for all of them.
+pub fn matmuls(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    ws: &[&CudaWeight],
+    outs: &mut [&mut Act<CudaSlice<f32>>],
+) -> Result<()> {
+    ensure!(
+        ws.len() == outs.len(),
+        "matmuls: {} weights, {} outputs",
+        ws.len(),
+        outs.len()
+    );
+    let shared = ws.iter().filter(|w| uses_gemvq(w, x.rows)).count();
+    if shared < 2 {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul(be, x, w, out)?;
+        }
+        return Ok(());
+    }
+    let guard = quantize_x(be, x)?;
+    let xq = guard
+        .as_ref()
+        .ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        if uses_gemvq(w, x.rows) {
+            crate::check_matmul(x, &w.shape, out)?;
+            gemvq_launch(be, xq, w, None, out, x.rows)?;
+        } else {
+            // Never touches the int8 scratch held here (its weight is not a gemvq one).
+            matmul(be, x, w, out)?;
+        }
+    }
+    Ok(())
+}
+
+/// `out = silu(gate · x) ⊙ (up · x)` in one kernel when both weights run the quantized-x
+/// GEMV with the same type and shape; returns `false` (nothing done) otherwise.
+pub fn matmul_swiglu(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    if !(uses_gemvq(gate, x.rows)
+        && uses_gemvq(up, x.rows)
+        && gate.dtype == up.dtype
+        && gate.shape == up.shape)
+    {
+        return Ok(false);
+    }
+    crate::check_matmul(x, &gate.shape, out)?;
+    let rows = x.rows;
+    if rows == 0 {
+        return Ok(true);
+    }
+    for w in [gate, up] {
+        ensure!(
+            w.data.len() >= w.shape[0] * w.row_bytes(),
+            "matmul_swiglu: weight buffer smaller than {:?} {}",
+            w.shape,
+            w.dtype
+        );
+    }
+    let guard = quantize_x(be, x)?;
+    let xq = guard
+        .as_ref()
+        .ok_or_else(|| anyhow!("matmul_swiglu: int8 scratch missing"))?;
+    gemvq_launch(be, xq, gate, Some(up), out, rows)?;
+    Ok(true)
 }
 
 /// Token-tile width for a prefill matmul: 64 when 128-token tiles would leave most SMs idle

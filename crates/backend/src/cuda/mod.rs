@@ -309,6 +309,31 @@ impl Backend for CudaBackend {
         matmul::matmul(self, x, w, out)
     }
 
+    fn matmuls(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut Act<CudaSlice<f32>>],
+    ) -> Result<()> {
+        matmul::matmuls(self, x, ws, outs)
+    }
+
+    fn matmul_swiglu(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        (g, u): (&mut Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
+        act: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        if matmul::matmul_swiglu(self, x, gate, up, act)? {
+            return Ok(());
+        }
+        self.matmul(x, gate, g)?;
+        self.matmul(x, up, u)?;
+        self.swiglu(g, u, act)
+    }
+
     fn copy_rows(
         &self,
         x: &Act<CudaSlice<f32>>,

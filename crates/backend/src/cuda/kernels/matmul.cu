@@ -452,6 +452,359 @@ GEMV_ALL_R(q5_k, GGML_Q5_K)
 GEMV_ALL_R(q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
+// 1b. Quantized-activation GEMV: gemvq_<type>_r<R> for the quantized weight types (decode,
+//     rows <= 16). Replaces the f32 GEMV for Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K.
+//
+//  Why: the f32 GEMV spent ~7 instructions per weight element (nibble -> float, dequant FMA,
+//  FMA with x, header decode per 8 elements) against a budget of ~4.7 at 4.3 TB/s for Q4_K,
+//  so it ran at 0.7-1.0 TB/s. With x quantized to int8 (per 32 elements: scale d and
+//  s = d * sum(q), as ggml's q8_1) one dp4a multiplies 4 weights by 4 activations: ~1.4
+//  instructions per element for Q4_K, ~2.7 for Q6_K, ~1 for Q8_0, leaving the kernel
+//  bandwidth-bound.
+//
+//  Precision: x rounded to int8 per 32-element block (absmax scaling; relative RMS error
+//  ~0.5% per element, NMSE ~3e-5 on a dot product); weights exact; integer sums exact; scales
+//  applied in f32. Same scheme as llama.cpp's MMVQ. Every output is a fixed sequence of
+//  operations whatever R is (padded rows recompute the last real row), so decode and
+//  speculative verify agree bitwise, as for the f32 GEMV.
+//
+//  quant_x_q8: one warp per 32-element block of x: absmax by xor butterfly, q = rint(x * 127 /
+//  amax), d = amax / 127, s = d * sum(q). xq [rows][n_in] int8, xd [rows][n_in/32] float2.
+//
+//  Block/warp structure as gemv_ (8 warps, row groups of NW = 2 rows, ks warps split K). A lane
+//  "unit" is 32 weight elements:
+//    Q8_0 / Q4_0 / Q4_1: one block (34 / 18 / 20 B). Q8_0 and Q4_0 quants sit at offset 2
+//      (2-byte aligned): aligned words + funnel shifts. Q4_1 is 4-byte aligned.
+//    Q4_K / Q5_K: 8 units per super-block: lane l8 = lane % 8 = (g = l8/2, h = l8%2) reads the
+//      16 qs bytes 32g + 16h.. (one 16-B load: the low nibbles are elements 16h.. of sub-block
+//      2g, the high nibbles elements 16h.. of sub-block 2g+1) and the 16-B header (a broadcast
+//      across the 8 lanes); Q5_K also qh bytes 16h.. . The min term uses the x block sums s and
+//      is added by the h = 0 lane only. A warp step covers 4 super-blocks, 128 contiguous
+//      bytes per super-block per load instruction.
+//    Q6_K: 8 units per super-block: l8 = (n = l8/4, p = l8/2 % 2, c = l8 % 2) reads ql bytes
+//      64n + 32p + 16c.. (low nibbles: quarter p, high: quarter p + 2) and qh bytes 32n + 16c..
+//      (2-byte aligned: funnel shifts), two int8 scales (16-element sub-blocks) and d.
+//  Bytes moved per output row: its stored bytes once (streaming loads); x is 1.0625 B per
+//  element per row of x from L1/L2 (1/4 of the f32 GEMV's x traffic).
+//
+//  gemvq_swiglu_<type>: the same with the NW = 2 rows of a group being row o of the gate and
+//  row o of the up weight: out[o] = silu(gate . x) * (up . x): the FFN's first half in one
+//  kernel, one read of x for both.
+
+// Signed byte-wise dot product of 4 int8 pairs added to c.
+__device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
+
+// The 16 bytes at p (2-byte aligned) as four little-endian words: 5 aligned loads (the 5th
+// only when p is 2 mod 4) and funnel shifts.
+__device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&w)[4]) {
+    const size_t a = (size_t)p;
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
+    const uint32_t sh = (uint32_t)(a & 3) * 8;
+    uint32_t v[5];
+#pragma unroll
+    for (int i = 0; i < 4; i++) v[i] = ldw(q + i);
+    v[4] = sh ? ldw(q + 4) : 0u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
+}
+
+extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int n_in, int8_t* __restrict__ xq,
+                                      float2* __restrict__ xd) {
+    const int nb = n_in / QK;
+    const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= (long long)rows * nb) return;  // whole warp
+    const int lane = threadIdx.x & 31;
+    const float v = x[blk * QK + lane];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d = amax / 127.0f;
+    const int q = amax > 0.0f ? (int)rintf(v * (127.0f / amax)) : 0;
+    int sum = q;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    xq[blk * QK + lane] = (int8_t)q;
+    if (lane == 0) xd[blk] = make_float2(d, d * (float)sum);
+}
+
+// Per type: this lane's share of the NW rows `wr` against R rows of quantized x, into acc.
+// Units (32 weight elements each) are split over the ks warps as in gemv_lane.
+template <int TYPE, int R, int NW>
+__device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n_in, const int8_t* __restrict__ xq,
+                                           const float2* __restrict__ xd, int rows, int lane, int kw, int ks,
+                                           float (&acc)[R][NW]) {
+    const int nb = n_in / QK;  // 32-element units per row
+    const int us = 32 * ks;
+    if (TYPE == GGML_Q8_0 || TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
+#pragma unroll GEMV_UNROLL_K
+        for (int u = lane + 32 * kw; u < nb; u += us) {
+            uint32_t q[NW][8];
+            float dw[NW], mw[NW];
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                if (TYPE == GGML_Q8_0) {
+                    const uint8_t* blk = wr[w] + (size_t)u * Q8_0_BYTES;
+                    dw[w] = h2f(ld2(blk));
+                    uint32_t a[4], b[4];
+                    ld16_a2(blk + 2, a);
+                    ld16_a2(blk + 18, b);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) { q[w][i] = a[i]; q[w][4 + i] = b[i]; }
+                } else if (TYPE == GGML_Q4_0) {
+                    const uint8_t* blk = wr[w] + (size_t)u * Q4_0_BYTES;
+                    dw[w] = h2f(ld2(blk));
+                    uint32_t a[4];
+                    ld16_a2(blk + 2, a);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        q[w][i] = a[i] & 0x0F0F0F0Fu;
+                        q[w][4 + i] = (a[i] >> 4) & 0x0F0F0F0Fu;
+                    }
+                } else {
+                    const uint8_t* blk = wr[w] + (size_t)u * Q4_1_BYTES;  // 4-aligned
+                    const uint32_t dm = ldw((const uint32_t*)blk);
+                    dw[w] = h2f(dm & 0xFFFF);
+                    mw[w] = h2f(dm >> 16);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const uint32_t a = ldw((const uint32_t*)(blk + 4) + i);
+                        q[w][i] = a & 0x0F0F0F0Fu;
+                        q[w][4 + i] = (a >> 4) & 0x0F0F0F0Fu;
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int rr = r < rows ? r : rows - 1;
+                const int4* xp = (const int4*)(xq + (size_t)rr * n_in + (size_t)u * QK);
+                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                const float2 ds = __ldg(xd + (size_t)rr * nb + u);
+                const uint32_t xv[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
+                                        (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+#pragma unroll
+                for (int w = 0; w < NW; w++) {
+                    int s = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) s = dp4(q[w][i], xv[i], s);
+                    if (TYPE == GGML_Q8_0) {
+                        acc[r][w] = fmaf(dw[w] * ds.x, (float)s, acc[r][w]);
+                    } else if (TYPE == GGML_Q4_0) {
+                        acc[r][w] = fmaf(dw[w], fmaf(ds.x, (float)s, -8.0f * ds.y), acc[r][w]);
+                    } else {
+                        acc[r][w] = fmaf(dw[w] * ds.x, (float)s, fmaf(mw[w], ds.y, acc[r][w]));
+                    }
+                }
+            }
+        }
+    } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+        const int l8 = lane & 7, g = l8 >> 1, h = l8 & 1;
+        const int nsb = n_in / QK_K;
+        const int bytes = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
+        const float mfac = h ? 0.0f : 1.0f;  // the min term once per sub-block (h = 0 lanes)
+#pragma unroll GEMV_UNROLL_K
+        for (int s = (lane >> 3) + 4 * kw; s < nsb; s += 4 * ks) {
+            uint32_t lo[NW][4], hi[NW][4];
+            float d[NW], dmin[NW], sc0[NW], m0[NW], sc1[NW], m1[NW];
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const uint8_t* blk = wr[w] + (size_t)s * bytes;  // 16-aligned
+                const uint4 hd = __ldcs((const uint4*)blk);
+                const uint4 qv = __ldcs((const uint4*)(blk + (TYPE == GGML_Q4_K ? 16 : 48) + 32 * g + 16 * h));
+                d[w] = h2f(hd.x & 0xFFFF);
+                dmin[w] = h2f(hd.x >> 16);
+                scale_min_pair(g, hd.y, hd.z, hd.w, &sc0[w], &m0[w], &sc1[w], &m1[w]);
+                const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
+                if (TYPE == GGML_Q4_K) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        lo[w][i] = qa[i] & 0x0F0F0F0Fu;
+                        hi[w][i] = (qa[i] >> 4) & 0x0F0F0F0Fu;
+                    }
+                } else {
+                    const uint4 hv = __ldcs((const uint4*)(blk + 16 + 16 * h));
+                    const uint32_t ha[4] = {hv.x, hv.y, hv.z, hv.w};
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        lo[w][i] = (qa[i] & 0x0F0F0F0Fu) | (((ha[i] >> (2 * g)) & 0x01010101u) << 4);
+                        hi[w][i] = ((qa[i] >> 4) & 0x0F0F0F0Fu) | (((ha[i] >> (2 * g + 1)) & 0x01010101u) << 4);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int rr = r < rows ? r : rows - 1;
+                const int8_t* xr = xq + (size_t)rr * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
+                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
+                const float4 ds = __ldg((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
+                const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
+                const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+#pragma unroll
+                for (int w = 0; w < NW; w++) {
+                    int sa = 0, sb = 0;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        sa = dp4(lo[w][i], xa[i], sa);
+                        sb = dp4(hi[w][i], xb[i], sb);
+                    }
+                    const float t = fmaf(sc1[w] * ds.z, (float)sb, sc0[w] * ds.x * (float)sa);
+                    const float mm = mfac * fmaf(m1[w], ds.w, m0[w] * ds.y);
+                    acc[r][w] = fmaf(d[w], t, fmaf(-dmin[w], mm, acc[r][w]));
+                }
+            }
+        }
+    } else if (TYPE == GGML_Q6_K) {
+        const int l8 = lane & 7, n = l8 >> 2, p = (l8 >> 1) & 1, c = l8 & 1;
+        const int nsb = n_in / QK_K;
+#pragma unroll GEMV_UNROLL_K
+        for (int s = (lane >> 3) + 4 * kw; s < nsb; s += 4 * ks) {
+            uint32_t lo[NW][4], hi[NW][4];
+            float da[NW], db[NW];
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const uint8_t* blk = wr[w] + (size_t)s * Q6_K_BYTES;  // 2-aligned
+                uint32_t ql[4], qh[4];
+                ld16_a2(blk + 64 * n + 32 * p + 16 * c, ql);
+                ld16_a2(blk + 128 + 32 * n + 16 * c, qh);
+                const float d = h2f(ld2(blk + 208));
+                const int si = 192 + 8 * n + c + 2 * p;
+                da[w] = d * (float)(int8_t)__ldcs((const signed char*)(blk + si));
+                db[w] = d * (float)(int8_t)__ldcs((const signed char*)(blk + si + 4));
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const uint32_t h0 = (qh[i] >> (2 * p)) & 0x03030303u;
+                    const uint32_t h1 = (qh[i] >> (2 * p + 4)) & 0x03030303u;
+                    lo[w][i] = __vsub4((ql[i] & 0x0F0F0F0Fu) | (h0 << 4), 0x20202020u);
+                    hi[w][i] = __vsub4(((ql[i] >> 4) & 0x0F0F0F0Fu) | (h1 << 4), 0x20202020u);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int rr = r < rows ? r : rows - 1;
+                const int e = s * QK_K + 128 * n + 32 * p + 16 * c;
+                const int8_t* xr = xq + (size_t)rr * n_in + e;
+                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 64));
+                const float dxa = __ldg(xd + (size_t)rr * nb + e / QK).x;
+                const float dxb = __ldg(xd + (size_t)rr * nb + e / QK + 2).x;
+                const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
+                const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+#pragma unroll
+                for (int w = 0; w < NW; w++) {
+                    int sa = 0, sb = 0;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        sa = dp4(lo[w][i], xa[i], sa);
+                        sb = dp4(hi[w][i], xb[i], sb);
+                    }
+                    acc[r][w] = fmaf(db[w] * dxb, (float)sb, fmaf(da[w] * dxa, (float)sa, acc[r][w]));
+                }
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+// As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
+// stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
+template <int TYPE, int R, bool SWIGLU>
+__device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                                      int n_out, int n_in, const int8_t* __restrict__ xq,
+                                      const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) {
+    constexpr int NW = GEMV_NW;
+    constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
+    __shared__ float red[GEMV_WARPS][R * NW];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kw = warp % ks, grp = warp / ks;
+    const int o0 = (blockIdx.x * (GEMV_WARPS / ks) + grp) * PER;
+    const bool active = o0 < n_out;  // whole warp
+    float acc[R][NW];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
+    if (active) {
+        const uint8_t* wr[NW];
+        if (SWIGLU) {
+            wr[0] = W + (size_t)o0 * (size_t)rb;
+            wr[1] = W2 + (size_t)o0 * (size_t)rb;
+        } else {
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const int o = o0 + w < n_out ? o0 + w : n_out - 1;
+                wr[w] = W + (size_t)o * (size_t)rb;
+            }
+        }
+        gemvq_lane<TYPE, R, NW>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) acc[r][w] += __shfl_xor_sync(0xffffffffu, acc[r][w], off);
+            }
+    }
+    if (ks > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int w = 0; w < NW; w++) red[warp][r * NW + w] = acc[r][w];
+        }
+        __syncthreads();
+        if (!active || kw != 0) return;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                float v = red[warp][r * NW + w];
+                for (int k = 1; k < ks; k++) v += red[warp + k][r * NW + w];
+                acc[r][w] = v;
+            }
+    } else if (!active) {
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (SWIGLU) {
+            if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
+        } else {
+#pragma unroll
+            for (int w = 0; w < NW; w++)
+                if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
+                    out[(size_t)r * n_out + o0 + w] = acc[r][w];
+        }
+    }
+}
+
+#define GEMVQ_KERNEL(name, TYPE, R)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
+        gemvq_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
+                            const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,         \
+                            float* __restrict__ out, int ks) {                                               \
+        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks);                                 \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
+        gemvq_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
+                                   int n_out, int n_in, const int8_t* __restrict__ xq,                       \
+                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) { \
+        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks);                                 \
+    }
+#define GEMVQ_ALL_R(name, TYPE) \
+    GEMVQ_KERNEL(name, TYPE, 1) \
+    GEMVQ_KERNEL(name, TYPE, 2) \
+    GEMVQ_KERNEL(name, TYPE, 4) \
+    GEMVQ_KERNEL(name, TYPE, 8) \
+    GEMVQ_KERNEL(name, TYPE, 9) \
+    GEMVQ_KERNEL(name, TYPE, 16)
+
+GEMVQ_ALL_R(q8_0, GGML_Q8_0)
+GEMVQ_ALL_R(q4_0, GGML_Q4_0)
+GEMVQ_ALL_R(q4_1, GGML_Q4_1)
+GEMVQ_ALL_R(q4_k, GGML_Q4_K)
+GEMVQ_ALL_R(q5_k, GGML_Q5_K)
+GEMVQ_ALL_R(q6_k, GGML_Q6_K)
+
+// ---------------------------------------------------------------------------------------
 // Prefill: tensor cores (mma.sync m16n8k16, bf16 inputs, f32 accumulators)
 //
 // Plan (mm_<type>_n<BN>, BN = 128 or 64 tokens per block; 256 threads = 8 warps as 4 (M) x 2 (N)):
