@@ -29,8 +29,8 @@ use ferrite_backend::cpu::{route_top_k, CpuBackend};
 use ferrite_backend::cuda::matmul as cuda_matmul;
 use ferrite_backend::cuda::CudaBackend;
 use ferrite_backend::{
-    Act, AttnArgs, AttnShape, Backend, ExpertWeights, HostTensor, MoeRouting, Rope, RopeStyle,
-    StepInput,
+    Act, AttnArgs, AttnShape, Backend, DeltaArgs, DeltaShape, ExpertWeights, HostTensor,
+    MoeRouting, Rope, RopeStyle, StepInput,
 };
 use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
@@ -117,6 +117,20 @@ const ADD_RMS_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
 const QK_NORM_ROPE_NMSE: f64 = ROPE_NMSE;
 /// Graph capture + replay of RoPE at new positions: as RoPE.
 const GRAPH_NMSE: f64 = ROPE_NMSE;
+/// Causal conv1d: a K-tap f32 dot product per output then SiLU: FMA contraction and `expf`
+/// differ from the CPU by an ulp or two, as any elementwise op. A wrong tap, channel or
+/// state row gives NMSE ≥ 1e-2.
+const CONV1D_NMSE: f64 = ELEMENTWISE_NMSE;
+/// Gated delta rule: f32 throughout on both sides, but the GPU sums the key dimension in 4
+/// partial sums (one per lane of a state column) and contracts multiply-adds, and the
+/// recurrence carries those roundings from token to token (decays ≤ 1 and the delta-rule
+/// update are contractions, so they do not grow): relative errors ~1e-7..1e-6 → NMSE
+/// ~1e-13..1e-11. 1e-9 leaves room; a wrong head mapping, decay, β or state row gives
+/// NMSE ≥ 1e-3.
+const GATED_DELTA_NMSE: f64 = 1e-9;
+/// Gated RMSNorm (f32 reduction against the CPU's f64 one) and the sigmoid gate: elementwise.
+const GATED_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
+const SIGMOID_GATE_NMSE: f64 = ELEMENTWISE_NMSE;
 
 /// RMSNorm epsilon used by the cases (Qwen3's).
 const EPS: f32 = 1e-6;
@@ -248,8 +262,7 @@ const OPS: &[&str] = &[
     "argmax",
     "top_k",
     "capture/replay",
-    // Qwen3.5's hybrid-layer ops: checked end to end against transformers on the CPU
-    // (crates/models/tests); op cases arrive with their CUDA kernels.
+    // Qwen3.5's hybrid-layer ops (the fresh-state cases cover kv_new_hybrid).
     "kv_new_hybrid",
     "causal_conv1d",
     "gated_delta_rule",
@@ -367,6 +380,44 @@ enum Op {
         pos_capture: usize,
         pos_replay: usize,
     },
+    /// causal_conv1d over `shape.conv_dim()` channels: a first call of `fill` rows (the
+    /// state it leaves is carried), then the checked call of `rows`.
+    Conv1d {
+        shape: DeltaShape,
+        wty: GgmlType,
+        fill: usize,
+        rows: usize,
+    },
+    /// gated_delta_rule: a first call of `fill` rows, then the checked call of `rows`.
+    GatedDelta {
+        shape: DeltaShape,
+        fill: usize,
+        rows: usize,
+    },
+    GatedRmsNorm {
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+    },
+    /// `x *= sigmoid(gate)`; `per_row`: a one-column gate (the shared expert's).
+    SigmoidGate {
+        rows: usize,
+        cols: usize,
+        per_row: bool,
+    },
+}
+
+/// `k16x128/v32x128 K4 tiled`: a linear-attention shape in case names.
+fn delta_name(s: &DeltaShape) -> String {
+    format!(
+        "k{}x{}/v{}x{} K{} {}",
+        s.n_k_heads,
+        s.k_head_dim,
+        s.n_v_heads,
+        s.v_head_dim,
+        s.conv_kernel,
+        if s.tiled_v_heads { "tiled" } else { "grouped" }
+    )
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -525,6 +576,56 @@ fn describe(op: &Op) -> (&'static str, String) {
             format!(
                 "graph copy_rows+rope hd={head_dim} heads={heads} rows={rows} \
                  captured@{pos_capture} replayed@{pos_replay}"
+            ),
+        ),
+        // A fresh cache (no fill) checks that kv_new_hybrid's state starts at zero.
+        Op::Conv1d {
+            shape,
+            wty,
+            fill,
+            rows,
+        } => (
+            if *fill == 0 {
+                "kv_new_hybrid"
+            } else {
+                "causal_conv1d"
+            },
+            format!(
+                "{}causal_conv1d C={} {} w={wty} fill={fill} rows={rows}",
+                if *fill == 0 { "kv_new_hybrid + " } else { "" },
+                shape.conv_dim(),
+                delta_name(shape)
+            ),
+        ),
+        Op::GatedDelta { shape, fill, rows } => (
+            if *fill == 0 {
+                "kv_new_hybrid"
+            } else {
+                "gated_delta_rule"
+            },
+            format!(
+                "{}gated_delta_rule {} fill={fill} rows={rows}",
+                if *fill == 0 { "kv_new_hybrid + " } else { "" },
+                delta_name(shape)
+            ),
+        ),
+        Op::GatedRmsNorm {
+            rows,
+            heads,
+            head_dim,
+        } => (
+            "gated_rms_norm",
+            format!("gated_rms_norm hd={head_dim} heads={heads} rows={rows}"),
+        ),
+        Op::SigmoidGate {
+            rows,
+            cols,
+            per_row,
+        } => (
+            "sigmoid_gate",
+            format!(
+                "sigmoid_gate {rows}x{cols} gate={}",
+                if *per_row { "per row" } else { "per element" }
             ),
         ),
     }
@@ -990,6 +1091,93 @@ pub fn cases(quick: bool) -> Vec<Case> {
         }
     }
 
+    // --- Qwen3.5 hybrid layers. Linear attention of Qwen3.5-9B and -35B-A3B (16 key / 32
+    // value heads × 128, kernel 4; GGUF's tiled value heads and Hugging Face's grouped
+    // ones), the tiny oracle's shape, and odd ones (key head dims padded inside a lane's
+    // rows, partial column blocks, kernels 1..3). Each case runs a first call (`fill`
+    // rows) whose state the checked call continues; fill = 0 starts from a fresh cache.
+    let ds = |nk, nv, dk, dv, k, tiled| DeltaShape {
+        n_k_heads: nk,
+        n_v_heads: nv,
+        k_head_dim: dk,
+        v_head_dim: dv,
+        conv_kernel: k,
+        tiled_v_heads: tiled,
+    };
+    let q35 = ds(16, 32, 128, 128, 4, true);
+    let delta_shapes = [
+        q35,
+        ds(16, 32, 128, 128, 4, false),
+        ds(2, 4, 32, 32, 4, false),
+        ds(3, 6, 24, 40, 3, true),
+        ds(1, 2, 64, 20, 2, false),
+        ds(2, 2, 100, 128, 4, true),
+    ];
+    let fills = [(0, 5), (2, 1), (7, 5), (100, 64), (37, 200)];
+    for (si, &shape) in delta_shapes.iter().enumerate() {
+        for &(fill, rows) in &fills {
+            if quick && (shape.conv_dim() > 1000 || rows > 5) {
+                continue;
+            }
+            add(Op::GatedDelta { shape, fill, rows });
+            if si != 1 {
+                add(Op::Conv1d {
+                    shape,
+                    wty: GgmlType::F32,
+                    fill,
+                    rows,
+                });
+            }
+        }
+    }
+    // Conv taps as Hugging Face stores them (bf16 / f16); kernels 1 (no state) and 2 on an
+    // odd channel count.
+    for (shape, wty) in [
+        (q35, GgmlType::BF16),
+        (ds(2, 4, 32, 32, 4, false), GgmlType::F16),
+        (ds(1, 1, 5, 27, 1, false), GgmlType::F32),
+        (ds(1, 1, 5, 27, 2, false), GgmlType::F32),
+    ] {
+        for (fill, rows) in [(2, 1), (37, 200)] {
+            if quick && rows > 5 {
+                continue;
+            }
+            add(Op::Conv1d {
+                shape,
+                wty,
+                fill,
+                rows,
+            });
+        }
+    }
+    // Gated RMSNorm over the value heads (Qwen3.5: 32 × 128; the tiny oracle: 4 × 32; odd).
+    for (heads, head_dim) in [(32, 128), (4, 32), (3, 40)] {
+        for rows in [1, 5, 64, 200] {
+            if quick && (heads > 4 || rows > 5) {
+                continue;
+            }
+            add(Op::GatedRmsNorm {
+                rows,
+                heads,
+                head_dim,
+            });
+        }
+    }
+    // Sigmoid gates: the attention output gate (16 heads × 256 in both models) and the
+    // shared expert's one-column gate (35B-A3B hidden 2048), odd widths.
+    for (cols, per_row) in [(4096, false), (2048, true), (33, false), (33, true)] {
+        for rows in [1, 5, 64, 200] {
+            if quick && (cols > 33 || rows > 5) {
+                continue;
+            }
+            add(Op::SigmoidGate {
+                rows,
+                cols,
+                per_row,
+            });
+        }
+    }
+
     // --- graph capture / replay
     for (rows, pos_capture, pos_replay) in [(1, 5, 6), (1, 3, 4000), (4, 0, 100)] {
         add(Op::Graph {
@@ -1357,6 +1545,66 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 _ => (rows, 1),
             };
         }
+        Op::Conv1d {
+            shape,
+            wty,
+            fill,
+            rows,
+        } => {
+            let (c, k) = (shape.conv_dim(), shape.conv_kernel);
+            let taps = rng.normals(c * k, 0.5);
+            let mut wb = vec![0u8; wty.bytes_for(c * k)?];
+            quant::quantize(wty, &taps, &mut wb)?;
+            h.weights.push((wty, vec![c, k], wb));
+            h.acts.push((rng.normals(rows * c, 1.0), rows, c));
+            h.acts.push((rng.normals(fill * c, 1.0), fill, c));
+            h.out = (rows, c);
+        }
+        Op::GatedDelta { shape, fill, rows } => {
+            let (c, nv) = (shape.conv_dim(), shape.n_v_heads);
+            // ssm_a = -exp(A_log) over [-20, -0.05] and dt_bias around -1: decays from
+            // ~0.99 (the state carries across many tokens) to ~0.
+            let ssm_a: Vec<f32> = (0..nv)
+                .map(|_| -((rng.uniform() * 6.0 - 3.0).exp() as f32))
+                .collect();
+            let dt_bias: Vec<f32> = (0..nv).map(|_| -1.0 + 0.5 * rng.normal()).collect();
+            for w in [ssm_a, dt_bias] {
+                let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+                h.weights.push((GgmlType::F32, vec![nv], bytes));
+            }
+            for n in [rows, fill] {
+                h.acts.push((rng.normals(n * c, 1.0), n, c));
+                h.acts.push((rng.normals(n * nv, 1.0), n, nv));
+                h.acts.push((rng.normals(n * nv, 2.0), n, nv));
+            }
+            h.out = (rows, shape.value_dim());
+        }
+        Op::GatedRmsNorm {
+            rows,
+            heads,
+            head_dim,
+        } => {
+            let w: Vec<f32> = (0..head_dim).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+            h.weights.push((
+                GgmlType::F32,
+                vec![head_dim],
+                w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ));
+            let cols = heads * head_dim;
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
+            h.out = (rows, cols);
+        }
+        Op::SigmoidGate {
+            rows,
+            cols,
+            per_row,
+        } => {
+            let gc = if per_row { 1 } else { cols };
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.acts.push((rng.normals(rows * gc, 3.0), rows, gc));
+            h.out = (rows, cols);
+        }
         Op::Graph {
             rows,
             heads,
@@ -1464,6 +1712,20 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             be.set_step(&mut s, &vec![POISON_ID; n], 0)?;
             iout = Some(s);
         }
+        Op::Conv1d { shape, fill, .. } | Op::GatedDelta { shape, fill, .. } => {
+            // Two linear layers; the cases use layer 1 (a layer-offset error shows).
+            let mut cache = be.kv_new_hybrid(1, HYBRID_ATTN, 1, 2, *shape)?;
+            if *fill > 0 {
+                if let Op::Conv1d { .. } = op {
+                    let mut o = be.zeros(*fill, shape.conv_dim())?;
+                    be.causal_conv1d(&mut cache, 1, &a[1], &w[0], &mut o)?;
+                } else {
+                    let mut o = be.zeros(*fill, shape.value_dim())?;
+                    be.gated_delta_rule(&mut cache, delta_args::<B>(&w, &a[3..6], *shape), &mut o)?;
+                }
+            }
+            kv = Some(cache);
+        }
         _ => {}
     }
     Ok(Prepared {
@@ -1477,12 +1739,38 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
     })
 }
 
+/// The attention part of the hybrid caches the linear-attention cases make.
+const HYBRID_ATTN: AttnShape = AttnShape {
+    n_heads: 1,
+    n_kv_heads: 1,
+    head_dim: 32,
+};
+
+/// The operands of a gated_delta_rule case: weights (ssm_a, dt_bias), acts (qkv, a, b).
+fn delta_args<'a, B: Backend>(
+    w: &'a [B::Weight],
+    a: &'a [Act<B::Buf>],
+    shape: DeltaShape,
+) -> DeltaArgs<'a, B::Buf, B::Weight> {
+    DeltaArgs {
+        layer: 1,
+        qkv: &a[0],
+        a: &a[1],
+        b: &a[2],
+        ssm_a: &w[0],
+        dt_bias: &w[1],
+        shape,
+    }
+}
+
 /// Resets the output of an in-place op to its input (not part of the timed op).
 fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
     match op {
-        Op::HeadRmsNorm { .. } | Op::Rope { .. } | Op::AddAssign { .. } => {
-            be.copy_rows(&p.a[0], 0, &mut p.out)
-        }
+        Op::HeadRmsNorm { .. }
+        | Op::Rope { .. }
+        | Op::AddAssign { .. }
+        | Op::GatedRmsNorm { .. }
+        | Op::SigmoidGate { .. } => be.copy_rows(&p.a[0], 0, &mut p.out),
         Op::AddRmsNorm { .. } => be.copy_rows(&p.a[0], 0, out2(&mut p.out2)?),
         Op::QkNormRope { .. } => {
             be.copy_rows(&p.a[0], 0, &mut p.out)?;
@@ -1621,6 +1909,22 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 None => graph_body(be, &p.a[0], &mut p.out, &p.step, *head_dim),
             }
         }
+        Op::Conv1d { .. } => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
+            be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out)
+        }
+        Op::GatedDelta { shape, .. } => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
+            be.gated_delta_rule(kv, delta_args::<B>(&p.w, &p.a[..3], *shape), &mut p.out)
+        }
+        Op::GatedRmsNorm { head_dim, .. } => {
+            be.gated_rms_norm(&mut p.out, &p.a[1], &p.w[0], *head_dim, EPS)
+        }
+        Op::SigmoidGate { .. } => be.sigmoid_gate(&mut p.out, &p.a[1]),
     }
 }
 
@@ -1741,6 +2045,10 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
             }
         }
         Op::Argmax { .. } | Op::TopK { .. } => 0.0,
+        Op::Conv1d { .. } => CONV1D_NMSE,
+        Op::GatedDelta { .. } => GATED_DELTA_NMSE,
+        Op::GatedRmsNorm { .. } => GATED_NORM_NMSE,
+        Op::SigmoidGate { .. } => SIGMOID_GATE_NMSE,
     }
 }
 
@@ -1767,6 +2075,19 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::Argmax { .. } => f(acts),
         Op::TopK { k, .. } => f(acts * k),
         Op::Graph { .. } => f(3 * out),
+        // x in, out, the taps, the state read and written.
+        Op::Conv1d { shape, .. } => f(h.acts[0].0.len() * 4
+            + out
+            + h.weights[0].2.len()
+            + 2 * (shape.conv_kernel - 1) * shape.conv_dim() * 4),
+        // qkv, a, b in, out, the recurrent state read and written.
+        Op::GatedDelta { shape, .. } => {
+            let ins: usize = h.acts[..3].iter().map(|(x, _, _)| x.len() * 4).sum();
+            let state = shape.n_v_heads * shape.k_head_dim * shape.v_head_dim * 4;
+            f(ins + out + 2 * state)
+        }
+        // x and z (or gate) in, x out.
+        Op::GatedRmsNorm { .. } | Op::SigmoidGate { .. } => f(acts + out),
         Op::Attention { shape, pos0, rows } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
             f((pos0 + rows) * kvd * 2) * be.kv_bytes_per_element() + f(acts + out)

@@ -66,6 +66,18 @@ pub enum Preset {
     /// A 2-layer Qwen3-MoE (hidden 128, 8 experts, top 2).
     #[value(name = "tiny-qwen3-moe")]
     TinyQwen3Moe,
+    /// Qwen3.5-9B (hybrid: 24 Gated DeltaNet + 8 gated attention layers, hidden 4096).
+    #[value(name = "qwen3.5-9b")]
+    Qwen35_9B,
+    /// Qwen3.5-35B-A3B (hybrid MoE: 40 layers, 256 experts, 8 active, shared expert).
+    #[value(name = "qwen3.5-35b-a3b")]
+    Qwen35_35B_A3B,
+    /// A 4-layer Qwen3.5 (3 linear-attention layers + 1 full; hidden 128).
+    #[value(name = "tiny-qwen3.5")]
+    TinyQwen35,
+    /// A 4-layer Qwen3.5-MoE (hidden 128, 8 experts, top 2, shared expert).
+    #[value(name = "tiny-qwen3.5-moe")]
+    TinyQwen35Moe,
 }
 
 /// Quantization mixes.
@@ -115,10 +127,38 @@ pub struct MoeDims {
     pub expert_ffn: usize,
 }
 
+/// The Gated DeltaNet part of a Qwen3.5 (`qwen35` / `qwen35moe`) model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HybridDims {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+    /// Every this-many-th layer is full attention (`full_attention_interval`).
+    pub full_attn_interval: usize,
+    /// Rotated dims of the attention heads (`partial_rotary_factor` × head_dim).
+    pub rot_dim: usize,
+    /// The MoE models' shared expert FFN size (0 for dense).
+    pub shared_expert_ffn: usize,
+}
+
+impl HybridDims {
+    fn is_linear(&self, layer: usize) -> bool {
+        (layer + 1) % self.full_attn_interval != 0
+    }
+    fn key_dim(&self) -> usize {
+        self.n_k_heads * self.k_head_dim
+    }
+    fn value_dim(&self) -> usize {
+        self.n_v_heads * self.v_head_dim
+    }
+}
+
 /// Everything the file's shape depends on.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ArchDims {
-    /// `general.architecture`: "llama", "qwen3" or "qwen3moe".
+    /// `general.architecture`: "llama", "qwen3", "qwen3moe", "qwen35" or "qwen35moe".
     pub arch: &'static str,
     pub name: &'static str,
     pub hidden: usize,
@@ -137,6 +177,8 @@ pub struct ArchDims {
     /// Per-head RMS norms on q and k (Qwen3).
     pub qk_norm: bool,
     pub moe: Option<MoeDims>,
+    /// Qwen3.5's linear-attention layers.
+    pub hybrid: Option<HybridDims>,
 }
 
 impl Preset {
@@ -156,6 +198,48 @@ impl Preset {
             rms_eps,
             qk_norm,
             moe,
+            hybrid: None,
+        };
+        // Qwen3.5's linear-attention dims (both real models share them).
+        let q35_linear = |shared_expert_ffn| HybridDims {
+            n_k_heads: 16,
+            n_v_heads: 32,
+            k_head_dim: 128,
+            v_head_dim: 128,
+            conv_kernel: 4,
+            full_attn_interval: 4,
+            rot_dim: 64,
+            shared_expert_ffn,
+        };
+        let tiny35 = |arch, name, moe: Option<MoeDims>, shared_expert_ffn| ArchDims {
+            arch,
+            name,
+            hidden: 128,
+            n_layer: 4,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 32,
+            ffn: if moe.is_some() {
+                shared_expert_ffn
+            } else {
+                256
+            },
+            vocab: None,
+            context: 4096,
+            rope_theta: 1e7,
+            rms_eps: 1e-6,
+            qk_norm: true,
+            moe,
+            hybrid: Some(HybridDims {
+                n_k_heads: 2,
+                n_v_heads: 4,
+                k_head_dim: 32,
+                v_head_dim: 32,
+                conv_kernel: 4,
+                full_attn_interval: 4,
+                rot_dim: 8,
+                shared_expert_ffn,
+            }),
         };
         match self {
             Preset::Qwen3_8B => ArchDims {
@@ -173,6 +257,7 @@ impl Preset {
                 rms_eps: 1e-6,
                 qk_norm: true,
                 moe: None,
+                hybrid: None,
             },
             Preset::Qwen3_30B_A3B => ArchDims {
                 arch: "qwen3moe",
@@ -195,6 +280,7 @@ impl Preset {
                     n_expert_used: 8,
                     expert_ffn: 768,
                 }),
+                hybrid: None,
             },
             Preset::TinyLlama => tiny(
                 "llama",
@@ -224,6 +310,58 @@ impl Preset {
                 1e6,
                 1e-6,
             ),
+            Preset::Qwen35_9B => ArchDims {
+                arch: "qwen35",
+                name: "Qwen3.5-9B (synthetic random weights)",
+                hidden: 4096,
+                n_layer: 32,
+                n_head: 16,
+                n_head_kv: 4,
+                head_dim: 256,
+                ffn: 12288,
+                vocab: Some(248320),
+                context: 262144,
+                rope_theta: 1e7,
+                rms_eps: 1e-6,
+                qk_norm: true,
+                moe: None,
+                hybrid: Some(q35_linear(0)),
+            },
+            Preset::Qwen35_35B_A3B => ArchDims {
+                arch: "qwen35moe",
+                name: "Qwen3.5-35B-A3B (synthetic random weights)",
+                hidden: 2048,
+                n_layer: 40,
+                n_head: 16,
+                n_head_kv: 2,
+                head_dim: 256,
+                // No dense FFN; the converter writes none for qwen35moe.
+                ffn: 512,
+                vocab: Some(248320),
+                context: 262144,
+                rope_theta: 1e7,
+                rms_eps: 1e-6,
+                qk_norm: true,
+                moe: Some(MoeDims {
+                    n_expert: 256,
+                    n_expert_used: 8,
+                    expert_ffn: 512,
+                }),
+                hybrid: Some(q35_linear(512)),
+            },
+            Preset::TinyQwen35 => {
+                tiny35("qwen35", "tiny-qwen3.5 (synthetic random weights)", None, 0)
+            }
+            Preset::TinyQwen35Moe => tiny35(
+                "qwen35moe",
+                "tiny-qwen3.5-moe (synthetic random weights)",
+                Some(MoeDims {
+                    n_expert: 8,
+                    n_expert_used: 2,
+                    expert_ffn: 64,
+                }),
+                64,
+            ),
         }
     }
 }
@@ -235,6 +373,8 @@ enum Init {
     Matrix,
     /// 1.0 plus normal-ish noise of std 0.02 (RMS-norm weights).
     Norm,
+    /// Qwen3.5's `ssm_a` = -exp(A_log) = -A with A uniform in (0, 16), transformers' init.
+    NegDecay,
 }
 
 /// What kind of tensor, for choosing its type.
@@ -250,6 +390,12 @@ enum Role {
     FfnGateUp,
     FfnDown,
     Router,
+    /// Qwen3.5's fused linear-attention `attn_qkv` (Q5_K in the Q4_K_M mix).
+    AttnQkv,
+    /// Other matrices (linear-attention z/α/β/out): the mix's base type.
+    Other,
+    /// Small matrices llama.cpp never quantizes (`ssm_conv1d`, the shared-expert gate).
+    KeepF32,
 }
 
 /// One tensor of the plan.
@@ -276,7 +422,7 @@ fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: u
     let t = match role {
         // 1-D tensors and the MoE router stay F32 in every mix (the converter forces
         // ffn_gate_inp to F32 and llama-quantize never quantizes it).
-        Role::Norm | Role::Router => return GgmlType::F32,
+        Role::Norm | Role::Router | Role::KeepF32 => return GgmlType::F32,
         _ => match q {
             SynthQuant::F16 => GgmlType::F16,
             SynthQuant::BF16 => GgmlType::BF16,
@@ -288,6 +434,7 @@ fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: u
                 Role::AttnK if n_expert == 8 => GgmlType::Q8_0,
                 Role::AttnOut if n_expert == 8 => GgmlType::Q5K,
                 Role::FfnDown if use_more_bits(layer, d.n_layer) => GgmlType::Q6K,
+                Role::AttnQkv => GgmlType::Q5K,
                 _ => GgmlType::Q4K,
             },
         },
@@ -306,6 +453,9 @@ fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: u
 
 /// The tensors of the model, in file order.
 fn plan(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
+    if let Some(hy) = d.hybrid {
+        return plan_hybrid(d, &hy, vocab, q);
+    }
     let mut v = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, role: Role, layer: usize| {
         let row = *shape.last().unwrap();
@@ -379,6 +529,145 @@ fn plan(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
     v
 }
 
+/// The tensors of a Qwen3.5 model (`qwen35` / `qwen35moe`), named and shaped as llama.cpp's
+/// converter writes them (`ferrite_models`' qwen3_5.rs reads the same names): per linear
+/// layer `attn_qkv` `[2·Hk·dk + Hv·dv, h]`, `attn_gate` (z), `ssm_beta`, `ssm_alpha`,
+/// `ssm_conv1d` `[conv_dim, kernel]` (F32), `ssm_a`, `ssm_dt.bias`, `ssm_norm`, `ssm_out`; per
+/// full-attention layer `attn_q` holding query and gate (`[2·H·d, h]`), k, v, output and the
+/// q/k norms; `post_attention_norm` before the FFN; MoE layers add the shared expert
+/// (`*_shexp`) and its 1-D gate `ffn_gate_inp_shexp`.
+fn plan_hybrid(d: &ArchDims, hy: &HybridDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
+    let mut v = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, role: Role, layer: usize, init: Init| {
+        let row = *shape.last().unwrap();
+        v.push(TensorPlan {
+            dtype: tensor_type(q, role, layer, d, row),
+            name,
+            shape,
+            init,
+        });
+    };
+    let (h, qd, kvd) = (d.hidden, d.n_head * d.head_dim, d.n_head_kv * d.head_dim);
+    let conv_dim = 2 * hy.key_dim() + hy.value_dim();
+    let (m, n) = (Init::Matrix, Init::Norm);
+    add(
+        "token_embd.weight".into(),
+        vec![vocab, h],
+        Role::TokenEmbd,
+        0,
+        m,
+    );
+    // llama.cpp's attn_v counter: its "more bits" rule runs over the attn_v tensors, out of
+    // n_attention_wv = attn_v + attn_qkv tensors (= n_layer).
+    let mut i_attn_v = 0;
+    for i in 0..d.n_layer {
+        let b = |s: &str| format!("blk.{i}.{s}");
+        add(b("attn_norm.weight"), vec![h], Role::Norm, i, n);
+        if hy.is_linear(i) {
+            add(b("attn_qkv.weight"), vec![conv_dim, h], Role::AttnQkv, i, m);
+            add(
+                b("attn_gate.weight"),
+                vec![hy.value_dim(), h],
+                Role::Other,
+                i,
+                m,
+            );
+            add(
+                b("ssm_beta.weight"),
+                vec![hy.n_v_heads, h],
+                Role::Other,
+                i,
+                m,
+            );
+            add(
+                b("ssm_alpha.weight"),
+                vec![hy.n_v_heads, h],
+                Role::Other,
+                i,
+                m,
+            );
+            add(
+                b("ssm_conv1d.weight"),
+                vec![conv_dim, hy.conv_kernel],
+                Role::KeepF32,
+                i,
+                m,
+            );
+            add(
+                b("ssm_a"),
+                vec![hy.n_v_heads],
+                Role::Norm,
+                i,
+                Init::NegDecay,
+            );
+            // transformers initialises dt_bias to ones.
+            add(b("ssm_dt.bias"), vec![hy.n_v_heads], Role::Norm, i, n);
+            add(b("ssm_norm.weight"), vec![hy.v_head_dim], Role::Norm, i, n);
+            add(
+                b("ssm_out.weight"),
+                vec![h, hy.value_dim()],
+                Role::Other,
+                i,
+                m,
+            );
+        } else {
+            add(b("attn_q.weight"), vec![2 * qd, h], Role::AttnQ, i, m);
+            add(b("attn_k.weight"), vec![kvd, h], Role::AttnK, i, m);
+            add(b("attn_v.weight"), vec![kvd, h], Role::AttnV, i_attn_v, m);
+            i_attn_v += 1;
+            add(b("attn_output.weight"), vec![h, qd], Role::AttnOut, i, m);
+            add(b("attn_q_norm.weight"), vec![d.head_dim], Role::Norm, i, n);
+            add(b("attn_k_norm.weight"), vec![d.head_dim], Role::Norm, i, n);
+        }
+        add(b("post_attention_norm.weight"), vec![h], Role::Norm, i, n);
+        match d.moe {
+            None => {
+                add(b("ffn_gate.weight"), vec![d.ffn, h], Role::FfnGateUp, i, m);
+                add(b("ffn_up.weight"), vec![d.ffn, h], Role::FfnGateUp, i, m);
+                add(b("ffn_down.weight"), vec![h, d.ffn], Role::FfnDown, i, m);
+            }
+            Some(e) => {
+                let (ne, ef, sf) = (e.n_expert, e.expert_ffn, hy.shared_expert_ffn);
+                add(b("ffn_gate_inp.weight"), vec![ne, h], Role::Router, i, m);
+                add(
+                    b("ffn_gate_exps.weight"),
+                    vec![ne, ef, h],
+                    Role::FfnGateUp,
+                    i,
+                    m,
+                );
+                add(
+                    b("ffn_up_exps.weight"),
+                    vec![ne, ef, h],
+                    Role::FfnGateUp,
+                    i,
+                    m,
+                );
+                add(
+                    b("ffn_down_exps.weight"),
+                    vec![ne, h, ef],
+                    Role::FfnDown,
+                    i,
+                    m,
+                );
+                add(b("ffn_gate_inp_shexp.weight"), vec![h], Role::KeepF32, i, m);
+                add(
+                    b("ffn_gate_shexp.weight"),
+                    vec![sf, h],
+                    Role::FfnGateUp,
+                    i,
+                    m,
+                );
+                add(b("ffn_up_shexp.weight"), vec![sf, h], Role::FfnGateUp, i, m);
+                add(b("ffn_down_shexp.weight"), vec![h, sf], Role::FfnDown, i, m);
+            }
+        }
+    }
+    add("output_norm.weight".into(), vec![h], Role::Norm, 0, n);
+    add("output.weight".into(), vec![vocab, h], Role::Output, 0, m);
+    v
+}
+
 /// The architecture metadata, with the keys llama.cpp's converter writes.
 fn arch_metadata(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<(String, GgufValue)> {
     let a = d.arch;
@@ -405,6 +694,35 @@ fn arch_metadata(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<(String, Gguf
         kv.push((format!("{a}.expert_count"), u(m.n_expert)));
         kv.push((format!("{a}.expert_used_count"), u(m.n_expert_used)));
         kv.push((format!("{a}.expert_feed_forward_length"), u(m.expert_ffn)));
+    }
+    if let Some(hy) = d.hybrid {
+        // Qwen3NextModel / _LinearAttentionVReorderBase's keys (as ferrite's hf_to_gguf).
+        let r = hy.rot_dim as i32 / 2;
+        let sections = if r == 32 {
+            vec![11, 11, 10, 0]
+        } else {
+            vec![r - 2 * (r / 3), r / 3, r / 3, 0]
+        };
+        kv.push((format!("{a}.rope.dimension_count"), u(hy.rot_dim)));
+        kv.push((
+            format!("{a}.rope.dimension_sections"),
+            GgufValue::Array(sections.into_iter().map(GgufValue::I32).collect()),
+        ));
+        kv.push((format!("{a}.ssm.conv_kernel"), u(hy.conv_kernel)));
+        kv.push((format!("{a}.ssm.state_size"), u(hy.k_head_dim)));
+        kv.push((format!("{a}.ssm.group_count"), u(hy.n_k_heads)));
+        kv.push((format!("{a}.ssm.time_step_rank"), u(hy.n_v_heads)));
+        kv.push((format!("{a}.ssm.inner_size"), u(hy.value_dim())));
+        kv.push((
+            format!("{a}.full_attention_interval"),
+            u(hy.full_attn_interval),
+        ));
+        if d.moe.is_some() {
+            kv.push((
+                format!("{a}.expert_shared_feed_forward_length"),
+                u(hy.shared_expert_ffn),
+            ));
+        }
     }
     if a == "llama" {
         // LlamaModel.set_gguf_parameters adds these two.
@@ -572,6 +890,9 @@ fn fill_rows(t: &TensorPlan, ti: usize, seed: u64, row0: usize, out: &mut [u8]) 
             let draw = |x: &mut [f32], rng: &mut SplitMix64| match t.init {
                 Init::Matrix => x.iter_mut().for_each(|v| *v = 0.02 * rng.normalish()),
                 Init::Norm => x.iter_mut().for_each(|v| *v = 1.0 + 0.02 * rng.normalish()),
+                Init::NegDecay => x.iter_mut().for_each(|v| {
+                    *v = -16.0 * ((rng.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+                }),
             };
             match &payload {
                 None => {
@@ -795,6 +1116,126 @@ mod tests {
             .sum();
         // A real Qwen3-30B-A3B Q4_K_M is ~18.6 GB.
         assert!((17.5e9..19.5e9).contains(&(bytes as f64)), "{bytes}");
+    }
+
+    fn plan_bytes(p: &[TensorPlan]) -> usize {
+        p.iter()
+            .map(|t| t.dtype.bytes_for(t.shape.iter().product()).unwrap())
+            .sum()
+    }
+
+    #[test]
+    fn qwen35_9b_q4_k_m_plan() {
+        let d = Preset::Qwen35_9B.dims();
+        let p = plan(&d, 248320, SynthQuant::Q4_K_M);
+        let get = |n: &str| {
+            p.iter()
+                .find(|t| t.name == n)
+                .unwrap_or_else(|| panic!("{n}"))
+        };
+        // 24 linear layers of 10 mixer tensors, 8 attention layers of 7; each layer adds
+        // its FFN norm and 3 FFN matrices; embedding, output norm, output.
+        assert_eq!(p.len(), 3 + 24 * (10 + 4) + 8 * (7 + 4));
+        assert_eq!(get("blk.0.attn_qkv.weight").shape, vec![8192, 4096]);
+        assert_eq!(get("blk.0.attn_qkv.weight").dtype, GgmlType::Q5K);
+        assert_eq!(get("blk.0.attn_gate.weight").shape, vec![4096, 4096]);
+        assert_eq!(get("blk.0.ssm_alpha.weight").shape, vec![32, 4096]);
+        assert_eq!(get("blk.0.ssm_conv1d.weight").shape, vec![8192, 4]);
+        assert_eq!(get("blk.0.ssm_conv1d.weight").dtype, GgmlType::F32);
+        assert_eq!(get("blk.0.ssm_a").dtype, GgmlType::F32);
+        assert_eq!(get("blk.0.ssm_norm.weight").shape, vec![128]);
+        assert_eq!(get("blk.0.ssm_out.weight").shape, vec![4096, 4096]);
+        assert_eq!(get("blk.3.attn_q.weight").shape, vec![8192, 4096]);
+        assert_eq!(get("blk.3.attn_k.weight").shape, vec![1024, 4096]);
+        assert_eq!(get("blk.3.attn_output.weight").shape, vec![4096, 4096]);
+        assert_eq!(get("blk.3.attn_v.weight").dtype, GgmlType::Q6K);
+        assert!(p.iter().all(|t| !t.name.starts_with("blk.3.ssm")));
+        assert_eq!(get("output.weight").shape, vec![248320, 4096]);
+        // A real Qwen3.5-9B Q4_K_M weighs 5.23 GiB (5.62 GB).
+        let bytes = plan_bytes(&p);
+        assert!((5.45e9..5.8e9).contains(&(bytes as f64)), "{bytes}");
+    }
+
+    #[test]
+    fn qwen35_35b_a3b_plan() {
+        let d = Preset::Qwen35_35B_A3B.dims();
+        let p = plan(&d, 248320, SynthQuant::Q4_K_M);
+        let get = |n: &str| {
+            p.iter()
+                .find(|t| t.name == n)
+                .unwrap_or_else(|| panic!("{n}"))
+        };
+        assert_eq!(
+            get("blk.0.ffn_gate_exps.weight").shape,
+            vec![256, 512, 2048]
+        );
+        assert_eq!(
+            get("blk.0.ffn_down_exps.weight").shape,
+            vec![256, 2048, 512]
+        );
+        assert_eq!(get("blk.0.ffn_gate_inp.weight").dtype, GgmlType::F32);
+        assert_eq!(get("blk.0.ffn_gate_inp_shexp.weight").shape, vec![2048]);
+        assert_eq!(get("blk.0.ffn_up_shexp.weight").shape, vec![512, 2048]);
+        assert_eq!(get("blk.39.attn_q.weight").shape, vec![8192, 2048]);
+        assert_eq!(get("blk.39.attn_k.weight").shape, vec![512, 2048]);
+        // A real Qwen3.5-35B-A3B Q4_K_M weighs 19.7 GiB (21.2 GB).
+        let bytes = plan_bytes(&p);
+        assert!((20.0e9..22.0e9).contains(&(bytes as f64)), "{bytes}");
+        let q8 = plan_bytes(&plan(&d, 248320, SynthQuant::Q8_0));
+        assert!((35.0e9..38.5e9).contains(&(q8 as f64)), "{q8}");
+    }
+
+    /// The tiny Qwen3.5 presets load as `qwen35` / `qwen35moe` models and run on the CPU:
+    /// prefill logits equal decode logits (the linear-attention state carries).
+    #[test]
+    fn tiny_qwen35_presets_load_and_run() {
+        use ferrite_backend::cpu::CpuBackend;
+        use ferrite_models::{Logits, Model, ModelFile};
+        let t = TempDir::new("q35");
+        let be = CpuBackend::new();
+        for preset in [Preset::TinyQwen35, Preset::TinyQwen35Moe] {
+            for quant in [SynthQuant::Q8_0, SynthQuant::Q4_K_M] {
+                let out = t.0.join(format!("{preset:?}-{}.gguf", quant.name()));
+                synth(&SynthArgs {
+                    preset,
+                    quant,
+                    output: out.clone(),
+                    vocab: None,
+                    seed: 3,
+                })
+                .unwrap();
+                let f = GgufFile::open(&out).unwrap();
+                let a = preset.dims().arch;
+                assert_eq!(f.architecture(), Some(a));
+                assert_eq!(f.get_u32(&format!("{a}.ssm.time_step_rank")), Some(4));
+                let file = ModelFile::open(&out).unwrap();
+                let m = Model::load(&be, &file, &|_, _| {}).unwrap();
+                let tokens: Vec<u32> = (0..12u32).map(|i| 100 + 37 * i).collect();
+                let mut kv = m.new_kv(&be, tokens.len()).unwrap();
+                let mut ws = m.workspace(&be, tokens.len(), Logits::All).unwrap();
+                let all = m
+                    .run(&be, &mut ws, &mut kv, 0, &tokens, Logits::All)
+                    .unwrap();
+                assert!(all.iter().all(|v| v.is_finite()), "{preset:?}");
+                // Token by token from a fresh cache: the same last-position logits.
+                let mut kv = m.new_kv(&be, tokens.len()).unwrap();
+                let mut ws = m.workspace(&be, 1, Logits::All).unwrap();
+                let mut last = vec![];
+                for (p, &tok) in tokens.iter().enumerate() {
+                    last = m
+                        .run(&be, &mut ws, &mut kv, p, &[tok], Logits::All)
+                        .unwrap();
+                }
+                let v = m.cfg.vocab;
+                let want = &all[(tokens.len() - 1) * v..];
+                let err: f32 = last
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(err < 1e-4, "{preset:?} {quant:?}: max |Δ| {err}");
+            }
+        }
     }
 
     #[test]

@@ -89,6 +89,9 @@ pub struct CudaKv {
     part_acc: CudaSlice<f32>,
     /// Split-K partials: (running max, running sum) per `[rows][n_heads][n_splits]`.
     part_ml: CudaSlice<f32>,
+    /// Hybrid models: the Gated DeltaNet layers' conv and recurrent state
+    /// (`gated_delta::kv_new_hybrid`).
+    pub delta: Option<super::gated_delta::DeltaState>,
 }
 
 /// The compiled attention kernels.
@@ -255,6 +258,7 @@ pub fn kv_new_typed(
         n_splits,
         part_acc: be.stream.alloc_zeros::<f32>(part_rows * head_dim)?,
         part_ml: be.stream.alloc_zeros::<f32>(part_rows * 2)?,
+        delta: None,
     })
 }
 

@@ -11,8 +11,11 @@
 //! - [`matmul`]: decode GEMV for every weight type and the prefill matmul on the tensor cores.
 //! - [`attention`]: KV cache (f16 / q8_0), prefill flash attention, split-K decode attention.
 //! - [`moe`]: top-k routing and batched expert FFNs.
+//! - [`gated_delta`]: Qwen3.5's Gated DeltaNet ops (conv1d + state, the delta rule with its
+//!   state in VRAM), gated RMSNorm, sigmoid gate.
 
 pub mod attention;
+pub mod gated_delta;
 pub mod matmul;
 pub mod moe;
 pub mod nvrtc;
@@ -62,6 +65,7 @@ pub struct CudaBackend {
     pub matmul: matmul::Kernels,
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
+    pub gated_delta: gated_delta::Kernels,
 }
 
 /// Compiles `src` (with [`COMMON_CUH`] prepended) and loads it as a module.
@@ -84,6 +88,7 @@ pub fn sources() -> Vec<(&'static str, &'static str)> {
         ("matmul", matmul::SRC),
         ("attention", attention::SRC),
         ("moe", moe::SRC),
+        ("gated_delta", gated_delta::SRC),
     ]
 }
 
@@ -142,6 +147,7 @@ impl CudaBackend {
             matmul: matmul::Kernels::load(&ctx, arch)?,
             attention: attention::Kernels::load(&ctx, arch)?,
             moe: moe::Kernels::load(&ctx, arch)?,
+            gated_delta: gated_delta::Kernels::load(&ctx, arch)?,
             ctx,
             stream,
             arch,
@@ -406,52 +412,48 @@ impl Backend for CudaBackend {
 
     fn kv_new_hybrid(
         &self,
-        _n_attn_layers: usize,
-        _shape: AttnShape,
-        _capacity: usize,
-        _n_linear_layers: usize,
-        _delta: crate::DeltaShape,
+        n_attn_layers: usize,
+        shape: AttnShape,
+        capacity: usize,
+        n_linear_layers: usize,
+        delta: crate::DeltaShape,
     ) -> Result<attention::CudaKv> {
-        anyhow::bail!("not supported on CUDA yet: Gated DeltaNet state (kv_new_hybrid)")
+        gated_delta::kv_new_hybrid(self, n_attn_layers, shape, capacity, n_linear_layers, delta)
     }
 
     fn causal_conv1d(
         &self,
-        _kv: &mut attention::CudaKv,
-        _layer: usize,
-        _x: &Act<CudaSlice<f32>>,
-        _w: &CudaWeight,
-        _out: &mut Act<CudaSlice<f32>>,
+        kv: &mut attention::CudaKv,
+        layer: usize,
+        x: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        anyhow::bail!("not supported on CUDA yet: causal_conv1d")
+        gated_delta::causal_conv1d(self, kv, layer, x, w, out)
     }
 
     fn gated_delta_rule(
         &self,
-        _kv: &mut attention::CudaKv,
-        _a: crate::DeltaArgs<'_, CudaSlice<f32>, CudaWeight>,
-        _out: &mut Act<CudaSlice<f32>>,
+        kv: &mut attention::CudaKv,
+        a: crate::DeltaArgs<'_, CudaSlice<f32>, CudaWeight>,
+        out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        anyhow::bail!("not supported on CUDA yet: gated_delta_rule")
+        gated_delta::gated_delta_rule(self, kv, a, out)
     }
 
     fn gated_rms_norm(
         &self,
-        _x: &mut Act<CudaSlice<f32>>,
-        _z: &Act<CudaSlice<f32>>,
-        _w: &CudaWeight,
-        _head_dim: usize,
-        _eps: f32,
+        x: &mut Act<CudaSlice<f32>>,
+        z: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        head_dim: usize,
+        eps: f32,
     ) -> Result<()> {
-        anyhow::bail!("not supported on CUDA yet: gated_rms_norm")
+        gated_delta::gated_rms_norm(self, x, z, w, head_dim, eps)
     }
 
-    fn sigmoid_gate(
-        &self,
-        _x: &mut Act<CudaSlice<f32>>,
-        _gate: &Act<CudaSlice<f32>>,
-    ) -> Result<()> {
-        anyhow::bail!("not supported on CUDA yet: sigmoid_gate")
+    fn sigmoid_gate(&self, x: &mut Act<CudaSlice<f32>>, gate: &Act<CudaSlice<f32>>) -> Result<()> {
+        gated_delta::sigmoid_gate(self, x, gate)
     }
 
     fn attention(

@@ -1,0 +1,351 @@
+//! Qwen3.5's hybrid-layer ops on CUDA (`kernels/gated_delta.cu`; its header holds the
+//! plan): the causal depthwise convolution with its rolling state, the gated delta rule with
+//! its recurrent state resident in VRAM, gated RMSNorm and the sigmoid gate; and the
+//! linear-attention state a hybrid cache carries ([`DeltaState`], in [`CudaKv::delta`]).
+//!
+//! Semantics are the CPU backend's, formula for formula (`cpu.rs`, `gated_delta.rs`).
+//! Tuning record: `GATED_DELTA.md`.
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use ferrite_formats::GgmlType;
+
+use super::attention::{self, CudaKv};
+use super::{function, load_module, CudaBackend, CudaWeight};
+use crate::{check_shape, Act, AttnShape, DeltaArgs, DeltaShape};
+
+pub const SRC: &str = include_str!("kernels/gated_delta.cu");
+
+/// Longest convolution kernel (GD_MAX_K in gated_delta.cu).
+pub const MAX_CONV_KERNEL: usize = 8;
+/// Rows per convolution thread (CONV_ROWS in gated_delta.cu).
+const CONV_ROWS: usize = 16;
+/// Largest key head dim: a state column of 4 lanes × 32 registers.
+pub const MAX_K_HEAD_DIM: usize = 128;
+/// State columns per gated_delta block (GD_COLS in gated_delta.cu; 4 lanes each).
+const COLS_PER_BLOCK: usize = 16;
+
+/// The compiled kernels of `gated_delta.cu`.
+pub struct Kernels {
+    conv: CudaFunction,
+    /// Rows of state per lane 8, 16, 32 (key head dims up to 32, 64, 128).
+    delta: [CudaFunction; 3],
+    gated_rms_norm: CudaFunction,
+    sigmoid_gate: CudaFunction,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
+        let m = load_module(ctx, arch, "gated_delta", SRC)?;
+        Ok(Kernels {
+            conv: function(&m, "causal_conv1d")?,
+            delta: [
+                function(&m, "gated_delta_r8")?,
+                function(&m, "gated_delta_r16")?,
+                function(&m, "gated_delta_r32")?,
+            ],
+            gated_rms_norm: function(&m, "gated_rms_norm")?,
+            sigmoid_gate: function(&m, "sigmoid_gate")?,
+        })
+    }
+}
+
+/// The linear-attention state of a hybrid cache, all f32, zero at creation.
+pub struct DeltaState {
+    pub shape: DeltaShape,
+    pub n_layers: usize,
+    /// Per layer the last `conv_kernel - 1` convolution inputs: `[layer][kernel-1][conv_dim]`.
+    pub conv: CudaSlice<f32>,
+    /// Per layer the recurrent state: `[layer][n_v_heads][k_head_dim][v_head_dim]`.
+    pub state: CudaSlice<f32>,
+}
+
+impl DeltaState {
+    fn conv_len(&self) -> usize {
+        (self.shape.conv_kernel - 1) * self.shape.conv_dim()
+    }
+    fn state_len(&self) -> usize {
+        self.shape.n_v_heads * self.shape.k_head_dim * self.shape.v_head_dim
+    }
+}
+
+/// A hybrid cache: the attention cache of [`attention::kv_new`] plus the state of
+/// `n_linear_layers` Gated DeltaNet layers.
+pub fn kv_new_hybrid(
+    be: &CudaBackend,
+    n_attn_layers: usize,
+    shape: AttnShape,
+    capacity: usize,
+    n_linear_layers: usize,
+    delta: DeltaShape,
+) -> Result<CudaKv> {
+    ensure!(
+        (1..=MAX_CONV_KERNEL).contains(&delta.conv_kernel)
+            && delta.n_k_heads > 0
+            && delta.n_v_heads % delta.n_k_heads == 0
+            && delta.v_head_dim > 0,
+        "bad linear-attention shape {delta:?} (the CUDA convolution takes kernels of 1..={MAX_CONV_KERNEL})"
+    );
+    ensure!(
+        (1..=MAX_K_HEAD_DIM).contains(&delta.k_head_dim),
+        "linear-attention key head dim {} is not supported on CUDA (at most {MAX_K_HEAD_DIM})",
+        delta.k_head_dim
+    );
+    let conv = n_linear_layers
+        .checked_mul((delta.conv_kernel - 1) * delta.conv_dim())
+        .context("linear-attention state size overflows")?;
+    let state = n_linear_layers
+        .checked_mul(delta.n_v_heads * delta.k_head_dim * delta.v_head_dim)
+        .context("linear-attention state size overflows")?;
+    let (free, _) = be.mem_info()?;
+    ensure!(
+        (conv + state) * 4 + (64 << 20) <= free,
+        "linear-attention state of {n_linear_layers} layers needs {:.2} GiB; {:.2} GiB free",
+        ((conv + state) * 4) as f64 / (1u64 << 30) as f64,
+        free as f64 / (1u64 << 30) as f64
+    );
+    let mut kv = attention::kv_new(be, n_attn_layers, shape, capacity)?;
+    kv.delta = Some(DeltaState {
+        shape: delta,
+        n_layers: n_linear_layers,
+        conv: be.stream.alloc_zeros::<f32>(conv.max(1))?,
+        state: be.stream.alloc_zeros::<f32>(state.max(1))?,
+    });
+    Ok(kv)
+}
+
+/// The cache's linear-attention state, checked for layer `layer`.
+fn delta_state(kv: &mut CudaKv, layer: usize) -> Result<&mut DeltaState> {
+    let ds = kv
+        .delta
+        .as_mut()
+        .context("this cache holds no linear-attention state")?;
+    ensure!(
+        layer < ds.n_layers,
+        "linear-attention layer {layer} outside the cache ({} layers)",
+        ds.n_layers
+    );
+    Ok(ds)
+}
+
+/// The f32 view of a 1-D weight (1-D weights are uploaded as f32).
+fn f32_vec(w: &CudaWeight, n: usize) -> Result<CudaView<'_, f32>> {
+    ensure!(
+        w.dtype == GgmlType::F32 && w.shape.iter().product::<usize>() == n,
+        "expected an f32 vector of {n}, got {:?} {}",
+        w.shape,
+        w.dtype
+    );
+    // SAFETY: the buffer holds exactly n little-endian f32 values.
+    unsafe { w.data.transmute::<f32>(n) }.context("weight buffer too small")
+}
+
+fn i32_of(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).with_context(|| format!("{what} {x} does not fit in i32"))
+}
+
+pub fn causal_conv1d(
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    layer: usize,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let ds = delta_state(kv, layer)?;
+    let (c, kernel) = (ds.shape.conv_dim(), ds.shape.conv_kernel);
+    check_shape("causal_conv1d x", x, x.rows, c)?;
+    check_shape("causal_conv1d out", out, x.rows, c)?;
+    ensure!(
+        w.shape == [c, kernel],
+        "causal_conv1d: weight {:?}, expected [{c}, {kernel}]",
+        w.shape
+    );
+    if x.rows == 0 {
+        return Ok(());
+    }
+    let len = ds.conv_len();
+    let mut state = ds.conv.slice_mut(layer * len..(layer + 1) * len);
+    let (wtype, wrb) = (w.dtype.id() as i32, w.row_bytes() as i64);
+    let (rows, ci, ki) = (
+        i32_of(x.rows, "rows")?,
+        i32_of(c, "channels")?,
+        kernel as i32,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (
+            (c as u32).div_ceil(256),
+            (x.rows as u32).div_ceil(CONV_ROWS as u32),
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x and out hold rows × c floats (checked), the weight c rows of `kernel` taps,
+    // the state view (kernel-1) × c floats; one thread per (channel, run of rows).
+    unsafe {
+        be.stream
+            .launch_builder(&be.gated_delta.conv)
+            .arg(&x.buf)
+            .arg(&w.data)
+            .arg(&wtype)
+            .arg(&wrb)
+            .arg(&mut state)
+            .arg(&mut out.buf)
+            .arg(&rows)
+            .arg(&ci)
+            .arg(&ki)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+pub fn gated_delta_rule(
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    a: DeltaArgs<'_, CudaSlice<f32>, CudaWeight>,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let ds = delta_state(kv, a.layer)?;
+    ensure!(ds.shape == a.shape, "gated_delta_rule: cache shape differs");
+    let d = ds.shape;
+    let rows = a.qkv.rows;
+    let nv = d.n_v_heads;
+    check_shape("gated_delta_rule qkv", a.qkv, rows, d.conv_dim())?;
+    check_shape("gated_delta_rule a", a.a, rows, nv)?;
+    check_shape("gated_delta_rule b", a.b, rows, nv)?;
+    check_shape("gated_delta_rule out", out, rows, d.value_dim())?;
+    let ssm_a = f32_vec(a.ssm_a, nv)?;
+    let dt_bias = f32_vec(a.dt_bias, nv)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let variant = match d.k_head_dim {
+        0..=32 => 0,
+        33..=64 => 1,
+        _ => 2,
+    };
+    let len = ds.state_len();
+    let mut state = ds.state.slice_mut(a.layer * len..(a.layer + 1) * len);
+    let rows_i = i32_of(rows, "rows")?;
+    let (nk, nv_i, dk, dv) = (
+        d.n_k_heads as i32,
+        i32_of(nv, "value heads")?,
+        d.k_head_dim as i32,
+        i32_of(d.v_head_dim, "value head dim")?,
+    );
+    let tiled = i32::from(d.tiled_v_heads);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            nv as u32,
+            (d.v_head_dim as u32).div_ceil(COLS_PER_BLOCK as u32),
+            1,
+        ),
+        block_dim: (4 * COLS_PER_BLOCK as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: shapes checked above; the state view is this layer's nv × dk × dv floats; one
+    // block per (value head, 16 columns), 4 lanes per column, all bounds-checked inside.
+    unsafe {
+        be.stream
+            .launch_builder(&be.gated_delta.delta[variant])
+            .arg(&a.qkv.buf)
+            .arg(&a.a.buf)
+            .arg(&a.b.buf)
+            .arg(&ssm_a)
+            .arg(&dt_bias)
+            .arg(&mut state)
+            .arg(&mut out.buf)
+            .arg(&rows_i)
+            .arg(&nk)
+            .arg(&nv_i)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&tiled)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+pub fn gated_rms_norm(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    z: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    head_dim: usize,
+    eps: f32,
+) -> Result<()> {
+    check_shape("gated_rms_norm z", z, x.rows, x.cols)?;
+    ensure!(
+        head_dim > 0 && x.cols % head_dim == 0,
+        "gated_rms_norm: {} columns is not a whole number of {head_dim}-heads",
+        x.cols
+    );
+    let wv = f32_vec(w, head_dim)?;
+    let heads = x.rows * x.cols / head_dim;
+    if heads == 0 {
+        return Ok(());
+    }
+    let (heads_i, hd) = (i32_of(heads, "heads")?, i32_of(head_dim, "head dim")?);
+    let cfg = LaunchConfig {
+        grid_dim: ((heads as u32).div_ceil(8), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: heads × head_dim floats in x and z; one warp per head.
+    unsafe {
+        be.stream
+            .launch_builder(&be.gated_delta.gated_rms_norm)
+            .arg(&mut x.buf)
+            .arg(&z.buf)
+            .arg(&wv)
+            .arg(&heads_i)
+            .arg(&hd)
+            .arg(&eps)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+pub fn sigmoid_gate(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    gate: &Act<CudaSlice<f32>>,
+) -> Result<()> {
+    ensure!(
+        gate.rows == x.rows && (gate.cols == x.cols || gate.cols == 1),
+        "sigmoid_gate: gate [{}, {}] for x [{}, {}]",
+        gate.rows,
+        gate.cols,
+        x.rows,
+        x.cols
+    );
+    let n = x.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let (n_i, cols, gcols) = (
+        n as i64,
+        i32_of(x.cols, "columns")?,
+        i32_of(gate.cols, "gate columns")?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: n elements in x; gate holds one per element or one per row (checked).
+    unsafe {
+        be.stream
+            .launch_builder(&be.gated_delta.sigmoid_gate)
+            .arg(&mut x.buf)
+            .arg(&gate.buf)
+            .arg(&n_i)
+            .arg(&cols)
+            .arg(&gcols)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
