@@ -101,6 +101,10 @@ const ATTN_Q8_NMSE: f64 = 5e-4;
 /// MoE at decode rows (≤ 16): expert GEMVs with f32 activations and exact weight decoding
 /// (measured ~1e-13); only summation order differs, as for the f32 GEMV.
 const MOE_DECODE_NMSE: f64 = 1e-9;
+/// MoE at decode rows with quantized expert weights: x and the SwiGLU activations rounded to
+/// int8 per 32 elements (as the quantized GEMV, twice in a chain, plus the SwiGLU's
+/// amplification: see SWIGLU_NMSE_FACTOR). A wrong expert, slot or row gives ≥ 1e-2.
+const MOE_DECODE_Q8_NMSE: f64 = 2e-3;
 /// MoE at prefill: the grouped tensor-core path rounds x, the SwiGLU activations and the
 /// dequantized weights to bf16 (8 significant bits: relative RMS ~2e-3 per operand) through
 /// two chained GEMMs: measured 1.5–1.8e-5 (bf16 weights ~8e-6). A wrong expert choice, slot
@@ -2037,8 +2041,15 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
                 ATTN_Q8_NMSE
             }
         }
-        Op::Moe { rows, .. } => {
-            if *rows <= ferrite_backend::cuda::moe::DECODE_MAX_ROWS {
+        Op::Moe {
+            rows,
+            gate_ty,
+            down_ty,
+            ..
+        } => {
+            if ferrite_backend::cuda::moe::quantized_decode_types(*gate_ty, *down_ty, *rows) {
+                MOE_DECODE_Q8_NMSE
+            } else if *rows <= ferrite_backend::cuda::moe::DECODE_MAX_ROWS {
                 MOE_DECODE_NMSE
             } else {
                 MOE_PREFILL_NMSE

@@ -82,8 +82,12 @@ pub(crate) const TYPES: [(GgmlType, &str); 9] = [
 /// The compiled matmul kernels, indexed like [`TYPES`].
 pub struct Kernels {
     gemv: Vec<[CudaFunction; 6]>,
+    /// `gemv_swiglu_<type>_r<R>` (float types only: the quantized ones use gemvq_swiglu).
+    gemv_swiglu: Vec<Option<[CudaFunction; 6]>>,
     /// `gemvq_<type>_r<R>` and `gemvq_swiglu_<type>_r<R>` (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 2]>>,
+    /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
+    pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
     /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
@@ -104,9 +108,25 @@ impl Kernels {
         let mut gemv = Vec::with_capacity(TYPES.len());
         let mut mm = Vec::with_capacity(TYPES.len());
         let mut gemvq = Vec::with_capacity(TYPES.len());
+        let mut gemvq_moe = Vec::with_capacity(TYPES.len());
+        let mut gemv_swiglu = Vec::with_capacity(TYPES.len());
         for (ty, name) in TYPES {
+            gemvq_moe.push(if quantized_x(ty) {
+                Some([
+                    function(&m, &format!("gemvq_moe_gu_{name}"))?,
+                    function(&m, &format!("gemvq_moe_down_{name}"))?,
+                ])
+            } else {
+                None
+            });
             let f = |r: usize| function(&m, &format!("gemv_{name}_r{r}"));
             gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]);
+            gemv_swiglu.push(if quantized_x(ty) {
+                None
+            } else {
+                let f = |r: usize| function(&m, &format!("gemv_swiglu_{name}_r{r}"));
+                Some([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?])
+            });
             gemvq.push(if quantized_x(ty) {
                 let q = |kind: &str, r: usize| function(&m, &format!("gemvq{kind}_{name}_r{r}"));
                 let all = |kind: &str| -> Result<[CudaFunction; 6]> {
@@ -137,7 +157,9 @@ impl Kernels {
         let mm_x = function(&m, "mm_x_bf16")?;
         Ok(Kernels {
             gemv,
+            gemv_swiglu,
             gemvq,
+            gemvq_moe,
             quant_x: function(&m, "quant_x_q8")?,
             xq: Mutex::new(None),
             mm,
@@ -150,10 +172,13 @@ impl Kernels {
 /// Activations quantized to int8 per 32 elements (`quant_x_q8`): the int8 values and, per
 /// block, (scale d, d · Σq) as two f32.
 pub(crate) struct XQuant {
-    q: CudaSlice<i8>,
-    d: CudaSlice<f32>,
+    pub(crate) q: CudaSlice<i8>,
+    pub(crate) d: CudaSlice<f32>,
     /// Elements per row the buffers are laid out for (rows are `n_in` apart).
     cap: usize,
+    /// Smaller buffers replaced by a grow, kept alive: a graph captured earlier may still
+    /// point at them.
+    retired: Vec<(CudaSlice<i8>, CudaSlice<f32>)>,
 }
 
 /// Weight types whose decode GEMV runs on int8-quantized activations (dp4a). The float types
@@ -170,7 +195,7 @@ pub fn quantized_x(t: GgmlType) -> bool {
     )
 }
 
-fn type_index(t: GgmlType) -> Result<usize> {
+pub(crate) fn type_index(t: GgmlType) -> Result<usize> {
     TYPES
         .iter()
         .position(|&(ty, _)| ty == t)
@@ -358,7 +383,7 @@ fn uses_gemvq(w: &CudaWeight, rows: usize) -> bool {
 
 /// Quantizes the rows of x (≤ GEMV_MAX_ROWS, `cols` a multiple of 32) into the backend's int8
 /// scratch and returns it locked: the GEMVs that follow read it in stream order.
-fn quantize_x<'a>(
+pub(crate) fn quantize_x<'a>(
     be: &'a CudaBackend,
     x: &Act<CudaSlice<f32>>,
 ) -> Result<std::sync::MutexGuard<'a, Option<XQuant>>> {
@@ -375,37 +400,67 @@ fn quantize_x<'a>(
     if guard.as_ref().map_or(true, |b| b.cap < n_in) {
         // Sized for GEMV_MAX_ROWS rows whatever `rows` is now, so that the first (eager)
         // decode step already allocates what a later captured verify step needs.
-        *guard = None;
+        let mut retired = Vec::new();
+        if let Some(old) = guard.take() {
+            retired = old.retired;
+            retired.push((old.q, old.d));
+        }
         *guard = Some(XQuant {
             q: be.stream.alloc_zeros::<i8>(GEMV_MAX_ROWS * n_in)?,
             d: be
                 .stream
                 .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
             cap: n_in,
+            retired,
         });
     }
     let xq = guard
         .as_mut()
         .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
-    let blocks = rows * n_in / 32;
+    quantize_into(be, &x.buf, rows, n_in, &mut xq.q, &mut xq.d)?;
+    Ok(guard)
+}
+
+/// Quantizes `rows` rows of `n_in` (a multiple of 32) floats of `x` into `q` (int8) and `d`
+/// (per 32-element block: scale, scale · Σq), rows `n_in` apart: `quant_x_q8`.
+pub(crate) fn quantize_into(
+    be: &CudaBackend,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    n_in: usize,
+    q: &mut CudaSlice<i8>,
+    d: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let n = rows * n_in;
+    ensure!(
+        n_in % 32 == 0 && x.len() >= n && q.len() >= n && d.len() >= n / 16,
+        "quantize: [{rows}, {n_in}] does not fit its buffers"
+    );
+    ensure!(
+        n <= i32::MAX as usize,
+        "quantize: [{rows}, {n_in}] is too large"
+    );
+    if n == 0 {
+        return Ok(());
+    }
     let cfg = LaunchConfig {
-        grid_dim: (blocks.div_ceil(8) as u32, 1, 1),
+        grid_dim: ((n / 32).div_ceil(8) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     let (rows_i, n_in_i) = (rows as i32, n_in as i32);
-    // SAFETY: x holds rows×n_in floats; q holds ≥ rows×n_in bytes and d ≥ rows×n_in/32 pairs.
+    // SAFETY: sizes checked above.
     unsafe {
         be.stream
             .launch_builder(&be.matmul.quant_x)
-            .arg(&x.buf)
+            .arg(x)
             .arg(&rows_i)
             .arg(&n_in_i)
-            .arg(&mut xq.q)
-            .arg(&mut xq.d)
+            .arg(q)
+            .arg(d)
             .launch(cfg)
     }?;
-    Ok(guard)
+    Ok(())
 }
 
 /// The quantized-x GEMV of `w` (or, with `up`, the fused SwiGLU pair `silu(w·x) ⊙ (up·x)`)
@@ -527,8 +582,9 @@ pub fn matmuls(
     Ok(())
 }
 
-/// `out = silu(gate · x) ⊙ (up · x)` in one kernel when both weights run the quantized-x
-/// GEMV with the same type and shape; returns `false` (nothing done) otherwise.
+/// `out = silu(gate · x) ⊙ (up · x)` in one kernel when both weights have the same type and
+/// shape and the rows are decode rows (the quantized-x GEMV, or the f32 GEMV of the float
+/// types); returns `false` (nothing done) otherwise.
 pub fn matmul_swiglu(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -536,11 +592,11 @@ pub fn matmul_swiglu(
     up: &CudaWeight,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<bool> {
-    if !(uses_gemvq(gate, x.rows)
-        && uses_gemvq(up, x.rows)
-        && gate.dtype == up.dtype
-        && gate.shape == up.shape)
-    {
+    if gate.dtype != up.dtype || gate.shape != up.shape || gate.shape.len() != 2 {
+        return Ok(false);
+    }
+    let float_gemv = x.rows <= GEMV_MAX_ROWS && !quantized_x(gate.dtype);
+    if !(uses_gemvq(gate, x.rows) || float_gemv) {
         return Ok(false);
     }
     crate::check_matmul(x, &gate.shape, out)?;
@@ -555,6 +611,47 @@ pub fn matmul_swiglu(
             w.shape,
             w.dtype
         );
+    }
+    if float_gemv {
+        let (n_out, n_in) = (gate.shape[0], gate.shape[1]);
+        ensure!(
+            x.buf.len() >= rows * n_in && out.buf.len() >= rows * n_out,
+            "matmul_swiglu: activation buffers smaller than their shapes"
+        );
+        let ti = type_index(gate.dtype)?;
+        let fams = be.matmul.gemv_swiglu[ti]
+            .as_ref()
+            .ok_or_else(|| anyhow!("matmul_swiglu: no fused kernel for {}", gate.dtype))?;
+        let ri = GEMV_R
+            .iter()
+            .position(|&r| r >= rows)
+            .ok_or_else(|| anyhow!("matmul_swiglu: {rows} rows"))?;
+        // One output per row group (gate row o with up row o).
+        let ks = gemv_ks(gate.dtype, n_in, n_out * GEMV_NW, be.sm_count);
+        let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
+            gate.row_bytes() as i64,
+            n_out as i32,
+            n_in as i32,
+            rows as i32,
+            ks as i32,
+        );
+        // SAFETY: both weights hold n_out rows of rb bytes (checked above); x holds rows×n_in
+        // floats and out rows×n_out.
+        unsafe {
+            be.stream
+                .launch_builder(&fams[ri])
+                .arg(&gate.data)
+                .arg(&up.data)
+                .arg(&rb)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&x.buf)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&ks_i)
+                .launch(gemv_config(n_out * GEMV_NW, ks))
+        }?;
+        return Ok(true);
     }
     let guard = quantize_x(be, x)?;
     let xq = guard

@@ -24,7 +24,7 @@ use ferrite_formats::GgmlType;
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/moe.cu");
 
-use super::{function, load_module, CudaBackend, CudaWeight};
+use super::{function, load_module, matmul, CudaBackend, CudaWeight};
 use crate::{Act, ExpertWeights, MoeRouting};
 
 /// Warps per block of the expert kernels (`MOE_WARPS` in moe.cu).
@@ -62,9 +62,14 @@ struct Scratch {
     list: CudaSlice<i32>,
     /// Prefill only: `[rows·top_k, hidden]` per-pair expert outputs before the combine.
     y: CudaSlice<f32>,
+    /// Quantized-activation decode: h quantized per 32 elements (int8, then (scale, scaled
+    /// sum) pairs as f32), `[rows·top_k, ffn]`.
+    hq: CudaSlice<i8>,
+    hd: CudaSlice<f32>,
     /// Buffers replaced by bigger ones: a captured graph may still reference them.
     retired_i: Vec<CudaSlice<i32>>,
     retired_f: Vec<CudaSlice<f32>>,
+    retired_q: Vec<CudaSlice<i8>>,
 }
 
 /// Replaces `buf` by a zeroed buffer of at least `need` elements (next power of two) when it
@@ -200,6 +205,16 @@ pub fn moe(
         _ => None,
     };
     let max_tiles = pairs.div_ceil(GM_TN) + n_experts.min(pairs);
+    // Decode on int8-quantized activations (matmul.cu section 1c) when every expert weight
+    // has a quantized-x kernel and the buffers allow its 16-byte loads.
+    let quantized_decode = quantized_decode_types(g.dtype, d.dtype, rows)
+        && g.dtype == u.dtype
+        && hidden % 32 == 0
+        && ffn % 32 == 0
+        && x_a16
+        && aligned16(be, &g.data)
+        && aligned16(be, &u.data)
+        && aligned16(be, &d.data);
 
     let mut guard = be
         .moe
@@ -218,8 +233,11 @@ pub fn moe(
             tiles: one_i()?,
             list: one_i()?,
             y: one_f()?,
+            hq: be.stream.alloc_zeros::<i8>(1)?,
+            hd: one_f()?,
             retired_i: Vec::new(),
             retired_f: Vec::new(),
+            retired_q: Vec::new(),
         });
     }
     let s = guard
@@ -231,6 +249,10 @@ pub fn moe(
         grow(st, &mut s.ids, pairs, ri)?;
         grow(st, &mut s.wts, pairs, rf)?;
         grow(st, &mut s.h, pairs * ffn, rf)?;
+        if quantized_decode {
+            grow(st, &mut s.hq, pairs * ffn, &mut s.retired_q)?;
+            grow(st, &mut s.hd, pairs * ffn / 16, rf)?;
+        }
         if grouped.is_some() {
             grow(st, &mut s.offsets, n_experts + 1, ri)?;
             grow(st, &mut s.tiles, 2 * max_tiles, ri)?;
@@ -266,6 +288,10 @@ pub fn moe(
             .arg(&mut s.wts)
             .launch(cfg)
     }?;
+
+    if quantized_decode {
+        return quantized_experts(be, x, s, (g, u, d), rows, hidden, ffn, routing, out);
+    }
 
     if let Some((gi, di)) = grouped {
         return grouped_experts(
@@ -354,6 +380,102 @@ pub fn moe(
             .arg(&ne)
             .arg(&per_block_i)
             .launch(blocks(rows, hidden, per_block)?)
+    }?;
+    Ok(())
+}
+
+/// Whether a MoE call with gate/up of type `g` and down of type `d` on `rows` rows runs the
+/// quantized-activation decode path (given 16-byte aligned buffers, as allocations are).
+pub fn quantized_decode_types(g: GgmlType, d: GgmlType, rows: usize) -> bool {
+    rows <= DECODE_MAX_ROWS && matmul::quantized_x(g) && matmul::quantized_x(d)
+}
+
+/// The decode path on int8-quantized activations: x quantized once, gate/up + SwiGLU per
+/// (pair, ffn row), h quantized per pair, down + combine in top-k order (matmul.cu 1c).
+/// Expects the routing in `s.ids` / `s.wts` and `s.h`, `s.hq`, `s.hd` grown for this shape.
+#[allow(clippy::too_many_arguments)]
+fn quantized_experts(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    s: &mut Scratch,
+    (g, u, d): (&CudaWeight, &CudaWeight, &CudaWeight),
+    rows: usize,
+    hidden: usize,
+    ffn: usize,
+    routing: MoeRouting,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let (n_experts, top_k) = (routing.n_experts, routing.top_k);
+    let pairs = rows * top_k;
+    ensure!(
+        u.row_bytes() == g.row_bytes(),
+        "moe: gate and up rows differ in size"
+    );
+    let gk = be.matmul.gemvq_moe[matmul::type_index(g.dtype)?]
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("moe: no quantized-x kernel for {}", g.dtype))?;
+    let dk = be.matmul.gemvq_moe[matmul::type_index(d.dtype)?]
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("moe: no quantized-x kernel for {}", d.dtype))?;
+    let (ne, tk, hid, ff) = (
+        i32_arg("n_experts", n_experts)?,
+        i32_arg("top_k", top_k)?,
+        i32_arg("hidden", hidden)?,
+        i32_arg("ffn", ffn)?,
+    );
+    let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
+    let xq = matmul::quantize_x(be, x)?;
+    let xq = xq
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("moe: int8 scratch missing"))?;
+    let threads = (MOE_WARPS * 32) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (ffn.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: expert ids come from moe_route (< n_experts, also checked in the kernel); each
+    // expert has `ffn` rows of gu_rb bytes in gate and up (shapes checked by check_moe); the
+    // quantized x holds rows × hidden values; h holds ≥ pairs × ffn floats.
+    unsafe {
+        be.stream
+            .launch_builder(&gk[0])
+            .arg(&g.data)
+            .arg(&u.data)
+            .arg(&gu_rb)
+            .arg(&ff)
+            .arg(&hid)
+            .arg(&xq.q)
+            .arg(&xq.d)
+            .arg(&s.ids)
+            .arg(&tk)
+            .arg(&ne)
+            .arg(&mut s.h)
+            .launch(cfg)
+    }?;
+    matmul::quantize_into(be, &s.h, pairs, ffn, &mut s.hq, &mut s.hd)?;
+    let cfg = LaunchConfig {
+        grid_dim: (hidden.div_ceil(2) as u32, rows as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert; out holds rows ×
+    // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
+    unsafe {
+        be.stream
+            .launch_builder(&dk[1])
+            .arg(&d.data)
+            .arg(&d_rb)
+            .arg(&hid)
+            .arg(&ff)
+            .arg(&s.hq)
+            .arg(&s.hd)
+            .arg(&s.ids)
+            .arg(&s.wts)
+            .arg(&tk)
+            .arg(&ne)
+            .arg(&mut out.buf)
+            .launch(cfg)
     }?;
     Ok(())
 }

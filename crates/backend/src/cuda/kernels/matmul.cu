@@ -370,14 +370,21 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
 // consecutive output rows and its ks warps split the K steps. Each warp reduces its lanes with
 // a fixed xor butterfly; the ks warp totals are added through shared memory in warp order
 // (((p0 + p1) + p2) + ...). ks = 1 stores the butterfly total directly (the same value).
-template <int TYPE, int R>
+//
+// SWIGLU (float types; the quantized ones have gemvq_swiglu_*): a row group is (gate row o of
+// W, up row o of W2) and stores silu(gate) * up at out[o], one output per group.
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
+
+template <int TYPE, int R, bool SWIGLU = false>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                                     const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {
+                                     const float* __restrict__ x, int rows, float* __restrict__ out, int ks,
+                                     const uint8_t* __restrict__ W2 = nullptr) {
     constexpr int NW = GEMV_NW;
+    constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kw = warp % ks, grp = warp / ks;
-    const int o0 = (blockIdx.x * (GEMV_WARPS / ks) + grp) * NW;
+    const int o0 = (blockIdx.x * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
     float acc[R][NW];
 #pragma unroll
@@ -386,10 +393,15 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
         for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
     if (active) {
         const uint8_t* wr[NW];
+        if (SWIGLU) {
+            wr[0] = W + (size_t)o0 * (size_t)rb;
+            wr[1] = W2 + (size_t)o0 * (size_t)rb;
+        } else {
 #pragma unroll
-        for (int w = 0; w < NW; w++) {
-            const int o = o0 + w < n_out ? o0 + w : n_out - 1;
-            wr[w] = W + (size_t)o * (size_t)rb;
+            for (int w = 0; w < NW; w++) {
+                const int o = o0 + w < n_out ? o0 + w : n_out - 1;
+                wr[w] = W + (size_t)o * (size_t)rb;
+            }
         }
         gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, kw, ks, acc);
         // Fixed xor butterfly: every lane ends with the same totals.
@@ -404,10 +416,16 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     if (ks == 1) {  // uniform over the block
         if (!active) return;
 #pragma unroll
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
+            if (SWIGLU) {
+                if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
+            } else {
 #pragma unroll
-            for (int w = 0; w < NW; w++)
-                if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = acc[r][w];
+                for (int w = 0; w < NW; w++)
+                    if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
+                        out[(size_t)r * n_out + o0 + w] = acc[r][w];
+            }
+        }
         return;
     }
     if (lane == 0) {
@@ -418,11 +436,22 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     }
     __syncthreads();
     if (active && kw == 0) {
-        for (int i = lane; i < R * NW; i += 32) {
-            float v = red[warp][i];
-            for (int k = 1; k < ks; k++) v += red[warp + k][i];
-            const int r = i / NW, w = i % NW;
-            if (r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = v;
+        if (SWIGLU) {
+            for (int r = lane; r < R; r += 32) {
+                float g = red[warp][r * NW], u = red[warp][r * NW + 1];
+                for (int k = 1; k < ks; k++) {
+                    g += red[warp + k][r * NW];
+                    u += red[warp + k][r * NW + 1];
+                }
+                if (r < rows) out[(size_t)r * n_out + o0] = silu(g) * u;
+            }
+        } else {
+            for (int i = lane; i < R * NW; i += 32) {
+                float v = red[warp][i];
+                for (int k = 1; k < ks; k++) v += red[warp + k][i];
+                const int r = i / NW, w = i % NW;
+                if (r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = v;
+            }
         }
     }
 }
@@ -440,6 +469,25 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     GEMV_KERNEL(name, TYPE, 8) \
     GEMV_KERNEL(name, TYPE, 9) \
     GEMV_KERNEL(name, TYPE, 16)
+
+#define GEMV_SWIGLU_KERNEL(name, TYPE, R)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
+                                  int n_out, int n_in, const float* __restrict__ x, int rows,               \
+                                  float* __restrict__ out, int ks) {                                        \
+        gemv<TYPE, R, true>(W, rb, n_out, n_in, x, rows, out, ks, W2);                                      \
+    }
+#define GEMV_SWIGLU_ALL_R(name, TYPE) \
+    GEMV_SWIGLU_KERNEL(name, TYPE, 1) \
+    GEMV_SWIGLU_KERNEL(name, TYPE, 2) \
+    GEMV_SWIGLU_KERNEL(name, TYPE, 4) \
+    GEMV_SWIGLU_KERNEL(name, TYPE, 8) \
+    GEMV_SWIGLU_KERNEL(name, TYPE, 9) \
+    GEMV_SWIGLU_KERNEL(name, TYPE, 16)
+
+GEMV_SWIGLU_ALL_R(f32, GGML_F32)
+GEMV_SWIGLU_ALL_R(f16, GGML_F16)
+GEMV_SWIGLU_ALL_R(bf16, GGML_BF16)
 
 GEMV_ALL_R(f32, GGML_F32)
 GEMV_ALL_R(f16, GGML_F16)
@@ -702,8 +750,6 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
     }
 }
 
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
-
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 template <int TYPE, int R, bool SWIGLU>
@@ -803,6 +849,113 @@ GEMVQ_ALL_R(q4_1, GGML_Q4_1)
 GEMVQ_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_ALL_R(q6_k, GGML_Q6_K)
+
+// ---------------------------------------------------------------------------------------
+// 1c. MoE decode experts on quantized activations (launcher: moe.rs, rows <= 16).
+//
+//  gemvq_moe_gu_<type>: grid (ceil(ffn / 8), pairs); warp w of block (bx, p) computes ffn
+//    row o = 8 bx + w of the pair's expert e = ids[p] as the SwiGLU pair (gate row o, up row
+//    o) over the token's quantized x (row p / top_k of xq), the gemvq_lane of section 1b with
+//    R = 1, NW = 2, ks = 1. Writes h[p][o] = silu(gate) * up (f32). Bytes: the pair's
+//    expert rows of gate and up once; x from L1/L2.
+//  (h is then quantized per pair row by quant_x_q8.)
+//  gemvq_moe_down_<type>: grid (ceil(hidden / 2), rows); block (bx, t) owns hidden rows
+//    2 bx, 2 bx + 1 of token t; warp w computes them for slots w, w + 8, ... (expert
+//    ids[t top_k + k], input row t top_k + k of hq), partial results meet in shared memory
+//    and two threads add the slots in top-k order weighted by wts (no FMA contraction, as
+//    the CPU's combine). One launch per layer for the down projection and the combine.
+//  An expert id outside [0, n_experts) (impossible after moe_route) yields NaN, never an
+//  out-of-bounds read.
+
+template <int TYPE>
+__device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
+                                             long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
+                                             const float2* __restrict__ xd, const int* __restrict__ ids,
+                                             int top_k, int n_experts, float* __restrict__ h) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int o = blockIdx.x * GEMV_WARPS + warp;
+    const int p = blockIdx.y;
+    if (o >= ffn) return;  // whole warp; no barriers below
+    const int e = ids[p];
+    float* dst = h + (size_t)p * ffn + o;
+    if (e < 0 || e >= n_experts) {
+        if (lane == 0) *dst = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int t = p / top_k;
+    const size_t r = (size_t)e * ffn + o;
+    const uint8_t* wr[2] = {G + r * (size_t)rb, U + r * (size_t)rb};
+    float acc[1][2] = {{0.0f, 0.0f}};
+    gemvq_lane<TYPE, 1, 2>(wr, hidden, xq + (size_t)t * hidden, xd + (size_t)t * (hidden / QK), 1, lane, 0, 1, acc);
+#pragma unroll
+    for (int w = 0; w < 2; w++)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[0][w] += __shfl_xor_sync(0xffffffffu, acc[0][w], off);
+    if (lane == 0) *dst = silu(acc[0][0]) * acc[0][1];
+}
+
+#define GEMVQ_MOE_MAX_TOPK 64
+template <int TYPE>
+__device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
+                                               const int8_t* __restrict__ hq, const float2* __restrict__ hd,
+                                               const int* __restrict__ ids, const float* __restrict__ wts,
+                                               int top_k, int n_experts, float* __restrict__ out) {
+    __shared__ float part[GEMVQ_MOE_MAX_TOPK][2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int o0 = blockIdx.x * 2, t = blockIdx.y;
+    for (int k = warp; k < top_k; k += GEMV_WARPS) {
+        const int p = t * top_k + k;
+        const int e = ids[p];
+        float acc[1][2] = {{0.0f, 0.0f}};
+        if (e < 0 || e >= n_experts) {
+            acc[0][0] = acc[0][1] = __int_as_float(0x7fc00000);
+        } else {
+            const uint8_t* wr[2];
+#pragma unroll
+            for (int w = 0; w < 2; w++) {
+                const int o = o0 + w < hidden ? o0 + w : hidden - 1;
+                wr[w] = D + ((size_t)e * hidden + o) * (size_t)rb;
+            }
+            gemvq_lane<TYPE, 1, 2>(wr, ffn, hq + (size_t)p * ffn, hd + (size_t)p * (ffn / QK), 1, lane, 0, 1, acc);
+#pragma unroll
+            for (int w = 0; w < 2; w++)
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) acc[0][w] += __shfl_xor_sync(0xffffffffu, acc[0][w], off);
+        }
+        if (lane == 0) {
+            part[k][0] = acc[0][0];
+            part[k][1] = acc[0][1];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 2 && o0 + (int)threadIdx.x < hidden) {
+        float acc = 0.0f;
+        for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(wts[t * top_k + k], part[k][threadIdx.x]));
+        out[(size_t)t * hidden + o0 + threadIdx.x] = acc;
+    }
+}
+
+#define GEMVQ_MOE_KERNELS(name, TYPE)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                              \
+        gemvq_moe_gu_##name(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn, \
+                            int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,            \
+                            const int* __restrict__ ids, int top_k, int n_experts, float* __restrict__ h) {      \
+        gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, ids, top_k, n_experts, h);                            \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                              \
+        gemvq_moe_down_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,                 \
+                              const int8_t* __restrict__ hq, const float2* __restrict__ hd,                      \
+                              const int* __restrict__ ids, const float* __restrict__ wts, int top_k,             \
+                              int n_experts, float* __restrict__ out) {                                          \
+        gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, ids, wts, top_k, n_experts, out);                      \
+    }
+
+GEMVQ_MOE_KERNELS(q8_0, GGML_Q8_0)
+GEMVQ_MOE_KERNELS(q4_0, GGML_Q4_0)
+GEMVQ_MOE_KERNELS(q4_1, GGML_Q4_1)
+GEMVQ_MOE_KERNELS(q4_k, GGML_Q4_K)
+GEMVQ_MOE_KERNELS(q5_k, GGML_Q5_K)
+GEMVQ_MOE_KERNELS(q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // Prefill: tensor cores (mma.sync m16n8k16, bf16 inputs, f32 accumulators)
