@@ -18,8 +18,8 @@ use rayon::prelude::*;
 
 use crate::gated_delta::{self, HeadInputs};
 use crate::{
-    check_shape, Act, AttnArgs, AttnShape, Backend, DeltaArgs, DeltaShape, ExpertWeights,
-    HostTensor, MoeRouting, Rope, RopeStyle, StepInput,
+    check_shape, Act, AttnArgs, AttnShape, Backend, BatchLayout, DeltaArgs, DeltaShape,
+    ExpertWeights, HostTensor, MoeRouting, PagedKv, Rope, RopeStyle, SeqRows, StepBatch, StepInput,
 };
 
 /// A weight in host memory, in its file type.
@@ -52,12 +52,17 @@ impl CpuWeight {
 }
 
 /// One sequence's KV cache: per layer, `capacity` positions of `n_kv_heads * head_dim` f32;
-/// for hybrid models also each linear-attention layer's state.
+/// for hybrid models also each linear-attention layer's state. A paged cache
+/// ([`Backend::kv_new_paged`]) holds `n_pages · page_size` rows per layer instead, shared by
+/// many sequences: position `p` of a sequence is row `pages[p / page_size] · page_size +
+/// p % page_size`.
 pub struct CpuKv {
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     shape: AttnShape,
     capacity: usize,
+    /// `Some((n_pages, page_size))` for a paged cache.
+    paged: Option<(usize, usize)>,
     /// Per linear layer: the last `conv_kernel - 1` conv inputs, `[kernel - 1, conv_dim]`.
     conv: Vec<Vec<f32>>,
     /// Per linear layer: the recurrent state, `[n_v_heads, k_head_dim, v_head_dim]`.
@@ -297,7 +302,51 @@ impl Backend for CpuBackend {
             rows: 0,
             pos0: 0,
             capacity,
+            batch: None,
         })
+    }
+
+    fn batch_step_input(
+        &self,
+        capacity: usize,
+        max_seqs: usize,
+        max_pages: usize,
+        page_size: usize,
+    ) -> Result<StepInput<Vec<i32>>> {
+        ensure!(
+            page_size.is_power_of_two(),
+            "page size {page_size} is not a power of two"
+        );
+        let mut step = self.step_input(capacity)?;
+        step.batch = Some(StepBatch {
+            row_seq: vec![0; capacity],
+            block_tables: vec![0; max_seqs * max_pages],
+            max_seqs,
+            max_pages,
+            page_size,
+            segs: vec![],
+            max_page: 0,
+        });
+        Ok(step)
+    }
+
+    fn set_batch(&self, step: &mut StepInput<Vec<i32>>, seqs: &[SeqRows<'_>]) -> Result<()> {
+        let capacity = step.capacity;
+        let b = step
+            .batch
+            .as_mut()
+            .context("set_batch: the step input was not made by batch_step_input")?;
+        let l = BatchLayout::new(seqs, capacity, b.max_seqs, b.max_pages, b.page_size)?;
+        let n = l.tokens.len();
+        step.tokens[..n].copy_from_slice(&l.tokens);
+        step.positions[..n].copy_from_slice(&l.positions);
+        b.row_seq[..n].copy_from_slice(&l.row_seq);
+        b.block_tables[..l.block_tables.len()].copy_from_slice(&l.block_tables);
+        b.segs = l.segs;
+        b.max_page = l.max_page;
+        step.rows = n;
+        step.pos0 = seqs[0].pos0;
+        Ok(())
     }
 
     fn set_step(&self, step: &mut StepInput<Vec<i32>>, tokens: &[u32], pos0: usize) -> Result<()> {
@@ -313,6 +362,9 @@ impl Backend for CpuBackend {
         }
         step.rows = tokens.len();
         step.pos0 = pos0;
+        if let Some(b) = &mut step.batch {
+            b.segs.clear();
+        }
         Ok(())
     }
 
@@ -412,6 +464,20 @@ impl Backend for CpuBackend {
         crate::check_copy_rows(x, start, out)?;
         let n = out.len();
         out.buf[..n].copy_from_slice(&x.buf[start * x.cols..start * x.cols + n]);
+        Ok(())
+    }
+
+    fn gather_rows(
+        &self,
+        x: &Act<Vec<f32>>,
+        rows: &[usize],
+        out: &mut Act<Vec<f32>>,
+    ) -> Result<()> {
+        crate::check_gather_rows(x, rows, out)?;
+        let c = x.cols;
+        for (i, &r) in rows.iter().enumerate() {
+            out.buf[i * c..(i + 1) * c].copy_from_slice(&x.buf[r * c..(r + 1) * c]);
+        }
         Ok(())
     }
 
@@ -545,6 +611,36 @@ impl Backend for CpuBackend {
             v: vec![vec![0.0; per_layer]; n_layers],
             shape,
             capacity,
+            paged: None,
+            conv: vec![],
+            delta: vec![],
+            delta_shape: None,
+        })
+    }
+
+    fn kv_new_paged(&self, n_layers: usize, shape: AttnShape, paged: PagedKv) -> Result<CpuKv> {
+        let PagedKv {
+            n_pages, page_size, ..
+        } = paged;
+        ensure!(
+            page_size.is_power_of_two() && n_pages > 0,
+            "paged KV cache: {n_pages} pages of {page_size} positions (a power of two)"
+        );
+        let rows = n_pages
+            .checked_mul(page_size)
+            .context("KV cache size overflows")?;
+        let per_layer = rows
+            .checked_mul(shape.n_kv_heads * shape.head_dim)
+            .context("KV cache size overflows")?;
+        // One zeroed allocation per layer (not clones of one): the OS maps pages lazily, so
+        // memory grows with the pages sequences actually use.
+        let zeroed = || (0..n_layers).map(|_| vec![0.0; per_layer]).collect();
+        Ok(CpuKv {
+            k: zeroed(),
+            v: zeroed(),
+            shape,
+            capacity: rows,
+            paged: Some((n_pages, page_size)),
             conv: vec![],
             delta: vec![],
             delta_shape: None,
@@ -770,16 +866,37 @@ impl Backend for CpuBackend {
         );
         let positions = &step.positions[..rows];
         let max_pos = positions.iter().copied().max().unwrap_or(0);
+        // Where position `p` of row `t`'s sequence lives: the cache row itself, or through
+        // the block table of the row's sequence (paged caches, batched steps).
+        let (batch, page_size, limit) = match kv.paged {
+            Some((n_pages, page_size)) => {
+                let b = crate::check_paged_step(step, n_pages, page_size)?;
+                (Some(b), page_size, b.max_pages * page_size)
+            }
+            None => {
+                crate::check_single_sequence_step(step)?;
+                (None, 1, kv.capacity)
+            }
+        };
         ensure!(
-            positions.iter().all(|&p| p >= 0) && (max_pos as usize) < kv.capacity,
-            "context full: position {max_pos} but the cache holds {} positions",
-            kv.capacity
+            positions.iter().all(|&p| p >= 0) && (max_pos as usize) < limit,
+            "context full: position {max_pos} but the cache holds {limit} positions"
         );
+        let slot = |t: usize, p: usize| -> usize {
+            match batch {
+                Some(b) => {
+                    let s = b.row_seq[t] as usize;
+                    b.block_tables[s * b.max_pages + p / page_size] as usize * page_size
+                        + p % page_size
+                }
+                None => p,
+            }
+        };
 
         for (t, &p) in positions.iter().enumerate() {
-            let p = p as usize;
-            kv.k[layer][p * kvd..(p + 1) * kvd].copy_from_slice(&k.buf[t * kvd..(t + 1) * kvd]);
-            kv.v[layer][p * kvd..(p + 1) * kvd].copy_from_slice(&v.buf[t * kvd..(t + 1) * kvd]);
+            let r = slot(t, p as usize);
+            kv.k[layer][r * kvd..(r + 1) * kvd].copy_from_slice(&k.buf[t * kvd..(t + 1) * kvd]);
+            kv.v[layer][r * kvd..(r + 1) * kvd].copy_from_slice(&v.buf[t * kvd..(t + 1) * kvd]);
         }
         let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
         let group = n_heads / n_kv_heads;
@@ -797,7 +914,7 @@ impl Backend for CpuBackend {
                 let n_pos = positions[t] as usize + 1;
                 let mut scores: Vec<f32> = (0..n_pos)
                     .map(|p| {
-                        let kh = &kc[p * kvd + off..][..head_dim];
+                        let kh = &kc[slot(t, p) * kvd + off..][..head_dim];
                         qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale
                     })
                     .collect();
@@ -810,7 +927,7 @@ impl Backend for CpuBackend {
                 o.fill(0.0);
                 for (p, &s) in scores.iter().enumerate() {
                     let w = s / sum;
-                    let vh = &vc[p * kvd + off..][..head_dim];
+                    let vh = &vc[slot(t, p) * kvd + off..][..head_dim];
                     for (a, &b) in o.iter_mut().zip(vh) {
                         *a += w * b;
                     }

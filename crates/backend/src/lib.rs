@@ -88,6 +88,11 @@ impl<B> Act<B> {
 /// The inputs of one forward step in backend memory: token ids and their absolute positions
 /// (one per row). Ops read positions from here rather than from host arguments, so one
 /// captured decode step replays correctly at every position.
+///
+/// A step holds the rows of one sequence ([`Backend::set_step`]) or, in a batched step over a
+/// paged KV cache ([`Backend::set_batch`]), the rows of several: then `batch` says which
+/// sequence each row belongs to and where that sequence's pages are. Every op but attention
+/// (and RoPE, which reads the per-row positions) is row-wise, so it needs nothing more.
 pub struct StepInput<I> {
     pub tokens: I,
     pub positions: I,
@@ -96,6 +101,147 @@ pub struct StepInput<I> {
     /// Position of the first row (host copy, for shape checks and the CPU backend).
     pub pos0: usize,
     pub capacity: usize,
+    /// The sequence/page mapping of batched steps (`None` for single-sequence step inputs).
+    pub batch: Option<StepBatch<I>>,
+}
+
+/// The per-row sequence and per-sequence page mapping of a batched step, in backend memory
+/// (written by [`Backend::set_batch`] outside graph capture, like the tokens and positions,
+/// so a captured batched decode step replays for new positions and pages).
+pub struct StepBatch<I> {
+    /// Per row: the index of its sequence in the step (i32, `capacity` rows).
+    pub row_seq: I,
+    /// Block tables, `[max_seqs][max_pages]` page ids (i32): entry `j` of sequence `s` is the
+    /// page holding its positions `j·page_size .. (j+1)·page_size`.
+    pub block_tables: I,
+    pub max_seqs: usize,
+    pub max_pages: usize,
+    /// Positions per page (a power of two); must equal the paged cache's.
+    pub page_size: usize,
+    /// Host copy of the step's layout, one entry per sequence in row order; empty after a
+    /// single-sequence [`Backend::set_step`].
+    pub segs: Vec<Segment>,
+    /// Largest page id the step's block tables use (checked against the cache).
+    pub max_page: usize,
+}
+
+/// Where one sequence's rows sit in a batched step (host side).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// First row of the sequence in the step.
+    pub row0: usize,
+    /// Its rows (consecutive tokens).
+    pub rows: usize,
+    /// Position of its first row.
+    pub pos0: usize,
+}
+
+/// One sequence's part of a batched step (the input of [`Backend::set_batch`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SeqRows<'a> {
+    /// Its tokens in this step, at positions `pos0..pos0 + tokens.len()`.
+    pub tokens: &'a [u32],
+    pub pos0: usize,
+    /// Its block table: page `pages[j]` holds positions `j·page_size..(j+1)·page_size`. Must
+    /// cover every position up to the step's last row of the sequence.
+    pub pages: &'a [u32],
+}
+
+/// Size of a paged KV cache ([`Backend::kv_new_paged`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedKv {
+    /// Pages in the pool, shared by all sequences.
+    pub n_pages: usize,
+    /// Positions per page (a power of two).
+    pub page_size: usize,
+    /// Pages one sequence may hold (its block table's length; bounds its context).
+    pub max_pages: usize,
+    /// Most rows of one batched decode step (sizes the backend's split-K scratch).
+    pub max_rows: usize,
+    /// Store keys and values as q8_0 blocks where the backend has such a cache (CUDA; needs
+    /// head_dim % 32 == 0); otherwise the backend's default type (the CPU keeps f32).
+    pub q8_0: bool,
+}
+
+/// The host-side contents of a batched step, validated: what [`Backend::set_batch`] copies
+/// to the device. Shared by the backends so they accept and reject the same inputs.
+pub struct BatchLayout {
+    pub tokens: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub row_seq: Vec<i32>,
+    /// `[seqs.len()][max_pages]`, unused entries 0.
+    pub block_tables: Vec<i32>,
+    pub segs: Vec<Segment>,
+    pub max_page: usize,
+}
+
+impl BatchLayout {
+    /// Lays out `seqs` for a step input of `capacity` rows, `max_seqs` sequences and
+    /// `max_pages` pages of `page_size` per sequence.
+    pub fn new(
+        seqs: &[SeqRows<'_>],
+        capacity: usize,
+        max_seqs: usize,
+        max_pages: usize,
+        page_size: usize,
+    ) -> Result<BatchLayout> {
+        anyhow::ensure!(
+            !seqs.is_empty(),
+            "a batched step needs at least one sequence"
+        );
+        anyhow::ensure!(
+            seqs.len() <= max_seqs,
+            "{} sequences in a step of at most {max_seqs}",
+            seqs.len()
+        );
+        let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        anyhow::ensure!(
+            rows <= capacity,
+            "{rows} rows in a step of at most {capacity}"
+        );
+        let mut l = BatchLayout {
+            tokens: Vec::with_capacity(rows),
+            positions: Vec::with_capacity(rows),
+            row_seq: Vec::with_capacity(rows),
+            block_tables: vec![0; seqs.len() * max_pages],
+            segs: Vec::with_capacity(seqs.len()),
+            max_page: 0,
+        };
+        for (i, s) in seqs.iter().enumerate() {
+            let n = s.tokens.len();
+            anyhow::ensure!(n > 0, "sequence {i} of the step has no tokens");
+            let end = s.pos0 + n;
+            anyhow::ensure!(
+                s.pages.len() <= max_pages && end <= s.pages.len() * page_size,
+                "sequence {i} reaches position {} but its {} pages of {page_size} hold {}                  (at most {max_pages} pages)",
+                end - 1,
+                s.pages.len(),
+                s.pages.len() * page_size
+            );
+            l.segs.push(Segment {
+                row0: l.tokens.len(),
+                rows: n,
+                pos0: s.pos0,
+            });
+            for (j, &t) in s.tokens.iter().enumerate() {
+                l.tokens.push(
+                    i32::try_from(t)
+                        .map_err(|_| anyhow::anyhow!("token id {t} does not fit in i32"))?,
+                );
+                l.positions.push(
+                    i32::try_from(s.pos0 + j)
+                        .map_err(|_| anyhow::anyhow!("position does not fit in i32"))?,
+                );
+                l.row_seq.push(i as i32);
+            }
+            for (j, &p) in s.pages.iter().enumerate() {
+                l.block_tables[i * max_pages + j] = i32::try_from(p)
+                    .map_err(|_| anyhow::anyhow!("page id {p} does not fit in i32"))?;
+                l.max_page = l.max_page.max(p as usize);
+            }
+        }
+        Ok(l)
+    }
 }
 
 /// How rotary embeddings pair the dimensions of a head.
@@ -239,6 +385,20 @@ pub trait Backend: Send + Sync {
     /// Runs outside graph capture (it is the host→device input of a step).
     fn set_step(&self, step: &mut StepInput<Self::IBuf>, tokens: &[u32], pos0: usize)
         -> Result<()>;
+    /// A step input for batched steps ([`Backend::set_batch`]) of up to `capacity` rows from
+    /// up to `max_seqs` sequences, each with a block table of up to `max_pages` pages of
+    /// `page_size` positions.
+    fn batch_step_input(
+        &self,
+        capacity: usize,
+        max_seqs: usize,
+        max_pages: usize,
+        page_size: usize,
+    ) -> Result<StepInput<Self::IBuf>>;
+    /// Writes a batched step: the rows of `seqs` one sequence after the other, each with its
+    /// positions and block table (laid out by [`BatchLayout::new`]). Runs outside graph
+    /// capture. The step must come from [`Backend::batch_step_input`].
+    fn set_batch(&self, step: &mut StepInput<Self::IBuf>, seqs: &[SeqRows<'_>]) -> Result<()>;
     /// An activation matrix holding `data` (row-major).
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Act<Self::Buf>>;
     /// Copies the active rows of an activation matrix back to the host.
@@ -308,6 +468,13 @@ pub trait Backend: Send + Sync {
     }
     /// Copies rows `start..start+out.rows` of `x` into `out`.
     fn copy_rows(&self, x: &Act<Self::Buf>, start: usize, out: &mut Act<Self::Buf>) -> Result<()>;
+    /// `out[i] = x[rows[i]]` (host row indices; `out.rows == rows.len()`).
+    fn gather_rows(
+        &self,
+        x: &Act<Self::Buf>,
+        rows: &[usize],
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()>;
     /// `x += y` elementwise.
     fn add_assign(&self, x: &mut Act<Self::Buf>, y: &Act<Self::Buf>) -> Result<()>;
     /// `out = silu(gate) * up` elementwise.
@@ -355,10 +522,16 @@ pub trait Backend: Send + Sync {
 
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
+    /// A paged KV cache shared by many sequences: `n_pages` pages of `page_size` positions
+    /// per layer; a sequence's positions live in the pages of its block table. Used with
+    /// batched steps ([`Backend::set_batch`]): [`Backend::attention`] then stores and reads
+    /// each row's keys and values through its sequence's block table.
+    fn kv_new_paged(&self, n_layers: usize, shape: AttnShape, paged: PagedKv) -> Result<Self::Kv>;
     /// Causal attention for the rows of `q` at positions `step.positions`: first stores
     /// `k`, `v` (`[rows, n_kv_heads*head_dim]`) at those positions of layer `a.layer`, then
     /// attends each query row to positions `0..=its position`. `out` is
-    /// `[rows, n_heads*head_dim]`.
+    /// `[rows, n_heads*head_dim]`. With a paged cache the step is batched: each row's
+    /// positions are those of its own sequence, addressed through its block table.
     fn attention(
         &self,
         kv: &mut Self::Kv,
@@ -476,6 +649,63 @@ pub fn check_matmul<B>(x: &Act<B>, w_shape: &[usize], out: &Act<B>) -> Result<(u
     );
     check_shape("matmul out", out, x.rows, n_out)?;
     Ok((n_out, n_in))
+}
+
+/// The shape checks every backend's `gather_rows` makes.
+pub fn check_gather_rows<B>(x: &Act<B>, rows: &[usize], out: &Act<B>) -> Result<()> {
+    anyhow::ensure!(
+        out.rows == rows.len() && out.cols == x.cols,
+        "gather_rows: {} rows of {} columns into [{}, {}]",
+        rows.len(),
+        x.cols,
+        out.rows,
+        out.cols
+    );
+    if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
+        anyhow::bail!("gather_rows: row {r} of {}", x.rows);
+    }
+    Ok(())
+}
+
+/// The checks every backend makes before a batched step's attention over a paged cache of
+/// `n_pages` pages of `page_size`; returns the step's batch.
+pub fn check_paged_step<I>(
+    step: &StepInput<I>,
+    n_pages: usize,
+    page_size: usize,
+) -> Result<&StepBatch<I>> {
+    let b = match &step.batch {
+        Some(b) if !b.segs.is_empty() => b,
+        _ => anyhow::bail!(
+            "attention: a paged KV cache needs a batched step (set_batch), not set_step"
+        ),
+    };
+    anyhow::ensure!(
+        b.page_size == page_size,
+        "attention: the step's pages hold {} positions, the cache's {page_size}",
+        b.page_size
+    );
+    anyhow::ensure!(
+        b.max_page < n_pages,
+        "attention: page {} outside the cache's {n_pages} pages",
+        b.max_page
+    );
+    let rows: usize = b.segs.iter().map(|s| s.rows).sum();
+    anyhow::ensure!(
+        rows == step.rows,
+        "attention: the step's sequences hold {rows} rows, the step {}",
+        step.rows
+    );
+    Ok(b)
+}
+
+/// The check a contiguous (single-sequence) cache makes on the step.
+pub fn check_single_sequence_step<I>(step: &StepInput<I>) -> Result<()> {
+    anyhow::ensure!(
+        step.batch.as_ref().is_none_or(|b| b.segs.len() <= 1),
+        "attention: a batched step of several sequences needs a paged KV cache (kv_new_paged)"
+    );
+    Ok(())
 }
 
 /// The shape checks every backend's `copy_rows` makes.

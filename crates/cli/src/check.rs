@@ -37,6 +37,9 @@ use rayon::prelude::*;
 
 use crate::Device;
 
+#[path = "check_paged.rs"]
+mod paged;
+
 // ============================================================================ thresholds
 
 /// Exact ops (copies): the bits must be equal.
@@ -256,6 +259,7 @@ const OPS: &[&str] = &[
     "matmuls",
     "matmul_swiglu",
     "copy_rows",
+    "gather_rows",
     "add_assign",
     "swiglu",
     "rope",
@@ -351,6 +355,14 @@ enum Op {
         start: usize,
         rows: usize,
     },
+    /// `out[i] = x[pick[i]]`.
+    GatherRows {
+        src_rows: usize,
+        cols: usize,
+        pick: &'static [usize],
+    },
+    /// Batched attention over a paged KV cache (`check_paged.rs`).
+    Paged(paged::PagedCase),
     Attention {
         shape: AttnShape,
         pos0: usize,
@@ -538,6 +550,15 @@ fn describe(op: &Op) -> (&'static str, String) {
             "copy_rows",
             format!("copy_rows {src_rows}x{cols} start={start} rows={rows}"),
         ),
+        Op::GatherRows {
+            src_rows,
+            cols,
+            pick,
+        } => (
+            "gather_rows",
+            format!("gather_rows {src_rows}x{cols} rows={pick:?}"),
+        ),
+        Op::Paged(c) => ("attention", c.name()),
         Op::Attention { shape, pos0, rows } => (
             "attention",
             format!(
@@ -915,6 +936,21 @@ pub fn cases(quick: bool) -> Vec<Case> {
             start,
             rows,
         });
+    }
+    for (src_rows, cols, pick) in [
+        (10, 37, &[9usize, 0, 4][..]),
+        (1, 5, &[0][..]),
+        (300, 4096, &[7, 299, 0, 150, 151][..]),
+    ] {
+        add(Op::GatherRows {
+            src_rows,
+            cols,
+            pick,
+        });
+    }
+    // Batched attention over a paged cache (the serving step).
+    for c in paged::cases(quick) {
+        add(Op::Paged(c));
     }
 
     // --- attention
@@ -1312,6 +1348,8 @@ struct HostData {
     pos0: usize,
     /// Attention: the KV-fill steps before the checked step.
     fill: Vec<FillStep>,
+    /// Paged attention: pages and fill chunks of every sequence.
+    paged: Option<paged::PagedData>,
 }
 
 /// One KV-fill (prefill) step: (q, k, v, first position, rows).
@@ -1478,6 +1516,16 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 .push((rng.normals(src_rows * cols, 1.0), src_rows, cols));
             h.out = (rows, cols);
         }
+        Op::GatherRows {
+            src_rows,
+            cols,
+            pick,
+        } => {
+            h.acts
+                .push((rng.normals(src_rows * cols, 1.0), src_rows, cols));
+            h.out = (pick.len(), cols);
+        }
+        Op::Paged(ref c) => c.gen(&mut rng, &mut h),
         Op::Attention { shape, pos0, rows } => {
             let qd = shape.n_heads * shape.head_dim;
             let kvd = shape.n_kv_heads * shape.head_dim;
@@ -1675,6 +1723,11 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
     let mut kv = None;
     let mut iout = None;
     match op {
+        Op::Paged(c) => {
+            let (cache, s) = c.prepare(be, h)?;
+            kv = Some(cache);
+            step = s;
+        }
         Op::Attention { shape, pos0, rows } => {
             let mut cache = be.kv_new(2, *shape, pos0 + rows + 3)?;
             let (qd, kvd) = (
@@ -1856,6 +1909,24 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         }
         Op::Swiglu { .. } => be.swiglu(&p.a[0], &p.a[1], &mut p.out),
         Op::CopyRows { start, .. } => be.copy_rows(&p.a[0], *start, &mut p.out),
+        Op::GatherRows { pick, .. } => be.gather_rows(&p.a[0], pick, &mut p.out),
+        Op::Paged(c) => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
+            be.attention(
+                kv,
+                &p.step,
+                AttnArgs {
+                    layer: 1,
+                    q: &p.a[0],
+                    k: &p.a[1],
+                    v: &p.a[2],
+                    shape: c.shape,
+                },
+                &mut p.out,
+            )
+        }
         Op::Attention { shape, .. } => {
             let kv =
                 p.kv.as_mut()
@@ -2008,7 +2079,8 @@ fn nmse(test: &[f32], reference: &[f32]) -> f64 {
 
 fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
     match op {
-        Op::CopyRows { .. } => EXACT_NMSE,
+        Op::CopyRows { .. } | Op::GatherRows { .. } => EXACT_NMSE,
+        Op::Paged(c) => c.threshold(be),
         Op::Embed { .. }
         | Op::RmsNorm { .. }
         | Op::HeadRmsNorm { .. }
@@ -2082,7 +2154,8 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::AddRmsNorm { .. } => f(acts + 2 * out),
         // Reads and writes q and k.
         Op::QkNormRope { .. } => f(2 * acts),
-        Op::CopyRows { .. } => f(2 * out),
+        Op::CopyRows { .. } | Op::GatherRows { .. } => f(2 * out),
+        Op::Paged(c) => c.bytes(be, h),
         Op::Argmax { .. } => f(acts),
         Op::TopK { k, .. } => f(acts * k),
         Op::Graph { .. } => f(3 * out),

@@ -1,6 +1,8 @@
 //! The serving scheduler on the default model (SmolLM2-135M-Instruct, CPU backend):
-//! batching identity, admission waiting and preemption under a small KV budget, and a
-//! disconnected client freeing its sequence.
+//! batching identity (batched steps over the paged KV cache: decode rows and prefill chunks
+//! of several sequences in one step give each sequence the tokens it gets alone), admission
+//! waiting and preemption under a small KV budget, and a disconnected client freeing its
+//! sequence.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -8,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ferrite_cli::{load, Device, ModelArgs};
 use ferrite_engine::scheduler::{Event, Request, RequestParams, Scheduler, SchedulerConfig};
-use ferrite_engine::FinishReason;
+use ferrite_engine::{FinishReason, SamplerConfig};
 
 const PROMPTS: [&str; 6] = [
     "The capital of France is",
@@ -38,6 +40,7 @@ fn scheduler(cfg: SchedulerConfig) -> (Scheduler, Vec<Vec<u32>>) {
 
 struct Out {
     tokens: Vec<u32>,
+    logprobs: Vec<f32>,
     text: String,
     finish: FinishReason,
     completion_tokens: usize,
@@ -57,15 +60,20 @@ fn submit(s: &Scheduler, prompt: &[u32], params: &RequestParams) -> mpsc::Receiv
 fn collect(rx: mpsc::Receiver<Event>) -> Out {
     let mut o = Out {
         tokens: vec![],
+        logprobs: vec![],
         text: String::new(),
         finish: FinishReason::Length,
         completion_tokens: 0,
     };
     loop {
         match rx.recv_timeout(Duration::from_secs(120)).expect("an event") {
-            Event::Token { id, text, .. } => {
+            Event::Token { id, text, logprob } => {
                 o.tokens.push(id);
                 o.text.push_str(&text);
+                if let Some(lp) = logprob {
+                    o.logprobs.push(lp.logprob);
+                    o.logprobs.extend(lp.top.iter().map(|t| t.1));
+                }
             }
             Event::Done {
                 finish,
@@ -120,6 +128,11 @@ fn concurrent_greedy_equals_alone() {
         ..RequestParams::default()
     };
     let a = alone(&s, &prompts, &p);
+    assert_eq!(
+        s.stats().max_step_seqs.load(Ordering::SeqCst),
+        1,
+        "requests served one after the other run alone"
+    );
     let b = together(&s, &prompts, &p);
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert_eq!(x.tokens, y.tokens, "prompt {i}: batched output differs");
@@ -129,6 +142,99 @@ fn concurrent_greedy_equals_alone() {
     }
     wait_idle(&s);
     assert_eq!(s.stats().preemptions.load(Ordering::SeqCst), 0);
+    // The sequences really shared backend steps (one KV pool, decode rows and prefill chunks
+    // of several sequences per step).
+    let st = s.stats();
+    assert!(st.batched.load(Ordering::SeqCst), "steps are batched");
+    assert!(
+        st.max_step_seqs.load(Ordering::SeqCst) > 1,
+        "no step held more than one sequence"
+    );
+}
+
+/// The batching identity for every way a token is chosen: greedy on the device, seeded
+/// top-k sampling from device candidates, full logits on the host (penalties, logprobs):
+/// six different requests together give each exactly what it gets alone, logprobs included.
+#[test]
+fn batched_sampling_and_logprobs_equal_alone() {
+    let (s, prompts) = scheduler(SchedulerConfig {
+        max_batch: 6,
+        max_context: 256,
+        kv_tokens: 6 * 256,
+        prefill_chunk: 8,
+        ..SchedulerConfig::default()
+    });
+    let sampled = |seed| SamplerConfig {
+        temperature: 0.8,
+        top_k: 40,
+        seed: Some(seed),
+        ..SamplerConfig::default()
+    };
+    let params: Vec<RequestParams> = vec![
+        RequestParams {
+            max_tokens: 12,
+            ..RequestParams::default()
+        },
+        RequestParams {
+            max_tokens: 12,
+            sampler: sampled(7),
+            ..RequestParams::default()
+        },
+        RequestParams {
+            max_tokens: 12,
+            logprobs: Some(3),
+            ..RequestParams::default()
+        },
+        RequestParams {
+            max_tokens: 12,
+            sampler: SamplerConfig {
+                presence_penalty: 0.5,
+                frequency_penalty: 0.3,
+                seed: Some(3),
+                ..SamplerConfig::default()
+            },
+            ..RequestParams::default()
+        },
+        RequestParams {
+            max_tokens: 12,
+            sampler: sampled(11),
+            ignore_eos: true,
+            ..RequestParams::default()
+        },
+        RequestParams {
+            max_tokens: 12,
+            logprobs: Some(0),
+            sampler: SamplerConfig {
+                temperature: 0.0,
+                ..SamplerConfig::default()
+            },
+            ..RequestParams::default()
+        },
+    ];
+    let a: Vec<Out> = prompts
+        .iter()
+        .zip(&params)
+        .map(|(q, p)| collect(submit(&s, q, p)))
+        .collect();
+    let rxs: Vec<_> = prompts
+        .iter()
+        .zip(&params)
+        .map(|(q, p)| submit(&s, q, p))
+        .collect();
+    let b: Vec<Out> = rxs.into_iter().map(collect).collect();
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(x.tokens, y.tokens, "request {i}: batched tokens differ");
+        assert_eq!(x.text, y.text, "request {i}");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&x.logprobs),
+            bits(&y.logprobs),
+            "request {i}: batched logprobs differ"
+        );
+    }
+    assert!(!a[2].logprobs.is_empty() && !a[5].logprobs.is_empty());
+    wait_idle(&s);
+    assert!(s.stats().max_step_seqs.load(Ordering::SeqCst) > 1);
 }
 
 #[test]

@@ -126,7 +126,7 @@ impl GateResult {
 pub const PREFILL_CHUNK: usize = 512;
 
 /// Where the decode step stands with graph capture.
-enum GraphState<G> {
+pub(crate) enum GraphState<G> {
     /// Next step runs eagerly (the first one).
     Eager,
     /// Next step is captured.

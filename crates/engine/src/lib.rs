@@ -1,8 +1,10 @@
 //! The engine: sequences, sampling and the generation loop.
 
+pub mod batch;
 pub mod generate;
 pub mod sampler;
 pub mod scheduler;
 
+pub use batch::{Batch, BatchConfig};
 pub use generate::{gate, Engine, FinishReason, GateResult, GenerateParams, Generation, Sequence};
 pub use sampler::{Sampler, SamplerConfig};

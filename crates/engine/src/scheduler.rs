@@ -8,10 +8,13 @@
 //! reap        drop requests whose client went away: sequence and KV pages freed at once
 //! admit       move waiting requests into the running batch while there is a batch slot
 //!             and KV pages for their prompt (otherwise they wait: never a crash)
-//! prefill     at most `prefill_chunk` prompt tokens in total, so a long prompt cannot
-//!             stall the running decodes for more than one chunk
-//! decode      every running sequence past its prompt advances by one token; a sequence
-//!             that cannot get a page for it preempts the newest running sequence
+//! plan        every running sequence past its prompt brings one decode row (a sequence
+//!             that cannot get a page for it preempts the newest running sequence); the
+//!             sequences still prefilling bring chunks of at most `prefill_chunk` prompt
+//!             tokens in total, so a long prompt cannot stall the decodes for more than one
+//!             chunk
+//! step        ONE batched backend step runs all those rows (decode rows first, then the
+//!             prefill chunks); every sequence whose rows ended at a new token samples it
 //! ```
 //!
 //! **KV pages.** KV memory is budgeted in fixed-size pages (`page_size` tokens) out of a
@@ -22,19 +25,21 @@
 //! with its prompt plus the tokens it had generated, after which it continues where it was
 //! (the next token after a resume comes from prefill logits instead of a decode step).
 //!
-//! **What is not here yet.** The backend's KV cache is still one contiguous buffer per
-//! sequence (`Sequence::new(be, model, ctx)`), and every running sequence takes its own
-//! one-row decode step. So the pages are the scheduler's *accounting* unit — they bound
-//! memory and drive admission and preemption exactly as a paged cache would — but the true
-//! paged-attention kernel (attention reading K/V through the block table) and a batched
-//! multi-sequence backend step (one matmul over all running rows) belong to the CUDA serving
-//! work. The scheduler's interface does not change when they arrive.
+//! **Batched steps.** The page ids are real: the backend's KV cache is one paged pool
+//! ([`Batch`]: `Backend::kv_new_paged`) and each sequence's block table is its `pages`. Each
+//! iteration runs one backend step whose rows come from every runnable sequence (matmuls,
+//! norms and FFNs see all rows at once; attention reads each row's own sequence through its
+//! block table). Pure decode steps are captured as graphs per batch size on backends that
+//! have them. Hybrid (linear-attention) models keep per-sequence state that is not in pages:
+//! for them (and on a backend without paged caches) every sequence keeps its own
+//! contiguous cache and steps (`Sequence`), with the same plan and the same pages accounting.
 //!
-//! **Determinism.** Each sequence's computation is independent of the others: its own KV,
-//! its own workspaces, its own sampler and RNG, and prefill chunk boundaries that depend only
-//! on the sequence itself (chunk `k` covers prompt positions `[k·C, (k+1)·C)` whatever else
-//! is running). A greedy request therefore gives the same tokens served in a busy batch as
-//! served alone; the tests assert it.
+//! **Determinism.** Each sequence's computation is independent of the others: every op is
+//! row-wise but attention, which reads only the row's own sequence in position order; its
+//! own sampler and RNG; prefill chunk boundaries that depend only on the sequence itself
+//! (chunk `k` covers prompt positions `[k·C, (k+1)·C)` whatever else is running). A greedy
+//! request therefore gives the same tokens served in a busy batch as served alone (on the
+//! CPU bitwise the same logits: `crates/models/tests/batch.rs`); the tests assert it.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -42,10 +47,11 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 use anyhow::{ensure, Result};
-use ferrite_backend::Backend;
+use ferrite_backend::{Backend, SeqRows};
 use ferrite_models::TOP_K_MAX;
 use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
+use crate::batch::{Batch, BatchConfig};
 use crate::generate::{Engine, FinishReason, Sequence};
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
 
@@ -194,7 +200,16 @@ pub struct Stats {
     pub preemptions: AtomicU64,
     /// Prompt tokens prefilled, re-prefills after preemption included.
     pub prefill_tokens: AtomicU64,
+    /// Decode rows (one generated token of one sequence each).
     pub decode_steps: AtomicU64,
+    /// Backend steps (batched: one per iteration; per-sequence mode: one per sequence).
+    pub steps: AtomicU64,
+    /// Sequences summed over the backend steps (`step_seqs / steps`: the mean batch).
+    pub step_seqs: AtomicU64,
+    /// Most sequences one backend step has held.
+    pub max_step_seqs: AtomicUsize,
+    /// Whether steps are batched over a paged KV cache (false: one sequence per step).
+    pub batched: std::sync::atomic::AtomicBool,
 }
 
 /// A pool of fixed-size KV pages; a sequence's block table is a `Vec` of page ids.
@@ -295,6 +310,8 @@ impl Scheduler {
         let thread = std::thread::Builder::new()
             .name("ferrite-scheduler".into())
             .spawn(move || {
+                let batch = batch_for(&be, &model, &cfg2, pages.total());
+                stats2.batched.store(batch.is_some(), Ordering::SeqCst);
                 let mut l = Loop {
                     be: &be,
                     model: &model,
@@ -302,6 +319,7 @@ impl Scheduler {
                     cfg: cfg2,
                     stats: stats2,
                     pages,
+                    batch,
                     waiting: VecDeque::new(),
                     running: Vec::new(),
                     next_id: 0,
@@ -377,6 +395,33 @@ impl Drop for Scheduler {
     }
 }
 
+/// The batched step over a paged cache for this model and backend, or `None` (hybrid
+/// models, backends without paged caches, or no memory for it): one sequence per step then.
+fn batch_for<'e, B: Backend>(
+    be: &'e B,
+    model: &'e ferrite_models::Model<B>,
+    cfg: &SchedulerConfig,
+    n_pages: usize,
+) -> Option<Batch<'e, B>> {
+    if model.cfg.hybrid.is_some() {
+        return None;
+    }
+    let bc = BatchConfig {
+        n_pages,
+        page_size: cfg.page_size,
+        max_pages: cfg.max_context.div_ceil(cfg.page_size),
+        max_seqs: cfg.max_batch,
+        max_rows: cfg.prefill_chunk + cfg.max_batch,
+    };
+    match Batch::new(be, model, bc) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            tracing::warn!("batched steps unavailable ({e:#}): one sequence per step");
+            None
+        }
+    }
+}
+
 /// One request inside the scheduler, waiting or running.
 struct Active<'e, B: Backend> {
     /// Admission order (lower = older); preemption takes the highest.
@@ -384,8 +429,11 @@ struct Active<'e, B: Backend> {
     prompt_len: usize,
     params: RequestParams,
     sink: Box<dyn EventSink>,
-    /// `None` while waiting (never admitted, or preempted).
+    /// Per-sequence mode: `None` while waiting (never admitted, or preempted). Batched mode:
+    /// always `None` (the KV lives in the batch's pages).
     seq: Option<Sequence<'e, B>>,
+    /// Tokens in the KV cache.
+    cached: usize,
     /// Context the sequence's KV is allocated for.
     ctx: usize,
     /// Tokens to prefill: the prompt, plus the generated tokens after a preemption.
@@ -416,6 +464,8 @@ struct Loop<'e, B: Backend> {
     cfg: SchedulerConfig,
     stats: Arc<Stats>,
     pages: PagePool,
+    /// The batched step (`None`: one sequence per step, each with its own `Sequence`).
+    batch: Option<Batch<'e, B>>,
     waiting: VecDeque<Active<'e, B>>,
     /// In admission order: the last one is the newest.
     running: Vec<Active<'e, B>>,
@@ -438,8 +488,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             }
             self.reap();
             self.admit();
-            self.prefill();
-            self.decode();
+            self.step();
             self.publish();
         }
     }
@@ -461,6 +510,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             params: r.params,
             sink: r.sink,
             seq: None,
+            cached: 0,
             ctx,
             feed: r.prompt,
             prefilled: 0,
@@ -506,9 +556,14 @@ impl<'e, B: Backend> Loop<'e, B> {
             }
             let mut a = self.waiting.pop_front().expect("front exists");
             self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
-            match Sequence::new(self.be, self.model, a.ctx) {
+            let seq = match self.batch {
+                Some(_) => Ok(None),
+                None => Sequence::new(self.be, self.model, a.ctx).map(Some),
+            };
+            match seq {
                 Ok(seq) => {
-                    a.seq = Some(seq);
+                    a.seq = seq;
+                    a.cached = 0;
                     a.id = self.next_id;
                     self.next_id += 1;
                     self.running.push(a);
@@ -522,16 +577,51 @@ impl<'e, B: Backend> Loop<'e, B> {
         }
     }
 
-    /// Up to `prefill_chunk` prompt tokens over the sequences still prefilling, oldest
-    /// first, in chunks whose boundaries depend only on the sequence.
-    fn prefill(&mut self) {
+    /// Gives running sequence `i` a page for its pending token, preempting the newest
+    /// sequences while the pool is dry. Returns whether `i` is still running (at index `i`).
+    fn reserve_decode_page(&mut self, i: usize) -> bool {
+        loop {
+            let a = &mut self.running[i];
+            if self.pages.grow(&mut a.pages, a.cached + 1) {
+                return true;
+            }
+            let victim = self.running.len() - 1;
+            if victim == 0 {
+                // Alone and out of pages: cannot happen with kv_tokens ≥ max_context, but end
+                // the request rather than loop.
+                let outcome = finish(&mut self.running[i], self.tok, FinishReason::Length);
+                debug_assert!(matches!(outcome, Outcome::Remove));
+                self.remove(i);
+                return false;
+            }
+            self.preempt(victim);
+            if victim == i {
+                return false;
+            }
+        }
+    }
+
+    /// The rows of this iteration's step: a decode row for every sequence with a pending
+    /// token (pages reserved), then up to `prefill_chunk` prompt tokens over the sequences
+    /// still prefilling, oldest first, in chunks whose boundaries depend only on the sequence.
+    fn plan(&mut self) -> Vec<Planned> {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].pending.is_none() || self.reserve_decode_page(i) {
+                i += 1;
+            }
+        }
+        let mut plan: Vec<Planned> = (0..self.running.len())
+            .filter(|&i| self.running[i].pending.is_some())
+            .map(|i| Planned { i, prefill: None })
+            .collect();
         let c = self.cfg.prefill_chunk;
         let mut budget = c;
-        let mut i = 0;
-        while i < self.running.len() && budget > 0 {
-            let a = &mut self.running[i];
-            if a.prefilled >= a.feed.len() {
-                i += 1;
+        for (i, a) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if a.pending.is_some() || a.prefilled >= a.feed.len() {
                 continue;
             }
             let start = a.prefilled;
@@ -540,79 +630,121 @@ impl<'e, B: Backend> Loop<'e, B> {
                 break;
             }
             budget -= end - start;
-            let seq = a.seq.as_mut().expect("running sequences have a sequence");
-            let r = seq.prefill(&a.feed[start..end]);
-            self.stats
-                .prefill_tokens
-                .fetch_add((end - start) as u64, Ordering::Relaxed);
-            let outcome = match r {
-                Err(e) => fail(a, &e),
-                Ok(()) => {
-                    a.prefilled = end;
-                    if end == a.feed.len() {
-                        self.step_token(i)
-                    } else {
-                        Outcome::Continue
-                    }
-                }
-            };
-            match outcome {
-                Outcome::Continue => i += 1,
-                Outcome::Remove => self.remove(i),
-            }
+            plan.push(Planned {
+                i,
+                prefill: Some((start, end)),
+            });
         }
+        plan
     }
 
-    /// Every sequence past its prefill decodes its pending token and samples the next.
-    fn decode(&mut self) {
-        let mut i = 0;
-        while i < self.running.len() {
-            let Some(tok) = self.running[i].pending else {
-                i += 1;
-                continue;
-            };
-            // A page for the token about to enter the cache, preempting the newest if needed.
-            let mut preempted_self = false;
-            loop {
-                let a = &mut self.running[i];
-                let need = a.seq.as_ref().map_or(0, |s| s.pos) + 1;
-                if self.pages.grow(&mut a.pages, need) {
-                    break;
-                }
-                let victim = self.running.len() - 1;
-                if victim == 0 {
-                    // Alone and out of pages: cannot happen with kv_tokens ≥ max_context,
-                    // but end the request rather than loop.
-                    let a = &mut self.running[i];
-                    let outcome = finish(a, self.tok, FinishReason::Length);
-                    debug_assert!(matches!(outcome, Outcome::Remove));
-                    self.remove(i);
-                    preempted_self = true;
-                    break;
-                }
-                self.preempt(victim);
-                if victim == i {
-                    preempted_self = true;
-                    break;
+    /// One iteration's step: every planned row through the backend (one batched step, or one
+    /// step per sequence without a batch), then a token sampled for every sequence whose
+    /// rows reached a new position.
+    fn step(&mut self) {
+        let plan = self.plan();
+        if plan.is_empty() {
+            return;
+        }
+        let n_decode = plan.iter().filter(|p| p.prefill.is_none()).count();
+        let n_prefill: usize = plan
+            .iter()
+            .filter_map(|p| p.prefill.map(|(s, e)| e - s))
+            .sum();
+        let st = &self.stats;
+        st.prefill_tokens
+            .fetch_add(n_prefill as u64, Ordering::Relaxed);
+        st.decode_steps
+            .fetch_add(n_decode as u64, Ordering::Relaxed);
+
+        // Run the rows. `failed[j]`: planned entry j's error (the whole step's, if batched).
+        let mut failed: Vec<Option<String>> = vec![None; plan.len()];
+        match &mut self.batch {
+            Some(batch) => {
+                let rows: Vec<SeqRows<'_>> = plan
+                    .iter()
+                    .map(|p| {
+                        let a = &self.running[p.i];
+                        let tokens = match (p.prefill, &a.pending) {
+                            (Some((s, e)), _) => &a.feed[s..e],
+                            (None, Some(t)) => std::slice::from_ref(t),
+                            (None, None) => &[],
+                        };
+                        SeqRows {
+                            tokens,
+                            pos0: a.cached,
+                            pages: &a.pages,
+                        }
+                    })
+                    .collect();
+                st.steps.fetch_add(1, Ordering::Relaxed);
+                st.step_seqs.fetch_add(plan.len() as u64, Ordering::Relaxed);
+                st.max_step_seqs.fetch_max(plan.len(), Ordering::Relaxed);
+                if let Err(e) = batch.step(&rows) {
+                    tracing::error!("batched step failed: {e:#}");
+                    failed.fill(Some(format!("{e:#}")));
                 }
             }
-            if preempted_self {
+            None => {
+                for (j, p) in plan.iter().enumerate() {
+                    let a = &mut self.running[p.i];
+                    let seq = a.seq.as_mut().expect("running sequences have a sequence");
+                    let r = match (p.prefill, a.pending) {
+                        (Some((s, e)), _) => seq.prefill(&a.feed[s..e]),
+                        (None, Some(t)) => seq.decode(t),
+                        (None, None) => Ok(()),
+                    };
+                    st.steps.fetch_add(1, Ordering::Relaxed);
+                    st.step_seqs.fetch_add(1, Ordering::Relaxed);
+                    st.max_step_seqs.fetch_max(1, Ordering::Relaxed);
+                    if let Err(e) = r {
+                        failed[j] = Some(format!("{e:#}"));
+                    }
+                }
+            }
+        }
+
+        // Advance and sample, then drop the finished (highest index first).
+        let mut gone = Vec::new();
+        for (j, p) in plan.iter().enumerate() {
+            let a = &mut self.running[p.i];
+            if let Some(e) = &failed[j] {
+                tracing::error!("generation failed: {e}");
+                a.sink.send(Event::Error(e.clone()));
+                gone.push(p.i);
                 continue;
             }
-            let a = &mut self.running[i];
-            let r = a.seq.as_mut().expect("running").decode(tok);
-            self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
-            let outcome = match r {
-                Err(e) => fail(a, &e),
-                Ok(()) => {
+            let sample = match p.prefill {
+                Some((s, e)) => {
+                    a.cached += e - s;
+                    a.prefilled = e;
+                    e == a.feed.len()
+                }
+                None => {
+                    a.cached += 1;
                     a.pending = None;
-                    self.step_token(i)
+                    true
                 }
             };
-            match outcome {
-                Outcome::Continue => i += 1,
-                Outcome::Remove => self.remove(i),
+            if !sample {
+                continue;
             }
+            let outcome = match (&mut self.batch, a.seq.take()) {
+                (Some(batch), _) => sample_next(a, self.tok, &mut BatchRow { batch, row: j }),
+                (None, Some(mut seq)) => {
+                    let o = sample_next(a, self.tok, &mut seq);
+                    a.seq = Some(seq);
+                    o
+                }
+                (None, None) => fail(a, &anyhow::anyhow!("a running sequence without a cache")),
+            };
+            if let Outcome::Remove = outcome {
+                gone.push(p.i);
+            }
+        }
+        gone.sort_unstable();
+        for &i in gone.iter().rev() {
+            self.remove(i);
         }
     }
 
@@ -622,6 +754,7 @@ impl<'e, B: Backend> Loop<'e, B> {
         let mut a = self.running.remove(i);
         self.pages.release(&mut a.pages);
         a.seq = None;
+        a.cached = 0;
         a.feed.truncate(a.prompt_len);
         a.feed.extend_from_slice(&a.generated);
         a.prefilled = 0;
@@ -631,43 +764,89 @@ impl<'e, B: Backend> Loop<'e, B> {
         tracing::debug!("preempted a sequence of {} tokens", a.feed.len());
         self.waiting.push_front(a);
     }
+}
 
-    /// Samples the next token of running sequence `i` from its latest logits and handles it.
-    fn step_token(&mut self, i: usize) -> Outcome {
-        let a = &mut self.running[i];
-        let seq = a.seq.as_mut().expect("running");
-        let p = &a.params.sampler;
-        let no_penalties =
-            p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
-        let sampled = if a.params.logprobs.is_none() && no_penalties && p.temperature <= 0.0 {
-            seq.greedy().map(|t| (t, None))
-        } else if a.params.logprobs.is_none() && no_penalties && (1..=TOP_K_MAX).contains(&p.top_k)
-        {
-            let k = p.top_k;
-            seq.top_k(k).map(|c| (a.sampler.sample_top_k(&c), None))
-        } else {
-            seq.logits().map(|mut logits| {
-                let raw = a
-                    .params
-                    .logprobs
-                    .map(|k| (log_softmax_top(&logits, k), logits.clone()));
-                let t = if p.temperature <= 0.0 && no_penalties {
-                    argmax(&logits)
-                } else {
-                    // Penalties see the generated tokens only (OpenAI semantics).
-                    a.sampler.sample(&mut logits, &a.generated)
-                };
-                let lp = raw.map(|((lse, top), raw)| TokenLogprob {
-                    logprob: raw[t as usize] - lse,
-                    top,
-                });
-                (t, lp)
-            })
-        };
-        match sampled {
-            Err(e) => fail(a, &e),
-            Ok((t, lp)) => on_token(a, self.tok, t, lp),
-        }
+/// One entry of an iteration's plan: running sequence `i`, with a decode row (its pending
+/// token) or the prefill chunk `feed[start..end]`.
+#[derive(Clone, Copy, Debug)]
+struct Planned {
+    i: usize,
+    prefill: Option<(usize, usize)>,
+}
+
+/// Where a sequence's latest logits are: its own workspace, or a row of the batched step.
+trait NextLogits {
+    fn greedy(&mut self) -> Result<u32>;
+    fn top_k(&mut self, k: usize) -> Result<Vec<(u32, f32)>>;
+    fn logits(&mut self) -> Result<Vec<f32>>;
+}
+
+impl<B: Backend> NextLogits for Sequence<'_, B> {
+    fn greedy(&mut self) -> Result<u32> {
+        Sequence::greedy(self)
+    }
+    fn top_k(&mut self, k: usize) -> Result<Vec<(u32, f32)>> {
+        Sequence::top_k(self, k)
+    }
+    fn logits(&mut self) -> Result<Vec<f32>> {
+        Sequence::logits(self)
+    }
+}
+
+/// Row `row` of the last batched step.
+struct BatchRow<'a, 'e, B: Backend> {
+    batch: &'a mut Batch<'e, B>,
+    row: usize,
+}
+
+impl<B: Backend> NextLogits for BatchRow<'_, '_, B> {
+    fn greedy(&mut self) -> Result<u32> {
+        self.batch.greedy(self.row)
+    }
+    fn top_k(&mut self, k: usize) -> Result<Vec<(u32, f32)>> {
+        self.batch.top_k(self.row, k)
+    }
+    fn logits(&mut self) -> Result<Vec<f32>> {
+        self.batch.logits(self.row)
+    }
+}
+
+/// Samples the next token of `a` from its latest logits and handles it.
+fn sample_next<B: Backend>(
+    a: &mut Active<'_, B>,
+    tok: &Tokenizer,
+    src: &mut dyn NextLogits,
+) -> Outcome {
+    let p = &a.params.sampler;
+    let no_penalties =
+        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
+    let sampled = if a.params.logprobs.is_none() && no_penalties && p.temperature <= 0.0 {
+        src.greedy().map(|t| (t, None))
+    } else if a.params.logprobs.is_none() && no_penalties && (1..=TOP_K_MAX).contains(&p.top_k) {
+        let k = p.top_k;
+        src.top_k(k).map(|c| (a.sampler.sample_top_k(&c), None))
+    } else {
+        src.logits().map(|mut logits| {
+            let raw = a
+                .params
+                .logprobs
+                .map(|k| (log_softmax_top(&logits, k), logits.clone()));
+            let t = if p.temperature <= 0.0 && no_penalties {
+                argmax(&logits)
+            } else {
+                // Penalties see the generated tokens only (OpenAI semantics).
+                a.sampler.sample(&mut logits, &a.generated)
+            };
+            let lp = raw.map(|((lse, top), raw)| TokenLogprob {
+                logprob: raw[t as usize] - lse,
+                top,
+            });
+            (t, lp)
+        })
+    };
+    match sampled {
+        Err(e) => fail(a, &e),
+        Ok((t, lp)) => on_token(a, tok, t, lp),
     }
 }
 

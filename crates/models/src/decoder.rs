@@ -24,7 +24,7 @@
 //! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
-use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, StepInput};
+use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, PagedKv, StepInput};
 
 use crate::config::ModelConfig;
 use crate::source::{ModelFile, Tensor};
@@ -66,6 +66,9 @@ pub enum Logits {
     Last,
     /// Every position (`ferrite logits`, oracle checks).
     All,
+    /// The last row of each sequence of a batched step ([`Backend::set_batch`]), in the
+    /// step's sequence order: row `i` of the logits belongs to sequence `i` (serving).
+    SeqLast,
 }
 
 /// A loaded model: configuration plus weights in backend memory.
@@ -164,6 +167,40 @@ impl<B: Backend> Model<B> {
             }
             None => be.kv_new(self.cfg.n_layers, self.cfg.attn, capacity),
         }
+    }
+
+    /// A paged KV cache shared by the sequences of batched steps (plain decoders only: a
+    /// hybrid model's linear-attention state belongs to one sequence).
+    pub fn new_paged_kv(&self, be: &B, paged: PagedKv) -> Result<B::Kv> {
+        anyhow::ensure!(
+            self.cfg.hybrid.is_none(),
+            "batched steps over a paged KV cache are not supported for hybrid \
+             (linear-attention) models"
+        );
+        be.kv_new_paged(self.cfg.n_layers, self.cfg.attn, paged)
+    }
+
+    /// Activation buffers for batched steps ([`Backend::set_batch`]) of up to `max_rows`
+    /// rows from up to `max_seqs` sequences, each with a block table of up to `max_pages`
+    /// pages of `page_size` positions; their logits come with [`Logits::SeqLast`].
+    pub fn batch_workspace(
+        &self,
+        be: &B,
+        max_rows: usize,
+        max_seqs: usize,
+        max_pages: usize,
+        page_size: usize,
+    ) -> Result<Workspace<B>> {
+        anyhow::ensure!(
+            (1..=max_rows).contains(&max_seqs),
+            "a batched workspace of {max_rows} rows for {max_seqs} sequences"
+        );
+        let mut ws = self.workspace(be, max_rows, Logits::Last)?;
+        ws.step = be.batch_step_input(max_rows, max_seqs, max_pages, page_size)?;
+        ws.last = be.zeros(max_seqs, self.cfg.hidden)?;
+        ws.logits = be.zeros(max_seqs, self.cfg.vocab)?;
+        ws.top_ids = be.step_input(max_seqs * TOP_K_MAX)?.tokens;
+        Ok(ws)
     }
 
     /// Activation buffers for steps of up to `max_rows` tokens, allocated once and reused
@@ -317,6 +354,11 @@ impl<B: Backend> Model<B> {
     /// residual add).
     fn output_logits(&self, be: &B, ws: &mut Workspace<B>, which: Logits) -> Result<()> {
         let t = ws.step.rows;
+        // Logits::SeqLast: the last row of each sequence of the step.
+        let seq_ends: Vec<usize> = match (which, &ws.step.batch) {
+            (Logits::SeqLast, Some(b)) => b.segs.iter().map(|s| s.row0 + s.rows - 1).collect(),
+            _ => Vec::new(),
+        };
         let Workspace {
             h, last, logits, ..
         } = ws;
@@ -337,6 +379,21 @@ impl<B: Backend> Model<B> {
                     // RMSNorm is row-wise: the last row of the normalised rows is the
                     // norm of the last row.
                     be.copy_rows(h, t - 1, last)?;
+                    be.matmul(last, out_w, logits)?;
+                }
+            }
+            Logits::SeqLast => {
+                let n = seq_ends.len();
+                anyhow::ensure!(n > 0, "Logits::SeqLast needs a batched step (set_batch)");
+                logits
+                    .set_rows(n)
+                    .context("this workspace keeps fewer sequences' logits")?;
+                if n == t {
+                    // One row per sequence (a decode step): h is those rows, in order.
+                    be.matmul(h, out_w, logits)?;
+                } else {
+                    last.set_rows(n)?;
+                    be.gather_rows(h, &seq_ends, last)?;
                     be.matmul(last, out_w, logits)?;
                 }
             }

@@ -124,6 +124,24 @@ impl Metrics {
             "Sequences preempted for lack of KV pages.",
             stats.preemptions.load(Ordering::Relaxed),
         );
+        counter(
+            o,
+            "ferrite_backend_steps_total",
+            "Backend forward steps (batched: one per scheduler iteration).",
+            stats.steps.load(Ordering::Relaxed),
+        );
+        counter(
+            o,
+            "ferrite_step_sequences_total",
+            "Sequences summed over the backend steps (divided by the steps: the mean batch).",
+            stats.step_seqs.load(Ordering::Relaxed),
+        );
+        counter(
+            o,
+            "ferrite_decode_tokens_total",
+            "Tokens decoded (one decode row of one sequence each).",
+            stats.decode_steps.load(Ordering::Relaxed),
+        );
         self.ttft.write(
             o,
             "ferrite_time_to_first_token_seconds",

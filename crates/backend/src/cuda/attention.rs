@@ -12,6 +12,14 @@
 //!
 //! Head dims 32, 64, 128 and 256 have tuned kernels; any other head_dim ≤ 512 runs a simple
 //! warp-per-head fallback (`attn_generic`).
+//!
+//! **Paged caches** ([`kv_new_paged`], serving): `[layer][page][kv_head][page_size][head_dim]`,
+//! shared by the sequences of a batched step, each row addressed through its sequence's
+//! block table (the `*_paged` kernels; the contiguous cache is the one-page case of the same
+//! layout). [`attention`] splits a batched step into launches: runs of short segments
+//! (decode rows of many sequences, ≤ [`DECODE_MAX_ROWS`]-row chunks) through split-K decode
+//! in one launch, each longer prefill chunk (one sequence) through the prefill kernel. A
+//! pure decode step is one launch whatever its batch size, graph-capturable per batch size.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -23,7 +31,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKer
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
 use super::{function, load_module, CudaBackend};
-use crate::{Act, AttnArgs, AttnShape, StepInput};
+use crate::{Act, AttnArgs, AttnShape, PagedKv, StepInput};
 
 /// Bytes per cached key/value element of the default cache type (f16).
 pub const KV_BYTES_PER_ELEMENT: f64 = 2.0;
@@ -89,6 +97,11 @@ pub struct CudaKv {
     part_acc: CudaSlice<f32>,
     /// Split-K partials: (running max, running sum) per `[rows][n_heads][n_splits]`.
     part_ml: CudaSlice<f32>,
+    /// Rows the split-K scratch holds ([`DECODE_MAX_ROWS`], or a paged cache's batch size).
+    scratch_rows: usize,
+    /// `Some((n_pages, page_size))` for a paged cache; `capacity` is then
+    /// `n_pages · page_size` (positions of all sequences together).
+    paged: Option<(usize, usize)>,
     /// Hybrid models: the Gated DeltaNet layers' conv and recurrent state
     /// (`gated_delta::kv_new_hybrid`).
     pub delta: Option<super::gated_delta::DeltaState>,
@@ -106,35 +119,54 @@ pub struct Kernels {
     /// `prefill[q8][hd index]`.
     prefill: [Vec<CudaFunction>; 2],
     generic: CudaFunction,
+    /// The paged-cache variants (same indexing).
+    paged: PagedKernels,
+}
+
+/// The `*_paged` entry points of `attention.cu`.
+struct PagedKernels {
+    kv_store: [CudaFunction; 2],
+    decode: [Vec<Vec<CudaFunction>>; 2],
+    prefill: [Vec<CudaFunction>; 2],
+    generic: CudaFunction,
 }
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "attention", SRC)?;
-        let decode = |pre: &str| {
+        let decode = |pre: &str, post: &str| {
             FAST_HEAD_DIMS
                 .iter()
                 .map(|hd| {
                     [1, 2, 4, 8]
                         .iter()
-                        .map(|gb| function(&m, &format!("attn_decode_{pre}{hd}_{gb}")))
+                        .map(|gb| function(&m, &format!("attn_decode_{pre}{hd}_{gb}{post}")))
                         .collect::<Result<Vec<_>>>()
                 })
                 .collect::<Result<Vec<_>>>()
         };
-        let prefill = |pre: &str| {
+        let prefill = |pre: &str, post: &str| {
             FAST_HEAD_DIMS
                 .iter()
-                .map(|hd| function(&m, &format!("attn_prefill_{pre}{hd}")))
+                .map(|hd| function(&m, &format!("attn_prefill_{pre}{hd}{post}")))
                 .collect::<Result<Vec<_>>>()
         };
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
-            decode: [decode("")?, decode("q8_")?],
+            decode: [decode("", "")?, decode("q8_", "")?],
             decode_merge: function(&m, "attn_decode_merge")?,
-            prefill: [prefill("")?, prefill("q8_")?],
+            prefill: [prefill("", "")?, prefill("q8_", "")?],
             generic: function(&m, "attn_generic")?,
+            paged: PagedKernels {
+                kv_store: [
+                    function(&m, "kv_store_paged")?,
+                    function(&m, "kv_store_q8_paged")?,
+                ],
+                decode: [decode("", "_paged")?, decode("q8_", "_paged")?],
+                prefill: [prefill("", "_paged")?, prefill("q8_", "_paged")?],
+                generic: function(&m, "attn_generic_paged")?,
+            },
         })
     }
 
@@ -200,6 +232,61 @@ pub fn kv_new_typed(
     capacity: usize,
     kv_type: KvType,
 ) -> Result<CudaKv> {
+    kv_alloc(be, n_layers, shape, capacity, kv_type, None)
+}
+
+/// A paged cache of the type chosen with [`Kernels::set_kv_type`]: `p.n_pages` pages of
+/// `p.page_size` positions per layer, split-K scratch for `p.max_rows` decode rows. The
+/// split count is chosen as for a contiguous cache of one sequence's largest context
+/// (`max_pages · page_size`) and fixed, so a row's arithmetic depends only on its own
+/// position, never on the batch it shares a step with.
+pub fn kv_new_paged(
+    be: &CudaBackend,
+    n_layers: usize,
+    shape: AttnShape,
+    p: PagedKv,
+) -> Result<CudaKv> {
+    ensure!(
+        p.page_size.is_power_of_two() && p.n_pages > 0 && p.max_pages > 0,
+        "paged KV cache: {} pages of {} positions (a power of two), {} per sequence",
+        p.n_pages,
+        p.page_size,
+        p.max_pages
+    );
+    ensure!(
+        p.max_pages
+            .checked_mul(p.page_size)
+            .is_some_and(|n| n <= i32::MAX as usize),
+        "paged KV cache: {} pages of {} positions per sequence is out of range",
+        p.max_pages,
+        p.page_size
+    );
+    let capacity = p
+        .n_pages
+        .checked_mul(p.page_size)
+        .context("KV cache size overflows")?;
+    kv_alloc(
+        be,
+        n_layers,
+        shape,
+        capacity,
+        if p.q8_0 {
+            KvType::Q8_0
+        } else {
+            be.attention.kv_type()
+        },
+        Some(p),
+    )
+}
+
+fn kv_alloc(
+    be: &CudaBackend,
+    n_layers: usize,
+    shape: AttnShape,
+    capacity: usize,
+    kv_type: KvType,
+    paged: Option<PagedKv>,
+) -> Result<CudaKv> {
     let AttnShape {
         n_heads,
         n_kv_heads,
@@ -231,8 +318,10 @@ pub fn kv_new_typed(
         KvType::F16 => (per_tensor * 2, 1),
         KvType::Q8_0 => (per_tensor, (per_tensor / 32).max(1)),
     };
-    let n_splits = decode_splits(be.sm_count, shape, capacity);
-    let part_rows = DECODE_MAX_ROWS * n_heads * n_splits;
+    let seq_capacity = paged.map_or(capacity, |p| p.max_pages * p.page_size);
+    let n_splits = decode_splits(be.sm_count, shape, seq_capacity);
+    let scratch_rows = paged.map_or(DECODE_MAX_ROWS, |p| p.max_rows.max(DECODE_MAX_ROWS));
+    let part_rows = scratch_rows * n_heads * n_splits;
     let scratch = part_rows * (head_dim + 2);
     let bytes = 2 * (data_bytes + n_scales * 2) + scratch * 4;
     let (free, total) = be.mem_info()?;
@@ -258,6 +347,8 @@ pub fn kv_new_typed(
         n_splits,
         part_acc: be.stream.alloc_zeros::<f32>(part_rows * head_dim)?,
         part_ml: be.stream.alloc_zeros::<f32>(part_rows * 2)?,
+        scratch_rows,
+        paged: paged.map(|p| (p.n_pages, p.page_size)),
         delta: None,
     })
 }
@@ -270,6 +361,10 @@ pub fn attention(
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
     crate::check_attention(step, &a, out)?;
+    if kv.paged.is_some() {
+        return attention_paged(be, kv, step, a, out);
+    }
+    crate::check_single_sequence_step(step)?;
     let AttnArgs {
         layer,
         q,
@@ -469,6 +564,283 @@ pub fn attention(
     Ok(())
 }
 
+/// One launch of a paged step: rows `row0..row0 + rows`, through split-K decode (`decode`:
+/// a run of short segments) or the prefill kernel (one long segment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Unit {
+    decode: bool,
+    row0: usize,
+    rows: usize,
+}
+
+/// Splits a batched step into launches: consecutive segments of at most
+/// [`DECODE_MAX_ROWS`] rows share one split-K launch of at most `scratch_rows` rows; every
+/// longer segment (a prefill chunk of one sequence) is a launch of its own.
+fn paged_units(segs: &[crate::Segment], scratch_rows: usize) -> Vec<Unit> {
+    let mut units = Vec::new();
+    let mut i = 0;
+    while i < segs.len() {
+        let s = segs[i];
+        if s.rows > DECODE_MAX_ROWS {
+            units.push(Unit {
+                decode: false,
+                row0: s.row0,
+                rows: s.rows,
+            });
+            i += 1;
+            continue;
+        }
+        let mut n = 0;
+        while i < segs.len() && segs[i].rows <= DECODE_MAX_ROWS && n + segs[i].rows <= scratch_rows
+        {
+            n += segs[i].rows;
+            i += 1;
+        }
+        units.push(Unit {
+            decode: true,
+            row0: s.row0,
+            rows: n,
+        });
+    }
+    units
+}
+
+/// Attention of a batched step over a paged cache (the module doc has the plan).
+fn attention_paged(
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    step: &StepInput<CudaSlice<i32>>,
+    a: AttnArgs<'_, CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let (n_pages, page_size) = kv.paged.context("attention: not a paged cache")?;
+    let b = crate::check_paged_step(step, n_pages, page_size)?;
+    let AttnArgs {
+        layer,
+        q,
+        k,
+        v,
+        shape,
+    } = a;
+    let AttnShape {
+        n_heads,
+        n_kv_heads,
+        head_dim,
+    } = shape;
+    let rows = q.rows;
+    let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
+    ensure!(
+        layer < kv.n_layers,
+        "attention: layer {layer} outside the cache"
+    );
+    ensure!(
+        kv.shape.n_kv_heads == n_kv_heads
+            && kv.shape.head_dim == head_dim
+            && n_heads <= kv.shape.n_heads,
+        "attention: cache shape differs"
+    );
+    ensure!(
+        step.positions.len() >= rows
+            && b.row_seq.len() >= rows
+            && b.block_tables.len() >= b.segs.len() * b.max_pages,
+        "attention: the step's buffers are smaller than its {rows} rows"
+    );
+    if rows == 0 {
+        return Ok(());
+    }
+    let group = n_heads / n_kv_heads;
+    // Kernel arguments: `capacity` is the page size (positions per kv-head run), elements
+    // of one page of one layer, the layer's first element, the position clamp.
+    let page_stride = (n_kv_heads * page_size * head_dim) as i64;
+    let layer_off = layer as i64 * n_pages as i64 * page_stride;
+    let page_shift = page_size.trailing_zeros() as i32;
+    let bt_stride = b.max_pages as i32;
+    let max_keys = i32::try_from(b.max_pages * page_size)
+        .context("attention: block tables too long for i32 positions")?;
+    let (rows_i, n_heads_i, group_i, kv_i, hd_i, cap_i) = (
+        rows as i32,
+        n_heads as i32,
+        group as i32,
+        n_kv_heads as i32,
+        head_dim as i32,
+        page_size as i32,
+    );
+    let scale_log2 = std::f32::consts::LOG2_E / (head_dim as f32).sqrt();
+    let q8 = usize::from(kv.kv_type == KvType::Q8_0);
+    let kern = &be.attention.paged;
+
+    // 1. Store the step's keys and values through the block tables.
+    let n = rows * kvd;
+    let store_cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut store = be.stream.launch_builder(&kern.kv_store[q8]);
+    store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
+    store.arg(&mut kv.k).arg(&mut kv.v);
+    if q8 == 1 {
+        store.arg(&mut kv.k_scales).arg(&mut kv.v_scales);
+    }
+    store
+        .arg(&layer_off)
+        .arg(&rows_i)
+        .arg(&kv_i)
+        .arg(&hd_i)
+        .arg(&cap_i)
+        .arg(&b.row_seq)
+        .arg(&b.block_tables)
+        .arg(&bt_stride)
+        .arg(&page_shift)
+        .arg(&page_stride)
+        .arg(&max_keys);
+    // SAFETY: k, v hold rows×kvd floats (checked); positions are clamped to max_keys, the
+    // block tables hold page ids < n_pages (checked by check_paged_step), so every write is
+    // inside layer `layer` of the cache.
+    unsafe { store.launch(store_cfg) }?;
+
+    // 2. Attention, launch by launch.
+    let fast = fast_index(head_dim);
+    let n_splits = kv.n_splits;
+    let splits_i = n_splits as i32;
+    for u in paged_units(&b.segs, kv.scratch_rows) {
+        let (r0, nr) = (u.row0, u.rows);
+        let q_v = q.buf.slice(r0 * qd..(r0 + nr) * qd);
+        let pos_v = step.positions.slice(r0..r0 + nr);
+        let rs_v = b.row_seq.slice(r0..r0 + nr);
+        let mut out_v = out.buf.slice_mut(r0 * qd..(r0 + nr) * qd);
+        let nr_i = nr as i32;
+        match fast {
+            Some(fi) if u.decode => {
+                let gb = heads_per_block(group);
+                ensure!(
+                    nr * n_heads * n_splits * head_dim <= kv.part_acc.len(),
+                    "attention: decode scratch too small"
+                );
+                let cfg = LaunchConfig {
+                    grid_dim: ((n_heads / gb) as u32, n_splits as u32, nr as u32),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: q_v holds nr rows of n_heads×hd; scratch holds nr rows of
+                // partials (checked); reads stay inside the cache as for the store.
+                unsafe {
+                    be.stream
+                        .launch_builder(&kern.decode[q8][fi][gb.trailing_zeros() as usize])
+                        .arg(&q_v)
+                        .arg(&kv.k)
+                        .arg(&kv.v)
+                        .arg(&kv.k_scales)
+                        .arg(&kv.v_scales)
+                        .arg(&pos_v)
+                        .arg(&mut kv.part_acc)
+                        .arg(&mut kv.part_ml)
+                        .arg(&layer_off)
+                        .arg(&n_heads_i)
+                        .arg(&group_i)
+                        .arg(&cap_i)
+                        .arg(&splits_i)
+                        .arg(&scale_log2)
+                        .arg(&rs_v)
+                        .arg(&b.block_tables)
+                        .arg(&bt_stride)
+                        .arg(&page_shift)
+                        .arg(&page_stride)
+                        .arg(&max_keys)
+                        .launch(cfg)
+                }?;
+                let merge_cfg = LaunchConfig {
+                    grid_dim: (n_heads as u32, nr as u32, 1),
+                    block_dim: (head_dim.next_multiple_of(32).min(256) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: reads the partials written above; writes nr × n_heads × hd floats
+                // of out_v.
+                unsafe {
+                    be.stream
+                        .launch_builder(&be.attention.decode_merge)
+                        .arg(&kv.part_acc)
+                        .arg(&kv.part_ml)
+                        .arg(&mut out_v)
+                        .arg(&n_heads_i)
+                        .arg(&hd_i)
+                        .arg(&splits_i)
+                        .launch(merge_cfg)
+                }?;
+            }
+            Some(fi) if !u.decode && group <= prefill_slots(head_dim) => {
+                let rows_per_tile = prefill_slots(head_dim) / group;
+                let cfg = LaunchConfig {
+                    grid_dim: (nr.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
+                    block_dim: (PREFILL_THREADS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: one sequence's rows (a prefill unit is one segment); each block
+                // writes only its own (row, head) outputs inside out_v.
+                unsafe {
+                    be.stream
+                        .launch_builder(&kern.prefill[q8][fi])
+                        .arg(&q_v)
+                        .arg(&kv.k)
+                        .arg(&kv.v)
+                        .arg(&kv.k_scales)
+                        .arg(&kv.v_scales)
+                        .arg(&pos_v)
+                        .arg(&mut out_v)
+                        .arg(&layer_off)
+                        .arg(&nr_i)
+                        .arg(&n_heads_i)
+                        .arg(&group_i)
+                        .arg(&cap_i)
+                        .arg(&scale_log2)
+                        .arg(&rs_v)
+                        .arg(&b.block_tables)
+                        .arg(&bt_stride)
+                        .arg(&page_shift)
+                        .arg(&page_stride)
+                        .arg(&max_keys)
+                        .launch(cfg)
+                }?;
+            }
+            _ => {
+                let cfg = LaunchConfig {
+                    grid_dim: (n_heads.div_ceil(4) as u32, nr as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let q8_i = q8 as i32;
+                // SAFETY: one warp per (row, head), bounds-checked against n_heads and hd.
+                unsafe {
+                    be.stream
+                        .launch_builder(&kern.generic)
+                        .arg(&q_v)
+                        .arg(&kv.k)
+                        .arg(&kv.v)
+                        .arg(&kv.k_scales)
+                        .arg(&kv.v_scales)
+                        .arg(&q8_i)
+                        .arg(&pos_v)
+                        .arg(&mut out_v)
+                        .arg(&layer_off)
+                        .arg(&n_heads_i)
+                        .arg(&group_i)
+                        .arg(&hd_i)
+                        .arg(&cap_i)
+                        .arg(&scale_log2)
+                        .arg(&rs_v)
+                        .arg(&b.block_tables)
+                        .arg(&bt_stride)
+                        .arg(&page_shift)
+                        .arg(&page_stride)
+                        .arg(&max_keys)
+                        .launch(cfg)
+                }?;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,6 +851,26 @@ mod tests {
             n_kv_heads,
             head_dim,
         }
+    }
+
+    #[test]
+    fn paged_units_group_short_segments() {
+        let seg = |row0, rows| crate::Segment {
+            row0,
+            rows,
+            pos0: 0,
+        };
+        let u = |decode, row0, rows| Unit { decode, row0, rows };
+        // Decode rows, a long prefill chunk, a short chunk and more decode rows.
+        let segs = [seg(0, 1), seg(1, 1), seg(2, 40), seg(42, 9), seg(51, 1)];
+        assert_eq!(
+            paged_units(&segs, 16),
+            vec![u(true, 0, 2), u(false, 2, 40), u(true, 42, 10)]
+        );
+        // The scratch bounds a run.
+        let many: Vec<_> = (0..40).map(|i| seg(i, 1)).collect();
+        assert_eq!(paged_units(&many, 32), vec![u(true, 0, 32), u(true, 32, 8)]);
+        assert_eq!(paged_units(&many, 40), vec![u(true, 0, 40)]);
     }
 
     #[test]

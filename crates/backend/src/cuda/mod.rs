@@ -218,7 +218,59 @@ impl Backend for CudaBackend {
             rows: 0,
             pos0: 0,
             capacity,
+            batch: None,
         })
+    }
+
+    fn batch_step_input(
+        &self,
+        capacity: usize,
+        max_seqs: usize,
+        max_pages: usize,
+        page_size: usize,
+    ) -> Result<StepInput<CudaSlice<i32>>> {
+        ensure!(
+            page_size.is_power_of_two(),
+            "page size {page_size} is not a power of two"
+        );
+        let mut step = self.step_input(capacity)?;
+        step.batch = Some(crate::StepBatch {
+            row_seq: self.stream.alloc_zeros::<i32>(capacity.max(1))?,
+            block_tables: self
+                .stream
+                .alloc_zeros::<i32>((max_seqs * max_pages).max(1))?,
+            max_seqs,
+            max_pages,
+            page_size,
+            segs: vec![],
+            max_page: 0,
+        });
+        Ok(step)
+    }
+
+    fn set_batch(
+        &self,
+        step: &mut StepInput<CudaSlice<i32>>,
+        seqs: &[crate::SeqRows<'_>],
+    ) -> Result<()> {
+        let capacity = step.capacity;
+        let b = step
+            .batch
+            .as_mut()
+            .context("set_batch: the step input was not made by batch_step_input")?;
+        let l = crate::BatchLayout::new(seqs, capacity, b.max_seqs, b.max_pages, b.page_size)?;
+        let n = l.tokens.len();
+        let s = &self.stream;
+        s.memcpy_htod(&l.tokens, &mut step.tokens.slice_mut(..n))?;
+        s.memcpy_htod(&l.positions, &mut step.positions.slice_mut(..n))?;
+        s.memcpy_htod(&l.row_seq, &mut b.row_seq.slice_mut(..n))?;
+        let nb = l.block_tables.len();
+        s.memcpy_htod(&l.block_tables, &mut b.block_tables.slice_mut(..nb))?;
+        b.segs = l.segs;
+        b.max_page = l.max_page;
+        step.rows = n;
+        step.pos0 = seqs[0].pos0;
+        Ok(())
     }
 
     fn set_step(
@@ -246,6 +298,9 @@ impl Backend for CudaBackend {
             .memcpy_htod(&pos, &mut step.positions.slice_mut(..pos.len()))?;
         step.rows = tokens.len();
         step.pos0 = pos0;
+        if let Some(b) = &mut step.batch {
+            b.segs.clear();
+        }
         Ok(())
     }
 
@@ -353,6 +408,22 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn gather_rows(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        rows: &[usize],
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        crate::check_gather_rows(x, rows, out)?;
+        let c = x.cols;
+        for (i, &r) in rows.iter().enumerate() {
+            let src = x.buf.slice(r * c..(r + 1) * c);
+            self.stream
+                .memcpy_dtod(&src, &mut out.buf.slice_mut(i * c..(i + 1) * c))?;
+        }
+        Ok(())
+    }
+
     fn add_assign(&self, x: &mut Act<CudaSlice<f32>>, y: &Act<CudaSlice<f32>>) -> Result<()> {
         ops::add_assign(self, x, y)
     }
@@ -408,6 +479,15 @@ impl Backend for CudaBackend {
         capacity: usize,
     ) -> Result<attention::CudaKv> {
         attention::kv_new(self, n_layers, shape, capacity)
+    }
+
+    fn kv_new_paged(
+        &self,
+        n_layers: usize,
+        shape: AttnShape,
+        paged: crate::PagedKv,
+    ) -> Result<attention::CudaKv> {
+        attention::kv_new_paged(self, n_layers, shape, paged)
     }
 
     fn kv_new_hybrid(

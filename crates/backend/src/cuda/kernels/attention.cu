@@ -64,6 +64,24 @@
 //
 // attn_generic: any head_dim ≤ 512 (and groups larger than a prefill tile): one warp per
 //   (row, head), lane-strided dims, one key at a time. Slow; correct; the fallback.
+//
+// PAGED KV (serving: one cache shared by many sequences, batched steps). Layout
+// [layer][page][kv_head][page_size][head_dim] (q8_0 scales alike, per 32 elements): a page
+// holds page_size consecutive positions of one sequence for every kv head, and within a page
+// one kv head's positions are contiguous (page_size·head_dim·2 bytes: 4 KB for 16 × 128 f16),
+// so every load pattern above is unchanged inside a page. A contiguous cache is exactly the
+// one-page case (page_size = capacity), which is why the same templates serve both: the
+// *_paged entry points instantiate them with PAGED = true, and only the position → element
+// address changes: element(p) = head_off + block_table[p >> page_shift] · page_stride +
+// (p & (page_size − 1)) · head_dim, with `capacity` passed as page_size (so head_off is the
+// same expression) and page_stride = n_kv · page_size · head_dim. Row t's block table is
+// block_tables[row_seq[t] · bt_stride ..]; positions are clamped to max_keys = bt_stride ·
+// page_size instead of capacity. The block-table read is one 4-byte load per key per thread,
+// shared by the TPK lanes of a key (L1 broadcast). Decode rows of many sequences go through
+// the split-K decode kernel in one launch (each row its own sequence, positions and pages:
+// the same per-row arithmetic as a lone sequence with the same split count); a prefill chunk
+// (one sequence, > 16 rows) through the prefill kernel with its rows' views, all rows of a
+// tile in the same sequence. The launcher (attention.rs) splits a step into such runs.
 
 #define ATT_NEG (-1.0e30f)
 #define ATT_FULL 0xffffffffu
@@ -122,10 +140,47 @@ __device__ __forceinline__ float kv_elem(const unsigned char* __restrict__ base,
     return __half2float(__ushort_as_half(reinterpret_cast<const unsigned short*>(base)[e]));
 }
 
-extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __restrict__ v,
-                                    const int* __restrict__ positions,
-                                    unsigned short* __restrict__ kc, unsigned short* __restrict__ vc,
-                                    long long layer_off, int rows, int n_kv, int hd, int capacity) {
+// The paged-cache arguments of the *_paged kernels (see PAGED KV in the header).
+#define PAGED_ARGS                                                                           \
+    const int *__restrict__ row_seq, const int *__restrict__ block_tables, int bt_stride,    \
+        int page_shift, long long page_stride, int max_keys
+#define PAGED_PASS row_seq, block_tables, bt_stride, page_shift, page_stride, max_keys
+#define UNPAGED_PASS(CAP) nullptr, nullptr, 0, 0, 0LL, (CAP)
+
+// Element index of position p of a kv head whose position 0 (page 0 when paged) is at
+// head_off; `stride` is the elements per position (head_dim). bt: the row's block table.
+template <bool PAGED>
+__device__ __forceinline__ long long kv_pos(long long head_off, int p, int stride,
+                                            const int* __restrict__ bt, int page_shift,
+                                            long long page_stride) {
+    if constexpr (PAGED) {
+        return head_off + (long long)__ldg(bt + (p >> page_shift)) * page_stride +
+               (long long)(p & ((1 << page_shift) - 1)) * stride;
+    } else {
+        return head_off + (long long)p * stride;
+    }
+}
+
+// The block table of row t (nullptr for contiguous caches).
+template <bool PAGED>
+__device__ __forceinline__ const int* row_table(const int* __restrict__ row_seq,
+                                                const int* __restrict__ block_tables,
+                                                int bt_stride, int t) {
+    if constexpr (PAGED) {
+        return block_tables + (long long)row_seq[t] * bt_stride;
+    } else {
+        return nullptr;
+    }
+}
+
+template <bool PAGED>
+__device__ __forceinline__ void kv_store_impl(const float* __restrict__ k,
+                                              const float* __restrict__ v,
+                                              const int* __restrict__ positions,
+                                              unsigned short* __restrict__ kc,
+                                              unsigned short* __restrict__ vc, long long layer_off,
+                                              int rows, int n_kv, int hd, int capacity,
+                                              PAGED_ARGS) {
     const int kvd = n_kv * hd;
     const long long n = (long long)rows * kvd;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
@@ -133,11 +188,37 @@ extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __
         int t = (int)(i / kvd), j = (int)(i % kvd);
         int h = j / hd, d = j % hd;
         int p = positions[t];
-        if (p < 0 || p >= capacity) continue;
-        long long dst = layer_off + ((long long)h * capacity + p) * hd + d;
+        if (p < 0 || p >= max_keys) continue;
+        long long dst;
+        if constexpr (PAGED) {
+            const int* bt = row_table<true>(row_seq, block_tables, bt_stride, t);
+            dst = kv_pos<true>(layer_off + (long long)h * capacity * hd, p, hd, bt, page_shift,
+                               page_stride) + d;
+        } else {
+            dst = layer_off + ((long long)h * capacity + p) * hd + d;
+        }
         kc[dst] = f32_to_f16_sat(k[i]);
         vc[dst] = f32_to_f16_sat(v[i]);
     }
+}
+
+extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __restrict__ v,
+                                    const int* __restrict__ positions,
+                                    unsigned short* __restrict__ kc, unsigned short* __restrict__ vc,
+                                    long long layer_off, int rows, int n_kv, int hd, int capacity) {
+    kv_store_impl<false>(k, v, positions, kc, vc, layer_off, rows, n_kv, hd, capacity,
+                         UNPAGED_PASS(capacity));
+}
+
+// Paged: `capacity` is the page size.
+extern "C" __global__ void kv_store_paged(const float* __restrict__ k,
+                                          const float* __restrict__ v,
+                                          const int* __restrict__ positions,
+                                          unsigned short* __restrict__ kc,
+                                          unsigned short* __restrict__ vc, long long layer_off,
+                                          int rows, int n_kv, int hd, int capacity, PAGED_ARGS) {
+    kv_store_impl<true>(k, v, positions, kc, vc, layer_off, rows, n_kv, hd, capacity,
+                        PAGED_PASS);
 }
 
 // ggml's quantize_row_q8_0_ref for one 32-element block held one element per lane:
@@ -155,11 +236,12 @@ __device__ __forceinline__ void q8_store(float x, unsigned char* __restrict__ q,
 
 // q8_0 store: one warp per 32-element block (head_dim % 32 == 0, so a block never straddles
 // two heads). The loop and the position test are uniform per warp.
-extern "C" __global__ void kv_store_q8(const float* __restrict__ k, const float* __restrict__ v,
-                                       const int* __restrict__ positions,
-                                       unsigned char* __restrict__ kq, unsigned char* __restrict__ vq,
-                                       unsigned short* __restrict__ ks, unsigned short* __restrict__ vs,
-                                       long long layer_off, int rows, int n_kv, int hd, int capacity) {
+template <bool PAGED>
+__device__ __forceinline__ void kv_store_q8_impl(
+    const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ positions,
+    unsigned char* __restrict__ kq, unsigned char* __restrict__ vq,
+    unsigned short* __restrict__ ks, unsigned short* __restrict__ vs, long long layer_off,
+    int rows, int n_kv, int hd, int capacity, PAGED_ARGS) {
     const int kvd = n_kv * hd, nb_row = kvd / 32, lane = threadIdx.x & 31;
     const long long nblocks = (long long)rows * nb_row;
     const long long nwarps = ((long long)gridDim.x * blockDim.x) >> 5;
@@ -168,23 +250,48 @@ extern "C" __global__ void kv_store_q8(const float* __restrict__ k, const float*
         const int t = (int)(b / nb_row), j = (int)(b % nb_row) * 32 + lane;
         const int h = j / hd, d = j % hd;
         const int p = positions[t];
-        if (p < 0 || p >= capacity) continue;
-        const long long e = layer_off + ((long long)h * capacity + p) * hd + d;
+        if (p < 0 || p >= max_keys) continue;
+        long long e;
+        if constexpr (PAGED) {
+            const int* bt = row_table<true>(row_seq, block_tables, bt_stride, t);
+            e = kv_pos<true>(layer_off + (long long)h * capacity * hd, p, hd, bt, page_shift,
+                             page_stride) + d;
+        } else {
+            e = layer_off + ((long long)h * capacity + p) * hd + d;
+        }
         q8_store(k[(long long)t * kvd + j], kq, ks, e, lane);
         q8_store(v[(long long)t * kvd + j], vq, vs, e, lane);
     }
 }
 
+extern "C" __global__ void kv_store_q8(const float* __restrict__ k, const float* __restrict__ v,
+                                       const int* __restrict__ positions,
+                                       unsigned char* __restrict__ kq, unsigned char* __restrict__ vq,
+                                       unsigned short* __restrict__ ks, unsigned short* __restrict__ vs,
+                                       long long layer_off, int rows, int n_kv, int hd, int capacity) {
+    kv_store_q8_impl<false>(k, v, positions, kq, vq, ks, vs, layer_off, rows, n_kv, hd,
+                            capacity, UNPAGED_PASS(capacity));
+}
+
+extern "C" __global__ void kv_store_q8_paged(
+    const float* __restrict__ k, const float* __restrict__ v, const int* __restrict__ positions,
+    unsigned char* __restrict__ kq, unsigned char* __restrict__ vq,
+    unsigned short* __restrict__ ks, unsigned short* __restrict__ vs, long long layer_off,
+    int rows, int n_kv, int hd, int capacity, PAGED_ARGS) {
+    kv_store_q8_impl<true>(k, v, positions, kq, vq, ks, vs, layer_off, rows, n_kv, hd, capacity,
+                           PAGED_PASS);
+}
+
 // ---------------------------------------------------------------------------------------
 // Decode: split-K flash-decoding.
 
-template <int HD, int GB, bool Q8>
+template <int HD, int GB, bool Q8, bool PAGED>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
     const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ part_acc, float* __restrict__ part_ml, long long layer_off,
-    int n_heads, int group, int capacity, int n_splits, float scale_log2) {
+    int n_heads, int group, int capacity, int n_splits, float scale_log2, PAGED_ARGS) {
     constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
     constexpr int KPW = 32 / TPK;    // keys per warp per pass
     constexpr int NW = DECODE_THREADS / 32;
@@ -201,7 +308,8 @@ __device__ __forceinline__ void attn_decode_impl(
     const int kvh = h0 / group;
 
     int n_keys = positions[t] + 1;
-    n_keys = max(0, min(n_keys, capacity));
+    n_keys = max(0, min(n_keys, max_keys));
+    const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
     const int per = (n_keys + n_splits - 1) / n_splits;
     const int chunk = max(DECODE_MIN_CHUNK, (per + 63) & ~63);
     const int start = split * chunk;
@@ -237,8 +345,9 @@ __device__ __forceinline__ void attn_decode_impl(
             int kp = base + u * KPB + slot;
             ok[u] = kp < end;
             if (ok[u]) {
-                kr[u] = load8<Q8>(kc, ks, head_off + (long long)kp * HD);
-                vr[u] = load8<Q8>(vc, vs, head_off + (long long)kp * HD);
+                const long long e = kv_pos<PAGED>(head_off, kp, HD, bt, page_shift, page_stride);
+                kr[u] = load8<Q8>(kc, ks, e);
+                vr[u] = load8<Q8>(vc, vs, e);
             } else {
                 kr[u] = make_uint4(0, 0, 0, 0);
                 vr[u] = make_uint4(0, 0, 0, 0);
@@ -344,9 +453,15 @@ __device__ __forceinline__ void attn_decode_impl(
         int n_heads, int group, int capacity, int n_splits, float scale_log2
 #define DECODE_KERNEL1(NAME, HD, GB, Q8)                                                     \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) NAME(DECODE_ARGS) {        \
-        attn_decode_impl<HD, GB, Q8>(q, kc, vc, ks, vs, positions, part_acc, part_ml,        \
-                                     layer_off, n_heads, group, capacity, n_splits,          \
-                                     scale_log2);                                            \
+        attn_decode_impl<HD, GB, Q8, false>(q, kc, vc, ks, vs, positions, part_acc, part_ml, \
+                                            layer_off, n_heads, group, capacity, n_splits,   \
+                                            scale_log2, UNPAGED_PASS(capacity));             \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
+        NAME##_paged(DECODE_ARGS, PAGED_ARGS) {                                              \
+        attn_decode_impl<HD, GB, Q8, true>(q, kc, vc, ks, vs, positions, part_acc, part_ml,  \
+                                           layer_off, n_heads, group, capacity, n_splits,    \
+                                           scale_log2, PAGED_PASS);                          \
     }
 #define DECODE_KERNEL(HD, GB)                                                                \
     DECODE_KERNEL1(attn_decode_##HD##_##GB, HD, GB, false)                                   \
@@ -393,13 +508,13 @@ extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_acc,
 // ---------------------------------------------------------------------------------------
 // Prefill: causal flash attention, SIMT f32.
 
-template <int HD, bool Q8>
+template <int HD, bool Q8, bool PAGED>
 __device__ __forceinline__ void attn_prefill_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
     const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
-    int capacity, float scale_log2) {
+    int capacity, float scale_log2, PAGED_ARGS) {
     constexpr int TPQ = HD >= 256 ? 8 : 4;          // threads per query
     constexpr int BQ = PREFILL_THREADS / TPQ;       // query slots per block
     constexpr int NG = HD / (4 * TPQ);              // float4 groups per thread
@@ -419,7 +534,9 @@ __device__ __forceinline__ void attn_prefill_impl(
     const int t = tile * rpt + r;
     const bool valid = r < rpt && t < rows;
     const int h = kvh * group + gi;
-    const int P = valid ? min(positions[t], capacity - 1) : -1;
+    const int P = valid ? min(positions[t], max_keys - 1) : -1;
+    // Paged: every row of the launch belongs to one sequence (the launcher's contract).
+    const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, 0);
 
     if (tid == 0) s_kmax = 0;
     __syncthreads();
@@ -448,8 +565,14 @@ __device__ __forceinline__ void attn_prefill_impl(
             const int kp = k0 + (i * 8) / HD;
             uint4 a = make_uint4(0, 0, 0, 0), b = make_uint4(0, 0, 0, 0);
             if (kp < kmax) {
-                a = load8<Q8>(kc, ks, head_off + (long long)k0 * HD + i * 8);
-                b = load8<Q8>(vc, vs, head_off + (long long)k0 * HD + i * 8);
+                long long e;
+                if constexpr (PAGED) {
+                    e = kv_pos<true>(head_off, kp, HD, bt, page_shift, page_stride) + (i * 8) % HD;
+                } else {
+                    e = head_off + (long long)k0 * HD + i * 8;
+                }
+                a = load8<Q8>(kc, ks, e);
+                b = load8<Q8>(vc, vs, e);
             }
             float f[8];
             unpack8x<Q8>(a, f);
@@ -521,8 +644,14 @@ __device__ __forceinline__ void attn_prefill_impl(
         int capacity, float scale_log2
 #define PREFILL_KERNEL1(NAME, HD, Q8)                                                        \
     extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) NAME(PREFILL_ARGS) {      \
-        attn_prefill_impl<HD, Q8>(q, kc, vc, ks, vs, positions, out, layer_off, rows,        \
-                                  n_heads, group, capacity, scale_log2);                     \
+        attn_prefill_impl<HD, Q8, false>(q, kc, vc, ks, vs, positions, out, layer_off, rows, \
+                                         n_heads, group, capacity, scale_log2,              \
+                                         UNPAGED_PASS(capacity));                           \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)                            \
+        NAME##_paged(PREFILL_ARGS, PAGED_ARGS) {                                             \
+        attn_prefill_impl<HD, Q8, true>(q, kc, vc, ks, vs, positions, out, layer_off, rows,  \
+                                        n_heads, group, capacity, scale_log2, PAGED_PASS);  \
     }
 #define PREFILL_KERNEL(HD)                                                                   \
     PREFILL_KERNEL1(attn_prefill_##HD, HD, false)                                            \
@@ -536,17 +665,21 @@ PREFILL_KERNEL(256)
 // ---------------------------------------------------------------------------------------
 // Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
 
-extern "C" __global__ void __launch_bounds__(128)
-attn_generic(const float* __restrict__ q, const unsigned char* __restrict__ kc,
-             const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
-             const unsigned short* __restrict__ vs, int q8, const int* __restrict__ positions,
-             float* __restrict__ out, long long layer_off, int n_heads, int group, int hd,
-             int capacity, float scale_log2) {
+#define GENERIC_ARGS                                                                         \
+    const float *__restrict__ q, const unsigned char *__restrict__ kc,                       \
+        const unsigned char *__restrict__ vc, const unsigned short *__restrict__ ks,         \
+        const unsigned short *__restrict__ vs, int q8, const int *__restrict__ positions,    \
+        float *__restrict__ out, long long layer_off, int n_heads, int group, int hd,        \
+        int capacity, float scale_log2
+
+template <bool PAGED>
+__device__ __forceinline__ void attn_generic_impl(GENERIC_ARGS, PAGED_ARGS) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h = blockIdx.x * 4 + warp, t = blockIdx.y;
     if (h >= n_heads) return;  // whole warp; no block-level synchronisation below
     const int kvh = h / group;
-    const int P = min(positions[t], capacity - 1);
+    const int P = min(positions[t], max_keys - 1);
+    const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
     const float* qr = q + ((long long)t * n_heads + h) * hd;
     float qv[16], acc[16];
 #pragma unroll
@@ -558,7 +691,7 @@ attn_generic(const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const long long head_off = layer_off + (long long)kvh * capacity * hd;
     float m = ATT_NEG, l = 0.f;
     for (int p = 0; p <= P; p++) {
-        const long long row = head_off + (long long)p * hd;
+        const long long row = kv_pos<PAGED>(head_off, p, hd, bt, page_shift, page_stride);
         float s = 0.f;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
@@ -585,4 +718,14 @@ attn_generic(const float* __restrict__ q, const unsigned char* __restrict__ kc,
         const int d = lane + 32 * i;
         if (d < hd) o[d] = acc[i] * inv;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_generic(GENERIC_ARGS) {
+    attn_generic_impl<false>(q, kc, vc, ks, vs, q8, positions, out, layer_off, n_heads, group,
+                             hd, capacity, scale_log2, UNPAGED_PASS(capacity));
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_generic_paged(GENERIC_ARGS, PAGED_ARGS) {
+    attn_generic_impl<true>(q, kc, vc, ks, vs, q8, positions, out, layer_off, n_heads, group,
+                            hd, capacity, scale_log2, PAGED_PASS);
 }

@@ -1,0 +1,234 @@
+//! Batched steps over a paged KV cache: the serving scheduler's backend step.
+//!
+//! One [`Batch`] owns the KV cache of every sequence the scheduler runs — a pool of
+//! fixed-size pages, each sequence's positions reached through its block table (the page ids
+//! the scheduler's `PagePool` hands out) — and one workspace whose steps hold the rows of
+//! many sequences: the decode rows of every running sequence plus prefill chunks. Every op
+//! but attention is row-wise, so a step costs one pass over the weights for all its rows.
+//!
+//! **Graphs.** A step whose sequences each bring one row (pure decode) is captured as a graph
+//! per batch size, like the single-sequence decode step: the first step of a size runs
+//! eagerly, the second is captured, later ones replay it (tokens, positions and block tables
+//! are device inputs written before each step). Steps with prefill chunks run eagerly.
+//! On backends that have graphs, [`Batch::new`] runs one eager step at the workspace's full
+//! row count (no sequence holds pages yet): kernels that grow scratch buffers on demand reach
+//! their final size before any graph records their addresses.
+//!
+//! **Identity.** A row's arithmetic does not depend on the other rows of its step (row-wise
+//! ops; attention reads only the row's own sequence, in position order). On the CPU backend a
+//! sequence's logits are therefore bitwise those of the sequence run alone
+//! (`crates/models/tests/batch.rs`). On CUDA, rows ≤ 16 run the f32 GEMV (row-count
+//! invariant); larger batches run the tensor-core GEMM, whose bf16 operand rounding differs
+//! slightly from the GEMV's.
+
+use anyhow::{ensure, Result};
+use ferrite_backend::{Act, Backend, PagedKv, SeqRows};
+use ferrite_models::{Logits, Model, Workspace, TOP_K_MAX};
+
+use crate::generate::GraphState;
+
+/// Sizes of a [`Batch`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// KV pages in the pool (all sequences together).
+    pub n_pages: usize,
+    /// Positions per page (a power of two).
+    pub page_size: usize,
+    /// Pages one sequence may hold (bounds its context).
+    pub max_pages: usize,
+    /// Most sequences in one step.
+    pub max_seqs: usize,
+    /// Most rows in one step (decode rows plus prefill chunks).
+    pub max_rows: usize,
+}
+
+/// The paged KV cache and workspace of batched steps (see the module doc).
+pub struct Batch<'e, B: Backend> {
+    be: &'e B,
+    model: &'e Model<B>,
+    kv: B::Kv,
+    ws: Workspace<B>,
+    cfg: BatchConfig,
+    /// Decode-only steps of `n` sequences: `graphs[n - 1]`.
+    graphs: Vec<GraphState<B::Graph>>,
+    /// Sequences in the last step.
+    n: usize,
+    /// Device top-k values of the last step, `[max_seqs, TOP_K_MAX]`.
+    top_vals: Act<B::Buf>,
+    /// Per-step caches of what the sequences asked for.
+    greedy: Option<Vec<u32>>,
+    top: Option<(Vec<i32>, Vec<f32>)>,
+    host: Option<Vec<f32>>,
+}
+
+impl<'e, B: Backend> Batch<'e, B> {
+    /// Allocates the paged cache and the workspace. Fails for models whose state is not all
+    /// in the KV cache (hybrid linear-attention models) and on backends without paged caches.
+    pub fn new(be: &'e B, model: &'e Model<B>, cfg: BatchConfig) -> Result<Self> {
+        ensure!(
+            cfg.max_seqs >= 1 && cfg.max_rows >= cfg.max_seqs,
+            "a batch of {} rows for {} sequences",
+            cfg.max_rows,
+            cfg.max_seqs
+        );
+        let kv = model.new_paged_kv(
+            be,
+            PagedKv {
+                n_pages: cfg.n_pages,
+                page_size: cfg.page_size,
+                max_pages: cfg.max_pages,
+                max_rows: cfg.max_seqs,
+                q8_0: false,
+            },
+        )?;
+        let ws =
+            model.batch_workspace(be, cfg.max_rows, cfg.max_seqs, cfg.max_pages, cfg.page_size)?;
+        let mut top_vals = be.zeros(cfg.max_seqs, TOP_K_MAX)?;
+        top_vals.set_rows(1)?;
+        let mut b = Batch {
+            be,
+            model,
+            kv,
+            ws,
+            cfg,
+            graphs: (0..cfg.max_seqs).map(|_| GraphState::Eager).collect(),
+            n: 0,
+            top_vals,
+            greedy: None,
+            top: None,
+            host: None,
+        };
+        // Backends with graphs only (a zero-sized graph type means none: the CPU's `()`).
+        if std::mem::size_of::<B::Graph>() != 0 {
+            b.warm_up()?;
+        }
+        Ok(b)
+    }
+
+    pub fn config(&self) -> &BatchConfig {
+        &self.cfg
+    }
+
+    /// Runs one step over `seqs` (their rows in this order); afterwards sequence `i`'s
+    /// next-token logits are row `i` ([`Batch::greedy`], [`Batch::top_k`],
+    /// [`Batch::logits`]). Each sequence's pages must cover its positions; its earlier
+    /// positions must have been filled by earlier steps with the same pages.
+    pub fn step(&mut self, seqs: &[SeqRows<'_>]) -> Result<()> {
+        let n = seqs.len();
+        ensure!(
+            (1..=self.cfg.max_seqs).contains(&n),
+            "a step of {n} sequences (at most {})",
+            self.cfg.max_seqs
+        );
+        if let Some(&p) = seqs.iter().flat_map(|s| s.pages).max() {
+            ensure!(
+                (p as usize) < self.cfg.n_pages,
+                "page {p} outside the pool of {}",
+                self.cfg.n_pages
+            );
+        }
+        self.n = 0;
+        (self.greedy, self.top, self.host) = (None, None, None);
+        let (be, m) = (self.be, self.model);
+        let decode_only = seqs.iter().all(|s| s.tokens.len() == 1);
+        be.set_batch(&mut self.ws.step, seqs)?;
+        let (ws, kv) = (&mut self.ws, &mut self.kv);
+        if !decode_only {
+            m.forward(be, ws, kv, Logits::SeqLast)?;
+        } else {
+            let g = &mut self.graphs[n - 1];
+            match g {
+                GraphState::Eager => {
+                    m.forward(be, ws, kv, Logits::SeqLast)?;
+                    *g = GraphState::Capture;
+                }
+                GraphState::Capture => {
+                    match be.capture(&mut || m.forward(be, ws, kv, Logits::SeqLast))? {
+                        // A captured graph has recorded the step, not run it.
+                        Some(gr) => {
+                            be.replay(&gr)?;
+                            *g = GraphState::Replay(gr);
+                        }
+                        None => *g = GraphState::Unsupported,
+                    }
+                }
+                GraphState::Replay(gr) => be.replay(gr)?,
+                GraphState::Unsupported => m.forward(be, ws, kv, Logits::SeqLast)?,
+            }
+            // A replay does not run the host-side bookkeeping of the forward pass.
+            ws.logits.set_rows(n)?;
+        }
+        self.n = n;
+        Ok(())
+    }
+
+    /// One eager step at the workspace's full row count, before any sequence holds pages
+    /// (it writes keys and values into the first pages of the pool): scratch buffers that
+    /// kernels grow on demand reach their largest size before a graph records them.
+    fn warm_up(&mut self) -> Result<()> {
+        let c = self.cfg;
+        let rows = c
+            .max_rows
+            .min(c.max_pages * c.page_size)
+            .min(c.n_pages * c.page_size);
+        let pages: Vec<u32> = (0..rows.div_ceil(c.page_size) as u32).collect();
+        let tokens = vec![0u32; rows];
+        self.be.set_batch(
+            &mut self.ws.step,
+            &[SeqRows {
+                tokens: &tokens,
+                pos0: 0,
+                pages: &pages,
+            }],
+        )?;
+        self.model
+            .forward(self.be, &mut self.ws, &mut self.kv, Logits::SeqLast)
+    }
+
+    /// The greedy choice of every sequence of the last step (on the device; n ids read).
+    pub fn greedy(&mut self, i: usize) -> Result<u32> {
+        ensure!(i < self.n, "sequence {i} of a step of {}", self.n);
+        if self.greedy.is_none() {
+            let ws = &mut self.ws;
+            self.be.argmax(&ws.logits, &mut ws.argmax)?;
+            let ids = self.be.read_i32(&ws.argmax, self.n)?;
+            self.greedy = Some(ids.into_iter().map(|t| t as u32).collect());
+        }
+        Ok(self.greedy.as_ref().expect("just set")[i])
+    }
+
+    /// The `k ≤ TOP_K_MAX` best `(token, logit)` of sequence `i`, best first (selected on
+    /// the device for every sequence at once: the first k of the best TOP_K_MAX).
+    pub fn top_k(&mut self, i: usize, k: usize) -> Result<Vec<(u32, f32)>> {
+        ensure!(i < self.n, "sequence {i} of a step of {}", self.n);
+        ensure!(
+            (1..=TOP_K_MAX).contains(&k),
+            "top-k on the device needs 1 ≤ k ≤ {TOP_K_MAX}"
+        );
+        let kk = TOP_K_MAX.min(self.model.cfg.vocab);
+        ensure!(k <= kk, "top-k of {k} over a vocabulary of {kk}");
+        if self.top.is_none() {
+            let be = self.be;
+            let ws = &mut self.ws;
+            self.top_vals.cols = kk;
+            self.top_vals.set_rows(self.n)?;
+            be.top_k(&ws.logits, kk, &mut ws.top_ids, &mut self.top_vals)?;
+            let ids = be.read_i32(&ws.top_ids, self.n * kk)?;
+            self.top = Some((ids, be.to_host(&self.top_vals)?));
+        }
+        let (ids, vals) = self.top.as_ref().expect("just set");
+        Ok((0..k)
+            .map(|j| (ids[i * kk + j] as u32, vals[i * kk + j]))
+            .collect())
+    }
+
+    /// Sequence `i`'s logits on the host (all sequences' cross once per step).
+    pub fn logits(&mut self, i: usize) -> Result<Vec<f32>> {
+        ensure!(i < self.n, "sequence {i} of a step of {}", self.n);
+        if self.host.is_none() {
+            self.host = Some(self.be.to_host(&self.ws.logits)?);
+        }
+        let v = self.model.cfg.vocab;
+        Ok(self.host.as_ref().expect("just set")[i * v..(i + 1) * v].to_vec())
+    }
+}
