@@ -1152,6 +1152,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
         ds(3, 6, 24, 40, 3, true),
         ds(1, 2, 64, 20, 2, false),
         ds(2, 2, 100, 128, 4, true),
+        // Odd dk and conv_dim: the scalar (not float4) loads.
+        ds(1, 3, 6, 7, 2, true),
     ];
     let fills = [(0, 5), (2, 1), (7, 5), (100, 64), (37, 200)];
     for (si, &shape) in delta_shapes.iter().enumerate() {

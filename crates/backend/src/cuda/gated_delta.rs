@@ -22,15 +22,16 @@ pub const SRC: &str = include_str!("kernels/gated_delta.cu");
 pub const MAX_CONV_KERNEL: usize = 8;
 /// Rows per convolution thread (CONV_ROWS in gated_delta.cu).
 const CONV_ROWS: usize = 16;
-/// Largest key head dim: a state column of 4 lanes × 32 registers.
+/// Largest key head dim: a state column of 8 lanes × 16 registers.
 pub const MAX_K_HEAD_DIM: usize = 128;
-/// State columns per gated_delta block (GD_COLS in gated_delta.cu; 4 lanes each).
-const COLS_PER_BLOCK: usize = 16;
+/// Threads per gated_delta block (GD_THREADS in gated_delta.cu).
+const DELTA_THREADS: usize = 64;
 
 /// The compiled kernels of `gated_delta.cu`.
 pub struct Kernels {
     conv: CudaFunction,
-    /// Rows of state per lane 8, 16, 32 (key head dims up to 32, 64, 128).
+    /// (rows of state per lane, lanes per column) = (8, 4), (8, 8), (16, 8): key head dims
+    /// up to 32, 64, 128.
     delta: [CudaFunction; 3],
     gated_rms_norm: CudaFunction,
     sigmoid_gate: CudaFunction,
@@ -42,9 +43,9 @@ impl Kernels {
         Ok(Kernels {
             conv: function(&m, "causal_conv1d")?,
             delta: [
-                function(&m, "gated_delta_r8")?,
-                function(&m, "gated_delta_r16")?,
-                function(&m, "gated_delta_r32")?,
+                function(&m, "gated_delta_r8_l4")?,
+                function(&m, "gated_delta_r8_l8")?,
+                function(&m, "gated_delta_r16_l8")?,
             ],
             gated_rms_norm: function(&m, "gated_rms_norm")?,
             sigmoid_gate: function(&m, "sigmoid_gate")?,
@@ -58,7 +59,8 @@ pub struct DeltaState {
     pub n_layers: usize,
     /// Per layer the last `conv_kernel - 1` convolution inputs: `[layer][kernel-1][conv_dim]`.
     pub conv: CudaSlice<f32>,
-    /// Per layer the recurrent state: `[layer][n_v_heads][k_head_dim][v_head_dim]`.
+    /// Per layer the recurrent state, column-major per value head (the CPU's transpose):
+    /// `[layer][n_v_heads][v_head_dim][k_head_dim]`, so a state column is one aligned run.
     pub state: CudaSlice<f32>,
 }
 
@@ -222,11 +224,13 @@ pub fn gated_delta_rule(
     if rows == 0 {
         return Ok(());
     }
-    let variant = match d.k_head_dim {
-        0..=32 => 0,
-        33..=64 => 1,
-        _ => 2,
+    let (variant, lanes) = match d.k_head_dim {
+        0..=32 => (0, 4),
+        33..=64 => (1, 8),
+        _ => (2, 8),
     };
+    // float4 loads of q, k and the state: every run starts on a multiple of 4 floats.
+    let vec = i32::from(d.k_head_dim % 4 == 0 && d.conv_dim() % 4 == 0);
     let len = ds.state_len();
     let mut state = ds.state.slice_mut(a.layer * len..(a.layer + 1) * len);
     let rows_i = i32_of(rows, "rows")?;
@@ -240,14 +244,15 @@ pub fn gated_delta_rule(
     let cfg = LaunchConfig {
         grid_dim: (
             nv as u32,
-            (d.v_head_dim as u32).div_ceil(COLS_PER_BLOCK as u32),
+            (d.v_head_dim as u32).div_ceil((DELTA_THREADS / lanes) as u32),
             1,
         ),
-        block_dim: (4 * COLS_PER_BLOCK as u32, 1, 1),
+        block_dim: (DELTA_THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: shapes checked above; the state view is this layer's nv × dk × dv floats; one
-    // block per (value head, 16 columns), 4 lanes per column, all bounds-checked inside.
+    // SAFETY: shapes checked above; the state view is this layer's nv × dv × dk floats (its
+    // offset a multiple of dk × dv, so 16-byte aligned when `vec`); one block per (value
+    // head, 64/lanes columns), all bounds-checked inside.
     unsafe {
         be.stream
             .launch_builder(&be.gated_delta.delta[variant])
@@ -264,6 +269,7 @@ pub fn gated_delta_rule(
             .arg(&dk)
             .arg(&dv)
             .arg(&tiled)
+            .arg(&vec)
             .launch(cfg)
     }?;
     Ok(())
