@@ -7,7 +7,8 @@
 # Defaults: 32 concurrent, 32 requests, 256-token prompts, 128 generated (llama-server: 753
 # output tokens/s there). A short warm-up round first (graphs are captured per batch size on
 # a size's second decode step). Writes serve.log, warmup.json, loadgen.json, metrics.txt.
-# DEVICE=cpu PRESET=tiny-qwen3 QUANT=F16 try the script without a GPU.
+# DEVICE=cpu PRESET=tiny-qwen3 QUANT=F16 try the script without a GPU; WARMUP=0 skips the
+# warm-up round.
 set -uo pipefail
 : "${OUT:?set OUT to the directory for logs}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -37,7 +38,7 @@ for _ in $(seq 1 600); do
 done
 echo "serve up after $SECONDS s"
 L="python3 tools/loadgen.py --url http://127.0.0.1:$PORT --json"
-$L -n "$C" -c "$C" --prompt-tokens "$P" --gen-tokens 8 | tee "$OUT/warmup.json"
+[ "${WARMUP:-1}" = 0 ] || $L -n "$C" -c "$C" --prompt-tokens "$P" --gen-tokens 8 | tee "$OUT/warmup.json"
 $L -n "$N" -c "$C" --prompt-tokens "$P" --gen-tokens "$G" | tee "$OUT/loadgen.json"
 python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/metrics').read().decode())" >"$OUT/metrics.txt"
 kill $PID
