@@ -61,6 +61,31 @@ pub struct Batch<'e, B: Backend> {
     host: Option<Vec<f32>>,
 }
 
+/// The sequences of the warm-up step: `(rows, pages)` each, together `max_rows` rows where the
+/// pool allows (a sequence holds at most `max_pages` pages; distinct pages from page 0).
+fn warm_up_plan(c: &BatchConfig) -> Vec<(usize, Vec<u32>)> {
+    let per_seq = c.max_pages * c.page_size;
+    let (mut left, mut next) = (c.max_rows, 0usize);
+    let mut plan = Vec::new();
+    while left > 0 && plan.len() < c.max_seqs && per_seq > 0 {
+        let rows = left.min(per_seq);
+        let n = rows.div_ceil(c.page_size);
+        let (rows, n) = if next + n <= c.n_pages {
+            (rows, n)
+        } else {
+            let n = c.n_pages - next;
+            (rows.min(n * c.page_size), n)
+        };
+        if rows == 0 {
+            break;
+        }
+        plan.push((rows, (next as u32..(next + n) as u32).collect()));
+        next += n;
+        left -= rows;
+    }
+    plan
+}
+
 impl<'e, B: Backend> Batch<'e, B> {
     /// Allocates the paged cache and the workspace. Fails for models whose state is not all
     /// in the KV cache (hybrid linear-attention models) and on backends without paged caches.
@@ -164,23 +189,30 @@ impl<'e, B: Backend> Batch<'e, B> {
 
     /// One eager step at the workspace's full row count, before any sequence holds pages
     /// (it writes keys and values into the first pages of the pool): scratch buffers that
-    /// kernels grow on demand reach their largest size before a graph records them.
+    /// kernels grow on demand (and may free when they grow) reach their largest size before
+    /// a graph records their addresses.
     fn warm_up(&mut self) -> Result<()> {
-        let c = self.cfg;
-        let rows = c
-            .max_rows
-            .min(c.max_pages * c.page_size)
-            .min(c.n_pages * c.page_size);
-        let pages: Vec<u32> = (0..rows.div_ceil(c.page_size) as u32).collect();
+        let plan = warm_up_plan(&self.cfg);
+        let rows: usize = plan.iter().map(|p| p.0).sum();
+        if rows < self.cfg.max_rows {
+            tracing::warn!(
+                "graph warm-up covers {rows} of {} rows (KV pool too small)",
+                self.cfg.max_rows
+            );
+        }
+        if plan.is_empty() {
+            return Ok(());
+        }
         let tokens = vec![0u32; rows];
-        self.be.set_batch(
-            &mut self.ws.step,
-            &[SeqRows {
-                tokens: &tokens,
+        let seqs: Vec<SeqRows<'_>> = plan
+            .iter()
+            .map(|(n, pages)| SeqRows {
+                tokens: &tokens[..*n],
                 pos0: 0,
-                pages: &pages,
-            }],
-        )?;
+                pages,
+            })
+            .collect();
+        self.be.set_batch(&mut self.ws.step, &seqs)?;
         self.model
             .forward(self.be, &mut self.ws, &mut self.kv, Logits::SeqLast)
     }
@@ -230,5 +262,51 @@ impl<'e, B: Backend> Batch<'e, B> {
         }
         let v = self.model.cfg.vocab;
         Ok(self.host.as_ref().expect("just set")[i * v..(i + 1) * v].to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(n_pages: usize, max_pages: usize, max_seqs: usize, max_rows: usize) -> BatchConfig {
+        BatchConfig {
+            n_pages,
+            page_size: 16,
+            max_pages,
+            max_seqs,
+            max_rows,
+        }
+    }
+
+    /// The warm-up reaches the full row count through several sequences when one sequence's
+    /// context is shorter (`ferrite serve`: 512-token prefill chunks + 32 decode rows, a
+    /// 448-token context), never reusing a page.
+    #[test]
+    fn warm_up_covers_max_rows() {
+        for c in [
+            cfg(896, 28, 32, 544),
+            cfg(100, 4, 8, 100),
+            cfg(64, 64, 1, 300),
+            cfg(3, 28, 32, 544),
+        ] {
+            let plan = warm_up_plan(&c);
+            let rows: usize = plan.iter().map(|p| p.0).sum();
+            let want = c
+                .max_rows
+                .min(c.max_seqs * c.max_pages * 16)
+                .min(c.n_pages * 16);
+            assert_eq!(rows, want, "{c:?}");
+            assert!(plan.len() <= c.max_seqs);
+            let mut pages: Vec<u32> = plan.iter().flat_map(|p| p.1.clone()).collect();
+            for (n, p) in &plan {
+                assert!(p.len() <= c.max_pages && n.div_ceil(16) <= p.len() && *n > 0);
+            }
+            let all = pages.len();
+            pages.sort();
+            pages.dedup();
+            assert_eq!(pages.len(), all, "a page used twice");
+            assert!(pages.iter().all(|&p| (p as usize) < c.n_pages));
+        }
     }
 }
