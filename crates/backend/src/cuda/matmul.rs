@@ -84,8 +84,11 @@ pub struct Kernels {
     gemv: Vec<[CudaFunction; 6]>,
     /// `gemv_swiglu_<type>_r<R>` (float types only: the quantized ones use gemvq_swiglu).
     gemv_swiglu: Vec<Option<[CudaFunction; 6]>>,
-    /// `gemvq_<type>_r<R>` and `gemvq_swiglu_<type>_r<R>` (quantized types only).
-    gemvq: Vec<Option<[[CudaFunction; 6]; 2]>>,
+    /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch (float types).
+    gemv_multi: Vec<Option<[CudaFunction; 6]>>,
+    /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
+    /// (quantized types only).
+    gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
@@ -110,6 +113,7 @@ impl Kernels {
         let mut gemvq = Vec::with_capacity(TYPES.len());
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
         let mut gemv_swiglu = Vec::with_capacity(TYPES.len());
+        let mut gemv_multi = Vec::with_capacity(TYPES.len());
         for (ty, name) in TYPES {
             gemvq_moe.push(if quantized_x(ty) {
                 Some([
@@ -121,12 +125,15 @@ impl Kernels {
             });
             let f = |r: usize| function(&m, &format!("gemv_{name}_r{r}"));
             gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]);
-            gemv_swiglu.push(if quantized_x(ty) {
-                None
-            } else {
-                let f = |r: usize| function(&m, &format!("gemv_swiglu_{name}_r{r}"));
-                Some([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?])
-            });
+            let float_kernels = |kind: &str| -> Result<Option<[CudaFunction; 6]>> {
+                if quantized_x(ty) {
+                    return Ok(None);
+                }
+                let f = |r: usize| function(&m, &format!("gemv_{kind}_{name}_r{r}"));
+                Ok(Some([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]))
+            };
+            gemv_swiglu.push(float_kernels("swiglu")?);
+            gemv_multi.push(float_kernels("multi")?);
             gemvq.push(if quantized_x(ty) {
                 let q = |kind: &str, r: usize| function(&m, &format!("gemvq{kind}_{name}_r{r}"));
                 let all = |kind: &str| -> Result<[CudaFunction; 6]> {
@@ -139,7 +146,7 @@ impl Kernels {
                         q(kind, 16)?,
                     ])
                 };
-                Some([all("")?, all("_swiglu")?])
+                Some([all("")?, all("_swiglu")?, all("_multi")?])
             } else {
                 None
             });
@@ -158,6 +165,7 @@ impl Kernels {
         Ok(Kernels {
             gemv,
             gemv_swiglu,
+            gemv_multi,
             gemvq,
             gemvq_moe,
             quant_x: function(&m, "quant_x_q8")?,
@@ -169,8 +177,8 @@ impl Kernels {
     }
 }
 
-/// Activations quantized to int8 per 32 elements (`quant_x_q8`): the int8 values and, per
-/// block, (scale d, d · Σq) as two f32.
+/// Activations quantized per 32 elements (`quant_x_q8`): two int8 planes per row (x ≈
+/// d·(127·hi + lo)) and, per block, (scale d, d · Σ(127·hi + lo)) as two f32.
 pub(crate) struct XQuant {
     pub(crate) q: CudaSlice<i8>,
     pub(crate) d: CudaSlice<f32>,
@@ -406,7 +414,7 @@ pub(crate) fn quantize_x<'a>(
             retired.push((old.q, old.d));
         }
         *guard = Some(XQuant {
-            q: be.stream.alloc_zeros::<i8>(GEMV_MAX_ROWS * n_in)?,
+            q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
             d: be
                 .stream
                 .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
@@ -421,8 +429,9 @@ pub(crate) fn quantize_x<'a>(
     Ok(guard)
 }
 
-/// Quantizes `rows` rows of `n_in` (a multiple of 32) floats of `x` into `q` (int8) and `d`
-/// (per 32-element block: scale, scale · Σq), rows `n_in` apart: `quant_x_q8`.
+/// Quantizes `rows` rows of `n_in` (a multiple of 32) floats of `x` into `q` (two int8 planes
+/// per row, rows `2·n_in` apart) and `d` (per 32-element block: scale, scale · Σq):
+/// `quant_x_q8`.
 pub(crate) fn quantize_into(
     be: &CudaBackend,
     x: &CudaSlice<f32>,
@@ -433,7 +442,7 @@ pub(crate) fn quantize_into(
 ) -> Result<()> {
     let n = rows * n_in;
     ensure!(
-        n_in % 32 == 0 && x.len() >= n && q.len() >= n && d.len() >= n / 16,
+        n_in % 32 == 0 && x.len() >= n && q.len() >= 2 * n && d.len() >= n / 16,
         "quantize: [{rows}, {n_in}] does not fit its buffers"
     );
     ensure!(
@@ -490,7 +499,7 @@ fn gemvq_launch(
     let (n_out_i, n_in_i, rows_i) = (n_out as i32, n_in as i32, rows as i32);
     // The kernel indexes x rows n_in apart: the scratch was filled for this n_in.
     let xd = xq.d.slice(..rows * n_in / 32 * 2);
-    let xqs = xq.q.slice(..rows * n_in);
+    let xqs = xq.q.slice(..2 * rows * n_in);
     match up {
         None => {
             let ks = gemvq_ks(w.dtype, n_in, n_out.div_ceil(GEMV_NW), be.sm_count);
@@ -545,8 +554,39 @@ fn gemvq_launch(
     Ok(())
 }
 
-/// `outs[i] = ws[i] · x` for weights reading the same x (the Q, K, V projections): in the
-/// quantized-x GEMV case x is quantized once for all of them.
+/// Kernel argument of `gemv_multi_*` / `gemvq_multi_*` (`GemvSegs` in matmul.cu): up to
+/// three weights of one type and row length, their outputs and row counts, and the blocks of
+/// the first two (the third takes the rest of the grid).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GemvSegs {
+    w: [u64; 3],
+    out: [u64; 3],
+    n: [i32; 3],
+    b: [i32; 2],
+}
+
+// SAFETY: plain old data laid out as the C struct (6 pointers, 5 ints).
+unsafe impl cudarc::driver::DeviceRepr for GemvSegs {}
+
+/// Which decode GEMV a weight takes at `rows` rows, for grouping in [`matmuls`]: `Some(true)`
+/// the quantized-x one, `Some(false)` the f32 one of the float types, `None` neither
+/// (prefill rows, or a small-output quantized weight).
+fn gemv_path(w: &CudaWeight, rows: usize) -> Option<bool> {
+    if rows == 0 || rows > GEMV_MAX_ROWS || w.shape.len() != 2 {
+        None
+    } else if uses_gemvq(w, rows) {
+        Some(true)
+    } else if !quantized_x(w.dtype) {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// `outs[i] = ws[i] · x` for weights reading the same x (the Q, K, V projections). At decode
+/// rows, consecutive weights of one type and row length run as one launch (up to three:
+/// `gemv_multi_*` / `gemvq_multi_*`), and x is quantized once for all quantized-x GEMVs.
 pub fn matmuls(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -559,26 +599,164 @@ pub fn matmuls(
         ws.len(),
         outs.len()
     );
-    let shared = ws.iter().filter(|w| uses_gemvq(w, x.rows)).count();
-    if shared < 2 {
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul(be, x, w, out)?;
-        }
-        return Ok(());
+    let rows = x.rows;
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        crate::check_matmul(x, &w.shape, out)?;
+        ensure!(
+            w.data.len() >= w.shape[0] * w.row_bytes(),
+            "matmuls: weight buffer smaller than {:?} {}",
+            w.shape,
+            w.dtype
+        );
     }
-    let guard = quantize_x(be, x)?;
-    let xq = guard
-        .as_ref()
-        .ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
-    for (w, out) in ws.iter().zip(outs.iter_mut()) {
-        if uses_gemvq(w, x.rows) {
-            crate::check_matmul(x, &w.shape, out)?;
-            gemvq_launch(be, xq, w, None, out, x.rows)?;
-        } else {
-            // Never touches the int8 scratch held here (its weight is not a gemvq one).
-            matmul(be, x, w, out)?;
+    ensure!(
+        x.buf.len() >= rows * x.cols,
+        "matmuls: input buffer smaller than its shape"
+    );
+    let paths: Vec<Option<bool>> = ws.iter().map(|w| gemv_path(w, rows)).collect();
+    let guard = if paths.contains(&Some(true)) {
+        Some(quantize_x(be, x)?)
+    } else {
+        None
+    };
+    let xq = guard.as_ref().and_then(|g| g.as_ref());
+    let mut outs = outs.iter_mut();
+    let mut i = 0;
+    while i < ws.len() {
+        // The run of weights from i that can share one launch.
+        let mut j = i + 1;
+        while j < ws.len()
+            && j - i < 3
+            && paths[i].is_some()
+            && paths[j] == paths[i]
+            && ws[j].dtype == ws[i].dtype
+            && ws[j].shape[1] == ws[i].shape[1]
+        {
+            j += 1;
         }
+        let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
+        match paths[i] {
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group)?,
+            Some(true) => {
+                let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
+                for out in group {
+                    gemvq_launch(be, xq, ws[i], None, out, rows)?;
+                }
+            }
+            // Never touches the int8 scratch held here (not a quantized-x GEMV).
+            _ => {
+                for out in group {
+                    matmul(be, x, ws[i], out)?;
+                }
+            }
+        }
+        i = j;
     }
+    Ok(())
+}
+
+/// One launch of 2–3 weights of one type and row length (checked by the caller): the
+/// quantized-x GEMV on `xq` (`q`) or the f32 GEMV on x.
+fn multi_launch(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    xq: Option<&XQuant>,
+    q: bool,
+    ws: &[&CudaWeight],
+    outs: Vec<&mut &mut Act<CudaSlice<f32>>>,
+) -> Result<()> {
+    use cudarc::driver::DevicePtrMut;
+    let (t, n_in, rows) = (ws[0].dtype, ws[0].shape[1], x.rows);
+    ensure!(
+        (2..=3).contains(&ws.len()) && ws.len() == outs.len(),
+        "matmuls: a group of {} weights",
+        ws.len()
+    );
+    let total: usize = ws.iter().map(|w| w.shape[0]).sum();
+    let ks = if q {
+        let groups: usize = ws.iter().map(|w| w.shape[0].div_ceil(GEMV_NW)).sum();
+        gemvq_ks(t, n_in, groups, be.sm_count)
+    } else {
+        gemv_ks(t, n_in, total, be.sm_count)
+    };
+    let per_block = GEMV_WARPS / ks * GEMV_NW;
+    let mut sg = GemvSegs::default();
+    let mut grid = 0usize;
+    let mut guards = Vec::new();
+    for (k, (w, out)) in ws.iter().zip(outs).enumerate() {
+        let (wp, gw) = w.data.device_ptr(&be.stream);
+        let (op, go) = out.buf.device_ptr_mut(&be.stream);
+        guards.push((gw, go));
+        sg.w[k] = wp;
+        sg.out[k] = op;
+        sg.n[k] = i32::try_from(w.shape[0])?;
+        let b = w.shape[0].div_ceil(per_block);
+        if k < 2 {
+            sg.b[k] = i32::try_from(b)?;
+        }
+        grid += b;
+    }
+    if ws.len() == 2 {
+        // No third weight: its segment is empty (the grid ends with weight 1).
+        sg.w[2] = sg.w[1];
+        sg.out[2] = sg.out[1];
+    }
+    let ti = type_index(t)?;
+    let ri = GEMV_R
+        .iter()
+        .position(|&r| r >= rows)
+        .ok_or_else(|| anyhow!("matmuls: {rows} rows"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from(grid)?, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rb, n_in_i, rows_i, ks_i) = (
+        ws[0].row_bytes() as i64,
+        n_in as i32,
+        rows as i32,
+        ks as i32,
+    );
+    if q {
+        let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
+        ensure!(xq.cap >= n_in, "matmuls: int8 scratch too small");
+        let fams = be.matmul.gemvq[ti]
+            .as_ref()
+            .ok_or_else(|| anyhow!("matmuls: no quantized-x kernel for {t}"))?;
+        let xd = xq.d.slice(..rows * n_in / 32 * 2);
+        let xqs = xq.q.slice(..2 * rows * n_in);
+        // SAFETY: every weight holds n rows of rb bytes and every output rows×n floats
+        // (checked by matmuls); the scratch holds rows×n_in quantized values.
+        unsafe {
+            be.stream
+                .launch_builder(&fams[2][ri])
+                .arg(&sg)
+                .arg(&rb)
+                .arg(&n_in_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&rows_i)
+                .arg(&ks_i)
+                .launch(cfg)
+        }?;
+    } else {
+        let fams = be.matmul.gemv_multi[ti]
+            .as_ref()
+            .ok_or_else(|| anyhow!("matmuls: no grouped kernel for {t}"))?;
+        // SAFETY: as above, with x holding rows×n_in floats.
+        unsafe {
+            be.stream
+                .launch_builder(&fams[ri])
+                .arg(&sg)
+                .arg(&rb)
+                .arg(&n_in_i)
+                .arg(&x.buf)
+                .arg(&rows_i)
+                .arg(&ks_i)
+                .launch(cfg)
+        }?;
+    }
+    drop(guards);
     Ok(())
 }
 

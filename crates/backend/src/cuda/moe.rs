@@ -250,7 +250,7 @@ pub fn moe(
         grow(st, &mut s.wts, pairs, rf)?;
         grow(st, &mut s.h, pairs * ffn, rf)?;
         if quantized_decode {
-            grow(st, &mut s.hq, pairs * ffn, &mut s.retired_q)?;
+            grow(st, &mut s.hq, 2 * pairs * ffn, &mut s.retired_q)?;
             grow(st, &mut s.hd, pairs * ffn / 16, rf)?;
         }
         if grouped.is_some() {

@@ -378,13 +378,13 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 template <int TYPE, int R, bool SWIGLU = false>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                      const float* __restrict__ x, int rows, float* __restrict__ out, int ks,
-                                     const uint8_t* __restrict__ W2 = nullptr) {
+                                     const uint8_t* __restrict__ W2, int bx) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kw = warp % ks, grp = warp / ks;
-    const int o0 = (blockIdx.x * (GEMV_WARPS / ks) + grp) * PER;
+    const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
     float acc[R][NW];
 #pragma unroll
@@ -460,7 +460,7 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
                            const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {        \
-        gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out, ks);                                                \
+        gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x);                           \
     }
 #define GEMV_ALL_R(name, TYPE) \
     GEMV_KERNEL(name, TYPE, 1) \
@@ -470,12 +470,45 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     GEMV_KERNEL(name, TYPE, 9) \
     GEMV_KERNEL(name, TYPE, 16)
 
+// Up to three weights of one type and row length reading the same x (Q, K, V) in one launch:
+// blocks [0, b0) are weight 0's row groups, [b0, b0 + b1) weight 1's, the rest weight 2's. Each
+// output is computed exactly as by a single-weight launch with the same ks.
+struct GemvSegs {
+    const uint8_t* w0;
+    const uint8_t* w1;
+    const uint8_t* w2;
+    float* out0;
+    float* out1;
+    float* out2;
+    int n0, n1, n2;
+    int b0, b1;
+};
+
+// The segment of block bx, and bx made relative to it.
+__device__ __forceinline__ int gemv_seg(const GemvSegs& sg, int& bx) {
+    if (bx < sg.b0) return 0;
+    bx -= sg.b0;
+    if (bx < sg.b1) return 1;
+    bx -= sg.b1;
+    return 2;
+}
+
 #define GEMV_SWIGLU_KERNEL(name, TYPE, R)                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
                                   int n_out, int n_in, const float* __restrict__ x, int rows,               \
                                   float* __restrict__ out, int ks) {                                        \
-        gemv<TYPE, R, true>(W, rb, n_out, n_in, x, rows, out, ks, W2);                                      \
+        gemv<TYPE, R, true>(W, rb, n_out, n_in, x, rows, out, ks, W2, blockIdx.x);                          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const float* __restrict__ x, int rows, \
+                                 int ks) {                                                                  \
+        int bx = blockIdx.x;                                                                                \
+        const int s = gemv_seg(sg, bx);                                                                     \
+        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                      \
+        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                      \
+        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                       \
+        gemv<TYPE, R, false>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx);                            \
     }
 #define GEMV_SWIGLU_ALL_R(name, TYPE) \
     GEMV_SWIGLU_KERNEL(name, TYPE, 1) \
@@ -505,19 +538,23 @@ GEMV_ALL_R(q6_k, GGML_Q6_K)
 //
 //  Why: the f32 GEMV spent ~7 instructions per weight element (nibble -> float, dequant FMA,
 //  FMA with x, header decode per 8 elements) against a budget of ~4.7 at 4.3 TB/s for Q4_K,
-//  so it ran at 0.7-1.0 TB/s. With x quantized to int8 (per 32 elements: scale d and
-//  s = d * sum(q), as ggml's q8_1) one dp4a multiplies 4 weights by 4 activations: ~1.4
-//  instructions per element for Q4_K, ~2.7 for Q6_K, ~1 for Q8_0, leaving the kernel
+//  so it ran at 0.7-1.0 TB/s. With x in int8 one dp4a multiplies 4 weights by 4 activations:
+//  ~2 instructions per element for Q4_K, ~3 for Q6_K, ~1.5 for Q8_0, leaving the kernel
 //  bandwidth-bound.
 //
-//  Precision: x rounded to int8 per 32-element block (absmax scaling; relative RMS error
-//  ~0.5% per element, NMSE ~3e-5 on a dot product); weights exact; integer sums exact; scales
-//  applied in f32. Same scheme as llama.cpp's MMVQ. Every output is a fixed sequence of
-//  operations whatever R is (padded rows recompute the last real row), so decode and
-//  speculative verify agree bitwise, as for the f32 GEMV.
+//  Precision: x is held as two int8 planes per 32-element block, x ~ d (127 hi + lo): hi is
+//  x rounded at step d1 = amax / 127 (ggml's q8_1), lo the residual rounded at d = d1 / 127.
+//  The error is <= d / 2 per element (relative ~3e-5 of amax, NMSE ~1e-9 on a dot product:
+//  near the f32 GEMV, where a single int8 plane gave ~3e-5 and flipped the prefill/decode
+//  argmax gate on random-weight models with near-tied logits). Each weight word takes two
+//  dp4a (hi and lo); 127 * sum(w hi) + sum(w lo) is an exact int32 (|.| < 2^27). Weights
+//  exact; scales applied in f32. Every output is a fixed sequence of operations whatever R
+//  is (padded rows recompute the last real row), so decode and speculative verify agree
+//  bitwise, as for the f32 GEMV.
 //
-//  quant_x_q8: one warp per 32-element block of x: absmax by xor butterfly, q = rint(x * 127 /
-//  amax), d = amax / 127, s = d * sum(q). xq [rows][n_in] int8, xd [rows][n_in/32] float2.
+//  quant_x_q8: one warp per 32-element block of x: absmax by xor butterfly, hi, lo as above,
+//  s = d * sum(127 hi + lo). xq [rows][2][n_in] int8 (the hi plane, then the lo plane),
+//  xd [rows][n_in/32] float2 (d, s).
 //
 //  Block/warp structure as gemv_ (8 warps, row groups of NW = 2 rows, ks warps split K). A lane
 //  "unit" is 32 weight elements:
@@ -562,16 +599,28 @@ extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int
     const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= (long long)rows * nb) return;  // whole warp
     const int lane = threadIdx.x & 31;
+    const long long row = blk / nb, col = (blk % nb) * QK + lane;
     const float v = x[blk * QK + lane];
     float amax = fabsf(v);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float d = amax / 127.0f;
-    const int q = amax > 0.0f ? (int)rintf(v * (127.0f / amax)) : 0;
-    int sum = q;
+    // hi = rint(v / d1), d1 = amax / 127; lo = rint((v - hi d1) / d), d = d1 / 127: |v - hi d1|
+    // <= d1 / 2, so |lo| <= 64. v ~ d (127 hi + lo), error <= d / 2.
+    int hi = 0, lo = 0;
+    float d = 0.0f;
+    if (amax > 0.0f) {
+        const float d1 = amax / 127.0f;
+        d = d1 / 127.0f;
+        hi = (int)rintf(v * (127.0f / amax));
+        lo = (int)rintf((v - (float)hi * d1) / d);
+        lo = lo > 127 ? 127 : (lo < -127 ? -127 : lo);
+    }
+    int sum = 127 * hi + lo;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    xq[blk * QK + lane] = (int8_t)q;
+    int8_t* xr = xq + row * 2 * (long long)n_in;
+    xr[col] = (int8_t)hi;
+    xr[n_in + col] = (int8_t)lo;
     if (lane == 0) xd[blk] = make_float2(d, d * (float)sum);
 }
 
@@ -624,16 +673,24 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
-                const int4* xp = (const int4*)(xq + (size_t)rr * n_in + (size_t)u * QK);
-                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)u * QK;
+                const int4* xp = (const int4*)xr;
+                const int4* yp = (const int4*)(xr + n_in);
+                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1), y0 = __ldg(yp), y1 = __ldg(yp + 1);
                 const float2 ds = __ldg(xd + (size_t)rr * nb + u);
                 const uint32_t xv[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
                                         (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+                const uint32_t yv[8] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w,
+                                        (uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
-                    int s = 0;
+                    int sh = 0, sl = 0;
 #pragma unroll
-                    for (int i = 0; i < 8; i++) s = dp4(q[w][i], xv[i], s);
+                    for (int i = 0; i < 8; i++) {
+                        sh = dp4(q[w][i], xv[i], sh);
+                        sl = dp4(q[w][i], yv[i], sl);
+                    }
+                    const int s = 127 * sh + sl;
                     if (TYPE == GGML_Q8_0) {
                         acc[r][w] = fmaf(dw[w] * ds.x, (float)s, acc[r][w]);
                     } else if (TYPE == GGML_Q4_0) {
@@ -681,19 +738,26 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
-                const int8_t* xr = xq + (size_t)rr * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
+                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
                 const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
+                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 32));
                 const float4 ds = __ldg((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+                const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
+                const uint32_t yb[4] = {(uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
-                    int sa = 0, sb = 0;
+                    int sa = 0, sb = 0, la = 0, lb = 0;
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         sa = dp4(lo[w][i], xa[i], sa);
                         sb = dp4(hi[w][i], xb[i], sb);
+                        la = dp4(lo[w][i], ya[i], la);
+                        lb = dp4(hi[w][i], yb[i], lb);
                     }
+                    sa = 127 * sa + la;
+                    sb = 127 * sb + lb;
                     const float t = fmaf(sc1[w] * ds.z, (float)sb, sc0[w] * ds.x * (float)sa);
                     const float mm = mfac * fmaf(m1[w], ds.w, m0[w] * ds.y);
                     acc[r][w] = fmaf(d[w], t, fmaf(-dmin[w], mm, acc[r][w]));
@@ -729,20 +793,27 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
                 const int e = s * QK_K + 128 * n + 32 * p + 16 * c;
-                const int8_t* xr = xq + (size_t)rr * n_in + e;
+                const int8_t* xr = xq + (size_t)rr * 2 * n_in + e;
                 const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 64));
+                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 64));
                 const float dxa = __ldg(xd + (size_t)rr * nb + e / QK).x;
                 const float dxb = __ldg(xd + (size_t)rr * nb + e / QK + 2).x;
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+                const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
+                const uint32_t yb[4] = {(uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
-                    int sa = 0, sb = 0;
+                    int sa = 0, sb = 0, la = 0, lb = 0;
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         sa = dp4(lo[w][i], xa[i], sa);
                         sb = dp4(hi[w][i], xb[i], sb);
+                        la = dp4(lo[w][i], ya[i], la);
+                        lb = dp4(hi[w][i], yb[i], lb);
                     }
+                    sa = 127 * sa + la;
+                    sb = 127 * sb + lb;
                     acc[r][w] = fmaf(db[w] * dxb, (float)sb, fmaf(da[w] * dxa, (float)sa, acc[r][w]));
                 }
             }
@@ -755,13 +826,14 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 template <int TYPE, int R, bool SWIGLU>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
-                                      const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) {
+                                      const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
+                                      int bx) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kw = warp % ks, grp = warp / ks;
-    const int o0 = (blockIdx.x * (GEMV_WARPS / ks) + grp) * PER;
+    const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
     float acc[R][NW];
 #pragma unroll
@@ -827,13 +899,23 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         gemvq_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
                             const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,         \
                             float* __restrict__ out, int ks) {                                               \
-        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks);                                 \
+        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
                                    int n_out, int n_in, const int8_t* __restrict__ xq,                       \
                                    const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) { \
-        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks);                                 \
+        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
+        gemvq_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,        \
+                                  const float2* __restrict__ xd, int rows, int ks) {                         \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
+        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
+        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
+        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                             \
     }
 #define GEMVQ_ALL_R(name, TYPE) \
     GEMVQ_KERNEL(name, TYPE, 1) \
@@ -886,7 +968,8 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     const size_t r = (size_t)e * ffn + o;
     const uint8_t* wr[2] = {G + r * (size_t)rb, U + r * (size_t)rb};
     float acc[1][2] = {{0.0f, 0.0f}};
-    gemvq_lane<TYPE, 1, 2>(wr, hidden, xq + (size_t)t * hidden, xd + (size_t)t * (hidden / QK), 1, lane, 0, 1, acc);
+    gemvq_lane<TYPE, 1, 2>(wr, hidden, xq + (size_t)t * 2 * hidden, xd + (size_t)t * (hidden / QK), 1, lane, 0, 1,
+                           acc);
 #pragma unroll
     for (int w = 0; w < 2; w++)
 #pragma unroll
@@ -916,7 +999,8 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                 const int o = o0 + w < hidden ? o0 + w : hidden - 1;
                 wr[w] = D + ((size_t)e * hidden + o) * (size_t)rb;
             }
-            gemvq_lane<TYPE, 1, 2>(wr, ffn, hq + (size_t)p * ffn, hd + (size_t)p * (ffn / QK), 1, lane, 0, 1, acc);
+            gemvq_lane<TYPE, 1, 2>(wr, ffn, hq + (size_t)p * 2 * ffn, hd + (size_t)p * (ffn / QK), 1, lane, 0, 1,
+                                   acc);
 #pragma unroll
             for (int w = 0; w < 2; w++)
 #pragma unroll
