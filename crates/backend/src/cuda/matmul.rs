@@ -100,8 +100,10 @@ pub struct Kernels {
     mm: Vec<[CudaFunction; 2]>,
     /// x f32 → bf16 scratch (zero-padded to whole K steps), run before every prefill matmul.
     mm_x: CudaFunction,
-    /// The bf16 copy of x, grown on demand (prefill only: never during a captured decode step).
-    xb: Mutex<Option<CudaSlice<u16>>>,
+    /// The bf16 copy of x, grown on demand (geometrically), and the smaller buffers it
+    /// replaced: kept alive because a graph captured earlier (batched serving steps of more
+    /// than GEMV_MAX_ROWS rows run this path inside graphs) may still point at them.
+    xb: Mutex<(Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>)>,
 }
 
 impl Kernels {
@@ -172,7 +174,7 @@ impl Kernels {
             xq: Mutex::new(None),
             mm,
             mm_x,
-            xb: Mutex::new(None),
+            xb: Mutex::new((None, Vec::new())),
         })
     }
 }
@@ -894,11 +896,14 @@ fn mm_launch(
         .xb
         .lock()
         .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
-    if guard.as_ref().map_or(true, |b| b.len() < need) {
-        *guard = None; // free the old one first (stream-ordered)
-        *guard = Some(be.stream.alloc_zeros::<u16>(need)?);
+    let (cur, retired) = &mut *guard;
+    if cur.as_ref().map_or(true, |b| b.len() < need) {
+        let fresh = be.stream.alloc_zeros::<u16>(need.next_power_of_two())?;
+        if let Some(old) = cur.replace(fresh) {
+            retired.push(old);
+        }
     }
-    let xb = guard
+    let xb = cur
         .as_mut()
         .ok_or_else(|| anyhow!("matmul: bf16 scratch missing"))?;
     let (n_out_i, n_in_i, rows_i, kp_i) = (n_out as i32, n_in as i32, rows as i32, kp as i32);
