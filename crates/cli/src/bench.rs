@@ -148,7 +148,7 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
         "reps, gen-tokens and prompt-tokens must be ≥ 1"
     );
     let (path, file) = load::open(&a.model)?;
-    crate::on_backend!(a.model.device, be => bench_on(&be, &path, &file, a))
+    crate::on_backend!(&a.model, be => bench_on(&be, &path, &file, a))
 }
 
 fn bench_on<B: Backend>(

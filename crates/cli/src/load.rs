@@ -77,21 +77,31 @@ pub fn choose(device: Device) -> Result<DeviceChoice> {
 }
 
 /// Runs `$body` with `$be` bound to the backend `--device` picks (a concrete type in each
-/// arm, so the body is compiled once per backend).
+/// arm, so the body is compiled once per backend), set up as the [`crate::ModelArgs`] ask
+/// (`--kv-cache-q8`).
 #[macro_export]
 macro_rules! on_backend {
-    ($device:expr, $be:ident => $body:expr) => {
-        match $crate::load::choose($device)? {
+    ($args:expr, $be:ident => $body:expr) => {{
+        let args: &$crate::ModelArgs = $args;
+        match $crate::load::choose(args.device)? {
             $crate::load::DeviceChoice::Cpu => {
+                anyhow::ensure!(
+                    !args.kv_cache_q8,
+                    "--kv-cache-q8: the CPU backend keeps its KV cache in f32 (q8_0 caches are CUDA only)"
+                );
                 let $be = ferrite_backend::cpu::CpuBackend::new();
                 $body
             }
             $crate::load::DeviceChoice::Cuda => {
                 let $be = ferrite_backend::cuda::CudaBackend::new(0)?;
+                if args.kv_cache_q8 {
+                    $be.attention
+                        .set_kv_type(ferrite_backend::cuda::attention::KvType::Q8_0);
+                }
                 $body
             }
         }
-    };
+    }};
 }
 
 /// Opens the model file named by `args` (or the default model).

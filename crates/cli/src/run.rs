@@ -54,7 +54,7 @@ pub struct RunArgs {
 
 pub fn run(a: &RunArgs) -> Result<()> {
     crate::load::init_threads(a.model.threads);
-    crate::on_backend!(a.model.device, be => run_on(crate::load::engine(be, &a.model)?, a))
+    crate::on_backend!(&a.model, be => run_on(crate::load::engine(be, &a.model)?, a))
 }
 
 fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs) -> Result<()> {

@@ -59,7 +59,7 @@ pub fn serve(a: &ServeArgs) -> Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| model_name(&path));
-    crate::on_backend!(a.model.device, be => serve_on(crate::load::engine(be, &a.model)?, a, name))
+    crate::on_backend!(&a.model, be => serve_on(crate::load::engine(be, &a.model)?, a, name))
 }
 
 fn model_name(path: &Path) -> String {

@@ -24,7 +24,7 @@ pub struct LogitsArgs {
 
 pub fn logits(a: &LogitsArgs) -> Result<()> {
     let (_, file) = load::open(&a.model)?;
-    crate::on_backend!(a.model.device, be => logits_on(&be, &file, a))
+    crate::on_backend!(&a.model, be => logits_on(&be, &file, a))
 }
 
 fn logits_on<B: ferrite_backend::Backend>(be: &B, file: &ModelFile, a: &LogitsArgs) -> Result<()> {

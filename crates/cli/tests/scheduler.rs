@@ -28,6 +28,7 @@ fn scheduler(cfg: SchedulerConfig) -> (Scheduler, Vec<Vec<u32>>) {
             model: None,
             device: Device::Cpu,
             threads: None,
+            kv_cache_q8: false,
         },
     )
     .expect("default model loads");

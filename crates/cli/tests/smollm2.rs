@@ -25,6 +25,7 @@ fn engine() -> ferrite_engine::Engine<ferrite_backend::cpu::CpuBackend> {
             model: None,
             device: Device::Cpu,
             threads: None,
+            kv_cache_q8: false,
         },
     )
     .expect("default model loads")
@@ -113,4 +114,18 @@ fn run_command_chat() {
         "The capital of France is Paris.\n"
     );
     assert!(stderr.contains("gate passed"), "{stderr}");
+}
+
+#[test]
+fn q8_kv_cache_on_the_cpu_is_a_clear_error() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferrite"))
+        .args(["run", "--device", "cpu", "--kv-cache-q8", "--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kv-cache-q8") && err.contains("CUDA only"),
+        "{err}"
+    );
 }
