@@ -11,6 +11,7 @@
 #   bench8b  synth Qwen3-8B Q4_K_M, Q8_0, F16 and bench pp512/tg128 each (--record)
 #   bench30b synth Qwen3-30B-A3B Q4_K_M and bench it
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
+#   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 # Logs and bench/results.jsonl lines are written under $OUT.
 #
 # SmolLM2 (98 MB) is larger than what one call may carry next to the working tree: split it
@@ -59,6 +60,16 @@ for stage in "$@"; do
         for d in 8192 32768; do
             $F bench --model "$f" --label qwen3-8b --depth $d --prompt-tokens 512 --reps 1 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -6
         done
+        ;;
+    bench35)
+        for p in qwen3.5-9b qwen3.5-35b-a3b; do
+            f=$(synth $p Q4_K_M | tail -1)
+            $F bench --model "$f" --label $p --reps 3 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -8
+            rm -f "$f"
+        done
+        f=$(synth qwen3.5-9b Q4_K_M | tail -1)
+        $F bench --model "$f" --label qwen3.5-9b --depth 8192 --prompt-tokens 512 --reps 1 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -6
+        rm -f "$f"
         ;;
     *) echo "unknown stage $stage" ;;
     esac
