@@ -19,7 +19,8 @@ use rayon::prelude::*;
 use crate::gated_delta::{self, HeadInputs};
 use crate::{
     check_shape, Act, AttnArgs, AttnShape, Backend, BatchLayout, DeltaArgs, DeltaShape,
-    ExpertWeights, HostTensor, MoeRouting, PagedKv, Rope, RopeStyle, SeqRows, StepBatch, StepInput,
+    ExpertWeights, HostTensor, MoeRouting, PagedKv, Rope, RopeStyle, SeqRows, SnapshotSlots,
+    StepBatch, StepInput,
 };
 
 /// A weight in host memory, in its file type.
@@ -68,7 +69,13 @@ pub struct CpuKv {
     /// Per linear layer: the recurrent state, `[n_v_heads, k_head_dim, v_head_dim]`.
     delta: Vec<Vec<f32>>,
     delta_shape: Option<DeltaShape>,
+    /// Snapshot slots ([`Backend::kv_snapshots`]): per slot a copy of `conv` and `delta`.
+    snapshots: Vec<LinearState>,
+    slots: SnapshotSlots,
 }
+
+/// A copy of a cache's linear-attention state: (`conv`, `delta`), per layer.
+type LinearState = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 impl CpuKv {
     fn delta_shape(&self, layer: usize) -> Result<DeltaShape> {
@@ -615,6 +622,8 @@ impl Backend for CpuBackend {
             conv: vec![],
             delta: vec![],
             delta_shape: None,
+            snapshots: vec![],
+            slots: SnapshotSlots::default(),
         })
     }
 
@@ -644,6 +653,8 @@ impl Backend for CpuBackend {
             conv: vec![],
             delta: vec![],
             delta_shape: None,
+            snapshots: vec![],
+            slots: SnapshotSlots::default(),
         })
     }
 
@@ -666,6 +677,38 @@ impl Backend for CpuBackend {
         kv.delta = vec![vec![0.0; state]; n_linear_layers];
         kv.delta_shape = Some(delta);
         Ok(kv)
+    }
+
+    fn kv_snapshots(&self, kv: &mut CpuKv, n: usize) -> Result<()> {
+        kv.snapshots = (0..n)
+            .map(|_| (kv.conv.clone(), kv.delta.clone()))
+            .collect();
+        kv.slots = SnapshotSlots::new(n);
+        Ok(())
+    }
+
+    fn kv_snapshot(&self, kv: &mut CpuKv, slot: usize) -> Result<()> {
+        kv.slots.check_snapshot(slot)?;
+        let (conv, delta) = &mut kv.snapshots[slot];
+        for (dst, src) in conv.iter_mut().zip(&kv.conv) {
+            dst.copy_from_slice(src);
+        }
+        for (dst, src) in delta.iter_mut().zip(&kv.delta) {
+            dst.copy_from_slice(src);
+        }
+        kv.slots.set_filled(slot)
+    }
+
+    fn kv_restore(&self, kv: &mut CpuKv, slot: usize) -> Result<()> {
+        kv.slots.restore(slot)?;
+        let (conv, delta) = &kv.snapshots[slot];
+        for (dst, src) in kv.conv.iter_mut().zip(conv) {
+            dst.copy_from_slice(src);
+        }
+        for (dst, src) in kv.delta.iter_mut().zip(delta) {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
     }
 
     fn causal_conv1d(

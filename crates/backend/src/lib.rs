@@ -553,6 +553,25 @@ pub trait Backend: Send + Sync {
         n_linear_layers: usize,
         delta: DeltaShape,
     ) -> Result<Self::Kv>;
+    /// Gives a cache `n` state snapshot slots ([`Backend::kv_snapshot`],
+    /// [`Backend::kv_restore`]), all empty, replacing any it had: for a hybrid cache each
+    /// slot is preallocated room for the conv and recurrent state of every linear layer, so
+    /// snapshots and restores never allocate. Runs outside graph capture. Caches without
+    /// linear-attention state (attention-only, paged) take slots that hold nothing: the
+    /// same rollback code then runs for every model at no cost.
+    fn kv_snapshots(&self, kv: &mut Self::Kv, n: usize) -> Result<()>;
+    /// Copies the cache's linear-attention state (conv and recurrent, every layer) into
+    /// snapshot slot `slot`, e.g. before a speculative verify step. Attention layers need
+    /// no copy: their rows are addressed by position, so after a rollback the rejected
+    /// positions are written again before any query reads them. The cache records no
+    /// position: the caller continues at the position the snapshot was taken at. A device
+    /// copy on the backend's stream where the backend has one (capturable in a graph; the
+    /// slot's filled flag is host-side and set when the call is issued).
+    fn kv_snapshot(&self, kv: &mut Self::Kv, slot: usize) -> Result<()>;
+    /// Copies snapshot slot `slot` back into the cache's linear-attention state (the
+    /// rollback after rejected draft tokens); the slot keeps its contents, so one snapshot
+    /// can be restored several times. An error for a slot that was never written.
+    fn kv_restore(&self, kv: &mut Self::Kv, slot: usize) -> Result<()>;
     /// Causal depthwise convolution over time followed by SiLU, continuing the stored
     /// state of linear layer `layer`: with `w` `[channels, kernel]` and the input extended
     /// on the left by the state, `out[t][c] = silu(Σ_j w[c][j] · x[t - (kernel-1) + j][c])`;
@@ -634,6 +653,61 @@ pub struct AttnArgs<'a, B> {
     pub k: &'a Act<B>,
     pub v: &'a Act<B>,
     pub shape: AttnShape,
+}
+
+/// The host-side bookkeeping of a cache's snapshot slots ([`Backend::kv_snapshots`]): which
+/// slots hold a snapshot. Shared by the backends so they accept and reject the same slots.
+#[derive(Clone, Debug, Default)]
+pub struct SnapshotSlots {
+    filled: Vec<bool>,
+}
+
+impl SnapshotSlots {
+    /// `n` empty slots.
+    pub fn new(n: usize) -> SnapshotSlots {
+        SnapshotSlots {
+            filled: vec![false; n],
+        }
+    }
+    /// Number of slots.
+    pub fn len(&self) -> usize {
+        self.filled.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.filled.is_empty()
+    }
+    fn check(&self, what: &str, slot: usize) -> Result<()> {
+        anyhow::ensure!(
+            slot < self.filled.len(),
+            "{what}: snapshot slot {slot} of a cache with {} slots{}",
+            self.filled.len(),
+            if self.filled.is_empty() {
+                " (kv_snapshots allocates them)"
+            } else {
+                ""
+            }
+        );
+        Ok(())
+    }
+    /// Checks `slot` for [`Backend::kv_snapshot`].
+    pub fn check_snapshot(&self, slot: usize) -> Result<()> {
+        self.check("kv_snapshot", slot)
+    }
+    /// Marks `slot` as holding a snapshot (after a successful copy).
+    pub fn set_filled(&mut self, slot: usize) -> Result<()> {
+        self.check("kv_snapshot", slot)?;
+        self.filled[slot] = true;
+        Ok(())
+    }
+    /// Checks that `slot` exists and holds a snapshot, for [`Backend::kv_restore`].
+    pub fn restore(&self, slot: usize) -> Result<()> {
+        self.check("kv_restore", slot)?;
+        anyhow::ensure!(
+            self.filled[slot],
+            "kv_restore: snapshot slot {slot} holds no snapshot (kv_snapshot writes it)"
+        );
+        Ok(())
+    }
 }
 
 /// The shape checks every backend's `matmul` makes, for a weight of shape `w_shape`;

@@ -136,6 +136,12 @@ const CONV1D_NMSE: f64 = ELEMENTWISE_NMSE;
 /// ~1e-13..1e-11. 1e-9 leaves room; a wrong head mapping, decay, β or state row gives
 /// NMSE ≥ 1e-3.
 const GATED_DELTA_NMSE: f64 = 1e-9;
+/// Snapshot/restore: the copies are exact, so the outputs after a restore differ from the CPU
+/// only as conv1d's and the delta rule's do (each output compared apart against the looser of
+/// the two). Restoring the wrong state changes the first `kernel - 1` conv rows and the
+/// carried recurrence: skipping the restore or restoring the other slot gave NMSE ≥ 2e-2 in
+/// every case (measured on the CPU by breaking the harness on purpose).
+const SNAPSHOT_NMSE: f64 = GATED_DELTA_NMSE;
 /// Gated RMSNorm (f32 reduction against the CPU's f64 one) and the sigmoid gate: elementwise.
 const GATED_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
 const SIGMOID_GATE_NMSE: f64 = ELEMENTWISE_NMSE;
@@ -277,6 +283,8 @@ const OPS: &[&str] = &[
     "gated_delta_rule",
     "gated_rms_norm",
     "sigmoid_gate",
+    // State snapshots for speculative rollback (kv_snapshots, kv_snapshot, kv_restore).
+    "kv_snapshot/kv_restore",
 ];
 
 #[derive(Clone, Debug)]
@@ -408,6 +416,18 @@ enum Op {
     GatedDelta {
         shape: DeltaShape,
         fill: usize,
+        rows: usize,
+    },
+    /// State rollback on a hybrid cache with two snapshot slots (layer 1, the end of the
+    /// state buffers): conv1d + delta rule over `fill` rows, snapshot into slot 1, `draft`
+    /// other rows, snapshot into slot 0; then the checked part restores slot 1 and runs
+    /// `rows` new rows (out: the conv output, out2: the delta rule's). A restore that does
+    /// not bring back the post-fill state, or a snapshot that aliases the live state or
+    /// another slot, changes both outputs.
+    Snapshot {
+        shape: DeltaShape,
+        fill: usize,
+        draft: usize,
         rows: usize,
     },
     GatedRmsNorm {
@@ -631,6 +651,18 @@ fn describe(op: &Op) -> (&'static str, String) {
             format!(
                 "{}gated_delta_rule {} fill={fill} rows={rows}",
                 if *fill == 0 { "kv_new_hybrid + " } else { "" },
+                delta_name(shape)
+            ),
+        ),
+        Op::Snapshot {
+            shape,
+            fill,
+            draft,
+            rows,
+        } => (
+            "kv_snapshot/kv_restore",
+            format!(
+                "kv_snapshot/restore {} fill={fill} draft={draft} rows={rows}",
                 delta_name(shape)
             ),
         ),
@@ -1192,6 +1224,27 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
     }
+    // State rollback (speculative decoding): Qwen3.5's linear dims, the tiny oracle's, the
+    // odd scalar-load shape and a kernel-1 convolution (no conv state); from a fresh cache
+    // (fill 0), decode-sized and prefill-sized continuations.
+    for shape in [
+        q35,
+        ds(2, 4, 32, 32, 4, false),
+        ds(1, 3, 6, 7, 2, true),
+        ds(2, 4, 5, 27, 1, false),
+    ] {
+        for (fill, draft, rows) in [(0, 3, 2), (7, 4, 1), (37, 3, 4), (100, 8, 64)] {
+            if quick && (shape.conv_dim() > 1000 || rows > 5) {
+                continue;
+            }
+            add(Op::Snapshot {
+                shape,
+                fill,
+                draft,
+                rows,
+            });
+        }
+    }
     // Gated RMSNorm over the value heads (Qwen3.5: 32 × 128; the tiny oracle: 4 × 32; odd).
     for (heads, head_dim) in [(32, 128), (4, 32), (3, 40)] {
         for rows in [1, 5, 64, 200] {
@@ -1630,6 +1683,38 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             }
             h.out = (rows, shape.value_dim());
         }
+        Op::Snapshot {
+            shape,
+            fill,
+            draft,
+            rows,
+        } => {
+            // Weights: conv taps (f32), ssm_a, dt_bias (as the Conv1d and GatedDelta cases).
+            let (c, k, nv) = (shape.conv_dim(), shape.conv_kernel, shape.n_v_heads);
+            let taps = rng.normals(c * k, 0.5);
+            h.weights.push((
+                GgmlType::F32,
+                vec![c, k],
+                taps.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ));
+            let ssm_a: Vec<f32> = (0..nv)
+                .map(|_| -((rng.uniform() * 6.0 - 3.0).exp() as f32))
+                .collect();
+            let dt_bias: Vec<f32> = (0..nv).map(|_| -1.0 + 0.5 * rng.normal()).collect();
+            for w in [ssm_a, dt_bias] {
+                let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+                h.weights.push((GgmlType::F32, vec![nv], bytes));
+            }
+            // Per step (checked rows, fill, draft): conv input, qkv, a, b.
+            for n in [rows, fill, draft] {
+                h.acts.push((rng.normals(n * c, 1.0), n, c));
+                h.acts.push((rng.normals(n * c, 1.0), n, c));
+                h.acts.push((rng.normals(n * nv, 1.0), n, nv));
+                h.acts.push((rng.normals(n * nv, 2.0), n, nv));
+            }
+            h.out = (rows, c);
+            h.out2 = Some((rows, shape.value_dim()));
+        }
         Op::GatedRmsNorm {
             rows,
             heads,
@@ -1782,6 +1867,30 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             }
             kv = Some(cache);
         }
+        Op::Snapshot {
+            shape, fill, draft, ..
+        } => {
+            let mut cache = be.kv_new_hybrid(1, HYBRID_ATTN, 1, 2, *shape)?;
+            be.kv_snapshots(&mut cache, 2)?;
+            // Bad slots are errors on every backend.
+            anyhow::ensure!(
+                be.kv_restore(&mut cache, 1).is_err(),
+                "kv_restore of an empty slot succeeded"
+            );
+            anyhow::ensure!(
+                be.kv_snapshot(&mut cache, 2).is_err(),
+                "kv_snapshot into slot 2 of 2 succeeded"
+            );
+            if *fill > 0 {
+                snapshot_step(be, &mut cache, &w, &a[4..8], *shape)?;
+            }
+            be.kv_snapshot(&mut cache, 1)?;
+            if *draft > 0 {
+                snapshot_step(be, &mut cache, &w, &a[8..12], *shape)?;
+            }
+            be.kv_snapshot(&mut cache, 0)?;
+            kv = Some(cache);
+        }
         _ => {}
     }
     Ok(Prepared {
@@ -1817,6 +1926,22 @@ fn delta_args<'a, B: Backend>(
         dt_bias: &w[1],
         shape,
     }
+}
+
+/// One step of a snapshot case outside the checked part: conv1d and the delta rule on layer 1
+/// over `a` (conv input, qkv, a, b), outputs discarded.
+fn snapshot_step<B: Backend>(
+    be: &B,
+    kv: &mut B::Kv,
+    w: &[B::Weight],
+    a: &[Act<B::Buf>],
+    shape: DeltaShape,
+) -> Result<()> {
+    let rows = a[0].rows;
+    let mut o = be.zeros(rows, shape.conv_dim())?;
+    be.causal_conv1d(kv, 1, &a[0], &w[0], &mut o)?;
+    let mut o = be.zeros(rows, shape.value_dim())?;
+    be.gated_delta_rule(kv, delta_args::<B>(&w[1..], &a[1..4], shape), &mut o)
 }
 
 /// Resets the output of an in-place op to its input (not part of the timed op).
@@ -1995,6 +2120,18 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                     .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
             be.gated_delta_rule(kv, delta_args::<B>(&p.w, &p.a[..3], *shape), &mut p.out)
         }
+        Op::Snapshot { shape, .. } => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
+            be.kv_restore(kv, 1)?;
+            be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out)?;
+            let o2 = p
+                .out2
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("no second output"))?;
+            be.gated_delta_rule(kv, delta_args::<B>(&p.w[1..], &p.a[1..4], *shape), o2)
+        }
         Op::GatedRmsNorm { head_dim, .. } => {
             be.gated_rms_norm(&mut p.out, &p.a[1], &p.w[0], *head_dim, EPS)
         }
@@ -2129,6 +2266,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::Argmax { .. } | Op::TopK { .. } => 0.0,
         Op::Conv1d { .. } => CONV1D_NMSE,
         Op::GatedDelta { .. } => GATED_DELTA_NMSE,
+        Op::Snapshot { .. } => SNAPSHOT_NMSE,
         Op::GatedRmsNorm { .. } => GATED_NORM_NMSE,
         Op::SigmoidGate { .. } => SIGMOID_GATE_NMSE,
     }
@@ -2168,6 +2306,18 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             let ins: usize = h.acts[..3].iter().map(|(x, _, _)| x.len() * 4).sum();
             let state = shape.n_v_heads * shape.k_head_dim * shape.v_head_dim * 4;
             f(ins + out + 2 * state)
+        }
+        // The restore of both layers' conv and recurrent state, then the checked step's
+        // conv1d and delta rule (as their cases).
+        Op::Snapshot { shape, rows, .. } => {
+            let (c, nv) = (shape.conv_dim(), shape.n_v_heads);
+            let conv = (shape.conv_kernel - 1) * c * 4;
+            let state = nv * shape.k_head_dim * shape.v_head_dim * 4;
+            let out2 = rows * shape.value_dim() * 4;
+            let ins: usize = h.acts[..4].iter().map(|(x, _, _)| x.len() * 4).sum();
+            // Restore: 2 layers × (read + write); the ops: layer 1 read + write.
+            let moved_state = (2 * 2 + 2) * (conv + state);
+            f(moved_state + ins + out + out2 + h.weights[0].2.len())
         }
         // x and z (or gate) in, x out.
         Op::GatedRmsNorm { .. } | Op::SigmoidGate { .. } => f(acts + out),

@@ -105,6 +105,9 @@ pub struct CudaKv {
     /// Hybrid models: the Gated DeltaNet layers' conv and recurrent state
     /// (`gated_delta::kv_new_hybrid`).
     pub delta: Option<super::gated_delta::DeltaState>,
+    /// Which snapshot slots hold a snapshot (`gated_delta::kv_snapshots`; the copies live in
+    /// `delta`).
+    pub slots: crate::SnapshotSlots,
 }
 
 /// The compiled attention kernels.
@@ -350,6 +353,7 @@ fn kv_alloc(
         scratch_rows,
         paged: paged.map(|p| (p.n_pages, p.page_size)),
         delta: None,
+        slots: crate::SnapshotSlots::default(),
     })
 }
 

@@ -62,6 +62,8 @@ pub struct DeltaState {
     /// Per layer the recurrent state, column-major per value head (the CPU's transpose):
     /// `[layer][n_v_heads][v_head_dim][k_head_dim]`, so a state column is one aligned run.
     pub state: CudaSlice<f32>,
+    /// Snapshot slots (`kv_snapshots`): per slot a buffer like `conv` and one like `state`.
+    pub snapshots: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
 impl DeltaState {
@@ -114,8 +116,77 @@ pub fn kv_new_hybrid(
         n_layers: n_linear_layers,
         conv: be.stream.alloc_zeros::<f32>(conv.max(1))?,
         state: be.stream.alloc_zeros::<f32>(state.max(1))?,
+        snapshots: vec![],
     });
     Ok(kv)
+}
+
+/// `n` snapshot slots for the cache: for a hybrid cache, device buffers the size of its conv
+/// and recurrent state (all layers) per slot, allocated here so that snapshots and restores
+/// are plain copies. Caches without linear-attention state get slots that hold nothing.
+pub fn kv_snapshots(be: &CudaBackend, kv: &mut CudaKv, n: usize) -> Result<()> {
+    kv.slots = crate::SnapshotSlots::new(0);
+    if let Some(ds) = kv.delta.as_mut() {
+        // Free the old slots before asking for the new ones.
+        ds.snapshots.clear();
+        let (conv, state) = (ds.conv.len(), ds.state.len());
+        let bytes = n
+            .checked_mul((conv + state) * 4)
+            .context("snapshot size overflows")?;
+        let (free, _) = be.mem_info()?;
+        ensure!(
+            bytes + (64 << 20) <= free,
+            "{n} state snapshots need {:.2} GiB; {:.2} GiB free",
+            bytes as f64 / (1u64 << 30) as f64,
+            free as f64 / (1u64 << 30) as f64
+        );
+        for _ in 0..n {
+            ds.snapshots.push((
+                be.stream.alloc_zeros::<f32>(conv)?,
+                be.stream.alloc_zeros::<f32>(state)?,
+            ));
+        }
+    }
+    kv.slots = crate::SnapshotSlots::new(n);
+    Ok(())
+}
+
+/// Copies the conv and recurrent state (all layers) into slot `slot`: two device-to-device
+/// copies on the stream, no allocation, capturable in a graph.
+pub fn kv_snapshot(be: &CudaBackend, kv: &mut CudaKv, slot: usize) -> Result<()> {
+    kv.slots.check_snapshot(slot)?;
+    if let Some(ds) = kv.delta.as_mut() {
+        let (conv, state) = ds
+            .snapshots
+            .get_mut(slot)
+            .context("kv_snapshot: the slot has no buffers")?;
+        ensure!(
+            conv.len() == ds.conv.len() && state.len() == ds.state.len(),
+            "kv_snapshot: slot {slot} is not the size of the state"
+        );
+        be.stream.memcpy_dtod(&ds.conv, conv)?;
+        be.stream.memcpy_dtod(&ds.state, state)?;
+    }
+    kv.slots.set_filled(slot)
+}
+
+/// Copies slot `slot` back into the conv and recurrent state (all layers): two
+/// device-to-device copies on the stream, no allocation, capturable in a graph.
+pub fn kv_restore(be: &CudaBackend, kv: &mut CudaKv, slot: usize) -> Result<()> {
+    kv.slots.restore(slot)?;
+    if let Some(ds) = kv.delta.as_mut() {
+        let (conv, state) = ds
+            .snapshots
+            .get(slot)
+            .context("kv_restore: the slot has no buffers")?;
+        ensure!(
+            conv.len() == ds.conv.len() && state.len() == ds.state.len(),
+            "kv_restore: slot {slot} is not the size of the state"
+        );
+        be.stream.memcpy_dtod(conv, &mut ds.conv)?;
+        be.stream.memcpy_dtod(state, &mut ds.state)?;
+    }
+    Ok(())
 }
 
 /// The cache's linear-attention state, checked for layer `layer`.

@@ -501,6 +501,18 @@ impl Backend for CudaBackend {
         gated_delta::kv_new_hybrid(self, n_attn_layers, shape, capacity, n_linear_layers, delta)
     }
 
+    fn kv_snapshots(&self, kv: &mut attention::CudaKv, n: usize) -> Result<()> {
+        gated_delta::kv_snapshots(self, kv, n)
+    }
+
+    fn kv_snapshot(&self, kv: &mut attention::CudaKv, slot: usize) -> Result<()> {
+        gated_delta::kv_snapshot(self, kv, slot)
+    }
+
+    fn kv_restore(&self, kv: &mut attention::CudaKv, slot: usize) -> Result<()> {
+        gated_delta::kv_restore(self, kv, slot)
+    }
+
     fn causal_conv1d(
         &self,
         kv: &mut attention::CudaKv,
