@@ -188,6 +188,22 @@ class Chat(unittest.TestCase):
             # Greedy: the chosen token is the most likely one.
             self.assertAlmostEqual(t.logprob, t.top_logprobs[0].logprob, places=5)
 
+    def test_n_choices_are_the_seeded_single_requests(self):
+        msgs = [{"role": "user", "content": "Tell me a short story."}]
+        r = chat(msgs, n=3, temperature=1.0, seed=5, max_tokens=12)
+        self.assertEqual([c.index for c in r.choices], [0, 1, 2])
+        singles = [chat(msgs, temperature=1.0, seed=5 + i, max_tokens=12) for i in range(3)]
+        self.assertEqual([c.message.content for c in r.choices],
+                         [s.choices[0].message.content for s in singles])
+        self.assertEqual(r.usage.prompt_tokens, singles[0].usage.prompt_tokens)
+        self.assertEqual(r.usage.completion_tokens,
+                         sum(s.usage.completion_tokens for s in singles))
+        # Greedy choices are all the greedy answer.
+        g = chat([{"role": "user", "content": "What is the capital of France?"}], n=2)
+        one = chat([{"role": "user", "content": "What is the capital of France?"}])
+        self.assertEqual([c.message.content for c in g.choices],
+                         [one.choices[0].message.content] * 2)
+
     def test_tools_are_accepted(self):
         tools = [{"type": "function", "function": {
             "name": "get_weather", "description": "Weather in a city",
@@ -226,6 +242,25 @@ class Completions(unittest.TestCase):
         self.assertEqual(text, full.choices[0].text)
         self.assertEqual(chunks[-1].usage.completion_tokens, 16)
         self.assertEqual([c.choices[0].finish_reason for c in chunks if c.choices][-1], "length")
+
+    def test_streaming_n_choices(self):
+        prompt = "Once upon a time"
+        kw = dict(max_tokens=10, n=2, temperature=0.8, seed=11)
+        full = self.complete(prompt, **kw)
+        chunks = list(self.complete(prompt, stream=True,
+                                    stream_options={"include_usage": True}, **kw))
+        texts = ["", ""]
+        finals = []
+        for c in chunks:
+            for ch in c.choices:
+                texts[ch.index] += ch.text
+                if ch.finish_reason:
+                    finals.append(ch.index)
+        self.assertEqual(texts, [c.text for c in full.choices])
+        self.assertEqual(sorted(finals), [0, 1])
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.completion_tokens, full.usage.completion_tokens)
+        self.assertEqual(chunks[-1].usage.prompt_tokens, full.usage.prompt_tokens)
 
     def test_logprobs(self):
         r = self.complete("1, 2, 3,", max_tokens=3, logprobs=2)
@@ -275,9 +310,10 @@ class BadInput(unittest.TestCase):
         self.expect(400, self.good(max_tokens=0), param="max_tokens")
         self.expect(400, self.good(max_tokens=-1), param="max_tokens")
         self.expect(400, self.good(max_tokens=10**9), param="max_tokens")
-        self.expect(400, self.good(n=2), param="n")
+        self.expect(400, self.good(n=0), param="n")
+        self.expect(400, self.good(n=9), param="n")
         self.expect(400, self.good(temperature=-1), param="temperature")
-        self.expect(400, {"model": SERVER.model, "prompt": [1, 2], "n": 3}, path="/v1/completions")
+        self.expect(400, {"model": SERVER.model, "prompt": [1, 2], "n": -1}, path="/v1/completions")
         self.expect(400, {"model": SERVER.model, "prompt": [10**9]}, path="/v1/completions")
 
     def test_prompt_longer_than_context(self):

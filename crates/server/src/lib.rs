@@ -244,6 +244,32 @@ fn submit(st: &AppState, prompt: Vec<u32>, params: RequestParams) -> Result<Even
     Ok(rx)
 }
 
+/// Submits `n` copies of a request (the choices of `n`): choice `i` samples with seed
+/// `seed + i` when a seed is given. If one cannot be queued, the ones already queued are
+/// dropped (their sinks close, so the scheduler frees them) and the error is returned.
+fn submit_n(
+    st: &AppState,
+    prompt: Vec<u32>,
+    params: RequestParams,
+    n: usize,
+) -> Result<Vec<Events>, ApiError> {
+    (0..n)
+        .map(|i| {
+            let mut p = params.clone();
+            p.sampler.seed = p.sampler.seed.map(|s| s.wrapping_add(i as u64));
+            submit(st, prompt.clone(), p)
+        })
+        .collect()
+}
+
+/// Usage of `n` choices of one prompt: the prompt counted once, the completions summed.
+fn total_usage(us: &[Usage]) -> Usage {
+    Usage {
+        prompt_tokens: us.first().map_or(0, |u| u.prompt_tokens),
+        completion_tokens: us.iter().map(|u| u.completion_tokens).sum(),
+    }
+}
+
 /// Records latencies and token counts as events go by.
 struct Tracker<'a> {
     metrics: &'a Metrics,
@@ -441,46 +467,52 @@ async fn chat_inner(
     let api = Api::Chat {
         tools: tools.is_some(),
     };
-    let rx = submit(st, prompt, params)?;
+    let rxs = submit_n(st, prompt, params, req.common.choices())?;
     let id = st.new_id("chatcmpl");
     if req.common.stream() {
         return Ok(stream(
             st.clone(),
-            rx,
+            rxs,
             start,
             api,
             id,
             req.common.include_usage(),
         ));
     }
-    let c = collect(st, rx, start).await?;
-    let mut message = json!({"role": "assistant", "content": c.text});
-    let mut finish = finish_str(c.finish);
-    if let Api::Chat { tools: true } = api {
-        let (content, calls) = parse_tool_calls(&c.text, &format!("call_{id}_"));
-        if !calls.is_empty() {
-            message["content"] = if content.is_empty() {
-                Value::Null
-            } else {
-                json!(content)
-            };
-            message["tool_calls"] = json!(calls);
-            finish = "tool_calls";
+    let mut choices = vec![];
+    let mut usages = vec![];
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let c = collect(st, rx, start).await?;
+        let mut message = json!({"role": "assistant", "content": c.text});
+        let mut finish = finish_str(c.finish);
+        if let Api::Chat { tools: true } = api {
+            let (content, calls) = parse_tool_calls(&c.text, &format!("call_{id}_{i}_"));
+            if !calls.is_empty() {
+                message["content"] = if content.is_empty() {
+                    Value::Null
+                } else {
+                    json!(content)
+                };
+                message["tool_calls"] = json!(calls);
+                finish = "tool_calls";
+            }
         }
+        let logprobs = (!c.logprobs.is_empty()).then(|| chat_logprobs(st.tok(), &c.logprobs));
+        choices.push(json!({
+            "index": i,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }));
+        usages.push(c.usage);
     }
-    let logprobs = (!c.logprobs.is_empty()).then(|| chat_logprobs(st.tok(), &c.logprobs));
     Ok(Json(json!({
         "id": id,
         "object": "chat.completion",
         "created": st.now(),
         "model": st.cfg.model_id,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }],
-        "usage": UsageOut::from(c.usage),
+        "choices": choices,
+        "usage": UsageOut::from(total_usage(&usages)),
     }))
     .into_response())
 }
@@ -506,32 +538,39 @@ async fn completions_inner(
             .map_err(|e| ApiError::invalid("prompt", format!("tokenizing: {e}")))?,
     };
     params.max_tokens = fit_length(prompt.len(), max, ctx)?;
-    let rx = submit(st, prompt, params)?;
+    let rxs = submit_n(st, prompt, params, req.common.choices())?;
     let id = st.new_id("cmpl");
     if req.common.stream() {
         return Ok(stream(
             st.clone(),
-            rx,
+            rxs,
             start,
             Api::Completion,
             id,
             req.common.include_usage(),
         ));
     }
-    let c = collect(st, rx, start).await?;
-    let logprobs = (!c.logprobs.is_empty()).then(|| completion_logprobs(st.tok(), &c.logprobs, 0));
+    let mut choices = vec![];
+    let mut usages = vec![];
+    for (i, rx) in rxs.into_iter().enumerate() {
+        let c = collect(st, rx, start).await?;
+        let logprobs =
+            (!c.logprobs.is_empty()).then(|| completion_logprobs(st.tok(), &c.logprobs, 0));
+        choices.push(json!({
+            "index": i,
+            "text": c.text,
+            "logprobs": logprobs,
+            "finish_reason": finish_str(c.finish),
+        }));
+        usages.push(c.usage);
+    }
     Ok(Json(json!({
         "id": id,
         "object": "text_completion",
         "created": st.now(),
         "model": st.cfg.model_id,
-        "choices": [{
-            "index": 0,
-            "text": c.text,
-            "logprobs": logprobs,
-            "finish_reason": finish_str(c.finish),
-        }],
-        "usage": UsageOut::from(c.usage),
+        "choices": choices,
+        "usage": UsageOut::from(total_usage(&usages)),
     }))
     .into_response())
 }
@@ -564,14 +603,21 @@ impl Chunker {
         format!("data: {v}\n\n")
     }
 
-    /// A chunk carrying text (and the logprobs of its tokens), or the final one.
-    fn delta(&self, delta: Value, logprobs: Option<Value>, finish: Option<&str>) -> String {
+    /// A chunk of choice `index` carrying text (and the logprobs of its tokens), or its
+    /// final one.
+    fn delta(
+        &self,
+        index: usize,
+        delta: Value,
+        logprobs: Option<Value>,
+        finish: Option<&str>,
+    ) -> String {
         let choice = match self.api {
             Api::Chat { .. } => json!({
-                "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
             }),
             Api::Completion => json!({
-                "index": 0,
+                "index": index,
                 "text": delta.get("content").cloned().unwrap_or(json!("")),
                 "logprobs": logprobs,
                 "finish_reason": finish,
@@ -581,10 +627,22 @@ impl Chunker {
     }
 }
 
-/// Streams the request's events as OpenAI server-sent events.
+/// One choice's state while streaming.
+struct ChoiceStream<'a> {
+    tr: Tracker<'a>,
+    /// Text held back to parse tool calls at the end (chat with tools).
+    buffered: String,
+    /// Bytes of text sent (completion logprobs' text offsets).
+    offset: usize,
+    usage: Option<Usage>,
+}
+
+/// Streams the events of a request's choices (one receiver each) as OpenAI server-sent
+/// events: chunks of different choices interleave as their tokens arrive, each carrying its
+/// choice index; the usage chunk and `[DONE]` follow the last choice's end.
 fn stream(
     st: Arc<AppState>,
-    mut rx: Events,
+    rxs: Vec<Events>,
     start: Instant,
     api: Api,
     id: String,
@@ -599,36 +657,50 @@ fn stream(
         include_usage,
     };
     tokio::spawn(async move {
-        let mut tr = Tracker {
-            metrics: &st.metrics,
-            start,
-            last: None,
-        };
+        use tokio_stream::StreamExt;
+        let n = rxs.len();
+        let mut events = tokio_stream::StreamMap::new();
+        for (i, rx) in rxs.into_iter().enumerate() {
+            events.insert(i, tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        }
+        let mut choices: Vec<ChoiceStream> = (0..n)
+            .map(|_| ChoiceStream {
+                tr: Tracker {
+                    metrics: &st.metrics,
+                    start,
+                    last: None,
+                },
+                buffered: String::new(),
+                offset: 0,
+                usage: None,
+            })
+            .collect();
         let tok = st.tok();
         let buffer_tools = matches!(api, Api::Chat { tools: true });
-        let mut buffered = String::new();
-        let mut offset = 0usize;
         let logprobs_of = |id: u32, lp: TokenLogprob, offset: usize| match api {
             Api::Chat { .. } => chat_logprobs(tok, &[(id, lp)]),
             Api::Completion => completion_logprobs(tok, &[(id, lp)], offset),
         };
         if let Api::Chat { .. } = api {
-            let first = ch.delta(json!({"role": "assistant", "content": ""}), None, None);
-            if tx.send(Ok(first)).await.is_err() {
-                return;
+            for i in 0..n {
+                let first = ch.delta(i, json!({"role": "assistant", "content": ""}), None, None);
+                if tx.send(Ok(first)).await.is_err() {
+                    return;
+                }
             }
         }
-        while let Some((ev, at)) = rx.recv().await {
+        while let Some((i, (ev, at))) = events.next().await {
+            let c = &mut choices[i];
             let mut out = vec![];
             match ev {
                 Event::Token { id, text, logprob } => {
-                    tr.token(at);
+                    c.tr.token(at);
                     if buffer_tools {
-                        buffered.push_str(&text);
+                        c.buffered.push_str(&text);
                     } else if !text.is_empty() || logprob.is_some() {
-                        let lp = logprob.map(|lp| logprobs_of(id, lp, offset));
-                        offset += text.len();
-                        out.push(ch.delta(json!({"content": text}), lp, None));
+                        let lp = logprob.map(|lp| logprobs_of(id, lp, c.offset));
+                        c.offset += text.len();
+                        out.push(ch.delta(i, json!({"content": text}), lp, None));
                     }
                 }
                 Event::Done {
@@ -636,40 +708,47 @@ fn stream(
                     text,
                     usage,
                 } => {
-                    tr.done(&usage);
+                    c.tr.done(&usage);
+                    c.usage = Some(usage);
                     let mut finish = finish_str(finish);
                     if buffer_tools {
-                        buffered.push_str(&text);
-                        let (content, calls) = parse_tool_calls(&buffered, &format!("call_{id}_"));
+                        c.buffered.push_str(&text);
+                        let (content, calls) =
+                            parse_tool_calls(&c.buffered, &format!("call_{id}_{i}_"));
                         let content = if calls.is_empty() {
-                            buffered.clone()
+                            c.buffered.clone()
                         } else {
                             content
                         };
                         if !content.is_empty() {
-                            out.push(ch.delta(json!({"content": content}), None, None));
+                            out.push(ch.delta(i, json!({"content": content}), None, None));
                         }
                         if !calls.is_empty() {
                             let calls: Vec<Value> = calls
                                 .iter()
                                 .enumerate()
-                                .map(|(i, c)| {
+                                .map(|(k, c)| {
                                     let mut v = json!(c);
-                                    v["index"] = json!(i);
+                                    v["index"] = json!(k);
                                     v
                                 })
                                 .collect();
-                            out.push(ch.delta(json!({"tool_calls": calls}), None, None));
+                            out.push(ch.delta(i, json!({"tool_calls": calls}), None, None));
                             finish = "tool_calls";
                         }
                     } else if !text.is_empty() {
-                        out.push(ch.delta(json!({"content": text}), None, None));
+                        out.push(ch.delta(i, json!({"content": text}), None, None));
                     }
-                    out.push(ch.delta(json!({}), None, Some(finish)));
-                    if include_usage {
-                        out.push(ch.wrap(json!([]), Some(json!(UsageOut::from(usage)))));
+                    out.push(ch.delta(i, json!({}), None, Some(finish)));
+                    let usages: Option<Vec<Usage>> = choices.iter().map(|c| c.usage).collect();
+                    if let Some(us) = usages {
+                        // Every choice has ended.
+                        if include_usage {
+                            let u = UsageOut::from(total_usage(&us));
+                            out.push(ch.wrap(json!([]), Some(json!(u))));
+                        }
+                        out.push("data: [DONE]\n\n".to_string());
                     }
-                    out.push("data: [DONE]\n\n".to_string());
                 }
                 Event::Error(m) => {
                     let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", m);
@@ -680,7 +759,7 @@ fn stream(
             let end = out.last().is_some_and(|s| s.starts_with("data: [DONE]"));
             for s in out {
                 if tx.send(Ok(s)).await.is_err() {
-                    // The client is gone: dropping `rx` tells the scheduler.
+                    // The client is gone: dropping the receivers tells the scheduler.
                     return;
                 }
             }

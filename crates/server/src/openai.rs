@@ -2,7 +2,8 @@
 //!
 //! Requests are parsed leniently where OpenAI clients differ (unknown fields are ignored,
 //! `null` means "not given") and strictly where a wrong value would silently change the
-//! answer (wrong types, out-of-range numbers, `n > 1`): those get a 400 naming the field.
+//! answer (wrong types, out-of-range numbers, `n` beyond [`MAX_CHOICES`]): those get a 400
+//! naming the field.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -194,6 +195,9 @@ pub struct CompletionRequest {
 pub const MAX_TOP_LOGPROBS: i64 = 20;
 /// The most stop strings per request.
 pub const MAX_STOPS: usize = 16;
+/// Most choices (`n`) one request may ask for: each is a sequence of its own in the batch,
+/// with seed `seed + i` when a seed is given.
+pub const MAX_CHOICES: usize = 8;
 
 /// Parses a JSON body into `T`, mapping syntax and type errors to a 400.
 pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
@@ -231,10 +235,10 @@ impl Common {
             .with_code("model_not_found"));
         }
         if let Some(n) = self.n {
-            if n != 1 {
+            if !(1..=MAX_CHOICES as i64).contains(&n) {
                 return Err(ApiError::invalid(
                     "n",
-                    format!("n = {n} is not supported; only n = 1"),
+                    format!("n = {n} is out of range: 1 to {MAX_CHOICES} choices"),
                 ));
             }
         }
@@ -335,6 +339,12 @@ impl Common {
 
     pub fn stream(&self) -> bool {
         self.stream.unwrap_or(false)
+    }
+
+    /// Choices asked for (`n`, validated by [`Self::validate`]).
+    pub fn choices(&self) -> usize {
+        self.n
+            .map_or(1, |n| n.clamp(1, MAX_CHOICES as i64) as usize)
     }
 
     pub fn include_usage(&self) -> bool {
@@ -636,7 +646,8 @@ mod tests {
     #[test]
     fn validation_errors_name_the_parameter() {
         let cases = [
-            (json!({"n": 2}), "n"),
+            (json!({"n": 0}), "n"),
+            (json!({"n": MAX_CHOICES as i64 + 1}), "n"),
             (json!({"max_tokens": 0}), "max_tokens"),
             (json!({"max_tokens": -5}), "max_tokens"),
             (json!({"max_tokens": 1_000_000}), "max_tokens"),
