@@ -12,6 +12,7 @@
 #   bench30b synth Qwen3-30B-A3B Q4_K_M and bench it
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
+#   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
 # Logs and bench/results.jsonl lines are written under $OUT.
 #
 # SmolLM2 (98 MB) is larger than what one call may carry next to the working tree: split it
@@ -69,6 +70,12 @@ for stage in "$@"; do
         done
         f=$(synth qwen3.5-9b Q4_K_M | tail -1)
         $F bench --model "$f" --label qwen3.5-9b --depth 8192 --prompt-tokens 512 --reps 1 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -6
+        rm -f "$f"
+        ;;
+    q8kv)
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        $F bench --model "$f" --label qwen3-8b --kv-cache-q8 --reps 3 2>&1 | tee -a "$OUT/bench.log" | tail -6
+        $F bench --model "$f" --label qwen3-8b --kv-cache-q8 --depth 32768 --prompt-tokens 512 --reps 1 2>&1 | tee -a "$OUT/bench.log" | tail -6
         rm -f "$f"
         ;;
     *) echo "unknown stage $stage" ;;
