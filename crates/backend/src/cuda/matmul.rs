@@ -227,14 +227,22 @@ fn gemv_steps(t: GgmlType, n_in: usize) -> usize {
     units.div_ceil(32)
 }
 
-/// Warps splitting the K dimension of one GEMV row group (1, 2, 4 or 8 = GEMV_WARPS): the
-/// fewest that give `GEMV_TARGET_WARPS_PER_SM` warps per SM, capped by the steps a row has.
-/// A function of the shape only, never of the row count: the reduction order of an output
-/// (lane chains, butterfly, then the ks warp totals in warp order) must not depend on R.
-fn gemv_ks(t: GgmlType, n_in: usize, n_out: usize, sm_count: usize) -> usize {
-    let steps = gemv_steps(t, n_in);
+/// [`gemv_steps`] for the quantized-x GEMV, whose lane unit is 32 elements (32-element
+/// blocks: a block per lane; K-quants: 8 lanes per super-block, 4 super-blocks per warp step).
+fn gemvq_steps(t: GgmlType, n_in: usize) -> usize {
+    match t {
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => (n_in / 256).div_ceil(4),
+        _ => (n_in / 32).div_ceil(32),
+    }
+}
+
+/// Warps splitting the K dimension of one GEMV row group (1, 2, 4 or 8 = GEMV_WARPS), for
+/// rows of `steps` warp steps in a launch of `groups` row groups: the fewest that give
+/// `GEMV_TARGET_WARPS_PER_SM` warps per SM, capped by the steps a row has. A function of the
+/// shape only, never of the row count: the reduction order of an output (lane chains,
+/// butterfly, then the ks warp totals in warp order) must not depend on R.
+fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
     let want = GEMV_TARGET_WARPS_PER_SM * sm_count.max(1);
-    let groups = n_out.div_ceil(GEMV_NW);
     let mut ks = 1;
     while ks < GEMV_WARPS && 2 * ks <= steps && groups * ks < want {
         ks *= 2;
@@ -242,25 +250,24 @@ fn gemv_ks(t: GgmlType, n_in: usize, n_out: usize, sm_count: usize) -> usize {
     ks
 }
 
-/// [`gemv_ks`] for the quantized-x GEMV, whose lane unit is 32 elements (32-element blocks:
-/// a block per lane; K-quants: 8 lanes per super-block, 4 super-blocks per warp step).
-fn gemvq_ks(t: GgmlType, n_in: usize, n_out_groups: usize, sm_count: usize) -> usize {
-    let steps = match t {
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => (n_in / 256).div_ceil(4),
-        _ => (n_in / 32).div_ceil(32),
-    };
-    let want = GEMV_TARGET_WARPS_PER_SM * sm_count.max(1);
-    let mut ks = 1;
-    while ks < GEMV_WARPS && 2 * ks <= steps && n_out_groups * ks < want {
-        ks *= 2;
-    }
-    ks
+/// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the
+/// next instantiated size).
+fn gemv_r_index(rows: usize) -> Result<usize> {
+    GEMV_R
+        .iter()
+        .position(|&r| r >= rows)
+        .ok_or_else(|| anyhow!("GEMV: {rows} rows (at most {GEMV_MAX_ROWS})"))
 }
 
-fn gemv_config(n_out: usize, ks: usize) -> LaunchConfig {
-    let per_block = GEMV_WARPS / ks * GEMV_NW;
+/// Row groups of a GEMV launch over `n_out` consecutive rows (GEMV_NW rows per group).
+fn row_groups(n_out: usize) -> usize {
+    n_out.div_ceil(GEMV_NW)
+}
+
+/// The launch of `groups` row groups split `ks` ways (GEMV_WARPS / ks groups per block).
+fn gemv_config(groups: usize, ks: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (n_out.div_ceil(per_block) as u32, 1, 1),
+        grid_dim: (groups.div_ceil(GEMV_WARPS / ks) as u32, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -319,8 +326,9 @@ pub fn matmul(
 
     if rows > GEMV_MAX_ROWS && n_out <= F32_SMALL_OUT {
         let func = &be.matmul.gemv[ti][GEMV_R.len() - 1];
-        let ks = gemv_ks(w.dtype, n_in, n_out, be.sm_count);
-        let cfg = gemv_config(n_out, ks);
+        let groups = row_groups(n_out);
+        let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
+        let cfg = gemv_config(groups, ks);
         let ks_i = ks as i32;
         for r0 in (0..rows).step_by(GEMV_MAX_ROWS) {
             let n = GEMV_MAX_ROWS.min(rows - r0);
@@ -354,11 +362,9 @@ pub fn matmul(
     }
 
     if rows <= GEMV_MAX_ROWS {
-        let ri = GEMV_R
-            .iter()
-            .position(|&r| r >= rows)
-            .expect("GEMV_R covers 1..=GEMV_MAX_ROWS");
-        let ks = gemv_ks(w.dtype, n_in, n_out, be.sm_count);
+        let ri = gemv_r_index(rows)?;
+        let groups = row_groups(n_out);
+        let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let ks_i = ks as i32;
         // SAFETY: shapes and buffer sizes checked above; the kernel reads n_out rows of rb
         // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
@@ -373,7 +379,7 @@ pub fn matmul(
                 .arg(&rows_i)
                 .arg(&mut out.buf)
                 .arg(&ks_i)
-                .launch(gemv_config(n_out, ks))
+                .launch(gemv_config(groups, ks))
         }?;
         return Ok(());
     }
@@ -493,10 +499,7 @@ fn gemvq_launch(
     let fams = be.matmul.gemvq[ti]
         .as_ref()
         .ok_or_else(|| anyhow!("gemvq: no quantized-x kernel for {}", w.dtype))?;
-    let ri = GEMV_R
-        .iter()
-        .position(|&r| r >= rows)
-        .ok_or_else(|| anyhow!("gemvq: {rows} rows"))?;
+    let ri = gemv_r_index(rows)?;
     let rb = w.row_bytes() as i64;
     let (n_out_i, n_in_i, rows_i) = (n_out as i32, n_in as i32, rows as i32);
     // The kernel indexes x rows n_in apart: the scratch was filled for this n_in.
@@ -504,7 +507,8 @@ fn gemvq_launch(
     let xqs = xq.q.slice(..2 * rows * n_in);
     match up {
         None => {
-            let ks = gemvq_ks(w.dtype, n_in, n_out.div_ceil(GEMV_NW), be.sm_count);
+            let groups = row_groups(n_out);
+            let ks = split_k(gemvq_steps(w.dtype, n_in), groups, be.sm_count);
             let ks_i = ks as i32;
             // SAFETY: w holds n_out rows of rb bytes (checked by the caller); x scratch holds
             // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats.
@@ -520,7 +524,7 @@ fn gemvq_launch(
                     .arg(&rows_i)
                     .arg(&mut out.buf)
                     .arg(&ks_i)
-                    .launch(gemv_config(n_out, ks))
+                    .launch(gemv_config(groups, ks))
             }?;
         }
         Some(up) => {
@@ -533,7 +537,7 @@ fn gemvq_launch(
                 up.dtype
             );
             // One output per row group (gate row o with up row o).
-            let ks = gemvq_ks(w.dtype, n_in, n_out, be.sm_count);
+            let ks = split_k(gemvq_steps(w.dtype, n_in), n_out, be.sm_count);
             let ks_i = ks as i32;
             // SAFETY: as above, for both weights (same type and shape).
             unsafe {
@@ -549,7 +553,7 @@ fn gemvq_launch(
                     .arg(&rows_i)
                     .arg(&mut out.buf)
                     .arg(&ks_i)
-                    .launch(gemv_config(n_out * GEMV_NW, ks))
+                    .launch(gemv_config(n_out, ks))
             }?;
         }
     }
@@ -674,13 +678,13 @@ fn multi_launch(
         "matmuls: a group of {} weights",
         ws.len()
     );
-    let total: usize = ws.iter().map(|w| w.shape[0]).sum();
-    let ks = if q {
-        let groups: usize = ws.iter().map(|w| w.shape[0].div_ceil(GEMV_NW)).sum();
-        gemvq_ks(t, n_in, groups, be.sm_count)
+    let groups: usize = ws.iter().map(|w| row_groups(w.shape[0])).sum();
+    let steps = if q {
+        gemvq_steps(t, n_in)
     } else {
-        gemv_ks(t, n_in, total, be.sm_count)
+        gemv_steps(t, n_in)
     };
+    let ks = split_k(steps, groups, be.sm_count);
     let per_block = GEMV_WARPS / ks * GEMV_NW;
     let mut sg = GemvSegs::default();
     let mut grid = 0usize;
@@ -704,10 +708,7 @@ fn multi_launch(
         sg.out[2] = sg.out[1];
     }
     let ti = type_index(t)?;
-    let ri = GEMV_R
-        .iter()
-        .position(|&r| r >= rows)
-        .ok_or_else(|| anyhow!("matmuls: {rows} rows"))?;
+    let ri = gemv_r_index(rows)?;
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(grid)?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
@@ -772,18 +773,16 @@ pub fn matmul_swiglu(
     up: &CudaWeight,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<bool> {
-    if gate.dtype != up.dtype || gate.shape != up.shape || gate.shape.len() != 2 {
+    if gate.dtype != up.dtype || gate.shape != up.shape {
         return Ok(false);
     }
-    let float_gemv = x.rows <= GEMV_MAX_ROWS && !quantized_x(gate.dtype);
-    if !(uses_gemvq(gate, x.rows) || float_gemv) {
+    // The decode GEMV this pair takes, if any (none at prefill rows, or for small-output
+    // quantized weights: the caller then runs the three plain ops).
+    let Some(quantized) = gemv_path(gate, x.rows) else {
         return Ok(false);
-    }
+    };
     crate::check_matmul(x, &gate.shape, out)?;
     let rows = x.rows;
-    if rows == 0 {
-        return Ok(true);
-    }
     for w in [gate, up] {
         ensure!(
             w.data.len() >= w.shape[0] * w.row_bytes(),
@@ -792,7 +791,7 @@ pub fn matmul_swiglu(
             w.dtype
         );
     }
-    if float_gemv {
+    if !quantized {
         let (n_out, n_in) = (gate.shape[0], gate.shape[1]);
         ensure!(
             x.buf.len() >= rows * n_in && out.buf.len() >= rows * n_out,
@@ -802,12 +801,9 @@ pub fn matmul_swiglu(
         let fams = be.matmul.gemv_swiglu[ti]
             .as_ref()
             .ok_or_else(|| anyhow!("matmul_swiglu: no fused kernel for {}", gate.dtype))?;
-        let ri = GEMV_R
-            .iter()
-            .position(|&r| r >= rows)
-            .ok_or_else(|| anyhow!("matmul_swiglu: {rows} rows"))?;
+        let ri = gemv_r_index(rows)?;
         // One output per row group (gate row o with up row o).
-        let ks = gemv_ks(gate.dtype, n_in, n_out * GEMV_NW, be.sm_count);
+        let ks = split_k(gemv_steps(gate.dtype, n_in), n_out, be.sm_count);
         let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
             gate.row_bytes() as i64,
             n_out as i32,
@@ -829,7 +825,7 @@ pub fn matmul_swiglu(
                 .arg(&rows_i)
                 .arg(&mut out.buf)
                 .arg(&ks_i)
-                .launch(gemv_config(n_out * GEMV_NW, ks))
+                .launch(gemv_config(n_out, ks))
         }?;
         return Ok(true);
     }
