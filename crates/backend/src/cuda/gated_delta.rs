@@ -25,7 +25,7 @@ const CONV_ROWS: usize = 16;
 /// Largest key head dim: a state column of 8 lanes × 16 registers.
 pub const MAX_K_HEAD_DIM: usize = 128;
 /// Threads per gated_delta block (GD_THREADS in gated_delta.cu).
-const DELTA_THREADS: usize = 64;
+const DELTA_THREADS: usize = 128;
 
 /// The compiled kernels of `gated_delta.cu`.
 pub struct Kernels {
@@ -322,8 +322,9 @@ pub fn gated_delta_rule(
         shared_mem_bytes: 0,
     };
     // SAFETY: shapes checked above; the state view is this layer's nv × dv × dk floats (its
-    // offset a multiple of dk × dv, so 16-byte aligned when `vec`); one block per (value
-    // head, 64/lanes columns), all bounds-checked inside.
+    // offset a multiple of dk × dv, so 16-byte aligned when `vec`; so are the cp.async
+    // rows of q and k); one block per (value head, 128/lanes columns), static shared
+    // memory only, all bounds-checked inside.
     unsafe {
         be.stream
             .launch_builder(&be.gated_delta.delta[variant])
