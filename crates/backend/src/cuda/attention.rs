@@ -25,11 +25,12 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig};
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
+use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, CudaBackend};
 use crate::{Act, AttnArgs, AttnShape, PagedKv, StepInput};
 
@@ -429,7 +430,7 @@ pub fn attention(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut store = be.stream.launch_builder(&be.attention.kv_store[q8]);
+    let mut store = be.stream.kernel(&be.attention.kv_store[q8]);
     store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
     store.arg(&mut kv.k).arg(&mut kv.v);
     if q8 == 1 {
@@ -467,7 +468,7 @@ pub fn attention(
         // capacity in the kernel.
         unsafe {
             be.stream
-                .launch_builder(func)
+                .kernel(func)
                 .arg(&q.buf)
                 .arg(&kv.k)
                 .arg(&kv.v)
@@ -492,7 +493,7 @@ pub fn attention(
         // SAFETY: reads the partials written above; writes rows × n_heads × hd floats.
         unsafe {
             be.stream
-                .launch_builder(&be.attention.decode_merge)
+                .kernel(&be.attention.decode_merge)
                 .arg(&kv.part_acc)
                 .arg(&kv.part_ml)
                 .arg(&mut out.buf)
@@ -515,7 +516,7 @@ pub fn attention(
         // SAFETY: shapes checked above; each block writes only its own (row, head) outputs.
         unsafe {
             be.stream
-                .launch_builder(&be.attention.prefill[q8][fi])
+                .kernel(&be.attention.prefill[q8][fi])
                 .arg(&q.buf)
                 .arg(&kv.k)
                 .arg(&kv.v)
@@ -548,7 +549,7 @@ pub fn attention(
     // SAFETY: one warp per (row, head), bounds-checked against n_heads and hd.
     unsafe {
         be.stream
-            .launch_builder(&be.attention.generic)
+            .kernel(&be.attention.generic)
             .arg(&q.buf)
             .arg(&kv.k)
             .arg(&kv.v)
@@ -680,7 +681,7 @@ fn attention_paged(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut store = be.stream.launch_builder(&kern.kv_store[q8]);
+    let mut store = be.stream.kernel(&kern.kv_store[q8]);
     store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
     store.arg(&mut kv.k).arg(&mut kv.v);
     if q8 == 1 {
@@ -730,7 +731,7 @@ fn attention_paged(
                 // partials (checked); reads stay inside the cache as for the store.
                 unsafe {
                     be.stream
-                        .launch_builder(&kern.decode[q8][fi][gb.trailing_zeros() as usize])
+                        .kernel(&kern.decode[q8][fi][gb.trailing_zeros() as usize])
                         .arg(&q_v)
                         .arg(&kv.k)
                         .arg(&kv.v)
@@ -762,7 +763,7 @@ fn attention_paged(
                 // of out_v.
                 unsafe {
                     be.stream
-                        .launch_builder(&be.attention.decode_merge)
+                        .kernel(&be.attention.decode_merge)
                         .arg(&kv.part_acc)
                         .arg(&kv.part_ml)
                         .arg(&mut out_v)
@@ -783,7 +784,7 @@ fn attention_paged(
                 // writes only its own (row, head) outputs inside out_v.
                 unsafe {
                     be.stream
-                        .launch_builder(&kern.prefill[q8][fi])
+                        .kernel(&kern.prefill[q8][fi])
                         .arg(&q_v)
                         .arg(&kv.k)
                         .arg(&kv.v)
@@ -816,7 +817,7 @@ fn attention_paged(
                 // SAFETY: one warp per (row, head), bounds-checked against n_heads and hd.
                 unsafe {
                     be.stream
-                        .launch_builder(&kern.generic)
+                        .kernel(&kern.generic)
                         .arg(&q_v)
                         .arg(&kv.k)
                         .arg(&kv.v)

@@ -9,10 +9,11 @@
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaView, LaunchConfig};
 use ferrite_formats::GgmlType;
 
 use super::attention::{self, CudaKv};
+use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, CudaBackend, CudaWeight};
 use crate::{check_shape, Act, AttnShape, DeltaArgs, DeltaShape};
 
@@ -260,7 +261,7 @@ pub fn causal_conv1d(
     // the state view (kernel-1) × c floats; one thread per (channel, run of rows).
     unsafe {
         be.stream
-            .launch_builder(&be.gated_delta.conv)
+            .kernel(&be.gated_delta.conv)
             .arg(&x.buf)
             .arg(&w.data)
             .arg(&wtype)
@@ -327,7 +328,7 @@ pub fn gated_delta_rule(
     // memory only, all bounds-checked inside.
     unsafe {
         be.stream
-            .launch_builder(&be.gated_delta.delta[variant])
+            .kernel(&be.gated_delta.delta[variant])
             .arg(&a.qkv.buf)
             .arg(&a.a.buf)
             .arg(&a.b.buf)
@@ -375,7 +376,7 @@ pub fn gated_rms_norm(
     // SAFETY: heads × head_dim floats in x and z; one warp per head.
     unsafe {
         be.stream
-            .launch_builder(&be.gated_delta.gated_rms_norm)
+            .kernel(&be.gated_delta.gated_rms_norm)
             .arg(&mut x.buf)
             .arg(&z.buf)
             .arg(&wv)
@@ -417,7 +418,7 @@ pub fn sigmoid_gate(
     // SAFETY: n elements in x; gate holds one per element or one per row (checked).
     unsafe {
         be.stream
-            .launch_builder(&be.gated_delta.sigmoid_gate)
+            .kernel(&be.gated_delta.sigmoid_gate)
             .arg(&mut x.buf)
             .arg(&gate.buf)
             .arg(&n_i)

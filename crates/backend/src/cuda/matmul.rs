@@ -14,11 +14,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::GgmlType;
 
+use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, CudaBackend, CudaWeight};
 use crate::Act;
 
@@ -93,6 +92,8 @@ pub struct Kernels {
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
+    /// Whether the quantized-x GEMV may take its bulk-copy form ([`gemvq_bulk`]).
+    bulk: bool,
     /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
     /// input seen; grown only by an eager (first) step, never inside a captured one.
     xq: Mutex<Option<XQuant>>,
@@ -116,6 +117,9 @@ impl Kernels {
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
         let mut gemv_swiglu = Vec::with_capacity(TYPES.len());
         let mut gemv_multi = Vec::with_capacity(TYPES.len());
+        // Bulk copies (cp.async.bulk) need sm_90.
+        let bulk = arch.starts_with("compute_9") || arch.starts_with("compute_1");
+        let bulk = bulk && std::env::var("FERRITE_GEMV_BULK").map_or(true, |v| v != "0");
         for (ty, name) in TYPES {
             gemvq_moe.push(if quantized_x(ty) {
                 Some([
@@ -148,7 +152,19 @@ impl Kernels {
                         q(kind, 16)?,
                     ])
                 };
-                Some([all("")?, all("_swiglu")?, all("_multi")?])
+                let fams = [all("")?, all("_swiglu")?, all("_multi")?];
+                if bulk {
+                    for f in fams.iter().flatten() {
+                        f.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            GEMVQ_BULK_MAX_SMEM as i32,
+                        )
+                        .with_context(|| {
+                            format!("gemvq_{name}: raising the shared-memory limit")
+                        })?;
+                    }
+                }
+                Some(fams)
             } else {
                 None
             });
@@ -171,6 +187,7 @@ impl Kernels {
             gemvq,
             gemvq_moe,
             quant_x: function(&m, "quant_x_q8")?,
+            bulk,
             xq: Mutex::new(None),
             mm,
             mm_x,
@@ -248,6 +265,31 @@ fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
         ks *= 2;
     }
     ks
+}
+
+/// Largest weight span one block of the bulk-copy quantized-x GEMV holds in shared memory
+/// (matmul.cu, `gemv_bulk_prologue`): two such blocks fit in an H200 SM's 228 KB.
+const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
+
+/// The K split and dynamic shared memory of the bulk-copy form of the quantized-x GEMV for
+/// rows of `rb` bytes: the fewest splits whose block span (GEMV_WARPS / ks row groups of
+/// GEMV_NW rows: consecutive rows, or a gate and an up row) fits in
+/// [`GEMVQ_BULK_MAX_SMEM`]. `None` (the register-load form, split by [`split_k`]) when the
+/// device has no bulk copies (before sm_90), `FERRITE_GEMV_BULK=0`, or rows are not whole
+/// 16-byte units (the copy's granule). A function of the shape only, like `split_k`.
+fn gemvq_bulk(be: &CudaBackend, rb: usize) -> Option<(usize, u32)> {
+    if !be.matmul.bulk || rb % 16 != 0 {
+        return None;
+    }
+    let mut ks = 1;
+    while ks <= GEMV_WARPS {
+        let bytes = GEMV_WARPS / ks * GEMV_NW * rb;
+        if bytes <= GEMVQ_BULK_MAX_SMEM {
+            return Some((ks, bytes as u32));
+        }
+        ks *= 2;
+    }
+    None
 }
 
 /// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the
@@ -338,7 +380,7 @@ pub fn matmul(
             // SAFETY: as below, for the row range r0..r0+n of x and out.
             unsafe {
                 be.stream
-                    .launch_builder(func)
+                    .kernel(func)
                     .arg(&w.data)
                     .arg(&rb)
                     .arg(&n_out_i)
@@ -370,7 +412,7 @@ pub fn matmul(
         // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
         unsafe {
             be.stream
-                .launch_builder(&be.matmul.gemv[ti][ri])
+                .kernel(&be.matmul.gemv[ti][ri])
                 .arg(&w.data)
                 .arg(&rb)
                 .arg(&n_out_i)
@@ -469,7 +511,7 @@ pub(crate) fn quantize_into(
     // SAFETY: sizes checked above.
     unsafe {
         be.stream
-            .launch_builder(&be.matmul.quant_x)
+            .kernel(&be.matmul.quant_x)
             .arg(x)
             .arg(&rows_i)
             .arg(&n_in_i)
@@ -508,13 +550,18 @@ fn gemvq_launch(
     match up {
         None => {
             let groups = row_groups(n_out);
-            let ks = split_k(gemvq_steps(w.dtype, n_in), groups, be.sm_count);
+            let (ks, smem) = gemvq_bulk(be, rb as usize)
+                .unwrap_or((split_k(gemvq_steps(w.dtype, n_in), groups, be.sm_count), 0));
             let ks_i = ks as i32;
+            let cfg = LaunchConfig {
+                shared_mem_bytes: smem,
+                ..gemv_config(groups, ks)
+            };
             // SAFETY: w holds n_out rows of rb bytes (checked by the caller); x scratch holds
             // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats.
             unsafe {
                 be.stream
-                    .launch_builder(&fams[0][ri])
+                    .kernel(&fams[0][ri])
                     .arg(&w.data)
                     .arg(&rb)
                     .arg(&n_out_i)
@@ -524,7 +571,7 @@ fn gemvq_launch(
                     .arg(&rows_i)
                     .arg(&mut out.buf)
                     .arg(&ks_i)
-                    .launch(gemv_config(groups, ks))
+                    .launch(cfg)
             }?;
         }
         Some(up) => {
@@ -537,12 +584,17 @@ fn gemvq_launch(
                 up.dtype
             );
             // One output per row group (gate row o with up row o).
-            let ks = split_k(gemvq_steps(w.dtype, n_in), n_out, be.sm_count);
+            let (ks, smem) = gemvq_bulk(be, rb as usize)
+                .unwrap_or((split_k(gemvq_steps(w.dtype, n_in), n_out, be.sm_count), 0));
             let ks_i = ks as i32;
+            let cfg = LaunchConfig {
+                shared_mem_bytes: smem,
+                ..gemv_config(n_out, ks)
+            };
             // SAFETY: as above, for both weights (same type and shape).
             unsafe {
                 be.stream
-                    .launch_builder(&fams[1][ri])
+                    .kernel(&fams[1][ri])
                     .arg(&w.data)
                     .arg(&up.data)
                     .arg(&rb)
@@ -553,7 +605,7 @@ fn gemvq_launch(
                     .arg(&rows_i)
                     .arg(&mut out.buf)
                     .arg(&ks_i)
-                    .launch(gemv_config(n_out, ks))
+                    .launch(cfg)
             }?;
         }
     }
@@ -573,7 +625,7 @@ struct GemvSegs {
 }
 
 // SAFETY: plain old data laid out as the C struct (6 pointers, 5 ints).
-unsafe impl cudarc::driver::DeviceRepr for GemvSegs {}
+unsafe impl super::launch::ScalarArg for GemvSegs {}
 
 /// Which decode GEMV a weight takes at `rows` rows, for grouping in [`matmuls`]: `Some(true)`
 /// the quantized-x one, `Some(false)` the f32 one of the float types, `None` neither
@@ -684,7 +736,12 @@ fn multi_launch(
     } else {
         gemv_steps(t, n_in)
     };
-    let ks = split_k(steps, groups, be.sm_count);
+    let bulk = if q {
+        gemvq_bulk(be, ws[0].row_bytes())
+    } else {
+        None
+    };
+    let (ks, smem) = bulk.unwrap_or((split_k(steps, groups, be.sm_count), 0));
     let per_block = GEMV_WARPS / ks * GEMV_NW;
     let mut sg = GemvSegs::default();
     let mut grid = 0usize;
@@ -712,7 +769,7 @@ fn multi_launch(
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(grid)?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let (rb, n_in_i, rows_i, ks_i) = (
         ws[0].row_bytes() as i64,
@@ -732,7 +789,7 @@ fn multi_launch(
         // (checked by matmuls); the scratch holds rows×n_in quantized values.
         unsafe {
             be.stream
-                .launch_builder(&fams[2][ri])
+                .kernel(&fams[2][ri])
                 .arg(&sg)
                 .arg(&rb)
                 .arg(&n_in_i)
@@ -749,7 +806,7 @@ fn multi_launch(
         // SAFETY: as above, with x holding rows×n_in floats.
         unsafe {
             be.stream
-                .launch_builder(&fams[ri])
+                .kernel(&fams[ri])
                 .arg(&sg)
                 .arg(&rb)
                 .arg(&n_in_i)
@@ -815,7 +872,7 @@ pub fn matmul_swiglu(
         // floats and out rows×n_out.
         unsafe {
             be.stream
-                .launch_builder(&fams[ri])
+                .kernel(&fams[ri])
                 .arg(&gate.data)
                 .arg(&up.data)
                 .arg(&rb)
@@ -911,7 +968,7 @@ fn mm_launch(
     // SAFETY: x holds rows×n_in floats (checked by the caller); xb holds ≥ rows×kp bf16.
     unsafe {
         be.stream
-            .launch_builder(&be.matmul.mm_x)
+            .kernel(&be.matmul.mm_x)
             .arg(&x.buf)
             .arg(&rows_i)
             .arg(&n_in_i)
@@ -928,7 +985,7 @@ fn mm_launch(
     // bytes of W and rows×kp bf16 of xb, and writes rows×n_out floats of out.
     unsafe {
         be.stream
-            .launch_builder(&be.matmul.mm[ti][bi])
+            .kernel(&be.matmul.mm[ti][bi])
             .arg(&w.data)
             .arg(&rb)
             .arg(&n_out_i)

@@ -13,9 +13,12 @@
 //! - [`moe`]: top-k routing and batched expert FFNs.
 //! - [`gated_delta`]: Qwen3.5's Gated DeltaNet ops (conv1d + state, the delta rule with its
 //!   state in VRAM), gated RMSNorm, sigmoid gate.
+//!
+//! Every kernel is launched through [`launch`] (programmatic dependent launch on Hopper).
 
 pub mod attention;
 pub mod gated_delta;
+pub mod launch;
 pub mod matmul;
 pub mod moe;
 pub mod nvrtc;
@@ -138,6 +141,7 @@ impl CudaBackend {
         let stream = ctx.new_stream().context("creating a CUDA stream")?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = nvrtc::arch_for(major, minor);
+        launch::configure_pdl(major);
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;

@@ -17,13 +17,14 @@ use std::sync::{Arc, Mutex};
 use anyhow::{ensure, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    ValidAsZeroBits,
 };
 use ferrite_formats::GgmlType;
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/moe.cu");
 
+use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, matmul, CudaBackend, CudaWeight};
 use crate::{Act, ExpertWeights, MoeRouting};
 
@@ -279,7 +280,7 @@ pub fn moe(
     // SAFETY: logits hold rows × n_experts floats (checked); ids/wts hold ≥ rows·top_k.
     unsafe {
         be.stream
-            .launch_builder(&be.moe.route)
+            .kernel(&be.moe.route)
             .arg(&router_logits.buf)
             .arg(&ne)
             .arg(&tk)
@@ -337,7 +338,7 @@ pub fn moe(
     // rows of gate/up are `ffn` per expert of g_rb/u_rb bytes; h holds ≥ pairs × ffn floats.
     unsafe {
         be.stream
-            .launch_builder(&be.moe.gate_up)
+            .kernel(&be.moe.gate_up)
             .arg(&x.buf)
             .arg(&s.ids)
             .arg(&g.data)
@@ -364,7 +365,7 @@ pub fn moe(
     // SAFETY: as above; out holds rows × hidden floats (checked).
     unsafe {
         be.stream
-            .launch_builder(&be.moe.down)
+            .kernel(&be.moe.down)
             .arg(&s.h)
             .arg(&s.ids)
             .arg(&s.wts)
@@ -439,7 +440,7 @@ fn quantized_experts(
     // quantized x holds rows × hidden values; h holds ≥ pairs × ffn floats.
     unsafe {
         be.stream
-            .launch_builder(&gk[0])
+            .kernel(&gk[0])
             .arg(&g.data)
             .arg(&u.data)
             .arg(&gu_rb)
@@ -463,7 +464,7 @@ fn quantized_experts(
     // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
     unsafe {
         be.stream
-            .launch_builder(&dk[1])
+            .kernel(&dk[1])
             .arg(&d.data)
             .arg(&d_rb)
             .arg(&hid)
@@ -526,7 +527,7 @@ fn grouped_experts(
     // any routing yields), list ≥ pairs (grown by the caller).
     unsafe {
         be.stream
-            .launch_builder(&be.moe.sort)
+            .kernel(&be.moe.sort)
             .arg(&s.ids)
             .arg(&pairs_i)
             .arg(&ne)
@@ -547,7 +548,7 @@ fn grouped_experts(
     // ne·ffn rows of gu_rb bytes; x holds rows × hidden floats; h ≥ pairs × ffn.
     unsafe {
         be.stream
-            .launch_builder(&be.moe.mm_gu[gi])
+            .kernel(&be.moe.mm_gu[gi])
             .arg(&g.data)
             .arg(&u.data)
             .arg(&gu_rb)
@@ -572,7 +573,7 @@ fn grouped_experts(
     // SAFETY: as above; down holds ne·hidden rows of d_rb bytes; y ≥ pairs × hidden.
     unsafe {
         be.stream
-            .launch_builder(&be.moe.mm_down[di])
+            .kernel(&be.moe.mm_down[di])
             .arg(&d.data)
             .arg(&d_rb)
             .arg(&hid)
@@ -602,7 +603,7 @@ fn grouped_experts(
     // SAFETY: y holds pairs × hidden, ids/wts pairs, out rows × hidden (checked by the caller).
     unsafe {
         be.stream
-            .launch_builder(&be.moe.combine)
+            .kernel(&be.moe.combine)
             .arg(&s.y)
             .arg(&s.ids)
             .arg(&s.wts)

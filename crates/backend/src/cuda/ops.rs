@@ -4,9 +4,10 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig};
 use ferrite_formats::{quant, GgmlType};
 
+use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, CudaBackend, CudaWeight};
 use crate::{check_shape, Act, HostTensor, Rope, RopeStyle, StepInput};
 
@@ -111,7 +112,7 @@ pub fn embed(
     // vocabulary); the kernel reads row_bytes per token and writes rows×dim floats.
     unsafe {
         be.stream
-            .launch_builder(&be.ops.embed)
+            .kernel(&be.ops.embed)
             .arg(&table.data)
             .arg(&ty)
             .arg(&rb)
@@ -141,7 +142,7 @@ pub fn rms_norm(
     // SAFETY: shapes checked above; one block per row.
     unsafe {
         be.stream
-            .launch_builder(&be.ops.rms_norm)
+            .kernel(&be.ops.rms_norm)
             .arg(&x.buf)
             .arg(&wv)
             .arg(&mut out.buf)
@@ -175,7 +176,7 @@ pub fn head_rms_norm(
     // SAFETY: heads × head_dim floats in x; one warp per head.
     unsafe {
         be.stream
-            .launch_builder(&be.ops.head_rms_norm)
+            .kernel(&be.ops.head_rms_norm)
             .arg(&mut x.buf)
             .arg(&wv)
             .arg(&heads)
@@ -205,7 +206,7 @@ pub fn rope(
     // SAFETY: one thread per rotated pair, bounds-checked in the kernel.
     unsafe {
         be.stream
-            .launch_builder(&be.ops.rope)
+            .kernel(&be.ops.rope)
             .arg(&mut x.buf)
             .arg(&step.positions)
             .arg(&rows)
@@ -249,7 +250,7 @@ pub fn add_rms_norm(
     // one block per row, at most 1024 threads (32 warps: the kernel's shared partials).
     unsafe {
         be.stream
-            .launch_builder(&be.ops.add_rms_norm)
+            .kernel(&be.ops.add_rms_norm)
             .arg(&mut x.buf)
             .arg(&y.buf)
             .arg(&wv)
@@ -305,7 +306,7 @@ pub fn qk_norm_rope(
     // as the step); norm weights hold head_dim floats (f32_vec); the kernel returns for
     // warps past rows·(q_heads + k_heads).
     unsafe {
-        let mut b = be.stream.launch_builder(&be.ops.qk_norm_rope);
+        let mut b = be.stream.kernel(&be.ops.qk_norm_rope);
         b.arg(&mut q.buf).arg(&mut k.buf);
         match &qw {
             Some(v) => b.arg(v),
@@ -339,7 +340,7 @@ pub fn add_assign(
     // SAFETY: n elements in both buffers.
     unsafe {
         be.stream
-            .launch_builder(&be.ops.add_assign)
+            .kernel(&be.ops.add_assign)
             .arg(&mut x.buf)
             .arg(&y.buf)
             .arg(&n)
@@ -360,7 +361,7 @@ pub fn swiglu(
     // SAFETY: n elements in all three buffers.
     unsafe {
         be.stream
-            .launch_builder(&be.ops.swiglu)
+            .kernel(&be.ops.swiglu)
             .arg(&g.buf)
             .arg(&u.buf)
             .arg(&mut out.buf)
@@ -390,7 +391,7 @@ pub fn argmax(
     // SAFETY: one block of 1024 threads per row (the kernel's shared arrays hold 1024).
     unsafe {
         be.stream
-            .launch_builder(&be.ops.argmax_rows)
+            .kernel(&be.ops.argmax_rows)
             .arg(&logits.buf)
             .arg(out)
             .arg(&cols)
@@ -416,7 +417,7 @@ pub fn top_k(
     // SAFETY: one block of 1024 threads per row; writes k ids and k values per row.
     unsafe {
         be.stream
-            .launch_builder(&be.ops.topk_rows)
+            .kernel(&be.ops.topk_rows)
             .arg(&logits.buf)
             .arg(ids)
             .arg(&mut vals.buf)

@@ -206,6 +206,7 @@ extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __
                                     const int* __restrict__ positions,
                                     unsigned short* __restrict__ kc, unsigned short* __restrict__ vc,
                                     long long layer_off, int rows, int n_kv, int hd, int capacity) {
+    PDL_ENTRY();
     kv_store_impl<false>(k, v, positions, kc, vc, layer_off, rows, n_kv, hd, capacity,
                          UNPAGED_PASS(capacity));
 }
@@ -217,6 +218,7 @@ extern "C" __global__ void kv_store_paged(const float* __restrict__ k,
                                           unsigned short* __restrict__ kc,
                                           unsigned short* __restrict__ vc, long long layer_off,
                                           int rows, int n_kv, int hd, int capacity, PAGED_ARGS) {
+    PDL_ENTRY();
     kv_store_impl<true>(k, v, positions, kc, vc, layer_off, rows, n_kv, hd, capacity,
                         PAGED_PASS);
 }
@@ -269,6 +271,7 @@ extern "C" __global__ void kv_store_q8(const float* __restrict__ k, const float*
                                        unsigned char* __restrict__ kq, unsigned char* __restrict__ vq,
                                        unsigned short* __restrict__ ks, unsigned short* __restrict__ vs,
                                        long long layer_off, int rows, int n_kv, int hd, int capacity) {
+    PDL_ENTRY();
     kv_store_q8_impl<false>(k, v, positions, kq, vq, ks, vs, layer_off, rows, n_kv, hd,
                             capacity, UNPAGED_PASS(capacity));
 }
@@ -278,6 +281,7 @@ extern "C" __global__ void kv_store_q8_paged(
     unsigned char* __restrict__ kq, unsigned char* __restrict__ vq,
     unsigned short* __restrict__ ks, unsigned short* __restrict__ vs, long long layer_off,
     int rows, int n_kv, int hd, int capacity, PAGED_ARGS) {
+    PDL_ENTRY();
     kv_store_q8_impl<true>(k, v, positions, kq, vq, ks, vs, layer_off, rows, n_kv, hd, capacity,
                            PAGED_PASS);
 }
@@ -453,12 +457,14 @@ __device__ __forceinline__ void attn_decode_impl(
         int n_heads, int group, int capacity, int n_splits, float scale_log2
 #define DECODE_KERNEL1(NAME, HD, GB, Q8)                                                     \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) NAME(DECODE_ARGS) {        \
+        PDL_ENTRY();                                                                        \
         attn_decode_impl<HD, GB, Q8, false>(q, kc, vc, ks, vs, positions, part_acc, part_ml, \
                                             layer_off, n_heads, group, capacity, n_splits,   \
                                             scale_log2, UNPAGED_PASS(capacity));             \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
         NAME##_paged(DECODE_ARGS, PAGED_ARGS) {                                              \
+        PDL_ENTRY();                                                                         \
         attn_decode_impl<HD, GB, Q8, true>(q, kc, vc, ks, vs, positions, part_acc, part_ml,  \
                                            layer_off, n_heads, group, capacity, n_splits,    \
                                            scale_log2, PAGED_PASS);                          \
@@ -489,6 +495,7 @@ extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_acc,
                                              const float* __restrict__ part_ml,
                                              float* __restrict__ out, int n_heads, int hd,
                                              int n_splits) {
+    PDL_ENTRY();
     const int h = blockIdx.x, t = blockIdx.y;
     const long long row0 = ((long long)t * n_heads + h) * n_splits;
     float mx = ATT_NEG;
@@ -644,12 +651,14 @@ __device__ __forceinline__ void attn_prefill_impl(
         int capacity, float scale_log2
 #define PREFILL_KERNEL1(NAME, HD, Q8)                                                        \
     extern "C" __global__ void __launch_bounds__(PREFILL_THREADS) NAME(PREFILL_ARGS) {      \
+        PDL_ENTRY();                                                                        \
         attn_prefill_impl<HD, Q8, false>(q, kc, vc, ks, vs, positions, out, layer_off, rows, \
                                          n_heads, group, capacity, scale_log2,              \
                                          UNPAGED_PASS(capacity));                           \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)                            \
         NAME##_paged(PREFILL_ARGS, PAGED_ARGS) {                                             \
+        PDL_ENTRY();                                                                         \
         attn_prefill_impl<HD, Q8, true>(q, kc, vc, ks, vs, positions, out, layer_off, rows,  \
                                         n_heads, group, capacity, scale_log2, PAGED_PASS);  \
     }
@@ -721,11 +730,13 @@ __device__ __forceinline__ void attn_generic_impl(GENERIC_ARGS, PAGED_ARGS) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_generic(GENERIC_ARGS) {
+    PDL_ENTRY();
     attn_generic_impl<false>(q, kc, vc, ks, vs, q8, positions, out, layer_off, n_heads, group,
                              hd, capacity, scale_log2, UNPAGED_PASS(capacity));
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_generic_paged(GENERIC_ARGS, PAGED_ARGS) {
+    PDL_ENTRY();
     attn_generic_impl<true>(q, kc, vc, ks, vs, q8, positions, out, layer_off, n_heads, group,
                             hd, capacity, scale_log2, PAGED_PASS);
 }

@@ -122,3 +122,27 @@ __device__ float ggml_get(const uint8_t* row, int type, int i) {
     default: return __int_as_float(0x7fc00000);  // NaN: an unknown type must never pass check
     }
 }
+
+// Programmatic dependent launch (launch.rs). Kernels are launched so that they may start
+// while their predecessor in the stream still runs. `pdl_wait` blocks until that predecessor
+// grid has completed and its memory is visible: nothing that a predecessor reads or writes
+// may be touched before it (reading weights, which no kernel writes, may). Each kernel
+// waits at entry unless it has independent work to issue first, then lets its own successor
+// launch (`pdl_launch_dependents`): the successor's blocks are scheduled as this grid's
+// blocks retire, and its wait covers the whole chain (this grid cannot complete before its
+// own wait returned). Before sm_90 (and when launched without the attribute) both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+#define PDL_ENTRY()                                                                                \
+    do {                                                                                           \
+        pdl_wait();                                                                                \
+        pdl_launch_dependents();                                                                   \
+    } while (0)

@@ -45,6 +45,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 extern "C" __global__ void embed(const uint8_t* __restrict__ table, int type, long long row_bytes,
                                  const int* __restrict__ tokens, float* __restrict__ out, int dim) {
+    PDL_ENTRY();
     int t = blockIdx.x;
     const uint8_t* row = table + (long long)tokens[t] * row_bytes;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(long long)t * dim + i] = ggml_get(row, type, i);
@@ -52,6 +53,7 @@ extern "C" __global__ void embed(const uint8_t* __restrict__ table, int type, lo
 
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
                                     float* __restrict__ out, int cols, float eps) {
+    PDL_ENTRY();
     __shared__ float partial[32];
     const float* xr = x + (long long)blockIdx.x * cols;
     float* orow = out + (long long)blockIdx.x * cols;
@@ -75,6 +77,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 // x: n_heads_total heads of head_dim floats, normalised in place, one warp per head.
 extern "C" __global__ void head_rms_norm(float* __restrict__ x, const float* __restrict__ w,
                                          int n_heads_total, int head_dim, float eps) {
+    PDL_ENTRY();
     int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (head >= n_heads_total) return;
@@ -89,6 +92,7 @@ extern "C" __global__ void head_rms_norm(float* __restrict__ x, const float* __r
 // One thread per (row, head, pair i < rot_dim/2).
 extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ positions, int rows, int cols,
                                 int head_dim, int rot_dim, int neox, float theta) {
+    PDL_ENTRY();
     int half = rot_dim / 2;
     int heads = cols / head_dim;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -113,6 +117,7 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y,
                                         const float* __restrict__ w, float* __restrict__ h,
                                         int cols, float eps) {
+    PDL_ENTRY();
     __shared__ float partial[32];
     float* xr = x + (long long)blockIdx.x * cols;
     const float* yr = y + (long long)blockIdx.x * cols;
@@ -146,6 +151,7 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
                                         const int* __restrict__ positions, int rows, int q_heads,
                                         int k_heads, int head_dim, int rot_dim, int neox,
                                         float theta, float eps) {
+    PDL_ENTRY();
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     long long nq = (long long)rows * q_heads;
@@ -193,12 +199,14 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u,
                                   float* __restrict__ out, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float v = g[i];
@@ -207,6 +215,7 @@ extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __re
 }
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int cols) {
+    PDL_ENTRY();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     const float* row = logits + (long long)blockIdx.x * cols;
@@ -240,6 +249,7 @@ __device__ __forceinline__ bool tk_before(float av, int ai, float bv, int bi) {
 
 extern "C" __global__ void topk_rows(const float* __restrict__ logits, int* __restrict__ ids,
                                      float* __restrict__ vals, int cols, int k) {
+    PDL_ENTRY();
     __shared__ float bv[1024];
     __shared__ int bi[1024];
     const float NEG_INF = __int_as_float(0xff800000);

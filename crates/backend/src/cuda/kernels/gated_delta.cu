@@ -52,6 +52,7 @@ __device__ __forceinline__ float gd_softplus(float x) { return x > 20.f ? x : lo
 extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint8_t* __restrict__ w,
                                          int wtype, long long w_row_bytes, float* __restrict__ state,
                                          float* __restrict__ out, int rows, int C, int K) {
+    PDL_ENTRY();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     int hist = K - 1;
@@ -402,6 +403,7 @@ __device__ __forceinline__ void gd_body(const float* __restrict__ qkv, const flo
         const float* __restrict__ qkv, const float* __restrict__ a_in, const float* __restrict__ b_in,  \
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ state,  \
         float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled, int vec) {        \
+        PDL_ENTRY();                                                                                    \
         gd_body<R, L>(qkv, a_in, b_in, ssm_a, dt_bias, state, out, rows, nk, nv, dk, dv, tiled, vec);   \
     }
 GD_KERNEL(8, 4)
@@ -417,6 +419,7 @@ __device__ __forceinline__ float gd_warp_sum(float v) {
 extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __restrict__ z,
                                           const float* __restrict__ w, int n_heads_total, int head_dim,
                                           float eps) {
+    PDL_ENTRY();
     int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (head >= n_heads_total) return;
@@ -432,6 +435,7 @@ extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __
 // x: n elements (rows of `cols`); gate: one value per element (gate_cols == cols) or per row.
 extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __restrict__ gate, long long n,
                                         int cols, int gate_cols) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = gate_cols == 1 ? gate[i / cols] : gate[i];

@@ -375,6 +375,93 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
 // W, up row o of W2) and stores silu(gate) * up at out[o], one output per group.
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
+// PDL prologue of a GEMV block (launch.rs, common.cuh): the weight rows [r0, r1) the block
+// will stream (of W, and of W2 for the fused SwiGLU) depend on no earlier kernel, so their
+// lines are prefetched into L2 before waiting for the predecessor. While the previous kernel
+// drains (its tail leaves DRAM idle), this block's weights are already on their way; its
+// streaming loads then hit L2. Then wait, then let the next kernel launch.
+__device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
+                                              int r0, int r1) {
+#if __CUDA_ARCH__ >= 900
+    r1 = r1 < n_out ? r1 : n_out;
+    if (r0 < r1) {
+        const size_t bytes = (size_t)(r1 - r0) * (size_t)rb;
+#pragma unroll 1
+        for (int m = 0; m < 2; m++) {
+            const uint8_t* base = m == 0 ? W : W2;
+            if (base == nullptr) break;
+            const size_t a0 = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)127;
+            const size_t a1 = (size_t)(base + (size_t)r0 * (size_t)rb) + bytes;
+            for (size_t a = a0 + 128 * (size_t)threadIdx.x; a < a1; a += 128 * (size_t)blockDim.x)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+        }
+    }
+#endif
+    PDL_ENTRY();
+}
+
+// The bulk-copy form of the quantized-x GEMV (sm_90, chosen by the launcher through the
+// dynamic shared memory size: 0 means the weights are read from global memory as above).
+// The block's weight rows [r0, r1) (of W, and of W2 for the fused SwiGLU) are one contiguous
+// span each; thread 0 copies them into shared memory with cp.async.bulk (the TMA engine: one
+// instruction per span, no registers held, the whole span in flight at once) completing on
+// an mbarrier, BEFORE waiting for the predecessor kernel (weights depend on nothing). The
+// lanes then read the same bytes from shared memory with the same lane mapping and the same
+// arithmetic as the global path. Why: the register-held loads of the global path keep only
+// one unrolled step (~2 KB per warp) in flight (the compiler does not hoist the loads of the
+// next step), ~50 KB per SM, under what the H200's latency x bandwidth needs; the bulk copy
+// puts 2-3 blocks x 10-110 KB in flight per SM and overlaps them with the previous kernel.
+__device__ __forceinline__ uint32_t gemv_dyn_smem() {
+    uint32_t v;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v;
+}
+
+__device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
+                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        const int r1 = r0 + per_block < n_out ? r0 + per_block : n_out;
+        const uint32_t bytes = r1 > r0 ? (uint32_t)((size_t)(r1 - r0) * (size_t)rb) : 0u;
+        const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes * (W2 ? 2u : 1u))
+                     : "memory");
+        if (bytes) {
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                    (uint32_t)__cvta_generic_to_shared(smem)),
+                "l"(W + (size_t)r0 * (size_t)rb), "r"(bytes), "r"(b)
+                : "memory");
+            if (W2)
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                        (uint32_t)__cvta_generic_to_shared(smem + (size_t)per_block * (size_t)rb)),
+                    "l"(W2 + (size_t)r0 * (size_t)rb), "r"(bytes), "r"(b)
+                    : "memory");
+        }
+    }
+    __syncthreads();  // the barrier is initialised before anyone waits on it
+#endif
+    PDL_ENTRY();
+}
+
+// Waits until the bulk copies of this block have landed (phase 0 of the barrier completes).
+__device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b)
+            : "memory");
+    }
+#endif
+}
+
 template <int TYPE, int R, bool SWIGLU = false>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                      const float* __restrict__ x, int rows, float* __restrict__ out, int ks,
@@ -386,6 +473,8 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     const int kw = warp % ks, grp = warp / ks;
     const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
+    gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, bx * (GEMV_WARPS / ks) * PER,
+                  (bx + 1) * (GEMV_WARPS / ks) * PER);
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -581,20 +670,37 @@ __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4
 
 // The 16 bytes at p (2-byte aligned) as four little-endian words: 5 aligned loads (the 5th
 // only when p is 2 mod 4) and funnel shifts.
+// SM: the bytes are in shared memory (the bulk-copy GEMV), read with plain loads; otherwise
+// global memory, streaming loads.
+template <bool SM>
+__device__ __forceinline__ uint32_t wld4(const uint32_t* p) { return SM ? *p : ldw(p); }
+template <bool SM>
+__device__ __forceinline__ uint4 wld16(const uint8_t* p) {
+    return SM ? *(const uint4*)p : __ldcs((const uint4*)p);
+}
+template <bool SM>
+__device__ __forceinline__ uint16_t wld2(const uint8_t* p) { return SM ? *(const uint16_t*)p : ld2(p); }
+template <bool SM>
+__device__ __forceinline__ int wld1s(const uint8_t* p) {
+    return SM ? (int)*(const int8_t*)p : (int)(int8_t)__ldcs((const signed char*)p);
+}
+
+template <bool SM = false>
 __device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&w)[4]) {
     const size_t a = (size_t)p;
     const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
     const uint32_t sh = (uint32_t)(a & 3) * 8;
     uint32_t v[5];
 #pragma unroll
-    for (int i = 0; i < 4; i++) v[i] = ldw(q + i);
-    v[4] = sh ? ldw(q + 4) : 0u;
+    for (int i = 0; i < 4; i++) v[i] = wld4<SM>(q + i);
+    v[4] = sh ? wld4<SM>(q + 4) : 0u;
 #pragma unroll
     for (int i = 0; i < 4; i++) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
 }
 
 extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int n_in, int8_t* __restrict__ xq,
                                       float2* __restrict__ xd) {
+    PDL_ENTRY();
     const int nb = n_in / QK;
     const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= (long long)rows * nb) return;  // whole warp
@@ -626,7 +732,7 @@ extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int
 
 // Per type: this lane's share of the NW rows `wr` against R rows of quantized x, into acc.
 // Units (32 weight elements each) are split over the ks warps as in gemv_lane.
-template <int TYPE, int R, int NW>
+template <int TYPE, int R, int NW, bool SM = false>
 __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n_in, const int8_t* __restrict__ xq,
                                            const float2* __restrict__ xd, int rows, int lane, int kw, int ks,
                                            float (&acc)[R][NW]) {
@@ -641,17 +747,17 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             for (int w = 0; w < NW; w++) {
                 if (TYPE == GGML_Q8_0) {
                     const uint8_t* blk = wr[w] + (size_t)u * Q8_0_BYTES;
-                    dw[w] = h2f(ld2(blk));
+                    dw[w] = h2f(wld2<SM>(blk));
                     uint32_t a[4], b[4];
-                    ld16_a2(blk + 2, a);
-                    ld16_a2(blk + 18, b);
+                    ld16_a2<SM>(blk + 2, a);
+                    ld16_a2<SM>(blk + 18, b);
 #pragma unroll
                     for (int i = 0; i < 4; i++) { q[w][i] = a[i]; q[w][4 + i] = b[i]; }
                 } else if (TYPE == GGML_Q4_0) {
                     const uint8_t* blk = wr[w] + (size_t)u * Q4_0_BYTES;
-                    dw[w] = h2f(ld2(blk));
+                    dw[w] = h2f(wld2<SM>(blk));
                     uint32_t a[4];
-                    ld16_a2(blk + 2, a);
+                    ld16_a2<SM>(blk + 2, a);
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         q[w][i] = a[i] & 0x0F0F0F0Fu;
@@ -659,12 +765,12 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                     }
                 } else {
                     const uint8_t* blk = wr[w] + (size_t)u * Q4_1_BYTES;  // 4-aligned
-                    const uint32_t dm = ldw((const uint32_t*)blk);
+                    const uint32_t dm = wld4<SM>((const uint32_t*)blk);
                     dw[w] = h2f(dm & 0xFFFF);
                     mw[w] = h2f(dm >> 16);
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
-                        const uint32_t a = ldw((const uint32_t*)(blk + 4) + i);
+                        const uint32_t a = wld4<SM>((const uint32_t*)(blk + 4) + i);
                         q[w][i] = a & 0x0F0F0F0Fu;
                         q[w][4 + i] = (a >> 4) & 0x0F0F0F0Fu;
                     }
@@ -713,8 +819,8 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 #pragma unroll
             for (int w = 0; w < NW; w++) {
                 const uint8_t* blk = wr[w] + (size_t)s * bytes;  // 16-aligned
-                const uint4 hd = __ldcs((const uint4*)blk);
-                const uint4 qv = __ldcs((const uint4*)(blk + (TYPE == GGML_Q4_K ? 16 : 48) + 32 * g + 16 * h));
+                const uint4 hd = wld16<SM>(blk);
+                const uint4 qv = wld16<SM>(blk + (TYPE == GGML_Q4_K ? 16 : 48) + 32 * g + 16 * h);
                 d[w] = h2f(hd.x & 0xFFFF);
                 dmin[w] = h2f(hd.x >> 16);
                 scale_min_pair(g, hd.y, hd.z, hd.w, &sc0[w], &m0[w], &sc1[w], &m1[w]);
@@ -726,7 +832,7 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                         hi[w][i] = (qa[i] >> 4) & 0x0F0F0F0Fu;
                     }
                 } else {
-                    const uint4 hv = __ldcs((const uint4*)(blk + 16 + 16 * h));
+                    const uint4 hv = wld16<SM>(blk + 16 + 16 * h);
                     const uint32_t ha[4] = {hv.x, hv.y, hv.z, hv.w};
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
@@ -775,12 +881,12 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             for (int w = 0; w < NW; w++) {
                 const uint8_t* blk = wr[w] + (size_t)s * Q6_K_BYTES;  // 2-aligned
                 uint32_t ql[4], qh[4];
-                ld16_a2(blk + 64 * n + 32 * p + 16 * c, ql);
-                ld16_a2(blk + 128 + 32 * n + 16 * c, qh);
-                const float d = h2f(ld2(blk + 208));
+                ld16_a2<SM>(blk + 64 * n + 32 * p + 16 * c, ql);
+                ld16_a2<SM>(blk + 128 + 32 * n + 16 * c, qh);
+                const float d = h2f(wld2<SM>(blk + 208));
                 const int si = 192 + 8 * n + c + 2 * p;
-                da[w] = d * (float)(int8_t)__ldcs((const signed char*)(blk + si));
-                db[w] = d * (float)(int8_t)__ldcs((const signed char*)(blk + si + 4));
+                da[w] = d * (float)wld1s<SM>(blk + si);
+                db[w] = d * (float)wld1s<SM>(blk + si + 4);
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const uint32_t h0 = (qh[i] >> (2 * p)) & 0x03030303u;
@@ -835,24 +941,36 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     const int kw = warp % ks, grp = warp / ks;
     const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    const int per_block = (GEMV_WARPS / ks) * PER, r0 = bx * per_block;
+    const bool bulk = gemv_dyn_smem() != 0;  // uniform over the launch
+    if (bulk)
+        gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
+    else
+        gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
     if (active) {
+        // Row w of the group: row ow[w] of W (or of W2: the SwiGLU's up row).
+        int ow[NW];
+#pragma unroll
+        for (int w = 0; w < NW; w++) ow[w] = SWIGLU ? o0 : (o0 + w < n_out ? o0 + w : n_out - 1);
         const uint8_t* wr[NW];
-        if (SWIGLU) {
-            wr[0] = W + (size_t)o0 * (size_t)rb;
-            wr[1] = W2 + (size_t)o0 * (size_t)rb;
+        if (bulk) {  // the copies in shared memory: W's span, then W2's
+#pragma unroll
+            for (int w = 0; w < NW; w++)
+                wr[w] = gemv_smem + (size_t)((SWIGLU && w == 1 ? per_block : 0) + ow[w] - r0) * (size_t)rb;
+            gemv_bulk_wait(&gemv_bar);
+            gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
         } else {
 #pragma unroll
-            for (int w = 0; w < NW; w++) {
-                const int o = o0 + w < n_out ? o0 + w : n_out - 1;
-                wr[w] = W + (size_t)o * (size_t)rb;
-            }
+            for (int w = 0; w < NW; w++) wr[w] = (SWIGLU && w == 1 ? W2 : W) + (size_t)ow[w] * (size_t)rb;
+            gemvq_lane<TYPE, R, NW, false>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
         }
-        gemvq_lane<TYPE, R, NW>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
 #pragma unroll
         for (int r = 0; r < R; r++)
 #pragma unroll
@@ -1024,6 +1142,7 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
         gemvq_moe_gu_##name(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn, \
                             int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,            \
                             const int* __restrict__ ids, int top_k, int n_experts, float* __restrict__ h) {      \
+        PDL_ENTRY();                                                                                             \
         gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, ids, top_k, n_experts, h);                            \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                              \
@@ -1031,6 +1150,7 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                               const int8_t* __restrict__ hq, const float2* __restrict__ hd,                      \
                               const int* __restrict__ ids, const float* __restrict__ wts, int top_k,             \
                               int n_experts, float* __restrict__ out) {                                          \
+        PDL_ENTRY();                                                                                             \
         gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, ids, wts, top_k, n_experts, out);                      \
     }
 
@@ -1256,6 +1376,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 // of xb per thread.
 extern "C" __global__ void __launch_bounds__(256)
     mm_x_bf16(const float* __restrict__ x, int rows, int n_in, int kp, uint16_t* __restrict__ xb) {
+    PDL_ENTRY();
     const int per_row = kp >> 3;
     const long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= (long long)rows * per_row) return;
@@ -1411,11 +1532,13 @@ __device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, 
     extern "C" __global__ void __launch_bounds__(256, 1)                                                    \
         mm_##name##_n128(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                  \
                          const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {      \
+        PDL_ENTRY();                                                                                        \
         mm<TYPE, 128>(W, rb, n_out, n_in, xb, kp, rows, out);                                               \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 2)                                                    \
         mm_##name##_n64(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                   \
                         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {       \
+        PDL_ENTRY();                                                                                        \
         mm<TYPE, 64>(W, rb, n_out, n_in, xb, kp, rows, out);                                                \
     }
 

@@ -254,6 +254,7 @@ __device__ __forceinline__ float row_dot(const uint8_t* row, int type, int align
 // One warp (block of 32) per token; dynamic shared memory: n_experts floats.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_experts, int top_k, int norm,
                                      int* __restrict__ ids, float* __restrict__ wts) {
+    PDL_ENTRY();
     extern __shared__ float p[];
     const int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (long long)t * n_experts;
@@ -302,6 +303,7 @@ extern "C" __global__ void moe_gate_up(const float* __restrict__ x, const int* _
                                        int gate_a16, const uint8_t* __restrict__ up, int up_type,
                                        long long up_rb, int up_a16, float* __restrict__ h, int pairs,
                                        int top_k, int hidden, int ffn, int n_experts) {
+    PDL_ENTRY();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long chunks = (ffn + MOE_WARPS - 1) / MOE_WARPS;
     const long long pair = (long long)blockIdx.x / chunks;
@@ -339,6 +341,7 @@ extern "C" __global__ void moe_down(const float* __restrict__ h, const int* __re
                                     int down_type, long long down_rb, int down_a16, float* __restrict__ out,
                                     int rows, int top_k, int hidden, int ffn, int n_experts,
                                     int rows_per_block) {
+    PDL_ENTRY();
     __shared__ float part[MOE_MAX_TOPK * MOE_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int R = rows_per_block;
@@ -587,6 +590,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int pairs, int n_experts,
                                                             int* __restrict__ offsets, int* __restrict__ n_tiles,
                                                             int* __restrict__ tiles, int* __restrict__ list) {
+    PDL_ENTRY();
     extern __shared__ int sm[];
     int* cnt = sm;
     int* cur = sm + n_experts;
@@ -767,6 +771,7 @@ __device__ __forceinline__ void moe_mm(const uint8_t* __restrict__ W0, const uin
                          int ffn, int hidden, const float* __restrict__ x, const int* __restrict__ offsets,    \
                          const int* __restrict__ n_tiles, const int* __restrict__ tiles,                       \
                          const int* __restrict__ list, int top_k, float* __restrict__ h) {                     \
+        PDL_ENTRY();                                                                                           \
         moe_mm<TYPE, true>(gate, up, rb, ffn, hidden, x, offsets, n_tiles, tiles, list, top_k, h);             \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 3)                                                          \
@@ -774,6 +779,7 @@ __device__ __forceinline__ void moe_mm(const uint8_t* __restrict__ W0, const uin
                            const float* __restrict__ h, const int* __restrict__ offsets,                       \
                            const int* __restrict__ n_tiles, const int* __restrict__ tiles,                     \
                            const int* __restrict__ list, int top_k, float* __restrict__ y) {                   \
+        PDL_ENTRY();                                                                                           \
         moe_mm<TYPE, false>(down, down, rb, hidden, ffn, h, offsets, n_tiles, tiles, list, top_k, y);          \
     }
 
@@ -791,6 +797,7 @@ MOE_MM_KERNELS(q6_k, GGML_Q6_K)
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ ids,
                                        const float* __restrict__ wts, float* __restrict__ out, int rows, int top_k,
                                        int hidden, int n_experts) {
+    PDL_ENTRY();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)rows * hidden) return;
     const long long t = idx / hidden;

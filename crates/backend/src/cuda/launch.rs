@@ -1,0 +1,183 @@
+//! Kernel launches through `cuLaunchKernelEx`, with programmatic dependent launch (PDL).
+//!
+//! A decode step is a chain of ~10 small kernels per layer replayed from a CUDA graph. Between
+//! two dependent kernels the GPU normally drains the first grid completely before it starts
+//! scheduling the second: ~2 µs per kernel in a graph on the H200 (MATMUL.md), most of a
+//! 4096-row GEMV's time. With PDL (sm_90+) a kernel launched with
+//! `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` may be scheduled while its
+//! predecessor still runs; it must then execute `griddepcontrol.wait` (common.cuh's
+//! `pdl_wait`) before it touches memory the predecessor reads or writes — the wait returns
+//! once the predecessor grid has completed and its writes are visible. Every kernel of
+//! ferrite starts with `PDL_ENTRY` (wait, then allow its own dependents to launch), and may
+//! issue work that depends on nothing before the wait (GEMV weight prefetches). Without
+//! the attribute, or below sm_90, the wait is a no-op and launches serialise as usual.
+//!
+//! The same builder shape as cudarc's `launch_builder` (`.arg(&x)...launch(cfg)`), so call
+//! sites read the same; event tracking is off on our context (one stream), so arguments are
+//! plain device pointers and values. `FERRITE_PDL=0` turns the attribute off (A/B runs).
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::sys::{self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    DriverError, LaunchConfig,
+};
+
+/// Whether launches carry the PDL attribute (set once per backend from the device).
+static PDL: AtomicBool = AtomicBool::new(false);
+
+/// Turns PDL on for devices of compute capability 9.0 and above, unless `FERRITE_PDL=0`.
+/// Returns whether it is on.
+pub fn configure_pdl(major: i32) -> bool {
+    let off = std::env::var("FERRITE_PDL").is_ok_and(|v| v == "0");
+    let on = major >= 9 && !off;
+    PDL.store(on, Ordering::Relaxed);
+    on
+}
+
+/// Whether launches use programmatic dependent launch.
+pub fn pdl_enabled() -> bool {
+    PDL.load(Ordering::Relaxed)
+}
+
+/// One kernel argument: a pointer to a value the caller keeps alive, or a device pointer
+/// held here.
+enum Arg {
+    Ref(*const c_void),
+    Dev(sys::CUdeviceptr),
+}
+
+/// A kernel launch being assembled (see the module comment).
+pub struct Launch<'a> {
+    stream: &'a CudaStream,
+    func: &'a CudaFunction,
+    args: Vec<Arg>,
+}
+
+/// `stream.kernel(&func)`: starts a launch on this stream.
+pub trait LaunchExt {
+    fn kernel<'a>(&'a self, func: &'a CudaFunction) -> Launch<'a>;
+}
+
+impl LaunchExt for CudaStream {
+    fn kernel<'a>(&'a self, func: &'a CudaFunction) -> Launch<'a> {
+        Launch {
+            stream: self,
+            func,
+            args: Vec::with_capacity(16),
+        }
+    }
+}
+
+/// Plain values passed by value to a kernel (their bytes are the kernel parameter).
+///
+/// # Safety
+/// The type must have the layout the kernel declares for that parameter.
+pub unsafe trait ScalarArg {}
+unsafe impl ScalarArg for i32 {}
+unsafe impl ScalarArg for u32 {}
+unsafe impl ScalarArg for i64 {}
+unsafe impl ScalarArg for u64 {}
+unsafe impl ScalarArg for f32 {}
+
+/// Adds one argument to a [`Launch`].
+pub trait KernelArg<T> {
+    fn arg(&mut self, a: T) -> &mut Self;
+}
+
+impl<'a, 'b: 'a, T: ScalarArg> KernelArg<&'b T> for Launch<'a> {
+    fn arg(&mut self, a: &'b T) -> &mut Self {
+        self.args.push(Arg::Ref(a as *const T as *const c_void));
+        self
+    }
+}
+
+impl<'a, T> KernelArg<&CudaSlice<T>> for Launch<'a> {
+    fn arg(&mut self, a: &CudaSlice<T>) -> &mut Self {
+        let (p, _sync) = a.device_ptr(self.stream);
+        self.args.push(Arg::Dev(p));
+        self
+    }
+}
+
+impl<'a, T> KernelArg<&mut CudaSlice<T>> for Launch<'a> {
+    fn arg(&mut self, a: &mut CudaSlice<T>) -> &mut Self {
+        let (p, _sync) = a.device_ptr_mut(self.stream);
+        self.args.push(Arg::Dev(p));
+        self
+    }
+}
+
+impl<'a, T> KernelArg<&CudaView<'_, T>> for Launch<'a> {
+    fn arg(&mut self, a: &CudaView<'_, T>) -> &mut Self {
+        let (p, _sync) = a.device_ptr(self.stream);
+        self.args.push(Arg::Dev(p));
+        self
+    }
+}
+
+impl<'a, T> KernelArg<&mut CudaViewMut<'_, T>> for Launch<'a> {
+    fn arg(&mut self, a: &mut CudaViewMut<'_, T>) -> &mut Self {
+        let (p, _sync) = a.device_ptr_mut(self.stream);
+        self.args.push(Arg::Dev(p));
+        self
+    }
+}
+
+impl Launch<'_> {
+    /// Submits the kernel to the stream (asynchronously).
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and the
+    /// kernel must stay inside the buffers it is given. With PDL on, the kernel must call
+    /// `pdl_wait` (common.cuh) before it touches memory its predecessors use.
+    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        let devs: Vec<sys::CUdeviceptr> = self
+            .args
+            .iter()
+            .map(|a| match a {
+                Arg::Dev(p) => *p,
+                Arg::Ref(_) => 0,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = self
+            .args
+            .iter()
+            .zip(&devs)
+            .map(|(a, d)| match a {
+                Arg::Ref(p) => *p as *mut c_void,
+                Arg::Dev(_) => d as *const sys::CUdeviceptr as *mut c_void,
+            })
+            .collect();
+        // SAFETY: a zeroed attribute is a valid (ignored) value; the union member set below
+        // is the one this attribute id reads.
+        let mut attr: CUlaunchAttribute = std::mem::zeroed();
+        attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let pdl = pdl_enabled();
+        let config = CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: pdl as u32,
+        };
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: `params` points at live values (the borrowed scalars, `devs` here) for the
+        // duration of the call, which copies them; the caller vouches for their types.
+        sys::cuLaunchKernelEx(
+            &config,
+            self.func.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
+    }
+}
