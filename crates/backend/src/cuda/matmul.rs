@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::{anyhow, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::GgmlType;
@@ -92,7 +92,7 @@ pub struct Kernels {
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
-    /// Whether the quantized-x GEMV may take its bulk-copy form ([`gemvq_bulk`]).
+    /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
     bulk: bool,
     /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
     /// input seen; grown only by an eager (first) step, never inside a captured one.
@@ -117,9 +117,9 @@ impl Kernels {
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
         let mut gemv_swiglu = Vec::with_capacity(TYPES.len());
         let mut gemv_multi = Vec::with_capacity(TYPES.len());
-        // Bulk copies (cp.async.bulk) need sm_90.
+        // Bulk copies (cp.async.bulk): sm_90 and later (matmul.cu compiles the bulk-copy
+        // GEMV for them, the register-load one before).
         let bulk = arch.starts_with("compute_9") || arch.starts_with("compute_1");
-        let bulk = bulk && std::env::var("FERRITE_GEMV_BULK").map_or(true, |v| v != "0");
         for (ty, name) in TYPES {
             gemvq_moe.push(if quantized_x(ty) {
                 Some([
@@ -271,25 +271,34 @@ fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
 /// (matmul.cu, `gemv_bulk_prologue`): two such blocks fit in an H200 SM's 228 KB.
 const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
 
-/// The K split and dynamic shared memory of the bulk-copy form of the quantized-x GEMV for
-/// rows of `rb` bytes: the fewest splits whose block span (GEMV_WARPS / ks row groups of
-/// GEMV_NW rows: consecutive rows, or a gate and an up row) fits in
-/// [`GEMVQ_BULK_MAX_SMEM`]. `None` (the register-load form, split by [`split_k`]) when the
-/// device has no bulk copies (before sm_90), `FERRITE_GEMV_BULK=0`, or rows are not whole
-/// 16-byte units (the copy's granule). A function of the shape only, like `split_k`.
-fn gemvq_bulk(be: &CudaBackend, rb: usize) -> Option<(usize, u32)> {
-    if !be.matmul.bulk || rb % 16 != 0 {
-        return None;
+/// The K split and dynamic shared memory of a quantized-x GEMV launch over `groups` row
+/// groups of rows of `rb` bytes, `spans` weights per row group (1, or 2 for the fused
+/// SwiGLU's gate and up rows). Before sm_90: the register-load form, split by [`split_k`],
+/// no shared memory. On sm_90+ the kernel always takes its bulk-copy form: the fewest splits
+/// whose slots (per weight: the block's rows, rounded up to 16 bytes, + 16 for the
+/// alignment offset; `gemv_slot` in matmul.cu) fit in [`GEMVQ_BULK_MAX_SMEM`]. A function of
+/// the shape only, never of the row count (see `split_k`).
+fn gemvq_split(
+    be: &CudaBackend,
+    t: GgmlType,
+    n_in: usize,
+    rb: usize,
+    groups: usize,
+    spans: usize,
+) -> Result<(usize, u32)> {
+    if !be.matmul.bulk {
+        return Ok((split_k(gemvq_steps(t, n_in), groups, be.sm_count), 0));
     }
     let mut ks = 1;
     while ks <= GEMV_WARPS {
-        let bytes = GEMV_WARPS / ks * GEMV_NW * rb;
+        let rows = GEMV_WARPS / ks * GEMV_NW / spans;
+        let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
         if bytes <= GEMVQ_BULK_MAX_SMEM {
-            return Some((ks, bytes as u32));
+            return Ok((ks, bytes as u32));
         }
         ks *= 2;
     }
-    None
+    bail!("quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
 }
 
 /// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the
@@ -550,8 +559,7 @@ fn gemvq_launch(
     match up {
         None => {
             let groups = row_groups(n_out);
-            let (ks, smem) = gemvq_bulk(be, rb as usize)
-                .unwrap_or((split_k(gemvq_steps(w.dtype, n_in), groups, be.sm_count), 0));
+            let (ks, smem) = gemvq_split(be, w.dtype, n_in, rb as usize, groups, 1)?;
             let ks_i = ks as i32;
             let cfg = LaunchConfig {
                 shared_mem_bytes: smem,
@@ -584,8 +592,7 @@ fn gemvq_launch(
                 up.dtype
             );
             // One output per row group (gate row o with up row o).
-            let (ks, smem) = gemvq_bulk(be, rb as usize)
-                .unwrap_or((split_k(gemvq_steps(w.dtype, n_in), n_out, be.sm_count), 0));
+            let (ks, smem) = gemvq_split(be, w.dtype, n_in, rb as usize, n_out, 2)?;
             let ks_i = ks as i32;
             let cfg = LaunchConfig {
                 shared_mem_bytes: smem,
@@ -736,12 +743,11 @@ fn multi_launch(
     } else {
         gemv_steps(t, n_in)
     };
-    let bulk = if q {
-        gemvq_bulk(be, ws[0].row_bytes())
+    let (ks, smem) = if q {
+        gemvq_split(be, t, n_in, ws[0].row_bytes(), groups, 1)?
     } else {
-        None
+        (split_k(steps, groups, be.sm_count), 0)
     };
-    let (ks, smem) = bulk.unwrap_or((split_k(steps, groups, be.sm_count), 0));
     let per_block = GEMV_WARPS / ks * GEMV_NW;
     let mut sg = GemvSegs::default();
     let mut grid = 0usize;

@@ -400,21 +400,30 @@ __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W
     PDL_ENTRY();
 }
 
-// The bulk-copy form of the quantized-x GEMV (sm_90, chosen by the launcher through the
-// dynamic shared memory size: 0 means the weights are read from global memory as above).
+// The bulk-copy form of the quantized-x GEMV: the only form on sm_90+ (the launcher always
+// passes its shared memory there), the register-load form of gemvq_lane<.., false> before.
 // The block's weight rows [r0, r1) (of W, and of W2 for the fused SwiGLU) are one contiguous
-// span each; thread 0 copies them into shared memory with cp.async.bulk (the TMA engine: one
-// instruction per span, no registers held, the whole span in flight at once) completing on
-// an mbarrier, BEFORE waiting for the predecessor kernel (weights depend on nothing). The
+// span each; thread 0 copies each span into shared memory with cp.async.bulk (the TMA engine:
+// one instruction per span, no registers held, the whole span in flight at once) completing
+// on an mbarrier, BEFORE waiting for the predecessor kernel (weights depend on nothing). The
 // lanes then read the same bytes from shared memory with the same lane mapping and the same
 // arithmetic as the global path. Why: the register-held loads of the global path keep only
 // one unrolled step (~2 KB per warp) in flight (the compiler does not hoist the loads of the
 // next step), ~50 KB per SM, under what the H200's latency x bandwidth needs; the bulk copy
 // puts 2-3 blocks x 10-110 KB in flight per SM and overlaps them with the previous kernel.
+// The copy moves whole 16-byte units: a span is widened to the 16-byte boundaries around it
+// (at most 15 bytes before it, inside the 256-aligned weight buffer, and 15 after its end,
+// inside the allocation's granule) and its rows sit `off` = (address mod 16) bytes into the
+// span's slot, so a row has the same alignment in shared memory as in global memory. Slot
+// size (the launcher's formula, gemvq_bulk in matmul.rs): rows * rb rounded up to 16, + 16.
 __device__ __forceinline__ uint32_t gemv_dyn_smem() {
     uint32_t v;
     asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
     return v;
+}
+
+__device__ __forceinline__ size_t gemv_slot(int per_block, long long rb) {
+    return (((size_t)per_block * (size_t)rb + 15) & ~(size_t)15) + 16;
 }
 
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
@@ -422,25 +431,32 @@ __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
         const int r1 = r0 + per_block < n_out ? r0 + per_block : n_out;
-        const uint32_t bytes = r1 > r0 ? (uint32_t)((size_t)(r1 - r0) * (size_t)rb) : 0u;
         const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+        size_t a0[2], len[2];
+        uint32_t total = 0;
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const uint8_t* base = m == 0 ? W : W2;
+            len[m] = 0;
+            if (base != nullptr && r1 > r0) {
+                a0[m] = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
+                const size_t a1 = ((size_t)(base + (size_t)r1 * (size_t)rb) + 15) & ~(size_t)15;
+                len[m] = a1 - a0[m];
+                total += (uint32_t)len[m];
+            }
+        }
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes * (W2 ? 2u : 1u))
-                     : "memory");
-        if (bytes) {
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                    (uint32_t)__cvta_generic_to_shared(smem)),
-                "l"(W + (size_t)r0 * (size_t)rb), "r"(bytes), "r"(b)
-                : "memory");
-            if (W2)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
+        const size_t slot = gemv_slot(per_block, rb);
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+            if (len[m])
                 asm volatile(
                     "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                        (uint32_t)__cvta_generic_to_shared(smem + (size_t)per_block * (size_t)rb)),
-                    "l"(W2 + (size_t)r0 * (size_t)rb), "r"(bytes), "r"(b)
+                        (uint32_t)__cvta_generic_to_shared(smem + m * slot)),
+                    "l"(a0[m]), "r"((uint32_t)len[m]), "r"(b)
                     : "memory");
-        }
     }
     __syncthreads();  // the barrier is initialised before anyone waits on it
 #endif
@@ -941,14 +957,15 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     const int kw = warp % ks, grp = warp / ks;
     const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
+    const int per_block = (GEMV_WARPS / ks) * PER, r0 = bx * per_block;
+#if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t gemv_bar;
-    const int per_block = (GEMV_WARPS / ks) * PER, r0 = bx * per_block;
-    const bool bulk = gemv_dyn_smem() != 0;  // uniform over the launch
-    if (bulk)
-        gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
-    else
-        gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
+    if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
+    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
+#else
+    gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
+#endif
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -960,17 +977,22 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 #pragma unroll
         for (int w = 0; w < NW; w++) ow[w] = SWIGLU ? o0 : (o0 + w < n_out ? o0 + w : n_out - 1);
         const uint8_t* wr[NW];
-        if (bulk) {  // the copies in shared memory: W's span, then W2's
+#if __CUDA_ARCH__ >= 900
+        // The copies in shared memory: W's slot, then W2's; rows `off` bytes into the slot.
+        const size_t slot = gemv_slot(per_block, rb);
 #pragma unroll
-            for (int w = 0; w < NW; w++)
-                wr[w] = gemv_smem + (size_t)((SWIGLU && w == 1 ? per_block : 0) + ow[w] - r0) * (size_t)rb;
-            gemv_bulk_wait(&gemv_bar);
-            gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
-        } else {
-#pragma unroll
-            for (int w = 0; w < NW; w++) wr[w] = (SWIGLU && w == 1 ? W2 : W) + (size_t)ow[w] * (size_t)rb;
-            gemvq_lane<TYPE, R, NW, false>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+        for (int w = 0; w < NW; w++) {
+            const int m = SWIGLU && w == 1 ? 1 : 0;
+            const size_t off = (size_t)((m ? W2 : W) + (size_t)r0 * (size_t)rb) & 15;
+            wr[w] = gemv_smem + m * slot + off + (size_t)(ow[w] - r0) * (size_t)rb;
         }
+        gemv_bulk_wait(&gemv_bar);
+        gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+#else
+#pragma unroll
+        for (int w = 0; w < NW; w++) wr[w] = (SWIGLU && w == 1 ? W2 : W) + (size_t)ow[w] * (size_t)rb;
+        gemvq_lane<TYPE, R, NW, false>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+#endif
 #pragma unroll
         for (int r = 0; r < R; r++)
 #pragma unroll
