@@ -30,8 +30,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig};
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
-use super::launch::{KernelArg, LaunchExt};
-use super::{function, load_module, CudaBackend};
+use super::launch::{self, KernelArg, LaunchExt};
+use super::{function, load_module, matmul, CudaBackend};
 use crate::{Act, AttnArgs, AttnShape, PagedKv, StepInput};
 
 /// Bytes per cached key/value element of the default cache type (f16).
@@ -485,23 +485,31 @@ pub fn attention(
                 .arg(&scale_log2)
                 .launch(cfg)
         }?;
-        let merge_cfg = LaunchConfig {
-            grid_dim: (n_heads as u32, rows as u32, 1),
-            block_dim: (head_dim.next_multiple_of(32).min(256) as u32, 1, 1),
-            shared_mem_bytes: 0,
+        // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
+        let cols = n_heads * head_dim;
+        let mut fused = if head_dim % 32 == 0 && head_dim <= MERGE_MAX_THREADS {
+            matmul::xq_for_producer(be, rows, cols)?
+        } else {
+            None
         };
-        // SAFETY: reads the partials written above; writes rows × n_heads × hd floats.
-        unsafe {
-            be.stream
-                .kernel(&be.attention.decode_merge)
-                .arg(&kv.part_acc)
-                .arg(&kv.part_ml)
-                .arg(&mut out.buf)
-                .arg(&n_heads_i)
-                .arg(&hd_i)
-                .arg(&splits_i)
-                .launch(merge_cfg)
-        }?;
+        let xq = fused.as_mut().and_then(|g| g.as_mut());
+        let fused_here = xq.is_some();
+        let (pa, pm) = (&kv.part_acc, &kv.part_ml);
+        merge_launch(
+            be,
+            pa,
+            pm,
+            &mut out.buf.slice_mut(..),
+            rows,
+            n_heads,
+            head_dim,
+            n_splits,
+            xq,
+        )?;
+        if let (true, Some(xq)) = (fused_here, fused.as_mut().and_then(|g| g.as_mut())) {
+            let (out_ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&out.buf, &be.stream);
+            xq.src = Some((out_ptr, rows, cols, launch::launch_count()));
+        }
         return Ok(());
     }
 
@@ -754,24 +762,10 @@ fn attention_paged(
                         .arg(&max_keys)
                         .launch(cfg)
                 }?;
-                let merge_cfg = LaunchConfig {
-                    grid_dim: (n_heads as u32, nr as u32, 1),
-                    block_dim: (head_dim.next_multiple_of(32).min(256) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: reads the partials written above; writes nr × n_heads × hd floats
-                // of out_v.
-                unsafe {
-                    be.stream
-                        .kernel(&be.attention.decode_merge)
-                        .arg(&kv.part_acc)
-                        .arg(&kv.part_ml)
-                        .arg(&mut out_v)
-                        .arg(&n_heads_i)
-                        .arg(&hd_i)
-                        .arg(&splits_i)
-                        .launch(merge_cfg)
-                }?;
+                let (pa, pm) = (&kv.part_acc, &kv.part_ml);
+                merge_launch(
+                    be, pa, pm, &mut out_v, nr, n_heads, head_dim, n_splits, None,
+                )?;
             }
             Some(fi) if !u.decode && group <= prefill_slots(head_dim) => {
                 let rows_per_tile = prefill_slots(head_dim) / group;
@@ -912,4 +906,60 @@ mod tests {
             }
         }
     }
+}
+
+/// Threads of a merge block: one per output element of a head, rounded up to whole warps.
+const MERGE_MAX_THREADS: usize = 256;
+
+/// The split-K merge of decode attention (`attn_decode_merge`): `rows` rows of `n_splits`
+/// partials per head into `out` (`[rows, n_heads·head_dim]`); with `xq` (head_dim a
+/// multiple of 32, at most [`MERGE_MAX_THREADS`]) the rows are also quantized into that
+/// scratch for the quantized-x GEMV that reads them next.
+#[allow(clippy::too_many_arguments)]
+fn merge_launch(
+    be: &CudaBackend,
+    part_acc: &CudaSlice<f32>,
+    part_ml: &CudaSlice<f32>,
+    out: &mut cudarc::driver::CudaViewMut<'_, f32>,
+    rows: usize,
+    n_heads: usize,
+    head_dim: usize,
+    n_splits: usize,
+    xq: Option<&mut matmul::XQuant>,
+) -> Result<()> {
+    ensure!(
+        out.len() >= rows * n_heads * head_dim
+            && part_acc.len() >= rows * n_heads * n_splits * head_dim
+            && part_ml.len() >= rows * n_heads * n_splits * 2,
+        "attention: merge buffers smaller than {rows} rows of {n_heads} heads"
+    );
+    let threads = head_dim.next_multiple_of(32).min(MERGE_MAX_THREADS);
+    ensure!(
+        xq.is_none() || (head_dim % 32 == 0 && head_dim == threads),
+        "attention: merge quantization needs head_dim a multiple of 32, at most {MERGE_MAX_THREADS}"
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (n_heads as u32, rows as u32, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (n_heads_i, hd_i, splits_i) = (n_heads as i32, head_dim as i32, n_splits as i32);
+    let null = 0u64;
+    let mut launch = be.stream.kernel(&be.attention.decode_merge);
+    launch
+        .arg(part_acc)
+        .arg(part_ml)
+        .arg(out)
+        .arg(&n_heads_i)
+        .arg(&hd_i)
+        .arg(&splits_i);
+    match xq {
+        Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
+        None => launch.arg(&null).arg(&null),
+    };
+    // SAFETY: reads rows × n_heads × n_splits partials, writes rows × n_heads × hd floats of
+    // out (both checked above); the scratch (from xq_for_producer) holds ≥ rows rows of
+    // ≥ n_heads·hd elements.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
 }

@@ -17,7 +17,7 @@
 //! plain device pointers and values. `FERRITE_PDL=0` turns the attribute off (A/B runs).
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use cudarc::driver::sys::{self, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchConfig};
 use cudarc::driver::{
@@ -27,6 +27,21 @@ use cudarc::driver::{
 
 /// Whether launches carry the PDL attribute (set once per backend from the device).
 static PDL: AtomicBool = AtomicBool::new(false);
+
+/// Kernels launched so far (by every backend of the process): lets an op check that nothing
+/// ran between a producer and itself (the GEMV input quantized by add_rms_norm, matmul.rs).
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// The number of kernel launches (and activation copies, [`note_copy`]) issued so far.
+pub fn launch_count() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// Counts a device-to-device copy into an activation as a launch (it may overwrite a
+/// producer's output just as a kernel could).
+pub fn note_copy() {
+    LAUNCHES.fetch_add(1, Ordering::Relaxed);
+}
 
 /// Turns PDL on for devices of compute capability 9.0 and above, unless `FERRITE_PDL=0`.
 /// Returns whether it is on.
@@ -170,6 +185,7 @@ impl Launch<'_> {
             numAttrs: pdl as u32,
         };
         self.stream.context().bind_to_thread()?;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
         // SAFETY: `params` points at live values (the borrowed scalars, `devs` here) for the
         // duration of the call, which copies them; the caller vouches for their types.
         sys::cuLaunchKernelEx(

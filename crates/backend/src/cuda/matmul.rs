@@ -206,6 +206,11 @@ pub(crate) struct XQuant {
     /// Smaller buffers replaced by a grow, kept alive: a graph captured earlier may still
     /// point at them.
     retired: Vec<(CudaSlice<i8>, CudaSlice<f32>)>,
+    /// What the scratch holds when a producer kernel quantized its output here (the fused
+    /// add_rms_norm, ops.rs): (that output's device address, rows, cols, the launch count
+    /// right after it). A GEMV on exactly that input with no launch in between skips its
+    /// own quantization (same bits: both run `quant_q8_lane`).
+    pub(crate) src: Option<(u64, usize, usize, u64)>,
 }
 
 /// Weight types whose decode GEMV runs on int8-quantized activations (dp4a). The float types
@@ -459,14 +464,53 @@ pub(crate) fn quantize_x<'a>(
         rows <= GEMV_MAX_ROWS && n_in % 32 == 0 && x.buf.len() >= rows * n_in,
         "quantize_x: [{rows}, {n_in}] is not a GEMV input"
     );
+    let mut guard = lock_xq(be, n_in)?;
+    let xq = guard
+        .as_mut()
+        .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
+    let (x_ptr, _g) = x.buf.device_ptr(&be.stream);
+    if xq.src.take() != Some((x_ptr, rows, n_in, super::launch::launch_count())) {
+        quantize_into(be, &x.buf, rows, n_in, &mut xq.q, &mut xq.d)?;
+    }
+    Ok(guard)
+}
+
+/// The int8 scratch, locked, for a producer kernel that can quantize its `[rows, cols]`
+/// output there as the next GEMV wants it (then recorded in `XQuant::src`): `None` when
+/// that output is not a decode GEMV input or no quantized-x GEMV has run yet (the scratch
+/// does not exist: float-weight models never quantize, and it is never grown here).
+pub(crate) fn xq_for_producer(
+    be: &CudaBackend,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<std::sync::MutexGuard<'_, Option<XQuant>>>> {
+    if rows == 0 || rows > GEMV_MAX_ROWS || cols % 32 != 0 {
+        return Ok(None);
+    }
+    let guard = be
+        .matmul
+        .xq
+        .lock()
+        .map_err(|_| anyhow!("matmul: int8 scratch lock poisoned"))?;
+    Ok(guard
+        .as_ref()
+        .is_some_and(|b| b.cap >= cols)
+        .then_some(guard))
+}
+
+/// The int8 scratch, locked, grown first if its rows are shorter than `n_in` (sized for
+/// GEMV_MAX_ROWS rows whatever the step's row count, so that the first (eager) decode step
+/// already allocates what a later captured verify step needs).
+pub(crate) fn lock_xq(
+    be: &CudaBackend,
+    n_in: usize,
+) -> Result<std::sync::MutexGuard<'_, Option<XQuant>>> {
     let mut guard = be
         .matmul
         .xq
         .lock()
         .map_err(|_| anyhow!("matmul: int8 scratch lock poisoned"))?;
     if guard.as_ref().map_or(true, |b| b.cap < n_in) {
-        // Sized for GEMV_MAX_ROWS rows whatever `rows` is now, so that the first (eager)
-        // decode step already allocates what a later captured verify step needs.
         let mut retired = Vec::new();
         if let Some(old) = guard.take() {
             retired = old.retired;
@@ -479,12 +523,9 @@ pub(crate) fn quantize_x<'a>(
                 .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
             cap: n_in,
             retired,
+            src: None,
         });
     }
-    let xq = guard
-        .as_mut()
-        .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
-    quantize_into(be, &x.buf, rows, n_in, &mut xq.q, &mut xq.d)?;
     Ok(guard)
 }
 

@@ -246,19 +246,31 @@ pub fn add_rms_norm(
         block_dim: (add_rms_norm_threads(x.cols), 1, 1),
         shared_mem_bytes: 0,
     };
+    // A decode step's h feeds a quantized-x GEMV next (the QKV or gate/up projections): the
+    // kernel also quantizes it into the GEMV's scratch, which the GEMV then uses instead of
+    // launching `quant_x_q8` (matmul.rs, `XQuant::src`).
+    let mut fused = super::matmul::xq_for_producer(be, x.rows, x.cols)?;
+    let null = 0u64;
+    let mut launch = be.stream.kernel(&be.ops.add_rms_norm);
+    launch
+        .arg(&mut x.buf)
+        .arg(&y.buf)
+        .arg(&wv)
+        .arg(&mut h.buf)
+        .arg(&cols)
+        .arg(&eps);
+    match fused.as_mut().and_then(|g| g.as_mut()) {
+        Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
+        None => launch.arg(&null).arg(&null),
+    };
     // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows);
-    // one block per row, at most 1024 threads (32 warps: the kernel's shared partials).
-    unsafe {
-        be.stream
-            .kernel(&be.ops.add_rms_norm)
-            .arg(&mut x.buf)
-            .arg(&y.buf)
-            .arg(&wv)
-            .arg(&mut h.buf)
-            .arg(&cols)
-            .arg(&eps)
-            .launch(cfg)
-    }?;
+    // one block per row, at most 1024 threads (32 warps: the kernel's shared partials); the
+    // scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a multiple of 32) elements.
+    unsafe { launch.launch(cfg) }?;
+    if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
+        let (h_ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&h.buf, &be.stream);
+        xq.src = Some((h_ptr, x.rows, x.cols, super::launch::launch_count()));
+    }
     Ok(())
 }
 

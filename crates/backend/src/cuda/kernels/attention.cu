@@ -491,10 +491,15 @@ DECODE_KERNEL(256, 4)
 DECODE_KERNEL(256, 8)
 
 // One block per (head, row); thread d combines dim d over the splits in split order.
+// With xq (attention.rs passes it when hd is a multiple of 32 and blockDim == hd, and the
+// output feeds the quantized-x o-projection GEMV next), the output row (n_heads * hd
+// elements) is also quantized for that GEMV as quant_x_q8 would (quant_q8_lane): each warp
+// holds one whole 32-element block.
 extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_acc,
                                              const float* __restrict__ part_ml,
                                              float* __restrict__ out, int n_heads, int hd,
-                                             int n_splits) {
+                                             int n_splits, int8_t* __restrict__ xq,
+                                             float2* __restrict__ xd) {
     PDL_ENTRY();
     const int h = blockIdx.x, t = blockIdx.y;
     const long long row0 = ((long long)t * n_heads + h) * n_splits;
@@ -509,6 +514,11 @@ extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_acc,
         for (int s = 0; s < n_splits; s++)
             a += part_acc[(row0 + s) * hd + d] * exp2f(part_ml[2 * (row0 + s)] - mx);
         out[((long long)t * n_heads + h) * hd + d] = a * inv;
+        if (xq != nullptr) {
+            const int cols = n_heads * hd, col = h * hd + d;
+            quant_q8_lane(a * inv, threadIdx.x & 31, xq + (long long)t * 2 * cols, cols, col,
+                          xd + (long long)t * (cols / QK) + col / QK);
+        }
     }
 }
 

@@ -146,3 +146,31 @@ __device__ __forceinline__ void pdl_launch_dependents() {
         pdl_wait();                                                                                \
         pdl_launch_dependents();                                                                   \
     } while (0)
+
+// The two-plane int8 quantization of x for the dp4a GEMV (matmul.cu, section 1b), one warp per
+// 32-element block, lane = element: v ~ d (127 hi + lo) with d = amax / 127^2: hi =
+// rint(v / d1), d1 = amax / 127; lo = rint((v - hi d1) / d): |v - hi d1| <= d1 / 2, so |lo|
+// <= 64, error <= d / 2. Writes hi at xr[col], lo at xr[n_in + col] and, from lane 0, the
+// block's (d, d * sum(127 hi + lo)) at *xd. Shared by quant_x_q8 and the fused add_rms_norm
+// (elementwise.cu) so both produce the same bits.
+__device__ __forceinline__ void quant_q8_lane(float v, int lane, int8_t* __restrict__ xr, int n_in, int col,
+                                              float2* __restrict__ xd) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int hi = 0, lo = 0;
+    float d = 0.0f;
+    if (amax > 0.0f) {
+        const float d1 = amax / 127.0f;
+        d = d1 / 127.0f;
+        hi = (int)rintf(v * (127.0f / amax));
+        lo = (int)rintf((v - (float)hi * d1) / d);
+        lo = lo > 127 ? 127 : (lo < -127 ? -127 : lo);
+    }
+    int sum = 127 * hi + lo;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    xr[col] = (int8_t)hi;
+    xr[n_in + col] = (int8_t)lo;
+    if (lane == 0) *xd = make_float2(d, d * (float)sum);
+}

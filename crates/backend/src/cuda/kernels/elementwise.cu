@@ -113,10 +113,15 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
     h[ib] = x0 * s + x1 * c;
 }
 
-// x += y; h = (x · rsqrt(mean(x²) + eps)) · w; one block per row.
+// x += y; h = (x · rsqrt(mean(x²) + eps)) · w; one block per row. With xq (the launcher
+// passes it when the next op is a quantized-x GEMV reading h: ops.rs), h is also quantized
+// for it (quant_q8_lane, the same bits as quant_x_q8) into xq / xd laid out as quant_x_q8's:
+// cols is then a multiple of 32 and so is blockDim, so each warp's iteration of the last loop
+// covers one whole 32-element block.
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y,
                                         const float* __restrict__ w, float* __restrict__ h,
-                                        int cols, float eps) {
+                                        int cols, float eps, int8_t* __restrict__ xq,
+                                        float2* __restrict__ xd) {
     PDL_ENTRY();
     __shared__ float partial[32];
     float* xr = x + (long long)blockIdx.x * cols;
@@ -141,7 +146,17 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     __syncthreads();
     float scale = rsqrtf(partial[0] / (float)cols + eps);
     // Each thread re-reads only the x elements it wrote itself.
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) hr[i] = (xr[i] * scale) * w[i];
+    if (xq == nullptr) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) hr[i] = (xr[i] * scale) * w[i];
+    } else {
+        int8_t* qr = xq + (long long)blockIdx.x * 2 * cols;
+        float2* dr = xd + (long long)blockIdx.x * (cols / QK);
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            const float v = (xr[i] * scale) * w[i];
+            hr[i] = v;
+            quant_q8_lane(v, lane, qr, cols, i, dr + i / QK);
+        }
+    }
 }
 
 // q: rows × q_heads heads, k: rows × k_heads heads, each head_dim floats, in place.

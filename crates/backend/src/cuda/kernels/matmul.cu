@@ -721,29 +721,9 @@ extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int
     const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= (long long)rows * nb) return;  // whole warp
     const int lane = threadIdx.x & 31;
-    const long long row = blk / nb, col = (blk % nb) * QK + lane;
-    const float v = x[blk * QK + lane];
-    float amax = fabsf(v);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    // hi = rint(v / d1), d1 = amax / 127; lo = rint((v - hi d1) / d), d = d1 / 127: |v - hi d1|
-    // <= d1 / 2, so |lo| <= 64. v ~ d (127 hi + lo), error <= d / 2.
-    int hi = 0, lo = 0;
-    float d = 0.0f;
-    if (amax > 0.0f) {
-        const float d1 = amax / 127.0f;
-        d = d1 / 127.0f;
-        hi = (int)rintf(v * (127.0f / amax));
-        lo = (int)rintf((v - (float)hi * d1) / d);
-        lo = lo > 127 ? 127 : (lo < -127 ? -127 : lo);
-    }
-    int sum = 127 * hi + lo;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    int8_t* xr = xq + row * 2 * (long long)n_in;
-    xr[col] = (int8_t)hi;
-    xr[n_in + col] = (int8_t)lo;
-    if (lane == 0) xd[blk] = make_float2(d, d * (float)sum);
+    const long long row = blk / nb;
+    quant_q8_lane(x[blk * QK + lane], lane, xq + row * 2 * (long long)n_in, n_in, (int)(blk % nb) * QK + lane,
+                  xd + blk);
 }
 
 // Per type: this lane's share of the NW rows `wr` against R rows of quantized x, into acc.
