@@ -487,7 +487,7 @@ pub fn attention(
         }?;
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
         let cols = n_heads * head_dim;
-        let mut fused = if head_dim % 32 == 0 && head_dim <= MERGE_MAX_THREADS {
+        let mut fused = if head_dim.is_multiple_of(32) && head_dim <= MERGE_MAX_THREADS {
             matmul::xq_for_producer(be, rows, cols)?
         } else {
             None
@@ -935,7 +935,7 @@ fn merge_launch(
     );
     let threads = head_dim.next_multiple_of(32).min(MERGE_MAX_THREADS);
     ensure!(
-        xq.is_none() || (head_dim % 32 == 0 && head_dim == threads),
+        xq.is_none() || (head_dim.is_multiple_of(32) && head_dim == threads),
         "attention: merge quantization needs head_dim a multiple of 32, at most {MERGE_MAX_THREADS}"
     );
     let cfg = LaunchConfig {

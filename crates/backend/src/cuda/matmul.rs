@@ -484,7 +484,7 @@ pub(crate) fn xq_for_producer(
     rows: usize,
     cols: usize,
 ) -> Result<Option<std::sync::MutexGuard<'_, Option<XQuant>>>> {
-    if rows == 0 || rows > GEMV_MAX_ROWS || cols % 32 != 0 {
+    if rows == 0 || rows > GEMV_MAX_ROWS || !cols.is_multiple_of(32) {
         return Ok(None);
     }
     let guard = be
