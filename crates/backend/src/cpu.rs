@@ -320,20 +320,15 @@ impl Backend for CpuBackend {
         max_pages: usize,
         page_size: usize,
     ) -> Result<StepInput<Vec<i32>>> {
-        ensure!(
-            page_size.is_power_of_two(),
-            "page size {page_size} is not a power of two"
-        );
-        let mut step = self.step_input(capacity)?;
-        step.batch = Some(StepBatch {
-            row_seq: vec![0; capacity],
-            block_tables: vec![0; max_seqs * max_pages],
+        let batch = StepBatch::new(
+            vec![0; capacity],
+            vec![0; max_seqs * max_pages],
             max_seqs,
             max_pages,
             page_size,
-            segs: vec![],
-            max_page: 0,
-        });
+        )?;
+        let mut step = self.step_input(capacity)?;
+        step.batch = Some(batch);
         Ok(step)
     }
 

@@ -125,6 +125,33 @@ pub struct StepBatch<I> {
     pub max_page: usize,
 }
 
+impl<I> StepBatch<I> {
+    /// The layout of an empty batched step over buffers `row_seq` (`capacity` rows) and
+    /// `block_tables` (`max_seqs × max_pages`) the backend allocated. Both backends'
+    /// [`Backend::batch_step_input`] build theirs here, so the checks are the same.
+    pub fn new(
+        row_seq: I,
+        block_tables: I,
+        max_seqs: usize,
+        max_pages: usize,
+        page_size: usize,
+    ) -> Result<Self> {
+        anyhow::ensure!(
+            page_size.is_power_of_two(),
+            "page size {page_size} is not a power of two"
+        );
+        Ok(StepBatch {
+            row_seq,
+            block_tables,
+            max_seqs,
+            max_pages,
+            page_size,
+            segs: vec![],
+            max_page: 0,
+        })
+    }
+}
+
 /// Where one sequence's rows sit in a batched step (host side).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {

@@ -233,22 +233,16 @@ impl Backend for CudaBackend {
         max_pages: usize,
         page_size: usize,
     ) -> Result<StepInput<CudaSlice<i32>>> {
-        ensure!(
-            page_size.is_power_of_two(),
-            "page size {page_size} is not a power of two"
-        );
-        let mut step = self.step_input(capacity)?;
-        step.batch = Some(crate::StepBatch {
-            row_seq: self.stream.alloc_zeros::<i32>(capacity.max(1))?,
-            block_tables: self
-                .stream
+        let batch = crate::StepBatch::new(
+            self.stream.alloc_zeros::<i32>(capacity.max(1))?,
+            self.stream
                 .alloc_zeros::<i32>((max_seqs * max_pages).max(1))?,
             max_seqs,
             max_pages,
             page_size,
-            segs: vec![],
-            max_page: 0,
-        });
+        )?;
+        let mut step = self.step_input(capacity)?;
+        step.batch = Some(batch);
         Ok(step)
     }
 

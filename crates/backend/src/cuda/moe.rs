@@ -151,6 +151,31 @@ fn i32_arg(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| anyhow::anyhow!("moe: {what} = {v} does not fit in i32"))
 }
 
+/// The sizes every MoE kernel takes, as i32 launch arguments (converted and checked once in
+/// [`moe`], passed to the per-path launchers).
+#[derive(Clone, Copy)]
+struct Dims {
+    ne: i32,
+    tk: i32,
+    hid: i32,
+    ff: i32,
+    rows: i32,
+    pairs: i32,
+}
+
+impl Dims {
+    fn new(rows: usize, routing: MoeRouting, hidden: usize, ffn: usize) -> Result<Self> {
+        Ok(Dims {
+            ne: i32_arg("n_experts", routing.n_experts)?,
+            tk: i32_arg("top_k", routing.top_k)?,
+            hid: i32_arg("hidden", hidden)?,
+            ff: i32_arg("ffn", ffn)?,
+            rows: i32_arg("rows", rows)?,
+            pairs: i32_arg("rows·top_k", rows * routing.top_k)?,
+        })
+    }
+}
+
 pub fn moe(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -262,13 +287,15 @@ pub fn moe(
         }
     }
 
-    let (ne, tk, hid, ff) = (
-        i32_arg("n_experts", n_experts)?,
-        i32_arg("top_k", top_k)?,
-        i32_arg("hidden", hidden)?,
-        i32_arg("ffn", ffn)?,
-    );
-    let (rows_i, pairs_i) = (i32_arg("rows", rows)?, i32_arg("rows·top_k", pairs)?);
+    let dims = Dims::new(rows, routing, hidden, ffn)?;
+    let Dims {
+        ne,
+        tk,
+        hid,
+        ff,
+        rows: rows_i,
+        pairs: pairs_i,
+    } = dims;
     let norm = i32::from(norm_topk);
 
     // 1. Routing: one warp per token.
@@ -291,7 +318,7 @@ pub fn moe(
     }?;
 
     if quantized_decode {
-        return quantized_experts(be, x, s, (g, u, d), rows, hidden, ffn, routing, out);
+        return quantized_experts(be, x, s, (g, u, d), rows, hidden, ffn, routing, dims, out);
     }
 
     if let Some((gi, di)) = grouped {
@@ -305,6 +332,7 @@ pub fn moe(
             hidden,
             ffn,
             routing,
+            dims,
             max_tiles,
             out,
         );
@@ -404,9 +432,10 @@ fn quantized_experts(
     hidden: usize,
     ffn: usize,
     routing: MoeRouting,
+    dims: Dims,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    let (n_experts, top_k) = (routing.n_experts, routing.top_k);
+    let top_k = routing.top_k;
     let pairs = rows * top_k;
     ensure!(
         u.row_bytes() == g.row_bytes(),
@@ -418,12 +447,9 @@ fn quantized_experts(
     let dk = be.matmul.gemvq_moe[matmul::type_index(d.dtype)?]
         .as_ref()
         .ok_or_else(|| anyhow::anyhow!("moe: no quantized-x kernel for {}", d.dtype))?;
-    let (ne, tk, hid, ff) = (
-        i32_arg("n_experts", n_experts)?,
-        i32_arg("top_k", top_k)?,
-        i32_arg("hidden", hidden)?,
-        i32_arg("ffn", ffn)?,
-    );
+    let Dims {
+        ne, tk, hid, ff, ..
+    } = dims;
     let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
     let xq = matmul::quantize_x(be, x)?;
     let xq = xq
@@ -495,18 +521,20 @@ fn grouped_experts(
     hidden: usize,
     ffn: usize,
     routing: MoeRouting,
+    dims: Dims,
     max_tiles: usize,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
     let (n_experts, top_k) = (routing.n_experts, routing.top_k);
     let pairs = rows * top_k;
-    let (ne, tk, hid, ff) = (
-        i32_arg("n_experts", n_experts)?,
-        i32_arg("top_k", top_k)?,
-        i32_arg("hidden", hidden)?,
-        i32_arg("ffn", ffn)?,
-    );
-    let (rows_i, pairs_i) = (i32_arg("rows", rows)?, i32_arg("rows·top_k", pairs)?);
+    let Dims {
+        ne,
+        tk,
+        hid,
+        ff,
+        rows: rows_i,
+        pairs: pairs_i,
+    } = dims;
     ensure!(
         u.row_bytes() == g.row_bytes(),
         "moe: gate and up rows differ in size"
