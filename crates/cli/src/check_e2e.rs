@@ -126,10 +126,7 @@ fn gate_line<B: Backend>(be: &B, file: &ModelFile, what: &str, prompt: &[u32]) -
     Ok(Line {
         what: format!("gate {what}"),
         ok: g.passed(),
-        detail: format!(
-            "prefill argmax {} vs decode argmax {}, max |Δlogit| {:.2e}",
-            g.prefill_argmax, g.decode_argmax, g.max_abs_diff
-        ),
+        detail: g.describe(),
     })
 }
 

@@ -78,13 +78,7 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs) -> Result<()> {
 
     if !a.no_gate {
         let g = engine.gate(&prompt)?;
-        anyhow::ensure!(
-            g.passed(),
-            "prefill/decode gate FAILED: prefill argmax {} != decode argmax {} (max |Δlogit| {:.3e})",
-            g.prefill_argmax,
-            g.decode_argmax,
-            g.max_abs_diff
-        );
+        anyhow::ensure!(g.passed(), "prefill/decode gate FAILED: {}", g.describe());
         tracing::info!(
             "prefill/decode gate passed (argmax {}, max |Δlogit| {:.3e})",
             g.prefill_argmax,

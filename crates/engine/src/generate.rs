@@ -100,10 +100,12 @@ pub fn gate<B: Backend>(be: &B, model: &Model<B>, prompt: &[u32]) -> Result<Gate
         .zip(&dec)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
+    let (prefill_argmax, decode_argmax) = (argmax(&pre), argmax(&dec));
     Ok(GateResult {
-        prefill_argmax: argmax(&pre),
-        decode_argmax: argmax(&dec),
+        prefill_argmax,
+        decode_argmax,
         max_abs_diff,
+        prefill_gap: pre[prefill_argmax as usize] - pre[decode_argmax as usize],
     })
 }
 
@@ -114,11 +116,32 @@ pub struct GateResult {
     pub decode_argmax: u32,
     /// Largest absolute difference between the two last-position logit vectors.
     pub max_abs_diff: f32,
+    /// How far below the prefill's best logit the prefill ranks the decode's argmax (0 when
+    /// they agree). A failure with a gap under `max_abs_diff` is a near-tie decided by
+    /// rounding; one far above it is a real disagreement. Diagnostic only: the gate stays
+    /// exact.
+    pub prefill_gap: f32,
 }
 
 impl GateResult {
     pub fn passed(&self) -> bool {
         self.prefill_argmax == self.decode_argmax
+    }
+
+    /// One line for logs and errors: both argmaxes, the gap when they differ, max |Δlogit|.
+    pub fn describe(&self) -> String {
+        if self.passed() {
+            format!(
+                "prefill argmax {} == decode argmax {}, max |Δlogit| {:.2e}",
+                self.prefill_argmax, self.decode_argmax, self.max_abs_diff
+            )
+        } else {
+            format!(
+                "prefill argmax {} != decode argmax {} (the prefill ranks the decode's token \
+                 {:.2e} below its own), max |Δlogit| {:.2e}",
+                self.prefill_argmax, self.decode_argmax, self.prefill_gap, self.max_abs_diff
+            )
+        }
     }
 }
 
