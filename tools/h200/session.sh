@@ -20,12 +20,12 @@
 # carry one part per call into /tmp/smol/ while the machine stays warm, then concatenate,
 # check the sha256 (b179c952...) and run `ferrite run --device cuda --chat ...` on it.
 #
-# Start-up on a fresh machine: NVRTC compiles every kernel module, then the driver JITs the
-# PTX (matmul.cu's 44 MB takes ~40 s of ptxas alone): ~80-150 s before the first case runs.
-# The NVRTC step can be skipped by carrying the PTX cache made here (same NVRTC 13.0, same
-# cache key): run `cargo test -p ferrite-backend --test nvrtc_compile` with FERRITE_CACHE_DIR
-# set, tar the `*compute_90a*` files (gzip: ~6 MB), carry the archive and unpack it into
-# $FERRITE_CACHE_DIR/kernels/ there before the first ferrite command.
+# Start-up on a fresh machine: every kernel module is compiled by NVRTC straight to a CUBIN
+# for the device (the slowest, matmul.cu, ~1-2 min; the modules in parallel) and cached in
+# $FERRITE_CACHE_DIR/kernels. A CUBIN cache made on the development machine (same NVRTC 13.0,
+# same cache key) skips that: run `cargo test -p ferrite-backend --test nvrtc_compile` with
+# FERRITE_CACHE_DIR set, tar the `*.cubin` files (gzip: ~4 MB), carry the archive and unpack
+# it into $FERRITE_CACHE_DIR/kernels/ there before the first ferrite command.
 set -uo pipefail
 : "${OUT:?set OUT to the directory for logs}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"

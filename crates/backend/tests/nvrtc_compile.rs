@@ -1,4 +1,5 @@
-//! Every CUDA kernel compiles with NVRTC for Hopper (compute_90a) and Ampere (compute_80).
+//! Every CUDA kernel compiles with NVRTC for Hopper (compute_90a) and Ampere (compute_80), and
+//! to Hopper machine code (sm_90a CUBIN).
 //! Needs only the NVRTC library and CUDA headers, not a GPU; skipped (with a note) where
 //! NVRTC is not installed, as on CI machines.
 
@@ -24,5 +25,12 @@ fn kernels_compile() {
             assert!(bytes > 0, "{name}: empty PTX");
             println!("{arch} {name}: {bytes} bytes of PTX");
         }
+    }
+    // The machine code a Hopper start-up loads (NVRTC runs ptxas here: register limits,
+    // shared memory sizes and inline PTX are checked as on the device).
+    let out = cuda::compile_all_cubin("compute_90a").unwrap_or_else(|e| panic!("sm_90a: {e:#}"));
+    for (name, bytes) in out {
+        assert!(bytes > 0, "{name}: empty CUBIN");
+        println!("sm_90a {name}: {bytes} bytes of CUBIN");
     }
 }

@@ -71,17 +71,51 @@ pub struct CudaBackend {
     pub gated_delta: gated_delta::Kernels,
 }
 
-/// Compiles `src` (with [`COMMON_CUH`] prepended) and loads it as a module.
+/// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended.
+fn full_source(name: &str, src: &str) -> String {
+    format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")
+}
+
+/// Compiles `src` (with [`COMMON_CUH`] prepended) and loads it as a module: a CUBIN for the
+/// device's exact architecture (nvrtc.rs), or, if that fails or `FERRITE_KERNEL_PTX=1`,
+/// PTX that the driver compiles.
 pub fn load_module(
     ctx: &Arc<CudaContext>,
     arch: &'static str,
     name: &str,
     src: &str,
 ) -> Result<Arc<CudaModule>> {
-    let full = format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}");
+    let full = full_source(name, src);
+    if std::env::var("FERRITE_KERNEL_PTX").map_or(true, |v| v != "1") {
+        let loaded = nvrtc::compile_cubin(name, &full, arch).and_then(|bin| {
+            ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))
+                .map_err(anyhow::Error::from)
+        });
+        match loaded {
+            Ok(m) => return Ok(m),
+            Err(e) => tracing::warn!("{name} kernels as CUBIN: {e:#}; loading them as PTX"),
+        }
+    }
     let ptx = nvrtc::compile(name, &full, arch)?;
     ctx.load_module(ptx)
         .with_context(|| format!("loading the {name} kernels"))
+}
+
+/// Compiles every kernel file's CUBIN in parallel (one thread each; NVRTC is thread-safe
+/// across programs) into nvrtc.rs's caches, so that the sequential loads that follow find
+/// them: a cold start costs the slowest file (matmul.cu) instead of the sum. Errors are
+/// left to the loads (which report them, or fall back to PTX).
+fn precompile(arch: &'static str) {
+    if std::env::var("FERRITE_KERNEL_PTX").is_ok_and(|v| v == "1") {
+        return;
+    }
+    std::thread::scope(|sc| {
+        for (name, src) in sources() {
+            sc.spawn(move || {
+                let _ = nvrtc::compile_cubin(name, &full_source(name, src), arch);
+            });
+        }
+    });
 }
 
 /// Every kernel source: (name, text). Compiled together by [`compile_all`].
@@ -95,16 +129,45 @@ pub fn sources() -> Vec<(&'static str, &'static str)> {
     ]
 }
 
-/// Compiles every kernel for `arch` with NVRTC (no GPU needed): catches compile errors on
-/// machines without a device. Returns (name, PTX bytes) per file.
+/// Compiles every kernel for `arch` with NVRTC to PTX (no GPU needed): catches compile
+/// errors on machines without a device. Returns (name, PTX bytes) per file.
 pub fn compile_all(arch: &'static str) -> Result<Vec<(&'static str, usize)>> {
     sources()
         .into_iter()
         .map(|(name, src)| {
-            let full = format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}");
-            Ok((name, nvrtc::compile(name, &full, arch)?.to_src().len()))
+            Ok((
+                name,
+                nvrtc::compile(name, &full_source(name, src), arch)?
+                    .to_src()
+                    .len(),
+            ))
         })
         .collect()
+}
+
+/// Compiles every kernel for the real architecture of `arch` to CUBIN (no GPU needed), in
+/// parallel: what a device start-up does first ([`precompile`]), and how a CUBIN cache for
+/// another machine is made (FERRITE_CACHE_DIR). Returns (name, CUBIN bytes) per file.
+pub fn compile_all_cubin(arch: &'static str) -> Result<Vec<(&'static str, usize)>> {
+    std::thread::scope(|sc| {
+        let jobs: Vec<_> = sources()
+            .into_iter()
+            .map(|(name, src)| {
+                sc.spawn(move || -> Result<(&'static str, usize)> {
+                    Ok((
+                        name,
+                        nvrtc::compile_cubin(name, &full_source(name, src), arch)?.len(),
+                    ))
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .map(|j| {
+                j.join()
+                    .map_err(|_| anyhow::anyhow!("a compile thread panicked"))?
+            })
+            .collect()
+    })
 }
 
 /// Loads a kernel by its `extern "C"` name (once, at start-up).
@@ -142,6 +205,7 @@ impl CudaBackend {
         let (major, minor) = ctx.compute_capability()?;
         let arch = nvrtc::arch_for(major, minor);
         launch::configure_pdl(major);
+        precompile(arch);
         let sm_count = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;

@@ -2,6 +2,12 @@
 //! for the device's exact architecture (`compute_90a` on Hopper, so wgmma/TMA are available),
 //! cached on disk by (source hash, architecture, options, NVRTC version).
 //!
+//! Machine code: on the device the modules are compiled straight to a CUBIN for its exact
+//! architecture (`sm_90a`), cached the same way, and loaded as is. PTX would make the
+//! driver run ptxas again at every first load on a machine (matmul.cu's 44 MB of PTX: ~40 s),
+//! and a CUBIN cache made on one machine serves another with the same NVRTC. The PTX path
+//! stays as the fallback (and for `compile_all`, the compile check without a GPU).
+//!
 //! NVRTC needs the CUDA headers (`cuda_bf16.h`, `cuda_fp16.h`, ...). They are found through
 //! `CUDA_HOME` / `CUDA_PATH`, then `/usr/local/cuda/include`, then the `nvidia/*/include`
 //! directories of pip's CUDA wheels; the error names every path tried.
@@ -10,7 +16,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 /// Directories that may hold the CUDA headers, in search order.
@@ -132,4 +138,106 @@ pub fn compile(name: &str, src: &str, arch: &'static str) -> Result<Ptx> {
         }
     }
     Ok(ptx)
+}
+
+/// The real architecture of an NVRTC virtual one: `compute_90a` → `sm_90a`.
+pub fn sm_arch(arch: &str) -> String {
+    arch.replacen("compute_", "sm_", 1)
+}
+
+/// Compiles one `.cu` source to a CUBIN for the real architecture of `arch`, through the
+/// disk cache (key: source, architecture, options, NVRTC version, like [`compile`]).
+pub fn compile_cubin(name: &str, src: &str, arch: &'static str) -> Result<Vec<u8>> {
+    let include = cuda_include_dir()?;
+    let sm = sm_arch(arch);
+    let options = vec![
+        "--std=c++17".to_string(),
+        "-default-device".to_string(),
+        "-lineinfo".to_string(),
+        format!("-arch={sm}"),
+        format!("-I{}", include.display()),
+    ];
+    let (major, minor) = nvrtc_version()?;
+    let mut h = DefaultHasher::new();
+    // The include path is in the options but not in the key: the headers are the toolkit's.
+    (src, arch, &options[..4], major, minor, "cubin").hash(&mut h);
+    let key = format!("{name}-{sm}-{:016x}.cubin", h.finish());
+    // Also kept in memory: a start-up compiles every module in parallel first
+    // (CudaBackend::new), then loads them one by one, with or without a disk cache.
+    static MEMO: std::sync::Mutex<Vec<(String, Vec<u8>)>> = std::sync::Mutex::new(Vec::new());
+    let memo = |bin: &Vec<u8>| {
+        if let Ok(mut m) = MEMO.lock() {
+            m.push((key.clone(), bin.clone()));
+        }
+    };
+    if let Some((_, bin)) = MEMO
+        .lock()
+        .ok()
+        .and_then(|m| m.iter().find(|(k, _)| *k == key).cloned())
+    {
+        return Ok(bin);
+    }
+    let cached = cache_dir().map(|d| d.join(&key));
+    if let Some(p) = &cached {
+        if let Ok(bin) = std::fs::read(p) {
+            if !bin.is_empty() {
+                memo(&bin);
+                return Ok(bin);
+            }
+        }
+    }
+    tracing::info!("compiling the {name} CUDA kernels for {sm} (once per machine: cached)");
+    let bin = nvrtc_cubin(name, src, &options)?;
+    memo(&bin);
+    if let Some(p) = &cached {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &bin).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok(bin)
+}
+
+/// One NVRTC compilation to a CUBIN (cudarc's safe API stops at PTX).
+fn nvrtc_cubin(name: &str, src: &str, options: &[String]) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    let src_c = std::ffi::CString::new(src).context("kernel source holds a NUL byte")?;
+    let name_c = std::ffi::CString::new(format!("{name}.cu"))?;
+    let prog = result::create_program(&src_c, Some(&name_c))
+        .map_err(|e| anyhow::anyhow!("NVRTC: creating the {name} program: {e:?}"))?;
+    // SAFETY: `prog` was created above and is destroyed once, at the end; the buffers handed
+    // to NVRTC are sized by the size queries before them.
+    let out = unsafe {
+        let compiled = result::compile_program(prog, options);
+        let out = match compiled {
+            Err(_) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes)
+                            .trim_end_matches('\0')
+                            .to_string()
+                    })
+                    .unwrap_or_default();
+                Err(anyhow::anyhow!("NVRTC failed to compile {name}.cu:\n{log}"))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| anyhow::anyhow!("NVRTC: no CUBIN for {name}.cu ({e:?})"))?;
+                let mut bin = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut std::ffi::c_char)
+                    .result()
+                    .map_err(|e| anyhow::anyhow!("NVRTC: reading the {name}.cu CUBIN: {e:?}"))?;
+                Ok(bin)
+            }
+        };
+        let _ = result::destroy_program(prog);
+        out
+    };
+    out
 }
