@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the H200 machine (which has no Rust, no models and no network): the
-# binary built on the development machine travels as target/release/ferrite.
+# binary built on the development machine (`cargo build --profile dist -p ferrite-cli`)
+# travels as target/dist/ferrite, with target/kernel-cache.tgz if present.
 #
 #   tools/h200/session.sh STAGE...    with OUT set to a directory whose files come back
 #
@@ -21,11 +22,10 @@
 # check the sha256 (b179c952...) and run `ferrite run --device cuda --chat ...` on it.
 #
 # Start-up on a fresh machine: every kernel module is compiled by NVRTC straight to a CUBIN
-# for the device (the slowest, matmul.cu, ~1-2 min; the modules in parallel) and cached in
-# $FERRITE_CACHE_DIR/kernels. A CUBIN cache made on the development machine (same NVRTC 13.0,
-# same cache key) skips that: run `cargo test -p ferrite-backend --test nvrtc_compile` with
-# FERRITE_CACHE_DIR set, tar the `*.cubin` files (gzip: ~4 MB), carry the archive and unpack
-# it into $FERRITE_CACHE_DIR/kernels/ there before the first ferrite command.
+# for the device (the modules in parallel; matmul.cu is the slowest) and cached in
+# $FERRITE_CACHE_DIR/kernels. tools/h200/kernel_cache.sh makes that cache here (same NVRTC
+# 13.0, same cache key) as target/kernel-cache.tgz; carried, it is unpacked below and the
+# machine skips NVRTC.
 set -uo pipefail
 : "${OUT:?set OUT to the directory for logs}"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -33,7 +33,8 @@ export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export FERRITE_CACHE_DIR=/tmp/ferrite-cache
 F=./target/dist/ferrite
 M=/tmp/ferrite-models
-mkdir -p "$M"
+mkdir -p "$M" "$FERRITE_CACHE_DIR"
+[ -f target/kernel-cache.tgz ] && tar xzf target/kernel-cache.tgz -C "$FERRITE_CACHE_DIR"
 RES="$OUT/results.jsonl"
 
 synth() { # preset quant
