@@ -30,7 +30,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig};
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
-use super::launch::{self, KernelArg, LaunchExt};
+use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, matmul, CudaBackend};
 use crate::{Act, AttnArgs, AttnShape, PagedKv, StepInput};
 
@@ -358,6 +358,33 @@ fn kv_alloc(
     })
 }
 
+/// The checks both attention paths make of the cache against the call: the layer exists,
+/// and the cache was made for these key/value heads and head size, with room for the
+/// query heads' scratch.
+fn check_cache(kv: &CudaKv, layer: usize, shape: AttnShape) -> Result<()> {
+    ensure!(
+        layer < kv.n_layers,
+        "attention: layer {layer} outside the cache"
+    );
+    ensure!(
+        kv.shape.n_kv_heads == shape.n_kv_heads
+            && kv.shape.head_dim == shape.head_dim
+            && shape.n_heads <= kv.shape.n_heads,
+        "attention: cache shape differs"
+    );
+    Ok(())
+}
+
+/// Launch of the KV store over `n` new key (and value) elements (`kv_store*`: f16, a thread
+/// per element; q8_0, a warp per 32-element block), contiguous and paged alike.
+fn store_config(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 pub fn attention(
     be: &CudaBackend,
     kv: &mut CudaKv,
@@ -384,16 +411,7 @@ pub fn attention(
     } = shape;
     let rows = q.rows;
     let kvd = n_kv_heads * head_dim;
-    ensure!(
-        layer < kv.n_layers,
-        "attention: layer {layer} outside the cache"
-    );
-    ensure!(
-        kv.shape.n_kv_heads == n_kv_heads
-            && kv.shape.head_dim == head_dim
-            && n_heads <= kv.shape.n_heads,
-        "attention: cache shape differs"
-    );
+    check_cache(kv, layer, shape)?;
     ensure!(
         step.pos0 + rows <= kv.capacity,
         "context full: position {} but the cache holds {} positions",
@@ -425,11 +443,7 @@ pub fn attention(
     // 1. Store this step's keys and values (f16: a thread per element; q8_0: a warp per
     // 32-element block).
     let n = rows * kvd;
-    let store_cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let store_cfg = store_config(n);
     let mut store = be.stream.kernel(&be.attention.kv_store[q8]);
     store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
     store.arg(&mut kv.k).arg(&mut kv.v);
@@ -493,7 +507,6 @@ pub fn attention(
             None
         };
         let xq = fused.as_mut().and_then(|g| g.as_mut());
-        let fused_here = xq.is_some();
         let (pa, pm) = (&kv.part_acc, &kv.part_ml);
         merge_launch(
             be,
@@ -506,9 +519,8 @@ pub fn attention(
             n_splits,
             xq,
         )?;
-        if let (true, Some(xq)) = (fused_here, fused.as_mut().and_then(|g| g.as_mut())) {
-            let (out_ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&out.buf, &be.stream);
-            xq.src = Some((out_ptr, rows, cols, launch::launch_count()));
+        if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
+            xq.record_producer(be, &out.buf, rows, cols);
         }
         return Ok(());
     }
@@ -642,16 +654,7 @@ fn attention_paged(
     } = shape;
     let rows = q.rows;
     let (qd, kvd) = (n_heads * head_dim, n_kv_heads * head_dim);
-    ensure!(
-        layer < kv.n_layers,
-        "attention: layer {layer} outside the cache"
-    );
-    ensure!(
-        kv.shape.n_kv_heads == n_kv_heads
-            && kv.shape.head_dim == head_dim
-            && n_heads <= kv.shape.n_heads,
-        "attention: cache shape differs"
-    );
+    check_cache(kv, layer, shape)?;
     ensure!(
         step.positions.len() >= rows
             && b.row_seq.len() >= rows
@@ -684,11 +687,7 @@ fn attention_paged(
 
     // 1. Store the step's keys and values through the block tables.
     let n = rows * kvd;
-    let store_cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let store_cfg = store_config(n);
     let mut store = be.stream.kernel(&kern.kv_store[q8]);
     store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
     store.arg(&mut kv.k).arg(&mut kv.v);

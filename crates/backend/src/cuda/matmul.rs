@@ -213,6 +213,21 @@ pub(crate) struct XQuant {
     pub(crate) src: Option<(u64, usize, usize, u64)>,
 }
 
+impl XQuant {
+    /// Records that the kernel just launched also quantized its output `out` (`[rows, cols]`)
+    /// here, for the GEMV that reads `out` next (see `src`).
+    pub(crate) fn record_producer(
+        &mut self,
+        be: &CudaBackend,
+        out: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    ) {
+        let (ptr, _g) = out.device_ptr(&be.stream);
+        self.src = Some((ptr, rows, cols, super::launch::launch_count()));
+    }
+}
+
 /// Weight types whose decode GEMV runs on int8-quantized activations (dp4a). The float types
 /// keep the f32 GEMV: they are bandwidth-bound already and gain nothing from it.
 pub fn quantized_x(t: GgmlType) -> bool {
@@ -597,32 +612,10 @@ fn gemvq_launch(
     // The kernel indexes x rows n_in apart: the scratch was filled for this n_in.
     let xd = xq.d.slice(..rows * n_in / 32 * 2);
     let xqs = xq.q.slice(..2 * rows * n_in);
-    match up {
-        None => {
-            let groups = row_groups(n_out);
-            let (ks, smem) = gemvq_split(be, w.dtype, n_in, rb as usize, groups, 1)?;
-            let ks_i = ks as i32;
-            let cfg = LaunchConfig {
-                shared_mem_bytes: smem,
-                ..gemv_config(groups, ks)
-            };
-            // SAFETY: w holds n_out rows of rb bytes (checked by the caller); x scratch holds
-            // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats.
-            unsafe {
-                be.stream
-                    .kernel(&fams[0][ri])
-                    .arg(&w.data)
-                    .arg(&rb)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&rows_i)
-                    .arg(&mut out.buf)
-                    .arg(&ks_i)
-                    .launch(cfg)
-            }?;
-        }
+    // The plain GEMV: GEMV_NW consecutive rows per row group, kernel family 0; the fused
+    // SwiGLU: one output per row group (gate row o with up row o), family 1, a second weight.
+    let (groups, spans, fam) = match up {
+        None => (row_groups(n_out), 1, 0),
         Some(up) => {
             ensure!(
                 up.dtype == w.dtype && up.shape == w.shape && up.data.len() >= n_out * rb as usize,
@@ -632,31 +625,33 @@ fn gemvq_launch(
                 up.shape,
                 up.dtype
             );
-            // One output per row group (gate row o with up row o).
-            let (ks, smem) = gemvq_split(be, w.dtype, n_in, rb as usize, n_out, 2)?;
-            let ks_i = ks as i32;
-            let cfg = LaunchConfig {
-                shared_mem_bytes: smem,
-                ..gemv_config(n_out, ks)
-            };
-            // SAFETY: as above, for both weights (same type and shape).
-            unsafe {
-                be.stream
-                    .kernel(&fams[1][ri])
-                    .arg(&w.data)
-                    .arg(&up.data)
-                    .arg(&rb)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&rows_i)
-                    .arg(&mut out.buf)
-                    .arg(&ks_i)
-                    .launch(cfg)
-            }?;
+            (n_out, 2, 1)
         }
+    };
+    let (ks, smem) = gemvq_split(be, w.dtype, n_in, rb as usize, groups, spans)?;
+    let ks_i = ks as i32;
+    let cfg = LaunchConfig {
+        shared_mem_bytes: smem,
+        ..gemv_config(groups, ks)
+    };
+    let mut launch = be.stream.kernel(&fams[fam][ri]);
+    launch.arg(&w.data);
+    if let Some(up) = up {
+        launch.arg(&up.data);
     }
+    launch
+        .arg(&rb)
+        .arg(&n_out_i)
+        .arg(&n_in_i)
+        .arg(&xqs)
+        .arg(&xd)
+        .arg(&rows_i)
+        .arg(&mut out.buf)
+        .arg(&ks_i);
+    // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
+    // caller and above); the x scratch holds rows×n_in int8 and rows×n_in/32 scale pairs;
+    // out holds rows×n_out floats.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 

@@ -268,8 +268,7 @@ pub fn add_rms_norm(
     // scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a multiple of 32) elements.
     unsafe { launch.launch(cfg) }?;
     if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
-        let (h_ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&h.buf, &be.stream);
-        xq.src = Some((h_ptr, x.rows, x.cols, super::launch::launch_count()));
+        xq.record_producer(be, &h.buf, x.rows, x.cols);
     }
     Ok(())
 }
