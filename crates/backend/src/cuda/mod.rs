@@ -87,7 +87,7 @@ pub fn load_module(
 ) -> Result<Arc<CudaModule>> {
     let full = full_source(name, src);
     if std::env::var("FERRITE_KERNEL_PTX").map_or(true, |v| v != "1") {
-        let loaded = nvrtc::compile_cubin(name, &full, arch).and_then(|bin| {
+        let loaded = nvrtc::compile_cubin(name, &full, arch, false).and_then(|bin| {
             ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))
                 .map_err(anyhow::Error::from)
         });
@@ -112,7 +112,7 @@ fn precompile(arch: &'static str) {
     std::thread::scope(|sc| {
         for (name, src) in sources() {
             sc.spawn(move || {
-                let _ = nvrtc::compile_cubin(name, &full_source(name, src), arch);
+                let _ = nvrtc::compile_cubin(name, &full_source(name, src), arch, true);
             });
         }
     });
@@ -156,7 +156,7 @@ pub fn compile_all_cubin(arch: &'static str) -> Result<Vec<(&'static str, usize)
                 sc.spawn(move || -> Result<(&'static str, usize)> {
                     Ok((
                         name,
-                        nvrtc::compile_cubin(name, &full_source(name, src), arch)?.len(),
+                        nvrtc::compile_cubin(name, &full_source(name, src), arch, false)?.len(),
                     ))
                 })
             })

@@ -128,16 +128,22 @@ pub fn compile(name: &str, src: &str, arch: &'static str) -> Result<Ptx> {
         other => anyhow::anyhow!("NVRTC failed on {name}.cu: {other:?}"),
     })?;
     if let Some(p) = &cached {
-        // A cache that cannot be written only costs a recompile next time.
-        if let Some(dir) = p.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, ptx.to_src()).is_ok() {
-            let _ = std::fs::rename(&tmp, p);
-        }
+        cache_store(p, ptx.to_src().as_bytes());
     }
     Ok(ptx)
+}
+
+/// Writes a compiled module into the disk cache (through a temporary file, so a concurrent
+/// reader never sees half of it). A cache that cannot be written only costs a recompile
+/// next time.
+fn cache_store(path: &Path, bytes: &[u8]) {
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_ok() {
+        let _ = std::fs::rename(&tmp, path);
+    }
 }
 
 /// The real architecture of an NVRTC virtual one: `compute_90a` → `sm_90a`.
@@ -146,8 +152,15 @@ pub fn sm_arch(arch: &str) -> String {
 }
 
 /// Compiles one `.cu` source to a CUBIN for the real architecture of `arch`, through the
-/// disk cache (key: source, architecture, options, NVRTC version, like [`compile`]).
-pub fn compile_cubin(name: &str, src: &str, arch: &'static str) -> Result<Vec<u8>> {
+/// disk cache (key: source, architecture, options, NVRTC version, like [`compile`]). With
+/// `ahead_of_load` the image is also kept in memory for the one load that follows
+/// (a parallel start-up compile), which then takes it.
+pub fn compile_cubin(
+    name: &str,
+    src: &str,
+    arch: &'static str,
+    ahead_of_load: bool,
+) -> Result<Vec<u8>> {
     let include = cuda_include_dir()?;
     let sm = sm_arch(arch);
     let options = vec![
@@ -163,40 +176,30 @@ pub fn compile_cubin(name: &str, src: &str, arch: &'static str) -> Result<Vec<u8
     // The include path is in the options but not in the key: the headers are the toolkit's.
     (src, arch, &options[..3], major, minor, "cubin").hash(&mut h);
     let key = format!("{name}-{sm}-{:016x}.cubin", h.finish());
-    // Also kept in memory: a start-up compiles every module in parallel first
-    // (CudaBackend::new), then loads them one by one, with or without a disk cache.
-    static MEMO: std::sync::Mutex<Vec<(String, Vec<u8>)>> = std::sync::Mutex::new(Vec::new());
-    let memo = |bin: &Vec<u8>| {
-        if let Ok(mut m) = MEMO.lock() {
-            m.push((key.clone(), bin.clone()));
+    // Images compiled ahead and not yet loaded: a start-up compiles every module in parallel
+    // first (CudaBackend::new), then loads them one by one; the load takes its image from
+    // here whether or not a disk cache exists.
+    static AHEAD: std::sync::Mutex<Vec<(String, Vec<u8>)>> = std::sync::Mutex::new(Vec::new());
+    if let Ok(mut ahead) = AHEAD.lock() {
+        if let Some(i) = ahead.iter().position(|(k, _)| *k == key) {
+            return Ok(ahead.swap_remove(i).1);
         }
-    };
-    if let Some((_, bin)) = MEMO
-        .lock()
-        .ok()
-        .and_then(|m| m.iter().find(|(k, _)| *k == key).cloned())
-    {
-        return Ok(bin);
     }
     let cached = cache_dir().map(|d| d.join(&key));
-    if let Some(p) = &cached {
-        if let Ok(bin) = std::fs::read(p) {
-            if !bin.is_empty() {
-                memo(&bin);
-                return Ok(bin);
+    let bin = match cached.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        Some(bin) if !bin.is_empty() => bin,
+        _ => {
+            tracing::info!("compiling the {name} CUDA kernels for {sm} (once per machine: cached)");
+            let bin = nvrtc_cubin(name, src, &options)?;
+            if let Some(p) = &cached {
+                cache_store(p, &bin);
             }
+            bin
         }
-    }
-    tracing::info!("compiling the {name} CUDA kernels for {sm} (once per machine: cached)");
-    let bin = nvrtc_cubin(name, src, &options)?;
-    memo(&bin);
-    if let Some(p) = &cached {
-        if let Some(dir) = p.parent() {
-            let _ = std::fs::create_dir_all(dir);
-        }
-        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &bin).is_ok() {
-            let _ = std::fs::rename(&tmp, p);
+    };
+    if ahead_of_load {
+        if let Ok(mut ahead) = AHEAD.lock() {
+            ahead.push((key, bin.clone()));
         }
     }
     Ok(bin)
