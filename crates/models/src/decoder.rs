@@ -26,12 +26,118 @@
 use anyhow::{Context, Result};
 use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, PagedKv, StepInput};
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, MoeConfig};
 use crate::source::{ModelFile, Tensor};
 
-enum Ffn<W> {
-    Dense { gate: W, up: W, down: W },
-    Moe { router: W, gate: W, up: W, down: W },
+/// A layer's feed-forward network: a SwiGLU MLP, or routed experts (Qwen3-MoE), with a
+/// gated shared expert beside them in Qwen3.5-MoE.
+pub(crate) enum Ffn<W> {
+    Dense {
+        gate: W,
+        up: W,
+        down: W,
+    },
+    Moe {
+        router: W,
+        gate: W,
+        up: W,
+        down: W,
+        shared: Option<SharedExpert<W>>,
+    },
+}
+
+/// Qwen3.5-MoE's shared expert: a SwiGLU MLP whose output is scaled by
+/// `sigmoid(gate_w · h)` (one value per row) and added to the routed experts' sum.
+pub(crate) struct SharedExpert<W> {
+    pub(crate) gate: W,
+    pub(crate) up: W,
+    pub(crate) down: W,
+    /// `[1, hidden]`.
+    pub(crate) gate_w: W,
+}
+
+/// Scratch of one FFN block: the SwiGLU MLP's gate, up and product, the router logits, and
+/// (shared expert only) its output and its per-row gate.
+pub(crate) struct FfnScratch<'a, B: Backend> {
+    pub(crate) gate: &'a mut Act<B::Buf>,
+    pub(crate) up: &'a mut Act<B::Buf>,
+    pub(crate) act: &'a mut Act<B::Buf>,
+    pub(crate) router: &'a mut Act<B::Buf>,
+    pub(crate) shared: Option<(&'a mut Act<B::Buf>, &'a mut Act<B::Buf>)>,
+}
+
+/// `y = FFN(h)` for one layer.
+pub(crate) fn ffn_block<B: Backend>(
+    be: &B,
+    ffn: &Ffn<B::Weight>,
+    moe: Option<&MoeConfig>,
+    h: &Act<B::Buf>,
+    s: FfnScratch<'_, B>,
+    y: &mut Act<B::Buf>,
+) -> Result<()> {
+    let FfnScratch {
+        gate,
+        up,
+        act,
+        router,
+        shared: shared_out,
+    } = s;
+    match ffn {
+        Ffn::Dense {
+            gate: wg,
+            up: wu,
+            down: wd,
+        } => swiglu_mlp(
+            be,
+            h,
+            ExpertWeights {
+                gate: wg,
+                up: wu,
+                down: wd,
+            },
+            (gate, up, act),
+            y,
+        ),
+        Ffn::Moe {
+            router: wr,
+            gate: wg,
+            up: wu,
+            down: wd,
+            shared,
+        } => {
+            let moe = moe.context("MoE layer without MoE config")?;
+            be.matmul(h, wr, router)?;
+            be.moe(
+                h,
+                router,
+                ExpertWeights {
+                    gate: wg,
+                    up: wu,
+                    down: wd,
+                },
+                moe.routing,
+                y,
+            )?;
+            if let Some(se) = shared {
+                let (out, out_gate) = shared_out.context("no scratch for the shared expert")?;
+                swiglu_mlp(
+                    be,
+                    h,
+                    ExpertWeights {
+                        gate: &se.gate,
+                        up: &se.up,
+                        down: &se.down,
+                    },
+                    (gate, up, act),
+                    out,
+                )?;
+                be.matmul(h, &se.gate_w, out_gate)?;
+                be.sigmoid_gate(out, out_gate)?;
+                be.add_assign(y, out)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 struct Layer<W> {
@@ -101,6 +207,7 @@ impl<B: Backend> Model<B> {
                     gate: be.upload(&g)?,
                     up: be.upload(&u)?,
                     down: be.upload(&d)?,
+                    shared: None,
                 }
             } else {
                 Ffn::Dense {
@@ -301,43 +408,14 @@ impl<B: Backend> Model<B> {
 
             // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm.
             be.add_rms_norm(x, y, &l.ffn_norm, cfg.rms_eps, h)?;
-            match &l.ffn {
-                Ffn::Dense {
-                    gate: wg,
-                    up: wu,
-                    down: wd,
-                } => swiglu_mlp(
-                    be,
-                    h,
-                    ExpertWeights {
-                        gate: wg,
-                        up: wu,
-                        down: wd,
-                    },
-                    (gate, up, act),
-                    y,
-                )?,
-                Ffn::Moe {
-                    router: wr,
-                    gate: wg,
-                    up: wu,
-                    down: wd,
-                } => {
-                    let moe = cfg.moe.as_ref().context("MoE layer without MoE config")?;
-                    be.matmul(h, wr, router)?;
-                    be.moe(
-                        h,
-                        router,
-                        ExpertWeights {
-                            gate: wg,
-                            up: wu,
-                            down: wd,
-                        },
-                        moe.routing,
-                        y,
-                    )?;
-                }
-            }
+            let scratch = FfnScratch::<B> {
+                gate: &mut *gate,
+                up: &mut *up,
+                act: &mut *act,
+                router: &mut *router,
+                shared: None,
+            };
+            ffn_block(be, &l.ffn, cfg.moe.as_ref(), h, scratch, y)?;
             // x += y, h = the next layer's attention input (or the output norm's result).
             let next_norm = self
                 .layers

@@ -38,13 +38,11 @@
 use std::borrow::Cow;
 
 use anyhow::{bail, Context, Result};
-use ferrite_backend::{
-    Act, AttnArgs, Backend, DeltaArgs, DeltaShape, ExpertWeights, HostTensor, StepInput,
-};
+use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor, StepInput};
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
-use crate::decoder::{swiglu_mlp, Model, Workspace};
+use crate::decoder::{ffn_block, Ffn, FfnScratch, Model, SharedExpert, Workspace};
 use crate::source::{host, ModelFile};
 
 /// How a layer mixes tokens.
@@ -81,25 +79,6 @@ pub(crate) enum Mixer<W> {
         /// `1 + q_norm`, `1 + k_norm` (f32).
         q_norm: W,
         k_norm: W,
-    },
-}
-
-pub(crate) enum Ffn<W> {
-    Dense {
-        gate: W,
-        up: W,
-        down: W,
-    },
-    Moe {
-        router: W,
-        gate: W,
-        up: W,
-        down: W,
-        /// The shared expert's SwiGLU and its `[1, hidden]` gate.
-        shared_gate: W,
-        shared_up: W,
-        shared_down: W,
-        shared_expert_gate: W,
     },
 }
 
@@ -278,61 +257,14 @@ pub(crate) fn forward_layers<B: Backend>(
 
         // Feed-forward: x += y, h = rms_norm(x) · ffn_norm.
         be.add_rms_norm(x, y, &l.ffn_norm, eps, h)?;
-        match &l.ffn {
-            Ffn::Dense {
-                gate: wg,
-                up: wu,
-                down: wd,
-            } => swiglu_mlp(
-                be,
-                h,
-                ExpertWeights {
-                    gate: wg,
-                    up: wu,
-                    down: wd,
-                },
-                (gate, up, act),
-                y,
-            )?,
-            Ffn::Moe {
-                router: wr,
-                gate: wg,
-                up: wu,
-                down: wd,
-                shared_gate,
-                shared_up,
-                shared_down,
-                shared_expert_gate,
-            } => {
-                let moe = cfg.moe.as_ref().context("MoE layer without MoE config")?;
-                be.matmul(h, wr, router)?;
-                be.moe(
-                    h,
-                    router,
-                    ExpertWeights {
-                        gate: wg,
-                        up: wu,
-                        down: wd,
-                    },
-                    moe.routing,
-                    y,
-                )?;
-                swiglu_mlp(
-                    be,
-                    h,
-                    ExpertWeights {
-                        gate: shared_gate,
-                        up: shared_up,
-                        down: shared_down,
-                    },
-                    (gate, up, act),
-                    &mut hb.shared,
-                )?;
-                be.matmul(h, shared_expert_gate, &mut hb.shared_gate)?;
-                be.sigmoid_gate(&mut hb.shared, &hb.shared_gate)?;
-                be.add_assign(y, &hb.shared)?;
-            }
-        }
+        let scratch = FfnScratch::<B> {
+            gate: &mut *gate,
+            up: &mut *up,
+            act: &mut *act,
+            router: &mut *router,
+            shared: Some((&mut hb.shared, &mut hb.shared_gate)),
+        };
+        ffn_block(be, &l.ffn, cfg.moe.as_ref(), h, scratch, y)?;
         // x += y, h = the next layer's mixer input (or the output norm's result).
         let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
         be.add_rms_norm(x, y, next_norm, eps, h)?;
@@ -604,10 +536,12 @@ pub(crate) fn load<B: Backend>(
                     gate: be.upload(&g)?,
                     up: be.upload(&u)?,
                     down: be.upload(&dn)?,
-                    shared_gate: up(W::SharedGate(i))?,
-                    shared_up: up(W::SharedUp(i))?,
-                    shared_down: up(W::SharedDown(i))?,
-                    shared_expert_gate: be.upload(&seg)?,
+                    shared: Some(SharedExpert {
+                        gate: up(W::SharedGate(i))?,
+                        up: up(W::SharedUp(i))?,
+                        down: up(W::SharedDown(i))?,
+                        gate_w: be.upload(&seg)?,
+                    }),
                 }
             }
             None => Ffn::Dense {
