@@ -56,14 +56,20 @@ pub(crate) struct SharedExpert<W> {
     pub(crate) gate_w: W,
 }
 
+/// The shared expert's scratch: its output and its per-row gate.
+type SharedScratch<'a, B> = (
+    &'a mut Act<<B as Backend>::Buf>,
+    &'a mut Act<<B as Backend>::Buf>,
+);
+
 /// Scratch of one FFN block: the SwiGLU MLP's gate, up and product, the router logits, and
-/// (shared expert only) its output and its per-row gate.
+/// the shared expert's (needed only by a layer that has one).
 pub(crate) struct FfnScratch<'a, B: Backend> {
     pub(crate) gate: &'a mut Act<B::Buf>,
     pub(crate) up: &'a mut Act<B::Buf>,
     pub(crate) act: &'a mut Act<B::Buf>,
     pub(crate) router: &'a mut Act<B::Buf>,
-    pub(crate) shared: Option<(&'a mut Act<B::Buf>, &'a mut Act<B::Buf>)>,
+    pub(crate) shared: Option<SharedScratch<'a, B>>,
 }
 
 /// `y = FFN(h)` for one layer.
