@@ -1076,6 +1076,20 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 rows: 64,
             });
         }
+        // Qwen3.5-35B-A3B's gated attention: 16 heads over 2 KV heads of 256 (a GQA group
+        // of 8 with the widest head: 4 query rows per prefill tile).
+        let q35moe = AttnShape {
+            n_heads: 16,
+            n_kv_heads: 2,
+            head_dim: 256,
+        };
+        for (pos0, rows) in [(0, 32), (300, 64)] {
+            add(Op::Attention {
+                shape: q35moe,
+                pos0,
+                rows,
+            });
+        }
     }
 
     // --- moe: 8 experts top-2 (small, every path incl. the generic decoders) and the
@@ -1129,6 +1143,26 @@ pub fn cases(quick: bool) -> Vec<Case> {
                         rows,
                     });
                 }
+            }
+        }
+        // Qwen3.5-35B-A3B's routed experts: 256 experts top-8, hidden 2048, expert ffn 512.
+        for (gate_ty, down_ty) in [
+            (GgmlType::Q4K, GgmlType::Q6K),
+            (GgmlType::Q8_0, GgmlType::Q8_0),
+        ] {
+            for rows in [1, 5, 32] {
+                add(Op::Moe {
+                    routing: MoeRouting {
+                        n_experts: 256,
+                        top_k: 8,
+                        norm_topk: true,
+                    },
+                    hidden: 2048,
+                    ffn: 512,
+                    gate_ty,
+                    down_ty,
+                    rows,
+                });
             }
         }
     }

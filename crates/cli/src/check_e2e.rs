@@ -184,6 +184,7 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
                 output: path.clone(),
                 vocab: None,
                 seed: 1,
+                layers: None,
             })?;
             let file = ModelFile::open(&path)?;
             let tokens: Vec<u32> = (0..40u32).map(|i| 100 + (i * 7919) % 5000).collect();

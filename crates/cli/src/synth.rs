@@ -45,6 +45,11 @@ pub struct SynthArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Keep only the first N layers of the preset (every other dimension, the quant mix and
+    /// the hybrid layer pattern stay): a model with a real model's layer shapes that a CPU
+    /// can run, for comparing backends on those shapes.
+    #[arg(long)]
+    pub layers: Option<usize>,
 }
 
 /// Model presets: real dimensions for benchmarks, tiny ones for tests.
@@ -926,7 +931,15 @@ const CHUNK_BYTES: usize = 64 << 20;
 
 /// Write the GGUF described by `args`.
 pub fn synth(args: &SynthArgs) -> Result<()> {
-    let d = args.preset.dims();
+    let mut d = args.preset.dims();
+    if let Some(n) = args.layers {
+        anyhow::ensure!(
+            (1..=d.n_layer).contains(&n),
+            "--layers {n}: the preset has {} layers",
+            d.n_layer
+        );
+        d.n_layer = n;
+    }
     let vocab_path = match &args.vocab {
         Some(p) => p.clone(),
         None => default_vocab_path()?,
@@ -1202,6 +1215,7 @@ mod tests {
                     output: out.clone(),
                     vocab: None,
                     seed: 3,
+                    layers: None,
                 })
                 .unwrap();
                 let f = GgufFile::open(&out).unwrap();
@@ -1260,6 +1274,7 @@ mod tests {
             output: out.clone(),
             vocab: None,
             seed: 7,
+            layers: None,
         };
         synth(&args).unwrap();
         let f = GgufFile::open(&out).unwrap();
@@ -1408,6 +1423,7 @@ mod tests {
             output: t.0.join("x.gguf"),
             vocab: Some(t.0.join("missing.gguf")),
             seed: 0,
+            layers: None,
         })
         .unwrap_err();
         assert!(format!("{e:#}").contains("missing.gguf"), "{e:#}");
