@@ -1168,7 +1168,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
     }
 
     // --- argmax
-    for (rows, cols) in [(1, 1), (1, 7), (3, 1000), (8, 151936)] {
+    for (rows, cols) in [(1, 1), (1, 7), (3, 1000), (8, 151936), (1, 248320)] {
         for kind in [
             ArgmaxKind::Random,
             ArgmaxKind::Ties,

@@ -1,10 +1,10 @@
 //! Launchers for the small ops (`kernels/elementwise.cu`) and weight upload.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::{quant, GgmlType};
 
 use super::launch::{KernelArg, LaunchExt};
@@ -23,8 +23,17 @@ pub struct Kernels {
     qk_norm_rope: CudaFunction,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
-    argmax_rows: CudaFunction,
     topk_rows: CudaFunction,
+    rms_norm_v4: CudaFunction,
+    add_rms_norm_v4: CudaFunction,
+    argmax_rows_mb: CudaFunction,
+    /// `argmax_rows_mb`'s per-row best key and arrival ticket (zero between launches).
+    argmax_scratch: Mutex<Option<ArgmaxScratch>>,
+}
+
+struct ArgmaxScratch {
+    best: CudaSlice<u64>,
+    ticket: CudaSlice<u32>,
 }
 
 impl Kernels {
@@ -39,8 +48,11 @@ impl Kernels {
             qk_norm_rope: function(&m, "qk_norm_rope")?,
             add_assign: function(&m, "add_assign")?,
             swiglu: function(&m, "swiglu")?,
-            argmax_rows: function(&m, "argmax_rows")?,
             topk_rows: function(&m, "topk_rows")?,
+            rms_norm_v4: function(&m, "rms_norm_v4")?,
+            add_rms_norm_v4: function(&m, "add_rms_norm_v4")?,
+            argmax_rows_mb: function(&m, "argmax_rows_mb")?,
+            argmax_scratch: Mutex::new(None),
         })
     }
 }
@@ -132,8 +144,36 @@ pub fn rms_norm(
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
     check_shape("rms_norm out", out, x.rows, x.cols)?;
+    if x.rows == 0 {
+        return Ok(());
+    }
     let wv = f32_vec(w, x.cols)?;
     let cols = x.cols as i32;
+    if let Some(threads) = norm_v4_threads(be, w, x.cols) {
+        // The final norm feeds the lm head's quantized-x GEMV at decode: quantize there too.
+        let mut fused = super::matmul::xq_for_producer(be, x.rows, x.cols)?;
+        let null = 0u64;
+        let mut launch = be.stream.kernel(&be.ops.rms_norm_v4);
+        launch
+            .arg(&x.buf)
+            .arg(&wv)
+            .arg(&mut out.buf)
+            .arg(&cols)
+            .arg(&eps);
+        match fused.as_mut().and_then(|g| g.as_mut()) {
+            Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
+            None => launch.arg(&null).arg(&null),
+        };
+        // SAFETY: x and out are [rows, cols] (checked), 16-byte aligned rows (cols % 4 == 0,
+        // aligned bases: norm_v4_threads); one block per row of `threads` ≤ 1024 threads
+        // covering cols / 4 chunks in ≤ NORM_NV rounds; the scratch holds ≥ rows rows of
+        // ≥ cols (a multiple of 32) elements.
+        unsafe { launch.launch(norm_v4_config(x.rows, threads)) }?;
+        if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
+            xq.record_producer(be, &out.buf, x.rows, x.cols);
+        }
+        return Ok(());
+    }
     let cfg = LaunchConfig {
         grid_dim: (x.rows as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -151,6 +191,32 @@ pub fn rms_norm(
             .launch(cfg)
     }?;
     Ok(())
+}
+
+/// Float4 chunks per thread at most in the vectorised norms (NORM_NV in elementwise.cu).
+const NORM_NV: usize = 4;
+
+/// Threads per block of the vectorised norms (`rms_norm_v4`, `add_rms_norm_v4`) for rows of
+/// `cols`, or `None` where they do not apply (cols not a multiple of 4, more than
+/// 1024 · NORM_NV chunks, or a weight not 16-byte aligned). One thread per float4 chunk up to
+/// 1024 threads, a multiple of 32; chosen from `cols` alone so that a row's summation order
+/// never depends on the number of rows in the step.
+fn norm_v4_threads(be: &CudaBackend, w: &CudaWeight, cols: usize) -> Option<u32> {
+    let chunks = cols / 4;
+    let aligned = {
+        let (ptr, _sync) = w.data.device_ptr(&be.stream);
+        ptr % 16 == 0
+    };
+    (cols.is_multiple_of(4) && chunks > 0 && chunks <= 1024 * NORM_NV && aligned)
+        .then(|| chunks.next_multiple_of(32).min(1024) as u32)
+}
+
+fn norm_v4_config(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 pub fn head_rms_norm(
@@ -241,17 +307,25 @@ pub fn add_rms_norm(
     }
     let wv = f32_vec(w, x.cols)?;
     let cols = x.cols as i32;
-    let cfg = LaunchConfig {
-        grid_dim: (x.rows as u32, 1, 1),
-        block_dim: (add_rms_norm_threads(x.cols), 1, 1),
-        shared_mem_bytes: 0,
+    let v4 = norm_v4_threads(be, w, x.cols);
+    let cfg = match v4 {
+        Some(threads) => norm_v4_config(x.rows, threads),
+        None => LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (add_rms_norm_threads(x.cols), 1, 1),
+            shared_mem_bytes: 0,
+        },
     };
     // A decode step's h feeds a quantized-x GEMV next (the QKV or gate/up projections): the
     // kernel also quantizes it into the GEMV's scratch, which the GEMV then uses instead of
     // launching `quant_x_q8` (matmul.rs, `XQuant::src`).
     let mut fused = super::matmul::xq_for_producer(be, x.rows, x.cols)?;
     let null = 0u64;
-    let mut launch = be.stream.kernel(&be.ops.add_rms_norm);
+    let mut launch = be.stream.kernel(if v4.is_some() {
+        &be.ops.add_rms_norm_v4
+    } else {
+        &be.ops.add_rms_norm
+    });
     launch
         .arg(&mut x.buf)
         .arg(&y.buf)
@@ -264,8 +338,10 @@ pub fn add_rms_norm(
         None => launch.arg(&null).arg(&null),
     };
     // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows);
-    // one block per row, at most 1024 threads (32 warps: the kernel's shared partials); the
-    // scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a multiple of 32) elements.
+    // one block per row, at most 1024 threads (32 warps: the kernel's shared partials; the
+    // v4 kernel's chunks fit NORM_NV rounds and its rows are 16-byte aligned, see
+    // norm_v4_threads); the scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a multiple
+    // of 32) elements.
     unsafe { launch.launch(cfg) }?;
     if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
         xq.record_producer(be, &h.buf, x.rows, x.cols);
@@ -382,6 +458,9 @@ pub fn swiglu(
     Ok(())
 }
 
+/// Blocks per row of the multi-block argmax (a 151,936-logit row: ~1,200 values per block).
+const ARGMAX_BLOCKS: usize = 128;
+
 pub fn argmax(
     be: &CudaBackend,
     logits: &Act<CudaSlice<f32>>,
@@ -393,19 +472,46 @@ pub fn argmax(
         logits.rows,
         out.len()
     );
+    if logits.rows == 0 {
+        return Ok(());
+    }
     let cols = logits.cols as i32;
+    let mut guard = be
+        .ops
+        .argmax_scratch
+        .lock()
+        .map_err(|_| anyhow::anyhow!("argmax scratch lock poisoned"))?;
+    // Grown (zeroed) outside graph capture: the engine's first decode step runs eagerly with
+    // the step's row count; 64 rows cover every batched decode step up to 64 sequences.
+    if guard.as_ref().is_none_or(|s| s.ticket.len() < logits.rows) {
+        let n = logits.rows.max(64);
+        *guard = Some(ArgmaxScratch {
+            best: be.stream.alloc_zeros::<u64>(n)?,
+            ticket: be.stream.alloc_zeros::<u32>(n)?,
+        });
+    }
+    let s = guard
+        .as_mut()
+        .ok_or_else(|| anyhow::anyhow!("argmax scratch missing"))?;
     let cfg = LaunchConfig {
-        grid_dim: (logits.rows as u32, 1, 1),
-        block_dim: (1024, 1, 1),
+        grid_dim: (
+            ARGMAX_BLOCKS.min(logits.cols.div_ceil(256)).max(1) as u32,
+            logits.rows as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: one block of 1024 threads per row (the kernel's shared arrays hold 1024).
+    // SAFETY: logits hold rows × cols floats; out ≥ rows (checked); best/ticket hold ≥ rows
+    // zeroed entries, left zeroed by each launch's last block.
     unsafe {
         be.stream
-            .kernel(&be.ops.argmax_rows)
+            .kernel(&be.ops.argmax_rows_mb)
             .arg(&logits.buf)
             .arg(out)
             .arg(&cols)
+            .arg(&mut s.best)
+            .arg(&mut s.ticket)
             .launch(cfg)
     }?;
     Ok(())

@@ -35,8 +35,30 @@
 //                 the (j-1)-th in the total order (value desc, index asc; NaN as -inf), so
 //                 no selection list is kept; k·cols reads (k ≤ 64: ~40 MB at 150k vocab,
 //                 ~10 µs) instead of copying the whole row to the host.
-// - argmax:       one block per row: per-thread best (value, lowest index), then a shared
-//                 reduction; ties resolve to the lower index like the CPU.
+// - rms_norm_v4 / add_rms_norm_v4 (rows of cols % 4 == 0, up to 16384 columns; the launcher
+//                 falls back to the scalar kernels above otherwise): one block per row, thread
+//                 t owns the float4 chunks t, t + blockDim, ... (at most NORM_NV) and keeps
+//                 them in registers, so the row is read once with 16-byte loads, all loads
+//                 of a thread in flight together. The weight chunks are loaded BEFORE the PDL
+//                 wait (weights depend on no kernel), so their latency overlaps the previous
+//                 kernel's tail. One __syncthreads: every thread adds the warp partials itself
+//                 in warp order. Why: the scalar kernels walked 4 dependent load rounds per
+//                 thread and two barriers (measured 7.45 µs per call for a 4096-column decode
+//                 row; ~15% of a Qwen3-8B decode step with 72 calls).
+//                 Quantization for the next GEMV (xq != null): a 32-element block is 8
+//                 consecutive lanes of 4 values; amax and the integer sum over those 8 lanes
+//                 by xor shuffles; per element the expressions of quant_q8_lane (common.cuh),
+//                 so the planes are bitwise quant_x_q8's (max and integer sums are exact in
+//                 any order).
+// - argmax_rows_mb: grid (ARGMAX_BLOCKS, rows): a block takes a contiguous slice of its row,
+//                 per-thread best (first max in ascending order), then a 64-bit key
+//                 (order-preserving value bits << 32 | ~index: the largest key is the largest
+//                 value at the lowest index, exactly the CPU's choice) reduced by shuffles and
+//                 one atomicMax per block into best[row]; the block that arrives last (ticket
+//                 counter, after a fence) writes the index and resets best and the ticket to
+//                 0, so a replayed graph finds them clean. NaN and -inf are never candidates
+//                 (as on the CPU); a row with none gives 0. Why: a single block read the
+//                 151,936-logit row at one SM's bandwidth (58 µs per decode step).
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -229,34 +251,6 @@ extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __re
     }
 }
 
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int cols) {
-    PDL_ENTRY();
-    __shared__ float bv[1024];
-    __shared__ int bi[1024];
-    const float* row = logits + (long long)blockIdx.x * cols;
-    float best = __int_as_float(0xff800000);  // -inf
-    int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = row[i];
-        if (v > best) { best = v; idx = i; }  // strided ascending: first max per thread
-    }
-    bv[threadIdx.x] = best;
-    bi[threadIdx.x] = idx;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            float v = bv[threadIdx.x + s];
-            int j = bi[threadIdx.x + s];
-            if (v > bv[threadIdx.x] || (v == bv[threadIdx.x] && j < bi[threadIdx.x])) {
-                bv[threadIdx.x] = v;
-                bi[threadIdx.x] = j;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[blockIdx.x] = bi[0] == 0x7fffffff ? 0 : bi[0];
-}
-
 // Total order of (value, index): a before b when a is larger, ties to the lower index.
 __device__ __forceinline__ bool tk_before(float av, int ai, float bv, int bi) {
     return av > bv || (av == bv && ai < bi);
@@ -298,5 +292,168 @@ extern "C" __global__ void topk_rows(const float* __restrict__ logits, int* __re
             vals[(long long)blockIdx.x * k + j] = row[id];
         }
         __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Vectorised row norms (plan in the header).
+
+#define NORM_NV 4
+
+// The two-plane quantization of quant_q8_lane for 4 consecutive values per lane, a 32-element
+// block spread over 8 consecutive lanes (lane & 7 = chunk within the block). Every lane of the
+// warp must call it (shuffles); lanes with valid == false hold zeros and store nothing (a
+// block's 8 lanes are all valid or all not: the row length is a multiple of 32).
+__device__ __forceinline__ void quant_q8_vec4(const float (&v)[4], bool valid, int8_t* __restrict__ xr, int n_in,
+                                              int col, float2* __restrict__ xd) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int hi[4] = {0, 0, 0, 0}, lo[4] = {0, 0, 0, 0};
+    float d = 0.0f;
+    if (amax > 0.0f) {
+        const float d1 = amax / 127.0f;
+        d = d1 / 127.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            hi[k] = (int)rintf(v[k] * (127.0f / amax));
+            int l = (int)rintf((v[k] - (float)hi[k] * d1) / d);
+            lo[k] = l > 127 ? 127 : (l < -127 ? -127 : l);
+        }
+    }
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) sum += 127 * hi[k] + lo[k];
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (valid) {
+        const uint32_t h4 = (uint32_t)(hi[0] & 255) | ((uint32_t)(hi[1] & 255) << 8) | ((uint32_t)(hi[2] & 255) << 16) |
+                            ((uint32_t)(hi[3] & 255) << 24);
+        const uint32_t l4 = (uint32_t)(lo[0] & 255) | ((uint32_t)(lo[1] & 255) << 8) | ((uint32_t)(lo[2] & 255) << 16) |
+                            ((uint32_t)(lo[3] & 255) << 24);
+        *(uint32_t*)(xr + col) = h4;  // col % 4 == 0 and the row base is 2·n_in-aligned
+        *(uint32_t*)(xr + n_in + col) = l4;
+        if ((threadIdx.x & 7) == 0) *xd = make_float2(d, d * (float)sum);
+    }
+}
+
+// h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
+// add_rms_norm (null: no quantization).
+template <bool ADD>
+__device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* __restrict__ y,
+                                            const float* __restrict__ w, float* __restrict__ h, int cols,
+                                            float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
+    __shared__ float partial[32];
+    const int chunks = cols >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    const long long r = blockIdx.x;
+    float4 wv[NORM_NV], v[NORM_NV];
+#pragma unroll
+    for (int j = 0; j < NORM_NV; j++) {
+        const int c = tid + j * blockDim.x;
+        wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    PDL_ENTRY();
+    float4* xr = (float4*)(x + r * cols);
+    const float4* yr = (const float4*)(y + r * cols);
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_NV; j++) {
+        const int c = tid + j * blockDim.x;
+        v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (c < chunks) {
+            float4 a = xr[c];
+            if (ADD) {
+                const float4 b = yr[c];
+                a.x += b.x;
+                a.y += b.y;
+                a.z += b.z;
+                a.w += b.w;
+                xr[c] = a;
+            }
+            v[j] = a;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_NV; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    ss = warp_sum(ss);
+    if (lane == 0) partial[wid] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int i = 0; i < nw; i++) tot += partial[i];
+    const float scale = rsqrtf(tot / (float)cols + eps);
+    float4* hr = (float4*)(h + r * cols);
+#pragma unroll
+    for (int j = 0; j < NORM_NV; j++) {
+        const int c = tid + j * blockDim.x;
+        if (j * blockDim.x >= chunks) break;  // block-uniform
+        const bool valid = c < chunks;
+        const float o[4] = {(v[j].x * scale) * wv[j].x, (v[j].y * scale) * wv[j].y, (v[j].z * scale) * wv[j].z,
+                            (v[j].w * scale) * wv[j].w};
+        if (valid) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
+        if (xq != nullptr)
+            quant_q8_vec4(o, valid, xq + r * 2 * cols, cols, 4 * c, xd + r * (cols / QK) + (4 * c) / QK);
+    }
+}
+
+extern "C" __global__ void add_rms_norm_v4(float* __restrict__ x, const float* __restrict__ y,
+                                           const float* __restrict__ w, float* __restrict__ h, int cols, float eps,
+                                           int8_t* __restrict__ xq, float2* __restrict__ xd) {
+    norm_row_v4<true>(x, y, w, h, cols, eps, xq, xd);
+}
+
+extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float* __restrict__ w,
+                                       float* __restrict__ out, int cols, float eps, int8_t* __restrict__ xq,
+                                       float2* __restrict__ xd) {
+    norm_row_v4<false>(const_cast<float*>(x), nullptr, w, out, cols, eps, xq, xd);
+}
+
+// ---------------------------------------------------------------------------------------
+// Multi-block argmax (plan in the header).
+
+// Float bits mapped so that unsigned order is float order (for non-NaN values).
+__device__ __forceinline__ uint32_t ord_bits(float f) {
+    const uint32_t b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+extern "C" __global__ void argmax_rows_mb(const float* __restrict__ logits, int* __restrict__ out, int cols,
+                                          unsigned long long* __restrict__ best, unsigned int* __restrict__ ticket) {
+    PDL_ENTRY();
+    __shared__ unsigned long long wbest[32];
+    const int row = blockIdx.y;
+    const float* rp = logits + (long long)row * cols;
+    const int per = (cols + gridDim.x - 1) / gridDim.x;
+    const int a = blockIdx.x * per;
+    const int b = a + per < cols ? a + per : cols;
+    float bv = __int_as_float(0xff800000);  // -inf
+    int bi = -1;
+    for (int i = a + threadIdx.x; i < b; i += blockDim.x) {
+        const float v = rp[i];
+        if (v > bv) {  // ascending per thread: the first of equal maxima
+            bv = v;
+            bi = i;
+        }
+    }
+    unsigned long long key = bi < 0 ? 0ull : ((unsigned long long)ord_bits(bv) << 32) | (unsigned long long)(~(uint32_t)bi);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const unsigned long long o = __shfl_xor_sync(0xffffffffu, key, off);
+        key = o > key ? o : key;
+    }
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) wbest[wid] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < nw; i++) key = wbest[i] > key ? wbest[i] : key;
+        if (key) atomicMax(best + row, key);
+        __threadfence();
+        const unsigned int t = atomicAdd(ticket + row, 1u);
+        if (t == gridDim.x - 1) {  // every block's atomicMax is done (each fenced before its ticket)
+            const unsigned long long k = atomicMax(best + row, 0ull);
+            out[row] = k ? (int)(~(uint32_t)(k & 0xffffffffull)) : 0;
+            best[row] = 0ull;
+            ticket[row] = 0u;
+        }
     }
 }
