@@ -3,12 +3,14 @@
 //! The cache is f16, laid out `[layer][kv_head][pos][head_dim]` so that one kv head's keys
 //! over a run of positions are contiguous (coalesced 16-byte loads for decode splits and
 //! prefill tiles). Each attention call:
-//! 1. `kv_store`: the step's k, v rows (f32) → f16 at `step.positions[t]` of the layer;
-//! 2. rows ≤ [`DECODE_MAX_ROWS`] (decode, MTP verify): split-K flash-decoding into the
-//!    cache's scratch, then `attn_decode_merge`; the grid depends only on the cache (split
-//!    count fixed at [`kv_new`]) and the row count, never on the position, so a captured
-//!    decode step replays at every position;
-//! 3. more rows (prefill): causal flash attention over query tiles.
+//! 1. rows ≤ [`DECODE_MAX_ROWS`] (decode, MTP verify) with a tuned head_dim: ONE launch,
+//!    `attn_decode_<hd>_<gb>`, stores the step's k, v rows into the cache, runs split-K
+//!    flash-decoding and merges the splits (the last block of a row's splits to finish does
+//!    it) into the output and its int8 planes for the o-projection; the grid depends only on
+//!    the cache (split count fixed at [`kv_new`]) and the row count, never on the position,
+//!    so a captured decode step replays at every position;
+//! 2. otherwise `kv_store` (the step's k, v rows, f32 → f16 at `step.positions[t]`), then
+//!    causal flash attention over query tiles (prefill) or the fallback.
 //!
 //! Head dims 32, 64, 128 and 256 have tuned kernels; any other head_dim ≤ 512 runs a simple
 //! warp-per-head fallback (`attn_generic`).
@@ -25,7 +27,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/attention.cu");
@@ -61,13 +63,20 @@ impl KvType {
 /// Steps of up to this many rows use the split-K decode kernel (decode, MTP verify of up to
 /// 15 drafts); longer steps use the prefill kernel. Scratch is sized for this many rows.
 pub const DECODE_MAX_ROWS: usize = 16;
-/// Upper bound on the decode split count (scratch grows linearly with it).
+/// Upper bound on the decode split count (scratch grows linearly with it; the kernel's
+/// merge holds DECODE_MAX_SPLITS = 128 weights per head in shared memory).
 const MAX_SPLITS: usize = 64;
-/// Fewest positions a decode split covers (must equal DECODE_MIN_CHUNK in attention.cu).
+/// The kernel's limit on the split count (DECODE_MAX_SPLITS in attention.cu).
+const KERNEL_MAX_SPLITS: usize = 128;
+/// Fewest positions a decode split covers (the kernel's `min_chunk`; longer chunks are
+/// rounded up to whole block iterations).
 const DECODE_MIN_CHUNK: usize = 64;
 /// Decode blocks wanted per SM at rows = 1 (4 blocks × 4 warps, ~64 KB of loads in flight
 /// per SM: enough to cover DRAM latency at full bandwidth).
 const DECODE_BLOCKS_PER_SM: usize = 4;
+/// Decode L2 prefetch distance in key tiles (the kernel's `pf`; 0 = off). Off: no gain
+/// measured (ATTENTION.md, one-launch decode round).
+const DECODE_PREFETCH: usize = 0;
 /// Head dims with tuned kernels.
 const FAST_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
 /// Largest head_dim of the fallback kernel (16 values per lane).
@@ -94,10 +103,15 @@ pub struct CudaKv {
     /// Decode splits per (row, head); fixed for the cache's lifetime so every decode launch
     /// has the same grid and a row's arithmetic depends only on its own position.
     pub n_splits: usize,
+    /// Fewest positions per decode split (fixed with `n_splits`).
+    min_chunk: usize,
     /// Split-K partials: unnormalised output `[rows][n_heads][n_splits][head_dim]`.
     part_acc: CudaSlice<f32>,
     /// Split-K partials: (running max, running sum) per `[rows][n_heads][n_splits]`.
     part_ml: CudaSlice<f32>,
+    /// Merge tickets, one counter per `[rows][n_heads]` (at most one per decode block of
+    /// heads); zero between launches (the merging block resets its counter).
+    tickets: CudaSlice<i32>,
     /// Rows the split-K scratch holds ([`DECODE_MAX_ROWS`], or a paged cache's batch size).
     scratch_rows: usize,
     /// `Some((n_pages, page_size))` for a paged cache; `capacity` is then
@@ -119,7 +133,8 @@ pub struct Kernels {
     kv_store: [CudaFunction; 2],
     /// `decode[q8][hd index][log2 heads-per-block]`.
     decode: [Vec<Vec<CudaFunction>>; 2],
-    decode_merge: CudaFunction,
+    /// Decode tuning, fixed at load (tuning runs may override it from the environment).
+    tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
     prefill: [Vec<CudaFunction>; 2],
     generic: CudaFunction,
@@ -159,7 +174,7 @@ impl Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
             decode: [decode("", "")?, decode("q8_", "")?],
-            decode_merge: function(&m, "attn_decode_merge")?,
+            tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             generic: function(&m, "attn_generic")?,
             paged: PagedKernels {
@@ -188,6 +203,50 @@ impl Kernels {
     }
 }
 
+/// The decode launch's tuning knobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct DecodeTuning {
+    /// Decode blocks wanted per SM at rows = 1.
+    blocks_per_sm: usize,
+    /// Most splits per (row, head).
+    max_splits: usize,
+    /// Fewest positions per split.
+    min_chunk: usize,
+    /// L2 prefetch distance in key tiles (0 = off).
+    prefetch: usize,
+}
+
+impl Default for DecodeTuning {
+    fn default() -> Self {
+        DecodeTuning {
+            blocks_per_sm: DECODE_BLOCKS_PER_SM,
+            max_splits: MAX_SPLITS,
+            min_chunk: DECODE_MIN_CHUNK,
+            prefetch: DECODE_PREFETCH,
+        }
+    }
+}
+
+impl DecodeTuning {
+    /// The defaults, overridden by `FERRITE_ATTN_TUNE=blocks_per_sm,max_splits,min_chunk,
+    /// prefetch` (tuning runs; values out of range are clamped).
+    fn from_env() -> Self {
+        let mut t = DecodeTuning::default();
+        if let Ok(v) = std::env::var("FERRITE_ATTN_TUNE") {
+            let f: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+            if let [b, s, c, p] = f[..] {
+                t = DecodeTuning {
+                    blocks_per_sm: b.max(1),
+                    max_splits: s.clamp(1, KERNEL_MAX_SPLITS),
+                    min_chunk: c.clamp(1, 4096),
+                    prefetch: p.min(64),
+                };
+            }
+        }
+        t
+    }
+}
+
 /// Index of `head_dim` among the tuned sizes.
 fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
@@ -209,12 +268,12 @@ fn prefill_slots(head_dim: usize) -> usize {
 
 /// The fixed decode split count for a cache: enough blocks for every SM at rows = 1, no more
 /// splits than `capacity` has minimum-size chunks.
-fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize) -> usize {
+fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize, tu: DecodeTuning) -> usize {
     let group = shape.n_heads / shape.n_kv_heads.max(1);
     let blocks_x = (shape.n_heads / heads_per_block(group)).max(1);
-    let want = (DECODE_BLOCKS_PER_SM * sm_count.max(1)).div_ceil(blocks_x);
-    want.clamp(1, MAX_SPLITS)
-        .min(capacity.div_ceil(DECODE_MIN_CHUNK).max(1))
+    let want = (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x);
+    want.clamp(1, tu.max_splits.min(KERNEL_MAX_SPLITS))
+        .min(capacity.div_ceil(tu.min_chunk).max(1))
 }
 
 /// A cache of the type chosen with [`Kernels::set_kv_type`] (f16 by default).
@@ -323,10 +382,11 @@ fn kv_alloc(
         KvType::Q8_0 => (per_tensor, (per_tensor / 32).max(1)),
     };
     let seq_capacity = paged.map_or(capacity, |p| p.max_pages * p.page_size);
-    let n_splits = decode_splits(be.sm_count, shape, seq_capacity);
+    let tuning = be.attention.tuning;
+    let n_splits = decode_splits(be.sm_count, shape, seq_capacity, tuning);
     let scratch_rows = paged.map_or(DECODE_MAX_ROWS, |p| p.max_rows.max(DECODE_MAX_ROWS));
     let part_rows = scratch_rows * n_heads * n_splits;
-    let scratch = part_rows * (head_dim + 2);
+    let scratch = part_rows * (head_dim + 2) + scratch_rows * n_heads;
     let bytes = 2 * (data_bytes + n_scales * 2) + scratch * 4;
     let (free, total) = be.mem_info()?;
     // Leave room for the context's own bookkeeping and small allocations.
@@ -349,8 +409,10 @@ fn kv_alloc(
         shape,
         capacity,
         n_splits,
+        min_chunk: tuning.min_chunk,
         part_acc: be.stream.alloc_zeros::<f32>(part_rows * head_dim)?,
         part_ml: be.stream.alloc_zeros::<f32>(part_rows * 2)?,
+        tickets: be.stream.alloc_zeros::<i32>(scratch_rows * n_heads)?,
         scratch_rows,
         paged: paged.map(|p| (p.n_pages, p.page_size)),
         delta: None,
@@ -440,7 +502,57 @@ pub fn attention(
     let scale_log2 = std::f32::consts::LOG2_E / (head_dim as f32).sqrt();
     let q8 = usize::from(kv.kv_type == KvType::Q8_0);
 
-    // 1. Store this step's keys and values (f16: a thread per element; q8_0: a warp per
+    let fast = fast_index(head_dim);
+
+    // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
+    if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
+        let func = &be.attention.decode[q8][fi][heads_per_block(group).trailing_zeros() as usize];
+        // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
+        let cols = n_heads * head_dim;
+        let mut fused = matmul::xq_for_producer(be, rows, cols)?;
+        let qp = q.buf.device_ptr(&be.stream).0;
+        let kp = k.buf.device_ptr(&be.stream).0;
+        let vp = v.buf.device_ptr(&be.stream).0;
+        let pp = step.positions.device_ptr(&be.stream).0;
+        let op = out.buf.device_ptr_mut(&be.stream).0;
+        let xq = fused.as_mut().and_then(|g| g.as_mut());
+        let (xqp, xdp) = match xq {
+            Some(x) => (
+                x.q.device_ptr_mut(&be.stream).0,
+                x.d.device_ptr_mut(&be.stream).0,
+            ),
+            None => (0, 0),
+        };
+        let ptrs = DecodePtrs {
+            q: qp,
+            k_new: kp,
+            v_new: vp,
+            positions: pp,
+            out: op,
+            xq: xqp,
+            xd: xdp,
+        };
+        let dims = DecodeDims {
+            rows,
+            n_heads,
+            group,
+            head_dim,
+            capacity,
+            layer_off,
+            scale_log2,
+        };
+        // SAFETY: q is [rows, n_heads*hd], k and v [rows, n_kv*hd], out [rows, n_heads*hd]
+        // (checked by check_attention); positions hold ≥ rows entries (checked above) and
+        // are clamped to capacity in the kernel; the int8 scratch holds ≥ rows rows of
+        // ≥ cols elements (xq_for_producer).
+        unsafe { decode_launch(be, func, kv, ptrs, dims, None) }?;
+        if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
+            xq.record_producer(be, &out.buf, rows, cols);
+        }
+        return Ok(());
+    }
+
+    // 2. Store this step's keys and values (f16: a thread per element; q8_0: a warp per
     // 32-element block).
     let n = rows * kvd;
     let store_cfg = store_config(n);
@@ -460,72 +572,7 @@ pub fn attention(
     // against capacity and writes inside layer `layer` of the cache (and its scales).
     unsafe { store.launch(store_cfg) }?;
 
-    let fast = fast_index(head_dim);
-
-    // 2. Decode (few rows): split-K, then merge.
-    if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
-        let gb = heads_per_block(group);
-        let n_splits = kv.n_splits;
-        ensure!(
-            rows * n_heads * n_splits * head_dim <= kv.part_acc.len(),
-            "attention: decode scratch too small"
-        );
-        let func = &be.attention.decode[q8][fi][gb.trailing_zeros() as usize];
-        let cfg = LaunchConfig {
-            grid_dim: ((n_heads / gb) as u32, n_splits as u32, rows as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let splits_i = n_splits as i32;
-        // SAFETY: q is [rows, n_heads*hd]; scratch holds DECODE_MAX_ROWS × n_heads × n_splits
-        // partials (sized at kv_new for n_heads ≥ this call's); positions are clamped to
-        // capacity in the kernel.
-        unsafe {
-            be.stream
-                .kernel(func)
-                .arg(&q.buf)
-                .arg(&kv.k)
-                .arg(&kv.v)
-                .arg(&kv.k_scales)
-                .arg(&kv.v_scales)
-                .arg(&step.positions)
-                .arg(&mut kv.part_acc)
-                .arg(&mut kv.part_ml)
-                .arg(&layer_off)
-                .arg(&n_heads_i)
-                .arg(&group_i)
-                .arg(&capacity)
-                .arg(&splits_i)
-                .arg(&scale_log2)
-                .launch(cfg)
-        }?;
-        // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
-        let cols = n_heads * head_dim;
-        let mut fused = if head_dim.is_multiple_of(32) && head_dim <= MERGE_MAX_THREADS {
-            matmul::xq_for_producer(be, rows, cols)?
-        } else {
-            None
-        };
-        let xq = fused.as_mut().and_then(|g| g.as_mut());
-        let (pa, pm) = (&kv.part_acc, &kv.part_ml);
-        merge_launch(
-            be,
-            pa,
-            pm,
-            &mut out.buf.slice_mut(..),
-            rows,
-            n_heads,
-            head_dim,
-            n_splits,
-            xq,
-        )?;
-        if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
-            xq.record_producer(be, &out.buf, rows, cols);
-        }
-        return Ok(());
-    }
-
-    // 3. Prefill: query tiles × kv heads.
+    // 2b. Prefill: query tiles × kv heads.
     if let (Some(fi), true) = (fast, group <= prefill_slots(head_dim)) {
         let rows_per_tile = prefill_slots(head_dim) / group;
         let cfg = LaunchConfig {
@@ -555,7 +602,7 @@ pub fn attention(
         return Ok(());
     }
 
-    // 4. Any other head_dim (or a GQA group wider than a prefill tile): the fallback.
+    // 3. Any other head_dim (or a GQA group wider than a prefill tile): the fallback.
     ensure!(
         head_dim <= GENERIC_MAX_HEAD_DIM,
         "attention: head_dim {head_dim} is not supported (at most {GENERIC_MAX_HEAD_DIM})"
@@ -586,6 +633,115 @@ pub fn attention(
             .arg(&scale_log2)
             .launch(cfg)
     }?;
+    Ok(())
+}
+
+/// Device pointers of one decode launch: the rows' queries, new keys and values (0 for the
+/// paged kernels, which do not store), positions and output, and the o-projection's int8
+/// scratch (0: none).
+struct DecodePtrs {
+    q: u64,
+    k_new: u64,
+    v_new: u64,
+    positions: u64,
+    out: u64,
+    xq: u64,
+    xd: u64,
+}
+
+/// Sizes of one decode launch (`capacity`: positions per kv-head run, the page size when
+/// paged).
+struct DecodeDims {
+    rows: usize,
+    n_heads: usize,
+    group: usize,
+    head_dim: usize,
+    capacity: i32,
+    layer_off: i64,
+    scale_log2: f32,
+}
+
+/// The paged kernels' extra arguments (PAGED_ARGS in attention.cu).
+struct PagedPtrs {
+    row_seq: u64,
+    block_tables: u64,
+    bt_stride: i32,
+    page_shift: i32,
+    page_stride: i64,
+    max_keys: i32,
+}
+
+/// One decode launch (`attn_decode_*`: store (contiguous), split-K attention and merge;
+/// attention.cu's header has the plan): grid (n_heads/gb, n_splits, rows) × 128.
+///
+/// # Safety
+/// The pointers must hold `rows` rows of their shapes (q and out `n_heads·hd`, k_new and
+/// v_new `n_kv·hd`, xq/xd the int8 scratch of `n_heads·hd` columns) and `positions` (and
+/// the paged row_seq) `rows` entries; the block tables must name pages inside the cache.
+unsafe fn decode_launch(
+    be: &CudaBackend,
+    func: &CudaFunction,
+    kv: &mut CudaKv,
+    p: DecodePtrs,
+    d: DecodeDims,
+    paged: Option<PagedPtrs>,
+) -> Result<()> {
+    let gb = heads_per_block(d.group);
+    let n_splits = kv.n_splits;
+    ensure!(
+        d.rows <= kv.scratch_rows
+            && d.rows * d.n_heads * n_splits * d.head_dim <= kv.part_acc.len()
+            && d.rows * (d.n_heads / gb) <= kv.tickets.len()
+            && n_splits <= KERNEL_MAX_SPLITS,
+        "attention: decode scratch too small for {} rows",
+        d.rows
+    );
+    ensure!(
+        paged.is_some() || d.rows <= DECODE_MAX_ROWS,
+        "attention: a contiguous decode launch takes at most {DECODE_MAX_ROWS} rows"
+    );
+    let cfg = LaunchConfig {
+        grid_dim: ((d.n_heads / gb) as u32, n_splits as u32, d.rows as u32),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (n_heads_i, group_i, splits_i) = (d.n_heads as i32, d.group as i32, n_splits as i32);
+    let (chunk_i, pf_i) = (kv.min_chunk as i32, be.attention.tuning.prefetch as i32);
+    let mut launch = be.stream.kernel(func);
+    launch
+        .arg(&p.q)
+        .arg(&p.k_new)
+        .arg(&p.v_new)
+        .arg(&mut kv.k)
+        .arg(&mut kv.v)
+        .arg(&mut kv.k_scales)
+        .arg(&mut kv.v_scales)
+        .arg(&p.positions)
+        .arg(&mut kv.part_acc)
+        .arg(&mut kv.part_ml)
+        .arg(&mut kv.tickets)
+        .arg(&p.out)
+        .arg(&p.xq)
+        .arg(&p.xd)
+        .arg(&d.layer_off)
+        .arg(&n_heads_i)
+        .arg(&group_i)
+        .arg(&d.capacity)
+        .arg(&splits_i)
+        .arg(&chunk_i)
+        .arg(&pf_i)
+        .arg(&d.scale_log2);
+    if let Some(pg) = &paged {
+        launch
+            .arg(&pg.row_seq)
+            .arg(&pg.block_tables)
+            .arg(&pg.bt_stride)
+            .arg(&pg.page_shift)
+            .arg(&pg.page_stride)
+            .arg(&pg.max_keys);
+    }
+    // SAFETY: the caller's contract; the scratch and tickets were checked above.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 
@@ -713,8 +869,6 @@ fn attention_paged(
 
     // 2. Attention, launch by launch.
     let fast = fast_index(head_dim);
-    let n_splits = kv.n_splits;
-    let splits_i = n_splits as i32;
     for u in paged_units(&b.segs, kv.scratch_rows) {
         let (r0, nr) = (u.row0, u.rows);
         let q_v = q.buf.slice(r0 * qd..(r0 + nr) * qd);
@@ -724,47 +878,41 @@ fn attention_paged(
         let nr_i = nr as i32;
         match fast {
             Some(fi) if u.decode => {
-                let gb = heads_per_block(group);
-                ensure!(
-                    nr * n_heads * n_splits * head_dim <= kv.part_acc.len(),
-                    "attention: decode scratch too small"
-                );
-                let cfg = LaunchConfig {
-                    grid_dim: ((n_heads / gb) as u32, n_splits as u32, nr as u32),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
+                let func = &kern.decode[q8][fi][heads_per_block(group).trailing_zeros() as usize];
+                let qp = q_v.device_ptr(&be.stream).0;
+                let pp = pos_v.device_ptr(&be.stream).0;
+                let op = out_v.device_ptr_mut(&be.stream).0;
+                let rsp = rs_v.device_ptr(&be.stream).0;
+                let btp = b.block_tables.device_ptr(&be.stream).0;
+                let ptrs = DecodePtrs {
+                    q: qp,
+                    k_new: 0,
+                    v_new: 0,
+                    positions: pp,
+                    out: op,
+                    xq: 0,
+                    xd: 0,
                 };
-                // SAFETY: q_v holds nr rows of n_heads×hd; scratch holds nr rows of
-                // partials (checked); reads stay inside the cache as for the store.
-                unsafe {
-                    be.stream
-                        .kernel(&kern.decode[q8][fi][gb.trailing_zeros() as usize])
-                        .arg(&q_v)
-                        .arg(&kv.k)
-                        .arg(&kv.v)
-                        .arg(&kv.k_scales)
-                        .arg(&kv.v_scales)
-                        .arg(&pos_v)
-                        .arg(&mut kv.part_acc)
-                        .arg(&mut kv.part_ml)
-                        .arg(&layer_off)
-                        .arg(&n_heads_i)
-                        .arg(&group_i)
-                        .arg(&cap_i)
-                        .arg(&splits_i)
-                        .arg(&scale_log2)
-                        .arg(&rs_v)
-                        .arg(&b.block_tables)
-                        .arg(&bt_stride)
-                        .arg(&page_shift)
-                        .arg(&page_stride)
-                        .arg(&max_keys)
-                        .launch(cfg)
-                }?;
-                let (pa, pm) = (&kv.part_acc, &kv.part_ml);
-                merge_launch(
-                    be, pa, pm, &mut out_v, nr, n_heads, head_dim, n_splits, None,
-                )?;
+                let dims = DecodeDims {
+                    rows: nr,
+                    n_heads,
+                    group,
+                    head_dim,
+                    capacity: cap_i,
+                    layer_off,
+                    scale_log2,
+                };
+                let pg = PagedPtrs {
+                    row_seq: rsp,
+                    block_tables: btp,
+                    bt_stride,
+                    page_shift,
+                    page_stride,
+                    max_keys,
+                };
+                // SAFETY: q_v holds nr rows of n_heads×hd, out_v nr rows; reads stay inside
+                // the cache as for the store (block tables checked by check_paged_step).
+                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg)) }?;
             }
             Some(fi) if !u.decode && group <= prefill_slots(head_dim) => {
                 let rows_per_tile = prefill_slots(head_dim) / group;
@@ -885,80 +1033,37 @@ mod tests {
     #[test]
     fn split_count_is_bounded() {
         // Qwen3-8B on an H200: 32 heads / 8 kv heads → 8 blocks per split.
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960), 64);
+        let tu = DecodeTuning::default();
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu), 64);
         // Short caches never get empty-by-construction splits.
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 100), 2);
-        assert_eq!(decode_splits(132, shape(4, 2, 32), 1), 1);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 100, tu), 2);
+        assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu), 1);
         // Many heads: fewer splits.
-        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960), 9);
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu), 9);
     }
 
-    /// The device computes chunk = max(64, roundup(ceil(n/splits), 64)); every position
-    /// 0..n must fall in exactly one of the n_splits chunks for every n ≤ capacity.
+    /// The device computes chunk = max(mc, roundup(ceil(n/splits), step)) (step: keys per
+    /// block iteration, 16 or 32) and uses the first n_active = ceil(n/chunk) splits; every
+    /// position 0..n must fall in exactly one of those, and n_active ≤ splits, for every
+    /// n ≤ capacity.
     #[test]
     fn decode_chunks_cover_every_position() {
-        for splits in [1usize, 2, 3, 7, 33, 64] {
-            for n in 1..3000usize {
-                let per = n.div_ceil(splits);
-                let chunk = DECODE_MIN_CHUNK.max(per.next_multiple_of(64));
-                assert!(chunk * splits >= n, "splits {splits} n {n}");
+        for (mc, step) in [
+            (16usize, 16usize),
+            (32, 32),
+            (DECODE_MIN_CHUNK, 16),
+            (64, 32),
+            (128, 32),
+        ] {
+            for splits in [1usize, 2, 3, 7, 33, 64, 128] {
+                for n in 1..3000usize {
+                    let per = n.div_ceil(splits);
+                    let chunk = mc.max(per.next_multiple_of(step));
+                    let active = n.div_ceil(chunk);
+                    assert!(active <= splits, "mc {mc} splits {splits} n {n}");
+                    assert!((active - 1) * chunk < n, "mc {mc} splits {splits} n {n}");
+                }
             }
         }
     }
-}
-
-/// Threads of a merge block: one per output element of a head, rounded up to whole warps.
-const MERGE_MAX_THREADS: usize = 256;
-
-/// The split-K merge of decode attention (`attn_decode_merge`): `rows` rows of `n_splits`
-/// partials per head into `out` (`[rows, n_heads·head_dim]`); with `xq` (head_dim a
-/// multiple of 32, at most [`MERGE_MAX_THREADS`]) the rows are also quantized into that
-/// scratch for the quantized-x GEMV that reads them next.
-#[allow(clippy::too_many_arguments)]
-fn merge_launch(
-    be: &CudaBackend,
-    part_acc: &CudaSlice<f32>,
-    part_ml: &CudaSlice<f32>,
-    out: &mut cudarc::driver::CudaViewMut<'_, f32>,
-    rows: usize,
-    n_heads: usize,
-    head_dim: usize,
-    n_splits: usize,
-    xq: Option<&mut matmul::XQuant>,
-) -> Result<()> {
-    ensure!(
-        out.len() >= rows * n_heads * head_dim
-            && part_acc.len() >= rows * n_heads * n_splits * head_dim
-            && part_ml.len() >= rows * n_heads * n_splits * 2,
-        "attention: merge buffers smaller than {rows} rows of {n_heads} heads"
-    );
-    let threads = head_dim.next_multiple_of(32).min(MERGE_MAX_THREADS);
-    ensure!(
-        xq.is_none() || (head_dim.is_multiple_of(32) && head_dim == threads),
-        "attention: merge quantization needs head_dim a multiple of 32, at most {MERGE_MAX_THREADS}"
-    );
-    let cfg = LaunchConfig {
-        grid_dim: (n_heads as u32, rows as u32, 1),
-        block_dim: (threads as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (n_heads_i, hd_i, splits_i) = (n_heads as i32, head_dim as i32, n_splits as i32);
-    let null = 0u64;
-    let mut launch = be.stream.kernel(&be.attention.decode_merge);
-    launch
-        .arg(part_acc)
-        .arg(part_ml)
-        .arg(out)
-        .arg(&n_heads_i)
-        .arg(&hd_i)
-        .arg(&splits_i);
-    match xq {
-        Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
-        None => launch.arg(&null).arg(&null),
-    };
-    // SAFETY: reads rows × n_heads × n_splits partials, writes rows × n_heads × hd floats of
-    // out (both checked above); the scratch (from xq_for_producer) holds ≥ rows rows of
-    // ≥ n_heads·hd elements.
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
 }

@@ -26,25 +26,46 @@
 // (not -inf) so that merging two empty states never computes -inf - -inf = NaN.
 //
 // kv_store: one thread per element of rows × n_kv × head_dim (grid-stride): f32 → f16.
+//   Used before prefill, the fallback and the paged decode; the contiguous decode stores
+//   its own rows (below).
 //
-// attn_decode_<HD>_<GB> (rows ≤ 16, i.e. decode and MTP verify), split-K flash-decoding:
+// attn_decode_<HD>_<GB> (rows ≤ 16, i.e. decode and MTP verify): the whole decode attention
+//   of a layer in ONE launch — KV store, split-K flash-decoding, split merge and the int8
+//   planes of the output for the o-projection GEMV.
 //   grid (n_heads/GB, n_splits, rows), 128 threads = 4 warps. A block owns GB query heads
 //   that share one kv head (GB = largest of 8,4,2,1 dividing the GQA group), so each K/V row
 //   is read once for the GB heads. The split count is fixed per cache (from SM count, heads
 //   and capacity: host), and the chunk of positions a split owns is computed ON THE DEVICE
-//   from that row's own position: chunk = max(64, roundup(ceil((pos+1)/n_splits), 64)).
-//   So the launch is position-independent (graph-safe), the work spreads over all splits at
-//   any context length, and a row's result depends only on its own position — identical
-//   bits whether it is decoded alone or inside a verify batch (batch invariance).
+//   from that row's own position: chunk = max(MC, roundup(ceil((pos+1)/n_splits), STEP))
+//   (MC = min_chunk, fixed per cache; STEP = the keys of one block iteration, so the
+//   splits are balanced to within one iteration). Only the first n_active =
+//   ceil((pos+1)/chunk) splits have keys; the others exit at once. So the launch is position-independent (graph-safe), the
+//   work spreads over all splits at long context, and a row's result depends only on its
+//   own position — identical bits whether it is decoded alone or inside a verify batch.
+//   STORE (contiguous cache): the step's rows are new keys. Each block first writes, for
+//   its kv head, the step's rows whose positions fall in its own range [start, end) (row t's
+//   last split always holds row t; f16, or q8_0 by q8_store; the last row of a position
+//   wins, as in kv_store), then a barrier, then reads its keys through L2 (ld.global.cg: the
+//   read-only path could hold a line from before the write). So every block that reads a
+//   new position wrote it itself: no ordering between blocks is needed, and blocks that
+//   share a position (the GB-head blocks of a kv head, verify rows) write identical bits.
+//   The bits equal those of a separate kv_store launch.
 //   Within a block: TPK = HD/8 threads per key, each owning 8 dims (one 16-byte load of K,
 //   one of V); a warp covers 32/TPK keys at once, the block KPB = 4·32/TPK keys, unrolled U
 //   deep (U·2 16-byte loads in flight per thread). Score = 8-dim partial dot reduced across
 //   the TPK lanes by xor-shuffles; each thread keeps per head an online-softmax state
 //   (m, l, acc[8]) over the keys its slot saw; at the end states merge across slots by
-//   shuffles, across warps through shared memory, and the block writes (m, l) and the
-//   unnormalised acc[HD] per head to scratch. Bytes: each K/V byte of the head read once.
-// attn_decode_merge: grid (n_heads, rows), one thread per dim: combines the n_splits
-//   partials (max, rescale, sum in split order), out = acc / l.
+//   shuffles, across warps through shared memory. Bytes: each K/V byte of the head read once.
+//   L2 prefetch (contiguous cache, pf > 0): one thread issues a TMA bulk prefetch of the K
+//   and V tiles pf iterations ahead (the first pf tiles before the PDL wait, overlapping the
+//   previous kernel's tail: the cache at earlier positions is written by completed grids).
+//   Merge: a row's only split (n_active = 1) writes the output directly. Otherwise each
+//   block writes (m, l, acc[HD]) per head to scratch, fences, and takes a ticket (atomicAdd
+//   on a counter per (row, head block)); the block that draws the last ticket combines the
+//   n_active partials in split order (max, rescale, sum: the same order whichever block it
+//   is), writes out = acc / l and, when the launcher passes xq, the o-projection's int8
+//   planes (quant_q8_lane, one warp per 32-element block), then resets the counter to 0 for
+//   the next launch (graph replay).
 //
 // attn_prefill_<HD> (rows > 16): flash attention, causal, f32 math on CUDA cores (SIMT).
 //   grid (query tiles, n_kv_heads), 256 threads. The block's BQ query slots are (row, head
@@ -106,15 +127,19 @@ __device__ __forceinline__ void unpack8(uint4 u, float* f) {
 
 // Loads the 8 cached elements starting at element index e (a multiple of 8) of a K or V
 // tensor: f16 → one 16-byte load; q8_0 → 8 quant bytes (.x, .y) + the block's f16 scale (.z).
-template <bool Q8>
+// CG: through L2 only (ld.global.cg), for kernels that write part of the cache themselves
+// (the read-only path may hold a line from before the write); else the read-only path.
+template <bool Q8, bool CG = false>
 __device__ __forceinline__ uint4 load8(const unsigned char* __restrict__ base,
                                        const unsigned short* __restrict__ scales, long long e) {
     if constexpr (Q8) {
-        uint2 qv = __ldg(reinterpret_cast<const uint2*>(base + e));
-        unsigned short sc = __ldg(scales + e / 32);
+        const uint2* qp = reinterpret_cast<const uint2*>(base + e);
+        const uint2 qv = CG ? __ldcg(qp) : __ldg(qp);
+        const unsigned short sc = CG ? __ldcg(scales + e / 32) : __ldg(scales + e / 32);
         return make_uint4(qv.x, qv.y, (unsigned int)sc, 0u);
     } else {
-        return __ldg(reinterpret_cast<const uint4*>(base + 2 * e));
+        const uint4* p = reinterpret_cast<const uint4*>(base + 2 * e);
+        return CG ? __ldcg(p) : __ldg(p);
     }
 }
 
@@ -287,37 +312,134 @@ extern "C" __global__ void kv_store_q8_paged(
 }
 
 // ---------------------------------------------------------------------------------------
-// Decode: split-K flash-decoding.
+// Decode: split-K flash-decoding, one launch per layer (see DECODE in the header).
 
-template <int HD, int GB, bool Q8, bool PAGED>
+#define DECODE_MAX_ROWS 16
+#define DECODE_MAX_SPLITS 128
+
+// One L2 prefetch of `bytes` (a multiple of 16) from the 16-byte aligned global address p
+// (the TMA unit walks the range: one instruction per tensor per tile).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned int bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// L2 prefetch of the cached keys (values) whose elements are e0..e1 of one kv head in a
+// contiguous cache (f16: 2 B/element; q8_0: 1 B + the scale plane, range rounded inwards).
+template <bool Q8>
+__device__ __forceinline__ void prefetch_keys(const unsigned char* base,
+                                              const unsigned short* scales, long long e0,
+                                              long long e1) {
+    if (e1 <= e0) return;
+    if constexpr (Q8) {
+        prefetch_l2(base + e0, (unsigned int)(e1 - e0));
+        const long long s0 = ((e0 / 16) + 15) & ~15LL, s1 = (e1 / 16) & ~15LL;  // scale bytes
+        if (s1 > s0) prefetch_l2(reinterpret_cast<const unsigned char*>(scales) + s0,
+                                 (unsigned int)(s1 - s0));
+    } else {
+        prefetch_l2(base + 2 * e0, (unsigned int)(2 * (e1 - e0)));
+    }
+}
+
+// One output element of the attention (head h, dim d of row t): out, and with xq the
+// o-projection's two int8 planes (quant_q8_lane: the calling warp holds one whole 32-block).
+__device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
+                                            int8_t* __restrict__ xq, float2* __restrict__ xd,
+                                            int t, int n_heads, int hd, int h, int d) {
+    out[((long long)t * n_heads + h) * hd + d] = val;
+    if (xq != nullptr) {
+        const int cols = n_heads * hd, col = h * hd + d;
+        quant_q8_lane(val, threadIdx.x & 31, xq + (long long)t * 2 * cols, cols, col,
+                      xd + (long long)t * (cols / QK) + col / QK);
+    }
+}
+
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE>
 __device__ __forceinline__ void attn_decode_impl(
-    const float* __restrict__ q, const unsigned char* __restrict__ kc,
-    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
-    const unsigned short* __restrict__ vs, const int* __restrict__ positions,
-    float* __restrict__ part_acc, float* __restrict__ part_ml, long long layer_off,
-    int n_heads, int group, int capacity, int n_splits, float scale_log2, PAGED_ARGS) {
+    const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
+    unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
+    unsigned short* __restrict__ ks, unsigned short* __restrict__ vs,
+    const int* __restrict__ positions, float* __restrict__ part_acc,
+    float* __restrict__ part_ml, int* __restrict__ tickets, float* __restrict__ out,
+    int8_t* __restrict__ xq, float2* __restrict__ xd, long long layer_off, int n_heads,
+    int group, int capacity, int n_splits, int min_chunk, int pf, float scale_log2,
+    PAGED_ARGS) {
     constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
     constexpr int KPW = 32 / TPK;    // keys per warp per pass
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KPB = NW * KPW;    // keys per block per pass
     constexpr int U = GB >= 8 ? 2 : 4;
-    static_assert(HD % 8 == 0 && 32 % TPK == 0, "decode head_dim");
+    constexpr int STEP = KPB * U;    // keys per block per iteration
+    static_assert(HD % 32 == 0 && 32 % TPK == 0, "decode head_dim");
 
     __shared__ float sm_acc[NW][GB][HD];
     __shared__ float sm_m[NW][GB], sm_l[NW][GB];
+    __shared__ float sm_c[GB][DECODE_MAX_SPLITS];
+    __shared__ float sm_inv[GB];
+    __shared__ int s_pos[DECODE_MAX_ROWS];
+    __shared__ int s_ticket;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int sub = lane % TPK, slot = warp * KPW + lane / TPK;
     const int h0 = blockIdx.x * GB, split = blockIdx.y, t = blockIdx.z;
     const int kvh = h0 / group;
 
-    int n_keys = positions[t] + 1;
-    n_keys = max(0, min(n_keys, max_keys));
-    const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
+    // Before the PDL wait: only the positions (written by host copies, never by a kernel)
+    // and the cache at positions of earlier steps (written by grids that have completed).
+    const int pos_t = positions[t];
+    const int n_keys = max(0, min(pos_t + 1, max_keys));
     const int per = (n_keys + n_splits - 1) / n_splits;
-    const int chunk = max(DECODE_MIN_CHUNK, (per + 63) & ~63);
+    const int chunk = max(min_chunk, (per + STEP - 1) / STEP * STEP);
+    const int n_active = max(1, (n_keys + chunk - 1) / chunk);
+    if (split >= n_active) return;  // whole block: an empty split takes no part
     const int start = split * chunk;
     const int end = min(n_keys, start + chunk);
+    // Element index of position 0 of this kv head (page 0 when paged).
+    const long long head_base = layer_off + (long long)kvh * capacity * HD;
+    if constexpr (!PAGED) {
+        if (pf > 0 && tid == 0) {
+            const int k1 = min(end, start + pf * STEP);
+            prefetch_keys<Q8>(kc, ks, head_base + (long long)start * HD, head_base + (long long)k1 * HD);
+            prefetch_keys<Q8>(vc, vs, head_base + (long long)start * HD, head_base + (long long)k1 * HD);
+        }
+    }
+    if constexpr (STORE) {
+        if (tid < gridDim.z) s_pos[tid] = positions[tid];
+    }
+    PDL_ENTRY();
+
+    const int kvd = (n_heads / group) * HD;
+    if constexpr (STORE) {
+        // The step's rows at positions inside this block's range [start, end) (for row t's
+        // last split that includes row t itself) are written into the cache by this block,
+        // for its kv head (the last row of a position wins, as in kv_store); every block that
+        // reads a position of the step has written it itself, so the barrier below orders
+        // the write before its reads. Blocks sharing a position write identical bits.
+        __syncthreads();
+        const int rows = gridDim.z;
+        for (int r = 0; r < rows; r++) {  // uniform across the block
+            const int p = s_pos[r];
+            bool mine = p >= start && p < end;
+            for (int r2 = r + 1; r2 < rows; r2++) mine = mine && s_pos[r2] != p;
+            if (!mine) continue;
+            const long long e0 = head_base + (long long)p * HD;
+            const float* kr = knew + (long long)r * kvd + kvh * HD;
+            const float* vr = vnew + (long long)r * kvd + kvh * HD;
+            for (int i = tid; i < HD; i += DECODE_THREADS) {  // whole warps (HD % 32 == 0)
+                if constexpr (Q8) {
+                    q8_store(kr[i], kc, ks, e0 + i, lane);
+                    q8_store(vr[i], vc, vs, e0 + i, lane);
+                } else {
+                    reinterpret_cast<unsigned short*>(kc)[e0 + i] = f32_to_f16_sat(kr[i]);
+                    reinterpret_cast<unsigned short*>(vc)[e0 + i] = f32_to_f16_sat(vr[i]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
 
     float qr[GB][8];
 #pragma unroll
@@ -340,8 +462,15 @@ __device__ __forceinline__ void attn_decode_impl(
     }
 
     // Element index of this thread's 8 dims at position 0 of its kv head.
-    const long long head_off = layer_off + (long long)kvh * capacity * HD + sub * 8;
-    for (int base = start; base < end; base += KPB * U) {  // uniform across the block
+    const long long head_off = head_base + sub * 8;
+    for (int base = start; base < end; base += STEP) {  // uniform across the block
+        if constexpr (!PAGED) {
+            if (pf > 0 && tid == 0) {
+                const int k0 = base + pf * STEP, k1 = min(end, k0 + STEP);
+                prefetch_keys<Q8>(kc, ks, head_base + (long long)k0 * HD, head_base + (long long)k1 * HD);
+                prefetch_keys<Q8>(vc, vs, head_base + (long long)k0 * HD, head_base + (long long)k1 * HD);
+            }
+        }
         uint4 kr[U], vr[U];
         bool ok[U];
 #pragma unroll
@@ -350,8 +479,8 @@ __device__ __forceinline__ void attn_decode_impl(
             ok[u] = kp < end;
             if (ok[u]) {
                 const long long e = kv_pos<PAGED>(head_off, kp, HD, bt, page_shift, page_stride);
-                kr[u] = load8<Q8>(kc, ks, e);
-                vr[u] = load8<Q8>(vc, vs, e);
+                kr[u] = load8<Q8, STORE>(kc, ks, e);
+                vr[u] = load8<Q8, STORE>(vc, vs, e);
             } else {
                 kr[u] = make_uint4(0, 0, 0, 0);
                 vr[u] = make_uint4(0, 0, 0, 0);
@@ -428,7 +557,10 @@ __device__ __forceinline__ void attn_decode_impl(
         }
     }
     __syncthreads();
-    for (int idx = tid; idx < GB * HD; idx += DECODE_THREADS) {
+    // The block's state per (head, dim): the whole answer when it is the row's only split,
+    // else a partial (m, l, acc) for the merge below.
+    const bool single = n_active == 1;  // uniform across the block
+    for (int idx = tid; idx < GB * HD; idx += DECODE_THREADS) {  // whole warps per 32-block
         const int g = idx / HD, d = idx % HD;
         float mx = ATT_NEG;
 #pragma unroll
@@ -440,34 +572,96 @@ __device__ __forceinline__ void attn_decode_impl(
             a += sm_acc[w][g][d] * c;
             lsum += sm_l[w][g] * c;
         }
-        const long long prow = ((long long)t * n_heads + h0 + g) * n_splits + split;
-        part_acc[prow * HD + d] = a;
-        if (d == 0) {
-            part_ml[2 * prow] = mx;
-            part_ml[2 * prow + 1] = lsum;
+        if (single) {
+            decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
+        } else {
+            const long long prow = ((long long)t * n_heads + h0 + g) * n_splits + split;
+            part_acc[prow * HD + d] = a;
+            if (d == 0) {
+                part_ml[2 * prow] = mx;
+                part_ml[2 * prow + 1] = lsum;
+            }
         }
     }
+    if (single) return;
+
+    // The last of the row's n_active splits to finish (per block of heads) merges them, in
+    // split order whichever block it is, and re-arms the ticket for the next launch.
+    __threadfence();
+    __syncthreads();
+    int* ticket = tickets + (long long)t * gridDim.x + blockIdx.x;
+    if (tid == 0) s_ticket = atomicAdd(ticket, 1);
+    __syncthreads();
+    if (s_ticket != n_active - 1) return;
+    __threadfence();
+    for (int g = warp; g < GB; g += NW) {
+        const long long prow0 = ((long long)t * n_heads + h0 + g) * n_splits;
+        float mx = ATT_NEG;
+        for (int s = lane; s < n_active; s += 32) mx = fmaxf(mx, __ldcg(part_ml + 2 * (prow0 + s)));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(ATT_FULL, mx, o));
+        float lsum = 0.f;
+        for (int s = lane; s < n_active; s += 32) {
+            const float c = exp2f(__ldcg(part_ml + 2 * (prow0 + s)) - mx);
+            sm_c[g][s] = c;
+            lsum += __ldcg(part_ml + 2 * (prow0 + s) + 1) * c;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(ATT_FULL, lsum, o);
+        if (lane == 0) sm_inv[g] = 1.f / lsum;
+    }
+    __syncthreads();
+    // 4 dims per thread (16-byte loads, 16 splits deep: the merge reads n_active × GB × HD
+    // floats from L2 in few round trips), staged in shared memory (sm_acc is free by now)
+    // for the emit, whose warps each need one whole 32-element block.
+    float* sm_out = &sm_acc[0][0][0];
+    for (int i4 = tid; i4 < GB * HD / 4; i4 += DECODE_THREADS) {
+        const int g = (i4 * 4) / HD, d = (i4 * 4) % HD;
+        const float4* pa = reinterpret_cast<const float4*>(
+            part_acc + ((long long)t * n_heads + h0 + g) * n_splits * HD + d);
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+        for (int s = 0; s < n_active; s++) {
+            const float4 v = __ldcg(pa + (long long)s * (HD / 4));
+            const float c = sm_c[g][s];
+            a.x = fmaf(v.x, c, a.x);
+            a.y = fmaf(v.y, c, a.y);
+            a.z = fmaf(v.z, c, a.z);
+            a.w = fmaf(v.w, c, a.w);
+        }
+        const float inv = sm_inv[g];
+        sm_out[4 * i4] = a.x * inv;
+        sm_out[4 * i4 + 1] = a.y * inv;
+        sm_out[4 * i4 + 2] = a.z * inv;
+        sm_out[4 * i4 + 3] = a.w * inv;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < GB * HD; idx += DECODE_THREADS)  // whole warps per 32-block
+        decode_emit(sm_out[idx], out, xq, xd, t, n_heads, HD, h0 + idx / HD, idx % HD);
+    if (tid == 0) *ticket = 0;
 }
 
 #define DECODE_ARGS                                                                          \
-    const float *__restrict__ q, const unsigned char *__restrict__ kc,                       \
-        const unsigned char *__restrict__ vc, const unsigned short *__restrict__ ks,         \
-        const unsigned short *__restrict__ vs, const int *__restrict__ positions,            \
-        float *__restrict__ part_acc, float *__restrict__ part_ml, long long layer_off,      \
-        int n_heads, int group, int capacity, int n_splits, float scale_log2
+    const float *__restrict__ q, const float *__restrict__ knew,                             \
+        const float *__restrict__ vnew, unsigned char *__restrict__ kc,                      \
+        unsigned char *__restrict__ vc, unsigned short *__restrict__ ks,                     \
+        unsigned short *__restrict__ vs, const int *__restrict__ positions,                  \
+        float *__restrict__ part_acc, float *__restrict__ part_ml, int *__restrict__ tickets, \
+        float *__restrict__ out, int8_t *__restrict__ xq, float2 *__restrict__ xd,           \
+        long long layer_off, int n_heads, int group, int capacity, int n_splits,             \
+        int min_chunk, int pf, float scale_log2
+#define DECODE_PASS                                                                          \
+    q, knew, vnew, kc, vc, ks, vs, positions, part_acc, part_ml, tickets, out, xq, xd,       \
+        layer_off, n_heads, group, capacity, n_splits, min_chunk, pf, scale_log2
+// Contiguous cache: the step's k/v rows are stored by the decode launch itself (STORE).
+// Paged: kv_store_paged runs first (knew/vnew unused).
 #define DECODE_KERNEL1(NAME, HD, GB, Q8)                                                     \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) NAME(DECODE_ARGS) {        \
-        PDL_ENTRY();                                                                        \
-        attn_decode_impl<HD, GB, Q8, false>(q, kc, vc, ks, vs, positions, part_acc, part_ml, \
-                                            layer_off, n_heads, group, capacity, n_splits,   \
-                                            scale_log2, UNPAGED_PASS(capacity));             \
+        attn_decode_impl<HD, GB, Q8, false, true>(DECODE_PASS, UNPAGED_PASS(capacity));     \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
         NAME##_paged(DECODE_ARGS, PAGED_ARGS) {                                              \
-        PDL_ENTRY();                                                                         \
-        attn_decode_impl<HD, GB, Q8, true>(q, kc, vc, ks, vs, positions, part_acc, part_ml,  \
-                                           layer_off, n_heads, group, capacity, n_splits,    \
-                                           scale_log2, PAGED_PASS);                          \
+        attn_decode_impl<HD, GB, Q8, true, false>(DECODE_PASS, PAGED_PASS);                 \
     }
 #define DECODE_KERNEL(HD, GB)                                                                \
     DECODE_KERNEL1(attn_decode_##HD##_##GB, HD, GB, false)                                   \
@@ -489,38 +683,6 @@ DECODE_KERNEL(256, 1)
 DECODE_KERNEL(256, 2)
 DECODE_KERNEL(256, 4)
 DECODE_KERNEL(256, 8)
-
-// One block per (head, row); thread d combines dim d over the splits in split order.
-// With xq (attention.rs passes it when hd is a multiple of 32 and blockDim == hd, and the
-// output feeds the quantized-x o-projection GEMV next), the output row (n_heads * hd
-// elements) is also quantized for that GEMV as quant_x_q8 would (quant_q8_lane): each warp
-// holds one whole 32-element block.
-extern "C" __global__ void attn_decode_merge(const float* __restrict__ part_acc,
-                                             const float* __restrict__ part_ml,
-                                             float* __restrict__ out, int n_heads, int hd,
-                                             int n_splits, int8_t* __restrict__ xq,
-                                             float2* __restrict__ xd) {
-    PDL_ENTRY();
-    const int h = blockIdx.x, t = blockIdx.y;
-    const long long row0 = ((long long)t * n_heads + h) * n_splits;
-    float mx = ATT_NEG;
-    for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, part_ml[2 * (row0 + s)]);
-    float lsum = 0.f;
-    for (int s = 0; s < n_splits; s++)
-        lsum += part_ml[2 * (row0 + s) + 1] * exp2f(part_ml[2 * (row0 + s)] - mx);
-    const float inv = 1.f / lsum;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < n_splits; s++)
-            a += part_acc[(row0 + s) * hd + d] * exp2f(part_ml[2 * (row0 + s)] - mx);
-        out[((long long)t * n_heads + h) * hd + d] = a * inv;
-        if (xq != nullptr) {
-            const int cols = n_heads * hd, col = h * hd + d;
-            quant_q8_lane(a * inv, threadIdx.x & 31, xq + (long long)t * 2 * cols, cols, col,
-                          xd + (long long)t * (cols / QK) + col / QK);
-        }
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // Prefill: causal flash attention, SIMT f32.
