@@ -9,6 +9,8 @@
 //! - [`ops`]: embedding, RMSNorm, per-head RMSNorm, RoPE, add, SwiGLU, argmax, and the fused
 //!   add + RMSNorm and QK-norm + RoPE (`elementwise.cu`).
 //! - [`matmul`]: decode GEMV for every weight type and the prefill matmul on the tensor cores.
+//! - [`mmq`]: the prefill matmul of Q4_K/Q5_K/Q6_K/Q8_0 weights on the int8 tensor cores (x
+//!   quantized as for the decode GEMV); tried first, [`matmul`] otherwise.
 //! - [`attention`]: KV cache (f16 / q8_0), prefill flash attention, split-K decode attention.
 //! - [`moe`]: top-k routing and batched expert FFNs.
 //! - [`gated_delta`]: Qwen3.5's Gated DeltaNet ops (conv1d + state, the delta rule with its
@@ -20,6 +22,7 @@ pub mod attention;
 pub mod gated_delta;
 pub mod launch;
 pub mod matmul;
+pub mod mmq;
 pub mod moe;
 pub mod nvrtc;
 pub mod ops;
@@ -66,6 +69,7 @@ pub struct CudaBackend {
     pub device_name: String,
     pub ops: ops::Kernels,
     pub matmul: matmul::Kernels,
+    pub mmq: mmq::Kernels,
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
@@ -123,6 +127,7 @@ pub fn sources() -> Vec<(&'static str, &'static str)> {
     vec![
         ("elementwise", ops::SRC),
         ("matmul", matmul::SRC),
+        ("mmq", mmq::SRC),
         ("attention", attention::SRC),
         ("moe", moe::SRC),
         ("gated_delta", gated_delta::SRC),
@@ -213,6 +218,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             ops: ops::Kernels::load(&ctx, arch)?,
             matmul: matmul::Kernels::load(&ctx, arch)?,
+            mmq: mmq::Kernels::load(&ctx, arch)?,
             attention: attention::Kernels::load(&ctx, arch)?,
             moe: moe::Kernels::load(&ctx, arch)?,
             gated_delta: gated_delta::Kernels::load(&ctx, arch)?,
@@ -429,6 +435,9 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
+        if mmq::matmul(self, x, w, out)? {
+            return Ok(());
+        }
         matmul::matmul(self, x, w, out)
     }
 
@@ -438,6 +447,9 @@ impl Backend for CudaBackend {
         ws: &[&CudaWeight],
         outs: &mut [&mut Act<CudaSlice<f32>>],
     ) -> Result<()> {
+        if mmq::matmuls(self, x, ws, outs)? {
+            return Ok(());
+        }
         matmul::matmuls(self, x, ws, outs)
     }
 
