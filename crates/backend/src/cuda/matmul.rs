@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use anyhow::{anyhow, ensure, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::GgmlType;
@@ -88,9 +88,6 @@ pub struct Kernels {
     /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
     /// (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
-    /// Blocks per SM the registers of each `gemvq` kernel allow (same indexing): caps the
-    /// persistent grid of the pipelined form.
-    gemvq_fit: Vec<[[usize; 6]; 3]>,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
@@ -117,7 +114,6 @@ impl Kernels {
         let mut gemv = Vec::with_capacity(TYPES.len());
         let mut mm = Vec::with_capacity(TYPES.len());
         let mut gemvq = Vec::with_capacity(TYPES.len());
-        let mut gemvq_fit = Vec::with_capacity(TYPES.len());
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
         let mut gemv_swiglu = Vec::with_capacity(TYPES.len());
         let mut gemv_multi = Vec::with_capacity(TYPES.len());
@@ -157,18 +153,11 @@ impl Kernels {
                     ])
                 };
                 let fams = [all("")?, all("_swiglu")?, all("_multi")?];
-                let mut fit = [[1usize; 6]; 3];
-                for (fi, fam) in fams.iter().enumerate() {
-                    for (ri, f) in fam.iter().enumerate() {
-                        fit[fi][ri] = regs_fit(f.num_regs().context("gemvq: register count")?);
-                    }
-                }
-                gemvq_fit.push(fit);
                 if bulk {
                     for f in fams.iter().flatten() {
                         f.set_attribute(
                             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            GEMVQ_MAX_SMEM as i32,
+                            GEMVQ_BULK_MAX_SMEM as i32,
                         )
                         .with_context(|| {
                             format!("gemvq_{name}: raising the shared-memory limit")
@@ -177,7 +166,6 @@ impl Kernels {
                 }
                 Some(fams)
             } else {
-                gemvq_fit.push([[1; 6]; 3]);
                 None
             });
             let g = |bn: usize| -> Result<CudaFunction> {
@@ -197,7 +185,6 @@ impl Kernels {
             gemv_swiglu,
             gemv_multi,
             gemvq,
-            gemvq_fit,
             gemvq_moe,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
@@ -300,93 +287,17 @@ fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
     ks
 }
 
-/// Largest weight span one block of the one-shot bulk-copy GEMV (round 3) held in shared
-/// memory. The pipelined GEMV no longer holds whole tiles, but its K split is still chosen
-/// by this rule so that every output keeps the reduction order (and bits) it had.
+/// Largest weight span one block of the bulk-copy quantized-x GEMV holds in shared memory
+/// (matmul.cu, `gemv_bulk_prologue`): two such blocks fit in an H200 SM's 228 KB.
 const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
 
-/// Pipelined bulk-copy GEMV (sm_90+, `gemvq_pipe` in matmul.cu): bytes aimed at per stage
-/// (a chunk of every row segment of a tile), ring depth, and resident blocks per SM (the
-/// persistent grid). Measured on the H200: MATMUL.md, round 4.
-const GEMVQ_STAGE_BYTES: usize = 0;
-const GEMVQ_STAGES: usize = 2;
-const GEMVQ_BLOCKS_PER_SM: usize = 2;
-/// Shared-memory limit set on the quantized-x GEMV kernels (the ring must fit).
-const GEMVQ_MAX_SMEM: usize = 220 * 1024;
-
-/// How a quantized-x GEMV launch runs: the K split, and on sm_90+ the pipeline (type
-/// blocks per chunk, ring depth, dynamic shared memory; `cb = stages = 0` before sm_90).
-#[derive(Clone, Copy, Debug)]
-struct GemvqPlan {
-    ks: usize,
-    cb: usize,
-    stages: usize,
-    smem: u32,
-}
-
-impl GemvqPlan {
-    /// Blocks of a launch over `tiles` tiles: all of them before sm_90, a persistent grid
-    /// after: GEMVQ_BLOCKS_PER_SM per SM, fewer where the kernel's registers (`fit`, from
-    /// [`regs_fit`]) or the ring's shared memory allow fewer, so that the whole grid is
-    /// resident at once. Which block runs a tile changes no result.
-    fn grid(&self, be: &CudaBackend, tiles: usize, fit: usize) -> usize {
-        if self.stages == 0 {
-            return tiles;
-        }
-        let (_, _, bps) = pipe_params();
-        // 228 KB per SM; per block its ring, ~2 KB of static arrays and 1 KB reserved.
-        let by_smem = (228 * 1024) / (self.smem as usize + 3 * 1024);
-        let bps = bps.min(fit).min(by_smem).max(1);
-        tiles.min(bps * be.sm_count.max(1)).max(1)
-    }
-}
-
-/// Resident 256-thread blocks per SM that `regs` registers per thread allow (65536 per SM,
-/// allocated per warp in units of 256).
-fn regs_fit(regs: i32) -> usize {
-    let per_warp = (regs.max(1) as usize * 32).div_ceil(256) * 256;
-    (65536 / (per_warp * GEMV_WARPS)).max(1)
-}
-
-/// (stage bytes, stages, blocks per SM) of the pipelined GEMV. TEMPORARY (round 4 tuning):
-/// `FERRITE_GEMVQ_PIPE=stage_kb,stages,bps` overrides the constants.
-fn pipe_params() -> (usize, usize, usize) {
-    static P: std::sync::OnceLock<(usize, usize, usize)> = std::sync::OnceLock::new();
-    *P.get_or_init(|| {
-        let d = (GEMVQ_STAGE_BYTES, GEMVQ_STAGES, GEMVQ_BLOCKS_PER_SM);
-        let Ok(v) = std::env::var("FERRITE_GEMVQ_PIPE") else {
-            return d;
-        };
-        let p: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        if p.len() == 3 && p[1] >= 1 && p[1] <= 8 && p[2] >= 1 {
-            (p[0] * 1024, p[1], p[2])
-        } else {
-            d
-        }
-    })
-}
-
-/// Bytes and elements of one type block of the quantized-x lane loop (super-blocks for the
-/// K-quants, 32-element blocks otherwise), and type blocks per warp step at ks = 1.
-fn gemvq_block(t: GgmlType) -> (usize, usize, usize) {
-    match t {
-        GgmlType::Q4K => (144, 256, 4),
-        GgmlType::Q5K => (176, 256, 4),
-        GgmlType::Q6K => (210, 256, 4),
-        GgmlType::Q8_0 => (34, 32, 32),
-        GgmlType::Q4_0 => (18, 32, 32),
-        _ => (20, 32, 32), // Q4_1
-    }
-}
-
-/// The plan of a quantized-x GEMV launch over `groups` row groups of rows of `rb` bytes,
-/// `spans` weights per row group (1, or 2 for the fused SwiGLU's gate and up rows).
-/// K split: before sm_90 [`split_k`]; on sm_90+ the round-3 rule (the fewest splits whose
-/// one-shot slots, the block's rows rounded up to 16 bytes + 16 per weight, fit in
-/// [`GEMVQ_BULK_MAX_SMEM`]). A function of the shape only, never of the row count (see
-/// `split_k`). Pipeline (sm_90+): chunks of whole warp steps (4 ks super-blocks, 32 ks
-/// blocks) of about GEMVQ_STAGE_BYTES per stage over the tile's 16/ks row segments, or the
-/// whole row; the chunking does not change any output's operations.
+/// The K split and dynamic shared memory of a quantized-x GEMV launch over `groups` row
+/// groups of rows of `rb` bytes, `spans` weights per row group (1, or 2 for the fused
+/// SwiGLU's gate and up rows). Before sm_90: the register-load form, split by [`split_k`],
+/// no shared memory. On sm_90+ the kernel always takes its bulk-copy form: the fewest splits
+/// whose slots (per weight: the block's rows, rounded up to 16 bytes, + 16 for the
+/// alignment offset; `gemv_slot` in matmul.cu) fit in [`GEMVQ_BULK_MAX_SMEM`]. A function of
+/// the shape only, never of the row count (see `split_k`).
 fn gemvq_split(
     be: &CudaBackend,
     t: GgmlType,
@@ -394,56 +305,20 @@ fn gemvq_split(
     rb: usize,
     groups: usize,
     spans: usize,
-) -> Result<GemvqPlan> {
+) -> Result<(usize, u32)> {
     if !be.matmul.bulk {
-        let ks = split_k(gemvq_steps(t, n_in), groups, be.sm_count);
-        return Ok(GemvqPlan {
-            ks,
-            cb: 0,
-            stages: 0,
-            smem: 0,
-        });
+        return Ok((split_k(gemvq_steps(t, n_in), groups, be.sm_count), 0));
     }
     let mut ks = 1;
-    loop {
-        ensure!(
-            ks <= GEMV_WARPS,
-            "quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory"
-        );
+    while ks <= GEMV_WARPS {
         let rows = GEMV_WARPS / ks * GEMV_NW / spans;
-        if spans * ((rows * rb).div_ceil(16) * 16 + 16) <= GEMVQ_BULK_MAX_SMEM {
-            break;
+        let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
+        if bytes <= GEMVQ_BULK_MAX_SMEM {
+            return Ok((ks, bytes as u32));
         }
         ks *= 2;
     }
-    let (target, stages, _) = pipe_params();
-    let (tb, te, step1) = gemvq_block(t);
-    let nbpr = n_in / te;
-    let step = step1 * ks;
-    let segs = GEMV_WARPS / ks * GEMV_NW;
-    let mut cb = step * (target / (segs * step * tb)).max(1);
-    if target == 0 || cb >= nbpr {
-        cb = nbpr;
-    }
-    // One chunk per tile: a slot per weight with the tile's rows contiguous (one copy each);
-    // else a slot per row segment (`gemvq_pipe` in matmul.cu computes the same).
-    let stage = if cb == nbpr {
-        let rows = GEMV_WARPS / ks * GEMV_NW / spans;
-        spans * ((rows * rb).div_ceil(16) * 16 + 16)
-    } else {
-        segs * ((cb * tb).div_ceil(16) * 16 + 16)
-    };
-    let stages = stages.min(GEMVQ_MAX_SMEM / stage).max(1);
-    ensure!(
-        stages * stage <= GEMVQ_MAX_SMEM,
-        "quantized GEMV: a stage of {stage} bytes ({t}, {n_in} columns) does not fit"
-    );
-    Ok(GemvqPlan {
-        ks,
-        cb,
-        stages,
-        smem: (stages * stage) as u32,
-    })
+    bail!("quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
 }
 
 /// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the
@@ -753,14 +628,11 @@ fn gemvq_launch(
             (n_out, 2, 1)
         }
     };
-    let plan = gemvq_split(be, w.dtype, n_in, rb as usize, groups, spans)?;
-    let (ks_i, cb_i, stages_i) = (plan.ks as i32, plan.cb as i32, plan.stages as i32);
-    let tiles = groups.div_ceil(GEMV_WARPS / plan.ks);
-    let fit = be.matmul.gemvq_fit[ti][fam][ri];
+    let (ks, smem) = gemvq_split(be, w.dtype, n_in, rb as usize, groups, spans)?;
+    let ks_i = ks as i32;
     let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(plan.grid(be, tiles, fit))?, 1, 1),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: plan.smem,
+        shared_mem_bytes: smem,
+        ..gemv_config(groups, ks)
     };
     let mut launch = be.stream.kernel(&fams[fam][ri]);
     launch.arg(&w.data);
@@ -775,9 +647,7 @@ fn gemvq_launch(
         .arg(&xd)
         .arg(&rows_i)
         .arg(&mut out.buf)
-        .arg(&ks_i)
-        .arg(&cb_i)
-        .arg(&stages_i);
+        .arg(&ks_i);
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above); the x scratch holds rows×n_in int8 and rows×n_in/32 scale pairs;
     // out holds rows×n_out floats.
@@ -909,17 +779,11 @@ fn multi_launch(
     } else {
         gemv_steps(t, n_in)
     };
-    let plan = if q {
+    let (ks, smem) = if q {
         gemvq_split(be, t, n_in, ws[0].row_bytes(), groups, 1)?
     } else {
-        GemvqPlan {
-            ks: split_k(steps, groups, be.sm_count),
-            cb: 0,
-            stages: 0,
-            smem: 0,
-        }
+        (split_k(steps, groups, be.sm_count), 0)
     };
-    let (ks, smem) = (plan.ks, plan.smem);
     let per_block = GEMV_WARPS / ks * GEMV_NW;
     let mut sg = GemvSegs::default();
     let mut grid = 0usize;
@@ -944,13 +808,11 @@ fn multi_launch(
     }
     let ti = type_index(t)?;
     let ri = gemv_r_index(rows)?;
-    let fit = if q { be.matmul.gemvq_fit[ti][2][ri] } else { 1 };
     let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(plan.grid(be, grid, fit))?, 1, 1),
+        grid_dim: (u32::try_from(grid)?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem,
     };
-    let (cb_i, stages_i) = (plan.cb as i32, plan.stages as i32);
     let (rb, n_in_i, rows_i, ks_i) = (
         ws[0].row_bytes() as i64,
         n_in as i32,
@@ -977,8 +839,6 @@ fn multi_launch(
                 .arg(&xd)
                 .arg(&rows_i)
                 .arg(&ks_i)
-                .arg(&cb_i)
-                .arg(&stages_i)
                 .launch(cfg)
         }?;
     } else {

@@ -400,12 +400,82 @@ __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W
     PDL_ENTRY();
 }
 
-// The dynamic shared memory of this launch (the pipelined quantized-x GEMV checks that the
-// launcher passed its ring).
+// The bulk-copy form of the quantized-x GEMV: the only form on sm_90+ (the launcher always
+// passes its shared memory there), the register-load form of gemvq_lane<.., false> before.
+// The block's weight rows [r0, r1) (of W, and of W2 for the fused SwiGLU) are one contiguous
+// span each; thread 0 copies each span into shared memory with cp.async.bulk (the TMA engine:
+// one instruction per span, no registers held, the whole span in flight at once) completing
+// on an mbarrier, BEFORE waiting for the predecessor kernel (weights depend on nothing). The
+// lanes then read the same bytes from shared memory with the same lane mapping and the same
+// arithmetic as the global path. Why: the register-held loads of the global path keep only
+// one unrolled step (~2 KB per warp) in flight (the compiler does not hoist the loads of the
+// next step), ~50 KB per SM, under what the H200's latency x bandwidth needs; the bulk copy
+// puts 2-3 blocks x 10-110 KB in flight per SM and overlaps them with the previous kernel.
+// The copy moves whole 16-byte units: a span is widened to the 16-byte boundaries around it
+// (at most 15 bytes before it, inside the 256-aligned weight buffer, and 15 after its end,
+// inside the allocation's granule) and its rows sit `off` = (address mod 16) bytes into the
+// span's slot, so a row has the same alignment in shared memory as in global memory. Slot
+// size (the launcher's formula, gemvq_bulk in matmul.rs): rows * rb rounded up to 16, + 16.
 __device__ __forceinline__ uint32_t gemv_dyn_smem() {
     uint32_t v;
     asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
     return v;
+}
+
+__device__ __forceinline__ size_t gemv_slot(int per_block, long long rb) {
+    return (((size_t)per_block * (size_t)rb + 15) & ~(size_t)15) + 16;
+}
+
+__device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
+                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        const int r1 = r0 + per_block < n_out ? r0 + per_block : n_out;
+        const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+        size_t a0[2], len[2];
+        uint32_t total = 0;
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const uint8_t* base = m == 0 ? W : W2;
+            len[m] = 0;
+            if (base != nullptr && r1 > r0) {
+                a0[m] = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
+                const size_t a1 = ((size_t)(base + (size_t)r1 * (size_t)rb) + 15) & ~(size_t)15;
+                len[m] = a1 - a0[m];
+                total += (uint32_t)len[m];
+            }
+        }
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
+        const size_t slot = gemv_slot(per_block, rb);
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+            if (len[m])
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                        (uint32_t)__cvta_generic_to_shared(smem + m * slot)),
+                    "l"(a0[m]), "r"((uint32_t)len[m]), "r"(b)
+                    : "memory");
+    }
+    __syncthreads();  // the barrier is initialised before anyone waits on it
+#endif
+    PDL_ENTRY();
+}
+
+// Waits until the bulk copies of this block have landed (phase 0 of the barrier completes).
+__device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b)
+            : "memory");
+    }
+#endif
 }
 
 template <int TYPE, int R, bool SWIGLU = false>
@@ -607,12 +677,6 @@ GEMV_ALL_R(q6_k, GGML_Q6_K)
 //  Bytes moved per output row: its stored bytes once (streaming loads); x is 1.0625 B per
 //  element per row of x from L1/L2 (1/4 of the f32 GEMV's x traffic).
 //
-//  On sm_90+ the weights reach the lanes through shared memory instead (gemvq_pipe): a
-//  persistent grid (2 blocks per SM at R = 1) walks the tiles a block of the plain form owns,
-//  in chunks of whole warp steps, through a ring of cp.async.bulk stages on mbarriers, so that
-//  copies of the next chunks are in flight while the current one is computed. Same lane code,
-//  same K split, same reduction order: the same bits.
-//
 //  gemvq_swiglu_<type>: the same with the NW = 2 rows of a group being row o of the gate and
 //  row o of the up weight: out[o] = silu(gate . x) * (up . x): the FFN's first half in one
 //  kernel, one read of x for both.
@@ -664,28 +728,21 @@ extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int
 
 // Per type: this lane's share of the NW rows `wr` against R rows of quantized x, into acc.
 // Units (32 weight elements each) are split over the ks warps as in gemv_lane.
-// [c0, c1): the chunk of the rows' type blocks (32-element blocks; super-blocks for the
-// K-quants) to take, default the whole row; wr[w] points at block c0 of row w (the
-// pipelined GEMV's stage copies hold one chunk). c0 must be a multiple of the warp step
-// (32 ks blocks; 4 ks super-blocks) so that each lane takes exactly its blocks of the whole
-// row that fall in [c0, c1), in the same order: walking the chunks in order with acc carried
-// over gives the same fmaf chain, bit for bit, as one call over the whole row.
 template <int TYPE, int R, int NW, bool SM = false>
 __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n_in, const int8_t* __restrict__ xq,
                                            const float2* __restrict__ xd, int rows, int lane, int kw, int ks,
-                                           float (&acc)[R][NW], int c0 = 0, int c1 = -1) {
+                                           float (&acc)[R][NW]) {
     const int nb = n_in / QK;  // 32-element units per row
     const int us = 32 * ks;
     if (TYPE == GGML_Q8_0 || TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
-        const int ue = c1 < 0 ? nb : c1;
 #pragma unroll GEMV_UNROLL_K
-        for (int u = c0 + lane + 32 * kw; u < ue; u += us) {
+        for (int u = lane + 32 * kw; u < nb; u += us) {
             uint32_t q[NW][8];
             float dw[NW], mw[NW];
 #pragma unroll
             for (int w = 0; w < NW; w++) {
                 if (TYPE == GGML_Q8_0) {
-                    const uint8_t* blk = wr[w] + (size_t)(u - c0) * Q8_0_BYTES;
+                    const uint8_t* blk = wr[w] + (size_t)u * Q8_0_BYTES;
                     dw[w] = h2f(wld2<SM>(blk));
                     uint32_t a[4], b[4];
                     ld16_a2<SM>(blk + 2, a);
@@ -693,7 +750,7 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 #pragma unroll
                     for (int i = 0; i < 4; i++) { q[w][i] = a[i]; q[w][4 + i] = b[i]; }
                 } else if (TYPE == GGML_Q4_0) {
-                    const uint8_t* blk = wr[w] + (size_t)(u - c0) * Q4_0_BYTES;
+                    const uint8_t* blk = wr[w] + (size_t)u * Q4_0_BYTES;
                     dw[w] = h2f(wld2<SM>(blk));
                     uint32_t a[4];
                     ld16_a2<SM>(blk + 2, a);
@@ -703,7 +760,7 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                         q[w][4 + i] = (a[i] >> 4) & 0x0F0F0F0Fu;
                     }
                 } else {
-                    const uint8_t* blk = wr[w] + (size_t)(u - c0) * Q4_1_BYTES;  // 4-aligned
+                    const uint8_t* blk = wr[w] + (size_t)u * Q4_1_BYTES;  // 4-aligned
                     const uint32_t dm = wld4<SM>((const uint32_t*)blk);
                     dw[w] = h2f(dm & 0xFFFF);
                     mw[w] = h2f(dm >> 16);
@@ -751,14 +808,13 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
         const int nsb = n_in / QK_K;
         const int bytes = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
         const float mfac = h ? 0.0f : 1.0f;  // the min term once per sub-block (h = 0 lanes)
-        const int se = c1 < 0 ? nsb : c1;
 #pragma unroll GEMV_UNROLL_K
-        for (int s = c0 + (lane >> 3) + 4 * kw; s < se; s += 4 * ks) {
+        for (int s = (lane >> 3) + 4 * kw; s < nsb; s += 4 * ks) {
             uint32_t lo[NW][4], hi[NW][4];
             float d[NW], dmin[NW], sc0[NW], m0[NW], sc1[NW], m1[NW];
 #pragma unroll
             for (int w = 0; w < NW; w++) {
-                const uint8_t* blk = wr[w] + (size_t)(s - c0) * bytes;  // 16-aligned
+                const uint8_t* blk = wr[w] + (size_t)s * bytes;  // 16-aligned
                 const uint4 hd = wld16<SM>(blk);
                 const uint4 qv = wld16<SM>(blk + (TYPE == GGML_Q4_K ? 16 : 48) + 32 * g + 16 * h);
                 d[w] = h2f(hd.x & 0xFFFF);
@@ -813,14 +869,13 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
     } else if (TYPE == GGML_Q6_K) {
         const int l8 = lane & 7, n = l8 >> 2, p = (l8 >> 1) & 1, c = l8 & 1;
         const int nsb = n_in / QK_K;
-        const int se = c1 < 0 ? nsb : c1;
 #pragma unroll GEMV_UNROLL_K
-        for (int s = c0 + (lane >> 3) + 4 * kw; s < se; s += 4 * ks) {
+        for (int s = (lane >> 3) + 4 * kw; s < nsb; s += 4 * ks) {
             uint32_t lo[NW][4], hi[NW][4];
             float da[NW], db[NW];
 #pragma unroll
             for (int w = 0; w < NW; w++) {
-                const uint8_t* blk = wr[w] + (size_t)(s - c0) * Q6_K_BYTES;  // 2-aligned
+                const uint8_t* blk = wr[w] + (size_t)s * Q6_K_BYTES;  // 2-aligned
                 uint32_t ql[4], qh[4];
                 ld16_a2<SM>(blk + 64 * n + 32 * p + 16 * c, ql);
                 ld16_a2<SM>(blk + 128 + 32 * n + 16 * c, qh);
@@ -870,7 +925,6 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
-// Before sm_90: the register-load form, one block per row-group tile (the grid = the tiles).
 template <int TYPE, int R, bool SWIGLU>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
@@ -884,19 +938,41 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
     const int per_block = (GEMV_WARPS / ks) * PER, r0 = bx * per_block;
+#if __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
+    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
+#else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
+#endif
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
         for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
     if (active) {
-        const uint8_t* wr[NW];
+        // Row w of the group: row ow[w] of W (or of W2: the SwiGLU's up row).
+        int ow[NW];
 #pragma unroll
-        for (int w = 0; w < NW; w++)
-            wr[w] = (SWIGLU && w == 1 ? W2 : W) + (size_t)(SWIGLU ? o0 : (o0 + w < n_out ? o0 + w : n_out - 1)) *
-                                                       (size_t)rb;
+        for (int w = 0; w < NW; w++) ow[w] = SWIGLU ? o0 : (o0 + w < n_out ? o0 + w : n_out - 1);
+        const uint8_t* wr[NW];
+#if __CUDA_ARCH__ >= 900
+        // The copies in shared memory: W's slot, then W2's; rows `off` bytes into the slot.
+        const size_t slot = gemv_slot(per_block, rb);
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            const int m = SWIGLU && w == 1 ? 1 : 0;
+            const size_t off = (size_t)((m ? W2 : W) + (size_t)r0 * (size_t)rb) & 15;
+            wr[w] = gemv_smem + m * slot + off + (size_t)(ow[w] - r0) * (size_t)rb;
+        }
+        gemv_bulk_wait(&gemv_bar);
+        gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+#else
+#pragma unroll
+        for (int w = 0; w < NW; w++) wr[w] = (SWIGLU && w == 1 ? W2 : W) + (size_t)ow[w] * (size_t)rb;
         gemvq_lane<TYPE, R, NW, false>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+#endif
 #pragma unroll
         for (int r = 0; r < R; r++)
 #pragma unroll
@@ -938,303 +1014,28 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     }
 }
 
-// The pipelined bulk-copy form (sm_90+; the only form there). A tile is what one block of
-// the form above owned: per_block = (GEMV_WARPS / ks) * PER outputs, i.e. 16/ks rows of W
-// (the SwiGLU: 8/ks rows of W and the same rows of W2), with the same warp -> row group ->
-// lane mapping and the same ks. The grid is persistent (the launcher: at most a few blocks
-// per SM): block b walks tiles b, b + G, b + 2G, ... (G = gridDim.x); a tile is walked in
-// chunks of cb type blocks of its rows (a multiple of the warp step, so the lane chains stay
-// those of one whole-row call: gemvq_lane's c0/c1), and every (tile, chunk) item is one
-// stage of a ring of `stages` shared-memory stages. A stage holds one slot per row segment
-// (16/ks segments; slot = cb blocks rounded up to 16 bytes + 16, the segment `off` = its
-// address mod 16 into the slot, as the copy moves whole 16-byte units), filled by one
-// cp.async.bulk per segment (lanes of warp 0, one segment each) completing on the stage's
-// mbarrier (phase parity = use count & 1). The first `stages` items are issued before the
-// PDL wait (weights depend on nothing); then per item: wait for its stage, all warps compute
-// the chunk, on a tile's last chunk reduce and store (exactly as above), __syncthreads (the
-// stage is free), warp 0 refills the stage with the item `stages` ahead. So `stages - 1`
-// stages are in flight while one is computed, where the one-shot form copied a whole tile,
-// waited, computed, and left DRAM idle while its 2-3 blocks per SM computed together.
-// Every output is the same sequence of operations as in the form above: the same bits.
-#define GEMVQ_MAX_STAGES 8
-
-template <int TYPE>
-__device__ __forceinline__ constexpr int gemvq_tb_bytes() {
-    return TYPE == GGML_Q8_0   ? Q8_0_BYTES
-           : TYPE == GGML_Q4_0 ? Q4_0_BYTES
-           : TYPE == GGML_Q4_1 ? Q4_1_BYTES
-           : TYPE == GGML_Q4_K ? Q4_K_BYTES
-           : TYPE == GGML_Q5_K ? Q5_K_BYTES
-                               : Q6_K_BYTES;
-}
-template <int TYPE>
-__device__ __forceinline__ constexpr bool gemvq_kquant() {
-    return TYPE == GGML_Q4_K || TYPE == GGML_Q5_K || TYPE == GGML_Q6_K;
-}
-
-// Tile t of a launch: its weight, output, output count and index within its weight.
-struct GemvqTile {
-    const uint8_t* W;
-    float* out;
-    int n_out;
-    int bx;
-};
-__device__ __forceinline__ GemvqTile gemvq_tile(const GemvSegs& sg, int t) {
-    int bx = t;
-    const int s = gemv_seg(sg, bx);
-    return {s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2), s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2),
-            s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2), bx};
-}
-
-// Warp 0 (all lanes): issue the copies of chunk c of tile tl into `stage` on `bar`. Chunked
-// (whole = false): one copy per row segment, lane j -> slot j. Whole rows (one chunk per
-// tile): the tile's rows of each weight are one contiguous span, lane m copies weight m's
-// span into slot m (one large copy: the copy engine's cost per copy is then negligible).
-template <int TYPE, bool SWIGLU>
-__device__ __forceinline__ void gemvq_issue(const GemvqTile& tl, const uint8_t* W2, long long rb, int nbpr, int cb,
-                                            int c, int per_block, bool whole, uint8_t* stage, uint32_t slot,
-                                            uint64_t* bar, int lane) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int TB = gemvq_tb_bytes<TYPE>();
-    const int segs = whole ? (SWIGLU ? 2 : 1) : per_block * (SWIGLU ? 2 : 1);
-    const int c0 = c * cb, c1 = c0 + cb < nbpr ? c0 + cb : nbpr;
-    const int r0 = tl.bx * per_block;
-    size_t a0 = 0;
-    uint32_t len = 0;
-    if (lane < segs) {
-        if (whole) {
-            const uint8_t* base = lane ? W2 : tl.W;
-            const int r1 = r0 + per_block < tl.n_out ? r0 + per_block : tl.n_out;
-            a0 = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
-            len = (uint32_t)((((size_t)(base + (size_t)r1 * (size_t)rb) + 15) & ~(size_t)15) - a0);
-        } else {
-            const int m = SWIGLU ? lane / per_block : 0, row = r0 + (SWIGLU ? lane % per_block : lane);
-            if (row < tl.n_out) {
-                const size_t a = (size_t)((m ? W2 : tl.W) + (size_t)row * (size_t)rb + (size_t)c0 * TB);
-                a0 = a & ~(size_t)15;
-                len = (uint32_t)(((a + (size_t)(c1 - c0) * TB + 15) & ~(size_t)15) - a0);
-            }
-        }
-    }
-    uint32_t total = len;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    if (lane == 0)
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
-    __syncwarp();
-    if (len)
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                (uint32_t)__cvta_generic_to_shared(stage + (size_t)lane * slot)),
-            "l"(a0), "r"(len), "r"(b)
-            : "memory");
-#endif
-}
-
-__device__ __forceinline__ void gemvq_wait_parity(uint64_t* bar, uint32_t parity) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(b), "r"(parity)
-            : "memory");
-    }
-#endif
-}
-
-// ntiles: tiles of the launch (of all its weights); cb: type blocks per chunk (a multiple of
-// the warp step, or the whole row); stages: ring depth. The launcher (gemvq_pipe in
-// matmul.rs) passes stages * segs * slot bytes of dynamic shared memory.
-template <int TYPE, int R, bool SWIGLU>
-__device__ __forceinline__ void gemvq_pipe(const GemvSegs& sg, const uint8_t* __restrict__ W2, long long rb,
-                                           int ntiles, int n_in, const int8_t* __restrict__ xq,
-                                           const float2* __restrict__ xd, int rows, int ks, int cb, int stages) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int NW = GEMV_NW;
-    constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
-    constexpr int TB = gemvq_tb_bytes<TYPE>();
-    __shared__ float red[GEMV_WARPS][R * NW];
-    __shared__ __align__(8) uint64_t bars[GEMVQ_MAX_STAGES];
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int kw = warp % ks, grp = warp / ks;
-    const int per_block = (GEMV_WARPS / ks) * PER;
-    const int segs = per_block * (SWIGLU ? 2 : 1);
-    const int nbpr = n_in / (gemvq_kquant<TYPE>() ? QK_K : QK);  // type blocks per row
-    const int nch = (nbpr + cb - 1) / cb;
-    // One chunk per tile: a slot per weight holding the tile's rows contiguously; else a slot
-    // per row segment.
-    const bool whole = nch == 1;
-    const uint32_t slot = whole ? (((uint32_t)per_block * (uint32_t)rb + 15) & ~15u) + 16
-                                : (((uint32_t)cb * TB + 15) & ~15u) + 16;
-    const uint32_t stage_bytes = (uint32_t)(whole ? (SWIGLU ? 2 : 1) : segs) * slot;
-    const int step = (gemvq_kquant<TYPE>() ? 4 : 32) * ks;
-    if (stages < 1 || stages > GEMVQ_MAX_STAGES || (nch > 1 && cb % step != 0) ||
-        gemv_dyn_smem() < (uint32_t)stages * stage_bytes)
-        __trap();  // launcher and kernel disagree
-    const int G = gridDim.x, b = blockIdx.x;
-    const int nitems = b < ntiles ? (ntiles - b + G - 1) / G * nch : 0;
-    if (warp == 0) {
-        if (lane == 0) {
-            for (int i = 0; i < stages; i++)
-                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
-                                 (uint32_t)__cvta_generic_to_shared(&bars[i]))
-                             : "memory");
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        __syncwarp();
-        for (int k = 0; k < stages && k < nitems; k++)
-            gemvq_issue<TYPE, SWIGLU>(gemvq_tile(sg, b + k / nch * G), W2, rb, nbpr, cb, k % nch, per_block,
-                                      whole, gemv_smem + (size_t)k * stage_bytes, slot, &bars[k], lane);
-    }
-    __syncthreads();  // the barriers are initialised before anyone waits on them
-    PDL_ENTRY();
-    float acc[R][NW];
-    for (int k = 0; k < nitems; k++) {
-        const int st = k % stages, c = k % nch;
-        const GemvqTile tl = gemvq_tile(sg, b + k / nch * G);
-        const int o0 = (tl.bx * (GEMV_WARPS / ks) + grp) * PER;
-        const bool active = o0 < tl.n_out;  // whole warp
-        if (c == 0) {
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
-        }
-        uint8_t* stage = gemv_smem + (size_t)st * stage_bytes;
-        gemvq_wait_parity(&bars[st], (uint32_t)(k / stages) & 1u);
-        if (active) {
-            const int r0 = tl.bx * per_block, c0 = c * cb, c1 = c0 + cb < nbpr ? c0 + cb : nbpr;
-            const uint8_t* wr[NW];
-#pragma unroll
-            for (int w = 0; w < NW; w++) {
-                // Row w of the group: row ow of W (or of W2: the SwiGLU's up row), segment j.
-                const int m = SWIGLU && w == 1 ? 1 : 0;
-                const int ow = SWIGLU ? o0 : (o0 + w < tl.n_out ? o0 + w : tl.n_out - 1);
-                const uint8_t* base = m ? W2 : tl.W;
-                if (whole) {
-                    const size_t a = (size_t)(base + (size_t)r0 * (size_t)rb);
-                    wr[w] = stage + (size_t)m * slot + (a & 15) + (size_t)(ow - r0) * (size_t)rb;
-                } else {
-                    const int j = m * per_block + (ow - r0);
-                    const size_t a = (size_t)(base + (size_t)ow * (size_t)rb + (size_t)c0 * TB);
-                    wr[w] = stage + (size_t)j * slot + (a & 15);
-                }
-            }
-            gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc, c0, c1);
-        }
-        if (c == nch - 1) {  // the tile's last chunk: reduce and store as gemvq()
-            if (active) {
-#pragma unroll
-                for (int r = 0; r < R; r++)
-#pragma unroll
-                    for (int w = 0; w < NW; w++) {
-#pragma unroll
-                        for (int off = 16; off > 0; off >>= 1)
-                            acc[r][w] += __shfl_xor_sync(0xffffffffu, acc[r][w], off);
-                    }
-            }
-            bool store = active;
-            if (ks > 1) {
-                if (lane == 0) {
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-#pragma unroll
-                        for (int w = 0; w < NW; w++) red[warp][r * NW + w] = active ? acc[r][w] : 0.0f;
-                }
-                __syncthreads();
-                store = active && kw == 0;
-                if (store) {
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-#pragma unroll
-                        for (int w = 0; w < NW; w++) {
-                            float v = red[warp][r * NW + w];
-                            for (int q = 1; q < ks; q++) v += red[warp + q][r * NW + w];
-                            acc[r][w] = v;
-                        }
-                }
-            }
-            if (store) {
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (SWIGLU) {
-                        if (lane == (r & 31) && r < rows)
-                            tl.out[(size_t)r * tl.n_out + o0] = silu(acc[r][0]) * acc[r][1];
-                    } else {
-#pragma unroll
-                        for (int w = 0; w < NW; w++)
-                            if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < tl.n_out)
-                                tl.out[(size_t)r * tl.n_out + o0 + w] = acc[r][w];
-                    }
-                }
-            }
-        }
-        __syncthreads();  // every warp is done with the stage
-        if (warp == 0 && k + stages < nitems) {
-            const int kn = k + stages;
-            gemvq_issue<TYPE, SWIGLU>(gemvq_tile(sg, b + kn / nch * G), W2, rb, nbpr, cb, kn % nch, per_block, whole,
-                                      stage, slot, &bars[st], lane);
-        }
-    }
-#endif
-}
-
-// The kernels: plain and SwiGLU take one weight (a GemvSegs of one segment), multi up to three.
-// Before sm_90 the grid is the tiles (cb, stages unused); on sm_90+ it is persistent.
-__device__ __forceinline__ GemvSegs gemvq_one(const uint8_t* W, float* out, int n_out) {
-    GemvSegs sg;
-    sg.w0 = sg.w1 = sg.w2 = W;
-    sg.out0 = sg.out1 = sg.out2 = out;
-    sg.n0 = sg.n1 = sg.n2 = n_out;
-    sg.b0 = 0x7fffffff;
-    sg.b1 = 0;
-    return sg;
-}
-
-#if __CUDA_ARCH__ >= 900
-#define GEMVQ_BODY(TYPE, R, SWIGLU, SG, W2, NTILES) \
-    gemvq_pipe<TYPE, R, SWIGLU>(SG, W2, rb, NTILES, n_in, xq, xd, rows, ks, cb, stages)
-#else
-#define GEMVQ_BODY(TYPE, R, SWIGLU, SG, W2, NTILES)                                                    \
-    do {                                                                                                  \
-        const GemvqTile tl_ = gemvq_tile(SG, blockIdx.x);                                                 \
-        gemvq<TYPE, R, SWIGLU>(tl_.W, W2, rb, tl_.n_out, n_in, xq, xd, rows, tl_.out, ks, tl_.bx);         \
-    } while (0)
-#endif
-
-// R = 1 (decode) is held to 80 registers, 3 blocks per SM: the persistent grid takes 2 of
-// them and the next kernel's first blocks (PDL) can become resident beside it and start their
-// weight copies while this one drains (measured: MATMUL.md, round 4).
-#define GEMVQ_BOUNDS(R) __launch_bounds__(GEMV_WARPS * 32, (R) == 1 ? 3 : 1)
-
 #define GEMVQ_KERNEL(name, TYPE, R)                                                                          \
-    extern "C" __global__ void GEMVQ_BOUNDS(R)                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
                             const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,         \
-                            float* __restrict__ out, int ks, int cb, int stages) {                           \
-        const GemvSegs sg = gemvq_one(W, out, n_out);                                                        \
-        const int per_block = GEMV_WARPS / ks * GEMV_NW;                                                     \
-        GEMVQ_BODY(TYPE, R, false, sg, W, (n_out + per_block - 1) / per_block);                              \
+                            float* __restrict__ out, int ks) {                                               \
+        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
     }                                                                                                        \
-    extern "C" __global__ void GEMVQ_BOUNDS(R)                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
                                    int n_out, int n_in, const int8_t* __restrict__ xq,                       \
-                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks, \
-                                   int cb, int stages) {                                                     \
-        const GemvSegs sg = gemvq_one(W, out, n_out);                                                        \
-        const int per_block = GEMV_WARPS / ks;                                                               \
-        GEMVQ_BODY(TYPE, R, true, sg, W2, (n_out + per_block - 1) / per_block);                              \
+                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) { \
+        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
     }                                                                                                        \
-    extern "C" __global__ void GEMVQ_BOUNDS(R)                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,        \
-                                  const float2* __restrict__ xd, int rows, int ks, int cb, int stages) {     \
-        const int per_block = GEMV_WARPS / ks * GEMV_NW;                                                     \
-        GEMVQ_BODY(TYPE, R, false, sg, sg.w0, sg.b0 + sg.b1 + (sg.n2 + per_block - 1) / per_block);          \
+                                  const float2* __restrict__ xd, int rows, int ks) {                         \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
+        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
+        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
+        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                             \
     }
 #define GEMVQ_ALL_R(name, TYPE) \
     GEMVQ_KERNEL(name, TYPE, 1) \
