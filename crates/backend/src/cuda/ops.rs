@@ -115,7 +115,7 @@ pub fn embed(
     check_shape("embed out", out, step.rows, dim)?;
     let (ty, rb) = (table.dtype.id() as i32, table.row_bytes() as i64);
     let cfg = LaunchConfig {
-        grid_dim: (step.rows as u32, 1, 1),
+        grid_dim: (step.rows as u32, dim.div_ceil(256).clamp(1, 65535) as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -349,6 +349,9 @@ pub fn add_rms_norm(
     Ok(())
 }
 
+/// Rotary pairs per lane of `qk_norm_rope` (QKR_PAIRS in elementwise.cu).
+const QKR_PAIRS: usize = 4;
+
 #[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope(
     be: &CudaBackend,
@@ -370,6 +373,12 @@ pub fn qk_norm_rope(
         step,
         rope,
     )?;
+    ensure!(
+        rope.rot_dim <= 2 * 32 * QKR_PAIRS,
+        "qk_norm_rope: {} rotary dimensions (the kernel holds up to {} per head)",
+        rope.rot_dim,
+        2 * 32 * QKR_PAIRS
+    );
     let qw = q_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let kw = k_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);

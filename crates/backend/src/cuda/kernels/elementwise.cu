@@ -2,8 +2,9 @@
 //
 // All of these move O(rows × cols) floats and are bandwidth-trivial next to the matmuls;
 // their cost at decode is launch latency, which CUDA graphs hide. Plans:
-// - embed:        one block per token row; threads stride over the row, decoding each
-//                 element from the stored block type (ggml_get).
+// - embed:        grid (token rows, column chunks of 256): one element per thread, decoded
+//                 from the stored block type (ggml_get). (One block per row walked 16
+//                 dependent decodes per thread: 10 µs per decode step for a 4096-wide row.)
 // - rms_norm:     one block per row; each thread sums squares of a strided slice, warp
 //                 shuffles then shared memory reduce; then every thread scales its slice.
 // - head_rms_norm: one warp per head (head_dim ≤ 256: 8 values per lane at most).
@@ -30,7 +31,9 @@
 //                 only normalised. Every element is read and written by one lane, and all
 //                 lanes finish pass-1 reads before the shuffle, so no lane sees another's
 //                 writes. One read (two with norm, the second from L1/L2) and one write per
-//                 element.
+//                 element. The lane's norm weights and rotary frequencies (powf) are loaded
+//                 and computed before the PDL wait (up to QKR_PAIRS pairs per lane:
+//                 rot_dim <= 256, checked by the launcher).
 // - topk_rows:    one block per row, k passes: pass j finds the best element strictly after
 //                 the (j-1)-th in the total order (value desc, index asc; NaN as -inf), so
 //                 no selection list is kept; k·cols reads (k ≤ 64: ~40 MB at 150k vocab,
@@ -68,9 +71,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 extern "C" __global__ void embed(const uint8_t* __restrict__ table, int type, long long row_bytes,
                                  const int* __restrict__ tokens, float* __restrict__ out, int dim) {
     PDL_ENTRY();
-    int t = blockIdx.x;
+    const int t = blockIdx.x;
     const uint8_t* row = table + (long long)tokens[t] * row_bytes;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[(long long)t * dim + i] = ggml_get(row, type, i);
+    for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < dim; i += gridDim.y * blockDim.x)
+        out[(long long)t * dim + i] = ggml_get(row, type, i);
 }
 
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
@@ -183,31 +187,49 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 
 // q: rows × q_heads heads, k: rows × k_heads heads, each head_dim floats, in place.
 // qw / kw: the heads' norm weights (head_dim floats), or null for no norm.
+// Rotary pairs per lane held in registers by qk_norm_rope (head_dim <= 256: half <= 128).
+#define QKR_PAIRS 4
+
 extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
                                         const float* __restrict__ qw, const float* __restrict__ kw,
                                         const int* __restrict__ positions, int rows, int q_heads,
                                         int k_heads, int head_dim, int rot_dim, int neox,
                                         float theta, float eps) {
-    PDL_ENTRY();
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     long long nq = (long long)rows * q_heads;
     long long total = nq + (long long)rows * k_heads;
+    const float* w = warp < nq ? qw : kw;
+    const bool norm = w != nullptr;
+    const int half = rot_dim / 2;
+    // Before the PDL wait (they depend on no kernel): this lane's norm weights and rotary
+    // frequencies, so their loads and powf overlap the previous kernel's tail.
+    float wa[QKR_PAIRS], wb[QKR_PAIRS], inv_freq[QKR_PAIRS];
+#pragma unroll
+    for (int j = 0; j < QKR_PAIRS; j++) {
+        const int p = lane + 32 * j;
+        wa[j] = wb[j] = 1.f;
+        inv_freq[j] = 0.f;
+        if (p < half) {
+            if (norm && warp < total) {
+                wa[j] = w[neox ? p : 2 * p];
+                wb[j] = w[neox ? p + half : 2 * p + 1];
+            }
+            inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
+        }
+    }
+    PDL_ENTRY();
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp;
-    const float* w;
     int t;
     if (warp < nq) {
         hp = q + warp * head_dim;
-        w = qw;
         t = (int)(warp / q_heads);
     } else {
         long long kh = warp - nq;
         hp = k + kh * head_dim;
-        w = kw;
         t = (int)(kh / k_heads);
     }
-    const bool norm = w != nullptr;
     float scale = 1.f;
     if (norm) {
         float ss = 0.f;
@@ -215,18 +237,19 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
         ss = warp_sum(ss);
         scale = rsqrtf(ss / (float)head_dim + eps);
     }
-    const int half = rot_dim / 2;
     const float pos = (float)positions[t];
-    for (int p = lane; p < half; p += 32) {
+#pragma unroll
+    for (int j = 0; j < QKR_PAIRS; j++) {
+        const int p = lane + 32 * j;
+        if (p >= half) break;
         int ia = neox ? p : 2 * p;
         int ib = neox ? p + half : 2 * p + 1;
         float x0 = hp[ia], x1 = hp[ib];
         if (norm) {
-            x0 = (x0 * scale) * w[ia];
-            x1 = (x1 * scale) * w[ib];
+            x0 = (x0 * scale) * wa[j];
+            x1 = (x1 * scale) * wb[j];
         }
-        float inv_freq = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
-        float a = pos * inv_freq;
+        float a = pos * inv_freq[j];
         float c = cosf(a), s = sinf(a);
         hp[ia] = x0 * c - x1 * s;
         hp[ib] = x0 * s + x1 * c;
