@@ -215,9 +215,9 @@ fn bench_on<B: Backend>(
             seq.prefill(&fill)?;
         }
         seq.decode(prompt[0])?; // the first step captures the graph: not timed
-        // greedy() waits for the device: the fill and the capture step are done before t0
-        // (timing from an asynchronous fill under-reported decode at depth: 182 vs 280 tok/s
-        // at depth 8192).
+                                // greedy() waits for the device: the fill and the capture step are done before t0
+                                // (timing from an asynchronous fill under-reported decode at depth: 182 vs 280 tok/s
+                                // at depth 8192).
         let mut tok = seq.greedy()?;
         let t0 = Instant::now();
         for _ in 0..a.gen_tokens {

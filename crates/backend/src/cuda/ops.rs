@@ -7,7 +7,7 @@ use anyhow::{ensure, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::{quant, GgmlType};
 
-use super::launch::{KernelArg, LaunchExt};
+use super::launch::{KernelArg, Launch, LaunchExt};
 use super::{function, load_module, CudaBackend, CudaWeight};
 use crate::{check_shape, Act, HostTensor, Rope, RopeStyle, StepInput};
 
@@ -115,7 +115,11 @@ pub fn embed(
     check_shape("embed out", out, step.rows, dim)?;
     let (ty, rb) = (table.dtype.id() as i32, table.row_bytes() as i64);
     let cfg = LaunchConfig {
-        grid_dim: (step.rows as u32, dim.div_ceil(256).clamp(1, 65535) as u32, 1),
+        grid_dim: (
+            step.rows as u32,
+            dim.div_ceil(256).clamp(1, 65535) as u32,
+            1,
+        ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -152,7 +156,6 @@ pub fn rms_norm(
     if let Some(threads) = norm_v4_threads(be, w, x.cols) {
         // The final norm feeds the lm head's quantized-x GEMV at decode: quantize there too.
         let mut fused = super::matmul::xq_for_producer(be, x.rows, x.cols)?;
-        let null = 0u64;
         let mut launch = be.stream.kernel(&be.ops.rms_norm_v4);
         launch
             .arg(&x.buf)
@@ -160,10 +163,7 @@ pub fn rms_norm(
             .arg(&mut out.buf)
             .arg(&cols)
             .arg(&eps);
-        match fused.as_mut().and_then(|g| g.as_mut()) {
-            Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
-            None => launch.arg(&null).arg(&null),
-        };
+        xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
         // SAFETY: x and out are [rows, cols] (checked), 16-byte aligned rows (cols % 4 == 0,
         // aligned bases: norm_v4_threads); one block per row of `threads` ≤ 1024 threads
         // covering cols / 4 chunks in ≤ NORM_NV rounds; the scratch holds ≥ rows rows of
@@ -191,6 +191,15 @@ pub fn rms_norm(
             .launch(cfg)
     }?;
     Ok(())
+}
+
+/// The last two arguments of a norm that can quantize its output for the next GEMV: the
+/// scratch's int8 planes and block scales, or two null pointers (no quantization).
+fn xq_planes(launch: &mut Launch<'_>, xq: Option<&mut super::matmul::XQuant>) {
+    match xq {
+        Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
+        None => launch.arg(&0u64).arg(&0u64),
+    };
 }
 
 /// Float4 chunks per thread at most in the vectorised norms (NORM_NV in elementwise.cu).
@@ -320,7 +329,6 @@ pub fn add_rms_norm(
     // kernel also quantizes it into the GEMV's scratch, which the GEMV then uses instead of
     // launching `quant_x_q8` (matmul.rs, `XQuant::src`).
     let mut fused = super::matmul::xq_for_producer(be, x.rows, x.cols)?;
-    let null = 0u64;
     let mut launch = be.stream.kernel(if v4.is_some() {
         &be.ops.add_rms_norm_v4
     } else {
@@ -333,10 +341,7 @@ pub fn add_rms_norm(
         .arg(&mut h.buf)
         .arg(&cols)
         .arg(&eps);
-    match fused.as_mut().and_then(|g| g.as_mut()) {
-        Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
-        None => launch.arg(&null).arg(&null),
-    };
+    xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
     // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows);
     // one block per row, at most 1024 threads (32 warps: the kernel's shared partials; the
     // v4 kernel's chunks fit NORM_NV rounds and its rows are 16-byte aligned, see
