@@ -20,7 +20,8 @@
 //!
 //! [`matmul`] returns `Ok(false)` (nothing launched) when it does not apply: ≤ GEMV_MAX_ROWS
 //! rows, ≤ F32_SMALL_OUT outputs (routers keep the f32 GEMV), another weight type, `n_in` not a
-//! multiple of 64, or `FERRITE_MMQ=0` (A/B runs against the bf16 kernel).
+//! multiple of 64, or the path is not switched on: it runs only with `FERRITE_MMQ=1` (see
+//! `disabled`).
 
 use std::sync::{Arc, Mutex};
 
@@ -96,10 +97,14 @@ impl Kernels {
     }
 }
 
-/// Whether `FERRITE_MMQ=0` turned this path off (read once).
+/// Whether this path is off: unless `FERRITE_MMQ=1` (read once). Off by default because it
+/// measured 1.3–2.1× slower than the bf16 kernel (MMQ.md); what it buys is decode-exact
+/// prefill (NMSE ~2e-9 per matmul instead of ~6e-6), which the bf16 path does not need for
+/// the prefill/decode gate of the dense models and which is not enough alone for the MoE
+/// hybrids while the grouped expert GEMM (moe.cu) is bf16.
 fn disabled() -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("FERRITE_MMQ").is_ok_and(|v| v == "0"))
+    *OFF.get_or_init(|| !std::env::var("FERRITE_MMQ").is_ok_and(|v| v == "1"))
 }
 
 /// Index in [`TYPES`] of the kernel for a `w` on `rows` rows, or `None` when this path does
