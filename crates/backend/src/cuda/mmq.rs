@@ -107,6 +107,12 @@ fn disabled() -> bool {
     *OFF.get_or_init(|| !std::env::var("FERRITE_MMQ").is_ok_and(|v| v == "1"))
 }
 
+/// Whether prefill runs decode-exact (`FERRITE_MMQ=1`): this module's int8 GEMM for the
+/// dense matmuls, and the MoE experts on the decode's quantized-x kernels (moe.rs).
+pub(crate) fn exact_prefill() -> bool {
+    !disabled()
+}
+
 /// Index in [`TYPES`] of the kernel for a `w` on `rows` rows, or `None` when this path does
 /// not apply (see the module comment).
 fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> {

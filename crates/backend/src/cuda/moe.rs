@@ -67,6 +67,10 @@ struct Scratch {
     /// sum) pairs as f32), `[rows·top_k, ffn]`.
     hq: CudaSlice<i8>,
     hd: CudaSlice<f32>,
+    /// Exact prefill (more rows than the GEMV scratch holds): x quantized as `hq` / `hd`,
+    /// `[rows, hidden]`.
+    xq: CudaSlice<i8>,
+    xd: CudaSlice<f32>,
     /// Buffers replaced by bigger ones: a captured graph may still reference them.
     retired_i: Vec<CudaSlice<i32>>,
     retired_f: Vec<CudaSlice<f32>>,
@@ -233,7 +237,16 @@ pub fn moe(
     let max_tiles = pairs.div_ceil(GM_TN) + n_experts.min(pairs);
     // Decode on int8-quantized activations (matmul.cu section 1c) when every expert weight
     // has a quantized-x kernel and the buffers allow its 16-byte loads.
-    let quantized_decode = quantized_decode_types(g.dtype, d.dtype, rows)
+    // With exact prefill on (`FERRITE_MMQ=1`, mmq.rs) prefill runs this path too: a pair's
+    // gate/up and a token's down + combine do not depend on how many rows share the launch,
+    // so a prompt's expert outputs are bitwise the decode's for the same inputs (the bf16
+    // grouped GEMMs flip near-tied expert choices of later layers: MOE.md).
+    let exact_prefill = rows > DECODE_MAX_ROWS
+        && super::mmq::exact_prefill()
+        && matmul::quantized_x(g.dtype)
+        && matmul::quantized_x(d.dtype)
+        && pairs <= 65535;
+    let quantized_decode = (quantized_decode_types(g.dtype, d.dtype, rows) || exact_prefill)
         && g.dtype == u.dtype
         && hidden % 32 == 0
         && ffn % 32 == 0
@@ -261,6 +274,8 @@ pub fn moe(
             y: one_f()?,
             hq: be.stream.alloc_zeros::<i8>(1)?,
             hd: one_f()?,
+            xq: be.stream.alloc_zeros::<i8>(1)?,
+            xd: one_f()?,
             retired_i: Vec::new(),
             retired_f: Vec::new(),
             retired_q: Vec::new(),
@@ -278,6 +293,10 @@ pub fn moe(
         if quantized_decode {
             grow(st, &mut s.hq, 2 * pairs * ffn, &mut s.retired_q)?;
             grow(st, &mut s.hd, pairs * ffn / 16, rf)?;
+            if rows > matmul::GEMV_MAX_ROWS {
+                grow(st, &mut s.xq, 2 * rows * hidden, &mut s.retired_q)?;
+                grow(st, &mut s.xd, rows * hidden / 16, rf)?;
+            }
         }
         if grouped.is_some() {
             grow(st, &mut s.offsets, n_experts + 1, ri)?;
@@ -451,10 +470,19 @@ fn quantized_experts(
         ne, tk, hid, ff, ..
     } = dims;
     let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
-    let xq = matmul::quantize_x(be, x)?;
-    let xq = xq
-        .as_ref()
-        .ok_or_else(|| anyhow::anyhow!("moe: int8 scratch missing"))?;
+    // x's int8 planes: the GEMV scratch at decode (often already written by the producing
+    // add_rms_norm), this module's own scratch for a prompt's rows (same bits: quant_x_q8).
+    let gemv_xq;
+    let (xq_q, xq_d) = if rows <= matmul::GEMV_MAX_ROWS {
+        gemv_xq = matmul::quantize_x(be, x)?;
+        let xq = gemv_xq
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("moe: int8 scratch missing"))?;
+        (&xq.q, &xq.d)
+    } else {
+        matmul::quantize_into(be, &x.buf, rows, hidden, &mut s.xq, &mut s.xd)?;
+        (&s.xq, &s.xd)
+    };
     let threads = (MOE_WARPS * 32) as u32;
     let cfg = LaunchConfig {
         grid_dim: (ffn.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
@@ -472,8 +500,8 @@ fn quantized_experts(
             .arg(&gu_rb)
             .arg(&ff)
             .arg(&hid)
-            .arg(&xq.q)
-            .arg(&xq.d)
+            .arg(xq_q)
+            .arg(xq_d)
             .arg(&s.ids)
             .arg(&tk)
             .arg(&ne)
