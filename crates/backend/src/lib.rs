@@ -549,6 +549,12 @@ pub trait Backend: Send + Sync {
 
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
+    /// As [`Backend::kv_new`], the cache in q8_0 blocks where the backend has them, whatever
+    /// the backend's default cache type (the CPU reference keeps f32, as for
+    /// [`PagedKv::q8_0`]): lets `ferrite check` compare both cache types in one run.
+    fn kv_new_q8(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv> {
+        self.kv_new(n_layers, shape, capacity)
+    }
     /// A paged KV cache shared by many sequences: `n_pages` pages of `page_size` positions
     /// per layer; a sequence's positions live in the pages of its block table. Used with
     /// batched steps ([`Backend::set_batch`]): [`Backend::attention`] then stores and reads

@@ -375,6 +375,8 @@ enum Op {
         shape: AttnShape,
         pos0: usize,
         rows: usize,
+        /// The cache in q8_0 blocks (`Backend::kv_new_q8`; the CPU reference keeps f32).
+        q8: bool,
     },
     Moe {
         routing: MoeRouting,
@@ -579,13 +581,19 @@ fn describe(op: &Op) -> (&'static str, String) {
             format!("gather_rows {src_rows}x{cols} rows={pick:?}"),
         ),
         Op::Paged(c) => ("attention", c.name()),
-        Op::Attention { shape, pos0, rows } => (
+        Op::Attention {
+            shape,
+            pos0,
+            rows,
+            q8,
+        } => (
             "attention",
             format!(
-                "attention hd={} heads={}/kv{} {} rows={rows} pos0={pos0}",
+                "attention hd={} heads={}/kv{}{} {} rows={rows} pos0={pos0}",
                 shape.head_dim,
                 shape.n_heads,
                 shape.n_kv_heads,
+                if *q8 { " q8_0" } else { "" },
                 if *rows == 1 { "decode" } else { "multi" }
             ),
         ),
@@ -998,12 +1006,14 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 shape,
                 pos0: 17,
                 rows: 1,
+                q8: false,
             });
             if !quick || head_dim == 128 {
                 add(Op::Attention {
                     shape,
                     pos0: 5,
                     rows: 7,
+                    q8: false,
                 });
             }
         }
@@ -1019,37 +1029,48 @@ pub fn cases(quick: bool) -> Vec<Case> {
         n_kv_heads: 1,
         head_dim: 128,
     };
-    for pos0 in [0, 1, 17] {
-        add(Op::Attention {
-            shape: q8b,
-            pos0,
-            rows: 1,
-        });
-    }
-    add(Op::Attention {
-        shape: q8b,
-        pos0: 0,
-        rows: 7,
-    });
-    if !quick {
-        add(Op::Attention {
-            shape: q8b,
-            pos0: 1000,
-            rows: 1,
-        });
-        // Speculative verify (K+1 rows) on both sides of the decode/prefill switch.
-        for rows in [9, 16, 17] {
+    // Both cache types: f16 (the default) and q8_0 (`--kv-cache-q8`; the decode kernel stores
+    // the step's rows itself, in either type).
+    for q8 in [false, true] {
+        for pos0 in [0, 1, 17] {
             add(Op::Attention {
                 shape: q8b,
-                pos0: 100,
-                rows,
+                pos0,
+                rows: 1,
+                q8,
             });
         }
+        add(Op::Attention {
+            shape: q8b,
+            pos0: 0,
+            rows: 7,
+            q8,
+        });
+        if !quick {
+            add(Op::Attention {
+                shape: q8b,
+                pos0: 1000,
+                rows: 1,
+                q8,
+            });
+            // Speculative verify (K+1 rows) on both sides of the decode/prefill switch.
+            for rows in [9, 16, 17] {
+                add(Op::Attention {
+                    shape: q8b,
+                    pos0: 100,
+                    rows,
+                    q8,
+                });
+            }
+        }
+    }
+    if !quick {
         // Depth 5000 with fewer heads: the CPU fills the cache with a causal prefill.
         add(Op::Attention {
             shape: small,
             pos0: 5000,
             rows: 1,
+            q8: false,
         });
         let pf = AttnShape {
             n_heads: 8,
@@ -1062,6 +1083,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     shape: pf,
                     pos0,
                     rows,
+                    q8: false,
                 });
             }
         }
@@ -1074,6 +1096,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 },
                 pos0: 300,
                 rows: 64,
+                q8: false,
             });
         }
         // Qwen3.5-35B-A3B's gated attention: 16 heads over 2 KV heads of 256 (a GQA group
@@ -1088,6 +1111,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 shape: q35moe,
                 pos0,
                 rows,
+                q8: false,
             });
         }
     }
@@ -1612,7 +1636,9 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (pick.len(), cols);
         }
         Op::Paged(ref c) => c.gen(&mut rng, &mut h),
-        Op::Attention { shape, pos0, rows } => {
+        Op::Attention {
+            shape, pos0, rows, ..
+        } => {
             let qd = shape.n_heads * shape.head_dim;
             let kvd = shape.n_kv_heads * shape.head_dim;
             let mut p = 0;
@@ -1846,8 +1872,17 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             kv = Some(cache);
             step = s;
         }
-        Op::Attention { shape, pos0, rows } => {
-            let mut cache = be.kv_new(2, *shape, pos0 + rows + 3)?;
+        Op::Attention {
+            shape,
+            pos0,
+            rows,
+            q8,
+        } => {
+            let mut cache = if *q8 {
+                be.kv_new_q8(2, *shape, pos0 + rows + 3)?
+            } else {
+                be.kv_new(2, *shape, pos0 + rows + 3)?
+            };
             let (qd, kvd) = (
                 shape.n_heads * shape.head_dim,
                 shape.n_kv_heads * shape.head_dim,
@@ -2269,11 +2304,11 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::MatmulSwiglu {
             ty, n_out, rows, ..
         } => SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *n_out, *rows),
-        Op::Attention { rows, .. } => {
+        Op::Attention { rows, q8, .. } => {
             let b = be.kv_bytes_per_element();
             if b >= 4.0 {
                 ATTN_F32_NMSE
-            } else if b >= 2.0 {
+            } else if b >= 2.0 && !*q8 {
                 if *rows <= ATTN_DECODE_MAX_ROWS {
                     ATTN_F16_DECODE_NMSE
                 } else {
@@ -2355,9 +2390,19 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         }
         // x and z (or gate) in, x out.
         Op::GatedRmsNorm { .. } | Op::SigmoidGate { .. } => f(acts + out),
-        Op::Attention { shape, pos0, rows } => {
+        Op::Attention {
+            shape,
+            pos0,
+            rows,
+            q8,
+        } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
-            f((pos0 + rows) * kvd * 2) * be.kv_bytes_per_element() + f(acts + out)
+            let per_el = if *q8 && be.kv_bytes_per_element() < 4.0 {
+                1.0 + 2.0 / 32.0
+            } else {
+                be.kv_bytes_per_element()
+            };
+            f((pos0 + rows) * kvd * 2) * per_el + f(acts + out)
         }
         Op::Moe { routing, rows, .. } => {
             // The distinct experts the tokens chose (from the CPU routing of the same logits).

@@ -557,6 +557,15 @@ impl Backend for CudaBackend {
         attention::kv_new(self, n_layers, shape, capacity)
     }
 
+    fn kv_new_q8(
+        &self,
+        n_layers: usize,
+        shape: AttnShape,
+        capacity: usize,
+    ) -> Result<attention::CudaKv> {
+        attention::kv_new_typed(self, n_layers, shape, capacity, attention::KvType::Q8_0)
+    }
+
     fn kv_new_paged(
         &self,
         n_layers: usize,
