@@ -1405,6 +1405,7 @@ mod tests {
                 output: out.clone(),
                 vocab: None,
                 seed,
+                layers: None,
             })
             .unwrap();
             std::fs::read(out).unwrap()
@@ -1412,6 +1413,28 @@ mod tests {
         let a = run(1, "a.gguf");
         assert_eq!(a, run(1, "b.gguf"));
         assert_ne!(a, run(2, "c.gguf"));
+    }
+
+    #[test]
+    fn layers_keeps_the_first_layers() {
+        let t = TempDir::new("layers");
+        let args = |layers, name: &str| SynthArgs {
+            preset: Preset::TinyQwen35,
+            quant: SynthQuant::Q8_0,
+            output: t.0.join(name),
+            vocab: None,
+            seed: 0,
+            layers,
+        };
+        synth(&args(Some(2), "two.gguf")).unwrap();
+        let f = GgufFile::open(t.0.join("two.gguf")).unwrap();
+        assert_eq!(f.get_u32("qwen35.block_count"), Some(2));
+        assert!(f.tensor_info("blk.1.attn_norm.weight").is_some());
+        assert!(f.tensor_info("blk.2.attn_norm.weight").is_none());
+        for bad in [0, 5] {
+            let e = synth(&args(Some(bad), "bad.gguf")).unwrap_err().to_string();
+            assert!(e.contains("--layers"), "{e}");
+        }
     }
 
     #[test]
