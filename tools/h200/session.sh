@@ -14,6 +14,9 @@
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
+#   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
+#   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
+#            CUDA-vs-CPU logits per position plus its prefill/decode gate
 # Logs and bench/results.jsonl lines are written under $OUT.
 #
 # SmolLM2 (98 MB) is larger than what one call may carry next to the working tree: split it
@@ -84,6 +87,33 @@ for stage in "$@"; do
         f=$(synth qwen3-8b Q4_K_M | tail -1)
         $F bench --model "$f" --label qwen3-8b --kv-cache-q8 --reps 3 2>&1 | tee -a "$OUT/bench.log" | tail -6
         $F bench --model "$f" --label qwen3-8b --kv-cache-q8 --depth 32768 --prompt-tokens 512 --reps 1 2>&1 | tee -a "$OUT/bench.log" | tail -6
+        rm -f "$f"
+        ;;
+    profile)
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none --cache-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum \
+            --csv --launch-skip 2600 --launch-count 900 \
+            $F bench --model "$f" --reps 1 --prompt-tokens 16 --gen-tokens 8 --gate-tokens 2 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+        python3 tools/h200/ncu_step.py "$OUT/ncu.csv" | tee "$OUT/profile.txt"
+        rm -f "$f"
+        ;;
+    exact)
+        FERRITE_MMQ=1 $F check --device cuda --filter matmul 2>&1 | tail -3
+        FERRITE_MMQ=1 $F check --device cuda --filter moe 2>&1 | tail -3
+        f="$M/q35moe-l4.gguf"
+        $F synth --preset qwen3.5-35b-a3b --layers 4 --output "$f" 2>&1 | tail -1
+        toks=$(python3 -c "print(','.join(str(100 + (i * 7919) % 200000) for i in range(32)))")
+        for d in cpu cuda; do FERRITE_MMQ=1 $F logits --device $d --model "$f" --tokens "$toks" -o "$M/l4-$d.st" 2>&1 | tail -1; done
+        python3 - "$M/l4-cpu.st" "$M/l4-cuda.st" <<'PY'
+import sys
+from safetensors.torch import load_file
+c, a = (load_file(p)["logits"] for p in sys.argv[1:3])
+d = a - c
+nm = (d * d).sum(1) / (c * c).sum(1)
+print("NMSE per position:", " ".join(f"{x:.1e}" for x in nm.tolist()))
+print("argmax agree", int((a.argmax(1) == c.argmax(1)).sum()), "/", c.shape[0])
+PY
+        FERRITE_MMQ=1 $F bench --model "$f" --reps 1 --gen-tokens 4 2>&1 | grep -i gate
         rm -f "$f"
         ;;
     *) echo "unknown stage $stage" ;;
