@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaView, LaunchConfig};
 use ferrite_formats::GgmlType;
 
@@ -27,6 +28,22 @@ const CONV_ROWS: usize = 16;
 pub const MAX_K_HEAD_DIM: usize = 128;
 /// Threads per gated_delta block (GD_THREADS in gated_delta.cu).
 const DELTA_THREADS: usize = 128;
+/// The chunked prefill kernel (`gated_delta_chunked`): threads per block (GDC_THREADS),
+/// state columns per block (GDC_CW), dynamic shared memory (GDC_SMEM_FLOATS × 4 bytes).
+const CHUNKED_THREADS: u32 = 256;
+const CHUNKED_COLS: usize = 32;
+const CHUNKED_SMEM: usize = 46_272 * 4;
+/// Fewest rows that take the chunked kernel when it is on: speculative verify (up to 9
+/// rows) and decode keep the sequential kernel, so they run the same per-token arithmetic.
+const CHUNKED_MIN_ROWS: usize = 17;
+
+/// Whether prefill runs the chunked tensor-core kernel: only with `FERRITE_DELTA_CHUNKED=1`
+/// (read once). Off by default: it has been checked on the host (a g++ emulation of the
+/// kernel body, `tests/gated_delta_chunked_emu.rs`) but not yet on a GPU (GATED_DELTA.md).
+fn chunked_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERRITE_DELTA_CHUNKED").is_ok_and(|v| v == "1"))
+}
 
 /// The compiled kernels of `gated_delta.cu`.
 pub struct Kernels {
@@ -34,6 +51,9 @@ pub struct Kernels {
     /// (rows of state per lane, lanes per column) = (8, 4), (8, 8), (16, 8): key head dims
     /// up to 32, 64, 128.
     delta: [CudaFunction; 3],
+    /// The chunked prefill kernel, loaded (and its shared-memory limit raised) only when
+    /// [`chunked_on`]: its 181 KiB of shared memory exceed what some GPUs allow.
+    chunked: Option<CudaFunction>,
     gated_rms_norm: CudaFunction,
     sigmoid_gate: CudaFunction,
 }
@@ -48,6 +68,17 @@ impl Kernels {
                 function(&m, "gated_delta_r8_l8")?,
                 function(&m, "gated_delta_r16_l8")?,
             ],
+            chunked: if chunked_on() {
+                let f = function(&m, "gated_delta_chunked")?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    CHUNKED_SMEM as i32,
+                )
+                .context("gated_delta_chunked: raising the shared-memory limit")?;
+                Some(f)
+            } else {
+                None
+            },
             gated_rms_norm: function(&m, "gated_rms_norm")?,
             sigmoid_gate: function(&m, "sigmoid_gate")?,
         })
@@ -313,6 +344,46 @@ pub fn gated_delta_rule(
         i32_of(d.v_head_dim, "value head dim")?,
     );
     let tiled = i32::from(d.tiled_v_heads);
+    if let Some(f) = be
+        .gated_delta
+        .chunked
+        .as_ref()
+        .filter(|_| rows >= CHUNKED_MIN_ROWS)
+    {
+        let cfg = LaunchConfig {
+            grid_dim: (
+                nv as u32,
+                (d.v_head_dim as u32).div_ceil(CHUNKED_COLS as u32),
+                1,
+            ),
+            block_dim: (CHUNKED_THREADS, 1, 1),
+            shared_mem_bytes: CHUNKED_SMEM as u32,
+        };
+        // SAFETY: as below (dk ≤ 128 = GDC_DK is checked at kv_new_hybrid); one block per
+        // (value head, 32 state columns) with CHUNKED_SMEM bytes of dynamic shared memory
+        // (the limit raised at load); the 16-byte cp.async copies only when `vec` (and, for
+        // v, dv % 4 == 0, checked inside).
+        unsafe {
+            be.stream
+                .kernel(f)
+                .arg(&a.qkv.buf)
+                .arg(&a.a.buf)
+                .arg(&a.b.buf)
+                .arg(&ssm_a)
+                .arg(&dt_bias)
+                .arg(&mut state)
+                .arg(&mut out.buf)
+                .arg(&rows_i)
+                .arg(&nk)
+                .arg(&nv_i)
+                .arg(&dk)
+                .arg(&dv)
+                .arg(&tiled)
+                .arg(&vec)
+                .launch(cfg)
+        }?;
+        return Ok(());
+    }
     let cfg = LaunchConfig {
         grid_dim: (
             nv as u32,

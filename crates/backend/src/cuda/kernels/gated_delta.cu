@@ -34,7 +34,8 @@
 //   Decode (rows = 1) runs the same code with a one-token chunk (the same per-token
 //   arithmetic as prefill by construction: the prefill/decode gate compares them exactly);
 //   S is read and written once, as float4 runs of the column (dk*dv*8 bytes per head);
-//   256 blocks for Qwen3.5-9B. The chunked tensor-core form is a later step (GATED_DELTA.md).
+//   256 blocks for Qwen3.5-9B. Prefill of ≥ 17 rows can instead take the chunked
+//   tensor-core kernel (gated_delta_chunked, end of this file) with FERRITE_DELTA_CHUNKED=1.
 // - gated_rms_norm: one warp per head: x = (x * rsqrt(mean(x²) + eps)) * w * silu(z).
 // - sigmoid_gate: one thread per element: x *= sigmoid(gate), gate per element or per row.
 
@@ -440,4 +441,412 @@ extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __re
     if (i >= n) return;
     float g = gate_cols == 1 ? gate[i / cols] : gate[i];
     x[i] *= gd_sigmoid(g);
+}
+
+// =======================================================================================
+// gated_delta_chunked: the prefill form on the tensor cores (FERRITE_DELTA_CHUNKED=1 only;
+// off by default until a GPU session has checked it: GATED_DELTA.md "Chunked prefill").
+//
+// Math: `gated_delta::chunked` (gated_delta.rs), chunks of GDC_T = 64 = gated_delta::CHUNK
+// tokens. Per chunk, with c_i = Σ_{j≤i} g_j (the CPU's sequential prefix sum):
+//   L_ij = β_i (k_i·k_j) e^{c_i−c_j} (j < i),  T = (I + L)⁻¹ (unit lower triangular)
+//   V'   = T R,  R_i = β_i (v_i − e^{c_i} (K S)_i)          [= U − W S of the CPU: U = T βV,
+//                                                              W = T βe^c K, folded: no W]
+//   O_i  = e^{c_i} (Q S)_i + Σ_{j≤i} (q_i·k_j) e^{c_i−c_j} V'_j
+//   S    ← e^{c_n} S + Σ_j e^{c_n−c_j} k_j V'_jᵀ
+// Padding a partial chunk with g = β = 0 and q = k = v = 0 tokens is exact (their L rows and
+// columns, R rows and state contributions are zero; c stays at the last real token's).
+//
+// Grid (value head h, GDC_CW = 32 state columns): 32 × 4 = 128 blocks for Qwen3.5-9B, one
+// per SM, 256 threads = 8 warps, ~181 KiB dynamic shared memory. The state columns are
+// independent in the delta rule (each column of S sees only k, q, g, β and its own v), so
+// the blocks of one head never talk; the column-independent work (QKᵀ, KKᵀ, T) is repeated
+// by the 4 blocks of a head (~half of the block's tensor-core work: the price of one kernel
+// with no scratch and 128 blocks instead of 32).
+// Per chunk, one block:
+//  1. stage: cp.async of q and k rows of the key head (64 × dk each), v of its 32 columns,
+//     gates for 64 tokens (~74 KiB from L2/HBM per chunk and block); the f32 state slice
+//     (held in registers as mma accumulators, below) is copied to shared memory as the B
+//     operand of K·S and Q·S. Then q, k are L2-normalised in place (one warp per row, xor
+//     butterfly), thread 0 forms c by the CPU's sequential sum.
+//  2. 72 warp jobs of 16×8 output tiles over k = dk (round-robin over the 8 warps): the 20
+//     lower tiles of KKᵀ (→ L, masked and scaled in the epilogue) and of QKᵀ (→ P =
+//     QKᵀ ⊙ decay mask, j ≤ i), the 16 tiles of Q·S (→ e^c QS) and of K·S (→ R).
+//  3. T = (I + L)⁻¹ by blocks of 16: warps 0..3 invert the diagonal blocks by forward
+//     substitution (lane j owns column j in 16 registers, f32 FMAs, no barrier); then the
+//     off-diagonal blocks by distance d = 1, 2, 3: X_ab = Σ_{b≤m<a} L_am T_mb, T_ab = −T_aa X_ab
+//     (f32, 256 threads, one output each per 16×16 block; 6 barriers).
+//  4. V' = T·R (16 tiles, k only up to the tile's diagonal block).
+//  5. O = e^c QS + P·V' (16 tiles, stored straight to global from the fragments), and the
+//     state update: warp w owns state rows 16w..16w+15 × all 32 columns as four m16n8
+//     accumulator tiles (16 f32 registers per thread for the whole call): S ← e^{c_n} S,
+//     then S += (e^{c_n−c} K)ᵀ V' on the tensor cores.
+// Shared-memory rows are padded (132 / 68 / 40 floats: ≡ 4, 4, 8 mod 32 banks) so that the
+// fragment loads of every product are conflict-free except Kᵀ (2-way).
+//
+// Precision: "3xTF32". Every operand x is split into hi = tf32(x) (cvt.rna) and lo =
+// tf32(x − hi), and a product is accumulated as lo·hi + hi·lo + hi·hi by three
+// mma.sync.m16n8k8 tf32 (f32 accumulators; lo·lo, ~2⁻²² relative, is dropped). That keeps
+// ~21–22 bits of every product, about f32 (24), where plain tf32 (11 bits, ~5e-4 relative)
+// would give NMSE ~1e-7 against the recurrence and move the prefill/decode argmax gate of
+// Qwen3.5-9B, which is sensitive at the 1e-9 level. bf16x3 keeps only ~16–17 bits (its lo
+// is 8 bits) at the same cost in mma instructions (m16n8k16 does twice the k per instruction
+// but the split costs the same), so 3xTF32 is the f32-accurate choice. The recurrent state
+// stays f32 in registers (mma accumulators), written back once per call; the triangular
+// solve is plain f32 FMA. Host emulation (crates/backend/tests/gated_delta_chunked_emu.rs)
+// measured NMSE vs the CPU recurrence in GATED_DELTA.md.
+//
+// The section between the GDC_EMU markers is compiled by that test with g++ (the asm
+// wrappers replaced by emulations of cvt.rna.tf32, mma.sync m16n8k8 fragments, the xor
+// butterfly, cp.async); keep it free of other CUDA-only constructs.
+// GDC_EMU_BEGIN
+#define GDC_T 64         // tokens per chunk (gated_delta::CHUNK)
+#define GDC_DK 128       // largest key head dim (zero-padded up to it)
+#define GDC_CW 32        // state columns per block
+#define GDC_THREADS 256  // 8 warps
+#define GDC_SQK 132      // row stride of Q, K (floats)
+#define GDC_SA 68        // row stride of the 64 × 64 matrices L, P, T
+#define GDC_SC 40        // row stride of the 32-column matrices V, S, R, V', QS
+#define GDC_OFF_Q 0
+#define GDC_OFF_K (GDC_OFF_Q + GDC_T * GDC_SQK)
+#define GDC_OFF_V (GDC_OFF_K + GDC_T * GDC_SQK)
+#define GDC_OFF_S (GDC_OFF_V + GDC_T * GDC_SC)
+#define GDC_OFF_L (GDC_OFF_S + GDC_DK * GDC_SC)
+#define GDC_OFF_P (GDC_OFF_L + GDC_T * GDC_SA)
+#define GDC_OFF_TI (GDC_OFF_P + GDC_T * GDC_SA)
+#define GDC_OFF_R (GDC_OFF_TI + GDC_T * GDC_SA)
+#define GDC_OFF_VN (GDC_OFF_R + GDC_T * GDC_SC)
+#define GDC_OFF_QS (GDC_OFF_VN + GDC_T * GDC_SC)
+#define GDC_OFF_X (GDC_OFF_QS + GDC_T * GDC_SC)  // 3 × 16 × 16 scratch of the inversion
+#define GDC_OFF_CUM (GDC_OFF_X + 3 * 256)         // c (first the raw g), then β, e^{c_n−c}
+#define GDC_OFF_BETA (GDC_OFF_CUM + GDC_T)
+#define GDC_OFF_DEC (GDC_OFF_BETA + GDC_T)
+#define GDC_SMEM_FLOATS (GDC_OFF_DEC + GDC_T)  // 46,272 floats = 185,088 bytes
+
+#ifndef GDC_HOST_EMU
+__device__ __forceinline__ uint32_t gdc_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void gdc_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// d += A·B for one m16n8k8 step in 3xTF32: the small terms first.
+__device__ __forceinline__ void gdc_mma3(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                         const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+    gdc_mma(d, al, bh);
+    gdc_mma(d, ah, bl);
+    gdc_mma(d, ah, bh);
+}
+__device__ __forceinline__ float gdc_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ void gdc_cp4(float* dst, const float* src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void gdc_cp16(float* dst, const float* src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void gdc_cp_wait_all() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+#endif
+
+// The same formulas as gd_softplus / gd_sigmoid (and the CPU's).
+__device__ __forceinline__ float gdc_softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float gdc_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// hi = tf32(x), lo = tf32(x − hi) (x − hi is exact in f32).
+__device__ __forceinline__ void gdc_split(float x, uint32_t& hi, uint32_t& lo) {
+    hi = gdc_tf32(x);
+    lo = gdc_tf32(x - __uint_as_float(hi));
+}
+
+// d (the 16×8 tile of A·B at rows m0.., columns n0..) += Σ_{k < kend} A(m, k) B(k, n), kend a
+// multiple of 8, in 3xTF32. A(m, k) = A[m·am + k·ak] (times dec[k] when SCALE), B(k, n) =
+// B[k·bk + n·bn], all in shared memory. Fragments (PTX ISA, m16n8k8 .tf32, g = lane/4,
+// t = lane%4): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4); b0 (t, g), b1 (t+4, g);
+// d0 (g, 2t), d1 (g, 2t+1), d2 (g+8, 2t), d3 (g+8, 2t+1).
+template <bool SCALE>
+__device__ __forceinline__ void gdc_tile(float (&d)[4], const float* A, int am, int ak, const float* B, int bk,
+                                         int bn, int m0, int n0, int kend, const float* dec) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* a = A + (m0 + g) * am + t * ak;
+    const float* b = B + t * bk + (n0 + g) * bn;
+    for (int k = 0; k < kend; k += 8) {
+        float x0 = a[k * ak], x1 = a[8 * am + k * ak], x2 = a[(k + 4) * ak], x3 = a[8 * am + (k + 4) * ak];
+        if (SCALE) {
+            const float s0 = dec[k + t], s1 = dec[k + t + 4];
+            x0 *= s0;
+            x1 *= s0;
+            x2 *= s1;
+            x3 *= s1;
+        }
+        uint32_t ah[4], al[4], bh[2], bl[2];
+        gdc_split(x0, ah[0], al[0]);
+        gdc_split(x1, ah[1], al[1]);
+        gdc_split(x2, ah[2], al[2]);
+        gdc_split(x3, ah[3], al[3]);
+        gdc_split(b[k * bk], bh[0], bl[0]);
+        gdc_split(b[(k + 4) * bk], bh[1], bl[1]);
+        gdc_mma3(d, ah, al, bh, bl);
+    }
+}
+
+// One block: value head blockIdx.x, state columns blockIdx.y·GDC_CW.. (see the plan above).
+// Arguments as gd_body's; dk ≤ GDC_DK (the launcher checks). sm: GDC_SMEM_FLOATS floats.
+__device__ __forceinline__ void gdc_body(float* sm, const float* __restrict__ qkv, const float* __restrict__ a_in,
+                                         const float* __restrict__ b_in, const float* __restrict__ ssm_a,
+                                         const float* __restrict__ dt_bias, float* __restrict__ state,
+                                         float* __restrict__ out, int rows, int nk, int nv, int dk, int dv,
+                                         int tiled, int vec_i) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int h = blockIdx.x, col0 = blockIdx.y * GDC_CW;
+    const int cols = min(GDC_CW, dv - col0);
+    const int kh = tiled ? h % nk : h / (nv / nk);
+    const int key_dim = nk * dk, conv_dim = 2 * key_dim + nv * dv;
+    const int kdim = (dk + 7) & ~7;
+    const bool vec = vec_i != 0, vecv = vec && dv % 4 == 0;
+    float* Q = sm + GDC_OFF_Q;
+    float* K = sm + GDC_OFF_K;
+    float* V = sm + GDC_OFF_V;
+    float* S = sm + GDC_OFF_S;
+    float* L = sm + GDC_OFF_L;
+    float* P = sm + GDC_OFF_P;
+    float* T = sm + GDC_OFF_TI;
+    float* R = sm + GDC_OFF_R;
+    float* VN = sm + GDC_OFF_VN;
+    float* QS = sm + GDC_OFF_QS;
+    float* X = sm + GDC_OFF_X;
+    float* CUM = sm + GDC_OFF_CUM;
+    float* BETA = sm + GDC_OFF_BETA;
+    float* DEC = sm + GDC_OFF_DEC;
+    if (rows <= 0 || cols <= 0) return;
+    // Zero once: the padding columns (key dims ≥ dk, state columns ≥ cols) stay zero.
+    for (int i = tid; i < GDC_SMEM_FLOATS; i += GDC_THREADS) sm[i] = 0.f;
+    // The state slice as accumulator tiles: warp w, rows (key dims) 16w.., tile nt: columns 8nt..
+    // CUDA state layout [h][dv][dk]: element (row r, column c) at ((h·dv + col0 + c)·dk + r).
+    float s[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = 16 * warp + g + 8 * (q >> 1), c = 8 * nt + 2 * t4 + (q & 1);
+            s[nt][q] = r < dk && c < cols ? state[((long long)h * dv + col0 + c) * dk + r] : 0.f;
+        }
+    const float scale = 1.f / sqrtf((float)dk);
+    const float A = ssm_a[h], dtb = dt_bias[h];
+    __syncthreads();
+    for (int c0 = 0; c0 < rows; c0 += GDC_T) {
+        const int n = min(GDC_T, rows - c0);
+        // 1. Stage the chunk. Rows ≥ n of q, k, v are zero (a partial last chunk).
+        if (n < GDC_T) {
+            for (int i = tid; i < (GDC_T - n) * GDC_SQK; i += GDC_THREADS) {
+                Q[n * GDC_SQK + i] = 0.f;
+                K[n * GDC_SQK + i] = 0.f;
+            }
+            for (int i = tid; i < (GDC_T - n) * GDC_SC; i += GDC_THREADS) V[n * GDC_SC + i] = 0.f;
+        }
+        if (vec) {
+            const int n4 = dk >> 2;
+            for (int i = tid; i < n * 2 * n4; i += GDC_THREADS) {
+                const int t = i / (2 * n4), r = i - t * 2 * n4;
+                const int which = r >= n4, e = 4 * (r - which * n4);
+                gdc_cp16((which ? K : Q) + t * GDC_SQK + e,
+                         qkv + (long long)(c0 + t) * conv_dim + which * key_dim + kh * dk + e);
+            }
+        } else {
+            for (int i = tid; i < n * 2 * dk; i += GDC_THREADS) {
+                const int t = i / (2 * dk), r = i - t * 2 * dk;
+                const int which = r >= dk, e = r - which * dk;
+                gdc_cp4((which ? K : Q) + t * GDC_SQK + e,
+                        qkv + (long long)(c0 + t) * conv_dim + which * key_dim + kh * dk + e);
+            }
+        }
+        const float* vsrc = qkv + (long long)c0 * conv_dim + 2 * key_dim + (long long)h * dv + col0;
+        if (vecv) {
+            const int c4 = cols >> 2;
+            for (int i = tid; i < n * c4; i += GDC_THREADS) {
+                const int t = i / c4, c = 4 * (i - t * c4);
+                gdc_cp16(V + t * GDC_SC + c, vsrc + (long long)t * conv_dim + c);
+            }
+        } else {
+            for (int i = tid; i < n * cols; i += GDC_THREADS) {
+                const int t = i / cols, c = i - t * cols;
+                gdc_cp4(V + t * GDC_SC + c, vsrc + (long long)t * conv_dim + c);
+            }
+        }
+        if (tid < GDC_T) {
+            float gv = 0.f, bv = 0.f;
+            if (tid < n) {
+                gv = A * gdc_softplus(a_in[(long long)(c0 + tid) * nv + h] + dtb);
+                bv = gdc_sigmoid(b_in[(long long)(c0 + tid) * nv + h]);
+            }
+            CUM[tid] = gv;
+            BETA[tid] = bv;
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                S[(16 * warp + g + 8 * (q >> 1)) * GDC_SC + 8 * nt + 2 * t4 + (q & 1)] = s[nt][q];
+        gdc_cp_wait_all();
+        __syncthreads();
+        // L2 norms (eps inside the root, q also scaled: the CPU's l2_normalize); c by the
+        // CPU's sequential sum.
+        if (tid == 0) {
+            float acc = 0.f;
+            for (int i = 0; i < GDC_T; i++) {
+                acc += CUM[i];
+                CUM[i] = acc;
+            }
+        }
+        for (int rr = warp; rr < 2 * GDC_T; rr += GDC_THREADS / 32) {
+            float* p = rr < GDC_T ? Q + rr * GDC_SQK : K + (rr - GDC_T) * GDC_SQK;
+            const float x0 = p[lane], x1 = p[lane + 32], x2 = p[lane + 64], x3 = p[lane + 96];
+            const float ss = gdc_warp_sum(x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3);
+            const float inv = 1.f / sqrtf(ss + 1e-6f);
+            const float sc = rr < GDC_T ? scale : 1.f;
+            p[lane] = (x0 * inv) * sc;
+            p[lane + 32] = (x1 * inv) * sc;
+            p[lane + 64] = (x2 * inv) * sc;
+            p[lane + 96] = (x3 * inv) * sc;
+        }
+        __syncthreads();
+        // 2. KKᵀ → L, QKᵀ → P (lower tiles: row block mi has column tiles 0..2mi+1), Q·S, K·S.
+        if (tid < GDC_T) DEC[tid] = expf(CUM[GDC_T - 1] - CUM[tid]);
+        for (int job = warp; job < 72; job += GDC_THREADS / 32) {
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            if (job < 40) {
+                const bool isl = job < 20;
+                const int tj = isl ? job : job - 20;
+                const int mi = tj < 2 ? 0 : tj < 6 ? 1 : tj < 12 ? 2 : 3;
+                const int ni = tj - (mi == 0 ? 0 : mi == 1 ? 2 : mi == 2 ? 6 : 12);
+                gdc_tile<false>(d, isl ? K : Q, GDC_SQK, 1, K, 1, GDC_SQK, 16 * mi, 8 * ni, kdim, nullptr);
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int r = 16 * mi + g + 8 * (q >> 1), c = 8 * ni + 2 * t4 + (q & 1);
+                    if (isl)
+                        L[r * GDC_SA + c] = c < r ? BETA[r] * d[q] * expf(CUM[r] - CUM[c]) : 0.f;
+                    else
+                        P[r * GDC_SA + c] = c <= r ? d[q] * expf(CUM[r] - CUM[c]) : 0.f;
+                }
+            } else {
+                const bool isq = job < 56;
+                const int tj = (job - 40) & 15, mi = tj >> 2, ni = tj & 3;
+                gdc_tile<false>(d, isq ? Q : K, GDC_SQK, 1, S, GDC_SC, 1, 16 * mi, 8 * ni, kdim, nullptr);
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const int r = 16 * mi + g + 8 * (q >> 1), c = 8 * ni + 2 * t4 + (q & 1);
+                    const float e = expf(CUM[r]);
+                    if (isq)
+                        QS[r * GDC_SC + c] = e * d[q];
+                    else
+                        R[r * GDC_SC + c] = BETA[r] * (V[r * GDC_SC + c] - e * d[q]);
+                }
+            }
+        }
+        __syncthreads();
+        // 3. T = (I + L)⁻¹. Diagonal blocks: lane j < 16 of warp b < 4 owns column j of T_bb.
+        if (warp < 4 && lane < 16) {
+            const float* Lb = L + 16 * warp * GDC_SA + 16 * warp;
+            float tc[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                float acc = 0.f;
+#pragma unroll
+                for (int m = 0; m < i; m++) acc = fmaf(Lb[i * GDC_SA + m], tc[m], acc);
+                tc[i] = i == lane ? 1.f : i < lane ? 0.f : -acc;
+            }
+#pragma unroll
+            for (int i = 0; i < 16; i++) T[(16 * warp + i) * GDC_SA + 16 * warp + lane] = tc[i];
+        }
+        __syncthreads();
+        // Off-diagonal blocks T_ab (a > b) by distance a − b: X = Σ_{b≤m<a} L_am T_mb, T_ab = −T_aa X.
+        for (int dl = 1; dl < 4; dl++) {
+            const int nb = 4 - dl;
+            for (int idx = tid; idx < nb * 256; idx += GDC_THREADS) {
+                const int b = idx >> 8, i = (idx >> 4) & 15, j = idx & 15, a = b + dl;
+                const float* lr = L + (16 * a + i) * GDC_SA;
+                float acc = 0.f;
+                for (int m = 16 * b; m < 16 * a; m++) acc = fmaf(lr[m], T[m * GDC_SA + 16 * b + j], acc);
+                X[idx] = acc;
+            }
+            __syncthreads();
+            for (int idx = tid; idx < nb * 256; idx += GDC_THREADS) {
+                const int b = idx >> 8, i = (idx >> 4) & 15, j = idx & 15, a = b + dl;
+                const float* tr = T + (16 * a + i) * GDC_SA + 16 * a;
+                float acc = 0.f;
+#pragma unroll
+                for (int m = 0; m < 16; m++) acc = fmaf(tr[m], X[b * 256 + m * 16 + j], acc);
+                T[(16 * a + i) * GDC_SA + 16 * b + j] = -acc;
+            }
+            __syncthreads();
+        }
+        // 4. V' = T·R: tile (mi, ni) = (job / 4, job % 4); T is lower: k < 16(mi+1).
+        for (int job = warp; job < 16; job += GDC_THREADS / 32) {
+            const int mi = job >> 2, ni = job & 3;
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            gdc_tile<false>(d, T, GDC_SA, 1, R, GDC_SC, 1, 16 * mi, 8 * ni, 16 * (mi + 1), nullptr);
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                VN[(16 * mi + g + 8 * (q >> 1)) * GDC_SC + 8 * ni + 2 * t4 + (q & 1)] = d[q];
+        }
+        __syncthreads();
+        // 5. O = e^c QS + P·V' (P is lower: k < 16(mi+1)), straight to global.
+        for (int job = warp; job < 16; job += GDC_THREADS / 32) {
+            const int mi = job >> 2, ni = job & 3;
+            float d[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                d[q] = QS[(16 * mi + g + 8 * (q >> 1)) * GDC_SC + 8 * ni + 2 * t4 + (q & 1)];
+            gdc_tile<false>(d, P, GDC_SA, 1, VN, GDC_SC, 1, 16 * mi, 8 * ni, 16 * (mi + 1), nullptr);
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int r = 16 * mi + g + 8 * (q >> 1), c = 8 * ni + 2 * t4 + (q & 1);
+                if (r < n && c < cols) out[(long long)(c0 + r) * nv * dv + (long long)h * dv + col0 + c] = d[q];
+            }
+        }
+        // State: S ← e^{c_n} S + (e^{c_n−c} K)ᵀ V' (A(r, j) = K[j][r]·DEC[j]; tokens ≥ n are zero).
+        {
+            const float ecn = expf(CUM[GDC_T - 1]);
+            const int kt = (n + 7) & ~7;
+#pragma unroll
+            for (int nt = 0; nt < 4; nt++) {
+#pragma unroll
+                for (int q = 0; q < 4; q++) s[nt][q] *= ecn;
+                gdc_tile<true>(s[nt], K, 1, GDC_SQK, VN, GDC_SC, 1, 16 * warp, 8 * nt, kt, DEC);
+            }
+        }
+        // Everything of this chunk read before the next one is staged.
+        __syncthreads();
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = 16 * warp + g + 8 * (q >> 1), c = 8 * nt + 2 * t4 + (q & 1);
+            if (r < dk && c < cols) state[((long long)h * dv + col0 + c) * dk + r] = s[nt][q];
+        }
+}
+// GDC_EMU_END
+
+extern "C" __global__ void __launch_bounds__(GDC_THREADS)
+    gated_delta_chunked(const float* __restrict__ qkv, const float* __restrict__ a_in,
+                        const float* __restrict__ b_in, const float* __restrict__ ssm_a,
+                        const float* __restrict__ dt_bias, float* __restrict__ state, float* __restrict__ out,
+                        int rows, int nk, int nv, int dk, int dv, int tiled, int vec) {
+    PDL_ENTRY();
+    extern __shared__ __align__(16) float gdc_smem[];
+    gdc_body(gdc_smem, qkv, a_in, b_in, ssm_a, dt_bias, state, out, rows, nk, nv, dk, dv, tiled, vec);
 }
