@@ -4,8 +4,9 @@
 //! `quant_q8_lane`: the same bits) and the weights' integer quants multiplied exactly.
 //!
 //! Plan (details in the kernel file's header and `MMQ.md`):
-//! - `mmq_quant_x`: one warp per 32-element block of x → an int8 scratch `[rows][2][n_in]` and
-//!   per block `(d, d·Σ(127·hi + lo))` (2.125 B per element written, 4 B read).
+//! - x quantized by the decode GEMV's own kernel (`matmul::quantize_into`, `quant_x_q8`) into
+//!   this module's scratch: `[rows][2][n_in]` int8 and per block `(d, d·Σ(127·hi + lo))`
+//!   (2.125 B per element written, 4 B read).
 //! - `mmq_<type>_n<BN>`: 256 threads (8 warps, 4 × 2) per 128-output × BN-token tile (BN = 128,
 //!   or 64 when 128-token tiles leave most SMs idle), K step 64. Each thread decodes half a
 //!   row's step of weights to int8 (+ its block scale) into shared memory; x's planes arrive by
@@ -65,7 +66,6 @@ type XBufs = (CudaSlice<i8>, CudaSlice<f32>);
 pub struct Kernels {
     /// `mmq_<type>_n128`, `mmq_<type>_n64`, indexed like [`TYPES`].
     mm: Vec<[CudaFunction; 2]>,
-    quant: CudaFunction,
     /// The current scratch (grown geometrically) and the smaller ones it replaced, kept alive
     /// because a graph captured earlier (batched serving steps of more than GEMV_MAX_ROWS rows)
     /// may still point at them.
@@ -91,7 +91,6 @@ impl Kernels {
         }
         Ok(Kernels {
             mm,
-            quant: function(&m, "mmq_quant_x")?,
             scratch: Mutex::new((None, Vec::new())),
         })
     }
@@ -226,24 +225,8 @@ fn quantize<'a>(
     let (q, d) = cur
         .as_mut()
         .ok_or_else(|| anyhow!("mmq: int8 scratch missing"))?;
-    let cfg = LaunchConfig {
-        grid_dim: ((n / 32).div_ceil(8) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (rows_i, n_in_i) = (rows as i32, n_in as i32);
-    // SAFETY: x holds rows×n_in floats; q holds ≥ 2·rows·n_in int8 and d ≥ rows·n_in/16 floats
-    // (a (d, s) pair per 32-element block).
-    unsafe {
-        be.stream
-            .kernel(&be.mmq.quant)
-            .arg(&x.buf)
-            .arg(&rows_i)
-            .arg(&n_in_i)
-            .arg(q)
-            .arg(d)
-            .launch(cfg)
-    }?;
+    // The decode GEMV's quantization of x (the same kernel, so the same bits).
+    super::matmul::quantize_into(be, &x.buf, rows, n_in, q, d)?;
     Ok(guard)
 }
 

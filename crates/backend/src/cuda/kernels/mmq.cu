@@ -10,8 +10,9 @@
 // and the weights' integer quants are multiplied exactly on the tensor cores; only the block
 // scales are applied in f32, per (output, token, 32-block). Expected NMSE ~1e-9 like the GEMV.
 //
-// 1. mmq_quant_x: one warp per 32-element block of x (lane = element): xq [rows][2][n_in] int8
-//    (hi plane, then lo plane), xd [rows][n_in/32] float2 (d, d * sum(127 hi + lo)).
+// 1. x quantized by matmul.cu's quant_x_q8 (launched through matmul.rs's quantize_into): xq
+//    [rows][2][n_in] int8 (hi plane, then lo plane), xd [rows][n_in/32] float2 (d, d * sum(127 hi
+//    + lo)).
 //
 // 2. mmq_<type>_n<BN> (BN = 128 or 64 tokens per block), 256 threads = 8 warps as 4 (M) x 2 (N).
 //    - Block tile 128 outputs x BN tokens, K step 64 (two 32-blocks kb = 2kt, 2kt+1); warp tile
@@ -63,18 +64,6 @@
 
 __device__ __forceinline__ float mq_h2f(uint32_t h) {
     return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu)));
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-    mmq_quant_x(const float* __restrict__ x, int rows, int n_in, int8_t* __restrict__ xq, float2* __restrict__ xd) {
-    PDL_ENTRY();
-    const int nb = n_in / QK;
-    const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (blk >= (long long)rows * nb) return;  // whole warp
-    const int lane = threadIdx.x & 31;
-    const long long row = blk / nb;
-    quant_q8_lane(x[blk * QK + lane], lane, xq + row * 2 * (long long)n_in, n_in, (int)(blk % nb) * QK + lane,
-                  xd + blk);
 }
 
 // Raw (undecoded) weight bytes of one thread's share of a K step, held in registers between
