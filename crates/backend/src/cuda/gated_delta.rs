@@ -344,62 +344,49 @@ pub fn gated_delta_rule(
         i32_of(d.v_head_dim, "value head dim")?,
     );
     let tiled = i32::from(d.tiled_v_heads);
-    if let Some(f) = be
+    // The chunked tensor-core kernel (FERRITE_DELTA_CHUNKED=1) for prompts, else the
+    // sequential one; both take the same arguments.
+    let (func, cfg) = match be
         .gated_delta
         .chunked
         .as_ref()
         .filter(|_| rows >= CHUNKED_MIN_ROWS)
     {
-        let cfg = LaunchConfig {
-            grid_dim: (
-                nv as u32,
-                (d.v_head_dim as u32).div_ceil(CHUNKED_COLS as u32),
-                1,
-            ),
-            block_dim: (CHUNKED_THREADS, 1, 1),
-            shared_mem_bytes: CHUNKED_SMEM as u32,
-        };
-        // SAFETY: as below (dk ≤ 128 = GDC_DK is checked at kv_new_hybrid); one block per
-        // (value head, 32 state columns) with CHUNKED_SMEM bytes of dynamic shared memory
-        // (the limit raised at load); the 16-byte cp.async copies only when `vec` (and, for
-        // v, dv % 4 == 0, checked inside).
-        unsafe {
-            be.stream
-                .kernel(f)
-                .arg(&a.qkv.buf)
-                .arg(&a.a.buf)
-                .arg(&a.b.buf)
-                .arg(&ssm_a)
-                .arg(&dt_bias)
-                .arg(&mut state)
-                .arg(&mut out.buf)
-                .arg(&rows_i)
-                .arg(&nk)
-                .arg(&nv_i)
-                .arg(&dk)
-                .arg(&dv)
-                .arg(&tiled)
-                .arg(&vec)
-                .launch(cfg)
-        }?;
-        return Ok(());
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (
-            nv as u32,
-            (d.v_head_dim as u32).div_ceil((DELTA_THREADS / lanes) as u32),
-            1,
+        Some(f) => (
+            f,
+            LaunchConfig {
+                grid_dim: (
+                    nv as u32,
+                    (d.v_head_dim as u32).div_ceil(CHUNKED_COLS as u32),
+                    1,
+                ),
+                block_dim: (CHUNKED_THREADS, 1, 1),
+                shared_mem_bytes: CHUNKED_SMEM as u32,
+            },
         ),
-        block_dim: (DELTA_THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
+        None => (
+            &be.gated_delta.delta[variant],
+            LaunchConfig {
+                grid_dim: (
+                    nv as u32,
+                    (d.v_head_dim as u32).div_ceil((DELTA_THREADS / lanes) as u32),
+                    1,
+                ),
+                block_dim: (DELTA_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        ),
     };
     // SAFETY: shapes checked above; the state view is this layer's nv × dv × dk floats (its
     // offset a multiple of dk × dv, so 16-byte aligned when `vec`; so are the cp.async
-    // rows of q and k); one block per (value head, 128/lanes columns), static shared
-    // memory only, all bounds-checked inside.
+    // rows of q and k); all bounds-checked inside. Sequential kernel: one block per (value
+    // head, 128/lanes columns), static shared memory only. Chunked kernel: dk ≤ 128 = GDC_DK
+    // (checked at kv_new_hybrid), one block per (value head, 32 state columns) with
+    // CHUNKED_SMEM bytes of dynamic shared memory (the limit raised at load), its 16-byte
+    // cp.async copies only when `vec` (and, for v, dv % 4 == 0, checked inside).
     unsafe {
         be.stream
-            .kernel(&be.gated_delta.delta[variant])
+            .kernel(func)
             .arg(&a.qkv.buf)
             .arg(&a.a.buf)
             .arg(&a.b.buf)
