@@ -16,7 +16,7 @@ use anyhow::{bail, ensure, Context, Result};
 use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
 
-use crate::gated_delta::{self, HeadInputs};
+use crate::gated_delta;
 use crate::{
     check_shape, Act, AttnArgs, AttnShape, Backend, BatchLayout, DeltaArgs, DeltaShape,
     ExpertWeights, HostTensor, MoeRouting, PagedKv, Rope, RopeStyle, SeqRows, SnapshotSlots,
@@ -179,25 +179,8 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-fn sigmoid(x: f32) -> f32 {
+pub(crate) fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
-}
-
-/// PyTorch's `F.softplus` (beta 1, threshold 20): `ln(1 + e^x)`, or `x` above 20.
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
-}
-
-/// `x / sqrt(Σx² + 1e-6)`: the L2 normalisation of q and k in Gated DeltaNet (fla's and
-/// transformers' `l2norm`, eps inside the root).
-fn l2_normalize(x: &mut [f32]) {
-    let ss: f32 = x.iter().map(|v| v * v).sum();
-    let inv = 1.0 / (ss + 1e-6).sqrt();
-    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// `x / sqrt(mean(x²) + eps) * w`, the sum of squares accumulated in f64.
@@ -758,64 +741,25 @@ impl Backend for CpuBackend {
         let ds = kv.delta_shape(a.layer)?;
         ensure!(ds == a.shape, "gated_delta_rule: cache shape differs");
         let rows = a.qkv.rows;
-        let (nv, dk, dv) = (ds.n_v_heads, ds.k_head_dim, ds.v_head_dim);
-        let key_dim = ds.key_dim();
+        let nv = ds.n_v_heads;
         check_shape("gated_delta_rule qkv", a.qkv, rows, ds.conv_dim())?;
         check_shape("gated_delta_rule a", a.a, rows, nv)?;
         check_shape("gated_delta_rule b", a.b, rows, nv)?;
         check_shape("gated_delta_rule out", out, rows, ds.value_dim())?;
         let ssm_a = dequant_vec(a.ssm_a, nv)?;
         let dt_bias = dequant_vec(a.dt_bias, nv)?;
-        let scale = 1.0 / (dk as f32).sqrt();
-        let qkv = &a.qkv.buf;
-        let c = ds.conv_dim();
-
-        // One task per value head: gather its inputs, run the recurrence on its state.
-        let per_head: Vec<Vec<f32>> = kv.delta[a.layer]
-            .par_chunks_mut(dk * dv)
-            .enumerate()
-            .map(|(h, state)| {
-                let kh = ds.k_head_of(h);
-                let mut q = Vec::with_capacity(rows * dk);
-                let mut k = Vec::with_capacity(rows * dk);
-                let mut v = Vec::with_capacity(rows * dv);
-                let (mut g, mut beta) = (vec![0f32; rows], vec![0f32; rows]);
-                for t in 0..rows {
-                    let row = &qkv[t * c..][..c];
-                    let qs = q.len();
-                    q.extend_from_slice(&row[kh * dk..][..dk]);
-                    l2_normalize(&mut q[qs..]);
-                    q[qs..].iter_mut().for_each(|x| *x *= scale);
-                    let ks = k.len();
-                    k.extend_from_slice(&row[key_dim + kh * dk..][..dk]);
-                    l2_normalize(&mut k[ks..]);
-                    v.extend_from_slice(&row[2 * key_dim + h * dv..][..dv]);
-                    g[t] = ssm_a[h] * softplus(a.a.buf[t * nv + h] + dt_bias[h]);
-                    beta[t] = sigmoid(a.b.buf[t * nv + h]);
-                }
-                let mut o = vec![0f32; rows * dv];
-                let x = HeadInputs {
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                    g: &g,
-                    beta: &beta,
-                    dk,
-                    dv,
-                };
-                if self.chunked_delta && rows > 1 {
-                    gated_delta::chunked(&x, gated_delta::CHUNK, state, &mut o);
-                } else {
-                    gated_delta::recurrent(&x, state, &mut o);
-                }
-                o
-            })
-            .collect();
-        for (h, o) in per_head.iter().enumerate() {
-            for t in 0..rows {
-                out.buf[t * nv * dv + h * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
-            }
-        }
+        gated_delta::heads(
+            &ds,
+            rows,
+            &a.qkv.buf,
+            &a.a.buf,
+            &a.b.buf,
+            &ssm_a,
+            &dt_bias,
+            self.chunked_delta,
+            &mut kv.delta[a.layer],
+            &mut out.buf,
+        );
         Ok(())
     }
 

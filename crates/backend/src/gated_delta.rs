@@ -17,8 +17,100 @@
 //! o_t = Sᵀ q_t                          read
 //! ```
 
+use rayon::prelude::*;
+
+use crate::DeltaShape;
+
 /// Chunk length of the chunked form (transformers' and fla's default).
 pub const CHUNK: usize = 64;
+
+/// PyTorch's `F.softplus` (beta 1, threshold 20): `ln(1 + e^x)`, or `x` above 20.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// `x / sqrt(Σx² + 1e-6)`: the L2 normalisation of q and k in Gated DeltaNet (fla's and
+/// transformers' `l2norm`, eps inside the root).
+fn l2_normalize(x: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// One call of Qwen3.5's gated delta rule over `rows` tokens, every value head (in parallel),
+/// as the CPU reference computes it: per head, q and k gathered from `qkv` (`[rows,
+/// conv_dim]`: `[q | k | v]`) and L2-normalised (q also scaled by `dk^-1/2`), the decay
+/// `g = ssm_a · softplus(a + dt_bias)` and `β = σ(b)` (`a`, `b`: `[rows, n_v_heads]`), then
+/// [`recurrent`] — or, with `chunked` and more than one row, [`chunked`] — on that head's
+/// state. `states` is `[n_v_heads][dk][dv]`, carried in and out; `out` is `[rows,
+/// value_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn heads(
+    ds: &DeltaShape,
+    rows: usize,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    ssm_a: &[f32],
+    dt_bias: &[f32],
+    chunked_form: bool,
+    states: &mut [f32],
+    out: &mut [f32],
+) {
+    let (nv, dk, dv) = (ds.n_v_heads, ds.k_head_dim, ds.v_head_dim);
+    let (key_dim, c) = (ds.key_dim(), ds.conv_dim());
+    let scale = 1.0 / (dk as f32).sqrt();
+    // One task per value head: gather its inputs, run the delta rule on its state.
+    let per_head: Vec<Vec<f32>> = states
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .map(|(h, state)| {
+            let kh = ds.k_head_of(h);
+            let mut q = Vec::with_capacity(rows * dk);
+            let mut k = Vec::with_capacity(rows * dk);
+            let mut v = Vec::with_capacity(rows * dv);
+            let (mut g, mut beta) = (vec![0f32; rows], vec![0f32; rows]);
+            for t in 0..rows {
+                let row = &qkv[t * c..][..c];
+                let qs = q.len();
+                q.extend_from_slice(&row[kh * dk..][..dk]);
+                l2_normalize(&mut q[qs..]);
+                q[qs..].iter_mut().for_each(|x| *x *= scale);
+                let ks = k.len();
+                k.extend_from_slice(&row[key_dim + kh * dk..][..dk]);
+                l2_normalize(&mut k[ks..]);
+                v.extend_from_slice(&row[2 * key_dim + h * dv..][..dv]);
+                g[t] = ssm_a[h] * softplus(a[t * nv + h] + dt_bias[h]);
+                beta[t] = crate::cpu::sigmoid(b[t * nv + h]);
+            }
+            let mut o = vec![0f32; rows * dv];
+            let x = HeadInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                g: &g,
+                beta: &beta,
+                dk,
+                dv,
+            };
+            if chunked_form && rows > 1 {
+                chunked(&x, CHUNK, state, &mut o);
+            } else {
+                recurrent(&x, state, &mut o);
+            }
+            o
+        })
+        .collect();
+    for (h, o) in per_head.iter().enumerate() {
+        for t in 0..rows {
+            out[t * nv * dv + h * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
+        }
+    }
+}
 
 /// One value head's inputs over `T` tokens.
 pub struct HeadInputs<'a> {

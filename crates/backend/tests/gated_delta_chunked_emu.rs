@@ -1,6 +1,6 @@
 //! Host emulation of the chunked gated-delta prefill kernel (`gated_delta_chunked` in
 //! `kernels/gated_delta.cu`, the section between its GDC_EMU markers) against the CPU
-//! recurrence (`gated_delta::recurrent`, with `cpu.rs`'s input preparation).
+//! recurrence (`gated_delta::heads`, the CPU reference's input preparation and recurrence).
 //!
 //! The kernel body is compiled unchanged with g++ (`gated_delta_emu/harness.cpp`: every CUDA
 //! thread a fiber, barriers and warp collectives scheduled, mma.sync m16n8k8 tf32 and
@@ -13,7 +13,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use ferrite_backend::gated_delta::{self, HeadInputs};
+use ferrite_backend::gated_delta;
+use ferrite_backend::DeltaShape;
 
 const SRC: &str = include_str!("../src/cuda/kernels/gated_delta.cu");
 const HARNESS: &str = include_str!("gated_delta_emu/harness.cpp");
@@ -59,8 +60,8 @@ struct Call {
     b: Vec<f32>,
 }
 
-/// cpu.rs's gated_delta_rule for one call (its per-head preparation, then the recurrence
-/// or the CPU's chunked form); state `[nv][dk][dv]`.
+/// The CPU reference's gated_delta_rule for one call (`gated_delta::heads`: its per-head
+/// preparation, then the recurrence or the CPU's chunked form); state `[nv][dk][dv]`.
 fn cpu_call(
     s: Shape,
     ssm_a: &[f32],
@@ -69,54 +70,18 @@ fn cpu_call(
     c: &Call,
     chunked: bool,
 ) -> Vec<f32> {
-    let (nk, nv, dk, dv) = (s.nk, s.nv, s.dk, s.dv);
-    let key_dim = nk * dk;
-    let conv = 2 * key_dim + nv * dv;
-    let scale = 1.0 / (dk as f32).sqrt();
-    let l2 = |x: &mut [f32]| {
-        let ss: f32 = x.iter().map(|v| v * v).sum();
-        let inv = 1.0 / (ss + 1e-6).sqrt();
-        x.iter_mut().for_each(|v| *v *= inv);
+    let ds = DeltaShape {
+        n_k_heads: s.nk,
+        n_v_heads: s.nv,
+        k_head_dim: s.dk,
+        v_head_dim: s.dv,
+        conv_kernel: 4, // unused by the delta rule
+        tiled_v_heads: s.tiled,
     };
-    let softplus = |x: f32| if x > 20.0 { x } else { x.exp().ln_1p() };
-    let mut out = vec![0f32; c.rows * nv * dv];
-    for h in 0..nv {
-        let kh = if s.tiled { h % nk } else { h / (nv / nk) };
-        let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
-        let (mut g, mut beta) = (vec![0f32; c.rows], vec![0f32; c.rows]);
-        for t in 0..c.rows {
-            let row = &c.qkv[t * conv..][..conv];
-            let qs = q.len();
-            q.extend_from_slice(&row[kh * dk..][..dk]);
-            l2(&mut q[qs..]);
-            q[qs..].iter_mut().for_each(|x| *x *= scale);
-            let ks = k.len();
-            k.extend_from_slice(&row[key_dim + kh * dk..][..dk]);
-            l2(&mut k[ks..]);
-            v.extend_from_slice(&row[2 * key_dim + h * dv..][..dv]);
-            g[t] = ssm_a[h] * softplus(c.a[t * nv + h] + dt_bias[h]);
-            beta[t] = 1.0 / (1.0 + (-c.b[t * nv + h]).exp());
-        }
-        let x = HeadInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            g: &g,
-            beta: &beta,
-            dk,
-            dv,
-        };
-        let mut o = vec![0f32; c.rows * dv];
-        let state = &mut st[h * dk * dv..][..dk * dv];
-        if chunked {
-            gated_delta::chunked(&x, gated_delta::CHUNK, state, &mut o);
-        } else {
-            gated_delta::recurrent(&x, state, &mut o);
-        }
-        for t in 0..c.rows {
-            out[t * nv * dv + h * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
-        }
-    }
+    let mut out = vec![0f32; c.rows * s.nv * s.dv];
+    gated_delta::heads(
+        &ds, c.rows, &c.qkv, &c.a, &c.b, ssm_a, dt_bias, chunked, st, &mut out,
+    );
     out
 }
 
