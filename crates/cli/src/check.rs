@@ -1468,6 +1468,20 @@ struct HostData {
 /// One KV-fill (prefill) step: (q, k, v, first position, rows).
 type FillStep = (Vec<f32>, Vec<f32>, Vec<f32>, usize, usize);
 
+/// The gated delta rule's per-value-head weights, ssm_a then dt_bias (f32 `[nv]` each):
+/// ssm_a = -exp(A_log) over [-20, -0.05] and dt_bias around -1, decays from ~0.99 (the state
+/// carries across many tokens) to ~0.
+fn push_decay_weights(h: &mut HostData, rng: &mut Rng, nv: usize) {
+    let ssm_a: Vec<f32> = (0..nv)
+        .map(|_| -((rng.uniform() * 6.0 - 3.0).exp() as f32))
+        .collect();
+    let dt_bias: Vec<f32> = (0..nv).map(|_| -1.0 + 0.5 * rng.normal()).collect();
+    for w in [ssm_a, dt_bias] {
+        let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        h.weights.push((GgmlType::F32, vec![nv], bytes));
+    }
+}
+
 fn gen(op: &Op, seed: u64) -> Result<HostData> {
     let mut rng = Rng::new(seed);
     let mut h = HostData::default();
@@ -1726,16 +1740,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
         }
         Op::GatedDelta { shape, fill, rows } => {
             let (c, nv) = (shape.conv_dim(), shape.n_v_heads);
-            // ssm_a = -exp(A_log) over [-20, -0.05] and dt_bias around -1: decays from
-            // ~0.99 (the state carries across many tokens) to ~0.
-            let ssm_a: Vec<f32> = (0..nv)
-                .map(|_| -((rng.uniform() * 6.0 - 3.0).exp() as f32))
-                .collect();
-            let dt_bias: Vec<f32> = (0..nv).map(|_| -1.0 + 0.5 * rng.normal()).collect();
-            for w in [ssm_a, dt_bias] {
-                let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-                h.weights.push((GgmlType::F32, vec![nv], bytes));
-            }
+            push_decay_weights(&mut h, &mut rng, nv);
             for n in [rows, fill] {
                 h.acts.push((rng.normals(n * c, 1.0), n, c));
                 h.acts.push((rng.normals(n * nv, 1.0), n, nv));
@@ -1757,14 +1762,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 vec![c, k],
                 taps.iter().flat_map(|v| v.to_le_bytes()).collect(),
             ));
-            let ssm_a: Vec<f32> = (0..nv)
-                .map(|_| -((rng.uniform() * 6.0 - 3.0).exp() as f32))
-                .collect();
-            let dt_bias: Vec<f32> = (0..nv).map(|_| -1.0 + 0.5 * rng.normal()).collect();
-            for w in [ssm_a, dt_bias] {
-                let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-                h.weights.push((GgmlType::F32, vec![nv], bytes));
-            }
+            push_decay_weights(&mut h, &mut rng, nv);
             // Per step (checked rows, fill, draft): conv input, qkv, a, b.
             for n in [rows, fill, draft] {
                 h.acts.push((rng.normals(n * c, 1.0), n, c));
