@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::GgmlType;
 
 use super::launch::{KernelArg, LaunchExt};
@@ -107,6 +107,29 @@ pub struct Kernels {
     xb: Mutex<(Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>)>,
 }
 
+/// How much of its weight rows the float GEMV prefetches into L2 before its PDL wait
+/// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's first KB, 2 the block's whole
+/// span. `FERRITE_GEMV_PF` overrides the default (a tuning switch: MATMUL.md, "F16 decode
+/// regression").
+const GEMV_PF_DEFAULT: i32 = 1;
+
+fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
+    let mode = match std::env::var("FERRITE_GEMV_PF") {
+        Ok(v) => match v.trim().parse::<i32>() {
+            Ok(n @ 0..=2) => n,
+            _ => bail!("FERRITE_GEMV_PF must be 0, 1 or 2, not {v:?}"),
+        },
+        Err(_) => GEMV_PF_DEFAULT,
+    };
+    let stream = ctx.default_stream();
+    let mut sym = m.get_global("gemv_pf_mode", &stream)?;
+    // SAFETY: the symbol is a 4-byte `__constant__ int`.
+    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_mode is not an int")?;
+    stream.memcpy_htod(&[mode], &mut v)?;
+    stream.synchronize()?;
+    Ok(())
+}
+
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "matmul", SRC)?;
@@ -180,6 +203,7 @@ impl Kernels {
             mm.push([g(MM_BN[0])?, g(MM_BN[1])?]);
         }
         let mm_x = function(&m, "mm_x_bf16")?;
+        set_gemv_prefetch(ctx, &m)?;
         Ok(Kernels {
             gemv,
             gemv_swiglu,

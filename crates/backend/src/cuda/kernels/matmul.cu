@@ -380,11 +380,33 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 // lines are prefetched into L2 before waiting for the predecessor. While the previous kernel
 // drains (its tail leaves DRAM idle), this block's weights are already on their way; its
 // streaming loads then hit L2. Then wait, then let the next kernel launch.
+// How much of its weights gemv_prologue prefetches into L2 before the PDL wait (set once by
+// the launcher, matmul.rs; a tuning switch while the F16 decode regression is measured):
+// 0 nothing, 1 the first GEMV_PF_HEAD bytes of each of the block's rows (what the first
+// steps of the row groups load), 2 the block's whole span (round 3).
+__constant__ int gemv_pf_mode;
+#define GEMV_PF_HEAD 1024
+
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
 #if __CUDA_ARCH__ >= 900
     r1 = r1 < n_out ? r1 : n_out;
-    if (r0 < r1) {
+    const int mode = gemv_pf_mode;
+    if (mode == 1 && r0 < r1) {
+        // One line per thread and pass: thread t takes row t / L, line t % L of that row's head.
+        const int L = (int)((rb < GEMV_PF_HEAD ? rb : GEMV_PF_HEAD) + 127) / 128;
+        const int n = (r1 - r0) * L;
+#pragma unroll 1
+        for (int m = 0; m < 2; m++) {
+            const uint8_t* base = m == 0 ? W : W2;
+            if (base == nullptr) break;
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                const uint8_t* a = base + (size_t)(r0 + i / L) * (size_t)rb + 128 * (size_t)(i % L);
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+            }
+        }
+    }
+    if (mode == 2 && r0 < r1) {
         const size_t bytes = (size_t)(r1 - r0) * (size_t)rb;
 #pragma unroll 1
         for (int m = 0; m < 2; m++) {
