@@ -1247,6 +1247,14 @@ pub fn cases(quick: bool) -> Vec<Case> {
     ];
     let fills = [(0, 5), (2, 1), (7, 5), (100, 64), (37, 200)];
     for (si, &shape) in delta_shapes.iter().enumerate() {
+        if si == 0 && !quick {
+            // Qwen3.5-9B's prefill chunk (PREFILL_CHUNK rows): the chunked kernel's design size.
+            add(Op::GatedDelta {
+                shape,
+                fill: 0,
+                rows: 512,
+            });
+        }
         for &(fill, rows) in &fills {
             if quick && (shape.conv_dim() > 1000 || rows > 5) {
                 continue;

@@ -252,12 +252,24 @@ fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
 }
 
-/// Query heads per decode block: the largest of 8, 4, 2, 1 that divides the GQA group, so
-/// a block's heads share one kv head and each K/V row is read once for all of them.
+/// Most query heads per decode block (see [`heads_per_block`]).
+const DECODE_MAX_GB: usize = 4;
+
+/// Query heads per decode block: the largest of 4, 2, 1 that divides the GQA group, so a
+/// block's heads share one kv head and each K/V row is read once for all of them. 8 heads per
+/// block (the kernels exist) made Qwen3-30B-A3B's decode 8% slower than 4 (ATTENTION.md, GQA
+/// group 8); `FERRITE_ATTN_GB` (8, 4, 2, 1) overrides the cap (a tuning switch).
 fn heads_per_block(group: usize) -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let max = *MAX.get_or_init(|| {
+        std::env::var("FERRITE_ATTN_GB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .unwrap_or(DECODE_MAX_GB)
+    });
     [8, 4, 2, 1]
         .into_iter()
-        .find(|gb| group.is_multiple_of(*gb))
+        .find(|gb| *gb <= max && group.is_multiple_of(*gb))
         .unwrap_or(1)
 }
 
@@ -1027,7 +1039,8 @@ mod tests {
         }
         assert_eq!(heads_per_block(4), 4);
         assert_eq!(heads_per_block(6), 2);
-        assert_eq!(heads_per_block(16), 8);
+        assert_eq!(heads_per_block(16), 4);
+        assert_eq!(heads_per_block(8), 4);
     }
 
     #[test]

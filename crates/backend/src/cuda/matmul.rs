@@ -315,6 +315,23 @@ fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
 /// (matmul.cu, `gemv_bulk_prologue`): two such blocks fit in an H200 SM's 228 KB.
 const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
 
+/// The shared memory a bulk-copy GEMV block aims at: the split grows until the block's slots
+/// fit (or ks = GEMV_WARPS). 40 KB keeps 4096-column rows whole per warp (16 rows of Q4_K, 37
+/// KB) and splits the 12288-column down projections 4–8 ways, so their blocks finish sooner
+/// after their copy lands (MATMUL.md round 5: Qwen3-8B Q4_K_M tg128 +4% over 112 KB).
+/// `FERRITE_GEMVQ_SMEM` (KB) overrides it (a tuning switch).
+const GEMVQ_BLOCK_SMEM: usize = 40 * 1024;
+
+fn gemvq_block_smem() -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| {
+        std::env::var("FERRITE_GEMVQ_SMEM")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .map_or(GEMVQ_BLOCK_SMEM, |kb| (kb * 1024).clamp(4096, GEMVQ_BULK_MAX_SMEM))
+    })
+}
+
 /// The K split and dynamic shared memory of a quantized-x GEMV launch over `groups` row
 /// groups of rows of `rb` bytes, `spans` weights per row group (1, or 2 for the fused
 /// SwiGLU's gate and up rows). Before sm_90: the register-load form, split by [`split_k`],
@@ -333,11 +350,12 @@ fn gemvq_split(
     if !be.matmul.bulk {
         return Ok((split_k(gemvq_steps(t, n_in), groups, be.sm_count), 0));
     }
+    let cap = gemvq_block_smem();
     let mut ks = 1;
     while ks <= GEMV_WARPS {
         let rows = GEMV_WARPS / ks * GEMV_NW / spans;
         let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
-        if bytes <= GEMVQ_BULK_MAX_SMEM {
+        if bytes <= cap || (ks == GEMV_WARPS && bytes <= GEMVQ_BULK_MAX_SMEM) {
             return Ok((ks, bytes as u32));
         }
         ks *= 2;
