@@ -38,6 +38,10 @@ LLAMA_CPP_H200 = {
 }
 
 
+# `ferrite bench --gate-tokens` default: records without the field ran it.
+DEFAULT_GATE_TOKENS = 32
+
+
 def load_baselines():
     """llama.cpp CPU baselines measured on the development machine (bench/llamacpp_cpu_baseline.jsonl)."""
     out = {}
@@ -61,6 +65,7 @@ def table():
         key = (r.get("gpu", "?"), r.get("backend", "?"), r.get("model"), r.get("quant"), r.get("test"), r.get("depth", 0))
         rows[key] = r  # newest wins (the file is append-only)
     cpu_base = load_baselines()
+    short_gates = set()
     lines = [
         "| date | device | model | quant | test | depth | ferrite tok/s | % of roofline | llama.cpp tok/s (same device) | git |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -75,9 +80,19 @@ def table():
                 if q == quant and t == test and str(th) == threads and m.split("-")[0] in model:
                     peer = round(v, 1)
         roof = r.get("roofline_pct")
+        gate = r.get("gate_tokens", DEFAULT_GATE_TOKENS)
+        mark = "" if gate >= DEFAULT_GATE_TOKENS else " ¹"
+        if mark:
+            short_gates.add(gate)
         lines.append(
             f"| {r['date'][:10]} | {gpu} ({backend}) | {model} | {quant} | {test} | {depth} | "
-            f"{r['tokens_per_s']:.1f} | {'' if roof is None else f'{roof:.1f}%'} | {'' if peer is None else peer} | {r.get('git_sha', '')[:12]} |"
+            f"{r['tokens_per_s']:.1f}{mark} | {'' if roof is None else f'{roof:.1f}%'} | {'' if peer is None else peer} | {r.get('git_sha', '')[:12]} |"
+        )
+    if short_gates:
+        lines.append("")
+        lines.append(
+            f"¹ prefill/decode gate run at {', '.join(map(str, sorted(short_gates)))} tokens instead of "
+            f"{DEFAULT_GATE_TOKENS} (see the model's notes in crates/backend/src/cuda/MOE.md)."
         )
     return "\n".join(lines)
 

@@ -71,6 +71,8 @@ pub struct Record {
     /// Device memory in use after the test (weights, KV cache, workspaces), GiB.
     pub vram_used_gib: Option<f64>,
     pub reps: usize,
+    /// Prompt length of the prefill/decode gate the run passed (`--gate-tokens`).
+    pub gate_tokens: usize,
 }
 
 /// llama.cpp's `llama_ftype` names for `general.file_type`.
@@ -253,6 +255,7 @@ fn bench_on<B: Backend>(
             copy_bandwidth_gb_s: bw / 1e9,
             vram_used_gib,
             reps: a.reps,
+            gate_tokens: gate_prompt.len(),
         },
         Record {
             date,
@@ -271,6 +274,7 @@ fn bench_on<B: Backend>(
             copy_bandwidth_gb_s: bw / 1e9,
             vram_used_gib,
             reps: a.reps,
+            gate_tokens: gate_prompt.len(),
         },
     ];
     if a.json {

@@ -312,12 +312,16 @@ enum Op {
         rows: usize,
     },
     /// `matmuls` of two weights of type `ty` reading the same x (a [1024, n_in] one first,
-    /// then the checked `[n_out, n_in]` one): at decode rows one grouped launch.
+    /// then the checked `[n_out, n_in]` one): at decode rows one grouped launch. With `v`, a
+    /// third `[n_out, n_in]` weight of type `v` follows (Q4_K_M's Q, K, V: one mixed-type
+    /// launch), and `check_v` picks which of the last two outputs is checked.
     Matmuls {
         ty: GgmlType,
         n_in: usize,
         n_out: usize,
         rows: usize,
+        v: Option<GgmlType>,
+        check_v: bool,
     },
     /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`.
     MatmulSwiglu {
@@ -515,9 +519,17 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_in,
             n_out,
             rows,
+            v,
+            check_v,
         } => (
             "matmuls",
-            format!("matmuls {ty}: 1024 + {n_in}->{n_out} rows={rows}"),
+            match v {
+                None => format!("matmuls {ty}: 1024 + {n_in}->{n_out} rows={rows}"),
+                Some(v) => format!(
+                    "matmuls {ty} {ty} {v}: 1024 + {n_in}->{n_out} x2 rows={rows} (checked: {})",
+                    if *check_v { "the third" } else { "the second" }
+                ),
+            },
         ),
         Op::MatmulSwiglu {
             ty,
@@ -854,6 +866,27 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     n_in,
                     n_out,
                     rows,
+                    v: None,
+                    check_v: false,
+                });
+            }
+        }
+    }
+    // Q, K (Q4_K) and V (Q6_K) as the Q4_K_M mix stores them: one mixed-type launch; both
+    // outputs after the first weight's are checked (the segment boundaries differ per type).
+    for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
+        for rows in [1, 3, 9, 16] {
+            if quick && rows > 9 {
+                continue;
+            }
+            for check_v in [false, true] {
+                add(Op::Matmuls {
+                    ty: GgmlType::Q4K,
+                    n_in,
+                    n_out,
+                    rows,
+                    v: Some(GgmlType::Q6K),
+                    check_v,
                 });
             }
         }
@@ -1551,6 +1584,8 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             n_in,
             n_out,
             rows,
+            v,
+            ..
         } => {
             let first = [1024, n_in];
             h.weights
@@ -1560,8 +1595,19 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 vec![n_out, n_in],
                 gen_weight(ty, &[n_out, n_in], seed ^ 0x9e37)?,
             ));
+            if let Some(v) = v {
+                h.weights.push((
+                    v,
+                    vec![n_out, n_in],
+                    gen_weight(v, &[n_out, n_in], seed ^ 0x7f4a)?,
+                ));
+            }
             h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
             h.acts.push((vec![0.0; rows * 1024], rows, 1024));
+            if v.is_some() {
+                // The output of the weight not checked.
+                h.acts.push((vec![0.0; rows * n_out], rows, n_out));
+            }
             h.out = (rows, n_out);
         }
         Op::MatmulSwiglu {
@@ -2067,11 +2113,22 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::RmsNorm { .. } => be.rms_norm(&p.a[0], &p.w[0], EPS, &mut p.out),
         Op::HeadRmsNorm { head_dim, .. } => be.head_rms_norm(&mut p.out, &p.w[0], *head_dim, EPS),
         Op::Matmul { .. } => be.matmul(&p.a[0], &p.w[0], &mut p.out),
-        Op::Matmuls { .. } => {
+        Op::Matmuls { v: None, .. } => {
             let [x, first] = &mut p.a[..] else {
                 bail!("matmuls: expected 2 activations")
             };
             be.matmuls(x, &[&p.w[0], &p.w[1]], &mut [first, &mut p.out])
+        }
+        Op::Matmuls { check_v, .. } => {
+            let [x, first, other] = &mut p.a[..] else {
+                bail!("matmuls: expected 3 activations")
+            };
+            let ws = [&p.w[0], &p.w[1], &p.w[2]];
+            if *check_v {
+                be.matmuls(x, &ws, &mut [first, other, &mut p.out])
+            } else {
+                be.matmuls(x, &ws, &mut [first, &mut p.out, other])
+            }
         }
         Op::MatmulSwiglu { .. } => {
             let [x, g, u] = &mut p.a[..] else {

@@ -88,6 +88,9 @@ pub struct Kernels {
     /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
     /// (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
+    /// `gemvq_multi_<a>_<b>_r<R>`: a grouped launch of two weights of type a and a third of
+    /// type b (the pairs of [`GEMVQ_MIXED`]).
+    gemvq_mixed: Vec<(GgmlType, GgmlType, [CudaFunction; 6])>,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
@@ -202,6 +205,31 @@ impl Kernels {
             };
             mm.push([g(MM_BN[0])?, g(MM_BN[1])?]);
         }
+        let mut gemvq_mixed = Vec::with_capacity(GEMVQ_MIXED.len());
+        for &(a, b) in GEMVQ_MIXED {
+            let name = |t: GgmlType| {
+                TYPES
+                    .iter()
+                    .find(|(ty, _)| *ty == t)
+                    .map(|(_, n)| *n)
+                    .ok_or_else(|| anyhow!("GEMVQ_MIXED names an unknown type {t}"))
+            };
+            let (na, nb) = (name(a)?, name(b)?);
+            let f = |r: usize| -> Result<CudaFunction> {
+                let f = function(&m, &format!("gemvq_multi_{na}_{nb}_r{r}"))?;
+                if bulk {
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        GEMVQ_BULK_MAX_SMEM as i32,
+                    )
+                    .with_context(|| {
+                        format!("gemvq_multi_{na}_{nb}: raising the shared-memory limit")
+                    })?;
+                }
+                Ok(f)
+            };
+            gemvq_mixed.push((a, b, [f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]));
+        }
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_prefetch(ctx, &m)?;
         Ok(Kernels {
@@ -209,6 +237,7 @@ impl Kernels {
             gemv_swiglu,
             gemv_multi,
             gemvq,
+            gemvq_mixed,
             gemvq_moe,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
@@ -328,7 +357,9 @@ fn gemvq_block_smem() -> usize {
         std::env::var("FERRITE_GEMVQ_SMEM")
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
-            .map_or(GEMVQ_BLOCK_SMEM, |kb| (kb * 1024).clamp(4096, GEMVQ_BULK_MAX_SMEM))
+            .map_or(GEMVQ_BLOCK_SMEM, |kb| {
+                (kb * 1024).clamp(4096, GEMVQ_BULK_MAX_SMEM)
+            })
     })
 }
 
@@ -697,6 +728,11 @@ fn gemvq_launch(
     Ok(())
 }
 
+/// Type pairs (a, b) with a grouped quantized-x launch of two type-a weights and a type-b
+/// third (`gemvq_multi_<a>_<b>_r<R>` in matmul.cu): Q4_K_M's Q, K (Q4_K) and V (Q6_K in half
+/// the layers).
+const GEMVQ_MIXED: &[(GgmlType, GgmlType)] = &[(GgmlType::Q4K, GgmlType::Q6K)];
+
 /// Kernel argument of `gemv_multi_*` / `gemvq_multi_*` (`GemvSegs` in matmul.cu): up to
 /// three weights of one type and row length, their outputs and row counts, and the blocks of
 /// the first two (the third takes the rest of the grid).
@@ -777,6 +813,21 @@ pub fn matmuls(
         {
             j += 1;
         }
+        // Two quantized-x weights of one type followed by one of another type that has a
+        // mixed kernel (Q4_K Q, K + Q6_K V): one launch for the three.
+        if j - i == 2
+            && j < ws.len()
+            && paths[i] == Some(true)
+            && paths[j] == Some(true)
+            && ws[j].shape[1] == ws[i].shape[1]
+            && be
+                .matmul
+                .gemvq_mixed
+                .iter()
+                .any(|(a, b, _)| *a == ws[i].dtype && *b == ws[j].dtype)
+        {
+            j += 1;
+        }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
             Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group)?,
@@ -826,7 +877,20 @@ fn multi_launch(
     } else {
         (split_k(steps, groups, be.sm_count), 0)
     };
-    let per_block = GEMV_WARPS / ks * GEMV_NW;
+    // A third weight of another type (a mixed kernel, quantized x only) has its own split
+    // and slots: those its single-weight launch would take.
+    let t2 = ws[ws.len() - 1].dtype;
+    let mixed = t2 != t;
+    ensure!(
+        !mixed || (q && ws.len() == 3 && ws[1].dtype == t),
+        "matmuls: mixed types in a grouped launch"
+    );
+    let (ks2, smem2) = if mixed {
+        let g2 = row_groups(ws[2].shape[0]);
+        gemvq_split(be, t2, n_in, ws[2].row_bytes(), g2, 1)?
+    } else {
+        (ks, smem)
+    };
     let mut sg = GemvSegs::default();
     let mut grid = 0usize;
     let mut guards = Vec::new();
@@ -837,6 +901,7 @@ fn multi_launch(
         sg.w[k] = wp;
         sg.out[k] = op;
         sg.n[k] = i32::try_from(w.shape[0])?;
+        let per_block = GEMV_WARPS / if k == 2 { ks2 } else { ks } * GEMV_NW;
         let b = w.shape[0].div_ceil(per_block);
         if k < 2 {
             sg.b[k] = i32::try_from(b)?;
@@ -853,7 +918,7 @@ fn multi_launch(
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(grid)?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: smem.max(smem2),
     };
     let (rb, n_in_i, rows_i, ks_i) = (
         ws[0].row_bytes() as i64,
@@ -869,6 +934,33 @@ fn multi_launch(
             .ok_or_else(|| anyhow!("matmuls: no quantized-x kernel for {t}"))?;
         let xd = xq.d.slice(..rows * n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * rows * n_in);
+        if mixed {
+            let f = &be
+                .matmul
+                .gemvq_mixed
+                .iter()
+                .find(|(a, b, _)| *a == t && *b == t2)
+                .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?
+                .2[ri];
+            let (rb2, ks2_i) = (ws[2].row_bytes() as i64, ks2 as i32);
+            // SAFETY: as below; weight 2 holds n2 rows of rb2 bytes (checked by matmuls).
+            unsafe {
+                be.stream
+                    .kernel(f)
+                    .arg(&sg)
+                    .arg(&rb)
+                    .arg(&rb2)
+                    .arg(&n_in_i)
+                    .arg(&xqs)
+                    .arg(&xd)
+                    .arg(&rows_i)
+                    .arg(&ks_i)
+                    .arg(&ks2_i)
+                    .launch(cfg)
+            }?;
+            drop(guards);
+            return Ok(());
+        }
         // SAFETY: every weight holds n rows of rb bytes and every output rows×n floats
         // (checked by matmuls); the scratch holds rows×n_in quantized values.
         unsafe {

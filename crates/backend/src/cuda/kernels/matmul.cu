@@ -1067,12 +1067,42 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     GEMVQ_KERNEL(name, TYPE, 9) \
     GEMVQ_KERNEL(name, TYPE, 16)
 
+// gemvq_multi_<a>_<b>_r<R>: the grouped launch when the third weight has another type (the
+// Q4_K_M mix stores V as Q6_K in half the layers, Q and K as Q4_K: without this V was a
+// launch of its own, 64 blocks for ~6 µs). Segments 0 and 1 are type A with (rb, ks), segment
+// 2 type B with (rb2, ks2); each output is computed exactly as by its single-weight launch
+// (same lane code, same split), so the bits do not change. The launch's shared memory is the
+// larger of the two segments' slots.
+#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
+        gemvq_multi_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,                   \
+                                       const int8_t* __restrict__ xq, const float2* __restrict__ xd,         \
+                                       int rows, int ks, int ks2) {                                          \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        if (s < 2) {                                                                                         \
+            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
+            gemvq<TA, R, false>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                        \
+                                s == 0 ? sg.out0 : sg.out1, ks, bx);                                         \
+        } else {                                                                                             \
+            gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
+        }                                                                                                    \
+    }
+#define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) \
+    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 1) \
+    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 2) \
+    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 4) \
+    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 8) \
+    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 9) \
+    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 16)
+
 GEMVQ_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_ALL_R(q4_0, GGML_Q4_0)
 GEMVQ_ALL_R(q4_1, GGML_Q4_1)
 GEMVQ_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_ALL_R(q6_k, GGML_Q6_K)
+GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE decode experts on quantized activations (launcher: moe.rs, rows <= 16).
