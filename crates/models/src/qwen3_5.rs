@@ -224,10 +224,12 @@ pub(crate) fn forward_layers<B: Backend>(
                 q_norm,
                 k_norm,
             } => {
-                be.matmul(h, wq, q)?;
-                be.matmul(h, wg, &mut hb.attn_gate)?;
-                be.matmul(h, wk, k)?;
-                be.matmul(h, wv, v)?;
+                // One grouped decode launch where the types allow (x quantized once).
+                be.matmuls(
+                    h,
+                    &[wq, wg, wk, wv],
+                    &mut [&mut *q, &mut hb.attn_gate, &mut *k, &mut *v],
+                )?;
                 be.qk_norm_rope(
                     q,
                     k,
