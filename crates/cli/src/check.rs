@@ -418,11 +418,14 @@ enum Op {
         fill: usize,
         rows: usize,
     },
-    /// gated_delta_rule: a first call of `fill` rows, then the checked call of `rows`.
+    /// gated_delta_rule: a first call of `fill` rows, then the checked call of `rows`. With
+    /// `chunked`, calls of ≥ 17 rows run CUDA's chunked tensor-core kernel whatever
+    /// `FERRITE_DELTA_CHUNKED` says (`cuda::gated_delta::force_chunked`).
     GatedDelta {
         shape: DeltaShape,
         fill: usize,
         rows: usize,
+        chunked: bool,
     },
     /// State rollback on a hybrid cache with two snapshot slots (layer 1, the end of the
     /// state buffers): conv1d + delta rule over `fill` rows, snapshot into slot 1, `draft`
@@ -662,16 +665,22 @@ fn describe(op: &Op) -> (&'static str, String) {
                 delta_name(shape)
             ),
         ),
-        Op::GatedDelta { shape, fill, rows } => (
+        Op::GatedDelta {
+            shape,
+            fill,
+            rows,
+            chunked,
+        } => (
             if *fill == 0 {
                 "kv_new_hybrid"
             } else {
                 "gated_delta_rule"
             },
             format!(
-                "{}gated_delta_rule {} fill={fill} rows={rows}",
+                "{}gated_delta_rule {} fill={fill} rows={rows}{}",
                 if *fill == 0 { "kv_new_hybrid + " } else { "" },
-                delta_name(shape)
+                delta_name(shape),
+                if *chunked { " chunked" } else { "" }
             ),
         ),
         Op::Snapshot {
@@ -1282,17 +1291,34 @@ pub fn cases(quick: bool) -> Vec<Case> {
     for (si, &shape) in delta_shapes.iter().enumerate() {
         if si == 0 && !quick {
             // Qwen3.5-9B's prefill chunk (PREFILL_CHUNK rows): the chunked kernel's design size.
-            add(Op::GatedDelta {
-                shape,
-                fill: 0,
-                rows: 512,
-            });
+            for chunked in [false, true] {
+                add(Op::GatedDelta {
+                    shape,
+                    fill: 0,
+                    rows: 512,
+                    chunked,
+                });
+            }
         }
         for &(fill, rows) in &fills {
             if quick && (shape.conv_dim() > 1000 || rows > 5) {
                 continue;
             }
-            add(Op::GatedDelta { shape, fill, rows });
+            add(Op::GatedDelta {
+                shape,
+                fill,
+                rows,
+                chunked: false,
+            });
+            // The tensor-core prefill kernel (off by default) on every shape's prompts.
+            if !quick && rows >= 17 {
+                add(Op::GatedDelta {
+                    shape,
+                    fill,
+                    rows,
+                    chunked: true,
+                });
+            }
             if si != 1 {
                 add(Op::Conv1d {
                     shape,
@@ -1792,7 +1818,9 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(fill * c, 1.0), fill, c));
             h.out = (rows, c);
         }
-        Op::GatedDelta { shape, fill, rows } => {
+        Op::GatedDelta {
+            shape, fill, rows, ..
+        } => {
             let (c, nv) = (shape.conv_dim(), shape.n_v_heads);
             push_decay_weights(&mut h, &mut rng, nv);
             for n in [rows, fill] {
@@ -1888,7 +1916,30 @@ struct Prepared<B: Backend> {
 
 const POISON_ID: u32 = i32::MAX as u32;
 
+/// While alive, CUDA's gated delta rule takes the kernel a `chunked` case asks for; dropped,
+/// the environment decides again (so no other case or model run sees the override).
+struct ChunkedOverride;
+
+impl ChunkedOverride {
+    fn new(op: &Op) -> Option<Self> {
+        match op {
+            Op::GatedDelta { chunked, .. } => {
+                ferrite_backend::cuda::gated_delta::force_chunked(Some(*chunked));
+                Some(ChunkedOverride)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Drop for ChunkedOverride {
+    fn drop(&mut self) {
+        ferrite_backend::cuda::gated_delta::force_chunked(None);
+    }
+}
+
 fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
+    let _chunked = ChunkedOverride::new(op);
     let mut w = Vec::new();
     for (ty, shape, data) in &h.weights {
         w.push(be.upload(&HostTensor {
@@ -2108,6 +2159,7 @@ fn graph_body<B: Backend>(
 
 /// Runs the op once (the timed part).
 fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
+    let _chunked = ChunkedOverride::new(op);
     match op {
         Op::Embed { .. } => be.embed(&p.w[0], &p.step, &mut p.out),
         Op::RmsNorm { .. } => be.rms_norm(&p.a[0], &p.w[0], EPS, &mut p.out),

@@ -6,6 +6,7 @@
 //! Semantics are the CPU backend's, formula for formula (`cpu.rs`, `gated_delta.rs`).
 //! Tuning record: `GATED_DELTA.md`.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
@@ -38,11 +39,33 @@ const CHUNKED_SMEM: usize = 46_272 * 4;
 const CHUNKED_MIN_ROWS: usize = 17;
 
 /// Whether prefill runs the chunked tensor-core kernel: only with `FERRITE_DELTA_CHUNKED=1`
-/// (read once). Off by default: it has been checked on the host (a g++ emulation of the
-/// kernel body, `tests/gated_delta_chunked_emu.rs`) but not yet on a GPU (GATED_DELTA.md).
+/// (read once), or as [`force_chunked`] says. Off by default: correct on the H200 but slower
+/// than the sequential kernel at Qwen3.5's shapes (GATED_DELTA.md, "First GPU run").
 fn chunked_on() -> bool {
+    match CHUNKED_FORCE.load(Ordering::Relaxed) {
+        1 => return true,
+        2 => return false,
+        _ => {}
+    }
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("FERRITE_DELTA_CHUNKED").is_ok_and(|v| v == "1"))
+}
+
+/// 0: `FERRITE_DELTA_CHUNKED` decides; 1: chunked kernel on; 2: off.
+static CHUNKED_FORCE: AtomicU8 = AtomicU8::new(0);
+
+/// Overrides `FERRITE_DELTA_CHUNKED` for the calls that follow in this process (`None`: the
+/// environment decides again). For `ferrite check`, which runs the chunked kernel's cases
+/// whatever the default is.
+pub fn force_chunked(on: Option<bool>) {
+    CHUNKED_FORCE.store(
+        match on {
+            None => 0,
+            Some(true) => 1,
+            Some(false) => 2,
+        },
+        Ordering::Relaxed,
+    );
 }
 
 /// The compiled kernels of `gated_delta.cu`.
@@ -51,8 +74,8 @@ pub struct Kernels {
     /// (rows of state per lane, lanes per column) = (8, 4), (8, 8), (16, 8): key head dims
     /// up to 32, 64, 128.
     delta: [CudaFunction; 3],
-    /// The chunked prefill kernel, loaded (and its shared-memory limit raised) only when
-    /// [`chunked_on`]: its 181 KiB of shared memory exceed what some GPUs allow.
+    /// The chunked prefill kernel, when the device grants its 181 KiB of shared memory per
+    /// block (run only when [`chunked_on`]).
     chunked: Option<CudaFunction>,
     gated_rms_norm: CudaFunction,
     sigmoid_gate: CudaFunction,
@@ -68,16 +91,16 @@ impl Kernels {
                 function(&m, "gated_delta_r8_l8")?,
                 function(&m, "gated_delta_r16_l8")?,
             ],
-            chunked: if chunked_on() {
+            // Loaded wherever the device grants its shared memory (none where it cannot:
+            // those GPUs keep the sequential kernel).
+            chunked: {
                 let f = function(&m, "gated_delta_chunked")?;
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     CHUNKED_SMEM as i32,
                 )
-                .context("gated_delta_chunked: raising the shared-memory limit")?;
-                Some(f)
-            } else {
-                None
+                .ok()
+                .map(|_| f)
             },
             gated_rms_norm: function(&m, "gated_rms_norm")?,
             sigmoid_gate: function(&m, "sigmoid_gate")?,
@@ -350,7 +373,7 @@ pub fn gated_delta_rule(
         .gated_delta
         .chunked
         .as_ref()
-        .filter(|_| rows >= CHUNKED_MIN_ROWS)
+        .filter(|_| rows >= CHUNKED_MIN_ROWS && chunked_on())
     {
         Some(f) => (
             f,
