@@ -1,8 +1,11 @@
 //! Mixture-of-experts launchers (`kernels/moe.cu`): device-side top-k routing, the expert
 //! gate/up GEMVs with SwiGLU, and the expert down GEMVs fused with the weighted combine.
 //!
-//! Decode (rows <= [`DECODE_MAX_ROWS`]): three launches per layer (route, gate/up, down +
-//! combine), f32 math. Prefill (more rows): route, a device-side counting sort of the
+//! Decode with quantized expert weights (the usual case; also exact prefill): two launches
+//! per layer on int8-quantized activations (matmul.cu section 1c, [`quantized_experts`]):
+//! gate/up + SwiGLU with in-kernel routing and in-kernel quantization of h, then down +
+//! combine with its own in-kernel routing. Other decode (float experts): three launches
+//! (route, gate/up, down + combine), f32 math. Prefill (more rows): route, a device-side counting sort of the
 //! (token, slot) pairs by expert, a grouped gate/up+SwiGLU GEMM and a grouped down GEMM on
 //! the tensor cores (bf16 inputs, f32 accumulation), then the combine in top-k order. No
 //! launch depends on host knowledge of the routing (grids are sized from the worst case),

@@ -1130,7 +1130,7 @@ GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 // ids[k], wts[k] when those are given (shared memory), and every lane the id of round
 // k_last as the return value. norm: renormalise wts over the top_k slots (needs k_last =
 // top_k - 1). Same bits as moe_route (moe.cu) for finite logits.
-__device__ __forceinline__ int moe_route_warp(const float* __restrict__ l, int n, int k_last, int top_k, int norm,
+__device__ __forceinline__ int moe_route_smem(const float* __restrict__ l, int n, int k_last, int top_k, int norm,
                                               float* rp, int* ids, float* wts, int lane) {
     float mx = __int_as_float(0xff800000);  // -inf
     for (int e = lane; e < n; e += 32) {  // one pass over L2: the logits into rp
@@ -1176,6 +1176,73 @@ __device__ __forceinline__ int moe_route_warp(const float* __restrict__ l, int n
         for (int k = 0; k < top_k; ++k) wts[k] = wts[k] / s;
     }
     return win;
+}
+
+// moe_route_smem with the probabilities in registers (NJ per lane, n <= 32 NJ): the same
+// values in the same order (max, exps, lane-strided sum, butterflies, the same key and
+// tie rule), so the same ids and weights bit for bit; a round costs two redux and an
+// unrolled register rescan on the winner's lane instead of shared-memory loads.
+template <int NJ>
+__device__ __forceinline__ int moe_route_reg(const float* __restrict__ l, int n, int k_last, int top_k, int norm,
+                                             int* ids, float* wts, int lane) {
+    float v[NJ];
+    float mx = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < n ? __ldcg(l + e) : 0.f;
+        if (e < n) mx = fmaxf(mx, v[j]);
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    float bv = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const int e = lane + 32 * j;
+        if (e < n) {
+            v[j] = expf(v[j] - mx);
+            sum += v[j];
+            if (v[j] > bv) { bv = v[j]; bi = e; }
+        } else {
+            v[j] = -2.f;  // never a lane's best
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    int win = 0x7fffffff;
+    for (int k = 0; k <= k_last; ++k) {
+        const unsigned key = bv >= 0.f ? __float_as_uint(bv) + 1u : 0u;
+        const unsigned m = __reduce_max_sync(0xffffffffu, key);
+        win = (int)__reduce_min_sync(0xffffffffu, (key == m && m != 0u) ? (unsigned)bi : 0x7fffffffu);
+        if (ids != nullptr && lane == 0) {
+            ids[k] = win;
+            wts[k] = __uint_as_float(m - 1u) / sum;
+        }
+        if (win < n && (win & 31) == lane) {
+            bv = -2.f;
+            bi = 0x7fffffff;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int e = lane + 32 * j;
+                if (e == win) v[j] = -1.f;
+                if (v[j] > bv) { bv = v[j]; bi = e; }
+            }
+        }
+    }
+    if (norm && ids != nullptr && lane == 0) {
+        float s = 0.f;
+        for (int k = 0; k < top_k; ++k) s += wts[k];
+        for (int k = 0; k < top_k; ++k) wts[k] = wts[k] / s;
+    }
+    return win;
+}
+
+// The routing of one token by one warp: registers up to 256 experts, else shared memory.
+__device__ __forceinline__ int moe_route_warp(const float* __restrict__ l, int n, int k_last, int top_k, int norm,
+                                              float* rp, int* ids, float* wts, int lane) {
+    if (n <= 128) return moe_route_reg<4>(l, n, k_last, top_k, norm, ids, wts, lane);
+    if (n <= 256) return moe_route_reg<8>(l, n, k_last, top_k, norm, ids, wts, lane);
+    return moe_route_smem(l, n, k_last, top_k, norm, rp, ids, wts, lane);
 }
 
 // Bulk copies of expert rows (sm_90+): rows [r0, r0 + n) of W (rows of rb bytes), widened to
