@@ -281,6 +281,44 @@ impl XQuant {
     }
 }
 
+/// Keeps x's int8 planes valid (`XQuant::src`) across one float GEMV launch on x, which
+/// writes neither x nor the int8 scratch (the MoE router between the norm that quantized x
+/// and the experts that read the planes). On drop: if the planes were valid for x right
+/// before, and exactly one launch happened since, they are recorded valid after it.
+struct KeepXq<'a> {
+    be: &'a CudaBackend,
+    x: (u64, usize, usize),
+    before: u64,
+}
+
+impl<'a> KeepXq<'a> {
+    fn new(be: &'a CudaBackend, x: &Act<CudaSlice<f32>>) -> Self {
+        let (ptr, _g) = x.buf.device_ptr(&be.stream);
+        KeepXq {
+            be,
+            x: (ptr, x.rows, x.cols),
+            before: super::launch::launch_count(),
+        }
+    }
+}
+
+impl Drop for KeepXq<'_> {
+    fn drop(&mut self) {
+        let now = super::launch::launch_count();
+        if now != self.before + 1 {
+            return;
+        }
+        if let Ok(mut g) = self.be.matmul.xq.lock() {
+            if let Some(xq) = g.as_mut() {
+                let (p, r, c) = self.x;
+                if xq.src == Some((p, r, c, self.before)) {
+                    xq.src = Some((p, r, c, now));
+                }
+            }
+        }
+    }
+}
+
 /// Weight types whose decode GEMV runs on int8-quantized activations (dp4a). The float types
 /// keep the f32 GEMV: they are bandwidth-bound already and gain nothing from it.
 pub fn quantized_x(t: GgmlType) -> bool {
@@ -510,6 +548,7 @@ pub fn matmul(
         let groups = row_groups(n_out);
         let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let ks_i = ks as i32;
+        let _keep = KeepXq::new(be, x);
         // SAFETY: shapes and buffer sizes checked above; the kernel reads n_out rows of rb
         // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
         unsafe {

@@ -1,8 +1,11 @@
 //! Mixture-of-experts launchers (`kernels/moe.cu`): device-side top-k routing, the expert
 //! gate/up GEMVs with SwiGLU, and the expert down GEMVs fused with the weighted combine.
 //!
-//! Decode (rows <= [`DECODE_MAX_ROWS`]): three launches per layer (route, gate/up, down +
-//! combine), f32 math. Prefill (more rows): route, a device-side counting sort of the
+//! Decode with quantized expert weights (the usual case; also exact prefill): two launches
+//! per layer on int8-quantized activations (matmul.cu section 1c, [`quantized_experts`]):
+//! gate/up + SwiGLU with in-kernel routing and in-kernel quantization of h, then down +
+//! combine with its own in-kernel routing. Other decode (float experts): three launches
+//! (route, gate/up, down + combine), f32 math. Prefill (more rows): route, a device-side counting sort of the
 //! (token, slot) pairs by expert, a grouped gate/up+SwiGLU GEMM and a grouped down GEMM on
 //! the tensor cores (bf16 inputs, f32 accumulation), then the combine in top-k order. No
 //! launch depends on host knowledge of the routing (grids are sized from the worst case),
@@ -15,6 +18,7 @@
 use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Result};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     ValidAsZeroBits,
@@ -34,6 +38,26 @@ const MOE_WARPS: usize = 8;
 const MAX_EXPERTS: usize = 8192;
 /// moe_down keeps every slot's partial result of its rows in shared memory.
 const MAX_TOP_K: usize = 64;
+
+/// Router width of the quantized-activation path's in-kernel routing (`MOE_ROUTE_MAX` in
+/// matmul.cu: the probabilities sit in shared memory).
+const MOE_ROUTE_MAX: usize = 1024;
+/// Dynamic shared memory the quantized-activation expert kernels take for their bulk-copied
+/// weight rows (sm_90+), at most: the limit raised on first use (two blocks per SM fit in
+/// an H200's 228 KB) or, when raising fails, under the 48 KB a launch gets without opting
+/// in with room for their ~7 KB of static shared memory. Bigger spans: the f32 decode
+/// kernels (moe.cu).
+const MOE_BULK_MAX_SMEM: usize = 96 * 1024;
+const MOE_BULK_DEFAULT_SMEM: usize = 40 * 1024;
+/// Rows per block of the quantized-activation expert kernels (`MOE_GU_ROWS`,
+/// `MOE_DOWN_ROWS` in matmul.cu): gate/up ffn rows, down hidden rows.
+const MOE_GU_ROWS: usize = 16;
+const MOE_DOWN_ROWS: usize = 8;
+/// matmul.cu's `gemv_slot`: the shared-memory slot of `rows` rows of `rb` bytes copied in
+/// 16-byte units (rounded up to 16, + 16 for the rows' offset inside the first unit).
+fn bulk_slot(rows: usize, rb: usize) -> usize {
+    (rows * rb).div_ceil(16) * 16 + 16
+}
 
 /// Rows at or below which the f32 decode kernels run; above, the grouped tensor-core path.
 pub const DECODE_MAX_ROWS: usize = 16;
@@ -71,6 +95,10 @@ struct Scratch {
     /// `[rows, hidden]`.
     xq: CudaSlice<i8>,
     xd: CudaSlice<f32>,
+    /// Quantized-activation path: one ticket per (pair, 32-row group of h) for the gate/up
+    /// kernel's in-kernel quantization of h; zero between launches (the last block of a
+    /// group resets its ticket).
+    tickets: CudaSlice<i32>,
     /// Buffers replaced by bigger ones: a captured graph may still reference them.
     retired_i: Vec<CudaSlice<i32>>,
     retired_f: Vec<CudaSlice<f32>>,
@@ -104,6 +132,9 @@ pub struct Kernels {
     mm_gu: Vec<CudaFunction>,
     mm_down: Vec<CudaFunction>,
     scratch: Mutex<Option<Scratch>>,
+    /// The bulk-copy limit of the quantized-activation expert kernels (matmul.cu 1c), set on
+    /// first use: [`MOE_BULK_MAX_SMEM`] once their shared-memory limit is raised.
+    bulk_smem: std::sync::OnceLock<usize>,
 }
 
 impl Kernels {
@@ -124,6 +155,7 @@ impl Kernels {
             mm_gu,
             mm_down,
             scratch: Mutex::new(None),
+            bulk_smem: std::sync::OnceLock::new(),
         })
     }
 }
@@ -246,7 +278,10 @@ pub fn moe(
         && matmul::quantized_x(g.dtype)
         && matmul::quantized_x(d.dtype)
         && pairs <= 65535;
+    let bulk = bulk_smem(be, g.row_bytes(), d.row_bytes());
     let quantized_decode = (quantized_decode_types(g.dtype, d.dtype, rows) || exact_prefill)
+        && n_experts <= MOE_ROUTE_MAX
+        && bulk.is_some()
         && g.dtype == u.dtype
         && hidden % 32 == 0
         && ffn % 32 == 0
@@ -276,6 +311,7 @@ pub fn moe(
             hd: one_f()?,
             xq: be.stream.alloc_zeros::<i8>(1)?,
             xd: one_f()?,
+            tickets: one_i()?,
             retired_i: Vec::new(),
             retired_f: Vec::new(),
             retired_q: Vec::new(),
@@ -293,6 +329,7 @@ pub fn moe(
         if quantized_decode {
             grow(st, &mut s.hq, 2 * pairs * ffn, &mut s.retired_q)?;
             grow(st, &mut s.hd, pairs * ffn / 16, rf)?;
+            grow(st, &mut s.tickets, pairs * ffn / 32, ri)?;
             if rows > matmul::GEMV_MAX_ROWS {
                 grow(st, &mut s.xq, 2 * rows * hidden, &mut s.retired_q)?;
                 grow(st, &mut s.xd, rows * hidden / 16, rf)?;
@@ -317,6 +354,23 @@ pub fn moe(
     } = dims;
     let norm = i32::from(norm_topk);
 
+    if quantized_decode {
+        return quantized_experts(
+            be,
+            x,
+            &router_logits.buf,
+            s,
+            (g, u, d),
+            rows,
+            hidden,
+            ffn,
+            routing,
+            dims,
+            bulk.unwrap_or((0, 0)),
+            out,
+        );
+    }
+
     // 1. Routing: one warp per token.
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -335,10 +389,6 @@ pub fn moe(
             .arg(&mut s.wts)
             .launch(cfg)
     }?;
-
-    if quantized_decode {
-        return quantized_experts(be, x, s, (g, u, d), rows, hidden, ffn, routing, dims, out);
-    }
 
     if let Some((gi, di)) = grouped {
         return grouped_experts(
@@ -432,19 +482,47 @@ pub fn moe(
     Ok(())
 }
 
+/// The dynamic shared memory of the quantized-activation expert kernels (gate/up, down):
+/// their bulk-copy slots (matmul.cu 1c; sm_90+, where it is their only form; the kernels
+/// compiled for older GPUs ignore it): gate/up the block's MOE_GU_ROWS rows of gate and of
+/// up, down MOE_DOWN_ROWS rows per warp. `None` when they do not fit (that path is not taken).
+/// Raises the kernels' shared-memory limit on first use.
+fn bulk_smem(be: &CudaBackend, gu_rb: usize, d_rb: usize) -> Option<(u32, u32)> {
+    let limit = *be.moe.bulk_smem.get_or_init(|| {
+        let raised = be.matmul.gemvq_moe.iter().flatten().flatten().all(|f| {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                MOE_BULK_MAX_SMEM as i32,
+            )
+            .is_ok()
+        });
+        if raised {
+            MOE_BULK_MAX_SMEM
+        } else {
+            MOE_BULK_DEFAULT_SMEM
+        }
+    });
+    let gu = 2 * bulk_slot(MOE_GU_ROWS, gu_rb);
+    let d = MOE_WARPS * bulk_slot(MOE_DOWN_ROWS, d_rb);
+    (gu <= limit && d <= limit).then_some((gu as u32, d as u32))
+}
+
 /// Whether a MoE call with gate/up of type `g` and down of type `d` on `rows` rows runs the
 /// quantized-activation decode path (given 16-byte aligned buffers, as allocations are).
 pub fn quantized_decode_types(g: GgmlType, d: GgmlType, rows: usize) -> bool {
     rows <= DECODE_MAX_ROWS && matmul::quantized_x(g) && matmul::quantized_x(d)
 }
 
-/// The decode path on int8-quantized activations: x quantized once, gate/up + SwiGLU per
-/// (pair, ffn row), h quantized per pair, down + combine in top-k order (matmul.cu 1c).
-/// Expects the routing in `s.ids` / `s.wts` and `s.h`, `s.hq`, `s.hd` grown for this shape.
+/// The path on int8-quantized activations (decode; exact prefill): x quantized once (usually
+/// by the producing norm already), then two launches (matmul.cu 1c): gate/up + SwiGLU per
+/// (pair, ffn row) with the routing computed in-kernel and h quantized in-kernel, then down
+/// + combine in top-k order with its own in-kernel routing. No routing launch, no ids in
+/// memory. Expects `s.h`, `s.hq`, `s.hd`, `s.tickets` grown for this shape.
 #[allow(clippy::too_many_arguments)]
 fn quantized_experts(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
+    logits: &CudaSlice<f32>,
     s: &mut Scratch,
     (g, u, d): (&CudaWeight, &CudaWeight, &CudaWeight),
     rows: usize,
@@ -452,6 +530,7 @@ fn quantized_experts(
     ffn: usize,
     routing: MoeRouting,
     dims: Dims,
+    smem: (u32, u32),
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
     let top_k = routing.top_k;
@@ -459,6 +538,11 @@ fn quantized_experts(
     ensure!(
         u.row_bytes() == g.row_bytes(),
         "moe: gate and up rows differ in size"
+    );
+    ensure!(
+        routing.n_experts <= MOE_ROUTE_MAX && top_k <= MAX_TOP_K && ffn % 32 == 0,
+        "moe: the quantized-activation path needs <= {MOE_ROUTE_MAX} experts, top-k <= \
+         {MAX_TOP_K} and ffn % 32 == 0"
     );
     let gk = be.matmul.gemvq_moe[matmul::type_index(g.dtype)?]
         .as_ref()
@@ -469,6 +553,8 @@ fn quantized_experts(
     let Dims {
         ne, tk, hid, ff, ..
     } = dims;
+    let norm = i32::from(routing.norm_topk);
+    let (gu_smem, d_smem) = smem;
     let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
     // x's int8 planes: the GEMV scratch at decode (often already written by the producing
     // add_rms_norm), this module's own scratch for a prompt's rows (same bits: quant_x_q8).
@@ -485,13 +571,15 @@ fn quantized_experts(
     };
     let threads = (MOE_WARPS * 32) as u32;
     let cfg = LaunchConfig {
-        grid_dim: (ffn.div_ceil(MOE_WARPS) as u32, pairs as u32, 1),
+        grid_dim: (ffn.div_ceil(MOE_GU_ROWS) as u32, pairs as u32, 1),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: gu_smem,
     };
-    // SAFETY: expert ids come from moe_route (< n_experts, also checked in the kernel); each
-    // expert has `ffn` rows of gu_rb bytes in gate and up (shapes checked by check_moe); the
-    // quantized x holds rows × hidden values; h holds ≥ pairs × ffn floats.
+    // SAFETY: logits hold rows × n_experts floats (checked by check_moe); the kernel's
+    // routing yields ids < n_experts (others give NaN, never a read); each expert has `ffn`
+    // rows of gu_rb bytes in gate and up (shapes checked by check_moe); the quantized x holds
+    // rows × hidden values; h holds ≥ pairs × ffn floats, hq 2·pairs·ffn bytes, hd
+    // pairs·ffn/16 floats, tickets pairs·ffn/32 ints (grown by the caller).
     unsafe {
         be.stream
             .kernel(&gk[0])
@@ -502,17 +590,19 @@ fn quantized_experts(
             .arg(&hid)
             .arg(xq_q)
             .arg(xq_d)
-            .arg(&s.ids)
-            .arg(&tk)
+            .arg(logits)
             .arg(&ne)
+            .arg(&tk)
             .arg(&mut s.h)
+            .arg(&mut s.hq)
+            .arg(&mut s.hd)
+            .arg(&mut s.tickets)
             .launch(cfg)
     }?;
-    matmul::quantize_into(be, &s.h, pairs, ffn, &mut s.hq, &mut s.hd)?;
     let cfg = LaunchConfig {
-        grid_dim: (hidden.div_ceil(2) as u32, rows as u32, 1),
+        grid_dim: (hidden.div_ceil(MOE_DOWN_ROWS) as u32, rows as u32, 1),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: d_smem,
     };
     // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert; out holds rows ×
     // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
@@ -525,10 +615,10 @@ fn quantized_experts(
             .arg(&ff)
             .arg(&s.hq)
             .arg(&s.hd)
-            .arg(&s.ids)
-            .arg(&s.wts)
-            .arg(&tk)
+            .arg(logits)
             .arg(&ne)
+            .arg(&tk)
+            .arg(&norm)
             .arg(&mut out.buf)
             .launch(cfg)
     }?;

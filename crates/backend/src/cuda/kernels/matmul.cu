@@ -1105,107 +1105,438 @@ GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
-// 1c. MoE decode experts on quantized activations (launcher: moe.rs, rows <= 16).
+// 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
+//     FERRITE_MMQ=1 for any row count). Two launches per layer after the router GEMV:
 //
-//  gemvq_moe_gu_<type>: grid (ceil(ffn / 8), pairs); warp w of block (bx, p) computes ffn
-//    row o = 8 bx + w of the pair's expert e = ids[p] as the SwiGLU pair (gate row o, up row
-//    o) over the token's quantized x (row p / top_k of xq), the gemvq_lane of section 1b with
-//    R = 1, NW = 2, ks = 1. Writes h[p][o] = silu(gate) * up (f32). Bytes: the pair's
-//    expert rows of gate and up once; x from L1/L2.
-//  (h is then quantized per pair row by quant_x_q8.)
-//  gemvq_moe_down_<type>: grid (ceil(hidden / 2), rows); block (bx, t) owns hidden rows
-//    2 bx, 2 bx + 1 of token t; warp w computes them for slots w, w + 8, ... (expert
-//    ids[t top_k + k], input row t top_k + k of hq), partial results meet in shared memory
-//    and two threads add the slots in top-k order weighted by wts (no FMA contraction, as
-//    the CPU's combine). One launch per layer for the down projection and the combine.
-//  An expert id outside [0, n_experts) (impossible after moe_route) yields NaN, never an
+//  Routing (moe_route_warp): each block computes the routing of its token itself, one warp,
+//    from the router logits: max, p_e = expf(l_e - max) kept in shared memory, their sum
+//    (lane-strided partials + xor butterfly), then top-k rounds of a warp arg-max over
+//    (p desc, id asc) with redux.sync: each lane keeps the best of its own experts (ascending
+//    id, strict >), the warp takes the max key (p's bits + 1; p >= 0 so the bit order is the
+//    float order) and the lowest id among the lanes holding it; only the winner's lane
+//    rescans its experts. Exactly moe_route's choice and weights (moe.cu: same max, exps, sum
+//    order, comparison and division), with no routing launch and no ids round trip.
+//    n_experts <= MOE_ROUTE_MAX (shared memory).
+//  gemvq_moe_gu_<type>: grid (ceil(ffn / 16), pairs); block (bx, p) owns ffn rows 16 bx ..
+//    16 bx + 15 of the pair's expert e (pair p = token t, slot k = p % top_k; warp 0 routes
+//    token t through round k). sm_90+: thread 0 then copies the block's 16 gate rows and 16
+//    up rows (two contiguous spans, ~37 KB for Q4_K 2048) into shared memory with
+//    cp.async.bulk (all in flight at once) and the warps read them there (gemvq_lane<..,
+//    true>, the dense bulk GEMV's lane code; the only form on sm_90+: the launcher takes
+//    this path only when the spans fit); before sm_90 the register-load lane code. 16 rows per block
+//    so that a Qwen3-30B-A3B layer's 384 blocks are resident at once (one wave: ~3 blocks
+//    per SM by registers). Warp w computes ffn rows o = 16 bx + w and o + 8, each as the
+//    SwiGLU pair (gate row o, up row o) over the token's quantized x, R = 1, NW = 2, ks = 1,
+//    writes h[p][o] = silu(gate) * up, then the block takes a ticket for its 32-row group
+//    (p, o / 32): the 2nd block to arrive reads the group's 32 h values back from L2 and
+//    quantizes them (quant_q8_lane: the same bits as quant_x_q8 on h) into hq / hd, and
+//    resets the ticket to 0 (ready for the next launch or graph replay). No separate
+//    quantization launch.
+//  gemvq_moe_down_<type>: grid (ceil(hidden / 8), rows); block (bx, t) owns hidden rows
+//    8 bx .. 8 bx + 7 of token t; warp w computes them (4 row pairs) for slots w, w + 8, ...
+//    (expert ids[k] from the block's own routing, input row t top_k + k of hq), partial
+//    results meet in shared memory and 8 threads add the slots in top-k order weighted by
+//    the routing weights (no FMA contraction, as the CPU's combine): the down projection
+//    and the combine in one launch. The routing and (sm_90+) each warp's bulk copy of its
+//    slot's 8 down rows happen BEFORE the PDL wait: the router logits were complete before
+//    the gate/up kernel passed its own wait (read through L2, __ldcg), and the weights
+//    depend on nothing, so the down weights stream in while gate/up drains. 8 rows per
+//    block: 256 blocks per token, one wave at 2 blocks per SM.
+//  Every output is a fixed sequence of operations per (token, expert), whatever the row
+//  count of the launch: decode and exact prefill agree bitwise.
+//  An expert id outside [0, n_experts) (impossible for finite logits) yields NaN, never an
 //  out-of-bounds read.
+
+#define MOE_ROUTE_MAX 1024
+#define GEMVQ_MOE_MAX_TOPK 64
+// ffn rows per gemvq_moe_gu block (each warp takes MOE_GU_ROWS / 8 of them) and blocks per
+// 32-element quantization group of h; hidden rows per gemvq_moe_down block (even).
+#define MOE_GU_ROWS 16
+#define MOE_GU_GROUP (QK / MOE_GU_ROWS)
+#define MOE_DOWN_ROWS 8
+
+// One warp: the router probabilities of one token (logits l, n <= MOE_ROUTE_MAX) into rp,
+// then rounds 0..k_last of the top-k; lane 0 gets (id, weight = p / sum) of round k in
+// ids[k], wts[k] when those are given (shared memory), and every lane the id of round
+// k_last as the return value. norm: renormalise wts over the top_k slots (needs k_last =
+// top_k - 1). Same bits as moe_route (moe.cu) for finite logits.
+__device__ __forceinline__ int moe_route_smem(const float* __restrict__ l, int n, int k_last, int top_k, int norm,
+                                              float* rp, int* ids, float* wts, int lane) {
+    float mx = __int_as_float(0xff800000);  // -inf
+    for (int e = lane; e < n; e += 32) {  // one pass over L2: the logits into rp
+        const float v = __ldcg(l + e);
+        rp[e] = v;
+        mx = fmaxf(mx, v);
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    float bv = -2.f;
+    int bi = 0x7fffffff;
+    for (int e = lane; e < n; e += 32) {  // a lane reads back only what it wrote
+        const float v = expf(rp[e] - mx);
+        rp[e] = v;
+        sum += v;
+        if (v > bv) { bv = v; bi = e; }  // ascending e: the lowest id of a tie stays
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    int win = 0x7fffffff;
+    for (int k = 0; k <= k_last; ++k) {
+        // Untaken probabilities are >= 0; a lane left with only taken ones (-1) or none
+        // (-2) offers nothing.
+        const unsigned key = bv >= 0.f ? __float_as_uint(bv) + 1u : 0u;
+        const unsigned m = __reduce_max_sync(0xffffffffu, key);
+        win = (int)__reduce_min_sync(0xffffffffu, (key == m && m != 0u) ? (unsigned)bi : 0x7fffffffu);
+        if (ids != nullptr && lane == 0) {
+            ids[k] = win;
+            wts[k] = __uint_as_float(m - 1u) / sum;
+        }
+        if (win < n && (win & 31) == lane) {  // the winner's lane rescans its experts
+            rp[win] = -1.f;
+            bv = -2.f;
+            bi = 0x7fffffff;
+            for (int e = lane; e < n; e += 32) {
+                const float v = rp[e];
+                if (v > bv) { bv = v; bi = e; }
+            }
+        }
+    }
+    if (norm && ids != nullptr && lane == 0) {
+        float s = 0.f;
+        for (int k = 0; k < top_k; ++k) s += wts[k];
+        for (int k = 0; k < top_k; ++k) wts[k] = wts[k] / s;
+    }
+    return win;
+}
+
+// moe_route_smem with the probabilities in registers (NJ per lane, n <= 32 NJ): the same
+// values in the same order (max, exps, lane-strided sum, butterflies, the same key and
+// tie rule), so the same ids and weights bit for bit; a round costs two redux and an
+// unrolled register rescan on the winner's lane instead of shared-memory loads.
+template <int NJ>
+__device__ __forceinline__ int moe_route_reg(const float* __restrict__ l, int n, int k_last, int top_k, int norm,
+                                             int* ids, float* wts, int lane) {
+    float v[NJ];
+    float mx = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const int e = lane + 32 * j;
+        v[j] = e < n ? __ldcg(l + e) : 0.f;
+        if (e < n) mx = fmaxf(mx, v[j]);
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float sum = 0.f;
+    float bv = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        const int e = lane + 32 * j;
+        if (e < n) {
+            v[j] = expf(v[j] - mx);
+            sum += v[j];
+            if (v[j] > bv) { bv = v[j]; bi = e; }
+        } else {
+            v[j] = -2.f;  // never a lane's best
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    int win = 0x7fffffff;
+    for (int k = 0; k <= k_last; ++k) {
+        const unsigned key = bv >= 0.f ? __float_as_uint(bv) + 1u : 0u;
+        const unsigned m = __reduce_max_sync(0xffffffffu, key);
+        win = (int)__reduce_min_sync(0xffffffffu, (key == m && m != 0u) ? (unsigned)bi : 0x7fffffffu);
+        if (ids != nullptr && lane == 0) {
+            ids[k] = win;
+            wts[k] = __uint_as_float(m - 1u) / sum;
+        }
+        if (win < n && (win & 31) == lane) {
+            bv = -2.f;
+            bi = 0x7fffffff;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const int e = lane + 32 * j;
+                if (e == win) v[j] = -1.f;
+                if (v[j] > bv) { bv = v[j]; bi = e; }
+            }
+        }
+    }
+    if (norm && ids != nullptr && lane == 0) {
+        float s = 0.f;
+        for (int k = 0; k < top_k; ++k) s += wts[k];
+        for (int k = 0; k < top_k; ++k) wts[k] = wts[k] / s;
+    }
+    return win;
+}
+
+// The routing of one token by one warp: registers up to 256 experts, else shared memory.
+__device__ __forceinline__ int moe_route_warp(const float* __restrict__ l, int n, int k_last, int top_k, int norm,
+                                              float* rp, int* ids, float* wts, int lane) {
+    if (n <= 128) return moe_route_reg<4>(l, n, k_last, top_k, norm, ids, wts, lane);
+    if (n <= 256) return moe_route_reg<8>(l, n, k_last, top_k, norm, ids, wts, lane);
+    return moe_route_smem(l, n, k_last, top_k, norm, rp, ids, wts, lane);
+}
+
+// Bulk copies of expert rows (sm_90+): rows [r0, r0 + n) of W (rows of rb bytes), widened to
+// the 16-byte units around them as in gemv_bulk_prologue; returns the byte count and the
+// span's start (the rows sit `r0 address mod 16` bytes into the destination).
+__device__ __forceinline__ uint32_t moe_span(const uint8_t* W, size_t r0, int n, long long rb, size_t* a0) {
+    *a0 = (size_t)(W + r0 * (size_t)rb) & ~(size_t)15;
+    const size_t a1 = ((size_t)(W + (r0 + (size_t)n) * (size_t)rb) + 15) & ~(size_t)15;
+    return (uint32_t)(a1 - *a0);
+}
+
+__device__ __forceinline__ void moe_bar_init(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void moe_bar_expect(uint64_t* bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void moe_bulk(uint64_t* bar, uint8_t* dst, size_t src, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
+                 : "memory");
+#endif
+}
+
+__device__ __forceinline__ void moe_bar_wait(uint64_t* bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b), "r"(parity)
+            : "memory");
+    }
+#endif
+}
 
 template <int TYPE>
 __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
                                              long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
-                                             const float2* __restrict__ xd, const int* __restrict__ ids,
-                                             int top_k, int n_experts, float* __restrict__ h) {
+                                             const float2* __restrict__ xd, const float* __restrict__ logits,
+                                             int n_experts, int top_k, float* __restrict__ h,
+                                             int8_t* __restrict__ hq, float2* __restrict__ hd,
+                                             int* __restrict__ tickets) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bar;
+    __shared__ float rp[MOE_ROUTE_MAX];
+    __shared__ int s_e, s_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int o = blockIdx.x * GEMV_WARPS + warp;
-    const int p = blockIdx.y;
-    if (o >= ffn) return;  // whole warp; no barriers below
-    const int e = ids[p];
-    float* dst = h + (size_t)p * ffn + o;
-    if (e < 0 || e >= n_experts) {
-        if (lane == 0) *dst = __int_as_float(0x7fc00000);
-        return;
+    const int r0 = blockIdx.x * MOE_GU_ROWS;
+    const int p = blockIdx.y, t = p / top_k;
+    const int nr = ffn - r0 < MOE_GU_ROWS ? ffn - r0 : MOE_GU_ROWS;  // rows of this block (> 0)
+#if __CUDA_ARCH__ >= 900
+    constexpr bool bulk = true;  // the only form on sm_90+: the launcher always passes the slots
+    if (gemv_dyn_smem() == 0) __trap();
+    const size_t slot = gemv_slot(MOE_GU_ROWS, rb);
+#else
+    constexpr bool bulk = false;
+#endif
+    PDL_ENTRY();  // logits: the router GEMV; xq: the norm (or quant_x_q8)
+    if (warp == 0) {
+        const int e = moe_route_warp(logits + (size_t)t * n_experts, n_experts, p % top_k, top_k, 0, rp, nullptr,
+                                     nullptr, lane);
+        if (lane == 0) {
+            s_e = e;
+            if (bulk && e >= 0 && e < n_experts) {
+                const size_t row = (size_t)e * ffn + r0;
+                size_t ag, au;
+                const uint32_t lg = moe_span(G, row, nr, rb, &ag), lu = moe_span(U, row, nr, rb, &au);
+                moe_bar_init(&bar);
+                moe_bar_expect(&bar, lg + lu);
+#if __CUDA_ARCH__ >= 900
+                moe_bulk(&bar, gemv_smem, ag, lg);
+                moe_bulk(&bar, gemv_smem + slot, au, lu);
+#endif
+            }
+        }
     }
-    const int t = p / top_k;
-    const size_t r = (size_t)e * ffn + o;
-    const uint8_t* wr[2] = {G + r * (size_t)rb, U + r * (size_t)rb};
-    float acc[1][2] = {{0.0f, 0.0f}};
-    gemvq_lane<TYPE, 1, 2>(wr, hidden, xq + (size_t)t * 2 * hidden, xd + (size_t)t * (hidden / QK), 1, lane, 0, 1,
-                           acc);
+    __syncthreads();  // s_e, and the barrier initialised before anyone waits on it
+    const int e = s_e;
+    const bool valid = e >= 0 && e < n_experts;
+    const int8_t* xt = xq + (size_t)t * 2 * hidden;
+    const float2* dt = xd + (size_t)t * (hidden / QK);
+#if __CUDA_ARCH__ >= 900
+    if (bulk && valid) moe_bar_wait(&bar, 0);
+#endif
+    // Warp w: rows r0 + w, r0 + w + 8, ... (whole warps).
+#pragma unroll 1
+    for (int o = r0 + warp; o < r0 + nr; o += GEMV_WARPS) {
+        float* dst = h + (size_t)p * ffn + o;
+        if (!valid) {
+            if (lane == 0) *dst = __int_as_float(0x7fc00000);
+            continue;
+        }
+        float acc[1][2] = {{0.0f, 0.0f}};
+#if __CUDA_ARCH__ >= 900
+        if (bulk) {
+            const size_t row0 = (size_t)e * ffn + r0;
+            const uint8_t* wr[2] = {
+                gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15) + (size_t)(o - r0) * (size_t)rb,
+                gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15) + (size_t)(o - r0) * (size_t)rb};
+            gemvq_lane<TYPE, 1, 2, true>(wr, hidden, xt, dt, 1, lane, 0, 1, acc);
+        }
+#else
+        {
+            const size_t r = (size_t)e * ffn + o;
+            const uint8_t* wr[2] = {G + r * (size_t)rb, U + r * (size_t)rb};
+            gemvq_lane<TYPE, 1, 2, false>(wr, hidden, xt, dt, 1, lane, 0, 1, acc);
+        }
+#endif
 #pragma unroll
-    for (int w = 0; w < 2; w++)
+        for (int w = 0; w < 2; w++)
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[0][w] += __shfl_xor_sync(0xffffffffu, acc[0][w], off);
-    if (lane == 0) *dst = silu(acc[0][0]) * acc[0][1];
+            for (int off = 16; off > 0; off >>= 1) acc[0][w] += __shfl_xor_sync(0xffffffffu, acc[0][w], off);
+        if (lane == 0) *dst = silu(acc[0][0]) * acc[0][1];
+    }
+    // Ticket of the 32-row group: the last of its MOE_GU_GROUP blocks quantizes it.
+    __threadfence();
+    __syncthreads();
+    const int grp = r0 / QK;
+    int* tk = tickets + (size_t)p * (ffn / QK) + grp;
+    if (threadIdx.x == 0) s_last = atomicAdd(tk, 1) == MOE_GU_GROUP - 1;
+    __syncthreads();
+    if (s_last && warp == 0) {
+        __threadfence();
+        const float v = __ldcg(h + (size_t)p * ffn + grp * QK + lane);
+        quant_q8_lane(v, lane, hq + (size_t)p * 2 * ffn, ffn, grp * QK + lane, hd + (size_t)p * (ffn / QK) + grp);
+        if (lane == 0) atomicExch(tk, 0);
+    }
 }
 
-#define GEMVQ_MOE_MAX_TOPK 64
 template <int TYPE>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
-                                               const int* __restrict__ ids, const float* __restrict__ wts,
-                                               int top_k, int n_experts, float* __restrict__ out) {
-    __shared__ float part[GEMVQ_MOE_MAX_TOPK][2];
+                                               const float* __restrict__ logits, int n_experts, int top_k, int norm,
+                                               float* __restrict__ out) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bars[GEMV_WARPS];
+    __shared__ float rp[MOE_ROUTE_MAX];
+    __shared__ int s_id[GEMVQ_MOE_MAX_TOPK];
+    __shared__ float s_w[GEMVQ_MOE_MAX_TOPK];
+    __shared__ float part[GEMVQ_MOE_MAX_TOPK][MOE_DOWN_ROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int o0 = blockIdx.x * 2, t = blockIdx.y;
+    const int o0 = blockIdx.x * MOE_DOWN_ROWS, t = blockIdx.y;
+    const int nr = hidden - o0 < MOE_DOWN_ROWS ? hidden - o0 : MOE_DOWN_ROWS;
+#if __CUDA_ARCH__ >= 900
+    constexpr bool bulk = true;  // the only form on sm_90+: the launcher always passes the slots
+    if (gemv_dyn_smem() == 0) __trap();
+    const size_t slot = gemv_slot(MOE_DOWN_ROWS, rb);
+    uint8_t* my = gemv_smem + (size_t)warp * slot;
+#else
+    constexpr bool bulk = false;
+#endif
+    // Before the PDL wait: the routing (router logits complete two launches back) and the
+    // first slot's weight copy of every warp.
+    if (warp == 0) moe_route_warp(logits + (size_t)t * n_experts, n_experts, top_k - 1, top_k, norm, rp, s_id, s_w, lane);
+    if (bulk && lane == 0) moe_bar_init(&bars[warp]);
+    __syncthreads();
+    if (bulk && lane == 0 && warp < top_k) {
+        const int e = s_id[warp];
+        if (e >= 0 && e < n_experts) {
+            size_t a;
+            const uint32_t len = moe_span(D, (size_t)e * hidden + o0, nr, rb, &a);
+            moe_bar_expect(&bars[warp], len);
+#if __CUDA_ARCH__ >= 900
+            moe_bulk(&bars[warp], my, a, len);
+#endif
+        }
+    }
+    PDL_ENTRY();  // hq, hd: the gate/up kernel
+    uint32_t ph = 0;  // copies this warp's slot has completed (barrier phases)
     for (int k = warp; k < top_k; k += GEMV_WARPS) {
         const int p = t * top_k + k;
-        const int e = ids[p];
-        float acc[1][2] = {{0.0f, 0.0f}};
-        if (e < 0 || e >= n_experts) {
-            acc[0][0] = acc[0][1] = __int_as_float(0x7fc00000);
-        } else {
-            const uint8_t* wr[2];
-#pragma unroll
-            for (int w = 0; w < 2; w++) {
-                const int o = o0 + w < hidden ? o0 + w : hidden - 1;
-                wr[w] = D + ((size_t)e * hidden + o) * (size_t)rb;
+        const int e = s_id[k];
+        const bool valid = e >= 0 && e < n_experts;
+        const int8_t* hp = hq + (size_t)p * 2 * ffn;
+        const float2* dp = hd + (size_t)p * (ffn / QK);
+#if __CUDA_ARCH__ >= 900
+        const size_t row0 = (size_t)e * hidden + o0;
+        if (bulk && valid) {
+            if (k != warp) {  // the slot's previous rows are read by every lane: reuse it
+                __syncwarp();
+                if (lane == 0) {
+                    size_t a;
+                    const uint32_t len = moe_span(D, row0, nr, rb, &a);
+                    moe_bar_expect(&bars[warp], len);
+                    moe_bulk(&bars[warp], my, a, len);
+                }
             }
-            gemvq_lane<TYPE, 1, 2>(wr, ffn, hq + (size_t)p * 2 * ffn, hd + (size_t)p * (ffn / QK), 1, lane, 0, 1,
-                                   acc);
-#pragma unroll
-            for (int w = 0; w < 2; w++)
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) acc[0][w] += __shfl_xor_sync(0xffffffffu, acc[0][w], off);
+            moe_bar_wait(&bars[warp], ph & 1u);
+            ++ph;
         }
-        if (lane == 0) {
-            part[k][0] = acc[0][0];
-            part[k][1] = acc[0][1];
+#endif
+        // Rows o0 + j, o0 + j + 1 (j even; a row past the end recomputes the last row and
+        // is not stored).
+#pragma unroll 1
+        for (int j = 0; j < MOE_DOWN_ROWS; j += 2) {
+            float acc[1][2] = {{0.0f, 0.0f}};
+            if (!valid) {
+                acc[0][0] = acc[0][1] = __int_as_float(0x7fc00000);
+            } else {
+                int ro[2];
+#pragma unroll
+                for (int w = 0; w < 2; w++) ro[w] = o0 + j + w < hidden ? j + w : hidden - 1 - o0;
+#if __CUDA_ARCH__ >= 900
+                if (bulk) {
+                    const uint8_t* base = my + ((size_t)(D + row0 * (size_t)rb) & 15);
+                    const uint8_t* wr[2] = {base + (size_t)ro[0] * (size_t)rb, base + (size_t)ro[1] * (size_t)rb};
+                    gemvq_lane<TYPE, 1, 2, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
+                }
+#else
+                {
+                    const uint8_t* wr[2];
+#pragma unroll
+                    for (int w = 0; w < 2; w++) wr[w] = D + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
+                    gemvq_lane<TYPE, 1, 2, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
+                }
+#endif
+#pragma unroll
+                for (int w = 0; w < 2; w++)
+#pragma unroll
+                    for (int off = 16; off > 0; off >>= 1)
+                        acc[0][w] += __shfl_xor_sync(0xffffffffu, acc[0][w], off);
+            }
+            if (lane == 0) {
+                part[k][j] = acc[0][0];
+                part[k][j + 1] = acc[0][1];
+            }
         }
     }
     __syncthreads();
-    if (threadIdx.x < 2 && o0 + (int)threadIdx.x < hidden) {
+    if (threadIdx.x < MOE_DOWN_ROWS && o0 + (int)threadIdx.x < hidden) {
         float acc = 0.0f;
-        for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(wts[t * top_k + k], part[k][threadIdx.x]));
+        for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(s_w[k], part[k][threadIdx.x]));
         out[(size_t)t * hidden + o0 + threadIdx.x] = acc;
     }
 }
 
 #define GEMVQ_MOE_KERNELS(name, TYPE)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                           \
         gemvq_moe_gu_##name(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn, \
                             int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,            \
-                            const int* __restrict__ ids, int top_k, int n_experts, float* __restrict__ h) {      \
-        PDL_ENTRY();                                                                                             \
-        gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, ids, top_k, n_experts, h);                            \
+                            const float* __restrict__ logits, int n_experts, int top_k, float* __restrict__ h,  \
+                            int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets) {       \
+        gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets);          \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
         gemvq_moe_down_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,                 \
                               const int8_t* __restrict__ hq, const float2* __restrict__ hd,                      \
-                              const int* __restrict__ ids, const float* __restrict__ wts, int top_k,             \
-                              int n_experts, float* __restrict__ out) {                                          \
-        PDL_ENTRY();                                                                                             \
-        gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, ids, wts, top_k, n_experts, out);                      \
+                              const float* __restrict__ logits, int n_experts, int top_k, int norm,              \
+                              float* __restrict__ out) {                                                         \
+        gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);                  \
     }
 
 GEMVQ_MOE_KERNELS(q8_0, GGML_Q8_0)
