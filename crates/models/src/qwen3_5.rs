@@ -193,15 +193,11 @@ pub(crate) fn forward_layers<B: Backend>(
                 norm,
                 out,
             } => {
-                // The four input projections first, through one matmuls call: x is quantized
-                // once for all of them (a launch between them, e.g. the convolution, made
-                // the decode GEMVs quantize it again).
-                be.matmuls(
-                    h,
-                    &[qkv, z, b, wa],
-                    &mut [&mut hb.mixed, &mut hb.z, &mut hb.b, &mut hb.a],
-                )?;
+                be.matmul(h, qkv, &mut hb.mixed)?;
                 be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv)?;
+                be.matmul(h, z, &mut hb.z)?;
+                be.matmul(h, b, &mut hb.b)?;
+                be.matmul(h, wa, &mut hb.a)?;
                 be.gated_delta_rule(
                     kv,
                     DeltaArgs {

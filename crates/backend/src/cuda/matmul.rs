@@ -308,7 +308,11 @@ impl Drop for KeepXq<'_> {
         if now != self.before + 1 {
             return;
         }
-        if let Ok(mut g) = self.be.matmul.xq.lock() {
+        // try_lock: `matmuls` holds the scratch while it runs a float GEMV of its group (a
+        // small-output quantized weight next to quantized-x ones), and a blocking lock here
+        // would wait on this very thread forever. Held, the planes simply stay unrecorded
+        // (the next consumer quantizes x again: correct, one launch slower).
+        if let Ok(mut g) = self.be.matmul.xq.try_lock() {
             if let Some(xq) = g.as_mut() {
                 let (p, r, c) = self.x;
                 if xq.src == Some((p, r, c, self.before)) {
