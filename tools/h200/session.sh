@@ -15,6 +15,7 @@
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
+#   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
 # Logs and bench/results.jsonl lines are written under $OUT.
@@ -99,6 +100,16 @@ for stage in "$@"; do
             --csv --launch-skip 2600 --launch-count 900 \
             $F bench --model "$f" --reps 1 --prompt-tokens 16 --gen-tokens 8 --gate-tokens 2 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
         python3 tools/h200/ncu_step.py "$OUT/ncu.csv" | tee "$OUT/profile.txt"
+        rm -f "$f"
+        ;;
+    gemv_detail)
+        # ncu's full sections (stall reasons, occupancy, DRAM %) for the two largest GEMVs of a
+        # Qwen3-8B Q4_K_M decode step.
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
+            --kernel-name regex:"gemvq_swiglu_q4_k_r1|gemvq_q4_k_r1" --launch-skip 60 --launch-count 2 --set full \
+            $F bench --model "$f" --reps 1 --prompt-tokens 16 --gen-tokens 8 --gate-tokens 2 > "$OUT/ncu_detail.txt" 2>&1
+        grep -E "gemvq|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots" "$OUT/ncu_detail.txt"
         rm -f "$f"
         ;;
     exact)
