@@ -516,7 +516,7 @@ pub fn quantized_decode_types(g: GgmlType, d: GgmlType, rows: usize) -> bool {
 /// The path on int8-quantized activations (decode; exact prefill): x quantized once (usually
 /// by the producing norm already), then two launches (matmul.cu 1c): gate/up + SwiGLU per
 /// (pair, ffn row) with the routing computed in-kernel and h quantized in-kernel, then down
-/// + combine in top-k order with its own in-kernel routing. No routing launch, no ids in
+/// and combine in top-k order with its own in-kernel routing. No routing launch, no ids in
 /// memory. Expects `s.h`, `s.hq`, `s.hd`, `s.tickets` grown for this shape.
 #[allow(clippy::too_many_arguments)]
 fn quantized_experts(
@@ -540,7 +540,7 @@ fn quantized_experts(
         "moe: gate and up rows differ in size"
     );
     ensure!(
-        routing.n_experts <= MOE_ROUTE_MAX && top_k <= MAX_TOP_K && ffn % 32 == 0,
+        routing.n_experts <= MOE_ROUTE_MAX && top_k <= MAX_TOP_K && ffn.is_multiple_of(32),
         "moe: the quantized-activation path needs <= {MOE_ROUTE_MAX} experts, top-k <= \
          {MAX_TOP_K} and ffn % 32 == 0"
     );
