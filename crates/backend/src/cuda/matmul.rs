@@ -207,14 +207,7 @@ impl Kernels {
         }
         let mut gemvq_mixed = Vec::with_capacity(GEMVQ_MIXED.len());
         for &(a, b) in GEMVQ_MIXED {
-            let name = |t: GgmlType| {
-                TYPES
-                    .iter()
-                    .find(|(ty, _)| *ty == t)
-                    .map(|(_, n)| *n)
-                    .ok_or_else(|| anyhow!("GEMVQ_MIXED names an unknown type {t}"))
-            };
-            let (na, nb) = (name(a)?, name(b)?);
+            let (na, nb) = (TYPES[type_index(a)?].1, TYPES[type_index(b)?].1);
             let f = |r: usize| -> Result<CudaFunction> {
                 let f = function(&m, &format!("gemvq_multi_{na}_{nb}_r{r}"))?;
                 if bulk {
@@ -776,6 +769,16 @@ fn gemvq_launch(
 /// the layers).
 const GEMVQ_MIXED: &[(GgmlType, GgmlType)] = &[(GgmlType::Q4K, GgmlType::Q6K)];
 
+/// The `gemvq_multi_<a>_<b>_r<R>` kernels (by R index) for a type-a pair followed by a type-b
+/// weight, if [`GEMVQ_MIXED`] has them.
+fn mixed_kernels(be: &CudaBackend, a: GgmlType, b: GgmlType) -> Option<&[CudaFunction; 6]> {
+    be.matmul
+        .gemvq_mixed
+        .iter()
+        .find(|(ta, tb, _)| *ta == a && *tb == b)
+        .map(|(_, _, f)| f)
+}
+
 /// Kernel argument of `gemv_multi_*` / `gemvq_multi_*` (`GemvSegs` in matmul.cu): up to
 /// three weights of one type and row length, their outputs and row counts, and the blocks of
 /// the first two (the third takes the rest of the grid).
@@ -863,11 +866,7 @@ pub fn matmuls(
             && paths[i] == Some(true)
             && paths[j] == Some(true)
             && ws[j].shape[1] == ws[i].shape[1]
-            && be
-                .matmul
-                .gemvq_mixed
-                .iter()
-                .any(|(a, b, _)| *a == ws[i].dtype && *b == ws[j].dtype)
+            && mixed_kernels(be, ws[i].dtype, ws[j].dtype).is_some()
         {
             j += 1;
         }
@@ -978,13 +977,8 @@ fn multi_launch(
         let xd = xq.d.slice(..rows * n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * rows * n_in);
         if mixed {
-            let f = &be
-                .matmul
-                .gemvq_mixed
-                .iter()
-                .find(|(a, b, _)| *a == t && *b == t2)
-                .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?
-                .2[ri];
+            let f = &mixed_kernels(be, t, t2)
+                .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri];
             let (rb2, ks2_i) = (ws[2].row_bytes() as i64, ks2 as i32);
             // SAFETY: as below; weight 2 holds n2 rows of rb2 bytes (checked by matmuls).
             unsafe {
