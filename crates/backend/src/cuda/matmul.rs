@@ -353,10 +353,12 @@ fn gemv_steps(t: GgmlType, n_in: usize) -> usize {
 }
 
 /// [`gemv_steps`] for the quantized-x GEMV, whose lane unit is 32 elements (32-element
-/// blocks: a block per lane; K-quants: 8 lanes per super-block, 4 super-blocks per warp step).
+/// blocks: a block per lane; Q4_K/Q5_K: 4 lanes per super-block, 8 super-blocks per warp
+/// step; Q6_K: 8 lanes per super-block, 4 per step).
 fn gemvq_steps(t: GgmlType, n_in: usize) -> usize {
     match t {
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => (n_in / 256).div_ceil(4),
+        GgmlType::Q4K | GgmlType::Q5K => (n_in / 256).div_ceil(8),
+        GgmlType::Q6K => (n_in / 256).div_ceil(4),
         _ => (n_in / 32).div_ceil(32),
     }
 }

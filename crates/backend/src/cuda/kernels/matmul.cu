@@ -687,12 +687,16 @@ GEMV_ALL_R(q6_k, GGML_Q6_K)
 //  "unit" is 32 weight elements:
 //    Q8_0 / Q4_0 / Q4_1: one block (34 / 18 / 20 B). Q8_0 and Q4_0 quants sit at offset 2
 //      (2-byte aligned): aligned words + funnel shifts. Q4_1 is 4-byte aligned.
-//    Q4_K / Q5_K: 8 units per super-block: lane l8 = lane % 8 = (g = l8/2, h = l8%2) reads the
-//      16 qs bytes 32g + 16h.. (one 16-B load: the low nibbles are elements 16h.. of sub-block
-//      2g, the high nibbles elements 16h.. of sub-block 2g+1) and the 16-B header (a broadcast
-//      across the 8 lanes); Q5_K also qh bytes 16h.. . The min term uses the x block sums s and
-//      is added by the h = 0 lane only. A warp step covers 4 super-blocks, 128 contiguous
-//      bytes per super-block per load instruction.
+//    Q4_K / Q5_K: 2 units per lane, 4 lanes per super-block: lane (c = lane/4, g = lane%4)
+//      reads the 32 qs bytes 32g.. of super-block c of the step (two 16-B loads: the low
+//      nibbles are sub-block 2g, the high nibbles sub-block 2g+1; the four lanes of a
+//      super-block read its 128 contiguous qs bytes) and the 16-B header (a broadcast across
+//      the 4 lanes), whose scales and mins of the pair it decodes once, branch-free
+//      (kq_pair_scales); Q5_K also the 32 qh bytes. The min term uses the x block sums s.
+//      A warp step covers 8 super-blocks. Q4_K's high nibbles stay in place (16x, unsigned
+//      dp4a; 1/16 in the float scale). Why this mapping (MATMUL.md round 7): the kernel was
+//      issue-bound on its integer pipe (3.4 instructions per weight); one header decode per
+//      64 weights instead of 32, no divergent scale branch and no nibble shift halve them.
 //    Q6_K: 8 units per super-block: l8 = (n = l8/4, p = l8/2 % 2, c = l8 % 2) reads ql bytes
 //      64n + 32p + 16c.. (low nibbles: quarter p, high: quarter p + 2) and qh bytes 32n + 16c..
 //      (2-byte aligned: funnel shifts), two int8 scales (16-element sub-blocks) and d.
@@ -705,6 +709,36 @@ GEMV_ALL_R(q6_k, GGML_Q6_K)
 
 // Signed byte-wise dot product of 4 int8 pairs added to c.
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
+
+// Dot product of 4 unsigned bytes a (weights >= 0: K-quant nibbles, possibly x16) with 4
+// signed bytes b (x) added to c.
+__device__ __forceinline__ int dp4u(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Per-lane constants of kq_pair_scales for sub-block pair g (0..3) of a K-quant super-block.
+struct KqPairSel {
+    uint32_t perm;   // byte_perm selector: bytes b, b+1 of the first word, b, b+1 of the second
+    uint32_t shift;  // 0 for g < 2, 2 for g >= 2 (where the top two bits come from)
+    bool upper;      // g >= 2: the low four bits come from the third scale word
+};
+__device__ __forceinline__ KqPairSel kq_pair_sel(int g) {
+    const uint32_t b = 2u * (uint32_t)(g & 1);
+    return {b | (b + 1) << 4 | (b + 4) << 8 | (b + 5) << 12, g < 2 ? 0u : 2u, g >= 2};
+}
+// The scales and mins of sub-blocks 2g and 2g+1 (ggml's get_scale_min_k4) from the 12 scale
+// bytes (words s0 s1 s2) as the bytes (sc0, sc1, m0, m1) of one word, without a branch on g
+// (g varies across a warp's lanes). H gathers bytes b, b+1 of s0 and s1; for g < 2 the values
+// are H & 0x3F. For g >= 2 the low four bits are the nibbles of s2's bytes b, b+1 (low
+// nibbles: scales, high: mins) and the top two are bits 6-7 of H's bytes:
+// (L & 0x0F) | ((H >> 2) & 0x30) per byte (the shift's carry between bytes is masked off).
+__device__ __forceinline__ uint32_t kq_pair_scales(KqPairSel sel, uint32_t s0, uint32_t s1, uint32_t s2) {
+    const uint32_t H = __byte_perm(s0, s1, sel.perm);
+    const uint32_t L = sel.upper ? __byte_perm(s2, s2 >> 4, sel.perm) : H;
+    return (L & 0x0F0F0F0Fu) | ((H >> sel.shift) & 0x30303030u);
+}
 
 // The 16 bytes at p (2-byte aligned) as four little-endian words: 5 aligned loads (the 5th
 // only when p is 2 mod 4) and funnel shifts.
@@ -826,64 +860,87 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             }
         }
     } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
-        const int l8 = lane & 7, g = l8 >> 1, h = l8 & 1;
+        // Lane (c = lane / 4: super-block c of the step, g = lane % 4: sub-block pair 2g, 2g+1):
+        // the pair's 32 qs bytes (two 16-B loads; the four lanes of a super-block read its 128
+        // contiguous qs bytes), its scales and mins decoded once (kq_pair_scales), 64 weights
+        // per row, and the pair's x: 64 contiguous bytes per plane. Q4_K's high nibbles are
+        // used in place (q & 0xF0F0F0F0 = 16 x the nibble, unsigned bytes: dp4u), the 1/16
+        // folded into the x scale of sub-block 2g+1 (an exact power of two).
+        constexpr bool K4 = TYPE == GGML_Q4_K;
+        const int g = lane & 3;
         const int nsb = n_in / QK_K;
-        const int bytes = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q5_K_BYTES;
-        const float mfac = h ? 0.0f : 1.0f;  // the min term once per sub-block (h = 0 lanes)
-#pragma unroll GEMV_UNROLL_K
-        for (int s = (lane >> 3) + 4 * kw; s < nsb; s += 4 * ks) {
-            uint32_t lo[NW][4], hi[NW][4];
+        const int bytes = K4 ? Q4_K_BYTES : Q5_K_BYTES;
+        const KqPairSel sel = kq_pair_sel(g);
+        const float hscale = K4 ? 0.0625f : 1.0f;
+#pragma unroll 2
+        for (int s = (lane >> 2) + 8 * kw; s < nsb; s += 8 * ks) {
+            uint32_t lo[NW][8], hi[NW][8];
             float d[NW], dmin[NW], sc0[NW], m0[NW], sc1[NW], m1[NW];
 #pragma unroll
             for (int w = 0; w < NW; w++) {
                 const uint8_t* blk = wr[w] + (size_t)s * bytes;  // 16-aligned
                 const uint4 hd = wld16<SM>(blk);
-                const uint4 qv = wld16<SM>(blk + (TYPE == GGML_Q4_K ? 16 : 48) + 32 * g + 16 * h);
+                const uint8_t* qs = blk + (K4 ? 16 : 48) + 32 * g;
+                const uint4 qa = wld16<SM>(qs), qb = wld16<SM>(qs + 16);
                 d[w] = h2f(hd.x & 0xFFFF);
                 dmin[w] = h2f(hd.x >> 16);
-                scale_min_pair(g, hd.y, hd.z, hd.w, &sc0[w], &m0[w], &sc1[w], &m1[w]);
-                const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
-                if (TYPE == GGML_Q4_K) {
+                const uint32_t sm = kq_pair_scales(sel, hd.y, hd.z, hd.w);
+                sc0[w] = byte_fb<0, 0>(sm);
+                sc1[w] = byte_fb<1, 0>(sm);
+                m0[w] = byte_fb<2, 0>(sm);
+                m1[w] = byte_fb<3, 0>(sm);
+                const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+                if (K4) {
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        lo[w][i] = qa[i] & 0x0F0F0F0Fu;
-                        hi[w][i] = (qa[i] >> 4) & 0x0F0F0F0Fu;
+                    for (int i = 0; i < 8; i++) {
+                        lo[w][i] = q[i] & 0x0F0F0F0Fu;
+                        hi[w][i] = q[i] & 0xF0F0F0F0u;
                     }
                 } else {
-                    const uint4 hv = wld16<SM>(blk + 16 + 16 * h);
-                    const uint32_t ha[4] = {hv.x, hv.y, hv.z, hv.w};
+                    // qh byte j holds bit (2g, 2g+1) of element j of sub-blocks 2g, 2g+1.
+                    const uint4 ha = wld16<SM>(blk + 16), hb = wld16<SM>(blk + 32);
+                    const uint32_t qh[8] = {ha.x, ha.y, ha.z, ha.w, hb.x, hb.y, hb.z, hb.w};
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        lo[w][i] = (qa[i] & 0x0F0F0F0Fu) | (((ha[i] >> (2 * g)) & 0x01010101u) << 4);
-                        hi[w][i] = ((qa[i] >> 4) & 0x0F0F0F0Fu) | (((ha[i] >> (2 * g + 1)) & 0x01010101u) << 4);
+                    for (int i = 0; i < 8; i++) {
+                        lo[w][i] = (q[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * g)) & 0x01010101u) << 4);
+                        hi[w][i] = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * g + 1)) & 0x01010101u) << 4);
                     }
                 }
             }
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
-                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
-                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
-                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 32));
+                // Elements 64g .. 64g + 63 of super-block s: sub-block 2g, then 2g + 1.
+                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g;
+                const int4* xp = (const int4*)xr;
+                const int4* yp = (const int4*)(xr + n_in);
+                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1), x2 = __ldg(xp + 2), x3 = __ldg(xp + 3);
+                const int4 y0 = __ldg(yp), y1 = __ldg(yp + 1), y2 = __ldg(yp + 2), y3 = __ldg(yp + 3);
                 const float4 ds = __ldg((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
-                const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
-                const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
-                const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
-                const uint32_t yb[4] = {(uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
+                const uint32_t xa[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
+                                        (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+                const uint32_t xb[8] = {(uint32_t)x2.x, (uint32_t)x2.y, (uint32_t)x2.z, (uint32_t)x2.w,
+                                        (uint32_t)x3.x, (uint32_t)x3.y, (uint32_t)x3.z, (uint32_t)x3.w};
+                const uint32_t ya[8] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w,
+                                        (uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
+                const uint32_t yb[8] = {(uint32_t)y2.x, (uint32_t)y2.y, (uint32_t)y2.z, (uint32_t)y2.w,
+                                        (uint32_t)y3.x, (uint32_t)y3.y, (uint32_t)y3.z, (uint32_t)y3.w};
+                const float dzb = ds.z * hscale;
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
                     int sa = 0, sb = 0, la = 0, lb = 0;
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        sa = dp4(lo[w][i], xa[i], sa);
-                        sb = dp4(hi[w][i], xb[i], sb);
-                        la = dp4(lo[w][i], ya[i], la);
-                        lb = dp4(hi[w][i], yb[i], lb);
+                    for (int i = 0; i < 8; i++) {
+                        sa = dp4u(lo[w][i], xa[i], sa);
+                        sb = dp4u(hi[w][i], xb[i], sb);
+                        la = dp4u(lo[w][i], ya[i], la);
+                        lb = dp4u(hi[w][i], yb[i], lb);
                     }
+                    // |127 sb + lb| <= 127 * 32 * 240 * 128 < 2^27 (Q4_K's 16x high nibbles).
                     sa = 127 * sa + la;
                     sb = 127 * sb + lb;
-                    const float t = fmaf(sc1[w] * ds.z, (float)sb, sc0[w] * ds.x * (float)sa);
-                    const float mm = mfac * fmaf(m1[w], ds.w, m0[w] * ds.y);
+                    const float t = fmaf(sc1[w] * dzb, (float)sb, sc0[w] * ds.x * (float)sa);
+                    const float mm = fmaf(m1[w], ds.w, m0[w] * ds.y);
                     acc[r][w] = fmaf(d[w], t, fmaf(-dmin[w], mm, acc[r][w]));
                 }
             }
