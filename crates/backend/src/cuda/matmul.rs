@@ -116,6 +116,12 @@ pub struct Kernels {
 /// regression").
 const GEMV_PF_DEFAULT: i32 = 1;
 
+/// Whether the bulk-copy quantized GEMV copies its block's rows in one piece per row group,
+/// each on its own barrier (`gemv_split_mode` in matmul.cu: a warp starts when its rows have
+/// landed), or as one span. `FERRITE_GEMV_SPLIT` (0/1) overrides it (a tuning switch:
+/// MATMUL.md round 7).
+const GEMV_SPLIT_DEFAULT: i32 = 0;
+
 fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
     let mode = match std::env::var("FERRITE_GEMV_PF") {
         Ok(v) => match v.trim().parse::<i32>() {
@@ -124,11 +130,21 @@ fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
         },
         Err(_) => GEMV_PF_DEFAULT,
     };
+    let split = match std::env::var("FERRITE_GEMV_SPLIT") {
+        Ok(v) => match v.trim().parse::<i32>() {
+            Ok(n @ 0..=1) => n,
+            _ => bail!("FERRITE_GEMV_SPLIT must be 0 or 1, not {v:?}"),
+        },
+        Err(_) => GEMV_SPLIT_DEFAULT,
+    };
     let stream = ctx.default_stream();
-    let mut sym = m.get_global("gemv_pf_mode", &stream)?;
-    // SAFETY: the symbol is a 4-byte `__constant__ int`.
-    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_mode is not an int")?;
-    stream.memcpy_htod(&[mode], &mut v)?;
+    for (name, value) in [("gemv_pf_mode", mode), ("gemv_split_mode", split)] {
+        let mut sym = m.get_global(name, &stream)?;
+        // SAFETY: the symbol is a 4-byte `__constant__ int`.
+        let mut v = unsafe { sym.transmute_mut::<i32>(1) }
+            .with_context(|| format!("{name} is not an int"))?;
+        stream.memcpy_htod(&[value], &mut v)?;
+    }
     stream.synchronize()?;
     Ok(())
 }
@@ -353,12 +369,10 @@ fn gemv_steps(t: GgmlType, n_in: usize) -> usize {
 }
 
 /// [`gemv_steps`] for the quantized-x GEMV, whose lane unit is 32 elements (32-element
-/// blocks: a block per lane; Q4_K/Q5_K: 4 lanes per super-block, 8 super-blocks per warp
-/// step; Q6_K: 8 lanes per super-block, 4 per step).
+/// blocks: a block per lane; K-quants: 8 lanes per super-block, 4 super-blocks per warp step).
 fn gemvq_steps(t: GgmlType, n_in: usize) -> usize {
     match t {
-        GgmlType::Q4K | GgmlType::Q5K => (n_in / 256).div_ceil(8),
-        GgmlType::Q6K => (n_in / 256).div_ceil(4),
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => (n_in / 256).div_ceil(4),
         _ => (n_in / 32).div_ceil(32),
     }
 }

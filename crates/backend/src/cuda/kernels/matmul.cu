@@ -448,39 +448,63 @@ __device__ __forceinline__ size_t gemv_slot(int per_block, long long rb) {
     return (((size_t)per_block * (size_t)rb + 15) & ~(size_t)15) + 16;
 }
 
+// Split mode (`gemv_split_mode`, set once at load by the launcher, matmul.rs; a tuning switch):
+// the block's copy goes out as one piece per row group, in row-group order, each completing on
+// its own mbarrier, so a warp starts on its rows as soon as they have landed instead of after
+// the whole span (the first row groups' compute overlaps the rest of the copy). Only where
+// every piece boundary is 16-byte aligned (a row group's bytes, PER x rb, a multiple of 16):
+// then the pieces are exactly the row groups' rows and the shared-memory layout is the same.
+__constant__ int gemv_split_mode;
+
+// Issues the block's copies: `nbar` pieces of `pg` rows (nbar = 1: the whole span; else
+// 16-byte aligned row-group pieces), piece j completing on bars[j].
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
-                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
+                                                   int r0, int per_block, uint8_t* smem, uint64_t* bars, int nbar) {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
         const int r1 = r0 + per_block < n_out ? r0 + per_block : n_out;
-        const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-        size_t a0[2], len[2];
-        uint32_t total = 0;
+        const int pg = per_block / nbar;
+        const size_t slot = gemv_slot(per_block, rb);
+        for (int j = 0; j < nbar; j++) {
+            const uint32_t b = (uint32_t)__cvta_generic_to_shared(bars + j);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        size_t s0[2] = {0, 0};  // each span's 16-aligned start (its slot holds bytes from there)
 #pragma unroll
         for (int m = 0; m < 2; m++) {
             const uint8_t* base = m == 0 ? W : W2;
-            len[m] = 0;
-            if (base != nullptr && r1 > r0) {
-                a0[m] = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
-                const size_t a1 = ((size_t)(base + (size_t)r1 * (size_t)rb) + 15) & ~(size_t)15;
-                len[m] = a1 - a0[m];
-                total += (uint32_t)len[m];
-            }
+            if (base != nullptr) s0[m] = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
         }
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
-        const size_t slot = gemv_slot(per_block, rb);
+        for (int j = 0; j < nbar; j++) {
+            const int ra = r0 + j * pg;
+            const int rz = j == nbar - 1 ? r1 : (ra + pg < r1 ? ra + pg : r1);
+            const uint32_t b = (uint32_t)__cvta_generic_to_shared(bars + j);
+            size_t a0[2], len[2];
+            uint32_t total = 0;
 #pragma unroll
-        for (int m = 0; m < 2; m++)
-            if (len[m])
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                        (uint32_t)__cvta_generic_to_shared(smem + m * slot)),
-                    "l"(a0[m]), "r"((uint32_t)len[m]), "r"(b)
-                    : "memory");
+            for (int m = 0; m < 2; m++) {
+                const uint8_t* base = m == 0 ? W : W2;
+                len[m] = 0;
+                if (base != nullptr && rz > ra) {
+                    a0[m] = j == 0 ? s0[m] : (size_t)(base + (size_t)ra * (size_t)rb);
+                    const size_t a1 = ((size_t)(base + (size_t)rz * (size_t)rb) + 15) & ~(size_t)15;
+                    len[m] = a1 - a0[m];
+                    total += (uint32_t)len[m];
+                }
+            }
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+                if (len[m])
+                    asm volatile(
+                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                            (uint32_t)__cvta_generic_to_shared(smem + m * slot + (a0[m] - s0[m]))),
+                        "l"(a0[m]), "r"((uint32_t)len[m]), "r"(b)
+                        : "memory");
+        }
     }
-    __syncthreads();  // the barrier is initialised before anyone waits on it
+    __syncthreads();  // the barriers are initialised before anyone waits on them
 #endif
     PDL_ENTRY();
 }
@@ -687,16 +711,15 @@ GEMV_ALL_R(q6_k, GGML_Q6_K)
 //  "unit" is 32 weight elements:
 //    Q8_0 / Q4_0 / Q4_1: one block (34 / 18 / 20 B). Q8_0 and Q4_0 quants sit at offset 2
 //      (2-byte aligned): aligned words + funnel shifts. Q4_1 is 4-byte aligned.
-//    Q4_K / Q5_K: 2 units per lane, 4 lanes per super-block: lane (c = lane/4, g = lane%4)
-//      reads the 32 qs bytes 32g.. of super-block c of the step (two 16-B loads: the low
-//      nibbles are sub-block 2g, the high nibbles sub-block 2g+1; the four lanes of a
-//      super-block read its 128 contiguous qs bytes) and the 16-B header (a broadcast across
-//      the 4 lanes), whose scales and mins of the pair it decodes once, branch-free
-//      (kq_pair_scales); Q5_K also the 32 qh bytes. The min term uses the x block sums s.
-//      A warp step covers 8 super-blocks. Q4_K's high nibbles stay in place (16x, unsigned
-//      dp4a; 1/16 in the float scale). Why this mapping (MATMUL.md round 7): the kernel was
-//      issue-bound on its integer pipe (3.4 instructions per weight); one header decode per
-//      64 weights instead of 32, no divergent scale branch and no nibble shift halve them.
+//    Q4_K / Q5_K: 8 units per super-block: lane l8 = lane % 8 = (g = l8/2, h = l8%2) reads the
+//      16 qs bytes 32g + 16h.. (one 16-B load: the low nibbles are elements 16h.. of sub-block
+//      2g, the high nibbles elements 16h.. of sub-block 2g+1) and the 16-B header (a broadcast
+//      across the 8 lanes), whose pair scales and mins it decodes branch-free
+//      (kq_pair_scales); Q5_K also qh bytes 16h.. . The min term uses the x block sums s and
+//      is added by the h = 0 lane only. A warp step covers 4 super-blocks, 128 contiguous
+//      bytes per super-block per load instruction. Q4_K's high nibbles stay in place (16x,
+//      unsigned dp4a; 1/16 in the float scale). (4 lanes per super-block, 64 weights each,
+//      halved the instructions per weight but was slower: MATMUL.md round 7.)
 //    Q6_K: 8 units per super-block: l8 = (n = l8/4, p = l8/2 % 2, c = l8 % 2) reads ql bytes
 //      64n + 32p + 16c.. (low nibbles: quarter p, high: quarter p + 2) and qh bytes 32n + 16c..
 //      (2-byte aligned: funnel shifts), two int8 scales (16-element sub-blocks) and d.
@@ -759,9 +782,12 @@ __device__ __forceinline__ int wld1s(const uint8_t* p) {
 
 template <bool SM = false>
 __device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&w)[4]) {
-    const size_t a = (size_t)p;
-    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
-    const uint32_t sh = (uint32_t)(a & 3) * 8;
+    // The aligned word below p by pointer arithmetic on p, not through an integer: a pointer
+    // rebuilt from an integer loses its address space, and the shared-memory (SM) form then
+    // compiled to generic loads (LD.E, 80 per Q8_0/Q6_K kernel) instead of LDS.
+    const uint32_t mis = (uint32_t)(size_t)p & 3u;
+    const uint32_t* q = (const uint32_t*)(p - mis);
+    const uint32_t sh = mis * 8;
     uint32_t v[5];
 #pragma unroll
     for (int i = 0; i < 4; i++) v[i] = wld4<SM>(q + i);
@@ -860,28 +886,27 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             }
         }
     } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
-        // Lane (c = lane / 4: super-block c of the step, g = lane % 4: sub-block pair 2g, 2g+1):
-        // the pair's 32 qs bytes (two 16-B loads; the four lanes of a super-block read its 128
-        // contiguous qs bytes), its scales and mins decoded once (kq_pair_scales), 64 weights
-        // per row, and the pair's x: 64 contiguous bytes per plane. Q4_K's high nibbles are
-        // used in place (q & 0xF0F0F0F0 = 16 x the nibble, unsigned bytes: dp4u), the 1/16
-        // folded into the x scale of sub-block 2g+1 (an exact power of two).
+        // Lane l8 = lane % 8 = (g = l8 / 2, h = l8 % 2) of super-block lane / 8 of the step: qs
+        // bytes 32g + 16h.. (low nibbles: elements 16h.. of sub-block 2g, high nibbles: of
+        // sub-block 2g+1). The pair's scales and mins without a branch on g (kq_pair_scales);
+        // Q4_K's high nibbles stay in place (q & 0xF0F0F0F0 = 16 x the nibble, unsigned bytes:
+        // dp4u), the 1/16 folded into the x scale of sub-block 2g+1 (an exact power of two).
         constexpr bool K4 = TYPE == GGML_Q4_K;
-        const int g = lane & 3;
+        const int l8 = lane & 7, g = l8 >> 1, h = l8 & 1;
         const int nsb = n_in / QK_K;
         const int bytes = K4 ? Q4_K_BYTES : Q5_K_BYTES;
+        const float mfac = h ? 0.0f : 1.0f;  // the min term once per sub-block (h = 0 lanes)
         const KqPairSel sel = kq_pair_sel(g);
         const float hscale = K4 ? 0.0625f : 1.0f;
-#pragma unroll 2
-        for (int s = (lane >> 2) + 8 * kw; s < nsb; s += 8 * ks) {
-            uint32_t lo[NW][8], hi[NW][8];
+#pragma unroll GEMV_UNROLL_K
+        for (int s = (lane >> 3) + 4 * kw; s < nsb; s += 4 * ks) {
+            uint32_t lo[NW][4], hi[NW][4];
             float d[NW], dmin[NW], sc0[NW], m0[NW], sc1[NW], m1[NW];
 #pragma unroll
             for (int w = 0; w < NW; w++) {
                 const uint8_t* blk = wr[w] + (size_t)s * bytes;  // 16-aligned
                 const uint4 hd = wld16<SM>(blk);
-                const uint8_t* qs = blk + (K4 ? 16 : 48) + 32 * g;
-                const uint4 qa = wld16<SM>(qs), qb = wld16<SM>(qs + 16);
+                const uint4 qv = wld16<SM>(blk + (K4 ? 16 : 48) + 32 * g + 16 * h);
                 d[w] = h2f(hd.x & 0xFFFF);
                 dmin[w] = h2f(hd.x >> 16);
                 const uint32_t sm = kq_pair_scales(sel, hd.y, hd.z, hd.w);
@@ -889,58 +914,50 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                 sc1[w] = byte_fb<1, 0>(sm);
                 m0[w] = byte_fb<2, 0>(sm);
                 m1[w] = byte_fb<3, 0>(sm);
-                const uint32_t q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+                const uint32_t qa[4] = {qv.x, qv.y, qv.z, qv.w};
                 if (K4) {
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        lo[w][i] = q[i] & 0x0F0F0F0Fu;
-                        hi[w][i] = q[i] & 0xF0F0F0F0u;
+                    for (int i = 0; i < 4; i++) {
+                        lo[w][i] = qa[i] & 0x0F0F0F0Fu;
+                        hi[w][i] = qa[i] & 0xF0F0F0F0u;
                     }
                 } else {
-                    // qh byte j holds bit (2g, 2g+1) of element j of sub-blocks 2g, 2g+1.
-                    const uint4 ha = wld16<SM>(blk + 16), hb = wld16<SM>(blk + 32);
-                    const uint32_t qh[8] = {ha.x, ha.y, ha.z, ha.w, hb.x, hb.y, hb.z, hb.w};
+                    const uint4 hv = wld16<SM>(blk + 16 + 16 * h);
+                    const uint32_t ha[4] = {hv.x, hv.y, hv.z, hv.w};
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        lo[w][i] = (q[i] & 0x0F0F0F0Fu) | (((qh[i] >> (2 * g)) & 0x01010101u) << 4);
-                        hi[w][i] = ((q[i] >> 4) & 0x0F0F0F0Fu) | (((qh[i] >> (2 * g + 1)) & 0x01010101u) << 4);
+                    for (int i = 0; i < 4; i++) {
+                        lo[w][i] = (qa[i] & 0x0F0F0F0Fu) | (((ha[i] >> (2 * g)) & 0x01010101u) << 4);
+                        hi[w][i] = ((qa[i] >> 4) & 0x0F0F0F0Fu) | (((ha[i] >> (2 * g + 1)) & 0x01010101u) << 4);
                     }
                 }
             }
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
-                // Elements 64g .. 64g + 63 of super-block s: sub-block 2g, then 2g + 1.
-                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g;
-                const int4* xp = (const int4*)xr;
-                const int4* yp = (const int4*)(xr + n_in);
-                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1), x2 = __ldg(xp + 2), x3 = __ldg(xp + 3);
-                const int4 y0 = __ldg(yp), y1 = __ldg(yp + 1), y2 = __ldg(yp + 2), y3 = __ldg(yp + 3);
+                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
+                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
+                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 32));
                 const float4 ds = __ldg((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
-                const uint32_t xa[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
-                                        (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
-                const uint32_t xb[8] = {(uint32_t)x2.x, (uint32_t)x2.y, (uint32_t)x2.z, (uint32_t)x2.w,
-                                        (uint32_t)x3.x, (uint32_t)x3.y, (uint32_t)x3.z, (uint32_t)x3.w};
-                const uint32_t ya[8] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w,
-                                        (uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
-                const uint32_t yb[8] = {(uint32_t)y2.x, (uint32_t)y2.y, (uint32_t)y2.z, (uint32_t)y2.w,
-                                        (uint32_t)y3.x, (uint32_t)y3.y, (uint32_t)y3.z, (uint32_t)y3.w};
+                const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
+                const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+                const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
+                const uint32_t yb[4] = {(uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
                 const float dzb = ds.z * hscale;
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
                     int sa = 0, sb = 0, la = 0, lb = 0;
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
+                    for (int i = 0; i < 4; i++) {
                         sa = dp4u(lo[w][i], xa[i], sa);
                         sb = dp4u(hi[w][i], xb[i], sb);
                         la = dp4u(lo[w][i], ya[i], la);
                         lb = dp4u(hi[w][i], yb[i], lb);
                     }
-                    // |127 sb + lb| <= 127 * 32 * 240 * 128 < 2^27 (Q4_K's 16x high nibbles).
+                    // |127 sb + lb| <= 127 * 16 * 240 * 128 < 2^26 (Q4_K's 16x high nibbles).
                     sa = 127 * sa + la;
                     sb = 127 * sb + lb;
                     const float t = fmaf(sc1[w] * dzb, (float)sb, sc0[w] * ds.x * (float)sa);
-                    const float mm = fmaf(m1[w], ds.w, m0[w] * ds.y);
+                    const float mm = mfac * fmaf(m1[w], ds.w, m0[w] * ds.y);
                     acc[r][w] = fmaf(d[w], t, fmaf(-dmin[w], mm, acc[r][w]));
                 }
             }
@@ -1019,9 +1036,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     const int per_block = (GEMV_WARPS / ks) * PER, r0 = bx * per_block;
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
+    __shared__ __align__(8) uint64_t gemv_bar[GEMV_WARPS];
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
-    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
+    // One piece per row group (split mode) where the row groups' bytes are 16-byte multiples.
+    const int nbar = gemv_split_mode && GEMV_WARPS / ks > 1 && ((long long)PER * rb) % 16 == 0 ? GEMV_WARPS / ks : 1;
+    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, gemv_bar, nbar);
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
@@ -1045,7 +1064,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             const size_t off = (size_t)((m ? W2 : W) + (size_t)r0 * (size_t)rb) & 15;
             wr[w] = gemv_smem + m * slot + off + (size_t)(ow[w] - r0) * (size_t)rb;
         }
-        gemv_bulk_wait(&gemv_bar);
+        gemv_bulk_wait(&gemv_bar[nbar > 1 ? grp : 0]);
         gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
 #else
 #pragma unroll
