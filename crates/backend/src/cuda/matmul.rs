@@ -116,12 +116,6 @@ pub struct Kernels {
 /// regression").
 const GEMV_PF_DEFAULT: i32 = 1;
 
-/// Whether the bulk-copy quantized GEMV copies its block's rows in one piece per row group,
-/// each on its own barrier (`gemv_split_mode` in matmul.cu: a warp starts when its rows have
-/// landed), or as one span. `FERRITE_GEMV_SPLIT` (0/1) overrides it (a tuning switch:
-/// MATMUL.md round 7).
-const GEMV_SPLIT_DEFAULT: i32 = 0;
-
 fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
     let mode = match std::env::var("FERRITE_GEMV_PF") {
         Ok(v) => match v.trim().parse::<i32>() {
@@ -130,21 +124,11 @@ fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
         },
         Err(_) => GEMV_PF_DEFAULT,
     };
-    let split = match std::env::var("FERRITE_GEMV_SPLIT") {
-        Ok(v) => match v.trim().parse::<i32>() {
-            Ok(n @ 0..=1) => n,
-            _ => bail!("FERRITE_GEMV_SPLIT must be 0 or 1, not {v:?}"),
-        },
-        Err(_) => GEMV_SPLIT_DEFAULT,
-    };
     let stream = ctx.default_stream();
-    for (name, value) in [("gemv_pf_mode", mode), ("gemv_split_mode", split)] {
-        let mut sym = m.get_global(name, &stream)?;
-        // SAFETY: the symbol is a 4-byte `__constant__ int`.
-        let mut v = unsafe { sym.transmute_mut::<i32>(1) }
-            .with_context(|| format!("{name} is not an int"))?;
-        stream.memcpy_htod(&[value], &mut v)?;
-    }
+    let mut sym = m.get_global("gemv_pf_mode", &stream)?;
+    // SAFETY: the symbol is a 4-byte `__constant__ int`.
+    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_mode is not an int")?;
+    stream.memcpy_htod(&[mode], &mut v)?;
     stream.synchronize()?;
     Ok(())
 }

@@ -448,63 +448,39 @@ __device__ __forceinline__ size_t gemv_slot(int per_block, long long rb) {
     return (((size_t)per_block * (size_t)rb + 15) & ~(size_t)15) + 16;
 }
 
-// Split mode (`gemv_split_mode`, set once at load by the launcher, matmul.rs; a tuning switch):
-// the block's copy goes out as one piece per row group, in row-group order, each completing on
-// its own mbarrier, so a warp starts on its rows as soon as they have landed instead of after
-// the whole span (the first row groups' compute overlaps the rest of the copy). Only where
-// every piece boundary is 16-byte aligned (a row group's bytes, PER x rb, a multiple of 16):
-// then the pieces are exactly the row groups' rows and the shared-memory layout is the same.
-__constant__ int gemv_split_mode;
-
-// Issues the block's copies: `nbar` pieces of `pg` rows (nbar = 1: the whole span; else
-// 16-byte aligned row-group pieces), piece j completing on bars[j].
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
-                                                   int r0, int per_block, uint8_t* smem, uint64_t* bars, int nbar) {
+                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
         const int r1 = r0 + per_block < n_out ? r0 + per_block : n_out;
-        const int pg = per_block / nbar;
-        const size_t slot = gemv_slot(per_block, rb);
-        for (int j = 0; j < nbar; j++) {
-            const uint32_t b = (uint32_t)__cvta_generic_to_shared(bars + j);
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        size_t s0[2] = {0, 0};  // each span's 16-aligned start (its slot holds bytes from there)
+        const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+        size_t a0[2], len[2];
+        uint32_t total = 0;
 #pragma unroll
         for (int m = 0; m < 2; m++) {
             const uint8_t* base = m == 0 ? W : W2;
-            if (base != nullptr) s0[m] = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
-        }
-        for (int j = 0; j < nbar; j++) {
-            const int ra = r0 + j * pg;
-            const int rz = j == nbar - 1 ? r1 : (ra + pg < r1 ? ra + pg : r1);
-            const uint32_t b = (uint32_t)__cvta_generic_to_shared(bars + j);
-            size_t a0[2], len[2];
-            uint32_t total = 0;
-#pragma unroll
-            for (int m = 0; m < 2; m++) {
-                const uint8_t* base = m == 0 ? W : W2;
-                len[m] = 0;
-                if (base != nullptr && rz > ra) {
-                    a0[m] = j == 0 ? s0[m] : (size_t)(base + (size_t)ra * (size_t)rb);
-                    const size_t a1 = ((size_t)(base + (size_t)rz * (size_t)rb) + 15) & ~(size_t)15;
-                    len[m] = a1 - a0[m];
-                    total += (uint32_t)len[m];
-                }
+            len[m] = 0;
+            if (base != nullptr && r1 > r0) {
+                a0[m] = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
+                const size_t a1 = ((size_t)(base + (size_t)r1 * (size_t)rb) + 15) & ~(size_t)15;
+                len[m] = a1 - a0[m];
+                total += (uint32_t)len[m];
             }
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
-#pragma unroll
-            for (int m = 0; m < 2; m++)
-                if (len[m])
-                    asm volatile(
-                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                            (uint32_t)__cvta_generic_to_shared(smem + m * slot + (a0[m] - s0[m]))),
-                        "l"(a0[m]), "r"((uint32_t)len[m]), "r"(b)
-                        : "memory");
         }
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
+        const size_t slot = gemv_slot(per_block, rb);
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+            if (len[m])
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                        (uint32_t)__cvta_generic_to_shared(smem + m * slot)),
+                    "l"(a0[m]), "r"((uint32_t)len[m]), "r"(b)
+                    : "memory");
     }
-    __syncthreads();  // the barriers are initialised before anyone waits on them
+    __syncthreads();  // the barrier is initialised before anyone waits on it
 #endif
     PDL_ENTRY();
 }
@@ -1036,11 +1012,9 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     const int per_block = (GEMV_WARPS / ks) * PER, r0 = bx * per_block;
 #if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar[GEMV_WARPS];
+    __shared__ __align__(8) uint64_t gemv_bar;
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
-    // One piece per row group (split mode) where the row groups' bytes are 16-byte multiples.
-    const int nbar = gemv_split_mode && GEMV_WARPS / ks > 1 && ((long long)PER * rb) % 16 == 0 ? GEMV_WARPS / ks : 1;
-    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, gemv_bar, nbar);
+    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
@@ -1064,7 +1038,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             const size_t off = (size_t)((m ? W2 : W) + (size_t)r0 * (size_t)rb) & 15;
             wr[w] = gemv_smem + m * slot + off + (size_t)(ow[w] - r0) * (size_t)rb;
         }
-        gemv_bulk_wait(&gemv_bar[nbar > 1 ? grp : 0]);
+        gemv_bulk_wait(&gemv_bar);
         gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
 #else
 #pragma unroll
