@@ -312,7 +312,8 @@ enum Op {
         rows: usize,
     },
     /// `matmuls` of two weights of type `ty` reading the same x (a [1024, n_in] one first,
-    /// then the checked `[n_out, n_in]` one): at decode rows one grouped launch. With `v`, a
+    /// or `[n_out, n_in]` for small outputs: see `matmuls_first_rows`; then the checked
+    /// `[n_out, n_in]` one): at decode rows one grouped launch. With `v`, a
     /// third `[n_out, n_in]` weight of type `v` follows (Q4_K_M's Q, K, V: one mixed-type
     /// launch), and `check_v` picks which of the last two outputs is checked.
     Matmuls {
@@ -323,12 +324,15 @@ enum Op {
         v: Option<GgmlType>,
         check_v: bool,
     },
-    /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`.
+    /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`. With `down`,
+    /// the down projection (`[n_in, n_out]`, type `ty`) of that output follows and is what is
+    /// checked: the decode path quantizes the SwiGLU output inside its kernel for it.
     MatmulSwiglu {
         ty: GgmlType,
         n_in: usize,
         n_out: usize,
         rows: usize,
+        down: bool,
     },
     Rope {
         rows: usize,
@@ -527,7 +531,10 @@ fn describe(op: &Op) -> (&'static str, String) {
         } => (
             "matmuls",
             match v {
-                None => format!("matmuls {ty}: 1024 + {n_in}->{n_out} rows={rows}"),
+                None => format!(
+                    "matmuls {ty}: {} + {n_in}->{n_out} rows={rows}",
+                    matmuls_first_rows(*n_out)
+                ),
                 Some(v) => format!(
                     "matmuls {ty} {ty} {v}: 1024 + {n_in}->{n_out} x2 rows={rows} (checked: {})",
                     if *check_v { "the third" } else { "the second" }
@@ -539,9 +546,14 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_in,
             n_out,
             rows,
+            down,
         } => (
             "matmul_swiglu",
-            format!("matmul_swiglu {ty} {n_in}->{n_out} rows={rows}"),
+            if *down {
+                format!("matmul_swiglu+down {ty} {n_in}->{n_out}->{n_in} rows={rows}")
+            } else {
+                format!("matmul_swiglu {ty} {n_in}->{n_out} rows={rows}")
+            },
         ),
         Op::Rope {
             rows,
@@ -881,6 +893,25 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
     }
+    // Two small-output weights (the Qwen3.5 beta/alpha projections, 32 rows each): the f32-x
+    // GEMV's grouped launch for the quantized types.
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0] {
+        for &(n_in, n_out) in &[(2048, 32), (4096, 32)] {
+            for rows in [1, 9, 17] {
+                if quick && (rows > 9 || n_in > 2048) {
+                    continue;
+                }
+                add(Op::Matmuls {
+                    ty,
+                    n_in,
+                    n_out,
+                    rows,
+                    v: None,
+                    check_v: false,
+                });
+            }
+        }
+    }
     // Q, K (Q4_K) and V (Q6_K) as the Q4_K_M mix stores them: one mixed-type launch; both
     // outputs after the first weight's are checked (the segment boundaries differ per type).
     for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
@@ -916,6 +947,31 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     n_in,
                     n_out,
                     rows,
+                    down: false,
+                });
+            }
+        }
+    }
+
+    // The SwiGLU output quantized inside its kernel for the down projection that follows
+    // (decode rows; prefill rows and 300-row outputs take the plain path).
+    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
+        let shapes: &[(usize, usize)] = if quick {
+            &[(512, 512)]
+        } else {
+            &[(512, 512), (4096, 12288), (2048, 768)]
+        };
+        for &(n_in, n_out) in shapes {
+            for rows in [1, 9, 16, 17] {
+                if quick && rows > 9 {
+                    continue;
+                }
+                add(Op::MatmulSwiglu {
+                    ty,
+                    n_in,
+                    n_out,
+                    rows,
+                    down: true,
                 });
             }
         }
@@ -1613,7 +1669,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             v,
             ..
         } => {
-            let first = [1024, n_in];
+            let first = [matmuls_first_rows(n_out), n_in];
             h.weights
                 .push((ty, first.to_vec(), gen_weight(ty, &first, seed)?));
             h.weights.push((
@@ -1629,7 +1685,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 ));
             }
             h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
-            h.acts.push((vec![0.0; rows * 1024], rows, 1024));
+            h.acts.push((vec![0.0; rows * first[0]], rows, first[0]));
             if v.is_some() {
                 // The output of the weight not checked.
                 h.acts.push((vec![0.0; rows * n_out], rows, n_out));
@@ -1641,6 +1697,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             n_in,
             n_out,
             rows,
+            down,
         } => {
             for salt in [0, 0x51ed] {
                 h.weights.push((
@@ -1653,6 +1710,16 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((vec![0.0; rows * n_out], rows, n_out));
             h.acts.push((vec![0.0; rows * n_out], rows, n_out));
             h.out = (rows, n_out);
+            if down {
+                h.weights.push((
+                    ty,
+                    vec![n_in, n_out],
+                    gen_weight(ty, &[n_in, n_out], seed ^ 0xd0e5)?,
+                ));
+                // The SwiGLU output (the down projection's input).
+                h.acts.push((vec![0.0; rows * n_out], rows, n_out));
+                h.out = (rows, n_in);
+            }
         }
         Op::Rope {
             rows,
@@ -2157,6 +2224,17 @@ fn graph_body<B: Backend>(
     be.rope(out, head_dim, step, &GRAPH_ROPE)
 }
 
+/// Rows of the first (unchecked) weight of a `matmuls` case: 1024 (a Q next to a K or V),
+/// or `n_out` when the checked weight has small outputs (the beta/alpha pair: both small, so
+/// the pair takes the f32-x GEMV's grouped launch).
+fn matmuls_first_rows(n_out: usize) -> usize {
+    if n_out <= 256 {
+        n_out
+    } else {
+        1024
+    }
+}
+
 /// Runs the op once (the timed part).
 fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
     let _chunked = ChunkedOverride::new(op);
@@ -2182,11 +2260,18 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 be.matmuls(x, &ws, &mut [first, &mut p.out, other])
             }
         }
-        Op::MatmulSwiglu { .. } => {
+        Op::MatmulSwiglu { down: false, .. } => {
             let [x, g, u] = &mut p.a[..] else {
                 bail!("matmul_swiglu: expected 3 activations")
             };
             be.matmul_swiglu(x, &p.w[0], &p.w[1], (g, u), &mut p.out)
+        }
+        Op::MatmulSwiglu { down: true, .. } => {
+            let [x, g, u, h] = &mut p.a[..] else {
+                bail!("matmul_swiglu+down: expected 4 activations")
+            };
+            be.matmul_swiglu(x, &p.w[0], &p.w[1], (g, u), h)?;
+            be.matmul(h, &p.w[2], &mut p.out)
         }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
@@ -2417,8 +2502,20 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
             ty, n_out, rows, ..
         } => matmul_nmse(*ty, *n_out, *rows),
         Op::MatmulSwiglu {
-            ty, n_out, rows, ..
-        } => SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *n_out, *rows),
+            ty,
+            n_in,
+            n_out,
+            rows,
+            down,
+        } => {
+            let t = SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *n_out, *rows);
+            if *down {
+                // Two matmuls in a row: their errors add.
+                t + matmul_nmse(*ty, *n_in, *rows)
+            } else {
+                t
+            }
+        }
         Op::Attention { rows, q8, .. } => {
             let b = be.kv_bytes_per_element();
             if b >= 4.0 {

@@ -193,11 +193,12 @@ pub(crate) fn forward_layers<B: Backend>(
                 norm,
                 out,
             } => {
-                be.matmul(h, qkv, &mut hb.mixed)?;
+                // qkv and z before the convolution: one quantization of h serves both (a
+                // launch between them would invalidate it); the two small β/α projections
+                // (float GEMVs) in one launch.
+                be.matmuls(h, &[qkv, z], &mut [&mut hb.mixed, &mut hb.z])?;
                 be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv)?;
-                be.matmul(h, z, &mut hb.z)?;
-                be.matmul(h, b, &mut hb.b)?;
-                be.matmul(h, wa, &mut hb.a)?;
+                be.matmuls(h, &[b, wa], &mut [&mut hb.b, &mut hb.a])?;
                 be.gated_delta_rule(
                     kv,
                     DeltaArgs {

@@ -83,8 +83,9 @@ pub struct Kernels {
     gemv: Vec<[CudaFunction; 6]>,
     /// `gemv_swiglu_<type>_r<R>` (float types only: the quantized ones use gemvq_swiglu).
     gemv_swiglu: Vec<Option<[CudaFunction; 6]>>,
-    /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch (float types).
-    gemv_multi: Vec<Option<[CudaFunction; 6]>>,
+    /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch on f32 x (float types; the
+    /// quantized types' small-output weights).
+    gemv_multi: Vec<[CudaFunction; 6]>,
     /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
     /// (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
@@ -165,7 +166,8 @@ impl Kernels {
                 Ok(Some([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]))
             };
             gemv_swiglu.push(float_kernels("swiglu")?);
-            gemv_multi.push(float_kernels("multi")?);
+            let g = |r: usize| function(&m, &format!("gemv_multi_{name}_r{r}"));
+            gemv_multi.push([g(1)?, g(2)?, g(4)?, g(8)?, g(9)?, g(16)?]);
             gemvq.push(if quantized_x(ty) {
                 let q = |kind: &str, r: usize| function(&m, &format!("gemvq{kind}_{name}_r{r}"));
                 let all = |kind: &str| -> Result<[CudaFunction; 6]> {
@@ -247,11 +249,19 @@ impl Kernels {
 pub(crate) struct XQuant {
     pub(crate) q: CudaSlice<i8>,
     pub(crate) d: CudaSlice<f32>,
+    /// A second pair of the same size: the fused SwiGLU GEMV quantizes its output there
+    /// while it reads x's planes from `q`/`d`, and the two pairs then swap (`swap_in_h`).
+    q2: CudaSlice<i8>,
+    d2: CudaSlice<f32>,
+    /// Per 32-row group of that fused output, the blocks done so far (zero between
+    /// launches: the last block resets its group's ticket).
+    tickets: CudaSlice<i32>,
     /// Elements per row the buffers are laid out for (rows are `n_in` apart).
     cap: usize,
     /// Smaller buffers replaced by a grow, kept alive: a graph captured earlier may still
     /// point at them.
     retired: Vec<(CudaSlice<i8>, CudaSlice<f32>)>,
+    retired_tickets: Vec<CudaSlice<i32>>,
     /// What the scratch holds when a producer kernel quantized its output here (the fused
     /// add_rms_norm, ops.rs): (that output's device address, rows, cols, the launch count
     /// right after it). A GEMV on exactly that input with no launch in between skips its
@@ -260,6 +270,14 @@ pub(crate) struct XQuant {
 }
 
 impl XQuant {
+    /// After a fused SwiGLU launch wrote `out`'s planes into the second pair: that pair
+    /// becomes the current one, recorded valid for `out` (see `src`).
+    fn swap_in_h(&mut self, be: &CudaBackend, out: &CudaSlice<f32>, rows: usize, cols: usize) {
+        std::mem::swap(&mut self.q, &mut self.q2);
+        std::mem::swap(&mut self.d, &mut self.d2);
+        self.record_producer(be, out, rows, cols);
+    }
+
     /// Records that the kernel just launched also quantized its output `out` (`[rows, cols]`)
     /// here, for the GEMV that reads `out` next (see `src`).
     pub(crate) fn record_producer(
@@ -533,9 +551,9 @@ pub fn matmul(
     }
 
     if rows <= GEMV_MAX_ROWS && uses_gemvq(w, rows) {
-        let xq = quantize_x(be, x)?;
+        let mut xq = quantize_x(be, x)?;
         let xq = xq
-            .as_ref()
+            .as_mut()
             .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
         return gemvq_launch(be, xq, w, None, out, rows);
     }
@@ -635,18 +653,26 @@ pub(crate) fn lock_xq(
         .lock()
         .map_err(|_| anyhow!("matmul: int8 scratch lock poisoned"))?;
     if guard.as_ref().map_or(true, |b| b.cap < n_in) {
-        let mut retired = Vec::new();
+        let (mut retired, mut retired_tickets) = (Vec::new(), Vec::new());
         if let Some(old) = guard.take() {
-            retired = old.retired;
+            (retired, retired_tickets) = (old.retired, old.retired_tickets);
             retired.push((old.q, old.d));
+            retired.push((old.q2, old.d2));
+            retired_tickets.push(old.tickets);
         }
         *guard = Some(XQuant {
             q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
             d: be
                 .stream
                 .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
+            q2: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
+            d2: be
+                .stream
+                .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
+            tickets: be.stream.alloc_zeros::<i32>(n_in / 32)?,
             cap: n_in,
             retired,
+            retired_tickets,
             src: None,
         });
     }
@@ -698,11 +724,14 @@ pub(crate) fn quantize_into(
 
 /// The quantized-x GEMV of `w` (or, with `up`, the fused SwiGLU pair `silu(w·x) ⊙ (up·x)`)
 /// on the quantized rows in `xq`. The caller checked shapes and that [`uses_gemvq`] holds.
+/// The quantized-x GEMV of `w` on x's planes in `xq`; with `up = Some((up, fuse))` the
+/// fused SwiGLU with `w` as the gate, which with `fuse` also quantizes its output into
+/// `xq`'s second pair (the caller then swaps it in).
 fn gemvq_launch(
     be: &CudaBackend,
-    xq: &XQuant,
+    xq: &mut XQuant,
     w: &CudaWeight,
-    up: Option<&CudaWeight>,
+    up: Option<(&CudaWeight, bool)>,
     out: &mut Act<CudaSlice<f32>>,
     rows: usize,
 ) -> Result<()> {
@@ -725,7 +754,7 @@ fn gemvq_launch(
     // SwiGLU: one output per row group (gate row o with up row o), family 1, a second weight.
     let (groups, spans, fam) = match up {
         None => (row_groups(n_out), 1, 0),
-        Some(up) => {
+        Some((up, _)) => {
             ensure!(
                 up.dtype == w.dtype && up.shape == w.shape && up.data.len() >= n_out * rb as usize,
                 "gemvq: gate {:?} {} and up {:?} {} differ",
@@ -743,9 +772,19 @@ fn gemvq_launch(
         shared_mem_bytes: smem,
         ..gemv_config(groups, ks)
     };
+    let fuse = match up {
+        Some((_, true)) => {
+            ensure!(
+                n_out.is_multiple_of(32) && xq.cap >= n_out,
+                "gemvq: a fused quantization of {n_out} outputs needs rows of at least that"
+            );
+            1i32
+        }
+        _ => 0,
+    };
     let mut launch = be.stream.kernel(&fams[fam][ri]);
     launch.arg(&w.data);
-    if let Some(up) = up {
+    if let Some((up, _)) = up {
         launch.arg(&up.data);
     }
     launch
@@ -757,6 +796,13 @@ fn gemvq_launch(
         .arg(&rows_i)
         .arg(&mut out.buf)
         .arg(&ks_i);
+    if up.is_some() {
+        launch
+            .arg(&mut xq.q2)
+            .arg(&mut xq.d2)
+            .arg(&mut xq.tickets)
+            .arg(&fuse);
+    }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above); the x scratch holds rows×n_in int8 and rows×n_in/32 scale pairs;
     // out holds rows×n_out floats.
@@ -795,17 +841,16 @@ struct GemvSegs {
 unsafe impl super::launch::ScalarArg for GemvSegs {}
 
 /// Which decode GEMV a weight takes at `rows` rows, for grouping in [`matmuls`]: `Some(true)`
-/// the quantized-x one, `Some(false)` the f32 one of the float types, `None` neither
-/// (prefill rows, or a small-output quantized weight).
+/// the quantized-x one, `Some(false)` the f32-x one (float types, and small-output quantized
+/// weights), `None` neither (prefill rows).
 fn gemv_path(w: &CudaWeight, rows: usize) -> Option<bool> {
     if rows == 0 || rows > GEMV_MAX_ROWS || w.shape.len() != 2 {
         None
     } else if uses_gemvq(w, rows) {
         Some(true)
-    } else if !quantized_x(w.dtype) {
-        Some(false)
     } else {
-        None
+        // The f32-x GEMV: float types, and quantized ones with small outputs.
+        Some(false)
     }
 }
 
@@ -839,12 +884,12 @@ pub fn matmuls(
         "matmuls: input buffer smaller than its shape"
     );
     let paths: Vec<Option<bool>> = ws.iter().map(|w| gemv_path(w, rows)).collect();
-    let guard = if paths.contains(&Some(true)) {
+    let mut guard = if paths.contains(&Some(true)) {
         Some(quantize_x(be, x)?)
     } else {
         None
     };
-    let xq = guard.as_ref().and_then(|g| g.as_ref());
+    let mut xq = guard.as_mut().and_then(|g| g.as_mut());
     let mut outs = outs.iter_mut();
     let mut i = 0;
     while i < ws.len() {
@@ -870,11 +915,27 @@ pub fn matmuls(
         {
             j += 1;
         }
+        // The f32-x GEMV's split depends on the launch's row groups: group only where it is
+        // the split of each weight's own launch, so that every output keeps the bits it has
+        // alone (and at prefill rows, where small-output weights take this GEMV per weight).
+        if paths[i] == Some(false) && j - i >= 2 {
+            let steps = gemv_steps(ws[i].dtype, ws[i].shape[1]);
+            let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();
+            let ks = split_k(steps, all, be.sm_count);
+            if ws[i..j]
+                .iter()
+                .any(|w| split_k(steps, row_groups(w.shape[0]), be.sm_count) != ks)
+            {
+                j = i + 1;
+            }
+        }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
-            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group)?,
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq.as_deref(), q, &ws[i..j], group)?,
             Some(true) => {
-                let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
+                let xq = xq
+                    .as_deref_mut()
+                    .ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
                     gemvq_launch(be, xq, ws[i], None, out, rows)?;
                 }
@@ -1013,9 +1074,7 @@ fn multi_launch(
                 .launch(cfg)
         }?;
     } else {
-        let fams = be.matmul.gemv_multi[ti]
-            .as_ref()
-            .ok_or_else(|| anyhow!("matmuls: no grouped kernel for {t}"))?;
+        let fams = &be.matmul.gemv_multi[ti];
         // SAFETY: as above, with x holding rows×n_in floats.
         unsafe {
             be.stream
@@ -1046,11 +1105,15 @@ pub fn matmul_swiglu(
     if gate.dtype != up.dtype || gate.shape != up.shape {
         return Ok(false);
     }
-    // The decode GEMV this pair takes, if any (none at prefill rows, or for small-output
-    // quantized weights: the caller then runs the three plain ops).
+    // The decode GEMV this pair takes, if any (none at prefill rows; the fused f32-x form
+    // exists for the float types only, so small-output quantized weights neither: the
+    // caller then runs the three plain ops).
     let Some(quantized) = gemv_path(gate, x.rows) else {
         return Ok(false);
     };
+    if !quantized && quantized_x(gate.dtype) {
+        return Ok(false);
+    }
     crate::check_matmul(x, &gate.shape, out)?;
     let rows = x.rows;
     for w in [gate, up] {
@@ -1099,11 +1162,22 @@ pub fn matmul_swiglu(
         }?;
         return Ok(true);
     }
-    let guard = quantize_x(be, x)?;
+    // The down projection reads the output quantized: the kernel's last blocks quantize it
+    // into the scratch's second pair (fused), so the scratch must hold rows of its length
+    // (grown here on the first call, before x is quantized into it).
+    let n_out = gate.shape[0];
+    let fuse = n_out.is_multiple_of(32);
+    if fuse {
+        drop(lock_xq(be, n_out)?);
+    }
+    let mut guard = quantize_x(be, x)?;
     let xq = guard
-        .as_ref()
+        .as_mut()
         .ok_or_else(|| anyhow!("matmul_swiglu: int8 scratch missing"))?;
-    gemvq_launch(be, xq, gate, Some(up), out, rows)?;
+    gemvq_launch(be, xq, gate, Some((up, fuse)), out, rows)?;
+    if fuse {
+        xq.swap_in_h(be, &out.buf, rows, n_out);
+    }
     Ok(true)
 }
 

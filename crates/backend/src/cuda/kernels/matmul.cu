@@ -626,16 +626,6 @@ __device__ __forceinline__ int gemv_seg(const GemvSegs& sg, int& bx) {
                                   int n_out, int n_in, const float* __restrict__ x, int rows,               \
                                   float* __restrict__ out, int ks) {                                        \
         gemv<TYPE, R, true>(W, rb, n_out, n_in, x, rows, out, ks, W2, blockIdx.x);                          \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemv_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const float* __restrict__ x, int rows, \
-                                 int ks) {                                                                  \
-        int bx = blockIdx.x;                                                                                \
-        const int s = gemv_seg(sg, bx);                                                                     \
-        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                      \
-        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                      \
-        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                       \
-        gemv<TYPE, R, false>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx);                            \
     }
 #define GEMV_SWIGLU_ALL_R(name, TYPE) \
     GEMV_SWIGLU_KERNEL(name, TYPE, 1) \
@@ -648,6 +638,38 @@ __device__ __forceinline__ int gemv_seg(const GemvSegs& sg, int& bx) {
 GEMV_SWIGLU_ALL_R(f32, GGML_F32)
 GEMV_SWIGLU_ALL_R(f16, GGML_F16)
 GEMV_SWIGLU_ALL_R(bf16, GGML_BF16)
+
+// gemv_multi_<type>_r<R>: 2-3 weights of one type and row length reading the same f32 x in
+// one launch (segments as gemvq_multi). Every type has it: the float types' Q, K, V, and the
+// quantized types' small-output weights (<= F32_SMALL_OUT rows, matmul.rs: the Qwen3.5
+// beta/alpha projections), which keep the f32-x GEMV.
+#define GEMV_MULTI_KERNEL(name, TYPE, R)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const float* __restrict__ x, int rows, \
+                                 int ks) {                                                                  \
+        int bx = blockIdx.x;                                                                                \
+        const int s = gemv_seg(sg, bx);                                                                     \
+        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                      \
+        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                      \
+        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                       \
+        gemv<TYPE, R, false>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx);                            \
+    }
+#define GEMV_MULTI_ALL_R(name, TYPE) \
+    GEMV_MULTI_KERNEL(name, TYPE, 1) \
+    GEMV_MULTI_KERNEL(name, TYPE, 2) \
+    GEMV_MULTI_KERNEL(name, TYPE, 4) \
+    GEMV_MULTI_KERNEL(name, TYPE, 8) \
+    GEMV_MULTI_KERNEL(name, TYPE, 9) \
+    GEMV_MULTI_KERNEL(name, TYPE, 16)
+GEMV_MULTI_ALL_R(f32, GGML_F32)
+GEMV_MULTI_ALL_R(f16, GGML_F16)
+GEMV_MULTI_ALL_R(bf16, GGML_BF16)
+GEMV_MULTI_ALL_R(q8_0, GGML_Q8_0)
+GEMV_MULTI_ALL_R(q4_0, GGML_Q4_0)
+GEMV_MULTI_ALL_R(q4_1, GGML_Q4_1)
+GEMV_MULTI_ALL_R(q4_k, GGML_Q4_K)
+GEMV_MULTI_ALL_R(q5_k, GGML_Q5_K)
+GEMV_MULTI_ALL_R(q6_k, GGML_Q6_K)
 
 GEMV_ALL_R(f32, GGML_F32)
 GEMV_ALL_R(f16, GGML_F16)
@@ -758,12 +780,12 @@ __device__ __forceinline__ int wld1s(const uint8_t* p) {
 
 template <bool SM = false>
 __device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&w)[4]) {
-    // The aligned word below p by pointer arithmetic on p, not through an integer: a pointer
-    // rebuilt from an integer loses its address space, and the shared-memory (SM) form then
-    // compiled to generic loads (LD.E, 80 per Q8_0/Q6_K kernel) instead of LDS.
-    const uint32_t mis = (uint32_t)(size_t)p & 3u;
-    const uint32_t* q = (const uint32_t*)(p - mis);
-    const uint32_t sh = mis * 8;
+    // (The aligned word is rebuilt from an integer, so the shared-memory form compiles to
+    // generic loads (LD.E); pointer arithmetic on p gives LDS but was slower for Q8_0 on the
+    // H200 (4096² 7.3 -> 8.2 us, 48 registers + 8 B of stack): MATMUL.md round 7.)
+    const size_t a = (size_t)p;
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
+    const uint32_t sh = (uint32_t)(a & 3) * 8;
     uint32_t v[5];
 #pragma unroll
     for (int i = 0; i < 4; i++) v[i] = wld4<SM>(q + i);
@@ -997,11 +1019,21 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
+//
+// Fused quantization of the SwiGLU output (hq != nullptr; the launcher passes it when the
+// next GEMV reads out quantized: n_out a multiple of 32, decode rows): after its outputs are
+// stored, each block takes a ticket for its 32-row group; the last of the group's 32 /
+// per_block blocks reads the group's outputs back from L2 and quantizes them for every row
+// (quant_q8_lane: the bits of quant_x_q8 on out) into hq / hd, laid out as the int8 scratch
+// (rows 2·n_out apart), then resets the ticket. The down projection then skips its
+// quant_x_q8 launch. hq / hd are not the xq / xd this launch reads (the launcher's second
+// scratch).
 template <int TYPE, int R, bool SWIGLU>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx) {
+                                      int bx, int8_t* __restrict__ hq = nullptr, float2* __restrict__ hd = nullptr,
+                                      int* __restrict__ tickets = nullptr) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1061,27 +1093,46 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                 for (int w = 0; w < NW; w++) red[warp][r * NW + w] = acc[r][w];
         }
         __syncthreads();
-        if (!active || kw != 0) return;
+        if (active && kw == 0) {
 #pragma unroll
-        for (int r = 0; r < R; r++)
+            for (int r = 0; r < R; r++)
 #pragma unroll
-            for (int w = 0; w < NW; w++) {
-                float v = red[warp][r * NW + w];
-                for (int k = 1; k < ks; k++) v += red[warp + k][r * NW + w];
-                acc[r][w] = v;
-            }
-    } else if (!active) {
-        return;
+                for (int w = 0; w < NW; w++) {
+                    float v = red[warp][r * NW + w];
+                    for (int k = 1; k < ks; k++) v += red[warp + k][r * NW + w];
+                    acc[r][w] = v;
+                }
+        }
     }
+    if (active && (ks == 1 || kw == 0)) {
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (SWIGLU) {
-            if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
-        } else {
+        for (int r = 0; r < R; r++) {
+            if (SWIGLU) {
+                if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
+            } else {
 #pragma unroll
-            for (int w = 0; w < NW; w++)
-                if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
-                    out[(size_t)r * n_out + o0 + w] = acc[r][w];
+                for (int w = 0; w < NW; w++)
+                    if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
+                        out[(size_t)r * n_out + o0 + w] = acc[r][w];
+            }
+        }
+    }
+    if (SWIGLU && hq != nullptr) {
+        // Ticket of the 32-row group (per_block divides 32): its last block quantizes it.
+        __shared__ int s_last;
+        __threadfence();
+        __syncthreads();
+        const int grp = r0 / QK;
+        if (threadIdx.x == 0) s_last = atomicAdd(tickets + grp, 1) == QK / per_block - 1;
+        __syncthreads();
+        if (s_last) {
+            __threadfence();
+            for (int r = warp; r < rows; r += GEMV_WARPS) {
+                const float v = __ldcg(out + (size_t)r * n_out + grp * QK + lane);
+                quant_q8_lane(v, lane, hq + (size_t)r * 2 * n_out, n_out, grp * QK + lane,
+                              hd + (size_t)r * (n_out / QK) + grp);
+            }
+            if (threadIdx.x == 0) atomicExch(tickets + grp, 0);
         }
     }
 }
@@ -1096,8 +1147,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
                                    int n_out, int n_in, const int8_t* __restrict__ xq,                       \
-                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) { \
-        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
+                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks, \
+                                   int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets, \
+                                   int fuse) {                                                               \
+        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x, fuse ? hq : nullptr, \
+                             hd, tickets);                                                                   \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,        \
