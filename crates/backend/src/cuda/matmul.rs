@@ -249,19 +249,11 @@ impl Kernels {
 pub(crate) struct XQuant {
     pub(crate) q: CudaSlice<i8>,
     pub(crate) d: CudaSlice<f32>,
-    /// A second pair of the same size: the fused SwiGLU GEMV quantizes its output there
-    /// while it reads x's planes from `q`/`d`, and the two pairs then swap (`swap_in_h`).
-    q2: CudaSlice<i8>,
-    d2: CudaSlice<f32>,
-    /// Per 32-row group of that fused output, the blocks done so far (zero between
-    /// launches: the last block resets its group's ticket).
-    tickets: CudaSlice<i32>,
     /// Elements per row the buffers are laid out for (rows are `n_in` apart).
     cap: usize,
     /// Smaller buffers replaced by a grow, kept alive: a graph captured earlier may still
     /// point at them.
     retired: Vec<(CudaSlice<i8>, CudaSlice<f32>)>,
-    retired_tickets: Vec<CudaSlice<i32>>,
     /// What the scratch holds when a producer kernel quantized its output here (the fused
     /// add_rms_norm, ops.rs): (that output's device address, rows, cols, the launch count
     /// right after it). A GEMV on exactly that input with no launch in between skips its
@@ -270,14 +262,6 @@ pub(crate) struct XQuant {
 }
 
 impl XQuant {
-    /// After a fused SwiGLU launch wrote `out`'s planes into the second pair: that pair
-    /// becomes the current one, recorded valid for `out` (see `src`).
-    fn swap_in_h(&mut self, be: &CudaBackend, out: &CudaSlice<f32>, rows: usize, cols: usize) {
-        std::mem::swap(&mut self.q, &mut self.q2);
-        std::mem::swap(&mut self.d, &mut self.d2);
-        self.record_producer(be, out, rows, cols);
-    }
-
     /// Records that the kernel just launched also quantized its output `out` (`[rows, cols]`)
     /// here, for the GEMV that reads `out` next (see `src`).
     pub(crate) fn record_producer(
@@ -551,9 +535,9 @@ pub fn matmul(
     }
 
     if rows <= GEMV_MAX_ROWS && uses_gemvq(w, rows) {
-        let mut xq = quantize_x(be, x)?;
+        let xq = quantize_x(be, x)?;
         let xq = xq
-            .as_mut()
+            .as_ref()
             .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
         return gemvq_launch(be, xq, w, None, out, rows);
     }
@@ -653,26 +637,18 @@ pub(crate) fn lock_xq(
         .lock()
         .map_err(|_| anyhow!("matmul: int8 scratch lock poisoned"))?;
     if guard.as_ref().map_or(true, |b| b.cap < n_in) {
-        let (mut retired, mut retired_tickets) = (Vec::new(), Vec::new());
+        let mut retired = Vec::new();
         if let Some(old) = guard.take() {
-            (retired, retired_tickets) = (old.retired, old.retired_tickets);
+            retired = old.retired;
             retired.push((old.q, old.d));
-            retired.push((old.q2, old.d2));
-            retired_tickets.push(old.tickets);
         }
         *guard = Some(XQuant {
             q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
             d: be
                 .stream
                 .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
-            q2: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
-            d2: be
-                .stream
-                .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
-            tickets: be.stream.alloc_zeros::<i32>(n_in / 32)?,
             cap: n_in,
             retired,
-            retired_tickets,
             src: None,
         });
     }
@@ -724,14 +700,11 @@ pub(crate) fn quantize_into(
 
 /// The quantized-x GEMV of `w` (or, with `up`, the fused SwiGLU pair `silu(w·x) ⊙ (up·x)`)
 /// on the quantized rows in `xq`. The caller checked shapes and that [`uses_gemvq`] holds.
-/// The quantized-x GEMV of `w` on x's planes in `xq`; with `up = Some((up, fuse))` the
-/// fused SwiGLU with `w` as the gate, which with `fuse` also quantizes its output into
-/// `xq`'s second pair (the caller then swaps it in).
 fn gemvq_launch(
     be: &CudaBackend,
-    xq: &mut XQuant,
+    xq: &XQuant,
     w: &CudaWeight,
-    up: Option<(&CudaWeight, bool)>,
+    up: Option<&CudaWeight>,
     out: &mut Act<CudaSlice<f32>>,
     rows: usize,
 ) -> Result<()> {
@@ -754,7 +727,7 @@ fn gemvq_launch(
     // SwiGLU: one output per row group (gate row o with up row o), family 1, a second weight.
     let (groups, spans, fam) = match up {
         None => (row_groups(n_out), 1, 0),
-        Some((up, _)) => {
+        Some(up) => {
             ensure!(
                 up.dtype == w.dtype && up.shape == w.shape && up.data.len() >= n_out * rb as usize,
                 "gemvq: gate {:?} {} and up {:?} {} differ",
@@ -772,19 +745,9 @@ fn gemvq_launch(
         shared_mem_bytes: smem,
         ..gemv_config(groups, ks)
     };
-    let fuse = match up {
-        Some((_, true)) => {
-            ensure!(
-                n_out.is_multiple_of(32) && xq.cap >= n_out,
-                "gemvq: a fused quantization of {n_out} outputs needs rows of at least that"
-            );
-            1i32
-        }
-        _ => 0,
-    };
     let mut launch = be.stream.kernel(&fams[fam][ri]);
     launch.arg(&w.data);
-    if let Some((up, _)) = up {
+    if let Some(up) = up {
         launch.arg(&up.data);
     }
     launch
@@ -796,13 +759,6 @@ fn gemvq_launch(
         .arg(&rows_i)
         .arg(&mut out.buf)
         .arg(&ks_i);
-    if up.is_some() {
-        launch
-            .arg(&mut xq.q2)
-            .arg(&mut xq.d2)
-            .arg(&mut xq.tickets)
-            .arg(&fuse);
-    }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above); the x scratch holds rows×n_in int8 and rows×n_in/32 scale pairs;
     // out holds rows×n_out floats.
@@ -884,12 +840,12 @@ pub fn matmuls(
         "matmuls: input buffer smaller than its shape"
     );
     let paths: Vec<Option<bool>> = ws.iter().map(|w| gemv_path(w, rows)).collect();
-    let mut guard = if paths.contains(&Some(true)) {
+    let guard = if paths.contains(&Some(true)) {
         Some(quantize_x(be, x)?)
     } else {
         None
     };
-    let mut xq = guard.as_mut().and_then(|g| g.as_mut());
+    let xq = guard.as_ref().and_then(|g| g.as_ref());
     let mut outs = outs.iter_mut();
     let mut i = 0;
     while i < ws.len() {
@@ -931,11 +887,9 @@ pub fn matmuls(
         }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
-            Some(q) if j - i >= 2 => multi_launch(be, x, xq.as_deref(), q, &ws[i..j], group)?,
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group)?,
             Some(true) => {
-                let xq = xq
-                    .as_deref_mut()
-                    .ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
+                let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
                     gemvq_launch(be, xq, ws[i], None, out, rows)?;
                 }
@@ -1162,22 +1116,11 @@ pub fn matmul_swiglu(
         }?;
         return Ok(true);
     }
-    // The down projection reads the output quantized: the kernel's last blocks quantize it
-    // into the scratch's second pair (fused), so the scratch must hold rows of its length
-    // (grown here on the first call, before x is quantized into it).
-    let n_out = gate.shape[0];
-    let fuse = n_out.is_multiple_of(32);
-    if fuse {
-        drop(lock_xq(be, n_out)?);
-    }
-    let mut guard = quantize_x(be, x)?;
+    let guard = quantize_x(be, x)?;
     let xq = guard
-        .as_mut()
+        .as_ref()
         .ok_or_else(|| anyhow!("matmul_swiglu: int8 scratch missing"))?;
-    gemvq_launch(be, xq, gate, Some((up, fuse)), out, rows)?;
-    if fuse {
-        xq.swap_in_h(be, &out.buf, rows, n_out);
-    }
+    gemvq_launch(be, xq, gate, Some(up), out, rows)?;
     Ok(true)
 }
 

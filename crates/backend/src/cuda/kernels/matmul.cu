@@ -1019,21 +1019,11 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
-//
-// Fused quantization of the SwiGLU output (hq != nullptr; the launcher passes it when the
-// next GEMV reads out quantized: n_out a multiple of 32, decode rows): after its outputs are
-// stored, each block takes a ticket for its 32-row group; the last of the group's 32 /
-// per_block blocks reads the group's outputs back from L2 and quantizes them for every row
-// (quant_q8_lane: the bits of quant_x_q8 on out) into hq / hd, laid out as the int8 scratch
-// (rows 2·n_out apart), then resets the ticket. The down projection then skips its
-// quant_x_q8 launch. hq / hd are not the xq / xd this launch reads (the launcher's second
-// scratch).
 template <int TYPE, int R, bool SWIGLU>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx, int8_t* __restrict__ hq = nullptr, float2* __restrict__ hd = nullptr,
-                                      int* __restrict__ tickets = nullptr) {
+                                      int bx) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1093,46 +1083,27 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                 for (int w = 0; w < NW; w++) red[warp][r * NW + w] = acc[r][w];
         }
         __syncthreads();
-        if (active && kw == 0) {
+        if (!active || kw != 0) return;
 #pragma unroll
-            for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++)
 #pragma unroll
-                for (int w = 0; w < NW; w++) {
-                    float v = red[warp][r * NW + w];
-                    for (int k = 1; k < ks; k++) v += red[warp + k][r * NW + w];
-                    acc[r][w] = v;
-                }
-        }
-    }
-    if (active && (ks == 1 || kw == 0)) {
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (SWIGLU) {
-                if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
-            } else {
-#pragma unroll
-                for (int w = 0; w < NW; w++)
-                    if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
-                        out[(size_t)r * n_out + o0 + w] = acc[r][w];
+            for (int w = 0; w < NW; w++) {
+                float v = red[warp][r * NW + w];
+                for (int k = 1; k < ks; k++) v += red[warp + k][r * NW + w];
+                acc[r][w] = v;
             }
-        }
+    } else if (!active) {
+        return;
     }
-    if (SWIGLU && hq != nullptr) {
-        // Ticket of the 32-row group (per_block divides 32): its last block quantizes it.
-        __shared__ int s_last;
-        __threadfence();
-        __syncthreads();
-        const int grp = r0 / QK;
-        if (threadIdx.x == 0) s_last = atomicAdd(tickets + grp, 1) == QK / per_block - 1;
-        __syncthreads();
-        if (s_last) {
-            __threadfence();
-            for (int r = warp; r < rows; r += GEMV_WARPS) {
-                const float v = __ldcg(out + (size_t)r * n_out + grp * QK + lane);
-                quant_q8_lane(v, lane, hq + (size_t)r * 2 * n_out, n_out, grp * QK + lane,
-                              hd + (size_t)r * (n_out / QK) + grp);
-            }
-            if (threadIdx.x == 0) atomicExch(tickets + grp, 0);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (SWIGLU) {
+            if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
+        } else {
+#pragma unroll
+            for (int w = 0; w < NW; w++)
+                if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
+                    out[(size_t)r * n_out + o0 + w] = acc[r][w];
         }
     }
 }
@@ -1147,11 +1118,8 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
                                    int n_out, int n_in, const int8_t* __restrict__ xq,                       \
-                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks, \
-                                   int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets, \
-                                   int fuse) {                                                               \
-        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x, fuse ? hq : nullptr, \
-                             hd, tickets);                                                                   \
+                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) { \
+        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
         gemvq_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,        \
