@@ -876,39 +876,38 @@ pub fn cases(quick: bool) -> Vec<Case> {
 
     // --- matmuls / matmul_swiglu: the fused decode paths (and their fallbacks: float types,
     // prefill rows).
-    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
-        for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
-            for rows in [1, 3, 9, 17] {
-                if quick && rows > 9 {
-                    continue;
+    // Per set: types, (n_in, n_out) shapes, row counts. The second set is two small-output
+    // weights (the Qwen3.5 beta/alpha projections, 32 rows each): the f32-x GEMV's grouped
+    // launch for the quantized types.
+    type MatmulsSet<'a> = (&'a [GgmlType], &'a [(usize, usize)], &'a [usize]);
+    let sets: [MatmulsSet; 2] = [
+        (
+            &[GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16],
+            &[(512, 384), (4096, 1024)],
+            &[1, 3, 9, 17],
+        ),
+        (
+            &[GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0],
+            &[(2048, 32), (4096, 32)],
+            &[1, 9, 17],
+        ),
+    ];
+    for (tys, shapes, row_counts) in sets {
+        for &ty in tys {
+            for &(n_in, n_out) in shapes {
+                for &rows in row_counts {
+                    if quick && (rows > 9 || (n_out <= 256 && n_in > 2048)) {
+                        continue;
+                    }
+                    add(Op::Matmuls {
+                        ty,
+                        n_in,
+                        n_out,
+                        rows,
+                        v: None,
+                        check_v: false,
+                    });
                 }
-                add(Op::Matmuls {
-                    ty,
-                    n_in,
-                    n_out,
-                    rows,
-                    v: None,
-                    check_v: false,
-                });
-            }
-        }
-    }
-    // Two small-output weights (the Qwen3.5 beta/alpha projections, 32 rows each): the f32-x
-    // GEMV's grouped launch for the quantized types.
-    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q8_0] {
-        for &(n_in, n_out) in &[(2048, 32), (4096, 32)] {
-            for rows in [1, 9, 17] {
-                if quick && (rows > 9 || n_in > 2048) {
-                    continue;
-                }
-                add(Op::Matmuls {
-                    ty,
-                    n_in,
-                    n_out,
-                    rows,
-                    v: None,
-                    check_v: false,
-                });
             }
         }
     }
