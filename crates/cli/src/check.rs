@@ -326,7 +326,7 @@ enum Op {
     },
     /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`. With `down`,
     /// the down projection (`[n_in, n_out]`, type `ty`) of that output follows and is what is
-    /// checked: the decode path quantizes the SwiGLU output inside its kernel for it.
+    /// checked: the FFN's two decode GEMVs in a row, the second on the first's quantized output.
     MatmulSwiglu {
         ty: GgmlType,
         n_in: usize,
@@ -930,48 +930,48 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
     }
-    for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q5K, GgmlType::BF16] {
-        let shapes: &[(usize, usize)] = if quick {
-            &[(512, 300)]
-        } else {
-            &[(512, 300), (4096, 12288), (2048, 768)]
-        };
-        for &(n_in, n_out) in shapes {
-            for rows in [1, 2, 9, 16, 17] {
-                if quick && rows > 9 {
-                    continue;
+    // Per set: types, the quick shape, the full shapes, row counts, and whether the down
+    // projection follows (the FFN's two GEMVs in a row: the second reads the first's output
+    // quantized).
+    type SwigluSet<'a> = (
+        &'a [GgmlType],
+        (usize, usize),
+        &'a [(usize, usize)],
+        &'a [usize],
+        bool,
+    );
+    let sets: [SwigluSet; 2] = [
+        (
+            &[GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q5K, GgmlType::BF16],
+            (512, 300),
+            &[(512, 300), (4096, 12288), (2048, 768)],
+            &[1, 2, 9, 16, 17],
+            false,
+        ),
+        (
+            &[GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0],
+            (512, 512),
+            &[(512, 512), (4096, 12288), (2048, 768)],
+            &[1, 9, 16, 17],
+            true,
+        ),
+    ];
+    for (tys, quick_shape, shapes, row_counts, down) in sets {
+        let shapes = if quick { &[quick_shape][..] } else { shapes };
+        for &ty in tys {
+            for &(n_in, n_out) in shapes {
+                for &rows in row_counts {
+                    if quick && rows > 9 {
+                        continue;
+                    }
+                    add(Op::MatmulSwiglu {
+                        ty,
+                        n_in,
+                        n_out,
+                        rows,
+                        down,
+                    });
                 }
-                add(Op::MatmulSwiglu {
-                    ty,
-                    n_in,
-                    n_out,
-                    rows,
-                    down: false,
-                });
-            }
-        }
-    }
-
-    // The SwiGLU output quantized inside its kernel for the down projection that follows
-    // (decode rows; prefill rows and 300-row outputs take the plain path).
-    for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
-        let shapes: &[(usize, usize)] = if quick {
-            &[(512, 512)]
-        } else {
-            &[(512, 512), (4096, 12288), (2048, 768)]
-        };
-        for &(n_in, n_out) in shapes {
-            for rows in [1, 9, 16, 17] {
-                if quick && rows > 9 {
-                    continue;
-                }
-                add(Op::MatmulSwiglu {
-                    ty,
-                    n_in,
-                    n_out,
-                    rows,
-                    down: true,
-                });
             }
         }
     }
