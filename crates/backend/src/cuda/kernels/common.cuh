@@ -174,3 +174,26 @@ __device__ __forceinline__ void quant_q8_lane(float v, int lane, int8_t* __restr
     xr[n_in + col] = (int8_t)lo;
     if (lane == 0) *xd = make_float2(d, d * (float)sum);
 }
+
+// Stores a warp's mma.sync accumulators: 2 m-tiles of 16 outputs × NT n-tiles of 8 tokens
+// (m16n8k16 bf16 in matmul.cu's mm_, m16n8k32 s8 in mmq.cu: the same C fragment). Fragment
+// (PTX ISA; g = lane / 4, t4 = lane % 4): c0, c1 = (output g, tokens 2 t4, 2 t4 + 1); c2, c3 =
+// output g + 8. o_w, t_w: the warp's first output and token; outputs >= n_out and tokens >=
+// rows are not stored.
+template <int NT>
+__device__ __forceinline__ void mma_store_c(const float (&acc)[2][NT][4], float* __restrict__ out, int o_w, int t_w,
+                                            int g, int t4, int n_out, int rows) {
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+#pragma unroll
+        for (int ni = 0; ni < NT; ni++) {
+            const int o = o_w + mi * 16 + g;
+            const int t = t_w + ni * 8 + 2 * t4;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int oo = o + (k >= 2 ? 8 : 0), tt = t + (k & 1);
+                if (oo < n_out && tt < rows) out[(size_t)tt * n_out + oo] = acc[mi][ni][k];
+            }
+        }
+    }
+}

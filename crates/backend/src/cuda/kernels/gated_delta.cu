@@ -548,14 +548,9 @@ __device__ __forceinline__ float gdc_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-__device__ __forceinline__ void gdc_cp4(float* dst, const float* src) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void gdc_cp16(float* dst, const float* src) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
+// The section's cp.async names (the host emulation replaces them): the sequential kernel's.
+__device__ __forceinline__ void gdc_cp4(float* dst, const float* src) { gd_cp4(dst, src); }
+__device__ __forceinline__ void gdc_cp16(float* dst, const float* src) { gd_cp16(dst, src); }
 __device__ __forceinline__ void gdc_cp_wait_all() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");

@@ -1227,6 +1227,28 @@ GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 #define MOE_GU_GROUP (QK / MOE_GU_ROWS)
 #define MOE_DOWN_ROWS 8
 
+// One top-k round of the warp routing (both forms below): the warp's best untaken
+// probability over the lanes' candidates (bv, bi) and the lowest id holding it. Untaken
+// probabilities are >= 0; a lane left with only taken ones (-1) or none (-2) offers nothing
+// (key 0). Lane 0 writes round k's (id, p / sum) when ids is given. Returns the winner.
+__device__ __forceinline__ int moe_route_pick(float bv, int bi, float sum, int k, int* ids, float* wts, int lane) {
+    const unsigned key = bv >= 0.f ? __float_as_uint(bv) + 1u : 0u;
+    const unsigned m = __reduce_max_sync(0xffffffffu, key);
+    const int win = (int)__reduce_min_sync(0xffffffffu, (key == m && m != 0u) ? (unsigned)bi : 0x7fffffffu);
+    if (ids != nullptr && lane == 0) {
+        ids[k] = win;
+        wts[k] = __uint_as_float(m - 1u) / sum;
+    }
+    return win;
+}
+
+// The top_k routing weights renormalised to sum 1 (the weights added in slot order).
+__device__ __forceinline__ void moe_route_renorm(int top_k, float* wts) {
+    float s = 0.f;
+    for (int k = 0; k < top_k; ++k) s += wts[k];
+    for (int k = 0; k < top_k; ++k) wts[k] = wts[k] / s;
+}
+
 // One warp: the router probabilities of one token (logits l, n <= MOE_ROUTE_MAX) into rp,
 // then rounds 0..k_last of the top-k; lane 0 gets (id, weight = p / sum) of round k in
 // ids[k], wts[k] when those are given (shared memory), and every lane the id of round
@@ -1253,15 +1275,7 @@ __device__ __forceinline__ int moe_route_smem(const float* __restrict__ l, int n
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     int win = 0x7fffffff;
     for (int k = 0; k <= k_last; ++k) {
-        // Untaken probabilities are >= 0; a lane left with only taken ones (-1) or none
-        // (-2) offers nothing.
-        const unsigned key = bv >= 0.f ? __float_as_uint(bv) + 1u : 0u;
-        const unsigned m = __reduce_max_sync(0xffffffffu, key);
-        win = (int)__reduce_min_sync(0xffffffffu, (key == m && m != 0u) ? (unsigned)bi : 0x7fffffffu);
-        if (ids != nullptr && lane == 0) {
-            ids[k] = win;
-            wts[k] = __uint_as_float(m - 1u) / sum;
-        }
+        win = moe_route_pick(bv, bi, sum, k, ids, wts, lane);
         if (win < n && (win & 31) == lane) {  // the winner's lane rescans its experts
             rp[win] = -1.f;
             bv = -2.f;
@@ -1272,11 +1286,7 @@ __device__ __forceinline__ int moe_route_smem(const float* __restrict__ l, int n
             }
         }
     }
-    if (norm && ids != nullptr && lane == 0) {
-        float s = 0.f;
-        for (int k = 0; k < top_k; ++k) s += wts[k];
-        for (int k = 0; k < top_k; ++k) wts[k] = wts[k] / s;
-    }
+    if (norm && ids != nullptr && lane == 0) moe_route_renorm(top_k, wts);
     return win;
 }
 
@@ -1313,13 +1323,7 @@ __device__ __forceinline__ int moe_route_reg(const float* __restrict__ l, int n,
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     int win = 0x7fffffff;
     for (int k = 0; k <= k_last; ++k) {
-        const unsigned key = bv >= 0.f ? __float_as_uint(bv) + 1u : 0u;
-        const unsigned m = __reduce_max_sync(0xffffffffu, key);
-        win = (int)__reduce_min_sync(0xffffffffu, (key == m && m != 0u) ? (unsigned)bi : 0x7fffffffu);
-        if (ids != nullptr && lane == 0) {
-            ids[k] = win;
-            wts[k] = __uint_as_float(m - 1u) / sum;
-        }
+        win = moe_route_pick(bv, bi, sum, k, ids, wts, lane);
         if (win < n && (win & 31) == lane) {
             bv = -2.f;
             bi = 0x7fffffff;
@@ -1331,11 +1335,7 @@ __device__ __forceinline__ int moe_route_reg(const float* __restrict__ l, int n,
             }
         }
     }
-    if (norm && ids != nullptr && lane == 0) {
-        float s = 0.f;
-        for (int k = 0; k < top_k; ++k) s += wts[k];
-        for (int k = 0; k < top_k; ++k) wts[k] = wts[k] / s;
-    }
+    if (norm && ids != nullptr && lane == 0) moe_route_renorm(top_k, wts);
     return win;
 }
 
@@ -1969,20 +1969,7 @@ __device__ __forceinline__ void mm(const uint8_t* __restrict__ W, long long rb, 
         }
     }
 
-    // C fragment: c0,c1 = (output g, tokens 2*t4, 2*t4+1); c2,c3 = output g+8.
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++) {
-#pragma unroll
-        for (int ni = 0; ni < NT; ni++) {
-            const int o = o0 + wm * 32 + mi * 16 + g;
-            const int t = t0 + wn * (BN / 2) + ni * 8 + 2 * t4;
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const int oo = o + (k >= 2 ? 8 : 0), tt = t + (k & 1);
-                if (oo < n_out && tt < rows) out[(size_t)tt * n_out + oo] = acc[mi][ni][k];
-            }
-        }
-    }
+    mma_store_c<NT>(acc, out, o0 + wm * 32, t0 + wn * (BN / 2), g, t4, n_out, rows);
 }
 
 #define MM_KERNEL(name, TYPE)                                                                               \

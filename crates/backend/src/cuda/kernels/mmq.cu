@@ -392,20 +392,7 @@ __device__ __forceinline__ void mmq(const uint8_t* __restrict__ W, long long rb,
         }
     }
 
-    // C fragment: c0, c1 = (output g, tokens 2 t4, 2 t4 + 1); c2, c3 = output g + 8.
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++) {
-#pragma unroll
-        for (int ni = 0; ni < NT; ni++) {
-            const int o = o0 + wm * 32 + mi * 16 + g;
-            const int t = t0 + wn * (BN / 2) + ni * 8 + 2 * t4;
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const int oo = o + (k >= 2 ? 8 : 0), tt = t + (k & 1);
-                if (oo < n_out && tt < rows) out[(size_t)tt * n_out + oo] = acc[mi][ni][k];
-            }
-        }
-    }
+    mma_store_c<NT>(acc, out, o0 + wm * 32, t0 + wn * (BN / 2), g, t4, n_out, rows);
 }
 
 #define MMQ_KERNEL(name, TYPE)                                                                              \
