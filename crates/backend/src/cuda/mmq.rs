@@ -147,17 +147,9 @@ pub fn matmul(
     w: &CudaWeight,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<bool> {
-    let Some(ti) = kernel_index(be, w, x.rows) else {
-        return Ok(false);
-    };
-    crate::check_matmul(x, &w.shape, out)?;
-    let mut guard = quantize(be, x)?;
-    let xs = guard
-        .0
-        .as_mut()
-        .ok_or_else(|| anyhow!("mmq: int8 scratch missing"))?;
-    launch_mm(be, xs, x.rows, w, ti, out)?;
-    Ok(true)
+    // The one-weight group: the shape check and the path decision are matmuls' (a shape
+    // error is check_matmul's either way: the fallback of matmul.rs runs it first too).
+    matmuls(be, x, &[w], &mut [out])
 }
 
 /// `outs[i] = ws[i] x` for weights reading the same x (the Q, K, V projections): x quantized
