@@ -24,7 +24,7 @@
 //        Q4_K/Q5_K: one warp per super-block; lane (g = lane/8, j = lane%8) reads qs word
 //                   32g+4j (elements 64g+4j.. low nibbles, 64g+32+4j.. high nibbles);
 //                   Q5_K also the qh word 4j; the 16-B header (d, dmin, scales) as one uint4
-//                   (a broadcast), both sub-block scales decoded at once (scale_min_pair).
+//                   (a broadcast), both sub-block scales decoded at once (kq_pair_scales).
 //        Q6_K:      one warp per super-block; lane (n = lane/16, p = lane/8%2, c = lane%8)
 //                   reads ql word 64n+32p+4c and qh word 32n+4c: elements 128n+32p+4c.. and
 //                   128n+64+32p+4c.., their two int8 scales and d.
@@ -138,26 +138,26 @@ __device__ __forceinline__ float byte_fb(uint32_t w) {
     return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - (8388608.0f + (float)B);
 }
 
-// K-quant scales and mins of the sub-block pair (2g, 2g+1) from the 12 scale bytes (words
-// s0 s1 s2), as in ggml's get_scale_min_k4, both sub-blocks at once: the two bytes sit next to
-// each other at byte 2(g&1) of their words. Exact small integers, so the floats equal the
-// per-sub-block scale_min_w ones.
-__device__ __forceinline__ void scale_min_pair(int g, uint32_t s0, uint32_t s1, uint32_t s2, float* sc0, float* m0,
-                                               float* sc1, float* m1) {
-    const uint32_t sh = 16u * (uint32_t)(g & 1);
-    const uint32_t a0 = s0 >> sh, a1 = s1 >> sh, a2 = s2 >> sh;
-    uint32_t sc, m;
-    if (g < 2) {
-        sc = a0 & 0x3F3Fu;
-        m = a1 & 0x3F3Fu;
-    } else {
-        sc = (a2 & 0x0F0Fu) | ((a0 >> 2) & 0x3030u);
-        m = ((a2 >> 4) & 0x0F0Fu) | ((a1 >> 2) & 0x3030u);
-    }
-    *sc0 = byte_fb<0, 0>(sc);
-    *sc1 = byte_fb<1, 0>(sc);
-    *m0 = byte_fb<0, 0>(m);
-    *m1 = byte_fb<1, 0>(m);
+// Per-lane constants of kq_pair_scales for sub-block pair g (0..3) of a K-quant super-block.
+struct KqPairSel {
+    uint32_t perm;   // byte_perm selector: bytes b, b+1 of the first word, b, b+1 of the second
+    uint32_t shift;  // 0 for g < 2, 2 for g >= 2 (where the top two bits come from)
+    bool upper;      // g >= 2: the low four bits come from the third scale word
+};
+__device__ __forceinline__ KqPairSel kq_pair_sel(int g) {
+    const uint32_t b = 2u * (uint32_t)(g & 1);
+    return {b | (b + 1) << 4 | (b + 4) << 8 | (b + 5) << 12, g < 2 ? 0u : 2u, g >= 2};
+}
+// The scales and mins of sub-blocks 2g and 2g+1 (ggml's get_scale_min_k4) from the 12 scale
+// bytes (words s0 s1 s2) as the bytes (sc0, sc1, m0, m1) of one word, without a branch on g
+// (g varies across a warp's lanes). H gathers bytes b, b+1 of s0 and s1; for g < 2 the values
+// are H & 0x3F. For g >= 2 the low four bits are the nibbles of s2's bytes b, b+1 (low
+// nibbles: scales, high: mins) and the top two are bits 6-7 of H's bytes:
+// (L & 0x0F) | ((H >> 2) & 0x30) per byte (the shift's carry between bytes is masked off).
+__device__ __forceinline__ uint32_t kq_pair_scales(KqPairSel sel, uint32_t s0, uint32_t s1, uint32_t s2) {
+    const uint32_t H = __byte_perm(s0, s1, sel.perm);
+    const uint32_t L = sel.upper ? __byte_perm(s2, s2 >> 4, sel.perm) : H;
+    return (L & 0x0F0F0F0Fu) | ((H >> sel.shift) & 0x30303030u);
 }
 
 // acc[r][w] += wv[w][k] * x[r][e + k] for k < 4 (x row r clamped to rows-1).
@@ -314,8 +314,9 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                 const uint8_t* blk = wr[w] + (size_t)s * bytes;  // 16-aligned
                 const uint4 h = __ldcs((const uint4*)blk);
                 const float d = h2f(h.x & 0xFFFF), dmin = h2f(h.x >> 16);
-                float sc0, m0, sc1, m1;
-                scale_min_pair(g, h.y, h.z, h.w, &sc0, &m0, &sc1, &m1);
+                const uint32_t sm = kq_pair_scales(kq_pair_sel(g), h.y, h.z, h.w);
+                const float sc0 = byte_fb<0, 0>(sm), sc1 = byte_fb<1, 0>(sm);
+                const float m0 = byte_fb<2, 0>(sm), m1 = byte_fb<3, 0>(sm);
                 const float ds0 = d * sc0, dm0 = dmin * m0, ds1 = d * sc1, dm1 = dmin * m1;
                 uint32_t ql, qh;
                 if (TYPE == GGML_Q4_K) {
@@ -739,27 +740,6 @@ __device__ __forceinline__ int dp4u(uint32_t a, uint32_t b, int c) {
     return d;
 }
 
-// Per-lane constants of kq_pair_scales for sub-block pair g (0..3) of a K-quant super-block.
-struct KqPairSel {
-    uint32_t perm;   // byte_perm selector: bytes b, b+1 of the first word, b, b+1 of the second
-    uint32_t shift;  // 0 for g < 2, 2 for g >= 2 (where the top two bits come from)
-    bool upper;      // g >= 2: the low four bits come from the third scale word
-};
-__device__ __forceinline__ KqPairSel kq_pair_sel(int g) {
-    const uint32_t b = 2u * (uint32_t)(g & 1);
-    return {b | (b + 1) << 4 | (b + 4) << 8 | (b + 5) << 12, g < 2 ? 0u : 2u, g >= 2};
-}
-// The scales and mins of sub-blocks 2g and 2g+1 (ggml's get_scale_min_k4) from the 12 scale
-// bytes (words s0 s1 s2) as the bytes (sc0, sc1, m0, m1) of one word, without a branch on g
-// (g varies across a warp's lanes). H gathers bytes b, b+1 of s0 and s1; for g < 2 the values
-// are H & 0x3F. For g >= 2 the low four bits are the nibbles of s2's bytes b, b+1 (low
-// nibbles: scales, high: mins) and the top two are bits 6-7 of H's bytes:
-// (L & 0x0F) | ((H >> 2) & 0x30) per byte (the shift's carry between bytes is masked off).
-__device__ __forceinline__ uint32_t kq_pair_scales(KqPairSel sel, uint32_t s0, uint32_t s1, uint32_t s2) {
-    const uint32_t H = __byte_perm(s0, s1, sel.perm);
-    const uint32_t L = sel.upper ? __byte_perm(s2, s2 >> 4, sel.perm) : H;
-    return (L & 0x0F0F0F0Fu) | ((H >> sel.shift) & 0x30303030u);
-}
 
 // The 16 bytes at p (2-byte aligned) as four little-endian words: 5 aligned loads (the 5th
 // only when p is 2 mod 4) and funnel shifts.
