@@ -94,6 +94,9 @@ pub struct Kernels {
     gemvq_mixed: Vec<(GgmlType, GgmlType, [CudaFunction; 6])>,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
+    /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
+    /// succeeded, else `moe::MOE_BULK_DEFAULT_SMEM`.
+    pub(crate) gemvq_moe_smem: usize,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
@@ -227,6 +230,20 @@ impl Kernels {
         }
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_prefetch(ctx, &m)?;
+        // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
+        // kernel's; where that fails they keep what a launch gets without opting in.
+        let raised = gemvq_moe.iter().flatten().flatten().all(|f| {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                super::moe::MOE_BULK_MAX_SMEM as i32,
+            )
+            .is_ok()
+        });
+        let gemvq_moe_smem = if raised {
+            super::moe::MOE_BULK_MAX_SMEM
+        } else {
+            super::moe::MOE_BULK_DEFAULT_SMEM
+        };
         Ok(Kernels {
             gemv,
             gemv_swiglu,
@@ -234,6 +251,7 @@ impl Kernels {
             gemvq,
             gemvq_mixed,
             gemvq_moe,
+            gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
             xq: Mutex::new(None),

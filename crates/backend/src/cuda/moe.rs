@@ -18,7 +18,6 @@
 use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Result};
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     ValidAsZeroBits,
@@ -43,12 +42,12 @@ const MAX_TOP_K: usize = 64;
 /// matmul.cu: the probabilities sit in shared memory).
 const MOE_ROUTE_MAX: usize = 1024;
 /// Dynamic shared memory the quantized-activation expert kernels take for their bulk-copied
-/// weight rows (sm_90+), at most: the limit raised on first use (two blocks per SM fit in
-/// an H200's 228 KB) or, when raising fails, under the 48 KB a launch gets without opting
-/// in with room for their ~7 KB of static shared memory. Bigger spans: the f32 decode
-/// kernels (moe.cu).
-const MOE_BULK_MAX_SMEM: usize = 96 * 1024;
-const MOE_BULK_DEFAULT_SMEM: usize = 40 * 1024;
+/// weight rows (sm_90+), at most: the limit raised when matmul.rs loads them (two blocks per
+/// SM fit in an H200's 228 KB) or, when raising fails, under the 48 KB a launch gets without
+/// opting in with room for their ~7 KB of static shared memory. Bigger spans: the f32
+/// decode kernels (moe.cu).
+pub(crate) const MOE_BULK_MAX_SMEM: usize = 96 * 1024;
+pub(crate) const MOE_BULK_DEFAULT_SMEM: usize = 40 * 1024;
 /// Rows per block of the quantized-activation expert kernels (`MOE_GU_ROWS`,
 /// `MOE_DOWN_ROWS` in matmul.cu): gate/up ffn rows, down hidden rows.
 const MOE_GU_ROWS: usize = 16;
@@ -132,9 +131,6 @@ pub struct Kernels {
     mm_gu: Vec<CudaFunction>,
     mm_down: Vec<CudaFunction>,
     scratch: Mutex<Option<Scratch>>,
-    /// The bulk-copy limit of the quantized-activation expert kernels (matmul.cu 1c), set on
-    /// first use: [`MOE_BULK_MAX_SMEM`] once their shared-memory limit is raised.
-    bulk_smem: std::sync::OnceLock<usize>,
 }
 
 impl Kernels {
@@ -155,7 +151,6 @@ impl Kernels {
             mm_gu,
             mm_down,
             scratch: Mutex::new(None),
-            bulk_smem: std::sync::OnceLock::new(),
         })
     }
 }
@@ -485,23 +480,10 @@ pub fn moe(
 /// The dynamic shared memory of the quantized-activation expert kernels (gate/up, down):
 /// their bulk-copy slots (matmul.cu 1c; sm_90+, where it is their only form; the kernels
 /// compiled for older GPUs ignore it): gate/up the block's MOE_GU_ROWS rows of gate and of
-/// up, down MOE_DOWN_ROWS rows per warp. `None` when they do not fit (that path is not taken).
-/// Raises the kernels' shared-memory limit on first use.
+/// up, down MOE_DOWN_ROWS rows per warp. `None` when they do not fit (that path is not taken)
+/// under the kernels' limit (`gemvq_moe_smem`, set when matmul.rs loads them).
 fn bulk_smem(be: &CudaBackend, gu_rb: usize, d_rb: usize) -> Option<(u32, u32)> {
-    let limit = *be.moe.bulk_smem.get_or_init(|| {
-        let raised = be.matmul.gemvq_moe.iter().flatten().flatten().all(|f| {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                MOE_BULK_MAX_SMEM as i32,
-            )
-            .is_ok()
-        });
-        if raised {
-            MOE_BULK_MAX_SMEM
-        } else {
-            MOE_BULK_DEFAULT_SMEM
-        }
-    });
+    let limit = be.matmul.gemvq_moe_smem;
     let gu = 2 * bulk_slot(MOE_GU_ROWS, gu_rb);
     let d = MOE_WARPS * bulk_slot(MOE_DOWN_ROWS, d_rb);
     (gu <= limit && d <= limit).then_some((gu as u32, d as u32))
