@@ -133,6 +133,20 @@ fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // SAFETY: the symbol is a 4-byte `__constant__ int`.
     let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_mode is not an int")?;
     stream.memcpy_htod(&[mode], &mut v)?;
+    // Diagnostic (MATMUL.md round 8): 1 = the bulk GEMV copies but does not compute,
+    // 2 = computes on whatever shared memory holds without copying, 3 = copies and computes
+    // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
+    let diag = match std::env::var("FERRITE_GEMV_DIAG") {
+        Ok(v) => match v.trim().parse::<i32>() {
+            Ok(n @ 0..=3) => n,
+            _ => bail!("FERRITE_GEMV_DIAG must be 0..3, not {v:?}"),
+        },
+        Err(_) => 0,
+    };
+    let mut sym = m.get_global("gemv_diag", &stream)?;
+    // SAFETY: the symbol is a 4-byte `__constant__ int`.
+    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_diag is not an int")?;
+    stream.memcpy_htod(&[diag], &mut v)?;
     stream.synchronize()?;
     Ok(())
 }

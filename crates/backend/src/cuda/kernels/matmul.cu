@@ -386,6 +386,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 // 0 nothing, 1 the first GEMV_PF_HEAD bytes of each of the block's rows (what the first
 // steps of the row groups load), 2 the block's whole span (round 3).
 __constant__ int gemv_pf_mode;
+__constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 #define GEMV_PF_HEAD 1024
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
@@ -468,6 +469,7 @@ __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8
                 total += (uint32_t)len[m];
             }
         }
+        if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
@@ -1040,8 +1042,10 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             const size_t off = (size_t)((m ? W2 : W) + (size_t)r0 * (size_t)rb) & 15;
             wr[w] = gemv_smem + m * slot + off + (size_t)(ow[w] - r0) * (size_t)rb;
         }
-        gemv_bulk_wait(&gemv_bar);
-        gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+        const int diag = gemv_diag;
+        if (diag != 3) gemv_bulk_wait(&gemv_bar);
+        if (diag != 1) gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+        if (diag == 3) gemv_bulk_wait(&gemv_bar);
 #else
 #pragma unroll
         for (int w = 0; w < NW; w++) wr[w] = (SWIGLU && w == 1 ? W2 : W) + (size_t)ow[w] * (size_t)rb;
