@@ -92,6 +92,14 @@ pub struct Kernels {
     /// `gemvq_multi_<a>_<b>_r<R>`: a grouped launch of two weights of type a and a third of
     /// type b (the pairs of [`GEMVQ_MIXED`]).
     gemvq_mixed: Vec<(GgmlType, GgmlType, [CudaFunction; 6])>,
+    /// The tensor-core forms of the Q4_K quantized-x GEMV (`gemvq_tc_q4_k_r<R>`, its
+    /// `_swiglu_tc` / `_multi_tc` families, and the mixed `gemvq_multi_tc_q4_k_q6_k_r<R>`):
+    /// launches whose split is ks = 1 on sm_90+ (MATMUL.md round 8). None before sm_90 or
+    /// with `FERRITE_GEMV_TC=0`.
+    gemvq_tc: Option<([[CudaFunction; 6]; 3], [CudaFunction; 6])>,
+    /// `FERRITE_GEMV_TC=2`: the tensor-core form also for rows whose 16-row tile needs more
+    /// than the usual block's shared memory (up to GEMVQ_BULK_MAX_SMEM; a tuning switch).
+    gemvq_tc_long: bool,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
@@ -242,6 +250,40 @@ impl Kernels {
             };
             gemvq_mixed.push((a, b, [f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]));
         }
+        // The tensor-core Q4_K GEMV: on unless FERRITE_GEMV_TC=0 (a tuning switch).
+        let (tc_on, gemvq_tc_long) = match std::env::var("FERRITE_GEMV_TC") {
+            Ok(v) => match v.trim() {
+                "0" => (false, false),
+                "1" => (true, false),
+                "2" => (true, true),
+                _ => bail!("FERRITE_GEMV_TC must be 0, 1 or 2, not {v:?}"),
+            },
+            Err(_) => (true, false),
+        };
+        let gemvq_tc = if bulk && tc_on {
+            let all = |kind: &str| -> Result<[CudaFunction; 6]> {
+                let f = |r: usize| -> Result<CudaFunction> {
+                    let f = function(&m, &format!("gemvq{kind}_r{r}"))?;
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        GEMVQ_BULK_MAX_SMEM as i32,
+                    )
+                    .with_context(|| format!("gemvq{kind}: raising the shared-memory limit"))?;
+                    Ok(f)
+                };
+                Ok([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?])
+            };
+            Some((
+                [
+                    all("_tc_q4_k")?,
+                    all("_swiglu_tc_q4_k")?,
+                    all("_multi_tc_q4_k")?,
+                ],
+                all("_multi_tc_q4_k_q6_k")?,
+            ))
+        } else {
+            None
+        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_prefetch(ctx, &m)?;
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
@@ -264,6 +306,8 @@ impl Kernels {
             gemv_multi,
             gemvq,
             gemvq_mixed,
+            gemvq_tc,
+            gemvq_tc_long,
             gemvq_moe,
             gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
@@ -771,13 +815,17 @@ fn gemvq_launch(
             (n_out, 2, 1)
         }
     };
-    let (ks, smem) = gemvq_split(be, w.dtype, n_in, rb as usize, groups, spans)?;
+    let (ks, smem) = gemvq_plan(be, w.dtype, n_in, rb as usize, groups, spans)?;
     let ks_i = ks as i32;
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,
         ..gemv_config(groups, ks)
     };
-    let mut launch = be.stream.kernel(&fams[fam][ri]);
+    let f = match tc_kernels(be, w.dtype, ks) {
+        Some((tc, _)) => &tc[fam][ri],
+        None => &fams[fam][ri],
+    };
+    let mut launch = be.stream.kernel(f);
     launch.arg(&w.data);
     if let Some(up) = up {
         launch.arg(&up.data);
@@ -796,6 +844,46 @@ fn gemvq_launch(
     // out holds rows×n_out floats.
     unsafe { launch.launch(cfg) }?;
     Ok(())
+}
+
+/// The tensor-core Q4_K kernels (families as `Kernels::gemvq`, and the mixed Q4_K + Q6_K
+/// grouped launch) when a quantized-x launch of type `t` split `ks` ways takes them: Q4_K,
+/// ks = 1, sm_90+ (the bulk-copy blocks they compute on), not switched off. A function of
+/// the shape only, like the split, so decode and verify take the same kernel.
+fn tc_kernels(
+    be: &CudaBackend,
+    t: GgmlType,
+    ks: usize,
+) -> Option<&([[CudaFunction; 6]; 3], [CudaFunction; 6])> {
+    if t == GgmlType::Q4K && ks == 1 {
+        be.matmul.gemvq_tc.as_ref()
+    } else {
+        None
+    }
+}
+
+/// [`gemvq_split`] with the tensor-core form's shared memory where it applies (Q4_K at
+/// ks = 1, or, with `FERRITE_GEMV_TC=2`, any Q4_K row whose two 8-row slots fit).
+fn gemvq_plan(
+    be: &CudaBackend,
+    t: GgmlType,
+    n_in: usize,
+    rb: usize,
+    groups: usize,
+    spans: usize,
+) -> Result<(usize, u32)> {
+    let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
+    let long = be.matmul.gemvq_tc_long && tc_smem(rb) as usize <= GEMVQ_BULK_MAX_SMEM;
+    if t == GgmlType::Q4K && be.matmul.gemvq_tc.is_some() && (ks == 1 || long) {
+        return Ok((1, tc_smem(rb)));
+    }
+    Ok((ks, smem))
+}
+
+/// Dynamic shared memory of a tensor-core GEMV block: two 8-row slots, the second starting 64
+/// bytes past a 128-byte boundary (`tc_slot` in matmul.cu, the same formula).
+fn tc_smem(rb: usize) -> u32 {
+    (2 * ((8 * rb + 16).div_ceil(128) * 128 + 64)) as u32
 }
 
 /// Type pairs (a, b) with a grouped quantized-x launch of two type-a weights and a type-b
@@ -962,7 +1050,7 @@ fn multi_launch(
         gemv_steps(t, n_in)
     };
     let (ks, smem) = if q {
-        gemvq_split(be, t, n_in, ws[0].row_bytes(), groups, 1)?
+        gemvq_plan(be, t, n_in, ws[0].row_bytes(), groups, 1)?
     } else {
         (split_k(steps, groups, be.sm_count), 0)
     };
@@ -1024,8 +1112,13 @@ fn multi_launch(
         let xd = xq.d.slice(..rows * n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * rows * n_in);
         if mixed {
-            let f = &mixed_kernels(be, t, t2)
-                .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri];
+            let f = match tc_kernels(be, t, ks) {
+                Some((_, mixed_tc)) if t2 == GgmlType::Q6K => &mixed_tc[ri],
+                _ => {
+                    &mixed_kernels(be, t, t2)
+                        .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri]
+                }
+            };
             let (rb2, ks2_i) = (ws[2].row_bytes() as i64, ks2 as i32);
             // SAFETY: as below; weight 2 holds n2 rows of rb2 bytes (checked by matmuls).
             unsafe {
@@ -1045,11 +1138,15 @@ fn multi_launch(
             drop(guards);
             return Ok(());
         }
+        let f = match tc_kernels(be, t, ks) {
+            Some((tc, _)) => &tc[2][ri],
+            None => &fams[2][ri],
+        };
         // SAFETY: every weight holds n rows of rb bytes and every output rows×n floats
         // (checked by matmuls); the scratch holds rows×n_in quantized values.
         unsafe {
             be.stream
-                .kernel(&fams[2][ri])
+                .kernel(f)
                 .arg(&sg)
                 .arg(&rb)
                 .arg(&n_in_i)

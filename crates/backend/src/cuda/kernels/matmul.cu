@@ -503,6 +503,45 @@ __device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
 #endif
 }
 
+// The tensor-core GEMV's prologue: spans of na rows at a and nb rows at b (rb bytes each,
+// widened to 16-byte units as in gemv_bulk_prologue) into smem and smem + slot, then the PDL
+// entry. Needs sm_90.
+__device__ __forceinline__ void tc_bulk_prologue(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
+                                                 size_t slot, uint8_t* smem, uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+        const uint32_t bb = (uint32_t)__cvta_generic_to_shared(bar);
+        size_t a0[2], len[2];
+        uint32_t total = 0;
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const uint8_t* base = m == 0 ? a : b;
+            const int n = m == 0 ? na : nb;
+            len[m] = 0;
+            if (n > 0) {
+                a0[m] = (size_t)base & ~(size_t)15;
+                len[m] = (((size_t)(base + (size_t)n * (size_t)rb) + 15) & ~(size_t)15) - a0[m];
+                total += (uint32_t)len[m];
+            }
+        }
+        if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bb) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bb), "r"(total) : "memory");
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+            if (len[m])
+                asm volatile(
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                        (uint32_t)__cvta_generic_to_shared(smem + m * slot)),
+                    "l"(a0[m]), "r"((uint32_t)len[m]), "r"(bb)
+                    : "memory");
+    }
+    __syncthreads();
+#endif
+    PDL_ENTRY();
+}
+
 template <int TYPE, int R, bool SWIGLU = false>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                      const float* __restrict__ x, int rows, float* __restrict__ out, int ks,
@@ -999,9 +1038,174 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// 1b'. The Q4_K decode GEMV on the int8 tensor cores (sm_90+, bulk-copy blocks of ks = 1, i.e.
+//      rows of up to ~4096 columns): the gemvq_tc_* kernels, separate instances so that
+//      their register count is their own (matmul.rs picks them; FERRITE_GEMV_TC=0 does not).
+//      MATMUL.md round 8.
+//
+//  Why: timed apart (FERRITE_GEMV_DIAG), the dp4a lane code's compute on a block's copied rows
+//  took as long as the copy itself (q4_K SwiGLU 4096->12288: copy only 16.8 us, compute only
+//  17.0, both 24.2): ~175 instructions per 64 weight-rows per lane, most of them integer ops
+//  (dp4a x2 planes, nibble masks, address arithmetic), which issue at half rate. Here the
+//  integer dot products run on the tensor cores: one mma.sync m16n8k32 (u8 weights x s8 x)
+//  multiplies 16 rows x 32 columns, so per 16 weight-rows x 128 columns a thread spends 4
+//  shared loads, 16 masks and 4 MMAs, plus one scale epilogue per (row, 32-element block).
+//
+//  The tile is the block's 16 rows in two copies of 8 rows (plain: rows r0.. and r0 + 8..;
+//  SwiGLU: the 8 gate rows and the same 8 up rows), in two slots whose bases differ by 64
+//  bytes modulo 128 (tc_slot), and MMA row a reads row a / 2 of slot a % 2: the two rows a
+//  quarter-warp loads together (g = 2k, 2k + 1) then sit in different banks (rows are
+//  multiples of 128 bytes apart: within one slot every 16-B load of a row pair would
+//  conflict two ways, measured 7.4 wavefronts per load). Warp w takes super-blocks w, w + 8,
+//  ... of every row. A "lifetime" is
+//  half a super-block (chunks c, c + 1 of 32 qs bytes, c in {0, 2}: sub-blocks 2c .. 2c + 3):
+//  4 MMAs into one int32 accumulator, then the epilogue.
+//  - K slices: the 32 k of an MMA are 4 slices of 8; slice s holds 8 weights of sub-block
+//    2c + s (slices 0, 2: low nibbles of chunks c, c + 1; slices 1, 3: their high nibbles,
+//    kept in place, 16x: u8 up to 240; the 1/16 is folded into the x scale).
+//  - A (fragment rows g = lane / 4 and g + 8, t = lane % 4): a0/a1 hold k 4t.. (slice t / 2),
+//    a2/a3 k 16 + 4t.. (slice 2 + t / 2). Thread t loads the 16 qs bytes 16 (t % 2).. of
+//    chunks c and c + 1 of both its rows (4 x 16-B loads) and masks low (t < 2) or high
+//    (t >= 2) nibbles; MMA i takes word i: the weights 16 (t % 2) + 4i .. + 3 of the slice's
+//    sub-block. (t and t + 2 load the same bytes for the two nibbles.)
+//  - B (column n = lane / 4 = (slice n / 2, plane n % 2): hi and lo int8 planes of x): lane
+//    (n, t) holds x at the positions of its k quads where slice(k) = n / 2, zero elsewhere:
+//    one 16-B load (word i for MMA i), half of the lanes.
+//  - C: thread t holds columns 2t, 2t + 1 = (sub-block 2c + t; hi, lo) for rows g, g + 8:
+//    S = 127 hi + lo exact in int32 (|S| < 2^27), then acc += d sc dx S - dmin m sx in f32
+//    (its own sub-block's scale and min, decoded branch-free by kq_pair_scales).
+//  - End: the four t lanes (xor 1, 2) and the 8 warps (in order, through shared memory) are
+//    added; every output is a fixed sequence of operations whatever R is (R loops inside a
+//    lifetime over the same A fragments), so decode and verify agree bitwise.
+//  Bytes: the weights once (the bulk copy); x 2 B per column per block (read once per block,
+//  not per row pair as in the lane code).
+
+// c += a . b (m16n8k32; a: 16 x 32 unsigned bytes, b: 32 x 8 signed bytes; int32).
+__device__ __forceinline__ void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Byte e (runtime, 0..3) of w as an exact float.
+__device__ __forceinline__ float byte_fe(uint32_t w, int e) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u + (uint32_t)e)) - 8388608.0f;
+}
+
+// Bytes per slot of the tensor-core GEMV (8 rows, + 16 for the alignment offset), rounded so
+// that slot 1 starts 64 bytes past a 128-byte boundary (matmul.rs tc_slot: the same formula).
+__device__ __forceinline__ size_t tc_slot(long long rb) {
+    return ((8 * (size_t)rb + 16 + 127) & ~(size_t)127) + 64;
+}
+
+// s0, s1: the two 8-row slots in shared memory (rows rb apart). r0: the block's first output row.
+template <int R, bool SWIGLU>
+__device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
+                                             int n_in, const int8_t* __restrict__ xq,
+                                             const float2* __restrict__ xd, int rows, float* __restrict__ out,
+                                             int r0) {
+    __shared__ float tred[GEMV_WARPS][R][16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3, e = t & 1;
+    // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2.
+    const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
+    const uint8_t* p1 = p0 + 4 * (size_t)rb;
+    const uint32_t amask = (t >> 1) ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
+    const KqPairSel sel0 = kq_pair_sel(t >> 1), sel1 = kq_pair_sel(2 + (t >> 1));
+    const float hs = e ? 0.0625f : 1.0f;  // column t's sub-block is odd: 16x high nibbles
+    const int q = g >> 1;                  // B: this lane's column slice
+    const bool bval = (q & 1) == (t >> 1), bhi = q >= 2;
+    const size_t xoff = (size_t)(g & 1) * (size_t)n_in + 32 * q + 16 * e;
+    const int nsb = n_in / QK_K, nb = n_in / QK;
+    float acc[R][2];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
+    // Two super-blocks per iteration for R <= 2 (their loads in flight together; measured
+    // with the conflict-free slots: SwiGLU 4096->12288 24.5 -> 21.8 us); one for larger R,
+    // whose accumulators take the registers.
+    constexpr int SB_UNROLL = R <= 2 ? 2 : 1;
+#pragma unroll SB_UNROLL
+    for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
+        const uint8_t* b0 = p0 + (size_t)sb * Q4_K_BYTES;
+        const uint8_t* b1 = p1 + (size_t)sb * Q4_K_BYTES;
+        const uint4 h0 = *(const uint4*)b0, h1 = *(const uint4*)b1;
+        const float d0 = h2f(h0.x & 0xFFFF), n0 = h2f(h0.x >> 16);
+        const float d1 = h2f(h1.x & 0xFFFF), n1 = h2f(h1.x >> 16);
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int c = 2 * half;
+            const uint4 wa0 = *(const uint4*)(b0 + 16 + 32 * c + 16 * e);
+            const uint4 wb0 = *(const uint4*)(b0 + 48 + 32 * c + 16 * e);
+            const uint4 wa1 = *(const uint4*)(b1 + 16 + 32 * c + 16 * e);
+            const uint4 wb1 = *(const uint4*)(b1 + 48 + 32 * c + 16 * e);
+            const uint32_t A0[4] = {wa0.x & amask, wa0.y & amask, wa0.z & amask, wa0.w & amask};
+            const uint32_t A1[4] = {wa1.x & amask, wa1.y & amask, wa1.z & amask, wa1.w & amask};
+            const uint32_t A2[4] = {wb0.x & amask, wb0.y & amask, wb0.z & amask, wb0.w & amask};
+            const uint32_t A3[4] = {wb1.x & amask, wb1.y & amask, wb1.z & amask, wb1.w & amask};
+            const KqPairSel sel = half ? sel1 : sel0;
+            const uint32_t sm0 = kq_pair_scales(sel, h0.y, h0.z, h0.w);
+            const uint32_t sm1 = kq_pair_scales(sel, h1.y, h1.z, h1.w);
+            const float sc0 = byte_fe(sm0, e), m0 = byte_fe(sm0, 2 + e);
+            const float sc1 = byte_fe(sm1, e), m1 = byte_fe(sm1, 2 + e);
+            const int xs = sb * QK_K + 64 * c;  // first column of the lifetime
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int rr = r < rows ? r : rows - 1;
+                // b0 words (k 0..15) or b1 words (k 16..31): one predicated load each, the
+                // other stays zero (no per-MMA selects).
+                const int4* xp = (const int4*)(xq + (size_t)rr * 2 * n_in + xoff + xs);
+                int4 xa = make_int4(0, 0, 0, 0), xb = make_int4(0, 0, 0, 0);
+                if (bval && !bhi) xa = __ldg(xp);
+                if (bval && bhi) xb = __ldg(xp);
+                const float2 ds = __ldg(xd + (size_t)rr * nb + (size_t)sb * 8 + 2 * c + t);
+                const uint32_t wa[4] = {(uint32_t)xa.x, (uint32_t)xa.y, (uint32_t)xa.z, (uint32_t)xa.w};
+                const uint32_t wb[4] = {(uint32_t)xb.x, (uint32_t)xb.y, (uint32_t)xb.z, (uint32_t)xb.w};
+                int C[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int i = 0; i < 4; i++) tc_mma(C, A0[i], A1[i], A2[i], A3[i], wa[i], wb[i]);
+                const float dxs = ds.x * hs;
+                const int S0 = 127 * C[0] + C[1], S1 = 127 * C[2] + C[3];
+                acc[r][0] = fmaf(d0, sc0 * dxs * (float)S0, fmaf(-n0, m0 * ds.y, acc[r][0]));
+                acc[r][1] = fmaf(d1, sc1 * dxs * (float)S1, fmaf(-n1, m1 * ds.y, acc[r][1]));
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 1);
+            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 2);
+            if (t == 0) tred[warp][r][8 * a + g] = acc[r][a];
+        }
+    __syncthreads();
+    // Output row `row` of the tile: slot m = row / 8, its row j = row % 8, i.e. MMA row
+    // 2j + m (SWIGLU: gate row j is MMA row 2j, up row j is 2j + 1).
+    for (int i = threadIdx.x; i < R * (SWIGLU ? 8 : 16); i += blockDim.x) {
+        const int r = SWIGLU ? i >> 3 : i >> 4, row = SWIGLU ? i & 7 : i & 15;
+        const int a = SWIGLU ? 2 * row : 2 * (row & 7) + (row >> 3);
+        float v = tred[0][r][a];
+#pragma unroll
+        for (int w = 1; w < GEMV_WARPS; w++) v += tred[w][r][a];
+        const int o = r0 + row;
+        if (r >= rows || o >= n_out) continue;
+        if (SWIGLU) {
+            float u = tred[0][r][a + 1];
+#pragma unroll
+            for (int w = 1; w < GEMV_WARPS; w++) u += tred[w][r][a + 1];
+            v = silu(v) * u;
+        }
+        out[(size_t)r * n_out + o] = v;
+    }
+}
+
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
-template <int TYPE, int R, bool SWIGLU>
+// TC: the tensor-core form (gemvq_tc_q4k; Q4_K, ks = 1, sm_90+ only: the launcher's choice).
+template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
@@ -1018,6 +1222,21 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t gemv_bar;
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
+    if (TC && TYPE == GGML_Q4_K) {
+        if (ks != 1) __trap();  // the launcher takes this form only for ks = 1
+        // Two 8-row spans (plain: rows r0.. and r0 + 8.. of W; SwiGLU: gate and up rows).
+        const int ra = SWIGLU ? r0 : r0, rbeg = SWIGLU ? r0 : r0 + 8;
+        const uint8_t* Wb = SWIGLU ? W2 : W;
+        const int na = max(0, min(8, n_out - ra)), nb2 = max(0, min(8, n_out - rbeg));
+        const size_t slot = tc_slot(rb);
+        tc_bulk_prologue(W + (size_t)ra * (size_t)rb, na, Wb + (size_t)rbeg * (size_t)rb, nb2, rb, slot, gemv_smem,
+                         &gemv_bar);
+        const uint8_t* s0 = gemv_smem + ((size_t)(W + (size_t)ra * (size_t)rb) & 15);
+        const uint8_t* s1 = gemv_smem + slot + ((size_t)(Wb + (size_t)rbeg * (size_t)rb) & 15);
+        gemv_bulk_wait(&gemv_bar);
+        gemvq_tc_q4k<R, SWIGLU>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0);
+        return;
+    }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
@@ -1115,6 +1334,41 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
         gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                             \
     }
+// gemvq_tc_q4_k_r<R> and its SwiGLU / grouped forms: gemvq_tc_q4k (ks = 1 launches on sm_90+).
+// R = 1: at most 64 registers, four blocks of 8 warps per SM (MATMUL.md round 8); R = 2 at
+// most 85 (three); larger R (batched decode, verify) would spill and take what they need.
+#define GEMVQ_TC_KERNEL(name, TYPE, R, MINB)                                                                 \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
+        gemvq_tc_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,            \
+                               const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,      \
+                               float* __restrict__ out, int ks) {                                            \
+        gemvq<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);               \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
+        gemvq_swiglu_tc_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,        \
+                                      long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,     \
+                                      const float2* __restrict__ xd, int rows, float* __restrict__ out,     \
+                                      int ks) {                                                              \
+        gemvq<TYPE, R, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);               \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
+        gemvq_multi_tc_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,     \
+                                     const float2* __restrict__ xd, int rows, int ks) {                      \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
+        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
+        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
+        gemvq<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                       \
+    }
+#define GEMVQ_TC_ALL_R(name, TYPE) \
+    GEMVQ_TC_KERNEL(name, TYPE, 1, 4) \
+    GEMVQ_TC_KERNEL(name, TYPE, 2, 3) \
+    GEMVQ_TC_KERNEL(name, TYPE, 4, 1) \
+    GEMVQ_TC_KERNEL(name, TYPE, 8, 1) \
+    GEMVQ_TC_KERNEL(name, TYPE, 9, 1) \
+    GEMVQ_TC_KERNEL(name, TYPE, 16, 1)
+
 #define GEMVQ_ALL_R(name, TYPE) \
     GEMVQ_KERNEL(name, TYPE, 1) \
     GEMVQ_KERNEL(name, TYPE, 2) \
@@ -1144,6 +1398,31 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
         }                                                                                                    \
     }
+// The same with segments 0 and 1 in the tensor-core form (their ks = 1); segment 2 as above.
+// R = 1: at most 85 registers (three blocks per SM, as the lane-code kernels).
+#define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
+        gemvq_multi_tc_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,                \
+                                          const int8_t* __restrict__ xq, const float2* __restrict__ xd,      \
+                                          int rows, int ks, int ks2) {                                       \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        if (s < 2) {                                                                                         \
+            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
+            gemvq<TA, R, false, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                  \
+                                      s == 0 ? sg.out0 : sg.out1, ks, bx);                                   \
+        } else {                                                                                             \
+            gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
+        }                                                                                                    \
+    }
+#define GEMVQ_MIXED_TC_ALL_R(na, TA, nb, TB) \
+    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 1, 3) \
+    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 2, 1) \
+    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 4, 1) \
+    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 8, 1) \
+    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 9, 1) \
+    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 16, 1)
+
 #define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) \
     GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 1) \
     GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 2) \
@@ -1159,6 +1438,8 @@ GEMVQ_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
+GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
+GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
