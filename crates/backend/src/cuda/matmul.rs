@@ -1114,10 +1114,8 @@ fn multi_launch(
         if mixed {
             let f = match tc_kernels(be, t, ks) {
                 Some((_, mixed_tc)) if t2 == GgmlType::Q6K => &mixed_tc[ri],
-                _ => {
-                    &mixed_kernels(be, t, t2)
-                        .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri]
-                }
+                _ => &mixed_kernels(be, t, t2)
+                    .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri],
             };
             let (rb2, ks2_i) = (ws[2].row_bytes() as i64, ks2 as i32);
             // SAFETY: as below; weight 2 holds n2 rows of rb2 bytes (checked by matmuls).
