@@ -815,7 +815,7 @@ fn gemvq_launch(
             (n_out, 2, 1)
         }
     };
-    let (ks, smem) = gemvq_plan(be, w.dtype, n_in, rb as usize, groups, spans)?;
+    let (ks, smem) = gemvq_plan(be, w.dtype, n_in, rb as usize, groups, spans, rows)?;
     let ks_i = ks as i32;
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,
@@ -863,7 +863,9 @@ fn tc_kernels(
 }
 
 /// [`gemvq_split`] with the tensor-core form's shared memory where it applies (Q4_K at
-/// ks = 1, or, with `FERRITE_GEMV_TC=2`, any Q4_K row whose two 8-row slots fit).
+/// ks = 1, or, with `FERRITE_GEMV_TC=2`, any Q4_K row whose two 8-row slots fit; at one row
+/// also the staged x). The split depends on the shape only; the shared memory also on
+/// whether `rows` is 1 (R = 1 stages x; the arithmetic is the same).
 fn gemvq_plan(
     be: &CudaBackend,
     t: GgmlType,
@@ -871,11 +873,14 @@ fn gemvq_plan(
     rb: usize,
     groups: usize,
     spans: usize,
+    rows: usize,
 ) -> Result<(usize, u32)> {
     let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
-    let long = be.matmul.gemvq_tc_long && tc_smem(rb) as usize <= GEMVQ_BULK_MAX_SMEM;
+    let long = be.matmul.gemvq_tc_long
+        && (tc_smem(rb) + tc_x_bytes(n_in)) as usize <= GEMVQ_BULK_MAX_SMEM;
     if t == GgmlType::Q4K && be.matmul.gemvq_tc.is_some() && (ks == 1 || long) {
-        return Ok((1, tc_smem(rb)));
+        let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
+        return Ok((1, tc_smem(rb) + x));
     }
     Ok((ks, smem))
 }
@@ -884,6 +889,12 @@ fn gemvq_plan(
 /// bytes past a 128-byte boundary (`tc_slot` in matmul.cu, the same formula).
 fn tc_smem(rb: usize) -> u32 {
     (2 * ((8 * rb + 16).div_ceil(128) * 128 + 64)) as u32
+}
+
+/// Shared memory a one-row tensor-core GEMV block adds for its staged x (`tc_stage_x` in
+/// matmul.cu: both int8 planes, 128 bytes of bank padding, the scale pairs).
+fn tc_x_bytes(n_in: usize) -> u32 {
+    (2 * n_in + 128 + n_in / 32 * 8) as u32
 }
 
 /// Type pairs (a, b) with a grouped quantized-x launch of two type-a weights and a type-b
@@ -1050,7 +1061,7 @@ fn multi_launch(
         gemv_steps(t, n_in)
     };
     let (ks, smem) = if q {
-        gemvq_plan(be, t, n_in, ws[0].row_bytes(), groups, 1)?
+        gemvq_plan(be, t, n_in, ws[0].row_bytes(), groups, 1, rows)?
     } else {
         (split_k(steps, groups, be.sm_count), 0)
     };

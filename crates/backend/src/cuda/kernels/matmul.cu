@@ -1102,11 +1102,30 @@ __device__ __forceinline__ size_t tc_slot(long long rb) {
 }
 
 // s0, s1: the two 8-row slots in shared memory (rows rb apart). r0: the block's first output row.
-template <int R, bool SWIGLU>
+// Copies row 0 of the quantized x (hi plane, lo plane, scale pairs) into shared memory at
+// xs: the lo plane 64 bytes past n_in (its 16-B loads then sit in the other half of the banks
+// from the hi plane's), the pairs after both planes + 128. Bytes: 2 n_in + 128 + 8 n_in / 32
+// (tc_x_bytes in matmul.rs). Called after the PDL wait (x is the predecessor's output), while
+// the weight copy is in flight; ends with a block barrier.
+__device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                           int n_in) {
+    const int n16 = n_in / 16, nb = n_in / QK;
+    for (int i = threadIdx.x; i < 2 * n16; i += blockDim.x) {
+        const int p = i >= n16 ? 1 : 0, j = i - p * n16;
+        *(int4*)(xs + p * (n_in + 64) + 16 * j) = __ldg((const int4*)(xq + p * n_in) + j);
+    }
+    float2* ds = (float2*)(xs + 2 * n_in + 128);
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) ds[i] = __ldg(xd + i);
+    __syncthreads();
+}
+
+// XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
+// apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
+template <int R, bool SWIGLU, bool XS>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0) {
+                                             int r0, int xplane) {
     __shared__ float tred[GEMV_WARPS][R][16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
@@ -1118,7 +1137,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     const float hs = e ? 0.0625f : 1.0f;  // column t's sub-block is odd: 16x high nibbles
     const int q = g >> 1;                  // B: this lane's column slice
     const bool bval = (q & 1) == (t >> 1), bhi = q >= 2;
-    const size_t xoff = (size_t)(g & 1) * (size_t)n_in + 32 * q + 16 * e;
+    const size_t xoff = (size_t)(g & 1) * (size_t)(XS ? xplane : n_in) + 32 * q + 16 * e;
     const int nsb = n_in / QK_K, nb = n_in / QK;
     float acc[R][2];
 #pragma unroll
@@ -1156,11 +1175,12 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
                 const int rr = r < rows ? r : rows - 1;
                 // b0 words (k 0..15) or b1 words (k 16..31): one predicated load each, the
                 // other stays zero (no per-MMA selects).
-                const int4* xp = (const int4*)(xq + (size_t)rr * 2 * n_in + xoff + xs);
+                const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
+                const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 2 * c + t;
                 int4 xa = make_int4(0, 0, 0, 0), xb = make_int4(0, 0, 0, 0);
-                if (bval && !bhi) xa = __ldg(xp);
-                if (bval && bhi) xb = __ldg(xp);
-                const float2 ds = __ldg(xd + (size_t)rr * nb + (size_t)sb * 8 + 2 * c + t);
+                if (bval && !bhi) xa = XS ? *xp : __ldg(xp);
+                if (bval && bhi) xb = XS ? *xp : __ldg(xp);
+                const float2 ds = XS ? *dp : __ldg(dp);
                 const uint32_t wa[4] = {(uint32_t)xa.x, (uint32_t)xa.y, (uint32_t)xa.z, (uint32_t)xa.w};
                 const uint32_t wb[4] = {(uint32_t)xb.x, (uint32_t)xb.y, (uint32_t)xb.z, (uint32_t)xb.w};
                 int C[4] = {0, 0, 0, 0};
@@ -1233,8 +1253,16 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                          &gemv_bar);
         const uint8_t* s0 = gemv_smem + ((size_t)(W + (size_t)ra * (size_t)rb) & 15);
         const uint8_t* s1 = gemv_smem + slot + ((size_t)(Wb + (size_t)rbeg * (size_t)rb) & 15);
-        gemv_bulk_wait(&gemv_bar);
-        gemvq_tc_q4k<R, SWIGLU>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0);
+        if (R == 1) {  // x staged in shared memory after the two slots
+            uint8_t* xs = gemv_smem + 2 * slot;
+            tc_stage_x(xs, xq, xd, n_in);
+            gemv_bulk_wait(&gemv_bar);
+            gemvq_tc_q4k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, (const int8_t*)xs,
+                                          (const float2*)(xs + 2 * n_in + 128), rows, out, r0, n_in + 64);
+        } else {
+            gemv_bulk_wait(&gemv_bar);
+            gemvq_tc_q4k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
+        }
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
