@@ -42,6 +42,8 @@
 //      added in warp order, all fixed by the shape, so out[t][o]
 //      is bitwise independent of R and of the other rows: decode (rows = 1) and speculative
 //      verify (rows = K+1) give identical results for the same token.
+//    The quantized types decode on int8 x instead (gemvq_<type>_r<R>, section 1b), Q4_K on
+//    sm_90+ on the int8 tensor cores (gemvq_tc_q4_k_r<R>, section 1b').
 //
 // 2. mm_<type>          (prefill: rows > 16; tensor cores, mma.sync m16n8k16 bf16 -> f32)
 //    - Block tile 128 outputs (M) x 128 tokens (N) x 32 (K), 256 threads = 8 warps as 4 (M)
@@ -1078,8 +1080,9 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 //  - End: the four t lanes (xor 1, 2) and the 8 warps (in order, through shared memory) are
 //    added; every output is a fixed sequence of operations whatever R is (R loops inside a
 //    lifetime over the same A fragments), so decode and verify agree bitwise.
-//  Bytes: the weights once (the bulk copy); x 2 B per column per block (read once per block,
-//  not per row pair as in the lane code).
+//  Bytes: the weights once (the bulk copy); x 2 B per column per block, read once per block
+//  (not per row pair as in the lane code): at R = 1 staged in shared memory after the PDL
+//  wait while the weights are in flight (tc_stage_x), for larger R read from L1/L2.
 
 // c += a . b (m16n8k32; a: 16 x 32 unsigned bytes, b: 32 x 8 signed bytes; int32).
 __device__ __forceinline__ void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
