@@ -452,64 +452,12 @@ __device__ __forceinline__ size_t gemv_slot(int per_block, long long rb) {
     return (((size_t)per_block * (size_t)rb + 15) & ~(size_t)15) + 16;
 }
 
-__device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
-                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) {
-        const int r1 = r0 + per_block < n_out ? r0 + per_block : n_out;
-        const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-        size_t a0[2], len[2];
-        uint32_t total = 0;
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const uint8_t* base = m == 0 ? W : W2;
-            len[m] = 0;
-            if (base != nullptr && r1 > r0) {
-                a0[m] = (size_t)(base + (size_t)r0 * (size_t)rb) & ~(size_t)15;
-                const size_t a1 = ((size_t)(base + (size_t)r1 * (size_t)rb) + 15) & ~(size_t)15;
-                len[m] = a1 - a0[m];
-                total += (uint32_t)len[m];
-            }
-        }
-        if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(total) : "memory");
-        const size_t slot = gemv_slot(per_block, rb);
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-            if (len[m])
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                        (uint32_t)__cvta_generic_to_shared(smem + m * slot)),
-                    "l"(a0[m]), "r"((uint32_t)len[m]), "r"(b)
-                    : "memory");
-    }
-    __syncthreads();  // the barrier is initialised before anyone waits on it
-#endif
-    PDL_ENTRY();
-}
-
-// Waits until the bulk copies of this block have landed (phase 0 of the barrier completes).
-__device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(b)
-            : "memory");
-    }
-#endif
-}
-
-// The tensor-core GEMV's prologue: spans of na rows at a and nb rows at b (rb bytes each,
-// widened to 16-byte units as in gemv_bulk_prologue) into smem and smem + slot, then the PDL
-// entry. Needs sm_90.
-__device__ __forceinline__ void tc_bulk_prologue(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
-                                                 size_t slot, uint8_t* smem, uint64_t* bar) {
+// Thread 0 copies na rows at a into smem and nb rows at b into smem + slot (rows of rb bytes,
+// each span widened to whole 16-byte units as above; n = 0: no copy), completing on the
+// block's mbarrier bar; then the block barrier (bar initialised before anyone waits) and the
+// PDL entry. Before sm_90 only the PDL entry.
+__device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, const uint8_t* b, int nb,
+                                                    long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
         const uint32_t bb = (uint32_t)__cvta_generic_to_shared(bar);
@@ -542,6 +490,30 @@ __device__ __forceinline__ void tc_bulk_prologue(const uint8_t* a, int na, const
     __syncthreads();
 #endif
     PDL_ENTRY();
+}
+
+// The lane-code GEMV's copies: rows [r0, r0 + per_block) (clamped to n_out) of W into slot 0
+// and, for the fused SwiGLU, of W2 into slot 1.
+__device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
+                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
+    const int n = max(0, min(per_block, n_out - r0));
+    bulk_prologue_spans(W + (size_t)r0 * (size_t)rb, n, W2 ? W2 + (size_t)r0 * (size_t)rb : nullptr, W2 ? n : 0,
+                        rb, gemv_slot(per_block, rb), smem, bar);
+}
+
+// Waits until the bulk copies of this block have landed (phase 0 of the barrier completes).
+__device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b)
+            : "memory");
+    }
+#endif
 }
 
 template <int TYPE, int R, bool SWIGLU = false>
@@ -1247,25 +1219,30 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && TYPE == GGML_Q4_K) {
         if (ks != 1) __trap();  // the launcher takes this form only for ks = 1
-        // Two 8-row spans (plain: rows r0.. and r0 + 8.. of W; SwiGLU: gate and up rows).
-        const int ra = SWIGLU ? r0 : r0, rbeg = SWIGLU ? r0 : r0 + 8;
+        // Two 8-row spans: plain, rows r0.. and r0 + 8.. of W; SwiGLU, rows r0.. of W (gate)
+        // and of W2 (up).
         const uint8_t* Wb = SWIGLU ? W2 : W;
-        const int na = max(0, min(8, n_out - ra)), nb2 = max(0, min(8, n_out - rbeg));
+        const int rbeg = SWIGLU ? r0 : r0 + 8;
+        const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
+        const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
         const size_t slot = tc_slot(rb);
-        tc_bulk_prologue(W + (size_t)ra * (size_t)rb, na, Wb + (size_t)rbeg * (size_t)rb, nb2, rb, slot, gemv_smem,
-                         &gemv_bar);
-        const uint8_t* s0 = gemv_smem + ((size_t)(W + (size_t)ra * (size_t)rb) & 15);
-        const uint8_t* s1 = gemv_smem + slot + ((size_t)(Wb + (size_t)rbeg * (size_t)rb) & 15);
+        bulk_prologue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - rbeg)), rb, slot, gemv_smem,
+                            &gemv_bar);
+        const uint8_t* s0 = gemv_smem + ((size_t)pa & 15);
+        const uint8_t* s1 = gemv_smem + slot + ((size_t)pb & 15);
+        const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
         if (R == 1) {  // x staged in shared memory after the two slots
             uint8_t* xs = gemv_smem + 2 * slot;
             tc_stage_x(xs, xq, xd, n_in);
-            gemv_bulk_wait(&gemv_bar);
-            gemvq_tc_q4k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, (const int8_t*)xs,
-                                          (const float2*)(xs + 2 * n_in + 128), rows, out, r0, n_in + 64);
+            if (diag != 3) gemv_bulk_wait(&gemv_bar);
+            if (diag != 1)
+                gemvq_tc_q4k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, (const int8_t*)xs,
+                                              (const float2*)(xs + 2 * n_in + 128), rows, out, r0, n_in + 64);
         } else {
-            gemv_bulk_wait(&gemv_bar);
-            gemvq_tc_q4k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
+            if (diag != 3) gemv_bulk_wait(&gemv_bar);
+            if (diag != 1) gemvq_tc_q4k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
         }
+        if (diag == 3) gemv_bulk_wait(&gemv_bar);
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
