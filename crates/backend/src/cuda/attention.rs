@@ -232,8 +232,8 @@ impl DecodeTuning {
     /// prefetch` (tuning runs; values out of range are clamped).
     fn from_env() -> Self {
         let mut t = DecodeTuning::default();
-        if let Ok(v) = std::env::var("FERRITE_ATTN_TUNE") {
-            let f: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        if let Ok(Some(f)) = super::switches::get("FERRITE_ATTN_TUNE") {
+            let f: Vec<usize> = f.into_iter().map(|x| x as usize).collect();
             if let [b, s, c, p] = f[..] {
                 t = DecodeTuning {
                     blocks_per_sm: b.max(1),
@@ -261,12 +261,8 @@ const DECODE_MAX_GB: usize = 4;
 /// group 8); `FERRITE_ATTN_GB` (8, 4, 2, 1) overrides the cap (a tuning switch).
 fn heads_per_block(group: usize) -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let max = *MAX.get_or_init(|| {
-        std::env::var("FERRITE_ATTN_GB")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .unwrap_or(DECODE_MAX_GB)
-    });
+    let max = *MAX
+        .get_or_init(|| super::switches::int_or("FERRITE_ATTN_GB", DECODE_MAX_GB as i64) as usize);
     [8, 4, 2, 1]
         .into_iter()
         .find(|gb| *gb <= max && group.is_multiple_of(*gb))

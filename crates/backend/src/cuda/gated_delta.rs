@@ -48,7 +48,7 @@ fn chunked_on() -> bool {
         _ => {}
     }
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERRITE_DELTA_CHUNKED").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_DELTA_CHUNKED", 0) == 1)
 }
 
 /// 0: `FERRITE_DELTA_CHUNKED` decides; 1: chunked kernel on; 2: off.

@@ -48,7 +48,7 @@ pub fn note_copy() {
 /// Turns PDL on for devices of compute capability 9.0 and above, unless `FERRITE_PDL=0`.
 /// Returns whether it is on.
 pub fn configure_pdl(major: i32) -> bool {
-    let off = std::env::var("FERRITE_PDL").is_ok_and(|v| v == "0");
+    let off = super::switches::int_or("FERRITE_PDL", 1) == 0;
     let on = major >= 9 && !off;
     PDL.store(on, Ordering::Relaxed);
     on

@@ -18,7 +18,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr
 use ferrite_formats::GgmlType;
 
 use super::launch::{KernelArg, LaunchExt};
-use super::{function, load_module, CudaBackend, CudaWeight};
+use super::{function, load_module, switches, CudaBackend, CudaWeight};
 use crate::Act;
 
 /// Kernel source.
@@ -129,13 +129,7 @@ pub struct Kernels {
 const GEMV_PF_DEFAULT: i32 = 1;
 
 fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
-    let mode = match std::env::var("FERRITE_GEMV_PF") {
-        Ok(v) => match v.trim().parse::<i32>() {
-            Ok(n @ 0..=2) => n,
-            _ => bail!("FERRITE_GEMV_PF must be 0, 1 or 2, not {v:?}"),
-        },
-        Err(_) => GEMV_PF_DEFAULT,
-    };
+    let mode = switches::get("FERRITE_GEMV_PF")?.map_or(GEMV_PF_DEFAULT, |v| v[0] as i32);
     let stream = ctx.default_stream();
     let mut sym = m.get_global("gemv_pf_mode", &stream)?;
     // SAFETY: the symbol is a 4-byte `__constant__ int`.
@@ -144,13 +138,7 @@ fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // Diagnostic (MATMUL.md round 8): 1 = the bulk GEMV copies but does not compute,
     // 2 = computes on whatever shared memory holds without copying, 3 = copies and computes
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
-    let diag = match std::env::var("FERRITE_GEMV_DIAG") {
-        Ok(v) => match v.trim().parse::<i32>() {
-            Ok(n @ 0..=3) => n,
-            _ => bail!("FERRITE_GEMV_DIAG must be 0..3, not {v:?}"),
-        },
-        Err(_) => 0,
-    };
+    let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     let mut sym = m.get_global("gemv_diag", &stream)?;
     // SAFETY: the symbol is a 4-byte `__constant__ int`.
     let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_diag is not an int")?;
@@ -251,15 +239,8 @@ impl Kernels {
             gemvq_mixed.push((a, b, [f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]));
         }
         // The tensor-core Q4_K GEMV: on unless FERRITE_GEMV_TC=0 (a tuning switch).
-        let (tc_on, gemvq_tc_long) = match std::env::var("FERRITE_GEMV_TC") {
-            Ok(v) => match v.trim() {
-                "0" => (false, false),
-                "1" => (true, false),
-                "2" => (true, true),
-                _ => bail!("FERRITE_GEMV_TC must be 0, 1 or 2, not {v:?}"),
-            },
-            Err(_) => (true, false),
-        };
+        let tc = switches::get("FERRITE_GEMV_TC")?.map_or(1, |v| v[0]);
+        let (tc_on, gemvq_tc_long) = (tc >= 1, tc == 2);
         let gemvq_tc = if bulk && tc_on {
             let all = |kind: &str| -> Result<[CudaFunction; 6]> {
                 let f = |r: usize| -> Result<CudaFunction> {
@@ -466,13 +447,9 @@ const GEMVQ_BLOCK_SMEM: usize = 40 * 1024;
 
 fn gemvq_block_smem() -> usize {
     static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| {
-        std::env::var("FERRITE_GEMVQ_SMEM")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .map_or(GEMVQ_BLOCK_SMEM, |kb| {
-                (kb * 1024).clamp(4096, GEMVQ_BULK_MAX_SMEM)
-            })
+    *CAP.get_or_init(|| match switches::int_or("FERRITE_GEMVQ_SMEM", 0) {
+        0 => GEMVQ_BLOCK_SMEM,
+        kb => (kb as usize * 1024).min(GEMVQ_BULK_MAX_SMEM),
     })
 }
 
@@ -876,8 +853,8 @@ fn gemvq_plan(
     rows: usize,
 ) -> Result<(usize, u32)> {
     let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
-    let long = be.matmul.gemvq_tc_long
-        && (tc_smem(rb) + tc_x_bytes(n_in)) as usize <= GEMVQ_BULK_MAX_SMEM;
+    let long =
+        be.matmul.gemvq_tc_long && (tc_smem(rb) + tc_x_bytes(n_in)) as usize <= GEMVQ_BULK_MAX_SMEM;
     if t == GgmlType::Q4K && be.matmul.gemvq_tc.is_some() && (ks == 1 || long) {
         let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
         return Ok((1, tc_smem(rb) + x));
@@ -1269,10 +1246,7 @@ pub fn matmul_swiglu(
 fn mm_bn(rows: usize, n_out: usize, sm_count: usize) -> usize {
     static FORCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let force = *FORCE.get_or_init(|| {
-        std::env::var("FERRITE_MM_BN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|b| MM_BN.contains(b))
+        Some(switches::int_or("FERRITE_MM_BN", 0) as usize).filter(|b| MM_BN.contains(b))
     });
     if let Some(b) = force {
         return b;

@@ -103,7 +103,7 @@ impl Kernels {
 /// hybrids while the grouped expert GEMM (moe.cu) is bf16.
 fn disabled() -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| !std::env::var("FERRITE_MMQ").is_ok_and(|v| v == "1"))
+    *OFF.get_or_init(|| super::switches::int_or("FERRITE_MMQ", 0) != 1)
 }
 
 /// Whether prefill runs decode-exact (`FERRITE_MMQ=1`): this module's int8 GEMM for the

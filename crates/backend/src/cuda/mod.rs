@@ -26,6 +26,7 @@ pub mod mmq;
 pub mod moe;
 pub mod nvrtc;
 pub mod ops;
+pub(crate) mod switches;
 
 use std::sync::Arc;
 
@@ -90,7 +91,7 @@ pub fn load_module(
     src: &str,
 ) -> Result<Arc<CudaModule>> {
     let full = full_source(name, src);
-    if std::env::var("FERRITE_KERNEL_PTX").map_or(true, |v| v != "1") {
+    if switches::int_or("FERRITE_KERNEL_PTX", 0) != 1 {
         let loaded = nvrtc::compile_cubin(name, &full, arch, false).and_then(|bin| {
             ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))
                 .map_err(anyhow::Error::from)
@@ -110,7 +111,7 @@ pub fn load_module(
 /// them: a cold start costs the slowest file (matmul.cu) instead of the sum. Errors are
 /// left to the loads (which report them, or fall back to PTX).
 fn precompile(arch: &'static str) {
-    if std::env::var("FERRITE_KERNEL_PTX").is_ok_and(|v| v == "1") {
+    if switches::int_or("FERRITE_KERNEL_PTX", 0) == 1 {
         return;
     }
     std::thread::scope(|sc| {
@@ -202,6 +203,7 @@ impl CudaBackend {
             Self::available(),
             "no CUDA device found (the CUDA driver library did not load or reports no GPU)"
         );
+        switches::validate()?;
         let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
         // One stream, in order: no cross-stream events needed (they also break graph capture).
         // SAFETY: called before any other stream or allocation exists.

@@ -1,0 +1,180 @@
+//! The CUDA backend's environment switches (tuning and diagnosis; the defaults are the
+//! measured best), read one way: unset means the default, a value outside what the switch
+//! accepts is an error that names the switch and its values. [`validate`] runs when a device
+//! is opened, so a mistyped switch stops the start-up instead of being ignored by a kernel
+//! launcher that reads it later.
+
+use anyhow::{bail, Result};
+
+/// What a switch accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Accepts {
+    /// One of these integers.
+    OneOf(&'static [i64]),
+    /// An integer in this inclusive range.
+    Range(i64, i64),
+    /// This many comma-separated non-negative integers.
+    List(usize),
+}
+
+/// Every switch of the backend, with what it accepts and where it is described.
+pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
+    (
+        "FERRITE_PDL",
+        Accepts::OneOf(&[0, 1]),
+        "programmatic dependent launch",
+    ),
+    (
+        "FERRITE_MMQ",
+        Accepts::OneOf(&[0, 1]),
+        "int8 tensor-core prefill (MMQ.md)",
+    ),
+    (
+        "FERRITE_KERNEL_PTX",
+        Accepts::OneOf(&[0, 1]),
+        "load PTX instead of CUBIN",
+    ),
+    (
+        "FERRITE_DELTA_CHUNKED",
+        Accepts::OneOf(&[0, 1]),
+        "chunked delta-rule prefill",
+    ),
+    (
+        "FERRITE_GEMV_PF",
+        Accepts::Range(0, 2),
+        "float GEMV L2 prefetch (MATMUL.md)",
+    ),
+    (
+        "FERRITE_GEMV_TC",
+        Accepts::Range(0, 2),
+        "Q4_K GEMV on the tensor cores (MATMUL.md round 8)",
+    ),
+    (
+        "FERRITE_GEMV_DIAG",
+        Accepts::Range(0, 3),
+        "GEMV copy/compute timing (MATMUL.md round 8)",
+    ),
+    (
+        "FERRITE_GEMVQ_SMEM",
+        Accepts::Range(4, 112),
+        "quantized GEMV block KB (MATMUL.md round 5)",
+    ),
+    (
+        "FERRITE_MM_BN",
+        Accepts::OneOf(&[64, 128]),
+        "prefill token-tile width",
+    ),
+    (
+        "FERRITE_ATTN_GB",
+        Accepts::OneOf(&[1, 2, 4, 8]),
+        "query heads per decode block",
+    ),
+    (
+        "FERRITE_ATTN_TUNE",
+        Accepts::List(4),
+        "decode blocks/SM,max splits,min chunk,prefetch",
+    ),
+];
+
+fn describe(a: Accepts) -> String {
+    match a {
+        Accepts::OneOf(v) => v
+            .iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        Accepts::Range(lo, hi) => format!("an integer from {lo} to {hi}"),
+        Accepts::List(n) => format!("{n} comma-separated non-negative integers"),
+    }
+}
+
+/// `value` parsed as `a` accepts it: the integers it holds (one, or the list's).
+pub(crate) fn parse(a: Accepts, value: &str) -> Option<Vec<i64>> {
+    let v = value.trim();
+    match a {
+        Accepts::OneOf(ok) => v
+            .parse::<i64>()
+            .ok()
+            .filter(|x| ok.contains(x))
+            .map(|x| vec![x]),
+        Accepts::Range(lo, hi) => v
+            .parse::<i64>()
+            .ok()
+            .filter(|x| (lo..=hi).contains(x))
+            .map(|x| vec![x]),
+        Accepts::List(n) => {
+            let xs: Option<Vec<i64>> = v
+                .split(',')
+                .map(|x| x.trim().parse::<i64>().ok().filter(|x| *x >= 0))
+                .collect();
+            xs.filter(|xs| xs.len() == n)
+        }
+    }
+}
+
+fn accepts(name: &str) -> Accepts {
+    SWITCHES
+        .iter()
+        .find(|(n, ..)| *n == name)
+        .map(|(_, a, _)| *a)
+        .unwrap_or_else(|| panic!("{name} is not in cuda::switches::SWITCHES"))
+}
+
+/// The switch `name` (one of [`SWITCHES`]): `None` when unset, its integers when set to
+/// something it accepts, an error otherwise.
+pub(crate) fn get(name: &str) -> Result<Option<Vec<i64>>> {
+    let Ok(v) = std::env::var(name) else {
+        return Ok(None);
+    };
+    let a = accepts(name);
+    match parse(a, &v) {
+        Some(xs) => Ok(Some(xs)),
+        None => bail!("{name}={v:?}: it accepts {}", describe(a)),
+    }
+}
+
+/// The single integer of switch `name`, or `default` when unset. Only for switches that
+/// [`validate`] has checked (launchers reading them lazily): a bad value was an error at
+/// start-up, so here it cannot occur and falls back to the default.
+pub(crate) fn int_or(name: &str, default: i64) -> i64 {
+    get(name).ok().flatten().map_or(default, |xs| xs[0])
+}
+
+/// Checks every switch that is set (called when a CUDA device is opened).
+pub(crate) fn validate() -> Result<()> {
+    for (name, ..) in SWITCHES {
+        get(name)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_checked() {
+        assert_eq!(parse(Accepts::OneOf(&[0, 1]), " 1 "), Some(vec![1]));
+        assert_eq!(parse(Accepts::OneOf(&[0, 1]), "2"), None);
+        assert_eq!(parse(Accepts::OneOf(&[0, 1]), "yes"), None);
+        assert_eq!(parse(Accepts::Range(4, 112), "40"), Some(vec![40]));
+        assert_eq!(parse(Accepts::Range(4, 112), "113"), None);
+        assert_eq!(parse(Accepts::Range(4, 112), "-1"), None);
+        assert_eq!(
+            parse(Accepts::List(4), "4, 64,64,0"),
+            Some(vec![4, 64, 64, 0])
+        );
+        assert_eq!(parse(Accepts::List(4), "4,64,64"), None);
+        assert_eq!(parse(Accepts::List(4), "4,64,x,0"), None);
+        assert_eq!(parse(Accepts::List(4), "4,64,-2,0"), None);
+    }
+
+    #[test]
+    fn every_switch_describes_its_values() {
+        for (name, a, what) in SWITCHES {
+            assert!(name.starts_with("FERRITE_") && !what.is_empty());
+            assert!(!describe(*a).is_empty());
+            assert_eq!(accepts(name), *a);
+        }
+    }
+}
