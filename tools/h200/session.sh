@@ -18,7 +18,8 @@
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
-# Logs and bench/results.jsonl lines are written under $OUT.
+# Logs and bench/results.jsonl lines are written under $OUT. To compare two builds in one
+# call (a change against its baseline): tools/h200/ab.sh.
 #
 # SmolLM2 (98 MB) is larger than what one call may carry next to the working tree: split it
 # into ignored parts (`split -b 31M -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .xfer/smol.part`),

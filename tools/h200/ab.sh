@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# A/B of two ferrite builds in one GPU call (same machine, same minute: the only comparison
+# that separates a change from run-to-run variation, ~1-2% on tg128).
+#
+# Here (the development machine), per build:
+#   tools/h200/ab.sh pack new        # cargo build --profile dist, kernel CUBIN cache, gzip
+#   (check out the baseline)  tools/h200/ab.sh pack old
+#   -> target/ab/ferrite-{new,old}.gz and target/ab/kc-{new,old}.tgz (carry all four and
+#      this script; ~21 MB)
+# There (the H200 machine, OUT set):
+#   tools/h200/ab.sh run [--check] [--perf FILTER]... [--bench PRESET:QUANT]... [--reps N]
+#   --check         ferrite check --device cuda --e2e on the new build (log in $OUT)
+#   --perf FILTER   ferrite check --perf --filter FILTER on both builds (µs lines only)
+#   --bench P:Q     synth preset P at quant Q, then tg128 old, new, old, new (--reps each)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+mode=${1:-}
+shift || true
+case "$mode" in
+pack)
+    tag=${1:?pack needs a tag: new or old}
+    mkdir -p target/ab
+    touch crates/cli/build.rs
+    cargo build --profile dist -p ferrite-cli 2>&1 | grep -E "^(warning|error)" || true
+    gzip -c target/dist/ferrite > "target/ab/ferrite-$tag.gz"
+    tools/h200/kernel_cache.sh > /dev/null && cp target/kernel-cache.tgz "target/ab/kc-$tag.tgz"
+    ls -l "target/ab/ferrite-$tag.gz" "target/ab/kc-$tag.tgz"
+    ;;
+run)
+    : "${OUT:?set OUT to the directory for logs}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+    export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+    for v in old new; do
+        mkdir -p "/tmp/ab-$v/cache"
+        gunzip -c "target/ab/ferrite-$v.gz" > "/tmp/ab-$v/ferrite" && chmod +x "/tmp/ab-$v/ferrite"
+        tar xzf "target/ab/kc-$v.tgz" -C "/tmp/ab-$v/cache"
+    done
+    fer() { local v=$1; shift; FERRITE_CACHE_DIR="/tmp/ab-$v/cache" "/tmp/ab-$v/ferrite" "$@"; }
+    reps=2
+    M=/tmp/ab-models
+    mkdir -p "$M"
+    while [ $# -gt 0 ]; do
+        case "$1" in
+        --reps) reps=$2; shift 2 ;;
+        --check)
+            echo "== check (new) $(date -u +%T)"
+            fer new check --device cuda --e2e tests/data/oracle > "$OUT/check.log" 2>&1
+            grep -E "cases in|ALL GREEN|FAIL" "$OUT/check.log" | head -20
+            shift
+            ;;
+        --perf)
+            echo "== perf '$2' $(date -u +%T)"
+            for v in old new; do
+                fer $v check --device cuda --perf --filter "$2" 2>&1 | grep -E " µs " |
+                    sed -E "s/^/$v /; s/NMSE.*(OK|FAIL)//"
+            done | tee -a "$OUT/perf.log"
+            shift 2
+            ;;
+        --bench)
+            p=${2%%:*} q=${2##*:}
+            echo "== bench $p $q $(date -u +%T)"
+            fer new synth --preset "$p" --quant "$q" --output "$M/m.gguf" 2>&1 | tail -1
+            for v in old new old new; do
+                echo "-- $v"
+                fer $v bench --model "$M/m.gguf" --reps "$reps" 2>&1 | grep -E "tg128|gate"
+            done | tee -a "$OUT/bench.log"
+            rm -f "$M/m.gguf"
+            shift 2
+            ;;
+        *) echo "unknown option $1" >&2; exit 2 ;;
+        esac
+    done
+    echo "== done $(date -u +%T)"
+    ;;
+*)
+    sed -n '2,13p' "$0"
+    exit 2
+    ;;
+esac
