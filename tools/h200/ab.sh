@@ -73,7 +73,7 @@ run)
     echo "== done $(date -u +%T)"
     ;;
 *)
-    sed -n '2,13p' "$0"
+    sed -n '2,14p' "$0"
     exit 2
     ;;
 esac
