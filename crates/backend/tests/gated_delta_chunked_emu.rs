@@ -2,10 +2,10 @@
 //! `kernels/gated_delta.cu`, the section between its GDC_EMU markers) against the CPU
 //! recurrence (`gated_delta::heads`, the CPU reference's input preparation and recurrence).
 //!
-//! The kernel body is compiled unchanged with g++ (`gated_delta_emu/harness.cpp`: every CUDA
-//! thread a fiber, barriers and warp collectives scheduled, mma.sync m16n8k8 tf32 and
-//! cvt.rna.tf32 emulated from the PTX ISA fragment layout), run on random inputs of the real
-//! and odd shapes, two calls each (the second continues the first one's state), and its
+//! The kernel body is compiled unchanged with g++ (`gated_delta_emu/harness.cpp` on
+//! `emu/fibers.h`: every CUDA thread a fiber, barriers and warp collectives scheduled,
+//! mma.sync m16n8k8 tf32 and cvt.rna.tf32 emulated from the PTX ISA fragment layout), run on
+//! random inputs of the real and odd shapes, two calls each (the second continues the first one's state), and its
 //! outputs and final state are compared with the recurrence. Needs only g++; skipped with a
 //! note where it is missing. What it cannot see: the tensor core's own accumulation order,
 //! cp.async timing, and anything NVRTC/ptxas does (GATED_DELTA.md, "Chunked prefill").
@@ -18,6 +18,7 @@ use ferrite_backend::DeltaShape;
 
 const SRC: &str = include_str!("../src/cuda/kernels/gated_delta.cu");
 const HARNESS: &str = include_str!("gated_delta_emu/harness.cpp");
+const FIBERS: &str = include_str!("emu/fibers.h");
 
 /// xorshift64*: deterministic uniforms in [0, 1).
 struct Rng(u64);
@@ -104,6 +105,7 @@ fn chunked_kernel_emulated_matches_recurrence() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("section.cuh"), section).unwrap();
     std::fs::write(dir.join("harness.cpp"), HARNESS).unwrap();
+    std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
     let exe = dir.join("emu");
     let st = Command::new("g++")
         .args(["-O2", "-std=c++17", "-Wno-unknown-pragmas", "-o"])

@@ -1,10 +1,8 @@
 // Host emulation of gated_delta.cu's chunked kernel (the section between the GDC_EMU
 // markers, written next to this file as section.cuh by gated_delta_chunked_emu.rs).
 //
-// Every CUDA thread of a block is a ucontext fiber running the kernel body unchanged; a
-// scheduler on one OS thread runs them until each blocks at __syncthreads or at a warp
-// collective, so barriers, shared memory and per-thread indexing are the kernel's own. The
-// asm wrappers are emulated:
+// Every CUDA thread of a block is a fiber running the kernel body unchanged (../emu/fibers.h,
+// written next to this file by the test). The asm wrappers are emulated:
 //  - gdc_tf32: cvt.rna.tf32.f32 (round to nearest, ties away, 10 mantissa bits kept);
 //  - gdc_mma3: three mma.sync.m16n8k8 tf32 (al·bh, ah·bl, ah·bh in this order): the 32
 //    lanes deposit their fragments, the full 16×8 A and 8×8 B are rebuilt from the PTX ISA
@@ -14,23 +12,14 @@
 //  - gdc_warp_sum: the xor butterfly (__shfl_xor_sync 16, 8, 4, 2, 1) lane by lane;
 //  - cp.async: an immediate copy.
 // Usage: emu IN OUT (formats: gated_delta_chunked_emu.rs).
-#include <ucontext.h>
-
 #include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
+
+#include "fibers.h"
 
 #define GDC_HOST_EMU 1
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ __restrict
-struct Dim3 {
-    int x, y, z;
-};
-static Dim3 threadIdx, blockIdx;
 static inline float __uint_as_float(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
@@ -43,57 +32,9 @@ static inline uint32_t f2u(float f) {
 }
 static inline int min(int a, int b) { return a < b ? a : b; }
 
-// ---- the fiber scheduler -------------------------------------------------------------
-constexpr int NT = 256;  // GDC_THREADS
-enum { RUN, WAIT_BLOCK, WAIT_WARP, DONE };
-struct Fiber {
-    ucontext_t ctx;
-    int st;
-    int parity;
-};
-static Fiber fib[NT];
-static ucontext_t sched_ctx;
-static int cur, block_arrived, warp_arrived[NT / 32];
-
-static void yield_now() { swapcontext(&fib[cur].ctx, &sched_ctx); }
-
-static void __syncthreads() {
-    fib[cur].st = WAIT_BLOCK;
-    if (++block_arrived == NT) {
-        block_arrived = 0;
-        for (auto& f : fib)
-            if (f.st == WAIT_BLOCK) f.st = RUN;
-    }
-    yield_now();
-}
-
-// Warp collectives: deposit, wait for the 32 lanes, read. Two buffers by call parity: a
-// lane rewrites buffer p only two collectives later, when every lane has read it.
-struct Deposit {
-    int kind;
-    uint32_t ah[4], al[4], bh[2], bl[2];
-    float v;
-};
-static Deposit xbuf[NT / 32][2][32];
-
-static Deposit* warp_exchange(const Deposit& mine) {
-    const int w = cur / 32, lane = cur % 32, p = fib[cur].parity;
-    fib[cur].parity ^= 1;
-    xbuf[w][p][lane] = mine;
-    fib[cur].st = WAIT_WARP;
-    if (++warp_arrived[w] == 32) {
-        warp_arrived[w] = 0;
-        for (int i = 0; i < 32; i++)
-            if (fib[32 * w + i].st == WAIT_WARP) fib[32 * w + i].st = RUN;
-    }
-    yield_now();
-    for (int i = 0; i < 32; i++)
-        if (xbuf[w][p][i].kind != mine.kind) {
-            fprintf(stderr, "warp %d: lanes in different collectives\n", w);
-            exit(3);
-        }
-    return xbuf[w][p];
-}
+// Deposit words of this harness's collectives: the mma's ah[4] al[4] bh[2] bl[2], or a
+// warp sum's value (word 0).
+enum { AH = 0, AL = 4, BH = 8, BL = 10 };
 
 // ---- emulated instructions -------------------------------------------------------------
 static inline uint32_t gdc_tf32(float x) {
@@ -107,8 +48,8 @@ static void mma_one(float (&d)[4], const Deposit* all, bool a_lo, bool b_lo, int
     double A[16][8], B[8][8];
     for (int l = 0; l < 32; l++) {
         const int g = l >> 2, t = l & 3;
-        const uint32_t* a = a_lo ? all[l].al : all[l].ah;
-        const uint32_t* b = b_lo ? all[l].bl : all[l].bh;
+        const uint32_t* a = all[l].w + (a_lo ? AL : AH);
+        const uint32_t* b = all[l].w + (b_lo ? BL : BH);
         // The tensor core reads 19 bits (sign, exponent, 10 mantissa) of each register.
         auto tf = [](uint32_t u) { return (double)__uint_as_float(u & 0xffffe000u); };
         A[g][t] = tf(a[0]);
@@ -131,10 +72,10 @@ static void gdc_mma3(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al
                      const uint32_t (&bl)[2]) {
     Deposit m{};
     m.kind = 1;
-    memcpy(m.ah, ah, sizeof ah);
-    memcpy(m.al, al, sizeof al);
-    memcpy(m.bh, bh, sizeof bh);
-    memcpy(m.bl, bl, sizeof bl);
+    memcpy(m.w + AH, ah, sizeof ah);
+    memcpy(m.w + AL, al, sizeof al);
+    memcpy(m.w + BH, bh, sizeof bh);
+    memcpy(m.w + BL, bl, sizeof bl);
     const Deposit* all = warp_exchange(m);
     const int lane = cur % 32;
     mma_one(d, all, true, false, lane);
@@ -145,10 +86,10 @@ static void gdc_mma3(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al
 static float gdc_warp_sum(float v) {
     Deposit m{};
     m.kind = 2;
-    m.v = v;
+    m.w[0] = f2u(v);
     const Deposit* all = warp_exchange(m);
     float x[32];
-    for (int i = 0; i < 32; i++) x[i] = all[i].v;
+    for (int i = 0; i < 32; i++) x[i] = __uint_as_float(all[i].w[0]);
     for (int o = 16; o > 0; o >>= 1) {
         float y[32];
         for (int i = 0; i < 32; i++) y[i] = x[i] + x[i ^ o];
@@ -182,41 +123,12 @@ static void entry() {
     const Args& g = args;
     gdc_body(smem, g.qkv, g.a, g.b, g.ssm_a, g.dt_bias, g.state, g.out, g.rows, g.nk, g.nv, g.dk, g.dv, g.tiled,
              g.vec);
-    fib[cur].st = DONE;
 }
 
-static void run_block(int bx, int by) {
-    static std::vector<char> stacks(NT * 65536);
-    blockIdx = {bx, by, 0};
-    // Garbage in shared memory: the kernel must not rely on its contents.
+// Garbage in shared memory before each block: the kernel must not rely on its contents.
+static void run_gdc_block(int bx, int by) {
     for (int i = 0; i < GDC_SMEM_FLOATS; i++) smem[i] = __uint_as_float(0x7fc00000u);
-    block_arrived = 0;
-    for (int w = 0; w < NT / 32; w++) warp_arrived[w] = 0;
-    for (int i = 0; i < NT; i++) {
-        getcontext(&fib[i].ctx);
-        fib[i].ctx.uc_stack.ss_sp = &stacks[(size_t)i * 65536];
-        fib[i].ctx.uc_stack.ss_size = 65536;
-        fib[i].ctx.uc_link = &sched_ctx;
-        makecontext(&fib[i].ctx, entry, 0);
-        fib[i].st = RUN;
-        fib[i].parity = 0;
-    }
-    for (;;) {
-        bool any = false, live = false;
-        for (int i = 0; i < NT; i++) {
-            if (fib[i].st != DONE) live = true;
-            if (fib[i].st != RUN) continue;
-            cur = i;
-            threadIdx = {i, 0, 0};
-            swapcontext(&sched_ctx, &fib[i].ctx);
-            any = true;
-        }
-        if (!live) break;
-        if (!any) {
-            fprintf(stderr, "block (%d, %d): deadlock (a barrier not reached by every thread)\n", bx, by);
-            exit(5);
-        }
-    }
+    run_block(bx, by, entry);
 }
 
 static void rd(FILE* f, void* p, size_t n) {
@@ -252,7 +164,7 @@ int main(int argc, char** argv) {
         args = {qkv.data(), a.data(), b.data(), ssm_a.data(), dt_bias.data(), state.data(), o.data(),
                 rows,       nk,       nv,       dk,           dv,             tiled,        (dk % 4 == 0 && conv_dim % 4 == 0) ? 1 : 0};
         for (int bx = 0; bx < nv; bx++)
-            for (int by = 0; by < (dv + GDC_CW - 1) / GDC_CW; by++) run_block(bx, by);
+            for (int by = 0; by < (dv + GDC_CW - 1) / GDC_CW; by++) run_gdc_block(bx, by);
         fwrite(o.data(), 4, o.size(), out);
     }
     fwrite(state.data(), 4, state.size(), out);

@@ -140,6 +140,7 @@ __device__ __forceinline__ float byte_fb(uint32_t w) {
     return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - (8388608.0f + (float)B);
 }
 
+// EMU_KQ_BEGIN (host emulation: tests/gemv_tc_emu.rs)
 // Per-lane constants of kq_pair_scales for sub-block pair g (0..3) of a K-quant super-block.
 struct KqPairSel {
     uint32_t perm;   // byte_perm selector: bytes b, b+1 of the first word, b, b+1 of the second
@@ -161,6 +162,7 @@ __device__ __forceinline__ uint32_t kq_pair_scales(KqPairSel sel, uint32_t s0, u
     const uint32_t L = sel.upper ? __byte_perm(s2, s2 >> 4, sel.perm) : H;
     return (L & 0x0F0F0F0Fu) | ((H >> sel.shift) & 0x30303030u);
 }
+// EMU_KQ_END
 
 // acc[r][w] += wv[w][k] * x[r][e + k] for k < 4 (x row r clamped to rows-1).
 template <int R, int NW>
@@ -1065,6 +1067,7 @@ __device__ __forceinline__ void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, ui
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// EMU_TC_BEGIN (host emulation: tests/gemv_tc_emu.rs; tc_mma is emulated there)
 // Byte e (runtime, 0..3) of w as an exact float.
 __device__ __forceinline__ float byte_fe(uint32_t w, int e) {
     return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u + (uint32_t)e)) - 8388608.0f;
@@ -1196,6 +1199,8 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
         out[(size_t)r * n_out + o] = v;
     }
 }
+
+// EMU_TC_END
 
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
