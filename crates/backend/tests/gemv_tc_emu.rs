@@ -35,8 +35,16 @@ fn tensor_core_gemv_emulated_matches_reference() {
     let dir: PathBuf =
         std::env::temp_dir().join(format!("ferrite-gemv-tc-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("kq.cuh"), section("// EMU_KQ_BEGIN", "// EMU_KQ_END")).unwrap();
-    std::fs::write(dir.join("tc.cuh"), section("// EMU_TC_BEGIN", "// EMU_TC_END")).unwrap();
+    std::fs::write(
+        dir.join("kq.cuh"),
+        section("// EMU_KQ_BEGIN", "// EMU_KQ_END"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tc.cuh"),
+        section("// EMU_TC_BEGIN", "// EMU_TC_END"),
+    )
+    .unwrap();
     std::fs::write(dir.join("harness.cpp"), HARNESS).unwrap();
     std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
     let exe = dir.join("emu");
