@@ -18,7 +18,9 @@ use ferrite_backend::DeltaShape;
 
 const SRC: &str = include_str!("../src/cuda/kernels/gated_delta.cu");
 const HARNESS: &str = include_str!("gated_delta_emu/harness.cpp");
-const FIBERS: &str = include_str!("emu/fibers.h");
+
+#[path = "emu/mod.rs"]
+mod emu;
 
 /// xorshift64*: deterministic uniforms in [0, 1).
 struct Rng(u64);
@@ -92,28 +94,19 @@ fn le(v: &[f32]) -> Vec<u8> {
 
 #[test]
 fn chunked_kernel_emulated_matches_recurrence() {
-    if Command::new("g++").arg("--version").output().is_err() {
-        eprintln!("skipped: g++ is not installed here");
+    let Some(exe) = emu::build(
+        "gdc-emu",
+        &[
+            (
+                "section.cuh",
+                emu::section(SRC, "// GDC_EMU_BEGIN", "// GDC_EMU_END"),
+            ),
+            ("harness.cpp", HARNESS),
+        ],
+    ) else {
         return;
-    }
-    let section = {
-        let b = SRC.find("// GDC_EMU_BEGIN").expect("GDC_EMU_BEGIN marker");
-        let e = SRC.find("// GDC_EMU_END").expect("GDC_EMU_END marker");
-        &SRC[b..e]
     };
-    let dir: PathBuf = std::env::temp_dir().join(format!("ferrite-gdc-emu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("section.cuh"), section).unwrap();
-    std::fs::write(dir.join("harness.cpp"), HARNESS).unwrap();
-    std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
-    let exe = dir.join("emu");
-    let st = Command::new("g++")
-        .args(["-O2", "-std=c++17", "-Wno-unknown-pragmas", "-o"])
-        .arg(&exe)
-        .arg(dir.join("harness.cpp"))
-        .status()
-        .expect("g++");
-    assert!(st.success(), "g++ failed on the emulation harness");
+    let dir: PathBuf = exe.parent().expect("the harness directory").to_path_buf();
 
     let sh = |nk, nv, dk, dv, tiled| Shape {
         nk,

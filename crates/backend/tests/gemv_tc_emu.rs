@@ -13,48 +13,32 @@
 //! unwritten, and x row 0 must give the same bits at R = 1 and R = 3. Needs only g++; skipped
 //! with a note where it is missing. What it cannot see: ptxas, timing, the bulk copy.
 
-use std::path::PathBuf;
 use std::process::Command;
+
+#[path = "emu/mod.rs"]
+mod emu;
 
 const SRC: &str = include_str!("../src/cuda/kernels/matmul.cu");
 const HARNESS: &str = include_str!("gemv_tc_emu/harness.cpp");
-const FIBERS: &str = include_str!("emu/fibers.h");
-
-fn section(begin: &str, end: &str) -> &'static str {
-    let b = SRC.find(begin).unwrap_or_else(|| panic!("{begin} marker"));
-    let e = SRC.find(end).unwrap_or_else(|| panic!("{end} marker"));
-    &SRC[b..e]
-}
 
 #[test]
 fn tensor_core_gemv_emulated_matches_reference() {
-    if Command::new("g++").arg("--version").output().is_err() {
-        eprintln!("skipped: g++ is not installed here");
+    let Some(exe) = emu::build(
+        "gemv-tc-emu",
+        &[
+            (
+                "kq.cuh",
+                emu::section(SRC, "// EMU_KQ_BEGIN", "// EMU_KQ_END"),
+            ),
+            (
+                "tc.cuh",
+                emu::section(SRC, "// EMU_TC_BEGIN", "// EMU_TC_END"),
+            ),
+            ("harness.cpp", HARNESS),
+        ],
+    ) else {
         return;
-    }
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("ferrite-gemv-tc-emu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("kq.cuh"),
-        section("// EMU_KQ_BEGIN", "// EMU_KQ_END"),
-    )
-    .unwrap();
-    std::fs::write(
-        dir.join("tc.cuh"),
-        section("// EMU_TC_BEGIN", "// EMU_TC_END"),
-    )
-    .unwrap();
-    std::fs::write(dir.join("harness.cpp"), HARNESS).unwrap();
-    std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
-    let exe = dir.join("emu");
-    let st = Command::new("g++")
-        .args(["-O2", "-std=c++17", "-Wno-unknown-pragmas", "-o"])
-        .arg(&exe)
-        .arg(dir.join("harness.cpp"))
-        .status()
-        .expect("g++");
-    assert!(st.success(), "g++ failed on the emulation harness");
+    };
     let out = Command::new(&exe).output().expect("running the emulation");
     let text = String::from_utf8_lossy(&out.stdout);
     eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
@@ -62,5 +46,7 @@ fn tensor_core_gemv_emulated_matches_reference() {
         out.status.success() && text.contains("ALL OK"),
         "the emulated tensor-core GEMV disagrees with the reference"
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    if let Some(dir) = exe.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

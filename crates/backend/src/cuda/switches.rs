@@ -91,17 +91,10 @@ fn describe(a: Accepts) -> String {
 /// `value` parsed as `a` accepts it: the integers it holds (one, or the list's).
 pub(crate) fn parse(a: Accepts, value: &str) -> Option<Vec<i64>> {
     let v = value.trim();
+    let one = |ok: &dyn Fn(i64) -> bool| v.parse::<i64>().ok().filter(|x| ok(*x)).map(|x| vec![x]);
     match a {
-        Accepts::OneOf(ok) => v
-            .parse::<i64>()
-            .ok()
-            .filter(|x| ok.contains(x))
-            .map(|x| vec![x]),
-        Accepts::Range(lo, hi) => v
-            .parse::<i64>()
-            .ok()
-            .filter(|x| (lo..=hi).contains(x))
-            .map(|x| vec![x]),
+        Accepts::OneOf(set) => one(&|x| set.contains(&x)),
+        Accepts::Range(lo, hi) => one(&|x| (lo..=hi).contains(&x)),
         Accepts::List(n) => {
             let xs: Option<Vec<i64>> = v
                 .split(',')

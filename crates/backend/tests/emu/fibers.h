@@ -75,6 +75,18 @@ static const Deposit* warp_exchange(const Deposit& mine) {
     return xbuf[w][p];
 }
 
+// Bit casts for the emulated instructions.
+static inline float __uint_as_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint32_t f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
 static void (*emu_body)();
 static void emu_entry() {
     emu_body();

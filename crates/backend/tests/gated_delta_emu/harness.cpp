@@ -20,16 +20,6 @@
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ __restrict
-static inline float __uint_as_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint32_t f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 static inline int min(int a, int b) { return a < b ? a : b; }
 
 // Deposit words of this harness's collectives: the mma's ah[4] al[4] bh[2] bl[2], or a

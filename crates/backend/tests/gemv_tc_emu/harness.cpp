@@ -38,16 +38,6 @@ template <class T>
 static inline T __ldg(const T* p) {
     return *p;
 }
-static inline float __uint_as_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint32_t f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
 using std::max;
 using std::min;
 static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {

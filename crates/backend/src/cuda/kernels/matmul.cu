@@ -1324,56 +1324,38 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     }
 }
 
-#define GEMVQ_KERNEL(name, TYPE, R)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemvq_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
-                            const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,         \
-                            float* __restrict__ out, int ks) {                                               \
-        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
+// One family of quantized-x GEMV kernels: gemvq<TCN>_<name>_r<R> (plain), gemvq_swiglu<TCN>_...
+// and gemvq_multi<TCN>_... (TCN empty: the lane code; _tc: the tensor-core form, TC = true);
+// LB: the parenthesised __launch_bounds__ arguments.
+#define GEMVQ_KERNEL_FAM(name, TYPE, R, TC, TCN, LB)                                                         \
+    extern "C" __global__ void __launch_bounds__ LB                                                          \
+        gemvq##TCN##_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,        \
+                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,  \
+                                   float* __restrict__ out, int ks) {                                        \
+        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                 \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemvq_swiglu_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, \
-                                   int n_out, int n_in, const int8_t* __restrict__ xq,                       \
-                                   const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks) { \
-        gemvq<TYPE, R, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                     \
+    extern "C" __global__ void __launch_bounds__ LB                                                          \
+        gemvq_swiglu##TCN##_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,    \
+                                          long long rb, int n_out, int n_in, const int8_t* __restrict__ xq, \
+                                          const float2* __restrict__ xd, int rows, float* __restrict__ out, \
+                                          int ks) {                                                          \
+        gemvq<TYPE, R, true, TC>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                 \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemvq_multi_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,        \
-                                  const float2* __restrict__ xd, int rows, int ks) {                         \
+    extern "C" __global__ void __launch_bounds__ LB                                                          \
+        gemvq_multi##TCN##_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq, \
+                                         const float2* __restrict__ xd, int rows, int ks) {                  \
         int bx = blockIdx.x;                                                                                 \
         const int s = gemv_seg(sg, bx);                                                                      \
         const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
         float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
-        gemvq<TYPE, R, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                             \
+        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                         \
     }
+#define GEMVQ_KERNEL(name, TYPE, R) GEMVQ_KERNEL_FAM(name, TYPE, R, false, , (GEMV_WARPS * 32))
 // gemvq_tc_q4_k_r<R> and its SwiGLU / grouped forms: gemvq_tc_q4k (ks = 1 launches on sm_90+).
 // R = 1: at most 64 registers, four blocks of 8 warps per SM (MATMUL.md round 8); R = 2 at
 // most 85 (three); larger R (batched decode, verify) would spill and take what they need.
-#define GEMVQ_TC_KERNEL(name, TYPE, R, MINB)                                                                 \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
-        gemvq_tc_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,            \
-                               const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,      \
-                               float* __restrict__ out, int ks) {                                            \
-        gemvq<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);               \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
-        gemvq_swiglu_tc_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,        \
-                                      long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,     \
-                                      const float2* __restrict__ xd, int rows, float* __restrict__ out,     \
-                                      int ks) {                                                              \
-        gemvq<TYPE, R, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);               \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
-        gemvq_multi_tc_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,     \
-                                     const float2* __restrict__ xd, int rows, int ks) {                      \
-        int bx = blockIdx.x;                                                                                 \
-        const int s = gemv_seg(sg, bx);                                                                      \
-        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
-        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
-        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
-        gemvq<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                       \
-    }
+#define GEMVQ_TC_KERNEL(name, TYPE, R, MINB) GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, MINB))
 #define GEMVQ_TC_ALL_R(name, TYPE) \
     GEMVQ_TC_KERNEL(name, TYPE, 1, 4) \
     GEMVQ_TC_KERNEL(name, TYPE, 2, 3) \
@@ -1396,38 +1378,28 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // 2 type B with (rb2, ks2); each output is computed exactly as by its single-weight launch
 // (same lane code, same split), so the bits do not change. The launch's shared memory is the
 // larger of the two segments' slots.
-#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R)                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                            \
-        gemvq_multi_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,                   \
-                                       const int8_t* __restrict__ xq, const float2* __restrict__ xd,         \
-                                       int rows, int ks, int ks2) {                                          \
+// TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts segments 0 and 1 in the tensor-core form
+// (their ks = 1); segment 2 keeps the lane code.
+#define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TCN, LB)                                                      \
+    extern "C" __global__ void __launch_bounds__ LB                                                          \
+        gemvq_multi##TCN##_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,            \
+                                              const int8_t* __restrict__ xq, const float2* __restrict__ xd,  \
+                                              int rows, int ks, int ks2) {                                   \
         int bx = blockIdx.x;                                                                                 \
         const int s = gemv_seg(sg, bx);                                                                      \
         if (s < 2) {                                                                                         \
             const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
-            gemvq<TA, R, false>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                        \
-                                s == 0 ? sg.out0 : sg.out1, ks, bx);                                         \
+            gemvq<TA, R, false, TC>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                    \
+                                    s == 0 ? sg.out0 : sg.out1, ks, bx);                                     \
         } else {                                                                                             \
             gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
         }                                                                                                    \
     }
-// The same with segments 0 and 1 in the tensor-core form (their ks = 1); segment 2 as above.
-// R = 1: at most 85 registers (three blocks per SM, as the lane-code kernels).
-#define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R, MINB)                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                      \
-        gemvq_multi_tc_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,                \
-                                          const int8_t* __restrict__ xq, const float2* __restrict__ xd,      \
-                                          int rows, int ks, int ks2) {                                       \
-        int bx = blockIdx.x;                                                                                 \
-        const int s = gemv_seg(sg, bx);                                                                      \
-        if (s < 2) {                                                                                         \
-            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
-            gemvq<TA, R, false, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                  \
-                                      s == 0 ? sg.out0 : sg.out1, ks, bx);                                   \
-        } else {                                                                                             \
-            gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
-        }                                                                                                    \
-    }
+#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, , (GEMV_WARPS * 32))
+// R = 1 with the tensor-core segments: at most 85 registers (three blocks per SM, as the
+// lane-code kernels).
+#define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R, MINB) \
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, _tc, (GEMV_WARPS * 32, MINB))
 #define GEMVQ_MIXED_TC_ALL_R(na, TA, nb, TB) \
     GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 1, 3) \
     GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 2, 1) \
