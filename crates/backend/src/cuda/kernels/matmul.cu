@@ -1034,9 +1034,8 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 //  quarter-warp loads together (g = 2k, 2k + 1) then sit in different banks (rows are
 //  multiples of 128 bytes apart: within one slot every 16-B load of a row pair would
 //  conflict two ways, measured 7.4 wavefronts per load). Warp w takes super-blocks w, w + 8,
-//  ... of every row. A "lifetime" is
-//  half a super-block (chunks c, c + 1 of 32 qs bytes, c in {0, 2}: sub-blocks 2c .. 2c + 3):
-//  4 MMAs into one int32 accumulator, then the epilogue.
+//  ... of every row. A "lifetime" is half a super-block (chunks c, c + 1 of 32 qs bytes, c in
+//  {0, 2}: sub-blocks 2c .. 2c + 3): 4 MMAs into one int32 accumulator, then the epilogue.
 //  - K slices: the 32 k of an MMA are 4 slices of 8; slice s holds 8 weights of sub-block
 //    2c + s (slices 0, 2: low nibbles of chunks c, c + 1; slices 1, 3: their high nibbles,
 //    kept in place, 16x: u8 up to 240; the 1/16 is folded into the x scale).
@@ -1057,6 +1056,8 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 //  Bytes: the weights once (the bulk copy); x 2 B per column per block, read once per block
 //  (not per row pair as in the lane code): at R = 1 staged in shared memory after the PDL
 //  wait while the weights are in flight (tc_stage_x), for larger R read from L1/L2.
+//  Checked on the host too (tests/gemv_tc_emu.rs: this section compiled with g++, the MMA
+//  emulated from its fragment layout), besides `ferrite check` on the GPU.
 
 // c += a . b (m16n8k32; a: 16 x 32 unsigned bytes, b: 32 x 8 signed bytes; int32).
 __device__ __forceinline__ void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
