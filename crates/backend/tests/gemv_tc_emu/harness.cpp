@@ -250,14 +250,16 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
 
 int main() {
     bool ok = true;
-    // (n_in, n_out, R, rows, swiglu, staged): one and several super-blocks per warp, a
-    // partial tile, padded x rows (rows < R), SwiGLU; each R = 1 / R = 3 pair shares x row 0
-    // and the weights (same seed) for the bitwise comparison.
+    // (n_in, n_out, R, rows, swiglu, staged): one super-block in all, one and several per
+    // warp, a partial tile, padded x rows (rows < R), SwiGLU; each R = 1 / R = 3 pair shares
+    // x row 0 and the weights (same seed) for the bitwise comparison.
     const Cfg pairs[][2] = {
         {{4096, 16, 1, 1, 0, 1}, {4096, 16, 3, 3, 0, 0}},
         {{512, 13, 1, 1, 0, 1}, {512, 13, 3, 2, 0, 0}},
         {{2048, 8, 1, 1, 1, 1}, {2048, 8, 3, 3, 1, 0}},
         {{768, 5, 1, 1, 1, 1}, {768, 5, 3, 1, 1, 0}},
+        {{256, 16, 1, 1, 0, 1}, {256, 16, 3, 3, 0, 0}},      // one super-block: warp 0 alone
+        {{12288, 16, 1, 1, 0, 1}, {12288, 16, 3, 2, 0, 0}},  // FERRITE_GEMV_TC=2's long rows
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;
