@@ -601,19 +601,18 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     }
 }
 
+// Every kernel family is instantiated for these x row counts R (GEMV_R in matmul.rs): M(args,
+// R) for each.
+#define GEMV_EACH_R(M, ...) \
+    M(__VA_ARGS__, 1) M(__VA_ARGS__, 2) M(__VA_ARGS__, 4) M(__VA_ARGS__, 8) M(__VA_ARGS__, 9) M(__VA_ARGS__, 16)
+
 #define GEMV_KERNEL(name, TYPE, R)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
                            const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {        \
         gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x);                           \
     }
-#define GEMV_ALL_R(name, TYPE) \
-    GEMV_KERNEL(name, TYPE, 1) \
-    GEMV_KERNEL(name, TYPE, 2) \
-    GEMV_KERNEL(name, TYPE, 4) \
-    GEMV_KERNEL(name, TYPE, 8) \
-    GEMV_KERNEL(name, TYPE, 9) \
-    GEMV_KERNEL(name, TYPE, 16)
+#define GEMV_ALL_R(name, TYPE) GEMV_EACH_R(GEMV_KERNEL, name, TYPE)
 
 // Up to three weights of one type and row length reading the same x (Q, K, V) in one launch:
 // blocks [0, b0) are weight 0's row groups, [b0, b0 + b1) weight 1's, the rest weight 2's. Each
@@ -645,13 +644,7 @@ __device__ __forceinline__ int gemv_seg(const GemvSegs& sg, int& bx) {
                                   float* __restrict__ out, int ks) {                                        \
         gemv<TYPE, R, true>(W, rb, n_out, n_in, x, rows, out, ks, W2, blockIdx.x);                          \
     }
-#define GEMV_SWIGLU_ALL_R(name, TYPE) \
-    GEMV_SWIGLU_KERNEL(name, TYPE, 1) \
-    GEMV_SWIGLU_KERNEL(name, TYPE, 2) \
-    GEMV_SWIGLU_KERNEL(name, TYPE, 4) \
-    GEMV_SWIGLU_KERNEL(name, TYPE, 8) \
-    GEMV_SWIGLU_KERNEL(name, TYPE, 9) \
-    GEMV_SWIGLU_KERNEL(name, TYPE, 16)
+#define GEMV_SWIGLU_ALL_R(name, TYPE) GEMV_EACH_R(GEMV_SWIGLU_KERNEL, name, TYPE)
 
 GEMV_SWIGLU_ALL_R(f32, GGML_F32)
 GEMV_SWIGLU_ALL_R(f16, GGML_F16)
@@ -672,13 +665,7 @@ GEMV_SWIGLU_ALL_R(bf16, GGML_BF16)
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                       \
         gemv<TYPE, R, false>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx);                            \
     }
-#define GEMV_MULTI_ALL_R(name, TYPE) \
-    GEMV_MULTI_KERNEL(name, TYPE, 1) \
-    GEMV_MULTI_KERNEL(name, TYPE, 2) \
-    GEMV_MULTI_KERNEL(name, TYPE, 4) \
-    GEMV_MULTI_KERNEL(name, TYPE, 8) \
-    GEMV_MULTI_KERNEL(name, TYPE, 9) \
-    GEMV_MULTI_KERNEL(name, TYPE, 16)
+#define GEMV_MULTI_ALL_R(name, TYPE) GEMV_EACH_R(GEMV_MULTI_KERNEL, name, TYPE)
 GEMV_MULTI_ALL_R(f32, GGML_F32)
 GEMV_MULTI_ALL_R(f16, GGML_F16)
 GEMV_MULTI_ALL_R(bf16, GGML_BF16)
@@ -1356,22 +1343,12 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // gemvq_tc_q4_k_r<R> and its SwiGLU / grouped forms: gemvq_tc_q4k (ks = 1 launches on sm_90+).
 // R = 1: at most 64 registers, four blocks of 8 warps per SM (MATMUL.md round 8); R = 2 at
 // most 85 (three); larger R (batched decode, verify) would spill and take what they need.
-#define GEMVQ_TC_KERNEL(name, TYPE, R, MINB) GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, MINB))
-#define GEMVQ_TC_ALL_R(name, TYPE) \
-    GEMVQ_TC_KERNEL(name, TYPE, 1, 4) \
-    GEMVQ_TC_KERNEL(name, TYPE, 2, 3) \
-    GEMVQ_TC_KERNEL(name, TYPE, 4, 1) \
-    GEMVQ_TC_KERNEL(name, TYPE, 8, 1) \
-    GEMVQ_TC_KERNEL(name, TYPE, 9, 1) \
-    GEMVQ_TC_KERNEL(name, TYPE, 16, 1)
+#define GEMVQ_TC_MINB(R) ((R) == 1 ? 4 : (R) == 2 ? 3 : 1)
+#define GEMVQ_TC_KERNEL(name, TYPE, R) \
+    GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(R)))
+#define GEMVQ_TC_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TC_KERNEL, name, TYPE)
 
-#define GEMVQ_ALL_R(name, TYPE) \
-    GEMVQ_KERNEL(name, TYPE, 1) \
-    GEMVQ_KERNEL(name, TYPE, 2) \
-    GEMVQ_KERNEL(name, TYPE, 4) \
-    GEMVQ_KERNEL(name, TYPE, 8) \
-    GEMVQ_KERNEL(name, TYPE, 9) \
-    GEMVQ_KERNEL(name, TYPE, 16)
+#define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
 
 // gemvq_multi_<a>_<b>_r<R>: the grouped launch when the third weight has another type (the
 // Q4_K_M mix stores V as Q6_K in half the layers, Q and K as Q4_K: without this V was a
@@ -1399,23 +1376,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 #define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, , (GEMV_WARPS * 32))
 // R = 1 with the tensor-core segments: at most 85 registers (three blocks per SM, as the
 // lane-code kernels).
-#define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R, MINB) \
-    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, _tc, (GEMV_WARPS * 32, MINB))
-#define GEMVQ_MIXED_TC_ALL_R(na, TA, nb, TB) \
-    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 1, 3) \
-    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 2, 1) \
-    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 4, 1) \
-    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 8, 1) \
-    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 9, 1) \
-    GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, 16, 1)
+#define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R) \
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, _tc, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1))
+#define GEMVQ_MIXED_TC_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_TC_KERNEL, na, TA, nb, TB)
 
-#define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) \
-    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 1) \
-    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 2) \
-    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 4) \
-    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 8) \
-    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 9) \
-    GEMVQ_MIXED_KERNEL(na, TA, nb, TB, 16)
+#define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_KERNEL, na, TA, nb, TB)
 
 GEMVQ_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_ALL_R(q4_0, GGML_Q4_0)
