@@ -96,7 +96,7 @@ pub struct Kernels {
     /// `_swiglu_tc` / `_multi_tc` families, and the mixed `gemvq_multi_tc_q4_k_q6_k_r<R>`):
     /// launches whose split is ks = 1 on sm_90+ (MATMUL.md round 8). None before sm_90 or
     /// with `FERRITE_GEMV_TC=0`.
-    gemvq_tc: Option<([[CudaFunction; 6]; 3], [CudaFunction; 6])>,
+    gemvq_tc: Option<TcKernels>,
     /// `FERRITE_GEMV_TC=2`: the tensor-core form also for rows whose 16-row tile needs more
     /// than the usual block's shared memory (up to GEMVQ_BULK_MAX_SMEM; a tuning switch).
     gemvq_tc_long: bool,
@@ -128,7 +128,7 @@ pub struct Kernels {
 /// regression").
 const GEMV_PF_DEFAULT: i32 = 1;
 
-fn set_gemv_prefetch(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
+fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
     let mode = switches::get("FERRITE_GEMV_PF")?.map_or(GEMV_PF_DEFAULT, |v| v[0] as i32);
     let stream = ctx.default_stream();
     let mut sym = m.get_global("gemv_pf_mode", &stream)?;
@@ -266,7 +266,7 @@ impl Kernels {
             None
         };
         let mm_x = function(&m, "mm_x_bf16")?;
-        set_gemv_prefetch(ctx, &m)?;
+        set_gemv_switches(ctx, &m)?;
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
         // kernel's; where that fails they keep what a launch gets without opting in.
         let raised = gemvq_moe.iter().flatten().flatten().all(|f| {
@@ -792,13 +792,13 @@ fn gemvq_launch(
             (n_out, 2, 1)
         }
     };
-    let (ks, smem) = gemvq_plan(be, w.dtype, n_in, rb as usize, groups, spans, rows)?;
+    let (ks, smem, tc) = gemvq_plan(be, w.dtype, n_in, rb as usize, groups, spans, rows)?;
     let ks_i = ks as i32;
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,
         ..gemv_config(groups, ks)
     };
-    let f = match tc_kernels(be, w.dtype, ks) {
+    let f = match tc {
         Some((tc, _)) => &tc[fam][ri],
         None => &fams[fam][ri],
     };
@@ -824,25 +824,15 @@ fn gemvq_launch(
 }
 
 /// The tensor-core Q4_K kernels (families as `Kernels::gemvq`, and the mixed Q4_K + Q6_K
-/// grouped launch) when a quantized-x launch of type `t` split `ks` ways takes them: Q4_K,
-/// ks = 1, sm_90+ (the bulk-copy blocks they compute on), not switched off. A function of
-/// the shape only, like the split, so decode and verify take the same kernel.
-fn tc_kernels(
-    be: &CudaBackend,
-    t: GgmlType,
-    ks: usize,
-) -> Option<&([[CudaFunction; 6]; 3], [CudaFunction; 6])> {
-    if t == GgmlType::Q4K && ks == 1 {
-        be.matmul.gemvq_tc.as_ref()
-    } else {
-        None
-    }
-}
+/// grouped launch).
+type TcKernels = ([[CudaFunction; 6]; 3], [CudaFunction; 6]);
 
-/// [`gemvq_split`] with the tensor-core form's shared memory where it applies (Q4_K at
-/// ks = 1, or, with `FERRITE_GEMV_TC=2`, any Q4_K row whose two 8-row slots fit; at one row
-/// also the staged x). The split depends on the shape only; the shared memory also on
-/// whether `rows` is 1 (R = 1 stages x; the arithmetic is the same).
+/// [`gemvq_split`], and whether the launch takes the tensor-core kernels (returned with
+/// their shared memory): Q4_K on sm_90+ (not switched off) at ks = 1, or, with
+/// `FERRITE_GEMV_TC=2`, any Q4_K row whose two 8-row slots fit; at one row the shared memory
+/// also holds the staged x. The split and the kernel depend on the shape only, so decode and
+/// verify take the same one; the shared memory also on whether `rows` is 1 (R = 1 stages x;
+/// the arithmetic is the same).
 fn gemvq_plan(
     be: &CudaBackend,
     t: GgmlType,
@@ -851,15 +841,17 @@ fn gemvq_plan(
     groups: usize,
     spans: usize,
     rows: usize,
-) -> Result<(usize, u32)> {
+) -> Result<(usize, u32, Option<&TcKernels>)> {
     let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
     let long =
         be.matmul.gemvq_tc_long && (tc_smem(rb) + tc_x_bytes(n_in)) as usize <= GEMVQ_BULK_MAX_SMEM;
-    if t == GgmlType::Q4K && be.matmul.gemvq_tc.is_some() && (ks == 1 || long) {
-        let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
-        return Ok((1, tc_smem(rb) + x));
+    match &be.matmul.gemvq_tc {
+        Some(tc) if t == GgmlType::Q4K && (ks == 1 || long) => {
+            let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
+            Ok((1, tc_smem(rb) + x, Some(tc)))
+        }
+        _ => Ok((ks, smem, None)),
     }
-    Ok((ks, smem))
 }
 
 /// Dynamic shared memory of a tensor-core GEMV block: two 8-row slots, the second starting 64
@@ -1037,10 +1029,10 @@ fn multi_launch(
     } else {
         gemv_steps(t, n_in)
     };
-    let (ks, smem) = if q {
+    let (ks, smem, tc) = if q {
         gemvq_plan(be, t, n_in, ws[0].row_bytes(), groups, 1, rows)?
     } else {
-        (split_k(steps, groups, be.sm_count), 0)
+        (split_k(steps, groups, be.sm_count), 0, None)
     };
     // A third weight of another type (a mixed kernel, quantized x only) has its own split
     // and slots: those its single-weight launch would take.
@@ -1100,7 +1092,7 @@ fn multi_launch(
         let xd = xq.d.slice(..rows * n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * rows * n_in);
         if mixed {
-            let f = match tc_kernels(be, t, ks) {
+            let f = match tc {
                 Some((_, mixed_tc)) if t2 == GgmlType::Q6K => &mixed_tc[ri],
                 _ => &mixed_kernels(be, t, t2)
                     .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri],
@@ -1124,7 +1116,7 @@ fn multi_launch(
             drop(guards);
             return Ok(());
         }
-        let f = match tc_kernels(be, t, ks) {
+        let f = match tc {
             Some((tc, _)) => &tc[2][ri],
             None => &fams[2][ri],
         };
