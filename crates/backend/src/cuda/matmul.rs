@@ -147,6 +147,28 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     Ok(())
 }
 
+/// The instantiations `<prefix>_r<R>` of a decode kernel, one per [`GEMV_R`]; with `bulk`
+/// (the bulk-copy GEMVs on sm_90+) their shared-memory limit raised to
+/// [`GEMVQ_BULK_MAX_SMEM`].
+fn per_r(m: &Arc<CudaModule>, prefix: &str, bulk: bool) -> Result<[CudaFunction; 6]> {
+    let fs = GEMV_R
+        .iter()
+        .map(|r| -> Result<CudaFunction> {
+            let f = function(m, &format!("{prefix}_r{r}"))?;
+            if bulk {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    GEMVQ_BULK_MAX_SMEM as i32,
+                )
+                .with_context(|| format!("{prefix}_r{r}: raising the shared-memory limit"))?;
+            }
+            Ok(f)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    fs.try_into()
+        .map_err(|_| anyhow!("{prefix}: not one kernel per GEMV_R size"))
+}
+
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "matmul", SRC)?;
@@ -169,43 +191,16 @@ impl Kernels {
             } else {
                 None
             });
-            let f = |r: usize| function(&m, &format!("gemv_{name}_r{r}"));
-            gemv.push([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]);
-            let float_kernels = |kind: &str| -> Result<Option<[CudaFunction; 6]>> {
-                if quantized_x(ty) {
-                    return Ok(None);
-                }
-                let f = |r: usize| function(&m, &format!("gemv_{kind}_{name}_r{r}"));
-                Ok(Some([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]))
-            };
-            gemv_swiglu.push(float_kernels("swiglu")?);
-            let g = |r: usize| function(&m, &format!("gemv_multi_{name}_r{r}"));
-            gemv_multi.push([g(1)?, g(2)?, g(4)?, g(8)?, g(9)?, g(16)?]);
+            gemv.push(per_r(&m, &format!("gemv_{name}"), false)?);
+            gemv_swiglu.push(if quantized_x(ty) {
+                None
+            } else {
+                Some(per_r(&m, &format!("gemv_swiglu_{name}"), false)?)
+            });
+            gemv_multi.push(per_r(&m, &format!("gemv_multi_{name}"), false)?);
             gemvq.push(if quantized_x(ty) {
-                let q = |kind: &str, r: usize| function(&m, &format!("gemvq{kind}_{name}_r{r}"));
-                let all = |kind: &str| -> Result<[CudaFunction; 6]> {
-                    Ok([
-                        q(kind, 1)?,
-                        q(kind, 2)?,
-                        q(kind, 4)?,
-                        q(kind, 8)?,
-                        q(kind, 9)?,
-                        q(kind, 16)?,
-                    ])
-                };
-                let fams = [all("")?, all("_swiglu")?, all("_multi")?];
-                if bulk {
-                    for f in fams.iter().flatten() {
-                        f.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            GEMVQ_BULK_MAX_SMEM as i32,
-                        )
-                        .with_context(|| {
-                            format!("gemvq_{name}: raising the shared-memory limit")
-                        })?;
-                    }
-                }
-                Some(fams)
+                let all = |kind: &str| per_r(&m, &format!("gemvq{kind}_{name}"), bulk);
+                Some([all("")?, all("_swiglu")?, all("_multi")?])
             } else {
                 None
             });
@@ -223,37 +218,13 @@ impl Kernels {
         let mut gemvq_mixed = Vec::with_capacity(GEMVQ_MIXED.len());
         for &(a, b) in GEMVQ_MIXED {
             let (na, nb) = (TYPES[type_index(a)?].1, TYPES[type_index(b)?].1);
-            let f = |r: usize| -> Result<CudaFunction> {
-                let f = function(&m, &format!("gemvq_multi_{na}_{nb}_r{r}"))?;
-                if bulk {
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        GEMVQ_BULK_MAX_SMEM as i32,
-                    )
-                    .with_context(|| {
-                        format!("gemvq_multi_{na}_{nb}: raising the shared-memory limit")
-                    })?;
-                }
-                Ok(f)
-            };
-            gemvq_mixed.push((a, b, [f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?]));
+            gemvq_mixed.push((a, b, per_r(&m, &format!("gemvq_multi_{na}_{nb}"), bulk)?));
         }
         // The tensor-core Q4_K GEMV: on unless FERRITE_GEMV_TC=0 (a tuning switch).
         let tc = switches::get("FERRITE_GEMV_TC")?.map_or(1, |v| v[0]);
         let (tc_on, gemvq_tc_long) = (tc >= 1, tc == 2);
         let gemvq_tc = if bulk && tc_on {
-            let all = |kind: &str| -> Result<[CudaFunction; 6]> {
-                let f = |r: usize| -> Result<CudaFunction> {
-                    let f = function(&m, &format!("gemvq{kind}_r{r}"))?;
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        GEMVQ_BULK_MAX_SMEM as i32,
-                    )
-                    .with_context(|| format!("gemvq{kind}: raising the shared-memory limit"))?;
-                    Ok(f)
-                };
-                Ok([f(1)?, f(2)?, f(4)?, f(8)?, f(9)?, f(16)?])
-            };
+            let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
             Some((
                 [
                     all("_tc_q4_k")?,
