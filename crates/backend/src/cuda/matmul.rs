@@ -92,10 +92,10 @@ pub struct Kernels {
     /// `gemvq_multi_<a>_<b>_r<R>`: a grouped launch of two weights of type a and a third of
     /// type b (the pairs of [`GEMVQ_MIXED`]).
     gemvq_mixed: Vec<(GgmlType, GgmlType, [CudaFunction; 6])>,
-    /// The tensor-core forms of the Q4_K quantized-x GEMV (`gemvq_tc_q4_k_r<R>`, its
-    /// `_swiglu_tc` / `_multi_tc` families, and the mixed `gemvq_multi_tc_q4_k_q6_k_r<R>`):
-    /// launches whose split is ks = 1 on sm_90+ (MATMUL.md round 8). None before sm_90 or
-    /// with `FERRITE_GEMV_TC=0`.
+    /// The tensor-core forms of the Q4_K and Q6_K quantized-x GEMVs (`gemvq_tc_<type>_r<R>`,
+    /// the `_swiglu_tc` / `_multi_tc` families, and the mixed `gemvq_multi_tc_q4_k_q6_k_r<R>`):
+    /// launches whose 16-row tile fits [`GEMVQ_TC_MAX_SMEM`] on sm_90+ (MATMUL.md rounds 8
+    /// and 9). None before sm_90 or with `FERRITE_GEMV_TC=0`.
     gemvq_tc: Option<TcKernels>,
     /// `FERRITE_GEMV_TC=2`: the tensor-core form also for rows whose 16-row tile needs more
     /// than the usual block's shared memory (up to GEMVQ_BULK_MAX_SMEM; a tuning switch).
@@ -220,19 +220,27 @@ impl Kernels {
             let (na, nb) = (TYPES[type_index(a)?].1, TYPES[type_index(b)?].1);
             gemvq_mixed.push((a, b, per_r(&m, &format!("gemvq_multi_{na}_{nb}"), bulk)?));
         }
-        // The tensor-core Q4_K GEMV: on unless FERRITE_GEMV_TC=0 (a tuning switch).
+        // The tensor-core GEMVs: on unless FERRITE_GEMV_TC=0 (a tuning switch).
         let tc = switches::get("FERRITE_GEMV_TC")?.map_or(1, |v| v[0]);
         let (tc_on, gemvq_tc_long) = (tc >= 1, tc == 2);
         let gemvq_tc = if bulk && tc_on {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
-            Some((
-                [
-                    all("_tc_q4_k")?,
-                    all("_swiglu_tc_q4_k")?,
-                    all("_multi_tc_q4_k")?,
-                ],
-                all("_multi_tc_q4_k_q6_k")?,
-            ))
+            let mut fams = Vec::with_capacity(TC_TYPES.len());
+            for t in TC_TYPES {
+                let name = TYPES[type_index(t)?].1;
+                fams.push((
+                    t,
+                    [
+                        all(&format!("_tc_{name}"))?,
+                        all(&format!("_swiglu_tc_{name}"))?,
+                        all(&format!("_multi_tc_{name}"))?,
+                    ],
+                ));
+            }
+            Some(TcKernels {
+                fams,
+                mixed: all("_multi_tc_q4_k_q6_k")?,
+            })
         } else {
             None
         };
@@ -770,7 +778,7 @@ fn gemvq_launch(
         ..gemv_config(groups, ks)
     };
     let f = match tc {
-        Some((tc, _)) => &tc[fam][ri],
+        Some(tc) => &tc[fam][ri],
         None => &fams[fam][ri],
     };
     let mut launch = be.stream.kernel(f);
@@ -794,16 +802,49 @@ fn gemvq_launch(
     Ok(())
 }
 
-/// The tensor-core Q4_K kernels (families as `Kernels::gemvq`, and the mixed Q4_K + Q6_K
-/// grouped launch).
-type TcKernels = ([[CudaFunction; 6]; 3], [CudaFunction; 6]);
+/// Weight types with a tensor-core decode GEMV (`gemvq_tc_q4k`, `gemvq_tc_q6k` in matmul.cu).
+const TC_TYPES: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
 
-/// [`gemvq_split`], and whether the launch takes the tensor-core kernels (returned with
-/// their shared memory): Q4_K on sm_90+ (not switched off) at ks = 1, or, with
-/// `FERRITE_GEMV_TC=2`, any Q4_K row whose two 8-row slots fit; at one row the shared memory
-/// also holds the staged x. The split and the kernel depend on the shape only, so decode and
-/// verify take the same one; the shared memory also on whether `rows` is 1 (R = 1 stages x;
-/// the arithmetic is the same).
+/// The tensor-core kernels: per type of [`TC_TYPES`] its families (as `Kernels::gemvq`:
+/// plain, SwiGLU, grouped), and the mixed Q4_K + Q6_K grouped launch (all three segments on
+/// the tensor cores).
+struct TcKernels {
+    fams: Vec<(GgmlType, [[CudaFunction; 6]; 3])>,
+    mixed: [CudaFunction; 6],
+}
+
+/// Most shared memory a tensor-core GEMV block takes by default (its 16-row tile and, at one
+/// row, the staged x): three blocks per SM. Q4_K up to 6144 columns and Q6_K up to 4096 fit
+/// (a Q6_K 4096-column block is 62 KB); longer rows keep the lane code's split blocks unless
+/// `FERRITE_GEMV_TC=2` (up to [`GEMVQ_BULK_MAX_SMEM`]).
+const GEMVQ_TC_MAX_SMEM: usize = 64 * 1024;
+
+/// The tensor-core families for type `t` at this row length, if it takes them: sm_90+, not
+/// switched off, a type of [`TC_TYPES`] whose one-row block fits [`GEMVQ_TC_MAX_SMEM`] (or
+/// the bulk-copy maximum with `FERRITE_GEMV_TC=2`). A function of the shape only, so decode
+/// and verify take the same kernel.
+fn tc_form(
+    be: &CudaBackend,
+    t: GgmlType,
+    n_in: usize,
+    rb: usize,
+) -> Option<&[[CudaFunction; 6]; 3]> {
+    let tc = be.matmul.gemvq_tc.as_ref()?;
+    let cap = if be.matmul.gemvq_tc_long {
+        GEMVQ_BULK_MAX_SMEM
+    } else {
+        GEMVQ_TC_MAX_SMEM
+    };
+    if (tc_smem(rb) + tc_x_bytes(n_in)) as usize > cap {
+        return None;
+    }
+    tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)
+}
+
+/// [`gemvq_split`], and whether the launch takes the tensor-core kernels ([`tc_form`];
+/// returned with their split, 1, and shared memory: at one row it also holds the staged x).
+/// The split and the kernel depend on the shape only, so decode and verify take the same one;
+/// the shared memory also on whether `rows` is 1 (R = 1 stages x; the arithmetic is the same).
 fn gemvq_plan(
     be: &CudaBackend,
     t: GgmlType,
@@ -812,16 +853,16 @@ fn gemvq_plan(
     groups: usize,
     spans: usize,
     rows: usize,
-) -> Result<(usize, u32, Option<&TcKernels>)> {
-    let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
-    let long =
-        be.matmul.gemvq_tc_long && (tc_smem(rb) + tc_x_bytes(n_in)) as usize <= GEMVQ_BULK_MAX_SMEM;
-    match &be.matmul.gemvq_tc {
-        Some(tc) if t == GgmlType::Q4K && (ks == 1 || long) => {
+) -> Result<(usize, u32, Option<&[[CudaFunction; 6]; 3]>)> {
+    match tc_form(be, t, n_in, rb) {
+        Some(tc) => {
             let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
             Ok((1, tc_smem(rb) + x, Some(tc)))
         }
-        _ => Ok((ks, smem, None)),
+        None => {
+            let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
+            Ok((ks, smem, None))
+        }
     }
 }
 
@@ -850,6 +891,15 @@ fn mixed_kernels(be: &CudaBackend, a: GgmlType, b: GgmlType) -> Option<&[CudaFun
         .iter()
         .find(|(ta, tb, _)| *ta == a && *tb == b)
         .map(|(_, _, f)| f)
+}
+
+/// Whether a type-a pair and a type-b third weight of a mixed grouped launch take the same
+/// form (both the tensor cores, or both the lane code): the mixed kernels have only these
+/// two, so that each output keeps the kernel of its single-weight launch.
+fn mixed_forms_agree(be: &CudaBackend, a: &CudaWeight, b: &CudaWeight) -> bool {
+    let n_in = a.shape[1];
+    tc_form(be, a.dtype, n_in, a.row_bytes()).is_some()
+        == tc_form(be, b.dtype, n_in, b.row_bytes()).is_some()
 }
 
 /// Kernel argument of `gemv_multi_*` / `gemvq_multi_*` (`GemvSegs` in matmul.cu): up to
@@ -939,6 +989,7 @@ pub fn matmuls(
             && paths[j] == Some(true)
             && ws[j].shape[1] == ws[i].shape[1]
             && mixed_kernels(be, ws[i].dtype, ws[j].dtype).is_some()
+            && mixed_forms_agree(be, ws[i], ws[j])
         {
             j += 1;
         }
@@ -1013,12 +1064,16 @@ fn multi_launch(
         !mixed || (q && ws.len() == 3 && ws[1].dtype == t),
         "matmuls: mixed types in a grouped launch"
     );
-    let (ks2, smem2) = if mixed {
+    let (ks2, smem2, tc2) = if mixed {
         let g2 = row_groups(ws[2].shape[0]);
-        gemvq_split(be, t2, n_in, ws[2].row_bytes(), g2, 1)?
+        gemvq_plan(be, t2, n_in, ws[2].row_bytes(), g2, 1, rows)?
     } else {
-        (ks, smem)
+        (ks, smem, tc)
     };
+    ensure!(
+        tc.is_some() == tc2.is_some(),
+        "matmuls: a mixed group of tensor-core and lane-code weights"
+    );
     let mut sg = GemvSegs::default();
     let mut grid = 0usize;
     let mut guards = Vec::new();
@@ -1063,8 +1118,14 @@ fn multi_launch(
         let xd = xq.d.slice(..rows * n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * rows * n_in);
         if mixed {
-            let f = match tc {
-                Some((_, mixed_tc)) if t2 == GgmlType::Q6K => &mixed_tc[ri],
+            let f = match (&be.matmul.gemvq_tc, tc) {
+                (Some(all), Some(_)) => {
+                    ensure!(
+                        (t, t2) == (GgmlType::Q4K, GgmlType::Q6K),
+                        "matmuls: no tensor-core mixed kernel for {t} + {t2}"
+                    );
+                    &all.mixed[ri]
+                }
                 _ => &mixed_kernels(be, t, t2)
                     .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri],
             };
@@ -1088,7 +1149,7 @@ fn multi_launch(
             return Ok(());
         }
         let f = match tc {
-            Some((tc, _)) => &tc[2][ri],
+            Some(tc) => &tc[2][ri],
             None => &fams[2][ri],
         };
         // SAFETY: every weight holds n rows of rb bytes and every output rows×n floats

@@ -1,12 +1,12 @@
-// Host emulation of matmul.cu's tensor-core Q4_K GEMV (gemvq_tc_q4k and tc_stage_x: the
-// section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section; written
+// Host emulation of matmul.cu's tensor-core Q4_K and Q6_K GEMVs (gemvq_tc_q4k, gemvq_tc_q6k,
+// tc_stage_x: the section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section; written
 // next to this file as kq.cuh and tc.cuh by gemv_tc_emu.rs). One block (r0 = 0) on the host,
 // every thread a fiber (../emu/fibers.h); emulated:
-//  - tc_mma: mma.sync m16n8k32 u8 x s8 -> s32: the 32 lanes deposit their fragments, A (16 x
-//    32) and B (32 x 8) are rebuilt from the PTX ISA fragment layout, each lane adds its
-//    four products exactly (integers);
+//  - tc_mma / tc_mma_s8: mma.sync m16n8k32 u8 (s8) x s8 -> s32: the 32 lanes deposit their
+//    fragments, A (16 x 32) and B (32 x 8) are rebuilt from the PTX ISA fragment layout, each
+//    lane adds its four products exactly (integers);
 //  - __shfl_xor_sync, __syncthreads (fibers.h), __byte_perm, __ldg, f16 -> f32.
-// Each configuration (columns, valid rows, R, x rows, SwiGLU, x staged) is checked against a
+// Each configuration (type, columns, valid rows, R, x rows, SwiGLU, x staged) is checked against a
 // double-precision dot product over the same int8 x planes and block scales, outputs outside
 // the valid rows must stay untouched, and x row 0 must come out bit for bit the same at R = 1
 // (x staged) and R = 3 (x from global memory): decode and verify agree.
@@ -23,6 +23,7 @@
 #define QK 32
 #define QK_K 256
 #define Q4_K_BYTES 144
+#define Q6_K_BYTES 210
 
 struct int4 {
     int x, y, z, w;
@@ -61,7 +62,12 @@ static float __shfl_xor_sync(unsigned, float v, int off) {
     return __uint_as_float(all[(cur % 32) ^ off].w[0]);
 }
 
-static void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+static inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t sh) {
+    return (uint32_t)((((uint64_t)hi << 32) | lo) >> (sh & 31));
+}
+
+template <bool SA>
+static void mma_emu(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
     Deposit m{};
     m.kind = 2;
     const uint32_t in[10] = {a0, a1, a2, a3, b0, b1, (uint32_t)c[0], (uint32_t)c[1], (uint32_t)c[2], (uint32_t)c[3]};
@@ -71,10 +77,12 @@ static void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t 
     for (int l = 0; l < 32; l++) {
         const int g = l >> 2, t = l & 3;
         for (int i = 0; i < 4; i++) {
-            A[g][4 * t + i] = (all[l].w[0] >> (8 * i)) & 0xFF;  // unsigned bytes
-            A[g + 8][4 * t + i] = (all[l].w[1] >> (8 * i)) & 0xFF;
-            A[g][16 + 4 * t + i] = (all[l].w[2] >> (8 * i)) & 0xFF;
-            A[g + 8][16 + 4 * t + i] = (all[l].w[3] >> (8 * i)) & 0xFF;
+            // A: unsigned bytes (tc_mma) or signed (tc_mma_s8).
+            const auto a = [&](uint32_t w) { return SA ? (int)(int8_t)(w >> (8 * i)) : (int)((w >> (8 * i)) & 0xFF); };
+            A[g][4 * t + i] = a(all[l].w[0]);
+            A[g + 8][4 * t + i] = a(all[l].w[1]);
+            A[g][16 + 4 * t + i] = a(all[l].w[2]);
+            A[g + 8][16 + 4 * t + i] = a(all[l].w[3]);
             B[4 * t + i][g] = (int8_t)((all[l].w[4] >> (8 * i)) & 0xFF);  // signed bytes
             B[16 + 4 * t + i][g] = (int8_t)((all[l].w[5] >> (8 * i)) & 0xFF);
         }
@@ -88,12 +96,19 @@ static void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t 
     }
 }
 
+static void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    mma_emu<false>(c, a0, a1, a2, a3, b0, b1);
+}
+static void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    mma_emu<true>(c, a0, a1, a2, a3, b0, b1);
+}
+
 #include "kq.cuh"
 #include "tc.cuh"
 
 // ---- one configuration ------------------------------------------------------------------
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged;
+    int n_in, n_out, R, rows, swiglu, staged, q6;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -105,12 +120,15 @@ static float* out;
 
 template <int R, bool SW>
 static void body_r() {
+    const auto f = [](auto k4, auto k6) { return cfg.q6 ? k6 : k4; };
     if (cfg.staged) {
         tc_stage_x(xs, xq, xd, cfg.n_in);
-        gemvq_tc_q4k<R, SW, true>(s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs,
-                                  (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows, out, 0, cfg.n_in + 64);
+        f(gemvq_tc_q4k<R, SW, true>, gemvq_tc_q6k<R, SW, true>)(s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs,
+                                                                (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
+                                                                out, 0, cfg.n_in + 64);
     } else {
-        gemvq_tc_q4k<R, SW, false>(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd, cfg.rows, out, 0, cfg.n_in);
+        f(gemvq_tc_q4k<R, SW, false>, gemvq_tc_q6k<R, SW, false>)(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd, cfg.rows,
+                                                                  out, 0, cfg.n_in);
     }
 }
 static void body() {
@@ -140,8 +158,35 @@ static void scale_min(int j, const uint8_t* q, int& sc, int& m) {
     }
 }
 
+// ggml's Q6_K weight e (0..255) of super-block b and its scale.
+static int q6_weight(const uint8_t* b, int e, int& sc) {
+    const int h = e / 128, j = e % 128 / 16, m = e % 16, jj = j / 2, i = j % 2;
+    const uint8_t ql = b[64 * h + 32 * (jj % 2) + 16 * i + m], qh = b[128 + 32 * h + 16 * i + m];
+    sc = (int8_t)b[192 + 8 * h + j];
+    return ((jj < 2 ? ql & 15 : ql >> 4) | ((qh >> (2 * jj)) & 3) << 4) - 32;
+}
+
 // sum over the row of w . x for x row r, in double, from the same int8 planes and scales.
+static double ref_dot_q6(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
+    double acc = 0;
+    for (int sb = 0; sb < n_in / QK_K; sb++) {
+        const uint8_t* b = row + sb * Q6_K_BYTES;
+        const double d = h2f(b[208] | b[209] << 8);
+        for (int j = 0; j < 16; j++) {
+            int64_t s = 0;
+            int sc = 0;
+            for (int m = 0; m < 16; m++) {
+                const int q = q6_weight(b, 16 * j + m, sc), e = sb * QK_K + 16 * j + m;
+                s += (int64_t)q * (127 * xr[e] + xr[n_in + e]);
+            }
+            acc += d * sc * dr[(sb * QK_K + 16 * j) / QK].x * (double)s;
+        }
+    }
+    return acc;
+}
+
 static double ref_dot(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
+    if (cfg.q6) return ref_dot_q6(row, n_in, xr, dr);
     double acc = 0;
     for (int sb = 0; sb < n_in / QK_K; sb++) {
         const uint8_t* b = row + sb * Q4_K_BYTES;
@@ -166,19 +211,30 @@ static double ref_dot(const uint8_t* row, int n_in, const int8_t* xr, const floa
 static bool run(const Cfg& c, std::vector<float>* row0) {
     cfg = c;
     const int n_in = c.n_in, nb = n_in / QK, tile = c.swiglu ? 8 : 16;
-    rb = (long long)(n_in / QK_K) * Q4_K_BYTES;
+    const int bytes = c.q6 ? Q6_K_BYTES : Q4_K_BYTES;
+    rb = (long long)(n_in / QK_K) * bytes;
     // Weights: 16 tile rows (plain: rows 0..15; SwiGLU: gate rows 0..7, up rows 0..7).
     std::vector<uint8_t> w(16 * rb);
     for (int r = 0; r < 16; r++)
         for (int sb = 0; sb < n_in / QK_K; sb++) {
-            uint8_t* b = &w[r * rb + sb * Q4_K_BYTES];
+            uint8_t* b = &w[r * rb + sb * bytes];
+            for (int i = 0; i < bytes; i++) b[i] = rnd() & 0xFF;
             const uint16_t d = rnd_f16(), dm = rnd_f16();
-            b[0] = d & 0xFF, b[1] = d >> 8, b[2] = dm & 0xFF, b[3] = dm >> 8;
-            for (int i = 4; i < Q4_K_BYTES; i++) b[i] = rnd() & 0xFF;
+            if (c.q6) {
+                b[208] = d & 0xFF, b[209] = d >> 8;
+            } else {
+                b[0] = d & 0xFF, b[1] = d >> 8, b[2] = dm & 0xFF, b[3] = dm >> 8;
+            }
         }
-    // Slots as the kernel's: plain, rows 0..7 and 8..15; SwiGLU, gate rows and up rows.
-    std::vector<uint8_t> slot0(w.begin(), w.begin() + 8 * rb), slot1(w.begin() + 8 * rb, w.end());
-    s0 = slot0.data(), s1 = slot1.data();
+    // Slots as the kernel's: plain, rows 0..7 and 8..15; SwiGLU, gate rows and up rows. A
+    // Q6_K row is only 2-byte aligned: the slots start 2 bytes past a 16-byte boundary (as
+    // `smem + (address & 15)` in the kernel's caller) and odd super-block counts make every
+    // other row 2 mod 4.
+    const int mis = c.q6 ? 2 : 0;
+    std::vector<uint8_t> slot0(8 * rb + 32), slot1(8 * rb + 32);
+    memcpy(slot0.data() + mis, w.data(), 8 * rb);
+    memcpy(slot1.data() + mis, w.data() + 8 * rb, 8 * rb);
+    s0 = slot0.data() + mis, s1 = slot1.data() + mis;
     std::vector<int8_t> x((size_t)c.R * 2 * n_in);
     std::vector<float2> dsc((size_t)c.R * nb);
     for (int r = 0; r < c.R; r++) {
@@ -223,8 +279,8 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         }
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
-    printf("n_in %5d n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n", c.n_in, c.n_out, c.R, c.rows,
-           c.swiglu, c.staged, nmse, ok ? "OK" : "MISMATCH");
+    printf("%s n_in %5d n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n", c.q6 ? "q6_K" : "q4_K",
+           c.n_in, c.n_out, c.R, c.rows, c.swiglu, c.staged, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {
         const int n = c.swiglu ? min(8, c.n_out) : c.n_out;
         if (c.R == 1) row0->assign(ob.begin(), ob.begin() + n);
@@ -244,12 +300,17 @@ int main() {
     // warp, a partial tile, padded x rows (rows < R), SwiGLU; each R = 1 / R = 3 pair shares
     // x row 0 and the weights (same seed) for the bitwise comparison.
     const Cfg pairs[][2] = {
-        {{4096, 16, 1, 1, 0, 1}, {4096, 16, 3, 3, 0, 0}},
-        {{512, 13, 1, 1, 0, 1}, {512, 13, 3, 2, 0, 0}},
-        {{2048, 8, 1, 1, 1, 1}, {2048, 8, 3, 3, 1, 0}},
-        {{768, 5, 1, 1, 1, 1}, {768, 5, 3, 1, 1, 0}},
-        {{256, 16, 1, 1, 0, 1}, {256, 16, 3, 3, 0, 0}},      // one super-block: warp 0 alone
-        {{12288, 16, 1, 1, 0, 1}, {12288, 16, 3, 2, 0, 0}},  // FERRITE_GEMV_TC=2's long rows
+        {{4096, 16, 1, 1, 0, 1, 0}, {4096, 16, 3, 3, 0, 0, 0}},
+        {{512, 13, 1, 1, 0, 1, 0}, {512, 13, 3, 2, 0, 0, 0}},
+        {{2048, 8, 1, 1, 1, 1, 0}, {2048, 8, 3, 3, 1, 0, 0}},
+        {{768, 5, 1, 1, 1, 1, 0}, {768, 5, 3, 1, 1, 0, 0}},
+        {{256, 16, 1, 1, 0, 1, 0}, {256, 16, 3, 3, 0, 0, 0}},      // one super-block: warp 0 alone
+        {{12288, 16, 1, 1, 0, 1, 0}, {12288, 16, 3, 2, 0, 0, 0}},  // FERRITE_GEMV_TC=2's long rows
+        // Q6_K: the lm head and V shape, odd super-block counts (rows 2 mod 4), SwiGLU.
+        {{4096, 16, 1, 1, 0, 1, 1}, {4096, 16, 3, 3, 0, 0, 1}},
+        {{768, 11, 1, 1, 0, 1, 1}, {768, 11, 3, 2, 0, 0, 1}},
+        {{2304, 8, 1, 1, 1, 1, 1}, {2304, 8, 3, 3, 1, 0, 1}},
+        {{256, 3, 1, 1, 1, 1, 1}, {256, 3, 3, 1, 1, 0, 1}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;

@@ -1055,6 +1055,15 @@ __device__ __forceinline__ void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, ui
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The same with signed bytes in a (Q6_K's 6-bit weights, 4x and centred).
+__device__ __forceinline__ void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // EMU_TC_BEGIN (host emulation: tests/gemv_tc_emu.rs; tc_mma is emulated there)
 // Byte e (runtime, 0..3) of w as an exact float.
 __device__ __forceinline__ float byte_fe(uint32_t w, int e) {
@@ -1085,6 +1094,43 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
     __syncthreads();
 }
 
+// The end of a tensor-core GEMV block: thread (g, t) of warp w holds acc[r][a], its share of
+// MMA row g + 8a for x row r. The four t lanes (xor 1, 2), then the 8 warps (in order,
+// through shared memory) are added. Output row `row` of the tile (slot m = row / 8, its row
+// j = row % 8) is MMA row 2j + m; SWIGLU: gate row j is MMA row 2j, up row j is 2j + 1, and
+// the output is silu(gate) * up.
+template <int R, bool SWIGLU>
+__device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0) {
+    __shared__ float tred[GEMV_WARPS][R][16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 1);
+            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 2);
+            if (t == 0) tred[warp][r][8 * a + g] = acc[r][a];
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * (SWIGLU ? 8 : 16); i += blockDim.x) {
+        const int r = SWIGLU ? i >> 3 : i >> 4, row = SWIGLU ? i & 7 : i & 15;
+        const int a = SWIGLU ? 2 * row : 2 * (row & 7) + (row >> 3);
+        float v = tred[0][r][a];
+#pragma unroll
+        for (int w = 1; w < GEMV_WARPS; w++) v += tred[w][r][a];
+        const int o = r0 + row;
+        if (r >= rows || o >= n_out) continue;
+        if (SWIGLU) {
+            float u = tred[0][r][a + 1];
+#pragma unroll
+            for (int w = 1; w < GEMV_WARPS; w++) u += tred[w][r][a + 1];
+            v = silu(v) * u;
+        }
+        out[(size_t)r * n_out + o] = v;
+    }
+}
+
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
 template <int R, bool SWIGLU, bool XS>
@@ -1092,7 +1138,6 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                              int r0, int xplane) {
-    __shared__ float tred[GEMV_WARPS][R][16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
     // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2.
@@ -1159,40 +1204,131 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
             }
         }
     }
+    tc_store<R, SWIGLU>(acc, rows, out, n_out, r0);
+}
+
+// The Q6_K form. A super-block (210 bytes: ql[128] low nibbles, qh[64] 2-bit highs, 16 int8
+// scales, f16 d) is two halves of 128 weights, 8 sub-blocks of 16 each (ggml's layout: in half
+// h, sub-block j = 2 jj + i holds weights 128 h + 16 j + m, m < 16, from the nibble of ql byte
+// 64 h + 32 (jj % 2) + 16 i + m (low for jj < 2, high otherwise) and bits 2 jj of qh byte
+// 32 h + 16 i + m; its scale is scales[8 h + j]). A lifetime is one half: 8 MMAs.
+//  - K quads: quad q (k 4q .. 4q + 3) of every MMA holds sub-block q; MMA i takes its weights
+//    m = 4i .. 4i + 3. Thread t's a0/a1 (quad t) are sub-block t = the low nibbles of ql bytes
+//    16 t .. 16 t + 15, its a2/a3 (quad 4 + t) sub-block 4 + t = the high nibbles of the same
+//    bytes; the highs from qh bytes 16 (t % 2) .. at bits 2 (t / 2) and 4 + 2 (t / 2). One
+//    16-byte load of ql and one of qh per row and half (2-byte aligned: 5 words and funnel
+//    shifts, tc_ld16u).
+//  - A bytes: 4 (v - 32) as s8 for the 6-bit v (v << 2 with its top bit flipped: the 6-bit
+//    value sign-extends through the byte), exact; the 1/4 is folded into the x scale.
+//  - B column n = sub-block n: lane (n, t) holds x when t = n % 4, in b0 (n < 4) or b1, the
+//    16 x at 16 n.. of the half (word i for MMA i); zero elsewhere. Two passes, hi and lo planes.
+//  - C: thread t holds sub-blocks 2t, 2t + 1 (one x block: 128 h + 32 t ..) for rows g, g + 8:
+//    S = 127 hi + lo per sub-block (|S| < 2^25), acc += d dx / 4 (sc_2t S_2t + sc_2t+1 S_2t+1).
+// Byte for byte the Q4_K form otherwise (slots, x staging, tc_store).
+
+// The 16 bytes at p (shared memory, 2-byte aligned) as four little-endian words.
+__device__ __forceinline__ void tc_ld16u(const uint8_t* p, uint32_t (&w)[4]) {
+    const uint32_t mis = (uint32_t)(size_t)p & 3;
+    const uint32_t* a = (const uint32_t*)(p - mis);
+    const uint32_t sh = 8 * mis;
+    uint32_t v[5];
 #pragma unroll
-    for (int r = 0; r < R; r++)
+    for (int i = 0; i < 5; i++) v[i] = a[i];
 #pragma unroll
-        for (int a = 0; a < 2; a++) {
-            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 1);
-            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 2);
-            if (t == 0) tred[warp][r][8 * a + g] = acc[r][a];
+    for (int i = 0; i < 4; i++) w[i] = __funnelshift_r(v[i], v[i + 1], sh);
+}
+
+// 4 (v - 32) as signed bytes for the four 6-bit weights v = (nibbles of nib at bits 2..5) |
+// (qh bits at 6..7), both already shifted into place.
+__device__ __forceinline__ uint32_t q6_a(uint32_t nib, uint32_t hi) {
+    return ((nib & 0x3C3C3C3Cu) | (hi & 0xC0C0C0C0u)) ^ 0x80808080u;
+}
+
+template <int R, bool SWIGLU, bool XS>
+__device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
+                                             int n_in, const int8_t* __restrict__ xq,
+                                             const float2* __restrict__ xd, int rows, float* __restrict__ out,
+                                             int r0, int xplane) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
+    const uint8_t* p1 = p0 + 4 * (size_t)rb;
+    // qh bits 2 (t / 2) (sub-block t) and 4 + 2 (t / 2) (sub-block 4 + t) to bits 6..7.
+    const int shl = 6 - 2 * (t >> 1), shh = 2 - 2 * (t >> 1);
+    const bool bval = t == (g & 3), bhi = g >= 4;
+    const size_t xoff = 16 * (size_t)g;
+    const size_t plane = XS ? (size_t)xplane : (size_t)n_in;
+    const int nsb = n_in / QK_K, nb = n_in / QK;
+    float acc[R][2];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
+    for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
+        const uint8_t* b0 = p0 + (size_t)sb * Q6_K_BYTES;
+        const uint8_t* b1 = p1 + (size_t)sb * Q6_K_BYTES;
+        const float d0 = h2f(*(const uint16_t*)(b0 + 208)), d1 = h2f(*(const uint16_t*)(b1 + 208));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint32_t l0[4], l1[4], q0[4], q1[4];
+            tc_ld16u(b0 + 64 * h + 16 * t, l0);
+            tc_ld16u(b1 + 64 * h + 16 * t, l1);
+            tc_ld16u(b0 + 128 + 32 * h + 16 * (t & 1), q0);
+            tc_ld16u(b1 + 128 + 32 * h + 16 * (t & 1), q1);
+            uint32_t A0[4], A1[4], A2[4], A3[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                A0[i] = q6_a(l0[i] << 2, q0[i] << shl);
+                A1[i] = q6_a(l1[i] << 2, q1[i] << shl);
+                A2[i] = q6_a(l0[i] >> 2, q0[i] << shh);
+                A3[i] = q6_a(l1[i] >> 2, q1[i] << shh);
+            }
+            const uint16_t sp0 = *(const uint16_t*)(b0 + 192 + 8 * h + 2 * t);
+            const uint16_t sp1 = *(const uint16_t*)(b1 + 192 + 8 * h + 2 * t);
+            const float sa0 = (float)(int8_t)(sp0 & 0xFF), sb0 = (float)(int8_t)(sp0 >> 8);
+            const float sa1 = (float)(int8_t)(sp1 & 0xFF), sb1 = (float)(int8_t)(sp1 >> 8);
+            const int xs = sb * QK_K + 128 * h;  // first column of the lifetime
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int rr = r < rows ? r : rows - 1;
+                const int8_t* xr = xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs;
+                const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + t;
+                // b0 words (quads 0..3) or b1 words (quads 4..7), per plane: predicated loads,
+                // the other stays zero (no per-MMA selects).
+                int4 ha = make_int4(0, 0, 0, 0), hb = ha, la = ha, lb = ha;
+                if (bval && !bhi) {
+                    ha = XS ? *(const int4*)xr : __ldg((const int4*)xr);
+                    la = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
+                }
+                if (bval && bhi) {
+                    hb = XS ? *(const int4*)xr : __ldg((const int4*)xr);
+                    lb = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
+                }
+                const float dx = (XS ? *dp : __ldg(dp)).x * 0.25f;
+                const uint32_t wha[4] = {(uint32_t)ha.x, (uint32_t)ha.y, (uint32_t)ha.z, (uint32_t)ha.w};
+                const uint32_t whb[4] = {(uint32_t)hb.x, (uint32_t)hb.y, (uint32_t)hb.z, (uint32_t)hb.w};
+                const uint32_t wla[4] = {(uint32_t)la.x, (uint32_t)la.y, (uint32_t)la.z, (uint32_t)la.w};
+                const uint32_t wlb[4] = {(uint32_t)lb.x, (uint32_t)lb.y, (uint32_t)lb.z, (uint32_t)lb.w};
+                int H[4] = {0, 0, 0, 0}, L[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    tc_mma_s8(H, A0[i], A1[i], A2[i], A3[i], wha[i], whb[i]);
+                    tc_mma_s8(L, A0[i], A1[i], A2[i], A3[i], wla[i], wlb[i]);
+                }
+                const int S0 = 127 * H[0] + L[0], S1 = 127 * H[1] + L[1];
+                const int S2 = 127 * H[2] + L[2], S3 = 127 * H[3] + L[3];
+                acc[r][0] = fmaf(d0 * dx, fmaf(sb0, (float)S1, sa0 * (float)S0), acc[r][0]);
+                acc[r][1] = fmaf(d1 * dx, fmaf(sb1, (float)S3, sa1 * (float)S2), acc[r][1]);
+            }
         }
-    __syncthreads();
-    // Output row `row` of the tile: slot m = row / 8, its row j = row % 8, i.e. MMA row
-    // 2j + m (SWIGLU: gate row j is MMA row 2j, up row j is 2j + 1).
-    for (int i = threadIdx.x; i < R * (SWIGLU ? 8 : 16); i += blockDim.x) {
-        const int r = SWIGLU ? i >> 3 : i >> 4, row = SWIGLU ? i & 7 : i & 15;
-        const int a = SWIGLU ? 2 * row : 2 * (row & 7) + (row >> 3);
-        float v = tred[0][r][a];
-#pragma unroll
-        for (int w = 1; w < GEMV_WARPS; w++) v += tred[w][r][a];
-        const int o = r0 + row;
-        if (r >= rows || o >= n_out) continue;
-        if (SWIGLU) {
-            float u = tred[0][r][a + 1];
-#pragma unroll
-            for (int w = 1; w < GEMV_WARPS; w++) u += tred[w][r][a + 1];
-            v = silu(v) * u;
-        }
-        out[(size_t)r * n_out + o] = v;
     }
+    tc_store<R, SWIGLU>(acc, rows, out, n_out, r0);
 }
 
 // EMU_TC_END
 
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
-// TC: the tensor-core form (gemvq_tc_q4k; Q4_K, ks = 1, sm_90+ only: the launcher's choice).
+// TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
+// launcher's choice).
 template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
@@ -1210,8 +1346,8 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t gemv_bar;
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
-    if (TC && TYPE == GGML_Q4_K) {
-        if (ks != 1) __trap();  // the launcher takes this form only for ks = 1
+    if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
+        if (ks != 1) __trap();  // the tensor-core launches are ks = 1
         // Two 8-row spans: plain, rows r0.. and r0 + 8.. of W; SwiGLU, rows r0.. of W (gate)
         // and of W2 (up).
         const uint8_t* Wb = SWIGLU ? W2 : W;
@@ -1228,12 +1364,22 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             uint8_t* xs = gemv_smem + 2 * slot;
             tc_stage_x(xs, xq, xd, n_in);
             if (diag != 3) gemv_bulk_wait(&gemv_bar);
-            if (diag != 1)
-                gemvq_tc_q4k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, (const int8_t*)xs,
-                                              (const float2*)(xs + 2 * n_in + 128), rows, out, r0, n_in + 64);
+            if (diag != 1) {
+                const int8_t* xsq = (const int8_t*)xs;
+                const float2* xsd = (const float2*)(xs + 2 * n_in + 128);
+                if (TYPE == GGML_Q4_K)
+                    gemvq_tc_q4k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, xsq, xsd, rows, out, r0, n_in + 64);
+                else
+                    gemvq_tc_q6k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, xsq, xsd, rows, out, r0, n_in + 64);
+            }
         } else {
             if (diag != 3) gemv_bulk_wait(&gemv_bar);
-            if (diag != 1) gemvq_tc_q4k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
+            if (diag != 1) {
+                if (TYPE == GGML_Q4_K)
+                    gemvq_tc_q4k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
+                else
+                    gemvq_tc_q6k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
+            }
         }
         if (diag == 3) gemv_bulk_wait(&gemv_bar);
         return;
@@ -1340,12 +1486,15 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                         \
     }
 #define GEMVQ_KERNEL(name, TYPE, R) GEMVQ_KERNEL_FAM(name, TYPE, R, false, , (GEMV_WARPS * 32))
-// gemvq_tc_q4_k_r<R> and its SwiGLU / grouped forms: gemvq_tc_q4k (ks = 1 launches on sm_90+).
-// R = 1: at most 64 registers, four blocks of 8 warps per SM (MATMUL.md round 8); R = 2 at
-// most 85 (three); larger R (batched decode, verify) would spill and take what they need.
-#define GEMVQ_TC_MINB(R) ((R) == 1 ? 4 : (R) == 2 ? 3 : 1)
+// gemvq_tc_<q4_k|q6_k>_r<R> and their SwiGLU / grouped forms: gemvq_tc_q4k / gemvq_tc_q6k
+// (ks = 1 launches on sm_90+). Q4_K R = 1: at most 64 registers, four blocks of 8 warps per SM
+// (MATMUL.md round 8); R = 2 at most 85 (three). Q6_K (a 4096-column tile + x is ~62 KB:
+// three blocks per SM by shared memory) R = 1 at most 85, R = 2 at most 128. Larger R
+// (batched decode, verify) take what they need.
+#define GEMVQ_TC_MINB(TYPE, R) \
+    ((TYPE) == GGML_Q4_K ? ((R) == 1 ? 4 : (R) == 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
 #define GEMVQ_TC_KERNEL(name, TYPE, R) \
-    GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(R)))
+    GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TC_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TC_KERNEL, name, TYPE)
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
@@ -1356,8 +1505,8 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // 2 type B with (rb2, ks2); each output is computed exactly as by its single-weight launch
 // (same lane code, same split), so the bits do not change. The launch's shared memory is the
 // larger of the two segments' slots.
-// TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts segments 0 and 1 in the tensor-core form
-// (their ks = 1); segment 2 keeps the lane code.
+// TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts all three segments in the tensor-core form
+// (ks = ks2 = 1; both types have one: the launcher takes it when both tiles fit).
 #define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TCN, LB)                                                      \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,            \
@@ -1370,7 +1519,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             gemvq<TA, R, false, TC>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                    \
                                     s == 0 ? sg.out0 : sg.out1, ks, bx);                                     \
         } else {                                                                                             \
-            gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
+            gemvq<TB, R, false, TC>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);         \
         }                                                                                                    \
     }
 #define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, , (GEMV_WARPS * 32))
@@ -1390,6 +1539,7 @@ GEMVQ_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
+GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
