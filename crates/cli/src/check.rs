@@ -836,6 +836,21 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
     }
+    // The tensor-core GEMV's 8-row tile (rows too long for its 16-row one): a partial last
+    // tile.
+    for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+        for rows in [1, 3, 9] {
+            if quick && rows > 1 {
+                continue;
+            }
+            add(Op::Matmul {
+                ty,
+                n_in: 12288,
+                n_out: 100,
+                rows,
+            });
+        }
+    }
     if !quick {
         // The real Qwen3-8B shapes: q/o, k/v, gate/up, down.
         let real = [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)];

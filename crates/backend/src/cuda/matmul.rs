@@ -97,9 +97,9 @@ pub struct Kernels {
     /// launches whose 16-row tile fits [`GEMVQ_TC_MAX_SMEM`] on sm_90+ (MATMUL.md rounds 8
     /// and 9). None before sm_90 or with `FERRITE_GEMV_TC=0`.
     gemvq_tc: Option<TcKernels>,
-    /// `FERRITE_GEMV_TC=2`: the tensor-core form also for rows whose 16-row tile needs more
-    /// than the usual block's shared memory (up to GEMVQ_BULK_MAX_SMEM; a tuning switch).
-    gemvq_tc_long: bool,
+    /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
+    /// tuning switch).
+    gemvq_tc_long: TcLong,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
@@ -220,9 +220,15 @@ impl Kernels {
             let (na, nb) = (TYPES[type_index(a)?].1, TYPES[type_index(b)?].1);
             gemvq_mixed.push((a, b, per_r(&m, &format!("gemvq_multi_{na}_{nb}"), bulk)?));
         }
-        // The tensor-core GEMVs: on unless FERRITE_GEMV_TC=0 (a tuning switch).
+        // The tensor-core GEMVs: on unless FERRITE_GEMV_TC=0 (a tuning switch; 2 and 3 change
+        // the long rows, TcLong).
         let tc = switches::get("FERRITE_GEMV_TC")?.map_or(1, |v| v[0]);
-        let (tc_on, gemvq_tc_long) = (tc >= 1, tc == 2);
+        let tc_on = tc >= 1;
+        let gemvq_tc_long = match tc {
+            2 => TcLong::Full,
+            3 => TcLong::Lane,
+            _ => TcLong::Half,
+        };
         let gemvq_tc = if bulk && tc_on {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
             let mut fams = Vec::with_capacity(TC_TYPES.len());
@@ -237,8 +243,13 @@ impl Kernels {
                     ],
                 ));
             }
+            let mut half = Vec::with_capacity(TC_TYPES.len());
+            for t in TC_TYPES {
+                half.push((t, all(&format!("_tch_{}", TYPES[type_index(t)?].1))?));
+            }
             Some(TcKernels {
                 fams,
+                half,
                 mixed: all("_multi_tc_q4_k_q6_k")?,
             })
         } else {
@@ -771,15 +782,46 @@ fn gemvq_launch(
             (n_out, 2, 1)
         }
     };
-    let (ks, smem, tc) = gemvq_plan(be, w.dtype, n_in, rb as usize, groups, spans, rows)?;
+    let (ks, smem, tc) = gemvq_plan(
+        be,
+        w.dtype,
+        n_in,
+        n_out,
+        rb as usize,
+        groups,
+        spans,
+        rows,
+        up.is_none(),
+    )?;
+    if let Some(TcForm::Half(f)) = tc {
+        // The 8-row tile: one block per 8 rows, no split argument.
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let mut launch = be.stream.kernel(&f[ri]);
+        launch
+            .arg(&w.data)
+            .arg(&rb)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&xqs)
+            .arg(&xd)
+            .arg(&rows_i)
+            .arg(&mut out.buf);
+        // SAFETY: as below (a plain launch: no second weight).
+        unsafe { launch.launch(cfg) }?;
+        return Ok(());
+    }
     let ks_i = ks as i32;
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,
         ..gemv_config(groups, ks)
     };
     let f = match tc {
-        Some(tc) => &tc[fam][ri],
-        None => &fams[fam][ri],
+        Some(TcForm::Full(tc)) => &tc[fam][ri],
+        _ => &fams[fam][ri],
     };
     let mut launch = be.stream.kernel(f);
     launch.arg(&w.data);
@@ -806,59 +848,98 @@ fn gemvq_launch(
 const TC_TYPES: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
 
 /// The tensor-core kernels: per type of [`TC_TYPES`] its families (as `Kernels::gemvq`:
-/// plain, SwiGLU, grouped), and the mixed Q4_K + Q6_K grouped launch (all three segments on
-/// the tensor cores).
+/// plain, SwiGLU, grouped) and its 8-row-tile kernels (`gemvq_tch_<type>_r<R>`), and the
+/// mixed Q4_K + Q6_K grouped launch (Q and K on the tensor cores, V the lane code).
 struct TcKernels {
     fams: Vec<(GgmlType, [[CudaFunction; 6]; 3])>,
+    half: Vec<(GgmlType, [CudaFunction; 6])>,
     mixed: [CudaFunction; 6],
 }
 
-/// Most shared memory a tensor-core GEMV block takes by default (its 16-row tile and, at one
-/// row, the staged x): three blocks per SM. Q4_K up to 6144 columns and Q6_K up to 4096 fit
-/// (a Q6_K 4096-column block is 62 KB); longer rows keep the lane code's split blocks unless
-/// `FERRITE_GEMV_TC=2` (up to [`GEMVQ_BULK_MAX_SMEM`]).
+/// Rows whose 16-row tensor-core tile does not fit [`GEMVQ_TC_MAX_SMEM`] (the 12288-column
+/// down projections): `FERRITE_GEMV_TC` 1 (default) the 8-row tile, 2 the 16-row tile up to
+/// [`GEMVQ_BULK_MAX_SMEM`] (one block per SM), 3 the lane code (MATMUL.md round 9).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TcLong {
+    Half,
+    Full,
+    Lane,
+}
+
+/// Most shared memory a tensor-core GEMV block with the 16-row tile takes by default (the tile
+/// and, at one row, the staged x): three blocks per SM. Q4_K up to 6144 columns and Q6_K up
+/// to 4096 fit (a Q6_K 4096-column block is 62 KB).
 const GEMVQ_TC_MAX_SMEM: usize = 64 * 1024;
 
-/// The tensor-core families for type `t` at this row length, if it takes them: sm_90+, not
-/// switched off, a type of [`TC_TYPES`] whose one-row block fits [`GEMVQ_TC_MAX_SMEM`] (or
-/// the bulk-copy maximum with `FERRITE_GEMV_TC=2`). A function of the shape only, so decode
-/// and verify take the same kernel.
+/// Fewest outputs for which Q6_K takes the 16-row tensor-core tile: measured slower than the
+/// lane code under a wave of blocks (4096 x 4096 rows = 1: 8.9 -> 10.5 us; the 1024-row V
+/// segment 6.9 -> 7.3), faster with many (the 151936-row lm head 177.3 -> 156.8 us); a
+/// wave is 132 SMs x 3 blocks x 16 rows (MATMUL.md round 9).
+const GEMVQ_TC_Q6K_MIN_OUT: usize = 8192;
+
+/// How a quantized-x launch takes the tensor cores.
+#[derive(Clone, Copy)]
+enum TcForm<'a> {
+    /// The 16-row tile (families: plain, SwiGLU, grouped).
+    Full(&'a [[CudaFunction; 6]; 3]),
+    /// The 8-row tile (plain launches only).
+    Half(&'a [CudaFunction; 6]),
+}
+
+/// The tensor-core form a weight of type `t` with `n_out` rows of `n_in` columns (rb bytes)
+/// takes, if any: sm_90+, not switched off, a type of [`TC_TYPES`]; the 16-row tile where
+/// its one-row block fits [`GEMVQ_TC_MAX_SMEM`] (Q6_K from [`GEMVQ_TC_Q6K_MIN_OUT`] rows),
+/// else by [`TcLong`] (`plain`: the 8-row tile has no SwiGLU or grouped form). A function of
+/// the shape only, so decode and verify take the same kernel.
 fn tc_form(
     be: &CudaBackend,
     t: GgmlType,
     n_in: usize,
+    n_out: usize,
     rb: usize,
-) -> Option<&[[CudaFunction; 6]; 3]> {
+    plain: bool,
+) -> Option<TcForm<'_>> {
     let tc = be.matmul.gemvq_tc.as_ref()?;
-    let cap = if be.matmul.gemvq_tc_long {
-        GEMVQ_BULK_MAX_SMEM
-    } else {
-        GEMVQ_TC_MAX_SMEM
-    };
-    if (tc_smem(rb) + tc_x_bytes(n_in)) as usize > cap {
-        return None;
+    let fams = tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
+    let full = (tc_smem(rb, 8) + tc_x_bytes(n_in)) as usize;
+    if full <= GEMVQ_TC_MAX_SMEM {
+        let many = t != GgmlType::Q6K || n_out >= GEMVQ_TC_Q6K_MIN_OUT;
+        return many.then_some(TcForm::Full(fams));
     }
-    tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)
+    match be.matmul.gemvq_tc_long {
+        TcLong::Full if full <= GEMVQ_BULK_MAX_SMEM => Some(TcForm::Full(fams)),
+        TcLong::Half if plain && tc_smem(rb, 4) as usize <= GEMVQ_BULK_MAX_SMEM => tc
+            .half
+            .iter()
+            .find(|(ty, _)| *ty == t)
+            .map(|(_, f)| TcForm::Half(f)),
+        _ => None,
+    }
 }
 
-/// [`gemvq_split`], and whether the launch takes the tensor-core kernels ([`tc_form`];
-/// returned with their split, 1, and shared memory: at one row it also holds the staged x).
-/// The split and the kernel depend on the shape only, so decode and verify take the same one;
-/// the shared memory also on whether `rows` is 1 (R = 1 stages x; the arithmetic is the same).
+/// [`gemvq_split`], or the tensor-core form ([`tc_form`]) with its split, 1, and shared
+/// memory: the tile and, for the 16-row tile at one row, the staged x. The split and the
+/// kernel depend on the shape only, so decode and verify take the same one; the shared memory
+/// also on whether `rows` is 1 (R = 1 stages x; the arithmetic is the same). `plain`: a
+/// single-weight launch without SwiGLU.
+#[allow(clippy::too_many_arguments)]
 fn gemvq_plan(
     be: &CudaBackend,
     t: GgmlType,
     n_in: usize,
+    n_out: usize,
     rb: usize,
     groups: usize,
     spans: usize,
     rows: usize,
-) -> Result<(usize, u32, Option<&[[CudaFunction; 6]; 3]>)> {
-    match tc_form(be, t, n_in, rb) {
-        Some(tc) => {
+    plain: bool,
+) -> Result<(usize, u32, Option<TcForm<'_>>)> {
+    match tc_form(be, t, n_in, n_out, rb, plain) {
+        Some(TcForm::Full(f)) => {
             let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
-            Ok((1, tc_smem(rb) + x, Some(tc)))
+            Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f))))
         }
+        Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
         None => {
             let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
             Ok((ks, smem, None))
@@ -866,10 +947,11 @@ fn gemvq_plan(
     }
 }
 
-/// Dynamic shared memory of a tensor-core GEMV block: two 8-row slots, the second starting 64
-/// bytes past a 128-byte boundary (`tc_slot` in matmul.cu, the same formula).
-fn tc_smem(rb: usize) -> u32 {
-    (2 * ((8 * rb + 16).div_ceil(128) * 128 + 64)) as u32
+/// Dynamic shared memory of a tensor-core GEMV block: two slots of `ns` rows (8, or 4 for the
+/// 8-row tile), the second starting 64 bytes past a 128-byte boundary (`tc_slot` in
+/// matmul.cu, the same formula).
+fn tc_smem(rb: usize, ns: usize) -> u32 {
+    (2 * ((ns * rb + 16).div_ceil(128) * 128 + 64)) as u32
 }
 
 /// Shared memory a one-row tensor-core GEMV block adds for its staged x (`tc_stage_x` in
@@ -891,15 +973,6 @@ fn mixed_kernels(be: &CudaBackend, a: GgmlType, b: GgmlType) -> Option<&[CudaFun
         .iter()
         .find(|(ta, tb, _)| *ta == a && *tb == b)
         .map(|(_, _, f)| f)
-}
-
-/// Whether a type-a pair and a type-b third weight of a mixed grouped launch take the same
-/// form (both the tensor cores, or both the lane code): the mixed kernels have only these
-/// two, so that each output keeps the kernel of its single-weight launch.
-fn mixed_forms_agree(be: &CudaBackend, a: &CudaWeight, b: &CudaWeight) -> bool {
-    let n_in = a.shape[1];
-    tc_form(be, a.dtype, n_in, a.row_bytes()).is_some()
-        == tc_form(be, b.dtype, n_in, b.row_bytes()).is_some()
 }
 
 /// Kernel argument of `gemv_multi_*` / `gemvq_multi_*` (`GemvSegs` in matmul.cu): up to
@@ -989,7 +1062,6 @@ pub fn matmuls(
             && paths[j] == Some(true)
             && ws[j].shape[1] == ws[i].shape[1]
             && mixed_kernels(be, ws[i].dtype, ws[j].dtype).is_some()
-            && mixed_forms_agree(be, ws[i], ws[j])
         {
             j += 1;
         }
@@ -1051,8 +1123,30 @@ fn multi_launch(
     } else {
         gemv_steps(t, n_in)
     };
+    // The type-t weights' kernel form is one for the launch: decided at the fewest rows among
+    // them (Q6_K's tile depends on the row count).
+    let t_outs = ws.iter().filter(|w| w.dtype == t).map(|w| w.shape[0]);
+    let n_min = t_outs.min().unwrap_or(0);
     let (ks, smem, tc) = if q {
-        gemvq_plan(be, t, n_in, ws[0].row_bytes(), groups, 1, rows)?
+        let (ks, smem, tc) = gemvq_plan(
+            be,
+            t,
+            n_in,
+            n_min,
+            ws[0].row_bytes(),
+            groups,
+            1,
+            rows,
+            false,
+        )?;
+        let tc = match tc {
+            Some(TcForm::Full(f)) => Some(f),
+            Some(TcForm::Half(_)) => {
+                bail!("matmuls: the 8-row tensor-core tile in a grouped launch")
+            }
+            None => None,
+        };
+        (ks, smem, tc)
     } else {
         (split_k(steps, groups, be.sm_count), 0, None)
     };
@@ -1064,16 +1158,12 @@ fn multi_launch(
         !mixed || (q && ws.len() == 3 && ws[1].dtype == t),
         "matmuls: mixed types in a grouped launch"
     );
-    let (ks2, smem2, tc2) = if mixed {
+    let (ks2, smem2) = if mixed {
         let g2 = row_groups(ws[2].shape[0]);
-        gemvq_plan(be, t2, n_in, ws[2].row_bytes(), g2, 1, rows)?
+        gemvq_split(be, t2, n_in, ws[2].row_bytes(), g2, 1)?
     } else {
-        (ks, smem, tc)
+        (ks, smem)
     };
-    ensure!(
-        tc.is_some() == tc2.is_some(),
-        "matmuls: a mixed group of tensor-core and lane-code weights"
-    );
     let mut sg = GemvSegs::default();
     let mut grid = 0usize;
     let mut guards = Vec::new();

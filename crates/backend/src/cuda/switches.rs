@@ -46,8 +46,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_TC",
-        Accepts::Range(0, 2),
-        "Q4_K GEMV on the tensor cores (MATMUL.md round 8)",
+        Accepts::Range(0, 3),
+        "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, long rows 2 in 16-row tiles, 3 on the lane code (MATMUL.md rounds 8, 9)",
     ),
     (
         "FERRITE_GEMV_DIAG",

@@ -108,7 +108,7 @@ static void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32
 
 // ---- one configuration ------------------------------------------------------------------
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged, q6;
+    int n_in, n_out, R, rows, swiglu, staged, q6, half;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -118,23 +118,25 @@ static const float2* xd;
 static uint8_t* xs;
 static float* out;
 
-template <int R, bool SW>
+template <int R, bool SW, bool H>
 static void body_r() {
     const auto f = [](auto k4, auto k6) { return cfg.q6 ? k6 : k4; };
     if (cfg.staged) {
         tc_stage_x(xs, xq, xd, cfg.n_in);
-        f(gemvq_tc_q4k<R, SW, true>, gemvq_tc_q6k<R, SW, true>)(s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs,
-                                                                (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
-                                                                out, 0, cfg.n_in + 64);
+        f(gemvq_tc_q4k<R, SW, true, H>, gemvq_tc_q6k<R, SW, true, H>)(
+            s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs, (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
+            out, 0, cfg.n_in + 64);
     } else {
-        f(gemvq_tc_q4k<R, SW, false>, gemvq_tc_q6k<R, SW, false>)(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd, cfg.rows,
-                                                                  out, 0, cfg.n_in);
+        f(gemvq_tc_q4k<R, SW, false, H>, gemvq_tc_q6k<R, SW, false, H>)(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd,
+                                                                        cfg.rows, out, 0, cfg.n_in);
     }
 }
-static void body() {
-    if (cfg.R == 1) cfg.swiglu ? body_r<1, true>() : body_r<1, false>();
-    else cfg.swiglu ? body_r<3, true>() : body_r<3, false>();
+template <bool H>
+static void body_h() {
+    if (cfg.R == 1) cfg.swiglu ? body_r<1, true, H>() : body_r<1, false, H>();
+    else cfg.swiglu ? body_r<3, true, H>() : body_r<3, false, H>();
 }
+static void body() { cfg.half ? body_h<true>() : body_h<false>(); }
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static uint32_t rnd() {
@@ -210,12 +212,14 @@ static double ref_dot(const uint8_t* row, int n_in, const int8_t* xr, const floa
 
 static bool run(const Cfg& c, std::vector<float>* row0) {
     cfg = c;
-    const int n_in = c.n_in, nb = n_in / QK, tile = c.swiglu ? 8 : 16;
+    // Tile rows (outputs): 16 plain / 8 SwiGLU pairs; HALF (8-row tile, slots of 4 rows) 8 / 4.
+    const int n_in = c.n_in, nb = n_in / QK, ns = c.half ? 4 : 8, tile = c.swiglu ? ns : 2 * ns;
     const int bytes = c.q6 ? Q6_K_BYTES : Q4_K_BYTES;
     rb = (long long)(n_in / QK_K) * bytes;
-    // Weights: 16 tile rows (plain: rows 0..15; SwiGLU: gate rows 0..7, up rows 0..7).
-    std::vector<uint8_t> w(16 * rb);
-    for (int r = 0; r < 16; r++)
+    // Weights: 2 ns tile rows (plain: rows 0..2ns-1; SwiGLU: gate rows 0..ns-1, up rows the next
+    // ns).
+    std::vector<uint8_t> w(2 * ns * rb);
+    for (int r = 0; r < 2 * ns; r++)
         for (int sb = 0; sb < n_in / QK_K; sb++) {
             uint8_t* b = &w[r * rb + sb * bytes];
             for (int i = 0; i < bytes; i++) b[i] = rnd() & 0xFF;
@@ -226,14 +230,14 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
                 b[0] = d & 0xFF, b[1] = d >> 8, b[2] = dm & 0xFF, b[3] = dm >> 8;
             }
         }
-    // Slots as the kernel's: plain, rows 0..7 and 8..15; SwiGLU, gate rows and up rows. A
+    // Slots as the kernel's: plain, rows 0..ns-1 and ns..; SwiGLU, gate rows and up rows. A
     // Q6_K row is only 2-byte aligned: the slots start 2 bytes past a 16-byte boundary (as
     // `smem + (address & 15)` in the kernel's caller) and odd super-block counts make every
     // other row 2 mod 4.
     const int mis = c.q6 ? 2 : 0;
-    std::vector<uint8_t> slot0(8 * rb + 32), slot1(8 * rb + 32);
-    memcpy(slot0.data() + mis, w.data(), 8 * rb);
-    memcpy(slot1.data() + mis, w.data() + 8 * rb, 8 * rb);
+    std::vector<uint8_t> slot0(ns * rb + 32), slot1(ns * rb + 32);
+    memcpy(slot0.data() + mis, w.data(), ns * rb);
+    memcpy(slot1.data() + mis, w.data() + ns * rb, ns * rb);
     s0 = slot0.data() + mis, s1 = slot1.data() + mis;
     std::vector<int8_t> x((size_t)c.R * 2 * n_in);
     std::vector<float2> dsc((size_t)c.R * nb);
@@ -268,7 +272,7 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
             const float2* dr = &dsc[(size_t)r * nb];
             double ref;
             if (c.swiglu) {
-                const double g = ref_dot(&w[i * rb], n_in, xr, dr), u = ref_dot(&w[(8 + i) * rb], n_in, xr, dr);
+                const double g = ref_dot(&w[i * rb], n_in, xr, dr), u = ref_dot(&w[(ns + i) * rb], n_in, xr, dr);
                 ref = g / (1 + std::exp(-g)) * u;
             } else {
                 ref = ref_dot(&w[i * rb], n_in, xr, dr);
@@ -279,10 +283,10 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         }
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
-    printf("%s n_in %5d n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n", c.q6 ? "q6_K" : "q4_K",
-           c.n_in, c.n_out, c.R, c.rows, c.swiglu, c.staged, nmse, ok ? "OK" : "MISMATCH");
+    printf("%s%s n_in %5d n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n", c.q6 ? "q6_K" : "q4_K",
+           c.half ? " half" : "", c.n_in, c.n_out, c.R, c.rows, c.swiglu, c.staged, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {
-        const int n = c.swiglu ? min(8, c.n_out) : c.n_out;
+        const int n = min(tile, c.n_out);
         if (c.R == 1) row0->assign(ob.begin(), ob.begin() + n);
         else
             for (int i = 0; i < n; i++)
@@ -300,17 +304,22 @@ int main() {
     // warp, a partial tile, padded x rows (rows < R), SwiGLU; each R = 1 / R = 3 pair shares
     // x row 0 and the weights (same seed) for the bitwise comparison.
     const Cfg pairs[][2] = {
-        {{4096, 16, 1, 1, 0, 1, 0}, {4096, 16, 3, 3, 0, 0, 0}},
-        {{512, 13, 1, 1, 0, 1, 0}, {512, 13, 3, 2, 0, 0, 0}},
-        {{2048, 8, 1, 1, 1, 1, 0}, {2048, 8, 3, 3, 1, 0, 0}},
-        {{768, 5, 1, 1, 1, 1, 0}, {768, 5, 3, 1, 1, 0, 0}},
-        {{256, 16, 1, 1, 0, 1, 0}, {256, 16, 3, 3, 0, 0, 0}},      // one super-block: warp 0 alone
-        {{12288, 16, 1, 1, 0, 1, 0}, {12288, 16, 3, 2, 0, 0, 0}},  // FERRITE_GEMV_TC=2's long rows
+        {{4096, 16, 1, 1, 0, 1, 0, 0}, {4096, 16, 3, 3, 0, 0, 0, 0}},
+        {{512, 13, 1, 1, 0, 1, 0, 0}, {512, 13, 3, 2, 0, 0, 0, 0}},
+        {{2048, 8, 1, 1, 1, 1, 0, 0}, {2048, 8, 3, 3, 1, 0, 0, 0}},
+        {{768, 5, 1, 1, 1, 1, 0, 0}, {768, 5, 3, 1, 1, 0, 0, 0}},
+        {{256, 16, 1, 1, 0, 1, 0, 0}, {256, 16, 3, 3, 0, 0, 0, 0}},      // one super-block: warp 0 alone
+        {{12288, 16, 1, 1, 0, 1, 0, 0}, {12288, 16, 3, 2, 0, 0, 0, 0}},  // FERRITE_GEMV_TC=2's long rows
         // Q6_K: the lm head and V shape, odd super-block counts (rows 2 mod 4), SwiGLU.
-        {{4096, 16, 1, 1, 0, 1, 1}, {4096, 16, 3, 3, 0, 0, 1}},
-        {{768, 11, 1, 1, 0, 1, 1}, {768, 11, 3, 2, 0, 0, 1}},
-        {{2304, 8, 1, 1, 1, 1, 1}, {2304, 8, 3, 3, 1, 0, 1}},
-        {{256, 3, 1, 1, 1, 1, 1}, {256, 3, 3, 1, 1, 0, 1}},
+        {{4096, 16, 1, 1, 0, 1, 1, 0}, {4096, 16, 3, 3, 0, 0, 1, 0}},
+        {{768, 11, 1, 1, 0, 1, 1, 0}, {768, 11, 3, 2, 0, 0, 1, 0}},
+        {{2304, 8, 1, 1, 1, 1, 1, 0}, {2304, 8, 3, 3, 1, 0, 1, 0}},
+        {{256, 3, 1, 1, 1, 1, 1, 0}, {256, 3, 3, 1, 1, 0, 1, 0}},
+        // The 8-row tile (long rows; x from global memory, as its launch does at every R).
+        {{12288, 8, 1, 1, 0, 0, 0, 1}, {12288, 8, 3, 3, 0, 0, 0, 1}},
+        {{12288, 8, 1, 1, 0, 0, 1, 1}, {12288, 8, 3, 2, 0, 0, 1, 1}},
+        {{768, 5, 1, 1, 0, 0, 1, 1}, {768, 5, 3, 3, 0, 0, 1, 1}},
+        {{1024, 4, 1, 1, 1, 0, 0, 1}, {1024, 4, 3, 3, 1, 0, 0, 1}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;

@@ -1070,10 +1070,11 @@ __device__ __forceinline__ float byte_fe(uint32_t w, int e) {
     return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u + (uint32_t)e)) - 8388608.0f;
 }
 
-// Bytes per slot of the tensor-core GEMV (8 rows, + 16 for the alignment offset), rounded so
-// that slot 1 starts 64 bytes past a 128-byte boundary (matmul.rs tc_slot: the same formula).
-__device__ __forceinline__ size_t tc_slot(long long rb) {
-    return ((8 * (size_t)rb + 16 + 127) & ~(size_t)127) + 64;
+// Bytes per slot of the tensor-core GEMV (NS = 8 rows, or 4 for the half tile; + 16 for the
+// alignment offset), rounded so that slot 1 starts 64 bytes past a 128-byte boundary
+// (matmul.rs tc_slot: the same formula).
+__device__ __forceinline__ size_t tc_slot(long long rb, int ns) {
+    return (((size_t)ns * (size_t)rb + 16 + 127) & ~(size_t)127) + 64;
 }
 
 // s0, s1: the two 8-row slots in shared memory (rows rb apart). r0: the block's first output row.
@@ -1098,24 +1099,28 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
 // MMA row g + 8a for x row r. The four t lanes (xor 1, 2), then the 8 warps (in order,
 // through shared memory) are added. Output row `row` of the tile (slot m = row / 8, its row
 // j = row % 8) is MMA row 2j + m; SWIGLU: gate row j is MMA row 2j, up row j is 2j + 1, and
-// the output is silu(gate) * up.
-template <int R, bool SWIGLU>
+// the output is silu(gate) * up. HALF (the 8-row tile, MMA rows g + 8 repeat rows g): only
+// acc[r][0] counts, output row `row` (slot row / 4, its row row % 4) is MMA row
+// 2 (row % 4) + row / 4.
+template <int R, bool SWIGLU, bool HALF = false>
 __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0) {
-    __shared__ float tred[GEMV_WARPS][R][16];
+    constexpr int NA = HALF ? 1 : 2;  // MMA row halves that hold distinct rows
+    __shared__ float tred[GEMV_WARPS][R][8 * NA];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int a = 0; a < 2; a++) {
+        for (int a = 0; a < NA; a++) {
             acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 1);
             acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 2);
             if (t == 0) tred[warp][r][8 * a + g] = acc[r][a];
         }
     __syncthreads();
-    for (int i = threadIdx.x; i < R * (SWIGLU ? 8 : 16); i += blockDim.x) {
-        const int r = SWIGLU ? i >> 3 : i >> 4, row = SWIGLU ? i & 7 : i & 15;
-        const int a = SWIGLU ? 2 * row : 2 * (row & 7) + (row >> 3);
+    constexpr int NO = SWIGLU ? 4 * NA : 8 * NA;  // outputs per tile
+    for (int i = threadIdx.x; i < R * NO; i += blockDim.x) {
+        const int r = (unsigned)i / NO, row = (unsigned)i % NO;
+        const int a = SWIGLU ? 2 * row : 2 * (row % (NO / 2)) + row / (NO / 2);
         float v = tred[0][r][a];
 #pragma unroll
         for (int w = 1; w < GEMV_WARPS; w++) v += tred[w][r][a];
@@ -1133,16 +1138,18 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
 
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
-template <int R, bool SWIGLU, bool XS>
+// HALF: the 8-row tile (slots of 4 rows; MMA rows g + 8 repeat rows g, whose loads and
+// epilogue are skipped): the long rows, whose 16-row tile does not fit (matmul.rs tc_form).
+template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                              int r0, int xplane) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
-    // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2.
+    // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2 (HALF: both row g / 2).
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
-    const uint8_t* p1 = p0 + 4 * (size_t)rb;
+    const uint8_t* p1 = HALF ? p0 : p0 + 4 * (size_t)rb;
     const uint32_t amask = (t >> 1) ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
     const KqPairSel sel0 = kq_pair_sel(t >> 1), sel1 = kq_pair_sel(2 + (t >> 1));
     const float hs = e ? 0.0625f : 1.0f;  // column t's sub-block is odd: 16x high nibbles
@@ -1161,7 +1168,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
         const uint8_t* b0 = p0 + (size_t)sb * Q4_K_BYTES;
         const uint8_t* b1 = p1 + (size_t)sb * Q4_K_BYTES;
-        const uint4 h0 = *(const uint4*)b0, h1 = *(const uint4*)b1;
+        const uint4 h0 = *(const uint4*)b0, h1 = HALF ? h0 : *(const uint4*)b1;
         const float d0 = h2f(h0.x & 0xFFFF), n0 = h2f(h0.x >> 16);
         const float d1 = h2f(h1.x & 0xFFFF), n1 = h2f(h1.x >> 16);
 #pragma unroll
@@ -1169,8 +1176,8 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
             const int c = 2 * half;
             const uint4 wa0 = *(const uint4*)(b0 + 16 + 32 * c + 16 * e);
             const uint4 wb0 = *(const uint4*)(b0 + 48 + 32 * c + 16 * e);
-            const uint4 wa1 = *(const uint4*)(b1 + 16 + 32 * c + 16 * e);
-            const uint4 wb1 = *(const uint4*)(b1 + 48 + 32 * c + 16 * e);
+            const uint4 wa1 = HALF ? wa0 : *(const uint4*)(b1 + 16 + 32 * c + 16 * e);
+            const uint4 wb1 = HALF ? wb0 : *(const uint4*)(b1 + 48 + 32 * c + 16 * e);
             const uint32_t A0[4] = {wa0.x & amask, wa0.y & amask, wa0.z & amask, wa0.w & amask};
             const uint32_t A1[4] = {wa1.x & amask, wa1.y & amask, wa1.z & amask, wa1.w & amask};
             const uint32_t A2[4] = {wb0.x & amask, wb0.y & amask, wb0.z & amask, wb0.w & amask};
@@ -1200,11 +1207,11 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
                 const float dxs = ds.x * hs;
                 const int S0 = 127 * C[0] + C[1], S1 = 127 * C[2] + C[3];
                 acc[r][0] = fmaf(d0, sc0 * dxs * (float)S0, fmaf(-n0, m0 * ds.y, acc[r][0]));
-                acc[r][1] = fmaf(d1, sc1 * dxs * (float)S1, fmaf(-n1, m1 * ds.y, acc[r][1]));
+                if (!HALF) acc[r][1] = fmaf(d1, sc1 * dxs * (float)S1, fmaf(-n1, m1 * ds.y, acc[r][1]));
             }
         }
     }
-    tc_store<R, SWIGLU>(acc, rows, out, n_out, r0);
+    tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
 }
 
 // The Q6_K form. A super-block (210 bytes: ql[128] low nibbles, qh[64] 2-bit highs, 16 int8
@@ -1244,7 +1251,7 @@ __device__ __forceinline__ uint32_t q6_a(uint32_t nib, uint32_t hi) {
     return ((nib & 0x3C3C3C3Cu) | (hi & 0xC0C0C0C0u)) ^ 0x80808080u;
 }
 
-template <int R, bool SWIGLU, bool XS>
+template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1252,7 +1259,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
-    const uint8_t* p1 = p0 + 4 * (size_t)rb;
+    const uint8_t* p1 = HALF ? p0 : p0 + 4 * (size_t)rb;
     // qh bits 2 (t / 2) (sub-block t) and 4 + 2 (t / 2) (sub-block 4 + t) to bits 6..7.
     const int shl = 6 - 2 * (t >> 1), shh = 2 - 2 * (t >> 1);
     const bool bval = t == (g & 3), bhi = g >= 4;
@@ -1265,14 +1272,19 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
         const uint8_t* b0 = p0 + (size_t)sb * Q6_K_BYTES;
         const uint8_t* b1 = p1 + (size_t)sb * Q6_K_BYTES;
-        const float d0 = h2f(*(const uint16_t*)(b0 + 208)), d1 = h2f(*(const uint16_t*)(b1 + 208));
+        const float d0 = h2f(*(const uint16_t*)(b0 + 208)), d1 = HALF ? d0 : h2f(*(const uint16_t*)(b1 + 208));
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             uint32_t l0[4], l1[4], q0[4], q1[4];
             tc_ld16u(b0 + 64 * h + 16 * t, l0);
-            tc_ld16u(b1 + 64 * h + 16 * t, l1);
             tc_ld16u(b0 + 128 + 32 * h + 16 * (t & 1), q0);
-            tc_ld16u(b1 + 128 + 32 * h + 16 * (t & 1), q1);
+            if (HALF) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) l1[i] = l0[i], q1[i] = q0[i];
+            } else {
+                tc_ld16u(b1 + 64 * h + 16 * t, l1);
+                tc_ld16u(b1 + 128 + 32 * h + 16 * (t & 1), q1);
+            }
             uint32_t A0[4], A1[4], A2[4], A3[4];
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -1282,7 +1294,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
                 A3[i] = q6_a(l1[i] >> 2, q1[i] << shh);
             }
             const uint16_t sp0 = *(const uint16_t*)(b0 + 192 + 8 * h + 2 * t);
-            const uint16_t sp1 = *(const uint16_t*)(b1 + 192 + 8 * h + 2 * t);
+            const uint16_t sp1 = HALF ? sp0 : *(const uint16_t*)(b1 + 192 + 8 * h + 2 * t);
             const float sa0 = (float)(int8_t)(sp0 & 0xFF), sb0 = (float)(int8_t)(sp0 >> 8);
             const float sa1 = (float)(int8_t)(sp1 & 0xFF), sb1 = (float)(int8_t)(sp1 >> 8);
             const int xs = sb * QK_K + 128 * h;  // first column of the lifetime
@@ -1316,14 +1328,53 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
                 const int S0 = 127 * H[0] + L[0], S1 = 127 * H[1] + L[1];
                 const int S2 = 127 * H[2] + L[2], S3 = 127 * H[3] + L[3];
                 acc[r][0] = fmaf(d0 * dx, fmaf(sb0, (float)S1, sa0 * (float)S0), acc[r][0]);
-                acc[r][1] = fmaf(d1 * dx, fmaf(sb1, (float)S3, sa1 * (float)S2), acc[r][1]);
+                if (!HALF) acc[r][1] = fmaf(d1 * dx, fmaf(sb1, (float)S3, sa1 * (float)S2), acc[r][1]);
             }
         }
     }
-    tc_store<R, SWIGLU>(acc, rows, out, n_out, r0);
+    tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
 }
 
 // EMU_TC_END
+
+// One tensor-core GEMV block (sm_90+): bulk copy of its tile into two slots, x staged at
+// R = 1 (not for the HALF tile: its long rows' x would take the shared memory of a block),
+// then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
+// the two slots), 8 SwiGLU pairs (rows r0.. of W, the gate, and of W2, the up), or HALF 8
+// rows (r0.. and r0 + 4..). TYPE: Q4_K or Q6_K (any other is the Q6_K form: never launched).
+template <int TYPE, int R, bool SWIGLU, bool HALF>
+__device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                               long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
+                                               const float2* __restrict__ xd, int rows, float* __restrict__ out,
+                                               int bx, uint8_t* smem, uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int NS = HALF ? 4 : 8;  // rows per slot
+    constexpr bool XS = R == 1 && !HALF;
+    const int r0 = bx * (SWIGLU ? NS : 2 * NS);
+    const uint8_t* Wb = SWIGLU ? W2 : W;
+    const int rbeg = SWIGLU ? r0 : r0 + NS;
+    const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
+    const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
+    const size_t slot = tc_slot(rb, NS);
+    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
+    const uint8_t* s0 = smem + ((size_t)pa & 15);
+    const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
+    const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
+    uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
+    if (XS) tc_stage_x(xs, xq, xd, n_in);
+    if (diag != 3) gemv_bulk_wait(bar);
+    if (diag != 1) {
+        const int8_t* xa = XS ? (const int8_t*)xs : xq;
+        const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
+        const int plane = XS ? n_in + 64 : n_in;
+        if (TYPE == GGML_Q4_K)
+            gemvq_tc_q4k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
+        else
+            gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
+    }
+    if (diag == 3) gemv_bulk_wait(bar);
+#endif
+}
 
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
@@ -1348,40 +1399,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
-        // Two 8-row spans: plain, rows r0.. and r0 + 8.. of W; SwiGLU, rows r0.. of W (gate)
-        // and of W2 (up).
-        const uint8_t* Wb = SWIGLU ? W2 : W;
-        const int rbeg = SWIGLU ? r0 : r0 + 8;
-        const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
-        const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
-        const size_t slot = tc_slot(rb);
-        bulk_prologue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - rbeg)), rb, slot, gemv_smem,
-                            &gemv_bar);
-        const uint8_t* s0 = gemv_smem + ((size_t)pa & 15);
-        const uint8_t* s1 = gemv_smem + slot + ((size_t)pb & 15);
-        const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
-        if (R == 1) {  // x staged in shared memory after the two slots
-            uint8_t* xs = gemv_smem + 2 * slot;
-            tc_stage_x(xs, xq, xd, n_in);
-            if (diag != 3) gemv_bulk_wait(&gemv_bar);
-            if (diag != 1) {
-                const int8_t* xsq = (const int8_t*)xs;
-                const float2* xsd = (const float2*)(xs + 2 * n_in + 128);
-                if (TYPE == GGML_Q4_K)
-                    gemvq_tc_q4k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, xsq, xsd, rows, out, r0, n_in + 64);
-                else
-                    gemvq_tc_q6k<R, SWIGLU, true>(s0, s1, rb, n_out, n_in, xsq, xsd, rows, out, r0, n_in + 64);
-            }
-        } else {
-            if (diag != 3) gemv_bulk_wait(&gemv_bar);
-            if (diag != 1) {
-                if (TYPE == GGML_Q4_K)
-                    gemvq_tc_q4k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
-                else
-                    gemvq_tc_q6k<R, SWIGLU, false>(s0, s1, rb, n_out, n_in, xq, xd, rows, out, r0, n_in);
-            }
-        }
-        if (diag == 3) gemv_bulk_wait(&gemv_bar);
+        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
@@ -1496,6 +1514,19 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 #define GEMVQ_TC_KERNEL(name, TYPE, R) \
     GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TC_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TC_KERNEL, name, TYPE)
+// gemvq_tch_<type>_r<R>: the 8-row tile (HALF) for rows too long for the 16-row one (the
+// 12288-column down projections); plain weights only. Bounds as the 16-row kernels'.
+#define GEMVQ_TCH_KERNEL(name, TYPE, R)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R))                   \
+        gemvq_tch_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
+                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
+                                float* __restrict__ out) {                                                  \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
+        gemvq_tc_block<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, gemv_smem, \
+                                             &gemv_bar);                                                    \
+    }
+#define GEMVQ_TCH_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCH_KERNEL, name, TYPE)
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
 
@@ -1505,8 +1536,9 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // 2 type B with (rb2, ks2); each output is computed exactly as by its single-weight launch
 // (same lane code, same split), so the bits do not change. The launch's shared memory is the
 // larger of the two segments' slots.
-// TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts all three segments in the tensor-core form
-// (ks = ks2 = 1; both types have one: the launcher takes it when both tiles fit).
+// TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts segments 0 and 1 in the tensor-core form
+// (their ks = 1); segment 2 keeps the lane code (Q6_K's tensor-core tile was slower on the
+// 1024-row V: MATMUL.md round 9).
 #define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TCN, LB)                                                      \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,            \
@@ -1519,7 +1551,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             gemvq<TA, R, false, TC>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                    \
                                     s == 0 ? sg.out0 : sg.out1, ks, bx);                                     \
         } else {                                                                                             \
-            gemvq<TB, R, false, TC>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);         \
+            gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
         }                                                                                                    \
     }
 #define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, , (GEMV_WARPS * 32))
@@ -1540,6 +1572,8 @@ GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
+GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
+GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
