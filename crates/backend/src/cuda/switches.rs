@@ -47,7 +47,12 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_TC",
         Accepts::Range(0, 3),
-        "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, long rows 2 in 16-row tiles, 3 on the lane code (MATMUL.md rounds 8, 9)",
+        "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 also long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",
+    ),
+    (
+        "FERRITE_GEMV_TC_CHUNKS",
+        Accepts::Range(1, 4),
+        "tensor-core GEMV tile copied in this many chunks along K (MATMUL.md round 9)",
     ),
     (
         "FERRITE_GEMV_DIAG",
