@@ -100,10 +100,6 @@ pub struct Kernels {
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
-    /// Chunks along K of the 16-row tensor-core tile's copy, one barrier each
-    /// (`tc_prologue_chunked`; `FERRITE_GEMV_TC_CHUNKS`, default [`TC_CHUNKS`]); passed as
-    /// the kernel's split argument.
-    gemvq_tc_chunks: i32,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
@@ -228,8 +224,6 @@ impl Kernels {
         // the long rows, TcLong).
         let tc = switches::get("FERRITE_GEMV_TC")?.map_or(1, |v| v[0]);
         let tc_on = tc >= 1;
-        let gemvq_tc_chunks =
-            switches::get("FERRITE_GEMV_TC_CHUNKS")?.map_or(TC_CHUNKS, |v| v[0] as i32);
         let gemvq_tc_long = match tc {
             2 => TcLong::Full,
             3 => TcLong::Half,
@@ -285,7 +279,6 @@ impl Kernels {
             gemvq_mixed,
             gemvq_tc,
             gemvq_tc_long,
-            gemvq_tc_chunks,
             gemvq_moe,
             gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
@@ -821,14 +814,14 @@ fn gemvq_launch(
         unsafe { launch.launch(cfg) }?;
         return Ok(());
     }
+    let ks_i = ks as i32;
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,
         ..gemv_config(groups, ks)
     };
-    // The tensor-core kernels take the tile's copy chunks in the split argument.
-    let (f, ks_i) = match tc {
-        Some(TcForm::Full(tc)) => (&tc[fam][ri], be.matmul.gemvq_tc_chunks),
-        _ => (&fams[fam][ri], ks as i32),
+    let f = match tc {
+        Some(TcForm::Full(tc)) => &tc[fam][ri],
+        _ => &fams[fam][ri],
     };
     let mut launch = be.stream.kernel(f);
     launch.arg(&w.data);
@@ -873,9 +866,6 @@ enum TcLong {
     Full,
     Lane,
 }
-
-/// Default chunks of the 16-row tensor-core tile's copy (`Kernels::gemvq_tc_chunks`).
-const TC_CHUNKS: i32 = 2;
 
 /// Most shared memory a tensor-core GEMV block with the 16-row tile takes by default (the tile
 /// and, at one row, the staged x): three blocks per SM. Q4_K up to 6144 columns and Q6_K up
@@ -1204,13 +1194,12 @@ fn multi_launch(
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem.max(smem2),
     };
-    // The tensor-core kernels take the tile's copy chunks in the split argument.
-    let ks_i = if tc.is_some() {
-        be.matmul.gemvq_tc_chunks
-    } else {
-        ks as i32
-    };
-    let (rb, n_in_i, rows_i) = (ws[0].row_bytes() as i64, n_in as i32, rows as i32);
+    let (rb, n_in_i, rows_i, ks_i) = (
+        ws[0].row_bytes() as i64,
+        n_in as i32,
+        rows as i32,
+        ks as i32,
+    );
     if q {
         let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
         ensure!(xq.cap >= n_in, "matmuls: int8 scratch too small");

@@ -50,11 +50,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 also long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",
     ),
     (
-        "FERRITE_GEMV_TC_CHUNKS",
-        Accepts::Range(1, 4),
-        "tensor-core GEMV tile copied in this many chunks along K (MATMUL.md round 9)",
-    ),
-    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

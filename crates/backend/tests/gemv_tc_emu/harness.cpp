@@ -103,14 +103,6 @@ static void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32
     mma_emu<true>(c, a0, a1, a2, a3, b0, b1);
 }
 
-// The chunk barriers: no copies here; checks the chunk index the kernel waits on.
-static uint64_t emu_bars[4];
-static int emu_ck = 1;
-static bool emu_bad_chunk = false;
-static void tc_chunk_wait(uint64_t* bar) {
-    if (bar && (bar < emu_bars || bar >= emu_bars + emu_ck)) emu_bad_chunk = true;
-}
-
 #include "kq.cuh"
 #include "tc.cuh"
 
@@ -126,14 +118,6 @@ static const float2* xd;
 static uint8_t* xs;
 static float* out;
 
-// Super-blocks per chunk (matmul.cu tc_prologue_chunked): the R = 1 runs split the tile in 3
-// chunks (or as many as there are super-blocks), the R = 3 runs in 1.
-static int sbpc() {
-    const int nsb = cfg.n_in / QK_K;
-    emu_ck = cfg.R == 1 ? min(3, nsb) : 1;
-    return (nsb + emu_ck - 1) / emu_ck;
-}
-
 template <int R, bool SW, bool H>
 static void body_r() {
     const auto f = [](auto k4, auto k6) { return cfg.q6 ? k6 : k4; };
@@ -141,10 +125,10 @@ static void body_r() {
         tc_stage_x(xs, xq, xd, cfg.n_in);
         f(gemvq_tc_q4k<R, SW, true, H>, gemvq_tc_q6k<R, SW, true, H>)(
             s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs, (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
-            out, 0, cfg.n_in + 64, emu_bars, sbpc());
+            out, 0, cfg.n_in + 64);
     } else {
         f(gemvq_tc_q4k<R, SW, false, H>, gemvq_tc_q6k<R, SW, false, H>)(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd,
-                                                                        cfg.rows, out, 0, cfg.n_in, emu_bars, sbpc());
+                                                                        cfg.rows, out, 0, cfg.n_in);
     }
 }
 template <bool H>
@@ -299,11 +283,6 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         }
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
-    if (emu_bad_chunk) {
-        printf("  a super-block waited on a chunk barrier out of range\n");
-        ok = false;
-        emu_bad_chunk = false;
-    }
     printf("%s%s n_in %5d n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n", c.q6 ? "q6_K" : "q4_K",
            c.half ? " half" : "", c.n_in, c.n_out, c.R, c.rows, c.swiglu, c.staged, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {

@@ -1064,59 +1064,6 @@ __device__ __forceinline__ void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Waits for phase 0 of the chunk barrier bar (the chunk's copies have landed; returns at once
-// after the first time). bar == nullptr: no wait (FERRITE_GEMV_DIAG=3).
-__device__ __forceinline__ void tc_chunk_wait(uint64_t* bar) {
-    if (bar) gemv_bulk_wait(bar);
-}
-
-// The tensor-core tile's copy in ck chunks along K (ck <= TC_MAX_CHUNKS), each on its own
-// mbarrier, so that a warp computes the super-blocks of chunk 0 while the later chunks are in
-// flight (MATMUL.md round 9). Chunk c is super-blocks [c sbpc, (c + 1) sbpc) of every row,
-// widened to whole 16-byte units as the whole-span copy (bulk_prologue_spans): the bytes land
-// where that copy puts them, so the kernel reads the same layout (two widened neighbours
-// write their shared unit twice, with the same bytes). Thread i < na + nb copies row i (slot 0:
-// na rows at a; slot 1: nb rows at b) for every chunk, arriving once per chunk barrier with its
-// byte count (each barrier expects na + nb arrivals). Then the PDL entry.
-#define TC_MAX_CHUNKS 4
-__device__ __forceinline__ void tc_prologue_chunked(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
-                                                    size_t slot, int sb_bytes, int nsb, int ck, uint8_t* smem,
-                                                    uint64_t* bars) {
-#if __CUDA_ARCH__ >= 900
-    const int sbpc = (nsb + ck - 1) / ck;
-    if (threadIdx.x == 0) {
-        for (int c = 0; c < ck; c++) {
-            const uint32_t bb = (uint32_t)__cvta_generic_to_shared(bars + c);
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bb), "r"(na + nb) : "memory");
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-    const int i = threadIdx.x;
-    if (i < na + nb) {
-        const int m = i < na ? 0 : 1;
-        const uint8_t* base = m ? b : a;
-        const uint8_t* row = base + (size_t)(m ? i - na : i) * (size_t)rb;
-        const size_t a0 = (size_t)base & ~(size_t)15;  // the slot's first byte comes from here
-        for (int c = 0; c < ck; c++) {
-            const int sb0 = min(nsb, c * sbpc), sb1 = min(nsb, (c + 1) * sbpc);
-            const size_t s0 = (size_t)(row + (size_t)sb0 * sb_bytes) & ~(size_t)15;
-            const size_t s1 = ((size_t)(row + (size_t)sb1 * sb_bytes) + 15) & ~(size_t)15;
-            const uint32_t len = gemv_diag == 2 || sb1 <= sb0 ? 0u : (uint32_t)(s1 - s0);
-            const uint32_t bb = (uint32_t)__cvta_generic_to_shared(bars + c);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bb), "r"(len) : "memory");
-            if (len)
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                        (uint32_t)__cvta_generic_to_shared(smem + m * slot + (s0 - a0))),
-                    "l"(s0), "r"(len), "r"(bb)
-                    : "memory");
-        }
-    }
-#endif
-    PDL_ENTRY();
-}
-
 // EMU_TC_BEGIN (host emulation: tests/gemv_tc_emu.rs; tc_mma is emulated there)
 // Byte e (runtime, 0..3) of w as an exact float.
 __device__ __forceinline__ float byte_fe(uint32_t w, int e) {
@@ -1193,13 +1140,11 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
 // HALF: the 8-row tile (slots of 4 rows; MMA rows g + 8 repeat rows g, whose loads and
 // epilogue are skipped): the long rows, whose 16-row tile does not fit (matmul.rs tc_form).
-// bars: the tile's chunk barriers (super-blocks [c sbpc, (c + 1) sbpc) land on bars[c]),
-// waited for before each super-block; nullptr: none (the caller waited, or timing only).
 template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, uint64_t* bars, int sbpc) {
+                                             int r0, int xplane) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
     // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2 (HALF: both row g / 2).
@@ -1221,7 +1166,6 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     constexpr int SB_UNROLL = R <= 2 ? 2 : 1;
 #pragma unroll SB_UNROLL
     for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
-        tc_chunk_wait(bars ? bars + sb / sbpc : nullptr);
         const uint8_t* b0 = p0 + (size_t)sb * Q4_K_BYTES;
         const uint8_t* b1 = p1 + (size_t)sb * Q4_K_BYTES;
         const uint4 h0 = *(const uint4*)b0, h1 = HALF ? h0 : *(const uint4*)b1;
@@ -1311,7 +1255,7 @@ template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, uint64_t* bars, int sbpc) {
+                                             int r0, int xplane) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1326,7 +1270,6 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
     for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
-        tc_chunk_wait(bars ? bars + sb / sbpc : nullptr);
         const uint8_t* b0 = p0 + (size_t)sb * Q6_K_BYTES;
         const uint8_t* b1 = p1 + (size_t)sb * Q6_K_BYTES;
         const float d0 = h2f(*(const uint16_t*)(b0 + 208)), d1 = HALF ? d0 : h2f(*(const uint16_t*)(b1 + 208));
@@ -1394,50 +1337,42 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 
 // EMU_TC_END
 
-// One tensor-core GEMV block (sm_90+): bulk copy of its tile into two slots in ck chunks
-// along K (tc_prologue_chunked), x staged at R = 1 (not for the HALF tile: its long rows' x
-// would take the shared memory of a block), then gemvq_tc_q4k / gemvq_tc_q6k, each warp
-// waiting for the chunk of each super-block it takes. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
+// One tensor-core GEMV block (sm_90+): bulk copy of its tile into two slots, x staged at
+// R = 1 (not for the HALF tile: its long rows' x would take the shared memory of a block),
+// then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
 // the two slots), 8 SwiGLU pairs (rows r0.. of W, the gate, and of W2, the up), or HALF 8
 // rows (r0.. and r0 + 4..). TYPE: Q4_K or Q6_K (any other is the Q6_K form: never launched).
 template <int TYPE, int R, bool SWIGLU, bool HALF>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                               int bx, int ck, uint8_t* smem) {
+                                               int bx, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
-    __shared__ __align__(8) uint64_t bars[TC_MAX_CHUNKS];
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
-    constexpr int SBB = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
-    if (ck < 1 || ck > TC_MAX_CHUNKS) __trap();
     const int r0 = bx * (SWIGLU ? NS : 2 * NS);
     const uint8_t* Wb = SWIGLU ? W2 : W;
     const int rbeg = SWIGLU ? r0 : r0 + NS;
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
     const size_t slot = tc_slot(rb, NS);
-    const int nsb = n_in / QK_K;
-    tc_prologue_chunked(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, SBB, nsb, ck,
-                        smem, bars);
+    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
     const uint8_t* s0 = smem + ((size_t)pa & 15);
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     if (XS) tc_stage_x(xs, xq, xd, n_in);
+    if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
         const int plane = XS ? n_in + 64 : n_in;
-        uint64_t* wb = diag == 3 ? nullptr : bars;
-        const int sbpc = (nsb + ck - 1) / ck;
         if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, wb, sbpc);
+            gemvq_tc_q4k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
         else
-            gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, wb, sbpc);
+            gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
     }
-    if (diag == 1 || diag == 3)
-        for (int c = 0; c < ck; c++) gemv_bulk_wait(bars + c);
+    if (diag == 3) gemv_bulk_wait(bar);
 #endif
 }
 
@@ -1463,8 +1398,8 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     __shared__ __align__(8) uint64_t gemv_bar;
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
-        // The tensor-core launches' ks is the tile's copy chunks (tc_prologue_chunked).
-        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, ks, gemv_smem);
+        if (ks != 1) __trap();  // the tensor-core launches are ks = 1
+        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
@@ -1587,7 +1522,9 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
                                 float* __restrict__ out) {                                                  \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        gemvq_tc_block<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, 1, gemv_smem); \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
+        gemvq_tc_block<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, gemv_smem, \
+                                             &gemv_bar);                                                    \
     }
 #define GEMVQ_TCH_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCH_KERNEL, name, TYPE)
 
