@@ -52,8 +52,7 @@
 //   The bits equal those of a separate kv_store launch.
 //   Within a block: TPK = HD/8 threads per key, each owning 8 dims (one 16-byte load of K,
 //   one of V); a warp covers 32/TPK keys at once, the block KPB = 4·32/TPK keys, unrolled U
-//   deep, and the next iteration's U keys loaded before this one's arithmetic (a register
-//   double buffer: up to 4U 16-byte loads in flight per thread). Score = 8-dim partial dot reduced across
+//   deep (U·2 16-byte loads in flight per thread). Score = 8-dim partial dot reduced across
 //   the TPK lanes by xor-shuffles; each thread keeps per head an online-softmax state
 //   (m, l, acc[8]) over the keys its slot saw; at the end states merge across slots by
 //   shuffles, across warps through shared memory. Bytes: each K/V byte of the head read once.
@@ -464,25 +463,6 @@ __device__ __forceinline__ void attn_decode_impl(
 
     // Element index of this thread's 8 dims at position 0 of its kv head.
     const long long head_off = head_base + sub * 8;
-    // The U keys of the iteration at `b` (zero beyond end).
-    const auto fetch = [&](int b, uint4 (&K)[U], uint4 (&V)[U]) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int kp = b + u * KPB + slot;
-            if (kp < end) {
-                const long long e = kv_pos<PAGED>(head_off, kp, HD, bt, page_shift, page_stride);
-                K[u] = load8<Q8, STORE>(kc, ks, e);
-                V[u] = load8<Q8, STORE>(vc, vs, e);
-            } else {
-                K[u] = make_uint4(0, 0, 0, 0);
-                V[u] = make_uint4(0, 0, 0, 0);
-            }
-        }
-    };
-    // Register double buffer: the next iteration's loads are issued before this one's
-    // arithmetic, so a thread keeps up to 2U keys' K and V loads in flight.
-    uint4 kr[U], vr[U];
-    fetch(start, kr, vr);
     for (int base = start; base < end; base += STEP) {  // uniform across the block
         if constexpr (!PAGED) {
             if (pf > 0 && tid == 0) {
@@ -491,11 +471,21 @@ __device__ __forceinline__ void attn_decode_impl(
                 prefetch_keys<Q8>(vc, vs, head_base + (long long)k0 * HD, head_base + (long long)k1 * HD);
             }
         }
-        uint4 kn[U], vn[U];
-        if (base + STEP < end) fetch(base + STEP, kn, vn);
+        uint4 kr[U], vr[U];
         bool ok[U];
 #pragma unroll
-        for (int u = 0; u < U; u++) ok[u] = base + u * KPB + slot < end;
+        for (int u = 0; u < U; u++) {
+            int kp = base + u * KPB + slot;
+            ok[u] = kp < end;
+            if (ok[u]) {
+                const long long e = kv_pos<PAGED>(head_off, kp, HD, bt, page_shift, page_stride);
+                kr[u] = load8<Q8, STORE>(kc, ks, e);
+                vr[u] = load8<Q8, STORE>(vc, vs, e);
+            } else {
+                kr[u] = make_uint4(0, 0, 0, 0);
+                vr[u] = make_uint4(0, 0, 0, 0);
+            }
+        }
         float s[U][GB];
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -534,10 +524,6 @@ __device__ __forceinline__ void attn_decode_impl(
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
             }
-        }
-        if (base + STEP < end) {
-#pragma unroll
-            for (int u = 0; u < U; u++) kr[u] = kn[u], vr[u] = vn[u];
         }
     }
 
