@@ -107,7 +107,7 @@
 #define ATT_NEG (-1.0e30f)
 #define ATT_FULL 0xffffffffu
 #define DECODE_THREADS 128
-#define DECODE_MIN_CHUNK 64
+#define DECODE_MIN_CHUNK 32  // attention.rs DECODE_MIN_CHUNK (the launcher passes min_chunk)
 #define PREFILL_THREADS 256
 
 __device__ __forceinline__ unsigned short f32_to_f16_sat(float x) {
