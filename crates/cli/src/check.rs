@@ -818,37 +818,32 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
     }
-    // The quantized-x decode GEMV (more than F32_SMALL_OUT outputs): an odd output count,
-    // a row length that is not a whole warp step (3 super-blocks; 24 blocks of 32).
-    for ty in GgmlType::ALL
+    // The quantized-x decode GEMV (more than F32_SMALL_OUT outputs): an odd output count, a
+    // row length that is not a whole warp step (3 super-blocks; 24 blocks of 32), every
+    // quantized type; and the long rows' partial last tile (Q4_K and Q6_K: the tensor-core
+    // GEMV's 8-row tile with FERRITE_GEMV_TC=3, else the lane code's split blocks).
+    // Per set: types, (n_in, n_out), row counts, the most rows under `quick`.
+    let quantized: Vec<GgmlType> = GgmlType::ALL
         .into_iter()
         .filter(|t| cuda_matmul::quantized_x(*t))
-    {
-        for rows in [1, 2, 5, 9, 16] {
-            if quick && rows > 9 {
-                continue;
+        .collect();
+    let sets: [(&[GgmlType], (usize, usize), &[usize], usize); 2] = [
+        (&quantized, (768, 263), &[1, 2, 5, 9, 16], 9),
+        (&[GgmlType::Q4K, GgmlType::Q6K], (12288, 100), &[1, 3, 9], 1),
+    ];
+    for (tys, (n_in, n_out), row_counts, quick_max) in sets {
+        for &ty in tys {
+            for &rows in row_counts {
+                if quick && rows > quick_max {
+                    continue;
+                }
+                add(Op::Matmul {
+                    ty,
+                    n_in,
+                    n_out,
+                    rows,
+                });
             }
-            add(Op::Matmul {
-                ty,
-                n_in: 768,
-                n_out: 263,
-                rows,
-            });
-        }
-    }
-    // The tensor-core GEMV's 8-row tile (rows too long for its 16-row one): a partial last
-    // tile.
-    for ty in [GgmlType::Q4K, GgmlType::Q6K] {
-        for rows in [1, 3, 9] {
-            if quick && rows > 1 {
-                continue;
-            }
-            add(Op::Matmul {
-                ty,
-                n_in: 12288,
-                n_out: 100,
-                rows,
-            });
         }
     }
     if !quick {

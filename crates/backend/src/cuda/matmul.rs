@@ -793,35 +793,23 @@ fn gemvq_launch(
         rows,
         up.is_none(),
     )?;
-    if let Some(TcForm::Half(f)) = tc {
-        // The 8-row tile: one block per 8 rows, no split argument.
-        let cfg = LaunchConfig {
-            grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
-            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        let mut launch = be.stream.kernel(&f[ri]);
-        launch
-            .arg(&w.data)
-            .arg(&rb)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(&xqs)
-            .arg(&xd)
-            .arg(&rows_i)
-            .arg(&mut out.buf);
-        // SAFETY: as below (a plain launch: no second weight).
-        unsafe { launch.launch(cfg) }?;
-        return Ok(());
-    }
-    let ks_i = ks as i32;
+    // The kernel, its grid and its split argument: the 8-row tensor-core tile takes one block
+    // per 8 rows and no split argument.
+    let (f, cfg, ks_arg) = match tc {
+        Some(TcForm::Half(f)) => {
+            let cfg = LaunchConfig {
+                grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
+                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (&f[ri], cfg, None)
+        }
+        Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
+        None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
+    };
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,
-        ..gemv_config(groups, ks)
-    };
-    let f = match tc {
-        Some(TcForm::Full(tc)) => &tc[fam][ri],
-        _ => &fams[fam][ri],
+        ..cfg
     };
     let mut launch = be.stream.kernel(f);
     launch.arg(&w.data);
@@ -835,8 +823,10 @@ fn gemvq_launch(
         .arg(&xqs)
         .arg(&xd)
         .arg(&rows_i)
-        .arg(&mut out.buf)
-        .arg(&ks_i);
+        .arg(&mut out.buf);
+    if let Some(ks_i) = &ks_arg {
+        launch.arg(ks_i);
+    }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above); the x scratch holds rows×n_in int8 and rows×n_in/32 scale pairs;
     // out holds rows×n_out floats.
