@@ -827,7 +827,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
         .into_iter()
         .filter(|t| cuda_matmul::quantized_x(*t))
         .collect();
-    let sets: [(&[GgmlType], (usize, usize), &[usize], usize); 2] = [
+    type GemvqSet<'a> = (&'a [GgmlType], (usize, usize), &'a [usize], usize);
+    let sets: [GemvqSet; 2] = [
         (&quantized, (768, 263), &[1, 2, 5, 9, 16], 9),
         (&[GgmlType::Q4K, GgmlType::Q6K], (12288, 100), &[1, 3, 9], 1),
     ];
