@@ -98,6 +98,8 @@ unsafe impl ScalarArg for u32 {}
 unsafe impl ScalarArg for i64 {}
 unsafe impl ScalarArg for u64 {}
 unsafe impl ScalarArg for f32 {}
+// SAFETY: a CUtensorMap is 128 plain bytes, passed by value (a `__grid_constant__` parameter).
+unsafe impl ScalarArg for cudarc::driver::sys::CUtensorMap {}
 
 /// Adds one argument to a [`Launch`].
 pub trait KernelArg<T> {

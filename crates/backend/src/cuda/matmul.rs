@@ -13,8 +13,10 @@
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::sys::{self, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaView, DevicePtr, LaunchConfig,
+};
 use ferrite_formats::GgmlType;
 
 use super::launch::{KernelArg, LaunchExt};
@@ -100,6 +102,9 @@ pub struct Kernels {
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
+    /// `gemvq_tcm_q4_k_r<R>`, `gemvq_swiglu_tcm_q4_k_r<R>`: the Q4_K tensor-core tile in TMA
+    /// boxes (`FERRITE_GEMV_TMA=1`; None otherwise).
+    gemvq_tcm: Option<[[CudaFunction; 6]; 2]>,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
@@ -255,6 +260,13 @@ impl Kernels {
         } else {
             None
         };
+        let tma = switches::get("FERRITE_GEMV_TMA")?.is_some_and(|v| v[0] == 1);
+        let gemvq_tcm = if gemvq_tc.is_some() && tma {
+            let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
+            Some([all("_tcm_q4_k")?, all("_swiglu_tcm_q4_k")?])
+        } else {
+            None
+        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
@@ -279,6 +291,7 @@ impl Kernels {
             gemvq_mixed,
             gemvq_tc,
             gemvq_tc_long,
+            gemvq_tcm,
             gemvq_moe,
             gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
@@ -793,6 +806,23 @@ fn gemvq_launch(
         rows,
         up.is_none(),
     )?;
+    if let (Some(tcm), Some(TcForm::Full(_))) = (&be.matmul.gemvq_tcm, tc) {
+        if tcm_fits(w.dtype, n_in) {
+            let f = &tcm[fam][ri];
+            let smem = 16 * rb as u32 + if rows == 1 { tc_x_bytes(n_in) } else { 0 };
+            return tcm_launch(
+                be,
+                f,
+                w,
+                up,
+                smem,
+                (n_out_i, n_in_i, rows_i),
+                &xqs,
+                &xd,
+                out,
+            );
+        }
+    }
     // The kernel, its grid and its split argument: the 8-row tensor-core tile takes one block
     // per 8 rows and no split argument.
     let (f, cfg, ks_arg) = match tc {
@@ -830,6 +860,109 @@ fn gemvq_launch(
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above); the x scratch holds rows×n_in int8 and rows×n_in/32 scale pairs;
     // out holds rows×n_out floats.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Super-blocks per TMA box row of the Q4_K tensor-core tile (`TCM_SBPC` in matmul.cu: 576
+/// bytes, 64 mod 128) and the most chunks a tile has (`TCM_MAX_CHUNKS`).
+const TCM_SBPC: usize = 4;
+const TCM_MAX_CHUNKS: usize = 8;
+
+/// Whether a Q4_K row of `n_in` columns takes the TMA-box tile: whole chunks of
+/// [`TCM_SBPC`] super-blocks, at most [`TCM_MAX_CHUNKS`] (512 to 8192 columns).
+fn tcm_fits(t: GgmlType, n_in: usize) -> bool {
+    let nsb = n_in / 256;
+    t == GgmlType::Q4K && nsb % TCM_SBPC == 0 && (1..=TCM_MAX_CHUNKS).contains(&(nsb / TCM_SBPC))
+}
+
+/// The tensor map of a weight's rows for the TMA-box tile: rows of rb / 8 8-byte elements,
+/// boxes of one chunk (TCM_SBPC super-blocks) x `box_rows` rows; rows past the weight's end
+/// read as zeros.
+fn tensor_map(be: &CudaBackend, w: &CudaWeight, box_rows: u32) -> Result<sys::CUtensorMap> {
+    let rb = w.row_bytes();
+    ensure!(
+        rb % 16 == 0 && w.shape[0] > 0,
+        "tensor map: rows of {rb} bytes"
+    );
+    let (ptr, _guard) = w.data.device_ptr(&be.stream);
+    let dims: [u64; 2] = [(rb / 8) as u64, w.shape[0] as u64];
+    let strides: [u64; 1] = [rb as u64];
+    let boxd: [u32; 2] = [(TCM_SBPC * 144 / 8) as u32, box_rows];
+    let elem: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: every pointer is to a live local array of the rank the call is given (2, and
+    // rank - 1 strides); the map is written by the call before it is read.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT64,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxd.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .with_context(|| {
+            format!(
+                "encoding the tensor map of a {:?} {} weight",
+                w.shape, w.dtype
+            )
+        })?;
+        Ok(map.assume_init())
+    }
+}
+
+/// The TMA-box launch of the Q4_K tensor-core GEMV (plain: one 16-row box per chunk; with
+/// `up`, the SwiGLU: 8 gate rows and 8 up rows per chunk).
+#[allow(clippy::too_many_arguments)]
+fn tcm_launch(
+    be: &CudaBackend,
+    f: &CudaFunction,
+    w: &CudaWeight,
+    up: Option<&CudaWeight>,
+    smem: u32,
+    (n_out, n_in, rows): (i32, i32, i32),
+    xq: &CudaView<'_, i8>,
+    xd: &CudaView<'_, f32>,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let box_rows = if up.is_some() { 8 } else { 16 };
+    let ma = tensor_map(be, w, box_rows)?;
+    let mb = match up {
+        Some(u) => Some(tensor_map(be, u, box_rows)?),
+        None => None,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32::try_from((n_out as usize).div_ceil(box_rows as usize))?,
+            1,
+            1,
+        ),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let mut launch = be.stream.kernel(f);
+    launch.arg(&ma);
+    if let Some(mb) = &mb {
+        launch.arg(mb);
+    }
+    launch
+        .arg(&n_out)
+        .arg(&n_in)
+        .arg(xq)
+        .arg(xd)
+        .arg(&rows)
+        .arg(&mut out.buf);
+    // SAFETY: the maps describe w (and up: same shape) whole, the kernel reads boxes inside
+    // them; the x scratch holds rows x n_in int8 and their scale pairs; out holds rows x n_out
+    // floats (gemvq_launch checked all three).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

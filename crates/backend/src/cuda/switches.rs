@@ -50,6 +50,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 also long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",
     ),
     (
+        "FERRITE_GEMV_TMA",
+        Accepts::OneOf(&[0, 1]),
+        "Q4_K tensor-core GEMV tile in TMA boxes, copied in chunks (MATMUL.md round 9; not yet measured)",
+    ),
+    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",
