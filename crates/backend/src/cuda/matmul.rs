@@ -870,10 +870,13 @@ const TCM_SBPC: usize = 4;
 const TCM_MAX_CHUNKS: usize = 8;
 
 /// Whether a Q4_K row of `n_in` columns takes the TMA-box tile: whole chunks of
-/// [`TCM_SBPC`] super-blocks, at most [`TCM_MAX_CHUNKS`] (512 to 8192 columns).
+/// [`TCM_SBPC`] super-blocks, at most [`TCM_MAX_CHUNKS`] (multiples of 1024 columns up to
+/// 8192; the 16-row tile's own limit, `GEMVQ_TC_MAX_SMEM`, comes first).
 fn tcm_fits(t: GgmlType, n_in: usize) -> bool {
     let nsb = n_in / 256;
-    t == GgmlType::Q4K && nsb % TCM_SBPC == 0 && (1..=TCM_MAX_CHUNKS).contains(&(nsb / TCM_SBPC))
+    t == GgmlType::Q4K
+        && nsb.is_multiple_of(TCM_SBPC)
+        && (1..=TCM_MAX_CHUNKS).contains(&(nsb / TCM_SBPC))
 }
 
 /// The tensor map of a weight's rows for the TMA-box tile: rows of rb / 8 8-byte elements,
@@ -882,7 +885,7 @@ fn tcm_fits(t: GgmlType, n_in: usize) -> bool {
 fn tensor_map(be: &CudaBackend, w: &CudaWeight, box_rows: u32) -> Result<sys::CUtensorMap> {
     let rb = w.row_bytes();
     ensure!(
-        rb % 16 == 0 && w.shape[0] > 0,
+        rb.is_multiple_of(16) && w.shape[0] > 0,
         "tensor map: rows of {rb} bytes"
     );
     let (ptr, _guard) = w.data.device_ptr(&be.stream);
