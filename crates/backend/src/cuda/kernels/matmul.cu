@@ -1002,10 +1002,12 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 }
 
 // ---------------------------------------------------------------------------------------
-// 1b'. The Q4_K decode GEMV on the int8 tensor cores (sm_90+, bulk-copy blocks of ks = 1, i.e.
-//      rows of up to ~4096 columns): the gemvq_tc_* kernels, separate instances so that
-//      their register count is their own (matmul.rs picks them; FERRITE_GEMV_TC=0 does not).
-//      MATMUL.md round 8.
+// 1b'. The Q4_K and Q6_K decode GEMVs on the int8 tensor cores (sm_90+, one 16-row tile per
+//      block, rows whose tile fits 64 KB: matmul.rs tc_form): the gemvq_tc_* kernels, separate
+//      instances so that their register count is their own (FERRITE_GEMV_TC=0: the lane
+//      code); the 8-row tile for long rows (gemvq_tch_*, FERRITE_GEMV_TC=3) and the Q4_K tile
+//      in TMA boxes (gemvq_tcm_*, FERRITE_GEMV_TMA=1). MATMUL.md rounds 8 and 9. The Q4_K
+//      form is described here, the Q6_K one at gemvq_tc_q6k.
 //
 //  Why: timed apart (FERRITE_GEMV_DIAG), the dp4a lane code's compute on a block's copied rows
 //  took as long as the copy itself (q4_K SwiGLU 4096->12288: copy only 16.8 us, compute only
