@@ -889,6 +889,10 @@ fn tensor_map(be: &CudaBackend, w: &CudaWeight, box_rows: u32) -> Result<sys::CU
         "tensor map: rows of {rb} bytes"
     );
     let (ptr, _guard) = w.data.device_ptr(&be.stream);
+    ensure!(
+        ptr.is_multiple_of(16),
+        "tensor map: a weight at an address that is not 16-byte aligned"
+    );
     let dims: [u64; 2] = [(rb / 8) as u64, w.shape[0] as u64];
     let strides: [u64; 1] = [rb as u64];
     let boxd: [u32; 2] = [(TCM_SBPC * 144 / 8) as u32, box_rows];
