@@ -14,9 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::{self, CUfunction_attribute};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaView, DevicePtr, LaunchConfig,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::GgmlType;
 
 use super::launch::{KernelArg, LaunchExt};
@@ -237,6 +235,7 @@ impl Kernels {
         let gemvq_tc = if bulk && tc_on {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
             let mut fams = Vec::with_capacity(TC_TYPES.len());
+            let mut half = Vec::with_capacity(TC_TYPES.len());
             for t in TC_TYPES {
                 let name = TYPES[type_index(t)?].1;
                 fams.push((
@@ -247,10 +246,7 @@ impl Kernels {
                         all(&format!("_multi_tc_{name}"))?,
                     ],
                 ));
-            }
-            let mut half = Vec::with_capacity(TC_TYPES.len());
-            for t in TC_TYPES {
-                half.push((t, all(&format!("_tch_{}", TYPES[type_index(t)?].1))?));
+                half.push((t, all(&format!("_tch_{name}"))?));
             }
             Some(TcKernels {
                 fams,
@@ -795,6 +791,11 @@ fn gemvq_launch(
             (n_out, 2, 1)
         }
     };
+    let kind = if up.is_some() {
+        GemvKind::Swiglu
+    } else {
+        GemvKind::Plain
+    };
     let (ks, smem, tc) = gemvq_plan(
         be,
         w.dtype,
@@ -804,27 +805,10 @@ fn gemvq_launch(
         groups,
         spans,
         rows,
-        up.is_none(),
+        kind,
     )?;
-    if let (Some(tcm), Some(TcForm::Full(_))) = (&be.matmul.gemvq_tcm, tc) {
-        if tcm_fits(w.dtype, n_in) {
-            let f = &tcm[fam][ri];
-            let smem = 16 * rb as u32 + if rows == 1 { tc_x_bytes(n_in) } else { 0 };
-            return tcm_launch(
-                be,
-                f,
-                w,
-                up,
-                smem,
-                (n_out_i, n_in_i, rows_i),
-                &xqs,
-                &xd,
-                out,
-            );
-        }
-    }
     // The kernel, its grid and its split argument: the 8-row tensor-core tile takes one block
-    // per 8 rows and no split argument.
+    // per 8 rows, and it and the TMA-box tile no split argument.
     let (f, cfg, ks_arg) = match tc {
         Some(TcForm::Half(f)) => {
             let cfg = LaunchConfig {
@@ -834,6 +818,7 @@ fn gemvq_launch(
             };
             (&f[ri], cfg, None)
         }
+        Some(TcForm::Box(f)) => (&f[fam][ri], gemv_config(groups, 1), None),
         Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
@@ -841,13 +826,33 @@ fn gemvq_launch(
         shared_mem_bytes: smem,
         ..cfg
     };
+    // The TMA-box tile takes the weights as tensor maps (boxes of 16 rows, or 8 gate and 8 up
+    // rows) in place of (w, up, rb).
+    let maps = match tc {
+        Some(TcForm::Box(_)) => {
+            let box_rows = if up.is_some() { 8 } else { 16 };
+            let mb = up.map(|u| tensor_map(be, u, box_rows)).transpose()?;
+            Some((tensor_map(be, w, box_rows)?, mb))
+        }
+        _ => None,
+    };
     let mut launch = be.stream.kernel(f);
-    launch.arg(&w.data);
-    if let Some(up) = up {
-        launch.arg(&up.data);
+    match &maps {
+        Some((ma, mb)) => {
+            launch.arg(ma);
+            if let Some(mb) = mb {
+                launch.arg(mb);
+            }
+        }
+        None => {
+            launch.arg(&w.data);
+            if let Some(up) = up {
+                launch.arg(&up.data);
+            }
+            launch.arg(&rb);
+        }
     }
     launch
-        .arg(&rb)
         .arg(&n_out_i)
         .arg(&n_in_i)
         .arg(&xqs)
@@ -858,8 +863,8 @@ fn gemvq_launch(
         launch.arg(ks_i);
     }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
-    // caller and above); the x scratch holds rows×n_in int8 and rows×n_in/32 scale pairs;
-    // out holds rows×n_out floats.
+    // caller and above; the tensor maps describe exactly these); the x scratch holds
+    // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
@@ -895,7 +900,7 @@ fn tensor_map(be: &CudaBackend, w: &CudaWeight, box_rows: u32) -> Result<sys::CU
     );
     let dims: [u64; 2] = [(rb / 8) as u64, w.shape[0] as u64];
     let strides: [u64; 1] = [rb as u64];
-    let boxd: [u32; 2] = [(TCM_SBPC * 144 / 8) as u32, box_rows];
+    let boxd: [u32; 2] = [(TCM_SBPC * GgmlType::Q4K.type_size() / 8) as u32, box_rows];
     let elem: [u32; 2] = [1, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
     // SAFETY: every pointer is to a live local array of the rank the call is given (2, and
@@ -924,54 +929,6 @@ fn tensor_map(be: &CudaBackend, w: &CudaWeight, box_rows: u32) -> Result<sys::CU
         })?;
         Ok(map.assume_init())
     }
-}
-
-/// The TMA-box launch of the Q4_K tensor-core GEMV (plain: one 16-row box per chunk; with
-/// `up`, the SwiGLU: 8 gate rows and 8 up rows per chunk).
-#[allow(clippy::too_many_arguments)]
-fn tcm_launch(
-    be: &CudaBackend,
-    f: &CudaFunction,
-    w: &CudaWeight,
-    up: Option<&CudaWeight>,
-    smem: u32,
-    (n_out, n_in, rows): (i32, i32, i32),
-    xq: &CudaView<'_, i8>,
-    xd: &CudaView<'_, f32>,
-    out: &mut Act<CudaSlice<f32>>,
-) -> Result<()> {
-    let box_rows = if up.is_some() { 8 } else { 16 };
-    let ma = tensor_map(be, w, box_rows)?;
-    let mb = match up {
-        Some(u) => Some(tensor_map(be, u, box_rows)?),
-        None => None,
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            u32::try_from((n_out as usize).div_ceil(box_rows as usize))?,
-            1,
-            1,
-        ),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let mut launch = be.stream.kernel(f);
-    launch.arg(&ma);
-    if let Some(mb) = &mb {
-        launch.arg(mb);
-    }
-    launch
-        .arg(&n_out)
-        .arg(&n_in)
-        .arg(xq)
-        .arg(xd)
-        .arg(&rows)
-        .arg(&mut out.buf);
-    // SAFETY: the maps describe w (and up: same shape) whole, the kernel reads boxes inside
-    // them; the x scratch holds rows x n_in int8 and their scale pairs; out holds rows x n_out
-    // floats (gemvq_launch checked all three).
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
 }
 
 /// Weight types with a tensor-core decode GEMV (`gemvq_tc_q4k`, `gemvq_tc_q6k` in matmul.cu).
@@ -1015,35 +972,54 @@ enum TcForm<'a> {
     Full(&'a [[CudaFunction; 6]; 3]),
     /// The 8-row tile (plain launches only).
     Half(&'a [CudaFunction; 6]),
+    /// The Q4_K 16-row tile in TMA boxes (families: plain, SwiGLU; `FERRITE_GEMV_TMA=1`).
+    Box(&'a [[CudaFunction; 6]; 2]),
+}
+
+/// The launch a GEMV plan is for: the tensor-core forms differ in which they have.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GemvKind {
+    Plain,
+    Swiglu,
+    Grouped,
 }
 
 /// The tensor-core form a weight of type `t` with `n_out` rows of `n_in` columns (rb bytes)
 /// takes, if any: sm_90+, not switched off, a type of [`TC_TYPES`]; the 16-row tile where
-/// its one-row block fits [`GEMVQ_TC_MAX_SMEM`] (Q6_K from [`GEMVQ_TC_Q6K_MIN_OUT`] rows),
-/// else by [`TcLong`] (`plain`: the 8-row tile has no SwiGLU or grouped form). A function of
-/// the shape only, so decode and verify take the same kernel.
+/// its one-row block fits [`GEMVQ_TC_MAX_SMEM`] (Q6_K from [`GEMVQ_TC_Q6K_MIN_OUT`] rows;
+/// in TMA boxes where loaded and [`tcm_fits`], not for grouped launches), else by [`TcLong`]
+/// (the 8-row tile: plain launches only). A function of the shape only, so decode and verify
+/// take the same kernel.
 fn tc_form(
     be: &CudaBackend,
     t: GgmlType,
     n_in: usize,
     n_out: usize,
     rb: usize,
-    plain: bool,
+    kind: GemvKind,
 ) -> Option<TcForm<'_>> {
     let tc = be.matmul.gemvq_tc.as_ref()?;
     let fams = tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
     let full = (tc_smem(rb, 8) + tc_x_bytes(n_in)) as usize;
     if full <= GEMVQ_TC_MAX_SMEM {
-        let many = t != GgmlType::Q6K || n_out >= GEMVQ_TC_Q6K_MIN_OUT;
-        return many.then_some(TcForm::Full(fams));
+        if t == GgmlType::Q6K && n_out < GEMVQ_TC_Q6K_MIN_OUT {
+            return None;
+        }
+        return Some(match &be.matmul.gemvq_tcm {
+            Some(tcm) if kind != GemvKind::Grouped && tcm_fits(t, n_in) => TcForm::Box(tcm),
+            _ => TcForm::Full(fams),
+        });
     }
     match be.matmul.gemvq_tc_long {
         TcLong::Full if full <= GEMVQ_BULK_MAX_SMEM => Some(TcForm::Full(fams)),
-        TcLong::Half if plain && tc_smem(rb, 4) as usize <= GEMVQ_BULK_MAX_SMEM => tc
-            .half
-            .iter()
-            .find(|(ty, _)| *ty == t)
-            .map(|(_, f)| TcForm::Half(f)),
+        TcLong::Half
+            if kind == GemvKind::Plain && tc_smem(rb, 4) as usize <= GEMVQ_BULK_MAX_SMEM =>
+        {
+            tc.half
+                .iter()
+                .find(|(ty, _)| *ty == t)
+                .map(|(_, f)| TcForm::Half(f))
+        }
         _ => None,
     }
 }
@@ -1051,8 +1027,7 @@ fn tc_form(
 /// [`gemvq_split`], or the tensor-core form ([`tc_form`]) with its split, 1, and shared
 /// memory: the tile and, for the 16-row tile at one row, the staged x. The split and the
 /// kernel depend on the shape only, so decode and verify take the same one; the shared memory
-/// also on whether `rows` is 1 (R = 1 stages x; the arithmetic is the same). `plain`: a
-/// single-weight launch without SwiGLU.
+/// also on whether `rows` is 1 (R = 1 stages x; the arithmetic is the same).
 #[allow(clippy::too_many_arguments)]
 fn gemvq_plan(
     be: &CudaBackend,
@@ -1063,14 +1038,14 @@ fn gemvq_plan(
     groups: usize,
     spans: usize,
     rows: usize,
-    plain: bool,
+    kind: GemvKind,
 ) -> Result<(usize, u32, Option<TcForm<'_>>)> {
-    match tc_form(be, t, n_in, n_out, rb, plain) {
-        Some(TcForm::Full(f)) => {
-            let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
-            Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f))))
-        }
+    let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
+    match tc_form(be, t, n_in, n_out, rb, kind) {
+        Some(TcForm::Full(f)) => Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f)))),
         Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
+        // The boxes hold the 16 rows densely (16 rb bytes), then x.
+        Some(TcForm::Box(f)) => Ok((1, 16 * rb as u32 + x, Some(TcForm::Box(f)))),
         None => {
             let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
             Ok((ks, smem, None))
@@ -1268,12 +1243,12 @@ fn multi_launch(
             groups,
             1,
             rows,
-            false,
+            GemvKind::Grouped,
         )?;
         let tc = match tc {
             Some(TcForm::Full(f)) => Some(f),
-            Some(TcForm::Half(_)) => {
-                bail!("matmuls: the 8-row tensor-core tile in a grouped launch")
+            Some(TcForm::Half(_) | TcForm::Box(_)) => {
+                bail!("matmuls: a single-weight tensor-core form in a grouped launch")
             }
             None => None,
         };
