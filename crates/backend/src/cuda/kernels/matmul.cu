@@ -454,6 +454,66 @@ __device__ __forceinline__ size_t gemv_slot(int per_block, long long rb) {
     return (((size_t)per_block * (size_t)rb + 15) & ~(size_t)15) + 16;
 }
 
+// The mbarrier and bulk-copy primitives of the bulk-copy GEMVs, the tensor-core tiles and
+// the MoE experts (sm_90+; nothing before). mbar_init: one arrival expected, made visible to
+// the copy engine; mbar_expect: that arrival, announcing `bytes` of copies; bulk_g2s: `bytes`
+// from global src (16-byte aligned, a multiple of 16) to shared dst, completing on bar;
+// mbar_wait: until phase `parity` of bar completes (gemv_bulk_wait: phase 0).
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_g2s(uint64_t* bar, uint8_t* dst, size_t src, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
+                 : "memory");
+#endif
+}
+
+// Phase 0 of a one-shot barrier (every GEMV block's): the parity as an immediate. (As
+// mbar_wait(bar, 0), which passes it in a register, it changed the register allocation and
+// scheduling of 7 lane-code kernels on sm_90a, checked with nvdisasm.)
+__device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b)
+            : "memory");
+    }
+#endif
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b), "r"(parity)
+            : "memory");
+    }
+#endif
+}
+
 // Thread 0 copies na rows at a into smem and nb rows at b into smem + slot (rows of rb bytes,
 // each span widened to whole 16-byte units as above; n = 0: no copy), completing on the
 // block's mbarrier bar; then the block barrier (bar initialised before anyone waits) and the
@@ -462,7 +522,6 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
                                                     long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
-        const uint32_t bb = (uint32_t)__cvta_generic_to_shared(bar);
         size_t a0[2], len[2];
         uint32_t total = 0;
 #pragma unroll
@@ -477,17 +536,11 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
             }
         }
         if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bb) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bb), "r"(total) : "memory");
+        mbar_init(bar);
+        mbar_expect(bar, total);
 #pragma unroll
         for (int m = 0; m < 2; m++)
-            if (len[m])
-                asm volatile(
-                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                        (uint32_t)__cvta_generic_to_shared(smem + m * slot)),
-                    "l"(a0[m]), "r"((uint32_t)len[m]), "r"(bb)
-                    : "memory");
+            if (len[m]) bulk_g2s(bar, smem + m * slot, a0[m], (uint32_t)len[m]);
     }
     __syncthreads();
 #endif
@@ -503,20 +556,6 @@ __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8
                         rb, gemv_slot(per_block, rb), smem, bar);
 }
 
-// Waits until the bulk copies of this block have landed (phase 0 of the barrier completes).
-__device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(b)
-            : "memory");
-    }
-#endif
-}
 
 template <int TYPE, int R, bool SWIGLU = false>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
@@ -1454,15 +1493,10 @@ __device__ __forceinline__ void gemvq_tcm_block(const TmaDesc* ma, const TmaDesc
     uint8_t* up = smem + (size_t)ck * cbytes;     // SWIGLU: the up boxes
     const int diag = gemv_diag;
     if (threadIdx.x == 0) {
-        for (int c = 0; c < ck; c++) {
-            const uint32_t bb = (uint32_t)__cvta_generic_to_shared(bars + c);
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bb) : "memory");
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         const uint32_t tx = diag == 2 ? 0u : (uint32_t)(SWIGLU ? 2 : 1) * (uint32_t)cbytes;
         for (int c = 0; c < ck; c++) {
-            const uint32_t bb = (uint32_t)__cvta_generic_to_shared(bars + c);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bb), "r"(tx) : "memory");
+            mbar_init(bars + c);
+            mbar_expect(bars + c, tx);
             if (tx) {
                 tma_box(smem + (size_t)c * cbytes, ma, c * (TCM_BOX / 8), r0, bars + c);
                 if (SWIGLU) tma_box(up + (size_t)c * cbytes, mb, c * (TCM_BOX / 8), r0, bars + c);
@@ -1882,44 +1916,6 @@ __device__ __forceinline__ uint32_t moe_span(const uint8_t* W, size_t r0, int n,
     return (uint32_t)(a1 - *a0);
 }
 
-__device__ __forceinline__ void moe_bar_init(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void moe_bar_expect(uint64_t* bar, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void moe_bulk(uint64_t* bar, uint8_t* dst, size_t src, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     (uint32_t)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
-                 : "memory");
-#endif
-}
-
-__device__ __forceinline__ void moe_bar_wait(uint64_t* bar, uint32_t parity) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(b), "r"(parity)
-            : "memory");
-    }
-#endif
-}
-
 template <int TYPE>
 __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
                                              long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
@@ -1952,11 +1948,11 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
                 const size_t row = (size_t)e * ffn + r0;
                 size_t ag, au;
                 const uint32_t lg = moe_span(G, row, nr, rb, &ag), lu = moe_span(U, row, nr, rb, &au);
-                moe_bar_init(&bar);
-                moe_bar_expect(&bar, lg + lu);
+                mbar_init(&bar);
+                mbar_expect(&bar, lg + lu);
 #if __CUDA_ARCH__ >= 900
-                moe_bulk(&bar, gemv_smem, ag, lg);
-                moe_bulk(&bar, gemv_smem + slot, au, lu);
+                bulk_g2s(&bar, gemv_smem, ag, lg);
+                bulk_g2s(&bar, gemv_smem + slot, au, lu);
 #endif
             }
         }
@@ -1967,7 +1963,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     const int8_t* xt = xq + (size_t)t * 2 * hidden;
     const float2* dt = xd + (size_t)t * (hidden / QK);
 #if __CUDA_ARCH__ >= 900
-    if (bulk && valid) moe_bar_wait(&bar, 0);
+    if (bulk && valid) mbar_wait(&bar, 0);
 #endif
     // Warp w: rows r0 + w, r0 + w + 8, ... (whole warps).
 #pragma unroll 1
@@ -2039,16 +2035,16 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     // Before the PDL wait: the routing (router logits complete two launches back) and the
     // first slot's weight copy of every warp.
     if (warp == 0) moe_route_warp(logits + (size_t)t * n_experts, n_experts, top_k - 1, top_k, norm, rp, s_id, s_w, lane);
-    if (bulk && lane == 0) moe_bar_init(&bars[warp]);
+    if (bulk && lane == 0) mbar_init(&bars[warp]);
     __syncthreads();
     if (bulk && lane == 0 && warp < top_k) {
         const int e = s_id[warp];
         if (e >= 0 && e < n_experts) {
             size_t a;
             const uint32_t len = moe_span(D, (size_t)e * hidden + o0, nr, rb, &a);
-            moe_bar_expect(&bars[warp], len);
+            mbar_expect(&bars[warp], len);
 #if __CUDA_ARCH__ >= 900
-            moe_bulk(&bars[warp], my, a, len);
+            bulk_g2s(&bars[warp], my, a, len);
 #endif
         }
     }
@@ -2068,11 +2064,11 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                 if (lane == 0) {
                     size_t a;
                     const uint32_t len = moe_span(D, row0, nr, rb, &a);
-                    moe_bar_expect(&bars[warp], len);
-                    moe_bulk(&bars[warp], my, a, len);
+                    mbar_expect(&bars[warp], len);
+                    bulk_g2s(&bars[warp], my, a, len);
                 }
             }
-            moe_bar_wait(&bars[warp], ph & 1u);
+            mbar_wait(&bars[warp], ph & 1u);
             ++ph;
         }
 #endif
