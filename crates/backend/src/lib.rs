@@ -547,15 +547,6 @@ pub trait Backend: Send + Sync {
         rope: &Rope,
     ) -> Result<()>;
 
-    /// A hint: the weights of `groups` are read soon, in this order (the weights of one
-    /// group together, row by row). A backend may start moving their leading bytes closer
-    /// (the CUDA backend streams them into L2 beside the kernels that run before their
-    /// GEMVs, in decode graphs); nothing is computed or written. The default does nothing.
-    fn prefetch_weights(&self, groups: &[&[&Self::Weight]]) -> Result<()> {
-        let _ = groups;
-        Ok(())
-    }
-
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
     /// As [`Backend::kv_new`], the cache in q8_0 blocks where the backend has them, whatever

@@ -393,12 +393,6 @@ impl<B: Backend> Model<B> {
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
             be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
-            // RoPE and attention read little memory: the o-projection's weights and the
-            // FFN's first ones can stream into the cache meanwhile.
-            match &l.ffn {
-                Ffn::Dense { gate, up, .. } => be.prefetch_weights(&[&[&l.wo], &[gate, up]])?,
-                Ffn::Moe { .. } => be.prefetch_weights(&[&[&l.wo]])?,
-            }
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),

@@ -71,8 +71,6 @@ pub struct Launch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
     args: Vec<Arg>,
-    /// A hint kernel ([`Launch::hint`]): no PDL attribute, not counted in [`launch_count`].
-    hint: bool,
 }
 
 /// `stream.kernel(&func)`: starts a launch on this stream.
@@ -86,7 +84,6 @@ impl LaunchExt for CudaStream {
             stream: self,
             func,
             args: Vec::with_capacity(16),
-            hint: false,
         }
     }
 }
@@ -149,15 +146,6 @@ impl<'a, T> KernelArg<&mut CudaViewMut<'_, T>> for Launch<'a> {
 }
 
 impl Launch<'_> {
-    /// Marks the launch as a hint that writes no memory (the L2 prefetch, mod.rs): it goes
-    /// without the PDL attribute (it starts after its stream predecessor completes, which is
-    /// what orders it in the decode step) and does not count as a launch for
-    /// [`launch_count`], so a GEMV input quantized by its producer stays valid across it.
-    pub fn hint(&mut self) -> &mut Self {
-        self.hint = true;
-        self
-    }
-
     /// Submits the kernel to the stream (asynchronously).
     ///
     /// # Safety
@@ -187,7 +175,7 @@ impl Launch<'_> {
         let mut attr: CUlaunchAttribute = std::mem::zeroed();
         attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr.value.programmaticStreamSerializationAllowed = 1;
-        let pdl = pdl_enabled() && !self.hint;
+        let pdl = pdl_enabled();
         let config = CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -201,9 +189,7 @@ impl Launch<'_> {
             numAttrs: pdl as u32,
         };
         self.stream.context().bind_to_thread()?;
-        if !self.hint {
-            LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        }
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
         // SAFETY: `params` points at live values (the borrowed scalars, `devs` here) for the
         // duration of the call, which copies them; the caller vouches for their types.
         sys::cuLaunchKernelEx(

@@ -26,7 +26,6 @@ pub mod mmq;
 pub mod moe;
 pub mod nvrtc;
 pub mod ops;
-pub mod prefetch;
 pub(crate) mod switches;
 
 use std::sync::Arc;
@@ -75,8 +74,6 @@ pub struct CudaBackend {
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
-    /// Weights streamed into L2 ahead of their GEMVs in decode graphs ([`prefetch`]).
-    pub l2pf: prefetch::L2Prefetch,
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended.
@@ -227,7 +224,6 @@ impl CudaBackend {
             attention: attention::Kernels::load(&ctx, arch)?,
             moe: moe::Kernels::load(&ctx, arch)?,
             gated_delta: gated_delta::Kernels::load(&ctx, arch)?,
-            l2pf: prefetch::L2Prefetch::new(&ctx, major)?,
             ctx,
             stream,
             arch,
@@ -639,10 +635,6 @@ impl Backend for CudaBackend {
         gated_delta::sigmoid_gate(self, x, gate)
     }
 
-    fn prefetch_weights(&self, groups: &[&[&CudaWeight]]) -> Result<()> {
-        self.l2pf.prefetch(self, groups)
-    }
-
     fn attention(
         &self,
         kv: &mut attention::CudaKv,
@@ -692,14 +684,10 @@ impl Backend for CudaBackend {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        self.l2pf.begin_capture();
         let recorded = f();
-        // The prefetch branch joins back, and the capture ends even when recording failed,
-        // so the stream is usable again.
-        let joined = self.l2pf.end_capture(&self.stream);
+        // End the capture even when recording failed, so the stream is usable again.
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
         recorded?;
-        joined?;
         let graph = graph.context("instantiating the captured decode step")?;
         if let Some(g) = &graph {
             g.upload()?;

@@ -27,8 +27,6 @@ pub struct Kernels {
     rms_norm_v4: CudaFunction,
     add_rms_norm_v4: CudaFunction,
     argmax_rows_mb: CudaFunction,
-    /// The decode step's L2 prefetch (prefetch.rs).
-    pub(crate) l2_prefetch: CudaFunction,
     /// `argmax_rows_mb`'s per-row best key and arrival ticket (zero between launches).
     argmax_scratch: Mutex<Option<ArgmaxScratch>>,
 }
@@ -54,7 +52,6 @@ impl Kernels {
             rms_norm_v4: function(&m, "rms_norm_v4")?,
             add_rms_norm_v4: function(&m, "add_rms_norm_v4")?,
             argmax_rows_mb: function(&m, "argmax_rows_mb")?,
-            l2_prefetch: function(&m, "l2_prefetch")?,
             argmax_scratch: Mutex::new(None),
         })
     }

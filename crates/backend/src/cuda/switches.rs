@@ -55,11 +55,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K tensor-core GEMV tile in TMA boxes, copied in chunks (MATMUL.md round 9; not yet measured)",
     ),
     (
-        "FERRITE_L2_PREFETCH_MB",
-        Accepts::Range(0, 1024),
-        "MB of the next weights streamed into L2 in decode graphs, 0 off (prefetch.rs, DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

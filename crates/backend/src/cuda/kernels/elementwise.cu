@@ -62,14 +62,6 @@
 //                 0, so a replayed graph finds them clean. NaN and -inf are never candidates
 //                 (as on the CPU); a row with none gives 0. Why: a single block read the
 //                 151,936-logit row at one SM's bandwidth (58 µs per decode step).
-// - l2_prefetch:  weights the decode step reads next, streamed from DRAM into L2 while the
-//                 step's small kernels (RoPE, attention, norms) leave DRAM idle (mod.rs,
-//                 `prefetch_weights`; DECODE_STEP.md). Up to L2PF_SEGS segments; the bytes
-//                 are cut into L2PF_CHUNK pieces dealt round-robin to every thread of the
-//                 grid (one warp per SM: the requests of one SM's copy engine are issued at a
-//                 limited rate, so the pieces are spread over all of them), each one
-//                 `cp.async.bulk.prefetch.L2` (a hint: no completion, nothing written). No
-//                 PDL wait: it reads only weights, which no kernel writes.
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -487,34 +479,4 @@ extern "C" __global__ void argmax_rows_mb(const float* __restrict__ logits, int*
             ticket[row] = 0u;
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------
-// l2_prefetch (plan at the top).
-#define L2PF_SEGS 4
-#define L2PF_CHUNK 16384u
-
-struct L2Segs {
-    unsigned long long p[L2PF_SEGS];  // 16-byte aligned
-    unsigned long long n[L2PF_SEGS];  // bytes, multiples of 16
-};
-
-extern "C" __global__ void __launch_bounds__(32) l2_prefetch(const L2Segs s) {
-#if __CUDA_ARCH__ >= 900
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-#pragma unroll
-    for (int m = 0; m < L2PF_SEGS; m++) {
-        const unsigned long long n = s.n[m], pieces = (n + L2PF_CHUNK - 1) / L2PF_CHUNK;
-        // Piece numbering continues across segments, so short segments do not all land on
-        // the first threads.
-        unsigned long long c = first;
-        for (; c < pieces; c += stride) {
-            const unsigned long long off = c * L2PF_CHUNK;
-            const uint32_t len = (uint32_t)(n - off < L2PF_CHUNK ? n - off : L2PF_CHUNK);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s.p[m] + off), "r"(len) : "memory");
-        }
-        first = c - pieces;
-    }
-#endif
 }
