@@ -277,14 +277,7 @@ impl Kernels {
             Some(_) if ring.blocks_per_sm > 0 && ring.stages > 0 => {
                 let optin = ctx.attribute(
                     sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                )? as usize;
-                let per_sm = ctx.attribute(
-                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
-                )? as usize;
-                // What one block may take: its share of the SM (at most the opt-in limit),
-                // less the hardware's per-block reservation and the kernel's static arrays.
-                let share = (per_sm / ring.blocks_per_sm).min(optin);
-                let block_smem = share.saturating_sub(RING_BLOCK_RESERVE);
+                )?;
                 let mut fams = Vec::with_capacity(TC_TYPES.len());
                 for t in TC_TYPES {
                     let name = TYPES[type_index(t)?].1;
@@ -292,7 +285,7 @@ impl Kernels {
                         let f = function(&m, &format!("gemvq{kind}_tcr_{name}_r1"))?;
                         f.set_attribute(
                             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            block_smem as i32,
+                            optin,
                         )
                         .with_context(|| {
                             format!("gemvq{kind}_tcr_{name}_r1: raising the shared-memory limit")
@@ -301,6 +294,13 @@ impl Kernels {
                     };
                     fams.push((t, [f("")?, f("_swiglu")?]));
                 }
+                let per_sm = ctx.attribute(
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                )? as usize;
+                // What one block may take: its share of the SM (at most the opt-in limit),
+                // less the hardware's per-block reservation and the kernel's static arrays.
+                let share = (per_sm / ring.blocks_per_sm).min(optin as usize);
+                let block_smem = share.saturating_sub(RING_BLOCK_RESERVE);
                 Some((fams, RingShape { block_smem, ..ring }))
             }
             _ => None,
