@@ -103,11 +103,6 @@ pub struct Kernels {
     /// `gemvq_tcm_q4_k_r<R>`, `gemvq_swiglu_tcm_q4_k_r<R>`: the Q4_K tensor-core tile in TMA
     /// boxes (`FERRITE_GEMV_TMA=1`; None otherwise).
     gemvq_tcm: Option<[[CudaFunction; 6]; 2]>,
-    /// The ring form of the 16-row tensor-core tile (`gemvq_tcr_<type>_r1`,
-    /// `gemvq_swiglu_tcr_<type>_r1`: persistent blocks, tiles through a ring of stages) and
-    /// its shape ([`RingShape`]); None where off (`FERRITE_GEMV_RING=0,0`) or without the
-    /// tensor-core kernels.
-    gemvq_tcr: Option<(Vec<(GgmlType, [CudaFunction; 2])>, RingShape)>,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
@@ -268,43 +263,6 @@ impl Kernels {
         } else {
             None
         };
-        let ring = switches::get("FERRITE_GEMV_RING")?.map_or(RING_DEFAULT, |v| RingShape {
-            blocks_per_sm: v[0] as usize,
-            stages: v[1] as usize,
-            block_smem: 0,
-        });
-        let gemvq_tcr = match &gemvq_tc {
-            Some(_) if ring.blocks_per_sm > 0 && ring.stages > 0 => {
-                let optin = ctx.attribute(
-                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                )?;
-                let mut fams = Vec::with_capacity(TC_TYPES.len());
-                for t in TC_TYPES {
-                    let name = TYPES[type_index(t)?].1;
-                    let f = |kind: &str| -> Result<CudaFunction> {
-                        let f = function(&m, &format!("gemvq{kind}_tcr_{name}_r1"))?;
-                        f.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            optin,
-                        )
-                        .with_context(|| {
-                            format!("gemvq{kind}_tcr_{name}_r1: raising the shared-memory limit")
-                        })?;
-                        Ok(f)
-                    };
-                    fams.push((t, [f("")?, f("_swiglu")?]));
-                }
-                let per_sm = ctx.attribute(
-                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
-                )? as usize;
-                // What one block may take: its share of the SM (at most the opt-in limit),
-                // less the hardware's per-block reservation and the kernel's static arrays.
-                let share = (per_sm / ring.blocks_per_sm).min(optin as usize);
-                let block_smem = share.saturating_sub(RING_BLOCK_RESERVE);
-                Some((fams, RingShape { block_smem, ..ring }))
-            }
-            _ => None,
-        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
@@ -330,7 +288,6 @@ impl Kernels {
             gemvq_tc,
             gemvq_tc_long,
             gemvq_tcm,
-            gemvq_tcr,
             gemvq_moe,
             gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
@@ -862,20 +819,6 @@ fn gemvq_launch(
             (&f[ri], cfg, None)
         }
         Some(TcForm::Box(f)) => (&f[fam][ri], gemv_config(groups, 1), None),
-        // The ring form: `stages` in the split argument's place.
-        Some(TcForm::Ring(f, stages, blocks)) => {
-            let tiles = if up.is_some() {
-                n_out.div_ceil(8)
-            } else {
-                n_out.div_ceil(16)
-            };
-            let cfg = LaunchConfig {
-                grid_dim: (u32::try_from(blocks.min(tiles))?, 1, 1),
-                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            (&f[fam], cfg, Some(stages as i32))
-        }
         Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
@@ -1031,61 +974,7 @@ enum TcForm<'a> {
     Half(&'a [CudaFunction; 6]),
     /// The Q4_K 16-row tile in TMA boxes (families: plain, SwiGLU; `FERRITE_GEMV_TMA=1`).
     Box(&'a [[CudaFunction; 6]; 2]),
-    /// The 16-row tile in the ring form (plain, SwiGLU; one row of x): the kernels, stages
-    /// and blocks ([`ring_plan`]).
-    Ring(&'a [CudaFunction; 2], usize, usize),
 }
-
-/// The ring form's shape: persistent blocks per SM and shared-memory stages per block (the
-/// most that fit [`RingShape::block_smem`] where fewer fit), `FERRITE_GEMV_RING`.
-#[derive(Clone, Copy, Debug)]
-struct RingShape {
-    blocks_per_sm: usize,
-    stages: usize,
-    /// Dynamic shared memory one block may take (set at load from the device).
-    block_smem: usize,
-}
-
-/// `FERRITE_GEMV_RING`'s default (MATMUL.md round 10).
-const RING_DEFAULT: RingShape = RingShape {
-    blocks_per_sm: 1,
-    stages: 4,
-    block_smem: 0,
-};
-
-/// Shared memory per ring block that is not its stages and x: the per-block reservation of
-/// the hardware (1 KB) and the kernel's static arrays (stage barriers, tc_store's sums: 1664
-/// bytes on sm_90a), with room to spare.
-const RING_BLOCK_RESERVE: usize = 4096;
-
-/// The ring form for a one-row launch of `kind` over `n_out` rows whose 16-row tile takes
-/// `tile` bytes of shared memory and x `x` bytes: where loaded for type `t`, for plain and
-/// SwiGLU launches with more tiles than ring blocks (one tile per block gains nothing from
-/// the ring); stages as many as asked that fit (at least one). Returns (kernels, stages,
-/// blocks).
-fn ring_plan<'a>(
-    be: &'a CudaBackend,
-    t: GgmlType,
-    n_out: usize,
-    tile: usize,
-    x: usize,
-    kind: GemvKind,
-) -> Option<(&'a [CudaFunction; 2], usize, usize)> {
-    let (fams, shape) = be.matmul.gemvq_tcr.as_ref()?;
-    let f = fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
-    let tiles = match kind {
-        GemvKind::Plain => n_out.div_ceil(16),
-        GemvKind::Swiglu => n_out.div_ceil(8),
-        GemvKind::Grouped => return None,
-    };
-    let blocks = shape.blocks_per_sm * be.sm_count;
-    let fit = shape.block_smem.saturating_sub(x) / tile;
-    let stages = shape.stages.min(fit).min(RING_MAX_STAGES);
-    (tiles > blocks && stages >= 1).then_some((f, stages, blocks))
-}
-
-/// Most stages of the ring form (`TCR_MAX_STAGES` in matmul.cu).
-const RING_MAX_STAGES: usize = 8;
 
 /// The launch a GEMV plan is for: the tensor-core forms differ in which they have.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -1153,25 +1042,10 @@ fn gemvq_plan(
 ) -> Result<(usize, u32, Option<TcForm<'_>>)> {
     let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
     match tc_form(be, t, n_in, n_out, rb, kind) {
-        Some(TcForm::Full(f)) => {
-            let tile = tc_smem(rb, 8);
-            // One row: the ring form where it applies (the same arithmetic per tile).
-            let ring = (rows == 1)
-                .then(|| ring_plan(be, t, n_out, tile as usize, x as usize, kind))
-                .flatten();
-            Ok(match ring {
-                Some((r, stages, blocks)) => (
-                    1,
-                    stages as u32 * tile + x,
-                    Some(TcForm::Ring(r, stages, blocks)),
-                ),
-                None => (1, tile + x, Some(TcForm::Full(f))),
-            })
-        }
+        Some(TcForm::Full(f)) => Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f)))),
         Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
         // The boxes hold the 16 rows densely (16 rb bytes), then x.
         Some(TcForm::Box(f)) => Ok((1, 16 * rb as u32 + x, Some(TcForm::Box(f)))),
-        Some(TcForm::Ring(..)) => bail!("gemvq_plan: tc_form never gives the ring form"),
         None => {
             let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
             Ok((ks, smem, None))
@@ -1373,7 +1247,7 @@ fn multi_launch(
         )?;
         let tc = match tc {
             Some(TcForm::Full(f)) => Some(f),
-            Some(TcForm::Half(_) | TcForm::Box(_) | TcForm::Ring(..)) => {
+            Some(TcForm::Half(_) | TcForm::Box(_)) => {
                 bail!("matmuls: a single-weight tensor-core form in a grouped launch")
             }
             None => None,

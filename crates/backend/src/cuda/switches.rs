@@ -55,11 +55,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K tensor-core GEMV tile in TMA boxes, copied in chunks (MATMUL.md round 9; not yet measured)",
     ),
     (
-        "FERRITE_GEMV_RING",
-        Accepts::List(2),
-        "ring form of the one-row tensor-core GEMV: blocks per SM, stages (0,0 off; MATMUL.md round 10)",
-    ),
-    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

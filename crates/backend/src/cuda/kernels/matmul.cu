@@ -1445,92 +1445,6 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
 #endif
 }
 
-// The ring form of the tensor-core GEMV (gemvq_tcr_*, R = 1; matmul.rs `ring_plan`):
-// persistent blocks (a few per SM) that each walk tiles bx, bx + G, bx + 2G, ... (G = the
-// grid) through `stages` shared-memory stages, the copy of tile i + stages issued as soon as
-// tile i's compute has left its stage.
-//
-//  Why: the one-tile blocks copy, then compute. On a launch of a few waves (the SwiGLU: 1536
-//  tiles, ~2.9 waves of 4 blocks per SM) the first wave's blocks all copy at once and then
-//  all compute at once, and every later wave starts its copy only when a block exits: DRAM
-//  idles while the SMs compute (the SwiGLU runs at ~2.6 TB/s, the many-wave lm head at 95% of
-//  the copy bandwidth). Here a block always has its next tiles' copies in flight while it
-//  computes one, and x is staged once per block instead of once per tile.
-//  Per tile: exactly the one-tile kernel's arithmetic (gemvq_tc_q4k / gemvq_tc_q6k on the same
-//  two slots, tc_store), so every output is bitwise the same as from gemvq_tc_*.
-//  Barriers: stage s has its own mbarrier; its u-th use completes phase u, waited for with
-//  parity u & 1. A block barrier after each tile (every warp has left the stage and tc_store's
-//  shared sums) comes before thread 0 re-arms the stage and issues its next copy.
-#define TCR_MAX_STAGES 8
-
-template <int TYPE, bool SWIGLU>
-__device__ __forceinline__ void gemvq_tcr_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
-                                                const float2* __restrict__ xd, float* __restrict__ out,
-                                                int stages, uint8_t* smem) {
-#if __CUDA_ARCH__ >= 900
-    __shared__ __align__(8) uint64_t bars[TCR_MAX_STAGES];
-    if (stages < 1 || stages > TCR_MAX_STAGES) __trap();  // the launcher's rule
-    constexpr int NS = 8;                      // rows per slot
-    constexpr int TR = SWIGLU ? NS : 2 * NS;   // output rows per tile
-    const int tiles = (n_out + TR - 1) / TR;
-    const size_t slot = tc_slot(rb, NS), stage_bytes = 2 * slot;
-    const uint8_t* Wb = SWIGLU ? W2 : W;
-    // Tile t's two spans (as gemvq_tc_block's): rows r0.. of W, and r0 + 8.. of W (plain) or
-    // r0.. of W2 (SwiGLU).
-    auto span_a = [&](int t) { return W + (size_t)t * TR * (size_t)rb; };
-    auto span_b = [&](int t) { return Wb + ((size_t)t * TR + (SWIGLU ? 0 : NS)) * (size_t)rb; };
-    auto issue = [&](int t, int s) {  // thread 0
-        const int r0 = t * TR, rbeg = SWIGLU ? r0 : r0 + NS;
-        const int na = max(0, min(NS, n_out - r0)), nb = max(0, min(NS, n_out - rbeg));
-        const uint8_t* pa = span_a(t);
-        const uint8_t* pb = span_b(t);
-        size_t a0[2], len[2];
-        uint32_t total = 0;
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const uint8_t* base = m == 0 ? pa : pb;
-            const int n = m == 0 ? na : nb;
-            len[m] = 0;
-            if (n > 0) {
-                a0[m] = (size_t)base & ~(size_t)15;
-                len[m] = (((size_t)(base + (size_t)n * (size_t)rb) + 15) & ~(size_t)15) - a0[m];
-                total += (uint32_t)len[m];
-            }
-        }
-        uint8_t* dst = smem + (size_t)s * stage_bytes;
-        mbar_expect(bars + s, total);
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-            if (len[m]) bulk_g2s(bars + s, dst + m * slot, a0[m], (uint32_t)len[m]);
-    };
-    const int G = gridDim.x, bx = blockIdx.x;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; s++) mbar_init(bars + s);
-        for (int s = 0; s < stages && bx + s * G < tiles; s++) issue(bx + s * G, s);
-    }
-    __syncthreads();
-    PDL_ENTRY();
-    uint8_t* xs = smem + (size_t)stages * stage_bytes;
-    tc_stage_x(xs, xq, xd, n_in);
-    const int8_t* xa = (const int8_t*)xs;
-    const float2* da = (const float2*)(xs + 2 * n_in + 128);
-    for (int i = 0, t = bx; t < tiles; i++, t += G) {
-        const int s = i % stages;
-        mbar_wait(bars + s, (uint32_t)(i / stages) & 1u);
-        const uint8_t* st = smem + (size_t)s * stage_bytes;
-        const uint8_t* s0 = st + ((size_t)span_a(t) & 15);
-        const uint8_t* s1 = st + slot + ((size_t)span_b(t) & 15);
-        if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<1, SWIGLU, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, t * TR, n_in + 64);
-        else
-            gemvq_tc_q6k<1, SWIGLU, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, t * TR, n_in + 64);
-        __syncthreads();
-        if (threadIdx.x == 0 && t + stages * G < tiles) issue(t + stages * G, s);
-    }
-#endif
-}
-
 // The Q4_K tensor-core GEMV with its tile in TMA boxes (gemvq_tcm_*; FERRITE_GEMV_TMA=1,
 // matmul.rs): the same MMA code (gemvq_tc_q4k, BOX), but the tile arrives in n_in / 1024
 // chunks of TCM_SBPC super-blocks of every row, each chunk one 2-D tensor copy per box (the
@@ -1775,29 +1689,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
 
-// gemvq_tcr_<type>_r1, gemvq_swiglu_tcr_<type>_r1: the ring form (gemvq_tcr_block; one row
-// of x). `stages` in the place of the split argument; `rows` must be 1. At most 128 registers
-// (two blocks per SM).
-#define GEMVQ_TCR_KERNEL(name, TYPE)                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                        \
-        gemvq_tcr_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,             \
-                              const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,       \
-                              float* __restrict__ out, int stages) {                                        \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        if (rows != 1) __trap();                                                                            \
-        gemvq_tcr_block<TYPE, false>(W, W, rb, n_out, n_in, xq, xd, out, stages, gemv_smem);                \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                        \
-        gemvq_swiglu_tcr_##name##_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,         \
-                                     long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,      \
-                                     const float2* __restrict__ xd, int rows, float* __restrict__ out,      \
-                                     int stages) {                                                          \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        if (rows != 1) __trap();                                                                            \
-        gemvq_tcr_block<TYPE, true>(W, W2, rb, n_out, n_in, xq, xd, out, stages, gemv_smem);                \
-    }
-
-
 // gemvq_multi_<a>_<b>_r<R>: the grouped launch when the third weight has another type (the
 // Q4_K_M mix stores V as Q6_K in half the layers, Q and K as Q4_K: without this V was a
 // launch of its own, 64 blocks for ~6 µs). Segments 0 and 1 are type A with (rb, ks), segment
@@ -1843,8 +1734,6 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_TCM_KERNEL, q4_k)
-GEMVQ_TCR_KERNEL(q4_k, GGML_Q4_K)
-GEMVQ_TCR_KERNEL(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
