@@ -821,16 +821,19 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // The quantized-x decode GEMV (more than F32_SMALL_OUT outputs): an odd output count, a
     // row length that is not a whole warp step (3 super-blocks; 24 blocks of 32), every
     // quantized type; and the long rows' partial last tile (Q4_K and Q6_K: the tensor-core
-    // GEMV's 8-row tile with FERRITE_GEMV_TC=3, else the lane code's split blocks).
+    // GEMV's 8-row tile with FERRITE_GEMV_TC=3, else the lane code's split blocks); and a
+    // launch of many 16-row tensor-core tiles (more than a wave), its last tile half full
+    // (Q4_K, and Q6_K from 8192 rows).
     // Per set: types, (n_in, n_out), row counts, the most rows under `quick`.
     let quantized: Vec<GgmlType> = GgmlType::ALL
         .into_iter()
         .filter(|t| cuda_matmul::quantized_x(*t))
         .collect();
     type GemvqSet<'a> = (&'a [GgmlType], (usize, usize), &'a [usize], usize);
-    let sets: [GemvqSet; 2] = [
+    let sets: [GemvqSet; 3] = [
         (&quantized, (768, 263), &[1, 2, 5, 9, 16], 9),
         (&[GgmlType::Q4K, GgmlType::Q6K], (12288, 100), &[1, 3, 9], 1),
+        (&[GgmlType::Q4K, GgmlType::Q6K], (2048, 8200), &[1, 2], 1),
     ];
     for (tys, (n_in, n_out), row_counts, quick_max) in sets {
         for &ty in tys {
@@ -951,12 +954,20 @@ pub fn cases(quick: bool) -> Vec<Case> {
         &'a [usize],
         bool,
     );
-    let sets: [SwigluSet; 2] = [
+    let sets: [SwigluSet; 3] = [
         (
             &[GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q5K, GgmlType::BF16],
             (512, 300),
             &[(512, 300), (4096, 12288), (2048, 768)],
             &[1, 2, 9, 16, 17],
+            false,
+        ),
+        // Many 8-pair tensor-core tiles (more than a wave), the last one half full.
+        (
+            &[GgmlType::Q4K],
+            (2048, 8196),
+            &[(2048, 8196)],
+            &[1, 2],
             false,
         ),
         (
