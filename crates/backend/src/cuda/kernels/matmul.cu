@@ -521,6 +521,10 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, const uint8_t* b, int nb,
                                                     long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
+    // Diagnostic 4: the copy after the PDL wait (no overlap with the kernel before: what
+    // the early copies cost that kernel, MATMUL.md round 10).
+    const bool late = gemv_diag == 4;
+    if (late) PDL_ENTRY();
     if (threadIdx.x == 0) {
         size_t a0[2], len[2];
         uint32_t total = 0;
@@ -543,8 +547,10 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
             if (len[m]) bulk_g2s(bar, smem + m * slot, a0[m], (uint32_t)len[m]);
     }
     __syncthreads();
-#endif
+    if (!late) PDL_ENTRY();
+#else
     PDL_ENTRY();
+#endif
 }
 
 // The lane-code GEMV's copies: rows [r0, r0 + per_block) (clamped to n_out) of W into slot 0
