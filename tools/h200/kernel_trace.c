@@ -8,8 +8,8 @@
  * serialises kernels and the machines have no nsys.
  *
  * Built and used on the GPU machine (KREC: the newest CUpti_ActivityKernel<N> of its header):
- *   nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$CUDA/extras/CUPTI/include \
- *        tools/h200/kernel_trace.c -L$CUPTI_LIB -lcupti -o /tmp/libktrace.so
+ *   nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$CUDA/targets/x86_64-linux/include \
+ *        tools/h200/kernel_trace.c -L$CUDA/targets/x86_64-linux/lib -lcupti -o /tmp/libktrace.so
  *   CUDA_INJECTION64_PATH=/tmp/libktrace.so TRACE_OUT=/tmp/trace.txt ferrite bench ...
  */
 #include <cupti.h>

@@ -56,8 +56,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_DIAG",
-        Accepts::Range(0, 4),
-        "GEMV copy/compute timing (MATMUL.md rounds 8, 10)",
+        Accepts::Range(0, 3),
+        "GEMV copy/compute timing (MATMUL.md round 8)",
     ),
     (
         "FERRITE_GEMVQ_SMEM",

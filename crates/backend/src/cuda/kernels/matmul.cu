@@ -521,10 +521,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, const uint8_t* b, int nb,
                                                     long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
-    // Diagnostic 4: the copy after the PDL wait (no overlap with the kernel before: what
-    // the early copies cost that kernel, MATMUL.md round 10).
-    const bool late = gemv_diag == 4;
-    if (late) PDL_ENTRY();
     if (threadIdx.x == 0) {
         size_t a0[2], len[2];
         uint32_t total = 0;
@@ -547,10 +543,8 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
             if (len[m]) bulk_g2s(bar, smem + m * slot, a0[m], (uint32_t)len[m]);
     }
     __syncthreads();
-    if (!late) PDL_ENTRY();
-#else
-    PDL_ENTRY();
 #endif
+    PDL_ENTRY();
 }
 
 // The lane-code GEMV's copies: rows [r0, r0 + per_block) (clamped to n_out) of W into slot 0
@@ -1223,9 +1217,6 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     const float hs = e ? 0.0625f : 1.0f;  // column t's sub-block is odd: 16x high nibbles
     const int q = g >> 1;                  // B: this lane's column slice
     const bool bval = (q & 1) == (t >> 1), bhi = q >= 2;
-    // B words as masks of one unconditional x load (every lane's address is inside x): the
-    // predicated loads were branches that recomputed the address in each (SASS, round 11).
-    const uint32_t mlo = bval && !bhi ? ~0u : 0u, mhi = bval && bhi ? ~0u : 0u;
     const size_t xoff = (size_t)(g & 1) * (size_t)(XS ? xplane : n_in) + 32 * q + 16 * e;
     const int nsb = n_in / QK_K, nb = n_in / QK;
     float acc[R][2];
@@ -1272,11 +1263,12 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
                 // other stays zero (no per-MMA selects).
                 const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 2 * c + t;
-                const int4 xv = XS ? *xp : __ldg(xp);
+                int4 xa = make_int4(0, 0, 0, 0), xb = make_int4(0, 0, 0, 0);
+                if (bval && !bhi) xa = XS ? *xp : __ldg(xp);
+                if (bval && bhi) xb = XS ? *xp : __ldg(xp);
                 const float2 ds = XS ? *dp : __ldg(dp);
-                const uint32_t xw[4] = {(uint32_t)xv.x, (uint32_t)xv.y, (uint32_t)xv.z, (uint32_t)xv.w};
-                const uint32_t wa[4] = {xw[0] & mlo, xw[1] & mlo, xw[2] & mlo, xw[3] & mlo};
-                const uint32_t wb[4] = {xw[0] & mhi, xw[1] & mhi, xw[2] & mhi, xw[3] & mhi};
+                const uint32_t wa[4] = {(uint32_t)xa.x, (uint32_t)xa.y, (uint32_t)xa.z, (uint32_t)xa.w};
+                const uint32_t wb[4] = {(uint32_t)xb.x, (uint32_t)xb.y, (uint32_t)xb.z, (uint32_t)xb.w};
                 int C[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 4; i++) tc_mma(C, A0[i], A1[i], A2[i], A3[i], wa[i], wb[i]);
@@ -1340,7 +1332,6 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     // qh bits 2 (t / 2) (sub-block t) and 4 + 2 (t / 2) (sub-block 4 + t) to bits 6..7.
     const int shl = 6 - 2 * (t >> 1), shh = 2 - 2 * (t >> 1);
     const bool bval = t == (g & 3), bhi = g >= 4;
-    const uint32_t mlo = bval && !bhi ? ~0u : 0u, mhi = bval && bhi ? ~0u : 0u;  // as the Q4_K form
     const size_t xoff = 16 * (size_t)g;
     const size_t plane = XS ? (size_t)xplane : (size_t)n_in;
     const int nsb = n_in / QK_K, nb = n_in / QK;
@@ -1381,17 +1372,22 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
                 const int rr = r < rows ? r : rows - 1;
                 const int8_t* xr = xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs;
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + t;
-                // b0 words (quads 0..3) or b1 words (quads 4..7), per plane: one unconditional
-                // load per plane, masked (the other stays zero; no per-MMA selects).
-                const int4 hv = XS ? *(const int4*)xr : __ldg((const int4*)xr);
-                const int4 lv = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
+                // b0 words (quads 0..3) or b1 words (quads 4..7), per plane: predicated loads,
+                // the other stays zero (no per-MMA selects).
+                int4 ha = make_int4(0, 0, 0, 0), hb = ha, la = ha, lb = ha;
+                if (bval && !bhi) {
+                    ha = XS ? *(const int4*)xr : __ldg((const int4*)xr);
+                    la = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
+                }
+                if (bval && bhi) {
+                    hb = XS ? *(const int4*)xr : __ldg((const int4*)xr);
+                    lb = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
+                }
                 const float dx = (XS ? *dp : __ldg(dp)).x * 0.25f;
-                const uint32_t hw[4] = {(uint32_t)hv.x, (uint32_t)hv.y, (uint32_t)hv.z, (uint32_t)hv.w};
-                const uint32_t lw[4] = {(uint32_t)lv.x, (uint32_t)lv.y, (uint32_t)lv.z, (uint32_t)lv.w};
-                const uint32_t wha[4] = {hw[0] & mlo, hw[1] & mlo, hw[2] & mlo, hw[3] & mlo};
-                const uint32_t whb[4] = {hw[0] & mhi, hw[1] & mhi, hw[2] & mhi, hw[3] & mhi};
-                const uint32_t wla[4] = {lw[0] & mlo, lw[1] & mlo, lw[2] & mlo, lw[3] & mlo};
-                const uint32_t wlb[4] = {lw[0] & mhi, lw[1] & mhi, lw[2] & mhi, lw[3] & mhi};
+                const uint32_t wha[4] = {(uint32_t)ha.x, (uint32_t)ha.y, (uint32_t)ha.z, (uint32_t)ha.w};
+                const uint32_t whb[4] = {(uint32_t)hb.x, (uint32_t)hb.y, (uint32_t)hb.z, (uint32_t)hb.w};
+                const uint32_t wla[4] = {(uint32_t)la.x, (uint32_t)la.y, (uint32_t)la.z, (uint32_t)la.w};
+                const uint32_t wlb[4] = {(uint32_t)lb.x, (uint32_t)lb.y, (uint32_t)lb.z, (uint32_t)lb.w};
                 int H[4] = {0, 0, 0, 0}, L[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
