@@ -146,11 +146,10 @@ __device__ __forceinline__ void pdl_launch_dependents() {
         pdl_wait();                                                                                \
         pdl_launch_dependents();                                                                   \
     } while (0)
-// The small latency-bound kernels between two GEMVs (RMSNorm, QK-norm + RoPE, decode
-// attention, quant_x_q8) let their successor launch BEFORE their own wait: the next GEMV's
-// blocks then start their weight copies while the GEMV before this kernel still computes
-// (DRAM at ~55% there), instead of during this kernel's own loads, which they would queue
-// ahead of (DECODE_STEP.md, the traced step). Safe as PDL_ENTRY: the successor's wait still
+// The RMSNorm between two GEMVs lets its successor launch BEFORE its own wait: the next
+// GEMV's blocks then start their weight copies while the GEMV before the norm still computes
+// (DRAM at ~55% there), instead of during the norm's own loads, which they would queue ahead
+// of (DECODE_STEP.md, the traced step; MATMUL.md round 10 for the other small kernels). Safe as PDL_ENTRY: the successor's wait still
 // returns only after this grid completes, which is after this grid's own wait; and a grid is
 // launched only once every block of its predecessor is running, so waiting blocks never
 // hold the slots their predecessor needs.

@@ -218,7 +218,7 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
             inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
         }
     }
-    PDL_ENTRY_EARLY();
+    PDL_ENTRY();
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp;
     int t;
