@@ -146,18 +146,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
         pdl_wait();                                                                                \
         pdl_launch_dependents();                                                                   \
     } while (0)
-// The RMSNorm between two GEMVs lets its successor launch BEFORE its own wait: the next
-// GEMV's blocks then start their weight copies while the GEMV before the norm still computes
-// (DRAM at ~55% there), instead of during the norm's own loads, which they would queue ahead
-// of (DECODE_STEP.md, the traced step; MATMUL.md round 10 for the other small kernels). Safe as PDL_ENTRY: the successor's wait still
-// returns only after this grid completes, which is after this grid's own wait; and a grid is
-// launched only once every block of its predecessor is running, so waiting blocks never
-// hold the slots their predecessor needs.
-#define PDL_ENTRY_EARLY()                                                                          \
-    do {                                                                                           \
-        pdl_launch_dependents();                                                                   \
-        pdl_wait();                                                                                \
-    } while (0)
 
 // The two-plane int8 quantization of x for the dp4a GEMV (matmul.cu, section 1b), one warp per
 // 32-element block, lane = element: v ~ d (127 hi + lo) with d = amax / 127^2: hi =

@@ -376,7 +376,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    PDL_ENTRY_EARLY();
+    PDL_ENTRY();
     float4* xr = (float4*)(x + r * cols);
     const float4* yr = (const float4*)(y + r * cols);
     float ss = 0.f;
