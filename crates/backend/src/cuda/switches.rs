@@ -52,7 +52,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_TMA",
         Accepts::OneOf(&[0, 1]),
-        "Q4_K tensor-core GEMV tile in TMA boxes, copied in chunks (MATMUL.md round 9; not yet measured)",
+        "Q4_K tensor-core GEMV tile in TMA boxes, copied in chunks (MATMUL.md rounds 9, 10: slower)",
     ),
     (
         "FERRITE_GEMV_DIAG",
