@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """What each kernel adds to a decode step, from a kernel_trace.c log.
 
-    python3 tools/h200/kernel_trace.py trace.txt [--top N]
+    python3 tools/h200/kernel_trace.py trace.txt [--top N] [--order] [--vs other.txt]
 
 A step is the span from one `embed` kernel to the next; decode steps are those with the most
 common kernel count (prefill steps and the first eager steps differ). Within a step, kernel i
 "adds" end[i] - end[i-1]: with programmatic dependent launch the kernels' own [start, end]
 spans overlap (a kernel starts while its predecessor runs and waits), but each ends after its
 predecessor, so the end-to-end gaps partition the step. Printed per (kernel, grid): count per
-step, µs added per step, per call, and its own mean span (start to end).
+step, µs added per step, per call, and its own mean span (start to end). --order: the first
+step's kernels in order with their mean added µs. --vs: a second trace (another build or
+switch), per kernel µs added per call in each and the difference.
 """
 import collections
 import sys
 
 
-def main(path, top):
+def load(path):
+    """The decode steps of a trace: lists of (start, end, "name (grid)")."""
     ks = []
     for line in open(path):
         p = line.split(None, 5)
@@ -28,32 +31,51 @@ def main(path, top):
             cur = []
         cur.append(k)
     if not steps:
-        sys.exit("no embed-delimited steps in the trace")
+        sys.exit(f"{path}: no embed-delimited steps in the trace")
     n = collections.Counter(len(s) for s in steps).most_common(1)[0][0]
     dec = [s for s in steps if len(s) == n][1:]  # the first may be the eager step
     if not dec:
-        sys.exit("no repeated step shape")
+        sys.exit(f"{path}: no repeated step shape")
+    return dec
+
+
+def added(dec):
+    """Per kernel: (calls per step, µs added per step, µs span per call)."""
     add = collections.defaultdict(float)
     span = collections.defaultdict(float)
     cnt = collections.Counter()
-    step_us = []
     for s in dec:
         for i, (st, en, name) in enumerate(s):
             prev_end = s[i - 1][1] if i else st
             add[name] += (en - prev_end) / 1e3
             span[name] += (en - st) / 1e3
             cnt[name] += 1
-        step_us.append((s[-1][1] - s[0][0]) / 1e3)
     m = len(dec)
-    total = sum(step_us) / m
+    return {k: (cnt[k] / m, add[k] / m, span[k] / cnt[k]) for k in add}
+
+
+def main(path, top):
+    dec = load(path)
+    n, m = len(dec[0]), len(dec)
+    total = sum((s[-1][1] - s[0][0]) / 1e3 for s in dec) / m
+    st = added(dec)
     print(f"{m} decode steps of {n} kernels; embed start to last end: {total:.1f} us per step")
+    if "--vs" in sys.argv:
+        other = added(load(sys.argv[sys.argv.index("--vs") + 1]))
+        print(f"{'kernel (grid)':60s} {'n':>4s} {'us/call':>8s} {'vs':>8s} {'diff':>7s} {'us/step diff':>12s}")
+        keys = sorted(set(st) | set(other), key=lambda k: -max(st.get(k, (0, 0, 0))[1], other.get(k, (0, 0, 0))[1]))
+        for k in keys[:top]:
+            c, a, _ = st.get(k, (0, 0.0, 0))
+            c2, b, _ = other.get(k, (0, 0.0, 0))
+            pa, pb = (a / c if c else 0.0), (b / c2 if c2 else 0.0)
+            print(f"{k:60s} {max(c, c2):4.0f} {pa:8.2f} {pb:8.2f} {pb - pa:+7.2f} {b - a:+12.1f}")
+        print(f"{'sum':60s} {'':4s} {'':8s} {'':8s} {'':7s} {sum(v[1] for v in other.values()) - sum(v[1] for v in st.values()):+12.1f}")
+        return
     print(f"{'kernel (grid)':60s} {'n':>4s} {'us/step':>8s} {'us/call':>8s} {'span':>7s}")
-    rows = sorted(add, key=lambda k: -add[k])
-    for k in rows[:top]:
-        c = cnt[k] / m
-        print(f"{k:60s} {c:4.0f} {add[k] / m:8.1f} {add[k] / cnt[k]:8.2f} {span[k] / cnt[k]:7.2f}")
-    print(f"{'sum':60s} {'':4s} {sum(add.values()) / m:8.1f}")
-    # The step in order (first decode step shape, mean over steps): position, kernel, added.
+    for k in sorted(st, key=lambda k: -st[k][1])[:top]:
+        c, a, sp = st[k]
+        print(f"{k:60s} {c:4.0f} {a:8.1f} {a / c:8.2f} {sp:7.2f}")
+    print(f"{'sum':60s} {'':4s} {sum(v[1] for v in st.values()):8.1f}")
     if "--order" in sys.argv:
         for i in range(n):
             a = sum((s[i][1] - (s[i - 1][1] if i else s[i][0])) / 1e3 for s in dec) / m

@@ -16,6 +16,8 @@
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
+#   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
+#            injection, tools/h200/kernel_trace.{c,py}); the raw trace comes back gzipped
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
 # Logs and bench/results.jsonl lines are written under $OUT. To compare two builds in one
@@ -111,6 +113,19 @@ for stage in "$@"; do
             --kernel-name regex:"gemvq_swiglu_q4_k_r1|gemvq_q4_k_r1" --launch-skip 60 --launch-count 2 --set full \
             $F bench --model "$f" --reps 1 --prompt-tokens 16 --gen-tokens 8 --gate-tokens 2 > "$OUT/ncu_detail.txt" 2>&1
         grep -E "gemvq|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issue Slots" "$OUT/ncu_detail.txt"
+        rm -f "$f"
+        ;;
+    trace)
+        # PDL overlaps the kernels, so ncu's one-at-a-time times do not add up to a step;
+        # CUPTI's start/end of each graph kernel do (kernel_trace.py: end-to-end gaps).
+        C=/usr/local/cuda/targets/x86_64-linux
+        nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$C/include \
+            tools/h200/kernel_trace.c -L$C/lib -lcupti -o /tmp/libktrace.so || continue
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
+            TRACE_OUT=/tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
+        python3 tools/h200/kernel_trace.py /tmp/trace.txt --order | tee "$OUT/trace.txt" | head -20
+        gzip -c /tmp/trace.txt > "$OUT/trace-raw.txt.gz"
         rm -f "$f"
         ;;
     exact)
