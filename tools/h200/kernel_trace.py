@@ -39,16 +39,22 @@ def load(path):
     return dec
 
 
+def gaps(step):
+    """Per kernel of a step, in order: (name, µs it adds = its end minus its predecessor's
+    end, the first kernel's own span; µs span)."""
+    return [(name, (en - (step[i - 1][1] if i else st)) / 1e3, (en - st) / 1e3)
+            for i, (st, en, name) in enumerate(step)]
+
+
 def added(dec):
     """Per kernel: (calls per step, µs added per step, µs span per call)."""
     add = collections.defaultdict(float)
     span = collections.defaultdict(float)
     cnt = collections.Counter()
     for s in dec:
-        for i, (st, en, name) in enumerate(s):
-            prev_end = s[i - 1][1] if i else st
-            add[name] += (en - prev_end) / 1e3
-            span[name] += (en - st) / 1e3
+        for name, a, sp in gaps(s):
+            add[name] += a
+            span[name] += sp
             cnt[name] += 1
     m = len(dec)
     return {k: (cnt[k] / m, add[k] / m, span[k] / cnt[k]) for k in add}
@@ -77,8 +83,9 @@ def main(path, top):
         print(f"{k:60s} {c:4.0f} {a:8.1f} {a / c:8.2f} {sp:7.2f}")
     print(f"{'sum':60s} {'':4s} {sum(v[1] for v in st.values()):8.1f}")
     if "--order" in sys.argv:
+        per_step = [gaps(s) for s in dec]
         for i in range(n):
-            a = sum((s[i][1] - (s[i - 1][1] if i else s[i][0])) / 1e3 for s in dec) / m
+            a = sum(g[i][1] for g in per_step) / m
             print(f"{i:4d} {dec[0][i][2]:60s} {a:7.2f}")
 
 
