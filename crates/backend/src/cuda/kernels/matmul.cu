@@ -1217,15 +1217,20 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     const float hs = e ? 0.0625f : 1.0f;  // column t's sub-block is odd: 16x high nibbles
     const int q = g >> 1;                  // B: this lane's column slice
     const bool bval = (q & 1) == (t >> 1), bhi = q >= 2;
+    // The x words go to b0 (k 0..15) or b1 (k 16..31) or neither: masks of one unconditional
+    // load (no predicated loads and their scaffolding; MATMUL.md round 11).
+    const uint32_t mlo = (bval && !bhi) ? 0xFFFFFFFFu : 0u, mhi = (bval && bhi) ? 0xFFFFFFFFu : 0u;
     const size_t xoff = (size_t)(g & 1) * (size_t)(XS ? xplane : n_in) + 32 * q + 16 * e;
     const int nsb = n_in / QK_K, nb = n_in / QK;
     float acc[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
-    // Two super-blocks per iteration for R <= 2 (their loads in flight together; measured
-    // with the conflict-free slots: SwiGLU 4096->12288 24.5 -> 21.8 us); one for larger R,
-    // whose accumulators take the registers.
-    constexpr int SB_UNROLL = R <= 2 ? 2 : 1;
+    // Two super-blocks per iteration for R = 2 (their loads in flight together; measured
+    // with the conflict-free slots and the predicated x loads: SwiGLU 4096->12288 24.5 ->
+    // 21.8 us); one for R = 1 (with the branch-free x words the second super-block's values
+    // do not fit the registers: MATMUL.md round 11) and for larger R, whose accumulators take
+    // the registers.
+    constexpr int SB_UNROLL = R == 2 ? 2 : 1;
 #pragma unroll SB_UNROLL
     for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
         size_t off = (size_t)sb * Q4_K_BYTES;
@@ -1259,16 +1264,15 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
-                // b0 words (k 0..15) or b1 words (k 16..31): one predicated load each, the
-                // other stays zero (no per-MMA selects).
+                // b0 words (k 0..15) or b1 words (k 16..31): one load, masked into each.
                 const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 2 * c + t;
-                int4 xa = make_int4(0, 0, 0, 0), xb = make_int4(0, 0, 0, 0);
-                if (bval && !bhi) xa = XS ? *xp : __ldg(xp);
-                if (bval && bhi) xb = XS ? *xp : __ldg(xp);
+                const int4 xv = XS ? *xp : __ldg(xp);
                 const float2 ds = XS ? *dp : __ldg(dp);
-                const uint32_t wa[4] = {(uint32_t)xa.x, (uint32_t)xa.y, (uint32_t)xa.z, (uint32_t)xa.w};
-                const uint32_t wb[4] = {(uint32_t)xb.x, (uint32_t)xb.y, (uint32_t)xb.z, (uint32_t)xb.w};
+                const uint32_t wa[4] = {(uint32_t)xv.x & mlo, (uint32_t)xv.y & mlo, (uint32_t)xv.z & mlo,
+                                        (uint32_t)xv.w & mlo};
+                const uint32_t wb[4] = {(uint32_t)xv.x & mhi, (uint32_t)xv.y & mhi, (uint32_t)xv.z & mhi,
+                                        (uint32_t)xv.w & mhi};
                 int C[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 4; i++) tc_mma(C, A0[i], A1[i], A2[i], A3[i], wa[i], wb[i]);
@@ -1652,7 +1656,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // three blocks per SM by shared memory) R = 1 at most 85, R = 2 at most 128. Larger R
 // (batched decode, verify) take what they need.
 #define GEMVQ_TC_MINB(TYPE, R) \
-    ((TYPE) == GGML_Q4_K ? ((R) == 1 ? 4 : (R) == 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
+    ((TYPE) == GGML_Q4_K ? ((R) == 1 ? 3 : (R) == 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
 #define GEMVQ_TC_KERNEL(name, TYPE, R) \
     GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TC_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TC_KERNEL, name, TYPE)
