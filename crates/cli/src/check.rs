@@ -821,18 +821,20 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // The quantized-x decode GEMV (more than F32_SMALL_OUT outputs): an odd output count, a
     // row length that is not a whole warp step (3 super-blocks; 24 blocks of 32), every
     // quantized type; and the long rows' partial last tile (Q4_K and Q6_K: the tensor-core
-    // GEMV's 8-row tile with FERRITE_GEMV_TC=3, else the lane code's split blocks); and a
-    // launch of many 16-row tensor-core tiles (more than a wave), its last tile half full
-    // (Q4_K, and Q6_K from 8192 rows).
+    // GEMV's 16-row tile over K slices (Q4_K by default, Q6_K with FERRITE_GEMV_TCK), its
+    // 8-row tile with FERRITE_GEMV_TC=3, or the lane code's split blocks), and long rows in
+    // unequal K slices (14336 columns: Q4_K 4 x 3584, Q6_K 3 x 4096 + 2048); and a launch of many 16-row tensor-core tiles (more than
+    // a wave), its last tile half full (Q4_K, and Q6_K from 8192 rows).
     // Per set: types, (n_in, n_out), row counts, the most rows under `quick`.
     let quantized: Vec<GgmlType> = GgmlType::ALL
         .into_iter()
         .filter(|t| cuda_matmul::quantized_x(*t))
         .collect();
     type GemvqSet<'a> = (&'a [GgmlType], (usize, usize), &'a [usize], usize);
-    let sets: [GemvqSet; 3] = [
+    let sets: [GemvqSet; 4] = [
         (&quantized, (768, 263), &[1, 2, 5, 9, 16], 9),
         (&[GgmlType::Q4K, GgmlType::Q6K], (12288, 100), &[1, 3, 9], 1),
+        (&[GgmlType::Q4K, GgmlType::Q6K], (14336, 40), &[1, 9], 1),
         (&[GgmlType::Q4K, GgmlType::Q6K], (2048, 8200), &[1, 2], 1),
     ];
     for (tys, (n_in, n_out), row_counts, quick_max) in sets {

@@ -100,6 +100,11 @@ pub struct Kernels {
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
+    /// Most columns per K slice of the long rows, Q4_K and Q6_K ([`TCK_COLS`]).
+    gemvq_tck_cols: [usize; 2],
+    /// The K-split tile's partial sums and tickets (`TcLong::Split`), grown like the int8
+    /// scratch (by an eager step; retired buffers kept for graphs that still point at them).
+    tck: Mutex<Option<TckScratch>>,
     /// `gemvq_tcm_q4_k_r<R>`, `gemvq_swiglu_tcm_q4_k_r<R>`: the Q4_K tensor-core tile in TMA
     /// boxes (`FERRITE_GEMV_TMA=1`; None otherwise).
     gemvq_tcm: Option<[[CudaFunction; 6]; 2]>,
@@ -230,12 +235,15 @@ impl Kernels {
         let gemvq_tc_long = match tc {
             2 => TcLong::Full,
             3 => TcLong::Half,
-            _ => TcLong::Lane,
+            _ => TcLong::Split,
         };
+        let gemvq_tck_cols =
+            switches::get("FERRITE_GEMV_TCK")?.map_or(TCK_COLS, |v| [v[0] as usize, v[1] as usize]);
         let gemvq_tc = if bulk && tc_on {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
             let mut fams = Vec::with_capacity(TC_TYPES.len());
             let mut half = Vec::with_capacity(TC_TYPES.len());
+            let mut split = Vec::with_capacity(TC_TYPES.len());
             for t in TC_TYPES {
                 let name = TYPES[type_index(t)?].1;
                 fams.push((
@@ -247,10 +255,12 @@ impl Kernels {
                     ],
                 ));
                 half.push((t, all(&format!("_tch_{name}"))?));
+                split.push((t, all(&format!("_tck_{name}"))?));
             }
             Some(TcKernels {
                 fams,
                 half,
+                split,
                 mixed: all("_multi_tc_q4_k_q6_k")?,
             })
         } else {
@@ -287,6 +297,8 @@ impl Kernels {
             gemvq_mixed,
             gemvq_tc,
             gemvq_tc_long,
+            gemvq_tck_cols,
+            tck: Mutex::new(None),
             gemvq_tcm,
             gemvq_moe,
             gemvq_moe_smem,
@@ -819,6 +831,16 @@ fn gemvq_launch(
             (&f[ri], cfg, None)
         }
         Some(TcForm::Box(f)) => (&f[fam][ri], gemv_config(groups, 1), None),
+        // The K-split tile: a block per (16-row tile, slice); the slice width in the split
+        // argument's place.
+        Some(TcForm::Split(f, ks, kc)) => {
+            let cfg = LaunchConfig {
+                grid_dim: (u32::try_from(n_out.div_ceil(16))?, u32::try_from(ks)?, 1),
+                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (&f[ri], cfg, Some(i32::try_from(kc)?))
+        }
         Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
@@ -833,6 +855,19 @@ fn gemvq_launch(
             let box_rows = if up.is_some() { 8 } else { 16 };
             let mb = up.map(|u| tensor_map(be, u, box_rows)).transpose()?;
             Some((tensor_map(be, w, box_rows)?, mb))
+        }
+        _ => None,
+    };
+    // The K-split tile's partial sums and tickets (its bulk copies need 16-byte aligned
+    // rows: the weight's own allocation, rb a multiple of 16 by tck_split).
+    let tck = match tc {
+        Some(TcForm::Split(..)) => {
+            let (wp, _g) = w.data.device_ptr(&be.stream);
+            ensure!(
+                wp % 16 == 0 && rb % 16 == 0,
+                "gemvq: K-split tile on a weight not 16-byte aligned"
+            );
+            Some(lock_tck(be, n_out)?)
         }
         _ => None,
     };
@@ -862,9 +897,14 @@ fn gemvq_launch(
     if let Some(ks_i) = &ks_arg {
         launch.arg(ks_i);
     }
+    let tck_bufs = tck.as_ref().and_then(|g| g.as_ref());
+    if let Some(sc) = tck_bufs {
+        launch.arg(&sc.part).arg(&sc.tickets);
+    }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above; the tensor maps describe exactly these); the x scratch holds
-    // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats.
+    // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats; the K-split
+    // scratch holds TCK_MAX_SPLITS × GEMV_MAX_ROWS × n_out partials and a ticket per tile.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
@@ -940,18 +980,96 @@ const TC_TYPES: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
 struct TcKernels {
     fams: Vec<(GgmlType, [[CudaFunction; 6]; 3])>,
     half: Vec<(GgmlType, [CudaFunction; 6])>,
+    /// `gemvq_tck_<type>_r<R>`: the K-split tile for long rows (`TcLong::Split`).
+    split: Vec<(GgmlType, [CudaFunction; 6])>,
     mixed: [CudaFunction; 6],
 }
 
 /// Rows whose 16-row tensor-core tile does not fit [`GEMVQ_TC_MAX_SMEM`] (the 12288-column
-/// down projections): `FERRITE_GEMV_TC` 1 (default) the lane code, 2 the 16-row tile up to
-/// [`GEMVQ_BULK_MAX_SMEM`] (one block per SM), 3 the 8-row tile (faster from 8 rows of x,
-/// slower at one: MATMUL.md round 9).
+/// down projections): `FERRITE_GEMV_TC` 1 (default) the 16-row tile over slices of K for the
+/// types with a slice width ([`TCK_COLS`], plain launches only; MATMUL.md round 11), else the
+/// lane code; 2 the 16-row tile up to [`GEMVQ_BULK_MAX_SMEM`] (one block per SM), 3 the 8-row
+/// tile (faster from 8 rows of x, slower at one: MATMUL.md round 9).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum TcLong {
     Half,
     Full,
-    Lane,
+    Split,
+}
+
+/// Most columns per slice of the K-split tile, for Q4_K and Q6_K (0: that type's long rows
+/// take the lane code); `FERRITE_GEMV_TCK` overrides. 4096: the tile is the 16 x 4096 one of
+/// the SwiGLU and the 4096-column weights. Q6_K stays on the lane code: at one row its split
+/// tile was slower (12288->4096: 18.1 -> 21.6 us; Q4_K 13.1 -> 13.5 isolated, 13.5 -> 13.4 in
+/// the decode graph, and 65 -> 39 us at 8 rows: MATMUL.md round 11).
+const TCK_COLS: [usize; 2] = [4096, 0];
+
+/// Most columns per slice the K-split tile accepts (its shared memory: a 16 x 8192 Q6_K tile
+/// and x are ~125 KB, over [`GEMVQ_BULK_MAX_SMEM`]).
+const TCK_MAX_COLS: usize = 4096;
+
+/// Most slices of the K-split tile (the partial-sum scratch is sized for it).
+const TCK_MAX_SPLITS: usize = 8;
+
+/// The K-split of a row of `n_in` columns of type `t` (Q4_K or Q6_K) into slices of at most
+/// `max_cols` columns: (slices, columns per slice, the last slice shorter where they do not
+/// divide), whole super-blocks each, every
+/// slice 16-byte aligned for its bulk copies (Q6_K's 210-byte super-blocks: multiples of 8);
+/// None where it does not apply (one slice, too many, or misaligned).
+fn tck_split(t: GgmlType, n_in: usize, max_cols: usize) -> Option<(usize, usize)> {
+    let (qk, align) = match t {
+        GgmlType::Q4K => (256, 1),
+        GgmlType::Q6K => (256, 8),
+        _ => return None,
+    };
+    if !n_in.is_multiple_of(qk) || !(n_in / qk).is_multiple_of(align) || max_cols < qk * align {
+        return None;
+    }
+    let nsb = n_in / qk;
+    let per = nsb
+        .div_ceil(nsb.div_ceil(max_cols.min(TCK_MAX_COLS) / qk))
+        .next_multiple_of(align);
+    let ks = nsb.div_ceil(per);
+    (2..=TCK_MAX_SPLITS).contains(&ks).then_some((ks, per * qk))
+}
+
+/// The K-split tile's scratch: partial sums for [`TCK_MAX_SPLITS`] slices of
+/// [`GEMV_MAX_ROWS`] rows of `n_out` outputs, and one ticket per 16-row tile (zero between
+/// launches: the block that draws a tile's last ticket resets it).
+pub(crate) struct TckScratch {
+    part: CudaSlice<f32>,
+    tickets: CudaSlice<u32>,
+    n_out: usize,
+    /// Smaller buffers replaced by a grow, kept alive for graphs captured earlier.
+    retired: Vec<(CudaSlice<f32>, CudaSlice<u32>)>,
+}
+
+/// The K-split scratch, locked, grown first if sized for fewer than `n_out` outputs.
+fn lock_tck(
+    be: &CudaBackend,
+    n_out: usize,
+) -> Result<std::sync::MutexGuard<'_, Option<TckScratch>>> {
+    let mut guard = be
+        .matmul
+        .tck
+        .lock()
+        .map_err(|_| anyhow!("matmul: K-split scratch lock poisoned"))?;
+    if guard.as_ref().map_or(true, |b| b.n_out < n_out) {
+        let mut retired = Vec::new();
+        if let Some(old) = guard.take() {
+            retired = old.retired;
+            retired.push((old.part, old.tickets));
+        }
+        *guard = Some(TckScratch {
+            part: be
+                .stream
+                .alloc_zeros::<f32>(TCK_MAX_SPLITS * GEMV_MAX_ROWS * n_out)?,
+            tickets: be.stream.alloc_zeros::<u32>(n_out.div_ceil(16))?,
+            n_out,
+            retired,
+        });
+    }
+    Ok(guard)
 }
 
 /// Most shared memory a tensor-core GEMV block with the 16-row tile takes by default (the tile
@@ -974,6 +1092,9 @@ enum TcForm<'a> {
     Half(&'a [CudaFunction; 6]),
     /// The Q4_K 16-row tile in TMA boxes (families: plain, SwiGLU; `FERRITE_GEMV_TMA=1`).
     Box(&'a [[CudaFunction; 6]; 2]),
+    /// The 16-row tile over slices of K (plain launches only): the kernels by R, the slices
+    /// and the columns per slice ([`tck_split`]).
+    Split(&'a [CudaFunction; 6], usize, usize),
 }
 
 /// The launch a GEMV plan is for: the tensor-core forms differ in which they have.
@@ -1020,6 +1141,14 @@ fn tc_form(
                 .find(|(ty, _)| *ty == t)
                 .map(|(_, f)| TcForm::Half(f))
         }
+        TcLong::Split if kind == GemvKind::Plain => {
+            let cols = be.matmul.gemvq_tck_cols[usize::from(t == GgmlType::Q6K)];
+            let (ks, kc) = tck_split(t, n_in, cols)?;
+            tc.split
+                .iter()
+                .find(|(ty, _)| *ty == t)
+                .map(|(_, f)| TcForm::Split(f, ks, kc))
+        }
         _ => None,
     }
 }
@@ -1046,6 +1175,12 @@ fn gemvq_plan(
         Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
         // The boxes hold the 16 rows densely (16 rb bytes), then x.
         Some(TcForm::Box(f)) => Ok((1, 16 * rb as u32 + x, Some(TcForm::Box(f)))),
+        // The tile of the widest slice (rb / (n_in / kc) bytes per row), its x slice at one row.
+        Some(TcForm::Split(f, ks, kc)) => {
+            let x = if rows == 1 { tc_x_bytes(kc) } else { 0 };
+            let slice_rb = rb / (n_in / 256) * (kc / 256);
+            Ok((1, tc_smem(slice_rb, 8) + x, Some(TcForm::Split(f, ks, kc))))
+        }
         None => {
             let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
             Ok((ks, smem, None))
@@ -1247,7 +1382,7 @@ fn multi_launch(
         )?;
         let tc = match tc {
             Some(TcForm::Full(f)) => Some(f),
-            Some(TcForm::Half(_) | TcForm::Box(_)) => {
+            Some(TcForm::Half(_) | TcForm::Box(_) | TcForm::Split(..)) => {
                 bail!("matmuls: a single-weight tensor-core form in a grouped launch")
             }
             None => None,
@@ -1564,6 +1699,36 @@ fn mm_launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn k_split_slices_are_whole_aligned_super_blocks() {
+        // Qwen3-8B's down projections: three 4096-column slices; Llama-3-8B's 14336 columns:
+        // Q4_K four of 3584, Q6_K 16-super-block slices (16-byte aligned) and a short last.
+        let m = TCK_MAX_COLS;
+        assert_eq!(tck_split(GgmlType::Q4K, 12288, m), Some((3, 4096)));
+        assert_eq!(tck_split(GgmlType::Q6K, 12288, m), Some((3, 4096)));
+        assert_eq!(tck_split(GgmlType::Q4K, 14336, m), Some((4, 3584)));
+        assert_eq!(tck_split(GgmlType::Q6K, 14336, m), Some((4, 4096)));
+        assert_eq!(tck_split(GgmlType::Q4K, 12288, 2048), Some((6, 2048)));
+        // One slice, misaligned Q6_K, other types, partial super-blocks, off: not split.
+        assert_eq!(tck_split(GgmlType::Q4K, 4096, m), None);
+        assert_eq!(tck_split(GgmlType::Q6K, 256 * 20, m), None);
+        assert_eq!(tck_split(GgmlType::Q8_0, 12288, m), None);
+        assert_eq!(tck_split(GgmlType::Q4K, 12288 + 32, m), None);
+        assert_eq!(tck_split(GgmlType::Q4K, 12288, 0), None);
+        assert_eq!(tck_split(GgmlType::Q6K, 12288, 1024), None);
+        for t in [GgmlType::Q4K, GgmlType::Q6K] {
+            for nsb in (8..=256).step_by(8) {
+                if let Some((ks, kc)) = tck_split(t, nsb * 256, m) {
+                    let bytes = if t == GgmlType::Q4K { 144 } else { 210 };
+                    assert!(
+                        kc <= TCK_MAX_COLS && ks * kc >= nsb * 256 && (ks - 1) * kc < nsb * 256
+                    );
+                    assert_eq!(kc / 256 * bytes % 16, 0, "{t} {nsb}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn gemv_sizes_cover_the_gemv_rows() {

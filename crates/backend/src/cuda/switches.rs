@@ -47,7 +47,12 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_TC",
         Accepts::Range(0, 3),
-        "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 also long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",
+        "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",
+    ),
+    (
+        "FERRITE_GEMV_TCK",
+        Accepts::List(2),
+        "long rows' K slices, most columns for Q4_K, Q6_K (0 the lane code; MATMUL.md round 11)",
     ),
     (
         "FERRITE_GEMV_TMA",

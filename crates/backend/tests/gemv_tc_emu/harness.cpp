@@ -148,10 +148,10 @@ static void body_r() {
         tc_stage_x(xs, xq, xd, cfg.n_in);
         f(gemvq_tc_q4k<R, SW, true, H>, gemvq_tc_q6k<R, SW, true, H>)(
             s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs, (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
-            out, 0, cfg.n_in + 64, nullptr);
+            out, 0, cfg.n_in + 64, nullptr, 0);
     } else {
         f(gemvq_tc_q4k<R, SW, false, H>, gemvq_tc_q6k<R, SW, false, H>)(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd,
-                                                                        cfg.rows, out, 0, cfg.n_in, nullptr);
+                                                                        cfg.rows, out, 0, cfg.n_in, nullptr, 0);
     }
 }
 template <bool H>

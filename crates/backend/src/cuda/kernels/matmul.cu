@@ -1135,12 +1135,14 @@ __device__ __forceinline__ size_t tc_slot(long long rb, int ns) {
 // from the hi plane's), the pairs after both planes + 128. Bytes: 2 n_in + 128 + 8 n_in / 32
 // (tc_x_bytes in matmul.rs). Called after the PDL wait (x is the predecessor's output), while
 // the weight copy is in flight; ends with a block barrier.
+// src_plane: the distance of the source's planes where x is a column slice of a wider x
+// (the K-split tile, gemvq_tck_block; 0: n_in).
 __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                           int n_in) {
-    const int n16 = n_in / 16, nb = n_in / QK;
+                                           int n_in, int src_plane = 0) {
+    const int n16 = n_in / 16, nb = n_in / QK, sp = src_plane ? src_plane : n_in;
     for (int i = threadIdx.x; i < 2 * n16; i += blockDim.x) {
         const int p = i >= n16 ? 1 : 0, j = i - p * n16;
-        *(int4*)(xs + p * (n_in + 64) + 16 * j) = __ldg((const int4*)(xq + p * n_in) + j);
+        *(int4*)(xs + p * (n_in + 64) + 16 * j) = __ldg((const int4*)(xq + p * sp) + j);
     }
     float2* ds = (float2*)(xs + 2 * n_in + 128);
     for (int i = threadIdx.x; i < nb; i += blockDim.x) ds[i] = __ldg(xd + i);
@@ -1192,6 +1194,7 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
 
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
+// kcols: the tile's columns where x is wider (a K slice, gemvq_tck_block; 0: n_in).
 // HALF: the 8-row tile (slots of 4 rows; MMA rows g + 8 repeat rows g, whose loads and
 // epilogue are skipped): the long rows, whose 16-row tile does not fit (matmul.rs tc_form).
 // BOX: the tile as TMA boxes (gemvq_tcm_block): chunk c (super-blocks [c TCM_SBPC,
@@ -1203,7 +1206,7 @@ template <int R, bool SWIGLU, bool XS, bool HALF = false, bool BOX = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, uint64_t* bars = nullptr) {
+                                             int r0, int xplane, uint64_t* bars = nullptr, int kcols = 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
     // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2 (HALF: both row g / 2).
@@ -1221,7 +1224,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     // load (no predicated loads and their scaffolding; MATMUL.md round 11).
     const uint32_t mlo = (bval && !bhi) ? 0xFFFFFFFFu : 0u, mhi = (bval && bhi) ? 0xFFFFFFFFu : 0u;
     const size_t xoff = (size_t)(g & 1) * (size_t)(XS ? xplane : n_in) + 32 * q + 16 * e;
-    const int nsb = n_in / QK_K, nb = n_in / QK;
+    const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
     float acc[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
@@ -1328,7 +1331,7 @@ template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, uint64_t* bars = nullptr) {
+                                             int r0, int xplane, uint64_t* bars = nullptr, int kcols = 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1338,7 +1341,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     const bool bval = t == (g & 3), bhi = g >= 4;
     const size_t xoff = 16 * (size_t)g;
     const size_t plane = XS ? (size_t)xplane : (size_t)n_in;
-    const int nsb = n_in / QK_K, nb = n_in / QK;
+    const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
     float acc[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
@@ -1446,6 +1449,82 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
             gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
     }
     if (diag == 3) gemv_bulk_wait(bar);
+#endif
+}
+
+// The long rows split along K (gemvq_tck_<type>_r<R>; matmul.rs `TcForm::Split`):
+// block (tile, k) takes rows 16 tile .. 16 tile + 15 over the columns [k kc, k kc + kn) of
+// n_in (kn = kc but for a shorter last slice; whole super-blocks), a 16 x kn tile laid out in
+// the two slots exactly as the tile of a kn-column weight (rows one slice apart), so the tile
+// arithmetic is gemvq_tc_q4k / gemvq_tc_q6k unchanged on a kn-column matrix, with x's slice
+// staged as gemvq_tc_block stages x.
+//  Why: the 12288-column down projections' 16-row tile (110 KB for Q4_K) fits one or two
+//  blocks per SM and puts the whole matrix in one wave (copy, then compute: MATMUL.md rounds
+//  5, 9), so they ran on the lane code, whose compute (~9.4 us for Q4_K) exceeds the 6.6 us
+//  copy (DECODE_STEP.md). In slices of 4096 columns the tile is the SwiGLU's 16 x 4096
+//  (37 KB Q4_K, 54 KB Q6_K), three blocks per SM, waves that overlap.
+//  Copies: one bulk copy per row slice (16 per block, from threads 0..15, since row slices
+//  are not contiguous across rows); every slice is 16-byte aligned (the host's rule: rb and
+//  the slice bytes multiples of 16).
+//  Rows of x: R = 1 stages x's slice in shared memory; larger R (verify) read x from global
+//  memory, as gemvq_tc_block does; the same arithmetic, so the same bits, at every R.
+//  Sum: each block writes its partial sums to part[k][rows][n_out]; the block that draws the
+//  tile's last ticket (tickets[tile], reset to 0 by it) adds the ks partials in the order of
+//  k, so the output does not depend on which block finishes last.
+template <int TYPE, int R>
+__device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                                int kc, const int8_t* __restrict__ xq,
+                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
+                                                float* __restrict__ part, unsigned* __restrict__ tickets,
+                                                uint8_t* smem, uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int NS = 8;  // rows per slot
+    constexpr bool XS = R == 1;
+    constexpr int SBB = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+    __shared__ unsigned tck_last;
+    const int tile = blockIdx.x, k = blockIdx.y, ks = gridDim.y;
+    const int r0 = tile * 2 * NS, k0 = k * kc, kn = min(kc, n_in - k0);
+    const int nrows = max(0, min(2 * NS, n_out - r0));
+    const long long sb = (long long)(kn / QK_K) * SBB;  // bytes of a row slice
+    const size_t slot = tc_slot(sb, NS);
+    if (threadIdx.x == 0) {
+        mbar_init(bar);
+        mbar_expect(bar, (uint32_t)(nrows * sb));
+    }
+    __syncthreads();
+    if (threadIdx.x < nrows) {
+        const int j = threadIdx.x;
+        const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
+        bulk_g2s(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)sb, (size_t)src, (uint32_t)sb);
+    }
+    PDL_ENTRY();
+    // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
+    uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB, NS);
+    if (XS) tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
+    gemv_bulk_wait(bar);
+    float* po = part + (size_t)k * (size_t)rows * (size_t)n_out;
+    const int8_t* xa = XS ? (const int8_t*)xs : xq + k0;
+    const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
+    const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
+    if (TYPE == GGML_Q4_K)
+        gemvq_tc_q4k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, nullptr, kn);
+    else
+        gemvq_tc_q6k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, nullptr, kn);
+    // The partials are visible device-wide before the ticket is drawn.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) tck_last = atomicAdd(tickets + tile, 1u) == (unsigned)(ks - 1);
+    __syncthreads();
+    if (tck_last) {
+        __threadfence();
+        for (int i = threadIdx.x; i < rows * nrows; i += blockDim.x) {
+            const int r = i / nrows, o = r0 + i % nrows;
+            float v = 0.0f;
+            for (int j = 0; j < ks; j++) v += __ldcg(part + ((size_t)j * rows + r) * (size_t)n_out + o);
+            out[(size_t)r * n_out + o] = v;
+        }
+        if (threadIdx.x == 0) tickets[tile] = 0;
+    }
 #endif
 }
 
@@ -1673,6 +1752,21 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                                              &gemv_bar);                                                    \
     }
 #define GEMVQ_TCH_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCH_KERNEL, name, TYPE)
+// gemvq_tck_<type>_r<R>: the K-split tile for long rows (gemvq_tck_block): grid (tiles, ks),
+// slices of kc columns, partial sums in part[ks][rows][n_out], one ticket per tile. Bounds as
+// the 16-row kernels'.
+#define GEMVQ_TCK_KERNEL(name, TYPE, R)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R))                   \
+        gemvq_tck_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
+                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
+                                float* __restrict__ out, int kc, float* __restrict__ part,                  \
+                                unsigned* __restrict__ tickets) {                                           \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
+        gemvq_tck_block<TYPE, R>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,       \
+                                 &gemv_bar);                                                                \
+    }
+#define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
 // gemvq_tcm_q4_k_r<R>, gemvq_swiglu_tcm_q4_k_r<R>: the TMA-box form (gemvq_tcm_block), the
 // tensor maps as __grid_constant__ parameters. Bounds as the bulk tensor-core kernels'.
 #define GEMVQ_TCM_KERNEL(name, R)                                                                          \
@@ -1737,6 +1831,8 @@ GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
+GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
+GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_TCM_KERNEL, q4_k)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
