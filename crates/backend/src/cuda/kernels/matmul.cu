@@ -1413,6 +1413,22 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 
 // EMU_TC_END
 
+// A block's ticket after it has written its share of some outputs: adds `n` to *t and sets
+// *last (shared) where that completes `total`. The block barrier orders every thread's writes
+// before thread 0's fence (cumulative) and atomic; in the last block, thread 0's fence after
+// the atomic and the barrier order the others' reads (L2: __ldcg) after it. One fence per
+// block, not one per thread (MATMUL.md round 11, item 4).
+__device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned total, unsigned* last) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const bool l = atomicAdd(t, n) + n == total;
+        if (l) __threadfence();
+        *last = l;
+    }
+    __syncthreads();
+}
+
 // One tensor-core GEMV block (sm_90+): bulk copy of its tile into two slots, x staged at
 // R = 1 (not for the HALF tile: its long rows' x would take the shared memory of a block),
 // then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
@@ -1510,13 +1526,8 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         gemvq_tc_q4k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, nullptr, kn);
     else
         gemvq_tc_q6k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, nullptr, kn);
-    // The partials are visible device-wide before the ticket is drawn.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) tck_last = atomicAdd(tickets + tile, 1u) == (unsigned)(ks - 1);
-    __syncthreads();
+    tail_ticket(tickets + tile, 1u, (unsigned)ks, &tck_last);
     if (tck_last) {
-        __threadfence();
         for (int i = threadIdx.x; i < rows * nrows; i += blockDim.x) {
             const int r = i / nrows, o = r0 + i % nrows;
             float v = 0.0f;
