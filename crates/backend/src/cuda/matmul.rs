@@ -13,7 +13,7 @@
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use cudarc::driver::sys::{self, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::GgmlType;
 
@@ -105,9 +105,6 @@ pub struct Kernels {
     /// The K-split tile's partial sums and tickets (`TcLong::Split`), grown like the int8
     /// scratch (by an eager step; retired buffers kept for graphs that still point at them).
     tck: Mutex<Option<TckScratch>>,
-    /// `gemvq_tcm_q4_k_r<R>`, `gemvq_swiglu_tcm_q4_k_r<R>`: the Q4_K tensor-core tile in TMA
-    /// boxes (`FERRITE_GEMV_TMA=1`; None otherwise).
-    gemvq_tcm: Option<[[CudaFunction; 6]; 2]>,
     /// `gemvq_moe_gu_<type>`, `gemvq_moe_down_<type>`: MoE decode experts (launched by moe.rs).
     pub(crate) gemvq_moe: Vec<Option<[CudaFunction; 2]>>,
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
@@ -266,13 +263,6 @@ impl Kernels {
         } else {
             None
         };
-        let tma = switches::get("FERRITE_GEMV_TMA")?.is_some_and(|v| v[0] == 1);
-        let gemvq_tcm = if gemvq_tc.is_some() && tma {
-            let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
-            Some([all("_tcm_q4_k")?, all("_swiglu_tcm_q4_k")?])
-        } else {
-            None
-        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
@@ -299,7 +289,6 @@ impl Kernels {
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
-            gemvq_tcm,
             gemvq_moe,
             gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
@@ -830,7 +819,6 @@ fn gemvq_launch(
             };
             (&f[ri], cfg, None)
         }
-        Some(TcForm::Box(f)) => (&f[fam][ri], gemv_config(groups, 1), None),
         // The K-split tile: a block per (16-row tile, slice); the slice width in the split
         // argument's place.
         Some(TcForm::Split(f, ks, kc)) => {
@@ -848,16 +836,6 @@ fn gemvq_launch(
         shared_mem_bytes: smem,
         ..cfg
     };
-    // The TMA-box tile takes the weights as tensor maps (boxes of 16 rows, or 8 gate and 8 up
-    // rows) in place of (w, up, rb).
-    let maps = match tc {
-        Some(TcForm::Box(_)) => {
-            let box_rows = if up.is_some() { 8 } else { 16 };
-            let mb = up.map(|u| tensor_map(be, u, box_rows)).transpose()?;
-            Some((tensor_map(be, w, box_rows)?, mb))
-        }
-        _ => None,
-    };
     // The K-split tile's partial sums and tickets (its bulk copies need 16-byte aligned
     // rows: the weight's own allocation, rb a multiple of 16 by tck_split).
     let tck = match tc {
@@ -872,22 +850,12 @@ fn gemvq_launch(
         _ => None,
     };
     let mut launch = be.stream.kernel(f);
-    match &maps {
-        Some((ma, mb)) => {
-            launch.arg(ma);
-            if let Some(mb) = mb {
-                launch.arg(mb);
-            }
-        }
-        None => {
-            launch.arg(&w.data);
-            if let Some(up) = up {
-                launch.arg(&up.data);
-            }
-            launch.arg(&rb);
-        }
+    launch.arg(&w.data);
+    if let Some(up) = up {
+        launch.arg(&up.data);
     }
     launch
+        .arg(&rb)
         .arg(&n_out_i)
         .arg(&n_in_i)
         .arg(&xqs)
@@ -902,73 +870,11 @@ fn gemvq_launch(
         launch.arg(&sc.part).arg(&sc.tickets);
     }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
-    // caller and above; the tensor maps describe exactly these); the x scratch holds
+    // caller and above); the x scratch holds
     // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats; the K-split
     // scratch holds TCK_MAX_SPLITS × GEMV_MAX_ROWS × n_out partials and a ticket per tile.
     unsafe { launch.launch(cfg) }?;
     Ok(())
-}
-
-/// Super-blocks per TMA box row of the Q4_K tensor-core tile (`TCM_SBPC` in matmul.cu: 576
-/// bytes, 64 mod 128) and the most chunks a tile has (`TCM_MAX_CHUNKS`).
-const TCM_SBPC: usize = 4;
-const TCM_MAX_CHUNKS: usize = 8;
-
-/// Whether a Q4_K row of `n_in` columns takes the TMA-box tile: whole chunks of
-/// [`TCM_SBPC`] super-blocks, at most [`TCM_MAX_CHUNKS`] (multiples of 1024 columns up to
-/// 8192; the 16-row tile's own limit, `GEMVQ_TC_MAX_SMEM`, comes first).
-fn tcm_fits(t: GgmlType, n_in: usize) -> bool {
-    let nsb = n_in / 256;
-    t == GgmlType::Q4K
-        && nsb.is_multiple_of(TCM_SBPC)
-        && (1..=TCM_MAX_CHUNKS).contains(&(nsb / TCM_SBPC))
-}
-
-/// The tensor map of a weight's rows for the TMA-box tile: rows of rb / 8 8-byte elements,
-/// boxes of one chunk (TCM_SBPC super-blocks) x `box_rows` rows; rows past the weight's end
-/// read as zeros.
-fn tensor_map(be: &CudaBackend, w: &CudaWeight, box_rows: u32) -> Result<sys::CUtensorMap> {
-    let rb = w.row_bytes();
-    ensure!(
-        rb.is_multiple_of(16) && w.shape[0] > 0,
-        "tensor map: rows of {rb} bytes"
-    );
-    let (ptr, _guard) = w.data.device_ptr(&be.stream);
-    ensure!(
-        ptr.is_multiple_of(16),
-        "tensor map: a weight at an address that is not 16-byte aligned"
-    );
-    let dims: [u64; 2] = [(rb / 8) as u64, w.shape[0] as u64];
-    let strides: [u64; 1] = [rb as u64];
-    let boxd: [u32; 2] = [(TCM_SBPC * GgmlType::Q4K.type_size() / 8) as u32, box_rows];
-    let elem: [u32; 2] = [1, 1];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: every pointer is to a live local array of the rank the call is given (2, and
-    // rank - 1 strides); the map is written by the call before it is read.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT64,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxd.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-        .result()
-        .with_context(|| {
-            format!(
-                "encoding the tensor map of a {:?} {} weight",
-                w.shape, w.dtype
-            )
-        })?;
-        Ok(map.assume_init())
-    }
 }
 
 /// Weight types with a tensor-core decode GEMV (`gemvq_tc_q4k`, `gemvq_tc_q6k` in matmul.cu).
@@ -1090,8 +996,6 @@ enum TcForm<'a> {
     Full(&'a [[CudaFunction; 6]; 3]),
     /// The 8-row tile (plain launches only).
     Half(&'a [CudaFunction; 6]),
-    /// The Q4_K 16-row tile in TMA boxes (families: plain, SwiGLU; `FERRITE_GEMV_TMA=1`).
-    Box(&'a [[CudaFunction; 6]; 2]),
     /// The 16-row tile over slices of K (plain launches only): the kernels by R, the slices
     /// and the columns per slice ([`tck_split`]).
     Split(&'a [CudaFunction; 6], usize, usize),
@@ -1107,9 +1011,8 @@ enum GemvKind {
 
 /// The tensor-core form a weight of type `t` with `n_out` rows of `n_in` columns (rb bytes)
 /// takes, if any: sm_90+, not switched off, a type of [`TC_TYPES`]; the 16-row tile where
-/// its one-row block fits [`GEMVQ_TC_MAX_SMEM`] (Q6_K from [`GEMVQ_TC_Q6K_MIN_OUT`] rows;
-/// in TMA boxes where loaded and [`tcm_fits`], not for grouped launches), else by [`TcLong`]
-/// (the 8-row tile: plain launches only). A function of the shape only, so decode and verify
+/// its one-row block fits [`GEMVQ_TC_MAX_SMEM`] (Q6_K from [`GEMVQ_TC_Q6K_MIN_OUT`] rows),
+/// else by [`TcLong`] (the 8-row and K-split tiles: plain launches only). A function of the shape only, so decode and verify
 /// take the same kernel.
 fn tc_form(
     be: &CudaBackend,
@@ -1126,10 +1029,7 @@ fn tc_form(
         if t == GgmlType::Q6K && n_out < GEMVQ_TC_Q6K_MIN_OUT {
             return None;
         }
-        return Some(match &be.matmul.gemvq_tcm {
-            Some(tcm) if kind != GemvKind::Grouped && tcm_fits(t, n_in) => TcForm::Box(tcm),
-            _ => TcForm::Full(fams),
-        });
+        return Some(TcForm::Full(fams));
     }
     match be.matmul.gemvq_tc_long {
         TcLong::Full if full <= GEMVQ_BULK_MAX_SMEM => Some(TcForm::Full(fams)),
@@ -1174,7 +1074,6 @@ fn gemvq_plan(
         Some(TcForm::Full(f)) => Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f)))),
         Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
         // The boxes hold the 16 rows densely (16 rb bytes), then x.
-        Some(TcForm::Box(f)) => Ok((1, 16 * rb as u32 + x, Some(TcForm::Box(f)))),
         // The tile of the widest slice (rb / (n_in / kc) bytes per row), its x slice at one row.
         Some(TcForm::Split(f, ks, kc)) => {
             let x = if rows == 1 { tc_x_bytes(kc) } else { 0 };
@@ -1382,7 +1281,7 @@ fn multi_launch(
         )?;
         let tc = match tc {
             Some(TcForm::Full(f)) => Some(f),
-            Some(TcForm::Half(_) | TcForm::Box(_) | TcForm::Split(..)) => {
+            Some(TcForm::Half(_) | TcForm::Split(..)) => {
                 bail!("matmuls: a single-weight tensor-core form in a grouped launch")
             }
             None => None,

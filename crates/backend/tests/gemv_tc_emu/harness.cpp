@@ -103,22 +103,12 @@ static void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32
     mma_emu<true>(c, a0, a1, a2, a3, b0, b1);
 }
 
-// The TMA-box form: chunks of TCM_SBPC super-blocks (matmul.cu); the chunk barriers are
-// not emulated (no copies here), the chunk index each super-block waits for is checked.
-#define TCM_SBPC 4
-static uint64_t emu_bars[8];
-static int emu_ck = 0;
-static bool emu_bad_chunk = false;
-static void tc_chunk_wait(uint64_t* bar) {
-    if (bar < emu_bars || bar >= emu_bars + emu_ck) emu_bad_chunk = true;
-}
-
 #include "kq.cuh"
 #include "tc.cuh"
 
 // ---- one configuration ------------------------------------------------------------------
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged, q6, half, box;
+    int n_in, n_out, R, rows, swiglu, staged, q6, half;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -130,28 +120,15 @@ static float* out;
 
 template <int R, bool SW, bool H>
 static void body_r() {
-    if (cfg.box) {  // the TMA-box form (Q4_K, 16-row tile): rows TCM_SBPC * 144 bytes apart
-        const long long bb = TCM_SBPC * Q4_K_BYTES;
-        if (cfg.staged) {
-            tc_stage_x(xs, xq, xd, cfg.n_in);
-            gemvq_tc_q4k<R, SW, true, false, true>(s0, s1, bb, cfg.n_out, cfg.n_in, (const int8_t*)xs,
-                                                   (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows, out, 0,
-                                                   cfg.n_in + 64, emu_bars);
-        } else {
-            gemvq_tc_q4k<R, SW, false, false, true>(s0, s1, bb, cfg.n_out, cfg.n_in, xq, xd, cfg.rows, out, 0,
-                                                    cfg.n_in, emu_bars);
-        }
-        return;
-    }
     const auto f = [](auto k4, auto k6) { return cfg.q6 ? k6 : k4; };
     if (cfg.staged) {
         tc_stage_x(xs, xq, xd, cfg.n_in);
         f(gemvq_tc_q4k<R, SW, true, H>, gemvq_tc_q6k<R, SW, true, H>)(
             s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs, (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
-            out, 0, cfg.n_in + 64, nullptr, 0);
+            out, 0, cfg.n_in + 64, 0);
     } else {
         f(gemvq_tc_q4k<R, SW, false, H>, gemvq_tc_q6k<R, SW, false, H>)(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd,
-                                                                        cfg.rows, out, 0, cfg.n_in, nullptr, 0);
+                                                                        cfg.rows, out, 0, cfg.n_in, 0);
     }
 }
 template <bool H>
@@ -262,22 +239,6 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
     memcpy(slot0.data() + mis, w.data(), ns * rb);
     memcpy(slot1.data() + mis, w.data() + ns * rb, ns * rb);
     s0 = slot0.data() + mis, s1 = slot1.data() + mis;
-    // The TMA-box form: chunk c of every row (TCM_SBPC super-blocks) as a dense box, rows
-    // TCM_SBPC * 144 bytes apart; plain, one 16-row box per chunk (rows past n_out zero, as
-    // the copy fills them); SwiGLU, the 8 gate rows' boxes, then the 8 up rows' boxes.
-    const int nsb = n_in / QK_K, ck = nsb / TCM_SBPC, bb = TCM_SBPC * Q4_K_BYTES, br = c.swiglu ? 8 : 16;
-    std::vector<uint8_t> boxes(c.box ? 16 * rb : 0);
-    if (c.box) {
-        emu_ck = ck;
-        for (int m = 0; m < (c.swiglu ? 2 : 1); m++)
-            for (int ch = 0; ch < ck; ch++)
-                for (int r = 0; r < br; r++) {
-                    const int src = m * 8 + r;  // tile row (SwiGLU: gate r or up r)
-                    uint8_t* dst = &boxes[(size_t)m * ck * br * bb + (size_t)ch * br * bb + (size_t)r * bb];
-                    if (c.swiglu || src < c.n_out) memcpy(dst, &w[src * rb + ch * bb], bb);
-                }
-        s0 = boxes.data(), s1 = boxes.data() + (size_t)ck * br * bb;
-    }
     std::vector<int8_t> x((size_t)c.R * 2 * n_in);
     std::vector<float2> dsc((size_t)c.R * nb);
     for (int r = 0; r < c.R; r++) {
@@ -322,13 +283,8 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         }
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
-    if (emu_bad_chunk) {
-        printf("  a super-block waited on a chunk barrier out of range\n");
-        ok = false;
-        emu_bad_chunk = false;
-    }
     printf("%s%s n_in %5d n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n", c.q6 ? "q6_K" : "q4_K",
-           c.half ? " half" : c.box ? " box" : "", c.n_in, c.n_out, c.R, c.rows, c.swiglu, c.staged, nmse,
+           c.half ? " half" : "", c.n_in, c.n_out, c.R, c.rows, c.swiglu, c.staged, nmse,
            ok ? "OK" : "MISMATCH");
     if (row0) {
         const int n = min(tile, c.n_out);
@@ -349,28 +305,22 @@ int main() {
     // warp, a partial tile, padded x rows (rows < R), SwiGLU; each R = 1 / R = 3 pair shares
     // x row 0 and the weights (same seed) for the bitwise comparison.
     const Cfg pairs[][2] = {
-        {{4096, 16, 1, 1, 0, 1, 0, 0, 0}, {4096, 16, 3, 3, 0, 0, 0, 0, 0}},
-        {{512, 13, 1, 1, 0, 1, 0, 0, 0}, {512, 13, 3, 2, 0, 0, 0, 0, 0}},
-        {{2048, 8, 1, 1, 1, 1, 0, 0, 0}, {2048, 8, 3, 3, 1, 0, 0, 0, 0}},
-        {{768, 5, 1, 1, 1, 1, 0, 0, 0}, {768, 5, 3, 1, 1, 0, 0, 0, 0}},
-        {{256, 16, 1, 1, 0, 1, 0, 0, 0}, {256, 16, 3, 3, 0, 0, 0, 0, 0}},      // one super-block: warp 0 alone
-        {{12288, 16, 1, 1, 0, 1, 0, 0, 0}, {12288, 16, 3, 2, 0, 0, 0, 0, 0}},  // FERRITE_GEMV_TC=2's long rows
+        {{4096, 16, 1, 1, 0, 1, 0, 0}, {4096, 16, 3, 3, 0, 0, 0, 0}},
+        {{512, 13, 1, 1, 0, 1, 0, 0}, {512, 13, 3, 2, 0, 0, 0, 0}},
+        {{2048, 8, 1, 1, 1, 1, 0, 0}, {2048, 8, 3, 3, 1, 0, 0, 0}},
+        {{768, 5, 1, 1, 1, 1, 0, 0}, {768, 5, 3, 1, 1, 0, 0, 0}},
+        {{256, 16, 1, 1, 0, 1, 0, 0}, {256, 16, 3, 3, 0, 0, 0, 0}},      // one super-block: warp 0 alone
+        {{12288, 16, 1, 1, 0, 1, 0, 0}, {12288, 16, 3, 2, 0, 0, 0, 0}},  // FERRITE_GEMV_TC=2's long rows
         // Q6_K: the lm head and V shape, odd super-block counts (rows 2 mod 4), SwiGLU.
-        {{4096, 16, 1, 1, 0, 1, 1, 0, 0}, {4096, 16, 3, 3, 0, 0, 1, 0, 0}},
-        {{768, 11, 1, 1, 0, 1, 1, 0, 0}, {768, 11, 3, 2, 0, 0, 1, 0, 0}},
-        {{2304, 8, 1, 1, 1, 1, 1, 0, 0}, {2304, 8, 3, 3, 1, 0, 1, 0, 0}},
-        {{256, 3, 1, 1, 1, 1, 1, 0, 0}, {256, 3, 3, 1, 1, 0, 1, 0, 0}},
+        {{4096, 16, 1, 1, 0, 1, 1, 0}, {4096, 16, 3, 3, 0, 0, 1, 0}},
+        {{768, 11, 1, 1, 0, 1, 1, 0}, {768, 11, 3, 2, 0, 0, 1, 0}},
+        {{2304, 8, 1, 1, 1, 1, 1, 0}, {2304, 8, 3, 3, 1, 0, 1, 0}},
+        {{256, 3, 1, 1, 1, 1, 1, 0}, {256, 3, 3, 1, 1, 0, 1, 0}},
         // The 8-row tile (long rows; x from global memory, as its launch does at every R).
-        {{12288, 8, 1, 1, 0, 0, 0, 1, 0}, {12288, 8, 3, 3, 0, 0, 0, 1, 0}},
-        {{12288, 8, 1, 1, 0, 0, 1, 1, 0}, {12288, 8, 3, 2, 0, 0, 1, 1, 0}},
-        {{768, 5, 1, 1, 0, 0, 1, 1, 0}, {768, 5, 3, 3, 0, 0, 1, 1, 0}},
-        {{1024, 4, 1, 1, 1, 0, 0, 1, 0}, {1024, 4, 3, 3, 1, 0, 0, 1, 0}},
-        // The TMA-box form (Q4_K; n_in a multiple of TCM_SBPC super-blocks): the o-projection
-        // and lm-head shape, a partial tile, SwiGLU, one chunk.
-        {{4096, 16, 1, 1, 0, 1, 0, 0, 1}, {4096, 16, 3, 3, 0, 0, 0, 0, 1}},
-        {{2048, 11, 1, 1, 0, 1, 0, 0, 1}, {2048, 11, 3, 2, 0, 0, 0, 0, 1}},
-        {{4096, 8, 1, 1, 1, 1, 0, 0, 1}, {4096, 8, 3, 3, 1, 0, 0, 0, 1}},
-        {{1024, 16, 1, 1, 0, 1, 0, 0, 1}, {1024, 16, 3, 1, 0, 0, 0, 0, 1}},
+        {{12288, 8, 1, 1, 0, 0, 0, 1}, {12288, 8, 3, 3, 0, 0, 0, 1}},
+        {{12288, 8, 1, 1, 0, 0, 1, 1}, {12288, 8, 3, 2, 0, 0, 1, 1}},
+        {{768, 5, 1, 1, 0, 0, 1, 1}, {768, 5, 3, 3, 0, 0, 1, 1}},
+        {{1024, 4, 1, 1, 1, 0, 0, 1}, {1024, 4, 3, 3, 1, 0, 0, 1}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;

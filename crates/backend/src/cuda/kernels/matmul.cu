@@ -1044,9 +1044,9 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 // 1b'. The Q4_K and Q6_K decode GEMVs on the int8 tensor cores (sm_90+, one 16-row tile per
 //      block, rows whose tile fits 64 KB: matmul.rs tc_form): the gemvq_tc_* kernels, separate
 //      instances so that their register count is their own (FERRITE_GEMV_TC=0: the lane
-//      code); the 8-row tile for long rows (gemvq_tch_*, FERRITE_GEMV_TC=3) and the Q4_K tile
-//      in TMA boxes (gemvq_tcm_*, FERRITE_GEMV_TMA=1). MATMUL.md rounds 8 and 9. The Q4_K
-//      form is described here, the Q6_K one at gemvq_tc_q6k.
+//      code); the 8-row tile for long rows (gemvq_tch_*, FERRITE_GEMV_TC=3) and the 16-row
+//      tile over K slices (gemvq_tck_*). MATMUL.md rounds 8, 9 and 11. The Q4_K form is
+//      described here, the Q6_K one at gemvq_tc_q6k.
 //
 //  Why: timed apart (FERRITE_GEMV_DIAG), the dp4a lane code's compute on a block's copied rows
 //  took as long as the copy itself (q4_K SwiGLU 4096->12288: copy only 16.8 us, compute only
@@ -1105,17 +1105,6 @@ __device__ __forceinline__ void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The TMA-box form of the Q4_K tile (gemvq_tcm_*): chunks of TCM_SBPC super-blocks per row,
-// TCM_BOX bytes: 576 = 64 mod 128, so consecutive rows of a box sit in the two halves of the
-// banks (the slots' 64-byte offset, without the slots), and a multiple of 16 (TMA).
-#define TCM_SBPC 4
-#define TCM_BOX (TCM_SBPC * Q4_K_BYTES)
-#define TCM_MAX_CHUNKS 8
-
-// Waits for phase 0 of the chunk barrier bar (the chunk's box copies have landed; at once
-// after the first time).
-__device__ __forceinline__ void tc_chunk_wait(uint64_t* bar) { gemv_bulk_wait(bar); }
-
 // EMU_TC_BEGIN (host emulation: tests/gemv_tc_emu.rs; tc_mma is emulated there)
 // Byte e (runtime, 0..3) of w as an exact float.
 __device__ __forceinline__ float byte_fe(uint32_t w, int e) {
@@ -1155,9 +1144,8 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
 // j = row % 8) is MMA row 2j + m; SWIGLU: gate row j is MMA row 2j, up row j is 2j + 1, and
 // the output is silu(gate) * up. HALF (the 8-row tile, MMA rows g + 8 repeat rows g): only
 // acc[r][0] counts, output row `row` (slot row / 4, its row row % 4) is MMA row
-// 2 (row % 4) + row / 4. BOX (the tile in TMA boxes, gemvq_tcm_*): output row `row` is MMA row
-// `row`; SWIGLU: gate row j is MMA row j, up row j is j + 8.
-template <int R, bool SWIGLU, bool HALF = false, bool BOX = false>
+// 2 (row % 4) + row / 4.
+template <int R, bool SWIGLU, bool HALF = false>
 __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0) {
     constexpr int NA = HALF ? 1 : 2;  // MMA row halves that hold distinct rows
     __shared__ float tred[GEMV_WARPS][R][8 * NA];
@@ -1175,8 +1163,8 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
     constexpr int NO = SWIGLU ? 4 * NA : 8 * NA;  // outputs per tile
     for (int i = threadIdx.x; i < R * NO; i += blockDim.x) {
         const int r = (unsigned)i / NO, row = (unsigned)i % NO;
-        const int a = BOX ? row : SWIGLU ? 2 * row : 2 * (row % (NO / 2)) + row / (NO / 2);
-        const int au = BOX ? row + 8 : a + 1;  // SWIGLU: the up row
+        const int a = SWIGLU ? 2 * row : 2 * (row % (NO / 2)) + row / (NO / 2);
+        const int au = a + 1;  // SWIGLU: the up row
         float v = tred[0][r][a];
 #pragma unroll
         for (int w = 1; w < GEMV_WARPS; w++) v += tred[w][r][a];
@@ -1197,24 +1185,16 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
 // kcols: the tile's columns where x is wider (a K slice, gemvq_tck_block; 0: n_in).
 // HALF: the 8-row tile (slots of 4 rows; MMA rows g + 8 repeat rows g, whose loads and
 // epilogue are skipped): the long rows, whose 16-row tile does not fit (matmul.rs tc_form).
-// BOX: the tile as TMA boxes (gemvq_tcm_block): chunk c (super-blocks [c TCM_SBPC,
-// (c + 1) TCM_SBPC) of every row) is a dense box of rows TCM_BOX bytes apart (rb is then
-// TCM_BOX); plain: one 16-row box per chunk at s0, MMA row a = tile row a; SWIGLU: 8 gate rows
-// at s0 (MMA rows 0..7) and 8 up rows at s1 (MMA rows 8..15). Each super-block waits for its
-// chunk's barrier bars[c].
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool BOX = false>
+template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, uint64_t* bars = nullptr, int kcols = 0) {
+                                             int r0, int xplane, int kcols = 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
     // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2 (HALF: both row g / 2).
-    // BOX: rows g and g + 8 of the box (SWIGLU: gate row g, up row g).
-    const uint8_t* p0 = BOX ? s0 + (size_t)g * (size_t)rb : ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
-    const uint8_t* p1 = BOX ? (SWIGLU ? s1 + (size_t)g * (size_t)rb : s0 + (size_t)(g + 8) * (size_t)rb)
-                            : HALF ? p0 : p0 + 4 * (size_t)rb;
-    const size_t cstride = (size_t)(SWIGLU ? 8 : 16) * (size_t)rb;  // BOX: bytes per chunk and box
+    const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
+    const uint8_t* p1 = HALF ? p0 : p0 + 4 * (size_t)rb;
     const uint32_t amask = (t >> 1) ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
     const KqPairSel sel0 = kq_pair_sel(t >> 1), sel1 = kq_pair_sel(2 + (t >> 1));
     const float hs = e ? 0.0625f : 1.0f;  // column t's sub-block is odd: 16x high nibbles
@@ -1236,12 +1216,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     constexpr int SB_UNROLL = R == 2 ? 2 : 1;
 #pragma unroll SB_UNROLL
     for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
-        size_t off = (size_t)sb * Q4_K_BYTES;
-        if (BOX) {
-            const int c = sb / TCM_SBPC;
-            tc_chunk_wait(bars + c);
-            off = (size_t)c * cstride + (size_t)(sb - c * TCM_SBPC) * Q4_K_BYTES;
-        }
+        const size_t off = (size_t)sb * Q4_K_BYTES;
         const uint8_t* b0 = p0 + off;
         const uint8_t* b1 = p1 + off;
         const uint4 h0 = *(const uint4*)b0, h1 = HALF ? h0 : *(const uint4*)b1;
@@ -1286,7 +1261,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
             }
         }
     }
-    tc_store<R, SWIGLU, HALF, BOX>(acc, rows, out, n_out, r0);
+    tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
 }
 
 // The Q6_K form. A super-block (210 bytes: ql[128] low nibbles, qh[64] 2-bit highs, 16 int8
@@ -1326,12 +1301,11 @@ __device__ __forceinline__ uint32_t q6_a(uint32_t nib, uint32_t hi) {
     return ((nib & 0x3C3C3C3Cu) | (hi & 0xC0C0C0C0u)) ^ 0x80808080u;
 }
 
-// (bars: the Q4_K form's signature; Q6_K has no box form.)
 template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, uint64_t* bars = nullptr, int kcols = 0) {
+                                             int r0, int xplane, int kcols = 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1523,9 +1497,9 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
     const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
     if (TYPE == GGML_Q4_K)
-        gemvq_tc_q4k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, nullptr, kn);
+        gemvq_tc_q4k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     else
-        gemvq_tc_q6k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, nullptr, kn);
+        gemvq_tc_q6k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     tail_ticket(tickets + tile, 1u, (unsigned)ks, &tck_last);
     if (tck_last) {
         for (int i = threadIdx.x; i < rows * nrows; i += blockDim.x) {
@@ -1535,79 +1509,6 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
             out[(size_t)r * n_out + o] = v;
         }
         if (threadIdx.x == 0) tickets[tile] = 0;
-    }
-#endif
-}
-
-// The Q4_K tensor-core GEMV with its tile in TMA boxes (gemvq_tcm_*; FERRITE_GEMV_TMA=1,
-// matmul.rs): the same MMA code (gemvq_tc_q4k, BOX), but the tile arrives in n_in / 1024
-// chunks of TCM_SBPC super-blocks of every row, each chunk one 2-D tensor copy per box (the
-// tensor map describes the weight as rows of rb / 8 8-byte elements; the box is TCM_BOX
-// bytes x 16 rows, or x 8 gate rows and x 8 up rows for SwiGLU) on its own mbarrier, so that
-// warps compute chunk 0 while the later chunks are in flight (the bulk copy form waits for
-// the whole tile). Rows past n_out are zero-filled by the copy (out of the tensor's bounds).
-// MATMUL.md round 9 (per-row bulk copies for the same chunks were slower: 16 copies per chunk;
-// a box is one copy).
-
-// A CUtensorMap (opaque, 128 bytes; 64-byte alignment is what TMA needs, CUDA 13's header
-// declares 128), passed as a __grid_constant__ parameter.
-struct __align__(128) TmaDesc {
-    unsigned long long v[16];
-};
-
-// The 2-D tensor copy of the box at element column c0, row r0 of tm into dst (shared memory,
-// 128-byte aligned), completing on bar.
-__device__ __forceinline__ void tma_box(uint8_t* dst, const TmaDesc* tm, int c0, int r0, uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-        "[%4];" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-        "l"((unsigned long long)tm), "r"(c0), "r"(r0), "r"((uint32_t)__cvta_generic_to_shared(bar))
-        : "memory");
-#endif
-}
-
-// One block: thread 0 issues every chunk's box copies before the PDL wait (the weights depend
-// on nothing), the block stages x (R = 1) after it, then computes chunk by chunk. Shared
-// memory: the boxes (16 rows x rb: ck x 9216 bytes plain; gate boxes then up boxes for
-// SwiGLU), then x at R = 1 (tc_x_bytes). FERRITE_GEMV_DIAG 1 (no compute) and 2 (no copy)
-// as in the bulk form; 3 is not separate here (each chunk is waited for).
-template <int R, bool SWIGLU>
-__device__ __forceinline__ void gemvq_tcm_block(const TmaDesc* ma, const TmaDesc* mb, int n_out, int n_in,
-                                                const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                                int rows, float* __restrict__ out, int bx, uint8_t* smem) {
-#if __CUDA_ARCH__ >= 900
-    __shared__ __align__(8) uint64_t bars[TCM_MAX_CHUNKS];
-    constexpr int BR = SWIGLU ? 8 : 16;  // rows per box
-    constexpr bool XS = R == 1;
-    const int nsb = n_in / QK_K, ck = nsb / TCM_SBPC;
-    if (ck < 1 || ck > TCM_MAX_CHUNKS || ck * TCM_SBPC != nsb) __trap();  // the launcher's rule
-    const int r0 = bx * BR;
-    const size_t cbytes = (size_t)BR * TCM_BOX;  // one box
-    uint8_t* up = smem + (size_t)ck * cbytes;     // SWIGLU: the up boxes
-    const int diag = gemv_diag;
-    if (threadIdx.x == 0) {
-        const uint32_t tx = diag == 2 ? 0u : (uint32_t)(SWIGLU ? 2 : 1) * (uint32_t)cbytes;
-        for (int c = 0; c < ck; c++) {
-            mbar_init(bars + c);
-            mbar_expect(bars + c, tx);
-            if (tx) {
-                tma_box(smem + (size_t)c * cbytes, ma, c * (TCM_BOX / 8), r0, bars + c);
-                if (SWIGLU) tma_box(up + (size_t)c * cbytes, mb, c * (TCM_BOX / 8), r0, bars + c);
-            }
-        }
-    }
-    __syncthreads();
-    PDL_ENTRY();
-    uint8_t* xs = smem + (size_t)(SWIGLU ? 2 : 1) * (size_t)ck * cbytes;
-    if (XS) tc_stage_x(xs, xq, xd, n_in);
-    if (diag != 1) {
-        const int8_t* xa = XS ? (const int8_t*)xs : xq;
-        const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
-        gemvq_tc_q4k<R, SWIGLU, XS, false, true>(smem, up, TCM_BOX, n_out, n_in, xa, da, rows, out, r0,
-                                                 XS ? n_in + 64 : n_in, bars);
-    } else {
-        for (int c = 0; c < ck; c++) gemv_bulk_wait(bars + c);
     }
 #endif
 }
@@ -1778,23 +1679,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                                  &gemv_bar);                                                                \
     }
 #define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
-// gemvq_tcm_q4_k_r<R>, gemvq_swiglu_tcm_q4_k_r<R>: the TMA-box form (gemvq_tcm_block), the
-// tensor maps as __grid_constant__ parameters. Bounds as the bulk tensor-core kernels'.
-#define GEMVQ_TCM_KERNEL(name, R)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, R))              \
-        gemvq_tcm_##name##_r##R(const __grid_constant__ TmaDesc ma, int n_out, int n_in,                    \
-                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
-                                float* __restrict__ out) {                                                  \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        gemvq_tcm_block<R, false>(&ma, &ma, n_out, n_in, xq, xd, rows, out, blockIdx.x, gemv_smem);         \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, R))              \
-        gemvq_swiglu_tcm_##name##_r##R(const __grid_constant__ TmaDesc ma, const __grid_constant__ TmaDesc mb, \
-                                       int n_out, int n_in, const int8_t* __restrict__ xq,                  \
-                                       const float2* __restrict__ xd, int rows, float* __restrict__ out) {  \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        gemvq_tcm_block<R, true>(&ma, &mb, n_out, n_in, xq, xd, rows, out, blockIdx.x, gemv_smem);          \
-    }
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
 
@@ -1844,7 +1728,6 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
-GEMV_EACH_R(GEMVQ_TCM_KERNEL, q4_k)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
