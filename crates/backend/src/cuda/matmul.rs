@@ -923,26 +923,30 @@ const TCK_MAX_SPLITS: usize = 8;
 /// slice 16-byte aligned for its bulk copies (Q6_K's 210-byte super-blocks: multiples of 8);
 /// None where it does not apply (one slice, too many, or misaligned).
 fn tck_split(t: GgmlType, n_in: usize, max_cols: usize) -> Option<(usize, usize)> {
-    let (qk, align) = match t {
-        GgmlType::Q4K => (256, 1),
-        GgmlType::Q6K => (256, 8),
+    const QK_K: usize = 256; // columns per super-block
+                             // Super-blocks per aligned slice start: Q4_K's are 144 bytes, Q6_K's 210 (16 | 8 x 210).
+    let align = match t {
+        GgmlType::Q4K => 1,
+        GgmlType::Q6K => 8,
         _ => return None,
     };
-    if !n_in.is_multiple_of(qk) || !(n_in / qk).is_multiple_of(align) || max_cols < qk * align {
+    let nsb = n_in / QK_K;
+    if !n_in.is_multiple_of(QK_K) || !nsb.is_multiple_of(align) || max_cols < QK_K * align {
         return None;
     }
-    let nsb = n_in / qk;
     let per = nsb
-        .div_ceil(nsb.div_ceil(max_cols.min(TCK_MAX_COLS) / qk))
+        .div_ceil(nsb.div_ceil(max_cols.min(TCK_MAX_COLS) / QK_K))
         .next_multiple_of(align);
     let ks = nsb.div_ceil(per);
-    (2..=TCK_MAX_SPLITS).contains(&ks).then_some((ks, per * qk))
+    (2..=TCK_MAX_SPLITS)
+        .contains(&ks)
+        .then_some((ks, per * QK_K))
 }
 
 /// The K-split tile's scratch: partial sums for [`TCK_MAX_SPLITS`] slices of
 /// [`GEMV_MAX_ROWS`] rows of `n_out` outputs, and one ticket per 16-row tile (zero between
 /// launches: the block that draws a tile's last ticket resets it).
-pub(crate) struct TckScratch {
+struct TckScratch {
     part: CudaSlice<f32>,
     tickets: CudaSlice<u32>,
     n_out: usize,

@@ -1475,17 +1475,17 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const int tile = blockIdx.x, k = blockIdx.y, ks = gridDim.y;
     const int r0 = tile * 2 * NS, k0 = k * kc, kn = min(kc, n_in - k0);
     const int nrows = max(0, min(2 * NS, n_out - r0));
-    const long long sb = (long long)(kn / QK_K) * SBB;  // bytes of a row slice
-    const size_t slot = tc_slot(sb, NS);
+    const long long srb = (long long)(kn / QK_K) * SBB;  // bytes of a row slice
+    const size_t slot = tc_slot(srb, NS);
     if (threadIdx.x == 0) {
         mbar_init(bar);
-        mbar_expect(bar, (uint32_t)(nrows * sb));
+        mbar_expect(bar, (uint32_t)(nrows * srb));
     }
     __syncthreads();
     if (threadIdx.x < nrows) {
         const int j = threadIdx.x;
         const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
-        bulk_g2s(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)sb, (size_t)src, (uint32_t)sb);
+        bulk_g2s(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srb, (size_t)src, (uint32_t)srb);
     }
     PDL_ENTRY();
     // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
@@ -1497,9 +1497,9 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
     const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
     if (TYPE == GGML_Q4_K)
-        gemvq_tc_q4k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
+        gemvq_tc_q4k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     else
-        gemvq_tc_q6k<R, false, XS>(smem, smem + slot, sb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
+        gemvq_tc_q6k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     tail_ticket(tickets + tile, 1u, (unsigned)ks, &tck_last);
     if (tck_last) {
         for (int i = threadIdx.x; i < rows * nrows; i += blockDim.x) {
