@@ -684,28 +684,27 @@ pub(crate) fn lock_xq(
     be: &CudaBackend,
     n_in: usize,
 ) -> Result<std::sync::MutexGuard<'_, Option<XQuant>>> {
-    let mut guard = be
-        .matmul
-        .xq
-        .lock()
-        .map_err(|_| anyhow!("matmul: int8 scratch lock poisoned"))?;
-    if guard.as_ref().map_or(true, |b| b.cap < n_in) {
-        let mut retired = Vec::new();
-        if let Some(old) = guard.take() {
-            retired = old.retired;
-            retired.push((old.q, old.d));
-        }
-        *guard = Some(XQuant {
-            q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
-            d: be
-                .stream
-                .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
-            cap: n_in,
-            retired,
-            src: None,
-        });
-    }
-    Ok(guard)
+    lock_grown(
+        &be.matmul.xq,
+        "int8",
+        |b| b.cap >= n_in,
+        |old| {
+            let mut retired = Vec::new();
+            if let Some(old) = old {
+                retired = old.retired;
+                retired.push((old.q, old.d));
+            }
+            Ok(XQuant {
+                q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
+                d: be
+                    .stream
+                    .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
+                cap: n_in,
+                retired,
+                src: None,
+            })
+        },
+    )
 }
 
 /// Quantizes `rows` rows of `n_in` (a multiple of 32) floats of `x` into `q` (two int8 planes
@@ -959,25 +958,43 @@ fn lock_tck(
     be: &CudaBackend,
     n_out: usize,
 ) -> Result<std::sync::MutexGuard<'_, Option<TckScratch>>> {
-    let mut guard = be
-        .matmul
-        .tck
+    lock_grown(
+        &be.matmul.tck,
+        "K-split",
+        |b| b.n_out >= n_out,
+        |old| {
+            let mut retired = Vec::new();
+            if let Some(old) = old {
+                retired = old.retired;
+                retired.push((old.part, old.tickets));
+            }
+            Ok(TckScratch {
+                part: be
+                    .stream
+                    .alloc_zeros::<f32>(TCK_MAX_SPLITS * GEMV_MAX_ROWS * n_out)?,
+                tickets: be.stream.alloc_zeros::<u32>(n_out.div_ceil(16))?,
+                n_out,
+                retired,
+            })
+        },
+    )
+}
+
+/// The scratch behind `m`, locked; first replaced by `make(the old one)` unless `fits` holds
+/// for it (`make` keeps the old buffers alive in the new one's retired list: a graph captured
+/// earlier may still point at them).
+fn lock_grown<'a, T>(
+    m: &'a Mutex<Option<T>>,
+    what: &str,
+    fits: impl Fn(&T) -> bool,
+    make: impl FnOnce(Option<T>) -> Result<T>,
+) -> Result<std::sync::MutexGuard<'a, Option<T>>> {
+    let mut guard = m
         .lock()
-        .map_err(|_| anyhow!("matmul: K-split scratch lock poisoned"))?;
-    if guard.as_ref().map_or(true, |b| b.n_out < n_out) {
-        let mut retired = Vec::new();
-        if let Some(old) = guard.take() {
-            retired = old.retired;
-            retired.push((old.part, old.tickets));
-        }
-        *guard = Some(TckScratch {
-            part: be
-                .stream
-                .alloc_zeros::<f32>(TCK_MAX_SPLITS * GEMV_MAX_ROWS * n_out)?,
-            tickets: be.stream.alloc_zeros::<u32>(n_out.div_ceil(16))?,
-            n_out,
-            retired,
-        });
+        .map_err(|_| anyhow!("matmul: {what} scratch lock poisoned"))?;
+    if !guard.as_ref().is_some_and(&fits) {
+        let old = guard.take();
+        *guard = Some(make(old)?);
     }
     Ok(guard)
 }
