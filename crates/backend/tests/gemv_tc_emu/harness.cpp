@@ -6,7 +6,8 @@
 //    fragments, A (16 x 32) and B (32 x 8) are rebuilt from the PTX ISA fragment layout, each
 //    lane adds its four products exactly (integers);
 //  - __shfl_xor_sync, __syncthreads (fibers.h), __byte_perm, __ldg, f16 -> f32.
-// Each configuration (type, columns, valid rows, R, x rows, SwiGLU, x staged) is checked against a
+// Each configuration (type, columns, valid rows, R, x rows, SwiGLU, x staged, and for the K-split
+// tile x's width and the slice's first column) is checked against a
 // double-precision dot product over the same int8 x planes and block scales, outputs outside
 // the valid rows must stay untouched, and x row 0 must come out bit for bit the same at R = 1
 // (x staged) and R = 3 (x from global memory): decode and verify agree.
@@ -107,8 +108,10 @@ static void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32
 #include "tc.cuh"
 
 // ---- one configuration ------------------------------------------------------------------
+// kx, k0: the K-split tile (gemvq_tck_block): the tile's n_in columns are x's columns
+// k0 .. k0 + n_in of kx (0: x is n_in wide).
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged, q6, half;
+    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -121,14 +124,17 @@ static float* out;
 template <int R, bool SW, bool H>
 static void body_r() {
     const auto f = [](auto k4, auto k6) { return cfg.q6 ? k6 : k4; };
+    // As gemvq_tck_block: x's slice staged (planes kx apart in the source), or x read in place
+    // (rows and planes kx apart) with the tile's columns as kcols.
+    const int nx = cfg.kx ? cfg.kx : cfg.n_in, k0 = cfg.k0;
     if (cfg.staged) {
-        tc_stage_x(xs, xq, xd, cfg.n_in);
+        tc_stage_x(xs, xq + k0, xd + k0 / QK, cfg.n_in, nx);
         f(gemvq_tc_q4k<R, SW, true, H>, gemvq_tc_q6k<R, SW, true, H>)(
             s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs, (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
-            out, 0, cfg.n_in + 64, 0);
+            out, 0, cfg.n_in + 64, cfg.n_in);
     } else {
-        f(gemvq_tc_q4k<R, SW, false, H>, gemvq_tc_q6k<R, SW, false, H>)(s0, s1, rb, cfg.n_out, cfg.n_in, xq, xd,
-                                                                        cfg.rows, out, 0, cfg.n_in, 0);
+        f(gemvq_tc_q4k<R, SW, false, H>, gemvq_tc_q6k<R, SW, false, H>)(
+            s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx, cfg.n_in);
     }
 }
 template <bool H>
@@ -239,16 +245,20 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
     memcpy(slot0.data() + mis, w.data(), ns * rb);
     memcpy(slot1.data() + mis, w.data() + ns * rb, ns * rb);
     s0 = slot0.data() + mis, s1 = slot1.data() + mis;
-    std::vector<int8_t> x((size_t)c.R * 2 * n_in);
-    std::vector<float2> dsc((size_t)c.R * nb);
+    // x: R rows of nx columns (two planes); the reference takes each row's slice k0.. as a
+    // row of n_in columns (xr, dr below).
+    const int nx = c.kx ? c.kx : n_in, nbx = nx / QK;
+    std::vector<int8_t> x((size_t)c.R * 2 * nx);
+    std::vector<float2> dsc((size_t)c.R * nbx);
     for (int r = 0; r < c.R; r++) {
-        for (int e = 0; e < n_in; e++) {
-            x[(size_t)r * 2 * n_in + e] = (int8_t)((int)(rnd() % 255) - 127);
-            x[(size_t)r * 2 * n_in + n_in + e] = (int8_t)((int)(rnd() % 129) - 64);
+        for (int e = 0; e < nx; e++) {
+            x[(size_t)r * 2 * nx + e] = (int8_t)((int)(rnd() % 255) - 127);
+            x[(size_t)r * 2 * nx + nx + e] = (int8_t)((int)(rnd() % 129) - 64);
         }
-        for (int i = 0; i < nb; i++) dsc[(size_t)r * nb + i] = {unif(1e-4f, 1e-2f), unif(-50.f, 50.f)};
+        for (int i = 0; i < nbx; i++) dsc[(size_t)r * nbx + i] = {unif(1e-4f, 1e-2f), unif(-50.f, 50.f)};
     }
     xq = x.data(), xd = dsc.data();
+    std::vector<int8_t> xslice(2 * n_in);
     std::vector<uint8_t> xsb(2 * n_in + 128 + nb * 8 + 16);
     xs = xsb.data();
     // The kernel stores out[r * n_out + o]; a quiet NaN with a payload marks "not written".
@@ -268,8 +278,11 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
                 }
                 continue;
             }
-            const int8_t* xr = &x[(size_t)r * 2 * n_in];
-            const float2* dr = &dsc[(size_t)r * nb];
+            const int8_t* xrow = &x[(size_t)r * 2 * nx];
+            for (int e = 0; e < n_in; e++)
+                xslice[e] = xrow[c.k0 + e], xslice[n_in + e] = xrow[nx + c.k0 + e];
+            const int8_t* xr = xslice.data();
+            const float2* dr = &dsc[(size_t)r * nbx + c.k0 / QK];
             double ref;
             if (c.swiglu) {
                 const double g = ref_dot(&w[i * rb], n_in, xr, dr), u = ref_dot(&w[(ns + i) * rb], n_in, xr, dr);
@@ -283,9 +296,9 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         }
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
-    printf("%s%s n_in %5d n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n", c.q6 ? "q6_K" : "q4_K",
-           c.half ? " half" : "", c.n_in, c.n_out, c.R, c.rows, c.swiglu, c.staged, nmse,
-           ok ? "OK" : "MISMATCH");
+    printf("%s%s n_in %5d (x %5d from %5d) n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n",
+           c.q6 ? "q6_K" : "q4_K", c.half ? " half" : "", c.n_in, nx, c.k0, c.n_out, c.R, c.rows, c.swiglu,
+           c.staged, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {
         const int n = min(tile, c.n_out);
         if (c.R == 1) row0->assign(ob.begin(), ob.begin() + n);
@@ -321,6 +334,11 @@ int main() {
         {{12288, 8, 1, 1, 0, 0, 1, 1}, {12288, 8, 3, 2, 0, 0, 1, 1}},
         {{768, 5, 1, 1, 0, 0, 1, 1}, {768, 5, 3, 3, 0, 0, 1, 1}},
         {{1024, 4, 1, 1, 1, 0, 0, 1}, {1024, 4, 3, 3, 1, 0, 0, 1}},
+        // The K-split tile: a 4096-column slice of a 12288-wide x (the middle one), Q4_K and
+        // Q6_K, a partial tile; Q6_K's short last slice of 14336 columns.
+        {{4096, 16, 1, 1, 0, 1, 0, 0, 12288, 4096}, {4096, 16, 3, 3, 0, 0, 0, 0, 12288, 4096}},
+        {{4096, 11, 1, 1, 0, 1, 1, 0, 12288, 8192}, {4096, 11, 3, 2, 0, 0, 1, 0, 12288, 8192}},
+        {{2048, 16, 1, 1, 0, 1, 1, 0, 14336, 12288}, {2048, 16, 3, 3, 0, 0, 1, 0, 14336, 12288}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;
