@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Instruction census of decode GEMV kernels, on the development machine (no GPU).
 
-    tools/sass_census.py [--src matmul.cu] [--inst MACRO(...)]... [--fun NAME]...
+    tools/sass_census.py [--src matmul.cu] [--inst MACRO(...)]... [--fun NAME]... [--against REV]
 
 Compiles crates/backend/src/cuda/kernels/matmul.cu (with common.cuh prepended, as the
 backend does) for sm_90a with NVRTC, keeping only the kernel instantiations asked for
@@ -10,7 +10,10 @@ variant compiles in seconds instead of the whole module's minutes; then prints, 
 (`--fun`), its registers and stack, its instruction count, its MMA / dp4a count, the
 instructions in the window around its MMAs (the loop bodies) per MMA, and the commonest
 opcodes there. MATMUL.md round 10 item 8 is a census taken this way: a change to the loop
-can be sized here before it costs device time.
+can be sized here before it costs device time. `--against REV` also compiles the same
+instantiations from git revision REV's matmul.cu and common.cuh and compares every kernel's
+machine code with the working tree's (a refactor that should not change the kernels: MATMUL.md
+round 11 item 7).
 
 Needs NVRTC 13 (libnvrtc.so.13 under $CUDA_HOME/lib64 or lib) and cuobjdump ($CUOBJDUMP, or
 on PATH). The trimmed module's machine code is the full module's to within a few
@@ -42,9 +45,12 @@ DEFAULT_INST = [
 DEFAULT_FUN = ["gemvq_swiglu_tc_q4_k_r1", "gemvq_tc_q4_k_r1", "gemvq_tc_q6_k_r1", "gemvq_q6_k_r1"]
 
 
-def trimmed_source(src_path, insts):
-    s = open(src_path).read()
-    common = open(os.path.join(KERNELS, "common.cuh")).read()
+def trimmed_source(src_path, insts, rev=None):
+    if rev is None:
+        s = open(src_path).read()
+        common = open(os.path.join(KERNELS, "common.cuh")).read()
+    else:
+        s, common = (git_show(rev, os.path.join(KERNELS, n)) for n in ("matmul.cu", "common.cuh"))
     if BLOCK_FIRST not in s or BLOCK_LAST not in s:
         sys.exit(f"{src_path}: the instantiation block ({BLOCK_FIRST} .. {BLOCK_LAST}) moved; update this tool")
     a = s.index(BLOCK_FIRST)
@@ -53,6 +59,26 @@ def trimmed_source(src_path, insts):
     for pat in DROP:
         t = re.sub(pat, "", t, flags=re.M)
     return f"{common}\n#line 1 \"matmul.cu\"\n{t}"
+
+
+def git_show(rev, path):
+    rel = os.path.relpath(path, ROOT)
+    r = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{rel}"], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"git show {rev}:{rel}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def sass_by_function(cuobjdump, cubin):
+    """Every kernel's SASS (instruction text, addresses stripped) by name."""
+    out, cur = {}, None
+    for l in subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout.splitlines():
+        m = re.match(r"\s*Function : (\S+)", l)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+        elif cur is not None and re.match(r"^\s+/\*[0-9a-f]{4}\*/", l):
+            cur.append(re.sub(r"^\s+/\*[0-9a-f]{4}\*/\s+", "", l).split(" ;")[0].strip())
+    return out
 
 
 def nvrtc_cubin(src, arch="sm_90a"):
@@ -113,6 +139,7 @@ def main():
     ap.add_argument("--inst", action="append", help="a kernel-instantiating macro call of matmul.cu")
     ap.add_argument("--fun", action="append", help="a kernel to count")
     ap.add_argument("--keep", help="also write the cubin here")
+    ap.add_argument("--against", metavar="REV", help="compare every kernel's SASS with git revision REV's")
     a = ap.parse_args()
     cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if not cuobjdump:
@@ -125,6 +152,19 @@ def main():
             print(census(cuobjdump, f.name, fun))
         if a.keep:
             shutil.copy(f.name, a.keep)
+        if a.against:
+            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as g:
+                g.write(nvrtc_cubin(trimmed_source(a.src, a.inst or DEFAULT_INST, a.against)))
+            try:
+                now, then = sass_by_function(cuobjdump, f.name), sass_by_function(cuobjdump, g.name)
+            finally:
+                os.unlink(g.name)
+            both = sorted(set(now) & set(then))
+            diff = [k for k in both if now[k] != then[k]]
+            print(f"against {a.against}: {len(both)} kernels in both, {len(both) - len(diff)} identical, "
+                  f"{len(diff)} differ" + "".join(f"\n  differs: {k}" for k in diff))
+            for k in sorted(set(now) ^ set(then)):
+                print(f"  only in {'the working tree' if k in now else a.against}: {k}")
     finally:
         os.unlink(f.name)
 
