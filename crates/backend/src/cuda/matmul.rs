@@ -308,9 +308,9 @@ pub(crate) struct XQuant {
     pub(crate) d: CudaSlice<f32>,
     /// Elements per row the buffers are laid out for (rows are `n_in` apart).
     cap: usize,
-    /// Smaller buffers replaced by a grow, kept alive: a graph captured earlier may still
-    /// point at them.
-    retired: Vec<(CudaSlice<i8>, CudaSlice<f32>)>,
+    /// Smaller scratches replaced by a grow, kept alive: a graph captured earlier may still
+    /// point at them (`lock_grown`).
+    retired: Vec<XQuant>,
     /// What the scratch holds when a producer kernel quantized its output here (the fused
     /// add_rms_norm, ops.rs): (that output's device address, rows, cols, the launch count
     /// right after it). A GEMV on exactly that input with no launch in between skips its
@@ -688,23 +688,24 @@ pub(crate) fn lock_xq(
         &be.matmul.xq,
         "int8",
         |b| b.cap >= n_in,
-        |old| {
-            let mut retired = Vec::new();
-            if let Some(old) = old {
-                retired = old.retired;
-                retired.push((old.q, old.d));
-            }
+        || {
             Ok(XQuant {
                 q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
                 d: be
                     .stream
                     .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / 32 * 2)?,
                 cap: n_in,
-                retired,
+                retired: Vec::new(),
                 src: None,
             })
         },
     )
+}
+
+impl Grown for XQuant {
+    fn retired(&mut self) -> &mut Vec<Self> {
+        &mut self.retired
+    }
 }
 
 /// Quantizes `rows` rows of `n_in` (a multiple of 32) floats of `x` into `q` (two int8 planes
@@ -918,12 +919,13 @@ const TCK_MAX_SPLITS: usize = 8;
 
 /// The K-split of a row of `n_in` columns of type `t` (Q4_K or Q6_K) into slices of at most
 /// `max_cols` columns: (slices, columns per slice, the last slice shorter where they do not
-/// divide), whole super-blocks each, every
-/// slice 16-byte aligned for its bulk copies (Q6_K's 210-byte super-blocks: multiples of 8);
-/// None where it does not apply (one slice, too many, or misaligned).
+/// divide), whole super-blocks each, every slice 16-byte aligned for its bulk copies (Q6_K's
+/// 210-byte super-blocks: multiples of 8); None where it does not apply (one slice, too many,
+/// or misaligned).
 fn tck_split(t: GgmlType, n_in: usize, max_cols: usize) -> Option<(usize, usize)> {
-    const QK_K: usize = 256; // columns per super-block
-                             // Super-blocks per aligned slice start: Q4_K's are 144 bytes, Q6_K's 210 (16 | 8 x 210).
+    // Columns per super-block; super-blocks per 16-byte aligned slice start (Q4_K's are 144
+    // bytes, Q6_K's 210: 16 divides 8 x 210).
+    const QK_K: usize = 256;
     let align = match t {
         GgmlType::Q4K => 1,
         GgmlType::Q6K => 8,
@@ -949,8 +951,14 @@ struct TckScratch {
     part: CudaSlice<f32>,
     tickets: CudaSlice<u32>,
     n_out: usize,
-    /// Smaller buffers replaced by a grow, kept alive for graphs captured earlier.
-    retired: Vec<(CudaSlice<f32>, CudaSlice<u32>)>,
+    /// Smaller scratches replaced by a grow, kept alive for graphs captured earlier.
+    retired: Vec<TckScratch>,
+}
+
+impl Grown for TckScratch {
+    fn retired(&mut self) -> &mut Vec<Self> {
+        &mut self.retired
+    }
 }
 
 /// The K-split scratch, locked, grown first if sized for fewer than `n_out` outputs.
@@ -962,39 +970,43 @@ fn lock_tck(
         &be.matmul.tck,
         "K-split",
         |b| b.n_out >= n_out,
-        |old| {
-            let mut retired = Vec::new();
-            if let Some(old) = old {
-                retired = old.retired;
-                retired.push((old.part, old.tickets));
-            }
+        || {
             Ok(TckScratch {
                 part: be
                     .stream
                     .alloc_zeros::<f32>(TCK_MAX_SPLITS * GEMV_MAX_ROWS * n_out)?,
                 tickets: be.stream.alloc_zeros::<u32>(n_out.div_ceil(16))?,
                 n_out,
-                retired,
+                retired: Vec::new(),
             })
         },
     )
 }
 
-/// The scratch behind `m`, locked; first replaced by `make(the old one)` unless `fits` holds
-/// for it (`make` keeps the old buffers alive in the new one's retired list: a graph captured
-/// earlier may still point at them).
-fn lock_grown<'a, T>(
+/// A scratch that grows: the scratches it replaced, kept alive in its retired list (a graph
+/// captured earlier may still point at their buffers).
+trait Grown: Sized {
+    fn retired(&mut self) -> &mut Vec<Self>;
+}
+
+/// The scratch behind `m`, locked; first replaced by a fresh `make()` unless `fits` holds for
+/// it, the old one (and everything it had retired) moved into the new one's retired list.
+fn lock_grown<'a, T: Grown>(
     m: &'a Mutex<Option<T>>,
     what: &str,
     fits: impl Fn(&T) -> bool,
-    make: impl FnOnce(Option<T>) -> Result<T>,
+    make: impl FnOnce() -> Result<T>,
 ) -> Result<std::sync::MutexGuard<'a, Option<T>>> {
     let mut guard = m
         .lock()
         .map_err(|_| anyhow!("matmul: {what} scratch lock poisoned"))?;
     if !guard.as_ref().is_some_and(&fits) {
-        let old = guard.take();
-        *guard = Some(make(old)?);
+        let mut fresh = make()?;
+        if let Some(mut old) = guard.take() {
+            *fresh.retired() = std::mem::take(old.retired());
+            fresh.retired().push(old);
+        }
+        *guard = Some(fresh);
     }
     Ok(guard)
 }
