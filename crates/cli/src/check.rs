@@ -823,8 +823,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // quantized type; and the long rows' partial last tile (Q4_K and Q6_K: the tensor-core
     // GEMV's 16-row tile over K slices (Q4_K by default, Q6_K with FERRITE_GEMV_TCK), its
     // 8-row tile with FERRITE_GEMV_TC=3, or the lane code's split blocks), and long rows in
-    // unequal K slices (14336 columns: Q4_K 4 x 3584, Q6_K 3 x 4096 + 2048); and a launch of many 16-row tensor-core tiles (more than
-    // a wave), its last tile half full (Q4_K, and Q6_K from 8192 rows).
+    // unequal K slices (14336 columns: Q4_K 4 x 3584, Q6_K 3 x 4096 + 2048); and a launch of
+    // many 16-row tensor-core tiles (more than a wave), its last tile half full (Q4_K, and
+    // Q6_K from 8192 rows).
     // Per set: types, (n_in, n_out), row counts, the most rows under `quick`.
     let quantized: Vec<GgmlType> = GgmlType::ALL
         .into_iter()

@@ -1642,12 +1642,12 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     }
 #define GEMVQ_KERNEL(name, TYPE, R) GEMVQ_KERNEL_FAM(name, TYPE, R, false, , (GEMV_WARPS * 32))
 // gemvq_tc_<q4_k|q6_k>_r<R> and their SwiGLU / grouped forms: gemvq_tc_q4k / gemvq_tc_q6k
-// (ks = 1 launches on sm_90+). Q4_K R = 1: at most 64 registers, four blocks of 8 warps per SM
-// (MATMUL.md round 8); R = 2 at most 85 (three). Q6_K (a 4096-column tile + x is ~62 KB:
-// three blocks per SM by shared memory) R = 1 at most 85, R = 2 at most 128. Larger R
-// (batched decode, verify) take what they need.
-#define GEMVQ_TC_MINB(TYPE, R) \
-    ((TYPE) == GGML_Q4_K ? ((R) == 1 ? 3 : (R) == 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
+// (ks = 1 launches on sm_90+). Q4_K R = 1 and 2: at most 85 registers, three blocks of 8 warps
+// per SM (R = 1 had 64 and four blocks, MATMUL.md round 8, until the branch-free x words took
+// 78: round 11). Q6_K (a 4096-column tile + x is ~62 KB: three blocks per SM by shared
+// memory) R = 1 at most 85, R = 2 at most 128. Larger R (batched decode, verify) take what
+// they need.
+#define GEMVQ_TC_MINB(TYPE, R) ((TYPE) == GGML_Q4_K ? ((R) <= 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
 #define GEMVQ_TC_KERNEL(name, TYPE, R) \
     GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TC_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TC_KERNEL, name, TYPE)
