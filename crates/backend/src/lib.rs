@@ -530,34 +530,6 @@ pub trait Backend: Send + Sync {
         eps: f32,
         h: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// An attention block's input and projections in one op. With `y = Some((y, x_out))`: the
-    /// residual add `x_out = x + y` (`x` itself is left as it was), `h = rms_norm(x_out) · w`
-    /// row by row and `outs[i] = ws[i] · h` as [`Backend::matmuls`]; with `None`: `h =
-    /// rms_norm(x) · w` and the projections. Equals `copy_rows` + [`Backend::add_rms_norm`]
-    /// (or [`Backend::rms_norm`]) + [`Backend::matmuls`], the CPU backend bitwise. A backend
-    /// whose projections normalise x themselves may leave `h` unwritten (its contents are then
-    /// unspecified): the CUDA decode step does, which is why the residual goes out of place
-    /// (every block of that launch reads x while one of them writes the sum).
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm_matmuls(
-        &self,
-        x: &Act<Self::Buf>,
-        y: Option<(&Act<Self::Buf>, &mut Act<Self::Buf>)>,
-        w: &Self::Weight,
-        eps: f32,
-        h: &mut Act<Self::Buf>,
-        ws: &[&Self::Weight],
-        outs: &mut [&mut Act<Self::Buf>],
-    ) -> Result<()> {
-        match y {
-            Some((y, x_out)) => {
-                self.copy_rows(x, 0, x_out)?;
-                self.add_rms_norm(x_out, y, w, eps, h)?;
-            }
-            None => self.rms_norm(x, w, eps, h)?,
-        }
-        self.matmuls(h, ws, outs)
-    }
     /// Attention's query/key preparation in one op: on every `head_dim`-sized head of `q`
     /// and of `k`, the per-head RMSNorm where its weight is given (Qwen3's QK-norm), then
     /// the rotation of [`Backend::rope`]. Equals `head_rms_norm(q)`, `head_rms_norm(k)`,

@@ -271,7 +271,6 @@ const OPS: &[&str] = &[
     "swiglu",
     "rope",
     "add_rms_norm",
-    "add_rms_norm_matmuls",
     "qk_norm_rope",
     "attention",
     "moe",
@@ -324,19 +323,6 @@ enum Op {
         rows: usize,
         v: Option<GgmlType>,
         check_v: bool,
-    },
-    /// `add_rms_norm_matmuls`: an attention block's input (x, with the residual y when `add`)
-    /// normalised and projected by Q `[q_out, n_in]`, K and V `[kv_out, n_in]` (Q, K of type
-    /// `ty`, V of type `v`). `check`: 0 Q's output, 1 V's, 2 the residual sum x + y.
-    NormMatmuls {
-        ty: GgmlType,
-        v: GgmlType,
-        n_in: usize,
-        q_out: usize,
-        kv_out: usize,
-        rows: usize,
-        add: bool,
-        check: u8,
     },
     /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`. With `down`,
     /// the down projection (`[n_in, n_out]`, type `ty`) of that output follows and is what is
@@ -568,24 +554,6 @@ fn describe(op: &Op) -> (&'static str, String) {
             } else {
                 format!("matmul_swiglu {ty} {n_in}->{n_out} rows={rows}")
             },
-        ),
-        Op::NormMatmuls {
-            ty,
-            v,
-            n_in,
-            q_out,
-            kv_out,
-            rows,
-            add,
-            check,
-        } => (
-            "add_rms_norm_matmuls",
-            format!(
-                "add_rms_norm_matmuls {ty} {ty} {v} {n_in}->{q_out}+{kv_out}x2 rows={rows}{} \
-                 (checked: {})",
-                if *add { " +y" } else { "" },
-                ["q", "v", "x+y"][*check as usize]
-            ),
         ),
         Op::Rope {
             rows,
@@ -1088,40 +1056,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
         rows: 7,
         cols: 576,
     });
-    // --- the attention input's norm with its Q, K, V projections: Qwen3-8B (4096 -> 4096 +
-    // 1024 x2), Qwen3-30B-A3B (2048 -> 4096 + 512 x2), SmolLM2 (576: the unfused path at one
-    // row); Q4_K_M's mixes (Q4_K with a Q6_K V), the lane code's types; decode and 3 rows (the
-    // unfused path). The CUDA decode launch normalises x in every block.
-    let norm_sets: [(GgmlType, GgmlType, usize, usize, usize); 7] = [
-        (GgmlType::Q4K, GgmlType::Q4K, 4096, 4096, 1024),
-        (GgmlType::Q4K, GgmlType::Q6K, 4096, 4096, 1024),
-        (GgmlType::Q8_0, GgmlType::Q8_0, 4096, 4096, 1024),
-        (GgmlType::Q6K, GgmlType::Q6K, 4096, 4096, 1024),
-        (GgmlType::Q4K, GgmlType::Q6K, 2048, 4096, 512),
-        (GgmlType::Q4_0, GgmlType::Q4_0, 2048, 4096, 512),
-        (GgmlType::Q8_0, GgmlType::Q8_0, 576, 576, 192),
-    ];
-    for (ty, v, n_in, q_out, kv_out) in norm_sets {
-        for rows in [1, 3] {
-            for add_y in [true, false] {
-                for check in [0u8, 1, 2] {
-                    if (check == 2 && !add_y) || (quick && (n_in > 2048 || rows > 1)) {
-                        continue;
-                    }
-                    add(Op::NormMatmuls {
-                        ty,
-                        v,
-                        n_in,
-                        q_out,
-                        kv_out,
-                        rows,
-                        add: add_y,
-                        check,
-                    });
-                }
-            }
-        }
-    }
 
     // --- fused QK-norm + RoPE: Qwen3-8B (32/8 × 128, NeoX, norm), Llama GGUF (adjacent
     // pairs, no norm), Qwen3.5 full attention (16/2 × 256, NeoX on 64 dims), SmolLM2
@@ -1835,35 +1769,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, cols);
             h.out2 = Some((rows, cols));
         }
-        Op::NormMatmuls {
-            ty,
-            v,
-            n_in,
-            q_out,
-            kv_out,
-            rows,
-            check,
-            ..
-        } => {
-            let w: Vec<f32> = (0..n_in).map(|_| 1.0 + 0.1 * rng.normal()).collect();
-            h.weights.push((
-                GgmlType::F32,
-                vec![n_in],
-                w.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ));
-            for (i, (t, n)) in [(ty, q_out), (ty, kv_out), (v, kv_out)].into_iter().enumerate() {
-                let seed_i = seed ^ (0x9e37 * i as u64);
-                h.weights.push((t, vec![n, n_in], gen_weight(t, &[n, n_in], seed_i)?));
-            }
-            // x (the residual stream) larger than y (the block output), as in a model.
-            h.acts.push((rng.normals(rows * n_in, 2.0), rows, n_in));
-            h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
-            // h, the three projections' outputs and x + y (one of them is the checked output).
-            for n in [n_in, q_out, kv_out, kv_out, n_in] {
-                h.acts.push((vec![0.0; rows * n], rows, n));
-            }
-            h.out = (rows, [q_out, kv_out, n_in][check as usize]);
-        }
         Op::QkNormRope {
             rows,
             q_heads,
@@ -2397,20 +2302,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::AddRmsNorm { .. } => {
             be.add_rms_norm(out2(&mut p.out2)?, &p.a[1], &p.w[0], EPS, &mut p.out)
         }
-        Op::NormMatmuls { add, check, .. } => {
-            let [x, y, h, q, k, v, xo] = &mut p.a[..] else {
-                bail!("add_rms_norm_matmuls: expected 7 activations")
-            };
-            let ws = [&p.w[1], &p.w[2], &p.w[3]];
-            let (outs, xo): ([&mut Act<B::Buf>; 3], _) = match check {
-                0 => ([&mut p.out, k, v], xo),
-                1 => ([q, k, &mut p.out], xo),
-                _ => ([q, k, v], &mut p.out),
-            };
-            let mut outs = outs;
-            let y = add.then_some((&*y, xo));
-            be.add_rms_norm_matmuls(x, y, &p.w[0], EPS, h, &ws, &mut outs)
-        }
         Op::QkNormRope {
             head_dim,
             rope,
@@ -2626,24 +2517,6 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         | Op::Swiglu { .. } => ELEMENTWISE_NMSE,
         Op::Rope { .. } => ROPE_NMSE,
         Op::AddRmsNorm { .. } => ADD_RMS_NORM_NMSE,
-        // x + y is one f32 add per element, as on the CPU; the projections' error is the
-        // matmul's (the norm's own, ~1e-13, is far below it).
-        Op::NormMatmuls { check: 2, .. } => EXACT_NMSE,
-        Op::NormMatmuls {
-            ty,
-            v,
-            q_out,
-            kv_out,
-            rows,
-            check,
-            ..
-        } => {
-            if *check == 0 {
-                matmul_nmse(*ty, *q_out, *rows)
-            } else {
-                matmul_nmse(*v, *kv_out, *rows)
-            }
-        }
         Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
         Op::Matmul {
@@ -2712,7 +2585,7 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
     match op {
         Op::Embed { ty, dim, rows, .. } => f(rows * ty.bytes_for(*dim).unwrap_or(0)) + f(out),
         Op::Matmul { .. } => f(h.weights[0].2.len() + acts + out),
-        Op::Matmuls { .. } | Op::MatmulSwiglu { .. } | Op::NormMatmuls { .. } => {
+        Op::Matmuls { .. } | Op::MatmulSwiglu { .. } => {
             let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
             f(w + acts + out)
         }

@@ -18,12 +18,10 @@
 //! their own.
 //!
 //! Fused ops, one launch each on an accelerator: the QK-norm and both rotations are one
-//! [`Backend::qk_norm_rope`]; every residual add is fused with the RMSNorm that follows it:
-//! the attention output's add with `ffn_norm` ([`Backend::add_rms_norm`]), the FFN output's
-//! add with the next layer's `attn_norm` and that layer's Q, K, V projections
-//! ([`Backend::add_rms_norm_matmuls`]: on CUDA at decode one launch whose blocks each
-//! normalise x; the sum goes to the residual's other buffer), after the last layer with
-//! `output_norm`.
+//! [`Backend::qk_norm_rope`]; every residual add is fused with the RMSNorm that follows it
+//! ([`Backend::add_rms_norm`]): the attention output's add with `ffn_norm`, the FFN
+//! output's add with the next layer's `attn_norm` (or, after the last layer, with
+//! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
 use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, PagedKv, StepInput};
@@ -329,7 +327,6 @@ impl<B: Backend> Model<B> {
         Ok(Workspace {
             step: be.step_input(max_rows)?,
             x: be.zeros(max_rows, c.hidden)?,
-            x2: be.zeros(max_rows, c.hidden)?,
             h: be.zeros(max_rows, c.hidden)?,
             q: be.zeros(max_rows, a.n_heads * a.head_dim)?,
             k: be.zeros(max_rows, a.n_kv_heads * a.head_dim)?,
@@ -375,7 +372,6 @@ impl<B: Backend> Model<B> {
         let Workspace {
             step,
             x,
-            x2,
             h,
             q,
             k,
@@ -390,24 +386,13 @@ impl<B: Backend> Model<B> {
         } = ws;
 
         be.embed(&self.embed, step, x)?;
-        // The residual stream: `x` holds it; `x_alt` receives the next sum where it goes out of
-        // place (the attention input op).
-        let (mut x, mut x_alt) = (x, x2);
-        if self.layers.is_empty() {
-            be.rms_norm(x, &self.out_norm, cfg.rms_eps, h)?;
-        }
+        // h = the first layer's attention input; from then on every norm is fused with
+        // the residual add before it.
+        let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
+        be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         for (il, l) in self.layers.iter().enumerate() {
-            // Attention block: x += y (the previous layer's FFN output; none before the first
-            // layer), h = rms_norm(x) · attn_norm, q, k, v = h Wqᵀ, h Wkᵀ, h Wvᵀ.
-            let qkv = [&l.wq, &l.wk, &l.wv];
-            let mut outs = [&mut *q, &mut *k, &mut *v];
-            if il == 0 {
-                be.add_rms_norm_matmuls(x, None, &l.attn_norm, cfg.rms_eps, h, &qkv, &mut outs)?;
-            } else {
-                let eps = cfg.rms_eps;
-                be.add_rms_norm_matmuls(x, Some((y, x_alt)), &l.attn_norm, eps, h, &qkv, &mut outs)?;
-                std::mem::swap(&mut x, &mut x_alt);
-            }
+            // Attention block (h = rms_norm(x) · attn_norm).
+            be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
@@ -437,10 +422,12 @@ impl<B: Backend> Model<B> {
                 shared: None,
             };
             ffn_block(be, &l.ffn, cfg.moe.as_ref(), h, scratch, y)?;
-            if il + 1 == self.layers.len() {
-                // x += y, h = the output norm's result.
-                be.add_rms_norm(x, y, &self.out_norm, cfg.rms_eps, h)?;
-            }
+            // x += y, h = the next layer's attention input (or the output norm's result).
+            let next_norm = self
+                .layers
+                .get(il + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
         }
 
         self.output_logits(be, ws, which)
@@ -535,10 +522,6 @@ pub struct Workspace<B: Backend> {
     /// Token ids and positions of the current step.
     pub step: StepInput<B::IBuf>,
     pub(crate) x: Act<B::Buf>,
-    /// The residual's other buffer: each layer's attention input op
-    /// ([`Backend::add_rms_norm_matmuls`]) writes `x + y` out of place, so the residual
-    /// alternates between `x` and `x2` from layer to layer.
-    pub(crate) x2: Act<B::Buf>,
     pub(crate) h: Act<B::Buf>,
     pub(crate) q: Act<B::Buf>,
     pub(crate) k: Act<B::Buf>,
@@ -567,7 +550,6 @@ impl<B: Backend> Workspace<B> {
     fn set_rows(&mut self, t: usize) -> Result<()> {
         for a in [
             &mut self.x,
-            &mut self.x2,
             &mut self.h,
             &mut self.q,
             &mut self.k,

@@ -92,9 +92,6 @@ pub struct Kernels {
     /// `gemvq_multi_<a>_<b>_r<R>`: a grouped launch of two weights of type a and a third of
     /// type b (the pairs of [`GEMVQ_MIXED`]).
     gemvq_mixed: Vec<(GgmlType, GgmlType, [CudaFunction; 6])>,
-    /// `gemvq_multi_norm_<type>` (R = 1, sm_90+): the lane-code grouped launch that
-    /// normalises x itself ([`norm_matmuls`]); None for the float types and before sm_90.
-    gemvq_multi_norm: Vec<Option<CudaFunction>>,
     /// The tensor-core forms of the Q4_K and Q6_K quantized-x GEMVs (`gemvq_tc_<type>_r<R>`,
     /// the `_swiglu_tc` / `_multi_tc` families, and the mixed `gemvq_multi_tc_q4_k_q6_k_r<R>`):
     /// launches whose 16-row tile fits [`GEMVQ_TC_MAX_SMEM`] on sm_90+ (MATMUL.md rounds 8
@@ -223,23 +220,6 @@ impl Kernels {
             };
             mm.push([g(MM_BN[0])?, g(MM_BN[1])?]);
         }
-        let bulk_fn = |name: &str| -> Result<CudaFunction> {
-            let f = function(&m, name)?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                GEMVQ_BULK_MAX_SMEM as i32,
-            )
-            .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-            Ok(f)
-        };
-        let gemvq_multi_norm = TYPES
-            .iter()
-            .map(|&(ty, name)| {
-                (bulk && quantized_x(ty))
-                    .then(|| bulk_fn(&format!("gemvq_multi_norm_{name}")))
-                    .transpose()
-            })
-            .collect::<Result<Vec<_>>>()?;
         let mut gemvq_mixed = Vec::with_capacity(GEMVQ_MIXED.len());
         for &(a, b) in GEMVQ_MIXED {
             let (na, nb) = (TYPES[type_index(a)?].1, TYPES[type_index(b)?].1);
@@ -261,10 +241,8 @@ impl Kernels {
             let mut fams = Vec::with_capacity(TC_TYPES.len());
             let mut half = Vec::with_capacity(TC_TYPES.len());
             let mut split = Vec::with_capacity(TC_TYPES.len());
-            let mut norm = Vec::with_capacity(TC_TYPES.len());
             for t in TC_TYPES {
                 let name = TYPES[type_index(t)?].1;
-                norm.push((t, bulk_fn(&format!("gemvq_multi_tc_norm_{name}"))?));
                 fams.push((
                     t,
                     [
@@ -281,8 +259,6 @@ impl Kernels {
                 half,
                 split,
                 mixed: all("_multi_tc_q4_k_q6_k")?,
-                norm,
-                mixed_norm: bulk_fn("gemvq_multi_tc_norm_q4_k_q6_k")?,
             })
         } else {
             None
@@ -309,7 +285,6 @@ impl Kernels {
             gemv_multi,
             gemvq,
             gemvq_mixed,
-            gemvq_multi_norm,
             gemvq_tc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -914,10 +889,6 @@ struct TcKernels {
     /// `gemvq_tck_<type>_r<R>`: the K-split tile for long rows (`TcLong::Split`).
     split: Vec<(GgmlType, [CudaFunction; 6])>,
     mixed: [CudaFunction; 6],
-    /// `gemvq_multi_tc_norm_<type>` (R = 1) and `gemvq_multi_tc_norm_q4_k_q6_k`: the grouped
-    /// launches that normalise x themselves ([`norm_matmuls`]).
-    norm: Vec<(GgmlType, CudaFunction)>,
-    mixed_norm: CudaFunction,
 }
 
 /// Rows whose 16-row tensor-core tile does not fit [`GEMVQ_TC_MAX_SMEM`] (the 12288-column
@@ -1283,9 +1254,7 @@ pub fn matmuls(
         }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
-            Some(q) if j - i >= 2 => {
-                multi_launch(be, x, xq, q, &ws[i..j], group, None)?;
-            }
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group)?,
             Some(true) => {
                 let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
@@ -1304,120 +1273,8 @@ pub fn matmuls(
     Ok(())
 }
 
-/// Kernel argument of the grouped launches that normalise x themselves (`NormIn` in
-/// matmul.cu): x, the residual y (0: none), the norm weight (f32), where x + y goes, eps, and
-/// add_rms_norm_v4's block size for the row (its summation order).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct NormIn {
-    x: u64,
-    y: u64,
-    w: u64,
-    xo: u64,
-    eps: f32,
-    nt: i32,
-}
-
-// SAFETY: plain old data laid out as the C struct (4 pointers, a float, an int).
-unsafe impl super::launch::ScalarArg for NormIn {}
-
-/// Most columns of x a GEMV block normalises itself (NORM_X_MAXC float4 chunks per thread in
-/// matmul.cu).
-const NORM_X_MAX_COLS: usize = 8 * 4 * GEMV_WARPS * 32;
-
-/// Whether the attention input's RMSNorm may run inside its projections' launch
-/// (`FERRITE_NORM_FUSE`, default on: an A/B switch).
-fn norm_fuse_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| switches::int_or("FERRITE_NORM_FUSE", 1) != 0)
-}
-
-/// [`Backend::add_rms_norm_matmuls`](crate::Backend::add_rms_norm_matmuls) at one decode row
-/// as one grouped launch whose blocks each normalise x themselves (`norm_x_stage` in
-/// matmul.cu: the add_rms_norm launch before the QKV projections folded into them): with
-/// `y`, `x_out = x + y` and `outs[i] = ws[i] · (rms_norm(x + y) · w)`; without, the norm of x.
-/// Bitwise what add_rms_norm followed by [`matmuls`] computes (the same summation order and
-/// planes). Returns `false` (nothing done) where that launch does not apply: more than one
-/// row, before sm_90, weights that [`matmuls`] would not group into one quantized-x launch,
-/// rows longer than [`NORM_X_MAX_COLS`] or whose norm block is not a multiple of 256 threads.
-#[allow(clippy::too_many_arguments)]
-pub fn norm_matmuls(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    y: Option<(&Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>)>,
-    w: &CudaWeight,
-    eps: f32,
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-) -> Result<bool> {
-    use cudarc::driver::DevicePtrMut;
-    let n_in = x.cols;
-    if !be.matmul.bulk
-        || x.rows != 1
-        || !norm_fuse_on()
-        || !(2..=3).contains(&ws.len())
-        || ws.len() != outs.len()
-        || !n_in.is_multiple_of(32)
-        || n_in > NORM_X_MAX_COLS
-    {
-        return Ok(false);
-    }
-    let Some(nt) = super::ops::norm_v4_threads(be, w, n_in) else {
-        return Ok(false);
-    };
-    if nt % 256 != 0 {
-        return Ok(false);
-    }
-    for (wt, out) in ws.iter().zip(outs.iter()) {
-        crate::check_matmul(x, &wt.shape, out)?;
-        if gemv_path(wt, 1) != Some(true) {
-            return Ok(false);
-        }
-        ensure!(
-            wt.data.len() >= wt.shape[0] * wt.row_bytes(),
-            "matmuls: weight buffer smaller than {:?} {}",
-            wt.shape,
-            wt.dtype
-        );
-    }
-    let t = ws[0].dtype;
-    let one_type = ws.iter().all(|w| w.dtype == t);
-    let mixed = ws.len() == 3 && ws[1].dtype == t && ws[2].dtype != t;
-    if !one_type && !mixed {
-        return Ok(false);
-    }
-    ensure!(
-        x.buf.len() >= n_in,
-        "matmuls: input buffer smaller than its shape"
-    );
-    let wv = super::ops::f32_vec(w, n_in)?;
-    let (xp, _gx) = x.buf.device_ptr(&be.stream);
-    let (wp, _gw) = wv.device_ptr(&be.stream);
-    let mut nm = NormIn {
-        x: xp,
-        y: 0,
-        w: wp,
-        xo: 0,
-        eps,
-        nt: nt as i32,
-    };
-    if let Some((y, xo)) = y {
-        crate::check_add_rms_norm(x, y, n_in, x)?;
-        crate::check_shape("add_rms_norm x out", xo, 1, n_in)?;
-        ensure!(
-            y.buf.len() >= n_in && xo.buf.len() >= n_in,
-            "add_rms_norm: buffer smaller than its shape"
-        );
-        nm.y = y.buf.device_ptr(&be.stream).0;
-        nm.xo = xo.buf.device_ptr_mut(&be.stream).0;
-    }
-    multi_launch(be, x, None, true, ws, outs.iter_mut().collect(), Some(nm))
-}
-
 /// One launch of 2–3 weights of one type and row length (checked by the caller): the
-/// quantized-x GEMV on `xq` (`q`) or the f32 GEMV on x; with `norm` (one row, quantized x,
-/// sm_90+: [`norm_matmuls`]) the kernel that normalises x itself. Returns `false` (nothing
-/// launched) where `norm` is given and the group has no such kernel.
+/// quantized-x GEMV on `xq` (`q`) or the f32 GEMV on x.
 fn multi_launch(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -1425,8 +1282,7 @@ fn multi_launch(
     q: bool,
     ws: &[&CudaWeight],
     outs: Vec<&mut &mut Act<CudaSlice<f32>>>,
-    norm: Option<NormIn>,
-) -> Result<bool> {
+) -> Result<()> {
     use cudarc::driver::DevicePtrMut;
     let (t, n_in, rows) = (ws[0].dtype, ws[0].shape[1], x.rows);
     ensure!(
@@ -1516,62 +1372,6 @@ fn multi_launch(
         rows as i32,
         ks as i32,
     );
-    if let Some(nm) = norm {
-        ensure!(
-            q && rows == 1,
-            "matmuls: the norm-fused launch is for one quantized-x row"
-        );
-        // The lane code's staged x: both planes and the scale pairs (the tensor-core tile's
-        // smem includes its own, tc_x_bytes).
-        let xb = (2 * n_in + n_in / 32 * 8) as u32;
-        let tcs = be.matmul.gemvq_tc.as_ref();
-        let (rb2, ks2_i) = (ws[ws.len() - 1].row_bytes() as i64, ks2 as i32);
-        let mut cfg = cfg;
-        let f = if mixed {
-            let (Some(tcs), Some(_)) = (tcs, tc) else {
-                return Ok(false);
-            };
-            if (t, t2) != (GgmlType::Q4K, GgmlType::Q6K) {
-                return Ok(false);
-            }
-            cfg.shared_mem_bytes = smem.max(smem2 + xb);
-            &tcs.mixed_norm
-        } else if tc.is_some() {
-            let Some(f) = tcs.and_then(|k| k.norm.iter().find(|(ty, _)| *ty == t)) else {
-                return Ok(false);
-            };
-            cfg.shared_mem_bytes = smem;
-            &f.1
-        } else {
-            let Some(f) = be.matmul.gemvq_multi_norm[ti].as_ref() else {
-                return Ok(false);
-            };
-            cfg.shared_mem_bytes = smem + xb;
-            f
-        };
-        ensure!(
-            cfg.shared_mem_bytes as usize <= GEMVQ_BULK_MAX_SMEM,
-            "matmuls: the norm-fused launch needs {} bytes of shared memory",
-            cfg.shared_mem_bytes
-        );
-        let mut launch = be.stream.kernel(f);
-        launch.arg(&sg).arg(&rb);
-        if mixed {
-            launch.arg(&rb2);
-        }
-        launch.arg(&n_in_i).arg(&nm);
-        if mixed {
-            launch.arg(&ks2_i);
-        } else {
-            launch.arg(&ks_i);
-        }
-        // SAFETY: every weight holds n rows of rb bytes (rb2 for a mixed third) and every
-        // output n floats (checked by norm_matmuls); nm's x, y, xo hold n_in floats and its
-        // w n_in f32 (norm_matmuls); the shared memory holds the slots and the staged x.
-        unsafe { launch.launch(cfg) }?;
-        drop(guards);
-        return Ok(true);
-    }
     if q {
         let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
         ensure!(xq.cap >= n_in, "matmuls: int8 scratch too small");
@@ -1609,7 +1409,7 @@ fn multi_launch(
                     .launch(cfg)
             }?;
             drop(guards);
-            return Ok(true);
+            return Ok(());
         }
         let f = match tc {
             Some(tc) => &tc[2][ri],
@@ -1645,7 +1445,7 @@ fn multi_launch(
         }?;
     }
     drop(guards);
-    Ok(true)
+    Ok(())
 }
 
 /// `out = silu(gate · x) ⊙ (up · x)` in one kernel when both weights have the same type and

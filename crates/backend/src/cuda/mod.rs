@@ -536,27 +536,6 @@ impl Backend for CudaBackend {
         ops::add_rms_norm(self, x, y, w, eps, h)
     }
 
-    fn add_rms_norm_matmuls(
-        &self,
-        x: &Act<CudaSlice<f32>>,
-        mut y: Option<(&Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>)>,
-        w: &CudaWeight,
-        eps: f32,
-        h: &mut Act<CudaSlice<f32>>,
-        ws: &[&CudaWeight],
-        outs: &mut [&mut Act<CudaSlice<f32>>],
-    ) -> Result<()> {
-        let fused = y.as_mut().map(|p| (p.0, &mut *p.1));
-        if matmul::norm_matmuls(self, x, fused, w, eps, ws, outs)? {
-            return Ok(());
-        }
-        match y {
-            Some((y, x_out)) => ops::add_rms_norm_out(self, x, y, x_out, w, eps, h)?,
-            None => ops::rms_norm(self, x, w, eps, h)?,
-        }
-        self.matmuls(h, ws, outs)
-    }
-
     fn qk_norm_rope(
         &self,
         q: &mut Act<CudaSlice<f32>>,

@@ -4,7 +4,7 @@ use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::{quant, GgmlType};
 
 use super::launch::{KernelArg, Launch, LaunchExt};
@@ -92,7 +92,7 @@ pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
 }
 
 /// The f32 view of a 1-D weight uploaded by [`upload`].
-pub(crate) fn f32_vec(w: &CudaWeight, n: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
+fn f32_vec(w: &CudaWeight, n: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
     ensure!(
         w.dtype == GgmlType::F32 && w.shape.iter().product::<usize>() == n,
         "expected an f32 vector of {n}, got {:?} {}",
@@ -210,7 +210,7 @@ const NORM_NV: usize = 4;
 /// 1024 · NORM_NV chunks, or a weight not 16-byte aligned). One thread per float4 chunk up to
 /// 1024 threads, a multiple of 32; chosen from `cols` alone so that a row's summation order
 /// never depends on the number of rows in the step.
-pub(crate) fn norm_v4_threads(be: &CudaBackend, w: &CudaWeight, cols: usize) -> Option<u32> {
+fn norm_v4_threads(be: &CudaBackend, w: &CudaWeight, cols: usize) -> Option<u32> {
     let chunks = cols / 4;
     let aligned = {
         let (ptr, _sync) = w.data.device_ptr(&be.stream);
@@ -310,47 +310,6 @@ pub fn add_rms_norm(
     eps: f32,
     h: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    let xo = {
-        let (p, _g) = x.buf.device_ptr_mut(&be.stream);
-        p
-    };
-    add_rms_norm_to(be, x, y, xo, w, eps, h)
-}
-
-/// [`add_rms_norm`] with the sum stored in `xo` instead of `x` (`Backend::add_rms_norm_matmuls`
-/// where its projections do not take the norm themselves).
-pub fn add_rms_norm_out(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    y: &Act<CudaSlice<f32>>,
-    xo: &mut Act<CudaSlice<f32>>,
-    w: &CudaWeight,
-    eps: f32,
-    h: &mut Act<CudaSlice<f32>>,
-) -> Result<()> {
-    check_shape("add_rms_norm x out", xo, x.rows, x.cols)?;
-    ensure!(
-        xo.buf.len() >= x.rows * x.cols,
-        "add_rms_norm: output buffer smaller than its shape"
-    );
-    let p = {
-        let (p, _g) = xo.buf.device_ptr_mut(&be.stream);
-        p
-    };
-    add_rms_norm_to(be, x, y, p, w, eps, h)
-}
-
-/// `xo = x + y` (xo: a device address of a `[rows, cols]` buffer, x's own or a distinct one),
-/// `h = rms_norm(xo) · w`.
-fn add_rms_norm_to(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    y: &Act<CudaSlice<f32>>,
-    xo: u64,
-    w: &CudaWeight,
-    eps: f32,
-    h: &mut Act<CudaSlice<f32>>,
-) -> Result<()> {
     crate::check_add_rms_norm(x, y, w.shape.iter().product(), h)?;
     if x.rows == 0 {
         return Ok(());
@@ -376,16 +335,14 @@ fn add_rms_norm_to(
         &be.ops.add_rms_norm
     });
     launch
-        .arg(&x.buf)
+        .arg(&mut x.buf)
         .arg(&y.buf)
         .arg(&wv)
         .arg(&mut h.buf)
         .arg(&cols)
         .arg(&eps);
     xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
-    launch.arg(&xo);
-    // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows), xo
-    // x itself or another [rows, cols] buffer (the callers);
+    // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows);
     // one block per row, at most 1024 threads (32 warps: the kernel's shared partials; the
     // v4 kernel's chunks fit NORM_NV rounds and its rows are 16-byte aligned, see
     // norm_v4_threads); the scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a multiple

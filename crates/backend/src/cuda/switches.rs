@@ -55,11 +55,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "long rows' K slices, most columns for Q4_K, Q6_K (0 the lane code; MATMUL.md round 11)",
     ),
     (
-        "FERRITE_NORM_FUSE",
-        Accepts::OneOf(&[0, 1]),
-        "the attention input's RMSNorm inside its QKV launch (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

@@ -63,6 +63,11 @@
 //                 (as on the CPU); a row with none gives 0. Why: a single block read the
 //                 151,936-logit row at one SM's bandwidth (58 µs per decode step).
 
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 extern "C" __global__ void embed(const uint8_t* __restrict__ table, int type, long long row_bytes,
                                  const int* __restrict__ tokens, float* __restrict__ out, int dim) {
     PDL_ENTRY();
@@ -139,20 +144,18 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
 // for it (quant_q8_lane, the same bits as quant_x_q8) into xq / xd laid out as quant_x_q8's:
 // cols is then a multiple of 32 and so is blockDim, so each warp's iteration of the last loop
 // covers one whole 32-element block.
-// xo: where x + y goes (x itself for the in-place op; pass 2 re-reads it from there).
-extern "C" __global__ void add_rms_norm(const float* x, const float* __restrict__ y,
+extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ y,
                                         const float* __restrict__ w, float* __restrict__ h,
                                         int cols, float eps, int8_t* __restrict__ xq,
-                                        float2* __restrict__ xd, float* xo) {
+                                        float2* __restrict__ xd) {
     PDL_ENTRY();
     __shared__ float partial[32];
-    const float* xi = x + (long long)blockIdx.x * cols;
-    float* xr = xo + (long long)blockIdx.x * cols;
+    float* xr = x + (long long)blockIdx.x * cols;
     const float* yr = y + (long long)blockIdx.x * cols;
     float* hr = h + (long long)blockIdx.x * cols;
     float ss = 0.f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = xi[i] + yr[i];
+        float v = xr[i] + yr[i];
         xr[i] = v;
         ss += v * v;
     }
@@ -320,12 +323,47 @@ extern "C" __global__ void topk_rows(const float* __restrict__ logits, int* __re
 
 #define NORM_NV 4
 
-// h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into xo (x itself, or
-// another buffer: Backend::add_rms_norm_matmuls's residual out of place; each element is read
-// and written by one thread, so xo == x is safe). xq / xd as in add_rms_norm (null: no
-// quantization).
+// The two-plane quantization of quant_q8_lane for 4 consecutive values per lane, a 32-element
+// block spread over 8 consecutive lanes (lane & 7 = chunk within the block). Every lane of the
+// warp must call it (shuffles); lanes with valid == false hold zeros and store nothing (a
+// block's 8 lanes are all valid or all not: the row length is a multiple of 32).
+__device__ __forceinline__ void quant_q8_vec4(const float (&v)[4], bool valid, int8_t* __restrict__ xr, int n_in,
+                                              int col, float2* __restrict__ xd) {
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int hi[4] = {0, 0, 0, 0}, lo[4] = {0, 0, 0, 0};
+    float d = 0.0f;
+    if (amax > 0.0f) {
+        const float d1 = amax / 127.0f;
+        d = d1 / 127.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            hi[k] = (int)rintf(v[k] * (127.0f / amax));
+            int l = (int)rintf((v[k] - (float)hi[k] * d1) / d);
+            lo[k] = l > 127 ? 127 : (l < -127 ? -127 : l);
+        }
+    }
+    int sum = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) sum += 127 * hi[k] + lo[k];
+#pragma unroll
+    for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (valid) {
+        const uint32_t h4 = (uint32_t)(hi[0] & 255) | ((uint32_t)(hi[1] & 255) << 8) | ((uint32_t)(hi[2] & 255) << 16) |
+                            ((uint32_t)(hi[3] & 255) << 24);
+        const uint32_t l4 = (uint32_t)(lo[0] & 255) | ((uint32_t)(lo[1] & 255) << 8) | ((uint32_t)(lo[2] & 255) << 16) |
+                            ((uint32_t)(lo[3] & 255) << 24);
+        *(uint32_t*)(xr + col) = h4;  // col % 4 == 0 and the row base is 2·n_in-aligned
+        *(uint32_t*)(xr + n_in + col) = l4;
+        if ((threadIdx.x & 7) == 0) *xd = make_float2(d, d * (float)sum);
+    }
+}
+
+// h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
+// add_rms_norm (null: no quantization).
 template <bool ADD>
-__device__ __forceinline__ void norm_row_v4(const float* x, const float* __restrict__ y, float* xo,
+__device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* __restrict__ h, int cols,
                                             float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
     __shared__ float partial[32];
@@ -339,8 +377,7 @@ __device__ __forceinline__ void norm_row_v4(const float* x, const float* __restr
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     PDL_ENTRY();
-    const float4* xr = (const float4*)(x + r * cols);
-    float4* xw = (float4*)(xo + r * cols);
+    float4* xr = (float4*)(x + r * cols);
     const float4* yr = (const float4*)(y + r * cols);
     float ss = 0.f;
 #pragma unroll
@@ -355,13 +392,13 @@ __device__ __forceinline__ void norm_row_v4(const float* x, const float* __restr
                 a.y += b.y;
                 a.z += b.z;
                 a.w += b.w;
-                xw[c] = a;
+                xr[c] = a;
             }
             v[j] = a;
         }
     }
 #pragma unroll
-    for (int j = 0; j < NORM_NV; j++) ss += sq4(v[j]);
+    for (int j = 0; j < NORM_NV; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     ss = warp_sum(ss);
     if (lane == 0) partial[wid] = ss;
     __syncthreads();
@@ -382,17 +419,16 @@ __device__ __forceinline__ void norm_row_v4(const float* x, const float* __restr
     }
 }
 
-// xo: where x + y goes (x itself for the in-place add_rms_norm).
-extern "C" __global__ void add_rms_norm_v4(const float* x, const float* __restrict__ y, const float* __restrict__ w,
-                                           float* __restrict__ h, int cols, float eps, int8_t* __restrict__ xq,
-                                           float2* __restrict__ xd, float* xo) {
-    norm_row_v4<true>(x, y, xo, w, h, cols, eps, xq, xd);
+extern "C" __global__ void add_rms_norm_v4(float* __restrict__ x, const float* __restrict__ y,
+                                           const float* __restrict__ w, float* __restrict__ h, int cols, float eps,
+                                           int8_t* __restrict__ xq, float2* __restrict__ xd) {
+    norm_row_v4<true>(x, y, w, h, cols, eps, xq, xd);
 }
 
 extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float* __restrict__ w,
                                        float* __restrict__ out, int cols, float eps, int8_t* __restrict__ xq,
                                        float2* __restrict__ xd) {
-    norm_row_v4<false>(x, nullptr, nullptr, w, out, cols, eps, xq, xd);
+    norm_row_v4<false>(const_cast<float*>(x), nullptr, w, out, cols, eps, xq, xd);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -831,14 +831,7 @@ extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int
 
 // Per type: this lane's share of the NW rows `wr` against R rows of quantized x, into acc.
 // Units (32 weight elements each) are split over the ks warps as in gemv_lane.
-// x's loads in gemvq_lane: from global memory through the read-only path, or (XSM) from the
-// block's shared memory (a GEMV that normalised x itself: norm_x_stage).
-template <bool XSM, typename T>
-__device__ __forceinline__ T xld(const T* p) {
-    return XSM ? *p : __ldg(p);
-}
-
-template <int TYPE, int R, int NW, bool SM = false, bool XSM = false>
+template <int TYPE, int R, int NW, bool SM = false>
 __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n_in, const int8_t* __restrict__ xq,
                                            const float2* __restrict__ xd, int rows, int lane, int kw, int ks,
                                            float (&acc)[R][NW]) {
@@ -888,8 +881,8 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)u * QK;
                 const int4* xp = (const int4*)xr;
                 const int4* yp = (const int4*)(xr + n_in);
-                const int4 x0 = xld<XSM>(xp), x1 = xld<XSM>(xp + 1), y0 = xld<XSM>(yp), y1 = xld<XSM>(yp + 1);
-                const float2 ds = xld<XSM>(xd + (size_t)rr * nb + u);
+                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1), y0 = __ldg(yp), y1 = __ldg(yp + 1);
+                const float2 ds = __ldg(xd + (size_t)rr * nb + u);
                 const uint32_t xv[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
                                         (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t yv[8] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w,
@@ -963,9 +956,9 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
-                const int4 x0 = xld<XSM>((const int4*)xr), x1 = xld<XSM>((const int4*)(xr + 32));
-                const int4 y0 = xld<XSM>((const int4*)(xr + n_in)), y1 = xld<XSM>((const int4*)(xr + n_in + 32));
-                const float4 ds = xld<XSM>((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
+                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
+                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 32));
+                const float4 ds = __ldg((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
@@ -1020,10 +1013,10 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                 const int rr = r < rows ? r : rows - 1;
                 const int e = s * QK_K + 128 * n + 32 * p + 16 * c;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + e;
-                const int4 x0 = xld<XSM>((const int4*)xr), x1 = xld<XSM>((const int4*)(xr + 64));
-                const int4 y0 = xld<XSM>((const int4*)(xr + n_in)), y1 = xld<XSM>((const int4*)(xr + n_in + 64));
-                const float dxa = xld<XSM>(xd + (size_t)rr * nb + e / QK).x;
-                const float dxb = xld<XSM>(xd + (size_t)rr * nb + e / QK + 2).x;
+                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 64));
+                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 64));
+                const float dxa = __ldg(xd + (size_t)rr * nb + e / QK).x;
+                const float dxb = __ldg(xd + (size_t)rr * nb + e / QK + 2).x;
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
@@ -1410,107 +1403,16 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
     __syncthreads();
 }
 
-// The attention input's RMSNorm inside its projections' launch (gemvq_multi[_tc]_norm_*;
-// Backend::add_rms_norm_matmuls, matmul.rs norm_matmuls). Every block computes s = x + y
-// (y null: s = x), h = s / rms(s) · w and h's int8 planes itself, into its own shared memory,
-// after the PDL wait while its weight copy is in flight; block 0 of the launch also stores s
-// to xo (the residual, out of place: the other blocks still read x). It replaces the
-// add_rms_norm_v4 launch before the QKV projections (5.1 µs per layer in the graph,
-// DECODE_STEP.md) with a prologue under the copy the block waits for anyway.
-//  Same bits as add_rms_norm_v4 (elementwise.cu) with nt threads followed by the GEMV on its
-//  planes: that kernel's thread u holds chunks u, u + nt, ...; here (256 threads, nt a
-//  multiple of 256) thread t holds chunks t + 256 i, chunk t + 256 i being that kernel's
-//  thread t + 256 (i % VT), round i / VT (VT = nt / 256). Per such virtual thread the rounds
-//  are added in order (sq4, from 0), warp_sum runs over the same 32 lanes (its virtual warp
-//  (t + 256 (i % VT)) / 32 = warp + 8 (i % VT)), the nt / 32 partials are added in order,
-//  and each element takes the same expressions and quant_q8_vec4.
-//  Bytes per block: x and y (2 × 4 n_in, L2), w (4 n_in, L2), the planes into shared memory.
-struct NormIn {
-    const float* x;
-    const float* y;  // null: no residual add (the first layer)
-    const float* w;
-    float* xo;       // s = x + y, written by block 0 (unused without y)
-    float eps;
-    int nt;          // add_rms_norm_v4's block size for this row (256, 512 or 1024)
-};
-
-#define NORM_X_MAXC 8  // float4 chunks per thread: n_in <= 8192 (matmul.rs NORM_X_MAX_COLS)
-
-template <int VT>
-__device__ __forceinline__ void norm_x_stage_vt(uint8_t* xs, int plane, float2* ds, const NormIn& nm, int n_in,
-                                                bool store) {
-    __shared__ float nx_part[32];
-    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    const int chunks = n_in >> 2;
-    float4 v[NORM_X_MAXC];
-    float ss[VT];
-#pragma unroll
-    for (int k = 0; k < VT; k++) ss[k] = 0.f;
-#pragma unroll
-    for (int i = 0; i < NORM_X_MAXC; i++) {
-        const int c = tid + 256 * i;
-        v[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (c < chunks) {
-            float4 a = ((const float4*)nm.x)[c];
-            if (nm.y != nullptr) {
-                const float4 b = ((const float4*)nm.y)[c];
-                a.x += b.x;
-                a.y += b.y;
-                a.z += b.z;
-                a.w += b.w;
-                if (store) ((float4*)nm.xo)[c] = a;
-            }
-            v[i] = a;
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < NORM_X_MAXC; i++) ss[i % VT] += sq4(v[i]);
-#pragma unroll
-    for (int k = 0; k < VT; k++) {
-        const float w = warp_sum(ss[k]);
-        if (lane == 0) nx_part[wid + 8 * k] = w;
-    }
-    __syncthreads();
-    float tot = 0.f;
-    for (int i = 0; i < 8 * VT; i++) tot += nx_part[i];
-    const float scale = rsqrtf(tot / (float)n_in + nm.eps);
-#pragma unroll
-    for (int i = 0; i < NORM_X_MAXC; i++) {
-        const int c = tid + 256 * i;
-        if (256 * i >= chunks) break;  // block-uniform
-        const bool valid = c < chunks;
-        const float4 wv = valid ? __ldg((const float4*)nm.w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float o[4] = {(v[i].x * scale) * wv.x, (v[i].y * scale) * wv.y, (v[i].z * scale) * wv.z,
-                            (v[i].w * scale) * wv.w};
-        quant_q8_vec4(o, valid, (int8_t*)xs, plane, 4 * c, ds + (4 * c) / QK);
-    }
-    __syncthreads();
-}
-
-// norm_x_stage_vt for nm.nt: the planes of h at xs (lo `plane` bytes past hi), the scale
-// pairs at ds; store: this block writes s to nm.xo. Ends with a block barrier.
-__device__ __forceinline__ void norm_x_stage(uint8_t* xs, int plane, float2* ds, const NormIn& nm, int n_in,
-                                             bool store) {
-    if (nm.nt == 1024)
-        norm_x_stage_vt<4>(xs, plane, ds, nm, n_in, store);
-    else if (nm.nt == 512)
-        norm_x_stage_vt<2>(xs, plane, ds, nm, n_in, store);
-    else
-        norm_x_stage_vt<1>(xs, plane, ds, nm, n_in, store);
-}
-
 // One tensor-core GEMV block (sm_90+): bulk copy of its tile into two slots, x staged at
 // R = 1 (not for the HALF tile: its long rows' x would take the shared memory of a block),
 // then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
 // the two slots), 8 SwiGLU pairs (rows r0.. of W, the gate, and of W2, the up), or HALF 8
 // rows (r0.. and r0 + 4..). TYPE: Q4_K or Q6_K (any other is the Q6_K form: never launched).
-// NORM (R = 1): x is normalised by the block itself from nm (norm_x_stage) instead of staged
-// from xq / xd.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                               int bx, uint8_t* smem, uint64_t* bar, NormIn nm = NormIn()) {
+                                               int bx, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1525,10 +1427,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
-    if (NORM)
-        norm_x_stage(xs, n_in + 64, (float2*)(xs + 2 * n_in + 128), nm, n_in, blockIdx.x == 0);
-    else if (XS)
-        tc_stage_x(xs, xq, xd, n_in);
+    if (XS) tc_stage_x(xs, xq, xd, n_in);
     if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
@@ -1618,14 +1517,11 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
 // launcher's choice).
-// NORM (R = 1, sm_90+): x normalised by each block itself (norm_x_stage, nm) into shared
-// memory: after the tensor-core tile's slots as in gemvq_tc_block, after the lane code's
-// slot(s) with the global layout (planes n_in apart, the pairs after both).
-template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false>
+template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx, NormIn nm = NormIn()) {
+                                      int bx) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1640,19 +1536,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
-        gemvq_tc_block<TYPE, R, SWIGLU, false, NORM>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem,
-                                                     &gemv_bar, nm);
+        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
-    if (NORM) {
-        uint8_t* xs = gemv_smem + (SWIGLU ? 2 : 1) * gemv_slot(per_block, rb);
-        norm_x_stage(xs, n_in, (float2*)(xs + 2 * n_in), nm, n_in, blockIdx.x == 0);
-        xq = (const int8_t*)xs;
-        xd = (const float2*)(xs + 2 * n_in);
-    }
 #else
-    if (NORM) __trap();  // sm_90+ only (the launcher's rule)
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
     float acc[R][NW];
@@ -1677,7 +1565,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         }
         const int diag = gemv_diag;
         if (diag != 3) gemv_bulk_wait(&gemv_bar);
-        if (diag != 1) gemvq_lane<TYPE, R, NW, true, NORM>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
+        if (diag != 1) gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
         if (diag == 3) gemv_bulk_wait(&gemv_bar);
 #else
 #pragma unroll
@@ -1827,37 +1715,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 
 #define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_KERNEL, na, TA, nb, TB)
 
-// The grouped launches with the attention input's RMSNorm (NormIn, norm_x_stage), one row
-// (R = 1), sm_90+: gemvq_multi[_tc]_norm_<name> (2–3 weights of one type; _tc: the
-// tensor-core tile) and gemvq_multi_tc_norm_<a>_<b> (two type-a weights on the tensor cores,
-// a type-b third on the lane code). The same segments, splits and arithmetic as the plain
-// grouped kernels at R = 1, so the same bits on the same planes. Bounds as theirs.
-#define GEMVQ_MULTI_NORM_KERNEL(name, TYPE, TC, TCN, LB)                                                     \
-    extern "C" __global__ void __launch_bounds__ LB                                                          \
-        gemvq_multi##TCN##_norm_##name(GemvSegs sg, long long rb, int n_in, NormIn nm, int ks) {             \
-        int bx = blockIdx.x;                                                                                 \
-        const int s = gemv_seg(sg, bx);                                                                      \
-        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
-        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
-        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
-        gemvq<TYPE, 1, false, TC, true>(W, W, rb, n_out, n_in, nullptr, nullptr, 1, out, ks, bx, nm);       \
-    }
-#define GEMVQ_MIXED_NORM_KERNEL(na, TA, nb, TB)                                                              \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                         \
-        gemvq_multi_tc_norm_##na##_##nb(GemvSegs sg, long long rb, long long rb2, int n_in, NormIn nm,      \
-                                        int ks2) {                                                           \
-        int bx = blockIdx.x;                                                                                 \
-        const int s = gemv_seg(sg, bx);                                                                      \
-        if (s < 2) {                                                                                         \
-            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
-            gemvq<TA, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, nullptr, nullptr, 1,     \
-                                            s == 0 ? sg.out0 : sg.out1, 1, bx, nm);                          \
-        } else {                                                                                             \
-            gemvq<TB, 1, false, false, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, nullptr, nullptr, 1, sg.out2,   \
-                                             ks2, bx, nm);                                                   \
-        }                                                                                                    \
-    }
-
 GEMVQ_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_ALL_R(q4_0, GGML_Q4_0)
 GEMVQ_ALL_R(q4_1, GGML_Q4_1)
@@ -1872,15 +1729,6 @@ GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
-GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, , (GEMV_WARPS * 32))
-GEMVQ_MULTI_NORM_KERNEL(q4_0, GGML_Q4_0, false, , (GEMV_WARPS * 32))
-GEMVQ_MULTI_NORM_KERNEL(q4_1, GGML_Q4_1, false, , (GEMV_WARPS * 32))
-GEMVQ_MULTI_NORM_KERNEL(q4_k, GGML_Q4_K, false, , (GEMV_WARPS * 32))
-GEMVQ_MULTI_NORM_KERNEL(q5_k, GGML_Q5_K, false, , (GEMV_WARPS * 32))
-GEMVQ_MULTI_NORM_KERNEL(q6_k, GGML_Q6_K, false, , (GEMV_WARPS * 32))
-GEMVQ_MULTI_NORM_KERNEL(q4_k, GGML_Q4_K, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
-GEMVQ_MULTI_NORM_KERNEL(q6_k, GGML_Q6_K, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q6_K, 1)))
-GEMVQ_MIXED_NORM_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
