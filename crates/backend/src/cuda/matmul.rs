@@ -133,6 +133,10 @@ pub struct Kernels {
 /// regression").
 const GEMV_PF_DEFAULT: i32 = 1;
 
+/// Bytes of each row's head that prefetch mode 1 fetches into L2 (`FERRITE_GEMV_PF_HEAD`
+/// overrides it: a tuning switch).
+const GEMV_PF_HEAD: usize = 1024;
+
 fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
     let mode = switches::get("FERRITE_GEMV_PF")?.map_or(GEMV_PF_DEFAULT, |v| v[0] as i32);
     let stream = ctx.default_stream();
@@ -140,6 +144,11 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // SAFETY: the symbol is a 4-byte `__constant__ int`.
     let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_mode is not an int")?;
     stream.memcpy_htod(&[mode], &mut v)?;
+    let head = switches::int_or("FERRITE_GEMV_PF_HEAD", GEMV_PF_HEAD as i64) as i32;
+    let mut sym = m.get_global("gemv_pf_head", &stream)?;
+    // SAFETY: the symbol is a 4-byte `__constant__ int`.
+    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_head is not an int")?;
+    stream.memcpy_htod(&[head], &mut v)?;
     // Diagnostic (MATMUL.md round 8): 1 = the bulk GEMV copies but does not compute,
     // 2 = computes on whatever shared memory holds without copying, 3 = copies and computes
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.

@@ -45,6 +45,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "float GEMV L2 prefetch (MATMUL.md)",
     ),
     (
+        "FERRITE_GEMV_PF_HEAD",
+        Accepts::Range(128, 65536),
+        "bytes per row the float GEMV prefetches into L2 in mode 1 (MATMUL.md)",
+    ),
+    (
         "FERRITE_GEMV_TC",
         Accepts::Range(0, 3),
         "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",

@@ -391,7 +391,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 // steps of the row groups load), 2 the block's whole span (round 3).
 __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
-#define GEMV_PF_HEAD 1024
+// Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
+__constant__ int gemv_pf_head;
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
@@ -400,7 +401,8 @@ __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W
     const int mode = gemv_pf_mode;
     if (mode == 1 && r0 < r1) {
         // One line per thread and pass: thread t takes row t / L, line t % L of that row's head.
-        const int L = (int)((rb < GEMV_PF_HEAD ? rb : GEMV_PF_HEAD) + 127) / 128;
+        const long long head = gemv_pf_head;
+        const int L = (int)((rb < head ? rb : head) + 127) / 128;
         const int n = (r1 - r0) * L;
 #pragma unroll 1
         for (int m = 0; m < 2; m++) {
