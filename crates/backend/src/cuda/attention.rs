@@ -155,8 +155,6 @@ struct PagedKernels {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "attention", SRC)?;
-        let trigger = super::switches::int_or("FERRITE_ATTN_TRIGGER", DECODE_TRIGGER as i64);
-        super::set_constant_int(ctx, &m, "attn_trigger", trigger as i32)?;
         let decode = |pre: &str, post: &str| {
             FAST_HEAD_DIMS
                 .iter()
@@ -250,10 +248,6 @@ impl DecodeTuning {
         t
     }
 }
-
-/// Where a decode block triggers the next kernel's launch (`attn_trigger` in attention.cu: 0
-/// at entry, 1 after its key loop, 2 after its partial); `FERRITE_ATTN_TRIGGER` overrides it.
-const DECODE_TRIGGER: i32 = 0;
 
 /// Index of `head_dim` among the tuned sizes.
 fn fast_index(head_dim: usize) -> Option<usize> {

@@ -177,26 +177,6 @@ pub fn compile_all_cubin(arch: &'static str) -> Result<Vec<(&'static str, usize)
 }
 
 /// Loads a kernel by its `extern "C"` name (once, at start-up).
-/// Sets the `__constant__ int` `name` of module `m` to `value` (kernels' tuning switches,
-/// read once at load).
-pub(crate) fn set_constant_int(
-    ctx: &Arc<CudaContext>,
-    m: &Arc<CudaModule>,
-    name: &str,
-    value: i32,
-) -> Result<()> {
-    let stream = ctx.default_stream();
-    let mut sym = m
-        .get_global(name, &stream)
-        .with_context(|| format!("kernel constant {name}"))?;
-    // SAFETY: the symbol is a 4-byte `__constant__ int` (the callers' kernels declare it so).
-    let mut v = unsafe { sym.transmute_mut::<i32>(1) }
-        .with_context(|| format!("{name} is not an int"))?;
-    stream.memcpy_htod(&[value], &mut v)?;
-    stream.synchronize()?;
-    Ok(())
-}
-
 pub fn function(m: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
     m.load_function(name)
         .with_context(|| format!("kernel {name} not found"))

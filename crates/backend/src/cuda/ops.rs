@@ -39,8 +39,6 @@ struct ArgmaxScratch {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "elementwise", SRC)?;
-        let trigger = super::switches::int_or("FERRITE_NORM_TRIGGER", 0);
-        super::set_constant_int(ctx, &m, "norm_trigger", trigger as i32)?;
         Ok(Kernels {
             embed: function(&m, "embed")?,
             rms_norm: function(&m, "rms_norm")?,

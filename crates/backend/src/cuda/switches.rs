@@ -60,16 +60,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "long rows' K slices, most columns for Q4_K, Q6_K (0 the lane code; MATMUL.md round 11)",
     ),
     (
-        "FERRITE_ATTN_TRIGGER",
-        Accepts::Range(0, 2),
-        "where decode attention lets the o-projection launch: 0 entry, 1 after the key loop, 2 after the partial (ATTENTION.md)",
-    ),
-    (
-        "FERRITE_NORM_TRIGGER",
-        Accepts::OneOf(&[0, 1]),
-        "where the RMSNorm lets the next GEMV launch: 0 entry, 1 after its loads (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

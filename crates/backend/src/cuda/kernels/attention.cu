@@ -355,12 +355,6 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
     }
 }
 
-// Where a decode block lets the next kernel (the o-projection) launch (`FERRITE_ATTN_TRIGGER`,
-// attention.rs): 0 at entry, as every kernel; 1 after its key loop; 2 after its partial is
-// written (before the merge ticket). Later triggers keep the o-projection's weight copies off
-// the DRAM queue while the split loops load K and V (ATTENTION.md).
-__constant__ int attn_trigger;
-
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
@@ -413,9 +407,7 @@ __device__ __forceinline__ void attn_decode_impl(
     if constexpr (STORE) {
         if (tid < gridDim.z) s_pos[tid] = positions[tid];
     }
-    pdl_wait();
-    const int trigger = attn_trigger;
-    if (trigger == 0) pdl_launch_dependents();
+    PDL_ENTRY();
 
     const int kvd = (n_heads / group) * HD;
     if constexpr (STORE) {
@@ -535,7 +527,6 @@ __device__ __forceinline__ void attn_decode_impl(
         }
     }
 
-    if (trigger == 1) pdl_launch_dependents();
     // Merge the key slots of a warp (lanes with the same `sub`): butterfly over slot bits.
 #pragma unroll
     for (int o = TPK; o < 32; o <<= 1) {
@@ -592,7 +583,6 @@ __device__ __forceinline__ void attn_decode_impl(
             }
         }
     }
-    if (trigger == 2) pdl_launch_dependents();
     if (single) return;
 
     // The last of the row's n_active splits to finish (per block of heads) merges them, in

@@ -323,11 +323,6 @@ extern "C" __global__ void topk_rows(const float* __restrict__ logits, int* __re
 
 #define NORM_NV 4
 
-// Where the vectorised norms let the next kernel launch (`FERRITE_NORM_TRIGGER`, ops.rs): 0 at
-// entry, 1 once the row's loads have returned (the next GEMV's weight copies then do not
-// queue ahead of them).
-__constant__ int norm_trigger;
-
 // The two-plane quantization of quant_q8_lane for 4 consecutive values per lane, a 32-element
 // block spread over 8 consecutive lanes (lane & 7 = chunk within the block). Every lane of the
 // warp must call it (shuffles); lanes with valid == false hold zeros and store nothing (a
@@ -381,9 +376,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    pdl_wait();
-    const int trigger = norm_trigger;
-    if (trigger == 0) pdl_launch_dependents();
+    PDL_ENTRY();
     float4* xr = (float4*)(x + r * cols);
     const float4* yr = (const float4*)(y + r * cols);
     float ss = 0.f;
@@ -406,7 +399,6 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
     }
 #pragma unroll
     for (int j = 0; j < NORM_NV; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-    if (trigger == 1) pdl_launch_dependents();
     ss = warp_sum(ss);
     if (lane == 0) partial[wid] = ss;
     __syncthreads();
