@@ -205,15 +205,13 @@ impl Kernels {
             } else {
                 None
             });
-            // The float GEMVs' bulk-copy form (F16, BF16: gemv_plan) needs the raised limit.
-            let fb = bulk && float_bulk_type(ty);
-            gemv.push(per_r(&m, &format!("gemv_{name}"), fb)?);
+            gemv.push(per_r(&m, &format!("gemv_{name}"), false)?);
             gemv_swiglu.push(if quantized_x(ty) {
                 None
             } else {
-                Some(per_r(&m, &format!("gemv_swiglu_{name}"), fb)?)
+                Some(per_r(&m, &format!("gemv_swiglu_{name}"), false)?)
             });
-            gemv_multi.push(per_r(&m, &format!("gemv_multi_{name}"), fb)?);
+            gemv_multi.push(per_r(&m, &format!("gemv_multi_{name}"), false)?);
             gemvq.push(if quantized_x(ty) {
                 let all = |kind: &str| per_r(&m, &format!("gemvq{kind}_{name}"), bulk);
                 Some([all("")?, all("_swiglu")?, all("_multi")?])
@@ -495,43 +493,6 @@ fn gemvq_split(
     bail!("quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
 }
 
-/// Types whose f32-x decode GEMV takes the bulk-copy form on sm_90+ ([`gemv_plan`]).
-fn float_bulk_type(t: GgmlType) -> bool {
-    matches!(t, GgmlType::F16 | GgmlType::BF16)
-}
-
-/// Whether the F16 / BF16 decode GEMV may take its bulk-copy form (`FERRITE_GEMV_BULK_F`,
-/// default on: an A/B switch).
-fn float_bulk_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| switches::int_or("FERRITE_GEMV_BULK_F", 1) != 0)
-}
-
-/// The f32-x decode GEMV's split and dynamic shared memory over `groups` row groups of rows of
-/// `rb` bytes (`spans` weights per group: 2 for the fused SwiGLU). F16 / BF16 on sm_90+ (rows
-/// whole float4 units, 16-byte multiples): the bulk-copy form, split and slots as the
-/// quantized-x GEMV's ([`gemvq_split`]: the block's rows copied into shared memory before the
-/// PDL wait, so a one-wave launch's weights stream while the kernels before it run); otherwise
-/// the register-load form's [`split_k`] and no shared memory. A function of the shape only.
-fn gemv_plan(
-    be: &CudaBackend,
-    t: GgmlType,
-    n_in: usize,
-    rb: usize,
-    groups: usize,
-    spans: usize,
-) -> Result<(usize, u32)> {
-    if be.matmul.bulk
-        && float_bulk_type(t)
-        && n_in.is_multiple_of(4)
-        && rb.is_multiple_of(16)
-        && float_bulk_on()
-    {
-        return gemvq_split(be, t, n_in, rb, groups, spans);
-    }
-    Ok((split_k(gemv_steps(t, n_in), groups, be.sm_count), 0))
-}
-
 /// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the
 /// next instantiated size).
 fn gemv_r_index(rows: usize) -> Result<usize> {
@@ -646,12 +607,8 @@ pub fn matmul(
     if rows <= GEMV_MAX_ROWS {
         let ri = gemv_r_index(rows)?;
         let groups = row_groups(n_out);
-        let (ks, smem) = gemv_plan(be, w.dtype, n_in, rb as usize, groups, 1)?;
+        let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let ks_i = ks as i32;
-        let cfg = LaunchConfig {
-            shared_mem_bytes: smem,
-            ..gemv_config(groups, ks)
-        };
         let _keep = KeepXq::new(be, x);
         // SAFETY: shapes and buffer sizes checked above; the kernel reads n_out rows of rb
         // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
@@ -666,7 +623,7 @@ pub fn matmul(
                 .arg(&rows_i)
                 .arg(&mut out.buf)
                 .arg(&ks_i)
-                .launch(cfg)
+                .launch(gemv_config(groups, ks))
         }?;
         return Ok(());
     }
@@ -1294,13 +1251,13 @@ pub fn matmuls(
         // the split of each weight's own launch, so that every output keeps the bits it has
         // alone (and at prefill rows, where small-output weights take this GEMV per weight).
         if paths[i] == Some(false) && j - i >= 2 {
-            let (t, n_in, rb) = (ws[i].dtype, ws[i].shape[1], ws[i].row_bytes());
+            let steps = gemv_steps(ws[i].dtype, ws[i].shape[1]);
             let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();
-            let ks = gemv_plan(be, t, n_in, rb, all, 1)?.0;
-            let mut own = ws[i..j]
+            let ks = split_k(steps, all, be.sm_count);
+            if ws[i..j]
                 .iter()
-                .map(|w| gemv_plan(be, t, n_in, rb, row_groups(w.shape[0]), 1).map(|p| p.0));
-            if own.any(|k| k.map_or(true, |k| k != ks)) {
+                .any(|w| split_k(steps, row_groups(w.shape[0]), be.sm_count) != ks)
+            {
                 j = i + 1;
             }
         }
@@ -1343,6 +1300,11 @@ fn multi_launch(
         ws.len()
     );
     let groups: usize = ws.iter().map(|w| row_groups(w.shape[0])).sum();
+    let steps = if q {
+        gemvq_steps(t, n_in)
+    } else {
+        gemv_steps(t, n_in)
+    };
     // The type-t weights' kernel form is one for the launch: decided at the fewest rows among
     // them (Q6_K's tile depends on the row count).
     let t_outs = ws.iter().filter(|w| w.dtype == t).map(|w| w.shape[0]);
@@ -1368,8 +1330,7 @@ fn multi_launch(
         };
         (ks, smem, tc)
     } else {
-        let (ks, smem) = gemv_plan(be, t, n_in, ws[0].row_bytes(), groups, 1)?;
-        (ks, smem, None)
+        (split_k(steps, groups, be.sm_count), 0, None)
     };
     // A third weight of another type (a mixed kernel, quantized x only) has its own split
     // and slots: those its single-weight launch would take.
@@ -1540,11 +1501,7 @@ pub fn matmul_swiglu(
             .ok_or_else(|| anyhow!("matmul_swiglu: no fused kernel for {}", gate.dtype))?;
         let ri = gemv_r_index(rows)?;
         // One output per row group (gate row o with up row o).
-        let (ks, smem) = gemv_plan(be, gate.dtype, n_in, gate.row_bytes(), n_out, 2)?;
-        let cfg = LaunchConfig {
-            shared_mem_bytes: smem,
-            ..gemv_config(n_out, ks)
-        };
+        let ks = split_k(gemv_steps(gate.dtype, n_in), n_out, be.sm_count);
         let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
             gate.row_bytes() as i64,
             n_out as i32,
@@ -1566,7 +1523,7 @@ pub fn matmul_swiglu(
                 .arg(&rows_i)
                 .arg(&mut out.buf)
                 .arg(&ks_i)
-                .launch(cfg)
+                .launch(gemv_config(n_out, ks))
         }?;
         return Ok(true);
     }
