@@ -196,17 +196,11 @@ impl Kernels {
         // Bulk copies (cp.async.bulk): sm_90 and later (matmul.cu compiles the bulk-copy
         // GEMV for them, the register-load one before).
         let bulk = arch.starts_with("compute_9") || arch.starts_with("compute_1");
-        // The MoE down kernel at three blocks per SM instead of two (a tuning switch, MOE.md).
-        let down3 = if switches::int_or("FERRITE_MOE_DOWN3", 0) != 0 {
-            "3"
-        } else {
-            ""
-        };
         for (ty, name) in TYPES {
             gemvq_moe.push(if quantized_x(ty) {
                 Some([
                     function(&m, &format!("gemvq_moe_gu_{name}"))?,
-                    function(&m, &format!("gemvq_moe_down{down3}_{name}"))?,
+                    function(&m, &format!("gemvq_moe_down_{name}"))?,
                 ])
             } else {
                 None

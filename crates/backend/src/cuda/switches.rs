@@ -50,11 +50,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "bytes per row the float GEMV prefetches into L2 in mode 1 (MATMUL.md)",
     ),
     (
-        "FERRITE_MOE_DOWN3",
-        Accepts::OneOf(&[0, 1]),
-        "MoE decode down kernel at three blocks per SM (MOE.md)",
-    ),
-    (
         "FERRITE_GEMV_TC",
         Accepts::Range(0, 3),
         "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",

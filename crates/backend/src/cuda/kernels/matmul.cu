@@ -2127,14 +2127,6 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                               const float* __restrict__ logits, int n_experts, int top_k, int norm,              \
                               float* __restrict__ out) {                                                         \
         gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);                  \
-    }                                                                                                          \
-    /* Three blocks per SM (85 registers): FERRITE_MOE_DOWN3 (MOE.md, a tuning switch). */                    \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                           \
-        gemvq_moe_down3_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,                \
-                               const int8_t* __restrict__ hq, const float2* __restrict__ hd,                     \
-                               const float* __restrict__ logits, int n_experts, int top_k, int norm,             \
-                               float* __restrict__ out) {                                                        \
-        gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);                  \
     }
 
 GEMVQ_MOE_KERNELS(q8_0, GGML_Q8_0)
