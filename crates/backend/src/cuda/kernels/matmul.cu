@@ -387,7 +387,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 // streaming loads then hit L2. Then wait, then let the next kernel launch.
 // How much of its weights gemv_prologue prefetches into L2 before the PDL wait (set once by
 // the launcher, matmul.rs; a tuning switch while the F16 decode regression is measured):
-// 0 nothing, 1 the first GEMV_PF_HEAD bytes of each of the block's rows (what the first
+// 0 nothing, 1 the first gemv_pf_head bytes of each of the block's rows (what the first
 // steps of the row groups load), 2 the block's whole span (round 3).
 __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
