@@ -138,25 +138,24 @@ const GEMV_PF_DEFAULT: i32 = 1;
 const GEMV_PF_HEAD: usize = 1024;
 
 fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
-    let mode = switches::get("FERRITE_GEMV_PF")?.map_or(GEMV_PF_DEFAULT, |v| v[0] as i32);
     let stream = ctx.default_stream();
-    let mut sym = m.get_global("gemv_pf_mode", &stream)?;
-    // SAFETY: the symbol is a 4-byte `__constant__ int`.
-    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_mode is not an int")?;
-    stream.memcpy_htod(&[mode], &mut v)?;
+    let set = |name: &str, value: i32| -> Result<()> {
+        let mut sym = m.get_global(name, &stream)?;
+        // SAFETY: the symbols set here are 4-byte `__constant__ int`s (matmul.cu).
+        let mut v = unsafe { sym.transmute_mut::<i32>(1) }
+            .with_context(|| format!("{name} is not an int"))?;
+        stream.memcpy_htod(&[value], &mut v)?;
+        Ok(())
+    };
+    let mode = switches::get("FERRITE_GEMV_PF")?.map_or(GEMV_PF_DEFAULT, |v| v[0] as i32);
+    set("gemv_pf_mode", mode)?;
     let head = switches::int_or("FERRITE_GEMV_PF_HEAD", GEMV_PF_HEAD as i64) as i32;
-    let mut sym = m.get_global("gemv_pf_head", &stream)?;
-    // SAFETY: the symbol is a 4-byte `__constant__ int`.
-    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_pf_head is not an int")?;
-    stream.memcpy_htod(&[head], &mut v)?;
+    set("gemv_pf_head", head)?;
     // Diagnostic (MATMUL.md round 8): 1 = the bulk GEMV copies but does not compute,
     // 2 = computes on whatever shared memory holds without copying, 3 = copies and computes
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
-    let mut sym = m.get_global("gemv_diag", &stream)?;
-    // SAFETY: the symbol is a 4-byte `__constant__ int`.
-    let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("gemv_diag is not an int")?;
-    stream.memcpy_htod(&[diag], &mut v)?;
+    set("gemv_diag", diag)?;
     stream.synchronize()?;
     Ok(())
 }
@@ -1054,8 +1053,8 @@ enum GemvKind {
 /// The tensor-core form a weight of type `t` with `n_out` rows of `n_in` columns (rb bytes)
 /// takes, if any: sm_90+, not switched off, a type of [`TC_TYPES`]; the 16-row tile where
 /// its one-row block fits [`GEMVQ_TC_MAX_SMEM`] (Q6_K from [`GEMVQ_TC_Q6K_MIN_OUT`] rows),
-/// else by [`TcLong`] (the 8-row and K-split tiles: plain launches only). A function of the shape only, so decode and verify
-/// take the same kernel.
+/// else by [`TcLong`] (the 8-row and K-split tiles: plain launches only). A function of the
+/// shape only, so decode and verify take the same kernel.
 fn tc_form(
     be: &CudaBackend,
     t: GgmlType,
@@ -1115,7 +1114,6 @@ fn gemvq_plan(
     match tc_form(be, t, n_in, n_out, rb, kind) {
         Some(TcForm::Full(f)) => Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f)))),
         Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
-        // The boxes hold the 16 rows densely (16 rb bytes), then x.
         // The tile of the widest slice (rb / (n_in / kc) bytes per row), its x slice at one row.
         Some(TcForm::Split(f, ks, kc)) => {
             let x = if rows == 1 { tc_x_bytes(kc) } else { 0 };
