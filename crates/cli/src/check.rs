@@ -1236,6 +1236,28 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 q8: false,
             });
         }
+        // The tensor-core prefill's edges (64 query slots per block): a group that leaves
+        // slots empty (6: 10 rows, 60 slots), wide groups (16, 32: 4 and 2 rows per block),
+        // one head per group at hd 256 (64 rows per block, 32-key tiles), a key bound off the
+        // 64-key tile grid, and a long cached prefix.
+        for (n_heads, n_kv_heads, head_dim, pos0, rows) in [
+            (12, 2, 64, 0, 33),
+            (16, 1, 128, 70, 40),
+            (32, 1, 256, 5, 17),
+            (2, 2, 256, 0, 100),
+            (8, 2, 64, 1000, 200),
+        ] {
+            add(Op::Attention {
+                shape: AttnShape {
+                    n_heads,
+                    n_kv_heads,
+                    head_dim,
+                },
+                pos0,
+                rows,
+                q8: false,
+            });
+        }
     }
 
     // --- moe: 8 experts top-2 (small, every path incl. the generic decoders) and the

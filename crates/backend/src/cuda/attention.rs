@@ -85,6 +85,41 @@ const FAST_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
 const GENERIC_MAX_HEAD_DIM: usize = 512;
 /// Threads per prefill block (PREFILL_THREADS in attention.cu).
 const PREFILL_THREADS: usize = 256;
+/// Head dims of the tensor-core prefill kernel (`attn_prefill_tc_<hd>`, f16 caches).
+const TC_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Threads and query slots of a tensor-core prefill block (TC_THREADS, TC_SLOTS).
+const TC_THREADS: usize = 128;
+const TC_SLOTS: usize = 64;
+
+/// Dynamic shared memory of `attn_prefill_tc_<hd>` (TcShape::SMEM in attention.cu): q as f16
+/// [64][hd + 8] and double-buffered K and V tiles [2][keys][hd + 8].
+fn tc_smem(head_dim: usize) -> usize {
+    let keys = if head_dim >= 256 { 32 } else { 64 };
+    2 * (TC_SLOTS + 4 * keys) * (head_dim + 8)
+}
+
+/// The tensor-core prefill kernel for this cache and shape, with its launch shape, if one
+/// applies (f16 cache, a [`TC_HEAD_DIMS`] head size, a GQA group that fits a block).
+fn prefill_tc(
+    kernels: &Option<Vec<CudaFunction>>,
+    q8: usize,
+    head_dim: usize,
+    group: usize,
+    rows: usize,
+    n_kv_heads: usize,
+) -> Option<(&CudaFunction, LaunchConfig)> {
+    let i = TC_HEAD_DIMS.iter().position(|&h| h == head_dim)?;
+    if q8 != 0 || group == 0 || group > TC_SLOTS {
+        return None;
+    }
+    let f = kernels.as_ref()?.get(i)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(TC_SLOTS / group) as u32, n_kv_heads as u32, 1),
+        block_dim: (TC_THREADS as u32, 1, 1),
+        shared_mem_bytes: tc_smem(head_dim) as u32,
+    };
+    Some((f, cfg))
+}
 
 /// One sequence's KV cache in VRAM.
 pub struct CudaKv {
@@ -139,6 +174,9 @@ pub struct Kernels {
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
     prefill: [Vec<CudaFunction>; 2],
+    /// Tensor-core prefill (f16 cache), per [`TC_HEAD_DIMS`] entry; `None` when the switch
+    /// `FERRITE_ATTN_TC=0` keeps prefill on the SIMT kernel.
+    prefill_tc: Option<Vec<CudaFunction>>,
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
@@ -149,6 +187,7 @@ struct PagedKernels {
     kv_store: [CudaFunction; 2],
     decode: [Vec<Vec<CudaFunction>>; 2],
     prefill: [Vec<CudaFunction>; 2],
+    prefill_tc: Option<Vec<CudaFunction>>,
     generic: CudaFunction,
 }
 
@@ -172,12 +211,32 @@ impl Kernels {
                 .map(|hd| function(&m, &format!("attn_prefill_{pre}{hd}{post}")))
                 .collect::<Result<Vec<_>>>()
         };
+        let use_tc = super::switches::int_or("FERRITE_ATTN_TC", 1) != 0;
+        let prefill_tc = |post: &str| -> Result<Option<Vec<CudaFunction>>> {
+            if !use_tc {
+                return Ok(None);
+            }
+            TC_HEAD_DIMS
+                .iter()
+                .map(|&hd| {
+                    let f = function(&m, &format!("attn_prefill_tc_{hd}{post}"))?;
+                    f.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        tc_smem(hd) as i32,
+                    )
+                    .with_context(|| format!("attn_prefill_tc_{hd}: {} B of shared memory", tc_smem(hd)))?;
+                    Ok(f)
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some)
+        };
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
             decode: [decode("", "")?, decode("q8_", "")?],
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
+            prefill_tc: prefill_tc("")?,
             generic: function(&m, "attn_generic")?,
             paged: PagedKernels {
                 kv_store: [
@@ -186,6 +245,7 @@ impl Kernels {
                 ],
                 decode: [decode("", "_paged")?, decode("q8_", "_paged")?],
                 prefill: [prefill("", "_paged")?, prefill("q8_", "_paged")?],
+                prefill_tc: prefill_tc("_paged")?,
                 generic: function(&m, "attn_generic_paged")?,
             },
         })
@@ -582,18 +642,30 @@ pub fn attention(
     // against capacity and writes inside layer `layer` of the cache (and its scales).
     unsafe { store.launch(store_cfg) }?;
 
-    // 2b. Prefill: query tiles × kv heads.
-    if let (Some(fi), true) = (fast, group <= prefill_slots(head_dim)) {
-        let rows_per_tile = prefill_slots(head_dim) / group;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
-            block_dim: (PREFILL_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: shapes checked above; each block writes only its own (row, head) outputs.
+    // 2b. Prefill: query tiles × kv heads (the tensor-core kernel where it applies).
+    let tc = prefill_tc(
+        &be.attention.prefill_tc,
+        q8,
+        head_dim,
+        group,
+        rows,
+        n_kv_heads,
+    );
+    if let Some(fi) = fast.filter(|_| tc.is_some() || group <= prefill_slots(head_dim)) {
+        let rows_per_tile = prefill_slots(head_dim) / group.max(1);
+        let (func, cfg) = tc.unwrap_or((
+            &be.attention.prefill[q8][fi],
+            LaunchConfig {
+                grid_dim: (rows.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
+                block_dim: (PREFILL_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        ));
+        // SAFETY: shapes checked above; each block writes only its own (row, head) outputs
+        // (both kernels take the same arguments; the tc one ignores the q8_0 scales).
         unsafe {
             be.stream
-                .kernel(&be.attention.prefill[q8][fi])
+                .kernel(func)
                 .arg(&q.buf)
                 .arg(&kv.k)
                 .arg(&kv.v)
@@ -924,18 +996,28 @@ fn attention_paged(
                 // the cache as for the store (block tables checked by check_paged_step).
                 unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg)) }?;
             }
-            Some(fi) if !u.decode && group <= prefill_slots(head_dim) => {
-                let rows_per_tile = prefill_slots(head_dim) / group;
-                let cfg = LaunchConfig {
-                    grid_dim: (nr.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
-                    block_dim: (PREFILL_THREADS as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                };
+            Some(fi)
+                if !u.decode
+                    && (group <= prefill_slots(head_dim)
+                        || prefill_tc(&kern.prefill_tc, q8, head_dim, group, nr, n_kv_heads)
+                            .is_some()) =>
+            {
+                let rows_per_tile = prefill_slots(head_dim) / group.max(1);
+                let (func, cfg) = prefill_tc(&kern.prefill_tc, q8, head_dim, group, nr, n_kv_heads)
+                    .unwrap_or((
+                        &kern.prefill[q8][fi],
+                        LaunchConfig {
+                            grid_dim: (nr.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
+                            block_dim: (PREFILL_THREADS as u32, 1, 1),
+                            shared_mem_bytes: 0,
+                        },
+                    ));
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block
-                // writes only its own (row, head) outputs inside out_v.
+                // writes only its own (row, head) outputs inside out_v (the tc kernel takes
+                // the same arguments and ignores the q8_0 scales).
                 unsafe {
                     be.stream
-                        .kernel(&kern.prefill[q8][fi])
+                        .kernel(func)
                         .arg(&q_v)
                         .arg(&kv.k)
                         .arg(&kv.v)

@@ -75,6 +75,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill token-tile width",
     ),
     (
+        "FERRITE_ATTN_TC",
+        Accepts::OneOf(&[0, 1]),
+        "prefill attention on the tensor cores (f16 caches; 0 = the SIMT kernel, ATTENTION.md)",
+    ),
+    (
         "FERRITE_ATTN_GB",
         Accepts::OneOf(&[1, 2, 4, 8]),
         "query heads per decode block",

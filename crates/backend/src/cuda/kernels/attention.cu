@@ -844,6 +844,296 @@ PREFILL_KERNEL(128)
 PREFILL_KERNEL(256)
 
 // ---------------------------------------------------------------------------------------
+// Prefill on the tensor cores (f16 cache): causal flash attention with mma.sync.
+//
+// The plan (FlashAttention-2 on mma.sync m16n8k16 f16 → f32):
+// - grid (query tiles, n_kv_heads), TC_THREADS = 128 = 4 warps. A block's 64 query slots are
+//   (row, head of the GQA group) pairs, row-major as in the SIMT kernel (64/group rows × every
+//   head of the group), so each K/V tile in shared memory serves the whole group; warp w owns
+//   slots 16w..16w+15 (the m16 of its MMAs). Tiles are launched heaviest-first.
+// - q is scaled by scale·log2(e), rounded to f16 into shared memory once ([64][HD + 8]: the
+//   8-half pad staggers rows by 16 B so ldmatrix reads are conflict-free); a warp reloads its
+//   A fragments from there (ldmatrix.x4) for every key tile — cheaper than holding HD/16 × 4
+//   registers through the loop, and the same code serves HD = 256.
+// - K/V tiles of BKV keys (64, 32 for HD = 256) stream in by cp.async (16 B per copy, keys
+//   past the block's bound zero-filled so masked p = 0 never meets a NaN), double-buffered:
+//   tile i+1 is in flight while tile i is computed; one barrier pair per tile.
+// - S = Q·Kᵀ: the cache's [pos][hd] rows are the "col" B operand as they are (ldmatrix, no
+//   transpose); masking per (row, key) from the rows' device positions; online softmax in
+//   base 2 per row, each thread holding rows g and g+8 of its warp's 16 (row maxima by two
+//   xor-shuffles across the quad; the running sums l stay per-thread partials, reduced once
+//   at the end — the correction factors are uniform across the quad).
+// - O += P·V: P's f32 accumulators are the A fragment of the next MMA after packing to f16
+//   (the C layout of two n-tiles is the A layout of one k16 step); V [pos][hd] is k-major, so
+//   its B fragments come from ldmatrix.trans. O is HD/8 n-tiles × 4 f32 per thread.
+// Bytes: each block reads its kv head's K and V rows 0..bound once (L2 serves the other
+// query tiles of the head). Work per warp and 64-key tile at HD = 128: 128 MMAs (64 for S, 64
+// for P·V), 8 + 32 + 32 ldmatrix.x4.
+// Precision: q and P rounded to f16 (relative 2⁻¹¹, like the cache's K and V), f32
+// accumulation: attention NMSE ~1e-7 against the f32 CPU oracle, as the SIMT kernel.
+// Keys are summed in tile order, 16 at a time inside an MMA, not one by one as on the CPU.
+
+#define TC_THREADS 128
+#define TC_SLOTS 64
+
+__device__ __forceinline__ void tc_ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                           uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void tc_ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                             uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// 16 bytes global → shared; src_bytes = 0 zero-fills the destination (src not read).
+__device__ __forceinline__ void tc_cp16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t tc_pack_f16(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);  // .x (low 16 bits) = a
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Keys per K/V tile and the shared-memory bytes of a block (attention.rs tc_smem mirrors it).
+template <int HD>
+struct TcShape {
+    static constexpr int BKV = HD >= 256 ? 32 : 64;
+    static constexpr int LDS = HD + 8;  // halves per shared row
+    static constexpr int SMEM = 2 * (TC_SLOTS + 4 * BKV) * LDS;
+};
+
+template <int HD, bool PAGED>
+__device__ __forceinline__ void attn_prefill_tc_impl(
+    const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, const int* __restrict__ positions,
+    float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
+    int capacity, float scale_log2, PAGED_ARGS) {
+    using S = TcShape<HD>;
+    constexpr int BKV = S::BKV, LDS = S::LDS;
+    constexpr int NS = BKV / 8;   // S n-tiles (8 keys) per warp
+    constexpr int NO = HD / 8;    // O n-tiles (8 dims) per warp
+    constexpr int CPR = HD / 8;   // 16-B chunks per cached row
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    __half* sQ = reinterpret_cast<__half*>(tc_smem);
+    __half* sK = sQ + TC_SLOTS * LDS;     // [2][BKV][LDS]
+    __half* sV = sK + 2 * BKV * LDS;      // [2][BKV][LDS]
+    __shared__ int s_pos[TC_SLOTS];
+    __shared__ int s_kmax;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int rpt = TC_SLOTS / group;  // rows per tile (host guarantees 1 ≤ group ≤ 64)
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, 0);
+
+    if (tid == 0) s_kmax = 0;
+    __syncthreads();
+    if (tid < TC_SLOTS) {
+        const int r = tid / group, t = tile * rpt + r;
+        const int P = (r < rpt && t < rows) ? min(positions[t], max_keys - 1) : -1;
+        s_pos[tid] = P;
+        if (P >= 0) atomicMax(&s_kmax, P + 1);
+    }
+    // q → f16 (pre-scaled), one float4 per step; invalid slots are zeros.
+    for (int i = tid; i < TC_SLOTS * HD / 4; i += TC_THREADS) {
+        const int slot = i / (HD / 4), c = (i % (HD / 4)) * 4;
+        const int r = slot / group, gi = slot % group, t = tile * rpt + r;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < rpt && t < rows)
+            a = *reinterpret_cast<const float4*>(q + ((long long)t * n_heads + kvh * group + gi) * HD + c);
+        uint2 h;
+        h.x = tc_pack_f16(a.x * scale_log2, a.y * scale_log2);
+        h.y = tc_pack_f16(a.z * scale_log2, a.w * scale_log2);
+        *reinterpret_cast<uint2*>(sQ + slot * LDS + c) = h;
+    }
+    __syncthreads();
+    const int kmax = s_kmax;
+    const int n_tiles = (kmax + BKV - 1) / BKV;
+    const int P0 = s_pos[warp * 16 + g], P1 = s_pos[warp * 16 + g + 8];
+    int wmax = max(P0, P1);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) wmax = max(wmax, __shfl_xor_sync(ATT_FULL, wmax, o));
+
+    const long long head_off = layer_off + (long long)kvh * capacity * HD;
+    const unsigned short* kbase = reinterpret_cast<const unsigned short*>(kc);
+    const unsigned short* vbase = reinterpret_cast<const unsigned short*>(vc);
+    const uint32_t sK0 = (uint32_t)__cvta_generic_to_shared(sK);
+    const uint32_t sV0 = (uint32_t)__cvta_generic_to_shared(sV);
+    const uint32_t sQ0 = (uint32_t)__cvta_generic_to_shared(sQ);
+
+    auto load_tile = [&](int it) {
+        const int k0 = it * BKV, buf = it & 1;
+        for (int c = tid; c < BKV * CPR; c += TC_THREADS) {
+            const int kr = c / CPR, col = (c % CPR) * 8;
+            const int p = k0 + kr;
+            long long e = head_off;
+            int bytes = 0;
+            if (p < kmax) {
+                e = kv_pos<PAGED>(head_off, p, HD, bt, page_shift, page_stride) + col;
+                bytes = 16;
+            }
+            const uint32_t off = (uint32_t)((buf * BKV + kr) * LDS + col) * 2;
+            tc_cp16(sK0 + off, kbase + e, bytes);
+            tc_cp16(sV0 + off, vbase + e, bytes);
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+
+    float o_acc[NO][4];
+#pragma unroll
+    for (int j = 0; j < NO; j++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o_acc[j][c] = 0.f;
+    float m0 = ATT_NEG, m1 = ATT_NEG, l0 = 0.f, l1 = 0.f;
+
+    // ldmatrix lane addresses (bytes, buffer 0): A (q rows of the warp), B (key rows, no
+    // transpose: lanes 0-7 keys 0-7 dims +0, 8-15 keys 0-7 dims +8, 16-31 keys 8-15), V (trans:
+    // lanes 0-15 keys 0-15 dims +0, 16-31 keys 0-15 dims +8).
+    const uint32_t qa = sQ0 + ((warp * 16 + (lane & 15)) * LDS + (lane >> 4) * 8) * 2;
+    const uint32_t kb = ((lane & 7) + ((lane >> 4) << 3)) * LDS * 2 + ((lane >> 3) & 1) * 16;
+    const uint32_t vb = (lane & 15) * LDS * 2 + (lane >> 4) * 16;
+
+    if (n_tiles > 0) load_tile(0);
+    for (int it = 0; it < n_tiles; it++) {
+        if (it + 1 < n_tiles) {
+            load_tile(it + 1);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        }
+        __syncthreads();
+        const int k0 = it * BKV;
+        if (k0 <= wmax) {  // warp-uniform: some row of this warp sees keys of this tile
+            const int buf = it & 1;
+            const uint32_t kt = sK0 + buf * BKV * LDS * 2 + kb;
+            const uint32_t vt = sV0 + buf * BKV * LDS * 2 + vb;
+            float s[NS][4];
+#pragma unroll
+            for (int j = 0; j < NS; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) s[j][c] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++) {
+                uint32_t a0, a1, a2, a3;
+                tc_ldsm_x4(qa + kk * 32, a0, a1, a2, a3);
+#pragma unroll
+                for (int nj = 0; nj < NS / 2; nj++) {
+                    uint32_t b0, b1, b2, b3;
+                    tc_ldsm_x4(kt + nj * 16 * LDS * 2 + kk * 32, b0, b1, b2, b3);
+                    tc_mma_f16(s[2 * nj], a0, a1, a2, a3, b0, b1);
+                    tc_mma_f16(s[2 * nj + 1], a0, a1, a2, a3, b2, b3);
+                }
+            }
+            // Mask, row maxima, online-softmax rescale.
+            float mx0 = m0, mx1 = m1;
+#pragma unroll
+            for (int j = 0; j < NS; j++) {
+                const int key = k0 + j * 8 + 2 * t4;
+                s[j][0] = key <= P0 ? s[j][0] : ATT_NEG;
+                s[j][1] = key + 1 <= P0 ? s[j][1] : ATT_NEG;
+                s[j][2] = key <= P1 ? s[j][2] : ATT_NEG;
+                s[j][3] = key + 1 <= P1 ? s[j][3] : ATT_NEG;
+                mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+                mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+            }
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                mx0 = fmaxf(mx0, __shfl_xor_sync(ATT_FULL, mx0, o));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(ATT_FULL, mx1, o));
+            }
+            const float c0 = exp2f(m0 - mx0), c1 = exp2f(m1 - mx1);
+            m0 = mx0;
+            m1 = mx1;
+            l0 *= c0;
+            l1 *= c1;
+#pragma unroll
+            for (int j = 0; j < NO; j++) {
+                o_acc[j][0] *= c0;
+                o_acc[j][1] *= c0;
+                o_acc[j][2] *= c1;
+                o_acc[j][3] *= c1;
+            }
+#pragma unroll
+            for (int j = 0; j < NS; j++) {
+                const int key = k0 + j * 8 + 2 * t4;
+                s[j][0] = key <= P0 ? exp2f(s[j][0] - m0) : 0.f;
+                s[j][1] = key + 1 <= P0 ? exp2f(s[j][1] - m0) : 0.f;
+                s[j][2] = key <= P1 ? exp2f(s[j][2] - m1) : 0.f;
+                s[j][3] = key + 1 <= P1 ? exp2f(s[j][3] - m1) : 0.f;
+                l0 += s[j][0] + s[j][1];
+                l1 += s[j][2] + s[j][3];
+            }
+            // O += P·V, 16 keys per MMA step.
+#pragma unroll
+            for (int kj = 0; kj < BKV / 16; kj++) {
+                const uint32_t a0 = tc_pack_f16(s[2 * kj][0], s[2 * kj][1]);
+                const uint32_t a1 = tc_pack_f16(s[2 * kj][2], s[2 * kj][3]);
+                const uint32_t a2 = tc_pack_f16(s[2 * kj + 1][0], s[2 * kj + 1][1]);
+                const uint32_t a3 = tc_pack_f16(s[2 * kj + 1][2], s[2 * kj + 1][3]);
+#pragma unroll
+                for (int dn = 0; dn < HD / 16; dn++) {
+                    uint32_t b0, b1, b2, b3;
+                    tc_ldsm_x4_t(vt + kj * 16 * LDS * 2 + dn * 32, b0, b1, b2, b3);
+                    tc_mma_f16(o_acc[2 * dn], a0, a1, a2, a3, b0, b1);
+                    tc_mma_f16(o_acc[2 * dn + 1], a0, a1, a2, a3, b2, b3);
+                }
+            }
+        }
+        __syncthreads();  // tile it's buffer is free for tile it + 2
+    }
+
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        l0 += __shfl_xor_sync(ATT_FULL, l0, o);
+        l1 += __shfl_xor_sync(ATT_FULL, l1, o);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int slot = warp * 16 + g + 8 * half;
+        if ((half ? P1 : P0) < 0) continue;
+        const int r = slot / group, gi = slot % group, t = tile * rpt + r;
+        const float inv = 1.f / (half ? l1 : l0);
+        float* o = out + ((long long)t * n_heads + kvh * group + gi) * HD + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < NO; j++)
+            *reinterpret_cast<float2*>(o + j * 8) =
+                make_float2(o_acc[j][2 * half] * inv, o_acc[j][2 * half + 1] * inv);
+    }
+}
+
+#define PREFILL_TC_KERNEL(HD)                                                                \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_prefill_tc_##HD(PREFILL_ARGS) { \
+        PDL_ENTRY();                                                                         \
+        attn_prefill_tc_impl<HD, false>(q, kc, vc, positions, out, layer_off, rows, n_heads, \
+                                        group, capacity, scale_log2, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                 \
+        attn_prefill_tc_##HD##_paged(PREFILL_ARGS, PAGED_ARGS) {                             \
+        PDL_ENTRY();                                                                         \
+        attn_prefill_tc_impl<HD, true>(q, kc, vc, positions, out, layer_off, rows, n_heads,  \
+                                       group, capacity, scale_log2, PAGED_PASS);             \
+    }
+
+PREFILL_TC_KERNEL(64)
+PREFILL_TC_KERNEL(128)
+PREFILL_TC_KERNEL(256)
+
+// ---------------------------------------------------------------------------------------
 // Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
 
 #define GENERIC_ARGS                                                                         \

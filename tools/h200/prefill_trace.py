@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Where a prefill forward's time goes, from a kernel_trace.c log.
+
+    python3 tools/h200/prefill_trace.py trace.txt [--top N]
+
+The forward is the longest span from one `embed` kernel to the next (with `bench`, the pp
+test's forward; decode steps are far shorter). Within it kernel i "adds" end[i] - end[i-1]
+(kernel_trace.py explains why the end-to-end gaps partition the span under PDL). Printed per
+kernel name (grids merged: prefill grids vary with the weight shape): calls, µs added in
+total, µs per call, and the share of the forward.
+"""
+import collections
+import sys
+
+
+def main(path, top):
+    ks = []
+    for line in open(path):
+        p = line.split(None, 5)
+        if len(p) == 6:
+            ks.append((int(p[0]), int(p[1]), p[5].strip().split("(")[0][:48]))
+    ks.sort()
+    spans, cur = [], []
+    for k in ks:
+        if k[2].startswith("embed") and cur:
+            spans.append(cur)
+            cur = []
+        cur.append(k)
+    if cur:
+        spans.append(cur)
+    fwd = max(spans, key=lambda s: s[-1][1] - s[0][0])
+    total = (fwd[-1][1] - fwd[0][0]) / 1e3
+    add = collections.defaultdict(float)
+    n = collections.Counter()
+    prev = fwd[0][0]
+    for s, e, name in fwd:
+        add[name] += max(0, e - prev) / 1e3
+        n[name] += 1
+        prev = max(prev, e)
+    print(f"forward: {len(fwd)} kernels, {total:.1f} us")
+    for name, us in sorted(add.items(), key=lambda x: -x[1])[:top]:
+        print(f"{name:48s} {n[name]:5d} calls {us:9.1f} us {us / n[name]:8.2f} us/call {100 * us / total:5.1f}%")
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    top = int(a[a.index("--top") + 1]) if "--top" in a else 30
+    main(a[0], top)
