@@ -10,7 +10,9 @@
 //!   add + RMSNorm and QK-norm + RoPE (`elementwise.cu`).
 //! - [`matmul`]: decode GEMV for every weight type and the prefill matmul on the tensor cores.
 //! - [`mmq`]: the prefill matmul of Q4_K/Q5_K/Q6_K/Q8_0 weights on the int8 tensor cores (x
-//!   quantized as for the decode GEMV); tried first, [`matmul`] otherwise.
+//!   quantized as for the decode GEMV); tried first (opt-in), then
+//! - [`mmw`]: the prefill matmul on the sm_90a warpgroup tensor cores (wgmma), bf16 numerics;
+//!   [`matmul`] otherwise.
 //! - [`attention`]: KV cache (f16 / q8_0), prefill flash attention, split-K decode attention.
 //! - [`moe`]: top-k routing and batched expert FFNs.
 //! - [`gated_delta`]: Qwen3.5's Gated DeltaNet ops (conv1d + state, the delta rule with its
@@ -23,6 +25,7 @@ pub mod gated_delta;
 pub mod launch;
 pub mod matmul;
 pub mod mmq;
+pub mod mmw;
 pub mod moe;
 pub mod nvrtc;
 pub mod ops;
@@ -71,6 +74,7 @@ pub struct CudaBackend {
     pub ops: ops::Kernels,
     pub matmul: matmul::Kernels,
     pub mmq: mmq::Kernels,
+    pub mmw: mmw::Kernels,
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
@@ -129,6 +133,7 @@ pub fn sources() -> Vec<(&'static str, &'static str)> {
         ("elementwise", ops::SRC),
         ("matmul", matmul::SRC),
         ("mmq", mmq::SRC),
+        ("mmw", mmw::SRC),
         ("attention", attention::SRC),
         ("moe", moe::SRC),
         ("gated_delta", gated_delta::SRC),
@@ -221,6 +226,7 @@ impl CudaBackend {
             ops: ops::Kernels::load(&ctx, arch)?,
             matmul: matmul::Kernels::load(&ctx, arch)?,
             mmq: mmq::Kernels::load(&ctx, arch)?,
+            mmw: mmw::Kernels::load(&ctx, arch)?,
             attention: attention::Kernels::load(&ctx, arch)?,
             moe: moe::Kernels::load(&ctx, arch)?,
             gated_delta: gated_delta::Kernels::load(&ctx, arch)?,
@@ -437,7 +443,7 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        if mmq::matmul(self, x, w, out)? {
+        if mmq::matmul(self, x, w, out)? || mmw::matmul(self, x, w, out)? {
             return Ok(());
         }
         matmul::matmul(self, x, w, out)
@@ -449,7 +455,7 @@ impl Backend for CudaBackend {
         ws: &[&CudaWeight],
         outs: &mut [&mut Act<CudaSlice<f32>>],
     ) -> Result<()> {
-        if mmq::matmuls(self, x, ws, outs)? {
+        if mmq::matmuls(self, x, ws, outs)? || mmw::matmuls(self, x, ws, outs)? {
             return Ok(());
         }
         matmul::matmuls(self, x, ws, outs)

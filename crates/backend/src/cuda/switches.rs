@@ -30,6 +30,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "int8 tensor-core prefill (MMQ.md)",
     ),
     (
+        "FERRITE_MMW",
+        Accepts::OneOf(&[0, 1]),
+        "prefill matmuls on wgmma (sm_90a; 0 = the mma.sync mm_ kernel, MATMUL.md)",
+    ),
+    (
         "FERRITE_KERNEL_PTX",
         Accepts::OneOf(&[0, 1]),
         "load PTX instead of CUBIN",

@@ -1,0 +1,295 @@
+//! Prefill matmul on the Hopper warpgroup tensor cores (`kernels/mmw.cu`, sm_90a `wgmma`):
+//! `out[t][o] = Σ_i W[o][i] · x[t][i]` for more than [`GEMV_MAX_ROWS`] rows, with the numerics
+//! of the bf16 `mm_` kernel (x and the dequantized weights rounded to bf16, f32 accumulation).
+//! The plan is in the kernel file's header; the record in MATMUL.md ("wgmma prefill").
+//!
+//! [`matmul`] / [`matmuls`] return `Ok(false)` (nothing launched) when the path does not apply:
+//! not an sm_90a device, ≤ GEMV_MAX_ROWS rows, ≤ F32_SMALL_OUT outputs (routers keep the f32
+//! GEMV), a type without a kernel, or `FERRITE_MMW=0` (the mma.sync `mm_` kernel instead).
+
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, ensure, Context, Result};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
+use ferrite_formats::GgmlType;
+
+use super::launch::{KernelArg, LaunchExt};
+use super::matmul::{F32_SMALL_OUT, GEMV_MAX_ROWS};
+use super::{function, load_module, CudaBackend, CudaWeight};
+use crate::Act;
+
+/// Kernel source.
+pub const SRC: &str = include_str!("kernels/mmw.cu");
+
+/// Weight types with a kernel, in kernel-name order.
+const TYPES: [(GgmlType, &str); 9] = [
+    (GgmlType::F32, "f32"),
+    (GgmlType::F16, "f16"),
+    (GgmlType::BF16, "bf16"),
+    (GgmlType::Q8_0, "q8_0"),
+    (GgmlType::Q4_0, "q4_0"),
+    (GgmlType::Q4_1, "q4_1"),
+    (GgmlType::Q4K, "q4_k"),
+    (GgmlType::Q5K, "q5_k"),
+    (GgmlType::Q6K, "q6_k"),
+];
+/// Outputs per block, K per stage, pipeline stages, threads (MMW_TM, MMW_TK, MMW_STAGES,
+/// MMW_THREADS in mmw.cu).
+const TM: usize = 128;
+const TK: usize = 64;
+const STAGES: usize = 4;
+const THREADS: u32 = 384;
+/// Token-tile widths instantiated as `mmw_<type>_n<BN>`, in kernel-array order.
+const BN: [usize; 2] = [128, 64];
+
+/// Dynamic shared memory of `mmw_<type>_n<bn>`: the stage ring of A (128 × 64 bf16) and B
+/// (bn × 64 bf16) tiles.
+fn smem(bn: usize) -> usize {
+    STAGES * (TM * TK * 2 + bn * TK * 2)
+}
+
+/// The compiled kernels and the bf16 x scratch.
+pub struct Kernels {
+    /// `mmw_<type>_n128`, `mmw_<type>_n64`, indexed like [`TYPES`]; empty where wgmma is not
+    /// available (not sm_90a) or switched off.
+    mm: Vec<[CudaFunction; 2]>,
+    cvt: Option<CudaFunction>,
+    /// The current scratch (grown geometrically) and the smaller ones it replaced, kept alive
+    /// because a graph captured earlier may still point at them.
+    scratch: Mutex<(Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>)>,
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
+        let off = Kernels {
+            mm: Vec::new(),
+            cvt: None,
+            scratch: Mutex::new((None, Vec::new())),
+        };
+        if arch != "compute_90a" || super::switches::int_or("FERRITE_MMW", 1) == 0 {
+            return Ok(off);
+        }
+        let m = load_module(ctx, arch, "mmw", SRC)?;
+        ctx.bind_to_thread()?;
+        let mut mm = Vec::with_capacity(TYPES.len());
+        for (_, name) in TYPES {
+            let g = |bn: usize| -> Result<CudaFunction> {
+                let f = function(&m, &format!("mmw_{name}_n{bn}"))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem(bn) as i32,
+                )
+                .with_context(|| format!("mmw_{name}_n{bn}: raising the shared-memory limit"))?;
+                Ok(f)
+            };
+            mm.push([g(BN[0])?, g(BN[1])?]);
+        }
+        Ok(Kernels {
+            mm,
+            cvt: Some(function(&m, "mmw_x_bf16")?),
+            ..off
+        })
+    }
+}
+
+/// Index in [`TYPES`] of the kernel for `w` on `rows` rows, or `None` when this path does not
+/// apply (see the module comment).
+fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> {
+    if be.mmw.mm.is_empty() || rows <= GEMV_MAX_ROWS || w.shape.len() != 2 {
+        return None;
+    }
+    let (n_out, n_in) = (w.shape[0], w.shape[1]);
+    if n_out <= F32_SMALL_OUT || n_in == 0 || n_in % w.dtype.block_size() != 0 {
+        return None;
+    }
+    let ti = TYPES.iter().position(|&(t, _)| t == w.dtype)?;
+    // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
+    let (ptr, _g) = w.data.device_ptr(&be.stream);
+    (ptr % 16 == 0).then_some(ti)
+}
+
+/// Token tile: 64 when the 128-token grid would leave more than half the SMs idle or the rows
+/// fit one 64-token tile, else 128 (the `mm_` kernel's rule).
+fn pick_bn(rows: usize, n_out: usize, sm_count: usize) -> usize {
+    let blocks128 = rows.div_ceil(128) * n_out.div_ceil(TM);
+    if rows <= 64 || 2 * blocks128 < sm_count.max(1) {
+        64
+    } else {
+        128
+    }
+}
+
+/// `out = W x` on the wgmma kernel when this path applies (`Ok(false)`, nothing done,
+/// otherwise: the caller runs matmul.rs).
+pub fn matmul(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    matmuls(be, x, &[w], &mut [out])
+}
+
+/// `outs[i] = ws[i] x` for weights reading the same x: x converted to bf16 once. Returns
+/// `Ok(false)`, having done nothing, unless this path applies to every weight.
+pub fn matmuls(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    ws: &[&CudaWeight],
+    outs: &mut [&mut Act<CudaSlice<f32>>],
+) -> Result<bool> {
+    if ws.is_empty() || ws.len() != outs.len() {
+        return Ok(false);
+    }
+    let mut tis = Vec::with_capacity(ws.len());
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        crate::check_matmul(x, &w.shape, out)?;
+        match kernel_index(be, w, x.rows) {
+            Some(ti) => tis.push(ti),
+            None => return Ok(false),
+        }
+    }
+    let kp = x.cols.div_ceil(TK) * TK;
+    let guard = convert(be, x, kp)?;
+    let xb = guard
+        .0
+        .as_ref()
+        .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
+    for ((w, out), ti) in ws.iter().zip(outs.iter_mut()).zip(tis) {
+        launch(be, xb, kp, x.rows, w, ti, out)?;
+    }
+    Ok(true)
+}
+
+/// x → bf16 `[rows][kp]` (zero beyond n_in) in the scratch (grown first if too small); returns
+/// the scratch locked: the launches that follow read it in stream order.
+fn convert<'a>(
+    be: &'a CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    kp: usize,
+) -> Result<std::sync::MutexGuard<'a, (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>)>> {
+    let (rows, n_in) = (x.rows, x.cols);
+    let need = rows * kp;
+    ensure!(
+        x.buf.len() >= rows * n_in && need / 8 <= i32::MAX as usize,
+        "mmw: input [{rows}, {n_in}] exceeds its buffer or the scratch limit"
+    );
+    let cvt = be
+        .mmw
+        .cvt
+        .as_ref()
+        .ok_or_else(|| anyhow!("mmw: conversion kernel missing"))?;
+    let mut guard = be
+        .mmw
+        .scratch
+        .lock()
+        .map_err(|_| anyhow!("mmw: scratch lock poisoned"))?;
+    let (cur, retired) = &mut *guard;
+    if cur.as_ref().map_or(true, |b| b.len() < need) {
+        let fresh = be.stream.alloc_zeros::<u16>(need.next_power_of_two())?;
+        if let Some(old) = cur.replace(fresh) {
+            retired.push(old);
+        }
+    }
+    let xb = cur
+        .as_mut()
+        .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
+    let (rows_i, n_in_i, kp_i) = (rows as i32, n_in as i32, kp as i32);
+    let cfg = LaunchConfig {
+        grid_dim: ((need / 8).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x holds rows×n_in floats (checked); xb holds ≥ rows×kp bf16.
+    unsafe {
+        be.stream
+            .kernel(cvt)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&n_in_i)
+            .arg(&kp_i)
+            .arg(&mut *xb)
+            .launch(cfg)
+    }?;
+    Ok(guard)
+}
+
+/// One `mmw_<type>_n<BN>` launch on the bf16 x in `xb` (`rows` rows of `kp`).
+fn launch(
+    be: &CudaBackend,
+    xb: &CudaSlice<u16>,
+    kp: usize,
+    rows: usize,
+    w: &CudaWeight,
+    ti: usize,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let (n_out, n_in) = (w.shape[0], w.shape[1]);
+    let rb = w.row_bytes();
+    ensure!(
+        out.rows == rows && out.cols == n_out && out.buf.len() >= rows * n_out,
+        "mmw: output [{}, {}] (buffer {}) for [{rows}, {n_in}] x [{n_out}, {n_in}]",
+        out.rows,
+        out.cols,
+        out.buf.len()
+    );
+    ensure!(
+        w.data.len() >= n_out * rb,
+        "mmw: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
+        w.data.len(),
+        w.dtype,
+        n_out * rb
+    );
+    ensure!(
+        xb.len() >= rows * kp,
+        "mmw: bf16 scratch smaller than [{rows}, {kp}]"
+    );
+    ensure!(
+        n_out <= i32::MAX as usize && rows * n_out <= isize::MAX as usize,
+        "mmw: [{rows}, {n_out}] output too large"
+    );
+    let gy = n_out.div_ceil(TM);
+    ensure!(gy <= 65535, "mmw: {n_out} outputs exceed the grid limit");
+    let bn = pick_bn(rows, n_out, be.sm_count);
+    let bi = BN
+        .iter()
+        .position(|&b| b == bn)
+        .ok_or_else(|| anyhow!("mmw: no kernel for token tile {bn}"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem(bn) as u32,
+    };
+    let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
+        (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
+    // SAFETY: checked above: W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
+    // n_in), out rows×n_out floats.
+    unsafe {
+        be.stream
+            .kernel(&be.mmw.mm[ti][bi])
+            .arg(&w.data)
+            .arg(&rb_i)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(xb)
+            .arg(&kp_i)
+            .arg(&rows_i)
+            .arg(&mut out.buf)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_fits_the_h200() {
+        for bn in BN {
+            assert!(smem(bn) <= 227 * 1024, "{bn}: {}", smem(bn));
+        }
+        assert_eq!(smem(128), 131072);
+    }
+}
