@@ -39,7 +39,7 @@ const TYPES: [(GgmlType, &str); 9] = [
 const TM: usize = 128;
 const TK: usize = 64;
 const STAGES: usize = 4;
-const THREADS: u32 = 384;
+const THREADS: u32 = 512;
 /// Token-tile widths instantiated as `mmw_<type>_n<BN>`, in kernel-array order.
 const BN: [usize; 2] = [128, 64];
 

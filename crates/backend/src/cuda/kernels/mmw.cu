@@ -9,12 +9,14 @@
 // both operands from shared memory without the register file, one B tile serving a
 // warpgroup's 64 rows, and runs asynchronously to the threads that feed it.
 //
-// The plan, per block (MMW_THREADS = 384 = 3 warpgroups, tile 128 outputs × BN tokens):
-// - Warpgroup 0 produces: per K step of 64 it decodes the 128 weight rows' 64 elements to
-//   bf16 (thread = output row; the raw bytes are loaded two steps ahead into registers, the
-//   decoders are matmul.cu's raw16/dec16) and stores them into the stage's A tile, and copies
-//   the stage's x tile (BN tokens × 64 bf16 of the scratch `mm_x_bf16` wrote) by cp.async.
-// - Warpgroups 1 and 2 consume: each owns 64 of the 128 outputs and issues per stage four
+// The plan, per block (MMW_THREADS = 512 = 4 warpgroups, tile 128 outputs × BN tokens):
+// - Warpgroups 0 and 1 produce: per K step of 64 they decode the 128 weight rows' 64
+//   elements to bf16 (two threads per output row, 32 elements each; the raw bytes are loaded
+//   MMW_RAW steps ahead into registers, the decoders are matmul.cu's raw16/dec16) into the
+//   stage's A tile, and copy the x tile two steps ahead (BN tokens × 64 bf16 of the bf16
+//   scratch) by cp.async. The first version (one producer warpgroup, thread = row, raw bytes
+//   two steps and x one step ahead) was producer-latency-bound: no faster than mm_ (MATMUL.md).
+// - Warpgroups 2 and 3 consume: each owns 64 of the 128 outputs and issues per stage four
 //   `wgmma.mma_async m64nBNk16` (A and B from shared memory by descriptor), accumulating
 //   BN/2 f32 per thread; the next stage's MMAs are issued before the previous stage is
 //   released (wgmma.wait_group 1).
@@ -33,7 +35,11 @@
 #define MMW_TM 128
 #define MMW_TK 64
 #define MMW_STAGES 4
-#define MMW_THREADS 384
+#define MMW_PRODUCERS 2                     // producer warpgroups
+#define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: two per output row
+#define MMW_THREADS (MMW_PTHREADS + 256)    // + two consumer warpgroups
+#define MMW_BAR MMW_THREADS                 // threads taking part in every stage barrier
+#define MMW_RAW 3                           // steps of raw weight bytes in flight per thread
 
 // ---- matmul.cu's bf16 decoders (copied verbatim; the two must stay identical) ----
 __device__ __forceinline__ float h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
@@ -298,81 +304,81 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
     const int t0 = blockIdx.x * BN, o0 = blockIdx.y * MMW_TM;
     const int nk = kp / MMW_TK;
 
-    if (wgi == 0) {
-        // ---- producer ----
-        const int r = tid;  // output row of the tile
+    if (wgi < MMW_PRODUCERS) {
+        // ---- producers: thread (row r, half h) decodes chunks h and h + 2 (16 k each) ----
+        const int ptid = tid, r = ptid >> 1, h = ptid & 1;
         const int lo = o0 + r < n_out ? o0 + r : n_out - 1;
         const uint8_t* wrow = W + (size_t)lo * (size_t)rb;
-        Raw16 ra[4], rbk[4];  // two steps of raw weight bytes (K-quants use [0], [1] only)
-        auto load = [&](int kt, Raw16 (&rr)[4]) {
-            const int k = kt * MMW_TK;
-            if (KQ) {
-                raw16<TYPE>(wrow, k, n_in, rr[0]);
-                raw16<TYPE>(wrow, k + 16, n_in, rr[1]);
-            } else {
-#pragma unroll
-                for (int c = 0; c < 4; c++) raw16<TYPE>(wrow, k + 16 * c, n_in, rr[c]);
-            }
+        // MMW_RAW steps of raw weight bytes in flight (K-quants: chunk h + 2 is the high
+        // nibbles of chunk h's bytes, one load; other types two).
+        Raw16 sets[MMW_RAW][2];
+        auto load = [&](int kt, Raw16 (&rr)[2]) {
+            const int k = kt * MMW_TK + 16 * h;
+            raw16<TYPE>(wrow, k, n_in, rr[0]);
+            if (!KQ) raw16<TYPE>(wrow, k + 32, n_in, rr[1]);
         };
-        auto store_a = [&](int kt, const Raw16 (&rr)[4]) {
+        auto store_a = [&](int kt, const Raw16 (&rr)[2]) {
             const int k = kt * MMW_TK;
             const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE;
 #pragma unroll
-            for (int c = 0; c < 4; c++) {
+            for (int i = 0; i < 2; i++) {
+                const int c = h + 2 * i;
                 uint32_t d[8];
-                // K-quants: chunk c + 2 is the high nibbles of chunk c's bytes (same header).
-                dec16<TYPE>(KQ ? rr[c & 1] : rr[c], k + 16 * c, n_in, d);
+                dec16<TYPE>(rr[KQ ? 0 : i], k + 16 * c, n_in, d);
                 asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off(r, 16 * c)),
                              "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]) : "memory");
                 asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off(r, 16 * c + 8)),
                              "r"(d[4]), "r"(d[5]), "r"(d[6]), "r"(d[7]) : "memory");
             }
         };
+        // x of step kt into its stage (once the consumers released the stage's previous use,
+        // step kt - STAGES), one cp.async group per step (empty past the last step).
         auto copy_b = [&](int kt) {
-            const int k = kt * MMW_TK;
-            const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE + S::A_BYTES;
+            if (kt < nk) {
+                if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + kt % MMW_STAGES, MMW_BAR);
+                const int k = kt * MMW_TK;
+                const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE + S::A_BYTES;
 #pragma unroll
-            for (int i = 0; i < BN * 8 / 128; i++) {
-                const int c = tid + 128 * i, n = c >> 3, kc = (c & 7) * 8;
-                const int t = t0 + n;
-                const uint16_t* src = xb + (size_t)(t < rows ? t : 0) * kp + k + kc;
-                mmw_cp16(base + mmw_off(n, kc), src, t < rows ? 16 : 0);
+                for (int i = 0; i < BN * 8 / MMW_PTHREADS; i++) {
+                    const int c = ptid + MMW_PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
+                    const int t = t0 + n;
+                    const uint16_t* src = xb + (size_t)(t < rows ? t : 0) * kp + k + kc;
+                    mmw_cp16(base + mmw_off(n, kc), src, t < rows ? 16 : 0);
+                }
             }
             asm volatile("cp.async.commit_group;\n" ::: "memory");
         };
-        // Step kt: wait until the consumers released the stage (its previous use, step
-        // kt - STAGES), copy x, decode the raw set of step kt (loaded two steps earlier),
-        // load the raw set of step kt + 2 into the set just freed; then publish step kt - 1
-        // (whose x copies are the older cp.async group).
-        auto step = [&](int kt, Raw16 (&cur)[4]) {
-            if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + kt % MMW_STAGES, MMW_THREADS);
-            copy_b(kt);
+        // Step kt: x of step kt + 2 issued, the weights of step kt decoded into its stage
+        // (free: its x was issued two steps ago, after the release), the raw bytes of step
+        // kt + MMW_RAW loaded into the set just decoded, then step kt published once its x
+        // copies (the third-newest group) landed.
+        auto step = [&](int kt, Raw16 (&cur)[2]) {
+            copy_b(kt + 2);
             store_a(kt, cur);
-            if (kt + 2 < nk) load(kt + 2, cur);
-            if (kt >= 1) {
-                asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                mmw_bar_arrive(FULL0 + (kt - 1) % MMW_STAGES, MMW_THREADS);
-            }
+            if (kt + MMW_RAW < nk) load(kt + MMW_RAW, cur);
+            asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            mmw_bar_arrive(FULL0 + kt % MMW_STAGES, MMW_BAR);
         };
-        load(0, ra);
-        if (nk > 1) load(1, rbk);
-        for (int kt = 0; kt < nk; kt += 2) {
-            step(kt, ra);
-            if (kt + 1 < nk) step(kt + 1, rbk);
+#pragma unroll
+        for (int j = 0; j < MMW_RAW; j++)
+            if (j < nk) load(j, sets[j]);
+        copy_b(0);
+        copy_b(1);
+        for (int kt = 0; kt < nk; kt += MMW_RAW) {
+#pragma unroll
+            for (int j = 0; j < MMW_RAW; j++)
+                if (kt + j < nk) step(kt + j, sets[j]);
         }
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        mmw_bar_arrive(FULL0 + (nk - 1) % MMW_STAGES, MMW_THREADS);
     } else {
         // ---- consumers: warpgroup c owns outputs 64c.. of the tile ----
-        const int c = wgi - 1;
+        const int c = wgi - MMW_PRODUCERS;
         float acc[NACC];
 #pragma unroll
         for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % MMW_STAGES;
-            mmw_bar_sync(FULL0 + s, MMW_THREADS);
+            mmw_bar_sync(FULL0 + s, MMW_BAR);
             const uint32_t a = s0 + s * S::STAGE + c * 64 * MMW_TK * 2;
             const uint32_t b = s0 + s * S::STAGE + S::A_BYTES;
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -386,7 +392,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
             if (kt >= 1) {
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 mmw_fence_acc(acc);
-                if (kt - 1 + MMW_STAGES < nk) mmw_bar_arrive(EMPTY0 + (kt - 1) % MMW_STAGES, MMW_THREADS);
+                if (kt - 1 + MMW_STAGES < nk) mmw_bar_arrive(EMPTY0 + (kt - 1) % MMW_STAGES, MMW_BAR);
             }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
