@@ -23,9 +23,9 @@
 // - MMW_STAGES stages of (A 16 KB + B BN·128 B) in a ring; named barriers per stage: FULL
 //   (producer arrives after its writes are fenced to the async proxy, consumers sync) and
 //   EMPTY (consumers arrive once their MMAs of the stage completed, the producer syncs).
-// - Shared layout of a tile [R rows][64 k] bf16: the canonical no-swizzle K-major layout,
-//   8 × 8 "core matrices" of 128 contiguous bytes (8 rows × 16 B), core (i, j) = rows
-//   8i.., k 8j.. at byte (8i + j)·128: leading (K) byte offset 128, stride (M/N) 1024. A
+// - Shared layout of a tile [R rows][64 k] bf16: the no-swizzle K-major layout, "core
+//   matrices" of 128 contiguous bytes (8 rows × 16 B), core (i, j) = rows 8i.., k 8j.. at
+//   byte (j·R/8 + i)·128: stride (M/N) byte offset 128, leading (K) byte offset R·16. A
 //   warp's 16-byte stores of 32 consecutive rows hit 4 full 128-byte lines: no conflicts.
 // - Grid (token tiles, output tiles), token tiles fastest (blocks sharing a weight tile run
 //   together: weights come from DRAM about once). Edges as `mm_`: token rows >= rows are
@@ -241,14 +241,20 @@ __device__ __forceinline__ void dec16(const Raw16& r, int k0, int n_in, uint32_t
 
 // ---- wgmma plumbing ----
 
-// Descriptor of a no-swizzle K-major tile at shared address `addr` (core matrices of 128 B;
-// leading byte offset 128 between K-neighbours, stride byte offset 1024 between 8-row groups).
+// Descriptor of a no-swizzle K-major tile of R rows at shared address `addr`: core matrices
+// of 128 B, 8-row groups adjacent (stride byte offset 128), K-neighbours R/8 cores apart
+// (leading byte offset R·16).
+template <int R>
 __device__ __forceinline__ uint64_t mmw_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32);
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((R * 16) >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
 }
-// Byte offset of element (r, k) in a [rows][64] tile of that layout.
+// Byte offset of element (r, k) in an [R][64] tile of that layout: core (r/8, k/8) at
+// ((k/8)·R/8 + r/8)·128, so the 8-row groups of one 8-k column are contiguous and an MMA's
+// k16 slice of 64 rows is two contiguous kilobytes (the first layout, k-columns adjacent and
+// row groups 1 KB apart, put every row group of a slice on the same banks).
+template <int R>
 __device__ __forceinline__ uint32_t mmw_off(int r, int k) {
-    return (uint32_t)((((r >> 3) << 3) + (k >> 3)) * 128 + (r & 7) * 16 + (k & 7) * 2);
+    return (uint32_t)(((k >> 3) * (R >> 3) + (r >> 3)) * 128 + (r & 7) * 16 + (k & 7) * 2);
 }
 __device__ __forceinline__ void mmw_bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
@@ -325,9 +331,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
                 const int c = h + 2 * i;
                 uint32_t d[8];
                 dec16<TYPE>(rr[KQ ? 0 : i], k + 16 * c, n_in, d);
-                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off(r, 16 * c)),
+                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<MMW_TM>(r, 16 * c)),
                              "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]) : "memory");
-                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off(r, 16 * c + 8)),
+                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<MMW_TM>(r, 16 * c + 8)),
                              "r"(d[4]), "r"(d[5]), "r"(d[6]), "r"(d[7]) : "memory");
             }
         };
@@ -343,7 +349,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
                     const int c = ptid + MMW_PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
                     const int t = t0 + n;
                     const uint16_t* src = xb + (size_t)(t < rows ? t : 0) * kp + k + kc;
-                    mmw_cp16(base + mmw_off(n, kc), src, t < rows ? 16 : 0);
+                    mmw_cp16(base + mmw_off<BN>(n, kc), src, t < rows ? 16 : 0);
                 }
             }
             asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -379,14 +385,16 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % MMW_STAGES;
             mmw_bar_sync(FULL0 + s, MMW_BAR);
-            const uint32_t a = s0 + s * S::STAGE + c * 64 * MMW_TK * 2;
+            const uint32_t a = s0 + s * S::STAGE + mmw_off<MMW_TM>(64 * c, 0);
             const uint32_t b = s0 + s * S::STAGE + S::A_BYTES;
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < MMW_TK / 16; kk++) {
-                // k16 step kk = core-matrix columns 2kk, 2kk + 1: 256 bytes further.
-                if constexpr (BN == 128) mmw_wgmma_n128(acc, mmw_desc(a + kk * 256), mmw_desc(b + kk * 256));
-                else mmw_wgmma_n64(acc, mmw_desc(a + kk * 256), mmw_desc(b + kk * 256));
+                // k16 step kk starts at core-matrix column 2kk.
+                const uint64_t da = mmw_desc<MMW_TM>(a + mmw_off<MMW_TM>(0, 16 * kk));
+                const uint64_t db = mmw_desc<BN>(b + mmw_off<BN>(0, 16 * kk));
+                if constexpr (BN == 128) mmw_wgmma_n128(acc, da, db);
+                else mmw_wgmma_n64(acc, da, db);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             if (kt >= 1) {
