@@ -34,7 +34,8 @@
 
 #define MMW_TM 128
 #define MMW_TK 64
-#define MMW_STAGES 4
+#define MMW_STAGES 7                        // stage ring (7 × 32 KB at BN = 128)
+#define MMW_XLEAD 3                         // steps the x copies run ahead of the decode
 #define MMW_PRODUCERS 2                     // producer warpgroups
 #define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: two per output row
 #define MMW_THREADS (MMW_PTHREADS + 256)    // + two consumer warpgroups
@@ -354,23 +355,26 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
             }
             asm volatile("cp.async.commit_group;\n" ::: "memory");
         };
-        // Step kt: x of step kt + 2 issued, the weights of step kt decoded into its stage
-        // (free: its x was issued two steps ago, after the release), the raw bytes of step
-        // kt + MMW_RAW loaded into the set just decoded, then step kt published once its x
-        // copies (the third-newest group) landed.
+        // Step kt: x of step kt + XLEAD issued (its stage released by the consumers' step
+        // kt + XLEAD - STAGES), the weights of step kt decoded into its stage (free: its x
+        // was issued XLEAD steps ago, after the release), the raw bytes of step kt + MMW_RAW
+        // loaded into the set just decoded, then step kt published once its x copies (the
+        // group XLEAD behind the newest) landed. With 7 stages and XLEAD 3 the producers run
+        // up to three steps ahead of the consumers; the first version (4 stages, XLEAD 2)
+        // let them lead by one, and every step paid the handoffs in series (MATMUL.md).
         auto step = [&](int kt, Raw16 (&cur)[2]) {
-            copy_b(kt + 2);
+            copy_b(kt + MMW_XLEAD);
             store_a(kt, cur);
             if (kt + MMW_RAW < nk) load(kt + MMW_RAW, cur);
-            asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             mmw_bar_arrive(FULL0 + kt % MMW_STAGES, MMW_BAR);
         };
 #pragma unroll
         for (int j = 0; j < MMW_RAW; j++)
             if (j < nk) load(j, sets[j]);
-        copy_b(0);
-        copy_b(1);
+#pragma unroll
+        for (int j = 0; j < MMW_XLEAD; j++) copy_b(j);
         for (int kt = 0; kt < nk; kt += MMW_RAW) {
 #pragma unroll
             for (int j = 0; j < MMW_RAW; j++)
