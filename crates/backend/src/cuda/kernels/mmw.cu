@@ -12,8 +12,8 @@
 // The plan, per block (MMW_THREADS = 512 = 4 warpgroups, tile 128 outputs × BN tokens):
 // - Warpgroups 0 and 1 produce: per K step of 64 they decode the 128 weight rows' 64
 //   elements to bf16 (two threads per output row, 32 elements each; the raw bytes are loaded
-//   MMW_RAW steps ahead into registers, the decoders are matmul.cu's raw16/dec16) into the
-//   stage's A tile, and copy the x tile two steps ahead (BN tokens × 64 bf16 of the bf16
+//   MMW_RAW steps ahead into registers, after the step's proxy fence (see `step`); the
+//   decoders are matmul.cu's raw16/dec16) into the stage's A tile, and copy the x tile two steps ahead (BN tokens × 64 bf16 of the bf16
 //   scratch) by cp.async. The first version (one producer warpgroup, thread = row, raw bytes
 //   two steps and x one step ahead) was producer-latency-bound: no faster than mm_ (MATMUL.md).
 // - Warpgroups 2 and 3 consume: each owns 64 of the 128 outputs and issues per stage four
@@ -40,7 +40,7 @@
 #define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: two per output row
 #define MMW_THREADS (MMW_PTHREADS + 256)    // + two consumer warpgroups
 #define MMW_BAR MMW_THREADS                 // threads taking part in every stage barrier
-#define MMW_RAW 3                           // steps of raw weight bytes in flight per thread
+#define MMW_RAW 2                           // steps of raw weight bytes in flight per thread
 
 // ---- matmul.cu's bf16 decoders (copied verbatim; the two must stay identical) ----
 __device__ __forceinline__ float h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
@@ -365,10 +365,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
         auto step = [&](int kt, Raw16 (&cur)[2]) {
             copy_b(kt + MMW_XLEAD);
             store_a(kt, cur);
-            if (kt + MMW_RAW < nk) load(kt + MMW_RAW, cur);
             asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             mmw_bar_arrive(FULL0 + kt % MMW_STAGES, MMW_BAR);
+            // After the fence: it compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC, and the
+            // membar waits for every load the thread has outstanding. Issued before it (the
+            // previous version), the raw loads were waited for at once, every step; issued
+            // here they have the next step's decode and copies to land in before the next
+            // fence, which is why two sets suffice (MATMUL.md).
+            if (kt + MMW_RAW < nk) load(kt + MMW_RAW, cur);
         };
 #pragma unroll
         for (int j = 0; j < MMW_RAW; j++)
