@@ -5,7 +5,14 @@
 //!
 //! [`matmul`] / [`matmuls`] return `Ok(false)` (nothing launched) when the path does not apply:
 //! not an sm_90a device, ≤ GEMV_MAX_ROWS rows, ≤ F32_SMALL_OUT outputs (routers keep the f32
-//! GEMV), a type without a kernel, or `FERRITE_MMW=0` (the mma.sync `mm_` kernel instead).
+//! GEMV), a type without a kernel, a grid that fills the SMs (below), or `FERRITE_MMW=0`.
+//!
+//! Where it runs (`FERRITE_MMW`, MATMUL.md "wgmma prefill"): measured on the H200 it is faster
+//! than the mma.sync `mm_` kernel only on grids too small to fill the SMs (more than 64 rows
+//! and fewer 128 × 128 tiles than half the SMs: the K and V projections, 1024 outputs at 512
+//! rows: Q4_K 100.6 → 61.3 µs, Q6_K 190 → 104 µs), and slower on full grids (Q4_K 4096² ×
+//! 512: 172 → 183 µs in the model; its producer warps are latency-bound). So by default (1)
+//! it takes the small grids only; 2 takes every prefill matmul (for measurements); 0 none.
 
 use std::sync::{Arc, Mutex};
 
@@ -67,7 +74,7 @@ impl Kernels {
             cvt: None,
             scratch: Mutex::new((None, Vec::new())),
         };
-        if arch != "compute_90a" || super::switches::int_or("FERRITE_MMW", 1) == 0 {
+        if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
         }
         let m = load_module(ctx, arch, "mmw", SRC)?;
@@ -93,6 +100,13 @@ impl Kernels {
     }
 }
 
+/// `FERRITE_MMW` (read once): 0 off, 1 grids smaller than half the SMs (the default), 2 every
+/// prefill matmul.
+fn mode() -> i64 {
+    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW", 1))
+}
+
 /// Index in [`TYPES`] of the kernel for `w` on `rows` rows, or `None` when this path does not
 /// apply (see the module comment).
 fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> {
@@ -103,10 +117,19 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
     if n_out <= F32_SMALL_OUT || n_in == 0 || n_in % w.dtype.block_size() != 0 {
         return None;
     }
+    if mode() == 1 && !small_grid(rows, n_out, be.sm_count) {
+        return None;
+    }
     let ti = TYPES.iter().position(|&(t, _)| t == w.dtype)?;
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
     let (ptr, _g) = w.data.device_ptr(&be.stream);
     (ptr % 16 == 0).then_some(ti)
+}
+
+/// Whether a matmul's 128 × 128 tile grid leaves more than half the SMs idle, with more than
+/// 64 rows (the shapes measured faster here than on `mm_`).
+fn small_grid(rows: usize, n_out: usize, sm_count: usize) -> bool {
+    rows > 64 && 2 * rows.div_ceil(128) * n_out.div_ceil(TM) < sm_count.max(1)
 }
 
 /// Token tile: 64 when the 128-token grid would leave more than half the SMs idle or the rows
@@ -291,5 +314,15 @@ mod tests {
             assert!(smem(bn) <= 227 * 1024, "{bn}: {}", smem(bn));
         }
         assert_eq!(smem(128), 229376);
+    }
+
+    #[test]
+    fn small_grids_are_the_kv_projections() {
+        // Qwen3-8B at 512 rows on 132 SMs: K/V (1024 outputs, 32 tiles) small; Q/O (4096,
+        // 128 tiles) and gate/up (12288) not; a 64-row prefill not (measured there: none).
+        assert!(small_grid(512, 1024, 132));
+        assert!(!small_grid(512, 4096, 132));
+        assert!(!small_grid(512, 12288, 132));
+        assert!(!small_grid(64, 1024, 132));
     }
 }

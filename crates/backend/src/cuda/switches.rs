@@ -31,8 +31,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW",
-        Accepts::OneOf(&[0, 1]),
-        "prefill matmuls on wgmma (sm_90a; 0 = the mma.sync mm_ kernel, MATMUL.md)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "prefill matmuls on wgmma (sm_90a): 0 none, 1 grids under half the SMs, 2 all (MATMUL.md)",
     ),
     (
         "FERRITE_KERNEL_PTX",
