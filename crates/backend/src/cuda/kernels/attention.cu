@@ -78,10 +78,8 @@
 //   query's own position are masked (p = 0). The block's key bound is the max position of its
 //   rows (read from device memory). Tiles are launched heaviest-first (reversed blockIdx).
 //   Summation over keys is in ascending position order per query, like the CPU.
-//   NEXT (tensor cores): mma.sync m16n8k16 f16 with f32 accumulate: a warp owns 16 query
-//   rows; S = Q·Kᵀ from ldmatrix'd K (row-major [pos][hd] = the "col" operand directly);
-//   P converted to f16 in registers and reused as the A operand of P·V (V via ldmatrix.trans);
-//   cp.async double-buffered K/V tiles of 64 keys. Then FA3-style wgmma + TMA on sm_90a.
+//   Used for q8_0 caches, hd 32 and FERRITE_ATTN_TC=0; f16 caches with hd 64/128/256 take
+//   attn_prefill_tc_<HD> (tensor cores, below).
 //
 // attn_generic: any head_dim ≤ 512 (and groups larger than a prefill tile): one warp per
 //   (row, head), lane-strided dims, one key at a time. Slow; correct; the fallback.
