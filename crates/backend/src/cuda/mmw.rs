@@ -41,26 +41,32 @@ const TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::Q5K, "q5_k"),
     (GgmlType::Q6K, "q6_k"),
 ];
-/// Outputs per block, K per stage, pipeline stages, threads (MMW_TM, MMW_TK, MMW_STAGES,
-/// MMW_THREADS in mmw.cu).
-const TM: usize = 128;
+/// K per stage (MMW_TK in mmw.cu).
 const TK: usize = 64;
-const STAGES: usize = 7;
-const THREADS: u32 = 512;
-/// Token-tile widths instantiated as `mmw_<type>_n<BN>`, in kernel-array order.
-const BN: [usize; 2] = [128, 64];
+/// The instantiated tiles (outputs TM × tokens BN), as `mmw_<type>_n<BN>`, in kernel-array
+/// order: two consumer warpgroups of 64 outputs at 128 or 64 tokens, one at 256 tokens.
+const TILES: [(usize, usize); 3] = [(128, 128), (128, 64), (64, 256)];
+/// Outputs per block of the n128 / n64 tiles (the small-grid rule counts these).
+const TM: usize = 128;
 
-/// Dynamic shared memory of `mmw_<type>_n<bn>`: the stage ring of A (128 × 64 bf16) and B
-/// (bn × 64 bf16) tiles.
-fn smem(bn: usize) -> usize {
-    STAGES * (TM * TK * 2 + bn * TK * 2)
+/// Threads of a block with TM outputs: two producer warpgroups and TM / 64 consumer ones
+/// (MMW_THREADS in mmw.cu).
+fn threads(tm: usize) -> u32 {
+    (256 + 2 * tm) as u32
+}
+
+/// Dynamic shared memory of a tile's kernel (MmwShape::SMEM in mmw.cu): as many stages of A
+/// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7.
+fn smem(tm: usize, bn: usize) -> usize {
+    let stage = (tm + bn) * TK * 2;
+    (224 * 1024 / stage).min(7) * stage
 }
 
 /// The compiled kernels and the bf16 x scratch.
 pub struct Kernels {
-    /// `mmw_<type>_n128`, `mmw_<type>_n64`, indexed like [`TYPES`]; empty where wgmma is not
-    /// available (not sm_90a) or switched off.
-    mm: Vec<[CudaFunction; 2]>,
+    /// The [`TILES`] kernels of each of [`TYPES`]; empty where wgmma is not available (not
+    /// sm_90a) or switched off.
+    mm: Vec<[CudaFunction; 3]>,
     cvt: Option<CudaFunction>,
     /// The current scratch (grown geometrically) and the smaller ones it replaced, kept alive
     /// because a graph captured earlier may still point at them.
@@ -81,16 +87,16 @@ impl Kernels {
         ctx.bind_to_thread()?;
         let mut mm = Vec::with_capacity(TYPES.len());
         for (_, name) in TYPES {
-            let g = |bn: usize| -> Result<CudaFunction> {
+            let g = |(tm, bn): (usize, usize)| -> Result<CudaFunction> {
                 let f = function(&m, &format!("mmw_{name}_n{bn}"))?;
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem(bn) as i32,
+                    smem(tm, bn) as i32,
                 )
                 .with_context(|| format!("mmw_{name}_n{bn}: raising the shared-memory limit"))?;
                 Ok(f)
             };
-            mm.push([g(BN[0])?, g(BN[1])?]);
+            mm.push([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?]);
         }
         Ok(Kernels {
             mm,
@@ -101,7 +107,7 @@ impl Kernels {
 }
 
 /// `FERRITE_MMW` (read once): 0 off, 1 grids smaller than half the SMs (the default), 2 every
-/// prefill matmul.
+/// prefill matmul, 3 as 1 plus the full grids on the 64 × 256 tile.
 fn mode() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW", 1))
@@ -124,6 +130,12 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
     let (ptr, _g) = w.data.device_ptr(&be.stream);
     (ptr % 16 == 0).then_some(ti)
+}
+
+/// Whether [`matmul`] takes `w` on `rows` rows (the grouped launchers of matmul.rs ask, so as
+/// not to take a weight this path would run).
+pub(crate) fn applies(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
+    kernel_index(be, w, rows).is_some()
 }
 
 /// Whether a matmul's 128 × 128 tile grid leaves more than half the SMs idle, with more than
@@ -272,17 +284,20 @@ fn launch(
         n_out <= i32::MAX as usize && rows * n_out <= isize::MAX as usize,
         "mmw: [{rows}, {n_out}] output too large"
     );
-    let gy = n_out.div_ceil(TM);
+    let ti_tile = if mode() == 3 && !small_grid(rows, n_out, be.sm_count) {
+        2
+    } else if pick_bn(rows, n_out, be.sm_count) == 128 {
+        0
+    } else {
+        1
+    };
+    let (tm, bn) = TILES[ti_tile];
+    let gy = n_out.div_ceil(tm);
     ensure!(gy <= 65535, "mmw: {n_out} outputs exceed the grid limit");
-    let bn = pick_bn(rows, n_out, be.sm_count);
-    let bi = BN
-        .iter()
-        .position(|&b| b == bn)
-        .ok_or_else(|| anyhow!("mmw: no kernel for token tile {bn}"))?;
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem(bn) as u32,
+        block_dim: (threads(tm), 1, 1),
+        shared_mem_bytes: smem(tm, bn) as u32,
     };
     let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
         (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
@@ -290,7 +305,7 @@ fn launch(
     // n_in), out rows×n_out floats.
     unsafe {
         be.stream
-            .kernel(&be.mmw.mm[ti][bi])
+            .kernel(&be.mmw.mm[ti][ti_tile])
             .arg(&w.data)
             .arg(&rb_i)
             .arg(&n_out_i)
@@ -310,10 +325,11 @@ mod tests {
 
     #[test]
     fn shared_memory_fits_the_h200() {
-        for bn in BN {
-            assert!(smem(bn) <= 227 * 1024, "{bn}: {}", smem(bn));
+        for (tm, bn) in TILES {
+            assert!(smem(tm, bn) <= 227 * 1024, "{tm}x{bn}: {}", smem(tm, bn));
         }
-        assert_eq!(smem(128), 229376);
+        assert_eq!(smem(128, 128), 7 * 32768);
+        assert_eq!(smem(64, 256), 5 * 40960);
     }
 
     #[test]

@@ -32,14 +32,11 @@
 //   zero-filled and not stored, output rows >= n_out read a clamped row and are not stored,
 //   K beyond n_in is zero in x (the scratch's padding) and in the decoded weights.
 
-#define MMW_TM 128
 #define MMW_TK 64
-#define MMW_STAGES 7                        // stage ring (7 × 32 KB at BN = 128)
 #define MMW_XLEAD 3                         // steps the x copies run ahead of the decode
 #define MMW_PRODUCERS 2                     // producer warpgroups
-#define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: two per output row
-#define MMW_THREADS (MMW_PTHREADS + 256)    // + two consumer warpgroups
-#define MMW_BAR MMW_THREADS                 // threads taking part in every stage barrier
+#define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: 256 / TM per output row
+#define MMW_THREADS(TM) (MMW_PTHREADS + 2 * (TM))  // + TM / 64 consumer warpgroups
 #define MMW_RAW 2                           // steps of raw weight bytes in flight per thread
 
 // ---- matmul.cu's bf16 decoders (copied verbatim; the two must stay identical) ----
@@ -267,6 +264,14 @@ __device__ __forceinline__ void mmw_cp16(uint32_t dst, const void* src, int src_
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+__device__ __forceinline__ void mmw_wgmma_n256(float (&d)[128], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
 __device__ __forceinline__ void mmw_wgmma_n128(float (&d)[64], uint64_t da, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -289,52 +294,60 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <int BN>
+// A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
+// 224 KB, at most 7 (two named barriers each, 16 per block).
+template <int TM, int BN>
 struct MmwShape {
-    static constexpr int A_BYTES = MMW_TM * MMW_TK * 2;
+    static constexpr int A_BYTES = TM * MMW_TK * 2;
     static constexpr int B_BYTES = BN * MMW_TK * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
-    static constexpr int SMEM = MMW_STAGES * STAGE;  // mmw.rs smem() mirrors it
+    static constexpr int STAGES = (224 * 1024 / STAGE) < 7 ? (224 * 1024 / STAGE) : 7;
+    static constexpr int SMEM = STAGES * STAGE;  // mmw.rs smem() mirrors it
+    static constexpr int THREADS = MMW_THREADS(TM);
+    static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
 };
 
-template <int TYPE, int BN>
+template <int TYPE, int TM, int BN>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                     const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
-    using S = MmwShape<BN>;
+    using S = MmwShape<TM, BN>;
     constexpr int NACC = BN / 2;
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
+    constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
     constexpr int FULL0 = 1, EMPTY0 = 1 + MMW_STAGES;
     extern __shared__ __align__(128) uint8_t mmw_smem[];
     const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(mmw_smem);
     const int tid = threadIdx.x, wgi = tid >> 7;
-    const int t0 = blockIdx.x * BN, o0 = blockIdx.y * MMW_TM;
+    const int t0 = blockIdx.x * BN, o0 = blockIdx.y * TM;
     const int nk = kp / MMW_TK;
 
     if (wgi < MMW_PRODUCERS) {
-        // ---- producers: thread (row r, half h) decodes chunks h and h + 2 (16 k each) ----
-        const int ptid = tid, r = ptid >> 1, h = ptid & 1;
+        // ---- producers: thread (row r, part h) decodes the NCH chunks h, h + TPR, .. (16 k
+        // each) of its row's 64-k step: TPR = 2 (TM = 128: chunks h, h + 2) or 4 (TM = 64) ----
+        const int ptid = tid, r = ptid / TPR, h = ptid % TPR;
         const int lo = o0 + r < n_out ? o0 + r : n_out - 1;
         const uint8_t* wrow = W + (size_t)lo * (size_t)rb;
         // MMW_RAW steps of raw weight bytes in flight (K-quants: chunk h + 2 is the high
         // nibbles of chunk h's bytes, one load; other types two).
-        Raw16 sets[MMW_RAW][2];
-        auto load = [&](int kt, Raw16 (&rr)[2]) {
+        Raw16 sets[MMW_RAW][NCH];
+        auto load = [&](int kt, Raw16 (&rr)[NCH]) {
             const int k = kt * MMW_TK + 16 * h;
+            // (K-quants at TPR = 2: chunk h's bytes also hold chunk h + 2, so one load.)
             raw16<TYPE>(wrow, k, n_in, rr[0]);
-            if (!KQ) raw16<TYPE>(wrow, k + 32, n_in, rr[1]);
+            if (NCH == 2 && !KQ) raw16<TYPE>(wrow, k + 32, n_in, rr[NCH - 1]);
         };
-        auto store_a = [&](int kt, const Raw16 (&rr)[2]) {
+        auto store_a = [&](int kt, const Raw16 (&rr)[NCH]) {
             const int k = kt * MMW_TK;
             const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE;
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int c = h + 2 * i;
+            for (int i = 0; i < NCH; i++) {
+                const int c = h + TPR * i;
                 uint32_t d[8];
                 dec16<TYPE>(rr[KQ ? 0 : i], k + 16 * c, n_in, d);
-                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<MMW_TM>(r, 16 * c)),
+                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<TM>(r, 16 * c)),
                              "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]) : "memory");
-                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<MMW_TM>(r, 16 * c + 8)),
+                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<TM>(r, 16 * c + 8)),
                              "r"(d[4]), "r"(d[5]), "r"(d[6]), "r"(d[7]) : "memory");
             }
         };
@@ -362,7 +375,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
         // group XLEAD behind the newest) landed. With 7 stages and XLEAD 3 the producers run
         // up to three steps ahead of the consumers; the first version (4 stages, XLEAD 2)
         // let them lead by one, and every step paid the handoffs in series (MATMUL.md).
-        auto step = [&](int kt, Raw16 (&cur)[2]) {
+        auto step = [&](int kt, Raw16 (&cur)[NCH]) {
             copy_b(kt + MMW_XLEAD);
             store_a(kt, cur);
             asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
@@ -394,15 +407,16 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % MMW_STAGES;
             mmw_bar_sync(FULL0 + s, MMW_BAR);
-            const uint32_t a = s0 + s * S::STAGE + mmw_off<MMW_TM>(64 * c, 0);
+            const uint32_t a = s0 + s * S::STAGE + mmw_off<TM>(64 * c, 0);
             const uint32_t b = s0 + s * S::STAGE + S::A_BYTES;
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
             for (int kk = 0; kk < MMW_TK / 16; kk++) {
                 // k16 step kk starts at core-matrix column 2kk.
-                const uint64_t da = mmw_desc<MMW_TM>(a + mmw_off<MMW_TM>(0, 16 * kk));
+                const uint64_t da = mmw_desc<TM>(a + mmw_off<TM>(0, 16 * kk));
                 const uint64_t db = mmw_desc<BN>(b + mmw_off<BN>(0, 16 * kk));
-                if constexpr (BN == 128) mmw_wgmma_n128(acc, da, db);
+                if constexpr (BN == 256) mmw_wgmma_n256(acc, da, db);
+                else if constexpr (BN == 128) mmw_wgmma_n128(acc, da, db);
                 else mmw_wgmma_n64(acc, da, db);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -432,19 +446,19 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
 #endif
 }
 
-#define MMW_KERNEL(name, TYPE)                                                                              \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS, 1)                                            \
-        mmw_##name##_n128(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                 \
-                          const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {     \
+#define MMW_KERNEL1(name, TYPE, TM, BN)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1)                                        \
+        mmw_##name##_n##BN(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                 \
+                           const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {    \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, 128>(W, rb, n_out, n_in, xb, kp, rows, out);                                              \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS, 1)                                            \
-        mmw_##name##_n64(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                  \
-                         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {      \
-        PDL_ENTRY();                                                                                        \
-        mmw<TYPE, 64>(W, rb, n_out, n_in, xb, kp, rows, out);                                               \
+        mmw<TYPE, TM, BN>(W, rb, n_out, n_in, xb, kp, rows, out);                                           \
     }
+// n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
+// warpgroup, m64n256: each decoded weight serves twice the tokens).
+#define MMW_KERNEL(name, TYPE)                                                                              \
+    MMW_KERNEL1(name, TYPE, 128, 128)                                                                       \
+    MMW_KERNEL1(name, TYPE, 128, 64)                                                                        \
+    MMW_KERNEL1(name, TYPE, 64, 256)
 
 MMW_KERNEL(f32, GGML_F32)
 MMW_KERNEL(f16, GGML_F16)
