@@ -23,10 +23,9 @@
 // - MMW_STAGES stages of (A 16 KB + B BN·128 B) in a ring; named barriers per stage: FULL
 //   (producer arrives after its writes are fenced to the async proxy, consumers sync) and
 //   EMPTY (consumers arrive once their MMAs of the stage completed, the producer syncs).
-// - Shared layout of a tile [R rows][64 k] bf16: the no-swizzle K-major layout, "core
-//   matrices" of 128 contiguous bytes (8 rows × 16 B), core (i, j) = rows 8i.., k 8j.. at
-//   byte (j·R/8 + i)·128: stride (M/N) byte offset 128, leading (K) byte offset R·16. A
-//   warp's 16-byte stores of 32 consecutive rows hit 4 full 128-byte lines: no conflicts.
+// - Shared layout of a tile [R rows][64 k] bf16: the 128-byte swizzle K-major layout (a row's
+//   64 elements one 128-byte line, 16-byte chunk j at position j ^ (row % 8)); a warp's
+//   16-byte stores of 8 consecutive rows at one chunk index cover all 32 banks.
 // - Grid (token tiles, output tiles), token tiles fastest (blocks sharing a weight tile run
 //   together: weights come from DRAM about once). Edges as `mm_`: token rows >= rows are
 //   zero-filled and not stored, output rows >= n_out read a clamped row and are not stored,
@@ -239,20 +238,22 @@ __device__ __forceinline__ void dec16(const Raw16& r, int k0, int n_in, uint32_t
 
 // ---- wgmma plumbing ----
 
-// Descriptor of a no-swizzle K-major tile of R rows at shared address `addr`: core matrices
-// of 128 B, 8-row groups adjacent (stride byte offset 128), K-neighbours R/8 cores apart
-// (leading byte offset R·16).
+// Descriptor of a K-major tile in the 128-byte swizzle layout at shared address `addr`: each
+// row's 64 bf16 are one 128-byte line whose 16-byte chunk j sits at position j ^ (row % 8);
+// 8-row groups (1 KB, 1 KB aligned) adjacent (stride byte offset 1024); the leading offset is
+// unused in this mode (1). A k16 step inside the line adds its 32 bytes to the start address
+// (the hardware applies the XOR on the absolute address bits, hence the 1 KB alignment).
+// The no-swizzle layout (core matrices of 8 rows × 16 B) measured no faster than mm_ in every
+// arrangement tried (MATMUL.md round 13).
 template <int R>
 __device__ __forceinline__ uint64_t mmw_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((R * 16) >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
 }
-// Byte offset of element (r, k) in an [R][64] tile of that layout: core (r/8, k/8) at
-// ((k/8)·R/8 + r/8)·128, so the 8-row groups of one 8-k column are contiguous and an MMA's
-// k16 slice of 64 rows is two contiguous kilobytes (the first layout, k-columns adjacent and
-// row groups 1 KB apart, put every row group of a slice on the same banks).
+// Byte offset of element (r, k) (k < 64) in a tile of that layout.
 template <int R>
 __device__ __forceinline__ uint32_t mmw_off(int r, int k) {
-    return (uint32_t)(((k >> 3) * (R >> 3) + (r >> 3)) * 128 + (r & 7) * 16 + (k & 7) * 2);
+    return (uint32_t)(r * 128 + ((((k >> 3) ^ r) & 7) << 4) + (k & 7) * 2);
 }
 __device__ __forceinline__ void mmw_bar_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
@@ -302,7 +303,7 @@ struct MmwShape {
     static constexpr int B_BYTES = BN * MMW_TK * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
     static constexpr int STAGES = (224 * 1024 / STAGE) < 7 ? (224 * 1024 / STAGE) : 7;
-    static constexpr int SMEM = STAGES * STAGE;  // mmw.rs smem() mirrors it
+    static constexpr int SMEM = STAGES * STAGE + 1024;  // + alignment slack; mmw.rs smem() mirrors it
     static constexpr int THREADS = MMW_THREADS(TM);
     static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
 };
@@ -316,8 +317,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
     constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
     constexpr int FULL0 = 1, EMPTY0 = 1 + MMW_STAGES;
-    extern __shared__ __align__(128) uint8_t mmw_smem[];
-    const uint32_t s0 = (uint32_t)__cvta_generic_to_shared(mmw_smem);
+    extern __shared__ __align__(1024) uint8_t mmw_smem[];
+    // The swizzle atoms must sit on 1 KB boundaries: the ring starts at the first one (the
+    // launcher adds 1 KB of slack).
+    const uint32_t s0 = ((uint32_t)__cvta_generic_to_shared(mmw_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x, wgi = tid >> 7;
     const int t0 = blockIdx.x * BN, o0 = blockIdx.y * TM;
     const int nk = kp / MMW_TK;
