@@ -5,14 +5,14 @@
 //!
 //! [`matmul`] / [`matmuls`] return `Ok(false)` (nothing launched) when the path does not apply:
 //! not an sm_90a device, ≤ GEMV_MAX_ROWS rows, ≤ F32_SMALL_OUT outputs (routers keep the f32
-//! GEMV), a type without a kernel, a grid that fills the SMs (below), or `FERRITE_MMW=0`.
+//! GEMV), a type without a kernel, or `FERRITE_MMW=0` (the mma.sync `mm_` kernel instead).
 //!
-//! Where it runs (`FERRITE_MMW`, MATMUL.md "wgmma prefill"): measured on the H200 it is faster
-//! than the mma.sync `mm_` kernel only on grids too small to fill the SMs (more than 64 rows
-//! and fewer 128 × 128 tiles than half the SMs: the K and V projections, 1024 outputs at 512
-//! rows: Q4_K 100.6 → 61.3 µs, Q6_K 190 → 104 µs), and slower on full grids (Q4_K 4096² ×
-//! 512: 172 → 183 µs in the model; its producer warps are latency-bound). So by default (1)
-//! it takes the small grids only; 2 takes every prefill matmul (for measurements); 0 none.
+//! Tiles (MATMUL.md round 13, measured on the H200): 64 outputs × 256 tokens (one consumer
+//! warpgroup, `m64n256`: a decoded weight serves 256 tokens) where a prefill of more than 128
+//! rows fills the SMs (Qwen3-8B Q4_K_M pp512 15,573 tok/s against 10,476 on `mm_`); 128 × 128
+//! or 128 × 64 (the `mm_` rule) on grids that leave more than half the SMs idle (the K and V
+//! projections) and on short prefills. `FERRITE_MMW=2` never takes the 256-token tile (12,417
+//! in the same call).
 
 use std::sync::{Arc, Mutex};
 
@@ -107,8 +107,7 @@ impl Kernels {
     }
 }
 
-/// `FERRITE_MMW` (read once): 0 off, 1 grids smaller than half the SMs (the default), 2 every
-/// prefill matmul, 3 as 1 plus the full grids on the 64 × 256 tile.
+/// `FERRITE_MMW` (read once): 0 off, 1 on (the default), 2 on without the 64 × 256 tile.
 fn mode() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW", 1))
@@ -124,9 +123,6 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
     if n_out <= F32_SMALL_OUT || n_in == 0 || n_in % w.dtype.block_size() != 0 {
         return None;
     }
-    if mode() == 1 && !small_grid(rows, n_out, be.sm_count) {
-        return None;
-    }
     let ti = TYPES.iter().position(|&(t, _)| t == w.dtype)?;
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
     let (ptr, _g) = w.data.device_ptr(&be.stream);
@@ -139,10 +135,11 @@ pub(crate) fn applies(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
     kernel_index(be, w, rows).is_some()
 }
 
-/// Whether a matmul's 128 × 128 tile grid leaves more than half the SMs idle, with more than
-/// 64 rows (the shapes measured faster here than on `mm_`).
-fn small_grid(rows: usize, n_out: usize, sm_count: usize) -> bool {
-    rows > 64 && 2 * rows.div_ceil(128) * n_out.div_ceil(TM) < sm_count.max(1)
+/// Whether a matmul takes the 64 × 256 tile: more than 128 rows (a 256-token tile at least
+/// half full) and a 128 × 128 grid that fills at least half the SMs (the smaller grids keep
+/// more blocks with the 128-output tiles).
+fn wide_tile(rows: usize, n_out: usize, sm_count: usize) -> bool {
+    rows > 128 && 2 * rows.div_ceil(128) * n_out.div_ceil(TM) >= sm_count.max(1)
 }
 
 /// Token tile: 64 when the 128-token grid would leave more than half the SMs idle or the rows
@@ -285,7 +282,7 @@ fn launch(
         n_out <= i32::MAX as usize && rows * n_out <= isize::MAX as usize,
         "mmw: [{rows}, {n_out}] output too large"
     );
-    let ti_tile = if mode() == 3 && !small_grid(rows, n_out, be.sm_count) {
+    let ti_tile = if mode() == 1 && wide_tile(rows, n_out, be.sm_count) {
         2
     } else if pick_bn(rows, n_out, be.sm_count) == 128 {
         0
@@ -334,12 +331,13 @@ mod tests {
     }
 
     #[test]
-    fn small_grids_are_the_kv_projections() {
-        // Qwen3-8B at 512 rows on 132 SMs: K/V (1024 outputs, 32 tiles) small; Q/O (4096,
-        // 128 tiles) and gate/up (12288) not; a 64-row prefill not (measured there: none).
-        assert!(small_grid(512, 1024, 132));
-        assert!(!small_grid(512, 4096, 132));
-        assert!(!small_grid(512, 12288, 132));
-        assert!(!small_grid(64, 1024, 132));
+    fn wide_tiles_for_full_grids_of_long_prefills() {
+        // Qwen3-8B at 512 rows on 132 SMs: Q/O (4096 outputs, 128 tiles) and gate/up (12288)
+        // wide; K/V (1024 outputs, 32 tiles) not; prefills of ≤ 128 rows not.
+        assert!(wide_tile(512, 4096, 132));
+        assert!(wide_tile(512, 12288, 132));
+        assert!(!wide_tile(512, 1024, 132));
+        assert!(!wide_tile(128, 12288, 132));
+        assert!(wide_tile(129, 12288, 132));
     }
 }

@@ -31,8 +31,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW",
-        Accepts::OneOf(&[0, 1, 2, 3]),
-        "prefill matmuls on wgmma (sm_90a): 0 none, 1 grids under half the SMs, 2 all, 3 as 1 + full grids on the 64x256 tile (MATMUL.md)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "prefill matmuls on wgmma (sm_90a): 0 off (mm_), 1 on, 2 on without the 64x256 tile (MATMUL.md)",
     ),
     (
         "FERRITE_KERNEL_PTX",
