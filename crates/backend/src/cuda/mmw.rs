@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use ferrite_formats::GgmlType;
 
 use super::launch::{KernelArg, LaunchExt};
@@ -164,8 +164,9 @@ pub fn matmul(
     matmuls(be, x, &[w], &mut [out])
 }
 
-/// `outs[i] = ws[i] x` for weights reading the same x: x converted to bf16 once. Returns
-/// `Ok(false)`, having done nothing, unless this path applies to every weight.
+/// `outs[i] = ws[i] x` for weights reading the same x: x converted to bf16 once, runs of up to
+/// three weights of one type in one launch. Returns `Ok(false)`, having done nothing, unless
+/// this path applies to every weight.
 pub fn matmuls(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -189,8 +190,14 @@ pub fn matmuls(
         .0
         .as_ref()
         .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
-    for ((w, out), ti) in ws.iter().zip(outs.iter_mut()).zip(tis) {
-        launch(be, xb, kp, x.rows, w, ti, out)?;
+    let mut i = 0;
+    while i < ws.len() {
+        let mut j = i + 1;
+        while j < ws.len() && j - i < 3 && tis[j] == tis[i] {
+            j += 1;
+        }
+        launch(be, xb, kp, x.rows, &ws[i..j], tis[i], &mut outs[i..j])?;
+        i = j;
     }
     Ok(true)
 }
@@ -248,70 +255,112 @@ fn convert<'a>(
     Ok(guard)
 }
 
-/// One `mmw_<type>_n<BN>` launch on the bf16 x in `xb` (`rows` rows of `kp`).
+/// One `mmw_<type>_n<BN>` launch on the bf16 x in `xb` (`rows` rows of `kp`) for 1–3 weights
+/// of the type `ti` (one grid over their output tiles in order).
 fn launch(
     be: &CudaBackend,
     xb: &CudaSlice<u16>,
     kp: usize,
     rows: usize,
-    w: &CudaWeight,
+    ws: &[&CudaWeight],
     ti: usize,
-    out: &mut Act<CudaSlice<f32>>,
+    outs: &mut [&mut Act<CudaSlice<f32>>],
 ) -> Result<()> {
-    let (n_out, n_in) = (w.shape[0], w.shape[1]);
-    let rb = w.row_bytes();
     ensure!(
-        out.rows == rows && out.cols == n_out && out.buf.len() >= rows * n_out,
-        "mmw: output [{}, {}] (buffer {}) for [{rows}, {n_in}] x [{n_out}, {n_in}]",
-        out.rows,
-        out.cols,
-        out.buf.len()
+        (1..=3).contains(&ws.len()) && ws.len() == outs.len(),
+        "mmw: a group of {} weights",
+        ws.len()
     );
-    ensure!(
-        w.data.len() >= n_out * rb,
-        "mmw: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
-        w.data.len(),
-        w.dtype,
-        n_out * rb
-    );
+    let n_in = ws[0].shape[1];
     ensure!(
         xb.len() >= rows * kp,
         "mmw: bf16 scratch smaller than [{rows}, {kp}]"
     );
-    ensure!(
-        n_out <= i32::MAX as usize && rows * n_out <= isize::MAX as usize,
-        "mmw: [{rows}, {n_out}] output too large"
-    );
-    let ti_tile = if mode() == 1 && wide_tile(rows, n_out, be.sm_count) {
+    let mut wp = [0u64; 3];
+    let mut rbs = [0i64; 3];
+    let mut ns = [0i32; 3];
+    let mut op = [0u64; 3];
+    let mut n_total = 0;
+    for (g, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        let n_out = w.shape[0];
+        let rb = w.row_bytes();
+        ensure!(
+            w.shape[1] == n_in && w.dtype == ws[0].dtype,
+            "mmw: grouped weights differ in type or row length"
+        );
+        ensure!(
+            out.rows == rows && out.cols == n_out && out.buf.len() >= rows * n_out,
+            "mmw: output [{}, {}] (buffer {}) for [{rows}, {n_in}] x [{n_out}, {n_in}]",
+            out.rows,
+            out.cols,
+            out.buf.len()
+        );
+        ensure!(
+            w.data.len() >= n_out * rb,
+            "mmw: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
+            w.data.len(),
+            w.dtype,
+            n_out * rb
+        );
+        ensure!(
+            n_out <= i32::MAX as usize && rows * n_out <= isize::MAX as usize,
+            "mmw: [{rows}, {n_out}] output too large"
+        );
+        wp[g] = w.data.device_ptr(&be.stream).0;
+        rbs[g] = rb as i64;
+        ns[g] = n_out as i32;
+        op[g] = out.buf.device_ptr_mut(&be.stream).0;
+        n_total += n_out;
+    }
+    // Absent weights: weight 0's pointers, never reached (their tile ranges are empty).
+    for g in ws.len()..3 {
+        wp[g] = wp[0];
+        rbs[g] = rbs[0];
+        op[g] = op[0];
+    }
+    let ti_tile = if mode() == 1 && wide_tile(rows, n_total, be.sm_count) {
         2
-    } else if pick_bn(rows, n_out, be.sm_count) == 128 {
+    } else if pick_bn(rows, n_total, be.sm_count) == 128 {
         0
     } else {
         1
     };
     let (tm, bn) = TILES[ti_tile];
-    let gy = n_out.div_ceil(tm);
-    ensure!(gy <= 65535, "mmw: {n_out} outputs exceed the grid limit");
+    let tiles: Vec<usize> = ns.iter().map(|&n| (n as usize).div_ceil(tm)).collect();
+    let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
+    let gy = e2 + tiles[2];
+    ensure!(gy <= 65535, "mmw: {n_total} outputs exceed the grid limit");
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
         block_dim: (threads(tm), 1, 1),
         shared_mem_bytes: smem(tm, bn) as u32,
     };
-    let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
-        (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
-    // SAFETY: checked above: W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
-    // n_in), out rows×n_out floats.
+    let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
+        (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
+    // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
+    // n_in), each out rows×n_out floats; block y < e1 uses weight 0, < e2 weight 1, else 2,
+    // and only the present weights have tiles.
     unsafe {
         be.stream
             .kernel(&be.mmw.mm[ti][ti_tile])
-            .arg(&w.data)
-            .arg(&rb_i)
-            .arg(&n_out_i)
+            .arg(&wp[0])
+            .arg(&wp[1])
+            .arg(&wp[2])
+            .arg(&rbs[0])
+            .arg(&rbs[1])
+            .arg(&rbs[2])
+            .arg(&ns[0])
+            .arg(&ns[1])
+            .arg(&ns[2])
+            .arg(&e1_i)
+            .arg(&e2_i)
             .arg(&n_in_i)
             .arg(xb)
             .arg(&kp_i)
             .arg(&rows_i)
-            .arg(&mut out.buf)
+            .arg(&op[0])
+            .arg(&op[1])
+            .arg(&op[2])
             .launch(cfg)
     }?;
     Ok(())

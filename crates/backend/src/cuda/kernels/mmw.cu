@@ -310,7 +310,8 @@ struct MmwShape {
 
 template <int TYPE, int TM, int BN>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                                    const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {
+                                    const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out,
+                                    int oy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN>;
     constexpr int NACC = BN / 2;
@@ -322,7 +323,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
     // launcher adds 1 KB of slack).
     const uint32_t s0 = ((uint32_t)__cvta_generic_to_shared(mmw_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x, wgi = tid >> 7;
-    const int t0 = blockIdx.x * BN, o0 = blockIdx.y * TM;
+    const int t0 = blockIdx.x * BN, o0 = oy * TM;
     const int nk = kp / MMW_TK;
 
     if (wgi < MMW_PRODUCERS) {
@@ -449,12 +450,22 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
 #endif
 }
 
+// One launch for up to three weights of one type that read the same x (the Q, K, V
+// projections): the grid's output tiles are weight 0's, then from tile e1 weight 1's, from e2
+// weight 2's (e1 = e2 = the tile count for fewer weights); each block takes its weight's
+// pointer, row bytes, outputs and destination. K and V (1024 outputs each at Qwen3-8B) alone
+// leave most SMs idle; with Q they fill the wide-tile grid (MATMUL.md round 13).
 #define MMW_KERNEL1(name, TYPE, TM, BN)                                                                     \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1)                                        \
-        mmw_##name##_n##BN(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                 \
-                           const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {    \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_##name##_n##BN(                   \
+        const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
+        long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
+        float* __restrict__ out1, float* __restrict__ out2) {                                              \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, TM, BN>(W, rb, n_out, n_in, xb, kp, rows, out);                                           \
+        const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
+        mmw<TYPE, TM, BN>(g == 0 ? W0 : (g == 1 ? W1 : W2), g == 0 ? rb0 : (g == 1 ? rb1 : rb2),            \
+                          g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows,                             \
+                          g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2)));   \
     }
 // n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
 // warpgroup, m64n256: each decoded weight serves twice the tokens).
