@@ -9,10 +9,10 @@
 //!
 //! Tiles (MATMUL.md round 13, measured on the H200): 64 outputs × 256 tokens (one consumer
 //! warpgroup, `m64n256`: a decoded weight serves 256 tokens) where a prefill of more than 128
-//! rows fills the SMs (Qwen3-8B Q4_K_M pp512 15,573 tok/s against 10,476 on `mm_`); 128 × 128
-//! or 128 × 64 (the `mm_` rule) on grids that leave more than half the SMs idle (the K and V
-//! projections) and on short prefills. `FERRITE_MMW=2` never takes the 256-token tile (12,417
-//! in the same call).
+//! rows fills the SMs (Qwen3-8B Q4_K_M pp512 15,573 tok/s against 10,476 on `mm_`; 16,591
+//! with the Q, K, V projections in one launch); 128 × 128 or 128 × 64 (the `mm_` rule) on
+//! grids that leave more than half the SMs idle and on short prefills. `FERRITE_MMW=2` never
+//! takes the 256-token tile (12,417 in the same call).
 
 use std::sync::{Arc, Mutex};
 
