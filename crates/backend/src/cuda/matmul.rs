@@ -119,8 +119,9 @@ pub struct Kernels {
     xq: Mutex<Option<XQuant>>,
     /// `mm_<type>_n128`, `mm_<type>_n64` (see [`MM_BN`]).
     mm: Vec<[CudaFunction; 2]>,
-    /// x f32 → bf16 scratch (zero-padded to whole K steps), run before every prefill matmul.
-    mm_x: CudaFunction,
+    /// x f32 → bf16 scratch (zero-padded to whole K steps), run before every prefill matmul
+    /// (this module's and mmw.rs's).
+    pub(crate) mm_x: CudaFunction,
     /// The bf16 copy of x, grown on demand (geometrically), and the smaller buffers it
     /// replaced: kept alive because a graph captured earlier (batched serving steps of more
     /// than GEMV_MAX_ROWS rows run this path inside graphs) may still point at them.

@@ -63,22 +63,23 @@ fn smem(tm: usize, bn: usize) -> usize {
     (224 * 1024 / stage).min(7) * stage + 1024
 }
 
+/// The bf16 x scratch in use (grown geometrically) and the smaller ones it replaced.
+type Scratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
+
 /// The compiled kernels and the bf16 x scratch.
 pub struct Kernels {
     /// The [`TILES`] kernels of each of [`TYPES`]; empty where wgmma is not available (not
     /// sm_90a) or switched off.
     mm: Vec<[CudaFunction; 3]>,
-    cvt: Option<CudaFunction>,
     /// The current scratch (grown geometrically) and the smaller ones it replaced, kept alive
     /// because a graph captured earlier may still point at them.
-    scratch: Mutex<(Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>)>,
+    scratch: Mutex<Scratch>,
 }
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let off = Kernels {
             mm: Vec::new(),
-            cvt: None,
             scratch: Mutex::new((None, Vec::new())),
         };
         if arch != "compute_90a" || mode() == 0 {
@@ -99,11 +100,7 @@ impl Kernels {
             };
             mm.push([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?]);
         }
-        Ok(Kernels {
-            mm,
-            cvt: Some(function(&m, "mmw_x_bf16")?),
-            ..off
-        })
+        Ok(Kernels { mm, ..off })
     }
 }
 
@@ -127,12 +124,6 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
     let (ptr, _g) = w.data.device_ptr(&be.stream);
     (ptr % 16 == 0).then_some(ti)
-}
-
-/// Whether [`matmul`] takes `w` on `rows` rows (the grouped launchers of matmul.rs ask, so as
-/// not to take a weight this path would run).
-pub(crate) fn applies(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
-    kernel_index(be, w, rows).is_some()
 }
 
 /// Whether a matmul takes the 64 × 256 tile: more than 128 rows (a 256-token tile at least
@@ -202,31 +193,27 @@ pub fn matmuls(
     Ok(true)
 }
 
-/// x → bf16 `[rows][kp]` (zero beyond n_in) in the scratch (grown first if too small); returns
+/// x → bf16 `[rows][kp]` (zero beyond n_in; matmul.cu's `mm_x_bf16`) in the scratch (grown
+/// first if too small); returns
 /// the scratch locked: the launches that follow read it in stream order.
 fn convert<'a>(
     be: &'a CudaBackend,
     x: &Act<CudaSlice<f32>>,
     kp: usize,
-) -> Result<std::sync::MutexGuard<'a, (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>)>> {
+) -> Result<std::sync::MutexGuard<'a, Scratch>> {
     let (rows, n_in) = (x.rows, x.cols);
     let need = rows * kp;
     ensure!(
         x.buf.len() >= rows * n_in && need / 8 <= i32::MAX as usize,
         "mmw: input [{rows}, {n_in}] exceeds its buffer or the scratch limit"
     );
-    let cvt = be
-        .mmw
-        .cvt
-        .as_ref()
-        .ok_or_else(|| anyhow!("mmw: conversion kernel missing"))?;
     let mut guard = be
         .mmw
         .scratch
         .lock()
         .map_err(|_| anyhow!("mmw: scratch lock poisoned"))?;
     let (cur, retired) = &mut *guard;
-    if cur.as_ref().map_or(true, |b| b.len() < need) {
+    if cur.as_ref().is_none_or(|b| b.len() < need) {
         let fresh = be.stream.alloc_zeros::<u16>(need.next_power_of_two())?;
         if let Some(old) = cur.replace(fresh) {
             retired.push(old);
@@ -244,7 +231,7 @@ fn convert<'a>(
     // SAFETY: x holds rows×n_in floats (checked); xb holds ≥ rows×kp bf16.
     unsafe {
         be.stream
-            .kernel(cvt)
+            .kernel(&be.matmul.mm_x)
             .arg(&x.buf)
             .arg(&rows_i)
             .arg(&n_in_i)

@@ -80,9 +80,18 @@ pub struct CudaBackend {
     pub gated_delta: gated_delta::Kernels,
 }
 
-/// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended.
-fn full_source(name: &str, src: &str) -> String {
-    format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")
+/// The bf16 decoders shared by the prefill matmul kernels (`matmul.cu`'s `mm_` and the wgmma
+/// `mmw.cu`), prepended to those two files after [`COMMON_CUH`].
+pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
+
+/// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
+/// the files that dequantize weights to bf16).
+pub fn full_source(name: &str, src: &str) -> String {
+    if matches!(name, "matmul" | "mmw") {
+        format!("{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")
+    } else {
+        format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")
+    }
 }
 
 /// Compiles `src` (with [`COMMON_CUH`] prepended) and loads it as a module: a CUBIN for the

@@ -1,0 +1,202 @@
+// mm_decode.cuh — the bf16 decoders of the prefill matmuls, shared by matmul.cu (`mm_`, and
+// h2f / byte_f / scale_min_w in its GEMVs) and mmw.cu (the wgmma kernel): the two kernels
+// must dequantize to the same bits. Prepended after common.cuh to those two files only
+// (mod.rs `full_source`). raw16 loads the raw bytes of 16 consecutive weight elements of one
+// row into registers; dec16 turns them into 8 packed bf16 pairs. Their layouts follow ggml
+// (checked against ggml_get in common.cuh by `ferrite check`).
+
+__device__ __forceinline__ float h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
+__device__ __forceinline__ float b2f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
+
+// Byte k (0..3) of w, which must be < 256 as an unsigned value, as an exact float plus 2^23.
+// (prmt builds the bits 0x4B0000bb = 8388608 + bb.)
+template <int K>
+__device__ __forceinline__ float byte_f(uint32_t w) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - 8388608.0f;
+}
+
+// Byte k of the 12 K-quant scale bytes held in three words.
+__device__ __forceinline__ uint32_t sbyte(uint32_t s0, uint32_t s1, uint32_t s2, int k) {
+    uint32_t w = k < 4 ? s0 : (k < 8 ? s1 : s2);
+    return (w >> ((k & 3) * 8)) & 0xFF;
+}
+
+// ggml's get_scale_min_k4 from the scale words.
+__device__ __forceinline__ void scale_min_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(sbyte(s0, s1, s2, j) & 63);
+        *m = (float)(sbyte(s0, s1, s2, j + 4) & 63);
+    } else {
+        uint32_t a = sbyte(s0, s1, s2, j + 4), lo = sbyte(s0, s1, s2, j - 4), hi = sbyte(s0, s1, s2, j);
+        *sc = (float)((a & 0xF) | ((lo >> 6) << 4));
+        *m = (float)((a >> 4) | ((hi >> 6) << 4));
+    }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half) = the lower k
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint16_t ld2c(const uint8_t* p) { return __ldg((const unsigned short*)p); }
+
+// Raw (undecoded) bytes of 16 consecutive weight elements of one row, held in registers
+// between the load (before a step's MMAs) and the decode (after them), so that no
+// instruction waits on the global load in front of the MMAs.
+struct Raw16 {
+    uint32_t w[16];
+    uint32_t s0, s1, s2, s3;
+};
+
+// Loads the 16 bytes at p (2-byte aligned) as aligned words: w[0..4] plus the shift (0/16).
+__device__ __forceinline__ void ld16u(const uint8_t* p, uint32_t* w, uint32_t& sh) {
+    const size_t a = (size_t)p;
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
+    sh = (uint32_t)(a & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = __ldg(q + i);
+    w[4] = sh ? __ldg(q + 4) : 0u;
+}
+
+template <int TYPE>
+__device__ __forceinline__ void raw16(const uint8_t* __restrict__ row, int k0, int n_in, Raw16& r) {
+    if (TYPE == GGML_F32) {
+        if (k0 + 16 <= n_in && (n_in & 3) == 0) {
+            const uint4* p = (const uint4*)(row + 4 * (size_t)k0);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint4 u = __ldg(p + i);
+                r.w[4 * i] = u.x; r.w[4 * i + 1] = u.y; r.w[4 * i + 2] = u.z; r.w[4 * i + 3] = u.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                r.w[i] = k0 + i < n_in ? __ldg((const unsigned int*)row + k0 + i) : 0u;
+        }
+    } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
+        if (k0 + 16 <= n_in && (n_in & 7) == 0) {
+            const uint4* p = (const uint4*)(row + 2 * (size_t)k0);
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const uint4 u = __ldg(p + i);
+                r.w[4 * i] = u.x; r.w[4 * i + 1] = u.y; r.w[4 * i + 2] = u.z; r.w[4 * i + 3] = u.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) r.w[i] = k0 + i < n_in ? (uint32_t)ld2c(row + 2 * (size_t)(k0 + i)) : 0u;
+        }
+    } else {
+        if (k0 >= n_in) return;  // whole 16-element chunk beyond the row (quant rows are whole blocks)
+        if (TYPE == GGML_Q8_0) {
+            const uint8_t* blk = row + (size_t)(k0 / QK) * Q8_0_BYTES;
+            r.s0 = ld2c(blk);
+            ld16u(blk + 2 + (k0 & 16), r.w, r.s1);
+        } else if (TYPE == GGML_Q4_0) {
+            const uint8_t* blk = row + (size_t)(k0 / QK) * Q4_0_BYTES;
+            r.s0 = ld2c(blk);
+            ld16u(blk + 2, r.w, r.s1);
+        } else if (TYPE == GGML_Q4_1) {
+            const uint8_t* blk = row + (size_t)(k0 / QK) * Q4_1_BYTES;  // 4-aligned
+            r.s0 = __ldg((const unsigned int*)blk);
+#pragma unroll
+            for (int i = 0; i < 4; i++) r.w[i] = __ldg((const unsigned int*)(blk + 4) + i);
+        } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+            const bool q4 = TYPE == GGML_Q4_K;
+            const uint8_t* blk = row + (size_t)(k0 / QK_K) * (q4 ? Q4_K_BYTES : Q5_K_BYTES);  // 16-aligned
+            const int rr = k0 % QK_K, g = rr / 64, l0 = rr % 32;
+            const uint4 h = __ldg((const uint4*)blk);
+            r.s0 = h.x; r.s1 = h.y; r.s2 = h.z; r.s3 = h.w;
+            const uint4 qv = __ldg((const uint4*)(blk + (q4 ? 16 : 48) + 32 * g + l0));
+            r.w[0] = qv.x; r.w[1] = qv.y; r.w[2] = qv.z; r.w[3] = qv.w;
+            if (!q4) {
+                const uint4 hv = __ldg((const uint4*)(blk + 16 + l0));
+                r.w[4] = hv.x; r.w[5] = hv.y; r.w[6] = hv.z; r.w[7] = hv.w;
+            }
+        } else if (TYPE == GGML_Q6_K) {
+            const uint8_t* blk = row + (size_t)(k0 / QK_K) * Q6_K_BYTES;  // 2-aligned
+            const int rr = k0 % QK_K, n = rr / 128, r2 = rr % 128, quarter = r2 / 32, l0 = r2 % 32;
+            ld16u(blk + 64 * n + l0 + (quarter & 1) * 32, r.w, r.s2);
+            uint32_t sh2;
+            ld16u(blk + 128 + 32 * n + l0, r.w + 5, sh2);  // same alignment as the ql run
+            r.s0 = ld2c(blk + 208);
+            r.s1 = (uint32_t)(int)__ldg((const signed char*)(blk + 192 + 8 * n + l0 / 16 + 2 * quarter));
+        }
+    }
+}
+
+// Decodes what raw16 loaded for the same (k0, n_in) into 8 packed bf16 pairs.
+template <int TYPE>
+__device__ __forceinline__ void dec16(const Raw16& r, int k0, int n_in, uint32_t (&o)[8]) {
+    if (TYPE == GGML_F32) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) o[i] = pack_bf16(__uint_as_float(r.w[2 * i]), __uint_as_float(r.w[2 * i + 1]));
+    } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
+        const bool vec = k0 + 16 <= n_in && (n_in & 7) == 0;
+        if (vec) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                if (TYPE == GGML_BF16) o[i] = r.w[i];
+                else o[i] = pack_bf16(h2f(r.w[i] & 0xFFFF), h2f(r.w[i] >> 16));
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                if (TYPE == GGML_BF16) o[i] = (r.w[2 * i] & 0xFFFF) | (r.w[2 * i + 1] << 16);
+                else o[i] = pack_bf16(h2f(r.w[2 * i]), h2f(r.w[2 * i + 1]));
+            }
+        }
+    } else {
+        if (k0 >= n_in) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) o[i] = 0u;
+            return;
+        }
+        if (TYPE == GGML_Q8_0) {
+            const float d = h2f(r.s0);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint32_t q = __funnelshift_r(r.w[i], r.w[i + 1], r.s1) ^ 0x80808080u;
+                o[2 * i] = pack_bf16((byte_f<0>(q) - 128.0f) * d, (byte_f<1>(q) - 128.0f) * d);
+                o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 128.0f) * d, (byte_f<3>(q) - 128.0f) * d);
+            }
+        } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
+            const bool q40 = TYPE == GGML_Q4_0;
+            const float d = h2f(r.s0 & 0xFFFF);
+            const float m = q40 ? -8.0f * d : h2f(r.s0 >> 16);
+            const int shift = (k0 & 16) ? 4 : 0;  // second half of the block = high nibbles
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint32_t w = q40 ? __funnelshift_r(r.w[i], r.w[i + 1], r.s1) : r.w[i];
+                const uint32_t q = (w >> shift) & 0x0F0F0F0Fu;
+                o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), d, m), fmaf(byte_f<1>(q), d, m));
+                o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), d, m), fmaf(byte_f<3>(q), d, m));
+            }
+        } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
+            const bool q4 = TYPE == GGML_Q4_K;
+            const int rr = k0 % QK_K, g = rr / 64, w = rr % 64, sub = 2 * g + (w >= 32);
+            float sc, mn;
+            scale_min_w(sub, r.s1, r.s2, r.s3, &sc, &mn);
+            const float ds = h2f(r.s0 & 0xFFFF) * sc, dm = h2f(r.s0 >> 16) * mn;
+            const int shift = w >= 32 ? 4 : 0;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint32_t q = (r.w[i] >> shift) & 0x0F0F0F0Fu;
+                if (!q4) q |= ((r.w[4 + i] >> sub) & 0x01010101u) << 4;
+                o[2 * i] = pack_bf16(fmaf(byte_f<0>(q), ds, -dm), fmaf(byte_f<1>(q), ds, -dm));
+                o[2 * i + 1] = pack_bf16(fmaf(byte_f<2>(q), ds, -dm), fmaf(byte_f<3>(q), ds, -dm));
+            }
+        } else if (TYPE == GGML_Q6_K) {
+            const int rr = k0 % QK_K, quarter = (rr % 128) / 32;
+            const float ds = h2f(r.s0) * (float)(int)r.s1;
+            const int lshift = quarter >= 2 ? 4 : 0, hshift = 2 * quarter;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const uint32_t lw = __funnelshift_r(r.w[i], r.w[i + 1], r.s2);
+                const uint32_t hw = __funnelshift_r(r.w[5 + i], r.w[6 + i], r.s2);
+                const uint32_t q = ((lw >> lshift) & 0x0F0F0F0Fu) | (((hw >> hshift) & 0x03030303u) << 4);
+                o[2 * i] = pack_bf16((byte_f<0>(q) - 32.0f) * ds, (byte_f<1>(q) - 32.0f) * ds);
+                o[2 * i + 1] = pack_bf16((byte_f<2>(q) - 32.0f) * ds, (byte_f<3>(q) - 32.0f) * ds);
+            }
+        }
+    }
+}
