@@ -125,8 +125,12 @@ pub struct Kernels {
     /// The bf16 copy of x, grown on demand (geometrically), and the smaller buffers it
     /// replaced: kept alive because a graph captured earlier (batched serving steps of more
     /// than GEMV_MAX_ROWS rows run this path inside graphs) may still point at them.
-    xb: Mutex<(Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>)>,
+    xb: Mutex<BfScratch>,
 }
+
+/// The bf16 copy of x for the prefill matmuls (`mm_` here, `mmw`): the buffer in use and the
+/// smaller ones it replaced.
+pub(crate) type BfScratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
 
 /// How much of its weight rows the float GEMV prefetches into L2 before its PDL wait
 /// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's first KB, 2 the block's whole
@@ -1554,6 +1558,59 @@ fn mm_bn(rows: usize, n_out: usize, sm_count: usize) -> usize {
     }
 }
 
+/// x (`[rows, n_in]` f32) → the bf16 scratch `[rows][kp]` (kp a multiple of 64 ≥ n_in, zero
+/// beyond n_in) by `mm_x_bf16`, the scratch grown first if too small; returns it locked: the
+/// launches that follow (`mm_` here, `mmw`) read it in stream order.
+pub(crate) fn convert_bf16<'a>(
+    be: &'a CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    kp: usize,
+) -> Result<std::sync::MutexGuard<'a, BfScratch>> {
+    let (rows, n_in) = (x.rows, x.cols);
+    let need = rows * kp;
+    ensure!(
+        x.buf.len() >= rows * n_in && kp >= n_in && kp.is_multiple_of(MM_TK),
+        "matmul: input [{rows}, {n_in}] exceeds its buffer or the bf16 row length {kp}"
+    );
+    ensure!(
+        need / 8 <= i32::MAX as usize && kp <= i32::MAX as usize,
+        "matmul: [{rows}, {n_in}] activations too large for the bf16 scratch"
+    );
+    let mut guard = be
+        .matmul
+        .xb
+        .lock()
+        .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
+    let (cur, retired) = &mut *guard;
+    if cur.as_ref().is_none_or(|b| b.len() < need) {
+        let fresh = be.stream.alloc_zeros::<u16>(need.next_power_of_two())?;
+        if let Some(old) = cur.replace(fresh) {
+            retired.push(old);
+        }
+    }
+    let xb = cur
+        .as_mut()
+        .ok_or_else(|| anyhow!("matmul: bf16 scratch missing"))?;
+    let (rows_i, n_in_i, kp_i) = (rows as i32, n_in as i32, kp as i32);
+    let cvt = LaunchConfig {
+        grid_dim: ((need / 8).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: x holds rows×n_in floats (checked); xb holds ≥ rows×kp bf16.
+    unsafe {
+        be.stream
+            .kernel(&be.matmul.mm_x)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&n_in_i)
+            .arg(&kp_i)
+            .arg(&mut *xb)
+            .launch(cvt)
+    }?;
+    Ok(guard)
+}
+
 /// Prefill (rows > GEMV_MAX_ROWS): x → bf16 scratch by `mm_x_bf16`, then the tensor-core
 /// `mm_<type>_n<BN>`.
 #[allow(clippy::too_many_arguments)]
@@ -1571,48 +1628,17 @@ fn mm_launch(
     let gy = n_out.div_ceil(MM_TM);
     ensure!(gy <= 65535, "matmul: {n_out} outputs exceed the grid limit");
     let kp = n_in.div_ceil(MM_TK) * MM_TK;
-    let need = rows * kp;
-    ensure!(
-        need / 8 <= i32::MAX as usize && kp <= i32::MAX as usize,
-        "matmul: [{rows}, {n_in}] activations too large for the bf16 scratch"
-    );
     let bn = mm_bn(rows, n_out, be.sm_count);
     let bi = MM_BN
         .iter()
         .position(|&b| b == bn)
         .ok_or_else(|| anyhow!("matmul: no kernel for token tile {bn}"))?;
-    let mut guard = be
-        .matmul
-        .xb
-        .lock()
-        .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
-    let (cur, retired) = &mut *guard;
-    if cur.as_ref().map_or(true, |b| b.len() < need) {
-        let fresh = be.stream.alloc_zeros::<u16>(need.next_power_of_two())?;
-        if let Some(old) = cur.replace(fresh) {
-            retired.push(old);
-        }
-    }
-    let xb = cur
-        .as_mut()
+    let guard = convert_bf16(be, x, kp)?;
+    let xb = guard
+        .0
+        .as_ref()
         .ok_or_else(|| anyhow!("matmul: bf16 scratch missing"))?;
     let (n_out_i, n_in_i, rows_i, kp_i) = (n_out as i32, n_in as i32, rows as i32, kp as i32);
-    let cvt = LaunchConfig {
-        grid_dim: ((need / 8).div_ceil(256) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: x holds rows×n_in floats (checked by the caller); xb holds ≥ rows×kp bf16.
-    unsafe {
-        be.stream
-            .kernel(&be.matmul.mm_x)
-            .arg(&x.buf)
-            .arg(&rows_i)
-            .arg(&n_in_i)
-            .arg(&kp_i)
-            .arg(&mut *xb)
-            .launch(cvt)
-    }?;
     let cfg = LaunchConfig {
         grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
         block_dim: (MM_THREADS, 1, 1),
@@ -1627,7 +1653,7 @@ fn mm_launch(
             .arg(&rb)
             .arg(&n_out_i)
             .arg(&n_in_i)
-            .arg(&*xb)
+            .arg(xb)
             .arg(&kp_i)
             .arg(&rows_i)
             .arg(&mut out.buf)

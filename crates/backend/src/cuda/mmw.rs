@@ -14,7 +14,7 @@
 //! grids that leave more than half the SMs idle and on short prefills. `FERRITE_MMW=2` never
 //! takes the 256-token tile (12,417 in the same call).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::{anyhow, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
@@ -63,25 +63,17 @@ fn smem(tm: usize, bn: usize) -> usize {
     (224 * 1024 / stage).min(7) * stage + 1024
 }
 
-/// The bf16 x scratch in use (grown geometrically) and the smaller ones it replaced.
-type Scratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
-
-/// The compiled kernels and the bf16 x scratch.
+/// The compiled kernels (x is converted to bf16 into matmul.rs's scratch by its
+/// `convert_bf16`, the same kernel and buffer as `mm_`'s).
 pub struct Kernels {
     /// The [`TILES`] kernels of each of [`TYPES`]; empty where wgmma is not available (not
     /// sm_90a) or switched off.
     mm: Vec<[CudaFunction; 3]>,
-    /// The current scratch (grown geometrically) and the smaller ones it replaced, kept alive
-    /// because a graph captured earlier may still point at them.
-    scratch: Mutex<Scratch>,
 }
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
-        let off = Kernels {
-            mm: Vec::new(),
-            scratch: Mutex::new((None, Vec::new())),
-        };
+        let off = Kernels { mm: Vec::new() };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
         }
@@ -100,7 +92,7 @@ impl Kernels {
             };
             mm.push([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?]);
         }
-        Ok(Kernels { mm, ..off })
+        Ok(Kernels { mm })
     }
 }
 
@@ -176,7 +168,7 @@ pub fn matmuls(
         }
     }
     let kp = x.cols.div_ceil(TK) * TK;
-    let guard = convert(be, x, kp)?;
+    let guard = super::matmul::convert_bf16(be, x, kp)?;
     let xb = guard
         .0
         .as_ref()
@@ -191,55 +183,6 @@ pub fn matmuls(
         i = j;
     }
     Ok(true)
-}
-
-/// x → bf16 `[rows][kp]` (zero beyond n_in; matmul.cu's `mm_x_bf16`) in the scratch (grown
-/// first if too small); returns
-/// the scratch locked: the launches that follow read it in stream order.
-fn convert<'a>(
-    be: &'a CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    kp: usize,
-) -> Result<std::sync::MutexGuard<'a, Scratch>> {
-    let (rows, n_in) = (x.rows, x.cols);
-    let need = rows * kp;
-    ensure!(
-        x.buf.len() >= rows * n_in && need / 8 <= i32::MAX as usize,
-        "mmw: input [{rows}, {n_in}] exceeds its buffer or the scratch limit"
-    );
-    let mut guard = be
-        .mmw
-        .scratch
-        .lock()
-        .map_err(|_| anyhow!("mmw: scratch lock poisoned"))?;
-    let (cur, retired) = &mut *guard;
-    if cur.as_ref().is_none_or(|b| b.len() < need) {
-        let fresh = be.stream.alloc_zeros::<u16>(need.next_power_of_two())?;
-        if let Some(old) = cur.replace(fresh) {
-            retired.push(old);
-        }
-    }
-    let xb = cur
-        .as_mut()
-        .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
-    let (rows_i, n_in_i, kp_i) = (rows as i32, n_in as i32, kp as i32);
-    let cfg = LaunchConfig {
-        grid_dim: ((need / 8).div_ceil(256) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: x holds rows×n_in floats (checked); xb holds ≥ rows×kp bf16.
-    unsafe {
-        be.stream
-            .kernel(&be.matmul.mm_x)
-            .arg(&x.buf)
-            .arg(&rows_i)
-            .arg(&n_in_i)
-            .arg(&kp_i)
-            .arg(&mut *xb)
-            .launch(cfg)
-    }?;
-    Ok(guard)
 }
 
 /// One `mmw_<type>_n<BN>` launch on the bf16 x in `xb` (`rows` rows of `kp`) for 1–3 weights
