@@ -46,7 +46,7 @@ const TK: usize = 64;
 /// The instantiated tiles (outputs TM × tokens BN), as `mmw_<type>_n<BN>`, in kernel-array
 /// order: two consumer warpgroups of 64 outputs at 128 or 64 tokens, one at 256 tokens.
 const TILES: [(usize, usize); 3] = [(128, 128), (128, 64), (64, 256)];
-/// Outputs per block of the n128 / n64 tiles (the small-grid rule counts these).
+/// Outputs per block of the n128 / n64 tiles (the tile rules count grids of these).
 const TM: usize = 128;
 
 /// Threads of a block with TM outputs: two producer warpgroups and TM / 64 consumer ones
