@@ -1550,6 +1550,13 @@ fn mm_bn(rows: usize, n_out: usize, sm_count: usize) -> usize {
     if let Some(b) = force {
         return b;
     }
+    token_tile(rows, n_out, sm_count)
+}
+
+/// The token-tile rule of the prefill matmul kernels with 128-output tiles (`mm_` here, `mmq_`,
+/// `mmw_`'s 128 × BN tiles): 64 when 128-token tiles would leave more than half the SMs idle
+/// or the rows fit one 64-token tile, else 128.
+pub(crate) fn token_tile(rows: usize, n_out: usize, sm_count: usize) -> usize {
     let blocks128 = rows.div_ceil(128) * n_out.div_ceil(MM_TM);
     if rows <= 64 || 2 * blocks128 < sm_count.max(1) {
         64

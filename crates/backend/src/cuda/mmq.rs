@@ -128,17 +128,6 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
     (ptr % 16 == 0).then_some(ti)
 }
 
-/// Token tile: 64 when the 128-token grid would leave more than half the SMs idle (K/V
-/// projections) or the rows fit one 64-token tile, else 128 (the bf16 kernel's rule).
-fn pick_bn(rows: usize, n_out: usize, sm_count: usize) -> usize {
-    let blocks128 = rows.div_ceil(128) * n_out.div_ceil(TM);
-    if rows <= 64 || 2 * blocks128 < sm_count.max(1) {
-        64
-    } else {
-        128
-    }
-}
-
 /// `out = W x` on the int8 tensor cores when this path applies (returns `Ok(false)`, having
 /// done nothing, when it does not: the caller runs the bf16/GEMV kernels of matmul.rs).
 pub fn matmul(
@@ -257,7 +246,7 @@ fn launch_mm(
     );
     let gy = n_out.div_ceil(TM);
     ensure!(gy <= 65535, "mmq: {n_out} outputs exceed the grid limit");
-    let bn = pick_bn(rows, n_out, be.sm_count);
+    let bn = super::matmul::token_tile(rows, n_out, be.sm_count);
     let bi = BN
         .iter()
         .position(|&b| b == bn)

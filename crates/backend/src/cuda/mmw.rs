@@ -125,17 +125,6 @@ fn wide_tile(rows: usize, n_out: usize, sm_count: usize) -> bool {
     rows > 128 && 2 * rows.div_ceil(128) * n_out.div_ceil(TM) >= sm_count.max(1)
 }
 
-/// Token tile: 64 when the 128-token grid would leave more than half the SMs idle or the rows
-/// fit one 64-token tile, else 128 (the `mm_` kernel's rule).
-fn pick_bn(rows: usize, n_out: usize, sm_count: usize) -> usize {
-    let blocks128 = rows.div_ceil(128) * n_out.div_ceil(TM);
-    if rows <= 64 || 2 * blocks128 < sm_count.max(1) {
-        64
-    } else {
-        128
-    }
-}
-
 /// `out = W x` on the wgmma kernel when this path applies (`Ok(false)`, nothing done,
 /// otherwise: the caller runs matmul.rs).
 pub fn matmul(
@@ -250,7 +239,7 @@ fn launch(
     }
     let ti_tile = if mode() == 1 && wide_tile(rows, n_total, be.sm_count) {
         2
-    } else if pick_bn(rows, n_total, be.sm_count) == 128 {
+    } else if super::matmul::token_tile(rows, n_total, be.sm_count) == 128 {
         0
     } else {
         1
