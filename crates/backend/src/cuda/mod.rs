@@ -80,14 +80,15 @@ pub struct CudaBackend {
     pub gated_delta: gated_delta::Kernels,
 }
 
-/// The bf16 decoders shared by the prefill matmul kernels (`matmul.cu`'s `mm_` and the wgmma
-/// `mmw.cu`), prepended to those two files after [`COMMON_CUH`].
+/// The bf16 decoders shared by the prefill matmul kernels (`matmul.cu`'s `mm_`, the wgmma
+/// `mmw.cu` and `moe.cu`'s grouped expert GEMM), prepended to those files after
+/// [`COMMON_CUH`].
 pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
 /// the files that dequantize weights to bf16).
 pub fn full_source(name: &str, src: &str) -> String {
-    if matches!(name, "matmul" | "mmw") {
+    if matches!(name, "matmul" | "mmw" | "moe") {
         format!("{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")
     } else {
         format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")

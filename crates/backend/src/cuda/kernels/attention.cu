@@ -874,20 +874,6 @@ PREFILL_KERNEL(256)
 #define TC_THREADS 128
 #define TC_SLOTS 64
 
-__device__ __forceinline__ void tc_ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                           uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void tc_ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                             uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
 __device__ __forceinline__ void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                            uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -895,11 +881,6 @@ __device__ __forceinline__ void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t 
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// 16 bytes global → shared; src_bytes = 0 zero-fills the destination (src not read).
-__device__ __forceinline__ void tc_cp16(uint32_t dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-                 : "memory");
 }
 __device__ __forceinline__ uint32_t tc_pack_f16(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);  // .x (low 16 bits) = a
@@ -986,8 +967,8 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
                 bytes = 16;
             }
             const uint32_t off = (uint32_t)((buf * BKV + kr) * LDS + col) * 2;
-            tc_cp16(sK0 + off, kbase + e, bytes);
-            tc_cp16(sV0 + off, vbase + e, bytes);
+            cp_async16(sK0 + off, kbase + e, bytes);
+            cp_async16(sV0 + off, vbase + e, bytes);
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
@@ -1028,11 +1009,11 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++) {
                 uint32_t a0, a1, a2, a3;
-                tc_ldsm_x4(qa + kk * 32, a0, a1, a2, a3);
+                ldsm_x4(qa + kk * 32, a0, a1, a2, a3);
 #pragma unroll
                 for (int nj = 0; nj < NS / 2; nj++) {
                     uint32_t b0, b1, b2, b3;
-                    tc_ldsm_x4(kt + nj * 16 * LDS * 2 + kk * 32, b0, b1, b2, b3);
+                    ldsm_x4(kt + nj * 16 * LDS * 2 + kk * 32, b0, b1, b2, b3);
                     tc_mma_f16(s[2 * nj], a0, a1, a2, a3, b0, b1);
                     tc_mma_f16(s[2 * nj + 1], a0, a1, a2, a3, b2, b3);
                 }
@@ -1086,7 +1067,7 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
 #pragma unroll
                 for (int dn = 0; dn < HD / 16; dn++) {
                     uint32_t b0, b1, b2, b3;
-                    tc_ldsm_x4_t(vt + kj * 16 * LDS * 2 + dn * 32, b0, b1, b2, b3);
+                    ldsm_x4_t(vt + kj * 16 * LDS * 2 + dn * 32, b0, b1, b2, b3);
                     tc_mma_f16(o_acc[2 * dn], a0, a1, a2, a3, b0, b1);
                     tc_mma_f16(o_acc[2 * dn + 1], a0, a1, a2, a3, b2, b3);
                 }

@@ -147,6 +147,26 @@ __device__ __forceinline__ void pdl_launch_dependents() {
         pdl_launch_dependents();                                                                   \
     } while (0)
 
+// Shared-memory tile plumbing of the tensor-core kernels (matmul.cu's mm_, mmq.cu, mmw.cu,
+// attention.cu's prefill): four 8×8 b16 matrices per warp by ldmatrix (row addresses from
+// lanes 0-7, 8-15, 16-23, 24-31), plain or transposed, and a 16-byte cp.async whose
+// src_bytes = 0 zero-fills the destination without reading src.
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
 // The two-plane int8 quantization of x for the dp4a GEMV (matmul.cu, section 1b), one warp per
 // 32-element block, lane = element: v ~ d (127 hi + lo) with d = amax / 127^2: hi =
 // rint(v / d1), d1 = amax / 127; lo = rint((v - hi d1) / d): |v - hi d1| <= d1 / 2, so |lo|

@@ -1,7 +1,7 @@
 // mm_decode.cuh — the bf16 decoders of the prefill matmuls, shared by matmul.cu (`mm_`, and
-// h2f / byte_f / scale_min_w in its GEMVs) and mmw.cu (the wgmma kernel): the two kernels
-// must dequantize to the same bits. Prepended after common.cuh to those two files only
-// (mod.rs `full_source`). raw16 loads the raw bytes of 16 consecutive weight elements of one
+// h2f / byte_f / scale_min_w in its GEMVs), mmw.cu (the wgmma kernel) and moe.cu (its helpers;
+// the grouped expert GEMM has its own one-pass decoder): the kernels must dequantize to the
+// same bits. Prepended after common.cuh to those files only (mod.rs `full_source`). raw16 loads the raw bytes of 16 consecutive weight elements of one
 // row into registers; dec16 turns them into 8 packed bf16 pairs. Their layouts follow ggml
 // (checked against ggml_get in common.cuh by `ferrite check`).
 

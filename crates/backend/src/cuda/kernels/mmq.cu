@@ -188,13 +188,6 @@ __device__ __forceinline__ void mq_store(const MqRaw& r, int kt, int lh, uint8_t
     }
 }
 
-__device__ __forceinline__ void mq_ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-
 // d = a . b + c (int8 m16n8k32; a: 16 x 32 row-major, b: 32 x 8 col-major).
 __device__ __forceinline__ void mq_mma32(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, int c) {
     asm volatile(
@@ -302,7 +295,7 @@ __device__ __forceinline__ void mmq(const uint8_t* __restrict__ W, long long rb,
             float2 ws[2][2];  // [mi][row g / g+8]
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
-                mq_ldsm_x4(aB + mi * 16 * MQ_ALD + kk * 32, af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
+                ldsm_x4(aB + mi * 16 * MQ_ALD + kk * 32, af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
                 ws[mi][0] = as_[kk * MQ_TM + mi * 16];
                 ws[mi][1] = as_[kk * MQ_TM + mi * 16 + 8];
             }
@@ -310,8 +303,8 @@ __device__ __forceinline__ void mmq(const uint8_t* __restrict__ W, long long rb,
             for (int nj = 0; nj < NT / 2; nj++) {
                 uint32_t h0, h1, h2, h3, l0, l1, l2, l3;  // n-tile 2nj: (x0, x1); 2nj+1: (x2, x3)
                 const uint32_t bq = bB + nj * 16 * MQ_BLD + kk * 32;
-                mq_ldsm_x4(bq, h0, h1, h2, h3);
-                mq_ldsm_x4(bq + 64, l0, l1, l2, l3);
+                ldsm_x4(bq, h0, h1, h2, h3);
+                ldsm_x4(bq + 64, l0, l1, l2, l3);
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int ni = 2 * nj + h;

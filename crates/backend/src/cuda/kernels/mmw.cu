@@ -68,9 +68,6 @@ __device__ __forceinline__ void mmw_bar_sync(int id, int n) {
 __device__ __forceinline__ void mmw_bar_arrive(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
-__device__ __forceinline__ void mmw_cp16(uint32_t dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 
 __device__ __forceinline__ void mmw_wgmma_n256(float (&d)[128], uint64_t da, uint64_t db) {
     asm volatile(
@@ -174,7 +171,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
                     const int c = ptid + MMW_PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
                     const int t = t0 + n;
                     const uint16_t* src = xb + (size_t)(t < rows ? t : 0) * kp + k + kc;
-                    mmw_cp16(base + mmw_off<BN>(n, kc), src, t < rows ? 16 : 0);
+                    cp_async16(base + mmw_off<BN>(n, kc), src, t < rows ? 16 : 0);
                 }
             }
             asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -402,39 +402,13 @@ extern "C" __global__ void moe_down(const float* __restrict__ h, const int* __re
 // L2 when several), i.e. about once per layer at pp512 (~340 MB for Qwen3-30B-A3B Q4_K).
 // Precision: bf16 x, h and weights (rel. error <= 2^-9 each), f32 accumulation.
 
-__device__ __forceinline__ float gm_h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
-__device__ __forceinline__ float gm_b2f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
-
-template <int K>
-__device__ __forceinline__ float byte_f(uint32_t w) {
-    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - 8388608.0f;
-}
-
-__device__ __forceinline__ uint32_t sbyte(uint32_t s0, uint32_t s1, uint32_t s2, int k) {
-    uint32_t w = k < 4 ? s0 : (k < 8 ? s1 : s2);
-    return (w >> ((k & 3) * 8)) & 0xFF;
-}
-
-__device__ __forceinline__ void scale_min_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, float* sc, float* m) {
-    if (j < 4) {
-        *sc = (float)(sbyte(s0, s1, s2, j) & 63);
-        *m = (float)(sbyte(s0, s1, s2, j + 4) & 63);
-    } else {
-        uint32_t a = sbyte(s0, s1, s2, j + 4), lo = sbyte(s0, s1, s2, j - 4), hi = sbyte(s0, s1, s2, j);
-        *sc = (float)((a & 0xF) | ((lo >> 6) << 4));
-        *m = (float)((a >> 4) | ((hi >> 6) << 4));
-    }
-}
+// h2f, b2f, byte_f, sbyte, scale_min_w, pack_bf16 and ld2c come from mm_decode.cuh
+// (prepended by mod.rs: the same helpers as the dense prefill kernels).
 
 #define GM_TM 128  // smem rows of A per block
 #define GM_TN 64   // pairs per tile (mma N)
 #define GM_TK 32   // K per step
 #define GM_LDS 40  // smem row stride in bf16 (80 B: 16-B aligned rows, conflict-free fragments)
-
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half) = the lower k
-    return *reinterpret_cast<uint32_t*>(&v);
-}
 
 __device__ __forceinline__ uint32_t ld4c(const uint8_t* p) {
     size_t a = (size_t)p;
@@ -444,7 +418,6 @@ __device__ __forceinline__ uint32_t ld4c(const uint8_t* p) {
     uint32_t hi = sh ? __ldg(q + 1) : 0u;
     return __funnelshift_r(lo, hi, sh);
 }
-__device__ __forceinline__ uint16_t ld2c(const uint8_t* p) { return __ldg((const unsigned short*)p); }
 
 // Weight elements k0..k0+15 (k0 % 16 == 0) of one row as 8 packed bf16 pairs; zero at or
 // beyond n_in. (matmul.cu's decode16, verbatim.)
@@ -472,8 +445,8 @@ __device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0
                         if (TYPE == GGML_BF16) {
                             o[4 * i + k] = ws[k];
                         } else {
-                            v[8 * i + 2 * k] = gm_h2f(ws[k] & 0xFFFF);
-                            v[8 * i + 2 * k + 1] = gm_h2f(ws[k] >> 16);
+                            v[8 * i + 2 * k] = h2f(ws[k] & 0xFFFF);
+                            v[8 * i + 2 * k + 1] = h2f(ws[k] >> 16);
                         }
                     }
                 }
@@ -486,8 +459,8 @@ __device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0
                 float f = 0.0f;
                 if (k < n_in) {
                     if (TYPE == GGML_F32) f = __ldg((const float*)row + k);
-                    else if (TYPE == GGML_F16) f = gm_h2f(ld2c(row + 2 * (size_t)k));
-                    else f = gm_b2f(ld2c(row + 2 * (size_t)k));
+                    else if (TYPE == GGML_F16) f = h2f(ld2c(row + 2 * (size_t)k));
+                    else f = b2f(ld2c(row + 2 * (size_t)k));
                 }
                 v[i] = f;
             }
@@ -496,7 +469,7 @@ __device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0
         for (int i = 0; i < 8; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
     } else if (TYPE == GGML_Q8_0) {
         const uint8_t* blk = row + (size_t)(k0 / QK) * Q8_0_BYTES;
-        const float d = gm_h2f(ld2c(blk));
+        const float d = h2f(ld2c(blk));
         const uint8_t* qs = blk + 2 + (k0 & 16);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -507,8 +480,8 @@ __device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0
     } else if (TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
         const bool q40 = TYPE == GGML_Q4_0;
         const uint8_t* blk = row + (size_t)(k0 / QK) * (q40 ? Q4_0_BYTES : Q4_1_BYTES);
-        const float d = gm_h2f(ld2c(blk));
-        const float m = q40 ? -8.0f * d : gm_h2f(ld2c(blk + 2));
+        const float d = h2f(ld2c(blk));
+        const float m = q40 ? -8.0f * d : h2f(ld2c(blk + 2));
         const int shift = (k0 & 16) ? 4 : 0;
         const uint8_t* qs = blk + (q40 ? 2 : 4);
 #pragma unroll
@@ -524,7 +497,7 @@ __device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0
         const uint4 h = __ldg((const uint4*)blk);
         float sc, mn;
         scale_min_w(sub, h.y, h.z, h.w, &sc, &mn);
-        const float ds = gm_h2f(h.x & 0xFFFF) * sc, dm = gm_h2f(h.x >> 16) * mn;
+        const float ds = h2f(h.x & 0xFFFF) * sc, dm = h2f(h.x >> 16) * mn;
         const uint4 qv = __ldg((const uint4*)(blk + (q4 ? 16 : 48) + 32 * g + l0));
         const uint32_t qw[4] = {qv.x, qv.y, qv.z, qv.w};
         uint32_t hw[4] = {0u, 0u, 0u, 0u};
@@ -545,7 +518,7 @@ __device__ __forceinline__ void decode16(const uint8_t* __restrict__ row, int k0
         const int r = k0 % QK_K, n = r / 128, rr = r % 128, quarter = rr / 32, l0 = rr % 32;
         const uint8_t* ql = blk + 64 * n + l0 + (quarter & 1) * 32;
         const uint8_t* qh = blk + 128 + 32 * n + l0;
-        const float d = gm_h2f(ld2c(blk + 208));
+        const float d = h2f(ld2c(blk + 208));
         const float ds = d * (float)(int8_t)__ldg((const signed char*)(blk + 192 + 8 * n + l0 / 16 + 2 * quarter));
         const int lshift = quarter >= 2 ? 4 : 0, hshift = 2 * quarter;
 #pragma unroll
