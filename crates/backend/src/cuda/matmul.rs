@@ -1565,6 +1565,30 @@ pub(crate) fn token_tile(rows: usize, n_out: usize, sm_count: usize) -> usize {
     }
 }
 
+/// The kernel indices of a group of weights reading one x, for the prefill paths that take a
+/// group only whole (mmq.rs, mmw.rs): each weight's shape checked against x and its output,
+/// then `pick` per weight; `None` (the caller does nothing) for an empty or ragged group or as
+/// soon as one weight has no kernel.
+pub(crate) fn group_kernels(
+    x: &Act<CudaSlice<f32>>,
+    ws: &[&CudaWeight],
+    outs: &[&mut Act<CudaSlice<f32>>],
+    pick: impl Fn(&CudaWeight) -> Option<usize>,
+) -> Result<Option<Vec<usize>>> {
+    if ws.is_empty() || ws.len() != outs.len() {
+        return Ok(None);
+    }
+    let mut tis = Vec::with_capacity(ws.len());
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        crate::check_matmul(x, &w.shape, out)?;
+        match pick(w) {
+            Some(ti) => tis.push(ti),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(tis))
+}
+
 /// x (`[rows, n_in]` f32) → the bf16 scratch `[rows][kp]` (kp a multiple of 64 ≥ n_in, zero
 /// beyond n_in) by `mm_x_bf16`, the scratch grown first if too small; returns it locked: the
 /// launches that follow (`mm_` here, `mmw`) read it in stream order.

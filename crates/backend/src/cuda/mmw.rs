@@ -145,17 +145,10 @@ pub fn matmuls(
     ws: &[&CudaWeight],
     outs: &mut [&mut Act<CudaSlice<f32>>],
 ) -> Result<bool> {
-    if ws.is_empty() || ws.len() != outs.len() {
+    let Some(tis) = super::matmul::group_kernels(x, ws, outs, |w| kernel_index(be, w, x.rows))?
+    else {
         return Ok(false);
-    }
-    let mut tis = Vec::with_capacity(ws.len());
-    for (w, out) in ws.iter().zip(outs.iter()) {
-        crate::check_matmul(x, &w.shape, out)?;
-        match kernel_index(be, w, x.rows) {
-            Some(ti) => tis.push(ti),
-            None => return Ok(false),
-        }
-    }
+    };
     let kp = x.cols.div_ceil(TK) * TK;
     let guard = super::matmul::convert_bf16(be, x, kp)?;
     let xb = guard
