@@ -98,27 +98,50 @@ fn tc_smem(head_dim: usize) -> usize {
     2 * (TC_SLOTS + 4 * keys) * (head_dim + 8)
 }
 
-/// The tensor-core prefill kernel for this cache and shape, with its launch shape, if one
-/// applies (f16 cache, a [`TC_HEAD_DIMS`] head size, a GQA group that fits a block).
-fn prefill_tc(
-    kernels: &Option<Vec<CudaFunction>>,
+/// The prefill kernel for this cache and shape with its launch shape: the tensor-core one
+/// (`tc`) where it applies (f16 cache, a [`TC_HEAD_DIMS`] head size, a GQA group that fits its
+/// 64 slots), else the SIMT one (`simt[q8]`: a [`FAST_HEAD_DIMS`] head size, a group that fits
+/// its tile); `None`: the fallback kernel. Both take the same arguments.
+#[allow(clippy::too_many_arguments)]
+fn prefill_kernel<'a>(
+    tc: &'a Option<Vec<CudaFunction>>,
+    simt: &'a [Vec<CudaFunction>; 2],
     q8: usize,
     head_dim: usize,
     group: usize,
     rows: usize,
     n_kv_heads: usize,
-) -> Option<(&CudaFunction, LaunchConfig)> {
-    let i = TC_HEAD_DIMS.iter().position(|&h| h == head_dim)?;
-    if q8 != 0 || group == 0 || group > TC_SLOTS {
+) -> Option<(&'a CudaFunction, LaunchConfig)> {
+    if group == 0 {
         return None;
     }
-    let f = kernels.as_ref()?.get(i)?;
+    let tc_kernel = TC_HEAD_DIMS
+        .iter()
+        .position(|&h| h == head_dim)
+        .filter(|_| q8 == 0 && group <= TC_SLOTS)
+        .and_then(|i| tc.as_ref()?.get(i));
+    if let Some(f) = tc_kernel {
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(TC_SLOTS / group) as u32, n_kv_heads as u32, 1),
+            block_dim: (TC_THREADS as u32, 1, 1),
+            shared_mem_bytes: tc_smem(head_dim) as u32,
+        };
+        return Some((f, cfg));
+    }
+    let fi = fast_index(head_dim)?;
+    if group > prefill_slots(head_dim) {
+        return None;
+    }
     let cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(TC_SLOTS / group) as u32, n_kv_heads as u32, 1),
-        block_dim: (TC_THREADS as u32, 1, 1),
-        shared_mem_bytes: tc_smem(head_dim) as u32,
+        grid_dim: (
+            rows.div_ceil(prefill_slots(head_dim) / group) as u32,
+            n_kv_heads as u32,
+            1,
+        ),
+        block_dim: (PREFILL_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
     };
-    Some((f, cfg))
+    Some((&simt[q8][fi], cfg))
 }
 
 /// One sequence's KV cache in VRAM.
@@ -643,24 +666,16 @@ pub fn attention(
     unsafe { store.launch(store_cfg) }?;
 
     // 2b. Prefill: query tiles × kv heads (the tensor-core kernel where it applies).
-    let tc = prefill_tc(
+    let pre = prefill_kernel(
         &be.attention.prefill_tc,
+        &be.attention.prefill,
         q8,
         head_dim,
         group,
         rows,
         n_kv_heads,
     );
-    if let Some(fi) = fast.filter(|_| tc.is_some() || group <= prefill_slots(head_dim)) {
-        let rows_per_tile = prefill_slots(head_dim) / group.max(1);
-        let (func, cfg) = tc.unwrap_or((
-            &be.attention.prefill[q8][fi],
-            LaunchConfig {
-                grid_dim: (rows.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
-                block_dim: (PREFILL_THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        ));
+    if let Some((func, cfg)) = pre {
         // SAFETY: shapes checked above; each block writes only its own (row, head) outputs
         // (both kernels take the same arguments; the tc one ignores the q8_0 scales).
         unsafe {
@@ -958,8 +973,22 @@ fn attention_paged(
         let rs_v = b.row_seq.slice(r0..r0 + nr);
         let mut out_v = out.buf.slice_mut(r0 * qd..(r0 + nr) * qd);
         let nr_i = nr as i32;
-        match fast {
-            Some(fi) if u.decode => {
+        // A prefill unit's kernel (none for decode units, which the first arm takes).
+        let pre = (!u.decode)
+            .then(|| {
+                prefill_kernel(
+                    &kern.prefill_tc,
+                    &kern.prefill,
+                    q8,
+                    head_dim,
+                    group,
+                    nr,
+                    n_kv_heads,
+                )
+            })
+            .flatten();
+        match (fast, pre) {
+            (Some(fi), _) if u.decode => {
                 let func = &kern.decode[q8][fi][heads_per_block(group).trailing_zeros() as usize];
                 let qp = q_v.device_ptr(&be.stream).0;
                 let pp = pos_v.device_ptr(&be.stream).0;
@@ -996,22 +1025,7 @@ fn attention_paged(
                 // the cache as for the store (block tables checked by check_paged_step).
                 unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg)) }?;
             }
-            Some(fi)
-                if !u.decode
-                    && (group <= prefill_slots(head_dim)
-                        || prefill_tc(&kern.prefill_tc, q8, head_dim, group, nr, n_kv_heads)
-                            .is_some()) =>
-            {
-                let rows_per_tile = prefill_slots(head_dim) / group.max(1);
-                let (func, cfg) = prefill_tc(&kern.prefill_tc, q8, head_dim, group, nr, n_kv_heads)
-                    .unwrap_or((
-                        &kern.prefill[q8][fi],
-                        LaunchConfig {
-                            grid_dim: (nr.div_ceil(rows_per_tile) as u32, n_kv_heads as u32, 1),
-                            block_dim: (PREFILL_THREADS as u32, 1, 1),
-                            shared_mem_bytes: 0,
-                        },
-                    ));
+            (_, Some((func, cfg))) => {
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block
                 // writes only its own (row, head) outputs inside out_v (the tc kernel takes
                 // the same arguments and ignores the q8_0 scales).
