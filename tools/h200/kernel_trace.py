@@ -16,13 +16,16 @@ import collections
 import sys
 
 
-def load(path):
-    """The decode steps of a trace: lists of (start, end, "name (grid)")."""
+def spans(path, grid=True):
+    """A trace's embed-delimited spans (the last one included): lists of (start, end, label),
+    label "name (grid)", or the bare name with grid=False (prefill_trace.py merges grids)."""
     ks = []
     for line in open(path):
         p = line.split(None, 5)
         if len(p) == 6:
-            ks.append((int(p[0]), int(p[1]), f"{p[5].strip()[:44]} ({p[2]},{p[3]},{p[4]})"))
+            name = p[5].strip()
+            label = f"{name[:44]} ({p[2]},{p[3]},{p[4]})" if grid else name.split("(")[0][:48]
+            ks.append((int(p[0]), int(p[1]), label))
     ks.sort()
     steps, cur = [], []
     for k in ks:
@@ -30,6 +33,14 @@ def load(path):
             steps.append(cur)
             cur = []
         cur.append(k)
+    if cur:
+        steps.append(cur)
+    return steps
+
+
+def load(path):
+    """The decode steps of a trace: lists of (start, end, "name (grid)")."""
+    steps = spans(path)[:-1]  # the last span may be cut off by the end of the trace
     if not steps:
         sys.exit(f"{path}: no embed-delimited steps in the trace")
     n = collections.Counter(len(s) for s in steps).most_common(1)[0][0]

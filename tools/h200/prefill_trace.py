@@ -10,25 +10,15 @@ kernel name (grids merged: prefill grids vary with the weight shape): calls, µs
 total, µs per call, and the share of the forward.
 """
 import collections
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_trace  # noqa: E402  (the trace reader, beside this file)
 
 
 def main(path, top):
-    ks = []
-    for line in open(path):
-        p = line.split(None, 5)
-        if len(p) == 6:
-            ks.append((int(p[0]), int(p[1]), p[5].strip().split("(")[0][:48]))
-    ks.sort()
-    spans, cur = [], []
-    for k in ks:
-        if k[2].startswith("embed") and cur:
-            spans.append(cur)
-            cur = []
-        cur.append(k)
-    if cur:
-        spans.append(cur)
-    fwd = max(spans, key=lambda s: s[-1][1] - s[0][0])
+    fwd = max(kernel_trace.spans(path, grid=False), key=lambda s: s[-1][1] - s[0][0])
     total = (fwd[-1][1] - fwd[0][0]) / 1e3
     add = collections.defaultdict(float)
     n = collections.Counter()
