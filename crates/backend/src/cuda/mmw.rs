@@ -238,7 +238,7 @@ fn launch(
         1
     };
     let (tm, bn) = TILES[ti_tile];
-    let tiles: Vec<usize> = ns.iter().map(|&n| (n as usize).div_ceil(tm)).collect();
+    let tiles = ns.map(|n| (n as usize).div_ceil(tm));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
     let gy = e2 + tiles[2];
     ensure!(gy <= 65535, "mmw: {n_total} outputs exceed the grid limit");
