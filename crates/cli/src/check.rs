@@ -930,8 +930,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
     }
     // Q, K (Q4_K) and V (Q6_K) as the Q4_K_M mix stores them: one mixed-type launch; both
     // outputs after the first weight's are checked (the segment boundaries differ per type).
+    // Rows 17, 64 and 300: the prefill matmul's mixed launch (wgmma on sm_90a), its 128- and
+    // 64-token tiles and a partial last token tile.
     for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
-        for rows in [1, 3, 9, 16] {
+        for rows in [1, 3, 9, 16, 17, 64, 300] {
             if quick && rows > 9 {
                 continue;
             }
@@ -957,12 +959,22 @@ pub fn cases(quick: bool) -> Vec<Case> {
         &'a [usize],
         bool,
     );
-    let sets: [SwigluSet; 3] = [
+    let sets: [SwigluSet; 4] = [
         (
             &[GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q5K, GgmlType::BF16],
             (512, 300),
             &[(512, 300), (4096, 12288), (2048, 768)],
             &[1, 2, 9, 16, 17],
+            false,
+        ),
+        // Prefill rows: the fused wgmma gate/up/SwiGLU launch on sm_90a, each tile (64 ×
+        // 256 on the full 12288-output grid at 300 rows, a partial token tile; 128 × 128 and
+        // 128 × 64 elsewhere) and a partial last output tile (300 outputs).
+        (
+            &[GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0],
+            (512, 300),
+            &[(512, 300), (4096, 12288)],
+            &[64, 300],
             false,
         ),
         // Many 8-pair tensor-core tiles (more than a wave), the last one half full.

@@ -63,36 +63,62 @@ fn smem(tm: usize, bn: usize) -> usize {
     (224 * 1024 / stage).min(7) * stage + 1024
 }
 
+/// Mixed-type groups with a kernel (`mmw_<a>_<b>_n<BN>`: weights 0 and 1 of type a, weight 2
+/// of type b): Q4_K_M's Q, K (Q4_K) and V (Q6_K in half the layers). Alone, that V
+/// projection's launch was 7% of a Qwen3-8B Q4_K_M pp512 forward (MATMUL.md round 13).
+const MIXED: [(GgmlType, GgmlType, &str); 1] = [(GgmlType::Q4K, GgmlType::Q6K, "q4_k_q6_k")];
+
+/// The [`TILES`] kernels of one family.
+type Tiles = [CudaFunction; 3];
+
 /// The compiled kernels (x is converted to bf16 into matmul.rs's scratch by its
-/// `convert_bf16`, the same kernel and buffer as `mm_`'s).
+/// `convert_bf16`, the same kernel and buffer as `mm_`'s). Every list is empty where wgmma is
+/// not available (not sm_90a) or switched off.
 pub struct Kernels {
-    /// The [`TILES`] kernels of each of [`TYPES`]; empty where wgmma is not available (not
-    /// sm_90a) or switched off.
-    mm: Vec<[CudaFunction; 3]>,
+    /// `mmw_<type>_n<BN>` of each of [`TYPES`].
+    mm: Vec<Tiles>,
+    /// `mmw_swiglu_<type>_n<BN>` of each of [`TYPES`]: gate, up and silu(gate) ⊙ up in one.
+    swiglu: Vec<Tiles>,
+    /// The [`MIXED`] kernels.
+    mixed: Vec<Tiles>,
 }
 
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
-        let off = Kernels { mm: Vec::new() };
+        let off = Kernels {
+            mm: Vec::new(),
+            swiglu: Vec::new(),
+            mixed: Vec::new(),
+        };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
         }
         let m = load_module(ctx, arch, "mmw", SRC)?;
         ctx.bind_to_thread()?;
-        let mut mm = Vec::with_capacity(TYPES.len());
-        for (_, name) in TYPES {
+        let tiles = |family: &str| -> Result<Tiles> {
             let g = |(tm, bn): (usize, usize)| -> Result<CudaFunction> {
-                let f = function(&m, &format!("mmw_{name}_n{bn}"))?;
+                let name = format!("mmw_{family}_n{bn}");
+                let f = function(&m, &name)?;
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem(tm, bn) as i32,
                 )
-                .with_context(|| format!("mmw_{name}_n{bn}: raising the shared-memory limit"))?;
+                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
                 Ok(f)
             };
-            mm.push([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?]);
-        }
-        Ok(Kernels { mm })
+            Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
+        };
+        Ok(Kernels {
+            mm: TYPES.iter().map(|(_, n)| tiles(n)).collect::<Result<_>>()?,
+            swiglu: TYPES
+                .iter()
+                .map(|(_, n)| tiles(&format!("swiglu_{n}")))
+                .collect::<Result<_>>()?,
+            mixed: MIXED
+                .iter()
+                .map(|(_, _, n)| tiles(n))
+                .collect::<Result<_>>()?,
+        })
     }
 }
 
@@ -157,25 +183,131 @@ pub fn matmuls(
         .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
     let mut i = 0;
     while i < ws.len() {
-        let mut j = i + 1;
-        while j < ws.len() && j - i < 3 && tis[j] == tis[i] {
-            j += 1;
-        }
-        launch(be, xb, kp, x.rows, &ws[i..j], tis[i], &mut outs[i..j])?;
+        // Three weights whose types have a mixed kernel, else the run of up to three of one type.
+        let mixed =
+            (fuse() & 1 != 0 && i + 3 <= ws.len() && tis[i + 1] == tis[i] && tis[i + 2] != tis[i])
+                .then(|| {
+                    MIXED
+                        .iter()
+                        .position(|&(a, b, _)| a == ws[i].dtype && b == ws[i + 2].dtype)
+                })
+                .flatten();
+        let (j, kernels) = match mixed {
+            Some(m) => (i + 3, &be.mmw.mixed[m]),
+            None => {
+                let mut j = i + 1;
+                while j < ws.len() && j - i < 3 && tis[j] == tis[i] {
+                    j += 1;
+                }
+                (j, &be.mmw.mm[tis[i]])
+            }
+        };
+        launch(be, xb, kp, x.rows, &ws[i..j], kernels, &mut outs[i..j])?;
         i = j;
     }
     Ok(true)
 }
 
-/// One `mmw_<type>_n<BN>` launch on the bf16 x in `xb` (`rows` rows of `kp`) for 1–3 weights
-/// of the type `ti` (one grid over their output tiles in order).
+/// `act = silu(gate · x) ⊙ (up · x)` in one launch per tile when this path applies to both
+/// weights (same type and shape); `Ok(false)`, nothing done, otherwise. Same values as the
+/// two matmuls and the elementwise swiglu (see `mmw_row` in mmw.cu), without writing or
+/// re-reading gate and up, and with x converted once.
+pub fn matmul_swiglu(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    act: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    if gate.dtype != up.dtype || gate.shape != up.shape || fuse() & 2 == 0 {
+        return Ok(false);
+    }
+    let (Some(ti), Some(_)) = (kernel_index(be, gate, x.rows), kernel_index(be, up, x.rows)) else {
+        return Ok(false);
+    };
+    crate::check_matmul(x, &gate.shape, act)?;
+    let (n_out, n_in) = (gate.shape[0], gate.shape[1]);
+    let rb = gate.row_bytes();
+    for w in [gate, up] {
+        ensure!(
+            w.data.len() >= n_out * rb,
+            "mmw: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
+            w.data.len(),
+            w.dtype,
+            n_out * rb
+        );
+    }
+    let rows = x.rows;
+    ensure!(
+        act.buf.len() >= rows * n_out && rows * n_out <= isize::MAX as usize,
+        "mmw: swiglu output buffer smaller than [{rows}, {n_out}]"
+    );
+    let kp = x.cols.div_ceil(TK) * TK;
+    let guard = super::matmul::convert_bf16(be, x, kp)?;
+    let xb = guard
+        .0
+        .as_ref()
+        .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
+    // The grid counts gate and up rows together (2 n_out), as the grouped launch would.
+    let ti_tile = tile_index(rows, 2 * n_out, be.sm_count);
+    let (tm, bn) = TILES[ti_tile];
+    let gy = n_out.div_ceil(tm / 2);
+    ensure!(gy <= 65535, "mmw: {n_out} outputs exceed the grid limit");
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
+        block_dim: (threads(tm), 1, 1),
+        shared_mem_bytes: smem(tm, bn) as u32,
+    };
+    let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
+        (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
+    // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp bf16
+    // (zero beyond n_in), act rows×n_out floats; blocks cover n_out outputs by tm / 2.
+    unsafe {
+        be.stream
+            .kernel(&be.mmw.swiglu[ti][ti_tile])
+            .arg(&gate.data)
+            .arg(&up.data)
+            .arg(&rb_i)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(xb)
+            .arg(&kp_i)
+            .arg(&rows_i)
+            .arg(&mut act.buf)
+            .launch(cfg)
+    }?;
+    Ok(true)
+}
+
+/// `FERRITE_MMW_FUSE` (read once), a bit mask, 3 by default: bit 0 takes the [`MIXED`]
+/// kernels (without it a mixed group is two launches), bit 1 fuses a prefill's gate, up and
+/// SwiGLU into one launch (without it: the two matmuls in one grouped launch, then the
+/// elementwise kernel).
+fn fuse() -> i64 {
+    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_FUSE", 3))
+}
+
+/// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows.
+fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
+    if mode() == 1 && wide_tile(rows, n_total, sm_count) {
+        2
+    } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
+        0
+    } else {
+        1
+    }
+}
+
+/// One launch of a `kernels` family (`mmw_<type>_n<BN>` or a [`MIXED`] one) on the bf16 x in
+/// `xb` (`rows` rows of `kp`) for 1–3 weights (one grid over their output tiles in order).
 fn launch(
     be: &CudaBackend,
     xb: &CudaSlice<u16>,
     kp: usize,
     rows: usize,
     ws: &[&CudaWeight],
-    ti: usize,
+    kernels: &Tiles,
     outs: &mut [&mut Act<CudaSlice<f32>>],
 ) -> Result<()> {
     ensure!(
@@ -197,8 +329,8 @@ fn launch(
         let n_out = w.shape[0];
         let rb = w.row_bytes();
         ensure!(
-            w.shape[1] == n_in && w.dtype == ws[0].dtype,
-            "mmw: grouped weights differ in type or row length"
+            w.shape[1] == n_in && (g == 2 || w.dtype == ws[0].dtype),
+            "mmw: grouped weights differ in row length, or weights 0 and 1 in type"
         );
         ensure!(
             out.rows == rows && out.cols == n_out && out.buf.len() >= rows * n_out,
@@ -230,13 +362,7 @@ fn launch(
         rbs[g] = rbs[0];
         op[g] = op[0];
     }
-    let ti_tile = if mode() == 1 && wide_tile(rows, n_total, be.sm_count) {
-        2
-    } else if super::matmul::token_tile(rows, n_total, be.sm_count) == 128 {
-        0
-    } else {
-        1
-    };
+    let ti_tile = tile_index(rows, n_total, be.sm_count);
     let (tm, bn) = TILES[ti_tile];
     let tiles = ns.map(|n| (n as usize).div_ceil(tm));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
@@ -254,7 +380,7 @@ fn launch(
     // and only the present weights have tiles.
     unsafe {
         be.stream
-            .kernel(&be.mmw.mm[ti][ti_tile])
+            .kernel(&kernels[ti_tile])
             .arg(&wp[0])
             .arg(&wp[1])
             .arg(&wp[2])

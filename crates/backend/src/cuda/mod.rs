@@ -479,11 +479,13 @@ impl Backend for CudaBackend {
         (g, u): (&mut Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
         act: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        if matmul::matmul_swiglu(self, x, gate, up, act)? {
+        if matmul::matmul_swiglu(self, x, gate, up, act)?
+            || mmw::matmul_swiglu(self, x, gate, up, act)?
+        {
             return Ok(());
         }
-        self.matmul(x, gate, g)?;
-        self.matmul(x, up, u)?;
+        // Prefill: gate and up in one grouped launch where the kernel groups them.
+        self.matmuls(x, &[gate, up], &mut [g, u])?;
         self.swiglu(g, u, act)
     }
 

@@ -28,6 +28,10 @@
 //   64 elements one 128-byte line, 16-byte chunk j at position j ^ (row % 8)); a warp's
 //   16-byte stores of 8 consecutive rows at one chunk index cover all 32 banks. The
 //   no-swizzle layouts tried first ran no faster than mm_ (MATMUL.md round 13).
+// - Two fused forms: the Q, K, V projections of Q4_K_M (Q4_K, Q4_K, Q6_K) in one grid
+//   (MMW_KERNEL1 with two types), and gate, up and SwiGLU in one (`mmw_row`: a tile's rows
+//   are 8 gate rows then the same outputs' 8 up rows per MMA row group, so the epilogue has
+//   both in one thread's registers).
 // - Grid (token tiles, output tiles of up to three weights: MMW_KERNEL1), token tiles fastest
 //   (blocks sharing a weight tile run together: weights come from DRAM about once). Edges as
 //   `mm_`: token rows >= rows are zero-filled and not stored, output rows >= n_out read a
@@ -112,10 +116,21 @@ struct MmwShape {
     static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
 };
 
-template <int TYPE, int TM, int BN>
-__device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                                    const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out,
-                                    int oy) {
+// SWIGLU: W is the gate weight, W2 the up weight (same type and shape); the tile's TM rows are
+// TM / 2 outputs, each 16-row MMA group 8 gate rows then the same outputs' 8 up rows
+// (`mmw_row`), so each consumer thread's D fragment holds gate (rows g) and up (rows g + 8) of
+// the same output and token, and the epilogue stores silu(gate) · up with elementwise.cu's
+// `swiglu` expression: bitwise the unfused gate, up and swiglu launches (the accumulators
+// are the same MMAs in the same order). Otherwise W2 is unused and row r is output o0 + r.
+template <bool SWIGLU>
+__device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
+    return SWIGLU ? oy * (tm / 2) + (r >> 4) * 8 + (r & 7) : oy * tm + r;
+}
+
+template <int TYPE, int TM, int BN, bool SWIGLU = false>
+__device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                                    int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
+                                    float* __restrict__ out, int oy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN>;
     constexpr int NACC = BN / 2;
@@ -127,15 +142,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
     // launcher adds 1 KB of slack).
     const uint32_t s0 = ((uint32_t)__cvta_generic_to_shared(mmw_smem) + 1023u) & ~1023u;
     const int tid = threadIdx.x, wgi = tid >> 7;
-    const int t0 = blockIdx.x * BN, o0 = oy * TM;
+    const int t0 = blockIdx.x * BN;
     const int nk = kp / MMW_TK;
 
     if (wgi < MMW_PRODUCERS) {
         // ---- producers: thread (row r, part h) decodes the NCH chunks h, h + TPR, .. (16 k
         // each) of its row's 64-k step: TPR = 2 (TM = 128: chunks h, h + 2) or 4 (TM = 64) ----
         const int ptid = tid, r = ptid / TPR, h = ptid % TPR;
-        const int lo = o0 + r < n_out ? o0 + r : n_out - 1;
-        const uint8_t* wrow = W + (size_t)lo * (size_t)rb;
+        const int o = mmw_row<SWIGLU>(oy, TM, r), lo = o < n_out ? o : n_out - 1;
+        const uint8_t* wrow = (SWIGLU && (r & 8) ? W2 : W) + (size_t)lo * (size_t)rb;
         // MMW_RAW steps of raw weight bytes in flight (K-quants: chunk h + 2 is the high
         // nibbles of chunk h's bytes, one load; other types two).
         Raw16 sets[MMW_RAW][NCH];
@@ -239,13 +254,26 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
         // D fragment: per 8-token column block j, acc[4j], acc[4j+1] = (row g, tokens 2t4,
         // 2t4+1), acc[4j+2], acc[4j+3] = row g + 8; warp w of the group holds rows 16w..
         const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-        const int ob = o0 + 64 * c + 16 * w + g;
+        if constexpr (SWIGLU) {
+            const int o = mmw_row<true>(oy, TM, 64 * c + 16 * w + g);
 #pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
+            for (int j = 0; j < BN / 8; j++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int o = ob + (e >= 2 ? 8 : 0), t = t0 + 8 * j + 2 * t4 + (e & 1);
-                if (o < n_out && t < rows) out[(size_t)t * n_out + o] = acc[4 * j + e];
+                for (int e = 0; e < 2; e++) {
+                    const int t = t0 + 8 * j + 2 * t4 + e;
+                    const float v = acc[4 * j + e];
+                    if (o < n_out && t < rows) out[(size_t)t * n_out + o] = v / (1.0f + expf(-v)) * acc[4 * j + e + 2];
+                }
+            }
+        } else {
+            const int ob = oy * TM + 64 * c + 16 * w + g;
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int o = ob + (e >= 2 ? 8 : 0), t = t0 + 8 * j + 2 * t4 + (e & 1);
+                    if (o < n_out && t < rows) out[(size_t)t * n_out + o] = acc[4 * j + e];
+                }
             }
         }
     }
@@ -254,12 +282,14 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
 #endif
 }
 
-// One launch for up to three weights of one type that read the same x (the Q, K, V
-// projections): the grid's output tiles are weight 0's, then from tile e1 weight 1's, from e2
-// weight 2's (e1 = e2 = the tile count for fewer weights); each block takes its weight's
-// pointer, row bytes, outputs and destination. K and V (1024 outputs each at Qwen3-8B) alone
-// leave most SMs idle; with Q they fill the wide-tile grid (MATMUL.md round 13).
-#define MMW_KERNEL1(name, TYPE, TM, BN)                                                                     \
+// One launch for up to three weights that read the same x (the Q, K, V projections): the
+// grid's output tiles are weight 0's, then from tile e1 weight 1's, from e2 weight 2's (e1 = e2
+// = the tile count for fewer weights); each block takes its weight's pointer, row bytes,
+// outputs and destination. K and V (1024 outputs each at Qwen3-8B) alone leave most SMs idle;
+// with Q they fill the wide-tile grid (MATMUL.md round 13). Weights 0 and 1 are of type TA,
+// weight 2 of TB: Q4_K_M stores V as Q6_K in half the layers, Q and K as Q4_K (the branch is
+// uniform per block; the kernel holds both producers).
+#define MMW_KERNEL1(name, TA, TB, TM, BN)                                                                   \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_##name##_n##BN(                   \
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
@@ -267,16 +297,30 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, long long rb,
         float* __restrict__ out1, float* __restrict__ out2) {                                              \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
-        mmw<TYPE, TM, BN>(g == 0 ? W0 : (g == 1 ? W1 : W2), g == 0 ? rb0 : (g == 1 ? rb1 : rb2),            \
-                          g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows,                             \
-                          g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2)));   \
+        if (TA == TB || g < 2)                                                                              \
+            mmw<TA, TM, BN>(g == 0 ? W0 : W1, nullptr, g == 0 ? rb0 : rb1, g == 0 ? n0 : n1, n_in, xb, kp,  \
+                            rows, g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : e1));           \
+        else                                                                                                \
+            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2);                        \
+    }
+// The first half of a SwiGLU FFN in one launch: out = silu(gate · x) ⊙ (up · x), TM / 2
+// outputs per block (`mmw_row`), no gate or up written.
+#define MMW_SWIGLU1(name, TYPE, TM, BN)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_swiglu_##name##_n##BN(            \
+        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {                      \
+        PDL_ENTRY();                                                                                        \
+        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y);                    \
     }
 // n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
 // warpgroup, m64n256: each decoded weight serves twice the tokens).
 #define MMW_KERNEL(name, TYPE)                                                                              \
-    MMW_KERNEL1(name, TYPE, 128, 128)                                                                       \
-    MMW_KERNEL1(name, TYPE, 128, 64)                                                                        \
-    MMW_KERNEL1(name, TYPE, 64, 256)
+    MMW_KERNEL1(name, TYPE, TYPE, 128, 128)                                                                 \
+    MMW_KERNEL1(name, TYPE, TYPE, 128, 64)                                                                  \
+    MMW_KERNEL1(name, TYPE, TYPE, 64, 256)                                                                  \
+    MMW_SWIGLU1(name, TYPE, 128, 128)                                                                       \
+    MMW_SWIGLU1(name, TYPE, 128, 64)                                                                        \
+    MMW_SWIGLU1(name, TYPE, 64, 256)
 
 MMW_KERNEL(f32, GGML_F32)
 MMW_KERNEL(f16, GGML_F16)
@@ -287,3 +331,7 @@ MMW_KERNEL(q4_1, GGML_Q4_1)
 MMW_KERNEL(q4_k, GGML_Q4_K)
 MMW_KERNEL(q5_k, GGML_Q5_K)
 MMW_KERNEL(q6_k, GGML_Q6_K)
+// Mixed groups (weights 0, 1 of the first type, weight 2 of the second): Q4_K_M's Q, K, V.
+MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 128)
+MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 64)
+MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
