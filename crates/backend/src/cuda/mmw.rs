@@ -260,6 +260,7 @@ pub fn matmul_swiglu(
     };
     let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
         (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
+    let epi = super::switches::int_or("FERRITE_MMW_EPI", 0) as i32;
     // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp bf16
     // (zero beyond n_in), act rows×n_out floats; blocks cover n_out outputs by tm / 2.
     unsafe {
@@ -274,6 +275,7 @@ pub fn matmul_swiglu(
             .arg(&kp_i)
             .arg(&rows_i)
             .arg(&mut act.buf)
+            .arg(&epi)
             .launch(cfg)
     }?;
     Ok(true)

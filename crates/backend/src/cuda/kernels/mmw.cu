@@ -130,7 +130,7 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 template <int TYPE, int TM, int BN, bool SWIGLU = false>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
-                                    float* __restrict__ out, int oy) {
+                                    float* __restrict__ out, int oy, int epi = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN>;
     constexpr int NACC = BN / 2;
@@ -262,7 +262,12 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 for (int e = 0; e < 2; e++) {
                     const int t = t0 + 8 * j + 2 * t4 + e;
                     const float v = acc[4 * j + e];
-                    if (o < n_out && t < rows) out[(size_t)t * n_out + o] = v / (1.0f + expf(-v)) * acc[4 * j + e + 2];
+                    const float u = acc[4 * j + e + 2];
+                    // epi (FERRITE_MMW_EPI, a measurement switch): 0 elementwise.cu's expression,
+                    // 1 fast-math silu, 2 the bare product (wrong values: timing only).
+                    const float h = epi == 0 ? v / (1.0f + expf(-v)) * u
+                                  : epi == 1 ? __fdividef(v, 1.0f + __expf(-v)) * u : v * u;
+                    if (o < n_out && t < rows) out[(size_t)t * n_out + o] = h;
                 }
             }
         } else {
@@ -308,9 +313,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
 #define MMW_SWIGLU1(name, TYPE, TM, BN)                                                                     \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_swiglu_##name##_n##BN(            \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
-        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {                      \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out, int epi) {             \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y);                    \
+        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, epi);               \
     }
 // n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
 // warpgroup, m64n256: each decoded weight serves twice the tokens).
