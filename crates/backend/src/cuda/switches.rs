@@ -37,7 +37,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_EPI",
         Accepts::OneOf(&[0, 1, 2]),
-        "measurement: the fused SwiGLU epilogue's silu: 0 exact, 1 fast-math, 2 none (wrong values)",
+        "measurement: the wgmma prefill epilogue: 0 staged (exact silu), 1 staged (fast-math silu), 2 direct fragment stores",
     ),
     (
         "FERRITE_MMW_FUSE",
