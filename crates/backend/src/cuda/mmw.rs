@@ -260,7 +260,6 @@ pub fn matmul_swiglu(
     };
     let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
         (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
-    let epi = epi();
     // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp bf16
     // (zero beyond n_in), act rows×n_out floats; blocks cover n_out outputs by tm / 2.
     unsafe {
@@ -275,7 +274,6 @@ pub fn matmul_swiglu(
             .arg(&kp_i)
             .arg(&rows_i)
             .arg(&mut act.buf)
-            .arg(&epi)
             .launch(cfg)
     }?;
     Ok(true)
@@ -288,14 +286,6 @@ pub fn matmul_swiglu(
 fn fuse() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_FUSE", 3))
-}
-
-/// `FERRITE_MMW_EPI` (read once), a measurement switch for the epilogue: 0 (the default) the
-/// staged one with the exact silu, 1 staged with the fast-math silu, 2 each consumer thread
-/// storing its own fragment (the first form; MATMUL.md round 14).
-fn epi() -> i32 {
-    static MODE: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_EPI", 0) as i32)
 }
 
 /// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows.
@@ -409,7 +399,6 @@ fn launch(
             .arg(&op[0])
             .arg(&op[1])
             .arg(&op[2])
-            .arg(&epi())
             .launch(cfg)
     }?;
     Ok(())

@@ -28,6 +28,9 @@
 //   64 elements one 128-byte line, 16-byte chunk j at position j ^ (row % 8)); a warp's
 //   16-byte stores of 8 consecutive rows at one chunk index cover all 32 banks. The
 //   no-swizzle layouts tried first ran no faster than mm_ (MATMUL.md round 13).
+// - Epilogue: the consumers stage their fragments in the (then idle) ring as [token][output]
+//   f32, then all 12 warps store 16-byte runs of 4 outputs along each token's row (and
+//   compute the SwiGLU there, below).
 // - Two fused forms: the Q, K, V projections of Q4_K_M (Q4_K, Q4_K, Q6_K) in one grid
 //   (MMW_KERNEL1 with two types), and gate, up and SwiGLU in one (`mmw_row`: a tile's rows
 //   are 8 gate rows then the same outputs' 8 up rows per MMA row group, so the epilogue has
@@ -133,16 +136,14 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
     return SWIGLU ? oy * (tm / 2) + (r >> 4) * 8 + (r & 7) : oy * tm + r;
 }
 
-// silu(g) · u: epi 0 (the default) elementwise.cu's `swiglu` expression (bitwise the unfused
-// path), 1 the fast-math form (measurement switch FERRITE_MMW_EPI).
-__device__ __forceinline__ float mmw_swiglu(float g, float u, int epi) {
-    return epi == 1 ? __fdividef(g, 1.0f + __expf(-g)) * u : g / (1.0f + expf(-g)) * u;
-}
+// silu(g) · u with elementwise.cu's `swiglu` expression: bitwise the unfused path. (The
+// fast-math form, __expf and __fdividef, was 0.6% faster at pp512: not worth the difference.)
+__device__ __forceinline__ float mmw_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 template <int TYPE, int TM, int BN, bool SWIGLU = false>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
-                                    float* __restrict__ out, int oy, int epi = 0) {
+                                    float* __restrict__ out, int oy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN>;
     constexpr int NACC = BN / 2;
@@ -266,74 +267,48 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         // D fragment: per 8-token column block j, acc[4j], acc[4j+1] = (row g, tokens 2t4,
         // 2t4+1), acc[4j+2], acc[4j+3] = row g + 8; warp w of the group holds rows 16w..
         const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-        if (epi == 2) {
-            // The direct form (measurement switch): each consumer thread stores its own
-            // fragment, 4-byte stores of 8 outputs per token.
-            if constexpr (SWIGLU) {
-                const int o = mmw_row<true>(oy, TM, 64 * c + 16 * w + g);
+        // Once every consumer's MMAs are done reading the ring, the fragment goes to
+        // stage[token][column] (gate columns, then up columns for SWIGLU). Stored straight
+        // from the fragments instead (4-byte stores of 8 outputs per token by the 4 consumer
+        // warps alone), the fused SwiGLU ran 6% slower (MATMUL.md round 14).
+        mmw_bar_sync(MMW_EPI_BAR, 2 * TM);
+        float* st = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
 #pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
+        for (int j = 0; j < BN / 8; j++) {
 #pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int t = t0 + 8 * j + 2 * t4 + e;
-                        if (o < n_out && t < rows) out[(size_t)t * n_out + o] = mmw_swiglu(acc[4 * j + e], acc[4 * j + e + 2], 0);
-                    }
-                }
-            } else {
-                const int ob = oy * TM + 64 * c + 16 * w + g;
-#pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int o = ob + (e >= 2 ? 8 : 0), t = t0 + 8 * j + 2 * t4 + (e & 1);
-                        if (o < n_out && t < rows) out[(size_t)t * n_out + o] = acc[4 * j + e];
-                    }
-                }
-            }
-        } else {
-            // Staged: once every consumer's MMAs are done reading the ring, the fragment goes
-            // to stage[token][column] (gate columns, then up columns for SWIGLU).
-            mmw_bar_sync(MMW_EPI_BAR, 2 * TM);
-            float* st = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
-#pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int rr = 64 * c + 16 * w + g + (e >= 2 ? 8 : 0), t = 8 * j + 2 * t4 + (e & 1);
-                    const int col = SWIGLU ? (rr >> 4) * 8 + (rr & 7) + ((rr & 8) ? TM / 2 : 0) : rr;
-                    st[t * MMW_SP(TM) + col] = acc[4 * j + e];
-                }
+            for (int e = 0; e < 4; e++) {
+                const int rr = 64 * c + 16 * w + g + (e >= 2 ? 8 : 0), t = 8 * j + 2 * t4 + (e & 1);
+                const int col = SWIGLU ? (rr >> 4) * 8 + (rr & 7) + ((rr & 8) ? TM / 2 : 0) : rr;
+                st[t * MMW_SP(TM) + col] = acc[4 * j + e];
             }
         }
     }
-    if (epi != 2) {
-        // ---- all warpgroups: the staged tile to `out`, 16-byte stores of 4 outputs along a
-        // token's row (SWIGLU: silu(gate) · up computed here, 12 warps sharing the math that
-        // the 4 consumer warps alone ran latency-bound: MATMUL.md round 14) ----
-        if (wgi < MMW_PRODUCERS) asm volatile("cp.async.wait_all;\n" ::: "memory");
-        __syncthreads();
-        const float* st = reinterpret_cast<const float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
-        constexpr int OUTS = SWIGLU ? TM / 2 : TM, NQ = OUTS / 4;
-        const int ob = oy * OUTS;
-        const bool vec = n_out % 4 == 0 && ((unsigned long long)out & 15) == 0;
-        for (int i = tid; i < BN * NQ; i += S::THREADS) {
-            const int t = i / NQ, q = i % NQ, tt = t0 + t, o = ob + 4 * q;
-            if (tt >= rows || o >= n_out) continue;
-            float4 v = *reinterpret_cast<const float4*>(st + t * MMW_SP(TM) + 4 * q);
-            if constexpr (SWIGLU) {
-                const float4 u = *reinterpret_cast<const float4*>(st + t * MMW_SP(TM) + TM / 2 + 4 * q);
-                v.x = mmw_swiglu(v.x, u.x, epi);
-                v.y = mmw_swiglu(v.y, u.y, epi);
-                v.z = mmw_swiglu(v.z, u.z, epi);
-                v.w = mmw_swiglu(v.w, u.w, epi);
-            }
-            float* dst = out + (size_t)tt * n_out + o;
-            if (vec && o + 3 < n_out) {
-                *reinterpret_cast<float4*>(dst) = v;
-            } else {
-                const float vs[4] = {v.x, v.y, v.z, v.w};
-                for (int k = 0; k < 4 && o + k < n_out; k++) dst[k] = vs[k];
-            }
+    // ---- all warpgroups: the staged tile to `out`, 16-byte stores of 4 outputs along a
+    // token's row (SWIGLU: silu(gate) · up computed here, 12 warps sharing the math that
+    // the 4 consumer warps alone ran latency-bound: MATMUL.md round 14) ----
+    if (wgi < MMW_PRODUCERS) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
+    const float* st = reinterpret_cast<const float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
+    constexpr int OUTS = SWIGLU ? TM / 2 : TM, NQ = OUTS / 4;
+    const int ob = oy * OUTS;
+    const bool vec = n_out % 4 == 0 && ((unsigned long long)out & 15) == 0;
+    for (int i = tid; i < BN * NQ; i += S::THREADS) {
+        const int t = i / NQ, q = i % NQ, tt = t0 + t, o = ob + 4 * q;
+        if (tt >= rows || o >= n_out) continue;
+        float4 v = *reinterpret_cast<const float4*>(st + t * MMW_SP(TM) + 4 * q);
+        if constexpr (SWIGLU) {
+            const float4 u = *reinterpret_cast<const float4*>(st + t * MMW_SP(TM) + TM / 2 + 4 * q);
+            v.x = mmw_swiglu(v.x, u.x);
+            v.y = mmw_swiglu(v.y, u.y);
+            v.z = mmw_swiglu(v.z, u.z);
+            v.w = mmw_swiglu(v.w, u.w);
+        }
+        float* dst = out + (size_t)tt * n_out + o;
+        if (vec && o + 3 < n_out) {
+            *reinterpret_cast<float4*>(dst) = v;
+        } else {
+            const float vs[4] = {v.x, v.y, v.z, v.w};
+            for (int k = 0; k < 4 && o + k < n_out; k++) dst[k] = vs[k];
         }
     }
 #else
@@ -353,23 +328,23 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
-        float* __restrict__ out1, float* __restrict__ out2, int epi) {                                     \
+        float* __restrict__ out1, float* __restrict__ out2) {                                              \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
         if (TA == TB || g < 2)                                                                              \
             mmw<TA, TM, BN>(g == 0 ? W0 : W1, nullptr, g == 0 ? rb0 : rb1, g == 0 ? n0 : n1, n_in, xb, kp,  \
-                            rows, g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : e1), epi);      \
+                            rows, g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : e1));           \
         else                                                                                                \
-            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2, epi);                   \
+            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2);                        \
     }
 // The first half of a SwiGLU FFN in one launch: out = silu(gate · x) ⊙ (up · x), TM / 2
 // outputs per block (`mmw_row`), no gate or up written.
 #define MMW_SWIGLU1(name, TYPE, TM, BN)                                                                     \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_swiglu_##name##_n##BN(            \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
-        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out, int epi) {             \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {                      \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, epi);               \
+        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y);                    \
     }
 // n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
 // warpgroup, m64n256: each decoded weight serves twice the tokens).
