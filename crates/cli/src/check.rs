@@ -931,21 +931,25 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // Q, K (Q4_K) and V (Q6_K) as the Q4_K_M mix stores them: one mixed-type launch; both
     // outputs after the first weight's are checked (the segment boundaries differ per type).
     // Rows 17, 64 and 300: the prefill matmul's mixed launch (wgmma on sm_90a), its 128- and
-    // 64-token tiles and a partial last token tile.
-    for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
-        for rows in [1, 3, 9, 16, 17, 64, 300] {
-            if quick && rows > 9 {
-                continue;
-            }
-            for check_v in [false, true] {
-                add(Op::Matmuls {
-                    ty: GgmlType::Q4K,
-                    n_in,
-                    n_out,
-                    rows,
-                    v: Some(GgmlType::Q6K),
-                    check_v,
-                });
+    // 64-token tiles and a partial last token tile. V of Q and K's type (the other half of the
+    // layers): one launch of three weights of one type, each output checked (a kernel that
+    // gave the third weight the second's rows passed every two-weight case).
+    for v in [GgmlType::Q6K, GgmlType::Q4K] {
+        for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
+            for rows in [1, 3, 9, 16, 17, 64, 300] {
+                if quick && rows > 9 {
+                    continue;
+                }
+                for check_v in [false, true] {
+                    add(Op::Matmuls {
+                        ty: GgmlType::Q4K,
+                        n_in,
+                        n_out,
+                        rows,
+                        v: Some(v),
+                        check_v,
+                    });
+                }
             }
         }
     }

@@ -332,8 +332,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
         if (TA == TB || g < 2)                                                                              \
-            mmw<TA, TM, BN>(g == 0 ? W0 : W1, nullptr, g == 0 ? rb0 : rb1, g == 0 ? n0 : n1, n_in, xb, kp,  \
-                            rows, g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : e1));           \
+            mmw<TA, TM, BN>(g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),   \
+                            g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows,                           \
+                            g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2))); \
         else                                                                                                \
             mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2);                        \
     }
