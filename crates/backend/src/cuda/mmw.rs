@@ -15,7 +15,7 @@
 //! takes the 256-token tile (12,417 in the same call).
 //!
 //! Fused launches (MATMUL.md round 14, `FERRITE_MMW_FUSE`): Q4_K_M's Q, K (Q4_K) and V (Q6_K)
-//! in one grid ([`MIXED`]), and gate, up and the SwiGLU in one ([`matmul_swiglu`]): pp512
+//! in one grid (`MIXED`), and gate, up and the SwiGLU in one ([`matmul_swiglu`]): pp512
 //! 16,727 → 17,933 → 18,161 (18,364 recorded).
 
 use std::sync::Arc;
