@@ -233,13 +233,7 @@ pub fn matmul_swiglu(
     let (n_out, n_in) = (gate.shape[0], gate.shape[1]);
     let rb = gate.row_bytes();
     for w in [gate, up] {
-        ensure!(
-            w.data.len() >= n_out * rb,
-            "mmw: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
-            w.data.len(),
-            w.dtype,
-            n_out * rb
-        );
+        check_weight(w)?;
     }
     let rows = x.rows;
     ensure!(
@@ -252,16 +246,10 @@ pub fn matmul_swiglu(
         .0
         .as_ref()
         .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
-    // The grid counts gate and up rows together (2 n_out), as the grouped launch would.
+    // The tile rule counts gate and up rows together (2 n_out), as the grouped launch would;
+    // a block covers tm / 2 outputs.
     let ti_tile = tile_index(rows, 2 * n_out, be.sm_count);
-    let (tm, bn) = TILES[ti_tile];
-    let gy = n_out.div_ceil(tm / 2);
-    ensure!(gy <= 65535, "mmw: {n_out} outputs exceed the grid limit");
-    let cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
-        block_dim: (threads(tm), 1, 1),
-        shared_mem_bytes: smem(tm, bn) as u32,
-    };
+    let cfg = config(rows, ti_tile, n_out.div_ceil(TILES[ti_tile].0 / 2))?;
     let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
         (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
     // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp bf16
@@ -290,6 +278,33 @@ pub fn matmul_swiglu(
 fn fuse() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_FUSE", 3))
+}
+
+/// Whether `w`'s buffer holds its `[n_out, n_in]` rows.
+fn check_weight(w: &CudaWeight) -> Result<()> {
+    let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
+    ensure!(
+        w.data.len() >= n_out * rb,
+        "mmw: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
+        w.data.len(),
+        w.dtype,
+        n_out * rb
+    );
+    Ok(())
+}
+
+/// The launch shape of tile `ti_tile` over `rows` tokens and `out_tiles` output tiles.
+fn config(rows: usize, ti_tile: usize, out_tiles: usize) -> Result<LaunchConfig> {
+    let (tm, bn) = TILES[ti_tile];
+    ensure!(
+        out_tiles <= 65535,
+        "mmw: {out_tiles} output tiles exceed the grid limit"
+    );
+    Ok(LaunchConfig {
+        grid_dim: (rows.div_ceil(bn) as u32, out_tiles as u32, 1),
+        block_dim: (threads(tm), 1, 1),
+        shared_mem_bytes: smem(tm, bn) as u32,
+    })
 }
 
 /// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows.
@@ -343,13 +358,7 @@ fn launch(
             out.cols,
             out.buf.len()
         );
-        ensure!(
-            w.data.len() >= n_out * rb,
-            "mmw: weight buffer holds {} bytes, [{n_out}, {n_in}] {} needs {}",
-            w.data.len(),
-            w.dtype,
-            n_out * rb
-        );
+        check_weight(w)?;
         ensure!(
             n_out <= i32::MAX as usize && rows * n_out <= isize::MAX as usize,
             "mmw: [{rows}, {n_out}] output too large"
@@ -367,16 +376,9 @@ fn launch(
         op[g] = op[0];
     }
     let ti_tile = tile_index(rows, n_total, be.sm_count);
-    let (tm, bn) = TILES[ti_tile];
-    let tiles = ns.map(|n| (n as usize).div_ceil(tm));
+    let tiles = ns.map(|n| (n as usize).div_ceil(TILES[ti_tile].0));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
-    let gy = e2 + tiles[2];
-    ensure!(gy <= 65535, "mmw: {n_total} outputs exceed the grid limit");
-    let cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
-        block_dim: (threads(tm), 1, 1),
-        shared_mem_bytes: smem(tm, bn) as u32,
-    };
+    let cfg = config(rows, ti_tile, e2 + tiles[2])?;
     let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
         (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
     // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond

@@ -42,7 +42,7 @@
 //   the decoded weights.
 
 #define MMW_TK 64
-#define MMW_XLEAD 3                         // steps the x copies run ahead of the decode
+#define MMW_XLEAD 2                         // steps the x copies run ahead of the decode
 #define MMW_PRODUCERS 2                     // producer warpgroups
 #define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: 256 / TM per output row
 #define MMW_THREADS(TM) (MMW_PTHREADS + 2 * (TM))  // + TM / 64 consumer warpgroups
@@ -208,9 +208,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         // kt + XLEAD - STAGES), the weights of step kt decoded into its stage (free: its x
         // was issued XLEAD steps ago, after the release), the raw bytes of step kt + MMW_RAW
         // loaded into the set just decoded, then step kt published once its x copies (the
-        // group XLEAD behind the newest) landed. With 7 stages and XLEAD 3 the producers run
-        // up to three steps ahead of the consumers; the first version (4 stages, XLEAD 2)
-        // let them lead by one, and every step paid the handoffs in series (MATMUL.md).
+        // group XLEAD behind the newest) landed. The producers may lead the consumers by
+        // STAGES - XLEAD steps (3 on the 64 × 256 tile's 5 stages); the first version (4
+        // stages, XLEAD 2) let them lead by two at most and every step paid the handoffs in
+        // series (MATMUL.md round 13); XLEAD 3 on the 5-7 stage rings measured 0.4% slower
+        // than 2 at pp512 (round 14).
         auto step = [&](int kt, Raw16 (&cur)[NCH]) {
             copy_b(kt + MMW_XLEAD);
             store_a(kt, cur);
