@@ -213,8 +213,8 @@ pub fn matmuls(
 }
 
 /// `act = silu(gate · x) ⊙ (up · x)` in one launch per tile when this path applies to both
-/// weights (same type and shape); `Ok(false)`, nothing done, otherwise. Same values as the
-/// two matmuls and the elementwise swiglu (see `mmw_row` in mmw.cu), without writing or
+/// weights (same type and shape); `Ok(false)`, nothing done, otherwise. The two matmuls' MMAs
+/// and the elementwise swiglu's expression (see `mmw_row` in mmw.cu), without writing or
 /// re-reading gate and up, and with x converted once.
 pub fn matmul_swiglu(
     be: &CudaBackend,

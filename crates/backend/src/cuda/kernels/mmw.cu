@@ -129,15 +129,17 @@ struct MmwShape {
 // TM / 2 outputs, each 16-row MMA group 8 gate rows then the same outputs' 8 up rows
 // (`mmw_row`), so each consumer thread's D fragment holds gate (rows g) and up (rows g + 8) of
 // the same output and token, and the epilogue stores silu(gate) · up with elementwise.cu's
-// `swiglu` expression: bitwise the unfused gate, up and swiglu launches (the accumulators
-// are the same MMAs in the same order). Otherwise W2 is unused and row r is output o0 + r.
+// `swiglu` expression on accumulators built by the same MMAs in the same order as the unfused
+// launches' (meant to be bitwise the unfused path; checked against the CPU, not compared bit
+// for bit on the GPU). Otherwise W2 is unused and row r is output oy · TM + r.
 template <bool SWIGLU>
 __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
     return SWIGLU ? oy * (tm / 2) + (r >> 4) * 8 + (r & 7) : oy * tm + r;
 }
 
-// silu(g) · u with elementwise.cu's `swiglu` expression: bitwise the unfused path. (The
-// fast-math form, __expf and __fdividef, was 0.6% faster at pp512: not worth the difference.)
+// silu(g) · u with elementwise.cu's `swiglu` expression, so the fused launch computes what the
+// unfused one does. (The fast-math form, __expf and __fdividef, was 0.6% faster at pp512: not
+// worth a second rounding of the FFN's activations.)
 __device__ __forceinline__ float mmw_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 template <int TYPE, int TM, int BN, bool SWIGLU = false>
