@@ -424,6 +424,22 @@ mod tests {
     }
 
     #[test]
+    fn fused_swiglu_grid_is_the_grouped_launchs() {
+        // Qwen3-8B at 512 rows: gate + up grouped are 2 × 192 tiles of 64 outputs on the wide
+        // tile; the fused launch takes the same tile (the rule counts 2 × 12288 outputs) and
+        // 384 tiles of 32 outputs: the same blocks, each half gate, half up.
+        let ti = tile_index(512, 2 * 12288, 132);
+        assert_eq!(TILES[ti], (64, 256));
+        let fused = config(512, ti, 12288usize.div_ceil(TILES[ti].0 / 2)).unwrap();
+        let grouped = config(512, ti, 2 * 12288usize.div_ceil(TILES[ti].0)).unwrap();
+        assert_eq!(fused.grid_dim, (2, 384, 1));
+        assert_eq!(fused.grid_dim, grouped.grid_dim);
+        assert_eq!(fused.block_dim, (384, 1, 1));
+        // Past the grid's y limit: an error, not a truncated launch.
+        assert!(config(512, ti, 65536).is_err());
+    }
+
+    #[test]
     fn wide_tiles_for_full_grids_of_long_prefills() {
         // Qwen3-8B at 512 rows on 132 SMs: Q/O (4096 outputs, 128 tiles) and gate/up (12288)
         // wide; K/V (1024 outputs, 32 tiles) not; prefills of ≤ 128 rows not.
