@@ -58,16 +58,21 @@ __device__ __forceinline__ void ld16u(const uint8_t* p, uint32_t* w, uint32_t& s
     w[4] = sh ? __ldg(q + 4) : 0u;
 }
 
+// N 16-byte loads at p (16-byte aligned) into w[0 .. 4N).
+template <int N>
+__device__ __forceinline__ void ld16v(const uint8_t* p, uint32_t* w) {
+#pragma unroll
+    for (int i = 0; i < N; i++) {
+        const uint4 u = __ldg((const uint4*)p + i);
+        w[4 * i] = u.x; w[4 * i + 1] = u.y; w[4 * i + 2] = u.z; w[4 * i + 3] = u.w;
+    }
+}
+
 template <int TYPE>
 __device__ __forceinline__ void raw16(const uint8_t* __restrict__ row, int k0, int n_in, Raw16& r) {
     if (TYPE == GGML_F32) {
         if (k0 + 16 <= n_in && (n_in & 3) == 0) {
-            const uint4* p = (const uint4*)(row + 4 * (size_t)k0);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const uint4 u = __ldg(p + i);
-                r.w[4 * i] = u.x; r.w[4 * i + 1] = u.y; r.w[4 * i + 2] = u.z; r.w[4 * i + 3] = u.w;
-            }
+            ld16v<4>(row + 4 * (size_t)k0, r.w);
         } else {
 #pragma unroll
             for (int i = 0; i < 16; i++)
@@ -75,12 +80,7 @@ __device__ __forceinline__ void raw16(const uint8_t* __restrict__ row, int k0, i
         }
     } else if (TYPE == GGML_F16 || TYPE == GGML_BF16) {
         if (k0 + 16 <= n_in && (n_in & 7) == 0) {
-            const uint4* p = (const uint4*)(row + 2 * (size_t)k0);
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const uint4 u = __ldg(p + i);
-                r.w[4 * i] = u.x; r.w[4 * i + 1] = u.y; r.w[4 * i + 2] = u.z; r.w[4 * i + 3] = u.w;
-            }
+            ld16v<2>(row + 2 * (size_t)k0, r.w);
         } else {
 #pragma unroll
             for (int i = 0; i < 16; i++) r.w[i] = k0 + i < n_in ? (uint32_t)ld2c(row + 2 * (size_t)(k0 + i)) : 0u;
