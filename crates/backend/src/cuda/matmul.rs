@@ -53,7 +53,7 @@ const GEMV_TARGET_WARPS_PER_SM: usize = 64;
 /// Prefill tile: outputs per block, K per step, smem row stride in bf16, threads per block
 /// (MM_TM, MM_TK, MM_LDS in matmul.cu). Tokens per block (BN) are 128 or 64, chosen by shape.
 const MM_TM: usize = 128;
-const MM_TK: usize = 64;
+pub(crate) const MM_TK: usize = 64;
 const MM_LDS: usize = 72;
 const MM_THREADS: u32 = 256;
 /// Token-tile widths instantiated as `mm_<type>_n<BN>`, in kernel-array order.
@@ -130,7 +130,7 @@ pub struct Kernels {
 
 /// The bf16 copy of x for the prefill matmuls (`mm_` here, `mmw`): the buffer in use and the
 /// smaller ones it replaced.
-pub(crate) type BfScratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
+type BfScratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
 
 /// How much of its weight rows the float GEMV prefetches into L2 before its PDL wait
 /// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's first KB, 2 the block's whole
@@ -1589,19 +1589,21 @@ pub(crate) fn group_kernels(
     Ok(Some(tis))
 }
 
-/// x (`[rows, n_in]` f32) → the bf16 scratch `[rows][kp]` (kp a multiple of 64 ≥ n_in, zero
-/// beyond n_in) by `mm_x_bf16`, the scratch grown first if too small; returns it locked: the
-/// launches that follow (`mm_` here, `mmw`) read it in stream order.
-pub(crate) fn convert_bf16<'a>(
-    be: &'a CudaBackend,
+/// x (`[rows, n_in]` f32) → the bf16 scratch `[rows][kp]` (kp = n_in rounded up to whole
+/// K steps of [`MM_TK`], zero beyond n_in) by `mm_x_bf16`, the scratch grown first if too
+/// small; then `f(scratch, kp)` with the scratch locked: the launches `f` makes (`mm_` here,
+/// `mmw`) read it in stream order.
+pub(crate) fn with_bf16<R>(
+    be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
-    kp: usize,
-) -> Result<std::sync::MutexGuard<'a, BfScratch>> {
+    f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
+) -> Result<R> {
     let (rows, n_in) = (x.rows, x.cols);
+    let kp = n_in.div_ceil(MM_TK) * MM_TK;
     let need = rows * kp;
     ensure!(
-        x.buf.len() >= rows * n_in && kp >= n_in && kp.is_multiple_of(MM_TK),
-        "matmul: input [{rows}, {n_in}] exceeds its buffer or the bf16 row length {kp}"
+        x.buf.len() >= rows * n_in,
+        "matmul: input [{rows}, {n_in}] exceeds its buffer"
     );
     ensure!(
         need / 8 <= i32::MAX as usize && kp <= i32::MAX as usize,
@@ -1639,7 +1641,7 @@ pub(crate) fn convert_bf16<'a>(
             .arg(&mut *xb)
             .launch(cvt)
     }?;
-    Ok(guard)
+    f(xb, kp)
 }
 
 /// Prefill (rows > GEMV_MAX_ROWS): x → bf16 scratch by `mm_x_bf16`, then the tensor-core
@@ -1658,39 +1660,35 @@ fn mm_launch(
 ) -> Result<()> {
     let gy = n_out.div_ceil(MM_TM);
     ensure!(gy <= 65535, "matmul: {n_out} outputs exceed the grid limit");
-    let kp = n_in.div_ceil(MM_TK) * MM_TK;
     let bn = mm_bn(rows, n_out, be.sm_count);
     let bi = MM_BN
         .iter()
         .position(|&b| b == bn)
         .ok_or_else(|| anyhow!("matmul: no kernel for token tile {bn}"))?;
-    let guard = convert_bf16(be, x, kp)?;
-    let xb = guard
-        .0
-        .as_ref()
-        .ok_or_else(|| anyhow!("matmul: bf16 scratch missing"))?;
-    let (n_out_i, n_in_i, rows_i, kp_i) = (n_out as i32, n_in as i32, rows as i32, kp as i32);
-    let cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
-        block_dim: (MM_THREADS, 1, 1),
-        shared_mem_bytes: mm_smem(bn) as u32,
-    };
-    // SAFETY: shapes and buffer sizes checked by the caller; the kernel reads n_out rows of rb
-    // bytes of W and rows×kp bf16 of xb, and writes rows×n_out floats of out.
-    unsafe {
-        be.stream
-            .kernel(&be.matmul.mm[ti][bi])
-            .arg(&w.data)
-            .arg(&rb)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(xb)
-            .arg(&kp_i)
-            .arg(&rows_i)
-            .arg(&mut out.buf)
-            .launch(cfg)
-    }?;
-    Ok(())
+    with_bf16(be, x, |xb, kp| {
+        let (n_out_i, n_in_i, rows_i, kp_i) = (n_out as i32, n_in as i32, rows as i32, kp as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(bn) as u32, gy as u32, 1),
+            block_dim: (MM_THREADS, 1, 1),
+            shared_mem_bytes: mm_smem(bn) as u32,
+        };
+        // SAFETY: shapes and buffer sizes checked by the caller; the kernel reads n_out rows
+        // of rb bytes of W and rows×kp bf16 of xb, and writes rows×n_out floats of out.
+        unsafe {
+            be.stream
+                .kernel(&be.matmul.mm[ti][bi])
+                .arg(&w.data)
+                .arg(&rb)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(xb)
+                .arg(&kp_i)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .launch(cfg)
+        }?;
+        Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{anyhow, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use ferrite_formats::GgmlType;
@@ -45,8 +45,10 @@ const TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::Q5K, "q5_k"),
     (GgmlType::Q6K, "q6_k"),
 ];
-/// K per stage (MMW_TK in mmw.cu).
+/// K per stage (MMW_TK in mmw.cu): the bf16 scratch's row length (matmul.rs `with_bf16`) is
+/// a multiple of matmul.rs's K step, which must be one of these.
 const TK: usize = 64;
+const _: () = assert!(TK == super::matmul::MM_TK);
 /// The instantiated tiles (outputs TM × tokens BN), as `mmw_<type>_n<BN>`, in kernel-array
 /// order: two consumer warpgroups of 64 outputs at 128 or 64 tokens, one at 256 tokens.
 const TILES: [(usize, usize); 3] = [(128, 128), (128, 64), (64, 256)];
@@ -76,7 +78,7 @@ const MIXED: [(GgmlType, GgmlType, &str); 1] = [(GgmlType::Q4K, GgmlType::Q6K, "
 type Tiles = [CudaFunction; 3];
 
 /// The compiled kernels (x is converted to bf16 into matmul.rs's scratch by its
-/// `convert_bf16`, the same kernel and buffer as `mm_`'s). Every list is empty where wgmma is
+/// `with_bf16`, the same kernel and buffer as `mm_`'s). Every list is empty where wgmma is
 /// not available (not sm_90a) or switched off.
 pub struct Kernels {
     /// `mmw_<type>_n<BN>` of each of [`TYPES`].
@@ -179,36 +181,36 @@ pub fn matmuls(
     else {
         return Ok(false);
     };
-    let kp = x.cols.div_ceil(TK) * TK;
-    let guard = super::matmul::convert_bf16(be, x, kp)?;
-    let xb = guard
-        .0
-        .as_ref()
-        .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
-    let mut i = 0;
-    while i < ws.len() {
-        // Three weights whose types have a mixed kernel, else the run of up to three of one type.
-        let mixed =
-            (fuse() & 1 != 0 && i + 3 <= ws.len() && tis[i + 1] == tis[i] && tis[i + 2] != tis[i])
+    super::matmul::with_bf16(be, x, |xb, kp| {
+        let mut i = 0;
+        while i < ws.len() {
+            // Three weights whose types have a mixed kernel, else a run of up to three of one
+            // type.
+            let mixed = (fuse() & 1 != 0
+                && i + 3 <= ws.len()
+                && tis[i + 1] == tis[i]
+                && tis[i + 2] != tis[i])
                 .then(|| {
                     MIXED
                         .iter()
                         .position(|&(a, b, _)| a == ws[i].dtype && b == ws[i + 2].dtype)
                 })
                 .flatten();
-        let (j, kernels) = match mixed {
-            Some(m) => (i + 3, &be.mmw.mixed[m]),
-            None => {
-                let mut j = i + 1;
-                while j < ws.len() && j - i < 3 && tis[j] == tis[i] {
-                    j += 1;
+            let (j, kernels) = match mixed {
+                Some(m) => (i + 3, &be.mmw.mixed[m]),
+                None => {
+                    let mut j = i + 1;
+                    while j < ws.len() && j - i < 3 && tis[j] == tis[i] {
+                        j += 1;
+                    }
+                    (j, &be.mmw.mm[tis[i]])
                 }
-                (j, &be.mmw.mm[tis[i]])
-            }
-        };
-        launch(be, xb, kp, x.rows, &ws[i..j], kernels, &mut outs[i..j])?;
-        i = j;
-    }
+            };
+            launch(be, xb, kp, x.rows, &ws[i..j], kernels, &mut outs[i..j])?;
+            i = j;
+        }
+        Ok(())
+    })?;
     Ok(true)
 }
 
@@ -240,34 +242,31 @@ pub fn matmul_swiglu(
         act.buf.len() >= rows * n_out && rows * n_out <= isize::MAX as usize,
         "mmw: swiglu output buffer smaller than [{rows}, {n_out}]"
     );
-    let kp = x.cols.div_ceil(TK) * TK;
-    let guard = super::matmul::convert_bf16(be, x, kp)?;
-    let xb = guard
-        .0
-        .as_ref()
-        .ok_or_else(|| anyhow!("mmw: bf16 scratch missing"))?;
     // The tile rule counts gate and up rows together (2 n_out), as the grouped launch would;
     // a block covers tm / 2 outputs.
     let ti_tile = tile_index(rows, 2 * n_out, be.sm_count);
     let cfg = config(rows, ti_tile, n_out.div_ceil(TILES[ti_tile].0 / 2))?;
-    let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
-        (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
-    // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp bf16
-    // (zero beyond n_in), act rows×n_out floats; blocks cover n_out outputs by tm / 2.
-    unsafe {
-        be.stream
-            .kernel(&be.mmw.swiglu[ti][ti_tile])
-            .arg(&gate.data)
-            .arg(&up.data)
-            .arg(&rb_i)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(xb)
-            .arg(&kp_i)
-            .arg(&rows_i)
-            .arg(&mut act.buf)
-            .launch(cfg)
-    }?;
+    super::matmul::with_bf16(be, x, |xb, kp| {
+        let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
+            (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
+        // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp
+        // bf16 (zero beyond n_in), act rows×n_out floats; blocks cover n_out outputs by tm / 2.
+        unsafe {
+            be.stream
+                .kernel(&be.mmw.swiglu[ti][ti_tile])
+                .arg(&gate.data)
+                .arg(&up.data)
+                .arg(&rb_i)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(xb)
+                .arg(&kp_i)
+                .arg(&rows_i)
+                .arg(&mut act.buf)
+                .launch(cfg)
+        }?;
+        Ok(())
+    })?;
     Ok(true)
 }
 
