@@ -93,10 +93,12 @@ const ATTN_F32_NMSE: f64 = 1e-9;
 /// Decode attention over an f16 KV cache: each cached K/V element rounded to 11 bits
 /// (relative RMS ~1.4e-4), through the softmax and the weighted sum NMSE ~1e-7.
 const ATTN_F16_DECODE_NMSE: f64 = 1e-6;
-/// Prefill attention over an f16 KV cache on the tensor cores (Q and P rounded to
-/// bf16/f16 for the MMAs): NMSE ~1e-6. Causal-mask and position errors show at the short
-/// depths as ≥ 1e-3.
-const ATTN_F16_PREFILL_NMSE: f64 = 1e-5;
+/// Attention over an f16 KV cache on the tensor cores (Q and P rounded to f16 for the
+/// MMAs): NMSE ~1e-7..1e-6. The prefill, and decode at the tensor-core decode head size.
+/// Causal-mask and position errors show at the short depths as ≥ 1e-3.
+const ATTN_F16_TC_NMSE: f64 = 1e-5;
+/// The head size whose decode runs on the tensor cores (`FERRITE_ATTN_DTC`).
+const ATTN_DECODE_TC_HEAD_DIM: usize = ferrite_backend::cuda::attention::DECODE_TC_HEAD_DIM;
 /// Attention over a q8_0 KV cache: step amax/127 per 32 values, an error of relative RMS
 /// ~6e-3 per element, NMSE ~4e-5 through V and the scores; 5e-4 still fails any
 /// indexing error (≥ 1e-2).
@@ -2578,15 +2580,17 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
                 t
             }
         }
-        Op::Attention { rows, q8, .. } => {
+        Op::Attention {
+            rows, q8, shape, ..
+        } => {
             let b = be.kv_bytes_per_element();
             if b >= 4.0 {
                 ATTN_F32_NMSE
             } else if b >= 2.0 && !*q8 {
-                if *rows <= ATTN_DECODE_MAX_ROWS {
+                if *rows <= ATTN_DECODE_MAX_ROWS && shape.head_dim != ATTN_DECODE_TC_HEAD_DIM {
                     ATTN_F16_DECODE_NMSE
                 } else {
-                    ATTN_F16_PREFILL_NMSE
+                    ATTN_F16_TC_NMSE
                 }
             } else {
                 ATTN_Q8_NMSE

@@ -8,7 +8,7 @@ use anyhow::Result;
 use ferrite_backend::{AttnArgs, AttnShape, Backend, PagedKv, SeqRows, StepInput};
 
 use super::{
-    FillStep, HostData, Rng, ATTN_DECODE_MAX_ROWS, ATTN_F16_DECODE_NMSE, ATTN_F16_PREFILL_NMSE,
+    FillStep, HostData, Rng, ATTN_DECODE_MAX_ROWS, ATTN_F16_DECODE_NMSE, ATTN_F16_TC_NMSE,
     ATTN_F32_NMSE, ATTN_Q8_NMSE, FILL_CHUNK,
 };
 
@@ -197,7 +197,7 @@ impl PagedCase {
         } else if self.q8 {
             ATTN_Q8_NMSE
         } else if self.seqs.iter().any(|s| s.1 > ATTN_DECODE_MAX_ROWS) {
-            ATTN_F16_PREFILL_NMSE
+            ATTN_F16_TC_NMSE
         } else {
             ATTN_F16_DECODE_NMSE
         }

@@ -193,6 +193,10 @@ pub struct Kernels {
     kv_store: [CudaFunction; 2],
     /// `decode[q8][hd index][log2 heads-per-block]`.
     decode: [Vec<Vec<CudaFunction>>; 2],
+    /// The tensor-core decode kernels (f16 contiguous cache, head_dim
+    /// [`DECODE_TC_HEAD_DIM`]) by log2 heads-per-block; `None` when `FERRITE_ATTN_DTC=0`
+    /// keeps decode on the SIMT loop.
+    decode_tc: Option<Vec<CudaFunction>>,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -253,10 +257,21 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
                 .map(Some)
         };
+        let decode_tc = if super::switches::int_or("FERRITE_ATTN_DTC", 1) != 0 {
+            Some(
+                [1, 2, 4, 8]
+                    .iter()
+                    .map(|gb| function(&m, &format!("attn_decode_tc_{DECODE_TC_HEAD_DIM}_{gb}")))
+                    .collect::<Result<Vec<_>>>()?,
+            )
+        } else {
+            None
+        };
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
             decode: [decode("", "")?, decode("q8_", "")?],
+            decode_tc,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -336,6 +351,10 @@ impl DecodeTuning {
 fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
 }
+
+/// The head size of the tensor-core decode kernels (`attn_decode_tc_<hd>_<gb>`; the other
+/// sizes, q8_0 and paged caches take the SIMT loop).
+pub const DECODE_TC_HEAD_DIM: usize = 128;
 
 /// Most query heads per decode block (see [`heads_per_block`]).
 const DECODE_MAX_GB: usize = 4;
@@ -599,7 +618,11 @@ pub fn attention(
 
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
-        let func = &be.attention.decode[q8][fi][heads_per_block(group).trailing_zeros() as usize];
+        let gbi = heads_per_block(group).trailing_zeros() as usize;
+        let func = match &be.attention.decode_tc {
+            Some(tc) if q8 == 0 && head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
+            _ => &be.attention.decode[q8][fi][gbi],
+        };
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
         let cols = n_heads * head_dim;
         let mut fused = matmul::xq_for_producer(be, rows, cols)?;

@@ -90,6 +90,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill attention on the tensor cores (f16 caches; 0 = the SIMT kernel, ATTENTION.md)",
     ),
     (
+        "FERRITE_ATTN_DTC",
+        Accepts::OneOf(&[0, 1]),
+        "decode attention's main loop on the tensor cores (f16 contiguous caches, head_dim 128; 0 = the SIMT loop, ATTENTION.md)",
+    ),
+    (
         "FERRITE_ATTN_GB",
         Accepts::OneOf(&[1, 2, 4, 8]),
         "query heads per decode block",

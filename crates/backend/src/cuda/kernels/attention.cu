@@ -312,6 +312,19 @@ extern "C" __global__ void kv_store_q8_paged(
 // ---------------------------------------------------------------------------------------
 // Decode: split-K flash-decoding, one launch per layer (see DECODE in the header).
 
+__device__ __forceinline__ void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t tc_pack_f16(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);  // .x (low 16 bits) = a
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
 #define DECODE_MAX_ROWS 16
 #define DECODE_MAX_SPLITS 128
 
@@ -353,7 +366,163 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
     }
 }
 
-template <int HD, int GB, bool Q8, bool PAGED, bool STORE>
+// The decode main loop on the tensor cores (attn_decode_tc_128_<GB>: f16 contiguous cache,
+// hd 128; ATTENTION.md, "Decode on the tensor cores"). Why: the SIMT loop spends ~65 warp
+// instructions per key (8-dim partial dots, a 4-level shuffle reduction per head, per-key
+// online softmax, f16 unpacking) and loads one batch per iteration, so at long context it
+// ran at ~2.9 TB/s in the model; here a warp spends ~150 instructions per 16 keys (8 KB).
+// The plan, per warp (4 warps, warp w takes keys base + 16 w .. + 15 of every 64-key block
+// iteration; warps are independent until the block merge, no barriers in the loop):
+// - S = Q Kᵀ on mma.sync m16n8k16 (f16 → f32): A = q (rows: the block's GB heads, rows ≥ GB
+//   zero; q scaled by scale·log2(e), rounded to f16 once, in registers), B = K (n: 8 keys,
+//   two n-tiles per 16 keys). The dims are permuted (a dot product does not care): thread
+//   (g, t) owns dims 32 c + 8 t .. + 7 (c < 4) of a key, so a quad reads 64 contiguous bytes
+//   per load and a thread's word m holds dims 32 (m / 4) + 8 t + 2 (m % 4), + 1; k step j
+//   takes words 2 j (b0) and 2 j + 1 (b1), q packed the same way.
+//   Each thread loads key base + 8 n + g of n-tile n: 4 × 16 B (ld.global.cg: the block
+//   may have stored the step's own row just before).
+// - Online softmax in base 2 per head row g (replicated over the quad t; maxima by two
+//   xor-shuffles, l a per-thread partial, reduced at the end); keys at or past `end` masked
+//   (p = 0; their loads clamped to end - 1, so they read written, finite cache rows).
+// - O += P V as Oᵀ = Vᵀ Pᵀ (m16n8k16): B = Pᵀ straight from S's accumulators (C of two
+//   n-tiles = b0/b1: keys 2 t, 2 t + 1 and 8 + 2 t, 9 + 2 t of head g), A = Vᵀ (rows: 16
+//   dims, k: 16 keys). Row m of m-tile i is dim 8 m + i, so thread (g, t) needs dims
+//   8 g .. + 7 and 64 + 8 g .. + 7 of keys 2 t, 2 t + 1, 2 t + 8, 2 t + 9: 8 × 16 B, each
+//   a quad-row of 4 keys × 128 contiguous bytes per warp load; pairs of keys per register
+//   by byte_perm. Oᵀ is 8 m-tiles × 4 f32: thread (g, t) holds dims 8 g + i, 64 + 8 g + i
+//   of heads 2 t, 2 t + 1; the per-head correction comes from quad 2 t / 2 t + 1 by shuffle.
+// Per warp and 16 keys: 16 loads of 16 B, 24 MMAs (16 S, 8 P·V), 32 byte_perm, ~40 for the
+// softmax. The warp's (m, l, acc) go to the block merge in the SIMT loop's format.
+// Precision: q and P rounded to f16 (as the tensor-core prefill), f32 accumulation.
+template <int HD, int GB>
+__device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+                                               const unsigned char* __restrict__ vc, int t, int n_heads, int h0,
+                                               long long head_base, int start, int end, float scale_log2,
+                                               float (&sm_acc)[DECODE_THREADS / 32][GB][HD],
+                                               float (&sm_m)[DECODE_THREADS / 32][GB],
+                                               float (&sm_l)[DECODE_THREADS / 32][GB]) {
+    static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
+    constexpr int NW = DECODE_THREADS / 32;
+    constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
+    constexpr int NP = HD / 32;  // 16-byte pieces of a key per thread
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+
+    // q's A fragments: row g = head h0 + g; words as the K words (dims 32 c + 8 tq + 2 w).
+    uint32_t qa[KS][2];
+    {
+        const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + 8 * tq;
+#pragma unroll
+        for (int c = 0; c < NP; c++) {
+            const float4 a = *reinterpret_cast<const float4*>(qp + 32 * c);
+            const float4 b = *reinterpret_cast<const float4*>(qp + 32 * c + 4);
+            const bool on = g < GB;
+            qa[2 * c][0] = on ? tc_pack_f16(a.x * scale_log2, a.y * scale_log2) : 0u;
+            qa[2 * c][1] = on ? tc_pack_f16(a.z * scale_log2, a.w * scale_log2) : 0u;
+            qa[2 * c + 1][0] = on ? tc_pack_f16(b.x * scale_log2, b.y * scale_log2) : 0u;
+            qa[2 * c + 1][1] = on ? tc_pack_f16(b.z * scale_log2, b.w * scale_log2) : 0u;
+        }
+    }
+    float acc[KS][4];
+#pragma unroll
+    for (int i = 0; i < KS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m_run = ATT_NEG, l_run = 0.f;
+
+    const unsigned short* kh = reinterpret_cast<const unsigned short*>(kc) + head_base;
+    const unsigned short* vh = reinterpret_cast<const unsigned short*>(vc) + head_base;
+    for (int base = start + 16 * warp; base < end; base += 16 * NW) {  // uniform across the warp
+        uint4 kw[2][NP], vw[4][2];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            const int kp = min(base + 8 * n + g, end - 1);
+            const uint4* p = reinterpret_cast<const uint4*>(kh + (long long)kp * HD + 8 * tq);
+#pragma unroll
+            for (int c = 0; c < NP; c++) kw[n][c] = __ldcg(p + 4 * c);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {  // keys 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9
+            const int kp = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
+            const uint4* p = reinterpret_cast<const uint4*>(vh + (long long)kp * HD + 8 * g);
+            vw[kk][0] = __ldcg(p);
+            vw[kk][1] = __ldcg(p + HD / 16);  // dims 64 + 8 g ..
+        }
+
+        float s[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int j = 0; j < KS; j++) {
+                const uint4 w = kw[n][j / 2];
+                const uint32_t b0 = (j & 1) ? w.z : w.x, b1 = (j & 1) ? w.w : w.y;
+                tc_mma_f16(s[n], qa[j][0], 0u, qa[j][1], 0u, b0, b1);
+            }
+        }
+        // s[n][e]: head g, key base + 8 n + 2 tq + e (s[n][2..3]: the zero rows g + 8).
+        float mx = m_run;
+        bool ok[2][2];
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                ok[n][e] = base + 8 * n + 2 * tq + e < end;
+                if (ok[n][e]) mx = fmaxf(mx, s[n][e]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(ATT_FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(ATT_FULL, mx, 2));
+        const float corr = exp2f(m_run - mx);
+        m_run = mx;
+        float p[2][2], ps = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                p[n][e] = ok[n][e] ? exp2f(s[n][e] - mx) : 0.f;
+                ps += p[n][e];
+            }
+        l_run = l_run * corr + ps;
+        const uint32_t pb0 = tc_pack_f16(p[0][0], p[0][1]), pb1 = tc_pack_f16(p[1][0], p[1][1]);
+        // Oᵀ's columns are heads 2 tq, 2 tq + 1: their corrections from quads 2 tq, 2 tq + 1.
+        const float ca = __shfl_sync(ATT_FULL, corr, 8 * tq), cb = __shfl_sync(ATT_FULL, corr, 8 * tq + 4);
+#pragma unroll
+        for (int i = 0; i < KS; i++) {
+            acc[i][0] *= ca;
+            acc[i][1] *= cb;
+            acc[i][2] *= ca;
+            acc[i][3] *= cb;
+            const uint32_t sel = (i & 1) ? 0x7632u : 0x5410u;  // dim 8 g + i: high or low halves
+            const int wi = i / 2;
+            const uint32_t* v0 = reinterpret_cast<const uint32_t*>(&vw[0][0]);
+            const uint32_t* v1 = reinterpret_cast<const uint32_t*>(&vw[1][0]);
+            const uint32_t* v2 = reinterpret_cast<const uint32_t*>(&vw[2][0]);
+            const uint32_t* v3 = reinterpret_cast<const uint32_t*>(&vw[3][0]);
+            const uint32_t a0 = __byte_perm(v0[wi], v1[wi], sel);          // dim 8g+i, keys 2tq, +1
+            const uint32_t a1 = __byte_perm(v0[4 + wi], v1[4 + wi], sel);  // dim 64+8g+i
+            const uint32_t a2 = __byte_perm(v2[wi], v3[wi], sel);          // keys 2tq+8, +9
+            const uint32_t a3 = __byte_perm(v2[4 + wi], v3[4 + wi], sel);
+            tc_mma_f16(acc[i], a0, a1, a2, a3, pb0, pb1);
+        }
+    }
+    l_run += __shfl_xor_sync(ATT_FULL, l_run, 1);
+    l_run += __shfl_xor_sync(ATT_FULL, l_run, 2);
+    if (tq == 0 && g < GB) {
+        sm_m[warp][g] = m_run;
+        sm_l[warp][g] = l_run;
+    }
+#pragma unroll
+    for (int i = 0; i < KS; i++) {
+        if (2 * tq < GB) {
+            sm_acc[warp][2 * tq][8 * g + i] = acc[i][0];
+            sm_acc[warp][2 * tq][HD / 2 + 8 * g + i] = acc[i][2];
+        }
+        if (2 * tq + 1 < GB) {
+            sm_acc[warp][2 * tq + 1][8 * g + i] = acc[i][1];
+            sm_acc[warp][2 * tq + 1][HD / 2 + 8 * g + i] = acc[i][3];
+        }
+    }
+}
+
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -368,8 +537,10 @@ __device__ __forceinline__ void attn_decode_impl(
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KPB = NW * KPW;    // keys per block per pass
     constexpr int U = GB >= 8 ? 2 : 4;
-    constexpr int STEP = KPB * U;    // keys per block per iteration
+    // Keys per block per iteration (TC: 16 per warp, decode_tc_loop).
+    constexpr int STEP = TC ? NW * 16 : KPB * U;
     static_assert(HD % 32 == 0 && 32 % TPK == 0, "decode head_dim");
+    static_assert(!TC || (HD == 128 && !Q8 && !PAGED), "tensor-core decode: f16 contiguous cache, hd 128");
 
     __shared__ float sm_acc[NW][GB][HD];
     __shared__ float sm_m[NW][GB], sm_l[NW][GB];
@@ -437,120 +608,125 @@ __device__ __forceinline__ void attn_decode_impl(
         __syncthreads();
     }
 
-    const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
+    if constexpr (TC) {
+        decode_tc_loop<HD, GB>(q, kc, vc, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc, sm_m,
+                               sm_l);
+    } else {
+        const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
 
-    float qr[GB][8];
-#pragma unroll
-    for (int g = 0; g < GB; g++) {
-        const float4* qp = reinterpret_cast<const float4*>(
-            q + ((long long)t * n_heads + h0 + g) * HD + sub * 8);
-        float4 a = qp[0], b = qp[1];
-        qr[g][0] = a.x * scale_log2; qr[g][1] = a.y * scale_log2;
-        qr[g][2] = a.z * scale_log2; qr[g][3] = a.w * scale_log2;
-        qr[g][4] = b.x * scale_log2; qr[g][5] = b.y * scale_log2;
-        qr[g][6] = b.z * scale_log2; qr[g][7] = b.w * scale_log2;
-    }
-    float m[GB], l[GB], acc[GB][8];
-#pragma unroll
-    for (int g = 0; g < GB; g++) {
-        m[g] = ATT_NEG;
-        l[g] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
-    }
+        float qr[GB][8];
+    #pragma unroll
+        for (int g = 0; g < GB; g++) {
+            const float4* qp = reinterpret_cast<const float4*>(
+                q + ((long long)t * n_heads + h0 + g) * HD + sub * 8);
+            float4 a = qp[0], b = qp[1];
+            qr[g][0] = a.x * scale_log2; qr[g][1] = a.y * scale_log2;
+            qr[g][2] = a.z * scale_log2; qr[g][3] = a.w * scale_log2;
+            qr[g][4] = b.x * scale_log2; qr[g][5] = b.y * scale_log2;
+            qr[g][6] = b.z * scale_log2; qr[g][7] = b.w * scale_log2;
+        }
+        float m[GB], l[GB], acc[GB][8];
+    #pragma unroll
+        for (int g = 0; g < GB; g++) {
+            m[g] = ATT_NEG;
+            l[g] = 0.f;
+    #pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+        }
 
-    // Element index of this thread's 8 dims at position 0 of its kv head.
-    const long long head_off = head_base + sub * 8;
-    for (int base = start; base < end; base += STEP) {  // uniform across the block
-        if constexpr (!PAGED) {
-            if (pf > 0 && tid == 0) {
-                const int k0 = base + pf * STEP, k1 = min(end, k0 + STEP);
-                prefetch_keys<Q8>(kc, ks, head_base + (long long)k0 * HD, head_base + (long long)k1 * HD);
-                prefetch_keys<Q8>(vc, vs, head_base + (long long)k0 * HD, head_base + (long long)k1 * HD);
+        // Element index of this thread's 8 dims at position 0 of its kv head.
+        const long long head_off = head_base + sub * 8;
+        for (int base = start; base < end; base += STEP) {  // uniform across the block
+            if constexpr (!PAGED) {
+                if (pf > 0 && tid == 0) {
+                    const int k0 = base + pf * STEP, k1 = min(end, k0 + STEP);
+                    prefetch_keys<Q8>(kc, ks, head_base + (long long)k0 * HD, head_base + (long long)k1 * HD);
+                    prefetch_keys<Q8>(vc, vs, head_base + (long long)k0 * HD, head_base + (long long)k1 * HD);
+                }
             }
-        }
-        uint4 kr[U], vr[U];
-        bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int kp = base + u * KPB + slot;
-            ok[u] = kp < end;
-            if (ok[u]) {
-                const long long e = kv_pos<PAGED>(head_off, kp, HD, bt, page_shift, page_stride);
-                kr[u] = load8<Q8, STORE>(kc, ks, e);
-                vr[u] = load8<Q8, STORE>(vc, vs, e);
-            } else {
-                kr[u] = make_uint4(0, 0, 0, 0);
-                vr[u] = make_uint4(0, 0, 0, 0);
+            uint4 kr[U], vr[U];
+            bool ok[U];
+    #pragma unroll
+            for (int u = 0; u < U; u++) {
+                int kp = base + u * KPB + slot;
+                ok[u] = kp < end;
+                if (ok[u]) {
+                    const long long e = kv_pos<PAGED>(head_off, kp, HD, bt, page_shift, page_stride);
+                    kr[u] = load8<Q8, STORE>(kc, ks, e);
+                    vr[u] = load8<Q8, STORE>(vc, vs, e);
+                } else {
+                    kr[u] = make_uint4(0, 0, 0, 0);
+                    vr[u] = make_uint4(0, 0, 0, 0);
+                }
             }
-        }
-        float s[U][GB];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            float kf[8];
-            unpack8x<Q8>(kr[u], kf);
-#pragma unroll
+            float s[U][GB];
+    #pragma unroll
+            for (int u = 0; u < U; u++) {
+                float kf[8];
+                unpack8x<Q8>(kr[u], kf);
+    #pragma unroll
+                for (int g = 0; g < GB; g++) {
+                    float d = 0.f;
+    #pragma unroll
+                    for (int i = 0; i < 8; i++) d = fmaf(qr[g][i], kf[i], d);
+    #pragma unroll
+                    for (int o = TPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(ATT_FULL, d, o);
+                    s[u][g] = ok[u] ? d : ATT_NEG;
+                }
+            }
+            float mn[GB];
+    #pragma unroll
             for (int g = 0; g < GB; g++) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) d = fmaf(qr[g][i], kf[i], d);
-#pragma unroll
-                for (int o = TPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(ATT_FULL, d, o);
-                s[u][g] = ok[u] ? d : ATT_NEG;
+                mn[g] = m[g];
+    #pragma unroll
+                for (int u = 0; u < U; u++) mn[g] = fmaxf(mn[g], s[u][g]);
+                float corr = exp2f(m[g] - mn[g]);
+                l[g] *= corr;
+    #pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] *= corr;
+                m[g] = mn[g];
+            }
+    #pragma unroll
+            for (int u = 0; u < U; u++) {
+                float vf[8];
+                unpack8x<Q8>(vr[u], vf);
+    #pragma unroll
+                for (int g = 0; g < GB; g++) {
+                    float p = ok[u] ? exp2f(s[u][g] - m[g]) : 0.f;
+                    l[g] += p;
+    #pragma unroll
+                    for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+                }
             }
         }
-        float mn[GB];
-#pragma unroll
-        for (int g = 0; g < GB; g++) {
-            mn[g] = m[g];
-#pragma unroll
-            for (int u = 0; u < U; u++) mn[g] = fmaxf(mn[g], s[u][g]);
-            float corr = exp2f(m[g] - mn[g]);
-            l[g] *= corr;
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[g][i] *= corr;
-            m[g] = mn[g];
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            float vf[8];
-            unpack8x<Q8>(vr[u], vf);
-#pragma unroll
-            for (int g = 0; g < GB; g++) {
-                float p = ok[u] ? exp2f(s[u][g] - m[g]) : 0.f;
-                l[g] += p;
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
-            }
-        }
-    }
 
-    // Merge the key slots of a warp (lanes with the same `sub`): butterfly over slot bits.
-#pragma unroll
-    for (int o = TPK; o < 32; o <<= 1) {
-#pragma unroll
-        for (int g = 0; g < GB; g++) {
-            float mo = __shfl_xor_sync(ATT_FULL, m[g], o);
-            float lo = __shfl_xor_sync(ATT_FULL, l[g], o);
-            float mx = fmaxf(m[g], mo);
-            float c1 = exp2f(m[g] - mx), c2 = exp2f(mo - mx);
-            l[g] = l[g] * c1 + lo * c2;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                float ao = __shfl_xor_sync(ATT_FULL, acc[g][i], o);
-                acc[g][i] = acc[g][i] * c1 + ao * c2;
+        // Merge the key slots of a warp (lanes with the same `sub`): butterfly over slot bits.
+    #pragma unroll
+        for (int o = TPK; o < 32; o <<= 1) {
+    #pragma unroll
+            for (int g = 0; g < GB; g++) {
+                float mo = __shfl_xor_sync(ATT_FULL, m[g], o);
+                float lo = __shfl_xor_sync(ATT_FULL, l[g], o);
+                float mx = fmaxf(m[g], mo);
+                float c1 = exp2f(m[g] - mx), c2 = exp2f(mo - mx);
+                l[g] = l[g] * c1 + lo * c2;
+    #pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    float ao = __shfl_xor_sync(ATT_FULL, acc[g][i], o);
+                    acc[g][i] = acc[g][i] * c1 + ao * c2;
+                }
+                m[g] = mx;
             }
-            m[g] = mx;
         }
-    }
-    if (lane < TPK) {
-#pragma unroll
-        for (int g = 0; g < GB; g++) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) sm_acc[warp][g][sub * 8 + i] = acc[g][i];
-            if (sub == 0) {
-                sm_m[warp][g] = m[g];
-                sm_l[warp][g] = l[g];
+        if (lane < TPK) {
+    #pragma unroll
+            for (int g = 0; g < GB; g++) {
+    #pragma unroll
+                for (int i = 0; i < 8; i++) sm_acc[warp][g][sub * 8 + i] = acc[g][i];
+                if (sub == 0) {
+                    sm_m[warp][g] = m[g];
+                    sm_l[warp][g] = l[g];
+                }
             }
         }
     }
@@ -681,6 +857,16 @@ DECODE_KERNEL(256, 1)
 DECODE_KERNEL(256, 2)
 DECODE_KERNEL(256, 4)
 DECODE_KERNEL(256, 8)
+
+// The tensor-core main loop (decode_tc_loop): f16 contiguous cache, hd 128.
+#define DECODE_TC_KERNEL(GB)                                                                 \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, false, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }
+DECODE_TC_KERNEL(1)
+DECODE_TC_KERNEL(2)
+DECODE_TC_KERNEL(4)
+DECODE_TC_KERNEL(8)
 
 // ---------------------------------------------------------------------------------------
 // Prefill: causal flash attention, SIMT f32.
@@ -873,19 +1059,6 @@ PREFILL_KERNEL(256)
 
 #define TC_THREADS 128
 #define TC_SLOTS 64
-
-__device__ __forceinline__ void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                           uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t tc_pack_f16(float a, float b) {
-    const __half2 h = __floats2half2_rn(a, b);  // .x (low 16 bits) = a
-    return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 // Keys per K/V tile and the shared-memory bytes of a block (attention.rs tc_smem mirrors it).
 template <int HD>
