@@ -114,6 +114,8 @@ pub struct Kernels {
     quant_x: CudaFunction,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
     bulk: bool,
+    /// `FERRITE_GEMV_GROUP=1`: float GEMV runs group at the launch's split ([`matmuls`]).
+    group_float: bool,
     /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
     /// input seen; grown only by an eager (first) step, never inside a captured one.
     xq: Mutex<Option<XQuant>>,
@@ -306,6 +308,7 @@ impl Kernels {
             gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
+            group_float: switches::int_or("FERRITE_GEMV_GROUP", 0) != 0,
             xq: Mutex::new(None),
             mm,
             mm_x,
@@ -1253,13 +1256,18 @@ pub fn matmuls(
         // The f32-x GEMV's split depends on the launch's row groups: group only where it is
         // the split of each weight's own launch, so that every output keeps the bits it has
         // alone (and at prefill rows, where small-output weights take this GEMV per weight).
+        // With FERRITE_GEMV_GROUP=1 weights whose outputs are all above F32_SMALL_OUT (their
+        // prefill takes the matmul kernels, never this GEMV) group at the launch's split:
+        // decode and verify still share one launch, so their bits agree.
         if paths[i] == Some(false) && j - i >= 2 {
             let steps = gemv_steps(ws[i].dtype, ws[i].shape[1]);
             let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();
             let ks = split_k(steps, all, be.sm_count);
-            if ws[i..j]
-                .iter()
-                .any(|w| split_k(steps, row_groups(w.shape[0]), be.sm_count) != ks)
+            let free = be.matmul.group_float && ws[i..j].iter().all(|w| w.shape[0] > F32_SMALL_OUT);
+            if !free
+                && ws[i..j]
+                    .iter()
+                    .any(|w| split_k(steps, row_groups(w.shape[0]), be.sm_count) != ks)
             {
                 j = i + 1;
             }

@@ -51,8 +51,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_PF",
-        Accepts::Range(0, 2),
-        "float GEMV L2 prefetch (MATMUL.md)",
+        Accepts::Range(0, 3),
+        "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans, 3 whole spans of short rows, heads of long ones (MATMUL.md)",
     ),
     (
         "FERRITE_GEMV_PF_HEAD",
@@ -88,6 +88,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_ATTN_TC",
         Accepts::OneOf(&[0, 1]),
         "prefill attention on the tensor cores (f16 caches; 0 = the SIMT kernel, ATTENTION.md)",
+    ),
+    (
+        "FERRITE_GEMV_GROUP",
+        Accepts::OneOf(&[0, 1]),
+        "float GEMV: 1 groups a run of weights (Q, K, V) into one launch at the launch's K split even where a weight alone takes another (MATMUL.md round 15)",
     ),
     (
         "FERRITE_ATTN_DTC",
