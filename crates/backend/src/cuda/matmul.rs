@@ -442,7 +442,11 @@ fn gemvq_steps(t: GgmlType, n_in: usize) -> usize {
 /// shape only, never of the row count: the reduction order of an output (lane chains,
 /// butterfly, then the ks warp totals in warp order) must not depend on R.
 fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
-    let want = GEMV_TARGET_WARPS_PER_SM * sm_count.max(1);
+    static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let target = *TARGET.get_or_init(|| {
+        switches::int_or("FERRITE_GEMV_WARPS", GEMV_TARGET_WARPS_PER_SM as i64) as usize
+    });
+    let want = target * sm_count.max(1);
     let mut ks = 1;
     while ks < GEMV_WARPS && 2 * ks <= steps && groups * ks < want {
         ks *= 2;

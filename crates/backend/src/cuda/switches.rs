@@ -90,6 +90,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill attention on the tensor cores (f16 caches; 0 = the SIMT kernel, ATTENTION.md)",
     ),
     (
+        "FERRITE_GEMV_WARPS",
+        Accepts::Range(1, 256),
+        "float GEMV: resident-warp goal per SM that sets its K split (default 64; MATMUL.md round 15)",
+    ),
+    (
         "FERRITE_GEMV_GROUP",
         Accepts::OneOf(&[0, 1]),
         "float GEMV: 1 groups a run of weights (Q, K, V) into one launch at the launch's K split even where a weight alone takes another (MATMUL.md round 15)",
