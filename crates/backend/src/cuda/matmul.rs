@@ -47,9 +47,12 @@ const GEMV_R: [usize; 6] = [1, 2, 4, 8, 9, 16];
 /// Warps per GEMV block and output rows per warp (GEMV_WARPS, GEMV_NW in matmul.cu).
 const GEMV_WARPS: usize = 8;
 const GEMV_NW: usize = 2;
-/// Resident-warp goal per SM for the GEMV split-K choice (Little's law: ~30 KB in flight per
-/// SM at ~0.5–1 KB per warp).
-const GEMV_TARGET_WARPS_PER_SM: usize = 64;
+/// Resident-warp goal per SM for the float GEMV's split-K choice (Little's law: ~30 KB in
+/// flight per SM at ~0.5–1 KB per warp). 32, not 64: the 4096-row F16 projections then split
+/// K 4 ways instead of 8 (twice the steps per warp, half the cross-warp reductions): synth
+/// Qwen3-8B F16 tg128 225.9 → 231.3 (MATMUL.md round 15; 16 lost: 212.5).
+/// `FERRITE_GEMV_WARPS` overrides it (a tuning switch).
+const GEMV_TARGET_WARPS_PER_SM: usize = 32;
 /// Prefill tile: outputs per block, K per step, smem row stride in bf16, threads per block
 /// (MM_TM, MM_TK, MM_LDS in matmul.cu). Tokens per block (BN) are 128 or 64, chosen by shape.
 const MM_TM: usize = 128;
@@ -114,7 +117,8 @@ pub struct Kernels {
     quant_x: CudaFunction,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
     bulk: bool,
-    /// `FERRITE_GEMV_GROUP=1`: float GEMV runs group at the launch's split ([`matmuls`]).
+    /// Float GEMV runs of large-output weights group at the launch's split ([`matmuls`];
+    /// on unless `FERRITE_GEMV_GROUP=0`: F16 tg128 +0.8%, MATMUL.md round 15).
     group_float: bool,
     /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
     /// input seen; grown only by an eager (first) step, never inside a captured one.
@@ -308,7 +312,7 @@ impl Kernels {
             gemvq_moe_smem,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
-            group_float: switches::int_or("FERRITE_GEMV_GROUP", 0) != 0,
+            group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
             xq: Mutex::new(None),
             mm,
             mm_x,
@@ -1260,9 +1264,9 @@ pub fn matmuls(
         // The f32-x GEMV's split depends on the launch's row groups: group only where it is
         // the split of each weight's own launch, so that every output keeps the bits it has
         // alone (and at prefill rows, where small-output weights take this GEMV per weight).
-        // With FERRITE_GEMV_GROUP=1 weights whose outputs are all above F32_SMALL_OUT (their
-        // prefill takes the matmul kernels, never this GEMV) group at the launch's split:
-        // decode and verify still share one launch, so their bits agree.
+        // Weights whose outputs are all above F32_SMALL_OUT (their prefill takes the matmul
+        // kernels, never this GEMV) group at the launch's split (`group_float`): decode and
+        // verify still share one launch, so their bits agree.
         if paths[i] == Some(false) && j - i >= 2 {
             let steps = gemv_steps(ws[i].dtype, ws[i].shape[1]);
             let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();

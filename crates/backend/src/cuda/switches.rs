@@ -92,12 +92,12 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_WARPS",
         Accepts::Range(1, 256),
-        "float GEMV: resident-warp goal per SM that sets its K split (default 64; MATMUL.md round 15)",
+        "float GEMV: resident-warp goal per SM that sets its K split (default 32; MATMUL.md round 15)",
     ),
     (
         "FERRITE_GEMV_GROUP",
         Accepts::OneOf(&[0, 1]),
-        "float GEMV: 1 groups a run of weights (Q, K, V) into one launch at the launch's K split even where a weight alone takes another (MATMUL.md round 15)",
+        "float GEMV: 1 (default) groups a run of large-output weights (Q, K, V) into one launch at the launch's K split even where a weight alone takes another, 0 only where the splits agree (MATMUL.md round 15)",
     ),
     (
         "FERRITE_ATTN_DTC",
