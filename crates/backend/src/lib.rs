@@ -547,36 +547,6 @@ pub trait Backend: Send + Sync {
         rope: &Rope,
     ) -> Result<()>;
 
-    /// [`Backend::qk_norm_rope`] on `q` and `k` (norm weights `norms`, heads of
-    /// `shape.head_dim`), then [`Backend::attention`] of layer `layer` with them: the pair a
-    /// decoder layer runs. A backend with a fused kernel for the step runs one launch and
-    /// leaves `q` and `k` as they came (only the cache and `out` are written); otherwise
-    /// both ops run and `q`, `k` hold their normalised, rotated values. Callers must not
-    /// read `q` or `k` afterwards.
-    #[allow(clippy::too_many_arguments)]
-    fn qk_norm_rope_attention(
-        &self,
-        kv: &mut Self::Kv,
-        step: &StepInput<Self::IBuf>,
-        layer: usize,
-        [q, k, v]: [&mut Act<Self::Buf>; 3],
-        shape: AttnShape,
-        norms: (Option<&Self::Weight>, Option<&Self::Weight>),
-        eps: f32,
-        rope: &Rope,
-        out: &mut Act<Self::Buf>,
-    ) -> Result<()> {
-        self.qk_norm_rope(q, k, norms.0, norms.1, shape.head_dim, eps, step, rope)?;
-        let a = AttnArgs {
-            layer,
-            q,
-            k,
-            v,
-            shape,
-        };
-        self.attention(kv, step, a, out)
-    }
-
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
     /// As [`Backend::kv_new`], the cache in q8_0 blocks where the backend has them, whatever

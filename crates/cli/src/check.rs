@@ -125,8 +125,6 @@ const ADD_RMS_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
 /// error (see ROPE_NMSE) dominates, so RoPE's threshold. A wrong head, pair, weight or
 /// q/k mix-up gives ≥ 1e-2.
 const QK_NORM_ROPE_NMSE: f64 = ROPE_NMSE;
-/// The norm's epsilon in the QK-norm + RoPE + attention cases (Qwen3's rms_norm_eps).
-const QKR_EPS: f32 = 1e-6;
 /// Graph capture + replay of RoPE at new positions: as RoPE.
 const GRAPH_NMSE: f64 = ROPE_NMSE;
 /// Causal conv1d: a K-tap f32 dot product per output then SiLU: FMA contraction and `expf`
@@ -389,9 +387,6 @@ enum Op {
         rows: usize,
         /// The cache in q8_0 blocks (`Backend::kv_new_q8`; the CPU reference keeps f32).
         q8: bool,
-        /// Through `Backend::qk_norm_rope_attention` with this rotation and, when true, QK-norm
-        /// weights (the CPU: the two ops; CUDA at decode: one fused launch).
-        qkr: Option<(Rope, bool)>,
     },
     Moe {
         routing: MoeRouting,
@@ -620,21 +615,15 @@ fn describe(op: &Op) -> (&'static str, String) {
             pos0,
             rows,
             q8,
-            qkr,
         } => (
             "attention",
             format!(
-                "attention hd={} heads={}/kv{}{} {} rows={rows} pos0={pos0}{}",
+                "attention hd={} heads={}/kv{}{} {} rows={rows} pos0={pos0}",
                 shape.head_dim,
                 shape.n_heads,
                 shape.n_kv_heads,
                 if *q8 { " q8_0" } else { "" },
-                if *rows == 1 { "decode" } else { "multi" },
-                match qkr {
-                    Some((r, norm)) =>
-                        format!(" +qk_norm_rope {:?} rot={} norm={norm}", r.style, r.rot_dim),
-                    None => String::new(),
-                }
+                if *rows == 1 { "decode" } else { "multi" }
             ),
         ),
         Op::Moe {
@@ -1158,7 +1147,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 pos0: 17,
                 rows: 1,
                 q8: false,
-                qkr: None,
             });
             if !quick || head_dim == 128 {
                 add(Op::Attention {
@@ -1166,7 +1154,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     pos0: 5,
                     rows: 7,
                     q8: false,
-                    qkr: None,
                 });
             }
         }
@@ -1191,7 +1178,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 pos0,
                 rows: 1,
                 q8,
-                qkr: None,
             });
         }
         add(Op::Attention {
@@ -1199,7 +1185,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             pos0: 0,
             rows: 7,
             q8,
-            qkr: None,
         });
         if !quick {
             add(Op::Attention {
@@ -1207,7 +1192,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 pos0: 1000,
                 rows: 1,
                 q8,
-                qkr: None,
             });
             // Speculative verify (K+1 rows) on both sides of the decode/prefill switch.
             for rows in [9, 16, 17] {
@@ -1216,60 +1200,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     pos0: 100,
                     rows,
                     q8,
-                    qkr: None,
                 });
             }
         }
-    }
-    // QK-norm + RoPE + attention in one op (`qk_norm_rope_attention`: the tensor-core decode
-    // applies them itself at hd 128; prefill rows, other head sizes and rotary layouts run
-    // the two ops). Qwen3-8B's NeoX rotation with norms, Qwen3-30B-A3B's group of 8, a
-    // Llama-style adjacent rotation without norms, partial NeoX rotation (64 of 128 dims),
-    // and the fallbacks (hd 64, a 17-row step).
-    let neox = |rot_dim| Rope {
-        style: RopeStyle::Neox,
-        theta: 1_000_000.0,
-        rot_dim,
-    };
-    let adjacent = Rope {
-        style: RopeStyle::Adjacent,
-        theta: 500_000.0,
-        rot_dim: 128,
-    };
-    let q30b = AttnShape {
-        n_heads: 32,
-        n_kv_heads: 4,
-        head_dim: 128,
-    };
-    let hd64 = AttnShape {
-        n_heads: 8,
-        n_kv_heads: 2,
-        head_dim: 64,
-    };
-    let mut qkr_cases = vec![
-        (q8b, 0, 1, neox(128), true),
-        (q8b, 17, 1, neox(128), true),
-        (q30b, 17, 1, neox(128), true),
-        (q8b, 17, 1, adjacent, false),
-        (q8b, 17, 1, neox(64), true),
-        (hd64, 17, 1, neox(64), true),
-    ];
-    if !quick {
-        qkr_cases.extend([
-            (q8b, 1000, 1, neox(128), true),
-            (q8b, 100, 9, neox(128), true),
-            (q8b, 100, 16, neox(128), true),
-            (q8b, 100, 17, neox(128), true),
-        ]);
-    }
-    for (shape, pos0, rows, rope, norm) in qkr_cases {
-        add(Op::Attention {
-            shape,
-            pos0,
-            rows,
-            q8: false,
-            qkr: Some((rope, norm)),
-        });
     }
     if !quick {
         // Depth 5000 with fewer heads: the CPU fills the cache with a causal prefill.
@@ -1278,7 +1211,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             pos0: 5000,
             rows: 1,
             q8: false,
-            qkr: None,
         });
         let pf = AttnShape {
             n_heads: 8,
@@ -1292,7 +1224,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     pos0,
                     rows,
                     q8: false,
-                    qkr: None,
                 });
             }
         }
@@ -1306,7 +1237,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 pos0: 300,
                 rows: 64,
                 q8: false,
-                qkr: None,
             });
         }
         // Qwen3.5-35B-A3B's gated attention: 16 heads over 2 KV heads of 256 (a GQA group
@@ -1322,7 +1252,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 pos0,
                 rows,
                 q8: false,
-                qkr: None,
             });
         }
         // The tensor-core prefill's edges (64 query slots per block): a group that leaves
@@ -1345,7 +1274,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 pos0,
                 rows,
                 q8: false,
-                qkr: None,
             });
         }
     }
@@ -1934,24 +1862,8 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
         }
         Op::Paged(ref c) => c.gen(&mut rng, &mut h),
         Op::Attention {
-            shape,
-            pos0,
-            rows,
-            qkr,
-            ..
+            shape, pos0, rows, ..
         } => {
-            if let Some((_, true)) = qkr {
-                for _ in 0..2 {
-                    let w: Vec<f32> = (0..shape.head_dim)
-                        .map(|_| 1.0 + 0.1 * rng.normal())
-                        .collect();
-                    h.weights.push((
-                        GgmlType::F32,
-                        vec![shape.head_dim],
-                        w.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    ));
-                }
-            }
             let qd = shape.n_heads * shape.head_dim;
             let kvd = shape.n_kv_heads * shape.head_dim;
             let mut p = 0;
@@ -2199,7 +2111,6 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             pos0,
             rows,
             q8,
-            ..
         } => {
             let mut cache = if *q8 {
                 be.kv_new_q8(2, *shape, pos0 + rows + 3)?
@@ -2470,34 +2381,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                     v: &p.a[2],
                     shape: c.shape,
                 },
-                &mut p.out,
-            )
-        }
-        Op::Attention {
-            shape,
-            qkr: Some((rope, norm)),
-            ..
-        } => {
-            let kv =
-                p.kv.as_mut()
-                    .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
-            let norms = if *norm {
-                (Some(&p.w[0]), Some(&p.w[1]))
-            } else {
-                (None, None)
-            };
-            let [q, k, v] = &mut p.a[..] else {
-                anyhow::bail!("attention: expected q, k, v")
-            };
-            be.qk_norm_rope_attention(
-                kv,
-                &p.step,
-                1,
-                [q, k, v],
-                *shape,
-                norms,
-                QKR_EPS,
-                rope,
                 &mut p.out,
             )
         }
@@ -2790,7 +2673,6 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             pos0,
             rows,
             q8,
-            ..
         } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
             let per_el = if *q8 && be.kv_bytes_per_element() < 4.0 {

@@ -17,15 +17,14 @@
 //! how their files name tensors ([`crate::source`]); Qwen3.5's hybrid layers get a file of
 //! their own.
 //!
-//! Fused ops, one launch each on an accelerator: the QK-norm, both rotations and the
-//! attention are one [`Backend::qk_norm_rope_attention`] (at decode on CUDA one kernel;
-//! otherwise [`Backend::qk_norm_rope`] then [`Backend::attention`]); every residual add is fused with the RMSNorm that follows it
+//! Fused ops, one launch each on an accelerator: the QK-norm and both rotations are one
+//! [`Backend::qk_norm_rope`]; every residual add is fused with the RMSNorm that follows it
 //! ([`Backend::add_rms_norm`]): the attention output's add with `ffn_norm`, the FFN
 //! output's add with the next layer's `attn_norm` (or, after the last layer, with
 //! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
-use ferrite_backend::{Act, Backend, ExpertWeights, PagedKv, StepInput};
+use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, PagedKv, StepInput};
 
 use crate::config::{ModelConfig, MoeConfig};
 use crate::source::{ModelFile, Tensor};
@@ -394,21 +393,21 @@ impl<B: Backend> Model<B> {
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
             be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
-            let norms = match &l.qk_norm {
+            let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
             };
-            // QK-norm, RoPE and attention: one launch on backends that fuse them (q and k
-            // are not read afterwards).
-            be.qk_norm_rope_attention(
+            be.qk_norm_rope(q, k, qn, kn, a.head_dim, cfg.rms_eps, step, &cfg.rope)?;
+            be.attention(
                 kv,
                 step,
-                il,
-                [&mut *q, &mut *k, &mut *v],
-                a,
-                norms,
-                cfg.rms_eps,
-                &cfg.rope,
+                AttnArgs {
+                    layer: il,
+                    q,
+                    k,
+                    v,
+                    shape: a,
+                },
                 att,
             )?;
             be.matmul(att, &l.wo, y)?;

@@ -33,9 +33,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrM
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
 use super::launch::{KernelArg, LaunchExt};
-use super::CudaWeight;
 use super::{function, load_module, matmul, CudaBackend};
-use crate::{Act, AttnArgs, AttnShape, PagedKv, Rope, RopeStyle, StepInput};
+use crate::{Act, AttnArgs, AttnShape, PagedKv, StepInput};
 
 /// Bytes per cached key/value element of the default cache type (f16).
 pub const KV_BYTES_PER_ELEMENT: f64 = 2.0;
@@ -195,12 +194,9 @@ pub struct Kernels {
     /// `decode[q8][hd index][log2 heads-per-block]`.
     decode: [Vec<Vec<CudaFunction>>; 2],
     /// The tensor-core decode kernels (f16 contiguous cache, head_dim
-    /// [`DECODE_TC_HEAD_DIM`]) by log2 heads-per-block: `[plain, with QK-norm + RoPE]`;
-    /// `None` when `FERRITE_ATTN_DTC=0` keeps decode on the SIMT loop.
-    decode_tc: Option<[Vec<CudaFunction>; 2]>,
-    /// Whether decode's QK-norm + RoPE run inside the tensor-core launch
-    /// ([`qk_norm_rope_attention`]; `FERRITE_ATTN_DTC=2` keeps them a launch of their own).
-    decode_qkr: bool,
+    /// [`DECODE_TC_HEAD_DIM`]) by log2 heads-per-block; `None` when `FERRITE_ATTN_DTC=0`
+    /// keeps decode on the SIMT loop.
+    decode_tc: Option<Vec<CudaFunction>>,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -261,15 +257,13 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
                 .map(Some)
         };
-        let dtc = super::switches::int_or("FERRITE_ATTN_DTC", 1);
-        let decode_tc = if dtc != 0 {
-            let fam = |pre: &str| {
+        let decode_tc = if super::switches::int_or("FERRITE_ATTN_DTC", 1) != 0 {
+            Some(
                 [1, 2, 4, 8]
                     .iter()
-                    .map(|gb| function(&m, &format!("attn_decode_{pre}{DECODE_TC_HEAD_DIM}_{gb}")))
-                    .collect::<Result<Vec<_>>>()
-            };
-            Some([fam("tc_")?, fam("tc_qkr_")?])
+                    .map(|gb| function(&m, &format!("attn_decode_tc_{DECODE_TC_HEAD_DIM}_{gb}")))
+                    .collect::<Result<Vec<_>>>()?,
+            )
         } else {
             None
         };
@@ -278,7 +272,6 @@ impl Kernels {
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
             decode: [decode("", "")?, decode("q8_", "")?],
             decode_tc,
-            decode_qkr: dtc == 1,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -566,8 +559,6 @@ fn store_config(n: usize) -> LaunchConfig {
     }
 }
 
-/// Attention of one layer ([`crate::Backend::attention`]): the step's keys and values
-/// stored, then each query row over its cache positions.
 pub fn attention(
     be: &CudaBackend,
     kv: &mut CudaKv,
@@ -575,115 +566,7 @@ pub fn attention(
     a: AttnArgs<'_, CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    attention_with(be, kv, step, a, out, None)
-}
-
-/// The QK-norm and RoPE arguments of a fused decode launch (`QkRope` in attention.cu); the
-/// plain tensor-core kernels take the same list and ignore it ([`QkrArgs::NONE`]).
-#[derive(Clone, Copy)]
-struct QkrArgs {
-    qw: u64,
-    kw: u64,
-    rot_dim: i32,
-    neox: i32,
-    theta: f32,
-    eps: f32,
-}
-
-impl QkrArgs {
-    const NONE: QkrArgs = QkrArgs {
-        qw: 0,
-        kw: 0,
-        rot_dim: 0,
-        neox: 0,
-        theta: 0.0,
-        eps: 0.0,
-    };
-}
-
-/// Whether the tensor-core decode applies QK-norm and RoPE itself for this step: a
-/// contiguous f16 cache, head_dim [`DECODE_TC_HEAD_DIM`], a decode-sized step, and a rotary
-/// layout whose pairs fall in one thread (NeoX over 64 or 128 dims, adjacent pairs).
-fn fused_qkr(kv: &CudaKv, rows: usize, shape: AttnShape, rope: &Rope) -> bool {
-    let rot = match rope.style {
-        RopeStyle::Neox => rope.rot_dim == 64 || rope.rot_dim == 128,
-        RopeStyle::Adjacent => rope.rot_dim % 2 == 0 && rope.rot_dim <= DECODE_TC_HEAD_DIM,
-    };
-    kv.paged.is_none()
-        && kv.kv_type == KvType::F16
-        && shape.head_dim == DECODE_TC_HEAD_DIM
-        && (1..=DECODE_MAX_ROWS).contains(&rows)
-        && rot
-}
-
-/// `qk_norm_rope` then `attention` ([`crate::Backend::qk_norm_rope_attention`]): one
-/// tensor-core decode launch where [`fused_qkr`] holds (q and k are left as they came), else
-/// the two ops.
-#[allow(clippy::too_many_arguments)]
-pub fn qk_norm_rope_attention(
-    be: &CudaBackend,
-    kv: &mut CudaKv,
-    step: &StepInput<CudaSlice<i32>>,
-    layer: usize,
-    [q, k, v]: [&mut Act<CudaSlice<f32>>; 3],
-    shape: AttnShape,
-    norms: (Option<&CudaWeight>, Option<&CudaWeight>),
-    eps: f32,
-    rope: &Rope,
-    out: &mut Act<CudaSlice<f32>>,
-) -> Result<()> {
-    let hd = shape.head_dim;
-    if be.attention.decode_tc.is_none()
-        || !be.attention.decode_qkr
-        || !fused_qkr(kv, q.rows, shape, rope)
-    {
-        super::ops::qk_norm_rope(be, q, k, norms.0, norms.1, hd, eps, step, rope)?;
-        let a = AttnArgs {
-            layer,
-            q,
-            k,
-            v,
-            shape,
-        };
-        return attention(be, kv, step, a, out);
-    }
-    let len = |w: &CudaWeight| w.shape.iter().product::<usize>();
-    crate::check_qk_norm_rope(q, k, [norms.0.map(len), norms.1.map(len)], hd, step, rope)?;
-    let qw = norms.0.map(|w| super::ops::f32_vec(w, hd)).transpose()?;
-    let kw = norms.1.map(|w| super::ops::f32_vec(w, hd)).transpose()?;
-    let ptr = |w: &Option<cudarc::driver::CudaView<'_, f32>>| {
-        w.as_ref().map_or(0, |w| w.device_ptr(&be.stream).0)
-    };
-    let qkr = QkrArgs {
-        qw: ptr(&qw),
-        kw: ptr(&kw),
-        rot_dim: rope.rot_dim as i32,
-        neox: i32::from(rope.style == RopeStyle::Neox),
-        theta: rope.theta,
-        eps,
-    };
-    let a = AttnArgs {
-        layer,
-        q,
-        k,
-        v,
-        shape,
-    };
-    attention_with(be, kv, step, a, out, Some(qkr))
-}
-
-/// [`attention`], or with `qkr` the fused QK-norm + RoPE decode (the caller checked
-/// [`fused_qkr`]).
-fn attention_with(
-    be: &CudaBackend,
-    kv: &mut CudaKv,
-    step: &StepInput<CudaSlice<i32>>,
-    a: AttnArgs<'_, CudaSlice<f32>>,
-    out: &mut Act<CudaSlice<f32>>,
-    qkr: Option<QkrArgs>,
-) -> Result<()> {
     crate::check_attention(step, &a, out)?;
-
     if kv.paged.is_some() {
         return attention_paged(be, kv, step, a, out);
     }
@@ -736,17 +619,10 @@ fn attention_with(
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
         let gbi = heads_per_block(group).trailing_zeros() as usize;
-        let (func, tc) = match &be.attention.decode_tc {
-            Some(tc) if q8 == 0 && head_dim == DECODE_TC_HEAD_DIM => match qkr {
-                Some(args) => (&tc[1][gbi], Some(args)),
-                None => (&tc[0][gbi], Some(QkrArgs::NONE)),
-            },
-            _ => (&be.attention.decode[q8][fi][gbi], None),
+        let func = match &be.attention.decode_tc {
+            Some(tc) if q8 == 0 && head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
+            _ => &be.attention.decode[q8][fi][gbi],
         };
-        ensure!(
-            qkr.is_none() || tc.is_some(),
-            "attention: the fused QK-norm + RoPE decode has no kernel for this step"
-        );
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
         let cols = n_heads * head_dim;
         let mut fused = matmul::xq_for_producer(be, rows, cols)?;
@@ -785,17 +661,13 @@ fn attention_with(
         // (checked by check_attention); positions hold ≥ rows entries (checked above) and
         // are clamped to capacity in the kernel; the int8 scratch holds ≥ rows rows of
         // ≥ cols elements (xq_for_producer).
-        unsafe { decode_launch(be, func, kv, ptrs, dims, None, tc) }?;
+        unsafe { decode_launch(be, func, kv, ptrs, dims, None) }?;
         if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
             xq.record_producer(be, &out.buf, rows, cols);
         }
         return Ok(());
     }
 
-    ensure!(
-        qkr.is_none(),
-        "attention: the fused QK-norm + RoPE runs only in the decode launch"
-    );
     // 2. Store this step's keys and values (f16: a thread per element; q8_0: a warp per
     // 32-element block).
     let n = rows * kvd;
@@ -933,7 +805,6 @@ unsafe fn decode_launch(
     p: DecodePtrs,
     d: DecodeDims,
     paged: Option<PagedPtrs>,
-    tc: Option<QkrArgs>,
 ) -> Result<()> {
     let gb = heads_per_block(d.group);
     let n_splits = kv.n_splits;
@@ -988,16 +859,6 @@ unsafe fn decode_launch(
             .arg(&pg.page_shift)
             .arg(&pg.page_stride)
             .arg(&pg.max_keys);
-    }
-    // The tensor-core kernels' QkRope arguments (DECODE_TC_ARGS).
-    if let Some(t) = &tc {
-        launch
-            .arg(&t.qw)
-            .arg(&t.kw)
-            .arg(&t.rot_dim)
-            .arg(&t.neox)
-            .arg(&t.theta)
-            .arg(&t.eps);
     }
     // SAFETY: the caller's contract; the scratch and tickets were checked above.
     unsafe { launch.launch(cfg) }?;
@@ -1185,7 +1046,7 @@ fn attention_paged(
                 };
                 // SAFETY: q_v holds nr rows of n_heads×hd, out_v nr rows; reads stay inside
                 // the cache as for the store (block tables checked by check_paged_step).
-                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), None) }?;
+                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg)) }?;
             }
             (_, Some((func, cfg))) => {
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block

@@ -663,21 +663,6 @@ impl Backend for CudaBackend {
         attention::attention(self, kv, step, a, out)
     }
 
-    fn qk_norm_rope_attention(
-        &self,
-        kv: &mut attention::CudaKv,
-        step: &StepInput<CudaSlice<i32>>,
-        layer: usize,
-        qkv: [&mut Act<CudaSlice<f32>>; 3],
-        shape: AttnShape,
-        norms: (Option<&CudaWeight>, Option<&CudaWeight>),
-        eps: f32,
-        rope: &Rope,
-        out: &mut Act<CudaSlice<f32>>,
-    ) -> Result<()> {
-        attention::qk_norm_rope_attention(self, kv, step, layer, qkv, shape, norms, eps, rope, out)
-    }
-
     fn moe(
         &self,
         x: &Act<CudaSlice<f32>>,

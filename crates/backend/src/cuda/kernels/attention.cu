@@ -366,69 +366,6 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
     }
 }
 
-// Qwen3's QK-norm and the rotary embedding inside the tensor-core decode launch (QKR
-// kernels, attn_decode_tc_qkr_128_<GB>; ATTENTION.md, "QK-norm and RoPE inside the decode
-// launch, again"): the same arithmetic as elementwise.cu's qk_norm_rope (scale =
-// rsqrt(Σx²/hd + eps), x·scale·w, then the pair rotation by pos · theta^(-2p/rot)), so the
-// separate launch per layer goes. The row's rotary (cos, sin) per pair are computed into
-// shared memory before the PDL wait (they depend on the host-written position only), the
-// norm weights loaded there too; q is normalised and rotated in the registers that load it
-// (a head's 128 dims are one quad's, and every rotary partner is in the same thread: NeoX
-// pairs (p, p + rot/2) with rot/2 a multiple of 32, or adjacent pairs); the step's k row is
-// normalised and rotated by the block that stores it (a block reduction and a partner
-// exchange through shared memory), with its own row's angles.
-struct QkRope {
-    const float* qw;  // q's norm weights (head_dim), or null: no norm
-    const float* kw;  // k's norm weights, or null
-    int rot_dim;      // rotating leading dims: NeoX 64 or 128, adjacent pairs any even <= 128
-    int neox;
-    float theta;
-    float eps;
-};
-
-// The rotation of pair p at position pos (elementwise.cu's qk_norm_rope expressions).
-__device__ __forceinline__ float2 qkr_cos_sin(const QkRope r, int p, int pos) {
-    const float inv_freq = 1.0f / powf(r.theta, (float)(2 * p) / (float)r.rot_dim);
-    const float a = (float)pos * inv_freq;
-    return make_float2(cosf(a), sinf(a));
-}
-
-// Element i (= threadIdx.x; blockDim.x == HD) of the step's k row normalised and rotated for
-// position pos. Block-wide (barriers): every thread of the block calls it.
-template <int HD>
-__device__ __forceinline__ float qkr_k_elem(float x, const QkRope r, const float* s_kw, int pos) {
-    static_assert(HD == DECODE_THREADS, "qkr_k_elem: one element per thread");
-    __shared__ float s_red[DECODE_THREADS / 32];
-    __shared__ float s_x[HD];
-    const int i = threadIdx.x, lane = i & 31, warp = i >> 5;
-    float xn = x;
-    if (r.kw != nullptr) {
-        float ss = x * x;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(ATT_FULL, ss, o);
-        if (lane == 0) s_red[warp] = ss;
-        __syncthreads();
-        float tot = 0.f;
-#pragma unroll
-        for (int w = 0; w < DECODE_THREADS / 32; w++) tot += s_red[w];
-        xn = (x * rsqrtf(tot / (float)HD + r.eps)) * s_kw[i];
-    }
-    s_x[i] = xn;
-    __syncthreads();
-    float out = xn;
-    if (i < r.rot_dim) {
-        const int half = r.rot_dim / 2;
-        const bool first = r.neox ? i < half : (i & 1) == 0;
-        const int p = r.neox ? (first ? i : i - half) : i / 2;
-        const int partner = r.neox ? (first ? i + half : i - half) : (i ^ 1);
-        const float2 cs = qkr_cos_sin(r, p, pos);
-        const float xp = s_x[partner];
-        out = first ? xn * cs.x - xp * cs.y : xp * cs.y + xn * cs.x;
-    }
-    __syncthreads();  // s_x and s_red are reused by the next row
-    return out;
-}
-
 // The decode main loop on the tensor cores (attn_decode_tc_128_<GB>: f16 contiguous cache,
 // hd 128; ATTENTION.md, "Decode on the tensor cores"). Why: the SIMT loop spends ~65 warp
 // instructions per key (8-dim partial dots, a 4-level shuffle reduction per head, per-key
@@ -457,14 +394,13 @@ __device__ __forceinline__ float qkr_k_elem(float x, const QkRope r, const float
 // Per warp and 16 keys: 16 loads of 16 B, 24 MMAs (16 S, 8 P·V), 32 byte_perm, ~40 for the
 // softmax. The warp's (m, l, acc) go to the block merge in the SIMT loop's format.
 // Precision: q and P rounded to f16 (as the tensor-core prefill), f32 accumulation.
-template <int HD, int GB, bool QKR = false>
+template <int HD, int GB>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc, int t, int n_heads, int h0,
                                                long long head_base, int start, int end, float scale_log2,
                                                float (&sm_acc)[DECODE_THREADS / 32][GB][HD],
                                                float (&sm_m)[DECODE_THREADS / 32][GB],
-                                               float (&sm_l)[DECODE_THREADS / 32][GB], const QkRope qr = {},
-                                               const float* s_qw = nullptr, const float2* s_cs = nullptr) {
+                                               float (&sm_l)[DECODE_THREADS / 32][GB]) {
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
@@ -476,70 +412,16 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     uint32_t qa[KS][2];
     {
         const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + 8 * tq;
-        float qv[NP][8];  // dims 32 c + 8 tq + j
 #pragma unroll
         for (int c = 0; c < NP; c++) {
             const float4 a = *reinterpret_cast<const float4*>(qp + 32 * c);
             const float4 b = *reinterpret_cast<const float4*>(qp + 32 * c + 4);
-            qv[c][0] = a.x; qv[c][1] = a.y; qv[c][2] = a.z; qv[c][3] = a.w;
-            qv[c][4] = b.x; qv[c][5] = b.y; qv[c][6] = b.z; qv[c][7] = b.w;
+            const bool on = g < GB;
+            qa[2 * c][0] = on ? tc_pack_f16(a.x * scale_log2, a.y * scale_log2) : 0u;
+            qa[2 * c][1] = on ? tc_pack_f16(a.z * scale_log2, a.w * scale_log2) : 0u;
+            qa[2 * c + 1][0] = on ? tc_pack_f16(b.x * scale_log2, b.y * scale_log2) : 0u;
+            qa[2 * c + 1][1] = on ? tc_pack_f16(b.z * scale_log2, b.w * scale_log2) : 0u;
         }
-        if constexpr (QKR) {
-            if (qr.qw != nullptr) {  // the head's 128 dims are the quad's
-                float ss = 0.f;
-#pragma unroll
-                for (int c = 0; c < NP; c++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) ss = fmaf(qv[c][j], qv[c][j], ss);
-                ss += __shfl_xor_sync(ATT_FULL, ss, 1);
-                ss += __shfl_xor_sync(ATT_FULL, ss, 2);
-                const float scale = rsqrtf(ss / (float)HD + qr.eps);
-#pragma unroll
-                for (int c = 0; c < NP; c++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) qv[c][j] = (qv[c][j] * scale) * s_qw[32 * c + 8 * tq + j];
-            }
-            if (qr.neox) {
-                // Pairs (d, d + rot/2), rot/2 = 32 hp: piece c < hp pairs with piece c + hp
-                // (compile-time indices in both arms: no local memory).
-                auto rot = [&](float (&a)[8], float (&b)[8], int c) {
-#pragma unroll
-                    for (int j = 0; j < 8; j++) {
-                        const float2 cs = s_cs[32 * c + 8 * tq + j];
-                        const float x0 = a[j], x1 = b[j];
-                        a[j] = x0 * cs.x - x1 * cs.y;
-                        b[j] = x0 * cs.y + x1 * cs.x;
-                    }
-                };
-                if (qr.rot_dim == 128) {
-                    rot(qv[0], qv[2], 0);
-                    rot(qv[1], qv[3], 1);
-                } else {  // 64
-                    rot(qv[0], qv[1], 0);
-                }
-            } else {  // adjacent pairs (2p, 2p + 1)
-#pragma unroll
-                for (int c = 0; c < NP; c++)
-#pragma unroll
-                    for (int j = 0; j < 8; j += 2) {
-                        const int d = 32 * c + 8 * tq + j;
-                        if (d >= qr.rot_dim) continue;
-                        const float2 cs = s_cs[d / 2];
-                        const float x0 = qv[c][j], x1 = qv[c][j + 1];
-                        qv[c][j] = x0 * cs.x - x1 * cs.y;
-                        qv[c][j + 1] = x0 * cs.y + x1 * cs.x;
-                    }
-            }
-        }
-        const bool on = g < GB;
-#pragma unroll
-        for (int c = 0; c < NP; c++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const float* v4 = &qv[c][4 * h];
-                qa[2 * c + h][0] = on ? tc_pack_f16(v4[0] * scale_log2, v4[1] * scale_log2) : 0u;
-                qa[2 * c + h][1] = on ? tc_pack_f16(v4[2] * scale_log2, v4[3] * scale_log2) : 0u;
-            }
     }
     float acc[KS][4];
 #pragma unroll
@@ -640,7 +522,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     }
 }
 
-template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool QKR = false>
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -649,7 +531,7 @@ __device__ __forceinline__ void attn_decode_impl(
     float* __restrict__ part_ml, int* __restrict__ tickets, float* __restrict__ out,
     int8_t* __restrict__ xq, float2* __restrict__ xd, long long layer_off, int n_heads,
     int group, int capacity, int n_splits, int min_chunk, int pf, float scale_log2,
-    PAGED_ARGS, const QkRope qr = {}) {
+    PAGED_ARGS) {
     constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
     constexpr int KPW = 32 / TPK;    // keys per warp per pass
     constexpr int NW = DECODE_THREADS / 32;
@@ -659,7 +541,6 @@ __device__ __forceinline__ void attn_decode_impl(
     constexpr int STEP = TC ? NW * 16 : KPB * U;
     static_assert(HD % 32 == 0 && 32 % TPK == 0, "decode head_dim");
     static_assert(!TC || (HD == 128 && !Q8 && !PAGED), "tensor-core decode: f16 contiguous cache, hd 128");
-    static_assert(!QKR || (TC && STORE), "QK-norm + RoPE: the tensor-core decode that stores its rows");
 
     __shared__ float sm_acc[NW][GB][HD];
     __shared__ float sm_m[NW][GB], sm_l[NW][GB];
@@ -695,17 +576,6 @@ __device__ __forceinline__ void attn_decode_impl(
     if constexpr (STORE) {
         if (tid < gridDim.z) s_pos[tid] = positions[tid];
     }
-    // QKR: row t's rotary (cos, sin) per pair and the norm weights, before the wait (the
-    // STORE barrier below publishes them).
-    __shared__ float2 s_cs[QKR ? 64 : 1];
-    __shared__ float s_qw[QKR ? HD : 1], s_kw[QKR ? HD : 1];
-    if constexpr (QKR) {
-        if (tid < qr.rot_dim / 2) s_cs[tid] = qkr_cos_sin(qr, tid, pos_t);
-        for (int i = tid; i < HD; i += DECODE_THREADS) {
-            s_qw[i] = qr.qw != nullptr ? qr.qw[i] : 1.f;
-            s_kw[i] = qr.kw != nullptr ? qr.kw[i] : 1.f;
-        }
-    }
     PDL_ENTRY();
 
     const int kvd = (n_heads / group) * HD;
@@ -725,12 +595,6 @@ __device__ __forceinline__ void attn_decode_impl(
             const long long e0 = head_base + (long long)p * HD;
             const float* kr = knew + (long long)r * kvd + kvh * HD;
             const float* vr = vnew + (long long)r * kvd + kvh * HD;
-            if constexpr (QKR) {  // HD == DECODE_THREADS: one element per thread
-                const float kx = qkr_k_elem<HD>(kr[tid], qr, s_kw, p);
-                reinterpret_cast<unsigned short*>(kc)[e0 + tid] = f32_to_f16_sat(kx);
-                reinterpret_cast<unsigned short*>(vc)[e0 + tid] = f32_to_f16_sat(vr[tid]);
-                continue;
-            }
             for (int i = tid; i < HD; i += DECODE_THREADS) {  // whole warps (HD % 32 == 0)
                 if constexpr (Q8) {
                     q8_store(kr[i], kc, ks, e0 + i, lane);
@@ -745,8 +609,8 @@ __device__ __forceinline__ void attn_decode_impl(
     }
 
     if constexpr (TC) {
-        decode_tc_loop<HD, GB, QKR>(q, kc, vc, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc, sm_m,
-                                    sm_l, qr, s_qw, s_cs);
+        decode_tc_loop<HD, GB>(q, kc, vc, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc, sm_m,
+                               sm_l);
     } else {
         const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
 
@@ -994,19 +858,10 @@ DECODE_KERNEL(256, 2)
 DECODE_KERNEL(256, 4)
 DECODE_KERNEL(256, 8)
 
-// The tensor-core main loop (decode_tc_loop): f16 contiguous cache, hd 128; _qkr: with the
-// QK-norm and RoPE of q and the step's k (QkRope). Both take the QkRope arguments (the plain
-// kernel ignores them), so the launcher passes one list.
-#define DECODE_TC_ARGS DECODE_ARGS, const float *__restrict__ qw, const float *__restrict__ kw, \
-                       int rot_dim, int neox, float theta, float eps
+// The tensor-core main loop (decode_tc_loop): f16 contiguous cache, hd 128.
 #define DECODE_TC_KERNEL(GB)                                                                 \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_TC_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
-        attn_decode_tc_qkr_128_##GB(DECODE_TC_ARGS) {                                        \
-        attn_decode_impl<128, GB, false, false, true, true, true>(                           \
-            DECODE_PASS, UNPAGED_PASS(capacity), QkRope{qw, kw, rot_dim, neox, theta, eps});  \
     }
 DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
