@@ -51,8 +51,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_PF",
-        Accepts::Range(0, 3),
-        "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans, 3 whole spans of short rows, heads of long ones (MATMUL.md)",
+        Accepts::Range(0, 2),
+        "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans (MATMUL.md)",
     ),
     (
         "FERRITE_GEMV_PF_HEAD",

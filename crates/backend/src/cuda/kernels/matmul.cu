@@ -360,12 +360,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 // How much of its weights gemv_prologue prefetches into L2 before the PDL wait (set once by
 // the launcher, matmul.rs; a tuning switch while the F16 decode regression is measured):
 // 0 nothing, 1 the first gemv_pf_head bytes of each of the block's rows (what the first
-// steps of the row groups load), 2 the block's whole span (round 3), 3 the whole span for
-// rows of at most GEMV_PF_SHORT_ROW bytes, the heads otherwise (round 15).
+// steps of the row groups load), 2 the block's whole span (round 3).
 __constant__ int gemv_pf_mode;
-// Mode 3's longest "short" row: a 4096-column F16 row (the attention projections), whose
-// blocks of 2 rows hold too little work per warp to hide their loads' latency.
-#define GEMV_PF_SHORT_ROW 8192
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
 __constant__ int gemv_pf_head;
@@ -374,7 +370,7 @@ __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W
                                               int r0, int r1) {
 #if __CUDA_ARCH__ >= 900
     r1 = r1 < n_out ? r1 : n_out;
-    const int mode = gemv_pf_mode == 3 ? (rb <= GEMV_PF_SHORT_ROW ? 2 : 1) : gemv_pf_mode;
+    const int mode = gemv_pf_mode;
     if (mode == 1 && r0 < r1) {
         // One line per thread and pass: thread t takes row t / L, line t % L of that row's head.
         const long long head = gemv_pf_head;
