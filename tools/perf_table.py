@@ -62,7 +62,8 @@ def table():
         r = json.loads(line)
         if r.get("engine") != "ferrite":
             continue
-        key = (r.get("gpu", "?"), r.get("backend", "?"), r.get("model"), r.get("quant"), r.get("test"), r.get("depth", 0))
+        quant = r.get("quant") + (f" (KV {r['kv_cache']})" if r.get("kv_cache") else "")
+        key = (r.get("gpu", "?"), r.get("backend", "?"), r.get("model"), quant, r.get("test"), r.get("depth", 0))
         rows[key] = r  # newest wins (the file is append-only)
     cpu_base = load_baselines()
     short_gates = set()

@@ -73,6 +73,9 @@ pub struct Record {
     pub reps: usize,
     /// Prompt length of the prefill/decode gate the run passed (`--gate-tokens`).
     pub gate_tokens: usize,
+    /// The KV cache's storage where it is not the default f16 (`--kv-cache-q8`: "q8_0").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<&'static str>,
 }
 
 /// llama.cpp's `llama_ftype` names for `general.file_type`.
@@ -237,6 +240,7 @@ fn bench_on<B: Backend>(
     let bytes_tg = weight_bytes + kv_bytes;
     let device = be.device_name();
     let date = utc_now();
+    let kv_cache = a.model.kv_cache_q8.then_some("q8_0");
     let records = vec![
         Record {
             date: date.clone(),
@@ -256,6 +260,7 @@ fn bench_on<B: Backend>(
             vram_used_gib,
             reps: a.reps,
             gate_tokens: gate_prompt.len(),
+            kv_cache,
         },
         Record {
             date,
@@ -275,6 +280,7 @@ fn bench_on<B: Backend>(
             vram_used_gib,
             reps: a.reps,
             gate_tokens: gate_prompt.len(),
+            kv_cache,
         },
     ];
     if a.json {

@@ -193,10 +193,10 @@ pub struct Kernels {
     kv_store: [CudaFunction; 2],
     /// `decode[q8][hd index][log2 heads-per-block]`.
     decode: [Vec<Vec<CudaFunction>>; 2],
-    /// The tensor-core decode kernels (f16 contiguous cache, head_dim
-    /// [`DECODE_TC_HEAD_DIM`]) by log2 heads-per-block; `None` when `FERRITE_ATTN_DTC=0`
-    /// keeps decode on the SIMT loop.
-    decode_tc: Option<Vec<CudaFunction>>,
+    /// The tensor-core decode kernels (contiguous cache, head_dim [`DECODE_TC_HEAD_DIM`]),
+    /// `[f16, q8_0][log2 heads-per-block]`; `None` when `FERRITE_ATTN_DTC=0` keeps decode
+    /// on the SIMT loop.
+    decode_tc: Option<[Vec<CudaFunction>; 2]>,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -258,12 +258,13 @@ impl Kernels {
                 .map(Some)
         };
         let decode_tc = if super::switches::int_or("FERRITE_ATTN_DTC", 1) != 0 {
-            Some(
+            let fam = |pre: &str| {
                 [1, 2, 4, 8]
                     .iter()
-                    .map(|gb| function(&m, &format!("attn_decode_tc_{DECODE_TC_HEAD_DIM}_{gb}")))
-                    .collect::<Result<Vec<_>>>()?,
-            )
+                    .map(|gb| function(&m, &format!("attn_decode_{pre}{DECODE_TC_HEAD_DIM}_{gb}")))
+                    .collect::<Result<Vec<_>>>()
+            };
+            Some([fam("tc_")?, fam("tc_q8_")?])
         } else {
             None
         };
@@ -352,8 +353,15 @@ fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
 }
 
-/// The head size of the tensor-core decode kernels (`attn_decode_tc_<hd>_<gb>`; the other
-/// sizes, q8_0 and paged caches take the SIMT loop).
+/// Whether a cache of type index `q8` (0 f16, 1 q8_0) takes the tensor-core decode: f16
+/// always, q8_0 unless `FERRITE_ATTN_DTC=2` (its A/B switch) keeps it on the SIMT loop.
+fn q8_tc(q8: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    q8 == 0 || *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_DTC", 1) != 2)
+}
+
+/// The head size of the tensor-core decode kernels (`attn_decode_tc[_q8]_<hd>_<gb>`; the
+/// other sizes and paged caches take the SIMT loop).
 pub const DECODE_TC_HEAD_DIM: usize = 128;
 
 /// Most query heads per decode block (see [`heads_per_block`]).
@@ -620,7 +628,7 @@ pub fn attention(
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
         let gbi = heads_per_block(group).trailing_zeros() as usize;
         let func = match &be.attention.decode_tc {
-            Some(tc) if q8 == 0 && head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
+            Some(tc) if head_dim == DECODE_TC_HEAD_DIM && q8_tc(q8) => &tc[q8][gbi],
             _ => &be.attention.decode[q8][fi][gbi],
         };
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.

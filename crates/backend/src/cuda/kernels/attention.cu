@@ -366,6 +366,30 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
     }
 }
 
+// Eight q8_0 cache values (8 int8 of one 32-block) as the f16 cache's 16 bytes would hold
+// them, each rounded once from b · d: the bytes, offset to unsigned, sit under an f16
+// exponent that makes them 1024 + b + 128 exactly (byte_perm), less 1152 (exact), times the
+// block scale d (one rounding). Feeds the f16 fragment code of decode_tc_loop unchanged.
+__device__ __forceinline__ uint4 q8_dequant8(uint2 qv, uint32_t d2) {
+    const uint32_t t0 = qv.x ^ 0x80808080u, t1 = qv.y ^ 0x80808080u;
+    const __half2 bias = __float2half2_rn(1152.0f);
+    const __half2 d = *reinterpret_cast<const __half2*>(&d2);
+    uint32_t w[4] = {__byte_perm(t0, 0x64646464u, 0x4140u), __byte_perm(t0, 0x64646464u, 0x4342u),
+                     __byte_perm(t1, 0x64646464u, 0x4140u), __byte_perm(t1, 0x64646464u, 0x4342u)};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const __half2 h = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&w[i]), bias), d);
+        w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// f16 scale e (0..3) of the four at `four` as a half2 (d, d).
+__device__ __forceinline__ uint32_t q8_scale2(uint2 four, int e) {
+    const uint32_t w = e < 2 ? four.x : four.y;
+    return __byte_perm(w, w, (e & 1) ? 0x3232u : 0x1010u);
+}
+
 // The decode main loop on the tensor cores (attn_decode_tc_128_<GB>: f16 contiguous cache,
 // hd 128; ATTENTION.md, "Decode on the tensor cores"). Why: the SIMT loop spends ~65 warp
 // instructions per key (8-dim partial dots, a 4-level shuffle reduction per head, per-key
@@ -394,9 +418,11 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
 // Per warp and 16 keys: 16 loads of 16 B, 24 MMAs (16 S, 8 P·V), 32 byte_perm, ~40 for the
 // softmax. The warp's (m, l, acc) go to the block merge in the SIMT loop's format.
 // Precision: q and P rounded to f16 (as the tensor-core prefill), f32 accumulation.
-template <int HD, int GB>
+template <int HD, int GB, bool Q8>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
-                                               const unsigned char* __restrict__ vc, int t, int n_heads, int h0,
+                                               const unsigned char* __restrict__ vc,
+                                               const unsigned short* __restrict__ ks,
+                                               const unsigned short* __restrict__ vs, int t, int n_heads, int h0,
                                                long long head_base, int start, int end, float scale_log2,
                                                float (&sm_acc)[DECODE_THREADS / 32][GB][HD],
                                                float (&sm_m)[DECODE_THREADS / 32][GB],
@@ -430,21 +456,56 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 
     const unsigned short* kh = reinterpret_cast<const unsigned short*>(kc) + head_base;
     const unsigned short* vh = reinterpret_cast<const unsigned short*>(vc) + head_base;
+    // Q8: the quants at byte head_base + element, the scales per 32 elements (4 per key).
+    const unsigned char* kq = kc + head_base;
+    const unsigned char* vq = vc + head_base;
+    const unsigned short* ksh = ks + head_base / 32;
+    const unsigned short* vsh = vs + head_base / 32;
     for (int base = start + 16 * warp; base < end; base += 16 * NW) {  // uniform across the warp
         uint4 kw[2][NP], vw[4][2];
+        if constexpr (Q8) {
+            // Every load first (8-byte quants, the key's four scales), then the conversions.
+            uint2 kq8[2][NP], kd[2], vq8[4][2], vd[4];
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
-            const int kp = min(base + 8 * n + g, end - 1);
-            const uint4* p = reinterpret_cast<const uint4*>(kh + (long long)kp * HD + 8 * tq);
+            for (int n = 0; n < 2; n++) {
+                const int kp = min(base + 8 * n + g, end - 1);
+                const uint2* p = reinterpret_cast<const uint2*>(kq + (long long)kp * HD + 8 * tq);
 #pragma unroll
-            for (int c = 0; c < NP; c++) kw[n][c] = __ldcg(p + 4 * c);
-        }
+                for (int c = 0; c < NP; c++) kq8[n][c] = __ldcg(p + 4 * c);
+                kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)kp * (HD / 32)));
+            }
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {  // keys 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9
-            const int kp = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
-            const uint4* p = reinterpret_cast<const uint4*>(vh + (long long)kp * HD + 8 * g);
-            vw[kk][0] = __ldcg(p);
-            vw[kk][1] = __ldcg(p + HD / 16);  // dims 64 + 8 g ..
+            for (int kk = 0; kk < 4; kk++) {
+                const int kp = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
+                const uint2* p = reinterpret_cast<const uint2*>(vq + (long long)kp * HD + 8 * g);
+                vq8[kk][0] = __ldcg(p);
+                vq8[kk][1] = __ldcg(p + HD / 16);
+                vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)kp * (HD / 32)));
+            }
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < NP; c++) kw[n][c] = q8_dequant8(kq8[n][c], q8_scale2(kd[n], c));
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {  // dims 8 g .. (block g / 4), 64 + 8 g .. (2 + g / 4)
+                vw[kk][0] = q8_dequant8(vq8[kk][0], q8_scale2(vd[kk], g >> 2));
+                vw[kk][1] = q8_dequant8(vq8[kk][1], q8_scale2(vd[kk], 2 + (g >> 2)));
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < 2; n++) {
+                const int kp = min(base + 8 * n + g, end - 1);
+                const uint4* p = reinterpret_cast<const uint4*>(kh + (long long)kp * HD + 8 * tq);
+#pragma unroll
+                for (int c = 0; c < NP; c++) kw[n][c] = __ldcg(p + 4 * c);
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {  // keys 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9
+                const int kp = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
+                const uint4* p = reinterpret_cast<const uint4*>(vh + (long long)kp * HD + 8 * g);
+                vw[kk][0] = __ldcg(p);
+                vw[kk][1] = __ldcg(p + HD / 16);  // dims 64 + 8 g ..
+            }
         }
 
         float s[2][4];
@@ -540,7 +601,7 @@ __device__ __forceinline__ void attn_decode_impl(
     // Keys per block per iteration (TC: 16 per warp, decode_tc_loop).
     constexpr int STEP = TC ? NW * 16 : KPB * U;
     static_assert(HD % 32 == 0 && 32 % TPK == 0, "decode head_dim");
-    static_assert(!TC || (HD == 128 && !Q8 && !PAGED), "tensor-core decode: f16 contiguous cache, hd 128");
+    static_assert(!TC || (HD == 128 && !PAGED), "tensor-core decode: contiguous cache, hd 128");
 
     __shared__ float sm_acc[NW][GB][HD];
     __shared__ float sm_m[NW][GB], sm_l[NW][GB];
@@ -609,8 +670,8 @@ __device__ __forceinline__ void attn_decode_impl(
     }
 
     if constexpr (TC) {
-        decode_tc_loop<HD, GB>(q, kc, vc, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc, sm_m,
-                               sm_l);
+        decode_tc_loop<HD, GB, Q8>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc,
+                                   sm_m, sm_l);
     } else {
         const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
 
@@ -858,10 +919,13 @@ DECODE_KERNEL(256, 2)
 DECODE_KERNEL(256, 4)
 DECODE_KERNEL(256, 8)
 
-// The tensor-core main loop (decode_tc_loop): f16 contiguous cache, hd 128.
+// The tensor-core main loop (decode_tc_loop): contiguous f16 and q8_0 caches, hd 128.
 #define DECODE_TC_KERNEL(GB)                                                                 \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
 DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
