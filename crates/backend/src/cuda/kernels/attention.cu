@@ -56,6 +56,9 @@
 //   the TPK lanes by xor-shuffles; each thread keeps per head an online-softmax state
 //   (m, l, acc[8]) over the keys its slot saw; at the end states merge across slots by
 //   shuffles, across warps through shared memory. Bytes: each K/V byte of the head read once.
+//   attn_decode_tc[_q8]_128_<GB> (contiguous f16 / q8_0 caches at hd 128; the launcher's
+//   default there) replace this per-key loop by S = QKᵀ and Oᵀ = VᵀPᵀ on mma.sync, 16 keys
+//   per warp step (decode_tc_loop below); everything else is this same template code.
 //   L2 prefetch (contiguous cache, pf > 0): one thread issues a TMA bulk prefetch of the K
 //   and V tiles pf iterations ahead (the first pf tiles before the PDL wait, overlapping the
 //   previous kernel's tail: the cache at earlier positions is written by completed grids).
@@ -391,7 +394,8 @@ __device__ __forceinline__ uint32_t q8_scale2(uint2 four, int e) {
 }
 
 // The decode main loop on the tensor cores (attn_decode_tc_128_<GB>: f16 contiguous cache,
-// hd 128; ATTENTION.md, "Decode on the tensor cores"). Why: the SIMT loop spends ~65 warp
+// hd 128; attn_decode_tc_q8_128_<GB>: q8_0, its values dequantized into the same f16 words
+// by q8_dequant8 after the loads; ATTENTION.md, "Decode on the tensor cores"). Why: the SIMT loop spends ~65 warp
 // instructions per key (8-dim partial dots, a 4-level shuffle reduction per head, per-key
 // online softmax, f16 unpacking) and loads one batch per iteration, so at long context it
 // ran at ~2.9 TB/s in the model; here a warp spends ~150 instructions per 16 keys (8 KB).
