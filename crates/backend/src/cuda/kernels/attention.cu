@@ -369,6 +369,8 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
     }
 }
 
+// EMU_DTC_BEGIN (host emulation: tests/attn_decode_tc_emu.rs; tc_mma_f16, the half
+// intrinsics and the warp collectives are emulated there)
 // Eight q8_0 cache values (8 int8 of one 32-block) as the f16 cache's 16 bytes would hold
 // them, each rounded once from b · d: the bytes, offset to unsigned, sit under an f16
 // exponent that makes them 1024 + b + 128 exactly (byte_perm), less 1152 (exact), times the
@@ -586,6 +588,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         }
     }
 }
+// EMU_DTC_END
 
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false>
 __device__ __forceinline__ void attn_decode_impl(

@@ -1,0 +1,281 @@
+// Host emulation of attention.cu's tensor-core decode loop (decode_tc_loop with q8_dequant8
+// and q8_scale2: the section between its EMU_DTC markers, written next to this file as
+// dtc.cuh by attn_decode_tc_emu.rs). One block of 128 threads on the host, every thread a
+// fiber (../emu/fibers.h); emulated:
+//  - tc_mma_f16: mma.sync m16n8k16 f16 x f16 -> f32: the 32 lanes deposit their fragments,
+//    A (16 x 16) and B (16 x 8) are rebuilt from the PTX ISA fragment layout, each lane adds
+//    its four dot products (in double, then rounded to f32);
+//  - the half intrinsics (round to nearest even at every f16 result, as the hardware),
+//    __shfl_xor_sync / __shfl_sync, __byte_perm, __ldcg.
+// Each configuration (heads per block GB, f16 or q8_0 cache, the key range [start, end) of
+// the block) runs the loop, merges the 4 warps' (m, l, acc) as attn_decode_impl's tail does,
+// and compares every (head, dim) with a double-precision softmax attention over the cache's
+// values (NMSE <= 1e-5: q and P are rounded to f16 for the MMAs, as in the tensor-core
+// prefill). Prints one line per configuration and "ALL OK"; exit status 1 on a mismatch.
+#define EMU_THREADS 128
+#include <cmath>
+
+#include "fibers.h"
+
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define DECODE_THREADS 128
+#define ATT_NEG (-1.0e30f)
+#define ATT_FULL 0xffffffffu
+
+struct uint2 {
+    uint32_t x, y;
+};
+struct uint4 {
+    uint32_t x, y, z, w;
+};
+struct float4 {
+    float x, y, z, w;
+};
+static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+template <class T>
+static inline T __ldcg(const T* p) {
+    return *p;
+}
+using std::max;
+using std::min;
+
+
+
+static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+    const uint64_t v = (uint64_t)y << 32 | x;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
+}
+
+// f16 <-> f32 (round to nearest even; finite values, as the cache holds).
+static float h2f(uint16_t h) {
+    const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    const float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
+    return s ? -v : v;
+}
+static uint16_t f2h(float f) {
+    const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+    double a = std::fabs((double)f);
+    if (a == 0) return sign;
+    int e;
+    std::frexp(a, &e);                         // a = m 2^e, m in [0.5, 1)
+    int ex = std::max(e - 1, -14);             // f16 exponent (subnormals at -14)
+    const double q = std::ldexp(1.0, ex - 10);  // spacing of f16 values there
+    double n = std::nearbyint(a / q);          // round half to even (default mode)
+    double v = n * q;
+    if (v >= 65520.0) return sign | 0x7C00;
+    // Re-encode v.
+    if (v < std::ldexp(1.0, -14)) return sign | (uint16_t)std::nearbyint(v / std::ldexp(1.0, -24));
+    std::frexp(v, &e);
+    ex = e - 1;
+    const uint16_t mant = (uint16_t)((int)std::nearbyint(std::ldexp(v, 10 - ex)) - 1024);
+    return sign | (uint16_t)((ex + 15) << 10) | mant;
+}
+struct __half2 {
+    uint16_t x, y;
+};
+static inline __half2 __float2half2_rn(float f) { return {f2h(f), f2h(f)}; }
+static inline __half2 __floats2half2_rn(float a, float b) { return {f2h(a), f2h(b)}; }
+static inline __half2 __hsub2(__half2 a, __half2 b) {
+    return {f2h(h2f(a.x) - h2f(b.x)), f2h(h2f(a.y) - h2f(b.y))};
+}
+static inline __half2 __hmul2(__half2 a, __half2 b) {
+    return {f2h((float)((double)h2f(a.x) * h2f(b.x))), f2h((float)((double)h2f(a.y) * h2f(b.y)))};
+}
+static inline uint32_t tc_pack_f16(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    uint32_t u;
+    memcpy(&u, &h, 4);
+    return u;
+}
+
+static float __shfl_xor_sync(unsigned, float v, int off) {
+    Deposit m{};
+    m.kind = 1;
+    m.w[0] = f2u(v);
+    const Deposit* all = warp_exchange(m);
+    return __uint_as_float(all[(cur % 32) ^ off].w[0]);
+}
+static float __shfl_sync(unsigned, float v, int src) {
+    Deposit m{};
+    m.kind = 3;
+    m.w[0] = f2u(v);
+    const Deposit* all = warp_exchange(m);
+    return __uint_as_float(all[src & 31].w[0]);
+}
+
+static void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                       uint32_t b1) {
+    Deposit m{};
+    m.kind = 2;
+    const uint32_t in[10] = {a0, a1, a2, a3, b0, b1, f2u(c[0]), f2u(c[1]), f2u(c[2]), f2u(c[3])};
+    memcpy(m.w, in, sizeof in);
+    const Deposit* all = warp_exchange(m);
+    double A[16][16], B[16][8];
+    const auto lo = [](uint32_t w) { return (double)h2f((uint16_t)(w & 0xFFFF)); };
+    const auto hi = [](uint32_t w) { return (double)h2f((uint16_t)(w >> 16)); };
+    for (int l = 0; l < 32; l++) {
+        const int g = l >> 2, t = l & 3;
+        const uint32_t* w = all[l].w;
+        A[g][2 * t] = lo(w[0]), A[g][2 * t + 1] = hi(w[0]);
+        A[g + 8][2 * t] = lo(w[1]), A[g + 8][2 * t + 1] = hi(w[1]);
+        A[g][2 * t + 8] = lo(w[2]), A[g][2 * t + 9] = hi(w[2]);
+        A[g + 8][2 * t + 8] = lo(w[3]), A[g + 8][2 * t + 9] = hi(w[3]);
+        B[2 * t][g] = lo(w[4]), B[2 * t + 1][g] = hi(w[4]);
+        B[2 * t + 8][g] = lo(w[5]), B[2 * t + 9][g] = hi(w[5]);
+    }
+    const int lane = cur % 32, g = lane >> 2, t = lane & 3;
+    for (int q = 0; q < 4; q++) {
+        const int r = g + 8 * (q >> 1), col = 2 * t + (q & 1);
+        double acc = c[q];
+        for (int k = 0; k < 16; k++) acc += A[r][k] * B[k][col];
+        c[q] = (float)acc;
+    }
+}
+
+#include "dtc.cuh"
+
+// ---- one configuration ------------------------------------------------------------------
+constexpr int HD = 128, NWARP = 4, CAP = 512, MAXGB = 8;
+struct Cfg {
+    int gb, q8, start, end;
+};
+static Cfg cfg;
+static std::vector<float> qv;                 // [gb][HD]
+static std::vector<uint16_t> kf, vf;          // f16 cache [CAP][HD]
+static std::vector<uint8_t> kq, vq;           // q8_0 quants [CAP][HD]
+static std::vector<uint16_t> ksc, vsc;        // q8_0 scales [CAP][HD / 32]
+static const float SCALE_LOG2 = 1.4426950408889634f / std::sqrt((float)HD);
+
+template <int GB>
+static float* sm_acc_gb() {
+    static float buf[NWARP * GB * HD];
+    return buf;
+}
+template <int GB>
+static float* sm_ml_gb(int which) {
+    static float buf[2][NWARP * GB];
+    return buf[which];
+}
+
+template <int GB, bool Q8>
+static void run_body() {
+    auto& a = *reinterpret_cast<float(*)[NWARP][GB][HD]>(sm_acc_gb<GB>());
+    auto& m = *reinterpret_cast<float(*)[NWARP][GB]>(sm_ml_gb<GB>(0));
+    auto& l = *reinterpret_cast<float(*)[NWARP][GB]>(sm_ml_gb<GB>(1));
+    const unsigned char* kc = Q8 ? kq.data() : reinterpret_cast<const unsigned char*>(kf.data());
+    const unsigned char* vc = Q8 ? vq.data() : reinterpret_cast<const unsigned char*>(vf.data());
+    decode_tc_loop<HD, GB, Q8>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start, cfg.end,
+                               SCALE_LOG2, a, m, l);
+}
+
+static std::vector<double> out_kernel, out_ref;
+
+template <int GB, bool Q8>
+static void run() {
+    float* a = sm_acc_gb<GB>();
+    float* m = sm_ml_gb<GB>(0);
+    float* l = sm_ml_gb<GB>(1);
+    for (int i = 0; i < NWARP * GB * HD; i++) a[i] = NAN;
+    for (int i = 0; i < NWARP * GB; i++) m[i] = l[i] = NAN;
+    run_block(0, 0, run_body<GB, Q8>);
+    // attn_decode_impl's block merge.
+    out_kernel.assign(GB * HD, 0.0);
+    for (int h = 0; h < GB; h++) {
+        float mx = ATT_NEG;
+        for (int w = 0; w < NWARP; w++) mx = fmaxf(mx, m[w * GB + h]);
+        double ls = 0;
+        for (int w = 0; w < NWARP; w++) ls += l[w * GB + h] * std::exp2((double)m[w * GB + h] - mx);
+        for (int d = 0; d < HD; d++) {
+            double s = 0;
+            for (int w = 0; w < NWARP; w++) s += a[(w * GB + h) * HD + d] * std::exp2((double)m[w * GB + h] - mx);
+            out_kernel[h * HD + d] = s / ls;
+        }
+    }
+}
+
+static double kval(bool v, int p, int d) {
+    if (!cfg.q8) return h2f((v ? vf : kf)[p * HD + d]);
+    const int8_t b = (int8_t)(v ? vq : kq)[p * HD + d];
+    return b * (double)h2f((v ? vsc : ksc)[p * (HD / 32) + d / 32]);
+}
+
+static void reference() {
+    out_ref.assign(cfg.gb * HD, 0.0);
+    for (int h = 0; h < cfg.gb; h++) {
+        std::vector<double> s(cfg.end - cfg.start);
+        double mx = -1e300;
+        for (int p = cfg.start; p < cfg.end; p++) {
+            double dot = 0;
+            for (int d = 0; d < HD; d++) dot += (double)qv[h * HD + d] * kval(false, p, d);
+            s[p - cfg.start] = dot * SCALE_LOG2;
+            mx = std::max(mx, s[p - cfg.start]);
+        }
+        double den = 0;
+        for (auto& x : s) den += (x = std::exp2(x - mx));
+        for (int d = 0; d < HD; d++) {
+            double num = 0;
+            for (int p = cfg.start; p < cfg.end; p++) num += s[p - cfg.start] * kval(true, p, d);
+            out_ref[h * HD + d] = num / den;
+        }
+    }
+}
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double urand() {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (rng >> 11) * (1.0 / 9007199254740992.0);
+}
+static double nrand() { return std::sqrt(-2 * std::log(urand() + 1e-300)) * std::cos(6.283185307179586 * urand()); }
+
+int main() {
+    const Cfg cases[] = {
+        {4, 0, 0, 1},   {4, 0, 0, 17},  {4, 0, 64, 101}, {4, 0, 0, 200}, {1, 0, 5, 77},
+        {2, 0, 128, 192}, {8, 0, 0, 150}, {4, 1, 0, 1},   {4, 1, 0, 17},  {4, 1, 64, 101},
+        {4, 1, 0, 200}, {8, 1, 3, 130}, {1, 1, 0, 64},
+    };
+    bool ok = true;
+    for (const Cfg& c : cases) {
+        cfg = c;
+        qv.resize(MAXGB * HD);
+        for (auto& x : qv) x = (float)nrand();
+        kf.resize(CAP * HD), vf.resize(CAP * HD), kq.resize(CAP * HD), vq.resize(CAP * HD);
+        ksc.resize(CAP * HD / 32), vsc.resize(CAP * HD / 32);
+        for (int i = 0; i < CAP * HD; i++) {
+            kf[i] = f2h((float)(2 * nrand()));
+            vf[i] = f2h((float)nrand());
+            kq[i] = (uint8_t)(int8_t)(int)std::lround(127 * (2 * urand() - 1));
+            vq[i] = (uint8_t)(int8_t)(int)std::lround(127 * (2 * urand() - 1));
+        }
+        for (int i = 0; i < CAP * HD / 32; i++) {
+            ksc[i] = f2h((float)(0.02 * (0.5 + urand())));
+            vsc[i] = f2h((float)(0.01 * (0.5 + urand())));
+        }
+        switch (c.gb * 2 + c.q8) {
+            case 2: run<1, false>(); break;
+            case 3: run<1, true>(); break;
+            case 4: run<2, false>(); break;
+            case 5: run<2, true>(); break;
+            case 8: run<4, false>(); break;
+            case 9: run<4, true>(); break;
+            case 16: run<8, false>(); break;
+            case 17: run<8, true>(); break;
+        }
+        reference();
+        double num = 0, den = 0;
+        for (size_t i = 0; i < out_ref.size(); i++) {
+            const double e = out_kernel[i] - out_ref[i];
+            num += e * e, den += out_ref[i] * out_ref[i];
+        }
+        const double nmse = num / std::max(den, 1e-300);
+        const bool good = std::isfinite(nmse) && nmse <= 1e-5;
+        printf("gb=%d %s keys [%d, %d): NMSE %.2e %s\n", c.gb, c.q8 ? "q8_0" : "f16", c.start, c.end, nmse,
+               good ? "OK" : "FAIL");
+        ok = ok && good;
+    }
+    if (ok) printf("ALL OK\n");
+    return ok ? 0 : 1;
+}
