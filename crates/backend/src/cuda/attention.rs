@@ -194,9 +194,9 @@ pub struct Kernels {
     /// `decode[q8][hd index][log2 heads-per-block]`.
     decode: [Vec<Vec<CudaFunction>>; 2],
     /// The tensor-core decode kernels (contiguous cache, head_dim [`DECODE_TC_HEAD_DIM`]),
-    /// `[f16, q8_0][log2 heads-per-block]`; `None` when `FERRITE_ATTN_DTC=0` keeps decode
-    /// on the SIMT loop.
-    decode_tc: Option<[Vec<CudaFunction>; 2]>,
+    /// `[f16, q8_0]`, each by log2 heads-per-block; `None` where `FERRITE_ATTN_DTC` keeps
+    /// that cache type on the SIMT loop (0: both, 2: q8_0).
+    decode_tc: [Option<Vec<CudaFunction>>; 2],
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -257,17 +257,18 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
                 .map(Some)
         };
-        let decode_tc = if super::switches::int_or("FERRITE_ATTN_DTC", 1) != 0 {
-            let fam = |pre: &str| {
-                [1, 2, 4, 8]
-                    .iter()
-                    .map(|gb| function(&m, &format!("attn_decode_{pre}{DECODE_TC_HEAD_DIM}_{gb}")))
-                    .collect::<Result<Vec<_>>>()
-            };
-            Some([fam("tc_")?, fam("tc_q8_")?])
-        } else {
-            None
+        let dtc = super::switches::int_or("FERRITE_ATTN_DTC", 1);
+        let decode_tc = |on: bool, pre: &str| -> Result<Option<Vec<CudaFunction>>> {
+            if !on {
+                return Ok(None);
+            }
+            [1, 2, 4, 8]
+                .iter()
+                .map(|gb| function(&m, &format!("attn_decode_{pre}{DECODE_TC_HEAD_DIM}_{gb}")))
+                .collect::<Result<Vec<_>>>()
+                .map(Some)
         };
+        let decode_tc = [decode_tc(dtc != 0, "tc_")?, decode_tc(dtc == 1, "tc_q8_")?];
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
@@ -351,13 +352,6 @@ impl DecodeTuning {
 /// Index of `head_dim` among the tuned sizes.
 fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
-}
-
-/// Whether a cache of type index `q8` (0 f16, 1 q8_0) takes the tensor-core decode: f16
-/// always, q8_0 unless `FERRITE_ATTN_DTC=2` (its A/B switch) keeps it on the SIMT loop.
-fn q8_tc(q8: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    q8 == 0 || *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_DTC", 1) != 2)
 }
 
 /// The head size of the tensor-core decode kernels (`attn_decode_tc[_q8]_<hd>_<gb>`; the
@@ -627,8 +621,8 @@ pub fn attention(
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
         let gbi = heads_per_block(group).trailing_zeros() as usize;
-        let func = match &be.attention.decode_tc {
-            Some(tc) if head_dim == DECODE_TC_HEAD_DIM && q8_tc(q8) => &tc[q8][gbi],
+        let func = match &be.attention.decode_tc[q8] {
+            Some(tc) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
             _ => &be.attention.decode[q8][fi][gbi],
         };
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
