@@ -14,8 +14,6 @@
 //! measured 0.5–1.7e-7). Needs only g++; skipped with a note where it is missing. What it
 //! cannot see: ptxas, timing, the store and the split merge (`ferrite check` on the GPU).
 
-use std::process::Command;
-
 #[path = "emu/mod.rs"]
 mod emu;
 
@@ -36,14 +34,5 @@ fn tensor_core_decode_attention_emulated_matches_reference() {
     ) else {
         return;
     };
-    let out = Command::new(&exe).output().expect("running the emulation");
-    let text = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(
-        out.status.success() && text.contains("ALL OK"),
-        "the emulated tensor-core decode attention disagrees with the reference"
-    );
-    if let Some(dir) = exe.parent() {
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    emu::run_expect_all_ok(&exe, "tensor-core decode attention");
 }

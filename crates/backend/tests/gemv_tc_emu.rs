@@ -13,8 +13,6 @@
 //! unwritten, and x row 0 must give the same bits at R = 1 and R = 3. Needs only g++; skipped
 //! with a note where it is missing. What it cannot see: ptxas, timing, the bulk copy.
 
-use std::process::Command;
-
 #[path = "emu/mod.rs"]
 mod emu;
 
@@ -39,14 +37,5 @@ fn tensor_core_gemv_emulated_matches_reference() {
     ) else {
         return;
     };
-    let out = Command::new(&exe).output().expect("running the emulation");
-    let text = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(
-        out.status.success() && text.contains("ALL OK"),
-        "the emulated tensor-core GEMV disagrees with the reference"
-    );
-    if let Some(dir) = exe.parent() {
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    emu::run_expect_all_ok(&exe, "tensor-core GEMV");
 }

@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "fibers.h"
+#include "intrinsics.h"
 
 #define __device__
 #define __forceinline__ inline
@@ -41,21 +42,7 @@ static inline T __ldcg(const T* p) {
 using std::max;
 using std::min;
 
-
-
-static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
-    const uint64_t v = (uint64_t)y << 32 | x;
-    uint32_t r = 0;
-    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-    return r;
-}
-
-// f16 <-> f32 (round to nearest even; finite values, as the cache holds).
-static float h2f(uint16_t h) {
-    const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-    const float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
-    return s ? -v : v;
-}
+// f32 -> f16 bits, rounded to nearest even (finite values, as the cache holds).
 static uint16_t f2h(float f) {
     const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
     double a = std::fabs((double)f);
@@ -90,21 +77,6 @@ static inline uint32_t tc_pack_f16(float a, float b) {
     uint32_t u;
     memcpy(&u, &h, 4);
     return u;
-}
-
-static float __shfl_xor_sync(unsigned, float v, int off) {
-    Deposit m{};
-    m.kind = 1;
-    m.w[0] = f2u(v);
-    const Deposit* all = warp_exchange(m);
-    return __uint_as_float(all[(cur % 32) ^ off].w[0]);
-}
-static float __shfl_sync(unsigned, float v, int src) {
-    Deposit m{};
-    m.kind = 3;
-    m.w[0] = f2u(v);
-    const Deposit* all = warp_exchange(m);
-    return __uint_as_float(all[src & 31].w[0]);
 }
 
 static void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,

@@ -1,11 +1,13 @@
-//! Shared by the kernel emulation tests (gated_delta_chunked_emu, gemv_tc_emu): writes a
-//! harness and the kernel sections it includes into a temporary directory, next to
-//! `fibers.h` (the fiber-per-thread block scheduler), and compiles it with g++.
+//! Shared by the kernel emulation tests (gated_delta_chunked_emu, gemv_tc_emu,
+//! attn_decode_tc_emu): writes a harness and the kernel sections it includes into a
+//! temporary directory, next to `fibers.h` (the fiber-per-thread block scheduler) and
+//! `intrinsics.h` (shared host intrinsics), compiles it with g++, and runs it.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 const FIBERS: &str = include_str!("fibers.h");
+const INTRINSICS: &str = include_str!("intrinsics.h");
 
 /// The compiled harness, or `None` (with a note) where g++ is not installed. `files`:
 /// (file name, contents), one of them `harness.cpp`.
@@ -17,6 +19,7 @@ pub fn build(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
     let dir = std::env::temp_dir().join(format!("ferrite-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
+    std::fs::write(dir.join("intrinsics.h"), INTRINSICS).unwrap();
     for (f, text) in files {
         std::fs::write(dir.join(f), text).unwrap();
     }
@@ -36,4 +39,21 @@ pub fn section<'a>(src: &'a str, begin: &str, end: &str) -> &'a str {
     let b = src.find(begin).unwrap_or_else(|| panic!("{begin} marker"));
     let e = src.find(end).unwrap_or_else(|| panic!("{end} marker"));
     &src[b..e]
+}
+
+/// Runs a harness built by [`build`] and asserts it exited cleanly and printed "ALL OK"
+/// (`what` names the emulated kernel in the failure), then removes its directory. (Not every
+/// test crate that includes this module calls it.)
+#[allow(dead_code)]
+pub fn run_expect_all_ok(exe: &std::path::Path, what: &str) {
+    let out = Command::new(exe).output().expect("running the emulation");
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && text.contains("ALL OK"),
+        "the emulated {what} disagrees with the reference"
+    );
+    if let Some(dir) = exe.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

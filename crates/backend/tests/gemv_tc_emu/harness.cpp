@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "fibers.h"
+#include "intrinsics.h"
 
 #define __device__
 #define __forceinline__ inline
@@ -42,26 +43,7 @@ static inline T __ldg(const T* p) {
 }
 using std::max;
 using std::min;
-static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
-    const uint64_t v = (uint64_t)y << 32 | x;
-    uint32_t r = 0;
-    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-    return r;
-}
-static float h2f(uint16_t h) {
-    const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
-    const float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
-    return s ? -v : v;
-}
 static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
-static float __shfl_xor_sync(unsigned, float v, int off) {
-    Deposit m{};
-    m.kind = 1;
-    m.w[0] = f2u(v);
-    const Deposit* all = warp_exchange(m);
-    return __uint_as_float(all[(cur % 32) ^ off].w[0]);
-}
 
 static inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t sh) {
     return (uint32_t)((((uint64_t)hi << 32) | lo) >> (sh & 31));

@@ -1,0 +1,35 @@
+// Host versions of the CUDA intrinsics the kernel emulation harnesses share (gemv_tc_emu,
+// attn_decode_tc_emu): byte permute, f16 bits -> f32, and the float warp shuffles on top of
+// fibers.h's warp_exchange. Included after fibers.h.
+#pragma once
+#include <cmath>
+
+static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+    const uint64_t v = (uint64_t)y << 32 | x;
+    uint32_t r = 0;
+    for (int i = 0; i < 4; i++) r |= (uint32_t)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
+}
+
+// An f16's bits as the f32 of the same value (finite values).
+static float h2f(uint16_t h) {
+    const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    const float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
+    return s ? -v : v;
+}
+
+static float __shfl_xor_sync(unsigned, float v, int off) {
+    Deposit m{};
+    m.kind = 1;
+    m.w[0] = f2u(v);
+    const Deposit* all = warp_exchange(m);
+    return __uint_as_float(all[(cur % 32) ^ off].w[0]);
+}
+
+static float __shfl_sync(unsigned, float v, int src) {
+    Deposit m{};
+    m.kind = 3;
+    m.w[0] = f2u(v);
+    const Deposit* all = warp_exchange(m);
+    return __uint_as_float(all[src & 31].w[0]);
+}
