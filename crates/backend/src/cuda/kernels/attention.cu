@@ -460,33 +460,34 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     for (int i = 0; i < KS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m_run = ATT_NEG, l_run = 0.f;
 
-    const unsigned short* kh = reinterpret_cast<const unsigned short*>(kc) + head_base;
-    const unsigned short* vh = reinterpret_cast<const unsigned short*>(vc) + head_base;
-    // Q8: the quants at byte head_base + element, the scales per 32 elements (4 per key).
-    const unsigned char* kq = kc + head_base;
-    const unsigned char* vq = vc + head_base;
-    const unsigned short* ksh = ks + head_base / 32;
-    const unsigned short* vsh = vs + head_base / 32;
     for (int base = start + 16 * warp; base < end; base += 16 * NW) {  // uniform across the warp
+        // The keys this thread loads, clamped to end - 1: K's key g of n-tile n, V's keys
+        // 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 (relative to base).
+        int kkey[2], vkey[4];
+#pragma unroll
+        for (int n = 0; n < 2; n++) kkey[n] = min(base + 8 * n + g, end - 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) vkey[kk] = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
         uint4 kw[2][NP], vw[4][2];
         if constexpr (Q8) {
+            // The quants at byte head_base + element, the scales per 32 elements (4 per key).
             // Every load first (8-byte quants, the key's four scales), then the conversions.
+            const unsigned char *kq = kc + head_base, *vq = vc + head_base;
+            const unsigned short *ksh = ks + head_base / 32, *vsh = vs + head_base / 32;
             uint2 kq8[2][NP], kd[2], vq8[4][2], vd[4];
 #pragma unroll
             for (int n = 0; n < 2; n++) {
-                const int kp = min(base + 8 * n + g, end - 1);
-                const uint2* p = reinterpret_cast<const uint2*>(kq + (long long)kp * HD + 8 * tq);
+                const uint2* p = reinterpret_cast<const uint2*>(kq + (long long)kkey[n] * HD + 8 * tq);
 #pragma unroll
                 for (int c = 0; c < NP; c++) kq8[n][c] = __ldcg(p + 4 * c);
-                kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)kp * (HD / 32)));
+                kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)kkey[n] * (HD / 32)));
             }
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
-                const int kp = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
-                const uint2* p = reinterpret_cast<const uint2*>(vq + (long long)kp * HD + 8 * g);
+                const uint2* p = reinterpret_cast<const uint2*>(vq + (long long)vkey[kk] * HD + 8 * g);
                 vq8[kk][0] = __ldcg(p);
                 vq8[kk][1] = __ldcg(p + HD / 16);
-                vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)kp * (HD / 32)));
+                vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)vkey[kk] * (HD / 32)));
             }
 #pragma unroll
             for (int n = 0; n < 2; n++)
@@ -498,17 +499,17 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                 vw[kk][1] = q8_dequant8(vq8[kk][1], q8_scale2(vd[kk], 2 + (g >> 2)));
             }
         } else {
+            const unsigned short* kh = reinterpret_cast<const unsigned short*>(kc) + head_base;
+            const unsigned short* vh = reinterpret_cast<const unsigned short*>(vc) + head_base;
 #pragma unroll
             for (int n = 0; n < 2; n++) {
-                const int kp = min(base + 8 * n + g, end - 1);
-                const uint4* p = reinterpret_cast<const uint4*>(kh + (long long)kp * HD + 8 * tq);
+                const uint4* p = reinterpret_cast<const uint4*>(kh + (long long)kkey[n] * HD + 8 * tq);
 #pragma unroll
                 for (int c = 0; c < NP; c++) kw[n][c] = __ldcg(p + 4 * c);
             }
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) {  // keys 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9
-                const int kp = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
-                const uint4* p = reinterpret_cast<const uint4*>(vh + (long long)kp * HD + 8 * g);
+            for (int kk = 0; kk < 4; kk++) {
+                const uint4* p = reinterpret_cast<const uint4*>(vh + (long long)vkey[kk] * HD + 8 * g);
                 vw[kk][0] = __ldcg(p);
                 vw[kk][1] = __ldcg(p + HD / 16);  // dims 64 + 8 g ..
             }
