@@ -258,7 +258,8 @@ impl Kernels {
                 .map(Some)
         };
         let dtc = super::switches::int_or("FERRITE_ATTN_DTC", 1);
-        let decode_tc = |on: bool, pre: &str| -> Result<Option<Vec<CudaFunction>>> {
+        // `attn_decode_<pre>128_<gb>` for every heads-per-block, where `on`.
+        let tc_family = |on: bool, pre: &str| -> Result<Option<Vec<CudaFunction>>> {
             if !on {
                 return Ok(None);
             }
@@ -268,7 +269,7 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
                 .map(Some)
         };
-        let decode_tc = [decode_tc(dtc != 0, "tc_")?, decode_tc(dtc == 1, "tc_q8_")?];
+        let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, "tc_q8_")?];
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
