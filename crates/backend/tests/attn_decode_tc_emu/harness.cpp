@@ -18,29 +18,10 @@
 #include "fibers.h"
 #include "intrinsics.h"
 
-#define __device__
-#define __forceinline__ inline
-#define __restrict__ __restrict
 #define DECODE_THREADS 128
 #define ATT_NEG (-1.0e30f)
 #define ATT_FULL 0xffffffffu
 
-struct uint2 {
-    uint32_t x, y;
-};
-struct uint4 {
-    uint32_t x, y, z, w;
-};
-struct float4 {
-    float x, y, z, w;
-};
-static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
-template <class T>
-static inline T __ldcg(const T* p) {
-    return *p;
-}
-using std::max;
-using std::min;
 
 // f32 -> f16 bits, rounded to nearest even (finite values, as the cache holds).
 static uint16_t f2h(float f) {

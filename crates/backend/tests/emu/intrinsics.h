@@ -1,8 +1,42 @@
-// Host versions of the CUDA intrinsics the kernel emulation harnesses share (gemv_tc_emu,
-// attn_decode_tc_emu): byte permute, f16 bits -> f32, and the float warp shuffles on top of
+// Host versions of the CUDA types and intrinsics the kernel emulation harnesses share
+// (gemv_tc_emu, attn_decode_tc_emu): the vector types, the cached loads (plain loads here),
+// the device qualifiers, byte permute, f16 bits -> f32, and the float warp shuffles on top of
 // fibers.h's warp_exchange. Included after fibers.h.
 #pragma once
+#include <algorithm>
 #include <cmath>
+
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+
+struct int4 {
+    int x, y, z, w;
+};
+struct uint2 {
+    uint32_t x, y;
+};
+struct uint4 {
+    uint32_t x, y, z, w;
+};
+struct float2 {
+    float x, y;
+};
+struct float4 {
+    float x, y, z, w;
+};
+static inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+template <class T>
+static inline T __ldg(const T* p) {
+    return *p;
+}
+template <class T>
+static inline T __ldcg(const T* p) {
+    return *p;
+}
+using std::max;
+using std::min;
 
 static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     const uint64_t v = (uint64_t)y << 32 | x;

@@ -17,9 +17,6 @@
 #include "fibers.h"
 #include "intrinsics.h"
 
-#define __device__
-#define __forceinline__ inline
-#define __restrict__ __restrict
 #define __shared__ static
 #define GEMV_WARPS 8
 #define QK 32
@@ -27,22 +24,6 @@
 #define Q4_K_BYTES 144
 #define Q6_K_BYTES 210
 
-struct int4 {
-    int x, y, z, w;
-};
-struct uint4 {
-    uint32_t x, y, z, w;
-};
-struct float2 {
-    float x, y;
-};
-static inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
-template <class T>
-static inline T __ldg(const T* p) {
-    return *p;
-}
-using std::max;
-using std::min;
 static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 static inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t sh) {
