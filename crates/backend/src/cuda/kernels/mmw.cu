@@ -156,6 +156,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // The swizzle atoms must sit on 1 KB boundaries: the ring starts at the first one (the
     // launcher adds 1 KB of slack).
     const uint32_t s0 = ((uint32_t)__cvta_generic_to_shared(mmw_smem) + 1023u) & ~1023u;
+    // The ring's start as a generic pointer: the staged epilogue's [token][column] f32 tile.
+    float* const stage = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
     const int tid = threadIdx.x, wgi = tid >> 7;
     const int t0 = blockIdx.x * BN;
     const int nk = kp / MMW_TK;
@@ -276,14 +278,13 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         // from the fragments instead (4-byte stores of 8 outputs per token by the 4 consumer
         // warps alone), the fused SwiGLU ran 6% slower (MATMUL.md round 14).
         mmw_bar_sync(MMW_EPI_BAR, 2 * TM);
-        float* st = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
 #pragma unroll
         for (int j = 0; j < BN / 8; j++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int rr = 64 * c + 16 * w + g + (e >= 2 ? 8 : 0), t = 8 * j + 2 * t4 + (e & 1);
                 const int col = SWIGLU ? (rr >> 4) * 8 + (rr & 7) + ((rr & 8) ? TM / 2 : 0) : rr;
-                st[t * MMW_SP(TM) + col] = acc[4 * j + e];
+                stage[t * MMW_SP(TM) + col] = acc[4 * j + e];
             }
         }
     }
@@ -292,16 +293,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // the 4 consumer warps alone ran latency-bound: MATMUL.md round 14) ----
     if (wgi < MMW_PRODUCERS) asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
-    const float* st = reinterpret_cast<const float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
     constexpr int OUTS = SWIGLU ? TM / 2 : TM, NQ = OUTS / 4;
     const int ob = oy * OUTS;
     const bool vec = n_out % 4 == 0 && ((unsigned long long)out & 15) == 0;
     for (int i = tid; i < BN * NQ; i += S::THREADS) {
         const int t = i / NQ, q = i % NQ, tt = t0 + t, o = ob + 4 * q;
         if (tt >= rows || o >= n_out) continue;
-        float4 v = *reinterpret_cast<const float4*>(st + t * MMW_SP(TM) + 4 * q);
+        float4 v = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + 4 * q);
         if constexpr (SWIGLU) {
-            const float4 u = *reinterpret_cast<const float4*>(st + t * MMW_SP(TM) + TM / 2 + 4 * q);
+            const float4 u = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + TM / 2 + 4 * q);
             v.x = mmw_swiglu(v.x, u.x);
             v.y = mmw_swiglu(v.y, u.y);
             v.z = mmw_swiglu(v.z, u.z);
