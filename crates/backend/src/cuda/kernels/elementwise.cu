@@ -269,8 +269,7 @@ extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __re
     PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
-        float v = g[i];
-        out[i] = v / (1.0f + expf(-v)) * u[i];
+        out[i] = swiglu_f(g[i], u[i]);
     }
 }
 

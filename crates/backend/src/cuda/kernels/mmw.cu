@@ -137,10 +137,9 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
     return SWIGLU ? oy * (tm / 2) + (r >> 4) * 8 + (r & 7) : oy * tm + r;
 }
 
-// silu(g) · u with elementwise.cu's `swiglu` expression, so the fused launch computes what the
-// unfused one does. (The fast-math form, __expf and __fdividef, was 0.6% faster at pp512: not
-// worth a second rounding of the FFN's activations.)
-__device__ __forceinline__ float mmw_swiglu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+// The epilogue's silu(g) · u is common.cuh's `swiglu_f`, the elementwise `swiglu` kernel's,
+// so the fused launch computes what the unfused one does. (The fast-math form, __expf and
+// __fdividef, was 0.6% faster at pp512: not worth a second rounding of the FFN's activations.)
 
 template <int TYPE, int TM, int BN, bool SWIGLU = false>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
@@ -302,10 +301,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         float4 v = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + 4 * q);
         if constexpr (SWIGLU) {
             const float4 u = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + TM / 2 + 4 * q);
-            v.x = mmw_swiglu(v.x, u.x);
-            v.y = mmw_swiglu(v.y, u.y);
-            v.z = mmw_swiglu(v.z, u.z);
-            v.w = mmw_swiglu(v.w, u.w);
+            v.x = swiglu_f(v.x, u.x);
+            v.y = swiglu_f(v.y, u.y);
+            v.z = swiglu_f(v.z, u.z);
+            v.w = swiglu_f(v.w, u.w);
         }
         float* dst = out + (size_t)tt * n_out + o;
         if (vec && o + 3 < n_out) {
