@@ -1257,24 +1257,36 @@ pub fn cases(quick: bool) -> Vec<Case> {
         // The tensor-core prefill's edges (64 query slots per block): a group that leaves
         // slots empty (6: 10 rows, 60 slots), wide groups (16, 32: 4 and 2 rows per block),
         // one head per group at hd 256 (64 rows per block, 32-key tiles), a key bound off the
-        // 64-key tile grid, and a long cached prefix.
-        for (n_heads, n_kv_heads, head_dim, pos0, rows) in [
-            (12, 2, 64, 0, 33),
-            (16, 1, 128, 70, 40),
-            (32, 1, 256, 5, 17),
-            (2, 2, 256, 0, 100),
-            (8, 2, 64, 1000, 200),
-        ] {
-            add(Op::Attention {
-                shape: AttnShape {
-                    n_heads,
-                    n_kv_heads,
-                    head_dim,
-                },
-                pos0,
-                rows,
-                q8: false,
-            });
+        // 64-key tile grid, and a long cached prefix; f16 and q8_0 caches (the q8_0 kernel
+        // stages the raw rows and scales: 4-, 8- and 16-byte scale copies at hd 64/128/256).
+        for q8 in [false, true] {
+            for (n_heads, n_kv_heads, head_dim, pos0, rows) in [
+                (12, 2, 64, 0, 33),
+                (16, 1, 128, 70, 40),
+                (32, 1, 256, 5, 17),
+                (2, 2, 256, 0, 100),
+                (8, 2, 64, 1000, 200),
+            ] {
+                add(Op::Attention {
+                    shape: AttnShape {
+                        n_heads,
+                        n_kv_heads,
+                        head_dim,
+                    },
+                    pos0,
+                    rows,
+                    q8,
+                });
+            }
+            if q8 {
+                // A long prefill chunk over a prefix (the f16 one is above).
+                add(Op::Attention {
+                    shape: pf,
+                    pos0: 300,
+                    rows: 512,
+                    q8,
+                });
+            }
         }
     }
 

@@ -262,7 +262,7 @@ pub(super) fn cases(quick: bool) -> Vec<PagedCase> {
     // Head dim 80: the fallback kernel (f16 only: q8_0 needs 32 | head_dim).
     add(shape(4, 2, 80), 16, &[(5, 1), (0, 18), (40, 3)], false);
     // One-position pages.
-    add(shape(4, 1, 128), 1, &[(7, 1), (0, 20)], false);
+    add(shape(4, 1, 128), 1, &[(7, 1), (0, 20)], true);
     if quick {
         return v;
     }

@@ -85,26 +85,31 @@ const FAST_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
 const GENERIC_MAX_HEAD_DIM: usize = 512;
 /// Threads per prefill block (PREFILL_THREADS in attention.cu).
 const PREFILL_THREADS: usize = 256;
-/// Head dims of the tensor-core prefill kernel (`attn_prefill_tc_<hd>`, f16 caches).
+/// Head dims of the tensor-core prefill kernels (`attn_prefill_tc[_q8]_<hd>`).
 const TC_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// Threads and query slots of a tensor-core prefill block (TC_THREADS, TC_SLOTS).
 const TC_THREADS: usize = 128;
 const TC_SLOTS: usize = 64;
 
-/// Dynamic shared memory of `attn_prefill_tc_<hd>` (TcShape::SMEM in attention.cu): q as f16
-/// [64][hd + 8] and double-buffered K and V tiles [2][keys][hd + 8].
-fn tc_smem(head_dim: usize) -> usize {
+/// Dynamic shared memory of `attn_prefill_tc[_q8]_<hd>` (TcShape::SMEM in attention.cu): q as
+/// f16 [64][hd + 8] and double-buffered f16 K and V tiles [2][keys][hd + 8]; q8_0 (`q8` = 1),
+/// one f16 K and V tile and the double-buffered raw stages (int8 + one f16 scale per 32).
+fn tc_smem(head_dim: usize, q8: usize) -> usize {
     let keys = if head_dim >= 256 { 32 } else { 64 };
-    2 * (TC_SLOTS + 4 * keys) * (head_dim + 8)
+    if q8 == 1 {
+        2 * (TC_SLOTS + 2 * keys) * (head_dim + 8) + 4 * keys * (head_dim + head_dim / 16)
+    } else {
+        2 * (TC_SLOTS + 4 * keys) * (head_dim + 8)
+    }
 }
 
 /// The prefill kernel for this cache and shape with its launch shape: the tensor-core one
-/// (`tc`) where it applies (f16 cache, a [`TC_HEAD_DIMS`] head size, a GQA group that fits its
-/// 64 slots), else the SIMT one (`simt[q8]`: a [`FAST_HEAD_DIMS`] head size, a group that fits
+/// (`tc[q8]`) where it applies (a [`TC_HEAD_DIMS`] head size, a GQA group that fits its 64
+/// slots, the cache type not switched off), else the SIMT one (`simt[q8]`: a [`FAST_HEAD_DIMS`] head size, a group that fits
 /// its tile); `None`: the fallback kernel. Both take the same arguments.
 #[allow(clippy::too_many_arguments)]
 fn prefill_kernel<'a>(
-    tc: &'a Option<Vec<CudaFunction>>,
+    tc: &'a [Option<Vec<CudaFunction>>; 2],
     simt: &'a [Vec<CudaFunction>; 2],
     q8: usize,
     head_dim: usize,
@@ -118,13 +123,13 @@ fn prefill_kernel<'a>(
     let tc_kernel = TC_HEAD_DIMS
         .iter()
         .position(|&h| h == head_dim)
-        .filter(|_| q8 == 0 && group <= TC_SLOTS)
-        .and_then(|i| tc.as_ref()?.get(i));
+        .filter(|_| group <= TC_SLOTS)
+        .and_then(|i| tc[q8].as_ref()?.get(i));
     if let Some(f) = tc_kernel {
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(TC_SLOTS / group) as u32, n_kv_heads as u32, 1),
             block_dim: (TC_THREADS as u32, 1, 1),
-            shared_mem_bytes: tc_smem(head_dim) as u32,
+            shared_mem_bytes: tc_smem(head_dim, q8) as u32,
         };
         return Some((f, cfg));
     }
@@ -201,9 +206,9 @@ pub struct Kernels {
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
     prefill: [Vec<CudaFunction>; 2],
-    /// Tensor-core prefill (f16 cache), per [`TC_HEAD_DIMS`] entry; `None` when the switch
-    /// `FERRITE_ATTN_TC=0` keeps prefill on the SIMT kernel.
-    prefill_tc: Option<Vec<CudaFunction>>,
+    /// Tensor-core prefill, `[f16, q8_0]`, per [`TC_HEAD_DIMS`] entry; `None` where
+    /// `FERRITE_ATTN_TC` keeps that cache type on the SIMT kernel (0: both, 2: q8_0).
+    prefill_tc: [Option<Vec<CudaFunction>>; 2],
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
@@ -214,7 +219,7 @@ struct PagedKernels {
     kv_store: [CudaFunction; 2],
     decode: [Vec<Vec<CudaFunction>>; 2],
     prefill: [Vec<CudaFunction>; 2],
-    prefill_tc: Option<Vec<CudaFunction>>,
+    prefill_tc: [Option<Vec<CudaFunction>>; 2],
     generic: CudaFunction,
 }
 
@@ -238,24 +243,37 @@ impl Kernels {
                 .map(|hd| function(&m, &format!("attn_prefill_{pre}{hd}{post}")))
                 .collect::<Result<Vec<_>>>()
         };
-        let use_tc = super::switches::int_or("FERRITE_ATTN_TC", 1) != 0;
-        let prefill_tc = |post: &str| -> Result<Option<Vec<CudaFunction>>> {
-            if !use_tc {
+        let ptc = super::switches::int_or("FERRITE_ATTN_TC", 1);
+        // `attn_prefill_tc[_q8]_<hd><post>` for every TC head size, where `on`.
+        let prefill_tc_family = |on: bool,
+                                 q8: usize,
+                                 post: &str|
+         -> Result<Option<Vec<CudaFunction>>> {
+            if !on {
                 return Ok(None);
             }
+            let pre = if q8 == 1 { "q8_" } else { "" };
             TC_HEAD_DIMS
                 .iter()
                 .map(|&hd| {
-                    let f = function(&m, &format!("attn_prefill_tc_{hd}{post}"))?;
+                    let name = format!("attn_prefill_tc_{pre}{hd}{post}");
+                    let smem = tc_smem(hd, q8);
+                    let f = function(&m, &name)?;
                     f.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        tc_smem(hd) as i32,
+                        smem as i32,
                     )
-                    .with_context(|| format!("attn_prefill_tc_{hd}: {} B of shared memory", tc_smem(hd)))?;
+                    .with_context(|| format!("{name}: {smem} B of shared memory"))?;
                     Ok(f)
                 })
                 .collect::<Result<Vec<_>>>()
                 .map(Some)
+        };
+        let prefill_tc = |post: &str| -> Result<[Option<Vec<CudaFunction>>; 2]> {
+            Ok([
+                prefill_tc_family(ptc != 0, 0, post)?,
+                prefill_tc_family(ptc == 1, 1, post)?,
+            ])
         };
         let dtc = super::switches::int_or("FERRITE_ATTN_DTC", 1);
         // `attn_decode_<pre>128_<gb>` for every heads-per-block, where `on`.

@@ -86,8 +86,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_TC",
-        Accepts::OneOf(&[0, 1]),
-        "prefill attention on the tensor cores (f16 caches; 0 = the SIMT kernel, ATTENTION.md)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "prefill attention on the tensor cores (1 = f16 and q8_0 caches, 2 = f16 only, 0 = the SIMT kernel; ATTENTION.md)",
     ),
     (
         "FERRITE_GEMV_WARPS",

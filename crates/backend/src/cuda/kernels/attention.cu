@@ -81,8 +81,8 @@
 //   query's own position are masked (p = 0). The block's key bound is the max position of its
 //   rows (read from device memory). Tiles are launched heaviest-first (reversed blockIdx).
 //   Summation over keys is in ascending position order per query, like the CPU.
-//   Used for q8_0 caches, hd 32 and FERRITE_ATTN_TC=0; f16 caches with hd 64/128/256 take
-//   attn_prefill_tc_<HD> (tensor cores, below).
+//   Used for hd 32 and FERRITE_ATTN_TC=0 (=2: for q8_0 caches); hd 64/128/256 take
+//   attn_prefill_tc[_q8]_<HD> (tensor cores, below).
 //
 // attn_generic: any head_dim ≤ 512 (and groups larger than a prefill tile): one warp per
 //   (row, head), lane-strided dims, one key at a time. Slow; correct; the fallback.
@@ -1128,33 +1128,61 @@ PREFILL_KERNEL(256)
 // Precision: q and P rounded to f16 (relative 2⁻¹¹, like the cache's K and V), f32
 // accumulation: attention NMSE ~1e-7 against the f32 CPU oracle, as the SIMT kernel.
 // Keys are summed in tile order, 16 at a time inside an MMA, not one by one as on the CPU.
+//
+// q8_0 caches (attn_prefill_tc_q8_<hd>): the same MMAs over f16 tiles, which the block makes
+// itself. The int8 rows and their f16 scales (one per 32) stream in by cp.async into raw
+// stages, double-buffered as the f16 tiles are (a key row: HD / 16 16-byte copies and one
+// HD / 16-byte copy of its scales); once a stage has landed the block dequantizes it into a
+// single f16 K/V tile (q8_dequant8: b·d rounded once to f16, as the tensor-core decode loop
+// does), a barrier, then the f16 code above unchanged. One f16 tile suffices: the next
+// conversion starts after the barrier that ends this tile's MMAs. Shared memory is the f16
+// kernel's (raw stages of 1.0625 B/element instead of the second f16 buffer). The extra work
+// per 64-key tile at HD = 128: 16 conversions of 8 values per thread, one barrier. Why:
+// the SIMT prefill was what a q8_0 cache took (704 tok/s at depth 32768 for Qwen3-8B).
 
 #define TC_THREADS 128
 #define TC_SLOTS 64
 
-// Keys per K/V tile and the shared-memory bytes of a block (attention.rs tc_smem mirrors it).
-template <int HD>
+// Keys per K/V tile and the shared-memory bytes of a block (attention.rs tc_smem mirrors it):
+// f16, q [64][LDS] + K and V [2][BKV][LDS] halves; q8_0, q + one f16 K and V tile + the raw
+// stages [2][K, V][BKV][HD] int8 and [2][K, V][BKV][HD / 32] f16 scales.
+template <int HD, bool Q8 = false>
 struct TcShape {
     static constexpr int BKV = HD >= 256 ? 32 : 64;
     static constexpr int LDS = HD + 8;  // halves per shared row
-    static constexpr int SMEM = 2 * (TC_SLOTS + 4 * BKV) * LDS;
+    static constexpr int F16_BYTES = 2 * (TC_SLOTS + (Q8 ? 2 : 4) * BKV) * LDS;
+    static constexpr int RAW_BYTES = Q8 ? 4 * BKV * (HD + HD / 16) : 0;
+    static constexpr int SMEM = F16_BYTES + RAW_BYTES;
 };
 
-template <int HD, bool PAGED>
+// cp.async of N = 4, 8 or 16 bytes (src_bytes < N: the rest zero-filled); through L1 (.ca:
+// the only form for N < 16).
+template <int N>
+__device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N), "r"(src_bytes)
+                 : "memory");
+}
+
+template <int HD, bool Q8, bool PAGED>
 __device__ __forceinline__ void attn_prefill_tc_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
-    const unsigned char* __restrict__ vc, const int* __restrict__ positions,
+    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
+    const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
     int capacity, float scale_log2, PAGED_ARGS) {
-    using S = TcShape<HD>;
+    using S = TcShape<HD, Q8>;
     constexpr int BKV = S::BKV, LDS = S::LDS;
     constexpr int NS = BKV / 8;   // S n-tiles (8 keys) per warp
     constexpr int NO = HD / 8;    // O n-tiles (8 dims) per warp
     constexpr int CPR = HD / 8;   // 16-B chunks per cached row
     extern __shared__ __align__(16) unsigned char tc_smem[];
     __half* sQ = reinterpret_cast<__half*>(tc_smem);
-    __half* sK = sQ + TC_SLOTS * LDS;     // [2][BKV][LDS]
-    __half* sV = sK + 2 * BKV * LDS;      // [2][BKV][LDS]
+    constexpr int NBUF = Q8 ? 1 : 2;      // f16 K/V tiles (q8_0: one, made from the raw stages)
+    __half* sK = sQ + TC_SLOTS * LDS;     // [NBUF][BKV][LDS]
+    __half* sV = sK + NBUF * BKV * LDS;   // [NBUF][BKV][LDS]
+    // q8_0 raw stages: [2][K, V][BKV][HD] int8, then [2][K, V][BKV][HD / 32] f16 scales.
+    unsigned char* raw = tc_smem + S::F16_BYTES;
+    unsigned short* raw_sc = reinterpret_cast<unsigned short*>(raw + 4 * BKV * HD);
     __shared__ int s_pos[TC_SLOTS];
     __shared__ int s_kmax;
 
@@ -1202,6 +1230,40 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
 
     auto load_tile = [&](int it) {
         const int k0 = it * BKV, buf = it & 1;
+        if constexpr (Q8) {
+            // Int8 rows: HD / 16 16-byte copies each; scales: one HD / 16-byte copy per row
+            // (a row's HD / 32 scales are contiguous at element / 32 and aligned to their size).
+            constexpr int QCPR = HD / 16;
+            const uint32_t rk = (uint32_t)__cvta_generic_to_shared(raw + buf * 2 * BKV * HD);
+            for (int c = tid; c < BKV * QCPR; c += TC_THREADS) {
+                const int kr = c / QCPR, col = (c % QCPR) * 16;
+                const int p = k0 + kr;
+                long long e = head_off;
+                int bytes = 0;
+                if (p < kmax) {
+                    e = kv_pos<PAGED>(head_off, p, HD, bt, page_shift, page_stride) + col;
+                    bytes = 16;
+                }
+                const uint32_t off = (uint32_t)(kr * HD + col);
+                cp_async16(rk + off, kc + e, bytes);
+                cp_async16(rk + BKV * HD + off, vc + e, bytes);
+            }
+            const uint32_t rs = (uint32_t)__cvta_generic_to_shared(raw_sc + buf * 2 * BKV * (HD / 32));
+            for (int kr = tid; kr < BKV; kr += TC_THREADS) {
+                const int p = k0 + kr;
+                long long e = head_off;
+                int bytes = 0;
+                if (p < kmax) {
+                    e = kv_pos<PAGED>(head_off, p, HD, bt, page_shift, page_stride);
+                    bytes = HD / 16;
+                }
+                const uint32_t off = (uint32_t)(kr * (HD / 16));
+                cp_async_n<HD / 16>(rs + off, ks + e / 32, bytes);
+                cp_async_n<HD / 16>(rs + BKV * (HD / 16) + off, vs + e / 32, bytes);
+            }
+            asm volatile("cp.async.commit_group;\n" ::: "memory");
+            return;
+        }
         for (int c = tid; c < BKV * CPR; c += TC_THREADS) {
             const int kr = c / CPR, col = (c % CPR) * 8;
             const int p = k0 + kr;
@@ -1216,6 +1278,19 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
             cp_async16(sV0 + off, vbase + e, bytes);
         }
         asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    // q8_0: raw stage `buf` (landed, after a barrier) → the f16 tile, 8 values per step.
+    auto dequant_tile = [&](int buf) {
+        constexpr int CH = BKV * HD / 8;  // 8-value chunks per tensor
+        const unsigned char* rk = raw + buf * 2 * BKV * HD;
+        const unsigned short* rs = raw_sc + buf * 2 * BKV * (HD / 32);
+        for (int c = tid; c < 2 * CH; c += TC_THREADS) {
+            const int m = c / CH, i = c % CH;  // m: 0 K, 1 V
+            const int kr = i / (HD / 8), col = (i % (HD / 8)) * 8;
+            const uint2 qv = *reinterpret_cast<const uint2*>(rk + m * BKV * HD + kr * HD + col);
+            const uint32_t d = rs[m * BKV * (HD / 32) + kr * (HD / 32) + col / 32];
+            *reinterpret_cast<uint4*>((m ? sV : sK) + kr * LDS + col) = q8_dequant8(qv, d | (d << 16));
+        }
     };
 
     float o_acc[NO][4];
@@ -1241,9 +1316,13 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         }
         __syncthreads();
+        if constexpr (Q8) {
+            dequant_tile(it & 1);
+            __syncthreads();
+        }
         const int k0 = it * BKV;
         if (k0 <= wmax) {  // warp-uniform: some row of this warp sees keys of this tile
-            const int buf = it & 1;
+            const int buf = Q8 ? 0 : it & 1;
             const uint32_t kt = sK0 + buf * BKV * LDS * 2 + kb;
             const uint32_t vt = sV0 + buf * BKV * LDS * 2 + vb;
             float s[NS][4];
@@ -1340,18 +1419,22 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     }
 }
 
-#define PREFILL_TC_KERNEL(HD)                                                                \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) attn_prefill_tc_##HD(PREFILL_ARGS) { \
+#define PREFILL_TC_KERNEL1(NAME, HD, Q8)                                                     \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) NAME(PREFILL_ARGS) {            \
         PDL_ENTRY();                                                                         \
-        attn_prefill_tc_impl<HD, false>(q, kc, vc, positions, out, layer_off, rows, n_heads, \
-                                        group, capacity, scale_log2, UNPAGED_PASS(capacity)); \
+        attn_prefill_tc_impl<HD, Q8, false>(q, kc, vc, ks, vs, positions, out, layer_off,    \
+                                            rows, n_heads, group, capacity, scale_log2,      \
+                                            UNPAGED_PASS(capacity));                         \
     }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                 \
-        attn_prefill_tc_##HD##_paged(PREFILL_ARGS, PAGED_ARGS) {                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) NAME##_paged(PREFILL_ARGS, PAGED_ARGS) { \
         PDL_ENTRY();                                                                         \
-        attn_prefill_tc_impl<HD, true>(q, kc, vc, positions, out, layer_off, rows, n_heads,  \
-                                       group, capacity, scale_log2, PAGED_PASS);             \
+        attn_prefill_tc_impl<HD, Q8, true>(q, kc, vc, ks, vs, positions, out, layer_off,     \
+                                           rows, n_heads, group, capacity, scale_log2,       \
+                                           PAGED_PASS);                                      \
     }
+#define PREFILL_TC_KERNEL(HD)                                                                \
+    PREFILL_TC_KERNEL1(attn_prefill_tc_##HD, HD, false)                                      \
+    PREFILL_TC_KERNEL1(attn_prefill_tc_q8_##HD, HD, true)
 
 PREFILL_TC_KERNEL(64)
 PREFILL_TC_KERNEL(128)
