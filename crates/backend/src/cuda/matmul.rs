@@ -140,17 +140,13 @@ type BfScratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
 
 /// How much of its weight rows the float GEMV prefetches into L2 before its PDL wait
 /// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's first KB, 2 the block's whole
-/// span, 3 each row's head in the launch's first wave of blocks only. `FERRITE_GEMV_PF` overrides the default (a tuning switch: MATMUL.md, "F16 decode
+/// span. `FERRITE_GEMV_PF` overrides the default (a tuning switch: MATMUL.md, "F16 decode
 /// regression").
 const GEMV_PF_DEFAULT: i32 = 1;
 
 /// Bytes of each row's head that prefetch mode 1 fetches into L2 (`FERRITE_GEMV_PF_HEAD`
 /// overrides it: a tuning switch).
 const GEMV_PF_HEAD: usize = 1024;
-
-/// Blocks per SM that prefetch mode 3 counts as a launch's first wave (`FERRITE_GEMV_PF_WAVE`
-/// overrides it: a tuning switch). 4: the float GEMV's 8-warp blocks at its 32-warp goal.
-const GEMV_PF_WAVE: usize = 4;
 
 fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
     let stream = ctx.default_stream();
@@ -166,14 +162,6 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     set("gemv_pf_mode", mode)?;
     let head = switches::int_or("FERRITE_GEMV_PF_HEAD", GEMV_PF_HEAD as i64) as i32;
     set("gemv_pf_head", head)?;
-    // Mode 3's first wave: blocks per SM (`FERRITE_GEMV_PF_WAVE`) times the SMs.
-    let sms = ctx
-        .attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        )
-        .unwrap_or(1);
-    let wave = switches::int_or("FERRITE_GEMV_PF_WAVE", GEMV_PF_WAVE as i64) as i32;
-    set("gemv_pf_wave", wave.saturating_mul(sms))?;
     // Diagnostic (MATMUL.md round 8): 1 = the bulk GEMV copies but does not compute,
     // 2 = computes on whatever shared memory holds without copying, 3 = copies and computes
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.

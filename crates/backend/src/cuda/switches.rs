@@ -51,13 +51,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_PF",
-        Accepts::Range(0, 3),
-        "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans, 3 row heads in the first wave only (MATMUL.md)",
-    ),
-    (
-        "FERRITE_GEMV_PF_WAVE",
-        Accepts::Range(1, 64),
-        "blocks per SM that float GEMV prefetch mode 3 counts as the first wave (MATMUL.md)",
+        Accepts::Range(0, 2),
+        "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans (MATMUL.md)",
     ),
     (
         "FERRITE_GEMV_PF_HEAD",
