@@ -202,6 +202,11 @@ pub struct Kernels {
     /// `[f16, q8_0]`, each by log2 heads-per-block; `None` where `FERRITE_ATTN_DTC` keeps
     /// that cache type on the SIMT loop (0: both, 2: q8_0).
     decode_tc: [Option<Vec<CudaFunction>>; 2],
+    /// The same with the split merge through a thread-block cluster
+    /// (`attn_decode_tc[_q8]_cl_128_<gb>`, sm_90+; taken where the cache's split count is
+    /// 2..=[`CLUSTER_MAX_SPLITS`]); `None` below sm_90, where the tensor-core kernels are off,
+    /// or with `FERRITE_ATTN_CLUSTER=0`.
+    decode_cl: [Option<Vec<CudaFunction>>; 2],
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -288,11 +293,32 @@ impl Kernels {
                 .map(Some)
         };
         let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, "tc_q8_")?];
+        // Clusters of up to 16 blocks: the non-portable size, allowed per kernel.
+        let clusters =
+            arch == "compute_90a" && super::switches::int_or("FERRITE_ATTN_CLUSTER", 1) != 0;
+        let cl_family = |on: bool, pre: &str| -> Result<Option<Vec<CudaFunction>>> {
+            let Some(fs) = tc_family(on && clusters, pre)? else {
+                return Ok(None);
+            };
+            for f in &fs {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )
+                .context("decode attention: clusters of 16 blocks")?;
+            }
+            Ok(Some(fs))
+        };
+        let decode_cl = [
+            cl_family(dtc != 0, "tc_cl_")?,
+            cl_family(dtc == 1, "tc_q8_cl_")?,
+        ];
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
             decode: [decode("", "")?, decode("q8_", "")?],
             decode_tc,
+            decode_cl,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -372,6 +398,10 @@ impl DecodeTuning {
 fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
 }
+
+/// Most splits a decode launch merges through a thread-block cluster (the cluster is the
+/// splits of one head block and row; 16 is Hopper's largest, non-portable, cluster).
+const CLUSTER_MAX_SPLITS: usize = 16;
 
 /// The head size of the tensor-core decode kernels (`attn_decode_tc[_q8]_<hd>_<gb>`; the
 /// other sizes and paged caches take the SIMT loop).
@@ -640,10 +670,14 @@ pub fn attention(
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
         let gbi = heads_per_block(group).trailing_zeros() as usize;
-        let func = match &be.attention.decode_tc[q8] {
-            Some(tc) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
+        let cluster = (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits);
+        let func = match (&be.attention.decode_tc[q8], &be.attention.decode_cl[q8]) {
+            (_, Some(cl)) if head_dim == DECODE_TC_HEAD_DIM && cluster => &cl[gbi],
+            (Some(tc), _) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
             _ => &be.attention.decode[q8][fi][gbi],
         };
+        let cluster =
+            cluster && head_dim == DECODE_TC_HEAD_DIM && be.attention.decode_cl[q8].is_some();
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
         let cols = n_heads * head_dim;
         let mut fused = matmul::xq_for_producer(be, rows, cols)?;
@@ -682,7 +716,7 @@ pub fn attention(
         // (checked by check_attention); positions hold ≥ rows entries (checked above) and
         // are clamped to capacity in the kernel; the int8 scratch holds ≥ rows rows of
         // ≥ cols elements (xq_for_producer).
-        unsafe { decode_launch(be, func, kv, ptrs, dims, None) }?;
+        unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster) }?;
         if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
             xq.record_producer(be, &out.buf, rows, cols);
         }
@@ -826,6 +860,7 @@ unsafe fn decode_launch(
     p: DecodePtrs,
     d: DecodeDims,
     paged: Option<PagedPtrs>,
+    cluster: bool,
 ) -> Result<()> {
     let gb = heads_per_block(d.group);
     let n_splits = kv.n_splits;
@@ -880,6 +915,15 @@ unsafe fn decode_launch(
             .arg(&pg.page_shift)
             .arg(&pg.page_stride)
             .arg(&pg.max_keys);
+    }
+    if cluster {
+        // One cluster per (head block, row): its n_splits blocks merge through their shared
+        // memory (attention.cu `CL`).
+        ensure!(
+            paged.is_none() && (2..=CLUSTER_MAX_SPLITS).contains(&n_splits),
+            "attention: a cluster merge takes 2..={CLUSTER_MAX_SPLITS} splits of a contiguous cache"
+        );
+        launch.cluster((1, n_splits as u32, 1));
     }
     // SAFETY: the caller's contract; the scratch and tickets were checked above.
     unsafe { launch.launch(cfg) }?;
@@ -1067,7 +1111,7 @@ fn attention_paged(
                 };
                 // SAFETY: q_v holds nr rows of n_heads×hd, out_v nr rows; reads stay inside
                 // the cache as for the store (block tables checked by check_paged_step).
-                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg)) }?;
+                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false) }?;
             }
             (_, Some((func, cfg))) => {
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block

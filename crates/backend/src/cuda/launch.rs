@@ -71,6 +71,8 @@ pub struct Launch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
     args: Vec<Arg>,
+    /// Thread-block cluster dimensions (sm_90+), if the launch groups its blocks.
+    cluster: Option<(u32, u32, u32)>,
 }
 
 /// `stream.kernel(&func)`: starts a launch on this stream.
@@ -84,6 +86,7 @@ impl LaunchExt for CudaStream {
             stream: self,
             func,
             args: Vec::with_capacity(16),
+            cluster: None,
         }
     }
 }
@@ -146,6 +149,14 @@ impl<'a, T> KernelArg<&mut CudaViewMut<'_, T>> for Launch<'a> {
 }
 
 impl Launch<'_> {
+    /// Groups the launch's blocks into clusters of `dims` (sm_90+; each grid dimension a
+    /// multiple of the cluster's; more than 8 blocks needs the kernel's non-portable
+    /// cluster attribute).
+    pub fn cluster(&mut self, dims: (u32, u32, u32)) -> &mut Self {
+        self.cluster = Some(dims);
+        self
+    }
+
     /// Submits the kernel to the stream (asynchronously).
     ///
     /// # Safety
@@ -170,12 +181,23 @@ impl Launch<'_> {
                 Arg::Dev(_) => d as *const sys::CUdeviceptr as *mut c_void,
             })
             .collect();
-        // SAFETY: a zeroed attribute is a valid (ignored) value; the union member set below
-        // is the one this attribute id reads.
-        let mut attr: CUlaunchAttribute = std::mem::zeroed();
-        attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let pdl = pdl_enabled();
+        // SAFETY: zeroed attributes are valid values; only the first `n_attrs` are passed,
+        // each with the union member its id reads set.
+        let mut attrs: [CUlaunchAttribute; 2] = std::mem::zeroed();
+        let mut n_attrs = 0;
+        if pdl_enabled() {
+            attrs[n_attrs].id =
+                CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+            n_attrs += 1;
+        }
+        if let Some((x, y, z)) = self.cluster {
+            attrs[n_attrs].id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n_attrs].value.clusterDim.x = x;
+            attrs[n_attrs].value.clusterDim.y = y;
+            attrs[n_attrs].value.clusterDim.z = z;
+            n_attrs += 1;
+        }
         let config = CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -185,8 +207,12 @@ impl Launch<'_> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: pdl as u32,
+            attrs: if n_attrs > 0 {
+                attrs.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: n_attrs as u32,
         };
         self.stream.context().bind_to_thread()?;
         LAUNCHES.fetch_add(1, Ordering::Relaxed);

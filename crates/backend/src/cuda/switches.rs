@@ -100,6 +100,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "float GEMV: 1 (default) groups a run of large-output weights (Q, K, V) into one launch at the launch's K split even where a weight alone takes another, 0 only where the splits agree (MATMUL.md round 15)",
     ),
     (
+        "FERRITE_ATTN_CLUSTER",
+        Accepts::OneOf(&[0, 1]),
+        "decode attention's split merge through a thread-block cluster (sm_90, 2-16 splits; 0 = the ticket merge, ATTENTION.md)",
+    ),
+    (
         "FERRITE_ATTN_DTC",
         Accepts::OneOf(&[0, 1, 2]),
         "decode attention's main loop on the tensor cores (contiguous caches, head_dim 128): 1 f16 and q8_0, 2 f16 only, 0 neither (the SIMT loop; ATTENTION.md)",

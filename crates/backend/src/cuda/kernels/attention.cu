@@ -591,7 +591,42 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 }
 // EMU_DTC_END
 
-template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false>
+// The split merge through the cluster (CL: attn_decode_tc[_q8]_cl_128_<gb>, a launch whose
+// clusters are the n_splits blocks of one (head block, row), n_splits ≤ 16): each block
+// leaves its partial (acc, m, l) in its own shared memory; one cluster barrier (release /
+// acquire) makes them visible; then every block merges a share of the 32-element output
+// blocks (block r takes blocks r, r + n_splits, ..., one warp per 32-block) reading the
+// partials of the n_active splits straight from their shared memory (mapa +
+// ld.shared::cluster), and emits them; a second barrier keeps every block (and its shared
+// memory) alive until all reads are done. Instead of the ticket path's fence, atomic and
+// the partials' round trip through L2, all on the last block's critical path. Blocks of
+// empty splits take part in both barriers and their merge share. ATTENTION.md, "The split
+// merge in a cluster".
+__device__ __forceinline__ void cluster_sync_all() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();  // clusters are sm_90+; the launcher never picks these kernels below
+#endif
+}
+
+// The float at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    uint32_t r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+#else
+    __trap();
+    return 0.f;
+#endif
+}
+
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -630,13 +665,16 @@ __device__ __forceinline__ void attn_decode_impl(
     const int per = (n_keys + n_splits - 1) / n_splits;
     const int chunk = max(min_chunk, (per + STEP - 1) / STEP * STEP);
     const int n_active = max(1, (n_keys + chunk - 1) / chunk);
-    if (split >= n_active) return;  // whole block: an empty split takes no part
+    // An empty split takes no part (whole block), except in the cluster merge, where it
+    // still passes the barriers and merges its share.
+    const bool idle = split >= n_active;
+    if (idle && (!CL || n_active == 1)) return;
     const int start = split * chunk;
     const int end = min(n_keys, start + chunk);
     // Element index of position 0 of this kv head (page 0 when paged).
     const long long head_base = layer_off + (long long)kvh * capacity * HD;
     if constexpr (!PAGED) {
-        if (pf > 0 && tid == 0) {
+        if (pf > 0 && tid == 0 && !(CL && idle)) {
             const int k1 = min(end, start + pf * STEP);
             prefetch_keys<Q8>(kc, ks, head_base + (long long)start * HD, head_base + (long long)k1 * HD);
             prefetch_keys<Q8>(vc, vs, head_base + (long long)start * HD, head_base + (long long)k1 * HD);
@@ -677,7 +715,9 @@ __device__ __forceinline__ void attn_decode_impl(
         __syncthreads();
     }
 
-    if constexpr (TC) {
+    if (CL && idle) {
+        // CL only: no keys (the partial below is not written; the merge reads n_active).
+    } else if constexpr (TC) {
         decode_tc_loop<HD, GB, Q8>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc,
                                    sm_m, sm_l);
     } else {
@@ -801,9 +841,11 @@ __device__ __forceinline__ void attn_decode_impl(
     }
     __syncthreads();
     // The block's state per (head, dim): the whole answer when it is the row's only split,
-    // else a partial (m, l, acc) for the merge below.
+    // else a partial (m, l, acc) for the merge below (CL: in this block's shared memory).
+    __shared__ float sm_part[CL ? GB : 1][CL ? HD : 1];
+    __shared__ float sm_pml[CL ? GB : 1][2];
     const bool single = n_active == 1;  // uniform across the block
-    for (int idx = tid; idx < GB * HD; idx += DECODE_THREADS) {  // whole warps per 32-block
+    for (int idx = tid; idx < (CL && idle ? 0 : GB * HD); idx += DECODE_THREADS) {  // whole warps per 32-block
         const int g = idx / HD, d = idx % HD;
         float mx = ATT_NEG;
 #pragma unroll
@@ -817,6 +859,12 @@ __device__ __forceinline__ void attn_decode_impl(
         }
         if (single) {
             decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
+        } else if constexpr (CL) {
+            sm_part[g][d] = a;
+            if (d == 0) {
+                sm_pml[g][0] = mx;
+                sm_pml[g][1] = lsum;
+            }
         } else {
             const long long prow = ((long long)t * n_heads + h0 + g) * n_splits + split;
             part_acc[prow * HD + d] = a;
@@ -827,6 +875,26 @@ __device__ __forceinline__ void attn_decode_impl(
         }
     }
     if (single) return;
+
+    if constexpr (CL) {
+        cluster_sync_all();
+        // This block's share: 32-element output blocks split, split + n_splits, ... (the
+        // cluster's blocks are the row's splits in order: rank = split), one warp each.
+        for (int b = split + warp * n_splits; b < GB * HD / 32; b += NW * n_splits) {
+            const int idx = b * 32 + lane, g = idx / HD, d = idx % HD;
+            float mx = ATT_NEG;
+            for (int s = 0; s < n_active; s++) mx = fmaxf(mx, ld_cluster_f32(&sm_pml[g][0], s));
+            float a = 0.f, lsum = 0.f;
+            for (int s = 0; s < n_active; s++) {
+                const float c = exp2f(ld_cluster_f32(&sm_pml[g][0], s) - mx);
+                a = fmaf(ld_cluster_f32(&sm_part[g][d], s), c, a);
+                lsum = fmaf(ld_cluster_f32(&sm_pml[g][1], s), c, lsum);
+            }
+            decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
+        }
+        cluster_sync_all();  // no block leaves while its partial may still be read
+        return;
+    }
 
     // The last of the row's n_active splits to finish (per block of heads) merges them, in
     // split order whichever block it is, and re-arms the ticket for the next launch.
@@ -934,6 +1002,12 @@ DECODE_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, true, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_cl_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, false, false, true, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8_cl_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
 DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
