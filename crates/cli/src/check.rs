@@ -1205,17 +1205,13 @@ pub fn cases(quick: bool) -> Vec<Case> {
         }
     }
     if !quick {
-        // Depth 5000 with fewer heads: the CPU fills the cache with a causal prefill. (64
-        // splits in clusters of 16, 40 of them active: the cluster kernel's ticket merge;
-        // depth 1000 above takes its cluster merge.)
-        for q8 in [false, true] {
-            add(Op::Attention {
-                shape: small,
-                pos0: 5000,
-                rows: 1,
-                q8,
-            });
-        }
+        // Depth 5000 with fewer heads: the CPU fills the cache with a causal prefill.
+        add(Op::Attention {
+            shape: small,
+            pos0: 5000,
+            rows: 1,
+            q8: false,
+        });
         let pf = AttnShape {
             n_heads: 8,
             n_kv_heads: 2,

@@ -202,9 +202,10 @@ pub struct Kernels {
     /// `[f16, q8_0]`, each by log2 heads-per-block; `None` where `FERRITE_ATTN_DTC` keeps
     /// that cache type on the SIMT loop (0: both, 2: q8_0).
     decode_tc: [Option<Vec<CudaFunction>>; 2],
-    /// The same with the split merge through a thread-block cluster where a row's active
-    /// splits fit one (`attn_decode_tc[_q8]_cl_128_<gb>`, sm_90+; [`cluster_size`]); `None`
-    /// below sm_90, where the tensor-core kernels are off, or with `FERRITE_ATTN_CLUSTER=0`.
+    /// The same with the split merge through a thread-block cluster
+    /// (`attn_decode_tc[_q8]_cl_128_<gb>`, sm_90+; taken where the cache's split count is
+    /// 2..=[`CLUSTER_MAX_SPLITS`]); `None` below sm_90, where the tensor-core kernels are off,
+    /// or with `FERRITE_ATTN_CLUSTER=0`.
     decode_cl: [Option<Vec<CudaFunction>>; 2],
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
@@ -398,9 +399,8 @@ fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
 }
 
-/// Most splits a decode launch merges through a thread-block cluster (a cluster is
-/// consecutive splits of one head block and row; 16 is Hopper's largest, non-portable,
-/// cluster).
+/// Most splits a decode launch merges through a thread-block cluster (the cluster is the
+/// splits of one head block and row; 16 is Hopper's largest, non-portable, cluster).
 const CLUSTER_MAX_SPLITS: usize = 16;
 
 /// The head size of the tensor-core decode kernels (`attn_decode_tc[_q8]_<hd>_<gb>`; the
@@ -435,30 +435,8 @@ fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize, tu: DecodeT
     let group = shape.n_heads / shape.n_kv_heads.max(1);
     let blocks_x = (shape.n_heads / heads_per_block(group)).max(1);
     let want = (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x);
-    let n = want
-        .clamp(1, tu.max_splits.min(KERNEL_MAX_SPLITS))
-        .min(capacity.div_ceil(tu.min_chunk).max(1));
-    // Above one cluster's worth, a multiple of it: the cluster merge groups the splits by
-    // CLUSTER_MAX_SPLITS (decode_launch).
-    if n > CLUSTER_MAX_SPLITS {
-        n / CLUSTER_MAX_SPLITS * CLUSTER_MAX_SPLITS
-    } else {
-        n
-    }
-}
-
-/// Blocks per cluster of a cluster-merge decode launch over `n_splits` splits: the largest
-/// power of two ≤ [`CLUSTER_MAX_SPLITS`] that divides it (a grid dimension must be a multiple
-/// of the cluster's); 1 = no cluster.
-fn cluster_size(n_splits: usize) -> usize {
-    if n_splits <= CLUSTER_MAX_SPLITS {
-        return if n_splits >= 2 { n_splits } else { 1 };
-    }
-    let mut c = CLUSTER_MAX_SPLITS;
-    while c > 1 && n_splits % c != 0 {
-        c /= 2;
-    }
-    c
+    want.clamp(1, tu.max_splits.min(KERNEL_MAX_SPLITS))
+        .min(capacity.div_ceil(tu.min_chunk).max(1))
 }
 
 /// A cache of the type chosen with [`Kernels::set_kv_type`] (f16 by default).
@@ -692,7 +670,7 @@ pub fn attention(
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
         let gbi = heads_per_block(group).trailing_zeros() as usize;
-        let cluster = cluster_size(kv.n_splits) >= 2;
+        let cluster = (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits);
         let func = match (&be.attention.decode_tc[q8], &be.attention.decode_cl[q8]) {
             (_, Some(cl)) if head_dim == DECODE_TC_HEAD_DIM && cluster => &cl[gbi],
             (Some(tc), _) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
@@ -939,14 +917,13 @@ unsafe fn decode_launch(
             .arg(&pg.max_keys);
     }
     if cluster {
-        // Clusters of consecutive splits of one (head block, row); a row whose active
-        // splits fit the first merges through its blocks' shared memory (attention.cu `CL`).
-        let cs = cluster_size(n_splits);
+        // One cluster per (head block, row): its n_splits blocks merge through their shared
+        // memory (attention.cu `CL`).
         ensure!(
-            paged.is_none() && cs >= 2,
-            "attention: a cluster merge needs a contiguous cache and a split count with a divisor in 2..={CLUSTER_MAX_SPLITS}, got {n_splits}"
+            paged.is_none() && (2..=CLUSTER_MAX_SPLITS).contains(&n_splits),
+            "attention: a cluster merge takes 2..={CLUSTER_MAX_SPLITS} splits of a contiguous cache"
         );
-        launch.cluster((1, cs as u32, 1));
+        launch.cluster((1, n_splits as u32, 1));
     }
     // SAFETY: the caller's contract; the scratch and tickets were checked above.
     unsafe { launch.launch(cfg) }?;
@@ -1261,37 +1238,6 @@ mod tests {
         assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu), 1);
         // Many heads: fewer splits.
         assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu), 9);
-        // Above 16, a multiple of 16 (the cluster merge's grouping): 650 positions would
-        // take 21 chunks of 32, 1500 would take 47.
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 512, tu), 16);
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 650, tu), 16);
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 1500, tu), 32);
-        for cap in [1usize, 100, 600, 2000, 5000, 40960] {
-            let n = decode_splits(132, shape(32, 8, 128), cap, tu);
-            assert!(
-                n <= CLUSTER_MAX_SPLITS || n % CLUSTER_MAX_SPLITS == 0,
-                "capacity {cap}: {n}"
-            );
-        }
-    }
-
-    #[test]
-    fn cluster_size_divides_the_splits() {
-        assert_eq!(cluster_size(1), 1);
-        assert_eq!(cluster_size(2), 2);
-        assert_eq!(cluster_size(13), 13);
-        assert_eq!(cluster_size(16), 16);
-        assert_eq!(cluster_size(48), 16);
-        assert_eq!(cluster_size(64), 16);
-        assert_eq!(cluster_size(24), 8);
-        assert_eq!(cluster_size(20), 4);
-        for n in 1..=128 {
-            let c = cluster_size(n);
-            assert!(
-                n % c == 0 && c <= CLUSTER_MAX_SPLITS,
-                "{n} splits: cluster {c}"
-            );
-        }
     }
 
     /// The device computes chunk = max(mc, roundup(ceil(n/splits), step)) (step: keys per

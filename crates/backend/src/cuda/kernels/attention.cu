@@ -591,29 +591,17 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 }
 // EMU_DTC_END
 
-// The split merge through the cluster (CL: attn_decode_tc[_q8]_cl_128_<gb>, launched in
-// clusters of CS ≤ 16 consecutive splits of one (head block, row); CS divides n_splits).
-// Where a row's active splits fit the first cluster (n_active ≤ CS: up to 16 × 64 keys on
-// the tensor-core loop), each of its blocks leaves its partial (acc, m, l) in its own shared
-// memory; one cluster barrier (release / acquire) makes them visible; then every block merges
-// a share of the 32-element output blocks (block r takes blocks r, r + CS, ..., one warp per
-// 32-block) reading the partials of the n_active splits straight from their shared memory
-// (mapa + ld.shared::cluster), and emits them; a second barrier keeps every block (and its
-// shared memory) alive until all reads are done. Instead of the ticket path's fence, atomic
-// and the partials' round trip through L2, all on the last block's critical path. Blocks of
-// the first cluster's empty splits take part in both barriers and their merge share; the
-// other clusters are empty and leave. Longer rows take the ticket merge, as the plain
-// kernels. ATTENTION.md, "The split merge in a cluster".
-__device__ __forceinline__ int cluster_blocks() {
-#if __CUDA_ARCH__ >= 900
-    uint32_t n;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return (int)n;
-#else
-    return 1;
-#endif
-}
-
+// The split merge through the cluster (CL: attn_decode_tc[_q8]_cl_128_<gb>, a launch whose
+// clusters are the n_splits blocks of one (head block, row), n_splits ≤ 16): each block
+// leaves its partial (acc, m, l) in its own shared memory; one cluster barrier (release /
+// acquire) makes them visible; then every block merges a share of the 32-element output
+// blocks (block r takes blocks r, r + n_splits, ..., one warp per 32-block) reading the
+// partials of the n_active splits straight from their shared memory (mapa +
+// ld.shared::cluster), and emits them; a second barrier keeps every block (and its shared
+// memory) alive until all reads are done. Instead of the ticket path's fence, atomic and
+// the partials' round trip through L2, all on the last block's critical path. Blocks of
+// empty splits take part in both barriers and their merge share. ATTENTION.md, "The split
+// merge in a cluster".
 __device__ __forceinline__ void cluster_sync_all() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -677,19 +665,16 @@ __device__ __forceinline__ void attn_decode_impl(
     const int per = (n_keys + n_splits - 1) / n_splits;
     const int chunk = max(min_chunk, (per + STEP - 1) / STEP * STEP);
     const int n_active = max(1, (n_keys + chunk - 1) / chunk);
-    // Whether this row's splits merge through the first cluster (uniform over a cluster).
-    const int cs = CL ? cluster_blocks() : 1;
-    const bool cl_merge = CL && n_active > 1 && n_active <= cs;
-    // An empty split takes no part (whole block), except in the first cluster of a cluster
-    // merge, where it still passes the barriers and merges its share.
+    // An empty split takes no part (whole block), except in the cluster merge, where it
+    // still passes the barriers and merges its share.
     const bool idle = split >= n_active;
-    if (idle && !(cl_merge && split < cs)) return;
+    if (idle && (!CL || n_active == 1)) return;
     const int start = split * chunk;
     const int end = min(n_keys, start + chunk);
     // Element index of position 0 of this kv head (page 0 when paged).
     const long long head_base = layer_off + (long long)kvh * capacity * HD;
     if constexpr (!PAGED) {
-        if (pf > 0 && tid == 0 && !(cl_merge && idle)) {
+        if (pf > 0 && tid == 0 && !(CL && idle)) {
             const int k1 = min(end, start + pf * STEP);
             prefetch_keys<Q8>(kc, ks, head_base + (long long)start * HD, head_base + (long long)k1 * HD);
             prefetch_keys<Q8>(vc, vs, head_base + (long long)start * HD, head_base + (long long)k1 * HD);
@@ -730,8 +715,8 @@ __device__ __forceinline__ void attn_decode_impl(
         __syncthreads();
     }
 
-    if (cl_merge && idle) {
-        // No keys (the partial below is not written; the merge reads n_active).
+    if (CL && idle) {
+        // CL only: no keys (the partial below is not written; the merge reads n_active).
     } else if constexpr (TC) {
         decode_tc_loop<HD, GB, Q8>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc,
                                    sm_m, sm_l);
@@ -860,7 +845,7 @@ __device__ __forceinline__ void attn_decode_impl(
     __shared__ float sm_part[CL ? GB : 1][CL ? HD : 1];
     __shared__ float sm_pml[CL ? GB : 1][2];
     const bool single = n_active == 1;  // uniform across the block
-    for (int idx = tid; idx < (cl_merge && idle ? 0 : GB * HD); idx += DECODE_THREADS) {  // whole warps per 32-block
+    for (int idx = tid; idx < (CL && idle ? 0 : GB * HD); idx += DECODE_THREADS) {  // whole warps per 32-block
         const int g = idx / HD, d = idx % HD;
         float mx = ATT_NEG;
 #pragma unroll
@@ -874,7 +859,7 @@ __device__ __forceinline__ void attn_decode_impl(
         }
         if (single) {
             decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
-        } else if (cl_merge) {
+        } else if constexpr (CL) {
             sm_part[g][d] = a;
             if (d == 0) {
                 sm_pml[g][0] = mx;
@@ -891,11 +876,11 @@ __device__ __forceinline__ void attn_decode_impl(
     }
     if (single) return;
 
-    if (cl_merge) {
+    if constexpr (CL) {
         cluster_sync_all();
-        // This block's share: 32-element output blocks split, split + cs, ... (the first
-        // cluster's blocks are splits 0..cs-1 in order: rank = split), one warp each.
-        for (int b = split + warp * cs; b < GB * HD / 32; b += NW * cs) {
+        // This block's share: 32-element output blocks split, split + n_splits, ... (the
+        // cluster's blocks are the row's splits in order: rank = split), one warp each.
+        for (int b = split + warp * n_splits; b < GB * HD / 32; b += NW * n_splits) {
             const int idx = b * 32 + lane, g = idx / HD, d = idx % HD;
             float mx = ATT_NEG;
             for (int s = 0; s < n_active; s++) mx = fmaxf(mx, ld_cluster_f32(&sm_pml[g][0], s));
