@@ -445,18 +445,6 @@ fn gemvq_steps(t: GgmlType, n_in: usize) -> usize {
 /// `GEMV_TARGET_WARPS_PER_SM` warps per SM, capped by the steps a row has. A function of the
 /// shape only, never of the row count: the reduction order of an output (lane chains,
 /// butterfly, then the ks warp totals in warp order) must not depend on R.
-/// A tuning override of the float GEMV's split for one launch family (`FERRITE_GEMV_KS_MULTI`:
-/// grouped launches; `FERRITE_GEMV_KS_PLAIN`: single weights of ≤ 4096 columns and large
-/// outputs): 1, 2, 4 or 8 warps per row group.
-fn float_ks_override(name: &'static str) -> Option<usize> {
-    static KS: std::sync::OnceLock<[Option<usize>; 2]> = std::sync::OnceLock::new();
-    let ks = KS.get_or_init(|| {
-        ["FERRITE_GEMV_KS_MULTI", "FERRITE_GEMV_KS_PLAIN"]
-            .map(|n| switches::get(n).ok().flatten().map(|v| v[0] as usize))
-    });
-    ks[usize::from(name == "FERRITE_GEMV_KS_PLAIN")]
-}
-
 fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
     static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let target = *TARGET.get_or_init(|| {
@@ -634,9 +622,7 @@ pub fn matmul(
     if rows <= GEMV_MAX_ROWS {
         let ri = gemv_r_index(rows)?;
         let groups = row_groups(n_out);
-        let ks = float_ks_override("FERRITE_GEMV_KS_PLAIN")
-            .filter(|_| n_out > F32_SMALL_OUT && n_in <= 4096)
-            .unwrap_or_else(|| split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count));
+        let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let ks_i = ks as i32;
         let _keep = KeepXq::new(be, x);
         // SAFETY: shapes and buffer sizes checked above; the kernel reads n_out rows of rb
@@ -1363,9 +1349,7 @@ fn multi_launch(
         };
         (ks, smem, tc)
     } else {
-        let ks = float_ks_override("FERRITE_GEMV_KS_MULTI")
-            .unwrap_or_else(|| split_k(steps, groups, be.sm_count));
-        (ks, 0, None)
+        (split_k(steps, groups, be.sm_count), 0, None)
     };
     // A third weight of another type (a mixed kernel, quantized x only) has its own split
     // and slots: those its single-weight launch would take.

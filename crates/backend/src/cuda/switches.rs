@@ -90,16 +90,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill attention on the tensor cores (1 = f16 and q8_0 caches, 2 = f16 only, 0 = the SIMT kernel; ATTENTION.md)",
     ),
     (
-        "FERRITE_GEMV_KS_MULTI",
-        Accepts::OneOf(&[1, 2, 4, 8]),
-        "float GEMV split (warps per row group) of grouped launches, e.g. QKV (tuning; MATMUL.md)",
-    ),
-    (
-        "FERRITE_GEMV_KS_PLAIN",
-        Accepts::OneOf(&[1, 2, 4, 8]),
-        "float GEMV split of single-weight launches of <= 4096 columns, e.g. the o-projection (tuning; MATMUL.md)",
-    ),
-    (
         "FERRITE_GEMV_WARPS",
         Accepts::Range(1, 256),
         "float GEMV: resident-warp goal per SM that sets its K split (default 32; MATMUL.md round 15)",
