@@ -225,6 +225,8 @@ struct PagedKernels {
     decode: [Vec<Vec<CudaFunction>>; 2],
     prefill: [Vec<CudaFunction>; 2],
     prefill_tc: [Option<Vec<CudaFunction>>; 2],
+    /// `attn_decode_tc[_q8]_128_<gb>_paged` (as `decode_tc`).
+    decode_tc: [Option<Vec<CudaFunction>>; 2],
     generic: CudaFunction,
 }
 
@@ -281,18 +283,29 @@ impl Kernels {
             ])
         };
         let dtc = super::switches::int_or("FERRITE_ATTN_DTC", 1);
-        // `attn_decode_<pre>128_<gb>` for every heads-per-block, where `on`.
-        let tc_family = |on: bool, pre: &str| -> Result<Option<Vec<CudaFunction>>> {
-            if !on {
-                return Ok(None);
-            }
-            [1, 2, 4, 8]
-                .iter()
-                .map(|gb| function(&m, &format!("attn_decode_{pre}{DECODE_TC_HEAD_DIM}_{gb}")))
-                .collect::<Result<Vec<_>>>()
-                .map(Some)
-        };
+        // `attn_decode_<pre>128_<gb><post>` for every heads-per-block, where `on`.
+        let tc_family_post =
+            |on: bool, pre: &str, post: &str| -> Result<Option<Vec<CudaFunction>>> {
+                if !on {
+                    return Ok(None);
+                }
+                [1, 2, 4, 8]
+                    .iter()
+                    .map(|gb| {
+                        function(
+                            &m,
+                            &format!("attn_decode_{pre}{DECODE_TC_HEAD_DIM}_{gb}{post}"),
+                        )
+                    })
+                    .collect::<Result<Vec<_>>>()
+                    .map(Some)
+            };
+        let tc_family = |on: bool, pre: &str| tc_family_post(on, pre, "");
         let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, "tc_q8_")?];
+        let decode_tc_paged = [
+            tc_family_post(dtc != 0, "tc_", "_paged")?,
+            tc_family_post(dtc == 1, "tc_q8_", "_paged")?,
+        ];
         // Clusters of up to 16 blocks: the non-portable size, allowed per kernel.
         let clusters =
             arch == "compute_90a" && super::switches::int_or("FERRITE_ATTN_CLUSTER", 1) != 0;
@@ -331,6 +344,7 @@ impl Kernels {
                 decode: [decode("", "_paged")?, decode("q8_", "_paged")?],
                 prefill: [prefill("", "_paged")?, prefill("q8_", "_paged")?],
                 prefill_tc: prefill_tc("_paged")?,
+                decode_tc: decode_tc_paged,
                 generic: function(&m, "attn_generic_paged")?,
             },
         })
@@ -1077,7 +1091,11 @@ fn attention_paged(
             .flatten();
         match (fast, pre) {
             (Some(fi), _) if u.decode => {
-                let func = &kern.decode[q8][fi][heads_per_block(group).trailing_zeros() as usize];
+                let gbi = heads_per_block(group).trailing_zeros() as usize;
+                let func = match &kern.decode_tc[q8] {
+                    Some(tc) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
+                    _ => &kern.decode[q8][fi][gbi],
+                };
                 let qp = q_v.device_ptr(&be.stream).0;
                 let pp = pos_v.device_ptr(&be.stream).0;
                 let op = out_v.device_ptr_mut(&be.stream).0;

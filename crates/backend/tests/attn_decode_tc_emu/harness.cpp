@@ -14,6 +14,7 @@
 // prefill). Prints one line per configuration and "ALL OK"; exit status 1 on a mismatch.
 #define EMU_THREADS 128
 #include <cmath>
+#include <utility>
 
 #include "fibers.h"
 #include "intrinsics.h"
@@ -95,7 +96,11 @@ static void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uin
 constexpr int HD = 128, NWARP = 4, CAP = 512, MAXGB = 8;
 struct Cfg {
     int gb, q8, start, end;
+    int page_shift;  // 0: contiguous; else pages of 1 << page_shift positions, shuffled
 };
+// Paged layout: logical position p lives at physical row bt[p >> shift] * page + (p & (page - 1))
+// of the same buffers (one kv head, so the page stride is page * HD elements).
+static std::vector<int> bt;
 static Cfg cfg;
 static std::vector<float> qv;                 // [gb][HD]
 static std::vector<uint16_t> kf, vf;          // f16 cache [CAP][HD]
@@ -121,8 +126,14 @@ static void run_body() {
     auto& l = *reinterpret_cast<float(*)[NWARP][GB]>(sm_ml_gb<GB>(1));
     const unsigned char* kc = Q8 ? kq.data() : reinterpret_cast<const unsigned char*>(kf.data());
     const unsigned char* vc = Q8 ? vq.data() : reinterpret_cast<const unsigned char*>(vf.data());
-    decode_tc_loop<HD, GB, Q8>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start, cfg.end,
-                               SCALE_LOG2, a, m, l);
+    if (cfg.page_shift > 0) {
+        decode_tc_loop<HD, GB, Q8, true>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start,
+                                         cfg.end, SCALE_LOG2, a, m, l, bt.data(), cfg.page_shift,
+                                         (long long)HD << cfg.page_shift);
+    } else {
+        decode_tc_loop<HD, GB, Q8>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start, cfg.end,
+                                   SCALE_LOG2, a, m, l);
+    }
 }
 
 static std::vector<double> out_kernel, out_ref;
@@ -150,7 +161,9 @@ static void run() {
     }
 }
 
-static double kval(bool v, int p, int d) {
+static double kval(bool v, int lp, int d) {
+    const int sh = cfg.page_shift;
+    const int p = sh > 0 ? (bt[lp >> sh] << sh) + (lp & ((1 << sh) - 1)) : lp;  // physical row
     if (!cfg.q8) return h2f((v ? vf : kf)[p * HD + d]);
     const int8_t b = (int8_t)(v ? vq : kq)[p * HD + d];
     return b * (double)h2f((v ? vsc : ksc)[p * (HD / 32) + d / 32]);
@@ -189,6 +202,9 @@ int main() {
         {4, 0, 0, 1},   {4, 0, 0, 17},  {4, 0, 64, 101}, {4, 0, 0, 200}, {1, 0, 5, 77},
         {2, 0, 128, 192}, {8, 0, 0, 150}, {4, 1, 0, 1},   {4, 1, 0, 17},  {4, 1, 64, 101},
         {4, 1, 0, 200}, {8, 1, 3, 130}, {1, 1, 0, 64},
+        // Paged caches: pages of 16 and 2 positions, shuffled (a tile's keys cross pages).
+        {4, 0, 0, 200, 4}, {4, 1, 0, 200, 4}, {8, 0, 3, 130, 4}, {2, 1, 64, 101, 4},
+        {4, 0, 5, 77, 1}, {4, 1, 0, 40, 1},
     };
     bool ok = true;
     for (const Cfg& c : cases) {
@@ -206,6 +222,11 @@ int main() {
         for (int i = 0; i < CAP * HD / 32; i++) {
             ksc[i] = f2h((float)(0.02 * (0.5 + urand())));
             vsc[i] = f2h((float)(0.01 * (0.5 + urand())));
+        }
+        if (c.page_shift > 0) {  // a random permutation of the CAP >> shift pages
+            bt.resize(CAP >> c.page_shift);
+            for (size_t i = 0; i < bt.size(); i++) bt[i] = (int)i;
+            for (size_t i = bt.size() - 1; i > 0; i--) std::swap(bt[i], bt[(size_t)(urand() * (i + 1)) % (i + 1)]);
         }
         switch (c.gb * 2 + c.q8) {
             case 2: run<1, false>(); break;
@@ -225,8 +246,8 @@ int main() {
         }
         const double nmse = num / std::max(den, 1e-300);
         const bool good = std::isfinite(nmse) && nmse <= 1e-5;
-        printf("gb=%d %s keys [%d, %d): NMSE %.2e %s\n", c.gb, c.q8 ? "q8_0" : "f16", c.start, c.end, nmse,
-               good ? "OK" : "FAIL");
+        printf("gb=%d %s keys [%d, %d)%s: NMSE %.2e %s\n", c.gb, c.q8 ? "q8_0" : "f16", c.start, c.end,
+               c.page_shift ? (c.page_shift == 4 ? " paged 16" : " paged 2") : "", nmse, good ? "OK" : "FAIL");
         ok = ok && good;
     }
     if (ok) printf("ALL OK\n");

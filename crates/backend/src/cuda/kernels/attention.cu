@@ -56,9 +56,10 @@
 //   the TPK lanes by xor-shuffles; each thread keeps per head an online-softmax state
 //   (m, l, acc[8]) over the keys its slot saw; at the end states merge across slots by
 //   shuffles, across warps through shared memory. Bytes: each K/V byte of the head read once.
-//   attn_decode_tc[_q8]_128_<GB> (contiguous f16 / q8_0 caches at hd 128; the launcher's
-//   default there) replace this per-key loop by S = QKᵀ and Oᵀ = VᵀPᵀ on mma.sync, 16 keys
-//   per warp step (decode_tc_loop below); everything else is this same template code.
+//   attn_decode_tc[_q8]_128_<GB>[_paged] (f16 / q8_0 caches at hd 128, contiguous and
+//   paged; the launcher's default there) replace this per-key loop by S = QKᵀ and Oᵀ = VᵀPᵀ
+//   on mma.sync, 16 keys per warp step (decode_tc_loop below); everything else is this same
+//   template code.
 //   L2 prefetch (contiguous cache, pf > 0): one thread issues a TMA bulk prefetch of the K
 //   and V tiles pf iterations ahead (the first pf tiles before the PDL wait, overlapping the
 //   previous kernel's tail: the cache at earlier positions is written by completed grids).
@@ -424,7 +425,9 @@ __device__ __forceinline__ uint32_t q8_scale2(uint2 four, int e) {
 // Per warp and 16 keys: 16 loads of 16 B, 24 MMAs (16 S, 8 P·V), 32 byte_perm, ~40 for the
 // softmax. The warp's (m, l, acc) go to the block merge in the SIMT loop's format.
 // Precision: q and P rounded to f16 (as the tensor-core prefill), f32 accumulation.
-template <int HD, int GB, bool Q8>
+// PAGED: key p's row sits at page bt[p >> page_shift] (page_stride elements per page),
+// row p mod page size, relative to head_base (the kv head's offset in a page); else at p.
+template <int HD, int GB, bool Q8, bool PAGED = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -432,7 +435,9 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                                                long long head_base, int start, int end, float scale_log2,
                                                float (&sm_acc)[DECODE_THREADS / 32][GB][HD],
                                                float (&sm_m)[DECODE_THREADS / 32][GB],
-                                               float (&sm_l)[DECODE_THREADS / 32][GB]) {
+                                               float (&sm_l)[DECODE_THREADS / 32][GB],
+                                               const int* __restrict__ bt = nullptr, int page_shift = 0,
+                                               long long page_stride = 0) {
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
@@ -459,6 +464,21 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
     for (int i = 0; i < KS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m_run = ATT_NEG, l_run = 0.f;
+    // Element offset of key p's row from head_base, and of its q8_0 scales from head_base / 32.
+    auto row = [&](int p) -> long long {
+        if constexpr (PAGED) {
+            return (long long)bt[p >> page_shift] * page_stride + (long long)(p & ((1 << page_shift) - 1)) * HD;
+        } else {
+            return (long long)p * HD;
+        }
+    };
+    auto srow = [&](int p) -> long long {
+        if constexpr (PAGED) {
+            return row(p) / 32;
+        } else {
+            return (long long)p * (HD / 32);
+        }
+    };
 
     for (int base = start + 16 * warp; base < end; base += 16 * NW) {  // uniform across the warp
         // The keys this thread loads, clamped to end - 1: K's key g of n-tile n, V's keys
@@ -477,17 +497,17 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
             uint2 kq8[2][NP], kd[2], vq8[4][2], vd[4];
 #pragma unroll
             for (int n = 0; n < 2; n++) {
-                const uint2* p = reinterpret_cast<const uint2*>(kq + (long long)kkey[n] * HD + 8 * tq);
+                const uint2* p = reinterpret_cast<const uint2*>(kq + row(kkey[n]) + 8 * tq);
 #pragma unroll
                 for (int c = 0; c < NP; c++) kq8[n][c] = __ldcg(p + 4 * c);
-                kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)kkey[n] * (HD / 32)));
+                kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + srow(kkey[n])));
             }
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
-                const uint2* p = reinterpret_cast<const uint2*>(vq + (long long)vkey[kk] * HD + 8 * g);
+                const uint2* p = reinterpret_cast<const uint2*>(vq + row(vkey[kk]) + 8 * g);
                 vq8[kk][0] = __ldcg(p);
                 vq8[kk][1] = __ldcg(p + HD / 16);
-                vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)vkey[kk] * (HD / 32)));
+                vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + srow(vkey[kk])));
             }
 #pragma unroll
             for (int n = 0; n < 2; n++)
@@ -503,13 +523,13 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
             const unsigned short* vh = reinterpret_cast<const unsigned short*>(vc) + head_base;
 #pragma unroll
             for (int n = 0; n < 2; n++) {
-                const uint4* p = reinterpret_cast<const uint4*>(kh + (long long)kkey[n] * HD + 8 * tq);
+                const uint4* p = reinterpret_cast<const uint4*>(kh + row(kkey[n]) + 8 * tq);
 #pragma unroll
                 for (int c = 0; c < NP; c++) kw[n][c] = __ldcg(p + 4 * c);
             }
 #pragma unroll
             for (int kk = 0; kk < 4; kk++) {
-                const uint4* p = reinterpret_cast<const uint4*>(vh + (long long)vkey[kk] * HD + 8 * g);
+                const uint4* p = reinterpret_cast<const uint4*>(vh + row(vkey[kk]) + 8 * g);
                 vw[kk][0] = __ldcg(p);
                 vw[kk][1] = __ldcg(p + HD / 16);  // dims 64 + 8 g ..
             }
@@ -644,7 +664,8 @@ __device__ __forceinline__ void attn_decode_impl(
     // Keys per block per iteration (TC: 16 per warp, decode_tc_loop).
     constexpr int STEP = TC ? NW * 16 : KPB * U;
     static_assert(HD % 32 == 0 && 32 % TPK == 0, "decode head_dim");
-    static_assert(!TC || (HD == 128 && !PAGED), "tensor-core decode: contiguous cache, hd 128");
+    static_assert(!TC || HD == 128, "tensor-core decode: hd 128");
+    static_assert(!CL || !PAGED, "cluster merge: contiguous caches");
 
     __shared__ float sm_acc[NW][GB][HD];
     __shared__ float sm_m[NW][GB], sm_l[NW][GB];
@@ -718,8 +739,15 @@ __device__ __forceinline__ void attn_decode_impl(
     if (CL && idle) {
         // CL only: no keys (the partial below is not written; the merge reads n_active).
     } else if constexpr (TC) {
-        decode_tc_loop<HD, GB, Q8>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc,
-                                   sm_m, sm_l);
+        if constexpr (PAGED) {
+            decode_tc_loop<HD, GB, Q8, true>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2,
+                                             sm_acc, sm_m, sm_l,
+                                             row_table<true>(row_seq, block_tables, bt_stride, t), page_shift,
+                                             page_stride);
+        } else {
+            decode_tc_loop<HD, GB, Q8>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2,
+                                       sm_acc, sm_m, sm_l);
+        }
     } else {
         const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
 
@@ -995,13 +1023,22 @@ DECODE_KERNEL(256, 2)
 DECODE_KERNEL(256, 4)
 DECODE_KERNEL(256, 8)
 
-// The tensor-core main loop (decode_tc_loop): contiguous f16 and q8_0 caches, hd 128.
+// The tensor-core main loop (decode_tc_loop): f16 and q8_0 caches, hd 128, contiguous (the
+// step's rows stored by the launch) and paged (stored by kv_store_paged before it).
 #define DECODE_TC_KERNEL(GB)                                                                 \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, true, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
+        attn_decode_tc_128_##GB##_paged(DECODE_ARGS, PAGED_ARGS) {                           \
+        attn_decode_impl<128, GB, false, true, false, true>(DECODE_PASS, PAGED_PASS);        \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
+        attn_decode_tc_q8_128_##GB##_paged(DECODE_ARGS, PAGED_ARGS) {                        \
+        attn_decode_impl<128, GB, true, true, false, true>(DECODE_PASS, PAGED_PASS);         \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_cl_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
