@@ -105,8 +105,9 @@ fn tc_smem(head_dim: usize, q8: usize) -> usize {
 
 /// The prefill kernel for this cache and shape with its launch shape: the tensor-core one
 /// (`tc[q8]`) where it applies (a [`TC_HEAD_DIMS`] head size, a GQA group that fits its 64
-/// slots, the cache type not switched off), else the SIMT one (`simt[q8]`: a [`FAST_HEAD_DIMS`] head size, a group that fits
-/// its tile); `None`: the fallback kernel. Both take the same arguments.
+/// slots, the cache type not switched off), else the SIMT one (`simt[q8]`: a
+/// [`FAST_HEAD_DIMS`] head size, a group that fits its tile); `None`: the fallback kernel.
+/// Both take the same arguments.
 #[allow(clippy::too_many_arguments)]
 fn prefill_kernel<'a>(
     tc: &'a [Option<Vec<CudaFunction>>; 2],
@@ -198,7 +199,8 @@ pub struct Kernels {
     kv_store: [CudaFunction; 2],
     /// `decode[q8][hd index][log2 heads-per-block]`.
     decode: [Vec<Vec<CudaFunction>>; 2],
-    /// The tensor-core decode kernels (contiguous cache, head_dim [`DECODE_TC_HEAD_DIM`]),
+    /// The tensor-core decode kernels (contiguous caches, head_dim [`DECODE_TC_HEAD_DIM`]; the
+    /// paged ones are in [`PagedKernels`]),
     /// `[f16, q8_0]`, each by log2 heads-per-block; `None` where `FERRITE_ATTN_DTC` keeps
     /// that cache type on the SIMT loop (0: both, 2: q8_0).
     decode_tc: [Option<Vec<CudaFunction>>; 2],
@@ -417,8 +419,8 @@ fn fast_index(head_dim: usize) -> Option<usize> {
 /// splits of one head block and row; 16 is Hopper's largest, non-portable, cluster).
 const CLUSTER_MAX_SPLITS: usize = 16;
 
-/// The head size of the tensor-core decode kernels (`attn_decode_tc[_q8]_<hd>_<gb>`; the
-/// other sizes and paged caches take the SIMT loop).
+/// The head size of the tensor-core decode kernels (`attn_decode_tc[_q8]_<hd>_<gb>[_paged]`;
+/// the other sizes take the SIMT loop).
 pub const DECODE_TC_HEAD_DIM: usize = 128;
 
 /// Most query heads per decode block (see [`heads_per_block`]).
@@ -684,14 +686,18 @@ pub fn attention(
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
         let gbi = heads_per_block(group).trailing_zeros() as usize;
-        let cluster = (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits);
-        let func = match (&be.attention.decode_tc[q8], &be.attention.decode_cl[q8]) {
-            (_, Some(cl)) if head_dim == DECODE_TC_HEAD_DIM && cluster => &cl[gbi],
-            (Some(tc), _) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
+        // The tensor-core loop at its head size; its cluster-merge form where the cache's
+        // splits fit one cluster.
+        let tc_dim = head_dim == DECODE_TC_HEAD_DIM;
+        let cl = be.attention.decode_cl[q8]
+            .as_ref()
+            .filter(|_| tc_dim && (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits));
+        let func = match (cl, &be.attention.decode_tc[q8]) {
+            (Some(cl), _) => &cl[gbi],
+            (None, Some(tc)) if tc_dim => &tc[gbi],
             _ => &be.attention.decode[q8][fi][gbi],
         };
-        let cluster =
-            cluster && head_dim == DECODE_TC_HEAD_DIM && be.attention.decode_cl[q8].is_some();
+        let cluster = cl.is_some();
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
         let cols = n_heads * head_dim;
         let mut fused = matmul::xq_for_producer(be, rows, cols)?;

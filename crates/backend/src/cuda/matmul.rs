@@ -139,14 +139,14 @@ pub struct Kernels {
 type BfScratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
 
 /// How much of its weight rows the float GEMV prefetches into L2 before its PDL wait
-/// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's head (GEMV_PF_HEAD), 2 the block's whole
-/// span. `FERRITE_GEMV_PF` overrides the default (a tuning switch: MATMUL.md, "F16 decode
-/// regression").
+/// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's head (`GEMV_PF_HEAD`), 2 the
+/// block's whole span. `FERRITE_GEMV_PF` overrides the default (a tuning switch: MATMUL.md,
+/// "F16 decode regression").
 const GEMV_PF_DEFAULT: i32 = 1;
 
 /// Bytes of each row's head that prefetch mode 1 fetches into L2 (`FERRITE_GEMV_PF_HEAD`
-/// overrides it: a tuning switch). 512: F16 tg128 +0.6% over 1024 in two calls (MATMUL.md
-/// round 17); 2048 and more lose.
+/// overrides it: a tuning switch). 512: F16 tg128 +0.4–0.7% over 1024 in three calls
+/// (MATMUL.md round 17); 2048 and more lose.
 const GEMV_PF_HEAD: usize = 512;
 
 fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
