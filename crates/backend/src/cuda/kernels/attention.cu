@@ -1339,6 +1339,17 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     const uint32_t sV0 = (uint32_t)__cvta_generic_to_shared(sV);
     const uint32_t sQ0 = (uint32_t)__cvta_generic_to_shared(sQ);
 
+    // Element index of key p's row + col, and the bytes of a copy of n there (0 past the
+    // block's key bound: zero-filled, from a valid address).
+    auto key_src = [&](int p, int col, int n, long long& e) -> int {
+        e = head_off;
+        int bytes = 0;
+        if (p < kmax) {
+            e = kv_pos<PAGED>(head_off, p, HD, bt, page_shift, page_stride) + col;
+            bytes = n;
+        }
+        return bytes;
+    };
     auto load_tile = [&](int it) {
         const int k0 = it * BKV, buf = it & 1;
         if constexpr (Q8) {
@@ -1348,26 +1359,16 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
             const uint32_t rk = (uint32_t)__cvta_generic_to_shared(raw + buf * 2 * BKV * HD);
             for (int c = tid; c < BKV * QCPR; c += TC_THREADS) {
                 const int kr = c / QCPR, col = (c % QCPR) * 16;
-                const int p = k0 + kr;
-                long long e = head_off;
-                int bytes = 0;
-                if (p < kmax) {
-                    e = kv_pos<PAGED>(head_off, p, HD, bt, page_shift, page_stride) + col;
-                    bytes = 16;
-                }
+                long long e;
+                const int bytes = key_src(k0 + kr, col, 16, e);
                 const uint32_t off = (uint32_t)(kr * HD + col);
                 cp_async16(rk + off, kc + e, bytes);
                 cp_async16(rk + BKV * HD + off, vc + e, bytes);
             }
             const uint32_t rs = (uint32_t)__cvta_generic_to_shared(raw_sc + buf * 2 * BKV * (HD / 32));
             for (int kr = tid; kr < BKV; kr += TC_THREADS) {
-                const int p = k0 + kr;
-                long long e = head_off;
-                int bytes = 0;
-                if (p < kmax) {
-                    e = kv_pos<PAGED>(head_off, p, HD, bt, page_shift, page_stride);
-                    bytes = HD / 16;
-                }
+                long long e;
+                const int bytes = key_src(k0 + kr, 0, HD / 16, e);
                 const uint32_t off = (uint32_t)(kr * (HD / 16));
                 cp_async_n<HD / 16>(rs + off, ks + e / 32, bytes);
                 cp_async_n<HD / 16>(rs + BKV * (HD / 16) + off, vs + e / 32, bytes);
@@ -1377,13 +1378,8 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
         }
         for (int c = tid; c < BKV * CPR; c += TC_THREADS) {
             const int kr = c / CPR, col = (c % CPR) * 8;
-            const int p = k0 + kr;
-            long long e = head_off;
-            int bytes = 0;
-            if (p < kmax) {
-                e = kv_pos<PAGED>(head_off, p, HD, bt, page_shift, page_stride) + col;
-                bytes = 16;
-            }
+            long long e;
+            const int bytes = key_src(k0 + kr, col, 16, e);
             const uint32_t off = (uint32_t)((buf * BKV + kr) * LDS + col) * 2;
             cp_async16(sK0 + off, kbase + e, bytes);
             cp_async16(sV0 + off, vbase + e, bytes);
