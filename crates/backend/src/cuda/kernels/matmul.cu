@@ -2135,15 +2135,6 @@ GEMVQ_MOE_KERNELS(q6_k, GGML_Q6_K)
 #define MM_TK 64   // K per step
 #define MM_LDS 72  // smem row stride in bf16 (144 B)
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // x [rows, n_in] f32 -> xb [rows, kp] bf16 (kp % 64 == 0, zero beyond n_in); one 16-B vector
 // of xb per thread.
 extern "C" __global__ void __launch_bounds__(256)

@@ -1,9 +1,10 @@
-// mm_decode.cuh — the bf16 decoders of the prefill matmuls, shared by matmul.cu (`mm_`, and
-// h2f / byte_f / scale_min_w in its GEMVs), mmw.cu (the wgmma kernel) and moe.cu (its helpers;
-// the grouped expert GEMM has its own one-pass decoder): the kernels must dequantize to the
-// same bits. Prepended after common.cuh to those files only (mod.rs `full_source`). raw16 loads the raw bytes of 16 consecutive weight elements of one
-// row into registers; dec16 turns them into 8 packed bf16 pairs. Their layouts follow ggml
-// (checked against ggml_get in common.cuh by `ferrite check`).
+// mm_decode.cuh — the bf16 decoders of the prefill matmuls and their mma.sync bf16 step
+// (`mma_bf16`), shared by matmul.cu (`mm_`, and h2f / byte_f / scale_min_w in its GEMVs),
+// mmw.cu (the wgmma kernel) and moe.cu (its helpers; the grouped expert GEMM has its own
+// one-pass decoder): the kernels must dequantize to the same bits. Prepended after common.cuh
+// to those files only (mod.rs `full_source`). raw16 loads the raw bytes of 16 consecutive
+// weight elements of one row into registers; dec16 turns them into 8 packed bf16 pairs. Their
+// layouts follow ggml (checked against ggml_get in common.cuh by `ferrite check`).
 
 __device__ __forceinline__ float h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
 __device__ __forceinline__ float b2f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
@@ -199,4 +200,15 @@ __device__ __forceinline__ void dec16(const Raw16& r, int k0, int n_in, uint32_t
             }
         }
     }
+}
+
+// One mma.sync m16n8k16 bf16 x bf16 -> f32 step, accumulating into c (the prefill matmul
+// of matmul.cu and moe.cu's grouped expert GEMM).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }

@@ -549,15 +549,6 @@ __device__ __forceinline__ void load_act8(const float* __restrict__ r, int k0, i
     }
 }
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // One block of 1024 threads; dynamic shared memory: 2·n_experts ints.
 // idx layout (ints): offsets[n_experts + 1] | n_tiles[1] | tiles[2·max_tiles] | list[pairs]
 extern "C" __global__ void __launch_bounds__(1024) moe_sort(const int* __restrict__ ids, int pairs, int n_experts,
