@@ -123,6 +123,10 @@ __device__ float ggml_get(const uint8_t* row, int type, int i) {
     }
 }
 
+// The FFN's activation silu(g) · u as the elementwise `swiglu` kernel computes it; the fused
+// gate/up/SwiGLU prefill launch (mmw.cu) calls the same function, so the two agree.
+__device__ __forceinline__ float swiglu_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 // Programmatic dependent launch (launch.rs). Kernels are launched so that they may start
 // while their predecessor in the stream still runs. `pdl_wait` blocks until that predecessor
 // grid has completed and its memory is visible: nothing that a predecessor reads or writes
@@ -131,10 +135,6 @@ __device__ float ggml_get(const uint8_t* row, int type, int i) {
 // launch (`pdl_launch_dependents`): the successor's blocks are scheduled as this grid's
 // blocks retire, and its wait covers the whole chain (this grid cannot complete before its
 // own wait returned). Before sm_90 (and when launched without the attribute) both are no-ops.
-// The FFN's activation silu(g) · u as the elementwise `swiglu` kernel computes it; the fused
-// gate/up/SwiGLU prefill launch (mmw.cu) calls the same function, so the two agree.
-__device__ __forceinline__ float swiglu_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
