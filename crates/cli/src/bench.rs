@@ -18,9 +18,6 @@ use serde::Serialize;
 
 use crate::{load, ModelArgs};
 
-/// Bytes per element of a q8_0 KV cache: a 32-element block is 32 int8 and one f16 scale.
-const KV_Q8_0_BYTES_PER_ELEMENT: f64 = 34.0 / 32.0;
-
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     #[command(flatten)]
@@ -194,16 +191,10 @@ fn bench_on<B: Backend>(
 
     let bw = be.copy_bandwidth()?;
     let weight_bytes = weight_bytes_per_token(file)?;
-    // A q8_0 cache (`--kv-cache-q8`) holds 32 int8 + one f16 scale per 32 elements; the
-    // backend's figure is its default cache type's.
-    let kv_elem_bytes = if a.model.kv_cache_q8 {
-        KV_Q8_0_BYTES_PER_ELEMENT
-    } else {
-        be.kv_bytes_per_element()
-    };
+    // The cache type the model was loaded with (a q8_0 cache: 1.0625 bytes per element).
     let kv_per_pos = ((cfg.n_layers * 2 * cfg.attn.n_kv_heads * cfg.attn.head_dim) as f64
-        * kv_elem_bytes)
-        .round() as u64;
+        * be.kv_bytes_per_element())
+    .round() as u64;
     let depth = a.depth;
     let ctx = depth + a.prompt_tokens.max(a.gen_tokens + 2);
     let fill = bench_tokens(depth, cfg.vocab, 11);

@@ -26,6 +26,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 use ferrite_backend::cpu::{route_top_k, CpuBackend};
+use ferrite_backend::cuda::attention::KvType;
 use ferrite_backend::cuda::matmul as cuda_matmul;
 use ferrite_backend::cuda::CudaBackend;
 use ferrite_backend::{
@@ -2688,7 +2689,7 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
             let per_el = if *q8 && be.kv_bytes_per_element() < 4.0 {
-                1.0 + 2.0 / 32.0
+                KvType::Q8_0.bytes_per_element()
             } else {
                 be.kv_bytes_per_element()
             };

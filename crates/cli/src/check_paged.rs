@@ -5,6 +5,7 @@
 //! and the CPU reference get the same data and the same page assignment.
 
 use anyhow::Result;
+use ferrite_backend::cuda::attention::KvType;
 use ferrite_backend::{AttnArgs, AttnShape, Backend, PagedKv, SeqRows, StepInput};
 
 use super::{
@@ -207,7 +208,7 @@ impl PagedCase {
     pub fn bytes<B: Backend>(&self, be: &B, h: &HostData) -> f64 {
         let kvd = self.shape.n_kv_heads * self.shape.head_dim;
         let kv_per_el = if self.q8 && be.kv_bytes_per_element() < 4.0 {
-            1.0 + 2.0 / 32.0
+            KvType::Q8_0.bytes_per_element()
         } else {
             be.kv_bytes_per_element()
         };

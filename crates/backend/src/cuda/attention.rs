@@ -36,9 +36,6 @@ use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, matmul, CudaBackend};
 use crate::{Act, AttnArgs, AttnShape, PagedKv, StepInput};
 
-/// Bytes per cached key/value element of the default cache type (f16).
-pub const KV_BYTES_PER_ELEMENT: f64 = 2.0;
-
 /// Storage type of the KV cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvType {

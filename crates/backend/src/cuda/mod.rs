@@ -285,8 +285,9 @@ impl Backend for CudaBackend {
             .map(|(free, total)| ((total - free) as u64, total as u64))
     }
 
+    /// The type the next `kv_new` makes (f16 unless the loader chose q8_0).
     fn kv_bytes_per_element(&self) -> f64 {
-        attention::KV_BYTES_PER_ELEMENT
+        self.attention.kv_type().bytes_per_element()
     }
 
     fn upload(&self, t: &HostTensor<'_>) -> Result<CudaWeight> {
