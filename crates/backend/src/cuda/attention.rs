@@ -66,10 +66,11 @@ const MAX_SPLITS: usize = 64;
 /// The kernel's limit on the split count (DECODE_MAX_SPLITS in attention.cu).
 const KERNEL_MAX_SPLITS: usize = 128;
 /// Fewest positions a decode split covers (the kernel's `min_chunk`; longer chunks are
-/// rounded up to whole block iterations). 32: twice the splits below ~4096 positions, one
-/// block iteration each (Qwen3-8B Q4_K_M tg128 at depth ~600 +0.6% over 64, same call;
-/// longer contexts have longer chunks either way: ATTENTION.md).
-const DECODE_MIN_CHUNK: usize = 32;
+/// rounded up to whole block iterations). 64: caches of up to 1024 positions take at most 16
+/// splits, merged through a thread-block cluster (CLUSTER_MAX_SPLITS); same-call tg128 at
+/// ~600 positions over 32: Qwen3-8B Q4_K_M +0.7%, Qwen3-30B-A3B +1.3%, F16 +0.7%. Caches of
+/// 4096 positions and more have 64 splits either way (ATTENTION.md, "min_chunk 64").
+const DECODE_MIN_CHUNK: usize = 64;
 /// Decode blocks wanted per SM at rows = 1 (4 blocks × 4 warps, ~64 KB of loads in flight
 /// per SM: enough to cover DRAM latency at full bandwidth).
 const DECODE_BLOCKS_PER_SM: usize = 4;

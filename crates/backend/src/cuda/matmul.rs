@@ -530,7 +530,7 @@ fn float_bulk_type(t: GgmlType) -> bool {
 /// Which F16 / BF16 decode GEMVs take the bulk-copy form (`FERRITE_GEMV_BULK_F`): 0 none,
 /// 1 all, 2 the attention projections' shape (one weight span per row group, rows of at most
 /// [`FLOAT_BULK_MAX_IN`] columns, at most [`FLOAT_BULK_MAX_OUT`] outputs in the launch).
-const FLOAT_BULK_DEFAULT: i64 = 2;
+const FLOAT_BULK_DEFAULT: i64 = 0;
 
 /// Mode 2's widest rows: the 4096-column projections, whose blocks at the register form
 /// run as one burst of loads per wave (MATMUL.md round 16); the long-row launches (down
@@ -569,20 +569,30 @@ fn gemv_plan(
     groups: usize,
     spans: usize,
 ) -> Result<(usize, u32)> {
-    let shape_ok = match float_bulk_mode() {
+    let mode = float_bulk_mode();
+    let shape_ok = match mode {
         1 => true,
-        2 => spans == 1 && n_in <= FLOAT_BULK_MAX_IN && groups * GEMV_NW <= FLOAT_BULK_MAX_OUT,
+        2 | 3 => spans == 1 && n_in <= FLOAT_BULK_MAX_IN && groups * GEMV_NW <= FLOAT_BULK_MAX_OUT,
         _ => false,
     };
+    let ks = split_k(gemv_steps(t, n_in), groups, be.sm_count);
     if be.matmul.bulk
         && float_bulk_type(t)
         && n_in.is_multiple_of(4)
         && rb.is_multiple_of(16)
         && shape_ok
     {
-        return bulk_split(float_bulk_smem(), t, n_in, rb, spans);
+        if mode != 3 {
+            return bulk_split(float_bulk_smem(), t, n_in, rb, spans);
+        }
+        // Mode 3: the register form's split, its block's rows in shared memory.
+        let rows = GEMV_WARPS / ks * GEMV_NW / spans;
+        let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
+        if bytes <= GEMVQ_BULK_MAX_SMEM {
+            return Ok((ks, bytes as u32));
+        }
     }
-    Ok((split_k(gemv_steps(t, n_in), groups, be.sm_count), 0))
+    Ok((ks, 0))
 }
 
 /// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the

@@ -61,9 +61,10 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_BULK_F",
-        Accepts::Range(0, 2),
+        Accepts::Range(0, 3),
         "F16 / BF16 decode GEMVs on bulk copies into shared memory: 0 none, 1 all, 2 the \
-         attention projections' shapes (MATMUL.md round 18)",
+         attention projections' shapes, 3 those at the register form's split (MATMUL.md \
+         round 18)",
     ),
     (
         "FERRITE_GEMVF_SMEM",
