@@ -66,11 +66,16 @@ const MAX_SPLITS: usize = 64;
 /// The kernel's limit on the split count (DECODE_MAX_SPLITS in attention.cu).
 const KERNEL_MAX_SPLITS: usize = 128;
 /// Fewest positions a decode split covers (the kernel's `min_chunk`; longer chunks are
-/// rounded up to whole block iterations). 64: caches of up to 1024 positions take at most 16
-/// splits, merged through a thread-block cluster (CLUSTER_MAX_SPLITS); same-call tg128 at
-/// ~600 positions over 32: Qwen3-8B Q4_K_M +0.7%, Qwen3-30B-A3B +1.3%, F16 +0.7%. Caches of
-/// 4096 positions and more have 64 splits either way (ATTENTION.md, "min_chunk 64").
-const DECODE_MIN_CHUNK: usize = 64;
+/// rounded up to whole block iterations). 32: twice the splits below ~4096 positions, one
+/// block iteration each (ATTENTION.md, "min_chunk 32"): the SIMT kernels' head dims.
+const DECODE_MIN_CHUNK: usize = 32;
+/// The same at [`DECODE_TC_HEAD_DIM`] (the tensor-core kernels with the cluster merge):
+/// 64, so that caches of up to 1024 positions take at most 16 splits, merged through a
+/// thread-block cluster (CLUSTER_MAX_SPLITS). Same-call tg128 at ~600 positions over 32:
+/// Qwen3-8B Q4_K_M +0.7%, Qwen3-30B-A3B +1.3%, F16 +0.7%, Q8_0 +0.3%; Qwen3.5-9B (head dim
+/// 256, SIMT) −0.7%, hence the two values. Caches of 4096 positions and more have 64 splits
+/// either way (ATTENTION.md, "min_chunk 64 at head dim 128").
+const DECODE_MIN_CHUNK_TC: usize = 64;
 /// Decode blocks wanted per SM at rows = 1 (4 blocks × 4 warps, ~64 KB of loads in flight
 /// per SM: enough to cover DRAM latency at full bandwidth).
 const DECODE_BLOCKS_PER_SM: usize = 4;
@@ -371,7 +376,7 @@ struct DecodeTuning {
     blocks_per_sm: usize,
     /// Most splits per (row, head).
     max_splits: usize,
-    /// Fewest positions per split.
+    /// Fewest positions per split (0: by head dim, [`min_chunk_for`]).
     min_chunk: usize,
     /// L2 prefetch distance in key tiles (0 = off).
     prefetch: usize,
@@ -382,7 +387,7 @@ impl Default for DecodeTuning {
         DecodeTuning {
             blocks_per_sm: DECODE_BLOCKS_PER_SM,
             max_splits: MAX_SPLITS,
-            min_chunk: DECODE_MIN_CHUNK,
+            min_chunk: 0,
             prefetch: DECODE_PREFETCH,
         }
     }
@@ -443,6 +448,16 @@ fn prefill_slots(head_dim: usize) -> usize {
     PREFILL_THREADS / if head_dim >= 256 { 8 } else { 4 }
 }
 
+/// The decode split's fewest positions for `head_dim`: the tuning override, else
+/// [`DECODE_MIN_CHUNK_TC`] at the tensor-core head dim and [`DECODE_MIN_CHUNK`] elsewhere.
+fn min_chunk_for(head_dim: usize, tu: DecodeTuning) -> usize {
+    match tu.min_chunk {
+        0 if head_dim == DECODE_TC_HEAD_DIM => DECODE_MIN_CHUNK_TC,
+        0 => DECODE_MIN_CHUNK,
+        c => c,
+    }
+}
+
 /// The fixed decode split count for a cache: enough blocks for every SM at rows = 1, no more
 /// splits than `capacity` has minimum-size chunks.
 fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize, tu: DecodeTuning) -> usize {
@@ -450,7 +465,7 @@ fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize, tu: DecodeT
     let blocks_x = (shape.n_heads / heads_per_block(group)).max(1);
     let want = (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x);
     want.clamp(1, tu.max_splits.min(KERNEL_MAX_SPLITS))
-        .min(capacity.div_ceil(tu.min_chunk).max(1))
+        .min(capacity.div_ceil(min_chunk_for(shape.head_dim, tu)).max(1))
 }
 
 /// A cache of the type chosen with [`Kernels::set_kv_type`] (f16 by default).
@@ -586,7 +601,7 @@ fn kv_alloc(
         shape,
         capacity,
         n_splits,
-        min_chunk: tuning.min_chunk,
+        min_chunk: min_chunk_for(head_dim, tuning),
         part_acc: be.stream.alloc_zeros::<f32>(part_rows * head_dim)?,
         part_ml: be.stream.alloc_zeros::<f32>(part_rows * 2)?,
         tickets: be.stream.alloc_zeros::<i32>(scratch_rows * n_heads)?,
@@ -1255,7 +1270,11 @@ mod tests {
         // Short caches never get empty-by-construction splits.
         assert_eq!(
             decode_splits(132, shape(32, 8, 128), 100, tu),
-            100usize.div_ceil(DECODE_MIN_CHUNK)
+            100usize.div_ceil(DECODE_MIN_CHUNK_TC)
+        );
+        assert_eq!(
+            decode_splits(132, shape(16, 4, 256), 1000, tu),
+            1000usize.div_ceil(DECODE_MIN_CHUNK)
         );
         assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu), 1);
         // Many heads: fewer splits.

@@ -216,15 +216,13 @@ impl Kernels {
             } else {
                 None
             });
-            // The float GEMVs' bulk-copy form (F16, BF16: gemv_plan) needs the raised limit.
-            let fb = bulk && float_bulk_type(ty);
-            gemv.push(per_r(&m, &format!("gemv_{name}"), fb)?);
+            gemv.push(per_r(&m, &format!("gemv_{name}"), false)?);
             gemv_swiglu.push(if quantized_x(ty) {
                 None
             } else {
-                Some(per_r(&m, &format!("gemv_swiglu_{name}"), fb)?)
+                Some(per_r(&m, &format!("gemv_swiglu_{name}"), false)?)
             });
-            gemv_multi.push(per_r(&m, &format!("gemv_multi_{name}"), fb)?);
+            gemv_multi.push(per_r(&m, &format!("gemv_multi_{name}"), false)?);
             gemvq.push(if quantized_x(ty) {
                 let all = |kind: &str| per_r(&m, &format!("gemvq{kind}_{name}"), bulk);
                 Some([all("")?, all("_swiglu")?, all("_multi")?])
@@ -498,18 +496,7 @@ fn gemvq_split(
     if !be.matmul.bulk {
         return Ok((split_k(gemvq_steps(t, n_in), groups, be.sm_count), 0));
     }
-    bulk_split(gemvq_block_smem(), t, n_in, rb, spans)
-}
-
-/// The bulk-copy form's split: the fewest K splits whose block slots fit in `cap` bytes (or
-/// the full split, if its slots fit in [`GEMVQ_BULK_MAX_SMEM`]), and the slots' bytes.
-fn bulk_split(
-    cap: usize,
-    t: GgmlType,
-    n_in: usize,
-    rb: usize,
-    spans: usize,
-) -> Result<(usize, u32)> {
+    let cap = gemvq_block_smem();
     let mut ks = 1;
     while ks <= GEMV_WARPS {
         let rows = GEMV_WARPS / ks * GEMV_NW / spans;
@@ -519,80 +506,7 @@ fn bulk_split(
         }
         ks *= 2;
     }
-    bail!("GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
-}
-
-/// Types whose f32-x decode GEMV may take the bulk-copy form on sm_90+ ([`gemv_plan`]).
-fn float_bulk_type(t: GgmlType) -> bool {
-    matches!(t, GgmlType::F16 | GgmlType::BF16)
-}
-
-/// Which F16 / BF16 decode GEMVs take the bulk-copy form (`FERRITE_GEMV_BULK_F`): 0 none,
-/// 1 all, 2 the attention projections' shape (one weight span per row group, rows of at most
-/// [`FLOAT_BULK_MAX_IN`] columns, at most [`FLOAT_BULK_MAX_OUT`] outputs in the launch).
-const FLOAT_BULK_DEFAULT: i64 = 0;
-
-/// Mode 2's widest rows: the 4096-column projections, whose blocks at the register form
-/// run as one burst of loads per wave (MATMUL.md round 16); the long-row launches (down
-/// projection, SwiGLU, lm head) stream well on register loads (round 12).
-const FLOAT_BULK_MAX_IN: usize = 4096;
-const FLOAT_BULK_MAX_OUT: usize = 8192;
-
-/// A float bulk-copy block's target shared memory (`FERRITE_GEMVF_SMEM`, KB): 16 KB = two
-/// 4096-column F16 rows per block, split 8 ways (round 12: the best of 16–40 KB).
-const FLOAT_BULK_BLOCK_SMEM: usize = 16 * 1024;
-
-fn float_bulk_mode() -> i64 {
-    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| switches::int_or("FERRITE_GEMV_BULK_F", FLOAT_BULK_DEFAULT))
-}
-
-fn float_bulk_smem() -> usize {
-    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| match switches::int_or("FERRITE_GEMVF_SMEM", 0) {
-        0 => FLOAT_BULK_BLOCK_SMEM,
-        kb => (kb as usize * 1024).min(GEMVQ_BULK_MAX_SMEM),
-    })
-}
-
-/// The f32-x decode GEMV's split and dynamic shared memory over `groups` row groups of rows of
-/// `rb` bytes (`spans` weights per group: 2 for the fused SwiGLU). F16 / BF16 on sm_90+ (rows
-/// whole float4 units, 16-byte multiples) in the shapes [`float_bulk_mode`] names: the
-/// bulk-copy form ([`bulk_split`]: the block's rows copied into shared memory before the PDL
-/// wait, so a launch's first wave streams while the kernels before it run); otherwise the
-/// register-load form's [`split_k`] and no shared memory. A function of the shape only.
-fn gemv_plan(
-    be: &CudaBackend,
-    t: GgmlType,
-    n_in: usize,
-    rb: usize,
-    groups: usize,
-    spans: usize,
-) -> Result<(usize, u32)> {
-    let mode = float_bulk_mode();
-    let shape_ok = match mode {
-        1 => true,
-        2 | 3 => spans == 1 && n_in <= FLOAT_BULK_MAX_IN && groups * GEMV_NW <= FLOAT_BULK_MAX_OUT,
-        _ => false,
-    };
-    let ks = split_k(gemv_steps(t, n_in), groups, be.sm_count);
-    if be.matmul.bulk
-        && float_bulk_type(t)
-        && n_in.is_multiple_of(4)
-        && rb.is_multiple_of(16)
-        && shape_ok
-    {
-        if mode != 3 {
-            return bulk_split(float_bulk_smem(), t, n_in, rb, spans);
-        }
-        // Mode 3: the register form's split, its block's rows in shared memory.
-        let rows = GEMV_WARPS / ks * GEMV_NW / spans;
-        let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
-        if bytes <= GEMVQ_BULK_MAX_SMEM {
-            return Ok((ks, bytes as u32));
-        }
-    }
-    Ok((ks, 0))
+    bail!("quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
 }
 
 /// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the
@@ -709,12 +623,8 @@ pub fn matmul(
     if rows <= GEMV_MAX_ROWS {
         let ri = gemv_r_index(rows)?;
         let groups = row_groups(n_out);
-        let (ks, smem) = gemv_plan(be, w.dtype, n_in, rb as usize, groups, 1)?;
+        let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let ks_i = ks as i32;
-        let cfg = LaunchConfig {
-            shared_mem_bytes: smem,
-            ..gemv_config(groups, ks)
-        };
         let _keep = KeepXq::new(be, x);
         // SAFETY: shapes and buffer sizes checked above; the kernel reads n_out rows of rb
         // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
@@ -729,7 +639,7 @@ pub fn matmul(
                 .arg(&rows_i)
                 .arg(&mut out.buf)
                 .arg(&ks_i)
-                .launch(cfg)
+                .launch(gemv_config(groups, ks))
         }?;
         return Ok(());
     }
@@ -1359,14 +1269,15 @@ pub fn matmuls(
         // kernels, never this GEMV) group at the launch's split (`group_float`): decode and
         // verify still share one launch, so their bits agree.
         if paths[i] == Some(false) && j - i >= 2 {
-            let (t, n_in, rb) = (ws[i].dtype, ws[i].shape[1], ws[i].row_bytes());
+            let steps = gemv_steps(ws[i].dtype, ws[i].shape[1]);
             let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();
-            let ks = gemv_plan(be, t, n_in, rb, all, 1)?.0;
+            let ks = split_k(steps, all, be.sm_count);
             let free = be.matmul.group_float && ws[i..j].iter().all(|w| w.shape[0] > F32_SMALL_OUT);
-            let mut own = ws[i..j]
-                .iter()
-                .map(|w| gemv_plan(be, t, n_in, rb, row_groups(w.shape[0]), 1).map(|p| p.0));
-            if !free && own.any(|k| k.map_or(true, |k| k != ks)) {
+            if !free
+                && ws[i..j]
+                    .iter()
+                    .any(|w| split_k(steps, row_groups(w.shape[0]), be.sm_count) != ks)
+            {
                 j = i + 1;
             }
         }
@@ -1409,6 +1320,11 @@ fn multi_launch(
         ws.len()
     );
     let groups: usize = ws.iter().map(|w| row_groups(w.shape[0])).sum();
+    let steps = if q {
+        gemvq_steps(t, n_in)
+    } else {
+        gemv_steps(t, n_in)
+    };
     // The type-t weights' kernel form is one for the launch: decided at the fewest rows among
     // them (Q6_K's tile depends on the row count).
     let t_outs = ws.iter().filter(|w| w.dtype == t).map(|w| w.shape[0]);
@@ -1434,8 +1350,7 @@ fn multi_launch(
         };
         (ks, smem, tc)
     } else {
-        let (ks, smem) = gemv_plan(be, t, n_in, ws[0].row_bytes(), groups, 1)?;
-        (ks, smem, None)
+        (split_k(steps, groups, be.sm_count), 0, None)
     };
     // A third weight of another type (a mixed kernel, quantized x only) has its own split
     // and slots: those its single-weight launch would take.
@@ -1606,11 +1521,7 @@ pub fn matmul_swiglu(
             .ok_or_else(|| anyhow!("matmul_swiglu: no fused kernel for {}", gate.dtype))?;
         let ri = gemv_r_index(rows)?;
         // One output per row group (gate row o with up row o).
-        let (ks, smem) = gemv_plan(be, gate.dtype, n_in, gate.row_bytes(), n_out, 2)?;
-        let cfg = LaunchConfig {
-            shared_mem_bytes: smem,
-            ..gemv_config(n_out, ks)
-        };
+        let ks = split_k(gemv_steps(gate.dtype, n_in), n_out, be.sm_count);
         let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
             gate.row_bytes() as i64,
             n_out as i32,
@@ -1632,7 +1543,7 @@ pub fn matmul_swiglu(
                 .arg(&rows_i)
                 .arg(&mut out.buf)
                 .arg(&ks_i)
-                .launch(cfg)
+                .launch(gemv_config(n_out, ks))
         }?;
         return Ok(true);
     }

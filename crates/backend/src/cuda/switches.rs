@@ -60,18 +60,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "bytes per row the float GEMV prefetches into L2 in mode 1 (MATMUL.md)",
     ),
     (
-        "FERRITE_GEMV_BULK_F",
-        Accepts::Range(0, 3),
-        "F16 / BF16 decode GEMVs on bulk copies into shared memory: 0 none, 1 all, 2 the \
-         attention projections' shapes, 3 those at the register form's split (MATMUL.md \
-         round 18)",
-    ),
-    (
-        "FERRITE_GEMVF_SMEM",
-        Accepts::Range(0, 112),
-        "KB of shared memory per block of the F16 / BF16 bulk-copy GEMV (0: default 16)",
-    ),
-    (
         "FERRITE_GEMV_TC",
         Accepts::Range(0, 3),
         "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",

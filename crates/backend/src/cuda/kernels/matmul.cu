@@ -171,8 +171,7 @@ __device__ __forceinline__ void fma1(float (&acc)[R][NW], const float* __restric
 // type is split over the ks warps of a row group: warp kw takes steps kw, kw + ks, ... (a step
 // = 32 lanes' units), so each lane's fmaf chain depends only on (type, n_in, ks), and ks only
 // on the shape (chosen by the launcher), never on R.
-// SM: the rows are in shared memory (the bulk-copy form of the F16 / BF16 GEMV, gemv()).
-template <int TYPE, int R, int NW, bool SM = false>
+template <int TYPE, int R, int NW>
 __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_in, const float* __restrict__ x,
                                           int rows, int lane, int kw, int ks, float (&acc)[R][NW]) {
     const int u0 = lane + 32 * kw, us = 32 * ks;
@@ -208,7 +207,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
                 float wv[NW][4];
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
-                    const uint2 v = SM ? *((const uint2*)wr[w] + i) : __ldcs((const uint2*)wr[w] + i);
+                    const uint2 v = __ldcs((const uint2*)wr[w] + i);
                     const uint16_t h0 = v.x & 0xFFFF, h1 = v.x >> 16, h2 = v.y & 0xFFFF, h3 = v.y >> 16;
                     if (TYPE == GGML_F16) {
                         wv[w][0] = h2f(h0); wv[w][1] = h2f(h1); wv[w][2] = h2f(h2); wv[w][3] = h2f(h3);
@@ -543,22 +542,8 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     const int kw = warp % ks, grp = warp / ks;
     const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
     const bool active = o0 < n_out;  // whole warp
-    const int per_block = (GEMV_WARPS / ks) * PER, r0 = bx * per_block;
-    // The bulk-copy form (F16 / BF16 on sm_90+, where the launcher passes the slots: matmul.rs
-    // gemv_plan): the block's rows copied into shared memory before the PDL wait, as the
-    // quantized-x GEMV's (gemvq); otherwise the register loads with an L2 prefetch of the
-    // rows' heads (gemv_prologue).
-    constexpr bool BULK_TYPE = TYPE == GGML_F16 || TYPE == GGML_BF16;
-    bool bulk = false;
-#if __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    if (BULK_TYPE) bulk = gemv_dyn_smem() != 0;  // uniform
-    if (bulk)
-        gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
-    else
-#endif
-        gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
+    gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, bx * (GEMV_WARPS / ks) * PER,
+                  (bx + 1) * (GEMV_WARPS / ks) * PER);
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -576,23 +561,7 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
                 wr[w] = W + (size_t)o * (size_t)rb;
             }
         }
-#if __CUDA_ARCH__ >= 900
-        if (BULK_TYPE && bulk) {
-            // The copies in shared memory: W's slot, then W2's; rows `off` bytes into the slot.
-            const size_t slot = gemv_slot(per_block, rb);
-            const uint8_t* ws[NW];
-#pragma unroll
-            for (int w = 0; w < NW; w++) {
-                const int m = SWIGLU && w == 1 ? 1 : 0;
-                const uint8_t* base = (m ? W2 : W) + (size_t)r0 * (size_t)rb;
-                ws[w] = gemv_smem + m * slot + ((size_t)base & 15) + (size_t)(wr[w] - (m ? W2 : W)) -
-                        (size_t)r0 * (size_t)rb;
-            }
-            gemv_bulk_wait(&gemv_bar);
-            gemv_lane<TYPE, R, NW, true>(ws, n_in, x, rows, lane, kw, ks, acc);
-        } else
-#endif
-            gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, kw, ks, acc);
+        gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, kw, ks, acc);
         // Fixed xor butterfly: every lane ends with the same totals.
 #pragma unroll
         for (int r = 0; r < R; r++)
