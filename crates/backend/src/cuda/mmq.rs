@@ -112,6 +112,13 @@ pub(crate) fn exact_prefill() -> bool {
     !disabled()
 }
 
+/// Whether `w` on `rows` rows takes this path (exact prefill on, a kernel for its type and
+/// shape): callers with a fused bf16 alternative (mmw's SwiGLU launch) must leave such
+/// weights to the plain calls that reach [`matmul`] / [`matmuls`].
+pub(crate) fn takes(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
+    kernel_index(be, w, rows).is_some()
+}
+
 /// Index in [`TYPES`] of the kernel for a `w` on `rows` rows, or `None` when this path does
 /// not apply (see the module comment).
 fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> {
