@@ -120,9 +120,6 @@ pub struct Kernels {
     /// Float GEMV runs of large-output weights group at the launch's split ([`matmuls`];
     /// on unless `FERRITE_GEMV_GROUP=0`: F16 tg128 +0.8%, MATMUL.md round 15).
     group_float: bool,
-    /// Two quantized-x weights and a third of another type in one mixed launch (Q4_K Q, K +
-    /// Q6_K V; on unless `FERRITE_GEMV_MIXED=0`: the third then takes its own launch, same bits).
-    mixed: bool,
     /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
     /// input seen; grown only by an eager (first) step, never inside a captured one.
     xq: Mutex<Option<XQuant>>,
@@ -317,7 +314,6 @@ impl Kernels {
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
-            mixed: switches::int_or("FERRITE_GEMV_MIXED", 1) != 0,
             xq: Mutex::new(None),
             mm,
             mm_x,
@@ -1258,7 +1254,6 @@ pub fn matmuls(
         // Two quantized-x weights of one type followed by one of another type that has a
         // mixed kernel (Q4_K Q, K + Q6_K V): one launch for the three.
         if j - i == 2
-            && be.matmul.mixed
             && j < ws.len()
             && paths[i] == Some(true)
             && paths[j] == Some(true)

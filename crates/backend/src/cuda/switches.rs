@@ -100,11 +100,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "float GEMV: 1 (default) groups a run of large-output weights (Q, K, V) into one launch at the launch's K split even where a weight alone takes another, 0 only where the splits agree (MATMUL.md round 15)",
     ),
     (
-        "FERRITE_GEMV_MIXED",
-        Accepts::OneOf(&[0, 1]),
-        "quantized GEMV: 1 (default) runs Q4_K Q, K + Q6_K V as one mixed launch, 0 V in a launch of its own (same bits)",
-    ),
-    (
         "FERRITE_ATTN_CLUSTER",
         Accepts::OneOf(&[0, 1]),
         "decode attention's split merge through a thread-block cluster (sm_90, 2-16 splits; 0 = the ticket merge, ATTENTION.md)",
