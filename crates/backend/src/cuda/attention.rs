@@ -174,8 +174,6 @@ pub struct CudaKv {
     pub n_splits: usize,
     /// Fewest positions per decode split (fixed with `n_splits`).
     min_chunk: usize,
-    /// Query heads per block of the contiguous decode launch ([`decode_heads_per_block`]).
-    decode_gb: usize,
     /// Split-K partials: unnormalised output `[rows][n_heads][n_splits][head_dim]`.
     part_acc: CudaSlice<f32>,
     /// Split-K partials: (running max, running sum) per `[rows][n_heads][n_splits]`.
@@ -450,23 +448,6 @@ fn prefill_slots(head_dim: usize) -> usize {
     PREFILL_THREADS / if head_dim >= 256 { 8 } else { 4 }
 }
 
-/// Query heads per block of a contiguous cache's decode launch: [`heads_per_block`], halved
-/// while the launch (splits × head blocks, one row) would leave SMs without a block. A short
-/// cache has few splits (at most 16 up to 1024 positions at head dim 128): Qwen3-8B's 10
-/// splits × 8 head blocks are 80 blocks for 132 SMs, 160 with two heads per block. Same call,
-/// `FERRITE_ATTN_GB=2` on every cache against 4: tg128 at ~600 positions Qwen3-8B Q4_K_M
-/// 417.9 / 416.5 vs 416.1 / 414.9, Qwen3-30B-A3B 477.2 / 477.1 vs 475.0 / 473.4
-/// (ATTENTION.md, "Two heads per block for short caches"). Long caches (64 splits) keep
-/// the full group per block: each K/V row is read by fewer blocks.
-fn decode_heads_per_block(sm_count: usize, shape: AttnShape, n_splits: usize) -> usize {
-    let group = shape.n_heads / shape.n_kv_heads.max(1);
-    let mut gb = heads_per_block(group);
-    while gb > 1 && n_splits * (shape.n_heads / gb) < sm_count {
-        gb /= 2;
-    }
-    gb
-}
-
 /// The decode split's fewest positions for `head_dim`: the tuning override, else
 /// [`DECODE_MIN_CHUNK_TC`] at the tensor-core head dim and [`DECODE_MIN_CHUNK`] elsewhere.
 fn min_chunk_for(head_dim: usize, tu: DecodeTuning) -> usize {
@@ -621,7 +602,6 @@ fn kv_alloc(
         capacity,
         n_splits,
         min_chunk: min_chunk_for(head_dim, tuning),
-        decode_gb: decode_heads_per_block(be.sm_count, shape, n_splits),
         part_acc: be.stream.alloc_zeros::<f32>(part_rows * head_dim)?,
         part_ml: be.stream.alloc_zeros::<f32>(part_rows * 2)?,
         tickets: be.stream.alloc_zeros::<i32>(scratch_rows * n_heads)?,
@@ -718,7 +698,7 @@ pub fn attention(
 
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
-        let gbi = kv.decode_gb.trailing_zeros() as usize;
+        let gbi = heads_per_block(group).trailing_zeros() as usize;
         // The tensor-core loop at its head size; its cluster-merge form where the cache's
         // splits fit one cluster.
         let tc_dim = head_dim == DECODE_TC_HEAD_DIM;
@@ -915,13 +895,7 @@ unsafe fn decode_launch(
     paged: Option<PagedPtrs>,
     cluster: bool,
 ) -> Result<()> {
-    // Contiguous caches: the cache's choice; paged (batched) launches have a block row per
-    // sequence row and keep the full group.
-    let gb = if paged.is_some() {
-        heads_per_block(d.group)
-    } else {
-        kv.decode_gb
-    };
+    let gb = heads_per_block(d.group);
     let n_splits = kv.n_splits;
     ensure!(
         d.rows <= kv.scratch_rows
@@ -1286,21 +1260,6 @@ mod tests {
         assert_eq!(heads_per_block(6), 2);
         assert_eq!(heads_per_block(16), 4);
         assert_eq!(heads_per_block(8), 4);
-    }
-
-    #[test]
-    fn short_caches_take_smaller_head_blocks() {
-        // Qwen3-8B (32 heads, 8 kv heads) on 132 SMs.
-        let s = shape(32, 8, 128);
-        assert_eq!(decode_heads_per_block(132, s, 10), 2);
-        assert_eq!(decode_heads_per_block(132, s, 16), 4 / 2);
-        assert_eq!(decode_heads_per_block(132, s, 17), 4);
-        assert_eq!(decode_heads_per_block(132, s, 64), 4);
-        assert_eq!(decode_heads_per_block(132, s, 1), 1);
-        // A group of 1 stays at 1; the result always divides the group.
-        assert_eq!(decode_heads_per_block(132, shape(8, 8, 64), 2), 1);
-        assert_eq!(decode_heads_per_block(132, shape(12, 2, 64), 3), 1);
-        assert_eq!(decode_heads_per_block(4, shape(12, 2, 64), 3), 2);
     }
 
     #[test]
