@@ -970,25 +970,16 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                 uint32_t ql[4], qh[4];
                 ld16_a2<SM>(blk + 64 * n + 32 * p + 16 * c, ql);
                 ld16_a2<SM>(blk + 128 + 32 * n + 16 * c, qh);
-                // The bytes are 4 (v - 32) (below): the 1/4 goes into the scale (exact: a
-                // power of two), so the products equal d sc (v - 32) x wherever the int32
-                // sums convert exactly (|4 S| < 2^24: any but near-saturated rows).
-                const float d = 0.25f * h2f(wld2<SM>(blk + 208));
+                const float d = h2f(wld2<SM>(blk + 208));
                 const int si = 192 + 8 * n + c + 2 * p;
                 da[w] = d * (float)wld1s<SM>(blk + si);
                 db[w] = d * (float)wld1s<SM>(blk + si + 4);
-                // 4 (v - 32) as s8 for the 6-bit v = nibble | 2 qh bits << 4 is the byte
-                // nibble << 2 | qh bits << 6 with its top bit flipped (4 v - 128 mod 256):
-                // the qh field's high bits flipped once per word (0xAA), each field shifted
-                // to bits 6-7 and masked, the nibbles to bits 2-5. Four operations per word
-                // where __vsub4 took seven (it has no single SASS instruction on sm_90).
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const uint32_t q = qh[i] ^ 0xAAAAAAAAu;
-                    const uint32_t h0 = (q << (6 - 2 * p)) & 0xC0C0C0C0u;
-                    const uint32_t h1 = (q << (2 - 2 * p)) & 0xC0C0C0C0u;
-                    lo[w][i] = ((ql[i] << 2) & 0x3C3C3C3Cu) | h0;
-                    hi[w][i] = ((ql[i] >> 2) & 0x3C3C3C3Cu) | h1;
+                    const uint32_t h0 = (qh[i] >> (2 * p)) & 0x03030303u;
+                    const uint32_t h1 = (qh[i] >> (2 * p + 4)) & 0x03030303u;
+                    lo[w][i] = __vsub4((ql[i] & 0x0F0F0F0Fu) | (h0 << 4), 0x20202020u);
+                    hi[w][i] = __vsub4(((ql[i] >> 4) & 0x0F0F0F0Fu) | (h1 << 4), 0x20202020u);
                 }
             }
 #pragma unroll
