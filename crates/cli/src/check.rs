@@ -2632,6 +2632,16 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
     }
 }
 
+/// Bytes per cached K/V element an attention case reads: q8_0 cases on a backend whose caches
+/// are narrower than f32 take the q8_0 figure, the others the backend's own cache element.
+fn kv_elem_bytes<B: Backend>(be: &B, q8: bool) -> f64 {
+    if q8 && be.kv_bytes_per_element() < 4.0 {
+        KvType::Q8_0.bytes_per_element()
+    } else {
+        be.kv_bytes_per_element()
+    }
+}
+
 /// Bytes the op must move (read + write), for the --perf GB/s.
 fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
     let acts: usize = h.acts.iter().map(|(x, _, _)| x.len() * 4).sum();
@@ -2688,12 +2698,7 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             q8,
         } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
-            let per_el = if *q8 && be.kv_bytes_per_element() < 4.0 {
-                KvType::Q8_0.bytes_per_element()
-            } else {
-                be.kv_bytes_per_element()
-            };
-            f((pos0 + rows) * kvd * 2) * per_el + f(acts + out)
+            f((pos0 + rows) * kvd * 2) * kv_elem_bytes(be, *q8) + f(acts + out)
         }
         Op::Moe { routing, rows, .. } => {
             // The distinct experts the tokens chose (from the CPU routing of the same logits).

@@ -5,12 +5,11 @@
 //! and the CPU reference get the same data and the same page assignment.
 
 use anyhow::Result;
-use ferrite_backend::cuda::attention::KvType;
 use ferrite_backend::{AttnArgs, AttnShape, Backend, PagedKv, SeqRows, StepInput};
 
 use super::{
-    FillStep, HostData, Rng, ATTN_DECODE_MAX_ROWS, ATTN_F16_DECODE_NMSE, ATTN_F16_TC_NMSE,
-    ATTN_F32_NMSE, ATTN_Q8_NMSE, FILL_CHUNK,
+    kv_elem_bytes, FillStep, HostData, Rng, ATTN_DECODE_MAX_ROWS, ATTN_F16_DECODE_NMSE,
+    ATTN_F16_TC_NMSE, ATTN_F32_NMSE, ATTN_Q8_NMSE, FILL_CHUNK,
 };
 
 /// One paged case: `seqs` are the (first position, rows) of each sequence's part of the
@@ -207,11 +206,7 @@ impl PagedCase {
     /// K/V bytes the step must read (each sequence's prefix once) plus q, k, v and out.
     pub fn bytes<B: Backend>(&self, be: &B, h: &HostData) -> f64 {
         let kvd = self.shape.n_kv_heads * self.shape.head_dim;
-        let kv_per_el = if self.q8 && be.kv_bytes_per_element() < 4.0 {
-            KvType::Q8_0.bytes_per_element()
-        } else {
-            be.kv_bytes_per_element()
-        };
+        let kv_per_el = kv_elem_bytes(be, self.q8);
         let keys: usize = self.seqs.iter().map(|(p, r)| p + r).sum();
         let acts: usize = h.acts.iter().map(|(x, _, _)| x.len() * 4).sum();
         (keys * kvd * 2) as f64 * kv_per_el + (acts + h.out.0 * h.out.1 * 4) as f64
