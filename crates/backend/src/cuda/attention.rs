@@ -106,6 +106,24 @@ fn tc_smem(head_dim: usize, q8: usize) -> usize {
     }
 }
 
+/// The decode kernel (without the cluster merge) for this cache and shape: the tensor-core
+/// loop (`tc[q8]`, by log2 heads per block) at [`DECODE_TC_HEAD_DIM`] where it is loaded, else
+/// the SIMT one (`simt[q8][head dim index][log2 heads per block]`). Contiguous and paged
+/// caches pass their own kernel sets.
+fn decode_kernel<'a>(
+    tc: &'a [Option<Vec<CudaFunction>>; 2],
+    simt: &'a [Vec<Vec<CudaFunction>>; 2],
+    q8: usize,
+    fi: usize,
+    gbi: usize,
+    head_dim: usize,
+) -> &'a CudaFunction {
+    match &tc[q8] {
+        Some(tc) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
+        _ => &simt[q8][fi][gbi],
+    }
+}
+
 /// The prefill kernel for this cache and shape with its launch shape: the tensor-core one
 /// (`tc[q8]`) where it applies (a [`TC_HEAD_DIMS`] head size, a GQA group that fits its 64
 /// slots, the cache type not switched off), else the SIMT one (`simt[q8]`: a
@@ -705,10 +723,16 @@ pub fn attention(
         let cl = be.attention.decode_cl[q8]
             .as_ref()
             .filter(|_| tc_dim && (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits));
-        let func = match (cl, &be.attention.decode_tc[q8]) {
-            (Some(cl), _) => &cl[gbi],
-            (None, Some(tc)) if tc_dim => &tc[gbi],
-            _ => &be.attention.decode[q8][fi][gbi],
+        let func = match cl {
+            Some(cl) => &cl[gbi],
+            None => decode_kernel(
+                &be.attention.decode_tc,
+                &be.attention.decode,
+                q8,
+                fi,
+                gbi,
+                head_dim,
+            ),
         };
         let cluster = cl.is_some();
         // The output feeds the o-projection next: quantize it for a quantized-x GEMV there.
@@ -1111,10 +1135,7 @@ fn attention_paged(
         match (fast, pre) {
             (Some(fi), _) if u.decode => {
                 let gbi = heads_per_block(group).trailing_zeros() as usize;
-                let func = match &kern.decode_tc[q8] {
-                    Some(tc) if head_dim == DECODE_TC_HEAD_DIM => &tc[gbi],
-                    _ => &kern.decode[q8][fi][gbi],
-                };
+                let func = decode_kernel(&kern.decode_tc, &kern.decode, q8, fi, gbi, head_dim);
                 let qp = q_v.device_ptr(&be.stream).0;
                 let pp = pos_v.device_ptr(&be.stream).0;
                 let op = out_v.device_ptr_mut(&be.stream).0;
