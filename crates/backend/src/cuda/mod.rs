@@ -480,13 +480,14 @@ impl Backend for CudaBackend {
         (g, u): (&mut Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
         act: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
+        if matmul::matmul_swiglu(self, x, gate, up, act)? {
+            return Ok(());
+        }
         // Exact prefill (`FERRITE_MMQ=1`, mmq.rs) takes gate and up through the int8 GEMM of
         // the plain calls below, never the bf16 fused launch: decode-exact is its purpose
         // (the Qwen3.5-35B-A3B 32-token gate failed while mmw's SwiGLU took them).
         let exact = mmq::takes(self, gate, x.rows) && mmq::takes(self, up, x.rows);
-        if matmul::matmul_swiglu(self, x, gate, up, act)?
-            || (!exact && mmw::matmul_swiglu(self, x, gate, up, act)?)
-        {
+        if !exact && mmw::matmul_swiglu(self, x, gate, up, act)? {
             return Ok(());
         }
         // Prefill: gate and up in one grouped launch where the kernel groups them.
