@@ -1,5 +1,6 @@
 //! Host emulation of the tensor-core decode attention loop (`decode_tc_loop`, `q8_dequant8`
-//! and `q8_scale2` in `kernels/attention.cu`, the section between its EMU_DTC markers), so
+//! and `q8_scale2` in `kernels/attention.cu`, the section between its EMU_DTC markers, with
+//! `kv_pos` from between its EMU_KVPOS markers), so
 //! that CI, which has no GPU, still checks the loop's fragment layout (the permuted K dims,
 //! V's key pairs, P from S's accumulators), its online softmax and masking, the warps' key
 //! ranges, and the q8_0 dequantization into f16 words.
@@ -25,6 +26,10 @@ fn tensor_core_decode_attention_emulated_matches_reference() {
     let Some(exe) = emu::build(
         "attn-decode-tc-emu",
         &[
+            (
+                "kvpos.cuh",
+                emu::section(SRC, "// EMU_KVPOS_BEGIN", "// EMU_KVPOS_END"),
+            ),
             (
                 "dtc.cuh",
                 emu::section(SRC, "// EMU_DTC_BEGIN", "// EMU_DTC_END"),

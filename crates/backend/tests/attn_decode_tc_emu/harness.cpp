@@ -1,7 +1,8 @@
 // Host emulation of attention.cu's tensor-core decode loop (decode_tc_loop with q8_dequant8
 // and q8_scale2: the section between its EMU_DTC markers, written next to this file as
-// dtc.cuh by attn_decode_tc_emu.rs). One block of 128 threads on the host, every thread a
-// fiber (../emu/fibers.h); emulated:
+// dtc.cuh by attn_decode_tc_emu.rs, after kv_pos from between its EMU_KVPOS markers, as
+// kvpos.cuh). One block of 128 threads on the host, every thread a fiber (../emu/fibers.h);
+// emulated:
 //  - tc_mma_f16: mma.sync m16n8k16 f16 x f16 -> f32: the 32 lanes deposit their fragments,
 //    A (16 x 16) and B (16 x 8) are rebuilt from the PTX ISA fragment layout, each lane adds
 //    its four dot products (in double, then rounded to f32);
@@ -90,6 +91,7 @@ static void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uin
     }
 }
 
+#include "kvpos.cuh"
 #include "dtc.cuh"
 
 // ---- one configuration ------------------------------------------------------------------

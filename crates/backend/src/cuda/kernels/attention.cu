@@ -174,6 +174,7 @@ __device__ __forceinline__ float kv_elem(const unsigned char* __restrict__ base,
 #define PAGED_PASS row_seq, block_tables, bt_stride, page_shift, page_stride, max_keys
 #define UNPAGED_PASS(CAP) nullptr, nullptr, 0, 0, 0LL, (CAP)
 
+// EMU_KVPOS_BEGIN (host emulation: tests/attn_decode_tc_emu.rs, for decode_tc_loop)
 // Element index of position p of a kv head whose position 0 (page 0 when paged) is at
 // head_off; `stride` is the elements per position (head_dim). bt: the row's block table.
 template <bool PAGED>
@@ -187,6 +188,7 @@ __device__ __forceinline__ long long kv_pos(long long head_off, int p, int strid
         return head_off + (long long)p * stride;
     }
 }
+// EMU_KVPOS_END
 
 // The block table of row t (nullptr for contiguous caches).
 template <bool PAGED>
@@ -464,14 +466,9 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
     for (int i = 0; i < KS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m_run = ATT_NEG, l_run = 0.f;
-    // Element offset of key p's row from head_base, and of its q8_0 scales from head_base / 32.
-    auto row = [&](int p) -> long long {
-        if constexpr (PAGED) {
-            return (long long)bt[p >> page_shift] * page_stride + (long long)(p & ((1 << page_shift) - 1)) * HD;
-        } else {
-            return (long long)p * HD;
-        }
-    };
+    // Element offset of key p's row from head_base (kv_pos), and of its q8_0 scales from
+    // head_base / 32.
+    auto row = [&](int p) -> long long { return kv_pos<PAGED>(0, p, HD, bt, page_shift, page_stride); };
     auto srow = [&](int p) -> long long {
         if constexpr (PAGED) {
             return row(p) / 32;
