@@ -3,8 +3,8 @@
 
     tools/sass_census.py [--src matmul.cu] [--inst MACRO(...)]... [--fun NAME]... [--against REV]
 
-Compiles crates/backend/src/cuda/kernels/matmul.cu (with common.cuh prepended, as the
-backend does) for sm_90a with NVRTC, keeping only the kernel instantiations asked for
+Compiles crates/backend/src/cuda/kernels/matmul.cu (with common.cuh and mm_decode.cuh
+prepended, as the backend does) for sm_90a with NVRTC, keeping only the kernel instantiations asked for
 (`--inst`, default: the R = 1 tensor-core Q4_K / Q6_K families and the Q6_K lane code), so a
 variant compiles in seconds instead of the whole module's minutes; then prints, per kernel
 (`--fun`), its registers and stack, its instruction count, its MMA / dp4a count, the
@@ -46,19 +46,22 @@ DEFAULT_FUN = ["gemvq_swiglu_tc_q4_k_r1", "gemvq_tc_q4_k_r1", "gemvq_tc_q6_k_r1"
 
 
 def trimmed_source(src_path, insts, rev=None):
+    # As the backend's full_source (cuda/mod.rs): common.cuh, then mm_decode.cuh, then matmul.cu.
+    names = ("matmul.cu", "common.cuh", "mm_decode.cuh")
     if rev is None:
-        s = open(src_path).read()
-        common = open(os.path.join(KERNELS, "common.cuh")).read()
+        s, common, mm_decode = (open(src_path if n == "matmul.cu" else os.path.join(KERNELS, n)).read() for n in names)
     else:
-        s, common = (git_show(rev, os.path.join(KERNELS, n)) for n in ("matmul.cu", "common.cuh"))
+        s, common, mm_decode = (git_show(rev, os.path.join(KERNELS, n)) for n in names)
     if BLOCK_FIRST not in s or BLOCK_LAST not in s:
         sys.exit(f"{src_path}: the instantiation block ({BLOCK_FIRST} .. {BLOCK_LAST}) moved; update this tool")
     a = s.index(BLOCK_FIRST)
     b = s.index("\n", s.index(BLOCK_LAST)) + 1
-    t = s[:a] + "\n".join(insts) + "\n" + s[b:]
-    for pat in DROP:
-        t = re.sub(pat, "", t, flags=re.M)
-    return f"{common}\n#line 1 \"matmul.cu\"\n{t}"
+    head, tail = s[:a], s[b:]
+    for pat in DROP:  # before the requested instantiations go in (they may be of these families)
+        head, tail = (re.sub(pat, "", x, flags=re.M) for x in (head, tail))
+    # At the end: every family's macro is defined by then (the MoE ones come after the block).
+    t = head + tail + "\n" + "\n".join(insts) + "\n"
+    return f"{common}\n#line 1 \"mm_decode.cuh\"\n{mm_decode}\n#line 1 \"matmul.cu\"\n{t}"
 
 
 def git_show(rev, path):

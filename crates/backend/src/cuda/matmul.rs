@@ -113,6 +113,9 @@ pub struct Kernels {
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
     /// succeeded, else `moe::MOE_BULK_DEFAULT_SMEM`.
     pub(crate) gemvq_moe_smem: usize,
+    /// Whether `gemvq_moe_gu_q4_k` takes its tensor-core tiles (sm_90+, unless
+    /// `FERRITE_MOE_TC=0`; `gemv_moe_tc` in matmul.cu): moe.rs sizes its slots to match.
+    pub(crate) moe_tc: bool,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
@@ -149,7 +152,7 @@ const GEMV_PF_DEFAULT: i32 = 1;
 /// (MATMUL.md round 17); 2048 and more lose.
 const GEMV_PF_HEAD: usize = 512;
 
-fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
+fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>, moe_tc: bool) -> Result<()> {
     let stream = ctx.default_stream();
     let set = |name: &str, value: i32| -> Result<()> {
         let mut sym = m.get_global(name, &stream)?;
@@ -168,6 +171,7 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     set("gemv_diag", diag)?;
+    set("gemv_moe_tc", i32::from(moe_tc))?;
     stream.synchronize()?;
     Ok(())
 }
@@ -284,7 +288,8 @@ impl Kernels {
             None
         };
         let mm_x = function(&m, "mm_x_bf16")?;
-        set_gemv_switches(ctx, &m)?;
+        let moe_tc = bulk && switches::int_or("FERRITE_MOE_TC", 1) != 0;
+        set_gemv_switches(ctx, &m, moe_tc)?;
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
         // kernel's; where that fails they keep what a launch gets without opting in.
         let raised = gemvq_moe.iter().flatten().flatten().all(|f| {
@@ -311,6 +316,7 @@ impl Kernels {
             tck: Mutex::new(None),
             gemvq_moe,
             gemvq_moe_smem,
+            moe_tc,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
@@ -1147,13 +1153,13 @@ fn gemvq_plan(
 /// Dynamic shared memory of a tensor-core GEMV block: two slots of `ns` rows (8, or 4 for the
 /// 8-row tile), the second starting 64 bytes past a 128-byte boundary (`tc_slot` in
 /// matmul.cu, the same formula).
-fn tc_smem(rb: usize, ns: usize) -> u32 {
+pub(crate) fn tc_smem(rb: usize, ns: usize) -> u32 {
     (2 * ((ns * rb + 16).div_ceil(128) * 128 + 64)) as u32
 }
 
 /// Shared memory a one-row tensor-core GEMV block adds for its staged x (`tc_stage_x` in
 /// matmul.cu: both int8 planes, 128 bytes of bank padding, the scale pairs).
-fn tc_x_bytes(n_in: usize) -> u32 {
+pub(crate) fn tc_x_bytes(n_in: usize) -> u32 {
     (2 * n_in + 128 + n_in / 32 * 8) as u32
 }
 

@@ -273,7 +273,7 @@ pub fn moe(
         && matmul::quantized_x(g.dtype)
         && matmul::quantized_x(d.dtype)
         && pairs <= 65535;
-    let bulk = bulk_smem(be, g.row_bytes(), d.row_bytes());
+    let bulk = bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes());
     let quantized_decode = (quantized_decode_types(g.dtype, d.dtype, rows) || exact_prefill)
         && n_experts <= MOE_ROUTE_MAX
         && bulk.is_some()
@@ -482,9 +482,15 @@ pub fn moe(
 /// compiled for older GPUs ignore it): gate/up the block's MOE_GU_ROWS rows of gate and of
 /// up, down MOE_DOWN_ROWS rows per warp. `None` when they do not fit (that path is not taken)
 /// under the kernels' limit (`gemvq_moe_smem`, set when matmul.rs loads them).
-fn bulk_smem(be: &CudaBackend, gu_rb: usize, d_rb: usize) -> Option<(u32, u32)> {
+/// Q4_K gate/up on the tensor-core tiles (`Kernels::moe_tc`): two `tc_slot`s of 16 rows and
+/// the staged x of `hidden` columns.
+fn bulk_smem(be: &CudaBackend, gu: GgmlType, gu_rb: usize, hidden: usize, d_rb: usize) -> Option<(u32, u32)> {
     let limit = be.matmul.gemvq_moe_smem;
-    let gu = 2 * bulk_slot(MOE_GU_ROWS, gu_rb);
+    let gu = if gu == GgmlType::Q4K && be.matmul.moe_tc {
+        (matmul::tc_smem(gu_rb, MOE_GU_ROWS) + matmul::tc_x_bytes(hidden)) as usize
+    } else {
+        2 * bulk_slot(MOE_GU_ROWS, gu_rb)
+    };
     let d = MOE_WARPS * bulk_slot(MOE_DOWN_ROWS, d_rb);
     (gu <= limit && d <= limit).then_some((gu as u32, d as u32))
 }

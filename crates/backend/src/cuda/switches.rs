@@ -70,6 +70,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "long rows' K slices, most columns for Q4_K, Q6_K (0 the lane code; MATMUL.md round 11)",
     ),
     (
+        "FERRITE_MOE_TC",
+        Accepts::OneOf(&[0, 1]),
+        "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",
+    ),
+    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

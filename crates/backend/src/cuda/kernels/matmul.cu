@@ -1732,6 +1732,14 @@ GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 //    quantizes them (quant_q8_lane: the same bits as quant_x_q8 on h) into hq / hd, and
 //    resets the ticket to 0 (ready for the next launch or graph replay). No separate
 //    quantization launch.
+//    gemvq_moe_gu_tc_q4_k (sm_90+; moe.rs takes it unless FERRITE_MOE_TC=0): the block's
+//    16 rows are two
+//    tensor-core SwiGLU tiles (gemvq_tc_q4k: 8 gate rows and the same 8 up rows each, rows
+//    0-7 then 8-15 of the two slots, which are laid out as tc_slot's: bases 64 bytes apart
+//    modulo 128), x staged in shared memory while the copy is in flight (tc_stage_x), each
+//    tile stored by tc_store; the lane code's dp4a took ~2x the instructions per weight of
+//    the IMMA tile (MATMUL.md round 8), and in this one-wave launch a block's compute follows
+//    its copy (MOE.md, "The gate/up experts on the tensor cores").
 //  gemvq_moe_down_<type>: grid (ceil(hidden / 8), rows); block (bx, t) owns hidden rows
 //    8 bx .. 8 bx + 7 of token t; warp w computes them (4 row pairs) for slots w, w + 8, ...
 //    (expert ids[k] from the block's own routing, input row t top_k + k of hq), partial
@@ -1884,7 +1892,7 @@ __device__ __forceinline__ uint32_t moe_span(const uint8_t* W, size_t r0, int n,
     return (uint32_t)(a1 - *a0);
 }
 
-template <int TYPE>
+template <int TYPE, bool TC = false>
 __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
                                              long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, const float* __restrict__ logits,
@@ -1902,7 +1910,8 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
 #if __CUDA_ARCH__ >= 900
     constexpr bool bulk = true;  // the only form on sm_90+: the launcher always passes the slots
     if (gemv_dyn_smem() == 0) __trap();
-    const size_t slot = gemv_slot(MOE_GU_ROWS, rb);
+    constexpr bool tc = TC && TYPE == GGML_Q4_K;
+    const size_t slot = tc ? tc_slot(rb, MOE_GU_ROWS) : gemv_slot(MOE_GU_ROWS, rb);
 #else
     constexpr bool bulk = false;
 #endif
@@ -1931,11 +1940,30 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     const int8_t* xt = xq + (size_t)t * 2 * hidden;
     const float2* dt = xd + (size_t)t * (hidden / QK);
 #if __CUDA_ARCH__ >= 900
-    if (bulk && valid) mbar_wait(&bar, 0);
+    if (tc && valid) {
+        // The tensor-core tiles: x staged after the two slots while the copy lands.
+        uint8_t* xs = gemv_smem + 2 * slot;
+        tc_stage_x(xs, xt, dt, hidden);
+        mbar_wait(&bar, 0);
+        const size_t row0 = (size_t)e * ffn + r0;
+        const uint8_t* sg = gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15);
+        const uint8_t* su = gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15);
+#pragma unroll 1
+        for (int j = 0; j < MOE_GU_ROWS; j += 8) {
+            if (j) __syncthreads();  // the previous tile's tc_store has read its shared sums
+            gemvq_tc_q4k<1, true, true>(sg + (size_t)j * (size_t)rb, su + (size_t)j * (size_t)rb, rb, r0 + nr,
+                                         hidden, (const int8_t*)xs, (const float2*)(xs + 2 * hidden + 128), 1,
+                                         h + (size_t)p * ffn, r0 + j, hidden + 64);
+        }
+    }
+    if (bulk && valid && !tc) mbar_wait(&bar, 0);
 #endif
     // Warp w: rows r0 + w, r0 + w + 8, ... (whole warps).
 #pragma unroll 1
     for (int o = r0 + warp; o < r0 + nr; o += GEMV_WARPS) {
+#if __CUDA_ARCH__ >= 900
+        if (tc && valid) break;  // done above
+#endif
         float* dst = h + (size_t)p * ffn + o;
         if (!valid) {
             if (lane == 0) *dst = __int_as_float(0x7fc00000);
@@ -2100,6 +2128,15 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                               float* __restrict__ out) {                                                         \
         gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);                  \
     }
+
+// The tensor-core gate/up of Q4_K experts (its own instance: its register allocation is its own).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
+    gemvq_moe_gu_tc_q4_k(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn,
+                         int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                         const float* __restrict__ logits, int n_experts, int top_k, float* __restrict__ h,
+                         int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets) {
+    gemvq_moe_gu<GGML_Q4_K, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets);
+}
 
 GEMVQ_MOE_KERNELS(q8_0, GGML_Q8_0)
 GEMVQ_MOE_KERNELS(q4_0, GGML_Q4_0)
