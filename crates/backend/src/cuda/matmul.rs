@@ -113,9 +113,9 @@ pub struct Kernels {
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
     /// succeeded, else `moe::MOE_BULK_DEFAULT_SMEM`.
     pub(crate) gemvq_moe_smem: usize,
-    /// Whether `gemvq_moe_gu_q4_k` takes its tensor-core tiles (sm_90+, unless
-    /// `FERRITE_MOE_TC=0`; `gemv_moe_tc` in matmul.cu): moe.rs sizes its slots to match.
-    pub(crate) moe_tc: bool,
+    /// `gemvq_moe_gu_tc_q4_k`: the Q4_K gate/up experts on the tensor-core tile (sm_90+,
+    /// unless `FERRITE_MOE_TC=0`); moe.rs sizes its shared memory to match.
+    pub(crate) gemvq_moe_gu_tc: Option<CudaFunction>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
@@ -152,7 +152,7 @@ const GEMV_PF_DEFAULT: i32 = 1;
 /// (MATMUL.md round 17); 2048 and more lose.
 const GEMV_PF_HEAD: usize = 512;
 
-fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>, moe_tc: bool) -> Result<()> {
+fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
     let stream = ctx.default_stream();
     let set = |name: &str, value: i32| -> Result<()> {
         let mut sym = m.get_global(name, &stream)?;
@@ -171,7 +171,6 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>, moe_tc: bool) 
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     set("gemv_diag", diag)?;
-    set("gemv_moe_tc", i32::from(moe_tc))?;
     stream.synchronize()?;
     Ok(())
 }
@@ -288,11 +287,16 @@ impl Kernels {
             None
         };
         let mm_x = function(&m, "mm_x_bf16")?;
-        let moe_tc = bulk && switches::int_or("FERRITE_MOE_TC", 1) != 0;
-        set_gemv_switches(ctx, &m, moe_tc)?;
+        set_gemv_switches(ctx, &m)?;
+        // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
+        let gemvq_moe_gu_tc = if bulk && switches::int_or("FERRITE_MOE_TC", 1) != 0 {
+            Some(function(&m, "gemvq_moe_gu_tc_q4_k")?)
+        } else {
+            None
+        };
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
         // kernel's; where that fails they keep what a launch gets without opting in.
-        let raised = gemvq_moe.iter().flatten().flatten().all(|f| {
+        let raised = gemvq_moe.iter().flatten().flatten().chain(&gemvq_moe_gu_tc).all(|f| {
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 super::moe::MOE_BULK_MAX_SMEM as i32,
@@ -316,7 +320,7 @@ impl Kernels {
             tck: Mutex::new(None),
             gemvq_moe,
             gemvq_moe_smem,
-            moe_tc,
+            gemvq_moe_gu_tc,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,

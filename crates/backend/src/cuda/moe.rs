@@ -486,7 +486,7 @@ pub fn moe(
 /// the staged x of `hidden` columns.
 fn bulk_smem(be: &CudaBackend, gu: GgmlType, gu_rb: usize, hidden: usize, d_rb: usize) -> Option<(u32, u32)> {
     let limit = be.matmul.gemvq_moe_smem;
-    let gu = if gu == GgmlType::Q4K && be.matmul.moe_tc {
+    let gu = if gu == GgmlType::Q4K && be.matmul.gemvq_moe_gu_tc.is_some() {
         (matmul::tc_smem(gu_rb, MOE_GU_ROWS) + matmul::tc_x_bytes(hidden)) as usize
     } else {
         2 * bulk_slot(MOE_GU_ROWS, gu_rb)
@@ -557,6 +557,11 @@ fn quantized_experts(
         matmul::quantize_into(be, &x.buf, rows, hidden, &mut s.xq, &mut s.xd)?;
         (&s.xq, &s.xd)
     };
+    // Q4_K on the tensor-core tile where loaded (bulk_smem sized its shared memory for it).
+    let gu_kernel = match &be.matmul.gemvq_moe_gu_tc {
+        Some(f) if g.dtype == GgmlType::Q4K => f,
+        _ => &gk[0],
+    };
     let threads = (MOE_WARPS * 32) as u32;
     let cfg = LaunchConfig {
         grid_dim: (ffn.div_ceil(MOE_GU_ROWS) as u32, pairs as u32, 1),
@@ -570,7 +575,7 @@ fn quantized_experts(
     // pairs·ffn/16 floats, tickets pairs·ffn/32 ints (grown by the caller).
     unsafe {
         be.stream
-            .kernel(&gk[0])
+            .kernel(gu_kernel)
             .arg(&g.data)
             .arg(&u.data)
             .arg(&gu_rb)
