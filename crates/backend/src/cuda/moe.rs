@@ -558,9 +558,12 @@ fn quantized_experts(
         (&s.xq, &s.xd)
     };
     // Q4_K on the tensor-core tile where loaded (bulk_smem sized its shared memory for it).
-    let gu_kernel = match &be.matmul.gemvq_moe_gu_tc {
-        Some(f) if g.dtype == GgmlType::Q4K => f,
-        _ => &gk[0],
+    // Its launch groups the two blocks of each 32-row quantization group of h into a cluster
+    // (ffn % 32 == 0, checked above: the grid's x is even), through which they quantize h
+    // instead of by ticket (matmul.cu 1c).
+    let (gu_kernel, gu_cluster) = match &be.matmul.gemvq_moe_gu_tc {
+        Some(f) if g.dtype == GgmlType::Q4K => (f, true),
+        _ => (&gk[0], false),
     };
     let threads = (MOE_WARPS * 32) as u32;
     let cfg = LaunchConfig {
@@ -568,30 +571,31 @@ fn quantized_experts(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: gu_smem,
     };
+    let mut launch = be.stream.kernel(gu_kernel);
+    launch
+        .arg(&g.data)
+        .arg(&u.data)
+        .arg(&gu_rb)
+        .arg(&ff)
+        .arg(&hid)
+        .arg(xq_q)
+        .arg(xq_d)
+        .arg(logits)
+        .arg(&ne)
+        .arg(&tk)
+        .arg(&mut s.h)
+        .arg(&mut s.hq)
+        .arg(&mut s.hd)
+        .arg(&mut s.tickets);
+    if gu_cluster {
+        launch.cluster((2, 1, 1));
+    }
     // SAFETY: logits hold rows × n_experts floats (checked by check_moe); the kernel's
     // routing yields ids < n_experts (others give NaN, never a read); each expert has `ffn`
     // rows of gu_rb bytes in gate and up (shapes checked by check_moe); the quantized x holds
     // rows × hidden values; h holds ≥ pairs × ffn floats, hq 2·pairs·ffn bytes, hd
     // pairs·ffn/16 floats, tickets pairs·ffn/32 ints (grown by the caller).
-    unsafe {
-        be.stream
-            .kernel(gu_kernel)
-            .arg(&g.data)
-            .arg(&u.data)
-            .arg(&gu_rb)
-            .arg(&ff)
-            .arg(&hid)
-            .arg(xq_q)
-            .arg(xq_d)
-            .arg(logits)
-            .arg(&ne)
-            .arg(&tk)
-            .arg(&mut s.h)
-            .arg(&mut s.hq)
-            .arg(&mut s.hd)
-            .arg(&mut s.tickets)
-            .launch(cfg)
-    }?;
+    unsafe { launch.launch(cfg) }?;
     let cfg = LaunchConfig {
         grid_dim: (hidden.div_ceil(MOE_DOWN_ROWS) as u32, rows as u32, 1),
         block_dim: (threads, 1, 1),

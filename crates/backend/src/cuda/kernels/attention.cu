@@ -619,29 +619,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // the partials' round trip through L2, all on the last block's critical path. Blocks of
 // empty splits take part in both barriers and their merge share. ATTENTION.md, "The split
 // merge in a cluster".
-__device__ __forceinline__ void cluster_sync_all() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#else
-    __trap();  // clusters are sm_90+; the launcher never picks these kernels below
-#endif
-}
-
-// The float at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
-__device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    uint32_t r;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
-    return v;
-#else
-    __trap();
-    return 0.f;
-#endif
-}
+// cluster_sync_all, ld_cluster_f32: common.cuh.
 
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false>
 __device__ __forceinline__ void attn_decode_impl(

@@ -171,6 +171,56 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// Thread-block clusters (sm_90+): a barrier of every thread of the cluster's blocks whose
+// release / acquire makes shared-memory writes before it visible to reads after it in any
+// block of the cluster; a float of cluster block `rank`'s shared memory at the offset of p in
+// this block's (mapa), read or written (attention.cu's split merge, matmul.cu's MoE gate/up).
+__device__ __forceinline__ void cluster_sync_all() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    __trap();  // clusters are sm_90+; the launcher never picks these kernels below
+#endif
+}
+
+// The float at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
+__device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    uint32_t r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+#else
+    __trap();
+    return 0.f;
+#endif
+}
+
+__device__ __forceinline__ void st_cluster_f32(float* p, int rank, float v) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(r), "f"(v) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// This block's rank in its cluster (0 without clusters).
+__device__ __forceinline__ int cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+#else
+    return 0;
+#endif
+}
+
 // The two-plane int8 quantization of x for the dp4a GEMV (matmul.cu, section 1b), one warp per
 // 32-element block, lane = element: v ~ d (127 hi + lo) with d = amax / 127^2: hi =
 // rint(v / d1), d1 = amax / 127; lo = rint((v - hi d1) / d): |v - hi d1| <= d1 / 2, so |lo|

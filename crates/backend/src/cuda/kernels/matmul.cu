@@ -1739,7 +1739,9 @@ GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 //    modulo 128), x staged in shared memory while the copy is in flight (tc_stage_x), each
 //    tile stored by tc_store; the lane code's dp4a took ~2x the instructions per weight of
 //    the IMMA tile (MATMUL.md round 8), and in this one-wave launch a block's compute follows
-//    its copy (MOE.md, "The gate/up experts on the tensor cores").
+//    its copy (MOE.md, "The gate/up experts on the tensor cores"). Its launch groups the
+//    two blocks of a 32-row quantization group into a cluster, which replaces the ticket
+//    (below, at the kernel's end).
 //  gemvq_moe_down_<type>: grid (ceil(hidden / 8), rows); block (bx, t) owns hidden rows
 //    8 bx .. 8 bx + 7 of token t; warp w computes them (4 row pairs) for slots w, w + 8, ...
 //    (expert ids[k] from the block's own routing, input row t top_k + k of hq), partial
@@ -1940,30 +1942,48 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     const int8_t* xt = xq + (size_t)t * 2 * hidden;
     const float2* dt = xd + (size_t)t * (hidden / QK);
 #if __CUDA_ARCH__ >= 900
-    if (tc && valid) {
-        // The tensor-core tiles: x staged after the two slots while the copy lands.
-        uint8_t* xs = gemv_smem + 2 * slot;
-        tc_stage_x(xs, xt, dt, hidden);
-        mbar_wait(&bar, 0);
-        const size_t row0 = (size_t)e * ffn + r0;
-        const uint8_t* sg = gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15);
-        const uint8_t* su = gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15);
+    if constexpr (tc) {
+        // The tensor-core tiles, into hs: x staged after the two slots while the copy lands.
+        // Then the cluster of the group's two blocks (rank = which 16 rows of the 32-row
+        // quantization group): rank 1 stores its 16 outputs into rank 0's hs[16..31], one
+        // cluster barrier, rank 0's warp 0 quantizes the 32 (quant_q8_lane, the bits of
+        // quant_x_q8 on h). No ticket, no fence, no round trip of h through L2; h itself is
+        // not stored (only its int8 planes are read, by the down kernel).
+        __shared__ float hs[2 * MOE_GU_ROWS];
+        if (valid) {
+            uint8_t* xs = gemv_smem + 2 * slot;
+            tc_stage_x(xs, xt, dt, hidden);
+            mbar_wait(&bar, 0);
+            const size_t row0 = (size_t)e * ffn + r0;
+            const uint8_t* sg = gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15);
+            const uint8_t* su = gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15);
 #pragma unroll 1
-        for (int j = 0; j < MOE_GU_ROWS; j += 8) {
-            if (j) __syncthreads();  // the previous tile's tc_store has read its shared sums
-            gemvq_tc_q4k<1, true, true>(sg + (size_t)j * (size_t)rb, su + (size_t)j * (size_t)rb, rb, r0 + nr,
-                                         hidden, (const int8_t*)xs, (const float2*)(xs + 2 * hidden + 128), 1,
-                                         h + (size_t)p * ffn, r0 + j, hidden + 64);
+            for (int j = 0; j < MOE_GU_ROWS; j += 8) {
+                if (j) __syncthreads();  // the previous tile's tc_store has read its shared sums
+                // Outputs o = j + row < nr (= MOE_GU_ROWS: ffn % 32 == 0, moe.rs) into hs[o].
+                gemvq_tc_q4k<1, true, true>(sg + (size_t)j * (size_t)rb, su + (size_t)j * (size_t)rb, rb, nr,
+                                             hidden, (const int8_t*)xs, (const float2*)(xs + 2 * hidden + 128),
+                                             1, hs, j, hidden + 64);
+            }
+        } else if (threadIdx.x < MOE_GU_ROWS) {
+            hs[threadIdx.x] = __int_as_float(0x7fc00000);
         }
+        __syncthreads();
+        const int rank = cluster_rank();
+        if (rank == 1 && threadIdx.x < MOE_GU_ROWS) st_cluster_f32(&hs[MOE_GU_ROWS + threadIdx.x], 0, hs[threadIdx.x]);
+        cluster_sync_all();
+        if (rank == 0 && warp == 0) {
+            const int grp = r0 / QK;
+            quant_q8_lane(hs[lane], lane, hq + (size_t)p * 2 * ffn, ffn, grp * QK + lane,
+                          hd + (size_t)p * (ffn / QK) + grp);
+        }
+        return;
     }
-    if (bulk && valid && !tc) mbar_wait(&bar, 0);
+    if (bulk && valid) mbar_wait(&bar, 0);
 #endif
     // Warp w: rows r0 + w, r0 + w + 8, ... (whole warps).
 #pragma unroll 1
     for (int o = r0 + warp; o < r0 + nr; o += GEMV_WARPS) {
-#if __CUDA_ARCH__ >= 900
-        if (tc && valid) break;  // done above
-#endif
         float* dst = h + (size_t)p * ffn + o;
         if (!valid) {
             if (lane == 0) *dst = __int_as_float(0x7fc00000);
