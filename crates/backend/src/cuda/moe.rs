@@ -28,7 +28,7 @@ use ferrite_formats::GgmlType;
 pub const SRC: &str = include_str!("kernels/moe.cu");
 
 use super::launch::{KernelArg, LaunchExt};
-use super::{function, load_module, matmul, CudaBackend, CudaWeight};
+use super::{function, load_module, matmul, switches, CudaBackend, CudaWeight};
 use crate::{Act, ExpertWeights, MoeRouting};
 
 /// Warps per block of the expert kernels (`MOE_WARPS` in moe.cu).
@@ -571,6 +571,9 @@ fn quantized_experts(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: gu_smem,
     };
+    // Gate/up prefetches the down rows of its experts into L2 (matmul.cu moe_down_prefetch;
+    // 0: not, FERRITE_MOE_PF=0).
+    let pf_rb = if switches::int_or("FERRITE_MOE_PF", 1) != 0 { d_rb } else { 0 };
     let mut launch = be.stream.kernel(gu_kernel);
     launch
         .arg(&g.data)
@@ -586,7 +589,9 @@ fn quantized_experts(
         .arg(&mut s.h)
         .arg(&mut s.hq)
         .arg(&mut s.hd)
-        .arg(&mut s.tickets);
+        .arg(&mut s.tickets)
+        .arg(&d.data)
+        .arg(&pf_rb);
     if gu_cluster {
         launch.cluster((2, 1, 1));
     }
@@ -594,7 +599,8 @@ fn quantized_experts(
     // routing yields ids < n_experts (others give NaN, never a read); each expert has `ffn`
     // rows of gu_rb bytes in gate and up (shapes checked by check_moe); the quantized x holds
     // rows × hidden values; h holds ≥ pairs × ffn floats, hq 2·pairs·ffn bytes, hd
-    // pairs·ffn/16 floats, tickets pairs·ffn/32 ints (grown by the caller).
+    // pairs·ffn/16 floats, tickets pairs·ffn/32 ints (grown by the caller); the L2
+    // prefetch stays inside the expert's `hidden` down rows of d_rb bytes (a hint: no write).
     unsafe { launch.launch(cfg) }?;
     let cfg = LaunchConfig {
         grid_dim: (hidden.div_ceil(MOE_DOWN_ROWS) as u32, rows as u32, 1),

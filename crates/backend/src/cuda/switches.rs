@@ -75,6 +75,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_MOE_PF",
+        Accepts::OneOf(&[0, 1]),
+        "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
+    ),
+    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

@@ -1894,13 +1894,33 @@ __device__ __forceinline__ uint32_t moe_span(const uint8_t* W, size_t r0, int n,
     return (uint32_t)(a1 - *a0);
 }
 
+// The gate/up block's share of its expert's down rows (hidden rows of d_rb bytes), prefetched
+// into L2 once the block's own copy has landed (d_rb = 0: none; moe.rs, FERRITE_MOE_PF). The
+// down kernel's blocks become resident only as gate/up's retire (registers), so their copies
+// start after gate/up ends; the expert ids are known here, and DRAM idles while the gate/up
+// blocks compute, reduce and quantize: the down copies then read L2. One bulk prefetch per
+// block (a hint: no completion, nothing written), the blocks of a pair splitting the expert's
+// rows in 16-byte units.
+__device__ __forceinline__ void moe_down_prefetch(const uint8_t* D, long long d_rb, int hidden, int e) {
+#if __CUDA_ARCH__ >= 900
+    if (d_rb == 0 || threadIdx.x != 0) return;
+    const size_t units = ((size_t)hidden * (size_t)d_rb) / 16, nb = gridDim.x;
+    const size_t u0 = units * blockIdx.x / nb, u1 = units * (blockIdx.x + 1) / nb;
+    if (u1 > u0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(D + (size_t)e * hidden * (size_t)d_rb + 16 * u0),
+                     "r"((uint32_t)(16 * (u1 - u0)))
+                     : "memory");
+#endif
+}
+
 template <int TYPE, bool TC = false>
 __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
                                              long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, const float* __restrict__ logits,
                                              int n_experts, int top_k, float* __restrict__ h,
                                              int8_t* __restrict__ hq, float2* __restrict__ hd,
-                                             int* __restrict__ tickets) {
+                                             int* __restrict__ tickets, const uint8_t* __restrict__ D,
+                                             long long d_rb) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bar;
     __shared__ float rp[MOE_ROUTE_MAX];
@@ -1954,6 +1974,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
             uint8_t* xs = gemv_smem + 2 * slot;
             tc_stage_x(xs, xt, dt, hidden);
             mbar_wait(&bar, 0);
+            moe_down_prefetch(D, d_rb, hidden, e);
             const size_t row0 = (size_t)e * ffn + r0;
             const uint8_t* sg = gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15);
             const uint8_t* su = gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15);
@@ -1981,6 +2002,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     }
     if (bulk && valid) mbar_wait(&bar, 0);
 #endif
+    if (valid) moe_down_prefetch(D, d_rb, hidden, e);
     // Warp w: rows r0 + w, r0 + w + 8, ... (whole warps).
 #pragma unroll 1
     for (int o = r0 + warp; o < r0 + nr; o += GEMV_WARPS) {
@@ -2138,8 +2160,9 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
         gemvq_moe_gu_##name(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn, \
                             int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,            \
                             const float* __restrict__ logits, int n_experts, int top_k, float* __restrict__ h,  \
-                            int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets) {       \
-        gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets);          \
+                            int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets,         \
+                            const uint8_t* __restrict__ D, long long d_rb) {                                     \
+        gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets, D, d_rb); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
         gemvq_moe_down_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,                 \
@@ -2154,8 +2177,10 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
     gemvq_moe_gu_tc_q4_k(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn,
                          int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                          const float* __restrict__ logits, int n_experts, int top_k, float* __restrict__ h,
-                         int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets) {
-    gemvq_moe_gu<GGML_Q4_K, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets);
+                         int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets,
+                         const uint8_t* __restrict__ D, long long d_rb) {
+    gemvq_moe_gu<GGML_Q4_K, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets, D,
+                                  d_rb);
 }
 
 GEMVQ_MOE_KERNELS(q8_0, GGML_Q8_0)
