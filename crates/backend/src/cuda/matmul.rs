@@ -166,12 +166,6 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     set("gemv_pf_mode", mode)?;
     let head = switches::int_or("FERRITE_GEMV_PF_HEAD", GEMV_PF_HEAD as i64) as i32;
     set("gemv_pf_head", head)?;
-    // The bulk-copy GEMVs' L2 prefetch one wave ahead, in blocks (0: none; a tuning switch,
-    // MATMUL.md round 20).
-    set(
-        "gemv_pf_ahead",
-        switches::int_or("FERRITE_GEMV_PF_AHEAD", 0) as i32,
-    )?;
     // Diagnostic (MATMUL.md round 8): 1 = the bulk GEMV copies but does not compute,
     // 2 = computes on whatever shared memory holds without copying, 3 = copies and computes
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.

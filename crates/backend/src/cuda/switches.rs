@@ -80,11 +80,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
     ),
     (
-        "FERRITE_GEMV_PF_AHEAD",
-        Accepts::Range(0, 65535),
-        "bulk-copy GEMV blocks prefetch into L2 the weights of the block this many ahead (0 none; MATMUL.md round 20)",
-    ),
-    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

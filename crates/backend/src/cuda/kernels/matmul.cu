@@ -364,21 +364,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
-__constant__ int gemv_pf_ahead;  // FERRITE_GEMV_PF_AHEAD (blocks; 0 none): bulk_prefetch_ahead
 __constant__ int gemv_pf_head;
-
-// The bulk-copy GEMVs' L2 prefetch one wave ahead (a tuning switch, MATMUL.md round 20): block
-// bx, after issuing its own copy, prefetches into L2 the bytes that block bx + gemv_pf_ahead
-// will copy, so that a later wave's copies read L2 while DRAM would otherwise idle during
-// this wave's compute (an L2 two-stage pipeline without the ring's registers or shared memory).
-// One `cp.async.bulk.prefetch.L2` of [p, p + bytes) widened to 16-byte units (a hint).
-__device__ __forceinline__ void l2_prefetch_span(const uint8_t* p, size_t bytes) {
-#if __CUDA_ARCH__ >= 900
-    if (bytes == 0) return;
-    const size_t a0 = (size_t)p & ~(size_t)15, a1 = ((size_t)p + bytes + 15) & ~(size_t)15;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a0), "r"((uint32_t)(a1 - a0)) : "memory");
-#endif
-}
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
@@ -540,14 +526,6 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                                    int r0, int per_block, uint8_t* smem, uint64_t* bar) {
     const int n = max(0, min(per_block, n_out - r0));
-    if (gemv_pf_ahead && threadIdx.x == 32) {  // another warp than the copy's thread 0
-        const long long ra = (long long)r0 + (long long)gemv_pf_ahead * per_block;
-        const int na = (int)max(0ll, min((long long)per_block, (long long)n_out - ra));
-        if (na > 0) {
-            l2_prefetch_span(W + (size_t)ra * (size_t)rb, (size_t)na * (size_t)rb);
-            if (W2) l2_prefetch_span(W2 + (size_t)ra * (size_t)rb, (size_t)na * (size_t)rb);
-        }
-    }
     bulk_prologue_spans(W + (size_t)r0 * (size_t)rb, n, W2 ? W2 + (size_t)r0 * (size_t)rb : nullptr, W2 ? n : 0,
                         rb, gemv_slot(per_block, rb), smem, bar);
 }
@@ -1418,14 +1396,6 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
     const size_t slot = tc_slot(rb, NS);
-    if (gemv_pf_ahead && threadIdx.x == 32) {  // the spans of block bx + gemv_pf_ahead
-        const long long d = (long long)gemv_pf_ahead * (SWIGLU ? NS : 2 * NS);
-        const long long ra = r0 + d, rbb = rbeg + d;
-        const int na = (int)max(0ll, min((long long)NS, (long long)n_out - ra));
-        const int nb = (int)max(0ll, min((long long)NS, (long long)n_out - rbb));
-        if (na > 0) l2_prefetch_span(W + (size_t)ra * (size_t)rb, (size_t)na * (size_t)rb);
-        if (nb > 0) l2_prefetch_span(Wb + (size_t)rbb * (size_t)rb, (size_t)nb * (size_t)rb);
-    }
     bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
     const uint8_t* s0 = smem + ((size_t)pa & 15);
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
@@ -1490,14 +1460,6 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         const int j = threadIdx.x;
         const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
         bulk_g2s(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srb, (size_t)src, (uint32_t)srb);
-    }
-    if (gemv_pf_ahead && threadIdx.x >= 32 && threadIdx.x < 32 + 2 * NS) {  // block lin + gemv_pf_ahead's slices
-        const int lin = k * gridDim.x + tile + gemv_pf_ahead, j = threadIdx.x - 32;
-        const int ta = lin % gridDim.x, kb = lin / gridDim.x;
-        const int ra = ta * 2 * NS + j, ka = kb * kc;
-        if (kb < ks && ra < n_out)
-            l2_prefetch_span(W + (size_t)ra * (size_t)rb + (size_t)(ka / QK_K) * SBB,
-                             (size_t)(min(kc, n_in - ka) / QK_K) * SBB);
     }
     PDL_ENTRY();
     // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
