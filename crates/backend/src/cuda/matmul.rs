@@ -38,7 +38,8 @@ pub const GEMV_MAX_ROWS: usize = 16;
 /// choice, and bf16 inputs would flip near-tied experts between prefill and decode. Because
 /// the GEMV is bitwise independent of the row count, a token's router logits are then
 /// identical whether it arrives in a prompt or alone. The cost is negligible (the router is
-/// `n_experts × hidden`).
+/// `n_experts × hidden`). Such launches prefetch their whole span into L2 before the PDL
+/// wait (`GEMV_SMALL_OUT` in matmul.cu, the same number).
 pub const F32_SMALL_OUT: usize = 256;
 
 /// Row counts the GEMV is instantiated for (rows round up to the next one).
@@ -142,9 +143,10 @@ pub struct Kernels {
 type BfScratch = (Option<CudaSlice<u16>>, Vec<CudaSlice<u16>>);
 
 /// How much of its weight rows the float GEMV prefetches into L2 before its PDL wait
-/// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's head (`GEMV_PF_HEAD`), 2 the
-/// block's whole span. `FERRITE_GEMV_PF` overrides the default (a tuning switch: MATMUL.md,
-/// "F16 decode regression").
+/// (`gemv_pf_mode` in matmul.cu): 0 nothing, 1 each row's head (`GEMV_PF_HEAD`; the whole
+/// span for launches of at most `F32_SMALL_OUT` outputs), 2 the block's whole span.
+/// `FERRITE_GEMV_PF` overrides the default (a tuning switch: MATMUL.md, "F16 decode
+/// regression", round 21).
 const GEMV_PF_DEFAULT: i32 = 1;
 
 /// Bytes of each row's head that prefetch mode 1 fetches into L2 (`FERRITE_GEMV_PF_HEAD`
@@ -296,13 +298,18 @@ impl Kernels {
         };
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
         // kernel's; where that fails they keep what a launch gets without opting in.
-        let raised = gemvq_moe.iter().flatten().flatten().chain(&gemvq_moe_gu_tc).all(|f| {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                super::moe::MOE_BULK_MAX_SMEM as i32,
-            )
-            .is_ok()
-        });
+        let raised = gemvq_moe
+            .iter()
+            .flatten()
+            .flatten()
+            .chain(&gemvq_moe_gu_tc)
+            .all(|f| {
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    super::moe::MOE_BULK_MAX_SMEM as i32,
+                )
+                .is_ok()
+            });
         let gemvq_moe_smem = if raised {
             super::moe::MOE_BULK_MAX_SMEM
         } else {

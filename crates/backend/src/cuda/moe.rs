@@ -484,7 +484,13 @@ pub fn moe(
 /// under the kernels' limit (`gemvq_moe_smem`, set when matmul.rs loads them).
 /// Q4_K gate/up on the tensor-core tiles (`Kernels::moe_tc`): two `tc_slot`s of 16 rows and
 /// the staged x of `hidden` columns.
-fn bulk_smem(be: &CudaBackend, gu: GgmlType, gu_rb: usize, hidden: usize, d_rb: usize) -> Option<(u32, u32)> {
+fn bulk_smem(
+    be: &CudaBackend,
+    gu: GgmlType,
+    gu_rb: usize,
+    hidden: usize,
+    d_rb: usize,
+) -> Option<(u32, u32)> {
     let limit = be.matmul.gemvq_moe_smem;
     let gu = if gu == GgmlType::Q4K && be.matmul.gemvq_moe_gu_tc.is_some() {
         (matmul::tc_smem(gu_rb, MOE_GU_ROWS) + matmul::tc_x_bytes(hidden)) as usize
@@ -573,7 +579,11 @@ fn quantized_experts(
     };
     // Gate/up prefetches the down rows of its experts into L2 (matmul.cu moe_down_prefetch;
     // 0: not, FERRITE_MOE_PF=0).
-    let pf_rb = if switches::int_or("FERRITE_MOE_PF", 1) != 0 { d_rb } else { 0 };
+    let pf_rb = if switches::int_or("FERRITE_MOE_PF", 1) != 0 {
+        d_rb
+    } else {
+        0
+    };
     let mut launch = be.stream.kernel(gu_kernel);
     launch
         .arg(&g.data)

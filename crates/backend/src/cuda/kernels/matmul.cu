@@ -362,6 +362,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 // 0 nothing, 1 the first gemv_pf_head bytes of each of the block's rows (what the first
 // steps of the row groups load), 2 the block's whole span (round 3).
 __constant__ int gemv_pf_mode;
+// matmul.rs F32_SMALL_OUT: outputs at or below which a weight is a router-like small GEMV.
+#define GEMV_SMALL_OUT 256
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
 __constant__ int gemv_pf_head;
@@ -370,7 +372,10 @@ __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W
                                               int r0, int r1) {
 #if __CUDA_ARCH__ >= 900
     r1 = r1 < n_out ? r1 : n_out;
-    const int mode = gemv_pf_mode;
+    // Small-output launches (MoE routers, Qwen3.5's beta / alpha: n_out <= GEMV_SMALL_OUT)
+    // take the whole span in mode 1: their few blocks' rows are all of the weight (the
+    // router 1-2 MB), which then lands during the RMSNorm before them (MATMUL.md round 21).
+    const int mode = gemv_pf_mode == 1 && n_out <= GEMV_SMALL_OUT ? 2 : gemv_pf_mode;
     if (mode == 1 && r0 < r1) {
         // One line per thread and pass: thread t takes row t / L, line t % L of that row's head.
         const long long head = gemv_pf_head;
