@@ -1927,7 +1927,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
                                              int* __restrict__ tickets, const uint8_t* __restrict__ D,
                                              long long d_rb) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t bar, bar1;  // bar1: the tensor-core form's second tile
+    __shared__ __align__(8) uint64_t bar;
     __shared__ float rp[MOE_ROUTE_MAX];
     __shared__ int s_e, s_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1952,32 +1952,11 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
                 const size_t row = (size_t)e * ffn + r0;
                 size_t ag, au;
                 const uint32_t lg = moe_span(G, row, nr, rb, &ag), lu = moe_span(U, row, nr, rb, &au);
+                mbar_init(&bar);
+                mbar_expect(&bar, lg + lu);
 #if __CUDA_ARCH__ >= 900
-                if constexpr (tc) {
-                    // Each tile's 8 gate and 8 up rows on their own barrier (bar, bar1), tile
-                    // 0's copies first, so tile 0 computes while tile 1 lands. Q4_K rows are
-                    // whole 16-byte units (144 bytes per 256 columns): no widening between
-                    // the halves, each half at 8 j rows into its slot.
-                    mbar_init(&bar);
-                    mbar_init(&bar1);
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        const int n = max(0, min(8, nr - 8 * j));
-                        uint64_t* b = j ? &bar1 : &bar;
-                        mbar_expect(b, 2u * (uint32_t)(n * rb));
-                        if (n > 0) {
-                            const size_t off = (size_t)(8 * j) * (size_t)rb;
-                            bulk_g2s(b, gemv_smem + off, (size_t)(G + (row + 8 * j) * (size_t)rb), (uint32_t)(n * rb));
-                            bulk_g2s(b, gemv_smem + slot + off, (size_t)(U + (row + 8 * j) * (size_t)rb),
-                                     (uint32_t)(n * rb));
-                        }
-                    }
-                } else {
-                    mbar_init(&bar);
-                    mbar_expect(&bar, lg + lu);
-                    bulk_g2s(&bar, gemv_smem, ag, lg);
-                    bulk_g2s(&bar, gemv_smem + slot, au, lu);
-                }
+                bulk_g2s(&bar, gemv_smem, ag, lg);
+                bulk_g2s(&bar, gemv_smem + slot, au, lu);
 #endif
             }
         }
@@ -1999,14 +1978,14 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
         if (valid) {
             uint8_t* xs = gemv_smem + 2 * slot;
             tc_stage_x(xs, xt, dt, hidden);
+            mbar_wait(&bar, 0);
+            moe_down_prefetch(D, d_rb, hidden, e);
             const size_t row0 = (size_t)e * ffn + r0;
             const uint8_t* sg = gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15);
             const uint8_t* su = gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15);
 #pragma unroll 1
             for (int j = 0; j < MOE_GU_ROWS; j += 8) {
                 if (j) __syncthreads();  // the previous tile's tc_store has read its shared sums
-                mbar_wait(j ? &bar1 : &bar, 0);
-                if (j) moe_down_prefetch(D, d_rb, hidden, e);  // the block's own copy has landed
                 // Outputs o = j + row < nr (= MOE_GU_ROWS: ffn % 32 == 0, moe.rs) into hs[o].
                 gemvq_tc_q4k<1, true, true>(sg + (size_t)j * (size_t)rb, su + (size_t)j * (size_t)rb, rb, nr,
                                              hidden, (const int8_t*)xs, (const float2*)(xs + 2 * hidden + 128),
