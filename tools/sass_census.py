@@ -4,14 +4,15 @@
     tools/sass_census.py [--src matmul.cu] [--inst MACRO(...)]... [--fun NAME]... [--against REV]
 
 Compiles crates/backend/src/cuda/kernels/matmul.cu (with common.cuh and mm_decode.cuh
-prepended, as the backend does) for sm_90a with NVRTC, keeping only the kernel instantiations asked for
-(`--inst`, default: the R = 1 tensor-core Q4_K / Q6_K families and the Q6_K lane code), so a
+prepended, as the backend does) for sm_90a with NVRTC, keeping only the kernel
+instantiations asked for (`--inst`, placed at the end of the file; default: the R = 1
+tensor-core Q4_K / Q6_K families and the Q6_K lane code), so a
 variant compiles in seconds instead of the whole module's minutes; then prints, per kernel
 (`--fun`), its registers and stack, its instruction count, its MMA / dp4a count, the
 instructions in the window around its MMAs (the loop bodies) per MMA, and the commonest
 opcodes there. MATMUL.md round 10 item 8 is a census taken this way: a change to the loop
 can be sized here before it costs device time. `--against REV` also compiles the same
-instantiations from git revision REV's matmul.cu and common.cuh and compares every kernel's
+instantiations from git revision REV's matmul.cu, common.cuh and mm_decode.cuh and compares every kernel's
 machine code with the working tree's (a refactor that should not change the kernels: MATMUL.md
 round 11 item 7).
 
@@ -49,7 +50,8 @@ def trimmed_source(src_path, insts, rev=None):
     # As the backend's full_source (cuda/mod.rs): common.cuh, then mm_decode.cuh, then matmul.cu.
     names = ("matmul.cu", "common.cuh", "mm_decode.cuh")
     if rev is None:
-        s, common, mm_decode = (open(src_path if n == "matmul.cu" else os.path.join(KERNELS, n)).read() for n in names)
+        s, common, mm_decode = (open(src_path if n == "matmul.cu" else os.path.join(KERNELS, n)).read()
+                                for n in names)
     else:
         s, common, mm_decode = (git_show(rev, os.path.join(KERNELS, n)) for n in names)
     if BLOCK_FIRST not in s or BLOCK_LAST not in s:

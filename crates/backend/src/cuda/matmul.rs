@@ -117,6 +117,9 @@ pub struct Kernels {
     /// `gemvq_moe_gu_tc_q4_k`: the Q4_K gate/up experts on the tensor-core tile (sm_90+,
     /// unless `FERRITE_MOE_TC=0`); moe.rs sizes its shared memory to match.
     pub(crate) gemvq_moe_gu_tc: Option<CudaFunction>,
+    /// Whether the MoE gate/up blocks prefetch their experts' down rows into L2 (matmul.cu
+    /// `moe_down_prefetch`; on unless `FERRITE_MOE_PF=0`).
+    pub(crate) moe_down_prefetch: bool,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
@@ -328,6 +331,7 @@ impl Kernels {
             gemvq_moe,
             gemvq_moe_smem,
             gemvq_moe_gu_tc,
+            moe_down_prefetch: switches::int_or("FERRITE_MOE_PF", 1) != 0,
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,

@@ -28,7 +28,7 @@ use ferrite_formats::GgmlType;
 pub const SRC: &str = include_str!("kernels/moe.cu");
 
 use super::launch::{KernelArg, LaunchExt};
-use super::{function, load_module, matmul, switches, CudaBackend, CudaWeight};
+use super::{function, load_module, matmul, CudaBackend, CudaWeight};
 use crate::{Act, ExpertWeights, MoeRouting};
 
 /// Warps per block of the expert kernels (`MOE_WARPS` in moe.cu).
@@ -482,8 +482,8 @@ pub fn moe(
 /// compiled for older GPUs ignore it): gate/up the block's MOE_GU_ROWS rows of gate and of
 /// up, down MOE_DOWN_ROWS rows per warp. `None` when they do not fit (that path is not taken)
 /// under the kernels' limit (`gemvq_moe_smem`, set when matmul.rs loads them).
-/// Q4_K gate/up on the tensor-core tiles (`Kernels::moe_tc`): two `tc_slot`s of 16 rows and
-/// the staged x of `hidden` columns.
+/// Q4_K gate/up on the tensor-core tiles (`Kernels::gemvq_moe_gu_tc`): two `tc_slot`s of 16
+/// rows and the staged x of `hidden` columns.
 fn bulk_smem(
     be: &CudaBackend,
     gu: GgmlType,
@@ -578,12 +578,8 @@ fn quantized_experts(
         shared_mem_bytes: gu_smem,
     };
     // Gate/up prefetches the down rows of its experts into L2 (matmul.cu moe_down_prefetch;
-    // 0: not, FERRITE_MOE_PF=0).
-    let pf_rb = if switches::int_or("FERRITE_MOE_PF", 1) != 0 {
-        d_rb
-    } else {
-        0
-    };
+    // a row size of 0: not).
+    let pf_rb = if be.matmul.moe_down_prefetch { d_rb } else { 0 };
     let mut launch = be.stream.kernel(gu_kernel);
     launch
         .arg(&g.data)
