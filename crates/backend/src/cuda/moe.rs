@@ -492,13 +492,22 @@ fn bulk_smem(
     d_rb: usize,
 ) -> Option<(u32, u32)> {
     let limit = be.matmul.gemvq_moe_smem;
-    let gu = if gu == GgmlType::Q4K && be.matmul.gemvq_moe_gu_tc.is_some() {
+    let gu = if gu_tc_kernel(be, gu).is_some() {
         (matmul::tc_smem(gu_rb, MOE_GU_ROWS) + matmul::tc_x_bytes(hidden)) as usize
     } else {
         2 * bulk_slot(MOE_GU_ROWS, gu_rb)
     };
     let d = MOE_WARPS * bulk_slot(MOE_DOWN_ROWS, d_rb);
     (gu <= limit && d <= limit).then_some((gu as u32, d as u32))
+}
+
+/// The tensor-core gate/up kernel where gate/up of type `g` takes it (Q4_K, where loaded);
+/// `bulk_smem` and `quantized_experts` ask the same question here.
+fn gu_tc_kernel(be: &CudaBackend, g: GgmlType) -> Option<&CudaFunction> {
+    be.matmul
+        .gemvq_moe_gu_tc
+        .as_ref()
+        .filter(|_| g == GgmlType::Q4K)
 }
 
 /// Whether a MoE call with gate/up of type `g` and down of type `d` on `rows` rows runs the
@@ -567,10 +576,8 @@ fn quantized_experts(
     // Its launch groups the two blocks of each 32-row quantization group of h into a cluster
     // (ffn % 32 == 0, checked above: the grid's x is even), through which they quantize h
     // instead of by ticket (matmul.cu 1c).
-    let (gu_kernel, gu_cluster) = match &be.matmul.gemvq_moe_gu_tc {
-        Some(f) if g.dtype == GgmlType::Q4K => (f, true),
-        _ => (&gk[0], false),
-    };
+    let gu_tc = gu_tc_kernel(be, g.dtype);
+    let (gu_kernel, gu_cluster) = (gu_tc.unwrap_or(&gk[0]), gu_tc.is_some());
     let threads = (MOE_WARPS * 32) as u32;
     let cfg = LaunchConfig {
         grid_dim: (ffn.div_ceil(MOE_GU_ROWS) as u32, pairs as u32, 1),

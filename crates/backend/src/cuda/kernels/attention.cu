@@ -334,14 +334,6 @@ __device__ __forceinline__ uint32_t tc_pack_f16(float a, float b) {
 #define DECODE_MAX_ROWS 16
 #define DECODE_MAX_SPLITS 128
 
-// One L2 prefetch of `bytes` (a multiple of 16) from the 16-byte aligned global address p
-// (the TMA unit walks the range: one instruction per tensor per tile).
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned int bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // L2 prefetch of the cached keys (values) whose elements are e0..e1 of one kv head in a
 // contiguous cache (f16: 2 B/element; q8_0: 1 B + the scale plane, range rounded inwards).
 template <bool Q8>

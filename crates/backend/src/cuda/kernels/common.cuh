@@ -185,13 +185,20 @@ __device__ __forceinline__ void cluster_sync_all() {
 }
 
 // The float at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
-__device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
+// The shared::cluster address of `p` (this block's shared memory) in cluster block `rank`.
+__device__ __forceinline__ uint32_t cluster_addr(const void* p, int rank) {
+    uint32_t r = 0;
 #if __CUDA_ARCH__ >= 900
     const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    uint32_t r;
-    float v;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
+#if __CUDA_ARCH__ >= 900
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
     return v;
 #else
     __trap();
@@ -201,12 +208,18 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
 
 __device__ __forceinline__ void st_cluster_f32(float* p, int rank, float v) {
 #if __CUDA_ARCH__ >= 900
-    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(r), "f"(v) : "memory");
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(p, rank)), "f"(v) : "memory");
 #else
     __trap();
+#endif
+}
+
+// One L2 prefetch of `bytes` (a multiple of 16) from the 16-byte aligned global address p
+// (the TMA unit walks the range; a hint: no completion, nothing written). attention.cu's
+// K/V prefetch, matmul.cu's MoE down rows.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned int bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
 }
 

@@ -1737,15 +1737,13 @@ GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 //    quantizes them (quant_q8_lane: the same bits as quant_x_q8 on h) into hq / hd, and
 //    resets the ticket to 0 (ready for the next launch or graph replay). No separate
 //    quantization launch.
-//    gemvq_moe_gu_tc_q4_k (sm_90+; moe.rs takes it unless FERRITE_MOE_TC=0): the block's
-//    16 rows are two
-//    tensor-core SwiGLU tiles (gemvq_tc_q4k: 8 gate rows and the same 8 up rows each, rows
-//    0-7 then 8-15 of the two slots, which are laid out as tc_slot's: bases 64 bytes apart
-//    modulo 128), x staged in shared memory while the copy is in flight (tc_stage_x), each
-//    tile stored by tc_store; the lane code's dp4a took ~2x the instructions per weight of
-//    the IMMA tile (MATMUL.md round 8), and in this one-wave launch a block's compute follows
-//    its copy (MOE.md, "The gate/up experts on the tensor cores"). Its launch groups the
-//    two blocks of a 32-row quantization group into a cluster, which replaces the ticket
+//    gemvq_moe_gu_tc_q4_k (sm_90+; moe.rs takes it unless FERRITE_MOE_TC=0): the block's 16
+//    rows are two tensor-core SwiGLU tiles (gemvq_tc_q4k: 8 gate rows and the same 8 up rows
+//    each, rows 0-7 then 8-15 of the two slots, which are laid out as tc_slot's: bases 64
+//    bytes apart modulo 128), x staged in shared memory while the copy is in flight
+//    (tc_stage_x), each tile stored by tc_store; in this one-wave launch a block's compute
+//    follows its copy (MOE.md, "The gate/up experts on the tensor cores"). Its launch groups
+//    the two blocks of a 32-row quantization group into a cluster, which replaces the ticket
 //    (below, at the kernel's end).
 //  gemvq_moe_down_<type>: grid (ceil(hidden / 8), rows); block (bx, t) owns hidden rows
 //    8 bx .. 8 bx + 7 of token t; warp w computes them (4 row pairs) for slots w, w + 8, ...
@@ -1911,10 +1909,7 @@ __device__ __forceinline__ void moe_down_prefetch(const uint8_t* D, long long d_
     if (d_rb == 0 || threadIdx.x != 0) return;
     const size_t units = ((size_t)hidden * (size_t)d_rb) / 16, nb = gridDim.x;
     const size_t u0 = units * blockIdx.x / nb, u1 = units * (blockIdx.x + 1) / nb;
-    if (u1 > u0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(D + (size_t)e * hidden * (size_t)d_rb + 16 * u0),
-                     "r"((uint32_t)(16 * (u1 - u0)))
-                     : "memory");
+    if (u1 > u0) prefetch_l2(D + (size_t)e * hidden * (size_t)d_rb + 16 * u0, (unsigned)(16 * (u1 - u0)));
 #endif
 }
 
