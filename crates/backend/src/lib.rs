@@ -530,6 +530,28 @@ pub trait Backend: Send + Sync {
         eps: f32,
         h: &mut Act<Self::Buf>,
     ) -> Result<()>;
+    /// A MoE block's input and router in one op: the residual add out of place, `x_out = x +
+    /// y` (`x` itself is left as it was), `h = rms_norm(x_out) · w` row by row, and `out = h ·
+    /// wmᵀ` as [`Backend::matmul`]. Equals [`Backend::copy_rows`] + [`Backend::add_rms_norm`] +
+    /// [`Backend::matmul`] (the CPU backend bitwise). The sum goes out of place because a
+    /// backend may run this as one launch of many blocks that each read `x` and `y` while
+    /// one of them writes the sum (CUDA at one decode row).
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_matmul(
+        &self,
+        x: &Act<Self::Buf>,
+        y: &Act<Self::Buf>,
+        x_out: &mut Act<Self::Buf>,
+        w: &Self::Weight,
+        eps: f32,
+        h: &mut Act<Self::Buf>,
+        wm: &Self::Weight,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.copy_rows(x, 0, x_out)?;
+        self.add_rms_norm(x_out, y, w, eps, h)?;
+        self.matmul(h, wm, out)
+    }
     /// Attention's query/key preparation in one op: on every `head_dim`-sized head of `q`
     /// and of `k`, the per-head RMSNorm where its weight is given (Qwen3's QK-norm), then
     /// the rotation of [`Backend::rope`]. Equals `head_rms_norm(q)`, `head_rms_norm(k)`,

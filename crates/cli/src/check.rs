@@ -274,6 +274,7 @@ const OPS: &[&str] = &[
     "swiglu",
     "rope",
     "add_rms_norm",
+    "add_rms_norm_matmul",
     "qk_norm_rope",
     "attention",
     "moe",
@@ -353,6 +354,17 @@ enum Op {
         wty: GgmlType,
         rows: usize,
         cols: usize,
+    },
+    /// A MoE block's input and router: `x_out = x + y; h = rms_norm(x_out) · w; out = h ·
+    /// wmᵀ` (f32 router `[n_out, cols]`). The outputs checked: the logits, then `h + x_out`
+    /// (one sum, so a wrong h or a wrong x_out shows). On any backend the op must also equal
+    /// its composition (copy_rows, add_rms_norm, matmul) bitwise: the decode step takes the
+    /// fused form at one row and the composition at more, and a decode must not depend on
+    /// the rows around it (run_once asserts it).
+    AddRmsNormMatmul {
+        rows: usize,
+        cols: usize,
+        n_out: usize,
     },
     /// Per-head RMSNorm (when `norm`) + RoPE on q and k in one op.
     QkNormRope {
@@ -575,6 +587,10 @@ fn describe(op: &Op) -> (&'static str, String) {
         Op::AddRmsNorm { wty, rows, cols } => (
             "add_rms_norm",
             format!("add_rms_norm w={wty} cols={cols} rows={rows}"),
+        ),
+        Op::AddRmsNormMatmul { rows, cols, n_out } => (
+            "add_rms_norm_matmul",
+            format!("add_rms_norm_matmul cols={cols} router={n_out} rows={rows}"),
         ),
         Op::QkNormRope {
             rows,
@@ -1075,6 +1091,24 @@ pub fn cases(quick: bool) -> Vec<Case> {
         rows: 7,
         cols: 576,
     });
+    // --- a MoE block's input norm + router: Qwen3-30B-A3B (2048 → 128), Qwen3.5-35B-A3B
+    // (2048 → 256), Qwen3-235B-A22B (4096 → 128), small and odd shapes (the fused CUDA
+    // kernel's row groups past n_out, one block); rows > 1 take the composition.
+    for (cols, n_out) in [
+        (2048, 128),
+        (2048, 256),
+        (4096, 128),
+        (576, 8),
+        (1024, 60),
+        (96, 3),
+    ] {
+        for rows in [1, 3] {
+            if quick && cols > 1024 {
+                continue;
+            }
+            add(Op::AddRmsNormMatmul { rows, cols, n_out });
+        }
+    }
 
     // --- fused QK-norm + RoPE: Qwen3-8B (32/8 × 128, NeoX, norm), Llama GGUF (adjacent
     // pairs, no norm), Qwen3.5 full attention (16/2 × 256, NeoX on 64 dims), SmolLM2
@@ -1682,6 +1716,11 @@ fn push_decay_weights(h: &mut HostData, rng: &mut Rng, nv: usize) {
     }
 }
 
+/// An f32 weight's stored bytes.
+fn f32_bytes(w: &[f32]) -> Vec<u8> {
+    w.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
 fn gen(op: &Op, seed: u64) -> Result<HostData> {
     let mut rng = Rng::new(seed);
     let mut h = HostData::default();
@@ -1810,6 +1849,19 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, cols);
             h.tokens = vec![0; rows];
             h.pos0 = pos0;
+        }
+        Op::AddRmsNormMatmul { rows, cols, n_out } => {
+            let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+            h.weights.push((GgmlType::F32, vec![cols], f32_bytes(&w)));
+            let wm = rng.normals(n_out * cols, 0.05);
+            h.weights
+                .push((GgmlType::F32, vec![n_out, cols], f32_bytes(&wm)));
+            // x (the residual stream), y (the block output), x_out's buffer (poisoned).
+            h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.acts.push((vec![f32::NAN; rows * cols], rows, cols));
+            h.out = (rows, n_out);
+            h.out2 = Some((rows, cols));
         }
         Op::AddRmsNorm { wty, rows, cols } => {
             let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normal()).collect();
@@ -2355,6 +2407,13 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::AddRmsNorm { .. } => {
             be.add_rms_norm(out2(&mut p.out2)?, &p.a[1], &p.w[0], EPS, &mut p.out)
         }
+        Op::AddRmsNormMatmul { .. } => {
+            let [x, y, x_out] = &mut p.a[..] else {
+                bail!("add_rms_norm_matmul: expected 3 activations")
+            };
+            let h = out2(&mut p.out2)?;
+            be.add_rms_norm_matmul(x, y, x_out, &p.w[0], EPS, h, &p.w[1], &mut p.out)
+        }
         Op::QkNormRope {
             head_dim,
             rope,
@@ -2522,11 +2581,62 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
         ids.extend(vals.iter().map(|v| v.to_bits() as i32));
         return Ok((Output::I(ids), p));
     }
+    if let Op::AddRmsNormMatmul { .. } = op {
+        same_as_composition(be, op, h, &mut p)?;
+        // The second output checked is h + x_out (Op::AddRmsNormMatmul).
+        let [_, _, x_out] = &p.a[..] else {
+            bail!("add_rms_norm_matmul: expected 3 activations")
+        };
+        be.add_assign(out2(&mut p.out2)?, x_out)?;
+    }
     let mut all = read_guarded(be, &mut p.out)?;
     if let Some(o) = &mut p.out2 {
         all.extend(read_guarded(be, o)?);
     }
     Ok((Output::F(all), p))
+}
+
+/// `add_rms_norm_matmul` against its composition (copy_rows, add_rms_norm, matmul) on the
+/// same backend: logits, h and x_out bitwise equal (the CPU's default op is that
+/// composition; CUDA's fused decode kernel must reproduce it).
+fn same_as_composition<B: Backend>(
+    be: &B,
+    op: &Op,
+    h: &HostData,
+    p: &mut Prepared<B>,
+) -> Result<()> {
+    let mut q = prepare(be, op, h)?;
+    {
+        let [x, y, x_out] = &mut q.a[..] else {
+            bail!("add_rms_norm_matmul: expected 3 activations")
+        };
+        let hq = out2(&mut q.out2)?;
+        be.copy_rows(x, 0, x_out)?;
+        be.add_rms_norm(x_out, y, &q.w[0], EPS, hq)?;
+        be.matmul(hq, &q.w[1], &mut q.out)?;
+    }
+    let pairs = [
+        ("logits", be.to_host(&p.out)?, be.to_host(&q.out)?),
+        (
+            "h",
+            be.to_host(out2(&mut p.out2)?)?,
+            be.to_host(out2(&mut q.out2)?)?,
+        ),
+        ("x_out", be.to_host(&p.a[2])?, be.to_host(&q.a[2])?),
+    ];
+    for (what, fused, composed) in pairs {
+        let differ = fused
+            .iter()
+            .zip(&composed)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        anyhow::ensure!(
+            differ == 0,
+            "add_rms_norm_matmul: {what} differs from the composition's in {differ} of {} values",
+            fused.len()
+        );
+    }
+    Ok(())
 }
 
 /// The active rows of an output; checks that the poisoned row past them is untouched.
@@ -2570,6 +2680,8 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         | Op::Swiglu { .. } => ELEMENTWISE_NMSE,
         Op::Rope { .. } => ROPE_NMSE,
         Op::AddRmsNorm { .. } => ADD_RMS_NORM_NMSE,
+        // The f32 GEMV's accumulation on top of the norm's.
+        Op::AddRmsNormMatmul { .. } => MATMUL_GEMV_NMSE,
         Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
         Op::Matmul {
@@ -2659,6 +2771,8 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::AddAssign { .. } => f(3 * out),
         // Reads x and y; writes x and h.
         Op::AddRmsNorm { .. } => f(acts + 2 * out),
+        // Reads x, y and the router; writes x_out, h and the logits.
+        Op::AddRmsNormMatmul { .. } => f(h.weights[1].2.len() + acts / 3 * 4 + out),
         // Reads and writes q and k.
         Op::QkNormRope { .. } => f(2 * acts),
         Op::CopyRows { .. } | Op::GatherRows { .. } => f(2 * out),

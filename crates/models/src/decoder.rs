@@ -72,14 +72,40 @@ pub(crate) struct FfnScratch<'a, B: Backend> {
     pub(crate) shared: Option<SharedScratch<'a, B>>,
 }
 
-/// `y = FFN(h)` for one layer.
-pub(crate) fn ffn_block<B: Backend>(
+/// The FFN half of a layer: `x += y`, `h = rms_norm(x) · norm`, then `y = FFN(h)`. A MoE
+/// layer takes the norm and its router in one op ([`Backend::add_rms_norm_matmul`]: on CUDA
+/// at decode one launch instead of two dependent ones); that op writes the sum out of place,
+/// into `x_alt`, and the two references swap, so `x` holds the residual afterwards either way.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ffn_half<'x, B: Backend>(
+    be: &B,
+    ffn: &Ffn<B::Weight>,
+    moe: Option<&MoeConfig>,
+    (x, x_alt): (&mut &'x mut Act<B::Buf>, &mut &'x mut Act<B::Buf>),
+    (norm, eps): (&B::Weight, f32),
+    h: &mut Act<B::Buf>,
+    s: FfnScratch<'_, B>,
+    y: &mut Act<B::Buf>,
+) -> Result<()> {
+    if let Ffn::Moe { router, .. } = ffn {
+        be.add_rms_norm_matmul(x, y, x_alt, norm, eps, h, router, s.router)?;
+        std::mem::swap(x, x_alt);
+        return ffn_block(be, ffn, moe, h, s, y, true);
+    }
+    be.add_rms_norm(x, y, norm, eps, h)?;
+    ffn_block(be, ffn, moe, h, s, y, false)
+}
+
+/// `y = FFN(h)` for one layer; `routed`: a MoE layer's router logits are already in the
+/// scratch (computed with its input norm, [`ffn_half`]).
+fn ffn_block<B: Backend>(
     be: &B,
     ffn: &Ffn<B::Weight>,
     moe: Option<&MoeConfig>,
     h: &Act<B::Buf>,
     s: FfnScratch<'_, B>,
     y: &mut Act<B::Buf>,
+    routed: bool,
 ) -> Result<()> {
     let FfnScratch {
         gate,
@@ -112,7 +138,9 @@ pub(crate) fn ffn_block<B: Backend>(
             shared,
         } => {
             let moe = moe.context("MoE layer without MoE config")?;
-            be.matmul(h, wr, router)?;
+            if !routed {
+                be.matmul(h, wr, router)?;
+            }
             be.moe(
                 h,
                 router,
@@ -327,6 +355,7 @@ impl<B: Backend> Model<B> {
         Ok(Workspace {
             step: be.step_input(max_rows)?,
             x: be.zeros(max_rows, c.hidden)?,
+            x2: be.zeros(max_rows, c.hidden)?,
             h: be.zeros(max_rows, c.hidden)?,
             q: be.zeros(max_rows, a.n_heads * a.head_dim)?,
             k: be.zeros(max_rows, a.n_kv_heads * a.head_dim)?,
@@ -372,6 +401,7 @@ impl<B: Backend> Model<B> {
         let Workspace {
             step,
             x,
+            x2,
             h,
             q,
             k,
@@ -386,6 +416,8 @@ impl<B: Backend> Model<B> {
         } = ws;
 
         be.embed(&self.embed, step, x)?;
+        // The residual stream: `x` holds it, `x_alt` takes the sum where it goes out of place.
+        let (mut x, mut x_alt) = (x, x2);
         // h = the first layer's attention input; from then on every norm is fused with
         // the residual add before it.
         let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
@@ -412,8 +444,7 @@ impl<B: Backend> Model<B> {
             )?;
             be.matmul(att, &l.wo, y)?;
 
-            // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm.
-            be.add_rms_norm(x, y, &l.ffn_norm, cfg.rms_eps, h)?;
+            // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
             let scratch = FfnScratch::<B> {
                 gate: &mut *gate,
                 up: &mut *up,
@@ -421,7 +452,17 @@ impl<B: Backend> Model<B> {
                 router: &mut *router,
                 shared: None,
             };
-            ffn_block(be, &l.ffn, cfg.moe.as_ref(), h, scratch, y)?;
+            let norm = (&l.ffn_norm, cfg.rms_eps);
+            ffn_half(
+                be,
+                &l.ffn,
+                cfg.moe.as_ref(),
+                (&mut x, &mut x_alt),
+                norm,
+                h,
+                scratch,
+                y,
+            )?;
             // x += y, h = the next layer's attention input (or the output norm's result).
             let next_norm = self
                 .layers
@@ -522,6 +563,10 @@ pub struct Workspace<B: Backend> {
     /// Token ids and positions of the current step.
     pub step: StepInput<B::IBuf>,
     pub(crate) x: Act<B::Buf>,
+    /// The residual's other buffer: a MoE layer's FFN input op
+    /// ([`Backend::add_rms_norm_matmul`]) writes `x + y` out of place, so from such a layer on
+    /// the residual alternates between `x` and `x2`.
+    pub(crate) x2: Act<B::Buf>,
     pub(crate) h: Act<B::Buf>,
     pub(crate) q: Act<B::Buf>,
     pub(crate) k: Act<B::Buf>,
@@ -550,6 +595,7 @@ impl<B: Backend> Workspace<B> {
     fn set_rows(&mut self, t: usize) -> Result<()> {
         for a in [
             &mut self.x,
+            &mut self.x2,
             &mut self.h,
             &mut self.q,
             &mut self.k,

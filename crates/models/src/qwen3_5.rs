@@ -42,7 +42,7 @@ use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor,
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
-use crate::decoder::{ffn_block, Ffn, FfnScratch, Model, SharedExpert, Workspace};
+use crate::decoder::{ffn_half, Ffn, FfnScratch, Model, SharedExpert, Workspace};
 use crate::source::{host, ModelFile};
 
 /// How a layer mixes tokens.
@@ -157,6 +157,7 @@ pub(crate) fn forward_layers<B: Backend>(
     let Workspace {
         step,
         x,
+        x2,
         h,
         q,
         k,
@@ -178,6 +179,8 @@ pub(crate) fn forward_layers<B: Backend>(
     // h = the first layer's mixer input; every later norm is fused with the residual add
     // before it.
     be.rms_norm(x, layers.first().map_or(out_norm, |l| &l.attn_norm), eps, h)?;
+    // The residual stream: `x` holds it, `x_alt` takes the sum where it goes out of place.
+    let (mut x, mut x_alt) = (x, x2);
     for (il, l) in layers.iter().enumerate() {
         // Token mixer (h = rms_norm(x) · attn_norm).
         match &l.mixer {
@@ -258,8 +261,7 @@ pub(crate) fn forward_layers<B: Backend>(
             }
         }
 
-        // Feed-forward: x += y, h = rms_norm(x) · ffn_norm.
-        be.add_rms_norm(x, y, &l.ffn_norm, eps, h)?;
+        // Feed-forward: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
         let scratch = FfnScratch::<B> {
             gate: &mut *gate,
             up: &mut *up,
@@ -267,7 +269,17 @@ pub(crate) fn forward_layers<B: Backend>(
             router: &mut *router,
             shared: Some((&mut hb.shared, &mut hb.shared_gate)),
         };
-        ffn_block(be, &l.ffn, cfg.moe.as_ref(), h, scratch, y)?;
+        let norm = (&l.ffn_norm, eps);
+        ffn_half(
+            be,
+            &l.ffn,
+            cfg.moe.as_ref(),
+            (&mut x, &mut x_alt),
+            norm,
+            h,
+            scratch,
+            y,
+        )?;
         // x += y, h = the next layer's mixer input (or the output norm's result).
         let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
         be.add_rms_norm(x, y, next_norm, eps, h)?;

@@ -47,7 +47,7 @@ pub const F32_SMALL_OUT: usize = 256;
 const GEMV_R: [usize; 6] = [1, 2, 4, 8, 9, 16];
 /// Warps per GEMV block and output rows per warp (GEMV_WARPS, GEMV_NW in matmul.cu).
 const GEMV_WARPS: usize = 8;
-const GEMV_NW: usize = 2;
+pub(crate) const GEMV_NW: usize = 2;
 /// Resident-warp goal per SM for the float GEMV's split-K choice (Little's law: ~30 KB in
 /// flight per SM at ~0.5–1 KB per warp). 32, not 64: the 4096-row F16 projections then split
 /// K 4 ways instead of 8 (twice the steps per warp, half the cross-warp reductions): synth
@@ -542,6 +542,17 @@ fn gemv_r_index(rows: usize) -> Result<usize> {
 /// Row groups of a GEMV launch over `n_out` consecutive rows (GEMV_NW rows per group).
 fn row_groups(n_out: usize) -> usize {
     n_out.div_ceil(GEMV_NW)
+}
+
+/// The K split of the f32 GEMV on a `[n_out, n_in]` F32 weight at one decode row (what
+/// [`matmul`] launches): the fused norm + router kernel (ops.rs, `add_rms_norm_matmul`)
+/// repeats its row groups exactly, so it must split the same way.
+pub(crate) fn f32_gemv_split(be: &CudaBackend, n_out: usize, n_in: usize) -> usize {
+    split_k(
+        gemv_steps(GgmlType::F32, n_in),
+        row_groups(n_out),
+        be.sm_count,
+    )
 }
 
 /// The launch of `groups` row groups split `ks` ways (GEMV_WARPS / ks groups per block).

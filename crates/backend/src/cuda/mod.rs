@@ -560,6 +560,25 @@ impl Backend for CudaBackend {
         ops::add_rms_norm(self, x, y, w, eps, h)
     }
 
+    fn add_rms_norm_matmul(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        y: &Act<CudaSlice<f32>>,
+        x_out: &mut Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        eps: f32,
+        h: &mut Act<CudaSlice<f32>>,
+        wm: &CudaWeight,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        if ops::add_rms_norm_gemv(self, x, y, x_out, w, eps, h, wm, out)? {
+            return Ok(());
+        }
+        self.copy_rows(x, 0, x_out)?;
+        self.add_rms_norm(x_out, y, w, eps, h)?;
+        self.matmul(h, wm, out)
+    }
+
     fn qk_norm_rope(
         &self,
         q: &mut Act<CudaSlice<f32>>,

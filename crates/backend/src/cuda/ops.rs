@@ -26,6 +26,7 @@ pub struct Kernels {
     topk_rows: CudaFunction,
     rms_norm_v4: CudaFunction,
     add_rms_norm_v4: CudaFunction,
+    add_rms_norm_gemv_f32: CudaFunction,
     argmax_rows_mb: CudaFunction,
     /// `argmax_rows_mb`'s per-row best key and arrival ticket (zero between launches).
     argmax_scratch: Mutex<Option<ArgmaxScratch>>,
@@ -51,6 +52,7 @@ impl Kernels {
             topk_rows: function(&m, "topk_rows")?,
             rms_norm_v4: function(&m, "rms_norm_v4")?,
             add_rms_norm_v4: function(&m, "add_rms_norm_v4")?,
+            add_rms_norm_gemv_f32: function(&m, "add_rms_norm_gemv_f32")?,
             argmax_rows_mb: function(&m, "argmax_rows_mb")?,
             argmax_scratch: Mutex::new(None),
         })
@@ -352,6 +354,92 @@ pub fn add_rms_norm(
         xq.record_producer(be, &h.buf, x.rows, x.cols);
     }
     Ok(())
+}
+
+/// A MoE block's input and router at one decode row in one launch
+/// (`add_rms_norm_gemv_f32`, plan in elementwise.cu): `x_out = x + y`, `h = rms_norm(x_out) ·
+/// w` with h's int8 planes for the experts, `out = h · wmᵀ` — each bitwise what
+/// copy + [`add_rms_norm`] + the f32 GEMV give. Returns `Ok(false)` (nothing launched) where
+/// the fused kernel does not apply: more than one row, a router that is not an f32 matrix
+/// of at most `F32_SMALL_OUT` rows, a row the one-chunk-per-thread norm cannot hold, or
+/// `FERRITE_NORM_ROUTER=0`.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_gemv(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    y: &Act<CudaSlice<f32>>,
+    x_out: &mut Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    eps: f32,
+    h: &mut Act<CudaSlice<f32>>,
+    wm: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    use super::matmul::{f32_gemv_split, F32_SMALL_OUT, GEMV_NW};
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| super::switches::int_or("FERRITE_NORM_ROUTER", 1) != 0);
+    let cols = x.cols;
+    let n_out = wm.shape.first().copied().unwrap_or(0);
+    if !on
+        || x.rows != 1
+        || wm.dtype != GgmlType::F32
+        || wm.shape.len() != 2
+        || wm.shape[1] != cols
+        || n_out == 0
+        || n_out > F32_SMALL_OUT
+        || !cols.is_multiple_of(32)
+    {
+        return Ok(false);
+    }
+    let Some(threads) = norm_v4_threads(be, w, cols) else {
+        return Ok(false);
+    };
+    let warps = threads as usize / 32;
+    let ks = f32_gemv_split(be, n_out, cols);
+    // One float4 chunk per thread (the norm's order for that count), whole row groups.
+    if cols / 4 > threads as usize || !warps.is_multiple_of(ks) {
+        return Ok(false);
+    }
+    crate::check_add_rms_norm(x, y, w.shape.iter().product(), h)?;
+    check_shape("add_rms_norm_matmul x_out", x_out, x.rows, cols)?;
+    check_shape("add_rms_norm_matmul out", out, x.rows, n_out)?;
+    {
+        let (ptr, _sync) = wm.data.device_ptr(&be.stream);
+        ensure!(ptr % 16 == 0, "router weight buffer is not 16-byte aligned");
+    }
+    let wv = f32_vec(w, cols)?;
+    let rows_per_block = warps / ks * GEMV_NW;
+    let cfg = LaunchConfig {
+        grid_dim: (n_out.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: (cols * 4) as u32,
+    };
+    let (cols_i, n_out_i, ks_i) = (cols as i32, n_out as i32, ks as i32);
+    let mut fused = super::matmul::xq_for_producer(be, 1, cols)?;
+    let mut launch = be.stream.kernel(&be.ops.add_rms_norm_gemv_f32);
+    launch
+        .arg(&x.buf)
+        .arg(&y.buf)
+        .arg(&wv)
+        .arg(&mut x_out.buf)
+        .arg(&mut h.buf)
+        .arg(&cols_i)
+        .arg(&eps);
+    xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
+    launch
+        .arg(&wm.data)
+        .arg(&n_out_i)
+        .arg(&ks_i)
+        .arg(&mut out.buf);
+    // SAFETY: x, y, x_out, h are [1, cols] and out [1, n_out] (checked above; distinct
+    // buffers by the borrows); wm is [n_out, cols] f32, 16-byte aligned; one chunk per
+    // thread (cols / 4 <= threads <= 1024) and cols · 4 bytes of dynamic shared memory
+    // (at most 16 KB: cols <= 4096); the scratch holds ≥ one row of cols elements.
+    unsafe { launch.launch(cfg) }?;
+    if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
+        xq.record_producer(be, &h.buf, 1, cols);
+    }
+    Ok(true)
 }
 
 /// Rotary pairs per lane of `qk_norm_rope` (QKR_PAIRS in elementwise.cu).

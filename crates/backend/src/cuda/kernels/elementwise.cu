@@ -431,6 +431,131 @@ extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float*
 }
 
 // ---------------------------------------------------------------------------------------
+// add_rms_norm_gemv_f32: a MoE block's input and its router at one decode row, one launch
+// (Backend::add_rms_norm_matmul; ops.rs).
+//
+// Why: at decode the MoE half of a layer was a chain add_rms_norm_v4 (one block) → router
+// GEMV (f32, 128-256 outputs, 1-2 MB) → experts, each a dependent phase (~2.8 and ~2.3 µs
+// added per layer in the Qwen3-30B-A3B trace, DECODE_STEP.md). Unlike the RMSNorm before
+// the QKV projections (whose window hides the QKV tile copies; folding it in lost, e91fa81),
+// the norm before a router hides nothing: the router's 1-2 MB land in L2 before its wait
+// anyway, and the experts cannot copy before they know their routing.
+//
+// Plan: blocks of T = the norm's own thread count for the row (one float4 chunk per
+// thread: chunks <= 1024, the launcher checks), so every block computes the row's sum of
+// squares in add_rms_norm_v4's order (one chunk per thread, warp butterfly, warp partials
+// added in warp order by every thread) and h = rms_norm(x + y) · w bitwise as that kernel
+// does, into shared memory. Block b owns chunks [b·per, (b+1)·per) (per a multiple of 8
+// chunks: whole 32-element blocks) and stores their sum x_out = x + y (out of place: the
+// other blocks still read x), h, and h's int8 planes (quant_q8_vec4, where xq != null).
+// Then the block's T / 32 warps are the router's row groups exactly as in matmul.cu's
+// gemv<GGML_F32, 1> (GEMV_NW = 2 rows per group, ks warps splitting the float4 steps of a
+// row: lane chains, xor butterfly, the ks warp totals in warp order), so the logits are the
+// unfused GEMV's bits too, with x read from shared memory. Before the PDL wait the block's
+// norm weights are loaded and its router rows prefetched into L2 (as the small-output
+// GEMV's mode-2 prologue). Reads per block: x, y (2 · 4 · cols bytes from L2) and its rows.
+#define NG_NW 2  // rows per row group: matmul.cu's GEMV_NW
+
+extern "C" __global__ void __launch_bounds__(1024)
+    add_rms_norm_gemv_f32(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                          float* __restrict__ x_out, float* __restrict__ h, int cols, float eps,
+                          int8_t* __restrict__ xq, float2* __restrict__ xd, const float* __restrict__ W, int n_out,
+                          int ks, float* __restrict__ out) {
+    extern __shared__ float4 hs[];  // h, cols / 4 chunks
+    __shared__ float partial[32];
+    __shared__ float red[32][NG_NW];
+    const int chunks = cols >> 2;
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    const int c = tid;  // this thread's chunk (blockDim >= chunks)
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4 wv = c < chunks ? __ldg((const float4*)w + c) : zero;
+    const int gpb = nw / ks;  // row groups per block
+    const int grp = wid / ks, kw = wid % ks;
+    const int o0 = (blockIdx.x * gpb + grp) * NG_NW;
+#if __CUDA_ARCH__ >= 900
+    {
+        const int r0 = blockIdx.x * gpb * NG_NW, r1 = min(r0 + gpb * NG_NW, n_out);
+        const size_t a0 = (size_t)(W + (size_t)r0 * cols) & ~(size_t)127;
+        const size_t a1 = (size_t)(W + (size_t)r1 * cols);
+        for (size_t a = a0 + 128 * (size_t)tid; a < a1; a += 128 * (size_t)blockDim.x)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    }
+#endif
+    PDL_ENTRY();
+    // The norm, as norm_row_v4<true> for one chunk per thread.
+    float4 v = zero;
+    if (c < chunks) {
+        v = ((const float4*)x)[c];
+        const float4 b = ((const float4*)y)[c];
+        v.x += b.x;
+        v.y += b.y;
+        v.z += b.z;
+        v.w += b.w;
+    }
+    float ss = 0.f;
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+    ss = warp_sum(ss);
+    if (lane == 0) partial[wid] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int i = 0; i < nw; i++) tot += partial[i];
+    const float scale = rsqrtf(tot / (float)cols + eps);
+    const float o[4] = {(v.x * scale) * wv.x, (v.y * scale) * wv.y, (v.z * scale) * wv.z, (v.w * scale) * wv.w};
+    if (c < chunks) hs[c] = make_float4(o[0], o[1], o[2], o[3]);
+    const int per = (((chunks + (int)gridDim.x - 1) / (int)gridDim.x) + 7) & ~7;
+    const bool own = c < chunks && c >= (int)blockIdx.x * per && c < ((int)blockIdx.x + 1) * per;
+    if (own) {
+        ((float4*)x_out)[c] = v;
+        ((float4*)h)[c] = make_float4(o[0], o[1], o[2], o[3]);
+    }
+    if (xq != nullptr) quant_q8_vec4(o, own, xq, cols, 4 * c, xd + (4 * c) / QK);
+    __syncthreads();
+    // The router rows, as gemv<GGML_F32, 1> (matmul.cu) with x = hs.
+    float acc[NG_NW] = {0.f, 0.f};
+    const bool active = o0 < n_out;  // whole warp
+    if (active) {
+        const float4* wr[NG_NW];
+#pragma unroll
+        for (int r = 0; r < NG_NW; r++) wr[r] = (const float4*)(W + (size_t)min(o0 + r, n_out - 1) * cols);
+#pragma unroll 8
+        for (int i = lane + 32 * kw; i < chunks; i += 32 * ks) {
+            float4 a[NG_NW];
+#pragma unroll
+            for (int r = 0; r < NG_NW; r++) a[r] = __ldcs(wr[r] + i);
+            const float4 xv = hs[i];
+#pragma unroll
+            for (int r = 0; r < NG_NW; r++) {
+                acc[r] = fmaf(a[r].x, xv.x, acc[r]);
+                acc[r] = fmaf(a[r].y, xv.y, acc[r]);
+                acc[r] = fmaf(a[r].z, xv.z, acc[r]);
+                acc[r] = fmaf(a[r].w, xv.w, acc[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < NG_NW; r++) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        }
+    }
+    if (ks == 1) {  // uniform over the block
+#pragma unroll
+        for (int r = 0; r < NG_NW; r++)
+            if (active && lane == r && o0 + r < n_out) out[o0 + r] = acc[r];
+        return;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < NG_NW; r++) red[wid][r] = acc[r];
+    }
+    __syncthreads();
+    if (active && kw == 0 && lane < NG_NW) {
+        float s = red[wid][lane];
+        for (int k = 1; k < ks; k++) s += red[wid + k][lane];
+        if (o0 + lane < n_out) out[o0 + lane] = s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Multi-block argmax (plan in the header).
 
 // Float bits mapped so that unsigned order is float order (for non-NaN values).
