@@ -75,6 +75,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_NORM_ROUTER",
+        Accepts::OneOf(&[0, 1]),
+        "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",
+    ),
+    (
         "FERRITE_MOE_PF",
         Accepts::OneOf(&[0, 1]),
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
