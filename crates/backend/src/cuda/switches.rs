@@ -75,6 +75,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_DIAG_SKIP",
+        Accepts::Range(0, 3),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
+    ),
+    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",
@@ -191,6 +196,13 @@ pub(crate) fn get(name: &str) -> Result<Option<Vec<i64>>> {
 /// start-up, so here it cannot occur and falls back to the default.
 pub(crate) fn int_or(name: &str, default: i64) -> i64 {
     get(name).ok().flatten().map_or(default, |xs| xs[0])
+}
+
+/// `FERRITE_DIAG_SKIP`'s mask (0 unless set): which one-row launches a timing diagnostic
+/// leaves out. Read once.
+pub(crate) fn diag_skip() -> i64 {
+    static MASK: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *MASK.get_or_init(|| int_or("FERRITE_DIAG_SKIP", 0))
 }
 
 /// Checks every switch that is set (called when a CUDA device is opened).
