@@ -530,27 +530,49 @@ pub trait Backend: Send + Sync {
         eps: f32,
         h: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// A MoE block's input and router in one op: the residual add out of place, `x_out = x +
-    /// y` (`x` itself is left as it was), `h = rms_norm(x_out) · w` row by row, and `out = h ·
-    /// wmᵀ` as [`Backend::matmul`]. Equals [`Backend::copy_rows`] + [`Backend::add_rms_norm`] +
-    /// [`Backend::matmul`] (the CPU backend bitwise). The sum goes out of place because a
-    /// backend may run this as one launch of many blocks that each read `x` and `y` while
-    /// one of them writes the sum (CUDA at one decode row).
+    /// An attention block's input and projections in one op: the residual add `x + y`, `h =
+    /// rms_norm(x + y) · w` row by row, and `outs[i] = h · ws[i]ᵀ` as [`Backend::matmuls`].
+    /// The sum goes into `x` (returns `false`: [`Backend::add_rms_norm`] + `matmuls`, the
+    /// CPU backend's way) or out of place into `x_alt` (returns `true`; `x` is left as it
+    /// was): a backend may run the op as one launch of many blocks that each read `x` and
+    /// `y` while some of them write the sum (CUDA at one decode row). Either way the values
+    /// are bitwise those of `add_rms_norm` + `matmuls`.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_matmuls(
+        &self,
+        x: &mut Act<Self::Buf>,
+        y: &Act<Self::Buf>,
+        x_alt: &mut Act<Self::Buf>,
+        w: &Self::Weight,
+        eps: f32,
+        h: &mut Act<Self::Buf>,
+        ws: &[&Self::Weight],
+        outs: &mut [&mut Act<Self::Buf>],
+    ) -> Result<bool> {
+        let _ = x_alt;
+        self.add_rms_norm(x, y, w, eps, h)?;
+        self.matmuls(h, ws, outs)?;
+        Ok(false)
+    }
+    /// A MoE block's input and router in one op: as [`Backend::add_rms_norm_matmuls`] with
+    /// one weight (`out = h · wmᵀ` as [`Backend::matmul`]): the sum into `x` (`false`) or
+    /// into `x_alt` (`true`).
     #[allow(clippy::too_many_arguments)]
     fn add_rms_norm_matmul(
         &self,
-        x: &Act<Self::Buf>,
+        x: &mut Act<Self::Buf>,
         y: &Act<Self::Buf>,
-        x_out: &mut Act<Self::Buf>,
+        x_alt: &mut Act<Self::Buf>,
         w: &Self::Weight,
         eps: f32,
         h: &mut Act<Self::Buf>,
         wm: &Self::Weight,
         out: &mut Act<Self::Buf>,
-    ) -> Result<()> {
-        self.copy_rows(x, 0, x_out)?;
-        self.add_rms_norm(x_out, y, w, eps, h)?;
-        self.matmul(h, wm, out)
+    ) -> Result<bool> {
+        let _ = x_alt;
+        self.add_rms_norm(x, y, w, eps, h)?;
+        self.matmul(h, wm, out)?;
+        Ok(false)
     }
     /// Attention's query/key preparation in one op: on every `head_dim`-sized head of `q`
     /// and of `k`, the per-head RMSNorm where its weight is given (Qwen3's QK-norm), then

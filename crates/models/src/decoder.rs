@@ -74,8 +74,8 @@ pub(crate) struct FfnScratch<'a, B: Backend> {
 
 /// The FFN half of a layer: `x += y`, `h = rms_norm(x) · norm`, then `y = FFN(h)`. A MoE
 /// layer takes the norm and its router in one op ([`Backend::add_rms_norm_matmul`]: on CUDA
-/// at decode one launch instead of two dependent ones); that op writes the sum out of place,
-/// into `x_alt`, and the two references swap, so `x` holds the residual afterwards either way.
+/// at decode one launch instead of two dependent ones); where that op puts the sum out of
+/// place, into `x_alt`, the two references swap, so `x` holds the residual afterwards.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn ffn_half<'x, B: Backend>(
     be: &B,
@@ -88,8 +88,9 @@ pub(crate) fn ffn_half<'x, B: Backend>(
     y: &mut Act<B::Buf>,
 ) -> Result<()> {
     if let Ffn::Moe { router, .. } = ffn {
-        be.add_rms_norm_matmul(x, y, x_alt, norm, eps, h, router, s.router)?;
-        std::mem::swap(x, x_alt);
+        if be.add_rms_norm_matmul(x, y, x_alt, norm, eps, h, router, s.router)? {
+            std::mem::swap(x, x_alt);
+        }
         return ffn_block(be, ffn, moe, h, s, y, true);
     }
     be.add_rms_norm(x, y, norm, eps, h)?;
@@ -423,8 +424,25 @@ impl<B: Backend> Model<B> {
         let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
         be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         for (il, l) in self.layers.iter().enumerate() {
-            // Attention block (h = rms_norm(x) · attn_norm).
-            be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
+            // Attention block: after the first layer x += y (the FFN output), h = rms_norm(x) ·
+            // attn_norm and the projections in one op (on CUDA at decode one launch; the sum
+            // then goes to x_alt and the two swap); q, k, v = h Wqᵀ, h Wkᵀ, h Wvᵀ.
+            let qkv = [&l.wq, &l.wk, &l.wv];
+            let mut outs = [&mut *q, &mut *k, &mut *v];
+            if il == 0 {
+                be.matmuls(h, &qkv, &mut outs)?;
+            } else if be.add_rms_norm_matmuls(
+                x,
+                y,
+                x_alt,
+                &l.attn_norm,
+                cfg.rms_eps,
+                h,
+                &qkv,
+                &mut outs,
+            )? {
+                std::mem::swap(&mut x, &mut x_alt);
+            }
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
@@ -463,12 +481,10 @@ impl<B: Backend> Model<B> {
                 scratch,
                 y,
             )?;
-            // x += y, h = the next layer's attention input (or the output norm's result).
-            let next_norm = self
-                .layers
-                .get(il + 1)
-                .map_or(&self.out_norm, |n| &n.attn_norm);
-            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
+            if il + 1 == self.layers.len() {
+                // x += y, h = the output norm's result.
+                be.add_rms_norm(x, y, &self.out_norm, cfg.rms_eps, h)?;
+            }
         }
 
         self.output_logits(be, ws, which)

@@ -560,23 +560,42 @@ impl Backend for CudaBackend {
         ops::add_rms_norm(self, x, y, w, eps, h)
     }
 
+    fn add_rms_norm_matmuls(
+        &self,
+        x: &mut Act<CudaSlice<f32>>,
+        y: &Act<CudaSlice<f32>>,
+        x_alt: &mut Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        eps: f32,
+        h: &mut Act<CudaSlice<f32>>,
+        ws: &[&CudaWeight],
+        outs: &mut [&mut Act<CudaSlice<f32>>],
+    ) -> Result<bool> {
+        if ops::add_rms_norm_qkv(self, x, y, x_alt, w, eps, h, ws, outs)? {
+            return Ok(true);
+        }
+        self.add_rms_norm(x, y, w, eps, h)?;
+        self.matmuls(h, ws, outs)?;
+        Ok(false)
+    }
+
     fn add_rms_norm_matmul(
         &self,
-        x: &Act<CudaSlice<f32>>,
+        x: &mut Act<CudaSlice<f32>>,
         y: &Act<CudaSlice<f32>>,
-        x_out: &mut Act<CudaSlice<f32>>,
+        x_alt: &mut Act<CudaSlice<f32>>,
         w: &CudaWeight,
         eps: f32,
         h: &mut Act<CudaSlice<f32>>,
         wm: &CudaWeight,
         out: &mut Act<CudaSlice<f32>>,
-    ) -> Result<()> {
-        if ops::add_rms_norm_gemv(self, x, y, x_out, w, eps, h, wm, out)? {
-            return Ok(());
+    ) -> Result<bool> {
+        if ops::add_rms_norm_gemv(self, x, y, x_alt, w, eps, h, wm, out)? {
+            return Ok(true);
         }
-        self.copy_rows(x, 0, x_out)?;
-        self.add_rms_norm(x_out, y, w, eps, h)?;
-        self.matmul(h, wm, out)
+        self.add_rms_norm(x, y, w, eps, h)?;
+        self.matmul(h, wm, out)?;
+        Ok(false)
     }
 
     fn qk_norm_rope(
