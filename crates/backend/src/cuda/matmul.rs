@@ -1260,17 +1260,9 @@ struct NormSrc {
 // SAFETY: plain old data laid out as the C struct (5 pointers, a float, its padding).
 unsafe impl super::launch::ScalarArg for NormSrc {}
 
-/// Blocks of a cluster of the fused-norm QKV launch (`cluster_norm_stage_x`): each reads
-/// 1 / NORM_CLUSTER of the row; 8 is the largest portable cluster. `FERRITE_NORM_QKV` 2 or 4
-/// sets another (a tuning switch).
+/// Blocks of a cluster of the fused-norm QKV launch (`cluster_norm_stage_x`): each reads an
+/// eighth of the row; 8 is the largest portable cluster.
 const NORM_CLUSTER: usize = 8;
-
-fn norm_cluster() -> usize {
-    match switches::int_or("FERRITE_NORM_QKV", 1) {
-        c @ (2 | 4 | 8) => c as usize,
-        _ => NORM_CLUSTER,
-    }
-}
 
 /// The staged x of the fused-norm QKV launch at the end of each block's shared memory
 /// (`norm_stage` in matmul.cu): two planes 64 bytes apart, 128 bytes, the block scales.
@@ -1305,18 +1297,15 @@ pub(crate) fn add_rms_norm_matmuls(
         return Ok(false);
     };
     let n_in = x.cols;
-    let cn = norm_cluster();
     let types: Vec<GgmlType> = ws.iter().map(|w| w.dtype).collect();
     let mixed = match types[..] {
         [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K] => false,
         [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K] => true,
         _ => return Ok(false),
     };
-    // Each block takes n_in / 4 / cn float4 chunks: whole warps, at most its 256 threads.
     if x.rows != 1
         || ws.len() != outs.len()
-        || !n_in.is_multiple_of(128 * cn)
-        || n_in / 4 / cn > GEMV_WARPS * 32
+        || !n_in.is_multiple_of(1024)
         || n_in > 4096
         || threads as usize != n_in / 4
         || ws
@@ -1381,7 +1370,7 @@ pub(crate) fn add_rms_norm_matmuls(
         sg.n[k] = i32::try_from(w.shape[0])?;
         grid += b;
     }
-    if !grid.is_multiple_of(cn) {
+    if !grid.is_multiple_of(NORM_CLUSTER) {
         return Ok(false);
     }
     let mut guards = Vec::new();
@@ -1420,7 +1409,7 @@ pub(crate) fn add_rms_norm_matmuls(
     } else {
         launch.arg(&n_in_i).arg(&ks_i);
     }
-    launch.arg(&ns).cluster((cn as u32, 1, 1));
+    launch.arg(&ns).cluster((NORM_CLUSTER as u32, 1, 1));
     // SAFETY: every weight holds n rows of rb bytes and every output one row of n floats
     // (checked above); x, y, x_out, h are one row of n_in floats and the norm weight n_in
     // (checked), distinct buffers by the borrows; the grid is whole clusters of

@@ -81,8 +81,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_NORM_QKV",
-        Accepts::OneOf(&[0, 1, 2, 4, 8]),
-        "the attention input's RMSNorm inside the one-row grouped QKV launch (clusters share the row): 0 two launches, 1 one (clusters of 8), 2 / 4 / 8 that cluster size (MATMUL.md)",
+        Accepts::OneOf(&[0, 1]),
+        "the attention input's RMSNorm inside the one-row grouped QKV launch (clusters share the row): 0 two launches, 1 one (MATMUL.md)",
     ),
     (
         "FERRITE_NORM_ROUTER",
