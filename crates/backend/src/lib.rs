@@ -530,33 +530,13 @@ pub trait Backend: Send + Sync {
         eps: f32,
         h: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// An attention block's input and projections in one op: the residual add `x + y`, `h =
-    /// rms_norm(x + y) · w` row by row, and `outs[i] = h · ws[i]ᵀ` as [`Backend::matmuls`].
-    /// The sum goes into `x` (returns `false`: [`Backend::add_rms_norm`] + `matmuls`, the
-    /// CPU backend's way) or out of place into `x_alt` (returns `true`; `x` is left as it
-    /// was): a backend may run the op as one launch of many blocks that each read `x` and
-    /// `y` while some of them write the sum (CUDA at one decode row). Either way the values
-    /// are bitwise those of `add_rms_norm` + `matmuls`.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm_matmuls(
-        &self,
-        x: &mut Act<Self::Buf>,
-        y: &Act<Self::Buf>,
-        x_alt: &mut Act<Self::Buf>,
-        w: &Self::Weight,
-        eps: f32,
-        h: &mut Act<Self::Buf>,
-        ws: &[&Self::Weight],
-        outs: &mut [&mut Act<Self::Buf>],
-    ) -> Result<bool> {
-        let _ = x_alt;
-        self.add_rms_norm(x, y, w, eps, h)?;
-        self.matmuls(h, ws, outs)?;
-        Ok(false)
-    }
-    /// A MoE block's input and router in one op: as [`Backend::add_rms_norm_matmuls`] with
-    /// one weight (`out = h · wmᵀ` as [`Backend::matmul`]): the sum into `x` (`false`) or
-    /// into `x_alt` (`true`).
+    /// A MoE block's input and router in one op: the residual add `x + y`, `h = rms_norm(x +
+    /// y) · w` row by row, and `out = h · wmᵀ` as [`Backend::matmul`]. The sum goes into `x`
+    /// (returns `false`: [`Backend::add_rms_norm`] + `matmul`, the CPU backend's way) or out
+    /// of place into `x_alt` (returns `true`; `x` is left as it was): a backend may run the
+    /// op as one launch of many blocks that each read `x` and `y` while some of them write
+    /// the sum (CUDA at one decode row). Either way the values are bitwise those of
+    /// `add_rms_norm` + `matmul`.
     #[allow(clippy::too_many_arguments)]
     fn add_rms_norm_matmul(
         &self,

@@ -275,7 +275,6 @@ const OPS: &[&str] = &[
     "rope",
     "add_rms_norm",
     "add_rms_norm_matmul",
-    "add_rms_norm_matmuls",
     "qk_norm_rope",
     "attention",
     "moe",
@@ -356,19 +355,16 @@ enum Op {
         rows: usize,
         cols: usize,
     },
-    /// A block's input norm and its projections in one op (`n` = 1: a MoE router,
-    /// `add_rms_norm_matmul`; 3: Q, K, V, `add_rms_norm_matmuls`): `s = x + y; h =
-    /// rms_norm(s) · w; out_i = h · W_iᵀ` for the `n` weights `ws` (type, rows). Checked
-    /// against the CPU: out_0, then h + s (one sum, so a wrong h or a wrong s shows). On any
-    /// backend the op must also equal its composition (add_rms_norm, then matmul or
-    /// matmuls) bitwise, every output and wherever the op put the sum: the decode step takes
-    /// the fused form at one row and the composition at more, and a decode must not depend
-    /// on the rows around it (run_once asserts it).
+    /// A MoE block's input and router: `s = x + y; h = rms_norm(s) · w; out = h · wmᵀ` (f32
+    /// router `[n_out, cols]`). The outputs checked: the logits, then `h + s` (one sum, so a
+    /// wrong h or a wrong s shows), wherever the op put s (in place or in the other
+    /// buffer). On any backend the op must also equal its composition (add_rms_norm, matmul)
+    /// bitwise: the decode step takes the fused form at one row and the composition at
+    /// more, and a decode must not depend on the rows around it (run_once asserts it).
     AddRmsNormMatmul {
         rows: usize,
         cols: usize,
-        ws: [(GgmlType, usize); 3],
-        n: usize,
+        n_out: usize,
     },
     /// Per-head RMSNorm (when `norm`) + RoPE on q and k in one op.
     QkNormRope {
@@ -592,26 +588,10 @@ fn describe(op: &Op) -> (&'static str, String) {
             "add_rms_norm",
             format!("add_rms_norm w={wty} cols={cols} rows={rows}"),
         ),
-        Op::AddRmsNormMatmul { rows, cols, ws, n } => {
-            let n = *n;
-            let w: Vec<String> = ws[..n].iter().map(|(t, o)| format!("{t}x{o}")).collect();
-            (
-                if n == 1 {
-                    "add_rms_norm_matmul"
-                } else {
-                    "add_rms_norm_matmuls"
-                },
-                format!(
-                    "{} cols={cols} w={} rows={rows}",
-                    if n == 1 {
-                        "add_rms_norm_matmul"
-                    } else {
-                        "add_rms_norm_matmuls"
-                    },
-                    w.join(",")
-                ),
-            )
-        }
+        Op::AddRmsNormMatmul { rows, cols, n_out } => (
+            "add_rms_norm_matmul",
+            format!("add_rms_norm_matmul cols={cols} router={n_out} rows={rows}"),
+        ),
         Op::QkNormRope {
             rows,
             q_heads,
@@ -1126,42 +1106,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
             if quick && cols > 1024 {
                 continue;
             }
-            let ws = [
-                (GgmlType::F32, n_out),
-                (GgmlType::F32, 0),
-                (GgmlType::F32, 0),
-            ];
-            add(Op::AddRmsNormMatmul {
-                rows,
-                cols,
-                ws,
-                n: 1,
-            });
-        }
-    }
-    // --- an attention block's input norm + Q, K, V: Qwen3-30B-A3B (2048 → 4096, 512, 512;
-    // V Q4_K or Q6_K: the fused CUDA launch's two forms), Qwen3-8B (4096 → 4096, 1024,
-    // 1024), a width the fused launch refuses (1536) and Q8_0 (no tensor-core form); rows > 1
-    // take the composition.
-    use GgmlType::{Q4K, Q6K, Q8_0};
-    let qkv = [
-        (2048, [(Q4K, 4096), (Q4K, 512), (Q4K, 512)]),
-        (2048, [(Q4K, 4096), (Q4K, 512), (Q6K, 512)]),
-        (4096, [(Q4K, 4096), (Q4K, 1024), (Q6K, 1024)]),
-        (1536, [(Q4K, 2048), (Q4K, 256), (Q4K, 256)]),
-        (1024, [(Q8_0, 1024), (Q8_0, 256), (Q8_0, 256)]),
-    ];
-    for (cols, ws) in qkv {
-        for rows in [1, 3] {
-            if quick && cols > 1024 {
-                continue;
-            }
-            add(Op::AddRmsNormMatmul {
-                rows,
-                cols,
-                ws,
-                n: 3,
-            });
+            add(Op::AddRmsNormMatmul { rows, cols, n_out });
         }
     }
 
@@ -1905,27 +1850,19 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.tokens = vec![0; rows];
             h.pos0 = pos0;
         }
-        Op::AddRmsNormMatmul { rows, cols, ws, n } => {
+        Op::AddRmsNormMatmul { rows, cols, n_out } => {
             let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normal()).collect();
             h.weights.push((GgmlType::F32, vec![cols], f32_bytes(&w)));
-            for (i, &(ty, n_out)) in ws[..n].iter().enumerate() {
-                let bytes = if ty == GgmlType::F32 {
-                    f32_bytes(&rng.normals(n_out * cols, 0.05))
-                } else {
-                    gen_weight(ty, &[n_out, cols], seed + 1 + i as u64)?
-                };
-                h.weights.push((ty, vec![n_out, cols], bytes));
-            }
-            // x (kept as generated), y, x's working copy (reset), the other residual buffer
-            // (poisoned), then the outputs of weights 1.. (poisoned; output 0 is `out`).
+            let wm = rng.normals(n_out * cols, 0.05);
+            h.weights
+                .push((GgmlType::F32, vec![n_out, cols], f32_bytes(&wm)));
+            // x (the residual stream, kept as generated), y (the block output), x's working
+            // copy (reset before each run), the other residual buffer (poisoned).
             h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
             h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
             h.acts.push((vec![f32::NAN; rows * cols], rows, cols));
             h.acts.push((vec![f32::NAN; rows * cols], rows, cols));
-            for &(_, n_out) in &ws[1..n] {
-                h.acts.push((vec![f32::NAN; rows * n_out], rows, n_out));
-            }
-            h.out = (rows, ws[0].1);
+            h.out = (rows, n_out);
             h.out2 = Some((rows, cols));
         }
         Op::AddRmsNorm { wty, rows, cols } => {
@@ -2387,7 +2324,7 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         | Op::SigmoidGate { .. } => be.copy_rows(&p.a[0], 0, &mut p.out),
         Op::AddRmsNorm { .. } => be.copy_rows(&p.a[0], 0, out2(&mut p.out2)?),
         Op::AddRmsNormMatmul { .. } => {
-            let [x, _, xw, ..] = &mut p.a[..] else {
+            let [x, _, xw, _] = &mut p.a[..] else {
                 bail!("add_rms_norm_matmul: expected 4 activations")
             };
             be.copy_rows(x, 0, xw)
@@ -2478,22 +2415,14 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::AddRmsNorm { .. } => {
             be.add_rms_norm(out2(&mut p.out2)?, &p.a[1], &p.w[0], EPS, &mut p.out)
         }
-        Op::AddRmsNormMatmul { n, .. } => {
+        Op::AddRmsNormMatmul { .. } => {
             // The sum ends in the working copy either way (moved there where the op put it
             // out of place): what run_once reads.
-            let [_, y, xw, xa, rest @ ..] = &mut p.a[..] else {
+            let [_, y, xw, xa] = &mut p.a[..] else {
                 bail!("add_rms_norm_matmul: expected 4 activations")
             };
             let h = out2(&mut p.out2)?;
-            let swapped = if *n == 1 {
-                be.add_rms_norm_matmul(xw, y, xa, &p.w[0], EPS, h, &p.w[1], &mut p.out)?
-            } else {
-                let ws: Vec<&B::Weight> = p.w[1..=*n].iter().collect();
-                let mut outs: Vec<&mut Act<B::Buf>> =
-                    std::iter::once(&mut p.out).chain(rest.iter_mut()).collect();
-                be.add_rms_norm_matmuls(xw, y, xa, &p.w[0], EPS, h, &ws, &mut outs)?
-            };
-            if swapped {
+            if be.add_rms_norm_matmul(xw, y, xa, &p.w[0], EPS, h, &p.w[1], &mut p.out)? {
                 be.copy_rows(xa, 0, xw)?;
             }
             Ok(())
@@ -2668,10 +2597,7 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     if let Op::AddRmsNormMatmul { .. } = op {
         same_as_composition(be, op, h, &mut p)?;
         // The second output checked is h + the sum (Op::AddRmsNormMatmul).
-        let [_, _, xw, ..] = &p.a[..] else {
-            bail!("add_rms_norm_matmul: expected 4 activations")
-        };
-        be.add_assign(out2(&mut p.out2)?, xw)?;
+        be.add_assign(out2(&mut p.out2)?, &p.a[2])?;
     }
     let mut all = read_guarded(be, &mut p.out)?;
     if let Some(o) = &mut p.out2 {
@@ -2680,59 +2606,34 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     Ok((Output::F(all), p))
 }
 
-/// `add_rms_norm_matmul(s)` against its composition (add_rms_norm, then matmul or matmuls)
-/// on the same backend: every output, h and the sum bitwise equal (the CPU's default op is
-/// that composition; CUDA's fused decode kernels must reproduce it).
+/// `add_rms_norm_matmul` against its composition (add_rms_norm, matmul) on the
+/// same backend: logits, h and the sum bitwise equal (the CPU's default op is that
+/// composition; CUDA's fused decode kernel must reproduce it).
 fn same_as_composition<B: Backend>(
     be: &B,
     op: &Op,
     h: &HostData,
     p: &mut Prepared<B>,
 ) -> Result<()> {
-    let Op::AddRmsNormMatmul { n, .. } = *op else {
-        return Ok(());
-    };
     let mut q = prepare(be, op, h)?;
     reset(be, op, &mut q)?;
     {
-        let [_, y, xw, _, rest @ ..] = &mut q.a[..] else {
+        let [_, y, xw, _] = &mut q.a[..] else {
             bail!("add_rms_norm_matmul: expected 4 activations")
         };
         let hq = out2(&mut q.out2)?;
         be.add_rms_norm(xw, y, &q.w[0], EPS, hq)?;
-        if n == 1 {
-            be.matmul(hq, &q.w[1], &mut q.out)?;
-        } else {
-            let ws: Vec<&B::Weight> = q.w[1..=n].iter().collect();
-            let mut outs: Vec<&mut Act<B::Buf>> =
-                std::iter::once(&mut q.out).chain(rest.iter_mut()).collect();
-            be.matmuls(hq, &ws, &mut outs)?;
-        }
+        be.matmul(hq, &q.w[1], &mut q.out)?;
     }
-    let mut pairs = vec![
+    let pairs = [
+        ("logits", be.to_host(&p.out)?, be.to_host(&q.out)?),
         (
-            "output 0".to_string(),
-            be.to_host(&p.out)?,
-            be.to_host(&q.out)?,
-        ),
-        (
-            "h".to_string(),
+            "h",
             be.to_host(out2(&mut p.out2)?)?,
             be.to_host(out2(&mut q.out2)?)?,
         ),
-        (
-            "x + y".to_string(),
-            be.to_host(&p.a[2])?,
-            be.to_host(&q.a[2])?,
-        ),
+        ("x + y", be.to_host(&p.a[2])?, be.to_host(&q.a[2])?),
     ];
-    for i in 1..n {
-        pairs.push((
-            format!("output {i}"),
-            be.to_host(&p.a[3 + i])?,
-            be.to_host(&q.a[3 + i])?,
-        ));
-    }
     for (what, fused, composed) in pairs {
         let differ = fused
             .iter()
@@ -2790,8 +2691,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::Rope { .. } => ROPE_NMSE,
         Op::AddRmsNorm { .. } => ADD_RMS_NORM_NMSE,
         // The f32 GEMV's accumulation on top of the norm's.
-        // The f32 GEMV (a router) or the quantized-x GEMVs on top of the norm's rounding.
-        Op::AddRmsNormMatmul { ws, rows, .. } => matmul_nmse(ws[0].0, ws[0].1, *rows),
+        Op::AddRmsNormMatmul { .. } => MATMUL_GEMV_NMSE,
         Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
         Op::Matmul {
@@ -2881,10 +2781,9 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::AddAssign { .. } => f(3 * out),
         // Reads x and y; writes x and h.
         Op::AddRmsNorm { .. } => f(acts + 2 * out),
-        // Reads x, y and the router; writes x_out, h and the logits.
+        // Reads x, y and the router; writes the sum, h and the logits.
         Op::AddRmsNormMatmul { rows, cols, .. } => {
-            let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
-            f(w + 4 * rows * cols * 4 + out)
+            f(h.weights[1].2.len() + 4 * rows * cols * 4 + out)
         }
         // Reads and writes q and k.
         Op::QkNormRope { .. } => f(2 * acts),

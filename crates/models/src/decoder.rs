@@ -424,25 +424,8 @@ impl<B: Backend> Model<B> {
         let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
         be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         for (il, l) in self.layers.iter().enumerate() {
-            // Attention block: after the first layer x += y (the FFN output), h = rms_norm(x) ·
-            // attn_norm and the projections in one op (on CUDA at decode one launch; the sum
-            // then goes to x_alt and the two swap); q, k, v = h Wqᵀ, h Wkᵀ, h Wvᵀ.
-            let qkv = [&l.wq, &l.wk, &l.wv];
-            let mut outs = [&mut *q, &mut *k, &mut *v];
-            if il == 0 {
-                be.matmuls(h, &qkv, &mut outs)?;
-            } else if be.add_rms_norm_matmuls(
-                x,
-                y,
-                x_alt,
-                &l.attn_norm,
-                cfg.rms_eps,
-                h,
-                &qkv,
-                &mut outs,
-            )? {
-                std::mem::swap(&mut x, &mut x_alt);
-            }
+            // Attention block (h = rms_norm(x) · attn_norm).
+            be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
@@ -481,10 +464,12 @@ impl<B: Backend> Model<B> {
                 scratch,
                 y,
             )?;
-            if il + 1 == self.layers.len() {
-                // x += y, h = the output norm's result.
-                be.add_rms_norm(x, y, &self.out_norm, cfg.rms_eps, h)?;
-            }
+            // x += y, h = the next layer's attention input (or the output norm's result).
+            let next_norm = self
+                .layers
+                .get(il + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
         }
 
         self.output_logits(be, ws, which)

@@ -282,31 +282,11 @@ impl Kernels {
                 half.push((t, all(&format!("_tch_{name}"))?));
                 split.push((t, all(&format!("_tck_{name}"))?));
             }
-            // The grouped QKV launches with the attention input's RMSNorm inside (R = 1), unless
-            // FERRITE_NORM_QKV=0.
-            let norm = if switches::int_or("FERRITE_NORM_QKV", 1) != 0 {
-                let one = |name: &str| -> Result<CudaFunction> {
-                    let f = function(&m, name)?;
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        GEMVQ_BULK_MAX_SMEM as i32,
-                    )
-                    .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-                    Ok(f)
-                };
-                Some([
-                    one("gemvq_multi_tcn_q4_k_r1")?,
-                    one("gemvq_multi_tcn_q4_k_q6_k_r1")?,
-                ])
-            } else {
-                None
-            };
             Some(TcKernels {
                 fams,
                 half,
                 split,
                 mixed: all("_multi_tc_q4_k_q6_k")?,
-                norm,
             })
         } else {
             None
@@ -967,10 +947,6 @@ struct TcKernels {
     /// `gemvq_tck_<type>_r<R>`: the K-split tile for long rows (`TcLong::Split`).
     split: Vec<(GgmlType, [CudaFunction; 6])>,
     mixed: [CudaFunction; 6],
-    /// `gemvq_multi_tcn_q4_k_r1`, `gemvq_multi_tcn_q4_k_q6_k_r1`: the one-row grouped
-    /// launches (all Q4_K; the mixed one) with the attention input's RMSNorm inside
-    /// ([`add_rms_norm_matmuls`]); `None` with `FERRITE_NORM_QKV=0`.
-    norm: Option<[CudaFunction; 2]>,
 }
 
 /// Rows whose 16-row tensor-core tile does not fit [`GEMVQ_TC_MAX_SMEM`] (the 12288-column
@@ -1243,183 +1219,6 @@ struct GemvSegs {
 
 // SAFETY: plain old data laid out as the C struct (6 pointers, 5 ints).
 unsafe impl super::launch::ScalarArg for GemvSegs {}
-
-/// Kernel argument of `gemvq_multi_tcn_*` (`NormSrc` in matmul.cu): the attention input's
-/// residual add and RMSNorm, `x_out = x + y`, `h = rms_norm(x_out) · w` (eps).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct NormSrc {
-    x: u64,
-    y: u64,
-    w: u64,
-    x_out: u64,
-    h: u64,
-    eps: f32,
-}
-
-// SAFETY: plain old data laid out as the C struct (5 pointers, a float, its padding).
-unsafe impl super::launch::ScalarArg for NormSrc {}
-
-/// Blocks of a cluster of the fused-norm QKV launch (`cluster_norm_stage_x`): each reads an
-/// eighth of the row; 8 is the largest portable cluster.
-const NORM_CLUSTER: usize = 8;
-
-/// The staged x of the fused-norm QKV launch at the end of each block's shared memory
-/// (`norm_stage` in matmul.cu): two planes 64 bytes apart, 128 bytes, the block scales.
-fn norm_stage_bytes(n_in: usize) -> usize {
-    (2 * n_in + 128 + n_in / 32 * 8).next_multiple_of(128)
-}
-
-/// The attention block's input and projections in one launch at one decode row
-/// (`gemvq_multi_tcn_*`, plan in matmul.cu at `cluster_norm_stage_x`): `x_out = x + y`, `h =
-/// rms_norm(x_out) · w` (`w_f32`: the norm weight as f32, `threads`: the vectorised norm's
-/// thread count for the row, whose summation order the kernel repeats), `outs[i] = ws[i] ·
-/// h` — every output bitwise what copy + add_rms_norm + [`matmuls`] give. Returns
-/// `Ok(false)` (nothing launched) where it does not apply: not one row, not three Q4_K
-/// weights (or Q4_K Q, K and Q6_K V) in the tensor-core grouped launch, a row that is not a
-/// multiple of 1024 columns up to 4096 (an eighth of it per cluster block, in whole warps,
-/// one float4 per thread as the norm), a grid that is not whole clusters, or
-/// `FERRITE_NORM_QKV=0`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn add_rms_norm_matmuls(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    y: &Act<CudaSlice<f32>>,
-    x_out: &mut Act<CudaSlice<f32>>,
-    (w_f32, threads): (&cudarc::driver::CudaView<'_, f32>, u32),
-    eps: f32,
-    h: &mut Act<CudaSlice<f32>>,
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-) -> Result<bool> {
-    use cudarc::driver::DevicePtrMut;
-    let Some(norm) = be.matmul.gemvq_tc.as_ref().and_then(|tc| tc.norm.as_ref()) else {
-        return Ok(false);
-    };
-    let n_in = x.cols;
-    let types: Vec<GgmlType> = ws.iter().map(|w| w.dtype).collect();
-    let mixed = match types[..] {
-        [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q4K] => false,
-        [GgmlType::Q4K, GgmlType::Q4K, GgmlType::Q6K] => true,
-        _ => return Ok(false),
-    };
-    if x.rows != 1
-        || ws.len() != outs.len()
-        || !n_in.is_multiple_of(1024)
-        || n_in > 4096
-        || threads as usize != n_in / 4
-        || ws
-            .iter()
-            .any(|w| gemv_path(w, 1) != Some(true) || w.shape[1] != n_in)
-    {
-        return Ok(false);
-    }
-    for (w, out) in ws.iter().zip(outs.iter()) {
-        crate::check_matmul(x, &w.shape, out)?;
-        ensure!(
-            w.data.len() >= w.shape[0] * w.row_bytes(),
-            "add_rms_norm_matmuls: weight buffer smaller than {:?} {}",
-            w.shape,
-            w.dtype
-        );
-    }
-    crate::check_add_rms_norm(x, y, w_f32.len(), h)?;
-    crate::check_shape("add_rms_norm_matmuls x_out", x_out, 1, n_in)?;
-    // Q and K's plan as multi_launch makes it (the tensor-core tile, ks = 1), V's split.
-    let n_min = ws[..if mixed { 2 } else { 3 }]
-        .iter()
-        .map(|w| w.shape[0])
-        .min()
-        .unwrap_or(0);
-    let groups: usize = ws.iter().map(|w| row_groups(w.shape[0])).sum();
-    let rb = ws[0].row_bytes();
-    let (ks, smem, tc) = gemvq_plan(
-        be,
-        GgmlType::Q4K,
-        n_in,
-        n_min,
-        rb,
-        groups,
-        1,
-        1,
-        GemvKind::Grouped,
-    )?;
-    if !matches!(tc, Some(TcForm::Full(_))) {
-        return Ok(false);
-    }
-    let (ks2, smem2) = if mixed {
-        gemvq_split(
-            be,
-            GgmlType::Q6K,
-            n_in,
-            ws[2].row_bytes(),
-            row_groups(ws[2].shape[0]),
-            1,
-        )?
-    } else {
-        (ks, smem)
-    };
-    let mut sg = GemvSegs::default();
-    let mut grid = 0usize;
-    for (k, w) in ws.iter().enumerate() {
-        let per_block = GEMV_WARPS / if k == 2 { ks2 } else { ks } * GEMV_NW;
-        let b = w.shape[0].div_ceil(per_block);
-        if k < 2 {
-            sg.b[k] = i32::try_from(b)?;
-        }
-        sg.n[k] = i32::try_from(w.shape[0])?;
-        grid += b;
-    }
-    if !grid.is_multiple_of(NORM_CLUSTER) {
-        return Ok(false);
-    }
-    let mut guards = Vec::new();
-    for (k, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
-        let (wp, gw) = w.data.device_ptr(&be.stream);
-        let (op, go) = out.buf.device_ptr_mut(&be.stream);
-        guards.push((gw, go));
-        sg.w[k] = wp;
-        sg.out[k] = op;
-    }
-    let (xp, g1) = x.buf.device_ptr(&be.stream);
-    let (yp, g2) = y.buf.device_ptr(&be.stream);
-    let (wp, g3) = w_f32.device_ptr(&be.stream);
-    let (xo, g4) = x_out.buf.device_ptr_mut(&be.stream);
-    let (hp, g5) = h.buf.device_ptr_mut(&be.stream);
-    let norm_guards = (g1, g2, g3, g4, g5);
-    let ns = NormSrc {
-        x: xp,
-        y: yp,
-        w: wp,
-        x_out: xo,
-        h: hp,
-        eps,
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(grid)?, 1, 1),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: u32::try_from(smem.max(smem2) as usize + norm_stage_bytes(n_in))?,
-    };
-    let (rb_i, n_in_i, ks_i) = (rb as i64, n_in as i32, ks as i32);
-    let mut launch = be.stream.kernel(&norm[usize::from(mixed)]);
-    launch.arg(&sg).arg(&rb_i);
-    let (rb2_i, ks2_i) = (ws[2].row_bytes() as i64, ks2 as i32);
-    if mixed {
-        launch.arg(&rb2_i).arg(&n_in_i).arg(&ks_i).arg(&ks2_i);
-    } else {
-        launch.arg(&n_in_i).arg(&ks_i);
-    }
-    launch.arg(&ns).cluster((NORM_CLUSTER as u32, 1, 1));
-    // SAFETY: every weight holds n rows of rb bytes and every output one row of n floats
-    // (checked above); x, y, x_out, h are one row of n_in floats and the norm weight n_in
-    // (checked), distinct buffers by the borrows; the grid is whole clusters of
-    // NORM_CLUSTER blocks, each reading n_in / 4 / NORM_CLUSTER float4 chunks (a multiple
-    // of 32 threads, at most the block's 256); the shared memory holds the larger segment's
-    // slots and the staged x after them.
-    unsafe { launch.launch(cfg) }?;
-    drop((guards, norm_guards));
-    Ok(true)
-}
 
 /// Which decode GEMV a weight takes at `rows` rows, for grouping in [`matmuls`]: `Some(true)`
 /// the quantized-x one, `Some(false)` the f32-x one (float types, and small-output quantized

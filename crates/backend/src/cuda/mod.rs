@@ -560,25 +560,6 @@ impl Backend for CudaBackend {
         ops::add_rms_norm(self, x, y, w, eps, h)
     }
 
-    fn add_rms_norm_matmuls(
-        &self,
-        x: &mut Act<CudaSlice<f32>>,
-        y: &Act<CudaSlice<f32>>,
-        x_alt: &mut Act<CudaSlice<f32>>,
-        w: &CudaWeight,
-        eps: f32,
-        h: &mut Act<CudaSlice<f32>>,
-        ws: &[&CudaWeight],
-        outs: &mut [&mut Act<CudaSlice<f32>>],
-    ) -> Result<bool> {
-        if ops::add_rms_norm_qkv(self, x, y, x_alt, w, eps, h, ws, outs)? {
-            return Ok(true);
-        }
-        self.add_rms_norm(x, y, w, eps, h)?;
-        self.matmuls(h, ws, outs)?;
-        Ok(false)
-    }
-
     fn add_rms_norm_matmul(
         &self,
         x: &mut Act<CudaSlice<f32>>,

@@ -363,31 +363,6 @@ pub fn add_rms_norm(
     Ok(())
 }
 
-/// An attention block's input and Q, K, V projections at one decode row in one launch
-/// (matmul.rs `add_rms_norm_matmuls`): the norm's f32 weight and thread count (whose
-/// summation order the fused kernel repeats) from here. `Ok(false)`: nothing launched.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_qkv(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    y: &Act<CudaSlice<f32>>,
-    x_out: &mut Act<CudaSlice<f32>>,
-    w: &CudaWeight,
-    eps: f32,
-    h: &mut Act<CudaSlice<f32>>,
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-) -> Result<bool> {
-    if x.rows != 1 || w.dtype != GgmlType::F32 || w.shape.iter().product::<usize>() != x.cols {
-        return Ok(false);
-    }
-    let Some(threads) = norm_v4_threads(be, w, x.cols) else {
-        return Ok(false);
-    };
-    let wv = f32_vec(w, x.cols)?;
-    super::matmul::add_rms_norm_matmuls(be, x, y, x_out, (&wv, threads), eps, h, ws, outs)
-}
-
 /// A MoE block's input and router at one decode row in one launch
 /// (`add_rms_norm_gemv_f32`, plan in elementwise.cu): `x_out = x + y`, `h = rms_norm(x_out) ·
 /// w` with h's int8 planes for the experts, `out = h · wmᵀ` — each bitwise what

@@ -80,11 +80,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
     ),
     (
-        "FERRITE_NORM_QKV",
-        Accepts::OneOf(&[0, 1]),
-        "the attention input's RMSNorm inside the one-row grouped QKV launch (clusters share the row): 0 two launches, 1 one (MATMUL.md)",
-    ),
-    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",

@@ -214,40 +214,6 @@ __device__ __forceinline__ void st_cluster_f32(float* p, int rank, float v) {
 #endif
 }
 
-__device__ __forceinline__ void st_cluster_u32(void* p, int rank, uint32_t v) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(cluster_addr(p, rank)), "r"(v) : "memory");
-#else
-    __trap();
-#endif
-}
-
-// cluster_sync_all in two halves: arrive (relaxed: orders nothing) early, wait later; the
-// pair a first barrier before any block touches another's shared memory (every block of the
-// cluster has started).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void cluster_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#endif
-}
-
-// Blocks in this block's cluster.
-__device__ __forceinline__ int cluster_size() {
-#if __CUDA_ARCH__ >= 900
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-    return (int)r;
-#else
-    return 1;
-#endif
-}
-
 // One L2 prefetch of `bytes` (a multiple of 16) from the 16-byte aligned global address p
 // (the TMA unit walks the range; a hint: no completion, nothing written). attention.cu's
 // K/V prefetch, matmul.cu's MoE down rows.
@@ -294,48 +260,6 @@ __device__ __forceinline__ void quant_q8_lane(float v, int lane, int8_t* __restr
     xr[col] = (int8_t)hi;
     xr[n_in + col] = (int8_t)lo;
     if (lane == 0) *xd = make_float2(d, d * (float)sum);
-}
-
-// The sum of v over the warp (xor butterfly: every lane gets the same total).
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// The two-plane quantization of quant_q8_lane for 4 consecutive values per lane, a 32-element
-// block spread over 8 consecutive lanes (lane & 7 = chunk within the block): the lane's 4 hi
-// and 4 lo bytes, and the block's d and integer sum (Σ 127 hi + lo over the block). Every
-// lane of the warp must call it (shuffles); lanes that hold no values pass zeros. The
-// expressions are quant_q8_lane's per element (amax and the integer sum are exact in any
-// order), so the planes are bitwise quant_x_q8's. Stored by elementwise.cu's quant_q8_vec4
-// (the vectorised norms) and matmul.cu's cluster_norm_stage_x (the attention input's norm
-// in the QKV launch).
-__device__ __forceinline__ void quant_q8_vec4_words(const float (&v)[4], uint32_t& h4, uint32_t& l4, float& d,
-                                                    int& sum) {
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    int hi[4] = {0, 0, 0, 0}, lo[4] = {0, 0, 0, 0};
-    d = 0.0f;
-    if (amax > 0.0f) {
-        const float d1 = amax / 127.0f;
-        d = d1 / 127.0f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            hi[k] = (int)rintf(v[k] * (127.0f / amax));
-            int l = (int)rintf((v[k] - (float)hi[k] * d1) / d);
-            lo[k] = l > 127 ? 127 : (l < -127 ? -127 : l);
-        }
-    }
-    sum = 0;
-#pragma unroll
-    for (int k = 0; k < 4; k++) sum += 127 * hi[k] + lo[k];
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    h4 = (uint32_t)(hi[0] & 255) | ((uint32_t)(hi[1] & 255) << 8) | ((uint32_t)(hi[2] & 255) << 16) |
-         ((uint32_t)(hi[3] & 255) << 24);
-    l4 = (uint32_t)(lo[0] & 255) | ((uint32_t)(lo[1] & 255) << 8) | ((uint32_t)(lo[2] & 255) << 16) |
-         ((uint32_t)(lo[3] & 255) << 24);
 }
 
 // Stores a warp's mma.sync accumulators: 2 m-tiles of 16 outputs × NT n-tiles of 8 tokens

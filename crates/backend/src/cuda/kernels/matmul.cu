@@ -808,27 +808,14 @@ extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int
                   xd + blk);
 }
 
-// x's int8 planes and block scales as the lane code reads them: from global memory (the
-// read-only path), or XST: staged in this block's shared memory (cluster_norm_stage_x, in
-// tc_stage_x's layout: the lo plane n_in + 64 bytes after the hi plane; R = 1 only).
-template <bool XST, typename T>
-__device__ __forceinline__ T xld(const void* p) {
-    if constexpr (XST) {
-        return *(const T*)p;
-    } else {
-        return __ldg((const T*)p);
-    }
-}
-
 // Per type: this lane's share of the NW rows `wr` against R rows of quantized x, into acc.
 // Units (32 weight elements each) are split over the ks warps as in gemv_lane.
-template <int TYPE, int R, int NW, bool SM = false, bool XST = false>
+template <int TYPE, int R, int NW, bool SM = false>
 __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n_in, const int8_t* __restrict__ xq,
                                            const float2* __restrict__ xd, int rows, int lane, int kw, int ks,
                                            float (&acc)[R][NW]) {
     const int nb = n_in / QK;  // 32-element units per row
     const int us = 32 * ks;
-    const int xlo = n_in + (XST ? 64 : 0);  // from a row's hi plane to its lo plane
     if (TYPE == GGML_Q8_0 || TYPE == GGML_Q4_0 || TYPE == GGML_Q4_1) {
 #pragma unroll GEMV_UNROLL_K
         for (int u = lane + 32 * kw; u < nb; u += us) {
@@ -872,10 +859,9 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                 const int rr = r < rows ? r : rows - 1;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)u * QK;
                 const int4* xp = (const int4*)xr;
-                const int4* yp = (const int4*)(xr + xlo);
-                const int4 x0 = xld<XST, int4>(xp), x1 = xld<XST, int4>(xp + 1), y0 = xld<XST, int4>(yp),
-                           y1 = xld<XST, int4>(yp + 1);
-                const float2 ds = xld<XST, float2>(xd + (size_t)rr * nb + u);
+                const int4* yp = (const int4*)(xr + n_in);
+                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1), y0 = __ldg(yp), y1 = __ldg(yp + 1);
+                const float2 ds = __ldg(xd + (size_t)rr * nb + u);
                 const uint32_t xv[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
                                         (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t yv[8] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w,
@@ -949,9 +935,9 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             for (int r = 0; r < R; r++) {
                 const int rr = r < rows ? r : rows - 1;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
-                const int4 x0 = xld<XST, int4>(xr), x1 = xld<XST, int4>(xr + 32);
-                const int4 y0 = xld<XST, int4>(xr + xlo), y1 = xld<XST, int4>(xr + xlo + 32);
-                const float4 ds = xld<XST, float4>(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g);
+                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
+                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 32));
+                const float4 ds = __ldg((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
@@ -1006,10 +992,10 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
                 const int rr = r < rows ? r : rows - 1;
                 const int e = s * QK_K + 128 * n + 32 * p + 16 * c;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + e;
-                const int4 x0 = xld<XST, int4>(xr), x1 = xld<XST, int4>(xr + 64);
-                const int4 y0 = xld<XST, int4>(xr + xlo), y1 = xld<XST, int4>(xr + xlo + 64);
-                const float dxa = xld<XST, float2>(xd + (size_t)rr * nb + e / QK).x;
-                const float dxb = xld<XST, float2>(xd + (size_t)rr * nb + e / QK + 2).x;
+                const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 64));
+                const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 64));
+                const float dxa = __ldg(xd + (size_t)rr * nb + e / QK).x;
+                const float dxb = __ldg(xd + (size_t)rr * nb + e / QK + 2).x;
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
@@ -1129,96 +1115,6 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
     float2* ds = (float2*)(xs + 2 * n_in + 128);
     for (int i = threadIdx.x; i < nb; i += blockDim.x) ds[i] = __ldg(xd + i);
     __syncthreads();
-}
-
-// The attention input's RMSNorm inside the QKV launch (gemvq_multi_tcn_*: R = 1, clusters of
-// CN blocks; Backend::add_rms_norm_matmuls, matmul.rs `NormArgs`).
-//  Why: at decode the RMSNorm before Q, K, V is a one-block launch between the FFN's last
-//  kernel and the QKV GEMV: ~3 µs added per layer (Qwen3-30B-A3B), and leaving it out
-//  altogether (FERRITE_DIAG_SKIP=1) took tg128 from 504 to 543 tok/s (DECODE_STEP.md).
-//  Folding it into the QKV blocks with every block normalising the whole row lost (e91fa81:
-//  448 blocks x 48 KB of L2 reads each, the norm on every block's critical path); here the
-//  CN blocks of a cluster share the row: each reads 1 / CN of x and y.
-//  Plan: rank r of the cluster owns chunks [r S, (r + 1) S) of the row's float4 chunks (S =
-//  n_in / 4 / CN, a multiple of 32: whole warps), thread t chunk r S + t. Sum of squares per
-//  warp exactly as add_rms_norm_v4 with one chunk per thread (that kernel's warp w holds
-//  chunks 32 w.., so rank r's warp j is its warp r S / 32 + j); the warp totals go to every
-//  cluster block's cpart (st.shared::cluster), one cluster barrier, then every thread adds
-//  cpart in warp order as that kernel does: the same scale, the same h = (v · scale) · w
-//  bits. Each rank quantizes its chunks (quant_q8_vec4_words: quant_x_q8's bits) into every
-//  cluster block's staged x (tc_stage_x's layout), one more cluster barrier, and the blocks
-//  compute on it as on tc_stage_x's copy: every output is bitwise the unfused launch's. The
-//  blocks of cluster 0 also store x_out = x + y (the residual, out of place: every cluster
-//  reads x) and h. A first barrier (arrived at the kernel's start, waited before the first
-//  remote store) makes sure every block of the cluster runs before its shared memory is
-//  written. Reads per block: 2 · 16 · S bytes of x and y, 16 · S of the norm weight.
-struct NormSrc {
-    const float* x;
-    const float* y;
-    const float* w;
-    float* x_out;
-    float* h;
-    float eps;
-};
-
-// The staged x of the NORM launches sits at the end of each block's dynamic shared memory
-// (the same offset in every block of the launch, whatever its segment's slots).
-__device__ __forceinline__ uint8_t* norm_stage(uint8_t* smem, int n_in) {
-    const uint32_t bytes = ((uint32_t)(2 * n_in + 128 + n_in / QK * 8) + 127u) & ~127u;
-    return smem + gemv_dyn_smem() - bytes;
-}
-
-__device__ __forceinline__ void cluster_norm_stage_x(uint8_t* xs, const NormSrc& ns, int n_in) {
-    __shared__ float cpart[32];
-    const int cn = cluster_size(), rank = cluster_rank();
-    const int chunks = n_in >> 2, S = chunks / cn;
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const bool mine = (int)threadIdx.x < S;  // whole warps (S % 32 == 0)
-    const int c = rank * S + (int)threadIdx.x;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f), wv = v;
-    if (mine) {
-        wv = __ldg((const float4*)ns.w + c);
-        v = ((const float4*)ns.x)[c];
-        const float4 b = ((const float4*)ns.y)[c];
-        v.x += b.x;
-        v.y += b.y;
-        v.z += b.z;
-        v.w += b.w;
-    }
-    float ss = 0.f;
-    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    ss = warp_sum(ss);
-    cluster_wait();  // every block of the cluster has started (arrived at its entry)
-    if (mine && lane == 0) {
-        const int gw = (rank * S >> 5) + wid;
-        for (int q = 0; q < cn; q++) st_cluster_f32(&cpart[gw], q, ss);
-    }
-    cluster_sync_all();
-    float tot = 0.f;
-    for (int i = 0; i < chunks >> 5; i++) tot += cpart[i];
-    const float scale = rsqrtf(tot / (float)n_in + ns.eps);
-    const float o[4] = {(v.x * scale) * wv.x, (v.y * scale) * wv.y, (v.z * scale) * wv.z, (v.w * scale) * wv.w};
-    if (mine) {
-        if (blockIdx.x < (unsigned)cn) {
-            ((float4*)ns.x_out)[c] = v;
-            ((float4*)ns.h)[c] = make_float4(o[0], o[1], o[2], o[3]);
-        }
-        uint32_t h4, l4;
-        float d;
-        int sum;
-        quant_q8_vec4_words(o, h4, l4, d, sum);
-        const int col = 4 * c;
-        float* ds = (float*)(xs + 2 * n_in + 128) + 2 * (col / QK);
-        for (int q = 0; q < cn; q++) {
-            st_cluster_u32(xs + col, q, h4);
-            st_cluster_u32(xs + n_in + 64 + col, q, l4);
-            if ((threadIdx.x & 7) == 0) {
-                st_cluster_f32(ds, q, d);
-                st_cluster_f32(ds + 1, q, d * (float)sum);
-            }
-        }
-    }
-    cluster_sync_all();
 }
 
 // The end of a tensor-core GEMV block: thread (g, t) of warp w holds acc[r][a], its share of
@@ -1491,19 +1387,14 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
 // the two slots), 8 SwiGLU pairs (rows r0.. of W, the gate, and of W2, the up), or HALF 8
 // rows (r0.. and r0 + 4..). TYPE: Q4_K or Q6_K (any other is the Q6_K form: never launched).
-// NORM (R = 1): x is the attention input's RMSNorm, staged by the cluster
-// (cluster_norm_stage_x from ns) instead of copied from quant_x_q8's planes.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                               int bx, uint8_t* smem, uint64_t* bar,
-                                               const NormSrc* ns = nullptr) {
+                                               int bx, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
-    static_assert(!NORM || (R == 1 && !HALF && !SWIGLU), "the fused norm: one-row plain tiles");
-    if (NORM) cluster_arrive_relaxed();
     const int r0 = bx * (SWIGLU ? NS : 2 * NS);
     const uint8_t* Wb = SWIGLU ? W2 : W;
     const int rbeg = SWIGLU ? r0 : r0 + NS;
@@ -1514,11 +1405,8 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* s0 = smem + ((size_t)pa & 15);
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
-    uint8_t* xs = NORM ? norm_stage(smem, n_in) : smem + 2 * slot;  // XS: x after the two slots
-    if (NORM)
-        cluster_norm_stage_x(xs, *ns, n_in);
-    else if (XS)
-        tc_stage_x(xs, xq, xd, n_in);
+    uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
+    if (XS) tc_stage_x(xs, xq, xd, n_in);
     if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
@@ -1608,14 +1496,11 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
 // launcher's choice).
-// NORM (R = 1, plain weights): x is the attention input's RMSNorm staged by the cluster
-// (cluster_norm_stage_x), read by the tensor-core tile or the lane code from shared memory.
-template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false>
+template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx, const NormSrc* ns = nullptr) {
-    static_assert(!NORM || (R == 1 && !SWIGLU), "the fused norm: one-row plain GEMVs");
+                                      int bx) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1630,17 +1515,10 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
-        gemvq_tc_block<TYPE, R, SWIGLU, false, NORM>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem,
-                                                     &gemv_bar, ns);
+        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
         return;
     }
-    if (NORM) cluster_arrive_relaxed();
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
-    uint8_t* xs = nullptr;
-    if (NORM) {
-        xs = norm_stage(gemv_smem, n_in);
-        cluster_norm_stage_x(xs, *ns, n_in);
-    }
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
@@ -1666,13 +1544,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         }
         const int diag = gemv_diag;
         if (diag != 3) gemv_bulk_wait(&gemv_bar);
-        if (diag != 1) {
-            if (NORM)
-                gemvq_lane<TYPE, R, NW, true, true>(wr, n_in, (const int8_t*)xs,
-                                                    (const float2*)(xs + 2 * n_in + 128), rows, lane, kw, ks, acc);
-            else
-                gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
-        }
+        if (diag != 1) gemvq_lane<TYPE, R, NW, true>(wr, n_in, xq, xd, rows, lane, kw, ks, acc);
         if (diag == 3) gemv_bulk_wait(&gemv_bar);
 #else
 #pragma unroll
@@ -1836,34 +1708,6 @@ GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
-
-// gemvq_multi_tcn_q4_k_r1 / gemvq_multi_tcn_q4_k_q6_k_r1: the one-row grouped QKV launches
-// above (all Q4_K; Q4_K Q, K + Q6_K V on the lane code) with the attention input's RMSNorm
-// inside (NORM: cluster_norm_stage_x, launched in clusters; x from ns instead of quant_x_q8's
-// planes). Same tiles, same lane code, same bits; bounds as the kernels they extend.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
-    gemvq_multi_tcn_q4_k_r1(GemvSegs sg, long long rb, int n_in, int ks, NormSrc ns) {
-    int bx = blockIdx.x;
-    const int s = gemv_seg(sg, bx);
-    const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);
-    float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);
-    const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);
-    gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, n_out, n_in, nullptr, nullptr, 1, out, ks, bx, &ns);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
-    gemvq_multi_tcn_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in, int ks, int ks2, NormSrc ns) {
-    int bx = blockIdx.x;
-    const int s = gemv_seg(sg, bx);
-    if (s < 2) {
-        const uint8_t* W = s == 0 ? sg.w0 : sg.w1;
-        gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, nullptr, nullptr, 1,
-                                               s == 0 ? sg.out0 : sg.out1, ks, bx, &ns);
-    } else {
-        gemvq<GGML_Q6_K, 1, false, false, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, nullptr, nullptr, 1, sg.out2, ks2,
-                                                bx, &ns);
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
