@@ -565,8 +565,8 @@ pub struct Workspace<B: Backend> {
     pub step: StepInput<B::IBuf>,
     pub(crate) x: Act<B::Buf>,
     /// The residual's other buffer: a MoE layer's FFN input op
-    /// ([`Backend::add_rms_norm_matmul`]) writes `x + y` out of place, so from such a layer on
-    /// the residual alternates between `x` and `x2`.
+    /// ([`Backend::add_rms_norm_matmul`]) may write `x + y` out of place (CUDA at one decode
+    /// row), and from such a layer on the residual alternates between `x` and `x2`.
     pub(crate) x2: Act<B::Buf>,
     pub(crate) h: Act<B::Buf>,
     pub(crate) q: Act<B::Buf>,

@@ -366,7 +366,8 @@ pub fn add_rms_norm(
 /// A MoE block's input and router at one decode row in one launch
 /// (`add_rms_norm_gemv_f32`, plan in elementwise.cu): `x_out = x + y`, `h = rms_norm(x_out) ·
 /// w` with h's int8 planes for the experts, `out = h · wmᵀ` — each bitwise what
-/// copy + [`add_rms_norm`] + the f32 GEMV give. Returns `Ok(false)` (nothing launched) where
+/// [`add_rms_norm`] + the f32 GEMV give (x itself untouched: the caller's residual moves to
+/// `x_out`). Returns `Ok(false)` (nothing launched) where
 /// the fused kernel does not apply: more than one row, a router that is not an f32 matrix
 /// of at most `F32_SMALL_OUT` rows, a row the one-chunk-per-thread norm cannot hold, or
 /// `FERRITE_NORM_ROUTER=0`.
