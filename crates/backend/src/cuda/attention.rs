@@ -324,16 +324,7 @@ impl Kernels {
                     .map(Some)
             };
         let tc_family = |on: bool, pre: &str| tc_family_post(on, pre, "");
-        // Contiguous q8_0 caches: S = Q Kᵀ on the int8 tensor cores (`tc_q8k_`, q rounded to
-        // int8 per 32-dim block; ATTENTION.md) unless FERRITE_ATTN_Q8K=0 (K dequantized to
-        // f16, `tc_q8_`). Paged caches keep the f16 form.
-        let q8k = super::switches::int_or("FERRITE_ATTN_Q8K", 1) != 0;
-        let (q8_pre, q8_cl_pre) = if q8k {
-            ("tc_q8k_", "tc_q8k_cl_")
-        } else {
-            ("tc_q8_", "tc_q8_cl_")
-        };
-        let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, q8_pre)?];
+        let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, "tc_q8_")?];
         let decode_tc_paged = [
             tc_family_post(dtc != 0, "tc_", "_paged")?,
             tc_family_post(dtc == 1, "tc_q8_", "_paged")?,
@@ -356,7 +347,7 @@ impl Kernels {
         };
         let decode_cl = [
             cl_family(dtc != 0, "tc_cl_")?,
-            cl_family(dtc == 1, q8_cl_pre)?,
+            cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
         Ok(Kernels {
             kv_type: AtomicU8::new(0),

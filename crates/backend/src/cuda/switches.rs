@@ -130,11 +130,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "decode attention's main loop on the tensor cores (contiguous caches, head_dim 128): 1 f16 and q8_0, 2 f16 only, 0 neither (the SIMT loop; ATTENTION.md)",
     ),
     (
-        "FERRITE_ATTN_Q8K",
-        Accepts::OneOf(&[0, 1]),
-        "decode attention on contiguous q8_0 caches: 1 S = Q Kᵀ on the int8 tensor cores (q as int8), 0 K dequantized to f16 (ATTENTION.md)",
-    ),
-    (
         "FERRITE_ATTN_GB",
         Accepts::OneOf(&[1, 2, 4, 8]),
         "query heads per decode block",

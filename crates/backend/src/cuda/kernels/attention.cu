@@ -330,14 +330,6 @@ __device__ __forceinline__ uint32_t tc_pack_f16(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);  // .x (low 16 bits) = a
     return *reinterpret_cast<const uint32_t*>(&h);
 }
-// c = a . b (mma.sync m16n8k32 s8 x s8 -> s32, zero accumulator; a1 = a3 = 0: rows 8..15).
-__device__ __forceinline__ void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};\n"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "r"(0));
-}
 
 #define DECODE_MAX_ROWS 16
 #define DECODE_MAX_SPLITS 128
@@ -429,16 +421,7 @@ __device__ __forceinline__ uint32_t q8_scale2(uint2 four, int e) {
 // Precision: q and P rounded to f16 (as the tensor-core prefill), f32 accumulation.
 // PAGED: key p's row sits at page bt[p >> page_shift] (page_stride elements per page),
 // row p mod page size, relative to head_base (the kv head's offset in a page); else at p.
-// Q8K (q8_0 caches): S = Q Kᵀ on the int8 tensor cores instead (mma.sync m16n8k32 s8): K's
-// quants are the B fragments as loaded (no dequantization), q is quantized per (head,
-// 32-dim block) like a q8_0 row (amax / 127 over the quad's 32 dims, rint), MMA k step c is
-// cache block c (the dims permuted as above: k 4 tq + j is dim 32 c + 8 tq + j, k 16 + 4 tq +
-// j dim 32 c + 8 tq + 4 + j), so each int32 result is one block's dot for (head g, key 2 tq
-// + e of the n-tile), scaled by q's and that key's block scales in f32. Per warp and 16
-// keys: 8 IMMAs, no K conversions (the f16 form's 8 × ~15 instructions of q8_dequant8 and 16
-// HMMAs), 16 scale FMAs, 4 more 8-byte scale loads. P · V unchanged. Precision: q rounded
-// to int8 (relative error ~amax / 254 per element) where the f16 form rounds it to f16.
-template <int HD, int GB, bool Q8, bool PAGED = false, bool Q8K = false>
+template <int HD, int GB, bool Q8, bool PAGED = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -450,7 +433,6 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                                                const int* __restrict__ bt = nullptr, int page_shift = 0,
                                                long long page_stride = 0) {
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
-    static_assert(!Q8K || Q8, "decode_tc_loop: the int8 S is for q8_0 caches");
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
     constexpr int NP = HD / 32;  // 16-byte pieces of a key per thread
@@ -458,11 +440,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     const int g = lane >> 2, tq = lane & 3;
 
     // q's A fragments: row g = head h0 + g; words as the K words (dims 32 c + 8 tq + 2 w).
-    // Q8K: per block c its int8 dims 32 c + 8 tq .. + 3 (qi[c][0]) and + 4 .. + 7 (qi[c][1]),
-    // and the block's scale times scale_log2 (qd[c]).
     uint32_t qa[KS][2];
-    uint32_t qi[NP][2];
-    float qd[NP];
     {
         const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + 8 * tq;
 #pragma unroll
@@ -470,25 +448,10 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
             const float4 a = *reinterpret_cast<const float4*>(qp + 32 * c);
             const float4 b = *reinterpret_cast<const float4*>(qp + 32 * c + 4);
             const bool on = g < GB;
-            if constexpr (Q8K) {
-                float amax = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                                   fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
-                amax = fmaxf(amax, __shfl_xor_sync(ATT_FULL, amax, 1));
-                amax = fmaxf(amax, __shfl_xor_sync(ATT_FULL, amax, 2));
-                const float id = amax > 0.f ? 127.f / amax : 0.f;
-                const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                uint32_t w[2] = {0u, 0u};
-#pragma unroll
-                for (int j = 0; j < 8; j++) w[j / 4] |= ((uint32_t)(int)rintf(v[j] * id) & 255u) << (8 * (j % 4));
-                qi[c][0] = on ? w[0] : 0u;
-                qi[c][1] = on ? w[1] : 0u;
-                qd[c] = amax / 127.f * scale_log2;
-            } else {
-                qa[2 * c][0] = on ? tc_pack_f16(a.x * scale_log2, a.y * scale_log2) : 0u;
-                qa[2 * c][1] = on ? tc_pack_f16(a.z * scale_log2, a.w * scale_log2) : 0u;
-                qa[2 * c + 1][0] = on ? tc_pack_f16(b.x * scale_log2, b.y * scale_log2) : 0u;
-                qa[2 * c + 1][1] = on ? tc_pack_f16(b.z * scale_log2, b.w * scale_log2) : 0u;
-            }
+            qa[2 * c][0] = on ? tc_pack_f16(a.x * scale_log2, a.y * scale_log2) : 0u;
+            qa[2 * c][1] = on ? tc_pack_f16(a.z * scale_log2, a.w * scale_log2) : 0u;
+            qa[2 * c + 1][0] = on ? tc_pack_f16(b.x * scale_log2, b.y * scale_log2) : 0u;
+            qa[2 * c + 1][1] = on ? tc_pack_f16(b.z * scale_log2, b.w * scale_log2) : 0u;
         }
     }
     float acc[KS][4];
@@ -515,34 +478,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) vkey[kk] = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
         uint4 kw[2][NP], vw[4][2];
-        uint2 kq8[2][NP];       // Q8K: K's quants, the B fragments as loaded
-        uint2 ksc[2][2];        // Q8K: the block scales of keys base + 8 n + 2 tq + e
-        if constexpr (Q8K) {
-            const unsigned char *kq = kc + head_base, *vq = vc + head_base;
-            const unsigned short *ksh = ks + head_base / 32, *vsh = vs + head_base / 32;
-            uint2 vq8[4][2], vd[4];
-#pragma unroll
-            for (int n = 0; n < 2; n++) {
-                const uint2* p = reinterpret_cast<const uint2*>(kq + row(kkey[n]) + 8 * tq);
-#pragma unroll
-                for (int c = 0; c < NP; c++) kq8[n][c] = __ldcg(p + 4 * c);
-#pragma unroll
-                for (int e = 0; e < 2; e++)
-                    ksc[n][e] = __ldcg(reinterpret_cast<const uint2*>(ksh + srow(min(base + 8 * n + 2 * tq + e, end - 1))));
-            }
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                const uint2* p = reinterpret_cast<const uint2*>(vq + row(vkey[kk]) + 8 * g);
-                vq8[kk][0] = __ldcg(p);
-                vq8[kk][1] = __ldcg(p + HD / 16);
-                vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + srow(vkey[kk])));
-            }
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                vw[kk][0] = q8_dequant8(vq8[kk][0], q8_scale2(vd[kk], g >> 2));
-                vw[kk][1] = q8_dequant8(vq8[kk][1], q8_scale2(vd[kk], 2 + (g >> 2)));
-            }
-        } else if constexpr (Q8) {
+        if constexpr (Q8) {
             // The quants at byte head_base + element, the scales per 32 elements (4 per key).
             // Every load first (8-byte quants, the key's four scales), then the conversions.
             const unsigned char *kq = kc + head_base, *vq = vc + head_base;
@@ -592,25 +528,11 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int n = 0; n < 2; n++) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            if constexpr (Q8K) {
 #pragma unroll
-                for (int c = 0; c < NP; c++) {
-                    int ci[4];
-                    tc_mma_s8(ci, qi[c][0], qi[c][1], kq8[n][c].x, kq8[n][c].y);
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const uint32_t w = c < 2 ? ksc[n][e].x : ksc[n][e].y;
-                        const float dk = __half2float(__ushort_as_half((unsigned short)(c & 1 ? w >> 16 : w & 0xFFFF)));
-                        s[n][e] = fmaf((float)ci[e], qd[c] * dk, s[n][e]);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < KS; j++) {
-                    const uint4 w = kw[n][j / 2];
-                    const uint32_t b0 = (j & 1) ? w.z : w.x, b1 = (j & 1) ? w.w : w.y;
-                    tc_mma_f16(s[n], qa[j][0], 0u, qa[j][1], 0u, b0, b1);
-                }
+            for (int j = 0; j < KS; j++) {
+                const uint4 w = kw[n][j / 2];
+                const uint32_t b0 = (j & 1) ? w.z : w.x, b1 = (j & 1) ? w.w : w.y;
+                tc_mma_f16(s[n], qa[j][0], 0u, qa[j][1], 0u, b0, b1);
             }
         }
         // s[n][e]: head g, key base + 8 n + 2 tq + e (s[n][2..3]: the zero rows g + 8).
@@ -691,7 +613,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
-template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool Q8K = false>
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -790,8 +712,8 @@ __device__ __forceinline__ void attn_decode_impl(
                                              row_table<true>(row_seq, block_tables, bt_stride, t), page_shift,
                                              page_stride);
         } else {
-            decode_tc_loop<HD, GB, Q8, false, Q8K>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end,
-                                                   scale_log2, sm_acc, sm_m, sm_l);
+            decode_tc_loop<HD, GB, Q8>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2,
+                                       sm_acc, sm_m, sm_l);
         }
     } else {
         const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
@@ -1090,12 +1012,6 @@ DECODE_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8_cl_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, true, false, true, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8k_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8k_cl_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
 DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
