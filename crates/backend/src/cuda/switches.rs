@@ -85,6 +85,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",
     ),
     (
+        "FERRITE_MOE_DOWN_NW",
+        Accepts::OneOf(&[2, 4]),
+        "MoE down kernel: hidden rows per pass of a warp's slot (the same bits either way; MOE.md)",
+    ),
+    (
         "FERRITE_MOE_PF",
         Accepts::OneOf(&[0, 1]),
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",

@@ -2048,7 +2048,9 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     }
 }
 
-template <int TYPE>
+// DNW: rows per pass of a warp's slot (2 or 4: the same per-row arithmetic, so the same bits;
+// 4 shares each x load between four rows and halves the dependent passes).
+template <int TYPE, int DNW = 2>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
                                                const float* __restrict__ logits, int n_experts, int top_k, int norm,
@@ -2110,40 +2112,39 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
             ++ph;
         }
 #endif
-        // Rows o0 + j, o0 + j + 1 (j even; a row past the end recomputes the last row and
-        // is not stored).
+        // Rows o0 + j .. o0 + j + DNW - 1 (j a multiple of DNW; a row past the end recomputes
+        // the last row and is not stored).
 #pragma unroll 1
-        for (int j = 0; j < MOE_DOWN_ROWS; j += 2) {
-            float acc[1][2] = {{0.0f, 0.0f}};
-            if (!valid) {
-                acc[0][0] = acc[0][1] = __int_as_float(0x7fc00000);
-            } else {
-                int ro[2];
+        for (int j = 0; j < MOE_DOWN_ROWS; j += DNW) {
+            float acc[1][DNW];
 #pragma unroll
-                for (int w = 0; w < 2; w++) ro[w] = o0 + j + w < hidden ? j + w : hidden - 1 - o0;
+            for (int w = 0; w < DNW; w++) acc[0][w] = valid ? 0.0f : __int_as_float(0x7fc00000);
+            if (valid) {
+                int ro[DNW];
+#pragma unroll
+                for (int w = 0; w < DNW; w++) ro[w] = o0 + j + w < hidden ? j + w : hidden - 1 - o0;
+                const uint8_t* wr[DNW];
 #if __CUDA_ARCH__ >= 900
                 if (bulk) {
                     const uint8_t* base = my + ((size_t)(D + row0 * (size_t)rb) & 15);
-                    const uint8_t* wr[2] = {base + (size_t)ro[0] * (size_t)rb, base + (size_t)ro[1] * (size_t)rb};
-                    gemvq_lane<TYPE, 1, 2, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
+#pragma unroll
+                    for (int w = 0; w < DNW; w++) wr[w] = base + (size_t)ro[w] * (size_t)rb;
+                    gemvq_lane<TYPE, 1, DNW, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
                 }
 #else
-                {
-                    const uint8_t* wr[2];
 #pragma unroll
-                    for (int w = 0; w < 2; w++) wr[w] = D + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
-                    gemvq_lane<TYPE, 1, 2, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
-                }
+                for (int w = 0; w < DNW; w++) wr[w] = D + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
+                gemvq_lane<TYPE, 1, DNW, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
 #endif
 #pragma unroll
-                for (int w = 0; w < 2; w++)
+                for (int w = 0; w < DNW; w++)
 #pragma unroll
                     for (int off = 16; off > 0; off >>= 1)
                         acc[0][w] += __shfl_xor_sync(0xffffffffu, acc[0][w], off);
             }
             if (lane == 0) {
-                part[k][j] = acc[0][0];
-                part[k][j + 1] = acc[0][1];
+#pragma unroll
+                for (int w = 0; w < DNW; w++) part[k][j + w] = acc[0][w];
             }
         }
     }
@@ -2170,6 +2171,13 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                               const float* __restrict__ logits, int n_experts, int top_k, int norm,              \
                               float* __restrict__ out) {                                                         \
         gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);                  \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
+        gemvq_moe_down4_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,                \
+                               const int8_t* __restrict__ hq, const float2* __restrict__ hd,                     \
+                               const float* __restrict__ logits, int n_experts, int top_k, int norm,             \
+                               float* __restrict__ out) {                                                        \
+        gemvq_moe_down<TYPE, 4>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);               \
     }
 
 // The tensor-core gate/up of Q4_K experts (its own instance: its register allocation is its own).
