@@ -215,15 +215,12 @@ impl Kernels {
         // Bulk copies (cp.async.bulk): sm_90 and later (matmul.cu compiles the bulk-copy
         // GEMV for them, the register-load one before).
         let bulk = arch.starts_with("compute_9") || arch.starts_with("compute_1");
-        // The MoE down kernel's rows per pass of a warp (FERRITE_MOE_DOWN_NW: 2, 4, or 8 for
-        // Q4_K and 4 for the others; MOE.md).
-        let down_nw = switches::int_or("FERRITE_MOE_DOWN_NW", 4);
+        // The MoE down kernel's rows per pass of a warp (FERRITE_MOE_DOWN_NW: 2 or 4; MOE.md).
+        let down = match switches::int_or("FERRITE_MOE_DOWN_NW", 4) {
+            2 => "gemvq_moe_down_",
+            _ => "gemvq_moe_down4_",
+        };
         for (ty, name) in TYPES {
-            let down = match (down_nw, ty) {
-                (2, _) => "gemvq_moe_down_",
-                (8, GgmlType::Q4K) => "gemvq_moe_down8_",
-                _ => "gemvq_moe_down4_",
-            };
             gemvq_moe.push(if quantized_x(ty) {
                 Some([
                     function(&m, &format!("gemvq_moe_gu_{name}"))?,

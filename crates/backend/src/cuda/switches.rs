@@ -86,8 +86,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MOE_DOWN_NW",
-        Accepts::OneOf(&[2, 4, 8]),
-        "MoE down kernel: hidden rows per pass of a warp's slot, 2, 4, or 8 for Q4_K experts and 4 for the others (the same bits either way; MOE.md)",
+        Accepts::OneOf(&[2, 4]),
+        "MoE down kernel: hidden rows per pass of a warp's slot (the same bits either way; MOE.md)",
     ),
     (
         "FERRITE_MOE_PF",

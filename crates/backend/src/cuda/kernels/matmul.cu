@@ -2198,16 +2198,6 @@ GEMVQ_MOE_KERNELS(q4_k, GGML_Q4_K)
 GEMVQ_MOE_KERNELS(q5_k, GGML_Q5_K)
 GEMVQ_MOE_KERNELS(q6_k, GGML_Q6_K)
 
-// The Q4_K down with all eight rows in one pass (127 registers, no stack; Q6_K would spill
-// 96 bytes at eight: FERRITE_MOE_DOWN_NW=8 takes it for Q4_K, four rows for the others).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
-    gemvq_moe_down8_q4_k(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
-                         const int8_t* __restrict__ hq, const float2* __restrict__ hd,
-                         const float* __restrict__ logits, int n_experts, int top_k, int norm,
-                         float* __restrict__ out) {
-    gemvq_moe_down<GGML_Q4_K, 8>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);
-}
-
 // ---------------------------------------------------------------------------------------
 // Prefill: tensor cores (mma.sync m16n8k16, bf16 inputs, f32 accumulators)
 //
