@@ -1745,8 +1745,9 @@ GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 //    follows its copy (MOE.md, "The gate/up experts on the tensor cores"). Its launch groups
 //    the two blocks of a 32-row quantization group into a cluster, which replaces the ticket
 //    (below, at the kernel's end).
-//  gemvq_moe_down_<type>: grid (ceil(hidden / 8), rows); block (bx, t) owns hidden rows
-//    8 bx .. 8 bx + 7 of token t; warp w computes them (4 row pairs) for slots w, w + 8, ...
+//  gemvq_moe_down4_<type> (gemvq_moe_down_<type>: FERRITE_MOE_DOWN_NW=2): grid (ceil(hidden /
+//    8), rows); block (bx, t) owns hidden rows 8 bx .. 8 bx + 7 of token t; warp w computes
+//    them (two passes of 4 rows sharing each x load; 4 passes of 2) for slots w, w + 8, ...
 //    (expert ids[k] from the block's own routing, input row t top_k + k of hq), partial
 //    results meet in shared memory and 8 threads add the slots in top-k order weighted by
 //    the routing weights (no FMA contraction, as the CPU's combine): the down projection
@@ -1763,7 +1764,7 @@ GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 #define MOE_ROUTE_MAX 1024
 #define GEMVQ_MOE_MAX_TOPK 64
 // ffn rows per gemvq_moe_gu block (each warp takes MOE_GU_ROWS / 8 of them) and blocks per
-// 32-element quantization group of h; hidden rows per gemvq_moe_down block (even).
+// 32-element quantization group of h; hidden rows per gemvq_moe_down block (a multiple of 4).
 #define MOE_GU_ROWS 16
 #define MOE_GU_GROUP (QK / MOE_GU_ROWS)
 #define MOE_DOWN_ROWS 8
