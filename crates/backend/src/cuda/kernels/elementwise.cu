@@ -359,6 +359,19 @@ __device__ __forceinline__ void quant_q8_vec4(const float (&v)[4], bool valid, i
     }
 }
 
+// The row's 1 / rms from each thread's sum of squares ss: the warp butterfly, the warp totals
+// in `partial`, one barrier, then every thread adds them in warp order. The order of the
+// vectorised norms, which add_rms_norm_gemv_f32 repeats for the same bits.
+__device__ __forceinline__ float norm_scale(float ss, float* partial, int cols, float eps) {
+    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    ss = warp_sum(ss);
+    if (lane == 0) partial[wid] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int i = 0; i < nw; i++) tot += partial[i];
+    return rsqrtf(tot / (float)cols + eps);
+}
+
 // h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
 // add_rms_norm (null: no quantization).
 template <bool ADD>
@@ -367,7 +380,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
                                             float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
     __shared__ float partial[32];
     const int chunks = cols >> 2;
-    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    const int tid = threadIdx.x;
     const long long r = blockIdx.x;
     float4 wv[NORM_NV], v[NORM_NV];
 #pragma unroll
@@ -398,12 +411,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
     }
 #pragma unroll
     for (int j = 0; j < NORM_NV; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-    ss = warp_sum(ss);
-    if (lane == 0) partial[wid] = ss;
-    __syncthreads();
-    float tot = 0.f;
-    for (int i = 0; i < nw; i++) tot += partial[i];
-    const float scale = rsqrtf(tot / (float)cols + eps);
+    const float scale = norm_scale(ss, partial, cols, eps);
     float4* hr = (float4*)(h + r * cols);
 #pragma unroll
     for (int j = 0; j < NORM_NV; j++) {
@@ -494,12 +502,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
     float ss = 0.f;
     ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    ss = warp_sum(ss);
-    if (lane == 0) partial[wid] = ss;
-    __syncthreads();
-    float tot = 0.f;
-    for (int i = 0; i < nw; i++) tot += partial[i];
-    const float scale = rsqrtf(tot / (float)cols + eps);
+    const float scale = norm_scale(ss, partial, cols, eps);
     const float o[4] = {(v.x * scale) * wv.x, (v.y * scale) * wv.y, (v.z * scale) * wv.z, (v.w * scale) * wv.w};
     if (c < chunks) hs[c] = make_float4(o[0], o[1], o[2], o[3]);
     const int per = (((chunks + (int)gridDim.x - 1) / (int)gridDim.x) + 7) & ~7;
