@@ -2157,6 +2157,15 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     }
 }
 
+// A down kernel of DNW rows per pass (gemvq_moe_down).
+#define GEMVQ_MOE_DOWN_KERNEL(kname, TYPE, DNW)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
+        kname(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn, const int8_t* __restrict__ hq,  \
+              const float2* __restrict__ hd, const float* __restrict__ logits, int n_experts, int top_k,         \
+              int norm, float* __restrict__ out) {                                                               \
+        gemvq_moe_down<TYPE, DNW>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);             \
+    }
+
 #define GEMVQ_MOE_KERNELS(name, TYPE)                                                                          \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                           \
         gemvq_moe_gu_##name(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn, \
@@ -2166,20 +2175,8 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                             const uint8_t* __restrict__ D, long long d_rb) {                                     \
         gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets, D, d_rb); \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
-        gemvq_moe_down_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,                 \
-                              const int8_t* __restrict__ hq, const float2* __restrict__ hd,                      \
-                              const float* __restrict__ logits, int n_experts, int top_k, int norm,              \
-                              float* __restrict__ out) {                                                         \
-        gemvq_moe_down<TYPE>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);                  \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
-        gemvq_moe_down4_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,                \
-                               const int8_t* __restrict__ hq, const float2* __restrict__ hd,                     \
-                               const float* __restrict__ logits, int n_experts, int top_k, int norm,             \
-                               float* __restrict__ out) {                                                        \
-        gemvq_moe_down<TYPE, 4>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);               \
-    }
+    GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down_##name, TYPE, 2)                                                      \
+    GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down4_##name, TYPE, 4)
 
 // The tensor-core gate/up of Q4_K experts (its own instance: its register allocation is its own).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
