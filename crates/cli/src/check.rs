@@ -1711,8 +1711,7 @@ fn push_decay_weights(h: &mut HostData, rng: &mut Rng, nv: usize) {
         .collect();
     let dt_bias: Vec<f32> = (0..nv).map(|_| -1.0 + 0.5 * rng.normal()).collect();
     for w in [ssm_a, dt_bias] {
-        let bytes = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        h.weights.push((GgmlType::F32, vec![nv], bytes));
+        h.weights.push((GgmlType::F32, vec![nv], f32_bytes(&w)));
     }
 }
 
@@ -1757,11 +1756,8 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             head_dim,
         } => {
             let w: Vec<f32> = (0..head_dim).map(|_| 1.0 + 0.1 * rng.normal()).collect();
-            h.weights.push((
-                GgmlType::F32,
-                vec![head_dim],
-                w.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ));
+            h.weights
+                .push((GgmlType::F32, vec![head_dim], f32_bytes(&w)));
             let cols = heads * head_dim;
             h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
             h.out = (rows, cols);
@@ -1888,11 +1884,8 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             if norm {
                 for _ in 0..2 {
                     let w: Vec<f32> = (0..head_dim).map(|_| 1.0 + 0.1 * rng.normal()).collect();
-                    h.weights.push((
-                        GgmlType::F32,
-                        vec![head_dim],
-                        w.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                    ));
+                    h.weights
+                        .push((GgmlType::F32, vec![head_dim], f32_bytes(&w)));
                 }
             }
             let (qd, kd) = (q_heads * head_dim, k_heads * head_dim);
@@ -2037,11 +2030,8 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             // Weights: conv taps (f32), ssm_a, dt_bias (as the Conv1d and GatedDelta cases).
             let (c, k, nv) = (shape.conv_dim(), shape.conv_kernel, shape.n_v_heads);
             let taps = rng.normals(c * k, 0.5);
-            h.weights.push((
-                GgmlType::F32,
-                vec![c, k],
-                taps.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ));
+            h.weights
+                .push((GgmlType::F32, vec![c, k], f32_bytes(&taps)));
             push_decay_weights(&mut h, &mut rng, nv);
             // Per step (checked rows, fill, draft): conv input, qkv, a, b.
             for n in [rows, fill, draft] {
@@ -2059,11 +2049,8 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             head_dim,
         } => {
             let w: Vec<f32> = (0..head_dim).map(|_| 1.0 + 0.1 * rng.normal()).collect();
-            h.weights.push((
-                GgmlType::F32,
-                vec![head_dim],
-                w.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ));
+            h.weights
+                .push((GgmlType::F32, vec![head_dim], f32_bytes(&w)));
             let cols = heads * head_dim;
             h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
             h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
