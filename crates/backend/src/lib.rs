@@ -680,6 +680,25 @@ pub trait Backend: Send + Sync {
         routing: MoeRouting,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
+    /// A MoE block and the residual add + RMSNorm after it: `y = moe(h)`, then `x += y` and
+    /// `h = rms_norm(x) · w` ([`Backend::add_rms_norm`]; `h`, the block's input, becomes the
+    /// next layer's). The values are bitwise those of `moe` + `add_rms_norm` (the default; on
+    /// CUDA at one decode row the down launch's last block runs the norm).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_add_rms_norm(
+        &self,
+        h: &mut Act<Self::Buf>,
+        router_logits: &Act<Self::Buf>,
+        experts: ExpertWeights<'_, Self::Weight>,
+        routing: MoeRouting,
+        y: &mut Act<Self::Buf>,
+        x: &mut Act<Self::Buf>,
+        w: &Self::Weight,
+        eps: f32,
+    ) -> Result<()> {
+        self.moe(h, router_logits, experts, routing, y)?;
+        self.add_rms_norm(x, y, w, eps, h)
+    }
 
     /// Greedy token choice on the device: `out[t] = argmax(logits[t])` (ties to the lower id).
     fn argmax(&self, logits: &Act<Self::Buf>, out: &mut Self::IBuf) -> Result<()>;

@@ -278,6 +278,7 @@ const OPS: &[&str] = &[
     "qk_norm_rope",
     "attention",
     "moe",
+    "moe_add_rms_norm",
     "argmax",
     "top_k",
     "capture/replay",
@@ -408,6 +409,8 @@ enum Op {
         gate_ty: GgmlType,
         down_ty: GgmlType,
         rows: usize,
+        /// `moe_add_rms_norm`: the block, then the residual add and the next RMSNorm.
+        then_norm: bool,
     },
     Argmax {
         rows: usize,
@@ -650,13 +653,21 @@ fn describe(op: &Op) -> (&'static str, String) {
             gate_ty,
             down_ty,
             rows,
-        } => (
-            "moe",
-            format!(
-                "moe e{} top{} {hidden}/{ffn} {gate_ty}/{down_ty} norm={} rows={rows}",
-                routing.n_experts, routing.top_k, routing.norm_topk
-            ),
-        ),
+            then_norm,
+        } => {
+            let name = if *then_norm {
+                "moe_add_rms_norm"
+            } else {
+                "moe"
+            };
+            (
+                name,
+                format!(
+                    "{name} e{} top{} {hidden}/{ffn} {gate_ty}/{down_ty} norm={} rows={rows}",
+                    routing.n_experts, routing.top_k, routing.norm_topk
+                ),
+            )
+        }
         Op::Argmax { rows, cols, kind } => ("argmax", format!("argmax {kind:?} {rows}x{cols}")),
         Op::TopK {
             rows,
@@ -1351,6 +1362,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     gate_ty,
                     down_ty,
                     rows,
+                    then_norm: false,
                 });
             }
         }
@@ -1374,6 +1386,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                         gate_ty,
                         down_ty,
                         rows,
+                        then_norm: false,
                     });
                 }
             }
@@ -1395,6 +1408,37 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     gate_ty,
                     down_ty,
                     rows,
+                    then_norm: false,
+                });
+            }
+        }
+    }
+
+    // --- the MoE block with the residual add and the next RMSNorm (CUDA at one row: the
+    // down launch's norm tail; hidden 8192 exceeds the tail's slots and takes the two ops).
+    let mut norm_shapes = vec![(8, 2, 256, 512), (8, 2, 8192, 256)];
+    if !quick {
+        // Qwen3-30B-A3B's experts; a 4096-wide residual (four slots per thread).
+        norm_shapes.extend([(128, 8, 2048, 768), (16, 4, 4096, 256)]);
+    }
+    for (n_experts, top_k, hidden, ffn) in norm_shapes {
+        for (gate_ty, down_ty) in [
+            (GgmlType::Q4K, GgmlType::Q6K),
+            (GgmlType::Q8_0, GgmlType::Q8_0),
+        ] {
+            for rows in [1, 5] {
+                add(Op::Moe {
+                    routing: MoeRouting {
+                        n_experts,
+                        top_k,
+                        norm_topk: true,
+                    },
+                    hidden,
+                    ffn,
+                    gate_ty,
+                    down_ty,
+                    rows,
+                    then_norm: true,
                 });
             }
         }
@@ -1952,6 +1996,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             gate_ty,
             down_ty,
             rows,
+            then_norm,
         } => {
             let ne = routing.n_experts;
             for (i, (ty, shape)) in [
@@ -1968,6 +2013,16 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * hidden, 1.0), rows, hidden));
             h.acts.push((rng.normals(rows * ne, 2.0), rows, ne));
             h.out = (rows, hidden);
+            if then_norm {
+                // The next norm's weight; x (the residual, kept as generated) and y (the
+                // block's output, poisoned); out: h's working copy (reset to the block's
+                // input), out2: x's.
+                let w: Vec<f32> = (0..hidden).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+                h.weights.push((GgmlType::F32, vec![hidden], f32_bytes(&w)));
+                h.acts.push((rng.normals(rows * hidden, 2.0), rows, hidden));
+                h.acts.push((vec![f32::NAN; rows * hidden], rows, hidden));
+                h.out2 = Some((rows, hidden));
+            }
         }
         Op::Argmax { rows, cols, kind }
         | Op::TopK {
@@ -2320,6 +2375,12 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.copy_rows(&p.a[0], 0, &mut p.out)?;
             be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?)
         }
+        Op::Moe {
+            then_norm: true, ..
+        } => {
+            be.copy_rows(&p.a[0], 0, &mut p.out)?;
+            be.copy_rows(&p.a[2], 0, out2(&mut p.out2)?)
+        }
         _ => Ok(()),
     }
 }
@@ -2473,6 +2534,22 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 &mut p.out,
             )
         }
+        Op::Moe {
+            routing,
+            then_norm: true,
+            ..
+        } => {
+            let [_, logits, _, y] = &mut p.a[..] else {
+                bail!("moe_add_rms_norm: expected 4 activations")
+            };
+            let experts = ExpertWeights {
+                gate: &p.w[0],
+                up: &p.w[1],
+                down: &p.w[2],
+            };
+            let x = out2(&mut p.out2)?;
+            be.moe_add_rms_norm(&mut p.out, logits, experts, *routing, y, x, &p.w[3], EPS)
+        }
         Op::Moe { routing, .. } => be.moe(
             &p.a[0],
             &p.a[1],
@@ -2581,6 +2658,14 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
         ids.extend(vals.iter().map(|v| v.to_bits() as i32));
         return Ok((Output::I(ids), p));
     }
+    if let Op::Moe {
+        routing,
+        then_norm: true,
+        ..
+    } = op
+    {
+        moe_norm_same_as_composition(be, op, *routing, h, &mut p)?;
+    }
     if let Op::AddRmsNormMatmul { .. } = op {
         same_as_composition(be, op, h, &mut p)?;
         // The second output checked is h + the sum (Op::AddRmsNormMatmul).
@@ -2621,19 +2706,58 @@ fn same_as_composition<B: Backend>(
         ),
         ("x + y", be.to_host(&p.a[2])?, be.to_host(&q.a[2])?),
     ];
+    all_bits_equal("add_rms_norm_matmul", &pairs)
+}
+
+/// Fails unless each (what, fused, composed) pair of an op's outputs agrees bit for bit.
+fn all_bits_equal(op: &str, pairs: &[(&str, Vec<f32>, Vec<f32>)]) -> Result<()> {
     for (what, fused, composed) in pairs {
         let differ = fused
             .iter()
-            .zip(&composed)
+            .zip(composed)
             .filter(|(a, b)| a.to_bits() != b.to_bits())
             .count();
         anyhow::ensure!(
             differ == 0,
-            "add_rms_norm_matmul: {what} differs from the composition's in {differ} of {} values",
+            "{op}: {what} differs from the composition's in {differ} of {} values",
             fused.len()
         );
     }
     Ok(())
+}
+
+/// `moe_add_rms_norm` against its composition (moe, add_rms_norm) on the same backend: h and
+/// the sum bitwise equal (CUDA's norm tail in the down launch must reproduce add_rms_norm).
+fn moe_norm_same_as_composition<B: Backend>(
+    be: &B,
+    op: &Op,
+    routing: MoeRouting,
+    h: &HostData,
+    p: &mut Prepared<B>,
+) -> Result<()> {
+    let mut q = prepare(be, op, h)?;
+    reset(be, op, &mut q)?;
+    {
+        let [_, logits, _, y] = &mut q.a[..] else {
+            bail!("moe_add_rms_norm: expected 4 activations")
+        };
+        let experts = ExpertWeights {
+            gate: &q.w[0],
+            up: &q.w[1],
+            down: &q.w[2],
+        };
+        be.moe(&q.out, logits, experts, routing, y)?;
+        be.add_rms_norm(out2(&mut q.out2)?, y, &q.w[3], EPS, &mut q.out)?;
+    }
+    let pairs = [
+        ("h", be.to_host(&p.out)?, be.to_host(&q.out)?),
+        (
+            "x + y",
+            be.to_host(out2(&mut p.out2)?)?,
+            be.to_host(out2(&mut q.out2)?)?,
+        ),
+    ];
+    all_bits_equal("moe_add_rms_norm", &pairs)
 }
 
 /// The active rows of an output; checks that the poisoned row past them is untouched.

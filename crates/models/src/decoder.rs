@@ -76,6 +76,9 @@ pub(crate) struct FfnScratch<'a, B: Backend> {
 /// layer takes the norm and its router in one op ([`Backend::add_rms_norm_matmul`]: on CUDA
 /// at decode one launch instead of two dependent ones); where that op puts the sum out of
 /// place, into `x_alt`, the two references swap, so `x` holds the residual afterwards.
+/// `next_norm`: the norm after the block (the next layer's input norm, same eps). A MoE layer
+/// without a shared expert then also runs `x += y`, `h = rms_norm(x) · next_norm` with its
+/// experts ([`Backend::moe_add_rms_norm`]) and returns true; otherwise false (the caller's).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn ffn_half<'x, B: Backend>(
     be: &B,
@@ -83,18 +86,34 @@ pub(crate) fn ffn_half<'x, B: Backend>(
     moe: Option<&MoeConfig>,
     (x, x_alt): (&mut &'x mut Act<B::Buf>, &mut &'x mut Act<B::Buf>),
     (norm, eps): (&B::Weight, f32),
+    next_norm: Option<&B::Weight>,
     h: &mut Act<B::Buf>,
     s: FfnScratch<'_, B>,
     y: &mut Act<B::Buf>,
-) -> Result<()> {
-    if let Ffn::Moe { router, .. } = ffn {
+) -> Result<bool> {
+    if let Ffn::Moe {
+        router,
+        gate,
+        up,
+        down,
+        shared,
+    } = ffn
+    {
         if be.add_rms_norm_matmul(x, y, x_alt, norm, eps, h, router, s.router)? {
             std::mem::swap(x, x_alt);
         }
-        return ffn_block(be, ffn, moe, h, s, y, true);
+        if let (Some(next), None) = (next_norm, shared) {
+            let moe = moe.context("MoE layer without MoE config")?;
+            let experts = ExpertWeights { gate, up, down };
+            be.moe_add_rms_norm(h, s.router, experts, moe.routing, y, x, next, eps)?;
+            return Ok(true);
+        }
+        ffn_block(be, ffn, moe, h, s, y, true)?;
+        return Ok(false);
     }
     be.add_rms_norm(x, y, norm, eps, h)?;
-    ffn_block(be, ffn, moe, h, s, y, false)
+    ffn_block(be, ffn, moe, h, s, y, false)?;
+    Ok(false)
 }
 
 /// `y = FFN(h)` for one layer; `routed`: a MoE layer's router logits are already in the
@@ -454,22 +473,26 @@ impl<B: Backend> Model<B> {
                 shared: None,
             };
             let norm = (&l.ffn_norm, cfg.rms_eps);
-            ffn_half(
+            // x += y, h = the next layer's attention input (or the output norm's result):
+            // with the experts where the FFN half can, else here.
+            let next_norm = self
+                .layers
+                .get(il + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            let normed = ffn_half(
                 be,
                 &l.ffn,
                 cfg.moe.as_ref(),
                 (&mut x, &mut x_alt),
                 norm,
+                Some(next_norm),
                 h,
                 scratch,
                 y,
             )?;
-            // x += y, h = the next layer's attention input (or the output norm's result).
-            let next_norm = self
-                .layers
-                .get(il + 1)
-                .map_or(&self.out_norm, |n| &n.attn_norm);
-            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
+            if !normed {
+                be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
+            }
         }
 
         self.output_logits(be, ws, which)

@@ -699,6 +699,20 @@ impl Backend for CudaBackend {
         moe::moe(self, x, router_logits, experts, routing, out)
     }
 
+    fn moe_add_rms_norm(
+        &self,
+        h: &mut Act<CudaSlice<f32>>,
+        router_logits: &Act<CudaSlice<f32>>,
+        experts: ExpertWeights<'_, CudaWeight>,
+        routing: MoeRouting,
+        y: &mut Act<CudaSlice<f32>>,
+        x: &mut Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        eps: f32,
+    ) -> Result<()> {
+        moe::moe_add_rms_norm(self, h, router_logits, experts, routing, y, x, w, eps)
+    }
+
     fn argmax(&self, logits: &Act<CudaSlice<f32>>, out: &mut CudaSlice<i32>) -> Result<()> {
         ops::argmax(self, logits, out)
     }

@@ -98,6 +98,9 @@ struct Scratch {
     /// kernel's in-kernel quantization of h; zero between launches (the last block of a
     /// group resets its ticket).
     tickets: CudaSlice<i32>,
+    /// The down launch's ticket for its norm tail ([`moe_add_rms_norm`]); zero between
+    /// launches (its last block resets it).
+    norm_ticket: CudaSlice<u32>,
     /// Buffers replaced by bigger ones: a captured graph may still reference them.
     retired_i: Vec<CudaSlice<i32>>,
     retired_f: Vec<CudaSlice<f32>>,
@@ -131,6 +134,9 @@ pub struct Kernels {
     mm_gu: Vec<CudaFunction>,
     mm_down: Vec<CudaFunction>,
     scratch: Mutex<Option<Scratch>>,
+    /// [`moe_add_rms_norm`] may run the norm in the down launch's last block
+    /// (`FERRITE_MOE_NORM`, default 1).
+    norm_tail: bool,
 }
 
 impl Kernels {
@@ -151,6 +157,7 @@ impl Kernels {
             mm_gu,
             mm_down,
             scratch: Mutex::new(None),
+            norm_tail: super::switches::int_or("FERRITE_MOE_NORM", 1) != 0,
         })
     }
 }
@@ -215,6 +222,95 @@ pub fn moe(
     routing: MoeRouting,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
+    moe_with_tail(be, x, router_logits, experts, routing, out, None).map(|_| ())
+}
+
+/// Kernel argument `NormTail` of the MoE down kernels (matmul.cu): the residual add and
+/// RMSNorm the launch's last block runs; all zero: none.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct NormTail {
+    x: u64,
+    w: u64,
+    h: u64,
+    xq: u64,
+    xd: u64,
+    ticket: u64,
+    cols: i32,
+    vt: i32,
+    eps: f32,
+}
+
+// SAFETY: plain old data laid out as the C struct (6 pointers, 2 ints, a float; 64 bytes with
+// the tail padding both sides add).
+unsafe impl super::launch::ScalarArg for NormTail {}
+
+/// Most float4 chunks a thread of the norm tail holds (`NORM_TAIL_MAXC` in matmul.cu).
+const NORM_TAIL_MAXC: usize = 4;
+
+/// `y = moe(h)`, then `x += y` and `h = rms_norm(x) · w` (the next layer's input, with its
+/// int8 planes for the GEMVs that read it): [`crate::Backend::moe_add_rms_norm`]. At one
+/// decode row on the quantized-activation path the down launch's last block runs the norm
+/// (matmul.cu `norm_tail`: add_rms_norm_v4's bits), one launch fewer in the chain; otherwise
+/// the two ops. `FERRITE_MOE_NORM=0` always takes the two ops.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_add_rms_norm(
+    be: &CudaBackend,
+    h: &mut Act<CudaSlice<f32>>,
+    router_logits: &Act<CudaSlice<f32>>,
+    experts: ExpertWeights<'_, CudaWeight>,
+    routing: MoeRouting,
+    y: &mut Act<CudaSlice<f32>>,
+    x: &mut Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    eps: f32,
+) -> Result<()> {
+    crate::check_add_rms_norm(x, y, w.shape.iter().product(), h)?;
+    let cols = h.cols;
+    // add_rms_norm_v4's thread count (its summation order) and the tail's slots per thread.
+    let vt = super::ops::norm_v4_threads(be, w, cols);
+    let fits = |vt: usize| {
+        let (chunks, nb) = (cols / 4, MOE_WARPS * 32);
+        vt.div_ceil(nb) * chunks.div_ceil(vt) <= NORM_TAIL_MAXC
+    };
+    let tail = match vt {
+        Some(vt)
+            if be.moe.norm_tail
+                && h.rows == 1
+                && cols.is_multiple_of(32)
+                && fits(vt as usize)
+                && x.buf.len() >= cols =>
+        {
+            // (Event tracking is off: the pointers' guards need not outlive the launch.)
+            Some(NormTail {
+                x: x.buf.device_ptr(&be.stream).0,
+                w: super::ops::f32_vec(w, cols)?.device_ptr(&be.stream).0,
+                h: h.buf.device_ptr(&be.stream).0,
+                cols: i32_arg("hidden", cols)?,
+                vt: vt as i32,
+                eps,
+                ..NormTail::default()
+            })
+        }
+        _ => None,
+    };
+    if !moe_with_tail(be, h, router_logits, experts, routing, y, tail)? {
+        super::ops::add_rms_norm(be, x, y, w, eps, h)?;
+    }
+    Ok(())
+}
+
+/// [`moe`], with the down launch's norm tail where `tail` is given and the path allows it
+/// (the quantized-activation decode at one row): returns whether the tail ran.
+fn moe_with_tail(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    router_logits: &Act<CudaSlice<f32>>,
+    experts: ExpertWeights<'_, CudaWeight>,
+    routing: MoeRouting,
+    out: &mut Act<CudaSlice<f32>>,
+    tail: Option<NormTail>,
+) -> Result<bool> {
     let (rows, hidden) = (x.rows, x.cols);
     let MoeRouting {
         n_experts,
@@ -240,7 +336,7 @@ pub fn moe(
     check_blocks("up", experts.up)?;
     check_blocks("down", experts.down)?;
     if rows == 0 {
-        return Ok(());
+        return Ok(false);
     }
     let pairs = rows * top_k;
 
@@ -307,6 +403,7 @@ pub fn moe(
             xq: be.stream.alloc_zeros::<i8>(1)?,
             xd: one_f()?,
             tickets: one_i()?,
+            norm_ticket: be.stream.alloc_zeros::<u32>(1)?,
             retired_i: Vec::new(),
             retired_f: Vec::new(),
             retired_q: Vec::new(),
@@ -363,6 +460,7 @@ pub fn moe(
             dims,
             bulk.unwrap_or((0, 0)),
             out,
+            tail.filter(|_| rows == 1),
         );
     }
 
@@ -399,7 +497,8 @@ pub fn moe(
             dims,
             max_tiles,
             out,
-        );
+        )
+        .map(|()| false);
     }
 
     // 2. Gate/up + SwiGLU: one warp per (pair, ffn row).
@@ -474,7 +573,7 @@ pub fn moe(
             .arg(&per_block_i)
             .launch(blocks(rows, hidden, per_block)?)
     }?;
-    Ok(())
+    Ok(false)
 }
 
 /// The dynamic shared memory of the quantized-activation expert kernels (gate/up, down):
@@ -535,7 +634,8 @@ fn quantized_experts(
     dims: Dims,
     smem: (u32, u32),
     out: &mut Act<CudaSlice<f32>>,
-) -> Result<()> {
+    tail: Option<NormTail>,
+) -> Result<bool> {
     let top_k = routing.top_k;
     let pairs = rows * top_k;
     ensure!(
@@ -561,10 +661,10 @@ fn quantized_experts(
     let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
     // x's int8 planes: the GEMV scratch at decode (often already written by the producing
     // add_rms_norm), this module's own scratch for a prompt's rows (same bits: quant_x_q8).
-    let gemv_xq;
+    let mut gemv_xq = None;
     let (xq_q, xq_d) = if rows <= matmul::GEMV_MAX_ROWS {
-        gemv_xq = matmul::quantize_x(be, x)?;
         let xq = gemv_xq
+            .insert(matmul::quantize_x(be, x)?)
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("moe: int8 scratch missing"))?;
         (&xq.q, &xq.d)
@@ -620,8 +720,28 @@ fn quantized_experts(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: d_smem,
     };
+    // The norm tail (at one row, with the GEMV's int8 scratch: h's planes go there, for the
+    // QKV GEMVs after it; gate/up, which reads x's planes from it, is complete when the tail
+    // runs: it follows the down kernel's PDL wait).
+    let mut nt = NormTail::default();
+    let xq = gemv_xq.as_mut().and_then(|g| g.as_mut());
+    let tail = match (tail, xq) {
+        (Some(t), Some(xq)) if rows == 1 => {
+            // (Event tracking is off: the pointers' guards need not outlive the launch.)
+            nt = NormTail {
+                xq: xq.q.device_ptr(&be.stream).0,
+                xd: xq.d.device_ptr(&be.stream).0,
+                ticket: s.norm_ticket.device_ptr(&be.stream).0,
+                ..t
+            };
+            Some(xq)
+        }
+        _ => None,
+    };
     // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert; out holds rows ×
-    // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
+    // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots. The
+    // tail (moe_add_rms_norm): x and h hold one row of `hidden` floats, w `hidden` 16-byte
+    // aligned floats, the planes GEMV_MAX_ROWS rows of ≥ hidden, the ticket is zero.
     unsafe {
         be.stream
             .kernel(&dk[1])
@@ -636,9 +756,17 @@ fn quantized_experts(
             .arg(&tk)
             .arg(&norm)
             .arg(&mut out.buf)
+            .arg(&nt)
             .launch(cfg)
     }?;
-    Ok(())
+    match tail {
+        Some(xq) => {
+            // h's planes are valid for the GEMV that reads h next (XQuant::src).
+            xq.src = Some((nt.h, 1, hidden, super::launch::launch_count()));
+            Ok(true)
+        }
+        None => Ok(false),
+    }
 }
 
 /// The prefill path: counting sort of the pairs by expert, grouped gate/up + SwiGLU and down

@@ -95,6 +95,12 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_MOE_NORM",
+        Accepts::OneOf(&[0, 1]),
+        "At one decode row the MoE down launch's last block runs the next RMSNorm: 0 off (its \
+         own launch), 1 on (MOE.md)",
+    ),
+    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",
