@@ -268,6 +268,7 @@ const OPS: &[&str] = &[
     "matmul",
     "matmuls",
     "matmul_swiglu",
+    "matmul_add_rms_norm",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -311,6 +312,14 @@ enum Op {
         head_dim: usize,
     },
     Matmul {
+        ty: GgmlType,
+        n_in: usize,
+        n_out: usize,
+        rows: usize,
+    },
+    /// `matmul_add_rms_norm`: the GEMV that ends a layer's half, then the residual add and
+    /// the next RMSNorm (`n_out` the residual's width).
+    MatmulAddRmsNorm {
         ty: GgmlType,
         n_in: usize,
         n_out: usize,
@@ -539,6 +548,15 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_out,
             rows,
         } => ("matmul", format!("matmul {ty} {n_in}->{n_out} rows={rows}")),
+        Op::MatmulAddRmsNorm {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => (
+            "matmul_add_rms_norm",
+            format!("matmul_add_rms_norm {ty} {n_in}->{n_out} rows={rows}"),
+        ),
         Op::Matmuls {
             ty,
             n_in,
@@ -918,6 +936,31 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     rows,
                 });
             }
+        }
+    }
+
+    // --- matmul_add_rms_norm: the o-projection and down shapes of Qwen3-8B (CUDA at one row:
+    // the norm tail of the tensor-core tile, the K-split tile and the lane code; Q8_0 the lane
+    // code; F16 and more rows the two ops), a small one (one virtual thread per thread), and a
+    // residual too wide for the tail's slots (the two ops).
+    let mut norm_sets: Vec<(GgmlType, usize, usize)> = vec![
+        (GgmlType::Q4K, 1024, 512),
+        (GgmlType::Q6K, 512, 1024),
+        (GgmlType::Q4K, 256, 8192),
+    ];
+    if !quick {
+        for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
+            norm_sets.extend([(ty, 4096, 4096), (ty, 12288, 4096)]);
+        }
+    }
+    for (ty, n_in, n_out) in norm_sets {
+        for rows in [1, 3] {
+            add(Op::MatmulAddRmsNorm {
+                ty,
+                n_in,
+                n_out,
+                rows,
+            });
         }
     }
 
@@ -1817,6 +1860,24 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
             h.out = (rows, n_out);
         }
+        Op::MatmulAddRmsNorm {
+            ty,
+            n_in,
+            n_out,
+            rows,
+        } => {
+            h.weights
+                .push((ty, vec![n_out, n_in], gen_weight(ty, &[n_out, n_in], seed)?));
+            let w: Vec<f32> = (0..n_out).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+            h.weights.push((GgmlType::F32, vec![n_out], f32_bytes(&w)));
+            // a (the GEMV's input), x (the residual, kept as generated), y (the GEMV's
+            // output, poisoned); out: h, out2: x's working copy.
+            h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
+            h.acts.push((rng.normals(rows * n_out, 2.0), rows, n_out));
+            h.acts.push((vec![f32::NAN; rows * n_out], rows, n_out));
+            h.out = (rows, n_out);
+            h.out2 = Some((rows, n_out));
+        }
         Op::Matmuls {
             ty,
             n_in,
@@ -2381,6 +2442,7 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.copy_rows(&p.a[0], 0, &mut p.out)?;
             be.copy_rows(&p.a[2], 0, out2(&mut p.out2)?)
         }
+        Op::MatmulAddRmsNorm { .. } => be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?),
         _ => Ok(()),
     }
 }
@@ -2428,6 +2490,13 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::RmsNorm { .. } => be.rms_norm(&p.a[0], &p.w[0], EPS, &mut p.out),
         Op::HeadRmsNorm { head_dim, .. } => be.head_rms_norm(&mut p.out, &p.w[0], *head_dim, EPS),
         Op::Matmul { .. } => be.matmul(&p.a[0], &p.w[0], &mut p.out),
+        Op::MatmulAddRmsNorm { .. } => {
+            let [a, _, y] = &mut p.a[..] else {
+                bail!("matmul_add_rms_norm: expected 3 activations")
+            };
+            let x = out2(&mut p.out2)?;
+            be.matmul_add_rms_norm(a, &p.w[0], y, x, &p.w[1], EPS, &mut p.out)
+        }
         Op::Matmuls { v: None, .. } => {
             let [x, first] = &mut p.a[..] else {
                 bail!("matmuls: expected 2 activations")
@@ -2666,6 +2735,9 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     {
         moe_norm_same_as_composition(be, op, *routing, h, &mut p)?;
     }
+    if let Op::MatmulAddRmsNorm { .. } = op {
+        matmul_norm_same_as_composition(be, op, h, &mut p)?;
+    }
     if let Op::AddRmsNormMatmul { .. } = op {
         same_as_composition(be, op, h, &mut p)?;
         // The second output checked is h + the sum (Op::AddRmsNormMatmul).
@@ -2709,6 +2781,23 @@ fn same_as_composition<B: Backend>(
     all_bits_equal("add_rms_norm_matmul", &pairs)
 }
 
+/// The outputs of an op that ends in the residual add and RMSNorm (h in `out`, x + y in
+/// `out2`), fused (`p`) beside composed (`q`), for [`all_bits_equal`].
+fn norm_outputs<B: Backend>(
+    be: &B,
+    p: &mut Prepared<B>,
+    q: &mut Prepared<B>,
+) -> Result<[(&'static str, Vec<f32>, Vec<f32>); 2]> {
+    Ok([
+        ("h", be.to_host(&p.out)?, be.to_host(&q.out)?),
+        (
+            "x + y",
+            be.to_host(out2(&mut p.out2)?)?,
+            be.to_host(out2(&mut q.out2)?)?,
+        ),
+    ])
+}
+
 /// Fails unless each (what, fused, composed) pair of an op's outputs agrees bit for bit.
 fn all_bits_equal(op: &str, pairs: &[(&str, Vec<f32>, Vec<f32>)]) -> Result<()> {
     for (what, fused, composed) in pairs {
@@ -2749,15 +2838,28 @@ fn moe_norm_same_as_composition<B: Backend>(
         be.moe(&q.out, logits, experts, routing, y)?;
         be.add_rms_norm(out2(&mut q.out2)?, y, &q.w[3], EPS, &mut q.out)?;
     }
-    let pairs = [
-        ("h", be.to_host(&p.out)?, be.to_host(&q.out)?),
-        (
-            "x + y",
-            be.to_host(out2(&mut p.out2)?)?,
-            be.to_host(out2(&mut q.out2)?)?,
-        ),
-    ];
-    all_bits_equal("moe_add_rms_norm", &pairs)
+    all_bits_equal("moe_add_rms_norm", &norm_outputs(be, p, &mut q)?)
+}
+
+/// `matmul_add_rms_norm` against its composition (matmul, add_rms_norm) on the same backend:
+/// h and the sum bitwise equal (CUDA's norm tail in the GEMV launch must reproduce
+/// add_rms_norm).
+fn matmul_norm_same_as_composition<B: Backend>(
+    be: &B,
+    op: &Op,
+    h: &HostData,
+    p: &mut Prepared<B>,
+) -> Result<()> {
+    let mut q = prepare(be, op, h)?;
+    reset(be, op, &mut q)?;
+    {
+        let [a, _, y] = &mut q.a[..] else {
+            bail!("matmul_add_rms_norm: expected 3 activations")
+        };
+        be.matmul(a, &q.w[0], y)?;
+        be.add_rms_norm(out2(&mut q.out2)?, y, &q.w[1], EPS, &mut q.out)?;
+    }
+    all_bits_equal("matmul_add_rms_norm", &norm_outputs(be, p, &mut q)?)
 }
 
 /// The active rows of an output; checks that the poisoned row past them is untouched.
@@ -2806,6 +2908,9 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
         Op::Matmul {
+            ty, n_out, rows, ..
+        }
+        | Op::MatmulAddRmsNorm {
             ty, n_out, rows, ..
         }
         | Op::Matmuls {
@@ -2882,7 +2987,7 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
     let f = |x: usize| x as f64;
     match op {
         Op::Embed { ty, dim, rows, .. } => f(rows * ty.bytes_for(*dim).unwrap_or(0)) + f(out),
-        Op::Matmul { .. } => f(h.weights[0].2.len() + acts + out),
+        Op::Matmul { .. } | Op::MatmulAddRmsNorm { .. } => f(h.weights[0].2.len() + acts + out),
         Op::Matmuls { .. } | Op::MatmulSwiglu { .. } => {
             let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
             f(w + acts + out)

@@ -279,6 +279,7 @@ pub(crate) fn forward_layers<B: Backend>(
             cfg.moe.as_ref(),
             (&mut x, &mut x_alt),
             norm,
+            false,
             Some(next_norm),
             h,
             scratch,

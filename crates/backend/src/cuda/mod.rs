@@ -560,6 +560,19 @@ impl Backend for CudaBackend {
         ops::add_rms_norm(self, x, y, w, eps, h)
     }
 
+    fn matmul_add_rms_norm(
+        &self,
+        a: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        y: &mut Act<CudaSlice<f32>>,
+        x: &mut Act<CudaSlice<f32>>,
+        norm: &CudaWeight,
+        eps: f32,
+        h: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        matmul::matmul_add_rms_norm(self, a, w, y, x, norm, eps, h)
+    }
+
     fn add_rms_norm_matmul(
         &self,
         x: &mut Act<CudaSlice<f32>>,

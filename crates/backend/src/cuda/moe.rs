@@ -225,29 +225,6 @@ pub fn moe(
     moe_with_tail(be, x, router_logits, experts, routing, out, None).map(|_| ())
 }
 
-/// Kernel argument `NormTail` of the MoE down kernels (matmul.cu): the residual add and
-/// RMSNorm the launch's last block runs; all zero: none.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct NormTail {
-    x: u64,
-    w: u64,
-    h: u64,
-    xq: u64,
-    xd: u64,
-    ticket: u64,
-    cols: i32,
-    vt: i32,
-    eps: f32,
-}
-
-// SAFETY: plain old data laid out as the C struct (6 pointers, 2 ints, a float; 64 bytes with
-// the tail padding both sides add).
-unsafe impl super::launch::ScalarArg for NormTail {}
-
-/// Most float4 chunks a thread of the norm tail holds (`NORM_TAIL_MAXC` in matmul.cu).
-const NORM_TAIL_MAXC: usize = 4;
-
 /// `y = moe(h)`, then `x += y` and `h = rms_norm(x) · w` (the next layer's input, with its
 /// int8 planes for the GEMVs that read it): [`crate::Backend::moe_add_rms_norm`]. At one
 /// decode row on the quantized-activation path the down launch's last block runs the norm
@@ -265,34 +242,10 @@ pub fn moe_add_rms_norm(
     w: &CudaWeight,
     eps: f32,
 ) -> Result<()> {
-    crate::check_add_rms_norm(x, y, w.shape.iter().product(), h)?;
-    let cols = h.cols;
-    // add_rms_norm_v4's thread count (its summation order) and the tail's slots per thread.
-    let vt = super::ops::norm_v4_threads(be, w, cols);
-    let fits = |vt: usize| {
-        let (chunks, nb) = (cols / 4, MOE_WARPS * 32);
-        vt.div_ceil(nb) * chunks.div_ceil(vt) <= NORM_TAIL_MAXC
-    };
-    let tail = match vt {
-        Some(vt)
-            if be.moe.norm_tail
-                && h.rows == 1
-                && cols.is_multiple_of(32)
-                && fits(vt as usize)
-                && x.buf.len() >= cols =>
-        {
-            // (Event tracking is off: the pointers' guards need not outlive the launch.)
-            Some(NormTail {
-                x: x.buf.device_ptr(&be.stream).0,
-                w: super::ops::f32_vec(w, cols)?.device_ptr(&be.stream).0,
-                h: h.buf.device_ptr(&be.stream).0,
-                cols: i32_arg("hidden", cols)?,
-                vt: vt as i32,
-                eps,
-                ..NormTail::default()
-            })
-        }
-        _ => None,
+    let tail = if be.moe.norm_tail {
+        matmul::norm_tail_args(be, x, y, w, eps, h, MOE_WARPS * 32)?
+    } else {
+        None
     };
     if !moe_with_tail(be, h, router_logits, experts, routing, y, tail)? {
         super::ops::add_rms_norm(be, x, y, w, eps, h)?;
@@ -309,7 +262,7 @@ fn moe_with_tail(
     experts: ExpertWeights<'_, CudaWeight>,
     routing: MoeRouting,
     out: &mut Act<CudaSlice<f32>>,
-    tail: Option<NormTail>,
+    tail: Option<matmul::NormTail>,
 ) -> Result<bool> {
     let (rows, hidden) = (x.rows, x.cols);
     let MoeRouting {
@@ -634,7 +587,7 @@ fn quantized_experts(
     dims: Dims,
     smem: (u32, u32),
     out: &mut Act<CudaSlice<f32>>,
-    tail: Option<NormTail>,
+    tail: Option<matmul::NormTail>,
 ) -> Result<bool> {
     let top_k = routing.top_k;
     let pairs = rows * top_k;
@@ -723,12 +676,12 @@ fn quantized_experts(
     // The norm tail (at one row, with the GEMV's int8 scratch: h's planes go there, for the
     // QKV GEMVs after it; gate/up, which reads x's planes from it, is complete when the tail
     // runs: it follows the down kernel's PDL wait).
-    let mut nt = NormTail::default();
+    let mut nt = matmul::NormTail::default();
     let xq = gemv_xq.as_mut().and_then(|g| g.as_mut());
     let tail = match (tail, xq) {
         (Some(t), Some(xq)) if rows == 1 => {
             // (Event tracking is off: the pointers' guards need not outlive the launch.)
-            nt = NormTail {
+            nt = matmul::NormTail {
                 xq: xq.q.device_ptr(&be.stream).0,
                 xd: xq.d.device_ptr(&be.stream).0,
                 ticket: s.norm_ticket.device_ptr(&be.stream).0,

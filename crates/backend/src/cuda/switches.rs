@@ -95,6 +95,12 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_GEMV_NORM",
+        Accepts::OneOf(&[0, 1]),
+        "At one decode row a quantized GEMV that ends a layer's half (o-projection, down) runs \
+         the next RMSNorm in its last block: 0 off (its own launch), 1 on (DECODE_STEP.md)",
+    ),
+    (
         "FERRITE_MOE_NORM",
         Accepts::OneOf(&[0, 1]),
         "At one decode row the MoE down launch's last block runs the next RMSNorm: 0 off (its \

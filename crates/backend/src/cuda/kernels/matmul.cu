@@ -1382,6 +1382,108 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
     __syncthreads();
 }
 
+// The next RMSNorm in a launch's last block (NormTail; matmul.rs, moe.rs:
+// Backend::matmul_add_rms_norm, Backend::moe_add_rms_norm).
+//
+// Why: after the GEMV that ends a layer's half (the o-projection, the down projection, a MoE
+// down + combine) the decode ran a one-block add_rms_norm_v4 launch: ~3 us of launch
+// boundary and dependent loads each (leaving them out: +11% on Qwen3-8B, +7.6% on
+// Qwen3-30B-A3B, DECODE_STEP.md). Here the block that draws the launch's last ticket (every
+// block's outputs written and fenced: tail_ticket) runs that norm itself: x += y,
+// h = rms_norm(x) * w, h's int8 planes for the GEMVs that read h next. The planes go to the
+// GEMV's int8 scratch, which the launch itself may have read its input from: every block
+// has finished reading when the last one draws its ticket.
+// Bits: add_rms_norm_v4's with its own thread count vt (norm_v4_threads in ops.rs). The
+// block's threads play the vt virtual threads (thread t: virtual threads t, t + blockDim,
+// ...), each virtual thread v owns the float4 chunks v, v + vt, ... as there, its squares
+// summed in that order, the virtual warp's butterfly on the real warp's lanes (blockDim and
+// vt are multiples of 32), the warp totals added in virtual-warp order; then the same
+// per-element expressions and quant_q8_vec4. So h, its planes and x + y are bitwise
+// add_rms_norm_v4's (check: moe_add_rms_norm against its composition).
+// A thread holds at most NORM_TAIL_MAXC chunks: the launcher's condition
+// ceil(vt / blockDim) * ceil(chunks / vt) <= NORM_TAIL_MAXC (hidden <= 4096 at 256 threads).
+// y: the launch's output rows [rows][cols], read through L2 (other blocks wrote them).
+// Cost: one fence and atomic per block; the last block's loads of x, y and w in one round.
+struct NormTail {
+    float* x;          // the residual rows (null: no tail)
+    const float* w;    // the norm weight, 16-byte aligned
+    float* h;          // rms_norm(x + y) * w
+    int8_t* xq;        // h's planes as quant_x_q8's (null: none)
+    float2* xd;
+    unsigned* ticket;  // zero between launches; the last block resets it
+    int cols;          // a multiple of 32
+    int vt;            // add_rms_norm_v4's threads for cols
+    float eps;
+};
+#define NORM_TAIL_MAXC 4
+
+__device__ __forceinline__ void norm_tail(const NormTail& nt, const float* y, int rows, unsigned blocks) {
+    __shared__ unsigned nt_last;
+    __shared__ float nt_part[32];
+    tail_ticket(nt.ticket, 1u, blocks, &nt_last);
+    if (!nt_last) return;
+    const int tid = threadIdx.x, nb = blockDim.x, cols = nt.cols, vt = nt.vt;
+    const int chunks = cols >> 2;
+    const int nvt = (vt + nb - 1) / nb;      // virtual threads per thread
+    const int nr = (chunks + vt - 1) / vt;   // chunks per virtual thread
+    for (int r = 0; r < rows; r++) {
+        float4* xr = (float4*)(nt.x + (size_t)r * cols);
+        const float4* yr = (const float4*)(y + (size_t)r * cols);
+        float4 v[NORM_TAIL_MAXC], wv[NORM_TAIL_MAXC];
+        // Slot s: virtual thread tid + i nb, its chunk j (i = s / nr, j = s % nr).
+#pragma unroll
+        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
+            const int i = s / nr, j = s % nr, c = tid + i * nb + j * vt;
+            v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+            wv[s] = v[s];
+            if (i < nvt && tid + i * nb < vt && c < chunks) {
+                float4 a = __ldcg(xr + c);
+                const float4 b = __ldcg(yr + c);
+                wv[s] = __ldg((const float4*)nt.w + c);
+                a.x += b.x;
+                a.y += b.y;
+                a.z += b.z;
+                a.w += b.w;
+                xr[c] = a;
+                v[s] = a;
+            }
+        }
+        // Each virtual thread's sum of squares in its chunks' order, the virtual warps' totals.
+#pragma unroll
+        for (int i = 0; i < NORM_TAIL_MAXC; i++) {
+            if (i >= nvt || tid + i * nb >= vt) break;  // warp-uniform
+            float ss = 0.f;
+#pragma unroll
+            for (int j = 0; j < NORM_TAIL_MAXC; j++) {
+                const int s = i * nr + j;
+                if (j >= nr || s >= NORM_TAIL_MAXC) break;
+                ss += v[s].x * v[s].x + v[s].y * v[s].y + v[s].z * v[s].z + v[s].w * v[s].w;
+            }
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if ((tid & 31) == 0) nt_part[(tid + i * nb) >> 5] = ss;
+        }
+        __syncthreads();
+        float tot = 0.f;
+        for (int k = 0; k < vt >> 5; k++) tot += nt_part[k];
+        const float scale = rsqrtf(tot / (float)cols + nt.eps);
+        float4* hr = (float4*)(nt.h + (size_t)r * cols);
+#pragma unroll
+        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
+            const int i = s / nr, j = s % nr, c = tid + i * nb + j * vt;
+            if (i >= nvt || tid + i * nb >= vt || j * vt >= chunks) continue;  // warp-uniform
+            const bool valid = c < chunks;
+            const float o[4] = {(v[s].x * scale) * wv[s].x, (v[s].y * scale) * wv[s].y, (v[s].z * scale) * wv[s].z,
+                                (v[s].w * scale) * wv[s].w};
+            if (valid) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
+            if (nt.xq != nullptr)
+                quant_q8_vec4(o, valid, nt.xq + (size_t)r * 2 * cols, cols, 4 * c,
+                              nt.xd + (size_t)r * (cols / QK) + (4 * c) / QK);
+        }
+        __syncthreads();  // nt_part is reused by the next row
+    }
+    if (tid == 0) *nt.ticket = 0;
+}
+
 // One tensor-core GEMV block (sm_90+): bulk copy of its tile into two slots, x staged at
 // R = 1 (not for the HALF tile: its long rows' x would take the shared memory of a block),
 // then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
@@ -1599,8 +1701,9 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq##TCN##_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,        \
                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,  \
-                                   float* __restrict__ out, int ks) {                                        \
+                                   float* __restrict__ out, int ks, NormTail nt) {                           \
         gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                 \
+        if (nt.x != nullptr) norm_tail(nt, out, rows, gridDim.x);                                            \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_swiglu##TCN##_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,    \
@@ -1651,11 +1754,12 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         gemvq_tck_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
                                 float* __restrict__ out, int kc, float* __restrict__ part,                  \
-                                unsigned* __restrict__ tickets) {                                           \
+                                unsigned* __restrict__ tickets, NormTail nt) {                              \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bar;                                                          \
         gemvq_tck_block<TYPE, R>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,       \
                                  &gemv_bar);                                                                \
+        if (nt.x != nullptr) norm_tail(nt, out, rows, gridDim.x * gridDim.y);                               \
     }
 #define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
 
@@ -2047,104 +2151,6 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
         quant_q8_lane(v, lane, hq + (size_t)p * 2 * ffn, ffn, grp * QK + lane, hd + (size_t)p * (ffn / QK) + grp);
         if (lane == 0) atomicExch(tk, 0);
     }
-}
-
-// The next RMSNorm in a launch's last block (NormTail; moe.rs, Backend::moe_add_rms_norm).
-//
-// Why: between a MoE layer's down + combine and the next layer's QKV projections the decode
-// ran a one-block add_rms_norm_v4 launch: ~3 us a layer of launch boundary and dependent
-// loads (leaving it out: +7.6% on Qwen3-30B-A3B, DECODE_STEP.md). Here the block that draws
-// the launch's last ticket (every block's outputs written and fenced: tail_ticket) runs that
-// norm itself: x += y, h = rms_norm(x) * w, h's int8 planes for the QKV GEMVs.
-// Bits: add_rms_norm_v4's with its own thread count vt (norm_v4_threads in ops.rs). The
-// block's threads play the vt virtual threads (thread t: virtual threads t, t + blockDim,
-// ...), each virtual thread v owns the float4 chunks v, v + vt, ... as there, its squares
-// summed in that order, the virtual warp's butterfly on the real warp's lanes (blockDim and
-// vt are multiples of 32), the warp totals added in virtual-warp order; then the same
-// per-element expressions and quant_q8_vec4. So h, its planes and x + y are bitwise
-// add_rms_norm_v4's (check: moe_add_rms_norm against its composition).
-// A thread holds at most NORM_TAIL_MAXC chunks: the launcher's condition
-// ceil(vt / blockDim) * ceil(chunks / vt) <= NORM_TAIL_MAXC (hidden <= 4096 at 256 threads).
-// y: the launch's output rows [rows][cols], read through L2 (other blocks wrote them).
-// Cost: one fence and atomic per block; the last block's loads of x, y and w in one round.
-struct NormTail {
-    float* x;          // the residual rows (null: no tail)
-    const float* w;    // the norm weight, 16-byte aligned
-    float* h;          // rms_norm(x + y) * w
-    int8_t* xq;        // h's planes as quant_x_q8's (null: none)
-    float2* xd;
-    unsigned* ticket;  // zero between launches; the last block resets it
-    int cols;          // a multiple of 32
-    int vt;            // add_rms_norm_v4's threads for cols
-    float eps;
-};
-#define NORM_TAIL_MAXC 4
-
-__device__ __forceinline__ void norm_tail(const NormTail& nt, const float* y, int rows, unsigned blocks) {
-    __shared__ unsigned nt_last;
-    __shared__ float nt_part[32];
-    tail_ticket(nt.ticket, 1u, blocks, &nt_last);
-    if (!nt_last) return;
-    const int tid = threadIdx.x, nb = blockDim.x, cols = nt.cols, vt = nt.vt;
-    const int chunks = cols >> 2;
-    const int nvt = (vt + nb - 1) / nb;      // virtual threads per thread
-    const int nr = (chunks + vt - 1) / vt;   // chunks per virtual thread
-    for (int r = 0; r < rows; r++) {
-        float4* xr = (float4*)(nt.x + (size_t)r * cols);
-        const float4* yr = (const float4*)(y + (size_t)r * cols);
-        float4 v[NORM_TAIL_MAXC], wv[NORM_TAIL_MAXC];
-        // Slot s: virtual thread tid + i nb, its chunk j (i = s / nr, j = s % nr).
-#pragma unroll
-        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
-            const int i = s / nr, j = s % nr, c = tid + i * nb + j * vt;
-            v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
-            wv[s] = v[s];
-            if (i < nvt && tid + i * nb < vt && c < chunks) {
-                float4 a = __ldcg(xr + c);
-                const float4 b = __ldcg(yr + c);
-                wv[s] = __ldg((const float4*)nt.w + c);
-                a.x += b.x;
-                a.y += b.y;
-                a.z += b.z;
-                a.w += b.w;
-                xr[c] = a;
-                v[s] = a;
-            }
-        }
-        // Each virtual thread's sum of squares in its chunks' order, the virtual warps' totals.
-#pragma unroll
-        for (int i = 0; i < NORM_TAIL_MAXC; i++) {
-            if (i >= nvt || tid + i * nb >= vt) break;  // warp-uniform
-            float ss = 0.f;
-#pragma unroll
-            for (int j = 0; j < NORM_TAIL_MAXC; j++) {
-                const int s = i * nr + j;
-                if (j >= nr || s >= NORM_TAIL_MAXC) break;
-                ss += v[s].x * v[s].x + v[s].y * v[s].y + v[s].z * v[s].z + v[s].w * v[s].w;
-            }
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if ((tid & 31) == 0) nt_part[(tid + i * nb) >> 5] = ss;
-        }
-        __syncthreads();
-        float tot = 0.f;
-        for (int k = 0; k < vt >> 5; k++) tot += nt_part[k];
-        const float scale = rsqrtf(tot / (float)cols + nt.eps);
-        float4* hr = (float4*)(nt.h + (size_t)r * cols);
-#pragma unroll
-        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
-            const int i = s / nr, j = s % nr, c = tid + i * nb + j * vt;
-            if (i >= nvt || tid + i * nb >= vt || j * vt >= chunks) continue;  // warp-uniform
-            const bool valid = c < chunks;
-            const float o[4] = {(v[s].x * scale) * wv[s].x, (v[s].y * scale) * wv[s].y, (v[s].z * scale) * wv[s].z,
-                                (v[s].w * scale) * wv[s].w};
-            if (valid) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
-            if (nt.xq != nullptr)
-                quant_q8_vec4(o, valid, nt.xq + (size_t)r * 2 * cols, cols, 4 * c,
-                              nt.xd + (size_t)r * (cols / QK) + (4 * c) / QK);
-        }
-        __syncthreads();  // nt_part is reused by the next row
-    }
-    if (tid == 0) *nt.ticket = 0;
 }
 
 // DNW: rows per pass of a warp's slot (2 or 4: the same per-row arithmetic, so the same bits;
