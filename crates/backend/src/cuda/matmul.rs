@@ -788,7 +788,8 @@ const NORM_TAIL_MAXC: usize = 4;
 /// launch of `threads`-thread blocks (x, w, h, cols, vt, eps; the planes and the ticket are
 /// the launcher's), or `None` where it does not apply: more than one row, a row the
 /// vectorised norm does not take (its thread count vt sets the summation order the tail
-/// reproduces), or more than [`NORM_TAIL_MAXC`] chunks per thread.
+/// reproduces: one chunk per virtual thread), or more than [`NORM_TAIL_MAXC`] chunks per
+/// thread.
 pub(crate) fn norm_tail_args(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -804,8 +805,7 @@ pub(crate) fn norm_tail_args(
         return Ok(None);
     };
     let vt = vt as usize;
-    let chunks = cols / 4;
-    if x.rows != 1 || !cols.is_multiple_of(32) || vt.div_ceil(threads) * chunks.div_ceil(vt) > NORM_TAIL_MAXC {
+    if x.rows != 1 || !cols.is_multiple_of(32) || cols / 4 > vt || vt > NORM_TAIL_MAXC * threads {
         return Ok(None);
     }
     // (Event tracking is off: the pointers' guards need not outlive the launch.)

@@ -1393,15 +1393,15 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // h = rms_norm(x) * w, h's int8 planes for the GEMVs that read h next. The planes go to the
 // GEMV's int8 scratch, which the launch itself may have read its input from: every block
 // has finished reading when the last one draws its ticket.
-// Bits: add_rms_norm_v4's with its own thread count vt (norm_v4_threads in ops.rs). The
-// block's threads play the vt virtual threads (thread t: virtual threads t, t + blockDim,
-// ...), each virtual thread v owns the float4 chunks v, v + vt, ... as there, its squares
-// summed in that order, the virtual warp's butterfly on the real warp's lanes (blockDim and
+// Bits: add_rms_norm_v4's with its own thread count vt (norm_v4_threads in ops.rs: one float4
+// chunk per thread, vt >= chunks, up to 4096 columns). The block's threads play the vt
+// virtual threads (thread t: virtual threads t, t + blockDim, ...), each virtual thread's
+// chunk squared as there, the virtual warp's butterfly on the real warp's lanes (blockDim and
 // vt are multiples of 32), the warp totals added in virtual-warp order; then the same
 // per-element expressions and quant_q8_vec4. So h, its planes and x + y are bitwise
-// add_rms_norm_v4's (check: moe_add_rms_norm against its composition).
-// A thread holds at most NORM_TAIL_MAXC chunks: the launcher's condition
-// ceil(vt / blockDim) * ceil(chunks / vt) <= NORM_TAIL_MAXC (hidden <= 4096 at 256 threads).
+// add_rms_norm_v4's (check: matmul_add_rms_norm, moe_add_rms_norm against their
+// compositions). A thread holds at most NORM_TAIL_MAXC chunks: the launcher's condition
+// chunks <= vt <= NORM_TAIL_MAXC * blockDim (hidden <= 4096 at 256 threads).
 // y: the launch's output rows [rows][cols], read through L2 (other blocks wrote them).
 // Cost: one fence and atomic per block; the last block's loads of x, y and w in one round.
 struct NormTail {
@@ -1417,26 +1417,24 @@ struct NormTail {
 };
 #define NORM_TAIL_MAXC 4
 
-__device__ __forceinline__ void norm_tail(const NormTail& nt, const float* y, int rows, unsigned blocks) {
+__device__ __forceinline__ void norm_tail(NormTail nt, const float* y, int rows, unsigned blocks) {
     __shared__ unsigned nt_last;
     __shared__ float nt_part[32];
     tail_ticket(nt.ticket, 1u, blocks, &nt_last);
     if (!nt_last) return;
     const int tid = threadIdx.x, nb = blockDim.x, cols = nt.cols, vt = nt.vt;
     const int chunks = cols >> 2;
-    const int nvt = (vt + nb - 1) / nb;      // virtual threads per thread
-    const int nr = (chunks + vt - 1) / vt;   // chunks per virtual thread
     for (int r = 0; r < rows; r++) {
         float4* xr = (float4*)(nt.x + (size_t)r * cols);
         const float4* yr = (const float4*)(y + (size_t)r * cols);
         float4 v[NORM_TAIL_MAXC], wv[NORM_TAIL_MAXC];
-        // Slot s: virtual thread tid + i nb, its chunk j (i = s / nr, j = s % nr).
+        // Slot s: virtual thread (and chunk) tid + s nb.
 #pragma unroll
         for (int s = 0; s < NORM_TAIL_MAXC; s++) {
-            const int i = s / nr, j = s % nr, c = tid + i * nb + j * vt;
+            const int c = tid + s * nb;
             v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
             wv[s] = v[s];
-            if (i < nvt && tid + i * nb < vt && c < chunks) {
+            if (c < chunks) {
                 float4 a = __ldcg(xr + c);
                 const float4 b = __ldcg(yr + c);
                 wv[s] = __ldg((const float4*)nt.w + c);
@@ -1448,19 +1446,14 @@ __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* y, in
                 v[s] = a;
             }
         }
-        // Each virtual thread's sum of squares in its chunks' order, the virtual warps' totals.
+        // Each virtual thread's sum of squares, the virtual warps' totals.
 #pragma unroll
-        for (int i = 0; i < NORM_TAIL_MAXC; i++) {
-            if (i >= nvt || tid + i * nb >= vt) break;  // warp-uniform
+        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
+            if (tid + s * nb >= vt) break;  // warp-uniform
             float ss = 0.f;
-#pragma unroll
-            for (int j = 0; j < NORM_TAIL_MAXC; j++) {
-                const int s = i * nr + j;
-                if (j >= nr || s >= NORM_TAIL_MAXC) break;
-                ss += v[s].x * v[s].x + v[s].y * v[s].y + v[s].z * v[s].z + v[s].w * v[s].w;
-            }
+            ss += v[s].x * v[s].x + v[s].y * v[s].y + v[s].z * v[s].z + v[s].w * v[s].w;
             for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if ((tid & 31) == 0) nt_part[(tid + i * nb) >> 5] = ss;
+            if ((tid & 31) == 0) nt_part[(tid + s * nb) >> 5] = ss;
         }
         __syncthreads();
         float tot = 0.f;
@@ -1469,8 +1462,8 @@ __device__ __forceinline__ void norm_tail(const NormTail& nt, const float* y, in
         float4* hr = (float4*)(nt.h + (size_t)r * cols);
 #pragma unroll
         for (int s = 0; s < NORM_TAIL_MAXC; s++) {
-            const int i = s / nr, j = s % nr, c = tid + i * nb + j * vt;
-            if (i >= nvt || tid + i * nb >= vt || j * vt >= chunks) continue;  // warp-uniform
+            const int c = tid + s * nb;
+            if (c >= vt) break;  // warp-uniform
             const bool valid = c < chunks;
             const float o[4] = {(v[s].x * scale) * wv[s].x, (v[s].y * scale) * wv[s].y, (v[s].z * scale) * wv[s].z,
                                 (v[s].w * scale) * wv[s].w};
@@ -2159,7 +2152,7 @@ template <int TYPE, int DNW = 2>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
                                                const float* __restrict__ logits, int n_experts, int top_k, int norm,
-                                               float* __restrict__ out, const NormTail& nt) {
+                                               float* __restrict__ out, NormTail nt) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[GEMV_WARPS];
     __shared__ float rp[MOE_ROUTE_MAX];
