@@ -497,8 +497,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // each span widened to whole 16-byte units as above; n = 0: no copy), completing on the
 // block's mbarrier bar; then the block barrier (bar initialised before anyone waits) and the
 // PDL entry. Before sm_90 only the PDL entry.
+// trigger: let the successor launch now (PDL_ENTRY); false: at this block's end, or where a
+// norm tail's last block says (norm_tail).
 __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, const uint8_t* b, int nb,
-                                                    long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
+                                                    long long rb, size_t slot, uint8_t* smem, uint64_t* bar,
+                                                    bool trigger = true) {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
         size_t a0[2], len[2];
@@ -523,16 +526,18 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
     }
     __syncthreads();
 #endif
-    PDL_ENTRY();
+    pdl_wait();
+    if (trigger) pdl_launch_dependents();
 }
 
 // The lane-code GEMV's copies: rows [r0, r0 + per_block) (clamped to n_out) of W into slot 0
 // and, for the fused SwiGLU, of W2 into slot 1.
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
-                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
+                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar,
+                                                   bool trigger = true) {
     const int n = max(0, min(per_block, n_out - r0));
     bulk_prologue_spans(W + (size_t)r0 * (size_t)rb, n, W2 ? W2 + (size_t)r0 * (size_t)rb : nullptr, W2 ? n : 0,
-                        rb, gemv_slot(per_block, rb), smem, bar);
+                        rb, gemv_slot(per_block, rb), smem, bar, trigger);
 }
 
 
@@ -1422,6 +1427,10 @@ __device__ __forceinline__ void norm_tail(NormTail nt, const float* y, int rows,
     __shared__ float nt_part[32];
     tail_ticket(nt.ticket, 1u, blocks, &nt_last);
     if (!nt_last) return;
+    // The launch's blocks did not let the successor launch early (its blocks would take the
+    // SM slots of this launch's later waves and copy beside them: measured 6-10 us slower per
+    // tail); every other block has finished, so it launches now and copies during the norm.
+    pdl_launch_dependents();
     const int tid = threadIdx.x, nb = blockDim.x, cols = nt.cols, vt = nt.vt;
     const int chunks = cols >> 2;
     for (int r = 0; r < rows; r++) {
@@ -1486,7 +1495,8 @@ template <int TYPE, int R, bool SWIGLU, bool HALF>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                               int bx, uint8_t* smem, uint64_t* bar) {
+                                               int bx, uint8_t* smem, uint64_t* bar,
+                                               bool trigger = true) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1496,7 +1506,8 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
     const size_t slot = tc_slot(rb, NS);
-    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
+    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar,
+                        trigger);
     const uint8_t* s0 = smem + ((size_t)pa & 15);
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
@@ -1540,7 +1551,8 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                 float* __restrict__ part, unsigned* __restrict__ tickets,
-                                                uint8_t* smem, uint64_t* bar) {
+                                                uint8_t* smem, uint64_t* bar,
+                                                bool trigger = true) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -1561,7 +1573,8 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
         bulk_g2s(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srb, (size_t)src, (uint32_t)srb);
     }
-    PDL_ENTRY();
+    pdl_wait();
+    if (trigger) pdl_launch_dependents();
     // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
     uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB, NS);
     if (XS) tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
@@ -1595,7 +1608,7 @@ template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx) {
+                                      int bx, bool trigger = true) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1610,10 +1623,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
-        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
+        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar,
+                                               trigger);
         return;
     }
-    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
+    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar, trigger);
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
@@ -1695,7 +1709,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         gemvq##TCN##_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,        \
                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,  \
                                    float* __restrict__ out, int ks, NormTail nt) {                           \
-        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                 \
+        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x, nt.x == nullptr); \
         if (nt.x != nullptr) norm_tail(nt, out, rows, gridDim.x);                                            \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
@@ -1751,7 +1765,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bar;                                                          \
         gemvq_tck_block<TYPE, R>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,       \
-                                 &gemv_bar);                                                                \
+                                 &gemv_bar, nt.x == nullptr);                                               \
         if (nt.x != nullptr) norm_tail(nt, out, rows, gridDim.x * gridDim.y);                               \
     }
 #define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
@@ -2186,7 +2200,9 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
 #endif
         }
     }
-    PDL_ENTRY();  // hq, hd: the gate/up kernel
+    // hq, hd: the gate/up kernel. With a norm tail the successor launches from its last block.
+    pdl_wait();
+    if (nt.x == nullptr) pdl_launch_dependents();
     uint32_t ph = 0;  // copies this warp's slot has completed (barrier phases)
     for (int k = warp; k < top_k; k += GEMV_WARPS) {
         const int p = t * top_k + k;
