@@ -181,6 +181,17 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     set("gemv_diag", diag)?;
+    // The norm tail's ticket (matmul.cu gemv_tail_mode): FERRITE_TAIL_TICKET, or a timing
+    // diagnostic of FERRITE_DIAG_SKIP (4: the ticket without the norm, 8: neither).
+    let skip = switches::diag_skip();
+    let tail = if skip & 8 != 0 {
+        3
+    } else if skip & 4 != 0 {
+        2
+    } else {
+        switches::int_or("FERRITE_TAIL_TICKET", 0) as i32
+    };
+    set("gemv_tail_mode", tail)?;
     stream.synchronize()?;
     Ok(())
 }

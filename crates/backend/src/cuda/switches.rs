@@ -76,8 +76,13 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_DIAG_SKIP",
-        Accepts::Range(0, 3),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
+        Accepts::Range(0, 15),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8; of the norm tail's work, 4 the norm (the ticket kept), 8 both (DECODE_STEP.md)",
+    ),
+    (
+        "FERRITE_TAIL_TICKET",
+        Accepts::OneOf(&[0, 1]),
+        "The norm tail's ticket: 0 fence + atomic, 1 one acquire-release atomic (DECODE_STEP.md)",
     ),
     (
         "FERRITE_NORM_ROUTER",

@@ -367,6 +367,10 @@ __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
 __constant__ int gemv_pf_head;
+// The norm tail's ticket (matmul.rs; FERRITE_TAIL_TICKET, FERRITE_DIAG_SKIP): 0 fence + atomic
+// (tail_ticket), 1 one acquire-release atomic; timing diagnostics (wrong outputs): 2 the ticket
+// but no norm, 3 neither.
+__constant__ int gemv_tail_mode;
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
@@ -1425,12 +1429,30 @@ struct NormTail {
 __device__ __forceinline__ void norm_tail(NormTail nt, const float* y, int rows, unsigned blocks) {
     __shared__ unsigned nt_last;
     __shared__ float nt_part[32];
-    tail_ticket(nt.ticket, 1u, blocks, &nt_last);
+    const int mode = gemv_tail_mode;
+    if (mode == 3) return;
+    if (mode == 1) {
+        // The release orders the block's writes (gathered by the barrier) before the add, the
+        // acquire the last block's reads after it: no separate fence.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned old;
+            asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(nt.ticket) : "memory");
+            nt_last = old + 1u == blocks;
+        }
+        __syncthreads();
+    } else {
+        tail_ticket(nt.ticket, 1u, blocks, &nt_last);
+    }
     if (!nt_last) return;
     // The launch's blocks did not let the successor launch early (its blocks would take the
     // SM slots of this launch's later waves and copy beside them: measured 6-10 us slower per
     // tail); every other block has finished, so it launches now and copies during the norm.
     pdl_launch_dependents();
+    if (mode == 2) {
+        if (threadIdx.x == 0) *nt.ticket = 0;
+        return;
+    }
     const int tid = threadIdx.x, nb = blockDim.x, cols = nt.cols, vt = nt.vt;
     const int chunks = cols >> 2;
     for (int r = 0; r < rows; r++) {
