@@ -530,24 +530,6 @@ pub trait Backend: Send + Sync {
         eps: f32,
         h: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// A GEMV that ends a layer's half and the residual add + RMSNorm after it: `y = a · wᵀ`
-    /// ([`Backend::matmul`]), then `x += y` and `h = rms_norm(x) · norm`
-    /// ([`Backend::add_rms_norm`]). The values are bitwise those of the two ops (the default;
-    /// on CUDA at one decode row the GEMV launch's last block runs the norm).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_add_rms_norm(
-        &self,
-        a: &Act<Self::Buf>,
-        w: &Self::Weight,
-        y: &mut Act<Self::Buf>,
-        x: &mut Act<Self::Buf>,
-        norm: &Self::Weight,
-        eps: f32,
-        h: &mut Act<Self::Buf>,
-    ) -> Result<()> {
-        self.matmul(a, w, y)?;
-        self.add_rms_norm(x, y, norm, eps, h)
-    }
     /// A MoE block's input and router in one op: the residual add `x + y`, `h = rms_norm(x +
     /// y) · w` row by row, and `out = h · wmᵀ` as [`Backend::matmul`]. The sum goes into `x`
     /// (returns `false`: [`Backend::add_rms_norm`] + `matmul`, the CPU backend's way) or out
@@ -698,25 +680,6 @@ pub trait Backend: Send + Sync {
         routing: MoeRouting,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// A MoE block and the residual add + RMSNorm after it: `y = moe(h)`, then `x += y` and
-    /// `h = rms_norm(x) · w` ([`Backend::add_rms_norm`]; `h`, the block's input, becomes the
-    /// next layer's). The values are bitwise those of `moe` + `add_rms_norm` (the default; on
-    /// CUDA at one decode row the down launch's last block runs the norm).
-    #[allow(clippy::too_many_arguments)]
-    fn moe_add_rms_norm(
-        &self,
-        h: &mut Act<Self::Buf>,
-        router_logits: &Act<Self::Buf>,
-        experts: ExpertWeights<'_, Self::Weight>,
-        routing: MoeRouting,
-        y: &mut Act<Self::Buf>,
-        x: &mut Act<Self::Buf>,
-        w: &Self::Weight,
-        eps: f32,
-    ) -> Result<()> {
-        self.moe(h, router_logits, experts, routing, y)?;
-        self.add_rms_norm(x, y, w, eps, h)
-    }
 
     /// Greedy token choice on the device: `out[t] = argmax(logits[t])` (ties to the lower id).
     fn argmax(&self, logits: &Act<Self::Buf>, out: &mut Self::IBuf) -> Result<()>;

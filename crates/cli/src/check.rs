@@ -268,7 +268,6 @@ const OPS: &[&str] = &[
     "matmul",
     "matmuls",
     "matmul_swiglu",
-    "matmul_add_rms_norm",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -279,7 +278,6 @@ const OPS: &[&str] = &[
     "qk_norm_rope",
     "attention",
     "moe",
-    "moe_add_rms_norm",
     "argmax",
     "top_k",
     "capture/replay",
@@ -312,14 +310,6 @@ enum Op {
         head_dim: usize,
     },
     Matmul {
-        ty: GgmlType,
-        n_in: usize,
-        n_out: usize,
-        rows: usize,
-    },
-    /// `matmul_add_rms_norm`: the GEMV that ends a layer's half, then the residual add and
-    /// the next RMSNorm (`n_out` the residual's width).
-    MatmulAddRmsNorm {
         ty: GgmlType,
         n_in: usize,
         n_out: usize,
@@ -418,8 +408,6 @@ enum Op {
         gate_ty: GgmlType,
         down_ty: GgmlType,
         rows: usize,
-        /// `moe_add_rms_norm`: the block, then the residual add and the next RMSNorm.
-        then_norm: bool,
     },
     Argmax {
         rows: usize,
@@ -548,15 +536,6 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_out,
             rows,
         } => ("matmul", format!("matmul {ty} {n_in}->{n_out} rows={rows}")),
-        Op::MatmulAddRmsNorm {
-            ty,
-            n_in,
-            n_out,
-            rows,
-        } => (
-            "matmul_add_rms_norm",
-            format!("matmul_add_rms_norm {ty} {n_in}->{n_out} rows={rows}"),
-        ),
         Op::Matmuls {
             ty,
             n_in,
@@ -671,21 +650,13 @@ fn describe(op: &Op) -> (&'static str, String) {
             gate_ty,
             down_ty,
             rows,
-            then_norm,
-        } => {
-            let name = if *then_norm {
-                "moe_add_rms_norm"
-            } else {
-                "moe"
-            };
-            (
-                name,
-                format!(
-                    "{name} e{} top{} {hidden}/{ffn} {gate_ty}/{down_ty} norm={} rows={rows}",
-                    routing.n_experts, routing.top_k, routing.norm_topk
-                ),
-            )
-        }
+        } => (
+            "moe",
+            format!(
+                "moe e{} top{} {hidden}/{ffn} {gate_ty}/{down_ty} norm={} rows={rows}",
+                routing.n_experts, routing.top_k, routing.norm_topk
+            ),
+        ),
         Op::Argmax { rows, cols, kind } => ("argmax", format!("argmax {kind:?} {rows}x{cols}")),
         Op::TopK {
             rows,
@@ -936,31 +907,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     rows,
                 });
             }
-        }
-    }
-
-    // --- matmul_add_rms_norm: the o-projection and down shapes of Qwen3-8B (CUDA at one row:
-    // the norm tail of the tensor-core tile, the K-split tile and the lane code; Q8_0 the lane
-    // code; F16 and more rows the two ops), a small one (one virtual thread per thread), and a
-    // residual too wide for the tail's slots (the two ops).
-    let mut norm_sets: Vec<(GgmlType, usize, usize)> = vec![
-        (GgmlType::Q4K, 1024, 512),
-        (GgmlType::Q6K, 512, 1024),
-        (GgmlType::Q4K, 256, 8192),
-    ];
-    if !quick {
-        for ty in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
-            norm_sets.extend([(ty, 4096, 4096), (ty, 12288, 4096)]);
-        }
-    }
-    for (ty, n_in, n_out) in norm_sets {
-        for rows in [1, 3] {
-            add(Op::MatmulAddRmsNorm {
-                ty,
-                n_in,
-                n_out,
-                rows,
-            });
         }
     }
 
@@ -1405,7 +1351,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     gate_ty,
                     down_ty,
                     rows,
-                    then_norm: false,
                 });
             }
         }
@@ -1429,7 +1374,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                         gate_ty,
                         down_ty,
                         rows,
-                        then_norm: false,
                     });
                 }
             }
@@ -1451,37 +1395,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     gate_ty,
                     down_ty,
                     rows,
-                    then_norm: false,
-                });
-            }
-        }
-    }
-
-    // --- the MoE block with the residual add and the next RMSNorm (CUDA at one row: the
-    // down launch's norm tail; hidden 8192 exceeds the tail's slots and takes the two ops).
-    let mut norm_shapes = vec![(8, 2, 256, 512), (8, 2, 8192, 256)];
-    if !quick {
-        // Qwen3-30B-A3B's experts; a 4096-wide residual (four slots per thread).
-        norm_shapes.extend([(128, 8, 2048, 768), (16, 4, 4096, 256)]);
-    }
-    for (n_experts, top_k, hidden, ffn) in norm_shapes {
-        for (gate_ty, down_ty) in [
-            (GgmlType::Q4K, GgmlType::Q6K),
-            (GgmlType::Q8_0, GgmlType::Q8_0),
-        ] {
-            for rows in [1, 5] {
-                add(Op::Moe {
-                    routing: MoeRouting {
-                        n_experts,
-                        top_k,
-                        norm_topk: true,
-                    },
-                    hidden,
-                    ffn,
-                    gate_ty,
-                    down_ty,
-                    rows,
-                    then_norm: true,
                 });
             }
         }
@@ -1860,24 +1773,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
             h.out = (rows, n_out);
         }
-        Op::MatmulAddRmsNorm {
-            ty,
-            n_in,
-            n_out,
-            rows,
-        } => {
-            h.weights
-                .push((ty, vec![n_out, n_in], gen_weight(ty, &[n_out, n_in], seed)?));
-            let w: Vec<f32> = (0..n_out).map(|_| 1.0 + 0.1 * rng.normal()).collect();
-            h.weights.push((GgmlType::F32, vec![n_out], f32_bytes(&w)));
-            // a (the GEMV's input), x (the residual, kept as generated), y (the GEMV's
-            // output, poisoned); out: h, out2: x's working copy.
-            h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
-            h.acts.push((rng.normals(rows * n_out, 2.0), rows, n_out));
-            h.acts.push((vec![f32::NAN; rows * n_out], rows, n_out));
-            h.out = (rows, n_out);
-            h.out2 = Some((rows, n_out));
-        }
         Op::Matmuls {
             ty,
             n_in,
@@ -2057,7 +1952,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             gate_ty,
             down_ty,
             rows,
-            then_norm,
         } => {
             let ne = routing.n_experts;
             for (i, (ty, shape)) in [
@@ -2074,16 +1968,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * hidden, 1.0), rows, hidden));
             h.acts.push((rng.normals(rows * ne, 2.0), rows, ne));
             h.out = (rows, hidden);
-            if then_norm {
-                // The next norm's weight; x (the residual, kept as generated) and y (the
-                // block's output, poisoned); out: h's working copy (reset to the block's
-                // input), out2: x's.
-                let w: Vec<f32> = (0..hidden).map(|_| 1.0 + 0.1 * rng.normal()).collect();
-                h.weights.push((GgmlType::F32, vec![hidden], f32_bytes(&w)));
-                h.acts.push((rng.normals(rows * hidden, 2.0), rows, hidden));
-                h.acts.push((vec![f32::NAN; rows * hidden], rows, hidden));
-                h.out2 = Some((rows, hidden));
-            }
         }
         Op::Argmax { rows, cols, kind }
         | Op::TopK {
@@ -2436,13 +2320,6 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.copy_rows(&p.a[0], 0, &mut p.out)?;
             be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?)
         }
-        Op::Moe {
-            then_norm: true, ..
-        } => {
-            be.copy_rows(&p.a[0], 0, &mut p.out)?;
-            be.copy_rows(&p.a[2], 0, out2(&mut p.out2)?)
-        }
-        Op::MatmulAddRmsNorm { .. } => be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?),
         _ => Ok(()),
     }
 }
@@ -2490,13 +2367,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::RmsNorm { .. } => be.rms_norm(&p.a[0], &p.w[0], EPS, &mut p.out),
         Op::HeadRmsNorm { head_dim, .. } => be.head_rms_norm(&mut p.out, &p.w[0], *head_dim, EPS),
         Op::Matmul { .. } => be.matmul(&p.a[0], &p.w[0], &mut p.out),
-        Op::MatmulAddRmsNorm { .. } => {
-            let [a, _, y] = &mut p.a[..] else {
-                bail!("matmul_add_rms_norm: expected 3 activations")
-            };
-            let x = out2(&mut p.out2)?;
-            be.matmul_add_rms_norm(a, &p.w[0], y, x, &p.w[1], EPS, &mut p.out)
-        }
         Op::Matmuls { v: None, .. } => {
             let [x, first] = &mut p.a[..] else {
                 bail!("matmuls: expected 2 activations")
@@ -2602,22 +2472,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 },
                 &mut p.out,
             )
-        }
-        Op::Moe {
-            routing,
-            then_norm: true,
-            ..
-        } => {
-            let [_, logits, _, y] = &mut p.a[..] else {
-                bail!("moe_add_rms_norm: expected 4 activations")
-            };
-            let experts = ExpertWeights {
-                gate: &p.w[0],
-                up: &p.w[1],
-                down: &p.w[2],
-            };
-            let x = out2(&mut p.out2)?;
-            be.moe_add_rms_norm(&mut p.out, logits, experts, *routing, y, x, &p.w[3], EPS)
         }
         Op::Moe { routing, .. } => be.moe(
             &p.a[0],
@@ -2727,17 +2581,6 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
         ids.extend(vals.iter().map(|v| v.to_bits() as i32));
         return Ok((Output::I(ids), p));
     }
-    if let Op::Moe {
-        routing,
-        then_norm: true,
-        ..
-    } = op
-    {
-        moe_norm_same_as_composition(be, op, *routing, h, &mut p)?;
-    }
-    if let Op::MatmulAddRmsNorm { .. } = op {
-        matmul_norm_same_as_composition(be, op, h, &mut p)?;
-    }
     if let Op::AddRmsNormMatmul { .. } = op {
         same_as_composition(be, op, h, &mut p)?;
         // The second output checked is h + the sum (Op::AddRmsNormMatmul).
@@ -2778,88 +2621,19 @@ fn same_as_composition<B: Backend>(
         ),
         ("x + y", be.to_host(&p.a[2])?, be.to_host(&q.a[2])?),
     ];
-    all_bits_equal("add_rms_norm_matmul", &pairs)
-}
-
-/// The outputs of an op that ends in the residual add and RMSNorm (h in `out`, x + y in
-/// `out2`), fused (`p`) beside composed (`q`), for [`all_bits_equal`].
-fn norm_outputs<B: Backend>(
-    be: &B,
-    p: &mut Prepared<B>,
-    q: &mut Prepared<B>,
-) -> Result<[(&'static str, Vec<f32>, Vec<f32>); 2]> {
-    Ok([
-        ("h", be.to_host(&p.out)?, be.to_host(&q.out)?),
-        (
-            "x + y",
-            be.to_host(out2(&mut p.out2)?)?,
-            be.to_host(out2(&mut q.out2)?)?,
-        ),
-    ])
-}
-
-/// Fails unless each (what, fused, composed) pair of an op's outputs agrees bit for bit.
-fn all_bits_equal(op: &str, pairs: &[(&str, Vec<f32>, Vec<f32>)]) -> Result<()> {
     for (what, fused, composed) in pairs {
         let differ = fused
             .iter()
-            .zip(composed)
+            .zip(&composed)
             .filter(|(a, b)| a.to_bits() != b.to_bits())
             .count();
         anyhow::ensure!(
             differ == 0,
-            "{op}: {what} differs from the composition's in {differ} of {} values",
+            "add_rms_norm_matmul: {what} differs from the composition's in {differ} of {} values",
             fused.len()
         );
     }
     Ok(())
-}
-
-/// `moe_add_rms_norm` against its composition (moe, add_rms_norm) on the same backend: h and
-/// the sum bitwise equal (CUDA's norm tail in the down launch must reproduce add_rms_norm).
-fn moe_norm_same_as_composition<B: Backend>(
-    be: &B,
-    op: &Op,
-    routing: MoeRouting,
-    h: &HostData,
-    p: &mut Prepared<B>,
-) -> Result<()> {
-    let mut q = prepare(be, op, h)?;
-    reset(be, op, &mut q)?;
-    {
-        let [_, logits, _, y] = &mut q.a[..] else {
-            bail!("moe_add_rms_norm: expected 4 activations")
-        };
-        let experts = ExpertWeights {
-            gate: &q.w[0],
-            up: &q.w[1],
-            down: &q.w[2],
-        };
-        be.moe(&q.out, logits, experts, routing, y)?;
-        be.add_rms_norm(out2(&mut q.out2)?, y, &q.w[3], EPS, &mut q.out)?;
-    }
-    all_bits_equal("moe_add_rms_norm", &norm_outputs(be, p, &mut q)?)
-}
-
-/// `matmul_add_rms_norm` against its composition (matmul, add_rms_norm) on the same backend:
-/// h and the sum bitwise equal (CUDA's norm tail in the GEMV launch must reproduce
-/// add_rms_norm).
-fn matmul_norm_same_as_composition<B: Backend>(
-    be: &B,
-    op: &Op,
-    h: &HostData,
-    p: &mut Prepared<B>,
-) -> Result<()> {
-    let mut q = prepare(be, op, h)?;
-    reset(be, op, &mut q)?;
-    {
-        let [a, _, y] = &mut q.a[..] else {
-            bail!("matmul_add_rms_norm: expected 3 activations")
-        };
-        be.matmul(a, &q.w[0], y)?;
-        be.add_rms_norm(out2(&mut q.out2)?, y, &q.w[1], EPS, &mut q.out)?;
-    }
-    all_bits_equal("matmul_add_rms_norm", &norm_outputs(be, p, &mut q)?)
 }
 
 /// The active rows of an output; checks that the poisoned row past them is untouched.
@@ -2908,9 +2682,6 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
         Op::Matmul {
-            ty, n_out, rows, ..
-        }
-        | Op::MatmulAddRmsNorm {
             ty, n_out, rows, ..
         }
         | Op::Matmuls {
@@ -2987,7 +2758,7 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
     let f = |x: usize| x as f64;
     match op {
         Op::Embed { ty, dim, rows, .. } => f(rows * ty.bytes_for(*dim).unwrap_or(0)) + f(out),
-        Op::Matmul { .. } | Op::MatmulAddRmsNorm { .. } => f(h.weights[0].2.len() + acts + out),
+        Op::Matmul { .. } => f(h.weights[0].2.len() + acts + out),
         Op::Matmuls { .. } | Op::MatmulSwiglu { .. } => {
             let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
             f(w + acts + out)

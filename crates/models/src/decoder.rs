@@ -76,12 +76,6 @@ pub(crate) struct FfnScratch<'a, B: Backend> {
 /// layer takes the norm and its router in one op ([`Backend::add_rms_norm_matmul`]: on CUDA
 /// at decode one launch instead of two dependent ones); where that op puts the sum out of
 /// place, into `x_alt`, the two references swap, so `x` holds the residual afterwards.
-/// `pre_normed`: a dense layer's `x += y`, `h = rms_norm(x) · norm` already ran with the
-/// attention output's projection ([`Backend::matmul_add_rms_norm`]). `next_norm`: the norm
-/// after the block (the next layer's input norm, same eps). A dense layer, or a MoE layer
-/// without a shared expert, then also runs `x += y`, `h = rms_norm(x) · next_norm` with its
-/// last GEMV ([`Backend::matmul_add_rms_norm`], [`Backend::moe_add_rms_norm`]) and returns
-/// true; otherwise false (the caller's).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn ffn_half<'x, B: Backend>(
     be: &B,
@@ -89,45 +83,18 @@ pub(crate) fn ffn_half<'x, B: Backend>(
     moe: Option<&MoeConfig>,
     (x, x_alt): (&mut &'x mut Act<B::Buf>, &mut &'x mut Act<B::Buf>),
     (norm, eps): (&B::Weight, f32),
-    pre_normed: bool,
-    next_norm: Option<&B::Weight>,
     h: &mut Act<B::Buf>,
     s: FfnScratch<'_, B>,
     y: &mut Act<B::Buf>,
-) -> Result<bool> {
-    if let Ffn::Moe {
-        router,
-        gate,
-        up,
-        down,
-        shared,
-    } = ffn
-    {
+) -> Result<()> {
+    if let Ffn::Moe { router, .. } = ffn {
         if be.add_rms_norm_matmul(x, y, x_alt, norm, eps, h, router, s.router)? {
             std::mem::swap(x, x_alt);
         }
-        if let (Some(next), None) = (next_norm, shared) {
-            let moe = moe.context("MoE layer without MoE config")?;
-            let experts = ExpertWeights { gate, up, down };
-            be.moe_add_rms_norm(h, s.router, experts, moe.routing, y, x, next, eps)?;
-            return Ok(true);
-        }
-        ffn_block(be, ffn, moe, h, s, y, true)?;
-        return Ok(false);
+        return ffn_block(be, ffn, moe, h, s, y, true);
     }
-    if !pre_normed {
-        be.add_rms_norm(x, y, norm, eps, h)?;
-    }
-    if let (Ffn::Dense { gate, up, down }, Some(next)) = (ffn, next_norm) {
-        let FfnScratch {
-            gate: g, up: u, act, ..
-        } = s;
-        be.matmul_swiglu(h, gate, up, (g, u), act)?;
-        be.matmul_add_rms_norm(act, down, y, x, next, eps, h)?;
-        return Ok(true);
-    }
-    ffn_block(be, ffn, moe, h, s, y, false)?;
-    Ok(false)
+    be.add_rms_norm(x, y, norm, eps, h)?;
+    ffn_block(be, ffn, moe, h, s, y, false)
 }
 
 /// `y = FFN(h)` for one layer; `routed`: a MoE layer's router logits are already in the
@@ -476,14 +443,7 @@ impl<B: Backend> Model<B> {
                 },
                 att,
             )?;
-            // A dense layer's x += y, h = rms_norm(x) · ffn_norm with the o-projection (a MoE
-            // layer's goes with its router, in ffn_half).
-            let pre_normed = matches!(l.ffn, Ffn::Dense { .. });
-            if pre_normed {
-                be.matmul_add_rms_norm(att, &l.wo, y, x, &l.ffn_norm, cfg.rms_eps, h)?;
-            } else {
-                be.matmul(att, &l.wo, y)?;
-            }
+            be.matmul(att, &l.wo, y)?;
 
             // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
             let scratch = FfnScratch::<B> {
@@ -494,27 +454,22 @@ impl<B: Backend> Model<B> {
                 shared: None,
             };
             let norm = (&l.ffn_norm, cfg.rms_eps);
-            // x += y, h = the next layer's attention input (or the output norm's result):
-            // with the experts where the FFN half can, else here.
-            let next_norm = self
-                .layers
-                .get(il + 1)
-                .map_or(&self.out_norm, |n| &n.attn_norm);
-            let normed = ffn_half(
+            ffn_half(
                 be,
                 &l.ffn,
                 cfg.moe.as_ref(),
                 (&mut x, &mut x_alt),
                 norm,
-                pre_normed,
-                Some(next_norm),
                 h,
                 scratch,
                 y,
             )?;
-            if !normed {
-                be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
-            }
+            // x += y, h = the next layer's attention input (or the output norm's result).
+            let next_norm = self
+                .layers
+                .get(il + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
         }
 
         self.output_logits(be, ws, which)

@@ -270,24 +270,19 @@ pub(crate) fn forward_layers<B: Backend>(
             shared: Some((&mut hb.shared, &mut hb.shared_gate)),
         };
         let norm = (&l.ffn_norm, eps);
-        // x += y, h = the next layer's mixer input (or the output norm's result): with the
-        // experts where the FFN half can, else here.
-        let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
-        let normed = ffn_half(
+        ffn_half(
             be,
             &l.ffn,
             cfg.moe.as_ref(),
             (&mut x, &mut x_alt),
             norm,
-            false,
-            Some(next_norm),
             h,
             scratch,
             y,
         )?;
-        if !normed {
-            be.add_rms_norm(x, y, next_norm, eps, h)?;
-        }
+        // x += y, h = the next layer's mixer input (or the output norm's result).
+        let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
+        be.add_rms_norm(x, y, next_norm, eps, h)?;
     }
     Ok(())
 }

@@ -120,11 +120,6 @@ pub struct Kernels {
     /// Whether the MoE gate/up blocks prefetch their experts' down rows into L2 (matmul.cu
     /// `moe_down_prefetch`; on unless `FERRITE_MOE_PF=0`).
     pub(crate) moe_down_prefetch: bool,
-    /// [`matmul_add_rms_norm`] may run the norm in the GEMV launch's last block
-    /// (`FERRITE_GEMV_NORM`, default 1).
-    norm_tail: bool,
-    /// The norm tail's ticket ([`norm_ticket`]).
-    norm_ticket: Mutex<Option<CudaSlice<u32>>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
@@ -181,17 +176,6 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     set("gemv_diag", diag)?;
-    // The norm tail's ticket (matmul.cu gemv_tail_mode): FERRITE_TAIL_TICKET, or a timing
-    // diagnostic of FERRITE_DIAG_SKIP (4: the ticket without the norm, 8: neither).
-    let skip = switches::diag_skip();
-    let tail = if skip & 8 != 0 {
-        3
-    } else if skip & 4 != 0 {
-        2
-    } else {
-        switches::int_or("FERRITE_TAIL_TICKET", 0) as i32
-    };
-    set("gemv_tail_mode", tail)?;
     stream.synchronize()?;
     Ok(())
 }
@@ -353,8 +337,6 @@ impl Kernels {
             gemvq_moe_smem,
             gemvq_moe_gu_tc,
             moe_down_prefetch: switches::int_or("FERRITE_MOE_PF", 1) != 0,
-            norm_tail: switches::int_or("FERRITE_GEMV_NORM", 1) != 0,
-            norm_ticket: Mutex::new(None),
             quant_x: function(&m, "quant_x_q8")?,
             bulk,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
@@ -594,49 +576,10 @@ pub fn matmul(
     w: &CudaWeight,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    matmul_tail(be, x, w, out, None).map(|_| ())
-}
-
-/// `out = a · wᵀ` ([`matmul`]), then `x += out` and `h = rms_norm(x) · norm`
-/// ([`crate::Backend::matmul_add_rms_norm`]). At one decode row on the quantized-x GEMV (but
-/// the 8-row tile) the launch's last block runs the norm (matmul.cu `norm_tail`:
-/// add_rms_norm_v4's bits) and writes h's planes for the GEMVs that read h next; otherwise
-/// the two ops. `FERRITE_GEMV_NORM=0` always takes the two ops.
-#[allow(clippy::too_many_arguments)]
-pub fn matmul_add_rms_norm(
-    be: &CudaBackend,
-    a: &Act<CudaSlice<f32>>,
-    w: &CudaWeight,
-    out: &mut Act<CudaSlice<f32>>,
-    x: &mut Act<CudaSlice<f32>>,
-    norm: &CudaWeight,
-    eps: f32,
-    h: &mut Act<CudaSlice<f32>>,
-) -> Result<()> {
-    let tail = if be.matmul.norm_tail && a.rows == 1 && uses_gemvq(w, 1) {
-        norm_tail_args(be, x, out, norm, eps, h, GEMV_WARPS * 32)?
-    } else {
-        None
-    };
-    if !matmul_tail(be, a, w, out, tail)? {
-        super::ops::add_rms_norm(be, x, out, norm, eps, h)?;
-    }
-    Ok(())
-}
-
-/// [`matmul`], with the norm tail where `tail` is given and the launch takes it (the
-/// quantized-x GEMV at one row, but the 8-row tile): returns whether it ran.
-fn matmul_tail(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    w: &CudaWeight,
-    out: &mut Act<CudaSlice<f32>>,
-    tail: Option<NormTail>,
-) -> Result<bool> {
     let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
     let rows = x.rows;
     if rows == 0 || n_out == 0 {
-        return Ok(false);
+        return Ok(());
     }
     ensure!(
         n_in > 0,
@@ -703,30 +646,15 @@ fn matmul_tail(
                     .launch(cfg)
             }?;
         }
-        return Ok(false);
+        return Ok(());
     }
 
     if rows <= GEMV_MAX_ROWS && uses_gemvq(w, rows) {
-        let mut guard = quantize_x(be, x)?;
-        let xq = guard
-            .as_mut()
+        let xq = quantize_x(be, x)?;
+        let xq = xq
+            .as_ref()
             .ok_or_else(|| anyhow!("matmul: int8 scratch missing"))?;
-        // The tail writes h's planes into the int8 scratch (after every block has read x's
-        // from it) and the ticket is the backend's one.
-        let tail = match tail.filter(|_| rows == 1) {
-            Some(t) => Some(NormTail {
-                xq: xq.q.device_ptr(&be.stream).0,
-                xd: xq.d.device_ptr(&be.stream).0,
-                ticket: norm_ticket(be)?,
-                ..t
-            }),
-            None => None,
-        };
-        let ran = gemvq_launch(be, xq, w, None, out, rows, tail.as_ref())?;
-        if let (true, Some(t)) = (ran, tail) {
-            xq.src = Some((t.h, 1, t.cols as usize, super::launch::launch_count()));
-        }
-        return Ok(ran);
+        return gemvq_launch(be, xq, w, None, out, rows);
     }
 
     if rows <= GEMV_MAX_ROWS {
@@ -750,85 +678,9 @@ fn matmul_tail(
                 .arg(&ks_i)
                 .launch(gemv_config(groups, ks))
         }?;
-        return Ok(false);
+        return Ok(());
     }
-    mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows).map(|()| false)
-}
-
-/// The device address of the norm tail's ticket (zero between launches: the last block
-/// resets it; allocated on first use, kept for the backend's life).
-fn norm_ticket(be: &CudaBackend) -> Result<u64> {
-    let mut g = be
-        .matmul
-        .norm_ticket
-        .lock()
-        .map_err(|_| anyhow!("matmul: norm ticket lock poisoned"))?;
-    if g.is_none() {
-        *g = Some(be.stream.alloc_zeros::<u32>(1)?);
-    }
-    let t = g.as_ref().ok_or_else(|| anyhow!("matmul: norm ticket missing"))?;
-    let ptr = t.device_ptr(&be.stream).0;
-    Ok(ptr)
-}
-
-/// Kernel argument `NormTail` (matmul.cu): the residual add and RMSNorm a GEMV launch's last
-/// block runs after its output ([`matmul_add_rms_norm`], moe.rs `moe_add_rms_norm`); all
-/// zero: none.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct NormTail {
-    pub(crate) x: u64,
-    pub(crate) w: u64,
-    pub(crate) h: u64,
-    pub(crate) xq: u64,
-    pub(crate) xd: u64,
-    pub(crate) ticket: u64,
-    pub(crate) cols: i32,
-    pub(crate) vt: i32,
-    pub(crate) eps: f32,
-}
-
-// SAFETY: plain old data laid out as the C struct (6 pointers, 2 ints, a float; 64 bytes with
-// the tail padding both sides add).
-unsafe impl super::launch::ScalarArg for NormTail {}
-
-/// Most float4 chunks a thread of the norm tail holds (`NORM_TAIL_MAXC` in matmul.cu).
-const NORM_TAIL_MAXC: usize = 4;
-
-/// The norm tail's arguments for `x += y`, `h = rms_norm(x) · w` at one decode row in a
-/// launch of `threads`-thread blocks (x, w, h, cols, vt, eps; the planes and the ticket are
-/// the launcher's), or `None` where it does not apply: more than one row, a row the
-/// vectorised norm does not take (its thread count vt sets the summation order the tail
-/// reproduces: one chunk per virtual thread), or more than [`NORM_TAIL_MAXC`] chunks per
-/// thread.
-pub(crate) fn norm_tail_args(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    y: &Act<CudaSlice<f32>>,
-    w: &CudaWeight,
-    eps: f32,
-    h: &Act<CudaSlice<f32>>,
-    threads: usize,
-) -> Result<Option<NormTail>> {
-    crate::check_add_rms_norm(x, y, w.shape.iter().product(), h)?;
-    let cols = x.cols;
-    let Some(vt) = super::ops::norm_v4_threads(be, w, cols) else {
-        return Ok(None);
-    };
-    let vt = vt as usize;
-    if x.rows != 1 || !cols.is_multiple_of(32) || cols / 4 > vt || vt > NORM_TAIL_MAXC * threads {
-        return Ok(None);
-    }
-    // (Event tracking is off: the pointers' guards need not outlive the launch.)
-    Ok(Some(NormTail {
-        x: x.buf.device_ptr(&be.stream).0,
-        w: super::ops::f32_vec(w, cols)?.device_ptr(&be.stream).0,
-        h: h.buf.device_ptr(&be.stream).0,
-        cols: i32::try_from(cols)?,
-        vt: vt as i32,
-        eps,
-        ..NormTail::default()
-    }))
+    mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
 }
 
 /// Whether a matmul of a `t` weight with `n_out` outputs on `rows` rows runs the
@@ -971,8 +823,7 @@ fn gemvq_launch(
     up: Option<&CudaWeight>,
     out: &mut Act<CudaSlice<f32>>,
     rows: usize,
-    tail: Option<&NormTail>,
-) -> Result<bool> {
+) -> Result<()> {
     let (n_out, n_in) = (w.shape[0], w.shape[1]);
     ensure!(
         xq.cap >= n_in && out.buf.len() >= rows * n_out && rows >= 1,
@@ -1081,19 +932,12 @@ fn gemvq_launch(
     if let Some(sc) = tck_bufs {
         launch.arg(&sc.part).arg(&sc.tickets);
     }
-    // The plain launches but the 8-row tile end with the norm tail (all zero: none).
-    let none = NormTail::default();
-    let takes_tail = up.is_none() && !matches!(tc, Some(TcForm::Half(_)));
-    if takes_tail {
-        launch.arg(tail.unwrap_or(&none));
-    }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above); the x scratch holds
     // rows×n_in int8 and rows×n_in/32 scale pairs; out holds rows×n_out floats; the K-split
-    // scratch holds TCK_MAX_SPLITS × GEMV_MAX_ROWS × n_out partials and a ticket per tile;
-    // the norm tail (norm_tail_args, the caller's planes and ticket) one row of cols.
+    // scratch holds TCK_MAX_SPLITS × GEMV_MAX_ROWS × n_out partials and a ticket per tile.
     unsafe { launch.launch(cfg) }?;
-    Ok(takes_tail && tail.is_some())
+    Ok(())
 }
 
 /// Weight types with a tensor-core decode GEMV (`gemvq_tc_q4k`, `gemvq_tc_q6k` in matmul.cu).
@@ -1481,7 +1325,7 @@ pub fn matmuls(
             Some(true) => {
                 let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
-                    gemvq_launch(be, xq, ws[i], None, out, rows, None)?;
+                    gemvq_launch(be, xq, ws[i], None, out, rows)?;
                 }
             }
             // Never touches the int8 scratch held here (not a quantized-x GEMV).
@@ -1745,7 +1589,7 @@ pub fn matmul_swiglu(
     let xq = guard
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_swiglu: int8 scratch missing"))?;
-    gemvq_launch(be, xq, gate, Some(up), out, rows, None)?;
+    gemvq_launch(be, xq, gate, Some(up), out, rows)?;
     Ok(true)
 }
 

@@ -560,19 +560,6 @@ impl Backend for CudaBackend {
         ops::add_rms_norm(self, x, y, w, eps, h)
     }
 
-    fn matmul_add_rms_norm(
-        &self,
-        a: &Act<CudaSlice<f32>>,
-        w: &CudaWeight,
-        y: &mut Act<CudaSlice<f32>>,
-        x: &mut Act<CudaSlice<f32>>,
-        norm: &CudaWeight,
-        eps: f32,
-        h: &mut Act<CudaSlice<f32>>,
-    ) -> Result<()> {
-        matmul::matmul_add_rms_norm(self, a, w, y, x, norm, eps, h)
-    }
-
     fn add_rms_norm_matmul(
         &self,
         x: &mut Act<CudaSlice<f32>>,
@@ -710,20 +697,6 @@ impl Backend for CudaBackend {
         out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
         moe::moe(self, x, router_logits, experts, routing, out)
-    }
-
-    fn moe_add_rms_norm(
-        &self,
-        h: &mut Act<CudaSlice<f32>>,
-        router_logits: &Act<CudaSlice<f32>>,
-        experts: ExpertWeights<'_, CudaWeight>,
-        routing: MoeRouting,
-        y: &mut Act<CudaSlice<f32>>,
-        x: &mut Act<CudaSlice<f32>>,
-        w: &CudaWeight,
-        eps: f32,
-    ) -> Result<()> {
-        moe::moe_add_rms_norm(self, h, router_logits, experts, routing, y, x, w, eps)
     }
 
     fn argmax(&self, logits: &Act<CudaSlice<f32>>, out: &mut CudaSlice<i32>) -> Result<()> {

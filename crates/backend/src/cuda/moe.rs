@@ -98,9 +98,6 @@ struct Scratch {
     /// kernel's in-kernel quantization of h; zero between launches (the last block of a
     /// group resets its ticket).
     tickets: CudaSlice<i32>,
-    /// The down launch's ticket for its norm tail ([`moe_add_rms_norm`]); zero between
-    /// launches (its last block resets it).
-    norm_ticket: CudaSlice<u32>,
     /// Buffers replaced by bigger ones: a captured graph may still reference them.
     retired_i: Vec<CudaSlice<i32>>,
     retired_f: Vec<CudaSlice<f32>>,
@@ -134,9 +131,6 @@ pub struct Kernels {
     mm_gu: Vec<CudaFunction>,
     mm_down: Vec<CudaFunction>,
     scratch: Mutex<Option<Scratch>>,
-    /// [`moe_add_rms_norm`] may run the norm in the down launch's last block
-    /// (`FERRITE_MOE_NORM`, default 1).
-    norm_tail: bool,
 }
 
 impl Kernels {
@@ -157,7 +151,6 @@ impl Kernels {
             mm_gu,
             mm_down,
             scratch: Mutex::new(None),
-            norm_tail: super::switches::int_or("FERRITE_MOE_NORM", 1) != 0,
         })
     }
 }
@@ -222,48 +215,6 @@ pub fn moe(
     routing: MoeRouting,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    moe_with_tail(be, x, router_logits, experts, routing, out, None).map(|_| ())
-}
-
-/// `y = moe(h)`, then `x += y` and `h = rms_norm(x) · w` (the next layer's input, with its
-/// int8 planes for the GEMVs that read it): [`crate::Backend::moe_add_rms_norm`]. At one
-/// decode row on the quantized-activation path the down launch's last block runs the norm
-/// (matmul.cu `norm_tail`: add_rms_norm_v4's bits), one launch fewer in the chain; otherwise
-/// the two ops. `FERRITE_MOE_NORM=0` always takes the two ops.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_add_rms_norm(
-    be: &CudaBackend,
-    h: &mut Act<CudaSlice<f32>>,
-    router_logits: &Act<CudaSlice<f32>>,
-    experts: ExpertWeights<'_, CudaWeight>,
-    routing: MoeRouting,
-    y: &mut Act<CudaSlice<f32>>,
-    x: &mut Act<CudaSlice<f32>>,
-    w: &CudaWeight,
-    eps: f32,
-) -> Result<()> {
-    let tail = if be.moe.norm_tail {
-        matmul::norm_tail_args(be, x, y, w, eps, h, MOE_WARPS * 32)?
-    } else {
-        None
-    };
-    if !moe_with_tail(be, h, router_logits, experts, routing, y, tail)? {
-        super::ops::add_rms_norm(be, x, y, w, eps, h)?;
-    }
-    Ok(())
-}
-
-/// [`moe`], with the down launch's norm tail where `tail` is given and the path allows it
-/// (the quantized-activation decode at one row): returns whether the tail ran.
-fn moe_with_tail(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    router_logits: &Act<CudaSlice<f32>>,
-    experts: ExpertWeights<'_, CudaWeight>,
-    routing: MoeRouting,
-    out: &mut Act<CudaSlice<f32>>,
-    tail: Option<matmul::NormTail>,
-) -> Result<bool> {
     let (rows, hidden) = (x.rows, x.cols);
     let MoeRouting {
         n_experts,
@@ -289,7 +240,7 @@ fn moe_with_tail(
     check_blocks("up", experts.up)?;
     check_blocks("down", experts.down)?;
     if rows == 0 {
-        return Ok(false);
+        return Ok(());
     }
     let pairs = rows * top_k;
 
@@ -356,7 +307,6 @@ fn moe_with_tail(
             xq: be.stream.alloc_zeros::<i8>(1)?,
             xd: one_f()?,
             tickets: one_i()?,
-            norm_ticket: be.stream.alloc_zeros::<u32>(1)?,
             retired_i: Vec::new(),
             retired_f: Vec::new(),
             retired_q: Vec::new(),
@@ -413,7 +363,6 @@ fn moe_with_tail(
             dims,
             bulk.unwrap_or((0, 0)),
             out,
-            tail.filter(|_| rows == 1),
         );
     }
 
@@ -450,8 +399,7 @@ fn moe_with_tail(
             dims,
             max_tiles,
             out,
-        )
-        .map(|()| false);
+        );
     }
 
     // 2. Gate/up + SwiGLU: one warp per (pair, ffn row).
@@ -526,7 +474,7 @@ fn moe_with_tail(
             .arg(&per_block_i)
             .launch(blocks(rows, hidden, per_block)?)
     }?;
-    Ok(false)
+    Ok(())
 }
 
 /// The dynamic shared memory of the quantized-activation expert kernels (gate/up, down):
@@ -587,8 +535,7 @@ fn quantized_experts(
     dims: Dims,
     smem: (u32, u32),
     out: &mut Act<CudaSlice<f32>>,
-    tail: Option<matmul::NormTail>,
-) -> Result<bool> {
+) -> Result<()> {
     let top_k = routing.top_k;
     let pairs = rows * top_k;
     ensure!(
@@ -614,10 +561,10 @@ fn quantized_experts(
     let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
     // x's int8 planes: the GEMV scratch at decode (often already written by the producing
     // add_rms_norm), this module's own scratch for a prompt's rows (same bits: quant_x_q8).
-    let mut gemv_xq = None;
+    let gemv_xq;
     let (xq_q, xq_d) = if rows <= matmul::GEMV_MAX_ROWS {
+        gemv_xq = matmul::quantize_x(be, x)?;
         let xq = gemv_xq
-            .insert(matmul::quantize_x(be, x)?)
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("moe: int8 scratch missing"))?;
         (&xq.q, &xq.d)
@@ -673,28 +620,8 @@ fn quantized_experts(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: d_smem,
     };
-    // The norm tail (at one row, with the GEMV's int8 scratch: h's planes go there, for the
-    // QKV GEMVs after it; gate/up, which reads x's planes from it, is complete when the tail
-    // runs: it follows the down kernel's PDL wait).
-    let mut nt = matmul::NormTail::default();
-    let xq = gemv_xq.as_mut().and_then(|g| g.as_mut());
-    let tail = match (tail, xq) {
-        (Some(t), Some(xq)) if rows == 1 => {
-            // (Event tracking is off: the pointers' guards need not outlive the launch.)
-            nt = matmul::NormTail {
-                xq: xq.q.device_ptr(&be.stream).0,
-                xd: xq.d.device_ptr(&be.stream).0,
-                ticket: s.norm_ticket.device_ptr(&be.stream).0,
-                ..t
-            };
-            Some(xq)
-        }
-        _ => None,
-    };
     // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert; out holds rows ×
-    // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots. The
-    // tail (moe_add_rms_norm): x and h hold one row of `hidden` floats, w `hidden` 16-byte
-    // aligned floats, the planes GEMV_MAX_ROWS rows of ≥ hidden, the ticket is zero.
+    // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
     unsafe {
         be.stream
             .kernel(&dk[1])
@@ -709,17 +636,9 @@ fn quantized_experts(
             .arg(&tk)
             .arg(&norm)
             .arg(&mut out.buf)
-            .arg(&nt)
             .launch(cfg)
     }?;
-    match tail {
-        Some(xq) => {
-            // h's planes are valid for the GEMV that reads h next (XQuant::src).
-            xq.src = Some((nt.h, 1, hidden, super::launch::launch_count()));
-            Ok(true)
-        }
-        None => Ok(false),
-    }
+    Ok(())
 }
 
 /// The prefill path: counting sort of the pairs by expert, grouped gate/up + SwiGLU and down

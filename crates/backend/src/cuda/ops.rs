@@ -94,7 +94,7 @@ pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
 }
 
 /// The f32 view of a 1-D weight uploaded by [`upload`].
-pub(crate) fn f32_vec(w: &CudaWeight, n: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
+fn f32_vec(w: &CudaWeight, n: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
     ensure!(
         w.dtype == GgmlType::F32 && w.shape.iter().product::<usize>() == n,
         "expected an f32 vector of {n}, got {:?} {}",
@@ -212,7 +212,7 @@ const NORM_NV: usize = 4;
 /// 1024 · NORM_NV chunks, or a weight not 16-byte aligned). One thread per float4 chunk up to
 /// 1024 threads, a multiple of 32; chosen from `cols` alone so that a row's summation order
 /// never depends on the number of rows in the step.
-pub(crate) fn norm_v4_threads(be: &CudaBackend, w: &CudaWeight, cols: usize) -> Option<u32> {
+fn norm_v4_threads(be: &CudaBackend, w: &CudaWeight, cols: usize) -> Option<u32> {
     let chunks = cols / 4;
     let aligned = {
         let (ptr, _sync) = w.data.device_ptr(&be.stream);

@@ -76,13 +76,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_DIAG_SKIP",
-        Accepts::Range(0, 15),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8; of the norm tail's work, 4 the norm (the ticket kept), 8 both (DECODE_STEP.md)",
-    ),
-    (
-        "FERRITE_TAIL_TICKET",
-        Accepts::OneOf(&[0, 1]),
-        "The norm tail's ticket: 0 fence + atomic, 1 one acquire-release atomic (DECODE_STEP.md)",
+        Accepts::Range(0, 3),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
     ),
     (
         "FERRITE_NORM_ROUTER",
@@ -98,18 +93,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_MOE_PF",
         Accepts::OneOf(&[0, 1]),
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
-    ),
-    (
-        "FERRITE_GEMV_NORM",
-        Accepts::OneOf(&[0, 1]),
-        "At one decode row a quantized GEMV that ends a layer's half (o-projection, down) runs \
-         the next RMSNorm in its last block: 0 off (its own launch), 1 on (DECODE_STEP.md)",
-    ),
-    (
-        "FERRITE_MOE_NORM",
-        Accepts::OneOf(&[0, 1]),
-        "At one decode row the MoE down launch's last block runs the next RMSNorm: 0 off (its \
-         own launch), 1 on (MOE.md)",
     ),
     (
         "FERRITE_GEMV_DIAG",

@@ -262,44 +262,6 @@ __device__ __forceinline__ void quant_q8_lane(float v, int lane, int8_t* __restr
     if (lane == 0) *xd = make_float2(d, d * (float)sum);
 }
 
-// The two-plane quantization of quant_q8_lane for 4 consecutive values per lane (the
-// vectorised norms in elementwise.cu, the norm tail in matmul.cu), a 32-element
-// block spread over 8 consecutive lanes (lane & 7 = chunk within the block). Every lane of the
-// warp must call it (shuffles); lanes with valid == false hold zeros and store nothing (a
-// block's 8 lanes are all valid or all not: the row length is a multiple of 32).
-__device__ __forceinline__ void quant_q8_vec4(const float (&v)[4], bool valid, int8_t* __restrict__ xr, int n_in,
-                                              int col, float2* __restrict__ xd) {
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    int hi[4] = {0, 0, 0, 0}, lo[4] = {0, 0, 0, 0};
-    float d = 0.0f;
-    if (amax > 0.0f) {
-        const float d1 = amax / 127.0f;
-        d = d1 / 127.0f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            hi[k] = (int)rintf(v[k] * (127.0f / amax));
-            int l = (int)rintf((v[k] - (float)hi[k] * d1) / d);
-            lo[k] = l > 127 ? 127 : (l < -127 ? -127 : l);
-        }
-    }
-    int sum = 0;
-#pragma unroll
-    for (int k = 0; k < 4; k++) sum += 127 * hi[k] + lo[k];
-#pragma unroll
-    for (int off = 4; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (valid) {
-        const uint32_t h4 = (uint32_t)(hi[0] & 255) | ((uint32_t)(hi[1] & 255) << 8) | ((uint32_t)(hi[2] & 255) << 16) |
-                            ((uint32_t)(hi[3] & 255) << 24);
-        const uint32_t l4 = (uint32_t)(lo[0] & 255) | ((uint32_t)(lo[1] & 255) << 8) | ((uint32_t)(lo[2] & 255) << 16) |
-                            ((uint32_t)(lo[3] & 255) << 24);
-        *(uint32_t*)(xr + col) = h4;  // col % 4 == 0 and the row base is 2·n_in-aligned
-        *(uint32_t*)(xr + n_in + col) = l4;
-        if ((threadIdx.x & 7) == 0) *xd = make_float2(d, d * (float)sum);
-    }
-}
-
 // Stores a warp's mma.sync accumulators: 2 m-tiles of 16 outputs × NT n-tiles of 8 tokens
 // (m16n8k16 bf16 in matmul.cu's mm_, m16n8k32 s8 in mmq.cu: the same C fragment). Fragment
 // (PTX ISA; g = lane / 4, t4 = lane % 4): c0, c1 = (output g, tokens 2 t4, 2 t4 + 1); c2, c3 =

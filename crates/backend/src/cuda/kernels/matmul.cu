@@ -367,10 +367,6 @@ __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
 __constant__ int gemv_pf_head;
-// The norm tail's ticket (matmul.rs; FERRITE_TAIL_TICKET, FERRITE_DIAG_SKIP): 0 fence + atomic
-// (tail_ticket), 1 one acquire-release atomic; timing diagnostics (wrong outputs): 2 the ticket
-// but no norm, 3 neither.
-__constant__ int gemv_tail_mode;
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
@@ -501,11 +497,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // each span widened to whole 16-byte units as above; n = 0: no copy), completing on the
 // block's mbarrier bar; then the block barrier (bar initialised before anyone waits) and the
 // PDL entry. Before sm_90 only the PDL entry.
-// trigger: let the successor launch now (PDL_ENTRY); false: at this block's end, or where a
-// norm tail's last block says (norm_tail).
 __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, const uint8_t* b, int nb,
-                                                    long long rb, size_t slot, uint8_t* smem, uint64_t* bar,
-                                                    bool trigger = true) {
+                                                    long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     if (threadIdx.x == 0) {
         size_t a0[2], len[2];
@@ -530,18 +523,16 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
     }
     __syncthreads();
 #endif
-    pdl_wait();
-    if (trigger) pdl_launch_dependents();
+    PDL_ENTRY();
 }
 
 // The lane-code GEMV's copies: rows [r0, r0 + per_block) (clamped to n_out) of W into slot 0
 // and, for the fused SwiGLU, of W2 into slot 1.
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
-                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar,
-                                                   bool trigger = true) {
+                                                   int r0, int per_block, uint8_t* smem, uint64_t* bar) {
     const int n = max(0, min(per_block, n_out - r0));
     bulk_prologue_spans(W + (size_t)r0 * (size_t)rb, n, W2 ? W2 + (size_t)r0 * (size_t)rb : nullptr, W2 ? n : 0,
-                        rb, gemv_slot(per_block, rb), smem, bar, trigger);
+                        rb, gemv_slot(per_block, rb), smem, bar);
 }
 
 
@@ -1391,123 +1382,6 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
     __syncthreads();
 }
 
-// The next RMSNorm in a launch's last block (NormTail; matmul.rs, moe.rs:
-// Backend::matmul_add_rms_norm, Backend::moe_add_rms_norm).
-//
-// Why: after the GEMV that ends a layer's half (the o-projection, the down projection, a MoE
-// down + combine) the decode ran a one-block add_rms_norm_v4 launch: ~3 us of launch
-// boundary and dependent loads each (leaving them out: +11% on Qwen3-8B, +7.6% on
-// Qwen3-30B-A3B, DECODE_STEP.md). Here the block that draws the launch's last ticket (every
-// block's outputs written and fenced: tail_ticket) runs that norm itself: x += y,
-// h = rms_norm(x) * w, h's int8 planes for the GEMVs that read h next. The planes go to the
-// GEMV's int8 scratch, which the launch itself may have read its input from: every block
-// has finished reading when the last one draws its ticket.
-// Bits: add_rms_norm_v4's with its own thread count vt (norm_v4_threads in ops.rs: one float4
-// chunk per thread, vt >= chunks, up to 4096 columns). The block's threads play the vt
-// virtual threads (thread t: virtual threads t, t + blockDim, ...), each virtual thread's
-// chunk squared as there, the virtual warp's butterfly on the real warp's lanes (blockDim and
-// vt are multiples of 32), the warp totals added in virtual-warp order; then the same
-// per-element expressions and quant_q8_vec4. So h, its planes and x + y are bitwise
-// add_rms_norm_v4's (check: matmul_add_rms_norm, moe_add_rms_norm against their
-// compositions). A thread holds at most NORM_TAIL_MAXC chunks: the launcher's condition
-// chunks <= vt <= NORM_TAIL_MAXC * blockDim (hidden <= 4096 at 256 threads).
-// y: the launch's output rows [rows][cols], read through L2 (other blocks wrote them).
-// Cost: one fence and atomic per block; the last block's loads of x, y and w in one round.
-struct NormTail {
-    float* x;          // the residual rows (null: no tail)
-    const float* w;    // the norm weight, 16-byte aligned
-    float* h;          // rms_norm(x + y) * w
-    int8_t* xq;        // h's planes as quant_x_q8's (null: none)
-    float2* xd;
-    unsigned* ticket;  // zero between launches; the last block resets it
-    int cols;          // a multiple of 32
-    int vt;            // add_rms_norm_v4's threads for cols
-    float eps;
-};
-#define NORM_TAIL_MAXC 4
-
-__device__ __forceinline__ void norm_tail(NormTail nt, const float* y, int rows, unsigned blocks) {
-    __shared__ unsigned nt_last;
-    __shared__ float nt_part[32];
-    const int mode = gemv_tail_mode;
-    if (mode == 3) return;
-    if (mode == 1) {
-        // The release orders the block's writes (gathered by the barrier) before the add, the
-        // acquire the last block's reads after it: no separate fence.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned old;
-            asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;" : "=r"(old) : "l"(nt.ticket) : "memory");
-            nt_last = old + 1u == blocks;
-        }
-        __syncthreads();
-    } else {
-        tail_ticket(nt.ticket, 1u, blocks, &nt_last);
-    }
-    if (!nt_last) return;
-    // The launch's blocks did not let the successor launch early (its blocks would take the
-    // SM slots of this launch's later waves and copy beside them: measured 6-10 us slower per
-    // tail); every other block has finished, so it launches now and copies during the norm.
-    pdl_launch_dependents();
-    if (mode == 2) {
-        if (threadIdx.x == 0) *nt.ticket = 0;
-        return;
-    }
-    const int tid = threadIdx.x, nb = blockDim.x, cols = nt.cols, vt = nt.vt;
-    const int chunks = cols >> 2;
-    for (int r = 0; r < rows; r++) {
-        float4* xr = (float4*)(nt.x + (size_t)r * cols);
-        const float4* yr = (const float4*)(y + (size_t)r * cols);
-        float4 v[NORM_TAIL_MAXC], wv[NORM_TAIL_MAXC];
-        // Slot s: virtual thread (and chunk) tid + s nb.
-#pragma unroll
-        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
-            const int c = tid + s * nb;
-            v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
-            wv[s] = v[s];
-            if (c < chunks) {
-                float4 a = __ldcg(xr + c);
-                const float4 b = __ldcg(yr + c);
-                wv[s] = __ldg((const float4*)nt.w + c);
-                a.x += b.x;
-                a.y += b.y;
-                a.z += b.z;
-                a.w += b.w;
-                xr[c] = a;
-                v[s] = a;
-            }
-        }
-        // Each virtual thread's sum of squares, the virtual warps' totals.
-#pragma unroll
-        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
-            if (tid + s * nb >= vt) break;  // warp-uniform
-            float ss = 0.f;
-            ss += v[s].x * v[s].x + v[s].y * v[s].y + v[s].z * v[s].z + v[s].w * v[s].w;
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if ((tid & 31) == 0) nt_part[(tid + s * nb) >> 5] = ss;
-        }
-        __syncthreads();
-        float tot = 0.f;
-        for (int k = 0; k < vt >> 5; k++) tot += nt_part[k];
-        const float scale = rsqrtf(tot / (float)cols + nt.eps);
-        float4* hr = (float4*)(nt.h + (size_t)r * cols);
-#pragma unroll
-        for (int s = 0; s < NORM_TAIL_MAXC; s++) {
-            const int c = tid + s * nb;
-            if (c >= vt) break;  // warp-uniform
-            const bool valid = c < chunks;
-            const float o[4] = {(v[s].x * scale) * wv[s].x, (v[s].y * scale) * wv[s].y, (v[s].z * scale) * wv[s].z,
-                                (v[s].w * scale) * wv[s].w};
-            if (valid) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
-            if (nt.xq != nullptr)
-                quant_q8_vec4(o, valid, nt.xq + (size_t)r * 2 * cols, cols, 4 * c,
-                              nt.xd + (size_t)r * (cols / QK) + (4 * c) / QK);
-        }
-        __syncthreads();  // nt_part is reused by the next row
-    }
-    if (tid == 0) *nt.ticket = 0;
-}
-
 // One tensor-core GEMV block (sm_90+): bulk copy of its tile into two slots, x staged at
 // R = 1 (not for the HALF tile: its long rows' x would take the shared memory of a block),
 // then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
@@ -1517,8 +1391,7 @@ template <int TYPE, int R, bool SWIGLU, bool HALF>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                               int bx, uint8_t* smem, uint64_t* bar,
-                                               bool trigger = true) {
+                                               int bx, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1528,8 +1401,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
     const size_t slot = tc_slot(rb, NS);
-    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar,
-                        trigger);
+    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
     const uint8_t* s0 = smem + ((size_t)pa & 15);
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
@@ -1573,8 +1445,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                 float* __restrict__ part, unsigned* __restrict__ tickets,
-                                                uint8_t* smem, uint64_t* bar,
-                                                bool trigger = true) {
+                                                uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -1595,8 +1466,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
         bulk_g2s(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srb, (size_t)src, (uint32_t)srb);
     }
-    pdl_wait();
-    if (trigger) pdl_launch_dependents();
+    PDL_ENTRY();
     // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
     uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB, NS);
     if (XS) tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
@@ -1630,7 +1500,7 @@ template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx, bool trigger = true) {
+                                      int bx) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1645,11 +1515,10 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
-        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar,
-                                               trigger);
+        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
         return;
     }
-    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar, trigger);
+    gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
@@ -1730,9 +1599,8 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq##TCN##_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,        \
                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,  \
-                                   float* __restrict__ out, int ks, NormTail nt) {                           \
-        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x, nt.x == nullptr); \
-        if (nt.x != nullptr) norm_tail(nt, out, rows, gridDim.x);                                            \
+                                   float* __restrict__ out, int ks) {                                        \
+        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                 \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_swiglu##TCN##_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,    \
@@ -1783,12 +1651,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         gemvq_tck_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
                                 float* __restrict__ out, int kc, float* __restrict__ part,                  \
-                                unsigned* __restrict__ tickets, NormTail nt) {                              \
+                                unsigned* __restrict__ tickets) {                                           \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bar;                                                          \
         gemvq_tck_block<TYPE, R>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,       \
-                                 &gemv_bar, nt.x == nullptr);                                               \
-        if (nt.x != nullptr) norm_tail(nt, out, rows, gridDim.x * gridDim.y);                               \
+                                 &gemv_bar);                                                                \
     }
 #define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
 
@@ -2188,7 +2055,7 @@ template <int TYPE, int DNW = 2>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
                                                const float* __restrict__ logits, int n_experts, int top_k, int norm,
-                                               float* __restrict__ out, NormTail nt) {
+                                               float* __restrict__ out) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[GEMV_WARPS];
     __shared__ float rp[MOE_ROUTE_MAX];
@@ -2222,9 +2089,7 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
 #endif
         }
     }
-    // hq, hd: the gate/up kernel. With a norm tail the successor launches from its last block.
-    pdl_wait();
-    if (nt.x == nullptr) pdl_launch_dependents();
+    PDL_ENTRY();  // hq, hd: the gate/up kernel
     uint32_t ph = 0;  // copies this warp's slot has completed (barrier phases)
     for (int k = warp; k < top_k; k += GEMV_WARPS) {
         const int p = t * top_k + k;
@@ -2290,7 +2155,6 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
         for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(s_w[k], part[k][threadIdx.x]));
         out[(size_t)t * hidden + o0 + threadIdx.x] = acc;
     }
-    if (nt.x != nullptr) norm_tail(nt, out, gridDim.y, gridDim.x * gridDim.y);
 }
 
 // A down kernel of DNW rows per pass (gemvq_moe_down).
@@ -2298,8 +2162,8 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
         kname(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn, const int8_t* __restrict__ hq,  \
               const float2* __restrict__ hd, const float* __restrict__ logits, int n_experts, int top_k,         \
-              int norm, float* __restrict__ out, NormTail nt) {                                                  \
-        gemvq_moe_down<TYPE, DNW>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out, nt);         \
+              int norm, float* __restrict__ out) {                                                               \
+        gemvq_moe_down<TYPE, DNW>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);             \
     }
 
 #define GEMVQ_MOE_KERNELS(name, TYPE)                                                                          \
