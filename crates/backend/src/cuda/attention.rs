@@ -256,8 +256,6 @@ struct PagedKernels {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "attention", SRC)?;
-        super::set_module_int(ctx, &m, "pdl_early", super::switches::pdl_early())?;
-        ctx.default_stream().synchronize()?;
         let decode = |pre: &str, post: &str| {
             FAST_HEAD_DIMS
                 .iter()

@@ -158,7 +158,15 @@ const GEMV_PF_DEFAULT: i32 = 1;
 const GEMV_PF_HEAD: usize = 512;
 
 fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> {
-    let set = |name: &str, value: i32| super::set_module_int(ctx, m, name, value);
+    let stream = ctx.default_stream();
+    let set = |name: &str, value: i32| -> Result<()> {
+        let mut sym = m.get_global(name, &stream)?;
+        // SAFETY: the symbols set here are 4-byte `__constant__ int`s (matmul.cu).
+        let mut v = unsafe { sym.transmute_mut::<i32>(1) }
+            .with_context(|| format!("{name} is not an int"))?;
+        stream.memcpy_htod(&[value], &mut v)?;
+        Ok(())
+    };
     let mode = switches::get("FERRITE_GEMV_PF")?.map_or(GEMV_PF_DEFAULT, |v| v[0] as i32);
     set("gemv_pf_mode", mode)?;
     let head = switches::int_or("FERRITE_GEMV_PF_HEAD", GEMV_PF_HEAD as i64) as i32;
@@ -168,8 +176,7 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     set("gemv_diag", diag)?;
-    set("pdl_early", switches::pdl_early())?;
-    ctx.default_stream().synchronize()?;
+    stream.synchronize()?;
     Ok(())
 }
 

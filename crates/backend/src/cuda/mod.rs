@@ -191,24 +191,6 @@ pub fn compile_all_cubin(arch: &'static str) -> Result<Vec<(&'static str, usize)
     })
 }
 
-/// Sets a module's `__constant__ int` `name` (a switch its kernels read, set once at load, on
-/// the context's default stream: the caller synchronizes before the first launch that reads
-/// it, or loads more modules first as start-up does).
-pub(crate) fn set_module_int(
-    ctx: &Arc<CudaContext>,
-    m: &Arc<CudaModule>,
-    name: &str,
-    value: i32,
-) -> Result<()> {
-    let stream = ctx.default_stream();
-    let mut sym = m.get_global(name, &stream)?;
-    // SAFETY: the symbols set this way are 4-byte `__constant__ int`s (the kernel sources).
-    let mut v = unsafe { sym.transmute_mut::<i32>(1) }
-        .with_context(|| format!("{name} is not an int"))?;
-    stream.memcpy_htod(&[value], &mut v)?;
-    Ok(())
-}
-
 /// Loads a kernel by its `extern "C"` name (once, at start-up).
 pub fn function(m: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
     m.load_function(name)

@@ -40,8 +40,6 @@ struct ArgmaxScratch {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "elementwise", SRC)?;
-        super::set_module_int(ctx, &m, "pdl_early", super::switches::pdl_early())?;
-        ctx.default_stream().synchronize()?;
         Ok(Kernels {
             embed: function(&m, "embed")?,
             rms_norm: function(&m, "rms_norm")?,

@@ -80,11 +80,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
     ),
     (
-        "FERRITE_PDL_EARLY",
-        Accepts::Range(0, 3),
-        "The decode chain's small kernels let their successor launch before their own wait: a bit mask, 1 the norms, RoPE and quant_x, 2 the decode attention (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",
@@ -206,11 +201,6 @@ pub(crate) fn get(name: &str) -> Result<Option<Vec<i64>>> {
 /// start-up, so here it cannot occur and falls back to the default.
 pub(crate) fn int_or(name: &str, default: i64) -> i64 {
     get(name).ok().flatten().map_or(default, |xs| xs[0])
-}
-
-/// `FERRITE_PDL_EARLY`'s mask (the kernels' `pdl_early`, common.cuh).
-pub(crate) fn pdl_early() -> i32 {
-    int_or("FERRITE_PDL_EARLY", 0) as i32
 }
 
 /// `FERRITE_DIAG_SKIP`'s mask (0 unless set): which one-row launches a timing diagnostic

@@ -671,7 +671,7 @@ __device__ __forceinline__ void attn_decode_impl(
     if constexpr (STORE) {
         if (tid < gridDim.z) s_pos[tid] = positions[tid];
     }
-    PDL_ENTRY_EARLY(2);
+    PDL_ENTRY();
 
     const int kvd = (n_heads / group) * HD;
     if constexpr (STORE) {

@@ -150,25 +150,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
         pdl_wait();                                                                                \
         pdl_launch_dependents();                                                                   \
     } while (0)
-// The small kernels of the decode chain (norms, QK-norm + RoPE, quant_x, decode attention)
-// may instead let their successor launch BEFORE their own wait (`pdl_early`, a bit mask set
-// per module at load from FERRITE_PDL_EARLY: 1 the norms, RoPE and quant_x, 2 the decode
-// attention): the successor GEMV's blocks then start, and issue their weight copies, while
-// the GEMV before the small kernel still runs, as they would with no small kernel between.
-// Safe: the successor's own wait covers this grid's completion, which follows this grid's
-// wait; and its launch needs every block of this grid running, so all blocks of the grid
-// before have started (no block it waits on can be starved of a slot).
-__constant__ int pdl_early;
-#define PDL_ENTRY_EARLY(bit)                                                                       \
-    do {                                                                                           \
-        if (pdl_early & (bit)) {                                                                   \
-            pdl_launch_dependents();                                                               \
-            pdl_wait();                                                                            \
-        } else {                                                                                   \
-            pdl_wait();                                                                            \
-            pdl_launch_dependents();                                                               \
-        }                                                                                          \
-    } while (0)
 
 // Shared-memory tile plumbing of the tensor-core kernels (matmul.cu's mm_, mmq.cu, mmw.cu,
 // attention.cu's prefill): four 8×8 b16 matrices per warp by ldmatrix (row addresses from

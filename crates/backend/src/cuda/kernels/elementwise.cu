@@ -218,7 +218,7 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
             inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
         }
     }
-    PDL_ENTRY_EARLY(1);
+    PDL_ENTRY();
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp;
     int t;
@@ -388,7 +388,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    PDL_ENTRY_EARLY(1);
+    PDL_ENTRY();
     float4* xr = (float4*)(x + r * cols);
     const float4* yr = (const float4*)(y + r * cols);
     float ss = 0.f;
@@ -489,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(1024)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
     }
 #endif
-    PDL_ENTRY_EARLY(1);
+    PDL_ENTRY();
     // The norm, as norm_row_v4<true> for one chunk per thread.
     float4 v = zero;
     if (c < chunks) {

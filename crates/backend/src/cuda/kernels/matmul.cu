@@ -798,7 +798,7 @@ __device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&w)[4]) {
 
 extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int n_in, int8_t* __restrict__ xq,
                                       float2* __restrict__ xd) {
-    PDL_ENTRY_EARLY(1);
+    PDL_ENTRY();
     const int nb = n_in / QK;
     const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= (long long)rows * nb) return;  // whole warp
