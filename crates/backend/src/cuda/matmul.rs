@@ -101,9 +101,6 @@ pub struct Kernels {
     /// launches whose 16-row tile fits [`GEMVQ_TC_MAX_SMEM`] on sm_90+ (MATMUL.md rounds 8
     /// and 9). None before sm_90 or with `FERRITE_GEMV_TC=0`.
     gemvq_tc: Option<TcKernels>,
-    /// `gemvq_swiglu_tcq_q4_k_r1`: the Q4_K SwiGLU tile at one row that quantizes its
-    /// output in 4-block clusters (sm_90+, the tensor-core GEMVs on, `FERRITE_SWIGLU_Q` not 0).
-    swiglu_q: Option<CudaFunction>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -133,9 +130,6 @@ pub struct Kernels {
     /// The int8 copy of x and its block scales, sized for GEMV_MAX_ROWS rows of the widest
     /// input seen; grown only by an eager (first) step, never inside a captured one.
     xq: Mutex<Option<XQuant>>,
-    /// The planes `gemvq_swiglu_tcq_q4_k_r1` writes for the down projection (a scratch of
-    /// their own: the launch stages its x from `xq`).
-    xq_h: Mutex<Option<XQuant>>,
     /// `mm_<type>_n128`, `mm_<type>_n64` (see [`MM_BN`]).
     mm: Vec<[CudaFunction; 2]>,
     /// x f32 → bf16 scratch (zero-padded to whole K steps), run before every prefill matmul
@@ -302,17 +296,6 @@ impl Kernels {
         } else {
             None
         };
-        let swiglu_q = if gemvq_tc.is_some() && switches::int_or("FERRITE_SWIGLU_Q", 1) != 0 {
-            let f = function(&m, "gemvq_swiglu_tcq_q4_k_r1")?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                GEMVQ_BULK_MAX_SMEM as i32,
-            )
-            .context("gemvq_swiglu_tcq_q4_k_r1: raising the shared-memory limit")?;
-            Some(f)
-        } else {
-            None
-        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -347,7 +330,6 @@ impl Kernels {
             gemvq,
             gemvq_mixed,
             gemvq_tc,
-            swiglu_q,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -359,7 +341,6 @@ impl Kernels {
             bulk,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
             xq: Mutex::new(None),
-            xq_h: Mutex::new(None),
             mm,
             mm_x,
             xb: Mutex::new((None, Vec::new())),
@@ -669,13 +650,6 @@ pub fn matmul(
     }
 
     if rows <= GEMV_MAX_ROWS && uses_gemvq(w, rows) {
-        // x quantized by the SwiGLU launch that wrote it (matmul_swiglu), in its own scratch.
-        if let Some(g) = swiglu_planes_for(be, x)? {
-            let xq = g
-                .as_ref()
-                .ok_or_else(|| anyhow!("matmul: SwiGLU int8 scratch missing"))?;
-            return gemvq_launch(be, xq, w, None, out, rows);
-        }
         let xq = quantize_x(be, x)?;
         let xq = xq
             .as_ref()
@@ -773,34 +747,8 @@ pub(crate) fn lock_xq(
     be: &CudaBackend,
     n_in: usize,
 ) -> Result<std::sync::MutexGuard<'_, Option<XQuant>>> {
-    lock_planes(be, &be.matmul.xq, n_in)
-}
-
-/// The SwiGLU output planes' scratch, locked, if they hold `x` quantized by the launch just
-/// before (`XQuant::src`, taken: they serve that one consumer).
-fn swiglu_planes_for<'a>(
-    be: &'a CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-) -> Result<Option<std::sync::MutexGuard<'a, Option<XQuant>>>> {
-    let mut g = be
-        .matmul
-        .xq_h
-        .lock()
-        .map_err(|_| anyhow!("matmul: SwiGLU int8 scratch lock poisoned"))?;
-    let (ptr, _g) = x.buf.device_ptr(&be.stream);
-    let now = (ptr, x.rows, x.cols, super::launch::launch_count());
-    let hit = g.as_mut().is_some_and(|b| b.src.take() == Some(now));
-    Ok(hit.then_some(g))
-}
-
-/// Grows (first: allocates) the scratch behind `m` to rows of `n_in` (GEMV_MAX_ROWS rows).
-fn lock_planes<'a>(
-    be: &'a CudaBackend,
-    m: &'a Mutex<Option<XQuant>>,
-    n_in: usize,
-) -> Result<std::sync::MutexGuard<'a, Option<XQuant>>> {
     lock_grown(
-        m,
+        &be.matmul.xq,
         "int8",
         |b| b.cap >= n_in,
         || {
@@ -1641,72 +1589,7 @@ pub fn matmul_swiglu(
     let xq = guard
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_swiglu: int8 scratch missing"))?;
-    if swiglu_quantizing(be, xq, (gate, up), out, rows)? {
-        return Ok(true);
-    }
     gemvq_launch(be, xq, gate, Some(up), out, rows)?;
-    Ok(true)
-}
-
-/// At one decode row, the Q4_K SwiGLU on the 16-row tile launched as
-/// `gemvq_swiglu_tcq_q4_k_r1`: the same outputs, and their int8 planes (quant_x_q8's bits)
-/// in `xq_h` for the down GEMV that reads `out` next (no quant_x_q8 launch). Returns false
-/// (nothing launched) where it does not apply: another type, row count or tile form, or
-/// outputs not a whole number of 32-output clusters.
-fn swiglu_quantizing(
-    be: &CudaBackend,
-    xq: &XQuant,
-    (gate, up): (&CudaWeight, &CudaWeight),
-    out: &mut Act<CudaSlice<f32>>,
-    rows: usize,
-) -> Result<bool> {
-    let Some(f) = be.matmul.swiglu_q.as_ref() else {
-        return Ok(false);
-    };
-    let (n_out, n_in) = (gate.shape[0], gate.shape[1]);
-    let rb = gate.row_bytes();
-    if rows != 1 || gate.dtype != GgmlType::Q4K || !n_out.is_multiple_of(32) {
-        return Ok(false);
-    }
-    let Some(TcForm::Full(_)) = tc_form(be, gate.dtype, n_in, n_out, rb, GemvKind::Swiglu) else {
-        return Ok(false);
-    };
-    ensure!(
-        xq.cap >= n_in && out.buf.len() >= n_out,
-        "matmul_swiglu: buffers smaller than [1, {n_in}] -> {n_out}"
-    );
-    let mut planes = lock_planes(be, &be.matmul.xq_h, n_out)?;
-    let hq = planes
-        .as_mut()
-        .ok_or_else(|| anyhow!("matmul_swiglu: SwiGLU int8 scratch missing"))?;
-    let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(n_out / 8)?, 1, 1),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: tc_smem(rb, 8) + tc_x_bytes(n_in),
-    };
-    let (rb_i, n_out_i, n_in_i) = (rb as i64, i32::try_from(n_out)?, i32::try_from(n_in)?);
-    let xd = xq.d.slice(..n_in / 32 * 2);
-    let xqs = xq.q.slice(..2 * n_in);
-    let mut launch = be.stream.kernel(f);
-    launch
-        .arg(&gate.data)
-        .arg(&up.data)
-        .arg(&rb_i)
-        .arg(&n_out_i)
-        .arg(&n_in_i)
-        .arg(&xqs)
-        .arg(&xd)
-        .arg(&mut out.buf)
-        .arg(&mut hq.q)
-        .arg(&mut hq.d)
-        .cluster((4, 1, 1));
-    // SAFETY: gate and up hold n_out rows of rb bytes (checked by the caller); x's planes one
-    // row of n_in; out n_out floats; the SwiGLU scratch GEMV_MAX_ROWS rows of ≥ n_out (grown
-    // above); the grid n_out / 8 blocks in whole clusters of 4 (n_out % 32 == 0); the shared
-    // memory the 16-row tile's at one row (tc_form: Full).
-    unsafe { launch.launch(cfg) }?;
-    let (ptr, _g) = out.buf.device_ptr(&be.stream);
-    hq.src = Some((ptr, 1, n_out, super::launch::launch_count()));
     Ok(true)
 }
 

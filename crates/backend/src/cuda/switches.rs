@@ -80,11 +80,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
     ),
     (
-        "FERRITE_SWIGLU_Q",
-        Accepts::OneOf(&[0, 1]),
-        "At one decode row the Q4_K SwiGLU quantizes its own output for the down projection (4-block clusters): 0 off (a quant_x_q8 launch), 1 on (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",

@@ -1661,55 +1661,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
 
-// gemvq_swiglu_tcq_q4_k_r1: the Q4_K SwiGLU tile at one decode row that also quantizes its
-// output for the down projection (matmul.rs `matmul_swiglu`; FERRITE_SWIGLU_Q).
-// Why: the dense FFN ran quant_x_q8 on h = silu(gate) * up between the SwiGLU and the down
-// GEMV, a dependent launch of ~2.1 us a layer (leaving it out: Qwen3-8B +2.7%, DECODE_STEP.md).
-// Plan: as gemvq_swiglu_tc_q4_k_r1's block (bulk copy of 8 gate and 8 up rows, x staged, the
-// tile), its 8 outputs into shared memory first and then to out (the float h, for any other
-// reader); the 4 blocks of a 32-output quantization group form a cluster (launch attribute
-// (4, 1, 1); n_out % 32 == 0 so every cluster is whole): ranks 1-3 store their 8 outputs
-// into rank 0's hq_s (st_cluster_f32), one cluster barrier, rank 0's warp 0 quantizes the 32
-// (quant_q8_lane: the bits of quant_x_q8 on h) into hq / hd, laid out as quant_x_q8's row 0.
-// The planes go to a scratch of their own, not the GEMV scratch this launch stages its x
-// from: blocks of a later wave still read that one while earlier clusters write.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_swiglu_tcq_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                             int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                             float* __restrict__ out, int8_t* __restrict__ hq, float2* __restrict__ hd) {
-#if __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    __shared__ float hs[8];
-    __shared__ float hq_s[QK];
-    constexpr int NS = 8;  // SwiGLU pairs per block
-    const int r0 = blockIdx.x * NS;
-    const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
-    const uint8_t* pb = W2 + (size_t)r0 * (size_t)rb;
-    const size_t slot = tc_slot(rb, NS);
-    bulk_prologue_spans(pa, NS, pb, NS, rb, slot, gemv_smem, &gemv_bar);
-    uint8_t* xs = gemv_smem + 2 * slot;
-    tc_stage_x(xs, xq, xd, n_in);
-    gemv_bulk_wait(&gemv_bar);
-    gemvq_tc_q4k<1, true, true>(gemv_smem + ((size_t)pa & 15), gemv_smem + slot + ((size_t)pb & 15), rb, NS, n_in,
-                                (const int8_t*)xs, (const float2*)(xs + 2 * n_in + 128), 1, hs, 0, n_in + 64);
-    __syncthreads();
-    const int rank = cluster_rank(), lane = threadIdx.x & 31;
-    if (threadIdx.x < NS) {
-        out[r0 + threadIdx.x] = hs[threadIdx.x];
-        if (rank == 0)
-            hq_s[threadIdx.x] = hs[threadIdx.x];
-        else
-            st_cluster_f32(&hq_s[NS * rank + threadIdx.x], 0, hs[threadIdx.x]);
-    }
-    cluster_sync_all();
-    if (rank == 0 && threadIdx.x < 32) {
-        const int grp = r0 / QK;
-        quant_q8_lane(hq_s[lane], lane, hq, n_out, grp * QK + lane, hd + grp);
-    }
-#endif
-}
-
 // gemvq_multi_<a>_<b>_r<R>: the grouped launch when the third weight has another type (the
 // Q4_K_M mix stores V as Q6_K in half the layers, Q and K as Q4_K: without this V was a
 // launch of its own, 64 blocks for ~6 µs). Segments 0 and 1 are type A with (rb, ks), segment
