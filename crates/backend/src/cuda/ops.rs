@@ -40,6 +40,22 @@ struct ArgmaxScratch {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "elementwise", SRC)?;
+        // The norms' timing diagnostic (elementwise.cu norm_diag), from FERRITE_DIAG_SKIP's
+        // bits 4, 8, 16.
+        let skip = super::switches::diag_skip();
+        let diag: i32 = [(4, 1), (8, 2), (16, 3)]
+            .iter()
+            .find(|(bit, _)| skip & bit != 0)
+            .map_or(0, |&(_, d)| d);
+        if diag != 0 {
+            let stream = ctx.default_stream();
+            let mut sym = m.get_global("norm_diag", &stream)?;
+            // SAFETY: norm_diag is a 4-byte `__constant__ int` (elementwise.cu).
+            let mut v = unsafe { sym.transmute_mut::<i32>(1) }
+                .ok_or_else(|| anyhow::anyhow!("norm_diag is not an int"))?;
+            stream.memcpy_htod(&[diag], &mut v)?;
+            stream.synchronize()?;
+        }
         Ok(Kernels {
             embed: function(&m, "embed")?,
             rms_norm: function(&m, "rms_norm")?,
