@@ -376,6 +376,10 @@ __device__ __forceinline__ float norm_scale(float ss, float* partial, int cols, 
 // quantized consumers): the norm launches but 1 returns after its wait, 2 also loads, adds and
 // reduces (no h, no planes), 3 skips only h's float store.
 __constant__ int norm_diag;
+// 1: the vectorised norms let their successor launch before their own wait (ops.rs, from
+// FERRITE_NORM_EARLY): with a block small enough to be resident beside the GEMV before it,
+// the GEMV after it then launches while that one still runs, as with no norm between.
+__constant__ int norm_early;
 
 // h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
 // add_rms_norm (null: no quantization).
@@ -393,7 +397,12 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    PDL_ENTRY();
+    if (norm_early) {
+        pdl_launch_dependents();
+        pdl_wait();
+    } else {
+        PDL_ENTRY();
+    }
     const int diag = norm_diag;
     if (diag == 1) return;
     float4* xr = (float4*)(x + r * cols);
