@@ -40,23 +40,6 @@ struct ArgmaxScratch {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "elementwise", SRC)?;
-        // The norms' timing diagnostic (elementwise.cu norm_diag), from FERRITE_DIAG_SKIP's
-        // bits 4, 8, 16.
-        let skip = super::switches::diag_skip();
-        let diag: i32 = [(4, 1), (8, 2), (16, 3)]
-            .iter()
-            .find(|(bit, _)| skip & bit != 0)
-            .map_or(0, |&(_, d)| d);
-        let early = super::switches::int_or("FERRITE_NORM_EARLY", 0) as i32;
-        for (name, value) in [("norm_diag", diag), ("norm_early", early)] {
-            let stream = ctx.default_stream();
-            let mut sym = m.get_global(name, &stream)?;
-            // SAFETY: both are 4-byte `__constant__ int`s (elementwise.cu).
-            let mut v = unsafe { sym.transmute_mut::<i32>(1) }
-                .ok_or_else(|| anyhow::anyhow!("{name} is not an int"))?;
-            stream.memcpy_htod(&[value], &mut v)?;
-            stream.synchronize()?;
-        }
         Ok(Kernels {
             embed: function(&m, "embed")?,
             rms_norm: function(&m, "rms_norm")?,
@@ -172,7 +155,7 @@ pub fn rms_norm(
     }
     let wv = f32_vec(w, x.cols)?;
     let cols = x.cols as i32;
-    if let Some(threads) = norm_launch_threads(be, w, x.cols) {
+    if let Some(threads) = norm_v4_threads(be, w, x.cols) {
         // The final norm feeds the lm head's quantized-x GEMV at decode: quantize there too.
         let mut fused = super::matmul::xq_for_producer(be, x.rows, x.cols)?;
         let mut launch = be.stream.kernel(&be.ops.rms_norm_v4);
@@ -237,15 +220,6 @@ fn norm_v4_threads(be: &CudaBackend, w: &CudaWeight, cols: usize) -> Option<u32>
     };
     (cols.is_multiple_of(4) && chunks > 0 && chunks <= 1024 * NORM_NV && aligned)
         .then(|| chunks.next_multiple_of(32).min(1024) as u32)
-}
-
-/// [`norm_v4_threads`] for the standalone norm launches, at most `FERRITE_NORM_THREADS`
-/// (a multiple of 32; up to NORM_NV chunks per thread), else as there.
-fn norm_launch_threads(be: &CudaBackend, w: &CudaWeight, cols: usize) -> Option<u32> {
-    let t = norm_v4_threads(be, w, cols)?;
-    let cap = super::switches::int_or("FERRITE_NORM_THREADS", 1024) as u32;
-    let capped = t.min(cap.max(32) / 32 * 32);
-    Some(if (cols / 4) as u32 <= capped * NORM_NV as u32 { capped } else { t })
 }
 
 fn norm_v4_config(rows: usize, threads: u32) -> LaunchConfig {
@@ -344,7 +318,7 @@ pub fn add_rms_norm(
     }
     let wv = f32_vec(w, x.cols)?;
     let cols = x.cols as i32;
-    let v4 = norm_launch_threads(be, w, x.cols);
+    let v4 = norm_v4_threads(be, w, x.cols);
     let cfg = match v4 {
         Some(threads) => norm_v4_config(x.rows, threads),
         None => LaunchConfig {

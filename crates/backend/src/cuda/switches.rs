@@ -76,18 +76,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_DIAG_SKIP",
-        Accepts::Range(0, 31),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8; of the vectorised norms' work (they launch), 4 all after the wait, 8 the stores, 16 h's float store (DECODE_STEP.md)",
-    ),
-    (
-        "FERRITE_NORM_EARLY",
-        Accepts::OneOf(&[0, 1]),
-        "The vectorised norms let their successor launch before their own wait: 0 off, 1 on (DECODE_STEP.md)",
-    ),
-    (
-        "FERRITE_NORM_THREADS",
-        Accepts::Range(32, 1024),
-        "Most threads of a standalone vectorised norm's block (default 1024: one float4 chunk per thread; DECODE_STEP.md)",
+        Accepts::Range(0, 3),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
     ),
     (
         "FERRITE_NORM_ROUTER",

@@ -372,15 +372,6 @@ __device__ __forceinline__ float norm_scale(float ss, float* partial, int cols, 
     return rsqrtf(tot / (float)cols + eps);
 }
 
-// Timing diagnostic (ops.rs, from FERRITE_DIAG_SKIP 4 / 8 / 16; wrong outputs but for 16 with
-// quantized consumers): the norm launches but 1 returns after its wait, 2 also loads, adds and
-// reduces (no h, no planes), 3 skips only h's float store.
-__constant__ int norm_diag;
-// 1: the vectorised norms let their successor launch before their own wait (ops.rs, from
-// FERRITE_NORM_EARLY): with a block small enough to be resident beside the GEMV before it,
-// the GEMV after it then launches while that one still runs, as with no norm between.
-__constant__ int norm_early;
-
 // h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
 // add_rms_norm (null: no quantization).
 template <bool ADD>
@@ -397,14 +388,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (norm_early) {
-        pdl_launch_dependents();
-        pdl_wait();
-    } else {
-        PDL_ENTRY();
-    }
-    const int diag = norm_diag;
-    if (diag == 1) return;
+    PDL_ENTRY();
     float4* xr = (float4*)(x + r * cols);
     const float4* yr = (const float4*)(y + r * cols);
     float ss = 0.f;
@@ -429,10 +413,6 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
     for (int j = 0; j < NORM_NV; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     const float scale = norm_scale(ss, partial, cols, eps);
     float4* hr = (float4*)(h + r * cols);
-    if (diag == 2) {
-        if (scale < 0.f) hr[0] = v[0];  // never (scale > 0): keeps the loads and the sum
-        return;
-    }
 #pragma unroll
     for (int j = 0; j < NORM_NV; j++) {
         const int c = tid + j * blockDim.x;
@@ -440,7 +420,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const bool valid = c < chunks;
         const float o[4] = {(v[j].x * scale) * wv[j].x, (v[j].y * scale) * wv[j].y, (v[j].z * scale) * wv[j].z,
                             (v[j].w * scale) * wv[j].w};
-        if (valid && diag != 3) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
+        if (valid) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
         if (xq != nullptr)
             quant_q8_vec4(o, valid, xq + r * 2 * cols, cols, 4 * c, xd + r * (cols / QK) + (4 * c) / QK);
     }
