@@ -176,15 +176,8 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     set("gemv_diag", diag)?;
-    set("moe_down_cluster", i32::from(moe_down_cluster()))?;
     stream.synchronize()?;
     Ok(())
-}
-
-/// `FERRITE_MOE_DOWN_CLUSTER=4`: the MoE down launch in 4-block clusters meeting at a barrier
-/// (a timing experiment; matmul.cu `moe_down_cluster`).
-pub(crate) fn moe_down_cluster() -> bool {
-    switches::int_or("FERRITE_MOE_DOWN_CLUSTER", 0) == 4
 }
 
 /// The instantiations `<prefix>_r<R>` of a decode kernel, one per [`GEMV_R`]; with `bulk`

@@ -622,27 +622,22 @@ fn quantized_experts(
     };
     // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert; out holds rows ×
     // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
-    let mut launch = be.stream.kernel(&dk[1]);
-    launch
-        .arg(&d.data)
-        .arg(&d_rb)
-        .arg(&hid)
-        .arg(&ff)
-        .arg(&s.hq)
-        .arg(&s.hd)
-        .arg(logits)
-        .arg(&ne)
-        .arg(&tk)
-        .arg(&norm)
-        .arg(&mut out.buf);
-    if matmul::moe_down_cluster() {
-        ensure!(
-            hidden.is_multiple_of(4 * MOE_DOWN_ROWS),
-            "moe: the clustered down launch needs hidden % 32 == 0"
-        );
-        launch.cluster((4, 1, 1));
-    }
-    unsafe { launch.launch(cfg) }?;
+    unsafe {
+        be.stream
+            .kernel(&dk[1])
+            .arg(&d.data)
+            .arg(&d_rb)
+            .arg(&hid)
+            .arg(&ff)
+            .arg(&s.hq)
+            .arg(&s.hd)
+            .arg(logits)
+            .arg(&ne)
+            .arg(&tk)
+            .arg(&norm)
+            .arg(&mut out.buf)
+            .launch(cfg)
+    }?;
     Ok(())
 }
 

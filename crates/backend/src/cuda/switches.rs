@@ -80,11 +80,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
     ),
     (
-        "FERRITE_MOE_DOWN_CLUSTER",
-        Accepts::OneOf(&[0, 4]),
-        "Timing experiment: the MoE down launch in 4-block clusters meeting at a barrier (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",

@@ -367,10 +367,6 @@ __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
 __constant__ int gemv_pf_head;
-// Timing experiment (matmul.rs, FERRITE_MOE_DOWN_CLUSTER): the MoE down launch in clusters of
-// 4 blocks (32 hidden rows: a quantization group) whose blocks send their 8 outputs to rank 0
-// and meet at a cluster barrier, as a producer-side norm epilogue would; outputs unchanged.
-__constant__ int moe_down_cluster;
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
@@ -2154,17 +2150,10 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
         }
     }
     __syncthreads();
-    __shared__ float grp_s[QK];
     if (threadIdx.x < MOE_DOWN_ROWS && o0 + (int)threadIdx.x < hidden) {
         float acc = 0.0f;
         for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(s_w[k], part[k][threadIdx.x]));
         out[(size_t)t * hidden + o0 + threadIdx.x] = acc;
-        if (moe_down_cluster) st_cluster_f32(&grp_s[MOE_DOWN_ROWS * cluster_rank() + threadIdx.x], 0, acc);
-    }
-    if (moe_down_cluster) {
-        cluster_sync_all();
-        // Rank 0's warp 0 holds the group's 32 outputs (a norm epilogue would quantize them).
-        if (cluster_rank() == 0 && threadIdx.x < 32 && grp_s[threadIdx.x] == 12345.f) out[0] = 0.f;
     }
 }
 
