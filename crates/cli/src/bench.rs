@@ -183,7 +183,7 @@ fn bench_on<B: Backend>(
     // backend's timing diagnostic (FERRITE_DIAG_SKIP: launches left out, wrong outputs) the
     // gate cannot pass; it is skipped and nothing is recorded.
     let gate_prompt = bench_tokens(a.gate_tokens.max(2), cfg.vocab, 7);
-    let diag = std::env::var("FERRITE_DIAG_SKIP").is_ok_and(|v| !v.is_empty() && v != "0");
+    let diag = ferrite_backend::cuda::timing_diagnostic();
     if diag {
         anyhow::ensure!(
             !a.record,

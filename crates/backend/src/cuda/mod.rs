@@ -85,6 +85,12 @@ pub struct CudaBackend {
 /// [`COMMON_CUH`].
 pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 
+/// Whether `FERRITE_DIAG_SKIP` (a timing diagnostic that leaves launches out: wrong outputs)
+/// is on, as the backend itself reads it: `bench` then skips its gate and refuses to record.
+pub fn timing_diagnostic() -> bool {
+    switches::diag_skip() != 0
+}
+
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
 /// the files that dequantize weights to bf16).
 pub fn full_source(name: &str, src: &str) -> String {
