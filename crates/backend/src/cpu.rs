@@ -95,6 +95,10 @@ pub struct CpuBackend {
     /// Evaluate multi-token Gated DeltaNet steps with the chunked form
     /// ([`gated_delta::chunked`]) instead of the token-by-token recurrence.
     chunked_delta: bool,
+    /// Answer [`Backend::defers_rms_norm`] with `true`, so decoders take the deferred-norm
+    /// order (residual adds in [`Backend::matmul_add`], norms inside
+    /// [`Backend::rms_norm_matmuls`]) while every op keeps its reference arithmetic.
+    deferred_norms: bool,
 }
 
 impl CpuBackend {
@@ -109,6 +113,16 @@ impl CpuBackend {
     pub fn with_chunked_delta() -> Self {
         CpuBackend {
             chunked_delta: true,
+            ..CpuBackend::default()
+        }
+    }
+    /// Decoders take their deferred-norm order of operations (what a GPU backend runs at
+    /// decode for float weights) on the reference ops, whose defaults compose the same
+    /// arithmetic: used to check that order end to end, bitwise against the usual one.
+    pub fn with_deferred_norms() -> Self {
+        CpuBackend {
+            deferred_norms: true,
+            ..CpuBackend::default()
         }
     }
 }
@@ -218,6 +232,10 @@ pub fn route_top_k(logits: &[f32], routing: &MoeRouting) -> Vec<(usize, f32)> {
 }
 
 impl Backend for CpuBackend {
+    fn defers_rms_norm(&self, _ws: &[&CpuWeight], _rows: usize) -> bool {
+        self.deferred_norms
+    }
+
     type Buf = Vec<f32>;
     type IBuf = Vec<i32>;
     type Weight = CpuWeight;

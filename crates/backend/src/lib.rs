@@ -493,6 +493,67 @@ pub trait Backend: Send + Sync {
         self.matmul(x, up, u)?;
         self.swiglu(g, u, act)
     }
+    /// Whether [`Backend::rms_norm_matmuls`] and [`Backend::rms_norm_matmul_swiglu`] on
+    /// `rows` rows of every one of `ws` defer the RMSNorm into the projection (no norm
+    /// launch: `rms_norm(x) · n · W = s · ((x ⊙ n) · W)` with `s = 1 / rms(x)` per row,
+    /// applied after the dot products). A decoder that gets `true` for all of a layer's
+    /// consumers of normed activations fuses the residual adds into the projections before
+    /// them ([`Backend::matmul_add`]), so no norm or add runs on its own. The CPU backend:
+    /// never (it keeps the reference order of operations).
+    fn defers_rms_norm(&self, ws: &[&Self::Weight], rows: usize) -> bool {
+        let _ = (ws, rows);
+        false
+    }
+
+    /// `out += x · wᵀ`: a projection added to the residual stream in its own epilogue.
+    /// `y` is scratch for the projection (a backend that adds in the kernel leaves it
+    /// untouched). Equals `matmul(x, w, y)` followed by `add_assign(out, y)` bitwise.
+    fn matmul_add(
+        &self,
+        x: &Act<Self::Buf>,
+        w: &Self::Weight,
+        out: &mut Act<Self::Buf>,
+        y: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.matmul(x, w, y)?;
+        self.add_assign(out, y)
+    }
+
+    /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then
+    /// [`Backend::matmuls`]). `h` is scratch for the normed rows; a backend that defers the
+    /// norm ([`Backend::defers_rms_norm`]) leaves it untouched and scales each output by
+    /// `1 / rms(x)` after its dot product (same value to rounding, not bitwise).
+    fn rms_norm_matmuls(
+        &self,
+        x: &Act<Self::Buf>,
+        (norm, eps): (&Self::Weight, f32),
+        ws: &[&Self::Weight],
+        outs: &mut [&mut Act<Self::Buf>],
+        h: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.rms_norm(x, norm, eps, h)?;
+        self.matmuls(h, ws, outs)
+    }
+
+    /// `act = silu(gate · h) ⊙ (up · h)` with `h = rms_norm(x) · norm`
+    /// ([`Backend::rms_norm`], then [`Backend::matmul_swiglu`]); `h`, `g` and `u` are
+    /// scratch, as in those ops. A backend that defers the norm scales both projections by
+    /// `1 / rms(x)` before the SwiGLU.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul_swiglu(
+        &self,
+        x: &Act<Self::Buf>,
+        (norm, eps): (&Self::Weight, f32),
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        (g, u): (&mut Act<Self::Buf>, &mut Act<Self::Buf>),
+        act: &mut Act<Self::Buf>,
+        h: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.rms_norm(x, norm, eps, h)?;
+        self.matmul_swiglu(h, gate, up, (g, u), act)
+    }
+
     /// Copies rows `start..start+out.rows` of `x` into `out`.
     fn copy_rows(&self, x: &Act<Self::Buf>, start: usize, out: &mut Act<Self::Buf>) -> Result<()>;
     /// `out[i] = x[rows[i]]` (host row indices; `out.rows == rows.len()`).

@@ -422,10 +422,26 @@ impl<B: Backend> Model<B> {
         // h = the first layer's attention input; from then on every norm is fused with
         // the residual add before it.
         let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
-        be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
+        // Float-weight decode on a backend that defers the RMSNorms into the projections
+        // after them ([`Backend::defers_rms_norm`]): the residual adds go into the
+        // projections before them, so no norm or add runs on its own.
+        let defer = self.defers_norms(be, t);
+        if !defer {
+            be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
+        }
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
-            be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
+            if defer {
+                be.rms_norm_matmuls(
+                    x,
+                    (&l.attn_norm, cfg.rms_eps),
+                    &[&l.wq, &l.wk, &l.wv],
+                    &mut [&mut *q, &mut *k, &mut *v],
+                    h,
+                )?;
+            } else {
+                be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
+            }
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
@@ -443,6 +459,29 @@ impl<B: Backend> Model<B> {
                 },
                 att,
             )?;
+            if defer {
+                // x += o(att); act = SwiGLU(rms_norm(x) · ffn_norm); x += down(act).
+                let Ffn::Dense {
+                    gate: wg,
+                    up: wu,
+                    down: wd,
+                } = &l.ffn
+                else {
+                    anyhow::bail!("deferred norms on a MoE layer");
+                };
+                be.matmul_add(att, &l.wo, x, y)?;
+                be.rms_norm_matmul_swiglu(
+                    x,
+                    (&l.ffn_norm, cfg.rms_eps),
+                    wg,
+                    wu,
+                    (&mut *gate, &mut *up),
+                    act,
+                    h,
+                )?;
+                be.matmul_add(act, wd, x, y)?;
+                continue;
+            }
             be.matmul(att, &l.wo, y)?;
 
             // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
@@ -472,7 +511,23 @@ impl<B: Backend> Model<B> {
             be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
         }
 
+        if defer {
+            be.rms_norm(x, &self.out_norm, cfg.rms_eps, h)?;
+        }
         self.output_logits(be, ws, which)
+    }
+
+    /// Whether a step of `rows` rows runs with the RMSNorms deferred into the projections
+    /// after them: every layer dense, and the backend defers for every projection (those
+    /// after a norm take it; the o- and down projections then add to the residual).
+    fn defers_norms(&self, be: &B, rows: usize) -> bool {
+        !self.layers.is_empty()
+            && self.layers.iter().all(|l| match &l.ffn {
+                Ffn::Dense { gate, up, down } => {
+                    be.defers_rms_norm(&[&l.wq, &l.wk, &l.wv, &l.wo, gate, up, down], rows)
+                }
+                Ffn::Moe { .. } => false,
+            })
     }
 
     /// The output projection of the step's last row, or of every row; `ws.h` holds

@@ -306,3 +306,24 @@ fn qwen35_chunked_prefill_equals_recurrence() {
         }
     }
 }
+
+/// The decoders' deferred-norm order (the residual adds inside the o- and down projections,
+/// each RMSNorm inside the projections after it: what the CUDA backend runs at decode for
+/// float weights) on the reference ops, which compose the same arithmetic: bitwise the usual
+/// order, in prefill and in decode.
+#[test]
+fn deferred_norm_order_equals_the_usual_one() {
+    for name in ["qwen3-tiny", "llama-tiny"] {
+        let file = ModelFile::open(&data_dir().join(name)).unwrap();
+        let tokens: Vec<u32> = (0..24u32).map(|i| (i * 7919 + 13) % 1024).collect();
+        let usual = prefill_then_decode(&CpuBackend::new(), &file, &tokens, 9);
+        let deferred = prefill_then_decode(&CpuBackend::with_deferred_norms(), &file, &tokens, 9);
+        assert_eq!(usual.len(), deferred.len());
+        let differ = usual
+            .iter()
+            .zip(&deferred)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(differ, 0, "{name}: {differ} logits differ");
+    }
+}

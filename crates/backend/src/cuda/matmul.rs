@@ -90,6 +90,12 @@ pub struct Kernels {
     /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch on f32 x (float types; the
     /// quantized types' small-output weights).
     gemv_multi: Vec<[CudaFunction; 6]>,
+    /// The deferred-RMSNorm and residual-add float GEMVs (float types only): `gemv_norm_`,
+    /// `gemv_add_`, `gemv_swiglu_norm_`, `gemv_multi_norm_<type>_r<R>` ([`rms_norm_matmuls`],
+    /// [`matmul_add`]).
+    gemv_deferred: Vec<Option<[[CudaFunction; 6]; 4]>>,
+    /// Whether decode takes them (`FERRITE_DEFER_NORM`, on by default; MATMUL.md round 23).
+    pub(crate) defer_norm: bool,
     /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
     /// (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
@@ -212,6 +218,7 @@ impl Kernels {
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
         let mut gemv_swiglu = Vec::with_capacity(TYPES.len());
         let mut gemv_multi = Vec::with_capacity(TYPES.len());
+        let mut gemv_deferred = Vec::with_capacity(TYPES.len());
         // Bulk copies (cp.async.bulk): sm_90 and later (matmul.cu compiles the bulk-copy
         // GEMV for them, the register-load one before).
         let bulk = arch.starts_with("compute_9") || arch.starts_with("compute_1");
@@ -236,6 +243,17 @@ impl Kernels {
                 Some(per_r(&m, &format!("gemv_swiglu_{name}"), false)?)
             });
             gemv_multi.push(per_r(&m, &format!("gemv_multi_{name}"), false)?);
+            gemv_deferred.push(if quantized_x(ty) {
+                None
+            } else {
+                let all = |kind: &str| per_r(&m, &format!("gemv{kind}_{name}"), false);
+                Some([
+                    all("_norm")?,
+                    all("_add")?,
+                    all("_swiglu_norm")?,
+                    all("_multi_norm")?,
+                ])
+            });
             gemvq.push(if quantized_x(ty) {
                 let all = |kind: &str| per_r(&m, &format!("gemvq{kind}_{name}"), bulk);
                 Some([all("")?, all("_swiglu")?, all("_multi")?])
@@ -327,6 +345,8 @@ impl Kernels {
             gemv,
             gemv_swiglu,
             gemv_multi,
+            gemv_deferred,
+            defer_norm: switches::int_or("FERRITE_DEFER_NORM", 1) != 0,
             gemvq,
             gemvq_mixed,
             gemvq_tc,
@@ -1590,6 +1610,266 @@ pub fn matmul_swiglu(
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_swiglu: int8 scratch missing"))?;
     gemvq_launch(be, xq, gate, Some(up), out, rows)?;
+    Ok(true)
+}
+
+/// Whether the float GEMV of `w` at `rows` rows can take the raw residual with its RMSNorm
+/// deferred (`gemv_lane_norm`): a float type (the quantized ones read x as int8 planes that
+/// a norm writes), decode rows, rows of whole float4 steps.
+pub(crate) fn defers(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
+    be.matmul.defer_norm
+        && w.shape.len() == 2
+        && (1..=GEMV_MAX_ROWS).contains(&rows)
+        && w.shape[1] % 4 == 0
+        && !quantized_x(w.dtype)
+        && type_index(w.dtype).is_ok_and(|ti| be.matmul.gemv_deferred[ti].is_some())
+}
+
+/// The deferred-GEMV family `k` (0 norm, 1 add, 2 SwiGLU norm, 3 grouped norm) of `t`.
+fn deferred_kernels(be: &CudaBackend, t: GgmlType, k: usize) -> Result<&[CudaFunction; 6]> {
+    let fams = be.matmul.gemv_deferred[type_index(t)?]
+        .as_ref()
+        .ok_or_else(|| anyhow!("no deferred-norm GEMV for {t}"))?;
+    Ok(&fams[k])
+}
+
+fn check_weight(w: &CudaWeight, what: &str) -> Result<()> {
+    ensure!(
+        w.data.len() >= w.shape[0] * w.row_bytes(),
+        "{what}: weight buffer smaller than {:?} {}",
+        w.shape,
+        w.dtype
+    );
+    Ok(())
+}
+
+/// `out += x · wᵀ` in the float GEMV's epilogue (`gemv_add_*`: bitwise `matmul` then
+/// `add_assign`, the split being the plain GEMV's); `false` (nothing done) where `w` does
+/// not take it ([`defers`]).
+pub fn matmul_add(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    let rows = x.rows;
+    if !defers(be, w, rows) {
+        return Ok(false);
+    }
+    let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
+    check_weight(w, "matmul_add")?;
+    ensure!(
+        x.buf.len() >= rows * n_in && out.buf.len() >= rows * n_out,
+        "matmul_add: activation buffers smaller than their shapes"
+    );
+    let groups = row_groups(n_out);
+    let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
+    let f = &deferred_kernels(be, w.dtype, 1)?[gemv_r_index(rows)?];
+    let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
+        w.row_bytes() as i64,
+        n_out as i32,
+        n_in as i32,
+        rows as i32,
+        ks as i32,
+    );
+    // SAFETY: w holds n_out rows of rb bytes (checked), x rows×n_in floats and out
+    // rows×n_out; each output is read and written by the one lane that stores it.
+    unsafe {
+        be.stream
+            .kernel(f)
+            .arg(&w.data)
+            .arg(&rb)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&mut out.buf)
+            .arg(&ks_i)
+            .launch(gemv_config(groups, ks))
+    }?;
+    Ok(true)
+}
+
+/// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` with the norm deferred into the GEMVs
+/// (`gemv_norm_*`, runs of up to three weights of one type in one `gemv_multi_norm_*` launch
+/// at the launch's split); `false` (nothing done) unless every weight [`defers`].
+pub fn rms_norm_matmuls(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    ws: &[&CudaWeight],
+    outs: &mut [&mut Act<CudaSlice<f32>>],
+) -> Result<bool> {
+    use cudarc::driver::DevicePtrMut;
+    let rows = x.rows;
+    if ws.is_empty() || !ws.iter().all(|w| defers(be, w, rows)) {
+        return Ok(false);
+    }
+    ensure!(
+        ws.len() == outs.len(),
+        "rms_norm_matmuls: {} weights, {} outputs",
+        ws.len(),
+        outs.len()
+    );
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        crate::check_matmul(x, &w.shape, out)?;
+        check_weight(w, "rms_norm_matmuls")?;
+        ensure!(
+            out.buf.len() >= rows * w.shape[0],
+            "rms_norm_matmuls: output buffer smaller than its shape"
+        );
+    }
+    let n_in = x.cols;
+    ensure!(
+        x.buf.len() >= rows * n_in,
+        "rms_norm_matmuls: input buffer smaller than its shape"
+    );
+    let nw = super::ops::f32_vec(norm, n_in)?;
+    let ri = gemv_r_index(rows)?;
+    let (n_in_i, rows_i) = (n_in as i32, rows as i32);
+    let mut outs = outs.iter_mut();
+    let mut i = 0;
+    while i < ws.len() {
+        let mut j = i + 1;
+        while j < ws.len() && j - i < 3 && ws[j].dtype == ws[i].dtype {
+            j += 1;
+        }
+        let t = ws[i].dtype;
+        let steps = gemv_steps(t, n_in);
+        let rb = ws[i].row_bytes() as i64;
+        let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
+        if j - i == 1 {
+            let out = group
+                .into_iter()
+                .next()
+                .ok_or_else(|| anyhow!("rms_norm_matmuls: no output"))?;
+            let n_out = ws[i].shape[0];
+            let groups = row_groups(n_out);
+            let ks = split_k(steps, groups, be.sm_count);
+            let (n_out_i, ks_i) = (n_out as i32, ks as i32);
+            // SAFETY: the weight holds n_out rows of rb bytes, x rows×n_in floats, out
+            // rows×n_out (checked above), the norm weight n_in floats.
+            unsafe {
+                be.stream
+                    .kernel(&deferred_kernels(be, t, 0)?[ri])
+                    .arg(&ws[i].data)
+                    .arg(&rb)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&x.buf)
+                    .arg(&rows_i)
+                    .arg(&mut out.buf)
+                    .arg(&ks_i)
+                    .arg(&nw)
+                    .arg(&eps)
+                    .launch(gemv_config(groups, ks))
+            }?;
+        } else {
+            let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();
+            let ks = split_k(steps, all, be.sm_count);
+            let per_block = GEMV_WARPS / ks * GEMV_NW;
+            let mut sg = GemvSegs::default();
+            let mut grid = 0usize;
+            let mut guards = Vec::new();
+            for (k, (w, out)) in ws[i..j].iter().zip(group).enumerate() {
+                let (wp, gw) = w.data.device_ptr(&be.stream);
+                let (op, go) = out.buf.device_ptr_mut(&be.stream);
+                guards.push((gw, go));
+                sg.w[k] = wp;
+                sg.out[k] = op;
+                sg.n[k] = i32::try_from(w.shape[0])?;
+                let b = w.shape[0].div_ceil(per_block);
+                if k < 2 {
+                    sg.b[k] = i32::try_from(b)?;
+                }
+                grid += b;
+            }
+            if j - i == 2 {
+                sg.w[2] = sg.w[1];
+                sg.out[2] = sg.out[1];
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (u32::try_from(grid)?, 1, 1),
+                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let ks_i = ks as i32;
+            // SAFETY: every weight holds its n rows of rb bytes and every output rows×n
+            // floats (checked above); x rows×n_in floats, the norm weight n_in.
+            unsafe {
+                be.stream
+                    .kernel(&deferred_kernels(be, t, 3)?[ri])
+                    .arg(&sg)
+                    .arg(&rb)
+                    .arg(&n_in_i)
+                    .arg(&x.buf)
+                    .arg(&rows_i)
+                    .arg(&ks_i)
+                    .arg(&nw)
+                    .arg(&eps)
+                    .launch(cfg)
+            }?;
+            drop(guards);
+        }
+        i = j;
+    }
+    Ok(true)
+}
+
+/// `out = silu(gate · h) ⊙ (up · h)`, `h = rms_norm(x) · norm`, in one launch with the norm
+/// deferred (`gemv_swiglu_norm_*`: s scales both sums before the SwiGLU); `false` (nothing
+/// done) unless both weights [`defers`] and agree in type and shape.
+pub fn rms_norm_matmul_swiglu(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    let rows = x.rows;
+    if gate.dtype != up.dtype
+        || gate.shape != up.shape
+        || !defers(be, gate, rows)
+        || !defers(be, up, rows)
+    {
+        return Ok(false);
+    }
+    let (n_out, n_in) = crate::check_matmul(x, &gate.shape, out)?;
+    check_weight(gate, "rms_norm_matmul_swiglu")?;
+    check_weight(up, "rms_norm_matmul_swiglu")?;
+    ensure!(
+        x.buf.len() >= rows * n_in && out.buf.len() >= rows * n_out,
+        "rms_norm_matmul_swiglu: activation buffers smaller than their shapes"
+    );
+    let nw = super::ops::f32_vec(norm, n_in)?;
+    // One output per row group (gate row o with up row o), as matmul_swiglu.
+    let ks = split_k(gemv_steps(gate.dtype, n_in), n_out, be.sm_count);
+    let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
+        gate.row_bytes() as i64,
+        n_out as i32,
+        n_in as i32,
+        rows as i32,
+        ks as i32,
+    );
+    // SAFETY: both weights hold n_out rows of rb bytes (checked); x holds rows×n_in floats,
+    // out rows×n_out, the norm weight n_in.
+    unsafe {
+        be.stream
+            .kernel(&deferred_kernels(be, gate.dtype, 2)?[gemv_r_index(rows)?])
+            .arg(&gate.data)
+            .arg(&up.data)
+            .arg(&rb)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&mut out.buf)
+            .arg(&ks_i)
+            .arg(&nw)
+            .arg(&eps)
+            .launch(gemv_config(n_out, ks))
+    }?;
     Ok(true)
 }
 

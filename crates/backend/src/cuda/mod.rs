@@ -478,6 +478,56 @@ impl Backend for CudaBackend {
         matmul::matmuls(self, x, ws, outs)
     }
 
+    fn defers_rms_norm(&self, ws: &[&CudaWeight], rows: usize) -> bool {
+        ws.iter().all(|w| matmul::defers(self, w, rows))
+    }
+
+    fn matmul_add(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        out: &mut Act<CudaSlice<f32>>,
+        y: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        if matmul::matmul_add(self, x, w, out)? {
+            return Ok(());
+        }
+        self.matmul(x, w, y)?;
+        self.add_assign(out, y)
+    }
+
+    fn rms_norm_matmuls(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        norm: (&CudaWeight, f32),
+        ws: &[&CudaWeight],
+        outs: &mut [&mut Act<CudaSlice<f32>>],
+        h: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        if matmul::rms_norm_matmuls(self, x, norm, ws, outs)? {
+            return Ok(());
+        }
+        self.rms_norm(x, norm.0, norm.1, h)?;
+        self.matmuls(h, ws, outs)
+    }
+
+    fn rms_norm_matmul_swiglu(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        norm: (&CudaWeight, f32),
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        gu: (&mut Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
+        act: &mut Act<CudaSlice<f32>>,
+        h: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        if matmul::rms_norm_matmul_swiglu(self, x, norm, gate, up, act)? {
+            return Ok(());
+        }
+        self.rms_norm(x, norm.0, norm.1, h)?;
+        self.matmul_swiglu(h, gate, up, gu, act)
+    }
+
     fn matmul_swiglu(
         &self,
         x: &Act<CudaSlice<f32>>,

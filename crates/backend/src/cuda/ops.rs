@@ -94,7 +94,7 @@ pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
 }
 
 /// The f32 view of a 1-D weight uploaded by [`upload`].
-fn f32_vec(w: &CudaWeight, n: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
+pub(crate) fn f32_vec(w: &CudaWeight, n: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
     ensure!(
         w.dtype == GgmlType::F32 && w.shape.iter().product::<usize>() == n,
         "expected an f32 vector of {n}, got {:?} {}",

@@ -352,6 +352,66 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
 // W, up row o of W2) and stores silu(gate) * up at out[o], one output per group.
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
+// The deferred RMSNorm (gemv_norm_*, gemv_swiglu_norm_*, gemv_multi_norm_*; matmul.rs
+// `rms_norm_matmuls`): the input is the raw residual row x, not rms_norm(x) · n, and
+//     (rms_norm(x) · n) · w = s · Σ_i w_i (x_i n_i),   s = 1 / sqrt(mean(x²) + eps),
+// so each lane multiplies its x values by the norm weight n as it reads them and sums their
+// squares beside the dot products; the row group's ks warps then hold the whole row's
+// Σ x² (they read all of x between them), reduced in the same fixed order as the dot
+// products, and the epilogue scales by s. No norm launch and no normed copy of x: the
+// extra work is one float4 load of n per x float4 (the same 16 KB for every block: L1) and
+// 4 FMAs per row. Float weight types only, rows a multiple of 4 elements (matmul.rs
+// `defers`); the summation order depends on (type, n_in, ks) alone, as gemv_lane's.
+template <int TYPE, int R, int NW>
+__device__ __forceinline__ void gemv_lane_norm(const uint8_t* const (&wr)[NW], int n_in, const float* __restrict__ x,
+                                               const float* __restrict__ nw, int rows, int lane, int kw, int ks,
+                                               float (&acc)[R][NW], float (&ss)[R]) {
+    const int u0 = lane + 32 * kw, us = 32 * ks;
+    const int n4 = n_in >> 2;
+#pragma unroll GEMV_UNROLL_F
+    for (int i = u0; i < n4; i += us) {
+        float wv[NW][4];
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            if (TYPE == GGML_F32) {
+                const float4 v = __ldcs((const float4*)wr[w] + i);
+                wv[w][0] = v.x; wv[w][1] = v.y; wv[w][2] = v.z; wv[w][3] = v.w;
+            } else {
+                const uint2 v = __ldcs((const uint2*)wr[w] + i);
+                const uint16_t h0 = v.x & 0xFFFF, h1 = v.x >> 16, h2 = v.y & 0xFFFF, h3 = v.y >> 16;
+                if (TYPE == GGML_F16) {
+                    wv[w][0] = h2f(h0); wv[w][1] = h2f(h1); wv[w][2] = h2f(h2); wv[w][3] = h2f(h3);
+                } else {
+                    wv[w][0] = b2f(h0); wv[w][1] = b2f(h1); wv[w][2] = b2f(h2); wv[w][3] = b2f(h3);
+                }
+            }
+        }
+        const float4 nv = __ldg((const float4*)nw + i);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int rr = r < rows ? r : rows - 1;
+            const float4 xv = __ldg((const float4*)(x + (size_t)rr * n_in) + i);
+            ss[r] = fmaf(xv.x, xv.x, ss[r]);
+            ss[r] = fmaf(xv.y, xv.y, ss[r]);
+            ss[r] = fmaf(xv.z, xv.z, ss[r]);
+            ss[r] = fmaf(xv.w, xv.w, ss[r]);
+            const float a = xv.x * nv.x, b = xv.y * nv.y, c = xv.z * nv.z, d = xv.w * nv.w;
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                acc[r][w] = fmaf(wv[w][0], a, acc[r][w]);
+                acc[r][w] = fmaf(wv[w][1], b, acc[r][w]);
+                acc[r][w] = fmaf(wv[w][2], c, acc[r][w]);
+                acc[r][w] = fmaf(wv[w][3], d, acc[r][w]);
+            }
+        }
+    }
+}
+
+// The norm's scale from a row's Σ x² (as the RMSNorm kernels, elementwise.cu).
+__device__ __forceinline__ float gemv_norm_scale(float ss, int n_in, float eps) {
+    return rsqrtf(ss / (float)n_in + eps);
+}
+
 // PDL prologue of a GEMV block (launch.rs, common.cuh): the weight rows [r0, r1) the block
 // will stream (of W, and of W2 for the fused SwiGLU) depend on no earlier kernel, so their
 // lines are prefetched into L2 before waiting for the predecessor. While the previous kernel
@@ -536,13 +596,23 @@ __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8
 }
 
 
-template <int TYPE, int R, bool SWIGLU = false>
+// What a float GEMV does besides W x (the MODE of gemv): nothing; the deferred RMSNorm of x
+// (gemv_lane_norm: nw, eps); or the residual add out += W x in its epilogue (gemv_add_*:
+// each output read and written by the lane that stores it; bitwise matmul + add_assign).
+#define GEMV_PLAIN 0
+#define GEMV_NORM 1
+#define GEMV_ADD 2
+
+template <int TYPE, int R, bool SWIGLU = false, int MODE = GEMV_PLAIN>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                      const float* __restrict__ x, int rows, float* __restrict__ out, int ks,
-                                     const uint8_t* __restrict__ W2, int bx) {
+                                     const uint8_t* __restrict__ W2, int bx, const float* __restrict__ nw = nullptr,
+                                     float eps = 0.0f) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
-    __shared__ float red[GEMV_WARPS][R * NW];
+    constexpr bool NORM = MODE == GEMV_NORM;
+    constexpr int NS = NORM ? R : 0;      // Σ x² slots after the outputs' in `red`
+    __shared__ float red[GEMV_WARPS][R * NW + NS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int kw = warp % ks, grp = warp / ks;
     const int o0 = (bx * (GEMV_WARPS / ks) + grp) * PER;
@@ -550,10 +620,13 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, bx * (GEMV_WARPS / ks) * PER,
                   (bx + 1) * (GEMV_WARPS / ks) * PER);
     float acc[R][NW];
+    float ss[R];
 #pragma unroll
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++) {
+        ss[r] = 0.0f;
 #pragma unroll
         for (int w = 0; w < NW; w++) acc[r][w] = 0.0f;
+    }
     if (active) {
         const uint8_t* wr[NW];
         if (SWIGLU) {
@@ -566,45 +639,68 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
                 wr[w] = W + (size_t)o * (size_t)rb;
             }
         }
-        gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, kw, ks, acc);
+        if (NORM)
+            gemv_lane_norm<TYPE, R, NW>(wr, n_in, x, nw, rows, lane, kw, ks, acc, ss);
+        else
+            gemv_lane<TYPE, R, NW>(wr, n_in, x, rows, lane, kw, ks, acc);
         // Fixed xor butterfly: every lane ends with the same totals.
 #pragma unroll
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
 #pragma unroll
             for (int w = 0; w < NW; w++) {
 #pragma unroll
                 for (int off = 16; off > 0; off >>= 1) acc[r][w] += __shfl_xor_sync(0xffffffffu, acc[r][w], off);
             }
+            if (NORM) {
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) ss[r] += __shfl_xor_sync(0xffffffffu, ss[r], off);
+            }
+        }
     }
     if (ks == 1) {  // uniform over the block
         if (!active) return;
 #pragma unroll
         for (int r = 0; r < R; r++) {
+            const float s = NORM ? gemv_norm_scale(ss[r], n_in, eps) : 1.0f;
             if (SWIGLU) {
-                if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
+                if (lane == (r & 31) && r < rows) {
+                    const float g = NORM ? s * acc[r][0] : acc[r][0], u = NORM ? s * acc[r][1] : acc[r][1];
+                    out[(size_t)r * n_out + o0] = silu(g) * u;
+                }
             } else {
 #pragma unroll
                 for (int w = 0; w < NW; w++)
-                    if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
-                        out[(size_t)r * n_out + o0 + w] = acc[r][w];
+                    if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out) {
+                        float* o = out + (size_t)r * n_out + o0 + w;
+                        *o = MODE == GEMV_ADD ? *o + acc[r][w] : (NORM ? s * acc[r][w] : acc[r][w]);
+                    }
             }
         }
         return;
     }
     if (lane == 0) {
 #pragma unroll
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R; r++) {
 #pragma unroll
             for (int w = 0; w < NW; w++) red[warp][r * NW + w] = acc[r][w];
+            if (NORM) red[warp][R * NW + (NORM ? r : 0)] = ss[r];
+        }
     }
     __syncthreads();
     if (active && kw == 0) {
         if (SWIGLU) {
             for (int r = lane; r < R; r += 32) {
                 float g = red[warp][r * NW], u = red[warp][r * NW + 1];
+                float q = NORM ? red[warp][R * NW + (NORM ? r : 0)] : 0.0f;
                 for (int k = 1; k < ks; k++) {
                     g += red[warp + k][r * NW];
                     u += red[warp + k][r * NW + 1];
+                    if (NORM) q += red[warp + k][R * NW + (NORM ? r : 0)];
+                }
+                if (NORM) {
+                    const float s = gemv_norm_scale(q, n_in, eps);
+                    g *= s;
+                    u *= s;
                 }
                 if (r < rows) out[(size_t)r * n_out + o0] = silu(g) * u;
             }
@@ -613,7 +709,15 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
                 float v = red[warp][i];
                 for (int k = 1; k < ks; k++) v += red[warp + k][i];
                 const int r = i / NW, w = i % NW;
-                if (r < rows && o0 + w < n_out) out[(size_t)r * n_out + o0 + w] = v;
+                if (NORM) {
+                    float q = red[warp][R * NW + (NORM ? r : 0)];
+                    for (int k = 1; k < ks; k++) q += red[warp + k][R * NW + (NORM ? r : 0)];
+                    v *= gemv_norm_scale(q, n_in, eps);
+                }
+                if (r < rows && o0 + w < n_out) {
+                    float* o = out + (size_t)r * n_out + o0 + w;
+                    *o = MODE == GEMV_ADD ? *o + v : v;
+                }
             }
         }
     }
@@ -693,6 +797,50 @@ GEMV_MULTI_ALL_R(q4_1, GGML_Q4_1)
 GEMV_MULTI_ALL_R(q4_k, GGML_Q4_K)
 GEMV_MULTI_ALL_R(q5_k, GGML_Q5_K)
 GEMV_MULTI_ALL_R(q6_k, GGML_Q6_K)
+
+// The deferred-RMSNorm and residual-add forms (float types; matmul.rs `rms_norm_matmuls`,
+// `rms_norm_matmul_swiglu`, `matmul_add`): the plain, SwiGLU and grouped kernels above with
+// x the raw residual row and the norm's weight nw (gemv_lane_norm), or out += W x.
+#define GEMV_NORM_KERNEL(name, TYPE, R)                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_norm_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,          \
+                                const float* __restrict__ x, int rows, float* __restrict__ out, int ks,     \
+                                const float* __restrict__ nw, float eps) {                                  \
+        gemv<TYPE, R, false, GEMV_NORM>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x, nw, eps); \
+    }
+#define GEMV_ADD_KERNEL(name, TYPE, R)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_add_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
+                               const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {    \
+        gemv<TYPE, R, false, GEMV_ADD>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x);          \
+    }
+#define GEMV_SWIGLU_NORM_KERNEL(name, TYPE, R)                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_swiglu_norm_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,      \
+                                       long long rb, int n_out, int n_in, const float* __restrict__ x,      \
+                                       int rows, float* __restrict__ out, int ks,                           \
+                                       const float* __restrict__ nw, float eps) {                           \
+        gemv<TYPE, R, true, GEMV_NORM>(W, rb, n_out, n_in, x, rows, out, ks, W2, blockIdx.x, nw, eps);      \
+    }
+#define GEMV_MULTI_NORM_KERNEL(name, TYPE, R)                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_multi_norm_##name##_r##R(GemvSegs sg, long long rb, int n_in, const float* __restrict__ x,    \
+                                      int rows, int ks, const float* __restrict__ nw, float eps) {          \
+        int bx = blockIdx.x;                                                                                \
+        const int s = gemv_seg(sg, bx);                                                                     \
+        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                      \
+        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                      \
+        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                       \
+        gemv<TYPE, R, false, GEMV_NORM>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx, nw, eps);        \
+    }
+#define GEMV_DEFERRED_ALL_R(name, TYPE)                \
+    GEMV_EACH_R(GEMV_NORM_KERNEL, name, TYPE)          \
+    GEMV_EACH_R(GEMV_ADD_KERNEL, name, TYPE)           \
+    GEMV_EACH_R(GEMV_SWIGLU_NORM_KERNEL, name, TYPE)   \
+    GEMV_EACH_R(GEMV_MULTI_NORM_KERNEL, name, TYPE)
+GEMV_DEFERRED_ALL_R(f32, GGML_F32)
+GEMV_DEFERRED_ALL_R(f16, GGML_F16)
+GEMV_DEFERRED_ALL_R(bf16, GGML_BF16)
 
 GEMV_ALL_R(f32, GGML_F32)
 GEMV_ALL_R(f16, GGML_F16)
