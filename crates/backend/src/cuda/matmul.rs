@@ -96,6 +96,9 @@ pub struct Kernels {
     gemv_deferred: Vec<Option<[[CudaFunction; 6]; 4]>>,
     /// Whether decode takes them (`FERRITE_DEFER_NORM`, on by default; MATMUL.md round 23).
     pub(crate) defer_norm: bool,
+    /// The K split of the grouped deferred-norm launch (`FERRITE_DEFER_KS`, a tuning switch:
+    /// 0 = [`split_k`]'s).
+    defer_ks: usize,
     /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
     /// (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
@@ -347,6 +350,7 @@ impl Kernels {
             gemv_multi,
             gemv_deferred,
             defer_norm: switches::int_or("FERRITE_DEFER_NORM", 1) != 0,
+            defer_ks: switches::int_or("FERRITE_DEFER_KS", 0) as usize,
             gemvq,
             gemvq_mixed,
             gemvq_tc,
@@ -1625,6 +1629,10 @@ pub(crate) fn defers(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
         && type_index(w.dtype).is_ok_and(|ti| be.matmul.gemv_deferred[ti].is_some())
 }
 
+/// Rows per warp of `gemv_norm_*` and `gemv_multi_norm_*` (`GEMV_NORM_NW` in matmul.cu;
+/// the SwiGLU and add forms keep [`GEMV_NW`]).
+const DEFER_NW: usize = 4;
+
 /// The deferred-GEMV family `k` (0 norm, 1 add, 2 SwiGLU norm, 3 grouped norm) of `t`.
 fn deferred_kernels(be: &CudaBackend, t: GgmlType, k: usize) -> Result<&[CudaFunction; 6]> {
     let fams = be.matmul.gemv_deferred[type_index(t)?]
@@ -1744,7 +1752,7 @@ pub fn rms_norm_matmuls(
                 .next()
                 .ok_or_else(|| anyhow!("rms_norm_matmuls: no output"))?;
             let n_out = ws[i].shape[0];
-            let groups = row_groups(n_out);
+            let groups = n_out.div_ceil(DEFER_NW);
             let ks = split_k(steps, groups, be.sm_count);
             let (n_out_i, ks_i) = (n_out as i32, ks as i32);
             // SAFETY: the weight holds n_out rows of rb bytes, x rows×n_in floats, out
@@ -1765,9 +1773,12 @@ pub fn rms_norm_matmuls(
                     .launch(gemv_config(groups, ks))
             }?;
         } else {
-            let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();
-            let ks = split_k(steps, all, be.sm_count);
-            let per_block = GEMV_WARPS / ks * GEMV_NW;
+            let all: usize = ws[i..j].iter().map(|w| w.shape[0].div_ceil(DEFER_NW)).sum();
+            let ks = match be.matmul.defer_ks {
+                k if k > 0 && k <= steps => k,
+                _ => split_k(steps, all, be.sm_count),
+            };
+            let per_block = GEMV_WARPS / ks * DEFER_NW;
             let mut sg = GemvSegs::default();
             let mut grid = 0usize;
             let mut guards = Vec::new();

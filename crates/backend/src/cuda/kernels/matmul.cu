@@ -368,7 +368,9 @@ __device__ __forceinline__ void gemv_lane_norm(const uint8_t* const (&wr)[NW], i
                                                float (&acc)[R][NW], float (&ss)[R]) {
     const int u0 = lane + 32 * kw, us = 32 * ks;
     const int n4 = n_in >> 2;
-#pragma unroll GEMV_UNROLL_F
+    // As many weight bytes in flight per lane as gemv_lane's GEMV_NW rows x GEMV_UNROLL_F.
+    constexpr int UNROLL = GEMV_UNROLL_F * GEMV_NW / NW > 0 ? GEMV_UNROLL_F * GEMV_NW / NW : 1;
+#pragma unroll UNROLL
     for (int i = u0; i < n4; i += us) {
         float wv[NW][4];
 #pragma unroll
@@ -603,12 +605,11 @@ __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8
 #define GEMV_NORM 1
 #define GEMV_ADD 2
 
-template <int TYPE, int R, bool SWIGLU = false, int MODE = GEMV_PLAIN>
+template <int TYPE, int R, bool SWIGLU = false, int MODE = GEMV_PLAIN, int NW = GEMV_NW>
 __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                      const float* __restrict__ x, int rows, float* __restrict__ out, int ks,
                                      const uint8_t* __restrict__ W2, int bx, const float* __restrict__ nw = nullptr,
                                      float eps = 0.0f) {
-    constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     constexpr bool NORM = MODE == GEMV_NORM;
     constexpr int NS = NORM ? R : 0;      // Σ x² slots after the outputs' in `red`
@@ -801,12 +802,17 @@ GEMV_MULTI_ALL_R(q6_k, GGML_Q6_K)
 // The deferred-RMSNorm and residual-add forms (float types; matmul.rs `rms_norm_matmuls`,
 // `rms_norm_matmul_swiglu`, `matmul_add`): the plain, SwiGLU and grouped kernels above with
 // x the raw residual row and the norm's weight nw (gemv_lane_norm), or out += W x.
+// Rows per warp of the plain and grouped deferred-norm GEMVs (matmul.rs DEFER_NW): each x
+// float4 comes with a float4 of the norm weight, so twice the plain GEMV's rows keep the
+// L1 reads per weight byte where the plain GEMV has them (MATMUL.md round 23).
+#define GEMV_NORM_NW 4
 #define GEMV_NORM_KERNEL(name, TYPE, R)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
         gemv_norm_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,          \
                                 const float* __restrict__ x, int rows, float* __restrict__ out, int ks,     \
                                 const float* __restrict__ nw, float eps) {                                  \
-        gemv<TYPE, R, false, GEMV_NORM>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x, nw, eps); \
+        gemv<TYPE, R, false, GEMV_NORM, GEMV_NORM_NW>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x, \
+                                                     nw, eps);                                              \
     }
 #define GEMV_ADD_KERNEL(name, TYPE, R)                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
@@ -831,7 +837,7 @@ GEMV_MULTI_ALL_R(q6_k, GGML_Q6_K)
         const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                      \
         float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                      \
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                       \
-        gemv<TYPE, R, false, GEMV_NORM>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx, nw, eps);        \
+        gemv<TYPE, R, false, GEMV_NORM, GEMV_NORM_NW>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx, nw, eps); \
     }
 #define GEMV_DEFERRED_ALL_R(name, TYPE)                \
     GEMV_EACH_R(GEMV_NORM_KERNEL, name, TYPE)          \
