@@ -96,9 +96,6 @@ pub struct Kernels {
     gemv_deferred: Vec<Option<[[CudaFunction; 6]; 4]>>,
     /// Whether decode takes them (`FERRITE_DEFER_NORM`, on by default; MATMUL.md round 23).
     pub(crate) defer_norm: bool,
-    /// The K split of the grouped deferred-norm launch (`FERRITE_DEFER_KS`, a tuning switch:
-    /// 0 = [`split_k`]'s).
-    defer_ks: usize,
     /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
     /// (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
@@ -350,7 +347,6 @@ impl Kernels {
             gemv_multi,
             gemv_deferred,
             defer_norm: switches::int_or("FERRITE_DEFER_NORM", 1) != 0,
-            defer_ks: switches::int_or("FERRITE_DEFER_KS", 0) as usize,
             gemvq,
             gemvq_mixed,
             gemvq_tc,
@@ -1753,7 +1749,8 @@ pub fn rms_norm_matmuls(
                 .ok_or_else(|| anyhow!("rms_norm_matmuls: no output"))?;
             let n_out = ws[i].shape[0];
             let groups = n_out.div_ceil(DEFER_NW);
-            let ks = split_k(steps, groups, be.sm_count);
+            // As the grouped launch below: the plain GEMV's split for these rows.
+            let ks = split_k(steps, row_groups(n_out), be.sm_count);
             let (n_out_i, ks_i) = (n_out as i32, ks as i32);
             // SAFETY: the weight holds n_out rows of rb bytes, x rows×n_in floats, out
             // rows×n_out (checked above), the norm weight n_in floats.
@@ -1773,11 +1770,12 @@ pub fn rms_norm_matmuls(
                     .launch(gemv_config(groups, ks))
             }?;
         } else {
-            let all: usize = ws[i..j].iter().map(|w| w.shape[0].div_ceil(DEFER_NW)).sum();
-            let ks = match be.matmul.defer_ks {
-                k if k > 0 && k <= steps => k,
-                _ => split_k(steps, all, be.sm_count),
-            };
+            // The split the plain grouped launch takes for these rows (its row groups of
+            // GEMV_NW): at DEFER_NW rows per warp that is half its blocks, one wave
+            // (QKV of Qwen3-8B F16: 384 blocks, 15.3 µs, against 17.3 at split_k of the
+            // DEFER_NW groups, 768 blocks; MATMUL.md round 23).
+            let all: usize = ws[i..j].iter().map(|w| row_groups(w.shape[0])).sum();
+            let ks = split_k(steps, all, be.sm_count);
             let per_block = GEMV_WARPS / ks * DEFER_NW;
             let mut sg = GemvSegs::default();
             let mut grid = 0usize;
