@@ -176,9 +176,14 @@ pub(crate) fn forward_layers<B: Backend>(
         .context("workspace lacks the hybrid buffers")?;
     let step: &StepInput<B::IBuf> = step;
 
+    // Float-weight decode on a backend that defers the RMSNorms into the projections after
+    // them (as decoder.rs): the residual adds go into the projections before them.
+    let defer = defers_norms(be, layers, step.rows);
     // h = the first layer's mixer input; every later norm is fused with the residual add
     // before it.
-    be.rms_norm(x, layers.first().map_or(out_norm, |l| &l.attn_norm), eps, h)?;
+    if !defer {
+        be.rms_norm(x, layers.first().map_or(out_norm, |l| &l.attn_norm), eps, h)?;
+    }
     // The residual stream: `x` holds it, `x_alt` takes the sum where it goes out of place.
     let (mut x, mut x_alt) = (x, x2);
     for (il, l) in layers.iter().enumerate() {
@@ -199,9 +204,24 @@ pub(crate) fn forward_layers<B: Backend>(
                 // qkv and z before the convolution: one quantization of h serves both (a
                 // launch between them would invalidate it); the two small β/α projections
                 // (float GEMVs) in one launch.
-                be.matmuls(h, &[qkv, z], &mut [&mut hb.mixed, &mut hb.z])?;
+                let mixer_norm = (&l.attn_norm, eps);
+                if defer {
+                    be.rms_norm_matmuls(
+                        x,
+                        mixer_norm,
+                        &[qkv, z],
+                        &mut [&mut hb.mixed, &mut hb.z],
+                        h,
+                    )?;
+                } else {
+                    be.matmuls(h, &[qkv, z], &mut [&mut hb.mixed, &mut hb.z])?;
+                }
                 be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv)?;
-                be.matmuls(h, &[b, wa], &mut [&mut hb.b, &mut hb.a])?;
+                if defer {
+                    be.rms_norm_matmuls(x, mixer_norm, &[b, wa], &mut [&mut hb.b, &mut hb.a], h)?;
+                } else {
+                    be.matmuls(h, &[b, wa], &mut [&mut hb.b, &mut hb.a])?;
+                }
                 be.gated_delta_rule(
                     kv,
                     DeltaArgs {
@@ -216,7 +236,11 @@ pub(crate) fn forward_layers<B: Backend>(
                     &mut hb.core,
                 )?;
                 be.gated_rms_norm(&mut hb.core, &hb.z, norm, delta.v_head_dim, eps)?;
-                be.matmul(&hb.core, out, y)?;
+                if defer {
+                    be.matmul_add(&hb.core, out, x, y)?;
+                } else {
+                    be.matmul(&hb.core, out, y)?;
+                }
             }
             Mixer::Attention {
                 slot,
@@ -229,11 +253,12 @@ pub(crate) fn forward_layers<B: Backend>(
                 k_norm,
             } => {
                 // One grouped decode launch where the types allow (x quantized once).
-                be.matmuls(
-                    h,
-                    &[wq, wg, wk, wv],
-                    &mut [&mut *q, &mut hb.attn_gate, &mut *k, &mut *v],
-                )?;
+                let outs = &mut [&mut *q, &mut hb.attn_gate, &mut *k, &mut *v];
+                if defer {
+                    be.rms_norm_matmuls(x, (&l.attn_norm, eps), &[wq, wg, wk, wv], outs, h)?;
+                } else {
+                    be.matmuls(h, &[wq, wg, wk, wv], outs)?;
+                }
                 be.qk_norm_rope(
                     q,
                     k,
@@ -257,8 +282,27 @@ pub(crate) fn forward_layers<B: Backend>(
                     att,
                 )?;
                 be.sigmoid_gate(att, &hb.attn_gate)?;
-                be.matmul(att, wo, y)?;
+                if defer {
+                    be.matmul_add(att, wo, x, y)?;
+                } else {
+                    be.matmul(att, wo, y)?;
+                }
             }
+        }
+        if defer {
+            // x += down(SwiGLU(rms_norm(x) · ffn_norm)).
+            let Ffn::Dense {
+                gate: wg,
+                up: wu,
+                down: wd,
+            } = &l.ffn
+            else {
+                bail!("deferred norms on a MoE layer");
+            };
+            let norm = (&l.ffn_norm, eps);
+            be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
+            be.matmul_add(act, wd, x, y)?;
+            continue;
         }
 
         // Feed-forward: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
@@ -284,7 +328,31 @@ pub(crate) fn forward_layers<B: Backend>(
         let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
         be.add_rms_norm(x, y, next_norm, eps, h)?;
     }
+    if defer {
+        be.rms_norm(x, out_norm, eps, h)?;
+    }
     Ok(())
+}
+
+/// Whether a step of `rows` rows runs with the RMSNorms deferred into the projections after
+/// them (decoder.rs `defers_norms`): every FFN dense, every projection deferrable.
+fn defers_norms<B: Backend>(be: &B, layers: &[Layer<B::Weight>], rows: usize) -> bool {
+    !layers.is_empty()
+        && layers.iter().all(|l| {
+            let Ffn::Dense { gate, up, down } = &l.ffn else {
+                return false;
+            };
+            let mut ws = vec![gate, up, down];
+            match &l.mixer {
+                Mixer::Linear {
+                    qkv, z, b, a, out, ..
+                } => ws.extend([qkv, z, b, a, out]),
+                Mixer::Attention {
+                    q, gate, k, v, o, ..
+                } => ws.extend([q, gate, k, v, o]),
+            }
+            be.defers_rms_norm(&ws, rows)
+        })
 }
 
 /// An f32 weight `1 + w`: transformers' zero-centred RMSNorm scale, as it computes it.

@@ -313,7 +313,7 @@ fn qwen35_chunked_prefill_equals_recurrence() {
 /// order, in prefill and in decode.
 #[test]
 fn deferred_norm_order_equals_the_usual_one() {
-    for name in ["qwen3-tiny", "llama-tiny"] {
+    for name in ["qwen3-tiny", "llama-tiny", "qwen35-tiny"] {
         let file = ModelFile::open(&data_dir().join(name)).unwrap();
         let tokens: Vec<u32> = (0..24u32).map(|i| (i * 7919 + 13) % 1024).collect();
         let usual = prefill_then_decode(&CpuBackend::new(), &file, &tokens, 9);
