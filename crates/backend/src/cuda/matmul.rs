@@ -93,11 +93,9 @@ pub struct Kernels {
     /// The deferred-RMSNorm and residual-add float GEMVs (float types only): `gemv_norm_`,
     /// `gemv_add_`, `gemv_swiglu_norm_`, `gemv_multi_norm_<type>_r<R>` ([`rms_norm_matmuls`],
     /// [`matmul_add`]).
-    gemv_deferred: Vec<Option<[[CudaFunction; 6]; 5]>>,
+    gemv_deferred: Vec<Option<[[CudaFunction; 6]; 4]>>,
     /// Whether decode takes them (`FERRITE_DEFER_NORM`, on by default; MATMUL.md round 23).
     pub(crate) defer_norm: bool,
-    /// Rows per warp of the residual-add GEMV: 2 or 4 (`FERRITE_ADD_NW`, a tuning switch).
-    add_nw: usize,
     /// `gemvq_<type>_r<R>`, `gemvq_swiglu_<type>_r<R>`, `gemvq_multi_<type>_r<R>`
     /// (quantized types only).
     gemvq: Vec<Option<[[CudaFunction; 6]; 3]>>,
@@ -254,7 +252,6 @@ impl Kernels {
                     all("_add")?,
                     all("_swiglu_norm")?,
                     all("_multi_norm")?,
-                    all("_add4")?,
                 ])
             });
             gemvq.push(if quantized_x(ty) {
@@ -350,7 +347,6 @@ impl Kernels {
             gemv_multi,
             gemv_deferred,
             defer_norm: switches::int_or("FERRITE_DEFER_NORM", 1) != 0,
-            add_nw: switches::int_or("FERRITE_ADD_NW", 2) as usize,
             gemvq,
             gemvq_mixed,
             gemvq_tc,
@@ -1633,8 +1629,7 @@ pub(crate) fn defers(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
 /// the SwiGLU and add forms keep [`GEMV_NW`]).
 const DEFER_NW: usize = 4;
 
-/// The deferred-GEMV family `k` (0 norm, 1 add, 2 SwiGLU norm, 3 grouped norm, 4 add at 4
-/// rows per warp) of `t`.
+/// The deferred-GEMV family `k` (0 norm, 1 add, 2 SwiGLU norm, 3 grouped norm) of `t`.
 fn deferred_kernels(be: &CudaBackend, t: GgmlType, k: usize) -> Result<&[CudaFunction; 6]> {
     let fams = be.matmul.gemv_deferred[type_index(t)?]
         .as_ref()
@@ -1671,14 +1666,9 @@ pub fn matmul_add(
         x.buf.len() >= rows * n_in && out.buf.len() >= rows * n_out,
         "matmul_add: activation buffers smaller than their shapes"
     );
-    // The plain GEMV's split (the bits of matmul + add_assign), at add_nw rows per warp
-    // (an output's sum does not depend on the rows a warp takes beside it).
-    let ks = split_k(gemv_steps(w.dtype, n_in), row_groups(n_out), be.sm_count);
-    let (groups, fam) = match be.matmul.add_nw {
-        4 => (n_out.div_ceil(4), 4),
-        _ => (row_groups(n_out), 1),
-    };
-    let f = &deferred_kernels(be, w.dtype, fam)?[gemv_r_index(rows)?];
+    let groups = row_groups(n_out);
+    let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
+    let f = &deferred_kernels(be, w.dtype, 1)?[gemv_r_index(rows)?];
     let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
         w.row_bytes() as i64,
         n_out as i32,

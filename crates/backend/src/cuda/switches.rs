@@ -55,11 +55,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "float-weight decode: the RMSNorm deferred into the next projection and the residual add into the one before (MATMUL.md round 23)",
     ),
     (
-        "FERRITE_ADD_NW",
-        Accepts::OneOf(&[2, 4]),
-        "rows per warp of the float residual-add GEMV (o- and down projections with deferred norms; MATMUL.md round 23)",
-    ),
-    (
         "FERRITE_GEMV_PF",
         Accepts::Range(0, 2),
         "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans (MATMUL.md)",

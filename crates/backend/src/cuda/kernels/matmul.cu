@@ -839,17 +839,9 @@ GEMV_MULTI_ALL_R(q6_k, GGML_Q6_K)
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                       \
         gemv<TYPE, R, false, GEMV_NORM, GEMV_NORM_NW>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, bx, nw, eps); \
     }
-// gemv_add4_*: the same at GEMV_NORM_NW rows per warp (a tuning experiment: FERRITE_ADD_NW).
-#define GEMV_ADD4_KERNEL(name, TYPE, R)                                                                     \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemv_add4_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,          \
-                                const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {   \
-        gemv<TYPE, R, false, GEMV_ADD, GEMV_NORM_NW>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x); \
-    }
 #define GEMV_DEFERRED_ALL_R(name, TYPE)                \
     GEMV_EACH_R(GEMV_NORM_KERNEL, name, TYPE)          \
     GEMV_EACH_R(GEMV_ADD_KERNEL, name, TYPE)           \
-    GEMV_EACH_R(GEMV_ADD4_KERNEL, name, TYPE)          \
     GEMV_EACH_R(GEMV_SWIGLU_NORM_KERNEL, name, TYPE)   \
     GEMV_EACH_R(GEMV_MULTI_NORM_KERNEL, name, TYPE)
 GEMV_DEFERRED_ALL_R(f32, GGML_F32)
