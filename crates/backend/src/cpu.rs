@@ -95,10 +95,20 @@ pub struct CpuBackend {
     /// Evaluate multi-token Gated DeltaNet steps with the chunked form
     /// ([`gated_delta::chunked`]) instead of the token-by-token recurrence.
     chunked_delta: bool,
-    /// Answer [`Backend::defers_rms_norm`] with `true`, so decoders take the deferred-norm
-    /// order (residual adds in [`Backend::matmul_add`], norms inside
-    /// [`Backend::rms_norm_matmuls`]) while every op keeps its reference arithmetic.
-    deferred_norms: bool,
+    /// Answer [`Backend::defers_rms_norm`] (`All`) or [`Backend::defers_rms_norm_after`]
+    /// (`Ffn`) with `true`, so decoders take that deferred-norm order (residual adds in
+    /// [`Backend::matmul_add`], norms inside the ops after them) while every op keeps its
+    /// reference arithmetic.
+    deferred_norms: DeferredNorms,
+}
+
+/// Which deferred-norm order [`CpuBackend`] asks decoders to take (a test mode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum DeferredNorms {
+    #[default]
+    None,
+    All,
+    Ffn,
 }
 
 impl CpuBackend {
@@ -121,7 +131,15 @@ impl CpuBackend {
     /// arithmetic: used to check that order end to end, bitwise against the usual one.
     pub fn with_deferred_norms() -> Self {
         CpuBackend {
-            deferred_norms: true,
+            deferred_norms: DeferredNorms::All,
+            ..CpuBackend::default()
+        }
+    }
+    /// Decoders take the per-site order of quantized weights instead
+    /// ([`Backend::defers_rms_norm_after`]: the FFN's norm handed over by the o-projection).
+    pub fn with_deferred_ffn_norms() -> Self {
+        CpuBackend {
+            deferred_norms: DeferredNorms::Ffn,
             ..CpuBackend::default()
         }
     }
@@ -233,7 +251,11 @@ pub fn route_top_k(logits: &[f32], routing: &MoeRouting) -> Vec<(usize, f32)> {
 
 impl Backend for CpuBackend {
     fn defers_rms_norm(&self, _ws: &[&CpuWeight], _rows: usize) -> bool {
-        self.deferred_norms
+        self.deferred_norms == DeferredNorms::All
+    }
+
+    fn defers_rms_norm_after(&self, _p: &CpuWeight, _c: &[&CpuWeight], _rows: usize) -> bool {
+        self.deferred_norms == DeferredNorms::Ffn
     }
 
     type Buf = Vec<f32>;

@@ -519,6 +519,37 @@ pub trait Backend: Send + Sync {
         self.add_assign(out, y)
     }
 
+    /// Whether, on `rows` rows, [`Backend::matmul_add_for_norm`] with `producer` can hand
+    /// the next RMSNorm's input to [`Backend::rms_norm_matmul_swiglu`] of `consumers` (gate,
+    /// up) without a norm launch: the producer writes the norm's input already weighted and
+    /// quantized for the consumer, which applies `1 / rms(x)` after its dot products. Asked
+    /// per site where [`Backend::defers_rms_norm`] is false (quantized weights). The CPU
+    /// backend: only in its test mode.
+    fn defers_rms_norm_after(
+        &self,
+        producer: &Self::Weight,
+        consumers: &[&Self::Weight],
+        rows: usize,
+    ) -> bool {
+        let _ = (producer, consumers, rows);
+        false
+    }
+
+    /// [`Backend::matmul_add`] whose result feeds `rms_norm(out) · norm` next (the consumer
+    /// being [`Backend::rms_norm_matmul_swiglu`] with the same `norm`): a backend may prepare
+    /// that input in the projection's epilogue. Same `out` as `matmul_add`, bitwise.
+    fn matmul_add_for_norm(
+        &self,
+        x: &Act<Self::Buf>,
+        w: &Self::Weight,
+        out: &mut Act<Self::Buf>,
+        y: &mut Act<Self::Buf>,
+        norm: (&Self::Weight, f32),
+    ) -> Result<()> {
+        let _ = norm;
+        self.matmul_add(x, w, out, y)
+    }
+
     /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then
     /// [`Backend::matmuls`]). `h` is scratch for the normed rows; a backend that defers the
     /// norm ([`Backend::defers_rms_norm`]) leaves it untouched and scales each output by

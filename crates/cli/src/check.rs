@@ -261,7 +261,8 @@ fn ensure_gpu() -> Result<()> {
 
 /// The Backend ops `ferrite check` knows about (the data-movement methods upload, zeros,
 /// from_host, to_host, set_step and read_i32 are exercised by every case; defers_rms_norm by
-/// the rms_norm_matmuls and rms_norm_matmul_swiglu cases).
+/// the rms_norm_matmuls and rms_norm_matmul_swiglu cases, defers_rms_norm_after by the
+/// matmul_add_for_norm ones).
 const OPS: &[&str] = &[
     "embed",
     "rms_norm",
@@ -273,6 +274,9 @@ const OPS: &[&str] = &[
     "rms_norm_matmuls",
     "rms_norm_matmul_swiglu",
     "matmul_add",
+    // The o-projection's residual add handing the FFN norm's input to the gate/up
+    // projections (matmul_add_for_norm, then rms_norm_matmul_swiglu; defers_rms_norm_after).
+    "matmul_add_for_norm",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -367,6 +371,19 @@ enum Op {
         ty: GgmlType,
         n_in: usize,
         n_out: usize,
+        rows: usize,
+    },
+    /// The o-projection into the residual, then the FFN's first half on its norm:
+    /// `matmul_add_for_norm(att, w_o, x, y, norm)` then
+    /// `rms_norm_matmul_swiglu(x, norm, gate, up)` back to back (the pair a backend may fuse:
+    /// `defers_rms_norm_after`). `w_o` `[hidden, hidden]`, gate and up `[ffn, hidden]`, all of
+    /// type `ty`; `x` a random residual (restored before the op). Checked: the SwiGLU output
+    /// and the residual after the op (each apart, each against its own threshold); run_once
+    /// also asserts the residual bitwise equal to plain `matmul_add`'s on the same backend.
+    AddNormSwiglu {
+        ty: GgmlType,
+        hidden: usize,
+        ffn: usize,
         rows: usize,
     },
     Rope {
@@ -636,6 +653,18 @@ fn describe(op: &Op) -> (&'static str, String) {
         } => (
             "matmul_add",
             format!("matmul_add {ty} {n_in}->{n_out} rows={rows}"),
+        ),
+        // tests/check.rs accepts `matmul_add+matmul_swiglu` as a `--filter swiglu` prefix.
+        Op::AddNormSwiglu {
+            ty,
+            hidden,
+            ffn,
+            rows,
+        } => (
+            "matmul_add_for_norm",
+            format!(
+                "matmul_add+matmul_swiglu(rms_norm) {ty} {hidden}->{hidden}->{ffn} rows={rows}"
+            ),
         ),
         Op::Rope {
             rows,
@@ -1209,6 +1238,34 @@ pub fn cases(quick: bool) -> Vec<Case> {
         n_in,
         n_out: n_outs[0],
         rows,
+    });
+
+    // --- matmul_add_for_norm + rms_norm_matmul_swiglu (the o-projection handing the FFN
+    // norm's input to gate/up): CUDA fuses the pair for Q4_K weights at decode rows
+    // (`Backend::defers_rms_norm_after`); F16 takes the float deferred norm
+    // (`defers_rms_norm`), Q8_0 the default composition. Qwen3-8B's shapes; small in quick.
+    if !quick {
+        for (ty, rows) in [
+            (GgmlType::Q4K, 1),
+            (GgmlType::Q4K, 2),
+            (GgmlType::Q4K, 9),
+            (GgmlType::Q4K, 16),
+            (GgmlType::F16, 1),
+            (GgmlType::Q8_0, 1),
+        ] {
+            add(Op::AddNormSwiglu {
+                ty,
+                hidden: 4096,
+                ffn: 12288,
+                rows,
+            });
+        }
+    }
+    add(Op::AddNormSwiglu {
+        ty: GgmlType::Q4K,
+        hidden: 512,
+        ffn: 1024,
+        rows: 1,
     });
 
     // --- rope: both styles, partial rotary dims, positions from 0 and from 1000.
@@ -2089,6 +2146,42 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((vec![0.0; rows * n_out], rows, n_out));
             h.out = (rows, n_out);
         }
+        Op::AddNormSwiglu {
+            ty,
+            hidden,
+            ffn,
+            rows,
+        } => {
+            // norm, gate, up (as rms_norm_matmul_swiglu's), then w_o.
+            push_norm_weight(&mut h, &mut rng, hidden);
+            for salt in [0, 0x51ed] {
+                h.weights.push((
+                    ty,
+                    vec![ffn, hidden],
+                    gen_weight(ty, &[ffn, hidden], seed ^ salt)?,
+                ));
+            }
+            h.weights.push((
+                ty,
+                vec![hidden, hidden],
+                gen_weight(ty, &[hidden, hidden], seed ^ 0x0a77)?,
+            ));
+            // The attention output (rows of unequal scales too, so the sum's rows differ in
+            // RMS: a norm taken from the wrong row, or from x before the add, shows), the
+            // residual x as generated (copied into out2 before each run), the scratch y, g, u
+            // and h (poisoned, as for rms_norm_matmul_swiglu).
+            h.acts
+                .push((residual_rows(&mut rng, rows, hidden), rows, hidden));
+            h.acts
+                .push((residual_rows(&mut rng, rows, hidden), rows, hidden));
+            h.acts.push((vec![0.0; rows * hidden], rows, hidden));
+            h.acts.push((vec![0.0; rows * ffn], rows, ffn));
+            h.acts.push((vec![0.0; rows * ffn], rows, ffn));
+            h.acts.push((vec![f32::NAN; rows * hidden], rows, hidden));
+            // The SwiGLU output, then the residual after the op.
+            h.out = (rows, ffn);
+            h.out2 = Some((rows, hidden));
+        }
         Op::Rope {
             rows,
             heads,
@@ -2574,6 +2667,7 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::AddRmsNorm { .. } => be.copy_rows(&p.a[0], 0, out2(&mut p.out2)?),
         // out starts as the residual.
         Op::MatmulAdd { .. } => be.copy_rows(&p.a[1], 0, &mut p.out),
+        Op::AddNormSwiglu { .. } => be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?),
         Op::AddRmsNormMatmul { .. } => {
             let [x, _, xw, _] = &mut p.a[..] else {
                 bail!("add_rms_norm_matmul: expected 4 activations")
@@ -2683,6 +2777,15 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 bail!("matmul_add: expected 3 activations")
             };
             be.matmul_add(x, &p.w[0], &mut p.out, y)
+        }
+        Op::AddNormSwiglu { .. } => {
+            let [att, _, y, g, u, h] = &mut p.a[..] else {
+                bail!("matmul_add+matmul_swiglu: expected 6 activations")
+            };
+            let x = out2(&mut p.out2)?;
+            let norm = (&p.w[0], EPS);
+            be.matmul_add_for_norm(att, &p.w[3], x, y, norm)?;
+            be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
         }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
@@ -2877,6 +2980,9 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     if let Op::MatmulAdd { .. } = op {
         matmul_add_same_as_composition(be, op, h, &mut p)?;
     }
+    if let Op::AddNormSwiglu { .. } = op {
+        add_for_norm_same_as_matmul_add(be, op, h, &mut p)?;
+    }
     let mut all = read_guarded(be, &mut p.out)?;
     if let Some(o) = &mut p.out2 {
         all.extend(read_guarded(be, o)?);
@@ -2888,19 +2994,28 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
 }
 
 /// A backend that says it defers the norm of a rms_norm_matmuls / rms_norm_matmul_swiglu
-/// case's weights (`defers_rms_norm`) must have run no norm: the scratch h is still poisoned.
+/// case's weights (`defers_rms_norm`), or hands it over from the projection before
+/// (`defers_rms_norm_after`, the matmul_add_for_norm cases), must have run no norm: the
+/// scratch h is still poisoned.
 fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Result<()> {
-    let (ws, h): (Vec<&B::Weight>, &Act<B::Buf>) = match op {
-        Op::RmsNormMatmuls { .. } => (p.w[1..].iter().collect(), &p.a[1]),
-        Op::RmsNormMatmulSwiglu { .. } => (p.w[1..3].iter().collect(), &p.a[3]),
+    let (ws, h, producer): (Vec<&B::Weight>, &Act<B::Buf>, _) = match op {
+        Op::RmsNormMatmuls { .. } => (p.w[1..].iter().collect(), &p.a[1], None),
+        Op::RmsNormMatmulSwiglu { .. } => (p.w[1..3].iter().collect(), &p.a[3], None),
+        Op::AddNormSwiglu { .. } => (p.w[1..3].iter().collect(), &p.a[5], Some(&p.w[3])),
         _ => return Ok(()),
     };
-    if be.defers_rms_norm(&ws, h.rows) {
+    let handed = producer.is_some_and(|w| be.defers_rms_norm_after(w, &ws, h.rows));
+    if be.defers_rms_norm(&ws, h.rows) || handed {
         let v = be.to_host(h)?;
         let written = v.iter().filter(|x| !x.is_nan()).count();
         anyhow::ensure!(
             written == 0,
-            "defers_rms_norm is true, yet {written} of {} values of the scratch h were written",
+            "the norm is deferred ({}), yet {written} of {} values of the scratch h were written",
+            if handed {
+                "defers_rms_norm_after"
+            } else {
+                "defers_rms_norm"
+            },
             v.len()
         );
     }
@@ -2933,6 +3048,38 @@ fn matmul_add_same_as_composition<B: Backend>(
     anyhow::ensure!(
         differ == 0,
         "matmul_add: out differs from matmul + add_assign's in {differ} of {} values",
+        fused.len()
+    );
+    Ok(())
+}
+
+/// A matmul_add_for_norm case's residual against plain `matmul_add`'s on the same backend:
+/// bitwise equal (the trait's contract: whatever the producer prepares for the norm after it,
+/// the residual's bits are matmul_add's).
+fn add_for_norm_same_as_matmul_add<B: Backend>(
+    be: &B,
+    op: &Op,
+    h: &HostData,
+    p: &mut Prepared<B>,
+) -> Result<()> {
+    let mut q = prepare(be, op, h)?;
+    reset(be, op, &mut q)?;
+    {
+        let [att, _, y, ..] = &mut q.a[..] else {
+            bail!("matmul_add+matmul_swiglu: expected 6 activations")
+        };
+        be.matmul_add(att, &q.w[3], out2(&mut q.out2)?, y)?;
+    }
+    let fused = be.to_host(out2(&mut p.out2)?)?;
+    let plain = be.to_host(out2(&mut q.out2)?)?;
+    let differ = fused
+        .iter()
+        .zip(&plain)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    anyhow::ensure!(
+        differ == 0,
+        "matmul_add_for_norm: the residual differs from matmul_add's in {differ} of {} values",
         fused.len()
     );
     Ok(())
@@ -3049,6 +3196,9 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::RmsNormMatmulSwiglu {
             ty, n_out, rows, ..
         } => SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *n_out, *rows),
+        // The looser of the two outputs' thresholds (see output_thresholds: each output is
+        // held to its own).
+        Op::AddNormSwiglu { .. } => output_thresholds(op).into_iter().fold(0.0, f64::max),
         Op::MatmulSwiglu {
             ty,
             n_in,
@@ -3103,6 +3253,27 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
     }
 }
 
+/// Per-output thresholds of the ops whose outputs are held to different ones (in output
+/// order: out, out2, more); empty where the op's threshold applies to every output.
+fn output_thresholds(op: &Op) -> Vec<f64> {
+    match op {
+        // The SwiGLU output: as the matmul_swiglu cases of that type and shape (the handed-over
+        // planes of x ⊙ norm are the quantized GEMV's x, 1/rms applied after the dot products
+        // as in the deferred norm). The residual: the o-projection's matmul threshold (the add
+        // is add_assign's f32 add, bitwise; run_once checks it against matmul_add).
+        Op::AddNormSwiglu {
+            ty,
+            hidden,
+            ffn,
+            rows,
+        } => vec![
+            SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *ffn, *rows),
+            matmul_nmse(*ty, *hidden, *rows),
+        ],
+        _ => Vec::new(),
+    }
+}
+
 /// Bytes per cached K/V element an attention case reads: q8_0 cases on a backend whose caches
 /// are narrower than f32 take the q8_0 figure, the others the backend's own cache element.
 fn kv_elem_bytes<B: Backend>(be: &B, q8: bool) -> f64 {
@@ -3138,6 +3309,13 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         }
         // The weight, x in, the residual read and written (the scratch y: not needed).
         Op::MatmulAdd { .. } => f(h.weights[0].2.len() + h.acts[0].0.len() * 4 + 2 * out),
+        // The four weights, the attention output in, the residual read and written, the SwiGLU
+        // output (the scratch y, g, u, h: not needed).
+        Op::AddNormSwiglu { .. } => {
+            let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
+            let x = h.out2.map_or(0, |(r, c)| r * c * 4);
+            f(w + h.acts[0].0.len() * 4 + 2 * x + out)
+        }
         Op::RmsNorm { .. } | Op::Swiglu { .. } => f(acts + out),
         Op::HeadRmsNorm { .. } | Op::Rope { .. } => f(2 * out),
         Op::AddAssign { .. } => f(3 * out),
@@ -3333,17 +3511,28 @@ fn check_case<B: Backend>(
         (Output::F(g), Output::F(w)) => {
             let bad = g.iter().filter(|v| !v.is_finite()).count();
             let cpu_bad = w.iter().filter(|v| !v.is_finite()).count();
-            // Several outputs: each compared apart, the worse one counts (NaN wins).
+            // Several outputs: each compared apart against its own threshold (where the op
+            // has per-output ones), the worst relative to its threshold counts (NaN wins).
             let lens = std::iter::once(p.out.len())
                 .chain(p.out2.iter().map(|o| o.len()))
                 .chain(p.more.iter().map(|o| o.len()));
-            let (mut e, mut at) = (0f64, 0usize);
-            for n in lens.chain(std::iter::once(usize::MAX)) {
+            let per = output_thresholds(&c.op);
+            let thr_all = thr;
+            let (mut e, mut thr, mut worst, mut at) = (0f64, thr, f64::NEG_INFINITY, 0usize);
+            for (i, n) in lens.chain(std::iter::once(usize::MAX)).enumerate() {
                 let end = at.saturating_add(n).min(g.len());
                 if end > at {
                     let x = nmse(&g[at..end], &w[at..end]);
-                    if x > e || x.is_nan() {
-                        e = x;
+                    let t = per.get(i).copied().unwrap_or(thr_all);
+                    let r = if t > 0.0 {
+                        x / t
+                    } else if x > 0.0 {
+                        f64::INFINITY
+                    } else {
+                        0.0
+                    };
+                    if r > worst || x.is_nan() {
+                        (e, thr, worst) = (x, t, if x.is_nan() { f64::NAN } else { r });
                     }
                 }
                 at = end;

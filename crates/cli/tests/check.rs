@@ -39,9 +39,10 @@ fn check_filter_and_perf() {
     let lines: Vec<&str> = stdout.lines().filter(|l| l.contains(" OK")).collect();
     assert!(!lines.is_empty(), "{stdout}");
     assert!(
-        lines.iter().all(
-            |l| (l.starts_with("swiglu") || l.starts_with("matmul_swiglu")) && l.contains("GB/s")
-        ),
+        lines.iter().all(|l| (l.starts_with("swiglu")
+            || l.starts_with("matmul_swiglu")
+            || l.starts_with("matmul_add+matmul_swiglu"))
+            && l.contains("GB/s")),
         "{stdout}"
     );
 }

@@ -482,6 +482,27 @@ impl<B: Backend> Model<B> {
                 be.matmul_add(act, wd, x, y)?;
                 continue;
             }
+            if let Ffn::Dense {
+                gate: wg,
+                up: wu,
+                down: wd,
+            } = &l.ffn
+            {
+                if be.defers_rms_norm_after(&l.wo, &[wg, wu], t) {
+                    // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
+                    // y = down(SwiGLU), added with the next norm below.
+                    let norm = (&l.ffn_norm, cfg.rms_eps);
+                    be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
+                    be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
+                    be.matmul(act, wd, y)?;
+                    let next_norm = self
+                        .layers
+                        .get(il + 1)
+                        .map_or(&self.out_norm, |n| &n.attn_norm);
+                    be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
+                    continue;
+                }
+            }
             be.matmul(att, &l.wo, y)?;
 
             // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).

@@ -317,13 +317,18 @@ fn deferred_norm_order_equals_the_usual_one() {
         let file = ModelFile::open(&data_dir().join(name)).unwrap();
         let tokens: Vec<u32> = (0..24u32).map(|i| (i * 7919 + 13) % 1024).collect();
         let usual = prefill_then_decode(&CpuBackend::new(), &file, &tokens, 9);
-        let deferred = prefill_then_decode(&CpuBackend::with_deferred_norms(), &file, &tokens, 9);
-        assert_eq!(usual.len(), deferred.len());
-        let differ = usual
-            .iter()
-            .zip(&deferred)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        assert_eq!(differ, 0, "{name}: {differ} logits differ");
+        for be in [
+            CpuBackend::with_deferred_norms(),
+            CpuBackend::with_deferred_ffn_norms(),
+        ] {
+            let deferred = prefill_then_decode(&be, &file, &tokens, 9);
+            assert_eq!(usual.len(), deferred.len());
+            let differ = usual
+                .iter()
+                .zip(&deferred)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(differ, 0, "{name}: {differ} logits differ");
+        }
     }
 }

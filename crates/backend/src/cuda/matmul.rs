@@ -107,6 +107,15 @@ pub struct Kernels {
     /// launches whose 16-row tile fits [`GEMVQ_TC_MAX_SMEM`] on sm_90+ (MATMUL.md rounds 8
     /// and 9). None before sm_90 or with `FERRITE_GEMV_TC=0`.
     gemvq_tc: Option<TcKernels>,
+    /// `gemvq_tc2_add_q4_k_r<R>` and `gemvq_swiglu_tcn_q4_k_r<R>`: the FFN's RMSNorm handed
+    /// from the Q4_K o-projection to the SwiGLU ([`matmul_add_for_norm`]; sm_90+, unless
+    /// `FERRITE_DEFER_NORM_Q=0`).
+    tc2: Option<[[CudaFunction; 6]; 2]>,
+    /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
+    /// than [`TC2_MAX_ROWS`] rows.
+    add_norm_planes: CudaFunction,
+    /// The planes, scales and group Σ x² that `gemvq_tc2_add_q4_k` writes for the SwiGLU.
+    xqn: Mutex<Option<NormPlanes>>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -314,6 +323,12 @@ impl Kernels {
         } else {
             None
         };
+        let tc2 = if gemvq_tc.is_some() && switches::int_or("FERRITE_DEFER_NORM_Q", 1) != 0 {
+            let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
+            Some([all("_tc2_add_q4_k")?, all("_swiglu_tcn_q4_k")?])
+        } else {
+            None
+        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -350,6 +365,9 @@ impl Kernels {
             gemvq,
             gemvq_mixed,
             gemvq_tc,
+            tc2,
+            add_norm_planes: function(&m, "add_norm_planes")?,
+            xqn: Mutex::new(None),
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -786,6 +804,26 @@ pub(crate) fn lock_xq(
 }
 
 impl Grown for XQuant {
+    fn retired(&mut self) -> &mut Vec<Self> {
+        &mut self.retired
+    }
+}
+
+/// The FFN norm's input as `gemvq_tc2_add_q4_k` leaves it for the SwiGLU: the int8 planes
+/// and scale pairs of x ⊙ n (quant_x_q8's layout) and each 32-element group's Σ x².
+pub(crate) struct NormPlanes {
+    q: CudaSlice<i8>,
+    d: CudaSlice<f32>,
+    ss: CudaSlice<f32>,
+    cap: usize,
+    retired: Vec<NormPlanes>,
+    /// What they hold: (x's device address, the norm weight's, rows, cols, the launch count
+    /// right after the producer). Only `rms_norm_matmul_swiglu` with that norm on that x,
+    /// next in the stream, takes them.
+    src: Option<(u64, u64, usize, usize, u64)>,
+}
+
+impl Grown for NormPlanes {
     fn retired(&mut self) -> &mut Vec<Self> {
         &mut self.retired
     }
@@ -1878,6 +1916,282 @@ pub fn rms_norm_matmul_swiglu(
             .arg(&nw)
             .arg(&eps)
             .launch(gemv_config(n_out, ks))
+    }?;
+    Ok(true)
+}
+
+/// Whether `matmul_add_for_norm` of `wo` followed by `rms_norm_matmul_swiglu` of `gate` and
+/// `up` at `rows` rows takes the handed-over norm (`gemvq_tc2_add_q4_k` and
+/// `gemvq_swiglu_tcn_q4_k`): Q4_K weights on their one-tile tensor-core forms, whole 32-row
+/// groups.
+pub(crate) fn hands_norm_over(
+    be: &CudaBackend,
+    wo: &CudaWeight,
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    rows: usize,
+) -> bool {
+    let q4k = |w: &CudaWeight| w.dtype == GgmlType::Q4K && w.shape.len() == 2;
+    be.matmul.tc2.is_some()
+        && (1..=GEMV_MAX_ROWS).contains(&rows)
+        && q4k(wo)
+        && q4k(gate)
+        && gate.dtype == up.dtype
+        && gate.shape == up.shape
+        && wo.shape[0] == gate.shape[1]
+        && wo.shape[0] % 32 == 0
+        && gemv_path(wo, rows) == Some(true)
+        && gemv_path(gate, rows) == Some(true)
+        && matches!(
+            tc_form(
+                be,
+                wo.dtype,
+                wo.shape[1],
+                wo.shape[0],
+                wo.row_bytes(),
+                GemvKind::Plain
+            ),
+            Some(TcForm::Full(_))
+        )
+        && matches!(
+            tc_form(
+                be,
+                gate.dtype,
+                gate.shape[1],
+                gate.shape[0],
+                gate.row_bytes(),
+                GemvKind::Swiglu
+            ),
+            Some(TcForm::Full(_))
+        )
+}
+
+/// Most rows of x the two-tile kernel takes (`gemvq_tc2_add_q4_k_r<R>`: 512 threads, so at
+/// most 128 registers; from 8 rows its accumulators spill). More rows: the plain tensor-core
+/// GEMV, then `add_norm_planes` (the same bits).
+const TC2_MAX_ROWS: usize = 4;
+
+/// `out += x · wᵀ` leaving the planes of `out ⊙ norm` and their groups' Σ out² for the
+/// SwiGLU next (`gemvq_tc2_add_q4_k_r<R>`, or above [`TC2_MAX_ROWS`] rows the plain GEMV into
+/// `y` and `add_norm_planes`); `false` (nothing done) where `w` does not take it.
+pub fn matmul_add_for_norm(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+    y: &mut Act<CudaSlice<f32>>,
+    norm: &CudaWeight,
+) -> Result<bool> {
+    let rows = x.rows;
+    let Some(tc2) = be.matmul.tc2.as_ref() else {
+        return Ok(false);
+    };
+    if !(w.dtype == GgmlType::Q4K
+        && w.shape.len() == 2
+        && w.shape[0] % 32 == 0
+        && gemv_path(w, rows) == Some(true)
+        && matches!(
+            tc_form(
+                be,
+                w.dtype,
+                w.shape[1],
+                w.shape[0],
+                w.row_bytes(),
+                GemvKind::Plain
+            ),
+            Some(TcForm::Full(_))
+        ))
+    {
+        return Ok(false);
+    }
+    let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
+    check_weight(w, "matmul_add_for_norm")?;
+    ensure!(
+        out.buf.len() >= rows * n_out,
+        "matmul_add_for_norm: output buffer smaller than its shape"
+    );
+    let nw = super::ops::f32_vec(norm, n_out)?;
+    let rb = w.row_bytes();
+    {
+        let (wp, _g) = w.data.device_ptr(&be.stream);
+        ensure!(
+            wp % 16 == 0,
+            "matmul_add_for_norm: weight buffer is not 16-byte aligned"
+        );
+    }
+    let smem = 2 * tc_smem(rb, 8) + if rows == 1 { tc_x_bytes(n_in) } else { 0 };
+    let guard = quantize_x(be, x)?;
+    let xq = guard
+        .as_ref()
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: int8 scratch missing"))?;
+    if rows > TC2_MAX_ROWS {
+        crate::check_matmul(x, &w.shape, y)?;
+        gemvq_launch(be, xq, w, None, y, rows)?;
+    }
+    let mut planes = lock_grown(
+        &be.matmul.xqn,
+        "norm planes",
+        |b| b.cap >= n_out,
+        || {
+            Ok(NormPlanes {
+                q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_out)?,
+                d: be
+                    .stream
+                    .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_out / 32 * 2)?,
+                ss: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n_out / 32)?,
+                cap: n_out,
+                retired: Vec::new(),
+                src: None,
+            })
+        },
+    )?;
+    let p = planes
+        .as_mut()
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
+    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+    if rows > TC2_MAX_ROWS {
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from((rows * n_out / 32).div_ceil(8))?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: out and y hold rows × n_out floats (checked), the norm weight n_out, the
+        // plane scratch GEMV_MAX_ROWS ≥ rows rows of n_out; one warp per 32-group.
+        unsafe {
+            be.stream
+                .kernel(&be.matmul.add_norm_planes)
+                .arg(&mut out.buf)
+                .arg(&y.buf)
+                .arg(&nw)
+                .arg(&rows_i)
+                .arg(&n_out_i)
+                .arg(&mut p.q)
+                .arg(&mut p.d)
+                .arg(&mut p.ss)
+                .launch(cfg)
+        }?;
+        let (op, _g) = out.buf.device_ptr(&be.stream);
+        let (np, _g2) = norm.data.device_ptr(&be.stream);
+        p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
+        return Ok(true);
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
+        block_dim: ((2 * GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let xd = xq.d.slice(..rows * n_in / 32 * 2);
+    let xqs = xq.q.slice(..2 * rows * n_in);
+    // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned; the int8 scratch holds
+    // rows × n_in quantized values of x; out (the residual, read and written in place by the
+    // one lane of each element) rows × n_out floats; the plane scratch GEMV_MAX_ROWS ≥ rows
+    // rows of n_out; the norm weight n_out floats; one block per 32 rows (n_out % 32 == 0).
+    unsafe {
+        be.stream
+            .kernel(&tc2[0][gemv_r_index(rows)?])
+            .arg(&w.data)
+            .arg(&rb_i)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&xqs)
+            .arg(&xd)
+            .arg(&rows_i)
+            .arg(&mut out.buf)
+            .arg(&nw)
+            .arg(&mut p.q)
+            .arg(&mut p.d)
+            .arg(&mut p.ss)
+            .launch(cfg)
+    }?;
+    let (op, _g) = out.buf.device_ptr(&be.stream);
+    let (np, _g2) = norm.data.device_ptr(&be.stream);
+    p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
+    Ok(true)
+}
+
+/// The SwiGLU on the planes `matmul_add_for_norm` just left for this `x` and `norm`
+/// (`gemvq_swiglu_tcn_q4_k_r<R>`); `false` (nothing done) unless they are there and the
+/// weights take the form.
+pub fn rms_norm_matmul_swiglu_handed(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    let rows = x.rows;
+    let Some(tc2) = be.matmul.tc2.as_ref() else {
+        return Ok(false);
+    };
+    let mut guard = be
+        .matmul
+        .xqn
+        .lock()
+        .map_err(|_| anyhow!("matmul: norm plane scratch lock poisoned"))?;
+    let Some(p) = guard.as_mut() else {
+        return Ok(false);
+    };
+    let (xp, _g) = x.buf.device_ptr(&be.stream);
+    let (np, _g2) = norm.data.device_ptr(&be.stream);
+    let want = Some((xp, np, rows, x.cols, super::launch::launch_count()));
+    if p.src.take() != want
+        || !(gate.dtype == GgmlType::Q4K
+            && gate.dtype == up.dtype
+            && gate.shape == up.shape
+            && gemv_path(gate, rows) == Some(true))
+    {
+        return Ok(false);
+    }
+    let (n_out, n_in) = crate::check_matmul(x, &gate.shape, out)?;
+    check_weight(gate, "rms_norm_matmul_swiglu")?;
+    check_weight(up, "rms_norm_matmul_swiglu")?;
+    ensure!(
+        p.cap >= n_in && out.buf.len() >= rows * n_out,
+        "rms_norm_matmul_swiglu: buffers smaller than [{rows}, {n_in}] -> {n_out}"
+    );
+    let rb = gate.row_bytes();
+    let (_, smem, tc) = gemvq_plan(
+        be,
+        gate.dtype,
+        n_in,
+        n_out,
+        rb,
+        n_out,
+        2,
+        rows,
+        GemvKind::Swiglu,
+    )?;
+    if !matches!(tc, Some(TcForm::Full(_))) {
+        bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+    let xd = p.d.slice(..rows * n_in / 32 * 2);
+    let xqs = p.q.slice(..2 * rows * n_in);
+    let ss = p.ss.slice(..rows * n_in / 32);
+    // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
+    // n_in values with their scales and group sums (written by the producer just before);
+    // out holds rows × n_out floats; one block per 8 SwiGLU outputs.
+    unsafe {
+        be.stream
+            .kernel(&tc2[1][gemv_r_index(rows)?])
+            .arg(&gate.data)
+            .arg(&up.data)
+            .arg(&rb_i)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&xqs)
+            .arg(&xd)
+            .arg(&rows_i)
+            .arg(&mut out.buf)
+            .arg(&ss)
+            .arg(&eps)
+            .launch(cfg)
     }?;
     Ok(true)
 }

@@ -496,6 +496,29 @@ impl Backend for CudaBackend {
         self.add_assign(out, y)
     }
 
+    fn defers_rms_norm_after(
+        &self,
+        producer: &CudaWeight,
+        consumers: &[&CudaWeight],
+        rows: usize,
+    ) -> bool {
+        matches!(consumers, [gate, up] if matmul::hands_norm_over(self, producer, gate, up, rows))
+    }
+
+    fn matmul_add_for_norm(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        out: &mut Act<CudaSlice<f32>>,
+        y: &mut Act<CudaSlice<f32>>,
+        norm: (&CudaWeight, f32),
+    ) -> Result<()> {
+        if matmul::matmul_add_for_norm(self, x, w, out, y, norm.0)? {
+            return Ok(());
+        }
+        self.matmul_add(x, w, out, y)
+    }
+
     fn rms_norm_matmuls(
         &self,
         x: &Act<CudaSlice<f32>>,
@@ -521,7 +544,9 @@ impl Backend for CudaBackend {
         act: &mut Act<CudaSlice<f32>>,
         h: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        if matmul::rms_norm_matmul_swiglu(self, x, norm, gate, up, act)? {
+        if matmul::rms_norm_matmul_swiglu(self, x, norm, gate, up, act)?
+            || matmul::rms_norm_matmul_swiglu_handed(self, x, norm, gate, up, act)?
+        {
             return Ok(());
         }
         self.rms_norm(x, norm.0, norm.1, h)?;

@@ -559,10 +559,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // each span widened to whole 16-byte units as above; n = 0: no copy), completing on the
 // block's mbarrier bar; then the block barrier (bar initialised before anyone waits) and the
 // PDL entry. Before sm_90 only the PDL entry.
-__device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, const uint8_t* b, int nb,
-                                                    long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
+// The copies of bulk_prologue_spans, issued by the calling thread alone (no barrier, no
+// PDL entry): the two-tile block's group leaders (gemvq_tc2_add_q4k) each issue their tile's.
+__device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
+                                                 size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) {
+    {
         size_t a0[2], len[2];
         uint32_t total = 0;
 #pragma unroll
@@ -583,6 +585,13 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
         for (int m = 0; m < 2; m++)
             if (len[m]) bulk_g2s(bar, smem + m * slot, a0[m], (uint32_t)len[m]);
     }
+#endif
+}
+
+__device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, const uint8_t* b, int nb,
+                                                    long long rb, size_t slot, uint8_t* smem, uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) bulk_issue_spans(a, na, b, nb, rb, slot, smem, bar);
     __syncthreads();
 #endif
     PDL_ENTRY();
@@ -1278,8 +1287,11 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
 // the output is silu(gate) * up. HALF (the 8-row tile, MMA rows g + 8 repeat rows g): only
 // acc[r][0] counts, output row `row` (slot row / 4, its row row % 4) is MMA row
 // 2 (row % 4) + row / 4.
-template <int R, bool SWIGLU, bool HALF = false>
-__device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0) {
+// NORM: the input was x ⊙ n with the RMSNorm's 1 / rms(x) deferred (gemvq_tc_block NORM):
+// sn[r] scales each sum (SwiGLU: gate and up) before it is used.
+template <int R, bool SWIGLU, bool HALF = false, bool NORM = false>
+__device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0,
+                                         const float* sn = nullptr) {
     constexpr int NA = HALF ? 1 : 2;  // MMA row halves that hold distinct rows
     __shared__ float tred[GEMV_WARPS][R][8 * NA];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1303,14 +1315,45 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
         for (int w = 1; w < GEMV_WARPS; w++) v += tred[w][r][a];
         const int o = r0 + row;
         if (r >= rows || o >= n_out) continue;
+        if (NORM) v *= sn[r];
         if (SWIGLU) {
             float u = tred[0][r][au];
 #pragma unroll
             for (int w = 1; w < GEMV_WARPS; w++) u += tred[w][r][au];
+            if (NORM) u *= sn[r];
             v = silu(v) * u;
         }
         out[(size_t)r * n_out + o] = v;
     }
+}
+
+// tc_store's sums for a two-tile block (G2): group tg = threadIdx.x / 256 of 8 warps adds its
+// tile's MMA rows in tc_store's order (the four t lanes, then the warps in order: the bits of
+// the one-tile kernel's outputs) into out16[r * 16 + row] (shared memory), row as tc_store's
+// plain rows. Ends with a block barrier: both groups' sums are then visible to every thread.
+template <int R>
+__device__ __forceinline__ void tc_reduce_g2(float (&acc)[R][2], float* out16) {
+    __shared__ float tred2[2][GEMV_WARPS][R][16];
+    const int lane = threadIdx.x & 31, tg = threadIdx.x >> 8, warp = (threadIdx.x >> 5) & (GEMV_WARPS - 1);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 1);
+            acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 2);
+            if (t == 0) tred2[tg][warp][r][8 * a + g] = acc[r][a];
+        }
+    __syncthreads();
+    for (int i = threadIdx.x & 255; i < R * 16; i += 256) {
+        const int r = (unsigned)i / 16, row = (unsigned)i % 16;
+        const int a = 2 * (row % 8) + row / 8;
+        float v = tred2[tg][0][r][a];
+#pragma unroll
+        for (int w = 1; w < GEMV_WARPS; w++) v += tred2[tg][w][r][a];
+        out16[r * 16 + row] = v;
+    }
+    __syncthreads();
 }
 
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
@@ -1318,12 +1361,16 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
 // kcols: the tile's columns where x is wider (a K slice, gemvq_tck_block; 0: n_in).
 // HALF: the 8-row tile (slots of 4 rows; MMA rows g + 8 repeat rows g, whose loads and
 // epilogue are skipped): the long rows, whose 16-row tile does not fit (matmul.rs tc_form).
-template <int R, bool SWIGLU, bool XS, bool HALF = false>
+// NORM: tc_store scales by sn (see there). G2: the block is two 8-warp groups on two tiles
+// (gemvq_tc2_add_q4k): warps index within their group, and the tile's 16 sums go to g2out
+// (tc_reduce_g2) instead of global memory.
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, int kcols = 0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr,
+                                             float* g2out = nullptr) {
+    const int lane = threadIdx.x & 31, warp = G2 ? (threadIdx.x >> 5) & (GEMV_WARPS - 1) : threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
     // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2 (HALF: both row g / 2).
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1394,7 +1441,10 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
             }
         }
     }
-    tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
+    if (G2)
+        tc_reduce_g2<R>(acc, g2out);
+    else
+        tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
 }
 
 // The Q6_K form. A super-block (210 bytes: ql[128] low nibbles, qh[64] 2-bit highs, 16 int8
@@ -1541,11 +1591,16 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
 // the two slots), 8 SwiGLU pairs (rows r0.. of W, the gate, and of W2, the up), or HALF 8
 // rows (r0.. and r0 + 4..). TYPE: Q4_K or Q6_K (any other is the Q6_K form: never launched).
-template <int TYPE, int R, bool SWIGLU, bool HALF>
+// NORM (Q4_K, the SwiGLU of gemvq_swiglu_tcn_q4_k): x's planes are those of x ⊙ n, written
+// by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
+// the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
+// takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                               int bx, uint8_t* smem, uint64_t* bar) {
+                                               int bx, uint8_t* smem, uint64_t* bar,
+                                               const float* __restrict__ pss = nullptr, float eps = 0.0f) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1560,6 +1615,19 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
+    __shared__ float sn[NORM ? R : 1];
+    if (NORM) {
+        const int lane = threadIdx.x & 31, ng = n_in / QK;
+        for (int r = threadIdx.x >> 5; r < R; r += GEMV_WARPS) {
+            const float* p = pss + (size_t)(r < rows ? r : rows - 1) * ng;
+            float v = 0.0f;
+            for (int i = lane; i < ng; i += 32) v += p[i];
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            if (lane == 0) sn[r] = rsqrtf(v / (float)n_in + eps);
+        }
+        if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
+    }
     if (XS) tc_stage_x(xs, xq, xd, n_in);
     if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
@@ -1567,12 +1635,97 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
         const int plane = XS ? n_in + 64 : n_in;
         if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
+            gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, 0, sn);
         else
             gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
     }
     if (diag == 3) gemv_bulk_wait(bar);
 #endif
+}
+
+// The o-projection handing the FFN's RMSNorm over to the SwiGLU (gemvq_tc2_add_q4_k_r<R>;
+// matmul.rs `matmul_add_for_norm`, MATMUL.md round 24): a Q4_K GEMV whose block owns a whole
+// 32-row quantization group, so that it can write the next GEMV's input itself.
+//  - Block: 16 warps, two groups of 8 (tg = threadIdx.x / 256), group tg on the 16-row tile
+//    of rows 32 bx + 16 tg .. + 15 exactly as gemvq_tc_block's one-tile block (its own two
+//    slots and mbarrier, its leader thread issuing its copies; x staged once for both at
+//    R = 1), so each output is bitwise the plain tensor-core GEMV's (tc_reduce_g2).
+//  - Epilogue: warp r (one per x row) takes the block's 32 outputs v, lane j row 32 bx + j:
+//    x ← x + v (the residual add, in place: bitwise matmul + add_assign), then the planes of
+//    x ⊙ n (n: the FFN norm's weight) by quant_q8_lane into pq / pd (quant_x_q8's layout) and
+//    the group's Σ x² (xor butterfly) into pss[r][bx]. The SwiGLU after it
+//    (gemvq_swiglu_tcn_q4_k) scales by 1 / rms(x) from those sums: no norm launch.
+//  - One block per 32 rows: 128 blocks of 512 threads for a 4096-row projection, one per SM
+//    (the one-tile kernel's 256 blocks run two per SM: the same bytes per SM).
+//  Needs n_out % 32 == 0 and R <= 16 warps.
+template <int R>
+__device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                                  const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                                  int rows, float* __restrict__ x, const float* __restrict__ nw,
+                                                  int8_t* __restrict__ pq, float2* __restrict__ pd,
+                                                  float* __restrict__ pss, uint8_t* smem, uint64_t* bars) {
+#if __CUDA_ARCH__ >= 900
+    constexpr bool XS = R == 1;
+    const int tg = threadIdx.x >> 8;
+    const int r0 = blockIdx.x * 32 + 16 * tg;
+    const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
+    const uint8_t* pb = W + (size_t)(r0 + 8) * (size_t)rb;
+    const size_t slot = tc_slot(rb, 8);
+    uint8_t* gs = smem + (size_t)tg * 2 * slot;
+    if ((threadIdx.x & 255) == 0)
+        bulk_issue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - r0 - 8)), rb, slot, gs,
+                         bars + tg);
+    __syncthreads();
+    PDL_ENTRY();
+    const uint8_t* s0 = gs + ((size_t)pa & 15);
+    const uint8_t* s1 = gs + slot + ((size_t)pb & 15);
+    uint8_t* xs = smem + 4 * slot;  // XS: x after the four slots
+    if (XS) tc_stage_x(xs, xq, xd, n_in);
+    gemv_bulk_wait(bars + tg);
+    __shared__ float sums[2][R][16];
+    const int8_t* xa = XS ? (const int8_t*)xs : xq;
+    const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
+    const int plane = XS ? n_in + 64 : n_in;
+    gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr, r0, plane, 0,
+                                                   nullptr, &sums[tg][0][0]);
+    const int lane = threadIdx.x & 31, r = threadIdx.x >> 5;
+    const int o = blockIdx.x * 32 + lane, ng = n_out / QK;
+    if (r < R && r < rows && blockIdx.x * 32 < n_out) {
+        float* xp = x + (size_t)r * n_out + o;
+        const float xr = *xp + sums[lane >> 4][r][lane & 15];
+        *xp = xr;
+        float ss = xr * xr;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        quant_q8_lane(xr * nw[o], lane, pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + blockIdx.x);
+        if (lane == 0) pss[(size_t)r * ng + blockIdx.x] = ss;
+    }
+#endif
+}
+
+// gemvq_tc2_add_q4k's epilogue as a kernel of its own (add_norm_planes), after the plain
+// tensor-core GEMV wrote y: for more rows of x than the two-tile block holds in its 128
+// registers (matmul.rs TC2_MAX_ROWS). One warp per (row, 32-group), the same operations in
+// the same order, so the residual, the planes and the sums are bitwise the fused kernel's
+// at every row count.
+extern "C" __global__ void add_norm_planes(float* __restrict__ x, const float* __restrict__ y,
+                                           const float* __restrict__ nw, int rows, int n, int8_t* __restrict__ pq,
+                                           float2* __restrict__ pd, float* __restrict__ pss) {
+    PDL_ENTRY();
+    const int ng = n / QK;
+    const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (blk >= (long long)rows * ng) return;  // whole warp
+    const int lane = threadIdx.x & 31;
+    const long long r = blk / ng;
+    const int o = (int)(blk % ng) * QK + lane;
+    float* xp = x + r * n + o;
+    const float xr = *xp + y[r * n + o];
+    *xp = xr;
+    float ss = xr * xr;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    quant_q8_lane(xr * nw[o], lane, pq + r * 2 * n, n, o, pd + blk);
+    if (lane == 0) pss[blk] = ss;
 }
 
 // The long rows split along K (gemvq_tck_<type>_r<R>; matmul.rs `TcForm::Split`):
@@ -1857,6 +2010,32 @@ GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
+// The FFN norm handed from the o-projection to the SwiGLU (Q4_K; gemvq_tc2_add_q4k and
+// gemvq_tc_block's NORM form): gemvq_tc2_add_q4_k_r<R> (blocks of 512 threads, two tiles) and
+// gemvq_swiglu_tcn_q4_k_r<R> (the SwiGLU tensor-core kernel with the deferred scale; bounds
+// as its plain form's).
+#define GEMVQ_TC2_KERNELS(R)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32, 1)                                    \
+        gemvq_tc2_add_q4_k_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
+                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
+                                float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq, \
+                                float2* __restrict__ pd, float* __restrict__ pss) {                         \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
+        gemvq_tc2_add_q4k<R>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars);   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, R))              \
+        gemvq_swiglu_tcn_q4_k_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,           \
+                                   long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,        \
+                                   const float2* __restrict__ xd, int rows, float* __restrict__ out,        \
+                                   const float* __restrict__ pss, float eps) {                              \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
+        gemvq_tc_block<GGML_Q4_K, R, true, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, \
+                                                        gemv_smem, &gemv_bar, pss, eps);                    \
+    }
+#define GEMVQ_TC2_KERNEL_R(unused, R) GEMVQ_TC2_KERNELS(R)
+GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
