@@ -17,6 +17,7 @@
 mod emu;
 
 const SRC: &str = include_str!("../src/cuda/kernels/matmul.cu");
+const COMMON: &str = include_str!("../src/cuda/kernels/common.cuh");
 const HARNESS: &str = include_str!("gemv_tc_emu/harness.cpp");
 
 #[test]
@@ -24,6 +25,10 @@ fn tensor_core_gemv_emulated_matches_reference() {
     let Some(exe) = emu::build(
         "gemv-tc-emu",
         &[
+            (
+                "q8.cuh",
+                emu::section(COMMON, "// EMU_Q8_BEGIN", "// EMU_Q8_END"),
+            ),
             (
                 "kq.cuh",
                 emu::section(SRC, "// EMU_KQ_BEGIN", "// EMU_KQ_END"),

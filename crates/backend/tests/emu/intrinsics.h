@@ -26,6 +26,7 @@ struct float4 {
     float x, y, z, w;
 };
 static inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+static inline float2 make_float2(float x, float y) { return {x, y}; }
 static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 template <class T>
 static inline T __ldg(const T* p) {
@@ -37,6 +38,10 @@ static inline T __ldcg(const T* p) {
 }
 using std::max;
 using std::min;
+
+static inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t sh) {
+    return (uint32_t)((((uint64_t)hi << 32) | lo) >> (sh & 31));
+}
 
 static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     const uint64_t v = (uint64_t)y << 32 | x;
@@ -67,3 +72,14 @@ static float __shfl_sync(unsigned, float v, int src) {
     const Deposit* all = warp_exchange(m);
     return __uint_as_float(all[src & 31].w[0]);
 }
+
+static int __shfl_xor_sync(unsigned, int v, int off) {
+    Deposit m{};
+    m.kind = 4;
+    m.w[0] = (uint32_t)v;
+    const Deposit* all = warp_exchange(m);
+    return (int)all[(cur % 32) ^ off].w[0];
+}
+
+// The device's rsqrtf is within 2 ulp of this (harnesses compare with tolerances, not bits).
+static inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }

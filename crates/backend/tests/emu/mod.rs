@@ -8,6 +8,8 @@ use std::process::Command;
 
 const FIBERS: &str = include_str!("fibers.h");
 const INTRINSICS: &str = include_str!("intrinsics.h");
+const MMA: &str = include_str!("mma.h");
+const Q4K_REF: &str = include_str!("q4k_ref.h");
 
 /// The compiled harness, or `None` (with a note) where g++ is not installed. `files`:
 /// (file name, contents), one of them `harness.cpp`.
@@ -20,6 +22,8 @@ pub fn build(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
     std::fs::write(dir.join("intrinsics.h"), INTRINSICS).unwrap();
+    std::fs::write(dir.join("mma.h"), MMA).unwrap();
+    std::fs::write(dir.join("q4k_ref.h"), Q4K_REF).unwrap();
     for (f, text) in files {
         std::fs::write(dir.join(f), text).unwrap();
     }

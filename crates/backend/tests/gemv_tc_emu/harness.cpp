@@ -26,55 +26,19 @@
 
 static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-static inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t sh) {
-    return (uint32_t)((((uint64_t)hi << 32) | lo) >> (sh & 31));
-}
 
-template <bool SA>
-static void mma_emu(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    Deposit m{};
-    m.kind = 2;
-    const uint32_t in[10] = {a0, a1, a2, a3, b0, b1, (uint32_t)c[0], (uint32_t)c[1], (uint32_t)c[2], (uint32_t)c[3]};
-    memcpy(m.w, in, sizeof in);
-    const Deposit* all = warp_exchange(m);
-    int A[16][32], B[32][8];
-    for (int l = 0; l < 32; l++) {
-        const int g = l >> 2, t = l & 3;
-        for (int i = 0; i < 4; i++) {
-            // A: unsigned bytes (tc_mma) or signed (tc_mma_s8).
-            const auto a = [&](uint32_t w) { return SA ? (int)(int8_t)(w >> (8 * i)) : (int)((w >> (8 * i)) & 0xFF); };
-            A[g][4 * t + i] = a(all[l].w[0]);
-            A[g + 8][4 * t + i] = a(all[l].w[1]);
-            A[g][16 + 4 * t + i] = a(all[l].w[2]);
-            A[g + 8][16 + 4 * t + i] = a(all[l].w[3]);
-            B[4 * t + i][g] = (int8_t)((all[l].w[4] >> (8 * i)) & 0xFF);  // signed bytes
-            B[16 + 4 * t + i][g] = (int8_t)((all[l].w[5] >> (8 * i)) & 0xFF);
-        }
-    }
-    const int lane = cur % 32, g = lane >> 2, t = lane & 3;
-    for (int q = 0; q < 4; q++) {
-        const int r = g + 8 * (q >> 1), col = 2 * t + (q & 1);
-        int64_t acc = c[q];
-        for (int k = 0; k < 32; k++) acc += (int64_t)A[r][k] * B[k][col];
-        c[q] = (int)acc;
-    }
-}
+#include "mma.h"
 
-static void tc_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    mma_emu<false>(c, a0, a1, a2, a3, b0, b1);
-}
-static void tc_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    mma_emu<true>(c, a0, a1, a2, a3, b0, b1);
-}
-
+#include "q8.cuh"
 #include "kq.cuh"
 #include "tc.cuh"
+#include "q4k_ref.h"
 
 // ---- one configuration ------------------------------------------------------------------
 // kx, k0: the K-split tile (gemvq_tck_block): the tile's n_in columns are x's columns
 // k0 .. k0 + n_in of kx (0: x is n_in wide).
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0;
+    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0, norm;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -84,20 +48,44 @@ static const float2* xd;
 static uint8_t* xs;
 static float* out;
 
+// NORM (cfg.norm, Q4_K only): the SwiGLU / plain tile with the deferred RMSNorm scale
+// (gemvq_tc_block's NORM form): tc_norm_scale from the group sums pss, then the tile, whose
+// tc_store scales each sum by sn[r].
+static const float* pss;
+static float eps_n;
+static float sn[4];
 template <int R, bool SW, bool H>
 static void body_r() {
-    const auto f = [](auto k4, auto k6) { return cfg.q6 ? k6 : k4; };
     // As gemvq_tck_block: x's slice staged (planes kx apart in the source), or x read in place
     // (rows and planes kx apart) with the tile's columns as kcols.
     const int nx = cfg.kx ? cfg.kx : cfg.n_in, k0 = cfg.k0;
+    if (cfg.norm) {
+        tc_norm_scale<R>(pss, cfg.n_in, cfg.rows, eps_n, sn);
+        __syncthreads();
+    }
     if (cfg.staged) {
         tc_stage_x(xs, xq + k0, xd + k0 / QK, cfg.n_in, nx);
-        f(gemvq_tc_q4k<R, SW, true, H>, gemvq_tc_q6k<R, SW, true, H>)(
-            s0, s1, rb, cfg.n_out, cfg.n_in, (const int8_t*)xs, (const float2*)(xs + 2 * cfg.n_in + 128), cfg.rows,
-            out, 0, cfg.n_in + 64, cfg.n_in);
+        const int8_t* xa = (const int8_t*)xs;
+        const float2* da = (const float2*)(xs + 2 * cfg.n_in + 128);
+        if (cfg.q6)
+            gemvq_tc_q6k<R, SW, true, H>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0, cfg.n_in + 64,
+                                         cfg.n_in);
+        else if (cfg.norm)
+            gemvq_tc_q4k<R, SW, true, H, true>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0,
+                                               cfg.n_in + 64, cfg.n_in, sn);
+        else
+            gemvq_tc_q4k<R, SW, true, H>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0, cfg.n_in + 64,
+                                         cfg.n_in);
     } else {
-        f(gemvq_tc_q4k<R, SW, false, H>, gemvq_tc_q6k<R, SW, false, H>)(
-            s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx, cfg.n_in);
+        if (cfg.q6)
+            gemvq_tc_q6k<R, SW, false, H>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
+                                          cfg.n_in);
+        else if (cfg.norm)
+            gemvq_tc_q4k<R, SW, false, H, true>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0,
+                                                nx, cfg.n_in, sn);
+        else
+            gemvq_tc_q4k<R, SW, false, H>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
+                                          cfg.n_in);
     }
 }
 template <bool H>
@@ -117,17 +105,6 @@ static uint32_t rnd() {
 static float unif(float a, float b) { return a + (b - a) * (rnd() >> 8) / 16777216.0f; }
 // A positive normal f16 in about [2^-12, 2^-4].
 static uint16_t rnd_f16() { return (uint16_t)(((3 + rnd() % 8) << 10) | (rnd() & 1023)); }
-
-// ggml's get_scale_min_k4.
-static void scale_min(int j, const uint8_t* q, int& sc, int& m) {
-    if (j < 4) {
-        sc = q[j] & 63;
-        m = q[j + 4] & 63;
-    } else {
-        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
 
 // ggml's Q6_K weight e (0..255) of super-block b and its scale.
 static int q6_weight(const uint8_t* b, int e, int& sc) {
@@ -157,26 +134,7 @@ static double ref_dot_q6(const uint8_t* row, int n_in, const int8_t* xr, const f
 }
 
 static double ref_dot(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
-    if (cfg.q6) return ref_dot_q6(row, n_in, xr, dr);
-    double acc = 0;
-    for (int sb = 0; sb < n_in / QK_K; sb++) {
-        const uint8_t* b = row + sb * Q4_K_BYTES;
-        const double d = h2f(b[0] | b[1] << 8), dmin = h2f(b[2] | b[3] << 8);
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            scale_min(j, b + 4, sc, m);
-            int64_t s = 0;
-            for (int k = 0; k < 32; k++) {
-                const uint8_t qb = b[16 + 32 * (j / 2) + k];
-                const int q = j % 2 ? qb >> 4 : qb & 15;
-                const int e = sb * QK_K + 32 * j + k;
-                s += (int64_t)q * (127 * xr[e] + xr[n_in + e]);
-            }
-            const float2 ds = dr[sb * 8 + j];
-            acc += d * sc * ds.x * (double)s - dmin * m * ds.y;
-        }
-    }
-    return acc;
+    return cfg.q6 ? ref_dot_q6(row, n_in, xr, dr) : ref_dot_q4(row, n_in, xr, dr);
 }
 
 static bool run(const Cfg& c, std::vector<float>* row0) {
@@ -221,6 +179,12 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         for (int i = 0; i < nbx; i++) dsc[(size_t)r * nbx + i] = {unif(1e-4f, 1e-2f), unif(-50.f, 50.f)};
     }
     xq = x.data(), xd = dsc.data();
+    // The producer's group sums of x^2 (NORM): positive, rows of nb, a function of (row,
+    // group) alone so that x row 0 has the same sums at R = 1 and R = 3.
+    std::vector<float> ssv((size_t)c.R * nb);
+    for (int r = 0; r < c.R; r++)
+        for (int g = 0; g < nb; g++) ssv[(size_t)r * nb + g] = 0.5f + (float)((g * 7919 + r * 104729) % 997) / 25.0f;
+    pss = ssv.data(), eps_n = 1e-6f;
     std::vector<int8_t> xslice(2 * n_in);
     std::vector<uint8_t> xsb(2 * n_in + 128 + nb * 8 + 16);
     xs = xsb.data();
@@ -246,12 +210,20 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
                 xslice[e] = xrow[c.k0 + e], xslice[n_in + e] = xrow[nx + c.k0 + e];
             const int8_t* xr = xslice.data();
             const float2* dr = &dsc[(size_t)r * nbx + c.k0 / QK];
+            // NORM: s = 1 / sqrt(sum of row r's group sums / n_in + eps) scales each dot product.
+            double s = 1.0;
+            if (c.norm) {
+                double ss = 0;
+                for (int g = 0; g < nb; g++) ss += ssv[(size_t)r * nb + g];
+                s = 1.0 / std::sqrt(ss / n_in + eps_n);
+            }
             double ref;
             if (c.swiglu) {
-                const double g = ref_dot(&w[i * rb], n_in, xr, dr), u = ref_dot(&w[(ns + i) * rb], n_in, xr, dr);
+                const double g = s * ref_dot(&w[i * rb], n_in, xr, dr);
+                const double u = s * ref_dot(&w[(ns + i) * rb], n_in, xr, dr);
                 ref = g / (1 + std::exp(-g)) * u;
             } else {
-                ref = ref_dot(&w[i * rb], n_in, xr, dr);
+                ref = s * ref_dot(&w[i * rb], n_in, xr, dr);
             }
             err += (got - ref) * (got - ref);
             ref2 += ref * ref;
@@ -259,9 +231,9 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         }
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
-    printf("%s%s n_in %5d (x %5d from %5d) n_out %2d R %d rows %d swiglu %d staged %d: NMSE %.2e %s\n",
+    printf("%s%s n_in %5d (x %5d from %5d) n_out %2d R %d rows %d swiglu %d staged %d norm %d: NMSE %.2e %s\n",
            c.q6 ? "q6_K" : "q4_K", c.half ? " half" : "", c.n_in, nx, c.k0, c.n_out, c.R, c.rows, c.swiglu,
-           c.staged, nmse, ok ? "OK" : "MISMATCH");
+           c.staged, c.norm, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {
         const int n = min(tile, c.n_out);
         if (c.R == 1) row0->assign(ob.begin(), ob.begin() + n);
@@ -302,6 +274,11 @@ int main() {
         {{4096, 16, 1, 1, 0, 1, 0, 0, 12288, 4096}, {4096, 16, 3, 3, 0, 0, 0, 0, 12288, 4096}},
         {{4096, 11, 1, 1, 0, 1, 1, 0, 12288, 8192}, {4096, 11, 3, 2, 0, 0, 1, 0, 12288, 8192}},
         {{2048, 16, 1, 1, 0, 1, 1, 0, 14336, 12288}, {2048, 16, 3, 3, 0, 0, 1, 0, 14336, 12288}},
+        // The deferred RMSNorm scale (gemvq_swiglu_tcn_q4_k): SwiGLU and plain, staged and
+        // not, a partial tile, padded x rows.
+        {{4096, 8, 1, 1, 1, 1, 0, 0, 0, 0, 1}, {4096, 8, 3, 3, 1, 0, 0, 0, 0, 0, 1}},
+        {{768, 5, 1, 1, 1, 1, 0, 0, 0, 0, 1}, {768, 5, 3, 2, 1, 0, 0, 0, 0, 0, 1}},
+        {{1024, 16, 1, 1, 0, 1, 0, 0, 0, 0, 1}, {1024, 16, 3, 3, 0, 0, 0, 0, 0, 0, 1}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;

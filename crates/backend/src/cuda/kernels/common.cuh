@@ -234,6 +234,7 @@ __device__ __forceinline__ int cluster_rank() {
 #endif
 }
 
+// EMU_Q8_BEGIN (host emulation: tests/gemv_tc2_emu.rs)
 // The two-plane int8 quantization of x for the dp4a GEMV (matmul.cu, section 1b), one warp per
 // 32-element block, lane = element: v ~ d (127 hi + lo) with d = amax / 127^2: hi =
 // rint(v / d1), d1 = amax / 127; lo = rint((v - hi d1) / d): |v - hi d1| <= d1 / 2, so |lo|
@@ -261,6 +262,7 @@ __device__ __forceinline__ void quant_q8_lane(float v, int lane, int8_t* __restr
     xr[n_in + col] = (int8_t)lo;
     if (lane == 0) *xd = make_float2(d, d * (float)sum);
 }
+// EMU_Q8_END
 
 // Stores a warp's mma.sync accumulators: 2 m-tiles of 16 outputs × NT n-tiles of 8 tokens
 // (m16n8k16 bf16 in matmul.cu's mm_, m16n8k32 s8 in mmq.cu: the same C fragment). Fragment

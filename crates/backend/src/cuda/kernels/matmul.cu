@@ -1568,6 +1568,57 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
 }
 
+// One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
+// and add_norm_planes: the same operations, so the same bits): x <- x + v in place, the planes
+// of x * n for the lane's 32-group (quant_q8_lane; the calling warp holds the whole group) and,
+// from lane 0, the group's sum of x^2 (xor butterfly).
+__device__ __forceinline__ void add_norm_lane(float* xp, float v, float nwv, int lane, int8_t* __restrict__ pq_row,
+                                              int n, int o, float2* __restrict__ pd_g, float* __restrict__ pss_g) {
+    const float xr = *xp + v;
+    *xp = xr;
+    float ss = xr * xr;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    quant_q8_lane(xr * nwv, lane, pq_row, n, o, pd_g);
+    if (lane == 0) *pss_g = ss;
+}
+
+// The two tiles and the epilogue of gemvq_tc2_add_q4k (block bx, 512 threads; s0, s1: the
+// calling thread's group's slots, whose copy has landed; x staged or not as XS): each group's
+// 16 sums (tc_reduce_g2), then warp r < rows takes x row r's 32 outputs of the block.
+template <int R, bool XS>
+__device__ __forceinline__ void tc2_tiles_add(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out, int n_in,
+                                              const int8_t* __restrict__ xa, const float2* __restrict__ da,
+                                              int rows, int plane, int bx, float* __restrict__ x,
+                                              const float* __restrict__ nw, int8_t* __restrict__ pq,
+                                              float2* __restrict__ pd, float* __restrict__ pss) {
+    __shared__ float sums[2][R][16];
+    const int tg = threadIdx.x >> 8;
+    gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr,
+                                                   bx * 32 + 16 * tg, plane, 0, nullptr, &sums[tg][0][0]);
+    const int lane = threadIdx.x & 31, r = threadIdx.x >> 5, o = bx * 32 + lane, ng = n_out / QK;
+    if (r < R && r < rows)
+        add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], nw[o], lane,
+                      pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + bx, pss + (size_t)r * ng + bx);
+}
+
+// The SwiGLU's 1 / rms(x) per x row from the producer's group sums pss[r][n_in / 32] (NORM of
+// gemvq_tc_block): lane i adds groups i, i + 32, ... in order, then the xor butterfly; into
+// sn[r] (shared). No barrier: the caller's next one publishes sn.
+template <int R>
+__device__ __forceinline__ void tc_norm_scale(const float* __restrict__ pss, int n_in, int rows, float eps,
+                                              float* sn) {
+    const int lane = threadIdx.x & 31, ng = n_in / QK;
+    for (int r = threadIdx.x >> 5; r < R; r += GEMV_WARPS) {
+        const float* p = pss + (size_t)(r < rows ? r : rows - 1) * ng;
+        float v = 0.0f;
+        for (int i = lane; i < ng; i += 32) v += p[i];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0) sn[r] = rsqrtf(v / (float)n_in + eps);
+    }
+}
+
 // EMU_TC_END
 
 // A block's ticket after it has written its share of some outputs: adds `n` to *t and sets
@@ -1617,15 +1668,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
     if (NORM) {
-        const int lane = threadIdx.x & 31, ng = n_in / QK;
-        for (int r = threadIdx.x >> 5; r < R; r += GEMV_WARPS) {
-            const float* p = pss + (size_t)(r < rows ? r : rows - 1) * ng;
-            float v = 0.0f;
-            for (int i = lane; i < ng; i += 32) v += p[i];
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-            if (lane == 0) sn[r] = rsqrtf(v / (float)n_in + eps);
-        }
+        tc_norm_scale<R>(pss, n_in, rows, eps, sn);
         if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
     }
     if (XS) tc_stage_x(xs, xq, xd, n_in);
@@ -1682,24 +1725,9 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
     uint8_t* xs = smem + 4 * slot;  // XS: x after the four slots
     if (XS) tc_stage_x(xs, xq, xd, n_in);
     gemv_bulk_wait(bars + tg);
-    __shared__ float sums[2][R][16];
     const int8_t* xa = XS ? (const int8_t*)xs : xq;
     const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
-    const int plane = XS ? n_in + 64 : n_in;
-    gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr, r0, plane, 0,
-                                                   nullptr, &sums[tg][0][0]);
-    const int lane = threadIdx.x & 31, r = threadIdx.x >> 5;
-    const int o = blockIdx.x * 32 + lane, ng = n_out / QK;
-    if (r < R && r < rows && blockIdx.x * 32 < n_out) {
-        float* xp = x + (size_t)r * n_out + o;
-        const float xr = *xp + sums[lane >> 4][r][lane & 15];
-        *xp = xr;
-        float ss = xr * xr;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        quant_q8_lane(xr * nw[o], lane, pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + blockIdx.x);
-        if (lane == 0) pss[(size_t)r * ng + blockIdx.x] = ss;
-    }
+    tc2_tiles_add<R, XS>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw, pq, pd, pss);
 #endif
 }
 
@@ -1718,14 +1746,7 @@ extern "C" __global__ void add_norm_planes(float* __restrict__ x, const float* _
     const int lane = threadIdx.x & 31;
     const long long r = blk / ng;
     const int o = (int)(blk % ng) * QK + lane;
-    float* xp = x + r * n + o;
-    const float xr = *xp + y[r * n + o];
-    *xp = xr;
-    float ss = xr * xr;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    quant_q8_lane(xr * nw[o], lane, pq + r * 2 * n, n, o, pd + blk);
-    if (lane == 0) pss[blk] = ss;
+    add_norm_lane(x + r * n + o, y[r * n + o], nw[o], lane, pq + r * 2 * n, n, o, pd + blk, pss + blk);
 }
 
 // The long rows split along K (gemvq_tck_<type>_r<R>; matmul.rs `TcForm::Split`):
