@@ -3022,6 +3022,14 @@ fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Resu
     Ok(())
 }
 
+/// How many of two equally long value lists' elements differ in their bits.
+fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
 /// `matmul_add` against its composition (matmul into y, add_assign into out) on the same
 /// backend: bitwise equal (the trait's contract; the CPU's default op is that composition).
 fn matmul_add_same_as_composition<B: Backend>(
@@ -3040,11 +3048,7 @@ fn matmul_add_same_as_composition<B: Backend>(
         be.add_assign(&mut q.out, y)?;
     }
     let (fused, composed) = (be.to_host(&p.out)?, be.to_host(&q.out)?);
-    let differ = fused
-        .iter()
-        .zip(&composed)
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
-        .count();
+    let differ = bits_differ(&fused, &composed);
     anyhow::ensure!(
         differ == 0,
         "matmul_add: out differs from matmul + add_assign's in {differ} of {} values",
@@ -3072,11 +3076,7 @@ fn add_for_norm_same_as_matmul_add<B: Backend>(
     }
     let fused = be.to_host(out2(&mut p.out2)?)?;
     let plain = be.to_host(out2(&mut q.out2)?)?;
-    let differ = fused
-        .iter()
-        .zip(&plain)
-        .filter(|(a, b)| a.to_bits() != b.to_bits())
-        .count();
+    let differ = bits_differ(&fused, &plain);
     anyhow::ensure!(
         differ == 0,
         "matmul_add_for_norm: the residual differs from matmul_add's in {differ} of {} values",
@@ -3114,11 +3114,7 @@ fn same_as_composition<B: Backend>(
         ("x + y", be.to_host(&p.a[2])?, be.to_host(&q.a[2])?),
     ];
     for (what, fused, composed) in pairs {
-        let differ = fused
-            .iter()
-            .zip(&composed)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let differ = bits_differ(&fused, &composed);
         anyhow::ensure!(
             differ == 0,
             "add_rms_norm_matmul: {what} differs from the composition's in {differ} of {} values",

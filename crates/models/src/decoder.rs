@@ -72,6 +72,31 @@ pub(crate) struct FfnScratch<'a, B: Backend> {
     pub(crate) shared: Option<SharedScratch<'a, B>>,
 }
 
+/// A dense FFN half with its RMSNorm deferred ([`Backend::defers_rms_norm`]): `act =
+/// SwiGLU(rms_norm(x) · norm)` without a norm launch, then `x += down(act)`; `h` and `y` are
+/// scratch for the backends that compose the ops.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn deferred_ffn<B: Backend>(
+    be: &B,
+    ffn: &Ffn<B::Weight>,
+    norm: (&B::Weight, f32),
+    x: &mut Act<B::Buf>,
+    (gate, up, act): (&mut Act<B::Buf>, &mut Act<B::Buf>, &mut Act<B::Buf>),
+    h: &mut Act<B::Buf>,
+    y: &mut Act<B::Buf>,
+) -> Result<()> {
+    let Ffn::Dense {
+        gate: wg,
+        up: wu,
+        down: wd,
+    } = ffn
+    else {
+        anyhow::bail!("deferred norms on a MoE layer");
+    };
+    be.rms_norm_matmul_swiglu(x, norm, wg, wu, (gate, up), act, h)?;
+    be.matmul_add(act, wd, x, y)
+}
+
 /// The FFN half of a layer: `x += y`, `h = rms_norm(x) · norm`, then `y = FFN(h)`. A MoE
 /// layer takes the norm and its router in one op ([`Backend::add_rms_norm_matmul`]: on CUDA
 /// at decode one launch instead of two dependent ones); where that op puts the sum out of
@@ -460,26 +485,10 @@ impl<B: Backend> Model<B> {
                 att,
             )?;
             if defer {
-                // x += o(att); act = SwiGLU(rms_norm(x) · ffn_norm); x += down(act).
-                let Ffn::Dense {
-                    gate: wg,
-                    up: wu,
-                    down: wd,
-                } = &l.ffn
-                else {
-                    anyhow::bail!("deferred norms on a MoE layer");
-                };
+                // x += o(att), then the FFN with its norm deferred.
                 be.matmul_add(att, &l.wo, x, y)?;
-                be.rms_norm_matmul_swiglu(
-                    x,
-                    (&l.ffn_norm, cfg.rms_eps),
-                    wg,
-                    wu,
-                    (&mut *gate, &mut *up),
-                    act,
-                    h,
-                )?;
-                be.matmul_add(act, wd, x, y)?;
+                let norm = (&l.ffn_norm, cfg.rms_eps);
+                deferred_ffn(be, &l.ffn, norm, x, (&mut *gate, &mut *up, &mut *act), h, y)?;
                 continue;
             }
             if let Ffn::Dense {

@@ -42,7 +42,7 @@ use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor,
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
-use crate::decoder::{ffn_half, Ffn, FfnScratch, Model, SharedExpert, Workspace};
+use crate::decoder::{deferred_ffn, ffn_half, Ffn, FfnScratch, Model, SharedExpert, Workspace};
 use crate::source::{host, ModelFile};
 
 /// How a layer mixes tokens.
@@ -290,18 +290,8 @@ pub(crate) fn forward_layers<B: Backend>(
             }
         }
         if defer {
-            // x += down(SwiGLU(rms_norm(x) · ffn_norm)).
-            let Ffn::Dense {
-                gate: wg,
-                up: wu,
-                down: wd,
-            } = &l.ffn
-            else {
-                bail!("deferred norms on a MoE layer");
-            };
             let norm = (&l.ffn_norm, eps);
-            be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
-            be.matmul_add(act, wd, x, y)?;
+            deferred_ffn(be, &l.ffn, norm, x, (&mut *gate, &mut *up, &mut *act), h, y)?;
             continue;
         }
 

@@ -10,6 +10,7 @@ const FIBERS: &str = include_str!("fibers.h");
 const INTRINSICS: &str = include_str!("intrinsics.h");
 const MMA: &str = include_str!("mma.h");
 const Q4K_REF: &str = include_str!("q4k_ref.h");
+const RNG: &str = include_str!("rng.h");
 
 /// The compiled harness, or `None` (with a note) where g++ is not installed. `files`:
 /// (file name, contents), one of them `harness.cpp`.
@@ -24,6 +25,7 @@ pub fn build(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
     std::fs::write(dir.join("intrinsics.h"), INTRINSICS).unwrap();
     std::fs::write(dir.join("mma.h"), MMA).unwrap();
     std::fs::write(dir.join("q4k_ref.h"), Q4K_REF).unwrap();
+    std::fs::write(dir.join("rng.h"), RNG).unwrap();
     for (f, text) in files {
         std::fs::write(dir.join(f), text).unwrap();
     }

@@ -61,15 +61,7 @@ static void body_r() {
 }
 static void body() { cfg.R == 1 ? body_r<1, true>() : body_r<3, false>(); }
 
-static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static uint32_t rnd() {
-    rng ^= rng >> 12;
-    rng ^= rng << 25;
-    rng ^= rng >> 27;
-    return (uint32_t)((rng * 0x2545F4914F6CDD1Dull) >> 32);
-}
-static float unif(float a, float b) { return a + (b - a) * (rnd() >> 8) / 16777216.0f; }
-static uint16_t rnd_f16() { return (uint16_t)(((3 + rnd() % 8) << 10) | (rnd() & 1023)); }
+#include "rng.h"
 
 // What a run leaves for x row 0 (for the R = 1 / R = 3 comparison).
 struct Row0 {
