@@ -20,6 +20,9 @@
 #            injection, tools/h200/kernel_trace.{c,py}); the raw trace comes back gzipped
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
+#   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, off by default; MATMUL.md round 24):
+#            its check cases with it on, Qwen3-8B Q4_K_M tg128 off / on alternating (twice), a
+#            CUPTI trace of each, and the full check with it on
 # Logs and bench/results.jsonl lines are written under $OUT. To compare two builds in one
 # call (a change against its baseline): tools/h200/ab.sh.
 #
@@ -127,6 +130,25 @@ for stage in "$@"; do
         python3 tools/h200/kernel_trace.py /tmp/trace.txt --order | tee "$OUT/trace.txt" | head -20
         gzip -c /tmp/trace.txt > "$OUT/trace-raw.txt.gz"
         rm -f "$f"
+        ;;
+    normq)
+        FERRITE_DEFER_NORM_Q=1 $F check --device cuda --filter matmul_add 2>&1 | tee "$OUT/check-normq.log" | tail -3
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        for r in 1 2; do
+            for v in 0 1; do
+                echo "FERRITE_DEFER_NORM_Q=$v $(FERRITE_DEFER_NORM_Q=$v $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|gate|rror' | tr '\n' ' ')"
+            done
+        done | tee "$OUT/normq-ab.txt"
+        C=/usr/local/cuda/targets/x86_64-linux
+        if nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$C/include \
+            tools/h200/kernel_trace.c -L$C/lib -lcupti -o /tmp/libktrace.so; then
+            for v in 0 1; do
+                FERRITE_DEFER_NORM_Q=$v LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
+                    TRACE_OUT=/tmp/trace-q$v.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
+            done
+            python3 tools/h200/kernel_trace.py /tmp/trace-q1.txt --vs /tmp/trace-q0.txt | tee "$OUT/normq-vs.txt" | head -24
+        fi
+        FERRITE_DEFER_NORM_Q=1 $F check --device cuda --e2e tests/data/oracle 2>&1 | tee "$OUT/check-normq-full.log" | tail -4
         ;;
     exact)
         FERRITE_MMQ=1 $F check --device cuda --filter matmul 2>&1 | tail -3
