@@ -250,6 +250,12 @@ pub fn route_top_k(logits: &[f32], routing: &MoeRouting) -> Vec<(usize, f32)> {
 }
 
 impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type IBuf = Vec<i32>;
+    type Weight = CpuWeight;
+    type Kv = CpuKv;
+    type Graph = ();
+
     fn defers_rms_norm(&self, _ws: &[&CpuWeight], _rows: usize) -> bool {
         self.deferred_norms == DeferredNorms::All
     }
@@ -257,12 +263,6 @@ impl Backend for CpuBackend {
     fn defers_rms_norm_after(&self, _p: &CpuWeight, _c: &[&CpuWeight], _rows: usize) -> bool {
         self.deferred_norms == DeferredNorms::Ffn
     }
-
-    type Buf = Vec<f32>;
-    type IBuf = Vec<i32>;
-    type Weight = CpuWeight;
-    type Kv = CpuKv;
-    type Graph = ();
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())

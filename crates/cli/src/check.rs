@@ -3022,12 +3022,24 @@ fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Resu
     Ok(())
 }
 
-/// How many of two equally long value lists' elements differ in their bits.
-fn bits_differ(a: &[f32], b: &[f32]) -> usize {
-    a.iter()
-        .zip(b)
+/// That two equally long value lists are bitwise equal; else an error `"{what} in {n} of
+/// {len} values"` (`what` says which output differs from which).
+fn ensure_same_bits(fused: &[f32], reference: &[f32], what: &str) -> Result<()> {
+    let differ = fused
+        .iter()
+        .zip(reference)
         .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count()
+        .count();
+    anyhow::ensure!(differ == 0, "{what} in {differ} of {} values", fused.len());
+    Ok(())
+}
+
+/// A fresh, reset copy of a case's buffers, for running the composition the fused op must
+/// reproduce beside the case's own run.
+fn twin<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
+    let mut q = prepare(be, op, h)?;
+    reset(be, op, &mut q)?;
+    Ok(q)
 }
 
 /// `matmul_add` against its composition (matmul into y, add_assign into out) on the same
@@ -3038,8 +3050,7 @@ fn matmul_add_same_as_composition<B: Backend>(
     h: &HostData,
     p: &mut Prepared<B>,
 ) -> Result<()> {
-    let mut q = prepare(be, op, h)?;
-    reset(be, op, &mut q)?;
+    let mut q = twin(be, op, h)?;
     {
         let [x, _, y] = &mut q.a[..] else {
             bail!("matmul_add: expected 3 activations")
@@ -3047,14 +3058,11 @@ fn matmul_add_same_as_composition<B: Backend>(
         be.matmul(x, &q.w[0], y)?;
         be.add_assign(&mut q.out, y)?;
     }
-    let (fused, composed) = (be.to_host(&p.out)?, be.to_host(&q.out)?);
-    let differ = bits_differ(&fused, &composed);
-    anyhow::ensure!(
-        differ == 0,
-        "matmul_add: out differs from matmul + add_assign's in {differ} of {} values",
-        fused.len()
-    );
-    Ok(())
+    ensure_same_bits(
+        &be.to_host(&p.out)?,
+        &be.to_host(&q.out)?,
+        "matmul_add: out differs from matmul + add_assign's",
+    )
 }
 
 /// A matmul_add_for_norm case's residual against plain `matmul_add`'s on the same backend:
@@ -3066,23 +3074,18 @@ fn add_for_norm_same_as_matmul_add<B: Backend>(
     h: &HostData,
     p: &mut Prepared<B>,
 ) -> Result<()> {
-    let mut q = prepare(be, op, h)?;
-    reset(be, op, &mut q)?;
+    let mut q = twin(be, op, h)?;
     {
         let [att, _, y, ..] = &mut q.a[..] else {
             bail!("matmul_add+matmul_swiglu: expected 6 activations")
         };
         be.matmul_add(att, &q.w[3], out2(&mut q.out2)?, y)?;
     }
-    let fused = be.to_host(out2(&mut p.out2)?)?;
-    let plain = be.to_host(out2(&mut q.out2)?)?;
-    let differ = bits_differ(&fused, &plain);
-    anyhow::ensure!(
-        differ == 0,
-        "matmul_add_for_norm: the residual differs from matmul_add's in {differ} of {} values",
-        fused.len()
-    );
-    Ok(())
+    ensure_same_bits(
+        &be.to_host(out2(&mut p.out2)?)?,
+        &be.to_host(out2(&mut q.out2)?)?,
+        "matmul_add_for_norm: the residual differs from matmul_add's",
+    )
 }
 
 /// `add_rms_norm_matmul` against its composition (add_rms_norm, matmul) on the
@@ -3094,8 +3097,7 @@ fn same_as_composition<B: Backend>(
     h: &HostData,
     p: &mut Prepared<B>,
 ) -> Result<()> {
-    let mut q = prepare(be, op, h)?;
-    reset(be, op, &mut q)?;
+    let mut q = twin(be, op, h)?;
     {
         let [_, y, xw, _] = &mut q.a[..] else {
             bail!("add_rms_norm_matmul: expected 4 activations")
@@ -3114,12 +3116,11 @@ fn same_as_composition<B: Backend>(
         ("x + y", be.to_host(&p.a[2])?, be.to_host(&q.a[2])?),
     ];
     for (what, fused, composed) in pairs {
-        let differ = bits_differ(&fused, &composed);
-        anyhow::ensure!(
-            differ == 0,
-            "add_rms_norm_matmul: {what} differs from the composition's in {differ} of {} values",
-            fused.len()
-        );
+        ensure_same_bits(
+            &fused,
+            &composed,
+            &format!("add_rms_norm_matmul: {what} differs from the composition's"),
+        )?;
     }
     Ok(())
 }

@@ -56,6 +56,13 @@ pub(crate) struct SharedExpert<W> {
     pub(crate) gate_w: W,
 }
 
+/// Scratch of a SwiGLU MLP: the gate and up projections and their product.
+pub(crate) type MlpScratch<'a, B> = (
+    &'a mut Act<<B as Backend>::Buf>,
+    &'a mut Act<<B as Backend>::Buf>,
+    &'a mut Act<<B as Backend>::Buf>,
+);
+
 /// The shared expert's scratch: its output and its per-row gate.
 type SharedScratch<'a, B> = (
     &'a mut Act<<B as Backend>::Buf>,
@@ -81,7 +88,7 @@ pub(crate) fn deferred_ffn<B: Backend>(
     ffn: &Ffn<B::Weight>,
     norm: (&B::Weight, f32),
     x: &mut Act<B::Buf>,
-    (gate, up, act): (&mut Act<B::Buf>, &mut Act<B::Buf>, &mut Act<B::Buf>),
+    (gate, up, act): MlpScratch<'_, B>,
     h: &mut Act<B::Buf>,
     y: &mut Act<B::Buf>,
 ) -> Result<()> {
@@ -218,7 +225,7 @@ pub(crate) fn swiglu_mlp<B: Backend>(
     be: &B,
     h: &Act<B::Buf>,
     w: ExpertWeights<'_, B::Weight>,
-    (gate, up, act): (&mut Act<B::Buf>, &mut Act<B::Buf>, &mut Act<B::Buf>),
+    (gate, up, act): MlpScratch<'_, B>,
     out: &mut Act<B::Buf>,
 ) -> Result<()> {
     be.matmul_swiglu(h, w.gate, w.up, (gate, up), act)?;
@@ -484,55 +491,49 @@ impl<B: Backend> Model<B> {
                 },
                 att,
             )?;
+            let norm = (&l.ffn_norm, cfg.rms_eps);
             if defer {
                 // x += o(att), then the FFN with its norm deferred.
                 be.matmul_add(att, &l.wo, x, y)?;
-                let norm = (&l.ffn_norm, cfg.rms_eps);
                 deferred_ffn(be, &l.ffn, norm, x, (&mut *gate, &mut *up, &mut *act), h, y)?;
                 continue;
             }
-            if let Ffn::Dense {
-                gate: wg,
-                up: wu,
-                down: wd,
-            } = &l.ffn
-            {
-                if be.defers_rms_norm_after(&l.wo, &[wg, wu], t) {
-                    // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
-                    // y = down(SwiGLU), added with the next norm below.
-                    let norm = (&l.ffn_norm, cfg.rms_eps);
-                    be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
-                    be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
-                    be.matmul(act, wd, y)?;
-                    let next_norm = self
-                        .layers
-                        .get(il + 1)
-                        .map_or(&self.out_norm, |n| &n.attn_norm);
-                    be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
-                    continue;
+            let handed = match &l.ffn {
+                Ffn::Dense { gate, up, down }
+                    if be.defers_rms_norm_after(&l.wo, &[gate, up], t) =>
+                {
+                    Some((gate, up, down))
                 }
-            }
-            be.matmul(att, &l.wo, y)?;
-
-            // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
-            let scratch = FfnScratch::<B> {
-                gate: &mut *gate,
-                up: &mut *up,
-                act: &mut *act,
-                router: &mut *router,
-                shared: None,
+                _ => None,
             };
-            let norm = (&l.ffn_norm, cfg.rms_eps);
-            ffn_half(
-                be,
-                &l.ffn,
-                cfg.moe.as_ref(),
-                (&mut x, &mut x_alt),
-                norm,
-                h,
-                scratch,
-                y,
-            )?;
+            if let Some((wg, wu, wd)) = handed {
+                // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
+                // y = down(SwiGLU), added with the next norm below.
+                be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
+                be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
+                be.matmul(act, wd, y)?;
+            } else {
+                be.matmul(att, &l.wo, y)?;
+
+                // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
+                let scratch = FfnScratch::<B> {
+                    gate: &mut *gate,
+                    up: &mut *up,
+                    act: &mut *act,
+                    router: &mut *router,
+                    shared: None,
+                };
+                ffn_half(
+                    be,
+                    &l.ffn,
+                    cfg.moe.as_ref(),
+                    (&mut x, &mut x_alt),
+                    norm,
+                    h,
+                    scratch,
+                    y,
+                )?;
+            }
             // x += y, h = the next layer's attention input (or the output norm's result).
             let next_norm = self
                 .layers

@@ -332,16 +332,15 @@ fn defers_norms<B: Backend>(be: &B, layers: &[Layer<B::Weight>], rows: usize) ->
             let Ffn::Dense { gate, up, down } = &l.ffn else {
                 return false;
             };
-            let mut ws = vec![gate, up, down];
-            match &l.mixer {
+            let [m0, m1, m2, m3, m4] = match &l.mixer {
                 Mixer::Linear {
                     qkv, z, b, a, out, ..
-                } => ws.extend([qkv, z, b, a, out]),
+                } => [qkv, z, b, a, out],
                 Mixer::Attention {
                     q, gate, k, v, o, ..
-                } => ws.extend([q, gate, k, v, o]),
-            }
-            be.defers_rms_norm(&ws, rows)
+                } => [q, gate, k, v, o],
+            };
+            be.defers_rms_norm(&[gate, up, down, m0, m1, m2, m3, m4], rows)
         })
 }
 

@@ -1658,7 +1658,7 @@ pub(crate) fn defers(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
     be.matmul.defer_norm
         && w.shape.len() == 2
         && (1..=GEMV_MAX_ROWS).contains(&rows)
-        && w.shape[1] % 4 == 0
+        && w.shape[1].is_multiple_of(4)
         && !quantized_x(w.dtype)
         && type_index(w.dtype).is_ok_and(|ti| be.matmul.gemv_deferred[ti].is_some())
 }
@@ -1920,10 +1920,31 @@ pub fn rms_norm_matmul_swiglu(
     Ok(true)
 }
 
+/// Whether `w` can be the o-projection of the handed-over norm (`gemvq_tc2_add_q4_k`): a
+/// Q4_K weight on its one-tile tensor-core form, whole 32-row groups, decode rows.
+fn hands_norm_from(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
+    be.matmul.tc2.is_some()
+        && w.dtype == GgmlType::Q4K
+        && w.shape.len() == 2
+        && w.shape[0].is_multiple_of(32)
+        && gemv_path(w, rows) == Some(true)
+        && matches!(
+            tc_form(
+                be,
+                w.dtype,
+                w.shape[1],
+                w.shape[0],
+                w.row_bytes(),
+                GemvKind::Plain
+            ),
+            Some(TcForm::Full(_))
+        )
+}
+
 /// Whether `matmul_add_for_norm` of `wo` followed by `rms_norm_matmul_swiglu` of `gate` and
 /// `up` at `rows` rows takes the handed-over norm (`gemvq_tc2_add_q4_k` and
-/// `gemvq_swiglu_tcn_q4_k`): Q4_K weights on their one-tile tensor-core forms, whole 32-row
-/// groups.
+/// `gemvq_swiglu_tcn_q4_k`): [`hands_norm_from`] `wo`, and Q4_K gate and up on the
+/// tensor-core SwiGLU taking its output.
 pub(crate) fn hands_norm_over(
     be: &CudaBackend,
     wo: &CudaWeight,
@@ -1931,28 +1952,13 @@ pub(crate) fn hands_norm_over(
     up: &CudaWeight,
     rows: usize,
 ) -> bool {
-    let q4k = |w: &CudaWeight| w.dtype == GgmlType::Q4K && w.shape.len() == 2;
-    be.matmul.tc2.is_some()
-        && (1..=GEMV_MAX_ROWS).contains(&rows)
-        && q4k(wo)
-        && q4k(gate)
+    hands_norm_from(be, wo, rows)
+        && gate.dtype == GgmlType::Q4K
+        && gate.shape.len() == 2
         && gate.dtype == up.dtype
         && gate.shape == up.shape
         && wo.shape[0] == gate.shape[1]
-        && wo.shape[0] % 32 == 0
-        && gemv_path(wo, rows) == Some(true)
         && gemv_path(gate, rows) == Some(true)
-        && matches!(
-            tc_form(
-                be,
-                wo.dtype,
-                wo.shape[1],
-                wo.shape[0],
-                wo.row_bytes(),
-                GemvKind::Plain
-            ),
-            Some(TcForm::Full(_))
-        )
         && matches!(
             tc_form(
                 be,
@@ -1986,22 +1992,7 @@ pub fn matmul_add_for_norm(
     let Some(tc2) = be.matmul.tc2.as_ref() else {
         return Ok(false);
     };
-    if !(w.dtype == GgmlType::Q4K
-        && w.shape.len() == 2
-        && w.shape[0] % 32 == 0
-        && gemv_path(w, rows) == Some(true)
-        && matches!(
-            tc_form(
-                be,
-                w.dtype,
-                w.shape[1],
-                w.shape[0],
-                w.row_bytes(),
-                GemvKind::Plain
-            ),
-            Some(TcForm::Full(_))
-        ))
-    {
+    if !hands_norm_from(be, w, rows) {
         return Ok(false);
     }
     let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
@@ -2019,15 +2010,10 @@ pub fn matmul_add_for_norm(
             "matmul_add_for_norm: weight buffer is not 16-byte aligned"
         );
     }
-    let smem = 2 * tc_smem(rb, 8) + if rows == 1 { tc_x_bytes(n_in) } else { 0 };
     let guard = quantize_x(be, x)?;
     let xq = guard
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: int8 scratch missing"))?;
-    if rows > TC2_MAX_ROWS {
-        crate::check_matmul(x, &w.shape, y)?;
-        gemvq_launch(be, xq, w, None, y, rows)?;
-    }
     let mut planes = lock_grown(
         &be.matmul.xqn,
         "norm planes",
@@ -2050,6 +2036,8 @@ pub fn matmul_add_for_norm(
         .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
     if rows > TC2_MAX_ROWS {
+        crate::check_matmul(x, &w.shape, y)?;
+        gemvq_launch(be, xq, w, None, y, rows)?;
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from((rows * n_out / 32).div_ceil(8))?, 1, 1),
             block_dim: (256, 1, 1),
@@ -2070,39 +2058,39 @@ pub fn matmul_add_for_norm(
                 .arg(&mut p.ss)
                 .launch(cfg)
         }?;
-        let (op, _g) = out.buf.device_ptr(&be.stream);
-        let (np, _g2) = norm.data.device_ptr(&be.stream);
-        p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
-        return Ok(true);
+    } else {
+        // Two tiles' slots, and x staged at one row.
+        let smem = 2 * tc_smem(rb, 8) + if rows == 1 { tc_x_bytes(n_in) } else { 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
+            block_dim: ((2 * GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let xd = xq.d.slice(..rows * n_in / 32 * 2);
+        let xqs = xq.q.slice(..2 * rows * n_in);
+        // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned; the int8 scratch
+        // holds rows × n_in quantized values of x; out (the residual, read and written in place
+        // by the one lane of each element) rows × n_out floats; the plane scratch
+        // GEMV_MAX_ROWS ≥ rows rows of n_out; the norm weight n_out floats; one block per 32
+        // rows (n_out % 32 == 0).
+        unsafe {
+            be.stream
+                .kernel(&tc2[0][gemv_r_index(rows)?])
+                .arg(&w.data)
+                .arg(&rb_i)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&nw)
+                .arg(&mut p.q)
+                .arg(&mut p.d)
+                .arg(&mut p.ss)
+                .launch(cfg)
+        }?;
     }
-    let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
-        block_dim: ((2 * GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let xd = xq.d.slice(..rows * n_in / 32 * 2);
-    let xqs = xq.q.slice(..2 * rows * n_in);
-    // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned; the int8 scratch holds
-    // rows × n_in quantized values of x; out (the residual, read and written in place by the
-    // one lane of each element) rows × n_out floats; the plane scratch GEMV_MAX_ROWS ≥ rows
-    // rows of n_out; the norm weight n_out floats; one block per 32 rows (n_out % 32 == 0).
-    unsafe {
-        be.stream
-            .kernel(&tc2[0][gemv_r_index(rows)?])
-            .arg(&w.data)
-            .arg(&rb_i)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(&xqs)
-            .arg(&xd)
-            .arg(&rows_i)
-            .arg(&mut out.buf)
-            .arg(&nw)
-            .arg(&mut p.q)
-            .arg(&mut p.d)
-            .arg(&mut p.ss)
-            .launch(cfg)
-    }?;
     let (op, _g) = out.buf.device_ptr(&be.stream);
     let (np, _g2) = norm.data.device_ptr(&be.stream);
     p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
