@@ -167,6 +167,24 @@ __device__ __forceinline__ void fma1(float (&acc)[R][NW], const float* __restric
     }
 }
 
+// Elements 4i .. 4i + 3 of a float-type row (F32: one 16-byte load; F16 / BF16: one 8-byte
+// load, 4 halves) as floats; streaming loads, as every weight load (ldw).
+template <int TYPE>
+__device__ __forceinline__ void float_row4(const uint8_t* row, int i, float (&v)[4]) {
+    if (TYPE == GGML_F32) {
+        const float4 f = __ldcs((const float4*)row + i);
+        v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
+    } else {
+        const uint2 u = __ldcs((const uint2*)row + i);
+        const uint16_t h0 = u.x & 0xFFFF, h1 = u.x >> 16, h2 = u.y & 0xFFFF, h3 = u.y >> 16;
+        if (TYPE == GGML_F16) {
+            v[0] = h2f(h0); v[1] = h2f(h1); v[2] = h2f(h2); v[3] = h2f(h3);
+        } else {
+            v[0] = b2f(h0); v[1] = b2f(h1); v[2] = b2f(h2); v[3] = b2f(h3);
+        }
+    }
+}
+
 // Per type: accumulate this lane's share of the NW rows `wr` into acc. The step loop of every
 // type is split over the ks warps of a row group: warp kw takes steps kw, kw + ks, ... (a step
 // = 32 lanes' units), so each lane's fmaf chain depends only on (type, n_in, ks), and ks only
@@ -182,10 +200,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
             for (int i = u0; i < n4; i += us) {
                 float wv[NW][4];
 #pragma unroll
-                for (int w = 0; w < NW; w++) {
-                    const float4 v = __ldcs((const float4*)wr[w] + i);
-                    wv[w][0] = v.x; wv[w][1] = v.y; wv[w][2] = v.z; wv[w][3] = v.w;
-                }
+                for (int w = 0; w < NW; w++) float_row4<TYPE>(wr[w], i, wv[w]);
                 fma4<R, NW>(acc, x, n_in, rows, 4 * i, wv);
             }
         } else {
@@ -206,15 +221,7 @@ __device__ __forceinline__ void gemv_lane(const uint8_t* const (&wr)[NW], int n_
             for (int i = u0; i < n4; i += us) {
                 float wv[NW][4];
 #pragma unroll
-                for (int w = 0; w < NW; w++) {
-                    const uint2 v = __ldcs((const uint2*)wr[w] + i);
-                    const uint16_t h0 = v.x & 0xFFFF, h1 = v.x >> 16, h2 = v.y & 0xFFFF, h3 = v.y >> 16;
-                    if (TYPE == GGML_F16) {
-                        wv[w][0] = h2f(h0); wv[w][1] = h2f(h1); wv[w][2] = h2f(h2); wv[w][3] = h2f(h3);
-                    } else {
-                        wv[w][0] = b2f(h0); wv[w][1] = b2f(h1); wv[w][2] = b2f(h2); wv[w][3] = b2f(h3);
-                    }
-                }
+                for (int w = 0; w < NW; w++) float_row4<TYPE>(wr[w], i, wv[w]);
                 fma4<R, NW>(acc, x, n_in, rows, 4 * i, wv);
             }
         } else {
@@ -374,20 +381,7 @@ __device__ __forceinline__ void gemv_lane_norm(const uint8_t* const (&wr)[NW], i
     for (int i = u0; i < n4; i += us) {
         float wv[NW][4];
 #pragma unroll
-        for (int w = 0; w < NW; w++) {
-            if (TYPE == GGML_F32) {
-                const float4 v = __ldcs((const float4*)wr[w] + i);
-                wv[w][0] = v.x; wv[w][1] = v.y; wv[w][2] = v.z; wv[w][3] = v.w;
-            } else {
-                const uint2 v = __ldcs((const uint2*)wr[w] + i);
-                const uint16_t h0 = v.x & 0xFFFF, h1 = v.x >> 16, h2 = v.y & 0xFFFF, h3 = v.y >> 16;
-                if (TYPE == GGML_F16) {
-                    wv[w][0] = h2f(h0); wv[w][1] = h2f(h1); wv[w][2] = h2f(h2); wv[w][3] = h2f(h3);
-                } else {
-                    wv[w][0] = b2f(h0); wv[w][1] = b2f(h1); wv[w][2] = b2f(h2); wv[w][3] = b2f(h3);
-                }
-            }
-        }
+        for (int w = 0; w < NW; w++) float_row4<TYPE>(wr[w], i, wv[w]);
         const float4 nv = __ldg((const float4*)nw + i);
 #pragma unroll
         for (int r = 0; r < R; r++) {
