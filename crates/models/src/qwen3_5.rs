@@ -187,6 +187,21 @@ pub(crate) fn forward_layers<B: Backend>(
     // The residual stream: `x` holds it, `x_alt` takes the sum where it goes out of place.
     let (mut x, mut x_alt) = (x, x2);
     for (il, l) in layers.iter().enumerate() {
+        // Where the backend takes it (decoder.rs), the mixer's output projection adds into x
+        // itself and hands the FFN's RMSNorm over to the SwiGLU.
+        let ffn_norm = (&l.ffn_norm, eps);
+        let mixer_out = match &l.mixer {
+            Mixer::Linear { out, .. } => out,
+            Mixer::Attention { o, .. } => o,
+        };
+        let handed = match &l.ffn {
+            Ffn::Dense { gate, up, down }
+                if !defer && be.defers_rms_norm_after(mixer_out, &[gate, up], step.rows) =>
+            {
+                Some((gate, up, down))
+            }
+            _ => None,
+        };
         // Token mixer (h = rms_norm(x) · attn_norm).
         match &l.mixer {
             Mixer::Linear {
@@ -238,6 +253,8 @@ pub(crate) fn forward_layers<B: Backend>(
                 be.gated_rms_norm(&mut hb.core, &hb.z, norm, delta.v_head_dim, eps)?;
                 if defer {
                     be.matmul_add(&hb.core, out, x, y)?;
+                } else if handed.is_some() {
+                    be.matmul_add_for_norm(&hb.core, out, x, y, ffn_norm)?;
                 } else {
                     be.matmul(&hb.core, out, y)?;
                 }
@@ -284,36 +301,49 @@ pub(crate) fn forward_layers<B: Backend>(
                 be.sigmoid_gate(att, &hb.attn_gate)?;
                 if defer {
                     be.matmul_add(att, wo, x, y)?;
+                } else if handed.is_some() {
+                    be.matmul_add_for_norm(att, wo, x, y, ffn_norm)?;
                 } else {
                     be.matmul(att, wo, y)?;
                 }
             }
         }
         if defer {
-            let norm = (&l.ffn_norm, eps);
-            deferred_ffn(be, &l.ffn, norm, x, (&mut *gate, &mut *up, &mut *act), h, y)?;
+            deferred_ffn(
+                be,
+                &l.ffn,
+                ffn_norm,
+                x,
+                (&mut *gate, &mut *up, &mut *act),
+                h,
+                y,
+            )?;
             continue;
         }
-
-        // Feed-forward: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
-        let scratch = FfnScratch::<B> {
-            gate: &mut *gate,
-            up: &mut *up,
-            act: &mut *act,
-            router: &mut *router,
-            shared: Some((&mut hb.shared, &mut hb.shared_gate)),
-        };
-        let norm = (&l.ffn_norm, eps);
-        ffn_half(
-            be,
-            &l.ffn,
-            cfg.moe.as_ref(),
-            (&mut x, &mut x_alt),
-            norm,
-            h,
-            scratch,
-            y,
-        )?;
+        if let Some((wg, wu, wd)) = handed {
+            // x already holds x + mixer(x); y = down(SwiGLU(rms_norm(x) · ffn_norm)).
+            be.rms_norm_matmul_swiglu(x, ffn_norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
+            be.matmul(act, wd, y)?;
+        } else {
+            // Feed-forward: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
+            let scratch = FfnScratch::<B> {
+                gate: &mut *gate,
+                up: &mut *up,
+                act: &mut *act,
+                router: &mut *router,
+                shared: Some((&mut hb.shared, &mut hb.shared_gate)),
+            };
+            ffn_half(
+                be,
+                &l.ffn,
+                cfg.moe.as_ref(),
+                (&mut x, &mut x_alt),
+                ffn_norm,
+                h,
+                scratch,
+                y,
+            )?;
+        }
         // x += y, h = the next layer's mixer input (or the output norm's result).
         let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
         be.add_rms_norm(x, y, next_norm, eps, h)?;

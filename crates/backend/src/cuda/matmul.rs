@@ -323,7 +323,7 @@ impl Kernels {
         } else {
             None
         };
-        let tc2 = if gemvq_tc.is_some() && switches::int_or("FERRITE_DEFER_NORM_Q", 0) != 0 {
+        let tc2 = if gemvq_tc.is_some() && switches::int_or("FERRITE_DEFER_NORM_Q", 1) != 0 {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
             Some([all("_tc2_add_q4_k")?, all("_swiglu_tcn_q4_k")?])
         } else {
