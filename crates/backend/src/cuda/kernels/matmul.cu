@@ -69,9 +69,6 @@
 // g++ against ggml_get, with an emulated mma.sync; see MATMUL.md).
 
 #define GEMV_WARPS 8
-// Most 32-column groups (n_in / 32) whose Σ x² the one-row NORM SwiGLU copies into shared
-// memory (gemvq_tc_block): 1 KB, hidden sizes to 8192; wider rows read them from global.
-#define TCN_SUMS_SMEM 256
 #define GEMV_NW 2
 // Loop unroll depths (iterations of a lane's step loop whose loads can be in flight together):
 // aim for >= ~24 KB in flight per SM (4.3 TB/s x ~700 ns / 132 SMs). F: float types (8-16 B
@@ -1600,9 +1597,8 @@ __device__ __forceinline__ void tc2_tiles_add(const uint8_t* s0, const uint8_t* 
 }
 
 // The SwiGLU's 1 / rms(x) per x row from the producer's group sums pss[r][n_in / 32] (NORM of
-// gemvq_tc_block; global memory, or at R = 1 their copy in shared memory): lane i adds groups
-// i, i + 32, ... in order, then the xor butterfly; into sn[r] (shared). No barrier: the
-// caller's next one publishes sn.
+// gemvq_tc_block): lane i adds groups i, i + 32, ... in order, then the xor butterfly; into
+// sn[r] (shared). No barrier: the caller's next one publishes sn.
 template <int R>
 __device__ __forceinline__ void tc_norm_scale(const float* __restrict__ pss, int n_in, int rows, float eps,
                                               float* sn) {
@@ -1665,33 +1661,11 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
-    // NORM at R = 1 (XS): the row's group sums come in by cp.async beside x's staging loads
-    // (one round trip for both, not the sums' then x's) and warp 0 adds them after
-    // tc_stage_x's barrier, in tc_norm_scale's order; tc_store's barrier publishes sn.
-    __shared__ __align__(16) float sps[NORM && XS ? TCN_SUMS_SMEM : 4];
-    const int ng = n_in / QK;
-    const bool early = NORM && XS && ng <= TCN_SUMS_SMEM && ng % 4 == 0 && ((size_t)pss & 15) == 0;
     if (NORM) {
-        if (early) {
-            if (threadIdx.x < 32) {
-                for (int i = threadIdx.x; i < ng / 4; i += 32)
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
-                                     (uint32_t)__cvta_generic_to_shared(sps + 4 * i)),
-                                 "l"(pss + 4 * i)
-                                 : "memory");
-                asm volatile("cp.async.commit_group;\n" ::: "memory");
-            }
-        } else {
-            tc_norm_scale<R>(pss, n_in, rows, eps, sn);
-            if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
-        }
+        tc_norm_scale<R>(pss, n_in, rows, eps, sn);
+        if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
     }
     if (XS) tc_stage_x(xs, xq, xd, n_in);
-    if (early && threadIdx.x < 32) {
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-        __syncwarp();
-        tc_norm_scale<R>(sps, n_in, 1, eps, sn);
-    }
     if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
