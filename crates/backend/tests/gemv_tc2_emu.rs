@@ -25,11 +25,7 @@ fn run(seq: bool) -> Option<String> {
         HARNESS.to_string()
     };
     let exe = emu::build(
-        if seq {
-            "gemv-tc2seq-emu"
-        } else {
-            "gemv-tc2-emu"
-        },
+        if seq { "gemv-tc2seq-emu" } else { "gemv-tc2-emu" },
         &[
             (
                 "q8.cuh",

@@ -1717,28 +1717,28 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
                                                   float* __restrict__ pss, uint8_t* smem, uint64_t* bars) {
 #if __CUDA_ARCH__ >= 900
     constexpr bool XS = R == 1;
-    const int tg = SEQ ? 0 : threadIdx.x >> 8;
-    const int r0 = blockIdx.x * 32 + 16 * tg;
-    const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
-    const uint8_t* pb = W + (size_t)(r0 + 8) * (size_t)rb;
     const size_t slot = tc_slot(rb, 8);
-    uint8_t* gs = smem + (size_t)tg * 2 * slot;
-    // SEQ: tile 1 (rows 32 bx + 16 .. + 15) in slots 2, 3 on barrier 1, thread 0 issuing both.
-    const uint8_t* qa = pa + 16 * (size_t)rb;
-    const uint8_t* qb = pb + 16 * (size_t)rb;
-    if ((threadIdx.x & 255) == 0) {
-        bulk_issue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - r0 - 8)), rb, slot, gs,
-                         bars + tg);
-        if (SEQ)
-            bulk_issue_spans(qa, max(0, min(8, n_out - r0 - 16)), qb, max(0, min(8, n_out - r0 - 24)), rb, slot,
-                             smem + 2 * slot, bars + 1);
+    // Tile t: rows 32 bx + 16 t .. + 15 (slots 2t, 2t + 1, barrier t), issued by its group's
+    // first thread (SEQ: thread 0 issues both).
+    const uint8_t* pa[2];
+    const uint8_t* pb[2];
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        const int r0 = blockIdx.x * 32 + 16 * t;
+        pa[t] = W + (size_t)r0 * (size_t)rb;
+        pb[t] = W + (size_t)(r0 + 8) * (size_t)rb;
+        if (SEQ ? threadIdx.x == 0 : threadIdx.x == 256 * t)
+            bulk_issue_spans(pa[t], max(0, min(8, n_out - r0)), pb[t], max(0, min(8, n_out - r0 - 8)), rb, slot,
+                             smem + (size_t)t * 2 * slot, bars + t);
     }
     __syncthreads();
     PDL_ENTRY();
-    const uint8_t* s0 = gs + ((size_t)pa & 15);
-    const uint8_t* s1 = gs + slot + ((size_t)pb & 15);
-    const uint8_t* u0 = smem + 2 * slot + ((size_t)qa & 15);
-    const uint8_t* u1 = smem + 3 * slot + ((size_t)qb & 15);
+    const int tg = SEQ ? 0 : threadIdx.x >> 8;
+    uint8_t* gs = smem + (size_t)tg * 2 * slot;
+    const uint8_t* s0 = gs + ((size_t)pa[tg] & 15);
+    const uint8_t* s1 = gs + slot + ((size_t)pb[tg] & 15);
+    const uint8_t* u0 = smem + 2 * slot + ((size_t)pa[1] & 15);  // SEQ: tile 1's slots
+    const uint8_t* u1 = smem + 3 * slot + ((size_t)pb[1] & 15);
     uint8_t* xs = smem + 4 * slot;  // XS: x after the four slots
     if (XS) tc_stage_x(xs, xq, xd, n_in);
     gemv_bulk_wait(bars + tg);
