@@ -111,9 +111,6 @@ pub struct Kernels {
     /// from the Q4_K o-projection to the SwiGLU ([`matmul_add_for_norm`]; sm_90+, unless
     /// `FERRITE_DEFER_NORM_Q=0`).
     tc2: Option<[[CudaFunction; 6]; 2]>,
-    /// The producer's block: 512 threads (two 8-warp groups, `gemvq_tc2_add_q4_k`) or 256
-    /// (one group taking both tiles in turn, `gemvq_tc2w_add_q4_k`; `FERRITE_TC2_WARPS=8`).
-    tc2_threads: u32,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -326,19 +323,12 @@ impl Kernels {
         } else {
             None
         };
-        let tc2_warps = switches::int_or("FERRITE_TC2_WARPS", 16);
         let tc2 = if gemvq_tc.is_some() && switches::int_or("FERRITE_DEFER_NORM_Q", 1) != 0 {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
-            let producer = if tc2_warps == 8 {
-                "_tc2w_add_q4_k"
-            } else {
-                "_tc2_add_q4_k"
-            };
-            Some([all(producer)?, all("_swiglu_tcn_q4_k")?])
+            Some([all("_tc2_add_q4_k")?, all("_swiglu_tcn_q4_k")?])
         } else {
             None
         };
-        let tc2_threads = if tc2_warps == 8 { 256 } else { 512 };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -376,7 +366,6 @@ impl Kernels {
             gemvq_mixed,
             gemvq_tc,
             tc2,
-            tc2_threads,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
             gemvq_tc_long,
@@ -2074,7 +2063,7 @@ pub fn matmul_add_for_norm(
         let smem = 2 * tc_smem(rb, 8) + if rows == 1 { tc_x_bytes(n_in) } else { 0 };
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
-            block_dim: (be.matmul.tc2_threads, 1, 1),
+            block_dim: ((2 * GEMV_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: smem,
         };
         let xd = xq.d.slice(..rows * n_in / 32 * 2);

@@ -60,11 +60,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
-        "FERRITE_TC2_WARPS",
-        Accepts::OneOf(&[8, 16]),
-        "the Q4_K norm hand-over's o-projection block: 16 warps (two tiles at once) or 8 (both tiles in turn; MATMUL.md round 24)",
-    ),
-    (
         "FERRITE_GEMV_PF",
         Accepts::Range(0, 2),
         "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans (MATMUL.md)",

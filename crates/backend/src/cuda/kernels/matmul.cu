@@ -1580,27 +1580,16 @@ __device__ __forceinline__ void add_norm_lane(float* xp, float v, float nwv, int
 // The two tiles and the epilogue of gemvq_tc2_add_q4k (block bx, 512 threads; s0, s1: the
 // calling thread's group's slots, whose copy has landed; x staged or not as XS): each group's
 // 16 sums (tc_reduce_g2), then warp r < rows takes x row r's 32 outputs of the block.
-// SEQ: a block of one 8-warp group (256 threads) that takes tile 0 (slots s0, s1), then tile 1
-// (u0, u1): each warp the same super-blocks of each tile as in the two-group block, so the
-// same sums in the same order (the same bits).
-template <int R, bool XS, bool SEQ = false>
-__device__ __forceinline__ void tc2_tiles_add(const uint8_t* s0, const uint8_t* s1, const uint8_t* u0,
-                                              const uint8_t* u1, long long rb, int n_out, int n_in,
+template <int R, bool XS>
+__device__ __forceinline__ void tc2_tiles_add(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out, int n_in,
                                               const int8_t* __restrict__ xa, const float2* __restrict__ da,
                                               int rows, int plane, int bx, float* __restrict__ x,
                                               const float* __restrict__ nw, int8_t* __restrict__ pq,
                                               float2* __restrict__ pd, float* __restrict__ pss) {
     __shared__ float sums[2][R][16];
-    if (SEQ) {
-        gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr, bx * 32,
-                                                       plane, 0, nullptr, &sums[0][0][0]);
-        gemvq_tc_q4k<R, false, XS, false, false, true>(u0, u1, rb, n_out, n_in, xa, da, rows, nullptr,
-                                                       bx * 32 + 16, plane, 0, nullptr, &sums[1][0][0]);
-    } else {
-        const int tg = threadIdx.x >> 8;
-        gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr,
-                                                       bx * 32 + 16 * tg, plane, 0, nullptr, &sums[tg][0][0]);
-    }
+    const int tg = threadIdx.x >> 8;
+    gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr,
+                                                   bx * 32 + 16 * tg, plane, 0, nullptr, &sums[tg][0][0]);
     const int lane = threadIdx.x & 31, r = threadIdx.x >> 5, o = bx * 32 + lane, ng = n_out / QK;
     if (r < R && r < rows)
         add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], nw[o], lane,
@@ -1706,10 +1695,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
 //  - One block per 32 rows: 128 blocks of 512 threads for a 4096-row projection, one per SM
 //    (the one-tile kernel's 256 blocks run two per SM: the same bytes per SM).
 //  Needs n_out % 32 == 0 and R <= 16 warps.
-//  SEQ (gemvq_tc2w_add_q4_k_r<R>): one group of 8 warps taking both tiles in turn (256
-//  threads, half the registers per SM), so that two blocks of the SwiGLU after it, not one,
-//  fit beside each block and copy their tiles while it runs (MATMUL.md round 24).
-template <int R, bool SEQ = false>
+template <int R>
 __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                   int rows, float* __restrict__ x, const float* __restrict__ nw,
@@ -1717,36 +1703,25 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
                                                   float* __restrict__ pss, uint8_t* smem, uint64_t* bars) {
 #if __CUDA_ARCH__ >= 900
     constexpr bool XS = R == 1;
+    const int tg = threadIdx.x >> 8;
+    const int r0 = blockIdx.x * 32 + 16 * tg;
+    const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
+    const uint8_t* pb = W + (size_t)(r0 + 8) * (size_t)rb;
     const size_t slot = tc_slot(rb, 8);
-    // Tile t: rows 32 bx + 16 t .. + 15 (slots 2t, 2t + 1, barrier t), issued by its group's
-    // first thread (SEQ: thread 0 issues both).
-    const uint8_t* pa[2];
-    const uint8_t* pb[2];
-#pragma unroll
-    for (int t = 0; t < 2; t++) {
-        const int r0 = blockIdx.x * 32 + 16 * t;
-        pa[t] = W + (size_t)r0 * (size_t)rb;
-        pb[t] = W + (size_t)(r0 + 8) * (size_t)rb;
-        if (SEQ ? threadIdx.x == 0 : threadIdx.x == 256 * t)
-            bulk_issue_spans(pa[t], max(0, min(8, n_out - r0)), pb[t], max(0, min(8, n_out - r0 - 8)), rb, slot,
-                             smem + (size_t)t * 2 * slot, bars + t);
-    }
+    uint8_t* gs = smem + (size_t)tg * 2 * slot;
+    if ((threadIdx.x & 255) == 0)
+        bulk_issue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - r0 - 8)), rb, slot, gs,
+                         bars + tg);
     __syncthreads();
     PDL_ENTRY();
-    const int tg = SEQ ? 0 : threadIdx.x >> 8;
-    uint8_t* gs = smem + (size_t)tg * 2 * slot;
-    const uint8_t* s0 = gs + ((size_t)pa[tg] & 15);
-    const uint8_t* s1 = gs + slot + ((size_t)pb[tg] & 15);
-    const uint8_t* u0 = smem + 2 * slot + ((size_t)pa[1] & 15);  // SEQ: tile 1's slots
-    const uint8_t* u1 = smem + 3 * slot + ((size_t)pb[1] & 15);
+    const uint8_t* s0 = gs + ((size_t)pa & 15);
+    const uint8_t* s1 = gs + slot + ((size_t)pb & 15);
     uint8_t* xs = smem + 4 * slot;  // XS: x after the four slots
     if (XS) tc_stage_x(xs, xq, xd, n_in);
     gemv_bulk_wait(bars + tg);
-    if (SEQ) gemv_bulk_wait(bars + 1);
     const int8_t* xa = XS ? (const int8_t*)xs : xq;
     const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
-    tc2_tiles_add<R, XS, SEQ>(s0, s1, u0, u1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x,
-                              nw, pq, pd, pss);
+    tc2_tiles_add<R, XS>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw, pq, pd, pss);
 #endif
 }
 
@@ -2063,15 +2038,6 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
         gemvq_tc2_add_q4k<R>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars);   \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)                                        \
-        gemvq_tc2w_add_q4_k_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,          \
-                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,    \
-                                 float* __restrict__ x, const float* __restrict__ nw,                       \
-                                 int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) { \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
-        gemvq_tc2_add_q4k<R, true>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars); \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, R))              \
         gemvq_swiglu_tcn_q4_k_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,           \
