@@ -512,8 +512,9 @@ impl Backend for CudaBackend {
         out: &mut Act<CudaSlice<f32>>,
         y: &mut Act<CudaSlice<f32>>,
         norm: (&CudaWeight, f32),
+        consumers: &[&CudaWeight],
     ) -> Result<()> {
-        if matmul::matmul_add_for_norm(self, x, w, out, y, norm.0)? {
+        if matmul::matmul_add_for_norm(self, x, w, out, y, norm.0, consumers)? {
             return Ok(());
         }
         self.matmul_add(x, w, out, y)
