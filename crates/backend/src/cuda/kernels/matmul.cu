@@ -1695,7 +1695,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
 //  - One block per 32 rows: 128 blocks of 512 threads for a 4096-row projection, one per SM
 //    (the one-tile kernel's 256 blocks run two per SM: the same bytes per SM).
 //  - pf0 / pf1 / pf_len: an L2 prefetch of the SwiGLU's gate and up rows, pf_len bytes of
-//    each from pf0 / pf1 + bx pf_len (0: none), issued after the PDL wait.
+//    each from pf0 / pf1 + bx pf_len (0: none), issued before the PDL wait.
 //  Needs n_out % 32 == 0 and R <= 16 warps.
 template <int R>
 __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
@@ -1715,14 +1715,14 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
     if ((threadIdx.x & 255) == 0)
         bulk_issue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - r0 - 8)), rb, slot, gs,
                          bars + tg);
-    __syncthreads();
-    PDL_ENTRY();
     // The SwiGLU's weights past those its first resident blocks copy themselves: this block's
-    // share of gate (pf0) and up (pf1) rows into L2 while this launch computes (matmul.rs).
+    // share of gate (pf0) and up (pf1) rows into L2 while the kernels before run (matmul.rs).
     if (pf_len && threadIdx.x == 32) {
         prefetch_l2(pf0 + (size_t)blockIdx.x * pf_len, pf_len);
         prefetch_l2(pf1 + (size_t)blockIdx.x * pf_len, pf_len);
     }
+    __syncthreads();
+    PDL_ENTRY();
     const uint8_t* s0 = gs + ((size_t)pa & 15);
     const uint8_t* s1 = gs + slot + ((size_t)pb & 15);
     uint8_t* xs = smem + 4 * slot;  // XS: x after the four slots
