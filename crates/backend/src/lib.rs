@@ -536,9 +536,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// [`Backend::matmul_add`] whose result feeds `rms_norm(out) · norm` next (the consumer
-    /// being [`Backend::rms_norm_matmul_swiglu`] of `consumers` (gate, up) with the same
-    /// `norm`): a backend may prepare that input in the projection's epilogue, and start
-    /// fetching the consumers' weights. Same `out` as `matmul_add`, bitwise.
+    /// being [`Backend::rms_norm_matmul_swiglu`] with the same `norm`): a backend may prepare
+    /// that input in the projection's epilogue. Same `out` as `matmul_add`, bitwise.
     fn matmul_add_for_norm(
         &self,
         x: &Act<Self::Buf>,
@@ -546,9 +545,8 @@ pub trait Backend: Send + Sync {
         out: &mut Act<Self::Buf>,
         y: &mut Act<Self::Buf>,
         norm: (&Self::Weight, f32),
-        consumers: &[&Self::Weight],
     ) -> Result<()> {
-        let _ = (norm, consumers);
+        let _ = norm;
         self.matmul_add(x, w, out, y)
     }
 

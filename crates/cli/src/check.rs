@@ -2784,7 +2784,7 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             };
             let x = out2(&mut p.out2)?;
             let norm = (&p.w[0], EPS);
-            be.matmul_add_for_norm(att, &p.w[3], x, y, norm, &[&p.w[1], &p.w[2]])?;
+            be.matmul_add_for_norm(att, &p.w[3], x, y, norm)?;
             be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
         }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),

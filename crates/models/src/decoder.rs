@@ -509,7 +509,7 @@ impl<B: Backend> Model<B> {
             if let Some((wg, wu, wd)) = handed {
                 // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
                 // y = down(SwiGLU), added with the next norm below.
-                be.matmul_add_for_norm(att, &l.wo, x, y, norm, &[wg, wu])?;
+                be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
                 be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
                 be.matmul(act, wd, y)?;
             } else {

@@ -253,8 +253,8 @@ pub(crate) fn forward_layers<B: Backend>(
                 be.gated_rms_norm(&mut hb.core, &hb.z, norm, delta.v_head_dim, eps)?;
                 if defer {
                     be.matmul_add(&hb.core, out, x, y)?;
-                } else if let Some((wg, wu, _)) = handed {
-                    be.matmul_add_for_norm(&hb.core, out, x, y, ffn_norm, &[wg, wu])?;
+                } else if handed.is_some() {
+                    be.matmul_add_for_norm(&hb.core, out, x, y, ffn_norm)?;
                 } else {
                     be.matmul(&hb.core, out, y)?;
                 }
@@ -301,8 +301,8 @@ pub(crate) fn forward_layers<B: Backend>(
                 be.sigmoid_gate(att, &hb.attn_gate)?;
                 if defer {
                     be.matmul_add(att, wo, x, y)?;
-                } else if let Some((wg, wu, _)) = handed {
-                    be.matmul_add_for_norm(att, wo, x, y, ffn_norm, &[wg, wu])?;
+                } else if handed.is_some() {
+                    be.matmul_add_for_norm(att, wo, x, y, ffn_norm)?;
                 } else {
                     be.matmul(att, wo, y)?;
                 }

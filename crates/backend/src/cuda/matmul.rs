@@ -1972,36 +1972,6 @@ pub(crate) fn hands_norm_over(
         )
 }
 
-/// The L2 prefetch the two-tile o-projection issues for the SwiGLU after it (`FERRITE_TC2_PF`
-/// MB of gate and up together, 0: none): the rows past the first `8 × SMs` (those the
-/// SwiGLU's first blocks, one per SM beside the o-projection's, copy themselves), split
-/// evenly over the o-projection's `blocks`; (gate address, up address, bytes per block).
-fn tc2_prefetch(
-    be: &CudaBackend,
-    consumers: &[&CudaWeight],
-    blocks: usize,
-) -> Result<(u64, u64, u32)> {
-    let mb = switches::int_or("FERRITE_TC2_PF", 0).max(0) as usize;
-    let [gate, up] = consumers else {
-        return Ok((0, 0, 0));
-    };
-    if mb == 0 || blocks == 0 || gate.shape != up.shape || gate.shape.len() != 2 {
-        return Ok((0, 0, 0));
-    }
-    let rb = gate.row_bytes();
-    let first = (8 * be.sm_count).min(gate.shape[0]);
-    let rows = (mb << 20) / (2 * rb);
-    let per_block = rows.min(gate.shape[0] - first) / blocks;
-    let len = per_block * rb / 16 * 16;
-    if len == 0 {
-        return Ok((0, 0, 0));
-    }
-    let (g, _gg) = gate.data.device_ptr(&be.stream);
-    let (u, _gu) = up.data.device_ptr(&be.stream);
-    let off = (first * rb) as u64;
-    Ok((g + off, u + off, u32::try_from(len)?))
-}
-
 /// Most rows of x the two-tile kernel takes (`gemvq_tc2_add_q4_k_r<R>`: 512 threads, so at
 /// most 128 registers; from 8 rows its accumulators spill). More rows: the plain tensor-core
 /// GEMV, then `add_norm_planes` (the same bits).
@@ -2017,7 +1987,6 @@ pub fn matmul_add_for_norm(
     out: &mut Act<CudaSlice<f32>>,
     y: &mut Act<CudaSlice<f32>>,
     norm: &CudaWeight,
-    consumers: &[&CudaWeight],
 ) -> Result<bool> {
     let rows = x.rows;
     let Some(tc2) = be.matmul.tc2.as_ref() else {
@@ -2099,8 +2068,6 @@ pub fn matmul_add_for_norm(
         };
         let xd = xq.d.slice(..rows * n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * rows * n_in);
-        let blocks = n_out / 32;
-        let (pf0, pf1, pf_len) = tc2_prefetch(be, consumers, blocks)?;
         // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned; the int8 scratch
         // holds rows × n_in quantized values of x; out (the residual, read and written in place
         // by the one lane of each element) rows × n_out floats; the plane scratch
@@ -2121,9 +2088,6 @@ pub fn matmul_add_for_norm(
                 .arg(&mut p.q)
                 .arg(&mut p.d)
                 .arg(&mut p.ss)
-                .arg(&pf0)
-                .arg(&pf1)
-                .arg(&pf_len)
                 .launch(cfg)
         }?;
     }

@@ -512,9 +512,8 @@ impl Backend for CudaBackend {
         out: &mut Act<CudaSlice<f32>>,
         y: &mut Act<CudaSlice<f32>>,
         norm: (&CudaWeight, f32),
-        consumers: &[&CudaWeight],
     ) -> Result<()> {
-        if matmul::matmul_add_for_norm(self, x, w, out, y, norm.0, consumers)? {
+        if matmul::matmul_add_for_norm(self, x, w, out, y, norm.0)? {
             return Ok(());
         }
         self.matmul_add(x, w, out, y)

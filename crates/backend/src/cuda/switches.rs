@@ -60,11 +60,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
-        "FERRITE_TC2_PF",
-        Accepts::Range(0, 64),
-        "the Q4_K norm hand-over's o-projection: MB of the SwiGLU's gate and up rows it prefetches into L2 (MATMUL.md round 24)",
-    ),
-    (
         "FERRITE_GEMV_PF",
         Accepts::Range(0, 2),
         "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans (MATMUL.md)",

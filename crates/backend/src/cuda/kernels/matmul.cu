@@ -1694,16 +1694,13 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
 //    (gemvq_swiglu_tcn_q4_k) scales by 1 / rms(x) from those sums: no norm launch.
 //  - One block per 32 rows: 128 blocks of 512 threads for a 4096-row projection, one per SM
 //    (the one-tile kernel's 256 blocks run two per SM: the same bytes per SM).
-//  - pf0 / pf1 / pf_len: an L2 prefetch of the SwiGLU's gate and up rows, pf_len bytes of
-//    each from pf0 / pf1 + bx pf_len (0: none), issued before the PDL wait.
 //  Needs n_out % 32 == 0 and R <= 16 warps.
 template <int R>
 __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                   int rows, float* __restrict__ x, const float* __restrict__ nw,
                                                   int8_t* __restrict__ pq, float2* __restrict__ pd,
-                                                  float* __restrict__ pss, uint8_t* smem, uint64_t* bars,
-                                                  const uint8_t* pf0, const uint8_t* pf1, unsigned pf_len) {
+                                                  float* __restrict__ pss, uint8_t* smem, uint64_t* bars) {
 #if __CUDA_ARCH__ >= 900
     constexpr bool XS = R == 1;
     const int tg = threadIdx.x >> 8;
@@ -1715,12 +1712,6 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
     if ((threadIdx.x & 255) == 0)
         bulk_issue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - r0 - 8)), rb, slot, gs,
                          bars + tg);
-    // The SwiGLU's weights past those its first resident blocks copy themselves: this block's
-    // share of gate (pf0) and up (pf1) rows into L2 while the kernels before run (matmul.rs).
-    if (pf_len && threadIdx.x == 32) {
-        prefetch_l2(pf0 + (size_t)blockIdx.x * pf_len, pf_len);
-        prefetch_l2(pf1 + (size_t)blockIdx.x * pf_len, pf_len);
-    }
     __syncthreads();
     PDL_ENTRY();
     const uint8_t* s0 = gs + ((size_t)pa & 15);
@@ -2043,12 +2034,10 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
         gemvq_tc2_add_q4_k_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
                                 float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq, \
-                                float2* __restrict__ pd, float* __restrict__ pss, const uint8_t* pf0,       \
-                                const uint8_t* pf1, unsigned pf_len) {                                      \
+                                float2* __restrict__ pd, float* __restrict__ pss) {                         \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
-        gemvq_tc2_add_q4k<R>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars,    \
-                             pf0, pf1, pf_len);                                                             \
+        gemvq_tc2_add_q4k<R>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars);   \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, R))              \
         gemvq_swiglu_tcn_q4_k_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,           \
