@@ -60,6 +60,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
+        "FERRITE_QX",
+        Accepts::Range(0, 3),
+        "quant_x_q8 launch: 0 as is, 1 its successor launched before its wait, 2 blocks of 2 warps, 3 both",
+    ),
+    (
         "FERRITE_GEMV_PF",
         Accepts::Range(0, 2),
         "float GEMV L2 prefetch before the PDL wait: 0 none, 1 row heads, 2 whole spans (MATMUL.md)",
