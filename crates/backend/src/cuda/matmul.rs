@@ -852,15 +852,11 @@ pub(crate) fn quantize_into(
     if n == 0 {
         return Ok(());
     }
-    let (early, warps) = match switches::int_or("FERRITE_QX", 0) {
-        1 => (1i32, 8usize),
-        2 => (0, 2),
-        3 => (1, 2),
-        _ => (0, 8),
-    };
+    // The GEMV after it launched before this launch's wait (MATMUL.md round 25).
+    let early = switches::int_or("FERRITE_QX_EARLY", 1) as i32;
     let cfg = LaunchConfig {
-        grid_dim: ((n / 32).div_ceil(warps) as u32, 1, 1),
-        block_dim: (32 * warps as u32, 1, 1),
+        grid_dim: ((n / 32).div_ceil(8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     let (rows_i, n_in_i) = (rows as i32, n_in as i32);

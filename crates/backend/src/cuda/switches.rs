@@ -60,9 +60,9 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
-        "FERRITE_QX",
-        Accepts::Range(0, 3),
-        "quant_x_q8 launch: 0 as is, 1 its successor launched before its wait, 2 blocks of 2 warps, 3 both",
+        "FERRITE_QX_EARLY",
+        Accepts::OneOf(&[0, 1]),
+        "quant_x_q8 lets the GEMV after it launch before its own wait (MATMUL.md round 25)",
     ),
     (
         "FERRITE_GEMV_PF",
