@@ -79,6 +79,23 @@ pub(crate) struct FfnScratch<'a, B: Backend> {
     pub(crate) shared: Option<SharedScratch<'a, B>>,
 }
 
+/// The dense FFN's (gate, up, down) where the backend takes the FFN's RMSNorm handed over by
+/// `producer`, the projection before it, at `rows` rows ([`Backend::defers_rms_norm_after`]:
+/// `matmul_add_for_norm`, then `rms_norm_matmul_swiglu`); `None` where it runs the norm.
+pub(crate) fn handed_ffn<'a, B: Backend>(
+    be: &B,
+    producer: &B::Weight,
+    ffn: &'a Ffn<B::Weight>,
+    rows: usize,
+) -> Option<(&'a B::Weight, &'a B::Weight, &'a B::Weight)> {
+    match ffn {
+        Ffn::Dense { gate, up, down } if be.defers_rms_norm_after(producer, &[gate, up], rows) => {
+            Some((gate, up, down))
+        }
+        _ => None,
+    }
+}
+
 /// A dense FFN half with its RMSNorm deferred ([`Backend::defers_rms_norm`]): `act =
 /// SwiGLU(rms_norm(x) · norm)` without a norm launch, then `x += down(act)`; `h` and `y` are
 /// scratch for the backends that compose the ops.
@@ -498,15 +515,7 @@ impl<B: Backend> Model<B> {
                 deferred_ffn(be, &l.ffn, norm, x, (&mut *gate, &mut *up, &mut *act), h, y)?;
                 continue;
             }
-            let handed = match &l.ffn {
-                Ffn::Dense { gate, up, down }
-                    if be.defers_rms_norm_after(&l.wo, &[gate, up], t) =>
-                {
-                    Some((gate, up, down))
-                }
-                _ => None,
-            };
-            if let Some((wg, wu, wd)) = handed {
+            if let Some((wg, wu, wd)) = handed_ffn(be, &l.wo, &l.ffn, t) {
                 // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
                 // y = down(SwiGLU), added with the next norm below.
                 be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;

@@ -42,7 +42,9 @@ use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor,
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
-use crate::decoder::{deferred_ffn, ffn_half, Ffn, FfnScratch, Model, SharedExpert, Workspace};
+use crate::decoder::{
+    deferred_ffn, ffn_half, handed_ffn, Ffn, FfnScratch, Model, SharedExpert, Workspace,
+};
 use crate::source::{host, ModelFile};
 
 /// How a layer mixes tokens.
@@ -194,13 +196,10 @@ pub(crate) fn forward_layers<B: Backend>(
             Mixer::Linear { out, .. } => out,
             Mixer::Attention { o, .. } => o,
         };
-        let handed = match &l.ffn {
-            Ffn::Dense { gate, up, down }
-                if !defer && be.defers_rms_norm_after(mixer_out, &[gate, up], step.rows) =>
-            {
-                Some((gate, up, down))
-            }
-            _ => None,
+        let handed = if defer {
+            None
+        } else {
+            handed_ffn(be, mixer_out, &l.ffn, step.rows)
         };
         // Token mixer (h = rms_norm(x) · attn_norm).
         match &l.mixer {
