@@ -137,6 +137,9 @@ pub struct Kernels {
     pub(crate) moe_down_prefetch: bool,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
+    /// `quant_x_q8`'s `early` argument: 1 (unless `FERRITE_QX_EARLY=0`), the GEMV after it
+    /// launched before its own wait (MATMUL.md round 25).
+    quant_x_early: i32,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
     bulk: bool,
     /// Float GEMV runs of large-output weights group at the launch's split ([`matmuls`];
@@ -376,6 +379,7 @@ impl Kernels {
             gemvq_moe_gu_tc,
             moe_down_prefetch: switches::int_or("FERRITE_MOE_PF", 1) != 0,
             quant_x: function(&m, "quant_x_q8")?,
+            quant_x_early: i32::from(switches::int_or("FERRITE_QX_EARLY", 1) != 0),
             bulk,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
             xq: Mutex::new(None),
@@ -852,8 +856,6 @@ pub(crate) fn quantize_into(
     if n == 0 {
         return Ok(());
     }
-    // The GEMV after it launched before this launch's wait (MATMUL.md round 25).
-    let early = switches::int_or("FERRITE_QX_EARLY", 1) as i32;
     let cfg = LaunchConfig {
         grid_dim: ((n / 32).div_ceil(8) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -869,7 +871,7 @@ pub(crate) fn quantize_into(
             .arg(&n_in_i)
             .arg(q)
             .arg(d)
-            .arg(&early)
+            .arg(&be.matmul.quant_x_early)
             .launch(cfg)
     }?;
     Ok(())

@@ -883,7 +883,9 @@ GEMV_ALL_R(q6_k, GGML_Q6_K)
 //
 //  quant_x_q8: one warp per 32-element block of x: absmax by xor butterfly, hi, lo as above,
 //  s = d * sum(127 hi + lo). xq [rows][2][n_in] int8 (the hi plane, then the lo plane),
-//  xd [rows][n_in/32] float2 (d, s).
+//  xd [rows][n_in/32] float2 (d, s). With `early` it triggers its dependent launch before its
+//  own PDL wait: the GEMV reading the planes (the down projection) is scheduled as the
+//  SwiGLU's blocks retire and copies its tiles in their tail (MATMUL.md round 25).
 //
 //  Block/warp structure as gemv_ (8 warps, row groups of NW = 2 rows, ks warps split K). A lane
 //  "unit" is 32 weight elements:
