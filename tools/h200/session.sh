@@ -20,9 +20,9 @@
 #            injection, tools/h200/kernel_trace.{c,py}); the raw trace comes back gzipped
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
-#   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, off by default; MATMUL.md round 24):
-#            its check cases with it on, Qwen3-8B Q4_K_M tg128 off / on alternating (twice), a
-#            CUPTI trace of each, and the full check with it on
+#   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, on by default; MATMUL.md round 24):
+#            its check cases, Qwen3-8B Q4_K_M tg128 off / on alternating (twice), a CUPTI trace
+#            of each, and the full check with it on
 # Logs and bench/results.jsonl lines are written under $OUT. To compare two builds in one
 # call (a change against its baseline): tools/h200/ab.sh.
 #
