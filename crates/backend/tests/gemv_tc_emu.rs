@@ -16,30 +16,11 @@
 #[path = "emu/mod.rs"]
 mod emu;
 
-const SRC: &str = include_str!("../src/cuda/kernels/matmul.cu");
-const COMMON: &str = include_str!("../src/cuda/kernels/common.cuh");
 const HARNESS: &str = include_str!("gemv_tc_emu/harness.cpp");
 
 #[test]
 fn tensor_core_gemv_emulated_matches_reference() {
-    let Some(exe) = emu::build(
-        "gemv-tc-emu",
-        &[
-            (
-                "q8.cuh",
-                emu::section(COMMON, "// EMU_Q8_BEGIN", "// EMU_Q8_END"),
-            ),
-            (
-                "kq.cuh",
-                emu::section(SRC, "// EMU_KQ_BEGIN", "// EMU_KQ_END"),
-            ),
-            (
-                "tc.cuh",
-                emu::section(SRC, "// EMU_TC_BEGIN", "// EMU_TC_END"),
-            ),
-            ("harness.cpp", HARNESS),
-        ],
-    ) else {
+    let Some(exe) = emu::build_gemv_tc("gemv-tc-emu", HARNESS) else {
         return;
     };
     emu::run_expect_all_ok(&exe, "tensor-core GEMV");

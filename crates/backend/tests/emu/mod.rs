@@ -40,6 +40,28 @@ pub fn build(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
     Some(exe)
 }
 
+/// [`build`] for a harness of matmul.cu's tensor-core GEMV code (gemv_tc_emu, gemv_tc2_emu):
+/// with `gemv_tc.h` (the harnesses' common prelude) and the sections it includes — EMU_Q8 of
+/// common.cuh, EMU_KQ and EMU_TC of matmul.cu.
+#[allow(dead_code)]
+pub fn build_gemv_tc(name: &str, harness: &str) -> Option<PathBuf> {
+    const SRC: &str = include_str!("../../src/cuda/kernels/matmul.cu");
+    const COMMON: &str = include_str!("../../src/cuda/kernels/common.cuh");
+    build(
+        name,
+        &[
+            ("gemv_tc.h", include_str!("gemv_tc.h")),
+            (
+                "q8.cuh",
+                section(COMMON, "// EMU_Q8_BEGIN", "// EMU_Q8_END"),
+            ),
+            ("kq.cuh", section(SRC, "// EMU_KQ_BEGIN", "// EMU_KQ_END")),
+            ("tc.cuh", section(SRC, "// EMU_TC_BEGIN", "// EMU_TC_END")),
+            ("harness.cpp", harness),
+        ],
+    )
+}
+
 /// The text between two marker comments of a kernel source.
 pub fn section<'a>(src: &'a str, begin: &str, end: &str) -> &'a str {
     let b = src.find(begin).unwrap_or_else(|| panic!("{begin} marker"));

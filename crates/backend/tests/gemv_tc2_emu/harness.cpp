@@ -1,36 +1,17 @@
 // Host emulation of matmul.cu's two-tile Q4_K o-projection that hands the FFN's RMSNorm over to
-// the SwiGLU (tc2_tiles_add: gemvq_tc_q4k in its two-group form, tc_reduce_g2, add_norm_lane
-// with quant_q8_lane; the EMU_TC section of matmul.cu and EMU_Q8 of common.cuh, written next
-// to this file by gemv_tc2_emu.rs). One block of 512 threads (two groups of 8 warps) on the
-// host, every thread a fiber (../emu/fibers.h), mma.sync emulated (../emu/mma.h).
-// Each configuration (columns, block index, R, valid rows, x staged) is checked against
-// double-precision references: the residual x + W x (the dot products over the same int8 x
-// planes and block scales, NMSE <= 1e-11), the planes of (x + W x) * n (dequantized within
-// half a step of the int8 grid, the scale pair's sum exact), the group sums of squares
-// (relative 1e-6); everything outside the block's 32 outputs and the valid rows untouched;
-// and x row 0 bit for bit the same at R = 1 (x staged) and R = 3 (x from global memory).
-// Prints one line per configuration and "ALL OK"; exit status 1 on a mismatch.
+// the SwiGLU (tc2_tiles_add: gemvq_tc_q4k in its two-group form, tc_reduce_g2, add_norm_lane with
+// quant_q8_lane; the EMU_TC section of matmul.cu and EMU_Q8 of common.cuh, written next to this
+// file by emu::build_gemv_tc, with the prelude gemv_tc.h). One block of 512 threads (two groups of
+// 8 warps) on the host, every thread a fiber (../emu/fibers.h), mma.sync emulated (../emu/mma.h).
+// Each configuration (columns, block index, R, valid rows, x staged) is checked against double-
+// precision references: the residual x + W x (the dot products over the same int8 x planes and
+// block scales, NMSE <= 1e-11), the planes of (x + W x) * n (dequantized within half a step of the
+// int8 grid, the scale pair's sum exact), the group sums of squares (relative 1e-6); everything
+// outside the block's 32 outputs and the valid rows untouched; and x row 0 bit for bit the same at
+// R = 1 (x staged) and R = 3 (x from global memory). Prints one line per configuration and "ALL
+// OK"; exit status 1 on a mismatch.
 #define EMU_THREADS 512
-#include <cmath>
-
-#include "fibers.h"
-#include "intrinsics.h"
-
-#define __shared__ static
-#define GEMV_WARPS 8
-#define QK 32
-#define QK_K 256
-#define Q4_K_BYTES 144
-#define Q6_K_BYTES 210
-
-static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
-#include "mma.h"
-
-#include "q8.cuh"
-#include "kq.cuh"
-#include "tc.cuh"
-#include "q4k_ref.h"
+#include "gemv_tc.h"
 
 struct Cfg {
     int n_in, bx, R, rows, staged;

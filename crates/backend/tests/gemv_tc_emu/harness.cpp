@@ -1,7 +1,7 @@
 // Host emulation of matmul.cu's tensor-core Q4_K and Q6_K GEMVs (gemvq_tc_q4k, gemvq_tc_q6k,
-// tc_stage_x: the section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section; written
-// next to this file as kq.cuh and tc.cuh by gemv_tc_emu.rs). One block (r0 = 0) on the host,
-// every thread a fiber (../emu/fibers.h); emulated:
+// tc_stage_x: the section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section;
+// written next to this file as kq.cuh and tc.cuh by emu::build_gemv_tc, with the prelude
+// gemv_tc.h). One block (r0 = 0) on the host, every thread a fiber (../emu/fibers.h); emulated:
 //  - tc_mma / tc_mma_s8: mma.sync m16n8k32 u8 (s8) x s8 -> s32: the 32 lanes deposit their
 //    fragments, A (16 x 32) and B (32 x 8) are rebuilt from the PTX ISA fragment layout, each
 //    lane adds its four products exactly (integers);
@@ -12,27 +12,7 @@
 // the valid rows must stay untouched, and x row 0 must come out bit for bit the same at R = 1
 // (x staged) and R = 3 (x from global memory): decode and verify agree.
 // Prints one line per configuration and "ALL OK"; exit status 1 on a mismatch.
-#include <cmath>
-
-#include "fibers.h"
-#include "intrinsics.h"
-
-#define __shared__ static
-#define GEMV_WARPS 8
-#define QK 32
-#define QK_K 256
-#define Q4_K_BYTES 144
-#define Q6_K_BYTES 210
-
-static inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
-
-#include "mma.h"
-
-#include "q8.cuh"
-#include "kq.cuh"
-#include "tc.cuh"
-#include "q4k_ref.h"
+#include "gemv_tc.h"
 
 // ---- one configuration ------------------------------------------------------------------
 // kx, k0: the K-split tile (gemvq_tck_block): the tile's n_in columns are x's columns
