@@ -150,6 +150,20 @@ __device__ __forceinline__ void pdl_launch_dependents() {
         pdl_wait();                                                                                \
         pdl_launch_dependents();                                                                   \
     } while (0)
+// PDL_ENTRY, or where `early` holds the other order: the successor launched before this
+// kernel's own wait, so that the GEMV after a small kernel is scheduled (and copies its
+// weights) while the kernel before this one still runs. Safe: the successor's own wait covers
+// this grid's completion, which follows this grid's wait (quant_x_q8, MATMUL.md round 25;
+// elementwise.cu's _early forms).
+#define PDL_ENTRY_IF_EARLY(early)                                                                  \
+    do {                                                                                           \
+        if (early) {                                                                               \
+            pdl_launch_dependents();                                                               \
+            pdl_wait();                                                                            \
+        } else {                                                                                   \
+            PDL_ENTRY();                                                                           \
+        }                                                                                          \
+    } while (0)
 
 // Shared-memory tile plumbing of the tensor-core kernels (matmul.cu's mm_, mmq.cu, mmw.cu,
 // attention.cu's prefill): four 8×8 b16 matrices per warp by ldmatrix (row addresses from

@@ -186,20 +186,10 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 }
 
 // EARLY (the `_early` kernels, picked at load by FERRITE_PDL_EARLY; an experiment, off by
-// default): the successor launched before this kernel's own wait, so that the GEMV after a
-// one-row norm, or the attention after QK-norm + RoPE, is scheduled while the kernel before
-// this one still runs. Safe: the successor's own wait covers this grid's completion, which
-// follows this grid's wait. quant_x_q8 gained from it alone (MATMUL.md round 25); the 5th
-// session measured the norms, RoPE and quant_x only together (DECODE_STEP.md).
-#define PDL_ENTRY_IF_EARLY(E)          \
-    do {                               \
-        if (E) {                       \
-            pdl_launch_dependents();   \
-            pdl_wait();                \
-        } else {                       \
-            PDL_ENTRY();               \
-        }                              \
-    } while (0)
+// default): PDL_ENTRY_IF_EARLY's successor before the wait, so that the GEMV after a one-row
+// norm, or the attention after QK-norm + RoPE, is scheduled while the kernel before this one
+// still runs. quant_x_q8 gained from it alone (MATMUL.md round 25); the 5th session measured
+// the norms, RoPE and quant_x only together (DECODE_STEP.md).
 
 // q: rows × q_heads heads, k: rows × k_heads heads, each head_dim floats, in place.
 // qw / kw: the heads' norm weights (head_dim floats), or null for no norm.

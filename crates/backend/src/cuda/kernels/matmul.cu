@@ -957,14 +957,7 @@ __device__ __forceinline__ void ld16_a2(const uint8_t* p, uint32_t (&w)[4]) {
 
 extern "C" __global__ void quant_x_q8(const float* __restrict__ x, int rows, int n_in, int8_t* __restrict__ xq,
                                       float2* __restrict__ xd, int early) {
-    // early: the next launch may start before this one's wait (its own wait still covers
-    // this grid), so that its blocks copy their weights during the producer's tail.
-    if (early) {
-        pdl_launch_dependents();
-        pdl_wait();
-    } else {
-        PDL_ENTRY();
-    }
+    PDL_ENTRY_IF_EARLY(early);
     const int nb = n_in / QK;
     const long long blk = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= (long long)rows * nb) return;  // whole warp
