@@ -23,10 +23,6 @@
 #   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, on by default; MATMUL.md round 24):
 #            its check cases, Qwen3-8B Q4_K_M tg128 off / on alternating (twice), a CUPTI trace
 #            of each, and the full check with it on
-#   early    FERRITE_PDL_EARLY (off by default; DECODE_STEP.md): the one-row norms (1) and QK-norm +
-#            RoPE (2) launching their successor before their own wait, each alone and both:
-#            their check cases, then tg128 A/B on Qwen3-8B Q4_K_M (twice), Qwen3-30B-A3B and
-#            Qwen3.5-9B
 # Logs and bench/results.jsonl lines are written under $OUT. To compare two builds in one
 # call (a change against its baseline): tools/h200/ab.sh.
 #
@@ -153,21 +149,6 @@ for stage in "$@"; do
             python3 tools/h200/kernel_trace.py /tmp/trace-q1.txt --vs /tmp/trace-q0.txt | tee "$OUT/normq-vs.txt" | head -24
         fi
         FERRITE_DEFER_NORM_Q=1 $F check --device cuda --e2e tests/data/oracle 2>&1 | tee "$OUT/check-normq-full.log" | tail -4
-        ;;
-    early)
-        for c in norm rope; do
-            FERRITE_PDL_EARLY=3 $F check --device cuda --filter $c 2>&1 | tee -a "$OUT/check-early.log" | tail -2
-        done
-        for p in qwen3-8b qwen3-30b-a3b qwen3.5-9b; do
-            f=$(synth $p Q4_K_M | tail -1)
-            n=1; [ $p = qwen3-8b ] && n=2
-            for r in $(seq $n); do
-                for v in 0 1 2 3; do
-                    echo "$p FERRITE_PDL_EARLY=$v $(FERRITE_PDL_EARLY=$v $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|gate|rror' | tr '\n' ' ')"
-                done
-            done | tee -a "$OUT/early-ab.txt"
-            rm -f "$f"
-        done
         ;;
     exact)
         FERRITE_MMQ=1 $F check --device cuda --filter matmul 2>&1 | tail -3

@@ -40,28 +40,18 @@ struct ArgmaxScratch {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "elementwise", SRC)?;
-        // FERRITE_PDL_EARLY (an experiment, off by default): the `_early` forms, whose
-        // successor launches before their own wait — 1 the one-row norms, 2 QK-norm + RoPE.
-        let early = super::switches::int_or("FERRITE_PDL_EARLY", 0);
-        let pick = |name: &'static str, bit: i64| -> Result<CudaFunction> {
-            if early & bit != 0 {
-                function(&m, &format!("{name}_early"))
-            } else {
-                function(&m, name)
-            }
-        };
         Ok(Kernels {
             embed: function(&m, "embed")?,
             rms_norm: function(&m, "rms_norm")?,
             head_rms_norm: function(&m, "head_rms_norm")?,
             rope: function(&m, "rope")?,
             add_rms_norm: function(&m, "add_rms_norm")?,
-            qk_norm_rope: pick("qk_norm_rope", 2)?,
+            qk_norm_rope: function(&m, "qk_norm_rope")?,
             add_assign: function(&m, "add_assign")?,
             swiglu: function(&m, "swiglu")?,
             topk_rows: function(&m, "topk_rows")?,
-            rms_norm_v4: pick("rms_norm_v4", 1)?,
-            add_rms_norm_v4: pick("add_rms_norm_v4", 1)?,
+            rms_norm_v4: function(&m, "rms_norm_v4")?,
+            add_rms_norm_v4: function(&m, "add_rms_norm_v4")?,
             add_rms_norm_gemv_f32: function(&m, "add_rms_norm_gemv_f32")?,
             argmax_rows_mb: function(&m, "argmax_rows_mb")?,
             argmax_scratch: Mutex::new(None),

@@ -60,11 +60,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
-        "FERRITE_PDL_EARLY",
-        Accepts::Range(0, 3),
-        "experiment: these kernels launch their successor before their own wait — 1 the one-row norms, 2 QK-norm + RoPE (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_QX_EARLY",
         Accepts::OneOf(&[0, 1]),
         "quant_x_q8 lets the GEMV after it launch before its own wait (MATMUL.md round 25)",

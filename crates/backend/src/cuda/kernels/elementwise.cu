@@ -185,23 +185,16 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     }
 }
 
-// EARLY (the `_early` kernels, picked at load by FERRITE_PDL_EARLY; an experiment, off by
-// default): PDL_ENTRY_IF_EARLY's successor before the wait, so that the GEMV after a one-row
-// norm, or the attention after QK-norm + RoPE, is scheduled while the kernel before this one
-// still runs. quant_x_q8 gained from it alone (MATMUL.md round 25); the 5th session measured
-// the norms, RoPE and quant_x only together (DECODE_STEP.md).
-
 // q: rows × q_heads heads, k: rows × k_heads heads, each head_dim floats, in place.
 // qw / kw: the heads' norm weights (head_dim floats), or null for no norm.
 // Rotary pairs per lane held in registers by qk_norm_rope (head_dim <= 256: half <= 128).
 #define QKR_PAIRS 4
 
-template <bool EARLY>
-__device__ __forceinline__ void qk_norm_rope_row(float* __restrict__ q, float* __restrict__ k,
-                                                 const float* __restrict__ qw, const float* __restrict__ kw,
-                                                 const int* __restrict__ positions, int rows, int q_heads,
-                                                 int k_heads, int head_dim, int rot_dim, int neox, float theta,
-                                                 float eps) {
+extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
+                                        const float* __restrict__ qw, const float* __restrict__ kw,
+                                        const int* __restrict__ positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, int rot_dim, int neox,
+                                        float theta, float eps) {
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     long long nq = (long long)rows * q_heads;
@@ -225,7 +218,7 @@ __device__ __forceinline__ void qk_norm_rope_row(float* __restrict__ q, float* _
             inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
         }
     }
-    PDL_ENTRY_IF_EARLY(EARLY);
+    PDL_ENTRY();
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp;
     int t;
@@ -263,22 +256,6 @@ __device__ __forceinline__ void qk_norm_rope_row(float* __restrict__ q, float* _
     }
     if (norm)
         for (int i = rot_dim + lane; i < head_dim; i += 32) hp[i] = (hp[i] * scale) * w[i];
-}
-
-extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
-                                        const float* __restrict__ qw, const float* __restrict__ kw,
-                                        const int* __restrict__ positions, int rows, int q_heads,
-                                        int k_heads, int head_dim, int rot_dim, int neox,
-                                        float theta, float eps) {
-    qk_norm_rope_row<false>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps);
-}
-
-extern "C" __global__ void qk_norm_rope_early(float* __restrict__ q, float* __restrict__ k,
-                                              const float* __restrict__ qw, const float* __restrict__ kw,
-                                              const int* __restrict__ positions, int rows, int q_heads,
-                                              int k_heads, int head_dim, int rot_dim, int neox, float theta,
-                                              float eps) {
-    qk_norm_rope_row<true>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps);
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
@@ -396,8 +373,8 @@ __device__ __forceinline__ float norm_scale(float ss, float* partial, int cols, 
 }
 
 // h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
-// add_rms_norm (null: no quantization). EARLY: PDL_ENTRY_IF_EARLY.
-template <bool ADD, bool EARLY = false>
+// add_rms_norm (null: no quantization).
+template <bool ADD>
 __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* __restrict__ h, int cols,
                                             float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
@@ -411,7 +388,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    PDL_ENTRY_IF_EARLY(EARLY);
+    PDL_ENTRY();
     float4* xr = (float4*)(x + r * cols);
     const float4* yr = (const float4*)(y + r * cols);
     float ss = 0.f;
@@ -459,18 +436,6 @@ extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float*
                                        float* __restrict__ out, int cols, float eps, int8_t* __restrict__ xq,
                                        float2* __restrict__ xd) {
     norm_row_v4<false>(const_cast<float*>(x), nullptr, w, out, cols, eps, xq, xd);
-}
-
-extern "C" __global__ void add_rms_norm_v4_early(float* __restrict__ x, const float* __restrict__ y,
-                                                 const float* __restrict__ w, float* __restrict__ h, int cols,
-                                                 float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
-    norm_row_v4<true, true>(x, y, w, h, cols, eps, xq, xd);
-}
-
-extern "C" __global__ void rms_norm_v4_early(const float* __restrict__ x, const float* __restrict__ w,
-                                             float* __restrict__ out, int cols, float eps, int8_t* __restrict__ xq,
-                                             float2* __restrict__ xd) {
-    norm_row_v4<false, true>(const_cast<float*>(x), nullptr, w, out, cols, eps, xq, xd);
 }
 
 // ---------------------------------------------------------------------------------------
