@@ -324,10 +324,15 @@ impl Kernels {
                     .map(Some)
             };
         let tc_family = |on: bool, pre: &str| tc_family_post(on, pre, "");
-        let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, "tc_q8_")?];
+        // 3 (an experiment): q8_0 caches on the loop that issues the next tile's loads before
+        // this tile's MMAs (`attn_decode_tc_q8p_128_<gb>`, 3 blocks per SM; contiguous caches
+        // whose splits do not take the cluster merge).
+        let q8_tc = dtc == 1 || dtc == 3;
+        let q8_pre = if dtc == 3 { "tc_q8p_" } else { "tc_q8_" };
+        let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(q8_tc, q8_pre)?];
         let decode_tc_paged = [
             tc_family_post(dtc != 0, "tc_", "_paged")?,
-            tc_family_post(dtc == 1, "tc_q8_", "_paged")?,
+            tc_family_post(q8_tc, "tc_q8_", "_paged")?,
         ];
         // Clusters of up to 16 blocks: the non-portable size, allowed per kernel.
         let clusters =
@@ -347,7 +352,7 @@ impl Kernels {
         };
         let decode_cl = [
             cl_family(dtc != 0, "tc_cl_")?,
-            cl_family(dtc == 1, "tc_q8_cl_")?,
+            cl_family(q8_tc, "tc_q8_cl_")?,
         ];
         Ok(Kernels {
             kv_type: AtomicU8::new(0),

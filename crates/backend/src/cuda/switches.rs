@@ -146,8 +146,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_DTC",
-        Accepts::OneOf(&[0, 1, 2]),
-        "decode attention's main loop on the tensor cores (contiguous caches, head_dim 128): 1 f16 and q8_0, 2 f16 only, 0 neither (the SIMT loop; ATTENTION.md)",
+        Accepts::OneOf(&[0, 1, 2, 3]),
+        "decode attention's main loop on the tensor cores (contiguous caches, head_dim 128): 1 f16 and q8_0, 2 f16 only, 0 neither (the SIMT loop), 3 as 1 with q8_0 on the loop that loads the next tile early (an experiment; ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_GB",

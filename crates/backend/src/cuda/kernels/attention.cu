@@ -390,6 +390,41 @@ __device__ __forceinline__ uint32_t q8_scale2(uint2 four, int e) {
     return __byte_perm(w, w, (e & 1) ? 0x3232u : 0x1010u);
 }
 
+// A warp's raw q8_0 loads of the 16-key tile at `base` for decode_tc_loop's PIPE form, keys
+// clamped to end - 1 as in the loop (K's key g of n-tile n, V's keys 2 tq, 2 tq + 1, 2 tq + 8,
+// 2 tq + 9): 8-byte quants at byte element (contiguous cache), each key's four scales.
+template <int NP, bool ON>
+struct DtcQ8Raw {
+    uint2 k[2][NP], kd[2], v[4][2], vd[4];
+};
+template <int NP>
+struct DtcQ8Raw<NP, false> {};
+template <int HD, int NP>
+__device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, true>& r, const unsigned char* __restrict__ kq,
+                                            const unsigned char* __restrict__ vq,
+                                            const unsigned short* __restrict__ ksh,
+                                            const unsigned short* __restrict__ vsh, int base, int end, int g, int tq) {
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+        const int key = min(base + 8 * n + g, end - 1);
+        const uint2* p = reinterpret_cast<const uint2*>(kq + (long long)key * HD + 8 * tq);
+#pragma unroll
+        for (int c = 0; c < NP; c++) r.k[n][c] = __ldcg(p + 4 * c);
+        r.kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)key * (HD / 32)));
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const int key = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
+        const uint2* p = reinterpret_cast<const uint2*>(vq + (long long)key * HD + 8 * g);
+        r.v[kk][0] = __ldcg(p);
+        r.v[kk][1] = __ldcg(p + HD / 16);
+        r.vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)key * (HD / 32)));
+    }
+}
+template <int HD, int NP>
+__device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned char*, const unsigned char*,
+                                            const unsigned short*, const unsigned short*, int, int, int, int) {}
+
 // The decode main loop on the tensor cores (attn_decode_tc_128_<GB>: f16 contiguous cache,
 // hd 128; attn_decode_tc_q8_128_<GB>: q8_0, its values dequantized into the same f16 words
 // by q8_dequant8 after the loads; ATTENTION.md, "Decode on the tensor cores"). Why: the SIMT loop spends ~65 warp
@@ -421,7 +456,14 @@ __device__ __forceinline__ uint32_t q8_scale2(uint2 four, int e) {
 // Precision: q and P rounded to f16 (as the tensor-core prefill), f32 accumulation.
 // PAGED: key p's row sits at page bt[p >> page_shift] (page_stride elements per page),
 // row p mod page size, relative to head_base (the kv head's offset in a page); else at p.
-template <int HD, int GB, bool Q8, bool PAGED = false>
+//
+// PIPE (q8_0, contiguous: attn_decode_tc_q8p_128_<GB>, FERRITE_ATTN_DTC=3, an experiment): the
+// raw loads of a warp's next 16 keys (quants and scales, 44 registers) are issued before this
+// tile's conversions and MMAs, so that a warp has a tile in flight while it computes (the
+// plain loop loads, then computes: ~4 KB in flight per warp, none while it computes). The
+// arithmetic is the same sequence, so the outputs are the plain loop's bits; ~44 registers
+// more: 3 blocks per SM (launch bounds) instead of 4.
+template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -469,6 +511,14 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         }
     };
 
+    // PIPE: the raw loads of the tile at `base` (keys as in the loop below).
+    DtcQ8Raw<NP, PIPE> raw;
+    if constexpr (PIPE) {
+        static_assert(Q8 && !PAGED, "decode_tc_loop: PIPE is the contiguous q8_0 form");
+        dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
+                        start + 16 * warp, end, g, tq);
+    }
+
     for (int base = start + 16 * warp; base < end; base += 16 * NW) {  // uniform across the warp
         // The keys this thread loads, clamped to end - 1: K's key g of n-tile n, V's keys
         // 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 (relative to base).
@@ -478,7 +528,21 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) vkey[kk] = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
         uint4 kw[2][NP], vw[4][2];
-        if constexpr (Q8) {
+        if constexpr (PIPE) {
+            // This tile's loads went out one tile earlier; the next tile's go out now.
+            const DtcQ8Raw<NP, PIPE> cur = raw;
+            dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
+                            base + 16 * NW, end, g, tq);
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < NP; c++) kw[n][c] = q8_dequant8(cur.k[n][c], q8_scale2(cur.kd[n], c));
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                vw[kk][0] = q8_dequant8(cur.v[kk][0], q8_scale2(cur.vd[kk], g >> 2));
+                vw[kk][1] = q8_dequant8(cur.v[kk][1], q8_scale2(cur.vd[kk], 2 + (g >> 2)));
+            }
+        } else if constexpr (Q8) {
             // The quants at byte head_base + element, the scales per 32 elements (4 per key).
             // Every load first (8-byte quants, the key's four scales), then the conversions.
             const unsigned char *kq = kc + head_base, *vq = vc + head_base;
@@ -613,7 +677,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
-template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false>
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -712,8 +776,8 @@ __device__ __forceinline__ void attn_decode_impl(
                                              row_table<true>(row_seq, block_tables, bt_stride, t), page_shift,
                                              page_stride);
         } else {
-            decode_tc_loop<HD, GB, Q8>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2,
-                                       sm_acc, sm_m, sm_l);
+            decode_tc_loop<HD, GB, Q8, false, PIPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end,
+                                                    scale_log2, sm_acc, sm_m, sm_l);
         }
     } else {
         const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
@@ -1012,6 +1076,9 @@ DECODE_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_q8_cl_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, true, false, true, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8p_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
 DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
