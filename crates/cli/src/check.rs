@@ -1473,12 +1473,24 @@ pub fn cases(quick: bool) -> Vec<Case> {
     }
     if !quick {
         // Depth 5000 with fewer heads: the CPU fills the cache with a causal prefill.
-        add(Op::Attention {
-            shape: small,
-            pos0: 5000,
-            rows: 1,
-            q8: false,
-        });
+        for q8 in [false, true] {
+            add(Op::Attention {
+                shape: small,
+                pos0: 5000,
+                rows: 1,
+                q8,
+            });
+        }
+        // A q8_0 cache past the cluster merge's 16 splits (24 at Qwen3-8B's shape): the
+        // loop with its next tile in flight, at decode and at verify.
+        for rows in [1, 9] {
+            add(Op::Attention {
+                shape: q8b,
+                pos0: 1500,
+                rows,
+                q8: true,
+            });
+        }
         let pf = AttnShape {
             n_heads: 8,
             n_kv_heads: 2,

@@ -79,6 +79,11 @@ const DECODE_MIN_CHUNK_TC: usize = 64;
 /// Decode blocks wanted per SM at rows = 1 (4 blocks × 4 warps, ~64 KB of loads in flight
 /// per SM: enough to cover DRAM latency at full bandwidth).
 const DECODE_BLOCKS_PER_SM: usize = 4;
+/// The same for the q8_0 tensor-core loop that loads its next tile early
+/// (`attn_decode_tc_q8p_128_<gb>`: 167 registers, 3 blocks per SM), whose split count is
+/// rounded down so that the launch stays one wave (ATTENTION.md, "The q8_0 loop's next tile in
+/// flight").
+const DECODE_PIPE_BLOCKS_PER_SM: usize = 3;
 /// Decode L2 prefetch distance in key tiles (the kernel's `pf`; 0 = off). Off: no gain
 /// measured (ATTENTION.md, one-launch decode round).
 const DECODE_PREFETCH: usize = 0;
@@ -230,6 +235,9 @@ pub struct Kernels {
     /// 2..=[`CLUSTER_MAX_SPLITS`]); `None` below sm_90, where the tensor-core kernels are off,
     /// or with `FERRITE_ATTN_CLUSTER=0`.
     decode_cl: [Option<Vec<CudaFunction>>; 2],
+    /// Whether `decode_tc[1]` is the q8_0 loop that loads its next tile early
+    /// (`attn_decode_tc_q8p_128_<gb>`; `FERRITE_ATTN_PIPE=0`: the plain loop).
+    q8_pipe: bool,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -324,15 +332,14 @@ impl Kernels {
                     .map(Some)
             };
         let tc_family = |on: bool, pre: &str| tc_family_post(on, pre, "");
-        // 3 (an experiment): q8_0 caches on the loop that issues the next tile's loads before
-        // this tile's MMAs (`attn_decode_tc_q8p_128_<gb>`, 3 blocks per SM; contiguous caches
-        // whose splits do not take the cluster merge).
-        let q8_tc = dtc == 1 || dtc == 3;
-        let q8_pre = if dtc == 3 { "tc_q8p_" } else { "tc_q8_" };
-        let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(q8_tc, q8_pre)?];
+        // q8_0 contiguous caches whose splits do not take the cluster merge: the loop that
+        // issues its next tile's loads before this tile's MMAs.
+        let q8_pipe = dtc == 1 && super::switches::int_or("FERRITE_ATTN_PIPE", 1) != 0;
+        let q8_pre = if q8_pipe { "tc_q8p_" } else { "tc_q8_" };
+        let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, q8_pre)?];
         let decode_tc_paged = [
             tc_family_post(dtc != 0, "tc_", "_paged")?,
-            tc_family_post(q8_tc, "tc_q8_", "_paged")?,
+            tc_family_post(dtc == 1, "tc_q8_", "_paged")?,
         ];
         // Clusters of up to 16 blocks: the non-portable size, allowed per kernel.
         let clusters =
@@ -352,7 +359,7 @@ impl Kernels {
         };
         let decode_cl = [
             cl_family(dtc != 0, "tc_cl_")?,
-            cl_family(q8_tc, "tc_q8_cl_")?,
+            cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
@@ -360,6 +367,7 @@ impl Kernels {
             decode: [decode("", "")?, decode("q8_", "")?],
             decode_tc,
             decode_cl,
+            q8_pipe,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -397,6 +405,8 @@ impl Kernels {
 struct DecodeTuning {
     /// Decode blocks wanted per SM at rows = 1.
     blocks_per_sm: usize,
+    /// The same for the q8_0 loop with its next tile in flight.
+    pipe_blocks_per_sm: usize,
     /// Most splits per (row, head).
     max_splits: usize,
     /// Fewest positions per split (0: by head dim, [`min_chunk_for`]).
@@ -409,6 +419,7 @@ impl Default for DecodeTuning {
     fn default() -> Self {
         DecodeTuning {
             blocks_per_sm: DECODE_BLOCKS_PER_SM,
+            pipe_blocks_per_sm: DECODE_PIPE_BLOCKS_PER_SM,
             max_splits: MAX_SPLITS,
             min_chunk: 0,
             prefetch: DECODE_PREFETCH,
@@ -426,6 +437,7 @@ impl DecodeTuning {
             if let [b, s, c, p] = f[..] {
                 t = DecodeTuning {
                     blocks_per_sm: b.max(1),
+                    pipe_blocks_per_sm: b.max(1),
                     max_splits: s.clamp(1, KERNEL_MAX_SPLITS),
                     min_chunk: c.clamp(1, 4096),
                     prefetch: p.min(64),
@@ -482,11 +494,23 @@ fn min_chunk_for(head_dim: usize, tu: DecodeTuning) -> usize {
 }
 
 /// The fixed decode split count for a cache: enough blocks for every SM at rows = 1, no more
-/// splits than `capacity` has minimum-size chunks.
-fn decode_splits(sm_count: usize, shape: AttnShape, capacity: usize, tu: DecodeTuning) -> usize {
+/// splits than `capacity` has minimum-size chunks. `pipe`: the cache takes the q8_0 loop with
+/// its next tile in flight, whose blocks fit fewer per SM: as many splits as fill the SMs
+/// once, rounded down (a 397th block of 396 slots would run as a second wave).
+fn decode_splits(
+    sm_count: usize,
+    shape: AttnShape,
+    capacity: usize,
+    tu: DecodeTuning,
+    pipe: bool,
+) -> usize {
     let group = shape.n_heads / shape.n_kv_heads.max(1);
     let blocks_x = (shape.n_heads / heads_per_block(group)).max(1);
-    let want = (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x);
+    let want = if pipe {
+        tu.pipe_blocks_per_sm * sm_count.max(1) / blocks_x
+    } else {
+        (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x)
+    };
     want.clamp(1, tu.max_splits.min(KERNEL_MAX_SPLITS))
         .min(capacity.div_ceil(min_chunk_for(shape.head_dim, tu)).max(1))
 }
@@ -598,7 +622,13 @@ fn kv_alloc(
     };
     let seq_capacity = paged.map_or(capacity, |p| p.max_pages * p.page_size);
     let tuning = be.attention.tuning;
-    let n_splits = decode_splits(be.sm_count, shape, seq_capacity, tuning);
+    // The pipelined q8_0 loop takes contiguous caches at its head size (paged ones, and
+    // caches of other head sizes, the 4-block kernels).
+    let pipe = be.attention.q8_pipe
+        && kv_type == KvType::Q8_0
+        && paged.is_none()
+        && head_dim == DECODE_TC_HEAD_DIM;
+    let n_splits = decode_splits(be.sm_count, shape, seq_capacity, tuning, pipe);
     let scratch_rows = paged.map_or(DECODE_MAX_ROWS, |p| p.max_rows.max(DECODE_MAX_ROWS));
     let part_rows = scratch_rows * n_heads * n_splits;
     let scratch = part_rows * (head_dim + 2) + scratch_rows * n_heads;
@@ -1292,19 +1322,23 @@ mod tests {
     fn split_count_is_bounded() {
         // Qwen3-8B on an H200: 32 heads / 8 kv heads → 8 blocks per split.
         let tu = DecodeTuning::default();
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu), 64);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, false), 64);
+        // The pipelined q8_0 loop (3 blocks per SM): one wave, 49 × 8 = 392 ≤ 396 blocks.
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, true), 49);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 600, tu, true), 10);
         // Short caches never get empty-by-construction splits.
         assert_eq!(
-            decode_splits(132, shape(32, 8, 128), 100, tu),
+            decode_splits(132, shape(32, 8, 128), 100, tu, false),
             100usize.div_ceil(DECODE_MIN_CHUNK_TC)
         );
         assert_eq!(
-            decode_splits(132, shape(16, 4, 256), 1000, tu),
+            decode_splits(132, shape(16, 4, 256), 1000, tu, false),
             1000usize.div_ceil(DECODE_MIN_CHUNK)
         );
-        assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu), 1);
+        assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu, false), 1);
         // Many heads: fewer splits.
-        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu), 9);
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, false), 9);
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, true), 6);
     }
 
     /// The device computes chunk = max(mc, roundup(ceil(n/splits), step)) (step: keys per

@@ -146,8 +146,13 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_DTC",
-        Accepts::OneOf(&[0, 1, 2, 3]),
-        "decode attention's main loop on the tensor cores (contiguous caches, head_dim 128): 1 f16 and q8_0, 2 f16 only, 0 neither (the SIMT loop), 3 as 1 with q8_0 on the loop that loads the next tile early (an experiment; ATTENTION.md)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "decode attention's main loop on the tensor cores (contiguous caches, head_dim 128): 1 f16 and q8_0, 2 f16 only, 0 neither (the SIMT loop; ATTENTION.md)",
+    ),
+    (
+        "FERRITE_ATTN_PIPE",
+        Accepts::OneOf(&[0, 1]),
+        "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM; ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_GB",

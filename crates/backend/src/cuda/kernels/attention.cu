@@ -457,7 +457,7 @@ __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned
 // PAGED: key p's row sits at page bt[p >> page_shift] (page_stride elements per page),
 // row p mod page size, relative to head_base (the kv head's offset in a page); else at p.
 //
-// PIPE (q8_0, contiguous: attn_decode_tc_q8p_128_<GB>, FERRITE_ATTN_DTC=3, an experiment): the
+// PIPE (q8_0, contiguous: attn_decode_tc_q8p_128_<GB>; FERRITE_ATTN_PIPE=0 the plain loop): the
 // raw loads of a warp's next 16 keys (quants and scales, 44 registers) are issued before this
 // tile's conversions and MMAs, so that a warp has a tile in flight while it computes (the
 // plain loop loads, then computes: ~4 KB in flight per warp, none while it computes). The
