@@ -2718,14 +2718,16 @@ fn graph_body<B: Backend>(
     be.rope(out, head_dim, step, &GRAPH_ROPE)
 }
 
-/// Rows of the first (unchecked) weight of a `matmuls` case: 1024 (a Q next to a K or V),
-/// or `n_out` when the checked weight has small outputs (the beta/alpha pair: both small, so
-/// the pair takes the f32-x GEMV's grouped launch).
+/// Rows of the first (unchecked) weight of a `matmuls` case: a Q next to a K or V — 4096
+/// next to 1024 rows (Qwen3-8B's attention: its mixed Q4_K + Q6_K launch is then more blocks
+/// than one wave unless V's split adapts), else 1024 — or `n_out` when the checked weight has
+/// small outputs (the beta/alpha pair: both small, so the pair takes the f32-x GEMV's grouped
+/// launch).
 fn matmuls_first_rows(n_out: usize) -> usize {
-    if n_out <= 256 {
-        n_out
-    } else {
-        1024
+    match n_out {
+        0..=256 => n_out,
+        1024 => 4096,
+        _ => 1024,
     }
 }
 

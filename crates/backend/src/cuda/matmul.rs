@@ -142,6 +142,9 @@ pub struct Kernels {
     quant_x_early: i32,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
     bulk: bool,
+    /// The mixed tensor-core QKV launch keeps to one wave through V's split
+    /// ([`mixed_tail_split`]; on unless `FERRITE_GEMV_MIXED_WAVE=0`).
+    mixed_one_wave: bool,
     /// Float GEMV runs of large-output weights group at the launch's split ([`matmuls`];
     /// on unless `FERRITE_GEMV_GROUP=0`: F16 tg128 +0.8%, MATMUL.md round 15).
     group_float: bool,
@@ -381,6 +384,7 @@ impl Kernels {
             quant_x: function(&m, "quant_x_q8")?,
             quant_x_early: i32::from(switches::int_or("FERRITE_QX_EARLY", 1) != 0),
             bulk,
+            mixed_one_wave: bulk && switches::int_or("FERRITE_GEMV_MIXED_WAVE", 1) != 0,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
             xq: Mutex::new(None),
             mm,
@@ -575,6 +579,38 @@ fn gemvq_split(
         ks *= 2;
     }
     bail!("quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
+}
+
+/// Blocks per SM that a wave of the mixed tensor-core launch (`gemvq_multi_tc_q4_k_q6_k`) is
+/// reckoned with: its R = 1 bound. The same for every R: V's split must not depend on the
+/// rows, or decode and verify would differ in V's bits.
+const MIXED_WAVE_BLOCKS_PER_SM: usize = 3;
+
+/// The split of the mixed launch's third weight (Q4_K_M's Q6_K V after the Q4_K Q and K on the
+/// tensor cores, `lead` blocks): `single`, its single-weight launch's (ks, shared memory),
+/// unless with it the launch needs more blocks than one wave holds — Qwen3-8B: 256 + 64 + 128
+/// blocks of V's 8-row split for 396 slots, so 52 blocks ran as a second wave (DECODE_STEP.md:
+/// 6.3 µs against the all-Q4_K launch's 3.5) — while fewer, larger V blocks (up to
+/// [`GEMVQ_BULK_MAX_SMEM`]) keep it in one: then the most V blocks that do.
+/// `n_out` rows of `rb` bytes; `sm_count` SMs.
+fn mixed_tail_split(
+    sm_count: usize,
+    n_out: usize,
+    rb: usize,
+    lead: usize,
+    single: (usize, u32),
+) -> (usize, u32) {
+    let slots = MIXED_WAVE_BLOCKS_PER_SM * sm_count;
+    let blocks = |ks: usize| n_out.div_ceil(GEMV_WARPS / ks * GEMV_NW);
+    if lead + blocks(single.0) <= slots {
+        return single;
+    }
+    (1..single.0)
+        .rev()
+        .filter(|ks| single.0.is_multiple_of(*ks) && lead + blocks(*ks) <= slots)
+        .map(|ks| (ks, (GEMV_WARPS / ks * GEMV_NW * rb).div_ceil(16) * 16 + 16))
+        .find(|&(_, bytes)| bytes <= GEMVQ_BULK_MAX_SMEM)
+        .map_or(single, |(ks, bytes)| (ks, bytes as u32))
 }
 
 /// Index in [`GEMV_R`] of the instantiation serving `rows` decode rows (rows round up to the
@@ -1463,7 +1499,17 @@ fn multi_launch(
     );
     let (ks2, smem2) = if mixed {
         let g2 = row_groups(ws[2].shape[0]);
-        gemvq_split(be, t2, n_in, ws[2].row_bytes(), g2, 1)?
+        let single = gemvq_split(be, t2, n_in, ws[2].row_bytes(), g2, 1)?;
+        match tc {
+            Some(_) if be.matmul.mixed_one_wave => {
+                let lead: usize = ws[..2]
+                    .iter()
+                    .map(|w| w.shape[0].div_ceil(GEMV_WARPS / ks * GEMV_NW))
+                    .sum();
+                mixed_tail_split(be.sm_count, ws[2].shape[0], ws[2].row_bytes(), lead, single)
+            }
+            _ => single,
+        }
     } else {
         (ks, smem)
     };
@@ -2345,6 +2391,33 @@ fn mm_launch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mixed_launch_keeps_to_one_wave() {
+        // Qwen3-8B's Q4_K_M QKV on 132 SMs: Q and K 256 + 64 tensor-core blocks; V (1024 Q6_K
+        // rows of 4096 columns, 3360 bytes) splits 2 ways alone (8-row blocks of 26,896 B):
+        // 448 blocks for 396 slots, so 16-row blocks (53,776 B): 384.
+        let rb = 16 * 210;
+        assert_eq!(
+            mixed_tail_split(132, 1024, rb, 320, (2, 26_896)),
+            (1, 53_776)
+        );
+        // Qwen3-30B-A3B's (512 rows of 2048 columns, one split alone: 320 blocks): unchanged.
+        assert_eq!(
+            mixed_tail_split(132, 512, 8 * 210, 288, (1, 26_896)),
+            (1, 26_896)
+        );
+        // No split short of V's own fits one wave: V's own.
+        assert_eq!(
+            mixed_tail_split(16, 1024, rb, 320, (2, 26_896)),
+            (2, 26_896)
+        );
+        // Blocks that would not fit shared memory: V's own.
+        assert_eq!(
+            mixed_tail_split(132, 1024, 8 * rb, 320, (4, 107_536)),
+            (4, 107_536)
+        );
+    }
 
     #[test]
     fn k_split_slices_are_whole_aligned_super_blocks() {

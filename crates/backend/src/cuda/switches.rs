@@ -75,6 +75,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "bytes per row the float GEMV prefetches into L2 in mode 1 (MATMUL.md)",
     ),
     (
+        "FERRITE_GEMV_MIXED_WAVE",
+        Accepts::OneOf(&[0, 1]),
+        "the mixed Q4_K + Q6_K QKV decode launch in one wave (V in fewer, larger blocks where its own split would spill into a second); 0 V's single-launch split (DECODE_STEP.md)",
+    ),
+    (
         "FERRITE_GEMV_TC",
         Accepts::Range(0, 3),
         "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",
