@@ -599,7 +599,8 @@ fn describe(op: &Op) -> (&'static str, String) {
                     matmuls_first_rows(*n_out)
                 ),
                 Some(v) => format!(
-                    "matmuls {ty} {ty} {v}: 1024 + {n_in}->{n_out} x2 rows={rows} (checked: {})",
+                    "matmuls {ty} {ty} {v}: {} + {n_in}->{n_out} x2 rows={rows} (checked: {})",
+                    matmuls_first_rows(*n_out),
                     if *check_v { "the third" } else { "the second" }
                 ),
             },

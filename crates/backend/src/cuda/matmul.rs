@@ -142,9 +142,9 @@ pub struct Kernels {
     quant_x_early: i32,
     /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
     bulk: bool,
-    /// The mixed tensor-core QKV launch keeps to one wave through V's split
-    /// ([`mixed_tail_split`]; on unless `FERRITE_GEMV_MIXED_WAVE=0`).
-    mixed_one_wave: bool,
+    /// Bulk-copy quantized-x launches keep to one wave where larger blocks let them
+    /// ([`one_wave_split`]; on unless `FERRITE_GEMV_ONE_WAVE=0`).
+    one_wave: bool,
     /// Float GEMV runs of large-output weights group at the launch's split ([`matmuls`];
     /// on unless `FERRITE_GEMV_GROUP=0`: F16 tg128 +0.8%, MATMUL.md round 15).
     group_float: bool,
@@ -384,7 +384,7 @@ impl Kernels {
             quant_x: function(&m, "quant_x_q8")?,
             quant_x_early: i32::from(switches::int_or("FERRITE_QX_EARLY", 1) != 0),
             bulk,
-            mixed_one_wave: bulk && switches::int_or("FERRITE_GEMV_MIXED_WAVE", 1) != 0,
+            one_wave: bulk && switches::int_or("FERRITE_GEMV_ONE_WAVE", 1) != 0,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
             xq: Mutex::new(None),
             mm,
@@ -574,42 +574,59 @@ fn gemvq_split(
         let rows = GEMV_WARPS / ks * GEMV_NW / spans;
         let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
         if bytes <= cap || (ks == GEMV_WARPS && bytes <= GEMVQ_BULK_MAX_SMEM) {
-            return Ok((ks, bytes as u32));
+            return Ok(if be.matmul.one_wave {
+                one_wave_split(be.sm_count, 0, groups, spans, rb, (ks, bytes as u32))
+            } else {
+                (ks, bytes as u32)
+            });
         }
         ks *= 2;
     }
     bail!("quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
 }
 
-/// Blocks per SM that a wave of the mixed tensor-core launch (`gemvq_multi_tc_q4_k_q6_k`) is
-/// reckoned with: its R = 1 bound. The same for every R: V's split must not depend on the
-/// rows, or decode and verify would differ in V's bits.
-const MIXED_WAVE_BLOCKS_PER_SM: usize = 3;
+/// Blocks per SM that a wave of a bulk-copy quantized-x GEMV launch is reckoned with: the R = 1
+/// register bound of its 256-thread blocks (the lane code and the mixed tensor-core launch:
+/// at most 85 registers, three blocks). The same for every R: a split must not depend on the
+/// rows, or decode and verify would differ in the outputs' bits.
+const GEMVQ_WAVE_BLOCKS_PER_SM: usize = 3;
 
-/// The split of the mixed launch's third weight (Q4_K_M's Q6_K V after the Q4_K Q and K on the
-/// tensor cores, `lead` blocks): `single`, its single-weight launch's (ks, shared memory),
-/// unless with it the launch needs more blocks than one wave holds — Qwen3-8B: 256 + 64 + 128
-/// blocks of V's 8-row split for 396 slots, so 52 blocks ran as a second wave (DECODE_STEP.md:
-/// 6.3 µs against the all-Q4_K launch's 3.5) — while fewer, larger V blocks (up to
-/// [`GEMVQ_BULK_MAX_SMEM`]) keep it in one: then the most V blocks that do.
-/// `n_out` rows of `rb` bytes; `sm_count` SMs.
-fn mixed_tail_split(
+/// Shared memory of an SM, and what each block takes beyond its dynamic slots (the 1 KB the
+/// driver reserves per block, the kernels' static shared memory).
+const SM_SMEM: usize = 228 * 1024;
+const BLOCK_SMEM_EXTRA: usize = 3 * 1024;
+
+/// The split of a bulk-copy quantized-x GEMV launch (`groups` row groups of rows of `rb`
+/// bytes, `spans` weights per group, after `lead` blocks of other segments) kept to one wave
+/// where it can be: `single` ([`gemvq_split`]'s (ks, bytes)) unless with it the launch needs
+/// more blocks than one wave holds while fewer, larger blocks (up to [`GEMVQ_BULK_MAX_SMEM`])
+/// fit one; then the most blocks that do. A second wave of a few blocks runs after the first
+/// one's compute, with nothing left to overlap its copies: Qwen3-8B Q4_K_M's mixed QKV
+/// launch (256 + 64 + 128 blocks of V's 8-row split for 396 slots) took 6.3 µs against the
+/// all-Q4_K launch's 3.5 (DECODE_STEP.md).
+fn one_wave_split(
     sm_count: usize,
-    n_out: usize,
-    rb: usize,
     lead: usize,
+    groups: usize,
+    spans: usize,
+    rb: usize,
     single: (usize, u32),
 ) -> (usize, u32) {
-    let slots = MIXED_WAVE_BLOCKS_PER_SM * sm_count;
-    let blocks = |ks: usize| n_out.div_ceil(GEMV_WARPS / ks * GEMV_NW);
-    if lead + blocks(single.0) <= slots {
+    let blocks = |ks: usize| lead + groups.div_ceil(GEMV_WARPS / ks);
+    let slots = |bytes: usize| {
+        sm_count * GEMVQ_WAVE_BLOCKS_PER_SM.min(SM_SMEM / (bytes + BLOCK_SMEM_EXTRA))
+    };
+    if blocks(single.0) <= slots(single.1 as usize) {
         return single;
     }
     (1..single.0)
         .rev()
-        .filter(|ks| single.0.is_multiple_of(*ks) && lead + blocks(*ks) <= slots)
-        .map(|ks| (ks, (GEMV_WARPS / ks * GEMV_NW * rb).div_ceil(16) * 16 + 16))
-        .find(|&(_, bytes)| bytes <= GEMVQ_BULK_MAX_SMEM)
+        .filter(|ks| single.0.is_multiple_of(*ks))
+        .map(|ks| {
+            let rows = GEMV_WARPS / ks * GEMV_NW / spans;
+            (ks, spans * ((rows * rb).div_ceil(16) * 16 + 16))
+        })
+        .find(|&(ks, bytes)| bytes <= GEMVQ_BULK_MAX_SMEM && blocks(ks) <= slots(bytes))
         .map_or(single, |(ks, bytes)| (ks, bytes as u32))
 }
 
@@ -1501,12 +1518,12 @@ fn multi_launch(
         let g2 = row_groups(ws[2].shape[0]);
         let single = gemvq_split(be, t2, n_in, ws[2].row_bytes(), g2, 1)?;
         match tc {
-            Some(_) if be.matmul.mixed_one_wave => {
+            Some(_) if be.matmul.one_wave => {
                 let lead: usize = ws[..2]
                     .iter()
                     .map(|w| w.shape[0].div_ceil(GEMV_WARPS / ks * GEMV_NW))
                     .sum();
-                mixed_tail_split(be.sm_count, ws[2].shape[0], ws[2].row_bytes(), lead, single)
+                one_wave_split(be.sm_count, lead, g2, 1, ws[2].row_bytes(), single)
             }
             _ => single,
         }
@@ -2393,28 +2410,39 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mixed_launch_keeps_to_one_wave() {
+    fn launches_keep_to_one_wave_where_they_can() {
         // Qwen3-8B's Q4_K_M QKV on 132 SMs: Q and K 256 + 64 tensor-core blocks; V (1024 Q6_K
         // rows of 4096 columns, 3360 bytes) splits 2 ways alone (8-row blocks of 26,896 B):
         // 448 blocks for 396 slots, so 16-row blocks (53,776 B): 384.
         let rb = 16 * 210;
         assert_eq!(
-            mixed_tail_split(132, 1024, rb, 320, (2, 26_896)),
+            one_wave_split(132, 320, 512, 1, rb, (2, 26_896)),
             (1, 53_776)
         );
         // Qwen3-30B-A3B's (512 rows of 2048 columns, one split alone: 320 blocks): unchanged.
         assert_eq!(
-            mixed_tail_split(132, 512, 8 * 210, 288, (1, 26_896)),
+            one_wave_split(132, 288, 256, 1, 8 * 210, (1, 26_896)),
             (1, 26_896)
         );
-        // No split short of V's own fits one wave: V's own.
+        // Qwen3-8B Q8_0's o-projection (4096 rows of 4352 bytes): 512 blocks of 8 rows, or
+        // 256 of 16 (69,648 B, three per SM).
         assert_eq!(
-            mixed_tail_split(16, 1024, rb, 320, (2, 26_896)),
+            one_wave_split(132, 0, 2048, 1, 4352, (2, 34_832)),
+            (1, 69_648)
+        );
+        // Its down projection (12288 columns): no split fits one wave, its own stays.
+        assert_eq!(
+            one_wave_split(132, 0, 2048, 1, 13_056, (8, 26_128)),
+            (8, 26_128)
+        );
+        // No split short of its own fits one wave: its own.
+        assert_eq!(
+            one_wave_split(16, 320, 512, 1, rb, (2, 26_896)),
             (2, 26_896)
         );
-        // Blocks that would not fit shared memory: V's own.
+        // Blocks that would not fit shared memory: its own.
         assert_eq!(
-            mixed_tail_split(132, 1024, 8 * rb, 320, (4, 107_536)),
+            one_wave_split(132, 320, 512, 1, 8 * rb, (4, 107_536)),
             (4, 107_536)
         );
     }

@@ -75,9 +75,9 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "bytes per row the float GEMV prefetches into L2 in mode 1 (MATMUL.md)",
     ),
     (
-        "FERRITE_GEMV_MIXED_WAVE",
+        "FERRITE_GEMV_ONE_WAVE",
         Accepts::OneOf(&[0, 1]),
-        "the mixed Q4_K + Q6_K QKV decode launch in one wave (V in fewer, larger blocks where its own split would spill into a second); 0 V's single-launch split (DECODE_STEP.md)",
+        "quantized-x decode GEMV launches (the lane code, V of the mixed QKV launch) in one wave where fewer, larger blocks fit one; 0 the splits by block size alone (MATMUL.md round 26)",
     ),
     (
         "FERRITE_GEMV_TC",
