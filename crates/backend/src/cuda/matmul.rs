@@ -121,9 +121,6 @@ pub struct Kernels {
     gemvq_tc_long: TcLong,
     /// Most columns per K slice of the long rows, Q4_K and Q6_K ([`TCK_COLS`]).
     gemvq_tck_cols: [usize; 2],
-    /// Plain Q4_K launches of fewer 16-row tiles than SMs take the K-split tile in two
-    /// slices ([`tc_form`]; on unless `FERRITE_GEMV_TCK_SMALL=0`).
-    tck_small: bool,
     /// The K-split tile's partial sums and tickets (`TcLong::Split`), grown like the int8
     /// scratch (by an eager step; retired buffers kept for graphs that still point at them).
     tck: Mutex<Option<TckScratch>>,
@@ -379,7 +376,6 @@ impl Kernels {
             xqn: Mutex::new(None),
             gemvq_tc_long,
             gemvq_tck_cols,
-            tck_small: switches::int_or("FERRITE_GEMV_TCK_SMALL", 1) != 0,
             tck: Mutex::new(None),
             gemvq_moe,
             gemvq_moe_smem,
@@ -1269,31 +1265,6 @@ fn tc_form(
     }
 }
 
-/// The K-split tile in two slices for a plain Q4_K launch of fewer 16-row tiles than SMs
-/// (Qwen3-30B-A3B's o-projection: 128 tiles of 16 × 4096), which [`tc_form`] gives the
-/// one-tile form: each block's ~1.5 µs of tile compute after its copy is the whole launch's
-/// critical path; two slices per tile (a ticket merging the pair) halve it and fill the SMs
-/// (MATMUL.md round 27). None where it does not apply or `FERRITE_GEMV_TCK_SMALL=0`.
-fn small_split<'a>(
-    be: &'a CudaBackend,
-    t: GgmlType,
-    n_in: usize,
-    n_out: usize,
-    kind: GemvKind,
-) -> Option<TcForm<'a>> {
-    if !(be.matmul.tck_small
-        && kind == GemvKind::Plain
-        && t == GgmlType::Q4K
-        && n_out.div_ceil(16) < be.sm_count)
-    {
-        return None;
-    }
-    let (ks, kc) = tck_split(t, n_in, n_in / 2)?;
-    let tc = be.matmul.gemvq_tc.as_ref()?;
-    let (_, f) = tc.split.iter().find(|(ty, _)| *ty == t)?;
-    (ks == 2).then_some(TcForm::Split(f, ks, kc))
-}
-
 /// [`gemvq_split`], or the tensor-core form ([`tc_form`]) with its split, 1, and shared
 /// memory: the tile and, for the 16-row tile at one row, the staged x. The split and the
 /// kernel depend on the shape only, so decode and verify take the same one; the shared memory
@@ -1311,13 +1282,7 @@ fn gemvq_plan(
     kind: GemvKind,
 ) -> Result<(usize, u32, Option<TcForm<'_>>)> {
     let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
-    let form = match tc_form(be, t, n_in, n_out, rb, kind) {
-        Some(TcForm::Full(f)) => {
-            Some(small_split(be, t, n_in, n_out, kind).unwrap_or(TcForm::Full(f)))
-        }
-        form => form,
-    };
-    match form {
+    match tc_form(be, t, n_in, n_out, rb, kind) {
         Some(TcForm::Full(f)) => Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f)))),
         Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
         // The tile of the widest slice (rb / (n_in / kc) bytes per row), its x slice at one row.

@@ -80,11 +80,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "quantized-x decode GEMV launches (the lane code, V of the mixed QKV launch) in one wave where fewer, larger blocks fit one; 0 the splits by block size alone (MATMUL.md round 26)",
     ),
     (
-        "FERRITE_GEMV_TCK_SMALL",
-        Accepts::OneOf(&[0, 1]),
-        "plain Q4_K decode launches of fewer 16-row tiles than SMs in two K slices per tile (MATMUL.md round 27); 0 one block per tile",
-    ),
-    (
         "FERRITE_GEMV_TC",
         Accepts::Range(0, 3),
         "Q4_K / Q6_K GEMV on the tensor cores: 0 off, 1 on, 2 / 3 long rows in 16- / 8-row tiles (MATMUL.md rounds 8, 9)",
