@@ -17,7 +17,9 @@
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
-#            injection, tools/h200/kernel_trace.{c,py}); the raw trace comes back gzipped
+#            injection, tools/h200/kernel_trace.{c,py}); the raw trace comes back gzipped.
+#            TRACE_MODELS="preset:quant ..." traces others (e.g. "qwen3-8b:Q8_0
+#            qwen3-30b-a3b:Q4_K_M"), one trace-<preset>-<quant>.txt each
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
 #   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, on by default; MATMUL.md round 24):
@@ -124,12 +126,15 @@ for stage in "$@"; do
         C=/usr/local/cuda/targets/x86_64-linux
         nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$C/include \
             tools/h200/kernel_trace.c -L$C/lib -lcupti -o /tmp/libktrace.so || continue
-        f=$(synth qwen3-8b Q4_K_M | tail -1)
-        LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
-            TRACE_OUT=/tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
-        python3 tools/h200/kernel_trace.py /tmp/trace.txt --order | tee "$OUT/trace.txt" | head -20
-        gzip -c /tmp/trace.txt > "$OUT/trace-raw.txt.gz"
-        rm -f "$f"
+        for pq in ${TRACE_MODELS:-qwen3-8b:Q4_K_M}; do
+            p=${pq%%:*} q=${pq##*:}
+            f=$(synth "$p" "$q" | tail -1)
+            LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
+                TRACE_OUT=/tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
+            python3 tools/h200/kernel_trace.py /tmp/trace.txt --order | tee "$OUT/trace-$p-$q.txt" | head -20
+            gzip -c /tmp/trace.txt > "$OUT/trace-$p-$q-raw.txt.gz"
+            rm -f "$f"
+        done
         ;;
     normq)
         FERRITE_DEFER_NORM_Q=1 $F check --device cuda --filter matmul_add 2>&1 | tee "$OUT/check-normq.log" | tail -3
