@@ -586,9 +586,10 @@ fn gemvq_split(
 }
 
 /// Blocks per SM that a wave of a bulk-copy quantized-x GEMV launch is reckoned with: the R = 1
-/// register bound of its 256-thread blocks (the lane code and the mixed tensor-core launch:
-/// at most 85 registers, three blocks). The same for every R: a split must not depend on the
-/// rows, or decode and verify would differ in the outputs' bits.
+/// register bound of the K-quant forms' 256-thread blocks (73–85 registers: three blocks; Q8_0's
+/// lane code at 58–60 fits four, so for it the rule is conservative — MATMUL.md round 26). The
+/// same for every R: a split must not depend on the rows, or decode and verify would differ in
+/// the outputs' bits.
 const GEMVQ_WAVE_BLOCKS_PER_SM: usize = 3;
 
 /// Shared memory of an SM, and what each block takes beyond its dynamic slots (the 1 KB the
