@@ -145,6 +145,10 @@ pub struct Kernels {
     /// Bulk-copy quantized-x launches keep to one wave where larger blocks let them
     /// ([`one_wave_split`]; on unless `FERRITE_GEMV_ONE_WAVE=0`).
     one_wave: bool,
+    /// Per type (by [`type_index`]): the blocks per SM its lane-code launches' waves are
+    /// reckoned with — [`GEMVQ_WAVE_BLOCKS_PER_SM`], or with `FERRITE_GEMV_ONE_WAVE=2` (an
+    /// experiment) the R = 1 plain kernel's own occupancy by its registers (Q8_0: four).
+    wave_blocks_per_sm: Vec<usize>,
     /// Float GEMV runs of large-output weights group at the launch's split ([`matmuls`];
     /// on unless `FERRITE_GEMV_GROUP=0`: F16 tg128 +0.8%, MATMUL.md round 15).
     group_float: bool,
@@ -300,6 +304,20 @@ impl Kernels {
             3 => TcLong::Half,
             _ => TcLong::Split,
         };
+        let one_wave = switches::int_or("FERRITE_GEMV_ONE_WAVE", 1);
+        let wave_blocks_per_sm = gemvq
+            .iter()
+            .map(|fams| match (one_wave, fams) {
+                (2, Some(f)) => f[0][0]
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        (GEMV_WARPS * 32) as u32,
+                        0,
+                        None,
+                    )
+                    .map_or(GEMVQ_WAVE_BLOCKS_PER_SM, |b| (b as usize).max(1)),
+                _ => GEMVQ_WAVE_BLOCKS_PER_SM,
+            })
+            .collect();
         let gemvq_tck_cols =
             switches::get("FERRITE_GEMV_TCK")?.map_or(TCK_COLS, |v| [v[0] as usize, v[1] as usize]);
         let gemvq_tc = if bulk && tc_on {
@@ -384,7 +402,8 @@ impl Kernels {
             quant_x: function(&m, "quant_x_q8")?,
             quant_x_early: i32::from(switches::int_or("FERRITE_QX_EARLY", 1) != 0),
             bulk,
-            one_wave: bulk && switches::int_or("FERRITE_GEMV_ONE_WAVE", 1) != 0,
+            one_wave: bulk && one_wave != 0,
+            wave_blocks_per_sm,
             group_float: switches::int_or("FERRITE_GEMV_GROUP", 1) != 0,
             xq: Mutex::new(None),
             mm,
@@ -575,7 +594,16 @@ fn gemvq_split(
         let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
         if bytes <= cap || (ks == GEMV_WARPS && bytes <= GEMVQ_BULK_MAX_SMEM) {
             return Ok(if be.matmul.one_wave {
-                one_wave_split(be.sm_count, 0, groups, spans, rb, (ks, bytes as u32))
+                let per_sm = be.matmul.wave_blocks_per_sm[type_index(t)?];
+                one_wave_split(
+                    be.sm_count,
+                    per_sm,
+                    0,
+                    groups,
+                    spans,
+                    rb,
+                    (ks, bytes as u32),
+                )
             } else {
                 (ks, bytes as u32)
             });
@@ -598,7 +626,8 @@ const SM_SMEM: usize = 228 * 1024;
 const BLOCK_SMEM_EXTRA: usize = 3 * 1024;
 
 /// The split of a bulk-copy quantized-x GEMV launch (`groups` row groups of rows of `rb`
-/// bytes, `spans` weights per group, after `lead` blocks of other segments) kept to one wave
+/// bytes, `spans` weights per group, after `lead` blocks of other segments; `per_sm` blocks
+/// per SM by registers, fewer where their shared memory allows fewer) kept to one wave
 /// where it can be: `single` ([`gemvq_split`]'s (ks, bytes)) unless with it the launch needs
 /// more blocks than one wave holds while fewer, larger blocks (up to [`GEMVQ_BULK_MAX_SMEM`])
 /// fit one; then the most blocks that do. A second wave of a few blocks runs after the first
@@ -607,6 +636,7 @@ const BLOCK_SMEM_EXTRA: usize = 3 * 1024;
 /// all-Q4_K launch's 3.5 (DECODE_STEP.md).
 fn one_wave_split(
     sm_count: usize,
+    per_sm: usize,
     lead: usize,
     groups: usize,
     spans: usize,
@@ -614,9 +644,7 @@ fn one_wave_split(
     single: (usize, u32),
 ) -> (usize, u32) {
     let blocks = |ks: usize| lead + groups.div_ceil(GEMV_WARPS / ks);
-    let slots = |bytes: usize| {
-        sm_count * GEMVQ_WAVE_BLOCKS_PER_SM.min(SM_SMEM / (bytes + BLOCK_SMEM_EXTRA))
-    };
+    let slots = |bytes: usize| sm_count * per_sm.min(SM_SMEM / (bytes + BLOCK_SMEM_EXTRA));
     if blocks(single.0) <= slots(single.1 as usize) {
         return single;
     }
@@ -1524,7 +1552,8 @@ fn multi_launch(
                     .iter()
                     .map(|w| w.shape[0].div_ceil(GEMV_WARPS / ks * GEMV_NW))
                     .sum();
-                one_wave_split(be.sm_count, lead, g2, 1, ws[2].row_bytes(), single)
+                let per_sm = GEMVQ_WAVE_BLOCKS_PER_SM;
+                one_wave_split(be.sm_count, per_sm, lead, g2, 1, ws[2].row_bytes(), single)
             }
             _ => single,
         }
@@ -2417,33 +2446,43 @@ mod tests {
         // 448 blocks for 396 slots, so 16-row blocks (53,776 B): 384.
         let rb = 16 * 210;
         assert_eq!(
-            one_wave_split(132, 320, 512, 1, rb, (2, 26_896)),
+            one_wave_split(132, 3, 320, 512, 1, rb, (2, 26_896)),
             (1, 53_776)
         );
         // Qwen3-30B-A3B's (512 rows of 2048 columns, one split alone: 320 blocks): unchanged.
         assert_eq!(
-            one_wave_split(132, 288, 256, 1, 8 * 210, (1, 26_896)),
+            one_wave_split(132, 3, 288, 256, 1, 8 * 210, (1, 26_896)),
             (1, 26_896)
         );
         // Qwen3-8B Q8_0's o-projection (4096 rows of 4352 bytes): 512 blocks of 8 rows, or
         // 256 of 16 (69,648 B, three per SM).
         assert_eq!(
-            one_wave_split(132, 0, 2048, 1, 4352, (2, 34_832)),
+            one_wave_split(132, 3, 0, 2048, 1, 4352, (2, 34_832)),
+            (1, 69_648)
+        );
+        // Reckoned with four blocks per SM (its lane kernels' registers allow four): 512
+        // blocks fit one wave already; its QKV (3072 groups: 768 blocks) takes 16-row blocks.
+        assert_eq!(
+            one_wave_split(132, 4, 0, 2048, 1, 4352, (2, 34_832)),
+            (2, 34_832)
+        );
+        assert_eq!(
+            one_wave_split(132, 4, 0, 3072, 1, 4352, (2, 34_832)),
             (1, 69_648)
         );
         // Its down projection (12288 columns): no split fits one wave, its own stays.
         assert_eq!(
-            one_wave_split(132, 0, 2048, 1, 13_056, (8, 26_128)),
+            one_wave_split(132, 3, 0, 2048, 1, 13_056, (8, 26_128)),
             (8, 26_128)
         );
         // No split short of its own fits one wave: its own.
         assert_eq!(
-            one_wave_split(16, 320, 512, 1, rb, (2, 26_896)),
+            one_wave_split(16, 3, 320, 512, 1, rb, (2, 26_896)),
             (2, 26_896)
         );
         // Blocks that would not fit shared memory: its own.
         assert_eq!(
-            one_wave_split(132, 320, 512, 1, 8 * rb, (4, 107_536)),
+            one_wave_split(132, 3, 320, 512, 1, 8 * rb, (4, 107_536)),
             (4, 107_536)
         );
     }

@@ -76,8 +76,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_ONE_WAVE",
-        Accepts::OneOf(&[0, 1]),
-        "quantized-x decode GEMV launches (the lane code, V of the mixed QKV launch) in one wave where fewer, larger blocks fit one; 0 the splits by block size alone (MATMUL.md round 26)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "quantized-x decode GEMV launches (the lane code, V of the mixed QKV launch) in one wave where fewer, larger blocks fit one, a wave reckoned at 3 blocks per SM; 2 the lane kernels' own occupancy (an experiment); 0 the splits by block size alone (MATMUL.md round 26)",
     ),
     (
         "FERRITE_GEMV_TC",
