@@ -20,6 +20,9 @@
 #            injection, tools/h200/kernel_trace.{c,py}); the raw trace comes back gzipped.
 #            TRACE_MODELS="preset:quant ..." traces others (e.g. "qwen3-8b:Q8_0
 #            qwen3-30b-a3b:Q4_K_M"), one trace-<preset>-<quant>.txt each
+#   geometry Qwen3-8B Q8_0 tg128 A/B of the lane-code block geometry (MATMUL.md round 26):
+#            FERRITE_GEMV_ONE_WAVE 1 (default) / 2 / 0, then FERRITE_GEMVQ_SMEM 40 / 56 / 80 KB,
+#            two rounds each; Qwen3-8B Q4_K_M with ONE_WAVE 1 / 2 once (its lane code is Q6_K)
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
 #   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, on by default; MATMUL.md round 24):
@@ -154,6 +157,23 @@ for stage in "$@"; do
             python3 tools/h200/kernel_trace.py /tmp/trace-q1.txt --vs /tmp/trace-q0.txt | tee "$OUT/normq-vs.txt" | head -24
         fi
         FERRITE_DEFER_NORM_Q=1 $F check --device cuda --e2e tests/data/oracle 2>&1 | tee "$OUT/check-normq-full.log" | tail -4
+        ;;
+    geometry)
+        f=$(synth qwen3-8b Q8_0 | tail -1)
+        for r in 1 2; do
+            for v in 1 2 0; do
+                echo "Q8_0 FERRITE_GEMV_ONE_WAVE=$v $(FERRITE_GEMV_ONE_WAVE=$v $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|gate|rror' | tr '\n' ' ')"
+            done
+            for kb in 40 56 80; do
+                echo "Q8_0 FERRITE_GEMVQ_SMEM=$kb $(FERRITE_GEMVQ_SMEM=$kb $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|gate|rror' | tr '\n' ' ')"
+            done
+        done | tee "$OUT/geometry-ab.txt"
+        rm -f "$f"
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        for v in 1 2; do
+            echo "Q4_K_M FERRITE_GEMV_ONE_WAVE=$v $(FERRITE_GEMV_ONE_WAVE=$v $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|gate|rror' | tr '\n' ' ')"
+        done | tee -a "$OUT/geometry-ab.txt"
+        rm -f "$f"
         ;;
     exact)
         FERRITE_MMQ=1 $F check --device cuda --filter matmul 2>&1 | tail -3
