@@ -590,8 +590,7 @@ fn gemvq_split(
     let cap = gemvq_block_smem();
     let mut ks = 1;
     while ks <= GEMV_WARPS {
-        let rows = GEMV_WARPS / ks * GEMV_NW / spans;
-        let bytes = spans * ((rows * rb).div_ceil(16) * 16 + 16);
+        let bytes = gemvq_block_bytes(ks, spans, rb);
         if bytes <= cap || (ks == GEMV_WARPS && bytes <= GEMVQ_BULK_MAX_SMEM) {
             return Ok(if be.matmul.one_wave {
                 let per_sm = be.matmul.wave_blocks_per_sm[type_index(t)?];
@@ -611,6 +610,14 @@ fn gemvq_split(
         ks *= 2;
     }
     bail!("quantized GEMV: rows of {rb} bytes ({t}, {n_in} columns) do not fit in shared memory")
+}
+
+/// The shared memory of a bulk-copy quantized-x GEMV block split `ks` ways (GEMV_WARPS / ks
+/// row groups of GEMV_NW rows, `spans` weights each): per weight its rows of `rb` bytes,
+/// rounded up to 16 bytes, + 16 for the alignment offset (`gemv_slot` in matmul.cu).
+fn gemvq_block_bytes(ks: usize, spans: usize, rb: usize) -> usize {
+    let rows = GEMV_WARPS / ks * GEMV_NW / spans;
+    spans * ((rows * rb).div_ceil(16) * 16 + 16)
 }
 
 /// Blocks per SM that a wave of a bulk-copy quantized-x GEMV launch is reckoned with: the R = 1
@@ -651,10 +658,7 @@ fn one_wave_split(
     (1..single.0)
         .rev()
         .filter(|ks| single.0.is_multiple_of(*ks))
-        .map(|ks| {
-            let rows = GEMV_WARPS / ks * GEMV_NW / spans;
-            (ks, spans * ((rows * rb).div_ceil(16) * 16 + 16))
-        })
+        .map(|ks| (ks, gemvq_block_bytes(ks, spans, rb)))
         .find(|&(ks, bytes)| bytes <= GEMVQ_BULK_MAX_SMEM && blocks(ks) <= slots(bytes))
         .map_or(single, |(ks, bytes)| (ks, bytes as u32))
 }
