@@ -235,6 +235,10 @@ pub struct Kernels {
     /// 2..=[`CLUSTER_MAX_SPLITS`]); `None` below sm_90, where the tensor-core kernels are off,
     /// or with `FERRITE_ATTN_CLUSTER=0`.
     decode_cl: [Option<Vec<CudaFunction>>; 2],
+    /// The f16 cluster-merge kernels that load each warp's keys before the PDL wait
+    /// (`attn_decode_tc_clp_128_<gb>`, one row only: ATTENTION.md, "Keys loaded before the
+    /// wait"); `None` with `FERRITE_ATTN_PRE=0` or where `decode_cl[0]` is.
+    decode_clp: Option<Vec<CudaFunction>>,
     /// Whether `decode_tc[1]` is the q8_0 loop that loads its next tile early
     /// (`attn_decode_tc_q8p_128_<gb>`; `FERRITE_ATTN_PIPE=0`: the plain loop).
     q8_pipe: bool,
@@ -361,12 +365,17 @@ impl Kernels {
             cl_family(dtc != 0, "tc_cl_")?,
             cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
+        let decode_clp = cl_family(
+            dtc != 0 && super::switches::int_or("FERRITE_ATTN_PRE", 0) != 0,
+            "tc_clp_",
+        )?;
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
             decode: [decode("", "")?, decode("q8_", "")?],
             decode_tc,
             decode_cl,
+            decode_clp,
             q8_pipe,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
@@ -460,6 +469,17 @@ const CLUSTER_MAX_SPLITS: usize = 16;
 /// The head size of the tensor-core decode kernels (`attn_decode_tc[_q8]_<hd>_<gb>[_paged]`;
 /// the other sizes take the SIMT loop).
 pub const DECODE_TC_HEAD_DIM: usize = 128;
+/// Keys per iteration of a tensor-core decode block (4 warps × 16 keys: `STEP` in
+/// attention.cu). The form that loads its keys before the PDL wait holds one such tile per
+/// warp, so it takes caches whose chunks never exceed it ([`pre_loads_fit`]).
+const DECODE_TC_STEP: usize = 64;
+
+/// Whether every chunk of a contiguous cache of `capacity` positions in `n_splits` splits
+/// with `min_chunk` is at most one block iteration ([`DECODE_TC_STEP`]) at any position:
+/// attention.cu's chunk is max(min_chunk, ⌈⌈keys / splits⌉ / STEP⌉ · STEP).
+fn pre_loads_fit(capacity: usize, n_splits: usize, min_chunk: usize) -> bool {
+    min_chunk <= DECODE_TC_STEP && capacity <= DECODE_TC_STEP * n_splits
+}
 
 /// Most query heads per decode block (see [`heads_per_block`]).
 const DECODE_MAX_GB: usize = 4;
@@ -758,9 +778,17 @@ pub fn attention(
         let cl = be.attention.decode_cl[q8]
             .as_ref()
             .filter(|_| tc_dim && (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits));
-        let func = match cl {
-            Some(cl) => &cl[gbi],
-            None => decode_kernel(
+        // One f16 row: the form whose warps load their keys before the PDL wait.
+        let clp = be.attention.decode_clp.as_ref().filter(|_| {
+            cl.is_some()
+                && q8 == 0
+                && rows == 1
+                && pre_loads_fit(kv.capacity, kv.n_splits, kv.min_chunk)
+        });
+        let func = match (clp, cl) {
+            (Some(clp), _) => &clp[gbi],
+            (None, Some(cl)) => &cl[gbi],
+            (None, None) => decode_kernel(
                 &be.attention.decode_tc,
                 &be.attention.decode,
                 q8,
@@ -1339,6 +1367,32 @@ mod tests {
         // Many heads: fewer splits.
         assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, false), 9);
         assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, true), 6);
+    }
+
+    /// The caches that take the keys-before-the-wait form have chunks of at most one block
+    /// iteration at every position (the device's chunk formula, as in the test below), and
+    /// the bench's cache (capacity 640 at prompt 512, 10 splits) is one of them.
+    #[test]
+    fn pre_loads_fit_only_single_tile_chunks() {
+        for cap in 1..=1200usize {
+            for splits in 1..=16usize {
+                for mc in [16usize, 32, 64, 128] {
+                    let fits = pre_loads_fit(cap, splits, mc);
+                    let widest = (1..=cap)
+                        .map(|n| mc.max(n.div_ceil(splits).next_multiple_of(DECODE_TC_STEP)))
+                        .max()
+                        .unwrap();
+                    assert_eq!(
+                        fits,
+                        widest <= DECODE_TC_STEP,
+                        "cap {cap} splits {splits} mc {mc}"
+                    );
+                }
+            }
+        }
+        let tu = DecodeTuning::default();
+        let splits = decode_splits(132, shape(32, 8, 128), 640, tu, false);
+        assert!(pre_loads_fit(640, splits, min_chunk_for(128, tu)));
     }
 
     /// The device computes chunk = max(mc, roundup(ceil(n/splits), step)) (step: keys per

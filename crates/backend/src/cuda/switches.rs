@@ -160,6 +160,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM; ATTENTION.md)",
     ),
     (
+        "FERRITE_ATTN_PRE",
+        Accepts::OneOf(&[0, 1]),
+        "f16 decode attention of one row with the cluster merge: 1 loads each warp's keys before the PDL wait (the new key from the step's rows), 0 (default) after it (ATTENTION.md)",
+    ),
+    (
         "FERRITE_ATTN_GB",
         Accepts::OneOf(&[1, 2, 4, 8]),
         "query heads per decode block",

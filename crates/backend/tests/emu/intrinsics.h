@@ -27,6 +27,7 @@ struct float4 {
 };
 static inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
 static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 template <class T>
 static inline T __ldg(const T* p) {
@@ -50,9 +51,10 @@ static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     return r;
 }
 
-// An f16's bits as the f32 of the same value (finite values).
+// An f16's bits as the f32 of the same value (infinities and NaN included).
 static float h2f(uint16_t h) {
     const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    if (e == 31) return m ? NAN : (s ? -INFINITY : INFINITY);
     const float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
     return s ? -v : v;
 }
@@ -71,6 +73,14 @@ static float __shfl_sync(unsigned, float v, int src) {
     m.w[0] = f2u(v);
     const Deposit* all = warp_exchange(m);
     return __uint_as_float(all[src & 31].w[0]);
+}
+
+static uint32_t __shfl_sync(unsigned, uint32_t v, int src) {
+    Deposit m{};
+    m.kind = 5;
+    m.w[0] = v;
+    const Deposit* all = warp_exchange(m);
+    return all[src & 31].w[0];
 }
 
 static int __shfl_xor_sync(unsigned, int v, int off) {

@@ -425,6 +425,93 @@ template <int HD, int NP>
 __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned char*, const unsigned char*,
                                             const unsigned short*, const unsigned short*, int, int, int, int) {}
 
+// PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>): a warp's loads of its one
+// 16-key tile, issued before the PDL wait (keys clamped to end - 1 as in the loop). Every
+// position below the step's own was written by a grid that has completed; the step's own
+// position (`DtcNew::pos`) is not written yet, so the loop takes that key from the step's k/v
+// rows instead (dtc_f16_new) and stores it into the cache itself.
+template <int NP, bool ON>
+struct DtcF16Pre {
+    uint4 k[2][NP], v[4][2];
+};
+template <int NP>
+struct DtcF16Pre<NP, false> {};
+template <int HD, int NP>
+__device__ __forceinline__ void dtc_f16_load(DtcF16Pre<NP, true>& r, const unsigned short* __restrict__ kh,
+                                             const unsigned short* __restrict__ vh, int base, int end, int g,
+                                             int tq) {
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+        const uint4* p = reinterpret_cast<const uint4*>(kh + (long long)min(base + 8 * n + g, end - 1) * HD + 8 * tq);
+#pragma unroll
+        for (int c = 0; c < NP; c++) r.k[n][c] = __ldcg(p + 4 * c);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const int key = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
+        const uint4* p = reinterpret_cast<const uint4*>(vh + (long long)key * HD + 8 * g);
+        r.v[kk][0] = __ldcg(p);
+        r.v[kk][1] = __ldcg(p + HD / 16);
+    }
+}
+// The step's new key for PRE: its k and v rows (f32, this kv head's HD elements, written by
+// the kernel before this one), its position, and the cache rows' base (this kv head's
+// position 0) that the loop stores it at.
+struct DtcNew {
+    const float* k;
+    const float* v;
+    unsigned short* kc;
+    unsigned short* vc;
+    int pos;
+};
+// Two f32 as the f16 cache holds them (f32_to_f16_sat: the kv store's bits), packed.
+__device__ __forceinline__ uint32_t dtc_f16_pair(float x, float y) {
+    return (uint32_t)f32_to_f16_sat(x) | ((uint32_t)f32_to_f16_sat(y) << 16);
+}
+// PRE: the new position's key in the fragments of the warp whose tile holds it (warp-uniform:
+// `base` is). Lane l converts dims 4 l .. 4 l + 3 of the new k and v rows (one 16-byte load
+// each), stores them into the cache row, and the fragments gather them by shuffles: K's
+// piece c of lane (g, tq) is dims 32 c + 8 tq .. + 7 (lanes 8 c + 2 tq, + 1), V's pieces dims
+// 8 g .. + 7 and 64 + 8 g .. + 7 (lanes 2 g, + 1 and 16 + 2 g, + 1). The tile holding the
+// position ends there (end − 1 = pos), so its keys past it are the loop's clamped copies
+// (masked, p = 0): they take zeros, which add what the plain loop's finite copies add:
+// nothing. The lanes with keys below it keep their cache loads.
+template <int HD, int NP>
+__device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2], const DtcNew& nw, int base,
+                                            int lane) {
+    static_assert(HD == 128 && NP == 4, "dtc_f16_new: hd 128 (a lane per 4 dims)");
+    if (nw.pos < base || nw.pos >= base + 16) return;
+    const int g = lane >> 2, tq = lane & 3;
+    const float4 a = *reinterpret_cast<const float4*>(nw.k + 4 * lane);
+    const float4 b = *reinterpret_cast<const float4*>(nw.v + 4 * lane);
+    const uint32_t k0 = dtc_f16_pair(a.x, a.y), k1 = dtc_f16_pair(a.z, a.w);
+    const uint32_t v0 = dtc_f16_pair(b.x, b.y), v1 = dtc_f16_pair(b.z, b.w);
+    *reinterpret_cast<uint2*>(nw.kc + (long long)nw.pos * HD + 4 * lane) = make_uint2(k0, k1);
+    *reinterpret_cast<uint2*>(nw.vc + (long long)nw.pos * HD + 4 * lane) = make_uint2(v0, v1);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int c = 0; c < NP; c++) {
+        const int src = 8 * c + 2 * tq;
+        const uint4 w = make_uint4(__shfl_sync(ATT_FULL, k0, src), __shfl_sync(ATT_FULL, k1, src),
+                                   __shfl_sync(ATT_FULL, k0, src + 1), __shfl_sync(ATT_FULL, k1, src + 1));
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            const int key = base + 8 * n + g;
+            kw[n][c] = key == nw.pos ? w : key > nw.pos ? zero : kw[n][c];
+        }
+    }
+    const uint4 lo = make_uint4(__shfl_sync(ATT_FULL, v0, 2 * g), __shfl_sync(ATT_FULL, v1, 2 * g),
+                                __shfl_sync(ATT_FULL, v0, 2 * g + 1), __shfl_sync(ATT_FULL, v1, 2 * g + 1));
+    const uint4 hi = make_uint4(__shfl_sync(ATT_FULL, v0, 16 + 2 * g), __shfl_sync(ATT_FULL, v1, 16 + 2 * g),
+                                __shfl_sync(ATT_FULL, v0, 17 + 2 * g), __shfl_sync(ATT_FULL, v1, 17 + 2 * g));
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const int key = base + 2 * tq + (kk & 1) + 8 * (kk >> 1);
+        vw[kk][0] = key == nw.pos ? lo : key > nw.pos ? zero : vw[kk][0];
+        vw[kk][1] = key == nw.pos ? hi : key > nw.pos ? zero : vw[kk][1];
+    }
+}
+
 // The decode main loop on the tensor cores (attn_decode_tc_128_<GB>: f16 contiguous cache,
 // hd 128; attn_decode_tc_q8_128_<GB>: q8_0, its values dequantized into the same f16 words
 // by q8_dequant8 after the loads; ATTENTION.md, "Decode on the tensor cores"). Why: the SIMT loop spends ~65 warp
@@ -463,7 +550,16 @@ __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned
 // plain loop loads, then computes: ~4 KB in flight per warp, none while it computes). The
 // arithmetic is the same sequence, so the outputs are the plain loop's bits; ~44 registers
 // more: 3 blocks per SM (launch bounds) instead of 4.
-template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false>
+//
+// PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>, the cluster-merge launch of
+// short caches, where a warp's chunk is its one 16-key tile): the warp's first tile is loaded
+// before the PDL wait (dtc_f16_load, into `pre`), so the keys' DRAM round trip overlaps the
+// kernels before this one instead of following the wait (where it queued behind the next
+// GEMV's weight copies). The new position's key is not in the cache yet: the lanes whose
+// (clamped) key is `nw.pos` take it from the step's k/v rows (dtc_f16_new, the kv store's
+// f16 bits) and the lanes of the position itself store it; the launch has no store phase and
+// no barrier before the loop. Same arithmetic on the same values: the plain loop's bits.
+template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -473,8 +569,11 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                                                float (&sm_m)[DECODE_THREADS / 32][GB],
                                                float (&sm_l)[DECODE_THREADS / 32][GB],
                                                const int* __restrict__ bt = nullptr, int page_shift = 0,
-                                               long long page_stride = 0) {
+                                               long long page_stride = 0,
+                                               const DtcF16Pre<HD / 32, PRE>& pre = DtcF16Pre<HD / 32, PRE>{},
+                                               DtcNew nw = DtcNew{}) {
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
+    static_assert(!PRE || (!Q8 && !PAGED), "decode_tc_loop: PRE is the contiguous f16 form");
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
     constexpr int NP = HD / 32;  // 16-byte pieces of a key per thread
@@ -518,6 +617,9 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
                         start + 16 * warp, end, g, tq);
     }
+
+    // PRE: the warp's one tile, loaded before the PDL wait.
+    DtcF16Pre<NP, PRE> tile = pre;
 
     for (int base = start + 16 * warp; base < end; base += 16 * NW) {  // uniform across the warp
         // The keys this thread loads, clamped to end - 1: K's key g of n-tile n, V's keys
@@ -571,6 +673,16 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                 vw[kk][0] = q8_dequant8(vq8[kk][0], q8_scale2(vd[kk], g >> 2));
                 vw[kk][1] = q8_dequant8(vq8[kk][1], q8_scale2(vd[kk], 2 + (g >> 2)));
             }
+        } else if constexpr (PRE) {
+            // The warp's one tile (chunks of at most 16 × NW keys: attn_decode_impl), loaded
+            // before the PDL wait; the new position's key from the step's rows.
+            dtc_f16_new<HD>(tile.k, tile.v, nw, base, lane);
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < NP; c++) kw[n][c] = tile.k[n][c];
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) vw[kk][0] = tile.v[kk][0], vw[kk][1] = tile.v[kk][1];
         } else {
             const unsigned short* kh = reinterpret_cast<const unsigned short*>(kc) + head_base;
             const unsigned short* vh = reinterpret_cast<const unsigned short*>(vc) + head_base;
@@ -643,6 +755,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
             const uint32_t a3 = __byte_perm(v2[4 + wi], v3[4 + wi], sel);
             tc_mma_f16(acc[i], a0, a1, a2, a3, pb0, pb1);
         }
+        if constexpr (PRE) break;  // one tile per warp (without it, ptxas keeps it live: 188 registers)
     }
     l_run += __shfl_xor_sync(ATT_FULL, l_run, 1);
     l_run += __shfl_xor_sync(ATT_FULL, l_run, 2);
@@ -677,7 +790,8 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
-template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false>
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
+          bool PRE = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -697,6 +811,7 @@ __device__ __forceinline__ void attn_decode_impl(
     static_assert(HD % 32 == 0 && 32 % TPK == 0, "decode head_dim");
     static_assert(!TC || HD == 128, "tensor-core decode: hd 128");
     static_assert(!CL || !PAGED, "cluster merge: contiguous caches");
+    static_assert(!PRE || (TC && STORE && !Q8), "PRE: the contiguous f16 tensor-core form (one row)");
 
     __shared__ float sm_acc[NW][GB][HD];
     __shared__ float sm_m[NW][GB], sm_l[NW][GB];
@@ -732,13 +847,25 @@ __device__ __forceinline__ void attn_decode_impl(
             prefetch_keys<Q8>(vc, vs, head_base + (long long)start * HD, head_base + (long long)k1 * HD);
         }
     }
-    if constexpr (STORE) {
+    // PRE: the warp's tile of keys, loaded now (decode_tc_loop's PRE form). A warp has one
+    // tile only where chunk ≤ STEP: the launcher takes PRE for such caches alone (one row,
+    // splits × 64 ≥ capacity, min_chunk ≤ 64); anything else would be its error, not a
+    // silently wrong answer.
+    DtcF16Pre<HD / 32, PRE> pre;
+    if constexpr (PRE) {
+        if (chunk > STEP || gridDim.z != 1) __trap();
+        if (!idle && start + 16 * warp < end)
+            dtc_f16_load<HD>(pre, reinterpret_cast<const unsigned short*>(kc) + head_base,
+                             reinterpret_cast<const unsigned short*>(vc) + head_base, start + 16 * warp, end,
+                             lane >> 2, lane & 3);
+    }
+    if constexpr (STORE && !PRE) {
         if (tid < gridDim.z) s_pos[tid] = positions[tid];
     }
     PDL_ENTRY();
 
     const int kvd = (n_heads / group) * HD;
-    if constexpr (STORE) {
+    if constexpr (STORE && !PRE) {
         // The step's rows at positions inside this block's range [start, end) (for row t's
         // last split that includes row t itself) are written into the cache by this block,
         // for its kv head (the last row of a position wins, as in kv_store); every block that
@@ -775,6 +902,14 @@ __device__ __forceinline__ void attn_decode_impl(
                                              sm_acc, sm_m, sm_l,
                                              row_table<true>(row_seq, block_tables, bt_stride, t), page_shift,
                                              page_stride);
+        } else if constexpr (PRE) {
+            // One row (the launcher's rule): its new key at pos_t, its k/v rows at row 0.
+            const DtcNew nw{knew + kvh * HD, vnew + kvh * HD,
+                            reinterpret_cast<unsigned short*>(kc) + head_base,
+                            reinterpret_cast<unsigned short*>(vc) + head_base, pos_t};
+            decode_tc_loop<HD, GB, false, false, false, true>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start,
+                                                              end, scale_log2, sm_acc, sm_m, sm_l, nullptr, 0, 0,
+                                                              pre, nw);
         } else {
             decode_tc_loop<HD, GB, Q8, false, PIPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end,
                                                     scale_log2, sm_acc, sm_m, sm_l);
@@ -1079,6 +1214,9 @@ DECODE_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8p_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, true, false, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_clp_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, false, false, true, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
 DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
