@@ -237,7 +237,7 @@ pub struct Kernels {
     decode_cl: [Option<Vec<CudaFunction>>; 2],
     /// The f16 cluster-merge kernels that load each warp's keys before the PDL wait
     /// (`attn_decode_tc_clp_128_<gb>`, one row only: ATTENTION.md, "Keys loaded before the
-    /// wait"); `None` with `FERRITE_ATTN_PRE=0` or where `decode_cl[0]` is.
+    /// wait"; on by default); `None` with `FERRITE_ATTN_PRE=0` or where `decode_cl[0]` is.
     decode_clp: Option<Vec<CudaFunction>>,
     /// Whether `decode_tc[1]` is the q8_0 loop that loads its next tile early
     /// (`attn_decode_tc_q8p_128_<gb>`; `FERRITE_ATTN_PIPE=0`: the plain loop).
@@ -366,7 +366,7 @@ impl Kernels {
             cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
         let decode_clp = cl_family(
-            dtc != 0 && super::switches::int_or("FERRITE_ATTN_PRE", 0) != 0,
+            dtc != 0 && super::switches::int_or("FERRITE_ATTN_PRE", 1) != 0,
             "tc_clp_",
         )?;
         Ok(Kernels {
