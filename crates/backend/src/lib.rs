@@ -613,10 +613,7 @@ pub trait Backend: Send + Sync {
     ) -> Result<()>;
     /// The residual add fused with the next RMSNorm: `x += y`, then `h = x / rms(x) * w`
     /// row by row. Equals [`Backend::add_assign`] followed by [`Backend::rms_norm`] (the
-    /// CPU backend bitwise). `x` (the residual) must not be the output of the op issued just
-    /// before this one (`y` usually is): a backend may read `x` while that op still runs
-    /// (CUDA with `FERRITE_NORM_XE=1`, before its PDL wait). The same holds for
-    /// [`Backend::add_rms_norm_matmul`].
+    /// CPU backend bitwise).
     fn add_rms_norm(
         &self,
         x: &mut Act<Self::Buf>,

@@ -25,10 +25,7 @@ pub struct Kernels {
     swiglu: CudaFunction,
     topk_rows: CudaFunction,
     rms_norm_v4: CudaFunction,
-    /// `add_rms_norm_v4`, or its `_xe` form (x loaded before the PDL wait;
-    /// `FERRITE_NORM_XE`), picked at load.
     add_rms_norm_v4: CudaFunction,
-    /// `add_rms_norm_gemv_f32`, or its `_xe` form, picked at load as `add_rms_norm_v4`.
     add_rms_norm_gemv_f32: CudaFunction,
     argmax_rows_mb: CudaFunction,
     /// `argmax_rows_mb`'s per-row best key and arrival ticket (zero between launches).
@@ -43,13 +40,6 @@ struct ArgmaxScratch {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "elementwise", SRC)?;
-        // The residual-add norms may read x before their PDL wait: every caller's x was
-        // last written launches before (Backend::add_rms_norm's contract).
-        let xe = if super::switches::int_or("FERRITE_NORM_XE", 0) != 0 {
-            "_xe"
-        } else {
-            ""
-        };
         Ok(Kernels {
             embed: function(&m, "embed")?,
             rms_norm: function(&m, "rms_norm")?,
@@ -61,8 +51,8 @@ impl Kernels {
             swiglu: function(&m, "swiglu")?,
             topk_rows: function(&m, "topk_rows")?,
             rms_norm_v4: function(&m, "rms_norm_v4")?,
-            add_rms_norm_v4: function(&m, &format!("add_rms_norm_v4{xe}"))?,
-            add_rms_norm_gemv_f32: function(&m, &format!("add_rms_norm_gemv_f32{xe}"))?,
+            add_rms_norm_v4: function(&m, "add_rms_norm_v4")?,
+            add_rms_norm_gemv_f32: function(&m, "add_rms_norm_gemv_f32")?,
             argmax_rows_mb: function(&m, "argmax_rows_mb")?,
             argmax_scratch: Mutex::new(None),
         })

@@ -165,11 +165,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "f16 decode attention of one row with the cluster merge: 1 (default) loads each warp's keys before the PDL wait (the new key from the step's rows), 0 after it (ATTENTION.md)",
     ),
     (
-        "FERRITE_NORM_XE",
-        Accepts::OneOf(&[0, 1]),
-        "residual-add RMSNorms (add_rms_norm_v4, the MoE norm + router): 1 loads the residual x before the PDL wait as well as the weight, 0 (default) after it (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_ATTN_GB",
         Accepts::OneOf(&[1, 2, 4, 8]),
         "query heads per decode block",

@@ -373,16 +373,11 @@ __device__ __forceinline__ float norm_scale(float ss, float* partial, int cols, 
 }
 
 // h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
-// add_rms_norm (null: no quantization). XE (ADD only; add_rms_norm_v4_xe): x is loaded
-// before the PDL wait as well as w — the caller's promise that the launch just before this
-// one did not write x (the decoders' residual: its last writer is the norm of the half
-// before, several launches back), so its likely DRAM round trip overlaps that launch's tail
-// instead of following the wait; only y, the launch before's output, is read after it.
-template <bool ADD, bool XE = false>
+// add_rms_norm (null: no quantization).
+template <bool ADD>
 __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* __restrict__ h, int cols,
                                             float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
-    static_assert(ADD || !XE, "norm_row_v4: XE is the add form");
     __shared__ float partial[32];
     const int chunks = cols >> 2;
     const int tid = threadIdx.x;
@@ -393,14 +388,6 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         wv[j] = c < chunks ? __ldg((const float4*)w + c) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    float4 xe[XE ? NORM_NV : 1];
-    if constexpr (XE) {
-#pragma unroll
-        for (int j = 0; j < NORM_NV; j++) {
-            const int c = tid + j * blockDim.x;
-            xe[j] = c < chunks ? ((const float4*)(x + r * cols))[c] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
     PDL_ENTRY();
     float4* xr = (float4*)(x + r * cols);
     const float4* yr = (const float4*)(y + r * cols);
@@ -410,12 +397,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const int c = tid + j * blockDim.x;
         v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (c < chunks) {
-            float4 a;
-            if constexpr (XE) {
-                a = xe[j];
-            } else {
-                a = xr[c];
-            }
+            float4 a = xr[c];
             if (ADD) {
                 const float4 b = yr[c];
                 a.x += b.x;
@@ -450,12 +432,6 @@ extern "C" __global__ void add_rms_norm_v4(float* __restrict__ x, const float* _
     norm_row_v4<true>(x, y, w, h, cols, eps, xq, xd);
 }
 
-extern "C" __global__ void add_rms_norm_v4_xe(float* __restrict__ x, const float* __restrict__ y,
-                                              const float* __restrict__ w, float* __restrict__ h, int cols,
-                                              float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
-    norm_row_v4<true, true>(x, y, w, h, cols, eps, xq, xd);
-}
-
 extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float* __restrict__ w,
                                        float* __restrict__ out, int cols, float eps, int8_t* __restrict__ xq,
                                        float2* __restrict__ xd) {
@@ -488,12 +464,11 @@ extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float*
 // GEMV's mode-2 prologue). Reads per block: x, y (2 · 4 · cols bytes from L2) and its rows.
 #define NG_NW 2  // rows per row group: matmul.cu's GEMV_NW
 
-// XE (add_rms_norm_gemv_f32_xe): x loaded before the PDL wait, as norm_row_v4's XE.
-template <bool XE>
-__device__ __forceinline__ void add_rms_norm_gemv_f32_impl(
-    const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
-    float* __restrict__ x_out, float* __restrict__ h, int cols, float eps, int8_t* __restrict__ xq,
-    float2* __restrict__ xd, const float* __restrict__ W, int n_out, int ks, float* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(1024)
+    add_rms_norm_gemv_f32(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                          float* __restrict__ x_out, float* __restrict__ h, int cols, float eps,
+                          int8_t* __restrict__ xq, float2* __restrict__ xd, const float* __restrict__ W, int n_out,
+                          int ks, float* __restrict__ out) {
     extern __shared__ float4 hs[];  // h, cols / 4 chunks
     __shared__ float partial[32];
     __shared__ float red[32][NG_NW];
@@ -514,19 +489,11 @@ __device__ __forceinline__ void add_rms_norm_gemv_f32_impl(
             asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
     }
 #endif
-    float4 xe = zero;
-    if constexpr (XE) {
-        if (c < chunks) xe = ((const float4*)x)[c];
-    }
     PDL_ENTRY();
     // The norm, as norm_row_v4<true> for one chunk per thread.
     float4 v = zero;
     if (c < chunks) {
-        if constexpr (XE) {
-            v = xe;
-        } else {
-            v = ((const float4*)x)[c];
-        }
+        v = ((const float4*)x)[c];
         const float4 b = ((const float4*)y)[c];
         v.x += b.x;
         v.y += b.y;
@@ -589,17 +556,6 @@ __device__ __forceinline__ void add_rms_norm_gemv_f32_impl(
         for (int k = 1; k < ks; k++) s += red[wid + k][lane];
         if (o0 + lane < n_out) out[o0 + lane] = s;
     }
-}
-
-#define NORM_GEMV_ARGS                                                                              \
-    const float *__restrict__ x, const float *__restrict__ y, const float *__restrict__ w,         \
-        float *__restrict__ x_out, float *__restrict__ h, int cols, float eps, int8_t *__restrict__ xq, \
-        float2 *__restrict__ xd, const float *__restrict__ W, int n_out, int ks, float *__restrict__ out
-extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_gemv_f32(NORM_GEMV_ARGS) {
-    add_rms_norm_gemv_f32_impl<false>(x, y, w, x_out, h, cols, eps, xq, xd, W, n_out, ks, out);
-}
-extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_gemv_f32_xe(NORM_GEMV_ARGS) {
-    add_rms_norm_gemv_f32_impl<true>(x, y, w, x_out, h, cols, eps, xq, xd, W, n_out, ks, out);
 }
 
 // ---------------------------------------------------------------------------------------
