@@ -144,11 +144,10 @@ static void run_body() {
         DtcF16Pre<HD / 32, true> pre;
         if (cfg.start + 16 * warp < cfg.end)
             dtc_f16_load<HD>(pre, kf.data(), vf.data(), cfg.start + 16 * warp, cfg.end, lane >> 2, lane & 3);
-        DtcNew nw{knew.data(), vnew.data(), kf.data(), vf.data(), pre_pos, false, {0u, 0u, 0u, 0u}};
+        const DtcNew nw{knew.data(), vnew.data(), kf.data(), vf.data(), pre_pos};
         decode_tc_loop<HD, GB, false, false, false, true>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0,
                                                           cfg.start, cfg.end, SCALE_LOG2, a, m, l, nullptr, 0, 0,
-                                                          pre, &nw);
-        dtc_f16_store_new<HD>(nw, lane);  // as the launch does, after its merge barrier
+                                                          pre, nw);
     } else if (cfg.page_shift > 0) {
         decode_tc_loop<HD, GB, Q8, true>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start,
                                          cfg.end, SCALE_LOG2, a, m, l, bt.data(), cfg.page_shift,

@@ -110,7 +110,6 @@
 #define ATT_FULL 0xffffffffu
 #define DECODE_THREADS 128
 #define DECODE_MIN_CHUNK 32  // attention.rs DECODE_MIN_CHUNK (the launcher passes min_chunk)
-#define CL_MAX_SPLITS 16     // attention.rs CLUSTER_MAX_SPLITS: the cluster merge's most splits
 #define PREFILL_THREADS 256
 
 __device__ __forceinline__ unsigned short f32_to_f16_sat(float x) {
@@ -457,40 +456,28 @@ __device__ __forceinline__ void dtc_f16_load(DtcF16Pre<NP, true>& r, const unsig
 }
 // The step's new key for PRE: its k and v rows (f32, this kv head's HD elements, written by
 // the kernel before this one), its position, and the cache rows' base (this kv head's
-// position 0) where it belongs. dtc_f16_new leaves a lane's four dims of it, as the cache
-// holds them, in `word` (`mine`: this lane's warp holds the position), and the launch stores
-// them later (dtc_f16_store_new): a global store before the cluster barrier would hold the
-// barrier's release (MEMBAR.ALL.GPU) until it lands.
+// position 0) that the loop stores it at.
 struct DtcNew {
     const float* k;
     const float* v;
     unsigned short* kc;
     unsigned short* vc;
     int pos;
-    bool mine;
-    uint32_t word[4];  // k dims 4 l, 4 l + 1 | 4 l + 2, 4 l + 3; then v's
 };
-// Lane `lane`'s share of the new key's cache row (8 bytes of k, 8 of v), where its warp holds it.
-template <int HD>
-__device__ __forceinline__ void dtc_f16_store_new(const DtcNew& nw, int lane) {
-    if (!nw.mine) return;
-    *reinterpret_cast<uint2*>(nw.kc + (long long)nw.pos * HD + 4 * lane) = make_uint2(nw.word[0], nw.word[1]);
-    *reinterpret_cast<uint2*>(nw.vc + (long long)nw.pos * HD + 4 * lane) = make_uint2(nw.word[2], nw.word[3]);
-}
 // Two f32 as the f16 cache holds them (f32_to_f16_sat: the kv store's bits), packed.
 __device__ __forceinline__ uint32_t dtc_f16_pair(float x, float y) {
     return (uint32_t)f32_to_f16_sat(x) | ((uint32_t)f32_to_f16_sat(y) << 16);
 }
 // PRE: the new position's key in the fragments of the warp whose tile holds it (warp-uniform:
 // `base` is). Lane l converts dims 4 l .. 4 l + 3 of the new k and v rows (one 16-byte load
-// each), keeps them for the cache row (DtcNew::word), and the fragments gather them by shuffles: K's
+// each), stores them into the cache row, and the fragments gather them by shuffles: K's
 // piece c of lane (g, tq) is dims 32 c + 8 tq .. + 7 (lanes 8 c + 2 tq, + 1), V's pieces dims
 // 8 g .. + 7 and 64 + 8 g .. + 7 (lanes 2 g, + 1 and 16 + 2 g, + 1). The tile holding the
 // position ends there (end − 1 = pos), so its keys past it are the loop's clamped copies
 // (masked, p = 0): they take zeros, which add what the plain loop's finite copies add:
 // nothing. The lanes with keys below it keep their cache loads.
 template <int HD, int NP>
-__device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2], DtcNew& nw, int base,
+__device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2], const DtcNew& nw, int base,
                                             int lane) {
     static_assert(HD == 128 && NP == 4, "dtc_f16_new: hd 128 (a lane per 4 dims)");
     if (nw.pos < base || nw.pos >= base + 16) return;
@@ -499,8 +486,8 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
     const float4 b = *reinterpret_cast<const float4*>(nw.v + 4 * lane);
     const uint32_t k0 = dtc_f16_pair(a.x, a.y), k1 = dtc_f16_pair(a.z, a.w);
     const uint32_t v0 = dtc_f16_pair(b.x, b.y), v1 = dtc_f16_pair(b.z, b.w);
-    nw.mine = true;
-    nw.word[0] = k0, nw.word[1] = k1, nw.word[2] = v0, nw.word[3] = v1;
+    *reinterpret_cast<uint2*>(nw.kc + (long long)nw.pos * HD + 4 * lane) = make_uint2(k0, k1);
+    *reinterpret_cast<uint2*>(nw.vc + (long long)nw.pos * HD + 4 * lane) = make_uint2(v0, v1);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int c = 0; c < NP; c++) {
@@ -584,7 +571,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                                                const int* __restrict__ bt = nullptr, int page_shift = 0,
                                                long long page_stride = 0,
                                                const DtcF16Pre<HD / 32, PRE>& pre = DtcF16Pre<HD / 32, PRE>{},
-                                               DtcNew* nwp = nullptr) {
+                                               DtcNew nw = DtcNew{}) {
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
     static_assert(!PRE || (!Q8 && !PAGED), "decode_tc_loop: PRE is the contiguous f16 form");
     constexpr int NW = DECODE_THREADS / 32;
@@ -689,7 +676,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         } else if constexpr (PRE) {
             // The warp's one tile (chunks of at most 16 × NW keys: attn_decode_impl), loaded
             // before the PDL wait; the new position's key from the step's rows.
-            dtc_f16_new<HD>(tile.k, tile.v, *nwp, base, lane);
+            dtc_f16_new<HD>(tile.k, tile.v, nw, base, lane);
 #pragma unroll
             for (int n = 0; n < 2; n++)
 #pragma unroll
@@ -907,9 +894,6 @@ __device__ __forceinline__ void attn_decode_impl(
         __syncthreads();
     }
 
-    // PRE: the step's new key (one row: at pos_t, its k/v rows at row 0).
-    DtcNew nw{knew + kvh * HD, vnew + kvh * HD, reinterpret_cast<unsigned short*>(kc) + head_base,
-              reinterpret_cast<unsigned short*>(vc) + head_base, pos_t, false, {0u, 0u, 0u, 0u}};
     if (CL && idle) {
         // CL only: no keys (the partial below is not written; the merge reads n_active).
     } else if constexpr (TC) {
@@ -919,9 +903,13 @@ __device__ __forceinline__ void attn_decode_impl(
                                              row_table<true>(row_seq, block_tables, bt_stride, t), page_shift,
                                              page_stride);
         } else if constexpr (PRE) {
+            // One row (the launcher's rule): its new key at pos_t, its k/v rows at row 0.
+            const DtcNew nw{knew + kvh * HD, vnew + kvh * HD,
+                            reinterpret_cast<unsigned short*>(kc) + head_base,
+                            reinterpret_cast<unsigned short*>(vc) + head_base, pos_t};
             decode_tc_loop<HD, GB, false, false, false, true>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start,
                                                               end, scale_log2, sm_acc, sm_m, sm_l, nullptr, 0, 0,
-                                                              pre, &nw);
+                                                              pre, nw);
         } else {
             decode_tc_loop<HD, GB, Q8, false, PIPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end,
                                                     scale_log2, sm_acc, sm_m, sm_l);
@@ -1080,42 +1068,21 @@ __device__ __forceinline__ void attn_decode_impl(
             }
         }
     }
-    if (single) {
-        if constexpr (PRE) dtc_f16_store_new<HD>(nw, lane);
-        return;
-    }
+    if (single) return;
 
     if constexpr (CL) {
         cluster_sync_all();
-        if constexpr (PRE) dtc_f16_store_new<HD>(nw, lane);  // after the barrier's release
         // This block's share: 32-element output blocks split, split + n_splits, ... (the
         // cluster's blocks are the row's splits in order: rank = split), one warp each.
-        // Every partial this lane needs (m, l, acc of the n_active splits) is loaded first, all
-        // in flight together (one DSMEM round trip; the loop over a runtime count issued them
-        // four at a time, ~6 round trips at 10 splits), then combined in split order as before.
         for (int b = split + warp * n_splits; b < GB * HD / 32; b += NW * n_splits) {
             const int idx = b * 32 + lane, g = idx / HD, d = idx % HD;
-            float pm[CL_MAX_SPLITS], pl[CL_MAX_SPLITS], pa[CL_MAX_SPLITS];
-#pragma unroll
-            for (int s = 0; s < CL_MAX_SPLITS; s++) {
-                if (s < n_active) {
-                    pm[s] = ld_cluster_f32(&sm_pml[g][0], s);
-                    pl[s] = ld_cluster_f32(&sm_pml[g][1], s);
-                    pa[s] = ld_cluster_f32(&sm_part[g][d], s);
-                }
-            }
             float mx = ATT_NEG;
-#pragma unroll
-            for (int s = 0; s < CL_MAX_SPLITS; s++)
-                if (s < n_active) mx = fmaxf(mx, pm[s]);
+            for (int s = 0; s < n_active; s++) mx = fmaxf(mx, ld_cluster_f32(&sm_pml[g][0], s));
             float a = 0.f, lsum = 0.f;
-#pragma unroll
-            for (int s = 0; s < CL_MAX_SPLITS; s++) {
-                if (s < n_active) {
-                    const float c = exp2f(pm[s] - mx);
-                    a = fmaf(pa[s], c, a);
-                    lsum = fmaf(pl[s], c, lsum);
-                }
+            for (int s = 0; s < n_active; s++) {
+                const float c = exp2f(ld_cluster_f32(&sm_pml[g][0], s) - mx);
+                a = fmaf(ld_cluster_f32(&sm_part[g][d], s), c, a);
+                lsum = fmaf(ld_cluster_f32(&sm_pml[g][1], s), c, lsum);
             }
             decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
         }
