@@ -165,6 +165,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "f16 decode attention of one row with the cluster merge: 1 (default) loads each warp's keys before the PDL wait (the new key from the step's rows), 0 after it (ATTENTION.md)",
     ),
     (
+        "FERRITE_TC2_PX",
+        Accepts::OneOf(&[0, 1]),
+        "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 (default) after the tiles (MATMUL.md)",
+    ),
+    (
         "FERRITE_ATTN_GB",
         Accepts::OneOf(&[1, 2, 4, 8]),
         "query heads per decode block",

@@ -1569,8 +1569,9 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 // of x * n for the lane's 32-group (quant_q8_lane; the calling warp holds the whole group) and,
 // from lane 0, the group's sum of x^2 (xor butterfly).
 __device__ __forceinline__ void add_norm_lane(float* xp, float v, float nwv, int lane, int8_t* __restrict__ pq_row,
-                                              int n, int o, float2* __restrict__ pd_g, float* __restrict__ pss_g) {
-    const float xr = *xp + v;
+                                              int n, int o, float2* __restrict__ pd_g, float* __restrict__ pss_g,
+                                              const float* x_old = nullptr) {
+    const float xr = (x_old != nullptr ? *x_old : *xp) + v;
     *xp = xr;
     float ss = xr * xr;
 #pragma unroll
@@ -1582,20 +1583,31 @@ __device__ __forceinline__ void add_norm_lane(float* xp, float v, float nwv, int
 // The two tiles and the epilogue of gemvq_tc2_add_q4k (block bx, 512 threads; s0, s1: the
 // calling thread's group's slots, whose copy has landed; x staged or not as XS): each group's
 // 16 sums (tc_reduce_g2), then warp r < rows takes x row r's 32 outputs of the block.
-template <int R, bool XS>
+// PX: the epilogue's residual x and norm weight were loaded early (gemvq_tc2_add_q4k) into
+// `xe` (x, then n), instead of after the tiles' compute.
+template <int R, bool XS, bool PX = false>
 __device__ __forceinline__ void tc2_tiles_add(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out, int n_in,
                                               const int8_t* __restrict__ xa, const float2* __restrict__ da,
                                               int rows, int plane, int bx, float* __restrict__ x,
                                               const float* __restrict__ nw, int8_t* __restrict__ pq,
-                                              float2* __restrict__ pd, float* __restrict__ pss) {
+                                              float2* __restrict__ pd, float* __restrict__ pss,
+                                              const float* xe = nullptr) {
     __shared__ float sums[2][R][16];
     const int tg = threadIdx.x >> 8;
     gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr,
                                                    bx * 32 + 16 * tg, plane, 0, nullptr, &sums[tg][0][0]);
     const int lane = threadIdx.x & 31, r = threadIdx.x >> 5, o = bx * 32 + lane, ng = n_out / QK;
-    if (r < R && r < rows)
-        add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], nw[o], lane,
-                      pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + bx, pss + (size_t)r * ng + bx);
+    if (r < R && r < rows) {
+        if constexpr (PX) {
+            add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], xe[1], lane,
+                          pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + bx, pss + (size_t)r * ng + bx,
+                          &xe[0]);
+        } else {
+            add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], nw[o], lane,
+                          pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + bx,
+                          pss + (size_t)r * ng + bx);
+        }
+    }
 }
 
 // The SwiGLU's 1 / rms(x) per x row from the producer's group sums pss[r][n_in / 32] (NORM of
@@ -1697,7 +1709,12 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
 //  - One block per 32 rows: 128 blocks of 512 threads for a 4096-row projection, one per SM
 //    (the one-tile kernel's 256 blocks run two per SM: the same bytes per SM).
 //  Needs n_out % 32 == 0 and R <= 16 warps.
-template <int R>
+//  PX (gemvq_tc2_addx_q4_k_r<R>; FERRITE_TC2_PX): the epilogue's loads go out early — the
+//  norm weight before the PDL wait, the residual x right after it (its last writer is
+//  launches back, but the wait is what orders it) — so that their round trips (the weight
+//  from DRAM: each layer's is read once a step) overlap the tiles' copy and compute instead
+//  of following them.
+template <int R, bool PX = false>
 __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                   int rows, float* __restrict__ x, const float* __restrict__ nw,
@@ -1715,7 +1732,16 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
         bulk_issue_spans(pa, max(0, min(8, n_out - r0)), pb, max(0, min(8, n_out - r0 - 8)), rb, slot, gs,
                          bars + tg);
     __syncthreads();
+    float xe[2] = {0.f, 0.f};  // PX: x, n of this lane's epilogue element
+    const int er = threadIdx.x >> 5, eo = blockIdx.x * 32 + (threadIdx.x & 31);
+    const bool epi = er < R && er < rows;
+    if constexpr (PX) {
+        if (epi) xe[1] = nw[eo];
+    }
     PDL_ENTRY();
+    if constexpr (PX) {
+        if (epi) xe[0] = x[(size_t)er * n_out + eo];
+    }
     const uint8_t* s0 = gs + ((size_t)pa & 15);
     const uint8_t* s1 = gs + slot + ((size_t)pb & 15);
     uint8_t* xs = smem + 4 * slot;  // XS: x after the four slots
@@ -1723,7 +1749,13 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
     gemv_bulk_wait(bars + tg);
     const int8_t* xa = XS ? (const int8_t*)xs : xq;
     const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
-    tc2_tiles_add<R, XS>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw, pq, pd, pss);
+    if constexpr (PX) {
+        tc2_tiles_add<R, XS, true>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw,
+                                   pq, pd, pss, xe);
+    } else {
+        tc2_tiles_add<R, XS>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw, pq,
+                             pd, pss);
+    }
 #endif
 }
 
@@ -2040,6 +2072,15 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
         gemvq_tc2_add_q4k<R>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars);   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32, 1)                                    \
+        gemvq_tc2_addx_q4_k_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,          \
+                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,    \
+                                 float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq, \
+                                 float2* __restrict__ pd, float* __restrict__ pss) {                        \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
+        gemvq_tc2_add_q4k<R, true>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars); \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, R))              \
         gemvq_swiglu_tcn_q4_k_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,           \
