@@ -350,7 +350,7 @@ impl Kernels {
         let tc2 = if gemvq_tc.is_some() && switches::int_or("FERRITE_DEFER_NORM_Q", 1) != 0 {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
             // FERRITE_TC2_PX=1: the form that loads its epilogue's residual and norm weight early.
-            let add = if switches::int_or("FERRITE_TC2_PX", 0) != 0 {
+            let add = if switches::int_or("FERRITE_TC2_PX", 1) != 0 {
                 "_tc2_addx_q4_k"
             } else {
                 "_tc2_add_q4_k"

@@ -167,7 +167,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_TC2_PX",
         Accepts::OneOf(&[0, 1]),
-        "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 (default) after the tiles (MATMUL.md)",
+        "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 (default) loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 after the tiles (MATMUL.md round 28)",
     ),
     (
         "FERRITE_ATTN_GB",
