@@ -134,7 +134,8 @@ for stage in "$@"; do
             f=$(synth "$p" "$q" | tail -1)
             LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
                 TRACE_OUT=/tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
-            python3 tools/h200/kernel_trace.py /tmp/trace.txt --order | tee "$OUT/trace-$p-$q.txt" | head -20
+            python3 tools/h200/kernel_trace.py /tmp/trace.txt --order > "$OUT/trace-$p-$q.txt" 2>&1
+            head -20 "$OUT/trace-$p-$q.txt"
             gzip -c /tmp/trace.txt > "$OUT/trace-$p-$q-raw.txt.gz"
             rm -f "$f"
         done
