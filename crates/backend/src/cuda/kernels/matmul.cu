@@ -2063,25 +2063,19 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
 // gemvq_tc_block's NORM form): gemvq_tc2_add_q4_k_r<R> (blocks of 512 threads, two tiles) and
 // gemvq_swiglu_tcn_q4_k_r<R> (the SwiGLU tensor-core kernel with the deferred scale; bounds
 // as its plain form's).
+// One two-tile o-projection kernel (PX: gemvq_tc2_add_q4k's early epilogue loads).
+#define GEMVQ_TC2_ADD_KERNEL(kname, R, PX)                                                                   \
+    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32, 1)                                    \
+        kname(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const int8_t* __restrict__ xq, \
+              const float2* __restrict__ xd, int rows, float* __restrict__ x, const float* __restrict__ nw,  \
+              int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) {                   \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
+        gemvq_tc2_add_q4k<R, PX>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars); \
+    }
 #define GEMVQ_TC2_KERNELS(R)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32, 1)                                    \
-        gemvq_tc2_add_q4_k_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
-                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
-                                float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq, \
-                                float2* __restrict__ pd, float* __restrict__ pss) {                         \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
-        gemvq_tc2_add_q4k<R>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars);   \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32, 1)                                    \
-        gemvq_tc2_addx_q4_k_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,          \
-                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,    \
-                                 float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq, \
-                                 float2* __restrict__ pd, float* __restrict__ pss) {                        \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        __shared__ __align__(8) uint64_t gemv_bars[2];                                                      \
-        gemvq_tc2_add_q4k<R, true>(W, rb, n_out, n_in, xq, xd, rows, x, nw, pq, pd, pss, gemv_smem, gemv_bars); \
-    }                                                                                                        \
+    GEMVQ_TC2_ADD_KERNEL(gemvq_tc2_add_q4_k_r##R, R, false)                                                  \
+    GEMVQ_TC2_ADD_KERNEL(gemvq_tc2_addx_q4_k_r##R, R, true)                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, R))              \
         gemvq_swiglu_tcn_q4_k_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,           \
                                    long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,        \
