@@ -23,6 +23,10 @@
 #   geometry Qwen3-8B Q8_0 tg128 A/B of the lane-code block geometry (MATMUL.md round 26):
 #            FERRITE_GEMV_ONE_WAVE 1 (default) / 2 / 0, then FERRITE_GEMVQ_SMEM 40 / 56 / 80 KB,
 #            two rounds each; Qwen3-8B Q4_K_M with ONE_WAVE 1 / 2 once (its lane code is Q6_K)
+#   pre2     the ticket-merge form of the keys-before-the-wait decode attention
+#            (FERRITE_ATTN_PRE=2; ATTENTION.md): its check cases, then Qwen3-8B and
+#            Qwen3-30B-A3B Q4_K_M tg128 in caches of 2,178 and 3,130 positions (35 and 49
+#            splits, chunks of one tile), FERRITE_ATTN_PRE 1 / 2 alternating, two rounds
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
 #   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, on by default; MATMUL.md round 24):
@@ -175,6 +179,20 @@ for stage in "$@"; do
             echo "Q4_K_M FERRITE_GEMV_ONE_WAVE=$v $(FERRITE_GEMV_ONE_WAVE=$v $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|gate|rror' | tr '\n' ' ')"
         done | tee -a "$OUT/geometry-ab.txt"
         rm -f "$f"
+        ;;
+    pre2)
+        FERRITE_ATTN_PRE=2 $F check --device cuda --filter attention 2>&1 | tee "$OUT/check-pre2.log" | tail -2
+        for pq in qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M; do
+            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
+            for d in 2048 3000; do
+                for r in 1 2; do
+                    for v in 1 2; do
+                        echo "$pq depth $d FERRITE_ATTN_PRE=$v $(FERRITE_ATTN_PRE=$v $F bench --model "$f" --depth $d --prompt-tokens 64 --reps 2 2>&1 | grep -E 'tg128|rror' | tr '\n' ' ')"
+                    done
+                done
+            done
+            rm -f "$f"
+        done | tee "$OUT/pre2-ab.txt"
         ;;
     exact)
         FERRITE_MMQ=1 $F check --device cuda --filter matmul 2>&1 | tail -3

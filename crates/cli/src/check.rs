@@ -1473,16 +1473,26 @@ pub fn cases(quick: bool) -> Vec<Case> {
         }
     }
     if !quick {
-        // One f16 row in caches of 2 to 16 splits of at most 64 keys (the cluster merge, and
-        // the keys loaded before the PDL wait: attention.rs `pre_loads_fit`), the new key in
-        // the first, a middle and the last tile of its split; Qwen3-8B's GQA group 4 and
+        // One f16 row in caches of 2 to 32 splits of at most 64 keys (the cluster merge up to
+        // 16, and the keys loaded before the PDL wait: attention.rs `pre_loads_fit`), the new
+        // key in the first, a middle and the last tile of its split; Qwen3-8B's GQA group 4 and
         // Qwen3-30B-A3B's 8 (32 heads over 4 KV heads: two head blocks per KV head).
         let q30b = AttnShape {
             n_heads: 32,
             n_kv_heads: 4,
             head_dim: 128,
         };
-        for (shape, pos0) in [(q8b, 64), (q8b, 130), (q8b, 700), (q30b, 300), (q30b, 959)] {
+        // Past a cluster's 16 splits with chunks still one tile (24 and 32 splits; the
+        // ticket-merge form of FERRITE_ATTN_PRE=2 on CUDA).
+        for (shape, pos0) in [
+            (q8b, 64),
+            (q8b, 130),
+            (q8b, 700),
+            (q30b, 300),
+            (q30b, 959),
+            (q8b, 1500),
+            (q30b, 2000),
+        ] {
             add(Op::Attention {
                 shape,
                 pos0,

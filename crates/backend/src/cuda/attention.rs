@@ -239,6 +239,10 @@ pub struct Kernels {
     /// (`attn_decode_tc_clp_128_<gb>`, one row only: ATTENTION.md, "Keys loaded before the
     /// wait"; on by default); `None` with `FERRITE_ATTN_PRE=0` or where `decode_cl[0]` is.
     decode_clp: Option<Vec<CudaFunction>>,
+    /// The same form with the ticket merge (`attn_decode_tc_pre_128_<gb>`), for caches of
+    /// more splits than a cluster holds whose chunks are still one tile (up to 4,096
+    /// positions at 64 splits); only with `FERRITE_ATTN_PRE=2` (built, not yet measured).
+    decode_pre: Option<Vec<CudaFunction>>,
     /// Whether `decode_tc[1]` is the q8_0 loop that loads its next tile early
     /// (`attn_decode_tc_q8p_128_<gb>`; `FERRITE_ATTN_PIPE=0`: the plain loop).
     q8_pipe: bool,
@@ -365,10 +369,9 @@ impl Kernels {
             cl_family(dtc != 0, "tc_cl_")?,
             cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
-        let decode_clp = cl_family(
-            dtc != 0 && super::switches::int_or("FERRITE_ATTN_PRE", 1) != 0,
-            "tc_clp_",
-        )?;
+        let pre = super::switches::int_or("FERRITE_ATTN_PRE", 1);
+        let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
+        let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
@@ -376,6 +379,7 @@ impl Kernels {
             decode_tc,
             decode_cl,
             decode_clp,
+            decode_pre,
             q8_pipe,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
@@ -785,10 +789,19 @@ pub fn attention(
                 && rows == 1
                 && pre_loads_fit(kv.capacity, kv.n_splits, kv.min_chunk)
         });
-        let func = match (clp, cl) {
-            (Some(clp), _) => &clp[gbi],
-            (None, Some(cl)) => &cl[gbi],
-            (None, None) => decode_kernel(
+        // The same past a cluster's splits (FERRITE_ATTN_PRE=2).
+        let pre = be.attention.decode_pre.as_ref().filter(|_| {
+            cl.is_none()
+                && tc_dim
+                && q8 == 0
+                && rows == 1
+                && pre_loads_fit(kv.capacity, kv.n_splits, kv.min_chunk)
+        });
+        let func = match (clp, cl, pre) {
+            (Some(clp), _, _) => &clp[gbi],
+            (None, Some(cl), _) => &cl[gbi],
+            (None, None, Some(pre)) => &pre[gbi],
+            (None, None, None) => decode_kernel(
                 &be.attention.decode_tc,
                 &be.attention.decode,
                 q8,

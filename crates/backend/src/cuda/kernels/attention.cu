@@ -1217,7 +1217,16 @@ DECODE_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_clp_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                            \
+        attn_decode_tc_pre_128_##GB(DECODE_ARGS) {                                                           \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
+// attn_decode_tc_pre_128_<GB>: the keys-before-the-wait form with the ticket merge (caches of
+// more splits than a cluster holds whose chunks are still one tile: attention.rs
+// `pre_loads_fit`), held to 4 blocks per SM like the plain kernel it replaces (its split count
+// assumes them).
+#define DECODE_PRE_MINB 4
 DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
 DECODE_TC_KERNEL(4)
