@@ -65,6 +65,18 @@ synth() { # preset quant
     echo "$f"
 }
 
+# Two rounds of tg128 on model file $3 with switch $1 at each value of $2 in turn (labelled
+# by $4); further arguments go to bench.
+ab_switch() { # VAR "values" model label [bench args...]
+    local var=$1 vals=$2 f=$3 label=$4 r v
+    shift 4
+    for r in 1 2; do
+        for v in $vals; do
+            echo "$label $var=$v $(env "$var=$v" $F bench --model "$f" --reps 2 "$@" 2>&1 | grep -E 'tg128|rror' | tr '\n' ' ')"
+        done
+    done
+}
+
 for stage in "$@"; do
     echo "=== $stage $(date -u +%H:%M:%S)"
     case "$stage" in
@@ -188,11 +200,7 @@ for stage in "$@"; do
         for pq in qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M; do
             f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
             for d in 2048 3000; do
-                for r in 1 2; do
-                    for v in 1 2; do
-                        echo "$pq depth $d FERRITE_ATTN_PRE=$v $(FERRITE_ATTN_PRE=$v $F bench --model "$f" --depth $d --prompt-tokens 64 --reps 2 2>&1 | grep -E 'tg128|rror' | tr '\n' ' ')"
-                    done
-                done
+                ab_switch FERRITE_ATTN_PRE "1 2" "$f" "$pq depth $d" --depth $d --prompt-tokens 64
             done
             rm -f "$f"
         done | tee "$OUT/pre2-ab.txt"
@@ -201,11 +209,7 @@ for stage in "$@"; do
         FERRITE_ROPE_PRE=1 $F check --device cuda --filter rope 2>&1 | tee "$OUT/check-ropepre.log" | tail -2
         for pq in qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M; do
             f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
-            for r in 1 2; do
-                for v in 0 1; do
-                    echo "$pq FERRITE_ROPE_PRE=$v $(FERRITE_ROPE_PRE=$v $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|rror' | tr '\n' ' ')"
-                done
-            done
+            ab_switch FERRITE_ROPE_PRE "0 1" "$f" "$pq"
             rm -f "$f"
         done | tee "$OUT/ropepre-ab.txt"
         ;;
