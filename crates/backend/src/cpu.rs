@@ -454,7 +454,7 @@ impl Backend for CpuBackend {
         eps: f32,
     ) -> Result<()> {
         ensure!(
-            x.cols % head_dim == 0,
+            x.cols.is_multiple_of(head_dim),
             "head_rms_norm: {} columns is not a whole number of {head_dim}-heads",
             x.cols
         );
@@ -685,7 +685,9 @@ impl Backend for CpuBackend {
         delta: DeltaShape,
     ) -> Result<CpuKv> {
         ensure!(
-            delta.conv_kernel >= 1 && delta.n_k_heads > 0 && delta.n_v_heads % delta.n_k_heads == 0,
+            delta.conv_kernel >= 1
+                && delta.n_k_heads > 0
+                && delta.n_v_heads.is_multiple_of(delta.n_k_heads),
             "bad linear-attention shape {delta:?}"
         );
         let mut kv = self.kv_new(n_attn_layers, shape, capacity)?;
@@ -813,7 +815,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         check_shape("gated_rms_norm z", z, x.rows, x.cols)?;
         ensure!(
-            x.cols % head_dim == 0,
+            x.cols.is_multiple_of(head_dim),
             "gated_rms_norm: {} columns is not a whole number of {head_dim}-heads",
             x.cols
         );

@@ -1008,12 +1008,12 @@ pub fn check_rope<B, I>(
     rope: &Rope,
 ) -> Result<()> {
     anyhow::ensure!(
-        head_dim > 0 && x.cols % head_dim == 0,
+        head_dim > 0 && x.cols.is_multiple_of(head_dim),
         "rope: {} columns is not a whole number of {head_dim}-heads",
         x.cols
     );
     anyhow::ensure!(
-        rope.rot_dim <= head_dim && rope.rot_dim % 2 == 0,
+        rope.rot_dim <= head_dim && rope.rot_dim.is_multiple_of(2),
         "rope: bad rotary dim {}",
         rope.rot_dim
     );

@@ -150,7 +150,7 @@ pub struct HybridDims {
 
 impl HybridDims {
     fn is_linear(&self, layer: usize) -> bool {
-        (layer + 1) % self.full_attn_interval != 0
+        !(layer + 1).is_multiple_of(self.full_attn_interval)
     }
     fn key_dim(&self) -> usize {
         self.n_k_heads * self.k_head_dim
@@ -444,9 +444,9 @@ fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: u
             },
         },
     };
-    if row_len % t.block_size() == 0 {
+    if row_len.is_multiple_of(t.block_size()) {
         t
-    } else if row_len % GgmlType::Q8_0.block_size() == 0
+    } else if row_len.is_multiple_of(GgmlType::Q8_0.block_size())
         && t != GgmlType::F16
         && t != GgmlType::BF16
     {

@@ -231,7 +231,7 @@ fn from_gguf_qwen35(f: &GgufFile, arch: Arch, vocab: usize) -> Result<ModelConfi
         tiled_v_heads: true,
     };
     anyhow::ensure!(
-        delta.n_k_heads > 0 && delta.n_v_heads % delta.n_k_heads == 0,
+        delta.n_k_heads > 0 && delta.n_v_heads.is_multiple_of(delta.n_k_heads),
         "{} linear value heads is not a multiple of {} key heads",
         delta.n_v_heads,
         delta.n_k_heads
@@ -451,7 +451,7 @@ fn from_hf_qwen35(arch: Arch, c: &serde_json::Value) -> Result<ModelConfig> {
         tiled_v_heads: false,
     };
     anyhow::ensure!(
-        delta.n_k_heads > 0 && delta.n_v_heads % delta.n_k_heads == 0,
+        delta.n_k_heads > 0 && delta.n_v_heads.is_multiple_of(delta.n_k_heads),
         "{} linear value heads is not a multiple of {} key heads",
         delta.n_v_heads,
         delta.n_k_heads
@@ -513,13 +513,13 @@ fn validate(c: &ModelConfig) -> Result<()> {
         "bad attention shape {a:?}"
     );
     anyhow::ensure!(
-        a.n_heads % a.n_kv_heads == 0,
+        a.n_heads.is_multiple_of(a.n_kv_heads),
         "{} heads is not a multiple of {} kv heads",
         a.n_heads,
         a.n_kv_heads
     );
     anyhow::ensure!(
-        c.rope.rot_dim <= a.head_dim && c.rope.rot_dim % 2 == 0,
+        c.rope.rot_dim <= a.head_dim && c.rope.rot_dim.is_multiple_of(2),
         "bad rotary dim {}",
         c.rope.rot_dim
     );

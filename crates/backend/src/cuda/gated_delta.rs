@@ -143,7 +143,7 @@ pub fn kv_new_hybrid(
     ensure!(
         (1..=MAX_CONV_KERNEL).contains(&delta.conv_kernel)
             && delta.n_k_heads > 0
-            && delta.n_v_heads % delta.n_k_heads == 0
+            && delta.n_v_heads.is_multiple_of(delta.n_k_heads)
             && delta.v_head_dim > 0,
         "bad linear-attention shape {delta:?} (the CUDA convolution takes kernels of 1..={MAX_CONV_KERNEL})"
     );
@@ -439,7 +439,7 @@ pub fn gated_rms_norm(
 ) -> Result<()> {
     check_shape("gated_rms_norm z", z, x.rows, x.cols)?;
     ensure!(
-        head_dim > 0 && x.cols % head_dim == 0,
+        head_dim > 0 && x.cols.is_multiple_of(head_dim),
         "gated_rms_norm: {} columns is not a whole number of {head_dim}-heads",
         x.cols
     );

@@ -518,8 +518,8 @@ pub(crate) fn type_index(t: GgmlType) -> Result<usize> {
 /// most warps that can usefully split one row (must follow the step loops of matmul.cu).
 fn gemv_steps(t: GgmlType, n_in: usize) -> usize {
     let units = match t {
-        GgmlType::F32 if n_in % 4 == 0 => n_in / 4,
-        GgmlType::F16 | GgmlType::BF16 if n_in % 4 == 0 => n_in / 4,
+        GgmlType::F32 if n_in.is_multiple_of(4) => n_in / 4,
+        GgmlType::F16 | GgmlType::BF16 if n_in.is_multiple_of(4) => n_in / 4,
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => n_in,
         GgmlType::Q8_0 => n_in / 32 * 8,
         GgmlType::Q4_0 | GgmlType::Q4_1 => n_in / 32 * 4,
@@ -938,7 +938,7 @@ pub(crate) fn quantize_into(
 ) -> Result<()> {
     let n = rows * n_in;
     ensure!(
-        n_in % 32 == 0 && x.len() >= n && q.len() >= 2 * n && d.len() >= n / 16,
+        n_in.is_multiple_of(32) && x.len() >= n && q.len() >= 2 * n && d.len() >= n / 16,
         "quantize: [{rows}, {n_in}] does not fit its buffers"
     );
     ensure!(

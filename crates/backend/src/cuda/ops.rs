@@ -246,7 +246,7 @@ pub fn head_rms_norm(
     eps: f32,
 ) -> Result<()> {
     ensure!(
-        x.cols % head_dim == 0,
+        x.cols.is_multiple_of(head_dim),
         "head_rms_norm: {} columns is not a whole number of {head_dim}-heads",
         x.cols
     );

@@ -155,7 +155,7 @@ impl<W: Write> GgufWriter<W> {
             .try_fold(1usize, |a, &d| a.checked_mul(d))
             .ok_or_else(|| self.misuse(format!("tensor '{name}': element count overflows")))?;
         let row = shape[shape.len() - 1];
-        if row % dtype.block_size() != 0 {
+        if !row.is_multiple_of(dtype.block_size()) {
             return Err(self.misuse(format!(
                 "tensor '{name}': row length {row} is not a multiple of the {dtype} block size {}",
                 dtype.block_size()

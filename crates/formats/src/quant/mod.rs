@@ -104,7 +104,7 @@ impl GgmlType {
     /// Bytes for `n` elements; error if `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Result<usize> {
         let bs = self.block_size();
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return Err(FormatError::Other(format!(
                 "{} elements is not a multiple of the {} block size {}",
                 n,
@@ -216,7 +216,7 @@ pub(crate) fn dot_many_impl<const BS: usize, const TS: usize>(
             }
         }
     }
-    if n_in % BS != 0 {
+    if !n_in.is_multiple_of(BS) {
         let rtail = row.get(n_full * TS..).unwrap_or(&[]);
         for (o, x) in out.iter_mut().zip(xs.chunks_exact(n_in)) {
             let (w, xp) = padded_tail(rtail, &x[n_full * BS..], &deq);
