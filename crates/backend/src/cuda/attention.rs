@@ -1384,7 +1384,7 @@ mod tests {
 
     /// The caches that take the keys-before-the-wait form have chunks of at most one block
     /// iteration at every position (the device's chunk formula, as in the test below), and
-    /// the bench's cache (capacity 640 at prompt 512, 10 splits) is one of them.
+    /// the bench's tg128 cache (512 positions, 8 splits) is one of them.
     #[test]
     fn pre_loads_fit_only_single_tile_chunks() {
         for cap in 1..=1200usize {
@@ -1404,8 +1404,9 @@ mod tests {
             }
         }
         let tu = DecodeTuning::default();
-        let splits = decode_splits(132, shape(32, 8, 128), 640, tu, false);
-        assert!(pre_loads_fit(640, splits, min_chunk_for(128, tu)));
+        let splits = decode_splits(132, shape(32, 8, 128), 512, tu, false);
+        assert_eq!(splits, 8);
+        assert!(pre_loads_fit(512, splits, min_chunk_for(128, tu)));
     }
 
     /// The device computes chunk = max(mc, roundup(ceil(n/splits), step)) (step: keys per
