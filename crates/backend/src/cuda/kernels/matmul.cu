@@ -1597,17 +1597,10 @@ __device__ __forceinline__ void tc2_tiles_add(const uint8_t* s0, const uint8_t* 
     gemvq_tc_q4k<R, false, XS, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, nullptr,
                                                    bx * 32 + 16 * tg, plane, 0, nullptr, &sums[tg][0][0]);
     const int lane = threadIdx.x & 31, r = threadIdx.x >> 5, o = bx * 32 + lane, ng = n_out / QK;
-    if (r < R && r < rows) {
-        if constexpr (PX) {
-            add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], xe[1], lane,
-                          pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + bx, pss + (size_t)r * ng + bx,
-                          &xe[0]);
-        } else {
-            add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], nw[o], lane,
-                          pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + bx,
-                          pss + (size_t)r * ng + bx);
-        }
-    }
+    if (r < R && r < rows)
+        add_norm_lane(x + (size_t)r * n_out + o, sums[lane >> 4][r][lane & 15], PX ? xe[1] : nw[o], lane,
+                      pq + (size_t)r * 2 * n_out, n_out, o, pd + (size_t)r * ng + bx, pss + (size_t)r * ng + bx,
+                      PX ? &xe[0] : nullptr);
 }
 
 // The SwiGLU's 1 / rms(x) per x row from the producer's group sums pss[r][n_in / 32] (NORM of
@@ -1749,13 +1742,8 @@ __device__ __forceinline__ void gemvq_tc2_add_q4k(const uint8_t* __restrict__ W,
     gemv_bulk_wait(bars + tg);
     const int8_t* xa = XS ? (const int8_t*)xs : xq;
     const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
-    if constexpr (PX) {
-        tc2_tiles_add<R, XS, true>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw,
-                                   pq, pd, pss, xe);
-    } else {
-        tc2_tiles_add<R, XS>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw, pq,
-                             pd, pss);
-    }
+    tc2_tiles_add<R, XS, PX>(s0, s1, rb, n_out, n_in, xa, da, rows, XS ? n_in + 64 : n_in, blockIdx.x, x, nw, pq,
+                             pd, pss, xe);
 #endif
 }
 
