@@ -782,21 +782,20 @@ pub fn attention(
         let cl = be.attention.decode_cl[q8]
             .as_ref()
             .filter(|_| tc_dim && (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits));
-        // One f16 row: the form whose warps load their keys before the PDL wait.
-        let clp = be.attention.decode_clp.as_ref().filter(|_| {
-            cl.is_some()
-                && q8 == 0
-                && rows == 1
-                && pre_loads_fit(kv.capacity, kv.n_splits, kv.min_chunk)
-        });
-        // The same past a cluster's splits (FERRITE_ATTN_PRE=2).
-        let pre = be.attention.decode_pre.as_ref().filter(|_| {
-            cl.is_none()
-                && tc_dim
-                && q8 == 0
-                && rows == 1
-                && pre_loads_fit(kv.capacity, kv.n_splits, kv.min_chunk)
-        });
+        // One f16 row whose chunks are one tile: the forms whose warps load their keys before
+        // the PDL wait, with the cluster merge or past a cluster's splits (FERRITE_ATTN_PRE=2).
+        let pre_ok =
+            tc_dim && q8 == 0 && rows == 1 && pre_loads_fit(kv.capacity, kv.n_splits, kv.min_chunk);
+        let clp = be
+            .attention
+            .decode_clp
+            .as_ref()
+            .filter(|_| pre_ok && cl.is_some());
+        let pre = be
+            .attention
+            .decode_pre
+            .as_ref()
+            .filter(|_| pre_ok && cl.is_none());
         let func = match (clp, cl, pre) {
             (Some(clp), _, _) => &clp[gbi],
             (None, Some(cl), _) => &cl[gbi],
