@@ -426,10 +426,11 @@ __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned
                                             const unsigned short*, const unsigned short*, int, int, int, int) {}
 
 // PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>, and with the ticket merge
-// attn_decode_tc_pre_128_<GB>): a warp's loads of its one 16-key tile, issued before the PDL wait (keys clamped to end - 1 as in the loop). Every
-// position below the step's own was written by a grid that has completed; the step's own
-// position (`DtcNew::pos`) is not written yet, so the loop takes that key from the step's k/v
-// rows instead (dtc_f16_new) and stores it into the cache itself.
+// attn_decode_tc_pre_128_<GB>): a warp's loads of its one 16-key tile, issued before the PDL
+// wait (keys clamped to end - 1 as in the loop). Every position below the step's own was
+// written by a grid that has completed; the step's own position (`DtcNew::pos`) is not
+// written yet, so the loop takes that key from the step's k/v rows instead (dtc_f16_new) and
+// stores it into the cache itself.
 template <int NP, bool ON>
 struct DtcF16Pre {
     uint4 k[2][NP], v[4][2];
@@ -553,10 +554,9 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
 //
 // PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>, the cluster-merge launch of
 // short caches, and attn_decode_tc_pre_128_<GB>, the ticket-merge one, where a warp's chunk is
-// its one 16-key tile): the warp's first tile is loaded
-// before the PDL wait (dtc_f16_load, into `pre`), so the keys' DRAM round trip overlaps the
-// kernels before this one instead of following the wait (where it queued behind the next
-// GEMV's weight copies). The new position's key is not in the cache yet: the lanes whose
+// its one 16-key tile): the warp's tile is loaded before the PDL wait (dtc_f16_load, into
+// `pre`), so the keys' DRAM round trip overlaps the kernels before this one instead of
+// following the wait (where it queued behind the next GEMV's weight copies). The new position's key is not in the cache yet: the lanes whose
 // (clamped) key is `nw.pos` take it from the step's k/v rows (dtc_f16_new, the kv store's
 // f16 bits) and the lanes of the position itself store it; the launch has no store phase and
 // no barrier before the loop. Same arithmetic on the same values: the plain loop's bits.

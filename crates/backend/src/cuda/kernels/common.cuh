@@ -153,8 +153,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // PDL_ENTRY, or where `early` holds the other order: the successor launched before this
 // kernel's own wait, so that the GEMV after a small kernel is scheduled (and copies its
 // weights) while the kernel before this one still runs. Safe: the successor's own wait covers
-// this grid's completion, which follows this grid's wait (quant_x_q8, MATMUL.md round 25;
-// elementwise.cu's _early forms).
+// this grid's completion, which follows this grid's wait (quant_x_q8, MATMUL.md round 25).
 #define PDL_ENTRY_IF_EARLY(early)                                                                  \
     do {                                                                                           \
         if (early) {                                                                               \
