@@ -1482,14 +1482,14 @@ pub fn cases(quick: bool) -> Vec<Case> {
             n_kv_heads: 4,
             head_dim: 128,
         };
-        // Past a cluster's 16 splits with chunks still one tile (24 and 32 splits; the
-        // ticket-merge form of FERRITE_ATTN_PRE=2 on CUDA).
         for (shape, pos0) in [
             (q8b, 64),
             (q8b, 130),
             (q8b, 700),
             (q30b, 300),
             (q30b, 959),
+            // Past a cluster's 16 splits with chunks still one tile (24 and 32 splits; the
+            // ticket-merge form of FERRITE_ATTN_PRE=2 on CUDA).
             (q8b, 1500),
             (q30b, 2000),
         ] {
