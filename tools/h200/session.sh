@@ -27,9 +27,6 @@
 #            (FERRITE_ATTN_PRE=2; ATTENTION.md): its check cases, then Qwen3-8B and
 #            Qwen3-30B-A3B Q4_K_M tg128 in caches of 2,178 and 3,130 positions (35 and 49
 #            splits, chunks of one tile), FERRITE_ATTN_PRE 1 / 2 alternating, two rounds
-#   ropepre  QK-norm + RoPE with its position and cos / sin before the PDL wait
-#            (FERRITE_ROPE_PRE=1; DECODE_STEP.md): `check --filter rope` with it, then Qwen3-8B
-#            and Qwen3-30B-A3B Q4_K_M tg128, 0 / 1 alternating, two rounds
 #   exact    exact prefill (FERRITE_MMQ=1): matmul/moe checks, and a 4-layer Qwen3.5-35B-A3B cut's
 #            CUDA-vs-CPU logits per position plus its prefill/decode gate
 #   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, on by default; MATMUL.md round 24):
@@ -204,14 +201,6 @@ for stage in "$@"; do
             done
             rm -f "$f"
         done | tee "$OUT/pre2-ab.txt"
-        ;;
-    ropepre)
-        FERRITE_ROPE_PRE=1 $F check --device cuda --filter rope 2>&1 | tee "$OUT/check-ropepre.log" | tail -2
-        for pq in qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M; do
-            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
-            ab_switch FERRITE_ROPE_PRE "0 1" "$f" "$pq"
-            rm -f "$f"
-        done | tee "$OUT/ropepre-ab.txt"
         ;;
     exact)
         FERRITE_MMQ=1 $F check --device cuda --filter matmul 2>&1 | tail -3

@@ -46,15 +46,7 @@ impl Kernels {
             head_rms_norm: function(&m, "head_rms_norm")?,
             rope: function(&m, "rope")?,
             add_rms_norm: function(&m, "add_rms_norm")?,
-            // FERRITE_ROPE_PRE=1: the form that computes its rotation before its PDL wait.
-            qk_norm_rope: function(
-                &m,
-                if super::switches::int_or("FERRITE_ROPE_PRE", 0) != 0 {
-                    "qk_norm_rope_pre"
-                } else {
-                    "qk_norm_rope"
-                },
-            )?,
+            qk_norm_rope: function(&m, "qk_norm_rope")?,
             add_assign: function(&m, "add_assign")?,
             swiglu: function(&m, "swiglu")?,
             topk_rows: function(&m, "topk_rows")?,

@@ -190,16 +190,11 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 // Rotary pairs per lane held in registers by qk_norm_rope (head_dim <= 256: half <= 128).
 #define QKR_PAIRS 4
 
-// PRE (qk_norm_rope_pre; FERRITE_ROPE_PRE=1): the row's position (host-written) and the
-// lane's cos / sin are computed before the PDL wait as well, so that only the head's loads,
-// its sum of squares and the rotation follow the wait. The same cosf / sinf of the same
-// arguments: the same bits.
-template <bool PRE>
-__device__ __forceinline__ void qk_norm_rope_impl(float* __restrict__ q, float* __restrict__ k,
-                                                  const float* __restrict__ qw, const float* __restrict__ kw,
-                                                  const int* __restrict__ positions, int rows, int q_heads,
-                                                  int k_heads, int head_dim, int rot_dim, int neox, float theta,
-                                                  float eps) {
+extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
+                                        const float* __restrict__ qw, const float* __restrict__ kw,
+                                        const int* __restrict__ positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, int rot_dim, int neox,
+                                        float theta, float eps) {
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     long long nq = (long long)rows * q_heads;
@@ -223,17 +218,6 @@ __device__ __forceinline__ void qk_norm_rope_impl(float* __restrict__ q, float* 
             inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
         }
     }
-    float cs[PRE ? QKR_PAIRS : 1], sn[PRE ? QKR_PAIRS : 1];
-    if constexpr (PRE) {
-        const int tp = warp >= total ? 0 : (int)(warp < nq ? warp / q_heads : (warp - nq) / k_heads);
-        const float pp = (float)positions[tp];
-#pragma unroll
-        for (int j = 0; j < QKR_PAIRS; j++) {
-            const float a = pp * inv_freq[j];
-            cs[j] = cosf(a);
-            sn[j] = sinf(a);
-        }
-    }
     PDL_ENTRY();
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp;
@@ -253,7 +237,7 @@ __device__ __forceinline__ void qk_norm_rope_impl(float* __restrict__ q, float* 
         ss = warp_sum(ss);
         scale = rsqrtf(ss / (float)head_dim + eps);
     }
-    const float pos = PRE ? 0.0f : (float)positions[t];
+    const float pos = (float)positions[t];
 #pragma unroll
     for (int j = 0; j < QKR_PAIRS; j++) {
         const int p = lane + 32 * j;
@@ -265,31 +249,13 @@ __device__ __forceinline__ void qk_norm_rope_impl(float* __restrict__ q, float* 
             x0 = (x0 * scale) * wa[j];
             x1 = (x1 * scale) * wb[j];
         }
-        float c, s;
-        if constexpr (PRE) {
-            c = cs[j];
-            s = sn[j];
-        } else {
-            float a = pos * inv_freq[j];
-            c = cosf(a);
-            s = sinf(a);
-        }
+        float a = pos * inv_freq[j];
+        float c = cosf(a), s = sinf(a);
         hp[ia] = x0 * c - x1 * s;
         hp[ib] = x0 * s + x1 * c;
     }
     if (norm)
         for (int i = rot_dim + lane; i < head_dim; i += 32) hp[i] = (hp[i] * scale) * w[i];
-}
-
-#define QK_NORM_ROPE_ARGS                                                                          \
-    float *__restrict__ q, float *__restrict__ k, const float *__restrict__ qw,                    \
-        const float *__restrict__ kw, const int *__restrict__ positions, int rows, int q_heads,    \
-        int k_heads, int head_dim, int rot_dim, int neox, float theta, float eps
-extern "C" __global__ void qk_norm_rope(QK_NORM_ROPE_ARGS) {
-    qk_norm_rope_impl<false>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps);
-}
-extern "C" __global__ void qk_norm_rope_pre(QK_NORM_ROPE_ARGS) {
-    qk_norm_rope_impl<true>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps);
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
