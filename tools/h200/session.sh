@@ -23,7 +23,7 @@
 #   geometry Qwen3-8B Q8_0 tg128 A/B of the lane-code block geometry (MATMUL.md round 26):
 #            FERRITE_GEMV_ONE_WAVE 1 (default) / 2 / 0, then FERRITE_GEMVQ_SMEM 40 / 56 / 80 KB,
 #            two rounds each; Qwen3-8B Q4_K_M with ONE_WAVE 1 / 2 once (its lane code is Q6_K)
-#   pre2     the ticket-merge form of the keys-before-the-wait decode attention
+#   pre2     the ticket-merge form of the keys-before-the-wait decode attention (the default)
 #            (FERRITE_ATTN_PRE=2; ATTENTION.md): its check cases, then Qwen3-8B and
 #            Qwen3-30B-A3B Q4_K_M tg128 in caches of 2,178 and 3,130 positions (35 and 49
 #            splits, chunks of one tile), FERRITE_ATTN_PRE 1 / 2 alternating, two rounds

@@ -1489,7 +1489,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (q30b, 300),
             (q30b, 959),
             // Past a cluster's 16 splits with chunks still one tile (24 and 32 splits; the
-            // ticket-merge form of FERRITE_ATTN_PRE=2 on CUDA).
+            // ticket-merge form of the keys-before-the-wait kernel on CUDA).
             (q8b, 1500),
             (q30b, 2000),
         ] {

@@ -241,7 +241,7 @@ pub struct Kernels {
     decode_clp: Option<Vec<CudaFunction>>,
     /// The same form with the ticket merge (`attn_decode_tc_pre_128_<gb>`), for caches of
     /// more splits than a cluster holds whose chunks are still one tile (up to 4,096
-    /// positions at 64 splits); only with `FERRITE_ATTN_PRE=2` (built, not yet measured).
+    /// positions at 64 splits; on by default); `None` with `FERRITE_ATTN_PRE` 0 or 1.
     decode_pre: Option<Vec<CudaFunction>>,
     /// Whether `decode_tc[1]` is the q8_0 loop that loads its next tile early
     /// (`attn_decode_tc_q8p_128_<gb>`; `FERRITE_ATTN_PIPE=0`: the plain loop).
@@ -369,7 +369,7 @@ impl Kernels {
             cl_family(dtc != 0, "tc_cl_")?,
             cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
-        let pre = super::switches::int_or("FERRITE_ATTN_PRE", 1);
+        let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
         Ok(Kernels {
@@ -783,7 +783,7 @@ pub fn attention(
             .as_ref()
             .filter(|_| tc_dim && (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits));
         // One f16 row whose chunks are one tile: the forms whose warps load their keys before
-        // the PDL wait, with the cluster merge or past a cluster's splits (FERRITE_ATTN_PRE=2).
+        // the PDL wait, with the cluster merge or past a cluster's splits (the ticket merge).
         let pre_ok =
             tc_dim && q8 == 0 && rows == 1 && pre_loads_fit(kv.capacity, kv.n_splits, kv.min_chunk);
         let clp = be

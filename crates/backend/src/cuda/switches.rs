@@ -162,7 +162,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_ATTN_PRE",
         Accepts::OneOf(&[0, 1, 2]),
-        "f16 decode attention of one row whose chunks are one tile: 1 (default) loads each warp's keys before the PDL wait (the new key from the step's rows) in the cluster-merge form, 2 also in the ticket-merge form of larger caches (not yet measured), 0 after it (ATTENTION.md)",
+        "f16 decode attention of one row whose chunks are one tile: 2 (default) loads each warp's keys before the PDL wait (the new key from the step's rows) in the cluster-merge form and in the ticket-merge form of caches past 16 splits, 1 in the cluster-merge form only, 0 after it (ATTENTION.md)",
     ),
     (
         "FERRITE_TC2_PX",
