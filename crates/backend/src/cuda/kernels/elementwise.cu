@@ -462,13 +462,21 @@ extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float*
 // unfused GEMV's bits too, with x read from shared memory. Before the PDL wait the block's
 // norm weights are loaded and its router rows prefetched into L2 (as the small-output
 // GEMV's mode-2 prologue). Reads per block: x, y (2 · 4 · cols bytes from L2) and its rows.
-#define NG_NW 2  // rows per row group: matmul.cu's GEMV_NW
+//
+// PRE (add_rms_norm_gemv_f32_pre; FERRITE_ROUTER_PRE=1): each lane's router weights for its
+// first NG_PRE loop steps are loaded into registers before the PDL wait, instead of from L2
+// after the norm: the weights depend on no launch, and read after the norm they are one more
+// L2 round trip on the chain between the o-projection and the experts (Qwen3-30B-A3B: 2048
+// columns, ks = 8, two steps per lane, so the whole router; the prefetch is then left out).
+// The same FMAs in the same order: the same bits.
+#define NG_NW 2   // rows per row group: matmul.cu's GEMV_NW
+#define NG_PRE 4  // PRE: loop steps per lane whose weights are loaded before the wait
 
-extern "C" __global__ void __launch_bounds__(1024)
-    add_rms_norm_gemv_f32(const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
-                          float* __restrict__ x_out, float* __restrict__ h, int cols, float eps,
-                          int8_t* __restrict__ xq, float2* __restrict__ xd, const float* __restrict__ W, int n_out,
-                          int ks, float* __restrict__ out) {
+template <bool PRE>
+__device__ __forceinline__ void add_rms_norm_gemv_f32_impl(
+    const float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+    float* __restrict__ x_out, float* __restrict__ h, int cols, float eps, int8_t* __restrict__ xq,
+    float2* __restrict__ xd, const float* __restrict__ W, int n_out, int ks, float* __restrict__ out) {
     extern __shared__ float4 hs[];  // h, cols / 4 chunks
     __shared__ float partial[32];
     __shared__ float red[32][NG_NW];
@@ -480,8 +488,23 @@ extern "C" __global__ void __launch_bounds__(1024)
     const int gpb = nw / ks;  // row groups per block
     const int grp = wid / ks, kw = wid % ks;
     const int o0 = (blockIdx.x * gpb + grp) * NG_NW;
+    constexpr int NP = PRE ? NG_PRE : 0;
+    float4 pa[PRE ? NG_PRE : 1][NG_NW];
+    if constexpr (PRE) {
+        if (o0 < n_out) {  // whole warp
+#pragma unroll
+            for (int r = 0; r < NG_NW; r++) {
+                const float4* wr = (const float4*)(W + (size_t)min(o0 + r, n_out - 1) * cols);
+#pragma unroll
+                for (int j = 0; j < NG_PRE; j++) {
+                    const int i = lane + 32 * kw + j * 32 * ks;
+                    pa[j][r] = i < chunks ? __ldcs(wr + i) : zero;
+                }
+            }
+        }
+    }
 #if __CUDA_ARCH__ >= 900
-    {
+    if (!PRE || NP * 32 * ks < chunks) {
         const int r0 = blockIdx.x * gpb * NG_NW, r1 = min(r0 + gpb * NG_NW, n_out);
         const size_t a0 = (size_t)(W + (size_t)r0 * cols) & ~(size_t)127;
         const size_t a1 = (size_t)(W + (size_t)r1 * cols);
@@ -520,8 +543,24 @@ extern "C" __global__ void __launch_bounds__(1024)
         const float4* wr[NG_NW];
 #pragma unroll
         for (int r = 0; r < NG_NW; r++) wr[r] = (const float4*)(W + (size_t)min(o0 + r, n_out - 1) * cols);
+        if constexpr (PRE) {
+#pragma unroll
+            for (int j = 0; j < NG_PRE; j++) {
+                const int i = lane + 32 * kw + j * 32 * ks;
+                if (i < chunks) {
+                    const float4 xv = hs[i];
+#pragma unroll
+                    for (int r = 0; r < NG_NW; r++) {
+                        acc[r] = fmaf(pa[j][r].x, xv.x, acc[r]);
+                        acc[r] = fmaf(pa[j][r].y, xv.y, acc[r]);
+                        acc[r] = fmaf(pa[j][r].z, xv.z, acc[r]);
+                        acc[r] = fmaf(pa[j][r].w, xv.w, acc[r]);
+                    }
+                }
+            }
+        }
 #pragma unroll 8
-        for (int i = lane + 32 * kw; i < chunks; i += 32 * ks) {
+        for (int i = lane + 32 * kw + NP * 32 * ks; i < chunks; i += 32 * ks) {
             float4 a[NG_NW];
 #pragma unroll
             for (int r = 0; r < NG_NW; r++) a[r] = __ldcs(wr[r] + i);
@@ -556,6 +595,17 @@ extern "C" __global__ void __launch_bounds__(1024)
         for (int k = 1; k < ks; k++) s += red[wid + k][lane];
         if (o0 + lane < n_out) out[o0 + lane] = s;
     }
+}
+
+#define ADD_RMS_NORM_GEMV_ARGS                                                                          \
+    const float *__restrict__ x, const float *__restrict__ y, const float *__restrict__ w,             \
+        float *__restrict__ x_out, float *__restrict__ h, int cols, float eps, int8_t *__restrict__ xq, \
+        float2 *__restrict__ xd, const float *__restrict__ W, int n_out, int ks, float *__restrict__ out
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_gemv_f32(ADD_RMS_NORM_GEMV_ARGS) {
+    add_rms_norm_gemv_f32_impl<false>(x, y, w, x_out, h, cols, eps, xq, xd, W, n_out, ks, out);
+}
+extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_gemv_f32_pre(ADD_RMS_NORM_GEMV_ARGS) {
+    add_rms_norm_gemv_f32_impl<true>(x, y, w, x_out, h, cols, eps, xq, xd, W, n_out, ks, out);
 }
 
 // ---------------------------------------------------------------------------------------
