@@ -343,17 +343,6 @@ impl Kernels {
                 half,
                 split,
                 mixed: all("_multi_tc_q4_k_q6_k")?,
-                split_xf: if switches::int_or("FERRITE_TCK_XF", 0) != 0 {
-                    let f = function(&m, "gemvq_tckf_q4_k_r1")?;
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        GEMVQ_BULK_MAX_SMEM as i32,
-                    )
-                    .context("gemvq_tckf_q4_k_r1: raising the shared-memory limit")?;
-                    Some(f)
-                } else {
-                    None
-                },
             })
         } else {
             None
@@ -795,9 +784,6 @@ pub fn matmul(
     }
 
     if rows <= GEMV_MAX_ROWS && uses_gemvq(w, rows) {
-        if tck_from_floats(be, x, w, out)? {
-            return Ok(());
-        }
         let xq = quantize_x(be, x)?;
         let xq = xq
             .as_ref()
@@ -829,101 +815,6 @@ pub fn matmul(
         return Ok(());
     }
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
-}
-
-/// One row of x through the Q4_K K-split tile that quantizes its own slices
-/// (`gemvq_tckf_q4_k_r1`, `FERRITE_TCK_XF=1`): the down projections of 12288-column rows
-/// without the `quant_x_q8` launch before them (each block stages its 4096-column slice
-/// with quant_x_q8's arithmetic: the same planes, the same bits). `false` (nothing done)
-/// where it does not apply: more than one row, another form or type, the switch off, or x's
-/// planes already made by its producer (then they are read as before).
-fn tck_from_floats(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    w: &CudaWeight,
-    out: &mut Act<CudaSlice<f32>>,
-) -> Result<bool> {
-    let Some(f) = be
-        .matmul
-        .gemvq_tc
-        .as_ref()
-        .and_then(|t| t.split_xf.as_ref())
-    else {
-        return Ok(false);
-    };
-    if x.rows != 1 || w.dtype != GgmlType::Q4K {
-        return Ok(false);
-    }
-    let (n_out, n_in) = (w.shape[0], w.shape[1]);
-    let rb = w.row_bytes();
-    let (_, smem, tc) = gemvq_plan(
-        be,
-        w.dtype,
-        n_in,
-        n_out,
-        rb,
-        row_groups(n_out),
-        1,
-        1,
-        GemvKind::Plain,
-    )?;
-    let Some(TcForm::Split(_, ks, kc)) = tc else {
-        return Ok(false);
-    };
-    {
-        // Planes its producer made for this x are cheaper to read than to make again.
-        let g = be
-            .matmul
-            .xq
-            .lock()
-            .map_err(|_| anyhow!("matmul: int8 scratch lock poisoned"))?;
-        let (x_ptr, _s) = x.buf.device_ptr(&be.stream);
-        let now = super::launch::launch_count();
-        if g.as_ref().and_then(|b| b.src) == Some((x_ptr, 1, n_in, now)) {
-            return Ok(false);
-        }
-    }
-    let (wp, _g) = w.data.device_ptr(&be.stream);
-    ensure!(
-        wp % 16 == 0 && rb % 16 == 0,
-        "gemvq: K-split tile on a weight not 16-byte aligned"
-    );
-    let tck = lock_tck(be, n_out)?;
-    let sc = tck
-        .as_ref()
-        .ok_or_else(|| anyhow!("gemvq: K-split scratch missing"))?;
-    let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(n_out.div_ceil(16))?, u32::try_from(ks)?, 1),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem,
-    };
-    let (rb_i, n_out_i, n_in_i, rows_i, kc_i) = (
-        rb as i64,
-        n_out as i32,
-        n_in as i32,
-        1i32,
-        i32::try_from(kc)?,
-    );
-    // SAFETY: w holds n_out rows of rb bytes (checked by the caller), 16-byte aligned; x one
-    // row of n_in floats and out one of n_out (checked by the caller); the shared memory is
-    // the K-split plan's at one row (the widest slice's tile and x); the scratch holds
-    // TCK_MAX_SPLITS x GEMV_MAX_ROWS x n_out partials and a ticket per 16-row tile.
-    unsafe {
-        be.stream
-            .kernel(f)
-            .arg(&w.data)
-            .arg(&rb_i)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(&x.buf)
-            .arg(&rows_i)
-            .arg(&mut out.buf)
-            .arg(&kc_i)
-            .arg(&sc.part)
-            .arg(&sc.tickets)
-            .launch(cfg)
-    }?;
-    Ok(true)
 }
 
 /// Whether a matmul of a `t` weight with `n_out` outputs on `rows` rows runs the
@@ -1215,9 +1106,6 @@ struct TcKernels {
     half: Vec<(GgmlType, [CudaFunction; 6])>,
     /// `gemvq_tck_<type>_r<R>`: the K-split tile for long rows (`TcLong::Split`).
     split: Vec<(GgmlType, [CudaFunction; 6])>,
-    /// `gemvq_tckf_q4_k_r1`: the Q4_K K-split tile at one row quantizing its own slice of x
-    /// from floats ([`tck_from_floats`]); `None` unless `FERRITE_TCK_XF=1`.
-    split_xf: Option<CudaFunction>,
     mixed: [CudaFunction; 6],
 }
 

@@ -170,11 +170,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 (default) loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 after the tiles (MATMUL.md round 28)",
     ),
     (
-        "FERRITE_TCK_XF",
-        Accepts::OneOf(&[0, 1]),
-        "the Q4_K K-split down projection at one row: 1 quantizes its own slices of x from floats (no quant_x_q8 launch before it; not yet measured), 0 (default) reads the planes quant_x_q8 made (MATMUL.md)",
-    ),
-    (
         "FERRITE_ROUTER_PRE",
         Accepts::OneOf(&[0, 1]),
         "the MoE norm + router launch (add_rms_norm_gemv_f32): 1 loads each lane's router weights before the PDL wait (not yet measured), 0 (default) from L2 after the norm (DECODE_STEP.md)",

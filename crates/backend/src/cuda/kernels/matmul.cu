@@ -1276,31 +1276,6 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
     __syncthreads();
 }
 
-// tc_stage_x's layout made from one row of x in floats (the K-split tile's XF form): each
-// warp quantizes 32-element groups with quant_q8_lane, quant_x_q8's own arithmetic, so the
-// planes and scale pairs are the bits quant_x_q8 would have stored; TCX_UNROLL groups' loads
-// in flight per warp before their quantization. x: written by the previous launch (after
-// the PDL wait; read through L2).
-#define TCX_UNROLL 4
-__device__ __forceinline__ void tc_stage_xf(uint8_t* xs, const float* __restrict__ xf, int n_in) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5, ng = n_in / QK;
-    float2* ds = (float2*)(xs + 2 * n_in + 128);
-    for (int g0 = warp; g0 < ng; g0 += nw * TCX_UNROLL) {
-        float v[TCX_UNROLL];
-#pragma unroll
-        for (int u = 0; u < TCX_UNROLL; u++) {
-            const int g = g0 + u * nw;
-            v[u] = g < ng ? __ldcg(xf + g * QK + lane) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < TCX_UNROLL; u++) {
-            const int g = g0 + u * nw;  // warp-uniform
-            if (g < ng) quant_q8_lane(v[u], lane, (int8_t*)xs, n_in + 64, g * QK + lane, ds + g);
-        }
-    }
-    __syncthreads();
-}
-
 // The end of a tensor-core GEMV block: thread (g, t) of warp w holds acc[r][a], its share of
 // MMA row g + 8a for x row r. The four t lanes (xor 1, 2), then the 8 warps (in order,
 // through shared memory) are added. Output row `row` of the tile (slot m = row / 8, its row
@@ -1809,15 +1784,12 @@ extern "C" __global__ void add_norm_planes(float* __restrict__ x, const float* _
 //  Sum: each block writes its partial sums to part[k][rows][n_out]; the block that draws the
 //  tile's last ticket (tickets[tile], reset to 0 by it) adds the ks partials in the order of
 //  k, so the output does not depend on which block finishes last.
-//  XF (gemvq_tckf_q4_k_r1, R = 1; FERRITE_TCK_XF=1): x arrives as floats (the SwiGLU's h)
-//  and each block quantizes its own slice while its tile lands (tc_stage_xf: quant_x_q8's
-//  bits), so no quant_x_q8 launch runs before the down projection.
-template <int TYPE, int R, bool XF = false>
+template <int TYPE, int R>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                 float* __restrict__ part, unsigned* __restrict__ tickets,
-                                                uint8_t* smem, uint64_t* bar, const float* __restrict__ xf = nullptr) {
+                                                uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -1841,10 +1813,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     PDL_ENTRY();
     // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
     uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB, NS);
-    if constexpr (XF)
-        tc_stage_xf(xs, xf + k0, kn);
-    else if (XS)
-        tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
+    if (XS) tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
     gemv_bulk_wait(bar);
     float* po = part + (size_t)k * (size_t)rows * (size_t)n_out;
     const int8_t* xa = XS ? (const int8_t*)xs : xq + k0;
@@ -2033,17 +2002,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                                  &gemv_bar);                                                                \
     }
 #define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
-// gemvq_tckf_q4_k_r1: the same at one row with x in floats, quantized by each block
-// (gemvq_tck_block's XF; matmul.rs `tck_from_floats`).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_tckf_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                       const float* __restrict__ xf, int rows, float* __restrict__ out, int kc,
-                       float* __restrict__ part, unsigned* __restrict__ tickets) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, true>(W, rb, n_out, n_in, kc, nullptr, nullptr, rows, out, part, tickets,
-                                        gemv_smem, &gemv_bar, xf);
-}
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
 
