@@ -52,10 +52,11 @@ impl Kernels {
             topk_rows: function(&m, "topk_rows")?,
             rms_norm_v4: function(&m, "rms_norm_v4")?,
             add_rms_norm_v4: function(&m, "add_rms_norm_v4")?,
-            // FERRITE_ROUTER_PRE=1: the form that loads its router weights before its PDL wait.
+            // The form that loads its router weights before its PDL wait (FERRITE_ROUTER_PRE=0:
+            // after the norm, from L2).
             add_rms_norm_gemv_f32: function(
                 &m,
-                if super::switches::int_or("FERRITE_ROUTER_PRE", 0) != 0 {
+                if super::switches::int_or("FERRITE_ROUTER_PRE", 1) != 0 {
                     "add_rms_norm_gemv_f32_pre"
                 } else {
                     "add_rms_norm_gemv_f32"

@@ -172,7 +172,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_ROUTER_PRE",
         Accepts::OneOf(&[0, 1]),
-        "the MoE norm + router launch (add_rms_norm_gemv_f32): 1 loads each lane's router weights before the PDL wait (not yet measured), 0 (default) from L2 after the norm (DECODE_STEP.md)",
+        "the MoE norm + router launch (add_rms_norm_gemv_f32): 1 (default) loads each lane's router weights before the PDL wait, 0 from L2 after the norm (MOE.md)",
     ),
     (
         "FERRITE_ATTN_GB",

@@ -463,12 +463,13 @@ extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float*
 // norm weights are loaded and its router rows prefetched into L2 (as the small-output
 // GEMV's mode-2 prologue). Reads per block: x, y (2 · 4 · cols bytes from L2) and its rows.
 //
-// PRE (add_rms_norm_gemv_f32_pre; FERRITE_ROUTER_PRE=1): each lane's router weights for its
-// first NG_PRE loop steps are loaded into registers before the PDL wait, instead of from L2
-// after the norm: the weights depend on no launch, and read after the norm they are one more
-// L2 round trip on the chain between the o-projection and the experts (Qwen3-30B-A3B: 2048
-// columns, ks = 8, two steps per lane, so the whole router; the prefetch is then left out).
-// The same FMAs in the same order: the same bits.
+// PRE (add_rms_norm_gemv_f32_pre, the default; FERRITE_ROUTER_PRE=0 takes the other): each
+// lane's router weights for its first NG_PRE loop steps are loaded into registers before the
+// PDL wait, instead of from L2 after the norm: the weights depend on no launch, and read
+// after the norm they are one more L2 round trip on the chain between the o-projection and
+// the experts (Qwen3-30B-A3B: 2048 columns, ks = 8, two steps per lane, so the whole router;
+// the prefetch is then left out). The same FMAs in the same order: the same bits. MOE.md,
+// "The router's weights before the PDL wait".
 #define NG_NW 2   // rows per row group: matmul.cu's GEMV_NW
 #define NG_PRE 4  // PRE: loop steps per lane whose weights are loaded before the wait
 
