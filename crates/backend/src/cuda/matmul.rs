@@ -363,15 +363,7 @@ impl Kernels {
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
         let gemvq_moe_gu_tc = if bulk && switches::int_or("FERRITE_MOE_TC", 1) != 0 {
-            // FERRITE_MOE_XE=1: the form whose warps 1-7 stage x while warp 0 routes.
-            Some(function(
-                &m,
-                if switches::int_or("FERRITE_MOE_XE", 0) != 0 {
-                    "gemvq_moe_gu_tcx_q4_k"
-                } else {
-                    "gemvq_moe_gu_tc_q4_k"
-                },
-            )?)
+            Some(function(&m, "gemvq_moe_gu_tc_q4_k")?)
         } else {
             None
         };

@@ -1264,19 +1264,16 @@ __device__ __forceinline__ size_t tc_slot(long long rb, int ns) {
 // the weight copy is in flight; ends with a block barrier.
 // src_plane: the distance of the source's planes where x is a column slice of a wider x
 // (the K-split tile, gemvq_tck_block; 0: n_in).
-// T0 > 0 (the MoE gate/up's XE form): only threads T0.. stage, and there is no barrier (the
-// caller's next one orders the stores before any read).
-template <int T0 = 0>
 __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                            int n_in, int src_plane = 0) {
     const int n16 = n_in / 16, nb = n_in / QK, sp = src_plane ? src_plane : n_in;
-    for (int i = threadIdx.x - T0; i < 2 * n16; i += blockDim.x - T0) {
+    for (int i = threadIdx.x; i < 2 * n16; i += blockDim.x) {
         const int p = i >= n16 ? 1 : 0, j = i - p * n16;
         *(int4*)(xs + p * (n_in + 64) + 16 * j) = __ldg((const int4*)(xq + p * sp) + j);
     }
     float2* ds = (float2*)(xs + 2 * n_in + 128);
-    for (int i = threadIdx.x - T0; i < nb; i += blockDim.x - T0) ds[i] = __ldg(xd + i);
-    if (T0 == 0) __syncthreads();
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) ds[i] = __ldg(xd + i);
+    __syncthreads();
 }
 
 // The end of a tensor-core GEMV block: thread (g, t) of warp w holds acc[r][a], its share of
@@ -2290,11 +2287,7 @@ __device__ __forceinline__ void moe_down_prefetch(const uint8_t* D, long long d_
 #endif
 }
 
-// XE (gemvq_moe_gu_tcx_q4_k, with TC; FERRITE_MOE_XE=1): warps 1-7 stage x while warp 0
-// routes, instead of after the routing's barrier: x (the norm's planes) does not depend on
-// the routing, so its L2 round trip leaves the chain between the wait and the copies' issue.
-// The same staged bytes: the same bits.
-template <int TYPE, bool TC = false, bool XE = false>
+template <int TYPE, bool TC = false>
 __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
                                              long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, const float* __restrict__ logits,
@@ -2319,13 +2312,6 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     constexpr bool bulk = false;
 #endif
     PDL_ENTRY();  // logits: the router GEMV; xq: the norm (or quant_x_q8)
-#if __CUDA_ARCH__ >= 900
-    if constexpr (XE && tc) {
-        if (warp != 0)
-            tc_stage_x<32>(gemv_smem + 2 * slot, xq + (size_t)t * 2 * hidden, xd + (size_t)t * (hidden / QK),
-                           hidden);
-    }
-#endif
     if (warp == 0) {
         const int e = moe_route_warp(logits + (size_t)t * n_experts, n_experts, p % top_k, top_k, 0, rp, nullptr,
                                      nullptr, lane);
@@ -2360,7 +2346,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
         __shared__ float hs[2 * MOE_GU_ROWS];
         if (valid) {
             uint8_t* xs = gemv_smem + 2 * slot;
-            if (!XE) tc_stage_x(xs, xt, dt, hidden);
+            tc_stage_x(xs, xt, dt, hidden);
             mbar_wait(&bar, 0);
             moe_down_prefetch(D, d_rb, hidden, e);
             const size_t row0 = (size_t)e * ffn + r0;
@@ -2574,16 +2560,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
                          const uint8_t* __restrict__ D, long long d_rb) {
     gemvq_moe_gu<GGML_Q4_K, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets, D,
                                   d_rb);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
-    gemvq_moe_gu_tcx_q4_k(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn,
-                          int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                          const float* __restrict__ logits, int n_experts, int top_k, float* __restrict__ h,
-                          int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets,
-                          const uint8_t* __restrict__ D, long long d_rb) {
-    gemvq_moe_gu<GGML_Q4_K, true, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets,
-                                        D, d_rb);
 }
 
 GEMVQ_MOE_KERNELS(q8_0, GGML_Q8_0)
