@@ -242,13 +242,8 @@ impl Kernels {
         // GEMV for them, the register-load one before).
         let bulk = arch.starts_with("compute_9") || arch.starts_with("compute_1");
         // The MoE down kernel's rows per pass of a warp (FERRITE_MOE_DOWN_NW: 2 or 4; MOE.md).
-        // FERRITE_GEMV_XPF=1: the lane-code forms that prefetch x into L1 while their weights'
-        // copy lands (matmul.cu's XPF: the Q8_0 and Q6_K families, the mixed QKV launch's V,
-        // the MoE down kernels).
-        let xpf = switches::int_or("FERRITE_GEMV_XPF", 0) != 0;
         let down = match switches::int_or("FERRITE_MOE_DOWN_NW", 4) {
             2 => "gemvq_moe_down_",
-            _ if xpf => "gemvq_moe_down4x_",
             _ => "gemvq_moe_down4_",
         };
         for (ty, name) in TYPES {
@@ -279,12 +274,7 @@ impl Kernels {
                 ])
             });
             gemvq.push(if quantized_x(ty) {
-                let x = if xpf && bulk && matches!(ty, GgmlType::Q8_0 | GgmlType::Q6K) {
-                    "_xpf"
-                } else {
-                    ""
-                };
-                let all = |kind: &str| per_r(&m, &format!("gemvq{kind}{x}_{name}"), bulk);
+                let all = |kind: &str| per_r(&m, &format!("gemvq{kind}_{name}"), bulk);
                 Some([all("")?, all("_swiglu")?, all("_multi")?])
             } else {
                 None
@@ -352,11 +342,7 @@ impl Kernels {
                 fams,
                 half,
                 split,
-                mixed: all(if xpf {
-                    "_multi_tcx_q4_k_q6_k"
-                } else {
-                    "_multi_tc_q4_k_q6_k"
-                })?,
+                mixed: all("_multi_tc_q4_k_q6_k")?,
             })
         } else {
             None

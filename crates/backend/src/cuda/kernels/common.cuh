@@ -236,16 +236,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned int bytes) {
 #endif
 }
 
-// L1 prefetches of [p, p + bytes) by threads t of nt (one 128-byte line each per step): data
-// a kernel will read through L1 after a wait on something else (matmul.cu's XPF forms: x
-// while the weights' bulk copy lands). A hint: nothing is waited for.
-__device__ __forceinline__ void prefetch_l1_range(const void* p, size_t bytes, int t, int nt) {
-#if __CUDA_ARCH__ >= 900
-    const size_t a0 = (size_t)p & ~(size_t)127, a1 = (size_t)p + bytes;
-    for (size_t a = a0 + 128 * (size_t)t; a < a1; a += 128 * (size_t)nt) asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-#endif
-}
-
 // This block's rank in its cluster (0 without clusters).
 __device__ __forceinline__ int cluster_rank() {
 #if __CUDA_ARCH__ >= 900

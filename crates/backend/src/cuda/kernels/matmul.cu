@@ -1840,11 +1840,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
 // launcher's choice).
-// XPF (gemvq*_xpf_<type>, the mixed launch's _tcx V segment; FERRITE_GEMV_XPF=1): the lane
-// code reads x through L1 only after its weights' bulk copy has landed, one more L2 round
-// trip after it; x (the previous launch's) is valid once the PDL wait returns, so the block
-// prefetches its rows into L1 then, while the copy is still in flight. Same arithmetic.
-template <int TYPE, int R, bool SWIGLU, bool TC = false, bool XPF = false>
+template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
@@ -1867,10 +1863,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
-    if constexpr (XPF) {
-        prefetch_l1_range(xq, (size_t)rows * 2 * (size_t)n_in, threadIdx.x, blockDim.x);
-        prefetch_l1_range(xd, (size_t)rows * (size_t)(n_in / QK) * sizeof(float2), threadIdx.x, blockDim.x);
-    }
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
@@ -1947,19 +1939,19 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // One family of quantized-x GEMV kernels: gemvq<TCN>_<name>_r<R> (plain), gemvq_swiglu<TCN>_...
 // and gemvq_multi<TCN>_... (TCN empty: the lane code; _tc: the tensor-core form, TC = true);
 // LB: the parenthesised __launch_bounds__ arguments.
-#define GEMVQ_KERNEL_FAM(name, TYPE, R, TC, TCN, LB, XP)                                                     \
+#define GEMVQ_KERNEL_FAM(name, TYPE, R, TC, TCN, LB)                                                         \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq##TCN##_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,        \
                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,  \
                                    float* __restrict__ out, int ks) {                                        \
-        gemvq<TYPE, R, false, TC, XP>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);             \
+        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                 \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_swiglu##TCN##_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,    \
                                           long long rb, int n_out, int n_in, const int8_t* __restrict__ xq, \
                                           const float2* __restrict__ xd, int rows, float* __restrict__ out, \
                                           int ks) {                                                          \
-        gemvq<TYPE, R, true, TC, XP>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);             \
+        gemvq<TYPE, R, true, TC>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);                 \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq, \
@@ -1969,11 +1961,9 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
         float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
-        gemvq<TYPE, R, false, TC, XP>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                     \
+        gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                         \
     }
-#define GEMVQ_KERNEL(name, TYPE, R) GEMVQ_KERNEL_FAM(name, TYPE, R, false, , (GEMV_WARPS * 32), false)
-// gemvq_xpf_<type>_r<R> (and _swiglu / _multi): the lane code with x prefetched into L1 (XPF).
-#define GEMVQ_XPF_KERNEL(name, TYPE, R) GEMVQ_KERNEL_FAM(name, TYPE, R, false, _xpf, (GEMV_WARPS * 32), true)
+#define GEMVQ_KERNEL(name, TYPE, R) GEMVQ_KERNEL_FAM(name, TYPE, R, false, , (GEMV_WARPS * 32))
 // gemvq_tc_<q4_k|q6_k>_r<R> and their SwiGLU / grouped forms: gemvq_tc_q4k / gemvq_tc_q6k
 // (ks = 1 launches on sm_90+). Q4_K R = 1 and 2: at most 85 registers, three blocks of 8 warps
 // per SM (R = 1 had 64 and four blocks, MATMUL.md round 8, until the branch-free x words took
@@ -1982,7 +1972,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // they need.
 #define GEMVQ_TC_MINB(TYPE, R) ((TYPE) == GGML_Q4_K ? ((R) <= 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
 #define GEMVQ_TC_KERNEL(name, TYPE, R) \
-    GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)), false)
+    GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TC_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TC_KERNEL, name, TYPE)
 // gemvq_tch_<type>_r<R>: the 8-row tile (HALF) for rows too long for the 16-row one (the
 // 12288-column down projections); plain weights only. Bounds as the 16-row kernels'.
@@ -2024,7 +2014,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts segments 0 and 1 in the tensor-core form
 // (their ks = 1); segment 2 keeps the lane code (Q6_K's tensor-core tile was slower on the
 // 1024-row V: MATMUL.md round 9).
-#define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TCN, LB, XP)                                                  \
+#define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TCN, LB)                                                      \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,            \
                                               const int8_t* __restrict__ xq, const float2* __restrict__ xd,  \
@@ -2036,18 +2026,15 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             gemvq<TA, R, false, TC>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                    \
                                     s == 0 ? sg.out0 : sg.out1, ks, bx);                                     \
         } else {                                                                                             \
-            gemvq<TB, R, false, false, XP>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);  \
+            gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
         }                                                                                                    \
     }
-#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, , (GEMV_WARPS * 32), false)
+#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, , (GEMV_WARPS * 32))
 // R = 1 with the tensor-core segments: at most 85 registers (three blocks per SM, as the
 // lane-code kernels).
 #define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R) \
-    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, _tc, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1), false)
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, _tc, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1))
 #define GEMVQ_MIXED_TC_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_TC_KERNEL, na, TA, nb, TB)
-// gemvq_multi_tcx_<a>_<b>_r<R>: the same with the lane-code segment's x prefetched (XPF).
-#define GEMVQ_MIXED_TCX_KERNEL(na, TA, nb, TB, R) \
-    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, _tcx, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1), true)
 
 #define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_KERNEL, na, TA, nb, TB)
 
@@ -2094,9 +2081,6 @@ GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
-GEMV_EACH_R(GEMVQ_MIXED_TCX_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
-GEMV_EACH_R(GEMVQ_XPF_KERNEL, q8_0, GGML_Q8_0)
-GEMV_EACH_R(GEMVQ_XPF_KERNEL, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
@@ -2440,9 +2424,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
 
 // DNW: rows per pass of a warp's slot (2 or 4: the same per-row arithmetic, so the same bits;
 // 4 shares each x load between four rows and halves the dependent passes).
-// XPF (gemvq_moe_down4x_<type>; FERRITE_GEMV_XPF=1): each warp prefetches its slot's rows of
-// h's planes into L1 right after the PDL wait, while its copy lands (gemvq's XPF).
-template <int TYPE, int DNW = 2, bool XPF = false>
+template <int TYPE, int DNW = 2>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
                                                const float* __restrict__ logits, int n_experts, int top_k, int norm,
@@ -2481,13 +2463,6 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
         }
     }
     PDL_ENTRY();  // hq, hd: the gate/up kernel
-    if constexpr (XPF) {
-        for (int k = warp; k < top_k; k += GEMV_WARPS) {
-            const int p = t * top_k + k;
-            prefetch_l1_range(hq + (size_t)p * 2 * ffn, (size_t)2 * ffn, lane, 32);
-            prefetch_l1_range(hd + (size_t)p * (ffn / QK), (size_t)(ffn / QK) * sizeof(float2), lane, 32);
-        }
-    }
     uint32_t ph = 0;  // copies this warp's slot has completed (barrier phases)
     for (int k = warp; k < top_k; k += GEMV_WARPS) {
         const int p = t * top_k + k;
@@ -2556,12 +2531,12 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
 }
 
 // A down kernel of DNW rows per pass (gemvq_moe_down).
-#define GEMVQ_MOE_DOWN_KERNEL(kname, TYPE, DNW, XP)                                                            \
+#define GEMVQ_MOE_DOWN_KERNEL(kname, TYPE, DNW)                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
         kname(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn, const int8_t* __restrict__ hq,  \
               const float2* __restrict__ hd, const float* __restrict__ logits, int n_experts, int top_k,         \
               int norm, float* __restrict__ out) {                                                               \
-        gemvq_moe_down<TYPE, DNW, XP>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);         \
+        gemvq_moe_down<TYPE, DNW>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);             \
     }
 
 #define GEMVQ_MOE_KERNELS(name, TYPE)                                                                          \
@@ -2573,9 +2548,8 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                             const uint8_t* __restrict__ D, long long d_rb) {                                     \
         gemvq_moe_gu<TYPE>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets, D, d_rb); \
     }                                                                                                          \
-    GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down_##name, TYPE, 2, false)                                               \
-    GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down4_##name, TYPE, 4, false)                                              \
-    GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down4x_##name, TYPE, 4, true)
+    GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down_##name, TYPE, 2)                                                      \
+    GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down4_##name, TYPE, 4)
 
 // The tensor-core gate/up of Q4_K experts (its own instance: its register allocation is its own).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
