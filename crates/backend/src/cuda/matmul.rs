@@ -355,13 +355,7 @@ impl Kernels {
             } else {
                 "_tc2_add_q4_k"
             };
-            // FERRITE_SWIGLU_TC4=1: the SwiGLU at four blocks per SM (64 registers at one row).
-            let tcn = if switches::int_or("FERRITE_SWIGLU_TC4", 0) != 0 {
-                "_swiglu_tcn4_q4_k"
-            } else {
-                "_swiglu_tcn_q4_k"
-            };
-            Some([all(add)?, all(tcn)?])
+            Some([all(add)?, all("_swiglu_tcn_q4_k")?])
         } else {
             None
         };

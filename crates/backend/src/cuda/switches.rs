@@ -170,11 +170,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 (default) loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 after the tiles (MATMUL.md round 28)",
     ),
     (
-        "FERRITE_SWIGLU_TC4",
-        Accepts::OneOf(&[0, 1]),
-        "the Q4_K SwiGLU that takes the FFN norm's hand-over: 1 holds it to 64 registers at one row (four blocks per SM; not yet measured), 0 (default) three blocks per SM (MATMUL.md)",
-    ),
-    (
         "FERRITE_ROUTER_PRE",
         Accepts::OneOf(&[0, 1]),
         "the MoE norm + router launch (add_rms_norm_gemv_f32): 1 (default) loads each lane's router weights before the PDL wait, 0 from L2 after the norm (MOE.md)",

@@ -2076,20 +2076,6 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
     }
 #define GEMVQ_TC2_KERNEL_R(unused, R) GEMVQ_TC2_KERNELS(R)
 GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
-// gemvq_swiglu_tcn4_q4_k_r<R> (FERRITE_SWIGLU_TC4=1): the same SwiGLU held to 64 registers at
-// R = 1, four blocks per SM instead of three (MATMUL.md round 31).
-#define GEMVQ_TCN4_KERNEL(unused, R)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, (R) == 1 ? 4 : GEMVQ_TC_MINB(GGML_Q4_K, R)) \
-        gemvq_swiglu_tcn4_q4_k_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,           \
-                                    long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,        \
-                                    const float2* __restrict__ xd, int rows, float* __restrict__ out,        \
-                                    const float* __restrict__ pss, float eps) {                              \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                \
-        __shared__ __align__(8) uint64_t gemv_bar;                                                           \
-        gemvq_tc_block<GGML_Q4_K, R, true, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, \
-                                                        gemv_smem, &gemv_bar, pss, eps);                     \
-    }
-GEMV_EACH_R(GEMVQ_TCN4_KERNEL, _)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
