@@ -212,6 +212,17 @@ static void reference() {
     }
 }
 
+// run<GB, ...>() for the case's heads per block (1, 2, 4 or 8).
+template <bool Q8, bool PIPE = false, bool PRE = false>
+static void run_gb(int gb) {
+    switch (gb) {
+        case 1: run<1, Q8, PIPE, PRE>(); break;
+        case 2: run<2, Q8, PIPE, PRE>(); break;
+        case 4: run<4, Q8, PIPE, PRE>(); break;
+        case 8: run<8, Q8, PIPE, PRE>(); break;
+    }
+}
+
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static double urand() {
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
@@ -251,27 +262,16 @@ int main() {
             for (size_t i = 0; i < bt.size(); i++) bt[i] = (int)i;
             for (size_t i = bt.size() - 1; i > 0; i--) std::swap(bt[i], bt[(size_t)(urand() * (i + 1)) % (i + 1)]);
         }
-        switch (c.gb * 2 + c.q8) {
-            case 2: run<1, false>(); break;
-            case 3: run<1, true>(); break;
-            case 4: run<2, false>(); break;
-            case 5: run<2, true>(); break;
-            case 8: run<4, false>(); break;
-            case 9: run<4, true>(); break;
-            case 16: run<8, false>(); break;
-            case 17: run<8, true>(); break;
-        }
+        if (c.q8)
+            run_gb<true>(c.gb);
+        else
+            run_gb<false>(c.gb);
         // The q8_0 loop with the next tile's loads issued early (PIPE, contiguous caches):
         // the same arithmetic, so the same bits as the plain loop.
         bool pipe_same = true;
         if (c.q8 && c.page_shift == 0) {
             const std::vector<double> plain = out_kernel;
-            switch (c.gb) {
-                case 1: run<1, true, true>(); break;
-                case 2: run<2, true, true>(); break;
-                case 4: run<4, true, true>(); break;
-                case 8: run<8, true, true>(); break;
-            }
+            run_gb<true, true>(c.gb);
             pipe_same = out_kernel == plain;
             if (!pipe_same) printf("gb=%d q8_0 keys [%d, %d): the PIPE loop differs from the plain one\n", c.gb,
                                    c.start, c.end);
@@ -292,12 +292,7 @@ int main() {
                     kf[pos * HD + d] = vf[pos * HD + d] = 0x7E00;  // NaN: not yet written
                 }
                 pre_pos = pos;
-                switch (c.gb) {
-                    case 1: run<1, false, false, true>(); break;
-                    case 2: run<2, false, false, true>(); break;
-                    case 4: run<4, false, false, true>(); break;
-                    case 8: run<8, false, false, true>(); break;
-                }
+                run_gb<false, false, true>(c.gb);
                 const bool same = out_kernel == plain;
                 // Its row stored by the block that holds it; left alone by the others.
                 const bool stored = pos < c.end ? (kf == kf0 && vf == vf0) : true;
