@@ -111,6 +111,9 @@ pub struct Kernels {
     /// from the Q4_K o-projection to the SwiGLU ([`matmul_add_for_norm`]; sm_90+, unless
     /// `FERRITE_DEFER_NORM_Q=0`).
     tc2: Option<[[CudaFunction; 6]; 2]>,
+    /// `gemvq_swiglu_ring_q4_k`: the one-row SwiGLU of the hand-over as one persistent block
+    /// per SM with its tiles' copies in a ring (`FERRITE_SWIGLU_RING=1`; MATMUL.md round 32).
+    swiglu_ring: Option<CudaFunction>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -359,6 +362,17 @@ impl Kernels {
         } else {
             None
         };
+        let swiglu_ring = if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_RING", 0) != 0 {
+            let f = function(&m, "gemvq_swiglu_ring_q4_k")?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                RING_MAX_SMEM as i32,
+            )
+            .context("gemvq_swiglu_ring_q4_k: raising the shared-memory limit")?;
+            Some(f)
+        } else {
+            None
+        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -396,6 +410,7 @@ impl Kernels {
             gemvq_mixed,
             gemvq_tc,
             tc2,
+            swiglu_ring,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
             gemvq_tc_long,
@@ -559,6 +574,13 @@ fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
 /// Largest weight span one block of the bulk-copy quantized-x GEMV holds in shared memory
 /// (matmul.cu, `gemv_bulk_prologue`): two such blocks fit in an H200 SM's 228 KB.
 const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
+
+/// Dynamic shared memory of the ring SwiGLU (`gemvq_swiglu_ring_q4_k`): its six stages of two
+/// 8-row slots ([`tc_smem`]`(rb, 8)` each) must fit, with the kernel's ~3.1 KB of static shared
+/// memory, in the 227 KB a block may opt in to (one block per SM).
+const RING_MAX_SMEM: usize = 223 * 1024;
+/// Stages of the ring SwiGLU (matmul.cu RING_STAGES: three groups of two).
+const RING_STAGES: usize = 6;
 
 /// The shared memory a bulk-copy GEMV block aims at: the split grows until the block's slots
 /// fit (or ks = GEMV_WARPS). 40 KB keeps 4096-column rows whole per warp (16 rows of Q4_K, 37
@@ -2261,15 +2283,46 @@ pub fn rms_norm_matmul_swiglu_handed(
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
     }
+    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+    let xd = p.d.slice(..rows * n_in / 32 * 2);
+    let xqs = p.q.slice(..2 * rows * n_in);
+    let ss = p.ss.slice(..rows * n_in / 32);
+    let ring_smem = RING_STAGES * tc_smem(rb, 8) as usize;
+    if let (1, Some(f), true) = (
+        rows,
+        be.matmul.swiglu_ring.as_ref(),
+        ring_smem <= RING_MAX_SMEM,
+    ) {
+        let tiles = n_out.div_ceil(8);
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from(tiles.min(be.sm_count.max(1)))?, 1, 1),
+            block_dim: ((3 * GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: ring_smem as u32,
+        };
+        // SAFETY: as the one-tile launch below (one row); the blocks walk the 8-row tiles
+        // in a grid-stride loop, each staging six tiles in its shared memory.
+        unsafe {
+            be.stream
+                .kernel(f)
+                .arg(&gate.data)
+                .arg(&up.data)
+                .arg(&rb_i)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&mut out.buf)
+                .arg(&ss)
+                .arg(&eps)
+                .launch(cfg)
+        }?;
+        return Ok(true);
+    }
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem,
     };
-    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
-    let xd = p.d.slice(..rows * n_in / 32 * 2);
-    let xqs = p.q.slice(..2 * rows * n_in);
-    let ss = p.ss.slice(..rows * n_in / 32);
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
     // n_in values with their scales and group sums (written by the producer just before);
     // out holds rows × n_out floats; one block per 8 SwiGLU outputs.
