@@ -114,6 +114,10 @@ pub struct Kernels {
     /// `gemvq_swiglu_ring_q4_k`: the one-row SwiGLU of the hand-over as one persistent block
     /// per SM with its tiles' copies in a ring (`FERRITE_SWIGLU_RING=1`; MATMUL.md round 32).
     swiglu_ring: Option<CudaFunction>,
+    /// `gemvq_ring<NG>_<type>` (NG = 3, 2 groups): plain one-row tensor-core launches of at
+    /// least [`RING_MIN_OUT`] rows (the lm heads) as the ring (`FERRITE_GEMV_RING=1`;
+    /// MATMUL.md round 32).
+    gemv_ring: Option<Vec<(GgmlType, [CudaFunction; 2])>>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -362,14 +366,36 @@ impl Kernels {
         } else {
             None
         };
-        let swiglu_ring = if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_RING", 0) != 0 {
-            let f = function(&m, "gemvq_swiglu_ring_q4_k")?;
+        let ring_fn = |name: &str| -> Result<CudaFunction> {
+            let f = function(&m, name)?;
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 RING_MAX_SMEM as i32,
             )
-            .context("gemvq_swiglu_ring_q4_k: raising the shared-memory limit")?;
-            Some(f)
+            .with_context(|| format!("{name}: raising the shared-memory limit"))?;
+            Ok(f)
+        };
+        let gemv_ring = if gemvq_tc.is_some() && switches::int_or("FERRITE_GEMV_RING", 0) != 0 {
+            Some(
+                TC_TYPES
+                    .iter()
+                    .map(|&t| {
+                        let n = TYPES[type_index(t)?].1;
+                        Ok((
+                            t,
+                            [
+                                ring_fn(&format!("gemvq_ring3_{n}"))?,
+                                ring_fn(&format!("gemvq_ring2_{n}"))?,
+                            ],
+                        ))
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            )
+        } else {
+            None
+        };
+        let swiglu_ring = if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_RING", 0) != 0 {
+            Some(ring_fn("gemvq_swiglu_ring_q4_k")?)
         } else {
             None
         };
@@ -411,6 +437,7 @@ impl Kernels {
             gemvq_tc,
             tc2,
             swiglu_ring,
+            gemv_ring,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
             gemvq_tc_long,
@@ -579,8 +606,11 @@ const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
 /// 8-row slots ([`tc_smem`]`(rb, 8)` each) must fit, with the kernel's ~3.1 KB of static shared
 /// memory, in the 227 KB a block may opt in to (one block per SM).
 const RING_MAX_SMEM: usize = 223 * 1024;
-/// Stages of the ring SwiGLU (matmul.cu RING_STAGES: three groups of two).
+/// Stages of the ring SwiGLU (three groups of two stages).
 const RING_STAGES: usize = 6;
+/// Plain launches take the ring (`FERRITE_GEMV_RING=1`) from this many rows: the lm heads,
+/// whose one-tile launches run many waves.
+const RING_MIN_OUT: usize = 16384;
 
 /// The shared memory a bulk-copy GEMV block aims at: the split grows until the block's slots
 /// fit (or ks = GEMV_WARPS). 40 KB keeps 4096-column rows whole per warp (16 rows of Q4_K, 37
@@ -1048,6 +1078,46 @@ fn gemvq_launch(
         rows,
         kind,
     )?;
+    if let (1, None, Some(TcForm::Full(_)), Some(rings)) =
+        (rows, up, &tc, be.matmul.gemv_ring.as_ref())
+    {
+        let tcs = tc_smem(rb as usize, 8) as usize;
+        let ng = if 6 * tcs <= RING_MAX_SMEM {
+            3
+        } else if 4 * tcs <= RING_MAX_SMEM {
+            2
+        } else {
+            0
+        };
+        let f = rings.iter().find(|(t, _)| *t == w.dtype).map(|(_, f)| f);
+        if let (true, Some(f)) = (ng > 0 && n_out >= RING_MIN_OUT, f) {
+            let cfg = LaunchConfig {
+                grid_dim: (u32::try_from(n_out.div_ceil(16).min(be.sm_count.max(1)))?, 1, 1),
+                block_dim: ((ng * GEMV_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: (2 * ng * tcs) as u32,
+            };
+            let eps = 0.0f32;
+            // SAFETY: as the one-tile launch below (one row); the blocks walk the 16-row
+            // tiles in a grid-stride loop; the group-sum argument is not read by the plain
+            // form (any device pointer: x's scales).
+            unsafe {
+                be.stream
+                    .kernel(&f[usize::from(ng == 2)])
+                    .arg(&w.data)
+                    .arg(&w.data)
+                    .arg(&rb)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&xqs)
+                    .arg(&xd)
+                    .arg(&mut out.buf)
+                    .arg(&xd)
+                    .arg(&eps)
+                    .launch(cfg)
+            }?;
+            return Ok(());
+        }
+    }
     // The kernel, its grid and its split argument: the 8-row tensor-core tile takes one block
     // per 8 rows, and it and the TMA-box tile no split argument.
     let (f, cfg, ks_arg) = match tc {

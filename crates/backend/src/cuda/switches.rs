@@ -175,6 +175,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row hand-over SwiGLU (Q4_K): 1 one persistent block per SM with its tile copies in a six-stage ring, 0 (default) one-tile blocks (MATMUL.md round 32)",
     ),
     (
+        "FERRITE_GEMV_RING",
+        Accepts::OneOf(&[0, 1]),
+        "plain one-row Q4_K / Q6_K tensor-core launches of 16384 rows or more (the lm heads): 1 one persistent block per SM with its tile copies in a ring, 0 (default) one-tile blocks (MATMUL.md round 32)",
+    ),
+    (
         "FERRITE_ROUTER_PRE",
         Accepts::OneOf(&[0, 1]),
         "the MoE norm + router launch (add_rms_norm_gemv_f32): 1 (default) loads each lane's router weights before the PDL wait, 0 from L2 after the norm (MOE.md)",
