@@ -602,10 +602,11 @@ fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
 /// (matmul.cu, `gemv_bulk_prologue`): two such blocks fit in an H200 SM's 228 KB.
 const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
 
-/// Dynamic shared memory of the ring SwiGLU (`gemvq_swiglu_ring_q4_k`): its six stages of two
-/// 8-row slots ([`tc_smem`]`(rb, 8)` each) must fit, with the kernel's ~3.1 KB of static shared
-/// memory, in the 227 KB a block may opt in to (one block per SM).
-const RING_MAX_SMEM: usize = 223 * 1024;
+/// Dynamic shared memory of the ring kernels (`gemvq_tc_ring`): their stages of two 8-row
+/// slots ([`tc_smem`]`(rb, 8)` each) must fit, with the kernels' 4.1 KB of static shared
+/// memory, in the 227 KB a block may opt in to (one block per SM): six Q4_K stages of 4096
+/// columns (217.5 KB) do.
+const RING_MAX_SMEM: usize = 222 * 1024;
 /// Stages of the ring SwiGLU (three groups of two stages).
 const RING_STAGES: usize = 6;
 /// Plain launches take the ring (`FERRITE_GEMV_RING=1`) from this many rows: the lm heads,
