@@ -118,6 +118,11 @@ pub struct Kernels {
     /// least [`RING_MIN_OUT`] rows (the lm heads) as the ring (`FERRITE_GEMV_RING=1`;
     /// MATMUL.md round 32).
     gemv_ring: Option<Vec<(GgmlType, [CudaFunction; 2])>>,
+    /// The XB forms of the one-row tensor-core kernels (`gemvq_tcb_<type>_r1`,
+    /// `gemvq_swiglu_tcb_<type>_r1`, and `gemvq_swiglu_tcnb_q4_k_r1` for the hand-over): x (and
+    /// the norm's group sums) copied by the tile's bulk copies (`FERRITE_GEMV_XBULK=1`;
+    /// MATMUL.md round 33).
+    gemvq_xb: Option<(Vec<(GgmlType, [CudaFunction; 2])>, CudaFunction)>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -399,6 +404,33 @@ impl Kernels {
         } else {
             None
         };
+        let gemvq_xb = if gemvq_tc.is_some() && switches::int_or("FERRITE_GEMV_XBULK", 0) != 0 {
+            let big = |name: &str| -> Result<CudaFunction> {
+                let f = function(&m, name)?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    GEMVQ_BULK_MAX_SMEM as i32,
+                )
+                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
+                Ok(f)
+            };
+            let fams = TC_TYPES
+                .iter()
+                .map(|&t| {
+                    let n = TYPES[type_index(t)?].1;
+                    Ok((
+                        t,
+                        [
+                            big(&format!("gemvq_tcb_{n}_r1"))?,
+                            big(&format!("gemvq_swiglu_tcb_{n}_r1"))?,
+                        ],
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some((fams, big("gemvq_swiglu_tcnb_q4_k_r1")?))
+        } else {
+            None
+        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -438,6 +470,7 @@ impl Kernels {
             tc2,
             swiglu_ring,
             gemv_ring,
+            gemvq_xb,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
             gemvq_tc_long,
@@ -1140,7 +1173,20 @@ fn gemvq_launch(
             };
             (&f[ri], cfg, Some(i32::try_from(kc)?))
         }
-        Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
+        Some(TcForm::Full(tc)) => {
+            let xb = match (&be.matmul.gemvq_xb, rows, fam) {
+                (Some((xb, _)), 1, 0 | 1) => xb
+                    .iter()
+                    .find(|(t, _)| *t == w.dtype)
+                    .map(|(_, f)| &f[fam]),
+                _ => None,
+            };
+            (
+                xb.unwrap_or(&tc[fam][ri]),
+                gemv_config(groups, ks),
+                Some(ks as i32),
+            )
+        }
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
     let cfg = LaunchConfig {
@@ -2389,6 +2435,11 @@ pub fn rms_norm_matmul_swiglu_handed(
         }?;
         return Ok(true);
     }
+    // The XB form also copies the group sums (n_in / 32 floats) after x.
+    let (f, smem) = match (&be.matmul.gemvq_xb, rows) {
+        (Some((_, f)), 1) => (f, smem + u32::try_from(n_in / 8)?),
+        _ => (&tc2[1][gemv_r_index(rows)?], smem),
+    };
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
@@ -2399,7 +2450,7 @@ pub fn rms_norm_matmul_swiglu_handed(
     // out holds rows × n_out floats; one block per 8 SwiGLU outputs.
     unsafe {
         be.stream
-            .kernel(&tc2[1][gemv_r_index(rows)?])
+            .kernel(f)
             .arg(&gate.data)
             .arg(&up.data)
             .arg(&rb_i)

@@ -557,9 +557,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // PDL entry): the two-tile block's group leaders (gemvq_tc2_add_q4k) each issue their tile's.
 // INIT = false (the ring SwiGLU, gemvq_swiglu_ring_q4k): bar is a live barrier reused for its
 // next phase, so it is not initialised again.
+// extra: bytes of further copies the caller issues on bar for this phase (x and the norm's group
+// sums of gemvq_tc_block's XB form, issued after the PDL wait).
 template <bool INIT = true>
 __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
-                                                 size_t slot, uint8_t* smem, uint64_t* bar) {
+                                                 size_t slot, uint8_t* smem, uint64_t* bar, uint32_t extra = 0) {
 #if __CUDA_ARCH__ >= 900
     {
         size_t a0[2], len[2];
@@ -577,7 +579,7 @@ __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const
         }
         if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
         if (INIT) mbar_init(bar);
-        mbar_expect(bar, total);
+        mbar_expect(bar, total + extra);
 #pragma unroll
         for (int m = 0; m < 2; m++)
             if (len[m]) bulk_g2s(bar, smem + m * slot, a0[m], (uint32_t)len[m]);
@@ -1669,7 +1671,14 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false>
+// XB (R = 1, not HALF; gemvq_tcb_*, FERRITE_GEMV_XBULK, MATMUL.md round 33): x's planes and
+// scales (and NORM's group sums) come into shared memory by bulk copies that thread 0 issues
+// right after the PDL wait, completing on the tile's mbarrier (its expected bytes include
+// them), instead of tc_stage_x's loads and stores by every thread and a block barrier, and
+// tc_norm_scale's loads from L2 by warp 0 before it: no thread waits on an L2 round trip
+// before the compute, only on the mbarrier. The group sums are added (same order, same bits)
+// from shared memory by warp 0 after the wait.
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool XB = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1684,18 +1693,43 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
     const size_t slot = tc_slot(rb, NS);
-    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
+    if constexpr (XB) {
+        uint8_t* xs = smem + 2 * slot;
+        static_assert(R == 1 && !HALF, "XB: the one-row 16-row tile");
+        // x: both planes (n_in bytes each, the lo plane 64 bytes past the hi plane's end) and
+        // the scale pairs (8 n_in / 32 bytes), as tc_stage_x lays them out; NORM's group sums
+        // (4 n_in / 32 bytes) after them.
+        const uint32_t xb = 2 * n_in + n_in / 4, gb = NORM ? n_in / 8 : 0;
+        if (threadIdx.x == 0)
+            bulk_issue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar,
+                             xb + gb);
+        __syncthreads();
+        PDL_ENTRY();
+        if (threadIdx.x == 0) {
+            bulk_g2s(bar, xs, (size_t)xq, n_in);
+            bulk_g2s(bar, xs + n_in + 64, (size_t)(xq + n_in), n_in);
+            bulk_g2s(bar, xs + 2 * n_in + 128, (size_t)xd, n_in / 4);
+            if (NORM) bulk_g2s(bar, xs + 2 * n_in + 128 + n_in / 4, (size_t)pss, n_in / 8);
+        }
+    } else {
+        bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem,
+                            bar);
+    }
     const uint8_t* s0 = smem + ((size_t)pa & 15);
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
-    if (NORM) {
-        tc_norm_scale<R>(pss, n_in, rows, eps, sn);
-        if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
+    if (!XB) {
+        if (NORM) {
+            tc_norm_scale<R>(pss, n_in, rows, eps, sn);
+            if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
+        }
+        if (XS) tc_stage_x(xs, xq, xd, n_in);
     }
-    if (XS) tc_stage_x(xs, xq, xd, n_in);
     if (diag != 3) gemv_bulk_wait(bar);
+    // XB: the group sums from shared memory (published to the other warps by tc_store's barrier).
+    if (XB && NORM && threadIdx.x < 32) tc_norm_scale<1>((const float*)(xs + 2 * n_in + 128 + n_in / 4), n_in, 1, eps, sn);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
@@ -2217,6 +2251,40 @@ GEMVQ_RING_KERNEL(gemvq_ring3_q4_k, GGML_Q4_K, false, 3)
 GEMVQ_RING_KERNEL(gemvq_ring2_q4_k, GGML_Q4_K, false, 2)
 GEMVQ_RING_KERNEL(gemvq_ring3_q6_k, GGML_Q6_K, false, 3)
 GEMVQ_RING_KERNEL(gemvq_ring2_q6_k, GGML_Q6_K, false, 2)
+// The XB forms of the one-row tensor-core kernels (gemvq_tc_block XB; FERRITE_GEMV_XBULK):
+// plain, SwiGLU and the norm-hand-over SwiGLU, each with its one-tile kernel's arguments and
+// bounds.
+#define GEMVQ_TCB_KERNELS(name, TYPE)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, 1))                   \
+        gemvq_tcb_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,             \
+                              const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,       \
+                              float* __restrict__ out, int ks) {                                            \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
+        gemvq_tc_block<TYPE, 1, false, false, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, \
+                                                           gemv_smem, &gemv_bar);                           \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, 1))                   \
+        gemvq_swiglu_tcb_##name##_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,         \
+                                     long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,      \
+                                     const float2* __restrict__ xd, int rows, float* __restrict__ out,      \
+                                     int ks) {                                                              \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
+        gemvq_tc_block<TYPE, 1, true, false, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, \
+                                                          gemv_smem, &gemv_bar);                            \
+    }
+GEMVQ_TCB_KERNELS(q4_k, GGML_Q4_K)
+GEMVQ_TCB_KERNELS(q6_k, GGML_Q6_K)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
+    gemvq_swiglu_tcnb_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, int n_out,
+                              int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
+                              float* __restrict__ out, const float* __restrict__ pss, float eps) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
+                                                          gemv_smem, &gemv_bar, pss, eps);
+}
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
