@@ -941,8 +941,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // 8-row tile with FERRITE_GEMV_TC=3, or the lane code's split blocks), and long rows in
     // unequal K slices (14336 columns: Q4_K 4 x 3584, Q6_K 3 x 4096 + 2048); and a launch of
     // many 16-row tensor-core tiles (more than a wave), its last tile half full (Q4_K, and
-    // Q6_K from 8192 rows), and one of 16384 rows or more (the ring form's with
-    // FERRITE_GEMV_RING=1: tiles not a multiple of the grid, the last half full).
+    // Q6_K from 8192 rows), and one of 20008 rows (1251 tiles, the last half full).
     // Per set: types, (n_in, n_out), row counts, the most rows under `quick`.
     let quantized: Vec<GgmlType> = GgmlType::ALL
         .into_iter()

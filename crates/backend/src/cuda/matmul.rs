@@ -111,18 +111,6 @@ pub struct Kernels {
     /// from the Q4_K o-projection to the SwiGLU ([`matmul_add_for_norm`]; sm_90+, unless
     /// `FERRITE_DEFER_NORM_Q=0`).
     tc2: Option<[[CudaFunction; 6]; 2]>,
-    /// `gemvq_swiglu_ring_q4_k`: the one-row SwiGLU of the hand-over as one persistent block
-    /// per SM with its tiles' copies in a ring (`FERRITE_SWIGLU_RING=1`; MATMUL.md round 32).
-    swiglu_ring: Option<CudaFunction>,
-    /// `gemvq_ring<NG>_<type>` (NG = 3, 2 groups): plain one-row tensor-core launches of at
-    /// least [`RING_MIN_OUT`] rows (the lm heads) as the ring (`FERRITE_GEMV_RING=1`;
-    /// MATMUL.md round 32).
-    gemv_ring: Option<Vec<(GgmlType, [CudaFunction; 2])>>,
-    /// The XB forms of the one-row tensor-core kernels (`gemvq_tcb_<type>_r1`,
-    /// `gemvq_swiglu_tcb_<type>_r1`, and `gemvq_swiglu_tcnb_q4_k_r1` for the hand-over): x (and
-    /// the norm's group sums) copied by the tile's bulk copies (`FERRITE_GEMV_XBULK=1`;
-    /// MATMUL.md round 33).
-    gemvq_xb: Option<(Vec<(GgmlType, [CudaFunction; 2])>, CudaFunction)>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -371,66 +359,6 @@ impl Kernels {
         } else {
             None
         };
-        let ring_fn = |name: &str| -> Result<CudaFunction> {
-            let f = function(&m, name)?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                RING_MAX_SMEM as i32,
-            )
-            .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-            Ok(f)
-        };
-        let gemv_ring = if gemvq_tc.is_some() && switches::int_or("FERRITE_GEMV_RING", 0) != 0 {
-            Some(
-                TC_TYPES
-                    .iter()
-                    .map(|&t| {
-                        let n = TYPES[type_index(t)?].1;
-                        Ok((
-                            t,
-                            [
-                                ring_fn(&format!("gemvq_ring3_{n}"))?,
-                                ring_fn(&format!("gemvq_ring2_{n}"))?,
-                            ],
-                        ))
-                    })
-                    .collect::<Result<Vec<_>>>()?,
-            )
-        } else {
-            None
-        };
-        let swiglu_ring = if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_RING", 0) != 0 {
-            Some(ring_fn("gemvq_swiglu_ring_q4_k")?)
-        } else {
-            None
-        };
-        let gemvq_xb = if gemvq_tc.is_some() && switches::int_or("FERRITE_GEMV_XBULK", 0) != 0 {
-            let big = |name: &str| -> Result<CudaFunction> {
-                let f = function(&m, name)?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    GEMVQ_BULK_MAX_SMEM as i32,
-                )
-                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-                Ok(f)
-            };
-            let fams = TC_TYPES
-                .iter()
-                .map(|&t| {
-                    let n = TYPES[type_index(t)?].1;
-                    Ok((
-                        t,
-                        [
-                            big(&format!("gemvq_tcb_{n}_r1"))?,
-                            big(&format!("gemvq_swiglu_tcb_{n}_r1"))?,
-                        ],
-                    ))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Some((fams, big("gemvq_swiglu_tcnb_q4_k_r1")?))
-        } else {
-            None
-        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -468,9 +396,6 @@ impl Kernels {
             gemvq_mixed,
             gemvq_tc,
             tc2,
-            swiglu_ring,
-            gemv_ring,
-            gemvq_xb,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
             gemvq_tc_long,
@@ -634,17 +559,6 @@ fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
 /// Largest weight span one block of the bulk-copy quantized-x GEMV holds in shared memory
 /// (matmul.cu, `gemv_bulk_prologue`): two such blocks fit in an H200 SM's 228 KB.
 const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
-
-/// Dynamic shared memory of the ring kernels (`gemvq_tc_ring`): their stages of two 8-row
-/// slots ([`tc_smem`]`(rb, 8)` each) must fit, with the kernels' 4.1 KB of static shared
-/// memory, in the 227 KB a block may opt in to (one block per SM): six Q4_K stages of 4096
-/// columns (217.5 KB) do.
-const RING_MAX_SMEM: usize = 222 * 1024;
-/// Stages of the ring SwiGLU (three groups of two stages).
-const RING_STAGES: usize = 6;
-/// Plain launches take the ring (`FERRITE_GEMV_RING=1`) from this many rows: the lm heads,
-/// whose one-tile launches run many waves.
-const RING_MIN_OUT: usize = 16384;
 
 /// The shared memory a bulk-copy GEMV block aims at: the split grows until the block's slots
 /// fit (or ks = GEMV_WARPS). 40 KB keeps 4096-column rows whole per warp (16 rows of Q4_K, 37
@@ -1112,46 +1026,6 @@ fn gemvq_launch(
         rows,
         kind,
     )?;
-    if let (1, None, Some(TcForm::Full(_)), Some(rings)) =
-        (rows, up, &tc, be.matmul.gemv_ring.as_ref())
-    {
-        let tcs = tc_smem(rb as usize, 8) as usize;
-        let ng = if 6 * tcs <= RING_MAX_SMEM {
-            3
-        } else if 4 * tcs <= RING_MAX_SMEM {
-            2
-        } else {
-            0
-        };
-        let f = rings.iter().find(|(t, _)| *t == w.dtype).map(|(_, f)| f);
-        if let (true, Some(f)) = (ng > 0 && n_out >= RING_MIN_OUT, f) {
-            let cfg = LaunchConfig {
-                grid_dim: (u32::try_from(n_out.div_ceil(16).min(be.sm_count.max(1)))?, 1, 1),
-                block_dim: ((ng * GEMV_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: (2 * ng * tcs) as u32,
-            };
-            let eps = 0.0f32;
-            // SAFETY: as the one-tile launch below (one row); the blocks walk the 16-row
-            // tiles in a grid-stride loop; the group-sum argument is not read by the plain
-            // form (any device pointer: x's scales).
-            unsafe {
-                be.stream
-                    .kernel(&f[usize::from(ng == 2)])
-                    .arg(&w.data)
-                    .arg(&w.data)
-                    .arg(&rb)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&mut out.buf)
-                    .arg(&xd)
-                    .arg(&eps)
-                    .launch(cfg)
-            }?;
-            return Ok(());
-        }
-    }
     // The kernel, its grid and its split argument: the 8-row tensor-core tile takes one block
     // per 8 rows, and it and the TMA-box tile no split argument.
     let (f, cfg, ks_arg) = match tc {
@@ -1173,20 +1047,7 @@ fn gemvq_launch(
             };
             (&f[ri], cfg, Some(i32::try_from(kc)?))
         }
-        Some(TcForm::Full(tc)) => {
-            let xb = match (&be.matmul.gemvq_xb, rows, fam) {
-                (Some((xb, _)), 1, 0 | 1) => xb
-                    .iter()
-                    .find(|(t, _)| *t == w.dtype)
-                    .map(|(_, f)| &f[fam]),
-                _ => None,
-            };
-            (
-                xb.unwrap_or(&tc[fam][ri]),
-                gemv_config(groups, ks),
-                Some(ks as i32),
-            )
-        }
+        Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
     let cfg = LaunchConfig {
@@ -2400,57 +2261,21 @@ pub fn rms_norm_matmul_swiglu_handed(
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
     }
-    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
-    let xd = p.d.slice(..rows * n_in / 32 * 2);
-    let xqs = p.q.slice(..2 * rows * n_in);
-    let ss = p.ss.slice(..rows * n_in / 32);
-    let ring_smem = RING_STAGES * tc_smem(rb, 8) as usize;
-    if let (1, Some(f), true) = (
-        rows,
-        be.matmul.swiglu_ring.as_ref(),
-        ring_smem <= RING_MAX_SMEM,
-    ) {
-        let tiles = n_out.div_ceil(8);
-        let cfg = LaunchConfig {
-            grid_dim: (u32::try_from(tiles.min(be.sm_count.max(1)))?, 1, 1),
-            block_dim: ((3 * GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: ring_smem as u32,
-        };
-        // SAFETY: as the one-tile launch below (one row); the blocks walk the 8-row tiles
-        // in a grid-stride loop, each staging six tiles in its shared memory.
-        unsafe {
-            be.stream
-                .kernel(f)
-                .arg(&gate.data)
-                .arg(&up.data)
-                .arg(&rb_i)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(&xqs)
-                .arg(&xd)
-                .arg(&mut out.buf)
-                .arg(&ss)
-                .arg(&eps)
-                .launch(cfg)
-        }?;
-        return Ok(true);
-    }
-    // The XB form also copies the group sums (n_in / 32 floats) after x.
-    let (f, smem) = match (&be.matmul.gemvq_xb, rows) {
-        (Some((_, f)), 1) => (f, smem + u32::try_from(n_in / 8)?),
-        _ => (&tc2[1][gemv_r_index(rows)?], smem),
-    };
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem,
     };
+    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+    let xd = p.d.slice(..rows * n_in / 32 * 2);
+    let xqs = p.q.slice(..2 * rows * n_in);
+    let ss = p.ss.slice(..rows * n_in / 32);
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
     // n_in values with their scales and group sums (written by the producer just before);
     // out holds rows × n_out floats; one block per 8 SwiGLU outputs.
     unsafe {
         be.stream
-            .kernel(f)
+            .kernel(&tc2[1][gemv_r_index(rows)?])
             .arg(&gate.data)
             .arg(&up.data)
             .arg(&rb_i)

@@ -170,21 +170,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 (default) loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 after the tiles (MATMUL.md round 28)",
     ),
     (
-        "FERRITE_SWIGLU_RING",
-        Accepts::OneOf(&[0, 1]),
-        "the one-row hand-over SwiGLU (Q4_K): 1 one persistent block per SM with its tile copies in a six-stage ring, 0 (default) one-tile blocks (MATMUL.md round 32)",
-    ),
-    (
-        "FERRITE_GEMV_RING",
-        Accepts::OneOf(&[0, 1]),
-        "plain one-row Q4_K / Q6_K tensor-core launches of 16384 rows or more (the lm heads): 1 one persistent block per SM with its tile copies in a ring, 0 (default) one-tile blocks (MATMUL.md round 32)",
-    ),
-    (
-        "FERRITE_GEMV_XBULK",
-        Accepts::OneOf(&[0, 1]),
-        "one-row Q4_K / Q6_K tensor-core tiles (plain, SwiGLU, the hand-over SwiGLU): 1 x and the norm's group sums copied into shared memory by the tile's bulk copies, 0 (default) staged by the block's loads (MATMUL.md round 33)",
-    ),
-    (
         "FERRITE_ROUTER_PRE",
         Accepts::OneOf(&[0, 1]),
         "the MoE norm + router launch (add_rms_norm_gemv_f32): 1 (default) loads each lane's router weights before the PDL wait, 0 from L2 after the norm (MOE.md)",

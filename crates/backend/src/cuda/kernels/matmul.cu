@@ -555,13 +555,8 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // PDL entry. Before sm_90 only the PDL entry.
 // The copies of bulk_prologue_spans, issued by the calling thread alone (no barrier, no
 // PDL entry): the two-tile block's group leaders (gemvq_tc2_add_q4k) each issue their tile's.
-// INIT = false (the ring SwiGLU, gemvq_swiglu_ring_q4k): bar is a live barrier reused for its
-// next phase, so it is not initialised again.
-// extra: bytes of further copies the caller issues on bar for this phase (x and the norm's group
-// sums of gemvq_tc_block's XB form, issued after the PDL wait).
-template <bool INIT = true>
 __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
-                                                 size_t slot, uint8_t* smem, uint64_t* bar, uint32_t extra = 0) {
+                                                 size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
     {
         size_t a0[2], len[2];
@@ -578,8 +573,8 @@ __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const
             }
         }
         if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
-        if (INIT) mbar_init(bar);
-        mbar_expect(bar, total + extra);
+        mbar_init(bar);
+        mbar_expect(bar, total);
 #pragma unroll
         for (int m = 0; m < 2; m++)
             if (len[m]) bulk_g2s(bar, smem + m * slot, a0[m], (uint32_t)len[m]);
@@ -1357,19 +1352,6 @@ __device__ __forceinline__ void tc_reduce_g2(float (&acc)[R][2], float* out16) {
     __syncthreads();
 }
 
-// The RG end of a one-row tensor-core tile (the ring kernels, gemvq_tc_ring): warp w of its
-// 8-warp group adds its four t lanes as tc_store does and leaves MMA row m's sum in
-// red[w * 16 + m].
-__device__ __forceinline__ void tc_rg_sums(float (&acc)[1][2], float* red) {
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & (GEMV_WARPS - 1);
-#pragma unroll
-    for (int a = 0; a < 2; a++) {
-        acc[0][a] += __shfl_xor_sync(0xffffffffu, acc[0][a], 1);
-        acc[0][a] += __shfl_xor_sync(0xffffffffu, acc[0][a], 2);
-        if ((lane & 3) == 0) red[warp * 16 + 8 * a + (lane >> 2)] = acc[0][a];
-    }
-}
-
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
 // kcols: the tile's columns where x is wider (a K slice, gemvq_tck_block; 0: n_in).
@@ -1377,15 +1359,14 @@ __device__ __forceinline__ void tc_rg_sums(float (&acc)[1][2], float* red) {
 // epilogue are skipped): the long rows, whose 16-row tile does not fit (matmul.rs tc_form).
 // NORM: tc_store scales by sn (see there). G2: the block is two 8-warp groups on two tiles
 // (gemvq_tc2_add_q4k): warps index within their group, and the tile's 16 sums go to g2out
-// (tc_reduce_g2) instead of global memory. RG (R = 1; the ring kernels, gemvq_tc_ring): warps
-// index within their 8-warp group as for G2, and leave their sums in g2out (tc_rg_sums).
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false, bool RG = false>
+// (tc_reduce_g2) instead of global memory.
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                              int r0, int xplane, int kcols = 0, const float* sn = nullptr,
                                              float* g2out = nullptr) {
-    const int lane = threadIdx.x & 31, warp = G2 || RG ? (threadIdx.x >> 5) & (GEMV_WARPS - 1) : threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = G2 ? (threadIdx.x >> 5) & (GEMV_WARPS - 1) : threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1;
     // MMA rows g and g + 8: row g / 2 and g / 2 + 4 of slot g % 2 (HALF: both row g / 2).
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1456,9 +1437,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
             }
         }
     }
-    if constexpr (RG)
-        tc_rg_sums(acc, g2out);
-    else if (G2)
+    if (G2)
         tc_reduce_g2<R>(acc, g2out);
     else
         tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
@@ -1501,12 +1480,12 @@ __device__ __forceinline__ uint32_t q6_a(uint32_t nib, uint32_t hi) {
     return ((nib & 0x3C3C3C3Cu) | (hi & 0xC0C0C0C0u)) ^ 0x80808080u;
 }
 
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool RG = false>
+template <int R, bool SWIGLU, bool XS, bool HALF = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, int kcols = 0, float* rgout = nullptr) {
-    const int lane = threadIdx.x & 31, warp = RG ? (threadIdx.x >> 5) & (GEMV_WARPS - 1) : threadIdx.x >> 5;
+                                             int r0, int xplane, int kcols = 0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
     const uint8_t* p1 = HALF ? p0 : p0 + 4 * (size_t)rb;
@@ -1582,10 +1561,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
             }
         }
     }
-    if constexpr (RG)
-        tc_rg_sums(acc, rgout);
-    else
-        tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
+    tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
 }
 
 // One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
@@ -1671,14 +1647,7 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-// XB (R = 1, not HALF; gemvq_tcb_*, FERRITE_GEMV_XBULK, MATMUL.md round 33): x's planes and
-// scales (and NORM's group sums) come into shared memory by bulk copies that thread 0 issues
-// right after the PDL wait, completing on the tile's mbarrier (its expected bytes include
-// them), instead of tc_stage_x's loads and stores by every thread and a block barrier, and
-// tc_norm_scale's loads from L2 by warp 0 before it: no thread waits on an L2 round trip
-// before the compute, only on the mbarrier. The group sums are added (same order, same bits)
-// from shared memory by warp 0 after the wait.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool XB = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1693,43 +1662,18 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
     const size_t slot = tc_slot(rb, NS);
-    if constexpr (XB) {
-        uint8_t* xs = smem + 2 * slot;
-        static_assert(R == 1 && !HALF, "XB: the one-row 16-row tile");
-        // x: both planes (n_in bytes each, the lo plane 64 bytes past the hi plane's end) and
-        // the scale pairs (8 n_in / 32 bytes), as tc_stage_x lays them out; NORM's group sums
-        // (4 n_in / 32 bytes) after them.
-        const uint32_t xb = 2 * n_in + n_in / 4, gb = NORM ? n_in / 8 : 0;
-        if (threadIdx.x == 0)
-            bulk_issue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar,
-                             xb + gb);
-        __syncthreads();
-        PDL_ENTRY();
-        if (threadIdx.x == 0) {
-            bulk_g2s(bar, xs, (size_t)xq, n_in);
-            bulk_g2s(bar, xs + n_in + 64, (size_t)(xq + n_in), n_in);
-            bulk_g2s(bar, xs + 2 * n_in + 128, (size_t)xd, n_in / 4);
-            if (NORM) bulk_g2s(bar, xs + 2 * n_in + 128 + n_in / 4, (size_t)pss, n_in / 8);
-        }
-    } else {
-        bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem,
-                            bar);
-    }
+    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
     const uint8_t* s0 = smem + ((size_t)pa & 15);
     const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
-    if (!XB) {
-        if (NORM) {
-            tc_norm_scale<R>(pss, n_in, rows, eps, sn);
-            if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
-        }
-        if (XS) tc_stage_x(xs, xq, xd, n_in);
+    if (NORM) {
+        tc_norm_scale<R>(pss, n_in, rows, eps, sn);
+        if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
     }
+    if (XS) tc_stage_x(xs, xq, xd, n_in);
     if (diag != 3) gemv_bulk_wait(bar);
-    // XB: the group sums from shared memory (published to the other warps by tc_store's barrier).
-    if (XB && NORM && threadIdx.x < 32) tc_norm_scale<1>((const float*)(xs + 2 * n_in + 128 + n_in / 4), n_in, 1, eps, sn);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
@@ -1740,110 +1684,6 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
             gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
     }
     if (diag == 3) gemv_bulk_wait(bar);
-#endif
-}
-
-// The ring tensor-core GEMV (gemvq_tc_ring; R = 1): the one-tile kernels' tiles and arithmetic
-// (gemvq_tc_q4k / gemvq_tc_q6k, bitwise their outputs) as one persistent block per SM that
-// keeps each tile's copy in flight while it computes another. Instances (MATMUL.md round 32):
-// gemvq_swiglu_ring_q4_k (the norm-hand-over SwiGLU, gemvq_swiglu_tcn_q4_k's form;
-// FERRITE_SWIGLU_RING) and gemvq_ring_q4_k / gemvq_ring_q6_k (plain launches of many waves:
-// the lm heads; FERRITE_GEMV_RING).
-//  Why: the one-tile kernels run 3 blocks per SM (registers); a wave's blocks copy together,
-//  then compute together (~1.5-2 us with DRAM idle on that SM), then retire and the next wave
-//  starts copying: the step's trace has the SwiGLU at 20.75 us against 13.2 us of bytes.
-//  Here the same 24 warps per SM are three groups of 8, each on its own tiles with two
-//  stages: while a group computes tile k (stage A), its tile k + 1 (stage B) is in flight,
-//  and the moment its warps have read stage A its leader refills it with tile k + 2. No copy
-//  waits for a wave. (MATMUL.md rounds 4 and 10 measured rings of one or two 8-warp blocks
-//  per SM: compute-bound at 8 warps, and at 16; this one computes with 24.)
-//  - Block bx (grid = min(SMs, tiles)) takes tiles bx, bx + G, bx + 2G, ... (j = 0, 1, ...);
-//    tile j goes to group j % NG and stage j % 2NG (group g: stages g and g + NG in turn), each
-//    stage the one-tile kernel's two slots (SwiGLU: 8 gate rows, 8 up rows; plain: rows
-//    r0.. and r0 + 8..). Stage s's mbarrier completes once per use: parity = use count & 1.
-//  - The first two tiles of every group are copied before the PDL wait, as the one-tile
-//    kernel's first wave; x is read through L1 rather than staged: the stages take the
-//    shared memory.
-//  - A tile: the tile function's RG end leaves the 8 warps' sums in red[k & 1] (two buffers:
-//    the group's store of tile k reads one while tile k + 1's warps may write the other), a
-//    group barrier (named barrier 1 + g), the leader issues the refill, then threads of the
-//    group add the warps' sums in tc_store's order and store (SwiGLU: scaled by 1 / rms(x)
-//    from the producer's group sums as gemvq_tc_block's NORM, then silu(gate) * up).
-//  - NG groups: 3 where six stages fit (Q4_K rows of 4096 columns: 6 x 37 KB), 2 for larger
-//    tiles (Q6_K rows of 4096: 4 x 53 KB; 16 warps per SM).
-constexpr int RING_MAX_GROUPS = 3;
-template <int TYPE, bool SWIGLU, int NG>
-__device__ __forceinline__ void gemvq_tc_ring(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                              long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
-                                              const float2* __restrict__ xd, float* __restrict__ out,
-                                              const float* __restrict__ pss, float eps, uint8_t* smem,
-                                              uint64_t* bars) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int TR = SWIGLU ? 8 : 16;  // outputs per tile
-    __shared__ float red[NG][2][GEMV_WARPS * 16];
-    __shared__ float sn[1];
-    const int grp = threadIdx.x >> 8, tid = threadIdx.x & 255;
-    const int G = gridDim.x;
-    const size_t slot = tc_slot(rb, 8);
-    // The k-th tile of this group (j = grp + NG k): its first output row, its stage.
-    auto tile_row = [&](int k) { return (blockIdx.x + (grp + NG * k) * G) * TR; };
-    auto stage = [&](int k) { return smem + (size_t)(grp + NG * (k & 1)) * 2 * slot; };
-    auto issue = [&](int k, bool init) {
-        const int r0 = tile_row(k);
-        if (r0 >= n_out) return;
-        const int rbeg = SWIGLU ? r0 : r0 + 8;
-        uint64_t* bar = bars + grp + NG * (k & 1);
-        const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
-        const uint8_t* pb = (SWIGLU ? W2 : W) + (size_t)rbeg * (size_t)rb;
-        const int na = min(8, n_out - r0), nb = max(0, min(8, n_out - rbeg));
-        if (init)
-            bulk_issue_spans<true>(pa, na, pb, nb, rb, slot, stage(k), bar);
-        else
-            bulk_issue_spans<false>(pa, na, pb, nb, rb, slot, stage(k), bar);
-    };
-    if (tid == 0) {
-        issue(0, true);
-        issue(1, true);
-    }
-    __syncthreads();
-    PDL_ENTRY();
-    if (SWIGLU) {
-        if (threadIdx.x < 32) tc_norm_scale<1>(pss, n_in, 1, eps, sn);
-        __syncthreads();
-    }
-    for (int k = 0;; k++) {
-        const int r0 = tile_row(k);
-        if (r0 >= n_out) break;
-        uint8_t* st = stage(k);
-        mbar_wait(bars + grp + NG * (k & 1), (uint32_t)(k >> 1) & 1);
-        const uint8_t* s0 = st + ((size_t)(W + (size_t)r0 * (size_t)rb) & 15);
-        const uint8_t* s1 =
-            st + slot + ((size_t)((SWIGLU ? W2 : W) + (size_t)(SWIGLU ? r0 : r0 + 8) * (size_t)rb) & 15);
-        float* rd = red[grp][k & 1];
-        if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<1, SWIGLU, false, false, SWIGLU, false, true>(s0, s1, rb, n_out, n_in, xq, xd, 1, out, r0,
-                                                                       n_in, 0, sn, rd);
-        else
-            gemvq_tc_q6k<1, SWIGLU, false, false, true>(s0, s1, rb, n_out, n_in, xq, xd, 1, out, r0, n_in, 0, rd);
-        asm volatile("bar.sync %0, %1;" ::"r"(1 + grp), "r"(GEMV_WARPS * 32) : "memory");
-        if (tid == 0) issue(k + 2, false);
-        if (tid < TR && r0 + tid < n_out) {
-            // tc_store's order: warp 0's sum, then warps 1.. added in turn.
-            const int a = SWIGLU ? 2 * tid : 2 * (tid % 8) + tid / 8;
-            float v = rd[a];
-#pragma unroll
-            for (int w = 1; w < GEMV_WARPS; w++) v += rd[w * 16 + a];
-            if (SWIGLU) {
-                float u = rd[a + 1];
-#pragma unroll
-                for (int w = 1; w < GEMV_WARPS; w++) u += rd[w * 16 + a + 1];
-                v *= sn[0];
-                u *= sn[0];
-                v = silu(v) * u;
-            }
-            out[r0 + tid] = v;
-        }
-    }
 #endif
 }
 
@@ -2236,55 +2076,6 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
     }
 #define GEMVQ_TC2_KERNEL_R(unused, R) GEMVQ_TC2_KERNELS(R)
 GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
-// The ring forms (gemvq_tc_ring): one block of NG 8-warp groups per SM.
-#define GEMVQ_RING_KERNEL(kname, TYPE, SWIGLU, NG)                                                           \
-    extern "C" __global__ void __launch_bounds__(NG * GEMV_WARPS * 32, 1)                                   \
-        kname(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, int n_out, int n_in, \
-              const int8_t* __restrict__ xq, const float2* __restrict__ xd, float* __restrict__ out,        \
-              const float* __restrict__ pss, float eps) {                                                   \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        __shared__ __align__(8) uint64_t ring_bars[2 * NG];                                                 \
-        gemvq_tc_ring<TYPE, SWIGLU, NG>(W, W2, rb, n_out, n_in, xq, xd, out, pss, eps, gemv_smem, ring_bars); \
-    }
-GEMVQ_RING_KERNEL(gemvq_swiglu_ring_q4_k, GGML_Q4_K, true, 3)
-GEMVQ_RING_KERNEL(gemvq_ring3_q4_k, GGML_Q4_K, false, 3)
-GEMVQ_RING_KERNEL(gemvq_ring2_q4_k, GGML_Q4_K, false, 2)
-GEMVQ_RING_KERNEL(gemvq_ring3_q6_k, GGML_Q6_K, false, 3)
-GEMVQ_RING_KERNEL(gemvq_ring2_q6_k, GGML_Q6_K, false, 2)
-// The XB forms of the one-row tensor-core kernels (gemvq_tc_block XB; FERRITE_GEMV_XBULK):
-// plain, SwiGLU and the norm-hand-over SwiGLU, each with its one-tile kernel's arguments and
-// bounds.
-#define GEMVQ_TCB_KERNELS(name, TYPE)                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, 1))                   \
-        gemvq_tcb_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,             \
-                              const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,       \
-                              float* __restrict__ out, int ks) {                                            \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
-        gemvq_tc_block<TYPE, 1, false, false, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, \
-                                                           gemv_smem, &gemv_bar);                           \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, 1))                   \
-        gemvq_swiglu_tcb_##name##_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,         \
-                                     long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,      \
-                                     const float2* __restrict__ xd, int rows, float* __restrict__ out,      \
-                                     int ks) {                                                              \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        __shared__ __align__(8) uint64_t gemv_bar;                                                          \
-        gemvq_tc_block<TYPE, 1, true, false, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x, \
-                                                          gemv_smem, &gemv_bar);                            \
-    }
-GEMVQ_TCB_KERNELS(q4_k, GGML_Q4_K)
-GEMVQ_TCB_KERNELS(q6_k, GGML_Q6_K)
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_swiglu_tcnb_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, int n_out,
-                              int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
-                              float* __restrict__ out, const float* __restrict__ pss, float eps) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
-                                                          gemv_smem, &gemv_bar, pss, eps);
-}
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
