@@ -201,6 +201,10 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     // without waiting (then waits before exiting). Wrong outputs for 1-3: timing only.
     let diag = switches::get("FERRITE_GEMV_DIAG")?.map_or(0, |v| v[0] as i32);
     set("gemv_diag", diag)?;
+    set(
+        "gemv_l2ef",
+        switches::int_or("FERRITE_L2_EVICT_FIRST", 0) as i32,
+    )?;
     stream.synchronize()?;
     Ok(())
 }

@@ -170,6 +170,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 (default) loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 after the tiles (MATMUL.md round 28)",
     ),
     (
+        "FERRITE_L2_EVICT_FIRST",
+        Accepts::OneOf(&[0, 1]),
+        "the decode GEMVs' and MoE experts' weight copies marked evict-first in L2: 1 on, 0 (default) off (MATMUL.md round 34)",
+    ),
+    (
         "FERRITE_ROUTER_PRE",
         Accepts::OneOf(&[0, 1]),
         "the MoE norm + router launch (add_rms_norm_gemv_f32): 1 (default) loads each lane's router weights before the PDL wait, 0 from L2 after the norm (MOE.md)",
