@@ -203,7 +203,7 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
     set("gemv_diag", diag)?;
     set(
         "gemv_l2ef",
-        switches::int_or("FERRITE_L2_EVICT_FIRST", 0) as i32,
+        switches::int_or("FERRITE_L2_EVICT_FIRST", 1) as i32,
     )?;
     stream.synchronize()?;
     Ok(())

@@ -509,26 +509,23 @@ __device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
 #endif
 }
 
-// gemv_l2ef (FERRITE_L2_EVICT_FIRST, an experiment: MATMUL.md round 34): the copy's lines are
-// marked evict-first in L2, so that the weight stream, read once a step, evicts its own lines
-// before the small tensors the latency chain reads (norm weights, activations, the KV cache).
+// The weight copies' L2 policy (MATMUL.md round 34): evict-first, so that the weight stream,
+// read once a step and far larger than L2, evicts its own lines before the small tensors the
+// latency chain reads (norm weights, activations, router weights, the KV cache of short
+// contexts). gemv_l2ef = 0 (FERRITE_L2_EVICT_FIRST=0) gives the copies evict-normal lines
+// instead: the same instructions with the other policy, for the A/B.
 __constant__ int gemv_l2ef;
 __device__ __forceinline__ void bulk_g2s(uint64_t* bar, uint8_t* dst, size_t src, uint32_t bytes) {
 #if __CUDA_ARCH__ >= 900
-    if (gemv_l2ef) {
-        uint64_t pol;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-            "%4;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-            "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar)), "l"(pol)
-            : "memory");
-        return;
-    }
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     (uint32_t)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
-                 : "memory");
+    uint64_t first, normal;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
+    const uint64_t pol = gemv_l2ef ? first : normal;
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::
+            "r"((uint32_t)__cvta_generic_to_shared(dst)),
+        "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar)), "l"(pol)
+        : "memory");
 #endif
 }
 
