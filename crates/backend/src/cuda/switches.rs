@@ -172,7 +172,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_L2_EVICT_FIRST",
         Accepts::OneOf(&[0, 1]),
-        "the L2 policy of the decode GEMVs' and MoE experts' weight copies: 1 (default) evict-first, 0 evict-normal (MATMUL.md round 34)",
+        "the L2 policy of the dense decode GEMVs' weight copies: 1 (default) evict-first, 0 evict-unchanged (MATMUL.md round 34)",
     ),
     (
         "FERRITE_ROUTER_PRE",
