@@ -3,10 +3,10 @@
 # that separates a change from run-to-run variation, ~1-2% on tg128).
 #
 # Here (the development machine), per build:
-#   tools/h200/ab.sh pack new        # cargo build --profile dist, kernel CUBIN cache, gzip
+#   tools/h200/ab.sh pack new        # cargo build --profile dist, kernel CUBIN cache, xz
 #   (check out the baseline)  tools/h200/ab.sh pack old
-#   -> target/ab/ferrite-{new,old}.gz and target/ab/kc-{new,old}.tgz (carry all four and
-#      this script; ~21 MB)
+#   -> target/ab/ferrite-{new,old}.xz and target/ab/kc-{new,old}.txz (carry all four and
+#      this script; ~14 MB: with the ~45 MB working tree under a call's 64 MB)
 # There (the H200 machine, OUT set):
 #   tools/h200/ab.sh run [--check] [--perf FILTER]... [--bench PRESET:QUANT]... [--reps N]
 #   --check         ferrite check --device cuda --e2e on the new build (log in $OUT)
@@ -22,9 +22,9 @@ pack)
     mkdir -p target/ab
     touch crates/cli/build.rs
     cargo build --profile dist -p ferrite-cli 2>&1 | grep -E "^(warning|error)" || true
-    gzip -c target/dist/ferrite > "target/ab/ferrite-$tag.gz"
-    tools/h200/kernel_cache.sh > /dev/null && cp target/kernel-cache.tgz "target/ab/kc-$tag.tgz"
-    ls -l "target/ab/ferrite-$tag.gz" "target/ab/kc-$tag.tgz"
+    xz -6 -T0 -c target/dist/ferrite > "target/ab/ferrite-$tag.xz"
+    tools/h200/kernel_cache.sh > /dev/null && cp target/kernel-cache.txz "target/ab/kc-$tag.txz"
+    ls -l "target/ab/ferrite-$tag.xz" "target/ab/kc-$tag.txz"
     ;;
 run)
     : "${OUT:?set OUT to the directory for logs}"
@@ -32,8 +32,8 @@ run)
     export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
     for v in old new; do
         mkdir -p "/tmp/ab-$v/cache"
-        gunzip -c "target/ab/ferrite-$v.gz" > "/tmp/ab-$v/ferrite" && chmod +x "/tmp/ab-$v/ferrite"
-        tar xzf "target/ab/kc-$v.tgz" -C "/tmp/ab-$v/cache"
+        xz -dc "target/ab/ferrite-$v.xz" > "/tmp/ab-$v/ferrite" && chmod +x "/tmp/ab-$v/ferrite"
+        tar xJf "target/ab/kc-$v.txz" -C "/tmp/ab-$v/cache"
     done
     fer() { local v=$1; shift; FERRITE_CACHE_DIR="/tmp/ab-$v/cache" "/tmp/ab-$v/ferrite" "$@"; }
     reps=2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on the H200 machine (which has no Rust, no models and no network): the
 # binary built on the development machine (`cargo build --profile dist -p ferrite-cli`)
-# travels as target/dist/ferrite, with target/kernel-cache.tgz if present.
+# travels as target/dist/ferrite, with target/kernel-cache.txz if present.
 #
 #   tools/h200/session.sh STAGE...    with OUT set to a directory whose files come back
 #
@@ -43,7 +43,7 @@
 # Start-up on a fresh machine: every kernel module is compiled by NVRTC straight to a CUBIN
 # for the device (the modules in parallel; matmul.cu is the slowest) and cached in
 # $FERRITE_CACHE_DIR/kernels. tools/h200/kernel_cache.sh makes that cache here (same NVRTC
-# 13.0, same cache key) as target/kernel-cache.tgz; carried, it is unpacked below and the
+# 13.0, same cache key) as target/kernel-cache.txz; carried, it is unpacked below and the
 # machine skips NVRTC.
 set -uo pipefail
 : "${OUT:?set OUT to the directory for logs}"
@@ -53,7 +53,7 @@ export FERRITE_CACHE_DIR=/tmp/ferrite-cache
 F=./target/dist/ferrite
 M=/tmp/ferrite-models
 mkdir -p "$M" "$FERRITE_CACHE_DIR"
-[ -f target/kernel-cache.tgz ] && tar xzf target/kernel-cache.tgz -C "$FERRITE_CACHE_DIR"
+[ -f target/kernel-cache.txz ] && tar xJf target/kernel-cache.txz -C "$FERRITE_CACHE_DIR"
 RES="$OUT/results.jsonl"
 
 synth() { # preset quant
