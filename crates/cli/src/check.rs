@@ -1501,21 +1501,24 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 q8: false,
             });
         }
-        // Depth 5000 with fewer heads: the CPU fills the cache with a causal prefill.
+        // Depth ~5000 with fewer heads: the CPU fills the cache with a causal prefill. The
+        // capacity (pos0 + rows + 3 = 5008) is a multiple of 16 and the 64 splits' chunks two
+        // tiles per warp: the staged loop's cases (FERRITE_ATTN_STG) in both cache types.
         for q8 in [false, true] {
             add(Op::Attention {
                 shape: small,
-                pos0: 5000,
+                pos0: 5004,
                 rows: 1,
                 q8,
             });
         }
         // A q8_0 cache past the cluster merge's 16 splits (24 at Qwen3-8B's shape): the
-        // loop with its next tile in flight, at decode and at verify.
+        // loop with its next tile in flight (or the staged one), at decode and at verify, in
+        // a cache of 1504 positions (a multiple of 16).
         for rows in [1, 9] {
             add(Op::Attention {
                 shape: q8b,
-                pos0: 1500,
+                pos0: 1501 - rows,
                 rows,
                 q8: true,
             });
