@@ -404,6 +404,16 @@ impl Kernels {
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
         // The staged loop copies with the copy engine (sm_90a): 2 or 3 stages per warp for
         // q8_0 caches (FERRITE_ATTN_STG), 2 for f16.
+        // Timing diagnostic (attention.cu attn_tdiag_end): a summary line every N launches.
+        {
+            let stream = ctx.default_stream();
+            let mut sym = m.get_global("attn_tdiag", &stream)?;
+            // SAFETY: `attn_tdiag` is a 4-byte `__constant__ int` (attention.cu).
+            let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("attn_tdiag is not an int")?;
+            let n = super::switches::int_or("FERRITE_ATTN_TDIAG", 0) as i32;
+            stream.memcpy_htod(&[n], &mut v)?;
+            stream.synchronize()?;
+        }
         let stg = super::switches::int_or("FERRITE_ATTN_STG", 0);
         let staged = |q8: bool, ns: usize| -> Result<Option<StagedDecode>> {
             if stg == 0 || dtc != 1 || arch != "compute_90a" {

@@ -160,6 +160,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM; ATTENTION.md)",
     ),
     (
+        "FERRITE_ATTN_TDIAG",
+        Accepts::Range(0, 1_000_000),
+        "timing diagnostic: every N-th decode attention launch prints where its blocks' time went (start spread, key loop, merge; ATTENTION.md)",
+    ),
+    (
         "FERRITE_ATTN_STG",
         Accepts::OneOf(&[0, 2, 3]),
         "decode attention on the tensor cores with each warp's next key tiles copied into shared memory by the copy engine (contiguous caches at head dim 128 whose capacity is a multiple of 16): 2 two stages per warp (q8_0 caches at 4 blocks per SM, f16 at 3), 3 three for q8_0 (3 blocks per SM); 0 off (ATTENTION.md)",

@@ -903,6 +903,56 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
+// Timing diagnostic (FERRITE_ATTN_TDIAG=N; attention.rs): thread 0 of every block of a decode
+// launch (row 0) stamps %globaltimer at its key loop's start (after the PDL wait and the
+// store), the loop's end, its partial written, and its exit; the launch's last block to exit
+// prints one summary line every N launches. Timing only.
+__constant__ int attn_tdiag;
+__device__ unsigned long long attn_ts[4][2048];
+__device__ unsigned int attn_tdone, attn_tlaunch;
+__device__ __forceinline__ void attn_tstamp(int k) {
+    if (attn_tdiag && threadIdx.x == 0 && blockIdx.z == 0) {
+        const unsigned b = blockIdx.y * gridDim.x + blockIdx.x;
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (b < 2048) attn_ts[k][b] = t;
+    }
+}
+__device__ __noinline__ void attn_tdiag_end(int idle) {
+    if (!attn_tdiag || threadIdx.x != 0 || blockIdx.z != 0) return;
+    const unsigned b = blockIdx.y * gridDim.x + blockIdx.x, nb = gridDim.x * gridDim.y;
+    if (idle && b < 2048) attn_ts[0][b] = attn_ts[1][b] = attn_ts[2][b] = 0;
+    attn_tstamp(3);
+    __threadfence();
+    if (atomicAdd(&attn_tdone, 1) != nb - 1) return;
+    __threadfence();
+    attn_tdone = 0;
+    const unsigned l = attn_tlaunch++;
+    if (nb > 2048 || l % attn_tdiag != (unsigned)attn_tdiag - 1) return;
+    unsigned long long t0 = ~0ull, s1 = 0, e3 = 0, m1 = 0;
+    double lsum = 0, lmin = 1e30, lmax = 0, e1min = 1e30, e1sum = 0, p2max = 0, x3max_nm = 0;
+    int n = 0;
+    for (unsigned i = 0; i < nb; i++)
+        if (attn_ts[0][i]) t0 = min(t0, __ldcg(&attn_ts[0][i]));
+    for (unsigned i = 0; i < nb; i++) {
+        const unsigned long long a = __ldcg(&attn_ts[0][i]), c = __ldcg(&attn_ts[1][i]),
+                                 d = __ldcg(&attn_ts[2][i]), e = __ldcg(&attn_ts[3][i]);
+        if (!a) continue;
+        n++;
+        s1 = max(s1, a - t0);
+        const double lp = (double)(c - a) * 1e-3, ce = (double)(c - t0) * 1e-3;
+        lsum += lp, lmin = fmin(lmin, lp), lmax = fmax(lmax, lp), e1sum += ce, e1min = fmin(e1min, ce);
+        m1 = max(m1, c - t0);
+        p2max = fmax(p2max, (double)(d - c) * 1e-3);
+        e3 = max(e3, e - t0);
+        if ((double)(e - d) * 1e-3 < 1.0) x3max_nm = fmax(x3max_nm, (double)(e - t0) * 1e-3);
+    }
+    printf("ATTN_T grid %ux%u active %d: start spread %.2f us; loop min/avg/max %.2f/%.2f/%.2f; loop end "
+           "min/avg/max %.2f/%.2f/%.2f; partial max %.2f; non-merger exit max %.2f; last exit %.2f\n",
+           gridDim.x, gridDim.y, n, s1 * 1e-3, lmin, lsum / n, lmax, e1min, e1sum / n, m1 * 1e-3, p2max, x3max_nm,
+           e3 * 1e-3);
+}
+
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
           bool PRE = false, int STG = 0>
 __device__ __forceinline__ void attn_decode_impl(
@@ -955,7 +1005,10 @@ __device__ __forceinline__ void attn_decode_impl(
     // An empty split takes no part (whole block), except in the cluster merge, where it
     // still passes the barriers and merges its share.
     const bool idle = split >= n_active;
-    if (idle && (!CL || n_active == 1)) return;
+    if (idle && (!CL || n_active == 1)) {
+        attn_tdiag_end(1);
+        return;
+    }
     const int start = split * chunk;
     const int end = min(n_keys, start + chunk);
     // Element index of position 0 of this kv head (page 0 when paged).
@@ -1017,6 +1070,7 @@ __device__ __forceinline__ void attn_decode_impl(
 #endif
         __syncthreads();
     }
+    attn_tstamp(0);
 
     if (CL && idle) {
         // CL only: no keys (the partial below is not written; the merge reads n_active).
@@ -1165,6 +1219,7 @@ __device__ __forceinline__ void attn_decode_impl(
         }
     }
     __syncthreads();
+    attn_tstamp(1);
     // The block's state per (head, dim): the whole answer when it is the row's only split,
     // else a partial (m, l, acc) for the merge below (CL: in this block's shared memory).
     __shared__ float sm_part[CL ? GB : 1][CL ? HD : 1];
@@ -1199,7 +1254,11 @@ __device__ __forceinline__ void attn_decode_impl(
             }
         }
     }
-    if (single) return;
+    if (single) {
+        attn_tstamp(2);
+        attn_tdiag_end(0);
+        return;
+    }
 
     if constexpr (CL) {
         cluster_sync_all();
@@ -1223,12 +1282,16 @@ __device__ __forceinline__ void attn_decode_impl(
 
     // The last of the row's n_active splits to finish (per block of heads) merges them, in
     // split order whichever block it is, and re-arms the ticket for the next launch.
+    attn_tstamp(2);
     __threadfence();
     __syncthreads();
     int* ticket = tickets + (long long)t * gridDim.x + blockIdx.x;
     if (tid == 0) s_ticket = atomicAdd(ticket, 1);
     __syncthreads();
-    if (s_ticket != n_active - 1) return;
+    if (s_ticket != n_active - 1) {
+        attn_tdiag_end(0);
+        return;
+    }
     __threadfence();
     for (int g = warp; g < GB; g += NW) {
         const long long prow0 = ((long long)t * n_heads + h0 + g) * n_splits;
@@ -1275,6 +1338,7 @@ __device__ __forceinline__ void attn_decode_impl(
     for (int idx = tid; idx < GB * HD; idx += DECODE_THREADS)  // whole warps per 32-block
         decode_emit(sm_out[idx], out, xq, xd, t, n_heads, HD, h0 + idx / HD, idx % HD);
     if (tid == 0) *ticket = 0;
+    attn_tdiag_end(0);
 }
 
 #define DECODE_ARGS                                                                          \
