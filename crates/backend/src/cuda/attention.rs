@@ -257,6 +257,13 @@ pub struct Kernels {
     /// [`DECODE_TC_HEAD_DIM`] whose capacity is a multiple of 16 and whose splits do not
     /// take a cluster or the keys-before-the-wait forms; `None` where off.
     decode_stg: [Option<StagedDecode>; 2],
+    /// The tensor-core decode loops that leave their splits to a merge launch of its own
+    /// (`attn_decode_tc_sep_128_<gb>`, `attn_decode_tc_q8psep_128_<gb>`; FERRITE_ATTN_MERGE),
+    /// `[f16, q8_0]`, and that merge (`attn_decode_merge`); `None` where off. Taken where the
+    /// ticket merge would be: contiguous caches at [`DECODE_TC_HEAD_DIM`] whose splits take
+    /// no cluster and no keys-before-the-wait form (the q8_0 one only with the pipelined
+    /// loop, whose split count it shares).
+    decode_sep: Option<([Vec<CudaFunction>; 2], CudaFunction)>,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -409,7 +416,8 @@ impl Kernels {
             let stream = ctx.default_stream();
             let mut sym = m.get_global("attn_tdiag", &stream)?;
             // SAFETY: `attn_tdiag` is a 4-byte `__constant__ int` (attention.cu).
-            let mut v = unsafe { sym.transmute_mut::<i32>(1) }.context("attn_tdiag is not an int")?;
+            let mut v =
+                unsafe { sym.transmute_mut::<i32>(1) }.context("attn_tdiag is not an int")?;
             let n = super::switches::int_or("FERRITE_ATTN_TDIAG", 0) as i32;
             stream.memcpy_htod(&[n], &mut v)?;
             stream.synchronize()?;
@@ -454,6 +462,14 @@ impl Kernels {
             staged(false, 2)?,
             staged(true, if stg == 3 { 3 } else { 2 })?,
         ];
+        let decode_sep = match (
+            dtc == 1 && q8_pipe && super::switches::int_or("FERRITE_ATTN_MERGE", 0) != 0,
+            tc_family(true, "tc_sep_")?,
+            tc_family(true, "tc_q8psep_")?,
+        ) {
+            (true, Some(f16), Some(q8)) => Some(([f16, q8], function(&m, "attn_decode_merge")?)),
+            _ => None,
+        };
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
@@ -464,6 +480,7 @@ impl Kernels {
             decode_pre,
             q8_pipe,
             decode_stg,
+            decode_sep,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -894,12 +911,18 @@ pub fn attention(
         let stg = be.attention.decode_stg[q8]
             .as_ref()
             .filter(|_| kv.stg && tc_dim && clp.is_none() && cl.is_none() && pre.is_none());
-        let func = match (clp, cl, pre, stg) {
-            (Some(clp), _, _, _) => &clp[gbi],
-            (None, Some(cl), _, _) => &cl[gbi],
-            (None, None, Some(pre), _) => &pre[gbi],
-            (None, None, None, Some(s)) => &s.funcs[gbi],
-            (None, None, None, None) => decode_kernel(
+        // The split merge as a launch of its own where the ticket merge would be.
+        let sep =
+            be.attention.decode_sep.as_ref().filter(|_| {
+                tc_dim && stg.is_none() && clp.is_none() && cl.is_none() && pre.is_none()
+            });
+        let func = match (clp, cl, pre, stg, sep) {
+            (Some(clp), _, _, _, _) => &clp[gbi],
+            (None, Some(cl), _, _, _) => &cl[gbi],
+            (None, None, Some(pre), _, _) => &pre[gbi],
+            (None, None, None, Some(s), _) => &s.funcs[gbi],
+            (None, None, None, None, Some((fams, _))) => &fams[q8][gbi],
+            (None, None, None, None, None) => decode_kernel(
                 &be.attention.decode_tc,
                 &be.attention.decode,
                 q8,
@@ -949,6 +972,35 @@ pub fn attention(
         // ≥ cols elements (xq_for_producer).
         let smem = stg.map_or(0, |s| s.smem);
         unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster, smem) }?;
+        if let Some((_, merge)) = sep {
+            let cfg = LaunchConfig {
+                grid_dim: (n_heads as u32, (head_dim / 32) as u32, rows as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (splits_i, chunk_i, step_i) = (
+                kv.n_splits as i32,
+                kv.min_chunk as i32,
+                DECODE_TC_STEP as i32,
+            );
+            let mut launch = be.stream.kernel(merge);
+            launch
+                .arg(&kv.part_acc)
+                .arg(&kv.part_ml)
+                .arg(&step.positions)
+                .arg(&op)
+                .arg(&xqp)
+                .arg(&xdp)
+                .arg(&n_heads_i)
+                .arg(&capacity)
+                .arg(&splits_i)
+                .arg(&chunk_i)
+                .arg(&step_i);
+            // SAFETY: the partials are [rows][n_heads][n_splits][head_dim] and (m, l) pairs, as
+            // the decode launch above wrote them (decode_launch checked the scratch); out and the
+            // planes as for that launch; head_dim is DECODE_TC_HEAD_DIM (tc_dim).
+            unsafe { launch.launch(cfg) }?;
+        }
         if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
             xq.record_producer(be, &out.buf, rows, cols);
         }

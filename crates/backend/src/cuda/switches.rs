@@ -160,6 +160,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM; ATTENTION.md)",
     ),
     (
+        "FERRITE_ATTN_MERGE",
+        Accepts::OneOf(&[0, 1]),
+        "decode attention's split merge as a launch of its own (attn_decode_merge: every head and 32 dims a block) where the last split's block merged alone (caches past a cluster's 16 splits; ATTENTION.md)",
+    ),
+    (
         "FERRITE_ATTN_TDIAG",
         Accepts::Range(0, 1_000_000),
         "timing diagnostic: every N-th decode attention launch prints where its blocks' time went (start spread, key loop, merge; ATTENTION.md)",

@@ -954,7 +954,7 @@ __device__ __noinline__ void attn_tdiag_end(int idle) {
 }
 
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
-          bool PRE = false, int STG = 0>
+          bool PRE = false, int STG = 0, bool SEP = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -1280,6 +1280,12 @@ __device__ __forceinline__ void attn_decode_impl(
         return;
     }
 
+    // SEP: the splits are merged by the launch after this one (attn_decode_merge).
+    if constexpr (SEP) {
+        attn_tstamp(2);
+        attn_tdiag_end(0);
+        return;
+    }
     // The last of the row's n_active splits to finish (per block of heads) merges them, in
     // split order whichever block it is, and re-arms the ticket for the next launch.
     attn_tstamp(2);
@@ -1426,6 +1432,83 @@ DECODE_KERNEL(256, 8)
         attn_decode_impl<128, GB, Q8, false, true, true, false, false, false, NS>(DECODE_PASS,          \
                                                                                  UNPAGED_PASS(capacity)); \
     }
+// The same loops leaving their splits to attn_decode_merge (SEP; FERRITE_ATTN_MERGE): the f16
+// loop and the q8_0 loop with its next tile in flight.
+#define DECODE_SEP_KERNELS(GB)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_sep_128_##GB(DECODE_ARGS) {     \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, 0, true>(DECODE_PASS,         \
+                                                                                         UNPAGED_PASS(capacity)); \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8psep_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, 0, true>(DECODE_PASS,           \
+                                                                                       UNPAGED_PASS(capacity)); \
+    }
+DECODE_SEP_KERNELS(1)
+DECODE_SEP_KERNELS(2)
+DECODE_SEP_KERNELS(4)
+DECODE_SEP_KERNELS(8)
+
+// The split merge as a launch of its own (FERRITE_ATTN_MERGE; ATTENTION.md, "The split merge
+// as a launch of its own"), after a SEP decode launch: the ticket merge's last block merged
+// every (head, dim) of its head block alone, ~47 partials of 4 heads x 128 dims read in three
+// dependent rounds by 128 threads, ~8 us at depth 32768 while the other SMs idled. Here block
+// (h, c, t) takes head h's dims 32 c .. 32 c + 31 of row t: warp j the splits j, j + 4, ...
+// (at most 32 each: KERNEL_MAX_SPLITS), lane d one dim; every load of a thread issued at once
+// (m, l and its dim's partial per split), one round trip; the block's max through shared
+// memory, each warp's sums in split order, the four warps' in order, then the emit (one warp
+// per 32-element block, decode_emit's quantization for the o-projection). The chunk formula is
+// attn_decode_impl's, so n_active is the decode launch's; a row whose keys took one split was
+// emitted by its block (n_active == 1: nothing to do).
+#define MERGE_MAX_PER_WARP 32
+extern "C" __global__ void __launch_bounds__(128)
+    attn_decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                      const int* __restrict__ positions, float* __restrict__ out, int8_t* __restrict__ xq,
+                      float2* __restrict__ xd, int n_heads, int capacity, int n_splits, int min_chunk, int step) {
+    constexpr int HD = 128;
+    const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pos_t = positions[t];  // written by host copies only
+    const int n_keys = max(0, min(pos_t + 1, capacity));
+    const int per = (n_keys + n_splits - 1) / n_splits;
+    const int chunk = max(min_chunk, (per + step - 1) / step * step);
+    const int n_active = max(1, (n_keys + chunk - 1) / chunk);
+    PDL_ENTRY();
+    if (n_active == 1) return;
+    const long long prow0 = ((long long)t * n_heads + h) * n_splits;
+    const int d = 32 * c + lane;
+    float m[MERGE_MAX_PER_WARP], l[MERGE_MAX_PER_WARP], v[MERGE_MAX_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < MERGE_MAX_PER_WARP; i++) {
+        const int s = warp + 4 * i;
+        const bool on = s < n_active;
+        m[i] = on ? __ldcg(part_ml + 2 * (prow0 + s)) : ATT_NEG;
+        l[i] = on ? __ldcg(part_ml + 2 * (prow0 + s) + 1) : 0.f;
+        v[i] = on ? __ldcg(part_acc + (prow0 + s) * HD + d) : 0.f;
+    }
+    __shared__ float sm_mx[4], sm_a[4][32], sm_l[4];
+    float mx = ATT_NEG;
+#pragma unroll
+    for (int i = 0; i < MERGE_MAX_PER_WARP; i++) mx = fmaxf(mx, m[i]);
+    if (lane == 0) sm_mx[warp] = mx;
+    __syncthreads();
+    mx = fmaxf(fmaxf(sm_mx[0], sm_mx[1]), fmaxf(sm_mx[2], sm_mx[3]));
+    float a = 0.f, ls = 0.f;
+#pragma unroll
+    for (int i = 0; i < MERGE_MAX_PER_WARP; i++) {
+        const float cs = warp + 4 * i < n_active ? exp2f(m[i] - mx) : 0.f;
+        a = fmaf(v[i], cs, a);
+        ls = fmaf(l[i], cs, ls);
+    }
+    sm_a[warp][lane] = a;
+    if (lane == 0) sm_l[warp] = ls;
+    __syncthreads();
+    if (warp == 0) {
+        const float at = ((sm_a[0][lane] + sm_a[1][lane]) + sm_a[2][lane]) + sm_a[3][lane];
+        const float lt = ((sm_l[0] + sm_l[1]) + sm_l[2]) + sm_l[3];
+        decode_emit(at * (1.f / lt), out, xq, xd, t, n_heads, HD, h, d);
+    }
+}
+
 #define DECODE_STG_KERNELS(GB)                         \
     DECODE_STG_KERNEL(GB, attn_decode_tc_sq82, true, 2, 4) \
     DECODE_STG_KERNEL(GB, attn_decode_tc_sq83, true, 3, 3) \
