@@ -264,6 +264,9 @@ pub struct Kernels {
     /// no cluster and no keys-before-the-wait form (the q8_0 one only with the pipelined
     /// loop, whose split count it shares).
     decode_sep: Option<([Vec<CudaFunction>; 2], CudaFunction)>,
+    /// Whether `attn_decode_merge` launches its successor before its own wait
+    /// (`FERRITE_ATTN_MERGE=2`).
+    merge_early: bool,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -470,6 +473,7 @@ impl Kernels {
             (true, Some(f16), Some(q8)) => Some(([f16, q8], function(&m, "attn_decode_merge")?)),
             _ => None,
         };
+        let merge_early = super::switches::int_or("FERRITE_ATTN_MERGE", 0) == 2;
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
@@ -481,6 +485,7 @@ impl Kernels {
             q8_pipe,
             decode_stg,
             decode_sep,
+            merge_early,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -983,6 +988,7 @@ pub fn attention(
                 kv.min_chunk as i32,
                 DECODE_TC_STEP as i32,
             );
+            let early_i = i32::from(be.attention.merge_early);
             let mut launch = be.stream.kernel(merge);
             launch
                 .arg(&kv.part_acc)
@@ -995,7 +1001,8 @@ pub fn attention(
                 .arg(&capacity)
                 .arg(&splits_i)
                 .arg(&chunk_i)
-                .arg(&step_i);
+                .arg(&step_i)
+                .arg(&early_i);
             // SAFETY: the partials are [rows][n_heads][n_splits][head_dim] and (m, l) pairs, as
             // the decode launch above wrote them (decode_launch checked the scratch); out and the
             // planes as for that launch; head_dim is DECODE_TC_HEAD_DIM (tc_dim).

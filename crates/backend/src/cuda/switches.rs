@@ -161,8 +161,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_MERGE",
-        Accepts::OneOf(&[0, 1]),
-        "decode attention's split merge as a launch of its own (attn_decode_merge: every head and 32 dims a block) where the last split's block merged alone (caches past a cluster's 16 splits; ATTENTION.md)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "decode attention's split merge as a launch of its own (attn_decode_merge: every head and 32 dims a block) where the last split's block merged alone (caches past a cluster's 16 splits; ATTENTION.md); 2 the same, its successor launched before its own wait",
     ),
     (
         "FERRITE_ATTN_TDIAG",

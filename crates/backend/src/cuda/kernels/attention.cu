@@ -1463,7 +1463,8 @@ DECODE_SEP_KERNELS(8)
 extern "C" __global__ void __launch_bounds__(128)
     attn_decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                       const int* __restrict__ positions, float* __restrict__ out, int8_t* __restrict__ xq,
-                      float2* __restrict__ xd, int n_heads, int capacity, int n_splits, int min_chunk, int step) {
+                      float2* __restrict__ xd, int n_heads, int capacity, int n_splits, int min_chunk, int step,
+                      int early) {
     constexpr int HD = 128;
     const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1472,7 +1473,10 @@ extern "C" __global__ void __launch_bounds__(128)
     const int per = (n_keys + n_splits - 1) / n_splits;
     const int chunk = max(min_chunk, (per + step - 1) / step * step);
     const int n_active = max(1, (n_keys + chunk - 1) / chunk);
-    PDL_ENTRY();
+    // early (FERRITE_ATTN_MERGE=2): the o-projection launched before this launch's wait, so
+    // that its blocks take the SMs the decode blocks leave and copy their weights during the
+    // decode launch's tail (as they did behind the ticket merge).
+    PDL_ENTRY_IF_EARLY(early);
     if (n_active == 1) return;
     const long long prow0 = ((long long)t * n_heads + h) * n_splits;
     const int d = 32 * c + lane;
