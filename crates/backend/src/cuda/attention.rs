@@ -84,8 +84,6 @@ const DECODE_BLOCKS_PER_SM: usize = 4;
 /// rounded down so that the launch stays one wave (ATTENTION.md, "The q8_0 loop's next tile in
 /// flight").
 const DECODE_PIPE_BLOCKS_PER_SM: usize = 3;
-/// Threads of a decode block (DECODE_THREADS in attention.cu): four warps.
-const DECODE_THREADS: usize = 128;
 /// Decode L2 prefetch distance in key tiles (the kernel's `pf`; 0 = off). Off: no gain
 /// measured (ATTENTION.md, one-launch decode round).
 const DECODE_PREFETCH: usize = 0;
@@ -199,9 +197,6 @@ pub struct CudaKv {
     pub n_splits: usize,
     /// Fewest positions per decode split (fixed with `n_splits`).
     min_chunk: usize,
-    /// Whether the decode launch takes the staged tensor-core loop (`Kernels::decode_stg`),
-    /// fixed with `n_splits` (its split count is its own blocks per SM, once).
-    stg: bool,
     /// Split-K partials: unnormalised output `[rows][n_heads][n_splits][head_dim]`.
     part_acc: CudaSlice<f32>,
     /// Split-K partials: (running max, running sum) per `[rows][n_heads][n_splits]`.
@@ -251,22 +246,14 @@ pub struct Kernels {
     /// Whether `decode_tc[1]` is the q8_0 loop that loads its next tile early
     /// (`attn_decode_tc_q8p_128_<gb>`; `FERRITE_ATTN_PIPE=0`: the plain loop).
     q8_pipe: bool,
-    /// The staged tensor-core decode loop, `[f16, q8_0]` (`FERRITE_ATTN_STG`; ATTENTION.md,
-    /// "Decode tiles staged by the copy engine"): each warp's next key tiles copied into
-    /// shared memory by the copy engine. Taken by contiguous caches at
-    /// [`DECODE_TC_HEAD_DIM`] whose capacity is a multiple of 16 and whose splits do not
-    /// take a cluster or the keys-before-the-wait forms; `None` where off.
-    decode_stg: [Option<StagedDecode>; 2],
     /// The tensor-core decode loops that leave their splits to a merge launch of its own
-    /// (`attn_decode_tc_sep_128_<gb>`, `attn_decode_tc_q8psep_128_<gb>`; FERRITE_ATTN_MERGE),
-    /// `[f16, q8_0]`, and that merge (`attn_decode_merge`); `None` where off. Taken where the
-    /// ticket merge would be: contiguous caches at [`DECODE_TC_HEAD_DIM`] whose splits take
-    /// no cluster and no keys-before-the-wait form (the q8_0 one only with the pipelined
-    /// loop, whose split count it shares).
+    /// (`attn_decode_tc_sep_128_<gb>`, `attn_decode_tc_q8psep_128_<gb>`), `[f16, q8_0]`, and
+    /// that merge (`attn_decode_merge`; ATTENTION.md, "The split merge as a launch of its
+    /// own"). Taken where the ticket merge would be: contiguous caches at
+    /// [`DECODE_TC_HEAD_DIM`] whose splits take no cluster and no keys-before-the-wait form
+    /// (the q8_0 one only with the pipelined loop, whose split count it shares); `None` with
+    /// `FERRITE_ATTN_MERGE=0` (the ticket merge).
     decode_sep: Option<([Vec<CudaFunction>; 2], CudaFunction)>,
-    /// Whether `attn_decode_merge` launches its successor before its own wait
-    /// (`FERRITE_ATTN_MERGE=2`).
-    merge_early: bool,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -277,25 +264,6 @@ pub struct Kernels {
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
-}
-
-/// A staged decode family (`attn_decode_tc_s[q8]<ns>_128_<gb>`, by log2 heads per block),
-/// its dynamic shared memory, and its blocks per SM by the driver's occupancy (per heads per
-/// block: the static shared memory grows with them), which set the split count of its caches.
-struct StagedDecode {
-    funcs: Vec<CudaFunction>,
-    smem: u32,
-    blocks_per_sm: Vec<usize>,
-}
-
-/// Bytes of one stage (a warp's 16-key tile) of the staged decode loop (DtcStage in
-/// attention.cu): K and V, and for q8_0 their scales (one f16 per 32 elements).
-fn stage_bytes(head_dim: usize, q8: bool) -> usize {
-    if q8 {
-        2 * 16 * head_dim + 2 * 16 * (head_dim / 32) * 2
-    } else {
-        2 * 16 * head_dim * 2
-    }
 }
 
 /// The `*_paged` entry points of `attention.cu`.
@@ -412,68 +380,14 @@ impl Kernels {
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
-        // The staged loop copies with the copy engine (sm_90a): 2 or 3 stages per warp for
-        // q8_0 caches (FERRITE_ATTN_STG), 2 for f16.
-        // Timing diagnostic (attention.cu attn_tdiag_end): a summary line every N launches.
-        {
-            let stream = ctx.default_stream();
-            let mut sym = m.get_global("attn_tdiag", &stream)?;
-            // SAFETY: `attn_tdiag` is a 4-byte `__constant__ int` (attention.cu).
-            let mut v =
-                unsafe { sym.transmute_mut::<i32>(1) }.context("attn_tdiag is not an int")?;
-            let n = super::switches::int_or("FERRITE_ATTN_TDIAG", 0) as i32;
-            stream.memcpy_htod(&[n], &mut v)?;
-            stream.synchronize()?;
-        }
-        let stg = super::switches::int_or("FERRITE_ATTN_STG", 0);
-        let staged = |q8: bool, ns: usize| -> Result<Option<StagedDecode>> {
-            if stg == 0 || dtc != 1 || arch != "compute_90a" {
-                return Ok(None);
-            }
-            let pre = if q8 {
-                format!("tc_sq8{ns}_")
-            } else {
-                format!("tc_s{ns}_")
-            };
-            let Some(funcs) = tc_family(true, &pre)? else {
-                return Ok(None);
-            };
-            let smem = (ns * (DECODE_THREADS / 32) * stage_bytes(DECODE_TC_HEAD_DIM, q8)) as u32;
-            let mut blocks_per_sm = Vec::with_capacity(funcs.len());
-            for f in &funcs {
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .with_context(|| format!("staged decode attention: {smem} B of shared memory"))?;
-                let b = f
-                    .occupancy_max_active_blocks_per_multiprocessor(
-                        DECODE_THREADS as u32,
-                        smem as usize,
-                        None,
-                    )
-                    .context("staged decode attention: occupancy")?;
-                blocks_per_sm.push((b as usize).max(1));
-            }
-            Ok(Some(StagedDecode {
-                funcs,
-                smem,
-                blocks_per_sm,
-            }))
-        };
-        let decode_stg = [
-            staged(false, 2)?,
-            staged(true, if stg == 3 { 3 } else { 2 })?,
-        ];
         let decode_sep = match (
-            dtc == 1 && q8_pipe && super::switches::int_or("FERRITE_ATTN_MERGE", 0) != 0,
+            dtc == 1 && q8_pipe && super::switches::int_or("FERRITE_ATTN_MERGE", 1) != 0,
             tc_family(true, "tc_sep_")?,
             tc_family(true, "tc_q8psep_")?,
         ) {
             (true, Some(f16), Some(q8)) => Some(([f16, q8], function(&m, "attn_decode_merge")?)),
             _ => None,
         };
-        let merge_early = super::switches::int_or("FERRITE_ATTN_MERGE", 0) == 2;
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
@@ -483,9 +397,7 @@ impl Kernels {
             decode_clp,
             decode_pre,
             q8_pipe,
-            decode_stg,
             decode_sep,
-            merge_early,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -623,21 +535,20 @@ fn min_chunk_for(head_dim: usize, tu: DecodeTuning) -> usize {
 }
 
 /// The fixed decode split count for a cache: enough blocks for every SM at rows = 1, no more
-/// splits than `capacity` has minimum-size chunks. `wave`: the cache takes a loop whose
-/// blocks fit this many per SM (the q8_0 loop with its next tile in flight, the staged
-/// loop): as many splits as fill the SMs once, rounded down (a 397th block of 396 slots
-/// would run as a second wave).
+/// splits than `capacity` has minimum-size chunks. `pipe`: the cache takes the q8_0 loop with
+/// its next tile in flight, whose blocks fit fewer per SM: as many splits as fill the SMs
+/// once, rounded down (a 397th block of 396 slots would run as a second wave).
 fn decode_splits(
     sm_count: usize,
     shape: AttnShape,
     capacity: usize,
     tu: DecodeTuning,
-    wave: Option<usize>,
+    pipe: bool,
 ) -> usize {
     let group = shape.n_heads / shape.n_kv_heads.max(1);
     let blocks_x = (shape.n_heads / heads_per_block(group)).max(1);
-    let want = if let Some(per_sm) = wave {
-        (per_sm * sm_count.max(1) / blocks_x).max(1)
+    let want = if pipe {
+        tu.pipe_blocks_per_sm * sm_count.max(1) / blocks_x
     } else {
         (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x)
     };
@@ -758,16 +669,7 @@ fn kv_alloc(
         && kv_type == KvType::Q8_0
         && paged.is_none()
         && head_dim == DECODE_TC_HEAD_DIM;
-    // The staged loop copies whole 16-key tiles (rows past the last key included): contiguous
-    // caches whose capacity is a multiple of 16.
-    let q8 = usize::from(kv_type == KvType::Q8_0);
-    let gbi = heads_per_block(n_heads / n_kv_heads).trailing_zeros() as usize;
-    let stg_wave = be.attention.decode_stg[q8]
-        .as_ref()
-        .filter(|_| paged.is_none() && head_dim == DECODE_TC_HEAD_DIM && capacity % 16 == 0)
-        .map(|s| s.blocks_per_sm[gbi]);
-    let wave = stg_wave.or(pipe.then_some(tuning.pipe_blocks_per_sm));
-    let n_splits = decode_splits(be.sm_count, shape, seq_capacity, tuning, wave);
+    let n_splits = decode_splits(be.sm_count, shape, seq_capacity, tuning, pipe);
     let scratch_rows = paged.map_or(DECODE_MAX_ROWS, |p| p.max_rows.max(DECODE_MAX_ROWS));
     let part_rows = scratch_rows * n_heads * n_splits;
     let scratch = part_rows * (head_dim + 2) + scratch_rows * n_heads;
@@ -794,7 +696,6 @@ fn kv_alloc(
         capacity,
         n_splits,
         min_chunk: min_chunk_for(head_dim, tuning),
-        stg: stg_wave.is_some(),
         part_acc: be.stream.alloc_zeros::<f32>(part_rows * head_dim)?,
         part_ml: be.stream.alloc_zeros::<f32>(part_rows * 2)?,
         tickets: be.stream.alloc_zeros::<i32>(scratch_rows * n_heads)?,
@@ -912,22 +813,18 @@ pub fn attention(
             .decode_pre
             .as_ref()
             .filter(|_| pre_ok && cl.is_none());
-        // The staged loop where the cache was made for it and no form above applies.
-        let stg = be.attention.decode_stg[q8]
-            .as_ref()
-            .filter(|_| kv.stg && tc_dim && clp.is_none() && cl.is_none() && pre.is_none());
         // The split merge as a launch of its own where the ticket merge would be.
-        let sep =
-            be.attention.decode_sep.as_ref().filter(|_| {
-                tc_dim && stg.is_none() && clp.is_none() && cl.is_none() && pre.is_none()
-            });
-        let func = match (clp, cl, pre, stg, sep) {
-            (Some(clp), _, _, _, _) => &clp[gbi],
-            (None, Some(cl), _, _, _) => &cl[gbi],
-            (None, None, Some(pre), _, _) => &pre[gbi],
-            (None, None, None, Some(s), _) => &s.funcs[gbi],
-            (None, None, None, None, Some((fams, _))) => &fams[q8][gbi],
-            (None, None, None, None, None) => decode_kernel(
+        let sep = be
+            .attention
+            .decode_sep
+            .as_ref()
+            .filter(|_| tc_dim && clp.is_none() && cl.is_none() && pre.is_none());
+        let func = match (clp, cl, pre, sep) {
+            (Some(clp), _, _, _) => &clp[gbi],
+            (None, Some(cl), _, _) => &cl[gbi],
+            (None, None, Some(pre), _) => &pre[gbi],
+            (None, None, None, Some((fams, _))) => &fams[q8][gbi],
+            (None, None, None, None) => decode_kernel(
                 &be.attention.decode_tc,
                 &be.attention.decode,
                 q8,
@@ -975,8 +872,7 @@ pub fn attention(
         // (checked by check_attention); positions hold ≥ rows entries (checked above) and
         // are clamped to capacity in the kernel; the int8 scratch holds ≥ rows rows of
         // ≥ cols elements (xq_for_producer).
-        let smem = stg.map_or(0, |s| s.smem);
-        unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster, smem) }?;
+        unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster) }?;
         if let Some((_, merge)) = sep {
             let cfg = LaunchConfig {
                 grid_dim: (n_heads as u32, (head_dim / 32) as u32, rows as u32),
@@ -988,7 +884,6 @@ pub fn attention(
                 kv.min_chunk as i32,
                 DECODE_TC_STEP as i32,
             );
-            let early_i = i32::from(be.attention.merge_early);
             let mut launch = be.stream.kernel(merge);
             launch
                 .arg(&kv.part_acc)
@@ -1001,8 +896,7 @@ pub fn attention(
                 .arg(&capacity)
                 .arg(&splits_i)
                 .arg(&chunk_i)
-                .arg(&step_i)
-                .arg(&early_i);
+                .arg(&step_i);
             // SAFETY: the partials are [rows][n_heads][n_splits][head_dim] and (m, l) pairs, as
             // the decode launch above wrote them (decode_launch checked the scratch); out and the
             // planes as for that launch; head_dim is DECODE_TC_HEAD_DIM (tc_dim).
@@ -1152,7 +1046,6 @@ unsafe fn decode_launch(
     d: DecodeDims,
     paged: Option<PagedPtrs>,
     cluster: bool,
-    smem: u32,
 ) -> Result<()> {
     let gb = heads_per_block(d.group);
     let n_splits = kv.n_splits;
@@ -1171,7 +1064,7 @@ unsafe fn decode_launch(
     let cfg = LaunchConfig {
         grid_dim: ((d.n_heads / gb) as u32, n_splits as u32, d.rows as u32),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: 0,
     };
     let (n_heads_i, group_i, splits_i) = (d.n_heads as i32, d.group as i32, n_splits as i32);
     let (chunk_i, pf_i) = (kv.min_chunk as i32, be.attention.tuning.prefetch as i32);
@@ -1404,7 +1297,7 @@ fn attention_paged(
                 };
                 // SAFETY: q_v holds nr rows of n_heads×hd, out_v nr rows; reads stay inside
                 // the cache as for the store (block tables checked by check_paged_step).
-                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false, 0) }?;
+                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false) }?;
             }
             (_, Some((func, cfg))) => {
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block
@@ -1522,34 +1415,23 @@ mod tests {
     fn split_count_is_bounded() {
         // Qwen3-8B on an H200: 32 heads / 8 kv heads → 8 blocks per split.
         let tu = DecodeTuning::default();
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, None), 64);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, false), 64);
         // The pipelined q8_0 loop (3 blocks per SM): one wave, 49 × 8 = 392 ≤ 396 blocks.
-        assert_eq!(
-            decode_splits(132, shape(32, 8, 128), 40960, tu, Some(3)),
-            49
-        );
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 600, tu, Some(3)), 10);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, true), 49);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 600, tu, true), 10);
         // Short caches never get empty-by-construction splits.
         assert_eq!(
-            decode_splits(132, shape(32, 8, 128), 100, tu, None),
+            decode_splits(132, shape(32, 8, 128), 100, tu, false),
             100usize.div_ceil(DECODE_MIN_CHUNK_TC)
         );
         assert_eq!(
-            decode_splits(132, shape(16, 4, 256), 1000, tu, None),
+            decode_splits(132, shape(16, 4, 256), 1000, tu, false),
             1000usize.div_ceil(DECODE_MIN_CHUNK)
         );
-        assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu, None), 1);
+        assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu, false), 1);
         // Many heads: fewer splits.
-        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, None), 9);
-        assert_eq!(
-            decode_splits(132, shape(64, 64, 128), 40960, tu, Some(3)),
-            6
-        );
-        // A staged loop at 4 blocks per SM: 66 × 8 = 528 slots, the kernel's cap of 64 splits.
-        assert_eq!(
-            decode_splits(132, shape(32, 8, 128), 40960, tu, Some(4)),
-            64
-        );
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, false), 9);
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, true), 6);
     }
 
     /// The caches that take the keys-before-the-wait form have chunks of at most one block
@@ -1574,7 +1456,7 @@ mod tests {
             }
         }
         let tu = DecodeTuning::default();
-        let splits = decode_splits(132, shape(32, 8, 128), 512, tu, None);
+        let splits = decode_splits(132, shape(32, 8, 128), 512, tu, false);
         assert_eq!(splits, 8);
         assert!(pre_loads_fit(512, splits, min_chunk_for(128, tu)));
     }

@@ -161,18 +161,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_MERGE",
-        Accepts::OneOf(&[0, 1, 2]),
-        "decode attention's split merge as a launch of its own (attn_decode_merge: every head and 32 dims a block) where the last split's block merged alone (caches past a cluster's 16 splits; ATTENTION.md); 2 the same, its successor launched before its own wait",
-    ),
-    (
-        "FERRITE_ATTN_TDIAG",
-        Accepts::Range(0, 1_000_000),
-        "timing diagnostic: every N-th decode attention launch prints where its blocks' time went (start spread, key loop, merge; ATTENTION.md)",
-    ),
-    (
-        "FERRITE_ATTN_STG",
-        Accepts::OneOf(&[0, 2, 3]),
-        "decode attention on the tensor cores with each warp's next key tiles copied into shared memory by the copy engine (contiguous caches at head dim 128 whose capacity is a multiple of 16): 2 two stages per warp (q8_0 caches at 4 blocks per SM, f16 at 3), 3 three for q8_0 (3 blocks per SM); 0 off (ATTENTION.md)",
+        Accepts::OneOf(&[0, 1]),
+        "decode attention's split merge as a launch of its own (attn_decode_merge: a block per head and 32 dims) for caches past a cluster's 16 splits; 0 the ticket merge, the last split's block merging alone (ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_PRE",

@@ -15,8 +15,6 @@
 // prefill). Prints one line per configuration and "ALL OK"; exit status 1 on a mismatch.
 #define EMU_THREADS 128
 #include <cmath>
-#include <map>
-#include <tuple>
 #include <utility>
 
 #include "fibers.h"
@@ -99,45 +97,6 @@ static unsigned short f32_to_f16_sat(float x) {
     return f2h(c);
 }
 
-// STG: __syncwarp, the mbarriers and the copy engine. A bulk copy is queued on its barrier
-// and lands when a lane first waits for that barrier's phase, so a stage's bytes change only
-// there; the wait's parity must be the phase in flight (or, for the warp's other lanes, the
-// one just completed), the copies must sum to the bytes announced, be 16-byte aligned and
-// read inside the cache buffers (emu_ranges). Any breach clears emu_bar_ok.
-static void __syncwarp() {
-    Deposit d{};
-    d.kind = 7;
-    warp_exchange(d);
-}
-struct EmuBar {
-    int done;
-    uint32_t expect;
-    std::vector<std::tuple<uint8_t*, const uint8_t*, uint32_t>> q;
-};
-static std::map<uint64_t*, EmuBar> emu_bars;
-static std::vector<std::pair<const uint8_t*, size_t>> emu_ranges;
-static bool emu_bar_ok = true;
-static void mbar_init(uint64_t* bar) { emu_bars[bar] = EmuBar{}; }
-static void mbar_expect(uint64_t* bar, uint32_t bytes) { emu_bars.at(bar).expect += bytes; }
-static void bulk_g2s(uint64_t* bar, uint8_t* dst, size_t src, uint32_t bytes) {
-    const uint8_t* p = reinterpret_cast<const uint8_t*>(src);
-    bool inside = false;
-    for (const auto& [b, n] : emu_ranges) inside = inside || (p >= b && p + bytes <= b + n);
-    if ((src & 15) || ((size_t)dst & 15) || (bytes & 15) || !inside) emu_bar_ok = false;
-    emu_bars.at(bar).q.emplace_back(dst, p, bytes);
-}
-static void mbar_wait(uint64_t* bar, uint32_t parity) {
-    EmuBar& b = emu_bars.at(bar);
-    if (!b.q.empty()) {
-        uint32_t sum = 0;
-        for (const auto& [d, src, n] : b.q) memcpy(d, src, n), sum += n;
-        if (sum != b.expect || parity != (uint32_t)(b.done & 1)) emu_bar_ok = false;
-        b.q.clear(), b.expect = 0, b.done++;
-    } else if (b.done == 0 || parity != (uint32_t)((b.done - 1) & 1)) {
-        emu_bar_ok = false;
-    }
-}
-
 #include "kvpos.cuh"
 #include "dtc.cuh"
 
@@ -173,7 +132,7 @@ static float* sm_ml_gb(int which) {
 static int pre_pos = -1;
 static std::vector<float> knew, vnew;
 
-template <int GB, bool Q8, bool PIPE, bool PRE = false, int STG = 0>
+template <int GB, bool Q8, bool PIPE, bool PRE = false>
 static void run_body() {
     auto& a = *reinterpret_cast<float(*)[NWARP][GB][HD]>(sm_acc_gb<GB>());
     auto& m = *reinterpret_cast<float(*)[NWARP][GB]>(sm_ml_gb<GB>(0));
@@ -189,14 +148,6 @@ static void run_body() {
         decode_tc_loop<HD, GB, false, false, false, true>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0,
                                                           cfg.start, cfg.end, SCALE_LOG2, a, m, l, nullptr, 0, 0,
                                                           pre, nw);
-    } else if constexpr (STG > 0) {
-        // The warps' stages and barriers (the kernel's dynamic and static shared memory).
-        alignas(128) static uint8_t stages[NWARP][STG * DtcStage<HD, Q8>::BYTES];
-        static uint64_t bars[NWARP][STG];
-        const int warp = (cur % EMU_THREADS) / 32;
-        decode_tc_loop<HD, GB, Q8, false, false, false, STG>(
-            qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start, cfg.end, SCALE_LOG2, a, m, l, nullptr,
-            0, 0, DtcF16Pre<HD / 32, false>{}, DtcNew{}, stages[warp], bars[warp]);
     } else if (cfg.page_shift > 0) {
         decode_tc_loop<HD, GB, Q8, true>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start,
                                          cfg.end, SCALE_LOG2, a, m, l, bt.data(), cfg.page_shift,
@@ -209,14 +160,14 @@ static void run_body() {
 
 static std::vector<double> out_kernel, out_ref;
 
-template <int GB, bool Q8, bool PIPE = false, bool PRE = false, int STG = 0>
+template <int GB, bool Q8, bool PIPE = false, bool PRE = false>
 static void run() {
     float* a = sm_acc_gb<GB>();
     float* m = sm_ml_gb<GB>(0);
     float* l = sm_ml_gb<GB>(1);
     for (int i = 0; i < NWARP * GB * HD; i++) a[i] = NAN;
     for (int i = 0; i < NWARP * GB; i++) m[i] = l[i] = NAN;
-    run_block(0, 0, run_body<GB, Q8, PIPE, PRE, STG>);
+    run_block(0, 0, run_body<GB, Q8, PIPE, PRE>);
     // attn_decode_impl's block merge.
     out_kernel.assign(GB * HD, 0.0);
     for (int h = 0; h < GB; h++) {
@@ -262,13 +213,13 @@ static void reference() {
 }
 
 // run<GB, ...>() for the case's heads per block (1, 2, 4 or 8).
-template <bool Q8, bool PIPE = false, bool PRE = false, int STG = 0>
+template <bool Q8, bool PIPE = false, bool PRE = false>
 static void run_gb(int gb) {
     switch (gb) {
-        case 1: run<1, Q8, PIPE, PRE, STG>(); break;
-        case 2: run<2, Q8, PIPE, PRE, STG>(); break;
-        case 4: run<4, Q8, PIPE, PRE, STG>(); break;
-        case 8: run<8, Q8, PIPE, PRE, STG>(); break;
+        case 1: run<1, Q8, PIPE, PRE>(); break;
+        case 2: run<2, Q8, PIPE, PRE>(); break;
+        case 4: run<4, Q8, PIPE, PRE>(); break;
+        case 8: run<8, Q8, PIPE, PRE>(); break;
     }
 }
 
@@ -288,8 +239,6 @@ int main() {
         // Paged caches: pages of 16 and 2 positions, shuffled (a tile's keys cross pages).
         {4, 0, 0, 200, 4}, {4, 1, 0, 200, 4}, {8, 0, 3, 130, 4}, {2, 1, 64, 101, 4},
         {4, 0, 5, 77, 1}, {4, 1, 0, 40, 1},
-        // Several tiles per warp from a 64-aligned start (a split's), for the staged loop.
-        {4, 0, 64, 500}, {4, 1, 128, 512}, {8, 1, 0, 300}, {1, 0, 192, 260},
     };
     bool ok = true;
     for (const Cfg& c : cases) {
@@ -355,32 +304,6 @@ int main() {
             }
             out_kernel = plain;
         }
-        // The staged loop (STG: contiguous caches whose splits start at multiples of 16, as
-        // the kernel's chunks do), two and three stages per warp: the same fragments from
-        // shared memory, so the plain loop's bits.
-        bool stg_same = true;
-        if (c.page_shift == 0 && c.start % 16 == 0) {
-            const std::vector<double> plain = out_kernel;
-            emu_ranges = {{reinterpret_cast<const uint8_t*>(kf.data()), kf.size() * 2},
-                          {reinterpret_cast<const uint8_t*>(vf.data()), vf.size() * 2},
-                          {kq.data(), kq.size()},
-                          {vq.data(), vq.size()},
-                          {reinterpret_cast<const uint8_t*>(ksc.data()), ksc.size() * 2},
-                          {reinterpret_cast<const uint8_t*>(vsc.data()), vsc.size() * 2}};
-            for (const int ns : {2, 3}) {
-                emu_bar_ok = true;
-                if (c.q8)
-                    ns == 2 ? run_gb<true, false, false, 2>(c.gb) : run_gb<true, false, false, 3>(c.gb);
-                else
-                    ns == 2 ? run_gb<false, false, false, 2>(c.gb) : run_gb<false, false, false, 3>(c.gb);
-                const bool same = out_kernel == plain && emu_bar_ok;
-                if (!same)
-                    printf("gb=%d %s keys [%d, %d): the %d-stage loop %s\n", c.gb, c.q8 ? "q8_0" : "f16", c.start,
-                           c.end, ns, emu_bar_ok ? "differs from the plain one" : "broke a barrier or copy rule");
-                stg_same = stg_same && same;
-            }
-            out_kernel = plain;
-        }
         reference();
         double num = 0, den = 0;
         for (size_t i = 0; i < out_ref.size(); i++) {
@@ -388,7 +311,7 @@ int main() {
             num += e * e, den += out_ref[i] * out_ref[i];
         }
         const double nmse = num / std::max(den, 1e-300);
-        const bool good = std::isfinite(nmse) && nmse <= 1e-5 && pipe_same && pre_same && stg_same;
+        const bool good = std::isfinite(nmse) && nmse <= 1e-5 && pipe_same && pre_same;
         printf("gb=%d %s keys [%d, %d)%s: NMSE %.2e %s\n", c.gb, c.q8 ? "q8_0" : "f16", c.start, c.end,
                c.page_shift ? (c.page_shift == 4 ? " paged 16" : " paged 2") : "", nmse, good ? "OK" : "FAIL");
         ok = ok && good;

@@ -425,45 +425,6 @@ template <int HD, int NP>
 __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned char*, const unsigned char*,
                                             const unsigned short*, const unsigned short*, int, int, int, int) {}
 
-// STG (contiguous caches, decode_tc_loop's staged form: attn_decode_tc_s[q8]_128_<GB>): a
-// warp's 16-key tile as one stage of shared memory, copied by the copy engine (four bulk copies
-// for q8_0: K's quants, V's quants, K's scales, V's scales; two for f16), completing on the
-// stage's mbarrier. The tile's rows are contiguous in a contiguous cache (16 HD elements from
-// key `base`, which is a multiple of 16; the scales 16 HD / 32 from element / 32), and all 16
-// are copied: the launcher takes this form only for capacities that are multiples of 16, so
-// the rows past `end` exist (unwritten ones are never read: the loop clamps its keys to
-// end - 1 within the stage). Issued by one lane.
-template <int HD, bool Q8>
-struct DtcStage {
-    static constexpr int KB = Q8 ? 16 * HD : 32 * HD;  // K (or V) bytes of 16 keys
-    static constexpr int SC = 16 * (HD / 32) * 2;     // K (or V) scale bytes of 16 keys (q8_0)
-    static constexpr int BYTES = 2 * KB + (Q8 ? 2 * SC : 0);
-};
-template <int HD, bool Q8>
-__device__ __forceinline__ void dtc_stage_issue(uint64_t* bar, uint8_t* st, const unsigned char* __restrict__ kc,
-                                                const unsigned char* __restrict__ vc,
-                                                const unsigned short* __restrict__ ks,
-                                                const unsigned short* __restrict__ vs, long long head_base,
-                                                int base) {
-    using S = DtcStage<HD, Q8>;
-    const long long e = head_base + (long long)base * HD;  // the tile's first element
-    mbar_expect(bar, S::BYTES);
-    bulk_g2s(bar, st, (size_t)(kc + (Q8 ? e : 2 * e)), S::KB);
-    bulk_g2s(bar, st + S::KB, (size_t)(vc + (Q8 ? e : 2 * e)), S::KB);
-    if constexpr (Q8) {
-        bulk_g2s(bar, st + 2 * S::KB, (size_t)(ks + e / 32), S::SC);
-        bulk_g2s(bar, st + 2 * S::KB + S::SC, (size_t)(vs + e / 32), S::SC);
-    }
-}
-// A stage's reads by the warp's lanes ordered before the copy engine's next writes into it:
-// each lane's proxy fence, then the warp barrier (lane 0 issues the copy after it).
-__device__ __forceinline__ void dtc_stage_release() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-    __syncwarp();
-}
-
 // PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>, and with the ticket merge
 // attn_decode_tc_pre_128_<GB>): a warp's loads of its one 16-key tile, issued before the PDL
 // wait (keys clamped to end - 1 as in the loop). Every position below the step's own was
@@ -599,7 +560,7 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
 // (clamped) key is `nw.pos` take it from the step's k/v rows (dtc_f16_new, the kv store's
 // f16 bits) and the lanes of the position itself store it; the launch has no store phase and
 // no barrier before the loop. Same arithmetic on the same values: the plain loop's bits.
-template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false, int STG = 0>
+template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -611,10 +572,8 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                                                const int* __restrict__ bt = nullptr, int page_shift = 0,
                                                long long page_stride = 0,
                                                const DtcF16Pre<HD / 32, PRE>& pre = DtcF16Pre<HD / 32, PRE>{},
-                                               DtcNew nw = DtcNew{}, uint8_t* stg = nullptr,
-                                               uint64_t* stg_bar = nullptr) {
+                                               DtcNew nw = DtcNew{}) {
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
-    static_assert(STG == 0 || (!PAGED && !PIPE && !PRE), "decode_tc_loop: STG is a contiguous form of its own");
     static_assert(!PRE || (!Q8 && !PAGED), "decode_tc_loop: PRE is the contiguous f16 form");
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
@@ -663,23 +622,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     // PRE: the warp's one tile, loaded before the PDL wait.
     DtcF16Pre<NP, PRE> tile = pre;
 
-    // STG: the warp's first STG tiles in flight (its stages and their mbarriers: stg, stg_bar).
-    using Stage = DtcStage<HD, Q8>;
-    if constexpr (STG > 0) {
-        if (lane == 0) {
-#pragma unroll
-            for (int s = 0; s < STG; s++) mbar_init(stg_bar + s);
-#pragma unroll
-            for (int s = 0; s < STG; s++) {
-                const int b = start + 16 * warp + s * 16 * NW;
-                if (b < end) dtc_stage_issue<HD, Q8>(stg_bar + s, stg + s * Stage::BYTES, kc, vc, ks, vs, head_base, b);
-            }
-        }
-        __syncwarp();
-    }
-    int it = 0;  // STG: the warp's tile count (stage it % STG, its use it / STG)
-
-    for (int base = start + 16 * warp; base < end; base += 16 * NW, it++) {  // uniform across the warp
+    for (int base = start + 16 * warp; base < end; base += 16 * NW) {  // uniform across the warp
         // The keys this thread loads, clamped to end - 1: K's key g of n-tile n, V's keys
         // 2 tq, 2 tq + 1, 2 tq + 8, 2 tq + 9 (relative to base).
         int kkey[2], vkey[4];
@@ -688,60 +631,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) vkey[kk] = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
         uint4 kw[2][NP], vw[4][2];
-        if constexpr (STG > 0) {
-            // This tile's stage (the same fragments as the loads below, from shared memory at
-            // the key's row in the tile), then the stage refilled with the warp's tile STG
-            // iterations ahead: every lane's reads of it are done (the proxy fence orders them
-            // before the copy engine's writes; the warp barrier before lane 0 issues).
-            const int s = it % STG;
-            mbar_wait(stg_bar + s, (uint32_t)(it / STG) & 1u);
-            const uint8_t* st = stg + s * Stage::BYTES;
-            if constexpr (Q8) {
-                uint2 kq8[2][NP], kd[2], vq8[4][2], vd[4];
-#pragma unroll
-                for (int n = 0; n < 2; n++) {
-                    const int r = kkey[n] - base;
-                    const uint8_t* p = st + r * HD + 8 * tq;
-#pragma unroll
-                    for (int c = 0; c < NP; c++) kq8[n][c] = *reinterpret_cast<const uint2*>(p + 32 * c);
-                    kd[n] = *reinterpret_cast<const uint2*>(st + 2 * Stage::KB + r * (HD / 16));
-                }
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    const int r = vkey[kk] - base;
-                    const uint8_t* p = st + Stage::KB + r * HD + 8 * g;
-                    vq8[kk][0] = *reinterpret_cast<const uint2*>(p);
-                    vq8[kk][1] = *reinterpret_cast<const uint2*>(p + HD / 2);
-                    vd[kk] = *reinterpret_cast<const uint2*>(st + 2 * Stage::KB + Stage::SC + r * (HD / 16));
-                }
-#pragma unroll
-                for (int n = 0; n < 2; n++)
-#pragma unroll
-                    for (int c = 0; c < NP; c++) kw[n][c] = q8_dequant8(kq8[n][c], q8_scale2(kd[n], c));
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    vw[kk][0] = q8_dequant8(vq8[kk][0], q8_scale2(vd[kk], g >> 2));
-                    vw[kk][1] = q8_dequant8(vq8[kk][1], q8_scale2(vd[kk], 2 + (g >> 2)));
-                }
-            } else {
-#pragma unroll
-                for (int n = 0; n < 2; n++) {
-                    const uint8_t* p = st + (kkey[n] - base) * 2 * HD + 16 * tq;
-#pragma unroll
-                    for (int c = 0; c < NP; c++) kw[n][c] = *reinterpret_cast<const uint4*>(p + 64 * c);
-                }
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    const uint8_t* p = st + Stage::KB + (vkey[kk] - base) * 2 * HD + 16 * g;
-                    vw[kk][0] = *reinterpret_cast<const uint4*>(p);
-                    vw[kk][1] = *reinterpret_cast<const uint4*>(p + HD);
-                }
-            }
-            dtc_stage_release();
-            const int nb = base + STG * 16 * NW;
-            if (lane == 0 && nb < end)
-                dtc_stage_issue<HD, Q8>(stg_bar + s, stg + s * Stage::BYTES, kc, vc, ks, vs, head_base, nb);
-        } else if constexpr (PIPE) {
+        if constexpr (PIPE) {
             // This tile's loads went out one tile earlier; the next tile's go out now.
             const DtcQ8Raw<NP, PIPE> cur = raw;
             dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
@@ -868,8 +758,6 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         }
         if constexpr (PRE) break;  // one tile per warp (without it, ptxas keeps it live: 188 registers)
     }
-    // STG: sm_acc overlays the block's stages (attn_decode_impl): every warp is past its last.
-    if constexpr (STG > 0) __syncthreads();
     l_run += __shfl_xor_sync(ATT_FULL, l_run, 1);
     l_run += __shfl_xor_sync(ATT_FULL, l_run, 2);
     if (tq == 0 && g < GB) {
@@ -903,58 +791,8 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
-// Timing diagnostic (FERRITE_ATTN_TDIAG=N; attention.rs): thread 0 of every block of a decode
-// launch (row 0) stamps %globaltimer at its key loop's start (after the PDL wait and the
-// store), the loop's end, its partial written, and its exit; the launch's last block to exit
-// prints one summary line every N launches. Timing only.
-__constant__ int attn_tdiag;
-__device__ unsigned long long attn_ts[4][2048];
-__device__ unsigned int attn_tdone, attn_tlaunch;
-__device__ __forceinline__ void attn_tstamp(int k) {
-    if (attn_tdiag && threadIdx.x == 0 && blockIdx.z == 0) {
-        const unsigned b = blockIdx.y * gridDim.x + blockIdx.x;
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (b < 2048) attn_ts[k][b] = t;
-    }
-}
-__device__ __noinline__ void attn_tdiag_end(int idle) {
-    if (!attn_tdiag || threadIdx.x != 0 || blockIdx.z != 0) return;
-    const unsigned b = blockIdx.y * gridDim.x + blockIdx.x, nb = gridDim.x * gridDim.y;
-    if (idle && b < 2048) attn_ts[0][b] = attn_ts[1][b] = attn_ts[2][b] = 0;
-    attn_tstamp(3);
-    __threadfence();
-    if (atomicAdd(&attn_tdone, 1) != nb - 1) return;
-    __threadfence();
-    attn_tdone = 0;
-    const unsigned l = attn_tlaunch++;
-    if (nb > 2048 || l % attn_tdiag != (unsigned)attn_tdiag - 1) return;
-    unsigned long long t0 = ~0ull, s1 = 0, e3 = 0, m1 = 0;
-    double lsum = 0, lmin = 1e30, lmax = 0, e1min = 1e30, e1sum = 0, p2max = 0, x3max_nm = 0;
-    int n = 0;
-    for (unsigned i = 0; i < nb; i++)
-        if (attn_ts[0][i]) t0 = min(t0, __ldcg(&attn_ts[0][i]));
-    for (unsigned i = 0; i < nb; i++) {
-        const unsigned long long a = __ldcg(&attn_ts[0][i]), c = __ldcg(&attn_ts[1][i]),
-                                 d = __ldcg(&attn_ts[2][i]), e = __ldcg(&attn_ts[3][i]);
-        if (!a) continue;
-        n++;
-        s1 = max(s1, a - t0);
-        const double lp = (double)(c - a) * 1e-3, ce = (double)(c - t0) * 1e-3;
-        lsum += lp, lmin = fmin(lmin, lp), lmax = fmax(lmax, lp), e1sum += ce, e1min = fmin(e1min, ce);
-        m1 = max(m1, c - t0);
-        p2max = fmax(p2max, (double)(d - c) * 1e-3);
-        e3 = max(e3, e - t0);
-        if ((double)(e - d) * 1e-3 < 1.0) x3max_nm = fmax(x3max_nm, (double)(e - t0) * 1e-3);
-    }
-    printf("ATTN_T grid %ux%u active %d: start spread %.2f us; loop min/avg/max %.2f/%.2f/%.2f; loop end "
-           "min/avg/max %.2f/%.2f/%.2f; partial max %.2f; non-merger exit max %.2f; last exit %.2f\n",
-           gridDim.x, gridDim.y, n, s1 * 1e-3, lmin, lsum / n, lmax, e1min, e1sum / n, m1 * 1e-3, p2max, x3max_nm,
-           e3 * 1e-3);
-}
-
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
-          bool PRE = false, int STG = 0, bool SEP = false>
+          bool PRE = false, bool SEP = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -975,15 +813,8 @@ __device__ __forceinline__ void attn_decode_impl(
     static_assert(!TC || HD == 128, "tensor-core decode: hd 128");
     static_assert(!CL || !PAGED, "cluster merge: contiguous caches");
     static_assert(!PRE || (TC && STORE && !Q8), "PRE: the contiguous f16 tensor-core form (one row)");
-    static_assert(STG == 0 || (TC && STORE && !PAGED && !CL && !PIPE && !PRE), "STG: the contiguous ticket-merge form");
 
-    // STG: the warps' partial outputs take the start of the dynamic shared memory, their
-    // stages' place (decode_tc_loop's last barrier frees them first), so that the staged
-    // f16 form fits three blocks per SM.
-    __shared__ float sm_acc_own[STG > 0 ? 1 : NW][GB][HD];
-    extern __shared__ __align__(16) uint8_t dtc_stages[];
-    float(&sm_acc)[NW][GB][HD] = *reinterpret_cast<float(*)[NW][GB][HD]>(
-        STG > 0 ? static_cast<void*>(dtc_stages) : static_cast<void*>(&sm_acc_own[0][0][0]));
+    __shared__ float sm_acc[NW][GB][HD];
     __shared__ float sm_m[NW][GB], sm_l[NW][GB];
     __shared__ float sm_c[GB][DECODE_MAX_SPLITS];
     __shared__ float sm_inv[GB];
@@ -1005,10 +836,7 @@ __device__ __forceinline__ void attn_decode_impl(
     // An empty split takes no part (whole block), except in the cluster merge, where it
     // still passes the barriers and merges its share.
     const bool idle = split >= n_active;
-    if (idle && (!CL || n_active == 1)) {
-        attn_tdiag_end(1);
-        return;
-    }
+    if (idle && (!CL || n_active == 1)) return;
     const int start = split * chunk;
     const int end = min(n_keys, start + chunk);
     // Element index of position 0 of this kv head (page 0 when paged).
@@ -1064,13 +892,8 @@ __device__ __forceinline__ void attn_decode_impl(
                 }
             }
         }
-#if __CUDA_ARCH__ >= 900
-        // STG: the copy engine reads these rows next (its tile's stage).
-        if constexpr (STG > 0) asm volatile("fence.proxy.async.global;" ::: "memory");
-#endif
         __syncthreads();
     }
-    attn_tstamp(0);
 
     if (CL && idle) {
         // CL only: no keys (the partial below is not written; the merge reads n_active).
@@ -1088,13 +911,6 @@ __device__ __forceinline__ void attn_decode_impl(
             decode_tc_loop<HD, GB, false, false, false, true>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start,
                                                               end, scale_log2, sm_acc, sm_m, sm_l, nullptr, 0, 0,
                                                               pre, nw);
-        } else if constexpr (STG > 0) {
-            // The warps' stages in the launch's dynamic shared memory, STG per warp.
-            __shared__ uint64_t dtc_bars[NW][STG];
-            decode_tc_loop<HD, GB, Q8, false, false, false, STG>(
-                q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end, scale_log2, sm_acc, sm_m, sm_l, nullptr, 0, 0,
-                DtcF16Pre<HD / 32, false>{}, DtcNew{}, dtc_stages + warp * STG * DtcStage<HD, Q8>::BYTES,
-                dtc_bars[warp]);
         } else {
             decode_tc_loop<HD, GB, Q8, false, PIPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end,
                                                     scale_log2, sm_acc, sm_m, sm_l);
@@ -1219,7 +1035,6 @@ __device__ __forceinline__ void attn_decode_impl(
         }
     }
     __syncthreads();
-    attn_tstamp(1);
     // The block's state per (head, dim): the whole answer when it is the row's only split,
     // else a partial (m, l, acc) for the merge below (CL: in this block's shared memory).
     __shared__ float sm_part[CL ? GB : 1][CL ? HD : 1];
@@ -1254,11 +1069,7 @@ __device__ __forceinline__ void attn_decode_impl(
             }
         }
     }
-    if (single) {
-        attn_tstamp(2);
-        attn_tdiag_end(0);
-        return;
-    }
+    if (single) return;
 
     if constexpr (CL) {
         cluster_sync_all();
@@ -1281,23 +1092,15 @@ __device__ __forceinline__ void attn_decode_impl(
     }
 
     // SEP: the splits are merged by the launch after this one (attn_decode_merge).
-    if constexpr (SEP) {
-        attn_tstamp(2);
-        attn_tdiag_end(0);
-        return;
-    }
+    if constexpr (SEP) return;
     // The last of the row's n_active splits to finish (per block of heads) merges them, in
     // split order whichever block it is, and re-arms the ticket for the next launch.
-    attn_tstamp(2);
     __threadfence();
     __syncthreads();
     int* ticket = tickets + (long long)t * gridDim.x + blockIdx.x;
     if (tid == 0) s_ticket = atomicAdd(ticket, 1);
     __syncthreads();
-    if (s_ticket != n_active - 1) {
-        attn_tdiag_end(0);
-        return;
-    }
+    if (s_ticket != n_active - 1) return;
     __threadfence();
     for (int g = warp; g < GB; g += NW) {
         const long long prow0 = ((long long)t * n_heads + h0 + g) * n_splits;
@@ -1344,7 +1147,6 @@ __device__ __forceinline__ void attn_decode_impl(
     for (int idx = tid; idx < GB * HD; idx += DECODE_THREADS)  // whole warps per 32-block
         decode_emit(sm_out[idx], out, xq, xd, t, n_heads, HD, h0 + idx / HD, idx % HD);
     if (tid == 0) *ticket = 0;
-    attn_tdiag_end(0);
 }
 
 #define DECODE_ARGS                                                                          \
@@ -1423,24 +1225,15 @@ DECODE_KERNEL(256, 8)
         attn_decode_tc_pre_128_##GB(DECODE_ARGS) {                                                           \
         attn_decode_impl<128, GB, false, false, true, true, false, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
-// The staged forms (decode_tc_loop STG; ATTENTION.md, "Decode tiles staged by the copy engine"):
-// attn_decode_tc_s[q8]<NS>_128_<GB>, NS stages of one 16-key tile per warp in dynamic shared
-// memory (attention.rs `stage_smem`); the blocks per SM they are held to (their smem allows
-// no more) set their caches' split count.
-#define DECODE_STG_KERNEL(GB, NAME, Q8, NS, MINB)                                                       \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, MINB) NAME##_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, Q8, false, true, true, false, false, false, NS>(DECODE_PASS,          \
-                                                                                 UNPAGED_PASS(capacity)); \
-    }
 // The same loops leaving their splits to attn_decode_merge (SEP; FERRITE_ATTN_MERGE): the f16
 // loop and the q8_0 loop with its next tile in flight.
 #define DECODE_SEP_KERNELS(GB)                                                                                 \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_sep_128_##GB(DECODE_ARGS) {     \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, false, 0, true>(DECODE_PASS,         \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, true>(DECODE_PASS,         \
                                                                                          UNPAGED_PASS(capacity)); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8psep_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, 0, true>(DECODE_PASS,           \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, true>(DECODE_PASS,           \
                                                                                        UNPAGED_PASS(capacity)); \
     }
 DECODE_SEP_KERNELS(1)
@@ -1463,8 +1256,7 @@ DECODE_SEP_KERNELS(8)
 extern "C" __global__ void __launch_bounds__(128)
     attn_decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                       const int* __restrict__ positions, float* __restrict__ out, int8_t* __restrict__ xq,
-                      float2* __restrict__ xd, int n_heads, int capacity, int n_splits, int min_chunk, int step,
-                      int early) {
+                      float2* __restrict__ xd, int n_heads, int capacity, int n_splits, int min_chunk, int step) {
     constexpr int HD = 128;
     const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1473,10 +1265,7 @@ extern "C" __global__ void __launch_bounds__(128)
     const int per = (n_keys + n_splits - 1) / n_splits;
     const int chunk = max(min_chunk, (per + step - 1) / step * step);
     const int n_active = max(1, (n_keys + chunk - 1) / chunk);
-    // early (FERRITE_ATTN_MERGE=2): the o-projection launched before this launch's wait, so
-    // that its blocks take the SMs the decode blocks leave and copy their weights during the
-    // decode launch's tail (as they did behind the ticket merge).
-    PDL_ENTRY_IF_EARLY(early);
+    PDL_ENTRY();
     if (n_active == 1) return;
     const long long prow0 = ((long long)t * n_heads + h) * n_splits;
     const int d = 32 * c + lane;
@@ -1513,14 +1302,6 @@ extern "C" __global__ void __launch_bounds__(128)
     }
 }
 
-#define DECODE_STG_KERNELS(GB)                         \
-    DECODE_STG_KERNEL(GB, attn_decode_tc_sq82, true, 2, 4) \
-    DECODE_STG_KERNEL(GB, attn_decode_tc_sq83, true, 3, 3) \
-    DECODE_STG_KERNEL(GB, attn_decode_tc_s2, false, 2, 3)
-DECODE_STG_KERNELS(1)
-DECODE_STG_KERNELS(2)
-DECODE_STG_KERNELS(4)
-DECODE_STG_KERNELS(8)
 // attn_decode_tc_pre_128_<GB>: the keys-before-the-wait form with the ticket merge (caches of
 // more splits than a cluster holds whose chunks are still one tile: attention.rs
 // `pre_loads_fit`), held to 4 blocks per SM like the plain kernel it replaces (its split count

@@ -489,8 +489,34 @@ __device__ __forceinline__ size_t gemv_slot(int per_block, long long rb) {
     return (((size_t)per_block * (size_t)rb + 15) & ~(size_t)15) + 16;
 }
 
-// The mbarrier and bulk-copy primitives (mbar_init, mbar_expect, bulk_g2s, mbar_wait) are in
-// common.cuh: the decode attention's staged loop uses them too.
+// The mbarrier and bulk-copy primitives of the bulk-copy GEMVs, the tensor-core tiles and
+// the MoE experts (sm_90+; nothing before). mbar_init: one arrival expected, made visible to
+// the copy engine; mbar_expect: that arrival, announcing `bytes` of copies; bulk_g2s: `bytes`
+// from global src (16-byte aligned, a multiple of 16) to shared dst, completing on bar;
+// mbar_wait: until phase `parity` of bar completes (gemv_bulk_wait: phase 0).
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_g2s(uint64_t* bar, uint8_t* dst, size_t src, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes), "r"((uint32_t)__cvta_generic_to_shared(bar))
+                 : "memory");
+#endif
+}
 
 // bulk_g2s for the dense decode GEMVs' weight tiles (bulk_issue_spans, the K-split rows), with an
 // L2 policy (MATMUL.md round 34): evict-first, so that the weight stream, read once a step and
@@ -525,6 +551,20 @@ __device__ __forceinline__ void gemv_bulk_wait(uint64_t* bar) {
             "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
             : "=r"(done)
             : "r"(b)
+            : "memory");
+    }
+#endif
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b), "r"(parity)
             : "memory");
     }
 #endif
