@@ -254,6 +254,10 @@ pub struct Kernels {
     /// (the q8_0 one only with the pipelined loop, whose split count it shares); `None` with
     /// `FERRITE_ATTN_MERGE=0` (the ticket merge).
     decode_sep: Option<([Vec<CudaFunction>; 2], CudaFunction)>,
+    /// The keys-before-the-wait form with the merge launch (`attn_decode_tc_presep_128_<gb>`),
+    /// where `decode_pre` would run; `None` with `FERRITE_ATTN_MERGE` 0 or 2 (the ticket merge
+    /// for that form only) or where `decode_pre` is.
+    decode_presep: Option<Vec<CudaFunction>>,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -380,14 +384,19 @@ impl Kernels {
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
+        let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 1);
         let decode_sep = match (
-            dtc == 1 && q8_pipe && super::switches::int_or("FERRITE_ATTN_MERGE", 1) != 0,
+            dtc == 1 && q8_pipe && merge != 0,
             tc_family(true, "tc_sep_")?,
             tc_family(true, "tc_q8psep_")?,
         ) {
             (true, Some(f16), Some(q8)) => Some(([f16, q8], function(&m, "attn_decode_merge")?)),
             _ => None,
         };
+        let decode_presep = tc_family(
+            decode_sep.is_some() && decode_pre.is_some() && merge == 1,
+            "tc_presep_",
+        )?;
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
@@ -398,6 +407,7 @@ impl Kernels {
             decode_pre,
             q8_pipe,
             decode_sep,
+            decode_presep,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -813,16 +823,19 @@ pub fn attention(
             .decode_pre
             .as_ref()
             .filter(|_| pre_ok && cl.is_none());
-        // The split merge as a launch of its own where the ticket merge would be.
-        let sep = be
+        let presep = be
             .attention
-            .decode_sep
+            .decode_presep
             .as_ref()
-            .filter(|_| tc_dim && clp.is_none() && cl.is_none() && pre.is_none());
+            .filter(|_| pre.is_some());
+        // The split merge as a launch of its own where the ticket merge would be.
+        let sep = be.attention.decode_sep.as_ref().filter(|_| {
+            tc_dim && clp.is_none() && cl.is_none() && (pre.is_none() || presep.is_some())
+        });
         let func = match (clp, cl, pre, sep) {
             (Some(clp), _, _, _) => &clp[gbi],
             (None, Some(cl), _, _) => &cl[gbi],
-            (None, None, Some(pre), _) => &pre[gbi],
+            (None, None, Some(pre), _) => presep.map_or(&pre[gbi], |ps| &ps[gbi]),
             (None, None, None, Some((fams, _))) => &fams[q8][gbi],
             (None, None, None, None) => decode_kernel(
                 &be.attention.decode_tc,

@@ -1311,6 +1311,17 @@ DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
 DECODE_TC_KERNEL(4)
 DECODE_TC_KERNEL(8)
+// The keys-before-the-wait form leaving its splits to attn_decode_merge (SEP).
+#define DECODE_PRESEP_KERNEL(GB)                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                       \
+        attn_decode_tc_presep_128_##GB(DECODE_ARGS) {                                                   \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, true, true>(DECODE_PASS,      \
+                                                                                      UNPAGED_PASS(capacity)); \
+    }
+DECODE_PRESEP_KERNEL(1)
+DECODE_PRESEP_KERNEL(2)
+DECODE_PRESEP_KERNEL(4)
+DECODE_PRESEP_KERNEL(8)
 
 // ---------------------------------------------------------------------------------------
 // Prefill: causal flash attention, SIMT f32.
