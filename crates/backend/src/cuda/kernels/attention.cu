@@ -69,7 +69,10 @@
 //   n_active partials in split order (max, rescale, sum: the same order whichever block it
 //   is), writes out = acc / l and, when the launcher passes xq, the o-projection's int8
 //   planes (quant_q8_lane, one warp per 32-element block), then resets the counter to 0 for
-//   the next launch (graph replay).
+//   the next launch (graph replay). The tensor-core forms past a cluster's splits leave the
+//   merge to a launch of their own instead (SEP, attn_decode_merge below: the last block's
+//   merge alone took ~8 us at depth 32768 while the other SMs idled); the cluster forms
+//   merge through distributed shared memory (CL).
 //
 // attn_prefill_<HD> (rows > 16): flash attention, causal, f32 math on CUDA cores (SIMT).
 //   grid (query tiles, n_kv_heads), 256 threads. The block's BQ query slots are (row, head
