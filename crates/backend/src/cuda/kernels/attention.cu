@@ -356,6 +356,7 @@ __device__ __forceinline__ void prefetch_keys(const unsigned char* base,
 
 // One output element of the attention (head h, dim d of row t): out, and with xq the
 // o-projection's two int8 planes (quant_q8_lane: the calling warp holds one whole 32-block).
+// EMU_EMIT_BEGIN (host emulation: tests/attn_decode_merge_emu.rs)
 __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
                                             int8_t* __restrict__ xq, float2* __restrict__ xd,
                                             int t, int n_heads, int hd, int h, int d) {
@@ -366,6 +367,7 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
                       xd + (long long)t * (cols / QK) + col / QK);
     }
 }
+// EMU_EMIT_END
 
 // EMU_DTC_BEGIN (host emulation: tests/attn_decode_tc_emu.rs; tc_mma_f16, the half
 // intrinsics and the warp collectives are emulated there)
@@ -1255,6 +1257,7 @@ DECODE_SEP_KERNELS(8)
 // per 32-element block, decode_emit's quantization for the o-projection). The chunk formula is
 // attn_decode_impl's, so n_active is the decode launch's; a row whose keys took one split was
 // emitted by its block (n_active == 1: nothing to do).
+// EMU_MERGE_BEGIN (host emulation: tests/attn_decode_merge_emu.rs)
 #define MERGE_MAX_PER_WARP 32
 extern "C" __global__ void __launch_bounds__(128)
     attn_decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
@@ -1304,6 +1307,7 @@ extern "C" __global__ void __launch_bounds__(128)
         decode_emit(at * (1.f / lt), out, xq, xd, t, n_heads, HD, h, d);
     }
 }
+// EMU_MERGE_END
 
 // attn_decode_tc_pre_128_<GB>: the keys-before-the-wait form with the ticket merge (caches of
 // more splits than a cluster holds whose chunks are still one tile: attention.rs
