@@ -1501,9 +1501,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 q8: false,
             });
         }
-        // Depth ~5000 with fewer heads: the CPU fills the cache with a causal prefill. The
-        // capacity (pos0 + rows + 3 = 5008) is a multiple of 16 and the 64 splits' chunks two
-        // tiles per warp: the staged loop's cases (FERRITE_ATTN_STG) in both cache types.
+        // Depth ~5000 with fewer heads: the CPU fills the cache with a causal prefill. 64
+        // splits of two tiles per warp, merged by the merge launch (attn_decode_merge) on CUDA,
+        // in both cache types.
         for q8 in [false, true] {
             add(Op::Attention {
                 shape: small,
@@ -1513,8 +1513,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
         // A q8_0 cache past the cluster merge's 16 splits (24 at Qwen3-8B's shape): the
-        // loop with its next tile in flight (or the staged one), at decode and at verify, in
-        // a cache of 1504 positions (a multiple of 16).
+        // loop with its next tile in flight and the merge launch, at decode and at verify.
         for rows in [1, 9] {
             add(Op::Attention {
                 shape: q8b,

@@ -250,9 +250,9 @@ pub struct Kernels {
     /// (`attn_decode_tc_sep_128_<gb>`, `attn_decode_tc_q8psep_128_<gb>`), `[f16, q8_0]`, and
     /// that merge (`attn_decode_merge`; ATTENTION.md, "The split merge as a launch of its
     /// own"). Taken where the ticket merge would be: contiguous caches at
-    /// [`DECODE_TC_HEAD_DIM`] whose splits take no cluster and no keys-before-the-wait form
-    /// (the q8_0 one only with the pipelined loop, whose split count it shares); `None` with
-    /// `FERRITE_ATTN_MERGE=0` (the ticket merge).
+    /// [`DECODE_TC_HEAD_DIM`] whose splits take no cluster (the keys-before-the-wait form:
+    /// `decode_presep`); `None` with `FERRITE_ATTN_MERGE=0` (the ticket merge), and with
+    /// `FERRITE_ATTN_PIPE=0` (the q8_0 form is the pipelined loop, whose split count it shares).
     decode_sep: Option<([Vec<CudaFunction>; 2], CudaFunction)>,
     /// The keys-before-the-wait form with the merge launch (`attn_decode_tc_presep_128_<gb>`),
     /// where `decode_pre` would run; `None` with `FERRITE_ATTN_MERGE` 0 or 2 (the ticket merge
