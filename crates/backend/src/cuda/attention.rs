@@ -385,12 +385,12 @@ impl Kernels {
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
         let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 1);
+        let sep_on = dtc == 1 && q8_pipe && merge != 0;
         let decode_sep = match (
-            dtc == 1 && q8_pipe && merge != 0,
-            tc_family(true, "tc_sep_")?,
-            tc_family(true, "tc_q8psep_")?,
+            tc_family(sep_on, "tc_sep_")?,
+            tc_family(sep_on, "tc_q8psep_")?,
         ) {
-            (true, Some(f16), Some(q8)) => Some(([f16, q8], function(&m, "attn_decode_merge")?)),
+            (Some(f16), Some(q8)) => Some(([f16, q8], function(&m, "attn_decode_merge")?)),
             _ => None,
         };
         let decode_presep = tc_family(

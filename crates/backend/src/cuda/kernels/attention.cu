@@ -354,9 +354,19 @@ __device__ __forceinline__ void prefetch_keys(const unsigned char* base,
     }
 }
 
+// EMU_EMIT_BEGIN (host emulation: tests/attn_decode_merge_emu.rs)
+// A decode launch's splits of a row of n_keys keys: decode_chunk keys each (a multiple of
+// `step`, the keys of a block iteration, and at least min_chunk), the first decode_active of
+// them holding keys. attn_decode_impl splits by them and attn_decode_merge merges by them, so
+// both agree.
+__device__ __forceinline__ int decode_chunk(int n_keys, int n_splits, int min_chunk, int step) {
+    const int per = (n_keys + n_splits - 1) / n_splits;
+    return max(min_chunk, (per + step - 1) / step * step);
+}
+__device__ __forceinline__ int decode_active(int n_keys, int chunk) { return max(1, (n_keys + chunk - 1) / chunk); }
+
 // One output element of the attention (head h, dim d of row t): out, and with xq the
 // o-projection's two int8 planes (quant_q8_lane: the calling warp holds one whole 32-block).
-// EMU_EMIT_BEGIN (host emulation: tests/attn_decode_merge_emu.rs)
 __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
                                             int8_t* __restrict__ xq, float2* __restrict__ xd,
                                             int t, int n_heads, int hd, int h, int d) {
@@ -835,9 +845,8 @@ __device__ __forceinline__ void attn_decode_impl(
     // and the cache at positions of earlier steps (written by grids that have completed).
     const int pos_t = positions[t];
     const int n_keys = max(0, min(pos_t + 1, max_keys));
-    const int per = (n_keys + n_splits - 1) / n_splits;
-    const int chunk = max(min_chunk, (per + STEP - 1) / STEP * STEP);
-    const int n_active = max(1, (n_keys + chunk - 1) / chunk);
+    const int chunk = decode_chunk(n_keys, n_splits, min_chunk, STEP);
+    const int n_active = decode_active(n_keys, chunk);
     // An empty split takes no part (whole block), except in the cluster merge, where it
     // still passes the barriers and merges its share.
     const bool idle = split >= n_active;
@@ -1254,8 +1263,8 @@ DECODE_SEP_KERNELS(8)
 // (at most 32 each: KERNEL_MAX_SPLITS), lane d one dim; every load of a thread issued at once
 // (m, l and its dim's partial per split), one round trip; the block's max through shared
 // memory, each warp's sums in split order, the four warps' in order, then the emit (one warp
-// per 32-element block, decode_emit's quantization for the o-projection). The chunk formula is
-// attn_decode_impl's, so n_active is the decode launch's; a row whose keys took one split was
+// per 32-element block, decode_emit's quantization for the o-projection). n_active is the decode
+// launch's (decode_chunk, decode_active); a row whose keys took one split was
 // emitted by its block (n_active == 1: nothing to do).
 // EMU_MERGE_BEGIN (host emulation: tests/attn_decode_merge_emu.rs)
 #define MERGE_MAX_PER_WARP 32
@@ -1268,9 +1277,7 @@ extern "C" __global__ void __launch_bounds__(128)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos_t = positions[t];  // written by host copies only
     const int n_keys = max(0, min(pos_t + 1, capacity));
-    const int per = (n_keys + n_splits - 1) / n_splits;
-    const int chunk = max(min_chunk, (per + step - 1) / step * step);
-    const int n_active = max(1, (n_keys + chunk - 1) / chunk);
+    const int n_active = decode_active(n_keys, decode_chunk(n_keys, n_splits, min_chunk, step));
     PDL_ENTRY();
     if (n_active == 1) return;
     const long long prow0 = ((long long)t * n_heads + h) * n_splits;
