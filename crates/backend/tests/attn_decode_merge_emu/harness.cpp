@@ -53,7 +53,8 @@ static double urand() {
     return (rng >> 11) * (1.0 / 9007199254740992.0);
 }
 
-// The decode launch's active splits of a row at position p (attn_decode_impl's chunk formula).
+// The decode launch's active splits of a row at position p, restated here as the oracle
+// (attention.cu decode_chunk and decode_active, which the kernel under test calls).
 static int active_splits(const Case& c, int p) {
     const int n_keys = std::max(0, std::min(p + 1, c.capacity));
     const int per = (n_keys + c.n_splits - 1) / c.n_splits;
