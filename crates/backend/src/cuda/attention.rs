@@ -217,6 +217,26 @@ pub struct CudaKv {
     pub slots: crate::SnapshotSlots,
 }
 
+/// The decode forms that merge their splits in their own last blocks ([`Kernels`]
+/// `decode_tail`).
+struct DecodeTail {
+    loops: [Vec<CudaFunction>; 2],
+    pre: Option<Vec<CudaFunction>>,
+    blocks_per_sm: usize,
+}
+
+/// Whether a tail-merge decode launch of `rows` rows can make progress: its spinning blocks
+/// (at most four per head and row: one per 32-dim piece of a head) must leave at least one of
+/// the launch's resident slots free for a split that has not started (attention.cu
+/// `decode_tail_merge`).
+fn tail_fits(n_heads: usize, rows: usize, blocks_per_sm: usize, sm_count: usize) -> bool {
+    4 * n_heads * rows < blocks_per_sm * sm_count
+}
+
+/// Most splits the tail merge takes (attention.cu: 4 warps × TAIL_MAX_PER_WARP, the partials
+/// its registers hold next to the loop's).
+const TAIL_MAX_SPLITS: usize = 64;
+
 /// The compiled attention kernels.
 pub struct Kernels {
     /// Cache type of the next [`kv_new`] (a [`KvType`] as u8; F16 unless set).
@@ -258,6 +278,12 @@ pub struct Kernels {
     /// where `decode_pre` would run; `None` with `FERRITE_ATTN_MERGE` 0 or 2 (the ticket merge
     /// for that form only) or where `decode_pre` is.
     decode_presep: Option<Vec<CudaFunction>>,
+    /// The same loops merging their splits in their own last blocks (`decode_tail_merge`:
+    /// `attn_decode_tc_tail_128_<gb>`, `attn_decode_tc_q8ptail_128_<gb>` `[f16, q8_0]`, and
+    /// `attn_decode_tc_pretail_128_<gb>` where `decode_presep` is), with the fewest blocks
+    /// per SM any of them keeps resident; taken instead of `decode_sep` where the merge's
+    /// spinning blocks leave a slot free ([`tail_fits`]). `FERRITE_ATTN_MERGE=3`.
+    decode_tail: Option<DecodeTail>,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -394,9 +420,30 @@ impl Kernels {
             _ => None,
         };
         let decode_presep = tc_family(
-            decode_sep.is_some() && decode_pre.is_some() && merge == 1,
+            decode_sep.is_some() && decode_pre.is_some() && (merge == 1 || merge == 3),
             "tc_presep_",
         )?;
+        let decode_tail = match (
+            tc_family(sep_on && merge == 3, "tc_tail_")?,
+            tc_family(sep_on && merge == 3, "tc_q8ptail_")?,
+        ) {
+            (Some(f16), Some(q8)) => {
+                let pre = tc_family(decode_presep.is_some(), "tc_pretail_")?;
+                let mut blocks_per_sm = usize::MAX;
+                for f in f16.iter().chain(&q8).chain(pre.iter().flatten()) {
+                    let b = f
+                        .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
+                        .context("decode attention: the tail merge's occupancy")?;
+                    blocks_per_sm = blocks_per_sm.min(b as usize);
+                }
+                Some(DecodeTail {
+                    loops: [f16, q8],
+                    pre,
+                    blocks_per_sm,
+                })
+            }
+            _ => None,
+        };
         Ok(Kernels {
             kv_type: AtomicU8::new(0),
             kv_store: [function(&m, "kv_store")?, function(&m, "kv_store_q8")?],
@@ -408,6 +455,7 @@ impl Kernels {
             q8_pipe,
             decode_sep,
             decode_presep,
+            decode_tail,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -832,12 +880,24 @@ pub fn attention(
         let sep = be.attention.decode_sep.as_ref().filter(|_| {
             tc_dim && clp.is_none() && cl.is_none() && (pre.is_none() || presep.is_some())
         });
-        let func = match (clp, cl, pre, sep) {
-            (Some(clp), _, _, _) => &clp[gbi],
-            (None, Some(cl), _, _) => &cl[gbi],
-            (None, None, Some(pre), _) => presep.map_or(&pre[gbi], |ps| &ps[gbi]),
-            (None, None, None, Some((fams, _))) => &fams[q8][gbi],
-            (None, None, None, None) => decode_kernel(
+        // The merge by the decode launch's own last blocks where it fits instead.
+        let tail = be.attention.decode_tail.as_ref().filter(|tl| {
+            sep.is_some()
+                && kv.n_splits <= TAIL_MAX_SPLITS
+                && tail_fits(n_heads, rows, tl.blocks_per_sm, be.sm_count)
+        });
+        let pretail = tail
+            .and_then(|tl| tl.pre.as_ref())
+            .filter(|_| presep.is_some());
+        let tail = tail.filter(|_| pre.is_none() || pretail.is_some());
+        let sep = sep.filter(|_| tail.is_none());
+        let func = match (clp, cl, pre, tail, sep) {
+            (Some(clp), ..) => &clp[gbi],
+            (None, Some(cl), ..) => &cl[gbi],
+            (None, None, Some(pre), ..) => pretail.or(presep).map_or(&pre[gbi], |f| &f[gbi]),
+            (None, None, None, Some(tl), _) => &tl.loops[q8][gbi],
+            (None, None, None, None, Some((fams, _))) => &fams[q8][gbi],
+            (None, None, None, None, None) => decode_kernel(
                 &be.attention.decode_tc,
                 &be.attention.decode,
                 q8,

@@ -377,7 +377,100 @@ __device__ __forceinline__ void decode_emit(float val, float* __restrict__ out,
                       xd + (long long)t * (cols / QK) + col / QK);
     }
 }
+#define MERGE_MAX_PER_WARP 32
+// One piece of the split merge (attn_decode_merge, and the TAIL decode forms' last blocks):
+// head h's dims 32 c .. 32 c + 31 of row t from its n_active <= 4 MPW splits' partials,
+// by the calling block's 128 threads (every thread must call it: it has block barriers).
+// MPW: splits per warp the registers hold (32 in the merge launch; 16 in the TAIL forms,
+// whose loop's registers bound them: the splits past 4 x 16 only ever add exact zeros there).
+template <int MPW>
+__device__ __forceinline__ void decode_merge_piece(const float* __restrict__ part_acc,
+                                                   const float* __restrict__ part_ml, float* __restrict__ out,
+                                                   int8_t* __restrict__ xq, float2* __restrict__ xd, int n_heads,
+                                                   int n_splits, int n_active, int t, int h, int c) {
+    constexpr int HD = 128;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long prow0 = ((long long)t * n_heads + h) * n_splits;
+    const int d = 32 * c + lane;
+    float m[MPW], l[MPW], v[MPW];
+#pragma unroll
+    for (int i = 0; i < MPW; i++) {
+        const int s = warp + 4 * i;
+        const bool on = s < n_active;
+        m[i] = on ? __ldcg(part_ml + 2 * (prow0 + s)) : ATT_NEG;
+        l[i] = on ? __ldcg(part_ml + 2 * (prow0 + s) + 1) : 0.f;
+        v[i] = on ? __ldcg(part_acc + (prow0 + s) * HD + d) : 0.f;
+    }
+    __shared__ float sm_mx[4], sm_a[4][32], sm_l[4];
+    float mx = ATT_NEG;
+#pragma unroll
+    for (int i = 0; i < MPW; i++) mx = fmaxf(mx, m[i]);
+    if (lane == 0) sm_mx[warp] = mx;
+    __syncthreads();
+    mx = fmaxf(fmaxf(sm_mx[0], sm_mx[1]), fmaxf(sm_mx[2], sm_mx[3]));
+    float a = 0.f, ls = 0.f;
+#pragma unroll
+    for (int i = 0; i < MPW; i++) {
+        const float cs = warp + 4 * i < n_active ? exp2f(m[i] - mx) : 0.f;
+        a = fmaf(v[i], cs, a);
+        ls = fmaf(l[i], cs, ls);
+    }
+    sm_a[warp][lane] = a;
+    if (lane == 0) sm_l[warp] = ls;
+    __syncthreads();
+    if (warp == 0) {
+        const float at = ((sm_a[0][lane] + sm_a[1][lane]) + sm_a[2][lane]) + sm_a[3][lane];
+        const float lt = ((sm_l[0] + sm_l[1]) + sm_l[2]) + sm_l[3];
+        decode_emit(at * (1.f / lt), out, xq, xd, t, n_heads, HD, h, d);
+    }
+}
 // EMU_EMIT_END
+
+// TAIL (attn_decode_tc_tail_128_<gb> and its q8_0 / keys-before-the-wait forms;
+// FERRITE_ATTN_MERGE=3): the split merge by the decode launch's own last blocks, instead of a
+// launch of its own (whose two boundaries cost ~5.7 us a layer at depth 32768: ATTENTION.md).
+// The head block's merge is 4 GB pieces (decode_merge_piece: a head's 32 dims, the merge
+// launch's block, so the bits are the merge launch's). After writing its partial, a split's
+// block takes a ticket (low 16 bits of the counter: arrivals); the last P = min(4 GB,
+// n_active) arrivals each take pieces k, k + P, ... (k = n_active - 1 - ticket: the last
+// arrival takes piece 0 and waits for no one), thread 0 spinning on the counter until every
+// split has arrived, then one round trip for the piece's partials. Each then counts itself
+// done (high bits); the last to do so re-arms the counter to 0 for the next launch (no
+// block reads it after counting itself done).
+//  Splits: at most 4 TAIL_MAX_PER_WARP (the launcher's rule: attention.rs TAIL_MAX_SPLITS).
+//  Progress: a spinning block waits only for splits of its own head block that have not
+//  arrived. At most 4 GB spinners per (row, head block), 4 n_heads rows in all; the launcher
+//  takes this form only where that is fewer than the launch's resident blocks (attention.rs
+//  `tail_fits`), so a free slot always remains for a split not yet started; the o-projection
+//  after it is launched (PDL) only once every block of this grid has started.
+#define TAIL_MAX_PER_WARP 16
+__device__ __forceinline__ void decode_tail_merge(const float* __restrict__ part_acc,
+                                                  const float* __restrict__ part_ml, int* ticket,
+                                                  float* __restrict__ out, int8_t* __restrict__ xq,
+                                                  float2* __restrict__ xd, int n_heads, int n_splits, int n_active,
+                                                  int t, int h0, int gb) {
+    __shared__ int s_rank;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_rank = atomicAdd(ticket, 1) & 0xFFFF;
+    __syncthreads();
+    const int pieces = 4 * gb, p_n = min(pieces, n_active);
+    const int k = n_active - 1 - s_rank;
+    if (k >= p_n) return;  // whole block
+    if (threadIdx.x == 0) {
+        while ((*(volatile int*)ticket & 0xFFFF) < n_active) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+    for (int p = k; p < pieces; p += p_n)
+        decode_merge_piece<TAIL_MAX_PER_WARP>(part_acc, part_ml, out, xq, xd, n_heads, n_splits, n_active, t,
+                                              h0 + p / 4, p % 4);
+    if (threadIdx.x == 0) {
+        const int old = atomicAdd(ticket, 0x10000);
+        if ((old >> 16) == p_n - 1) atomicExch(ticket, 0);
+    }
+}
 
 // EMU_DTC_BEGIN (host emulation: tests/attn_decode_tc_emu.rs; tc_mma_f16, the half
 // intrinsics and the warp collectives are emulated there)
@@ -807,7 +900,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
-          bool PRE = false, bool SEP = false>
+          bool PRE = false, bool SEP = false, bool TAIL = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -1105,6 +1198,13 @@ __device__ __forceinline__ void attn_decode_impl(
         return;
     }
 
+    // TAIL: merged by this launch's last blocks (decode_tail_merge).
+    if constexpr (TAIL) {
+        static_assert(HD == 128 && NW == 4, "TAIL: decode_merge_piece's shape");
+        decode_tail_merge(part_acc, part_ml, tickets + (long long)t * gridDim.x + blockIdx.x, out, xq, xd, n_heads,
+                          n_splits, n_active, t, h0, GB);
+        return;
+    }
     // SEP: the splits are merged by the launch after this one (attn_decode_merge).
     if constexpr (SEP) return;
     // The last of the row's n_active splits to finish (per block of heads) merges them, in
@@ -1254,6 +1354,20 @@ DECODE_SEP_KERNELS(1)
 DECODE_SEP_KERNELS(2)
 DECODE_SEP_KERNELS(4)
 DECODE_SEP_KERNELS(8)
+// The same loops merging their splits in their own last blocks (TAIL; FERRITE_ATTN_MERGE=3).
+#define DECODE_TAIL_KERNELS(GB)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_tail_128_##GB(DECODE_ARGS) {     \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, false, true>(                  \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8ptail_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, false, true>(                    \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
+    }
+DECODE_TAIL_KERNELS(1)
+DECODE_TAIL_KERNELS(2)
+DECODE_TAIL_KERNELS(4)
+DECODE_TAIL_KERNELS(8)
 
 // The split merge as a launch of its own (FERRITE_ATTN_MERGE; ATTENTION.md, "The split merge
 // as a launch of its own"), after a SEP decode launch: the ticket merge's last block merged
@@ -1267,52 +1381,17 @@ DECODE_SEP_KERNELS(8)
 // launch's (decode_chunk, decode_active); a row whose keys took one split was
 // emitted by its block (n_active == 1: nothing to do).
 // EMU_MERGE_BEGIN (host emulation: tests/attn_decode_merge_emu.rs)
-#define MERGE_MAX_PER_WARP 32
 extern "C" __global__ void __launch_bounds__(128)
     attn_decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                       const int* __restrict__ positions, float* __restrict__ out, int8_t* __restrict__ xq,
                       float2* __restrict__ xd, int n_heads, int capacity, int n_splits, int min_chunk, int step) {
-    constexpr int HD = 128;
     const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int pos_t = positions[t];  // written by host copies only
     const int n_keys = max(0, min(pos_t + 1, capacity));
     const int n_active = decode_active(n_keys, decode_chunk(n_keys, n_splits, min_chunk, step));
     PDL_ENTRY();
     if (n_active == 1) return;
-    const long long prow0 = ((long long)t * n_heads + h) * n_splits;
-    const int d = 32 * c + lane;
-    float m[MERGE_MAX_PER_WARP], l[MERGE_MAX_PER_WARP], v[MERGE_MAX_PER_WARP];
-#pragma unroll
-    for (int i = 0; i < MERGE_MAX_PER_WARP; i++) {
-        const int s = warp + 4 * i;
-        const bool on = s < n_active;
-        m[i] = on ? __ldcg(part_ml + 2 * (prow0 + s)) : ATT_NEG;
-        l[i] = on ? __ldcg(part_ml + 2 * (prow0 + s) + 1) : 0.f;
-        v[i] = on ? __ldcg(part_acc + (prow0 + s) * HD + d) : 0.f;
-    }
-    __shared__ float sm_mx[4], sm_a[4][32], sm_l[4];
-    float mx = ATT_NEG;
-#pragma unroll
-    for (int i = 0; i < MERGE_MAX_PER_WARP; i++) mx = fmaxf(mx, m[i]);
-    if (lane == 0) sm_mx[warp] = mx;
-    __syncthreads();
-    mx = fmaxf(fmaxf(sm_mx[0], sm_mx[1]), fmaxf(sm_mx[2], sm_mx[3]));
-    float a = 0.f, ls = 0.f;
-#pragma unroll
-    for (int i = 0; i < MERGE_MAX_PER_WARP; i++) {
-        const float cs = warp + 4 * i < n_active ? exp2f(m[i] - mx) : 0.f;
-        a = fmaf(v[i], cs, a);
-        ls = fmaf(l[i], cs, ls);
-    }
-    sm_a[warp][lane] = a;
-    if (lane == 0) sm_l[warp] = ls;
-    __syncthreads();
-    if (warp == 0) {
-        const float at = ((sm_a[0][lane] + sm_a[1][lane]) + sm_a[2][lane]) + sm_a[3][lane];
-        const float lt = ((sm_l[0] + sm_l[1]) + sm_l[2]) + sm_l[3];
-        decode_emit(at * (1.f / lt), out, xq, xd, t, n_heads, HD, h, d);
-    }
+    decode_merge_piece<MERGE_MAX_PER_WARP>(part_acc, part_ml, out, xq, xd, n_heads, n_splits, n_active, t, h, c);
 }
 // EMU_MERGE_END
 
@@ -1336,6 +1415,17 @@ DECODE_PRESEP_KERNEL(1)
 DECODE_PRESEP_KERNEL(2)
 DECODE_PRESEP_KERNEL(4)
 DECODE_PRESEP_KERNEL(8)
+// ... and merging in its own last blocks (TAIL).
+#define DECODE_PRETAIL_KERNEL(GB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                       \
+        attn_decode_tc_pretail_128_##GB(DECODE_ARGS) {                                                  \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, true, false, true>(           \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                                       \
+    }
+DECODE_PRETAIL_KERNEL(1)
+DECODE_PRETAIL_KERNEL(2)
+DECODE_PRETAIL_KERNEL(4)
+DECODE_PRETAIL_KERNEL(8)
 
 // ---------------------------------------------------------------------------------------
 // Prefill: causal flash attention, SIMT f32.
