@@ -161,8 +161,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_MERGE",
-        Accepts::OneOf(&[0, 1, 2]),
-        "decode attention's split merge as a launch of its own (attn_decode_merge: a block per head and 32 dims) for caches past a cluster's 16 splits; 2 the same except for the keys-before-the-wait form (caches of 1-4 K positions); 0 the ticket merge, the last split's block merging alone (ATTENTION.md)",
+        Accepts::OneOf(&[0, 1, 2, 3]),
+        "decode attention's split merge as a launch of its own (attn_decode_merge: a block per head and 32 dims) for caches past a cluster's 16 splits; 2 the same except for the keys-before-the-wait form (caches of 1-4 K positions); 3 the same pieces merged by the decode launch's own last blocks (decode_tail_merge) where they fit; 0 the ticket merge, the last split's block merging alone (ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_PRE",
