@@ -284,6 +284,10 @@ pub struct Kernels {
     /// per SM any of them keeps resident; taken instead of `decode_sep` where the merge's
     /// spinning blocks leave a slot free ([`tail_fits`]). `FERRITE_ATTN_MERGE=3`.
     decode_tail: Option<DecodeTail>,
+    /// The keys a decode split's chunk is rounded to in the SEP and TAIL loops and the merge
+    /// launch (`FERRITE_ATTN_CHUNK`: 64, the block iteration, or 16, the warp's tile, so that
+    /// every split of a long cache holds keys: ATTENTION.md).
+    chunk_step: i32,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -410,7 +414,7 @@ impl Kernels {
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
-        let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 1);
+        let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 3);
         let sep_on = dtc == 1 && q8_pipe && merge != 0;
         let decode_sep = match (
             tc_family(sep_on, "tc_sep_")?,
@@ -456,6 +460,7 @@ impl Kernels {
             decode_sep,
             decode_presep,
             decode_tail,
+            chunk_step: super::switches::int_or("FERRITE_ATTN_CHUNK", DECODE_TC_STEP as i64) as i32,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -891,6 +896,10 @@ pub fn attention(
             .filter(|_| presep.is_some());
         let tail = tail.filter(|_| pre.is_none() || pretail.is_some());
         let sep = sep.filter(|_| tail.is_none());
+        // The SEP and TAIL loops (not their keys-before-the-wait forms) take the chunk's
+        // rounding as an argument, and the merge launch after a SEP loop the same.
+        let cstep =
+            (pre.is_none() && (tail.is_some() || sep.is_some())).then_some(be.attention.chunk_step);
         let func = match (clp, cl, pre, tail, sep) {
             (Some(clp), ..) => &clp[gbi],
             (None, Some(cl), ..) => &cl[gbi],
@@ -945,7 +954,7 @@ pub fn attention(
         // (checked by check_attention); positions hold ≥ rows entries (checked above) and
         // are clamped to capacity in the kernel; the int8 scratch holds ≥ rows rows of
         // ≥ cols elements (xq_for_producer).
-        unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster) }?;
+        unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster, cstep) }?;
         if let Some((_, merge)) = sep {
             let cfg = LaunchConfig {
                 grid_dim: (n_heads as u32, (head_dim / 32) as u32, rows as u32),
@@ -955,7 +964,7 @@ pub fn attention(
             let (splits_i, chunk_i, step_i) = (
                 kv.n_splits as i32,
                 kv.min_chunk as i32,
-                DECODE_TC_STEP as i32,
+                cstep.unwrap_or(DECODE_TC_STEP as i32),
             );
             let mut launch = be.stream.kernel(merge);
             launch
@@ -1119,6 +1128,7 @@ unsafe fn decode_launch(
     d: DecodeDims,
     paged: Option<PagedPtrs>,
     cluster: bool,
+    cstep: Option<i32>,
 ) -> Result<()> {
     let gb = heads_per_block(d.group);
     let n_splits = kv.n_splits;
@@ -1173,6 +1183,9 @@ unsafe fn decode_launch(
             .arg(&pg.page_shift)
             .arg(&pg.page_stride)
             .arg(&pg.max_keys);
+    }
+    if let Some(c) = &cstep {
+        launch.arg(c);
     }
     if cluster {
         // One cluster per (head block, row): its n_splits blocks merge through their shared
@@ -1370,7 +1383,7 @@ fn attention_paged(
                 };
                 // SAFETY: q_v holds nr rows of n_heads×hd, out_v nr rows; reads stay inside
                 // the cache as for the store (block tables checked by check_paged_step).
-                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false) }?;
+                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false, None) }?;
             }
             (_, Some((func, cfg))) => {
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block

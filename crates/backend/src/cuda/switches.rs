@@ -165,6 +165,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "decode attention's split merge as a launch of its own (attn_decode_merge: a block per head and 32 dims) for caches past a cluster's 16 splits; 2 the same except for the keys-before-the-wait form (caches of 1-4 K positions); 3 the same pieces merged by the decode launch's own last blocks (decode_tail_merge) where they fit; 0 the ticket merge, the last split's block merging alone (ATTENTION.md)",
     ),
     (
+        "FERRITE_ATTN_CHUNK",
+        Accepts::OneOf(&[16, 64]),
+        "keys a decode split's chunk is rounded to in the tensor-core loops with the merge launch or the tail merge: 64 (a block iteration) or 16 (a warp's tile: every split of a long cache then holds keys; ATTENTION.md)",
+    ),
+    (
         "FERRITE_ATTN_PRE",
         Accepts::OneOf(&[0, 1, 2]),
         "f16 decode attention of one row whose chunks are one tile: 2 (default) loads each warp's keys before the PDL wait (the new key from the step's rows) in the cluster-merge form and in the ticket-merge form of caches past 16 splits, 1 in the cluster-merge form only, 0 after it (ATTENTION.md)",

@@ -909,7 +909,7 @@ __device__ __forceinline__ void attn_decode_impl(
     float* __restrict__ part_ml, int* __restrict__ tickets, float* __restrict__ out,
     int8_t* __restrict__ xq, float2* __restrict__ xd, long long layer_off, int n_heads,
     int group, int capacity, int n_splits, int min_chunk, int pf, float scale_log2,
-    PAGED_ARGS) {
+    PAGED_ARGS, int cstep = 0) {
     constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
     constexpr int KPW = 32 / TPK;    // keys per warp per pass
     constexpr int NW = DECODE_THREADS / 32;
@@ -938,7 +938,9 @@ __device__ __forceinline__ void attn_decode_impl(
     // and the cache at positions of earlier steps (written by grids that have completed).
     const int pos_t = positions[t];
     const int n_keys = max(0, min(pos_t + 1, max_keys));
-    const int chunk = decode_chunk(n_keys, n_splits, min_chunk, STEP);
+    // cstep: the chunk's rounding where the launcher passes one (the SEP and TAIL loops:
+    // FERRITE_ATTN_CHUNK), else the block iteration's keys.
+    const int chunk = decode_chunk(n_keys, n_splits, min_chunk, cstep > 0 ? cstep : STEP);
     const int n_active = decode_active(n_keys, chunk);
     // An empty split takes no part (whole block), except in the cluster merge, where it
     // still passes the barriers and merges its share.
@@ -1341,28 +1343,33 @@ DECODE_KERNEL(256, 8)
     }
 // The same loops leaving their splits to attn_decode_merge (SEP; FERRITE_ATTN_MERGE): the f16
 // loop and the q8_0 loop with its next tile in flight.
-#define DECODE_SEP_KERNELS(GB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_sep_128_##GB(DECODE_ARGS) {     \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, false, true>(DECODE_PASS,         \
-                                                                                         UNPAGED_PASS(capacity)); \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8psep_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, true>(DECODE_PASS,           \
-                                                                                       UNPAGED_PASS(capacity)); \
+#define DECODE_SEP_KERNELS(GB)                                                          \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                        \
+        attn_decode_tc_sep_128_##GB(DECODE_ARGS, int cstep) {                           \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, true>( \
+            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                \
+    }                                                                                   \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                     \
+        attn_decode_tc_q8psep_128_##GB(DECODE_ARGS, int cstep) {                        \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, true>(   \
+            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                \
     }
 DECODE_SEP_KERNELS(1)
 DECODE_SEP_KERNELS(2)
 DECODE_SEP_KERNELS(4)
 DECODE_SEP_KERNELS(8)
-// The same loops merging their splits in their own last blocks (TAIL; FERRITE_ATTN_MERGE=3).
-#define DECODE_TAIL_KERNELS(GB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_tail_128_##GB(DECODE_ARGS) {     \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, false, false, true>(                  \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8ptail_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, false, true>(                    \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
+// The same loops merging their splits in their own last blocks (TAIL; FERRITE_ATTN_MERGE=3,
+// the default). cstep: the chunk's rounding (FERRITE_ATTN_CHUNK).
+#define DECODE_TAIL_KERNELS(GB)                                                                \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                               \
+        attn_decode_tc_tail_128_##GB(DECODE_ARGS, int cstep) {                                 \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, false, true>( \
+            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                       \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                            \
+        attn_decode_tc_q8ptail_128_##GB(DECODE_ARGS, int cstep) {                              \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, false, true>(   \
+            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                       \
     }
 DECODE_TAIL_KERNELS(1)
 DECODE_TAIL_KERNELS(2)
