@@ -271,7 +271,8 @@ pub struct Kernels {
     /// that merge (`attn_decode_merge`; ATTENTION.md, "The split merge as a launch of its
     /// own"). Taken where the ticket merge would be: contiguous caches at
     /// [`DECODE_TC_HEAD_DIM`] whose splits take no cluster (the keys-before-the-wait form:
-    /// `decode_presep`); `None` with `FERRITE_ATTN_MERGE=0` (the ticket merge), and with
+    /// `decode_presep`) and the tail merge (`decode_tail`) does not fit; `None` with
+    /// `FERRITE_ATTN_MERGE=0` (the ticket merge), and with
     /// `FERRITE_ATTN_PIPE=0` (the q8_0 form is the pipelined loop, whose split count it shares).
     decode_sep: Option<([Vec<CudaFunction>; 2], CudaFunction)>,
     /// The keys-before-the-wait form with the merge launch (`attn_decode_tc_presep_128_<gb>`),
@@ -282,12 +283,10 @@ pub struct Kernels {
     /// `attn_decode_tc_tail_128_<gb>`, `attn_decode_tc_q8ptail_128_<gb>` `[f16, q8_0]`, and
     /// `attn_decode_tc_pretail_128_<gb>` where `decode_presep` is), with the fewest blocks
     /// per SM any of them keeps resident; taken instead of `decode_sep` where the merge's
-    /// spinning blocks leave a slot free ([`tail_fits`]). `FERRITE_ATTN_MERGE=3`.
+    /// spinning blocks leave a slot free ([`tail_fits`]) and the splits fit its registers
+    /// ([`TAIL_MAX_SPLITS`]). `FERRITE_ATTN_MERGE=3`, the default (ATTENTION.md, "The split
+    /// merge by the decode launch's own last blocks").
     decode_tail: Option<DecodeTail>,
-    /// The keys a decode split's chunk is rounded to in the SEP and TAIL loops and the merge
-    /// launch (`FERRITE_ATTN_CHUNK`: 64, the block iteration, or 16, the warp's tile, so that
-    /// every split of a long cache holds keys: ATTENTION.md).
-    chunk_step: i32,
     /// Decode tuning, fixed at load (tuning runs may override it from the environment).
     tuning: DecodeTuning,
     /// `prefill[q8][hd index]`.
@@ -460,7 +459,6 @@ impl Kernels {
             decode_sep,
             decode_presep,
             decode_tail,
-            chunk_step: super::switches::int_or("FERRITE_ATTN_CHUNK", DECODE_TC_STEP as i64) as i32,
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
@@ -896,10 +894,6 @@ pub fn attention(
             .filter(|_| presep.is_some());
         let tail = tail.filter(|_| pre.is_none() || pretail.is_some());
         let sep = sep.filter(|_| tail.is_none());
-        // The SEP and TAIL loops (not their keys-before-the-wait forms) take the chunk's
-        // rounding as an argument, and the merge launch after a SEP loop the same.
-        let cstep =
-            (pre.is_none() && (tail.is_some() || sep.is_some())).then_some(be.attention.chunk_step);
         let func = match (clp, cl, pre, tail, sep) {
             (Some(clp), ..) => &clp[gbi],
             (None, Some(cl), ..) => &cl[gbi],
@@ -954,7 +948,7 @@ pub fn attention(
         // (checked by check_attention); positions hold ≥ rows entries (checked above) and
         // are clamped to capacity in the kernel; the int8 scratch holds ≥ rows rows of
         // ≥ cols elements (xq_for_producer).
-        unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster, cstep) }?;
+        unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster) }?;
         if let Some((_, merge)) = sep {
             let cfg = LaunchConfig {
                 grid_dim: (n_heads as u32, (head_dim / 32) as u32, rows as u32),
@@ -964,7 +958,7 @@ pub fn attention(
             let (splits_i, chunk_i, step_i) = (
                 kv.n_splits as i32,
                 kv.min_chunk as i32,
-                cstep.unwrap_or(DECODE_TC_STEP as i32),
+                DECODE_TC_STEP as i32,
             );
             let mut launch = be.stream.kernel(merge);
             launch
@@ -1128,7 +1122,6 @@ unsafe fn decode_launch(
     d: DecodeDims,
     paged: Option<PagedPtrs>,
     cluster: bool,
-    cstep: Option<i32>,
 ) -> Result<()> {
     let gb = heads_per_block(d.group);
     let n_splits = kv.n_splits;
@@ -1183,9 +1176,6 @@ unsafe fn decode_launch(
             .arg(&pg.page_shift)
             .arg(&pg.page_stride)
             .arg(&pg.max_keys);
-    }
-    if let Some(c) = &cstep {
-        launch.arg(c);
     }
     if cluster {
         // One cluster per (head block, row): its n_splits blocks merge through their shared
@@ -1383,7 +1373,7 @@ fn attention_paged(
                 };
                 // SAFETY: q_v holds nr rows of n_heads×hd, out_v nr rows; reads stay inside
                 // the cache as for the store (block tables checked by check_paged_step).
-                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false, None) }?;
+                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false) }?;
             }
             (_, Some((func, cfg))) => {
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block
@@ -1463,6 +1453,17 @@ mod tests {
             n_kv_heads,
             head_dim,
         }
+    }
+
+    #[test]
+    fn tail_merge_leaves_a_slot_free() {
+        // Qwen3-8B (32 heads) on 132 SMs at 3 blocks each (the q8_0 loop's bound): up to 3
+        // rows spin in at most 384 of 396 slots; at 4 rows (512 spinners) the merge launch.
+        assert!(tail_fits(32, 3, 3, 132));
+        assert!(!tail_fits(32, 4, 3, 132));
+        // Exactly as many spinners as slots: none left for a split not yet started.
+        assert!(!tail_fits(33, 1, 1, 132));
+        assert!(tail_fits(32, 1, 1, 129));
     }
 
     #[test]

@@ -162,12 +162,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_ATTN_MERGE",
         Accepts::OneOf(&[0, 1, 2, 3]),
-        "decode attention's split merge as a launch of its own (attn_decode_merge: a block per head and 32 dims) for caches past a cluster's 16 splits; 2 the same except for the keys-before-the-wait form (caches of 1-4 K positions); 3 the same pieces merged by the decode launch's own last blocks (decode_tail_merge) where they fit; 0 the ticket merge, the last split's block merging alone (ATTENTION.md)",
-    ),
-    (
-        "FERRITE_ATTN_CHUNK",
-        Accepts::OneOf(&[16, 64]),
-        "keys a decode split's chunk is rounded to in the tensor-core loops with the merge launch or the tail merge: 64 (a block iteration) or 16 (a warp's tile: every split of a long cache then holds keys; ATTENTION.md)",
+        "decode attention's split merge for caches past a cluster's 16 splits: 3 (default) by the decode launch's own last blocks, a (head, 32 dims) piece each (decode_tail_merge), where they fit; 1 as a launch of its own (attn_decode_merge: a block per head and 32 dims); 2 the same except for the keys-before-the-wait form (caches of 1-4 K positions); 0 the ticket merge, the last split's block merging alone (ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_PRE",

@@ -69,10 +69,11 @@
 //   n_active partials in split order (max, rescale, sum: the same order whichever block it
 //   is), writes out = acc / l and, when the launcher passes xq, the o-projection's int8
 //   planes (quant_q8_lane, one warp per 32-element block), then resets the counter to 0 for
-//   the next launch (graph replay). The tensor-core forms past a cluster's splits leave the
-//   merge to a launch of their own instead (SEP, attn_decode_merge below: the last block's
-//   merge alone took ~8 us at depth 32768 while the other SMs idled); the cluster forms
-//   merge through distributed shared memory (CL).
+//   the next launch (graph replay). The tensor-core forms past a cluster's splits merge
+//   instead by their last few blocks, a (head, 32 dims) piece each (TAIL, decode_tail_merge:
+//   the last block's merge alone took ~8 us at depth 32768 while the other SMs idled), or
+//   leave it to a launch of their own (SEP, attn_decode_merge) where the tail's spinning
+//   blocks would not fit; the cluster forms merge through distributed shared memory (CL).
 //
 // attn_prefill_<HD> (rows > 16): flash attention, causal, f32 math on CUDA cores (SIMT).
 //   grid (query tiles, n_kv_heads), 256 threads. The block's BQ query slots are (row, head
@@ -909,7 +910,7 @@ __device__ __forceinline__ void attn_decode_impl(
     float* __restrict__ part_ml, int* __restrict__ tickets, float* __restrict__ out,
     int8_t* __restrict__ xq, float2* __restrict__ xd, long long layer_off, int n_heads,
     int group, int capacity, int n_splits, int min_chunk, int pf, float scale_log2,
-    PAGED_ARGS, int cstep = 0) {
+    PAGED_ARGS) {
     constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
     constexpr int KPW = 32 / TPK;    // keys per warp per pass
     constexpr int NW = DECODE_THREADS / 32;
@@ -938,9 +939,7 @@ __device__ __forceinline__ void attn_decode_impl(
     // and the cache at positions of earlier steps (written by grids that have completed).
     const int pos_t = positions[t];
     const int n_keys = max(0, min(pos_t + 1, max_keys));
-    // cstep: the chunk's rounding where the launcher passes one (the SEP and TAIL loops:
-    // FERRITE_ATTN_CHUNK), else the block iteration's keys.
-    const int chunk = decode_chunk(n_keys, n_splits, min_chunk, cstep > 0 ? cstep : STEP);
+    const int chunk = decode_chunk(n_keys, n_splits, min_chunk, STEP);
     const int n_active = decode_active(n_keys, chunk);
     // An empty split takes no part (whole block), except in the cluster merge, where it
     // still passes the barriers and merges its share.
@@ -1343,33 +1342,29 @@ DECODE_KERNEL(256, 8)
     }
 // The same loops leaving their splits to attn_decode_merge (SEP; FERRITE_ATTN_MERGE): the f16
 // loop and the q8_0 loop with its next tile in flight.
-#define DECODE_SEP_KERNELS(GB)                                                          \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                        \
-        attn_decode_tc_sep_128_##GB(DECODE_ARGS, int cstep) {                           \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, false, true>( \
-            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                \
-    }                                                                                   \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                     \
-        attn_decode_tc_q8psep_128_##GB(DECODE_ARGS, int cstep) {                        \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, true>(   \
-            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                \
+#define DECODE_SEP_KERNELS(GB)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_sep_128_##GB(DECODE_ARGS) {     \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, true>(DECODE_PASS,         \
+                                                                                         UNPAGED_PASS(capacity)); \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8psep_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, true>(DECODE_PASS,           \
+                                                                                       UNPAGED_PASS(capacity)); \
     }
 DECODE_SEP_KERNELS(1)
 DECODE_SEP_KERNELS(2)
 DECODE_SEP_KERNELS(4)
 DECODE_SEP_KERNELS(8)
 // The same loops merging their splits in their own last blocks (TAIL; FERRITE_ATTN_MERGE=3,
-// the default). cstep: the chunk's rounding (FERRITE_ATTN_CHUNK).
-#define DECODE_TAIL_KERNELS(GB)                                                                \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                               \
-        attn_decode_tc_tail_128_##GB(DECODE_ARGS, int cstep) {                                 \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, false, false, true>( \
-            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                       \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                            \
-        attn_decode_tc_q8ptail_128_##GB(DECODE_ARGS, int cstep) {                              \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, false, true>(   \
-            DECODE_PASS, UNPAGED_PASS(capacity), cstep);                                       \
+// the default).
+#define DECODE_TAIL_KERNELS(GB)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_tail_128_##GB(DECODE_ARGS) {     \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, false, true>(                  \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8ptail_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, false, true>(                    \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
     }
 DECODE_TAIL_KERNELS(1)
 DECODE_TAIL_KERNELS(2)
