@@ -443,7 +443,10 @@ __device__ __forceinline__ void decode_merge_piece(const float* __restrict__ par
 //  arrived. At most 4 GB spinners per (row, head block), 4 n_heads rows in all; the launcher
 //  takes this form only where that is fewer than the launch's resident blocks (attention.rs
 //  `tail_fits`), so a free slot always remains for a split not yet started; the o-projection
-//  after it is launched (PDL) only once every block of this grid has started.
+//  after it is launched (PDL) only once every block of this grid has started. Blocks of
+//  other work sharing the SMs (another stream, another MPS client) end on their own, so they
+//  delay a split's start but cannot hold its slot for good. FERRITE_ATTN_MERGE=1 takes the
+//  merge launch instead, with no block waiting on another.
 #define TAIL_MAX_PER_WARP 16
 __device__ __forceinline__ void decode_tail_merge(const float* __restrict__ part_acc,
                                                   const float* __restrict__ part_ml, int* ticket,
