@@ -447,6 +447,13 @@ __device__ __forceinline__ void decode_merge_piece(const float* __restrict__ par
 //  other work sharing the SMs (another stream, another MPS client) end on their own, so they
 //  delay a split's start but cannot hold its slot for good. FERRITE_ATTN_MERGE=1 takes the
 //  merge launch instead, with no block waiting on another.
+// EMU_TAIL_BEGIN (host emulation: tests/attn_decode_tail_emu.rs, whose grid scheduler lets
+// a spinning block's siblings arrive: DECODE_TAIL_SPIN yields there, and is empty here)
+#ifndef DECODE_TAIL_SPIN
+#define DECODE_TAIL_SPIN() \
+    do {                   \
+    } while (0)
+#endif
 #define TAIL_MAX_PER_WARP 16
 __device__ __forceinline__ void decode_tail_merge(const float* __restrict__ part_acc,
                                                   const float* __restrict__ part_ml, int* ticket,
@@ -462,8 +469,7 @@ __device__ __forceinline__ void decode_tail_merge(const float* __restrict__ part
     const int k = n_active - 1 - s_rank;
     if (k >= p_n) return;  // whole block
     if (threadIdx.x == 0) {
-        while ((*(volatile int*)ticket & 0xFFFF) < n_active) {
-        }
+        while ((*(volatile int*)ticket & 0xFFFF) < n_active) DECODE_TAIL_SPIN();
         __threadfence();
     }
     __syncthreads();
@@ -475,6 +481,7 @@ __device__ __forceinline__ void decode_tail_merge(const float* __restrict__ part
         if ((old >> 16) == p_n - 1) atomicExch(ticket, 0);
     }
 }
+// EMU_TAIL_END
 
 // EMU_DTC_BEGIN (host emulation: tests/attn_decode_tc_emu.rs; tc_mma_f16, the half
 // intrinsics and the warp collectives are emulated there)
