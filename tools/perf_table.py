@@ -63,6 +63,7 @@ def table():
         if r.get("engine") != "ferrite":
             continue
         quant = r.get("quant") + (f" (KV {r['kv_cache']})" if r.get("kv_cache") else "")
+        quant += f" (cache {r['context']})" if r.get("context") else ""
         key = (r.get("gpu", "?"), r.get("backend", "?"), r.get("model"), quant, r.get("test"), r.get("depth", 0))
         rows[key] = r  # newest wins (the file is append-only)
     cpu_base = load_baselines()

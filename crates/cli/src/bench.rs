@@ -49,6 +49,12 @@ pub struct BenchArgs {
     /// Model label for the record (default: from the file's general.name).
     #[arg(long)]
     pub label: Option<String>,
+    /// KV cache capacity in positions (default: --depth plus the longer test). A larger one
+    /// measures decode in a cache sized for a long generation, as `run` sizes it for
+    /// --max-tokens: the decode attention's split count follows the capacity, and the
+    /// positions decoded here hold fewer of the splits than at the end of such a cache.
+    #[arg(long)]
+    pub context: Option<usize>,
 }
 
 /// One measurement, as appended to bench/results.jsonl.
@@ -76,6 +82,9 @@ pub struct Record {
     /// The KV cache's storage where it is not the default f16 (`--kv-cache-q8`: "q8_0").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_cache: Option<&'static str>,
+    /// The KV cache's capacity where `--context` set it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<usize>,
 }
 
 /// llama.cpp's `llama_ftype` names for `general.file_type`.
@@ -147,11 +156,27 @@ fn bench_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
+/// The KV cache capacity of the tests: `--context`, at least --depth plus the longer test.
+fn bench_context(a: &BenchArgs) -> Result<usize> {
+    let need = a.depth + a.prompt_tokens.max(a.gen_tokens + 2);
+    let ctx = a.context.unwrap_or(need);
+    anyhow::ensure!(
+        ctx >= need,
+        "--context {ctx} is too small: the tests need {need} positions (--depth {} plus the \
+         longer of --prompt-tokens {} and --gen-tokens {} + 2)",
+        a.depth,
+        a.prompt_tokens,
+        a.gen_tokens
+    );
+    Ok(ctx)
+}
+
 pub fn bench(a: &BenchArgs) -> Result<()> {
     anyhow::ensure!(
         a.reps >= 1 && a.gen_tokens >= 1 && a.prompt_tokens >= 1,
         "reps, gen-tokens and prompt-tokens must be ≥ 1"
     );
+    bench_context(a)?;
     let (path, file) = load::open(&a.model)?;
     crate::on_backend!(&a.model, be => bench_on(&be, &path, &file, a))
 }
@@ -207,7 +232,7 @@ fn bench_on<B: Backend>(
         * be.kv_bytes_per_element())
     .round() as u64;
     let depth = a.depth;
-    let ctx = depth + a.prompt_tokens.max(a.gen_tokens + 2);
+    let ctx = bench_context(a)?;
     let fill = bench_tokens(depth, cfg.vocab, 11);
     let prompt = bench_tokens(a.prompt_tokens, cfg.vocab, 13);
 
@@ -273,6 +298,7 @@ fn bench_on<B: Backend>(
             reps: a.reps,
             gate_tokens: gate_prompt.len(),
             kv_cache,
+            context: a.context,
         },
         Record {
             date,
@@ -293,6 +319,7 @@ fn bench_on<B: Backend>(
             reps: a.reps,
             gate_tokens: gate_prompt.len(),
             kv_cache,
+            context: a.context,
         },
     ];
     if a.json {

@@ -144,6 +144,23 @@ fn corrupt_and_missing_inputs_are_clear_errors() {
         &ferrite(&["run", "--model", dir.to_str().unwrap(), "--prompt", "hi"]),
         "no tokenizer",
     );
+    // A bench cache smaller than its tests, refused before any model is loaded.
+    assert_clean_error(
+        &ferrite(&[
+            "bench",
+            "--model",
+            dir.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--depth",
+            "100",
+            "--prompt-tokens",
+            "16",
+            "--context",
+            "64",
+        ]),
+        "--context 64 is too small: the tests need 230 positions",
+    );
 }
 
 #[test]
