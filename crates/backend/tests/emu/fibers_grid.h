@@ -64,42 +64,8 @@ static void emu_spin() {
     yield_now();
 }
 
-// As fibers.h: a lane's operands of one warp collective, two buffers by call parity.
-struct Deposit {
-    int kind;
-    uint32_t w[16];
-};
-static Deposit xbuf[NF / 32][2][32];
-
-static const Deposit* warp_exchange(const Deposit& mine) {
-    const int w = cur / 32, lane = cur % 32, p = fib[cur].parity;
-    fib[cur].parity ^= 1;
-    xbuf[w][p][lane] = mine;
-    fib[cur].st = WAIT_WARP;
-    if (++warp_arrived[w] == 32) {
-        warp_arrived[w] = 0;
-        for (int i = 0; i < 32; i++)
-            if (fib[32 * w + i].st == WAIT_WARP) fib[32 * w + i].st = RUN;
-    }
-    yield_now();
-    for (int i = 0; i < 32; i++)
-        if (xbuf[w][p][i].kind != mine.kind) {
-            fprintf(stderr, "warp %d: lanes in different collectives\n", w);
-            exit(3);
-        }
-    return xbuf[w][p];
-}
-
-static inline float __uint_as_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint32_t f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
+#define EMU_NF NF
+#include "fibers_warp.h"
 
 // Global-memory atomics and fences: one OS thread, so plain read-modify-writes.
 static inline int atomicAdd(int* p, int v) {

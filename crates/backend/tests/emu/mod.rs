@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 const FIBERS: &str = include_str!("fibers.h");
+const FIBERS_WARP: &str = include_str!("fibers_warp.h");
 const INTRINSICS: &str = include_str!("intrinsics.h");
 const MMA: &str = include_str!("mma.h");
 const Q4K_REF: &str = include_str!("q4k_ref.h");
@@ -22,6 +23,7 @@ pub fn build(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
     let dir = std::env::temp_dir().join(format!("ferrite-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
+    std::fs::write(dir.join("fibers_warp.h"), FIBERS_WARP).unwrap();
     std::fs::write(dir.join("intrinsics.h"), INTRINSICS).unwrap();
     std::fs::write(dir.join("mma.h"), MMA).unwrap();
     std::fs::write(dir.join("q4k_ref.h"), Q4K_REF).unwrap();
