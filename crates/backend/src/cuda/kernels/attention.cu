@@ -1350,37 +1350,6 @@ DECODE_KERNEL(256, 8)
         attn_decode_tc_pre_128_##GB(DECODE_ARGS) {                                                           \
         attn_decode_impl<128, GB, false, false, true, true, false, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }
-// The same loops leaving their splits to attn_decode_merge (SEP; FERRITE_ATTN_MERGE): the f16
-// loop and the q8_0 loop with its next tile in flight.
-#define DECODE_SEP_KERNELS(GB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_sep_128_##GB(DECODE_ARGS) {     \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, false, true>(DECODE_PASS,         \
-                                                                                         UNPAGED_PASS(capacity)); \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8psep_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, true>(DECODE_PASS,           \
-                                                                                       UNPAGED_PASS(capacity)); \
-    }
-DECODE_SEP_KERNELS(1)
-DECODE_SEP_KERNELS(2)
-DECODE_SEP_KERNELS(4)
-DECODE_SEP_KERNELS(8)
-// The same loops merging their splits in their own last blocks (TAIL; FERRITE_ATTN_MERGE=3,
-// the default).
-#define DECODE_TAIL_KERNELS(GB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_tail_128_##GB(DECODE_ARGS) {     \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, false, false, true>(                  \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8ptail_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, false, true>(                    \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                                               \
-    }
-DECODE_TAIL_KERNELS(1)
-DECODE_TAIL_KERNELS(2)
-DECODE_TAIL_KERNELS(4)
-DECODE_TAIL_KERNELS(8)
-
 // The split merge as a launch of its own (FERRITE_ATTN_MERGE; ATTENTION.md, "The split merge
 // as a launch of its own"), after a SEP decode launch: the ticket merge's last block merged
 // every (head, dim) of its head block alone, ~47 partials of 4 heads x 128 dims read in three
@@ -1416,28 +1385,33 @@ DECODE_TC_KERNEL(1)
 DECODE_TC_KERNEL(2)
 DECODE_TC_KERNEL(4)
 DECODE_TC_KERNEL(8)
-// The keys-before-the-wait form leaving its splits to attn_decode_merge (SEP).
-#define DECODE_PRESEP_KERNEL(GB)                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                       \
-        attn_decode_tc_presep_128_##GB(DECODE_ARGS) {                                                   \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, true, true>(DECODE_PASS,      \
-                                                                                      UNPAGED_PASS(capacity)); \
+// The tensor-core loops past a cluster's splits — the f16 loop, the q8_0 loop with its next
+// tile in flight, and the keys-before-the-wait form — leaving their splits to attn_decode_merge
+// (`sep`: SEP) or merging them in their own last blocks (`tail`: TAIL, decode_tail_merge; the
+// default); FERRITE_ATTN_MERGE.
+#define DECODE_MERGE_FORM_KERNELS(GB, FORM, SEP, TAIL)                                       \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
+        attn_decode_tc_##FORM##_128_##GB(DECODE_ARGS) {                                      \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, false, SEP, TAIL>( \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                          \
+        attn_decode_tc_q8p##FORM##_128_##GB(DECODE_ARGS) {                                   \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, SEP, TAIL>(   \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)            \
+        attn_decode_tc_pre##FORM##_128_##GB(DECODE_ARGS) {                                   \
+        attn_decode_impl<128, GB, false, false, true, true, false, false, true, SEP, TAIL>(  \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
     }
-DECODE_PRESEP_KERNEL(1)
-DECODE_PRESEP_KERNEL(2)
-DECODE_PRESEP_KERNEL(4)
-DECODE_PRESEP_KERNEL(8)
-// ... and merging in its own last blocks (TAIL).
-#define DECODE_PRETAIL_KERNEL(GB)                                                                       \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                       \
-        attn_decode_tc_pretail_128_##GB(DECODE_ARGS) {                                                  \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, true, false, true>(           \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                                       \
-    }
-DECODE_PRETAIL_KERNEL(1)
-DECODE_PRETAIL_KERNEL(2)
-DECODE_PRETAIL_KERNEL(4)
-DECODE_PRETAIL_KERNEL(8)
+#define DECODE_MERGE_FORMS(GB)                       \
+    DECODE_MERGE_FORM_KERNELS(GB, sep, true, false)  \
+    DECODE_MERGE_FORM_KERNELS(GB, tail, false, true)
+DECODE_MERGE_FORMS(1)
+DECODE_MERGE_FORMS(2)
+DECODE_MERGE_FORMS(4)
+DECODE_MERGE_FORMS(8)
 
 // ---------------------------------------------------------------------------------------
 // Prefill: causal flash attention, SIMT f32.
