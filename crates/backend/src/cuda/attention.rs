@@ -883,21 +883,22 @@ pub fn attention(
         let sep = be.attention.decode_sep.as_ref().filter(|_| {
             tc_dim && clp.is_none() && cl.is_none() && (pre.is_none() || presep.is_some())
         });
-        // The merge by the decode launch's own last blocks where it fits instead.
+        // The merge by the decode launch's own last blocks where it fits instead (in the
+        // keys-before-the-wait form too, where that form has one).
         let tail = be.attention.decode_tail.as_ref().filter(|tl| {
             sep.is_some()
                 && kv.n_splits <= TAIL_MAX_SPLITS
                 && tail_fits(n_heads, rows, tl.blocks_per_sm, be.sm_count)
+                && (pre.is_none() || tl.pre.is_some())
         });
-        let pretail = tail
-            .and_then(|tl| tl.pre.as_ref())
-            .filter(|_| presep.is_some());
-        let tail = tail.filter(|_| pre.is_none() || pretail.is_some());
         let sep = sep.filter(|_| tail.is_none());
         let func = match (clp, cl, pre, tail, sep) {
             (Some(clp), ..) => &clp[gbi],
             (None, Some(cl), ..) => &cl[gbi],
-            (None, None, Some(pre), ..) => pretail.or(presep).map_or(&pre[gbi], |f| &f[gbi]),
+            (None, None, Some(pre), tail, _) => tail
+                .and_then(|tl| tl.pre.as_ref())
+                .or(presep)
+                .map_or(&pre[gbi], |f| &f[gbi]),
             (None, None, None, Some(tl), _) => &tl.loops[q8][gbi],
             (None, None, None, None, Some((fams, _))) => &fams[q8][gbi],
             (None, None, None, None, None) => decode_kernel(
