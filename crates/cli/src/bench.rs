@@ -176,9 +176,9 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
         a.reps >= 1 && a.gen_tokens >= 1 && a.prompt_tokens >= 1,
         "reps, gen-tokens and prompt-tokens must be ≥ 1"
     );
-    bench_context(a)?;
+    let ctx = bench_context(a)?;
     let (path, file) = load::open(&a.model)?;
-    crate::on_backend!(&a.model, be => bench_on(&be, &path, &file, a))
+    crate::on_backend!(&a.model, be => bench_on(&be, &path, &file, a, ctx))
 }
 
 fn bench_on<B: Backend>(
@@ -186,6 +186,7 @@ fn bench_on<B: Backend>(
     path: &std::path::Path,
     file: &ModelFile,
     a: &BenchArgs,
+    ctx: usize,
 ) -> Result<()> {
     let model = load::model(be, file)?;
     let cfg = model.cfg.clone();
@@ -232,7 +233,6 @@ fn bench_on<B: Backend>(
         * be.kv_bytes_per_element())
     .round() as u64;
     let depth = a.depth;
-    let ctx = bench_context(a)?;
     let fill = bench_tokens(depth, cfg.vocab, 11);
     let prompt = bench_tokens(a.prompt_tokens, cfg.vocab, 13);
 
