@@ -1502,8 +1502,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
         // Depth ~5000 with fewer heads: the CPU fills the cache with a causal prefill. 64
-        // splits of two tiles per warp, merged by the merge launch (attn_decode_merge) on CUDA,
-        // in both cache types.
+        // splits of two tiles per warp, merged on CUDA by the decode launch's last blocks
+        // (the tail merge; attn_decode_merge with FERRITE_ATTN_MERGE=1), in both cache types.
         for q8 in [false, true] {
             add(Op::Attention {
                 shape: small,
@@ -1513,7 +1513,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
         // A q8_0 cache past the cluster merge's 16 splits (24 at Qwen3-8B's shape): the
-        // loop with its next tile in flight and the merge launch, at decode and at verify.
+        // loop with its next tile in flight, at decode (the tail merge) and at verify (9
+        // rows: too many spinning blocks for the tail, so the merge launch).
         for rows in [1, 9] {
             add(Op::Attention {
                 shape: q8b,
