@@ -12,22 +12,13 @@
 mod emu;
 
 const SRC: &str = include_str!("../src/cuda/kernels/attention.cu");
-const COMMON: &str = include_str!("../src/cuda/kernels/common.cuh");
 const HARNESS: &str = include_str!("attn_decode_merge_emu/harness.cpp");
 
 #[test]
 fn decode_split_merge_emulated_matches_reference() {
-    let Some(exe) = emu::build(
+    let Some(exe) = emu::build_attn_emit(
         "attn-decode-merge-emu",
         &[
-            (
-                "q8.cuh",
-                emu::section(COMMON, "// EMU_Q8_BEGIN", "// EMU_Q8_END"),
-            ),
-            (
-                "emit.cuh",
-                emu::section(SRC, "// EMU_EMIT_BEGIN", "// EMU_EMIT_END"),
-            ),
             (
                 "merge.cuh",
                 emu::section(SRC, "// EMU_MERGE_BEGIN", "// EMU_MERGE_END"),

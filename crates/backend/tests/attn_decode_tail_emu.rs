@@ -13,24 +13,13 @@
 mod emu;
 
 const SRC: &str = include_str!("../src/cuda/kernels/attention.cu");
-const COMMON: &str = include_str!("../src/cuda/kernels/common.cuh");
-const GRID: &str = include_str!("emu/fibers_grid.h");
 const HARNESS: &str = include_str!("attn_decode_tail_emu/harness.cpp");
 
 #[test]
 fn decode_tail_merge_emulated_matches_the_merge_launch() {
-    let Some(exe) = emu::build(
+    let Some(exe) = emu::build_attn_emit(
         "attn-decode-tail-emu",
         &[
-            ("fibers_grid.h", GRID),
-            (
-                "q8.cuh",
-                emu::section(COMMON, "// EMU_Q8_BEGIN", "// EMU_Q8_END"),
-            ),
-            (
-                "emit.cuh",
-                emu::section(SRC, "// EMU_EMIT_BEGIN", "// EMU_EMIT_END"),
-            ),
             (
                 "tail.cuh",
                 emu::section(SRC, "// EMU_TAIL_BEGIN", "// EMU_TAIL_END"),

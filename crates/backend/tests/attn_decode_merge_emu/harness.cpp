@@ -16,17 +16,7 @@
 #include "fibers.h"
 #include "intrinsics.h"
 
-#define __shared__ static
-#define __global__
-#define __launch_bounds__(n)
-#define PDL_ENTRY() \
-    do {            \
-    } while (0)
-#define ATT_NEG (-1.0e30f)
-#define QK 32
-
-#include "q8.cuh"
-#include "emit.cuh"
+#include "attn_emit.h"
 #include "merge.cuh"
 
 constexpr int HD = 128, MIN_CHUNK = 64, STEP = 64;

@@ -17,18 +17,8 @@
 #include "fibers_grid.h"
 #include "intrinsics.h"
 
-#define __shared__ static
-#define __global__
-#define __launch_bounds__(n)
-#define PDL_ENTRY() \
-    do {            \
-    } while (0)
-#define ATT_NEG (-1.0e30f)
-#define QK 32
+#include "attn_emit.h"
 #define DECODE_TAIL_SPIN() emu_spin()
-
-#include "q8.cuh"
-#include "emit.cuh"
 #include "tail.cuh"
 
 constexpr int HD = 128;

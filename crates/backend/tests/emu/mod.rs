@@ -1,13 +1,15 @@
 //! Shared by the kernel emulation tests (gated_delta_chunked_emu, gemv_tc_emu,
 //! attn_decode_tc_emu): writes a harness and the kernel sections it includes into a
-//! temporary directory, next to `fibers.h` (the fiber-per-thread block scheduler) and
-//! `intrinsics.h` (shared host intrinsics), compiles it with g++, and runs it.
+//! temporary directory, next to `fibers.h` (the fiber-per-thread block scheduler),
+//! `fibers_grid.h` (the same for the blocks of a launch together; both on `fibers_warp.h`)
+//! and `intrinsics.h` (shared host intrinsics), compiles it with g++, and runs it.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 const FIBERS: &str = include_str!("fibers.h");
 const FIBERS_WARP: &str = include_str!("fibers_warp.h");
+const FIBERS_GRID: &str = include_str!("fibers_grid.h");
 const INTRINSICS: &str = include_str!("intrinsics.h");
 const MMA: &str = include_str!("mma.h");
 const Q4K_REF: &str = include_str!("q4k_ref.h");
@@ -24,6 +26,7 @@ pub fn build(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("fibers.h"), FIBERS).unwrap();
     std::fs::write(dir.join("fibers_warp.h"), FIBERS_WARP).unwrap();
+    std::fs::write(dir.join("fibers_grid.h"), FIBERS_GRID).unwrap();
     std::fs::write(dir.join("intrinsics.h"), INTRINSICS).unwrap();
     std::fs::write(dir.join("mma.h"), MMA).unwrap();
     std::fs::write(dir.join("q4k_ref.h"), Q4K_REF).unwrap();
@@ -62,6 +65,28 @@ pub fn build_gemv_tc(name: &str, harness: &str) -> Option<PathBuf> {
             ("harness.cpp", harness),
         ],
     )
+}
+
+/// [`build`] for a harness of attention.cu's split merge (attn_decode_merge_emu,
+/// attn_decode_tail_emu): with `attn_emit.h` and the sections it includes — EMU_Q8 of
+/// common.cuh, EMU_EMIT of attention.cu — besides the harness's own `files`.
+#[allow(dead_code)]
+pub fn build_attn_emit(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
+    const SRC: &str = include_str!("../../src/cuda/kernels/attention.cu");
+    const COMMON: &str = include_str!("../../src/cuda/kernels/common.cuh");
+    let mut all = vec![
+        ("attn_emit.h", include_str!("attn_emit.h")),
+        (
+            "q8.cuh",
+            section(COMMON, "// EMU_Q8_BEGIN", "// EMU_Q8_END"),
+        ),
+        (
+            "emit.cuh",
+            section(SRC, "// EMU_EMIT_BEGIN", "// EMU_EMIT_END"),
+        ),
+    ];
+    all.extend_from_slice(files);
+    build(name, &all)
 }
 
 /// The text between two marker comments of a kernel source.
