@@ -941,7 +941,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // 8-row tile with FERRITE_GEMV_TC=3, or the lane code's split blocks), and long rows in
     // unequal K slices (14336 columns: Q4_K 4 x 3584, Q6_K 3 x 4096 + 2048); and a launch of
     // many 16-row tensor-core tiles (more than a wave), its last tile half full (Q4_K, and
-    // Q6_K from 8192 rows), and one of 20008 rows (1251 tiles, the last half full).
+    // Q6_K from 8192 rows), and one of 20008 rows (1251 tiles, the last half full); at one
+    // row with FERRITE_GEMV_TCT=1 these two take the two-tile block, whose last block then
+    // holds one half-full tile and skips its second.
     // Per set: types, (n_in, n_out), row counts, the most rows under `quick`.
     let quantized: Vec<GgmlType> = GgmlType::ALL
         .into_iter()
@@ -995,7 +997,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 });
             }
         }
-        // The output head (vocabulary 151936): the types lm_heads are stored in.
+        // The output head (vocabulary 151936): the types lm_heads are stored in; and the
+        // 2048-column Q6_K one of Qwen3-30B-A3B (at one row the two-tile tensor-core block).
         for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4K] {
             for rows in [1, 9] {
                 add(Op::Matmul {
@@ -1006,6 +1009,12 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 });
             }
         }
+        add(Op::Matmul {
+            ty: GgmlType::Q6K,
+            n_in: 2048,
+            n_out: 151936,
+            rows: 1,
+        });
     }
 
     // --- matmuls / matmul_swiglu: the fused decode paths (and their fallbacks: float types,

@@ -329,6 +329,7 @@ impl Kernels {
             let mut fams = Vec::with_capacity(TC_TYPES.len());
             let mut half = Vec::with_capacity(TC_TYPES.len());
             let mut split = Vec::with_capacity(TC_TYPES.len());
+            let mut tct = Vec::with_capacity(TC_TYPES.len());
             for t in TC_TYPES {
                 let name = TYPES[type_index(t)?].1;
                 fams.push((
@@ -341,11 +342,20 @@ impl Kernels {
                 ));
                 half.push((t, all(&format!("_tch_{name}"))?));
                 split.push((t, all(&format!("_tck_{name}"))?));
+                let f = function(&m, &format!("gemvq_tct_{name}_r1"))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    GEMVQ_BULK_MAX_SMEM as i32,
+                )
+                .with_context(|| format!("gemvq_tct_{name}_r1: raising the shared-memory limit"))?;
+                tct.push((t, f));
             }
             Some(TcKernels {
                 fams,
                 half,
                 split,
+                tct,
+                tct_on: switches::int_or("FERRITE_GEMV_TCT", 0) != 0,
                 mixed: all("_multi_tc_q4_k_q6_k")?,
             })
         } else {
@@ -1019,7 +1029,7 @@ fn gemvq_launch(
     } else {
         GemvKind::Plain
     };
-    let (ks, smem, tc) = gemvq_plan(
+    let (ks, mut smem, tc) = gemvq_plan(
         be,
         w.dtype,
         n_in,
@@ -1051,7 +1061,21 @@ fn gemvq_launch(
             };
             (&f[ri], cfg, Some(i32::try_from(kc)?))
         }
-        Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
+        Some(TcForm::Full(tc)) => {
+            match tct_kernel(be, w.dtype, n_in, n_out, rb as usize, kind, rows) {
+                // The two-tile block: one per 32 rows.
+                Some(f) => {
+                    smem = tct_smem(rb as usize, n_in);
+                    let cfg = LaunchConfig {
+                        grid_dim: (u32::try_from(n_out.div_ceil(32))?, 1, 1),
+                        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    (f, cfg, Some(ks as i32))
+                }
+                None => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
+            }
+        }
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
     let cfg = LaunchConfig {
@@ -1099,6 +1123,30 @@ fn gemvq_launch(
     Ok(())
 }
 
+/// The two-tile block (`gemvq_tct_<type>_r1`) for a one-row plain launch of `n_out` rows of a
+/// weight of type `t` whose 16-row tile is the tensor-core one, where switched on and its
+/// shared memory fits [`TCT_MAX_SMEM`] from [`TCT_MIN_OUT`] rows.
+fn tct_kernel(
+    be: &CudaBackend,
+    t: GgmlType,
+    n_in: usize,
+    n_out: usize,
+    rb: usize,
+    kind: GemvKind,
+    rows: usize,
+) -> Option<&CudaFunction> {
+    let tc = be.matmul.gemvq_tc.as_ref()?;
+    if !tc.tct_on
+        || kind != GemvKind::Plain
+        || rows != 1
+        || n_out < TCT_MIN_OUT
+        || tct_smem(rb, n_in) as usize > TCT_MAX_SMEM
+    {
+        return None;
+    }
+    tc.tct.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)
+}
+
 /// Weight types with a tensor-core decode GEMV (`gemvq_tc_q4k`, `gemvq_tc_q6k` in matmul.cu).
 const TC_TYPES: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
 
@@ -1110,7 +1158,27 @@ struct TcKernels {
     half: Vec<(GgmlType, [CudaFunction; 6])>,
     /// `gemvq_tck_<type>_r<R>`: the K-split tile for long rows (`TcLong::Split`).
     split: Vec<(GgmlType, [CudaFunction; 6])>,
+    /// `gemvq_tct_<type>_r1`: two 16-row tiles per block, for one-row plain launches of many
+    /// small tiles ([`tct_smem`]).
+    tct: Vec<(GgmlType, CudaFunction)>,
+    /// Whether those launches take it (`FERRITE_GEMV_TCT`).
+    tct_on: bool,
     mixed: [CudaFunction; 6],
+}
+
+/// Fewest outputs of a one-row plain launch that takes the two-tile block
+/// (`gemvq_tct_<type>_r1`): the many-wave launches (a wave is 132 SMs x 3 blocks x 16 rows),
+/// where its blocks' turnover is what it shortens (the lm heads).
+const TCT_MIN_OUT: usize = 8192;
+
+/// Most shared memory of the two-tile block (four 8-row slots and the staged x): three blocks
+/// per SM, as the one-tile kernel. Q6_K up to 2048 columns (59 KB), Q4_K up to 3072.
+const TCT_MAX_SMEM: usize = 64 * 1024;
+
+/// The two-tile block's shared memory for rows of `rb` bytes and `n_in` columns: two one-tile
+/// blocks' slots and one staged x.
+fn tct_smem(rb: usize, n_in: usize) -> u32 {
+    2 * tc_smem(rb, 8) + tc_x_bytes(n_in)
 }
 
 /// Rows whose 16-row tensor-core tile does not fit [`GEMVQ_TC_MAX_SMEM`] (the 12288-column

@@ -90,6 +90,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "long rows' K slices, most columns for Q4_K, Q6_K (0 the lane code; MATMUL.md round 11)",
     ),
     (
+        "FERRITE_GEMV_TCT",
+        Accepts::OneOf(&[0, 1]),
+        "one-row lm-head-sized GEMVs of short rows (a 16-row tile of at most ~30 KB) in blocks of two tensor-core tiles: 0 one tile a block, 1 two (MATMUL.md round 36)",
+    ),
+    (
         "FERRITE_MOE_TC",
         Accepts::OneOf(&[0, 1]),
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",

@@ -1708,6 +1708,58 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
 #endif
 }
 
+// Two 16-row tiles per block (gemvq_tct_<q4_k|q6_k>_r1; matmul.rs `TCT_MAX_SMEM`): the
+// one-row plain launches of many tiles whose 16-row tile is small — the lm heads of
+// 2048-column models (Qwen3-30B-A3B: 151936 x 2048 Q6_K, 27 KB a tile).
+//  Why: a one-tile block of such a launch holds 27 KB in flight, three per SM 81 KB, about
+//  what the SM's share of the bandwidth needs over one DRAM round trip under load, so every
+//  block turnover (its compute, its exit, the next block's copy issue) leaves the SM short
+//  of bytes: the 30B's lm head ran at ~2.8 TB/s against the 4096-column one's ~3.5
+//  (DECODE_STEP.md traces). Here a block issues both tiles' copies at once (each on its own
+//  mbarrier), stages x once, and computes tile 0 as soon as it lands while tile 1 is still
+//  in flight: 54 KB a block, three blocks per SM as before.
+//  Bits: each tile is gemvq_tc_block's one-row tile (gemvq_tc_q4k / gemvq_tc_q6k, x staged,
+//  tc_store) on the same slots' layout, so every output is the one-tile kernel's.
+//  Rows r 32 bx + 16 t .. + 15 of tile t (slot 2 t rows r0 .., slot 2 t + 1 rows r0 + 8 ..).
+template <int TYPE>
+__device__ __forceinline__ void gemvq_tct_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                                const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                                float* __restrict__ out, uint8_t* smem, uint64_t* bars) {
+#if __CUDA_ARCH__ >= 900
+    const size_t slot = tc_slot(rb, 8);
+    const int rbase = blockIdx.x * 32;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            const int r0 = rbase + 16 * t;
+            const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
+            bulk_issue_spans(pa, max(0, min(8, n_out - r0)), pa + 8 * (size_t)rb, max(0, min(8, n_out - r0 - 8)), rb,
+                             slot, smem + 2 * t * slot, bars + t);
+        }
+    }
+    __syncthreads();
+    PDL_ENTRY();
+    uint8_t* xs = smem + 4 * slot;  // x after the four slots
+    tc_stage_x(xs, xq, xd, n_in);
+    const int8_t* xa = (const int8_t*)xs;
+    const float2* da = (const float2*)(xs + 2 * n_in + 128);
+#pragma unroll 1
+    for (int t = 0; t < 2; t++) {
+        const int r0 = rbase + 16 * t;
+        if (r0 >= n_out) break;  // block-uniform
+        const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
+        const uint8_t* s0 = smem + 2 * t * slot + ((size_t)pa & 15);
+        const uint8_t* s1 = smem + (2 * t + 1) * slot + ((size_t)(pa + 8 * (size_t)rb) & 15);
+        gemv_bulk_wait(bars + t);
+        if (TYPE == GGML_Q4_K)
+            gemvq_tc_q4k<1, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, r0, n_in + 64);
+        else
+            gemvq_tc_q6k<1, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, r0, n_in + 64);
+        __syncthreads();  // tc_store's shared sums are the next tile's
+    }
+#endif
+}
+
 // The o-projection handing the FFN's RMSNorm over to the SwiGLU (gemvq_tc2_add_q4_k_r<R>;
 // matmul.rs `matmul_add_for_norm`, MATMUL.md round 24): a Q4_K GEMV whose block owns a whole
 // 32-row quantization group, so that it can write the next GEMV's input itself.
@@ -2068,6 +2120,20 @@ GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
+// The two-tile one-row blocks (gemvq_tct_block): the signature of gemvq_tc_<type>_r1 (rows
+// must be 1, ks is unused), three blocks per SM as the one-tile kernel's.
+#define GEMVQ_TCT_KERNEL(name, TYPE)                                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                          \
+        gemvq_tct_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,              \
+                              const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,        \
+                              float* __restrict__ out, int ks) {                                              \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
+        __shared__ __align__(8) uint64_t bars[2];                                                             \
+        if (rows != 1) __trap();                                                                              \
+        gemvq_tct_block<TYPE>(W, rb, n_out, n_in, xq, xd, out, gemv_smem, bars);                              \
+    }
+GEMVQ_TCT_KERNEL(q4_k, GGML_Q4_K)
+GEMVQ_TCT_KERNEL(q6_k, GGML_Q6_K)
 // The FFN norm handed from the o-projection to the SwiGLU (Q4_K; gemvq_tc2_add_q4k and
 // gemvq_tc_block's NORM form): gemvq_tc2_add_q4_k_r<R> (blocks of 512 threads, two tiles) and
 // gemvq_swiglu_tcn_q4_k_r<R> (the SwiGLU tensor-core kernel with the deferred scale; bounds
