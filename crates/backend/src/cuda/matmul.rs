@@ -355,7 +355,7 @@ impl Kernels {
                 half,
                 split,
                 tct,
-                tct_on: switches::int_or("FERRITE_GEMV_TCT", 0) != 0,
+                tct_on: switches::int_or("FERRITE_GEMV_TCT", 1) != 0,
                 mixed: all("_multi_tc_q4_k_q6_k")?,
             })
         } else {

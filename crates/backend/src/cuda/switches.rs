@@ -92,7 +92,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_TCT",
         Accepts::OneOf(&[0, 1]),
-        "one-row lm-head-sized GEMVs of short rows (a 16-row tile of at most ~30 KB) in blocks of two tensor-core tiles: 0 one tile a block, 1 two (MATMUL.md round 36)",
+        "one-row lm-head-sized GEMVs of short rows (a 16-row tile of at most ~30 KB) in blocks of two tensor-core tiles: 0 one tile a block, 1 two (default; MATMUL.md round 36)",
     ),
     (
         "FERRITE_MOE_TC",
