@@ -1200,9 +1200,9 @@ enum TcLong {
 /// the decode graph, and 65 -> 39 us at 8 rows: MATMUL.md round 11).
 const TCK_COLS: [usize; 2] = [4096, 0];
 
-/// Most columns per slice the K-split tile accepts (its shared memory: a 16 x 6144 Q6_K tile
-/// and x are ~95 KB, under [`GEMVQ_BULK_MAX_SMEM`]; 8192 would not fit).
-const TCK_MAX_COLS: usize = 6144;
+/// Most columns per slice the K-split tile accepts (its shared memory: a 16 x 8192 Q6_K tile
+/// and x are ~125 KB, over [`GEMVQ_BULK_MAX_SMEM`]).
+const TCK_MAX_COLS: usize = 4096;
 
 /// Most slices of the K-split tile (the partial-sum scratch is sized for it).
 const TCK_MAX_SPLITS: usize = 8;
@@ -2573,17 +2573,12 @@ mod tests {
     fn k_split_slices_are_whole_aligned_super_blocks() {
         // Qwen3-8B's down projections: three 4096-column slices; Llama-3-8B's 14336 columns:
         // Q4_K four of 3584, Q6_K 16-super-block slices (16-byte aligned) and a short last.
-        let m = TCK_COLS[0];
+        let m = TCK_MAX_COLS;
         assert_eq!(tck_split(GgmlType::Q4K, 12288, m), Some((3, 4096)));
         assert_eq!(tck_split(GgmlType::Q6K, 12288, m), Some((3, 4096)));
         assert_eq!(tck_split(GgmlType::Q4K, 14336, m), Some((4, 3584)));
         assert_eq!(tck_split(GgmlType::Q6K, 14336, m), Some((4, 4096)));
         assert_eq!(tck_split(GgmlType::Q4K, 12288, 2048), Some((6, 2048)));
-        // The widest slices: two of 6144 (Q6_K: 24 super-blocks, a multiple of 8); a wider
-        // request is capped there.
-        assert_eq!(tck_split(GgmlType::Q4K, 12288, 6144), Some((2, 6144)));
-        assert_eq!(tck_split(GgmlType::Q6K, 12288, 6144), Some((2, 6144)));
-        assert_eq!(tck_split(GgmlType::Q4K, 12288, 8192), Some((2, 6144)));
         // One slice, misaligned Q6_K, other types, partial super-blocks, off: not split.
         assert_eq!(tck_split(GgmlType::Q4K, 4096, m), None);
         assert_eq!(tck_split(GgmlType::Q6K, 256 * 20, m), None);
@@ -2593,7 +2588,7 @@ mod tests {
         assert_eq!(tck_split(GgmlType::Q6K, 12288, 1024), None);
         for t in [GgmlType::Q4K, GgmlType::Q6K] {
             for nsb in (8..=256).step_by(8) {
-                if let Some((ks, kc)) = tck_split(t, nsb * 256, TCK_MAX_COLS) {
+                if let Some((ks, kc)) = tck_split(t, nsb * 256, m) {
                     let bytes = if t == GgmlType::Q4K { 144 } else { 210 };
                     assert!(
                         kc <= TCK_MAX_COLS && ks * kc >= nsb * 256 && (ks - 1) * kc < nsb * 256
