@@ -517,6 +517,16 @@ enum Op {
         cols: usize,
         per_row: bool,
     },
+    /// A Qwen3.5 gate and the Q4_K projection that reads its output ([n_out, cols]): the
+    /// linear layers' `gated_rms_norm` (`head_dim`) or the gated attention's per-element
+    /// `sigmoid_gate` (None). At decode rows the gate writes the GEMV's int8 planes itself
+    /// (`FERRITE_GATE_QX`), so out (the projection's) checks those planes.
+    GateMatmul {
+        rows: usize,
+        cols: usize,
+        head_dim: Option<usize>,
+        n_out: usize,
+    },
 }
 
 /// `k16x128/v32x128 K4 tiled`: a linear-attention shape in case names.
@@ -842,6 +852,21 @@ fn describe(op: &Op) -> (&'static str, String) {
                 if *per_row { "per row" } else { "per element" }
             ),
         ),
+        Op::GateMatmul {
+            rows,
+            cols,
+            head_dim,
+            n_out,
+        } => match head_dim {
+            Some(hd) => (
+                "gated_rms_norm",
+                format!("gated_rms_norm+matmul hd={hd} q4_K {cols}->{n_out} rows={rows}"),
+            ),
+            None => (
+                "sigmoid_gate",
+                format!("sigmoid_gate+matmul q4_K {cols}->{n_out} rows={rows}"),
+            ),
+        },
     }
 }
 
@@ -1849,6 +1874,21 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
     }
+    // Each gate with the projection after it (the planes it writes for that GEMV): the
+    // models' 4096 columns (32 x 128 value heads; 16 x 256 attention heads), and a small one.
+    for (cols, n_out, rows) in [(512, 384, 1), (4096, 2048, 1), (4096, 2048, 3)] {
+        if quick && cols > 512 {
+            continue;
+        }
+        for head_dim in [Some(128), None] {
+            add(Op::GateMatmul {
+                rows,
+                cols,
+                head_dim,
+                n_out,
+            });
+        }
+    }
 
     // --- graph capture / replay
     for (rows, pos_capture, pos_replay) in [(1, 5, 6), (1, 3, 4000), (4, 0, 100)] {
@@ -2468,6 +2508,26 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * gc, 3.0), rows, gc));
             h.out = (rows, cols);
         }
+        Op::GateMatmul {
+            rows,
+            cols,
+            head_dim,
+            n_out,
+        } => {
+            // The norm's weight (gated_rms_norm), then the projection's.
+            if let Some(hd) = head_dim {
+                let w: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+                h.weights.push((GgmlType::F32, vec![hd], f32_bytes(&w)));
+            }
+            let ty = GgmlType::Q4K;
+            h.weights
+                .push((ty, vec![n_out, cols], gen_weight(ty, &[n_out, cols], seed)?));
+            // x, z (or the gate), the scratch the gate runs on in place.
+            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
+            h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
+            h.acts.push((vec![0.0; rows * cols], rows, cols));
+            h.out = (rows, n_out);
+        }
         Op::Graph {
             rows,
             heads,
@@ -2986,6 +3046,23 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.gated_rms_norm(&mut p.out, &p.a[1], &p.w[0], *head_dim, EPS)
         }
         Op::SigmoidGate { .. } => be.sigmoid_gate(&mut p.out, &p.a[1]),
+        Op::GateMatmul { head_dim, .. } => {
+            let [x, zg, xs] = &mut p.a[..] else {
+                bail!("gate+matmul: expected 3 activations")
+            };
+            let w =
+                p.w.last()
+                    .ok_or_else(|| anyhow::anyhow!("gate+matmul: no weight"))?;
+            // A quantized-x GEMV first (as the projections before the gate in a decode
+            // step), so that the int8 scratch the gate writes into exists.
+            be.matmul(x, w, &mut p.out)?;
+            be.copy_rows(x, 0, xs)?;
+            match head_dim {
+                Some(hd) => be.gated_rms_norm(xs, zg, &p.w[0], *hd, EPS)?,
+                None => be.sigmoid_gate(xs, zg)?,
+            }
+            be.matmul(xs, w, &mut p.out)
+        }
     }
 }
 
@@ -3302,6 +3379,8 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::Snapshot { .. } => SNAPSHOT_NMSE,
         Op::GatedRmsNorm { .. } => GATED_NORM_NMSE,
         Op::SigmoidGate { .. } => SIGMOID_GATE_NMSE,
+        // The projection's threshold: the gate's own error is far below it.
+        Op::GateMatmul { rows, n_out, .. } => matmul_nmse(GgmlType::Q4K, *n_out, *rows),
     }
 }
 
@@ -3409,6 +3488,12 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         }
         // x and z (or gate) in, x out.
         Op::GatedRmsNorm { .. } | Op::SigmoidGate { .. } => f(acts + out),
+        // The weights, x and z (or the gate) in, the projection's output (twice: the GEMV
+        // before the gate too).
+        Op::GateMatmul { .. } => {
+            let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
+            f(2 * w + acts + 2 * out)
+        }
         Op::Attention {
             shape,
             pos0,

@@ -79,6 +79,10 @@ pub struct Kernels {
     chunked: Option<CudaFunction>,
     gated_rms_norm: CudaFunction,
     sigmoid_gate: CudaFunction,
+    /// Whether `gated_rms_norm` and the per-element `sigmoid_gate` write their output's int8
+    /// planes for the GEMV after them (`FERRITE_GATE_QX`, default on; GATED_DELTA.md, "The
+    /// output planes from the gates").
+    planes: bool,
 }
 
 impl Kernels {
@@ -104,6 +108,7 @@ impl Kernels {
             },
             gated_rms_norm: function(&m, "gated_rms_norm")?,
             sigmoid_gate: function(&m, "sigmoid_gate")?,
+            planes: super::switches::int_or("FERRITE_GATE_QX", 1) != 0,
         })
     }
 }
@@ -454,18 +459,30 @@ pub fn gated_rms_norm(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: heads × head_dim floats in x and z; one warp per head.
-    unsafe {
-        be.stream
-            .kernel(&be.gated_delta.gated_rms_norm)
-            .arg(&mut x.buf)
-            .arg(&z.buf)
-            .arg(&wv)
-            .arg(&heads_i)
-            .arg(&hd)
-            .arg(&eps)
-            .launch(cfg)
-    }?;
+    // The output feeds the out projection's quantized-x GEMV at decode rows: its planes here
+    // (whole 32-element groups per warp: head_dim a multiple of 32), no quant_x_q8 launch.
+    let mut fused = if be.gated_delta.planes && head_dim.is_multiple_of(32) {
+        super::matmul::xq_for_producer(be, x.rows, x.cols)?
+    } else {
+        None
+    };
+    let cols = i32_of(x.cols, "columns")?;
+    let mut launch = be.stream.kernel(&be.gated_delta.gated_rms_norm);
+    launch
+        .arg(&mut x.buf)
+        .arg(&z.buf)
+        .arg(&wv)
+        .arg(&heads_i)
+        .arg(&hd)
+        .arg(&eps);
+    super::ops::xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
+    launch.arg(&cols);
+    // SAFETY: heads × head_dim floats in x and z; one warp per head; the int8 scratch (when
+    // passed) holds ≥ rows rows of ≥ cols elements (xq_for_producer), cols % 32 == 0.
+    unsafe { launch.launch(cfg) }?;
+    if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
+        xq.record_producer(be, &x.buf, x.rows, x.cols);
+    }
     Ok(())
 }
 
@@ -496,16 +513,28 @@ pub fn sigmoid_gate(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: n elements in x; gate holds one per element or one per row (checked).
-    unsafe {
-        be.stream
-            .kernel(&be.gated_delta.sigmoid_gate)
-            .arg(&mut x.buf)
-            .arg(&gate.buf)
-            .arg(&n_i)
-            .arg(&cols)
-            .arg(&gcols)
-            .launch(cfg)
-    }?;
+    // A per-element gate (the gated attention's output, which the o-projection reads next):
+    // its planes here, whole warps on whole 32-element groups (cols % 32 == 0). The per-row
+    // gate (the shared expert's) feeds an add, not a GEMV.
+    let mut fused = if be.gated_delta.planes && gate.cols == x.cols {
+        super::matmul::xq_for_producer(be, x.rows, x.cols)?
+    } else {
+        None
+    };
+    let mut launch = be.stream.kernel(&be.gated_delta.sigmoid_gate);
+    launch
+        .arg(&mut x.buf)
+        .arg(&gate.buf)
+        .arg(&n_i)
+        .arg(&cols)
+        .arg(&gcols);
+    super::ops::xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
+    // SAFETY: n elements in x; gate holds one per element or one per row (checked); the int8
+    // scratch (when passed) holds ≥ rows rows of ≥ cols elements, cols % 32 == 0
+    // (xq_for_producer), so n is a multiple of 32 and warps cover whole groups.
+    unsafe { launch.launch(cfg) }?;
+    if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
+        xq.record_producer(be, &x.buf, x.rows, x.cols);
+    }
     Ok(())
 }

@@ -206,7 +206,7 @@ pub fn rms_norm(
 
 /// The last two arguments of a norm that can quantize its output for the next GEMV: the
 /// scratch's int8 planes and block scales, or two null pointers (no quantization).
-fn xq_planes(launch: &mut Launch<'_>, xq: Option<&mut super::matmul::XQuant>) {
+pub(crate) fn xq_planes(launch: &mut Launch<'_>, xq: Option<&mut super::matmul::XQuant>) {
     match xq {
         Some(xq) => launch.arg(&mut xq.q).arg(&mut xq.d),
         None => launch.arg(&0u64).arg(&0u64),

@@ -95,6 +95,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "one-row lm-head-sized GEMVs of short rows (a 16-row tile of at most ~30 KB) in blocks of two tensor-core tiles: 0 one tile a block, 1 two (default; MATMUL.md round 36)",
     ),
     (
+        "FERRITE_GATE_QX",
+        Accepts::OneOf(&[0, 1]),
+        "Qwen3.5 decode: gated_rms_norm and the attention output gate write the int8 planes of their output for the next GEMV (no quant_x_q8 launch): 0 off, 1 on (default; GATED_DELTA.md)",
+    ),
+    (
         "FERRITE_MOE_TC",
         Accepts::OneOf(&[0, 1]),
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",

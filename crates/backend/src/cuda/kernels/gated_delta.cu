@@ -416,10 +416,22 @@ __device__ __forceinline__ float gd_warp_sum(float v) {
     return v;
 }
 
+// The int8 planes of element f of a [rows][cols] output (flat index f; cols % 32 == 0, the
+// calling warp's 32 lanes on the 32 elements of one aligned group), as quant_x_q8 writes them
+// for the next quantized-x GEMV (quant_q8_lane: the same bits), so that it needs no
+// quant_x_q8 launch (gated_delta.rs: the planes recorded for x).
+__device__ __forceinline__ void gd_planes(float v, long long f, int cols, int8_t* __restrict__ xq,
+                                          float2* __restrict__ xd, int lane) {
+    const long long r = f / cols;
+    const int col = (int)(f - r * cols);
+    quant_q8_lane(v, lane, xq + r * 2 * cols, cols, col, xd + r * (cols / QK) + col / QK);
+}
+
 // x, z: n_heads_total heads of head_dim floats; x normalised and gated in place.
+// xq, xd (or null): x's int8 planes for the next GEMV (rows of `cols`; head_dim % 32 == 0).
 extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __restrict__ z,
                                           const float* __restrict__ w, int n_heads_total, int head_dim,
-                                          float eps) {
+                                          float eps, int8_t* __restrict__ xq, float2* __restrict__ xd, int cols) {
     PDL_ENTRY();
     int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -430,17 +442,26 @@ extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __
     for (int i = lane; i < head_dim; i += 32) ss += hx[i] * hx[i];
     ss = gd_warp_sum(ss);
     float scale = 1.f / sqrtf(ss / (float)head_dim + eps);
-    for (int i = lane; i < head_dim; i += 32) hx[i] = ((hx[i] * scale) * w[i]) * gd_silu(hz[i]);
+    for (int i = lane; i < head_dim; i += 32) {
+        const float v = ((hx[i] * scale) * w[i]) * gd_silu(hz[i]);
+        hx[i] = v;
+        if (xq != nullptr) gd_planes(v, (long long)head * head_dim + i, cols, xq, xd, lane);
+    }
 }
 
 // x: n elements (rows of `cols`); gate: one value per element (gate_cols == cols) or per row.
+// xq, xd (or null): x's int8 planes for the next GEMV (n and cols multiples of 32: whole
+// warps on whole groups).
 extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __restrict__ gate, long long n,
-                                        int cols, int gate_cols) {
+                                        int cols, int gate_cols, int8_t* __restrict__ xq,
+                                        float2* __restrict__ xd) {
     PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float g = gate_cols == 1 ? gate[i / cols] : gate[i];
-    x[i] *= gd_sigmoid(g);
+    const float v = x[i] * gd_sigmoid(g);
+    x[i] = v;
+    if (xq != nullptr) gd_planes(v, i, cols, xq, xd, threadIdx.x & 31);
 }
 
 // =======================================================================================
