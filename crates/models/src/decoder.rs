@@ -216,8 +216,7 @@ fn ffn_block<B: Backend>(
                     out,
                 )?;
                 be.matmul(h, &se.gate_w, out_gate)?;
-                be.sigmoid_gate(out, out_gate)?;
-                be.add_assign(y, out)?;
+                be.sigmoid_gate_add(y, out, out_gate)?;
             }
             Ok(())
         }
