@@ -494,39 +494,6 @@ pub fn gated_rms_norm(
     Ok(())
 }
 
-/// The checked shape and launch of the sigmoid gates: (elements, columns, gate columns, one
-/// thread per element), or None for an empty x. The gate holds one value per element of x or
-/// one per row.
-fn gate_launch(
-    x: &Act<CudaSlice<f32>>,
-    gate: &Act<CudaSlice<f32>>,
-    what: &str,
-) -> Result<Option<(i64, i32, i32, LaunchConfig)>> {
-    ensure!(
-        gate.rows == x.rows && (gate.cols == x.cols || gate.cols == 1),
-        "{what}: gate [{}, {}] for x [{}, {}]",
-        gate.rows,
-        gate.cols,
-        x.rows,
-        x.cols
-    );
-    let n = x.len();
-    if n == 0 {
-        return Ok(None);
-    }
-    let cfg = LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(256), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    Ok(Some((
-        n as i64,
-        i32_of(x.cols, "columns")?,
-        i32_of(gate.cols, "gate columns")?,
-        cfg,
-    )))
-}
-
 /// `x *= sigmoid(gate)`, `y += x` ([`crate::Backend::sigmoid_gate_add`]): one launch, or the
 /// two ops where switched off.
 pub fn sigmoid_gate_add(
@@ -540,8 +507,27 @@ pub fn sigmoid_gate_add(
         return super::ops::add_assign(be, y, x);
     };
     check_shape("sigmoid_gate_add y", y, x.rows, x.cols)?;
-    let Some((n_i, cols, gcols, cfg)) = gate_launch(x, gate, "sigmoid_gate_add")? else {
+    ensure!(
+        gate.rows == x.rows && (gate.cols == x.cols || gate.cols == 1),
+        "sigmoid_gate_add: gate [{}, {}] for x [{}, {}]",
+        gate.rows,
+        gate.cols,
+        x.rows,
+        x.cols
+    );
+    let n = x.len();
+    if n == 0 {
         return Ok(());
+    }
+    let (n_i, cols, gcols) = (
+        n as i64,
+        i32_of(x.cols, "columns")?,
+        i32_of(gate.cols, "gate columns")?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     };
     // SAFETY: n elements in x and y (checked); gate holds one per element or one per row.
     unsafe {
@@ -563,8 +549,27 @@ pub fn sigmoid_gate(
     x: &mut Act<CudaSlice<f32>>,
     gate: &Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    let Some((n_i, cols, gcols, cfg)) = gate_launch(x, gate, "sigmoid_gate")? else {
+    ensure!(
+        gate.rows == x.rows && (gate.cols == x.cols || gate.cols == 1),
+        "sigmoid_gate: gate [{}, {}] for x [{}, {}]",
+        gate.rows,
+        gate.cols,
+        x.rows,
+        x.cols
+    );
+    let n = x.len();
+    if n == 0 {
         return Ok(());
+    }
+    let (n_i, cols, gcols) = (
+        n as i64,
+        i32_of(x.cols, "columns")?,
+        i32_of(gate.cols, "gate columns")?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
     };
     // A per-element gate (the gated attention's output, which the o-projection reads next):
     // its planes here, whole warps on whole 32-element groups (cols % 32 == 0). The per-row
