@@ -760,18 +760,6 @@ pub trait Backend: Send + Sync {
     /// `x *= sigmoid(gate)` elementwise; a one-column `gate` scales whole rows (the shared
     /// expert's gate).
     fn sigmoid_gate(&self, x: &mut Act<Self::Buf>, gate: &Act<Self::Buf>) -> Result<()>;
-    /// `x *= sigmoid(gate)`, then `y += x`: the gated shared expert's output added to the
-    /// routed experts' (Qwen3.5-MoE). The composition of the two ops by default; a backend
-    /// may run it as one pass with the same two roundings per element.
-    fn sigmoid_gate_add(
-        &self,
-        y: &mut Act<Self::Buf>,
-        x: &mut Act<Self::Buf>,
-        gate: &Act<Self::Buf>,
-    ) -> Result<()> {
-        self.sigmoid_gate(x, gate)?;
-        self.add_assign(y, x)
-    }
 
     /// Mixture-of-experts SwiGLU FFN: `router_logits` `[rows, n_experts]` → softmax → top-k
     /// (ties to the lower expert id) → optional renormalisation; then

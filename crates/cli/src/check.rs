@@ -517,12 +517,6 @@ enum Op {
         cols: usize,
         per_row: bool,
     },
-    /// `x *= sigmoid(gate)` (one column: the shared expert's gate), then `out += x`
-    /// (`sigmoid_gate_add`: the shared expert into the routed experts' output).
-    SigmoidGateAdd {
-        rows: usize,
-        cols: usize,
-    },
     /// A Qwen3.5 gate and the Q4_K projection that reads its output ([n_out, cols]): the
     /// linear layers' `gated_rms_norm` (`head_dim`) or the gated attention's per-element
     /// `sigmoid_gate` (None). At decode rows the gate writes the GEMV's int8 planes itself
@@ -857,10 +851,6 @@ fn describe(op: &Op) -> (&'static str, String) {
                 "sigmoid_gate {rows}x{cols} gate={}",
                 if *per_row { "per row" } else { "per element" }
             ),
-        ),
-        Op::SigmoidGateAdd { rows, cols } => (
-            "sigmoid_gate",
-            format!("sigmoid_gate+add {rows}x{cols} gate=per row"),
         ),
         Op::GateMatmul {
             rows,
@@ -1884,13 +1874,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
     }
-    // The shared expert's gate and add (35B-A3B hidden 2048), an odd width.
-    for (cols, rows) in [(2048, 1), (2048, 5), (33, 3)] {
-        if quick && cols > 33 {
-            continue;
-        }
-        add(Op::SigmoidGateAdd { rows, cols });
-    }
     // Each gate with the projection after it (the planes it writes for that GEMV): the
     // models' 4096 columns (32 x 128 value heads; 16 x 256 attention heads), and a small one.
     for (cols, n_out, rows) in [(512, 384, 1), (4096, 2048, 1), (4096, 2048, 3)] {
@@ -2525,14 +2508,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * gc, 3.0), rows, gc));
             h.out = (rows, cols);
         }
-        Op::SigmoidGateAdd { rows, cols } => {
-            // x, the gate, y (copied into out before each run), x's scratch (gated in place).
-            h.acts.push((rng.normals(rows * cols, 1.0), rows, cols));
-            h.acts.push((rng.normals(rows, 3.0), rows, 1));
-            h.acts.push((rng.normals(rows * cols, 2.0), rows, cols));
-            h.acts.push((vec![0.0; rows * cols], rows, cols));
-            h.out = (rows, cols);
-        }
         Op::GateMatmul {
             rows,
             cols,
@@ -2816,13 +2791,6 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.copy_rows(&p.a[0], 0, &mut p.out)?;
             be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?)
         }
-        Op::SigmoidGateAdd { .. } => {
-            let [x, _, y0, xs] = &mut p.a[..] else {
-                bail!("sigmoid_gate_add: expected 4 activations")
-            };
-            be.copy_rows(x, 0, xs)?;
-            be.copy_rows(y0, 0, &mut p.out)
-        }
         _ => Ok(()),
     }
 }
@@ -3078,12 +3046,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.gated_rms_norm(&mut p.out, &p.a[1], &p.w[0], *head_dim, EPS)
         }
         Op::SigmoidGate { .. } => be.sigmoid_gate(&mut p.out, &p.a[1]),
-        Op::SigmoidGateAdd { .. } => {
-            let [_, g, _, xs] = &mut p.a[..] else {
-                bail!("sigmoid_gate_add: expected 4 activations")
-            };
-            be.sigmoid_gate_add(&mut p.out, xs, g)
-        }
         Op::GateMatmul { head_dim, .. } => {
             let [x, zg, xs] = &mut p.a[..] else {
                 bail!("gate+matmul: expected 3 activations")
@@ -3416,7 +3378,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::GatedDelta { .. } => GATED_DELTA_NMSE,
         Op::Snapshot { .. } => SNAPSHOT_NMSE,
         Op::GatedRmsNorm { .. } => GATED_NORM_NMSE,
-        Op::SigmoidGate { .. } | Op::SigmoidGateAdd { .. } => SIGMOID_GATE_NMSE,
+        Op::SigmoidGate { .. } => SIGMOID_GATE_NMSE,
         // The projection's threshold: the gate's own error is far below it.
         Op::GateMatmul { rows, n_out, .. } => matmul_nmse(GgmlType::Q4K, *n_out, *rows),
     }
@@ -3526,8 +3488,6 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         }
         // x and z (or gate) in, x out.
         Op::GatedRmsNorm { .. } | Op::SigmoidGate { .. } => f(acts + out),
-        // x read and written, the gate, y read and written.
-        Op::SigmoidGateAdd { .. } => f(4 * out + h.acts[1].0.len() * 4),
         // The weights, x and z (or the gate) in, the projection's output (twice: the GEMV
         // before the gate too).
         Op::GateMatmul { .. } => {

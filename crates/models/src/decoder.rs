@@ -216,7 +216,8 @@ fn ffn_block<B: Backend>(
                     out,
                 )?;
                 be.matmul(h, &se.gate_w, out_gate)?;
-                be.sigmoid_gate_add(y, out, out_gate)?;
+                be.sigmoid_gate(out, out_gate)?;
+                be.add_assign(y, out)?;
             }
             Ok(())
         }

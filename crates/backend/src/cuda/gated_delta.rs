@@ -79,9 +79,6 @@ pub struct Kernels {
     chunked: Option<CudaFunction>,
     gated_rms_norm: CudaFunction,
     sigmoid_gate: CudaFunction,
-    /// `sigmoid_gate_add`: the shared expert's gate and add in one launch, unless
-    /// `FERRITE_GATE_ADD=0` (then the two launches).
-    sigmoid_gate_add: Option<CudaFunction>,
     /// Whether `gated_rms_norm` and the per-element `sigmoid_gate` write their output's int8
     /// planes for the GEMV after them (`FERRITE_GATE_QX`, default on; GATED_DELTA.md, "The
     /// output planes from the gates").
@@ -111,11 +108,6 @@ impl Kernels {
             },
             gated_rms_norm: function(&m, "gated_rms_norm")?,
             sigmoid_gate: function(&m, "sigmoid_gate")?,
-            sigmoid_gate_add: if super::switches::int_or("FERRITE_GATE_ADD", 1) != 0 {
-                Some(function(&m, "sigmoid_gate_add")?)
-            } else {
-                None
-            },
             planes: super::switches::int_or("FERRITE_GATE_QX", 1) != 0,
         })
     }
@@ -491,56 +483,6 @@ pub fn gated_rms_norm(
     if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
         xq.record_producer(be, &x.buf, x.rows, x.cols);
     }
-    Ok(())
-}
-
-/// `x *= sigmoid(gate)`, `y += x` ([`crate::Backend::sigmoid_gate_add`]): one launch, or the
-/// two ops where switched off.
-pub fn sigmoid_gate_add(
-    be: &CudaBackend,
-    y: &mut Act<CudaSlice<f32>>,
-    x: &mut Act<CudaSlice<f32>>,
-    gate: &Act<CudaSlice<f32>>,
-) -> Result<()> {
-    let Some(f) = &be.gated_delta.sigmoid_gate_add else {
-        sigmoid_gate(be, x, gate)?;
-        return super::ops::add_assign(be, y, x);
-    };
-    check_shape("sigmoid_gate_add y", y, x.rows, x.cols)?;
-    ensure!(
-        gate.rows == x.rows && (gate.cols == x.cols || gate.cols == 1),
-        "sigmoid_gate_add: gate [{}, {}] for x [{}, {}]",
-        gate.rows,
-        gate.cols,
-        x.rows,
-        x.cols
-    );
-    let n = x.len();
-    if n == 0 {
-        return Ok(());
-    }
-    let (n_i, cols, gcols) = (
-        n as i64,
-        i32_of(x.cols, "columns")?,
-        i32_of(gate.cols, "gate columns")?,
-    );
-    let cfg = LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(256), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: n elements in x and y (checked); gate holds one per element or one per row.
-    unsafe {
-        be.stream
-            .kernel(f)
-            .arg(&mut y.buf)
-            .arg(&mut x.buf)
-            .arg(&gate.buf)
-            .arg(&n_i)
-            .arg(&cols)
-            .arg(&gcols)
-            .launch(cfg)
-    }?;
     Ok(())
 }
 

@@ -759,15 +759,6 @@ impl Backend for CudaBackend {
         gated_delta::sigmoid_gate(self, x, gate)
     }
 
-    fn sigmoid_gate_add(
-        &self,
-        y: &mut Act<CudaSlice<f32>>,
-        x: &mut Act<CudaSlice<f32>>,
-        gate: &Act<CudaSlice<f32>>,
-    ) -> Result<()> {
-        gated_delta::sigmoid_gate_add(self, y, x, gate)
-    }
-
     fn attention(
         &self,
         kv: &mut attention::CudaKv,

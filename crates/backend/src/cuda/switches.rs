@@ -100,11 +100,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Qwen3.5 decode: gated_rms_norm and the attention output gate write the int8 planes of their output for the next GEMV (no quant_x_q8 launch): 0 off, 1 on (default; GATED_DELTA.md)",
     ),
     (
-        "FERRITE_GATE_ADD",
-        Accepts::OneOf(&[0, 1]),
-        "Qwen3.5-MoE decode: the shared expert's sigmoid gate and its add into the routed experts' output in one launch: 0 the two launches, 1 one (default; GATED_DELTA.md)",
-    ),
-    (
         "FERRITE_MOE_TC",
         Accepts::OneOf(&[0, 1]),
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",

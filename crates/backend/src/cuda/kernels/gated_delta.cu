@@ -464,21 +464,6 @@ extern "C" __global__ void sigmoid_gate(float* __restrict__ x, const float* __re
     if (xq != nullptr) gd_planes(v, i, cols, xq, xd, threadIdx.x & 31);
 }
 
-// sigmoid_gate, then add_assign (y += x), in one pass (Backend::sigmoid_gate_add: the shared
-// expert's gated output into the routed experts'): the same two roundings per element (no
-// contraction into an FMA), so the bits of the two launches.
-extern "C" __global__ void sigmoid_gate_add(float* __restrict__ y, float* __restrict__ x,
-                                            const float* __restrict__ gate, long long n, int cols,
-                                            int gate_cols) {
-    PDL_ENTRY();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = gate_cols == 1 ? gate[i / cols] : gate[i];
-    const float v = __fmul_rn(x[i], gd_sigmoid(g));
-    x[i] = v;
-    y[i] = __fadd_rn(y[i], v);
-}
-
 // =======================================================================================
 // gated_delta_chunked: the prefill form on the tensor cores (FERRITE_DELTA_CHUNKED=1 only;
 // off by default until a GPU session has checked it: GATED_DELTA.md "Chunked prefill").
