@@ -1125,7 +1125,9 @@ fn gemvq_launch(
 
 /// The two-tile block (`gemvq_tct_<type>_r1`) for a one-row plain launch of `n_out` rows of a
 /// weight of type `t` whose 16-row tile is the tensor-core one, where switched on and its
-/// shared memory fits [`TCT_MAX_SMEM`] from [`TCT_MIN_OUT`] rows.
+/// shared memory fits [`TCT_MAX_SMEM`] from [`TCT_MIN_OUT`] rows. Each of its tiles runs the
+/// one-tile kernel's one-row arithmetic, so decode keeps the bits that verify rows (the
+/// one-tile kernel at R > 1) give for the same row.
 fn tct_kernel(
     be: &CudaBackend,
     t: GgmlType,
