@@ -1029,7 +1029,7 @@ fn gemvq_launch(
     } else {
         GemvKind::Plain
     };
-    let (ks, mut smem, tc) = gemvq_plan(
+    let (ks, smem, tc) = gemvq_plan(
         be,
         w.dtype,
         n_in,
@@ -1061,21 +1061,16 @@ fn gemvq_launch(
             };
             (&f[ri], cfg, Some(i32::try_from(kc)?))
         }
-        Some(TcForm::Full(tc)) => {
-            match tct_kernel(be, w.dtype, n_in, n_out, rb as usize, kind, rows) {
-                // The two-tile block: one per 32 rows.
-                Some(f) => {
-                    smem = tct_smem(rb as usize, n_in);
-                    let cfg = LaunchConfig {
-                        grid_dim: (u32::try_from(n_out.div_ceil(32))?, 1, 1),
-                        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    (f, cfg, Some(ks as i32))
-                }
-                None => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
-            }
+        // The two-tile block: one per 32 rows.
+        Some(TcForm::Pair(f)) => {
+            let cfg = LaunchConfig {
+                grid_dim: (u32::try_from(n_out.div_ceil(32))?, 1, 1),
+                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            (f, cfg, Some(ks as i32))
         }
+        Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
     let cfg = LaunchConfig {
@@ -1321,6 +1316,9 @@ enum TcForm<'a> {
     Full(&'a [[CudaFunction; 6]; 3]),
     /// The 8-row tile (plain launches only).
     Half(&'a [CudaFunction; 6]),
+    /// Two 16-row tiles per block (`gemvq_tct_<type>_r1`: one-row plain launches where
+    /// [`tct_kernel`] takes it; chosen by [`gemvq_plan`] in place of `Full`).
+    Pair(&'a CudaFunction),
     /// The 16-row tile over slices of K (plain launches only): the kernels by R, the slices
     /// and the columns per slice ([`tck_split`]).
     Split(&'a [CudaFunction; 6], usize, usize),
@@ -1381,7 +1379,8 @@ fn tc_form(
 /// [`gemvq_split`], or the tensor-core form ([`tc_form`]) with its split, 1, and shared
 /// memory: the tile and, for the 16-row tile at one row, the staged x. The split and the
 /// kernel depend on the shape only, so decode and verify take the same one; the shared memory
-/// also on whether `rows` is 1 (R = 1 stages x; the arithmetic is the same).
+/// also on whether `rows` is 1 (R = 1 stages x; the arithmetic is the same), and so does the
+/// two-tile block ([`tct_kernel`]), whose tiles run the one-row tile's arithmetic.
 #[allow(clippy::too_many_arguments)]
 fn gemvq_plan(
     be: &CudaBackend,
@@ -1396,7 +1395,12 @@ fn gemvq_plan(
 ) -> Result<(usize, u32, Option<TcForm<'_>>)> {
     let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
     match tc_form(be, t, n_in, n_out, rb, kind) {
-        Some(TcForm::Full(f)) => Ok((1, tc_smem(rb, 8) + x, Some(TcForm::Full(f)))),
+        Some(TcForm::Full(f)) => Ok(match tct_kernel(be, t, n_in, n_out, rb, kind, rows) {
+            Some(p) => (1, tct_smem(rb, n_in), Some(TcForm::Pair(p))),
+            None => (1, tc_smem(rb, 8) + x, Some(TcForm::Full(f))),
+        }),
+        // (tc_form, a function of the shape, leaves this form to the row count above.)
+        Some(TcForm::Pair(p)) => Ok((1, tct_smem(rb, n_in), Some(TcForm::Pair(p)))),
         Some(TcForm::Half(f)) => Ok((1, tc_smem(rb, 4), Some(TcForm::Half(f)))),
         // The tile of the widest slice (rb / (n_in / kc) bytes per row), its x slice at one row.
         Some(TcForm::Split(f, ks, kc)) => {
@@ -1610,7 +1614,7 @@ fn multi_launch(
         )?;
         let tc = match tc {
             Some(TcForm::Full(f)) => Some(f),
-            Some(TcForm::Half(_) | TcForm::Split(..)) => {
+            Some(TcForm::Half(_) | TcForm::Split(..) | TcForm::Pair(_)) => {
                 bail!("matmuls: a single-weight tensor-core form in a grouped launch")
             }
             None => None,
