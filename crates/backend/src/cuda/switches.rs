@@ -60,11 +60,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
-        "FERRITE_NORM_QKV",
-        Accepts::OneOf(&[0, 1]),
-        "one-row decode: the attention input's RMSNorm handed from the residual add (add_norm_planes) to the grouped Q, K, V launch (Q4_K, Q4_K + Q6_K V, Q8_0; MATMUL.md round 39)",
-    ),
-    (
         "FERRITE_TC2_MAX_ROWS",
         Accepts::Range(0, 4),
         "the most rows the two-tile o-projection takes the hand-over for (default 4); above, the plain GEMV and add_norm_planes (MATMUL.md round 39)",
