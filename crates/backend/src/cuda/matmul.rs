@@ -116,12 +116,6 @@ pub struct Kernels {
     add_norm_planes: CudaFunction,
     /// The planes, scales and group Σ x² that `gemvq_tc2_add_q4_k` writes for the SwiGLU.
     xqn: Mutex<Option<NormPlanes>>,
-    /// The most rows the two-tile kernel takes (`FERRITE_TC2_MAX_ROWS`, at most and by
-    /// default [`TC2_MAX_ROWS`]).
-    tc2_max_rows: usize,
-    /// The grouped Q, K, V kernels on the attention input's handed-over norm ([`add_for_norm`];
-    /// sm_90+, `FERRITE_NORM_QKV=1`).
-    qkv_norm: Option<QkvNorm>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -379,24 +373,6 @@ impl Kernels {
         } else {
             None
         };
-        let qkv_norm = if gemvq_tc.is_some() && switches::int_or("FERRITE_NORM_QKV", 0) != 0 {
-            let one = |name: &str| -> Result<CudaFunction> {
-                let f = function(&m, name)?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    GEMVQ_BULK_MAX_SMEM as i32,
-                )
-                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-                Ok(f)
-            };
-            Some(QkvNorm {
-                q4_k: one("gemvq_multi_tcn_q4_k_r1")?,
-                q4_k_q6_k: one("gemvq_multi_tcn_q4_k_q6_k_r1")?,
-                q8_0: one("gemvq_multi_n_q8_0_r1")?,
-            })
-        } else {
-            None
-        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -436,8 +412,6 @@ impl Kernels {
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
-            tc2_max_rows: switches::int_or("FERRITE_TC2_MAX_ROWS", TC2_MAX_ROWS as i64) as usize,
-            qkv_norm,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -963,37 +937,6 @@ impl Grown for NormPlanes {
     fn retired(&mut self) -> &mut Vec<Self> {
         &mut self.retired
     }
-}
-
-/// The one-row grouped Q, K, V kernels reading the planes of x ⊙ n that [`add_for_norm`]
-/// left, scaling each output by 1 / rms(x) (matmul.cu `GEMVQ_MULTI_NORM_KERNEL`): Q4_K on the
-/// tensor-core tile, Q4_K Q, K + Q6_K V (the mixed launch), and Q8_0 on the lane code.
-struct QkvNorm {
-    q4_k: CudaFunction,
-    q4_k_q6_k: CudaFunction,
-    q8_0: CudaFunction,
-}
-
-/// The scratch of the handed-over planes, grown to `n` columns.
-fn norm_planes(
-    be: &CudaBackend,
-    n: usize,
-) -> Result<std::sync::MutexGuard<'_, Option<NormPlanes>>> {
-    lock_grown(
-        &be.matmul.xqn,
-        "norm planes",
-        |b| b.cap >= n,
-        || {
-            Ok(NormPlanes {
-                q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n)?,
-                d: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n / 32 * 2)?,
-                ss: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n / 32)?,
-                cap: n,
-                retired: Vec::new(),
-                src: None,
-            })
-        },
-    )
 }
 
 /// Quantizes `rows` rows of `n_in` (a multiple of 32) floats of `x` into `q` (two int8 planes
@@ -1611,7 +1554,7 @@ pub fn matmuls(
         }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
-            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group, None)?,
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group)?,
             Some(true) => {
                 let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
@@ -1632,8 +1575,6 @@ pub fn matmuls(
 
 /// One launch of 2–3 weights of one type and row length (checked by the caller): the
 /// quantized-x GEMV on `xq` (`q`) or the f32 GEMV on x.
-/// `handed`: the planes of x ⊙ n and their group sums that [`add_for_norm`] left, read
-/// instead of `xq` by the launch's NORM form (one row; [`handed_kernel`]), with the norm's eps.
 fn multi_launch(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -1641,7 +1582,6 @@ fn multi_launch(
     q: bool,
     ws: &[&CudaWeight],
     outs: Vec<&mut &mut Act<CudaSlice<f32>>>,
-    handed: Option<(&NormPlanes, f32)>,
 ) -> Result<()> {
     use cudarc::driver::DevicePtrMut;
     let (t, n_in, rows) = (ws[0].dtype, ws[0].shape[1], x.rows);
@@ -1744,42 +1684,13 @@ fn multi_launch(
         ks as i32,
     );
     if q {
-        let (pq, pd, cap) = match (handed, xq) {
-            (Some((p, _)), _) => (&p.q, &p.d, p.cap),
-            (None, Some(xq)) => (&xq.q, &xq.d, xq.cap),
-            (None, None) => bail!("matmuls: int8 scratch missing"),
-        };
-        ensure!(cap >= n_in, "matmuls: int8 scratch too small");
+        let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
+        ensure!(xq.cap >= n_in, "matmuls: int8 scratch too small");
         let fams = be.matmul.gemvq[ti]
             .as_ref()
             .ok_or_else(|| anyhow!("matmuls: no quantized-x kernel for {t}"))?;
-        let xd = pd.slice(..rows * n_in / 32 * 2);
-        let xqs = pq.slice(..2 * rows * n_in);
-        if let Some((p, eps)) = handed {
-            let f = handed_kernel(be, t, t2, tc.is_some(), rows)
-                .ok_or_else(|| anyhow!("matmuls: no handed-norm kernel for {t} + {t2}"))?;
-            let (rb2, ks2_i) = (ws[ws.len() - 1].row_bytes() as i64, ks2 as i32);
-            let ss = p.ss.slice(..rows * n_in / 32);
-            let mut launch = be.stream.kernel(f);
-            launch.arg(&sg).arg(&rb);
-            if mixed {
-                launch.arg(&rb2);
-            }
-            launch
-                .arg(&n_in_i)
-                .arg(&xqs)
-                .arg(&xd)
-                .arg(&rows_i)
-                .arg(&ks_i);
-            if mixed {
-                launch.arg(&ks2_i);
-            }
-            // SAFETY: as below (and for the mixed form as its plain launch); the planes hold
-            // rows × n_in values of x ⊙ n with their scales and group sums (add_for_norm).
-            unsafe { launch.arg(&ss).arg(&eps).launch(cfg) }?;
-            drop(guards);
-            return Ok(());
-        }
+        let xd = xq.d.slice(..rows * n_in / 32 * 2);
+        let xqs = xq.q.slice(..2 * rows * n_in);
         if mixed {
             let f = match (&be.matmul.gemvq_tc, tc) {
                 (Some(all), Some(_)) => {
@@ -2289,12 +2200,28 @@ pub fn matmul_add_for_norm(
     let xq = guard
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: int8 scratch missing"))?;
-    let mut planes = norm_planes(be, n_out)?;
+    let mut planes = lock_grown(
+        &be.matmul.xqn,
+        "norm planes",
+        |b| b.cap >= n_out,
+        || {
+            Ok(NormPlanes {
+                q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_out)?,
+                d: be
+                    .stream
+                    .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_out / 32 * 2)?,
+                ss: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n_out / 32)?,
+                cap: n_out,
+                retired: Vec::new(),
+                src: None,
+            })
+        },
+    )?;
     let p = planes
         .as_mut()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
-    if rows > be.matmul.tc2_max_rows {
+    if rows > TC2_MAX_ROWS {
         crate::check_matmul(x, &w.shape, y)?;
         gemvq_launch(be, xq, w, None, y, rows)?;
         let cfg = LaunchConfig {
@@ -2353,168 +2280,6 @@ pub fn matmul_add_for_norm(
     let (op, _g) = out.buf.device_ptr(&be.stream);
     let (np, _g2) = norm.data.device_ptr(&be.stream);
     p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
-    Ok(true)
-}
-
-/// The NORM form of the grouped launch of two `t` weights and a third of type `t2` at `rows`
-/// rows, with or without the tensor-core segments (`tc`), if there is one ([`QkvNorm`]).
-fn handed_kernel(
-    be: &CudaBackend,
-    t: GgmlType,
-    t2: GgmlType,
-    tc: bool,
-    rows: usize,
-) -> Option<&CudaFunction> {
-    let k = be.matmul.qkv_norm.as_ref().filter(|_| rows == 1)?;
-    match (t, t2, tc) {
-        (GgmlType::Q4K, GgmlType::Q4K, true) => Some(&k.q4_k),
-        (GgmlType::Q4K, GgmlType::Q6K, true) => Some(&k.q4_k_q6_k),
-        (GgmlType::Q8_0, GgmlType::Q8_0, false) => Some(&k.q8_0),
-        _ => None,
-    }
-}
-
-/// Whether [`matmuls`] of `ws` at `rows` rows is one grouped launch that has a NORM form
-/// ([`handed_kernel`]): the consumers [`add_for_norm`] can hand the norm to.
-fn takes_handed(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<bool> {
-    let [a, b, c] = ws else {
-        return Ok(false);
-    };
-    if be.matmul.qkv_norm.is_none()
-        || rows != 1
-        || !ws.iter().all(|w| gemv_path(w, rows) == Some(true))
-        || a.dtype != b.dtype
-        || !ws.iter().all(|w| w.shape[1] == a.shape[1])
-        || (c.dtype != a.dtype && mixed_kernels(be, a.dtype, c.dtype).is_none())
-    {
-        return Ok(false);
-    }
-    // multi_launch's plan for the group.
-    let n_min = ws
-        .iter()
-        .filter(|w| w.dtype == a.dtype)
-        .map(|w| w.shape[0])
-        .min()
-        .unwrap_or(0);
-    let groups: usize = ws.iter().map(|w| row_groups(w.shape[0])).sum();
-    let (_, _, tc) = gemvq_plan(
-        be,
-        a.dtype,
-        a.shape[1],
-        n_min,
-        a.row_bytes(),
-        groups,
-        1,
-        rows,
-        GemvKind::Grouped,
-    )?;
-    let tc = match tc {
-        Some(TcForm::Full(_)) => true,
-        None => false,
-        Some(_) => return Ok(false),
-    };
-    Ok(handed_kernel(be, a.dtype, c.dtype, tc, rows).is_some())
-}
-
-/// `x += y` whose result feeds `rms_norm(x) · norm` and the grouped projections `ws` next
-/// (the attention input's Q, K, V): with `FERRITE_NORM_QKV=1` at one row, where those take a
-/// NORM form ([`takes_handed`]), `add_norm_planes` (one warp per 32-element group, no block
-/// reduction) writes x + y, the planes of (x + y) ⊙ norm and each group's Σ x² for
-/// [`rms_norm_matmuls_handed`]; `false` (nothing done) otherwise.
-pub fn add_for_norm(
-    be: &CudaBackend,
-    x: &mut Act<CudaSlice<f32>>,
-    y: &Act<CudaSlice<f32>>,
-    norm: &CudaWeight,
-    ws: &[&CudaWeight],
-) -> Result<bool> {
-    let (rows, n) = (x.rows, x.cols);
-    if !takes_handed(be, ws, rows)? {
-        return Ok(false);
-    }
-    ensure!(
-        y.rows == rows && y.cols == n && n.is_multiple_of(32),
-        "add_for_norm: x [{rows}, {n}] and y [{}, {}]",
-        y.rows,
-        y.cols
-    );
-    ensure!(
-        x.buf.len() >= rows * n && y.buf.len() >= rows * n,
-        "add_for_norm: buffers smaller than their shapes"
-    );
-    let nw = super::ops::f32_vec(norm, n)?;
-    let mut planes = norm_planes(be, n)?;
-    let p = planes
-        .as_mut()
-        .ok_or_else(|| anyhow!("add_for_norm: plane scratch missing"))?;
-    let cfg = LaunchConfig {
-        grid_dim: (u32::try_from((rows * n / 32).div_ceil(8))?, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (rows_i, n_i) = (rows as i32, n as i32);
-    // SAFETY: x and y hold rows × n floats (checked), the norm weight n, the plane scratch
-    // GEMV_MAX_ROWS ≥ rows rows of n (norm_planes); one warp per 32-group.
-    unsafe {
-        be.stream
-            .kernel(&be.matmul.add_norm_planes)
-            .arg(&mut x.buf)
-            .arg(&y.buf)
-            .arg(&nw)
-            .arg(&rows_i)
-            .arg(&n_i)
-            .arg(&mut p.q)
-            .arg(&mut p.d)
-            .arg(&mut p.ss)
-            .launch(cfg)
-    }?;
-    let (xp, _g) = x.buf.device_ptr(&be.stream);
-    let (np, _g2) = norm.data.device_ptr(&be.stream);
-    p.src = Some((xp, np, rows, n, super::launch::launch_count()));
-    Ok(true)
-}
-
-/// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` on the planes [`add_for_norm`] just left for
-/// this `x` and `norm` (the grouped launch's NORM form); `false` (nothing done) unless they
-/// are there, nothing launched since, and the weights take the form.
-pub fn rms_norm_matmuls_handed(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    (norm, eps): (&CudaWeight, f32),
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-) -> Result<bool> {
-    let rows = x.rows;
-    let mut guard = be
-        .matmul
-        .xqn
-        .lock()
-        .map_err(|_| anyhow!("matmul: norm plane scratch lock poisoned"))?;
-    let Some(p) = guard.as_mut() else {
-        return Ok(false);
-    };
-    let (xp, _g) = x.buf.device_ptr(&be.stream);
-    let (np, _g2) = norm.data.device_ptr(&be.stream);
-    let want = Some((xp, np, rows, x.cols, super::launch::launch_count()));
-    if p.src.take() != want || !takes_handed(be, ws, rows)? {
-        return Ok(false);
-    }
-    ensure!(
-        ws.len() == outs.len() && p.cap >= x.cols,
-        "rms_norm_matmuls: {} weights, {} outputs",
-        ws.len(),
-        outs.len()
-    );
-    for (w, out) in ws.iter().zip(outs.iter()) {
-        crate::check_matmul(x, &w.shape, out)?;
-        check_weight(w, "rms_norm_matmuls")?;
-        ensure!(
-            out.buf.len() >= rows * w.shape[0],
-            "rms_norm_matmuls: output buffer smaller than its shape"
-        );
-    }
-    let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.iter_mut().collect();
-    multi_launch(be, x, None, true, ws, group, Some((p, eps)))?;
     Ok(true)
 }
 

@@ -519,16 +519,6 @@ impl Backend for CudaBackend {
         self.matmul_add(x, w, out, y)
     }
 
-    fn add_for_norm(
-        &self,
-        x: &mut Act<CudaSlice<f32>>,
-        y: &Act<CudaSlice<f32>>,
-        norm: (&CudaWeight, f32),
-        consumers: &[&CudaWeight],
-    ) -> Result<bool> {
-        matmul::add_for_norm(self, x, y, norm.0, consumers)
-    }
-
     fn rms_norm_matmuls(
         &self,
         x: &Act<CudaSlice<f32>>,
@@ -537,9 +527,7 @@ impl Backend for CudaBackend {
         outs: &mut [&mut Act<CudaSlice<f32>>],
         h: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        if matmul::rms_norm_matmuls_handed(self, x, norm, ws, outs)?
-            || matmul::rms_norm_matmuls(self, x, norm, ws, outs)?
-        {
+        if matmul::rms_norm_matmuls(self, x, norm, ws, outs)? {
             return Ok(());
         }
         self.rms_norm(x, norm.0, norm.1, h)?;

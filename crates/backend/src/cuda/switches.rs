@@ -60,11 +60,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
-        "FERRITE_TC2_MAX_ROWS",
-        Accepts::Range(0, 4),
-        "the most rows the two-tile o-projection takes the hand-over for (default 4); above, the plain GEMV and add_norm_planes (MATMUL.md round 39)",
-    ),
-    (
         "FERRITE_QX_EARLY",
         Accepts::OneOf(&[0, 1]),
         "quant_x_q8 lets the GEMV after it launch before its own wait (MATMUL.md round 25)",

@@ -1674,7 +1674,6 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                int bx, uint8_t* smem, uint64_t* bar,
                                                const float* __restrict__ pss = nullptr, float eps = 0.0f) {
-    static_assert(!NORM || TYPE == GGML_Q4_K, "gemvq_tc_block: the deferred scale is Q4_K's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1914,16 +1913,11 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
 // launcher's choice).
-// NORM (plain rows; the tensor-core form Q4_K only): the attention input's RMSNorm handed
-// over by add_norm_planes (matmul.rs `add_for_norm`): x's planes are those of x ⊙ n with the
-// groups' Σ x² in pss[r][n_in / 32], and each output is scaled by s = 1 / sqrt(Σ / n_in +
-// eps) (tc_norm_scale's order; the tensor-core form in tc_store, the lane code at its store).
-template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false>
+template <int TYPE, int R, bool SWIGLU, bool TC = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f) {
-    static_assert(!NORM || !SWIGLU, "gemvq: the handed-over norm is for plain rows");
+                                      int bx) {
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1938,21 +1932,13 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
-        // (NORM && TC: the lane-code instances never take this branch nor instantiate the
-        // tile's NORM form.)
-        gemvq_tc_block<TYPE, R, SWIGLU, false, NORM && TC>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx,
-                                                           gemv_smem, &gemv_bar, pss, eps);
+        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
-    __shared__ float sn[NORM ? R : 1];
-    if (NORM) {
-        tc_norm_scale<R>(pss, n_in, rows, eps, sn);
-        __syncthreads();
-    }
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -2018,7 +2004,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 #pragma unroll
             for (int w = 0; w < NW; w++)
                 if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
-                    out[(size_t)r * n_out + o0 + w] = NORM ? acc[r][w] * sn[r] : acc[r][w];
+                    out[(size_t)r * n_out + o0 + w] = acc[r][w];
         }
     }
 }
@@ -2134,39 +2120,6 @@ GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
-// The grouped Q, K, V launch on the attention input's handed-over norm (gemvq's NORM; one
-// row: matmul.rs `add_for_norm`): gemvq_multi_tcn_q4_k_r1 (the tensor-core form),
-// gemvq_multi_tcn_q4_k_q6_k_r1 (Q4_K Q, K on it + Q6_K V on the lane code, as the mixed
-// launch) and gemvq_multi_n_q8_0_r1 (the lane code). Bounds as their plain forms'.
-#define GEMVQ_MULTI_NORM_KERNEL(name, TYPE, TC, TCN, LB)                                                     \
-    extern "C" __global__ void __launch_bounds__ LB                                                          \
-        gemvq_multi##TCN##_##name##_r1(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,   \
-                                       const float2* __restrict__ xd, int rows, int ks,                      \
-                                       const float* __restrict__ pss, float eps) {                           \
-        int bx = blockIdx.x;                                                                                 \
-        const int s = gemv_seg(sg, bx);                                                                      \
-        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
-        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
-        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
-        gemvq<TYPE, 1, false, TC, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx, pss, eps);         \
-    }
-GEMVQ_MULTI_NORM_KERNEL(q4_k, GGML_Q4_K, true, _tcn, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
-GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
-    gemvq_multi_tcn_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in, const int8_t* __restrict__ xq,
-                                 const float2* __restrict__ xd, int rows, int ks, int ks2,
-                                 const float* __restrict__ pss, float eps) {
-    int bx = blockIdx.x;
-    const int s = gemv_seg(sg, bx);
-    if (s < 2) {
-        const uint8_t* W = s == 0 ? sg.w0 : sg.w1;
-        gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,
-                                               s == 0 ? sg.out0 : sg.out1, ks, bx, pss, eps);
-    } else {
-        gemvq<GGML_Q6_K, 1, false, false, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx, pss,
-                                                eps);
-    }
-}
 // The two-tile one-row blocks (gemvq_tct_block): the signature of gemvq_tc_<type>_r1 (rows
 // must be 1, ks is unused), three blocks per SM as the one-tile kernel's.
 #define GEMVQ_TCT_KERNEL(name, TYPE)                                                                         \
