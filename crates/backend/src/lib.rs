@@ -550,14 +550,6 @@ pub trait Backend: Send + Sync {
         self.matmul_add(x, w, out, y)
     }
 
-    /// A hint: the launch after the next op will read the weights `ws` (the next layer's
-    /// Q, K, V after a down projection). A backend may start bringing them closer while the
-    /// next op runs; nothing computed changes. The CPU backend: nothing.
-    fn prefetch_next(&self, ws: &[&Self::Weight]) -> Result<()> {
-        let _ = ws;
-        Ok(())
-    }
-
     /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then
     /// [`Backend::matmuls`]). `h` is scratch for the normed rows; a backend that defers the
     /// norm ([`Backend::defers_rms_norm`]) leaves it untouched and scales each output by

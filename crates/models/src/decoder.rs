@@ -520,9 +520,6 @@ impl<B: Backend> Model<B> {
                 // y = down(SwiGLU), added with the next norm below.
                 be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
                 be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
-                if let Some(n) = self.layers.get(il + 1) {
-                    be.prefetch_next(&[&n.wq, &n.wk, &n.wv])?;
-                }
                 be.matmul(act, wd, y)?;
             } else {
                 be.matmul(att, &l.wo, y)?;

@@ -116,12 +116,6 @@ pub struct Kernels {
     add_norm_planes: CudaFunction,
     /// The planes, scales and group Σ x² that `gemvq_tc2_add_q4_k` writes for the SwiGLU.
     xqn: Mutex<Option<NormPlanes>>,
-    /// The down projections that prefetch the next weights in their tail
-    /// (`gemvq_tckp_q4_k_r1`, `gemvq_p_q6_k_r1`) and how many last blocks do
-    /// (`FERRITE_PF_NEXT`; [`prefetch_next`]).
-    pf_next: Option<(CudaFunction, CudaFunction, usize)>,
-    /// The spans [`prefetch_next`] was given, for the next plain quantized-x launch.
-    pf_hint: Mutex<Option<[(u64, usize); 3]>>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -379,25 +373,6 @@ impl Kernels {
         } else {
             None
         };
-        let pf_blocks = switches::int_or("FERRITE_PF_NEXT", 0) as usize;
-        let pf_next = if gemvq_tc.is_some() && pf_blocks > 0 {
-            let one = |name: &str| -> Result<CudaFunction> {
-                let f = function(&m, name)?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    GEMVQ_BULK_MAX_SMEM as i32,
-                )
-                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-                Ok(f)
-            };
-            Some((
-                one("gemvq_tckp_q4_k_r1")?,
-                one("gemvq_p_q6_k_r1")?,
-                pf_blocks,
-            ))
-        } else {
-            None
-        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -437,8 +412,6 @@ impl Kernels {
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
-            pf_next,
-            pf_hint: Mutex::new(None),
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -1117,39 +1090,6 @@ fn gemvq_launch(
         }
         _ => None,
     };
-    // A pending prefetch hint goes to this launch or nowhere.
-    let hint = be
-        .matmul
-        .pf_hint
-        .lock()
-        .map_err(|_| anyhow!("gemvq: prefetch hint lock poisoned"))?
-        .take();
-    let grid_blocks = (cfg.grid_dim.0 * cfg.grid_dim.1) as usize;
-    let pf = match (&be.matmul.pf_next, hint) {
-        (Some((tckp, p6, n)), Some(spans)) if rows == 1 && up.is_none() => {
-            let f2 = match tc {
-                Some(TcForm::Split(..)) if w.dtype == GgmlType::Q4K => Some(tckp),
-                None if w.dtype == GgmlType::Q6K => Some(p6),
-                _ => None,
-            };
-            f2.map(|f2| {
-                let n = (*n).min(grid_blocks);
-                let pf = PfNext {
-                    p: [spans[0].0, spans[1].0, spans[2].0],
-                    u: [
-                        (spans[0].1 / 16) as u64,
-                        (spans[1].1 / 16) as u64,
-                        (spans[2].1 / 16) as u64,
-                    ],
-                    from: (grid_blocks - n) as i32,
-                    n: n as i32,
-                };
-                (f2, pf)
-            })
-        }
-        _ => None,
-    };
-    let f = pf.as_ref().map_or(f, |(f2, _)| *f2);
     let mut launch = be.stream.kernel(f);
     launch.arg(&w.data);
     if let Some(up) = up {
@@ -1169,9 +1109,6 @@ fn gemvq_launch(
     let tck_bufs = tck.as_ref().and_then(|g| g.as_ref());
     if let Some(sc) = tck_bufs {
         launch.arg(&sc.part).arg(&sc.tickets);
-    }
-    if let Some((_, pf)) = &pf {
-        launch.arg(pf);
     }
     // SAFETY: w (and up, same type and shape) hold n_out rows of rb bytes (checked by the
     // caller and above); the x scratch holds
@@ -1504,46 +1441,6 @@ fn mixed_kernels(be: &CudaBackend, a: GgmlType, b: GgmlType) -> Option<&[CudaFun
         .iter()
         .find(|(ta, tb, _)| *ta == a && *tb == b)
         .map(|(_, _, f)| f)
-}
-
-/// Kernel argument of `gemvq_tckp_q4_k_r1` / `gemvq_p_q6_k_r1` (`PfNext` in matmul.cu): up
-/// to three spans to prefetch into L2 (16-byte units) and the launch's last blocks that do.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct PfNext {
-    p: [u64; 3],
-    u: [u64; 3],
-    from: i32,
-    n: i32,
-}
-
-// SAFETY: plain old data laid out as the C struct (3 pointers, 3 u64, 2 ints).
-unsafe impl super::launch::ScalarArg for PfNext {}
-
-/// Weights the launch after next will read (the next layer's Q, K, V): with
-/// `FERRITE_PF_NEXT` = n > 0, the next plain one-row quantized-x launch, if it is a down
-/// projection's form (`gemvq_tckp_q4_k_r1`, `gemvq_p_q6_k_r1`), has its last n blocks
-/// prefetch them into L2 as they finish (matmul.cu `pf_next_tail`). A hint: the values are
-/// those of the plain launch whatever happens to it.
-pub fn prefetch_next(be: &CudaBackend, ws: &[&CudaWeight]) -> Result<()> {
-    if be.matmul.pf_next.is_none() || ws.is_empty() || ws.len() > 3 {
-        return Ok(());
-    }
-    let mut spans = [(0u64, 0usize); 3];
-    for (s, w) in spans.iter_mut().zip(ws) {
-        let (p, _g) = w.data.device_ptr(&be.stream);
-        // Whole 16-byte units inside the weight (bulk prefetches take 16-byte spans).
-        let a = p.next_multiple_of(16);
-        let end = p
-            + (w.shape.iter().product::<usize>() / w.shape[w.shape.len() - 1] * w.row_bytes())
-                as u64;
-        *s = (a, end.saturating_sub(a) as usize / 16 * 16);
-    }
-    *be.matmul
-        .pf_hint
-        .lock()
-        .map_err(|_| anyhow!("prefetch_next: hint lock poisoned"))? = Some(spans);
-    Ok(())
 }
 
 /// Kernel argument of `gemv_multi_*` / `gemvq_multi_*` (`GemvSegs` in matmul.cu): up to

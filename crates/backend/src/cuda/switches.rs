@@ -55,11 +55,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "float-weight decode: the RMSNorm deferred into the next projection and the residual add into the one before (MATMUL.md round 23)",
     ),
     (
-        "FERRITE_PF_NEXT",
-        Accepts::Range(0, 4096),
-        "one-row decode: the last N blocks of a down projection prefetch the next layer's Q, K, V weights into L2 (0 off; MATMUL.md round 40)",
-    ),
-    (
         "FERRITE_DEFER_NORM_Q",
         Accepts::OneOf(&[0, 1]),
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",

@@ -2167,62 +2167,6 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
-
-// The next layer's weights brought into L2 by a down projection's last blocks (matmul.rs
-// `prefetch_next`, FERRITE_PF_NEXT: how many blocks; MATMUL.md round 40).
-//  Why: the Q, K, V launch after the down projection and its RMSNorm becomes resident only as
-//  the down's blocks retire (registers), so its 14-15 MB of weights start streaming after the
-//  down ends; the norm between them does not set that time (round 39). The down's last
-//  blocks, as each finishes (its compute done, DRAM quieter in the launch's tail), issue one
-//  bulk L2 prefetch each of their share of those weights (a hint: nothing written, no
-//  completion), so the projections' copies then read L2 — as the MoE gate/up does for the
-//  experts' down rows (moe_down_prefetch, MOE.md).
-// PfNext: up to three spans (16-byte units); blocks from..from + n - 1 (linear block index,
-// x fastest: the last to be scheduled) split them in order.
-struct PfNext {
-    const uint8_t* p0;
-    const uint8_t* p1;
-    const uint8_t* p2;
-    unsigned long long u0, u1, u2;
-    int from, n;
-};
-
-__device__ __forceinline__ void pf_next_tail(const PfNext& pf, int b) {
-#if __CUDA_ARCH__ >= 900
-    if (threadIdx.x != 0 || b < pf.from || pf.n <= 0) return;
-    const unsigned long long total = pf.u0 + pf.u1 + pf.u2, j = (unsigned long long)(b - pf.from);
-    const unsigned long long a = total * j / (unsigned long long)pf.n;
-    const unsigned long long e = total * (j + 1) / (unsigned long long)pf.n;
-    const uint8_t* ps[3] = {pf.p0, pf.p1, pf.p2};
-    const unsigned long long us[3] = {pf.u0, pf.u1, pf.u2};
-    unsigned long long base = 0;
-#pragma unroll
-    for (int k = 0; k < 3; k++) {
-        const unsigned long long lo = a > base ? a : base, hi = e < base + us[k] ? e : base + us[k];
-        if (hi > lo) prefetch_l2(ps[k] + 16 * (lo - base), (unsigned)(16 * (hi - lo)));
-        base += us[k];
-    }
-#endif
-}
-
-// gemvq_tckp_q4_k_r1 (the K-split Q4_K down) and gemvq_p_q6_k_r1 (the Q6_K lane-code down):
-// their one-row kernels, then pf_next_tail.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_tckp_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
-                       float* __restrict__ out, int kc, float* __restrict__ part, unsigned* __restrict__ tickets,
-                       PfNext pf) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem, &gemv_bar);
-    pf_next_tail(pf, blockIdx.y * gridDim.x + blockIdx.x);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
-    gemvq_p_q6_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
-                    const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks, PfNext pf) {
-    gemvq<GGML_Q6_K, 1, false>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);
-    pf_next_tail(pf, blockIdx.x);
-}
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
