@@ -1279,7 +1279,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // --- matmul_add_for_norm + rms_norm_matmul_swiglu (the o-projection handing the FFN
     // norm's input to gate/up): CUDA fuses the pair for Q4_K weights at decode rows
     // (`Backend::defers_rms_norm_after`); F16 takes the float deferred norm
-    // (`defers_rms_norm`), Q8_0 the default composition. Qwen3-8B's shapes; small in quick.
+    // (`defers_rms_norm`), Q8_0 the default composition or, with FERRITE_DEFER_NORM_Q8=1, the
+    // plain o-projection + add_norm_planes and its lane-code NORM SwiGLU. Qwen3-8B's shapes;
+    // small in quick.
     if !quick {
         for (ty, rows) in [
             (GgmlType::Q4K, 1),
@@ -1288,6 +1290,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (GgmlType::Q4K, 16),
             (GgmlType::F16, 1),
             (GgmlType::Q8_0, 1),
+            (GgmlType::Q8_0, 9),
         ] {
             add(Op::AddNormSwiglu {
                 ty,
@@ -1297,12 +1300,14 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
     }
-    add(Op::AddNormSwiglu {
-        ty: GgmlType::Q4K,
-        hidden: 512,
-        ffn: 1024,
-        rows: 1,
-    });
+    for ty in [GgmlType::Q4K, GgmlType::Q8_0] {
+        add(Op::AddNormSwiglu {
+            ty,
+            hidden: 512,
+            ffn: 1024,
+            rows: 1,
+        });
+    }
 
     // --- rope: both styles, partial rotary dims, positions from 0 and from 1000.
     let ropes = [

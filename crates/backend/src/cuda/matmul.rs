@@ -116,6 +116,10 @@ pub struct Kernels {
     add_norm_planes: CudaFunction,
     /// The planes, scales and group Σ x² that `gemvq_tc2_add_q4_k` writes for the SwiGLU.
     xqn: Mutex<Option<NormPlanes>>,
+    /// `gemvq_swiglu_n_q8_0_r<R>`: the Q8_0 SwiGLU (lane code) on the handed-over FFN norm,
+    /// its producer the plain o-projection and `add_norm_planes` (sm_90+, with `tc2`;
+    /// `FERRITE_DEFER_NORM_Q8`; MATMUL.md round 41).
+    swiglu_n_q8_0: Option<[CudaFunction; 6]>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -373,6 +377,11 @@ impl Kernels {
         } else {
             None
         };
+        let swiglu_n_q8_0 = if tc2.is_some() && switches::int_or("FERRITE_DEFER_NORM_Q8", 0) != 0 {
+            Some(per_r(&m, "gemvq_swiglu_n_q8_0", true)?)
+        } else {
+            None
+        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -412,6 +421,7 @@ impl Kernels {
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
+            swiglu_n_q8_0,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -2109,6 +2119,13 @@ pub fn rms_norm_matmul_swiglu(
 /// Whether `w` can be the o-projection of the handed-over norm (`gemvq_tc2_add_q4_k`): a
 /// Q4_K weight on its one-tile tensor-core form, whole 32-row groups, decode rows.
 fn hands_norm_from(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
+    // Q8_0: the plain GEMV and add_norm_planes (matmul_add_for_norm), for its SwiGLU.
+    if w.dtype == GgmlType::Q8_0 {
+        return be.matmul.swiglu_n_q8_0.is_some()
+            && w.shape.len() == 2
+            && w.shape[0].is_multiple_of(32)
+            && gemv_path(w, rows) == Some(true);
+    }
     be.matmul.tc2.is_some()
         && w.dtype == GgmlType::Q4K
         && w.shape.len() == 2
@@ -2138,24 +2155,26 @@ pub(crate) fn hands_norm_over(
     up: &CudaWeight,
     rows: usize,
 ) -> bool {
+    let q8 = gate.dtype == GgmlType::Q8_0 && be.matmul.swiglu_n_q8_0.is_some();
     hands_norm_from(be, wo, rows)
-        && gate.dtype == GgmlType::Q4K
+        && (gate.dtype == GgmlType::Q4K || q8)
         && gate.shape.len() == 2
         && gate.dtype == up.dtype
         && gate.shape == up.shape
         && wo.shape[0] == gate.shape[1]
         && gemv_path(gate, rows) == Some(true)
-        && matches!(
-            tc_form(
-                be,
-                gate.dtype,
-                gate.shape[1],
-                gate.shape[0],
-                gate.row_bytes(),
-                GemvKind::Swiglu
-            ),
-            Some(TcForm::Full(_))
-        )
+        && (q8
+            || matches!(
+                tc_form(
+                    be,
+                    gate.dtype,
+                    gate.shape[1],
+                    gate.shape[0],
+                    gate.row_bytes(),
+                    GemvKind::Swiglu
+                ),
+                Some(TcForm::Full(_))
+            ))
 }
 
 /// Most rows of x the two-tile kernel takes (`gemvq_tc2_add_q4_k_r<R>`: 512 threads, so at
@@ -2221,7 +2240,7 @@ pub fn matmul_add_for_norm(
         .as_mut()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
-    if rows > TC2_MAX_ROWS {
+    if rows > TC2_MAX_ROWS || w.dtype != GgmlType::Q4K {
         crate::check_matmul(x, &w.shape, y)?;
         gemvq_launch(be, xq, w, None, y, rows)?;
         let cfg = LaunchConfig {
@@ -2309,8 +2328,9 @@ pub fn rms_norm_matmul_swiglu_handed(
     let (xp, _g) = x.buf.device_ptr(&be.stream);
     let (np, _g2) = norm.data.device_ptr(&be.stream);
     let want = Some((xp, np, rows, x.cols, super::launch::launch_count()));
+    let q8 = gate.dtype == GgmlType::Q8_0 && be.matmul.swiglu_n_q8_0.is_some();
     if p.src.take() != want
-        || !(gate.dtype == GgmlType::Q4K
+        || !((gate.dtype == GgmlType::Q4K || q8)
             && gate.dtype == up.dtype
             && gate.shape == up.shape
             && gemv_path(gate, rows) == Some(true))
@@ -2325,7 +2345,7 @@ pub fn rms_norm_matmul_swiglu_handed(
         "rms_norm_matmul_swiglu: buffers smaller than [{rows}, {n_in}] -> {n_out}"
     );
     let rb = gate.row_bytes();
-    let (_, smem, tc) = gemvq_plan(
+    let (ks, smem, tc) = gemvq_plan(
         be,
         gate.dtype,
         n_in,
@@ -2336,6 +2356,36 @@ pub fn rms_norm_matmul_swiglu_handed(
         rows,
         GemvKind::Swiglu,
     )?;
+    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+    if let (true, Some(fs), None) = (q8, &be.matmul.swiglu_n_q8_0, &tc) {
+        let xd = p.d.slice(..rows * n_in / 32 * 2);
+        let xqs = p.q.slice(..2 * rows * n_in);
+        let ss = p.ss.slice(..rows * n_in / 32);
+        let ks_i = ks as i32;
+        // SAFETY: as below; the lane code's grid and split (gemvq_launch's SwiGLU: one row
+        // group per output).
+        unsafe {
+            be.stream
+                .kernel(&fs[gemv_r_index(rows)?])
+                .arg(&gate.data)
+                .arg(&up.data)
+                .arg(&rb_i)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&ks_i)
+                .arg(&ss)
+                .arg(&eps)
+                .launch(LaunchConfig {
+                    shared_mem_bytes: smem,
+                    ..gemv_config(n_out, ks)
+                })
+        }?;
+        return Ok(true);
+    }
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
     }
@@ -2344,7 +2394,6 @@ pub fn rms_norm_matmul_swiglu_handed(
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem,
     };
-    let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);

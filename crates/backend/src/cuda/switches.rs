@@ -55,6 +55,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "float-weight decode: the RMSNorm deferred into the next projection and the residual add into the one before (MATMUL.md round 23)",
     ),
     (
+        "FERRITE_DEFER_NORM_Q8",
+        Accepts::OneOf(&[0, 1]),
+        "Q8_0 decode: the FFN's RMSNorm handed from the o-projection (plain GEMV + add_norm_planes) to the SwiGLU (MATMUL.md round 41)",
+    ),
+    (
         "FERRITE_DEFER_NORM_Q",
         Accepts::OneOf(&[0, 1]),
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",

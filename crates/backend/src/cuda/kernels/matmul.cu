@@ -1913,11 +1913,18 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
 // launcher's choice).
-template <int TYPE, int R, bool SWIGLU, bool TC = false>
+// NORM (the lane code; the Q8_0 SwiGLU of gemvq_swiglu_n_q8_0): the FFN's RMSNorm handed over
+// by the o-projection's residual add (matmul.rs matmul_add_for_norm: the plain GEMV, then
+// add_norm_planes): x's planes are those of x ⊙ n with the groups' Σ x² in pss[r][n_in / 32];
+// after the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) (tc_norm_scale's order), and
+// every sum is scaled by s at the store (SWIGLU: gate and up, before the SwiGLU), as
+// tc_store's NORM form does.
+template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx) {
+                                      int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f) {
+    static_assert(!NORM || !TC, "gemvq: NORM is the lane code's (the tensor-core SwiGLU has its own)");
     constexpr int NW = GEMV_NW;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -1939,6 +1946,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
+    __shared__ float sn[NORM ? R : 1];
+    if (NORM) {
+        tc_norm_scale<R>(pss, n_in, rows, eps, sn);
+        __syncthreads();
+    }
     float acc[R][NW];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -1999,7 +2011,12 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (SWIGLU) {
-            if (lane == (r & 31) && r < rows) out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
+            if (lane == (r & 31) && r < rows) {
+                if (NORM)
+                    out[(size_t)r * n_out + o0] = silu(acc[r][0] * sn[r]) * (acc[r][1] * sn[r]);
+                else
+                    out[(size_t)r * n_out + o0] = silu(acc[r][0]) * acc[r][1];
+            }
         } else {
 #pragma unroll
             for (int w = 0; w < NW; w++)
@@ -2163,6 +2180,17 @@ GEMVQ_TCT_KERNEL(q6_k, GGML_Q6_K)
     }
 #define GEMVQ_TC2_KERNEL_R(unused, R) GEMVQ_TC2_KERNELS(R)
 GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
+// gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
+// residual add (gemvq's NORM; matmul.rs `hands_norm_over`). Bounds as the plain SwiGLU's.
+#define GEMVQ_SWIGLU_N_KERNEL(name, TYPE, R)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemvq_swiglu_n_##name##_r##R(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,         \
+                                     long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,      \
+                                     const float2* __restrict__ xd, int rows, float* __restrict__ out,      \
+                                     int ks, const float* __restrict__ pss, float eps) {                    \
+        gemvq<TYPE, R, true, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x, pss, eps); \
+    }
+GEMV_EACH_R(GEMVQ_SWIGLU_N_KERNEL, q8_0, GGML_Q8_0)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
