@@ -120,6 +120,9 @@ pub struct Kernels {
     /// its producer the plain o-projection and `add_norm_planes` (sm_90+, with `tc2`;
     /// `FERRITE_DEFER_NORM_Q8`; MATMUL.md round 41).
     swiglu_n_q8_0: Option<[CudaFunction; 6]>,
+    /// `gemvq_add_n_q8_0_r1`: its one-row producer in 32-row blocks (`FERRITE_DEFER_NORM_Q8=2`;
+    /// otherwise the plain GEMV and `add_norm_planes`).
+    add_n_q8_0: Option<CudaFunction>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -377,8 +380,24 @@ impl Kernels {
         } else {
             None
         };
-        let swiglu_n_q8_0 = if tc2.is_some() && switches::int_or("FERRITE_DEFER_NORM_Q8", 0) != 0 {
+        let defer_q8 = if tc2.is_some() {
+            switches::int_or("FERRITE_DEFER_NORM_Q8", 0)
+        } else {
+            0
+        };
+        let swiglu_n_q8_0 = if defer_q8 != 0 {
             Some(per_r(&m, "gemvq_swiglu_n_q8_0", true)?)
+        } else {
+            None
+        };
+        let add_n_q8_0 = if defer_q8 == 2 {
+            let f = function(&m, "gemvq_add_n_q8_0_r1")?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                ADD_N_MAX_SMEM as i32,
+            )
+            .context("gemvq_add_n_q8_0_r1: raising the shared-memory limit")?;
+            Some(f)
         } else {
             None
         };
@@ -422,6 +441,7 @@ impl Kernels {
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
             swiglu_n_q8_0,
+            add_n_q8_0,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -2177,6 +2197,10 @@ pub(crate) fn hands_norm_over(
             ))
 }
 
+/// Shared memory `gemvq_add_n_q8_0_r1` may take: its 32 rows (139 KB at 4096 columns), one
+/// block per SM.
+const ADD_N_MAX_SMEM: usize = 200 * 1024;
+
 /// Most rows of x the two-tile kernel takes (`gemvq_tc2_add_q4_k_r<R>`: 512 threads, so at
 /// most 128 registers; from 8 rows its accumulators spill). More rows: the plain tensor-core
 /// GEMV, then `add_norm_planes` (the same bits).
@@ -2240,7 +2264,41 @@ pub fn matmul_add_for_norm(
         .as_mut()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
-    if rows > TC2_MAX_ROWS || w.dtype != GgmlType::Q4K {
+    let add_n_smem = 32 * rb.div_ceil(16) * 16 + 16;
+    if let (Some(f), 1, GgmlType::Q8_0, true) = (
+        &be.matmul.add_n_q8_0,
+        rows,
+        w.dtype,
+        add_n_smem <= ADD_N_MAX_SMEM,
+    ) {
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: add_n_smem as u32,
+        };
+        let xd = xq.d.slice(..n_in / 32 * 2);
+        let xqs = xq.q.slice(..2 * n_in);
+        // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned; the int8 scratch
+        // holds n_in quantized values of x; out (the residual, read and written in place by
+        // the one lane of each element) n_out floats; the plane scratch GEMV_MAX_ROWS rows of
+        // n_out; the norm weight n_out floats; one block per 32 rows (n_out % 32 == 0).
+        unsafe {
+            be.stream
+                .kernel(f)
+                .arg(&w.data)
+                .arg(&rb_i)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&mut out.buf)
+                .arg(&nw)
+                .arg(&mut p.q)
+                .arg(&mut p.d)
+                .arg(&mut p.ss)
+                .launch(cfg)
+        }?;
+    } else if rows > TC2_MAX_ROWS || w.dtype != GgmlType::Q4K {
         crate::check_matmul(x, &w.shape, y)?;
         gemvq_launch(be, xq, w, None, y, rows)?;
         let cfg = LaunchConfig {

@@ -1919,13 +1919,18 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 // after the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) (tc_norm_scale's order), and
 // every sum is scaled by s at the store (SWIGLU: gate and up, before the SwiGLU), as
 // tc_store's NORM form does.
-template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false>
+// NWT: rows per warp of the plain lane code (GEMV_NW; 4 for gemvq_add_n_q8_0's 32-row blocks).
+// SOUT (plain rows, one x row): the block's sums go to sout[output - first row of the block]
+// (shared memory) instead of out.
+template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false, int NWT = GEMV_NW, bool SOUT = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
-                                      int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f) {
+                                      int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f,
+                                      float* sout = nullptr) {
     static_assert(!NORM || !TC, "gemvq: NORM is the lane code's (the tensor-core SwiGLU has its own)");
-    constexpr int NW = GEMV_NW;
+    static_assert(!SOUT || (R == 1 && !SWIGLU && !TC), "gemvq: SOUT is for one plain row");
+    constexpr int NW = NWT;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2020,8 +2025,12 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         } else {
 #pragma unroll
             for (int w = 0; w < NW; w++)
-                if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out)
-                    out[(size_t)r * n_out + o0 + w] = acc[r][w];
+                if (lane == ((r * NW + w) & 31) && r < rows && o0 + w < n_out) {
+                    if (SOUT)
+                        sout[o0 + w - r0] = acc[r][w];
+                    else
+                        out[(size_t)r * n_out + o0 + w] = acc[r][w];
+                }
         }
     }
 }
@@ -2191,6 +2200,26 @@ GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
         gemvq<TYPE, R, true, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x, pss, eps); \
     }
 GEMV_EACH_R(GEMVQ_SWIGLU_N_KERNEL, q8_0, GGML_Q8_0)
+// gemvq_add_n_q8_0_r1: the Q8_0 o-projection handing the FFN's RMSNorm to that SwiGLU at one
+// row (matmul.rs `matmul_add_for_norm`, FERRITE_DEFER_NORM_Q8=2): blocks of 32 rows (the lane
+// code at four rows a warp), so that a block owns a whole 32-element group of the output, as
+// gemvq_tc2_add_q4k's two tiles do for Q4_K; the 32 sums go through shared memory to warp 0,
+// which runs add_norm_planes's add_norm_lane on them: the residual, the planes and the
+// group's sum of the plain GEMV + add_norm_planes, without that launch. One block per SM
+// (32 rows x 4352 bytes at 4096 columns), one wave.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
+    gemvq_add_n_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, float* __restrict__ x,
+                        const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
+                        float* __restrict__ pss) {
+    __shared__ float sums[32];
+    gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1, blockIdx.x,
+                                                      nullptr, 0.0f, sums);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, o = blockIdx.x * 32 + lane;
+    if (threadIdx.x < 32)
+        add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);
+}
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
