@@ -1279,9 +1279,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // --- matmul_add_for_norm + rms_norm_matmul_swiglu (the o-projection handing the FFN
     // norm's input to gate/up): CUDA fuses the pair for Q4_K weights at decode rows
     // (`Backend::defers_rms_norm_after`); F16 takes the float deferred norm
-    // (`defers_rms_norm`), Q8_0 the default composition or, with FERRITE_DEFER_NORM_Q8=1, the
-    // plain o-projection + add_norm_planes and its lane-code NORM SwiGLU. Qwen3-8B's shapes;
-    // small in quick.
+    // (`defers_rms_norm`), Q8_0 the 32-row producer at one row (`gemvq_add_n_q8_0`; more rows:
+    // the plain o-projection + add_norm_planes) and the lane-code NORM SwiGLU
+    // (FERRITE_DEFER_NORM_Q8=0: the default composition). Qwen3-8B's shapes; small in quick.
     if !quick {
         for (ty, rows) in [
             (GgmlType::Q4K, 1),

@@ -118,10 +118,10 @@ pub struct Kernels {
     xqn: Mutex<Option<NormPlanes>>,
     /// `gemvq_swiglu_n_q8_0_r<R>`: the Q8_0 SwiGLU (lane code) on the handed-over FFN norm,
     /// its producer the plain o-projection and `add_norm_planes` (sm_90+, with `tc2`;
-    /// `FERRITE_DEFER_NORM_Q8`; MATMUL.md round 41).
+    /// `FERRITE_DEFER_NORM_Q8`, on by default; MATMUL.md round 41).
     swiglu_n_q8_0: Option<[CudaFunction; 6]>,
-    /// `gemvq_add_n_q8_0_r1`: its one-row producer in 32-row blocks (`FERRITE_DEFER_NORM_Q8=2`;
-    /// otherwise the plain GEMV and `add_norm_planes`).
+    /// `gemvq_add_n_q8_0_r1`: its one-row producer in 32-row blocks (`FERRITE_DEFER_NORM_Q8=2`,
+    /// the default; for more rows, or with 1, the plain GEMV and `add_norm_planes`).
     add_n_q8_0: Option<CudaFunction>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
@@ -381,7 +381,9 @@ impl Kernels {
             None
         };
         let defer_q8 = if tc2.is_some() {
-            switches::int_or("FERRITE_DEFER_NORM_Q8", 0)
+            // 2 (default): the 32-row producer at one row; 1: the plain GEMV + add_norm_planes
+            // everywhere; 0: off (MATMUL.md round 41).
+            switches::int_or("FERRITE_DEFER_NORM_Q8", 2)
         } else {
             0
         };

@@ -57,7 +57,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_DEFER_NORM_Q8",
         Accepts::OneOf(&[0, 1, 2]),
-        "Q8_0 decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU: 1 the plain GEMV + add_norm_planes, 2 at one row the 32-row producer gemvq_add_n_q8_0 (MATMUL.md round 41)",
+        "Q8_0 decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU: 0 off, 1 the plain GEMV + add_norm_planes, 2 (default) at one row the 32-row producer gemvq_add_n_q8_0 (MATMUL.md round 41)",
     ),
     (
         "FERRITE_DEFER_NORM_Q",
