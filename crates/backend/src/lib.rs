@@ -521,10 +521,11 @@ pub trait Backend: Send + Sync {
 
     /// Whether, on `rows` rows, [`Backend::matmul_add_for_norm`] with `producer` can hand
     /// the next RMSNorm's input to [`Backend::rms_norm_matmul_swiglu`] of `consumers` (gate,
-    /// up) without a norm launch: the producer writes the norm's input already weighted and
+    /// up) or to [`Backend::rms_norm_matmuls`] of `consumers` (the next layer's Q, K, V)
+    /// without a norm launch: the producer writes the norm's input already weighted and
     /// quantized for the consumer, which applies `1 / rms(x)` after its dot products. Asked
     /// per site where [`Backend::defers_rms_norm`] is false (quantized weights). The CPU
-    /// backend: only in its test mode.
+    /// backend: only in its test mode (gate, up).
     fn defers_rms_norm_after(
         &self,
         producer: &Self::Weight,
@@ -536,8 +537,9 @@ pub trait Backend: Send + Sync {
     }
 
     /// [`Backend::matmul_add`] whose result feeds `rms_norm(out) · norm` next (the consumer
-    /// being [`Backend::rms_norm_matmul_swiglu`] with the same `norm`): a backend may prepare
-    /// that input in the projection's epilogue. Same `out` as `matmul_add`, bitwise.
+    /// being [`Backend::rms_norm_matmul_swiglu`] or [`Backend::rms_norm_matmuls`] with the same
+    /// `norm`): a backend may prepare that input in the projection's epilogue. Same `out` as
+    /// `matmul_add`, bitwise.
     fn matmul_add_for_norm(
         &self,
         x: &Act<Self::Buf>,
@@ -548,6 +550,23 @@ pub trait Backend: Send + Sync {
     ) -> Result<()> {
         let _ = norm;
         self.matmul_add(x, w, out, y)
+    }
+
+    /// `x += y` whose result feeds [`Backend::rms_norm_matmuls`] of `consumers` with `norm`
+    /// next (the attention input's Q, K, V): a backend may leave that input prepared for the
+    /// consumers (weighted by `norm` and quantized, the `1 / rms(x)` applied after their dot
+    /// products) instead of running the norm. Returns `false` (nothing done) where it does
+    /// not: the caller then runs [`Backend::add_rms_norm`] and [`Backend::matmuls`]. The CPU
+    /// backend: never.
+    fn add_for_norm(
+        &self,
+        x: &mut Act<Self::Buf>,
+        y: &Act<Self::Buf>,
+        norm: (&Self::Weight, f32),
+        consumers: &[&Self::Weight],
+    ) -> Result<bool> {
+        let _ = (x, y, norm, consumers);
+        Ok(false)
     }
 
     /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then

@@ -277,6 +277,9 @@ const OPS: &[&str] = &[
     // The o-projection's residual add handing the FFN norm's input to the gate/up
     // projections (matmul_add_for_norm, then rms_norm_matmul_swiglu; defers_rms_norm_after).
     "matmul_add_for_norm",
+    // The residual add handing the attention norm's input to the Q, K, V projections
+    // (add_for_norm, then rms_norm_matmuls).
+    "add_for_norm",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -384,6 +387,18 @@ enum Op {
         ty: GgmlType,
         hidden: usize,
         ffn: usize,
+        rows: usize,
+    },
+    /// The residual add before the attention, then its Q, K, V on the norm: `add_for_norm(x,
+    /// y, norm, [wq, wk, wv])`, and where that hands the norm over `rms_norm_matmuls(x, norm,
+    /// ..)`, else `add_rms_norm` + `matmuls` (the decoder's sequence). Q, K `[n_outs[0|1],
+    /// n_in]` of type `ty`, V of `ty_v`; `x` a random residual (restored before the op), `y`
+    /// rows of unequal scales. Checked: q, the residual after the op, k, v (each apart).
+    AddNormMatmuls {
+        ty: GgmlType,
+        ty_v: GgmlType,
+        n_in: usize,
+        n_outs: [usize; 3],
         rows: usize,
     },
     Rope {
@@ -676,6 +691,16 @@ fn describe(op: &Op) -> (&'static str, String) {
             format!(
                 "matmul_add+matmul_swiglu(rms_norm) {ty} {hidden}->{hidden}->{ffn} rows={rows}"
             ),
+        ),
+        Op::AddNormMatmuls {
+            ty,
+            ty_v,
+            n_in,
+            n_outs: [nq, nk, nv],
+            rows,
+        } => (
+            "add_for_norm",
+            format!("add_rms_norm+matmuls {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"),
         ),
         Op::Rope {
             rows,
@@ -1306,6 +1331,33 @@ pub fn cases(quick: bool) -> Vec<Case> {
             hidden: 512,
             ffn: 1024,
             rows: 1,
+        });
+    }
+
+    // --- add_for_norm + rms_norm_matmuls (the residual add handing the attention norm's
+    // input to Q, K, V): CUDA takes it at one decode row with FERRITE_NORM_QKV=1 for Q4_K
+    // (V Q4_K or Q6_K: the mixed launch) and Q8_0; other types and rows run add_rms_norm +
+    // matmuls. Qwen3-8B's and Qwen3-30B-A3B's shapes; small in quick.
+    let qkv: &[(GgmlType, GgmlType, usize, [usize; 3], usize)] = if quick {
+        &[(GgmlType::Q4K, GgmlType::Q6K, 512, [384, 128, 128], 1)]
+    } else {
+        &[
+            (GgmlType::Q4K, GgmlType::Q4K, 4096, [4096, 1024, 1024], 1),
+            (GgmlType::Q4K, GgmlType::Q6K, 4096, [4096, 1024, 1024], 1),
+            (GgmlType::Q4K, GgmlType::Q6K, 2048, [4096, 512, 512], 1),
+            (GgmlType::Q8_0, GgmlType::Q8_0, 4096, [4096, 1024, 1024], 1),
+            (GgmlType::Q4K, GgmlType::Q4K, 4096, [4096, 1024, 1024], 2),
+            (GgmlType::Q6K, GgmlType::Q6K, 4096, [4096, 1024, 1024], 1),
+            (GgmlType::Q4K, GgmlType::Q6K, 512, [384, 128, 128], 1),
+        ]
+    };
+    for &(ty, ty_v, n_in, n_outs, rows) in qkv {
+        add(Op::AddNormMatmuls {
+            ty,
+            ty_v,
+            n_in,
+            n_outs,
+            rows,
         });
     }
 
@@ -2207,6 +2259,35 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out2 = n_outs.get(1).map(|&n| (rows, n));
             h.more_outs = n_outs.iter().skip(2).map(|&n| (rows, n)).collect();
         }
+        Op::AddNormMatmuls {
+            ty,
+            ty_v,
+            n_in,
+            n_outs,
+            rows,
+        } => {
+            push_norm_weight(&mut h, &mut rng, n_in);
+            for (i, &n_out) in n_outs.iter().enumerate() {
+                let t = if i == 2 { ty_v } else { ty };
+                let salt = (i as u64 + 1).wrapping_mul(0x9e37);
+                h.weights.push((
+                    t,
+                    vec![n_out, n_in],
+                    gen_weight(t, &[n_out, n_in], seed ^ salt)?,
+                ));
+            }
+            // The residual x as generated (copied into out2 before each run), y (rows of
+            // unequal scales: a norm of the wrong row or of x before the add shows), and h
+            // (poisoned: where the norm is handed over nothing writes it).
+            h.acts
+                .push((residual_rows(&mut rng, rows, n_in), rows, n_in));
+            h.acts
+                .push((residual_rows(&mut rng, rows, n_in), rows, n_in));
+            h.acts.push((vec![f32::NAN; rows * n_in], rows, n_in));
+            h.out = (rows, n_outs[0]);
+            h.out2 = Some((rows, n_in));
+            h.more_outs = vec![(rows, n_outs[1]), (rows, n_outs[2])];
+        }
         Op::RmsNormMatmulSwiglu {
             ty,
             n_in,
@@ -2786,6 +2867,7 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         // out starts as the residual.
         Op::MatmulAdd { .. } => be.copy_rows(&p.a[1], 0, &mut p.out),
         Op::AddNormSwiglu { .. } => be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?),
+        Op::AddNormMatmuls { .. } => be.copy_rows(&p.a[0], 0, out2(&mut p.out2)?),
         Op::AddRmsNormMatmul { .. } => {
             let [x, _, xw, _] = &mut p.a[..] else {
                 bail!("add_rms_norm_matmul: expected 4 activations")
@@ -2906,6 +2988,26 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             let norm = (&p.w[0], EPS);
             be.matmul_add_for_norm(att, &p.w[3], x, y, norm)?;
             be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
+        }
+        Op::AddNormMatmuls { .. } => {
+            let [_, y, h] = &mut p.a[..] else {
+                bail!("add_rms_norm+matmuls: expected 3 activations")
+            };
+            let x = p
+                .out2
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("add_rms_norm+matmuls: no residual output"))?;
+            let norm = (&p.w[0], EPS);
+            let ws: Vec<&B::Weight> = p.w[1..].iter().collect();
+            let mut outs: Vec<&mut Act<B::Buf>> = std::iter::once(&mut p.out)
+                .chain(p.more.iter_mut())
+                .collect();
+            if be.add_for_norm(x, y, norm, &ws)? {
+                be.rms_norm_matmuls(x, norm, &ws, &mut outs, h)
+            } else {
+                be.add_rms_norm(x, y, norm.0, EPS, h)?;
+                be.matmuls(h, &ws, &mut outs)
+            }
         }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
@@ -3332,7 +3434,9 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         } => SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *n_out, *rows),
         // The looser of the two outputs' thresholds (see output_thresholds: each output is
         // held to its own).
-        Op::AddNormSwiglu { .. } => output_thresholds(op).into_iter().fold(0.0, f64::max),
+        Op::AddNormSwiglu { .. } | Op::AddNormMatmuls { .. } => {
+            output_thresholds(op).into_iter().fold(0.0, f64::max)
+        }
         Op::MatmulSwiglu {
             ty,
             n_in,
@@ -3406,6 +3510,21 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
             SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *ffn, *rows),
             matmul_nmse(*ty, *hidden, *rows),
         ],
+        // Q, K, V: the matmul thresholds of their types and shapes (the handed-over planes of
+        // x ⊙ norm are the quantized GEMV's x, 1/rms applied after the dot products, as for
+        // the FFN's hand-over). The residual: x + y in f32, bitwise add_rms_norm's sum.
+        Op::AddNormMatmuls {
+            ty,
+            ty_v,
+            n_outs: [nq, nk, nv],
+            rows,
+            ..
+        } => vec![
+            matmul_nmse(*ty, *nq, *rows),
+            ELEMENTWISE_NMSE,
+            matmul_nmse(*ty, *nk, *rows),
+            matmul_nmse(*ty_v, *nv, *rows),
+        ],
         _ => Vec::new(),
     }
 }
@@ -3451,6 +3570,12 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
             let x = h.out2.map_or(0, |(r, c)| r * c * 4);
             f(w + h.acts[0].0.len() * 4 + 2 * x + out)
+        }
+        // The norm and the weights, y in, the residual read and written, the outputs.
+        Op::AddNormMatmuls { .. } => {
+            let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
+            let outs: usize = h.more_outs.iter().map(|(r, c)| r * c * 4).sum();
+            f(w + 3 * h.acts[0].0.len() * 4 + out + outs)
         }
         Op::RmsNorm { .. } | Op::Swiglu { .. } => f(acts + out),
         Op::HeadRmsNorm { .. } | Op::Rope { .. } => f(2 * out),

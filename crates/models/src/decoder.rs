@@ -478,9 +478,12 @@ impl<B: Backend> Model<B> {
         if !defer {
             be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         }
+        // Whether the previous layer's residual add handed this layer's attention norm over
+        // to its Q, K, V projections ([`Backend::add_for_norm`]) instead of writing h.
+        let mut handed = false;
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
-            if defer {
+            if defer || handed {
                 be.rms_norm_matmuls(
                     x,
                     (&l.attn_norm, cfg.rms_eps),
@@ -520,6 +523,17 @@ impl<B: Backend> Model<B> {
                 // y = down(SwiGLU), added with the next norm below.
                 be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
                 be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
+                // x += down(act), handing the next layer's attention norm over to its Q, K, V
+                // where the backend can ([`Backend::defers_rms_norm_after`]).
+                if let Some(n) = self
+                    .layers
+                    .get(il + 1)
+                    .filter(|n| be.defers_rms_norm_after(wd, &[&n.wq, &n.wk, &n.wv], t))
+                {
+                    be.matmul_add_for_norm(act, wd, x, y, (&n.attn_norm, cfg.rms_eps))?;
+                    handed = true;
+                    continue;
+                }
                 be.matmul(act, wd, y)?;
             } else {
                 be.matmul(att, &l.wo, y)?;
@@ -544,11 +558,17 @@ impl<B: Backend> Model<B> {
                 )?;
             }
             // x += y, h = the next layer's attention input (or the output norm's result).
-            let next_norm = self
-                .layers
-                .get(il + 1)
-                .map_or(&self.out_norm, |n| &n.attn_norm);
-            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
+            let next = self.layers.get(il + 1);
+            handed = match next {
+                Some(n) => {
+                    be.add_for_norm(x, y, (&n.attn_norm, cfg.rms_eps), &[&n.wq, &n.wk, &n.wv])?
+                }
+                None => false,
+            };
+            if !handed {
+                let next_norm = next.map_or(&self.out_norm, |n| &n.attn_norm);
+                be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
+            }
         }
 
         if defer {

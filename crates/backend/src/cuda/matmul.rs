@@ -123,6 +123,14 @@ pub struct Kernels {
     /// `gemvq_add_n_q8_0_r1`: its one-row producer in 32-row blocks (`FERRITE_DEFER_NORM_Q8=2`,
     /// the default; for more rows, or with 1, the plain GEMV and `add_norm_planes`).
     add_n_q8_0: Option<CudaFunction>,
+    /// The grouped Q, K, V kernels on the attention input's handed-over norm ([`add_for_norm`],
+    /// [`hands_norm_to_qkv`]; sm_90+, `FERRITE_NORM_QKV` ≠ 0).
+    qkv_norm: Option<QkvNorm>,
+    /// `FERRITE_NORM_QKV`: 1 [`add_for_norm`] (add_norm_planes), 2 the K-split Q4_K down's
+    /// pair tickets (`gemvq_tckn_q4_k_r1`), a bit mask.
+    norm_qkv: i64,
+    /// `gemvq_tckn_q4_k_r1` (`FERRITE_NORM_QKV` & 2).
+    tckn: Option<CudaFunction>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -403,6 +411,40 @@ impl Kernels {
         } else {
             None
         };
+        let norm_qkv = if gemvq_tc.is_some() {
+            switches::int_or("FERRITE_NORM_QKV", 0)
+        } else {
+            0
+        };
+        let tckn = if norm_qkv & 2 != 0 {
+            let f = function(&m, "gemvq_tckn_q4_k_r1")?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                GEMVQ_BULK_MAX_SMEM as i32,
+            )
+            .context("gemvq_tckn_q4_k_r1: raising the shared-memory limit")?;
+            Some(f)
+        } else {
+            None
+        };
+        let qkv_norm = if norm_qkv != 0 {
+            let one = |name: &str| -> Result<CudaFunction> {
+                let f = function(&m, name)?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    GEMVQ_BULK_MAX_SMEM as i32,
+                )
+                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
+                Ok(f)
+            };
+            Some(QkvNorm {
+                q4_k: one("gemvq_multi_tcn_q4_k_r1")?,
+                q4_k_q6_k: one("gemvq_multi_tcn_q4_k_q6_k_r1")?,
+                q8_0: one("gemvq_multi_n_q8_0_r1")?,
+            })
+        } else {
+            None
+        };
         let mm_x = function(&m, "mm_x_bf16")?;
         set_gemv_switches(ctx, &m)?;
         // The tensor-core gate/up of Q4_K experts (sm_90+), unless FERRITE_MOE_TC=0.
@@ -444,6 +486,9 @@ impl Kernels {
             xqn: Mutex::new(None),
             swiglu_n_q8_0,
             add_n_q8_0,
+            qkv_norm,
+            norm_qkv,
+            tckn,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -969,6 +1014,37 @@ impl Grown for NormPlanes {
     fn retired(&mut self) -> &mut Vec<Self> {
         &mut self.retired
     }
+}
+
+/// The one-row grouped Q, K, V kernels reading the planes of x ⊙ n that [`add_for_norm`]
+/// left, scaling each output by 1 / rms(x) (matmul.cu `GEMVQ_MULTI_NORM_KERNEL`): Q4_K on the
+/// tensor-core tile, Q4_K Q, K + Q6_K V (the mixed launch), and Q8_0 on the lane code.
+struct QkvNorm {
+    q4_k: CudaFunction,
+    q4_k_q6_k: CudaFunction,
+    q8_0: CudaFunction,
+}
+
+/// The scratch of the handed-over planes, grown to `n` columns.
+fn norm_planes(
+    be: &CudaBackend,
+    n: usize,
+) -> Result<std::sync::MutexGuard<'_, Option<NormPlanes>>> {
+    lock_grown(
+        &be.matmul.xqn,
+        "norm planes",
+        |b| b.cap >= n,
+        || {
+            Ok(NormPlanes {
+                q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n)?,
+                d: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n / 32 * 2)?,
+                ss: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n / 32)?,
+                cap: n,
+                retired: Vec::new(),
+                src: None,
+            })
+        },
+    )
 }
 
 /// Quantizes `rows` rows of `n_in` (a multiple of 32) floats of `x` into `q` (two int8 planes
@@ -1586,7 +1662,7 @@ pub fn matmuls(
         }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
-            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group)?,
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group, None)?,
             Some(true) => {
                 let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
@@ -1607,6 +1683,8 @@ pub fn matmuls(
 
 /// One launch of 2–3 weights of one type and row length (checked by the caller): the
 /// quantized-x GEMV on `xq` (`q`) or the f32 GEMV on x.
+/// `handed`: the planes of x ⊙ n and their group sums that [`add_for_norm`] left, read
+/// instead of `xq` by the launch's NORM form (one row; [`handed_kernel`]), with the norm's eps.
 fn multi_launch(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -1614,6 +1692,7 @@ fn multi_launch(
     q: bool,
     ws: &[&CudaWeight],
     outs: Vec<&mut &mut Act<CudaSlice<f32>>>,
+    handed: Option<(&NormPlanes, f32)>,
 ) -> Result<()> {
     use cudarc::driver::DevicePtrMut;
     let (t, n_in, rows) = (ws[0].dtype, ws[0].shape[1], x.rows);
@@ -1716,13 +1795,42 @@ fn multi_launch(
         ks as i32,
     );
     if q {
-        let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
-        ensure!(xq.cap >= n_in, "matmuls: int8 scratch too small");
+        let (pq, pd, cap) = match (handed, xq) {
+            (Some((p, _)), _) => (&p.q, &p.d, p.cap),
+            (None, Some(xq)) => (&xq.q, &xq.d, xq.cap),
+            (None, None) => bail!("matmuls: int8 scratch missing"),
+        };
+        ensure!(cap >= n_in, "matmuls: int8 scratch too small");
         let fams = be.matmul.gemvq[ti]
             .as_ref()
             .ok_or_else(|| anyhow!("matmuls: no quantized-x kernel for {t}"))?;
-        let xd = xq.d.slice(..rows * n_in / 32 * 2);
-        let xqs = xq.q.slice(..2 * rows * n_in);
+        let xd = pd.slice(..rows * n_in / 32 * 2);
+        let xqs = pq.slice(..2 * rows * n_in);
+        if let Some((p, eps)) = handed {
+            let f = handed_kernel(be, t, t2, tc.is_some(), rows)
+                .ok_or_else(|| anyhow!("matmuls: no handed-norm kernel for {t} + {t2}"))?;
+            let (rb2, ks2_i) = (ws[ws.len() - 1].row_bytes() as i64, ks2 as i32);
+            let ss = p.ss.slice(..rows * n_in / 32);
+            let mut launch = be.stream.kernel(f);
+            launch.arg(&sg).arg(&rb);
+            if mixed {
+                launch.arg(&rb2);
+            }
+            launch
+                .arg(&n_in_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&rows_i)
+                .arg(&ks_i);
+            if mixed {
+                launch.arg(&ks2_i);
+            }
+            // SAFETY: as below (and for the mixed form as its plain launch); the planes hold
+            // rows × n_in values of x ⊙ n with their scales and group sums (add_for_norm).
+            unsafe { launch.arg(&ss).arg(&eps).launch(cfg) }?;
+            drop(guards);
+            return Ok(());
+        }
         if mixed {
             let f = match (&be.matmul.gemvq_tc, tc) {
                 (Some(all), Some(_)) => {
@@ -2166,6 +2274,49 @@ fn hands_norm_from(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
         )
 }
 
+/// The K-split plan of `w` at one row if it is the pair-ticket producer's
+/// (`gemvq_tckn_q4_k_r1`): Q4_K rows of whole 32-row groups on the K-split tile.
+fn tckn_plan(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Result<Option<(usize, usize, u32)>> {
+    if be.matmul.tckn.is_none()
+        || rows != 1
+        || w.dtype != GgmlType::Q4K
+        || w.shape.len() != 2
+        || !w.shape[0].is_multiple_of(32)
+        || gemv_path(w, rows) != Some(true)
+    {
+        return Ok(None);
+    }
+    let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
+    let (_, smem, tc) = gemvq_plan(
+        be,
+        w.dtype,
+        n_in,
+        n_out,
+        rb,
+        row_groups(n_out),
+        1,
+        rows,
+        GemvKind::Plain,
+    )?;
+    Ok(match tc {
+        Some(TcForm::Split(_, ks, kc)) => Some((ks, kc, smem)),
+        _ => None,
+    })
+}
+
+/// Whether `matmul_add_for_norm` of the down projection `wd` can hand the next layer's
+/// attention norm to its grouped Q, K, V `qkv` (`FERRITE_NORM_QKV` & 2): the pair-ticket
+/// producer ([`tckn_plan`]) and a NORM form of the Q, K, V launch ([`takes_handed`]).
+pub(crate) fn hands_norm_to_qkv(
+    be: &CudaBackend,
+    wd: &CudaWeight,
+    qkv: &[&CudaWeight],
+    rows: usize,
+) -> bool {
+    matches!(tckn_plan(be, wd, rows), Ok(Some(_)))
+        && matches!(takes_handed(be, qkv, rows), Ok(true))
+}
+
 /// Whether `matmul_add_for_norm` of `wo` followed by `rms_norm_matmul_swiglu` of `gate` and
 /// `up` at `rows` rows takes the handed-over norm (`gemvq_tc2_add_q4_k` and
 /// `gemvq_swiglu_tcn_q4_k`): [`hands_norm_from`] `wo`, and Q4_K gate and up on the
@@ -2220,6 +2371,9 @@ pub fn matmul_add_for_norm(
     norm: &CudaWeight,
 ) -> Result<bool> {
     let rows = x.rows;
+    if let Some((ks, kc, smem)) = tckn_plan(be, w, rows)? {
+        return tckn_launch(be, x, w, out, norm, (ks, kc, smem)).map(|()| true);
+    }
     let Some(tc2) = be.matmul.tc2.as_ref() else {
         return Ok(false);
     };
@@ -2245,23 +2399,7 @@ pub fn matmul_add_for_norm(
     let xq = guard
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: int8 scratch missing"))?;
-    let mut planes = lock_grown(
-        &be.matmul.xqn,
-        "norm planes",
-        |b| b.cap >= n_out,
-        || {
-            Ok(NormPlanes {
-                q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_out)?,
-                d: be
-                    .stream
-                    .alloc_zeros::<f32>(GEMV_MAX_ROWS * n_out / 32 * 2)?,
-                ss: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n_out / 32)?,
-                cap: n_out,
-                retired: Vec::new(),
-                src: None,
-            })
-        },
-    )?;
+    let mut planes = norm_planes(be, n_out)?;
     let p = planes
         .as_mut()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
@@ -2360,6 +2498,249 @@ pub fn matmul_add_for_norm(
     let (np, _g2) = norm.data.device_ptr(&be.stream);
     p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
     Ok(true)
+}
+
+/// The NORM form of the grouped launch of two `t` weights and a third of type `t2` at `rows`
+/// rows, with or without the tensor-core segments (`tc`), if there is one ([`QkvNorm`]).
+fn handed_kernel(
+    be: &CudaBackend,
+    t: GgmlType,
+    t2: GgmlType,
+    tc: bool,
+    rows: usize,
+) -> Option<&CudaFunction> {
+    let k = be.matmul.qkv_norm.as_ref().filter(|_| rows == 1)?;
+    match (t, t2, tc) {
+        (GgmlType::Q4K, GgmlType::Q4K, true) => Some(&k.q4_k),
+        (GgmlType::Q4K, GgmlType::Q6K, true) => Some(&k.q4_k_q6_k),
+        (GgmlType::Q8_0, GgmlType::Q8_0, false) => Some(&k.q8_0),
+        _ => None,
+    }
+}
+
+/// Whether [`matmuls`] of `ws` at `rows` rows is one grouped launch that has a NORM form
+/// ([`handed_kernel`]): the consumers [`add_for_norm`] can hand the norm to.
+fn takes_handed(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<bool> {
+    let [a, b, c] = ws else {
+        return Ok(false);
+    };
+    if be.matmul.qkv_norm.is_none()
+        || rows != 1
+        || !ws.iter().all(|w| gemv_path(w, rows) == Some(true))
+        || a.dtype != b.dtype
+        || !ws.iter().all(|w| w.shape[1] == a.shape[1])
+        || (c.dtype != a.dtype && mixed_kernels(be, a.dtype, c.dtype).is_none())
+    {
+        return Ok(false);
+    }
+    // multi_launch's plan for the group.
+    let n_min = ws
+        .iter()
+        .filter(|w| w.dtype == a.dtype)
+        .map(|w| w.shape[0])
+        .min()
+        .unwrap_or(0);
+    let groups: usize = ws.iter().map(|w| row_groups(w.shape[0])).sum();
+    let (_, _, tc) = gemvq_plan(
+        be,
+        a.dtype,
+        a.shape[1],
+        n_min,
+        a.row_bytes(),
+        groups,
+        1,
+        rows,
+        GemvKind::Grouped,
+    )?;
+    let tc = match tc {
+        Some(TcForm::Full(_)) => true,
+        None => false,
+        Some(_) => return Ok(false),
+    };
+    Ok(handed_kernel(be, a.dtype, c.dtype, tc, rows).is_some())
+}
+
+/// `x += y` whose result feeds `rms_norm(x) · norm` and the grouped projections `ws` next
+/// (the attention input's Q, K, V): with `FERRITE_NORM_QKV=1` at one row, where those take a
+/// NORM form ([`takes_handed`]), `add_norm_planes` (one warp per 32-element group, no block
+/// reduction) writes x + y, the planes of (x + y) ⊙ norm and each group's Σ x² for
+/// [`rms_norm_matmuls_handed`]; `false` (nothing done) otherwise.
+pub fn add_for_norm(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    y: &Act<CudaSlice<f32>>,
+    norm: &CudaWeight,
+    ws: &[&CudaWeight],
+) -> Result<bool> {
+    let (rows, n) = (x.rows, x.cols);
+    if be.matmul.norm_qkv & 1 == 0 || !takes_handed(be, ws, rows)? {
+        return Ok(false);
+    }
+    ensure!(
+        y.rows == rows && y.cols == n && n.is_multiple_of(32),
+        "add_for_norm: x [{rows}, {n}] and y [{}, {}]",
+        y.rows,
+        y.cols
+    );
+    ensure!(
+        x.buf.len() >= rows * n && y.buf.len() >= rows * n,
+        "add_for_norm: buffers smaller than their shapes"
+    );
+    let nw = super::ops::f32_vec(norm, n)?;
+    let mut planes = norm_planes(be, n)?;
+    let p = planes
+        .as_mut()
+        .ok_or_else(|| anyhow!("add_for_norm: plane scratch missing"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from((rows * n / 32).div_ceil(8))?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows_i, n_i) = (rows as i32, n as i32);
+    // SAFETY: x and y hold rows × n floats (checked), the norm weight n, the plane scratch
+    // GEMV_MAX_ROWS ≥ rows rows of n (norm_planes); one warp per 32-group.
+    unsafe {
+        be.stream
+            .kernel(&be.matmul.add_norm_planes)
+            .arg(&mut x.buf)
+            .arg(&y.buf)
+            .arg(&nw)
+            .arg(&rows_i)
+            .arg(&n_i)
+            .arg(&mut p.q)
+            .arg(&mut p.d)
+            .arg(&mut p.ss)
+            .launch(cfg)
+    }?;
+    let (xp, _g) = x.buf.device_ptr(&be.stream);
+    let (np, _g2) = norm.data.device_ptr(&be.stream);
+    p.src = Some((xp, np, rows, n, super::launch::launch_count()));
+    Ok(true)
+}
+
+/// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` on the planes [`add_for_norm`] just left for
+/// this `x` and `norm` (the grouped launch's NORM form); `false` (nothing done) unless they
+/// are there, nothing launched since, and the weights take the form.
+pub fn rms_norm_matmuls_handed(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    ws: &[&CudaWeight],
+    outs: &mut [&mut Act<CudaSlice<f32>>],
+) -> Result<bool> {
+    let rows = x.rows;
+    let mut guard = be
+        .matmul
+        .xqn
+        .lock()
+        .map_err(|_| anyhow!("matmul: norm plane scratch lock poisoned"))?;
+    let Some(p) = guard.as_mut() else {
+        return Ok(false);
+    };
+    let (xp, _g) = x.buf.device_ptr(&be.stream);
+    let (np, _g2) = norm.data.device_ptr(&be.stream);
+    let want = Some((xp, np, rows, x.cols, super::launch::launch_count()));
+    if p.src.take() != want || !takes_handed(be, ws, rows)? {
+        return Ok(false);
+    }
+    ensure!(
+        ws.len() == outs.len() && p.cap >= x.cols,
+        "rms_norm_matmuls: {} weights, {} outputs",
+        ws.len(),
+        outs.len()
+    );
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        crate::check_matmul(x, &w.shape, out)?;
+        check_weight(w, "rms_norm_matmuls")?;
+        ensure!(
+            out.buf.len() >= rows * w.shape[0],
+            "rms_norm_matmuls: output buffer smaller than its shape"
+        );
+    }
+    let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.iter_mut().collect();
+    multi_launch(be, x, None, true, ws, group, Some((p, eps)))?;
+    Ok(true)
+}
+
+/// `out += x · wᵀ` at one row by the pair-ticket producer (`gemvq_tckn_q4_k_r1`, the K-split
+/// plan `(ks, kc, smem)` of [`tckn_plan`]), leaving the planes of `out ⊙ norm` and their
+/// groups' Σ out² for the NORM Q, K, V launch next.
+fn tckn_launch(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+    norm: &CudaWeight,
+    (ks, kc, smem): (usize, usize, u32),
+) -> Result<()> {
+    let f = be
+        .matmul
+        .tckn
+        .as_ref()
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
+    let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
+    check_weight(w, "matmul_add_for_norm")?;
+    ensure!(
+        out.buf.len() >= n_out && n_out.is_multiple_of(32),
+        "matmul_add_for_norm: output buffer smaller than its shape"
+    );
+    let rb = w.row_bytes();
+    {
+        let (wp, _g) = w.data.device_ptr(&be.stream);
+        ensure!(
+            wp % 16 == 0 && rb % 16 == 0,
+            "matmul_add_for_norm: K-split tile on a weight not 16-byte aligned"
+        );
+    }
+    let nw = super::ops::f32_vec(norm, n_out)?;
+    let guard = quantize_x(be, x)?;
+    let xq = guard
+        .as_ref()
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: int8 scratch missing"))?;
+    let mut planes = norm_planes(be, n_out)?;
+    let p = planes
+        .as_mut()
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
+    let tck = lock_tck(be, n_out)?;
+    let sc = tck
+        .as_ref()
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from(n_out / 16)?, u32::try_from(ks)?, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (rb_i, n_out_i, n_in_i, kc_i) = (rb as i64, n_out as i32, n_in as i32, kc as i32);
+    let xd = xq.d.slice(..n_in / 32 * 2);
+    let xqs = xq.q.slice(..2 * n_in);
+    // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned with rb a multiple of
+    // 16; the int8 scratch holds n_in quantized values of x; out (the residual, read and
+    // written in place by one lane of each element) n_out floats; the norm weight n_out; the
+    // plane scratch GEMV_MAX_ROWS rows of n_out; the K-split scratch TCK_MAX_SPLITS × n_out
+    // partials and a ticket per 16-row tile (the pairs use the first n_out / 32).
+    unsafe {
+        be.stream
+            .kernel(f)
+            .arg(&w.data)
+            .arg(&rb_i)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&xqs)
+            .arg(&xd)
+            .arg(&kc_i)
+            .arg(&sc.part)
+            .arg(&sc.tickets)
+            .arg(&mut out.buf)
+            .arg(&nw)
+            .arg(&mut p.q)
+            .arg(&mut p.d)
+            .arg(&mut p.ss)
+            .launch(cfg)
+    }?;
+    let (op, _g) = out.buf.device_ptr(&be.stream);
+    let (np, _g2) = norm.data.device_ptr(&be.stream);
+    p.src = Some((op, np, 1, n_out, super::launch::launch_count()));
+    Ok(())
 }
 
 /// The SwiGLU on the planes `matmul_add_for_norm` just left for this `x` and `norm`

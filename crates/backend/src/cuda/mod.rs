@@ -502,7 +502,11 @@ impl Backend for CudaBackend {
         consumers: &[&CudaWeight],
         rows: usize,
     ) -> bool {
-        matches!(consumers, [gate, up] if matmul::hands_norm_over(self, producer, gate, up, rows))
+        match consumers {
+            [gate, up] => matmul::hands_norm_over(self, producer, gate, up, rows),
+            [_, _, _] => matmul::hands_norm_to_qkv(self, producer, consumers, rows),
+            _ => false,
+        }
     }
 
     fn matmul_add_for_norm(
@@ -519,6 +523,16 @@ impl Backend for CudaBackend {
         self.matmul_add(x, w, out, y)
     }
 
+    fn add_for_norm(
+        &self,
+        x: &mut Act<CudaSlice<f32>>,
+        y: &Act<CudaSlice<f32>>,
+        norm: (&CudaWeight, f32),
+        consumers: &[&CudaWeight],
+    ) -> Result<bool> {
+        matmul::add_for_norm(self, x, y, norm.0, consumers)
+    }
+
     fn rms_norm_matmuls(
         &self,
         x: &Act<CudaSlice<f32>>,
@@ -527,7 +541,9 @@ impl Backend for CudaBackend {
         outs: &mut [&mut Act<CudaSlice<f32>>],
         h: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        if matmul::rms_norm_matmuls(self, x, norm, ws, outs)? {
+        if matmul::rms_norm_matmuls_handed(self, x, norm, ws, outs)?
+            || matmul::rms_norm_matmuls(self, x, norm, ws, outs)?
+        {
             return Ok(());
         }
         self.rms_norm(x, norm.0, norm.1, h)?;

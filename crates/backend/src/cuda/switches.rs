@@ -65,6 +65,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
+        "FERRITE_NORM_QKV",
+        Accepts::OneOf(&[0, 1, 2, 3]),
+        "one-row decode: the attention input's RMSNorm handed to the grouped Q, K, V launch, a bit mask: 1 by add_norm_planes after the residual add (MATMUL.md round 39), 2 by the K-split Q4_K down projection's pair tickets (round 42)",
+    ),
+    (
         "FERRITE_QX_EARLY",
         Accepts::OneOf(&[0, 1]),
         "quant_x_q8 lets the GEMV after it launch before its own wait (MATMUL.md round 25)",

@@ -1674,6 +1674,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                int bx, uint8_t* smem, uint64_t* bar,
                                                const float* __restrict__ pss = nullptr, float eps = 0.0f) {
+    static_assert(!NORM || TYPE == GGML_Q4_K, "gemvq_tc_block: the deferred scale is Q4_K's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1857,12 +1858,22 @@ extern "C" __global__ void add_norm_planes(float* __restrict__ x, const float* _
 //  Sum: each block writes its partial sums to part[k][rows][n_out]; the block that draws the
 //  tile's last ticket (tickets[tile], reset to 0 by it) adds the ks partials in the order of
 //  k, so the output does not depend on which block finishes last.
-template <int TYPE, int R>
+// PAIRN (one row; gemvq_tckn_q4_k_r1, matmul.rs `matmul_add_for_norm` before the Q, K, V
+// launch): one ticket per pair of tiles (2 ks blocks, 32 rows: a whole 32-element group of
+// the output), and the pair's last block, instead of storing the sums, runs add_norm_planes's
+// add_norm_lane on them (warp 0, lane l: output 32 (tile / 2) + l, its ks partials added in
+// the order of k as above): x += the sum in place, the planes of x ⊙ n and the group's Σ x²
+// for the NORM Q, K, V launch — the residual of the plain launch + add_assign, bitwise.
+template <int TYPE, int R, bool PAIRN = false>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                 float* __restrict__ part, unsigned* __restrict__ tickets,
-                                                uint8_t* smem, uint64_t* bar) {
+                                                uint8_t* smem, uint64_t* bar, float* __restrict__ xres = nullptr,
+                                                const float* __restrict__ nw = nullptr,
+                                                int8_t* __restrict__ pq = nullptr, float2* __restrict__ pd = nullptr,
+                                                float* __restrict__ pss = nullptr) {
+    static_assert(!PAIRN || R == 1, "gemvq_tck_block: PAIRN is one row's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -1896,6 +1907,18 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         gemvq_tc_q4k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     else
         gemvq_tc_q6k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
+    if (PAIRN) {
+        const int pair = tile >> 1;
+        tail_ticket(tickets + pair, 1u, 2u * (unsigned)ks, &tck_last);
+        if (tck_last && threadIdx.x < 32) {
+            const int lane = threadIdx.x, o = pair * 32 + lane;
+            float v = 0.0f;
+            for (int j = 0; j < ks; j++) v += __ldcg(part + (size_t)j * (size_t)n_out + o);
+            add_norm_lane(xres + o, v, nw[o], lane, pq, n_out, o, pd + pair, pss + pair);
+            if (lane == 0) tickets[pair] = 0;
+        }
+        return;
+    }
     tail_ticket(tickets + tile, 1u, (unsigned)ks, &tck_last);
     if (tck_last) {
         for (int i = threadIdx.x; i < rows * nrows; i += blockDim.x) {
@@ -1913,12 +1936,12 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
 // launcher's choice).
-// NORM (the lane code; the Q8_0 SwiGLU of gemvq_swiglu_n_q8_0): the FFN's RMSNorm handed over
-// by the o-projection's residual add (matmul.rs matmul_add_for_norm: the plain GEMV, then
-// add_norm_planes): x's planes are those of x ⊙ n with the groups' Σ x² in pss[r][n_in / 32];
-// after the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) (tc_norm_scale's order), and
-// every sum is scaled by s at the store (SWIGLU: gate and up, before the SwiGLU), as
-// tc_store's NORM form does.
+// NORM: a norm handed over by the producer before (matmul.rs matmul_add_for_norm): x's planes
+// are those of x ⊙ n with the groups' Σ x² in pss[r][n_in / 32]; after the PDL wait each row's
+// s = 1 / sqrt(Σ / n_in + eps) (tc_norm_scale's order), and every sum is scaled by s at the
+// store (SWIGLU: gate and up, before the SwiGLU), as tc_store's NORM form does. The lane
+// code (the Q8_0 SwiGLU of gemvq_swiglu_n_q8_0, the Q6_K V of the NORM Q, K, V launch) and
+// the Q4_K tensor-core tile (gemvq_tc_block's NORM; the Q, K, V launch's Q4_K segments).
 // NWT: rows per warp of the plain lane code (GEMV_NW; 4 for gemvq_add_n_q8_0's 32-row blocks).
 // SOUT (plain rows, one x row): the block's sums go to sout[output - first row of the block]
 // (shared memory) instead of out.
@@ -1928,7 +1951,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
                                       int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f,
                                       float* sout = nullptr) {
-    static_assert(!NORM || !TC, "gemvq: NORM is the lane code's (the tensor-core SwiGLU has its own)");
     static_assert(!SOUT || (R == 1 && !SWIGLU && !TC), "gemvq: SOUT is for one plain row");
     constexpr int NW = NWT;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
@@ -1944,7 +1966,10 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
     if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
-        gemvq_tc_block<TYPE, R, SWIGLU, false>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx, gemv_smem, &gemv_bar);
+        // (NORM && TC: the lane-code instances never take this branch nor instantiate the
+        // tile's NORM form.)
+        gemvq_tc_block<TYPE, R, SWIGLU, false, NORM && TC>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx,
+                                                           gemv_smem, &gemv_bar, pss, eps);
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
@@ -2029,7 +2054,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                     if (SOUT)
                         sout[o0 + w - r0] = acc[r][w];
                     else
-                        out[(size_t)r * n_out + o0 + w] = acc[r][w];
+                        out[(size_t)r * n_out + o0 + w] = NORM ? acc[r][w] * sn[r] : acc[r][w];
                 }
         }
     }
@@ -2146,6 +2171,39 @@ GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
+// The grouped Q, K, V launch on the attention input's handed-over norm (gemvq's NORM; one
+// row: matmul.rs `add_for_norm`): gemvq_multi_tcn_q4_k_r1 (the tensor-core form),
+// gemvq_multi_tcn_q4_k_q6_k_r1 (Q4_K Q, K on it + Q6_K V on the lane code, as the mixed
+// launch) and gemvq_multi_n_q8_0_r1 (the lane code). Bounds as their plain forms'.
+#define GEMVQ_MULTI_NORM_KERNEL(name, TYPE, TC, TCN, LB)                                                     \
+    extern "C" __global__ void __launch_bounds__ LB                                                          \
+        gemvq_multi##TCN##_##name##_r1(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,   \
+                                       const float2* __restrict__ xd, int rows, int ks,                      \
+                                       const float* __restrict__ pss, float eps) {                           \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
+        float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
+        const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
+        gemvq<TYPE, 1, false, TC, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx, pss, eps);         \
+    }
+GEMVQ_MULTI_NORM_KERNEL(q4_k, GGML_Q4_K, true, _tcn, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
+GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
+    gemvq_multi_tcn_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in, const int8_t* __restrict__ xq,
+                                 const float2* __restrict__ xd, int rows, int ks, int ks2,
+                                 const float* __restrict__ pss, float eps) {
+    int bx = blockIdx.x;
+    const int s = gemv_seg(sg, bx);
+    if (s < 2) {
+        const uint8_t* W = s == 0 ? sg.w0 : sg.w1;
+        gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,
+                                               s == 0 ? sg.out0 : sg.out1, ks, bx, pss, eps);
+    } else {
+        gemvq<GGML_Q6_K, 1, false, false, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx, pss,
+                                                eps);
+    }
+}
 // The two-tile one-row blocks (gemvq_tct_block): the signature of gemvq_tc_<type>_r1 (rows
 // must be 1, ks is unused), three blocks per SM as the one-tile kernel's.
 #define GEMVQ_TCT_KERNEL(name, TYPE)                                                                         \
@@ -2224,6 +2282,19 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
+// gemvq_tckn_q4_k_r1: the K-split Q4_K down projection handing the next layer's attention
+// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). Bounds as the plain one's.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
+    gemvq_tckn_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
+                       float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
+                       const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
+                       float* __restrict__ pss) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tck_block<GGML_Q4_K, 1, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
+                                        &gemv_bar, x, nw, pq, pd, pss);
+}
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
