@@ -394,12 +394,17 @@ enum Op {
     /// ..)`, else `add_rms_norm` + `matmuls` (the decoder's sequence). Q, K `[n_outs[0|1],
     /// n_in]` of type `ty`, V of `ty_v`; `x` a random residual (restored before the op), `y`
     /// rows of unequal scales. Checked: q, the residual after the op, k, v (each apart).
+    /// With `down` > 0, y is a Q4_K down projection's `[n_in, down]` output of a random
+    /// input, taken as the decoder does: where the backend hands the norm over from it
+    /// (`defers_rms_norm_after(w_down, [wq, wk, wv])`), `matmul_add_for_norm` then
+    /// `rms_norm_matmuls`; else `matmul`, then as above.
     AddNormMatmuls {
         ty: GgmlType,
         ty_v: GgmlType,
         n_in: usize,
         n_outs: [usize; 3],
         rows: usize,
+        down: usize,
     },
     Rope {
         rows: usize,
@@ -698,9 +703,16 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_in,
             n_outs: [nq, nk, nv],
             rows,
+            down,
         } => (
             "add_for_norm",
-            format!("add_rms_norm+matmuls {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"),
+            if *down > 0 {
+                format!(
+                    "matmul_add+matmuls(rms_norm) q4_K {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
+                )
+            } else {
+                format!("add_rms_norm+matmuls {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}")
+            },
         ),
         Op::Rope {
             rows,
@@ -1358,7 +1370,23 @@ pub fn cases(quick: bool) -> Vec<Case> {
             n_in,
             n_outs,
             rows,
+            down: 0,
         });
+    }
+    // The K-split Q4_K down projection as the producer (FERRITE_NORM_QKV=2 on CUDA: its pair
+    // tickets; otherwise matmul + add_rms_norm + matmuls): Qwen3-8B's shapes, V Q4_K and Q6_K,
+    // and a fallback at two rows.
+    if !quick {
+        for (ty_v, rows) in [(GgmlType::Q4K, 1), (GgmlType::Q6K, 1), (GgmlType::Q4K, 2)] {
+            add(Op::AddNormMatmuls {
+                ty: GgmlType::Q4K,
+                ty_v,
+                n_in: 4096,
+                n_outs: [4096, 1024, 1024],
+                rows,
+                down: 12288,
+            });
+        }
     }
 
     // --- rope: both styles, partial rotary dims, positions from 0 and from 1000.
@@ -2265,6 +2293,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             n_in,
             n_outs,
             rows,
+            down,
         } => {
             push_norm_weight(&mut h, &mut rng, n_in);
             for (i, &n_out) in n_outs.iter().enumerate() {
@@ -2287,6 +2316,15 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, n_outs[0]);
             h.out2 = Some((rows, n_in));
             h.more_outs = vec![(rows, n_outs[1]), (rows, n_outs[2])];
+            if down > 0 {
+                // The down projection (w[4]) and its input (a[3]).
+                h.weights.push((
+                    GgmlType::Q4K,
+                    vec![n_in, down],
+                    gen_weight(GgmlType::Q4K, &[n_in, down], seed ^ 0xd0e1)?,
+                ));
+                h.acts.push((rng.normals(rows * down, 1.0), rows, down));
+            }
         }
         Op::RmsNormMatmulSwiglu {
             ty,
@@ -2990,18 +3028,27 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
         }
         Op::AddNormMatmuls { .. } => {
-            let [_, y, h] = &mut p.a[..] else {
-                bail!("add_rms_norm+matmuls: expected 3 activations")
+            let (y, h, act) = match &mut p.a[..] {
+                [_, y, h] => (y, h, None),
+                [_, y, h, act] => (y, h, Some(&*act)),
+                _ => bail!("add_rms_norm+matmuls: expected 3 or 4 activations"),
             };
             let x = p
                 .out2
                 .as_mut()
                 .ok_or_else(|| anyhow::anyhow!("add_rms_norm+matmuls: no residual output"))?;
             let norm = (&p.w[0], EPS);
-            let ws: Vec<&B::Weight> = p.w[1..].iter().collect();
+            let ws: Vec<&B::Weight> = p.w[1..4].iter().collect();
             let mut outs: Vec<&mut Act<B::Buf>> = std::iter::once(&mut p.out)
                 .chain(p.more.iter_mut())
                 .collect();
+            if let (Some(wd), Some(act)) = (p.w.get(4), act) {
+                if be.defers_rms_norm_after(wd, &ws, act.rows) {
+                    be.matmul_add_for_norm(act, wd, x, y, norm)?;
+                    return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
+                }
+                be.matmul(act, wd, y)?;
+            }
             if be.add_for_norm(x, y, norm, &ws)? {
                 be.rms_norm_matmuls(x, norm, &ws, &mut outs, h)
             } else {
@@ -3512,16 +3559,22 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
         ],
         // Q, K, V: the matmul thresholds of their types and shapes (the handed-over planes of
         // x ⊙ norm are the quantized GEMV's x, 1/rms applied after the dot products, as for
-        // the FFN's hand-over). The residual: x + y in f32, bitwise add_rms_norm's sum.
+        // the FFN's hand-over). The residual: x + y in f32, bitwise add_rms_norm's sum; with a
+        // down projection, y is its output (the Q4_K matmul threshold of its shape).
         Op::AddNormMatmuls {
             ty,
             ty_v,
+            n_in,
             n_outs: [nq, nk, nv],
             rows,
-            ..
+            down,
         } => vec![
             matmul_nmse(*ty, *nq, *rows),
-            ELEMENTWISE_NMSE,
+            if *down > 0 {
+                matmul_nmse(GgmlType::Q4K, *n_in, *rows)
+            } else {
+                ELEMENTWISE_NMSE
+            },
             matmul_nmse(*ty, *nk, *rows),
             matmul_nmse(*ty_v, *nv, *rows),
         ],
