@@ -124,7 +124,7 @@ pub struct Kernels {
     /// the default; for more rows, or with 1, the plain GEMV and `add_norm_planes`).
     add_n_q8_0: Option<CudaFunction>,
     /// The grouped Q, K, V kernels on the attention input's handed-over norm ([`add_for_norm`],
-    /// [`hands_norm_to_qkv`]; sm_90+, `FERRITE_NORM_QKV` ≠ 0).
+    /// [`hands_norm_to_qkv`]; sm_90+, `FERRITE_NORM_QKV` ≠ 0, 2 by default).
     qkv_norm: Option<QkvNorm>,
     /// `FERRITE_NORM_QKV`: 1 [`add_for_norm`] (add_norm_planes), 2 the K-split Q4_K down's
     /// pair tickets (`gemvq_tckn_q4_k_r1`), a bit mask.
@@ -412,7 +412,8 @@ impl Kernels {
             None
         };
         let norm_qkv = if gemvq_tc.is_some() {
-            switches::int_or("FERRITE_NORM_QKV", 0)
+            // 2 (default): the K-split Q4_K down's pair tickets (MATMUL.md round 42).
+            switches::int_or("FERRITE_NORM_QKV", 2)
         } else {
             0
         };

@@ -67,7 +67,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_NORM_QKV",
         Accepts::OneOf(&[0, 1, 2, 3]),
-        "one-row decode: the attention input's RMSNorm handed to the grouped Q, K, V launch, a bit mask: 1 by add_norm_planes after the residual add (MATMUL.md round 39), 2 by the K-split Q4_K down projection's pair tickets (round 42)",
+        "one-row decode: the attention input's RMSNorm handed to the grouped Q, K, V launch, a bit mask: 1 by add_norm_planes after the residual add (MATMUL.md round 39), 2 (default) by the K-split Q4_K down projection's pair tickets (round 42); 0 off",
     ),
     (
         "FERRITE_QX_EARLY",
