@@ -417,7 +417,7 @@ impl Kernels {
         } else {
             0
         };
-        let tckn = if norm_qkv & 2 != 0 {
+        let tckn = if norm_qkv & 2 != 0 && tc2.is_some() {
             let f = function(&m, "gemvq_tckn_q4_k_r1")?;
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -2361,8 +2361,11 @@ const ADD_N_MAX_SMEM: usize = 200 * 1024;
 const TC2_MAX_ROWS: usize = 4;
 
 /// `out += x · wᵀ` leaving the planes of `out ⊙ norm` and their groups' Σ out² for the
-/// SwiGLU next (`gemvq_tc2_add_q4_k_r<R>`, or above [`TC2_MAX_ROWS`] rows the plain GEMV into
-/// `y` and `add_norm_planes`); `false` (nothing done) where `w` does not take it.
+/// SwiGLU or the Q, K, V next: the K-split Q4_K down's pair tickets (`gemvq_tckn_q4_k_r1`,
+/// [`tckn_plan`]), Q8_0's 32-row producer (`gemvq_add_n_q8_0_r1`), the two-tile Q4_K
+/// o-projection (`gemvq_tc2_add_q4_k_r<R>`), else (above [`TC2_MAX_ROWS`] rows, Q8_0's other
+/// rows) the plain GEMV into `y` and `add_norm_planes`; `false` (nothing done) where `w` does
+/// not take it.
 pub fn matmul_add_for_norm(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -2372,13 +2375,11 @@ pub fn matmul_add_for_norm(
     norm: &CudaWeight,
 ) -> Result<bool> {
     let rows = x.rows;
-    if let Some((ks, kc, smem)) = tckn_plan(be, w, rows)? {
-        return tckn_launch(be, x, w, out, norm, (ks, kc, smem)).map(|()| true);
-    }
+    let tckn = tckn_plan(be, w, rows)?;
     let Some(tc2) = be.matmul.tc2.as_ref() else {
         return Ok(false);
     };
-    if !hands_norm_from(be, w, rows) {
+    if tckn.is_none() && !hands_norm_from(be, w, rows) {
         return Ok(false);
     }
     let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
@@ -2406,7 +2407,9 @@ pub fn matmul_add_for_norm(
         .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
     let add_n_smem = 32 * rb.div_ceil(16) * 16 + 16;
-    if let (Some(f), 1, GgmlType::Q8_0, true) = (
+    if let Some(plan) = tckn {
+        tckn_launch(be, xq, w, out, &nw, p, plan)?;
+    } else if let (Some(f), 1, GgmlType::Q8_0, true) = (
         &be.matmul.add_n_q8_0,
         rows,
         w.dtype,
@@ -2664,14 +2667,15 @@ pub fn rms_norm_matmuls_handed(
 }
 
 /// `out += x · wᵀ` at one row by the pair-ticket producer (`gemvq_tckn_q4_k_r1`, the K-split
-/// plan `(ks, kc, smem)` of [`tckn_plan`]), leaving the planes of `out ⊙ norm` and their
-/// groups' Σ out² for the NORM Q, K, V launch next.
+/// plan `(ks, kc, smem)` of [`tckn_plan`]) on x's int8 planes `xq`, leaving the planes of
+/// `out ⊙ nw` and their groups' Σ out² in `p` (`matmul_add_for_norm` checked the shapes).
 fn tckn_launch(
     be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
+    xq: &XQuant,
     w: &CudaWeight,
     out: &mut Act<CudaSlice<f32>>,
-    norm: &CudaWeight,
+    nw: &cudarc::driver::CudaView<'_, f32>,
+    p: &mut NormPlanes,
     (ks, kc, smem): (usize, usize, u32),
 ) -> Result<()> {
     let f = be
@@ -2679,29 +2683,11 @@ fn tckn_launch(
         .tckn
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
-    let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
-    check_weight(w, "matmul_add_for_norm")?;
+    let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
     ensure!(
-        out.buf.len() >= n_out && n_out.is_multiple_of(32),
-        "matmul_add_for_norm: output buffer smaller than its shape"
+        rb % 16 == 0 && n_out.is_multiple_of(32),
+        "matmul_add_for_norm: K-split tile on rows not of 16-byte units"
     );
-    let rb = w.row_bytes();
-    {
-        let (wp, _g) = w.data.device_ptr(&be.stream);
-        ensure!(
-            wp % 16 == 0 && rb % 16 == 0,
-            "matmul_add_for_norm: K-split tile on a weight not 16-byte aligned"
-        );
-    }
-    let nw = super::ops::f32_vec(norm, n_out)?;
-    let guard = quantize_x(be, x)?;
-    let xq = guard
-        .as_ref()
-        .ok_or_else(|| anyhow!("matmul_add_for_norm: int8 scratch missing"))?;
-    let mut planes = norm_planes(be, n_out)?;
-    let p = planes
-        .as_mut()
-        .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
     let tck = lock_tck(be, n_out)?;
     let sc = tck
         .as_ref()
@@ -2714,11 +2700,12 @@ fn tckn_launch(
     let (rb_i, n_out_i, n_in_i, kc_i) = (rb as i64, n_out as i32, n_in as i32, kc as i32);
     let xd = xq.d.slice(..n_in / 32 * 2);
     let xqs = xq.q.slice(..2 * n_in);
-    // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned with rb a multiple of
-    // 16; the int8 scratch holds n_in quantized values of x; out (the residual, read and
-    // written in place by one lane of each element) n_out floats; the norm weight n_out; the
-    // plane scratch GEMV_MAX_ROWS rows of n_out; the K-split scratch TCK_MAX_SPLITS × n_out
-    // partials and a ticket per 16-row tile (the pairs use the first n_out / 32).
+    // SAFETY: w holds n_out rows of rb bytes (checked by the caller), 16-byte aligned with rb
+    // a multiple of 16; the int8 scratch holds n_in quantized values of x; out (the residual,
+    // read and written in place by one lane of each element) n_out floats; the norm weight
+    // n_out; the plane scratch GEMV_MAX_ROWS rows of n_out; the K-split scratch
+    // TCK_MAX_SPLITS × n_out partials and a ticket per 16-row tile (the pairs use the first
+    // n_out / 32).
     unsafe {
         be.stream
             .kernel(f)
@@ -2732,15 +2719,12 @@ fn tckn_launch(
             .arg(&sc.part)
             .arg(&sc.tickets)
             .arg(&mut out.buf)
-            .arg(&nw)
+            .arg(nw)
             .arg(&mut p.q)
             .arg(&mut p.d)
             .arg(&mut p.ss)
             .launch(cfg)
     }?;
-    let (op, _g) = out.buf.device_ptr(&be.stream);
-    let (np, _g2) = norm.data.device_ptr(&be.stream);
-    p.src = Some((op, np, 1, n_out, super::launch::launch_count()));
     Ok(())
 }
 
