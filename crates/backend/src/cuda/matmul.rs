@@ -230,20 +230,28 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
 fn per_r(m: &Arc<CudaModule>, prefix: &str, bulk: bool) -> Result<[CudaFunction; 6]> {
     let fs = GEMV_R
         .iter()
-        .map(|r| -> Result<CudaFunction> {
-            let f = function(m, &format!("{prefix}_r{r}"))?;
+        .map(|r| {
+            let name = format!("{prefix}_r{r}");
             if bulk {
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    GEMVQ_BULK_MAX_SMEM as i32,
-                )
-                .with_context(|| format!("{prefix}_r{r}: raising the shared-memory limit"))?;
+                function_smem(m, &name, GEMVQ_BULK_MAX_SMEM)
+            } else {
+                function(m, &name)
             }
-            Ok(f)
         })
         .collect::<Result<Vec<_>>>()?;
     fs.try_into()
         .map_err(|_| anyhow!("{prefix}: not one kernel per GEMV_R size"))
+}
+
+/// The kernel `name` with its dynamic shared-memory limit raised to `smem` bytes.
+fn function_smem(m: &Arc<CudaModule>, name: &str, smem: usize) -> Result<CudaFunction> {
+    let f = function(m, name)?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .with_context(|| format!("{name}: raising the shared-memory limit"))?;
+    Ok(f)
 }
 
 impl Kernels {
@@ -298,15 +306,7 @@ impl Kernels {
             } else {
                 None
             });
-            let g = |bn: usize| -> Result<CudaFunction> {
-                let f = function(&m, &format!("mm_{name}_n{bn}"))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    mm_smem(bn) as i32,
-                )
-                .with_context(|| format!("mm_{name}_n{bn}: raising the shared-memory limit"))?;
-                Ok(f)
-            };
+            let g = |bn: usize| function_smem(&m, &format!("mm_{name}_n{bn}"), mm_smem(bn));
             mm.push([g(MM_BN[0])?, g(MM_BN[1])?]);
         }
         let mut gemvq_mixed = Vec::with_capacity(GEMVQ_MIXED.len());
@@ -357,12 +357,7 @@ impl Kernels {
                 ));
                 half.push((t, all(&format!("_tch_{name}"))?));
                 split.push((t, all(&format!("_tck_{name}"))?));
-                let f = function(&m, &format!("gemvq_tct_{name}_r1"))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    GEMVQ_BULK_MAX_SMEM as i32,
-                )
-                .with_context(|| format!("gemvq_tct_{name}_r1: raising the shared-memory limit"))?;
+                let f = function_smem(&m, &format!("gemvq_tct_{name}_r1"), GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((t, f));
             }
             Some(TcKernels {
@@ -401,13 +396,7 @@ impl Kernels {
             None
         };
         let add_n_q8_0 = if defer_q8 == 2 {
-            let f = function(&m, "gemvq_add_n_q8_0_r1")?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                ADD_N_MAX_SMEM as i32,
-            )
-            .context("gemvq_add_n_q8_0_r1: raising the shared-memory limit")?;
-            Some(f)
+            Some(function_smem(&m, "gemvq_add_n_q8_0_r1", ADD_N_MAX_SMEM)?)
         } else {
             None
         };
@@ -418,26 +407,16 @@ impl Kernels {
             0
         };
         let tckn = if norm_qkv & 2 != 0 && tc2.is_some() {
-            let f = function(&m, "gemvq_tckn_q4_k_r1")?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                GEMVQ_BULK_MAX_SMEM as i32,
-            )
-            .context("gemvq_tckn_q4_k_r1: raising the shared-memory limit")?;
-            Some(f)
+            Some(function_smem(
+                &m,
+                "gemvq_tckn_q4_k_r1",
+                GEMVQ_BULK_MAX_SMEM,
+            )?)
         } else {
             None
         };
         let qkv_norm = if norm_qkv != 0 {
-            let one = |name: &str| -> Result<CudaFunction> {
-                let f = function(&m, name)?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    GEMVQ_BULK_MAX_SMEM as i32,
-                )
-                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-                Ok(f)
-            };
+            let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
             Some(QkvNorm {
                 q4_k: one("gemvq_multi_tcn_q4_k_r1")?,
                 q4_k_q6_k: one("gemvq_multi_tcn_q4_k_q6_k_r1")?,
