@@ -552,23 +552,6 @@ pub trait Backend: Send + Sync {
         self.matmul_add(x, w, out, y)
     }
 
-    /// `x += y` whose result feeds [`Backend::rms_norm_matmuls`] of `consumers` with `norm`
-    /// next (the attention input's Q, K, V): a backend may leave that input prepared for the
-    /// consumers (weighted by `norm` and quantized, the `1 / rms(x)` applied after their dot
-    /// products) instead of running the norm. Returns `false` (nothing done) where it does
-    /// not: the caller then runs [`Backend::add_rms_norm`] and [`Backend::matmuls`]. The CPU
-    /// backend: never.
-    fn add_for_norm(
-        &self,
-        x: &mut Act<Self::Buf>,
-        y: &Act<Self::Buf>,
-        norm: (&Self::Weight, f32),
-        consumers: &[&Self::Weight],
-    ) -> Result<bool> {
-        let _ = (x, y, norm, consumers);
-        Ok(false)
-    }
-
     /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then
     /// [`Backend::matmuls`]). `h` is scratch for the normed rows; a backend that defers the
     /// norm ([`Backend::defers_rms_norm`]) leaves it untouched and scales each output by

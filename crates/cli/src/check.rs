@@ -275,11 +275,10 @@ const OPS: &[&str] = &[
     "rms_norm_matmul_swiglu",
     "matmul_add",
     // The o-projection's residual add handing the FFN norm's input to the gate/up
-    // projections (matmul_add_for_norm, then rms_norm_matmul_swiglu; defers_rms_norm_after).
+    // projections (matmul_add_for_norm, then rms_norm_matmul_swiglu; defers_rms_norm_after),
+    // and the down projection's handing the attention norm's to the Q, K, V (then
+    // rms_norm_matmuls).
     "matmul_add_for_norm",
-    // The residual add handing the attention norm's input to the Q, K, V projections
-    // (add_for_norm, then rms_norm_matmuls).
-    "add_for_norm",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -389,22 +388,20 @@ enum Op {
         ffn: usize,
         rows: usize,
     },
-    /// The residual add before the attention, then its Q, K, V on the norm: `add_for_norm(x,
-    /// y, norm, [wq, wk, wv])`, and where that hands the norm over `rms_norm_matmuls(x, norm,
-    /// ..)`, else `add_rms_norm` + `matmuls` (the decoder's sequence). Q, K `[n_outs[0|1],
-    /// n_in]` of type `ty`, V of `ty_v`; `x` a random residual (restored before the op), `y`
-    /// rows of unequal scales. Checked: q, the residual after the op, k, v (each apart).
-    /// With `down` > 0, y is a Q4_K down projection's `[n_in, down]` output of a random
-    /// input, taken as the decoder does: where the backend hands the norm over from it
-    /// (`defers_rms_norm_after(w_down, [wq, wk, wv])`), `matmul_add_for_norm` then
-    /// `rms_norm_matmuls`; else `matmul`, then as above.
+    /// The down projection, the residual add and the next layer's Q, K, V on the attention
+    /// norm, as the decoder runs them: where the backend hands the norm over from the down
+    /// projection (`defers_rms_norm_after(w_down, [wq, wk, wv])`), `matmul_add_for_norm`
+    /// then `rms_norm_matmuls`; else `matmul`, `add_rms_norm` and `matmuls`. The down
+    /// projection `[n_in, down.1]` of type `down.0` on a random input; Q, K `[n_outs[0|1],
+    /// n_in]` of type `ty`, V of `ty_v`; `x` a random residual (restored before the op).
+    /// Checked: q, the residual after the op, k, v (each apart).
     AddNormMatmuls {
         ty: GgmlType,
         ty_v: GgmlType,
         n_in: usize,
         n_outs: [usize; 3],
         rows: usize,
-        down: usize,
+        down: (GgmlType, usize),
     },
     Rope {
         rows: usize,
@@ -703,16 +700,12 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_in,
             n_outs: [nq, nk, nv],
             rows,
-            down,
+            down: (ty_d, down),
         } => (
-            "add_for_norm",
-            if *down > 0 {
-                format!(
-                    "matmul_add+matmuls(rms_norm) q4_K {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
-                )
-            } else {
-                format!("add_rms_norm+matmuls {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}")
-            },
+            "matmul_add_for_norm",
+            format!(
+                "matmul_add+matmuls(rms_norm) {ty_d} {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
+            ),
         ),
         Op::Rope {
             rows,
@@ -1346,47 +1339,65 @@ pub fn cases(quick: bool) -> Vec<Case> {
         });
     }
 
-    // --- add_for_norm + rms_norm_matmuls (the residual add handing the attention norm's
-    // input to Q, K, V): CUDA takes it at one decode row with FERRITE_NORM_QKV=1 for Q4_K
-    // (V Q4_K or Q6_K: the mixed launch) and Q8_0; other types and rows run add_rms_norm +
-    // matmuls. Qwen3-8B's and Qwen3-30B-A3B's shapes; small in quick.
-    let qkv: &[(GgmlType, GgmlType, usize, [usize; 3], usize)] = if quick {
-        &[(GgmlType::Q4K, GgmlType::Q6K, 512, [384, 128, 128], 1)]
-    } else {
+    // --- matmul_add_for_norm + rms_norm_matmuls (the down projection's residual add handing
+    // the attention norm's input to the next layer's Q, K, V). CUDA takes it at one decode
+    // row from the K-split Q4_K tile (FERRITE_NORM_QKV & 2) and the Q6_K / Q8_0 lane code
+    // (& 4) into Q4_K (V Q4_K or Q6_K: the mixed launch) and Q8_0 Q, K, V; other types and
+    // rows run matmul + add_rms_norm + matmuls. Qwen3-8B's shapes (Q4_K_M's downs are Q4_K
+    // or Q6_K), two rows, a Q, K, V type without a NORM form; small in quick.
+    type QkvCase = (
+        GgmlType,
+        GgmlType,
+        usize,
+        [usize; 3],
+        usize,
+        (GgmlType, usize),
+    );
+    let qkv: &[QkvCase] = if quick {
         &[
-            (GgmlType::Q4K, GgmlType::Q4K, 4096, [4096, 1024, 1024], 1),
-            (GgmlType::Q4K, GgmlType::Q6K, 4096, [4096, 1024, 1024], 1),
-            (GgmlType::Q4K, GgmlType::Q6K, 2048, [4096, 512, 512], 1),
-            (GgmlType::Q8_0, GgmlType::Q8_0, 4096, [4096, 1024, 1024], 1),
-            (GgmlType::Q4K, GgmlType::Q4K, 4096, [4096, 1024, 1024], 2),
-            (GgmlType::Q6K, GgmlType::Q6K, 4096, [4096, 1024, 1024], 1),
-            (GgmlType::Q4K, GgmlType::Q6K, 512, [384, 128, 128], 1),
+            (
+                GgmlType::Q4K,
+                GgmlType::Q6K,
+                512,
+                [384, 128, 128],
+                1,
+                (GgmlType::Q6K, 1024),
+            ),
+            (
+                GgmlType::Q8_0,
+                GgmlType::Q8_0,
+                512,
+                [384, 128, 128],
+                1,
+                (GgmlType::Q8_0, 1024),
+            ),
+        ]
+    } else {
+        let (q4, q6, q8) = (GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0);
+        let d8 = [4096, 1024, 1024];
+        &[
+            (q4, q4, 4096, d8, 1, (q4, 12288)),
+            (q4, q6, 4096, d8, 1, (q4, 12288)),
+            (q4, q4, 4096, d8, 2, (q4, 12288)),
+            (q4, q4, 4096, d8, 1, (q6, 12288)),
+            (q4, q6, 4096, d8, 1, (q6, 12288)),
+            (q4, q6, 4096, d8, 2, (q6, 12288)),
+            (q8, q8, 4096, d8, 1, (q8, 12288)),
+            (q8, q8, 4096, d8, 2, (q8, 12288)),
+            (q6, q6, 4096, d8, 1, (q6, 12288)),
+            (q4, q6, 2048, [4096, 512, 512], 1, (q6, 6144)),
+            (q4, q6, 512, [384, 128, 128], 1, (q6, 1024)),
         ]
     };
-    for &(ty, ty_v, n_in, n_outs, rows) in qkv {
+    for &(ty, ty_v, n_in, n_outs, rows, down) in qkv {
         add(Op::AddNormMatmuls {
             ty,
             ty_v,
             n_in,
             n_outs,
             rows,
-            down: 0,
+            down,
         });
-    }
-    // The K-split Q4_K down projection as the producer (FERRITE_NORM_QKV=2 on CUDA: its pair
-    // tickets; otherwise matmul + add_rms_norm + matmuls): Qwen3-8B's shapes, V Q4_K and Q6_K,
-    // and a fallback at two rows.
-    if !quick {
-        for (ty_v, rows) in [(GgmlType::Q4K, 1), (GgmlType::Q6K, 1), (GgmlType::Q4K, 2)] {
-            add(Op::AddNormMatmuls {
-                ty: GgmlType::Q4K,
-                ty_v,
-                n_in: 4096,
-                n_outs: [4096, 1024, 1024],
-                rows,
-                down: 12288,
-            });
-        }
     }
 
     // --- rope: both styles, partial rotary dims, positions from 0 and from 1000.
@@ -2316,15 +2327,14 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, n_outs[0]);
             h.out2 = Some((rows, n_in));
             h.more_outs = vec![(rows, n_outs[1]), (rows, n_outs[2])];
-            if down > 0 {
-                // The down projection (w[4]) and its input (a[3]).
-                h.weights.push((
-                    GgmlType::Q4K,
-                    vec![n_in, down],
-                    gen_weight(GgmlType::Q4K, &[n_in, down], seed ^ 0xd0e1)?,
-                ));
-                h.acts.push((rng.normals(rows * down, 1.0), rows, down));
-            }
+            // The down projection (w[4]) and its input (a[3]).
+            let (ty_d, down) = down;
+            h.weights.push((
+                ty_d,
+                vec![n_in, down],
+                gen_weight(ty_d, &[n_in, down], seed ^ 0xd0e1)?,
+            ));
+            h.acts.push((rng.normals(rows * down, 1.0), rows, down));
         }
         Op::RmsNormMatmulSwiglu {
             ty,
@@ -3028,33 +3038,26 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
         }
         Op::AddNormMatmuls { .. } => {
-            let (y, h, act) = match &mut p.a[..] {
-                [_, y, h] => (y, h, None),
-                [_, y, h, act] => (y, h, Some(&*act)),
-                _ => bail!("add_rms_norm+matmuls: expected 3 or 4 activations"),
+            let [_, y, h, act] = &mut p.a[..] else {
+                bail!("matmul_add+matmuls: expected 4 activations")
             };
             let x = p
                 .out2
                 .as_mut()
-                .ok_or_else(|| anyhow::anyhow!("add_rms_norm+matmuls: no residual output"))?;
+                .ok_or_else(|| anyhow::anyhow!("matmul_add+matmuls: no residual output"))?;
             let norm = (&p.w[0], EPS);
             let ws: Vec<&B::Weight> = p.w[1..4].iter().collect();
             let mut outs: Vec<&mut Act<B::Buf>> = std::iter::once(&mut p.out)
                 .chain(p.more.iter_mut())
                 .collect();
-            if let (Some(wd), Some(act)) = (p.w.get(4), act) {
-                if be.defers_rms_norm_after(wd, &ws, act.rows) {
-                    be.matmul_add_for_norm(act, wd, x, y, norm)?;
-                    return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
-                }
-                be.matmul(act, wd, y)?;
+            let wd = &p.w[4];
+            if be.defers_rms_norm_after(wd, &ws, act.rows) {
+                be.matmul_add_for_norm(act, wd, x, y, norm)?;
+                return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
             }
-            if be.add_for_norm(x, y, norm, &ws)? {
-                be.rms_norm_matmuls(x, norm, &ws, &mut outs, h)
-            } else {
-                be.add_rms_norm(x, y, norm.0, EPS, h)?;
-                be.matmuls(h, &ws, &mut outs)
-            }
+            be.matmul(act, wd, y)?;
+            be.add_rms_norm(x, y, norm.0, EPS, h)?;
+            be.matmuls(h, &ws, &mut outs)
         }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
@@ -3570,11 +3573,7 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
             down,
         } => vec![
             matmul_nmse(*ty, *nq, *rows),
-            if *down > 0 {
-                matmul_nmse(GgmlType::Q4K, *n_in, *rows)
-            } else {
-                ELEMENTWISE_NMSE
-            },
+            matmul_nmse(down.0, *n_in, *rows),
             matmul_nmse(*ty, *nk, *rows),
             matmul_nmse(*ty_v, *nv, *rows),
         ],

@@ -478,8 +478,8 @@ impl<B: Backend> Model<B> {
         if !defer {
             be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         }
-        // Whether the previous layer's residual add handed this layer's attention norm over
-        // to its Q, K, V projections ([`Backend::add_for_norm`]) instead of writing h.
+        // Whether the previous layer's down projection handed this layer's attention norm
+        // over to its Q, K, V ([`Backend::matmul_add_for_norm`]) instead of writing h.
         let mut handed = false;
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
@@ -558,17 +558,12 @@ impl<B: Backend> Model<B> {
                 )?;
             }
             // x += y, h = the next layer's attention input (or the output norm's result).
-            let next = self.layers.get(il + 1);
-            handed = match next {
-                Some(n) => {
-                    be.add_for_norm(x, y, (&n.attn_norm, cfg.rms_eps), &[&n.wq, &n.wk, &n.wv])?
-                }
-                None => false,
-            };
-            if !handed {
-                let next_norm = next.map_or(&self.out_norm, |n| &n.attn_norm);
-                be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
-            }
+            handed = false;
+            let next_norm = self
+                .layers
+                .get(il + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
         }
 
         if defer {

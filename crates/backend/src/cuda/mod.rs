@@ -523,16 +523,6 @@ impl Backend for CudaBackend {
         self.matmul_add(x, w, out, y)
     }
 
-    fn add_for_norm(
-        &self,
-        x: &mut Act<CudaSlice<f32>>,
-        y: &Act<CudaSlice<f32>>,
-        norm: (&CudaWeight, f32),
-        consumers: &[&CudaWeight],
-    ) -> Result<bool> {
-        matmul::add_for_norm(self, x, y, norm.0, consumers)
-    }
-
     fn rms_norm_matmuls(
         &self,
         x: &Act<CudaSlice<f32>>,
