@@ -129,11 +129,6 @@ pub struct Kernels {
     /// `gemvq_tckn_q4_k_r1`: the K-split Q4_K down projection's pair tickets
     /// (`FERRITE_NORM_QKV` & 2).
     tckn: Option<CudaFunction>,
-    /// `gemvq_addt_q6_k_r1`, `gemvq_addt_q8_0_r1`: the lane-code down projections' group
-    /// tickets (`FERRITE_NORM_QKV` & 4; [`addt_plan`]).
-    addt: Option<[CudaFunction; 2]>,
-    /// `FERRITE_ADDT_SMEM` in bytes (0: the plain launch's split), a tuning switch.
-    addt_smem: usize,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -404,9 +399,8 @@ impl Kernels {
             None
         };
         let norm_qkv = if gemvq_tc.is_some() {
-            // A bit mask of the producers: 2 the K-split Q4_K down's pair tickets (MATMUL.md
-            // round 42), 4 the lane-code downs' group tickets (round 43).
-            switches::int_or("FERRITE_NORM_QKV", NORM_QKV_DEFAULT)
+            // 2 (default): the K-split Q4_K down's pair tickets (MATMUL.md round 42).
+            switches::int_or("FERRITE_NORM_QKV", 2)
         } else {
             0
         };
@@ -416,12 +410,6 @@ impl Kernels {
                 "gemvq_tckn_q4_k_r1",
                 GEMVQ_BULK_MAX_SMEM,
             )?)
-        } else {
-            None
-        };
-        let addt = if norm_qkv & 4 != 0 {
-            let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
-            Some([one("gemvq_addt_q6_k_r1")?, one("gemvq_addt_q8_0_r1")?])
         } else {
             None
         };
@@ -478,8 +466,6 @@ impl Kernels {
             add_n_q8_0,
             qkv_norm,
             tckn,
-            addt,
-            addt_smem: switches::int_or("FERRITE_ADDT_SMEM", 0) as usize * 1024,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -2296,9 +2282,9 @@ fn tckn_plan(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Result<Option<(us
 }
 
 /// Whether `matmul_add_for_norm` of the down projection `wd` can hand the next layer's
-/// attention norm to its grouped Q, K, V `qkv` (`FERRITE_NORM_QKV`): a producer that owns or
-/// tickets whole 32-row groups — the K-split Q4_K tile's pair tickets ([`tckn_plan`], & 2) or
-/// the lane code's group tickets ([`addt_plan`], & 4) — and a NORM form of the Q, K, V launch
+/// attention norm to its grouped Q, K, V `qkv` (`FERRITE_NORM_QKV`): a producer that takes
+/// whole 32-row groups — the K-split Q4_K tile's pair tickets ([`tckn_plan`]; the lane code's
+/// group tickets lost, MATMUL.md round 43) — and a NORM form of the Q, K, V launch
 /// ([`takes_handed`]).
 pub(crate) fn hands_norm_to_qkv(
     be: &CudaBackend,
@@ -2306,63 +2292,8 @@ pub(crate) fn hands_norm_to_qkv(
     qkv: &[&CudaWeight],
     rows: usize,
 ) -> bool {
-    (matches!(tckn_plan(be, wd, rows), Ok(Some(_)))
-        || matches!(addt_plan(be, wd, rows), Ok(Some(_))))
+    matches!(tckn_plan(be, wd, rows), Ok(Some(_)))
         && matches!(takes_handed(be, qkv, rows), Ok(true))
-}
-
-/// The kernel and plain-launch split `(f, ks, smem)` of `w` at one row if the group-ticket
-/// producer takes it (`gemvq_addt_<type>_r1`, `FERRITE_NORM_QKV` & 4): Q6_K or Q8_0 rows of
-/// whole 32-row groups on the lane code, where Q8_0's 32-row producer does not fit
-/// ([`add_n_fits`]: the 4096-column o-projections).
-fn addt_plan<'a>(
-    be: &'a CudaBackend,
-    w: &CudaWeight,
-    rows: usize,
-) -> Result<Option<(&'a CudaFunction, usize, u32)>> {
-    let Some(k) = be.matmul.addt.as_ref() else {
-        return Ok(None);
-    };
-    let f = match w.dtype {
-        GgmlType::Q6K => &k[0],
-        GgmlType::Q8_0 => &k[1],
-        _ => return Ok(None),
-    };
-    if rows != 1
-        || w.shape.len() != 2
-        || !w.shape[0].is_multiple_of(32)
-        || gemv_path(w, rows) != Some(true)
-        || add_n_fits(be, w, rows)
-    {
-        return Ok(None);
-    }
-    let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
-    let (ks, smem, tc) = gemvq_plan(
-        be,
-        w.dtype,
-        n_in,
-        n_out,
-        rb,
-        row_groups(n_out),
-        1,
-        rows,
-        GemvKind::Plain,
-    )?;
-    if tc.is_some() || smem == 0 {
-        return Ok(None);
-    }
-    // FERRITE_ADDT_SMEM (KB, a tuning switch): the fewest splits whose block fits it instead of
-    // the plain launch's (fewer, larger blocks: fewer tickets; other bits than the plain GEMV).
-    let cap = be.matmul.addt_smem;
-    if cap > 0 {
-        if let Some(ks) = [1, 2, 4, 8]
-            .into_iter()
-            .find(|&ks| gemvq_block_bytes(ks, 1, rb) <= cap.min(GEMVQ_BULK_MAX_SMEM))
-        {
-            return Ok(Some((f, ks, gemvq_block_bytes(ks, 1, rb) as u32)));
-        }
-    }
-    Ok(Some((f, ks, smem)))
 }
 
 /// Whether `w` at `rows` rows takes Q8_0's 32-row producer (`gemvq_add_n_q8_0_r1`): one row,
@@ -2417,10 +2348,6 @@ pub(crate) fn hands_norm_over(
 /// block per SM.
 const ADD_N_MAX_SMEM: usize = 200 * 1024;
 
-/// `FERRITE_NORM_QKV`'s default: the K-split Q4_K down's pair tickets (2) and the lane-code
-/// downs' group tickets (4).
-const NORM_QKV_DEFAULT: i64 = 6;
-
 /// Most rows of x the two-tile kernel takes (`gemvq_tc2_add_q4_k_r<R>`: 512 threads, so at
 /// most 128 registers; from 8 rows its accumulators spill). More rows: the plain tensor-core
 /// GEMV, then `add_norm_planes` (the same bits).
@@ -2428,8 +2355,7 @@ const TC2_MAX_ROWS: usize = 4;
 
 /// `out += x · wᵀ` leaving the planes of `out ⊙ norm` and their groups' Σ out² for the
 /// SwiGLU or the Q, K, V next: the K-split Q4_K down's pair tickets (`gemvq_tckn_q4_k_r1`,
-/// [`tckn_plan`]), the lane-code downs' group tickets (`gemvq_addt_<type>_r1`,
-/// [`addt_plan`]), Q8_0's 32-row producer (`gemvq_add_n_q8_0_r1`), the two-tile Q4_K
+/// [`tckn_plan`]), Q8_0's 32-row producer (`gemvq_add_n_q8_0_r1`), the two-tile Q4_K
 /// o-projection (`gemvq_tc2_add_q4_k_r<R>`), else (above [`TC2_MAX_ROWS`] rows, Q8_0's other
 /// rows) the plain GEMV into `y` and `add_norm_planes`; `false` (nothing done) where `w` does
 /// not take it.
@@ -2443,14 +2369,10 @@ pub fn matmul_add_for_norm(
 ) -> Result<bool> {
     let rows = x.rows;
     let tckn = tckn_plan(be, w, rows)?;
-    let addt = match tckn {
-        None => addt_plan(be, w, rows)?,
-        Some(_) => None,
-    };
     let Some(tc2) = be.matmul.tc2.as_ref() else {
         return Ok(false);
     };
-    if tckn.is_none() && addt.is_none() && !hands_norm_from(be, w, rows) {
+    if tckn.is_none() && !hands_norm_from(be, w, rows) {
         return Ok(false);
     }
     let (n_out, n_in) = crate::check_matmul(x, &w.shape, out)?;
@@ -2479,8 +2401,6 @@ pub fn matmul_add_for_norm(
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
     if let Some(plan) = tckn {
         tckn_launch(be, xq, w, out, &nw, p, plan)?;
-    } else if let Some(plan) = addt {
-        addt_launch(be, xq, w, out, &nw, p, plan)?;
     } else if let (Some(f), true) = (&be.matmul.add_n_q8_0, add_n_fits(be, w, rows)) {
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
@@ -2725,62 +2645,6 @@ fn tckn_launch(
             .arg(&xqs)
             .arg(&xd)
             .arg(&kc_i)
-            .arg(&sc.part)
-            .arg(&sc.tickets)
-            .arg(&mut out.buf)
-            .arg(nw)
-            .arg(&mut p.q)
-            .arg(&mut p.d)
-            .arg(&mut p.ss)
-            .launch(cfg)
-    }?;
-    Ok(())
-}
-
-/// `out += x · wᵀ` at one row by the group-ticket producer (`gemvq_addt_<type>_r1`, the
-/// kernel and lane-code split `(f, ks, smem)` of [`addt_plan`]) on x's int8 planes `xq`,
-/// leaving the planes of `out ⊙ nw` and their groups' Σ out² in `p` (`matmul_add_for_norm`
-/// checked the shapes).
-fn addt_launch(
-    be: &CudaBackend,
-    xq: &XQuant,
-    w: &CudaWeight,
-    out: &mut Act<CudaSlice<f32>>,
-    nw: &cudarc::driver::CudaView<'_, f32>,
-    p: &mut NormPlanes,
-    (f, ks, smem): (&CudaFunction, usize, u32),
-) -> Result<()> {
-    let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
-    ensure!(
-        xq.cap >= n_in && n_out.is_multiple_of(32) && (GEMV_WARPS / ks * GEMV_NW) <= 32,
-        "matmul_add_for_norm: group tickets on [{n_out}, {n_in}] split {ks} ways"
-    );
-    let tck = lock_tck(be, n_out)?;
-    let sc = tck
-        .as_ref()
-        .ok_or_else(|| anyhow!("matmul_add_for_norm: ticket scratch missing"))?;
-    let cfg = LaunchConfig {
-        shared_mem_bytes: smem,
-        ..gemv_config(row_groups(n_out), ks)
-    };
-    let (rb_i, n_out_i, n_in_i, ks_i) = (rb as i64, n_out as i32, n_in as i32, ks as i32);
-    let xd = xq.d.slice(..n_in / 32 * 2);
-    let xqs = xq.q.slice(..2 * n_in);
-    // SAFETY: w holds n_out rows of rb bytes (checked by the caller); the int8 scratch holds
-    // n_in quantized values of x; out (the residual, read and written in place by one lane of
-    // each element) n_out floats; the norm weight n_out; the plane scratch GEMV_MAX_ROWS rows
-    // of n_out; the K-split scratch ≥ n_out partials and a ticket per 16 rows (the groups use
-    // the first n_out / 32); 16 / ks rows per block, so a group's blocks are 2 ks whole ones.
-    unsafe {
-        be.stream
-            .kernel(f)
-            .arg(&w.data)
-            .arg(&rb_i)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(&xqs)
-            .arg(&xd)
-            .arg(&ks_i)
             .arg(&sc.part)
             .arg(&sc.tickets)
             .arg(&mut out.buf)

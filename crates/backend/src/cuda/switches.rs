@@ -66,13 +66,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_NORM_QKV",
-        Accepts::OneOf(&[0, 2, 4, 6]),
-        "one-row decode: the attention input's RMSNorm handed from the down projection to the grouped Q, K, V launch, a bit mask of producers: 2 the K-split Q4_K tile's pair tickets (MATMUL.md round 42), 4 the Q6_K / Q8_0 lane code's group tickets (round 43); 6 (default) both, 0 off",
-    ),
-    (
-        "FERRITE_ADDT_SMEM",
-        Accepts::Range(0, 112),
-        "the lane-code downs' group-ticket producer (FERRITE_NORM_QKV & 4): KB a block may take, its split the fewest that fit; 0 (default) the plain launch's split (MATMUL.md round 43)",
+        Accepts::OneOf(&[0, 2]),
+        "one-row decode: the attention input's RMSNorm handed from the down projection to the grouped Q, K, V launch: 2 (default) by the K-split Q4_K tile's pair tickets (MATMUL.md round 42; the lane code's group tickets, round 43, lost), 0 off",
     ),
     (
         "FERRITE_QX_EARLY",

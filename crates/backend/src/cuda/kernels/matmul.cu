@@ -2278,41 +2278,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     if (threadIdx.x < 32)
         add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);
 }
-// gemvq_addt_<type>_r1: a lane-code down projection (the 12288-column Q6_K rows of Q4_K_M's
-// "more bits" layers, Q8_0's) handing the next layer's attention norm to its Q, K, V, as
-// gemvq_tckn_q4_k_r1 does from the K-split Q4_K tile (matmul.rs `addt_plan`,
-// FERRITE_NORM_QKV & 4; MATMUL.md round 43).
-//  Plan: the plain one-row launch unchanged — the same gemvq instance, split and grid (blocks
-//  of 16 / ks rows, 1024 blocks of 4 rows for Q6_K at 12288 columns), so every sum has the
-//  plain kernel's bits — but its sums go to the scratch `part` instead of y. A block of
-//  16 / ks rows does not own a 32-element group of the output, so the group's blocks
-//  (2 ks of them) share a ticket (tail_ticket: a fence and an atomic per block, no spin),
-//  and the last to arrive runs add_norm_planes's add_norm_lane on the group's 32 sums
-//  (warp 0, read back from L2): x += the sum in place, the planes of x ⊙ n and the group's
-//  Σ x² for the NORM Q, K, V launch; then it resets the ticket. What it saves: the one-block
-//  add_rms_norm launch between the down projection and the Q, K, V (~5 µs a layer in the
-//  trace), against one ticket round trip per block and a 32-lane epilogue per group.
-//  Bytes: the weights as the plain launch, + 4 B per output to `part` and back, + the
-//  residual, norm weight and planes (~50 KB at 4096 outputs, from L2).
-#define GEMVQ_ADDT_KERNEL(name, TYPE)                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemvq_addt_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,            \
-                               const int8_t* __restrict__ xq, const float2* __restrict__ xd, int ks,        \
-                               float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x, \
-                               const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd, \
-                               float* __restrict__ pss) {                                                   \
-        __shared__ unsigned last;                                                                           \
-        gemvq<TYPE, 1, false>(W, W, rb, n_out, n_in, xq, xd, 1, part, ks, blockIdx.x);                      \
-        const int per_block = GEMV_WARPS / ks * GEMV_NW, g = blockIdx.x * per_block / 32;                   \
-        tail_ticket(tickets + g, 1u, 32u / (unsigned)per_block, &last);                                     \
-        if (last && threadIdx.x < 32) {                                                                     \
-            const int lane = threadIdx.x, o = g * 32 + lane;                                                \
-            add_norm_lane(x + o, __ldcg(part + o), nw[o], lane, pq, n_out, o, pd + g, pss + g);             \
-            if (lane == 0) tickets[g] = 0;                                                                  \
-        }                                                                                                   \
-    }
-GEMVQ_ADDT_KERNEL(q6_k, GGML_Q6_K)
-GEMVQ_ADDT_KERNEL(q8_0, GGML_Q8_0)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
