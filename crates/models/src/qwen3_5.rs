@@ -341,6 +341,7 @@ pub(crate) fn forward_layers<B: Backend>(
                 h,
                 scratch,
                 y,
+                None,
             )?;
         }
         // x += y, h = the next layer's mixer input (or the output norm's result).
