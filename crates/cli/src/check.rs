@@ -1765,6 +1765,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // Qwen3-30B-A3B layer (128 experts top-8, hidden 2048, expert ffn 768).
     let small_types = [
         (GgmlType::Q4K, GgmlType::Q6K),
+        (GgmlType::Q4K, GgmlType::Q4K),
         (GgmlType::Q8_0, GgmlType::Q8_0),
         (GgmlType::F16, GgmlType::BF16),
         (GgmlType::Q5K, GgmlType::Q4_0),
@@ -1792,8 +1793,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
         }
     }
     if !quick {
+        // Qwen3-30B-A3B Q4_K_M's down experts are Q6_K in some layers, Q4_K in the others.
         for (gate_ty, down_ty) in [
             (GgmlType::Q4K, GgmlType::Q6K),
+            (GgmlType::Q4K, GgmlType::Q4K),
             (GgmlType::Q8_0, GgmlType::Q8_0),
             (GgmlType::BF16, GgmlType::BF16),
         ] {
