@@ -1147,7 +1147,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // layers): one launch of three weights of one type, each output checked (a kernel that
     // gave the third weight the second's rows passed every two-weight case).
     for v in [GgmlType::Q6K, GgmlType::Q4K] {
-        for &(n_in, n_out) in &[(512, 384), (4096, 1024)] {
+        for &(n_in, n_out) in &[(512, 384), (4096, 1024), (2048, 512)] {
             for rows in [1, 3, 9, 16, 17, 64, 300] {
                 if quick && rows > 9 {
                     continue;
@@ -3021,7 +3021,8 @@ fn graph_body<B: Backend>(
 fn matmuls_first_rows(n_out: usize) -> usize {
     match n_out {
         0..=256 => n_out,
-        1024 => 4096,
+        // Qwen3-8B's K, V (1024 rows) and Qwen3-30B-A3B's (512): Q 4096 rows before them.
+        512 | 1024 => 4096,
         _ => 1024,
     }
 }
@@ -3924,10 +3925,12 @@ fn check_case<B: Backend>(
             let per = output_thresholds(&c.op);
             let thr_all = thr;
             let (mut e, mut thr, mut worst, mut at) = (0f64, thr, f64::NEG_INFINITY, 0usize);
+            let mut each = Vec::new();
             for (i, n) in lens.chain(std::iter::once(usize::MAX)).enumerate() {
                 let end = at.saturating_add(n).min(g.len());
                 if end > at {
                     let x = nmse(&g[at..end], &w[at..end]);
+                    each.push(x);
                     let t = per.get(i).copied().unwrap_or(thr_all);
                     let r = if t > 0.0 {
                         x / t
@@ -3951,6 +3954,11 @@ fn check_case<B: Backend>(
                 text += &format!(" ({cpu_bad} non-finite on the CPU: bad case)");
             }
             text += if ok { "  OK" } else { "  FAIL" };
+            if !ok && each.len() > 1 {
+                // Which of the outputs (in the op's order) failed.
+                let list: Vec<String> = each.iter().map(|x| format!("{x:.2e}")).collect();
+                text += &format!(" (each output: {})", list.join(", "));
+            }
             (ok, text)
         }
         _ => bail!("output kinds differ"),
