@@ -552,38 +552,6 @@ pub trait Backend: Send + Sync {
         self.matmul_add(x, w, out, y)
     }
 
-    /// [`Backend::moe`] of `x` into the scratch `y`, then `resid += y`, where the sum feeds
-    /// [`Backend::rms_norm_matmuls`] of `consumers` with `norm` next (the next layer's Q, K,
-    /// V): a backend may leave that input prepared for the consumers (weighted by `norm` and
-    /// quantized, the `1 / rms(resid)` applied after their dot products) in the expert
-    /// launch's epilogue instead of running the norm; `y` is then left unspecified. Returns
-    /// `false` (nothing done) where it does not: the caller runs `moe`, then
-    /// [`Backend::add_rms_norm`] and [`Backend::matmuls`]. The CPU backend: never.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_add_for_norm(
-        &self,
-        x: &Act<Self::Buf>,
-        router_logits: &Act<Self::Buf>,
-        experts: ExpertWeights<'_, Self::Weight>,
-        routing: MoeRouting,
-        y: &mut Act<Self::Buf>,
-        resid: &mut Act<Self::Buf>,
-        norm: (&Self::Weight, f32),
-        consumers: &[&Self::Weight],
-    ) -> Result<bool> {
-        let _ = (
-            x,
-            router_logits,
-            experts,
-            routing,
-            y,
-            resid,
-            norm,
-            consumers,
-        );
-        Ok(false)
-    }
-
     /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then
     /// [`Backend::matmuls`]). `h` is scratch for the normed rows; a backend that defers the
     /// norm ([`Backend::defers_rms_norm`]) leaves it untouched and scales each output by

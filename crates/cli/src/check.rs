@@ -259,20 +259,6 @@ fn ensure_gpu() -> Result<()> {
 
 // ============================================================================ cases
 
-/// The producer of an [`Op::AddNormMatmuls`] case's y.
-#[derive(Clone, Copy, Debug)]
-enum Prod {
-    /// A `[n_in, columns]` down projection of this type.
-    Down(GgmlType, usize),
-    /// A MoE block (no shared expert) of `ffn`-row experts, gate/up and down of these types.
-    Moe {
-        routing: MoeRouting,
-        ffn: usize,
-        gate_ty: GgmlType,
-        down_ty: GgmlType,
-    },
-}
-
 /// The Backend ops `ferrite check` knows about (the data-movement methods upload, zeros,
 /// from_host, to_host, set_step and read_i32 are exercised by every case; defers_rms_norm by
 /// the rms_norm_matmuls and rms_norm_matmul_swiglu cases, defers_rms_norm_after by the
@@ -293,8 +279,6 @@ const OPS: &[&str] = &[
     // and the down projection's handing the attention norm's to the Q, K, V (then
     // rms_norm_matmuls).
     "matmul_add_for_norm",
-    // The MoE block's down + combine handing the next layer's attention norm to its Q, K, V.
-    "moe_add_for_norm",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -404,21 +388,20 @@ enum Op {
         ffn: usize,
         rows: usize,
     },
-    /// The FFN's last projection, the residual add and the next layer's Q, K, V on the
-    /// attention norm, as the decoder runs them. `Prod::Down`: where the backend hands the
-    /// norm over from the down projection (`defers_rms_norm_after(w_down, [wq, wk, wv])`),
-    /// `matmul_add_for_norm` then `rms_norm_matmuls`; else `matmul`, `add_rms_norm` and
-    /// `matmuls`. `Prod::Moe`: `moe_add_for_norm` then `rms_norm_matmuls` where it hands the
-    /// norm over, else `moe`, `add_rms_norm`, `matmuls`. The producer's input random; Q, K
-    /// `[n_outs[0|1], n_in]` of type `ty`, V of `ty_v`; `x` a random residual (restored
-    /// before the op). Checked: q, the residual after the op, k, v (each apart).
+    /// The down projection, the residual add and the next layer's Q, K, V on the attention
+    /// norm, as the decoder runs them: where the backend hands the norm over from the down
+    /// projection (`defers_rms_norm_after(w_down, [wq, wk, wv])`), `matmul_add_for_norm`
+    /// then `rms_norm_matmuls`; else `matmul`, `add_rms_norm` and `matmuls`. The down
+    /// projection `[n_in, down.1]` of type `down.0` on a random input; Q, K `[n_outs[0|1],
+    /// n_in]` of type `ty`, V of `ty_v`; `x` a random residual (restored before the op).
+    /// Checked: q, the residual after the op, k, v (each apart).
     AddNormMatmuls {
         ty: GgmlType,
         ty_v: GgmlType,
         n_in: usize,
         n_outs: [usize; 3],
         rows: usize,
-        down: Prod,
+        down: (GgmlType, usize),
     },
     Rope {
         rows: usize,
@@ -717,27 +700,13 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_in,
             n_outs: [nq, nk, nv],
             rows,
-            down,
-        } => match down {
-            Prod::Down(ty_d, down) => (
-                "matmul_add_for_norm",
-                format!(
-                    "matmul_add+matmuls(rms_norm) {ty_d} {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
-                ),
+            down: (ty_d, down),
+        } => (
+            "matmul_add_for_norm",
+            format!(
+                "matmul_add+matmuls(rms_norm) {ty_d} {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
             ),
-            Prod::Moe {
-                routing,
-                ffn,
-                gate_ty,
-                down_ty,
-            } => (
-                "moe_add_for_norm",
-                format!(
-                    "moe+matmuls(rms_norm) e{} top{} {n_in}/{ffn} {gate_ty}/{down_ty} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}",
-                    routing.n_experts, routing.top_k
-                ),
-            ),
-        },
+        ),
         Op::Rope {
             rows,
             heads,
@@ -1376,50 +1345,51 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // (& 4) into Q4_K (V Q4_K or Q6_K: the mixed launch) and Q8_0 Q, K, V; other types and
     // rows run matmul + add_rms_norm + matmuls. Qwen3-8B's shapes (Q4_K_M's downs are Q4_K
     // or Q6_K), two rows, a Q, K, V type without a NORM form; small in quick.
-    type QkvCase = (GgmlType, GgmlType, usize, [usize; 3], usize, Prod);
-    let (q4, q6, q8) = (GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0);
-    let moe = |n_experts, ffn, gate_ty, down_ty| Prod::Moe {
-        routing: MoeRouting {
-            n_experts,
-            top_k: 8.min(n_experts),
-            norm_topk: true,
-        },
-        ffn,
-        gate_ty,
-        down_ty,
-    };
-    let qkv: Vec<QkvCase> = if quick {
-        vec![
-            (q4, q6, 512, [384, 128, 128], 1, Prod::Down(q6, 1024)),
-            (q8, q8, 512, [384, 128, 128], 1, Prod::Down(q8, 1024)),
-            (q4, q6, 256, [256, 128, 128], 1, moe(8, 512, q4, q6)),
+    type QkvCase = (
+        GgmlType,
+        GgmlType,
+        usize,
+        [usize; 3],
+        usize,
+        (GgmlType, usize),
+    );
+    let qkv: &[QkvCase] = if quick {
+        &[
+            (
+                GgmlType::Q4K,
+                GgmlType::Q6K,
+                512,
+                [384, 128, 128],
+                1,
+                (GgmlType::Q6K, 1024),
+            ),
+            (
+                GgmlType::Q8_0,
+                GgmlType::Q8_0,
+                512,
+                [384, 128, 128],
+                1,
+                (GgmlType::Q8_0, 1024),
+            ),
         ]
     } else {
+        let (q4, q6, q8) = (GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0);
         let d8 = [4096, 1024, 1024];
-        // Qwen3-30B-A3B's attention: 2048 columns, 32 query heads and 4 key / value heads of 128.
-        let a3 = [4096, 512, 512];
-        vec![
-            (q4, q4, 4096, d8, 1, Prod::Down(q4, 12288)),
-            (q4, q6, 4096, d8, 1, Prod::Down(q4, 12288)),
-            (q4, q4, 4096, d8, 2, Prod::Down(q4, 12288)),
-            (q4, q4, 4096, d8, 1, Prod::Down(q6, 12288)),
-            (q4, q6, 4096, d8, 1, Prod::Down(q6, 12288)),
-            (q4, q6, 4096, d8, 2, Prod::Down(q6, 12288)),
-            (q8, q8, 4096, d8, 1, Prod::Down(q8, 12288)),
-            (q8, q8, 4096, d8, 2, Prod::Down(q8, 12288)),
-            (q6, q6, 4096, d8, 1, Prod::Down(q6, 12288)),
-            (q4, q6, 2048, a3, 1, Prod::Down(q6, 6144)),
-            (q4, q6, 512, [384, 128, 128], 1, Prod::Down(q6, 1024)),
-            // Qwen3-30B-A3B's MoE blocks (128 experts, top 8, 768 rows) before its Q, K, V:
-            // Q4_K_M's down experts Q6_K or Q4_K, V Q6_K or Q4_K; Q8_0; two rows (not handed).
-            (q4, q6, 2048, a3, 1, moe(128, 768, q4, q6)),
-            (q4, q4, 2048, a3, 1, moe(128, 768, q4, q4)),
-            (q8, q8, 2048, a3, 1, moe(128, 768, q8, q8)),
-            (q4, q6, 2048, a3, 2, moe(128, 768, q4, q6)),
-            (q4, q6, 256, [256, 128, 128], 1, moe(8, 512, q4, q6)),
+        &[
+            (q4, q4, 4096, d8, 1, (q4, 12288)),
+            (q4, q6, 4096, d8, 1, (q4, 12288)),
+            (q4, q4, 4096, d8, 2, (q4, 12288)),
+            (q4, q4, 4096, d8, 1, (q6, 12288)),
+            (q4, q6, 4096, d8, 1, (q6, 12288)),
+            (q4, q6, 4096, d8, 2, (q6, 12288)),
+            (q8, q8, 4096, d8, 1, (q8, 12288)),
+            (q8, q8, 4096, d8, 2, (q8, 12288)),
+            (q6, q6, 4096, d8, 1, (q6, 12288)),
+            (q4, q6, 2048, [4096, 512, 512], 1, (q6, 6144)),
+            (q4, q6, 512, [384, 128, 128], 1, (q6, 1024)),
         ]
     };
-    for (ty, ty_v, n_in, n_outs, rows, down) in qkv {
+    for &(ty, ty_v, n_in, n_outs, rows, down) in qkv {
         add(Op::AddNormMatmuls {
             ty,
             ty_v,
@@ -2360,40 +2330,14 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, n_outs[0]);
             h.out2 = Some((rows, n_in));
             h.more_outs = vec![(rows, n_outs[1]), (rows, n_outs[2])];
-            match down {
-                // The down projection (w[4]) and its input (a[3]).
-                Prod::Down(ty_d, down) => {
-                    h.weights.push((
-                        ty_d,
-                        vec![n_in, down],
-                        gen_weight(ty_d, &[n_in, down], seed ^ 0xd0e1)?,
-                    ));
-                    h.acts.push((rng.normals(rows * down, 1.0), rows, down));
-                }
-                // The experts' gate, up, down (w[4..7]), the block's input (a[3]) and its
-                // router logits (a[4]).
-                Prod::Moe {
-                    routing,
-                    ffn,
-                    gate_ty,
-                    down_ty,
-                } => {
-                    let ne = routing.n_experts;
-                    for (i, (t, shape)) in [
-                        (gate_ty, [ne, ffn, n_in]),
-                        (gate_ty, [ne, ffn, n_in]),
-                        (down_ty, [ne, n_in, ffn]),
-                    ]
-                    .into_iter()
-                    .enumerate()
-                    {
-                        let data = gen_weight(t, &shape, seed ^ (0xe0e1 + i as u64))?;
-                        h.weights.push((t, shape.to_vec(), data));
-                    }
-                    h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
-                    h.acts.push((rng.normals(rows * ne, 2.0), rows, ne));
-                }
-            }
+            // The down projection (w[4]) and its input (a[3]).
+            let (ty_d, down) = down;
+            h.weights.push((
+                ty_d,
+                vec![n_in, down],
+                gen_weight(ty_d, &[n_in, down], seed ^ 0xd0e1)?,
+            ));
+            h.acts.push((rng.normals(rows * down, 1.0), rows, down));
         }
         Op::RmsNormMatmulSwiglu {
             ty,
@@ -3097,11 +3041,9 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.matmul_add_for_norm(att, &p.w[3], x, y, norm)?;
             be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
         }
-        Op::AddNormMatmuls { down, .. } => {
-            let (y, h, act, logits) = match &mut p.a[..] {
-                [_, y, h, act] => (y, h, act, None),
-                [_, y, h, act, logits] => (y, h, act, Some(&*logits)),
-                _ => bail!("matmul_add+matmuls: expected 4 or 5 activations"),
+        Op::AddNormMatmuls { .. } => {
+            let [_, y, h, act] = &mut p.a[..] else {
+                bail!("matmul_add+matmuls: expected 4 activations")
             };
             let x = p
                 .out2
@@ -3112,28 +3054,12 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             let mut outs: Vec<&mut Act<B::Buf>> = std::iter::once(&mut p.out)
                 .chain(p.more.iter_mut())
                 .collect();
-            match (down, logits) {
-                (Prod::Down(..), None) => {
-                    let wd = &p.w[4];
-                    if be.defers_rms_norm_after(wd, &ws, act.rows) {
-                        be.matmul_add_for_norm(act, wd, x, y, norm)?;
-                        return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
-                    }
-                    be.matmul(act, wd, y)?;
-                }
-                (Prod::Moe { routing, .. }, Some(logits)) => {
-                    let experts = || ExpertWeights {
-                        gate: &p.w[4],
-                        up: &p.w[5],
-                        down: &p.w[6],
-                    };
-                    if be.moe_add_for_norm(act, logits, experts(), *routing, y, x, norm, &ws)? {
-                        return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
-                    }
-                    be.moe(act, logits, experts(), *routing, y)?;
-                }
-                _ => bail!("matmul_add+matmuls: activations do not match the producer"),
+            let wd = &p.w[4];
+            if be.defers_rms_norm_after(wd, &ws, act.rows) {
+                be.matmul_add_for_norm(act, wd, x, y, norm)?;
+                return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
             }
+            be.matmul(act, wd, y)?;
             be.add_rms_norm(x, y, norm.0, EPS, h)?;
             be.matmuls(h, &ws, &mut outs)
         }
@@ -3649,21 +3575,12 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
             n_outs: [nq, nk, nv],
             rows,
             down,
-        } => {
-            // The producer's error in y, which the residual and, through the norm, every
-            // projection carry: its own matmul threshold, or the MoE decode path's; for the
-            // MoE's (the larger) the projections' on top of it (independent errors add).
-            let (prod, plus) = match down {
-                Prod::Down(ty_d, _) => (matmul_nmse(*ty_d, *n_in, *rows), 0.0),
-                Prod::Moe { .. } => (MOE_DECODE_Q8_NMSE, MOE_DECODE_Q8_NMSE),
-            };
-            vec![
-                matmul_nmse(*ty, *nq, *rows) + plus,
-                prod,
-                matmul_nmse(*ty, *nk, *rows) + plus,
-                matmul_nmse(*ty_v, *nv, *rows) + plus,
-            ]
-        }
+        } => vec![
+            matmul_nmse(*ty, *nq, *rows),
+            matmul_nmse(down.0, *n_in, *rows),
+            matmul_nmse(*ty, *nk, *rows),
+            matmul_nmse(*ty_v, *nv, *rows),
+        ],
         _ => Vec::new(),
     }
 }

@@ -125,10 +125,6 @@ pub(crate) fn deferred_ffn<B: Backend>(
 /// layer takes the norm and its router in one op ([`Backend::add_rms_norm_matmul`]: on CUDA
 /// at decode one launch instead of two dependent ones); where that op puts the sum out of
 /// place, into `x_alt`, the two references swap, so `x` holds the residual afterwards.
-/// `next`: the next layer's attention norm and Q, K, V, to which a MoE layer without a shared
-/// expert may hand that norm over ([`Backend::moe_add_for_norm`]: then `x` already holds
-/// `x + y` and the result is `true`; the caller runs `rms_norm_matmuls` next instead of
-/// `add_rms_norm`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn ffn_half<'x, B: Backend>(
     be: &B,
@@ -139,30 +135,15 @@ pub(crate) fn ffn_half<'x, B: Backend>(
     h: &mut Act<B::Buf>,
     s: FfnScratch<'_, B>,
     y: &mut Act<B::Buf>,
-    next: Option<(&B::Weight, &[&B::Weight])>,
-) -> Result<bool> {
-    if let Ffn::Moe {
-        router,
-        gate,
-        up,
-        down,
-        shared,
-    } = ffn
-    {
+) -> Result<()> {
+    if let Ffn::Moe { router, .. } = ffn {
         if be.add_rms_norm_matmul(x, y, x_alt, norm, eps, h, router, s.router)? {
             std::mem::swap(x, x_alt);
         }
-        if let (None, Some((next_norm, qkv)), Some(m)) = (shared, next, moe) {
-            let experts = ExpertWeights { gate, up, down };
-            let norm = (next_norm, eps);
-            if be.moe_add_for_norm(h, s.router, experts, m.routing, y, x, norm, qkv)? {
-                return Ok(true);
-            }
-        }
-        return ffn_block(be, ffn, moe, h, s, y, true).map(|()| false);
+        return ffn_block(be, ffn, moe, h, s, y, true);
     }
     be.add_rms_norm(x, y, norm, eps, h)?;
-    ffn_block(be, ffn, moe, h, s, y, false).map(|()| false)
+    ffn_block(be, ffn, moe, h, s, y, false)
 }
 
 /// `y = FFN(h)` for one layer; `routed`: a MoE layer's router logits are already in the
@@ -565,12 +546,7 @@ impl<B: Backend> Model<B> {
                     router: &mut *router,
                     shared: None,
                 };
-                let next = self.layers.get(il + 1);
-                let qkv = next.map(|n| [&n.wq, &n.wk, &n.wv]);
-                let next = next.zip(qkv.as_ref()).map(|(n, w)| (&n.attn_norm, &w[..]));
-                // x += moe(h), handing the next layer's attention norm over to its Q, K, V
-                // where the backend can ([`Backend::moe_add_for_norm`]).
-                handed = ffn_half(
+                ffn_half(
                     be,
                     &l.ffn,
                     cfg.moe.as_ref(),
@@ -579,11 +555,7 @@ impl<B: Backend> Model<B> {
                     h,
                     scratch,
                     y,
-                    next,
                 )?;
-                if handed {
-                    continue;
-                }
             }
             // x += y, h = the next layer's attention input (or the output norm's result).
             handed = false;

@@ -341,7 +341,6 @@ pub(crate) fn forward_layers<B: Backend>(
                 h,
                 scratch,
                 y,
-                None,
             )?;
         }
         // x += y, h = the next layer's mixer input (or the output norm's result).

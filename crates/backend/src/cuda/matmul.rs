@@ -142,10 +142,6 @@ pub struct Kernels {
     /// Their dynamic shared-memory limit: `moe::MOE_BULK_MAX_SMEM` where raising it at load
     /// succeeded, else `moe::MOE_BULK_DEFAULT_SMEM`.
     pub(crate) gemvq_moe_smem: usize,
-    /// `gemvq_moe_downn_<type>`: the MoE down + combine handing the next layer's attention
-    /// norm to its Q, K, V (Q4_K, Q6_K, Q8_0 experts; sm_90+, with [`Kernels::qkv_norm`],
-    /// unless `FERRITE_MOE_NORM=0`; moe.rs `moe_add_for_norm`).
-    pub(crate) gemvq_moe_downn: Vec<(GgmlType, CudaFunction)>,
     /// `gemvq_moe_gu_tc_q4_k`: the Q4_K gate/up experts on the tensor-core tile (sm_90+,
     /// unless `FERRITE_MOE_TC=0`); moe.rs sizes its shared memory to match.
     pub(crate) gemvq_moe_gu_tc: Option<CudaFunction>,
@@ -435,20 +431,6 @@ impl Kernels {
         } else {
             None
         };
-        // The down + combine handing the next layer's attention norm over (clusters: sm_90+).
-        let gemvq_moe_downn =
-            if bulk && qkv_norm.is_some() && switches::int_or("FERRITE_MOE_NORM", 1) != 0 {
-                [
-                    (GgmlType::Q4K, "q4_k"),
-                    (GgmlType::Q6K, "q6_k"),
-                    (GgmlType::Q8_0, "q8_0"),
-                ]
-                .into_iter()
-                .map(|(t, n)| Ok((t, function(&m, &format!("gemvq_moe_downn_{n}"))?)))
-                .collect::<Result<Vec<_>>>()?
-            } else {
-                Vec::new()
-            };
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
         // kernel's; where that fails they keep what a launch gets without opting in.
         let raised = gemvq_moe
@@ -456,7 +438,6 @@ impl Kernels {
             .flatten()
             .flatten()
             .chain(&gemvq_moe_gu_tc)
-            .chain(gemvq_moe_downn.iter().map(|(_, f)| f))
             .all(|f| {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -490,7 +471,6 @@ impl Kernels {
             tck: Mutex::new(None),
             gemvq_moe,
             gemvq_moe_smem,
-            gemvq_moe_downn,
             gemvq_moe_gu_tc,
             moe_down_prefetch: switches::int_or("FERRITE_MOE_PF", 1) != 0,
             quant_x: function(&m, "quant_x_q8")?,
@@ -996,32 +976,15 @@ impl Grown for XQuant {
 /// The FFN norm's input as `gemvq_tc2_add_q4_k` leaves it for the SwiGLU: the int8 planes
 /// and scale pairs of x ⊙ n (quant_x_q8's layout) and each 32-element group's Σ x².
 pub(crate) struct NormPlanes {
-    pub(crate) q: CudaSlice<i8>,
-    pub(crate) d: CudaSlice<f32>,
-    pub(crate) ss: CudaSlice<f32>,
+    q: CudaSlice<i8>,
+    d: CudaSlice<f32>,
+    ss: CudaSlice<f32>,
     cap: usize,
     retired: Vec<NormPlanes>,
     /// What they hold: (x's device address, the norm weight's, rows, cols, the launch count
     /// right after the producer). Only `rms_norm_matmul_swiglu` with that norm on that x,
     /// next in the stream, takes them.
     src: Option<(u64, u64, usize, usize, u64)>,
-}
-
-impl NormPlanes {
-    /// Records that the launch just issued left the planes of `x` (`rows` × `cols`) weighted by
-    /// `norm` (the check the consumers make before they take them).
-    pub(crate) fn record(
-        &mut self,
-        be: &CudaBackend,
-        x: &CudaSlice<f32>,
-        norm: &CudaWeight,
-        rows: usize,
-        cols: usize,
-    ) {
-        let (xp, _g) = x.device_ptr(&be.stream);
-        let (np, _g2) = norm.data.device_ptr(&be.stream);
-        self.src = Some((xp, np, rows, cols, super::launch::launch_count()));
-    }
 }
 
 impl Grown for NormPlanes {
@@ -1040,7 +1003,7 @@ struct QkvNorm {
 }
 
 /// The scratch of the handed-over planes, grown to `n` columns.
-pub(crate) fn norm_planes(
+fn norm_planes(
     be: &CudaBackend,
     n: usize,
 ) -> Result<std::sync::MutexGuard<'_, Option<NormPlanes>>> {
@@ -2522,7 +2485,9 @@ pub fn matmul_add_for_norm(
                 .launch(cfg)
         }?;
     }
-    p.record(be, &out.buf, norm, rows, n_out);
+    let (op, _g) = out.buf.device_ptr(&be.stream);
+    let (np, _g2) = norm.data.device_ptr(&be.stream);
+    p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
     Ok(true)
 }
 
@@ -2546,7 +2511,7 @@ fn handed_kernel(
 
 /// Whether [`matmuls`] of `ws` at `rows` rows is one grouped launch that has a NORM form
 /// ([`handed_kernel`]): the consumers [`matmul_add_for_norm`] can hand the norm to.
-pub(crate) fn takes_handed(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<bool> {
+fn takes_handed(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<bool> {
     let [a, b, c] = ws else {
         return Ok(false);
     };

@@ -523,29 +523,6 @@ impl Backend for CudaBackend {
         self.matmul_add(x, w, out, y)
     }
 
-    fn moe_add_for_norm(
-        &self,
-        x: &Act<CudaSlice<f32>>,
-        router_logits: &Act<CudaSlice<f32>>,
-        experts: ExpertWeights<'_, CudaWeight>,
-        routing: MoeRouting,
-        y: &mut Act<CudaSlice<f32>>,
-        resid: &mut Act<CudaSlice<f32>>,
-        norm: (&CudaWeight, f32),
-        consumers: &[&CudaWeight],
-    ) -> Result<bool> {
-        moe::moe_add_for_norm(
-            self,
-            x,
-            router_logits,
-            experts,
-            routing,
-            y,
-            (resid, norm.0),
-            consumers,
-        )
-    }
-
     fn rms_norm_matmuls(
         &self,
         x: &Act<CudaSlice<f32>>,

@@ -215,74 +215,6 @@ pub fn moe(
     routing: MoeRouting,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    moe_impl(be, x, router_logits, experts, routing, out, None).map(|_| ())
-}
-
-/// The residual and the norm weight that the down + combine launch hands the next layer's
-/// attention norm to ([`moe_add_for_norm`]).
-type Hand<'a> = (&'a mut Act<CudaSlice<f32>>, &'a CudaWeight);
-
-/// `Backend::moe_add_for_norm`: the experts of `x` at one decode row, their down + combine
-/// (`gemvq_moe_downn_<type>`, clusters of a 32-row group's four blocks) adding the result to
-/// `resid` and leaving the planes of `resid ⊙ norm` and their groups' Σ resid² for the NORM
-/// Q, K, V launch of `consumers` (matmul.rs `rms_norm_matmuls_handed`); `false` (nothing done)
-/// where the consumers have no NORM form, the down type no such kernel, or the call does not
-/// take the quantized-activation decode path.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_add_for_norm(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    router_logits: &Act<CudaSlice<f32>>,
-    experts: ExpertWeights<'_, CudaWeight>,
-    routing: MoeRouting,
-    y: &mut Act<CudaSlice<f32>>,
-    (resid, norm): Hand<'_>,
-    consumers: &[&CudaWeight],
-) -> Result<bool> {
-    if x.rows != 1
-        || downn_kernel(be, experts.down.dtype).is_none()
-        || !matmul::takes_handed(be, consumers, 1)?
-    {
-        return Ok(false);
-    }
-    ensure!(
-        resid.rows == 1 && resid.cols == x.cols && resid.buf.len() >= x.cols,
-        "moe_add_for_norm: residual [{}, {}] for x [1, {}]",
-        resid.rows,
-        resid.cols,
-        x.cols
-    );
-    moe_impl(
-        be,
-        x,
-        router_logits,
-        experts,
-        routing,
-        y,
-        Some((resid, norm)),
-    )
-}
-
-/// The down + combine kernel that hands the norm over, for down experts of type `t`.
-fn downn_kernel(be: &CudaBackend, t: GgmlType) -> Option<&CudaFunction> {
-    be.matmul
-        .gemvq_moe_downn
-        .iter()
-        .find(|(ty, _)| *ty == t)
-        .map(|(_, f)| f)
-}
-
-/// [`moe`], or with `hand` [`moe_add_for_norm`]: `Ok(false)` (nothing launched) where the
-/// hand-over's path (the quantized-activation decode one) is not taken.
-fn moe_impl(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    router_logits: &Act<CudaSlice<f32>>,
-    experts: ExpertWeights<'_, CudaWeight>,
-    routing: MoeRouting,
-    out: &mut Act<CudaSlice<f32>>,
-    hand: Option<Hand<'_>>,
-) -> Result<bool> {
     let (rows, hidden) = (x.rows, x.cols);
     let MoeRouting {
         n_experts,
@@ -308,7 +240,7 @@ fn moe_impl(
     check_blocks("up", experts.up)?;
     check_blocks("down", experts.down)?;
     if rows == 0 {
-        return Ok(hand.is_none());
+        return Ok(());
     }
     let pairs = rows * top_k;
 
@@ -352,9 +284,6 @@ fn moe_impl(
         && aligned16(be, &g.data)
         && aligned16(be, &u.data)
         && aligned16(be, &d.data);
-    if hand.is_some() && !(quantized_decode && rows == 1) {
-        return Ok(false);
-    }
 
     let mut guard = be
         .moe
@@ -421,7 +350,7 @@ fn moe_impl(
     let norm = i32::from(norm_topk);
 
     if quantized_decode {
-        quantized_experts(
+        return quantized_experts(
             be,
             x,
             &router_logits.buf,
@@ -434,9 +363,7 @@ fn moe_impl(
             dims,
             bulk.unwrap_or((0, 0)),
             out,
-            hand,
-        )?;
-        return Ok(true);
+        );
     }
 
     // 1. Routing: one warp per token.
@@ -472,8 +399,7 @@ fn moe_impl(
             dims,
             max_tiles,
             out,
-        )
-        .map(|()| true);
+        );
     }
 
     // 2. Gate/up + SwiGLU: one warp per (pair, ffn row).
@@ -548,7 +474,7 @@ fn moe_impl(
             .arg(&per_block_i)
             .launch(blocks(rows, hidden, per_block)?)
     }?;
-    Ok(true)
+    Ok(())
 }
 
 /// The dynamic shared memory of the quantized-activation expert kernels (gate/up, down):
@@ -609,7 +535,6 @@ fn quantized_experts(
     dims: Dims,
     smem: (u32, u32),
     out: &mut Act<CudaSlice<f32>>,
-    hand: Option<Hand<'_>>,
 ) -> Result<()> {
     let top_k = routing.top_k;
     let pairs = rows * top_k;
@@ -695,17 +620,6 @@ fn quantized_experts(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: d_smem,
     };
-    if let Some((resid, norm)) = hand {
-        return downn_launch(
-            be,
-            d,
-            (&s.hq, &s.hd, logits),
-            dims,
-            i32::from(routing.norm_topk),
-            cfg,
-            (resid, norm),
-        );
-    }
     // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert; out holds rows ×
     // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
     unsafe {
@@ -724,62 +638,6 @@ fn quantized_experts(
             .arg(&mut out.buf)
             .launch(cfg)
     }?;
-    Ok(())
-}
-
-/// The down + combine of one row handing the next layer's attention norm over
-/// (`gemvq_moe_downn_<type>`, `cfg` the plain down launch's): in clusters of four blocks (a
-/// 32-row quantization group of the output; hidden % 32 == 0, checked by the caller), adding
-/// the combined outputs to `resid` and writing the planes of `resid ⊙ norm` for
-/// `rms_norm_matmuls_handed`.
-fn downn_launch(
-    be: &CudaBackend,
-    d: &CudaWeight,
-    (hq, hd, logits): (&CudaSlice<i8>, &CudaSlice<f32>, &CudaSlice<f32>),
-    dims: Dims,
-    norm_topk: i32,
-    cfg: LaunchConfig,
-    (resid, norm): Hand<'_>,
-) -> Result<()> {
-    let f = downn_kernel(be, d.dtype)
-        .ok_or_else(|| anyhow::anyhow!("moe_add_for_norm: no down kernel for {}", d.dtype))?;
-    let hidden = resid.cols;
-    ensure!(
-        hidden.is_multiple_of(32) && 32 % MOE_DOWN_ROWS == 0,
-        "moe_add_for_norm: hidden {hidden} is not whole 32-row groups"
-    );
-    let nw = super::ops::f32_vec(norm, hidden)?;
-    let mut planes = matmul::norm_planes(be, hidden)?;
-    let p = planes
-        .as_mut()
-        .ok_or_else(|| anyhow::anyhow!("moe_add_for_norm: plane scratch missing"))?;
-    let Dims {
-        ne, tk, hid, ff, ..
-    } = dims;
-    let d_rb = d.row_bytes() as i64;
-    let mut launch = be.stream.kernel(f);
-    launch
-        .arg(&d.data)
-        .arg(&d_rb)
-        .arg(&hid)
-        .arg(&ff)
-        .arg(hq)
-        .arg(hd)
-        .arg(logits)
-        .arg(&ne)
-        .arg(&tk)
-        .arg(&norm_topk)
-        .arg(&mut resid.buf)
-        .arg(&nw)
-        .arg(&mut p.q)
-        .arg(&mut p.d)
-        .arg(&mut p.ss);
-    launch.cluster(((32 / MOE_DOWN_ROWS) as u32, 1, 1));
-    // SAFETY: as the plain down launch (one row); resid holds hidden floats (checked by
-    // moe_add_for_norm), the norm weight hidden, the plane scratch GEMV_MAX_ROWS rows of
-    // hidden; the grid's hidden / 8 blocks are whole clusters of four (hidden % 32 == 0).
-    unsafe { launch.launch(cfg) }?;
-    p.record(be, &resid.buf, norm, 1, hidden);
     Ok(())
 }
 

@@ -135,11 +135,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
     ),
     (
-        "FERRITE_MOE_NORM",
-        Accepts::OneOf(&[0, 1]),
-        "one-row decode: the MoE down + combine hands the next layer's attention norm to its Q, K, V (clusters of four blocks): 0 off, 1 on (MOE.md)",
-    ),
-    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "GEMV copy/compute timing (MATMUL.md round 8)",

@@ -2639,25 +2639,11 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
 
 // DNW: rows per pass of a warp's slot (2 or 4: the same per-row arithmetic, so the same bits;
 // 4 shares each x load between four rows and halves the dependent passes).
-// NORM (one row; gemvq_moe_downn_<type>, moe.rs `moe_add_for_norm`, MOE.md "The next layer's
-// attention norm handed from the down + combine launch"): the launch is in clusters of the
-// four blocks of a 32-row quantization group of the output (hidden % 32 == 0); instead of
-// storing its 8 combined outputs, each block puts them into the cluster's rank-0 block's
-// shared memory (rank r: outputs 8r..8r+7 of the group), one cluster barrier, and rank 0's
-// warp 0 runs add_norm_planes's add_norm_lane on the 32: x += the sum in place (the
-// residual), the planes of x ⊙ n and the group's Σ x² for the next layer's NORM Q, K, V
-// launch — the plain launch + add_rms_norm's residual, bitwise, and no norm launch between.
-// No ticket, no fence, no round trip through L2 (the gate/up kernel's h quantization does
-// the same with clusters of two).
-template <int TYPE, int DNW = 2, bool NORM = false>
+template <int TYPE, int DNW = 2>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
                                                const float* __restrict__ logits, int n_experts, int top_k, int norm,
-                                               float* __restrict__ out, float* __restrict__ x = nullptr,
-                                               const float* __restrict__ nw = nullptr,
-                                               int8_t* __restrict__ pq = nullptr, float2* __restrict__ pd = nullptr,
-                                               float* __restrict__ pss = nullptr) {
-    static_assert(!NORM || QK % MOE_DOWN_ROWS == 0, "gemvq_moe_down: a group is whole blocks");
+                                               float* __restrict__ out) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[GEMV_WARPS];
     __shared__ float rp[MOE_ROUTE_MAX];
@@ -2752,25 +2738,6 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
         }
     }
     __syncthreads();
-    if constexpr (NORM) {
-#if __CUDA_ARCH__ >= 900
-        __shared__ float grp[QK];
-        const int rank = cluster_rank();
-        if (threadIdx.x < MOE_DOWN_ROWS) {
-            float acc = 0.0f;
-            for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(s_w[k], part[k][threadIdx.x]));
-            st_cluster_f32(&grp[rank * MOE_DOWN_ROWS + threadIdx.x], 0, acc);
-        }
-        cluster_sync_all();
-        if (rank == 0 && warp == 0) {
-            const int o = o0 + lane, g = o0 / QK;
-            add_norm_lane(x + o, grp[lane], nw[o], lane, pq, hidden, o, pd + g, pss + g);
-        }
-#else
-        __trap();  // clusters are sm_90+; the launcher never picks this form below
-#endif
-        return;
-    }
     if (threadIdx.x < MOE_DOWN_ROWS && o0 + (int)threadIdx.x < hidden) {
         float acc = 0.0f;
         for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(s_w[k], part[k][threadIdx.x]));
@@ -2798,22 +2765,6 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     }                                                                                                          \
     GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down_##name, TYPE, 2)                                                      \
     GEMVQ_MOE_DOWN_KERNEL(gemvq_moe_down4_##name, TYPE, 4)
-
-// The down + combine handing the next layer's attention norm over (gemvq_moe_down's NORM; one
-// row, clusters of four blocks, four rows per pass as the default down kernel).
-#define GEMVQ_MOE_DOWNN_KERNEL(name, TYPE)                                                                    \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
-        gemvq_moe_downn_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,              \
-                               const int8_t* __restrict__ hq, const float2* __restrict__ hd,                  \
-                               const float* __restrict__ logits, int n_experts, int top_k, int norm,          \
-                               float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq,  \
-                               float2* __restrict__ pd, float* __restrict__ pss) {                            \
-        gemvq_moe_down<TYPE, 4, true>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, nullptr, x, nw, \
-                                      pq, pd, pss);                                                           \
-    }
-GEMVQ_MOE_DOWNN_KERNEL(q4_k, GGML_Q4_K)
-GEMVQ_MOE_DOWNN_KERNEL(q6_k, GGML_Q6_K)
-GEMVQ_MOE_DOWNN_KERNEL(q8_0, GGML_Q8_0)
 
 // The tensor-core gate/up of Q4_K experts (its own instance: its register allocation is its own).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
