@@ -635,12 +635,29 @@ const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
 /// `FERRITE_GEMVQ_SMEM` (KB) overrides it (a tuning switch).
 const GEMVQ_BLOCK_SMEM: usize = 40 * 1024;
 
-fn gemvq_block_smem() -> usize {
-    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| match switches::int_or("FERRITE_GEMVQ_SMEM", 0) {
-        0 => GEMVQ_BLOCK_SMEM,
+/// Columns from which a plain launch's rows are "long" for `FERRITE_GEMVQ_SMEM_LONG` (the
+/// 12288-column down projections).
+const GEMVQ_LONG_COLS: usize = 8192;
+
+/// The block's shared-memory aim for a launch of `n_in`-column rows, `spans` weights per row
+/// group: [`GEMVQ_BLOCK_SMEM`], or `FERRITE_GEMVQ_SMEM` (KB) for every launch, or
+/// `FERRITE_GEMVQ_SMEM_LONG` (KB) for plain launches of long rows (tuning switches; a
+/// function of the shape only).
+fn gemvq_block_smem(n_in: usize, spans: usize) -> usize {
+    static CAP: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    let kb = |name: &str, default: usize| match switches::int_or(name, 0) {
+        0 => default,
         kb => (kb as usize * 1024).min(GEMVQ_BULK_MAX_SMEM),
-    })
+    };
+    let (all, long) = *CAP.get_or_init(|| {
+        let all = kb("FERRITE_GEMVQ_SMEM", GEMVQ_BLOCK_SMEM);
+        (all, kb("FERRITE_GEMVQ_SMEM_LONG", all))
+    });
+    if spans == 1 && n_in >= GEMVQ_LONG_COLS {
+        long
+    } else {
+        all
+    }
 }
 
 /// The K split and dynamic shared memory of a quantized-x GEMV launch over `groups` row
@@ -661,7 +678,7 @@ fn gemvq_split(
     if !be.matmul.bulk {
         return Ok((split_k(gemvq_steps(t, n_in), groups, be.sm_count), 0));
     }
-    let cap = gemvq_block_smem();
+    let cap = gemvq_block_smem(n_in, spans);
     let mut ks = 1;
     while ks <= GEMV_WARPS {
         let bytes = gemvq_block_bytes(ks, spans, rb);

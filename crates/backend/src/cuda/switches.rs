@@ -145,6 +145,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "quantized GEMV block KB (MATMUL.md round 5)",
     ),
     (
+        "FERRITE_GEMVQ_SMEM_LONG",
+        Accepts::Range(4, 112),
+        "quantized GEMV block KB for plain launches of rows of 8192 columns or more (the lane-code down projections; MATMUL.md round 44)",
+    ),
+    (
         "FERRITE_MM_BN",
         Accepts::OneOf(&[64, 128]),
         "prefill token-tile width",
