@@ -129,10 +129,6 @@ pub struct Kernels {
     /// `gemvq_tckn_q4_k_r1`: the K-split Q4_K down projection's pair tickets
     /// (`FERRITE_NORM_QKV` & 2).
     tckn: Option<CudaFunction>,
-    /// `gemvq_tckc_q4_k_r1`, `gemvq_tckcn_q4_k_r1`: the one-row K-split Q4_K tile (and its
-    /// pair-ticket norm form) with the slices' sums meeting in a cluster instead of by ticket
-    /// (`FERRITE_TCK_CLUSTER`; MATMUL.md round 45).
-    tck_cl: Option<[CudaFunction; 2]>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -417,12 +413,6 @@ impl Kernels {
         } else {
             None
         };
-        let tck_cl = if gemvq_tc.is_some() && switches::int_or("FERRITE_TCK_CLUSTER", 0) != 0 {
-            let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
-            Some([one("gemvq_tckc_q4_k_r1")?, one("gemvq_tckcn_q4_k_r1")?])
-        } else {
-            None
-        };
         let qkv_norm = if norm_qkv != 0 {
             let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
             Some(QkvNorm {
@@ -476,7 +466,6 @@ impl Kernels {
             add_n_q8_0,
             qkv_norm,
             tckn,
-            tck_cl,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -646,29 +635,12 @@ const GEMVQ_BULK_MAX_SMEM: usize = 112 * 1024;
 /// `FERRITE_GEMVQ_SMEM` (KB) overrides it (a tuning switch).
 const GEMVQ_BLOCK_SMEM: usize = 40 * 1024;
 
-/// Columns from which a plain launch's rows are "long" for `FERRITE_GEMVQ_SMEM_LONG` (the
-/// 12288-column down projections).
-const GEMVQ_LONG_COLS: usize = 8192;
-
-/// The block's shared-memory aim for a launch of `n_in`-column rows, `spans` weights per row
-/// group: [`GEMVQ_BLOCK_SMEM`], or `FERRITE_GEMVQ_SMEM` (KB) for every launch, or
-/// `FERRITE_GEMVQ_SMEM_LONG` (KB) for plain launches of long rows (tuning switches; a
-/// function of the shape only).
-fn gemvq_block_smem(n_in: usize, spans: usize) -> usize {
-    static CAP: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-    let kb = |name: &str, default: usize| match switches::int_or(name, 0) {
-        0 => default,
+fn gemvq_block_smem() -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match switches::int_or("FERRITE_GEMVQ_SMEM", 0) {
+        0 => GEMVQ_BLOCK_SMEM,
         kb => (kb as usize * 1024).min(GEMVQ_BULK_MAX_SMEM),
-    };
-    let (all, long) = *CAP.get_or_init(|| {
-        let all = kb("FERRITE_GEMVQ_SMEM", GEMVQ_BLOCK_SMEM);
-        (all, kb("FERRITE_GEMVQ_SMEM_LONG", all))
-    });
-    if spans == 1 && n_in >= GEMVQ_LONG_COLS {
-        long
-    } else {
-        all
-    }
+    })
 }
 
 /// The K split and dynamic shared memory of a quantized-x GEMV launch over `groups` row
@@ -689,7 +661,7 @@ fn gemvq_split(
     if !be.matmul.bulk {
         return Ok((split_k(gemvq_steps(t, n_in), groups, be.sm_count), 0));
     }
-    let cap = gemvq_block_smem(n_in, spans);
+    let cap = gemvq_block_smem();
     let mut ks = 1;
     while ks <= GEMV_WARPS {
         let bytes = gemvq_block_bytes(ks, spans, rb);
@@ -1172,11 +1144,7 @@ fn gemvq_launch(
                 block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let f = match tck_cluster(be, w.dtype, rows, n_out, ks) {
-                Some(k) => &k[0],
-                None => &f[ri],
-            };
-            (f, cfg, Some(i32::try_from(kc)?))
+            (&f[ri], cfg, Some(i32::try_from(kc)?))
         }
         // The two-tile block: one per 32 rows.
         Some(TcForm::Pair(f)) => {
@@ -1208,11 +1176,6 @@ fn gemvq_launch(
         _ => None,
     };
     let mut launch = be.stream.kernel(f);
-    if let Some(TcForm::Split(_, ks, _)) = tc {
-        if tck_cluster(be, w.dtype, rows, n_out, ks).is_some() {
-            launch.cluster((1, u32::try_from(ks)?, 1));
-        }
-    }
     launch.arg(&w.data);
     if let Some(up) = up {
         launch.arg(&up.data);
@@ -1351,25 +1314,6 @@ fn tck_split(t: GgmlType, n_in: usize, max_cols: usize) -> Option<(usize, usize)
     (2..=TCK_MAX_SPLITS)
         .contains(&ks)
         .then_some((ks, per * QK_K))
-}
-
-/// Most K slices of a cluster form of the K-split tile (`TCK_CL_MAX_KS` in matmul.cu): the
-/// pair form's cluster is 2 ks blocks, at most 8 (the portable cluster size).
-const TCK_CL_MAX_KS: usize = 4;
-
-/// The cluster forms of the K-split tile (plain, pair-ticket norm) where a launch of `rows`
-/// rows of `n_out` outputs of type `t` split `ks` ways takes them: one Q4_K row, whole 16-row
-/// tiles, at most [`TCK_CL_MAX_KS`] slices (`FERRITE_TCK_CLUSTER`).
-fn tck_cluster(
-    be: &CudaBackend,
-    t: GgmlType,
-    rows: usize,
-    n_out: usize,
-    ks: usize,
-) -> Option<&[CudaFunction; 2]> {
-    be.matmul.tck_cl.as_ref().filter(|_| {
-        t == GgmlType::Q4K && rows == 1 && n_out.is_multiple_of(16) && ks <= TCK_CL_MAX_KS
-    })
 }
 
 /// The K-split tile's scratch: partial sums for [`TCK_MAX_SPLITS`] slices of
@@ -2663,15 +2607,11 @@ fn tckn_launch(
     p: &mut NormPlanes,
     (ks, kc, smem): (usize, usize, u32),
 ) -> Result<()> {
-    let cl = tck_cluster(be, w.dtype, 1, w.shape[0], ks);
-    let f = match cl {
-        Some(k) => &k[1],
-        None => be
-            .matmul
-            .tckn
-            .as_ref()
-            .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?,
-    };
+    let f = be
+        .matmul
+        .tckn
+        .as_ref()
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
     let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
     ensure!(
         rb % 16 == 0 && n_out.is_multiple_of(32),
@@ -2689,33 +2629,31 @@ fn tckn_launch(
     let (rb_i, n_out_i, n_in_i, kc_i) = (rb as i64, n_out as i32, n_in as i32, kc as i32);
     let xd = xq.d.slice(..n_in / 32 * 2);
     let xqs = xq.q.slice(..2 * n_in);
-    let mut launch = be.stream.kernel(f);
-    launch
-        .arg(&w.data)
-        .arg(&rb_i)
-        .arg(&n_out_i)
-        .arg(&n_in_i)
-        .arg(&xqs)
-        .arg(&xd)
-        .arg(&kc_i)
-        .arg(&sc.part)
-        .arg(&sc.tickets)
-        .arg(&mut out.buf)
-        .arg(nw)
-        .arg(&mut p.q)
-        .arg(&mut p.d)
-        .arg(&mut p.ss);
-    if cl.is_some() {
-        // A pair's 2 ks blocks (grid x = n_out / 16 is even: n_out % 32 == 0, checked).
-        launch.cluster((2, u32::try_from(ks)?, 1));
-    }
     // SAFETY: w holds n_out rows of rb bytes (checked by the caller), 16-byte aligned with rb
     // a multiple of 16; the int8 scratch holds n_in quantized values of x; out (the residual,
     // read and written in place by one lane of each element) n_out floats; the norm weight
     // n_out; the plane scratch GEMV_MAX_ROWS rows of n_out; the K-split scratch
     // TCK_MAX_SPLITS × n_out partials and a ticket per 16-row tile (the pairs use the first
-    // n_out / 32; the cluster form uses neither).
-    unsafe { launch.launch(cfg) }?;
+    // n_out / 32).
+    unsafe {
+        be.stream
+            .kernel(f)
+            .arg(&w.data)
+            .arg(&rb_i)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&xqs)
+            .arg(&xd)
+            .arg(&kc_i)
+            .arg(&sc.part)
+            .arg(&sc.tickets)
+            .arg(&mut out.buf)
+            .arg(nw)
+            .arg(&mut p.q)
+            .arg(&mut p.d)
+            .arg(&mut p.ss)
+            .launch(cfg)
+    }?;
     Ok(())
 }
 

@@ -70,11 +70,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "one-row decode: the attention input's RMSNorm handed from the down projection to the grouped Q, K, V launch: 2 (default) by the K-split Q4_K tile's pair tickets (MATMUL.md round 42; the lane code's group tickets, round 43, lost), 0 off",
     ),
     (
-        "FERRITE_TCK_CLUSTER",
-        Accepts::OneOf(&[0, 1]),
-        "one-row K-split Q4_K tile (the long down projections): 1 the slices' sums meet in a cluster of the tile's blocks (a pair's, handing the norm over) instead of by ticket; 0 (default) the ticket (MATMUL.md round 45)",
-    ),
-    (
         "FERRITE_QX_EARLY",
         Accepts::OneOf(&[0, 1]),
         "quant_x_q8 lets the GEMV after it launch before its own wait (MATMUL.md round 25)",
@@ -148,11 +143,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_GEMVQ_SMEM",
         Accepts::Range(4, 112),
         "quantized GEMV block KB (MATMUL.md round 5)",
-    ),
-    (
-        "FERRITE_GEMVQ_SMEM_LONG",
-        Accepts::Range(4, 112),
-        "quantized GEMV block KB for plain launches of rows of 8192 columns or more (the lane-code down projections; MATMUL.md round 44)",
     ),
     (
         "FERRITE_MM_BN",

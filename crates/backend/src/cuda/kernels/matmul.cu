@@ -1839,10 +1839,6 @@ extern "C" __global__ void add_norm_planes(float* __restrict__ x, const float* _
     add_norm_lane(x + r * n + o, y[r * n + o], nw[o], lane, pq + r * 2 * n, n, o, pd + blk, pss + blk);
 }
 
-// Most K slices of a CL launch of gemvq_tck_block (matmul.rs TCK_CL_MAX_KS): a pair's 2 ks
-// blocks are one cluster, at most 8.
-#define TCK_CL_MAX_KS 4
-
 // The long rows split along K (gemvq_tck_<type>_r<R>; matmul.rs `TcForm::Split`):
 // block (tile, k) takes rows 16 tile .. 16 tile + 15 over the columns [k kc, k kc + kn) of
 // n_in (kn = kc but for a shorter last slice; whole super-blocks), a 16 x kn tile laid out in
@@ -1868,15 +1864,7 @@ extern "C" __global__ void add_norm_planes(float* __restrict__ x, const float* _
 // add_norm_lane on them (warp 0, lane l: output 32 (tile / 2) + l, its ks partials added in
 // the order of k as above): x += the sum in place, the planes of x ⊙ n and the group's Σ x²
 // for the NORM Q, K, V launch — the residual of the plain launch + add_assign, bitwise.
-// CL (Q4_K, one row; gemvq_tckc_q4_k_r1 / gemvq_tckcn_q4_k_r1, matmul.rs `FERRITE_TCK_CLUSTER`;
-// MATMUL.md round 45): the launch is in clusters of a tile's ks blocks (PAIRN: a pair's 2 ks),
-// and the partial sums meet in the cluster's rank-0 block instead of global memory: each
-// block's 16 sums (tc_reduce_g2, tc_store's bits) go into rank 0's shared csum[k][tile & 1],
-// one cluster barrier, and rank 0 adds them in the order of k (the ticket form's bits) and
-// stores them or (PAIRN) runs add_norm_lane. No partials in L2, no fence, no ticket: the
-// ticket's atomic round trip at every block's end is what the lane code's group tickets paid
-// for (round 43). `part` and `tickets` are not used.
-template <int TYPE, int R, bool PAIRN = false, bool CL = false>
+template <int TYPE, int R, bool PAIRN = false>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1886,7 +1874,6 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
                                                 int8_t* __restrict__ pq = nullptr, float2* __restrict__ pd = nullptr,
                                                 float* __restrict__ pss = nullptr) {
     static_assert(!PAIRN || R == 1, "gemvq_tck_block: PAIRN is one row's");
-    static_assert(!CL || (R == 1 && TYPE == GGML_Q4_K), "gemvq_tck_block: CL is one Q4_K row's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -1916,29 +1903,6 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const int8_t* xa = XS ? (const int8_t*)xs : xq + k0;
     const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
     const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
-    if constexpr (CL) {
-        __shared__ float mine[16];
-        __shared__ float csum[TCK_CL_MAX_KS][2][16];
-        gemvq_tc_q4k<1, false, XS, false, false, true>(smem, smem + slot, srb, n_out, nx, xa, da, rows, nullptr, r0,
-                                                       kn + 64, kn, nullptr, mine);
-        // (tc_reduce_g2 ended with a block barrier: mine holds the tile's 16 sums.)
-        if (threadIdx.x < 16) st_cluster_f32(&csum[k][PAIRN ? (tile & 1) : 0][threadIdx.x], 0, mine[threadIdx.x]);
-        cluster_sync_all();
-        if (cluster_rank() != 0) return;
-        if (PAIRN) {
-            if (threadIdx.x < 32) {
-                const int lane = threadIdx.x, pair = tile >> 1, o = pair * 32 + lane;
-                float v = 0.0f;
-                for (int j = 0; j < ks; j++) v += csum[j][lane >> 4][lane & 15];
-                add_norm_lane(xres + o, v, nw[o], lane, pq, n_out, o, pd + pair, pss + pair);
-            }
-        } else if ((int)threadIdx.x < nrows) {
-            float v = 0.0f;
-            for (int j = 0; j < ks; j++) v += csum[j][0][threadIdx.x];
-            out[r0 + threadIdx.x] = v;
-        }
-        return;
-    }
     if (TYPE == GGML_Q4_K)
         gemvq_tc_q4k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     else
@@ -2318,30 +2282,6 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
-// gemvq_tckc_q4_k_r1 / gemvq_tckcn_q4_k_r1: gemvq_tck_block's CL forms of gemvq_tck_q4_k_r1
-// and gemvq_tckn_q4_k_r1 (the same signatures; part and tickets unused), launched in
-// clusters of (1, ks) and (2, ks) blocks (ks <= TCK_CL_MAX_KS).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_tckc_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
-                       float* __restrict__ out, int kc, float* __restrict__ part, unsigned* __restrict__ tickets) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    if (rows != 1) __trap();
-    gemvq_tck_block<GGML_Q4_K, 1, false, true>(W, rb, n_out, n_in, kc, xq, xd, 1, out, part, tickets, gemv_smem,
-                                               &gemv_bar);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_tckcn_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
-                        float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
-                        const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
-                        float* __restrict__ pss) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, true, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
-                                              &gemv_bar, x, nw, pq, pd, pss);
-}
 // gemvq_tckn_q4_k_r1: the K-split Q4_K down projection handing the next layer's attention
 // norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). Bounds as the plain one's.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
