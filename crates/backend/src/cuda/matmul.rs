@@ -127,7 +127,7 @@ pub struct Kernels {
     /// ([`hands_norm_to_qkv`]; sm_90+, `FERRITE_NORM_QKV` ≠ 0).
     qkv_norm: Option<QkvNorm>,
     /// `gemvq_tckn_q4_k_r1`: the K-split Q4_K down projection's pair tickets
-    /// (`FERRITE_NORM_QKV` & 2).
+    /// (`FERRITE_NORM_QKV=2`, the default).
     tckn: Option<CudaFunction>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
@@ -1660,7 +1660,7 @@ pub fn matmuls(
 
 /// One launch of 2–3 weights of one type and row length (checked by the caller): the
 /// quantized-x GEMV on `xq` (`q`) or the f32 GEMV on x.
-/// `handed`: the planes of x ⊙ n and their group sums that [`add_for_norm`] left, read
+/// `handed`: the planes of x ⊙ n and their group sums that [`matmul_add_for_norm`] left, read
 /// instead of `xq` by the launch's NORM form (one row; [`handed_kernel`]), with the norm's eps.
 fn multi_launch(
     be: &CudaBackend,
@@ -1803,7 +1803,7 @@ fn multi_launch(
                 launch.arg(&ks2_i);
             }
             // SAFETY: as below (and for the mixed form as its plain launch); the planes hold
-            // rows × n_in values of x ⊙ n with their scales and group sums (add_for_norm).
+            // rows × n_in values of x ⊙ n with their scales and group sums (matmul_add_for_norm).
             unsafe { launch.arg(&ss).arg(&eps).launch(cfg) }?;
             drop(guards);
             return Ok(());
