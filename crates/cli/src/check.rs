@@ -1341,10 +1341,11 @@ pub fn cases(quick: bool) -> Vec<Case> {
 
     // --- matmul_add_for_norm + rms_norm_matmuls (the down projection's residual add handing
     // the attention norm's input to the next layer's Q, K, V). CUDA takes it at one decode
-    // row from the K-split Q4_K tile (FERRITE_NORM_QKV & 2) and the Q6_K / Q8_0 lane code
-    // (& 4) into Q4_K (V Q4_K or Q6_K: the mixed launch) and Q8_0 Q, K, V; other types and
-    // rows run matmul + add_rms_norm + matmuls. Qwen3-8B's shapes (Q4_K_M's downs are Q4_K
-    // or Q6_K), two rows, a Q, K, V type without a NORM form; small in quick.
+    // row from the K-split Q4_K tile (FERRITE_NORM_QKV=2) into Q4_K (V Q4_K or Q6_K: the
+    // mixed launch) and Q8_0 Q, K, V; other producers (the Q6_K / Q8_0 lane code: MATMUL.md
+    // round 43), types and rows run matmul + add_rms_norm + matmuls. Qwen3-8B's shapes
+    // (Q4_K_M's downs are Q4_K or Q6_K), two rows, a Q, K, V type without a NORM form;
+    // small in quick.
     type QkvCase = (
         GgmlType,
         GgmlType,
@@ -1383,6 +1384,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (q4, q6, 4096, d8, 1, (q6, 12288)),
             (q4, q6, 4096, d8, 2, (q6, 12288)),
             (q8, q8, 4096, d8, 1, (q8, 12288)),
+            // The Q8_0 NORM form of the Q, K, V after a K-split Q4_K producer.
+            (q8, q8, 4096, d8, 1, (q4, 12288)),
             (q8, q8, 4096, d8, 2, (q8, 12288)),
             (q6, q6, 4096, d8, 1, (q6, 12288)),
             (q4, q6, 2048, [4096, 512, 512], 1, (q6, 6144)),
