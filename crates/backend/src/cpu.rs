@@ -218,7 +218,7 @@ pub(crate) fn sigmoid(x: f32) -> f32 {
 /// `x / sqrt(mean(x²) + eps) * w`, the sum of squares accumulated in f64.
 fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let scale = (1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()) as f32;
+    let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
     for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
         *o = (xi * scale) * wi;
     }

@@ -426,7 +426,8 @@ pub trait Backend: Send + Sync {
     /// positions and block table (laid out by [`BatchLayout::new`]). Runs outside graph
     /// capture. The step must come from [`Backend::batch_step_input`].
     fn set_batch(&self, step: &mut StepInput<Self::IBuf>, seqs: &[SeqRows<'_>]) -> Result<()>;
-    /// An activation matrix holding `data` (row-major).
+    /// An activation matrix holding `data` (row-major). (A method: the backend allocates it.)
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Result<Act<Self::Buf>>;
     /// Copies the active rows of an activation matrix back to the host.
     fn to_host(&self, x: &Act<Self::Buf>) -> Result<Vec<f32>>;

@@ -3729,10 +3729,8 @@ fn time_case<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>, reps: usize) -> R
         }
         Ok(())
     });
-    let graph = match graph {
-        Ok(g) => g,
-        Err(_) => None, // not capturable: time eager launches
-    };
+    // Not capturable: time eager launches.
+    let graph = graph.unwrap_or_default();
     let mut per = Vec::new();
     for _ in 0..5 {
         let t0 = Instant::now();

@@ -28,7 +28,6 @@ pub fn logits(a: &LogitsArgs) -> Result<()> {
 }
 
 fn logits_on<B: ferrite_backend::Backend>(be: &B, file: &ModelFile, a: &LogitsArgs) -> Result<()> {
-    let be = be;
     let model = load::model(be, file)?;
     anyhow::ensure!(!a.tokens.is_empty(), "--tokens is empty");
     if let Some(&bad) = a.tokens.iter().find(|&&t| t as usize >= model.cfg.vocab) {
@@ -39,7 +38,7 @@ fn logits_on<B: ferrite_backend::Backend>(be: &B, file: &ModelFile, a: &LogitsAr
     }
     let mut kv = model.new_kv(be, a.tokens.len())?;
     let mut ws = model.workspace(
-        &be,
+        be,
         a.tokens.len().min(ferrite_engine::generate::PREFILL_CHUNK),
         Logits::All,
     )?;

@@ -176,6 +176,8 @@ impl Sampler {
         if self.cfg.has_penalties() {
             self.apply_penalties(logits, history);
         }
+        // Greedy unless the temperature is a positive number (NaN included).
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(self.cfg.temperature > 0.0) {
             return argmax(logits);
         }
@@ -211,6 +213,8 @@ impl Sampler {
     /// on the full logits with the same configuration and RNG state, when no penalties apply
     /// and `cands` holds the configured `top_k` best logits.
     pub fn sample_top_k(&mut self, cands: &[(u32, f32)]) -> u32 {
+        // Greedy unless the temperature is a positive number (NaN included), as `sample`.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(self.cfg.temperature > 0.0) {
             return cands.first().map_or(0, |c| c.0);
         }
@@ -534,7 +538,7 @@ mod tests {
             },
             5,
         );
-        assert_eq!(s.sample(&mut vec![0.1, 5.0, 2.0, 2.0, -1.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.1, 5.0, 2.0, 2.0, -1.0], &[]), 1);
     }
 
     #[test]
@@ -549,7 +553,7 @@ mod tests {
                 },
                 4,
             );
-            assert_eq!(s.sample(&mut vec![f32::NAN; 4], &[1, 2, 9]), 0);
+            assert_eq!(s.sample(&mut [f32::NAN; 4], &[1, 2, 9]), 0);
         }
         let mut s = Sampler::new(cfg(1.0), 4);
         let mut l = vec![f32::NAN, f32::INFINITY, 0.0, f32::INFINITY];
@@ -628,7 +632,7 @@ mod tests {
             },
             4,
         );
-        assert_eq!(s.sample(&mut vec![0.0, 3.0, 3.0, 3.0], &[]), 1);
+        assert_eq!(s.sample(&mut [0.0, 3.0, 3.0, 3.0], &[]), 1);
     }
 
     #[test]
@@ -819,7 +823,7 @@ mod tests {
         // Seen token 0 drops below token 2.
         assert_eq!(s.sample(&mut l, &[0, 0, 0, 1]), 2);
         assert_eq!(l[0], 2.6 / 1.3);
-        assert_eq!(l[1], -1.0 * 1.3);
+        assert_eq!(l[1], -1.3); // the negative logit -1.0, times the penalty
     }
 
     #[test]

@@ -214,7 +214,7 @@ impl Raw {
     }
     /// Pad to 32 and append `n` data bytes.
     fn data(&mut self, n: usize) -> Vec<u8> {
-        while self.0.len() % 32 != 0 {
+        while !self.0.len().is_multiple_of(32) {
             self.0.push(0);
         }
         self.0.extend(std::iter::repeat_n(7u8, n));

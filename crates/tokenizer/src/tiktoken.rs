@@ -162,7 +162,7 @@ fn rank_bpe(map: &HashMap<&[u8], u32>, piece: &[u8], max_rank: u32) -> Vec<std::
         for i in 0..parts.len().saturating_sub(1) {
             let joined = &piece[parts[i].start..parts[i + 1].end];
             if let Some(&r) = map.get(joined) {
-                if r < max_rank && best.map_or(true, |(b, _)| r < b) {
+                if r < max_rank && best.is_none_or(|(b, _)| r < b) {
                     best = Some((r, i));
                 }
             }

@@ -99,7 +99,7 @@ impl RankBpe {
             for i in 0..parts.len().saturating_sub(1) {
                 let joined = [parts[i].as_slice(), parts[i + 1].as_slice()].concat();
                 if let Some(&r) = self.ranks.get(&joined) {
-                    if best.map_or(true, |(b, _)| r < b) {
+                    if best.is_none_or(|(b, _)| r < b) {
                         best = Some((r, i));
                     }
                 }

@@ -193,7 +193,7 @@ fn quantize<'a>(
         .lock()
         .map_err(|_| anyhow!("mmq: scratch lock poisoned"))?;
     let (cur, retired) = &mut *guard;
-    if cur.as_ref().map_or(true, |(q, _)| q.len() < 2 * n) {
+    if cur.as_ref().is_none_or(|(q, _)| q.len() < 2 * n) {
         let cap = n.next_power_of_two();
         let fresh = (
             be.stream.alloc_zeros::<i8>(2 * cap)?,
