@@ -1354,27 +1354,13 @@ pub fn cases(quick: bool) -> Vec<Case> {
         usize,
         (GgmlType, usize),
     );
+    let (q4, q6, q8) = (GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0);
     let qkv: &[QkvCase] = if quick {
         &[
-            (
-                GgmlType::Q4K,
-                GgmlType::Q6K,
-                512,
-                [384, 128, 128],
-                1,
-                (GgmlType::Q6K, 1024),
-            ),
-            (
-                GgmlType::Q8_0,
-                GgmlType::Q8_0,
-                512,
-                [384, 128, 128],
-                1,
-                (GgmlType::Q8_0, 1024),
-            ),
+            (q4, q6, 512, [384, 128, 128], 1, (q6, 1024)),
+            (q8, q8, 512, [384, 128, 128], 1, (q8, 1024)),
         ]
     } else {
-        let (q4, q6, q8) = (GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0);
         let d8 = [4096, 1024, 1024];
         &[
             (q4, q4, 4096, d8, 1, (q4, 12288)),
@@ -3569,8 +3555,8 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
         ],
         // Q, K, V: the matmul thresholds of their types and shapes (the handed-over planes of
         // x ⊙ norm are the quantized GEMV's x, 1/rms applied after the dot products, as for
-        // the FFN's hand-over). The residual: x + y in f32, bitwise add_rms_norm's sum; with a
-        // down projection, y is its output (the Q4_K matmul threshold of its shape).
+        // the FFN's hand-over). The residual: x + y in f32, bitwise add_rms_norm's sum, y the
+        // down projection's output (the matmul threshold of its type and shape).
         Op::AddNormMatmuls {
             ty,
             ty_v,

@@ -398,13 +398,10 @@ impl Kernels {
         } else {
             None
         };
-        let norm_qkv = if gemvq_tc.is_some() {
-            // 2 (default): the K-split Q4_K down's pair tickets (MATMUL.md round 42).
-            switches::int_or("FERRITE_NORM_QKV", 2)
-        } else {
-            0
-        };
-        let tckn = if norm_qkv & 2 != 0 && tc2.is_some() {
+        // FERRITE_NORM_QKV=2 (default): the K-split Q4_K down's pair tickets (MATMUL.md round
+        // 42); 0 off.
+        let norm_qkv = gemvq_tc.is_some() && switches::int_or("FERRITE_NORM_QKV", 2) != 0;
+        let tckn = if norm_qkv && tc2.is_some() {
             Some(function_smem(
                 &m,
                 "gemvq_tckn_q4_k_r1",
@@ -413,7 +410,7 @@ impl Kernels {
         } else {
             None
         };
-        let qkv_norm = if norm_qkv != 0 {
+        let qkv_norm = if norm_qkv {
             let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
             Some(QkvNorm {
                 q4_k: one("gemvq_multi_tcn_q4_k_r1")?,
@@ -990,6 +987,28 @@ pub(crate) struct NormPlanes {
 impl Grown for NormPlanes {
     fn retired(&mut self) -> &mut Vec<Self> {
         &mut self.retired
+    }
+}
+
+impl NormPlanes {
+    /// What planes of `x` (`rows` × `cols`) weighted by `norm` left by the launch just issued
+    /// are recorded as (`src`).
+    fn key(
+        be: &CudaBackend,
+        x: &CudaSlice<f32>,
+        norm: &CudaWeight,
+        rows: usize,
+        cols: usize,
+    ) -> (u64, u64, usize, usize, u64) {
+        let (xp, _g) = x.device_ptr(&be.stream);
+        let (np, _g2) = norm.data.device_ptr(&be.stream);
+        (xp, np, rows, cols, super::launch::launch_count())
+    }
+
+    /// Whether the planes are those the producer just left for `x` and `norm`, nothing
+    /// launched since; either way they are taken (a second consumer never reads them).
+    fn take_for(&mut self, be: &CudaBackend, x: &Act<CudaSlice<f32>>, norm: &CudaWeight) -> bool {
+        self.src.take() == Some(Self::key(be, &x.buf, norm, x.rows, x.cols))
     }
 }
 
@@ -2226,7 +2245,8 @@ pub fn rms_norm_matmul_swiglu(
 /// Whether `w` can be the o-projection of the handed-over norm (`gemvq_tc2_add_q4_k`): a
 /// Q4_K weight on its one-tile tensor-core form, whole 32-row groups, decode rows.
 fn hands_norm_from(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
-    // Q8_0: the plain GEMV and add_norm_planes (matmul_add_for_norm), for its SwiGLU.
+    // Q8_0: any row count (matmul_add_for_norm: the 32-row producer at one row, else the plain
+    // GEMV and add_norm_planes), for its lane-code NORM SwiGLU.
     if w.dtype == GgmlType::Q8_0 {
         return be.matmul.swiglu_n_q8_0.is_some()
             && w.shape.len() == 2
@@ -2485,9 +2505,7 @@ pub fn matmul_add_for_norm(
                 .launch(cfg)
         }?;
     }
-    let (op, _g) = out.buf.device_ptr(&be.stream);
-    let (np, _g2) = norm.data.device_ptr(&be.stream);
-    p.src = Some((op, np, rows, n_out, super::launch::launch_count()));
+    p.src = Some(NormPlanes::key(be, &out.buf, norm, rows, n_out));
     Ok(true)
 }
 
@@ -2570,10 +2588,7 @@ pub fn rms_norm_matmuls_handed(
     let Some(p) = guard.as_mut() else {
         return Ok(false);
     };
-    let (xp, _g) = x.buf.device_ptr(&be.stream);
-    let (np, _g2) = norm.data.device_ptr(&be.stream);
-    let want = Some((xp, np, rows, x.cols, super::launch::launch_count()));
-    if p.src.take() != want || !takes_handed(be, ws, rows)? {
+    if !p.take_for(be, x, norm) || !takes_handed(be, ws, rows)? {
         return Ok(false);
     }
     ensure!(
@@ -2680,11 +2695,8 @@ pub fn rms_norm_matmul_swiglu_handed(
     let Some(p) = guard.as_mut() else {
         return Ok(false);
     };
-    let (xp, _g) = x.buf.device_ptr(&be.stream);
-    let (np, _g2) = norm.data.device_ptr(&be.stream);
-    let want = Some((xp, np, rows, x.cols, super::launch::launch_count()));
     let q8 = gate.dtype == GgmlType::Q8_0 && be.matmul.swiglu_n_q8_0.is_some();
-    if p.src.take() != want
+    if !p.take_for(be, x, norm)
         || !((gate.dtype == GgmlType::Q4K || q8)
             && gate.dtype == up.dtype
             && gate.shape == up.shape
@@ -2712,10 +2724,10 @@ pub fn rms_norm_matmul_swiglu_handed(
         GemvKind::Swiglu,
     )?;
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+    let xd = p.d.slice(..rows * n_in / 32 * 2);
+    let xqs = p.q.slice(..2 * rows * n_in);
+    let ss = p.ss.slice(..rows * n_in / 32);
     if let (true, Some(fs), None) = (q8, &be.matmul.swiglu_n_q8_0, &tc) {
-        let xd = p.d.slice(..rows * n_in / 32 * 2);
-        let xqs = p.q.slice(..2 * rows * n_in);
-        let ss = p.ss.slice(..rows * n_in / 32);
         let ks_i = ks as i32;
         // SAFETY: as below; the lane code's grid and split (gemvq_launch's SwiGLU: one row
         // group per output).
@@ -2749,9 +2761,6 @@ pub fn rms_norm_matmul_swiglu_handed(
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: smem,
     };
-    let xd = p.d.slice(..rows * n_in / 32 * 2);
-    let xqs = p.q.slice(..2 * rows * n_in);
-    let ss = p.ss.slice(..rows * n_in / 32);
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
     // n_in values with their scales and group sums (written by the producer just before);
     // out holds rows × n_out floats; one block per 8 SwiGLU outputs.

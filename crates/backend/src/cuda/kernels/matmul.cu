@@ -2172,7 +2172,7 @@ GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
 // The grouped Q, K, V launch on the attention input's handed-over norm (gemvq's NORM; one
-// row: matmul.rs `add_for_norm`): gemvq_multi_tcn_q4_k_r1 (the tensor-core form),
+// row: matmul.rs `rms_norm_matmuls_handed`): gemvq_multi_tcn_q4_k_r1 (the tensor-core form),
 // gemvq_multi_tcn_q4_k_q6_k_r1 (Q4_K Q, K on it + Q6_K V on the lane code, as the mixed
 // launch) and gemvq_multi_n_q8_0_r1 (the lane code). Bounds as their plain forms'.
 #define GEMVQ_MULTI_NORM_KERNEL(name, TYPE, TC, TCN, LB)                                                     \
