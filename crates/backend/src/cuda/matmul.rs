@@ -1802,33 +1802,14 @@ fn multi_launch(
             .ok_or_else(|| anyhow!("matmuls: no quantized-x kernel for {t}"))?;
         let xd = pd.slice(..rows * n_in / 32 * 2);
         let xqs = pq.slice(..2 * rows * n_in);
-        if let Some((p, eps)) = handed {
-            let f = handed_kernel(be, t, t2, tc.is_some(), rows)
-                .ok_or_else(|| anyhow!("matmuls: no handed-norm kernel for {t} + {t2}"))?;
-            let (rb2, ks2_i) = (ws[ws.len() - 1].row_bytes() as i64, ks2 as i32);
-            let ss = p.ss.slice(..rows * n_in / 32);
-            let mut launch = be.stream.kernel(f);
-            launch.arg(&sg).arg(&rb);
-            if mixed {
-                launch.arg(&rb2);
-            }
-            launch
-                .arg(&n_in_i)
-                .arg(&xqs)
-                .arg(&xd)
-                .arg(&rows_i)
-                .arg(&ks_i);
-            if mixed {
-                launch.arg(&ks2_i);
-            }
-            // SAFETY: as below (and for the mixed form as its plain launch); the planes hold
-            // rows × n_in values of x ⊙ n with their scales and group sums (matmul_add_for_norm).
-            unsafe { launch.arg(&ss).arg(&eps).launch(cfg) }?;
-            drop(guards);
-            return Ok(());
-        }
-        if mixed {
-            let f = match (&be.matmul.gemvq_tc, tc) {
+        // The kernel: the NORM form on the handed-over planes, the mixed-type launch (a
+        // third weight of type t2), or the plain grouped one; the arguments are theirs in
+        // that order (the mixed form's rb2 and ks2, the NORM form's group sums and eps).
+        let f = if handed.is_some() {
+            handed_kernel(be, t, t2, tc.is_some(), rows)
+                .ok_or_else(|| anyhow!("matmuls: no handed-norm kernel for {t} + {t2}"))?
+        } else if mixed {
+            match (&be.matmul.gemvq_tc, tc) {
                 (Some(all), Some(_)) => {
                     ensure!(
                         (t, t2) == (GgmlType::Q4K, GgmlType::Q6K),
@@ -1838,44 +1819,37 @@ fn multi_launch(
                 }
                 _ => &mixed_kernels(be, t, t2)
                     .ok_or_else(|| anyhow!("matmuls: no mixed kernel for {t} + {t2}"))?[ri],
-            };
-            let (rb2, ks2_i) = (ws[2].row_bytes() as i64, ks2 as i32);
-            // SAFETY: as below; weight 2 holds n2 rows of rb2 bytes (checked by matmuls).
-            unsafe {
-                be.stream
-                    .kernel(f)
-                    .arg(&sg)
-                    .arg(&rb)
-                    .arg(&rb2)
-                    .arg(&n_in_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&rows_i)
-                    .arg(&ks_i)
-                    .arg(&ks2_i)
-                    .launch(cfg)
-            }?;
-            drop(guards);
-            return Ok(());
-        }
-        let f = match tc {
-            Some(tc) => &tc[2][ri],
-            None => &fams[2][ri],
+            }
+        } else {
+            match tc {
+                Some(tc) => &tc[2][ri],
+                None => &fams[2][ri],
+            }
         };
-        // SAFETY: every weight holds n rows of rb bytes and every output rows×n floats
-        // (checked by matmuls); the scratch holds rows×n_in quantized values.
-        unsafe {
-            be.stream
-                .kernel(f)
-                .arg(&sg)
-                .arg(&rb)
-                .arg(&n_in_i)
-                .arg(&xqs)
-                .arg(&xd)
-                .arg(&rows_i)
-                .arg(&ks_i)
-                .launch(cfg)
-        }?;
+        let (rb2, ks2_i) = (ws[ws.len() - 1].row_bytes() as i64, ks2 as i32);
+        let sums = handed.map(|(p, eps)| (p.ss.slice(..rows * n_in / 32), eps));
+        let mut launch = be.stream.kernel(f);
+        launch.arg(&sg).arg(&rb);
+        if mixed {
+            launch.arg(&rb2);
+        }
+        launch
+            .arg(&n_in_i)
+            .arg(&xqs)
+            .arg(&xd)
+            .arg(&rows_i)
+            .arg(&ks_i);
+        if mixed {
+            launch.arg(&ks2_i);
+        }
+        if let Some((ss, eps)) = &sums {
+            launch.arg(ss).arg(eps);
+        }
+        // SAFETY: every weight holds n rows of rb bytes (the mixed form's third n2 rows of
+        // rb2) and every output rows×n floats (checked by matmuls); the scratch, or the
+        // handed-over planes, hold rows×n_in quantized values with their scales (and, handed
+        // over, the group sums of x, written by matmul_add_for_norm).
+        unsafe { launch.launch(cfg) }?;
     } else {
         let fams = &be.matmul.gemv_multi[ti];
         // SAFETY: as above, with x holding rows×n_in floats.
