@@ -59,6 +59,14 @@ def trimmed_source(src_path, insts, rev=None):
     a = s.index(BLOCK_FIRST)
     b = s.index("\n", s.index(BLOCK_LAST)) + 1
     head, tail = s[:a], s[b:]
+    # The block's macro definitions stay (later instantiations may use them); only its
+    # top-level instantiation lines (not a #define's continuation lines) go.
+    kept, cont = [], False
+    for line in s[a:b].splitlines():
+        if cont or line.startswith("#") or not re.match(r"^\w+\(.*\)$", line):
+            kept.append(line)
+        cont = line.endswith("\\")
+    head += "\n".join(kept) + "\n"
     for pat in DROP:  # before the requested instantiations go in (they may be of these families)
         head, tail = (re.sub(pat, "", x, flags=re.M) for x in (head, tail))
     # At the end: every family's macro is defined by then (the MoE ones come after the block).

@@ -1285,16 +1285,62 @@ __device__ __forceinline__ size_t tc_slot(long long rb, int ns) {
 // the weight copy is in flight; ends with a block barrier.
 // src_plane: the distance of the source's planes where x is a column slice of a wider x
 // (the K-split tile, gemvq_tck_block; 0: n_in).
-__device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                           int n_in, int src_plane = 0) {
+// In two steps (MATMUL.md round 46): tc_stage_x_load issues a thread's first TC_XU plane
+// words and TC_XD scale pairs at once (every word of x up to 8192 columns at 256 threads),
+// tc_stage_x_store stores them, copies any rest (longer x) and ends with the barrier: one L2
+// round trip where a load-store loop took one per iteration (three at 4096 columns), and a
+// caller's own loads (the NORM form's group sums) can go out between the two.
+constexpr int TC_XU = 4, TC_XD = 2;
+struct TcXStage {
+    int4 v[TC_XU];
+    float2 d[TC_XD];
+};
+__device__ __forceinline__ void tc_stage_x_load(TcXStage& st, const int8_t* __restrict__ xq,
+                                                const float2* __restrict__ xd, int n_in, int src_plane = 0) {
     const int n16 = n_in / 16, nb = n_in / QK, sp = src_plane ? src_plane : n_in;
-    for (int i = threadIdx.x; i < 2 * n16; i += blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < TC_XU; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < 2 * n16) {
+            const int p = i >= n16 ? 1 : 0, j = i - p * n16;
+            st.v[u] = __ldg((const int4*)(xq + p * sp) + j);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < TC_XD; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < nb) st.d[u] = __ldg(xd + i);
+    }
+}
+__device__ __forceinline__ void tc_stage_x_store(const TcXStage& st, uint8_t* xs, const int8_t* __restrict__ xq,
+                                                 const float2* __restrict__ xd, int n_in, int src_plane = 0) {
+    const int n16 = n_in / 16, nb = n_in / QK, sp = src_plane ? src_plane : n_in;
+#pragma unroll
+    for (int u = 0; u < TC_XU; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < 2 * n16) {
+            const int p = i >= n16 ? 1 : 0, j = i - p * n16;
+            *(int4*)(xs + p * (n_in + 64) + 16 * j) = st.v[u];
+        }
+    }
+    for (int i = threadIdx.x + TC_XU * blockDim.x; i < 2 * n16; i += blockDim.x) {
         const int p = i >= n16 ? 1 : 0, j = i - p * n16;
         *(int4*)(xs + p * (n_in + 64) + 16 * j) = __ldg((const int4*)(xq + p * sp) + j);
     }
     float2* ds = (float2*)(xs + 2 * n_in + 128);
-    for (int i = threadIdx.x; i < nb; i += blockDim.x) ds[i] = __ldg(xd + i);
+#pragma unroll
+    for (int u = 0; u < TC_XD; u++) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < nb) ds[i] = st.d[u];
+    }
+    for (int i = threadIdx.x + TC_XD * blockDim.x; i < nb; i += blockDim.x) ds[i] = __ldg(xd + i);
     __syncthreads();
+}
+__device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                           int n_in, int src_plane = 0) {
+    TcXStage st;
+    tc_stage_x_load(st, xq, xd, n_in, src_plane);
+    tc_stage_x_store(st, xs, xq, xd, n_in, src_plane);
 }
 
 // The end of a tensor-core GEMV block: thread (g, t) of warp w holds acc[r][a], its share of
@@ -1690,11 +1736,16 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
-    if (NORM) {
+    if (XS) {
+        // x's loads first, the group sums' while they are in flight (one round trip for both).
+        TcXStage st;
+        tc_stage_x_load(st, xq, xd, n_in);
+        if (NORM) tc_norm_scale<R>(pss, n_in, rows, eps, sn);
+        tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
+    } else if (NORM) {
         tc_norm_scale<R>(pss, n_in, rows, eps, sn);
-        if (!XS) __syncthreads();  // XS: tc_stage_x ends with one
+        __syncthreads();
     }
-    if (XS) tc_stage_x(xs, xq, xd, n_in);
     if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
