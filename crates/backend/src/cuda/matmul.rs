@@ -111,6 +111,9 @@ pub struct Kernels {
     /// from the Q4_K o-projection to the SwiGLU ([`matmul_add_for_norm`]; sm_90+, unless
     /// `FERRITE_DEFER_NORM_Q=0`).
     tc2: Option<[[CudaFunction; 6]; 2]>,
+    /// `gemvq_swiglu_tcng_q4_k_r1` with `FERRITE_SWIGLU_XG=1` (MATMUL.md round 47): the one-row
+    /// handed-over SwiGLU reading x from L1 / L2 instead of staging it.
+    swiglu_xg: Option<CudaFunction>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -456,6 +459,11 @@ impl Kernels {
             gemvq,
             gemvq_mixed,
             gemvq_tc,
+            swiglu_xg: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_XG", 0) != 0 {
+                Some(function_smem(&m, "gemvq_swiglu_tcng_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?)
+            } else {
+                None
+            },
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
@@ -2730,17 +2738,19 @@ pub fn rms_norm_matmul_swiglu_handed(
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
     }
+    // The XG form (one row): no staged x, so only the two slots.
+    let xg = be.matmul.swiglu_xg.as_ref().filter(|_| rows == 1);
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
         block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: if xg.is_some() { tc_smem(rb, 8) } else { smem },
     };
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
     // n_in values with their scales and group sums (written by the producer just before);
     // out holds rows × n_out floats; one block per 8 SwiGLU outputs.
     unsafe {
         be.stream
-            .kernel(&tc2[1][gemv_r_index(rows)?])
+            .kernel(xg.unwrap_or(&tc2[1][gemv_r_index(rows)?]))
             .arg(&gate.data)
             .arg(&up.data)
             .arg(&rb_i)

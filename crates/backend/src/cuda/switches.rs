@@ -195,6 +195,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 (default) loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 after the tiles (MATMUL.md round 28)",
     ),
     (
+        "FERRITE_SWIGLU_XG",
+        Accepts::OneOf(&[0, 1]),
+        "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 reads x from L1 / L2 in the tile loop with the norm's scale in every warp (gemvq_swiglu_tcng; no block barrier before the first MMA), 0 (default) stages x in shared memory (MATMUL.md round 47)",
+    ),
+    (
         "FERRITE_L2_EVICT_FIRST",
         Accepts::OneOf(&[0, 1]),
         "the L2 policy of the dense decode GEMVs' weight copies: 1 (default) evict-first, 0 evict-unchanged (MATMUL.md round 34)",
