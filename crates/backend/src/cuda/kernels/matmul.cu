@@ -1894,6 +1894,19 @@ extern "C" __global__ void add_norm_planes(float* __restrict__ x, const float* _
     add_norm_lane(x + r * n + o, y[r * n + o], nw[o], lane, pq + r * 2 * n, n, o, pd + blk, pss + blk);
 }
 
+// The last block's sum of an output's ks slice partials (p: slice 0's, stride apart):
+// every load issued first (one L2 round trip; a loop of load-then-add waited for each in
+// turn: MATMUL.md round 48), then the adds in slice order from v, as that loop did.
+#define TCK_MAX_SPLITS 8  // matmul.rs TCK_MAX_SPLITS
+__device__ __forceinline__ void tck_sum(float& v, const float* p, size_t stride, int ks) {
+    float t[TCK_MAX_SPLITS];
+#pragma unroll
+    for (int j = 0; j < TCK_MAX_SPLITS; j++) t[j] = j < ks ? __ldcg(p + (size_t)j * stride) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < TCK_MAX_SPLITS; j++)
+        if (j < ks) v += t[j];
+}
+
 // The long rows split along K (gemvq_tck_<type>_r<R>; matmul.rs `TcForm::Split`):
 // block (tile, k) takes rows 16 tile .. 16 tile + 15 over the columns [k kc, k kc + kn) of
 // n_in (kn = kc but for a shorter last slice; whole super-blocks), a 16 x kn tile laid out in
@@ -1968,7 +1981,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         if (tck_last && threadIdx.x < 32) {
             const int lane = threadIdx.x, o = pair * 32 + lane;
             float v = 0.0f;
-            for (int j = 0; j < ks; j++) v += __ldcg(part + (size_t)j * (size_t)n_out + o);
+            tck_sum(v, part + o, (size_t)n_out, ks);
             add_norm_lane(xres + o, v, nw[o], lane, pq, n_out, o, pd + pair, pss + pair);
             if (lane == 0) tickets[pair] = 0;
         }
@@ -1979,7 +1992,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         for (int i = threadIdx.x; i < rows * nrows; i += blockDim.x) {
             const int r = i / nrows, o = r0 + i % nrows;
             float v = 0.0f;
-            for (int j = 0; j < ks; j++) v += __ldcg(part + ((size_t)j * rows + r) * (size_t)n_out + o);
+            tck_sum(v, part + (size_t)r * n_out + o, (size_t)rows * n_out, ks);
             out[(size_t)r * n_out + o] = v;
         }
         if (threadIdx.x == 0) tickets[tile] = 0;
