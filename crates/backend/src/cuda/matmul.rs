@@ -460,7 +460,11 @@ impl Kernels {
             gemvq_mixed,
             gemvq_tc,
             swiglu_xg: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_XG", 0) != 0 {
-                Some(function_smem(&m, "gemvq_swiglu_tcng_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?)
+                Some(function_smem(
+                    &m,
+                    "gemvq_swiglu_tcng_q4_k_r1",
+                    GEMVQ_BULK_MAX_SMEM,
+                )?)
             } else {
                 None
             },
