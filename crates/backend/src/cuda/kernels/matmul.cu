@@ -1285,25 +1285,27 @@ __device__ __forceinline__ size_t tc_slot(long long rb, int ns) {
 // the weight copy is in flight; ends with a block barrier.
 // src_plane: the distance of the source's planes where x is a column slice of a wider x
 // (the K-split tile, gemvq_tck_block; 0: n_in).
-// In two steps (MATMUL.md round 46): tc_stage_x_load issues a thread's first TC_XU plane
-// words and TC_XD scale pairs at once (every word of x up to 8192 columns at 256 threads),
+// In two steps (MATMUL.md round 46): tc_stage_x_load issues a thread's first TC_XU words of
+// each plane and TC_XD scale pairs at once (every word of x up to 8192 columns at 256 threads),
 // tc_stage_x_store stores them, copies any rest (longer x) and ends with the barrier: one L2
 // round trip where a load-store loop took one per iteration (three at 4096 columns), and a
 // caller's own loads (the NORM form's group sums) can go out between the two.
-constexpr int TC_XU = 4, TC_XD = 2;
+constexpr int TC_XU = 2, TC_XD = 2;  // plane words per plane, scale pairs, per thread
 struct TcXStage {
-    int4 v[TC_XU];
+    int4 v[2][TC_XU];  // [plane][u]: word threadIdx.x + u blockDim.x of each plane
     float2 d[TC_XD];
 };
 __device__ __forceinline__ void tc_stage_x_load(TcXStage& st, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int n_in, int src_plane = 0) {
     const int n16 = n_in / 16, nb = n_in / QK, sp = src_plane ? src_plane : n_in;
+    const int4* q0 = (const int4*)xq;
+    const int4* q1 = (const int4*)(xq + sp);
 #pragma unroll
     for (int u = 0; u < TC_XU; u++) {
-        const int i = threadIdx.x + u * blockDim.x;
-        if (i < 2 * n16) {
-            const int p = i >= n16 ? 1 : 0, j = i - p * n16;
-            st.v[u] = __ldg((const int4*)(xq + p * sp) + j);
+        const int j = threadIdx.x + u * blockDim.x;
+        if (j < n16) {
+            st.v[0][u] = __ldg(q0 + j);
+            st.v[1][u] = __ldg(q1 + j);
         }
     }
 #pragma unroll
@@ -1315,17 +1317,19 @@ __device__ __forceinline__ void tc_stage_x_load(TcXStage& st, const int8_t* __re
 __device__ __forceinline__ void tc_stage_x_store(const TcXStage& st, uint8_t* xs, const int8_t* __restrict__ xq,
                                                  const float2* __restrict__ xd, int n_in, int src_plane = 0) {
     const int n16 = n_in / 16, nb = n_in / QK, sp = src_plane ? src_plane : n_in;
+    int4* s0 = (int4*)xs;
+    int4* s1 = (int4*)(xs + n_in + 64);
 #pragma unroll
     for (int u = 0; u < TC_XU; u++) {
-        const int i = threadIdx.x + u * blockDim.x;
-        if (i < 2 * n16) {
-            const int p = i >= n16 ? 1 : 0, j = i - p * n16;
-            *(int4*)(xs + p * (n_in + 64) + 16 * j) = st.v[u];
+        const int j = threadIdx.x + u * blockDim.x;
+        if (j < n16) {
+            s0[j] = st.v[0][u];
+            s1[j] = st.v[1][u];
         }
     }
-    for (int i = threadIdx.x + TC_XU * blockDim.x; i < 2 * n16; i += blockDim.x) {
-        const int p = i >= n16 ? 1 : 0, j = i - p * n16;
-        *(int4*)(xs + p * (n_in + 64) + 16 * j) = __ldg((const int4*)(xq + p * sp) + j);
+    for (int j = threadIdx.x + TC_XU * blockDim.x; j < n16; j += blockDim.x) {
+        s0[j] = __ldg((const int4*)xq + j);
+        s1[j] = __ldg((const int4*)(xq + sp) + j);
     }
     float2* ds = (float2*)(xs + 2 * n_in + 128);
 #pragma unroll
