@@ -114,6 +114,9 @@ pub struct Kernels {
     /// `gemvq_swiglu_tcng_q4_k_r1` with `FERRITE_SWIGLU_XG=1` (MATMUL.md round 47): the one-row
     /// handed-over SwiGLU reading x from L1 / L2 instead of staging it.
     swiglu_xg: Option<CudaFunction>,
+    /// `gemvq_swiglu_tcnw4_q4_k_r1` with `FERRITE_SWIGLU_W4=1` (MATMUL.md round 49): the same
+    /// SwiGLU in blocks of four warps.
+    swiglu_w4: Option<CudaFunction>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -463,6 +466,15 @@ impl Kernels {
                 Some(function_smem(
                     &m,
                     "gemvq_swiglu_tcng_q4_k_r1",
+                    GEMVQ_BULK_MAX_SMEM,
+                )?)
+            } else {
+                None
+            },
+            swiglu_w4: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_W4", 0) != 0 {
+                Some(function_smem(
+                    &m,
+                    "gemvq_swiglu_tcnw4_q4_k_r1",
                     GEMVQ_BULK_MAX_SMEM,
                 )?)
             } else {
@@ -2744,9 +2756,23 @@ pub fn rms_norm_matmul_swiglu_handed(
     }
     // The XG form (one row): no staged x, so only the two slots.
     let xg = be.matmul.swiglu_xg.as_ref().filter(|_| rows == 1);
+    // The W4 form (one row): four warps a block.
+    let w4 = be
+        .matmul
+        .swiglu_w4
+        .as_ref()
+        .filter(|_| rows == 1 && xg.is_none());
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        block_dim: (
+            (if w4.is_some() {
+                GEMV_WARPS / 2
+            } else {
+                GEMV_WARPS
+            } * 32) as u32,
+            1,
+            1,
+        ),
         shared_mem_bytes: if xg.is_some() { tc_smem(rb, 8) } else { smem },
     };
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
@@ -2754,7 +2780,7 @@ pub fn rms_norm_matmul_swiglu_handed(
     // out holds rows × n_out floats; one block per 8 SwiGLU outputs.
     unsafe {
         be.stream
-            .kernel(xg.unwrap_or(&tc2[1][gemv_r_index(rows)?]))
+            .kernel(xg.or(w4).unwrap_or(&tc2[1][gemv_r_index(rows)?]))
             .arg(&gate.data)
             .arg(&up.data)
             .arg(&rb_i)

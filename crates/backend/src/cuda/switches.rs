@@ -200,6 +200,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 reads x from L1 / L2 in the tile loop with the norm's scale in every warp (gemvq_swiglu_tcng; no block barrier before the first MMA), 0 (default) stages x in shared memory (MATMUL.md round 47)",
     ),
     (
+        "FERRITE_SWIGLU_W4",
+        Accepts::OneOf(&[0, 1]),
+        "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 in blocks of four warps, four blocks per SM (gemvq_swiglu_tcnw4: the eight-warp kernel's sums in its order), 0 (default) eight warps, three blocks per SM (MATMUL.md round 49)",
+    ),
+    (
         "FERRITE_L2_EVICT_FIRST",
         Accepts::OneOf(&[0, 1]),
         "the L2 policy of the dense decode GEMVs' weight copies: 1 (default) evict-first, 0 evict-unchanged (MATMUL.md round 34)",

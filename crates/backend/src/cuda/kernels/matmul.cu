@@ -1356,9 +1356,11 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
 // 2 (row % 4) + row / 4.
 // NORM: the input was x ⊙ n with the RMSNorm's 1 / rms(x) deferred (gemvq_tc_block NORM):
 // sn[r] scales each sum (SwiGLU: gate and up) before it is used.
-template <int R, bool SWIGLU, bool HALF = false, bool NORM = false>
+// W4 (gemvq_tc_q4k's W4): four warps, each holding two of the eight-warp kernel's partials
+// (acc: warp w's, acc2: warp w + 4's), written to their places: the same sums in the same order.
+template <int R, bool SWIGLU, bool HALF = false, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0,
-                                         const float* sn = nullptr) {
+                                         const float* sn = nullptr, float (*acc2)[2] = nullptr) {
     constexpr int NA = HALF ? 1 : 2;  // MMA row halves that hold distinct rows
     __shared__ float tred[GEMV_WARPS][R][8 * NA];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1370,6 +1372,11 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
             acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 1);
             acc[r][a] += __shfl_xor_sync(0xffffffffu, acc[r][a], 2);
             if (t == 0) tred[warp][r][8 * a + g] = acc[r][a];
+            if constexpr (W4) {
+                acc2[r][a] += __shfl_xor_sync(0xffffffffu, acc2[r][a], 1);
+                acc2[r][a] += __shfl_xor_sync(0xffffffffu, acc2[r][a], 2);
+                if (t == 0) tred[warp + GEMV_WARPS / 2][r][8 * a + g] = acc2[r][a];
+            }
         }
     __syncthreads();
     constexpr int NO = SWIGLU ? 4 * NA : 8 * NA;  // outputs per tile
@@ -1431,7 +1438,11 @@ __device__ __forceinline__ void tc_reduce_g2(float (&acc)[R][2], float* out16) {
 // NORM: tc_store scales by sn (see there). G2: the block is two 8-warp groups on two tiles
 // (gemvq_tc2_add_q4k): warps index within their group, and the tile's 16 sums go to g2out
 // (tc_reduce_g2) instead of global memory.
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false>
+// W4 (gemvq_swiglu_tcnw4_q4_k; MATMUL.md round 49): a block of four warps; warp w takes
+// super-blocks w, w + 4, ..., alternately into the eight-warp kernel's partials of warps w
+// (w, w + 8, ...) and w + 4 (w + 4, w + 12, ...), by swapping two accumulator sets after
+// each super-block: every sum is the eight-warp kernel's, in its order.
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1452,17 +1463,19 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     const uint32_t mlo = (bval && !bhi) ? 0xFFFFFFFFu : 0u, mhi = (bval && bhi) ? 0xFFFFFFFFu : 0u;
     const size_t xoff = (size_t)(g & 1) * (size_t)(XS ? xplane : n_in) + 32 * q + 16 * e;
     const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
-    float acc[R][2];
+    float acc[R][2], acc2[R][2];
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
+    constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' super-block stride
     // Two super-blocks per iteration for R = 2 (their loads in flight together; measured
     // with the conflict-free slots and the predicated x loads: SwiGLU 4096->12288 24.5 ->
     // 21.8 us); one for R = 1 (with the branch-free x words the second super-block's values
     // do not fit the registers: MATMUL.md round 11) and for larger R, whose accumulators take
     // the registers.
     constexpr int SB_UNROLL = R == 2 ? 2 : 1;
+    int nsw = 0;  // W4: super-blocks taken (which set acc is)
 #pragma unroll SB_UNROLL
-    for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
+    for (int sb = warp; sb < nsb; sb += WS) {
         const size_t off = (size_t)sb * Q4_K_BYTES;
         const uint8_t* b0 = p0 + off;
         const uint8_t* b1 = p1 + off;
@@ -1507,11 +1520,34 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
                 if (!HALF) acc[r][1] = fmaf(d1, sc1 * dxs * (float)S1, fmaf(-n1, m1 * ds.y, acc[r][1]));
             }
         }
+        if constexpr (W4) {
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int a = 0; a < 2; a++) {
+                    const float v = acc[r][a];
+                    acc[r][a] = acc2[r][a];
+                    acc2[r][a] = v;
+                }
+            nsw++;
+        }
+    }
+    if constexpr (W4) {
+        if (nsw & 1) {  // acc holds warp w + 4's partial: swap back
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int a = 0; a < 2; a++) {
+                    const float v = acc[r][a];
+                    acc[r][a] = acc2[r][a];
+                    acc2[r][a] = v;
+                }
+        }
     }
     if (G2)
         tc_reduce_g2<R>(acc, g2out);
     else
-        tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
+        tc_store<R, SWIGLU, HALF, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
 }
 
 // The Q6_K form. A super-block (210 bytes: ql[128] low nibbles, qh[64] 2-bit highs, 16 int8
@@ -1719,7 +1755,7 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool XG = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool XG = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1760,7 +1796,8 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
         const int plane = XS ? n_in + 64 : n_in;
         if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, 0, sn);
+            gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM, false, W4>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane,
+                                                               0, sn);
         else
             gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
     }
@@ -2330,6 +2367,19 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML
     __shared__ __align__(8) uint64_t gemv_bar;
     gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
                                                           gemv_smem, &gemv_bar, pss, eps);
+}
+// gemvq_swiglu_tcnw4_q4_k_r1 (FERRITE_SWIGLU_W4=1; MATMUL.md round 49): the one-row NORM
+// SwiGLU in blocks of four warps (gemvq_tc_q4k's W4: the eight-warp kernel's bits), four
+// blocks per SM: a third more weight bytes in flight per SM, each warp's prologue and
+// epilogue over twice the tile work.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
+    gemvq_swiglu_tcnw4_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                               int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                               int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
+                                                                 blockIdx.x, gemv_smem, &gemv_bar, pss, eps);
 }
 // gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
 // residual add (gemvq's NORM; matmul.rs `hands_norm_over`). Bounds as the plain SwiGLU's.
