@@ -197,7 +197,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_SWIGLU_XG",
         Accepts::OneOf(&[0, 1]),
-        "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 reads x from L1 / L2 in the tile loop with the norm's scale in every warp (gemvq_swiglu_tcng; no block barrier before the first MMA), 0 (default) stages x in shared memory (MATMUL.md round 47)",
+        "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 reads x from L1 / L2 in the tile loop, the norm's scale left to warp 0 (gemvq_swiglu_tcng; no block barrier before the first MMA), 0 (default) stages x in shared memory (MATMUL.md round 47)",
     ),
     (
         "FERRITE_SWIGLU_W4",
