@@ -111,11 +111,8 @@ pub struct Kernels {
     /// from the Q4_K o-projection to the SwiGLU ([`matmul_add_for_norm`]; sm_90+, unless
     /// `FERRITE_DEFER_NORM_Q=0`).
     tc2: Option<[[CudaFunction; 6]; 2]>,
-    /// `gemvq_swiglu_tcng_q4_k_r1` with `FERRITE_SWIGLU_XG=1` (MATMUL.md round 47): the one-row
-    /// handed-over SwiGLU reading x from L1 / L2 instead of staging it.
-    swiglu_xg: Option<CudaFunction>,
-    /// `gemvq_swiglu_tcnw4_q4_k_r1` with `FERRITE_SWIGLU_W4=1` (MATMUL.md round 49): the same
-    /// SwiGLU in blocks of four warps.
+    /// `gemvq_swiglu_tcnw4_q4_k_r1` (MATMUL.md round 49; `FERRITE_SWIGLU_W4=0`: None): the
+    /// one-row SwiGLU of `tc2` in blocks of four warps.
     swiglu_w4: Option<CudaFunction>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
@@ -462,16 +459,7 @@ impl Kernels {
             gemvq,
             gemvq_mixed,
             gemvq_tc,
-            swiglu_xg: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_XG", 0) != 0 {
-                Some(function_smem(
-                    &m,
-                    "gemvq_swiglu_tcng_q4_k_r1",
-                    GEMVQ_BULK_MAX_SMEM,
-                )?)
-            } else {
-                None
-            },
-            swiglu_w4: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_W4", 0) != 0 {
+            swiglu_w4: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_W4", 1) != 0 {
                 Some(function_smem(
                     &m,
                     "gemvq_swiglu_tcnw4_q4_k_r1",
@@ -2754,14 +2742,8 @@ pub fn rms_norm_matmul_swiglu_handed(
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
     }
-    // The XG form (one row): no staged x, so only the two slots.
-    let xg = be.matmul.swiglu_xg.as_ref().filter(|_| rows == 1);
-    // The W4 form (one row): four warps a block.
-    let w4 = be
-        .matmul
-        .swiglu_w4
-        .as_ref()
-        .filter(|_| rows == 1 && xg.is_none());
+    // The W4 form (one row): four warps a block, the same sums in the same order.
+    let w4 = be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1);
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
         block_dim: (
@@ -2773,14 +2755,14 @@ pub fn rms_norm_matmul_swiglu_handed(
             1,
             1,
         ),
-        shared_mem_bytes: if xg.is_some() { tc_smem(rb, 8) } else { smem },
+        shared_mem_bytes: smem,
     };
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
     // n_in values with their scales and group sums (written by the producer just before);
     // out holds rows × n_out floats; one block per 8 SwiGLU outputs.
     unsafe {
         be.stream
-            .kernel(xg.or(w4).unwrap_or(&tc2[1][gemv_r_index(rows)?]))
+            .kernel(w4.unwrap_or(&tc2[1][gemv_r_index(rows)?]))
             .arg(&gate.data)
             .arg(&up.data)
             .arg(&rb_i)

@@ -195,14 +195,9 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q4_K o-projection that hands the FFN norm over (gemvq_tc2_add): 1 (default) loads its epilogue's norm weight before the PDL wait and the residual right after it, 0 after the tiles (MATMUL.md round 28)",
     ),
     (
-        "FERRITE_SWIGLU_XG",
-        Accepts::OneOf(&[0, 1]),
-        "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 reads x from L1 / L2 in the tile loop, the norm's scale left to warp 0 (gemvq_swiglu_tcng; no block barrier before the first MMA), 0 (default) stages x in shared memory (MATMUL.md round 47)",
-    ),
-    (
         "FERRITE_SWIGLU_W4",
         Accepts::OneOf(&[0, 1]),
-        "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 in blocks of four warps, four blocks per SM (gemvq_swiglu_tcnw4: the eight-warp kernel's sums in its order), 0 (default) eight warps, three blocks per SM (MATMUL.md round 49)",
+        "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 (default) in blocks of four warps, four blocks per SM (gemvq_swiglu_tcnw4: the eight-warp kernel's sums in its order), 0 eight warps, three blocks per SM (MATMUL.md round 49)",
     ),
     (
         "FERRITE_L2_EVICT_FIRST",

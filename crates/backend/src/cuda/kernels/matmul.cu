@@ -1755,7 +1755,7 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool XG = false, bool W4 = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1764,7 +1764,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     static_assert(!NORM || TYPE == GGML_Q4_K, "gemvq_tc_block: the deferred scale is Q4_K's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
-    constexpr bool XS = R == 1 && !HALF && !XG;
+    constexpr bool XS = R == 1 && !HALF;
     const int r0 = bx * (SWIGLU ? NS : 2 * NS);
     const uint8_t* Wb = SWIGLU ? W2 : W;
     const int rbeg = SWIGLU ? r0 : r0 + NS;
@@ -1777,10 +1777,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
-    if (XG) {
-        // Warp 0 writes sn; tc_store's barrier orders it before the stores that read it.
-        if (NORM) tc_norm_scale<R>(pss, n_in, rows, eps, sn);
-    } else if (XS) {
+    if (XS) {
         // x's loads first, the group sums' while they are in flight (one round trip for both).
         TcXStage st;
         tc_stage_x_load(st, xq, xd, n_in);
@@ -2356,19 +2353,7 @@ GEMVQ_TCT_KERNEL(q6_k, GGML_Q6_K)
     }
 #define GEMVQ_TC2_KERNEL_R(unused, R) GEMVQ_TC2_KERNELS(R)
 GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
-// gemvq_swiglu_tcng_q4_k_r1 (FERRITE_SWIGLU_XG=1; MATMUL.md round 47): the one-row NORM
-// SwiGLU with x read from L1 / L2 in the tile loop instead of staged, and the norm's scale
-// left to warp 0 before its tiles: no block barrier between the PDL wait and the first MMA.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_swiglu_tcng_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                              int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                              int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
-                                                          gemv_smem, &gemv_bar, pss, eps);
-}
-// gemvq_swiglu_tcnw4_q4_k_r1 (FERRITE_SWIGLU_W4=1; MATMUL.md round 49): the one-row NORM
+// gemvq_swiglu_tcnw4_q4_k_r1 (the default; FERRITE_SWIGLU_W4=0 the eight-warp kernel; MATMUL.md round 49): the one-row NORM
 // SwiGLU in blocks of four warps (gemvq_tc_q4k's W4: the eight-warp kernel's bits), four
 // blocks per SM: a third more weight bytes in flight per SM, each warp's prologue and
 // epilogue over twice the tile work.
@@ -2378,7 +2363,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
                                int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, false, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
+    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
                                                                  blockIdx.x, gemv_smem, &gemv_bar, pss, eps);
 }
 // gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
