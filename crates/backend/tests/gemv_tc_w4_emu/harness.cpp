@@ -1,0 +1,79 @@
+// Host emulation of the four-warp NORM SwiGLU (gemvq_tc_q4k's W4, the one-row kernel
+// gemvq_swiglu_tcnw4_q4_k_r1) against the eight-warp one (gemvq_swiglu_tcn_q4_k_r1), on the
+// same tiles: compiled twice by gemv_tc_w4_emu.rs, as an eight-warp block (EMU_THREADS 256)
+// and, with EMU_W4 defined, as a four-warp block (EMU_THREADS 128). Each run stages x
+// (tc_stage_x), takes the norm's scale (tc_norm_scale) and prints every output's bits; the
+// test requires the two printouts to be identical (W4 claims the eight-warp kernel's sums in
+// its order) and every output finite.
+#include "gemv_tc.h"
+#include "rng.h"
+
+static const uint8_t *s0, *s1;
+static long long rb;
+static const int8_t* xq;
+static const float2* xd;
+static uint8_t* xs;
+static float* out;
+static const float* pss;
+static float sn[1];
+static int n_in, n_out;
+
+static void body() {
+    tc_norm_scale<1>(pss, n_in, 1, 1e-6f, sn);
+    tc_stage_x(xs, xq, xd, n_in);  // ends with the barrier that also orders sn
+    const int8_t* xa = (const int8_t*)xs;
+    const float2* da = (const float2*)(xs + 2 * n_in + 128);
+#ifdef EMU_W4
+    gemvq_tc_q4k<1, true, true, false, true, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, 0,
+                                                          sn);
+#else
+    gemvq_tc_q4k<1, true, true, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, 0, sn);
+#endif
+}
+
+int main() {
+    // (n_in, n_out): super-blocks per (eight-)warp 2 (Qwen3-8B's 4096), 1, 1 or 0 (768: warps
+    // past the last super-block), 3 and 2 (5120: odd and even counts per W4 warp), a partial tile.
+    const int cfgs[][2] = {{4096, 8}, {2048, 8}, {768, 5}, {5120, 8}, {256, 3}};
+    for (const auto& c : cfgs) {
+        n_in = c[0], n_out = c[1];
+        const int ns = 8, nb = n_in / QK;
+        rb = (long long)(n_in / QK_K) * Q4_K_BYTES;
+        std::vector<uint8_t> w(2 * ns * rb);  // gate rows 0..7, then up rows 0..7
+        for (int r = 0; r < 2 * ns; r++)
+            for (int sb = 0; sb < n_in / QK_K; sb++) {
+                uint8_t* b = &w[r * rb + sb * Q4_K_BYTES];
+                for (int i = 0; i < Q4_K_BYTES; i++) b[i] = rnd() & 0xFF;
+                const uint16_t d = rnd_f16(), dm = rnd_f16();
+                b[0] = d & 0xFF, b[1] = d >> 8, b[2] = dm & 0xFF, b[3] = dm >> 8;
+            }
+        s0 = w.data(), s1 = w.data() + ns * rb;
+        std::vector<int8_t> x(2 * n_in);
+        std::vector<float2> dsc(nb);
+        for (int e = 0; e < n_in; e++) {
+            x[e] = (int8_t)((int)(rnd() % 255) - 127);
+            x[n_in + e] = (int8_t)((int)(rnd() % 129) - 64);
+        }
+        for (int i = 0; i < nb; i++) dsc[i] = {unif(1e-4f, 1e-2f), unif(-50.f, 50.f)};
+        xq = x.data(), xd = dsc.data();
+        std::vector<float> ssv(nb);
+        // Group sums that scale the dot products (~1e8 here) to a few units, so that silu(gate)
+        // is not a signed zero for half the outputs.
+        for (int g = 0; g < nb; g++) ssv[g] = (0.5f + (float)((g * 7919) % 997) / 25.0f) * 1e16f;
+        pss = ssv.data();
+        std::vector<uint8_t> xsb(2 * n_in + 128 + nb * 8 + 16);
+        xs = xsb.data();
+        std::vector<float> ob(n_out, 0.0f);
+        out = ob.data();
+        run_block(0, 0, body);
+        printf("n_in %d n_out %d:", n_in, n_out);
+        for (int i = 0; i < n_out; i++) printf(" %08x", f2u(ob[i]));
+        printf("\n");
+        for (int i = 0; i < n_out; i++)
+            if (!std::isfinite(ob[i])) {
+                printf("output %d not finite\n", i);
+                return 1;
+            }
+    }
+    return 0;
+}
