@@ -1,6 +1,7 @@
 //! Host emulation of the four-warp NORM SwiGLU (`gemvq_tc_q4k`'s W4 in `kernels/matmul.cu`,
-//! the default one-row kernel `gemvq_swiglu_tcnw4_q4_k_r1`; MATMUL.md round 49) against the
-//! eight-warp one: the same harness compiled as an eight-warp block and as a four-warp block
+//! the default one-row kernel `gemvq_swiglu_tcnw4_q4_k_r1`; MATMUL.md round 49) and the
+//! four-warp plain tile of the K-split down (`gemvq_tck[n]w4_q4_k_r1`, round 50) against the
+//! eight-warp ones: the same harness compiled as an eight-warp block and as a four-warp block
 //! (`gemv_tc_w4_emu/harness.cpp` on `emu/fibers.h`), run on the same random tiles; their
 //! outputs must be the same bits, as W4 claims (each warp's two accumulator sets are the
 //! eight-warp kernel's partials of warps w and w + 4, added in its order), so that decode
@@ -34,9 +35,9 @@ fn four_warp_swiglu_gives_the_eight_warp_bits() {
     ) else {
         return;
     };
-    assert_eq!(eight.lines().count(), 5, "{eight}");
+    assert_eq!(eight.lines().count(), 8, "{eight}");
     assert_eq!(
         four, eight,
-        "the four-warp SwiGLU's outputs differ from the eight-warp kernel's"
+        "the four-warp tiles' outputs differ from the eight-warp kernels'"
     );
 }

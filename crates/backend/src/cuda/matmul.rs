@@ -132,6 +132,10 @@ pub struct Kernels {
     /// `gemvq_tckn_q4_k_r1`: the K-split Q4_K down projection's pair tickets
     /// (`FERRITE_NORM_QKV=2`, the default).
     tckn: Option<CudaFunction>,
+    /// `gemvq_tckw4_q4_k_r1` and `gemvq_tcknw4_q4_k_r1` (MATMUL.md round 50; `FERRITE_TCK_W4`):
+    /// the one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four
+    /// warps (the eight-warp kernels' bits). None: the eight-warp kernels.
+    tck_w4: Option<[CudaFunction; 2]>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -413,6 +417,15 @@ impl Kernels {
         } else {
             None
         };
+        // FERRITE_TCK_W4=1: the one-row K-split Q4_K tile in blocks of four warps (round 50).
+        let tck_w4 = if gemvq_tc.is_some() && switches::int_or("FERRITE_TCK_W4", 0) != 0 {
+            Some([
+                function_smem(&m, "gemvq_tckw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?,
+                function_smem(&m, "gemvq_tcknw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?,
+            ])
+        } else {
+            None
+        };
         let qkv_norm = if norm_qkv {
             let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
             Some(QkvNorm {
@@ -475,6 +488,7 @@ impl Kernels {
             add_n_q8_0,
             qkv_norm,
             tckn,
+            tck_w4,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -1169,13 +1183,22 @@ fn gemvq_launch(
         }
         // The K-split tile: a block per (16-row tile, slice); the slice width in the split
         // argument's place.
+        // The one-row Q4_K tile in blocks of four warps where `tck_w4` is on.
         Some(TcForm::Split(f, ks, kc)) => {
+            let w4 = (rows == 1 && w.dtype == GgmlType::Q4K)
+                .then_some(be.matmul.tck_w4.as_ref())
+                .flatten();
+            let warps = if w4.is_some() {
+                GEMV_WARPS / 2
+            } else {
+                GEMV_WARPS
+            };
             let cfg = LaunchConfig {
                 grid_dim: (u32::try_from(n_out.div_ceil(16))?, u32::try_from(ks)?, 1),
-                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                block_dim: ((warps * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            (&f[ri], cfg, Some(i32::try_from(kc)?))
+            (w4.map_or(&f[ri], |k| &k[0]), cfg, Some(i32::try_from(kc)?))
         }
         // The two-tile block: one per 32 rows.
         Some(TcForm::Pair(f)) => {
@@ -2608,10 +2631,9 @@ fn tckn_launch(
     p: &mut NormPlanes,
     (ks, kc, smem): (usize, usize, u32),
 ) -> Result<()> {
-    let f = be
-        .matmul
-        .tckn
-        .as_ref()
+    let w4 = be.matmul.tck_w4.as_ref().map(|k| &k[1]);
+    let f = w4
+        .or(be.matmul.tckn.as_ref())
         .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
     let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
     ensure!(
@@ -2624,7 +2646,15 @@ fn tckn_launch(
         .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out / 16)?, u32::try_from(ks)?, 1),
-        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        block_dim: (
+            (if w4.is_some() {
+                GEMV_WARPS / 2
+            } else {
+                GEMV_WARPS
+            } * 32) as u32,
+            1,
+            1,
+        ),
         shared_mem_bytes: smem,
     };
     let (rb_i, n_out_i, n_in_i, kc_i) = (rb as i64, n_out as i32, n_in as i32, kc as i32);

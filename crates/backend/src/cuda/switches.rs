@@ -200,6 +200,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 (default) in blocks of four warps, four blocks per SM (gemvq_swiglu_tcnw4: the eight-warp kernel's sums in its order), 0 eight warps, three blocks per SM (MATMUL.md round 49)",
     ),
     (
+        "FERRITE_TCK_W4",
+        Accepts::OneOf(&[0, 1]),
+        "the one-row K-split Q4_K tile (the 12288-column down projections): 1 in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order), 0 (default) eight warps, three blocks per SM (MATMUL.md round 50)",
+    ),
+    (
         "FERRITE_L2_EVICT_FIRST",
         Accepts::OneOf(&[0, 1]),
         "the L2 policy of the dense decode GEMVs' weight copies: 1 (default) evict-first, 0 evict-unchanged (MATMUL.md round 34)",

@@ -1,6 +1,7 @@
 // Host emulation of the four-warp NORM SwiGLU (gemvq_tc_q4k's W4, the one-row kernel
-// gemvq_swiglu_tcnw4_q4_k_r1) against the eight-warp one (gemvq_swiglu_tcn_q4_k_r1), on the
-// same tiles: compiled twice by gemv_tc_w4_emu.rs, as an eight-warp block (EMU_THREADS 256)
+// gemvq_swiglu_tcnw4_q4_k_r1) against the eight-warp one (gemvq_swiglu_tcn_q4_k_r1), and of
+// the four-warp plain tile of the K-split down (gemvq_tck[n]w4_q4_k_r1) against its
+// eight-warp one, on the same tiles: compiled twice by gemv_tc_w4_emu.rs, as an eight-warp block (EMU_THREADS 256)
 // and, with EMU_W4 defined, as a four-warp block (EMU_THREADS 128). Each run stages x
 // (tc_stage_x), takes the norm's scale (tc_norm_scale) and prints every output's bits; the
 // test requires the two printouts to be identical (W4 claims the eight-warp kernel's sums in
@@ -18,28 +19,37 @@ static const float* pss;
 static float sn[1];
 static int n_in, n_out;
 
+static bool plain;  // the plain 16-row tile (the K-split down's, gemvq_tck[n]w4) instead of the SwiGLU
+
 static void body() {
-    tc_norm_scale<1>(pss, n_in, 1, 1e-6f, sn);
+    if (!plain) tc_norm_scale<1>(pss, n_in, 1, 1e-6f, sn);
     tc_stage_x(xs, xq, xd, n_in);  // ends with the barrier that also orders sn
     const int8_t* xa = (const int8_t*)xs;
     const float2* da = (const float2*)(xs + 2 * n_in + 128);
 #ifdef EMU_W4
-    gemvq_tc_q4k<1, true, true, false, true, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, 0,
-                                                          sn);
+    constexpr bool W4 = true;
 #else
-    gemvq_tc_q4k<1, true, true, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, 0, sn);
+    constexpr bool W4 = false;
 #endif
+    if (plain)  // as gemvq_tck_block calls it: the staged slice, kcols = its width
+        gemvq_tc_q4k<1, false, true, false, false, false, W4>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64,
+                                                              n_in);
+    else
+        gemvq_tc_q4k<1, true, true, false, true, false, W4>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, 0,
+                                                            sn);
 }
 
 int main() {
     // (n_in, n_out): super-blocks per (eight-)warp 2 (Qwen3-8B's 4096), 1, 1 or 0 (768: warps
     // past the last super-block), 3 and 2 (5120: odd and even counts per W4 warp), a partial tile.
-    const int cfgs[][2] = {{4096, 8}, {2048, 8}, {768, 5}, {5120, 8}, {256, 3}};
+    // The plain tile (third column 1): 16 rows, the K-split down's 4096-column slice first.
+    const int cfgs[][3] = {{4096, 8, 0}, {2048, 8, 0}, {768, 5, 0}, {5120, 8, 0}, {256, 3, 0},
+                           {4096, 16, 1}, {3072, 16, 1}, {768, 11, 1}};
     for (const auto& c : cfgs) {
-        n_in = c[0], n_out = c[1];
+        n_in = c[0], n_out = c[1], plain = c[2];
         const int ns = 8, nb = n_in / QK;
         rb = (long long)(n_in / QK_K) * Q4_K_BYTES;
-        std::vector<uint8_t> w(2 * ns * rb);  // gate rows 0..7, then up rows 0..7
+        std::vector<uint8_t> w(2 * ns * rb);  // gate rows 0..7, then up rows 0..7 (plain: rows 0..15)
         for (int r = 0; r < 2 * ns; r++)
             for (int sb = 0; sb < n_in / QK_K; sb++) {
                 uint8_t* b = &w[r * rb + sb * Q4_K_BYTES];
@@ -66,7 +76,7 @@ int main() {
         std::vector<float> ob(n_out, 0.0f);
         out = ob.data();
         run_block(0, 0, body);
-        printf("n_in %d n_out %d:", n_in, n_out);
+        printf("%s n_in %d n_out %d:", plain ? "plain" : "swiglu", n_in, n_out);
         for (int i = 0; i < n_out; i++) printf(" %08x", f2u(ob[i]));
         printf("\n");
         for (int i = 0; i < n_out; i++)

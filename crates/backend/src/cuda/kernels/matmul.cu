@@ -1970,7 +1970,10 @@ __device__ __forceinline__ void tck_sum(float& v, const float* p, size_t stride,
 // add_norm_lane on them (warp 0, lane l: output 32 (tile / 2) + l, its ks partials added in
 // the order of k as above): x += the sum in place, the planes of x ⊙ n and the group's Σ x²
 // for the NORM Q, K, V launch — the residual of the plain launch + add_assign, bitwise.
-template <int TYPE, int R, bool PAIRN = false>
+// W4 (Q4_K, one row; gemvq_tck[n]w4_q4_k_r1, MATMUL.md round 50): blocks of four warps,
+// gemvq_tc_q4k's W4 (the eight-warp tile's sums in its order, so the same partials and the
+// same outputs), four blocks per SM instead of three.
+template <int TYPE, int R, bool PAIRN = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1980,6 +1983,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
                                                 int8_t* __restrict__ pq = nullptr, float2* __restrict__ pd = nullptr,
                                                 float* __restrict__ pss = nullptr) {
     static_assert(!PAIRN || R == 1, "gemvq_tck_block: PAIRN is one row's");
+    static_assert(!W4 || (TYPE == GGML_Q4_K && R == 1), "gemvq_tck_block: W4 is the one-row Q4_K tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -2010,7 +2014,8 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
     const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
     if (TYPE == GGML_Q4_K)
-        gemvq_tc_q4k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
+        gemvq_tc_q4k<R, false, XS, false, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0,
+                                                             kn + 64, kn);
     else
         gemvq_tc_q6k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     if (PAIRN) {
@@ -2413,6 +2418,30 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML
     __shared__ __align__(8) uint64_t gemv_bar;
     gemvq_tck_block<GGML_Q4_K, 1, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
                                         &gemv_bar, x, nw, pq, pd, pss);
+}
+// gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
+// one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
+// (gemvq_tck_block's W4: the eight-warp kernels' partials and outputs, bit for bit), four
+// blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
+    gemvq_tckw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
+                        float* __restrict__ out, int kc, float* __restrict__ part, unsigned* __restrict__ tickets) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tck_block<GGML_Q4_K, 1, false, true>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,
+                                               &gemv_bar);
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
+    gemvq_tcknw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                         const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
+                         float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
+                         const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
+                         float* __restrict__ pss) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tck_block<GGML_Q4_K, 1, true, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
+                                              &gemv_bar, x, nw, pq, pd, pss);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
