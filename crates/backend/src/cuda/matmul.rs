@@ -134,8 +134,9 @@ pub struct Kernels {
     tckn: Option<CudaFunction>,
     /// `gemvq_tckw4_q4_k_r1` and `gemvq_tcknw4_q4_k_r1` (MATMUL.md round 50; `FERRITE_TCK_W4`):
     /// the one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four
-    /// warps (the eight-warp kernels' bits). None: the eight-warp kernels.
-    tck_w4: Option<[CudaFunction; 2]>,
+    /// warps (the eight-warp kernels' bits). None: the eight-warp kernel. By default only the
+    /// pair-ticket one (Qwen3-8B +1.1%; the plain one −0.9% on Qwen3.5-9B).
+    tck_w4: [Option<CudaFunction>; 2],
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -417,15 +418,25 @@ impl Kernels {
         } else {
             None
         };
-        // FERRITE_TCK_W4=1: the one-row K-split Q4_K tile in blocks of four warps (round 50).
-        let tck_w4 = if gemvq_tc.is_some() && switches::int_or("FERRITE_TCK_W4", 0) != 0 {
-            Some([
-                function_smem(&m, "gemvq_tckw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?,
-                function_smem(&m, "gemvq_tcknw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?,
-            ])
+        // The one-row K-split Q4_K tile in blocks of four warps (round 50): FERRITE_TCK_W4=1
+        // (default) the pair-ticket kernel, 2 also the plain one, 0 neither.
+        let tck_w4_on = if gemvq_tc.is_some() {
+            switches::int_or("FERRITE_TCK_W4", 1)
         } else {
-            None
+            0
         };
+        let tck_w4 = [
+            if tck_w4_on >= 2 {
+                Some(function_smem(&m, "gemvq_tckw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?)
+            } else {
+                None
+            },
+            if tck_w4_on >= 1 {
+                Some(function_smem(&m, "gemvq_tcknw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?)
+            } else {
+                None
+            },
+        ];
         let qkv_norm = if norm_qkv {
             let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
             Some(QkvNorm {
@@ -1186,7 +1197,7 @@ fn gemvq_launch(
         // The one-row Q4_K tile in blocks of four warps where `tck_w4` is on.
         Some(TcForm::Split(f, ks, kc)) => {
             let w4 = (rows == 1 && w.dtype == GgmlType::Q4K)
-                .then_some(be.matmul.tck_w4.as_ref())
+                .then_some(be.matmul.tck_w4[0].as_ref())
                 .flatten();
             let warps = if w4.is_some() {
                 GEMV_WARPS / 2
@@ -1198,7 +1209,7 @@ fn gemvq_launch(
                 block_dim: ((warps * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            (w4.map_or(&f[ri], |k| &k[0]), cfg, Some(i32::try_from(kc)?))
+            (w4.unwrap_or(&f[ri]), cfg, Some(i32::try_from(kc)?))
         }
         // The two-tile block: one per 32 rows.
         Some(TcForm::Pair(f)) => {
@@ -2631,7 +2642,7 @@ fn tckn_launch(
     p: &mut NormPlanes,
     (ks, kc, smem): (usize, usize, u32),
 ) -> Result<()> {
-    let w4 = be.matmul.tck_w4.as_ref().map(|k| &k[1]);
+    let w4 = be.matmul.tck_w4[1].as_ref();
     let f = w4
         .or(be.matmul.tckn.as_ref())
         .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;

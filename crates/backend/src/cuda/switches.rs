@@ -201,8 +201,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_TCK_W4",
-        Accepts::OneOf(&[0, 1]),
-        "the one-row K-split Q4_K tile (the 12288-column down projections): 1 in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order), 0 (default) eight warps, three blocks per SM (MATMUL.md round 50)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "the one-row K-split Q4_K tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also the plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md round 50)",
     ),
     (
         "FERRITE_L2_EVICT_FIRST",
