@@ -137,6 +137,10 @@ pub struct Kernels {
     /// warps (the eight-warp kernels' bits). None: the eight-warp kernel. By default only the
     /// pair-ticket one (Qwen3-8B +1.1%; the plain one −0.9% on Qwen3.5-9B).
     tck_w4: [Option<CudaFunction>; 2],
+    /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
+    /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
+    /// with the Q6_K V on the tensor-core tile too. None: V on the lane code.
+    qkv_vtc: Option<([CudaFunction; 6], CudaFunction)>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -427,16 +431,33 @@ impl Kernels {
         };
         let tck_w4 = [
             if tck_w4_on >= 2 {
-                Some(function_smem(&m, "gemvq_tckw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?)
+                Some(function_smem(
+                    &m,
+                    "gemvq_tckw4_q4_k_r1",
+                    GEMVQ_BULK_MAX_SMEM,
+                )?)
             } else {
                 None
             },
             if tck_w4_on >= 1 {
-                Some(function_smem(&m, "gemvq_tcknw4_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?)
+                Some(function_smem(
+                    &m,
+                    "gemvq_tcknw4_q4_k_r1",
+                    GEMVQ_BULK_MAX_SMEM,
+                )?)
             } else {
                 None
             },
         ];
+        // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51).
+        let qkv_vtc = if gemvq_tc.is_some() && switches::int_or("FERRITE_QKV_VTC", 0) != 0 {
+            Some((
+                per_r(&m, "gemvq_multi_tcv_q4_k_q6_k", true)?,
+                function_smem(&m, "gemvq_multi_tcnv_q4_k_q6_k_r1", GEMVQ_BULK_MAX_SMEM)?,
+            ))
+        } else {
+            None
+        };
         let qkv_norm = if norm_qkv {
             let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
             Some(QkvNorm {
@@ -500,6 +521,7 @@ impl Kernels {
             qkv_norm,
             tckn,
             tck_w4,
+            qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
             tck: Mutex::new(None),
@@ -1784,7 +1806,15 @@ fn multi_launch(
         !mixed || (q && ws.len() == 3 && ws[1].dtype == t),
         "matmuls: mixed types in a grouped launch"
     );
-    let (ks2, smem2) = if mixed {
+    // The Q6_K V on the tensor-core tile (`qkv_vtc`): its one-tile block, ks2 = 1.
+    let vtc = match &be.matmul.qkv_vtc {
+        Some(k) if mixed && tc.is_some() && (t, t2) == (GgmlType::Q4K, GgmlType::Q6K) => Some(k),
+        _ => None,
+    };
+    let (ks2, smem2) = if vtc.is_some() {
+        let x = if rows == 1 { tc_x_bytes(n_in) } else { 0 };
+        (1, tc_smem(ws[2].row_bytes(), 8) + x)
+    } else if mixed {
         let g2 = row_groups(ws[2].shape[0]);
         let single = gemvq_split(be, t2, n_in, ws[2].row_bytes(), g2, 1)?;
         match tc {
@@ -1851,7 +1881,14 @@ fn multi_launch(
         // The kernel: the NORM form on the handed-over planes, the mixed-type launch (a
         // third weight of type t2), or the plain grouped one; the arguments are theirs in
         // that order (the mixed form's rb2 and ks2, the NORM form's group sums and eps).
-        let f = if handed.is_some() {
+        let f = if let Some((plain, norm)) = vtc {
+            if handed.is_some() {
+                ensure!(rows == 1, "matmuls: the handed-over norm at {rows} rows");
+                norm
+            } else {
+                &plain[ri]
+            }
+        } else if handed.is_some() {
             handed_kernel(be, t, t2, tc.is_some(), rows)
                 .ok_or_else(|| anyhow!("matmuls: no handed-norm kernel for {t} + {t2}"))?
         } else if mixed {

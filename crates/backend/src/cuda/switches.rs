@@ -205,6 +205,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row K-split Q4_K tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also the plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md round 50)",
     ),
     (
+        "FERRITE_QKV_VTC",
+        Accepts::OneOf(&[0, 1]),
+        "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 on, 0 (default) V on the lane code (MATMUL.md round 51)",
+    ),
+    (
         "FERRITE_L2_EVICT_FIRST",
         Accepts::OneOf(&[0, 1]),
         "the L2 policy of the dense decode GEMVs' weight copies: 1 (default) evict-first, 0 evict-unchanged (MATMUL.md round 34)",

@@ -1587,11 +1587,11 @@ __device__ __forceinline__ uint32_t q6_a(uint32_t nib, uint32_t hi) {
     return ((nib & 0x3C3C3C3Cu) | (hi & 0xC0C0C0C0u)) ^ 0x80808080u;
 }
 
-template <int R, bool SWIGLU, bool XS, bool HALF = false>
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, int kcols = 0) {
+                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1668,7 +1668,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
             }
         }
     }
-    tc_store<R, SWIGLU, HALF>(acc, rows, out, n_out, r0);
+    tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
 }
 
 // One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
@@ -1761,7 +1761,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                int bx, uint8_t* smem, uint64_t* bar,
                                                const float* __restrict__ pss = nullptr, float eps = 0.0f) {
-    static_assert(!NORM || TYPE == GGML_Q4_K, "gemvq_tc_block: the deferred scale is Q4_K's");
+    static_assert(!W4 || TYPE == GGML_Q4_K, "gemvq_tc_block: W4 is the Q4_K tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1796,7 +1796,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
             gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM, false, W4>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane,
                                                                0, sn);
         else
-            gemvq_tc_q6k<R, SWIGLU, XS, HALF>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane);
+            gemvq_tc_q6k<R, SWIGLU, XS, HALF, NORM>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, 0, sn);
     }
     if (diag == 3) gemv_bulk_wait(bar);
 #endif
@@ -2444,6 +2444,44 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
                                               &gemv_bar, x, nw, pq, pd, pss);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
+// gemvq_multi_tcv_q4_k_q6_k_r<R> and gemvq_multi_tcnv_q4_k_q6_k_r1 (FERRITE_QKV_VTC; MATMUL.md
+// round 51): the mixed Q, K, V launches (plain; on the handed-over norm) with the Q6_K V on
+// the tensor-core tile too (ks2 = 1: 64 tiles of 16 rows for a 1024-row V). Why: in one
+// wave of 384 blocks the lane-code V blocks (a warp's two rows over all 4096 columns) ran
+// last; the mixed launch took 5.3 / 6.4 µs against 3.2 / 3.6 for the all-Q4_K one (traces,
+// 17th session), 3.1 MB more bytes being ~0.7 µs of it. Every R, so that decode and verify
+// keep one V kernel (the same bits).
+#define GEMVQ_MIXED_VTC_KERNEL(unused, R)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, (R) == 1 ? 3 : 1)                          \
+        gemvq_multi_tcv_q4_k_q6_k_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,                   \
+                                       const int8_t* __restrict__ xq, const float2* __restrict__ xd,         \
+                                       int rows, int ks, int ks2) {                                          \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        if (s < 2) {                                                                                         \
+            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
+            gemvq<GGML_Q4_K, R, false, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,           \
+                                             s == 0 ? sg.out0 : sg.out1, ks, bx);                            \
+        } else {                                                                                             \
+            gemvq<GGML_Q6_K, R, false, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx); \
+        }                                                                                                    \
+    }
+GEMV_EACH_R(GEMVQ_MIXED_VTC_KERNEL, _)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
+    gemvq_multi_tcnv_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in, const int8_t* __restrict__ xq,
+                                  const float2* __restrict__ xd, int rows, int ks, int ks2,
+                                  const float* __restrict__ pss, float eps) {
+    int bx = blockIdx.x;
+    const int s = gemv_seg(sg, bx);
+    if (s < 2) {
+        const uint8_t* W = s == 0 ? sg.w0 : sg.w1;
+        gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,
+                                               s == 0 ? sg.out0 : sg.out1, ks, bx, pss, eps);
+    } else {
+        gemvq<GGML_Q6_K, 1, false, true, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx, pss,
+                                               eps);
+    }
+}
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
