@@ -450,7 +450,7 @@ impl Kernels {
             },
         ];
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51).
-        let qkv_vtc = if gemvq_tc.is_some() && switches::int_or("FERRITE_QKV_VTC", 0) != 0 {
+        let qkv_vtc = if gemvq_tc.is_some() && switches::int_or("FERRITE_QKV_VTC", 1) != 0 {
             Some((
                 per_r(&m, "gemvq_multi_tcv_q4_k_q6_k", true)?,
                 function_smem(&m, "gemvq_multi_tcnv_q4_k_q6_k_r1", GEMVQ_BULK_MAX_SMEM)?,

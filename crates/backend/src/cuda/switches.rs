@@ -207,7 +207,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_QKV_VTC",
         Accepts::OneOf(&[0, 1]),
-        "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 on, 0 (default) V on the lane code (MATMUL.md round 51)",
+        "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",
     ),
     (
         "FERRITE_L2_EVICT_FIRST",
