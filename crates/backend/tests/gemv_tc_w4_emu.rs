@@ -25,7 +25,7 @@ fn run(name: &str, prelude: &str) -> Option<String> {
 }
 
 #[test]
-fn four_warp_swiglu_gives_the_eight_warp_bits() {
+fn four_warp_tiles_give_the_eight_warp_bits() {
     let Some(eight) = run("gemv-tc-w4-emu-8", "") else {
         return;
     };

@@ -132,11 +132,13 @@ pub struct Kernels {
     /// `gemvq_tckn_q4_k_r1`: the K-split Q4_K down projection's pair tickets
     /// (`FERRITE_NORM_QKV=2`, the default).
     tckn: Option<CudaFunction>,
-    /// `gemvq_tckw4_q4_k_r1` and `gemvq_tcknw4_q4_k_r1` (MATMUL.md round 50; `FERRITE_TCK_W4`):
-    /// the one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four
-    /// warps (the eight-warp kernels' bits). None: the eight-warp kernel. By default only the
-    /// pair-ticket one (Qwen3-8B +1.1%; the plain one −0.9% on Qwen3.5-9B).
-    tck_w4: [Option<CudaFunction>; 2],
+    /// `gemvq_tckw4_q4_k_r1` (MATMUL.md round 50; `FERRITE_TCK_W4=2`): the plain one-row
+    /// K-split Q4_K tile in blocks of four warps (the eight-warp kernel's bits). Off by
+    /// default (−0.9% on Qwen3.5-9B).
+    tck_w4: Option<CudaFunction>,
+    /// `gemvq_tcknw4_q4_k_r1` (`FERRITE_TCK_W4` ≥ 1, the default): `tckn` in blocks of four
+    /// warps (Qwen3-8B +1.1%).
+    tckn_w4: Option<CudaFunction>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code.
@@ -429,26 +431,12 @@ impl Kernels {
         } else {
             0
         };
-        let tck_w4 = [
-            if tck_w4_on >= 2 {
-                Some(function_smem(
-                    &m,
-                    "gemvq_tckw4_q4_k_r1",
-                    GEMVQ_BULK_MAX_SMEM,
-                )?)
-            } else {
-                None
-            },
-            if tck_w4_on >= 1 {
-                Some(function_smem(
-                    &m,
-                    "gemvq_tcknw4_q4_k_r1",
-                    GEMVQ_BULK_MAX_SMEM,
-                )?)
-            } else {
-                None
-            },
-        ];
+        let w4_kernel = |on: bool, name: &str| -> Result<Option<CudaFunction>> {
+            on.then(|| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM))
+                .transpose()
+        };
+        let tck_w4 = w4_kernel(tck_w4_on >= 2, "gemvq_tckw4_q4_k_r1")?;
+        let tckn_w4 = w4_kernel(tck_w4_on >= 1 && tckn.is_some(), "gemvq_tcknw4_q4_k_r1")?;
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51).
         let qkv_vtc = if gemvq_tc.is_some() && switches::int_or("FERRITE_QKV_VTC", 1) != 0 {
             Some((
@@ -521,6 +509,7 @@ impl Kernels {
             qkv_norm,
             tckn,
             tck_w4,
+            tckn_w4,
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -1219,16 +1208,11 @@ fn gemvq_launch(
         // The one-row Q4_K tile in blocks of four warps where `tck_w4` is on.
         Some(TcForm::Split(f, ks, kc)) => {
             let w4 = (rows == 1 && w.dtype == GgmlType::Q4K)
-                .then_some(be.matmul.tck_w4[0].as_ref())
+                .then_some(be.matmul.tck_w4.as_ref())
                 .flatten();
-            let warps = if w4.is_some() {
-                GEMV_WARPS / 2
-            } else {
-                GEMV_WARPS
-            };
             let cfg = LaunchConfig {
                 grid_dim: (u32::try_from(n_out.div_ceil(16))?, u32::try_from(ks)?, 1),
-                block_dim: ((warps * 32) as u32, 1, 1),
+                block_dim: tc_block_dim(w4.is_some()),
                 shared_mem_bytes: 0,
             };
             (w4.unwrap_or(&f[ri]), cfg, Some(i32::try_from(kc)?))
@@ -1585,6 +1569,13 @@ fn gemvq_plan(
             Ok((ks, smem, None))
         }
     }
+}
+
+/// A tensor-core GEMV block's threads: eight warps, or four for the W4 kernels (MATMUL.md
+/// rounds 49-50: a warp takes the super-blocks of two of the eight-warp kernel's warps).
+fn tc_block_dim(w4: bool) -> (u32, u32, u32) {
+    let warps = if w4 { GEMV_WARPS / 2 } else { GEMV_WARPS };
+    ((warps * 32) as u32, 1, 1)
 }
 
 /// Dynamic shared memory of a tensor-core GEMV block: two slots of `ns` rows (8, or 4 for the
@@ -2679,7 +2670,7 @@ fn tckn_launch(
     p: &mut NormPlanes,
     (ks, kc, smem): (usize, usize, u32),
 ) -> Result<()> {
-    let w4 = be.matmul.tck_w4[1].as_ref();
+    let w4 = be.matmul.tckn_w4.as_ref();
     let f = w4
         .or(be.matmul.tckn.as_ref())
         .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
@@ -2694,15 +2685,7 @@ fn tckn_launch(
         .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out / 16)?, u32::try_from(ks)?, 1),
-        block_dim: (
-            (if w4.is_some() {
-                GEMV_WARPS / 2
-            } else {
-                GEMV_WARPS
-            } * 32) as u32,
-            1,
-            1,
-        ),
+        block_dim: tc_block_dim(w4.is_some()),
         shared_mem_bytes: smem,
     };
     let (rb_i, n_out_i, n_in_i, kc_i) = (rb as i64, n_out as i32, n_in as i32, kc as i32);
@@ -2824,15 +2807,7 @@ pub fn rms_norm_matmul_swiglu_handed(
     let w4 = be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1);
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
-        block_dim: (
-            (if w4.is_some() {
-                GEMV_WARPS / 2
-            } else {
-                GEMV_WARPS
-            } * 32) as u32,
-            1,
-            1,
-        ),
+        block_dim: tc_block_dim(w4.is_some()),
         shared_mem_bytes: smem,
     };
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×

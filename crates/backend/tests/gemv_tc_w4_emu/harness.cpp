@@ -1,11 +1,11 @@
 // Host emulation of the four-warp NORM SwiGLU (gemvq_tc_q4k's W4, the one-row kernel
 // gemvq_swiglu_tcnw4_q4_k_r1) against the eight-warp one (gemvq_swiglu_tcn_q4_k_r1), and of
 // the four-warp plain tile of the K-split down (gemvq_tck[n]w4_q4_k_r1) against its
-// eight-warp one, on the same tiles: compiled twice by gemv_tc_w4_emu.rs, as an eight-warp block (EMU_THREADS 256)
-// and, with EMU_W4 defined, as a four-warp block (EMU_THREADS 128). Each run stages x
-// (tc_stage_x), takes the norm's scale (tc_norm_scale) and prints every output's bits; the
-// test requires the two printouts to be identical (W4 claims the eight-warp kernel's sums in
-// its order) and every output finite.
+// eight-warp one, on the same tiles: compiled twice by gemv_tc_w4_emu.rs, as an eight-warp
+// block (EMU_THREADS 256) and, with EMU_W4 defined, as a four-warp block (EMU_THREADS 128).
+// Each run stages x (tc_stage_x), takes the norm's scale (tc_norm_scale; the SwiGLU only)
+// and prints every output's bits; the test requires the two printouts to be identical (W4
+// claims the eight-warp kernel's sums in its order) and every output finite.
 #include "gemv_tc.h"
 #include "rng.h"
 

@@ -2249,7 +2249,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts segments 0 and 1 in the tensor-core form
 // (their ks = 1); segment 2 keeps the lane code (Q6_K's tensor-core tile was slower on the
 // 1024-row V: MATMUL.md round 9).
-#define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TCN, LB)                                                      \
+#define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TC2, TCN, LB)                                                 \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,            \
                                               const int8_t* __restrict__ xq, const float2* __restrict__ xd,  \
@@ -2261,15 +2261,23 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             gemvq<TA, R, false, TC>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                    \
                                     s == 0 ? sg.out0 : sg.out1, ks, bx);                                     \
         } else {                                                                                             \
-            gemvq<TB, R, false>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);             \
+            gemvq<TB, R, false, TC2>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);        \
         }                                                                                                    \
     }
-#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, , (GEMV_WARPS * 32))
+#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, false, , (GEMV_WARPS * 32))
 // R = 1 with the tensor-core segments: at most 85 registers (three blocks per SM, as the
 // lane-code kernels).
 #define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R) \
-    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, _tc, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1))
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, false, _tc, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1))
 #define GEMVQ_MIXED_TC_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_TC_KERNEL, na, TA, nb, TB)
+// gemvq_multi_tcv_<a>_<b>_r<R> (FERRITE_QKV_VTC; MATMUL.md round 51): the third weight on the
+// tensor-core tile too (ks2 = 1: 64 tiles of 16 rows for a 1024-row Q6_K V). Why: in one wave
+// of 384 blocks the lane-code V blocks (a warp's two rows over all 4096 columns) ran last;
+// the mixed launch took 5.3 / 6.4 µs against 3.2 / 3.6 for the all-Q4_K one (traces, 17th
+// session), 3.1 MB more bytes being ~0.7 µs of it. Every R, so that decode and verify keep
+// one V kernel (the same bits).
+#define GEMVQ_MIXED_TCV_KERNEL(na, TA, nb, TB, R) \
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, true, _tcv, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1))
 
 #define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_KERNEL, na, TA, nb, TB)
 
@@ -2300,21 +2308,27 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
     }
 GEMVQ_MULTI_NORM_KERNEL(q4_k, GGML_Q4_K, true, _tcn, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
 GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
-    gemvq_multi_tcn_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in, const int8_t* __restrict__ xq,
-                                 const float2* __restrict__ xd, int rows, int ks, int ks2,
-                                 const float* __restrict__ pss, float eps) {
-    int bx = blockIdx.x;
-    const int s = gemv_seg(sg, bx);
-    if (s < 2) {
-        const uint8_t* W = s == 0 ? sg.w0 : sg.w1;
-        gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,
-                                               s == 0 ? sg.out0 : sg.out1, ks, bx, pss, eps);
-    } else {
-        gemvq<GGML_Q6_K, 1, false, false, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx, pss,
-                                                eps);
+// gemvq_multi_tcn<V>_q4_k_q6_k_r1: V on the lane code (V empty) or on the tile (V = v; the
+// handed-over form of gemvq_multi_tcv, round 51).
+#define GEMVQ_MIXED_NORM_KERNEL(TC2, V)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                         \
+        gemvq_multi_tcn##V##_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in,                \
+                                          const int8_t* __restrict__ xq, const float2* __restrict__ xd,      \
+                                          int rows, int ks, int ks2, const float* __restrict__ pss,          \
+                                          float eps) {                                                       \
+        int bx = blockIdx.x;                                                                                 \
+        const int s = gemv_seg(sg, bx);                                                                      \
+        if (s < 2) {                                                                                         \
+            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
+            gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,     \
+                                                   s == 0 ? sg.out0 : sg.out1, ks, bx, pss, eps);            \
+        } else {                                                                                             \
+            gemvq<GGML_Q6_K, 1, false, TC2, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2,     \
+                                                  ks2, bx, pss, eps);                                        \
+        }                                                                                                    \
     }
-}
+GEMVQ_MIXED_NORM_KERNEL(false, )
+GEMVQ_MIXED_NORM_KERNEL(true, v)
 // The two-tile one-row blocks (gemvq_tct_block): the signature of gemvq_tc_<type>_r1 (rows
 // must be 1, ks is unused), three blocks per SM as the one-tile kernel's.
 #define GEMVQ_TCT_KERNEL(name, TYPE)                                                                         \
@@ -2358,18 +2372,18 @@ GEMVQ_TCT_KERNEL(q6_k, GGML_Q6_K)
     }
 #define GEMVQ_TC2_KERNEL_R(unused, R) GEMVQ_TC2_KERNELS(R)
 GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
-// gemvq_swiglu_tcnw4_q4_k_r1 (the default; FERRITE_SWIGLU_W4=0 the eight-warp kernel; MATMUL.md round 49): the one-row NORM
-// SwiGLU in blocks of four warps (gemvq_tc_q4k's W4: the eight-warp kernel's bits), four
-// blocks per SM: a third more weight bytes in flight per SM, each warp's prologue and
-// epilogue over twice the tile work.
+// gemvq_swiglu_tcnw4_q4_k_r1 (the default; FERRITE_SWIGLU_W4=0 the eight-warp kernel;
+// MATMUL.md round 49): the one-row NORM SwiGLU in blocks of four warps (gemvq_tc_q4k's W4:
+// the eight-warp kernel's bits), four blocks per SM: a third more weight bytes in flight per
+// SM, each warp's prologue and epilogue over twice the tile work.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
     gemvq_swiglu_tcnw4_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
-                                                                 blockIdx.x, gemv_smem, &gemv_bar, pss, eps);
+    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
+                                                          gemv_smem, &gemv_bar, pss, eps);
 }
 // gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
 // residual add (gemvq's NORM; matmul.rs `hands_norm_over`). Bounds as the plain SwiGLU's.
@@ -2444,44 +2458,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
                                               &gemv_bar, x, nw, pq, pd, pss);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
-// gemvq_multi_tcv_q4_k_q6_k_r<R> and gemvq_multi_tcnv_q4_k_q6_k_r1 (FERRITE_QKV_VTC; MATMUL.md
-// round 51): the mixed Q, K, V launches (plain; on the handed-over norm) with the Q6_K V on
-// the tensor-core tile too (ks2 = 1: 64 tiles of 16 rows for a 1024-row V). Why: in one
-// wave of 384 blocks the lane-code V blocks (a warp's two rows over all 4096 columns) ran
-// last; the mixed launch took 5.3 / 6.4 µs against 3.2 / 3.6 for the all-Q4_K one (traces,
-// 17th session), 3.1 MB more bytes being ~0.7 µs of it. Every R, so that decode and verify
-// keep one V kernel (the same bits).
-#define GEMVQ_MIXED_VTC_KERNEL(unused, R)                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, (R) == 1 ? 3 : 1)                          \
-        gemvq_multi_tcv_q4_k_q6_k_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,                   \
-                                       const int8_t* __restrict__ xq, const float2* __restrict__ xd,         \
-                                       int rows, int ks, int ks2) {                                          \
-        int bx = blockIdx.x;                                                                                 \
-        const int s = gemv_seg(sg, bx);                                                                      \
-        if (s < 2) {                                                                                         \
-            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
-            gemvq<GGML_Q4_K, R, false, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,           \
-                                             s == 0 ? sg.out0 : sg.out1, ks, bx);                            \
-        } else {                                                                                             \
-            gemvq<GGML_Q6_K, R, false, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx); \
-        }                                                                                                    \
-    }
-GEMV_EACH_R(GEMVQ_MIXED_VTC_KERNEL, _)
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
-    gemvq_multi_tcnv_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in, const int8_t* __restrict__ xq,
-                                  const float2* __restrict__ xd, int rows, int ks, int ks2,
-                                  const float* __restrict__ pss, float eps) {
-    int bx = blockIdx.x;
-    const int s = gemv_seg(sg, bx);
-    if (s < 2) {
-        const uint8_t* W = s == 0 ? sg.w0 : sg.w1;
-        gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,
-                                               s == 0 ? sg.out0 : sg.out1, ks, bx, pss, eps);
-    } else {
-        gemvq<GGML_Q6_K, 1, false, true, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx, pss,
-                                               eps);
-    }
-}
+GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
