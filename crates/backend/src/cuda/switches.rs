@@ -210,6 +210,16 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",
     ),
     (
+        "FERRITE_QKV_VFIRST",
+        Accepts::OneOf(&[0, 1]),
+        "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",
+    ),
+    (
+        "FERRITE_TCK6_W4",
+        Accepts::OneOf(&[0, 1, 2]),
+        "Q6_K down projections on the K-split tile (FERRITE_GEMV_TCK's second number non-zero): 1 (default) the pair-ticket producer handing the next layer's attention norm over in blocks of four warps, 2 also the plain one-row tile, 0 neither (eight warps; MATMUL.md round 52)",
+    ),
+    (
         "FERRITE_L2_EVICT_FIRST",
         Accepts::OneOf(&[0, 1]),
         "the L2 policy of the dense decode GEMVs' weight copies: 1 (default) evict-first, 0 evict-unchanged (MATMUL.md round 34)",

@@ -775,6 +775,13 @@ struct GemvSegs {
     int b0, b1;
 };
 
+// A mixed grouped launch's block index: blockIdx.x, or VF (V first) the blocks in reverse
+// order, so that the last segment's are dispatched first.
+template <bool VF>
+__device__ __forceinline__ int mixed_bx() {
+    return VF ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+}
+
 // The segment of block bx, and bx made relative to it.
 __device__ __forceinline__ int gemv_seg(const GemvSegs& sg, int& bx) {
     if (bx < sg.b0) return 0;
@@ -1430,6 +1437,19 @@ __device__ __forceinline__ void tc_reduce_g2(float (&acc)[R][2], float* out16) {
     __syncthreads();
 }
 
+// W4's two accumulator sets exchanged (gemvq_tc_q4k, gemvq_tc_q6k).
+template <int R>
+__device__ __forceinline__ void tc_swap_acc(float (&acc)[R][2], float (&acc2)[R][2]) {
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            const float v = acc[r][a];
+            acc[r][a] = acc2[r][a];
+            acc2[r][a] = v;
+        }
+}
+
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
 // kcols: the tile's columns where x is wider (a K slice, gemvq_tck_block; 0: n_in).
@@ -1521,28 +1541,12 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
             }
         }
         if constexpr (W4) {
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int a = 0; a < 2; a++) {
-                    const float v = acc[r][a];
-                    acc[r][a] = acc2[r][a];
-                    acc2[r][a] = v;
-                }
+            tc_swap_acc<R>(acc, acc2);
             nsw++;
         }
     }
     if constexpr (W4) {
-        if (nsw & 1) {  // acc holds warp w + 4's partial: swap back
-#pragma unroll
-            for (int r = 0; r < R; r++)
-#pragma unroll
-                for (int a = 0; a < 2; a++) {
-                    const float v = acc[r][a];
-                    acc[r][a] = acc2[r][a];
-                    acc2[r][a] = v;
-                }
-        }
+        if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
     }
     if (G2)
         tc_reduce_g2<R>(acc, g2out);
@@ -1587,7 +1591,10 @@ __device__ __forceinline__ uint32_t q6_a(uint32_t nib, uint32_t hi) {
     return ((nib & 0x3C3C3C3Cu) | (hi & 0xC0C0C0C0u)) ^ 0x80808080u;
 }
 
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false>
+// W4 (the one-row K-split tile in blocks of four warps, gemvq_tck[n]w4_q6_k_r1): as
+// gemvq_tc_q4k's W4, the eight-warp kernel's partials of warps w and w + 4 in two accumulator
+// sets swapped after each super-block, so the same sums in the same order.
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1602,10 +1609,12 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     const size_t xoff = 16 * (size_t)g;
     const size_t plane = XS ? (size_t)xplane : (size_t)n_in;
     const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
-    float acc[R][2];
+    float acc[R][2], acc2[R][2];
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
-    for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
+    constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' super-block stride
+    int nsw = 0;                                           // W4: super-blocks taken
+    for (int sb = warp; sb < nsb; sb += WS) {
         const uint8_t* b0 = p0 + (size_t)sb * Q6_K_BYTES;
         const uint8_t* b1 = p1 + (size_t)sb * Q6_K_BYTES;
         const float d0 = h2f(*(const uint16_t*)(b0 + 208)), d1 = HALF ? d0 : h2f(*(const uint16_t*)(b1 + 208));
@@ -1667,8 +1676,15 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
                 if (!HALF) acc[r][1] = fmaf(d1 * dx, fmaf(sb1, (float)S3, sa1 * (float)S2), acc[r][1]);
             }
         }
+        if constexpr (W4) {
+            tc_swap_acc<R>(acc, acc2);
+            nsw++;
+        }
     }
-    tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
+    if constexpr (W4) {
+        if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
+    }
+    tc_store<R, SWIGLU, HALF, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
 }
 
 // One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
@@ -1983,7 +1999,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
                                                 int8_t* __restrict__ pq = nullptr, float2* __restrict__ pd = nullptr,
                                                 float* __restrict__ pss = nullptr) {
     static_assert(!PAIRN || R == 1, "gemvq_tck_block: PAIRN is one row's");
-    static_assert(!W4 || (TYPE == GGML_Q4_K && R == 1), "gemvq_tck_block: W4 is the one-row Q4_K tile's");
+    static_assert(!W4 || R == 1, "gemvq_tck_block: W4 is the one-row tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -2017,7 +2033,8 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         gemvq_tc_q4k<R, false, XS, false, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0,
                                                              kn + 64, kn);
     else
-        gemvq_tc_q6k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
+        gemvq_tc_q6k<R, false, XS, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64,
+                                                     kn);
     if (PAIRN) {
         const int pair = tile >> 1;
         tail_ticket(tickets + pair, 1u, 2u * (unsigned)ks, &tck_last);
@@ -2249,12 +2266,12 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // TCN / TC / LB as in GEMVQ_KERNEL_FAM: _tc puts segments 0 and 1 in the tensor-core form
 // (their ks = 1); segment 2 keeps the lane code (Q6_K's tensor-core tile was slower on the
 // 1024-row V: MATMUL.md round 9).
-#define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TC2, TCN, LB)                                                 \
+#define GEMVQ_MIXED_FAM(na, TA, nb, TB, R, TC, TC2, TCN, LB, VF)                                             \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,            \
                                               const int8_t* __restrict__ xq, const float2* __restrict__ xd,  \
                                               int rows, int ks, int ks2) {                                   \
-        int bx = blockIdx.x;                                                                                 \
+        int bx = mixed_bx<VF>();                                                                             \
         const int s = gemv_seg(sg, bx);                                                                      \
         if (s < 2) {                                                                                         \
             const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
@@ -2264,11 +2281,12 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
             gemvq<TB, R, false, TC2>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);        \
         }                                                                                                    \
     }
-#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, false, , (GEMV_WARPS * 32))
+#define GEMVQ_MIXED_KERNEL(na, TA, nb, TB, R) \
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, false, false, , (GEMV_WARPS * 32), false)
 // R = 1 with the tensor-core segments: at most 85 registers (three blocks per SM, as the
 // lane-code kernels).
 #define GEMVQ_MIXED_TC_KERNEL(na, TA, nb, TB, R) \
-    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, false, _tc, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1))
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, false, _tc, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1), false)
 #define GEMVQ_MIXED_TC_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_TC_KERNEL, na, TA, nb, TB)
 // gemvq_multi_tcv_<a>_<b>_r<R> (FERRITE_QKV_VTC; MATMUL.md round 51): the third weight on the
 // tensor-core tile too (ks2 = 1: 64 tiles of 16 rows for a 1024-row Q6_K V). Why: in one wave
@@ -2277,7 +2295,13 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // session), 3.1 MB more bytes being ~0.7 µs of it. Every R, so that decode and verify keep
 // one V kernel (the same bits).
 #define GEMVQ_MIXED_TCV_KERNEL(na, TA, nb, TB, R) \
-    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, true, _tcv, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1))
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, R, true, true, _tcv, (GEMV_WARPS * 32, (R) == 1 ? 3 : 1), false)
+// gemvq_multi_tcvf_<a>_<b>_r1 (FERRITE_QKV_VFIRST; MATMUL.md round 52): the same launch with
+// its blocks taken in reverse order (mixed_bx), so that the V tiles, the heaviest (a Q6_K
+// 16-row tile: 54 KB and ~1.5x the Q4_K tile's instructions per MMA), are dispatched first
+// instead of last. Each block's arithmetic is unchanged, so the bits are the R = 1 tcv's.
+#define GEMVQ_MIXED_TCVF_KERNEL(na, TA, nb, TB)                                                                \
+    GEMVQ_MIXED_FAM(na, TA, nb, TB, 1, true, true, _tcvf, (GEMV_WARPS * 32, 3), true)
 
 #define GEMVQ_MIXED_ALL_R(na, TA, nb, TB) GEMV_EACH_R(GEMVQ_MIXED_KERNEL, na, TA, nb, TB)
 
@@ -2310,13 +2334,13 @@ GEMVQ_MULTI_NORM_KERNEL(q4_k, GGML_Q4_K, true, _tcn, (GEMV_WARPS * 32, GEMVQ_TC_
 GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
 // gemvq_multi_tcn<V>_q4_k_q6_k_r1: V on the lane code (V empty) or on the tile (V = v; the
 // handed-over form of gemvq_multi_tcv, round 51).
-#define GEMVQ_MIXED_NORM_KERNEL(TC2, V)                                                                      \
+#define GEMVQ_MIXED_NORM_KERNEL(TC2, V, VF)                                                                  \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                         \
         gemvq_multi_tcn##V##_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in,                \
                                           const int8_t* __restrict__ xq, const float2* __restrict__ xd,      \
                                           int rows, int ks, int ks2, const float* __restrict__ pss,          \
                                           float eps) {                                                       \
-        int bx = blockIdx.x;                                                                                 \
+        int bx = mixed_bx<VF>();                                                                             \
         const int s = gemv_seg(sg, bx);                                                                      \
         if (s < 2) {                                                                                         \
             const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
@@ -2327,8 +2351,9 @@ GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
                                                   ks2, bx, pss, eps);                                        \
         }                                                                                                    \
     }
-GEMVQ_MIXED_NORM_KERNEL(false, )
-GEMVQ_MIXED_NORM_KERNEL(true, v)
+GEMVQ_MIXED_NORM_KERNEL(false, , false)
+GEMVQ_MIXED_NORM_KERNEL(true, v, false)
+GEMVQ_MIXED_NORM_KERNEL(true, vf, true)
 // The two-tile one-row blocks (gemvq_tct_block): the signature of gemvq_tc_<type>_r1 (rows
 // must be 1, ks is unused), three blocks per SM as the one-tile kernel's.
 #define GEMVQ_TCT_KERNEL(name, TYPE)                                                                         \
@@ -2420,45 +2445,45 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
-// gemvq_tckn_q4_k_r1: the K-split Q4_K down projection handing the next layer's attention
-// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). Bounds as the plain one's.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_tckn_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
-                       float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
-                       const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
-                       float* __restrict__ pss) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
-                                        &gemv_bar, x, nw, pq, pd, pss);
-}
-// gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
-// one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
-// (gemvq_tck_block's W4: the eight-warp kernels' partials and outputs, bit for bit), four
-// blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
-    gemvq_tckw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
-                        float* __restrict__ out, int kc, float* __restrict__ part, unsigned* __restrict__ tickets) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, false, true>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,
-                                               &gemv_bar);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
-    gemvq_tcknw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                         const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
-                         float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
-                         const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
-                         float* __restrict__ pss) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, true, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
-                                              &gemv_bar, x, nw, pq, pd, pss);
-}
+// gemvq_tckn<W>_<type>_r1: the K-split down projection handing the next layer's attention
+// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0); W empty: eight warps,
+// bounds as the plain kernel's; W = w4 (FERRITE_TCK_W4; MATMUL.md round 50): blocks of four
+// warps (gemvq_tck_block's W4: the eight-warp kernel's partials and outputs, bit for bit),
+// four blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
+// gemvq_tckw4_<type>_r1: the plain one-row K-split tile in blocks of four warps.
+// Q6_K (FERRITE_TCK6; MATMUL.md round 52): the same for Q6_K downs on the K-split tile.
+#define GEMVQ_TCKN_KERNEL(W, name, TYPE, W4, LB)                                                             \
+    extern "C" __global__ void __launch_bounds__ LB                                                           \
+        gemvq_tckn##W##_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,      \
+                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,   \
+                                    float* __restrict__ part, unsigned* __restrict__ tickets,               \
+                                    float* __restrict__ x, const float* __restrict__ nw,                    \
+                                    int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) { \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                            \
+        gemvq_tck_block<TYPE, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,        \
+                                           gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                         \
+    }
+#define GEMVQ_TCKW4_KERNEL(name, TYPE)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)                                      \
+        gemvq_tckw4_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,             \
+                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,       \
+                                float* __restrict__ out, int kc, float* __restrict__ part,                    \
+                                unsigned* __restrict__ tickets) {                                             \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                            \
+        gemvq_tck_block<TYPE, 1, false, true>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets,       \
+                                              gemv_smem, &gemv_bar);                                          \
+    }
+GEMVQ_TCKN_KERNEL(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
+GEMVQ_TCKN_KERNEL(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
+GEMVQ_TCKW4_KERNEL(q4_k, GGML_Q4_K)
+GEMVQ_TCKN_KERNEL(, q6_k, GGML_Q6_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q6_K, 1)))
+GEMVQ_TCKN_KERNEL(w4, q6_k, GGML_Q6_K, true, (GEMV_WARPS / 2 * 32, 4))
+GEMVQ_TCKW4_KERNEL(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
+GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 
 // ---------------------------------------------------------------------------------------
 // 1c. MoE experts on quantized activations (launcher: moe.rs; decode, and exact prefill with
