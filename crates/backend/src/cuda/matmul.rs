@@ -139,13 +139,6 @@ pub struct Kernels {
     /// `gemvq_tcknw4_q4_k_r1` (`FERRITE_TCK_W4` ≥ 1, the default): `tckn` in blocks of four
     /// warps (Qwen3-8B +1.1%).
     tckn_w4: Option<CudaFunction>,
-    /// The Q6_K forms of `tckn`, `tck_w4` and `tckn_w4` (`gemvq_tckn[w4]_q6_k_r1`,
-    /// `gemvq_tckw4_q6_k_r1`; MATMUL.md round 52): taken where a Q6_K down projection is on
-    /// the K-split tile (`FERRITE_GEMV_TCK`'s Q6_K slice width non-zero), four-warp blocks by
-    /// `FERRITE_TCK6_W4`.
-    tckn_q6k: Option<CudaFunction>,
-    tck_w4_q6k: Option<CudaFunction>,
-    tckn_w4_q6k: Option<CudaFunction>,
     /// `gemvq_multi_tcvf_q4_k_q6_k_r1` and `gemvq_multi_tcnvf_q4_k_q6_k_r1`
     /// (`FERRITE_QKV_VFIRST`): the one-row `qkv_vtc` kernels with the V tiles dispatched first.
     qkv_vfirst: Option<(CudaFunction, CudaFunction)>,
@@ -158,6 +151,9 @@ pub struct Kernels {
     gemvq_tc_long: TcLong,
     /// Most columns per K slice of the long rows, Q4_K and Q6_K ([`TCK_COLS`]).
     gemvq_tck_cols: [usize; 2],
+    /// Fewest outputs for the Q6_K 16-row tile ([`GEMVQ_TC_Q6K_MIN_OUT`];
+    /// `FERRITE_GEMV_TC6_MIN`).
+    gemvq_tc6_min: usize,
     /// The K-split tile's partial sums and tickets (`TcLong::Split`), grown like the int8
     /// scratch (by an eager step; retired buffers kept for graphs that still point at them).
     tck: Mutex<Option<TckScratch>>,
@@ -447,15 +443,6 @@ impl Kernels {
         };
         let tck_w4 = w4_kernel(tck_w4_on >= 2, "gemvq_tckw4_q4_k_r1")?;
         let tckn_w4 = w4_kernel(tck_w4_on >= 1 && tckn.is_some(), "gemvq_tcknw4_q4_k_r1")?;
-        // The Q6_K K-split tile's forms (round 52): FERRITE_TCK6_W4 as FERRITE_TCK_W4.
-        let tck6_w4_on = if gemvq_tc.is_some() {
-            switches::int_or("FERRITE_TCK6_W4", 1)
-        } else {
-            0
-        };
-        let tckn_q6k = w4_kernel(tckn.is_some(), "gemvq_tckn_q6_k_r1")?;
-        let tck_w4_q6k = w4_kernel(tck6_w4_on >= 2, "gemvq_tckw4_q6_k_r1")?;
-        let tckn_w4_q6k = w4_kernel(tck6_w4_on >= 1 && tckn.is_some(), "gemvq_tcknw4_q6_k_r1")?;
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51).
         let qkv_vtc = if gemvq_tc.is_some() && switches::int_or("FERRITE_QKV_VTC", 1) != 0 {
             Some((
@@ -538,13 +525,14 @@ impl Kernels {
             tckn,
             tck_w4,
             tckn_w4,
-            tckn_q6k,
-            tck_w4_q6k,
-            tckn_w4_q6k,
             qkv_vtc,
             qkv_vfirst,
             gemvq_tc_long,
             gemvq_tck_cols,
+            gemvq_tc6_min: usize::try_from(switches::int_or(
+                "FERRITE_GEMV_TC6_MIN",
+                GEMVQ_TC_Q6K_MIN_OUT as i64,
+            ))?,
             tck: Mutex::new(None),
             gemvq_moe,
             gemvq_moe_smem,
@@ -1239,12 +1227,9 @@ fn gemvq_launch(
         // argument's place.
         // The one-row Q4_K tile in blocks of four warps where `tck_w4` is on.
         Some(TcForm::Split(f, ks, kc)) => {
-            let w4 = match w.dtype {
-                _ if rows != 1 => None,
-                GgmlType::Q4K => be.matmul.tck_w4.as_ref(),
-                GgmlType::Q6K => be.matmul.tck_w4_q6k.as_ref(),
-                _ => None,
-            };
+            let w4 = (rows == 1 && w.dtype == GgmlType::Q4K)
+                .then_some(be.matmul.tck_w4.as_ref())
+                .flatten();
             let cfg = LaunchConfig {
                 grid_dim: (u32::try_from(n_out.div_ceil(16))?, u32::try_from(ks)?, 1),
                 block_dim: tc_block_dim(w4.is_some()),
@@ -1540,7 +1525,7 @@ fn tc_form(
     let fams = tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
     let full = (tc_smem(rb, 8) + tc_x_bytes(n_in)) as usize;
     if full <= GEMVQ_TC_MAX_SMEM {
-        if t == GgmlType::Q6K && n_out < GEMVQ_TC_Q6K_MIN_OUT {
+        if t == GgmlType::Q6K && n_out < be.matmul.gemvq_tc6_min {
             return None;
         }
         return Some(TcForm::Full(fams));
@@ -2355,24 +2340,12 @@ fn hands_norm_from(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
         )
 }
 
-/// The pair-ticket producer for `w` (`gemvq_tckn[w4]_<type>_r1`), and whether it is a
-/// four-warp one: Q4_K, or Q6_K (MATMUL.md round 52).
-fn tckn_kernel<'a>(be: &'a CudaBackend, w: &CudaWeight) -> Option<(&'a CudaFunction, bool)> {
-    let (w4, w8) = match w.dtype {
-        GgmlType::Q4K => (&be.matmul.tckn_w4, &be.matmul.tckn),
-        GgmlType::Q6K => (&be.matmul.tckn_w4_q6k, &be.matmul.tckn_q6k),
-        _ => return None,
-    };
-    w4.as_ref()
-        .map(|f| (f, true))
-        .or(w8.as_ref().map(|f| (f, false)))
-}
-
-/// The K-split plan of `w` at one row if it is the pair-ticket producer's ([`tckn_kernel`]):
-/// rows of whole 32-row groups on the K-split tile.
+/// The K-split plan of `w` at one row if it is the pair-ticket producer's
+/// (`gemvq_tckn_q4_k_r1`): Q4_K rows of whole 32-row groups on the K-split tile.
 fn tckn_plan(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Result<Option<(usize, usize, u32)>> {
-    if tckn_kernel(be, w).is_none()
+    if be.matmul.tckn.is_none()
         || rows != 1
+        || w.dtype != GgmlType::Q4K
         || w.shape.len() != 2
         || !w.shape[0].is_multiple_of(32)
         || gemv_path(w, rows) != Some(true)
@@ -2718,8 +2691,10 @@ fn tckn_launch(
     p: &mut NormPlanes,
     (ks, kc, smem): (usize, usize, u32),
 ) -> Result<()> {
-    let (f, w4) =
-        tckn_kernel(be, w).ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
+    let w4 = be.matmul.tckn_w4.as_ref();
+    let f = w4
+        .or(be.matmul.tckn.as_ref())
+        .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
     let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
     ensure!(
         rb % 16 == 0 && n_out.is_multiple_of(32),
@@ -2731,7 +2706,7 @@ fn tckn_launch(
         .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out / 16)?, u32::try_from(ks)?, 1),
-        block_dim: tc_block_dim(w4),
+        block_dim: tc_block_dim(w4.is_some()),
         shared_mem_bytes: smem,
     };
     let (rb_i, n_out_i, n_in_i, kc_i) = (rb as i64, n_out as i32, n_in as i32, kc as i32);

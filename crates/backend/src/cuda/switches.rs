@@ -215,9 +215,9 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",
     ),
     (
-        "FERRITE_TCK6_W4",
-        Accepts::OneOf(&[0, 1, 2]),
-        "Q6_K down projections on the K-split tile (FERRITE_GEMV_TCK's second number non-zero): 1 (default) the pair-ticket producer handing the next layer's attention norm over in blocks of four warps, 2 also the plain one-row tile, 0 neither (eight warps; MATMUL.md round 52)",
+        "FERRITE_GEMV_TC6_MIN",
+        Accepts::Range(1, 1 << 30),
+        "fewest outputs for which a Q6_K weight takes the 16-row tensor-core tile (default 8192: the lm heads; larger keeps them on the lane code; MATMUL.md rounds 9, 52)",
     ),
     (
         "FERRITE_L2_EVICT_FIRST",

@@ -1437,7 +1437,7 @@ __device__ __forceinline__ void tc_reduce_g2(float (&acc)[R][2], float* out16) {
     __syncthreads();
 }
 
-// W4's two accumulator sets exchanged (gemvq_tc_q4k, gemvq_tc_q6k).
+// W4's two accumulator sets exchanged (gemvq_tc_q4k).
 template <int R>
 __device__ __forceinline__ void tc_swap_acc(float (&acc)[R][2], float (&acc2)[R][2]) {
 #pragma unroll
@@ -1591,10 +1591,7 @@ __device__ __forceinline__ uint32_t q6_a(uint32_t nib, uint32_t hi) {
     return ((nib & 0x3C3C3C3Cu) | (hi & 0xC0C0C0C0u)) ^ 0x80808080u;
 }
 
-// W4 (the one-row K-split tile in blocks of four warps, gemvq_tck[n]w4_q6_k_r1): as
-// gemvq_tc_q4k's W4, the eight-warp kernel's partials of warps w and w + 4 in two accumulator
-// sets swapped after each super-block, so the same sums in the same order.
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool W4 = false>
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false>
 __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1609,12 +1606,10 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     const size_t xoff = 16 * (size_t)g;
     const size_t plane = XS ? (size_t)xplane : (size_t)n_in;
     const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
-    float acc[R][2], acc2[R][2];
+    float acc[R][2];
 #pragma unroll
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
-    constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' super-block stride
-    int nsw = 0;                                           // W4: super-blocks taken
-    for (int sb = warp; sb < nsb; sb += WS) {
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.0f;
+    for (int sb = warp; sb < nsb; sb += GEMV_WARPS) {
         const uint8_t* b0 = p0 + (size_t)sb * Q6_K_BYTES;
         const uint8_t* b1 = p1 + (size_t)sb * Q6_K_BYTES;
         const float d0 = h2f(*(const uint16_t*)(b0 + 208)), d1 = HALF ? d0 : h2f(*(const uint16_t*)(b1 + 208));
@@ -1676,15 +1671,8 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
                 if (!HALF) acc[r][1] = fmaf(d1 * dx, fmaf(sb1, (float)S3, sa1 * (float)S2), acc[r][1]);
             }
         }
-        if constexpr (W4) {
-            tc_swap_acc<R>(acc, acc2);
-            nsw++;
-        }
     }
-    if constexpr (W4) {
-        if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
-    }
-    tc_store<R, SWIGLU, HALF, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
+    tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
 }
 
 // One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
@@ -1999,7 +1987,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
                                                 int8_t* __restrict__ pq = nullptr, float2* __restrict__ pd = nullptr,
                                                 float* __restrict__ pss = nullptr) {
     static_assert(!PAIRN || R == 1, "gemvq_tck_block: PAIRN is one row's");
-    static_assert(!W4 || R == 1, "gemvq_tck_block: W4 is the one-row tile's");
+    static_assert(!W4 || (TYPE == GGML_Q4_K && R == 1), "gemvq_tck_block: W4 is the one-row Q4_K tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
@@ -2033,8 +2021,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
         gemvq_tc_q4k<R, false, XS, false, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0,
                                                              kn + 64, kn);
     else
-        gemvq_tc_q6k<R, false, XS, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64,
-                                                     kn);
+        gemvq_tc_q6k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     if (PAIRN) {
         const int pair = tile >> 1;
         tail_ticket(tickets + pair, 1u, 2u * (unsigned)ks, &tck_last);
@@ -2445,42 +2432,43 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
-// gemvq_tckn<W>_<type>_r1: the K-split down projection handing the next layer's attention
-// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0); W empty: eight warps,
-// bounds as the plain kernel's; W = w4 (FERRITE_TCK_W4; MATMUL.md round 50): blocks of four
-// warps (gemvq_tck_block's W4: the eight-warp kernel's partials and outputs, bit for bit),
-// four blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
-// gemvq_tckw4_<type>_r1: the plain one-row K-split tile in blocks of four warps.
-// Q6_K (FERRITE_TCK6; MATMUL.md round 52): the same for Q6_K downs on the K-split tile.
-#define GEMVQ_TCKN_KERNEL(W, name, TYPE, W4, LB)                                                             \
-    extern "C" __global__ void __launch_bounds__ LB                                                           \
-        gemvq_tckn##W##_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,      \
-                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,   \
-                                    float* __restrict__ part, unsigned* __restrict__ tickets,               \
-                                    float* __restrict__ x, const float* __restrict__ nw,                    \
-                                    int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) { \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
-        __shared__ __align__(8) uint64_t gemv_bar;                                                            \
-        gemvq_tck_block<TYPE, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,        \
-                                           gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                         \
-    }
-#define GEMVQ_TCKW4_KERNEL(name, TYPE)                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)                                      \
-        gemvq_tckw4_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,             \
-                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,       \
-                                float* __restrict__ out, int kc, float* __restrict__ part,                    \
-                                unsigned* __restrict__ tickets) {                                             \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
-        __shared__ __align__(8) uint64_t gemv_bar;                                                            \
-        gemvq_tck_block<TYPE, 1, false, true>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets,       \
-                                              gemv_smem, &gemv_bar);                                          \
-    }
-GEMVQ_TCKN_KERNEL(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
-GEMVQ_TCKN_KERNEL(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
-GEMVQ_TCKW4_KERNEL(q4_k, GGML_Q4_K)
-GEMVQ_TCKN_KERNEL(, q6_k, GGML_Q6_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q6_K, 1)))
-GEMVQ_TCKN_KERNEL(w4, q6_k, GGML_Q6_K, true, (GEMV_WARPS / 2 * 32, 4))
-GEMVQ_TCKW4_KERNEL(q6_k, GGML_Q6_K)
+// gemvq_tckn_q4_k_r1: the K-split Q4_K down projection handing the next layer's attention
+// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). Bounds as the plain one's.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
+    gemvq_tckn_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
+                       float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
+                       const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
+                       float* __restrict__ pss) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tck_block<GGML_Q4_K, 1, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
+                                        &gemv_bar, x, nw, pq, pd, pss);
+}
+// gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
+// one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
+// (gemvq_tck_block's W4: the eight-warp kernels' partials and outputs, bit for bit), four
+// blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
+    gemvq_tckw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
+                        float* __restrict__ out, int kc, float* __restrict__ part, unsigned* __restrict__ tickets) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tck_block<GGML_Q4_K, 1, false, true>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,
+                                               &gemv_bar);
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
+    gemvq_tcknw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                         const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
+                         float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
+                         const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
+                         float* __restrict__ pss) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t gemv_bar;
+    gemvq_tck_block<GGML_Q4_K, 1, true, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
+                                              &gemv_bar, x, nw, pq, pd, pss);
+}
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
