@@ -140,7 +140,8 @@ pub struct Kernels {
     /// warps (Qwen3-8B +1.1%).
     tckn_w4: Option<CudaFunction>,
     /// `gemvq_multi_tcvf_q4_k_q6_k_r1` and `gemvq_multi_tcnvf_q4_k_q6_k_r1`
-    /// (`FERRITE_QKV_VFIRST`): the one-row `qkv_vtc` kernels with the V tiles dispatched first.
+    /// (`FERRITE_QKV_VFIRST`, on by default): the one-row `qkv_vtc` kernels with the V tiles
+    /// dispatched first.
     qkv_vfirst: Option<(CudaFunction, CudaFunction)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
@@ -452,8 +453,9 @@ impl Kernels {
         } else {
             None
         };
-        // FERRITE_QKV_VFIRST=1: the one-row tile-V mixed launches with their V tiles first.
-        let qkv_vfirst = if qkv_vtc.is_some() && switches::int_or("FERRITE_QKV_VFIRST", 0) != 0 {
+        // FERRITE_QKV_VFIRST=1 (default): the one-row tile-V mixed launches with their V
+        // tiles first (MATMUL.md round 52).
+        let qkv_vfirst = if qkv_vtc.is_some() && switches::int_or("FERRITE_QKV_VFIRST", 1) != 0 {
             Some((
                 function_smem(&m, "gemvq_multi_tcvf_q4_k_q6_k_r1", GEMVQ_BULK_MAX_SMEM)?,
                 function_smem(&m, "gemvq_multi_tcnvf_q4_k_q6_k_r1", GEMVQ_BULK_MAX_SMEM)?,

@@ -212,7 +212,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_QKV_VFIRST",
         Accepts::OneOf(&[0, 1]),
-        "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",
+        "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 (default) its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",
     ),
     (
         "FERRITE_GEMV_TC6_MIN",
