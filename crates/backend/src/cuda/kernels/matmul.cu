@@ -1603,6 +1603,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     // qh bits 2 (t / 2) (sub-block t) and 4 + 2 (t / 2) (sub-block 4 + t) to bits 6..7.
     const int shl = 6 - 2 * (t >> 1), shh = 2 - 2 * (t >> 1);
     const bool bval = t == (g & 3), bhi = g >= 4;
+    const uint32_t mlo = (bval && !bhi) ? 0xFFFFFFFFu : 0u, mhi = (bval && bhi) ? 0xFFFFFFFFu : 0u;
     const size_t xoff = 16 * (size_t)g;
     const size_t plane = XS ? (size_t)xplane : (size_t)n_in;
     const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
@@ -1643,22 +1644,21 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
                 const int rr = r < rows ? r : rows - 1;
                 const int8_t* xr = xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs;
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + t;
-                // b0 words (quads 0..3) or b1 words (quads 4..7), per plane: predicated loads,
-                // the other stays zero (no per-MMA selects).
-                int4 ha = make_int4(0, 0, 0, 0), hb = ha, la = ha, lb = ha;
-                if (bval && !bhi) {
-                    ha = XS ? *(const int4*)xr : __ldg((const int4*)xr);
-                    la = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
-                }
-                if (bval && bhi) {
-                    hb = XS ? *(const int4*)xr : __ldg((const int4*)xr);
-                    lb = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
-                }
+                // b0 words (quads 0..3) or b1 words (quads 4..7), per plane: one unconditional
+                // load of each plane (every lane's 16 columns lie inside the lifetime's 128),
+                // masked into each, as the Q4_K form does (MATMUL.md rounds 11 and 53: the
+                // predicated loads took branches and register moves around them).
+                const int4 xh = XS ? *(const int4*)xr : __ldg((const int4*)xr);
+                const int4 xl = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
                 const float dx = (XS ? *dp : __ldg(dp)).x * 0.25f;
-                const uint32_t wha[4] = {(uint32_t)ha.x, (uint32_t)ha.y, (uint32_t)ha.z, (uint32_t)ha.w};
-                const uint32_t whb[4] = {(uint32_t)hb.x, (uint32_t)hb.y, (uint32_t)hb.z, (uint32_t)hb.w};
-                const uint32_t wla[4] = {(uint32_t)la.x, (uint32_t)la.y, (uint32_t)la.z, (uint32_t)la.w};
-                const uint32_t wlb[4] = {(uint32_t)lb.x, (uint32_t)lb.y, (uint32_t)lb.z, (uint32_t)lb.w};
+                const uint32_t wha[4] = {(uint32_t)xh.x & mlo, (uint32_t)xh.y & mlo, (uint32_t)xh.z & mlo,
+                                         (uint32_t)xh.w & mlo};
+                const uint32_t whb[4] = {(uint32_t)xh.x & mhi, (uint32_t)xh.y & mhi, (uint32_t)xh.z & mhi,
+                                         (uint32_t)xh.w & mhi};
+                const uint32_t wla[4] = {(uint32_t)xl.x & mlo, (uint32_t)xl.y & mlo, (uint32_t)xl.z & mlo,
+                                         (uint32_t)xl.w & mlo};
+                const uint32_t wlb[4] = {(uint32_t)xl.x & mhi, (uint32_t)xl.y & mhi, (uint32_t)xl.z & mhi,
+                                         (uint32_t)xl.w & mhi};
                 int H[4] = {0, 0, 0, 0}, L[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
