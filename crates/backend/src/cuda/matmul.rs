@@ -139,13 +139,12 @@ pub struct Kernels {
     /// `gemvq_tcknw4_q4_k_r1` (`FERRITE_TCK_W4` ≥ 1, the default): `tckn` in blocks of four
     /// warps (Qwen3-8B +1.1%).
     tckn_w4: Option<CudaFunction>,
-    /// `gemvq_multi_tcvf_q4_k_q6_k_r1` and `gemvq_multi_tcnvf_q4_k_q6_k_r1`
-    /// (`FERRITE_QKV_VFIRST`, on by default): the one-row `qkv_vtc` kernels with the V tiles
-    /// dispatched first.
-    qkv_vfirst: Option<(CudaFunction, CudaFunction)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
-    /// with the Q6_K V on the tensor-core tile too. None: V on the lane code.
+    /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
+    /// `FERRITE_QKV_VFIRST` (on by default; round 52) the one-row pair is
+    /// `gemvq_multi_tcvf_q4_k_q6_k_r1` / `gemvq_multi_tcnvf_q4_k_q6_k_r1`, the same launches
+    /// with the V tiles dispatched first (the same bits).
     qkv_vtc: Option<([CudaFunction; 6], CudaFunction)>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
@@ -444,22 +443,27 @@ impl Kernels {
         };
         let tck_w4 = w4_kernel(tck_w4_on >= 2, "gemvq_tckw4_q4_k_r1")?;
         let tckn_w4 = w4_kernel(tck_w4_on >= 1 && tckn.is_some(), "gemvq_tcknw4_q4_k_r1")?;
-        // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51).
+        // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
+        // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
+        // (round 52).
         let qkv_vtc = if gemvq_tc.is_some() && switches::int_or("FERRITE_QKV_VTC", 1) != 0 {
-            Some((
-                per_r(&m, "gemvq_multi_tcv_q4_k_q6_k", true)?,
-                function_smem(&m, "gemvq_multi_tcnv_q4_k_q6_k_r1", GEMVQ_BULK_MAX_SMEM)?,
-            ))
-        } else {
-            None
-        };
-        // FERRITE_QKV_VFIRST=1 (default): the one-row tile-V mixed launches with their V
-        // tiles first (MATMUL.md round 52).
-        let qkv_vfirst = if qkv_vtc.is_some() && switches::int_or("FERRITE_QKV_VFIRST", 1) != 0 {
-            Some((
-                function_smem(&m, "gemvq_multi_tcvf_q4_k_q6_k_r1", GEMVQ_BULK_MAX_SMEM)?,
-                function_smem(&m, "gemvq_multi_tcnvf_q4_k_q6_k_r1", GEMVQ_BULK_MAX_SMEM)?,
-            ))
+            let vf = if switches::int_or("FERRITE_QKV_VFIRST", 1) != 0 {
+                "f"
+            } else {
+                ""
+            };
+            let mut plain = per_r(&m, "gemvq_multi_tcv_q4_k_q6_k", true)?;
+            plain[0] = function_smem(
+                &m,
+                &format!("gemvq_multi_tcv{vf}_q4_k_q6_k_r1"),
+                GEMVQ_BULK_MAX_SMEM,
+            )?;
+            let norm = function_smem(
+                &m,
+                &format!("gemvq_multi_tcnv{vf}_q4_k_q6_k_r1"),
+                GEMVQ_BULK_MAX_SMEM,
+            )?;
+            Some((plain, norm))
         } else {
             None
         };
@@ -528,7 +532,6 @@ impl Kernels {
             tck_w4,
             tckn_w4,
             qkv_vtc,
-            qkv_vfirst,
             gemvq_tc_long,
             gemvq_tck_cols,
             gemvq_tc6_min: usize::try_from(switches::int_or(
@@ -1895,12 +1898,11 @@ fn multi_launch(
         // third weight of type t2), or the plain grouped one; the arguments are theirs in
         // that order (the mixed form's rb2 and ks2, the NORM form's group sums and eps).
         let f = if let Some((plain, norm)) = vtc {
-            let vfirst = be.matmul.qkv_vfirst.as_ref().filter(|_| rows == 1);
             if handed.is_some() {
                 ensure!(rows == 1, "matmuls: the handed-over norm at {rows} rows");
-                vfirst.map_or(norm, |(_, n)| n)
+                norm
             } else {
-                vfirst.map_or(&plain[ri], |(p, _)| p)
+                &plain[ri]
             }
         } else if handed.is_some() {
             handed_kernel(be, t, t2, tc.is_some(), rows)

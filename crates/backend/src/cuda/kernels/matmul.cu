@@ -2226,20 +2226,23 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                                              &gemv_bar);                                                    \
     }
 #define GEMVQ_TCH_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCH_KERNEL, name, TYPE)
-// gemvq_tck_<type>_r<R>: the K-split tile for long rows (gemvq_tck_block): grid (tiles, ks),
-// slices of kc columns, partial sums in part[ks][rows][n_out], one ticket per tile. Bounds as
-// the 16-row kernels'.
-#define GEMVQ_TCK_KERNEL(name, TYPE, R)                                                                    \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R))                   \
-        gemvq_tck_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,           \
-                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,     \
-                                float* __restrict__ out, int kc, float* __restrict__ part,                  \
-                                unsigned* __restrict__ tickets) {                                           \
+// gemvq_tck<W>_<type>_r<R>: the K-split tile for long rows (gemvq_tck_block): grid (tiles, ks),
+// slices of kc columns, partial sums in part[ks][rows][n_out], one ticket per tile. W empty:
+// eight warps, bounds as the 16-row kernels'; W = w4 (gemvq_tckw4_q4_k_r1): W4 = true, LB
+// its bounds.
+#define GEMVQ_TCK_FORM(W, name, TYPE, R, W4, LB)                                                           \
+    extern "C" __global__ void __launch_bounds__ LB                                                         \
+        gemvq_tck##W##_##name##_r##R(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,     \
+                                     const int8_t* __restrict__ xq, const float2* __restrict__ xd,          \
+                                     int rows, float* __restrict__ out, int kc, float* __restrict__ part,   \
+                                     unsigned* __restrict__ tickets) {                                      \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bar;                                                          \
-        gemvq_tck_block<TYPE, R>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,       \
-                                 &gemv_bar);                                                                \
+        gemvq_tck_block<TYPE, R, false, W4>(W_, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets,      \
+                                            gemv_smem, &gemv_bar);                                          \
     }
+#define GEMVQ_TCK_KERNEL(name, TYPE, R) \
+    GEMVQ_TCK_FORM(, name, TYPE, R, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
@@ -2432,43 +2435,28 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
-// gemvq_tckn_q4_k_r1: the K-split Q4_K down projection handing the next layer's attention
-// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). Bounds as the plain one's.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_tckn_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
-                       float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
-                       const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
-                       float* __restrict__ pss) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
-                                        &gemv_bar, x, nw, pq, pd, pss);
-}
+// gemvq_tckn<W>_q4_k_r1: the K-split Q4_K down projection handing the next layer's attention
+// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). W empty: eight warps,
+// bounds as the plain one's.
+#define GEMVQ_TCKN_FORM(W, W4, LB)                                                                           \
+    extern "C" __global__ void __launch_bounds__ LB                                                           \
+        gemvq_tckn##W##_q4_k_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,           \
+                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,        \
+                                float* __restrict__ part, unsigned* __restrict__ tickets,                    \
+                                float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq, \
+                                float2* __restrict__ pd, float* __restrict__ pss) {                          \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
+        __shared__ __align__(8) uint64_t gemv_bar;                                                            \
+        gemvq_tck_block<GGML_Q4_K, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,   \
+                                                gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                    \
+    }
+GEMVQ_TCKN_FORM(, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
 // gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
 // one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
 // (gemvq_tck_block's W4: the eight-warp kernels' partials and outputs, bit for bit), four
 // blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
-    gemvq_tckw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,
-                        float* __restrict__ out, int kc, float* __restrict__ part, unsigned* __restrict__ tickets) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, false, true>(W, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets, gemv_smem,
-                                               &gemv_bar);
-}
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
-    gemvq_tcknw4_q4_k_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                         const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,
-                         float* __restrict__ part, unsigned* __restrict__ tickets, float* __restrict__ x,
-                         const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
-                         float* __restrict__ pss) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tck_block<GGML_Q4_K, 1, true, true>(W, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets, gemv_smem,
-                                              &gemv_bar, x, nw, pq, pd, pss);
-}
+GEMVQ_TCK_FORM(w4, q4_k, GGML_Q4_K, 1, true, (GEMV_WARPS / 2 * 32, 4))
+GEMVQ_TCKN_FORM(w4, true, (GEMV_WARPS / 2 * 32, 4))
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
