@@ -1,7 +1,7 @@
 //! Host emulation of the four-warp NORM SwiGLU (`gemvq_tc_q4k`'s W4 in `kernels/matmul.cu`,
 //! the default one-row kernel `gemvq_swiglu_tcnw4_q4_k_r1`; MATMUL.md round 49) and the
-//! four-warp plain tile of the K-split down (`gemvq_tck[n]w4_q4_k_r1`, round 50) against the
-//! eight-warp ones: the same harness compiled as an eight-warp block and as a four-warp block
+//! four-warp plain tile of the K-split down (`gemvq_tck[n]w4_q4_k_r1`, round 50; its Q8_0 form
+//! `gemvq_tcknw4_q8_0_r1`, round 54) against the eight-warp ones: the same harness compiled as an eight-warp block and as a four-warp block
 //! (`gemv_tc_w4_emu/harness.cpp` on `emu/fibers.h`), run on the same random tiles; their
 //! outputs must be the same bits, as W4 claims (each warp's two accumulator sets are the
 //! eight-warp kernel's partials of warps w and w + 4, added in its order), so that decode
@@ -35,7 +35,7 @@ fn four_warp_tiles_give_the_eight_warp_bits() {
     ) else {
         return;
     };
-    assert_eq!(eight.lines().count(), 8, "{eight}");
+    assert_eq!(eight.lines().count(), 12, "{eight}");
     assert_eq!(
         four, eight,
         "the four-warp tiles' outputs differ from the eight-warp kernels'"

@@ -991,10 +991,11 @@ pub fn cases(quick: bool) -> Vec<Case> {
     }
     // The quantized-x decode GEMV (more than F32_SMALL_OUT outputs): an odd output count, a
     // row length that is not a whole warp step (3 super-blocks; 24 blocks of 32), every
-    // quantized type; and the long rows' partial last tile (Q4_K and Q6_K: the tensor-core
-    // GEMV's 16-row tile over K slices (Q4_K by default, Q6_K with FERRITE_GEMV_TCK), its
-    // 8-row tile with FERRITE_GEMV_TC=3, or the lane code's split blocks), and long rows in
-    // unequal K slices (14336 columns: Q4_K 4 x 3584, Q6_K 3 x 4096 + 2048); and a launch of
+    // quantized type; and the long rows' partial last tile (Q4_K, Q6_K and Q8_0: the
+    // tensor-core GEMV's 16-row tile over K slices (Q4_K and Q8_0 by default, Q6_K with
+    // FERRITE_GEMV_TCK), its 8-row tile with FERRITE_GEMV_TC=3, or the lane code's split
+    // blocks), and long rows in unequal K slices (14336 columns: Q4_K 4 x 3584, Q6_K 3 x 4096
+    // + 2048, Q8_0 7 x 2048); and a launch of
     // many 16-row tensor-core tiles (more than a wave), its last tile half full (Q4_K, and
     // Q6_K from 8192 rows), and one of 20008 rows (1251 tiles, the last half full); at one
     // row with FERRITE_GEMV_TCT=1 these two take the two-tile block, whose last block then
@@ -1007,8 +1008,18 @@ pub fn cases(quick: bool) -> Vec<Case> {
     type GemvqSet<'a> = (&'a [GgmlType], (usize, usize), &'a [usize], usize);
     let sets: [GemvqSet; 5] = [
         (&quantized, (768, 263), &[1, 2, 5, 9, 16], 9),
-        (&[GgmlType::Q4K, GgmlType::Q6K], (12288, 100), &[1, 3, 9], 1),
-        (&[GgmlType::Q4K, GgmlType::Q6K], (14336, 40), &[1, 9], 1),
+        (
+            &[GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0],
+            (12288, 100),
+            &[1, 3, 9],
+            1,
+        ),
+        (
+            &[GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0],
+            (14336, 40),
+            &[1, 9],
+            1,
+        ),
         (&[GgmlType::Q4K, GgmlType::Q6K], (2048, 8200), &[1, 2], 1),
         (&[GgmlType::Q4K, GgmlType::Q6K], (2048, 20008), &[1], 1),
     ];

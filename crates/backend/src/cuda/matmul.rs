@@ -139,6 +139,11 @@ pub struct Kernels {
     /// `gemvq_tcknw4_q4_k_r1` (`FERRITE_TCK_W4` ≥ 1, the default): `tckn` in blocks of four
     /// warps (Qwen3-8B +1.1%).
     tckn_w4: Option<CudaFunction>,
+    /// The Q8_0 down projection's pair tickets on its K-split tile (MATMUL.md round 54):
+    /// `gemvq_tcknw4_q8_0_r1` (`FERRITE_TCK_W4` ≥ 1) or `gemvq_tckn_q8_0_r1`; None without
+    /// the Q8_0 K-split tile (`FERRITE_GEMV_TCK_Q8=0`) or `FERRITE_NORM_QKV=0`; with whether
+    /// it is the four-warp one.
+    tckn_q8: Option<(CudaFunction, bool)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -151,6 +156,8 @@ pub struct Kernels {
     gemvq_tc_long: TcLong,
     /// Most columns per K slice of the long rows, Q4_K and Q6_K ([`TCK_COLS`]).
     gemvq_tck_cols: [usize; 2],
+    /// The same for Q8_0's long rows ([`TCK_Q8_COLS`], `FERRITE_GEMV_TCK_Q8`; 0: the lane code).
+    gemvq_tck_q8_cols: usize,
     /// Fewest outputs for the Q6_K 16-row tile ([`GEMVQ_TC_Q6K_MIN_OUT`];
     /// `FERRITE_GEMV_TC6_MIN`).
     gemvq_tc6_min: usize,
@@ -357,6 +364,8 @@ impl Kernels {
             .collect();
         let gemvq_tck_cols =
             switches::get("FERRITE_GEMV_TCK")?.map_or(TCK_COLS, |v| [v[0] as usize, v[1] as usize]);
+        let gemvq_tck_q8_cols =
+            usize::try_from(switches::int_or("FERRITE_GEMV_TCK_Q8", TCK_Q8_COLS as i64))?;
         let gemvq_tc = if bulk && tc_on {
             let all = |kind: &str| per_r(&m, &format!("gemvq{kind}"), true);
             let mut fams = Vec::with_capacity(TC_TYPES.len());
@@ -377,6 +386,10 @@ impl Kernels {
                 split.push((t, all(&format!("_tck_{name}"))?));
                 let f = function_smem(&m, &format!("gemvq_tct_{name}_r1"), GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((t, f));
+            }
+            // Q8_0 has the K-split tile alone (its long rows: tc_form).
+            if gemvq_tck_q8_cols != 0 {
+                split.push((GgmlType::Q8_0, all("_tck_q8_0")?));
             }
             Some(TcKernels {
                 fams,
@@ -443,6 +456,17 @@ impl Kernels {
         };
         let tck_w4 = w4_kernel(tck_w4_on >= 2, "gemvq_tckw4_q4_k_r1")?;
         let tckn_w4 = w4_kernel(tck_w4_on >= 1 && tckn.is_some(), "gemvq_tcknw4_q4_k_r1")?;
+        let tckn_q8 = if tckn.is_some() && gemvq_tck_q8_cols != 0 {
+            let w4 = tck_w4_on >= 1;
+            let name = if w4 {
+                "gemvq_tcknw4_q8_0_r1"
+            } else {
+                "gemvq_tckn_q8_0_r1"
+            };
+            Some((function_smem(&m, name, GEMVQ_BULK_MAX_SMEM)?, w4))
+        } else {
+            None
+        };
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -531,9 +555,11 @@ impl Kernels {
             tckn,
             tck_w4,
             tckn_w4,
+            tckn_q8,
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
+            gemvq_tck_q8_cols,
             gemvq_tc6_min: usize::try_from(switches::int_or(
                 "FERRITE_GEMV_TC6_MIN",
                 GEMVQ_TC_Q6K_MIN_OUT as i64,
@@ -1378,6 +1404,15 @@ enum TcLong {
 /// the decode graph, and 65 -> 39 us at 8 rows: MATMUL.md round 11).
 const TCK_COLS: [usize; 2] = [4096, 0];
 
+/// Most columns per slice of Q8_0's K-split tile (`gemvq_tc_q80`, MATMUL.md round 54): 2048, a
+/// 16 x 2048 tile of 35 KB, the bytes of Q4_K's 16 x 4096 one.
+const TCK_Q8_COLS: usize = 2048;
+
+/// Fewest columns of the Q8_0 rows that take the K-split tile: the down projections. Shorter
+/// rows (Q, K, V, the o-projection, gate/up, the 4096-column lm heads) keep the lane code,
+/// which streams them at up to 4.5 TB/s (the lm head) and has no 16-row tile form here.
+const TCK_Q8_MIN_COLS: usize = 8192;
+
 /// Most columns per slice the K-split tile accepts (its shared memory: a 16 x 8192 Q6_K tile
 /// and x are ~125 KB, over [`GEMVQ_BULK_MAX_SMEM`]).
 const TCK_MAX_COLS: usize = 4096;
@@ -1395,7 +1430,8 @@ fn tck_split(t: GgmlType, n_in: usize, max_cols: usize) -> Option<(usize, usize)
     // bytes, Q6_K's 210: 16 divides 8 x 210).
     const QK_K: usize = 256;
     let align = match t {
-        GgmlType::Q4K => 1,
+        // Q8_0: 8 blocks of 34 bytes, 272 (16 x 17).
+        GgmlType::Q4K | GgmlType::Q8_0 => 1,
         GgmlType::Q6K => 8,
         _ => return None,
     };
@@ -1527,6 +1563,19 @@ fn tc_form(
     kind: GemvKind,
 ) -> Option<TcForm<'_>> {
     let tc = be.matmul.gemvq_tc.as_ref()?;
+    if t == GgmlType::Q8_0 {
+        // Q8_0: the K-split tile for its long rows' plain launches alone.
+        let cols = be.matmul.gemvq_tck_q8_cols;
+        if kind != GemvKind::Plain || cols == 0 || n_in < TCK_Q8_MIN_COLS {
+            return None;
+        }
+        let (ks, kc) = tck_split(t, n_in, cols)?;
+        return tc
+            .split
+            .iter()
+            .find(|(ty, _)| *ty == t)
+            .map(|(_, f)| TcForm::Split(f, ks, kc));
+    }
     let fams = tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
     let full = (tc_smem(rb, 8) + tc_x_bytes(n_in)) as usize;
     if full <= GEMVQ_TC_MAX_SMEM {
@@ -1586,13 +1635,24 @@ fn gemvq_plan(
         // The tile of the widest slice (rb / (n_in / kc) bytes per row), its x slice at one row.
         Some(TcForm::Split(f, ks, kc)) => {
             let x = if rows == 1 { tc_x_bytes(kc) } else { 0 };
-            let slice_rb = rb / (n_in / 256) * (kc / 256);
+            let slice_rb = rb / (n_in / 256) * (kc / 256) + tck_row_pad(t);
             Ok((1, tc_smem(slice_rb, 8) + x, Some(TcForm::Split(f, ks, kc))))
         }
         None => {
             let (ks, smem) = gemvq_split(be, t, n_in, rb, groups, spans)?;
             Ok((ks, smem, None))
         }
+    }
+}
+
+/// Bytes the K-split tile leaves between its row slices beyond their length (`PAD` of
+/// `gemvq_tck_block`): 16 for Q8_0, whose tile loads conflict four-way on rows a multiple of
+/// 128 bytes apart, two-way on rows 16 more apart (`gemvq_tc_q80`).
+fn tck_row_pad(t: GgmlType) -> usize {
+    if t == GgmlType::Q8_0 {
+        16
+    } else {
+        0
     }
 }
 
@@ -2345,11 +2405,11 @@ fn hands_norm_from(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
 }
 
 /// The K-split plan of `w` at one row if it is the pair-ticket producer's
-/// (`gemvq_tckn_q4_k_r1`): Q4_K rows of whole 32-row groups on the K-split tile.
+/// (`gemvq_tckn[w4]_q4_k_r1`, `gemvq_tckn[w4]_q8_0_r1`: [`tckn_kernel`]): Q4_K or Q8_0 rows
+/// of whole 32-row groups on the K-split tile.
 fn tckn_plan(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Result<Option<(usize, usize, u32)>> {
-    if be.matmul.tckn.is_none()
+    if tckn_kernel(be, w.dtype).is_none()
         || rows != 1
-        || w.dtype != GgmlType::Q4K
         || w.shape.len() != 2
         || !w.shape[0].is_multiple_of(32)
         || gemv_path(w, rows) != Some(true)
@@ -2376,7 +2436,7 @@ fn tckn_plan(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Result<Option<(us
 
 /// Whether `matmul_add_for_norm` of the down projection `wd` can hand the next layer's
 /// attention norm to its grouped Q, K, V `qkv` (`FERRITE_NORM_QKV`): a producer that takes
-/// whole 32-row groups — the K-split Q4_K tile's pair tickets ([`tckn_plan`]; the lane code's
+/// whole 32-row groups — the K-split Q4_K or Q8_0 tile's pair tickets ([`tckn_plan`]; the lane code's
 /// group tickets lost, MATMUL.md round 43) — and a NORM form of the Q, K, V launch
 /// ([`takes_handed`]).
 pub(crate) fn hands_norm_to_qkv(
@@ -2683,6 +2743,21 @@ pub fn rms_norm_matmuls_handed(
     Ok(true)
 }
 
+/// The pair-ticket kernel of a K-split down projection of type `t` and whether its blocks are
+/// of four warps: Q4_K's (`gemvq_tcknw4_q4_k_r1` or `gemvq_tckn_q4_k_r1`), Q8_0's (`tckn_q8`).
+fn tckn_kernel(be: &CudaBackend, t: GgmlType) -> Option<(&CudaFunction, bool)> {
+    let m = &be.matmul;
+    match t {
+        GgmlType::Q4K => m
+            .tckn_w4
+            .as_ref()
+            .map(|f| (f, true))
+            .or(m.tckn.as_ref().map(|f| (f, false))),
+        GgmlType::Q8_0 => m.tckn_q8.as_ref().map(|(f, w4)| (f, *w4)),
+        _ => None,
+    }
+}
+
 /// `out += x · wᵀ` at one row by the pair-ticket producer (`gemvq_tckn_q4_k_r1`, the K-split
 /// plan `(ks, kc, smem)` of [`tckn_plan`]) on x's int8 planes `xq`, leaving the planes of
 /// `out ⊙ nw` and their groups' Σ out² in `p` (`matmul_add_for_norm` checked the shapes).
@@ -2695,9 +2770,7 @@ fn tckn_launch(
     p: &mut NormPlanes,
     (ks, kc, smem): (usize, usize, u32),
 ) -> Result<()> {
-    let w4 = be.matmul.tckn_w4.as_ref();
-    let f = w4
-        .or(be.matmul.tckn.as_ref())
+    let (f, w4) = tckn_kernel(be, w.dtype)
         .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
     let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
     ensure!(
@@ -2710,7 +2783,7 @@ fn tckn_launch(
         .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out / 16)?, u32::try_from(ks)?, 1),
-        block_dim: tc_block_dim(w4.is_some()),
+        block_dim: tc_block_dim(w4),
         shared_mem_bytes: smem,
     };
     let (rb_i, n_out_i, n_in_i, kc_i) = (rb as i64, n_out as i32, n_in as i32, kc as i32);
@@ -3072,17 +3145,27 @@ mod tests {
         assert_eq!(tck_split(GgmlType::Q4K, 14336, m), Some((4, 3584)));
         assert_eq!(tck_split(GgmlType::Q6K, 14336, m), Some((4, 4096)));
         assert_eq!(tck_split(GgmlType::Q4K, 12288, 2048), Some((6, 2048)));
+        // Q8_0 (272-byte units of 256 columns): Qwen3-8B's downs in six 2048-column slices
+        // (TCK_Q8_COLS), Llama-3-8B's in seven.
+        assert_eq!(tck_split(GgmlType::Q8_0, 12288, TCK_Q8_COLS), Some((6, 2048)));
+        assert_eq!(tck_split(GgmlType::Q8_0, 14336, TCK_Q8_COLS), Some((7, 2048)));
+        assert_eq!(tck_split(GgmlType::Q8_0, 12288, m), Some((3, 4096)));
         // One slice, misaligned Q6_K, other types, partial super-blocks, off: not split.
         assert_eq!(tck_split(GgmlType::Q4K, 4096, m), None);
         assert_eq!(tck_split(GgmlType::Q6K, 256 * 20, m), None);
-        assert_eq!(tck_split(GgmlType::Q8_0, 12288, m), None);
+        assert_eq!(tck_split(GgmlType::Q5K, 12288, m), None);
+        assert_eq!(tck_split(GgmlType::Q8_0, 12288 + 32, m), None);
         assert_eq!(tck_split(GgmlType::Q4K, 12288 + 32, m), None);
         assert_eq!(tck_split(GgmlType::Q4K, 12288, 0), None);
         assert_eq!(tck_split(GgmlType::Q6K, 12288, 1024), None);
-        for t in [GgmlType::Q4K, GgmlType::Q6K] {
+        for t in [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0] {
             for nsb in (8..=256).step_by(8) {
                 if let Some((ks, kc)) = tck_split(t, nsb * 256, m) {
-                    let bytes = if t == GgmlType::Q4K { 144 } else { 210 };
+                    let bytes = match t {
+                        GgmlType::Q4K => 144,
+                        GgmlType::Q6K => 210,
+                        _ => 272,
+                    };
                     assert!(
                         kc <= TCK_MAX_COLS && ks * kc >= nsb * 256 && (ks - 1) * kc < nsb * 256
                     );

@@ -100,6 +100,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "long rows' K slices, most columns for Q4_K, Q6_K (0 the lane code; MATMUL.md round 11)",
     ),
     (
+        "FERRITE_GEMV_TCK_Q8",
+        Accepts::Range(0, 4096),
+        "Q8_0 long rows (8192 columns and more: the down projections) on the K-split tensor-core tile, most columns per slice (a multiple of 256; default 2048), 0 the lane code (MATMUL.md round 54)",
+    ),
+    (
         "FERRITE_GEMV_TCT",
         Accepts::OneOf(&[0, 1]),
         "one-row lm-head-sized GEMVs of short rows (a 16-row tile of at most ~30 KB) in blocks of two tensor-core tiles: 0 one tile a block, 1 two (default; MATMUL.md round 36)",
@@ -202,7 +207,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_TCK_W4",
         Accepts::OneOf(&[0, 1, 2]),
-        "the one-row K-split Q4_K tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also the plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md round 50)",
+        "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",
     ),
     (
         "FERRITE_QKV_VTC",

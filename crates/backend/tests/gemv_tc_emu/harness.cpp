@@ -1,5 +1,5 @@
-// Host emulation of matmul.cu's tensor-core Q4_K and Q6_K GEMVs (gemvq_tc_q4k, gemvq_tc_q6k,
-// tc_stage_x: the section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section;
+// Host emulation of matmul.cu's tensor-core Q4_K, Q6_K and Q8_0 GEMVs (gemvq_tc_q4k,
+// gemvq_tc_q6k, gemvq_tc_q80, tc_stage_x: the section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section;
 // written next to this file as kq.cuh and tc.cuh by emu::build_gemv_tc, with the prelude
 // gemv_tc.h). One block (r0 = 0) on the host, every thread a fiber (../emu/fibers.h); emulated:
 //  - tc_mma / tc_mma_s8: mma.sync m16n8k32 u8 (s8) x s8 -> s32: the 32 lanes deposit their
@@ -17,8 +17,10 @@
 // ---- one configuration ------------------------------------------------------------------
 // kx, k0: the K-split tile (gemvq_tck_block): the tile's n_in columns are x's columns
 // k0 .. k0 + n_in of kx (0: x is n_in wide).
+// q8: the Q8_0 tile (gemvq_tc_q80), its rows 16 bytes apart beyond their length in the slots,
+// as gemvq_tck_block lays them out.
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0, norm;
+    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0, norm, q8;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -50,6 +52,9 @@ static void body_r() {
         if (cfg.q6)
             gemvq_tc_q6k<R, SW, true, H>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0, cfg.n_in + 64,
                                          cfg.n_in);
+        else if (cfg.q8)
+            gemvq_tc_q80<R, SW, true>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0, cfg.n_in + 64,
+                                      cfg.n_in);
         else if (cfg.norm)
             gemvq_tc_q4k<R, SW, true, H, true>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0,
                                                cfg.n_in + 64, cfg.n_in, sn);
@@ -60,6 +65,9 @@ static void body_r() {
         if (cfg.q6)
             gemvq_tc_q6k<R, SW, false, H>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
                                           cfg.n_in);
+        else if (cfg.q8)
+            gemvq_tc_q80<R, SW, false>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
+                                       cfg.n_in);
         else if (cfg.norm)
             gemvq_tc_q4k<R, SW, false, H, true>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0,
                                                 nx, cfg.n_in, sn);
@@ -104,15 +112,31 @@ static double ref_dot_q6(const uint8_t* row, int n_in, const int8_t* xr, const f
     return acc;
 }
 
+// The same for a Q8_0 row (blocks of f16 d and 32 int8 quants).
+static double ref_dot_q8(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
+    double acc = 0;
+    for (int b = 0; b < n_in / QK; b++) {
+        const uint8_t* blk = row + b * Q8_0_BYTES;
+        int64_t s = 0;
+        for (int m = 0; m < QK; m++) {
+            const int e = b * QK + m;
+            s += (int64_t)(int8_t)blk[2 + m] * (127 * xr[e] + xr[n_in + e]);
+        }
+        acc += (double)h2f(blk[0] | blk[1] << 8) * dr[b].x * (double)s;
+    }
+    return acc;
+}
+
 static double ref_dot(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
-    return cfg.q6 ? ref_dot_q6(row, n_in, xr, dr) : ref_dot_q4(row, n_in, xr, dr);
+    return cfg.q6 ? ref_dot_q6(row, n_in, xr, dr)
+                  : cfg.q8 ? ref_dot_q8(row, n_in, xr, dr) : ref_dot_q4(row, n_in, xr, dr);
 }
 
 static bool run(const Cfg& c, std::vector<float>* row0) {
     cfg = c;
     // Tile rows (outputs): 16 plain / 8 SwiGLU pairs; HALF (8-row tile, slots of 4 rows) 8 / 4.
     const int n_in = c.n_in, nb = n_in / QK, ns = c.half ? 4 : 8, tile = c.swiglu ? ns : 2 * ns;
-    const int bytes = c.q6 ? Q6_K_BYTES : Q4_K_BYTES;
+    const int bytes = c.q6 ? Q6_K_BYTES : c.q8 ? 8 * Q8_0_BYTES : Q4_K_BYTES;  // per 256 columns
     rb = (long long)(n_in / QK_K) * bytes;
     // Weights: 2 ns tile rows (plain: rows 0..2ns-1; SwiGLU: gate rows 0..ns-1, up rows the next
     // ns).
@@ -124,6 +148,11 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
             const uint16_t d = rnd_f16(), dm = rnd_f16();
             if (c.q6) {
                 b[208] = d & 0xFF, b[209] = d >> 8;
+            } else if (c.q8) {
+                for (int k = 0; k < 8; k++) {
+                    const uint16_t dk = k ? rnd_f16() : d;
+                    b[k * Q8_0_BYTES] = dk & 0xFF, b[k * Q8_0_BYTES + 1] = dk >> 8;
+                }
             } else {
                 b[0] = d & 0xFF, b[1] = d >> 8, b[2] = dm & 0xFF, b[3] = dm >> 8;
             }
@@ -133,10 +162,17 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
     // `smem + (address & 15)` in the kernel's caller) and odd super-block counts make every
     // other row 2 mod 4.
     const int mis = c.q6 ? 2 : 0;
-    std::vector<uint8_t> slot0(ns * rb + 32), slot1(ns * rb + 32);
-    memcpy(slot0.data() + mis, w.data(), ns * rb);
-    memcpy(slot1.data() + mis, w.data() + ns * rb, ns * rb);
+    // Q8_0: rows rs = rb + 16 apart in the slots (gemvq_tck_block's PAD), the pad bytes
+    // garbage that no output may read.
+    const long long rs = c.q8 ? rb + 16 : rb;
+    std::vector<uint8_t> slot0(ns * rs + 32, 0xA5), slot1(ns * rs + 32, 0x5A);
+    for (int r = 0; r < ns; r++) {
+        memcpy(slot0.data() + mis + r * rs, w.data() + r * rb, rb);
+        memcpy(slot1.data() + mis + r * rs, w.data() + (ns + r) * rb, rb);
+    }
     s0 = slot0.data() + mis, s1 = slot1.data() + mis;
+    const long long rb_w = rb;  // the reference's row bytes
+    rb = rs;
     // x: R rows of nx columns (two planes); the reference takes each row's slice k0.. as a
     // row of n_in columns (xr, dr below).
     const int nx = c.kx ? c.kx : n_in, nbx = nx / QK;
@@ -190,11 +226,11 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
             }
             double ref;
             if (c.swiglu) {
-                const double g = s * ref_dot(&w[i * rb], n_in, xr, dr);
-                const double u = s * ref_dot(&w[(ns + i) * rb], n_in, xr, dr);
+                const double g = s * ref_dot(&w[i * rb_w], n_in, xr, dr);
+                const double u = s * ref_dot(&w[(ns + i) * rb_w], n_in, xr, dr);
                 ref = g / (1 + std::exp(-g)) * u;
             } else {
-                ref = s * ref_dot(&w[i * rb], n_in, xr, dr);
+                ref = s * ref_dot(&w[i * rb_w], n_in, xr, dr);
             }
             err += (got - ref) * (got - ref);
             ref2 += ref * ref;
@@ -203,7 +239,7 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
     printf("%s%s n_in %5d (x %5d from %5d) n_out %2d R %d rows %d swiglu %d staged %d norm %d: NMSE %.2e %s\n",
-           c.q6 ? "q6_K" : "q4_K", c.half ? " half" : "", c.n_in, nx, c.k0, c.n_out, c.R, c.rows, c.swiglu,
+           c.q6 ? "q6_K" : c.q8 ? "q8_0" : "q4_K", c.half ? " half" : "", c.n_in, nx, c.k0, c.n_out, c.R, c.rows, c.swiglu,
            c.staged, c.norm, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {
         const int n = min(tile, c.n_out);
@@ -250,6 +286,14 @@ int main() {
         {{4096, 8, 1, 1, 1, 1, 0, 0, 0, 0, 1}, {4096, 8, 3, 3, 1, 0, 0, 0, 0, 0, 1}},
         {{768, 5, 1, 1, 1, 1, 0, 0, 0, 0, 1}, {768, 5, 3, 2, 1, 0, 0, 0, 0, 0, 1}},
         {{1024, 16, 1, 1, 0, 1, 0, 0, 0, 0, 1}, {1024, 16, 3, 3, 0, 0, 0, 0, 0, 0, 1}},
+        // Q8_0 (gemvq_tc_q80): the K-split down's 2048-column slices of a 12288-wide x (the
+        // first and the last), a 4096-column one, a partial tile, one unit (warp 0 alone),
+        // SwiGLU (a form no kernel takes yet).
+        {{2048, 16, 1, 1, 0, 1, 0, 0, 12288, 0, 0, 1}, {2048, 16, 3, 3, 0, 0, 0, 0, 12288, 0, 0, 1}},
+        {{2048, 16, 1, 1, 0, 1, 0, 0, 12288, 10240, 0, 1}, {2048, 16, 3, 2, 0, 0, 0, 0, 12288, 10240, 0, 1}},
+        {{4096, 13, 1, 1, 0, 1, 0, 0, 12288, 4096, 0, 1}, {4096, 13, 3, 3, 0, 0, 0, 0, 12288, 4096, 0, 1}},
+        {{256, 16, 1, 1, 0, 1, 0, 0, 0, 0, 0, 1}, {256, 16, 3, 3, 0, 0, 0, 0, 0, 0, 0, 1}},
+        {{2304, 8, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1}, {2304, 8, 3, 3, 1, 0, 0, 0, 0, 0, 0, 1}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;

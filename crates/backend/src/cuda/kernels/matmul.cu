@@ -1675,6 +1675,106 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
     tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
 }
 
+// The Q8_0 form (MATMUL.md round 54; the K-split tile's, gemvq_tck_block). A Q8_0 block is 34
+// bytes (f16 d, then 32 int8 quants: ggml's layout, unchanged in VRAM); the tile's unit is 8
+// blocks (256 columns, Q8_0_UNIT_BYTES = 272: 16-byte aligned, as the K-split slices need),
+// two lifetimes of 4 blocks (4L .. 4L + 3), 4 MMAs each.
+//  - K slices: slice s of every MMA holds 8 weights of block m(s) of the lifetime, m = (0, 2,
+//    1, 3). So a0 / a1 (slices 0, 1) take the even blocks and a2 / a3 (slices 2, 3) the odd
+//    ones, and each A word has one alignment in every lane: an even block's quants start 2
+//    bytes past a 4-byte boundary (34 (4L + 2j) + 2), an odd block's on one.
+//  - A (s8, the quants as stored: tc_mma_s8): thread t takes the 16 quants 16 (t % 2).. of
+//    block m(t / 2) (a0: row g, a1: row g + 8) and of block m(2 + t / 2) (a2, a3); MMA i takes
+//    word i (weights 16 (t % 2) + 4i ..). Even blocks: five aligned 32-bit loads, funnel shifts
+//    by 16 bits; odd blocks: four aligned loads. No masks, no scale decoding.
+//  - B: the Q4_K form's (column n = (slice n / 2, plane n % 2)), slice q's x being that of
+//    block m(q) of the lifetime.
+//  - C: thread t holds (block m(t); hi, lo) for rows g, g + 8: S = 127 hi + lo exact in int32
+//    (|S| < 2^26), then acc += d (dx S) in f32 with the row's block scale d.
+//  - Bank conflicts: the 32 lanes' words differ by multiples of 4 words (slots, rows, t % 2)
+//    and by the 17 words between a thread pair's two blocks, so two-way at best; rows rb ≡ 16
+//    (mod 128) bytes apart reach it (gemvq_tck_block pads its row slices by 16 bytes: rows
+//    a multiple of 128 apart would be four-way).
+// Per lifetime and thread: 18 shared loads and 8 funnel shifts for A, one 16-byte x load and
+// 8 masks for B, 4 MMAs, two f16 scales and ~10 epilogue operations, for 2,176 weight bytes a
+// warp (the Q4_K tile's lifetime moves 1,152).
+// W4: as gemvq_tc_q4k's (four warps, the eight-warp kernel's partials in its order).
+#define Q8_0_UNIT_BYTES (8 * Q8_0_BYTES)
+template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false>
+__device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
+                                             int n_in, const int8_t* __restrict__ xq,
+                                             const float2* __restrict__ xd, int rows, float* __restrict__ out,
+                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3, e = t & 1, j = t >> 1;
+    const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
+    const uint8_t* p1 = p0 + 4 * (size_t)rb;
+    // In a lifetime (136 bytes): the aligned word before the even block m(j) = 2j's quants
+    // (its f16 d, then the quants 16 e ..), the odd block m(2 + j) = 2j + 1's quants 16 e ..,
+    // and the block m(t) whose sums thread t holds (C).
+    const int ae = 68 * j + 16 * e, ao = 34 * (2 * j + 1) + 2 + 16 * e;
+    const int mt = 2 * e + j;
+    const int q = g >> 1, mq = 2 * (q & 1) + (q >> 1);  // B: this lane's column slice, its block
+    const bool bval = (q & 1) == j, bhi = q >= 2;
+    const uint32_t mlo = (bval && !bhi) ? 0xFFFFFFFFu : 0u, mhi = (bval && bhi) ? 0xFFFFFFFFu : 0u;
+    const size_t xoff = (size_t)(g & 1) * (size_t)(XS ? xplane : n_in) + 32 * mq + 16 * e;
+    const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
+    float acc[R][2], acc2[R][2];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
+    constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' unit stride
+    int nsw = 0;  // W4: units taken (which set acc is)
+    for (int sb = warp; sb < nsb; sb += WS) {
+        const size_t off = (size_t)sb * Q8_0_UNIT_BYTES;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const uint8_t* b0 = p0 + off + 136 * h;
+            const uint8_t* b1 = p1 + off + 136 * h;
+            uint32_t v0[5], v1[5], A0[4], A1[4], A2[4], A3[4];
+#pragma unroll
+            for (int i = 0; i < 5; i++) {
+                v0[i] = ((const uint32_t*)(b0 + ae))[i];
+                v1[i] = ((const uint32_t*)(b1 + ae))[i];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                A0[i] = __funnelshift_r(v0[i], v0[i + 1], 16);
+                A1[i] = __funnelshift_r(v1[i], v1[i + 1], 16);
+                A2[i] = ((const uint32_t*)(b0 + ao))[i];
+                A3[i] = ((const uint32_t*)(b1 + ao))[i];
+            }
+            const float d0 = h2f(*(const uint16_t*)(b0 + 34 * mt)), d1 = h2f(*(const uint16_t*)(b1 + 34 * mt));
+            const int xs = sb * QK_K + 128 * h;  // first column of the lifetime
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int rr = r < rows ? r : rows - 1;
+                const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
+                const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + mt;
+                const int4 xv = XS ? *xp : __ldg(xp);
+                const float dx = (XS ? *dp : __ldg(dp)).x;
+                const uint32_t wa[4] = {(uint32_t)xv.x & mlo, (uint32_t)xv.y & mlo, (uint32_t)xv.z & mlo,
+                                        (uint32_t)xv.w & mlo};
+                const uint32_t wb[4] = {(uint32_t)xv.x & mhi, (uint32_t)xv.y & mhi, (uint32_t)xv.z & mhi,
+                                        (uint32_t)xv.w & mhi};
+                int C[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int i = 0; i < 4; i++) tc_mma_s8(C, A0[i], A1[i], A2[i], A3[i], wa[i], wb[i]);
+                const int S0 = 127 * C[0] + C[1], S1 = 127 * C[2] + C[3];
+                acc[r][0] = fmaf(d0, dx * (float)S0, acc[r][0]);
+                acc[r][1] = fmaf(d1, dx * (float)S1, acc[r][1]);
+            }
+        }
+        if constexpr (W4) {
+            tc_swap_acc<R>(acc, acc2);
+            nsw++;
+        }
+    }
+    if constexpr (W4) {
+        if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
+    }
+    tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
+}
+
 // One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
 // and add_norm_planes: the same operations, so the same bits): x <- x + v in place, the planes
 // of x * n for the lane's 32-group (quant_q8_lane; the calling warp holds the whole group) and,
@@ -1977,6 +2077,11 @@ __device__ __forceinline__ void tck_sum(float& v, const float* p, size_t stride,
 // W4 (Q4_K, one row; gemvq_tck[n]w4_q4_k_r1, MATMUL.md round 50): blocks of four warps,
 // gemvq_tc_q4k's W4 (the eight-warp tile's sums in its order, so the same partials and the
 // same outputs), four blocks per SM instead of three.
+// Q8_0 (gemvq_tck_q8_0_r<R>, gemvq_tckn[w4]_q8_0_r1; MATMUL.md round 54): gemvq_tc_q80 on
+// slices of whole 256-column units (272 bytes), its row slices PAD = 16 bytes apart beyond
+// their length in the slots (its loads' bank conflicts two-way instead of four-way); the
+// host's shared memory adds the same (matmul.rs tck_row_pad). Its lane-code down and the
+// norm launch after it took 16.2 + 7.1 us a layer on Qwen3-8B Q8_0 (DECODE_STEP.md).
 template <int TYPE, int R, bool PAIRN = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
@@ -1987,17 +2092,22 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
                                                 int8_t* __restrict__ pq = nullptr, float2* __restrict__ pd = nullptr,
                                                 float* __restrict__ pss = nullptr) {
     static_assert(!PAIRN || R == 1, "gemvq_tck_block: PAIRN is one row's");
-    static_assert(!W4 || (TYPE == GGML_Q4_K && R == 1), "gemvq_tck_block: W4 is the one-row Q4_K tile's");
+    static_assert(!W4 || (TYPE != GGML_Q6_K && R == 1), "gemvq_tck_block: W4 is the one-row Q4_K / Q8_0 tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;  // rows per slot
     constexpr bool XS = R == 1;
-    constexpr int SBB = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+    // Bytes per 256 columns; Q8_0's row slices 16 bytes apart beyond their length in the slots
+    // (gemvq_tc_q80: rows 16 mod 128 bytes apart take its loads' bank conflicts from four-way
+    // to two-way).
+    constexpr int SBB = TYPE == GGML_Q4_K ? Q4_K_BYTES : TYPE == GGML_Q8_0 ? Q8_0_UNIT_BYTES : Q6_K_BYTES;
+    constexpr int PAD = TYPE == GGML_Q8_0 ? 16 : 0;
     __shared__ unsigned tck_last;
     const int tile = blockIdx.x, k = blockIdx.y, ks = gridDim.y;
     const int r0 = tile * 2 * NS, k0 = k * kc, kn = min(kc, n_in - k0);
     const int nrows = max(0, min(2 * NS, n_out - r0));
     const long long srb = (long long)(kn / QK_K) * SBB;  // bytes of a row slice
-    const size_t slot = tc_slot(srb, NS);
+    const long long srs = srb + PAD;                      // and between rows in a slot
+    const size_t slot = tc_slot(srs, NS);
     if (threadIdx.x == 0) {
         mbar_init(bar);
         mbar_expect(bar, (uint32_t)(nrows * srb));
@@ -2006,11 +2116,11 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     if (threadIdx.x < nrows) {
         const int j = threadIdx.x;
         const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
-        bulk_g2s_w(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srb, (size_t)src, (uint32_t)srb);
+        bulk_g2s_w(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srs, (size_t)src, (uint32_t)srb);
     }
     PDL_ENTRY();
     // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
-    uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB, NS);
+    uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);
     if (XS) tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
     gemv_bulk_wait(bar);
     float* po = part + (size_t)k * (size_t)rows * (size_t)n_out;
@@ -2020,6 +2130,8 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     if (TYPE == GGML_Q4_K)
         gemvq_tc_q4k<R, false, XS, false, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0,
                                                              kn + 64, kn);
+    else if (TYPE == GGML_Q8_0)
+        gemvq_tc_q80<R, false, XS, false, W4>(smem, smem + slot, srs, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     else
         gemvq_tc_q6k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     if (PAIRN) {
@@ -2209,7 +2321,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // 78: round 11). Q6_K (a 4096-column tile + x is ~62 KB: three blocks per SM by shared
 // memory) R = 1 at most 85, R = 2 at most 128. Larger R (batched decode, verify) take what
 // they need.
-#define GEMVQ_TC_MINB(TYPE, R) ((TYPE) == GGML_Q4_K ? ((R) <= 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
+#define GEMVQ_TC_MINB(TYPE, R) ((TYPE) != GGML_Q6_K ? ((R) <= 2 ? 3 : 1) : ((R) == 1 ? 3 : (R) == 2 ? 2 : 1))
 #define GEMVQ_TC_KERNEL(name, TYPE, R) \
     GEMVQ_KERNEL_FAM(name, TYPE, R, true, _tc, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TC_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TC_KERNEL, name, TYPE)
@@ -2435,28 +2547,34 @@ GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
-// gemvq_tckn<W>_q4_k_r1: the K-split Q4_K down projection handing the next layer's attention
-// norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). W empty: eight warps,
-// bounds as the plain one's.
-#define GEMVQ_TCKN_FORM(W, W4, LB)                                                                           \
+// gemvq_tckn<W>_<type>_r1: the K-split Q4_K (Q8_0) down projection handing the next layer's
+// attention norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). W empty: eight
+// warps, bounds as the plain one's.
+#define GEMVQ_TCKN_FORM(W, name, TYPE, W4, LB)                                                               \
     extern "C" __global__ void __launch_bounds__ LB                                                           \
-        gemvq_tckn##W##_q4_k_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,           \
+        gemvq_tckn##W##_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,       \
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,        \
                                 float* __restrict__ part, unsigned* __restrict__ tickets,                    \
                                 float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq, \
                                 float2* __restrict__ pd, float* __restrict__ pss) {                          \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
         __shared__ __align__(8) uint64_t gemv_bar;                                                            \
-        gemvq_tck_block<GGML_Q4_K, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,   \
-                                                gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                    \
+        gemvq_tck_block<TYPE, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,        \
+                                           gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                         \
     }
-GEMVQ_TCKN_FORM(, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
+GEMVQ_TCKN_FORM(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
 // gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
 // one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
 // (gemvq_tck_block's W4: the eight-warp kernels' partials and outputs, bit for bit), four
 // blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
 GEMVQ_TCK_FORM(w4, q4_k, GGML_Q4_K, 1, true, (GEMV_WARPS / 2 * 32, 4))
-GEMVQ_TCKN_FORM(w4, true, (GEMV_WARPS / 2 * 32, 4))
+GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
+// The Q8_0 K-split tile (gemvq_tc_q80; MATMUL.md round 54): gemvq_tck_q8_0_r<R> for the long
+// rows' plain launches at every R, and the one-row down handing the attention norm over,
+// gemvq_tckn_q8_0_r1 / gemvq_tcknw4_q8_0_r1 (eight warps / four, as Q4_K's).
+GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
+GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
+GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
