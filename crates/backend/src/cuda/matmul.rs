@@ -245,6 +245,11 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
         "gemv_l2ef",
         switches::int_or("FERRITE_L2_EVICT_FIRST", 1) as i32,
     )?;
+    // The K-split tiles' ticket fence (MATMUL.md round 54): 0 fence.sc, 1 fence.acq_rel.
+    set(
+        "gemv_ticket_fence",
+        switches::int_or("FERRITE_TICKET_FENCE", 0) as i32,
+    )?;
     stream.synchronize()?;
     Ok(())
 }
@@ -3147,8 +3152,14 @@ mod tests {
         assert_eq!(tck_split(GgmlType::Q4K, 12288, 2048), Some((6, 2048)));
         // Q8_0 (272-byte units of 256 columns): Qwen3-8B's downs in six 2048-column slices
         // (TCK_Q8_COLS), Llama-3-8B's in seven.
-        assert_eq!(tck_split(GgmlType::Q8_0, 12288, TCK_Q8_COLS), Some((6, 2048)));
-        assert_eq!(tck_split(GgmlType::Q8_0, 14336, TCK_Q8_COLS), Some((7, 2048)));
+        assert_eq!(
+            tck_split(GgmlType::Q8_0, 12288, TCK_Q8_COLS),
+            Some((6, 2048))
+        );
+        assert_eq!(
+            tck_split(GgmlType::Q8_0, 14336, TCK_Q8_COLS),
+            Some((7, 2048))
+        );
         assert_eq!(tck_split(GgmlType::Q8_0, 12288, m), Some((3, 4096)));
         // One slice, misaligned Q6_K, other types, partial super-blocks, off: not split.
         assert_eq!(tck_split(GgmlType::Q4K, 4096, m), None);

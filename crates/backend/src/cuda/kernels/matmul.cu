@@ -1839,12 +1839,23 @@ __device__ __forceinline__ void tc_norm_scale(const float* __restrict__ pss, int
 // before thread 0's fence (cumulative) and atomic; in the last block, thread 0's fence after
 // the atomic and the barrier order the others' reads (L2: __ldcg) after it. One fence per
 // block, not one per thread (MATMUL.md round 11, item 4).
+// The fence (gemv_ticket_fence, matmul.rs; MATMUL.md round 54): 0 __threadfence (fence.sc.gpu,
+// MEMBAR.SC), 1 fence.acq_rel.gpu — the release / acquire patterns of the PTX memory model
+// around a relaxed atomic, which is all the ticket needs (no total order of fences is relied
+// on), and which may hold the block's end for less time than the sequentially consistent one.
+__constant__ int gemv_ticket_fence;
+__device__ __forceinline__ void ticket_fence() {
+    if (gemv_ticket_fence)
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    else
+        __threadfence();
+}
 __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned total, unsigned* last) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        ticket_fence();
         const bool l = atomicAdd(t, n) + n == total;
-        if (l) __threadfence();
+        if (l) ticket_fence();
         *last = l;
     }
     __syncthreads();
