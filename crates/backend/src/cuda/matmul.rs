@@ -432,7 +432,13 @@ impl Kernels {
             None
         };
         let add_n_q8_0 = if defer_q8 == 2 {
-            Some(function_smem(&m, "gemvq_add_n_q8_0_r1", ADD_N_MAX_SMEM)?)
+            // FERRITE_ADD_N_REGS=128: the form held to 128 registers (MATMUL.md round 55).
+            let name = if switches::int_or("FERRITE_ADD_N_REGS", 255) == 128 {
+                "gemvq_add_n2_q8_0_r1"
+            } else {
+                "gemvq_add_n_q8_0_r1"
+            };
+            Some(function_smem(&m, name, ADD_N_MAX_SMEM)?)
         } else {
             None
         };

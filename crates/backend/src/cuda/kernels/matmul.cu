@@ -2541,19 +2541,27 @@ GEMV_EACH_R(GEMVQ_SWIGLU_N_KERNEL, q8_0, GGML_Q8_0)
 // which runs add_norm_planes's add_norm_lane on them: the residual, the planes and the
 // group's sum of the plain GEMV + add_norm_planes, without that launch. One block per SM
 // (32 rows x 4352 bytes at 4096 columns), one wave.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
-    gemvq_add_n_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, float* __restrict__ x,
-                        const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
-                        float* __restrict__ pss) {
-    __shared__ float sums[32];
-    gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1, blockIdx.x,
-                                                      nullptr, 0.0f, sums);
-    __syncthreads();
-    const int lane = threadIdx.x & 31, o = blockIdx.x * 32 + lane;
-    if (threadIdx.x < 32)
-        add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);
-}
+// gemvq_add_n2_q8_0_r1 (FERRITE_ADD_N_REGS=128; MATMUL.md round 55): the same kernel held to
+// 128 registers (the first takes 250), so that two blocks of the SwiGLU after it (58
+// registers and 40 KB each) fit beside it and copy their weights before it ends: with 250
+// registers a block leaves 1,536 of the SM's 65,536 and no SwiGLU block starts on its SM
+// until it exits.
+#define GEMVQ_ADD_N_KERNEL(SFX, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                         \
+        gemvq_add_n##SFX##_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,            \
+                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,               \
+                                   float* __restrict__ x, const float* __restrict__ nw,                         \
+                                   int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) { \
+        __shared__ float sums[32];                                                                              \
+        gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1,        \
+                                                          blockIdx.x, nullptr, 0.0f, sums);                     \
+        __syncthreads();                                                                                        \
+        const int lane = threadIdx.x & 31, o = blockIdx.x * 32 + lane;                                          \
+        if (threadIdx.x < 32)                                                                                   \
+            add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);     \
+    }
+GEMVQ_ADD_N_KERNEL(, 1)
+GEMVQ_ADD_N_KERNEL(2, 2)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
