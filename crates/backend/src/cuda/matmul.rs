@@ -245,11 +245,6 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
         "gemv_l2ef",
         switches::int_or("FERRITE_L2_EVICT_FIRST", 1) as i32,
     )?;
-    // The K-split tiles' ticket fence (MATMUL.md round 54): 0 fence.sc, 1 fence.acq_rel.
-    set(
-        "gemv_ticket_fence",
-        switches::int_or("FERRITE_TICKET_FENCE", 0) as i32,
-    )?;
     stream.synchronize()?;
     Ok(())
 }
@@ -432,13 +427,7 @@ impl Kernels {
             None
         };
         let add_n_q8_0 = if defer_q8 == 2 {
-            // FERRITE_ADD_N_REGS=128: the form held to 128 registers (MATMUL.md round 55).
-            let name = if switches::int_or("FERRITE_ADD_N_REGS", 255) == 128 {
-                "gemvq_add_n2_q8_0_r1"
-            } else {
-                "gemvq_add_n_q8_0_r1"
-            };
-            Some(function_smem(&m, name, ADD_N_MAX_SMEM)?)
+            Some(function_smem(&m, "gemvq_add_n_q8_0_r1", ADD_N_MAX_SMEM)?)
         } else {
             None
         };

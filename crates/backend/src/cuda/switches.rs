@@ -100,16 +100,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "long rows' K slices, most columns for Q4_K, Q6_K (0 the lane code; MATMUL.md round 11)",
     ),
     (
-        "FERRITE_ADD_N_REGS",
-        Accepts::OneOf(&[128, 255]),
-        "the one-row Q8_0 o-projection handing the FFN norm over (gemvq_add_n_q8_0_r1): 255 (default) its registers unbounded, 128 held to 128 so that the SwiGLU's blocks fit beside it (MATMUL.md round 55)",
-    ),
-    (
-        "FERRITE_TICKET_FENCE",
-        Accepts::OneOf(&[0, 1]),
-        "the K-split tensor-core tiles' ticket fence: 0 (default) fence.sc.gpu (__threadfence), 1 fence.acq_rel.gpu (MATMUL.md round 54)",
-    ),
-    (
         "FERRITE_GEMV_TCK_Q8",
         Accepts::Range(0, 4096),
         "Q8_0 long rows (8192 columns and more: the down projections) on the K-split tensor-core tile, most columns per slice (a multiple of 256; default 2048), 0 the lane code (MATMUL.md round 54)",

@@ -1838,24 +1838,14 @@ __device__ __forceinline__ void tc_norm_scale(const float* __restrict__ pss, int
 // *last (shared) where that completes `total`. The block barrier orders every thread's writes
 // before thread 0's fence (cumulative) and atomic; in the last block, thread 0's fence after
 // the atomic and the barrier order the others' reads (L2: __ldcg) after it. One fence per
-// block, not one per thread (MATMUL.md round 11, item 4).
-// The fence (gemv_ticket_fence, matmul.rs; MATMUL.md round 54): 0 __threadfence (fence.sc.gpu,
-// MEMBAR.SC), 1 fence.acq_rel.gpu — the release / acquire patterns of the PTX memory model
-// around a relaxed atomic, which is all the ticket needs (no total order of fences is relied
-// on), and which may hold the block's end for less time than the sequentially consistent one.
-__constant__ int gemv_ticket_fence;
-__device__ __forceinline__ void ticket_fence() {
-    if (gemv_ticket_fence)
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    else
-        __threadfence();
-}
+// block, not one per thread (MATMUL.md round 11, item 4). (fence.acq_rel.gpu in place of
+// __threadfence's fence.sc.gpu measured no different: MATMUL.md round 54.)
 __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned total, unsigned* last) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        ticket_fence();
+        __threadfence();
         const bool l = atomicAdd(t, n) + n == total;
-        if (l) ticket_fence();
+        if (l) __threadfence();
         *last = l;
     }
     __syncthreads();
@@ -2541,27 +2531,20 @@ GEMV_EACH_R(GEMVQ_SWIGLU_N_KERNEL, q8_0, GGML_Q8_0)
 // which runs add_norm_planes's add_norm_lane on them: the residual, the planes and the
 // group's sum of the plain GEMV + add_norm_planes, without that launch. One block per SM
 // (32 rows x 4352 bytes at 4096 columns), one wave.
-// gemvq_add_n2_q8_0_r1 (FERRITE_ADD_N_REGS=128; MATMUL.md round 55): the same kernel held to
-// 128 registers (the first takes 250), so that two blocks of the SwiGLU after it (58
-// registers and 40 KB each) fit beside it and copy their weights before it ends: with 250
-// registers a block leaves 1,536 of the SM's 65,536 and no SwiGLU block starts on its SM
-// until it exits.
-#define GEMVQ_ADD_N_KERNEL(SFX, MINB)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, MINB)                                         \
-        gemvq_add_n##SFX##_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,            \
-                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,               \
-                                   float* __restrict__ x, const float* __restrict__ nw,                         \
-                                   int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) { \
-        __shared__ float sums[32];                                                                              \
-        gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1,        \
-                                                          blockIdx.x, nullptr, 0.0f, sums);                     \
-        __syncthreads();                                                                                        \
-        const int lane = threadIdx.x & 31, o = blockIdx.x * 32 + lane;                                          \
-        if (threadIdx.x < 32)                                                                                   \
-            add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);     \
-    }
-GEMVQ_ADD_N_KERNEL(, 1)
-GEMVQ_ADD_N_KERNEL(2, 2)
+// (Held to 128 registers, so that two SwiGLU blocks fit beside it: no gain, MATMUL.md round 55.)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
+    gemvq_add_n_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                        const int8_t* __restrict__ xq, const float2* __restrict__ xd, float* __restrict__ x,
+                        const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
+                        float* __restrict__ pss) {
+    __shared__ float sums[32];
+    gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1, blockIdx.x,
+                                                      nullptr, 0.0f, sums);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, o = blockIdx.x * 32 + lane;
+    if (threadIdx.x < 32)
+        add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);
+}
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
