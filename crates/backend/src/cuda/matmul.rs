@@ -1563,18 +1563,21 @@ fn tc_form(
     kind: GemvKind,
 ) -> Option<TcForm<'_>> {
     let tc = be.matmul.gemvq_tc.as_ref()?;
+    // The K-split tile in slices of at most `cols` columns.
+    let split = |cols: usize| {
+        let (ks, kc) = tck_split(t, n_in, cols)?;
+        tc.split
+            .iter()
+            .find(|(ty, _)| *ty == t)
+            .map(|(_, f)| TcForm::Split(f, ks, kc))
+    };
     if t == GgmlType::Q8_0 {
         // Q8_0: the K-split tile for its long rows' plain launches alone.
         let cols = be.matmul.gemvq_tck_q8_cols;
         if kind != GemvKind::Plain || cols == 0 || n_in < TCK_Q8_MIN_COLS {
             return None;
         }
-        let (ks, kc) = tck_split(t, n_in, cols)?;
-        return tc
-            .split
-            .iter()
-            .find(|(ty, _)| *ty == t)
-            .map(|(_, f)| TcForm::Split(f, ks, kc));
+        return split(cols);
     }
     let fams = tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
     let full = (tc_smem(rb, 8) + tc_x_bytes(n_in)) as usize;
@@ -1595,12 +1598,7 @@ fn tc_form(
                 .map(|(_, f)| TcForm::Half(f))
         }
         TcLong::Split if kind == GemvKind::Plain => {
-            let cols = be.matmul.gemvq_tck_cols[usize::from(t == GgmlType::Q6K)];
-            let (ks, kc) = tck_split(t, n_in, cols)?;
-            tc.split
-                .iter()
-                .find(|(ty, _)| *ty == t)
-                .map(|(_, f)| TcForm::Split(f, ks, kc))
+            split(be.matmul.gemvq_tck_cols[usize::from(t == GgmlType::Q6K)])
         }
         _ => None,
     }
