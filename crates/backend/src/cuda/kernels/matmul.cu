@@ -1450,6 +1450,17 @@ __device__ __forceinline__ void tc_swap_acc(float (&acc)[R][2], float (&acc2)[R]
         }
 }
 
+// The B words of an MMA lifetime: the lane's one unconditional 16-byte x load, masked into
+// b0 (k 0..15: wa) or b1 (k 16..31: wb) or neither (mlo, mhi: all ones or zero per lane) —
+// no predicated loads and their scaffolding (MATMUL.md rounds 11 and 53).
+__device__ __forceinline__ void tc_b_words(const int4 xv, uint32_t mlo, uint32_t mhi, uint32_t (&wa)[4],
+                                           uint32_t (&wb)[4]) {
+    wa[0] = (uint32_t)xv.x & mlo, wa[1] = (uint32_t)xv.y & mlo, wa[2] = (uint32_t)xv.z & mlo;
+    wa[3] = (uint32_t)xv.w & mlo;
+    wb[0] = (uint32_t)xv.x & mhi, wb[1] = (uint32_t)xv.y & mhi, wb[2] = (uint32_t)xv.z & mhi;
+    wb[3] = (uint32_t)xv.w & mhi;
+}
+
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
 // kcols: the tile's columns where x is wider (a K slice, gemvq_tck_block; 0: n_in).
@@ -1479,7 +1490,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     const int q = g >> 1;                  // B: this lane's column slice
     const bool bval = (q & 1) == (t >> 1), bhi = q >= 2;
     // The x words go to b0 (k 0..15) or b1 (k 16..31) or neither: masks of one unconditional
-    // load (no predicated loads and their scaffolding; MATMUL.md round 11).
+    // load (tc_b_words).
     const uint32_t mlo = (bval && !bhi) ? 0xFFFFFFFFu : 0u, mhi = (bval && bhi) ? 0xFFFFFFFFu : 0u;
     const size_t xoff = (size_t)(g & 1) * (size_t)(XS ? xplane : n_in) + 32 * q + 16 * e;
     const int nsb = (kcols ? kcols : n_in) / QK_K, nb = n_in / QK;
@@ -1527,10 +1538,8 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 2 * c + t;
                 const int4 xv = XS ? *xp : __ldg(xp);
                 const float2 ds = XS ? *dp : __ldg(dp);
-                const uint32_t wa[4] = {(uint32_t)xv.x & mlo, (uint32_t)xv.y & mlo, (uint32_t)xv.z & mlo,
-                                        (uint32_t)xv.w & mlo};
-                const uint32_t wb[4] = {(uint32_t)xv.x & mhi, (uint32_t)xv.y & mhi, (uint32_t)xv.z & mhi,
-                                        (uint32_t)xv.w & mhi};
+                uint32_t wa[4], wb[4];
+                tc_b_words(xv, mlo, mhi, wa, wb);
                 int C[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 4; i++) tc_mma(C, A0[i], A1[i], A2[i], A3[i], wa[i], wb[i]);
@@ -1651,14 +1660,9 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
                 const int4 xh = XS ? *(const int4*)xr : __ldg((const int4*)xr);
                 const int4 xl = XS ? *(const int4*)(xr + plane) : __ldg((const int4*)(xr + plane));
                 const float dx = (XS ? *dp : __ldg(dp)).x * 0.25f;
-                const uint32_t wha[4] = {(uint32_t)xh.x & mlo, (uint32_t)xh.y & mlo, (uint32_t)xh.z & mlo,
-                                         (uint32_t)xh.w & mlo};
-                const uint32_t whb[4] = {(uint32_t)xh.x & mhi, (uint32_t)xh.y & mhi, (uint32_t)xh.z & mhi,
-                                         (uint32_t)xh.w & mhi};
-                const uint32_t wla[4] = {(uint32_t)xl.x & mlo, (uint32_t)xl.y & mlo, (uint32_t)xl.z & mlo,
-                                         (uint32_t)xl.w & mlo};
-                const uint32_t wlb[4] = {(uint32_t)xl.x & mhi, (uint32_t)xl.y & mhi, (uint32_t)xl.z & mhi,
-                                         (uint32_t)xl.w & mhi};
+                uint32_t wha[4], whb[4], wla[4], wlb[4];
+                tc_b_words(xh, mlo, mhi, wha, whb);
+                tc_b_words(xl, mlo, mhi, wla, wlb);
                 int H[4] = {0, 0, 0, 0}, L[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
@@ -1752,10 +1756,8 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + mt;
                 const int4 xv = XS ? *xp : __ldg(xp);
                 const float dx = (XS ? *dp : __ldg(dp)).x;
-                const uint32_t wa[4] = {(uint32_t)xv.x & mlo, (uint32_t)xv.y & mlo, (uint32_t)xv.z & mlo,
-                                        (uint32_t)xv.w & mlo};
-                const uint32_t wb[4] = {(uint32_t)xv.x & mhi, (uint32_t)xv.y & mhi, (uint32_t)xv.z & mhi,
-                                        (uint32_t)xv.w & mhi};
+                uint32_t wa[4], wb[4];
+                tc_b_words(xv, mlo, mhi, wa, wb);
                 int C[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int i = 0; i < 4; i++) tc_mma_s8(C, A0[i], A1[i], A2[i], A3[i], wa[i], wb[i]);
