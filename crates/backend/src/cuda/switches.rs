@@ -210,6 +210,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",
     ),
     (
+        "FERRITE_TCK_PIPE",
+        Accepts::Range(0, 8),
+        "the one-row K-split down projection handing the attention norm over (Q4_K, Q8_0) as persistent blocks, each a ring of this many tile buffers refilled as each tile is computed (gemvq_tcknp); 0 one tile a block (MATMUL.md round 56)",
+    ),
+    (
         "FERRITE_QKV_VTC",
         Accepts::OneOf(&[0, 1]),
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",

@@ -2162,6 +2162,103 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 #endif
 }
 
+// The pair-ticket K-split tile as a ring (gemvq_tcknp_<type>_r1; matmul.rs `tckn_launch`,
+// FERRITE_TCK_PIPE; MATMUL.md round 56): the work of gemvq_tck_block's PAIRN form (one x row,
+// W4 tiles, items (tile, k): a 16 x kn tile of slice k) taken by persistent blocks, each owning
+// a ring of nb tile buffers instead of one tile.
+//  Why: a one-tile block holds its slot through copy, compute, partial stores and ticket, and
+//  the down's 1,536 Q8_0 tiles (Qwen3-8B) run as ~two waves of ~800 slots: at each wave's end
+//  the slots stop streaming while the blocks compute, store, draw tickets and are replaced —
+//  ~2.9 TB/s against the lane code's 3.3 (DECODE_STEP.md, 20th session). Here a block refills
+//  a buffer as soon as its tile is computed, before its partial stores and ticket, so nb - 1
+//  of its copies stay in flight through them.
+//  Items: k-major (item i = tile i % tiles of slice i / tiles), block b taking the contiguous
+//  range [b items / G, (b + 1) items / G) — so a block's x slice changes at most once or twice
+//  (staged in shared memory as gemvq_tck_block stages it, again where k changes) and a pair's
+//  two tiles of one slice are mostly one block's.
+//  Per item: wait for its buffer (phase u / nb of that buffer's mbarrier), the tile
+//  (gemvq_tc_q4k / gemvq_tc_q80 W4, partials to part[k]), a block barrier (the buffer read),
+//  warp 0 issues the copy of item i + nb into it (lane 0 arms the barrier, lanes < rows copy
+//  one row slice each), then the pair ticket and, in the pair's last block, the sum of its ks
+//  partials and the norm hand-over (add_norm_lane) — gemvq_tck_block's code, so the same bits.
+//  Shared memory: nb buffers of two slots laid out for the widest slice, then x's slice.
+//  Grid: (blocks per SM by occupancy) x SMs, at most one block per item (the host's).
+template <int TYPE>
+__device__ __forceinline__ void gemvq_tckp_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                                 int kc, int nb, const int8_t* __restrict__ xq,
+                                                 const float2* __restrict__ xd, float* __restrict__ part,
+                                                 unsigned* __restrict__ tickets, uint8_t* smem, uint64_t* bars,
+                                                 float* __restrict__ xres, const float* __restrict__ nw,
+                                                 int8_t* __restrict__ pq, float2* __restrict__ pd,
+                                                 float* __restrict__ pss) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int NS = 8;
+    constexpr int SBB = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q8_0_UNIT_BYTES;
+    constexpr int PAD = TYPE == GGML_Q8_0 ? 16 : 0;
+    __shared__ unsigned tck_last;
+    const int tiles = (n_out + 2 * NS - 1) / (2 * NS), ks = (n_in + kc - 1) / kc, items = tiles * ks;
+    const int lo = (int)((long long)blockIdx.x * items / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * items / gridDim.x);
+    const size_t slot = tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);  // the widest slice's
+    uint8_t* xs = smem + (size_t)nb * 2 * slot;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Warp 0: item i's tile into buffer b (lane 0 arms its barrier first: program order in
+    // the warp, then the lanes' copies).
+    auto issue = [&](int i, int b) {
+        const int r0 = (i % tiles) * 2 * NS, k0 = (i / tiles) * kc, kn = min(kc, n_in - k0);
+        const int nrows = min(2 * NS, n_out - r0);
+        const long long srb = (long long)(kn / QK_K) * SBB, srs = srb + PAD;
+        if (lane == 0) mbar_expect(bars + b, (uint32_t)(nrows * srb));
+        __syncwarp();
+        if (lane < nrows) {
+            const uint8_t* src = W + (size_t)(r0 + lane) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
+            uint8_t* dst = smem + (size_t)b * 2 * slot + (size_t)(lane / NS) * slot + (size_t)(lane % NS) * (size_t)srs;
+            bulk_g2s_w(bars + b, dst, (size_t)src, (uint32_t)srb);
+        }
+    };
+    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
+    __syncthreads();
+    if (warp == 0)
+        for (int b = 0; b < nb && lo + b < hi; b++) issue(lo + b, b);
+    PDL_ENTRY();
+    int xk = -1;
+    for (int i = lo, b = 0, ph = 0; i < hi; i++) {
+        const int tile = i % tiles, k = i / tiles;
+        const int r0 = tile * 2 * NS, k0 = k * kc, kn = min(kc, n_in - k0);
+        const long long srs = (long long)(kn / QK_K) * SBB + PAD;
+        if (k != xk) {  // every thread the same k; the barrier after the last tile freed xs
+            tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
+            xk = k;
+        }
+        mbar_wait(bars + b, (uint32_t)ph);
+        uint8_t* s0 = smem + (size_t)b * 2 * slot;
+        float* po = part + (size_t)k * (size_t)n_out;
+        const float2* da = (const float2*)(xs + 2 * kn + 128);
+        if (TYPE == GGML_Q4_K)
+            gemvq_tc_q4k<1, false, true, false, false, false, true>(s0, s0 + slot, srs, n_out, kn,
+                                                                    (const int8_t*)xs, da, 1, po, r0, kn + 64, kn);
+        else
+            gemvq_tc_q80<1, false, true, false, true>(s0, s0 + slot, srs, n_out, kn, (const int8_t*)xs, da, 1, po,
+                                                      r0, kn + 64, kn);
+        __syncthreads();  // buffer b (and xs) read by every warp
+        if (warp == 0 && i + nb < hi) issue(i + nb, b);
+        if (++b == nb) {
+            b = 0;
+            ph ^= 1;
+        }
+        const int pair = tile >> 1;
+        tail_ticket(tickets + pair, 1u, 2u * (unsigned)ks, &tck_last);
+        if (tck_last && threadIdx.x < 32) {
+            const int o = pair * 32 + lane;
+            float v = 0.0f;
+            tck_sum(v, part + o, (size_t)n_out, ks);
+            add_norm_lane(xres + o, v, nw[o], lane, pq, n_out, o, pd + pair, pss + pair);
+            if (lane == 0) tickets[pair] = 0;
+        }
+    }
+#endif
+}
+
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
@@ -2579,6 +2676,24 @@ GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
 GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
 GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
+// gemvq_tcknp_<type>_r1: the pair-ticket producers as a ring of nb tiles per persistent block
+// (gemvq_tckp_block; FERRITE_TCK_PIPE), four warps; two blocks per SM at the host's nb.
+#define GEMVQ_TCKNP_KERNEL(name, TYPE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 2)                                      \
+        gemvq_tcknp_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,            \
+                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc, int nb, \
+                                float* __restrict__ part, unsigned* __restrict__ tickets,                     \
+                                float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq,  \
+                                float2* __restrict__ pd, float* __restrict__ pss) {                           \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                  \
+        __shared__ __align__(8) uint64_t bars[TCKP_MAX_NB];                                                    \
+        if (nb < 1 || nb > TCKP_MAX_NB) __trap();                                                              \
+        gemvq_tckp_block<TYPE>(W_, rb, n_out, n_in, kc, nb, xq, xd, part, tickets, gemv_smem, bars, x, nw, pq, \
+                               pd, pss);                                                                       \
+    }
+#define TCKP_MAX_NB 8  // matmul.rs TCKP_MAX_NB
+GEMVQ_TCKNP_KERNEL(q4_k, GGML_Q4_K)
+GEMVQ_TCKNP_KERNEL(q8_0, GGML_Q8_0)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
