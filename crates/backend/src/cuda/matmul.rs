@@ -148,6 +148,10 @@ pub struct Kernels {
     /// the pair-ticket producers as persistent four-warp blocks with a ring of `nb` tile
     /// buffers each, in place of `tckn_w4` / `tckn_q8`; None: one tile a block.
     tckn_pipe: Option<TcknPipe>,
+    /// `gemvq_swiglu_tcnp_q8_0_r1` (MATMUL.md round 57; `FERRITE_SWIGLU_PIPE`): the one-row
+    /// Q8_0 SwiGLU on the handed-over norm as a ring of that many tiles per persistent block;
+    /// None: the lane code.
+    swiglu_pipe: Option<(CudaFunction, usize)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -482,6 +486,16 @@ impl Kernels {
         } else {
             None
         };
+        // FERRITE_SWIGLU_PIPE=nb: the one-row Q8_0 SwiGLU ring (round 57).
+        let swiglu_nb = usize::try_from(switches::int_or("FERRITE_SWIGLU_PIPE", 0))?;
+        let swiglu_pipe = if swiglu_n_q8_0.is_some() && gemvq_tc.is_some() && swiglu_nb >= 1 {
+            Some((
+                function_smem(&m, "gemvq_swiglu_tcnp_q8_0_r1", PIPE_MAX_SMEM)?,
+                swiglu_nb.min(TCKP_MAX_NB),
+            ))
+        } else {
+            None
+        };
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -572,6 +586,7 @@ impl Kernels {
             tckn_w4,
             tckn_q8,
             tckn_pipe,
+            swiglu_pipe,
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -1443,6 +1458,10 @@ struct TcknPipe {
 
 /// Most tile buffers of a `gemvq_tcknp` ring (`TCKP_MAX_NB` in matmul.cu: its mbarriers).
 const TCKP_MAX_NB: usize = 8;
+
+/// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_q8_0_r1`): the
+/// H100 / H200 opt-in limit of a block, 227 KB.
+const PIPE_MAX_SMEM: usize = 227 * 1024;
 
 /// Most slices of the K-split tile (the partial-sum scratch is sized for it).
 const TCK_MAX_SPLITS: usize = 8;
@@ -2975,6 +2994,47 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
+    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
+        // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots.
+        if rb.is_multiple_of(16) && n_in.is_multiple_of(256) {
+            let buf = tc_smem(rb + 16, 8) as usize;
+            let x = tc_x_bytes(n_in) as usize;
+            if buf + x <= PIPE_MAX_SMEM {
+                let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
+                let smem = u32::try_from(nb * buf + x)?;
+                let threads = tc_block_dim(false).0;
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                    .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
+                    .max(1) as usize;
+                let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
+                let nb_i = nb as i32;
+                // SAFETY: as below (the same buffers); the ring's shared memory is the nb
+                // buffers and x that gemvq_swiglu_p_q80 lays out, nb ≤ TCKP_MAX_NB.
+                unsafe {
+                    be.stream
+                        .kernel(f)
+                        .arg(&gate.data)
+                        .arg(&up.data)
+                        .arg(&rb_i)
+                        .arg(&n_out_i)
+                        .arg(&n_in_i)
+                        .arg(&nb_i)
+                        .arg(&xqs)
+                        .arg(&xd)
+                        .arg(&mut out.buf)
+                        .arg(&ss)
+                        .arg(&eps)
+                        .launch(LaunchConfig {
+                            grid_dim: (u32::try_from(blocks)?, 1, 1),
+                            block_dim: tc_block_dim(false),
+                            shared_mem_bytes: smem,
+                        })
+                }?;
+                return Ok(true);
+            }
+        }
+    }
     if let (true, Some(fs), None) = (q8, &be.matmul.swiglu_n_q8_0, &tc) {
         let ks_i = ks as i32;
         // SAFETY: as below; the lane code's grid and split (gemvq_launch's SwiGLU: one row

@@ -215,6 +215,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row K-split down projection handing the attention norm over (Q4_K, Q8_0) as persistent blocks, each a ring of this many tile buffers refilled as each tile is computed (gemvq_tcknp); 0 one tile a block (MATMUL.md round 56)",
     ),
     (
+        "FERRITE_SWIGLU_PIPE",
+        Accepts::Range(0, 8),
+        "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0); 0 the lane code (MATMUL.md round 57)",
+    ),
+    (
         "FERRITE_QKV_VTC",
         Accepts::OneOf(&[0, 1]),
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",

@@ -2259,6 +2259,75 @@ __device__ __forceinline__ void gemvq_tckp_block(const uint8_t* __restrict__ W, 
 #endif
 }
 
+// The Q8_0 SwiGLU on the handed-over FFN norm as a ring (gemvq_swiglu_tcnp_q8_0_r1; matmul.rs
+// `rms_norm_matmul_swiglu_handed`, FERRITE_SWIGLU_PIPE; MATMUL.md round 57): persistent blocks
+// of eight warps, one per SM, each a ring of nb SwiGLU tiles (8 gate rows in slot 0, their 8
+// up rows in slot 1: gemvq_tc_block's SWIGLU layout, whole rows, so no partial sums) on the
+// Q8_0 tensor-core tile (gemvq_tc_q80 SWIGLU NORM).
+//  Why: the lane code streams Qwen3-8B's 12288 x 4096 gate and up at ~3.46 TB/s (30.9 us a
+//  layer, the step's largest item) and a one-tile block of 70 KB would hold its slot through
+//  copy, compute and exit; a ring keeps nb - 1 tiles in flight while one is computed.
+//  Rows: one bulk copy per row (lanes 0..7 the gate rows, 8..15 the up rows of warp 0), rows
+//  rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb, 34 n_in / 32,
+//  is a multiple of 128 for n_in a multiple of 512). Tiles: 8 outputs each, block b taking
+//  the contiguous range [b tiles / G, (b + 1) tiles / G).
+//  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
+//  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
+template <bool W4>
+__device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                                   long long rb, int n_out, int n_in, int nb,
+                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                                   float* __restrict__ out, const float* __restrict__ pss,
+                                                   float eps, uint8_t* smem, uint64_t* bars) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int NS = 8, PAD = 16;
+    const int tiles = (n_out + NS - 1) / NS;
+    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
+    const long long srs = rb + PAD;
+    const size_t slot = tc_slot(srs, NS);
+    uint8_t* xs = smem + (size_t)nb * 2 * slot;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Warp 0: tile i into buffer b (lane 0 arms the barrier first, then a row a lane).
+    auto issue = [&](int i, int b) {
+        const int r0 = i * NS, nrows = min(NS, n_out - r0);
+        if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
+        __syncwarp();
+        const int m = lane / NS, j = lane % NS;
+        if (lane < 2 * NS && j < nrows) {
+            const uint8_t* src = (m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb;
+            uint8_t* dst = smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs;
+            bulk_g2s_w(bars + b, dst, (size_t)src, (uint32_t)rb);
+        }
+    };
+    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
+    __syncthreads();
+    if (warp == 0)
+        for (int b = 0; b < nb && lo + b < hi; b++) issue(lo + b, b);
+    PDL_ENTRY();
+    __shared__ float sn[1];
+    {
+        TcXStage st;
+        tc_stage_x_load(st, xq, xd, n_in);
+        tc_norm_scale<1>(pss, n_in, 1, eps, sn);
+        tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
+    }
+    const float2* da = (const float2*)(xs + 2 * n_in + 128);
+    for (int i = lo, b = 0, ph = 0; i < hi; i++) {
+        mbar_wait(bars + b, (uint32_t)ph);
+        uint8_t* s0 = smem + (size_t)b * 2 * slot;
+        gemvq_tc_q80<1, true, true, true, W4>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
+                                              n_in + 64, 0, sn);
+        __syncthreads();  // buffer b read by every warp
+        if (warp == 0 && i + nb < hi) issue(i + nb, b);
+        if (++b == nb) {
+            b = 0;
+            ph ^= 1;
+        }
+    }
+#endif
+}
+
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
@@ -2692,6 +2761,18 @@ GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
                                pd, pss);                                                                       \
     }
 #define TCKP_MAX_NB 8  // matmul.rs TCKP_MAX_NB
+// gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one
+// block per SM.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
+    gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
+                              const float2* __restrict__ xd, float* __restrict__ out,
+                              const float* __restrict__ pss, float eps) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bars[TCKP_MAX_NB];
+    if (nb < 1 || nb > TCKP_MAX_NB) __trap();
+    gemvq_swiglu_p_q80<false>(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
+}
 GEMVQ_TCKNP_KERNEL(q4_k, GGML_Q4_K)
 GEMVQ_TCKNP_KERNEL(q8_0, GGML_Q8_0)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
