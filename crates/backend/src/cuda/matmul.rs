@@ -1460,8 +1460,9 @@ struct TcknPipe {
 const TCKP_MAX_NB: usize = 8;
 
 /// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_q8_0_r1`): the
-/// H100 / H200 opt-in limit of a block, 227 KB.
-const PIPE_MAX_SMEM: usize = 227 * 1024;
+/// H100 / H200 opt-in limit of a block, 227 KB, less the kernel's static shared memory
+/// (1.6 KB: the driver refuses a limit whose sum with it passes 227 KB).
+const PIPE_MAX_SMEM: usize = 225 * 1024;
 
 /// Most slices of the K-split tile (the partial-sum scratch is sized for it).
 const TCK_MAX_SPLITS: usize = 8;

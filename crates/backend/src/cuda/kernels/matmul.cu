@@ -2179,8 +2179,10 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  Per item: wait for its buffer (phase u / nb of that buffer's mbarrier), the tile
 //  (gemvq_tc_q4k / gemvq_tc_q80 W4, partials to part[k]), a block barrier (the buffer read),
 //  warp 0 issues the copy of item i + nb into it (lane 0 arms the barrier, lanes < rows copy
-//  one row slice each), then the pair ticket and, in the pair's last block, the sum of its ks
-//  partials and the norm hand-over (add_norm_lane) — gemvq_tck_block's code, so the same bits.
+//  one row slice each). The pair tickets come once, after the block's last item (a ticket a
+//  tile, fence and atomic, stalled the ring: round 56), and a completed pair's last block
+//  sums its ks partials and hands the norm over (add_norm_lane) — gemvq_tck_block's
+//  operations in its order, so the same bits.
 //  Shared memory: nb buffers of two slots laid out for the widest slice, then x's slice.
 //  Grid: (blocks per SM by occupancy) x SMs, at most one block per item (the host's).
 template <int TYPE>
@@ -2195,7 +2197,6 @@ __device__ __forceinline__ void gemvq_tckp_block(const uint8_t* __restrict__ W, 
     constexpr int NS = 8;
     constexpr int SBB = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q8_0_UNIT_BYTES;
     constexpr int PAD = TYPE == GGML_Q8_0 ? 16 : 0;
-    __shared__ unsigned tck_last;
     const int tiles = (n_out + 2 * NS - 1) / (2 * NS), ks = (n_in + kc - 1) / kc, items = tiles * ks;
     const int lo = (int)((long long)blockIdx.x * items / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * items / gridDim.x);
@@ -2246,14 +2247,38 @@ __device__ __forceinline__ void gemvq_tckp_block(const uint8_t* __restrict__ W, 
             b = 0;
             ph ^= 1;
         }
-        const int pair = tile >> 1;
-        tail_ticket(tickets + pair, 1u, 2u * (unsigned)ks, &tck_last);
-        if (tck_last && threadIdx.x < 32) {
-            const int o = pair * 32 + lane;
+    }
+    // The pair tickets, once for all the block's items: lane j of warp 0 takes item lo + j
+    // (+ 32 ...); the first item of each run of one pair adds the run's length to its ticket.
+    // One fence before (the barrier orders every warp's partial stores before it, as
+    // tail_ticket's) and, where any lane's ticket completed, one after; then the warp runs
+    // each completed pair's sum and norm hand-over in turn (gemvq_tck_block's PAIRN tail).
+    __syncthreads();
+    if (warp != 0) return;
+    __threadfence();
+    for (int base = lo; base < hi; base += 32) {
+        const int i = base + lane;
+        int pair = 0;
+        bool last = false;
+        if (i < hi) {
+            pair = (i % tiles) >> 1;
+            if (i == lo || (((i - 1) % tiles) >> 1) != pair) {
+                unsigned cnt = 1;
+                for (int j = i + 1; j < hi && ((j % tiles) >> 1) == pair; j++) cnt++;
+                last = atomicAdd(tickets + pair, cnt) + cnt == 2u * (unsigned)ks;
+            }
+        }
+        unsigned m = __ballot_sync(0xffffffffu, last);
+        if (m) __threadfence();
+        __syncwarp();
+        while (m) {
+            const int p = __shfl_sync(0xffffffffu, pair, __ffs(m) - 1);
+            m &= m - 1;
+            const int o = p * 32 + lane;
             float v = 0.0f;
             tck_sum(v, part + o, (size_t)n_out, ks);
-            add_norm_lane(xres + o, v, nw[o], lane, pq, n_out, o, pd + pair, pss + pair);
-            if (lane == 0) tickets[pair] = 0;
+            add_norm_lane(xres + o, v, nw[o], lane, pq, n_out, o, pd + p, pss + p);
+            if (lane == 0) tickets[p] = 0;
         }
     }
 #endif
