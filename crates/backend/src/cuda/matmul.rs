@@ -144,14 +144,11 @@ pub struct Kernels {
     /// the Q8_0 K-split tile (`FERRITE_GEMV_TCK_Q8=0`) or `FERRITE_NORM_QKV=0`; with whether
     /// it is the four-warp one.
     tckn_q8: Option<(CudaFunction, bool)>,
-    /// `gemvq_tcknp_q4_k_r1`, `gemvq_tcknp_q8_0_r1` (MATMUL.md round 56; `FERRITE_TCK_PIPE`):
-    /// the pair-ticket producers as persistent four-warp blocks with a ring of `nb` tile
-    /// buffers each, in place of `tckn_w4` / `tckn_q8`; None: one tile a block.
-    tckn_pipe: Option<TcknPipe>,
-    /// `gemvq_swiglu_tcnp_q8_0_r1` (MATMUL.md round 57; `FERRITE_SWIGLU_PIPE`): the one-row
-    /// Q8_0 SwiGLU on the handed-over norm as a ring of that many tiles per persistent block;
-    /// None: the lane code.
-    swiglu_pipe: Option<(CudaFunction, usize)>,
+    /// `gemvq_swiglu_tcnp_q8_0_r1`, `gemvq_swiglu_tcnp_q4_k_r1` (MATMUL.md round 57;
+    /// `FERRITE_SWIGLU_PIPE`): the one-row Q8_0 / Q4_K SwiGLU on the handed-over norm as a
+    /// ring of that many tiles per persistent block; None: Q8_0's lane code, Q4_K's one-tile
+    /// blocks.
+    swiglu_pipe: [Option<(CudaFunction, usize)>; 2],
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -475,27 +472,23 @@ impl Kernels {
         } else {
             None
         };
-        // FERRITE_TCK_PIPE=nb: the pair-ticket producers as rings of nb tiles (round 56).
-        let pipe_nb = usize::try_from(switches::int_or("FERRITE_TCK_PIPE", 0))?;
-        let tckn_pipe = if tckn.is_some() && tck_w4_on >= 1 && pipe_nb >= 1 {
-            Some(TcknPipe {
-                q4k: function_smem(&m, "gemvq_tcknp_q4_k_r1", GEMVQ_BULK_MAX_SMEM)?,
-                q80: function_smem(&m, "gemvq_tcknp_q8_0_r1", GEMVQ_BULK_MAX_SMEM)?,
-                nb: pipe_nb.min(TCKP_MAX_NB),
-            })
-        } else {
-            None
+        // FERRITE_SWIGLU_PIPE=q8,q4: the one-row SwiGLU rings' tiles, Q8_0's and Q4_K's (round
+        // 57; 0: off).
+        let swiglu_nb = switches::get("FERRITE_SWIGLU_PIPE")?
+            .map_or(SWIGLU_PIPE_NB, |v| [v[0] as usize, v[1] as usize]);
+        let ring = |on: bool, nb: usize, name: &str| -> Result<Option<(CudaFunction, usize)>> {
+            (on && gemvq_tc.is_some() && nb >= 1)
+                .then(|| Ok((function_smem(&m, name, PIPE_MAX_SMEM)?, nb.min(PIPE_MAX_NB))))
+                .transpose()
         };
-        // FERRITE_SWIGLU_PIPE=nb: the one-row Q8_0 SwiGLU ring (round 57).
-        let swiglu_nb = usize::try_from(switches::int_or("FERRITE_SWIGLU_PIPE", 0))?;
-        let swiglu_pipe = if swiglu_n_q8_0.is_some() && gemvq_tc.is_some() && swiglu_nb >= 1 {
-            Some((
-                function_smem(&m, "gemvq_swiglu_tcnp_q8_0_r1", PIPE_MAX_SMEM)?,
-                swiglu_nb.min(TCKP_MAX_NB),
-            ))
-        } else {
-            None
-        };
+        let swiglu_pipe = [
+            ring(
+                swiglu_n_q8_0.is_some(),
+                swiglu_nb[0],
+                "gemvq_swiglu_tcnp_q8_0_r1",
+            )?,
+            ring(tc2.is_some(), swiglu_nb[1], "gemvq_swiglu_tcnp_q4_k_r1")?,
+        ];
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -585,7 +578,6 @@ impl Kernels {
             tck_w4,
             tckn_w4,
             tckn_q8,
-            tckn_pipe,
             swiglu_pipe,
             qkv_vtc,
             gemvq_tc_long,
@@ -1448,18 +1440,14 @@ const TCK_Q8_MIN_COLS: usize = 8192;
 /// and x are ~125 KB, over [`GEMVQ_BULK_MAX_SMEM`]).
 const TCK_MAX_COLS: usize = 4096;
 
-/// The ring form of the pair-ticket producers (`gemvq_tcknp_<type>_r1`, `FERRITE_TCK_PIPE`).
-struct TcknPipe {
-    q4k: CudaFunction,
-    q80: CudaFunction,
-    /// Tile buffers a block's ring holds (fewer where they would not fit its shared memory).
-    nb: usize,
-}
+/// Most tile buffers of a ring (`gemvq_swiglu_tcnp_<type>_r1`; `PIPE_MAX_NB` in matmul.cu: its
+/// mbarriers).
+const PIPE_MAX_NB: usize = 8;
 
-/// Most tile buffers of a `gemvq_tcknp` ring (`TCKP_MAX_NB` in matmul.cu: its mbarriers).
-const TCKP_MAX_NB: usize = 8;
+/// Tiles of the one-row SwiGLU rings, Q8_0's and Q4_K's (`FERRITE_SWIGLU_PIPE`; 0: off).
+const SWIGLU_PIPE_NB: [usize; 2] = [0, 0];
 
-/// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_q8_0_r1`): the
+/// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_<type>_r1`): the
 /// H100 / H200 opt-in limit of a block, 227 KB, less the kernel's static shared memory
 /// (1.6 KB: the driver refuses a limit whose sum with it passes 227 KB).
 const PIPE_MAX_SMEM: usize = 225 * 1024;
@@ -2818,9 +2806,6 @@ fn tckn_launch(
     let (f, w4) = tckn_kernel(be, w.dtype)
         .ok_or_else(|| anyhow!("matmul_add_for_norm: no pair-ticket kernel"))?;
     let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
-    if let Some(pp) = be.matmul.tckn_pipe.as_ref() {
-        return tcknp_launch(be, pp, xq, w, out, nw, p, (ks, kc));
-    }
     ensure!(
         rb % 16 == 0 && n_out.is_multiple_of(32),
         "matmul_add_for_norm: K-split tile on rows not of 16-byte units"
@@ -2853,81 +2838,6 @@ fn tckn_launch(
             .arg(&xqs)
             .arg(&xd)
             .arg(&kc_i)
-            .arg(&sc.part)
-            .arg(&sc.tickets)
-            .arg(&mut out.buf)
-            .arg(nw)
-            .arg(&mut p.q)
-            .arg(&mut p.d)
-            .arg(&mut p.ss)
-            .launch(cfg)
-    }?;
-    Ok(())
-}
-
-/// [`tckn_launch`] in the ring form (`gemvq_tcknp_<type>_r1`, MATMUL.md round 56): persistent
-/// four-warp blocks, as many as fit at once (occupancy × SMs, at most one per tile), each a
-/// ring of `nb` tile buffers of the widest slice (fewer where `nb` would pass
-/// [`GEMVQ_BULK_MAX_SMEM`]) and x's slice.
-#[allow(clippy::too_many_arguments)]
-fn tcknp_launch(
-    be: &CudaBackend,
-    pp: &TcknPipe,
-    xq: &XQuant,
-    w: &CudaWeight,
-    out: &mut Act<CudaSlice<f32>>,
-    nw: &cudarc::driver::CudaView<'_, f32>,
-    p: &mut NormPlanes,
-    (ks, kc): (usize, usize),
-) -> Result<()> {
-    let f = match w.dtype {
-        GgmlType::Q4K => &pp.q4k,
-        GgmlType::Q8_0 => &pp.q80,
-        t => bail!("matmul_add_for_norm: no ring pair-ticket kernel for {t:?}"),
-    };
-    let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
-    ensure!(
-        rb % 16 == 0 && n_out.is_multiple_of(32) && kc.is_multiple_of(256),
-        "matmul_add_for_norm: K-split tile on rows not of 16-byte units"
-    );
-    let slice_rb = rb / (n_in / 256) * (kc / 256) + tck_row_pad(w.dtype);
-    let buf = tc_smem(slice_rb, 8) as usize;
-    let x = tc_x_bytes(kc) as usize;
-    let nb = pp.nb.min((GEMVQ_BULK_MAX_SMEM - x) / buf).max(1);
-    let smem = u32::try_from(nb * buf + x)?;
-    let threads = tc_block_dim(true).0;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-        .context("matmul_add_for_norm: the ring kernel's occupancy")?
-        .max(1) as usize;
-    let items = n_out / 16 * ks;
-    let blocks = items.min(per_sm * be.sm_count.max(1));
-    let tck = lock_tck(be, n_out)?;
-    let sc = tck
-        .as_ref()
-        .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
-    let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(blocks)?, 1, 1),
-        block_dim: tc_block_dim(true),
-        shared_mem_bytes: smem,
-    };
-    let (rb_i, n_out_i, n_in_i, kc_i, nb_i) =
-        (rb as i64, n_out as i32, n_in as i32, kc as i32, nb as i32);
-    let xd = xq.d.slice(..n_in / 32 * 2);
-    let xqs = xq.q.slice(..2 * n_in);
-    // SAFETY: as tckn_launch's (the same buffers and bounds); the ring's shared memory is the
-    // nb buffers and x's slice that gemvq_tckp_block lays out, nb ≤ TCKP_MAX_NB.
-    unsafe {
-        be.stream
-            .kernel(f)
-            .arg(&w.data)
-            .arg(&rb_i)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(&xqs)
-            .arg(&xd)
-            .arg(&kc_i)
-            .arg(&nb_i)
             .arg(&sc.part)
             .arg(&sc.tickets)
             .arg(&mut out.buf)
@@ -2995,45 +2905,50 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
-    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
-        // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots.
-        if rb.is_multiple_of(16) && n_in.is_multiple_of(256) {
-            let buf = tc_smem(rb + 16, 8) as usize;
-            let x = tc_x_bytes(n_in) as usize;
-            if buf + x <= PIPE_MAX_SMEM {
-                let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
-                let smem = u32::try_from(nb * buf + x)?;
-                let threads = tc_block_dim(false).0;
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-                    .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
-                    .max(1) as usize;
-                let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-                let nb_i = nb as i32;
-                // SAFETY: as below (the same buffers); the ring's shared memory is the nb
-                // buffers and x that gemvq_swiglu_p_q80 lays out, nb ≤ TCKP_MAX_NB.
-                unsafe {
-                    be.stream
-                        .kernel(f)
-                        .arg(&gate.data)
-                        .arg(&up.data)
-                        .arg(&rb_i)
-                        .arg(&n_out_i)
-                        .arg(&n_in_i)
-                        .arg(&nb_i)
-                        .arg(&xqs)
-                        .arg(&xd)
-                        .arg(&mut out.buf)
-                        .arg(&ss)
-                        .arg(&eps)
-                        .launch(LaunchConfig {
-                            grid_dim: (u32::try_from(blocks)?, 1, 1),
-                            block_dim: tc_block_dim(false),
-                            shared_mem_bytes: smem,
-                        })
-                }?;
-                return Ok(true);
-            }
+    let ring = match gate.dtype {
+        GgmlType::Q8_0 if q8 => be.matmul.swiglu_pipe[0].as_ref(),
+        GgmlType::Q4K => be.matmul.swiglu_pipe[1].as_ref(),
+        _ => None,
+    };
+    if let (1, Some((f, nb))) = (rows, ring) {
+        // The ring (gemvq_swiglu_tcnp_<type>_r1): whole rows of 16-byte units in the slots,
+        // Q8_0's 16 bytes apart beyond their length.
+        let pad = if gate.dtype == GgmlType::Q8_0 { 16 } else { 0 };
+        let buf = tc_smem(rb + pad, 8) as usize;
+        let x = tc_x_bytes(n_in) as usize;
+        if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
+            let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
+            let smem = u32::try_from(nb * buf + x)?;
+            let threads = tc_block_dim(false).0;
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
+                .max(1) as usize;
+            let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
+            let nb_i = nb as i32;
+            // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
+            // and x that gemvq_swiglu_p_block lays out, nb ≤ PIPE_MAX_NB.
+            unsafe {
+                be.stream
+                    .kernel(f)
+                    .arg(&gate.data)
+                    .arg(&up.data)
+                    .arg(&rb_i)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&nb_i)
+                    .arg(&xqs)
+                    .arg(&xd)
+                    .arg(&mut out.buf)
+                    .arg(&ss)
+                    .arg(&eps)
+                    .launch(LaunchConfig {
+                        grid_dim: (u32::try_from(blocks)?, 1, 1),
+                        block_dim: tc_block_dim(false),
+                        shared_mem_bytes: smem,
+                    })
+            }?;
+            return Ok(true);
         }
     }
     if let (true, Some(fs), None) = (q8, &be.matmul.swiglu_n_q8_0, &tc) {

@@ -210,14 +210,9 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",
     ),
     (
-        "FERRITE_TCK_PIPE",
-        Accepts::Range(0, 8),
-        "the one-row K-split down projection handing the attention norm over (Q4_K, Q8_0) as persistent blocks, each a ring of this many tile buffers refilled as each tile is computed (gemvq_tcknp); 0 one tile a block (MATMUL.md round 56)",
-    ),
-    (
         "FERRITE_SWIGLU_PIPE",
-        Accepts::Range(0, 8),
-        "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0); 0 the lane code (MATMUL.md round 57)",
+        Accepts::List(2),
+        "the one-row SwiGLU on the handed-over FFN norm, Q8_0 and Q4_K, on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp; at most 8); 0 Q8_0's lane code, Q4_K's one-tile blocks (MATMUL.md round 57)",
     ),
     (
         "FERRITE_QKV_VTC",

@@ -2162,150 +2162,32 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 #endif
 }
 
-// The pair-ticket K-split tile as a ring (gemvq_tcknp_<type>_r1; matmul.rs `tckn_launch`,
-// FERRITE_TCK_PIPE; MATMUL.md round 56): the work of gemvq_tck_block's PAIRN form (one x row,
-// W4 tiles, items (tile, k): a 16 x kn tile of slice k) taken by persistent blocks, each owning
-// a ring of nb tile buffers instead of one tile.
-//  Why: a one-tile block holds its slot through copy, compute, partial stores and ticket, and
-//  the down's 1,536 Q8_0 tiles (Qwen3-8B) run as ~two waves of ~800 slots: at each wave's end
-//  the slots stop streaming while the blocks compute, store, draw tickets and are replaced —
-//  ~2.9 TB/s against the lane code's 3.3 (DECODE_STEP.md, 20th session). Here a block refills
-//  a buffer as soon as its tile is computed, before its partial stores and ticket, so nb - 1
-//  of its copies stay in flight through them.
-//  Items: k-major (item i = tile i % tiles of slice i / tiles), block b taking the contiguous
-//  range [b items / G, (b + 1) items / G) — so a block's x slice changes at most once or twice
-//  (staged in shared memory as gemvq_tck_block stages it, again where k changes) and a pair's
-//  two tiles of one slice are mostly one block's.
-//  Per item: wait for its buffer (phase u / nb of that buffer's mbarrier), the tile
-//  (gemvq_tc_q4k / gemvq_tc_q80 W4, partials to part[k]), a block barrier (the buffer read),
-//  warp 0 issues the copy of item i + nb into it (lane 0 arms the barrier, lanes < rows copy
-//  one row slice each). The pair tickets come once, after the block's last item (a ticket a
-//  tile, fence and atomic, stalled the ring: round 56), and a completed pair's last block
-//  sums its ks partials and hands the norm over (add_norm_lane) — gemvq_tck_block's
-//  operations in its order, so the same bits.
-//  Shared memory: nb buffers of two slots laid out for the widest slice, then x's slice.
-//  Grid: (blocks per SM by occupancy) x SMs, at most one block per item (the host's).
-template <int TYPE>
-__device__ __forceinline__ void gemvq_tckp_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                                                 int kc, int nb, const int8_t* __restrict__ xq,
-                                                 const float2* __restrict__ xd, float* __restrict__ part,
-                                                 unsigned* __restrict__ tickets, uint8_t* smem, uint64_t* bars,
-                                                 float* __restrict__ xres, const float* __restrict__ nw,
-                                                 int8_t* __restrict__ pq, float2* __restrict__ pd,
-                                                 float* __restrict__ pss) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8;
-    constexpr int SBB = TYPE == GGML_Q4_K ? Q4_K_BYTES : Q8_0_UNIT_BYTES;
-    constexpr int PAD = TYPE == GGML_Q8_0 ? 16 : 0;
-    const int tiles = (n_out + 2 * NS - 1) / (2 * NS), ks = (n_in + kc - 1) / kc, items = tiles * ks;
-    const int lo = (int)((long long)blockIdx.x * items / gridDim.x);
-    const int hi = (int)((long long)(blockIdx.x + 1) * items / gridDim.x);
-    const size_t slot = tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);  // the widest slice's
-    uint8_t* xs = smem + (size_t)nb * 2 * slot;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Warp 0: item i's tile into buffer b (lane 0 arms its barrier first: program order in
-    // the warp, then the lanes' copies).
-    auto issue = [&](int i, int b) {
-        const int r0 = (i % tiles) * 2 * NS, k0 = (i / tiles) * kc, kn = min(kc, n_in - k0);
-        const int nrows = min(2 * NS, n_out - r0);
-        const long long srb = (long long)(kn / QK_K) * SBB, srs = srb + PAD;
-        if (lane == 0) mbar_expect(bars + b, (uint32_t)(nrows * srb));
-        __syncwarp();
-        if (lane < nrows) {
-            const uint8_t* src = W + (size_t)(r0 + lane) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
-            uint8_t* dst = smem + (size_t)b * 2 * slot + (size_t)(lane / NS) * slot + (size_t)(lane % NS) * (size_t)srs;
-            bulk_g2s_w(bars + b, dst, (size_t)src, (uint32_t)srb);
-        }
-    };
-    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
-    __syncthreads();
-    if (warp == 0)
-        for (int b = 0; b < nb && lo + b < hi; b++) issue(lo + b, b);
-    PDL_ENTRY();
-    int xk = -1;
-    for (int i = lo, b = 0, ph = 0; i < hi; i++) {
-        const int tile = i % tiles, k = i / tiles;
-        const int r0 = tile * 2 * NS, k0 = k * kc, kn = min(kc, n_in - k0);
-        const long long srs = (long long)(kn / QK_K) * SBB + PAD;
-        if (k != xk) {  // every thread the same k; the barrier after the last tile freed xs
-            tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
-            xk = k;
-        }
-        mbar_wait(bars + b, (uint32_t)ph);
-        uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        float* po = part + (size_t)k * (size_t)n_out;
-        const float2* da = (const float2*)(xs + 2 * kn + 128);
-        if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<1, false, true, false, false, false, true>(s0, s0 + slot, srs, n_out, kn,
-                                                                    (const int8_t*)xs, da, 1, po, r0, kn + 64, kn);
-        else
-            gemvq_tc_q80<1, false, true, false, true>(s0, s0 + slot, srs, n_out, kn, (const int8_t*)xs, da, 1, po,
-                                                      r0, kn + 64, kn);
-        __syncthreads();  // buffer b (and xs) read by every warp
-        if (warp == 0 && i + nb < hi) issue(i + nb, b);
-        if (++b == nb) {
-            b = 0;
-            ph ^= 1;
-        }
-    }
-    // The pair tickets, once for all the block's items: lane j of warp 0 takes item lo + j
-    // (+ 32 ...); the first item of each run of one pair adds the run's length to its ticket.
-    // One fence before (the barrier orders every warp's partial stores before it, as
-    // tail_ticket's) and, where any lane's ticket completed, one after; then the warp runs
-    // each completed pair's sum and norm hand-over in turn (gemvq_tck_block's PAIRN tail).
-    __syncthreads();
-    if (warp != 0) return;
-    __threadfence();
-    for (int base = lo; base < hi; base += 32) {
-        const int i = base + lane;
-        int pair = 0;
-        bool last = false;
-        if (i < hi) {
-            pair = (i % tiles) >> 1;
-            if (i == lo || (((i - 1) % tiles) >> 1) != pair) {
-                unsigned cnt = 1;
-                for (int j = i + 1; j < hi && ((j % tiles) >> 1) == pair; j++) cnt++;
-                last = atomicAdd(tickets + pair, cnt) + cnt == 2u * (unsigned)ks;
-            }
-        }
-        unsigned m = __ballot_sync(0xffffffffu, last);
-        if (m) __threadfence();
-        __syncwarp();
-        while (m) {
-            const int p = __shfl_sync(0xffffffffu, pair, __ffs(m) - 1);
-            m &= m - 1;
-            const int o = p * 32 + lane;
-            float v = 0.0f;
-            tck_sum(v, part + o, (size_t)n_out, ks);
-            add_norm_lane(xres + o, v, nw[o], lane, pq, n_out, o, pd + p, pss + p);
-            if (lane == 0) tickets[p] = 0;
-        }
-    }
-#endif
-}
-
-// The Q8_0 SwiGLU on the handed-over FFN norm as a ring (gemvq_swiglu_tcnp_q8_0_r1; matmul.rs
-// `rms_norm_matmul_swiglu_handed`, FERRITE_SWIGLU_PIPE; MATMUL.md round 57): persistent blocks
-// of eight warps, one per SM, each a ring of nb SwiGLU tiles (8 gate rows in slot 0, their 8
-// up rows in slot 1: gemvq_tc_block's SWIGLU layout, whole rows, so no partial sums) on the
-// Q8_0 tensor-core tile (gemvq_tc_q80 SWIGLU NORM).
-//  Why: the lane code streams Qwen3-8B's 12288 x 4096 gate and up at ~3.46 TB/s (30.9 us a
-//  layer, the step's largest item) and a one-tile block of 70 KB would hold its slot through
-//  copy, compute and exit; a ring keeps nb - 1 tiles in flight while one is computed.
-//  Rows: one bulk copy per row (lanes 0..7 the gate rows, 8..15 the up rows of warp 0), rows
-//  rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb, 34 n_in / 32,
-//  is a multiple of 128 for n_in a multiple of 512). Tiles: 8 outputs each, block b taking
-//  the contiguous range [b tiles / G, (b + 1) tiles / G).
+// The one-row SwiGLU on the handed-over FFN norm as a ring (gemvq_swiglu_tcnp_<type>_r1;
+// matmul.rs `rms_norm_matmul_swiglu_handed`, FERRITE_SWIGLU_PIPE; MATMUL.md round 57):
+// persistent blocks of eight warps, one per SM, each a ring of nb SwiGLU tiles (8 gate rows in
+// slot 0, their 8 up rows in slot 1: gemvq_tc_block's SWIGLU layout, whole rows, so no partial
+// sums) on the tensor-core tile (gemvq_tc_q80 / gemvq_tc_q4k SWIGLU NORM).
+//  Why: Qwen3-8B Q8_0's lane code streams the 12288 x 4096 gate and up at ~3.46 TB/s (30.9 us
+//  a layer, the step's largest item), and a one-tile block of its 70 KB tile would hold its
+//  slot through copy, compute and exit; a ring keeps nb - 1 tiles in flight while one is
+//  computed. (A ring of the K-split down's tiles did not gain: round 56.)
+//  Rows: Q8_0 one bulk copy per row (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows),
+//  rows rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb =
+//  34 n_in / 32 is a multiple of 128 for n_in a multiple of 512); Q4_K rows rb apart as
+//  gemvq_tc_block lays them (lanes 0 and 1 copy the 8 gate rows and the 8 up rows, one span
+//  each; rb a multiple of 16). Tiles: 8 outputs each, block b taking the contiguous range
+//  [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
-//  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
-template <bool W4>
-__device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                   long long rb, int n_out, int n_in, int nb,
-                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                                   float* __restrict__ out, const float* __restrict__ pss,
-                                                   float eps, uint8_t* smem, uint64_t* bars) {
+//  (tc_norm_scale), as gemvq_tc_block's NORM does; each tile is that kernel's tile, so the
+//  same bits. Shared memory: nb buffers, then x.
+template <int TYPE>
+__device__ __forceinline__ void gemvq_swiglu_p_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                                     long long rb, int n_out, int n_in, int nb,
+                                                     const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                                     float* __restrict__ out, const float* __restrict__ pss,
+                                                     float eps, uint8_t* smem, uint64_t* bars) {
 #if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8, PAD = 16;
+    constexpr int NS = 8, PAD = TYPE == GGML_Q8_0 ? 16 : 0;
     const int tiles = (n_out + NS - 1) / NS;
     const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
@@ -2313,16 +2195,20 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     const size_t slot = tc_slot(srs, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Warp 0: tile i into buffer b (lane 0 arms the barrier first, then a row a lane).
+    // Warp 0: tile i into buffer b (lane 0 arms the barrier first).
     auto issue = [&](int i, int b) {
         const int r0 = i * NS, nrows = min(NS, n_out - r0);
         if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
         __syncwarp();
-        const int m = lane / NS, j = lane % NS;
-        if (lane < 2 * NS && j < nrows) {
-            const uint8_t* src = (m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb;
-            uint8_t* dst = smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs;
-            bulk_g2s_w(bars + b, dst, (size_t)src, (uint32_t)rb);
+        uint8_t* buf = smem + (size_t)b * 2 * slot;
+        if (PAD) {
+            const int m = lane / NS, j = lane % NS;
+            if (lane < 2 * NS && j < nrows)
+                bulk_g2s_w(bars + b, buf + (size_t)m * slot + (size_t)j * (size_t)srs,
+                           (size_t)((m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb), (uint32_t)rb);
+        } else if (lane < 2) {
+            bulk_g2s_w(bars + b, buf + (size_t)lane * slot, (size_t)((lane ? W2 : W) + (size_t)r0 * (size_t)rb),
+                       (uint32_t)(nrows * rb));
         }
     };
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
@@ -2337,12 +2223,17 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         tc_norm_scale<1>(pss, n_in, 1, eps, sn);
         tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
     }
+    const int8_t* xa = (const int8_t*)xs;
     const float2* da = (const float2*)(xs + 2 * n_in + 128);
     for (int i = lo, b = 0, ph = 0; i < hi; i++) {
         mbar_wait(bars + b, (uint32_t)ph);
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        gemvq_tc_q80<1, true, true, true, W4>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
-                                              n_in + 64, 0, sn);
+        if (TYPE == GGML_Q4_K)
+            gemvq_tc_q4k<1, true, true, false, true>(s0, s0 + slot, srs, n_out, n_in, xa, da, 1, out, i * NS,
+                                                     n_in + 64, 0, sn);
+        else
+            gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, xa, da, 1, out, i * NS, n_in + 64, 0,
+                                              sn);
         __syncthreads();  // buffer b read by every warp
         if (warp == 0 && i + nb < hi) issue(i + nb, b);
         if (++b == nb) {
@@ -2770,36 +2661,22 @@ GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
 GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
 GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
-// gemvq_tcknp_<type>_r1: the pair-ticket producers as a ring of nb tiles per persistent block
-// (gemvq_tckp_block; FERRITE_TCK_PIPE), four warps; two blocks per SM at the host's nb.
-#define GEMVQ_TCKNP_KERNEL(name, TYPE)                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 2)                                      \
-        gemvq_tcknp_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,            \
-                                const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc, int nb, \
-                                float* __restrict__ part, unsigned* __restrict__ tickets,                     \
-                                float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq,  \
-                                float2* __restrict__ pd, float* __restrict__ pss) {                           \
+#define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
+// gemvq_swiglu_tcnp_<type>_r1: the SwiGLU rings (gemvq_swiglu_p_block), eight warps, one block
+// per SM.
+#define GEMVQ_SWIGLU_TCNP_KERNEL(name, TYPE)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)                                          \
+        gemvq_swiglu_tcnp_##name##_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,          \
+                                      long long rb, int n_out, int n_in, int nb, const int8_t* __restrict__ xq, \
+                                      const float2* __restrict__ xd, float* __restrict__ out,                 \
+                                      const float* __restrict__ pss, float eps) {                             \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                                  \
-        __shared__ __align__(8) uint64_t bars[TCKP_MAX_NB];                                                    \
-        if (nb < 1 || nb > TCKP_MAX_NB) __trap();                                                              \
-        gemvq_tckp_block<TYPE>(W_, rb, n_out, n_in, kc, nb, xq, xd, part, tickets, gemv_smem, bars, x, nw, pq, \
-                               pd, pss);                                                                       \
+        __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];                                                    \
+        if (nb < 1 || nb > PIPE_MAX_NB) __trap();                                                              \
+        gemvq_swiglu_p_block<TYPE>(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);        \
     }
-#define TCKP_MAX_NB 8  // matmul.rs TCKP_MAX_NB
-// gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one
-// block per SM.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
-    gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
-                              const float2* __restrict__ xd, float* __restrict__ out,
-                              const float* __restrict__ pss, float eps) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t bars[TCKP_MAX_NB];
-    if (nb < 1 || nb > TCKP_MAX_NB) __trap();
-    gemvq_swiglu_p_q80<false>(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
-}
-GEMVQ_TCKNP_KERNEL(q4_k, GGML_Q4_K)
-GEMVQ_TCKNP_KERNEL(q8_0, GGML_Q8_0)
+GEMVQ_SWIGLU_TCNP_KERNEL(q8_0, GGML_Q8_0)
+GEMVQ_SWIGLU_TCNP_KERNEL(q4_k, GGML_Q4_K)
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
