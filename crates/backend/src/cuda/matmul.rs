@@ -144,11 +144,10 @@ pub struct Kernels {
     /// the Q8_0 K-split tile (`FERRITE_GEMV_TCK_Q8=0`) or `FERRITE_NORM_QKV=0`; with whether
     /// it is the four-warp one.
     tckn_q8: Option<(CudaFunction, bool)>,
-    /// `gemvq_swiglu_tcnp_q8_0_r1`, `gemvq_swiglu_tcnp_q4_k_r1` (MATMUL.md round 57;
-    /// `FERRITE_SWIGLU_PIPE`): the one-row Q8_0 / Q4_K SwiGLU on the handed-over norm as a
-    /// ring of that many tiles per persistent block; None: Q8_0's lane code, Q4_K's one-tile
-    /// blocks.
-    swiglu_pipe: [Option<(CudaFunction, usize)>; 2],
+    /// `gemvq_swiglu_tcnp_q8_0_r1` (MATMUL.md round 57; `FERRITE_SWIGLU_PIPE`, on by
+    /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
+    /// tensor-core tiles per persistent block; None: the lane code.
+    swiglu_pipe: Option<(CudaFunction, usize)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -472,23 +471,20 @@ impl Kernels {
         } else {
             None
         };
-        // FERRITE_SWIGLU_PIPE=q8,q4: the one-row SwiGLU rings' tiles, Q8_0's and Q4_K's (round
-        // 57; 0: off).
-        let swiglu_nb = switches::get("FERRITE_SWIGLU_PIPE")?
-            .map_or(SWIGLU_PIPE_NB, |v| [v[0] as usize, v[1] as usize]);
-        let ring = |on: bool, nb: usize, name: &str| -> Result<Option<(CudaFunction, usize)>> {
-            (on && gemvq_tc.is_some() && nb >= 1)
-                .then(|| Ok((function_smem(&m, name, PIPE_MAX_SMEM)?, nb.min(PIPE_MAX_NB))))
-                .transpose()
+        // FERRITE_SWIGLU_PIPE=nb: the one-row Q8_0 SwiGLU ring's tiles (round 57; 0: the lane
+        // code).
+        let swiglu_nb = usize::try_from(switches::int_or(
+            "FERRITE_SWIGLU_PIPE",
+            SWIGLU_PIPE_NB as i64,
+        ))?;
+        let swiglu_pipe = if swiglu_n_q8_0.is_some() && gemvq_tc.is_some() && swiglu_nb >= 1 {
+            Some((
+                function_smem(&m, "gemvq_swiglu_tcnp_q8_0_r1", PIPE_MAX_SMEM)?,
+                swiglu_nb.min(PIPE_MAX_NB),
+            ))
+        } else {
+            None
         };
-        let swiglu_pipe = [
-            ring(
-                swiglu_n_q8_0.is_some(),
-                swiglu_nb[0],
-                "gemvq_swiglu_tcnp_q8_0_r1",
-            )?,
-            ring(tc2.is_some(), swiglu_nb[1], "gemvq_swiglu_tcnp_q4_k_r1")?,
-        ];
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -1440,14 +1436,16 @@ const TCK_Q8_MIN_COLS: usize = 8192;
 /// and x are ~125 KB, over [`GEMVQ_BULK_MAX_SMEM`]).
 const TCK_MAX_COLS: usize = 4096;
 
-/// Most tile buffers of a ring (`gemvq_swiglu_tcnp_<type>_r1`; `PIPE_MAX_NB` in matmul.cu: its
-/// mbarriers).
+/// Most tile buffers of the SwiGLU ring (`gemvq_swiglu_tcnp_q8_0_r1`; `PIPE_MAX_NB` in
+/// matmul.cu: its mbarriers).
 const PIPE_MAX_NB: usize = 8;
 
-/// Tiles of the one-row SwiGLU rings, Q8_0's and Q4_K's (`FERRITE_SWIGLU_PIPE`; 0: off).
-const SWIGLU_PIPE_NB: [usize; 2] = [0, 0];
+/// Tiles of the one-row Q8_0 SwiGLU ring (`FERRITE_SWIGLU_PIPE`; 0: the lane code). Two, 150
+/// KB (MATMUL.md round 57): Qwen3-8B Q8_0 tg128 +3.3%; one and three were no faster than the
+/// lane code.
+const SWIGLU_PIPE_NB: usize = 2;
 
-/// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_<type>_r1`): the
+/// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_q8_0_r1`): the
 /// H100 / H200 opt-in limit of a block, 227 KB, less the kernel's static shared memory
 /// (1.6 KB: the driver refuses a limit whose sum with it passes 227 KB).
 const PIPE_MAX_SMEM: usize = 225 * 1024;
@@ -2905,16 +2903,10 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
-    let ring = match gate.dtype {
-        GgmlType::Q8_0 if q8 => be.matmul.swiglu_pipe[0].as_ref(),
-        GgmlType::Q4K => be.matmul.swiglu_pipe[1].as_ref(),
-        _ => None,
-    };
-    if let (1, Some((f, nb))) = (rows, ring) {
-        // The ring (gemvq_swiglu_tcnp_<type>_r1): whole rows of 16-byte units in the slots,
-        // Q8_0's 16 bytes apart beyond their length.
-        let pad = if gate.dtype == GgmlType::Q8_0 { 16 } else { 0 };
-        let buf = tc_smem(rb + pad, 8) as usize;
+    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
+        // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
+        // bytes apart beyond their length.
+        let buf = tc_smem(rb + 16, 8) as usize;
         let x = tc_x_bytes(n_in) as usize;
         if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
@@ -2927,7 +2919,7 @@ pub fn rms_norm_matmul_swiglu_handed(
             let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
             let nb_i = nb as i32;
             // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
-            // and x that gemvq_swiglu_p_block lays out, nb ≤ PIPE_MAX_NB.
+            // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
             unsafe {
                 be.stream
                     .kernel(f)

@@ -211,8 +211,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_SWIGLU_PIPE",
-        Accepts::List(2),
-        "the one-row SwiGLU on the handed-over FFN norm, Q8_0 and Q4_K, on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp; at most 8); 0 Q8_0's lane code, Q4_K's one-tile blocks (MATMUL.md round 57)",
+        Accepts::Range(0, 8),
+        "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
     ),
     (
         "FERRITE_QKV_VTC",

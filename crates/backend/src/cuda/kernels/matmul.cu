@@ -2162,32 +2162,30 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 #endif
 }
 
-// The one-row SwiGLU on the handed-over FFN norm as a ring (gemvq_swiglu_tcnp_<type>_r1;
+// The one-row Q8_0 SwiGLU on the handed-over FFN norm as a ring (gemvq_swiglu_tcnp_q8_0_r1;
 // matmul.rs `rms_norm_matmul_swiglu_handed`, FERRITE_SWIGLU_PIPE; MATMUL.md round 57):
 // persistent blocks of eight warps, one per SM, each a ring of nb SwiGLU tiles (8 gate rows in
 // slot 0, their 8 up rows in slot 1: gemvq_tc_block's SWIGLU layout, whole rows, so no partial
-// sums) on the tensor-core tile (gemvq_tc_q80 / gemvq_tc_q4k SWIGLU NORM).
-//  Why: Qwen3-8B Q8_0's lane code streams the 12288 x 4096 gate and up at ~3.46 TB/s (30.9 us
-//  a layer, the step's largest item), and a one-tile block of its 70 KB tile would hold its
-//  slot through copy, compute and exit; a ring keeps nb - 1 tiles in flight while one is
-//  computed. (A ring of the K-split down's tiles did not gain: round 56.)
-//  Rows: Q8_0 one bulk copy per row (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows),
-//  rows rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb =
-//  34 n_in / 32 is a multiple of 128 for n_in a multiple of 512); Q4_K rows rb apart as
-//  gemvq_tc_block lays them (lanes 0 and 1 copy the 8 gate rows and the 8 up rows, one span
-//  each; rb a multiple of 16). Tiles: 8 outputs each, block b taking the contiguous range
-//  [b tiles / G, (b + 1) tiles / G).
+// sums) on the Q8_0 tensor-core tile (gemvq_tc_q80 SWIGLU NORM).
+//  Why: the lane code streamed Qwen3-8B's 12288 x 4096 gate and up at ~3.46 TB/s (31.1 us a
+//  layer, the step's largest item), and a one-tile block of the 70 KB tile would hold its slot
+//  through copy, compute and exit; the ring keeps a tile in flight while one is computed:
+//  29.7 us. nb = 2 (150 KB) by measurement: 1 and 3 (220 KB, nothing else fits beside it) were
+//  no faster than the lane code. (The same ring of Q4_K tiles lost to its one-tile blocks, and
+//  a ring of the K-split down's tiles did not gain: rounds 56-57.)
+//  Rows: one bulk copy per row (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows), rows
+//  rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb = 34 n_in / 32
+//  is a multiple of 128 for n_in a multiple of 512). Tiles: 8 outputs each, block b taking the
+//  contiguous range [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
-//  (tc_norm_scale), as gemvq_tc_block's NORM does; each tile is that kernel's tile, so the
-//  same bits. Shared memory: nb buffers, then x.
-template <int TYPE>
-__device__ __forceinline__ void gemvq_swiglu_p_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                     long long rb, int n_out, int n_in, int nb,
-                                                     const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                                     float* __restrict__ out, const float* __restrict__ pss,
-                                                     float eps, uint8_t* smem, uint64_t* bars) {
+//  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
+__device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                                   long long rb, int n_out, int n_in, int nb,
+                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                                   float* __restrict__ out, const float* __restrict__ pss,
+                                                   float eps, uint8_t* smem, uint64_t* bars) {
 #if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8, PAD = TYPE == GGML_Q8_0 ? 16 : 0;
+    constexpr int NS = 8, PAD = 16;
     const int tiles = (n_out + NS - 1) / NS;
     const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
@@ -2195,21 +2193,15 @@ __device__ __forceinline__ void gemvq_swiglu_p_block(const uint8_t* __restrict__
     const size_t slot = tc_slot(srs, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Warp 0: tile i into buffer b (lane 0 arms the barrier first).
+    // Warp 0: tile i into buffer b (lane 0 arms the barrier first: program order in the warp).
     auto issue = [&](int i, int b) {
         const int r0 = i * NS, nrows = min(NS, n_out - r0);
         if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
         __syncwarp();
-        uint8_t* buf = smem + (size_t)b * 2 * slot;
-        if (PAD) {
-            const int m = lane / NS, j = lane % NS;
-            if (lane < 2 * NS && j < nrows)
-                bulk_g2s_w(bars + b, buf + (size_t)m * slot + (size_t)j * (size_t)srs,
-                           (size_t)((m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb), (uint32_t)rb);
-        } else if (lane < 2) {
-            bulk_g2s_w(bars + b, buf + (size_t)lane * slot, (size_t)((lane ? W2 : W) + (size_t)r0 * (size_t)rb),
-                       (uint32_t)(nrows * rb));
-        }
+        const int m = lane / NS, j = lane % NS;
+        if (lane < 2 * NS && j < nrows)
+            bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs,
+                       (size_t)((m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb), (uint32_t)rb);
     };
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
     __syncthreads();
@@ -2223,17 +2215,12 @@ __device__ __forceinline__ void gemvq_swiglu_p_block(const uint8_t* __restrict__
         tc_norm_scale<1>(pss, n_in, 1, eps, sn);
         tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
     }
-    const int8_t* xa = (const int8_t*)xs;
     const float2* da = (const float2*)(xs + 2 * n_in + 128);
     for (int i = lo, b = 0, ph = 0; i < hi; i++) {
         mbar_wait(bars + b, (uint32_t)ph);
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<1, true, true, false, true>(s0, s0 + slot, srs, n_out, n_in, xa, da, 1, out, i * NS,
-                                                     n_in + 64, 0, sn);
-        else
-            gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, xa, da, 1, out, i * NS, n_in + 64, 0,
-                                              sn);
+        gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
+                                          n_in + 64, 0, sn);
         __syncthreads();  // buffer b read by every warp
         if (warp == 0 && i + nb < hi) issue(i + nb, b);
         if (++b == nb) {
@@ -2662,21 +2649,18 @@ GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
 GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 #define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
-// gemvq_swiglu_tcnp_<type>_r1: the SwiGLU rings (gemvq_swiglu_p_block), eight warps, one block
+// gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one block
 // per SM.
-#define GEMVQ_SWIGLU_TCNP_KERNEL(name, TYPE)                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)                                          \
-        gemvq_swiglu_tcnp_##name##_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,          \
-                                      long long rb, int n_out, int n_in, int nb, const int8_t* __restrict__ xq, \
-                                      const float2* __restrict__ xd, float* __restrict__ out,                 \
-                                      const float* __restrict__ pss, float eps) {                             \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                  \
-        __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];                                                    \
-        if (nb < 1 || nb > PIPE_MAX_NB) __trap();                                                              \
-        gemvq_swiglu_p_block<TYPE>(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);        \
-    }
-GEMVQ_SWIGLU_TCNP_KERNEL(q8_0, GGML_Q8_0)
-GEMVQ_SWIGLU_TCNP_KERNEL(q4_k, GGML_Q4_K)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
+    gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
+                              const float2* __restrict__ xd, float* __restrict__ out,
+                              const float* __restrict__ pss, float eps) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
+    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
+    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
+}
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
