@@ -148,6 +148,10 @@ pub struct Kernels {
     /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
     /// tensor-core tiles per persistent block; None: the lane code.
     swiglu_pipe: Option<(CudaFunction, usize)>,
+    /// `gemvq_tckr_q8_0_r1` (MATMUL.md round 58; `FERRITE_TCK_ROWS=nb`): the one-row Q8_0
+    /// down handing the attention norm over as one block per 32-row group streaming its K
+    /// slices through a ring of nb tiles, in place of `tckn_q8`; None: `tckn_q8`.
+    tckr_q8: Option<(CudaFunction, usize)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -485,6 +489,16 @@ impl Kernels {
         } else {
             None
         };
+        // FERRITE_TCK_ROWS=nb: the Q8_0 down's 32-row groups streamed through a ring (round 58).
+        let tckr_nb = usize::try_from(switches::int_or("FERRITE_TCK_ROWS", 0))?;
+        let tckr_q8 = if tckn_q8.is_some() && tckr_nb >= 1 {
+            Some((
+                function_smem(&m, "gemvq_tckr_q8_0_r1", PIPE_MAX_SMEM)?,
+                tckr_nb.min(PIPE_MAX_NB),
+            ))
+        } else {
+            None
+        };
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -575,6 +589,7 @@ impl Kernels {
             tckn_w4,
             tckn_q8,
             swiglu_pipe,
+            tckr_q8,
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -2808,6 +2823,45 @@ fn tckn_launch(
         rb % 16 == 0 && n_out.is_multiple_of(32),
         "matmul_add_for_norm: K-split tile on rows not of 16-byte units"
     );
+    if let (GgmlType::Q8_0, Some((f, nb))) = (w.dtype, be.matmul.tckr_q8.as_ref()) {
+        // gemvq_tckr_q8_0_r1: nb tiles of the widest slice (fewer where they would pass
+        // PIPE_MAX_SMEM) and the whole x.
+        let buf = tc_smem(rb / (n_in / 256) * (kc / 256) + tck_row_pad(w.dtype), 8) as usize;
+        let x = tc_x_bytes(n_in) as usize;
+        if buf + x <= PIPE_MAX_SMEM {
+            let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
+            let (rb_i, n_out_i, n_in_i, kc_i, nb_i) =
+                (rb as i64, n_out as i32, n_in as i32, kc as i32, nb as i32);
+            let xd = xq.d.slice(..n_in / 32 * 2);
+            let xqs = xq.q.slice(..2 * n_in);
+            // SAFETY: as below, without the K-split scratch (each block owns its 32 outputs);
+            // the shared memory is the nb buffers and x that gemvq_tckr_q80 lays out, nb ≤
+            // PIPE_MAX_NB.
+            unsafe {
+                be.stream
+                    .kernel(f)
+                    .arg(&w.data)
+                    .arg(&rb_i)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&xqs)
+                    .arg(&xd)
+                    .arg(&kc_i)
+                    .arg(&nb_i)
+                    .arg(&mut out.buf)
+                    .arg(nw)
+                    .arg(&mut p.q)
+                    .arg(&mut p.d)
+                    .arg(&mut p.ss)
+                    .launch(LaunchConfig {
+                        grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
+                        block_dim: tc_block_dim(false),
+                        shared_mem_bytes: u32::try_from(nb * buf + x)?,
+                    })
+            }?;
+            return Ok(());
+        }
+    }
     let tck = lock_tck(be, n_out)?;
     let sc = tck
         .as_ref()

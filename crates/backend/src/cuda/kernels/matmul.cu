@@ -1704,11 +1704,15 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 // warp (the Q4_K tile's lifetime moves 1,152).
 // W4: as gemvq_tc_q4k's (four warps, the eight-warp kernel's partials in its order).
 #define Q8_0_UNIT_BYTES (8 * Q8_0_BYTES)
-template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false>
+// ACC (eight warps, no SWIGLU): no store; the sums continue from and return to accio (the
+// caller's accumulators of this thread: a tile streamed in K slices, gemvq_tckr_block).
+template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false, bool ACC = false>
 __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr) {
+                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr,
+                                             float (*accio)[2] = nullptr) {
+    static_assert(!ACC || (!W4 && !SWIGLU), "gemvq_tc_q80: ACC is the eight-warp plain tile's");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1, j = t >> 1;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1726,6 +1730,10 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     float acc[R][2], acc2[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
+    if constexpr (ACC) {
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r][0] = accio[r][0], acc[r][1] = accio[r][1];
+    }
     constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' unit stride
     int nsw = 0;  // W4: units taken (which set acc is)
     for (int sb = warp; sb < nsb; sb += WS) {
@@ -1773,6 +1781,11 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     }
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
+    }
+    if constexpr (ACC) {
+#pragma unroll
+        for (int r = 0; r < R; r++) accio[r][0] = acc[r][0], accio[r][1] = acc[r][1];
+        return;
     }
     tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
 }
@@ -2231,6 +2244,88 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
 #endif
 }
 
+// The Q8_0 down projection handing the next layer's attention norm over, one block per 32-row
+// group streaming its rows' K slices through a ring (gemvq_tckr_q8_0_r1; matmul.rs
+// `tckn_launch`, FERRITE_TCK_ROWS; MATMUL.md round 58).
+//  Why: the K-split tile (gemvq_tck_block) moves Qwen3-8B's Q8_0 down at ~2.9 TB/s whether
+//  its tiles are one a block or a ring a block (round 56); what both pay per tile is the
+//  partial sums' stores, the pair ticket and the last block's partial loads. Here block p owns
+//  rows 32 p .. 32 p + 31 — two tiles — over every column, so its sums never leave the
+//  registers: the items (tile t, slice k), t fastest, pass through a ring of nb tile buffers
+//  (each the 16 x kc tile of gemvq_tck_block's layout, rows 16 bytes apart beyond their
+//  length), every warp adding its units of each slice to the tile's accumulators
+//  (gemvq_tc_q80 ACC), and the block ends with the two tiles' sums (tc_store's order) and warp
+//  0's add_norm_lane on the group: the residual, the planes of x ⊙ n and the group's Σ x² for
+//  the NORM Q, K, V launch. No partials, no tickets. (The sums run over the slices in one
+//  accumulator, not per slice then added: not the K-split kernel's bits.)
+//  x: the whole row staged once after the PDL wait (2 n_in + 128 + n_in / 4 bytes).
+//  Grid: n_out / 32 blocks of eight warps (128 on Qwen3-8B: one an SM).
+__device__ __forceinline__ void gemvq_tckr_q80(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                               int kc, int nb, const int8_t* __restrict__ xq,
+                                               const float2* __restrict__ xd, uint8_t* smem, uint64_t* bars,
+                                               float* __restrict__ xres, const float* __restrict__ nw,
+                                               int8_t* __restrict__ pq, float2* __restrict__ pd,
+                                               float* __restrict__ pss) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int NS = 8, SBB = Q8_0_UNIT_BYTES, PAD = 16;
+    __shared__ float sums[32];
+    const int pair = blockIdx.x, r0 = pair * 32;
+    const int ks = (n_in + kc - 1) / kc, items = 2 * ks;
+    const size_t slot = tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);  // the widest slice's
+    uint8_t* xs = smem + (size_t)nb * 2 * slot;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Warp 0: item j (tile j % 2 of the group, slice j / 2) into buffer b (lane 0 arms the
+    // barrier first: program order in the warp; then a row slice a lane).
+    auto issue = [&](int j, int b) {
+        const int rt = r0 + 16 * (j & 1), k0 = (j >> 1) * kc, kn = min(kc, n_in - k0);
+        const int nrows = min(2 * NS, n_out - rt);
+        const long long srb = (long long)(kn / QK_K) * SBB, srs = srb + PAD;
+        if (lane == 0) mbar_expect(bars + b, (uint32_t)(nrows * srb));
+        __syncwarp();
+        if (lane < nrows)
+            bulk_g2s_w(bars + b,
+                       smem + (size_t)b * 2 * slot + (size_t)(lane / NS) * slot + (size_t)(lane % NS) * (size_t)srs,
+                       (size_t)(W + (size_t)(rt + lane) * (size_t)rb + (size_t)(k0 / QK_K) * SBB), (uint32_t)srb);
+    };
+    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
+    __syncthreads();
+    if (warp == 0)
+        for (int b = 0; b < nb && b < items; b++) issue(b, b);
+    PDL_ENTRY();
+    tc_stage_x(xs, xq, xd, n_in);
+    const float2* da = (const float2*)(xs + 2 * n_in + 128);
+    float acc0[1][2] = {{0.0f, 0.0f}}, acc1[1][2] = {{0.0f, 0.0f}};
+    int b = 0, ph = 0;
+    for (int k = 0; k < ks; k++) {
+        const int k0 = k * kc, kn = min(kc, n_in - k0);
+        const long long srs = (long long)(kn / QK_K) * SBB + PAD;
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            mbar_wait(bars + b, (uint32_t)ph);
+            uint8_t* s0 = smem + (size_t)b * 2 * slot;
+            gemvq_tc_q80<1, false, true, false, false, true>(s0, s0 + slot, srs, n_out, n_in,
+                                                             (const int8_t*)xs + k0, da + k0 / QK, 1, nullptr, 0,
+                                                             n_in + 64, kn, nullptr, t == 0 ? acc0 : acc1);
+            __syncthreads();  // buffer b read by every warp
+            const int j = 2 * k + t;
+            if (warp == 0 && j + nb < items) issue(j + nb, b);
+            if (++b == nb) {
+                b = 0;
+                ph ^= 1;
+            }
+        }
+    }
+    tc_store<1, false>(acc0, 1, sums, 32, 0);
+    __syncthreads();  // tc_store's reduction buffer read before the second tile's sums
+    tc_store<1, false>(acc1, 1, sums, 32, 16);
+    __syncthreads();
+    if (warp == 0) {
+        const int o = r0 + lane;
+        add_norm_lane(xres + o, sums[lane], nw[o], lane, pq, n_out, o, pd + pair, pss + pair);
+    }
+#endif
+}
+
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
@@ -2649,6 +2744,18 @@ GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
 GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 #define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
+// gemvq_tckr_q8_0_r1: the Q8_0 down handing the attention norm over, a 32-row group a block
+// (gemvq_tckr_q80), eight warps.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
+    gemvq_tckr_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc, int nb,
+                       float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq,
+                       float2* __restrict__ pd, float* __restrict__ pss) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
+    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
+    gemvq_tckr_q80(W, rb, n_out, n_in, kc, nb, xq, xd, gemv_smem, bars, x, nw, pq, pd, pss);
+}
 // gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one block
 // per SM.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
