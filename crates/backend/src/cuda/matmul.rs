@@ -151,7 +151,7 @@ pub struct Kernels {
     /// `gemvq_tckr_q8_0_r1` (MATMUL.md round 58; `FERRITE_TCK_ROWS=nb`): the one-row Q8_0
     /// down handing the attention norm over as one block per 32-row group streaming its K
     /// slices through a ring of nb tiles, in place of `tckn_q8`; None: `tckn_q8`.
-    tckr_q8: Option<(CudaFunction, usize)>,
+    tckr_q8: Option<(CudaFunction, usize, bool)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -490,11 +490,20 @@ impl Kernels {
             None
         };
         // FERRITE_TCK_ROWS=nb: the Q8_0 down's 32-row groups streamed through a ring (round 58).
+        // FERRITE_TCK_ROWS_XS=1: x staged in shared memory (gemvq_tckr), 0 read from global
+        // memory (gemvq_tckrg).
         let tckr_nb = usize::try_from(switches::int_or("FERRITE_TCK_ROWS", 0))?;
+        let tckr_xs = switches::int_or("FERRITE_TCK_ROWS_XS", 0) == 1;
         let tckr_q8 = if tckn_q8.is_some() && tckr_nb >= 1 {
+            let name = if tckr_xs {
+                "gemvq_tckr_q8_0_r1"
+            } else {
+                "gemvq_tckrg_q8_0_r1"
+            };
             Some((
-                function_smem(&m, "gemvq_tckr_q8_0_r1", PIPE_MAX_SMEM)?,
+                function_smem(&m, name, PIPE_MAX_SMEM)?,
                 tckr_nb.min(PIPE_MAX_NB),
+                tckr_xs,
             ))
         } else {
             None
@@ -2823,11 +2832,11 @@ fn tckn_launch(
         rb % 16 == 0 && n_out.is_multiple_of(32),
         "matmul_add_for_norm: K-split tile on rows not of 16-byte units"
     );
-    if let (GgmlType::Q8_0, Some((f, nb))) = (w.dtype, be.matmul.tckr_q8.as_ref()) {
-        // gemvq_tckr_q8_0_r1: nb tiles of the widest slice (fewer where they would pass
-        // PIPE_MAX_SMEM) and the whole x.
+    if let (GgmlType::Q8_0, Some((f, nb, xs))) = (w.dtype, be.matmul.tckr_q8.as_ref()) {
+        // gemvq_tckr[g]_q8_0_r1: nb tiles of the widest slice (fewer where they would pass
+        // PIPE_MAX_SMEM) and, staged (xs), the whole x.
         let buf = tc_smem(rb / (n_in / 256) * (kc / 256) + tck_row_pad(w.dtype), 8) as usize;
-        let x = tc_x_bytes(n_in) as usize;
+        let x = if *xs { tc_x_bytes(n_in) as usize } else { 0 };
         if buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
             let (rb_i, n_out_i, n_in_i, kc_i, nb_i) =

@@ -215,6 +215,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q8_0 down projection handing the attention norm over as one block per 32-row group streaming its K slices through a ring of this many tiles (gemvq_tckr_q8_0: no partial sums, no tickets); 0 (default) the K-split tile (MATMUL.md round 58)",
     ),
     (
+        "FERRITE_TCK_ROWS_XS",
+        Accepts::OneOf(&[0, 1]),
+        "gemvq_tckr_q8_0 (FERRITE_TCK_ROWS): 1 x staged in shared memory, 0 (default) read from global memory (MATMUL.md round 58)",
+    ),
+    (
         "FERRITE_SWIGLU_PIPE",
         Accepts::Range(0, 8),
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",

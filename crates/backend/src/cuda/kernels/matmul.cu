@@ -2258,8 +2258,11 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
 //  0's add_norm_lane on the group: the residual, the planes of x ⊙ n and the group's Σ x² for
 //  the NORM Q, K, V launch. No partials, no tickets. (The sums run over the slices in one
 //  accumulator, not per slice then added: not the K-split kernel's bits.)
-//  x: the whole row staged once after the PDL wait (2 n_in + 128 + n_in / 4 bytes).
+//  x: XS the whole row staged once after the PDL wait (2 n_in + 128 + n_in / 4 bytes; it kept
+//  the Q, K, V launch's blocks from starting beside the block: round 58), else read from
+//  global memory (L1) as the tile's R > 1 forms read it.
 //  Grid: n_out / 32 blocks of eight warps (128 on Qwen3-8B: one an SM).
+template <bool XS>
 __device__ __forceinline__ void gemvq_tckr_q80(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                int kc, int nb, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, uint8_t* smem, uint64_t* bars,
@@ -2292,8 +2295,9 @@ __device__ __forceinline__ void gemvq_tckr_q80(const uint8_t* __restrict__ W, lo
     if (warp == 0)
         for (int b = 0; b < nb && b < items; b++) issue(b, b);
     PDL_ENTRY();
-    tc_stage_x(xs, xq, xd, n_in);
-    const float2* da = (const float2*)(xs + 2 * n_in + 128);
+    if (XS) tc_stage_x(xs, xq, xd, n_in);
+    const int8_t* xa = XS ? (const int8_t*)xs : xq;
+    const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
     float acc0[1][2] = {{0.0f, 0.0f}}, acc1[1][2] = {{0.0f, 0.0f}};
     int b = 0, ph = 0;
     for (int k = 0; k < ks; k++) {
@@ -2303,9 +2307,8 @@ __device__ __forceinline__ void gemvq_tckr_q80(const uint8_t* __restrict__ W, lo
         for (int t = 0; t < 2; t++) {
             mbar_wait(bars + b, (uint32_t)ph);
             uint8_t* s0 = smem + (size_t)b * 2 * slot;
-            gemvq_tc_q80<1, false, true, false, false, true>(s0, s0 + slot, srs, n_out, n_in,
-                                                             (const int8_t*)xs + k0, da + k0 / QK, 1, nullptr, 0,
-                                                             n_in + 64, kn, nullptr, t == 0 ? acc0 : acc1);
+            gemvq_tc_q80<1, false, XS, false, false, true>(s0, s0 + slot, srs, n_out, n_in, xa + k0, da + k0 / QK, 1,
+                                                           nullptr, 0, n_in + 64, kn, nullptr, t == 0 ? acc0 : acc1);
             __syncthreads();  // buffer b read by every warp
             const int j = 2 * k + t;
             if (warp == 0 && j + nb < items) issue(j + nb, b);
@@ -2746,16 +2749,19 @@ GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 #define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
 // gemvq_tckr_q8_0_r1: the Q8_0 down handing the attention norm over, a 32-row group a block
 // (gemvq_tckr_q80), eight warps.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
-    gemvq_tckr_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                       const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc, int nb,
-                       float* __restrict__ x, const float* __restrict__ nw, int8_t* __restrict__ pq,
-                       float2* __restrict__ pd, float* __restrict__ pss) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
-    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_tckr_q80(W, rb, n_out, n_in, kc, nb, xq, xd, gemv_smem, bars, x, nw, pq, pd, pss);
-}
+// gemvq_tckrg_q8_0_r1: the same with x from global memory.
+#define GEMVQ_TCKR_KERNEL(name, XS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)                                          \
+        name(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const int8_t* __restrict__ xq, \
+             const float2* __restrict__ xd, int kc, int nb, float* __restrict__ x, const float* __restrict__ nw, \
+             int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) {                    \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                  \
+        __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];                                                    \
+        if (nb < 1 || nb > PIPE_MAX_NB) __trap();                                                              \
+        gemvq_tckr_q80<XS>(W, rb, n_out, n_in, kc, nb, xq, xd, gemv_smem, bars, x, nw, pq, pd, pss);          \
+    }
+GEMVQ_TCKR_KERNEL(gemvq_tckr_q8_0_r1, true)
+GEMVQ_TCKR_KERNEL(gemvq_tckrg_q8_0_r1, false)
 // gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one block
 // per SM.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
