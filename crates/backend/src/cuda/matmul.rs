@@ -492,7 +492,7 @@ impl Kernels {
         // FERRITE_TCK_ROWS=nb: the Q8_0 down's 32-row groups streamed through a ring (round 58).
         // FERRITE_TCK_ROWS_XS=1: x staged in shared memory (gemvq_tckr), 0 read from global
         // memory (gemvq_tckrg).
-        let tckr_nb = usize::try_from(switches::int_or("FERRITE_TCK_ROWS", 0))?;
+        let tckr_nb = usize::try_from(switches::int_or("FERRITE_TCK_ROWS", TCK_ROWS_NB as i64))?;
         let tckr_xs = switches::int_or("FERRITE_TCK_ROWS_XS", 0) == 1;
         let tckr_q8 = if tckn_q8.is_some() && tckr_nb >= 1 {
             let name = if tckr_xs {
@@ -1459,6 +1459,10 @@ const TCK_Q8_MIN_COLS: usize = 8192;
 /// Most columns per slice the K-split tile accepts (its shared memory: a 16 x 8192 Q6_K tile
 /// and x are ~125 KB, over [`GEMVQ_BULK_MAX_SMEM`]).
 const TCK_MAX_COLS: usize = 4096;
+
+/// Tiles of the ring of the one-row Q8_0 down's 32-row groups (`gemvq_tckrg_q8_0_r1`,
+/// `FERRITE_TCK_ROWS`; 0: the K-split tile, `tckn_q8`). Four, 142 KB (MATMUL.md round 58).
+const TCK_ROWS_NB: usize = 4;
 
 /// Most tile buffers of the SwiGLU ring (`gemvq_swiglu_tcnp_q8_0_r1`; `PIPE_MAX_NB` in
 /// matmul.cu: its mbarriers).

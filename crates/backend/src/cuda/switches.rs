@@ -212,7 +212,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_TCK_ROWS",
         Accepts::Range(0, 8),
-        "the one-row Q8_0 down projection handing the attention norm over as one block per 32-row group streaming its K slices through a ring of this many tiles (gemvq_tckr_q8_0: no partial sums, no tickets); 0 (default) the K-split tile (MATMUL.md round 58)",
+        "the one-row Q8_0 down projection handing the attention norm over as one block per 32-row group streaming its K slices through a ring of this many tiles (gemvq_tckr[g]_q8_0: no partial sums, no tickets): 4 (default); 0 the K-split tile (MATMUL.md round 58)",
     ),
     (
         "FERRITE_TCK_ROWS_XS",
