@@ -147,11 +147,7 @@ pub struct Kernels {
     /// `gemvq_swiglu_tcnp_q8_0_r1` (MATMUL.md round 57; `FERRITE_SWIGLU_PIPE`, on by
     /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
     /// tensor-core tiles per persistent block; None: the lane code.
-    swiglu_pipe: Option<(CudaFunction, usize)>,
-    /// `gemvq_tckr_q8_0_r1` (MATMUL.md round 58; `FERRITE_TCK_ROWS=nb`): the one-row Q8_0
-    /// down handing the attention norm over as one block per 32-row group streaming its K
-    /// slices through a ring of nb tiles, in place of `tckn_q8`; None: `tckn_q8`.
-    tckr_q8: Option<(CudaFunction, usize, bool)>,
+    swiglu_pipe: Option<(CudaFunction, usize, usize)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -482,28 +478,12 @@ impl Kernels {
             SWIGLU_PIPE_NB as i64,
         ))?;
         let swiglu_pipe = if swiglu_n_q8_0.is_some() && gemvq_tc.is_some() && swiglu_nb >= 1 {
+            // FERRITE_SWIGLU_KC: columns per item (0: whole rows).
+            let kc = usize::try_from(switches::int_or("FERRITE_SWIGLU_KC", 0))?;
             Some((
                 function_smem(&m, "gemvq_swiglu_tcnp_q8_0_r1", PIPE_MAX_SMEM)?,
                 swiglu_nb.min(PIPE_MAX_NB),
-            ))
-        } else {
-            None
-        };
-        // FERRITE_TCK_ROWS=nb: the Q8_0 down's 32-row groups streamed through a ring (round 58).
-        // FERRITE_TCK_ROWS_XS=1: x staged in shared memory (gemvq_tckr), 0 read from global
-        // memory (gemvq_tckrg).
-        let tckr_nb = usize::try_from(switches::int_or("FERRITE_TCK_ROWS", TCK_ROWS_NB as i64))?;
-        let tckr_xs = switches::int_or("FERRITE_TCK_ROWS_XS", 0) == 1;
-        let tckr_q8 = if tckn_q8.is_some() && tckr_nb >= 1 {
-            let name = if tckr_xs {
-                "gemvq_tckr_q8_0_r1"
-            } else {
-                "gemvq_tckrg_q8_0_r1"
-            };
-            Some((
-                function_smem(&m, name, PIPE_MAX_SMEM)?,
-                tckr_nb.min(PIPE_MAX_NB),
-                tckr_xs,
+                kc,
             ))
         } else {
             None
@@ -598,7 +578,6 @@ impl Kernels {
             tckn_w4,
             tckn_q8,
             swiglu_pipe,
-            tckr_q8,
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -1459,10 +1438,6 @@ const TCK_Q8_MIN_COLS: usize = 8192;
 /// Most columns per slice the K-split tile accepts (its shared memory: a 16 x 8192 Q6_K tile
 /// and x are ~125 KB, over [`GEMVQ_BULK_MAX_SMEM`]).
 const TCK_MAX_COLS: usize = 4096;
-
-/// Tiles of the ring of the one-row Q8_0 down's 32-row groups (`gemvq_tckrg_q8_0_r1`,
-/// `FERRITE_TCK_ROWS`; 0: the K-split tile, `tckn_q8`). Four, 142 KB (MATMUL.md round 58).
-const TCK_ROWS_NB: usize = 4;
 
 /// Most tile buffers of the SwiGLU ring (`gemvq_swiglu_tcnp_q8_0_r1`; `PIPE_MAX_NB` in
 /// matmul.cu: its mbarriers).
@@ -2836,45 +2811,6 @@ fn tckn_launch(
         rb % 16 == 0 && n_out.is_multiple_of(32),
         "matmul_add_for_norm: K-split tile on rows not of 16-byte units"
     );
-    if let (GgmlType::Q8_0, Some((f, nb, xs))) = (w.dtype, be.matmul.tckr_q8.as_ref()) {
-        // gemvq_tckr[g]_q8_0_r1: nb tiles of the widest slice (fewer where they would pass
-        // PIPE_MAX_SMEM) and, staged (xs), the whole x.
-        let buf = tc_smem(rb / (n_in / 256) * (kc / 256) + tck_row_pad(w.dtype), 8) as usize;
-        let x = if *xs { tc_x_bytes(n_in) as usize } else { 0 };
-        if buf + x <= PIPE_MAX_SMEM {
-            let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
-            let (rb_i, n_out_i, n_in_i, kc_i, nb_i) =
-                (rb as i64, n_out as i32, n_in as i32, kc as i32, nb as i32);
-            let xd = xq.d.slice(..n_in / 32 * 2);
-            let xqs = xq.q.slice(..2 * n_in);
-            // SAFETY: as below, without the K-split scratch (each block owns its 32 outputs);
-            // the shared memory is the nb buffers and x that gemvq_tckr_q80 lays out, nb ≤
-            // PIPE_MAX_NB.
-            unsafe {
-                be.stream
-                    .kernel(f)
-                    .arg(&w.data)
-                    .arg(&rb_i)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&kc_i)
-                    .arg(&nb_i)
-                    .arg(&mut out.buf)
-                    .arg(nw)
-                    .arg(&mut p.q)
-                    .arg(&mut p.d)
-                    .arg(&mut p.ss)
-                    .launch(LaunchConfig {
-                        grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
-                        block_dim: tc_block_dim(false),
-                        shared_mem_bytes: u32::try_from(nb * buf + x)?,
-                    })
-            }?;
-            return Ok(());
-        }
-    }
     let tck = lock_tck(be, n_out)?;
     let sc = tck
         .as_ref()
@@ -2970,10 +2906,16 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
-    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
-        // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
-        // bytes apart beyond their length.
-        let buf = tc_smem(rb + 16, 8) as usize;
+    if let (true, 1, Some((f, nb, kc))) = (q8, rows, &be.matmul.swiglu_pipe) {
+        // The ring (gemvq_swiglu_tcnp_q8_0_r1): items of kc columns (whole rows where kc is 0
+        // or does not divide n_in in 256-column units), rows 16 bytes apart beyond their
+        // length in the slots.
+        let kc = if *kc > 0 && kc.is_multiple_of(256) && n_in.is_multiple_of(*kc) {
+            *kc
+        } else {
+            n_in
+        };
+        let buf = tc_smem(rb / (n_in / 256) * (kc / 256) + 16, 8) as usize;
         let x = tc_x_bytes(n_in) as usize;
         if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
@@ -2984,7 +2926,7 @@ pub fn rms_norm_matmul_swiglu_handed(
                 .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
                 .max(1) as usize;
             let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-            let nb_i = nb as i32;
+            let (nb_i, kc_i) = (nb as i32, kc as i32);
             // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
             // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
             unsafe {
@@ -2995,6 +2937,7 @@ pub fn rms_norm_matmul_swiglu_handed(
                     .arg(&rb_i)
                     .arg(&n_out_i)
                     .arg(&n_in_i)
+                    .arg(&kc_i)
                     .arg(&nb_i)
                     .arg(&xqs)
                     .arg(&xd)

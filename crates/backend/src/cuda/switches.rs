@@ -210,19 +210,14 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",
     ),
     (
-        "FERRITE_TCK_ROWS",
-        Accepts::Range(0, 8),
-        "the one-row Q8_0 down projection handing the attention norm over as one block per 32-row group streaming its K slices through a ring of this many tiles (gemvq_tckr[g]_q8_0: no partial sums, no tickets): 4 (default); 0 the K-split tile (MATMUL.md round 58)",
-    ),
-    (
-        "FERRITE_TCK_ROWS_XS",
-        Accepts::OneOf(&[0, 1]),
-        "gemvq_tckr_q8_0 (FERRITE_TCK_ROWS): 1 x staged in shared memory, 0 (default) read from global memory (MATMUL.md round 58)",
-    ),
-    (
         "FERRITE_SWIGLU_PIPE",
         Accepts::Range(0, 8),
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
+    ),
+    (
+        "FERRITE_SWIGLU_KC",
+        Accepts::Range(0, 8192),
+        "the Q8_0 SwiGLU ring (FERRITE_SWIGLU_PIPE): columns of a tile per ring item, a multiple of 256 dividing the row (the tile's sums carried from item to item); 0 (default) whole rows (MATMUL.md round 59)",
     ),
     (
         "FERRITE_QKV_VTC",

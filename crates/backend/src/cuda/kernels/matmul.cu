@@ -1704,15 +1704,16 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 // warp (the Q4_K tile's lifetime moves 1,152).
 // W4: as gemvq_tc_q4k's (four warps, the eight-warp kernel's partials in its order).
 #define Q8_0_UNIT_BYTES (8 * Q8_0_BYTES)
-// ACC (eight warps, no SWIGLU): no store; the sums continue from and return to accio (the
-// caller's accumulators of this thread: a tile streamed in K slices, gemvq_tckr_block).
+// ACC (eight warps): no store; the sums continue from and return to accio (the caller's
+// accumulators of this thread: a tile streamed in K slices, gemvq_swiglu_p_q80), which then
+// stores them (tc_store).
 template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false, bool ACC = false>
 __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                              int r0, int xplane, int kcols = 0, const float* sn = nullptr,
                                              float (*accio)[2] = nullptr) {
-    static_assert(!ACC || (!W4 && !SWIGLU), "gemvq_tc_q80: ACC is the eight-warp plain tile's");
+    static_assert(!ACC || !W4, "gemvq_tc_q80: ACC is the eight-warp tile's");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1, j = t >> 1;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -2186,35 +2187,41 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  29.7 us. nb = 2 (150 KB) by measurement: 1 and 3 (220 KB, nothing else fits beside it) were
 //  no faster than the lane code. (The same ring of Q4_K tiles lost to its one-tile blocks, and
 //  a ring of the K-split down's tiles did not gain: rounds 56-57.)
-//  Rows: one bulk copy per row (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows), rows
-//  rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb = 34 n_in / 32
-//  is a multiple of 128 for n_in a multiple of 512). Tiles: 8 outputs each, block b taking the
-//  contiguous range [b tiles / G, (b + 1) tiles / G).
+//  Items: K slices of kc columns of a tile (kc = n_in: whole rows), the tile's sums carried in
+//  registers from slice to slice (gemvq_tc_q80 ACC) and stored after its last (tc_store
+//  SWIGLU NORM). A warp takes units w, w + 8, ... of each slice of 8 units or more in turn,
+//  so for kc a multiple of 2048 its sums run in the whole-row tile's order: the same bits.
+//  Rows: one bulk copy per row slice (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows),
+//  rows 16 bytes apart beyond their length in the slots (gemvq_tc_q80's two-way bank
+//  conflicts; 34 columns / 32 is a multiple of 128 for a multiple of 512 columns). Tiles: 8
+//  outputs each, block b taking the contiguous range [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
 //  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                   long long rb, int n_out, int n_in, int nb,
+                                                   long long rb, int n_out, int n_in, int kc, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                    float* __restrict__ out, const float* __restrict__ pss,
                                                    float eps, uint8_t* smem, uint64_t* bars) {
 #if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8, PAD = 16;
-    const int tiles = (n_out + NS - 1) / NS;
-    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
-    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
-    const long long srs = rb + PAD;
-    const size_t slot = tc_slot(srs, NS);
+    constexpr int NS = 8, SBB = Q8_0_UNIT_BYTES, PAD = 16;
+    const int tiles = (n_out + NS - 1) / NS, ks = (n_in + kc - 1) / kc;
+    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x) * ks;  // items: (tile, slice)
+    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x) * ks;
+    const size_t slot = tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);  // the widest slice's
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Warp 0: tile i into buffer b (lane 0 arms the barrier first: program order in the warp).
+    // Warp 0: item i (slice i % ks of tile i / ks) into buffer b (lane 0 arms the barrier
+    // first: program order in the warp).
     auto issue = [&](int i, int b) {
-        const int r0 = i * NS, nrows = min(NS, n_out - r0);
-        if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
+        const int r0 = i / ks * NS, nrows = min(NS, n_out - r0), k0 = i % ks * kc, kn = min(kc, n_in - k0);
+        const long long srb = (long long)(kn / QK_K) * SBB;
+        if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * srb));
         __syncwarp();
         const int m = lane / NS, j = lane % NS;
         if (lane < 2 * NS && j < nrows)
-            bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs,
-                       (size_t)((m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb), (uint32_t)rb);
+            bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)(srb + PAD),
+                       (size_t)((m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB),
+                       (uint32_t)srb);
     };
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
     __syncthreads();
@@ -2229,102 +2236,25 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
     }
     const float2* da = (const float2*)(xs + 2 * n_in + 128);
+    float acc[1][2] = {{0.0f, 0.0f}};
     for (int i = lo, b = 0, ph = 0; i < hi; i++) {
+        const int k = i % ks, k0 = k * kc, kn = min(kc, n_in - k0);
         mbar_wait(bars + b, (uint32_t)ph);
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
-                                          n_in + 64, 0, sn);
+        gemvq_tc_q80<1, true, true, true, false, true>(s0, s0 + slot, (long long)(kn / QK_K) * SBB + PAD, n_out,
+                                                       n_in, (const int8_t*)xs + k0, da + k0 / QK, 1, nullptr, 0,
+                                                       n_in + 64, kn, nullptr, acc);
         __syncthreads();  // buffer b read by every warp
         if (warp == 0 && i + nb < hi) issue(i + nb, b);
         if (++b == nb) {
             b = 0;
             ph ^= 1;
         }
-    }
-#endif
-}
-
-// The Q8_0 down projection handing the next layer's attention norm over, one block per 32-row
-// group streaming its rows' K slices through a ring (gemvq_tckr_q8_0_r1; matmul.rs
-// `tckn_launch`, FERRITE_TCK_ROWS; MATMUL.md round 58).
-//  Why: the K-split tile (gemvq_tck_block) moves Qwen3-8B's Q8_0 down at ~2.9 TB/s whether
-//  its tiles are one a block or a ring a block (round 56); what both pay per tile is the
-//  partial sums' stores, the pair ticket and the last block's partial loads. Here block p owns
-//  rows 32 p .. 32 p + 31 — two tiles — over every column, so its sums never leave the
-//  registers: the items (tile t, slice k), t fastest, pass through a ring of nb tile buffers
-//  (each the 16 x kc tile of gemvq_tck_block's layout, rows 16 bytes apart beyond their
-//  length), every warp adding its units of each slice to the tile's accumulators
-//  (gemvq_tc_q80 ACC), and the block ends with the two tiles' sums (tc_store's order) and warp
-//  0's add_norm_lane on the group: the residual, the planes of x ⊙ n and the group's Σ x² for
-//  the NORM Q, K, V launch. No partials, no tickets. (The sums run over the slices in one
-//  accumulator, not per slice then added: not the K-split kernel's bits.)
-//  x: XS the whole row staged once after the PDL wait (2 n_in + 128 + n_in / 4 bytes; it kept
-//  the Q, K, V launch's blocks from starting beside the block: round 58), else read from
-//  global memory (L1) as the tile's R > 1 forms read it.
-//  Grid: n_out / 32 blocks of eight warps (128 on Qwen3-8B: one an SM).
-template <bool XS>
-__device__ __forceinline__ void gemvq_tckr_q80(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
-                                               int kc, int nb, const int8_t* __restrict__ xq,
-                                               const float2* __restrict__ xd, uint8_t* smem, uint64_t* bars,
-                                               float* __restrict__ xres, const float* __restrict__ nw,
-                                               int8_t* __restrict__ pq, float2* __restrict__ pd,
-                                               float* __restrict__ pss) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8, SBB = Q8_0_UNIT_BYTES, PAD = 16;
-    __shared__ float sums[32];
-    const int pair = blockIdx.x, r0 = pair * 32;
-    const int ks = (n_in + kc - 1) / kc, items = 2 * ks;
-    const size_t slot = tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);  // the widest slice's
-    uint8_t* xs = smem + (size_t)nb * 2 * slot;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Warp 0: item j (tile j % 2 of the group, slice j / 2) into buffer b (lane 0 arms the
-    // barrier first: program order in the warp; then a row slice a lane).
-    auto issue = [&](int j, int b) {
-        const int rt = r0 + 16 * (j & 1), k0 = (j >> 1) * kc, kn = min(kc, n_in - k0);
-        const int nrows = min(2 * NS, n_out - rt);
-        const long long srb = (long long)(kn / QK_K) * SBB, srs = srb + PAD;
-        if (lane == 0) mbar_expect(bars + b, (uint32_t)(nrows * srb));
-        __syncwarp();
-        if (lane < nrows)
-            bulk_g2s_w(bars + b,
-                       smem + (size_t)b * 2 * slot + (size_t)(lane / NS) * slot + (size_t)(lane % NS) * (size_t)srs,
-                       (size_t)(W + (size_t)(rt + lane) * (size_t)rb + (size_t)(k0 / QK_K) * SBB), (uint32_t)srb);
-    };
-    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
-    __syncthreads();
-    if (warp == 0)
-        for (int b = 0; b < nb && b < items; b++) issue(b, b);
-    PDL_ENTRY();
-    if (XS) tc_stage_x(xs, xq, xd, n_in);
-    const int8_t* xa = XS ? (const int8_t*)xs : xq;
-    const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
-    float acc0[1][2] = {{0.0f, 0.0f}}, acc1[1][2] = {{0.0f, 0.0f}};
-    int b = 0, ph = 0;
-    for (int k = 0; k < ks; k++) {
-        const int k0 = k * kc, kn = min(kc, n_in - k0);
-        const long long srs = (long long)(kn / QK_K) * SBB + PAD;
-#pragma unroll
-        for (int t = 0; t < 2; t++) {
-            mbar_wait(bars + b, (uint32_t)ph);
-            uint8_t* s0 = smem + (size_t)b * 2 * slot;
-            gemvq_tc_q80<1, false, XS, false, false, true>(s0, s0 + slot, srs, n_out, n_in, xa + k0, da + k0 / QK, 1,
-                                                           nullptr, 0, n_in + 64, kn, nullptr, t == 0 ? acc0 : acc1);
-            __syncthreads();  // buffer b read by every warp
-            const int j = 2 * k + t;
-            if (warp == 0 && j + nb < items) issue(j + nb, b);
-            if (++b == nb) {
-                b = 0;
-                ph ^= 1;
-            }
+        if (k == ks - 1) {  // the tile's last slice: its outputs (the barrier above orders
+                            // the last tc_store's reads of its reduction buffer before these)
+            tc_store<1, true, false, true>(acc, 1, out, n_out, i / ks * NS, sn);
+            acc[0][0] = acc[0][1] = 0.0f;
         }
-    }
-    tc_store<1, false>(acc0, 1, sums, 32, 0);
-    __syncthreads();  // tc_store's reduction buffer read before the second tile's sums
-    tc_store<1, false>(acc1, 1, sums, 32, 16);
-    __syncthreads();
-    if (warp == 0) {
-        const int o = r0 + lane;
-        add_norm_lane(xres + o, sums[lane], nw[o], lane, pq, n_out, o, pd + pair, pss + pair);
     }
 #endif
 }
@@ -2747,32 +2677,17 @@ GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
 GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 #define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
-// gemvq_tckr_q8_0_r1: the Q8_0 down handing the attention norm over, a 32-row group a block
-// (gemvq_tckr_q80), eight warps.
-// gemvq_tckrg_q8_0_r1: the same with x from global memory.
-#define GEMVQ_TCKR_KERNEL(name, XS)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)                                          \
-        name(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const int8_t* __restrict__ xq, \
-             const float2* __restrict__ xd, int kc, int nb, float* __restrict__ x, const float* __restrict__ nw, \
-             int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) {                    \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                  \
-        __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];                                                    \
-        if (nb < 1 || nb > PIPE_MAX_NB) __trap();                                                              \
-        gemvq_tckr_q80<XS>(W, rb, n_out, n_in, kc, nb, xq, xd, gemv_smem, bars, x, nw, pq, pd, pss);          \
-    }
-GEMVQ_TCKR_KERNEL(gemvq_tckr_q8_0_r1, true)
-GEMVQ_TCKR_KERNEL(gemvq_tckrg_q8_0_r1, false)
 // gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one block
 // per SM.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
+                              int n_out, int n_in, int kc, int nb, const int8_t* __restrict__ xq,
                               const float2* __restrict__ xd, float* __restrict__ out,
                               const float* __restrict__ pss, float eps) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
+    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, kc, nb, xq, xd, out, pss, eps, gemv_smem, bars);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
