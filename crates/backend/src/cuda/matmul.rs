@@ -147,7 +147,7 @@ pub struct Kernels {
     /// `gemvq_swiglu_tcnp_q8_0_r1` (MATMUL.md round 57; `FERRITE_SWIGLU_PIPE`, on by
     /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
     /// tensor-core tiles per persistent block; None: the lane code.
-    swiglu_pipe: Option<(CudaFunction, usize, usize)>,
+    swiglu_pipe: Option<(CudaFunction, usize)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -478,12 +478,9 @@ impl Kernels {
             SWIGLU_PIPE_NB as i64,
         ))?;
         let swiglu_pipe = if swiglu_n_q8_0.is_some() && gemvq_tc.is_some() && swiglu_nb >= 1 {
-            // FERRITE_SWIGLU_KC: columns per item (0: whole rows).
-            let kc = usize::try_from(switches::int_or("FERRITE_SWIGLU_KC", 0))?;
             Some((
                 function_smem(&m, "gemvq_swiglu_tcnp_q8_0_r1", PIPE_MAX_SMEM)?,
                 swiglu_nb.min(PIPE_MAX_NB),
-                kc,
             ))
         } else {
             None
@@ -2906,16 +2903,10 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
-    if let (true, 1, Some((f, nb, kc))) = (q8, rows, &be.matmul.swiglu_pipe) {
-        // The ring (gemvq_swiglu_tcnp_q8_0_r1): items of kc columns (whole rows where kc is 0
-        // or does not divide n_in in 256-column units), rows 16 bytes apart beyond their
-        // length in the slots.
-        let kc = if *kc > 0 && kc.is_multiple_of(256) && n_in.is_multiple_of(*kc) {
-            *kc
-        } else {
-            n_in
-        };
-        let buf = tc_smem(rb / (n_in / 256) * (kc / 256) + 16, 8) as usize;
+    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
+        // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
+        // bytes apart beyond their length.
+        let buf = tc_smem(rb + 16, 8) as usize;
         let x = tc_x_bytes(n_in) as usize;
         if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
@@ -2926,7 +2917,7 @@ pub fn rms_norm_matmul_swiglu_handed(
                 .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
                 .max(1) as usize;
             let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-            let (nb_i, kc_i) = (nb as i32, kc as i32);
+            let nb_i = nb as i32;
             // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
             // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
             unsafe {
@@ -2937,7 +2928,6 @@ pub fn rms_norm_matmul_swiglu_handed(
                     .arg(&rb_i)
                     .arg(&n_out_i)
                     .arg(&n_in_i)
-                    .arg(&kc_i)
                     .arg(&nb_i)
                     .arg(&xqs)
                     .arg(&xd)

@@ -19,12 +19,8 @@
 // k0 .. k0 + n_in of kx (0: x is n_in wide).
 // q8: the Q8_0 tile (gemvq_tc_q80), its rows 16 bytes apart beyond their length in the slots,
 // as gemvq_tck_block lays them out.
-// kacc (Q8_0, one staged row): the tile taken in K slices of kacc columns, its sums carried
-// from slice to slice (gemvq_tc_q80's ACC) and stored after the last (tc_store), as the
-// SwiGLU ring gemvq_swiglu_p_q80 does; paired with the whole-row tile, whose bits it must give
-// for kacc a multiple of 2048.
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0, norm, q8, kacc;
+    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0, norm, q8;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -56,26 +52,7 @@ static void body_r() {
         if (cfg.q6)
             gemvq_tc_q6k<R, SW, true, H>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0, cfg.n_in + 64,
                                          cfg.n_in);
-        else if (cfg.q8 && cfg.kacc) {
-            if constexpr (R == 1 && !H) {
-                float acc[1][2] = {{0.0f, 0.0f}};
-                for (int ks = 0; ks < cfg.n_in; ks += cfg.kacc) {
-                    const size_t off = (size_t)ks / QK_K * 8 * Q8_0_BYTES;  // the slice in each row
-                    if (cfg.norm)
-                        gemvq_tc_q80<1, SW, true, true, false, true>(s0 + off, s1 + off, rb, cfg.n_out, cfg.n_in,
-                                                                     xa + ks, da + ks / QK, 1, nullptr, 0,
-                                                                     cfg.n_in + 64, cfg.kacc, sn, acc);
-                    else
-                        gemvq_tc_q80<1, SW, true, false, false, true>(s0 + off, s1 + off, rb, cfg.n_out, cfg.n_in,
-                                                                      xa + ks, da + ks / QK, 1, nullptr, 0,
-                                                                      cfg.n_in + 64, cfg.kacc, nullptr, acc);
-                }
-                if (cfg.norm)
-                    tc_store<1, SW, false, true>(acc, cfg.rows, out, cfg.n_out, 0, sn);
-                else
-                    tc_store<1, SW>(acc, cfg.rows, out, cfg.n_out, 0);
-            }
-        } else if (cfg.q8 && cfg.norm)
+        else if (cfg.q8 && cfg.norm)
             gemvq_tc_q80<R, SW, true, true>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0, cfg.n_in + 64,
                                             cfg.n_in, sn);
         else if (cfg.q8)
@@ -91,6 +68,9 @@ static void body_r() {
         if (cfg.q6)
             gemvq_tc_q6k<R, SW, false, H>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
                                           cfg.n_in);
+        else if (cfg.q8 && cfg.norm)
+            gemvq_tc_q80<R, SW, false, true>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
+                                             cfg.n_in, sn);
         else if (cfg.q8)
             gemvq_tc_q80<R, SW, false>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
                                        cfg.n_in);
@@ -264,17 +244,16 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
         }
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
-    printf("%s%s n_in %5d (x %5d from %5d) n_out %2d R %d rows %d swiglu %d staged %d norm %d slices %d: NMSE %.2e "
-           "%s\n",
+    printf("%s%s n_in %5d (x %5d from %5d) n_out %2d R %d rows %d swiglu %d staged %d norm %d: NMSE %.2e %s\n",
            c.q6 ? "q6_K" : c.q8 ? "q8_0" : "q4_K", c.half ? " half" : "", c.n_in, nx, c.k0, c.n_out, c.R, c.rows, c.swiglu,
-           c.staged, c.norm, c.kacc, nmse, ok ? "OK" : "MISMATCH");
+           c.staged, c.norm, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {
         const int n = min(tile, c.n_out);
-        if (c.R == 1 && !c.kacc) row0->assign(ob.begin(), ob.begin() + n);
+        if (c.R == 1) row0->assign(ob.begin(), ob.begin() + n);
         else
             for (int i = 0; i < n; i++)
                 if (f2u(ob[i]) != f2u((*row0)[i])) {
-                    printf("  x row 0, output %d: R = 3 (or the K slices) gives %a, R = 1 gave %a\n", i, ob[i], (*row0)[i]);
+                    printf("  x row 0, output %d: R = 3 gives %a, R = 1 gave %a\n", i, ob[i], (*row0)[i]);
                     ok = false;
                 }
     }
@@ -321,10 +300,10 @@ int main() {
         {{4096, 13, 1, 1, 0, 1, 0, 0, 12288, 4096, 0, 1}, {4096, 13, 3, 3, 0, 0, 0, 0, 12288, 4096, 0, 1}},
         {{256, 16, 1, 1, 0, 1, 0, 0, 0, 0, 0, 1}, {256, 16, 3, 3, 0, 0, 0, 0, 0, 0, 0, 1}},
         {{2304, 8, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1}, {2304, 8, 3, 3, 1, 0, 0, 0, 0, 0, 0, 1}},
-        // The Q8_0 SwiGLU ring's tile (gemvq_swiglu_p_q80) on the handed-over norm: whole rows,
-        // then 2048-column slices with the sums carried (the same bits), a partial tile too.
-        {{4096, 8, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1}, {4096, 8, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 2048}},
-        {{8192, 5, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1}, {8192, 5, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 2048}},
+        // The Q8_0 SwiGLU ring's tile (gemvq_swiglu_p_q80: staged x, the handed-over norm), a
+        // partial tile too; R = 3 reads x from global memory.
+        {{4096, 8, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1}, {4096, 8, 3, 3, 1, 0, 0, 0, 0, 0, 1, 1}},
+        {{8192, 5, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1}, {8192, 5, 3, 2, 1, 0, 0, 0, 0, 0, 1, 1}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;

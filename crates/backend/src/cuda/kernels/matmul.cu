@@ -1704,16 +1704,11 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 // warp (the Q4_K tile's lifetime moves 1,152).
 // W4: as gemvq_tc_q4k's (four warps, the eight-warp kernel's partials in its order).
 #define Q8_0_UNIT_BYTES (8 * Q8_0_BYTES)
-// ACC (eight warps): no store; the sums continue from and return to accio (the caller's
-// accumulators of this thread: a tile streamed in K slices, gemvq_swiglu_p_q80), which then
-// stores them (tc_store).
-template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false, bool ACC = false>
+template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr,
-                                             float (*accio)[2] = nullptr) {
-    static_assert(!ACC || !W4, "gemvq_tc_q80: ACC is the eight-warp tile's");
+                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1, j = t >> 1;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1731,10 +1726,6 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     float acc[R][2], acc2[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
-    if constexpr (ACC) {
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r][0] = accio[r][0], acc[r][1] = accio[r][1];
-    }
     constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' unit stride
     int nsw = 0;  // W4: units taken (which set acc is)
     for (int sb = warp; sb < nsb; sb += WS) {
@@ -1782,11 +1773,6 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     }
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
-    }
-    if constexpr (ACC) {
-#pragma unroll
-        for (int r = 0; r < R; r++) accio[r][0] = acc[r][0], accio[r][1] = acc[r][1];
-        return;
     }
     tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
 }
@@ -2187,41 +2173,35 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  29.7 us. nb = 2 (150 KB) by measurement: 1 and 3 (220 KB, nothing else fits beside it) were
 //  no faster than the lane code. (The same ring of Q4_K tiles lost to its one-tile blocks, and
 //  a ring of the K-split down's tiles did not gain: rounds 56-57.)
-//  Items: K slices of kc columns of a tile (kc = n_in: whole rows), the tile's sums carried in
-//  registers from slice to slice (gemvq_tc_q80 ACC) and stored after its last (tc_store
-//  SWIGLU NORM). A warp takes units w, w + 8, ... of each slice of 8 units or more in turn,
-//  so for kc a multiple of 2048 its sums run in the whole-row tile's order: the same bits.
-//  Rows: one bulk copy per row slice (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows),
-//  rows 16 bytes apart beyond their length in the slots (gemvq_tc_q80's two-way bank
-//  conflicts; 34 columns / 32 is a multiple of 128 for a multiple of 512 columns). Tiles: 8
-//  outputs each, block b taking the contiguous range [b tiles / G, (b + 1) tiles / G).
+//  Rows: one bulk copy per row (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows), rows
+//  rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb = 34 n_in / 32
+//  is a multiple of 128 for n_in a multiple of 512). Tiles: 8 outputs each, block b taking the
+//  contiguous range [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
 //  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                   long long rb, int n_out, int n_in, int kc, int nb,
+                                                   long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                    float* __restrict__ out, const float* __restrict__ pss,
                                                    float eps, uint8_t* smem, uint64_t* bars) {
 #if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8, SBB = Q8_0_UNIT_BYTES, PAD = 16;
-    const int tiles = (n_out + NS - 1) / NS, ks = (n_in + kc - 1) / kc;
-    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x) * ks;  // items: (tile, slice)
-    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x) * ks;
-    const size_t slot = tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);  // the widest slice's
+    constexpr int NS = 8, PAD = 16;
+    const int tiles = (n_out + NS - 1) / NS;
+    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
+    const long long srs = rb + PAD;
+    const size_t slot = tc_slot(srs, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // Warp 0: item i (slice i % ks of tile i / ks) into buffer b (lane 0 arms the barrier
-    // first: program order in the warp).
+    // Warp 0: tile i into buffer b (lane 0 arms the barrier first: program order in the warp).
     auto issue = [&](int i, int b) {
-        const int r0 = i / ks * NS, nrows = min(NS, n_out - r0), k0 = i % ks * kc, kn = min(kc, n_in - k0);
-        const long long srb = (long long)(kn / QK_K) * SBB;
-        if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * srb));
+        const int r0 = i * NS, nrows = min(NS, n_out - r0);
+        if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
         __syncwarp();
         const int m = lane / NS, j = lane % NS;
         if (lane < 2 * NS && j < nrows)
-            bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)(srb + PAD),
-                       (size_t)((m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB),
-                       (uint32_t)srb);
+            bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs,
+                       (size_t)((m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb), (uint32_t)rb);
     };
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
     __syncthreads();
@@ -2236,24 +2216,16 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
     }
     const float2* da = (const float2*)(xs + 2 * n_in + 128);
-    float acc[1][2] = {{0.0f, 0.0f}};
     for (int i = lo, b = 0, ph = 0; i < hi; i++) {
-        const int k = i % ks, k0 = k * kc, kn = min(kc, n_in - k0);
         mbar_wait(bars + b, (uint32_t)ph);
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        gemvq_tc_q80<1, true, true, true, false, true>(s0, s0 + slot, (long long)(kn / QK_K) * SBB + PAD, n_out,
-                                                       n_in, (const int8_t*)xs + k0, da + k0 / QK, 1, nullptr, 0,
-                                                       n_in + 64, kn, nullptr, acc);
+        gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
+                                          n_in + 64, 0, sn);
         __syncthreads();  // buffer b read by every warp
         if (warp == 0 && i + nb < hi) issue(i + nb, b);
         if (++b == nb) {
             b = 0;
             ph ^= 1;
-        }
-        if (k == ks - 1) {  // the tile's last slice: its outputs (the barrier above orders
-                            // the last tc_store's reads of its reduction buffer before these)
-            tc_store<1, true, false, true>(acc, 1, out, n_out, i / ks * NS, sn);
-            acc[0][0] = acc[0][1] = 0.0f;
         }
     }
 #endif
@@ -2681,13 +2653,13 @@ GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 // per SM.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                              int n_out, int n_in, int kc, int nb, const int8_t* __restrict__ xq,
+                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
                               const float2* __restrict__ xd, float* __restrict__ out,
                               const float* __restrict__ pss, float eps) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, kc, nb, xq, xd, out, pss, eps, gemv_smem, bars);
+    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
