@@ -2911,9 +2911,9 @@ pub fn rms_norm_matmul_swiglu_handed(
         if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
             let smem = u32::try_from(nb * buf + x)?;
-            let threads = tc_block_dim(false).0;
+            let block_dim = tc_block_dim(false);
             let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                .occupancy_max_active_blocks_per_multiprocessor(block_dim.0, smem as usize, None)
                 .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
                 .max(1) as usize;
             let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
@@ -2936,7 +2936,7 @@ pub fn rms_norm_matmul_swiglu_handed(
                     .arg(&eps)
                     .launch(LaunchConfig {
                         grid_dim: (u32::try_from(blocks)?, 1, 1),
-                        block_dim: tc_block_dim(false),
+                        block_dim,
                         shared_mem_bytes: smem,
                     })
             }?;
