@@ -649,6 +649,20 @@ pub trait Backend: Send + Sync {
         self.matmul(h, wm, out)?;
         Ok(false)
     }
+    /// A hint: the o-projection `o` and the SwiGLU `gate` / `up` after this layer's attention
+    /// will read their weights (at `rows` rows). A backend may start them towards its cache
+    /// during the attention's small phases (QK-norm + RoPE, the attention), which leave the
+    /// memory idle. Called just before [`Backend::qk_norm_rope`]; nothing by default.
+    fn prefetch_after_attention(
+        &self,
+        o: &Self::Weight,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        rows: usize,
+    ) -> Result<()> {
+        let _ = (o, gate, up, rows);
+        Ok(())
+    }
     /// Attention's query/key preparation in one op: on every `head_dim`-sized head of `q`
     /// and of `k`, the per-head RMSNorm where its weight is given (Qwen3's QK-norm), then
     /// the rotation of [`Backend::rope`]. Equals `head_rms_norm(q)`, `head_rms_norm(k)`,

@@ -498,6 +498,11 @@ impl<B: Backend> Model<B> {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
             };
+            if !defer {
+                if let Some((wg, wu, _)) = handed_ffn(be, &l.wo, &l.ffn, t) {
+                    be.prefetch_after_attention(&l.wo, wg, wu, t)?;
+                }
+            }
             be.qk_norm_rope(q, k, qn, kn, a.head_dim, cfg.rms_eps, step, &cfg.rope)?;
             be.attention(
                 kv,

@@ -2586,6 +2586,9 @@ pub fn matmul_add_for_norm(
     if let Some(plan) = tckn {
         tckn_launch(be, xq, w, out, &nw, p, plan)?;
     } else if let (Some(f), true) = (&be.matmul.add_n_q8_0, add_n_fits(be, w, rows)) {
+        if switches::diag_skip() & 4 != 0 {
+            return Ok(true); // timing diagnostic only (wrong outputs)
+        }
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
@@ -2851,6 +2854,110 @@ fn tckn_launch(
 /// The SwiGLU on the planes `matmul_add_for_norm` just left for this `x` and `norm`
 /// (`gemvq_swiglu_tcn_q4_k_r<R>`); `false` (nothing done) unless they are there and the
 /// weights take the form.
+/// The Q8_0 SwiGLU ring's launch (gemvq_swiglu_tcnp_q8_0_r1) for rows of `rb` bytes, `n_in`
+/// columns, `n_out` outputs: (kernel, blocks, ring buffers, shared memory); None where the
+/// ring is off or its tiles do not fit (the lane code runs). Whole rows of 16-byte units in
+/// the slots, 16 bytes apart beyond their length.
+fn swiglu_ring_plan(
+    be: &CudaBackend,
+    rb: usize,
+    n_in: usize,
+    n_out: usize,
+) -> Result<Option<(&CudaFunction, usize, usize, u32)>> {
+    let Some((f, nb)) = &be.matmul.swiglu_pipe else {
+        return Ok(None);
+    };
+    let buf = tc_smem(rb + 16, 8) as usize;
+    let x = tc_x_bytes(n_in) as usize;
+    if !(rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM) {
+        return Ok(None);
+    }
+    let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
+    let smem = u32::try_from(nb * buf + x)?;
+    let per_sm = f
+        .occupancy_max_active_blocks_per_multiprocessor(tc_block_dim(false).0, smem as usize, None)
+        .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
+        .max(1) as usize;
+    let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
+    Ok(Some((f, blocks, nb, smem)))
+}
+
+/// [`crate::Backend::prefetch_after_attention`]: at one row, the L2 prefetch that the next
+/// `qk_norm_rope` issues after its PDL wait (ops.rs `L2Seg`), from two switches until measured
+/// (DECODE_STEP.md, "The attention half's idle DRAM"): `FERRITE_L2PRE` = MB of the SwiGLU's
+/// first tiles (the Q8_0 ring: the first k tiles of each persistent block, k from the budget;
+/// Q4_K's one-tile blocks: the first blocks' tiles), `FERRITE_L2PRE_O=1` the whole
+/// o-projection.
+pub fn prefetch_after_attention(
+    be: &CudaBackend,
+    o: &CudaWeight,
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    rows: usize,
+) -> Result<()> {
+    let mb = usize::try_from(switches::int_or("FERRITE_L2PRE", 0))?;
+    let whole_o = switches::int_or("FERRITE_L2PRE_O", 0) == 1;
+    if rows != 1 || (mb == 0 && !whole_o) {
+        return Ok(());
+    }
+    let ptr = |w: &CudaWeight| {
+        let (p, _g) = w.data.device_ptr(&be.stream);
+        p
+    };
+    let mut segs = [super::ops::L2Seg::default(); 2];
+    let rb = gate.row_bytes();
+    if mb > 0
+        && gate.dtype == up.dtype
+        && gate.shape == up.shape
+        && gate.shape.len() == 2
+        && rb.is_multiple_of(16)
+    {
+        let (n_out, n_in) = (gate.shape[0], gate.shape[1]);
+        let tiles = n_out.div_ceil(8);
+        let (budget, tile_bytes) = (mb << 20, 16 * rb);
+        let ring = if gate.dtype == GgmlType::Q8_0 && be.matmul.swiglu_n_q8_0.is_some() {
+            swiglu_ring_plan(be, rb, n_in, n_out)?.map(|(_, blocks, _, _)| blocks)
+        } else {
+            None
+        };
+        let (g, k, nblk) = match ring {
+            Some(blocks) => (blocks, (budget / (blocks * tile_bytes)).max(1), blocks),
+            None => (tiles, 1, tiles.min((budget / tile_bytes).max(1))),
+        };
+        segs[0] = super::ops::L2Seg {
+            w: ptr(gate),
+            w2: ptr(up),
+            rb: i64::try_from(rb)?,
+            rows: i32::try_from(n_out)?,
+            th: 8,
+            tiles: i32::try_from(tiles)?,
+            g: i32::try_from(g)?,
+            k: i32::try_from(k)?,
+            nblk: i32::try_from(nblk)?,
+        };
+    }
+    let orb = o.row_bytes();
+    if whole_o && o.shape.len() == 2 && orb.is_multiple_of(16) {
+        let tiles = o.shape[0].div_ceil(32);
+        segs[1] = super::ops::L2Seg {
+            w: ptr(o),
+            w2: 0,
+            rb: i64::try_from(orb)?,
+            rows: i32::try_from(o.shape[0])?,
+            th: 32,
+            tiles: i32::try_from(tiles)?,
+            g: i32::try_from(tiles)?,
+            k: 1,
+            nblk: i32::try_from(tiles)?,
+        };
+    }
+    *be
+        .l2_pending
+        .lock()
+        .map_err(|_| anyhow!("prefetch_after_attention: lock poisoned"))? = Some(segs);
+    Ok(())
+}
+
 pub fn rms_norm_matmul_swiglu_handed(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -2903,45 +3010,36 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
-    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
-        // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
-        // bytes apart beyond their length.
-        let buf = tc_smem(rb + 16, 8) as usize;
-        let x = tc_x_bytes(n_in) as usize;
-        if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
-            let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
-            let smem = u32::try_from(nb * buf + x)?;
-            let block_dim = tc_block_dim(false);
-            let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor(block_dim.0, smem as usize, None)
-                .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
-                .max(1) as usize;
-            let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-            let nb_i = nb as i32;
-            // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
-            // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
-            unsafe {
-                be.stream
-                    .kernel(f)
-                    .arg(&gate.data)
-                    .arg(&up.data)
-                    .arg(&rb_i)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&nb_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&mut out.buf)
-                    .arg(&ss)
-                    .arg(&eps)
-                    .launch(LaunchConfig {
-                        grid_dim: (u32::try_from(blocks)?, 1, 1),
-                        block_dim,
-                        shared_mem_bytes: smem,
-                    })
-            }?;
-            return Ok(true);
-        }
+    let ring = if q8 && rows == 1 {
+        swiglu_ring_plan(be, rb, n_in, n_out)?
+    } else {
+        None
+    };
+    if let Some((f, blocks, nb, smem)) = ring {
+        let nb_i = nb as i32;
+        // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
+        // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
+        unsafe {
+            be.stream
+                .kernel(f)
+                .arg(&gate.data)
+                .arg(&up.data)
+                .arg(&rb_i)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&nb_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&mut out.buf)
+                .arg(&ss)
+                .arg(&eps)
+                .launch(LaunchConfig {
+                    grid_dim: (u32::try_from(blocks)?, 1, 1),
+                    block_dim: tc_block_dim(false),
+                    shared_mem_bytes: smem,
+                })
+        }?;
+        return Ok(true);
     }
     if let (true, Some(fs), None) = (q8, &be.matmul.swiglu_n_q8_0, &tc) {
         let ks_i = ks as i32;

@@ -120,9 +120,19 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_L2PRE",
+        Accepts::Range(0, 64),
+        "MB of the one-row SwiGLU's first tiles prefetched into L2 by QK-norm + RoPE after its PDL wait (the attention's idle DRAM); 0 (default) none (DECODE_STEP.md)",
+    ),
+    (
+        "FERRITE_L2PRE_O",
+        Accepts::OneOf(&[0, 1]),
+        "1: the one-row o-projection's whole weight prefetched into L2 by QK-norm + RoPE after its PDL wait; 0 (default) not (DECODE_STEP.md)",
+    ),
+    (
         "FERRITE_DIAG_SKIP",
-        Accepts::Range(0, 3),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8 (DECODE_STEP.md)",
+        Accepts::Range(0, 31),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8, 4 the Q8_0 o-projection handing the FFN norm over, 8 the decode attention, 16 QK-norm + RoPE (DECODE_STEP.md)",
     ),
     (
         "FERRITE_NORM_ROUTER",
