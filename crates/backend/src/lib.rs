@@ -649,6 +649,26 @@ pub trait Backend: Send + Sync {
         self.matmul(h, wm, out)?;
         Ok(false)
     }
+    /// [`Backend::rms_norm_matmul_swiglu`] of `x` on the norm the o-projection handed over
+    /// ([`Backend::matmul_add_for_norm`] with `norm`) into `act`, then
+    /// [`Backend::matmul_add_for_norm`] of `act` through `down` into `x`, handing `next` over
+    /// to the next layer's Q, K, V: one op, so that a backend may run the FFN as one launch.
+    /// `false`: nothing was done (the caller runs the two ops). Nothing by default.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_down_for_norm(
+        &self,
+        x: &mut Act<Self::Buf>,
+        norm: (&Self::Weight, f32),
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        act: &mut Act<Self::Buf>,
+        down: &Self::Weight,
+        next: (&Self::Weight, f32),
+    ) -> Result<bool> {
+        let _ = (x, norm, gate, up, act, down, next);
+        Ok(false)
+    }
+
     /// A hint: the o-projection `o` and the SwiGLU `gate` / `up` after this layer's attention
     /// will read their weights (at `rows` rows). A backend may start them towards its cache
     /// during the attention's small phases (QK-norm + RoPE, the attention), which leave the

@@ -527,14 +527,21 @@ impl<B: Backend> Model<B> {
                 // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
                 // y = down(SwiGLU), added with the next norm below.
                 be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
-                be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
                 // x += down(act), handing the next layer's attention norm over to its Q, K, V
-                // where the backend can ([`Backend::defers_rms_norm_after`]).
-                if let Some(n) = self
+                // where the backend can ([`Backend::defers_rms_norm_after`]): the whole FFN
+                // as one op where the backend fuses it.
+                let next = self
                     .layers
                     .get(il + 1)
-                    .filter(|n| be.defers_rms_norm_after(wd, &[&n.wq, &n.wk, &n.wv], t))
-                {
+                    .filter(|n| be.defers_rms_norm_after(wd, &[&n.wq, &n.wk, &n.wv], t));
+                if let Some(n) = next {
+                    if be.ffn_down_for_norm(x, norm, wg, wu, act, wd, (&n.attn_norm, cfg.rms_eps))? {
+                        handed = true;
+                        continue;
+                    }
+                }
+                be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
+                if let Some(n) = next {
                     be.matmul_add_for_norm(act, wd, x, y, (&n.attn_norm, cfg.rms_eps))?;
                     handed = true;
                     continue;

@@ -148,6 +148,12 @@ pub struct Kernels {
     /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
     /// tensor-core tiles per persistent block; None: the lane code.
     swiglu_pipe: Option<(CudaFunction, usize)>,
+    /// `gemvq_ffn_p_q8_0_r1` (MATMUL.md round 60; `FERRITE_FFN_FUSE=1`): the one-row Q8_0
+    /// SwiGLU ring and its K-sliced down projection in one persistent launch; None: the
+    /// SwiGLU, quant_x and the down as three launches.
+    ffn_fused: Option<CudaFunction>,
+    /// The fused FFN's grid barrier: (arrivals, generation), zeroed once.
+    gbar: Mutex<Option<CudaSlice<u32>>>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -485,6 +491,11 @@ impl Kernels {
         } else {
             None
         };
+        let ffn_fused = if swiglu_pipe.is_some() && switches::int_or("FERRITE_FFN_FUSE", 0) == 1 {
+            Some(function_smem(&m, "gemvq_ffn_p_q8_0_r1", PIPE_MAX_SMEM)?)
+        } else {
+            None
+        };
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -575,6 +586,8 @@ impl Kernels {
             tckn_w4,
             tckn_q8,
             swiglu_pipe,
+            ffn_fused,
+            gbar: Mutex::new(None),
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -2880,6 +2893,125 @@ fn swiglu_ring_plan(
         .max(1) as usize;
     let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
     Ok(Some((f, blocks, nb, smem)))
+}
+
+/// [`crate::Backend::ffn_down_for_norm`] on CUDA: at one row, Q8_0 gate, up and down, the FFN
+/// norm's planes handed over by the o-projection and the down on the K-split plan, the SwiGLU
+/// and the down handing `next` over in one launch (`gemvq_ffn_p_q8_0_r1`, matmul.cu
+/// `gemvq_ffn_p_q80`); `false` (nothing done, the planes left for the two ops) elsewhere.
+#[allow(clippy::too_many_arguments)]
+pub fn ffn_down_for_norm(
+    be: &CudaBackend,
+    x: &mut Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    act: &mut Act<CudaSlice<f32>>,
+    down: &CudaWeight,
+    (next, _next_eps): (&CudaWeight, f32),
+) -> Result<bool> {
+    let Some(f) = be.matmul.ffn_fused.as_ref() else {
+        return Ok(false);
+    };
+    let q8 = |w: &CudaWeight| w.dtype == GgmlType::Q8_0 && w.shape.len() == 2;
+    if x.rows != 1 || !(q8(gate) && q8(up) && q8(down)) || gate.shape != up.shape {
+        return Ok(false);
+    }
+    let (n_ff, n_in) = (gate.shape[0], gate.shape[1]);
+    if down.shape != [n_in, n_ff] || x.cols != n_in || act.buf.len() < n_ff {
+        return Ok(false);
+    }
+    let Some((_, kc, _)) = tckn_plan(be, down, 1)? else {
+        return Ok(false);
+    };
+    let Some((_, _, nb, _)) = swiglu_ring_plan(be, gate.row_bytes(), n_in, n_ff)? else {
+        return Ok(false);
+    };
+    let (rb, rbd) = (gate.row_bytes(), down.row_bytes());
+    if !(rb.is_multiple_of(16) && rbd.is_multiple_of(16) && n_ff.is_multiple_of(kc) && kc.is_multiple_of(256)) {
+        return Ok(false);
+    }
+    // Buffers: two SwiGLU slots or four down slots (two items), whichever is larger; then x.
+    let buf = (tc_smem(rb + 16, 8) as usize).max(2 * tc_smem(rbd / (n_ff / 256) * (kc / 256) + 16, 8) as usize);
+    let xb = tc_x_bytes(n_in).max(tc_x_bytes(n_ff)) as usize;
+    if buf + xb > PIPE_MAX_SMEM {
+        return Ok(false);
+    }
+    let nb = nb.min((PIPE_MAX_SMEM - xb) / buf).max(1);
+    let smem = nb * buf + xb;
+    let per_sm = f
+        .occupancy_max_active_blocks_per_multiprocessor(tc_block_dim(false).0, smem, None)
+        .context("ffn_down_for_norm: the fused kernel's occupancy")? as usize;
+    // Every block resident at once (the grid barrier), and one block per down group.
+    let blocks = n_ff.div_ceil(8).min(per_sm * be.sm_count);
+    if per_sm == 0 || blocks < n_in / 32 {
+        return Ok(false);
+    }
+    let mut guard = be
+        .matmul
+        .xqn
+        .lock()
+        .map_err(|_| anyhow!("matmul: norm plane scratch lock poisoned"))?;
+    let Some(p) = guard.as_mut() else {
+        return Ok(false);
+    };
+    if p.cap < n_in || p.src != Some(NormPlanes::key(be, &x.buf, norm, 1, n_in)) {
+        return Ok(false);
+    }
+    p.src = None;
+    let nw = super::ops::f32_vec(next, n_in)?;
+    let mut gb = be
+        .matmul
+        .gbar
+        .lock()
+        .map_err(|_| anyhow!("matmul: grid barrier lock poisoned"))?;
+    if gb.is_none() {
+        *gb = Some(be.stream.alloc_zeros::<u32>(2)?);
+    }
+    let gbar = gb
+        .as_mut()
+        .ok_or_else(|| anyhow!("ffn_down_for_norm: grid barrier missing"))?;
+    let (rb_i, rbd_i, n_ff_i, n_in_i, nb_i, kc_i) =
+        (rb as i64, rbd as i64, n_ff as i32, n_in as i32, nb as i32, kc as i32);
+    // The planes are read (x ⊙ n of the FFN norm) and rewritten (the next norm's) in place:
+    // every read before the kernel's grid barrier, every write after it.
+    let (pq, pd, ps) = (p.q.slice(..2 * n_in), p.d.slice(..n_in / 32 * 2), p.ss.slice(..n_in / 32));
+    // SAFETY: gate and up hold n_ff rows of rb bytes, down n_in rows of rbd (checked shapes,
+    // 16-byte rows); the planes hold one row of n_in with its scales and group sums; x n_in
+    // floats (the residual, read and written by one lane each), act n_ff; the grid is no larger
+    // than the resident blocks (the occupancy above: its grid barrier), with a block for each
+    // of the down's n_in / 32 groups; shared memory as gemvq_ffn_p_q80 lays it out.
+    unsafe {
+        be.stream
+            .kernel(f)
+            .arg(&gate.data)
+            .arg(&up.data)
+            .arg(&rb_i)
+            .arg(&n_ff_i)
+            .arg(&n_in_i)
+            .arg(&nb_i)
+            .arg(&pq)
+            .arg(&pd)
+            .arg(&ps)
+            .arg(&eps)
+            .arg(&mut act.buf)
+            .arg(&down.data)
+            .arg(&rbd_i)
+            .arg(&kc_i)
+            .arg(&mut x.buf)
+            .arg(&nw)
+            .arg(&pq)
+            .arg(&pd)
+            .arg(&ps)
+            .arg(gbar)
+            .launch(LaunchConfig {
+                grid_dim: (u32::try_from(blocks)?, 1, 1),
+                block_dim: tc_block_dim(false),
+                shared_mem_bytes: u32::try_from(smem)?,
+            })
+    }?;
+    p.src = Some(NormPlanes::key(be, &x.buf, next, 1, n_in));
+    Ok(true)
 }
 
 /// [`crate::Backend::prefetch_after_attention`]: at one row, the L2 prefetch that the next

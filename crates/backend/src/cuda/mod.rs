@@ -670,6 +670,19 @@ impl Backend for CudaBackend {
         Ok(false)
     }
 
+    fn ffn_down_for_norm(
+        &self,
+        x: &mut Act<CudaSlice<f32>>,
+        norm: (&CudaWeight, f32),
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        act: &mut Act<CudaSlice<f32>>,
+        down: &CudaWeight,
+        next: (&CudaWeight, f32),
+    ) -> Result<bool> {
+        matmul::ffn_down_for_norm(self, x, norm, gate, up, act, down, next)
+    }
+
     fn prefetch_after_attention(
         &self,
         o: &CudaWeight,

@@ -120,6 +120,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_FFN_FUSE",
+        Accepts::OneOf(&[0, 1]),
+        "1: the one-row Q8_0 SwiGLU (ring) and down projection handing the next norm over in one persistent launch with a grid barrier (gemvq_ffn_p_q8_0); 0 (default) three launches (MATMUL.md round 60)",
+    ),
+    (
         "FERRITE_L2PRE",
         Accepts::Range(0, 64),
         "MB of the one-row SwiGLU's first tiles prefetched into L2 by QK-norm + RoPE after its PDL wait (the attention's idle DRAM); 0 (default) none (DECODE_STEP.md)",
