@@ -2971,6 +2971,8 @@ pub fn ffn_down_for_norm(
     let gbar = gb
         .as_mut()
         .ok_or_else(|| anyhow!("ffn_down_for_norm: grid barrier missing"))?;
+    // FERRITE_DIAG_SKIP 32 / 64 (timing only): no quantization of h / no grid barrier.
+    let diag = (switches::diag_skip() >> 5) as i32;
     let (rb_i, rbd_i, n_ff_i, n_in_i, nb_i, kc_i) =
         (rb as i64, rbd as i64, n_ff as i32, n_in as i32, nb as i32, kc as i32);
     // The planes are read (x ⊙ n of the FFN norm) and rewritten (the next norm's) in place:
@@ -3004,6 +3006,7 @@ pub fn ffn_down_for_norm(
             .arg(&pd)
             .arg(&ps)
             .arg(gbar)
+            .arg(&diag)
             .launch(LaunchConfig {
                 grid_dim: (u32::try_from(blocks)?, 1, 1),
                 block_dim: tc_block_dim(false),

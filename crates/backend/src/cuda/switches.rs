@@ -136,8 +136,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_DIAG_SKIP",
-        Accepts::Range(0, 31),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8, 4 the Q8_0 o-projection handing the FFN norm over, 8 the decode attention, 16 QK-norm + RoPE (DECODE_STEP.md)",
+        Accepts::Range(0, 127),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8, 4 the Q8_0 o-projection handing the FFN norm over, 8 the decode attention, 16 QK-norm + RoPE; inside the fused Q8_0 FFN (FERRITE_FFN_FUSE) 32 the quantization of h, 64 the grid barrier (DECODE_STEP.md)",
     ),
     (
         "FERRITE_NORM_ROUTER",

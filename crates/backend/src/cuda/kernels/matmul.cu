@@ -2277,8 +2277,8 @@ __device__ __forceinline__ void gemvq_ffn_p_q80(const uint8_t* __restrict__ Wg, 
                                                 const uint8_t* __restrict__ Wd, long long rbd, int kc,
                                                 float* __restrict__ xres, const float* __restrict__ nw,
                                                 int8_t* pq, float2* pd,
-                                                float* pss2, unsigned* __restrict__ gbar, uint8_t* smem,
-                                                uint64_t* bars, uint64_t* dbars) {
+                                                float* pss2, unsigned* __restrict__ gbar, int diag,
+                                                uint8_t* smem, uint64_t* bars, uint64_t* dbars) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8, PAD = 16, SBB = Q8_0_UNIT_BYTES;
     const int tiles = (n_ff + NS - 1) / NS;
@@ -2363,9 +2363,10 @@ __device__ __forceinline__ void gemvq_ffn_p_q80(const uint8_t* __restrict__ Wg, 
                 if (2 * e + 1 < items) issue_d(2 * e + 1);
             }
     }
-    // Grid barrier: h complete.
+    // Grid barrier: h complete. (diag: FERRITE_DIAG_SKIP >> 5, timing only: 1 no quantization
+    // of h, 2 no barrier.)
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && !(diag & 2)) {
         volatile unsigned* vgen = gbar + 1;
         const unsigned gen = *vgen;
         __threadfence();
@@ -2381,19 +2382,24 @@ __device__ __forceinline__ void gemvq_ffn_p_q80(const uint8_t* __restrict__ Wg, 
     __syncthreads();
     if (!down) return;
     // h quantized into shared memory: the hi plane at xs, the lo plane n_ff + 64 bytes on, the
-    // groups' (d, d Σ) after both (tc_stage_x's layout), 8 groups a warp in flight.
-    {
+    // groups' (d, d Σ) after both (tc_stage_x's layout). Warp w takes groups w, w + 8, ...,
+    // HQ of them loaded at once (one L2 round trip for Qwen3-8B's 48 a warp at HQ 24: two).
+    constexpr int HQ = 24;
+    if (!(diag & 1)) {
         float2* hd = (float2*)(xs + 2 * n_ff + 128);
         const int ng = n_ff / QK;
-        for (int g0 = warp * 8; g0 < ng; g0 += GEMV_WARPS * 8) {
-            float v[8];
+        for (int g0 = warp; g0 < ng; g0 += GEMV_WARPS * HQ) {
+            float v[HQ];
 #pragma unroll
-            for (int u = 0; u < 8; u++)
-                if (g0 + u < ng) v[u] = __ldcg(h + (size_t)(g0 + u) * QK + lane);
+            for (int u = 0; u < HQ; u++) {
+                const int gi = g0 + GEMV_WARPS * u;
+                v[u] = gi < ng ? __ldcg(h + (size_t)gi * QK + lane) : 0.0f;
+            }
 #pragma unroll
-            for (int u = 0; u < 8; u++)
-                if (g0 + u < ng)
-                    quant_q8_lane(v[u], lane, (int8_t*)xs, n_ff + 64, (g0 + u) * QK + lane, hd + g0 + u);
+            for (int u = 0; u < HQ; u++) {
+                const int gi = g0 + GEMV_WARPS * u;
+                if (gi < ng) quant_q8_lane(v[u], lane, (int8_t*)xs, n_ff + 64, gi * QK + lane, hd + gi);
+            }
         }
     }
     __syncthreads();
@@ -2859,12 +2865,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
                         const float* pss, float eps, float* h,
                         const uint8_t* __restrict__ Wd, long long rbd, int kc, float* __restrict__ xres,
                         const float* __restrict__ nw, int8_t* pq, float2* pd,
-                        float* pss2, unsigned* __restrict__ gbar) {
+                        float* pss2, unsigned* __restrict__ gbar, int diag) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB], dbars[2 * PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
     gemvq_ffn_p_q80(Wg, Wu, rb, n_ff, n_in, nb, xq, xd, pss, eps, h, Wd, rbd, kc, xres, nw, pq, pd, pss2, gbar,
-                    gemv_smem, bars, dbars);
+                    diag, gemv_smem, bars, dbars);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
