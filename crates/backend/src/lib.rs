@@ -649,40 +649,6 @@ pub trait Backend: Send + Sync {
         self.matmul(h, wm, out)?;
         Ok(false)
     }
-    /// [`Backend::rms_norm_matmul_swiglu`] of `x` on the norm the o-projection handed over
-    /// ([`Backend::matmul_add_for_norm`] with `norm`) into `act`, then
-    /// [`Backend::matmul_add_for_norm`] of `act` through `down` into `x`, handing `next` over
-    /// to the next layer's Q, K, V: one op, so that a backend may run the FFN as one launch.
-    /// `false`: nothing was done (the caller runs the two ops). Nothing by default.
-    #[allow(clippy::too_many_arguments)]
-    fn ffn_down_for_norm(
-        &self,
-        x: &mut Act<Self::Buf>,
-        norm: (&Self::Weight, f32),
-        gate: &Self::Weight,
-        up: &Self::Weight,
-        act: &mut Act<Self::Buf>,
-        down: &Self::Weight,
-        next: (&Self::Weight, f32),
-    ) -> Result<bool> {
-        let _ = (x, norm, gate, up, act, down, next);
-        Ok(false)
-    }
-
-    /// A hint: the o-projection `o` and the SwiGLU `gate` / `up` after this layer's attention
-    /// will read their weights (at `rows` rows). A backend may start them towards its cache
-    /// during the attention's small phases (QK-norm + RoPE, the attention), which leave the
-    /// memory idle. Called just before [`Backend::qk_norm_rope`]; nothing by default.
-    fn prefetch_after_attention(
-        &self,
-        o: &Self::Weight,
-        gate: &Self::Weight,
-        up: &Self::Weight,
-        rows: usize,
-    ) -> Result<()> {
-        let _ = (o, gate, up, rows);
-        Ok(())
-    }
     /// Attention's query/key preparation in one op: on every `head_dim`-sized head of `q`
     /// and of `k`, the per-head RMSNorm where its weight is given (Qwen3's QK-norm), then
     /// the rotation of [`Backend::rope`]. Equals `head_rms_norm(q)`, `head_rms_norm(k)`,

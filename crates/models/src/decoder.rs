@@ -498,11 +498,6 @@ impl<B: Backend> Model<B> {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
             };
-            if !defer {
-                if let Some((wg, wu, _)) = handed_ffn(be, &l.wo, &l.ffn, t) {
-                    be.prefetch_after_attention(&l.wo, wg, wu, t)?;
-                }
-            }
             be.qk_norm_rope(q, k, qn, kn, a.head_dim, cfg.rms_eps, step, &cfg.rope)?;
             be.attention(
                 kv,
@@ -527,21 +522,14 @@ impl<B: Backend> Model<B> {
                 // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
                 // y = down(SwiGLU), added with the next norm below.
                 be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
+                be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
                 // x += down(act), handing the next layer's attention norm over to its Q, K, V
-                // where the backend can ([`Backend::defers_rms_norm_after`]): the whole FFN
-                // as one op where the backend fuses it.
-                let next = self
+                // where the backend can ([`Backend::defers_rms_norm_after`]).
+                if let Some(n) = self
                     .layers
                     .get(il + 1)
-                    .filter(|n| be.defers_rms_norm_after(wd, &[&n.wq, &n.wk, &n.wv], t));
-                if let Some(n) = next {
-                    if be.ffn_down_for_norm(x, norm, wg, wu, act, wd, (&n.attn_norm, cfg.rms_eps))? {
-                        handed = true;
-                        continue;
-                    }
-                }
-                be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
-                if let Some(n) = next {
+                    .filter(|n| be.defers_rms_norm_after(wd, &[&n.wq, &n.wk, &n.wv], t))
+                {
                     be.matmul_add_for_norm(act, wd, x, y, (&n.attn_norm, cfg.rms_eps))?;
                     handed = true;
                     continue;

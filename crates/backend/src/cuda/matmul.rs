@@ -148,12 +148,6 @@ pub struct Kernels {
     /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
     /// tensor-core tiles per persistent block; None: the lane code.
     swiglu_pipe: Option<(CudaFunction, usize)>,
-    /// `gemvq_ffn_p_q8_0_r1` (MATMUL.md round 60; `FERRITE_FFN_FUSE=1`): the one-row Q8_0
-    /// SwiGLU ring and its K-sliced down projection in one persistent launch; None: the
-    /// SwiGLU, quant_x and the down as three launches.
-    ffn_fused: Option<CudaFunction>,
-    /// The fused FFN's grid barrier: (arrivals, generation), zeroed once.
-    gbar: Mutex<Option<CudaSlice<u32>>>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -491,11 +485,6 @@ impl Kernels {
         } else {
             None
         };
-        let ffn_fused = if swiglu_pipe.is_some() && switches::int_or("FERRITE_FFN_FUSE", 0) == 1 {
-            Some(function_smem(&m, "gemvq_ffn_p_q8_0_r1", PIPE_MAX_SMEM)?)
-        } else {
-            None
-        };
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -586,8 +575,6 @@ impl Kernels {
             tckn_w4,
             tckn_q8,
             swiglu_pipe,
-            ffn_fused,
-            gbar: Mutex::new(None),
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -2867,232 +2854,6 @@ fn tckn_launch(
 /// The SwiGLU on the planes `matmul_add_for_norm` just left for this `x` and `norm`
 /// (`gemvq_swiglu_tcn_q4_k_r<R>`); `false` (nothing done) unless they are there and the
 /// weights take the form.
-/// The Q8_0 SwiGLU ring's launch (gemvq_swiglu_tcnp_q8_0_r1) for rows of `rb` bytes, `n_in`
-/// columns, `n_out` outputs: (kernel, blocks, ring buffers, shared memory); None where the
-/// ring is off or its tiles do not fit (the lane code runs). Whole rows of 16-byte units in
-/// the slots, 16 bytes apart beyond their length.
-fn swiglu_ring_plan(
-    be: &CudaBackend,
-    rb: usize,
-    n_in: usize,
-    n_out: usize,
-) -> Result<Option<(&CudaFunction, usize, usize, u32)>> {
-    let Some((f, nb)) = &be.matmul.swiglu_pipe else {
-        return Ok(None);
-    };
-    let buf = tc_smem(rb + 16, 8) as usize;
-    let x = tc_x_bytes(n_in) as usize;
-    if !(rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM) {
-        return Ok(None);
-    }
-    let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
-    let smem = u32::try_from(nb * buf + x)?;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(tc_block_dim(false).0, smem as usize, None)
-        .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
-        .max(1) as usize;
-    let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-    Ok(Some((f, blocks, nb, smem)))
-}
-
-/// [`crate::Backend::ffn_down_for_norm`] on CUDA: at one row, Q8_0 gate, up and down, the FFN
-/// norm's planes handed over by the o-projection and the down on the K-split plan, the SwiGLU
-/// and the down handing `next` over in one launch (`gemvq_ffn_p_q8_0_r1`, matmul.cu
-/// `gemvq_ffn_p_q80`); `false` (nothing done, the planes left for the two ops) elsewhere.
-#[allow(clippy::too_many_arguments)]
-pub fn ffn_down_for_norm(
-    be: &CudaBackend,
-    x: &mut Act<CudaSlice<f32>>,
-    (norm, eps): (&CudaWeight, f32),
-    gate: &CudaWeight,
-    up: &CudaWeight,
-    act: &mut Act<CudaSlice<f32>>,
-    down: &CudaWeight,
-    (next, _next_eps): (&CudaWeight, f32),
-) -> Result<bool> {
-    let Some(f) = be.matmul.ffn_fused.as_ref() else {
-        return Ok(false);
-    };
-    let q8 = |w: &CudaWeight| w.dtype == GgmlType::Q8_0 && w.shape.len() == 2;
-    if x.rows != 1 || !(q8(gate) && q8(up) && q8(down)) || gate.shape != up.shape {
-        return Ok(false);
-    }
-    let (n_ff, n_in) = (gate.shape[0], gate.shape[1]);
-    if down.shape != [n_in, n_ff] || x.cols != n_in || act.buf.len() < n_ff {
-        return Ok(false);
-    }
-    let Some((_, kc, _)) = tckn_plan(be, down, 1)? else {
-        return Ok(false);
-    };
-    let Some((_, _, nb, _)) = swiglu_ring_plan(be, gate.row_bytes(), n_in, n_ff)? else {
-        return Ok(false);
-    };
-    let (rb, rbd) = (gate.row_bytes(), down.row_bytes());
-    if !(rb.is_multiple_of(16) && rbd.is_multiple_of(16) && n_ff.is_multiple_of(kc) && kc.is_multiple_of(256)) {
-        return Ok(false);
-    }
-    // Buffers: two SwiGLU slots or four down slots (two items), whichever is larger; then x.
-    let buf = (tc_smem(rb + 16, 8) as usize).max(2 * tc_smem(rbd / (n_ff / 256) * (kc / 256) + 16, 8) as usize);
-    let xb = tc_x_bytes(n_in).max(tc_x_bytes(n_ff)) as usize;
-    if buf + xb > PIPE_MAX_SMEM {
-        return Ok(false);
-    }
-    let nb = nb.min((PIPE_MAX_SMEM - xb) / buf).max(1);
-    let smem = nb * buf + xb;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(tc_block_dim(false).0, smem, None)
-        .context("ffn_down_for_norm: the fused kernel's occupancy")? as usize;
-    // Every block resident at once (the grid barrier), and one block per down group.
-    let blocks = n_ff.div_ceil(8).min(per_sm * be.sm_count);
-    if per_sm == 0 || blocks < n_in / 32 {
-        return Ok(false);
-    }
-    let mut guard = be
-        .matmul
-        .xqn
-        .lock()
-        .map_err(|_| anyhow!("matmul: norm plane scratch lock poisoned"))?;
-    let Some(p) = guard.as_mut() else {
-        return Ok(false);
-    };
-    if p.cap < n_in || p.src != Some(NormPlanes::key(be, &x.buf, norm, 1, n_in)) {
-        return Ok(false);
-    }
-    p.src = None;
-    let nw = super::ops::f32_vec(next, n_in)?;
-    let mut gb = be
-        .matmul
-        .gbar
-        .lock()
-        .map_err(|_| anyhow!("matmul: grid barrier lock poisoned"))?;
-    if gb.is_none() {
-        *gb = Some(be.stream.alloc_zeros::<u32>(2)?);
-    }
-    let gbar = gb
-        .as_mut()
-        .ok_or_else(|| anyhow!("ffn_down_for_norm: grid barrier missing"))?;
-    // FERRITE_DIAG_SKIP 32 / 64 (timing only): no quantization of h / no grid barrier.
-    let diag = (switches::diag_skip() >> 5) as i32;
-    let (rb_i, rbd_i, n_ff_i, n_in_i, nb_i, kc_i) =
-        (rb as i64, rbd as i64, n_ff as i32, n_in as i32, nb as i32, kc as i32);
-    // The planes are read (x ⊙ n of the FFN norm) and rewritten (the next norm's) in place:
-    // every read before the kernel's grid barrier, every write after it.
-    let (pq, pd, ps) = (p.q.slice(..2 * n_in), p.d.slice(..n_in / 32 * 2), p.ss.slice(..n_in / 32));
-    // SAFETY: gate and up hold n_ff rows of rb bytes, down n_in rows of rbd (checked shapes,
-    // 16-byte rows); the planes hold one row of n_in with its scales and group sums; x n_in
-    // floats (the residual, read and written by one lane each), act n_ff; the grid is no larger
-    // than the resident blocks (the occupancy above: its grid barrier), with a block for each
-    // of the down's n_in / 32 groups; shared memory as gemvq_ffn_p_q80 lays it out.
-    unsafe {
-        be.stream
-            .kernel(f)
-            .arg(&gate.data)
-            .arg(&up.data)
-            .arg(&rb_i)
-            .arg(&n_ff_i)
-            .arg(&n_in_i)
-            .arg(&nb_i)
-            .arg(&pq)
-            .arg(&pd)
-            .arg(&ps)
-            .arg(&eps)
-            .arg(&mut act.buf)
-            .arg(&down.data)
-            .arg(&rbd_i)
-            .arg(&kc_i)
-            .arg(&mut x.buf)
-            .arg(&nw)
-            .arg(&pq)
-            .arg(&pd)
-            .arg(&ps)
-            .arg(gbar)
-            .arg(&diag)
-            .launch(LaunchConfig {
-                grid_dim: (u32::try_from(blocks)?, 1, 1),
-                block_dim: tc_block_dim(false),
-                shared_mem_bytes: u32::try_from(smem)?,
-            })
-    }?;
-    p.src = Some(NormPlanes::key(be, &x.buf, next, 1, n_in));
-    Ok(true)
-}
-
-/// [`crate::Backend::prefetch_after_attention`]: at one row, the L2 prefetch that the next
-/// `qk_norm_rope` issues after its PDL wait (ops.rs `L2Seg`), from two switches until measured
-/// (DECODE_STEP.md, "The attention half's idle DRAM"): `FERRITE_L2PRE` = MB of the SwiGLU's
-/// first tiles (the Q8_0 ring: the first k tiles of each persistent block, k from the budget;
-/// Q4_K's one-tile blocks: the first blocks' tiles), `FERRITE_L2PRE_O=1` the whole
-/// o-projection.
-pub fn prefetch_after_attention(
-    be: &CudaBackend,
-    o: &CudaWeight,
-    gate: &CudaWeight,
-    up: &CudaWeight,
-    rows: usize,
-) -> Result<()> {
-    let mb = usize::try_from(switches::int_or("FERRITE_L2PRE", 0))?;
-    let whole_o = switches::int_or("FERRITE_L2PRE_O", 0) == 1;
-    if rows != 1 || (mb == 0 && !whole_o) {
-        return Ok(());
-    }
-    let ptr = |w: &CudaWeight| {
-        let (p, _g) = w.data.device_ptr(&be.stream);
-        p
-    };
-    let mut segs = [super::ops::L2Seg::default(); 2];
-    let rb = gate.row_bytes();
-    if mb > 0
-        && gate.dtype == up.dtype
-        && gate.shape == up.shape
-        && gate.shape.len() == 2
-        && rb.is_multiple_of(16)
-    {
-        let (n_out, n_in) = (gate.shape[0], gate.shape[1]);
-        let tiles = n_out.div_ceil(8);
-        let (budget, tile_bytes) = (mb << 20, 16 * rb);
-        let ring = if gate.dtype == GgmlType::Q8_0 && be.matmul.swiglu_n_q8_0.is_some() {
-            swiglu_ring_plan(be, rb, n_in, n_out)?.map(|(_, blocks, _, _)| blocks)
-        } else {
-            None
-        };
-        let (g, k, nblk) = match ring {
-            Some(blocks) => (blocks, (budget / (blocks * tile_bytes)).max(1), blocks),
-            None => (tiles, 1, tiles.min((budget / tile_bytes).max(1))),
-        };
-        segs[0] = super::ops::L2Seg {
-            w: ptr(gate),
-            w2: ptr(up),
-            rb: i64::try_from(rb)?,
-            rows: i32::try_from(n_out)?,
-            th: 8,
-            tiles: i32::try_from(tiles)?,
-            g: i32::try_from(g)?,
-            k: i32::try_from(k)?,
-            nblk: i32::try_from(nblk)?,
-        };
-    }
-    let orb = o.row_bytes();
-    if whole_o && o.shape.len() == 2 && orb.is_multiple_of(16) {
-        let tiles = o.shape[0].div_ceil(32);
-        segs[1] = super::ops::L2Seg {
-            w: ptr(o),
-            w2: 0,
-            rb: i64::try_from(orb)?,
-            rows: i32::try_from(o.shape[0])?,
-            th: 32,
-            tiles: i32::try_from(tiles)?,
-            g: i32::try_from(tiles)?,
-            k: 1,
-            nblk: i32::try_from(tiles)?,
-        };
-    }
-    *be
-        .l2_pending
-        .lock()
-        .map_err(|_| anyhow!("prefetch_after_attention: lock poisoned"))? = Some(segs);
-    Ok(())
-}
-
 pub fn rms_norm_matmul_swiglu_handed(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -3145,36 +2906,48 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
-    let ring = if q8 && rows == 1 {
-        swiglu_ring_plan(be, rb, n_in, n_out)?
-    } else {
-        None
-    };
-    if let Some((f, blocks, nb, smem)) = ring {
-        let nb_i = nb as i32;
-        // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
-        // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
-        unsafe {
-            be.stream
-                .kernel(f)
-                .arg(&gate.data)
-                .arg(&up.data)
-                .arg(&rb_i)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(&nb_i)
-                .arg(&xqs)
-                .arg(&xd)
-                .arg(&mut out.buf)
-                .arg(&ss)
-                .arg(&eps)
-                .launch(LaunchConfig {
-                    grid_dim: (u32::try_from(blocks)?, 1, 1),
-                    block_dim: tc_block_dim(false),
-                    shared_mem_bytes: smem,
-                })
-        }?;
-        return Ok(true);
+    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
+        // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
+        // bytes apart beyond their length.
+        // FERRITE_SWIGLU_SPAN=1: one copy of a tile's 8 rows, rows rb apart (MATMUL.md round 61).
+        let span = i32::from(switches::int_or("FERRITE_SWIGLU_SPAN", 0) == 1);
+        let buf = tc_smem(rb + if span == 1 { 0 } else { 16 }, 8) as usize;
+        let x = tc_x_bytes(n_in) as usize;
+        if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
+            let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
+            let smem = u32::try_from(nb * buf + x)?;
+            let block_dim = tc_block_dim(false);
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(block_dim.0, smem as usize, None)
+                .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
+                .max(1) as usize;
+            let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
+            let nb_i = nb as i32;
+            // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
+            // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
+            unsafe {
+                be.stream
+                    .kernel(f)
+                    .arg(&gate.data)
+                    .arg(&up.data)
+                    .arg(&rb_i)
+                    .arg(&n_out_i)
+                    .arg(&n_in_i)
+                    .arg(&nb_i)
+                    .arg(&span)
+                    .arg(&xqs)
+                    .arg(&xd)
+                    .arg(&mut out.buf)
+                    .arg(&ss)
+                    .arg(&eps)
+                    .launch(LaunchConfig {
+                        grid_dim: (u32::try_from(blocks)?, 1, 1),
+                        block_dim,
+                        shared_mem_bytes: smem,
+                    })
+            }?;
+            return Ok(true);
+        }
     }
     if let (true, Some(fs), None) = (q8, &be.matmul.swiglu_n_q8_0, &tc) {
         let ks_i = ks as i32;

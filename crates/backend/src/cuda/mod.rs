@@ -78,9 +78,6 @@ pub struct CudaBackend {
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
-    /// The L2 prefetch [`Backend::prefetch_after_attention`] asked for, taken by the next
-    /// `qk_norm_rope` launch (ops.rs), which issues it after its PDL wait.
-    pub l2_pending: std::sync::Mutex<Option<[ops::L2Seg; 2]>>,
 }
 
 /// The bf16 decoders shared by the prefill matmul kernels (`matmul.cu`'s `mm_`, the wgmma
@@ -249,7 +246,6 @@ impl CudaBackend {
             attention: attention::Kernels::load(&ctx, arch)?,
             moe: moe::Kernels::load(&ctx, arch)?,
             gated_delta: gated_delta::Kernels::load(&ctx, arch)?,
-            l2_pending: std::sync::Mutex::new(None),
             ctx,
             stream,
             arch,
@@ -668,29 +664,6 @@ impl Backend for CudaBackend {
         self.add_rms_norm(x, y, w, eps, h)?;
         self.matmul(h, wm, out)?;
         Ok(false)
-    }
-
-    fn ffn_down_for_norm(
-        &self,
-        x: &mut Act<CudaSlice<f32>>,
-        norm: (&CudaWeight, f32),
-        gate: &CudaWeight,
-        up: &CudaWeight,
-        act: &mut Act<CudaSlice<f32>>,
-        down: &CudaWeight,
-        next: (&CudaWeight, f32),
-    ) -> Result<bool> {
-        matmul::ffn_down_for_norm(self, x, norm, gate, up, act, down, next)
-    }
-
-    fn prefetch_after_attention(
-        &self,
-        o: &CudaWeight,
-        gate: &CudaWeight,
-        up: &CudaWeight,
-        rows: usize,
-    ) -> Result<()> {
-        matmul::prefetch_after_attention(self, o, gate, up, rows)
     }
 
     fn qk_norm_rope(

@@ -459,29 +459,6 @@ pub fn add_rms_norm_gemv(
     Ok(true)
 }
 
-/// One weight's L2 prefetch (elementwise.cu `L2Seg`, issued by `qk_norm_rope` after its PDL
-/// wait; [`super::matmul::prefetch_after_attention`] fills it): the weight's `rows` rows of
-/// `rb` bytes (and the same rows of `w2` where it is not null) are `tiles` tiles of `th`
-/// rows, dealt to `g` consumer blocks in contiguous ranges (block b: tiles b·tiles/g ..);
-/// the first `k` tiles of blocks 0 .. nblk are prefetched, one bulk prefetch a block and
-/// matrix. nblk = 0: nothing.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct L2Seg {
-    pub w: u64,
-    pub w2: u64,
-    pub rb: i64,
-    pub rows: i32,
-    pub th: i32,
-    pub tiles: i32,
-    pub g: i32,
-    pub k: i32,
-    pub nblk: i32,
-}
-// SAFETY: plain data (#[repr(C)], elementwise.cu's L2Seg: two pointers, a long long and six
-// ints), passed by value.
-unsafe impl super::launch::ScalarArg for L2Seg {}
-
 /// Rotary pairs per lane of `qk_norm_rope` (QKR_PAIRS in elementwise.cu).
 const QKR_PAIRS: usize = 4;
 
@@ -531,17 +508,9 @@ pub fn qk_norm_rope(
     let null: u64 = 0;
     // 8 warps per block; one warp per (row, head).
     let cfg = grid_1d(warps * 32, 256);
-    // The prefetch asked for just before (prefetch_after_attention), if any.
-    let l2 = be
-        .l2_pending
-        .lock()
-        .map_err(|_| anyhow::anyhow!("qk_norm_rope: prefetch lock poisoned"))?
-        .take()
-        .unwrap_or_default();
     // SAFETY: q is [rows, q_heads·head_dim], k [rows, k_heads·head_dim] (checked, same rows
     // as the step); norm weights hold head_dim floats (f32_vec); the kernel returns for
-    // warps past rows·(q_heads + k_heads); the prefetch spans lie inside the model's weights
-    // (prefetch_after_attention), which outlive the launch.
+    // warps past rows·(q_heads + k_heads).
     unsafe {
         let mut b = be.stream.kernel(&be.ops.qk_norm_rope);
         b.arg(&mut q.buf).arg(&mut k.buf);
@@ -562,8 +531,6 @@ pub fn qk_norm_rope(
             .arg(&neox)
             .arg(&rope.theta)
             .arg(&eps)
-            .arg(&l2[0])
-            .arg(&l2[1])
             .launch(cfg)
     }?;
     Ok(())

@@ -120,24 +120,9 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up experts of Q4_K on the tensor cores: 0 the lane code, 1 on (MOE.md)",
     ),
     (
-        "FERRITE_FFN_FUSE",
-        Accepts::OneOf(&[0, 1]),
-        "1: the one-row Q8_0 SwiGLU (ring) and down projection handing the next norm over in one persistent launch with a grid barrier (gemvq_ffn_p_q8_0); 0 (default) three launches (MATMUL.md round 60)",
-    ),
-    (
-        "FERRITE_L2PRE",
-        Accepts::Range(0, 64),
-        "MB of the one-row SwiGLU's first tiles prefetched into L2 by QK-norm + RoPE after its PDL wait (the attention's idle DRAM); 0 (default) none (DECODE_STEP.md)",
-    ),
-    (
-        "FERRITE_L2PRE_O",
-        Accepts::OneOf(&[0, 1]),
-        "1: the one-row o-projection's whole weight prefetched into L2 by QK-norm + RoPE after its PDL wait; 0 (default) not (DECODE_STEP.md)",
-    ),
-    (
         "FERRITE_DIAG_SKIP",
-        Accepts::Range(0, 127),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8, 4 the Q8_0 o-projection handing the FFN norm over, 8 the decode attention, 16 QK-norm + RoPE; inside the fused Q8_0 FFN (FERRITE_FFN_FUSE) 32 the quantization of h, 64 the grid barrier (DECODE_STEP.md)",
+        Accepts::Range(0, 31),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8, 4 the Q8_0 o-projection handing the FFN norm over, 8 the decode attention, 16 QK-norm + RoPE (DECODE_STEP.md)",
     ),
     (
         "FERRITE_NORM_ROUTER",
@@ -228,6 +213,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_SWIGLU_PIPE",
         Accepts::Range(0, 8),
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
+    ),
+    (
+        "FERRITE_SWIGLU_SPAN",
+        Accepts::OneOf(&[0, 1]),
+        "the Q8_0 SwiGLU ring (FERRITE_SWIGLU_PIPE): 1 a tile's 8 gate and 8 up rows as one bulk copy each (rows unpadded in shared memory), 0 (default) a copy a row (MATMUL.md round 61)",
     ),
     (
         "FERRITE_QKV_VTC",

@@ -190,42 +190,11 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 // Rotary pairs per lane held in registers by qk_norm_rope (head_dim <= 256: half <= 128).
 #define QKR_PAIRS 4
 
-// An L2 prefetch of weights a later kernel of the step will stream (ops.rs L2Seg): rows of rb
-// bytes in tiles of th rows, dealt to g consumer blocks in contiguous ranges; the first k tiles
-// of blocks 0 .. nblk (of w, and of w2 where not null), one cp.async.bulk.prefetch.L2 (the TMA
-// engine: no registers, no shared memory, the instruction returns at once) per block and matrix.
-struct L2Seg {
-    const uint8_t* w;
-    const uint8_t* w2;
-    long long rb;
-    int rows, th, tiles, g, k, nblk;
-};
-// Thread gt of nt issues spans gt, gt + nt, ...: block b's gate span, then its up span.
-__device__ __forceinline__ void l2_prefetch_seg(const L2Seg& s, int gt, int nt) {
-#if __CUDA_ARCH__ >= 900
-    const int nm = s.w2 != nullptr ? 2 : 1;
-    for (int i = gt; i < nm * s.nblk; i += nt) {
-        const int b = i / nm, m = i % nm;
-        const int lo = (int)((long long)b * s.tiles / s.g), hi = (int)((long long)(b + 1) * s.tiles / s.g);
-        const int t1 = lo + s.k < hi ? lo + s.k : hi;
-        const long long r0 = (long long)lo * s.th;
-        const long long r1 = (long long)t1 * s.th < (long long)s.rows ? (long long)t1 * s.th : (long long)s.rows;
-        if (r1 <= r0) continue;
-        const uint8_t* a = (m ? s.w2 : s.w) + r0 * s.rb;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((uint32_t)((r1 - r0) * s.rb))
-                     : "memory");
-    }
-#endif
-}
-
-// pre0, pre1: weights of the o-projection and the SwiGLU after the attention, prefetched into
-// L2 after the PDL wait (the Q, K, V before this kernel has finished streaming; the attention
-// after it leaves the DRAM idle). DECODE_STEP.md, "The attention half's idle DRAM".
 extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
                                         const float* __restrict__ qw, const float* __restrict__ kw,
                                         const int* __restrict__ positions, int rows, int q_heads,
                                         int k_heads, int head_dim, int rot_dim, int neox,
-                                        float theta, float eps, L2Seg pre0, L2Seg pre1) {
+                                        float theta, float eps) {
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     long long nq = (long long)rows * q_heads;
@@ -250,11 +219,6 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
         }
     }
     PDL_ENTRY();
-    if (pre0.nblk > 0 || pre1.nblk > 0) {
-        const int gt = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
-        l2_prefetch_seg(pre1, gt, nt);  // the o-projection first: it reads first
-        l2_prefetch_seg(pre0, gt, nt);
-    }
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp;
     int t;

@@ -1704,16 +1704,11 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 // warp (the Q4_K tile's lifetime moves 1,152).
 // W4: as gemvq_tc_q4k's (four warps, the eight-warp kernel's partials in its order).
 #define Q8_0_UNIT_BYTES (8 * Q8_0_BYTES)
-// ACC (eight warps): no store; the sums continue from and return to accio (the caller's
-// accumulators of this thread: a tile streamed in K slices, gemvq_ffn_p_q80's down), which
-// then stores them (tc_store).
-template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false, bool ACC = false>
+template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr,
-                                             float (*accio)[2] = nullptr) {
-    static_assert(!ACC || !W4, "gemvq_tc_q80: ACC is the eight-warp tile's");
+                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1, j = t >> 1;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1731,10 +1726,6 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     float acc[R][2], acc2[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
-    if constexpr (ACC) {
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r][0] = accio[r][0], acc[r][1] = accio[r][1];
-    }
     constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' unit stride
     int nsw = 0;  // W4: units taken (which set acc is)
     for (int sb = warp; sb < nsb; sb += WS) {
@@ -1782,11 +1773,6 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     }
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
-    }
-    if constexpr (ACC) {
-#pragma unroll
-        for (int r = 0; r < R; r++) accio[r][0] = acc[r][0], accio[r][1] = acc[r][1];
-        return;
     }
     tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
 }
@@ -2193,8 +2179,11 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  contiguous range [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
 //  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
+// span (FERRITE_SWIGLU_SPAN=1, MATMUL.md round 61): a tile's 8 gate rows and 8 up rows as one
+// bulk copy each (rows rb apart in the slots: four-way bank conflicts in gemvq_tc_q80) instead
+// of a copy a row.
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                   long long rb, int n_out, int n_in, int nb,
+                                                   long long rb, int n_out, int n_in, int nb, int span,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                    float* __restrict__ out, const float* __restrict__ pss,
                                                    float eps, uint8_t* smem, uint64_t* bars) {
@@ -2203,7 +2192,7 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     const int tiles = (n_out + NS - 1) / NS;
     const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
-    const long long srs = rb + PAD;
+    const long long srs = rb + (span ? 0 : PAD);
     const size_t slot = tc_slot(srs, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2212,6 +2201,12 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         const int r0 = i * NS, nrows = min(NS, n_out - r0);
         if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
         __syncwarp();
+        if (span) {
+            if (lane < 2)
+                bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)lane * slot,
+                           (size_t)((lane ? W2 : W) + (size_t)r0 * (size_t)rb), (uint32_t)(nrows * rb));
+            return;
+        }
         const int m = lane / NS, j = lane % NS;
         if (lane < 2 * NS && j < nrows)
             bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs,
@@ -2241,188 +2236,6 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
             b = 0;
             ph ^= 1;
         }
-    }
-#endif
-}
-
-// The one-row Q8_0 FFN after a handed-over norm, SwiGLU and down projection in one persistent
-// launch (gemvq_ffn_p_q8_0_r1; matmul.rs `ffn_down_for_norm`, FERRITE_FFN_FUSE; MATMUL.md
-// round 60). Why: the ring SwiGLU, the quant_x launch and the K-split down each start and
-// drain their own stream (tools/h200/copy_shape_bench.cu: a 107 MB copy kernel ~27 µs, a
-// 53.5 MB one ~15, against ~24 and ~12 at the 1 GB rate); one launch can have the down's
-// weights in flight while the SwiGLU's last tiles compute and while h is quantized.
-//  Phase 1 (gemvq_swiglu_p_q80's ring): block b takes SwiGLU tiles [b T / G, (b + 1) T / G)
-//   through nb buffers; each tile's silu(gate) up goes to h in global memory. A buffer that
-//   takes no further SwiGLU tile takes two down items instead (below), so the DRAM keeps
-//   streaming into the block while its last tiles compute.
-//  Grid barrier: every block (all resident: one per SM, the grid no larger than the resident
-//   blocks) arrives on gbar[0]; the last resets it and advances gbar[1], which the others
-//   wait on (a generation, so graph replays need no reset).
-//  Phase 2 (blocks p < n_in / 32; the down's 32-row group p over all K slices, as round 58's
-//   gemvq_tckr_q80): h quantized into shared memory by quant_q8_lane (quant_x_q8's bits);
-//   items j = (tile j % 2 of the group, slice j / 2) of kc columns through D = 2 nb down
-//   slots (each half a ring buffer; item j in slot 2 ((bf + j / 2) % nb) + j % 2, bf the first
-//   buffer phase 1 freed), the two tiles' sums carried in registers (gemvq_tc_q80 ACC), then
-//   tc_store into shared memory and warp 0's add_norm_lane: x += down(h), the planes of
-//   x ⊙ n and the group's Σ x² for the next layer's NORM Q, K, V.
-//  Shared memory: nb buffers of BS bytes (BS = max(two SwiGLU slots, four down slots)), then
-//   x (the SwiGLU's input, later the quantized h).
-//  The planes it reads (x ⊙ n of the FFN norm: xq, xd, pss) and writes (the next norm's: pq,
-//  pd, pss2) are the same scratch: every read is before the grid barrier, every write after
-//  it (so no __restrict__ on them).
-__device__ __forceinline__ void gemvq_ffn_p_q80(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu,
-                                                long long rb, int n_ff, int n_in, int nb,
-                                                const int8_t* xq, const float2* xd,
-                                                const float* pss, float eps, float* h,
-                                                const uint8_t* __restrict__ Wd, long long rbd, int kc,
-                                                float* __restrict__ xres, const float* __restrict__ nw,
-                                                int8_t* pq, float2* pd,
-                                                float* pss2, unsigned* __restrict__ gbar, int diag,
-                                                uint8_t* smem, uint64_t* bars, uint64_t* dbars) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8, PAD = 16, SBB = Q8_0_UNIT_BYTES;
-    const int tiles = (n_ff + NS - 1) / NS;
-    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
-    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
-    const long long srs = rb + PAD;
-    const size_t slot = tc_slot(srs, NS);
-    const long long dsrb = (long long)(kc / QK_K) * SBB, dsrs = dsrb + PAD;
-    const size_t dslot = tc_slot(dsrs, NS);
-    const size_t bs = 2 * slot > 4 * dslot ? 2 * slot : 4 * dslot;
-    uint8_t* xs = smem + (size_t)nb * bs;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int pair = blockIdx.x, r0d = pair * 32;
-    const bool down = r0d < n_in;  // the down's outputs: n_in rows
-    const int ks = (n_ff + kc - 1) / kc, items = 2 * ks, D = 2 * nb;
-    const int bf = ((hi - nb - lo) % nb + nb) % nb;  // the first buffer phase 1 frees
-    auto dslot_of = [&](int j) { return 2 * ((bf + j / 2) % nb) + (j & 1); };
-    // Warp 0: SwiGLU tile i into buffer b.
-    auto issue = [&](int i, int b) {
-        const int r0 = i * NS, nrows = min(NS, n_ff - r0);
-        if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
-        __syncwarp();
-        const int m = lane / NS, jr = lane % NS;
-        if (lane < 2 * NS && jr < nrows)
-            bulk_g2s_w(bars + b, smem + (size_t)b * bs + (size_t)m * slot + (size_t)jr * (size_t)srs,
-                       (size_t)((m ? Wu : Wg) + (size_t)(r0 + jr) * (size_t)rb), (uint32_t)rb);
-    };
-    // Warp 0: down item j (tile j % 2 of the group, slice j / 2) into its slot.
-    auto issue_d = [&](int j) {
-        const int sl = dslot_of(j);
-        uint8_t* base = smem + (size_t)(sl / 2) * bs + (size_t)(sl % 2) * 2 * dslot;
-        const int rt = r0d + 16 * (j & 1), k0 = (j >> 1) * kc, kn = min(kc, n_ff - k0);
-        const int nrows = min(2 * NS, n_in - rt);
-        const long long srb = (long long)(kn / QK_K) * SBB;
-        if (lane == 0) mbar_expect(dbars + sl, (uint32_t)(nrows * srb));
-        __syncwarp();
-        if (lane < nrows)
-            bulk_g2s_w(dbars + sl, base + (size_t)(lane / NS) * dslot + (size_t)(lane % NS) * (size_t)dsrs,
-                       (size_t)(Wd + (size_t)(rt + lane) * (size_t)rbd + (size_t)(k0 / QK_K) * SBB),
-                       (uint32_t)srb);
-    };
-    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
-    if (threadIdx.x >= 32 && threadIdx.x < 32 + D) mbar_init(dbars + threadIdx.x - 32);
-    __syncthreads();
-    if (warp == 0)
-        for (int b = 0; b < nb && lo + b < hi; b++) issue(lo + b, b);
-    PDL_ENTRY();
-    __shared__ float sn[1];
-    {
-        TcXStage st;
-        tc_stage_x_load(st, xq, xd, n_in);
-        tc_norm_scale<1>(pss, n_in, 1, eps, sn);
-        tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
-    }
-    {
-        const float2* da = (const float2*)(xs + 2 * n_in + 128);
-        int e = 0;  // buffers freed for good
-        for (int i = lo, b = 0, ph = 0; i < hi; i++) {
-            mbar_wait(bars + b, (uint32_t)ph);
-            uint8_t* s0 = smem + (size_t)b * bs;
-            gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_ff, n_in, (const int8_t*)xs, da, 1, h, i * NS,
-                                              n_in + 64, 0, sn);
-            __syncthreads();  // buffer b read by every warp
-            if (warp == 0) {
-                if (i + nb < hi) {
-                    issue(i + nb, b);
-                } else if (down) {  // buffer b is free for good: down items 2e, 2e + 1
-                    if (2 * e < items) issue_d(2 * e);
-                    if (2 * e + 1 < items) issue_d(2 * e + 1);
-                }
-            }
-            if (i + nb >= hi) e++;
-            if (++b == nb) {
-                b = 0;
-                ph ^= 1;
-            }
-        }
-        // Buffers phase 1 never used (fewer tiles than buffers: not on the launcher's shapes).
-        if (warp == 0 && down)
-            for (; e < nb; e++) {
-                if (2 * e < items) issue_d(2 * e);
-                if (2 * e + 1 < items) issue_d(2 * e + 1);
-            }
-    }
-    // Grid barrier: h complete. (diag: FERRITE_DIAG_SKIP >> 5, timing only: 1 no quantization
-    // of h, 2 no barrier.)
-    __syncthreads();
-    if (threadIdx.x == 0 && !(diag & 2)) {
-        volatile unsigned* vgen = gbar + 1;
-        const unsigned gen = *vgen;
-        __threadfence();
-        if (atomicAdd(gbar, 1u) == gridDim.x - 1) {
-            gbar[0] = 0;
-            __threadfence();
-            atomicAdd(gbar + 1, 1u);
-        } else {
-            while (*vgen == gen) __nanosleep(20);
-        }
-        __threadfence();
-    }
-    __syncthreads();
-    if (!down) return;
-    // h quantized into shared memory: the hi plane at xs, the lo plane n_ff + 64 bytes on, the
-    // groups' (d, d Σ) after both (tc_stage_x's layout). Warp w takes groups w, w + 8, ...,
-    // HQ of them loaded at once (one L2 round trip for Qwen3-8B's 48 a warp at HQ 24: two).
-    constexpr int HQ = 24;
-    if (!(diag & 1)) {
-        float2* hd = (float2*)(xs + 2 * n_ff + 128);
-        const int ng = n_ff / QK;
-        for (int g0 = warp; g0 < ng; g0 += GEMV_WARPS * HQ) {
-            float v[HQ];
-#pragma unroll
-            for (int u = 0; u < HQ; u++) {
-                const int gi = g0 + GEMV_WARPS * u;
-                v[u] = gi < ng ? __ldcg(h + (size_t)gi * QK + lane) : 0.0f;
-            }
-#pragma unroll
-            for (int u = 0; u < HQ; u++) {
-                const int gi = g0 + GEMV_WARPS * u;
-                if (gi < ng) quant_q8_lane(v[u], lane, (int8_t*)xs, n_ff + 64, gi * QK + lane, hd + gi);
-            }
-        }
-    }
-    __syncthreads();
-    const float2* dh = (const float2*)(xs + 2 * n_ff + 128);
-    float acc0[1][2] = {{0.0f, 0.0f}}, acc1[1][2] = {{0.0f, 0.0f}};
-    for (int j = 0; j < items; j++) {
-        const int sl = dslot_of(j), k = j >> 1, k0 = k * kc, kn = min(kc, n_ff - k0);
-        mbar_wait(dbars + sl, (uint32_t)((j / D) & 1));
-        uint8_t* s0 = smem + (size_t)(sl / 2) * bs + (size_t)(sl % 2) * 2 * dslot;
-        gemvq_tc_q80<1, false, true, false, false, true>(s0, s0 + dslot, (long long)(kn / QK_K) * SBB + PAD, n_in,
-                                                         n_ff, (const int8_t*)xs + k0, dh + k0 / QK, 1, nullptr, 0,
-                                                         n_ff + 64, kn, nullptr, (j & 1) ? acc1 : acc0);
-        __syncthreads();  // the slot read by every warp
-        if (warp == 0 && j + D < items) issue_d(j + D);
-    }
-    __shared__ float sums[32];
-    tc_store<1, false>(acc0, 1, sums, 32, 0);
-    __syncthreads();  // tc_store's reduction buffer read before the second tile's sums
-    tc_store<1, false>(acc1, 1, sums, 32, 16);
-    __syncthreads();
-    if (warp == 0) {
-        const int o = r0d + lane;
-        add_norm_lane(xres + o, sums[lane], nw[o], lane, pq, n_in, o, pd + pair, pss2 + pair);
     }
 #endif
 }
@@ -2849,28 +2662,13 @@ GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 // per SM.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
+                              int n_out, int n_in, int nb, int span, const int8_t* __restrict__ xq,
                               const float2* __restrict__ xd, float* __restrict__ out,
                               const float* __restrict__ pss, float eps) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
-}
-// gemvq_ffn_p_q8_0_r1: the one-row Q8_0 SwiGLU and down in one persistent launch
-// (gemvq_ffn_p_q80), eight warps, one block per SM.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
-    gemvq_ffn_p_q8_0_r1(const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_ff,
-                        int n_in, int nb, const int8_t* xq, const float2* xd,
-                        const float* pss, float eps, float* h,
-                        const uint8_t* __restrict__ Wd, long long rbd, int kc, float* __restrict__ xres,
-                        const float* __restrict__ nw, int8_t* pq, float2* pd,
-                        float* pss2, unsigned* __restrict__ gbar, int diag) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB], dbars[2 * PIPE_MAX_NB];
-    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_ffn_p_q80(Wg, Wu, rb, n_ff, n_in, nb, xq, xd, pss, eps, h, Wd, rbd, kc, xres, nw, pq, pd, pss2, gbar,
-                    diag, gemv_smem, bars, dbars);
+    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, span, xq, xd, out, pss, eps, gemv_smem, bars);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
