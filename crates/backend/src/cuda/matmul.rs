@@ -2909,9 +2909,7 @@ pub fn rms_norm_matmul_swiglu_handed(
     if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
         // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
         // bytes apart beyond their length.
-        // FERRITE_SWIGLU_SPAN=1: one copy of a tile's 8 rows, rows rb apart (MATMUL.md round 61).
-        let span = i32::from(switches::int_or("FERRITE_SWIGLU_SPAN", 0) == 1);
-        let buf = tc_smem(rb + if span == 1 { 0 } else { 16 }, 8) as usize;
+        let buf = tc_smem(rb + 16, 8) as usize;
         let x = tc_x_bytes(n_in) as usize;
         if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
@@ -2934,7 +2932,6 @@ pub fn rms_norm_matmul_swiglu_handed(
                     .arg(&n_out_i)
                     .arg(&n_in_i)
                     .arg(&nb_i)
-                    .arg(&span)
                     .arg(&xqs)
                     .arg(&xd)
                     .arg(&mut out.buf)

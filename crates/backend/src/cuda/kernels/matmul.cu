@@ -2179,11 +2179,8 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  contiguous range [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
 //  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
-// span (FERRITE_SWIGLU_SPAN=1, MATMUL.md round 61): a tile's 8 gate rows and 8 up rows as one
-// bulk copy each (rows rb apart in the slots: four-way bank conflicts in gemvq_tc_q80) instead
-// of a copy a row.
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                   long long rb, int n_out, int n_in, int nb, int span,
+                                                   long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                    float* __restrict__ out, const float* __restrict__ pss,
                                                    float eps, uint8_t* smem, uint64_t* bars) {
@@ -2192,7 +2189,7 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     const int tiles = (n_out + NS - 1) / NS;
     const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
     const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
-    const long long srs = rb + (span ? 0 : PAD);
+    const long long srs = rb + PAD;
     const size_t slot = tc_slot(srs, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2201,12 +2198,6 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         const int r0 = i * NS, nrows = min(NS, n_out - r0);
         if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
         __syncwarp();
-        if (span) {
-            if (lane < 2)
-                bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)lane * slot,
-                           (size_t)((lane ? W2 : W) + (size_t)r0 * (size_t)rb), (uint32_t)(nrows * rb));
-            return;
-        }
         const int m = lane / NS, j = lane % NS;
         if (lane < 2 * NS && j < nrows)
             bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs,
@@ -2662,13 +2653,13 @@ GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 // per SM.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                              int n_out, int n_in, int nb, int span, const int8_t* __restrict__ xq,
+                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
                               const float2* __restrict__ xd, float* __restrict__ out,
                               const float* __restrict__ pss, float eps) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, span, xq, xd, out, pss, eps, gemv_smem, bars);
+    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
