@@ -220,11 +220,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",
     ),
     (
-        "FERRITE_QKV_ROPE",
-        Accepts::OneOf(&[0, 1]),
-        "QK-norm + RoPE folded into the one-row grouped Q, K, V launch (the last block of each head normalises and rotates it): 1 (default), 0 the qk_norm_rope launch after it (DECODE_STEP.md, 23rd session)",
-    ),
-    (
         "FERRITE_QKV_VFIRST",
         Accepts::OneOf(&[0, 1]),
         "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 (default) its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",
