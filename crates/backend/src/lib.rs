@@ -290,18 +290,6 @@ pub struct Rope {
     pub rot_dim: usize,
 }
 
-/// The arguments of [`Backend::qk_norm_rope`] after its q and k, for the ops that end with
-/// it ([`Backend::rms_norm_qkv_rope`]).
-#[derive(Clone, Copy)]
-pub struct QkRope<'a, W, I> {
-    pub q_norm: Option<&'a W>,
-    pub k_norm: Option<&'a W>,
-    pub head_dim: usize,
-    pub eps: f32,
-    pub step: &'a StepInput<I>,
-    pub rope: &'a Rope,
-}
-
 /// Shape of a (grouped-query) attention layer.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -579,55 +567,6 @@ pub trait Backend: Send + Sync {
     ) -> Result<()> {
         self.rms_norm(x, norm, eps, h)?;
         self.matmuls(h, ws, outs)
-    }
-
-    /// The attention's q, k, v from the residual: [`Backend::rms_norm_matmuls`] of `ws` =
-    /// [wq, wk, wv] into `outs` = [q, k, v], then [`Backend::qk_norm_rope`] on q and k. A
-    /// backend may do both in one launch (CUDA at one decode row, on a norm handed over by the
-    /// layer before: the Q, K, V launch's last block of each head normalises and rotates it).
-    fn rms_norm_qkv_rope(
-        &self,
-        x: &Act<Self::Buf>,
-        norm: (&Self::Weight, f32),
-        ws: [&Self::Weight; 3],
-        [q, k, v]: [&mut Act<Self::Buf>; 3],
-        h: &mut Act<Self::Buf>,
-        qk: QkRope<'_, Self::Weight, Self::IBuf>,
-    ) -> Result<()> {
-        self.rms_norm_matmuls(x, norm, &ws, &mut [&mut *q, &mut *k, v], h)?;
-        self.qk_norm_rope(
-            q,
-            k,
-            qk.q_norm,
-            qk.k_norm,
-            qk.head_dim,
-            qk.eps,
-            qk.step,
-            qk.rope,
-        )
-    }
-
-    /// [`Backend::matmuls`] of `ws` = [wq, wk, wv] on the normed `h` into `outs` = [q, k, v],
-    /// then [`Backend::qk_norm_rope`] on q and k ([`Backend::rms_norm_qkv_rope`] without the
-    /// norm).
-    fn qkv_rope(
-        &self,
-        h: &Act<Self::Buf>,
-        ws: [&Self::Weight; 3],
-        [q, k, v]: [&mut Act<Self::Buf>; 3],
-        qk: QkRope<'_, Self::Weight, Self::IBuf>,
-    ) -> Result<()> {
-        self.matmuls(h, &ws, &mut [&mut *q, &mut *k, v])?;
-        self.qk_norm_rope(
-            q,
-            k,
-            qk.q_norm,
-            qk.k_norm,
-            qk.head_dim,
-            qk.eps,
-            qk.step,
-            qk.rope,
-        )
     }
 
     /// `act = silu(gate · h) ⊙ (up · h)` with `h = rms_norm(x) · norm`

@@ -31,7 +31,7 @@ use ferrite_backend::cuda::matmul as cuda_matmul;
 use ferrite_backend::cuda::CudaBackend;
 use ferrite_backend::{
     Act, AttnArgs, AttnShape, Backend, DeltaArgs, DeltaShape, ExpertWeights, HostTensor,
-    MoeRouting, QkRope, Rope, RopeStyle, StepInput,
+    MoeRouting, Rope, RopeStyle, StepInput,
 };
 use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
@@ -279,9 +279,6 @@ const OPS: &[&str] = &[
     // and the down projection's handing the attention norm's to the Q, K, V (then
     // rms_norm_matmuls).
     "matmul_add_for_norm",
-    // The same with QK-norm + RoPE after the Q, K, V (its cases run qkv_rope where the norm
-    // is not handed over).
-    "rms_norm_qkv_rope",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -397,9 +394,7 @@ enum Op {
     /// then `rms_norm_matmuls`; else `matmul`, `add_rms_norm` and `matmuls`. The down
     /// projection `[n_in, down.1]` of type `down.0` on a random input; Q, K `[n_outs[0|1],
     /// n_in]` of type `ty`, V of `ty_v`; `x` a random residual (restored before the op).
-    /// Checked: q, the residual after the op, k, v (each apart). `qk_rope` (head_dim, rope,
-    /// first position): q and k then through QK-norm + RoPE as the decoder runs it, by
-    /// `rms_norm_qkv_rope` (CUDA at one row: folded into the Q, K, V launch).
+    /// Checked: q, the residual after the op, k, v (each apart).
     AddNormMatmuls {
         ty: GgmlType,
         ty_v: GgmlType,
@@ -407,7 +402,6 @@ enum Op {
         n_outs: [usize; 3],
         rows: usize,
         down: (GgmlType, usize),
-        qk_rope: Option<(usize, Rope, usize)>,
     },
     Rope {
         rows: usize,
@@ -707,23 +701,11 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_outs: [nq, nk, nv],
             rows,
             down: (ty_d, down),
-            qk_rope,
         } => (
-            if qk_rope.is_some() {
-                "rms_norm_qkv_rope"
-            } else {
-                "matmul_add_for_norm"
-            },
-            match qk_rope {
-                None => format!(
-                    "matmul_add+matmuls(rms_norm) {ty_d} {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
-                ),
-                Some((hd, rope, pos0)) => format!(
-                    "matmul_add+matmuls(rms_norm)+qk_norm_rope {ty_d} {down}->{n_in} {ty}+{ty_v} \
-                     {n_in}->{nq}+{nk}+{nv} {:?} hd={hd} rot={} θ={} rows={rows} pos0={pos0}",
-                    rope.style, rope.rot_dim, rope.theta
-                ),
-            },
+            "matmul_add_for_norm",
+            format!(
+                "matmul_add+matmuls(rms_norm) {ty_d} {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
+            ),
         ),
         Op::Rope {
             rows,
@@ -1415,48 +1397,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             n_outs,
             rows,
             down,
-            qk_rope: None,
-        });
-    }
-    // The same with QK-norm + RoPE after it (folded into the Q, K, V launch where the CUDA
-    // backend can): Qwen3-8B's and Qwen3-30B-A3B's shapes, NeoX over 128 dims at positions 0
-    // and 1000; a partial rotary over 64 and the adjacent pairs; 64-dim heads (two Q8_0 and
-    // four tile blocks a head). Two rows: the separate launch.
-    let neox = |rot_dim| Rope {
-        style: RopeStyle::Neox,
-        theta: 1e6,
-        rot_dim,
-    };
-    let adjacent = Rope {
-        style: RopeStyle::Adjacent,
-        theta: 1e4,
-        rot_dim: 128,
-    };
-    let qkr: &[_] = if quick {
-        &[(q8, q8, 512, [384, 128, 128], 1, (q8, 1024), (128, neox(128), 7))]
-    } else {
-        let d8 = [4096, 1024, 1024];
-        &[
-            (q4, q6, 4096, d8, 1, (q4, 12288), (128, neox(128), 0)),
-            (q4, q6, 4096, d8, 1, (q6, 12288), (128, neox(128), 1000)),
-            (q4, q4, 4096, d8, 1, (q4, 12288), (128, neox(64), 31)),
-            (q8, q8, 4096, d8, 1, (q8, 12288), (128, neox(128), 1000)),
-            (q8, q8, 4096, d8, 1, (q8, 12288), (128, adjacent, 5)),
-            (q8, q8, 4096, d8, 1, (q8, 12288), (64, neox(64), 77)),
-            (q4, q6, 4096, d8, 1, (q6, 12288), (64, neox(64), 77)),
-            (q4, q6, 2048, [4096, 512, 512], 1, (q6, 6144), (128, neox(128), 300)),
-            (q4, q6, 4096, d8, 2, (q6, 12288), (128, neox(128), 9)),
-        ]
-    };
-    for &(ty, ty_v, n_in, n_outs, rows, down, qk_rope) in qkr {
-        add(Op::AddNormMatmuls {
-            ty,
-            ty_v,
-            n_in,
-            n_outs,
-            rows,
-            down,
-            qk_rope: Some(qk_rope),
         });
     }
 
@@ -2368,7 +2308,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             n_outs,
             rows,
             down,
-            qk_rope,
         } => {
             push_norm_weight(&mut h, &mut rng, n_in);
             for (i, &n_out) in n_outs.iter().enumerate() {
@@ -2399,16 +2338,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 gen_weight(ty_d, &[n_in, down], seed ^ 0xd0e1)?,
             ));
             h.acts.push((rng.normals(rows * down, 1.0), rows, down));
-            // QK-norm + RoPE: the q and k norm weights (w[5], w[6]) and the row positions.
-            if let Some((head_dim, _, pos0)) = qk_rope {
-                for _ in 0..2 {
-                    let w: Vec<f32> = (0..head_dim).map(|_| 1.0 + 0.1 * rng.normal()).collect();
-                    h.weights
-                        .push((GgmlType::F32, vec![head_dim], f32_bytes(&w)));
-                }
-                h.tokens = vec![0; rows];
-                h.pos0 = pos0;
-            }
         }
         Op::RmsNormMatmulSwiglu {
             ty,
@@ -3126,39 +3055,13 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 .chain(p.more.iter_mut())
                 .collect();
             let wd = &p.w[4];
-            let Op::AddNormMatmuls { qk_rope, .. } = op else {
-                unreachable!()
-            };
-            let defer = be.defers_rms_norm_after(wd, &ws, act.rows);
-            if defer {
+            if be.defers_rms_norm_after(wd, &ws, act.rows) {
                 be.matmul_add_for_norm(act, wd, x, y, norm)?;
-            } else {
-                be.matmul(act, wd, y)?;
-                be.add_rms_norm(x, y, norm.0, EPS, h)?;
+                return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
             }
-            let Some((head_dim, rope, _)) = qk_rope else {
-                return if defer {
-                    be.rms_norm_matmuls(x, norm, &ws, &mut outs, h)
-                } else {
-                    be.matmuls(h, &ws, &mut outs)
-                };
-            };
-            let [q, k, v] = &mut outs[..] else {
-                bail!("matmul_add+matmuls: expected 3 outputs")
-            };
-            let qk = QkRope {
-                q_norm: Some(&p.w[5]),
-                k_norm: Some(&p.w[6]),
-                head_dim: *head_dim,
-                eps: EPS,
-                step: &p.step,
-                rope,
-            };
-            let ws = [ws[0], ws[1], ws[2]];
-            if defer {
-                return be.rms_norm_qkv_rope(x, norm, ws, [q, k, v], h, qk);
-            }
-            be.qkv_rope(h, ws, [q, k, v], qk)
+            be.matmul(act, wd, y)?;
+            be.add_rms_norm(x, y, norm.0, EPS, h)?;
+            be.matmuls(h, &ws, &mut outs)
         }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
@@ -3665,8 +3568,6 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
         // x ⊙ norm are the quantized GEMV's x, 1/rms applied after the dot products, as for
         // the FFN's hand-over). The residual: x + y in f32, bitwise add_rms_norm's sum, y the
         // down projection's output (the matmul threshold of its type and shape).
-        // With QK-norm + RoPE after them, q and k add its threshold (their errors are the
-        // matmul's, normalised per head, plus the rotation's angle error).
         Op::AddNormMatmuls {
             ty,
             ty_v,
@@ -3674,20 +3575,12 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
             n_outs: [nq, nk, nv],
             rows,
             down,
-            qk_rope,
-        } => {
-            let qkr = if qk_rope.is_some() {
-                QK_NORM_ROPE_NMSE
-            } else {
-                0.0
-            };
-            vec![
-                matmul_nmse(*ty, *nq, *rows) + qkr,
-                matmul_nmse(down.0, *n_in, *rows),
-                matmul_nmse(*ty, *nk, *rows) + qkr,
-                matmul_nmse(*ty_v, *nv, *rows),
-            ]
-        }
+        } => vec![
+            matmul_nmse(*ty, *nq, *rows),
+            matmul_nmse(down.0, *n_in, *rows),
+            matmul_nmse(*ty, *nk, *rows),
+            matmul_nmse(*ty_v, *nv, *rows),
+        ],
         _ => Vec::new(),
     }
 }

@@ -24,7 +24,7 @@
 //! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
-use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, PagedKv, QkRope, StepInput};
+use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, PagedKv, StepInput};
 
 use crate::config::{ModelConfig, MoeConfig};
 use crate::source::{ModelFile, Tensor};
@@ -483,30 +483,22 @@ impl<B: Backend> Model<B> {
         let mut handed = false;
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
+            if defer || handed {
+                be.rms_norm_matmuls(
+                    x,
+                    (&l.attn_norm, cfg.rms_eps),
+                    &[&l.wq, &l.wk, &l.wv],
+                    &mut [&mut *q, &mut *k, &mut *v],
+                    h,
+                )?;
+            } else {
+                be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
+            }
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
             };
-            let qk = QkRope {
-                q_norm: qn,
-                k_norm: kn,
-                head_dim: a.head_dim,
-                eps: cfg.rms_eps,
-                step,
-                rope: &cfg.rope,
-            };
-            if defer || handed {
-                be.rms_norm_qkv_rope(
-                    x,
-                    (&l.attn_norm, cfg.rms_eps),
-                    [&l.wq, &l.wk, &l.wv],
-                    [&mut *q, &mut *k, &mut *v],
-                    h,
-                    qk,
-                )?;
-            } else {
-                be.qkv_rope(h, [&l.wq, &l.wk, &l.wv], [&mut *q, &mut *k, &mut *v], qk)?;
-            }
+            be.qk_norm_rope(q, k, qn, kn, a.head_dim, cfg.rms_eps, step, &cfg.rope)?;
             be.attention(
                 kv,
                 step,

@@ -129,10 +129,6 @@ pub struct Kernels {
     /// The grouped Q, K, V kernels on the attention input's handed-over norm
     /// ([`hands_norm_to_qkv`]; sm_90+, `FERRITE_NORM_QKV` ≠ 0).
     qkv_norm: Option<QkvNorm>,
-    /// The fold of QK-norm + RoPE into `qkv_norm`'s launches (`FERRITE_QKV_ROPE`, on by
-    /// default with them; [`rms_norm_qkv_rope_handed`]): its per-head counters, allocated
-    /// by the first step that folds.
-    qkv_rope: Option<Mutex<Option<CudaSlice<u32>>>>,
     /// `gemvq_tckn_q4_k_r1`: the K-split Q4_K down projection's pair tickets
     /// (`FERRITE_NORM_QKV=2`, the default).
     tckn: Option<CudaFunction>,
@@ -573,8 +569,6 @@ impl Kernels {
             xqn: Mutex::new(None),
             swiglu_n_q8_0,
             add_n_q8_0,
-            qkv_rope: (qkv_norm.is_some() && switches::int_or("FERRITE_QKV_ROPE", 1) != 0)
-                .then(|| Mutex::new(None)),
             qkv_norm,
             tckn,
             tck_w4,
@@ -1743,36 +1737,6 @@ struct GemvSegs {
 // SAFETY: plain old data laid out as the C struct (6 pointers, 5 ints).
 unsafe impl super::launch::ScalarArg for GemvSegs {}
 
-/// Kernel argument of the NORM Q, K, V launches (`QkrFold` in matmul.cu): QK-norm + RoPE
-/// folded into them, the last block of each q or k head normalising and rotating it
-/// (`FERRITE_QKV_ROPE`; [`rms_norm_qkv_rope_handed`]). All zero: no fold.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct QkrFold {
-    tickets: u64,
-    qw: u64,
-    kw: u64,
-    positions: u64,
-    head_dim: i32,
-    rot_dim: i32,
-    neox: i32,
-    theta: f32,
-    eps: f32,
-    /// The C struct's tail padding (4 pointers + 5 four-byte fields = 52 bytes, aligned to 8).
-    _pad: i32,
-}
-
-// SAFETY: plain old data laid out as the C struct (4 pointers, 5 four-byte fields, padding).
-unsafe impl super::launch::ScalarArg for QkrFold {}
-
-/// Heads the fold's counters cover (q's and k's together); more: the separate launch.
-const QKR_MAX_HEADS: usize = 1024;
-/// Rotary dimensions the fold holds per head (QKR_FOLD_PAIRS in matmul.cu: 4 pairs a lane).
-const QKR_MAX_ROT: usize = 256;
-/// Rows of a NORM Q, K, V block at most (the tile's 16; the lane code's 16 / ks): the fold
-/// needs head_dim at least this, so that a block touches at most two heads.
-const QKR_BLOCK_ROWS: usize = 16;
-
 /// Which decode GEMV a weight takes at `rows` rows, for grouping in [`matmuls`]: `Some(true)`
 /// the quantized-x one, `Some(false)` the f32-x one (float types, and small-output quantized
 /// weights), `None` neither (prefill rows).
@@ -1796,19 +1760,6 @@ pub fn matmuls(
     ws: &[&CudaWeight],
     outs: &mut [&mut Act<CudaSlice<f32>>],
 ) -> Result<()> {
-    matmuls_with(be, x, ws, outs, QkrFold::default()).map(|_| ())
-}
-
-/// [`matmuls`], with `fold` passed to the launch of the first three weights where they are
-/// one grouped quantized-x launch; whether they were.
-fn matmuls_with(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-    fold: QkrFold,
-) -> Result<bool> {
-    let mut folded = false;
     ensure!(
         ws.len() == outs.len(),
         "matmuls: {} weights, {} outputs",
@@ -1882,15 +1833,7 @@ fn matmuls_with(
         }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
-            Some(q) if j - i >= 2 => {
-                let f = if q && i == 0 && j == 3 {
-                    folded = true;
-                    fold
-                } else {
-                    QkrFold::default()
-                };
-                multi_launch(be, x, xq, q, &ws[i..j], group, None, f)?
-            }
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group, None)?,
             Some(true) => {
                 let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
@@ -1906,7 +1849,7 @@ fn matmuls_with(
         }
         i = j;
     }
-    Ok(folded)
+    Ok(())
 }
 
 /// One launch of 2–3 weights of one type and row length (checked by the caller): the
@@ -1921,7 +1864,6 @@ fn multi_launch(
     ws: &[&CudaWeight],
     outs: Vec<&mut &mut Act<CudaSlice<f32>>>,
     handed: Option<(&NormPlanes, f32)>,
-    fold: QkrFold,
 ) -> Result<()> {
     use cudarc::driver::DevicePtrMut;
     let (t, n_in, rows) = (ws[0].dtype, ws[0].shape[1], x.rows);
@@ -2093,8 +2035,6 @@ fn multi_launch(
         if let Some((ss, eps)) = &sums {
             launch.arg(ss).arg(eps);
         }
-        // Every grouped quantized-x kernel ends with the QK-norm + RoPE fold (zero: none).
-        launch.arg(&fold);
         // SAFETY: every weight holds n rows of rb bytes (the mixed form's third n2 rows of
         // rb2) and every output rows×n floats (checked by matmuls); the scratch, or the
         // handed-over planes, hold rows×n_in quantized values with their scales (and, handed
@@ -2802,139 +2742,9 @@ fn takes_handed(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<boo
 pub fn rms_norm_matmuls_handed(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
-    norm: (&CudaWeight, f32),
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-) -> Result<bool> {
-    handed_launch(be, x, norm, ws, outs, QkrFold::default())
-}
-
-/// [`rms_norm_matmuls_handed`] into q, k, v with QK-norm + RoPE folded into the launch (the
-/// last block of each q or k head normalises and rotates it: matmul.cu `qkr_fold`), so no
-/// `qk_norm_rope` launch follows; `false` (nothing done) where the fold or the handed-over
-/// launch does not apply ([`with_fold`]).
-pub fn rms_norm_qkv_rope_handed(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    norm: (&CudaWeight, f32),
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-    qk: &crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
-) -> Result<bool> {
-    with_fold(be, x, ws, outs, qk, |outs, fold| {
-        handed_launch(be, x, norm, ws, outs, fold)
-    })
-}
-
-/// [`matmuls`] of [wq, wk, wv] into q, k, v with QK-norm + RoPE folded into their grouped
-/// launch, as [`rms_norm_qkv_rope_handed`]; `false` (nothing done) unless the three are one
-/// quantized-x launch at one row and the fold applies.
-pub fn qkv_rope(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-    qk: &crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
-) -> Result<bool> {
-    let [a, b, c] = ws else {
-        return Ok(false);
-    };
-    // matmuls' grouping: one quantized-x launch of the three (one type, or the mixed pair).
-    let one = ws.iter().all(|w| gemv_path(w, x.rows) == Some(true))
-        && ws.iter().all(|w| w.shape[1] == a.shape[1])
-        && a.dtype == b.dtype
-        && (c.dtype == a.dtype || mixed_kernels(be, a.dtype, c.dtype).is_some());
-    if !one {
-        return Ok(false);
-    }
-    with_fold(be, x, ws, outs, qk, |outs, fold| {
-        let folded = matmuls_with(be, x, ws, outs, fold)?;
-        ensure!(folded, "matmuls: the Q, K, V were not one launch for the QK-norm + RoPE fold");
-        Ok(true)
-    })
-}
-
-/// The fold's checks and argument, for `launch` (which returns whether it ran): `false`
-/// (nothing done) with `FERRITE_QKV_ROPE=0`, more than one row, heads shorter than a block's
-/// rows, more than 256 rotary dimensions or [`QKR_MAX_HEADS`] heads.
-fn with_fold(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-    qk: &crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
-    launch: impl FnOnce(&mut [&mut Act<CudaSlice<f32>>], QkrFold) -> Result<bool>,
-) -> Result<bool> {
-    use cudarc::driver::DevicePtrMut;
-    let Some(tickets) = be.matmul.qkv_rope.as_ref() else {
-        return Ok(false);
-    };
-    let [q, k, _] = &outs[..] else {
-        return Ok(false);
-    };
-    if x.rows != 1 || ws.len() != 3 {
-        return Ok(false);
-    }
-    let len = |w: &CudaWeight| w.shape.iter().product::<usize>();
-    let (hd, rot) = (qk.head_dim, qk.rope.rot_dim);
-    crate::check_qk_norm_rope(
-        q,
-        k,
-        [qk.q_norm.map(len), qk.k_norm.map(len)],
-        hd,
-        qk.step,
-        qk.rope,
-    )?;
-    if hd < QKR_BLOCK_ROWS
-        || rot > QKR_MAX_ROT
-        || ws[0].shape[0] != q.cols
-        || ws[1].shape[0] != k.cols
-        || q.cols / hd + k.cols / hd > QKR_MAX_HEADS
-    {
-        return Ok(false);
-    }
-    let qw = qk.q_norm.map(|w| super::ops::f32_vec(w, hd)).transpose()?;
-    let kw = qk.k_norm.map(|w| super::ops::f32_vec(w, hd)).transpose()?;
-    let mut tickets = tickets
-        .lock()
-        .map_err(|_| anyhow!("matmul: QK-norm + RoPE ticket lock poisoned"))?;
-    if tickets.is_none() {
-        // Zeroed once (by the first step that folds, an eager one: never inside a captured
-        // graph); every launch leaves them zero again.
-        *tickets = Some(be.stream.alloc_zeros::<u32>(QKR_MAX_HEADS)?);
-    }
-    let Some(t) = tickets.as_mut() else {
-        bail!("matmul: QK-norm + RoPE tickets missing");
-    };
-    let (tp, _gt) = t.device_ptr_mut(&be.stream);
-    let (pp, _gp) = qk.step.positions.device_ptr(&be.stream);
-    let qwp = qw.as_ref().map(|v| v.device_ptr(&be.stream));
-    let kwp = kw.as_ref().map(|v| v.device_ptr(&be.stream));
-    // The kernel reads: QKR_MAX_HEADS counters (≥ q's and k's heads, checked above), the
-    // norm weights' head_dim floats (f32_vec), the one row's position (check_qk_norm_rope);
-    // q and k are the launch's first two outputs.
-    let fold = QkrFold {
-        tickets: tp,
-        qw: qwp.as_ref().map_or(0, |p| p.0),
-        kw: kwp.as_ref().map_or(0, |p| p.0),
-        positions: pp,
-        head_dim: i32::try_from(hd)?,
-        rot_dim: i32::try_from(rot)?,
-        neox: i32::from(qk.rope.style == crate::RopeStyle::Neox),
-        theta: qk.rope.theta,
-        eps: qk.eps,
-        _pad: 0,
-    };
-    launch(outs, fold)
-}
-
-fn handed_launch(
-    be: &CudaBackend,
-    x: &Act<CudaSlice<f32>>,
     (norm, eps): (&CudaWeight, f32),
     ws: &[&CudaWeight],
     outs: &mut [&mut Act<CudaSlice<f32>>],
-    fold: QkrFold,
 ) -> Result<bool> {
     let rows = x.rows;
     let mut guard = be
@@ -2963,7 +2773,7 @@ fn handed_launch(
         );
     }
     let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.iter_mut().collect();
-    multi_launch(be, x, None, true, ws, group, Some((p, eps)), fold)?;
+    multi_launch(be, x, None, true, ws, group, Some((p, eps)))?;
     Ok(true)
 }
 

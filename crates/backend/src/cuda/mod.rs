@@ -540,68 +540,6 @@ impl Backend for CudaBackend {
         self.matmuls(h, ws, outs)
     }
 
-    fn rms_norm_qkv_rope(
-        &self,
-        x: &Act<CudaSlice<f32>>,
-        norm: (&CudaWeight, f32),
-        ws: [&CudaWeight; 3],
-        [q, k, v]: [&mut Act<CudaSlice<f32>>; 3],
-        h: &mut Act<CudaSlice<f32>>,
-        qk: crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
-    ) -> Result<()> {
-        if matmul::rms_norm_qkv_rope_handed(
-            self,
-            x,
-            norm,
-            &ws,
-            &mut [&mut *q, &mut *k, &mut *v],
-            &qk,
-        )? {
-            return Ok(());
-        }
-        // rms_norm_matmuls without the fold, or the norm then the plain launch with it.
-        let mut outs = [&mut *q, &mut *k, &mut *v];
-        if matmul::rms_norm_matmuls_handed(self, x, norm, &ws, &mut outs)?
-            || matmul::rms_norm_matmuls(self, x, norm, &ws, &mut outs)?
-        {
-            return self.qk_norm_rope(
-                q,
-                k,
-                qk.q_norm,
-                qk.k_norm,
-                qk.head_dim,
-                qk.eps,
-                qk.step,
-                qk.rope,
-            );
-        }
-        self.rms_norm(x, norm.0, norm.1, h)?;
-        self.qkv_rope(h, ws, [q, k, v], qk)
-    }
-
-    fn qkv_rope(
-        &self,
-        h: &Act<CudaSlice<f32>>,
-        ws: [&CudaWeight; 3],
-        [q, k, v]: [&mut Act<CudaSlice<f32>>; 3],
-        qk: crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
-    ) -> Result<()> {
-        if matmul::qkv_rope(self, h, &ws, &mut [&mut *q, &mut *k, &mut *v], &qk)? {
-            return Ok(());
-        }
-        self.matmuls(h, &ws, &mut [&mut *q, &mut *k, v])?;
-        self.qk_norm_rope(
-            q,
-            k,
-            qk.q_norm,
-            qk.k_norm,
-            qk.head_dim,
-            qk.eps,
-            qk.step,
-            qk.rope,
-        )
-    }
-
     fn rms_norm_matmul_swiglu(
         &self,
         x: &Act<CudaSlice<f32>>,

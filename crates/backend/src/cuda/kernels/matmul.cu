@@ -2359,96 +2359,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     }
 }
 
-// QK-norm + RoPE folded into the one-row grouped Q, K, V launches (gemvq_multi*_r1, plain and
-// NORM; matmul.rs `QkrFold`, `FERRITE_QKV_ROPE`; DECODE_STEP.md, 23rd session). tickets ==
-// null: no fold (the launch as before; every R > 1 form takes the argument and ignores it). Otherwise one counter per head (q's heads, then k's): after a Q or K block has
-// stored its rows, it adds their count to its head's counter (`tail_ticket`: one fence and one
-// atomic a block); the block that completes a head's head_dim rows normalises and rotates it
-// with warp 0, exactly as `qk_norm_rope` (elementwise.cu) does for one (row, head) — the same
-// expressions in the same order, the head read back through L2 (__ldcg: other blocks wrote
-// it) — and re-arms the counter for the next launch. What it saves: the qk_norm_rope launch
-// between the Q, K, V and the attention (its PDL hand-offs and its own ~1.8 µs). What it
-// costs: a fence and an atomic on every Q and K block (the launch is one wave, so no later
-// block waits for their slots) and one L2 round trip plus the head's arithmetic on the last
-// block's path. A block covers at most 16 rows and head_dim >= 16 (checked by the launcher),
-// so it touches at most two heads. Warp 0 loads its norm weights and computes its rotation
-// before the ticket, so only the head's own loads follow it. Rows: one (the NORM kernels).
-struct QkrFold {
-    unsigned* tickets;
-    const float* qw;  // q's norm weight (head_dim floats), or null: no norm
-    const float* kw;
-    const int* positions;
-    int head_dim, rot_dim, neox;
-    float theta, eps;
-};
-#define QKR_FOLD_PAIRS 4  // rotary pairs per lane: rot_dim <= 256 (the launcher checks)
-
-__device__ __forceinline__ void qkr_fold(const QkrFold& f, int s, int bx, int ks, float* __restrict__ out,
-                                         int n_out, int q_heads) {
-    if (f.tickets == nullptr || s > 1) return;  // block-uniform
-    const int hd = f.head_dim, half = f.rot_dim / 2, lane = threadIdx.x & 31;
-    const float* w = s == 0 ? f.qw : f.kw;
-    const bool norm = w != nullptr;
-    float wa[QKR_FOLD_PAIRS], wb[QKR_FOLD_PAIRS], cs[QKR_FOLD_PAIRS], sn[QKR_FOLD_PAIRS];
-    if (threadIdx.x < 32) {
-        const float pos = (float)f.positions[0];
-#pragma unroll
-        for (int j = 0; j < QKR_FOLD_PAIRS; j++) {
-            const int p = lane + 32 * j;
-            wa[j] = wb[j] = 1.f;
-            cs[j] = 1.f;
-            sn[j] = 0.f;
-            if (p < half) {
-                if (norm) {
-                    wa[j] = w[f.neox ? p : 2 * p];
-                    wb[j] = w[f.neox ? p + half : 2 * p + 1];
-                }
-                const float inv_freq = 1.0f / powf(f.theta, (float)(2 * p) / (float)f.rot_dim);
-                const float a = pos * inv_freq;
-                cs[j] = cosf(a);
-                sn[j] = sinf(a);
-            }
-        }
-    }
-    const int per_block = (GEMV_WARPS / ks) * GEMV_NW;  // 16: the tile's rows, or the lane code's
-    const int r0 = bx * per_block, r1 = min(r0 + per_block, n_out);
-    __shared__ unsigned qkr_last;
-    for (int h = r0 / hd; h <= (r1 - 1) / hd; h++) {
-        const int n = min(r1, (h + 1) * hd) - max(r0, h * hd);
-        unsigned* t = f.tickets + (s == 0 ? 0 : q_heads) + h;
-        tail_ticket(t, (unsigned)n, (unsigned)hd, &qkr_last);
-        if (!qkr_last || threadIdx.x >= 32) continue;
-        float* hp = out + (size_t)h * hd;
-        float scale = 1.f;
-        if (norm) {
-            float ss = 0.f;
-            for (int i = lane; i < hd; i += 32) {
-                const float v = __ldcg(hp + i);
-                ss += v * v;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            scale = rsqrtf(ss / (float)hd + f.eps);
-        }
-#pragma unroll
-        for (int j = 0; j < QKR_FOLD_PAIRS; j++) {
-            const int p = lane + 32 * j;
-            if (p >= half) break;
-            const int ia = f.neox ? p : 2 * p, ib = f.neox ? p + half : 2 * p + 1;
-            float x0 = __ldcg(hp + ia), x1 = __ldcg(hp + ib);
-            if (norm) {
-                x0 = (x0 * scale) * wa[j];
-                x1 = (x1 * scale) * wb[j];
-            }
-            hp[ia] = x0 * cs[j] - x1 * sn[j];
-            hp[ib] = x0 * sn[j] + x1 * cs[j];
-        }
-        if (norm)
-            for (int i = f.rot_dim + lane; i < hd; i += 32) hp[i] = (__ldcg(hp + i) * scale) * w[i];
-        if (lane == 0) *t = 0u;  // every block of this head has arrived: re-armed for the next launch
-    }
-}
-
 // One family of quantized-x GEMV kernels: gemvq<TCN>_<name>_r<R> (plain), gemvq_swiglu<TCN>_...
 // and gemvq_multi<TCN>_... (TCN empty: the lane code; _tc: the tensor-core form, TC = true);
 // LB: the parenthesised __launch_bounds__ arguments.
@@ -2468,14 +2378,13 @@ __device__ __forceinline__ void qkr_fold(const QkrFold& f, int s, int bx, int ks
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##name##_r##R(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq, \
-                                         const float2* __restrict__ xd, int rows, int ks, QkrFold qf) {      \
+                                         const float2* __restrict__ xd, int rows, int ks) {                  \
         int bx = blockIdx.x;                                                                                 \
         const int s = gemv_seg(sg, bx);                                                                      \
         const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
         float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
         gemvq<TYPE, R, false, TC>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx);                         \
-        if (R == 1) qkr_fold(qf, s, bx, ks, out, n_out, sg.n0 / max(qf.head_dim, 1));                       \
     }
 #define GEMVQ_KERNEL(name, TYPE, R) GEMVQ_KERNEL_FAM(name, TYPE, R, false, , (GEMV_WARPS * 32))
 // gemvq_tc_<q4_k|q6_k>_r<R> and their SwiGLU / grouped forms: gemvq_tc_q4k / gemvq_tc_q6k
@@ -2535,16 +2444,13 @@ __device__ __forceinline__ void qkr_fold(const QkrFold& f, int s, int bx, int ks
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##na##_##nb##_r##R(GemvSegs sg, long long rb, long long rb2, int n_in,            \
                                               const int8_t* __restrict__ xq, const float2* __restrict__ xd,  \
-                                              int rows, int ks, int ks2, QkrFold qf) {                       \
+                                              int rows, int ks, int ks2) {                                   \
         int bx = mixed_bx<VF>();                                                                             \
         const int s = gemv_seg(sg, bx);                                                                      \
         if (s < 2) {                                                                                         \
             const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
             gemvq<TA, R, false, TC>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,                    \
                                     s == 0 ? sg.out0 : sg.out1, ks, bx);                                     \
-            if (R == 1)                                                                                      \
-                qkr_fold(qf, s, bx, ks, s == 0 ? sg.out0 : sg.out1, s == 0 ? sg.n0 : sg.n1,                  \
-                         sg.n0 / max(qf.head_dim, 1));                                                       \
         } else {                                                                                             \
             gemvq<TB, R, false, TC2>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2, ks2, bx);        \
         }                                                                                                    \
@@ -2585,20 +2491,18 @@ GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
 // The grouped Q, K, V launch on the attention input's handed-over norm (gemvq's NORM; one
 // row: matmul.rs `rms_norm_matmuls_handed`): gemvq_multi_tcn_q4_k_r1 (the tensor-core form),
 // gemvq_multi_tcn_q4_k_q6_k_r1 (Q4_K Q, K on it + Q6_K V on the lane code, as the mixed
-// launch) and gemvq_multi_n_q8_0_r1 (the lane code). Bounds as their plain forms'. `qf`: the
-// QK-norm + RoPE fold above (tickets null: off).
+// launch) and gemvq_multi_n_q8_0_r1 (the lane code). Bounds as their plain forms'.
 #define GEMVQ_MULTI_NORM_KERNEL(name, TYPE, TC, TCN, LB)                                                     \
     extern "C" __global__ void __launch_bounds__ LB                                                          \
         gemvq_multi##TCN##_##name##_r1(GemvSegs sg, long long rb, int n_in, const int8_t* __restrict__ xq,   \
                                        const float2* __restrict__ xd, int rows, int ks,                      \
-                                       const float* __restrict__ pss, float eps, QkrFold qf) {               \
+                                       const float* __restrict__ pss, float eps) {                           \
         int bx = blockIdx.x;                                                                                 \
         const int s = gemv_seg(sg, bx);                                                                      \
         const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);                                       \
         float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);                                       \
         const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);                                        \
         gemvq<TYPE, 1, false, TC, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, bx, pss, eps);         \
-        qkr_fold(qf, s, bx, ks, out, n_out, sg.n0 / max(qf.head_dim, 1));                                   \
     }
 GEMVQ_MULTI_NORM_KERNEL(q4_k, GGML_Q4_K, true, _tcn, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
 GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
@@ -2609,15 +2513,13 @@ GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
         gemvq_multi_tcn##V##_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in,                \
                                           const int8_t* __restrict__ xq, const float2* __restrict__ xd,      \
                                           int rows, int ks, int ks2, const float* __restrict__ pss,          \
-                                          float eps, QkrFold qf) {                                           \
+                                          float eps) {                                                       \
         int bx = mixed_bx<VF>();                                                                             \
         const int s = gemv_seg(sg, bx);                                                                      \
         if (s < 2) {                                                                                         \
             const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                       \
             gemvq<GGML_Q4_K, 1, false, true, true>(W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, xq, xd, rows,     \
                                                    s == 0 ? sg.out0 : sg.out1, ks, bx, pss, eps);            \
-            qkr_fold(qf, s, bx, ks, s == 0 ? sg.out0 : sg.out1, s == 0 ? sg.n0 : sg.n1,                      \
-                     sg.n0 / max(qf.head_dim, 1));                                                           \
         } else {                                                                                             \
             gemvq<GGML_Q6_K, 1, false, TC2, true>(sg.w2, sg.w2, rb2, sg.n2, n_in, xq, xd, rows, sg.out2,     \
                                                   ks2, bx, pss, eps);                                        \
