@@ -222,7 +222,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_QKV_CLUSTER",
         Accepts::OneOf(&[0, 2, 4, 8]),
-        "the one-row grouped quantized-x Q, K, V launch in thread-block clusters of this many blocks (the same work and bits per block; timing only: what cluster scheduling costs that launch before anything uses the cluster); 0 (default) none (DECODE_STEP.md, 23rd session)",
+        "the one-row grouped quantized-x Q, K, V launch on a normed x (not the NORM form on a handed-over norm) in thread-block clusters of this many blocks (the same work and bits per block; timing only: what cluster scheduling costs that launch before anything uses the cluster); 0 (default) none (DECODE_STEP.md, 23rd session)",
     ),
     (
         "FERRITE_OPROJ_TCKN",
