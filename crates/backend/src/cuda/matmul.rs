@@ -2477,29 +2477,6 @@ fn tckn_plan(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Result<Option<(us
     })
 }
 
-/// `FERRITE_OPROJ_TCKN` = ks (timing experiment, 23rd session): the one-row Q8_0 o-projection
-/// (rows short of the K-split, which `gemvq_add_n_q8_0_r1` takes by default) on the K-split
-/// tile's pair-ticket producer in ks slices instead (ks = 1: whole rows), so that its blocks
-/// are 16-row tiles of ~75 KB / ks and the SwiGLU ring's blocks can start beside them.
-fn oproj_tckn_plan(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<(usize, usize, u32)> {
-    let ks = usize::try_from(switches::int_or("FERRITE_OPROJ_TCKN", 0)).ok()?;
-    let n_in = *w.shape.get(1)?;
-    if ks == 0
-        || w.dtype != GgmlType::Q8_0
-        || rows != 1
-        || w.shape.len() != 2
-        || !w.shape[0].is_multiple_of(32)
-        || tckn_kernel(be, w.dtype).is_none()
-        || !n_in.is_multiple_of(256 * ks)
-        || gemv_path(w, rows) != Some(true)
-    {
-        return None;
-    }
-    let kc = n_in / ks;
-    let slice_rb = w.row_bytes() / ks + tck_row_pad(w.dtype);
-    Some((ks, kc, tc_smem(slice_rb, 8) + tc_x_bytes(kc)))
-}
-
 /// Whether `matmul_add_for_norm` of the down projection `wd` can hand the next layer's
 /// attention norm to its grouped Q, K, V `qkv` (`FERRITE_NORM_QKV`): a producer that takes
 /// whole 32-row groups — the K-split Q4_K or Q8_0 tile's pair tickets ([`tckn_plan`]; the lane code's
@@ -2587,10 +2564,7 @@ pub fn matmul_add_for_norm(
     norm: &CudaWeight,
 ) -> Result<bool> {
     let rows = x.rows;
-    let tckn = match tckn_plan(be, w, rows)? {
-        None => oproj_tckn_plan(be, w, rows),
-        plan => plan,
-    };
+    let tckn = tckn_plan(be, w, rows)?;
     let Some(tc2) = be.matmul.tc2.as_ref() else {
         return Ok(false);
     };

@@ -225,11 +225,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row grouped quantized-x Q, K, V launch on a normed x (not the NORM form on a handed-over norm) in thread-block clusters of this many blocks (the same work and bits per block; timing only: what cluster scheduling costs that launch before anything uses the cluster); 0 (default) none (DECODE_STEP.md, 23rd session)",
     ),
     (
-        "FERRITE_OPROJ_TCKN",
-        Accepts::OneOf(&[0, 1, 2, 4]),
-        "timing experiment: the one-row Q8_0 o-projection on the K-split tile's pair-ticket producer in this many slices (16-row tiles, so the SwiGLU ring's blocks can start beside it); 0 (default) the 32-row lane-code producer (DECODE_STEP.md, 23rd session)",
-    ),
-    (
         "FERRITE_QKV_VFIRST",
         Accepts::OneOf(&[0, 1]),
         "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 (default) its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",
