@@ -290,6 +290,18 @@ pub struct Rope {
     pub rot_dim: usize,
 }
 
+/// The arguments of [`Backend::qk_norm_rope`] after its q and k, for the ops that include it
+/// ([`Backend::qk_norm_rope_attention`]).
+#[derive(Clone, Copy)]
+pub struct QkRope<'a, W, I> {
+    pub q_norm: Option<&'a W>,
+    pub k_norm: Option<&'a W>,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub step: &'a StepInput<I>,
+    pub rope: &'a Rope,
+}
+
 /// Shape of a (grouped-query) attention layer.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -665,6 +677,44 @@ pub trait Backend: Send + Sync {
         step: &StepInput<Self::IBuf>,
         rope: &Rope,
     ) -> Result<()>;
+
+    /// [`Backend::qk_norm_rope`] on q and k, then [`Backend::attention`] of them at layer
+    /// `layer`: what the decoder's attention half runs after its Q, K, V. A backend may do both
+    /// in one launch and leave q and k as they were (CUDA at one decode row of a short
+    /// contiguous f16 cache: the attention normalises and rotates the values it loads).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_attention(
+        &self,
+        kv: &mut Self::Kv,
+        qk: QkRope<'_, Self::Weight, Self::IBuf>,
+        (q, k, v): (&mut Act<Self::Buf>, &mut Act<Self::Buf>, &Act<Self::Buf>),
+        layer: usize,
+        shape: AttnShape,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.qk_norm_rope(
+            q,
+            k,
+            qk.q_norm,
+            qk.k_norm,
+            qk.head_dim,
+            qk.eps,
+            qk.step,
+            qk.rope,
+        )?;
+        self.attention(
+            kv,
+            qk.step,
+            AttnArgs {
+                layer,
+                q,
+                k,
+                v,
+                shape,
+            },
+            out,
+        )
+    }
 
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;

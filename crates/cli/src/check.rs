@@ -31,7 +31,7 @@ use ferrite_backend::cuda::matmul as cuda_matmul;
 use ferrite_backend::cuda::CudaBackend;
 use ferrite_backend::{
     Act, AttnArgs, AttnShape, Backend, DeltaArgs, DeltaShape, ExpertWeights, HostTensor,
-    MoeRouting, Rope, RopeStyle, StepInput,
+    MoeRouting, QkRope, Rope, RopeStyle, StepInput,
 };
 use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
@@ -126,6 +126,12 @@ const ADD_RMS_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
 /// error (see ROPE_NMSE) dominates, so RoPE's threshold. A wrong head, pair, weight or
 /// q/k mix-up gives ≥ 1e-2.
 const QK_NORM_ROPE_NMSE: f64 = ROPE_NMSE;
+/// The rotation of the qk_norm_rope+attention cases: Qwen3's (NeoX over all 128 dims).
+const ATTN_ROPE: Rope = Rope {
+    style: RopeStyle::Neox,
+    theta: 1e6,
+    rot_dim: 128,
+};
 /// Graph capture + replay of RoPE at new positions: as RoPE.
 const GRAPH_NMSE: f64 = ROPE_NMSE;
 /// Causal conv1d: a K-tap f32 dot product per output then SiLU: FMA contraction and `expf`
@@ -288,6 +294,7 @@ const OPS: &[&str] = &[
     "add_rms_norm_matmul",
     "qk_norm_rope",
     "attention",
+    "qk_norm_rope_attention",
     "moe",
     "argmax",
     "top_k",
@@ -466,6 +473,10 @@ enum Op {
         /// The cache in q8_0 blocks (`Backend::kv_new_q8`; the CPU reference keeps f32).
         q8: bool,
     },
+    /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then one decode row of
+    /// attention over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: one
+    /// launch where the cache takes the keys-before-the-wait cluster form). Checked: the output.
+    AttnRope { shape: AttnShape, pos0: usize },
     Moe {
         routing: MoeRouting,
         hidden: usize,
@@ -778,6 +789,13 @@ fn describe(op: &Op) -> (&'static str, String) {
                 shape.n_kv_heads,
                 if *q8 { " q8_0" } else { "" },
                 if *rows == 1 { "decode" } else { "multi" }
+            ),
+        ),
+        Op::AttnRope { shape, pos0 } => (
+            "qk_norm_rope_attention",
+            format!(
+                "qk_norm_rope+attention hd={} heads={}/kv{} decode pos0={pos0}",
+                shape.head_dim, shape.n_heads, shape.n_kv_heads
             ),
         ),
         Op::Moe {
@@ -1530,6 +1548,29 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // Batched attention over a paged cache (the serving step).
     for c in paged::cases(quick) {
         add(Op::Paged(c));
+    }
+
+    // --- QK-norm + RoPE and the decode attention in one op: Qwen3-8B's and Qwen3-30B-A3B's
+    // heads, GQA 2, at caches of 2, 5 and 15 splits (the cluster form's range) and one.
+    for (n_heads, n_kv_heads, pos0) in [
+        (32, 8, 100),
+        (32, 8, 300),
+        (32, 8, 900),
+        (32, 4, 300),
+        (16, 8, 150),
+        (32, 8, 20),
+    ] {
+        if quick && pos0 != 300 {
+            continue;
+        }
+        add(Op::AttnRope {
+            shape: AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim: 128,
+            },
+            pos0,
+        });
     }
 
     // --- attention
@@ -2500,9 +2541,14 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (pick.len(), cols);
         }
         Op::Paged(ref c) => c.gen(&mut rng, &mut h),
-        Op::Attention {
-            shape, pos0, rows, ..
-        } => {
+        Op::Attention { .. } | Op::AttnRope { .. } => {
+            let (shape, pos0, rows) = match *op {
+                Op::Attention {
+                    shape, pos0, rows, ..
+                } => (shape, pos0, rows),
+                Op::AttnRope { shape, pos0 } => (shape, pos0, 1),
+                _ => unreachable!(),
+            };
             let qd = shape.n_heads * shape.head_dim;
             let kvd = shape.n_kv_heads * shape.head_dim;
             let mut p = 0;
@@ -2523,6 +2569,20 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, qd);
             h.tokens = vec![0; rows];
             h.pos0 = pos0;
+            if let Op::AttnRope { .. } = *op {
+                // The q and k norm weights; q and k again (a[3], a[4]: the op rotates them in
+                // place where it runs as two ops, so each run starts from these).
+                for _ in 0..2 {
+                    let w: Vec<f32> = (0..shape.head_dim)
+                        .map(|_| 1.0 + 0.1 * rng.normal())
+                        .collect();
+                    h.weights
+                        .push((GgmlType::F32, vec![shape.head_dim], f32_bytes(&w)));
+                }
+                let (q, k) = (h.acts[0].clone(), h.acts[1].clone());
+                h.acts.push(q);
+                h.acts.push(k);
+            }
         }
         Op::Moe {
             routing,
@@ -2764,12 +2824,17 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             kv = Some(cache);
             step = s;
         }
-        Op::Attention {
-            shape,
-            pos0,
-            rows,
-            q8,
-        } => {
+        Op::Attention { .. } | Op::AttnRope { .. } => {
+            let (shape, pos0, rows, q8) = match op {
+                Op::Attention {
+                    shape,
+                    pos0,
+                    rows,
+                    q8,
+                } => (shape, pos0, rows, q8),
+                Op::AttnRope { shape, pos0 } => (shape, pos0, &1, &false),
+                _ => unreachable!(),
+            };
             let mut cache = if *q8 {
                 be.kv_new_q8(2, *shape, pos0 + rows + 3)?
             } else {
@@ -2928,6 +2993,14 @@ fn reset<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::QkNormRope { .. } => {
             be.copy_rows(&p.a[0], 0, &mut p.out)?;
             be.copy_rows(&p.a[1], 0, out2(&mut p.out2)?)
+        }
+        // q and k from their copies (the two-op form rotates them in place).
+        Op::AttnRope { .. } => {
+            let [q, k, _, q0, k0] = &mut p.a[..] else {
+                bail!("qk_norm_rope+attention: expected 5 activations")
+            };
+            be.copy_rows(q0, 0, q)?;
+            be.copy_rows(k0, 0, k)
         }
         _ => Ok(()),
     }
@@ -3138,6 +3211,23 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 },
                 &mut p.out,
             )
+        }
+        Op::AttnRope { shape, .. } => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
+            let qk = QkRope {
+                q_norm: Some(&p.w[0]),
+                k_norm: Some(&p.w[1]),
+                head_dim: shape.head_dim,
+                eps: EPS,
+                step: &p.step,
+                rope: &ATTN_ROPE,
+            };
+            let [q, k, v, ..] = &mut p.a[..] else {
+                bail!("qk_norm_rope+attention: expected 5 activations")
+            };
+            be.qk_norm_rope_attention(kv, qk, (q, k, &*v), 1, *shape, &mut p.out)
         }
         Op::Moe { routing, .. } => be.moe(
             &p.a[0],
@@ -3506,6 +3596,16 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
                 t
             }
         }
+        // The attention's threshold (f16 cache, one decode row) plus QK-norm + RoPE's.
+        Op::AttnRope { .. } => {
+            let b = be.kv_bytes_per_element();
+            QK_NORM_ROPE_NMSE
+                + if b >= 4.0 {
+                    ATTN_F32_NMSE
+                } else {
+                    ATTN_F16_TC_NMSE
+                }
+        }
         Op::Attention {
             rows, q8, shape, ..
         } => {
@@ -3688,6 +3788,10 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
             f((pos0 + rows) * kvd * 2) * kv_elem_bytes(be, *q8) + f(acts + out)
+        }
+        Op::AttnRope { shape, pos0 } => {
+            let kvd = shape.n_kv_heads * shape.head_dim;
+            f((pos0 + 1) * kvd * 2) * kv_elem_bytes(be, false) + f(acts + out)
         }
         Op::Moe { routing, rows, .. } => {
             // The distinct experts the tokens chose (from the CPU routing of the same logits).

@@ -24,7 +24,7 @@
 //! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
-use ferrite_backend::{Act, AttnArgs, Backend, ExpertWeights, PagedKv, StepInput};
+use ferrite_backend::{Act, Backend, ExpertWeights, PagedKv, QkRope, StepInput};
 
 use crate::config::{ModelConfig, MoeConfig};
 use crate::source::{ModelFile, Tensor};
@@ -498,19 +498,15 @@ impl<B: Backend> Model<B> {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
             };
-            be.qk_norm_rope(q, k, qn, kn, a.head_dim, cfg.rms_eps, step, &cfg.rope)?;
-            be.attention(
-                kv,
+            let qk = QkRope {
+                q_norm: qn,
+                k_norm: kn,
+                head_dim: a.head_dim,
+                eps: cfg.rms_eps,
                 step,
-                AttnArgs {
-                    layer: il,
-                    q,
-                    k,
-                    v,
-                    shape: a,
-                },
-                att,
-            )?;
+                rope: &cfg.rope,
+            };
+            be.qk_norm_rope_attention(kv, qk, (&mut *q, &mut *k, &*v), il, a, att)?;
             let norm = (&l.ffn_norm, cfg.rms_eps);
             if defer {
                 // x += o(att), then the FFN with its norm deferred.

@@ -26,14 +26,14 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{anyhow, ensure, Context, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Kernel source.
 pub const SRC: &str = include_str!("kernels/attention.cu");
 
 use super::launch::{KernelArg, LaunchExt};
-use super::{function, load_module, matmul, CudaBackend};
+use super::{function, load_module, matmul, CudaBackend, CudaWeight};
 use crate::{Act, AttnArgs, AttnShape, PagedKv, StepInput};
 
 /// Storage type of the KV cache.
@@ -259,6 +259,9 @@ pub struct Kernels {
     /// (`attn_decode_tc_clp_128_<gb>`, one row only: ATTENTION.md, "Keys loaded before the
     /// wait"; on by default); `None` with `FERRITE_ATTN_PRE=0` or where `decode_cl[0]` is.
     decode_clp: Option<Vec<CudaFunction>>,
+    /// `decode_clp` with QK-norm + RoPE on the values it loads (`attn_decode_tc_clpr_128_<gb>`;
+    /// [`qk_norm_rope_attention`], `FERRITE_ATTN_ROPE`); `None` with it 0 or where `decode_clp` is.
+    decode_clpr: Option<Vec<CudaFunction>>,
     /// The same form with the ticket merge (`attn_decode_tc_pre_128_<gb>`), for caches of
     /// more splits than a cluster holds whose chunks are still one tile (up to 4,096
     /// positions at 64 splits; on by default); `None` with `FERRITE_ATTN_PRE` 0 or 1.
@@ -412,6 +415,10 @@ impl Kernels {
         ];
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
+        let decode_clpr = cl_family(
+            dtc != 0 && pre != 0 && super::switches::int_or("FERRITE_ATTN_ROPE", 1) != 0,
+            "tc_clpr_",
+        )?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
         let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 3);
         let sep_on = dtc == 1 && q8_pipe && merge != 0;
@@ -454,6 +461,7 @@ impl Kernels {
             decode_tc,
             decode_cl,
             decode_clp,
+            decode_clpr,
             decode_pre,
             q8_pipe,
             decode_sep,
@@ -794,6 +802,20 @@ fn store_config(n: usize) -> LaunchConfig {
     }
 }
 
+/// Kernel argument of the ROPE decode form (`AttnRope` in attention.cu): the q and k norm
+/// weights (128 floats each) and the rotation's θ, the norms' eps.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnRope {
+    qw: u64,
+    kw: u64,
+    theta: f32,
+    eps: f32,
+}
+
+// SAFETY: plain old data laid out as the C struct (two pointers, two floats).
+unsafe impl super::launch::ScalarArg for AttnRope {}
+
 pub fn attention(
     be: &CudaBackend,
     kv: &mut CudaKv,
@@ -801,9 +823,72 @@ pub fn attention(
     a: AttnArgs<'_, CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
+    attention_impl(be, kv, step, a, out, None).map(|_| ())
+}
+
+/// [`Backend::qk_norm_rope`] then [`attention`] as one launch: the keys-before-the-wait
+/// cluster form (`attn_decode_tc_clpr_128_<gb>`) normalising and rotating q and the step's key
+/// on the values it loads (attention.cu `ROPE`); q and k are left as they are. `false`
+/// (nothing done) unless the step is one decode row of a contiguous f16 cache that takes that
+/// form and the rotation is Qwen3's: both norms, NeoX over all 128 dims.
+pub fn qk_norm_rope_attention(
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    a: AttnArgs<'_, CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+    qk: &crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
+) -> Result<bool> {
+    let (Some(qn), Some(kn)) = (qk.q_norm, qk.k_norm) else {
+        return Ok(false);
+    };
+    if be.attention.decode_clpr.is_none()
+        || qk.rope.style != crate::RopeStyle::Neox
+        || qk.head_dim != DECODE_TC_HEAD_DIM
+        || qk.rope.rot_dim != DECODE_TC_HEAD_DIM
+        || a.shape.head_dim != qk.head_dim
+        || a.q.rows != 1
+    {
+        return Ok(false);
+    }
+    let len = |w: &CudaWeight| w.shape.iter().product::<usize>();
+    crate::check_qk_norm_rope(
+        a.q,
+        a.k,
+        [Some(len(qn)), Some(len(kn))],
+        qk.head_dim,
+        qk.step,
+        qk.rope,
+    )?;
+    let qw = super::ops::f32_vec(qn, qk.head_dim)?;
+    let kw = super::ops::f32_vec(kn, qk.head_dim)?;
+    let (qwp, _gq) = qw.device_ptr(&be.stream);
+    let (kwp, _gk) = kw.device_ptr(&be.stream);
+    let rope = AttnRope {
+        qw: qwp,
+        kw: kwp,
+        theta: qk.rope.theta,
+        eps: qk.eps,
+    };
+    // SAFETY (of the kernel's reads through `rope`): both norm weights hold 128 floats
+    // (f32_vec), alive until the launch is enqueued (the guards above).
+    attention_impl(be, kv, qk.step, a, out, Some(rope))
+}
+
+/// [`attention`]; with `rope`, only by the ROPE decode form, else `false` and nothing done.
+fn attention_impl(
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    step: &StepInput<CudaSlice<i32>>,
+    a: AttnArgs<'_, CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+    rope: Option<AttnRope>,
+) -> Result<bool> {
     crate::check_attention(step, &a, out)?;
     if kv.paged.is_some() {
-        return attention_paged(be, kv, step, a, out);
+        if rope.is_some() {
+            return Ok(false);
+        }
+        return attention_paged(be, kv, step, a, out).map(|_| true);
     }
     crate::check_single_sequence_step(step)?;
     let AttnArgs {
@@ -833,7 +918,7 @@ pub fn attention(
         step.positions.len()
     );
     if rows == 0 {
-        return Ok(());
+        return Ok(rope.is_none());
     }
 
     let group = n_heads / n_kv_heads;
@@ -850,6 +935,9 @@ pub fn attention(
     let q8 = usize::from(kv.kv_type == KvType::Q8_0);
 
     let fast = fast_index(head_dim);
+    if rope.is_some() && (fast.is_none() || rows != 1) {
+        return Ok(false);
+    }
 
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
@@ -892,7 +980,14 @@ pub fn attention(
                 && (pre.is_none() || tl.pre.is_some())
         });
         let sep = sep.filter(|_| tail.is_none());
+        // With the rotation: its form of clp, or nothing.
+        let clpr = match (&rope, clp, &be.attention.decode_clpr) {
+            (None, ..) => None,
+            (Some(_), Some(_), Some(f)) => Some(&f[gbi]),
+            (Some(_), ..) => return Ok(false),
+        };
         let func = match (clp, cl, pre, tail, sep) {
+            _ if clpr.is_some() => clpr.ok_or_else(|| anyhow!("attention: no ROPE form"))?,
             (Some(clp), ..) => &clp[gbi],
             (None, Some(cl), ..) => &cl[gbi],
             (None, None, Some(pre), tail, _) => tail
@@ -953,7 +1048,7 @@ pub fn attention(
         // recorded below, so that the o-projection runs as it would after them.
         let skip = rows == 1 && super::switches::diag_skip() & 8 != 0;
         if !skip {
-            unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster) }?;
+            unsafe { decode_launch(be, func, kv, ptrs, dims, None, cluster, rope) }?;
         }
         if let (false, Some((_, merge))) = (skip, sep) {
             let cfg = LaunchConfig {
@@ -987,7 +1082,7 @@ pub fn attention(
         if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
             xq.record_producer(be, &out.buf, rows, cols);
         }
-        return Ok(());
+        return Ok(true);
     }
 
     // 2. Store this step's keys and values (f16: a thread per element; q8_0: a warp per
@@ -1041,7 +1136,7 @@ pub fn attention(
                 .arg(&scale_log2)
                 .launch(cfg)
         }?;
-        return Ok(());
+        return Ok(true);
     }
 
     // 3. Any other head_dim (or a GQA group wider than a prefill tile): the fallback.
@@ -1075,7 +1170,7 @@ pub fn attention(
             .arg(&scale_log2)
             .launch(cfg)
     }?;
-    Ok(())
+    Ok(true)
 }
 
 /// Device pointers of one decode launch: the rows' queries, new keys and values (0 for the
@@ -1128,6 +1223,7 @@ unsafe fn decode_launch(
     d: DecodeDims,
     paged: Option<PagedPtrs>,
     cluster: bool,
+    rope: Option<AttnRope>,
 ) -> Result<()> {
     let gb = heads_per_block(d.group);
     let n_splits = kv.n_splits;
@@ -1174,6 +1270,13 @@ unsafe fn decode_launch(
         .arg(&chunk_i)
         .arg(&pf_i)
         .arg(&d.scale_log2);
+    if let Some(r) = &rope {
+        ensure!(
+            paged.is_none(),
+            "attention: the QK-norm + RoPE form is contiguous"
+        );
+        launch.arg(r);
+    }
     if let Some(pg) = &paged {
         launch
             .arg(&pg.row_seq)
@@ -1379,7 +1482,7 @@ fn attention_paged(
                 };
                 // SAFETY: q_v holds nr rows of n_heads×hd, out_v nr rows; reads stay inside
                 // the cache as for the store (block tables checked by check_paged_step).
-                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false) }?;
+                unsafe { decode_launch(be, func, kv, ptrs, dims, Some(pg), false, None) }?;
             }
             (_, Some((func, cfg))) => {
                 // SAFETY: one sequence's rows (a prefill unit is one segment); each block

@@ -778,6 +778,53 @@ impl Backend for CudaBackend {
         attention::attention(self, kv, step, a, out)
     }
 
+    fn qk_norm_rope_attention(
+        &self,
+        kv: &mut attention::CudaKv,
+        qk: crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
+        (q, k, v): (
+            &mut Act<CudaSlice<f32>>,
+            &mut Act<CudaSlice<f32>>,
+            &Act<CudaSlice<f32>>,
+        ),
+        layer: usize,
+        shape: AttnShape,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        let args = AttnArgs {
+            layer,
+            q,
+            k,
+            v,
+            shape,
+        };
+        if attention::qk_norm_rope_attention(self, kv, args, out, &qk)? {
+            return Ok(());
+        }
+        self.qk_norm_rope(
+            q,
+            k,
+            qk.q_norm,
+            qk.k_norm,
+            qk.head_dim,
+            qk.eps,
+            qk.step,
+            qk.rope,
+        )?;
+        self.attention(
+            kv,
+            qk.step,
+            AttnArgs {
+                layer,
+                q,
+                k,
+                v,
+                shape,
+            },
+            out,
+        )
+    }
+
     fn moe(
         &self,
         x: &Act<CudaSlice<f32>>,

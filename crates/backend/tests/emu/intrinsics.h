@@ -27,6 +27,7 @@ struct float4 {
 };
 static inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 static inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
 static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 template <class T>

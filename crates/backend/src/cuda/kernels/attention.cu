@@ -574,6 +574,39 @@ __device__ __forceinline__ void dtc_f16_load(DtcF16Pre<NP, true>& r, const unsig
         r.v[kk][1] = __ldcg(p + HD / 16);
     }
 }
+// ROPE (attn_decode_tc_clpr_128_<GB>; attention.rs `qk_norm_rope_attention`, ATTENTION.md
+// 23rd session): Qwen3's QK-norm and a NeoX rotation over all 128 dims done by the decode launch
+// on the values it loads — q in the registers of its A fragments, the step's new key in the
+// lanes that store it — so that no qk_norm_rope launch runs between the Q, K, V and the
+// attention. The q and k buffers stay as the Q, K, V launch wrote them; the cache gets the
+// rotated key, as after qk_norm_rope. Per element the expressions of qk_norm_rope
+// (elementwise.cu): x = (x · s) · w with s = rsqrt(Σ x² / 128 + eps), then
+// (x0 c − x1 s', x0 s' + x1 c) with the angle pos · θ^(−2p/128) in f32; only Σ x² is summed in
+// another order (a thread's 32 dims, then its quad; the key's lane quads, then the warp).
+// The block's table (shared memory), filled before the PDL wait from the position (host
+// written) and the norm weights: cos and sin of the 64 pairs, both norm weights.
+struct AttnRope {
+    const float* qw;
+    const float* kw;
+    float theta, eps;
+};
+struct RopeTab {
+    float cs[64], sn[64], qw[128], kw[128];
+    float eps;
+};
+__device__ __forceinline__ void rope_tab_fill(RopeTab& rt, const AttnRope& ar, float pos) {
+    const int tid = threadIdx.x;  // DECODE_THREADS = 128
+    if (tid < 64) {
+        const float inv_freq = 1.0f / powf(ar.theta, (float)(2 * tid) / 128.0f);
+        const float a = pos * inv_freq;
+        rt.cs[tid] = cosf(a);
+        rt.sn[tid] = sinf(a);
+    }
+    rt.qw[tid] = ar.qw[tid];
+    rt.kw[tid] = ar.kw[tid];
+    if (tid == 0) rt.eps = ar.eps;
+}
+
 // The step's new key for PRE: its k and v rows (f32, this kv head's HD elements, written by
 // the kernel before this one), its position, and the cache rows' base (this kv head's
 // position 0) that the loop stores it at.
@@ -596,14 +629,34 @@ __device__ __forceinline__ uint32_t dtc_f16_pair(float x, float y) {
 // position ends there (end − 1 = pos), so its keys past it are the loop's clamped copies
 // (masked, p = 0): they take zeros, which add what the plain loop's finite copies add:
 // nothing. The lanes with keys below it keep their cache loads.
-template <int HD, int NP>
+template <int HD, int NP, bool ROPE = false>
 __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2], const DtcNew& nw, int base,
-                                            int lane) {
+                                            int lane, const RopeTab* rt = nullptr) {
     static_assert(HD == 128 && NP == 4, "dtc_f16_new: hd 128 (a lane per 4 dims)");
     if (nw.pos < base || nw.pos >= base + 16) return;
     const int g = lane >> 2, tq = lane & 3;
-    const float4 a = *reinterpret_cast<const float4*>(nw.k + 4 * lane);
+    float4 a = *reinterpret_cast<const float4*>(nw.k + 4 * lane);
     const float4 b = *reinterpret_cast<const float4*>(nw.v + 4 * lane);
+    if constexpr (ROPE) {
+        // Lane l holds dims 4 l .. 4 l + 3; a dim's NeoX partner (± 64) is in lane l ^ 16.
+        float x[4] = {a.x, a.y, a.z, a.w};
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) ss += x[j] * x[j];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(ATT_FULL, ss, o);
+        const float sc = rsqrtf(ss / 128.0f + rt->eps);
+#pragma unroll
+        for (int j = 0; j < 4; j++) x[j] = (x[j] * sc) * rt->kw[4 * lane + j];
+        const bool lo = lane < 16;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float o = __shfl_xor_sync(ATT_FULL, x[j], 16);
+            const int p = 4 * (lane & 15) + j;
+            x[j] = lo ? x[j] * rt->cs[p] - o * rt->sn[p] : o * rt->sn[p] + x[j] * rt->cs[p];
+        }
+        a = make_float4(x[0], x[1], x[2], x[3]);
+    }
     const uint32_t k0 = dtc_f16_pair(a.x, a.y), k1 = dtc_f16_pair(a.z, a.w);
     const uint32_t v0 = dtc_f16_pair(b.x, b.y), v1 = dtc_f16_pair(b.z, b.w);
     *reinterpret_cast<uint2*>(nw.kc + (long long)nw.pos * HD + 4 * lane) = make_uint2(k0, k1);
@@ -679,7 +732,7 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
 // (clamped) key is `nw.pos` take it from the step's k/v rows (dtc_f16_new, the kv store's
 // f16 bits) and the lanes of the position itself store it; the launch has no store phase and
 // no barrier before the loop. Same arithmetic on the same values: the plain loop's bits.
-template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false>
+template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false, bool ROPE = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -691,7 +744,8 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
                                                const int* __restrict__ bt = nullptr, int page_shift = 0,
                                                long long page_stride = 0,
                                                const DtcF16Pre<HD / 32, PRE>& pre = DtcF16Pre<HD / 32, PRE>{},
-                                               DtcNew nw = DtcNew{}) {
+                                               DtcNew nw = DtcNew{}, const RopeTab* rt = nullptr) {
+    static_assert(!ROPE || PRE, "decode_tc_loop: ROPE is the PRE form's");
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
     static_assert(!PRE || (!Q8 && !PAGED), "decode_tc_loop: PRE is the contiguous f16 form");
     constexpr int NW = DECODE_THREADS / 32;
@@ -704,10 +758,52 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     uint32_t qa[KS][2];
     {
         const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + 8 * tq;
+        float4 qa4[NP], qb4[NP];
 #pragma unroll
         for (int c = 0; c < NP; c++) {
-            const float4 a = *reinterpret_cast<const float4*>(qp + 32 * c);
-            const float4 b = *reinterpret_cast<const float4*>(qp + 32 * c + 4);
+            qa4[c] = *reinterpret_cast<const float4*>(qp + 32 * c);
+            qb4[c] = *reinterpret_cast<const float4*>(qp + 32 * c + 4);
+        }
+        if constexpr (ROPE) {
+            // This thread's dims 32 c + 8 tq + i (c < 4, i < 8) of its head; the quad (tq) holds
+            // the head; dim d < 64 and its NeoX partner d + 64 (c + 2) are in the same thread.
+            float x[NP][8];
+#pragma unroll
+            for (int c = 0; c < NP; c++) {
+                x[c][0] = qa4[c].x, x[c][1] = qa4[c].y, x[c][2] = qa4[c].z, x[c][3] = qa4[c].w;
+                x[c][4] = qb4[c].x, x[c][5] = qb4[c].y, x[c][6] = qb4[c].z, x[c][7] = qb4[c].w;
+            }
+            float ss = 0.f;
+#pragma unroll
+            for (int c = 0; c < NP; c++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) ss += x[c][i] * x[c][i];
+            ss += __shfl_xor_sync(ATT_FULL, ss, 1);
+            ss += __shfl_xor_sync(ATT_FULL, ss, 2);
+            const float sc = rsqrtf(ss / 128.0f + rt->eps);
+#pragma unroll
+            for (int c = 0; c < NP; c++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) x[c][i] = (x[c][i] * sc) * rt->qw[32 * c + 8 * tq + i];
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int p = 32 * c + 8 * tq + i;
+                    const float x0 = x[c][i], x1 = x[c + 2][i];
+                    x[c][i] = x0 * rt->cs[p] - x1 * rt->sn[p];
+                    x[c + 2][i] = x0 * rt->sn[p] + x1 * rt->cs[p];
+                }
+#pragma unroll
+            for (int c = 0; c < NP; c++) {
+                qa4[c] = make_float4(x[c][0], x[c][1], x[c][2], x[c][3]);
+                qb4[c] = make_float4(x[c][4], x[c][5], x[c][6], x[c][7]);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NP; c++) {
+            const float4 a = qa4[c];
+            const float4 b = qb4[c];
             const bool on = g < GB;
             qa[2 * c][0] = on ? tc_pack_f16(a.x * scale_log2, a.y * scale_log2) : 0u;
             qa[2 * c][1] = on ? tc_pack_f16(a.z * scale_log2, a.w * scale_log2) : 0u;
@@ -796,7 +892,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         } else if constexpr (PRE) {
             // The warp's one tile (chunks of at most 16 × NW keys: attn_decode_impl), loaded
             // before the PDL wait; the new position's key from the step's rows.
-            dtc_f16_new<HD>(tile.k, tile.v, nw, base, lane);
+            dtc_f16_new<HD, NP, ROPE>(tile.k, tile.v, nw, base, lane, rt);
 #pragma unroll
             for (int n = 0; n < 2; n++)
 #pragma unroll
@@ -911,7 +1007,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
-          bool PRE = false, bool SEP = false, bool TAIL = false>
+          bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -920,7 +1016,7 @@ __device__ __forceinline__ void attn_decode_impl(
     float* __restrict__ part_ml, int* __restrict__ tickets, float* __restrict__ out,
     int8_t* __restrict__ xq, float2* __restrict__ xd, long long layer_off, int n_heads,
     int group, int capacity, int n_splits, int min_chunk, int pf, float scale_log2,
-    PAGED_ARGS) {
+    PAGED_ARGS, AttnRope ar = AttnRope{}) {
     constexpr int TPK = HD / 8;      // threads per key; each owns 8 dims
     constexpr int KPW = 32 / TPK;    // keys per warp per pass
     constexpr int NW = DECODE_THREADS / 32;
@@ -981,6 +1077,15 @@ __device__ __forceinline__ void attn_decode_impl(
     if constexpr (STORE && !PRE) {
         if (tid < gridDim.z) s_pos[tid] = positions[tid];
     }
+    // ROPE: the rotation's table and the norm weights, before the wait (they depend on no
+    // kernel); the barrier orders them before the loop's reads.
+    __shared__ float rope_mem[ROPE ? sizeof(RopeTab) / sizeof(float) : 1];
+    RopeTab* rtab = reinterpret_cast<RopeTab*>(rope_mem);
+    if constexpr (ROPE) {
+        static_assert(PRE && HD == 128 && DECODE_THREADS == 128, "ROPE: the PRE form at hd 128");
+        rope_tab_fill(*rtab, ar, (float)pos_t);
+        __syncthreads();
+    }
     PDL_ENTRY();
 
     const int kvd = (n_heads / group) * HD;
@@ -1026,9 +1131,9 @@ __device__ __forceinline__ void attn_decode_impl(
             const DtcNew nw{knew + kvh * HD, vnew + kvh * HD,
                             reinterpret_cast<unsigned short*>(kc) + head_base,
                             reinterpret_cast<unsigned short*>(vc) + head_base, pos_t};
-            decode_tc_loop<HD, GB, false, false, false, true>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start,
-                                                              end, scale_log2, sm_acc, sm_m, sm_l, nullptr, 0, 0,
-                                                              pre, nw);
+            decode_tc_loop<HD, GB, false, false, false, true, ROPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base,
+                                                                    start, end, scale_log2, sm_acc, sm_m, sm_l,
+                                                                    nullptr, 0, 0, pre, nw, rtab);
         } else {
             decode_tc_loop<HD, GB, Q8, false, PIPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end,
                                                     scale_log2, sm_acc, sm_m, sm_l);
@@ -1345,6 +1450,11 @@ DECODE_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_clp_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
+        attn_decode_tc_clpr_128_##GB(DECODE_ARGS, AttnRope ar) {                             \
+        attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true>( \
+            DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                            \
         attn_decode_tc_pre_128_##GB(DECODE_ARGS) {                                                           \
