@@ -302,6 +302,9 @@ pub struct QkRope<'a, W, I> {
     pub rope: &'a Rope,
 }
 
+/// An attention layer's q, k (both rotated in place by [`Backend::qk_norm_rope`]) and v.
+pub type QkvMut<'a, B> = (&'a mut Act<B>, &'a mut Act<B>, &'a Act<B>);
+
 /// Shape of a (grouped-query) attention layer.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -687,7 +690,7 @@ pub trait Backend: Send + Sync {
         &self,
         kv: &mut Self::Kv,
         qk: QkRope<'_, Self::Weight, Self::IBuf>,
-        (q, k, v): (&mut Act<Self::Buf>, &mut Act<Self::Buf>, &Act<Self::Buf>),
+        (q, k, v): QkvMut<'_, Self::Buf>,
         layer: usize,
         shape: AttnShape,
         out: &mut Act<Self::Buf>,

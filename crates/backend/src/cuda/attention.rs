@@ -1215,6 +1215,7 @@ struct PagedPtrs {
 /// The pointers must hold `rows` rows of their shapes (q and out `n_heads·hd`, k_new and
 /// v_new `n_kv·hd`, xq/xd the int8 scratch of `n_heads·hd` columns) and `positions` (and
 /// the paged row_seq) `rows` entries; the block tables must name pages inside the cache.
+#[allow(clippy::too_many_arguments)]
 unsafe fn decode_launch(
     be: &CudaBackend,
     func: &CudaFunction,

@@ -2028,7 +2028,7 @@ fn multi_launch(
         let sums = handed.map(|(p, eps)| (p.ss.slice(..rows * n_in / 32), eps));
         let mut launch = be.stream.kernel(f);
         let cl = be.matmul.qkv_cluster;
-        if cl > 1 && rows == 1 && grid % cl == 0 && ws.len() == 3 && handed.is_none() {
+        if cl > 1 && rows == 1 && grid.is_multiple_of(cl) && ws.len() == 3 && handed.is_none() {
             launch.cluster((u32::try_from(cl)?, 1, 1));
         }
         launch.arg(&sg).arg(&rb);

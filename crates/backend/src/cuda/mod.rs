@@ -782,11 +782,7 @@ impl Backend for CudaBackend {
         &self,
         kv: &mut attention::CudaKv,
         qk: crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
-        (q, k, v): (
-            &mut Act<CudaSlice<f32>>,
-            &mut Act<CudaSlice<f32>>,
-            &Act<CudaSlice<f32>>,
-        ),
+        (q, k, v): crate::QkvMut<'_, CudaSlice<f32>>,
         layer: usize,
         shape: AttnShape,
         out: &mut Act<CudaSlice<f32>>,
