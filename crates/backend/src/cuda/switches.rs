@@ -220,6 +220,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",
     ),
     (
+        "FERRITE_ATTN_ROPE",
+        Accepts::OneOf(&[0, 1]),
+        "QK-norm + RoPE inside the one-row keys-before-the-wait cluster decode attention (Qwen3's rotation: both norms, NeoX over 128 dims): 1 (default), 0 the qk_norm_rope launch before it (ATTENTION.md, 23rd session)",
+    ),
+    (
         "FERRITE_QKV_CLUSTER",
         Accepts::OneOf(&[0, 2, 4, 8]),
         "the one-row grouped quantized-x Q, K, V launch on a normed x (not the NORM form on a handed-over norm) in thread-block clusters of this many blocks (the same work and bits per block; timing only: what cluster scheduling costs that launch before anything uses the cluster); 0 (default) none (DECODE_STEP.md, 23rd session)",
