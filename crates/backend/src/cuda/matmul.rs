@@ -129,9 +129,6 @@ pub struct Kernels {
     /// The grouped Q, K, V kernels on the attention input's handed-over norm
     /// ([`hands_norm_to_qkv`]; sm_90+, `FERRITE_NORM_QKV` ≠ 0).
     qkv_norm: Option<QkvNorm>,
-    /// `FERRITE_QKV_CLUSTER` (timing only): the one-row grouped quantized-x Q, K, V launch in
-    /// clusters of this many blocks; 0 none.
-    qkv_cluster: usize,
     /// `gemvq_tckn_q4_k_r1`: the K-split Q4_K down projection's pair tickets
     /// (`FERRITE_NORM_QKV=2`, the default).
     tckn: Option<CudaFunction>,
@@ -573,11 +570,6 @@ impl Kernels {
             swiglu_n_q8_0,
             add_n_q8_0,
             qkv_norm,
-            qkv_cluster: if bulk {
-                usize::try_from(switches::int_or("FERRITE_QKV_CLUSTER", 0))?
-            } else {
-                0
-            },
             tckn,
             tck_w4,
             tckn_w4,
@@ -2027,10 +2019,6 @@ fn multi_launch(
         let (rb2, ks2_i) = (ws[ws.len() - 1].row_bytes() as i64, ks2 as i32);
         let sums = handed.map(|(p, eps)| (p.ss.slice(..rows * n_in / 32), eps));
         let mut launch = be.stream.kernel(f);
-        let cl = be.matmul.qkv_cluster;
-        if cl > 1 && rows == 1 && grid.is_multiple_of(cl) && ws.len() == 3 && handed.is_none() {
-            launch.cluster((u32::try_from(cl)?, 1, 1));
-        }
         launch.arg(&sg).arg(&rb);
         if mixed {
             launch.arg(&rb2);

@@ -225,11 +225,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "QK-norm + RoPE inside the one-row keys-before-the-wait cluster decode attention (Qwen3's rotation: both norms, NeoX over 128 dims): 1 (default), 0 the qk_norm_rope launch before it (ATTENTION.md, 23rd session)",
     ),
     (
-        "FERRITE_QKV_CLUSTER",
-        Accepts::OneOf(&[0, 2, 4, 8]),
-        "the one-row grouped quantized-x Q, K, V launch on a normed x (not the NORM form on a handed-over norm) in thread-block clusters of this many blocks (the same work and bits per block; timing only: what cluster scheduling costs that launch before anything uses the cluster); 0 (default) none (DECODE_STEP.md, 23rd session)",
-    ),
-    (
         "FERRITE_QKV_VFIRST",
         Accepts::OneOf(&[0, 1]),
         "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 (default) its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",
