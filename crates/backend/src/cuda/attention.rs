@@ -222,8 +222,6 @@ pub struct CudaKv {
 struct DecodeTail {
     loops: [Vec<CudaFunction>; 2],
     pre: Option<Vec<CudaFunction>>,
-    /// `pre`'s twin with QK-norm + RoPE (`attn_decode_tc_pretailr_128_<gb>`).
-    pre_r: Option<Vec<CudaFunction>>,
     blocks_per_sm: usize,
 }
 
@@ -264,10 +262,6 @@ pub struct Kernels {
     /// `decode_clp` with QK-norm + RoPE on the values it loads (`attn_decode_tc_clpr_128_<gb>`;
     /// [`qk_norm_rope_attention`], `FERRITE_ATTN_ROPE`); `None` with it 0 or where `decode_clp` is.
     decode_clpr: Option<Vec<CudaFunction>>,
-    /// The `r` twins of `decode_pre` and `decode_presep` (`attn_decode_tc_prer_128_<gb>`,
-    /// `attn_decode_tc_presepr_128_<gb>`), as `decode_clpr`.
-    decode_prer: Option<Vec<CudaFunction>>,
-    decode_presepr: Option<Vec<CudaFunction>>,
     /// The same form with the ticket merge (`attn_decode_tc_pre_128_<gb>`), for caches of
     /// more splits than a cluster holds whose chunks are still one tile (up to 4,096
     /// positions at 64 splits; on by default); `None` with `FERRITE_ATTN_PRE` 0 or 1.
@@ -421,10 +415,11 @@ impl Kernels {
         ];
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
-        let rope_on = super::switches::int_or("FERRITE_ATTN_ROPE", 1) != 0;
-        let decode_clpr = cl_family(dtc != 0 && pre != 0 && rope_on, "tc_clpr_")?;
+        let decode_clpr = cl_family(
+            dtc != 0 && pre != 0 && super::switches::int_or("FERRITE_ATTN_ROPE", 1) != 0,
+            "tc_clpr_",
+        )?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
-        let decode_prer = tc_family(decode_pre.is_some() && rope_on, "tc_prer_")?;
         let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 3);
         let sep_on = dtc == 1 && q8_pipe && merge != 0;
         let decode_sep = match (
@@ -438,21 +433,14 @@ impl Kernels {
             decode_sep.is_some() && decode_pre.is_some() && (merge == 1 || merge == 3),
             "tc_presep_",
         )?;
-        let decode_presepr = tc_family(decode_presep.is_some() && rope_on, "tc_presepr_")?;
         let decode_tail = match (
             tc_family(sep_on && merge == 3, "tc_tail_")?,
             tc_family(sep_on && merge == 3, "tc_q8ptail_")?,
         ) {
             (Some(f16), Some(q8)) => {
                 let pre = tc_family(decode_presep.is_some(), "tc_pretail_")?;
-                let pre_r = tc_family(pre.is_some() && rope_on, "tc_pretailr_")?;
                 let mut blocks_per_sm = usize::MAX;
-                for f in f16
-                    .iter()
-                    .chain(&q8)
-                    .chain(pre.iter().flatten())
-                    .chain(pre_r.iter().flatten())
-                {
+                for f in f16.iter().chain(&q8).chain(pre.iter().flatten()) {
                     let b = f
                         .occupancy_max_active_blocks_per_multiprocessor(128, 0, None)
                         .context("decode attention: the tail merge's occupancy")?;
@@ -461,7 +449,6 @@ impl Kernels {
                 Some(DecodeTail {
                     loops: [f16, q8],
                     pre,
-                    pre_r,
                     blocks_per_sm,
                 })
             }
@@ -475,8 +462,6 @@ impl Kernels {
             decode_cl,
             decode_clp,
             decode_clpr,
-            decode_prer,
-            decode_presepr,
             decode_pre,
             q8_pipe,
             decode_sep,
@@ -995,25 +980,14 @@ fn attention_impl(
                 && (pre.is_none() || tl.pre.is_some())
         });
         let sep = sep.filter(|_| tail.is_none());
-        // With the rotation: the `r` twin of the keys-before-the-wait form taken, or nothing.
-        let twin = |f: &Option<Vec<CudaFunction>>| f.as_ref().map(|v| v[gbi].clone());
-        let rope_func = match (&rope, clp, pre) {
+        // With the rotation: its form of clp, or nothing.
+        let clpr = match (&rope, clp, &be.attention.decode_clpr) {
             (None, ..) => None,
-            (Some(_), Some(_), _) => twin(&be.attention.decode_clpr),
-            (Some(_), None, Some(_)) => match tail.filter(|tl| tl.pre.is_some()) {
-                Some(tl) => twin(&tl.pre_r),
-                None if presep.is_some() => twin(&be.attention.decode_presepr),
-                None => twin(&be.attention.decode_prer),
-            },
-            (Some(_), None, None) => None,
+            (Some(_), Some(_), Some(f)) => Some(&f[gbi]),
+            (Some(_), ..) => return Ok(false),
         };
-        if rope.is_some() && rope_func.is_none() {
-            return Ok(false);
-        }
         let func = match (clp, cl, pre, tail, sep) {
-            _ if rope_func.is_some() => rope_func
-                .as_ref()
-                .ok_or_else(|| anyhow!("attention: no ROPE form"))?,
+            _ if clpr.is_some() => clpr.ok_or_else(|| anyhow!("attention: no ROPE form"))?,
             (Some(clp), ..) => &clp[gbi],
             (None, Some(cl), ..) => &cl[gbi],
             (None, None, Some(pre), tail, _) => tail

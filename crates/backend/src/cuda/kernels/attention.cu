@@ -574,8 +574,7 @@ __device__ __forceinline__ void dtc_f16_load(DtcF16Pre<NP, true>& r, const unsig
         r.v[kk][1] = __ldcg(p + HD / 16);
     }
 }
-// ROPE (attn_decode_tc_clpr_128_<GB> and the other keys-before-the-wait forms' `r` twins:
-// attn_decode_tc_prer_, _presepr_, _pretailr_; attention.rs `qk_norm_rope_attention`, ATTENTION.md
+// ROPE (attn_decode_tc_clpr_128_<GB>; attention.rs `qk_norm_rope_attention`, ATTENTION.md
 // 23rd session): Qwen3's QK-norm and a NeoX rotation over all 128 dims done by the decode launch
 // on the values it loads — q in the registers of its A fragments, the step's new key in the
 // lanes that store it — so that no qk_norm_rope launch runs between the Q, K, V and the
@@ -1460,11 +1459,6 @@ DECODE_KERNEL(256, 8)
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                            \
         attn_decode_tc_pre_128_##GB(DECODE_ARGS) {                                                           \
         attn_decode_impl<128, GB, false, false, true, true, false, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)            \
-        attn_decode_tc_prer_128_##GB(DECODE_ARGS, AttnRope ar) {                             \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, true, false, false, true>( \
-            DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
     }
 // The split merge as a launch of its own (FERRITE_ATTN_MERGE; ATTENTION.md, "The split merge
 // as a launch of its own"), after a SEP decode launch: the ticket merge's last block merged
@@ -1520,11 +1514,6 @@ DECODE_TC_KERNEL(8)
         attn_decode_tc_pre##FORM##_128_##GB(DECODE_ARGS) {                                   \
         attn_decode_impl<128, GB, false, false, true, true, false, false, true, SEP, TAIL>(  \
             DECODE_PASS, UNPAGED_PASS(capacity));                                            \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)            \
-        attn_decode_tc_pre##FORM##r_128_##GB(DECODE_ARGS, AttnRope ar) {                     \
-        attn_decode_impl<128, GB, false, false, true, true, false, false, true, SEP, TAIL, true>( \
-            DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
     }
 #define DECODE_MERGE_FORMS(GB)                       \
     DECODE_MERGE_FORM_KERNELS(GB, sep, true, false)  \
