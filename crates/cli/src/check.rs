@@ -1551,7 +1551,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
     }
 
     // --- QK-norm + RoPE and the decode attention in one op: Qwen3-8B's and Qwen3-30B-A3B's
-    // heads, GQA 2, at caches of 2, 5 and 15 splits (the cluster form's range) and one.
+    // heads, GQA 2, at caches of 2, 5 and 15 splits (the cluster form's range, where CUDA folds
+    // the rotation into the launch), one, and 32 and 47 (the tail merge: two launches).
     for (n_heads, n_kv_heads, pos0) in [
         (32, 8, 100),
         (32, 8, 300),
@@ -1559,6 +1560,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
         (32, 4, 300),
         (16, 8, 150),
         (32, 8, 20),
+        (32, 8, 2000),
+        (32, 4, 3000),
     ] {
         if quick && pos0 != 300 {
             continue;
