@@ -4,7 +4,9 @@
 //! that CI, which has no GPU, still checks the loop's fragment layout (the permuted K dims,
 //! V's key pairs, P from S's accumulators), its online softmax and masking, the warps' key
 //! ranges, and the q8_0 dequantization into f16 words; and that the q8_0 loop with the next
-//! tile's loads issued early (PIPE) gives the plain loop's bits.
+//! tile's loads issued early (PIPE) gives the plain loop's bits; and that the keys-before-the-wait
+//! loop with QK-norm + RoPE on its loaded values (ROPE) matches the plain loop on q and the new
+//! key rotated on the host (NMSE ≤ 1e-8, the stored key row within f16 rounding).
 //!
 //! The kernel code is compiled unchanged with g++ (`attn_decode_tc_emu/harness.cpp` on
 //! `emu/fibers.h`: every CUDA thread a fiber; mma.sync m16n8k16 f16 emulated from the PTX ISA

@@ -131,8 +131,10 @@ static float* sm_ml_gb(int which) {
 // the cache (its row holds NaN) but in knew / vnew; the tile loaded "before the wait".
 static int pre_pos = -1;
 static std::vector<float> knew, vnew;
+// ROPE (PRE only): the block's table (attn_decode_impl fills it before the wait).
+static RopeTab rtab;
 
-template <int GB, bool Q8, bool PIPE, bool PRE = false>
+template <int GB, bool Q8, bool PIPE, bool PRE = false, bool ROPE = false>
 static void run_body() {
     auto& a = *reinterpret_cast<float(*)[NWARP][GB][HD]>(sm_acc_gb<GB>());
     auto& m = *reinterpret_cast<float(*)[NWARP][GB]>(sm_ml_gb<GB>(0));
@@ -145,9 +147,9 @@ static void run_body() {
         if (cfg.start + 16 * warp < cfg.end)
             dtc_f16_load<HD>(pre, kf.data(), vf.data(), cfg.start + 16 * warp, cfg.end, lane >> 2, lane & 3);
         const DtcNew nw{knew.data(), vnew.data(), kf.data(), vf.data(), pre_pos};
-        decode_tc_loop<HD, GB, false, false, false, true>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0,
-                                                          cfg.start, cfg.end, SCALE_LOG2, a, m, l, nullptr, 0, 0,
-                                                          pre, nw);
+        decode_tc_loop<HD, GB, false, false, false, true, ROPE>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0,
+                                                                0, cfg.start, cfg.end, SCALE_LOG2, a, m, l, nullptr,
+                                                                0, 0, pre, nw, &rtab);
     } else if (cfg.page_shift > 0) {
         decode_tc_loop<HD, GB, Q8, true>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start,
                                          cfg.end, SCALE_LOG2, a, m, l, bt.data(), cfg.page_shift,
@@ -160,14 +162,14 @@ static void run_body() {
 
 static std::vector<double> out_kernel, out_ref;
 
-template <int GB, bool Q8, bool PIPE = false, bool PRE = false>
+template <int GB, bool Q8, bool PIPE = false, bool PRE = false, bool ROPE = false>
 static void run() {
     float* a = sm_acc_gb<GB>();
     float* m = sm_ml_gb<GB>(0);
     float* l = sm_ml_gb<GB>(1);
     for (int i = 0; i < NWARP * GB * HD; i++) a[i] = NAN;
     for (int i = 0; i < NWARP * GB; i++) m[i] = l[i] = NAN;
-    run_block(0, 0, run_body<GB, Q8, PIPE, PRE>);
+    run_block(0, 0, run_body<GB, Q8, PIPE, PRE, ROPE>);
     // attn_decode_impl's block merge.
     out_kernel.assign(GB * HD, 0.0);
     for (int h = 0; h < GB; h++) {
@@ -213,13 +215,27 @@ static void reference() {
 }
 
 // run<GB, ...>() for the case's heads per block (1, 2, 4 or 8).
-template <bool Q8, bool PIPE = false, bool PRE = false>
+template <bool Q8, bool PIPE = false, bool PRE = false, bool ROPE = false>
 static void run_gb(int gb) {
     switch (gb) {
-        case 1: run<1, Q8, PIPE, PRE>(); break;
-        case 2: run<2, Q8, PIPE, PRE>(); break;
-        case 4: run<4, Q8, PIPE, PRE>(); break;
-        case 8: run<8, Q8, PIPE, PRE>(); break;
+        case 1: run<1, Q8, PIPE, PRE, ROPE>(); break;
+        case 2: run<2, Q8, PIPE, PRE, ROPE>(); break;
+        case 4: run<4, Q8, PIPE, PRE, ROPE>(); break;
+        case 8: run<8, Q8, PIPE, PRE, ROPE>(); break;
+    }
+}
+
+// QK-norm + NeoX RoPE over 128 dims on the host, with the table's cos/sin and weights (as
+// qk_norm_rope computes it; Σ x² in double).
+static void host_qk_rope(float* x, const float* w) {
+    double ss = 0;
+    for (int d = 0; d < HD; d++) ss += (double)x[d] * x[d];
+    const float sc = 1.0f / std::sqrt((float)(ss / HD) + rtab.eps);
+    for (int d = 0; d < HD; d++) x[d] = (x[d] * sc) * w[d];
+    for (int p = 0; p < HD / 2; p++) {
+        const float x0 = x[p], x1 = x[p + HD / 2];
+        x[p] = x0 * rtab.cs[p] - x1 * rtab.sn[p];
+        x[p + HD / 2] = x0 * rtab.sn[p] + x1 * rtab.cs[p];
     }
 }
 
@@ -300,6 +316,46 @@ int main() {
                     printf("gb=%d f16 keys [%d, %d) new key %d: PRE %s\n", c.gb, c.start, c.end, pos,
                            !same ? "differs from the plain loop" : "did not store the new row");
                 pre_same = pre_same && same && stored;
+                // ROPE: raw q and new key through the fused form, against the plain PRE loop on
+                // the host-rotated ones (Σ x² in another order: NMSE, not bits), and the stored
+                // key row within f16 rounding of the host-rotated one.
+                if (pos < c.end) {
+                    const std::vector<float> q0 = qv;
+                    for (int p = 0; p < HD / 2; p++) {
+                        const float a = (float)pos * (1.0f / std::pow(1e6f, (float)(2 * p) / 128.0f));
+                        rtab.cs[p] = std::cos(a), rtab.sn[p] = std::sin(a);
+                    }
+                    for (int d = 0; d < HD; d++) {
+                        rtab.qw[d] = (float)(1 + 0.1 * nrand()), rtab.kw[d] = (float)(1 + 0.1 * nrand());
+                        knew[d] = (float)(3 * nrand());
+                    }
+                    rtab.eps = 1e-6f;
+                    const std::vector<float> kraw = knew;
+                    std::vector<float> qrot = qv;
+                    for (int h = 0; h < c.gb; h++) host_qk_rope(&qrot[h * HD], rtab.qw);
+                    host_qk_rope(knew.data(), rtab.kw);
+                    qv = qrot;
+                    run_gb<false, false, true>(c.gb);
+                    const std::vector<double> want = out_kernel;
+                    const std::vector<uint16_t> krow(kf.begin() + pos * HD, kf.begin() + (pos + 1) * HD);
+                    kf = kf0, vf = vf0;
+                    for (int d = 0; d < HD; d++) kf[pos * HD + d] = vf[pos * HD + d] = 0x7E00;
+                    qv = q0, knew = kraw;
+                    run_gb<false, false, true, true>(c.gb);
+                    double num = 0, den = 0, kerr = 0;
+                    for (size_t i = 0; i < want.size(); i++)
+                        num += (out_kernel[i] - want[i]) * (out_kernel[i] - want[i]), den += want[i] * want[i];
+                    for (int d = 0; d < HD; d++)
+                        kerr = std::max(kerr, (double)std::fabs(h2f(kf[pos * HD + d]) - h2f(krow[d])) /
+                                                  std::max(1e-3, (double)std::fabs(h2f(krow[d]))));
+                    const double nm = num / std::max(den, 1e-300);
+                    const bool rope_ok = nm <= 1e-8 && kerr <= 2e-3;
+                    if (!rope_ok)
+                        printf("gb=%d f16 keys [%d, %d) new key %d: ROPE NMSE %.2e, stored key rel. error %.2e\n",
+                               c.gb, c.start, c.end, pos, nm, kerr);
+                    pre_same = pre_same && rope_ok;
+                    qv = q0;
+                }
                 kf = kf0, vf = vf0;
             }
             out_kernel = plain;
