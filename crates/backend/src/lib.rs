@@ -302,6 +302,41 @@ pub struct QkRope<'a, W, I> {
     pub rope: &'a Rope,
 }
 
+/// [`Backend::qk_norm_rope_attention`] as its two ops: [`Backend::qk_norm_rope`] on q and k in
+/// place, then [`Backend::attention`] (the trait's default, and a backend's own fallback).
+pub fn qk_norm_rope_then_attention<B: Backend + ?Sized>(
+    be: &B,
+    kv: &mut B::Kv,
+    qk: QkRope<'_, B::Weight, B::IBuf>,
+    (q, k, v): QkvMut<'_, B::Buf>,
+    layer: usize,
+    shape: AttnShape,
+    out: &mut Act<B::Buf>,
+) -> Result<()> {
+    be.qk_norm_rope(
+        q,
+        k,
+        qk.q_norm,
+        qk.k_norm,
+        qk.head_dim,
+        qk.eps,
+        qk.step,
+        qk.rope,
+    )?;
+    be.attention(
+        kv,
+        qk.step,
+        AttnArgs {
+            layer,
+            q,
+            k,
+            v,
+            shape,
+        },
+        out,
+    )
+}
+
 /// An attention layer's q, k (both rotated in place by [`Backend::qk_norm_rope`]) and v.
 pub type QkvMut<'a, B> = (&'a mut Act<B>, &'a mut Act<B>, &'a Act<B>);
 
@@ -695,28 +730,7 @@ pub trait Backend: Send + Sync {
         shape: AttnShape,
         out: &mut Act<Self::Buf>,
     ) -> Result<()> {
-        self.qk_norm_rope(
-            q,
-            k,
-            qk.q_norm,
-            qk.k_norm,
-            qk.head_dim,
-            qk.eps,
-            qk.step,
-            qk.rope,
-        )?;
-        self.attention(
-            kv,
-            qk.step,
-            AttnArgs {
-                layer,
-                q,
-                k,
-                v,
-                shape,
-            },
-            out,
-        )
+        qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
     }
 
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.

@@ -797,28 +797,7 @@ impl Backend for CudaBackend {
         if attention::qk_norm_rope_attention(self, kv, args, out, &qk)? {
             return Ok(());
         }
-        self.qk_norm_rope(
-            q,
-            k,
-            qk.q_norm,
-            qk.k_norm,
-            qk.head_dim,
-            qk.eps,
-            qk.step,
-            qk.rope,
-        )?;
-        self.attention(
-            kv,
-            qk.step,
-            AttnArgs {
-                layer,
-                q,
-                k,
-                v,
-                shape,
-            },
-            out,
-        )
+        crate::qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
     }
 
     fn moe(
