@@ -476,7 +476,10 @@ enum Op {
     /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then one decode row of
     /// attention over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: one
     /// launch where the cache takes the keys-before-the-wait cluster form). Checked: the output.
-    AttnRope { shape: AttnShape, pos0: usize },
+    AttnRope {
+        shape: AttnShape,
+        pos0: usize,
+    },
     Moe {
         routing: MoeRouting,
         hidden: usize,
