@@ -720,7 +720,6 @@ pub trait Backend: Send + Sync {
     /// `layer`: what the decoder's attention half runs after its Q, K, V. A backend may do both
     /// in one launch and leave q and k as they were (CUDA at one decode row of a short
     /// contiguous f16 cache: the attention normalises and rotates the values it loads).
-    #[allow(clippy::too_many_arguments)]
     fn qk_norm_rope_attention(
         &self,
         kv: &mut Self::Kv,

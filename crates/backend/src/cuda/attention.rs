@@ -26,7 +26,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use anyhow::{anyhow, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 /// Kernel source.
@@ -918,7 +918,7 @@ fn attention_impl(
         step.positions.len()
     );
     if rows == 0 {
-        return Ok(rope.is_none());
+        return Ok(true);
     }
 
     let group = n_heads / n_kv_heads;
@@ -980,14 +980,15 @@ fn attention_impl(
                 && (pre.is_none() || tl.pre.is_some())
         });
         let sep = sep.filter(|_| tail.is_none());
-        // With the rotation: its form of clp, or nothing.
-        let clpr = match (&rope, clp, &be.attention.decode_clpr) {
-            (None, ..) => None,
-            (Some(_), Some(_), Some(f)) => Some(&f[gbi]),
-            (Some(_), ..) => return Ok(false),
+        // With the rotation: the clp form's twin that rotates (`_clpr_`), or nothing.
+        let clp = match (&rope, clp) {
+            (None, clp) => clp,
+            (Some(_), Some(_)) if be.attention.decode_clpr.is_some() => {
+                be.attention.decode_clpr.as_ref()
+            }
+            (Some(_), _) => return Ok(false),
         };
         let func = match (clp, cl, pre, tail, sep) {
-            _ if clpr.is_some() => clpr.ok_or_else(|| anyhow!("attention: no ROPE form"))?,
             (Some(clp), ..) => &clp[gbi],
             (None, Some(cl), ..) => &cl[gbi],
             (None, None, Some(pre), tail, _) => tail
