@@ -2443,6 +2443,13 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 vec![hidden, hidden],
                 gen_weight(ty, &[hidden, hidden], seed ^ 0x0a77)?,
             ));
+            // A down projection, not part of the op: planes_left_same_as_quantized's GEMV on
+            // the SwiGLU output.
+            h.weights.push((
+                ty,
+                vec![hidden, ffn],
+                gen_weight(ty, &[hidden, ffn], seed ^ 0x0d0e)?,
+            ));
             // The attention output (rows of unequal scales too, so the sum's rows differ in
             // RMS: a norm taken from the wrong row, or from x before the add, shows), the
             // residual x as generated (copied into out2 before each run), the scratch y, g, u
@@ -3334,6 +3341,9 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     let mut p = prepare(be, op, h)?;
     reset(be, op, &mut p)?;
     exec(be, op, &mut p)?;
+    if let Op::AddNormSwiglu { .. } = op {
+        planes_left_same_as_quantized(be, op, &mut p)?;
+    }
     if let Op::Argmax { rows, .. } = op {
         let s = p
             .iout
@@ -3451,6 +3461,36 @@ fn matmul_add_same_as_composition<B: Backend>(
         &be.to_host(&p.out)?,
         &be.to_host(&q.out)?,
         "matmul_add: out differs from matmul + add_assign's",
+    )
+}
+
+/// What a SwiGLU left for the GEMV after it against what that GEMV quantizes itself: CUDA's
+/// Q8_0 SwiGLU ring writes h's int8 planes for the down projection (`FERRITE_SWIGLU_QH`),
+/// which a GEMV on exactly that output, with no launch in between, reads instead of running
+/// quant_x. So a down projection of the op's SwiGLU output straight after the op (`p.w[4]`,
+/// not part of the op) and one of a copy of it (a buffer with no planes recorded) must be
+/// bitwise equal: both quantizations are `quant_q8_lane` on the same values. Runs first after
+/// the op (any launch between them would drop the record).
+fn planes_left_same_as_quantized<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
+    let &Op::AddNormSwiglu {
+        hidden, ffn, rows, ..
+    } = op
+    else {
+        bail!("planes_left_same_as_quantized: not a matmul_add+matmul_swiglu case")
+    };
+    let down =
+        p.w.get(4)
+            .ok_or_else(|| anyhow::anyhow!("matmul_add+matmul_swiglu: no down projection"))?;
+    let mut left = be.zeros(rows, hidden)?;
+    let mut copy = be.zeros(rows, ffn)?;
+    let mut fresh = be.zeros(rows, hidden)?;
+    be.matmul(&p.out, down, &mut left)?;
+    be.copy_rows(&p.out, 0, &mut copy)?;
+    be.matmul(&copy, down, &mut fresh)?;
+    ensure_same_bits(
+        &be.to_host(&left)?,
+        &be.to_host(&fresh)?,
+        "the down projection on the planes the SwiGLU left differs from one on quant_x's",
     )
 }
 
@@ -3729,7 +3769,8 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         // The four weights, the attention output in, the residual read and written, the SwiGLU
         // output (the scratch y, g, u, h: not needed).
         Op::AddNormSwiglu { .. } => {
-            let w: usize = h.weights.iter().map(|w| w.2.len()).sum();
+            // (The fifth weight, the down projection of the planes check, is not the op's.)
+            let w: usize = h.weights[..4].iter().map(|w| w.2.len()).sum();
             let x = h.out2.map_or(0, |(r, c)| r * c * 4);
             f(w + h.acts[0].0.len() * 4 + 2 * x + out)
         }

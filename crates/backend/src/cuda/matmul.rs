@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig,
+};
 use ferrite_formats::GgmlType;
 
 use super::launch::{KernelArg, LaunchExt};
@@ -148,6 +150,9 @@ pub struct Kernels {
     /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
     /// tensor-core tiles per persistent block; None: the lane code.
     swiglu_pipe: Option<(CudaFunction, usize)>,
+    /// `FERRITE_SWIGLU_QH` (on by default; MATMUL.md round 63): the ring also writes h's int8
+    /// planes into the GEMV scratch for the down projection (no quant_x launch between them).
+    swiglu_qh: bool,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -485,6 +490,7 @@ impl Kernels {
         } else {
             None
         };
+        let swiglu_qh = switches::int_or("FERRITE_SWIGLU_QH", 1) == 1;
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -575,6 +581,7 @@ impl Kernels {
             tckn_w4,
             tckn_q8,
             swiglu_pipe,
+            swiglu_qh,
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -1447,8 +1454,13 @@ const SWIGLU_PIPE_NB: usize = 2;
 
 /// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_q8_0_r1`): the
 /// H100 / H200 opt-in limit of a block, 227 KB, less the kernel's static shared memory
-/// (1.6 KB: the driver refuses a limit whose sum with it passes 227 KB).
-const PIPE_MAX_SMEM: usize = 225 * 1024;
+/// (2.6 KB with h's copy, `PIPE_QH_MAX`: the driver refuses a limit whose sum with it passes
+/// 227 KB).
+const PIPE_MAX_SMEM: usize = 224 * 1024;
+
+/// Most outputs a ring block quantizes for the down projection (`PIPE_QH_MAX` in matmul.cu:
+/// its shared copy of h); a ring whose blocks would take more groups writes no planes.
+const PIPE_QH_MAX: usize = 256;
 
 /// Most slices of the K-split tile (the partial-sum scratch is sized for it).
 const TCK_MAX_SPLITS: usize = 8;
@@ -2921,28 +2933,52 @@ pub fn rms_norm_matmul_swiglu_handed(
                 .max(1) as usize;
             let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
             let nb_i = nb as i32;
+            // h's planes for the down projection (FERRITE_SWIGLU_QH): in the GEMV scratch, if
+            // it exists and holds a row of n_out, whole 32-row groups, and no block takes more
+            // groups than its shared copy of h holds.
+            let mut hplanes = if be.matmul.swiglu_qh
+                && n_out.is_multiple_of(32)
+                && (n_out / 32).div_ceil(blocks) * 32 <= PIPE_QH_MAX
+            {
+                xq_for_producer(be, 1, n_out)?
+            } else {
+                None
+            };
+            let (hq, hd) = match hplanes.as_mut().and_then(|g| g.as_mut()) {
+                Some(xq) => (
+                    xq.q.device_ptr_mut(&be.stream).0,
+                    xq.d.device_ptr_mut(&be.stream).0,
+                ),
+                None => (0, 0),
+            };
+            let mut launch = be.stream.kernel(f);
+            launch
+                .arg(&gate.data)
+                .arg(&up.data)
+                .arg(&rb_i)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&nb_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&mut out.buf)
+                .arg(&ss)
+                .arg(&eps)
+                .arg(&hq)
+                .arg(&hd);
             // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
-            // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB.
+            // and x that gemvq_swiglu_p_q80 lays out, nb ≤ PIPE_MAX_NB; hq / hd are one row of
+            // the GEMV scratch (2 n_out bytes, n_out / 32 pairs) or null.
             unsafe {
-                be.stream
-                    .kernel(f)
-                    .arg(&gate.data)
-                    .arg(&up.data)
-                    .arg(&rb_i)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&nb_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&mut out.buf)
-                    .arg(&ss)
-                    .arg(&eps)
-                    .launch(LaunchConfig {
-                        grid_dim: (u32::try_from(blocks)?, 1, 1),
-                        block_dim,
-                        shared_mem_bytes: smem,
-                    })
+                launch.launch(LaunchConfig {
+                    grid_dim: (u32::try_from(blocks)?, 1, 1),
+                    block_dim,
+                    shared_mem_bytes: smem,
+                })
             }?;
+            if let Some(xq) = hplanes.as_mut().and_then(|g| g.as_mut()) {
+                xq.record_producer(be, &out.buf, 1, n_out);
+            }
             return Ok(true);
         }
     }

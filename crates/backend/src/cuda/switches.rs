@@ -215,6 +215,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
     ),
     (
+        "FERRITE_SWIGLU_QH",
+        Accepts::OneOf(&[0, 1]),
+        "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",
+    ),
+    (
         "FERRITE_QKV_VTC",
         Accepts::OneOf(&[0, 1]),
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",

@@ -1365,9 +1365,12 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
 // sn[r] scales each sum (SwiGLU: gate and up) before it is used.
 // W4 (gemvq_tc_q4k's W4): four warps, each holding two of the eight-warp kernel's partials
 // (acc: warp w's, acc2: warp w + 4's), written to their places: the same sums in the same order.
+// hs (R = 1; shared memory, or nullptr): each output also at hs[row] (the Q8_0 SwiGLU ring's
+// copy of h for its own quantization, gemvq_swiglu_p_q80).
 template <int R, bool SWIGLU, bool HALF = false, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0,
-                                         const float* sn = nullptr, float (*acc2)[2] = nullptr) {
+                                         const float* sn = nullptr, float (*acc2)[2] = nullptr,
+                                         float* hs = nullptr) {
     constexpr int NA = HALF ? 1 : 2;  // MMA row halves that hold distinct rows
     __shared__ float tred[GEMV_WARPS][R][8 * NA];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1405,6 +1408,7 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
             v = silu(v) * u;
         }
         out[(size_t)r * n_out + o] = v;
+        if (hs != nullptr) hs[row] = v;
     }
 }
 
@@ -1708,7 +1712,8 @@ template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
-                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr) {
+                                             int r0, int xplane, int kcols = 0, const float* sn = nullptr,
+                                             float* hs = nullptr) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3, e = t & 1, j = t >> 1;
     const uint8_t* p0 = ((g & 1) ? s1 : s0) + (size_t)(g >> 1) * (size_t)rb;
@@ -1774,7 +1779,7 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
     }
-    tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2);
+    tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2, hs);
 }
 
 // One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
@@ -2179,16 +2184,32 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  contiguous range [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
 //  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
+//  hq / hd (FERRITE_SWIGLU_QH; nullptr: none): h's int8 planes for the down projection, so
+//  that no quant_x launch runs between the two (MATMUL.md round 63). The block's range is
+//  then whole 32-row groups (four tiles each: blocks [b groups / G, (b + 1) groups / G), the
+//  most tiles a block takes no more than the tile ranges' for Qwen3-8B: 12), its outputs are
+//  kept in shared memory too (tc_store's hs; at most PIPE_QH_MAX), and after its last tile
+//  warp w quantizes groups w, w + 8, ... with quant_q8_lane: quant_x_q8's bits, all the
+//  block's groups in one round at its end rather than one after each group's last tile
+//  (which would hold warp 0, and so the next tile, ~0.15 us a group).
+#define PIPE_QH_MAX 256  // matmul.rs PIPE_QH_MAX
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                    long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                    float* __restrict__ out, const float* __restrict__ pss,
-                                                   float eps, uint8_t* smem, uint64_t* bars) {
+                                                   float eps, uint8_t* smem, uint64_t* bars,
+                                                   int8_t* __restrict__ hq, float2* __restrict__ hd) {
 #if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8, PAD = 16;
-    const int tiles = (n_out + NS - 1) / NS;
-    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
-    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
+    constexpr int NS = 8, PAD = 16, GT = QK / NS;  // GT: tiles a 32-row group
+    __shared__ float hsm[PIPE_QH_MAX];
+    const bool qh = hq != nullptr;
+    if (qh && n_out % QK != 0) __trap();  // the launcher passes planes only for whole groups
+    const int tiles = (n_out + NS - 1) / NS, groups = n_out / QK;
+    const int glo = (int)((long long)blockIdx.x * groups / gridDim.x);
+    const int ghi = (int)((long long)(blockIdx.x + 1) * groups / gridDim.x);
+    const int lo = qh ? GT * glo : (int)((long long)blockIdx.x * tiles / gridDim.x);
+    const int hi = qh ? GT * ghi : (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
+    if (qh && (hi - lo) * NS > PIPE_QH_MAX) __trap();  // the launcher's bound
     const long long srs = rb + PAD;
     const size_t slot = tc_slot(srs, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
@@ -2220,14 +2241,17 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         mbar_wait(bars + b, (uint32_t)ph);
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
         gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
-                                          n_in + 64, 0, sn);
-        __syncthreads();  // buffer b read by every warp
+                                          n_in + 64, 0, sn, qh ? hsm + (i - lo) * NS : nullptr);
+        __syncthreads();  // buffer b read by every warp (and hsm written)
         if (warp == 0 && i + nb < hi) issue(i + nb, b);
         if (++b == nb) {
             b = 0;
             ph ^= 1;
         }
     }
+    if (qh)
+        for (int k = warp; k < ghi - glo; k += GEMV_WARPS)
+            quant_q8_lane(hsm[k * QK + lane], lane, hq, n_out, (glo + k) * QK + lane, hd + glo + k);
 #endif
 }
 
@@ -2655,11 +2679,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                               int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
                               const float2* __restrict__ xd, float* __restrict__ out,
-                              const float* __restrict__ pss, float eps) {
+                              const float* __restrict__ pss, float eps, int8_t* __restrict__ hq,
+                              float2* __restrict__ hd) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
+    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
