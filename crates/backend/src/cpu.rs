@@ -1073,6 +1073,28 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn argmax_feed(
+        &self,
+        logits: &Act<Vec<f32>>,
+        out: &mut Vec<i32>,
+        step: &mut StepInput<Vec<i32>>,
+        log: &mut Vec<i32>,
+        log_len: usize,
+    ) -> Result<()> {
+        ensure!(
+            logits.rows == 1 && log_len >= 1 && log.len() >= log_len && !step.tokens.is_empty(),
+            "argmax_feed: one row, a log of {log_len} entries (of {})",
+            log.len()
+        );
+        self.argmax(logits, out)?;
+        let p = step.positions[0] + 1;
+        step.tokens[0] = out[0];
+        step.positions[0] = p;
+        log[usize::try_from(p)? % log_len] = out[0];
+        step.pos0 += 1;
+        Ok(())
+    }
+
     fn top_k(
         &self,
         logits: &Act<Vec<f32>>,

@@ -844,6 +844,21 @@ pub trait Backend: Send + Sync {
 
     /// Greedy token choice on the device: `out[t] = argmax(logits[t])` (ties to the lower id).
     fn argmax(&self, logits: &Act<Self::Buf>, out: &mut Self::IBuf) -> Result<()>;
+    /// Greedy decoding fed back on the device, for one-row steps: [`Backend::argmax`] of the
+    /// one row of `logits` into `out`, and that token becomes the step's next input with no
+    /// host round trip: `step.tokens[0] = t`, `step.positions[0] += 1`, and
+    /// `log[p % log_len] = t` for the new position p, so that a decode step captured with this
+    /// op at its end can be replayed step after step and its tokens read from the log later.
+    /// The host copy `step.pos0` advances where the call runs (not on a graph replay: the
+    /// caller keeps its own count).
+    fn argmax_feed(
+        &self,
+        logits: &Act<Self::Buf>,
+        out: &mut Self::IBuf,
+        step: &mut StepInput<Self::IBuf>,
+        log: &mut Self::IBuf,
+        log_len: usize,
+    ) -> Result<()>;
     /// The `k` largest logits of each row, best first, ties to the lower id (NaN counts as
     /// -inf): `ids[t*k + j]` and `vals[t][j]` (`vals` is `[rows, k]`). Sampling with top-k
     /// then needs only these k pairs on the host, not the whole vocabulary.

@@ -55,6 +55,11 @@ pub struct BenchArgs {
     /// positions decoded here hold fewer of the splits than at the end of such a cache.
     #[arg(long)]
     pub context: Option<usize>,
+    /// Decode steps between reads of the generated tokens in the decode test: each token is
+    /// chosen and fed to the next step on the device, as `run` decodes greedily; 0 reads each
+    /// token back before the next step is launched (the host loop).
+    #[arg(long, default_value_t = ferrite_engine::generate::FEED_CHUNK)]
+    pub feed_chunk: usize,
 }
 
 /// One measurement, as appended to bench/results.jsonl.
@@ -256,16 +261,39 @@ fn bench_on<B: Backend>(
         if !fill.is_empty() {
             seq.prefill(&fill)?;
         }
-        seq.decode(prompt[0])?; // the first step captures the graph: not timed
-                                // greedy() waits for the device: the fill and the capture step are done before t0
-                                // (timing from an asynchronous fill under-reported decode at depth: 182 vs 280 tok/s
-                                // at depth 8192).
-        let mut tok = seq.greedy()?;
-        let t0 = Instant::now();
-        for _ in 0..a.gen_tokens {
+        // The first two steps (eager, then captured as a graph) are not timed; the reads wait
+        // for the device, so the fill and those steps are done before t0 (timing from an
+        // asynchronous fill under-reported decode at depth: 182 vs 280 tok/s at depth 8192).
+        let t0 = if a.feed_chunk > 0 {
+            let mut tok = *seq
+                .greedy_chain(prompt[0], 2)?
+                .last()
+                .context("an empty greedy chain")?;
+            let t0 = Instant::now();
+            let mut left = a.gen_tokens;
+            while left > 0 {
+                let n = left
+                    .min(a.feed_chunk)
+                    .min(ferrite_engine::generate::FEED_LOG);
+                tok = *seq
+                    .greedy_chain(tok, n)?
+                    .last()
+                    .context("an empty greedy chain")?;
+                left -= n;
+            }
+            t0
+        } else {
+            seq.decode(prompt[0])?;
+            let tok = seq.greedy()?;
             seq.decode(tok)?;
-            tok = seq.greedy()?;
-        }
+            let mut tok = seq.greedy()?;
+            let t0 = Instant::now();
+            for _ in 0..a.gen_tokens {
+                seq.decode(tok)?;
+                tok = seq.greedy()?;
+            }
+            t0
+        };
         tg.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());
     }
     let (pp, tg) = (median(pp), median(tg));

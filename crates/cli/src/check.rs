@@ -297,6 +297,7 @@ const OPS: &[&str] = &[
     "qk_norm_rope_attention",
     "moe",
     "argmax",
+    "argmax_feed",
     "top_k",
     "capture/replay",
     // Qwen3.5's hybrid-layer ops (the fresh-state cases cover kv_new_hybrid).
@@ -491,6 +492,14 @@ enum Op {
     Argmax {
         rows: usize,
         cols: usize,
+        kind: ArgmaxKind,
+    },
+    /// One row's argmax fed to the next decode step (`argmax_feed`): the step at position
+    /// `pos`, a log of `FEED_CHECK_LOG` entries (one more allocated: it must stay untouched).
+    /// Checked exactly: the argmax, the step's token and position after it, the whole log.
+    ArgmaxFeed {
+        cols: usize,
+        pos: usize,
         kind: ArgmaxKind,
     },
     /// The k best logits per row (device-side top-k for sampling).
@@ -816,6 +825,10 @@ fn describe(op: &Op) -> (&'static str, String) {
             ),
         ),
         Op::Argmax { rows, cols, kind } => ("argmax", format!("argmax {kind:?} {rows}x{cols}")),
+        Op::ArgmaxFeed { cols, pos, kind } => (
+            "argmax_feed",
+            format!("argmax_feed {kind:?} 1x{cols} pos={pos}"),
+        ),
         Op::TopK {
             rows,
             cols,
@@ -1871,6 +1884,16 @@ pub fn cases(quick: bool) -> Vec<Case> {
         }
     }
 
+    // --- argmax fed to the next step: positions whose next one wraps the log and not.
+    for (cols, pos) in [(7, 0), (1000, FEED_CHECK_LOG - 1), (151936, 40)] {
+        for kind in [ArgmaxKind::Random, ArgmaxKind::Ties] {
+            if quick && cols > 1000 {
+                continue;
+            }
+            add(Op::ArgmaxFeed { cols, pos, kind });
+        }
+    }
+
     // --- top-k (sampling candidates)
     for (rows, cols, k) in [(1, 1000, 1), (1, 1000, 40), (3, 5000, 64), (2, 151936, 40)] {
         for kind in [ArgmaxKind::Random, ArgmaxKind::Ties, ArgmaxKind::Constant] {
@@ -2621,6 +2644,21 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.acts.push((rng.normals(rows * ne, 2.0), rows, ne));
             h.out = (rows, hidden);
         }
+        Op::ArgmaxFeed { cols, pos, kind } => {
+            // The step the token is fed to: an unknown token at `pos`.
+            h.tokens = vec![POISON_ID];
+            h.pos0 = pos;
+            let mut x = match kind {
+                ArgmaxKind::Random => rng.normals(cols, 1.0),
+                _ => vec![1.5; cols],
+            };
+            if let ArgmaxKind::Ties = kind {
+                x[cols / 2] = 10.0;
+                x[cols / 3] = 10.0;
+            }
+            h.acts.push((x, 1, cols));
+            h.out = (1, 1);
+        }
         Op::Argmax { rows, cols, kind }
         | Op::TopK {
             rows, cols, kind, ..
@@ -2775,6 +2813,9 @@ struct Prepared<B: Backend> {
 
 const POISON_ID: u32 = i32::MAX as u32;
 
+/// Entries of the token log the argmax_feed cases give the op (one more is allocated).
+const FEED_CHECK_LOG: usize = 18;
+
 /// While alive, CUDA's gated delta rule takes the kernel a `chunked` case asks for; dropped,
 /// the environment decides again (so no other case or model run sees the override).
 struct ChunkedOverride;
@@ -2884,6 +2925,14 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
         Op::Argmax { rows, .. } => {
             let mut s = be.step_input(rows + 1)?;
             be.set_step(&mut s, &vec![POISON_ID; rows + 1], 0)?;
+            iout = Some(s);
+        }
+        Op::ArgmaxFeed { .. } => {
+            // tokens: the argmax output (entry 0; the rest poisoned), positions: the log
+            // (set_step's 0, 1, 2, ...: a stray write shows).
+            let n = FEED_CHECK_LOG + 1;
+            let mut s = be.step_input(n)?;
+            be.set_step(&mut s, &vec![POISON_ID; n], 0)?;
             iout = Some(s);
         }
         Op::TopK { rows, k, .. } => {
@@ -3260,6 +3309,19 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("no argmax output"))?;
             be.argmax(&p.a[0], &mut s.tokens)
         }
+        Op::ArgmaxFeed { .. } => {
+            let s = p
+                .iout
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("no argmax output"))?;
+            be.argmax_feed(
+                &p.a[0],
+                &mut s.tokens,
+                &mut p.step,
+                &mut s.positions,
+                FEED_CHECK_LOG,
+            )
+        }
         Op::TopK { k, .. } => {
             let s = p
                 .iout
@@ -3355,6 +3417,29 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
             "argmax wrote past its {rows} rows"
         );
         return Ok((Output::I(ids[..*rows].to_vec()), p));
+    }
+    if let Op::ArgmaxFeed { pos, .. } = op {
+        let s = p
+            .iout
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no argmax output"))?;
+        let n = FEED_CHECK_LOG + 1;
+        let out = be.read_i32(&s.tokens, n)?;
+        anyhow::ensure!(
+            out[1..].iter().all(|&v| v == POISON_ID as i32),
+            "argmax_feed wrote past its one row"
+        );
+        anyhow::ensure!(
+            p.step.pos0 == pos + 1,
+            "argmax_feed left the step's host position at {}, not {}",
+            p.step.pos0,
+            pos + 1
+        );
+        let mut ids = vec![out[0]];
+        ids.extend(be.read_i32(&p.step.tokens, 1)?);
+        ids.extend(be.read_i32(&p.step.positions, 1)?);
+        ids.extend(be.read_i32(&s.positions, n)?);
+        return Ok((Output::I(ids), p));
     }
     if let Op::TopK { rows, k, .. } = op {
         let n = rows * k;
@@ -3682,7 +3767,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
                 MOE_PREFILL_NMSE
             }
         }
-        Op::Argmax { .. } | Op::TopK { .. } => 0.0,
+        Op::Argmax { .. } | Op::ArgmaxFeed { .. } | Op::TopK { .. } => 0.0,
         Op::Conv1d { .. } => CONV1D_NMSE,
         Op::GatedDelta { .. } => GATED_DELTA_NMSE,
         Op::Snapshot { .. } => SNAPSHOT_NMSE,
@@ -3793,7 +3878,7 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::QkNormRope { .. } => f(2 * acts),
         Op::CopyRows { .. } | Op::GatherRows { .. } => f(2 * out),
         Op::Paged(c) => c.bytes(be, h),
-        Op::Argmax { .. } => f(acts),
+        Op::Argmax { .. } | Op::ArgmaxFeed { .. } => f(acts),
         Op::TopK { k, .. } => f(acts * k),
         Op::Graph { .. } => f(3 * out),
         // x in, out, the taps, the state read and written.

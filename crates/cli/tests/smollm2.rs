@@ -129,3 +129,73 @@ fn q8_kv_cache_on_the_cpu_is_a_clear_error() {
         "{err}"
     );
 }
+
+/// The greedy tokens of `n` decode steps after `prompt`, token by token (decode, then the
+/// argmax read back) and in chains fed on the device (`Sequence::greedy_chain`) of the given
+/// lengths: the same tokens, including across the token log's ring (positions past
+/// `FEED_LOG`), after a chain of one and after a plain decode step in between.
+#[test]
+fn greedy_chains_equal_token_by_token_decode() {
+    use ferrite_engine::generate::FEED_LOG;
+    use ferrite_engine::Sequence;
+    let e = engine();
+    // A prompt that ends just before the ring wraps: the chains below cross it.
+    let prompt: Vec<u32> = PROMPT.iter().cycle().take(FEED_LOG - 6).copied().collect();
+    let n = 24;
+    let ctx = prompt.len() + n + 1;
+
+    let mut a = Sequence::new(&e.be, &e.model, ctx).unwrap();
+    a.prefill(&prompt).unwrap();
+    let mut tok = a.greedy().unwrap();
+    let mut by_token = vec![tok];
+    for _ in 0..n {
+        a.decode(tok).unwrap();
+        tok = a.greedy().unwrap();
+        by_token.push(tok);
+    }
+
+    let mut b = Sequence::new(&e.be, &e.model, ctx).unwrap();
+    b.prefill(&prompt).unwrap();
+    let mut tok = b.greedy().unwrap();
+    let mut chained = vec![tok];
+    for len in [1, 7, 3] {
+        let t = b.greedy_chain(tok, len).unwrap();
+        assert_eq!(t.len(), len);
+        tok = *t.last().unwrap();
+        chained.extend(t);
+    }
+    // A plain step between chains (the step input set from the host again).
+    b.decode(tok).unwrap();
+    tok = b.greedy().unwrap();
+    chained.push(tok);
+    let t = b.greedy_chain(tok, n - 12).unwrap();
+    chained.extend(t);
+    assert_eq!(b.pos, a.pos);
+    assert_eq!(chained, by_token);
+    assert_eq!(
+        b.greedy().unwrap(),
+        *by_token.last().unwrap(),
+        "the latest logits are the last step's"
+    );
+    // Past the context: an error, not a wrapped cache.
+    let err = b.greedy_chain(tok, 2).unwrap_err().to_string();
+    assert!(err.contains("pass the context"), "{err}");
+}
+
+/// Generation that runs into the context ends where the token-by-token loop would: every
+/// position the context holds is used (a chain appends its queued tokens ahead of their turn).
+#[test]
+fn greedy_generation_fills_the_context() {
+    let e = engine();
+    let params = GenerateParams {
+        max_tokens: 32,
+        ignore_eos: true,
+        context: Some(PROMPT.len() + 11),
+        ..GenerateParams::default()
+    };
+    let g = e.generate(&PROMPT, &params, &mut |_| {}).unwrap();
+    // The prompt's 16 positions, then 11 appended tokens and the one chosen after the last.
+    assert_eq!(g.tokens.len(), 12);
+    assert_eq!(g.tokens[..ANSWER.len()], ANSWER);
+    assert_eq!(g.finish, FinishReason::Length);
+}

@@ -159,15 +159,36 @@ pub(crate) enum GraphState<G> {
     Unsupported,
 }
 
+/// Entries of a sequence's greedy token log ([`Sequence::greedy_chain`]): a ring indexed by
+/// position, so one chain reads at most this many tokens.
+pub const FEED_LOG: usize = 256;
+
+/// Decode steps a greedy generation runs between reads of its tokens ([`Engine::generate`],
+/// `ferrite bench`'s default): each read waits for the device and leaves it idle until the
+/// next chain is launched (~20 µs on the H200), once per chain instead of once per token. A
+/// chain may run past an end token or stop string by at most this many steps less one, whose
+/// tokens are dropped; text streams out in pieces of up to this many tokens.
+pub const FEED_CHUNK: usize = 8;
+
+/// The greedy decode step with its token fed back on the device (`Backend::argmax_feed` at
+/// its end), captured as its own graph, and the log its tokens go to.
+struct FeedStep<B: Backend> {
+    graph: GraphState<B::Graph>,
+    log: B::IBuf,
+}
+
 /// One sequence's state on the backend: its KV cache, a prefill workspace, and a one-row
 /// decode workspace whose step is captured as a graph once and replayed for every token.
 pub struct Sequence<'e, B: Backend> {
     be: &'e B,
     model: &'e Model<B>,
     kv: B::Kv,
+    /// Positions the cache holds.
+    ctx: usize,
     prefill: Option<Workspace<B>>,
     decode: Workspace<B>,
     graph: GraphState<B::Graph>,
+    feed: Option<FeedStep<B>>,
     /// Tokens in the cache.
     pub pos: usize,
     /// Which workspace holds the latest logits.
@@ -182,9 +203,11 @@ impl<'e, B: Backend> Sequence<'e, B> {
             be,
             model,
             kv: m.new_kv(be, ctx)?,
+            ctx,
             prefill: None,
             decode: m.workspace(be, 1, Logits::Last)?,
             graph: GraphState::Eager,
+            feed: None,
             pos: 0,
             last_was_decode: false,
         })
@@ -235,6 +258,66 @@ impl<'e, B: Backend> Sequence<'e, B> {
         self.pos += 1;
         self.last_was_decode = true;
         Ok(())
+    }
+
+    /// Greedy decoding with each token fed to the next step on the device: appends `token`
+    /// and then the argmax of each step's logits, `n` steps in all, with no host round trip
+    /// between them (`Backend::argmax_feed` at the end of the step, captured as a graph of
+    /// its own after one eager step, as [`Sequence::decode`]'s). Returns the `n` argmaxes in
+    /// order, read from the device once at the end; the last one is not appended (it is the
+    /// next chain's `token`), and the latest logits are its step's.
+    pub fn greedy_chain(&mut self, token: u32, n: usize) -> Result<Vec<u32>> {
+        ensure!(
+            (1..=FEED_LOG).contains(&n),
+            "a greedy chain runs 1 to {FEED_LOG} steps, not {n}"
+        );
+        ensure!(
+            self.pos + n <= self.ctx,
+            "{n} decode steps from position {} pass the context of {} positions",
+            self.pos,
+            self.ctx
+        );
+        let (be, m) = (self.be, self.model);
+        if self.feed.is_none() {
+            self.feed = Some(FeedStep {
+                graph: GraphState::Eager,
+                log: be.step_input(FEED_LOG)?.tokens,
+            });
+        }
+        let p0 = self.pos;
+        be.set_step(&mut self.decode.step, &[token], p0)?;
+        let (ws, kv) = (&mut self.decode, &mut self.kv);
+        let Some(f) = self.feed.as_mut() else {
+            unreachable!("set above")
+        };
+        let log = &mut f.log;
+        let mut step = |ws: &mut Workspace<B>| -> Result<()> {
+            m.forward(be, ws, kv, Logits::Last)?;
+            be.argmax_feed(&ws.logits, &mut ws.argmax, &mut ws.step, log, FEED_LOG)
+        };
+        for _ in 0..n {
+            match &f.graph {
+                GraphState::Eager => {
+                    step(ws)?;
+                    f.graph = GraphState::Capture;
+                }
+                GraphState::Capture => match be.capture(&mut || step(ws))? {
+                    Some(g) => {
+                        be.replay(&g)?;
+                        f.graph = GraphState::Replay(g);
+                    }
+                    None => f.graph = GraphState::Unsupported,
+                },
+                GraphState::Replay(g) => be.replay(g)?,
+                GraphState::Unsupported => step(ws)?,
+            }
+        }
+        self.pos += n;
+        self.last_was_decode = true;
+        let log = be.read_i32(&f.log, FEED_LOG)?;
+        (1..=n)
+            .map(|i| Ok(u32::try_from(log[(p0 + i) % FEED_LOG])?))
+            .collect()
     }
 
     fn ws(&mut self) -> &mut Workspace<B> {
@@ -343,6 +426,10 @@ impl<B: Backend> Engine<B> {
         let mut tok = next(&mut seq, &history)?;
         out.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
+        // Greedy on the device: the tokens after `tok` come from chains of decode steps fed
+        // on the device (Sequence::greedy_chain), read FEED_CHUNK at a time; the queue holds
+        // a chain's tokens not yet taken (those past a stop are never taken).
+        let mut queue = std::collections::VecDeque::new();
         loop {
             out.tokens.push(tok);
             history.push(tok);
@@ -364,11 +451,26 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             }
-            if out.tokens.len() >= p.max_tokens || seq.pos >= ctx {
+            // The position the token-by-token loop would be at: a chain appends its queued
+            // tokens ahead of their turn.
+            if out.tokens.len() >= p.max_tokens || seq.pos - queue.len() >= ctx {
                 break;
             }
-            seq.decode(tok)?;
-            tok = next(&mut seq, &history)?;
+            if device_greedy {
+                if queue.is_empty() {
+                    // As many steps as the token-by-token loop could still take, at most a chunk.
+                    let n = FEED_CHUNK
+                        .min(p.max_tokens - out.tokens.len())
+                        .min(ctx - seq.pos);
+                    queue.extend(seq.greedy_chain(tok, n)?);
+                }
+                tok = queue
+                    .pop_front()
+                    .ok_or_else(|| anyhow::anyhow!("an empty greedy chain"))?;
+            } else {
+                seq.decode(tok)?;
+                tok = next(&mut seq, &history)?;
+            }
         }
         out.decode_s = t1.elapsed().as_secs_f64();
         if out.finish == FinishReason::Length {

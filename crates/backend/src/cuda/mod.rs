@@ -815,6 +815,18 @@ impl Backend for CudaBackend {
         ops::argmax(self, logits, out)
     }
 
+    fn argmax_feed(
+        &self,
+        logits: &Act<CudaSlice<f32>>,
+        out: &mut CudaSlice<i32>,
+        step: &mut StepInput<CudaSlice<i32>>,
+        log: &mut CudaSlice<i32>,
+        log_len: usize,
+    ) -> Result<()> {
+        let feed = ops::Feed { step, log, log_len };
+        ops::argmax_launch(self, logits, out, Some(feed))
+    }
+
     fn top_k(
         &self,
         logits: &Act<CudaSlice<f32>>,

@@ -28,6 +28,9 @@ pub struct Kernels {
     add_rms_norm_v4: CudaFunction,
     add_rms_norm_gemv_f32: CudaFunction,
     argmax_rows_mb: CudaFunction,
+    /// `argmax_feed`: one row's argmax_rows_mb, its last block feeding the token to the next
+    /// decode step (`Backend::argmax_feed`).
+    argmax_feed: CudaFunction,
     /// `argmax_rows_mb`'s per-row best key and arrival ticket (zero between launches).
     argmax_scratch: Mutex<Option<ArgmaxScratch>>,
 }
@@ -63,6 +66,7 @@ impl Kernels {
                 },
             )?,
             argmax_rows_mb: function(&m, "argmax_rows_mb")?,
+            argmax_feed: function(&m, "argmax_feed")?,
             argmax_scratch: Mutex::new(None),
         })
     }
@@ -580,10 +584,28 @@ pub fn swiglu(
 /// Blocks per row of the multi-block argmax (a 151,936-logit row: ~1,200 values per block).
 const ARGMAX_BLOCKS: usize = 128;
 
+/// Where `argmax_feed` feeds the token: the step's tokens and positions, and the log with its
+/// length.
+pub struct Feed<'a> {
+    pub step: &'a mut StepInput<CudaSlice<i32>>,
+    pub log: &'a mut CudaSlice<i32>,
+    pub log_len: usize,
+}
+
 pub fn argmax(
     be: &CudaBackend,
     logits: &Act<CudaSlice<f32>>,
     out: &mut CudaSlice<i32>,
+) -> Result<()> {
+    argmax_launch(be, logits, out, None)
+}
+
+/// `argmax`, and with `feed` (one row) the token fed back on the device (`argmax_feed`).
+pub fn argmax_launch(
+    be: &CudaBackend,
+    logits: &Act<CudaSlice<f32>>,
+    out: &mut CudaSlice<i32>,
+    feed: Option<Feed<'_>>,
 ) -> Result<()> {
     ensure!(
         out.len() >= logits.rows,
@@ -621,6 +643,37 @@ pub fn argmax(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
+    if let Some(f) = feed {
+        ensure!(
+            logits.rows == 1
+                && f.log_len >= 1
+                && f.log.len() >= f.log_len
+                && f.step.tokens.len() >= 1
+                && f.step.positions.len() >= 1,
+            "argmax_feed: one row, a log of {} entries (of {})",
+            f.log_len,
+            f.log.len()
+        );
+        let log_len = i32::try_from(f.log_len)?;
+        // SAFETY: as argmax_rows_mb's below; the last block also writes tokens[0],
+        // positions[0] and log[p % log_len] (log_len ≤ log.len(), checked).
+        unsafe {
+            be.stream
+                .kernel(&be.ops.argmax_feed)
+                .arg(&logits.buf)
+                .arg(out)
+                .arg(&cols)
+                .arg(&mut s.best)
+                .arg(&mut s.ticket)
+                .arg(&mut f.step.tokens)
+                .arg(&mut f.step.positions)
+                .arg(f.log)
+                .arg(&log_len)
+                .launch(cfg)
+        }?;
+        f.step.pos0 += 1;
+        return Ok(());
+    }
     // SAFETY: logits hold rows × cols floats; out ≥ rows (checked); best/ticket hold ≥ rows
     // zeroed entries, left zeroed by each launch's last block.
     unsafe {

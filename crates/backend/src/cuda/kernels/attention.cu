@@ -1041,8 +1041,10 @@ __device__ __forceinline__ void attn_decode_impl(
     const int h0 = blockIdx.x * GB, split = blockIdx.y, t = blockIdx.z;
     const int kvh = h0 / group;
 
-    // Before the PDL wait: only the positions (written by host copies, never by a kernel)
-    // and the cache at positions of earlier steps (written by grids that have completed).
+    // Before the PDL wait: only the positions (written by host copies, or by the previous
+    // step's argmax_feed: a launch that completed before this one's predecessor passed its
+    // wait, as every launch between them waits before it ends) and the cache at positions of
+    // earlier steps (written by grids that have completed).
     const int pos_t = positions[t];
     const int n_keys = max(0, min(pos_t + 1, max_keys));
     const int chunk = decode_chunk(n_keys, n_splits, min_chunk, STEP);
@@ -1477,7 +1479,7 @@ extern "C" __global__ void __launch_bounds__(128)
                       const int* __restrict__ positions, float* __restrict__ out, int8_t* __restrict__ xq,
                       float2* __restrict__ xd, int n_heads, int capacity, int n_splits, int min_chunk, int step) {
     const int h = blockIdx.x, c = blockIdx.y, t = blockIdx.z;
-    const int pos_t = positions[t];  // written by host copies only
+    const int pos_t = positions[t];  // host copies, or an earlier step's argmax_feed (see attn_decode_impl)
     const int n_keys = max(0, min(pos_t + 1, capacity));
     const int n_active = decode_active(n_keys, decode_chunk(n_keys, n_splits, min_chunk, step));
     PDL_ENTRY();

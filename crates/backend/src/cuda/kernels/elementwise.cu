@@ -618,8 +618,15 @@ __device__ __forceinline__ uint32_t ord_bits(float f) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-extern "C" __global__ void argmax_rows_mb(const float* __restrict__ logits, int* __restrict__ out, int cols,
-                                          unsigned long long* __restrict__ best, unsigned int* __restrict__ ticket) {
+// FEED (argmax_feed, one row; Backend::argmax_feed): the last block also feeds the token to the
+// next decode step on the device: tokens[0] = it, positions[0] += 1, log[new position % log_len]
+// = it (the host reads the log when it wants the tokens; the next step is a graph launched
+// after this one, so it finds them written).
+template <bool FEED>
+__device__ __forceinline__ void argmax_rows_mb_impl(const float* __restrict__ logits, int* __restrict__ out,
+                                                    int cols, unsigned long long* __restrict__ best,
+                                                    unsigned int* __restrict__ ticket, int* __restrict__ tokens,
+                                                    int* __restrict__ positions, int* __restrict__ log, int log_len) {
     PDL_ENTRY();
     __shared__ unsigned long long wbest[32];
     const int row = blockIdx.y;
@@ -652,9 +659,26 @@ extern "C" __global__ void argmax_rows_mb(const float* __restrict__ logits, int*
         const unsigned int t = atomicAdd(ticket + row, 1u);
         if (t == gridDim.x - 1) {  // every block's atomicMax is done (each fenced before its ticket)
             const unsigned long long k = atomicMax(best + row, 0ull);
-            out[row] = k ? (int)(~(uint32_t)(k & 0xffffffffull)) : 0;
+            const int id = k ? (int)(~(uint32_t)(k & 0xffffffffull)) : 0;
+            out[row] = id;
             best[row] = 0ull;
             ticket[row] = 0u;
+            if (FEED) {
+                const int p = positions[0] + 1;
+                tokens[0] = id;
+                positions[0] = p;
+                log[p % log_len] = id;
+            }
         }
     }
+}
+extern "C" __global__ void argmax_rows_mb(const float* __restrict__ logits, int* __restrict__ out, int cols,
+                                          unsigned long long* __restrict__ best, unsigned int* __restrict__ ticket) {
+    argmax_rows_mb_impl<false>(logits, out, cols, best, ticket, nullptr, nullptr, nullptr, 1);
+}
+extern "C" __global__ void argmax_feed(const float* __restrict__ logits, int* __restrict__ out, int cols,
+                                       unsigned long long* __restrict__ best, unsigned int* __restrict__ ticket,
+                                       int* __restrict__ tokens, int* __restrict__ positions, int* __restrict__ log,
+                                       int log_len) {
+    argmax_rows_mb_impl<true>(logits, out, cols, best, ticket, tokens, positions, log, log_len);
 }
