@@ -446,20 +446,11 @@ impl Kernels {
             None
         };
         let add_nh_q8_0 = if defer_q8 == 2 && switches::int_or("FERRITE_OPROJ_HALF", 1) == 1 {
-            let f = function_smem(
+            Some(function_smem(
                 &m,
                 "gemvq_add_nh_q8_0_r1",
                 add_nh_smem(ADD_NH_MAX_UNITS),
-            )?;
-            // The SM's whole shared memory as such (not L1) where it runs: the point of its
-            // 70 KB blocks is that the ring's 152 KB ones fit beside them, and an SM changes
-            // its carve-out only when idle.
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                100,
-            )
-            .context("gemvq_add_nh_q8_0_r1: the shared-memory carve-out")?;
-            Some(f)
+            )?)
         } else {
             None
         };
