@@ -1383,18 +1383,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             rows: 1,
         });
     }
-    // Q8_0's o-projection with part of each row in registers (gemvq_add_nh_q8_0: rows of 64
-    // to 128 units; 4096 columns above): none of the row in shared memory, and a third.
-    if !quick {
-        for hidden in [2048, 3072] {
-            add(Op::AddNormSwiglu {
-                ty: GgmlType::Q8_0,
-                hidden,
-                ffn: 1024,
-                rows: 1,
-            });
-        }
-    }
 
     // --- matmul_add_for_norm + rms_norm_matmuls (the down projection's residual add handing
     // the attention norm's input to the next layer's Q, K, V). CUDA takes it at one decode
