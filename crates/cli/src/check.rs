@@ -1383,6 +1383,19 @@ pub fn cases(quick: bool) -> Vec<Case> {
             rows: 1,
         });
     }
+    // Q8_0 at other widths: 2048 columns (the 32-row producer, as at 4096) and 3072 (its plain
+    // GEMV splits rows over two warps, so the 32-row producer, whose sums would differ, is not
+    // taken: the plain GEMV and add_norm_planes).
+    if !quick {
+        for hidden in [2048, 3072] {
+            add(Op::AddNormSwiglu {
+                ty: GgmlType::Q8_0,
+                hidden,
+                ffn: 1024,
+                rows: 1,
+            });
+        }
+    }
 
     // --- matmul_add_for_norm + rms_norm_matmuls (the down projection's residual add handing
     // the attention norm's input to the next layer's Q, K, V). CUDA takes it at one decode

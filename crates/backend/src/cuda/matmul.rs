@@ -2494,11 +2494,30 @@ pub(crate) fn hands_norm_to_qkv(
 
 /// Whether `w` at `rows` rows takes Q8_0's 32-row producer (`gemvq_add_n_q8_0_r1`): one row,
 /// its 32 rows within [`ADD_N_MAX_SMEM`].
+/// Its sums are plain `matmul_add`'s bit for bit only where that GEMV takes every row whole in
+/// one warp (ks = 1, as the 32-row block does): at 3072 columns the one-wave split gives it
+/// two warps a row and other sums, so such weights keep the plain GEMV and `add_norm_planes`.
 fn add_n_fits(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
+    let (n_out, rb) = (w.shape[0], w.row_bytes());
     be.matmul.add_n_q8_0.is_some()
         && rows == 1
         && w.dtype == GgmlType::Q8_0
-        && add_n_smem(w.row_bytes()) <= ADD_N_MAX_SMEM
+        && w.shape.len() == 2
+        && add_n_smem(rb) <= ADD_N_MAX_SMEM
+        && matches!(
+            gemvq_plan(
+                be,
+                w.dtype,
+                w.shape[1],
+                n_out,
+                rb,
+                row_groups(n_out),
+                1,
+                1,
+                GemvKind::Plain
+            ),
+            Ok((1, _, None))
+        )
 }
 
 /// Dynamic shared memory of a `gemvq_add_n_q8_0_r1` block: 32 rows of `rb` bytes, rounded up

@@ -648,8 +648,8 @@ pub fn argmax_launch(
             logits.rows == 1
                 && f.log_len >= 1
                 && f.log.len() >= f.log_len
-                && f.step.tokens.len() >= 1
-                && f.step.positions.len() >= 1,
+                && !f.step.tokens.is_empty()
+                && !f.step.positions.is_empty(),
             "argmax_feed: one row, a log of {} entries (of {})",
             f.log_len,
             f.log.len()
