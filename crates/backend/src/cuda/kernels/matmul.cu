@@ -2640,6 +2640,136 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     if (threadIdx.x < 32)
         add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);
 }
+// gemvq_add_nh_q8_0_r1 (matmul.rs `matmul_add_for_norm`, FERRITE_OPROJ_HALF; MATMUL.md round
+// 64): gemvq_add_n_q8_0_r1's sums and epilogue with the last 64 units (2048 columns) of each row
+// held in registers instead of shared memory. Why: the 32-row block of gemvq_add_n_q8_0_r1
+// takes 139 KB of shared memory and 250 registers at 4096 columns, so no block of the Q8_0
+// SwiGLU ring after it (150 KB, 21.5 K registers) can start on its SM — copy its first tiles —
+// until it exits, which costs the ring ~1.8 us a layer (the 23rd session's 16-row tiles freed
+// the SMs and the ring gained that, DECODE_STEP.md). Here a block takes 70 KB and at most 168
+// registers, so the ring's blocks start beside it, and so can it beside the attention's.
+// Plan: before the PDL wait warp 0's lanes copy the first nh units of the block's 32 rows
+// (one bulk copy a row, 2,176 bytes at 4096 columns) and every lane loads its own last two
+// units of its warp's four rows (lane L: units nb - 64 + L and nb - 32 + L, 8 x 34 bytes, 72
+// registers as gemvq_lane unpacks them). After the wait each lane runs gemvq_lane's Q8_0 body
+// over units L, L + 32, ... < nh from shared memory, then over its two register units: every
+// lane's units in the order gemvq_lane takes them, the same operations, so the same sums bit
+// for bit (and the same butterfly, store and add_norm_lane after it).
+// Rows: 32 a block, n_out % 32 == 0; nb = n_in / 32 in [64, 128], a multiple of 32 (launcher).
+// LATE (gemvq_add_nhw_q8_0_r1): the copies and loads issued after the PDL wait instead, so
+// that, resident beside the attention (which the 168 registers allow), the block does not
+// stream its weights through the attention's window (round 64: +2.6 us on the attention).
+template <bool LATE>
+__device__ __forceinline__ void gemvq_add_nh_q80(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                                 float* __restrict__ x, const float* __restrict__ nw,
+                                                 int8_t* __restrict__ pq, float2* __restrict__ pd,
+                                                 float* __restrict__ pss) {
+#if __CUDA_ARCH__ >= 900
+    if (LATE) PDL_ENTRY();
+    constexpr int NW = 4, KR = 2;  // rows a warp; units a lane holds in registers, per row
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bar;
+    __shared__ float sums[32];
+    const int nb = n_in / QK, nh = nb - 32 * KR;  // units a row; of them in shared memory
+    if (blockDim.x != GEMV_WARPS * 32 || nb % 32 != 0 || nh < 0 || nh > 64) __trap();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int r0 = blockIdx.x * 32, o0 = r0 + warp * NW;
+    const size_t hb = (size_t)nh * Q8_0_BYTES;  // a row's bytes in shared memory (16 | hb)
+    if (threadIdx.x == 0) {
+        mbar_init(&bar);
+        mbar_expect(&bar, (uint32_t)(32 * hb));
+    }
+    __syncthreads();
+    if (warp == 0 && hb)
+        bulk_g2s_w(&bar, gemv_smem + (size_t)lane * hb, (size_t)(W + (size_t)(r0 + lane) * (size_t)rb), (uint32_t)hb);
+    uint32_t q2[KR][NW][8];
+    float d2[KR][NW];
+#pragma unroll
+    for (int k = 0; k < KR; k++)
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            const uint8_t* blk = W + (size_t)(o0 + w) * (size_t)rb + (size_t)(nh + 32 * k + lane) * Q8_0_BYTES;
+            d2[k][w] = h2f(wld2<false>(blk));
+            uint32_t a[4], b[4];
+            ld16_a2<false>(blk + 2, a);
+            ld16_a2<false>(blk + 18, b);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                q2[k][w][i] = a[i];
+                q2[k][w][4 + i] = b[i];
+            }
+        }
+    if (!LATE) PDL_ENTRY();
+    // x (the attention's planes) at unit u: hi plane words, lo plane words, (d, d sum).
+    auto dot = [&](int u, const uint32_t (&q)[NW][8], const float (&dw)[NW], float (&acc)[NW]) {
+        const int8_t* xr = xq + (size_t)u * QK;
+        const int4* xp = (const int4*)xr;
+        const int4* yp = (const int4*)(xr + n_in);
+        const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1), y0 = __ldg(yp), y1 = __ldg(yp + 1);
+        const float2 ds = __ldg(xd + u);
+        const uint32_t xv[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
+                                (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
+        const uint32_t yv[8] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w,
+                                (uint32_t)y1.x, (uint32_t)y1.y, (uint32_t)y1.z, (uint32_t)y1.w};
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            int sh = 0, sl = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                sh = dp4(q[w][i], xv[i], sh);
+                sl = dp4(q[w][i], yv[i], sl);
+            }
+            const int s = 127 * sh + sl;
+            acc[w] = fmaf(dw[w] * ds.x, (float)s, acc[w]);
+        }
+    };
+    float acc[NW];
+#pragma unroll
+    for (int w = 0; w < NW; w++) acc[w] = 0.0f;
+    gemv_bulk_wait(&bar);
+#pragma unroll 2
+    for (int u = lane; u < nh; u += 32) {
+        uint32_t q[NW][8];
+        float dw[NW];
+#pragma unroll
+        for (int w = 0; w < NW; w++) {
+            const uint8_t* blk = gemv_smem + (size_t)(warp * NW + w) * hb + (size_t)u * Q8_0_BYTES;
+            dw[w] = h2f(wld2<true>(blk));
+            uint32_t a[4], b[4];
+            ld16_a2<true>(blk + 2, a);
+            ld16_a2<true>(blk + 18, b);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                q[w][i] = a[i];
+                q[w][4 + i] = b[i];
+            }
+        }
+        dot(u, q, dw, acc);
+    }
+#pragma unroll
+    for (int k = 0; k < KR; k++) dot(nh + 32 * k + lane, q2[k], d2[k], acc);
+#pragma unroll
+    for (int w = 0; w < NW; w++) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[w] += __shfl_xor_sync(0xffffffffu, acc[w], off);
+        if (lane == w) sums[o0 + w - r0] = acc[w];
+    }
+    __syncthreads();
+    const int o = r0 + lane;
+    if (threadIdx.x < 32)
+        add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);
+#endif
+}
+#define GEMVQ_ADD_NH_KERNEL(name, LATE)                                                                    \
+    extern "C" __global__ void __maxnreg__(168)                                                           \
+        name(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const int8_t* __restrict__ xq, \
+             const float2* __restrict__ xd, float* __restrict__ x, const float* __restrict__ nw,           \
+             int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) {                  \
+        gemvq_add_nh_q80<LATE>(W, rb, n_out, n_in, xq, xd, x, nw, pq, pd, pss);                            \
+    }
+GEMVQ_ADD_NH_KERNEL(gemvq_add_nh_q8_0_r1, false)
+GEMVQ_ADD_NH_KERNEL(gemvq_add_nhw_q8_0_r1, true)
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_TCK_ALL_R(q4_k, GGML_Q4_K)
