@@ -128,11 +128,6 @@ pub struct Kernels {
     /// `gemvq_add_n_q8_0_r1`: its one-row producer in 32-row blocks (`FERRITE_DEFER_NORM_Q8=2`,
     /// the default; for more rows, or with 1, the plain GEMV and `add_norm_planes`).
     add_n_q8_0: Option<CudaFunction>,
-    /// `gemvq_add_nh_q8_0_r1` (`FERRITE_OPROJ_HALF`; MATMUL.md round 64): the same with each
-    /// row's last 2048 columns in registers (70 KB and 168 registers a block at 4096 columns,
-    /// so that the SwiGLU ring's blocks start beside it); taken for rows of 2048 to 4096
-    /// columns.
-    add_nh_q8_0: Option<CudaFunction>,
     /// The grouped Q, K, V kernels on the attention input's handed-over norm
     /// ([`hands_norm_to_qkv`]; sm_90+, `FERRITE_NORM_QKV` ≠ 0).
     qkv_norm: Option<QkvNorm>,
@@ -445,26 +440,6 @@ impl Kernels {
         } else {
             None
         };
-        let half = switches::int_or("FERRITE_OPROJ_HALF", 2);
-        let add_nh_q8_0 = if defer_q8 == 2 && half != 0 {
-            let name = if half == 2 {
-                "gemvq_add_nhw_q8_0_r1"
-            } else {
-                "gemvq_add_nh_q8_0_r1"
-            };
-            let f = function_smem(&m, name, add_nh_smem(ADD_NH_MAX_UNITS))?;
-            // The SM's whole shared memory as such (not L1) where it runs: the point of its
-            // 70 KB blocks is that the ring's 152 KB ones fit beside them, and an SM changes
-            // its carve-out only when idle.
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                100,
-            )
-            .with_context(|| format!("{name}: the shared-memory carve-out"))?;
-            Some(f)
-        } else {
-            None
-        };
         // FERRITE_NORM_QKV=2 (default): the K-split Q4_K down's pair tickets (MATMUL.md round
         // 42); 0 off.
         let norm_qkv = gemvq_tc.is_some() && switches::int_or("FERRITE_NORM_QKV", 2) != 0;
@@ -600,7 +575,6 @@ impl Kernels {
             xqn: Mutex::new(None),
             swiglu_n_q8_0,
             add_n_q8_0,
-            add_nh_q8_0,
             qkv_norm,
             tckn,
             tck_w4,
@@ -2585,16 +2559,6 @@ pub(crate) fn hands_norm_over(
             ))
 }
 
-/// Most 32-column units a row of `gemvq_add_nh_q8_0_r1` may have (4096 columns: 64 in shared
-/// memory, 64 in registers); the fewest, 64 (2048 columns: none in shared memory).
-const ADD_NH_MAX_UNITS: usize = 128;
-
-/// Dynamic shared memory of a `gemvq_add_nh_q8_0_r1` block: 32 rows of all but their last 64
-/// units.
-fn add_nh_smem(units: usize) -> usize {
-    32 * units.saturating_sub(64) * 34
-}
-
 /// Shared memory `gemvq_add_n_q8_0_r1` may take: its 32 rows (139 KB at 4096 columns), one
 /// block per SM.
 const ADD_N_MAX_SMEM: usize = 200 * 1024;
@@ -2656,23 +2620,10 @@ pub fn matmul_add_for_norm(
         // FERRITE_DIAG_SKIP 4 (timing only): the launch left out, the planes still recorded
         // below, so that the SwiGLU after it runs as it would.
     } else if let (Some(f), true) = (&be.matmul.add_n_q8_0, add_n_fits(be, w, rows)) {
-        // The half-in-registers form where the row's units fit it (16 | rb: each row's
-        // shared-memory part is one bulk copy from a 16-byte aligned address).
-        let units = n_in / 32;
-        let half = be.matmul.add_nh_q8_0.as_ref().filter(|_| {
-            (64..=ADD_NH_MAX_UNITS).contains(&units)
-                && units.is_multiple_of(32)
-                && n_in.is_multiple_of(32)
-                && rb.is_multiple_of(16)
-        });
-        let (f, smem) = match half {
-            Some(h) => (h, add_nh_smem(units)),
-            None => (f, add_n_smem(rb)),
-        };
         let cfg = LaunchConfig {
             grid_dim: (u32::try_from(n_out / 32)?, 1, 1),
             block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
+            shared_mem_bytes: add_n_smem(rb) as u32,
         };
         let xd = xq.d.slice(..n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * n_in);

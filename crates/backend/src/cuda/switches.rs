@@ -215,11 +215,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
     ),
     (
-        "FERRITE_OPROJ_HALF",
-        Accepts::OneOf(&[0, 1, 2]),
-        "the one-row Q8_0 o-projection handing the FFN norm over (gemvq_add_n_q8_0) with each row's last 2048 columns in registers, 70 KB and 168 registers a block, so that the SwiGLU ring starts beside it: 2 (default) its weights loaded after its PDL wait, 1 before it, 0 the whole rows in shared memory (MATMUL.md round 64)",
-    ),
-    (
         "FERRITE_SWIGLU_QH",
         Accepts::OneOf(&[0, 1]),
         "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",
