@@ -278,17 +278,15 @@ impl<'e, B: Backend> Sequence<'e, B> {
             self.ctx
         );
         let (be, m) = (self.be, self.model);
-        if self.feed.is_none() {
-            self.feed = Some(FeedStep {
-                graph: GraphState::Eager,
-                log: be.step_input(FEED_LOG)?.tokens,
-            });
-        }
         let p0 = self.pos;
         be.set_step(&mut self.decode.step, &[token], p0)?;
         let (ws, kv) = (&mut self.decode, &mut self.kv);
-        let Some(f) = self.feed.as_mut() else {
-            unreachable!("set above")
+        let f = match &mut self.feed {
+            Some(f) => f,
+            slot => slot.insert(FeedStep {
+                graph: GraphState::Eager,
+                log: be.step_input(FEED_LOG)?.tokens,
+            }),
         };
         let log = &mut f.log;
         let mut step = |ws: &mut Workspace<B>| -> Result<()> {
