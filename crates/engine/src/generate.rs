@@ -163,11 +163,12 @@ pub(crate) enum GraphState<G> {
 /// position, so one chain reads at most this many tokens.
 pub const FEED_LOG: usize = 256;
 
-/// Decode steps a greedy generation runs between reads of its tokens ([`Engine::generate`],
-/// `ferrite bench`'s default): each read waits for the device and leaves it idle until the
-/// next chain is launched (~20 µs on the H200), once per chain instead of once per token. A
-/// chain may run past an end token or stop string by at most this many steps less one, whose
-/// tokens are dropped; text streams out in pieces of up to this many tokens.
+/// Decode steps a greedy generation runs between reads of its tokens ([`Engine::generate`]
+/// once its fed step is a graph, `ferrite bench`'s default): each read waits for the device
+/// and leaves it idle until the next chain is launched (~20-30 µs on the H200), once per chain
+/// instead of once per token. A chain may run past an end token or stop string by at most
+/// this many steps less one, whose tokens are dropped; text streams out in pieces of up to
+/// this many tokens.
 pub const FEED_CHUNK: usize = 8;
 
 /// The greedy decode step with its token fed back on the device (`Backend::argmax_feed` at
@@ -318,6 +319,18 @@ impl<'e, B: Backend> Sequence<'e, B> {
             .collect()
     }
 
+    /// Steps [`Engine::generate`] runs in its next greedy chain: [`FEED_CHUNK`] once the fed
+    /// step replays as a graph; 2 before (its eager step and its capture); 1 where the backend
+    /// has no graphs (every step runs from the host anyway, so a chain saves nothing and
+    /// tokens stream out one at a time).
+    pub fn feed_chunk(&self) -> usize {
+        match self.feed.as_ref().map(|f| &f.graph) {
+            Some(GraphState::Replay(_)) => FEED_CHUNK,
+            Some(GraphState::Unsupported) => 1,
+            None | Some(GraphState::Eager | GraphState::Capture) => 2,
+        }
+    }
+
     fn ws(&mut self) -> &mut Workspace<B> {
         match (&mut self.prefill, self.last_was_decode) {
             (Some(p), false) => p,
@@ -425,7 +438,7 @@ impl<B: Backend> Engine<B> {
         out.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         // Greedy on the device: the tokens after `tok` come from chains of decode steps fed
-        // on the device (Sequence::greedy_chain), read FEED_CHUNK at a time; the queue holds
+        // on the device (Sequence::greedy_chain), read feed_chunk() at a time; the queue holds
         // a chain's tokens not yet taken (those past a stop are never taken).
         let mut queue = std::collections::VecDeque::new();
         loop {
@@ -457,7 +470,8 @@ impl<B: Backend> Engine<B> {
             if device_greedy {
                 if queue.is_empty() {
                     // As many steps as the token-by-token loop could still take, at most a chunk.
-                    let n = FEED_CHUNK
+                    let n = seq
+                        .feed_chunk()
                         .min(p.max_tokens - out.tokens.len())
                         .min(ctx - seq.pos);
                     queue.extend(seq.greedy_chain(tok, n)?);
