@@ -176,6 +176,11 @@ fn bench_context(a: &BenchArgs) -> Result<usize> {
     Ok(ctx)
 }
 
+/// Decode steps of the check that greedy decoding fed on the device gives the host loop's
+/// tokens (after the gate, on the gate's prompt): a chain of 2 and one of 8, as `run` takes
+/// them.
+const FED_CHECK: usize = 10;
+
 pub fn bench(a: &BenchArgs) -> Result<()> {
     anyhow::ensure!(
         a.reps >= 1 && a.gen_tokens >= 1 && a.prompt_tokens >= 1,
@@ -229,6 +234,14 @@ fn bench_on<B: Backend>(
             gate_prompt.len(),
             g.describe()
         );
+        // The decode test's greedy chains fed on the device against the host loop.
+        let (fed, host) =
+            ferrite_engine::generate::fed_and_host_tokens(be, &model, &gate_prompt, FED_CHECK)?;
+        anyhow::ensure!(
+            fed == host,
+            "greedy decode fed on the device FAILED: {fed:?} where the host loop gives {host:?}"
+        );
+        eprintln!("fed decode: {FED_CHECK} tokens equal to the host loop's");
     }
 
     let bw = be.copy_bandwidth()?;

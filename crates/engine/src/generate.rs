@@ -109,6 +109,42 @@ pub fn gate<B: Backend>(be: &B, model: &Model<B>, prompt: &[u32]) -> Result<Gate
     })
 }
 
+/// The greedy tokens of `n` decode steps after `prompt`, token by token (decode, then the
+/// argmax read back: the host loop) and fed on the device ([`Sequence::greedy_chain`]: a chain
+/// of 2, its eager step and its capture, then chains of [`FEED_CHUNK`], as
+/// [`Engine::generate`] runs them). Both run the same decode kernels, so they must be equal
+/// (`ferrite bench` checks it on every model it measures).
+pub fn fed_and_host_tokens<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    prompt: &[u32],
+    n: usize,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let ctx = prompt.len() + n + 1;
+    let mut a = Sequence::new(be, model, ctx)?;
+    a.prefill(prompt)?;
+    let mut tok = a.greedy()?;
+    let mut host = vec![];
+    for _ in 0..n {
+        a.decode(tok)?;
+        tok = a.greedy()?;
+        host.push(tok);
+    }
+    let mut b = Sequence::new(be, model, ctx)?;
+    b.prefill(prompt)?;
+    let mut tok = b.greedy()?;
+    let mut fed = vec![];
+    while fed.len() < n {
+        let k = b.feed_chunk().min(n - fed.len());
+        let t = b.greedy_chain(tok, k)?;
+        tok = *t
+            .last()
+            .ok_or_else(|| anyhow::anyhow!("an empty greedy chain"))?;
+        fed.extend(t);
+    }
+    Ok((fed, host))
+}
+
 /// Outcome of the prefill/decode gate.
 #[derive(Clone, Copy, Debug)]
 pub struct GateResult {
