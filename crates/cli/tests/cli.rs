@@ -192,8 +192,32 @@ fn synth_tiny_model_runs() {
         "--max-tokens",
         "4",
     ]);
-    std::fs::remove_file(&path).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("gate passed"), "{stderr}");
+    // bench: the gate, greedy decode fed on the device against the host loop, both timings.
+    let out = ferrite(&[
+        "bench",
+        "--model",
+        path.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--reps",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "12",
+        "--gate-tokens",
+        "4",
+    ]);
+    std::fs::remove_file(&path).ok();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("gate: passed"), "{stderr}");
+    assert!(
+        stderr.contains("fed decode: 10 tokens equal to the host loop's"),
+        "{stderr}"
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("tg12"));
 }
