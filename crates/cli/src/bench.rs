@@ -90,6 +90,12 @@ pub struct Record {
     /// The KV cache's capacity where `--context` set it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<usize>,
+    /// The decode test's loop (tg records): "fed N" (greedy fed on the device, read N steps at
+    /// a time) or "host" (each token read back before the next step), the graph-capturing
+    /// step untimed. Records without it: the host loop with that step timed, except those of
+    /// git sha de6fd1b, which fed 8 (the field came after them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decode_loop: Option<String>,
 }
 
 /// llama.cpp's `llama_ftype` names for `general.file_type`.
@@ -340,6 +346,7 @@ fn bench_on<B: Backend>(
             gate_tokens: gate_prompt.len(),
             kv_cache,
             context: a.context,
+            decode_loop: None,
         },
         Record {
             date,
@@ -361,6 +368,11 @@ fn bench_on<B: Backend>(
             gate_tokens: gate_prompt.len(),
             kv_cache,
             context: a.context,
+            decode_loop: Some(if a.feed_chunk > 0 {
+                format!("fed {}", a.feed_chunk)
+            } else {
+                "host".into()
+            }),
         },
     ];
     if a.json {

@@ -210,6 +210,7 @@ fn synth_tiny_model_runs() {
         "12",
         "--gate-tokens",
         "4",
+        "--json",
     ]);
     std::fs::remove_file(&path).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -219,5 +220,9 @@ fn synth_tiny_model_runs() {
         stderr.contains("fed decode: 10 tokens equal to the host loop's"),
         "{stderr}"
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("tg12"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(r#""test":"tg12""#) && stdout.contains(r#""decode_loop":"fed 8""#),
+        "{stdout}"
+    );
 }
