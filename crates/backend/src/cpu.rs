@@ -1081,11 +1081,13 @@ impl Backend for CpuBackend {
         log: &mut Vec<i32>,
         log_len: usize,
     ) -> Result<()> {
-        ensure!(
-            logits.rows == 1 && log_len >= 1 && log.len() >= log_len && !step.tokens.is_empty(),
-            "argmax_feed: one row, a log of {log_len} entries (of {})",
-            log.len()
-        );
+        crate::check_argmax_feed(
+            logits,
+            log_len,
+            log.len(),
+            step.tokens.len(),
+            step.positions.len(),
+        )?;
         self.argmax(logits, out)?;
         let p = step.positions[0] + 1;
         step.tokens[0] = out[0];

@@ -1032,6 +1032,26 @@ pub fn check_copy_rows<B>(x: &Act<B>, start: usize, out: &Act<B>) -> Result<()> 
     Ok(())
 }
 
+/// The checks every backend's `argmax_feed` makes: one row of logits, a log of `log_len` ≥ 1
+/// entries in a buffer of `log_cap`, a step input with a token and a position to write.
+pub fn check_argmax_feed<B>(
+    logits: &Act<B>,
+    log_len: usize,
+    log_cap: usize,
+    step_tokens: usize,
+    step_positions: usize,
+) -> Result<()> {
+    anyhow::ensure!(
+        logits.rows == 1
+            && log_len >= 1
+            && log_cap >= log_len
+            && step_tokens >= 1
+            && step_positions >= 1,
+        "argmax_feed: one row, a log of {log_len} entries (of {log_cap})"
+    );
+    Ok(())
+}
+
 /// The shape checks every backend's `top_k` makes (`ids_len`: the ids buffer's length).
 pub fn check_top_k<B>(logits: &Act<B>, k: usize, ids_len: usize, vals: &Act<B>) -> Result<()> {
     anyhow::ensure!(

@@ -2955,7 +2955,7 @@ pub fn rms_norm_matmul_swiglu_handed(
             // h's planes for the down projection (FERRITE_SWIGLU_QH): in the GEMV scratch, if
             // it exists and holds a row of n_out, whole 32-row groups, and no block takes more
             // groups than its shared copy of h holds.
-            let mut hplanes = if be.matmul.swiglu_qh
+            let mut hguard = if be.matmul.swiglu_qh
                 && n_out.is_multiple_of(32)
                 && (n_out / 32).div_ceil(blocks) * 32 <= PIPE_QH_MAX
             {
@@ -2963,7 +2963,8 @@ pub fn rms_norm_matmul_swiglu_handed(
             } else {
                 None
             };
-            let (hq, hd) = match hplanes.as_mut().and_then(|g| g.as_mut()) {
+            let mut hplanes = hguard.as_mut().and_then(|g| g.as_mut());
+            let (hq, hd) = match hplanes.as_mut() {
                 Some(xq) => (
                     xq.q.device_ptr_mut(&be.stream).0,
                     xq.d.device_ptr_mut(&be.stream).0,
@@ -2995,7 +2996,7 @@ pub fn rms_norm_matmul_swiglu_handed(
                     shared_mem_bytes: smem,
                 })
             }?;
-            if let Some(xq) = hplanes.as_mut().and_then(|g| g.as_mut()) {
+            if let Some(xq) = hplanes {
                 xq.record_producer(be, &out.buf, 1, n_out);
             }
             return Ok(true);

@@ -823,6 +823,13 @@ impl Backend for CudaBackend {
         log: &mut CudaSlice<i32>,
         log_len: usize,
     ) -> Result<()> {
+        crate::check_argmax_feed(
+            logits,
+            log_len,
+            log.len(),
+            step.tokens.len(),
+            step.positions.len(),
+        )?;
         let feed = ops::Feed { step, log, log_len };
         ops::argmax_launch(self, logits, out, Some(feed))
     }

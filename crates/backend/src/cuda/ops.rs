@@ -600,12 +600,13 @@ pub fn argmax(
     argmax_launch(be, logits, out, None)
 }
 
-/// `argmax`, and with `feed` (one row) the token fed back on the device (`argmax_feed`).
+/// `argmax`, and with `feed` the token fed back on the device (`argmax_feed`; the caller has
+/// made `check_argmax_feed`'s checks).
 pub fn argmax_launch(
     be: &CudaBackend,
     logits: &Act<CudaSlice<f32>>,
     out: &mut CudaSlice<i32>,
-    feed: Option<Feed<'_>>,
+    mut feed: Option<Feed<'_>>,
 ) -> Result<()> {
     ensure!(
         out.len() >= logits.rows,
@@ -643,49 +644,36 @@ pub fn argmax_launch(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    if let Some(f) = feed {
-        ensure!(
-            logits.rows == 1
-                && f.log_len >= 1
-                && f.log.len() >= f.log_len
-                && !f.step.tokens.is_empty()
-                && !f.step.positions.is_empty(),
-            "argmax_feed: one row, a log of {} entries (of {})",
-            f.log_len,
-            f.log.len()
-        );
-        let log_len = i32::try_from(f.log_len)?;
-        // SAFETY: as argmax_rows_mb's below; the last block also writes tokens[0],
-        // positions[0] and log[p % log_len] (log_len ≤ log.len(), checked).
-        unsafe {
-            be.stream
-                .kernel(&be.ops.argmax_feed)
-                .arg(&logits.buf)
-                .arg(out)
-                .arg(&cols)
-                .arg(&mut s.best)
-                .arg(&mut s.ticket)
-                .arg(&mut f.step.tokens)
-                .arg(&mut f.step.positions)
-                .arg(f.log)
-                .arg(&log_len)
-                .launch(cfg)
-        }?;
-        f.step.pos0 += 1;
-        return Ok(());
-    }
-    // SAFETY: logits hold rows × cols floats; out ≥ rows (checked); best/ticket hold ≥ rows
-    // zeroed entries, left zeroed by each launch's last block.
-    unsafe {
-        be.stream
-            .kernel(&be.ops.argmax_rows_mb)
+    let log_len = i32::try_from(feed.as_ref().map_or(1, |f| f.log_len))?;
+    {
+        let func = if feed.is_some() {
+            &be.ops.argmax_feed
+        } else {
+            &be.ops.argmax_rows_mb
+        };
+        let mut launch = be.stream.kernel(func);
+        launch
             .arg(&logits.buf)
             .arg(out)
             .arg(&cols)
             .arg(&mut s.best)
-            .arg(&mut s.ticket)
-            .launch(cfg)
-    }?;
+            .arg(&mut s.ticket);
+        if let Some(f) = feed.as_mut() {
+            launch
+                .arg(&mut f.step.tokens)
+                .arg(&mut f.step.positions)
+                .arg(&mut *f.log)
+                .arg(&log_len);
+        }
+        // SAFETY: logits hold rows × cols floats; out ≥ rows (checked); best/ticket hold ≥
+        // rows zeroed entries, left zeroed by each launch's last block; argmax_feed's last
+        // block also writes tokens[0], positions[0] and log[p % log_len] (log_len ≤ the log's
+        // length: check_argmax_feed).
+        unsafe { launch.launch(cfg) }?;
+    }
+    if let Some(f) = feed {
+        f.step.pos0 += 1;
+    }
     Ok(())
 }
 
