@@ -2808,6 +2808,85 @@ pub fn rms_norm_matmuls_handed(
     Ok(true)
 }
 
+/// Whether [`embed_for_norm`] of `table` at `rows` rows hands the first layer's attention norm
+/// to its grouped Q, K, V `qkv`: one decode row, whole 32-column groups, and a NORM form of the
+/// Q, K, V launch ([`takes_handed`]) — the consumers the down projections hand theirs to.
+pub(crate) fn embeds_for_norm(
+    be: &CudaBackend,
+    table: &CudaWeight,
+    qkv: &[&CudaWeight],
+    rows: usize,
+) -> bool {
+    let [_, dim] = table.shape[..] else {
+        return false;
+    };
+    switches::int_or("FERRITE_EMBED_NORM", 1) == 1
+        && rows == 1
+        && dim.is_multiple_of(32)
+        && qkv.iter().all(|w| w.shape.len() == 2 && w.shape[1] == dim)
+        && matches!(takes_handed(be, qkv, rows), Ok(true))
+}
+
+/// The embedding of one decode row into `out` leaving, as [`matmul_add_for_norm`] does, the
+/// planes of `out ⊙ norm` and their groups' Σ out² for [`rms_norm_matmuls_handed`]
+/// (`embed_norm`: DECODE_STEP.md, 25th session); `false` (nothing done) where
+/// [`embeds_for_norm`] does not hold.
+pub fn embed_for_norm(
+    be: &CudaBackend,
+    table: &CudaWeight,
+    step: &crate::StepInput<CudaSlice<i32>>,
+    out: &mut Act<CudaSlice<f32>>,
+    norm: &CudaWeight,
+    qkv: &[&CudaWeight],
+) -> Result<bool> {
+    if !embeds_for_norm(be, table, qkv, step.rows) {
+        return Ok(false);
+    }
+    let dim = table.shape[1];
+    ensure!(
+        out.rows == 1 && out.cols == dim && out.buf.len() >= dim,
+        "embed_for_norm: output [{}, {}] is not one row of {dim}",
+        out.rows,
+        out.cols
+    );
+    let nw = super::ops::f32_vec(norm, dim)?;
+    let mut planes = norm_planes(be, dim)?;
+    let p = planes
+        .as_mut()
+        .ok_or_else(|| anyhow!("embed_for_norm: plane scratch missing"))?;
+    let (ty, rb, dim_i) = (
+        table.dtype.id() as i32,
+        table.row_bytes() as i64,
+        dim as i32,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (1, u32::try_from(dim.div_ceil(256))?, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the token id was range-checked on the host in set_step's caller (the model's
+    // vocabulary); the kernel reads one row of row_bytes and writes dim floats of out, the
+    // plane scratch's first row (2 dim int8, dim / 32 scale pairs and sums: its capacity is
+    // GEMV_MAX_ROWS rows of dim) and reads dim floats of the norm weight; dim % 32 == 0.
+    unsafe {
+        be.stream
+            .kernel(&be.ops.embed_norm)
+            .arg(&table.data)
+            .arg(&ty)
+            .arg(&rb)
+            .arg(&step.tokens)
+            .arg(&mut out.buf)
+            .arg(&dim_i)
+            .arg(&nw)
+            .arg(&mut p.q)
+            .arg(&mut p.d)
+            .arg(&mut p.ss)
+            .launch(cfg)
+    }?;
+    p.src = Some(NormPlanes::key(be, &out.buf, norm, 1, dim));
+    Ok(true)
+}
+
 /// The pair-ticket kernel of a K-split down projection of type `t` and whether its blocks are
 /// of four warps: Q4_K's (`gemvq_tcknw4_q4_k_r1` or `gemvq_tckn_q4_k_r1`), Q8_0's (`tckn_q8`).
 fn tckn_kernel(be: &CudaBackend, t: GgmlType) -> Option<(&CudaFunction, bool)> {
