@@ -489,35 +489,6 @@ pub trait Backend: Send + Sync {
         step: &StepInput<Self::IBuf>,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// Whether [`Backend::embed_for_norm`] of `table` at `rows` rows prepares the input of
-    /// `rms_norm_matmuls` on `consumers` (the first layer's Q, K, V), as
-    /// [`Backend::defers_rms_norm_after`] says it of a projection: that norm then runs no
-    /// norm of its own (its scratch `h` untouched).
-    fn embeds_for_norm(
-        &self,
-        table: &Self::Weight,
-        consumers: &[&Self::Weight],
-        rows: usize,
-    ) -> bool {
-        let _ = (table, consumers, rows);
-        false
-    }
-
-    /// [`Backend::embed`] whose result feeds `rms_norm(out) · norm` next, in
-    /// [`Backend::rms_norm_matmuls`] of `consumers`: a backend may prepare that input while
-    /// it writes the rows ([`Backend::embeds_for_norm`]). Same `out` as `embed`, bitwise.
-    fn embed_for_norm(
-        &self,
-        table: &Self::Weight,
-        step: &StepInput<Self::IBuf>,
-        out: &mut Act<Self::Buf>,
-        norm: (&Self::Weight, f32),
-        consumers: &[&Self::Weight],
-    ) -> Result<()> {
-        let _ = (norm, consumers);
-        self.embed(table, step, out)
-    }
-
     /// `out = x / rms(x) * w` row by row (`w` has `cols` elements).
     fn rms_norm(
         &self,

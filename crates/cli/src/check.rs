@@ -45,9 +45,6 @@ mod paged;
 
 /// Exact ops (copies): the bits must be equal.
 const EXACT_NMSE: f64 = 0.0;
-/// Rows of the embedding tables of the embed_for_norm cases (their ids: the first, the last,
-/// random ones).
-const EMBED_VOCAB: usize = 300;
 /// Elementwise f32 arithmetic (add, SwiGLU, RMSNorm, embedding decode): at most a few ulp
 /// per element from `expf`/`rsqrtf`/FMA contraction and reduction order, i.e. relative
 /// errors ~1e-7 → NMSE ~1e-14. 1e-12 leaves room; any indexing error gives NMSE ≥ 1e-2.
@@ -288,9 +285,6 @@ const OPS: &[&str] = &[
     // and the down projection's handing the attention norm's to the Q, K, V (then
     // rms_norm_matmuls).
     "matmul_add_for_norm",
-    // The embedding handing the first layer's attention norm's input to its Q, K, V
-    // (embed_for_norm, then rms_norm_matmuls; embeds_for_norm).
-    "embed_for_norm",
     "copy_rows",
     "gather_rows",
     "add_assign",
@@ -416,19 +410,6 @@ enum Op {
         n_outs: [usize; 3],
         rows: usize,
         down: (GgmlType, usize),
-    },
-    /// The embedding of the step's tokens and the first layer's Q, K, V on its attention
-    /// norm, as the decoder runs them: `embed_for_norm`, then `rms_norm_matmuls` (which runs
-    /// no norm where the backend handed it over from the embedding: `embeds_for_norm`). The
-    /// table `[EMBED_VOCAB, n_in]` of type `ty_e`; Q, K `[n_outs[0|1], n_in]` of type `ty`, V
-    /// of `ty_v`. Checked: q, the embedded rows, k, v (each apart).
-    EmbedMatmuls {
-        ty_e: GgmlType,
-        ty: GgmlType,
-        ty_v: GgmlType,
-        n_in: usize,
-        n_outs: [usize; 3],
-        rows: usize,
     },
     Rope {
         rows: usize,
@@ -747,19 +728,6 @@ fn describe(op: &Op) -> (&'static str, String) {
             "matmul_add_for_norm",
             format!(
                 "matmul_add+matmuls(rms_norm) {ty_d} {down}->{n_in} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
-            ),
-        ),
-        Op::EmbedMatmuls {
-            ty_e,
-            ty,
-            ty_v,
-            n_in,
-            n_outs: [nq, nk, nv],
-            rows,
-        } => (
-            "embed_for_norm",
-            format!(
-                "embed+matmuls(rms_norm) {ty_e} {ty}+{ty_v} {n_in}->{nq}+{nk}+{nv} rows={rows}"
             ),
         ),
         Op::Rope {
@@ -1476,42 +1444,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             n_outs,
             rows,
             down,
-        });
-    }
-
-    // --- embed_for_norm + rms_norm_matmuls (the embedding handing the first layer's
-    // attention norm's input to its Q, K, V). CUDA takes it at one decode row where the Q, K,
-    // V launch has a NORM form (the consumers of the cases above); two rows and a Q, K, V
-    // type without one run embed + rms_norm + matmuls. Qwen3-8B's and Qwen3-30B-A3B's first
-    // layers (tables of Q4_K, Q6_K, Q8_0 or F16); small in quick.
-    type EmbedCase = (GgmlType, GgmlType, GgmlType, usize, [usize; 3], usize);
-    let f16 = GgmlType::F16;
-    let emb: &[EmbedCase] = if quick {
-        &[
-            (q4, q4, q6, 512, [384, 128, 128], 1),
-            (q8, q8, q8, 512, [384, 128, 128], 1),
-        ]
-    } else {
-        let d8 = [4096, 1024, 1024];
-        &[
-            (q4, q4, q6, 4096, d8, 1),
-            (q6, q4, q4, 4096, d8, 1),
-            (q8, q8, q8, 4096, d8, 1),
-            (f16, q4, q6, 4096, d8, 1),
-            (q4, q4, q6, 4096, d8, 2),
-            (q6, q6, q6, 4096, d8, 1),
-            (q4, q4, q6, 2048, [4096, 512, 512], 1),
-            (q4, q4, q6, 512, [384, 128, 128], 1),
-        ]
-    };
-    for &(ty_e, ty, ty_v, n_in, n_outs, rows) in emb {
-        add(Op::EmbedMatmuls {
-            ty_e,
-            ty,
-            ty_v,
-            n_in,
-            n_outs,
-            rows,
         });
     }
 
@@ -2490,45 +2422,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             ));
             h.acts.push((rng.normals(rows * down, 1.0), rows, down));
         }
-        Op::EmbedMatmuls {
-            ty_e,
-            ty,
-            ty_v,
-            n_in,
-            n_outs,
-            rows,
-        } => {
-            push_norm_weight(&mut h, &mut rng, n_in);
-            for (i, &n_out) in n_outs.iter().enumerate() {
-                let t = if i == 2 { ty_v } else { ty };
-                let salt = (i as u64 + 1).wrapping_mul(0x9e37);
-                h.weights.push((
-                    t,
-                    vec![n_out, n_in],
-                    gen_weight(t, &[n_out, n_in], seed ^ salt)?,
-                ));
-            }
-            // The table (w[4]); the first and the last id, as the embed cases.
-            let shape = [EMBED_VOCAB, n_in];
-            h.weights.push((
-                ty_e,
-                shape.to_vec(),
-                gen_weight(ty_e, &shape, seed ^ 0xe3b)?,
-            ));
-            h.tokens = (0..rows)
-                .map(|i| match i {
-                    0 => EMBED_VOCAB as u32 - 1,
-                    1 => 0,
-                    _ => rng.below(EMBED_VOCAB) as u32,
-                })
-                .collect();
-            // h, the normed rows' scratch: poisoned (where the norm is handed over nothing
-            // writes it; run_once checks).
-            h.acts.push((vec![f32::NAN; rows * n_in], rows, n_in));
-            h.out = (rows, n_outs[0]);
-            h.out2 = Some((rows, n_in));
-            h.more_outs = vec![(rows, n_outs[1]), (rows, n_outs[2])];
-        }
         Op::RmsNormMatmulSwiglu {
             ty,
             n_in,
@@ -3318,22 +3211,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.add_rms_norm(x, y, norm.0, EPS, h)?;
             be.matmuls(h, &ws, &mut outs)
         }
-        Op::EmbedMatmuls { .. } => {
-            let [h] = &mut p.a[..] else {
-                bail!("embed+matmuls: expected 1 activation")
-            };
-            let x = p
-                .out2
-                .as_mut()
-                .ok_or_else(|| anyhow::anyhow!("embed+matmuls: no embedding output"))?;
-            let norm = (&p.w[0], EPS);
-            let ws: Vec<&B::Weight> = p.w[1..4].iter().collect();
-            let mut outs: Vec<&mut Act<B::Buf>> = std::iter::once(&mut p.out)
-                .chain(p.more.iter_mut())
-                .collect();
-            be.embed_for_norm(&p.w[4], &p.step, x, norm, &ws)?;
-            be.rms_norm_matmuls(x, norm, &ws, &mut outs, h)
-        }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
         Op::AddAssign { .. } => be.add_assign(&mut p.out, &p.a[1]),
         Op::AddRmsNorm { .. } => {
@@ -3622,29 +3499,20 @@ fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Resu
         Op::RmsNormMatmuls { .. } => (p.w[1..].iter().collect(), &p.a[1], None),
         Op::RmsNormMatmulSwiglu { .. } => (p.w[1..3].iter().collect(), &p.a[3], None),
         Op::AddNormSwiglu { .. } => (p.w[1..3].iter().collect(), &p.a[5], Some(&p.w[3])),
-        Op::EmbedMatmuls { .. } => {
-            let ws: Vec<&B::Weight> = p.w[1..4].iter().collect();
-            let handed = be.embeds_for_norm(&p.w[4], &ws, p.a[0].rows);
-            return h_untouched(be, &p.a[0], handed, "embeds_for_norm");
-        }
         _ => return Ok(()),
     };
     let handed = producer.is_some_and(|w| be.defers_rms_norm_after(w, &ws, h.rows));
-    if handed {
-        return h_untouched(be, h, true, "defers_rms_norm_after");
-    }
-    h_untouched(be, h, be.defers_rms_norm(&ws, h.rows), "defers_rms_norm")
-}
-
-/// Where `deferred` (the backend said so by `why`), the scratch `h` of a norm must still be
-/// poisoned: no norm ran.
-fn h_untouched<B: Backend>(be: &B, h: &Act<B::Buf>, deferred: bool, why: &str) -> Result<()> {
-    if deferred {
+    if be.defers_rms_norm(&ws, h.rows) || handed {
         let v = be.to_host(h)?;
         let written = v.iter().filter(|x| !x.is_nan()).count();
         anyhow::ensure!(
             written == 0,
-            "the norm is deferred ({why}), yet {written} of {} values of the scratch h were written",
+            "the norm is deferred ({}), yet {written} of {} values of the scratch h were written",
+            if handed {
+                "defers_rms_norm_after"
+            } else {
+                "defers_rms_norm"
+            },
             v.len()
         );
     }
@@ -3854,7 +3722,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         } => SWIGLU_NMSE_FACTOR * matmul_nmse(*ty, *n_out, *rows),
         // The looser of the two outputs' thresholds (see output_thresholds: each output is
         // held to its own).
-        Op::AddNormSwiglu { .. } | Op::AddNormMatmuls { .. } | Op::EmbedMatmuls { .. } => {
+        Op::AddNormSwiglu { .. } | Op::AddNormMatmuls { .. } => {
             output_thresholds(op).into_iter().fold(0.0, f64::max)
         }
         Op::MatmulSwiglu {
@@ -3944,20 +3812,6 @@ fn output_thresholds(op: &Op) -> Vec<f64> {
         // x ⊙ norm are the quantized GEMV's x, 1/rms applied after the dot products, as for
         // the FFN's hand-over). The residual: x + y in f32, bitwise add_rms_norm's sum, y the
         // down projection's output (the matmul threshold of its type and shape).
-        // Q, K, V as above; the embedded rows: the embed cases' threshold (embed_for_norm
-        // writes them as embed does).
-        Op::EmbedMatmuls {
-            ty,
-            ty_v,
-            n_outs: [nq, nk, nv],
-            rows,
-            ..
-        } => vec![
-            matmul_nmse(*ty, *nq, *rows),
-            ELEMENTWISE_NMSE,
-            matmul_nmse(*ty, *nk, *rows),
-            matmul_nmse(*ty_v, *nv, *rows),
-        ],
         Op::AddNormMatmuls {
             ty,
             ty_v,
@@ -3992,15 +3846,6 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
     let f = |x: usize| x as f64;
     match op {
         Op::Embed { ty, dim, rows, .. } => f(rows * ty.bytes_for(*dim).unwrap_or(0)) + f(out),
-        // The norm and the Q, K, V weights, the table's rows, the embedded rows and the outputs.
-        Op::EmbedMatmuls {
-            ty_e, n_in, rows, ..
-        } => {
-            let w: usize = h.weights[..4].iter().map(|w| w.2.len()).sum();
-            let outs: usize = h.more_outs.iter().map(|(r, c)| r * c * 4).sum();
-            let table = rows * ty_e.bytes_for(*n_in).unwrap_or(0);
-            f(w + table + rows * n_in * 4 + out + outs)
-        }
         Op::Matmul { .. } => f(h.weights[0].2.len() + acts + out),
         Op::Matmuls { .. } | Op::MatmulSwiglu { .. } => {
             let w: usize = h.weights.iter().map(|w| w.2.len()).sum();

@@ -21,8 +21,7 @@
 //! [`Backend::qk_norm_rope`]; every residual add is fused with the RMSNorm that follows it
 //! ([`Backend::add_rms_norm`]): the attention output's add with `ffn_norm`, the FFN
 //! output's add with the next layer's `attn_norm` (or, after the last layer, with
-//! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`, or handed over
-//! by the embedding itself ([`Backend::embed_for_norm`]).
+//! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
 use ferrite_backend::{Act, Backend, ExpertWeights, PagedKv, QkRope, StepInput};
@@ -466,32 +465,22 @@ impl<B: Backend> Model<B> {
             ..
         } = ws;
 
+        be.embed(&self.embed, step, x)?;
+        // The residual stream: `x` holds it, `x_alt` takes the sum where it goes out of place.
+        let (mut x, mut x_alt) = (x, x2);
+        // h = the first layer's attention input; from then on every norm is fused with
+        // the residual add before it.
+        let first_norm = self.layers.first().map_or(&self.out_norm, |l| &l.attn_norm);
         // Float-weight decode on a backend that defers the RMSNorms into the projections
         // after them ([`Backend::defers_rms_norm`]): the residual adds go into the
         // projections before them, so no norm or add runs on its own.
         let defer = self.defers_norms(be, t);
-        // Whether the previous layer's down projection (or, for the first layer, the
-        // embedding: [`Backend::embed_for_norm`]) handed this layer's attention norm over to
-        // its Q, K, V ([`Backend::matmul_add_for_norm`]) instead of writing h.
-        let mut handed = false;
-        match self.layers.first() {
-            Some(l) if !defer && be.embeds_for_norm(&self.embed, &[&l.wq, &l.wk, &l.wv], t) => {
-                let norm = (&l.attn_norm, cfg.rms_eps);
-                be.embed_for_norm(&self.embed, step, x, norm, &[&l.wq, &l.wk, &l.wv])?;
-                handed = true;
-            }
-            first => {
-                be.embed(&self.embed, step, x)?;
-                // h = the first layer's attention input; from then on every norm is fused
-                // with the residual add before it.
-                if !defer {
-                    let first_norm = first.map_or(&self.out_norm, |l| &l.attn_norm);
-                    be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
-                }
-            }
+        if !defer {
+            be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
         }
-        // The residual stream: `x` holds it, `x_alt` takes the sum where it goes out of place.
-        let (mut x, mut x_alt) = (x, x2);
+        // Whether the previous layer's down projection handed this layer's attention norm
+        // over to its Q, K, V ([`Backend::matmul_add_for_norm`]) instead of writing h.
+        let mut handed = false;
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
             if defer || handed {

@@ -434,24 +434,6 @@ impl Backend for CudaBackend {
         ops::embed(self, table, step, out)
     }
 
-    fn embeds_for_norm(&self, table: &CudaWeight, consumers: &[&CudaWeight], rows: usize) -> bool {
-        matmul::embeds_for_norm(self, table, consumers, rows)
-    }
-
-    fn embed_for_norm(
-        &self,
-        table: &CudaWeight,
-        step: &StepInput<CudaSlice<i32>>,
-        out: &mut Act<CudaSlice<f32>>,
-        norm: (&CudaWeight, f32),
-        consumers: &[&CudaWeight],
-    ) -> Result<()> {
-        if matmul::embed_for_norm(self, table, step, out, norm.0, consumers)? {
-            return Ok(());
-        }
-        ops::embed(self, table, step, out)
-    }
-
     fn rms_norm(
         &self,
         x: &Act<CudaSlice<f32>>,

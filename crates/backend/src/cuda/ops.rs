@@ -16,9 +16,6 @@ pub const SRC: &str = include_str!("kernels/elementwise.cu");
 /// The compiled kernels of `elementwise.cu`.
 pub struct Kernels {
     embed: CudaFunction,
-    /// `embed_norm`: one decode row's embed leaving the first layer's attention norm handed
-    /// over (`matmul::embed_for_norm`).
-    pub(crate) embed_norm: CudaFunction,
     rms_norm: CudaFunction,
     head_rms_norm: CudaFunction,
     rope: CudaFunction,
@@ -48,7 +45,6 @@ impl Kernels {
         let m = load_module(ctx, arch, "elementwise", SRC)?;
         Ok(Kernels {
             embed: function(&m, "embed")?,
-            embed_norm: function(&m, "embed_norm")?,
             rms_norm: function(&m, "rms_norm")?,
             head_rms_norm: function(&m, "head_rms_norm")?,
             rope: function(&m, "rope")?,

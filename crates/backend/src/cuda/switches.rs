@@ -215,11 +215,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
     ),
     (
-        "FERRITE_EMBED_NORM",
-        Accepts::OneOf(&[0, 1]),
-        "one-row decode: the embedding hands the first layer's attention norm over to its Q, K, V (embed_norm; default 1; 0 the rms_norm launch) (DECODE_STEP.md, 25th session)",
-    ),
-    (
         "FERRITE_SWIGLU_QH",
         Accepts::OneOf(&[0, 1]),
         "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",

@@ -5,8 +5,6 @@
 // - embed:        grid (token rows, column chunks of 256): one element per thread, decoded
 //                 from the stored block type (ggml_get). (One block per row walked 16
 //                 dependent decodes per thread: 10 µs per decode step for a 4096-wide row.)
-// - embed_norm:   one decode row's embed that also leaves the first layer's attention norm
-//                 handed over (the planes of x ⊙ n and the groups' Σ x²): see the kernel.
 // - rms_norm:     one block per row; each thread sums squares of a strided slice, warp
 //                 shuffles then shared memory reduce; then every thread scales its slice.
 // - head_rms_norm: one warp per head (head_dim ≤ 256: 8 values per lane at most).
@@ -77,36 +75,6 @@ extern "C" __global__ void embed(const uint8_t* __restrict__ table, int type, lo
     const uint8_t* row = table + (long long)tokens[t] * row_bytes;
     for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < dim; i += gridDim.y * blockDim.x)
         out[(long long)t * dim + i] = ggml_get(row, type, i);
-}
-
-// embed_norm: one decode row's embedding lookup that hands the first layer's attention norm
-// over to its Q, K, V (ops.rs embed_for_norm; DECODE_STEP.md, 25th session), as the down
-// projections hand the later layers' norms over (matmul.cu add_norm_lane): besides x it writes
-// the int8 planes of x * n and each 32-group's sum of x^2, and the NORM form of the Q, K, V
-// launch applies 1 / rms(x) after its dot products — no rms_norm_v4 launch before it.
-// Grid (1, ceil(dim / 256)) of 256 threads: warp w of block y takes group 8 y + w, lane l its
-// column 32 (8 y + w) + l (one decoded element, as embed; the group's elements and their
-// planes in one warp). Per lane: add_norm_lane's operations on x_old = 0 (x = v, the sum of
-// squares by the xor butterfly, quant_q8_lane of x * n), so the planes and sums are those a
-// producer of the same x would leave. The norm weight is read before the PDL wait (weights
-// depend on no kernel); the token, written by the previous step's argmax, after it.
-extern "C" __global__ void embed_norm(const uint8_t* __restrict__ table, int type, long long row_bytes,
-                                      const int* __restrict__ tokens, float* __restrict__ out, int dim,
-                                      const float* __restrict__ nw, int8_t* __restrict__ pq,
-                                      float2* __restrict__ pd, float* __restrict__ pss) {
-    const int lane = threadIdx.x & 31, grp = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int col = grp * 32 + lane;
-    const bool active = col < dim;  // whole warp: dim % 32 == 0 (the launcher's check)
-    const float n = active ? nw[col] : 0.0f;
-    PDL_ENTRY();
-    if (!active) return;
-    const float v = ggml_get(table + (long long)tokens[0] * row_bytes, type, col);
-    out[col] = v;
-    float ss = v * v;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    quant_q8_lane(v * n, lane, pq, dim, col, pd + grp);
-    if (lane == 0) pss[grp] = ss;
 }
 
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
