@@ -2939,14 +2939,8 @@ pub fn rms_norm_matmul_swiglu_handed(
     let ss = p.ss.slice(..rows * n_in / 32);
     if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
         // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
-        // bytes apart beyond their length — the padded rows' own stride (ops.rs q8_row_pad:
-        // a tile's 8 rows one span), else the stored rows' + 16.
-        let srs = if rb % 128 == super::ops::Q8_ROW_PAD {
-            rb
-        } else {
-            rb + 16
-        };
-        let buf = tc_smem(srs, 8) as usize;
+        // bytes apart beyond their length.
+        let buf = tc_smem(rb + 16, 8) as usize;
         let x = tc_x_bytes(n_in) as usize;
         if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);

@@ -52,19 +52,14 @@ pub struct CudaWeight {
     /// Row-major shape; the last dimension is contiguous.
     pub shape: Vec<usize>,
     pub data: CudaSlice<u8>,
-    /// Bytes after each row's stored bytes in VRAM (0, or [`ops::Q8_ROW_PAD`] for the Q8_0
-    /// matrices [`ops::upload`] pads).
-    pub pad: usize,
 }
 
 impl CudaWeight {
-    /// Bytes from one row to the next in VRAM (the last dimension): the stored row, plus
-    /// `pad`. Every kernel takes this as its row stride and the columns from the shape.
+    /// Bytes of one row (the last dimension).
     pub fn row_bytes(&self) -> usize {
         self.shape
             .last()
             .map_or(0, |&n| n / self.dtype.block_size() * self.dtype.type_size())
-            + self.pad
     }
 }
 

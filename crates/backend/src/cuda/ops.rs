@@ -80,30 +80,9 @@ fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-/// Bytes of padding after each row of the Q8_0 matrices [`upload`] pads ([`q8_row_pad`]).
-pub const Q8_ROW_PAD: usize = 16;
-
-/// The padding [`upload`] puts after each row of a weight (`FERRITE_Q8_PAD`, on by default;
-/// MATMUL.md round 65): [`Q8_ROW_PAD`] bytes for a Q8_0 matrix whose rows are a multiple of
-/// 128 bytes (columns a multiple of 512: every Q8_0 projection of Qwen3 and Llama), so that
-/// rows lie 16 (mod 128) bytes apart in VRAM. Then 8 consecutive rows are one span that a
-/// single bulk copy puts in shared memory at the spacing the Q8_0 tensor-core tile reads
-/// with two-way bank conflicts (the SwiGLU ring's tiles: two copies instead of sixteen).
-/// Kernels take [`CudaWeight::row_bytes`] as their row stride, so the padding is never
-/// read as weights. 0 elsewhere.
-pub(crate) fn q8_row_pad(dtype: GgmlType, shape: &[usize]) -> usize {
-    let on = super::switches::int_or("FERRITE_Q8_PAD", 1) == 1;
-    match shape {
-        [_, n_in] if on && dtype == GgmlType::Q8_0 && n_in % 512 == 0 => Q8_ROW_PAD,
-        _ => 0,
-    }
-}
-
-/// Weights go to VRAM as stored (Q8_0 matrices with their rows padded: [`q8_row_pad`]);
-/// 1-D weights (norm scales) as f32.
+/// Weights go to VRAM as stored; 1-D weights (norm scales) as f32.
 pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
     let n = t.validate()?;
-    let pad = q8_row_pad(t.dtype, &t.shape);
     let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) =
         if t.shape.len() == 1 && t.dtype != GgmlType::F32 {
             let mut f = vec![0f32; n];
@@ -112,13 +91,6 @@ pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
                 GgmlType::F32,
                 Cow::Owned(f.iter().flat_map(|v| v.to_le_bytes()).collect()),
             )
-        } else if pad > 0 {
-            let rb = t.dtype.bytes_for(t.shape[1])?;
-            let mut p = vec![0u8; t.shape[0] * (rb + pad)];
-            for (dst, src) in p.chunks_exact_mut(rb + pad).zip(t.data.chunks_exact(rb)) {
-                dst[..rb].copy_from_slice(src);
-            }
-            (t.dtype, Cow::Owned(p))
         } else {
             (t.dtype, Cow::Borrowed(&t.data[..]))
         };
@@ -131,7 +103,6 @@ pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
         dtype,
         shape: t.shape.clone(),
         data,
-        pad,
     })
 }
 

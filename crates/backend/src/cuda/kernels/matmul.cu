@@ -2178,14 +2178,10 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  29.7 us. nb = 2 (150 KB) by measurement: 1 and 3 (220 KB, nothing else fits beside it) were
 //  no faster than the lane code. (The same ring of Q4_K tiles lost to its one-tile blocks, and
 //  a ring of the K-split down's tiles did not gain: rounds 56-57.)
-//  Rows: rows 16 (mod 128) bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts).
-//  Rows as stored (rb = 34 n_in / 32, a multiple of 128 for n_in a multiple of 512): one bulk
-//  copy per row (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows), rb + 16 apart in the
-//  slots. Rows 16 (mod 128) bytes apart in VRAM (padded at upload: ops.rs q8_row_pad; MATMUL.md
-//  round 65): a tile's 8 gate rows are one span of 8 rb bytes, its 8 up rows another, so two
-//  copies (lanes 0 and 1) put them in the slots rb apart — the same layout, an eighth of the
-//  copies.
-//  Tiles: 8 outputs each, block b taking the contiguous range [b tiles / G, (b + 1) tiles / G).
+//  Rows: one bulk copy per row (lanes 0..7 of warp 0 the gate rows, 8..15 the up rows), rows
+//  rb + 16 bytes apart in the slots (gemvq_tc_q80's two-way bank conflicts; rb = 34 n_in / 32
+//  is a multiple of 128 for n_in a multiple of 512). Tiles: 8 outputs each, block b taking the
+//  contiguous range [b tiles / G, (b + 1) tiles / G).
 //  x: staged once after the PDL wait, with the row's 1 / rms from the group sums
 //  (tc_norm_scale), as gemvq_tc_block's NORM does. Shared memory: nb buffers, then x.
 //  hq / hd (FERRITE_SWIGLU_QH; nullptr: none): h's int8 planes for the down projection, so
@@ -2214,8 +2210,7 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     const int lo = qh ? GT * glo : (int)((long long)blockIdx.x * tiles / gridDim.x);
     const int hi = qh ? GT * ghi : (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
     if (qh && (hi - lo) * NS > PIPE_QH_MAX) __trap();  // the launcher's bound
-    const bool span = rb % 128 == PAD;  // rows 16 (mod 128) apart: a tile's rows one span
-    const long long srs = span ? rb : rb + PAD;
+    const long long srs = rb + PAD;
     const size_t slot = tc_slot(srs, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -2224,12 +2219,6 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         const int r0 = i * NS, nrows = min(NS, n_out - r0);
         if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
         __syncwarp();
-        if (span) {
-            if (lane < 2)
-                bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)lane * slot,
-                           (size_t)((lane ? W2 : W) + (size_t)r0 * (size_t)rb), (uint32_t)(nrows * rb));
-            return;
-        }
         const int m = lane / NS, j = lane % NS;
         if (lane < 2 * NS && j < nrows)
             bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs,
