@@ -148,9 +148,8 @@ pub struct Kernels {
     tckn_q8: Option<(CudaFunction, bool)>,
     /// `gemvq_swiglu_tcnp_q8_0_r1` (MATMUL.md round 57; `FERRITE_SWIGLU_PIPE`, on by
     /// default): the one-row Q8_0 SwiGLU on the handed-over norm as a ring of that many
-    /// tensor-core tiles per persistent block, with the block's warps (8, or 16:
-    /// `gemvq_swiglu_tcnp16_q8_0_r1`, `FERRITE_SWIGLU_PIPE_W`; round 65); None: the lane code.
-    swiglu_pipe: Option<(CudaFunction, usize, usize)>,
+    /// tensor-core tiles per persistent block; None: the lane code.
+    swiglu_pipe: Option<(CudaFunction, usize)>,
     /// `FERRITE_SWIGLU_QH` (on by default; MATMUL.md round 63): the ring also writes h's int8
     /// planes into the GEMV scratch for the down projection (no quant_x launch between them).
     swiglu_qh: bool,
@@ -484,16 +483,9 @@ impl Kernels {
             SWIGLU_PIPE_NB as i64,
         ))?;
         let swiglu_pipe = if swiglu_n_q8_0.is_some() && gemvq_tc.is_some() && swiglu_nb >= 1 {
-            let warps = usize::try_from(switches::int_or("FERRITE_SWIGLU_PIPE_W", 8))?;
-            let name = if warps == 16 {
-                "gemvq_swiglu_tcnp16_q8_0_r1"
-            } else {
-                "gemvq_swiglu_tcnp_q8_0_r1"
-            };
             Some((
-                function_smem(&m, name, PIPE_MAX_SMEM)?,
+                function_smem(&m, "gemvq_swiglu_tcnp_q8_0_r1", PIPE_MAX_SMEM)?,
                 swiglu_nb.min(PIPE_MAX_NB),
-                warps,
             ))
         } else {
             None
@@ -2945,7 +2937,7 @@ pub fn rms_norm_matmul_swiglu_handed(
     let xd = p.d.slice(..rows * n_in / 32 * 2);
     let xqs = p.q.slice(..2 * rows * n_in);
     let ss = p.ss.slice(..rows * n_in / 32);
-    if let (true, 1, Some((f, nb, warps))) = (q8, rows, &be.matmul.swiglu_pipe) {
+    if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
         // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
         // bytes apart beyond their length.
         let buf = tc_smem(rb + 16, 8) as usize;
@@ -2953,7 +2945,7 @@ pub fn rms_norm_matmul_swiglu_handed(
         if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
             let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
             let smem = u32::try_from(nb * buf + x)?;
-            let block_dim = ((*warps * 32) as u32, 1, 1);
+            let block_dim = tc_block_dim(false);
             let per_sm = f
                 .occupancy_max_active_blocks_per_multiprocessor(block_dim.0, smem as usize, None)
                 .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?

@@ -215,11 +215,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
     ),
     (
-        "FERRITE_SWIGLU_PIPE_W",
-        Accepts::OneOf(&[8, 16]),
-        "the Q8_0 SwiGLU ring's warps a block: 8 (default) two units of a tile's row a warp, 16 one (MATMUL.md round 65)",
-    ),
-    (
         "FERRITE_SWIGLU_QH",
         Accepts::OneOf(&[0, 1]),
         "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",

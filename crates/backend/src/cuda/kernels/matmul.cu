@@ -1367,14 +1367,12 @@ __device__ __forceinline__ void tc_stage_x(uint8_t* xs, const int8_t* __restrict
 // (acc: warp w's, acc2: warp w + 4's), written to their places: the same sums in the same order.
 // hs (R = 1; shared memory, or nullptr): each output also at hs[row] (the Q8_0 SwiGLU ring's
 // copy of h for its own quantization, gemvq_swiglu_p_q80).
-// NP: the partials added, one a warp (the 16-warp SwiGLU ring: gemvq_tc_q80's WN).
-template <int R, bool SWIGLU, bool HALF = false, bool NORM = false, bool W4 = false, int NP = GEMV_WARPS>
+template <int R, bool SWIGLU, bool HALF = false, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __restrict__ out, int n_out, int r0,
                                          const float* sn = nullptr, float (*acc2)[2] = nullptr,
                                          float* hs = nullptr) {
-    static_assert(!W4 || NP == GEMV_WARPS, "tc_store: W4 is the eight-warp kernel's partials");
     constexpr int NA = HALF ? 1 : 2;  // MMA row halves that hold distinct rows
-    __shared__ float tred[NP][R][8 * NA];
+    __shared__ float tred[GEMV_WARPS][R][8 * NA];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -1398,14 +1396,14 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
         const int au = a + 1;  // SWIGLU: the up row
         float v = tred[0][r][a];
 #pragma unroll
-        for (int w = 1; w < NP; w++) v += tred[w][r][a];
+        for (int w = 1; w < GEMV_WARPS; w++) v += tred[w][r][a];
         const int o = r0 + row;
         if (r >= rows || o >= n_out) continue;
         if (NORM) v *= sn[r];
         if (SWIGLU) {
             float u = tred[0][r][au];
 #pragma unroll
-            for (int w = 1; w < NP; w++) u += tred[w][r][au];
+            for (int w = 1; w < GEMV_WARPS; w++) u += tred[w][r][au];
             if (NORM) u *= sn[r];
             v = silu(v) * u;
         }
@@ -1709,11 +1707,8 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 // 8 masks for B, 4 MMAs, two f16 scales and ~10 epilogue operations, for 2,176 weight bytes a
 // warp (the Q4_K tile's lifetime moves 1,152).
 // W4: as gemvq_tc_q4k's (four warps, the eight-warp kernel's partials in its order).
-// WN: the block's warps, each taking units warp, warp + WN, ... into its own partial (16: the
-// SwiGLU ring's 16-warp form, gemvq_swiglu_p_q80; its sums then differ from the eight-warp
-// kernel's in order).
 #define Q8_0_UNIT_BYTES (8 * Q8_0_BYTES)
-template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false, int WN = GEMV_WARPS>
+template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1736,8 +1731,7 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     float acc[R][2], acc2[R][2];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
-    static_assert(!W4 || WN == GEMV_WARPS, "gemvq_tc_q80: W4 is the eight-warp form");
-    constexpr int WS = W4 ? GEMV_WARPS / 2 : WN;  // the warps' unit stride
+    constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' unit stride
     int nsw = 0;  // W4: units taken (which set acc is)
     for (int sb = warp; sb < nsb; sb += WS) {
         const size_t off = (size_t)sb * Q8_0_UNIT_BYTES;
@@ -1785,7 +1779,7 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
     }
-    tc_store<R, SWIGLU, false, NORM, W4, WN>(acc, rows, out, n_out, r0, sn, acc2, hs);
+    tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2, hs);
 }
 
 // One lane's element of the norm's input handed to the SwiGLU (gemvq_tc2_add_q4k's epilogue
@@ -2198,12 +2192,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  warp w quantizes groups w, w + 8, ... with quant_q8_lane: quant_x_q8's bits, all the
 //  block's groups in one round at its end rather than one after each group's last tile
 //  (which would hold warp 0, and so the next tile, ~0.15 us a group).
-//  WN (gemvq_swiglu_tcnp16_q8_0_r1: 16; FERRITE_SWIGLU_PIPE_W; MATMUL.md round 65): the block's
-//  warps. A tile's 16 units a row are then one a warp instead of two, so a tile is computed in
-//  about half the time and its buffer refilled that much sooner (86 registers a thread: 16
-//  warps fit an SM's registers beside the ring's 150 KB).
 #define PIPE_QH_MAX 256  // matmul.rs PIPE_QH_MAX
-template <int WN>
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                    long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
@@ -2251,9 +2240,8 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     for (int i = lo, b = 0, ph = 0; i < hi; i++) {
         mbar_wait(bars + b, (uint32_t)ph);
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        gemvq_tc_q80<1, true, true, true, false, WN>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1,
-                                                     out, i * NS, n_in + 64, 0, sn,
-                                                     qh ? hsm + (i - lo) * NS : nullptr);
+        gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
+                                          n_in + 64, 0, sn, qh ? hsm + (i - lo) * NS : nullptr);
         __syncthreads();  // buffer b read by every warp (and hsm written)
         if (warp == 0 && i + nb < hi) issue(i + nb, b);
         if (++b == nb) {
@@ -2262,7 +2250,7 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
         }
     }
     if (qh)
-        for (int k = warp; k < ghi - glo; k += WN)
+        for (int k = warp; k < ghi - glo; k += GEMV_WARPS)
             quant_q8_lane(hsm[k * QK + lane], lane, hq, n_out, (glo + k) * QK + lane, hd + glo + k);
 #endif
 }
@@ -2685,20 +2673,19 @@ GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
 GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 #define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
-// gemvq_swiglu_tcnp_q8_0_r1 / gemvq_swiglu_tcnp16_q8_0_r1: the Q8_0 SwiGLU ring
-// (gemvq_swiglu_p_q80), eight or sixteen warps, one block per SM.
-#define GEMVQ_SWIGLU_PIPE_KERNEL(name, WN)                                                                     \
-    extern "C" __global__ void __launch_bounds__(WN * 32, 1)                                                   \
-        name(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb, int n_out, int n_in, \
-             int nb, const int8_t* __restrict__ xq, const float2* __restrict__ xd, float* __restrict__ out,    \
-             const float* __restrict__ pss, float eps, int8_t* __restrict__ hq, float2* __restrict__ hd) {    \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                                  \
-        __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];                                                    \
-        if (nb < 1 || nb > PIPE_MAX_NB || blockDim.x != WN * 32) __trap();                                     \
-        gemvq_swiglu_p_q80<WN>(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);  \
-    }
-GEMVQ_SWIGLU_PIPE_KERNEL(gemvq_swiglu_tcnp_q8_0_r1, GEMV_WARPS)
-GEMVQ_SWIGLU_PIPE_KERNEL(gemvq_swiglu_tcnp16_q8_0_r1, 16)
+// gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one block
+// per SM.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
+    gemvq_swiglu_tcnp_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
+                              const float2* __restrict__ xd, float* __restrict__ out,
+                              const float* __restrict__ pss, float eps, int8_t* __restrict__ hq,
+                              float2* __restrict__ hd) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
+    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
+    gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);
+}
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
