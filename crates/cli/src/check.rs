@@ -2247,6 +2247,26 @@ fn residual_rows(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
     x
 }
 
+/// `rows` rows of `cols` logits of the argmax, argmax_feed and top-k cases, as `kind` says.
+fn argmax_logits(rng: &mut Rng, kind: ArgmaxKind, rows: usize, cols: usize) -> Vec<f32> {
+    let mut x = match kind {
+        ArgmaxKind::Constant => vec![1.5; rows * cols],
+        ArgmaxKind::Negative => (0..rows * cols)
+            .map(|_| -100.0 - rng.normal().abs())
+            .collect(),
+        _ => rng.normals(rows * cols, 1.0),
+    };
+    if let ArgmaxKind::Ties = kind {
+        for row in x.chunks_mut(cols) {
+            // Far apart (different threads of a row-parallel reduction), lowest last.
+            for j in [cols - 1, (cols * 2) / 3, cols / 3 + 1] {
+                row[j] = 10.0;
+            }
+        }
+    }
+    x
+}
+
 fn gen(op: &Op, seed: u64) -> Result<HostData> {
     let mut rng = Rng::new(seed);
     let mut h = HostData::default();
@@ -2661,37 +2681,16 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             // The step the token is fed to: an unknown token at `pos`.
             h.tokens = vec![POISON_ID];
             h.pos0 = pos;
-            let mut x = match kind {
-                ArgmaxKind::Random => rng.normals(cols, 1.0),
-                _ => vec![1.5; cols],
-            };
-            if let ArgmaxKind::Ties = kind {
-                x[cols / 2] = 10.0;
-                x[cols / 3] = 10.0;
-            }
-            h.acts.push((x, 1, cols));
+            h.acts
+                .push((argmax_logits(&mut rng, kind, 1, cols), 1, cols));
             h.out = (1, 1);
         }
         Op::Argmax { rows, cols, kind }
         | Op::TopK {
             rows, cols, kind, ..
         } => {
-            let mut x = match kind {
-                ArgmaxKind::Constant => vec![1.5; rows * cols],
-                ArgmaxKind::Negative => (0..rows * cols)
-                    .map(|_| -100.0 - rng.normal().abs())
-                    .collect(),
-                _ => rng.normals(rows * cols, 1.0),
-            };
-            if let ArgmaxKind::Ties = kind {
-                for row in x.chunks_mut(cols) {
-                    // Far apart (different threads of a row-parallel reduction), lowest last.
-                    for j in [cols - 1, (cols * 2) / 3, cols / 3 + 1] {
-                        row[j] = 10.0;
-                    }
-                }
-            }
-            h.acts.push((x, rows, cols));
+            h.acts
+                .push((argmax_logits(&mut rng, kind, rows, cols), rows, cols));
             h.out = match op {
                 Op::TopK { k, .. } => (rows, *k),
                 _ => (rows, 1),
