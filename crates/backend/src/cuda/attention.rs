@@ -388,12 +388,14 @@ impl Kernels {
         let q8_loop = match (dtc, super::switches::int_or("FERRITE_ATTN_PIPE", 1)) {
             (1, 1) => Q8Loop::Pipe,
             (1, 2) => Q8Loop::Ring,
+            (1, 3) => Q8Loop::Wide,
             _ => Q8Loop::Plain,
         };
         let q8_pipe = q8_loop != Q8Loop::Plain;
         let (q8_pre, q8_sep, q8_tail) = match q8_loop {
             Q8Loop::Ring => ("tc_q8r_", "tc_q8rsep_", "tc_q8rtail_"),
             Q8Loop::Pipe => ("tc_q8p_", "tc_q8psep_", "tc_q8ptail_"),
+            Q8Loop::Wide => ("tc_q8w_", "tc_q8wsep_", "tc_q8wtail_"),
             Q8Loop::Plain => ("tc_q8_", "", ""),
         };
         let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, q8_pre)?];
@@ -517,20 +519,21 @@ enum Q8Loop {
     /// computes (3 blocks per SM; ATTENTION.md, "The q8_0 loop's next tile in flight").
     Pipe,
     /// `attn_decode_tc_q8r*_128_<gb>`: two tiles in flight through a shared-memory ring of
-    /// cp.async copies (4 blocks per SM; at 8 heads a block the kernels are the Pipe form's,
+    /// cp.async copies (3 blocks per SM; at 8 heads a block the kernels are the Pipe form's,
     /// attention.cu `DTC_RING_PIPE`).
     Ring,
+    /// `attn_decode_tc_q8w*_128_<gb>`: the Pipe form with every load 16 bytes (the dims
+    /// permuted; 3 blocks per SM).
+    Wide,
 }
 
 impl Q8Loop {
     /// Blocks per SM of one wave, for the split count ([`decode_splits`]); `None`: the plain
     /// loop's rule.
-    fn one_wave_blocks(self, shape: AttnShape, tu: DecodeTuning) -> Option<usize> {
-        let gb = heads_per_block(shape.n_heads / shape.n_kv_heads.max(1));
+    fn one_wave_blocks(self, _shape: AttnShape, tu: DecodeTuning) -> Option<usize> {
         match self {
             Q8Loop::Plain => None,
-            Q8Loop::Ring if gb <= 4 => Some(tu.blocks_per_sm),
-            Q8Loop::Pipe | Q8Loop::Ring => Some(tu.pipe_blocks_per_sm),
+            Q8Loop::Pipe | Q8Loop::Ring | Q8Loop::Wide => Some(tu.pipe_blocks_per_sm),
         }
     }
 }
@@ -1653,10 +1656,8 @@ mod tests {
         assert_eq!(pipe, Some(3));
         assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, pipe), 49);
         assert_eq!(decode_splits(132, shape(32, 8, 128), 600, tu, pipe), 10);
-        // Its ring form (4 blocks per SM): 66 splits would fill the SMs, 64 the cap.
         let ring = Q8Loop::Ring.one_wave_blocks(shape(32, 8, 128), tu);
-        assert_eq!(ring, Some(4));
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, ring), 64);
+        assert_eq!(ring, Some(3));
         assert_eq!(Q8Loop::Plain.one_wave_blocks(shape(32, 8, 128), tu), None);
         // Short caches never get empty-by-construction splits.
         assert_eq!(

@@ -561,6 +561,36 @@ template <int HD, int NP>
 __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned char*, const unsigned char*,
                                             const unsigned short*, const unsigned short*, int, int, int, int) {}
 
+// The WIDE form's raw loads (decode_tc_loop PIPE = 3): the same keys as dtc_q8_load, in 16-byte
+// loads: K's key g of n-tile n as its bytes 64 c + 16 tq .. + 15 (c < 2), V's key kk as its
+// bytes 16 g .. + 15; each key's four scales.
+struct DtcQ8RawW {
+    uint4 k[2][2], v[4];
+    uint2 kd[2], vd[4];
+};
+template <int HD>
+__device__ __forceinline__ void dtc_q8_load_w(DtcQ8RawW& r, const unsigned char* __restrict__ kq,
+                                              const unsigned char* __restrict__ vq,
+                                              const unsigned short* __restrict__ ksh,
+                                              const unsigned short* __restrict__ vsh, int base, int end, int g,
+                                              int tq) {
+    static_assert(HD == 128, "dtc_q8_load_w: hd 128");
+#pragma unroll
+    for (int n = 0; n < 2; n++) {
+        const int key = min(base + 8 * n + g, end - 1);
+        const uint4* p = reinterpret_cast<const uint4*>(kq + (long long)key * HD + 16 * tq);
+        r.k[n][0] = __ldcg(p);
+        r.k[n][1] = __ldcg(p + 4);
+        r.kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)key * (HD / 32)));
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const int key = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
+        r.v[kk] = __ldcg(reinterpret_cast<const uint4*>(vq + (long long)key * HD + 16 * g));
+        r.vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)key * (HD / 32)));
+    }
+}
+
 // The RING form's stage (decode_tc_loop, PIPE = 2): a warp's 16-key q8_0 tile in shared
 // memory, as the plain loop would load it. Key r's 128 quant bytes are 8 chunks of 16; chunk
 // c sits at r * 128 + 16 (c ^ dtc_swz(r)), so that the loop's 8-byte reads meet no bank
@@ -781,6 +811,13 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
 // computes (the plain loop loads, then computes: ~4 KB in flight per warp, none while it
 // computes). The arithmetic is the same sequence, so the outputs are the plain loop's bits;
 // ~44 registers more: 3 blocks per SM (launch bounds) instead of 4.
+// PIPE = 3, WIDE (q8_0, contiguous: attn_decode_tc_q8w*_128_<GB>, FERRITE_ATTN_PIPE=3): PIPE = 1
+// with the dims permuted so that every load is 16 bytes (dtc_q8_load_w: 14 loads a tile for
+// 22): thread tq's K words are dims 64 c + 16 tq .. + 15 (k steps 4 c .. 4 c + 3, q packed
+// the same way), and row m of Oᵀ's m-tile i is dim 16 (m % 8) + 8 (m / 8) + i, so thread g
+// takes V's dims 16 g .. + 15 of a key in one load (one q8_0 block, one scale). The dims meet
+// the MMAs in another order: not the plain loop's bits (the emulation compares it with the
+// reference, as the plain loop).
 // PIPE = 2, RING (q8_0, contiguous: attn_decode_tc_q8r_128_<GB>, FERRITE_ATTN_PIPE=2): the
 // tiles go through a ring of two stages per warp in shared memory (DtcQ8Stage, 8.5 KB a warp)
 // by cp.async instead of registers: the warp waits for tile i, reads and converts it, then
@@ -815,18 +852,21 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
     constexpr int NP = HD / 32;  // 16-byte pieces of a key per thread
+    constexpr bool RAWP = PIPE == 1, RING = PIPE == 2, WIDE = PIPE == 3;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
 
     // q's A fragments: row g = head h0 + g; words as the K words (dims 32 c + 8 tq + 2 w).
     uint32_t qa[KS][2];
     {
-        const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + 8 * tq;
+        // WIDE: k steps 2 c and 2 c + 1 at dims 64 (c / 2) + 16 tq + 8 (c % 2) + (0..3, 4..7).
+        const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + (WIDE ? 16 : 8) * tq;
         float4 qa4[NP], qb4[NP];
 #pragma unroll
         for (int c = 0; c < NP; c++) {
-            qa4[c] = *reinterpret_cast<const float4*>(qp + 32 * c);
-            qb4[c] = *reinterpret_cast<const float4*>(qp + 32 * c + 4);
+            const int off = WIDE ? 64 * (c / 2) + 8 * (c % 2) : 32 * c;
+            qa4[c] = *reinterpret_cast<const float4*>(qp + off);
+            qb4[c] = *reinterpret_cast<const float4*>(qp + off + 4);
         }
         if constexpr (ROPE) {
             // This thread's dims 32 c + 8 tq + i (c < 4, i < 8) of its head; the quad (tq) holds
@@ -892,11 +932,16 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 
     // PIPE = 1: the raw loads of the tile at `base` (keys as in the loop below).
     static_assert(PIPE == 0 || (Q8 && !PAGED), "decode_tc_loop: PIPE is the contiguous q8_0 form");
-    constexpr bool RAWP = PIPE == 1, RING = PIPE == 2;
     DtcQ8Raw<NP, RAWP> raw;
     if constexpr (RAWP) {
         dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
                         start + 16 * warp, end, g, tq);
+    }
+    // WIDE: the same in 16-byte loads.
+    [[maybe_unused]] DtcQ8RawW raww;
+    if constexpr (WIDE) {
+        dtc_q8_load_w<HD>(raww, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
+                          start + 16 * warp, end, g, tq);
     }
     // RING: the warp's two stages, its first two tiles in flight (a group each, empty past end).
     DtcQ8Stage* ring = nullptr;
@@ -924,7 +969,28 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) vkey[kk] = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
         uint4 kw[2][NP], vw[4][2];
-        if constexpr (RAWP || RING) {
+        if constexpr (WIDE) {
+            // This tile's loads went out one tile earlier; the next tile's go out now. K's
+            // 16 bytes c: words of k steps 4 c .. 4 c + 3 (kw[n][2 c], kw[n][2 c + 1]), one
+            // block (2 c + tq / 2); V's: dims 16 g .. + 7 and + 8 .. + 15, block g / 2.
+            const DtcQ8RawW cur = raww;
+            dtc_q8_load_w<HD>(raww, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
+                              base + 16 * NW, end, g, tq);
+#pragma unroll
+            for (int n = 0; n < 2; n++)
+#pragma unroll
+                for (int c = 0; c < 2; c++) {
+                    const uint32_t d2 = q8_scale2(cur.kd[n], 2 * c + (tq >> 1));
+                    kw[n][2 * c] = q8_dequant8(make_uint2(cur.k[n][c].x, cur.k[n][c].y), d2);
+                    kw[n][2 * c + 1] = q8_dequant8(make_uint2(cur.k[n][c].z, cur.k[n][c].w), d2);
+                }
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                const uint32_t d2 = q8_scale2(cur.vd[kk], g >> 1);
+                vw[kk][0] = q8_dequant8(make_uint2(cur.v[kk].x, cur.v[kk].y), d2);
+                vw[kk][1] = q8_dequant8(make_uint2(cur.v[kk].z, cur.v[kk].w), d2);
+            }
+        } else if constexpr (RAWP || RING) {
             DtcQ8Raw<NP, true> cur;
             if constexpr (RING) {
                 // This tile's copies went out two tiles earlier (a group each): wait for all
@@ -1093,13 +1159,15 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     }
 #pragma unroll
     for (int i = 0; i < KS; i++) {
+        // Oᵀ rows g and g + 8 of m-tile i: dims 8 g + i and 64 + 8 g + i (WIDE: 16 g + i, + 8).
+        const int d0 = WIDE ? 16 * g + i : 8 * g + i, d1 = WIDE ? 16 * g + 8 + i : HD / 2 + 8 * g + i;
         if (2 * tq < GB) {
-            sm_acc[warp][2 * tq][8 * g + i] = acc[i][0];
-            sm_acc[warp][2 * tq][HD / 2 + 8 * g + i] = acc[i][2];
+            sm_acc[warp][2 * tq][d0] = acc[i][0];
+            sm_acc[warp][2 * tq][d1] = acc[i][2];
         }
         if (2 * tq + 1 < GB) {
-            sm_acc[warp][2 * tq + 1][8 * g + i] = acc[i][1];
-            sm_acc[warp][2 * tq + 1][HD / 2 + 8 * g + i] = acc[i][3];
+            sm_acc[warp][2 * tq + 1][d0] = acc[i][1];
+            sm_acc[warp][2 * tq + 1][d1] = acc[i][3];
         }
     }
 }
@@ -1544,7 +1612,7 @@ DECODE_KERNEL(256, 8)
 // form (PIPE = 1, 3 blocks per SM), and the host gives them its split count (attention.rs
 // `Q8Loop`).
 #define DTC_RING_PIPE(GB) ((GB) <= 4 ? 2 : 1)
-#define DTC_RING_MINB(GB) ((GB) <= 4 ? 4 : 3)
+#define DTC_RING_MINB(GB) 3
 #define DECODE_TC_KERNEL(GB)                                                                 \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
@@ -1572,6 +1640,9 @@ DECODE_KERNEL(256, 8)
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DTC_RING_MINB(GB))         \
         attn_decode_tc_q8r_128_##GB(DECODE_ARGS) {                                           \
         attn_decode_impl<128, GB, true, false, true, true, false, DTC_RING_PIPE(GB)>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8w_128_##GB(DECODE_ARGS) { \
+        attn_decode_impl<128, GB, true, false, true, true, false, 3>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_clp_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
@@ -1638,6 +1709,11 @@ DECODE_TC_KERNEL(8)
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DTC_RING_MINB(GB))         \
         attn_decode_tc_q8r##FORM##_128_##GB(DECODE_ARGS) {                                   \
         attn_decode_impl<128, GB, true, false, true, true, false, DTC_RING_PIPE(GB), false, SEP, TAIL>( \
+            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                          \
+        attn_decode_tc_q8w##FORM##_128_##GB(DECODE_ARGS) {                                   \
+        attn_decode_impl<128, GB, true, false, true, true, false, 3, false, SEP, TAIL>(      \
             DECODE_PASS, UNPAGED_PASS(capacity));                                            \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)            \
