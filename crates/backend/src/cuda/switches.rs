@@ -181,8 +181,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_PIPE",
-        Accepts::OneOf(&[0, 1, 2, 3]),
-        "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM), 2 two tiles in flight through a shared-memory ring of cp.async copies (3 blocks per SM), 3 the pipelined loop with 16-byte loads (ATTENTION.md)",
+        Accepts::OneOf(&[0, 1]),
+        "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM; ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_MERGE",

@@ -483,23 +483,6 @@ __device__ __forceinline__ void decode_tail_merge(const float* __restrict__ part
 }
 // EMU_TAIL_END
 
-// The RING loop's copies (decode_tc_loop, PIPE = 2): cp.async of 16 bytes (.cg: through L2
-// only, as the other forms' __ldcg) and of 8 (.ca: the only form below 16), the group commit
-// and the wait for all but the newest group. Outside the emulated section: the host emulation
-// (tests/attn_decode_tc_emu) defines its own, which defer each copy to the wait that covers it.
-__device__ __forceinline__ void dtc_cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-                 "l"(src)
-                 : "memory");
-}
-__device__ __forceinline__ void dtc_cp8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
-                 "l"(src)
-                 : "memory");
-}
-__device__ __forceinline__ void dtc_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void dtc_cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-
 // EMU_DTC_BEGIN (host emulation: tests/attn_decode_tc_emu.rs; tc_mma_f16, the half
 // intrinsics and the warp collectives are emulated there)
 // Eight q8_0 cache values (8 int8 of one 32-block) as the f16 cache's 16 bytes would hold
@@ -560,77 +543,6 @@ __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, true>& r, const unsigne
 template <int HD, int NP>
 __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned char*, const unsigned char*,
                                             const unsigned short*, const unsigned short*, int, int, int, int) {}
-
-// The WIDE form's raw loads (decode_tc_loop PIPE = 3): the same keys as dtc_q8_load, in 16-byte
-// loads: K's key g of n-tile n as its bytes 64 c + 16 tq .. + 15 (c < 2), V's key kk as its
-// bytes 16 g .. + 15; each key's four scales.
-struct DtcQ8RawW {
-    uint4 k[2][2], v[4];
-    uint2 kd[2], vd[4];
-};
-template <int HD>
-__device__ __forceinline__ void dtc_q8_load_w(DtcQ8RawW& r, const unsigned char* __restrict__ kq,
-                                              const unsigned char* __restrict__ vq,
-                                              const unsigned short* __restrict__ ksh,
-                                              const unsigned short* __restrict__ vsh, int base, int end, int g,
-                                              int tq) {
-    static_assert(HD == 128, "dtc_q8_load_w: hd 128");
-#pragma unroll
-    for (int n = 0; n < 2; n++) {
-        const int key = min(base + 8 * n + g, end - 1);
-        const uint4* p = reinterpret_cast<const uint4*>(kq + (long long)key * HD + 16 * tq);
-        r.k[n][0] = __ldcg(p);
-        r.k[n][1] = __ldcg(p + 4);
-        r.kd[n] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)key * (HD / 32)));
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        const int key = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
-        r.v[kk] = __ldcg(reinterpret_cast<const uint4*>(vq + (long long)key * HD + 16 * g));
-        r.vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)key * (HD / 32)));
-    }
-}
-
-// The RING form's stage (decode_tc_loop, PIPE = 2): a warp's 16-key q8_0 tile in shared
-// memory, as the plain loop would load it. Key r's 128 quant bytes are 8 chunks of 16; chunk
-// c sits at r * 128 + 16 (c ^ dtc_swz(r)), so that the loop's 8-byte reads meet no bank
-// conflict: a half-warp's K read (keys g < 4 or g >= 4, chunks 2 c + tq / 2) and V read (keys
-// 2 tq + e, chunks g / 2 or 4 + g / 2) reach 4 keys whose dtc_swz are 4 different even values,
-// so their chunk pairs are disjoint and the 16 lanes' 8 bytes fill the 32 banks once. Each
-// key's four f16 scales as one 8-byte word. 4,352 bytes.
-struct DtcQ8Stage {
-    unsigned char k[16 * 128], v[16 * 128];
-    uint2 kd[16], vd[16];
-};
-// Chunk swizzle of tile key r (0..15): 2 ((r ^ r / 2) mod 4), distinct over r mod 8 in
-// {0..3}, {4..7}, {0, 2, 4, 6} and {1, 3, 5, 7}.
-__device__ __forceinline__ int dtc_swz(int r) { return 2 * ((r ^ (r >> 1)) & 3); }
-// A warp's copies of the 16-key tile at `base` into `st` (nothing where base >= end), keys
-// clamped to end - 1 as the plain loop's loads are: lane l takes chunks l + 32 j (key
-// (l + 32 j) / 8, chunk l mod 8) of K and of V, and one key's scales (lanes < 16: K's of key
-// l, else V's of key l - 16).
-template <int HD>
-__device__ __forceinline__ void dtc_q8_copy(DtcQ8Stage& st, const unsigned char* __restrict__ kq,
-                                            const unsigned char* __restrict__ vq,
-                                            const unsigned short* __restrict__ ksh,
-                                            const unsigned short* __restrict__ vsh, int base, int end, int lane) {
-    static_assert(HD == 128, "dtc_q8_copy: hd 128");
-    if (base >= end) return;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int ci = lane + 32 * j, r = ci >> 3, c = ci & 7;
-        const long long src = (long long)min(base + r, end - 1) * HD + 16 * c;
-        const int dst = r * HD + 16 * (c ^ dtc_swz(r));
-        dtc_cp16(st.k + dst, kq + src);
-        dtc_cp16(st.v + dst, vq + src);
-    }
-    const int r = lane & 15;
-    const long long key = min(base + r, end - 1);
-    if (lane < 16)
-        dtc_cp8(&st.kd[r], ksh + key * (HD / 32));
-    else
-        dtc_cp8(&st.vd[r], vsh + key * (HD / 32));
-}
 
 // PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>, and with the ticket merge
 // attn_decode_tc_pre_128_<GB>): a warp's loads of its one 16-key tile, issued before the PDL
@@ -805,25 +717,12 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
 // PAGED: key p's row sits at page bt[p >> page_shift] (page_stride elements per page),
 // row p mod page size, relative to head_base (the kv head's offset in a page); else at p.
 //
-// PIPE = 1 (q8_0, contiguous: attn_decode_tc_q8p_128_<GB>; FERRITE_ATTN_PIPE=0 the plain
-// loop): the raw loads of a warp's next 16 keys (quants and scales, 44 registers) are issued
-// before this tile's conversions and MMAs, so that a warp has a tile in flight while it
-// computes (the plain loop loads, then computes: ~4 KB in flight per warp, none while it
-// computes). The arithmetic is the same sequence, so the outputs are the plain loop's bits;
-// ~44 registers more: 3 blocks per SM (launch bounds) instead of 4.
-// PIPE = 3, WIDE (q8_0, contiguous: attn_decode_tc_q8w*_128_<GB>, FERRITE_ATTN_PIPE=3): PIPE = 1
-// with the dims permuted so that every load is 16 bytes (dtc_q8_load_w: 14 loads a tile for
-// 22): thread tq's K words are dims 64 c + 16 tq .. + 15 (k steps 4 c .. 4 c + 3, q packed
-// the same way), and row m of Oᵀ's m-tile i is dim 16 (m % 8) + 8 (m / 8) + i, so thread g
-// takes V's dims 16 g .. + 15 of a key in one load (one q8_0 block, one scale). The dims meet
-// the MMAs in another order: not the plain loop's bits (the emulation compares it with the
-// reference, as the plain loop).
-// PIPE = 2, RING (q8_0, contiguous: attn_decode_tc_q8r_128_<GB>, FERRITE_ATTN_PIPE=2): the
-// tiles go through a ring of two stages per warp in shared memory (DtcQ8Stage, 8.5 KB a warp)
-// by cp.async instead of registers: the warp waits for tile i, reads and converts it, then
-// issues tile i + 2 into the stage it just read, so tiles i + 1 and i + 2 are in flight while
-// tile i's MMAs run (PIPE = 1: one), and no register holds a tile in flight: the plain loop's
-// registers, 4 blocks per SM. Same values into the same arithmetic: the plain loop's bits.
+// PIPE (q8_0, contiguous: attn_decode_tc_q8p_128_<GB>; FERRITE_ATTN_PIPE=0 the plain loop): the
+// raw loads of a warp's next 16 keys (quants and scales, 44 registers) are issued before this
+// tile's conversions and MMAs, so that a warp has a tile in flight while it computes (the
+// plain loop loads, then computes: ~4 KB in flight per warp, none while it computes). The
+// arithmetic is the same sequence, so the outputs are the plain loop's bits; ~44 registers
+// more: 3 blocks per SM (launch bounds) instead of 4.
 //
 // PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>, the cluster-merge launch of
 // short caches, and attn_decode_tc_pre_128_<GB>, the ticket-merge one, where a warp's chunk is
@@ -833,7 +732,7 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
 // (clamped) key is `nw.pos` take it from the step's k/v rows (dtc_f16_new, the kv store's
 // f16 bits) and the lanes of the position itself store it; the launch has no store phase and
 // no barrier before the loop. Same arithmetic on the same values: the plain loop's bits.
-template <int HD, int GB, bool Q8, bool PAGED = false, int PIPE = 0, bool PRE = false, bool ROPE = false>
+template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false, bool ROPE = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -852,21 +751,18 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
     constexpr int NP = HD / 32;  // 16-byte pieces of a key per thread
-    constexpr bool RAWP = PIPE == 1, RING = PIPE == 2, WIDE = PIPE == 3;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
 
     // q's A fragments: row g = head h0 + g; words as the K words (dims 32 c + 8 tq + 2 w).
     uint32_t qa[KS][2];
     {
-        // WIDE: k steps 2 c and 2 c + 1 at dims 64 (c / 2) + 16 tq + 8 (c % 2) + (0..3, 4..7).
-        const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + (WIDE ? 16 : 8) * tq;
+        const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + 8 * tq;
         float4 qa4[NP], qb4[NP];
 #pragma unroll
         for (int c = 0; c < NP; c++) {
-            const int off = WIDE ? 64 * (c / 2) + 8 * (c % 2) : 32 * c;
-            qa4[c] = *reinterpret_cast<const float4*>(qp + off);
-            qb4[c] = *reinterpret_cast<const float4*>(qp + off + 4);
+            qa4[c] = *reinterpret_cast<const float4*>(qp + 32 * c);
+            qb4[c] = *reinterpret_cast<const float4*>(qp + 32 * c + 4);
         }
         if constexpr (ROPE) {
             // This thread's dims 32 c + 8 tq + i (c < 4, i < 8) of its head; the quad (tq) holds
@@ -930,31 +826,12 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         }
     };
 
-    // PIPE = 1: the raw loads of the tile at `base` (keys as in the loop below).
-    static_assert(PIPE == 0 || (Q8 && !PAGED), "decode_tc_loop: PIPE is the contiguous q8_0 form");
-    DtcQ8Raw<NP, RAWP> raw;
-    if constexpr (RAWP) {
+    // PIPE: the raw loads of the tile at `base` (keys as in the loop below).
+    DtcQ8Raw<NP, PIPE> raw;
+    if constexpr (PIPE) {
+        static_assert(Q8 && !PAGED, "decode_tc_loop: PIPE is the contiguous q8_0 form");
         dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
                         start + 16 * warp, end, g, tq);
-    }
-    // WIDE: the same in 16-byte loads.
-    [[maybe_unused]] DtcQ8RawW raww;
-    if constexpr (WIDE) {
-        dtc_q8_load_w<HD>(raww, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                          start + 16 * warp, end, g, tq);
-    }
-    // RING: the warp's two stages, its first two tiles in flight (a group each, empty past end).
-    DtcQ8Stage* ring = nullptr;
-    int ring_s = 0;  // the stage of this iteration's tile
-    if constexpr (RING) {
-        __shared__ __align__(16) DtcQ8Stage dtc_ring[NW][2];
-        ring = dtc_ring[warp];
-        dtc_q8_copy<HD>(ring[0], kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                        start + 16 * warp, end, lane);
-        dtc_cp_commit();
-        dtc_q8_copy<HD>(ring[1], kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                        start + 16 * warp + 16 * NW, end, lane);
-        dtc_cp_commit();
     }
 
     // PRE: the warp's one tile, loaded before the PDL wait.
@@ -969,66 +846,11 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) vkey[kk] = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
         uint4 kw[2][NP], vw[4][2];
-        if constexpr (WIDE) {
-            // This tile's loads went out one tile earlier; the next tile's go out now. K's
-            // 16 bytes c: words of k steps 4 c .. 4 c + 3 (kw[n][2 c], kw[n][2 c + 1]), one
-            // block (2 c + tq / 2); V's: dims 16 g .. + 7 and + 8 .. + 15, block g / 2.
-            const DtcQ8RawW cur = raww;
-            dtc_q8_load_w<HD>(raww, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                              base + 16 * NW, end, g, tq);
-#pragma unroll
-            for (int n = 0; n < 2; n++)
-#pragma unroll
-                for (int c = 0; c < 2; c++) {
-                    const uint32_t d2 = q8_scale2(cur.kd[n], 2 * c + (tq >> 1));
-                    kw[n][2 * c] = q8_dequant8(make_uint2(cur.k[n][c].x, cur.k[n][c].y), d2);
-                    kw[n][2 * c + 1] = q8_dequant8(make_uint2(cur.k[n][c].z, cur.k[n][c].w), d2);
-                }
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                const uint32_t d2 = q8_scale2(cur.vd[kk], g >> 1);
-                vw[kk][0] = q8_dequant8(make_uint2(cur.v[kk].x, cur.v[kk].y), d2);
-                vw[kk][1] = q8_dequant8(make_uint2(cur.v[kk].z, cur.v[kk].w), d2);
-            }
-        } else if constexpr (RAWP || RING) {
-            DtcQ8Raw<NP, true> cur;
-            if constexpr (RING) {
-                // This tile's copies went out two tiles earlier (a group each): wait for all
-                // but the newest group, and for the other lanes' copies; read the stage into
-                // the raw words the PIPE form loads, then (every lane done reading it) copy the
-                // tile two ahead into it, before the conversions: at the copies only the raw
-                // words are live, not the converted ones (registers).
-                DtcQ8Stage& st = ring[ring_s];
-                dtc_cp_wait1();
-                __syncwarp();
-#pragma unroll
-                for (int n = 0; n < 2; n++) {
-                    const int r = 8 * n + g;
-                    cur.kd[n] = st.kd[r];
-#pragma unroll
-                    for (int c = 0; c < NP; c++)
-                        cur.k[n][c] = *reinterpret_cast<const uint2*>(
-                            st.k + r * HD + 16 * ((2 * c + (tq >> 1)) ^ dtc_swz(r)) + 8 * (tq & 1));
-                }
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {  // dims 8 g .., 64 + 8 g .. of V's key r
-                    const int r = 2 * tq + (kk & 1) + 8 * (kk >> 1);
-                    const unsigned char* vr = st.v + r * HD + 8 * (g & 1);
-                    cur.vd[kk] = st.vd[r];
-                    cur.v[kk][0] = *reinterpret_cast<const uint2*>(vr + 16 * ((g >> 1) ^ dtc_swz(r)));
-                    cur.v[kk][1] = *reinterpret_cast<const uint2*>(vr + 16 * ((4 + (g >> 1)) ^ dtc_swz(r)));
-                }
-                __syncwarp();
-                dtc_q8_copy<HD>(st, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                                base + 32 * NW, end, lane);
-                dtc_cp_commit();
-                ring_s ^= 1;
-            } else {
-                // This tile's loads went out one tile earlier; the next tile's go out now.
-                cur = raw;
-                dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                                base + 16 * NW, end, g, tq);
-            }
+        if constexpr (PIPE) {
+            // This tile's loads went out one tile earlier; the next tile's go out now.
+            const DtcQ8Raw<NP, PIPE> cur = raw;
+            dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
+                            base + 16 * NW, end, g, tq);
 #pragma unroll
             for (int n = 0; n < 2; n++)
 #pragma unroll
@@ -1159,15 +981,13 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     }
 #pragma unroll
     for (int i = 0; i < KS; i++) {
-        // Oᵀ rows g and g + 8 of m-tile i: dims 8 g + i and 64 + 8 g + i (WIDE: 16 g + i, + 8).
-        const int d0 = WIDE ? 16 * g + i : 8 * g + i, d1 = WIDE ? 16 * g + 8 + i : HD / 2 + 8 * g + i;
         if (2 * tq < GB) {
-            sm_acc[warp][2 * tq][d0] = acc[i][0];
-            sm_acc[warp][2 * tq][d1] = acc[i][2];
+            sm_acc[warp][2 * tq][8 * g + i] = acc[i][0];
+            sm_acc[warp][2 * tq][HD / 2 + 8 * g + i] = acc[i][2];
         }
         if (2 * tq + 1 < GB) {
-            sm_acc[warp][2 * tq + 1][d0] = acc[i][1];
-            sm_acc[warp][2 * tq + 1][d1] = acc[i][3];
+            sm_acc[warp][2 * tq + 1][8 * g + i] = acc[i][1];
+            sm_acc[warp][2 * tq + 1][HD / 2 + 8 * g + i] = acc[i][3];
         }
     }
 }
@@ -1186,7 +1006,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
-template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, int PIPE = 0,
+template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
           bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
@@ -1606,13 +1426,6 @@ DECODE_KERNEL(256, 8)
 
 // The tensor-core main loop (decode_tc_loop): f16 and q8_0 caches, hd 128, contiguous (the
 // step's rows stored by the launch) and paged (stored by kv_store_paged before it).
-// attn_decode_tc_q8r*_128_<GB>: the q8_0 loop through the shared-memory ring (PIPE = 2, 4
-// blocks per SM) where its 35 KB of stages fit the 48 KB of static shared memory beside the
-// block's merge arrays (GB <= 4); at GB 8 (sm_acc 16 KB) the same names hold the register
-// form (PIPE = 1, 3 blocks per SM), and the host gives them its split count (attention.rs
-// `Q8Loop`).
-#define DTC_RING_PIPE(GB) ((GB) <= 4 ? 2 : 1)
-#define DTC_RING_MINB(GB) 3
 #define DECODE_TC_KERNEL(GB)                                                                 \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
@@ -1635,14 +1448,7 @@ DECODE_KERNEL(256, 8)
         attn_decode_impl<128, GB, true, false, true, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8p_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, 1>(DECODE_PASS, UNPAGED_PASS(capacity)); \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DTC_RING_MINB(GB))         \
-        attn_decode_tc_q8r_128_##GB(DECODE_ARGS) {                                           \
-        attn_decode_impl<128, GB, true, false, true, true, false, DTC_RING_PIPE(GB)>(DECODE_PASS, UNPAGED_PASS(capacity)); \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8w_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, 3>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+        attn_decode_impl<128, GB, true, false, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_clp_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
@@ -1703,17 +1509,7 @@ DECODE_TC_KERNEL(8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                          \
         attn_decode_tc_q8p##FORM##_128_##GB(DECODE_ARGS) {                                   \
-        attn_decode_impl<128, GB, true, false, true, true, false, 1, false, SEP, TAIL>(      \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DTC_RING_MINB(GB))         \
-        attn_decode_tc_q8r##FORM##_128_##GB(DECODE_ARGS) {                                   \
-        attn_decode_impl<128, GB, true, false, true, true, false, DTC_RING_PIPE(GB), false, SEP, TAIL>( \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                          \
-        attn_decode_tc_q8w##FORM##_128_##GB(DECODE_ARGS) {                                   \
-        attn_decode_impl<128, GB, true, false, true, true, false, 3, false, SEP, TAIL>(      \
+        attn_decode_impl<128, GB, true, false, true, true, false, true, false, SEP, TAIL>(   \
             DECODE_PASS, UNPAGED_PASS(capacity));                                            \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)            \
