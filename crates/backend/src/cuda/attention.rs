@@ -266,8 +266,9 @@ pub struct Kernels {
     /// more splits than a cluster holds whose chunks are still one tile (up to 4,096
     /// positions at 64 splits; on by default); `None` with `FERRITE_ATTN_PRE` 0 or 1.
     decode_pre: Option<Vec<CudaFunction>>,
-    /// Which loop `decode_tc[1]` and the q8_0 merge forms run (`FERRITE_ATTN_PIPE`).
-    q8_loop: Q8Loop,
+    /// Whether `decode_tc[1]` is the q8_0 loop that loads its next tile early
+    /// (`attn_decode_tc_q8p_128_<gb>`; `FERRITE_ATTN_PIPE=0`: the plain loop).
+    q8_pipe: bool,
     /// The tensor-core decode loops that leave their splits to a merge launch of its own
     /// (`attn_decode_tc_sep_128_<gb>`, `attn_decode_tc_q8psep_128_<gb>`), `[f16, q8_0]`, and
     /// that merge (`attn_decode_merge`; ATTENTION.md, "The split merge as a launch of its
@@ -385,17 +386,8 @@ impl Kernels {
         let tc_family = |on: bool, pre: &str| tc_family_post(on, pre, "");
         // q8_0 contiguous caches whose splits do not take the cluster merge: the loop that
         // issues its next tile's loads before this tile's MMAs.
-        let q8_loop = match (dtc, super::switches::int_or("FERRITE_ATTN_PIPE", 1)) {
-            (1, 1) => Q8Loop::Pipe,
-            (1, 2) => Q8Loop::Int8S,
-            _ => Q8Loop::Plain,
-        };
-        let q8_pipe = q8_loop != Q8Loop::Plain;
-        let (q8_pre, q8_sep, q8_tail) = match q8_loop {
-            Q8Loop::Int8S => ("tc_q8k_", "tc_q8ksep_", "tc_q8ktail_"),
-            Q8Loop::Pipe => ("tc_q8p_", "tc_q8psep_", "tc_q8ptail_"),
-            Q8Loop::Plain => ("tc_q8_", "", ""),
-        };
+        let q8_pipe = dtc == 1 && super::switches::int_or("FERRITE_ATTN_PIPE", 1) != 0;
+        let q8_pre = if q8_pipe { "tc_q8p_" } else { "tc_q8_" };
         let decode_tc = [tc_family(dtc != 0, "tc_")?, tc_family(dtc == 1, q8_pre)?];
         let decode_tc_paged = [
             tc_family_post(dtc != 0, "tc_", "_paged")?,
@@ -432,7 +424,7 @@ impl Kernels {
         let sep_on = dtc == 1 && q8_pipe && merge != 0;
         let decode_sep = match (
             tc_family(sep_on, "tc_sep_")?,
-            tc_family(sep_on, q8_sep)?,
+            tc_family(sep_on, "tc_q8psep_")?,
         ) {
             (Some(f16), Some(q8)) => Some(([f16, q8], function(&m, "attn_decode_merge")?)),
             _ => None,
@@ -443,7 +435,7 @@ impl Kernels {
         )?;
         let decode_tail = match (
             tc_family(sep_on && merge == 3, "tc_tail_")?,
-            tc_family(sep_on && merge == 3, q8_tail)?,
+            tc_family(sep_on && merge == 3, "tc_q8ptail_")?,
         ) {
             (Some(f16), Some(q8)) => {
                 let pre = tc_family(decode_presep.is_some(), "tc_pretail_")?;
@@ -471,7 +463,7 @@ impl Kernels {
             decode_clp,
             decode_clpr,
             decode_pre,
-            q8_loop,
+            q8_pipe,
             decode_sep,
             decode_presep,
             decode_tail,
@@ -503,37 +495,6 @@ impl Kernels {
         match self.kv_type.load(Ordering::Relaxed) {
             1 => KvType::Q8_0,
             _ => KvType::F16,
-        }
-    }
-}
-
-/// The loop of the q8_0 tensor-core decode past a cluster's splits (`FERRITE_ATTN_PIPE`:
-/// 0, 1 the default, 2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Q8Loop {
-    /// `attn_decode_tc_q8_128_<gb>`: loads, then converts and multiplies (4 blocks per SM).
-    Plain,
-    /// `attn_decode_tc_q8p*_128_<gb>`: the next tile's loads in registers while this one
-    /// computes (3 blocks per SM; ATTENTION.md, "The q8_0 loop's next tile in flight").
-    Pipe,
-    /// `attn_decode_tc_q8k*_128_<gb>`: the Pipe form with S = Q Kᵀ on the int8 tensor cores
-    /// (attention.cu Q8K; [`DECODE_Q8K_BLOCKS_PER_SM`] blocks per SM).
-    Int8S,
-}
-
-/// Blocks per SM of the int8-S q8_0 loop (attention.cu `DTC_Q8K_MINB`).
-const DECODE_Q8K_BLOCKS_PER_SM: usize = 4;
-
-impl Q8Loop {
-    /// Blocks per SM of one wave, for the split count ([`decode_splits`]); `None`: the plain
-    /// loop's rule.
-    fn one_wave_blocks(self, tu: DecodeTuning) -> Option<usize> {
-        match self {
-            Q8Loop::Plain => None,
-            Q8Loop::Pipe => Some(tu.pipe_blocks_per_sm),
-            Q8Loop::Int8S => Some(
-                super::switches::int_or("FERRITE_ATTN_Q8K_BPS", DECODE_Q8K_BLOCKS_PER_SM as i64).max(1) as usize,
-            ),
         }
     }
 }
@@ -643,21 +604,22 @@ fn min_chunk_for(head_dim: usize, tu: DecodeTuning) -> usize {
 }
 
 /// The fixed decode split count for a cache: enough blocks for every SM at rows = 1, no more
-/// splits than `capacity` has minimum-size chunks. `pipe`: the cache takes a pipelined q8_0
-/// loop ([`Q8Loop`]) of that many blocks per SM: as many splits as fill the SMs once, rounded
-/// down (a 397th block of 396 slots would run as a second wave).
+/// splits than `capacity` has minimum-size chunks. `pipe`: the cache takes the q8_0 loop with
+/// its next tile in flight, whose blocks fit fewer per SM: as many splits as fill the SMs
+/// once, rounded down (a 397th block of 396 slots would run as a second wave).
 fn decode_splits(
     sm_count: usize,
     shape: AttnShape,
     capacity: usize,
     tu: DecodeTuning,
-    pipe: Option<usize>,
+    pipe: bool,
 ) -> usize {
     let group = shape.n_heads / shape.n_kv_heads.max(1);
     let blocks_x = (shape.n_heads / heads_per_block(group)).max(1);
-    let want = match pipe {
-        Some(per_sm) => per_sm * sm_count.max(1) / blocks_x,
-        None => (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x),
+    let want = if pipe {
+        tu.pipe_blocks_per_sm * sm_count.max(1) / blocks_x
+    } else {
+        (tu.blocks_per_sm * sm_count.max(1)).div_ceil(blocks_x)
     };
     want.clamp(1, tu.max_splits.min(KERNEL_MAX_SPLITS))
         .min(capacity.div_ceil(min_chunk_for(shape.head_dim, tu)).max(1))
@@ -772,9 +734,10 @@ fn kv_alloc(
     let tuning = be.attention.tuning;
     // The pipelined q8_0 loop takes contiguous caches at its head size (paged ones, and
     // caches of other head sizes, the 4-block kernels).
-    let pipe = (kv_type == KvType::Q8_0 && paged.is_none() && head_dim == DECODE_TC_HEAD_DIM)
-        .then(|| be.attention.q8_loop.one_wave_blocks(tuning))
-        .flatten();
+    let pipe = be.attention.q8_pipe
+        && kv_type == KvType::Q8_0
+        && paged.is_none()
+        && head_dim == DECODE_TC_HEAD_DIM;
     let n_splits = decode_splits(be.sm_count, shape, seq_capacity, tuning, pipe);
     let scratch_rows = paged.map_or(DECODE_MAX_ROWS, |p| p.max_rows.max(DECODE_MAX_ROWS));
     let part_rows = scratch_rows * n_heads * n_splits;
@@ -1650,29 +1613,23 @@ mod tests {
     fn split_count_is_bounded() {
         // Qwen3-8B on an H200: 32 heads / 8 kv heads → 8 blocks per split.
         let tu = DecodeTuning::default();
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, None), 64);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, false), 64);
         // The pipelined q8_0 loop (3 blocks per SM): one wave, 49 × 8 = 392 ≤ 396 blocks.
-        let pipe = Q8Loop::Pipe.one_wave_blocks(tu);
-        assert_eq!(pipe, Some(3));
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, pipe), 49);
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 600, tu, pipe), 10);
-        // Its int8-S form (4 blocks per SM): 66 splits would fill the SMs once, 64 the cap.
-        let int8 = Q8Loop::Int8S.one_wave_blocks(tu);
-        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, int8), 64);
-        assert_eq!(Q8Loop::Plain.one_wave_blocks(tu), None);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 40960, tu, true), 49);
+        assert_eq!(decode_splits(132, shape(32, 8, 128), 600, tu, true), 10);
         // Short caches never get empty-by-construction splits.
         assert_eq!(
-            decode_splits(132, shape(32, 8, 128), 100, tu, None),
+            decode_splits(132, shape(32, 8, 128), 100, tu, false),
             100usize.div_ceil(DECODE_MIN_CHUNK_TC)
         );
         assert_eq!(
-            decode_splits(132, shape(16, 4, 256), 1000, tu, None),
+            decode_splits(132, shape(16, 4, 256), 1000, tu, false),
             1000usize.div_ceil(DECODE_MIN_CHUNK)
         );
-        assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu, None), 1);
+        assert_eq!(decode_splits(132, shape(4, 2, 32), 1, tu, false), 1);
         // Many heads: fewer splits.
-        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, None), 9);
-        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, Some(3)), 6);
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, false), 9);
+        assert_eq!(decode_splits(132, shape(64, 64, 128), 40960, tu, true), 6);
     }
 
     /// The caches that take the keys-before-the-wait form have chunks of at most one block
@@ -1697,7 +1654,7 @@ mod tests {
             }
         }
         let tu = DecodeTuning::default();
-        let splits = decode_splits(132, shape(32, 8, 128), 512, tu, None);
+        let splits = decode_splits(132, shape(32, 8, 128), 512, tu, false);
         assert_eq!(splits, 8);
         assert!(pre_loads_fit(512, splits, min_chunk_for(128, tu)));
     }

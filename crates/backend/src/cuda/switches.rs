@@ -181,13 +181,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_PIPE",
-        Accepts::OneOf(&[0, 1, 2]),
-        "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM), 2 the same with S = Q K^T on the int8 tensor cores (4 blocks per SM; ATTENTION.md)",
-    ),
-    (
-        "FERRITE_ATTN_Q8K_BPS",
-        Accepts::Range(1, 4),
-        "blocks per SM the split count of FERRITE_ATTN_PIPE=2 assumes (default 4)",
+        Accepts::OneOf(&[0, 1]),
+        "q8_0 decode attention on the tensor cores with the next key tile's loads in flight (3 blocks per SM); 0 the plain loop (4 blocks per SM; ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_MERGE",

@@ -6,8 +6,6 @@
 //  - tc_mma_f16: mma.sync m16n8k16 f16 x f16 -> f32: the 32 lanes deposit their fragments,
 //    A (16 x 16) and B (16 x 8) are rebuilt from the PTX ISA fragment layout, each lane adds
 //    its four dot products (in double, then rounded to f32);
-//  - tc_mma_s8_z: mma.sync m16n8k32 s8 x s8 -> s32 (the q8_0 cache's int8 S, Q8K), from the
-//    same layout rules for 8-bit fragments, exact in 64-bit integers;
 //  - the half intrinsics (round to nearest even at every f16 result, as the hardware),
 //    __shfl_xor_sync / __shfl_sync, __byte_perm, __ldcg.
 // Each configuration (heads per block GB, f16 or q8_0 cache, the key range [start, end) of
@@ -99,45 +97,11 @@ static unsigned short f32_to_f16_sat(float x) {
     return f2h(c);
 }
 
-static inline uint16_t __ushort_as_half(unsigned short v) { return v; }
-static inline float __half2float(uint16_t h) { return h2f(h); }
-
-static void tc_mma_s8_z(int (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-    Deposit m{};
-    m.kind = 7;
-    const uint32_t in[4] = {a0, a2, b0, b1};
-    memcpy(m.w, in, sizeof in);
-    const Deposit* all = warp_exchange(m);
-    int A[16][32] = {}, B[32][8];
-    for (int l = 0; l < 32; l++) {
-        const int g = l >> 2, t = l & 3;
-        for (int i = 0; i < 4; i++) {
-            const auto b = [&](uint32_t w) { return (int)(int8_t)((w >> (8 * i)) & 0xFF); };
-            A[g][4 * t + i] = b(all[l].w[0]);  // rows 8..15 (a1, a3): zero
-            A[g][16 + 4 * t + i] = b(all[l].w[1]);
-            B[4 * t + i][g] = b(all[l].w[2]);
-            B[16 + 4 * t + i][g] = b(all[l].w[3]);
-        }
-    }
-    const int lane = cur % 32, g = lane >> 2, t = lane & 3;
-    for (int q = 0; q < 4; q++) {
-        const int r = g + 8 * (q >> 1), col = 2 * t + (q & 1);
-        int64_t acc = 0;
-        for (int k = 0; k < 32; k++) acc += (int64_t)A[r][k] * B[k][col];
-        c[q] = (int)acc;
-    }
-}
-
 #include "kvpos.cuh"
 #include "dtc.cuh"
 
 // ---- one configuration ------------------------------------------------------------------
 constexpr int HD = 128, NWARP = 4, CAP = 512, MAXGB = 8;
-// The int8 q of the Q8K form adds its rounding (up to amax / 254 an element) to the scores;
-// 2e-4 (the plain form's values here reach ~3e-7) keeps a margin over it and still fails a
-// wrong scale, block or dim order (NMSE > 1e-2). ferrite check's q8_0 threshold (5e-4 against
-// the f32 CPU) covers the cache's rounding and this together.
-constexpr double Q8K_NMSE = 2e-4;
 struct Cfg {
     int gb, q8, start, end;
     int page_shift;  // 0: contiguous; else pages of 1 << page_shift positions, shuffled
@@ -170,7 +134,7 @@ static std::vector<float> knew, vnew;
 // ROPE (PRE only): the block's table (attn_decode_impl fills it before the wait).
 static RopeTab rtab;
 
-template <int GB, bool Q8, bool PIPE, bool PRE = false, bool ROPE = false, bool Q8K = false>
+template <int GB, bool Q8, bool PIPE, bool PRE = false, bool ROPE = false>
 static void run_body() {
     auto& a = *reinterpret_cast<float(*)[NWARP][GB][HD]>(sm_acc_gb<GB>());
     auto& m = *reinterpret_cast<float(*)[NWARP][GB]>(sm_ml_gb<GB>(0));
@@ -191,21 +155,21 @@ static void run_body() {
                                          cfg.end, SCALE_LOG2, a, m, l, bt.data(), cfg.page_shift,
                                          (long long)HD << cfg.page_shift);
     } else {
-        decode_tc_loop<HD, GB, Q8, false, PIPE, false, false, Q8K>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0,
-                                                                   GB, 0, 0, cfg.start, cfg.end, SCALE_LOG2, a, m, l);
+        decode_tc_loop<HD, GB, Q8, false, PIPE>(qv.data(), kc, vc, ksc.data(), vsc.data(), 0, GB, 0, 0, cfg.start,
+                                                cfg.end, SCALE_LOG2, a, m, l);
     }
 }
 
 static std::vector<double> out_kernel, out_ref;
 
-template <int GB, bool Q8, bool PIPE = false, bool PRE = false, bool ROPE = false, bool Q8K = false>
+template <int GB, bool Q8, bool PIPE = false, bool PRE = false, bool ROPE = false>
 static void run() {
     float* a = sm_acc_gb<GB>();
     float* m = sm_ml_gb<GB>(0);
     float* l = sm_ml_gb<GB>(1);
     for (int i = 0; i < NWARP * GB * HD; i++) a[i] = NAN;
     for (int i = 0; i < NWARP * GB; i++) m[i] = l[i] = NAN;
-    run_block(0, 0, run_body<GB, Q8, PIPE, PRE, ROPE, Q8K>);
+    run_block(0, 0, run_body<GB, Q8, PIPE, PRE, ROPE>);
     // attn_decode_impl's block merge.
     out_kernel.assign(GB * HD, 0.0);
     for (int h = 0; h < GB; h++) {
@@ -251,13 +215,13 @@ static void reference() {
 }
 
 // run<GB, ...>() for the case's heads per block (1, 2, 4 or 8).
-template <bool Q8, bool PIPE = false, bool PRE = false, bool ROPE = false, bool Q8K = false>
+template <bool Q8, bool PIPE = false, bool PRE = false, bool ROPE = false>
 static void run_gb(int gb) {
     switch (gb) {
-        case 1: run<1, Q8, PIPE, PRE, ROPE, Q8K>(); break;
-        case 2: run<2, Q8, PIPE, PRE, ROPE, Q8K>(); break;
-        case 4: run<4, Q8, PIPE, PRE, ROPE, Q8K>(); break;
-        case 8: run<8, Q8, PIPE, PRE, ROPE, Q8K>(); break;
+        case 1: run<1, Q8, PIPE, PRE, ROPE>(); break;
+        case 2: run<2, Q8, PIPE, PRE, ROPE>(); break;
+        case 4: run<4, Q8, PIPE, PRE, ROPE>(); break;
+        case 8: run<8, Q8, PIPE, PRE, ROPE>(); break;
     }
 }
 
@@ -288,8 +252,6 @@ int main() {
         {4, 0, 0, 64},  {1, 0, 320, 333}, {8, 0, 448, 510}, {2, 0, 7, 8},
         {2, 0, 128, 192}, {8, 0, 0, 150}, {4, 1, 0, 1},   {4, 1, 0, 17},  {4, 1, 64, 101},
         {4, 1, 0, 200}, {8, 1, 3, 130}, {1, 1, 0, 64},
-        // q8_0 ranges of many tiles a warp (the pipelined forms' loads carried over tiles).
-        {4, 1, 0, 512}, {2, 1, 64, 449},
         // Paged caches: pages of 16 and 2 positions, shuffled (a tile's keys cross pages).
         {4, 0, 0, 200, 4}, {4, 1, 0, 200, 4}, {8, 0, 3, 130, 4}, {2, 1, 64, 101, 4},
         {4, 0, 5, 77, 1}, {4, 1, 0, 40, 1},
@@ -323,16 +285,12 @@ int main() {
         // The q8_0 loop with the next tile's loads issued early (PIPE, contiguous caches):
         // the same arithmetic, so the same bits as the plain loop.
         bool pipe_same = true;
-        std::vector<double> int8s;  // the PIPE loop with the int8 S (Q8K): NMSE below
         if (c.q8 && c.page_shift == 0) {
             const std::vector<double> plain = out_kernel;
             run_gb<true, true>(c.gb);
             pipe_same = out_kernel == plain;
             if (!pipe_same) printf("gb=%d q8_0 keys [%d, %d): the PIPE loop differs from the plain one\n", c.gb,
                                    c.start, c.end);
-            run_gb<true, true, false, false, true>(c.gb);
-            int8s = out_kernel;
-            out_kernel = plain;
         }
         // The f16 loop with its one tile per warp loaded before the wait (PRE: chunks of at most
         // 64 keys): the new key (the range's last, as in a row's last split; or past the range,
@@ -409,16 +367,7 @@ int main() {
             num += e * e, den += out_ref[i] * out_ref[i];
         }
         const double nmse = num / std::max(den, 1e-300);
-        bool int8_ok = true;
-        if (!int8s.empty()) {
-            double n8 = 0;
-            for (size_t i = 0; i < out_ref.size(); i++) n8 += (int8s[i] - out_ref[i]) * (int8s[i] - out_ref[i]);
-            const double nmse8 = n8 / std::max(den, 1e-300);
-            int8_ok = std::isfinite(nmse8) && nmse8 <= Q8K_NMSE;
-            printf("gb=%d q8_0 keys [%d, %d): int8 S NMSE %.2e %s\n", c.gb, c.start, c.end, nmse8,
-                   int8_ok ? "OK" : "FAIL");
-        }
-        const bool good = std::isfinite(nmse) && nmse <= 1e-5 && pipe_same && pre_same && int8_ok;
+        const bool good = std::isfinite(nmse) && nmse <= 1e-5 && pipe_same && pre_same;
         printf("gb=%d %s keys [%d, %d)%s: NMSE %.2e %s\n", c.gb, c.q8 ? "q8_0" : "f16", c.start, c.end,
                c.page_shift ? (c.page_shift == 4 ? " paged 16" : " paged 2") : "", nmse, good ? "OK" : "FAIL");
         ok = ok && good;

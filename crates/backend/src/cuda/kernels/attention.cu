@@ -330,15 +330,6 @@ __device__ __forceinline__ void tc_mma_f16(float (&c)[4], uint32_t a0, uint32_t 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// c = a . b (mma.sync m16n8k32 s8 x s8 -> s32, zero accumulator; a1 = a3 = 0: rows 8..15), the
-// int8 S of decode_tc_loop's Q8K form.
-__device__ __forceinline__ void tc_mma_s8_z(int (&c)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};\n"
-        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "r"(0));
-}
 __device__ __forceinline__ uint32_t tc_pack_f16(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);  // .x (low 16 bits) = a
     return *reinterpret_cast<const uint32_t*>(&h);
@@ -553,46 +544,6 @@ template <int HD, int NP>
 __device__ __forceinline__ void dtc_q8_load(DtcQ8Raw<NP, false>&, const unsigned char*, const unsigned char*,
                                             const unsigned short*, const unsigned short*, int, int, int, int) {}
 
-// The Q8K form's raw loads (decode_tc_loop): as dtc_q8_load, but the K scales are those of the
-// keys of the thread's S columns (key 8 n + 2 tq + e of the tile: ksc[n][e], four per key),
-// which scale the int8 dots, instead of key g's.
-template <int NP, bool ON>
-struct DtcQ8RawK {
-    uint2 k[2][NP], ksc[2][2], v[4][2], vd[4];
-};
-template <int NP>
-struct DtcQ8RawK<NP, false> {};
-template <int HD, int NP>
-__device__ __forceinline__ void dtc_q8k_load(DtcQ8RawK<NP, true>& r, const unsigned char* __restrict__ kq,
-                                             const unsigned char* __restrict__ vq,
-                                             const unsigned short* __restrict__ ksh,
-                                             const unsigned short* __restrict__ vsh, int base, int end, int g,
-                                             int tq) {
-#pragma unroll
-    for (int n = 0; n < 2; n++) {
-        const int key = min(base + 8 * n + g, end - 1);
-        const uint2* p = reinterpret_cast<const uint2*>(kq + (long long)key * HD + 8 * tq);
-#pragma unroll
-        for (int c = 0; c < NP; c++) r.k[n][c] = __ldcg(p + 4 * c);
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const int sk = min(base + 8 * n + 2 * tq + e, end - 1);
-            r.ksc[n][e] = __ldcg(reinterpret_cast<const uint2*>(ksh + (long long)sk * (HD / 32)));
-        }
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        const int key = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
-        const uint2* p = reinterpret_cast<const uint2*>(vq + (long long)key * HD + 8 * g);
-        r.v[kk][0] = __ldcg(p);
-        r.v[kk][1] = __ldcg(p + HD / 16);
-        r.vd[kk] = __ldcg(reinterpret_cast<const uint2*>(vsh + (long long)key * (HD / 32)));
-    }
-}
-template <int HD, int NP>
-__device__ __forceinline__ void dtc_q8k_load(DtcQ8RawK<NP, false>&, const unsigned char*, const unsigned char*,
-                                             const unsigned short*, const unsigned short*, int, int, int, int) {}
-
 // PRE (f16, contiguous, one row: attn_decode_tc_clp_128_<GB>, and with the ticket merge
 // attn_decode_tc_pre_128_<GB>): a warp's loads of its one 16-key tile, issued before the PDL
 // wait (keys clamped to end - 1 as in the loop). Every position below the step's own was
@@ -781,19 +732,7 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
 // (clamped) key is `nw.pos` take it from the step's k/v rows (dtc_f16_new, the kv store's
 // f16 bits) and the lanes of the position itself store it; the launch has no store phase and
 // no barrier before the loop. Same arithmetic on the same values: the plain loop's bits.
-// Q8K (with PIPE: attn_decode_tc_q8k*_128_<GB>, FERRITE_ATTN_PIPE=2): S = Q Kᵀ on the int8
-// tensor cores (mma.sync m16n8k32 s8): K's quants are the B fragments as loaded (no
-// dequantization: the 8 × ~15 instructions of q8_dequant8 and 16 HMMAs a tile go), q is
-// rounded to int8 per (head, 32-dim block) as a q8_0 row (amax / 127 over the quad's 32 dims,
-// rint), MMA c is cache block c (k 4 tq + j: dim 32 c + 8 tq + j; k 16 + 4 tq + j: dim 32 c +
-// 8 tq + 4 + j), so each int32 is one block's dot for (head g, key 8 n + 2 tq + e), scaled by
-// q's and that key's block scale in f32. P V unchanged. Fewer registers than the f16 S (no
-// converted K words): the launch takes 4 blocks per SM. Precision: q rounded to int8
-// (relative error up to amax / 254 an element) where the f16 S rounds it to f16. ATTENTION.md,
-// "The q8_0 cache's S = Q Kᵀ on the int8 tensor cores" (the plain loop, 2026-12-01) and the
-// 26th session's section.
-template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false, bool ROPE = false,
-          bool Q8K = false>
+template <int HD, int GB, bool Q8, bool PAGED = false, bool PIPE = false, bool PRE = false, bool ROPE = false>
 __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, const unsigned char* __restrict__ kc,
                                                const unsigned char* __restrict__ vc,
                                                const unsigned short* __restrict__ ks,
@@ -809,7 +748,6 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     static_assert(!ROPE || PRE, "decode_tc_loop: ROPE is the PRE form's");
     static_assert(HD == 128 && GB <= 8, "decode_tc_loop: hd 128, at most 8 heads (the n of P V)");
     static_assert(!PRE || (!Q8 && !PAGED), "decode_tc_loop: PRE is the contiguous f16 form");
-    static_assert(!Q8K || (Q8 && PIPE), "decode_tc_loop: Q8K is the pipelined q8_0 form's");
     constexpr int NW = DECODE_THREADS / 32;
     constexpr int KS = HD / 16;  // k steps of S, m-tiles of Oᵀ
     constexpr int NP = HD / 32;  // 16-byte pieces of a key per thread
@@ -818,10 +756,6 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 
     // q's A fragments: row g = head h0 + g; words as the K words (dims 32 c + 8 tq + 2 w).
     uint32_t qa[KS][2];
-    // Q8K: per block c its int8 dims 32 c + 8 tq .. + 3 (qi[c][0]) and + 4 .. + 7 (qi[c][1]),
-    // and the block's scale times scale_log2 (qd[c]).
-    [[maybe_unused]] uint32_t qi[NP][2];
-    [[maybe_unused]] float qd[NP];
     {
         const float* qp = q + ((long long)t * n_heads + h0 + min(g, GB - 1)) * HD + 8 * tq;
         float4 qa4[NP], qb4[NP];
@@ -871,20 +805,6 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
             const float4 a = qa4[c];
             const float4 b = qb4[c];
             const bool on = g < GB;
-            if constexpr (Q8K) {
-                float amax = fmaxf(fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w))),
-                                   fmaxf(fmaxf(fabsf(b.x), fabsf(b.y)), fmaxf(fabsf(b.z), fabsf(b.w))));
-                amax = fmaxf(amax, __shfl_xor_sync(ATT_FULL, amax, 1));
-                amax = fmaxf(amax, __shfl_xor_sync(ATT_FULL, amax, 2));
-                const float id = amax > 0.f ? 127.f / amax : 0.f;
-                const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                uint32_t w[2] = {0u, 0u};
-#pragma unroll
-                for (int j = 0; j < 8; j++) w[j / 4] |= ((uint32_t)(int)rintf(v[j] * id) & 255u) << (8 * (j % 4));
-                qi[c][0] = on ? w[0] : 0u;
-                qi[c][1] = on ? w[1] : 0u;
-                qd[c] = amax / 127.f * scale_log2;
-            }
             qa[2 * c][0] = on ? tc_pack_f16(a.x * scale_log2, a.y * scale_log2) : 0u;
             qa[2 * c][1] = on ? tc_pack_f16(a.z * scale_log2, a.w * scale_log2) : 0u;
             qa[2 * c + 1][0] = on ? tc_pack_f16(b.x * scale_log2, b.y * scale_log2) : 0u;
@@ -907,12 +827,8 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     };
 
     // PIPE: the raw loads of the tile at `base` (keys as in the loop below).
-    DtcQ8Raw<NP, PIPE && !Q8K> raw;
-    DtcQ8RawK<NP, Q8K> rawk, curk;
-    if constexpr (Q8K) {
-        dtc_q8k_load<HD>(rawk, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                         start + 16 * warp, end, g, tq);
-    } else if constexpr (PIPE) {
+    DtcQ8Raw<NP, PIPE> raw;
+    if constexpr (PIPE) {
         static_assert(Q8 && !PAGED, "decode_tc_loop: PIPE is the contiguous q8_0 form");
         dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
                         start + 16 * warp, end, g, tq);
@@ -930,18 +846,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) vkey[kk] = min(base + 2 * tq + (kk & 1) + 8 * (kk >> 1), end - 1);
         uint4 kw[2][NP], vw[4][2];
-        if constexpr (Q8K) {
-            // This tile's loads went out one tile earlier; the next tile's go out now. K stays
-            // as loaded (the S MMAs' B fragments); V as the PIPE form.
-            curk = rawk;
-            dtc_q8k_load<HD>(rawk, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
-                             base + 16 * NW, end, g, tq);
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                vw[kk][0] = q8_dequant8(curk.v[kk][0], q8_scale2(curk.vd[kk], g >> 2));
-                vw[kk][1] = q8_dequant8(curk.v[kk][1], q8_scale2(curk.vd[kk], 2 + (g >> 2)));
-            }
-        } else if constexpr (PIPE) {
+        if constexpr (PIPE) {
             // This tile's loads went out one tile earlier; the next tile's go out now.
             const DtcQ8Raw<NP, PIPE> cur = raw;
             dtc_q8_load<HD>(raw, kc + head_base, vc + head_base, ks + head_base / 32, vs + head_base / 32,
@@ -1015,25 +920,11 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 #pragma unroll
         for (int n = 0; n < 2; n++) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            if constexpr (Q8K) {
 #pragma unroll
-                for (int c = 0; c < NP; c++) {
-                    int ci[4];
-                    tc_mma_s8_z(ci, qi[c][0], qi[c][1], curk.k[n][c].x, curk.k[n][c].y);
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const uint32_t w = c < 2 ? curk.ksc[n][e].x : curk.ksc[n][e].y;
-                        const float dk = __half2float(__ushort_as_half((unsigned short)(c & 1 ? w >> 16 : w & 0xFFFF)));
-                        s[n][e] = fmaf((float)ci[e], qd[c] * dk, s[n][e]);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < KS; j++) {
-                    const uint4 w = kw[n][j / 2];
-                    const uint32_t b0 = (j & 1) ? w.z : w.x, b1 = (j & 1) ? w.w : w.y;
-                    tc_mma_f16(s[n], qa[j][0], 0u, qa[j][1], 0u, b0, b1);
-                }
+            for (int j = 0; j < KS; j++) {
+                const uint4 w = kw[n][j / 2];
+                const uint32_t b0 = (j & 1) ? w.z : w.x, b1 = (j & 1) ? w.w : w.y;
+                tc_mma_f16(s[n], qa[j][0], 0u, qa[j][1], 0u, b0, b1);
             }
         }
         // s[n][e]: head g, key base + 8 n + 2 tq + e (s[n][2..3]: the zero rows g + 8).
@@ -1116,7 +1007,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // cluster_sync_all, ld_cluster_f32: common.cuh.
 
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
-          bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false, bool Q8K = false>
+          bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -1246,8 +1137,8 @@ __device__ __forceinline__ void attn_decode_impl(
                                                                     start, end, scale_log2, sm_acc, sm_m, sm_l,
                                                                     nullptr, 0, 0, pre, nw, rtab);
         } else {
-            decode_tc_loop<HD, GB, Q8, false, PIPE, false, false, Q8K>(q, kc, vc, ks, vs, t, n_heads, h0, head_base,
-                                                                       start, end, scale_log2, sm_acc, sm_m, sm_l);
+            decode_tc_loop<HD, GB, Q8, false, PIPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base, start, end,
+                                                    scale_log2, sm_acc, sm_m, sm_l);
         }
     } else {
         const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, t);
@@ -1535,9 +1426,6 @@ DECODE_KERNEL(256, 8)
 
 // The tensor-core main loop (decode_tc_loop): f16 and q8_0 caches, hd 128, contiguous (the
 // step's rows stored by the launch) and paged (stored by kv_store_paged before it).
-// attn_decode_tc_q8k*: the pipelined q8_0 loop with the int8 S (Q8K), blocks per SM
-// DTC_Q8K_MINB (attention.rs DECODE_Q8K_BLOCKS_PER_SM).
-#define DTC_Q8K_MINB 4
 #define DECODE_TC_KERNEL(GB)                                                                 \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
@@ -1561,10 +1449,6 @@ DECODE_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3) attn_decode_tc_q8p_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, true, false, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DTC_Q8K_MINB) attn_decode_tc_q8k_128_##GB(DECODE_ARGS) { \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, false, false, false, true>( \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_tc_clp_128_##GB(DECODE_ARGS) { \
         attn_decode_impl<128, GB, false, false, true, true, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
@@ -1626,11 +1510,6 @@ DECODE_TC_KERNEL(8)
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                          \
         attn_decode_tc_q8p##FORM##_128_##GB(DECODE_ARGS) {                                   \
         attn_decode_impl<128, GB, true, false, true, true, false, true, false, SEP, TAIL>(   \
-            DECODE_PASS, UNPAGED_PASS(capacity));                                            \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DTC_Q8K_MINB)               \
-        attn_decode_tc_q8k##FORM##_128_##GB(DECODE_ARGS) {                                   \
-        attn_decode_impl<128, GB, true, false, true, true, false, true, false, SEP, TAIL, false, true>( \
             DECODE_PASS, UNPAGED_PASS(capacity));                                            \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)            \
