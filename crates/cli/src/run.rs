@@ -50,7 +50,16 @@ pub struct RunArgs {
     /// Skip the prefill/decode argmax gate that runs before generation.
     #[arg(long)]
     pub no_gate: bool,
+    /// Prompt tokens the prefill/decode gate checks: the prompt's first N (all of it when
+    /// shorter). The gate decodes them one at a time besides one batched prefill, so over a
+    /// whole long prompt it would cost as many decode steps as the prompt has tokens.
+    #[arg(long, default_value_t = RUN_GATE_TOKENS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub gate_tokens: u32,
 }
+
+/// Prompt tokens `run`'s gate checks by default: enough rows for the prefill kernels (the
+/// decode kernels take up to 16), few enough decode steps to cost little before generating.
+pub const RUN_GATE_TOKENS: u32 = 64;
 
 pub fn run(a: &RunArgs) -> Result<()> {
     crate::load::init_threads(a.model.threads);
@@ -76,16 +85,6 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs) -> Result<()> {
     };
     tracing::info!("prompt: {} tokens", prompt.len());
 
-    if !a.no_gate {
-        let g = engine.gate(&prompt)?;
-        anyhow::ensure!(g.passed(), "prefill/decode gate FAILED: {}", g.describe());
-        tracing::info!(
-            "prefill/decode gate passed (argmax {}, max |Δlogit| {:.3e})",
-            g.prefill_argmax,
-            g.max_abs_diff
-        );
-    }
-
     let params = GenerateParams {
         max_tokens: a.max_tokens,
         sampler: SamplerConfig {
@@ -100,6 +99,21 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs) -> Result<()> {
         stop: a.stop.clone(),
         ..GenerateParams::default()
     };
+    // A prompt the context cannot hold fails here, before the gate's work.
+    engine.context_for(prompt.len(), &params)?;
+
+    if !a.no_gate {
+        let n = prompt.len().min(a.gate_tokens as usize);
+        let g = engine.gate(&prompt[..n])?;
+        anyhow::ensure!(g.passed(), "prefill/decode gate FAILED: {}", g.describe());
+        tracing::info!(
+            "prefill/decode gate passed on {n} of {} prompt tokens (argmax {}, max |Δlogit| {:.3e})",
+            prompt.len(),
+            g.prefill_argmax,
+            g.max_abs_diff
+        );
+    }
+
     let mut stdout = std::io::stdout().lock();
     let g = engine.generate(&prompt, &params, &mut |s| {
         // A closed pipe is the reader's choice; stop writing but finish cleanly.

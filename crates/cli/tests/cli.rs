@@ -163,6 +163,63 @@ fn corrupt_and_missing_inputs_are_clear_errors() {
     );
 }
 
+/// `run` turns away a prompt its context cannot hold before the prefill/decode gate (which,
+/// over a whole prompt, decodes it token by token), and gates a long prompt on its first
+/// `--gate-tokens` (64) only.
+#[test]
+fn run_checks_the_context_before_the_gate() {
+    let path = tmp("tiny-qwen3-ctx.gguf");
+    let vocab = data("tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf");
+    let out = ferrite(&[
+        "synth",
+        "--preset",
+        "tiny-qwen3",
+        "--quant",
+        "Q8_0",
+        "--output",
+        path.to_str().unwrap(),
+        "--vocab",
+        vocab.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The preset's context is 4096 positions; "word " is one token each.
+    let long = "word ".repeat(5000);
+    let out = ferrite(&[
+        "run",
+        "--model",
+        path.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--prompt",
+        &long,
+        "--max-tokens",
+        "4",
+    ]);
+    assert_clean_error(&out, "but the context is 4096 tokens");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("gate"), "the gate ran first: {stderr}");
+    let prompt = "word ".repeat(300);
+    let out = ferrite(&[
+        "run",
+        "--model",
+        path.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--prompt",
+        &prompt,
+        "--max-tokens",
+        "1",
+    ]);
+    std::fs::remove_file(&path).ok();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("gate passed on 64 of "), "{stderr}");
+}
+
 #[test]
 fn synth_tiny_model_runs() {
     let path = tmp("tiny-qwen3.gguf");

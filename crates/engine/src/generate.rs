@@ -406,8 +406,10 @@ impl<'e, B: Backend> Sequence<'e, B> {
 }
 
 impl<B: Backend> Engine<B> {
-    /// Context length for a prompt of `n` tokens.
-    fn context_for(&self, n: usize, p: &GenerateParams) -> Result<usize> {
+    /// Context length for a prompt of `n` tokens under `p`; the error a prompt that the
+    /// context cannot hold (or an empty one) gets from [`Engine::generate`], for callers that
+    /// want it before other work.
+    pub fn context_for(&self, n: usize, p: &GenerateParams) -> Result<usize> {
         let max = self.model.cfg.max_ctx;
         let ctx = p.context.unwrap_or_else(|| (n + p.max_tokens).min(max));
         ensure!(n > 0, "the prompt is empty");
