@@ -202,6 +202,18 @@ fn run_checks_the_context_before_the_gate() {
     assert_clean_error(&out, "but the context is 4096 tokens");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("gate"), "the gate ran first: {stderr}");
+    let out = ferrite(&[
+        "run",
+        "--model",
+        path.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "0",
+    ]);
+    assert_clean_error(&out, "max_tokens must be at least 1");
     let prompt = "word ".repeat(300);
     let out = ferrite(&[
         "run",

@@ -411,6 +411,7 @@ impl<B: Backend> Engine<B> {
     /// want it before other work.
     pub fn context_for(&self, n: usize, p: &GenerateParams) -> Result<usize> {
         let max = self.model.cfg.max_ctx;
+        ensure!(p.max_tokens > 0, "max_tokens must be at least 1");
         let ctx = p.context.unwrap_or_else(|| (n + p.max_tokens).min(max));
         ensure!(n > 0, "the prompt is empty");
         ensure!(
@@ -435,7 +436,6 @@ impl<B: Backend> Engine<B> {
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Generation> {
         let ctx = self.context_for(prompt.len(), p)?;
-        anyhow::ensure!(p.max_tokens > 0, "max_tokens must be at least 1");
         let mut seq = Sequence::new(&self.be, &self.model, ctx)?;
         let mut sampler = Sampler::new(p.sampler.clone(), self.model.cfg.vocab);
         // Without penalties the logits need not cross to the host: greedy is an argmax on the
