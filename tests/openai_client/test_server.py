@@ -317,10 +317,14 @@ class BadInput(unittest.TestCase):
         self.expect(400, {"model": SERVER.model, "prompt": [10**9]}, path="/v1/completions")
 
     def test_prompt_longer_than_context(self):
-        err, _ = self.expect(400, self.good(messages=[{"role": "user", "content": "hello " * 1500}]))
+        err, _ = self.expect(400, self.good(messages=[{"role": "user", "content": "hello " * 1500}]),
+                             param="messages")
+        self.assertIn(str(MAX_CONTEXT), err["message"])
+        err, _ = self.expect(400, {"model": SERVER.model, "prompt": "hello " * 1500},
+                             path="/v1/completions", param="prompt")
         self.assertIn(str(MAX_CONTEXT), err["message"])
         err, _ = self.expect(400, {"model": SERVER.model, "prompt": "hi " * 500, "max_tokens": 800},
-                             path="/v1/completions")
+                             path="/v1/completions", param="max_tokens")
         self.assertIn(str(MAX_CONTEXT), err["message"])
 
     def test_body_too_large(self):

@@ -463,7 +463,7 @@ async fn chat_inner(
     let prompt = tok
         .encode(&text, false, true)
         .map_err(|e| ApiError::invalid("messages", format!("tokenizing: {e}")))?;
-    params.max_tokens = fit_length(prompt.len(), max, ctx)?;
+    params.max_tokens = fit_length("messages", prompt.len(), max, ctx)?;
     let api = Api::Chat {
         tools: tools.is_some(),
     };
@@ -537,7 +537,7 @@ async fn completions_inner(
             .encode(&s, true, false)
             .map_err(|e| ApiError::invalid("prompt", format!("tokenizing: {e}")))?,
     };
-    params.max_tokens = fit_length(prompt.len(), max, ctx)?;
+    params.max_tokens = fit_length("prompt", prompt.len(), max, ctx)?;
     let rxs = submit_n(st, prompt, params, req.common.choices())?;
     let id = st.new_id("cmpl");
     if req.common.stream() {

@@ -357,18 +357,20 @@ impl Common {
 
 /// Settles `max_tokens` against the prompt length: the default is the rest of the context;
 /// a prompt that leaves no room, or an explicit `max_tokens` that does not fit, is a 400
-/// with the numbers.
+/// with the numbers. `input`: the request field the prompt came from (`messages` for chat,
+/// `prompt` for completions), named as the error's `param`.
 pub fn fit_length(
+    input: &'static str,
     prompt_tokens: usize,
     max_tokens: Option<usize>,
     max_context: usize,
 ) -> Result<usize, ApiError> {
     if prompt_tokens == 0 {
-        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+        return Err(ApiError::invalid(input, "the prompt is empty"));
     }
     if prompt_tokens >= max_context {
         return Err(ApiError::invalid(
-            "messages",
+            input,
             format!(
                 "This model's maximum context length is {max_context} tokens. However, your prompt is {prompt_tokens} tokens, which leaves no room for a completion. Please shorten the prompt."
             ),
@@ -740,13 +742,17 @@ mod tests {
 
     #[test]
     fn prompt_length_against_the_context() {
-        assert_eq!(fit_length(10, None, 100).unwrap(), 90);
-        assert_eq!(fit_length(10, Some(5), 100).unwrap(), 5);
-        let e = fit_length(100, None, 100).unwrap_err();
+        assert_eq!(fit_length("prompt", 10, None, 100).unwrap(), 90);
+        assert_eq!(fit_length("prompt", 10, Some(5), 100).unwrap(), 5);
+        let e = fit_length("messages", 100, None, 100).unwrap_err();
         assert!(e.message.contains("100 tokens"), "{}", e.message);
-        let e = fit_length(60, Some(50), 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = fit_length("prompt", 100, None, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        let e = fit_length("prompt", 60, Some(50), 100).unwrap_err();
         assert!(e.message.contains("110"), "{}", e.message);
-        assert!(fit_length(0, None, 100).is_err());
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(fit_length("prompt", 0, None, 100).is_err());
     }
 
     #[test]
