@@ -163,12 +163,10 @@ fn corrupt_and_missing_inputs_are_clear_errors() {
     );
 }
 
-/// `run` turns away a prompt its context cannot hold before the prefill/decode gate (which,
-/// over a whole prompt, decodes it token by token), and gates a long prompt on its first
-/// `--gate-tokens` (64) only.
-#[test]
-fn run_checks_the_context_before_the_gate() {
-    let path = tmp("tiny-qwen3-ctx.gguf");
+/// A random-weight tiny Qwen3 (Q8_0, the qwen2 vocabulary) written by `synth` to a temporary
+/// file named `name`; the caller removes it.
+fn synth_tiny(name: &str) -> PathBuf {
+    let path = tmp(name);
     let vocab = data("tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf");
     let out = ferrite(&[
         "synth",
@@ -186,46 +184,36 @@ fn run_checks_the_context_before_the_gate() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    path
+}
+
+/// `run` turns away a prompt its context cannot hold before the prefill/decode gate (which,
+/// over a whole prompt, decodes it token by token), and gates a long prompt on its first
+/// `--gate-tokens` (64) only.
+#[test]
+fn run_checks_the_context_before_the_gate() {
+    let path = synth_tiny("tiny-qwen3-ctx.gguf");
+    let model = path.to_str().unwrap();
+    let run = |prompt: &str, max_tokens: &str| {
+        ferrite(&[
+            "run",
+            "--model",
+            model,
+            "--device",
+            "cpu",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            max_tokens,
+        ])
+    };
     // The preset's context is 4096 positions; "word " is one token each.
-    let long = "word ".repeat(5000);
-    let out = ferrite(&[
-        "run",
-        "--model",
-        path.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--prompt",
-        &long,
-        "--max-tokens",
-        "4",
-    ]);
+    let out = run(&"word ".repeat(5000), "4");
     assert_clean_error(&out, "but the context is 4096 tokens");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("gate"), "the gate ran first: {stderr}");
-    let out = ferrite(&[
-        "run",
-        "--model",
-        path.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "0",
-    ]);
-    assert_clean_error(&out, "max_tokens must be at least 1");
-    let prompt = "word ".repeat(300);
-    let out = ferrite(&[
-        "run",
-        "--model",
-        path.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--prompt",
-        &prompt,
-        "--max-tokens",
-        "1",
-    ]);
+    assert_clean_error(&run("hi", "0"), "max_tokens must be at least 1");
+    let out = run(&"word ".repeat(300), "1");
     std::fs::remove_file(&path).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -234,24 +222,7 @@ fn run_checks_the_context_before_the_gate() {
 
 #[test]
 fn synth_tiny_model_runs() {
-    let path = tmp("tiny-qwen3.gguf");
-    let vocab = data("tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf");
-    let out = ferrite(&[
-        "synth",
-        "--preset",
-        "tiny-qwen3",
-        "--quant",
-        "Q8_0",
-        "--output",
-        path.to_str().unwrap(),
-        "--vocab",
-        vocab.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let path = synth_tiny("tiny-qwen3.gguf");
     let out = ferrite(&[
         "run",
         "--model",
