@@ -217,7 +217,13 @@ fn from_gguf_qwen35(f: &GgufFile, arch: Arch, vocab: usize) -> Result<ModelConfi
     let get_f32 = |k: &str| f.get(&key(k)).and_then(|v| v.as_f32());
 
     let hidden = need("embedding_length")?;
-    let n_layers = need("block_count")? - get_usize("nextn_predict_layers").unwrap_or(0);
+    let (blocks, mtp) = (
+        need("block_count")?,
+        get_usize("nextn_predict_layers").unwrap_or(0),
+    );
+    let n_layers = blocks.checked_sub(mtp).with_context(|| {
+        format!("GGUF has {mtp} MTP layers (nextn_predict_layers) in {blocks} blocks")
+    })?;
     let n_heads = need("attention.head_count")?;
     let head_dim = need("attention.key_length")?;
     let every = get_usize("full_attention_interval").unwrap_or(4).max(1);
@@ -504,13 +510,30 @@ fn from_hf_qwen35(arch: Arch, c: &serde_json::Value) -> Result<ModelConfig> {
 
 fn validate(c: &ModelConfig) -> Result<()> {
     let a = &c.attn;
+    for (what, n) in [
+        ("hidden size", c.hidden),
+        ("layer count", c.n_layers),
+        ("vocabulary size", c.vocab),
+        ("context length", c.max_ctx),
+        ("attention head count", a.n_heads),
+        ("key/value head count", a.n_kv_heads),
+        ("attention head size", a.head_dim),
+    ] {
+        anyhow::ensure!(n > 0, "the model's configuration gives a {what} of 0");
+    }
+    // A non-positive base makes every rotation angle NaN or infinite, a negative epsilon the
+    // RMSNorm's square root NaN for small rows: the model would run and print garbage.
     anyhow::ensure!(
-        c.hidden > 0 && c.n_layers > 0 && c.vocab > 0,
-        "model has a zero dimension: {c:?}"
+        c.rope.theta.is_finite() && c.rope.theta > 0.0,
+        "the model's configuration gives a RoPE base (rope_theta / rope.freq_base) of {}: it \
+         must be a positive number",
+        c.rope.theta
     );
     anyhow::ensure!(
-        a.n_heads > 0 && a.n_kv_heads > 0 && a.head_dim > 0,
-        "bad attention shape {a:?}"
+        c.rms_eps.is_finite() && c.rms_eps >= 0.0,
+        "the model's configuration gives an RMSNorm epsilon of {}: it must be a finite number \
+         ≥ 0",
+        c.rms_eps
     );
     anyhow::ensure!(
         a.n_heads.is_multiple_of(a.n_kv_heads),

@@ -261,6 +261,71 @@ pub enum Logits {
     SeqLast,
 }
 
+/// The row-major shape weight `t` of a plain decoder must have under `cfg`.
+fn shape_of(cfg: &ModelConfig, t: Tensor) -> Vec<usize> {
+    use Tensor::*;
+    let a = cfg.attn;
+    let (h, q, kv) = (
+        cfg.hidden,
+        a.n_heads * a.head_dim,
+        a.n_kv_heads * a.head_dim,
+    );
+    match t {
+        Embed | Output => vec![cfg.vocab, h],
+        OutputNorm | AttnNorm(_) | FfnNorm(_) => vec![h],
+        Q(_) => vec![q, h],
+        K(_) | V(_) => vec![kv, h],
+        O(_) => vec![h, q],
+        QNorm(_) | KNorm(_) => vec![a.head_dim],
+        Gate(_) | Up(_) => vec![cfg.ffn, h],
+        Down(_) => vec![h, cfg.ffn],
+        Router(_) => vec![cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts), h],
+    }
+}
+
+/// MoE layer `i`'s stacked experts must be `[n_experts, expert_ffn, hidden]` (gate, up)
+/// and `[n_experts, hidden, expert_ffn]` (down).
+pub(crate) fn check_experts(
+    file: &ModelFile,
+    cfg: &ModelConfig,
+    i: usize,
+    [g, u, d]: [&ferrite_backend::HostTensor<'_>; 3],
+) -> Result<()> {
+    let m = cfg.moe.as_ref().context("experts in a model without MoE")?;
+    let (e, f, h) = (m.routing.n_experts, m.expert_ffn, cfg.hidden);
+    for (what, t, want) in [
+        ("gate", g, [e, f, h]),
+        ("up", u, [e, f, h]),
+        ("down", d, [e, h, f]),
+    ] {
+        let what = match file {
+            ModelFile::Gguf(_) => format!("tensor 'blk.{i}.ffn_{what}_exps.weight'"),
+            ModelFile::Safetensors(_) => format!("layer {i}'s experts' {what}_proj (stacked)"),
+        };
+        crate::source::check_shape(&what, t, &want, file.config_source())?;
+    }
+    Ok(())
+}
+
+/// The file must hold no layer past the configured count: a configuration that names
+/// fewer layers than its checkpoint has would otherwise run a truncated model without a
+/// word. `layer_tensor(i)` names a tensor every layer `i` has.
+pub(crate) fn check_layer_count(
+    file: &ModelFile,
+    cfg: &ModelConfig,
+    layer_tensor: impl Fn(usize) -> String,
+) -> Result<()> {
+    let extra = layer_tensor(cfg.n_layers);
+    anyhow::ensure!(
+        file.tensors().tensor(&extra).is_none(),
+        "{} gives {} layers, but the weights have more (the file holds '{extra}'): the \
+         configuration does not belong to these weights",
+        file.config_source(),
+        cfg.n_layers
+    );
+    Ok(())
+}
+
 /// A loaded model: configuration plus weights in backend memory.
 pub struct Model<B: Backend> {
     pub cfg: ModelConfig,
@@ -280,12 +345,16 @@ impl<B: Backend> Model<B> {
         if cfg.arch.is_hybrid() {
             return crate::qwen3_5::load(be, file, cfg, progress);
         }
-        let up = |t: Tensor| -> Result<B::Weight> { be.upload(&file.need(t)?) };
+        check_layer_count(file, &cfg, |i| file.name(Tensor::AttnNorm(i)))?;
+        let up = |t: Tensor| -> Result<B::Weight> {
+            be.upload(&file.need_shaped(t, &shape_of(&cfg, t))?)
+        };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let ffn = if cfg.is_moe_layer(i) {
                 let n = cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts);
                 let [g, u, d] = file.experts(i, n)?;
+                check_experts(file, &cfg, i, [&g, &u, &d])?;
                 Ffn::Moe {
                     router: up(Tensor::Router(i))?,
                     gate: be.upload(&g)?,
@@ -317,7 +386,7 @@ impl<B: Backend> Model<B> {
             progress(i + 1, cfg.n_layers);
         }
         let output = match file.get(Tensor::Output) {
-            Some(t) => Some(be.upload(&t)?),
+            Some(_) => Some(up(Tensor::Output)?),
             None => None,
         };
         Ok(Model {

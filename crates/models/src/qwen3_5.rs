@@ -453,6 +453,43 @@ enum W {
     SharedExpertGate(usize),
 }
 
+/// The row-major shape weight `w` of a Qwen3.5 model must have under `cfg` (as stored, in
+/// either format); `None` for the two whose stored shape varies (the conv taps and the
+/// shared expert's gate vector, each checked by its element count where it is read).
+fn shape_of(cfg: &ModelConfig, w: W) -> Option<Vec<usize>> {
+    use W::*;
+    let a = cfg.attn;
+    let d = cfg.hybrid.as_ref()?.delta;
+    let (h, q, kv) = (
+        cfg.hidden,
+        a.n_heads * a.head_dim,
+        a.n_kv_heads * a.head_dim,
+    );
+    let moe = cfg.moe.as_ref();
+    let shared = moe.map_or(0, |m| m.shared_expert_ffn);
+    Some(match w {
+        Embed | Output => vec![cfg.vocab, h],
+        OutputNorm | AttnNorm(_) | FfnNorm(_) => vec![h],
+        Qkv(_) => vec![d.conv_dim(), h],
+        Z(_) => vec![d.value_dim(), h],
+        B(_) | A(_) => vec![d.n_v_heads, h],
+        SsmA(_) | DtBias(_) => vec![d.n_v_heads],
+        SsmNorm(_) => vec![d.v_head_dim],
+        SsmOut(_) => vec![h, d.value_dim()],
+        // The query rows and the output gate's, interleaved by head.
+        Q(_) => vec![2 * q, h],
+        K(_) | V(_) => vec![kv, h],
+        O(_) => vec![h, q],
+        QNorm(_) | KNorm(_) => vec![a.head_dim],
+        Gate(_) | Up(_) => vec![cfg.ffn, h],
+        Down(_) => vec![h, cfg.ffn],
+        Router(_) => vec![moe.map_or(0, |m| m.routing.n_experts), h],
+        SharedGate(_) | SharedUp(_) => vec![shared, h],
+        SharedDown(_) => vec![h, shared],
+        Conv(_) | SharedExpertGate(_) => return None,
+    })
+}
+
 /// Tensor naming of one file: llama.cpp's GGUF names, or Hugging Face names under a prefix
 /// (`model.` for `Qwen3_5ForCausalLM`, `model.language_model.` for the VL wrappers).
 enum Names {
@@ -561,11 +598,22 @@ pub(crate) fn load<B: Backend>(
         ),
     };
     let hf = matches!(names, Names::Hf(_));
+    crate::decoder::check_layer_count(file, &cfg, |i| names.of(W::AttnNorm(i)))?;
     let get = |w: W| -> Result<HostTensor<'_>> {
         let name = names.of(w);
-        src.tensor(&name)
+        let t = src
+            .tensor(&name)
             .map(host)
-            .with_context(|| format!("model file has no tensor '{name}'"))
+            .with_context(|| format!("model file has no tensor '{name}'"))?;
+        if let Some(want) = shape_of(&cfg, w) {
+            crate::source::check_shape(
+                &format!("tensor '{name}'"),
+                &t,
+                &want,
+                file.config_source(),
+            )?;
+        }
+        Ok(t)
     };
     let up = |w: W| -> Result<B::Weight> { be.upload(&get(w)?) };
     // Zero-centred RMSNorm weights: Hugging Face stores w, GGUF 1 + w.
@@ -583,8 +631,11 @@ pub(crate) fn load<B: Backend>(
             let n: usize = conv.shape.iter().product();
             anyhow::ensure!(
                 n == d.conv_dim() * d.conv_kernel,
-                "conv1d weight has shape {:?}, expected {} channels × {} taps",
+                "tensor '{}' has shape {:?}, but {}'s dimensions need {} channels × {} taps: \
+                 the configuration does not belong to these weights",
+                names.of(W::Conv(i)),
                 conv.shape,
+                file.config_source(),
                 d.conv_dim(),
                 d.conv_kernel
             );
@@ -630,7 +681,17 @@ pub(crate) fn load<B: Backend>(
                     Names::Gguf => file.experts(i, n)?,
                     Names::Hf(p) => file.hf_experts(&format!("{p}layers.{i}.mlp.experts"), n)?,
                 };
+                crate::decoder::check_experts(file, &cfg, i, [&g, &u, &dn])?;
                 let mut seg = get(W::SharedExpertGate(i))?;
+                anyhow::ensure!(
+                    seg.shape.iter().product::<usize>() == cfg.hidden,
+                    "tensor '{}' has shape {:?}, but {}'s dimensions need {} elements: the \
+                     configuration does not belong to these weights",
+                    names.of(W::SharedExpertGate(i)),
+                    seg.shape,
+                    file.config_source(),
+                    cfg.hidden
+                );
                 seg.shape = vec![1, cfg.hidden];
                 Ffn::Moe {
                     router: up(W::Router(i))?,
@@ -662,7 +723,7 @@ pub(crate) fn load<B: Backend>(
     let embed = up(W::Embed)?;
     let out_norm = up_norm(W::OutputNorm)?;
     let output = match src.tensor(&names.of(W::Output)) {
-        Some(t) => Some(be.upload(&host(t))?),
+        Some(_) => Some(up(W::Output)?),
         None => None,
     };
     Ok(Model::from_hybrid(cfg, embed, layers, out_norm, output))

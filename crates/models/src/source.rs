@@ -137,6 +137,28 @@ impl ModelFile {
             .with_context(|| format!("model file has no tensor '{name}'"))
     }
 
+    /// Where this file's hyperparameters come from, for errors that blame them.
+    pub fn config_source(&self) -> &'static str {
+        match self {
+            ModelFile::Gguf(_) => "the GGUF metadata",
+            ModelFile::Safetensors(_) => "config.json",
+        }
+    }
+
+    /// The tensor, which must have the row-major shape `want`: a configuration whose
+    /// dimensions disagree with its weights is refused at load, naming the tensor, instead
+    /// of failing at the first matmul of a forward pass.
+    pub fn need_shaped(&self, t: Tensor, want: &[usize]) -> Result<HostTensor<'_>> {
+        let ht = self.need(t)?;
+        check_shape(
+            &format!("tensor '{}'", self.name(t)),
+            &ht,
+            want,
+            self.config_source(),
+        )?;
+        Ok(ht)
+    }
+
     /// The stacked `[n_experts, n_out, n_in]` gate, up and down weights of MoE layer `i`.
     /// GGUF stores them stacked; Hugging Face checkpoints either per expert
     /// (`mlp.experts.{e}.gate_proj.weight`) or fused (`mlp.experts.gate_up_proj`, gate rows
@@ -186,6 +208,23 @@ impl ModelFile {
         };
         Ok([stack("gate_proj")?, stack("up_proj")?, stack("down_proj")?])
     }
+}
+
+/// Refuses tensor `what` ("tensor 'name'") unless its row-major shape is `want` (the shape
+/// the model's hyperparameters, read from `config_source`, give it).
+pub(crate) fn check_shape(
+    what: &str,
+    t: &HostTensor<'_>,
+    want: &[usize],
+    config_source: &str,
+) -> Result<()> {
+    anyhow::ensure!(
+        t.shape == want,
+        "{what} has shape {:?}, but {config_source}'s dimensions need {want:?}: \
+         the configuration does not belong to these weights",
+        t.shape
+    );
+    Ok(())
 }
 
 pub(crate) fn host(v: TensorView<'_>) -> HostTensor<'_> {
