@@ -27,19 +27,19 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 = greedy (the default: reproducible output).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Keep only the K most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// Drop tokens less likely than P times the most likely one (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Repetition penalty over the prompt and output so far (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repeat_penalty: f32,
     /// Random seed for sampling (default: random).
     #[arg(long)]

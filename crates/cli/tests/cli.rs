@@ -189,13 +189,13 @@ fn synth_tiny(name: &str) -> PathBuf {
 
 /// `run` turns away a prompt its context cannot hold before the prefill/decode gate (which,
 /// over a whole prompt, decodes it token by token), and gates a long prompt on its first
-/// `--gate-tokens` (64) only.
+/// `--gate-tokens` (64) only. Sampling parameters out of range are refused as early.
 #[test]
 fn run_checks_the_context_before_the_gate() {
     let path = synth_tiny("tiny-qwen3-ctx.gguf");
     let model = path.to_str().unwrap();
-    let run = |prompt: &str, max_tokens: &str| {
-        ferrite(&[
+    let run_with = |prompt: &str, max_tokens: &str, more: &[&str]| {
+        let mut args = vec![
             "run",
             "--model",
             model,
@@ -205,14 +205,39 @@ fn run_checks_the_context_before_the_gate() {
             prompt,
             "--max-tokens",
             max_tokens,
-        ])
+        ];
+        args.extend_from_slice(more);
+        ferrite(&args)
     };
+    let run = |prompt: &str, max_tokens: &str| run_with(prompt, max_tokens, &[]);
     // The preset's context is 4096 positions; "word " is one token each.
     let out = run(&"word ".repeat(5000), "4");
     assert_clean_error(&out, "but the context is 4096 tokens");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("gate"), "the gate ran first: {stderr}");
     assert_clean_error(&run("hi", "0"), "max_tokens must be at least 1");
+    // Sampling parameters out of range, negative ones included (not taken for flags).
+    for (flag, value, msg) in [
+        (
+            "--temperature",
+            "-1",
+            "temperature must be a finite number ≥ 0",
+        ),
+        (
+            "--temperature",
+            "nan",
+            "temperature must be a finite number ≥ 0",
+        ),
+        ("--top-p", "0", "top_p must be in (0, 1]"),
+        ("--min-p", "1.5", "min_p must be in [0, 1]"),
+        (
+            "--repeat-penalty",
+            "-1",
+            "repetition penalty must be a finite number > 0",
+        ),
+    ] {
+        assert_clean_error(&run_with("hi", "4", &[flag, value]), msg);
+    }
     let out = run(&"word ".repeat(300), "1");
     std::fs::remove_file(&path).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);

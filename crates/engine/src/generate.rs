@@ -407,9 +407,10 @@ impl<'e, B: Backend> Sequence<'e, B> {
 
 impl<B: Backend> Engine<B> {
     /// Context length for a prompt of `n` tokens under `p`; the error a prompt that the
-    /// context cannot hold (or an empty one) gets from [`Engine::generate`], for callers that
-    /// want it before other work.
+    /// context cannot hold (or an empty one, or sampling parameters out of range) gets from
+    /// [`Engine::generate`], for callers that want it before other work.
     pub fn context_for(&self, n: usize, p: &GenerateParams) -> Result<usize> {
+        p.sampler.validate()?;
         let max = self.model.cfg.max_ctx;
         ensure!(p.max_tokens > 0, "max_tokens must be at least 1");
         let ctx = p.context.unwrap_or_else(|| (n + p.max_tokens).min(max));

@@ -31,7 +31,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct SamplerConfig {
-    /// Softmax temperature; `0` (or below) = greedy argmax.
+    /// Softmax temperature; `0` = greedy argmax ([`SamplerConfig::validate`] refuses one
+    /// below 0; [`Sampler`] still takes it as greedy).
     pub temperature: f32,
     /// Keep the `top_k` most likely tokens; `0` = off.
     pub top_k: usize,
@@ -70,6 +71,39 @@ impl Default for SamplerConfig {
 }
 
 impl SamplerConfig {
+    /// Refuses values outside what each parameter means: NaN or infinite values, a negative
+    /// temperature, `top_p` outside (0, 1], `min_p` outside [0, 1], a repetition penalty
+    /// that is not positive. (The server's OpenAI ranges are narrower and checked there.)
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let t = self.temperature;
+        anyhow::ensure!(
+            t.is_finite() && t >= 0.0,
+            "temperature must be a finite number ≥ 0 (0 = greedy), got {t}"
+        );
+        anyhow::ensure!(
+            self.top_p > 0.0 && self.top_p <= 1.0,
+            "top_p must be in (0, 1] (1 = off), got {}",
+            self.top_p
+        );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.min_p),
+            "min_p must be in [0, 1] (0 = off), got {}",
+            self.min_p
+        );
+        anyhow::ensure!(
+            self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0,
+            "the repetition penalty must be a finite number > 0 (1 = off), got {}",
+            self.repetition_penalty
+        );
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            anyhow::ensure!(v.is_finite(), "{name} must be a finite number, got {v}");
+        }
+        Ok(())
+    }
+
     /// Greedy decoding: argmax, no penalties.
     pub fn greedy() -> Self {
         SamplerConfig {
@@ -539,6 +573,95 @@ mod tests {
             5,
         );
         assert_eq!(s.sample(&mut [0.1, 5.0, 2.0, 2.0, -1.0], &[]), 1);
+    }
+
+    #[test]
+    fn validate_refuses_out_of_range_parameters() {
+        assert!(SamplerConfig::default().validate().is_ok());
+        assert!(SamplerConfig::greedy().validate().is_ok());
+        let bad = [
+            (
+                "temperature",
+                SamplerConfig {
+                    temperature: -0.5,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "temperature",
+                SamplerConfig {
+                    temperature: f32::NAN,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "temperature",
+                SamplerConfig {
+                    temperature: f32::INFINITY,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "top_p",
+                SamplerConfig {
+                    top_p: 0.0,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "top_p",
+                SamplerConfig {
+                    top_p: 1.5,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "top_p",
+                SamplerConfig {
+                    top_p: f32::NAN,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "min_p",
+                SamplerConfig {
+                    min_p: -0.1,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "min_p",
+                SamplerConfig {
+                    min_p: f32::NAN,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "repetition penalty",
+                SamplerConfig {
+                    repetition_penalty: 0.0,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "presence_penalty",
+                SamplerConfig {
+                    presence_penalty: f32::NAN,
+                    ..cfg(1.0)
+                },
+            ),
+            (
+                "frequency_penalty",
+                SamplerConfig {
+                    frequency_penalty: f32::INFINITY,
+                    ..cfg(1.0)
+                },
+            ),
+        ];
+        for (name, c) in bad {
+            let e = c.validate().expect_err(name).to_string();
+            assert!(e.contains(name), "{name}: {e}");
+        }
     }
 
     #[test]
