@@ -4,11 +4,10 @@ use std::path::PathBuf;
 /// user can act on it; no reader in this crate panics on bad input.
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    // The io error is printed here, not chained as a `source`: a chained report
+    // (`{:#}`) would print it twice.
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path}: not a GGUF file (magic {magic:?}, expected \"GGUF\")")]
     BadMagic { path: PathBuf, magic: [u8; 4] },
     #[error("{path}: unsupported GGUF version {version} (supported: 2, 3)")]

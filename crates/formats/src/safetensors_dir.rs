@@ -72,9 +72,9 @@ impl std::fmt::Debug for SafetensorsCheckpoint {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FormatError + '_ {
-    move |source| FormatError::Io {
+    move |err| FormatError::Io {
         path: path.to_path_buf(),
-        source,
+        err,
     }
 }
 

@@ -452,6 +452,11 @@ fn every_truncation_is_an_error() {
 fn missing_file_is_io_error() {
     let e = GgufFile::open("definitely/not/here.gguf").unwrap_err();
     assert!(matches!(e, FormatError::Io { .. }), "{e:?}");
+    // The io error is in the message once, and not chained again as a source (a chained
+    // report printed it twice).
+    let msg = e.to_string();
+    assert!(msg.starts_with("definitely/not/here.gguf: "), "{msg}");
+    assert!(std::error::Error::source(&e).is_none(), "{msg}");
 }
 
 #[test]

@@ -601,10 +601,7 @@ pub(crate) fn load<B: Backend>(
     crate::decoder::check_layer_count(file, &cfg, |i| names.of(W::AttnNorm(i)))?;
     let get = |w: W| -> Result<HostTensor<'_>> {
         let name = names.of(w);
-        let t = src
-            .tensor(&name)
-            .map(host)
-            .with_context(|| format!("model file has no tensor '{name}'"))?;
+        let t = crate::source::require(src, &name)?;
         if let Some(want) = shape_of(&cfg, w) {
             crate::source::check_shape(
                 &format!("tensor '{name}'"),

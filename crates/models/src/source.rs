@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use ferrite_backend::HostTensor;
 use ferrite_formats::gguf::GgufFile;
 use ferrite_formats::safetensors_dir::SafetensorsCheckpoint;
-use ferrite_formats::{TensorSource, TensorView};
+use ferrite_formats::{FormatError, TensorSource, TensorView};
 
 use crate::config::{self, ModelConfig};
 
@@ -128,13 +128,10 @@ impl ModelFile {
         self.tensors().tensor(&self.name(t)).map(host)
     }
 
-    /// The tensor, with a clear error naming it when absent.
+    /// The tensor, with a clear error naming it when absent or stored in a type ferrite
+    /// does not load.
     pub fn need(&self, t: Tensor) -> Result<HostTensor<'_>> {
-        let name = self.name(t);
-        self.tensors()
-            .tensor(&name)
-            .map(host)
-            .with_context(|| format!("model file has no tensor '{name}'"))
+        require(self.tensors(), &self.name(t))
     }
 
     /// Where this file's hyperparameters come from, for errors that blame them.
@@ -164,12 +161,7 @@ impl ModelFile {
     /// (`mlp.experts.{e}.gate_proj.weight`) or fused (`mlp.experts.gate_up_proj`, gate rows
     /// first, and `mlp.experts.down_proj`).
     pub fn experts(&self, i: usize, n_experts: usize) -> Result<[HostTensor<'_>; 3]> {
-        let src = self.tensors();
-        let get = |name: String| {
-            src.tensor(&name)
-                .map(host)
-                .with_context(|| format!("model file has no tensor '{name}'"))
-        };
+        let get = |name: String| require(self.tensors(), &name);
         match self {
             ModelFile::Gguf(_) => Ok([
                 get(format!("blk.{i}.ffn_gate_exps.weight"))?,
@@ -186,22 +178,22 @@ impl ModelFile {
     /// (`…mlp.experts`), stored per expert or fused.
     pub fn hf_experts(&self, p: &str, n_experts: usize) -> Result<[HostTensor<'_>; 3]> {
         let src = self.tensors();
-        let get = |name: String| {
-            src.tensor(&name)
-                .map(host)
-                .with_context(|| format!("model file has no tensor '{name}'"))
-        };
-        if let Some(gu) = src.tensor(&format!("{p}.gate_up_proj")) {
-            let down = get(format!("{p}.down_proj"))?;
-            let [gate, up] = split_gate_up(gu)?;
-            return Ok([gate, up, down]);
+        let fused = format!("{p}.gate_up_proj");
+        match src.require_tensor(&fused) {
+            Ok(gu) => {
+                let down = require(src, &format!("{p}.down_proj"))?;
+                let [gate, up] = split_gate_up(gu)?;
+                return Ok([gate, up, down]);
+            }
+            // Not fused: stored per expert.
+            Err(FormatError::MissingTensor(_)) => {}
+            Err(e) => return Err(load_error(&fused, e)),
         }
         let stack = |w: &str| -> Result<HostTensor<'_>> {
             let parts: Vec<TensorView<'_>> = (0..n_experts)
                 .map(|e| {
                     let name = format!("{p}.{e}.{w}.weight");
-                    src.tensor(&name)
-                        .with_context(|| format!("model file has no tensor '{name}'"))
+                    src.require_tensor(&name).map_err(|e| load_error(&name, e))
                 })
                 .collect::<Result<_>>()?;
             stack_experts(&parts)
@@ -225,6 +217,26 @@ pub(crate) fn check_shape(
         t.shape
     );
     Ok(())
+}
+
+/// Tensor `name` of `src`, or an error that says why there is none: absent, or stored in a
+/// type ferrite does not load (an FP8 or integer tensor of a safetensors checkpoint).
+pub(crate) fn require<'a>(src: &'a dyn TensorSource, name: &str) -> Result<HostTensor<'a>> {
+    src.require_tensor(name)
+        .map(host)
+        .map_err(|e| load_error(name, e))
+}
+
+/// The loader's words for `require_tensor`'s errors.
+fn load_error(name: &str, e: FormatError) -> anyhow::Error {
+    match e {
+        FormatError::MissingTensor(_) => anyhow::anyhow!("model file has no tensor '{name}'"),
+        FormatError::UnsupportedDtype { dtype, .. } => anyhow::anyhow!(
+            "tensor '{name}' is stored as {dtype}, which ferrite cannot load from safetensors \
+             (it loads F32, F16 and BF16 there; quantized weights come as GGUF)"
+        ),
+        e => e.into(),
+    }
 }
 
 pub(crate) fn host(v: TensorView<'_>) -> HostTensor<'_> {

@@ -158,3 +158,36 @@ fn hyperparameters_out_of_range_are_refused() {
     let err = load_with("qwen3-tiny", "num_hidden_layers", 0.into());
     assert!(err.contains("a layer count of 0"), "{err}");
 }
+
+/// A weight stored in a type the safetensors loader does not compute with (an FP8
+/// checkpoint's) is named with its type, not reported missing.
+#[test]
+fn an_unloadable_weight_type_is_named() {
+    let src = data_dir().join("qwen3-tiny");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let fp8 = vec![0u8; 128 * 128];
+    let mut tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name != q)
+        .collect();
+    tensors.push((
+        q.into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F8_E4M3, vec![128, 128], &fp8)
+            .unwrap(),
+    ));
+    let dir = std::env::temp_dir().join(format!("ferrite-fp8-weight-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let be = CpuBackend::new();
+    let loaded = ModelFile::open(&dir).and_then(|f| Model::<CpuBackend>::load(&be, &f, &|_, _| {}));
+    std::fs::remove_dir_all(&dir).ok();
+    let err = format!("{:#}", loaded.err().expect("an F8_E4M3 weight loaded"));
+    assert!(
+        err.contains(&format!("tensor '{q}' is stored as F8_E4M3")),
+        "{err}"
+    );
+}

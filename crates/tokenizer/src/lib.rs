@@ -32,11 +32,9 @@ pub use incremental::IncrementalDecoder;
 /// Everything that can go wrong building or using a tokenizer or a chat template.
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    // Printed here, not chained as a `source` (a chained report would print it twice).
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{0}")]
     Invalid(String),
     #[error("not supported: {0}")]
@@ -145,9 +143,9 @@ impl Tokenizer {
         tokenizer_config_json: Option<&Path>,
     ) -> Result<Tokenizer> {
         let read = |p: &Path| {
-            std::fs::read_to_string(p).map_err(|source| TokenizerError::Io {
+            std::fs::read_to_string(p).map_err(|err| TokenizerError::Io {
                 path: p.to_path_buf(),
-                source,
+                err,
             })
         };
         let tok_text = read(tokenizer_json)?;

@@ -93,9 +93,9 @@ pub fn qwen35_added_tokens() -> Vec<AddedToken> {
 /// Reads a `.tiktoken` file: token bytes indexed by rank. Ranks need not be dense (a gap
 /// is an id with no token), but each must be used once.
 pub fn read_ranks(path: &Path) -> Result<Vec<Option<Vec<u8>>>> {
-    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
+    let text = std::fs::read_to_string(path).map_err(|err| TokenizerError::Io {
         path: path.to_path_buf(),
-        source,
+        err,
     })?;
     parse_ranks(&text).map_err(|e| TokenizerError::Invalid(format!("{}: {e}", path.display())))
 }

@@ -91,9 +91,9 @@ impl GgufFile {
     /// Open and validate a GGUF file. The tensor data is memory-mapped, not read.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let io = |source| FormatError::Io {
+        let io = |err| FormatError::Io {
             path: path.to_path_buf(),
-            source,
+            err,
         };
         let file = File::open(path).map_err(io)?;
         // SAFETY: the map is read-only. If another process truncates or rewrites the file

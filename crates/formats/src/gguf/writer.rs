@@ -71,9 +71,9 @@ impl GgufWriter<BufWriter<File>> {
     /// Create (or truncate) a file for writing.
     pub fn create(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let file = File::create(path).map_err(|source| FormatError::Io {
+        let file = File::create(path).map_err(|err| FormatError::Io {
             path: path.to_path_buf(),
-            source,
+            err,
         })?;
         let mut w = GgufWriter::new(BufWriter::with_capacity(WRITE_BUFFER_BYTES, file));
         w.path = path.to_path_buf();
@@ -182,10 +182,10 @@ impl<W: Write> GgufWriter<W> {
         })
     }
 
-    fn io(&self, source: std::io::Error) -> FormatError {
+    fn io(&self, err: std::io::Error) -> FormatError {
         FormatError::Io {
             path: self.path.clone(),
-            source,
+            err,
         }
     }
 
