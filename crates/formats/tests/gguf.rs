@@ -565,7 +565,24 @@ fn bad_tensor_infos() {
 
     let mut r = Raw::header(3, 1, 0);
     r.tensor("t", &[8], 99, 0);
-    assert!(matches!(err_of(r.data(32)), FormatError::UnknownType(99)));
+    match err_of(r.data(32)) {
+        FormatError::UnsupportedDtype { name, dtype } => {
+            assert_eq!(name, "t");
+            assert!(
+                dtype.starts_with("unknown (ggml type 99; ferrite loads f32, "),
+                "{dtype}"
+            );
+        }
+        e => panic!("{e:?}"),
+    }
+    // A type ggml has and ferrite does not load is named.
+    let mut r = Raw::header(3, 1, 0);
+    r.tensor("t", &[256], 11, 0);
+    let e = err_of(r.data(32)).to_string();
+    assert!(
+        e.starts_with("tensor 't': unsupported dtype q3_K (ggml type 11; "),
+        "{e}"
+    );
 
     let mut r = Raw::header(3, 1, 0);
     r.tensor("t", &[1, 1, 1, 1, 8], 0, 0);

@@ -510,7 +510,17 @@ impl<'a> Cursor<'a> {
             ne.push(d);
         }
         let type_id = self.u32("tensor type")?;
-        let dtype = GgmlType::from_id(type_id)?;
+        let dtype = GgmlType::from_id(type_id).map_err(|_| {
+            let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
+            FormatError::UnsupportedDtype {
+                name: name.clone(),
+                dtype: format!(
+                    "{} (ggml type {type_id}; ferrite loads {})",
+                    GgmlType::name_of_id(type_id).unwrap_or("unknown"),
+                    supported.join(", ")
+                ),
+            }
+        })?;
         let offset = self.u64("tensor offset")?;
 
         let n_elements = ne

@@ -63,6 +63,46 @@ impl GgmlType {
             .ok_or(FormatError::UnknownType(id))
     }
 
+    /// ggml's name for type id `id`, supported or not (`None` for ids ggml never had or
+    /// has retired), for errors about files that use one ferrite does not load.
+    pub fn name_of_id(id: u32) -> Option<&'static str> {
+        const NAMES: [(u32, &str); 32] = [
+            (0, "f32"),
+            (1, "f16"),
+            (2, "q4_0"),
+            (3, "q4_1"),
+            (6, "q5_0"),
+            (7, "q5_1"),
+            (8, "q8_0"),
+            (9, "q8_1"),
+            (10, "q2_K"),
+            (11, "q3_K"),
+            (12, "q4_K"),
+            (13, "q5_K"),
+            (14, "q6_K"),
+            (15, "q8_K"),
+            (16, "iq2_xxs"),
+            (17, "iq2_xs"),
+            (18, "iq3_xxs"),
+            (19, "iq1_s"),
+            (20, "iq4_nl"),
+            (21, "iq3_s"),
+            (22, "iq2_s"),
+            (23, "iq4_xs"),
+            (24, "i8"),
+            (25, "i16"),
+            (26, "i32"),
+            (27, "i64"),
+            (28, "f64"),
+            (29, "iq1_m"),
+            (30, "bf16"),
+            (34, "tq1_0"),
+            (35, "tq2_0"),
+            (39, "mxfp4"),
+        ];
+        NAMES.iter().find(|(i, _)| *i == id).map(|(_, n)| *n)
+    }
+
     /// ggml's name for the type ("q4_K", "bf16", ...).
     pub fn name(self) -> &'static str {
         match self {
