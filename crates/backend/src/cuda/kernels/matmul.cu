@@ -2686,6 +2686,169 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
     gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);
 }
+
+// A grid-wide barrier of a launch whose blocks are all resident (one per SM at most, the
+// grid no larger than the SMs hold): gbar[0] counts arrivals, gbar[1] is the generation. The
+// last block to arrive resets the count before it advances the generation, so the next launch
+// starts from zero. Thread 0's fences order the block's writes (the barrier before them makes
+// them cumulative) before its arrival, and the others' reads after it.
+__device__ __forceinline__ void grid_barrier(unsigned* gbar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile unsigned* vg = gbar;
+        const unsigned gen = vg[1];
+        __threadfence();
+        if (atomicAdd(gbar, 1u) == gridDim.x - 1) {
+            vg[0] = 0;
+            __threadfence();
+            atomicAdd(gbar + 1, 1u);
+        } else {
+            while (vg[1] == gen) __nanosleep(20);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The Q8_0 o-projection and the SwiGLU ring as one launch (gemvq_oswiglu_p_q8_0_r1; matmul.rs
+// `oproj_swiglu`, FERRITE_OSWIGLU; MATMUL.md round 66).
+//  Why: the o-projection of a Qwen3-8B Q8_0 layer (gemvq_add_n_q8_0_r1: 32-row blocks of
+//  139 KB, one an SM) costs the step ~8 us a layer for a 5.6 us launch, because its blocks
+//  keep the ring's off their SMs until they exit (DECODE_STEP.md, 23rd session). Here the
+//  ring's persistent blocks take the o-projection's rows first, so the SwiGLU's weights
+//  stream into the buffers the o-projection frees while the grid meets.
+//  Items of block b, through the ring's nb buffers: its o-projection tiles (16 rows of Wo,
+//  slot 0 rows r0.., slot 1 rows r0 + 8..; whole 32-row groups [b G / grid, (b + 1) G / grid)),
+//  then its SwiGLU tiles (gemvq_swiglu_p_q80's). The first nb are copied before the PDL wait.
+//  After the wait: the attention output's planes (aq, ad) staged; each o-projection tile on
+//  gemvq_tc_q80 (plain: its sums to osum, a scratch, and to osm); after a group's two tiles
+//  warp 0's add_norm_lane (res += sums, the planes of res * nw and the group's sum of squares:
+//  what gemvq_add_n_q8_0_r1 hands the SwiGLU). Then the grid barrier (the freed buffers
+//  already stream SwiGLU tiles), x restaged from the planes every block wrote (L2 loads: the
+//  writes are this launch's) with 1 / rms in tc_norm_scale's order, and the ring as
+//  gemvq_swiglu_p_q80 runs it (h's planes included). Wo is n_in x n_in with the SwiGLU's row
+//  bytes (the launcher's condition). The o-projection's sums are the tile's (tc_store's
+//  order), not the lane code's.
+__device__ __forceinline__ void gemvq_oswiglu_p_q80(const uint8_t* __restrict__ Wo, const int8_t* __restrict__ aq,
+                                                    const float2* __restrict__ ad, float* __restrict__ res,
+                                                    const float* __restrict__ nw, float* __restrict__ osum,
+                                                    int8_t* __restrict__ pq, float2* __restrict__ pd,
+                                                    float* __restrict__ pss, unsigned* __restrict__ gbar,
+                                                    const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                                    long long rb, int n_out, int n_in, int nb,
+                                                    float* __restrict__ out, float eps, uint8_t* smem,
+                                                    uint64_t* bars, int8_t* __restrict__ hq,
+                                                    float2* __restrict__ hd) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int NS = 8, PAD = 16, GT = QK / NS;
+    __shared__ float hsm[PIPE_QH_MAX];
+    __shared__ float osm[2 * NS * 2];
+    __shared__ float sn[1];
+    const bool qh = hq != nullptr;
+    if ((qh && n_out % QK != 0) || n_in % QK != 0) __trap();
+    const int tiles = (n_out + NS - 1) / NS, groups = n_out / QK;
+    const int glo = (int)((long long)blockIdx.x * groups / gridDim.x);
+    const int ghi = (int)((long long)(blockIdx.x + 1) * groups / gridDim.x);
+    const int lo = qh ? GT * glo : (int)((long long)blockIdx.x * tiles / gridDim.x);
+    const int hi = qh ? GT * ghi : (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
+    if (qh && (hi - lo) * NS > PIPE_QH_MAX) __trap();
+    const int og = n_in / QK;  // the o-projection's 32-row groups
+    const int olo = (int)((long long)blockIdx.x * og / gridDim.x);
+    const int ohi = (int)((long long)(blockIdx.x + 1) * og / gridDim.x);
+    const int no = 2 * (ohi - olo), nitems = no + (hi - lo);
+    const long long srs = rb + PAD;
+    const size_t slot = tc_slot(srs, NS);
+    uint8_t* xs = smem + (size_t)nb * 2 * slot;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    auto issue = [&](int k, int b) {
+        const bool o = k < no;
+        const int r0 = o ? olo * QK + k * 2 * NS : (lo + k - no) * NS;
+        const int nrows = o ? NS : min(NS, n_out - r0);
+        if (lane == 0) mbar_expect(bars + b, (uint32_t)(2 * nrows * rb));
+        __syncwarp();
+        const int m = lane / NS, j = lane % NS;
+        if (lane < 2 * NS && j < nrows) {
+            const uint8_t* src = o ? Wo + (size_t)(r0 + m * NS + j) * (size_t)rb : (m ? W2 : W) + (size_t)(r0 + j) * (size_t)rb;
+            bulk_g2s_w(bars + b, smem + (size_t)b * 2 * slot + (size_t)m * slot + (size_t)j * (size_t)srs, (size_t)src,
+                       (uint32_t)rb);
+        }
+    };
+    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
+    __syncthreads();
+    if (warp == 0)
+        for (int b = 0; b < nb && b < nitems; b++) issue(b, b);
+    PDL_ENTRY();
+    const float2* da = (const float2*)(xs + 2 * n_in + 128);
+    if (no > 0) tc_stage_x(xs, aq, ad, n_in);  // ends with a block barrier
+    int b = 0, ph = 0;
+    for (int k = 0; k < no; k++) {
+        mbar_wait(bars + b, (uint32_t)ph);
+        uint8_t* s0 = smem + (size_t)b * 2 * slot;
+        const int r0 = olo * QK + k * 2 * NS;
+        gemvq_tc_q80<1, false, true>(s0, s0 + slot, srs, n_in, n_in, (const int8_t*)xs, da, 1, osum, r0, n_in + 64, 0,
+                                     nullptr, osm + (k & 1) * 2 * NS);
+        __syncthreads();  // buffer b read by every warp, osm written
+        if (warp == 0 && k + nb < nitems) issue(k + nb, b);
+        if (++b == nb) {
+            b = 0;
+            ph ^= 1;
+        }
+        // A group's second tile: warp 0 hands the norm over (the next tile's tc_store writes
+        // osm only after a block barrier that warp 0 reaches when this is done).
+        if ((k & 1) && warp == 0) {
+            const int gi = olo + k / 2, o = gi * QK + lane;
+            add_norm_lane(res + o, osm[lane], nw[o], lane, pq, n_in, o, pd + gi, pss + gi);
+        }
+    }
+    grid_barrier(gbar);
+    {
+        const int n16 = n_in / 16, ng = n_in / QK;
+        for (int j = threadIdx.x; j < n16; j += blockDim.x) {
+            ((int4*)xs)[j] = __ldcg((const int4*)pq + j);
+            ((int4*)(xs + n_in + 64))[j] = __ldcg((const int4*)(pq + n_in) + j);
+        }
+        float2* ds = (float2*)(xs + 2 * n_in + 128);
+        for (int i = threadIdx.x; i < ng; i += blockDim.x) ds[i] = __ldcg(pd + i);
+        if (warp == 0) {  // tc_norm_scale's order
+            float v = 0.0f;
+            for (int i = lane; i < ng; i += 32) v += __ldcg(pss + i);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+            if (lane == 0) sn[0] = rsqrtf(v / (float)n_in + eps);
+        }
+        __syncthreads();
+    }
+    for (int k = no; k < nitems; k++) {
+        const int i = lo + k - no;
+        mbar_wait(bars + b, (uint32_t)ph);
+        uint8_t* s0 = smem + (size_t)b * 2 * slot;
+        gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
+                                          n_in + 64, 0, sn, qh ? hsm + (i - lo) * NS : nullptr);
+        __syncthreads();
+        if (warp == 0 && k + nb < nitems) issue(k + nb, b);
+        if (++b == nb) {
+            b = 0;
+            ph ^= 1;
+        }
+    }
+    if (qh)
+        for (int k = warp; k < ghi - glo; k += GEMV_WARPS)
+            quant_q8_lane(hsm[k * QK + lane], lane, hq, n_out, (glo + k) * QK + lane, hd + glo + k);
+#endif
+}
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
+    gemvq_oswiglu_p_q8_0_r1(const uint8_t* __restrict__ Wo, const int8_t* __restrict__ aq,
+                            const float2* __restrict__ ad, float* __restrict__ res, const float* __restrict__ nw,
+                            float* __restrict__ osum, int8_t* __restrict__ pq, float2* __restrict__ pd,
+                            float* __restrict__ pss, unsigned* __restrict__ gbar, const uint8_t* __restrict__ W,
+                            const uint8_t* __restrict__ W2, long long rb, int n_out, int n_in, int nb,
+                            float* __restrict__ out, float eps, int8_t* __restrict__ hq, float2* __restrict__ hd) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
+    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
+    gemvq_oswiglu_p_q80(Wo, aq, ad, res, nw, osum, pq, pd, pss, gbar, W, W2, rb, n_out, n_in, nb, out, eps, gemv_smem,
+                        bars, hq, hd);
+}
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_MIXED_TCVF_KERNEL(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
