@@ -3489,7 +3489,7 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     // as one launch, whose projection sums on the tensor-core tile (another order than
     // matmul_add's); its residual is checked against the CPU only.
     if let (Op::AddNormSwiglu { .. }, false) =
-        (op, std::env::var("FERRITE_OSWIGLU").is_ok_and(|v| v != "0"))
+        (op, std::env::var("FERRITE_OSWIGLU").as_deref() == Ok("1"))
     {
         add_for_norm_same_as_matmul_add(be, op, h, &mut p)?;
     }

@@ -156,8 +156,7 @@ pub struct Kernels {
     /// `gemvq_oswiglu_p_q8_0_r1` (MATMUL.md round 66; `FERRITE_OSWIGLU=1`, off by default):
     /// the one-row Q8_0 o-projection and the SwiGLU ring as one launch ([`oproj_swiglu`]),
     /// with its grid barrier's two words.
-    /// With whether its first tiles are copied before its PDL wait (1; 2: after it).
-    oswiglu: Option<(CudaFunction, Mutex<Option<CudaSlice<u32>>>, i32)>,
+    oswiglu: Option<(CudaFunction, Mutex<Option<CudaSlice<u32>>>)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -496,12 +495,10 @@ impl Kernels {
             None
         };
         let swiglu_qh = switches::int_or("FERRITE_SWIGLU_QH", 1) == 1;
-        let oswiglu_mode = switches::int_or("FERRITE_OSWIGLU", 0);
-        let oswiglu = if swiglu_pipe.is_some() && oswiglu_mode >= 1 {
+        let oswiglu = if swiglu_pipe.is_some() && switches::int_or("FERRITE_OSWIGLU", 0) == 1 {
             Some((
                 function_smem(&m, "gemvq_oswiglu_p_q8_0_r1", PIPE_MAX_SMEM)?,
                 Mutex::new(None),
-                i32::from(oswiglu_mode == 1),
             ))
         } else {
             None
@@ -2919,8 +2916,7 @@ pub fn oproj_swiglu(
     up: &CudaWeight,
     act: &mut Act<CudaSlice<f32>>,
 ) -> Result<bool> {
-    let (Some((f, gbar, early)), Some((_, nb))) = (&be.matmul.oswiglu, &be.matmul.swiglu_pipe)
-    else {
+    let (Some((f, gbar)), Some((_, nb))) = (&be.matmul.oswiglu, &be.matmul.swiglu_pipe) else {
         return Ok(false);
     };
     let n_in = gate.shape.get(1).copied().unwrap_or(0);
@@ -3042,8 +3038,7 @@ pub fn oproj_swiglu(
         .arg(&mut act.buf)
         .arg(&eps)
         .arg(&hq)
-        .arg(&hd)
-        .arg(early);
+        .arg(&hd);
     // SAFETY: wo is n_in rows of rb bytes, gate and up n_out rows (checked), all 16-byte
     // aligned; aq / ad one row of the int8 scratch holding att's planes (n_in columns); x and
     // the norm weight n_in floats, y at least n_in; pq / pd / pss one row of the plane scratch

@@ -221,8 +221,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_OSWIGLU",
-        Accepts::OneOf(&[0, 1, 2]),
-        "an experiment: the one-row Q8_0 o-projection and the SwiGLU ring as one launch with a grid barrier (gemvq_oswiglu_p_q8_0): 1 on, its first tiles copied before its PDL wait, 2 after it, 0 (default) off (MATMUL.md round 66)",
+        Accepts::OneOf(&[0, 1]),
+        "an experiment: the one-row Q8_0 o-projection and the SwiGLU ring as one launch with a grid barrier (gemvq_oswiglu_p_q8_0): 1 on, 0 (default) off (MATMUL.md round 66)",
     ),
     (
         "FERRITE_QKV_VTC",

@@ -2738,7 +2738,7 @@ __device__ __forceinline__ void gemvq_oswiglu_p_q80(const uint8_t* __restrict__ 
                                                     long long rb, int n_out, int n_in, int nb,
                                                     float* __restrict__ out, float eps, uint8_t* smem,
                                                     uint64_t* bars, int8_t* __restrict__ hq,
-                                                    float2* __restrict__ hd, int early) {
+                                                    float2* __restrict__ hd) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8, PAD = 16, GT = QK / NS;
     __shared__ float hsm[PIPE_QH_MAX];
@@ -2775,12 +2775,9 @@ __device__ __forceinline__ void gemvq_oswiglu_p_q80(const uint8_t* __restrict__ 
     };
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
     __syncthreads();
-    // early: the first nb items copied before the PDL wait (while the attention runs).
-    if (early && warp == 0)
+    if (warp == 0)
         for (int b = 0; b < nb && b < nitems; b++) issue(b, b);
     PDL_ENTRY();
-    if (!early && warp == 0)
-        for (int b = 0; b < nb && b < nitems; b++) issue(b, b);
     const float2* da = (const float2*)(xs + 2 * n_in + 128);
     if (no > 0) tc_stage_x(xs, aq, ad, n_in);  // ends with a block barrier
     int b = 0, ph = 0;
@@ -2845,13 +2842,12 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
                             float* __restrict__ osum, int8_t* __restrict__ pq, float2* __restrict__ pd,
                             float* __restrict__ pss, unsigned* __restrict__ gbar, const uint8_t* __restrict__ W,
                             const uint8_t* __restrict__ W2, long long rb, int n_out, int n_in, int nb,
-                            float* __restrict__ out, float eps, int8_t* __restrict__ hq, float2* __restrict__ hd,
-                            int early) {
+                            float* __restrict__ out, float eps, int8_t* __restrict__ hq, float2* __restrict__ hd) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
     gemvq_oswiglu_p_q80(Wo, aq, ad, res, nw, osum, pq, pd, pss, gbar, W, W2, rb, n_out, n_in, nb, out, eps, gemv_smem,
-                        bars, hq, hd, early);
+                        bars, hq, hd);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
