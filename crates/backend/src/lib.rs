@@ -603,27 +603,6 @@ pub trait Backend: Send + Sync {
         self.matmul_add(x, w, out, y)
     }
 
-    /// `x += att · woᵀ` handing `rms_norm(x) · norm` over to the FFN, then the FFN's SwiGLU:
-    /// [`Backend::matmul_add_for_norm`], then [`Backend::rms_norm_matmul_swiglu`] (their
-    /// arguments). A backend may run both as one launch, whose projection may add its terms
-    /// in another order than `matmul_add` (so `x` and `act` can differ in the last bits).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_add_norm_swiglu(
-        &self,
-        att: &Act<Self::Buf>,
-        wo: &Self::Weight,
-        x: &mut Act<Self::Buf>,
-        y: &mut Act<Self::Buf>,
-        norm: (&Self::Weight, f32),
-        (gate, up): (&Self::Weight, &Self::Weight),
-        gu: (&mut Act<Self::Buf>, &mut Act<Self::Buf>),
-        act: &mut Act<Self::Buf>,
-        h: &mut Act<Self::Buf>,
-    ) -> Result<()> {
-        self.matmul_add_for_norm(att, wo, x, y, norm)?;
-        self.rms_norm_matmul_swiglu(x, norm, gate, up, gu, act, h)
-    }
-
     /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then
     /// [`Backend::matmuls`]). `h` is scratch for the normed rows; a backend that defers the
     /// norm ([`Backend::defers_rms_norm`]) leaves it untouched and scales each output by

@@ -3185,17 +3185,8 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             };
             let x = out2(&mut p.out2)?;
             let norm = (&p.w[0], EPS);
-            be.matmul_add_norm_swiglu(
-                att,
-                &p.w[3],
-                x,
-                y,
-                norm,
-                (&p.w[1], &p.w[2]),
-                (g, u),
-                &mut p.out,
-                h,
-            )
+            be.matmul_add_for_norm(att, &p.w[3], x, y, norm)?;
+            be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
         }
         Op::AddNormMatmuls { .. } => {
             let [_, y, h, act] = &mut p.a[..] else {
@@ -3485,12 +3476,7 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     if let Op::MatmulAdd { .. } = op {
         matmul_add_same_as_composition(be, op, h, &mut p)?;
     }
-    // FERRITE_OSWIGLU=1 (MATMUL.md round 66, an experiment): the o-projection and the SwiGLU
-    // as one launch, whose projection sums on the tensor-core tile (another order than
-    // matmul_add's); its residual is checked against the CPU only.
-    if let (Op::AddNormSwiglu { .. }, false) =
-        (op, std::env::var("FERRITE_OSWIGLU").as_deref() == Ok("1"))
-    {
+    if let Op::AddNormSwiglu { .. } = op {
         add_for_norm_same_as_matmul_add(be, op, h, &mut p)?;
     }
     let mut all = read_guarded(be, &mut p.out)?;

@@ -153,10 +153,6 @@ pub struct Kernels {
     /// `FERRITE_SWIGLU_QH` (on by default; MATMUL.md round 63): the ring also writes h's int8
     /// planes into the GEMV scratch for the down projection (no quant_x launch between them).
     swiglu_qh: bool,
-    /// `gemvq_oswiglu_p_q8_0_r1` (MATMUL.md round 66; `FERRITE_OSWIGLU=1`, off by default):
-    /// the one-row Q8_0 o-projection and the SwiGLU ring as one launch ([`oproj_swiglu`]),
-    /// with its grid barrier's two words.
-    oswiglu: Option<(CudaFunction, Mutex<Option<CudaSlice<u32>>>)>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -495,14 +491,6 @@ impl Kernels {
             None
         };
         let swiglu_qh = switches::int_or("FERRITE_SWIGLU_QH", 1) == 1;
-        let oswiglu = if swiglu_pipe.is_some() && switches::int_or("FERRITE_OSWIGLU", 0) == 1 {
-            Some((
-                function_smem(&m, "gemvq_oswiglu_p_q8_0_r1", PIPE_MAX_SMEM)?,
-                Mutex::new(None),
-            ))
-        } else {
-            None
-        };
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -594,7 +582,6 @@ impl Kernels {
             tckn_q8,
             swiglu_pipe,
             swiglu_qh,
-            oswiglu,
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -2898,167 +2885,6 @@ fn tckn_launch(
 /// The SwiGLU on the planes `matmul_add_for_norm` just left for this `x` and `norm`
 /// (`gemvq_swiglu_tcn_q4_k_r<R>`); `false` (nothing done) unless they are there and the
 /// weights take the form.
-/// `x += att · woᵀ`, then `act = SwiGLU(rms_norm(x) · norm)` through `gate` and `up`, as ONE
-/// launch (`gemvq_oswiglu_p_q8_0_r1`, MATMUL.md round 66; `FERRITE_OSWIGLU=1`): where the
-/// one-row o-projection would take Q8_0's 32-row producer ([`matmul_add_for_norm`]) and the
-/// SwiGLU the ring ([`rms_norm_matmul_swiglu_handed`]), with `wo` square in the SwiGLU's
-/// input width. The o-projection's sums are the tensor-core tile's, not the 32-row
-/// producer's lane code's. Returns false (nothing done) elsewhere.
-#[allow(clippy::too_many_arguments)]
-pub fn oproj_swiglu(
-    be: &CudaBackend,
-    att: &Act<CudaSlice<f32>>,
-    wo: &CudaWeight,
-    x: &mut Act<CudaSlice<f32>>,
-    y: &mut Act<CudaSlice<f32>>,
-    (norm, eps): (&CudaWeight, f32),
-    gate: &CudaWeight,
-    up: &CudaWeight,
-    act: &mut Act<CudaSlice<f32>>,
-) -> Result<bool> {
-    let (Some((f, gbar)), Some((_, nb))) = (&be.matmul.oswiglu, &be.matmul.swiglu_pipe) else {
-        return Ok(false);
-    };
-    let n_in = gate.shape.get(1).copied().unwrap_or(0);
-    let rb = gate.row_bytes();
-    if att.rows != 1
-        || [wo.dtype, gate.dtype, up.dtype] != [GgmlType::Q8_0; 3]
-        || gate.shape != up.shape
-        || wo.shape != [n_in, n_in]
-        || gemv_path(gate, 1) != Some(true)
-        || tckn_plan(be, wo, 1)?.is_some()
-        || !hands_norm_from(be, wo, 1)
-        || !add_n_fits(be, wo, 1)
-        || !rb.is_multiple_of(16)
-        || !n_in.is_multiple_of(256)
-        || wo.row_bytes() != rb
-    {
-        return Ok(false);
-    }
-    let buf = tc_smem(rb + 16, 8) as usize;
-    let xb = tc_x_bytes(n_in) as usize;
-    if buf + xb > PIPE_MAX_SMEM {
-        return Ok(false);
-    }
-    crate::check_matmul(att, &wo.shape, x)?;
-    let (n_out, _) = crate::check_matmul(x, &gate.shape, act)?;
-    check_weight(wo, "oproj_swiglu")?;
-    check_weight(gate, "oproj_swiglu")?;
-    check_weight(up, "oproj_swiglu")?;
-    ensure!(
-        y.buf.len() >= n_in,
-        "oproj_swiglu: scratch smaller than a row"
-    );
-    for w in [wo, gate, up] {
-        let (wp, _g) = w.data.device_ptr(&be.stream);
-        ensure!(
-            wp % 16 == 0,
-            "oproj_swiglu: weight buffer is not 16-byte aligned"
-        );
-    }
-    let nw = super::ops::f32_vec(norm, n_in)?;
-    // The attention output's planes (recorded by the attention, or quantized here), as raw
-    // pointers: h's planes below go to the same scratch (after the launch's grid barrier).
-    let (aq, ad) = {
-        let guard = quantize_x(be, att)?;
-        let xq = guard
-            .as_ref()
-            .ok_or_else(|| anyhow!("oproj_swiglu: int8 scratch missing"))?;
-        let aq = xq.q.device_ptr(&be.stream).0;
-        let ad = xq.d.device_ptr(&be.stream).0;
-        (aq, ad)
-    };
-    let mut planes = norm_planes(be, n_in)?;
-    let p = planes
-        .as_mut()
-        .ok_or_else(|| anyhow!("oproj_swiglu: plane scratch missing"))?;
-    // Consumed inside the launch: no later consumer may take them for x.
-    p.src = None;
-    let (pq, pd, pss) = (
-        p.q.device_ptr_mut(&be.stream).0,
-        p.d.device_ptr_mut(&be.stream).0,
-        p.ss.device_ptr_mut(&be.stream).0,
-    );
-    drop(planes);
-    let mut gb = gbar
-        .lock()
-        .map_err(|_| anyhow!("oproj_swiglu: barrier lock poisoned"))?;
-    if gb.is_none() {
-        *gb = Some(be.stream.alloc_zeros::<u32>(2)?);
-    }
-    let gbp = gb
-        .as_mut()
-        .map(|g| g.device_ptr_mut(&be.stream).0)
-        .ok_or_else(|| anyhow!("oproj_swiglu: barrier words missing"))?;
-    drop(gb);
-    let nb = (*nb).min((PIPE_MAX_SMEM - xb) / buf).max(1);
-    let smem = u32::try_from(nb * buf + xb)?;
-    let block_dim = tc_block_dim(false);
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(block_dim.0, smem as usize, None)
-        .context("oproj_swiglu: occupancy")?
-        .max(1) as usize;
-    // All blocks resident at once (the grid barrier): no more than the SMs hold.
-    let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-    let mut hguard = if be.matmul.swiglu_qh
-        && n_out.is_multiple_of(32)
-        && (n_out / 32).div_ceil(blocks) * 32 <= PIPE_QH_MAX
-    {
-        xq_for_producer(be, 1, n_out)?
-    } else {
-        None
-    };
-    let mut hplanes = hguard.as_mut().and_then(|g| g.as_mut());
-    let (hq, hd) = match hplanes.as_mut() {
-        Some(xq) => (
-            xq.q.device_ptr_mut(&be.stream).0,
-            xq.d.device_ptr_mut(&be.stream).0,
-        ),
-        None => (0, 0),
-    };
-    let (rb_i, n_out_i, n_in_i, nb_i) = (rb as i64, n_out as i32, n_in as i32, nb as i32);
-    let mut launch = be.stream.kernel(f);
-    launch
-        .arg(&wo.data)
-        .arg(&aq)
-        .arg(&ad)
-        .arg(&mut x.buf)
-        .arg(&nw)
-        .arg(&mut y.buf)
-        .arg(&pq)
-        .arg(&pd)
-        .arg(&pss)
-        .arg(&gbp)
-        .arg(&gate.data)
-        .arg(&up.data)
-        .arg(&rb_i)
-        .arg(&n_out_i)
-        .arg(&n_in_i)
-        .arg(&nb_i)
-        .arg(&mut act.buf)
-        .arg(&eps)
-        .arg(&hq)
-        .arg(&hd);
-    // SAFETY: wo is n_in rows of rb bytes, gate and up n_out rows (checked), all 16-byte
-    // aligned; aq / ad one row of the int8 scratch holding att's planes (n_in columns); x and
-    // the norm weight n_in floats, y at least n_in; pq / pd / pss one row of the plane scratch
-    // grown to n_in; the barrier two zeroed words, reset by each launch's last block; act
-    // n_out floats; hq / hd one row of the GEMV scratch or null. The shared memory is the nb
-    // buffers and x that gemvq_oswiglu_p_q80 lays out; the grid is at most the blocks the
-    // SMs hold at once.
-    unsafe {
-        launch.launch(LaunchConfig {
-            grid_dim: (u32::try_from(blocks)?, 1, 1),
-            block_dim,
-            shared_mem_bytes: smem,
-        })
-    }?;
-    if let Some(xq) = hplanes {
-        xq.record_producer(be, &act.buf, 1, n_out);
-    }
-    Ok(true)
-}
-
 pub fn rms_norm_matmul_swiglu_handed(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,

@@ -523,25 +523,6 @@ impl Backend for CudaBackend {
         self.matmul_add(x, w, out, y)
     }
 
-    fn matmul_add_norm_swiglu(
-        &self,
-        att: &Act<CudaSlice<f32>>,
-        wo: &CudaWeight,
-        x: &mut Act<CudaSlice<f32>>,
-        y: &mut Act<CudaSlice<f32>>,
-        norm: (&CudaWeight, f32),
-        (gate, up): (&CudaWeight, &CudaWeight),
-        gu: (&mut Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
-        act: &mut Act<CudaSlice<f32>>,
-        h: &mut Act<CudaSlice<f32>>,
-    ) -> Result<()> {
-        if matmul::oproj_swiglu(self, att, wo, x, y, norm, gate, up, act)? {
-            return Ok(());
-        }
-        self.matmul_add_for_norm(att, wo, x, y, norm)?;
-        self.rms_norm_matmul_swiglu(x, norm, gate, up, gu, act, h)
-    }
-
     fn rms_norm_matmuls(
         &self,
         x: &Act<CudaSlice<f32>>,

@@ -220,11 +220,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",
     ),
     (
-        "FERRITE_OSWIGLU",
-        Accepts::OneOf(&[0, 1]),
-        "an experiment: the one-row Q8_0 o-projection and the SwiGLU ring as one launch with a grid barrier (gemvq_oswiglu_p_q8_0): 1 on, 0 (default) off (MATMUL.md round 66)",
-    ),
-    (
         "FERRITE_QKV_VTC",
         Accepts::OneOf(&[0, 1]),
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",
