@@ -11,12 +11,17 @@ use ferrite_tokenizer::ChatMessage;
 use crate::ModelArgs;
 
 #[derive(Args, Debug)]
+#[command(group = clap::ArgGroup::new("prompt_source").required(true))]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt text.
-    #[arg(long, short = 'p')]
-    pub prompt: String,
+    #[arg(long, short = 'p', group = "prompt_source")]
+    pub prompt: Option<String>,
+    /// Read the prompt from this file (UTF-8; `-` reads standard input) instead of --prompt.
+    /// One final newline is dropped (the one editors end a file with), as llama.cpp's -f does.
+    #[arg(long, short = 'f', group = "prompt_source")]
+    pub prompt_file: Option<std::path::PathBuf>,
     /// Wrap the prompt in the model's chat template as a user message.
     #[arg(long)]
     pub chat: bool,
@@ -63,10 +68,48 @@ pub const RUN_GATE_TOKENS: u32 = 64;
 
 pub fn run(a: &RunArgs) -> Result<()> {
     crate::load::init_threads(a.model.threads);
-    crate::on_backend!(&a.model, be => run_on(crate::load::engine(be, &a.model)?, a))
+    // Read before the model loads: a missing file fails at once.
+    let text = prompt_text(a)?;
+    crate::on_backend!(&a.model, be => run_on(crate::load::engine(be, &a.model)?, a, &text))
 }
 
-fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs) -> Result<()> {
+/// The prompt: --prompt's text, or --prompt-file's contents (`-`: standard input).
+fn prompt_text(a: &RunArgs) -> Result<String> {
+    let path = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => return Ok(p.clone()),
+        (None, Some(path)) => path,
+        (None, None) => anyhow::bail!("give the prompt with --prompt or --prompt-file"),
+    };
+    let bytes = if path.as_os_str() == "-" {
+        let mut b = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
+            .context("reading the prompt from standard input")?;
+        b
+    } else {
+        std::fs::read(path)
+            .with_context(|| format!("reading the prompt file {}", path.display()))?
+    };
+    let mut text = String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "the prompt in {} is not UTF-8 text (invalid byte at offset {})",
+            if path.as_os_str() == "-" {
+                "standard input".to_string()
+            } else {
+                path.display().to_string()
+            },
+            e.utf8_error().valid_up_to()
+        )
+    })?;
+    if text.ends_with('\n') {
+        text.pop();
+        if text.ends_with('\r') {
+            text.pop();
+        }
+    }
+    Ok(text)
+}
+
+fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs, text: &str) -> Result<()> {
     let tok = &engine.tok;
     let prompt = if a.chat {
         let tmpl = tok
@@ -76,12 +119,12 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs) -> Result<()> {
         if let Some(s) = &a.system {
             msgs.push(ChatMessage::new("system", s.as_str()));
         }
-        msgs.push(ChatMessage::new("user", a.prompt.as_str()));
+        msgs.push(ChatMessage::new("user", text));
         let text = tmpl.render(&msgs, &tok.render_options(true))?;
         // The rendered template already holds every special token it wants.
         tok.encode(&text, false, true)?
     } else {
-        tok.encode(&a.prompt, true, false)?
+        tok.encode(text, true, false)?
     };
     tracing::info!("prompt: {} tokens", prompt.len());
 

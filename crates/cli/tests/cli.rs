@@ -245,6 +245,47 @@ fn run_checks_the_context_before_the_gate() {
     assert!(stderr.contains("gate passed on 64 of "), "{stderr}");
 }
 
+/// `run --prompt-file` (a file, or `-` for standard input) generates what `--prompt` does with
+/// the same text (one final newline dropped); a missing or non-UTF-8 file is a clean error.
+#[test]
+fn run_reads_the_prompt_from_a_file_or_stdin() {
+    let path = synth_tiny("tiny-qwen3-pf.gguf");
+    let run = |src: &[&str], stdin: &[u8]| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ferrite"))
+            .args(["run", "--model", path.to_str().unwrap(), "--device", "cpu"])
+            .args(["--max-tokens", "6"])
+            .args(src)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let text = run(&["--prompt", "Once upon a time"], b"");
+    assert!(
+        text.status.success(),
+        "{}",
+        String::from_utf8_lossy(&text.stderr)
+    );
+    let file = tmp("prompt.txt");
+    let f = file.to_str().unwrap();
+    std::fs::write(&file, "Once upon a time\n").unwrap();
+    let from_file = run(&["--prompt-file", f], b"");
+    let err = String::from_utf8_lossy(&from_file.stderr);
+    assert_eq!(from_file.stdout, text.stdout, "{err}");
+    let from_stdin = run(&["--prompt-file", "-"], b"Once upon a time");
+    let err = String::from_utf8_lossy(&from_stdin.stderr);
+    assert_eq!(from_stdin.stdout, text.stdout, "{err}");
+    std::fs::write(&file, b"Once\xff").unwrap();
+    let bad = run(&["--prompt-file", f], b"");
+    assert_clean_error(&bad, "is not UTF-8 text (invalid byte at offset 4)");
+    std::fs::remove_file(&file).ok();
+    assert_clean_error(&run(&["--prompt-file", f], b""), "reading the prompt file");
+    std::fs::remove_file(&path).ok();
+}
+
 #[test]
 fn synth_tiny_model_runs() {
     let path = synth_tiny("tiny-qwen3.gguf");
