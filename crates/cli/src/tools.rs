@@ -130,11 +130,19 @@ pub fn info(a: &InfoArgs) -> Result<()> {
     let mut by_type: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     let names = src.tensor_names();
     for n in &names {
-        if let Some(t) = src.tensor(n) {
-            let e = by_type.entry(t.dtype.name().to_string()).or_default();
-            e.0 += 1;
-            e.1 += t.data.len();
-        }
+        // A safetensors tensor of a type ferrite does not compute with (FP8, integers) is
+        // listed but not a view: counted under its stored type, marked.
+        let (ty, bytes) = match (src.tensor(n), &file) {
+            (Some(t), _) => (t.dtype.name().to_string(), t.data.len()),
+            (None, ModelFile::Safetensors(c)) => match c.tensor_info(n) {
+                Some(i) => (format!("{} (not loadable)", i.dtype), i.n_bytes()),
+                None => continue,
+            },
+            (None, ModelFile::Gguf(_)) => continue,
+        };
+        let e = by_type.entry(ty).or_default();
+        e.0 += 1;
+        e.1 += bytes;
     }
     let total: usize = by_type.values().map(|v| v.1).sum();
     if let Ok(c) = file.config() {

@@ -92,6 +92,29 @@ fn info_describes_checkpoint() {
         "{s}"
     );
     assert!(s.contains("bf16"), "{s}");
+
+    // A weight stored as FP8: listed under its type as not loadable, and `run` names it.
+    let src = data("oracle/qwen3-tiny");
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    let fp8 = vec![0u8; 128 * 128];
+    let mut tensors: Vec<_> = st.tensors().into_iter().filter(|(n, _)| n != q).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F8_E4M3, vec![128, 128], &fp8)
+            .unwrap();
+    tensors.push((q.to_string(), view));
+    let dir = tmp("fp8-ckpt");
+    std::fs::create_dir_all(&dir).unwrap();
+    safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let out = ferrite(&["info", "--model", dir.to_str().unwrap()]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("F8_E4M3 (not loadable)      1 tensors"), "{s}");
+    let out = ferrite(&["bench", "--model", dir.to_str().unwrap(), "--device", "cpu"]);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_clean_error(&out, &format!("tensor '{q}' is stored as F8_E4M3"));
 }
 
 fn assert_clean_error(out: &Output, needle: &str) {
