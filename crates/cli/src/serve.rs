@@ -73,10 +73,19 @@ fn serve_on<B: Backend + 'static>(engine: Engine<B>, a: &ServeArgs, model_id: St
 where
     Engine<B>: Send,
 {
-    let max_context = a
-        .max_context
-        .unwrap_or(DEFAULT_MAX_CONTEXT)
-        .min(engine.model.cfg.max_ctx);
+    anyhow::ensure!(a.max_body_bytes > 0, "--max-body-bytes must be at least 1");
+    // Capped at the model's context before the KV budget is derived from it.
+    let model_ctx = engine.model.cfg.max_ctx;
+    let max_context = match a.max_context {
+        Some(c) if c > model_ctx => {
+            tracing::warn!(
+                "--max-context {c} is beyond the model's context; capped at {model_ctx}"
+            );
+            model_ctx
+        }
+        Some(c) => c,
+        None => DEFAULT_MAX_CONTEXT.min(model_ctx),
+    };
     let cfg = SchedulerConfig {
         max_batch: a.max_batch,
         max_context,

@@ -326,3 +326,40 @@ fn disconnected_client_frees_its_sequence_and_queue_limits_hold() {
         matches!(e, Err(ferrite_engine::scheduler::SubmitError::Invalid(m)) if m.contains("500"))
     );
 }
+
+/// Settings under which the server could serve nothing are refused at start-up: no room to
+/// wait (every request would get 429), a context of under two tokens.
+#[test]
+fn unservable_settings_are_refused() {
+    let engine = || {
+        load::engine(
+            ferrite_backend::cpu::CpuBackend::new(),
+            &ModelArgs {
+                model: None,
+                device: Device::Cpu,
+                threads: None,
+                kv_cache_q8: false,
+            },
+        )
+        .expect("default model loads")
+    };
+    for (cfg, msg) in [
+        (
+            SchedulerConfig {
+                max_waiting: 0,
+                ..SchedulerConfig::default()
+            },
+            "max_waiting must be at least 1",
+        ),
+        (
+            SchedulerConfig {
+                max_context: 1,
+                ..SchedulerConfig::default()
+            },
+            "max_context must be at least 2",
+        ),
+    ] {
+        let err = Scheduler::spawn(engine(), cfg).err().expect("refused");
+        assert!(err.to_string().contains(msg), "{err}");
+    }
+}

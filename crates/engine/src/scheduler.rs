@@ -291,7 +291,11 @@ impl Scheduler {
         ensure!(cfg.max_batch > 0, "max_batch must be at least 1");
         ensure!(cfg.page_size > 0, "page_size must be at least 1");
         ensure!(cfg.prefill_chunk > 0, "prefill_chunk must be at least 1");
-        cfg.max_context = cfg.max_context.min(engine.model.cfg.max_ctx).max(2);
+        // Every request waits in the queue before it joins the batch: 0 would refuse all.
+        ensure!(cfg.max_waiting > 0, "max_waiting must be at least 1");
+        // One prompt token and one generated token.
+        ensure!(cfg.max_context >= 2, "max_context must be at least 2");
+        cfg.max_context = cfg.max_context.min(engine.model.cfg.max_ctx);
         if cfg.kv_tokens < cfg.max_context {
             tracing::warn!(
                 "KV budget of {} tokens is below the context of {}; raised to it",
