@@ -206,6 +206,14 @@ fn bench_on<B: Backend>(
 ) -> Result<()> {
     let model = load::model(be, file)?;
     let cfg = model.cfg.clone();
+    if ctx > cfg.max_ctx {
+        // Timed like any other positions, but not a context the model can be used at.
+        tracing::warn!(
+            "the tests reach {ctx} positions, past the model's context of {}: `run` and `serve` \
+             would refuse that",
+            cfg.max_ctx
+        );
+    }
     let (label, quant) = match file {
         ModelFile::Gguf(g) => (
             g.get_str("general.name")
