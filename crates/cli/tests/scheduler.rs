@@ -21,8 +21,9 @@ const PROMPTS: [&str; 6] = [
     "My favourite book is",
 ];
 
-fn scheduler(cfg: SchedulerConfig) -> (Scheduler, Vec<Vec<u32>>) {
-    let e = load::engine(
+/// The default model (SmolLM2) on the CPU.
+fn default_engine() -> ferrite_engine::Engine<ferrite_backend::cpu::CpuBackend> {
+    load::engine(
         ferrite_backend::cpu::CpuBackend::new(),
         &ModelArgs {
             model: None,
@@ -31,7 +32,11 @@ fn scheduler(cfg: SchedulerConfig) -> (Scheduler, Vec<Vec<u32>>) {
             kv_cache_q8: false,
         },
     )
-    .expect("default model loads");
+    .expect("default model loads")
+}
+
+fn scheduler(cfg: SchedulerConfig) -> (Scheduler, Vec<Vec<u32>>) {
+    let e = default_engine();
     let prompts = PROMPTS
         .iter()
         .map(|p| e.tok.encode(p, true, false).expect("tokenizes"))
@@ -331,18 +336,6 @@ fn disconnected_client_frees_its_sequence_and_queue_limits_hold() {
 /// wait (every request would get 429), a context of under two tokens.
 #[test]
 fn unservable_settings_are_refused() {
-    let engine = || {
-        load::engine(
-            ferrite_backend::cpu::CpuBackend::new(),
-            &ModelArgs {
-                model: None,
-                device: Device::Cpu,
-                threads: None,
-                kv_cache_q8: false,
-            },
-        )
-        .expect("default model loads")
-    };
     for (cfg, msg) in [
         (
             SchedulerConfig {
@@ -359,7 +352,9 @@ fn unservable_settings_are_refused() {
             "max_context must be at least 2",
         ),
     ] {
-        let err = Scheduler::spawn(engine(), cfg).err().expect("refused");
+        let err = Scheduler::spawn(default_engine(), cfg)
+            .err()
+            .expect("refused");
         assert!(err.to_string().contains(msg), "{err}");
     }
 }

@@ -54,37 +54,28 @@ fn expect(err: &str, tensor: &str, shape: &str) {
 
 #[test]
 fn dense_dimensions_that_disagree_name_the_tensor() {
-    let q = "model.layers.0.self_attn.q_proj.weight";
-    expect(
-        &load_with("qwen3-tiny", "intermediate_size", 512.into()),
-        "model.layers.0.mlp.gate_proj.weight",
-        "[256, 128]",
-    );
-    expect(
-        &load_with("qwen3-tiny", "num_attention_heads", 8.into()),
-        q,
-        "[128, 128]",
-    );
-    expect(
-        &load_with("qwen3-tiny", "num_key_value_heads", 4.into()),
+    let (q, k) = (
+        "model.layers.0.self_attn.q_proj.weight",
         "model.layers.0.self_attn.k_proj.weight",
-        "[64, 128]",
     );
-    expect(
-        &load_with("qwen3-tiny", "head_dim", 64.into()),
-        q,
-        "[128, 128]",
-    );
-    expect(
-        &load_with("qwen3-tiny", "vocab_size", 2048.into()),
-        "lm_head.weight",
-        "[1024, 128]",
-    );
-    expect(
-        &load_with("llama-tiny", "hidden_size", 256.into()),
-        "model.layers.0.mlp.gate_proj.weight",
-        "[256, 128]",
-    );
+    let gate = "model.layers.0.mlp.gate_proj.weight";
+    // (checkpoint, config key, its new value, the tensor named, its stored shape)
+    for (name, key, value, tensor, shape) in [
+        ("qwen3-tiny", "intermediate_size", 512, gate, "[256, 128]"),
+        ("qwen3-tiny", "num_attention_heads", 8, q, "[128, 128]"),
+        ("qwen3-tiny", "num_key_value_heads", 4, k, "[64, 128]"),
+        ("qwen3-tiny", "head_dim", 64, q, "[128, 128]"),
+        (
+            "qwen3-tiny",
+            "vocab_size",
+            2048,
+            "lm_head.weight",
+            "[1024, 128]",
+        ),
+        ("llama-tiny", "hidden_size", 256, gate, "[256, 128]"),
+    ] {
+        expect(&load_with(name, key, value.into()), tensor, shape);
+    }
 }
 
 #[test]
@@ -120,25 +111,31 @@ fn moe_and_hybrid_dimensions_that_disagree_name_the_tensor() {
             && err.contains("need [8, 32, 128]"),
         "{err}"
     );
-    expect(
-        &load_with("qwen35-tiny", "num_attention_heads", 8.into()),
-        "model.layers.3.self_attn.q_proj.weight",
-        "[256, 128]",
-    );
-    expect(
-        &load_with("qwen35-tiny", "linear_num_value_heads", 2.into()),
-        "model.layers.0.linear_attn.conv1d.weight",
-        "[256, 1, 4]",
-    );
-    expect(
-        &load_with(
+    for (name, key, value, tensor, shape) in [
+        (
+            "qwen35-tiny",
+            "num_attention_heads",
+            8,
+            "model.layers.3.self_attn.q_proj.weight",
+            "[256, 128]",
+        ),
+        (
+            "qwen35-tiny",
+            "linear_num_value_heads",
+            2,
+            "model.layers.0.linear_attn.conv1d.weight",
+            "[256, 1, 4]",
+        ),
+        (
             "qwen35-moe-tiny",
             "shared_expert_intermediate_size",
-            64.into(),
+            64,
+            "model.layers.0.mlp.shared_expert.gate_proj.weight",
+            "[32, 128]",
         ),
-        "model.layers.0.mlp.shared_expert.gate_proj.weight",
-        "[32, 128]",
-    );
+    ] {
+        expect(&load_with(name, key, value.into()), tensor, shape);
+    }
 }
 
 /// Values no weights can disagree with, which would run and print garbage (NaN rotations, a
