@@ -579,86 +579,22 @@ mod tests {
     fn validate_refuses_out_of_range_parameters() {
         assert!(SamplerConfig::default().validate().is_ok());
         assert!(SamplerConfig::greedy().validate().is_ok());
-        let bad = [
-            (
-                "temperature",
-                SamplerConfig {
-                    temperature: -0.5,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "temperature",
-                SamplerConfig {
-                    temperature: f32::NAN,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "temperature",
-                SamplerConfig {
-                    temperature: f32::INFINITY,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "top_p",
-                SamplerConfig {
-                    top_p: 0.0,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "top_p",
-                SamplerConfig {
-                    top_p: 1.5,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "top_p",
-                SamplerConfig {
-                    top_p: f32::NAN,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "min_p",
-                SamplerConfig {
-                    min_p: -0.1,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "min_p",
-                SamplerConfig {
-                    min_p: f32::NAN,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "repetition penalty",
-                SamplerConfig {
-                    repetition_penalty: 0.0,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "presence_penalty",
-                SamplerConfig {
-                    presence_penalty: f32::NAN,
-                    ..cfg(1.0)
-                },
-            ),
-            (
-                "frequency_penalty",
-                SamplerConfig {
-                    frequency_penalty: f32::INFINITY,
-                    ..cfg(1.0)
-                },
-            ),
+        let bad: [(&str, fn(&mut SamplerConfig)); 11] = [
+            ("temperature", |c| c.temperature = -0.5),
+            ("temperature", |c| c.temperature = f32::NAN),
+            ("temperature", |c| c.temperature = f32::INFINITY),
+            ("top_p", |c| c.top_p = 0.0),
+            ("top_p", |c| c.top_p = 1.5),
+            ("top_p", |c| c.top_p = f32::NAN),
+            ("min_p", |c| c.min_p = -0.1),
+            ("min_p", |c| c.min_p = f32::NAN),
+            ("repetition penalty", |c| c.repetition_penalty = 0.0),
+            ("presence_penalty", |c| c.presence_penalty = f32::NAN),
+            ("frequency_penalty", |c| c.frequency_penalty = f32::INFINITY),
         ];
-        for (name, c) in bad {
+        for (name, set) in bad {
+            let mut c = cfg(1.0);
+            set(&mut c);
             let e = c.validate().expect_err(name).to_string();
             assert!(e.contains(name), "{name}: {e}");
         }
