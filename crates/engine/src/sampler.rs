@@ -579,7 +579,8 @@ mod tests {
     fn validate_refuses_out_of_range_parameters() {
         assert!(SamplerConfig::default().validate().is_ok());
         assert!(SamplerConfig::greedy().validate().is_ok());
-        let bad: [(&str, fn(&mut SamplerConfig)); 11] = [
+        type Set = fn(&mut SamplerConfig);
+        let bad: [(&str, Set); 11] = [
             ("temperature", |c| c.temperature = -0.5),
             ("temperature", |c| c.temperature = f32::NAN),
             ("temperature", |c| c.temperature = f32::INFINITY),
