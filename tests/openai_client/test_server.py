@@ -211,6 +211,14 @@ class Chat(unittest.TestCase):
         r = chat([{"role": "user", "content": "Weather in Paris?"}], tools=tools, max_tokens=8)
         self.assertIn(r.choices[0].finish_reason, ("stop", "length", "tool_calls"))
 
+    def test_chat_template_kwargs_are_accepted(self):
+        # SmolLM2's template reads no enable_thinking: the same prompt and the same answer.
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        r = chat(msgs, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        one = chat(msgs)
+        self.assertEqual(r.usage.prompt_tokens, one.usage.prompt_tokens)
+        self.assertEqual(r.choices[0].message.content, one.choices[0].message.content)
+
 
 class Completions(unittest.TestCase):
     def complete(self, prompt, **kw):
@@ -313,6 +321,9 @@ class BadInput(unittest.TestCase):
         self.expect(400, self.good(n=0), param="n")
         self.expect(400, self.good(n=9), param="n")
         self.expect(400, self.good(temperature=-1), param="temperature")
+        self.expect(400, self.good(chat_template_kwargs={"enable_thinking": "no"}),
+                    param="chat_template_kwargs")
+        self.expect(400, self.good(chat_template_kwargs=[True]))
         self.expect(400, {"model": SERVER.model, "prompt": [1, 2], "n": -1}, path="/v1/completions")
         self.expect(400, {"model": SERVER.model, "prompt": [10**9]}, path="/v1/completions")
 

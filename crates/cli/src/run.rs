@@ -28,6 +28,10 @@ pub struct RunArgs {
     /// System message (with --chat).
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
+    /// The chat template's `enable_thinking` (with --chat; Qwen3's switch between thinking
+    /// first and answering at once). Default: the template's own default.
+    #[arg(long, requires = "chat")]
+    pub enable_thinking: Option<bool>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
@@ -120,7 +124,9 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs, text: &str) -> Result<()> 
             msgs.push(ChatMessage::new("system", s.as_str()));
         }
         msgs.push(ChatMessage::new("user", text));
-        let text = tmpl.render(&msgs, &tok.render_options(true))?;
+        let mut opts = tok.render_options(true);
+        opts.enable_thinking = a.enable_thinking;
+        let text = tmpl.render(&msgs, &opts)?;
         // The rendered template already holds every special token it wants.
         tok.encode(&text, false, true)?
     } else {

@@ -447,6 +447,7 @@ async fn chat_inner(
     params.logprobs = req.logprobs()?;
     let msgs = req.messages()?;
     let tools = req.tools_json()?;
+    let kwargs = req.template_kwargs()?;
     let tmpl = st.template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "messages",
@@ -456,6 +457,7 @@ async fn chat_inner(
     let tok = st.tok();
     let mut opts = tok.render_options(true);
     opts.tools = tools.clone();
+    opts.kwargs = kwargs;
     let text = tmpl
         .render(&msgs, &opts)
         .map_err(|e| ApiError::invalid("messages", format!("chat template: {e}")))?;

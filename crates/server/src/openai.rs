@@ -167,6 +167,10 @@ pub struct ChatRequest {
     pub tools: Option<Box<RawValue>>,
     #[serde(default)]
     pub tool_choice: Option<Value>,
+    /// Further variables for the chat template, as vLLM and llama-server take them (e.g.
+    /// `{"enable_thinking": false}` for Qwen3).
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// `prompt`: a string, a list of token ids, or a one-element list of either.
@@ -476,6 +480,18 @@ impl ChatRequest {
     }
 
     /// The tool definitions as JSON text, when tools are given and not switched off.
+    /// `chat_template_kwargs`, checked: `enable_thinking`, where given, is a boolean.
+    pub fn template_kwargs(&self) -> Result<serde_json::Map<String, Value>, ApiError> {
+        let kw = self.chat_template_kwargs.clone().unwrap_or_default();
+        if kw.get("enable_thinking").is_some_and(|v| !v.is_boolean()) {
+            return Err(ApiError::invalid(
+                "chat_template_kwargs",
+                "chat_template_kwargs.enable_thinking must be true or false",
+            ));
+        }
+        Ok(kw)
+    }
+
     pub fn tools_json(&self) -> Result<Option<String>, ApiError> {
         let Some(raw) = &self.tools else {
             return Ok(None);
@@ -667,6 +683,30 @@ mod tests {
             assert!(body["error"]["message"].is_string());
             assert_eq!(body["error"]["type"], "invalid_request_error");
         }
+    }
+
+    #[test]
+    fn chat_template_kwargs_are_an_object_with_a_boolean_enable_thinking() {
+        let r: ChatRequest = parse(
+            br#"{"model": "m", "messages": [],
+                 "chat_template_kwargs": {"enable_thinking": false, "custom": [1, 2]}}"#,
+        )
+        .unwrap();
+        let kw = r.template_kwargs().unwrap();
+        assert_eq!(kw["enable_thinking"], json!(false));
+        assert_eq!(kw["custom"], json!([1, 2]));
+        let r: ChatRequest = parse(
+            br#"{"model": "m", "messages": [], "chat_template_kwargs": {"enable_thinking": "no"}}"#,
+        )
+        .unwrap();
+        let e = r.template_kwargs().unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("chat_template_kwargs"));
+        let e = parse::<ChatRequest>(
+            br#"{"model": "m", "messages": [], "chat_template_kwargs": [true]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
     }
 
     #[test]

@@ -62,6 +62,11 @@ pub struct RenderOptions {
     /// The tool definitions as JSON text (an array). Text rather than a parsed value so that
     /// the key order the caller wrote is the order `tojson` writes, as with HF's Python dicts.
     pub tools: Option<String>,
+    /// Further template variables (a request's `chat_template_kwargs`, as vLLM and
+    /// llama-server take them), e.g. `enable_thinking` where `enable_thinking` above is
+    /// `None`. They cannot replace `messages`, `tools`, `add_generation_prompt` or the
+    /// special tokens.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 /// A compiled chat template.
@@ -101,13 +106,20 @@ impl ChatTemplate {
                 })?),
                 None => None,
             };
+        let enable_thinking = match (opts.enable_thinking, opts.kwargs.get("enable_thinking")) {
+            (Some(on), _) => Value::from(on),
+            (None, Some(v)) => Value::from_serialize(v),
+            (None, None) => Value::UNDEFINED,
+        };
+        // Left to right: the keys above win over the kwargs'.
         let ctx = minijinja::context! {
             messages => Value::from_serialize(messages),
             add_generation_prompt => opts.add_generation_prompt,
             bos_token => opts.bos_token.clone().unwrap_or_default(),
             eos_token => opts.eos_token.clone().unwrap_or_default(),
-            enable_thinking => opts.enable_thinking.map(Value::from).unwrap_or(Value::UNDEFINED),
+            enable_thinking => enable_thinking,
             tools => tools.unwrap_or(Value::UNDEFINED),
+            ..Value::from_serialize(&opts.kwargs)
         };
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(template_err)?;
         tmpl.render(ctx).map_err(template_err)

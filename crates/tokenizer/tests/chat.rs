@@ -53,6 +53,7 @@ fn templates_match_jinja2_oracle() {
                 .as_bool()
                 .unwrap()
                 .then(|| TOOLS_JSON.to_string()),
+            ..Default::default()
         };
         let got = tmpl.render(&messages, &opts).unwrap();
         assert_eq!(
@@ -109,6 +110,20 @@ fn qwen3_prompts_by_reading_the_template() {
     assert_eq!(
         tmpl.render(&one, &no_think).unwrap(),
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    );
+    // The same through the kwargs (a request's chat_template_kwargs), which cannot replace
+    // the messages.
+    let mut kwargs = serde_json::Map::new();
+    kwargs.insert("enable_thinking".into(), false.into());
+    kwargs.insert("messages".into(), serde_json::json!([]));
+    let by_kwargs = RenderOptions {
+        add_generation_prompt: true,
+        kwargs,
+        ..Default::default()
+    };
+    assert_eq!(
+        tmpl.render(&one, &by_kwargs).unwrap(),
+        tmpl.render(&one, &no_think).unwrap()
     );
 }
 
