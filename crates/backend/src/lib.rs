@@ -603,14 +603,6 @@ pub trait Backend: Send + Sync {
         self.matmul_add(x, w, out, y)
     }
 
-    /// A hint: a later launch will read the weights `ws` (the next layer's attention
-    /// weights, named before an MoE FFN). A backend may bring them closer meanwhile; nothing
-    /// computed changes. The CPU backend: nothing.
-    fn prefetch_next(&self, ws: &[&Self::Weight]) -> Result<()> {
-        let _ = ws;
-        Ok(())
-    }
-
     /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` ([`Backend::rms_norm`], then
     /// [`Backend::matmuls`]). `h` is scratch for the normed rows; a backend that defers the
     /// norm ([`Backend::defers_rms_norm`]) leaves it untouched and scales each output by

@@ -602,11 +602,6 @@ impl<B: Backend> Model<B> {
                 be.matmul(act, wd, y)?;
             } else {
                 be.matmul(att, &l.wo, y)?;
-                if let (Ffn::Moe { .. }, Some(n)) = (&l.ffn, self.layers.get(il + 1)) {
-                    // The expert launches leave the DRAM idle: the next attention's weights
-                    // may stream meanwhile.
-                    be.prefetch_next(&[&n.wq, &n.wk, &n.wv, &n.wo])?;
-                }
 
                 // Feed-forward block: x += y, h = rms_norm(x) · ffn_norm, y = FFN(h).
                 let scratch = FfnScratch::<B> {

@@ -184,11 +184,6 @@ pub struct Kernels {
     /// Whether the MoE gate/up blocks prefetch their experts' down rows into L2 (matmul.cu
     /// `moe_down_prefetch`; on unless `FERRITE_MOE_PF=0`).
     pub(crate) moe_down_prefetch: bool,
-    /// `FERRITE_MOE_PF_NEXT` (an experiment, 0 by default): the MoE down launch's blocks
-    /// prefetch the spans [`prefetch_next`] names into L2 at their start (1) or end (2).
-    pub(crate) moe_pf_next: i32,
-    /// The spans [`prefetch_next`] was given, for the next MoE down launch.
-    pub(crate) pf_hint: Mutex<Option<[(u64, usize); 4]>>,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
     /// `quant_x_q8`'s `early` argument: 1 (unless `FERRITE_QX_EARLY=0`), the GEMV after it
@@ -600,8 +595,6 @@ impl Kernels {
             gemvq_moe_smem,
             gemvq_moe_gu_tc,
             moe_down_prefetch: switches::int_or("FERRITE_MOE_PF", 1) != 0,
-            moe_pf_next: switches::int_or("FERRITE_MOE_PF_NEXT", 0) as i32,
-            pf_hint: Mutex::new(None),
             quant_x: function(&m, "quant_x_q8")?,
             quant_x_early: i32::from(switches::int_or("FERRITE_QX_EARLY", 1) != 0),
             bulk,
@@ -3331,57 +3324,4 @@ mod tests {
             assert!(type_index(t).is_ok(), "{t}");
         }
     }
-}
-
-/// Kernel argument of the MoE down kernels (`PfNext` in matmul.cu): up to four spans to
-/// prefetch into L2 (16-byte units), and when (0: none).
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct PfNext {
-    pub p: [u64; 4],
-    pub u: [u64; 4],
-    pub mode: i32,
-}
-
-// SAFETY: plain old data laid out as the C struct (4 pointers, 4 u64, an int).
-unsafe impl super::launch::ScalarArg for PfNext {}
-
-/// Weights a later launch will read (the next layer's Q, K, V and o-projection): with
-/// `FERRITE_MOE_PF_NEXT` on, the next MoE down launch prefetches them into L2 (a hint: the
-/// values are the same whatever happens to it).
-pub fn prefetch_next(be: &CudaBackend, ws: &[&CudaWeight]) -> Result<()> {
-    if be.matmul.moe_pf_next == 0 || ws.is_empty() || ws.len() > 4 {
-        return Ok(());
-    }
-    let mut spans = [(0u64, 0usize); 4];
-    for (s, w) in spans.iter_mut().zip(ws) {
-        let (p, _g) = w.data.device_ptr(&be.stream);
-        // Whole 16-byte units inside the weight (bulk prefetches take 16-byte spans).
-        let a = p.next_multiple_of(16);
-        let end = p + (w.shape[0] * w.row_bytes()) as u64;
-        *s = (a, end.saturating_sub(a) as usize / 16 * 16);
-    }
-    *be.matmul
-        .pf_hint
-        .lock()
-        .map_err(|_| anyhow!("prefetch_next: hint lock poisoned"))? = Some(spans);
-    Ok(())
-}
-
-/// The pending prefetch for this MoE down launch (taken: it goes to this launch or nowhere).
-pub(crate) fn take_pf_next(be: &CudaBackend) -> Result<PfNext> {
-    let hint = be
-        .matmul
-        .pf_hint
-        .lock()
-        .map_err(|_| anyhow!("moe: prefetch hint lock poisoned"))?
-        .take();
-    Ok(match hint {
-        Some(spans) if be.matmul.moe_pf_next > 0 => PfNext {
-            p: spans.map(|s| s.0),
-            u: spans.map(|s| (s.1 / 16) as u64),
-            mode: be.matmul.moe_pf_next,
-        },
-        _ => PfNext::default(),
-    })
 }

@@ -523,10 +523,6 @@ impl Backend for CudaBackend {
         self.matmul_add(x, w, out, y)
     }
 
-    fn prefetch_next(&self, ws: &[&CudaWeight]) -> Result<()> {
-        matmul::prefetch_next(self, ws)
-    }
-
     fn rms_norm_matmuls(
         &self,
         x: &Act<CudaSlice<f32>>,

@@ -615,7 +615,6 @@ fn quantized_experts(
     // pairs·ffn/16 floats, tickets pairs·ffn/32 ints (grown by the caller); the L2
     // prefetch stays inside the expert's `hidden` down rows of d_rb bytes (a hint: no write).
     unsafe { launch.launch(cfg) }?;
-    let pf = matmul::take_pf_next(be)?;
     let cfg = LaunchConfig {
         grid_dim: (hidden.div_ceil(MOE_DOWN_ROWS) as u32, rows as u32, 1),
         block_dim: (threads, 1, 1),
@@ -637,7 +636,6 @@ fn quantized_experts(
             .arg(&tk)
             .arg(&norm)
             .arg(&mut out.buf)
-            .arg(&pf)
             .launch(cfg)
     }?;
     Ok(())

@@ -220,11 +220,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",
     ),
     (
-        "FERRITE_MOE_PF_NEXT",
-        Accepts::OneOf(&[0, 1, 2]),
-        "an experiment: the MoE down launch prefetches the next layer's Q, K, V and o-projection into L2, its blocks at their start (1) or end (2); 0 (default) off",
-    ),
-    (
         "FERRITE_QKV_VTC",
         Accepts::OneOf(&[0, 1]),
         "the mixed Q, K, V launch (Q4_K Q and K, Q6_K V: the Q4_K_M mix) with V on the tensor-core tile too: 1 (default) on, 0 V on the lane code (MATMUL.md round 51)",

@@ -3138,46 +3138,13 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     }
 }
 
-// The next layer's attention weights brought into L2 by the MoE down launch (moe.rs,
-// FERRITE_MOE_PF_NEXT; MOE.md, 27th session): the expert launches are latency-bound and leave
-// the DRAM mostly idle (~1.3 TB/s over the MoE half of a Qwen3-30B-A3B layer), so the next
-// layer's Q, K, V and o-projection (~11 MB) can stream into L2 beside them for those
-// launches' copies to read. PfNext: up to four spans (16-byte units), split over the launch's
-// blocks; thread 0 of each issues one bulk L2 prefetch per span share (a hint: nothing
-// written), at the block's start (mode 1) or end (2); mode 0: none.
-struct PfNext {
-    const uint8_t* p[4];
-    unsigned long long u[4];
-    int mode;
-};
-__device__ __forceinline__ void pf_next_share(const PfNext& pf, int b, int nb) {
-#if __CUDA_ARCH__ >= 900
-    if (threadIdx.x != 0) return;
-    unsigned long long total = 0;
-#pragma unroll
-    for (int k = 0; k < 4; k++) total += pf.u[k];
-    const unsigned long long a = total * (unsigned long long)b / (unsigned long long)nb;
-    const unsigned long long e = total * (unsigned long long)(b + 1) / (unsigned long long)nb;
-    unsigned long long base = 0;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const unsigned long long lo = a > base ? a : base, hi = e < base + pf.u[k] ? e : base + pf.u[k];
-        if (hi > lo) prefetch_l2(pf.p[k] + 16 * (lo - base), (unsigned)(16 * (hi - lo)));
-        base += pf.u[k];
-    }
-#endif
-}
-
-// A down kernel of DNW rows per pass (gemvq_moe_down), with pf_next_share.
+// A down kernel of DNW rows per pass (gemvq_moe_down).
 #define GEMVQ_MOE_DOWN_KERNEL(kname, TYPE, DNW)                                                                \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
         kname(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn, const int8_t* __restrict__ hq,  \
               const float2* __restrict__ hd, const float* __restrict__ logits, int n_experts, int top_k,         \
-              int norm, float* __restrict__ out, PfNext pf) {                                                    \
-        const int pb = blockIdx.y * gridDim.x + blockIdx.x, pn = gridDim.x * gridDim.y;                        \
-        if (pf.mode == 1) pf_next_share(pf, pb, pn);                                                           \
+              int norm, float* __restrict__ out) {                                                               \
         gemvq_moe_down<TYPE, DNW>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out);             \
-        if (pf.mode == 2) pf_next_share(pf, pb, pn);                                                           \
     }
 
 #define GEMVQ_MOE_KERNELS(name, TYPE)                                                                          \
