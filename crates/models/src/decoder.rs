@@ -307,15 +307,16 @@ pub(crate) fn check_experts(
     Ok(())
 }
 
-/// The file must hold no layer past the configured count: a configuration that names
-/// fewer layers than its checkpoint has would otherwise run a truncated model without a
-/// word. `layer_tensor(i)` names a tensor every layer `i` has.
+/// The file must hold no layer past the configured count (and the MTP layers a GGUF stores
+/// after it): a configuration that names fewer layers than its checkpoint has would
+/// otherwise run a truncated model without a word. `layer_tensor(i)` names a tensor every
+/// layer `i` has.
 pub(crate) fn check_layer_count(
     file: &ModelFile,
     cfg: &ModelConfig,
     layer_tensor: impl Fn(usize) -> String,
 ) -> Result<()> {
-    let extra = layer_tensor(cfg.n_layers);
+    let extra = layer_tensor(cfg.n_layers + file.mtp_layers());
     anyhow::ensure!(
         file.tensors().tensor(&extra).is_none(),
         "{} gives {} layers, but the weights have more (the file holds '{extra}'): the \

@@ -134,6 +134,20 @@ impl ModelFile {
         require(self.tensors(), &self.name(t))
     }
 
+    /// Multi-token-prediction layers stored after the model's own as whole blocks: a GGUF's
+    /// `<arch>.nextn_predict_layers` (its `block_count` counts them; Hugging Face keeps
+    /// them under `mtp.*` instead, not as layers).
+    pub fn mtp_layers(&self) -> usize {
+        match self {
+            ModelFile::Gguf(f) => f
+                .get_str("general.architecture")
+                .and_then(|a| f.get(&format!("{a}.nextn_predict_layers")))
+                .and_then(|v| v.as_usize())
+                .unwrap_or(0),
+            ModelFile::Safetensors(_) => 0,
+        }
+    }
+
     /// Where this file's hyperparameters come from, for errors that blame them.
     pub fn config_source(&self) -> &'static str {
         match self {

@@ -188,3 +188,37 @@ fn an_unloadable_weight_type_is_named() {
         "{err}"
     );
 }
+
+/// A GGUF's multi-token-prediction blocks follow its layers under the same names
+/// (`block_count` counts them, `nextn_predict_layers` says how many): not extra layers.
+#[test]
+fn gguf_mtp_blocks_are_not_extra_layers() {
+    use ferrite_formats::gguf::{GgufFile, GgufWriter};
+    let tmp = |what: &str| {
+        std::env::temp_dir().join(format!("ferrite-mtp-{what}-{}.gguf", std::process::id()))
+    };
+    let (src, dst) = (tmp("src"), tmp("dst"));
+    ferrite_models::convert::hf_to_gguf(&data_dir().join("qwen35-tiny"), &src).unwrap();
+    // The same file, its last block (blk.3) declared an MTP block.
+    let g = GgufFile::open(&src).unwrap();
+    let mut w = GgufWriter::create(&dst).unwrap();
+    for (k, v) in g.metadata() {
+        w.add_kv(k.clone(), v.clone()).unwrap();
+    }
+    w.add_kv("qwen35.nextn_predict_layers", 1u32).unwrap();
+    for t in g.tensor_infos() {
+        w.add_tensor_info(&t.name, t.dtype, &t.shape).unwrap();
+    }
+    w.write_header().unwrap();
+    for t in g.tensor_infos() {
+        w.write_tensor_data(&t.name, g.tensor_data(t)).unwrap();
+    }
+    w.finish().unwrap();
+    let be = CpuBackend::new();
+    let file = ModelFile::open(&dst).unwrap();
+    let loaded = Model::<CpuBackend>::load(&be, &file, &|_, _| {});
+    std::fs::remove_file(&src).ok();
+    std::fs::remove_file(&dst).ok();
+    let m = loaded.expect("three layers and an MTP block load");
+    assert_eq!(m.cfg.n_layers, 3);
+}
