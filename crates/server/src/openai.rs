@@ -151,6 +151,13 @@ pub struct Common {
     pub n: Option<i64>,
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// Only `{"type": "text"}` (the default): output is not constrained to JSON or a schema,
+    /// and a request that asks for it is refused rather than answered unconstrained.
+    #[serde(default)]
+    pub response_format: Option<Value>,
+    /// Not supported: refused unless empty, rather than ignored.
+    #[serde(default)]
+    pub logit_bias: Option<Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -237,6 +244,30 @@ impl Common {
                 ),
             )
             .with_code("model_not_found"));
+        }
+        if let Some(f) = self.response_format.as_ref().filter(|f| !f.is_null()) {
+            let ty = f.get("type").and_then(Value::as_str);
+            if ty != Some("text") {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "response_format type {} is not supported: ferrite does not constrain \
+                         its output (only \"text\")",
+                        ty.map_or_else(|| f.to_string(), |t| format!("\"{t}\""))
+                    ),
+                ));
+            }
+        }
+        let biased = match &self.logit_bias {
+            None | Some(Value::Null) => false,
+            Some(Value::Object(m)) => !m.is_empty(),
+            Some(_) => true,
+        };
+        if biased {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "logit_bias is not supported",
+            ));
         }
         if let Some(n) = self.n {
             if !(1..=MAX_CHOICES as i64).contains(&n) {
@@ -674,6 +705,16 @@ mod tests {
             (json!({"top_p": 0.0}), "top_p"),
             (json!({"top_k": -2}), "top_k"),
             (json!({"presence_penalty": 5.0}), "presence_penalty"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
+                "response_format",
+            ),
+            (json!({"response_format": "json"}), "response_format"),
+            (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
         ];
         for (extra, param) in cases {
             let e = common(extra.clone()).unwrap_err();
@@ -707,6 +748,18 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn text_response_format_and_empty_logit_bias_are_accepted() {
+        for extra in [
+            json!({"response_format": {"type": "text"}}),
+            json!({"response_format": null}),
+            json!({"logit_bias": {}}),
+            json!({"logit_bias": null}),
+        ] {
+            assert!(common(extra.clone()).is_ok(), "{extra}");
+        }
     }
 
     #[test]
