@@ -326,6 +326,8 @@ class BadInput(unittest.TestCase):
         self.expect(400, self.good(chat_template_kwargs=[True]))
         self.expect(400, self.good(response_format={"type": "json_object"}), param="response_format")
         self.expect(400, self.good(logit_bias={"1": 5}), param="logit_bias")
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        self.expect(400, self.good(tools=[tool], tool_choice="required"), param="tool_choice")
         self.expect(400, {"model": SERVER.model, "prompt": [1, 2], "n": -1}, path="/v1/completions")
         self.expect(400, {"model": SERVER.model, "prompt": [10**9]}, path="/v1/completions")
 

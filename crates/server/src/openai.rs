@@ -535,8 +535,20 @@ impl ChatRequest {
             Value::Array(_) => {}
             _ => return Err(ApiError::invalid("tools", "tools must be an array")),
         }
-        if self.tool_choice.as_ref().and_then(|c| c.as_str()) == Some("none") {
-            return Ok(None);
+        match self.tool_choice.as_ref() {
+            None | Some(Value::Null) => {}
+            Some(c) if c.as_str() == Some("none") => return Ok(None),
+            Some(c) if c.as_str() == Some("auto") => {}
+            // "required" or a named function: a call would have to be forced.
+            Some(c) => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "tool_choice {c} is not supported: ferrite cannot force a tool call \
+                         (\"auto\" and \"none\" are)"
+                    ),
+                ))
+            }
         }
         Ok(Some(raw.get().to_string()))
     }
@@ -748,6 +760,27 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn tool_choice_auto_and_none_only() {
+        let tools = r#"[{"type": "function", "function": {"name": "f", "parameters": {}}}]"#;
+        let req = |choice: &str| -> ChatRequest {
+            let body = format!(
+                r#"{{"model": "m", "messages": [], "tools": {tools}, "tool_choice": {choice}}}"#
+            );
+            parse(body.as_bytes()).unwrap()
+        };
+        assert!(req("\"auto\"").tools_json().unwrap().is_some());
+        assert!(req("null").tools_json().unwrap().is_some());
+        assert!(req("\"none\"").tools_json().unwrap().is_none());
+        for forced in [
+            "\"required\"",
+            r#"{"type": "function", "function": {"name": "f"}}"#,
+        ] {
+            let e = req(forced).tools_json().unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("tool_choice"), "{forced}");
+        }
     }
 
     #[test]
