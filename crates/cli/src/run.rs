@@ -84,23 +84,22 @@ fn prompt_text(a: &RunArgs) -> Result<String> {
         (None, Some(path)) => path,
         (None, None) => anyhow::bail!("give the prompt with --prompt or --prompt-file"),
     };
-    let bytes = if path.as_os_str() == "-" {
+    let stdin = path.as_os_str() == "-";
+    let source = if stdin {
+        "standard input".to_string()
+    } else {
+        format!("the prompt file {}", path.display())
+    };
+    let bytes = if stdin {
         let mut b = Vec::new();
-        std::io::Read::read_to_end(&mut std::io::stdin(), &mut b)
-            .context("reading the prompt from standard input")?;
-        b
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut b).map(|_| b)
     } else {
         std::fs::read(path)
-            .with_context(|| format!("reading the prompt file {}", path.display()))?
-    };
+    }
+    .with_context(|| format!("reading {source}"))?;
     let mut text = String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
-            "the prompt in {} is not UTF-8 text (invalid byte at offset {})",
-            if path.as_os_str() == "-" {
-                "standard input".to_string()
-            } else {
-                path.display().to_string()
-            },
+            "{source} is not UTF-8 text (invalid byte at offset {})",
             e.utf8_error().valid_up_to()
         )
     })?;

@@ -601,16 +601,10 @@ pub(crate) fn load<B: Backend>(
     crate::decoder::check_layer_count(file, &cfg, |i| names.of(W::AttnNorm(i)))?;
     let get = |w: W| -> Result<HostTensor<'_>> {
         let name = names.of(w);
-        let t = crate::source::require(src, &name)?;
-        if let Some(want) = shape_of(&cfg, w) {
-            crate::source::check_shape(
-                &format!("tensor '{name}'"),
-                &t,
-                &want,
-                file.config_source(),
-            )?;
+        match shape_of(&cfg, w) {
+            Some(want) => crate::source::require_shaped(src, &name, &want, file.config_source()),
+            None => crate::source::require(src, &name),
         }
-        Ok(t)
     };
     let up = |w: W| -> Result<B::Weight> { be.upload(&get(w)?) };
     // Zero-centred RMSNorm weights: Hugging Face stores w, GGUF 1 + w.

@@ -160,14 +160,7 @@ impl ModelFile {
     /// dimensions disagree with its weights is refused at load, naming the tensor, instead
     /// of failing at the first matmul of a forward pass.
     pub fn need_shaped(&self, t: Tensor, want: &[usize]) -> Result<HostTensor<'_>> {
-        let ht = self.need(t)?;
-        check_shape(
-            &format!("tensor '{}'", self.name(t)),
-            &ht,
-            want,
-            self.config_source(),
-        )?;
-        Ok(ht)
+        require_shaped(self.tensors(), &self.name(t), want, self.config_source())
     }
 
     /// The stacked `[n_experts, n_out, n_in]` gate, up and down weights of MoE layer `i`.
@@ -239,6 +232,18 @@ pub(crate) fn require<'a>(src: &'a dyn TensorSource, name: &str) -> Result<HostT
     src.require_tensor(name)
         .map(host)
         .map_err(|e| load_error(name, e))
+}
+
+/// [`require`], refused unless the tensor's row-major shape is `want` ([`check_shape`]).
+pub(crate) fn require_shaped<'a>(
+    src: &'a dyn TensorSource,
+    name: &str,
+    want: &[usize],
+    config_source: &str,
+) -> Result<HostTensor<'a>> {
+    let t = require(src, name)?;
+    check_shape(&format!("tensor '{name}'"), &t, want, config_source)?;
+    Ok(t)
 }
 
 /// The loader's words for `require_tensor`'s errors.
