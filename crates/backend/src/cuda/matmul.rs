@@ -459,26 +459,15 @@ impl Kernels {
         } else {
             0
         };
-        // FERRITE_TC_U2 (round 67): the four-warp Q4_K kernels (bit 1) and the Q8_0 K-split
-        // down and SwiGLU ring (bit 2) at two super-blocks per loop iteration.
-        let tc_u2 = switches::int_or("FERRITE_TC_U2", TC_U2);
-        let (u2_q4, u2_q8) = (tc_u2 & 1 != 0, tc_u2 & 2 != 0);
         let w4_kernel = |on: bool, name: &str| -> Result<Option<CudaFunction>> {
-            let name = if u2_q4 {
-                name.replace("w4_", "w4u_")
-            } else {
-                name.to_string()
-            };
-            on.then(|| function_smem(&m, &name, GEMVQ_BULK_MAX_SMEM))
+            on.then(|| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM))
                 .transpose()
         };
         let tck_w4 = w4_kernel(tck_w4_on >= 2, "gemvq_tckw4_q4_k_r1")?;
         let tckn_w4 = w4_kernel(tck_w4_on >= 1 && tckn.is_some(), "gemvq_tcknw4_q4_k_r1")?;
         let tckn_q8 = if tckn.is_some() && gemvq_tck_q8_cols != 0 {
             let w4 = tck_w4_on >= 1;
-            let name = if w4 && u2_q8 {
-                "gemvq_tcknw4u_q8_0_r1"
-            } else if w4 {
+            let name = if w4 {
                 "gemvq_tcknw4_q8_0_r1"
             } else {
                 "gemvq_tckn_q8_0_r1"
@@ -495,15 +484,7 @@ impl Kernels {
         ))?;
         let swiglu_pipe = if swiglu_n_q8_0.is_some() && gemvq_tc.is_some() && swiglu_nb >= 1 {
             Some((
-                function_smem(
-                    &m,
-                    if u2_q8 {
-                        "gemvq_swiglu_tcnpu_q8_0_r1"
-                    } else {
-                        "gemvq_swiglu_tcnp_q8_0_r1"
-                    },
-                    PIPE_MAX_SMEM,
-                )?,
+                function_smem(&m, "gemvq_swiglu_tcnp_q8_0_r1", PIPE_MAX_SMEM)?,
                 swiglu_nb.min(PIPE_MAX_NB),
             ))
         } else {
@@ -583,11 +564,7 @@ impl Kernels {
             swiglu_w4: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_W4", 1) != 0 {
                 Some(function_smem(
                     &m,
-                    if u2_q4 {
-                        "gemvq_swiglu_tcnw4u_q4_k_r1"
-                    } else {
-                        "gemvq_swiglu_tcnw4_q4_k_r1"
-                    },
+                    "gemvq_swiglu_tcnw4_q4_k_r1",
                     GEMVQ_BULK_MAX_SMEM,
                 )?)
             } else {
@@ -1474,11 +1451,6 @@ const PIPE_MAX_NB: usize = 8;
 /// KB (MATMUL.md round 57): Qwen3-8B Q8_0 tg128 +3.3%; one and three were no faster than the
 /// lane code.
 const SWIGLU_PIPE_NB: usize = 2;
-
-/// `FERRITE_TC_U2`'s default (MATMUL.md round 67): which one-row tiles run two super-blocks
-/// per loop iteration (bit 1 the four-warp Q4_K kernels, bit 2 the Q8_0 K-split down and
-/// SwiGLU ring).
-const TC_U2: i64 = 0;
 
 /// Dynamic shared memory of a one-block-per-SM ring (`gemvq_swiglu_tcnp_q8_0_r1`): the
 /// H100 / H200 opt-in limit of a block, 227 KB, less the kernel's static shared memory

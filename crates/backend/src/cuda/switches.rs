@@ -210,11 +210,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",
     ),
     (
-        "FERRITE_TC_U2",
-        Accepts::Range(0, 3),
-        "the one-row decode tiles' loop at two super-blocks (Q8_0: 256-column units) per iteration, for twice the shared loads in flight per warp (the same sums in the same order), a bit mask: 1 the four-warp Q4_K kernels (the SwiGLU and the K-split downs: gemvq_*w4u_q4_k), 2 the Q8_0 ones (the K-split down gemvq_tcknw4u_q8_0, the SwiGLU ring gemvq_swiglu_tcnpu_q8_0); 0 one per iteration (MATMUL.md round 67)",
-    ),
-    (
         "FERRITE_SWIGLU_PIPE",
         Accepts::Range(0, 8),
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",

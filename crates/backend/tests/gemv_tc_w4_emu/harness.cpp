@@ -33,19 +33,14 @@ static void body() {
 #else
     constexpr bool W4 = false;
 #endif
-#ifdef EMU_U2  // two super-blocks per loop iteration (the w4u kernels, FERRITE_TC_U2)
-    constexpr bool U2 = true;
-#else
-    constexpr bool U2 = false;
-#endif
     if (q8)
-        gemvq_tc_q80<1, false, true, false, W4, U2>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, n_in);
+        gemvq_tc_q80<1, false, true, false, W4>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, n_in);
     else if (plain)  // as gemvq_tck_block calls it: the staged slice, kcols = its width
-        gemvq_tc_q4k<1, false, true, false, false, false, W4, U2>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0,
-                                                                  n_in + 64, n_in);
+        gemvq_tc_q4k<1, false, true, false, false, false, W4>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64,
+                                                              n_in);
     else
-        gemvq_tc_q4k<1, true, true, false, true, false, W4, U2>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0,
-                                                                n_in + 64, 0, sn);
+        gemvq_tc_q4k<1, true, true, false, true, false, W4>(s0, s1, rb, n_out, n_in, xa, da, 1, out, 0, n_in + 64, 0,
+                                                            sn);
 }
 
 int main() {

@@ -1477,8 +1477,7 @@ __device__ __forceinline__ void tc_b_words(const int4 xv, uint32_t mlo, uint32_t
 // super-blocks w, w + 4, ..., alternately into the eight-warp kernel's partials of warps w
 // (w, w + 8, ...) and w + 4 (w + 4, w + 12, ...), by swapping two accumulator sets after
 // each super-block: every sum is the eight-warp kernel's, in its order.
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false, bool W4 = false,
-          bool U2 = false>
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1508,9 +1507,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     // 21.8 us); one for R = 1 (with the branch-free x words the second super-block's values
     // do not fit the registers: MATMUL.md round 11) and for larger R, whose accumulators take
     // the registers.
-    // U2 (FERRITE_TC_U2; MATMUL.md round 67): two super-blocks per iteration at R = 1 as well,
-    // for the four-warp kernels, whose 128-register budget holds both.
-    constexpr int SB_UNROLL = (R == 2 || U2) ? 2 : 1;
+    constexpr int SB_UNROLL = R == 2 ? 2 : 1;
     int nsw = 0;  // W4: super-blocks taken (which set acc is)
 #pragma unroll SB_UNROLL
     for (int sb = warp; sb < nsb; sb += WS) {
@@ -1711,7 +1708,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 // warp (the Q4_K tile's lifetime moves 1,152).
 // W4: as gemvq_tc_q4k's (four warps, the eight-warp kernel's partials in its order).
 #define Q8_0_UNIT_BYTES (8 * Q8_0_BYTES)
-template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false, bool U2 = false>
+template <int R, bool SWIGLU, bool XS, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1736,8 +1733,6 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc2[r][0] = acc2[r][1] = 0.0f;
     constexpr int WS = W4 ? GEMV_WARPS / 2 : GEMV_WARPS;  // the warps' unit stride
     int nsw = 0;  // W4: units taken (which set acc is)
-    constexpr int SB_UNROLL = U2 ? 2 : 1;  // U2: as gemvq_tc_q4k's (MATMUL.md round 67)
-#pragma unroll SB_UNROLL
     for (int sb = warp; sb < nsb; sb += WS) {
         const size_t off = (size_t)sb * Q8_0_UNIT_BYTES;
 #pragma unroll
@@ -1872,7 +1867,7 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false, bool U2 = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1910,8 +1905,8 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
         const int plane = XS ? n_in + 64 : n_in;
         if (TYPE == GGML_Q4_K)
-            gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM, false, W4, U2>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0,
-                                                                   plane, 0, sn);
+            gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM, false, W4>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane,
+                                                               0, sn);
         else
             gemvq_tc_q6k<R, SWIGLU, XS, HALF, NORM>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, 0, sn);
     }
@@ -2095,7 +2090,7 @@ __device__ __forceinline__ void tck_sum(float& v, const float* p, size_t stride,
 // their length in the slots (its loads' bank conflicts two-way instead of four-way); the
 // host's shared memory adds the same (matmul.rs tck_row_pad). Its lane-code down and the
 // norm launch after it took 16.2 + 7.1 us a layer on Qwen3-8B Q8_0 (DECODE_STEP.md).
-template <int TYPE, int R, bool PAIRN = false, bool W4 = false, bool U2 = false>
+template <int TYPE, int R, bool PAIRN = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -2141,11 +2136,10 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
     const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
     if (TYPE == GGML_Q4_K)
-        gemvq_tc_q4k<R, false, XS, false, false, false, W4, U2>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po,
-                                                                 r0, kn + 64, kn);
+        gemvq_tc_q4k<R, false, XS, false, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0,
+                                                             kn + 64, kn);
     else if (TYPE == GGML_Q8_0)
-        gemvq_tc_q80<R, false, XS, false, W4, U2>(smem, smem + slot, srs, n_out, nx, xa, da, rows, po, r0, kn + 64,
-                                                  kn);
+        gemvq_tc_q80<R, false, XS, false, W4>(smem, smem + slot, srs, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     else
         gemvq_tc_q6k<R, false, XS>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0, kn + 64, kn);
     if (PAIRN) {
@@ -2199,7 +2193,6 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  block's groups in one round at its end rather than one after each group's last tile
 //  (which would hold warp 0, and so the next tile, ~0.15 us a group).
 #define PIPE_QH_MAX 256  // matmul.rs PIPE_QH_MAX
-template <bool U2 = false>
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                    long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
@@ -2247,8 +2240,8 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     for (int i = lo, b = 0, ph = 0; i < hi; i++) {
         mbar_wait(bars + b, (uint32_t)ph);
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        gemvq_tc_q80<1, true, true, true, false, U2>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out,
-                                                     i * NS, n_in + 64, 0, sn, qh ? hsm + (i - lo) * NS : nullptr);
+        gemvq_tc_q80<1, true, true, true>(s0, s0 + slot, srs, n_out, n_in, (const int8_t*)xs, da, 1, out, i * NS,
+                                          n_in + 64, 0, sn, qh ? hsm + (i - lo) * NS : nullptr);
         __syncthreads();  // buffer b read by every warp (and hsm written)
         if (warp == 0 && i + nb < hi) issue(i + nb, b);
         if (++b == nb) {
@@ -2445,7 +2438,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 // slices of kc columns, partial sums in part[ks][rows][n_out], one ticket per tile. W empty:
 // eight warps, bounds as the 16-row kernels'; W = w4 (gemvq_tckw4_q4_k_r1): W4 = true, LB
 // its bounds.
-#define GEMVQ_TCK_FORM(W, name, TYPE, R, W4, U2, LB)                                                       \
+#define GEMVQ_TCK_FORM(W, name, TYPE, R, W4, LB)                                                           \
     extern "C" __global__ void __launch_bounds__ LB                                                         \
         gemvq_tck##W##_##name##_r##R(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,     \
                                      const int8_t* __restrict__ xq, const float2* __restrict__ xd,          \
@@ -2453,11 +2446,11 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
                                      unsigned* __restrict__ tickets) {                                      \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
         __shared__ __align__(8) uint64_t gemv_bar;                                                          \
-        gemvq_tck_block<TYPE, R, false, W4, U2>(W_, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets,  \
-                                                gemv_smem, &gemv_bar);                                      \
+        gemvq_tck_block<TYPE, R, false, W4>(W_, rb, n_out, n_in, kc, xq, xd, rows, out, part, tickets,      \
+                                            gemv_smem, &gemv_bar);                                          \
     }
 #define GEMVQ_TCK_KERNEL(name, TYPE, R) \
-    GEMVQ_TCK_FORM(, name, TYPE, R, false, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
+    GEMVQ_TCK_FORM(, name, TYPE, R, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R)))
 #define GEMVQ_TCK_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_TCK_KERNEL, name, TYPE)
 
 #define GEMVQ_ALL_R(name, TYPE) GEMV_EACH_R(GEMVQ_KERNEL, name, TYPE)
@@ -2615,17 +2608,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
     gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
                                                           gemv_smem, &gemv_bar, pss, eps);
 }
-// gemvq_swiglu_tcnw4u_q4_k_r1: the same with two super-blocks per loop iteration (gemvq_tc_q4k's
-// U2, FERRITE_TC_U2 bit 1; MATMUL.md round 67): the same sums in the same order.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
-    gemvq_swiglu_tcnw4u_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                                int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t gemv_bar;
-    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
-                                                                blockIdx.x, gemv_smem, &gemv_bar, pss, eps);
-}
 // gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
 // residual add (gemvq's NORM; matmul.rs `hands_norm_over`). Bounds as the plain SwiGLU's.
 #define GEMVQ_SWIGLU_N_KERNEL(name, TYPE, R)                                                                \
@@ -2665,7 +2647,7 @@ GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
 // gemvq_tckn<W>_<type>_r1: the K-split Q4_K (Q8_0) down projection handing the next layer's
 // attention norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). W empty: eight
 // warps, bounds as the plain one's.
-#define GEMVQ_TCKN_FORM(W, name, TYPE, W4, U2, LB)                                                           \
+#define GEMVQ_TCKN_FORM(W, name, TYPE, W4, LB)                                                               \
     extern "C" __global__ void __launch_bounds__ LB                                                           \
         gemvq_tckn##W##_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,       \
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,        \
@@ -2674,28 +2656,22 @@ GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
                                 float2* __restrict__ pd, float* __restrict__ pss) {                          \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
         __shared__ __align__(8) uint64_t gemv_bar;                                                            \
-        gemvq_tck_block<TYPE, 1, true, W4, U2>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,    \
-                                               gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                     \
+        gemvq_tck_block<TYPE, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,        \
+                                           gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                         \
     }
-GEMVQ_TCKN_FORM(, q4_k, GGML_Q4_K, false, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
+GEMVQ_TCKN_FORM(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
 // gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
 // one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
 // (gemvq_tck_block's W4: the eight-warp kernels' partials and outputs, bit for bit), four
 // blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
-GEMVQ_TCK_FORM(w4, q4_k, GGML_Q4_K, 1, true, false, (GEMV_WARPS / 2 * 32, 4))
-GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, false, (GEMV_WARPS / 2 * 32, 4))
-// ... and with two super-blocks per loop iteration (w4u: gemvq_tc_q4k's U2, FERRITE_TC_U2 bit 1;
-// MATMUL.md round 67).
-GEMVQ_TCK_FORM(w4u, q4_k, GGML_Q4_K, 1, true, true, (GEMV_WARPS / 2 * 32, 4))
-GEMVQ_TCKN_FORM(w4u, q4_k, GGML_Q4_K, true, true, (GEMV_WARPS / 2 * 32, 4))
+GEMVQ_TCK_FORM(w4, q4_k, GGML_Q4_K, 1, true, (GEMV_WARPS / 2 * 32, 4))
+GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
 // The Q8_0 K-split tile (gemvq_tc_q80; MATMUL.md round 54): gemvq_tck_q8_0_r<R> for the long
 // rows' plain launches at every R, and the one-row down handing the attention norm over,
 // gemvq_tckn_q8_0_r1 / gemvq_tcknw4_q8_0_r1 (eight warps / four, as Q4_K's).
 GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
-GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
-GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, false, (GEMV_WARPS / 2 * 32, 4))
-// ... and with gemvq_tc_q80's U2 (FERRITE_TC_U2 bit 2; MATMUL.md round 67).
-GEMVQ_TCKN_FORM(w4u, q8_0, GGML_Q8_0, true, true, (GEMV_WARPS / 2 * 32, 4))
+GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
+GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
 #define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
 // gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one block
 // per SM.
@@ -2709,18 +2685,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
     gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);
-}
-// gemvq_swiglu_tcnpu_q8_0_r1: the same with gemvq_tc_q80's U2 (FERRITE_TC_U2 bit 2; round 67).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
-    gemvq_swiglu_tcnpu_q8_0_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                               int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
-                               const float2* __restrict__ xd, float* __restrict__ out,
-                               const float* __restrict__ pss, float eps, int8_t* __restrict__ hq,
-                               float2* __restrict__ hd) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
-    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_p_q80<true>(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
