@@ -416,12 +416,21 @@ pub struct DeltaArgs<'a, B, W> {
     pub shape: DeltaShape,
 }
 
-/// The three stacked expert matrices of one MoE layer, each `[n_experts, n_out, n_in]`.
+/// The three stacked expert matrices of one MoE layer, each `[n_experts, n_out, n_in]` (a
+/// shared expert's, [`Backend::moe_shared`]: `[n_out, n_in]`).
 pub struct ExpertWeights<'a, W> {
     pub gate: &'a W,
     pub up: &'a W,
     pub down: &'a W,
 }
+
+// References only: copyable whatever W is (a derive would ask W: Copy).
+impl<W> Clone for ExpertWeights<'_, W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<W> Copy for ExpertWeights<'_, W> {}
 
 /// The operations a model is made of. Implemented by the CPU reference backend and by the
 /// accelerated backends; `ferrite check` compares every implementation against the CPU one.
@@ -841,6 +850,28 @@ pub trait Backend: Send + Sync {
         routing: MoeRouting,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
+
+    /// [`Backend::moe`] and a gated shared expert (Qwen3.5-MoE) in one step, where the backend
+    /// fuses them: `out[t] = moe(x)[t] + σ(x[t] · gate) · shared(x[t])`, `shared` a SwiGLU MLP
+    /// (gate, up, down: `[ffn, hidden]`, `[ffn, hidden]`, `[hidden, ffn]`, an expert's shapes)
+    /// and `gate` its `[1, hidden]` row.
+    /// Returns false, having done nothing, where it does not (the default): the caller then
+    /// runs the composition (`moe`, the MLP, `matmul` of the gate row, `sigmoid_gate`,
+    /// `add_assign`), whose result this approximates to within floating-point summation order.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_shared(
+        &self,
+        x: &Act<Self::Buf>,
+        router_logits: &Act<Self::Buf>,
+        experts: ExpertWeights<'_, Self::Weight>,
+        shared: ExpertWeights<'_, Self::Weight>,
+        gate: &Self::Weight,
+        routing: MoeRouting,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<bool> {
+        let _ = (x, router_logits, experts, shared, gate, routing, out);
+        Ok(false)
+    }
 
     /// Greedy token choice on the device: `out[t] = argmax(logits[t])` (ties to the lower id).
     fn argmax(&self, logits: &Act<Self::Buf>, out: &mut Self::IBuf) -> Result<()>;

@@ -481,6 +481,9 @@ enum Op {
         shape: AttnShape,
         pos0: usize,
     },
+    /// The experts alone (`moe`), or (`shared`) with Qwen3.5's gated shared expert of the
+    /// experts' types, by `moe_shared` (CUDA: the shared expert inside the MoE launches; it
+    /// must take that form where the case is one it fuses) or else the composition.
     Moe {
         routing: MoeRouting,
         hidden: usize,
@@ -488,6 +491,7 @@ enum Op {
         gate_ty: GgmlType,
         down_ty: GgmlType,
         rows: usize,
+        shared: bool,
     },
     Argmax {
         rows: usize,
@@ -817,11 +821,15 @@ fn describe(op: &Op) -> (&'static str, String) {
             gate_ty,
             down_ty,
             rows,
+            shared,
         } => (
             "moe",
             format!(
-                "moe e{} top{} {hidden}/{ffn} {gate_ty}/{down_ty} norm={} rows={rows}",
-                routing.n_experts, routing.top_k, routing.norm_topk
+                "moe{} e{} top{} {hidden}/{ffn} {gate_ty}/{down_ty} norm={} rows={rows}",
+                if *shared { "+shared" } else { "" },
+                routing.n_experts,
+                routing.top_k,
+                routing.norm_topk
             ),
         ),
         Op::Argmax { rows, cols, kind } => ("argmax", format!("argmax {kind:?} {rows}x{cols}")),
@@ -1831,6 +1839,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     gate_ty,
                     down_ty,
                     rows,
+                    shared: false,
                 });
             }
         }
@@ -1856,11 +1865,14 @@ pub fn cases(quick: bool) -> Vec<Case> {
                         gate_ty,
                         down_ty,
                         rows,
+                        shared: false,
                     });
                 }
             }
         }
-        // Qwen3.5-35B-A3B's routed experts: 256 experts top-8, hidden 2048, expert ffn 512.
+        // Qwen3.5-35B-A3B's routed experts: 256 experts top-8, hidden 2048, expert ffn 512;
+        // and with its gated shared expert of the same shapes (fused by CUDA at ≤ 16 rows
+        // with Q4_K gate/up; 17 and 32 rows and the Q8_0 gate/up: the composition).
         for (gate_ty, down_ty) in [
             (GgmlType::Q4K, GgmlType::Q6K),
             (GgmlType::Q8_0, GgmlType::Q8_0),
@@ -1877,9 +1889,48 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     gate_ty,
                     down_ty,
                     rows,
+                    shared: false,
                 });
             }
         }
+        for (gate_ty, down_ty) in [
+            (GgmlType::Q4K, GgmlType::Q6K),
+            (GgmlType::Q4K, GgmlType::Q4K),
+            (GgmlType::Q4K, GgmlType::Q8_0),
+            (GgmlType::Q8_0, GgmlType::Q8_0),
+        ] {
+            for rows in [1, 3, 16, 17] {
+                add(Op::Moe {
+                    routing: MoeRouting {
+                        n_experts: 256,
+                        top_k: 8,
+                        norm_topk: true,
+                    },
+                    hidden: 2048,
+                    ffn: 512,
+                    gate_ty,
+                    down_ty,
+                    rows,
+                    shared: true,
+                });
+            }
+        }
+    }
+    // The gated shared expert at a small shape too (every backend, the quick set included).
+    for rows in [1, 5] {
+        add(Op::Moe {
+            routing: MoeRouting {
+                n_experts: 8,
+                top_k: 2,
+                norm_topk: true,
+            },
+            hidden: 256,
+            ffn: 512,
+            gate_ty: GgmlType::Q4K,
+            down_ty: GgmlType::Q6K,
+            rows,
+            shared: true,
+        });
     }
 
     // --- argmax
@@ -2660,6 +2711,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             gate_ty,
             down_ty,
             rows,
+            shared,
         } => {
             let ne = routing.n_experts;
             for (i, (ty, shape)) in [
@@ -2675,6 +2727,33 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             }
             h.acts.push((rng.normals(rows * hidden, 1.0), rows, hidden));
             h.acts.push((rng.normals(rows * ne, 2.0), rows, ne));
+            if shared {
+                // Its gate, up and down, its f32 gate row (scaled so that σ spans (0, 1)),
+                // and the composition's scratch: gate, up, act, its output, its gate.
+                for (i, (ty, shape)) in [
+                    (gate_ty, vec![ffn, hidden]),
+                    (gate_ty, vec![ffn, hidden]),
+                    (down_ty, vec![hidden, ffn]),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let data = gen_weight(ty, &shape, seed.wrapping_add(i as u64 + 11))?;
+                    h.weights.push((ty, shape, data));
+                }
+                let gate_row = rng.normals(hidden, 1.0 / (hidden as f32).sqrt());
+                h.weights
+                    .push((GgmlType::F32, vec![1, hidden], f32_bytes(&gate_row)));
+                for (r, c) in [
+                    (rows, ffn),
+                    (rows, ffn),
+                    (rows, ffn),
+                    (rows, hidden),
+                    (rows, 1),
+                ] {
+                    h.acts.push((rng.normals(r * c, 1.0), r, c));
+                }
+            }
             h.out = (rows, hidden);
         }
         Op::ArgmaxFeed { cols, pos, kind } => {
@@ -3303,7 +3382,11 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             };
             be.qk_norm_rope_attention(kv, qk, (q, k, &*v), 1, *shape, &mut p.out)
         }
-        Op::Moe { routing, .. } => be.moe(
+        Op::Moe {
+            routing,
+            shared: false,
+            ..
+        } => be.moe(
             &p.a[0],
             &p.a[1],
             ExpertWeights {
@@ -3314,6 +3397,45 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             *routing,
             &mut p.out,
         ),
+        Op::Moe {
+            routing,
+            gate_ty,
+            rows,
+            shared: true,
+            ..
+        } => {
+            let experts = ExpertWeights {
+                gate: &p.w[0],
+                up: &p.w[1],
+                down: &p.w[2],
+            };
+            let sw = ExpertWeights {
+                gate: &p.w[3],
+                up: &p.w[4],
+                down: &p.w[5],
+            };
+            let [x, logits, g, u, act, so, sg] = &mut p.a[..] else {
+                bail!("moe+shared: expected 7 activations")
+            };
+            if be.moe_shared(x, logits, experts, sw, &p.w[6], *routing, &mut p.out)? {
+                return Ok(());
+            }
+            // CUDA fuses every case of Q4_K gate/up up to 16 rows (moe.rs `moe_shared`) unless
+            // switched off: a composition there would leave the fused kernels unchecked.
+            let fuses = be.name().starts_with("cuda")
+                && *gate_ty == GgmlType::Q4K
+                && *rows <= ferrite_backend::cuda::moe::DECODE_MAX_ROWS
+                && std::env::var("FERRITE_MOE_SHARED").as_deref() != Ok("0");
+            if fuses {
+                bail!("moe+shared: the CUDA backend ran the composition, not its fused form");
+            }
+            be.moe(x, logits, experts, *routing, &mut p.out)?;
+            be.matmul_swiglu(x, sw.gate, sw.up, (g, u), act)?;
+            be.matmul(act, sw.down, so)?;
+            be.matmul(x, &p.w[6], sg)?;
+            be.sigmoid_gate(so, sg)?;
+            be.add_assign(&mut p.out, so)
+        }
         Op::Argmax { .. } => {
             let s = p
                 .iout
@@ -3946,12 +4068,13 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
                     used.insert(e);
                 }
             }
-            let per_expert: usize = h
-                .weights
+            // The routed experts' three matrices; a shared expert's (and its gate row) whole.
+            let per_expert: usize = h.weights[..3]
                 .iter()
                 .map(|w| w.2.len() / routing.n_experts)
                 .sum();
-            f(used.len() * per_expert + acts + out)
+            let shared: usize = h.weights[3..].iter().map(|w| w.2.len()).sum();
+            f(used.len() * per_expert + shared + acts + out)
         }
     }
 }

@@ -191,17 +191,24 @@ fn ffn_block<B: Backend>(
             if !routed {
                 be.matmul(h, wr, router)?;
             }
-            be.moe(
-                h,
-                router,
-                ExpertWeights {
-                    gate: wg,
-                    up: wu,
-                    down: wd,
-                },
-                moe.routing,
-                y,
-            )?;
+            let experts = ExpertWeights {
+                gate: wg,
+                up: wu,
+                down: wd,
+            };
+            // The routed and the gated shared expert in one step where the backend fuses
+            // them (the same sum as the composition below, to summation order).
+            if let Some(se) = shared {
+                let shared_w = ExpertWeights {
+                    gate: &se.gate,
+                    up: &se.up,
+                    down: &se.down,
+                };
+                if be.moe_shared(h, router, experts, shared_w, &se.gate_w, moe.routing, y)? {
+                    return Ok(());
+                }
+            }
+            be.moe(h, router, experts, moe.routing, y)?;
             if let Some(se) = shared {
                 let (out, out_gate) = shared_out.context("no scratch for the shared expert")?;
                 swiglu_mlp(

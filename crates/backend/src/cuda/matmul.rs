@@ -181,6 +181,10 @@ pub struct Kernels {
     /// `gemvq_moe_gu_tc_q4_k`: the Q4_K gate/up experts on the tensor-core tile (sm_90+,
     /// unless `FERRITE_MOE_TC=0`); moe.rs sizes its shared memory to match.
     pub(crate) gemvq_moe_gu_tc: Option<CudaFunction>,
+    /// The same with Qwen3.5's shared expert as every token's last pair, and the down +
+    /// combine that adds it with its gate (`gemvq_moe_gu_tcs_q4_k`, `gemvq_moe_downs4_<type>`
+    /// by [`TYPES`] index; moe.rs `moe_shared`, MOE.md; unless `FERRITE_MOE_SHARED=0`).
+    pub(crate) gemvq_moe_shared: Option<(CudaFunction, Vec<Option<CudaFunction>>)>,
     /// Whether the MoE gate/up blocks prefetch their experts' down rows into L2 (matmul.cu
     /// `moe_down_prefetch`; on unless `FERRITE_MOE_PF=0`).
     pub(crate) moe_down_prefetch: bool,
@@ -533,6 +537,25 @@ impl Kernels {
         } else {
             None
         };
+        // The shared expert inside those launches (Q4_K gate/up on the tile; downs of the
+        // types below), unless FERRITE_MOE_SHARED=0.
+        let gemvq_moe_shared = match &gemvq_moe_gu_tc {
+            Some(_) if switches::int_or("FERRITE_MOE_SHARED", 1) != 0 => {
+                let downs = TYPES
+                    .iter()
+                    .map(|(ty, name)| {
+                        matches!(
+                            ty,
+                            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q8_0
+                        )
+                        .then(|| function(&m, &format!("gemvq_moe_downs4_{name}")))
+                        .transpose()
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some((function(&m, "gemvq_moe_gu_tcs_q4_k")?, downs))
+            }
+            _ => None,
+        };
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
         // kernel's; where that fails they keep what a launch gets without opting in.
         let raised = gemvq_moe
@@ -540,6 +563,11 @@ impl Kernels {
             .flatten()
             .flatten()
             .chain(&gemvq_moe_gu_tc)
+            .chain(
+                gemvq_moe_shared
+                    .iter()
+                    .flat_map(|(gu, d)| std::iter::once(gu).chain(d.iter().flatten())),
+            )
             .all(|f| {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -594,6 +622,7 @@ impl Kernels {
             gemvq_moe,
             gemvq_moe_smem,
             gemvq_moe_gu_tc,
+            gemvq_moe_shared,
             moe_down_prefetch: switches::int_or("FERRITE_MOE_PF", 1) != 0,
             quant_x: function(&m, "quant_x_q8")?,
             quant_x_early: i32::from(switches::int_or("FERRITE_QX_EARLY", 1) != 0),

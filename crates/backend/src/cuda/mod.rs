@@ -811,6 +811,19 @@ impl Backend for CudaBackend {
         moe::moe(self, x, router_logits, experts, routing, out)
     }
 
+    fn moe_shared(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        router_logits: &Act<CudaSlice<f32>>,
+        experts: ExpertWeights<'_, CudaWeight>,
+        shared: ExpertWeights<'_, CudaWeight>,
+        gate: &CudaWeight,
+        routing: MoeRouting,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<bool> {
+        moe::moe_shared(self, x, router_logits, experts, shared, gate, routing, out)
+    }
+
     fn argmax(&self, logits: &Act<CudaSlice<f32>>, out: &mut CudaSlice<i32>) -> Result<()> {
         ops::argmax(self, logits, out)
     }

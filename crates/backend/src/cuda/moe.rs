@@ -215,6 +215,98 @@ pub fn moe(
     routing: MoeRouting,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
+    moe_with(be, x, router_logits, experts, None, routing, out)
+}
+
+/// A gated shared expert taken into the quantized-activation path's two launches
+/// ([`moe_shared`]): its kernels, weights and gate row.
+struct Shared<'a> {
+    gu: &'a CudaFunction,
+    down: &'a CudaFunction,
+    w: (&'a CudaWeight, &'a CudaWeight, &'a CudaWeight),
+    gate: &'a CudaWeight,
+}
+
+/// `Backend::moe_shared` (MOE.md, "The shared expert inside the MoE launches"): where the
+/// quantized-activation decode path runs (≤ DECODE_MAX_ROWS rows) with the tensor-core Q4_K
+/// gate/up, top-k ≤ 8, the shared expert's gate and up of the experts' type and shape, its
+/// down of the experts' down type, and an f32 gate row, the shared expert is every token's
+/// last pair of the gate/up launch (`gemvq_moe_gu_tcs_q4_k`) and last slot of the down +
+/// combine (`gemvq_moe_downs4_<type>`, which also takes the gate's dot product and sigmoid):
+/// two launches where the composition takes seven. Otherwise false, nothing done.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_shared(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    router_logits: &Act<CudaSlice<f32>>,
+    experts: ExpertWeights<'_, CudaWeight>,
+    shared: ExpertWeights<'_, CudaWeight>,
+    gate: &CudaWeight,
+    routing: MoeRouting,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    let Some((gu, downs)) = be.matmul.gemvq_moe_shared.as_ref() else {
+        return Ok(false);
+    };
+    let (g, d) = (experts.gate, experts.down);
+    let (sg, su, sd) = (shared.gate, shared.up, shared.down);
+    let (rows, hidden) = (x.rows, x.cols);
+    let ffn = match g.shape[..] {
+        [_, f, _] => f,
+        _ => return Ok(false),
+    };
+    let down = matmul::type_index(d.dtype)
+        .ok()
+        .and_then(|i| downs.get(i))
+        .and_then(Option::as_ref);
+    let d_slots = (MOE_WARPS + 1) * bulk_slot(MOE_DOWN_ROWS, d.row_bytes());
+    let takes = down.is_some()
+        && (1..=DECODE_MAX_ROWS).contains(&rows)
+        && routing.top_k <= MOE_WARPS
+        && quantized_decode_types(g.dtype, d.dtype, rows)
+        && gu_tc_kernel(be, g.dtype).is_some()
+        && experts.up.dtype == g.dtype
+        && sg.dtype == g.dtype
+        && su.dtype == g.dtype
+        && sd.dtype == d.dtype
+        && sg.shape == [ffn, hidden]
+        && su.shape == [ffn, hidden]
+        && sd.shape == [hidden, ffn]
+        && gate.dtype == GgmlType::F32
+        && gate.shape.iter().product::<usize>() == hidden
+        && d_slots <= be.matmul.gemvq_moe_smem
+        && [&sg.data, &su.data, &sd.data, &gate.data]
+            .iter()
+            .all(|b| aligned16(be, b));
+    let Some(down) = down.filter(|_| takes) else {
+        return Ok(false);
+    };
+    moe_with(
+        be,
+        x,
+        router_logits,
+        experts,
+        Some(Shared {
+            gu,
+            down,
+            w: (sg, su, sd),
+            gate,
+        }),
+        routing,
+        out,
+    )?;
+    Ok(true)
+}
+
+fn moe_with(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    router_logits: &Act<CudaSlice<f32>>,
+    experts: ExpertWeights<'_, CudaWeight>,
+    shared: Option<Shared<'_>>,
+    routing: MoeRouting,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
     let (rows, hidden) = (x.rows, x.cols);
     let MoeRouting {
         n_experts,
@@ -242,7 +334,8 @@ pub fn moe(
     if rows == 0 {
         return Ok(());
     }
-    let pairs = rows * top_k;
+    // With the shared expert: a pair more per token (gate/up's h and its planes).
+    let pairs = rows * (top_k + usize::from(shared.is_some()));
 
     let (g, u, d) = (experts.gate, experts.up, experts.down);
     let x_a16 = aligned16(be, &x.buf);
@@ -349,6 +442,10 @@ pub fn moe(
     } = dims;
     let norm = i32::from(norm_topk);
 
+    ensure!(
+        shared.is_none() || quantized_decode,
+        "moe: the shared expert is taken only on the quantized-activation path"
+    );
     if quantized_decode {
         return quantized_experts(
             be,
@@ -362,6 +459,7 @@ pub fn moe(
             routing,
             dims,
             bulk.unwrap_or((0, 0)),
+            shared,
             out,
         );
     }
@@ -534,10 +632,11 @@ fn quantized_experts(
     routing: MoeRouting,
     dims: Dims,
     smem: (u32, u32),
+    shared: Option<Shared<'_>>,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
     let top_k = routing.top_k;
-    let pairs = rows * top_k;
+    let pairs = rows * (top_k + usize::from(shared.is_some()));
     ensure!(
         u.row_bytes() == g.row_bytes(),
         "moe: gate and up rows differ in size"
@@ -577,7 +676,10 @@ fn quantized_experts(
     // (ffn % 32 == 0, checked above: the grid's x is even), through which they quantize h
     // instead of by ticket (matmul.cu 1c).
     let gu_tc = gu_tc_kernel(be, g.dtype);
-    let (gu_kernel, gu_cluster) = (gu_tc.unwrap_or(&gk[0]), gu_tc.is_some());
+    let (gu_kernel, gu_cluster) = match &shared {
+        Some(sh) => (sh.gu, true),
+        None => (gu_tc.unwrap_or(&gk[0]), gu_tc.is_some()),
+    };
     let threads = (MOE_WARPS * 32) as u32;
     let cfg = LaunchConfig {
         grid_dim: (ffn.div_ceil(MOE_GU_ROWS) as u32, pairs as u32, 1),
@@ -605,6 +707,9 @@ fn quantized_experts(
         .arg(&mut s.tickets)
         .arg(&d.data)
         .arg(&pf_rb);
+    if let Some(sh) = &shared {
+        launch.arg(&sh.w.0.data).arg(&sh.w.1.data).arg(&sh.w.2.data);
+    }
     if gu_cluster {
         launch.cluster((2, 1, 1));
     }
@@ -614,30 +719,43 @@ fn quantized_experts(
     // rows × hidden values; h holds ≥ pairs × ffn floats, hq 2·pairs·ffn bytes, hd
     // pairs·ffn/16 floats, tickets pairs·ffn/32 ints (grown by the caller); the L2
     // prefetch stays inside the expert's `hidden` down rows of d_rb bytes (a hint: no write).
+    // With the shared expert (moe_shared): pairs counts its pair per token, and its gate, up
+    // and down hold `ffn`, `ffn` and `hidden` rows of the experts' row sizes (checked there).
     unsafe { launch.launch(cfg) }?;
+    // The shared expert's down + combine: a copy slot more (moe_shared checked its fit).
+    let d_smem = match &shared {
+        Some(_) => ((MOE_WARPS + 1) * bulk_slot(MOE_DOWN_ROWS, d.row_bytes())) as u32,
+        None => d_smem,
+    };
     let cfg = LaunchConfig {
         grid_dim: (hidden.div_ceil(MOE_DOWN_ROWS) as u32, rows as u32, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: d_smem,
     };
-    // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert; out holds rows ×
-    // hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory slots.
-    unsafe {
-        be.stream
-            .kernel(&dk[1])
-            .arg(&d.data)
-            .arg(&d_rb)
-            .arg(&hid)
-            .arg(&ff)
-            .arg(&s.hq)
-            .arg(&s.hd)
-            .arg(logits)
-            .arg(&ne)
-            .arg(&tk)
-            .arg(&norm)
-            .arg(&mut out.buf)
-            .launch(cfg)
-    }?;
+    let mut launch = be
+        .stream
+        .kernel(shared.as_ref().map_or(&dk[1], |sh| sh.down));
+    launch
+        .arg(&d.data)
+        .arg(&d_rb)
+        .arg(&hid)
+        .arg(&ff)
+        .arg(&s.hq)
+        .arg(&s.hd)
+        .arg(logits)
+        .arg(&ne)
+        .arg(&tk)
+        .arg(&norm)
+        .arg(&mut out.buf);
+    if let Some(sh) = &shared {
+        launch.arg(&sh.w.2.data).arg(&x.buf).arg(&sh.gate.data);
+    }
+    // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert (and the shared
+    // expert's down `hidden` rows of the same type and size: moe_shared checked them); out
+    // holds rows × hidden floats (checked); top_k ≤ MAX_TOP_K = the kernel's shared-memory
+    // slots (≤ MOE_WARPS with the shared expert); x rows × hidden f32 values and the gate
+    // row `hidden` f32 values for its dot product.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 

@@ -210,6 +210,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",
     ),
     (
+        "FERRITE_MOE_SHARED",
+        Accepts::OneOf(&[0, 1]),
+        "Qwen3.5-MoE's gated shared expert at decode (up to 16 rows, top-k <= 8, Q4_K gate/up, its down of the routed down's type): 1 (default) as every token's last pair of the MoE gate/up and down launches (gemvq_moe_gu_tcs_q4_k, gemvq_moe_downs4: its gate's dot product and sigmoid in the down's combine), 0 the composition's seven launches (MOE.md)",
+    ),
+    (
         "FERRITE_SWIGLU_PIPE",
         Accepts::Range(0, 8),
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",

@@ -2895,21 +2895,32 @@ __device__ __forceinline__ void moe_down_prefetch(const uint8_t* D, long long d_
 #endif
 }
 
-template <int TYPE, bool TC = false>
+// SH (gemvq_moe_gu_tcs_q4_k; moe.rs `moe_shared`): a token's pairs are its top_k routed
+// experts and, as slot top_k, the shared expert (Gs, Us: its gate and up, `ffn` rows of rb
+// bytes like an expert's; Ds its down, prefetched as an expert's): the same tile, h and
+// quantization of h as a routed pair's, no routing.
+template <int TYPE, bool TC = false, bool SH = false>
 __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
                                              long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, const float* __restrict__ logits,
                                              int n_experts, int top_k, float* __restrict__ h,
                                              int8_t* __restrict__ hq, float2* __restrict__ hd,
                                              int* __restrict__ tickets, const uint8_t* __restrict__ D,
-                                             long long d_rb) {
+                                             long long d_rb, const uint8_t* __restrict__ Gs = nullptr,
+                                             const uint8_t* __restrict__ Us = nullptr,
+                                             const uint8_t* __restrict__ Ds = nullptr) {
+    static_assert(!SH || (TC && TYPE == GGML_Q4_K), "gemvq_moe_gu: SH is the tensor-core Q4_K form's");
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bar;
     __shared__ float rp[MOE_ROUTE_MAX];
     __shared__ int s_e, s_last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r0 = blockIdx.x * MOE_GU_ROWS;
-    const int p = blockIdx.y, t = p / top_k;
+    const int kp = SH ? top_k + 1 : top_k;  // pairs per token
+    const int p = blockIdx.y, t = p / kp, kslot = p % kp;
+    const bool sh = SH && kslot == top_k;  // the shared expert's pair
+    const uint8_t* Gb = sh ? Gs : G;
+    const uint8_t* Ub = sh ? Us : U;
     const int nr = ffn - r0 < MOE_GU_ROWS ? ffn - r0 : MOE_GU_ROWS;  // rows of this block (> 0)
 #if __CUDA_ARCH__ >= 900
     constexpr bool bulk = true;  // the only form on sm_90+: the launcher always passes the slots
@@ -2921,14 +2932,16 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
 #endif
     PDL_ENTRY();  // logits: the router GEMV; xq: the norm (or quant_x_q8)
     if (warp == 0) {
-        const int e = moe_route_warp(logits + (size_t)t * n_experts, n_experts, p % top_k, top_k, 0, rp, nullptr,
-                                     nullptr, lane);
+        // The shared expert's pair: expert "n_experts" (valid below), rows r0.. of Gs and Us.
+        const int e = sh ? n_experts
+                         : moe_route_warp(logits + (size_t)t * n_experts, n_experts, kslot, top_k, 0, rp, nullptr,
+                                          nullptr, lane);
         if (lane == 0) {
             s_e = e;
-            if (bulk && e >= 0 && e < n_experts) {
-                const size_t row = (size_t)e * ffn + r0;
+            if (bulk && (sh || (e >= 0 && e < n_experts))) {
+                const size_t row = sh ? (size_t)r0 : (size_t)e * ffn + r0;
                 size_t ag, au;
-                const uint32_t lg = moe_span(G, row, nr, rb, &ag), lu = moe_span(U, row, nr, rb, &au);
+                const uint32_t lg = moe_span(Gb, row, nr, rb, &ag), lu = moe_span(Ub, row, nr, rb, &au);
                 mbar_init(&bar);
                 mbar_expect(&bar, lg + lu);
 #if __CUDA_ARCH__ >= 900
@@ -2940,7 +2953,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     }
     __syncthreads();  // s_e, and the barrier initialised before anyone waits on it
     const int e = s_e;
-    const bool valid = e >= 0 && e < n_experts;
+    const bool valid = sh || (e >= 0 && e < n_experts);
     const int8_t* xt = xq + (size_t)t * 2 * hidden;
     const float2* dt = xd + (size_t)t * (hidden / QK);
 #if __CUDA_ARCH__ >= 900
@@ -2956,10 +2969,10 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
             uint8_t* xs = gemv_smem + 2 * slot;
             tc_stage_x(xs, xt, dt, hidden);
             mbar_wait(&bar, 0);
-            moe_down_prefetch(D, d_rb, hidden, e);
-            const size_t row0 = (size_t)e * ffn + r0;
-            const uint8_t* sg = gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15);
-            const uint8_t* su = gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15);
+            moe_down_prefetch(sh ? Ds : D, d_rb, hidden, sh ? 0 : e);
+            const size_t row0 = sh ? (size_t)r0 : (size_t)e * ffn + r0;
+            const uint8_t* sg = gemv_smem + ((size_t)(Gb + row0 * (size_t)rb) & 15);
+            const uint8_t* su = gemv_smem + slot + ((size_t)(Ub + row0 * (size_t)rb) & 15);
 #pragma unroll 1
             for (int j = 0; j < MOE_GU_ROWS; j += 8) {
                 if (j) __syncthreads();  // the previous tile's tc_store has read its shared sums
@@ -3032,18 +3045,33 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
 
 // DNW: rows per pass of a warp's slot (2 or 4: the same per-row arithmetic, so the same bits;
 // 4 shares each x load between four rows and halves the dependent passes).
-template <int TYPE, int DNW = 2>
+// SH (gemvq_moe_downs4_<type>; moe.rs `moe_shared`; top_k <= GEMV_WARPS): the shared expert
+// as slot top_k of every token (Ds: its down, `hidden` rows of rb bytes; its h the gate/up's
+// pair t (top_k + 1) + top_k), added after the routed slots with its gate: out = Σ_k w_k y_k
+// + y_s σ(x_t · wsg), in the order and the operations of the composition (moe, then the
+// shared expert's output times sigmoid_gate's σ, then add_assign). The shared rows get a
+// copy slot of their own (GEMV_WARPS + 1 slots), issued with the others before the PDL wait,
+// so the warp that takes them second (warp 0 at top_k = 8) finds them landed; the last warp
+// also takes the gate's dot product over the token's x (xf: the MoE input in f32, wsg: the
+// gate row) before the wait, as warp 0 takes the routing (both complete two launches back).
+template <int TYPE, int DNW = 2, bool SH = false>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
                                                const float* __restrict__ logits, int n_experts, int top_k, int norm,
-                                               float* __restrict__ out) {
+                                               float* __restrict__ out, const uint8_t* __restrict__ Ds = nullptr,
+                                               const float* __restrict__ xf = nullptr,
+                                               const float* __restrict__ wsg = nullptr) {
+    constexpr int NW = GEMV_WARPS, NSL = SH ? GEMV_WARPS + 1 : GEMV_WARPS;  // warps, copy slots
     extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t bars[GEMV_WARPS];
+    __shared__ __align__(8) uint64_t bars[NSL];
     __shared__ float rp[MOE_ROUTE_MAX];
     __shared__ int s_id[GEMVQ_MOE_MAX_TOPK];
     __shared__ float s_w[GEMVQ_MOE_MAX_TOPK];
-    __shared__ float part[GEMVQ_MOE_MAX_TOPK][MOE_DOWN_ROWS];
+    __shared__ float part[GEMVQ_MOE_MAX_TOPK + (SH ? 1 : 0)][MOE_DOWN_ROWS];
+    __shared__ float s_sg;  // SH: the shared expert's gate σ(x_t · wsg)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kp = SH ? top_k + 1 : top_k;  // slots per token
+    if (SH && top_k > NW) __trap();          // the launcher's bound: a slot of its own each
     const int o0 = blockIdx.x * MOE_DOWN_ROWS, t = blockIdx.y;
     const int nr = hidden - o0 < MOE_DOWN_ROWS ? hidden - o0 : MOE_DOWN_ROWS;
 #if __CUDA_ARCH__ >= 900
@@ -3058,6 +3086,7 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     // first slot's weight copy of every warp.
     if (warp == 0) moe_route_warp(logits + (size_t)t * n_experts, n_experts, top_k - 1, top_k, norm, rp, s_id, s_w, lane);
     if (bulk && lane == 0) mbar_init(&bars[warp]);
+    if (SH && bulk && threadIdx.x == 0) mbar_init(&bars[NW]);
     __syncthreads();
     if (bulk && lane == 0 && warp < top_k) {
         const int e = s_id[warp];
@@ -3070,22 +3099,44 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
 #endif
         }
     }
+#if __CUDA_ARCH__ >= 900
+    if (SH && bulk && threadIdx.x == 0) {  // the shared expert's rows into slot NW
+        size_t a;
+        const uint32_t len = moe_span(Ds, (size_t)o0, nr, rb, &a);
+        mbar_expect(&bars[NW], len);
+        bulk_g2s(&bars[NW], gemv_smem + (size_t)NW * slot, a, len);
+    }
+#endif
+    if (SH && warp == NW - 1) {  // the shared expert's gate: sigmoid_gate's σ of x_t · wsg
+        const float* xr = xf + (size_t)t * hidden;
+        float g = 0.0f;
+#pragma unroll 8
+        for (int i = lane; i < hidden; i += 32) g = fmaf(__ldcg(xr + i), __ldg(wsg + i), g);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) g += __shfl_xor_sync(0xffffffffu, g, off);
+        if (lane == 0) s_sg = 1.f / (1.f + expf(-g));
+    }
     PDL_ENTRY();  // hq, hd: the gate/up kernel
     uint32_t ph = 0;  // copies this warp's slot has completed (barrier phases)
-    for (int k = warp; k < top_k; k += GEMV_WARPS) {
-        const int p = t * top_k + k;
-        const int e = s_id[k];
-        const bool valid = e >= 0 && e < n_experts;
+    for (int k = warp; k < kp; k += NW) {
+        const int p = t * kp + k;
+        const bool sh = SH && k == top_k;
+        const int e = sh ? 0 : s_id[k];
+        const bool valid = sh || (e >= 0 && e < n_experts);
+        const uint8_t* Dk = sh ? Ds : D;
         const int8_t* hp = hq + (size_t)p * 2 * ffn;
         const float2* dp = hd + (size_t)p * (ffn / QK);
 #if __CUDA_ARCH__ >= 900
         const size_t row0 = (size_t)e * hidden + o0;
-        if (bulk && valid) {
+        if (SH && sh) {  // its own slot, copied before the wait
+            my = gemv_smem + (size_t)NW * slot;
+            mbar_wait(&bars[NW], 0);
+        } else if (bulk && valid) {
             if (k != warp) {  // the slot's previous rows are read by every lane: reuse it
                 __syncwarp();
                 if (lane == 0) {
                     size_t a;
-                    const uint32_t len = moe_span(D, row0, nr, rb, &a);
+                    const uint32_t len = moe_span(Dk, row0, nr, rb, &a);
                     mbar_expect(&bars[warp], len);
                     bulk_g2s(&bars[warp], my, a, len);
                 }
@@ -3108,14 +3159,14 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                 const uint8_t* wr[DNW];
 #if __CUDA_ARCH__ >= 900
                 if (bulk) {
-                    const uint8_t* base = my + ((size_t)(D + row0 * (size_t)rb) & 15);
+                    const uint8_t* base = my + ((size_t)(Dk + row0 * (size_t)rb) & 15);
 #pragma unroll
                     for (int w = 0; w < DNW; w++) wr[w] = base + (size_t)ro[w] * (size_t)rb;
                     gemvq_lane<TYPE, 1, DNW, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
                 }
 #else
 #pragma unroll
-                for (int w = 0; w < DNW; w++) wr[w] = D + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
+                for (int w = 0; w < DNW; w++) wr[w] = Dk + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
                 gemvq_lane<TYPE, 1, DNW, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
 #endif
 #pragma unroll
@@ -3134,6 +3185,7 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     if (threadIdx.x < MOE_DOWN_ROWS && o0 + (int)threadIdx.x < hidden) {
         float acc = 0.0f;
         for (int k = 0; k < top_k; k++) acc = __fadd_rn(acc, __fmul_rn(s_w[k], part[k][threadIdx.x]));
+        if (SH) acc = __fadd_rn(acc, __fmul_rn(part[top_k][threadIdx.x], s_sg));
         out[(size_t)t * hidden + o0 + threadIdx.x] = acc;
     }
 }
@@ -3169,6 +3221,33 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
     gemvq_moe_gu<GGML_Q4_K, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets, D,
                                   d_rb);
 }
+
+// The same with the shared expert as every token's slot top_k (SH; moe.rs `moe_shared`).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
+    gemvq_moe_gu_tcs_q4_k(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb, int ffn,
+                          int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                          const float* __restrict__ logits, int n_experts, int top_k, float* __restrict__ h,
+                          int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets,
+                          const uint8_t* __restrict__ D, long long d_rb, const uint8_t* __restrict__ Gs,
+                          const uint8_t* __restrict__ Us, const uint8_t* __restrict__ Ds) {
+    gemvq_moe_gu<GGML_Q4_K, true, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets,
+                                        D, d_rb, Gs, Us, Ds);
+}
+// gemvq_moe_downs4_<type>: the down + combine with the shared expert (SH), four rows a pass.
+#define GEMVQ_MOE_DOWNS_KERNEL(name, TYPE)                                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
+        gemvq_moe_downs4_##name(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,              \
+                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,                   \
+                                const float* __restrict__ logits, int n_experts, int top_k, int norm,           \
+                                float* __restrict__ out, const uint8_t* __restrict__ Ds,                        \
+                                const float* __restrict__ xf, const float* __restrict__ wsg) {                  \
+        gemvq_moe_down<TYPE, 4, true>(D, rb, hidden, ffn, hq, hd, logits, n_experts, top_k, norm, out, Ds, xf,  \
+                                      wsg);                                                                     \
+    }
+GEMVQ_MOE_DOWNS_KERNEL(q4_k, GGML_Q4_K)
+GEMVQ_MOE_DOWNS_KERNEL(q5_k, GGML_Q5_K)
+GEMVQ_MOE_DOWNS_KERNEL(q6_k, GGML_Q6_K)
+GEMVQ_MOE_DOWNS_KERNEL(q8_0, GGML_Q8_0)
 
 GEMVQ_MOE_KERNELS(q8_0, GGML_Q8_0)
 GEMVQ_MOE_KERNELS(q4_0, GGML_Q4_0)
