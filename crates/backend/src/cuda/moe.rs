@@ -275,9 +275,23 @@ pub fn moe_shared(
         && gate.dtype == GgmlType::F32
         && gate.shape.iter().product::<usize>() == hidden
         && d_slots <= be.matmul.gemvq_moe_smem
-        && [&sg.data, &su.data, &sd.data, &gate.data]
-            .iter()
-            .all(|b| aligned16(be, b));
+        // The rest of the quantized-activation path's conditions (moe_with's).
+        && routing.n_experts <= MOE_ROUTE_MAX
+        && hidden % 32 == 0
+        && ffn % 32 == 0
+        && bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes()).is_some()
+        && aligned16(be, &x.buf)
+        && [
+            &g.data,
+            &experts.up.data,
+            &d.data,
+            &sg.data,
+            &su.data,
+            &sd.data,
+            &gate.data,
+        ]
+        .iter()
+        .all(|b| aligned16(be, b));
     let Some(down) = down.filter(|_| takes) else {
         return Ok(false);
     };
