@@ -1871,8 +1871,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
         // Qwen3.5-35B-A3B's routed experts: 256 experts top-8, hidden 2048, expert ffn 512;
-        // and with its gated shared expert of the same shapes (fused by CUDA at ≤ 16 rows
-        // with Q4_K gate/up; 17 and 32 rows and the Q8_0 gate/up: the composition).
+        // and with its gated shared expert of the same shapes (fused by CUDA at ≤ 16 rows;
+        // 17 rows: the composition).
         for (gate_ty, down_ty) in [
             (GgmlType::Q4K, GgmlType::Q6K),
             (GgmlType::Q8_0, GgmlType::Q8_0),
@@ -1898,6 +1898,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (GgmlType::Q4K, GgmlType::Q4K),
             (GgmlType::Q4K, GgmlType::Q8_0),
             (GgmlType::Q8_0, GgmlType::Q8_0),
+            (GgmlType::Q6K, GgmlType::Q6K),
+            (GgmlType::Q5K, GgmlType::Q5K),
         ] {
             for rows in [1, 3, 16, 17] {
                 add(Op::Moe {
@@ -3399,7 +3401,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         ),
         Op::Moe {
             routing,
-            gate_ty,
             rows,
             shared: true,
             ..
@@ -3420,10 +3421,10 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             if be.moe_shared(x, logits, experts, sw, &p.w[6], *routing, &mut p.out)? {
                 return Ok(());
             }
-            // CUDA fuses every case of Q4_K gate/up up to 16 rows (moe.rs `moe_shared`) unless
-            // switched off: a composition there would leave the fused kernels unchecked.
+            // CUDA fuses every case here up to 16 rows (moe.rs `moe_shared`: Q4_K, Q5_K, Q6_K
+            // and Q8_0 experts) unless switched off: a composition there would leave the fused
+            // kernels unchecked.
             let fuses = be.name().starts_with("cuda")
-                && *gate_ty == GgmlType::Q4K
                 && *rows <= ferrite_backend::cuda::moe::DECODE_MAX_ROWS
                 && std::env::var("FERRITE_MOE_SHARED").as_deref() != Ok("0");
             if fuses {

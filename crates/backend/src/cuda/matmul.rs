@@ -84,6 +84,16 @@ pub(crate) const TYPES: [(GgmlType, &str); 9] = [
     (GgmlType::Q6K, "q6_k"),
 ];
 
+/// The MoE decode kernels that take a shared expert (`Kernels::gemvq_moe_shared`): the Q4_K
+/// gate/up on the tile (`gemvq_moe_gu_tcs_q4_k`, where `gemvq_moe_gu_tc` is loaded), the
+/// lane-code gate/up (`gemvq_moe_gus_<type>`) and the down + combine (`gemvq_moe_downs4_<type>`)
+/// by [`TYPES`] index, None for the types without one.
+pub(crate) struct MoeSharedKernels {
+    pub(crate) gu_tc: Option<CudaFunction>,
+    pub(crate) gu: Vec<Option<CudaFunction>>,
+    pub(crate) down: Vec<Option<CudaFunction>>,
+}
+
 /// The compiled matmul kernels, indexed like [`TYPES`].
 pub struct Kernels {
     gemv: Vec<[CudaFunction; 6]>,
@@ -182,9 +192,9 @@ pub struct Kernels {
     /// unless `FERRITE_MOE_TC=0`); moe.rs sizes its shared memory to match.
     pub(crate) gemvq_moe_gu_tc: Option<CudaFunction>,
     /// The same with Qwen3.5's shared expert as every token's last pair, and the down +
-    /// combine that adds it with its gate (`gemvq_moe_gu_tcs_q4_k`, `gemvq_moe_downs4_<type>`
-    /// by [`TYPES`] index; moe.rs `moe_shared`, MOE.md; unless `FERRITE_MOE_SHARED=0`).
-    pub(crate) gemvq_moe_shared: Option<(CudaFunction, Vec<Option<CudaFunction>>)>,
+    /// combine that adds it with its gate (moe.rs `moe_shared`, MOE.md; unless
+    /// `FERRITE_MOE_SHARED=0`).
+    pub(crate) gemvq_moe_shared: Option<MoeSharedKernels>,
     /// Whether the MoE gate/up blocks prefetch their experts' down rows into L2 (matmul.cu
     /// `moe_down_prefetch`; on unless `FERRITE_MOE_PF=0`).
     pub(crate) moe_down_prefetch: bool,
@@ -537,24 +547,31 @@ impl Kernels {
         } else {
             None
         };
-        // The shared expert inside those launches (Q4_K gate/up on the tile; downs of the
-        // types below), unless FERRITE_MOE_SHARED=0.
-        let gemvq_moe_shared = match &gemvq_moe_gu_tc {
-            Some(_) if switches::int_or("FERRITE_MOE_SHARED", 1) != 0 => {
-                let downs = TYPES
+        // The shared expert inside those launches (gate/up: Q4_K on the tile, the types
+        // below on the lane code; downs of the types below), unless FERRITE_MOE_SHARED=0.
+        let gemvq_moe_shared = if bulk && switches::int_or("FERRITE_MOE_SHARED", 1) != 0 {
+            let each = |prefix: &str, types: &[GgmlType]| -> Result<Vec<Option<CudaFunction>>> {
+                TYPES
                     .iter()
                     .map(|(ty, name)| {
-                        matches!(
-                            ty,
-                            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q8_0
-                        )
-                        .then(|| function(&m, &format!("gemvq_moe_downs4_{name}")))
-                        .transpose()
+                        types
+                            .contains(ty)
+                            .then(|| function(&m, &format!("{prefix}{name}")))
+                            .transpose()
                     })
-                    .collect::<Result<Vec<_>>>()?;
-                Some((function(&m, "gemvq_moe_gu_tcs_q4_k")?, downs))
-            }
-            _ => None,
+                    .collect()
+            };
+            use GgmlType::{Q4K, Q5K, Q6K, Q8_0};
+            Some(MoeSharedKernels {
+                gu_tc: gemvq_moe_gu_tc
+                    .is_some()
+                    .then(|| function(&m, "gemvq_moe_gu_tcs_q4_k"))
+                    .transpose()?,
+                gu: each("gemvq_moe_gus_", &[Q5K, Q6K, Q8_0])?,
+                down: each("gemvq_moe_downs4_", &[Q4K, Q5K, Q6K, Q8_0])?,
+            })
+        } else {
+            None
         };
         // The MoE expert kernels' bulk-copy limit (moe.rs): raised here with every other
         // kernel's; where that fails they keep what a launch gets without opting in.
@@ -563,11 +580,12 @@ impl Kernels {
             .flatten()
             .flatten()
             .chain(&gemvq_moe_gu_tc)
-            .chain(
-                gemvq_moe_shared
+            .chain(gemvq_moe_shared.iter().flat_map(|k| {
+                k.gu_tc
                     .iter()
-                    .flat_map(|(gu, d)| std::iter::once(gu).chain(d.iter().flatten())),
-            )
+                    .chain(k.gu.iter().flatten())
+                    .chain(k.down.iter().flatten())
+            }))
             .all(|f| {
                 f.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

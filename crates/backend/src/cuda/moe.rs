@@ -221,19 +221,21 @@ pub fn moe(
 /// A gated shared expert taken into the quantized-activation path's two launches
 /// ([`moe_shared`]): its kernels, weights and gate row.
 struct Shared<'a> {
-    gu: &'a CudaFunction,
+    /// The gate/up kernel, and whether it is the tile's (launched in clusters of two).
+    gu: (&'a CudaFunction, bool),
     down: &'a CudaFunction,
     w: (&'a CudaWeight, &'a CudaWeight, &'a CudaWeight),
     gate: &'a CudaWeight,
 }
 
 /// `Backend::moe_shared` (MOE.md, "The shared expert inside the MoE launches"): where the
-/// quantized-activation decode path runs (≤ DECODE_MAX_ROWS rows) with the tensor-core Q4_K
-/// gate/up, top-k ≤ 8, the shared expert's gate and up of the experts' type and shape, its
+/// quantized-activation decode path runs (≤ DECODE_MAX_ROWS rows, Q4_K / Q5_K / Q6_K / Q8_0
+/// experts), top-k ≤ 8, the shared expert's gate and up of the experts' type and shape, its
 /// down of the experts' down type, and an f32 gate row, the shared expert is every token's
-/// last pair of the gate/up launch (`gemvq_moe_gu_tcs_q4_k`) and last slot of the down +
-/// combine (`gemvq_moe_downs4_<type>`, which also takes the gate's dot product and sigmoid):
-/// two launches where the composition takes seven. Otherwise false, nothing done.
+/// last pair of the gate/up launch (`gemvq_moe_gu_tcs_q4_k` on the tile, else
+/// `gemvq_moe_gus_<type>`) and last slot of the down + combine (`gemvq_moe_downs4_<type>`,
+/// which also takes the gate's dot product and sigmoid): two launches where the composition
+/// takes seven. Otherwise false, nothing done.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_shared(
     be: &CudaBackend,
@@ -245,7 +247,7 @@ pub fn moe_shared(
     routing: MoeRouting,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<bool> {
-    let Some((gu, downs)) = be.matmul.gemvq_moe_shared.as_ref() else {
+    let Some(k) = be.matmul.gemvq_moe_shared.as_ref() else {
         return Ok(false);
     };
     let (g, d) = (experts.gate, experts.down);
@@ -255,16 +257,20 @@ pub fn moe_shared(
         [_, f, _] => f,
         _ => return Ok(false),
     };
-    let down = matmul::type_index(d.dtype)
-        .ok()
-        .and_then(|i| downs.get(i))
-        .and_then(Option::as_ref);
+    fn by_type(v: &[Option<CudaFunction>], t: GgmlType) -> Option<&CudaFunction> {
+        matmul::type_index(t).ok().and_then(|i| v.get(i)?.as_ref())
+    }
+    // Q4_K gate/up on the tile where moe() would take it, the lane code's otherwise.
+    let gu = match (gu_tc_kernel(be, g.dtype), &k.gu_tc) {
+        (Some(_), Some(f)) => Some((f, true)),
+        (Some(_), None) => None,
+        (None, _) => by_type(&k.gu, g.dtype).map(|f| (f, false)),
+    };
+    let down = by_type(&k.down, d.dtype);
     let d_slots = (MOE_WARPS + 1) * bulk_slot(MOE_DOWN_ROWS, d.row_bytes());
-    let takes = down.is_some()
-        && (1..=DECODE_MAX_ROWS).contains(&rows)
+    let takes = (1..=DECODE_MAX_ROWS).contains(&rows)
         && routing.top_k <= MOE_WARPS
         && quantized_decode_types(g.dtype, d.dtype, rows)
-        && gu_tc_kernel(be, g.dtype).is_some()
         && experts.up.dtype == g.dtype
         && sg.dtype == g.dtype
         && su.dtype == g.dtype
@@ -292,9 +298,12 @@ pub fn moe_shared(
         ]
         .iter()
         .all(|b| aligned16(be, b));
-    let Some(down) = down.filter(|_| takes) else {
+    let (Some(gu), Some(down)) = (gu, down) else {
         return Ok(false);
     };
+    if !takes {
+        return Ok(false);
+    }
     moe_with(
         be,
         x,
@@ -691,7 +700,7 @@ fn quantized_experts(
     // instead of by ticket (matmul.cu 1c).
     let gu_tc = gu_tc_kernel(be, g.dtype);
     let (gu_kernel, gu_cluster) = match &shared {
-        Some(sh) => (sh.gu, true),
+        Some(sh) => sh.gu,
         None => (gu_tc.unwrap_or(&gk[0]), gu_tc.is_some()),
     };
     let threads = (MOE_WARPS * 32) as u32;

@@ -212,7 +212,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MOE_SHARED",
         Accepts::OneOf(&[0, 1]),
-        "Qwen3.5-MoE's gated shared expert at decode (up to 16 rows, top-k <= 8, Q4_K gate/up, its down of the routed down's type): 1 (default) as every token's last pair of the MoE gate/up and down launches (gemvq_moe_gu_tcs_q4_k, gemvq_moe_downs4: its gate's dot product and sigmoid in the down's combine), 0 the composition's seven launches (MOE.md)",
+        "Qwen3.5-MoE's gated shared expert at decode (up to 16 rows, top-k <= 8, Q4_K / Q5_K / Q6_K / Q8_0 experts, its weights of the routed experts' types): 1 (default) as every token's last pair of the MoE gate/up and down launches (gemvq_moe_gu_tcs_q4_k / gemvq_moe_gus, gemvq_moe_downs4: its gate's dot product and sigmoid in the down's combine), 0 the composition's seven launches (MOE.md)",
     ),
     (
         "FERRITE_SWIGLU_PIPE",

@@ -2895,10 +2895,10 @@ __device__ __forceinline__ void moe_down_prefetch(const uint8_t* D, long long d_
 #endif
 }
 
-// SH (gemvq_moe_gu_tcs_q4_k; moe.rs `moe_shared`): a token's pairs are its top_k routed
-// experts and, as slot top_k, the shared expert (Gs, Us: its gate and up, `ffn` rows of rb
-// bytes like an expert's; Ds its down, prefetched as an expert's): the same tile, h and
-// quantization of h as a routed pair's, no routing.
+// SH (gemvq_moe_gu_tcs_q4_k, gemvq_moe_gus_<type>; moe.rs `moe_shared`): a token's pairs are
+// its top_k routed experts and, as slot top_k, the shared expert (Gs, Us: its gate and up,
+// `ffn` rows of rb bytes like an expert's; Ds its down, prefetched as an expert's): the same
+// tile or lanes, h and quantization of h as a routed pair's, no routing.
 template <int TYPE, bool TC = false, bool SH = false>
 __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U,
                                              long long rb, int ffn, int hidden, const int8_t* __restrict__ xq,
@@ -2909,7 +2909,6 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
                                              long long d_rb, const uint8_t* __restrict__ Gs = nullptr,
                                              const uint8_t* __restrict__ Us = nullptr,
                                              const uint8_t* __restrict__ Ds = nullptr) {
-    static_assert(!SH || (TC && TYPE == GGML_Q4_K), "gemvq_moe_gu: SH is the tensor-core Q4_K form's");
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bar;
     __shared__ float rp[MOE_ROUTE_MAX];
@@ -2997,7 +2996,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
     }
     if (bulk && valid) mbar_wait(&bar, 0);
 #endif
-    if (valid) moe_down_prefetch(D, d_rb, hidden, e);
+    if (valid) moe_down_prefetch(sh ? Ds : D, d_rb, hidden, sh ? 0 : e);
     // Warp w: rows r0 + w, r0 + w + 8, ... (whole warps).
 #pragma unroll 1
     for (int o = r0 + warp; o < r0 + nr; o += GEMV_WARPS) {
@@ -3009,16 +3008,16 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
         float acc[1][2] = {{0.0f, 0.0f}};
 #if __CUDA_ARCH__ >= 900
         if (bulk) {
-            const size_t row0 = (size_t)e * ffn + r0;
+            const size_t row0 = sh ? (size_t)r0 : (size_t)e * ffn + r0;
             const uint8_t* wr[2] = {
-                gemv_smem + ((size_t)(G + row0 * (size_t)rb) & 15) + (size_t)(o - r0) * (size_t)rb,
-                gemv_smem + slot + ((size_t)(U + row0 * (size_t)rb) & 15) + (size_t)(o - r0) * (size_t)rb};
+                gemv_smem + ((size_t)(Gb + row0 * (size_t)rb) & 15) + (size_t)(o - r0) * (size_t)rb,
+                gemv_smem + slot + ((size_t)(Ub + row0 * (size_t)rb) & 15) + (size_t)(o - r0) * (size_t)rb};
             gemvq_lane<TYPE, 1, 2, true>(wr, hidden, xt, dt, 1, lane, 0, 1, acc);
         }
 #else
         {
-            const size_t r = (size_t)e * ffn + o;
-            const uint8_t* wr[2] = {G + r * (size_t)rb, U + r * (size_t)rb};
+            const size_t r = sh ? (size_t)o : (size_t)e * ffn + o;
+            const uint8_t* wr[2] = {Gb + r * (size_t)rb, Ub + r * (size_t)rb};
             gemvq_lane<TYPE, 1, 2, false>(wr, hidden, xt, dt, 1, lane, 0, 1, acc);
         }
 #endif
@@ -3051,9 +3050,10 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
 // + y_s σ(x_t · wsg), in the order and the operations of the composition (moe, then the
 // shared expert's output times sigmoid_gate's σ, then add_assign). The shared rows get a
 // copy slot of their own (GEMV_WARPS + 1 slots), issued with the others before the PDL wait,
-// so the warp that takes them second (warp 0 at top_k = 8) finds them landed; the last warp
-// also takes the gate's dot product over the token's x (xf: the MoE input in f32, wsg: the
-// gate row) before the wait, as warp 0 takes the routing (both complete two launches back).
+// and after its routed slot each warp takes one of them (MOE.md: one warp taking all eight
+// cost the launch ~1.4 µs); the last warp also takes the gate's dot product over the token's
+// x (xf: the MoE input in f32, wsg: the gate row) before the wait, as warp 0 takes the
+// routing (both complete two launches back).
 template <int TYPE, int DNW = 2, bool SH = false>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
@@ -3118,25 +3118,20 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     }
     PDL_ENTRY();  // hq, hd: the gate/up kernel
     uint32_t ph = 0;  // copies this warp's slot has completed (barrier phases)
-    for (int k = warp; k < kp; k += NW) {
+    for (int k = warp; k < top_k; k += NW) {
         const int p = t * kp + k;
-        const bool sh = SH && k == top_k;
-        const int e = sh ? 0 : s_id[k];
-        const bool valid = sh || (e >= 0 && e < n_experts);
-        const uint8_t* Dk = sh ? Ds : D;
+        const int e = s_id[k];
+        const bool valid = e >= 0 && e < n_experts;
         const int8_t* hp = hq + (size_t)p * 2 * ffn;
         const float2* dp = hd + (size_t)p * (ffn / QK);
 #if __CUDA_ARCH__ >= 900
         const size_t row0 = (size_t)e * hidden + o0;
-        if (SH && sh) {  // its own slot, copied before the wait
-            my = gemv_smem + (size_t)NW * slot;
-            mbar_wait(&bars[NW], 0);
-        } else if (bulk && valid) {
+        if (bulk && valid) {
             if (k != warp) {  // the slot's previous rows are read by every lane: reuse it
                 __syncwarp();
                 if (lane == 0) {
                     size_t a;
-                    const uint32_t len = moe_span(Dk, row0, nr, rb, &a);
+                    const uint32_t len = moe_span(D, row0, nr, rb, &a);
                     mbar_expect(&bars[warp], len);
                     bulk_g2s(&bars[warp], my, a, len);
                 }
@@ -3159,14 +3154,14 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                 const uint8_t* wr[DNW];
 #if __CUDA_ARCH__ >= 900
                 if (bulk) {
-                    const uint8_t* base = my + ((size_t)(Dk + row0 * (size_t)rb) & 15);
+                    const uint8_t* base = my + ((size_t)(D + row0 * (size_t)rb) & 15);
 #pragma unroll
                     for (int w = 0; w < DNW; w++) wr[w] = base + (size_t)ro[w] * (size_t)rb;
                     gemvq_lane<TYPE, 1, DNW, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
                 }
 #else
 #pragma unroll
-                for (int w = 0; w < DNW; w++) wr[w] = Dk + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
+                for (int w = 0; w < DNW; w++) wr[w] = D + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
                 gemvq_lane<TYPE, 1, DNW, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
 #endif
 #pragma unroll
@@ -3180,6 +3175,30 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                 for (int w = 0; w < DNW; w++) part[k][j + w] = acc[0][w];
             }
         }
+    }
+    if constexpr (SH) {
+        // The shared expert's slot, one row a warp (row j by warp j: MOE_DOWN_ROWS == NW), so
+        // that its time is spread over the block instead of doubling one warp's; the per-row
+        // arithmetic of the DNW-row passes.
+        static_assert(MOE_DOWN_ROWS == GEMV_WARPS, "gemvq_moe_down: SH takes a shared row a warp");
+        const int j = warp, p = t * kp + top_k;
+        const int8_t* hp = hq + (size_t)p * 2 * ffn;
+        const float2* dp = hd + (size_t)p * (ffn / QK);
+        float acc[1][1] = {{0.0f}};
+        if (o0 + j < hidden) {
+#if __CUDA_ARCH__ >= 900
+            mbar_wait(&bars[NW], 0);
+            const uint8_t* wr[1] = {gemv_smem + (size_t)NW * slot + ((size_t)(Ds + (size_t)o0 * (size_t)rb) & 15) +
+                                    (size_t)j * (size_t)rb};
+            gemvq_lane<TYPE, 1, 1, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
+#else
+            const uint8_t* wr[1] = {Ds + (size_t)(o0 + j) * (size_t)rb};
+            gemvq_lane<TYPE, 1, 1, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
+#endif
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) acc[0][0] += __shfl_xor_sync(0xffffffffu, acc[0][0], off);
+        }
+        if (lane == 0) part[top_k][j] = acc[0][0];
     }
     __syncthreads();
     if (threadIdx.x < MOE_DOWN_ROWS && o0 + (int)threadIdx.x < hidden) {
@@ -3233,6 +3252,21 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)
     gemvq_moe_gu<GGML_Q4_K, true, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd, tickets,
                                         D, d_rb, Gs, Us, Ds);
 }
+// gemvq_moe_gus_<type>: the lane-code gate/up with the shared expert (SH; types without the tile).
+#define GEMVQ_MOE_GUS_KERNEL(name, TYPE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                           \
+        gemvq_moe_gus_##name(const uint8_t* __restrict__ G, const uint8_t* __restrict__ U, long long rb,        \
+                             int ffn, int hidden, const int8_t* __restrict__ xq, const float2* __restrict__ xd,   \
+                             const float* __restrict__ logits, int n_experts, int top_k, float* __restrict__ h,  \
+                             int8_t* __restrict__ hq, float2* __restrict__ hd, int* __restrict__ tickets,         \
+                             const uint8_t* __restrict__ D, long long d_rb, const uint8_t* __restrict__ Gs,       \
+                             const uint8_t* __restrict__ Us, const uint8_t* __restrict__ Ds) {                    \
+        gemvq_moe_gu<TYPE, false, true>(G, U, rb, ffn, hidden, xq, xd, logits, n_experts, top_k, h, hq, hd,     \
+                                        tickets, D, d_rb, Gs, Us, Ds);                                          \
+    }
+GEMVQ_MOE_GUS_KERNEL(q5_k, GGML_Q5_K)
+GEMVQ_MOE_GUS_KERNEL(q6_k, GGML_Q6_K)
+GEMVQ_MOE_GUS_KERNEL(q8_0, GGML_Q8_0)
 // gemvq_moe_downs4_<type>: the down + combine with the shared expert (SH), four rows a pass.
 #define GEMVQ_MOE_DOWNS_KERNEL(name, TYPE)                                                                     \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                           \
