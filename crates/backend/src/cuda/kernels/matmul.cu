@@ -3050,10 +3050,9 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
 // + y_s σ(x_t · wsg), in the order and the operations of the composition (moe, then the
 // shared expert's output times sigmoid_gate's σ, then add_assign). The shared rows get a
 // copy slot of their own (GEMV_WARPS + 1 slots), issued with the others before the PDL wait,
-// and after its routed slot each warp takes one of them (MOE.md: one warp taking all eight
-// cost the launch ~1.4 µs); the last warp also takes the gate's dot product over the token's
-// x (xf: the MoE input in f32, wsg: the gate row) before the wait, as warp 0 takes the
-// routing (both complete two launches back).
+// so the warp that takes them second (warp 0 at top_k = 8) finds them landed; the last warp
+// also takes the gate's dot product over the token's x (xf: the MoE input in f32, wsg: the
+// gate row) before the wait, as warp 0 takes the routing (both complete two launches back).
 template <int TYPE, int DNW = 2, bool SH = false>
 __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, long long rb, int hidden, int ffn,
                                                const int8_t* __restrict__ hq, const float2* __restrict__ hd,
@@ -3118,20 +3117,25 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
     }
     PDL_ENTRY();  // hq, hd: the gate/up kernel
     uint32_t ph = 0;  // copies this warp's slot has completed (barrier phases)
-    for (int k = warp; k < top_k; k += NW) {
+    for (int k = warp; k < kp; k += NW) {
         const int p = t * kp + k;
-        const int e = s_id[k];
-        const bool valid = e >= 0 && e < n_experts;
+        const bool sh = SH && k == top_k;
+        const int e = sh ? 0 : s_id[k];
+        const bool valid = sh || (e >= 0 && e < n_experts);
+        const uint8_t* Dk = sh ? Ds : D;
         const int8_t* hp = hq + (size_t)p * 2 * ffn;
         const float2* dp = hd + (size_t)p * (ffn / QK);
 #if __CUDA_ARCH__ >= 900
         const size_t row0 = (size_t)e * hidden + o0;
-        if (bulk && valid) {
+        if (SH && sh) {  // its own slot, copied before the wait
+            my = gemv_smem + (size_t)NW * slot;
+            mbar_wait(&bars[NW], 0);
+        } else if (bulk && valid) {
             if (k != warp) {  // the slot's previous rows are read by every lane: reuse it
                 __syncwarp();
                 if (lane == 0) {
                     size_t a;
-                    const uint32_t len = moe_span(D, row0, nr, rb, &a);
+                    const uint32_t len = moe_span(Dk, row0, nr, rb, &a);
                     mbar_expect(&bars[warp], len);
                     bulk_g2s(&bars[warp], my, a, len);
                 }
@@ -3154,14 +3158,14 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                 const uint8_t* wr[DNW];
 #if __CUDA_ARCH__ >= 900
                 if (bulk) {
-                    const uint8_t* base = my + ((size_t)(D + row0 * (size_t)rb) & 15);
+                    const uint8_t* base = my + ((size_t)(Dk + row0 * (size_t)rb) & 15);
 #pragma unroll
                     for (int w = 0; w < DNW; w++) wr[w] = base + (size_t)ro[w] * (size_t)rb;
                     gemvq_lane<TYPE, 1, DNW, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
                 }
 #else
 #pragma unroll
-                for (int w = 0; w < DNW; w++) wr[w] = D + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
+                for (int w = 0; w < DNW; w++) wr[w] = Dk + ((size_t)e * hidden + o0 + ro[w]) * (size_t)rb;
                 gemvq_lane<TYPE, 1, DNW, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
 #endif
 #pragma unroll
@@ -3175,30 +3179,6 @@ __device__ __forceinline__ void gemvq_moe_down(const uint8_t* __restrict__ D, lo
                 for (int w = 0; w < DNW; w++) part[k][j + w] = acc[0][w];
             }
         }
-    }
-    if constexpr (SH) {
-        // The shared expert's slot, one row a warp (row j by warp j: MOE_DOWN_ROWS == NW), so
-        // that its time is spread over the block instead of doubling one warp's; the per-row
-        // arithmetic of the DNW-row passes.
-        static_assert(MOE_DOWN_ROWS == GEMV_WARPS, "gemvq_moe_down: SH takes a shared row a warp");
-        const int j = warp, p = t * kp + top_k;
-        const int8_t* hp = hq + (size_t)p * 2 * ffn;
-        const float2* dp = hd + (size_t)p * (ffn / QK);
-        float acc[1][1] = {{0.0f}};
-        if (o0 + j < hidden) {
-#if __CUDA_ARCH__ >= 900
-            mbar_wait(&bars[NW], 0);
-            const uint8_t* wr[1] = {gemv_smem + (size_t)NW * slot + ((size_t)(Ds + (size_t)o0 * (size_t)rb) & 15) +
-                                    (size_t)j * (size_t)rb};
-            gemvq_lane<TYPE, 1, 1, true>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
-#else
-            const uint8_t* wr[1] = {Ds + (size_t)(o0 + j) * (size_t)rb};
-            gemvq_lane<TYPE, 1, 1, false>(wr, ffn, hp, dp, 1, lane, 0, 1, acc);
-#endif
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) acc[0][0] += __shfl_xor_sync(0xffffffffu, acc[0][0], off);
-        }
-        if (lane == 0) part[top_k][j] = acc[0][0];
     }
     __syncthreads();
     if (threadIdx.x < MOE_DOWN_ROWS && o0 + (int)threadIdx.x < hidden) {
