@@ -43,6 +43,7 @@
 #define CONV_ROWS 16    // rows per convolution thread; >= GD_MAX_K - 1
 #define GD_THREADS 128  // threads per gated_delta block
 #define GD_CHUNK 16     // tokens per staged gated_delta chunk
+#define GN_MAX 8        // gated_rms_norm: elements a lane holds in registers (head_dim <= 256)
 
 __device__ __forceinline__ float gd_silu(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float gd_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
@@ -53,14 +54,18 @@ __device__ __forceinline__ float gd_softplus(float x) { return x > 20.f ? x : lo
 extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint8_t* __restrict__ w,
                                          int wtype, long long w_row_bytes, float* __restrict__ state,
                                          float* __restrict__ out, int rows, int C, int K) {
-    PDL_ENTRY();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
+    // The taps (weights: no kernel writes them) before the PDL wait, so that their load is
+    // not a round trip of its own on the layer's chain (GATED_DELTA.md, 28th session).
+    float taps[GD_MAX_K];
+    if (c < C) {
+        const uint8_t* wr = w + (long long)c * w_row_bytes;
+#pragma unroll
+        for (int j = 0; j < GD_MAX_K; j++) taps[j] = j < K ? ggml_get(wr, wtype, j) : 0.f;
+    }
+    PDL_ENTRY();
     if (c >= C) return;
     int hist = K - 1;
-    float taps[GD_MAX_K];
-    const uint8_t* wr = w + (long long)c * w_row_bytes;
-#pragma unroll
-    for (int j = 0; j < GD_MAX_K; j++) taps[j] = j < K ? ggml_get(wr, wtype, j) : 0.f;
     int t0 = blockIdx.y * CONV_ROWS;
     int t1 = min(t0 + CONV_ROWS, rows);
     for (int t = t0; t < t1; t++) {
@@ -432,12 +437,45 @@ __device__ __forceinline__ void gd_planes(float v, long long f, int cols, int8_t
 extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __restrict__ z,
                                           const float* __restrict__ w, int n_heads_total, int head_dim,
                                           float eps, int8_t* __restrict__ xq, float2* __restrict__ xd, int cols) {
-    PDL_ENTRY();
     int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
-    if (head >= n_heads_total) return;
     float* hx = x + (long long)head * head_dim;
     const float* hz = z + (long long)head * head_dim;
+    if (head_dim <= 32 * GN_MAX) {
+        // A lane's GN_MAX elements (i = lane + 32 k) loaded at once: the norm weight before
+        // the PDL wait, x and z after it, then the loops below on registers in their order
+        // (the same operations, so the same bits): one round trip where the loops' loads
+        // took one per step (GATED_DELTA.md, 28th session).
+        float wv[GN_MAX], xv[GN_MAX], zv[GN_MAX];
+#pragma unroll
+        for (int k = 0; k < GN_MAX; k++) wv[k] = lane + 32 * k < head_dim ? w[lane + 32 * k] : 0.f;
+        PDL_ENTRY();
+        if (head >= n_heads_total) return;
+#pragma unroll
+        for (int k = 0; k < GN_MAX; k++) {
+            const int i = lane + 32 * k;
+            xv[k] = i < head_dim ? hx[i] : 0.f;
+            zv[k] = i < head_dim ? hz[i] : 0.f;
+        }
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < GN_MAX; k++)
+            if (lane + 32 * k < head_dim) ss += xv[k] * xv[k];
+        ss = gd_warp_sum(ss);
+        float scale = 1.f / sqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+        for (int k = 0; k < GN_MAX; k++) {
+            const int i = lane + 32 * k;
+            if (i < head_dim) {
+                const float v = ((xv[k] * scale) * wv[k]) * gd_silu(zv[k]);
+                hx[i] = v;
+                if (xq != nullptr) gd_planes(v, (long long)head * head_dim + i, cols, xq, xd, lane);
+            }
+        }
+        return;
+    }
+    PDL_ENTRY();
+    if (head >= n_heads_total) return;
     float ss = 0.f;
     for (int i = lane; i < head_dim; i += 32) ss += hx[i] * hx[i];
     ss = gd_warp_sum(ss);
