@@ -1873,24 +1873,25 @@ pub fn cases(quick: bool) -> Vec<Case> {
         // Qwen3.5-35B-A3B's routed experts: 256 experts top-8, hidden 2048, expert ffn 512;
         // and with its gated shared expert of the same shapes (fused by CUDA at ≤ 16 rows;
         // 17 rows: the composition).
+        let q35 = |gate_ty, down_ty, rows, shared| Op::Moe {
+            routing: MoeRouting {
+                n_experts: 256,
+                top_k: 8,
+                norm_topk: true,
+            },
+            hidden: 2048,
+            ffn: 512,
+            gate_ty,
+            down_ty,
+            rows,
+            shared,
+        };
         for (gate_ty, down_ty) in [
             (GgmlType::Q4K, GgmlType::Q6K),
             (GgmlType::Q8_0, GgmlType::Q8_0),
         ] {
             for rows in [1, 5, 32] {
-                add(Op::Moe {
-                    routing: MoeRouting {
-                        n_experts: 256,
-                        top_k: 8,
-                        norm_topk: true,
-                    },
-                    hidden: 2048,
-                    ffn: 512,
-                    gate_ty,
-                    down_ty,
-                    rows,
-                    shared: false,
-                });
+                add(q35(gate_ty, down_ty, rows, false));
             }
         }
         for (gate_ty, down_ty) in [
@@ -1902,19 +1903,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (GgmlType::Q5K, GgmlType::Q5K),
         ] {
             for rows in [1, 3, 16, 17] {
-                add(Op::Moe {
-                    routing: MoeRouting {
-                        n_experts: 256,
-                        top_k: 8,
-                        norm_topk: true,
-                    },
-                    hidden: 2048,
-                    ffn: 512,
-                    gate_ty,
-                    down_ty,
-                    rows,
-                    shared: true,
-                });
+                add(q35(gate_ty, down_ty, rows, true));
             }
         }
     }
