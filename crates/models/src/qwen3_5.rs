@@ -215,19 +215,27 @@ pub(crate) fn forward_layers<B: Backend>(
                 norm,
                 out,
             } => {
-                // The four in-projections before the convolution, as one group: one
-                // quantization of h serves them all (a launch between them would invalidate
-                // it), and z, β and α (of one type in llama.cpp's files) share a launch, so
-                // that the β/α launch is not a step of the layer's chain after the
-                // convolution (GATED_DELTA.md, 28th session).
+                // qkv and z before the convolution: one quantization of h serves both (a
+                // launch between them would invalidate it); the two small β/α projections
+                // (float GEMVs) in one launch.
                 let mixer_norm = (&l.attn_norm, eps);
-                let outs = &mut [&mut hb.mixed, &mut hb.z, &mut hb.b, &mut hb.a];
                 if defer {
-                    be.rms_norm_matmuls(x, mixer_norm, &[qkv, z, b, wa], outs, h)?;
+                    be.rms_norm_matmuls(
+                        x,
+                        mixer_norm,
+                        &[qkv, z],
+                        &mut [&mut hb.mixed, &mut hb.z],
+                        h,
+                    )?;
                 } else {
-                    be.matmuls(h, &[qkv, z, b, wa], outs)?;
+                    be.matmuls(h, &[qkv, z], &mut [&mut hb.mixed, &mut hb.z])?;
                 }
                 be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv)?;
+                if defer {
+                    be.rms_norm_matmuls(x, mixer_norm, &[b, wa], &mut [&mut hb.b, &mut hb.a], h)?;
+                } else {
+                    be.matmuls(h, &[b, wa], &mut [&mut hb.b, &mut hb.a])?;
+                }
                 be.gated_delta_rule(
                     kv,
                     DeltaArgs {
