@@ -72,9 +72,29 @@ pub const RUN_GATE_TOKENS: u32 = 64;
 
 pub fn run(a: &RunArgs) -> Result<()> {
     crate::load::init_threads(a.model.threads);
-    // Read before the model loads: a missing file fails at once.
+    // Read and checked before the model loads: a missing prompt file or a parameter out of
+    // range fails at once, not after a load of many gigabytes.
     let text = prompt_text(a)?;
+    params(a).validate()?;
     crate::on_backend!(&a.model, be => run_on(crate::load::engine(be, &a.model)?, a, &text))
+}
+
+/// What `run` asks the engine to generate.
+fn params(a: &RunArgs) -> GenerateParams {
+    GenerateParams {
+        max_tokens: a.max_tokens,
+        sampler: SamplerConfig {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k,
+            min_p: a.min_p,
+            repetition_penalty: a.repeat_penalty,
+            seed: a.seed,
+            ..SamplerConfig::default()
+        },
+        stop: a.stop.clone(),
+        ..GenerateParams::default()
+    }
 }
 
 /// The prompt: --prompt's text, or --prompt-file's contents (`-`: standard input).
@@ -133,20 +153,7 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs, text: &str) -> Result<()> 
     };
     tracing::info!("prompt: {} tokens", prompt.len());
 
-    let params = GenerateParams {
-        max_tokens: a.max_tokens,
-        sampler: SamplerConfig {
-            temperature: a.temperature,
-            top_p: a.top_p,
-            top_k: a.top_k,
-            min_p: a.min_p,
-            repetition_penalty: a.repeat_penalty,
-            seed: a.seed,
-            ..SamplerConfig::default()
-        },
-        stop: a.stop.clone(),
-        ..GenerateParams::default()
-    };
+    let params = params(a);
     // A prompt the context cannot hold fails here, before the gate's work.
     engine.context_for(prompt.len(), &params)?;
 

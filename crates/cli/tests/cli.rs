@@ -212,7 +212,8 @@ fn synth_tiny(name: &str) -> PathBuf {
 
 /// `run` turns away a prompt its context cannot hold before the prefill/decode gate (which,
 /// over a whole prompt, decodes it token by token), and gates a long prompt on its first
-/// `--gate-tokens` (64) only. Sampling parameters out of range are refused as early.
+/// `--gate-tokens` (64) only. Sampling parameters out of range are refused earlier still,
+/// before the model loads.
 #[test]
 fn run_checks_the_context_before_the_gate() {
     let path = synth_tiny("tiny-qwen3-ctx.gguf");
@@ -260,7 +261,28 @@ fn run_checks_the_context_before_the_gate() {
         ),
     ] {
         assert_clean_error(&run_with("hi", "4", &[flag, value]), msg);
+        // Before the model loads: the same error where there is no model file at all.
+        let out = ferrite(&[
+            "run",
+            "--model",
+            "/nonexistent/model.gguf",
+            "--prompt",
+            "hi",
+            flag,
+            value,
+        ]);
+        assert_clean_error(&out, msg);
     }
+    let out = ferrite(&[
+        "run",
+        "--model",
+        "/nonexistent/model.gguf",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "0",
+    ]);
+    assert_clean_error(&out, "max_tokens must be at least 1");
     let out = run(&"word ".repeat(300), "1");
     std::fs::remove_file(&path).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);

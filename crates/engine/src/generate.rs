@@ -30,6 +30,17 @@ pub struct GenerateParams {
     pub context: Option<usize>,
 }
 
+impl GenerateParams {
+    /// The checks that need no model: at least one token to generate, sampling parameters in
+    /// range ([`SamplerConfig::validate`]). [`Engine::context_for`] makes them too; a caller
+    /// can make them before loading a model.
+    pub fn validate(&self) -> Result<()> {
+        self.sampler.validate()?;
+        ensure!(self.max_tokens > 0, "max_tokens must be at least 1");
+        Ok(())
+    }
+}
+
 impl Default for GenerateParams {
     fn default() -> Self {
         GenerateParams {
@@ -410,9 +421,8 @@ impl<B: Backend> Engine<B> {
     /// context cannot hold (or an empty one, or sampling parameters out of range) gets from
     /// [`Engine::generate`], for callers that want it before other work.
     pub fn context_for(&self, n: usize, p: &GenerateParams) -> Result<usize> {
-        p.sampler.validate()?;
+        p.validate()?;
         let max = self.model.cfg.max_ctx;
-        ensure!(p.max_tokens > 0, "max_tokens must be at least 1");
         let ctx = p.context.unwrap_or_else(|| (n + p.max_tokens).min(max));
         ensure!(n > 0, "the prompt is empty");
         ensure!(
