@@ -234,6 +234,10 @@ fn run_checks_the_context_before_the_gate() {
         ferrite(&args)
     };
     let run = |prompt: &str, max_tokens: &str| run_with(prompt, max_tokens, &[]);
+    let run_without_model = |flag: &str, value: &str| {
+        let model = "/nonexistent/model.gguf";
+        ferrite(&["run", "--model", model, "--prompt", "hi", flag, value])
+    };
     // The preset's context is 4096 positions; "word " is one token each.
     let out = run(&"word ".repeat(5000), "4");
     assert_clean_error(&out, "but the context is 4096 tokens");
@@ -262,27 +266,12 @@ fn run_checks_the_context_before_the_gate() {
     ] {
         assert_clean_error(&run_with("hi", "4", &[flag, value]), msg);
         // Before the model loads: the same error where there is no model file at all.
-        let out = ferrite(&[
-            "run",
-            "--model",
-            "/nonexistent/model.gguf",
-            "--prompt",
-            "hi",
-            flag,
-            value,
-        ]);
-        assert_clean_error(&out, msg);
+        assert_clean_error(&run_without_model(flag, value), msg);
     }
-    let out = ferrite(&[
-        "run",
-        "--model",
-        "/nonexistent/model.gguf",
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "0",
-    ]);
-    assert_clean_error(&out, "max_tokens must be at least 1");
+    assert_clean_error(
+        &run_without_model("--max-tokens", "0"),
+        "max_tokens must be at least 1",
+    );
     let out = run(&"word ".repeat(300), "1");
     std::fs::remove_file(&path).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -56,6 +56,17 @@ pub(crate) struct SharedExpert<W> {
     pub(crate) gate_w: W,
 }
 
+impl<W> SharedExpert<W> {
+    /// Its MLP's three matrices.
+    fn mlp(&self) -> ExpertWeights<'_, W> {
+        ExpertWeights {
+            gate: &self.gate,
+            up: &self.up,
+            down: &self.down,
+        }
+    }
+}
+
 /// Scratch of a SwiGLU MLP: the gate and up projections and their product.
 pub(crate) type MlpScratch<'a, B> = (
     &'a mut Act<<B as Backend>::Buf>,
@@ -199,29 +210,14 @@ fn ffn_block<B: Backend>(
             // The routed and the gated shared expert in one step where the backend fuses
             // them (the same sum as the composition below, to summation order).
             if let Some(se) = shared {
-                let shared_w = ExpertWeights {
-                    gate: &se.gate,
-                    up: &se.up,
-                    down: &se.down,
-                };
-                if be.moe_shared(h, router, experts, shared_w, &se.gate_w, moe.routing, y)? {
+                if be.moe_shared(h, router, experts, se.mlp(), &se.gate_w, moe.routing, y)? {
                     return Ok(());
                 }
             }
             be.moe(h, router, experts, moe.routing, y)?;
             if let Some(se) = shared {
                 let (out, out_gate) = shared_out.context("no scratch for the shared expert")?;
-                swiglu_mlp(
-                    be,
-                    h,
-                    ExpertWeights {
-                        gate: &se.gate,
-                        up: &se.up,
-                        down: &se.down,
-                    },
-                    (gate, up, act),
-                    out,
-                )?;
+                swiglu_mlp(be, h, se.mlp(), (gate, up, act), out)?;
                 be.matmul(h, &se.gate_w, out_gate)?;
                 be.sigmoid_gate(out, out_gate)?;
                 be.add_assign(y, out)?;

@@ -271,7 +271,6 @@ pub fn moe_shared(
     let takes = (1..=DECODE_MAX_ROWS).contains(&rows)
         && routing.top_k <= MOE_WARPS
         && quantized_decode_types(g.dtype, d.dtype, rows)
-        && experts.up.dtype == g.dtype
         && sg.dtype == g.dtype
         && su.dtype == g.dtype
         && sd.dtype == d.dtype
@@ -281,23 +280,10 @@ pub fn moe_shared(
         && gate.dtype == GgmlType::F32
         && gate.shape.iter().product::<usize>() == hidden
         && d_slots <= be.matmul.gemvq_moe_smem
-        // The rest of the quantized-activation path's conditions (moe_with's).
-        && routing.n_experts <= MOE_ROUTE_MAX
-        && hidden % 32 == 0
-        && ffn % 32 == 0
-        && bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes()).is_some()
-        && aligned16(be, &x.buf)
-        && [
-            &g.data,
-            &experts.up.data,
-            &d.data,
-            &sg.data,
-            &su.data,
-            &sd.data,
-            &gate.data,
-        ]
-        .iter()
-        .all(|b| aligned16(be, b));
+        && quantized_path_fits(be, x, experts, routing.n_experts, ffn)
+        && [&sg.data, &su.data, &sd.data, &gate.data]
+            .iter()
+            .all(|b| aligned16(be, b));
     let (Some(gu), Some(down)) = (gu, down) else {
         return Ok(false);
     };
@@ -319,6 +305,29 @@ pub fn moe_shared(
         out,
     )?;
     Ok(true)
+}
+
+/// The quantized-activation path's conditions beyond its weight types (moe_with's choice,
+/// which `moe_shared` makes too): the in-kernel routing's width, gate and up of one type,
+/// 32-multiples, the bulk-copy slots within the limit, 16-byte aligned buffers.
+fn quantized_path_fits(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    experts: ExpertWeights<'_, CudaWeight>,
+    n_experts: usize,
+    ffn: usize,
+) -> bool {
+    let (g, u, d) = (experts.gate, experts.up, experts.down);
+    let hidden = x.cols;
+    n_experts <= MOE_ROUTE_MAX
+        && bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes()).is_some()
+        && g.dtype == u.dtype
+        && hidden.is_multiple_of(32)
+        && ffn.is_multiple_of(32)
+        && aligned16(be, &x.buf)
+        && aligned16(be, &g.data)
+        && aligned16(be, &u.data)
+        && aligned16(be, &d.data)
 }
 
 fn moe_with(
@@ -391,15 +400,7 @@ fn moe_with(
         && pairs <= 65535;
     let bulk = bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes());
     let quantized_decode = (quantized_decode_types(g.dtype, d.dtype, rows) || exact_prefill)
-        && n_experts <= MOE_ROUTE_MAX
-        && bulk.is_some()
-        && g.dtype == u.dtype
-        && hidden % 32 == 0
-        && ffn % 32 == 0
-        && x_a16
-        && aligned16(be, &g.data)
-        && aligned16(be, &u.data)
-        && aligned16(be, &d.data);
+        && quantized_path_fits(be, x, experts, n_experts, ffn);
 
     let mut guard = be
         .moe
