@@ -628,25 +628,6 @@ pub trait Backend: Send + Sync {
         self.matmuls(h, ws, outs)
     }
 
-    /// The residual add before an attention block, its RMSNorm and its Q, K, V projections
-    /// as one op: `x_alt = x + y` (`x` left as it was) and `outs[i] = (rms_norm(x_alt) ·
-    /// norm) · ws[i]ᵀ`. Returns `false` with nothing done where the backend has no such form
-    /// (the CPU backend; the caller then runs [`Backend::add_rms_norm`] and
-    /// [`Backend::matmuls`]). The sum goes out of place because a backend may run the op as
-    /// one launch whose blocks each read `x` and `y` while one of them writes the sum (CUDA
-    /// at one decode row); the outputs equal the composition's to rounding (the norm's scale
-    /// after the dot products, as [`Backend::rms_norm_matmuls`]'s deferred form).
-    fn add_rms_norm_matmuls(
-        &self,
-        (x, y, x_alt): (&Act<Self::Buf>, &Act<Self::Buf>, &mut Act<Self::Buf>),
-        norm: (&Self::Weight, f32),
-        ws: &[&Self::Weight],
-        outs: &mut [&mut Act<Self::Buf>],
-    ) -> Result<bool> {
-        let _ = (x, y, x_alt, norm, ws, outs);
-        Ok(false)
-    }
-
     /// `act = silu(gate · h) ⊙ (up · h)` with `h = rms_norm(x) · norm`
     /// ([`Backend::rms_norm`], then [`Backend::matmul_swiglu`]); `h`, `g` and `u` are
     /// scratch, as in those ops. A backend that defers the norm scales both projections by

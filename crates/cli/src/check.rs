@@ -1441,11 +1441,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (q8, q8, 4096, d8, 2, (q8, 12288)),
             (q6, q6, 4096, d8, 1, (q6, 12288)),
             (q4, q6, 2048, [4096, 512, 512], 1, (q6, 6144)),
-            // Qwen3-30B-A3B's Q, K, V after a layer whose FFN output no producer hands over
-            // (its MoE; here a Q6_K or Q4_K down, whose plain GEMV does not either at 2048
-            // rows): CUDA's add + norm inside the Q, K, V launch (add_rms_norm_matmuls).
-            (q4, q4, 2048, [4096, 512, 512], 1, (q6, 6144)),
-            (q4, q6, 2048, [4096, 512, 512], 2, (q6, 6144)),
             (q4, q6, 512, [384, 128, 128], 1, (q6, 1024)),
         ]
     };
@@ -3263,7 +3258,7 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.matmul_add_for_norm(att, &p.w[3], x, y, norm)?;
             be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
         }
-        Op::AddNormMatmuls { ty, ty_v, n_in, .. } => {
+        Op::AddNormMatmuls { .. } => {
             let [_, y, h, act] = &mut p.a[..] else {
                 bail!("matmul_add+matmuls: expected 4 activations")
             };
@@ -3282,24 +3277,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
             }
             be.matmul(act, wd, y)?;
-            // The decoder's way where nothing hands the norm over: the add, the norm and the
-            // projections as one op where the backend fuses them (the sum out of place, into
-            // the scratch h here, then back into the residual the case reads).
-            if be.add_rms_norm_matmuls((x, y, h), norm, &ws, &mut outs)? {
-                return be.copy_rows(h, 0, x);
-            }
-            // CUDA fuses the one-row Q4_K Q, K with a Q4_K or Q6_K V (matmul.rs
-            // `add_rms_norm_matmuls`) unless switched off: a composition there would leave
-            // the fused kernels unchecked.
-            let fuses = be.name().starts_with("cuda")
-                && act.rows == 1
-                && *n_in >= 2048
-                && *ty == GgmlType::Q4K
-                && matches!(ty_v, GgmlType::Q4K | GgmlType::Q6K)
-                && std::env::var("FERRITE_NORM_ADD").as_deref() != Ok("0");
-            if fuses {
-                bail!("matmul_add+matmuls: the CUDA backend ran add_rms_norm + matmuls, not its fused form");
-            }
             be.add_rms_norm(x, y, norm.0, EPS, h)?;
             be.matmuls(h, &ws, &mut outs)
         }

@@ -21,10 +21,7 @@
 //! [`Backend::qk_norm_rope`]; every residual add is fused with the RMSNorm that follows it
 //! ([`Backend::add_rms_norm`]): the attention output's add with `ffn_norm`, the FFN
 //! output's add with the next layer's `attn_norm` (or, after the last layer, with
-//! `output_norm`) — and, where the backend can, with that layer's Q, K, V projections too
-//! ([`Backend::add_rms_norm_matmuls`]: on CUDA at decode one launch whose blocks each add
-//! and normalise; the sum then goes to the residual's other buffer). Only the first layer's
-//! `attn_norm` is a plain `rms_norm`.
+//! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
 use ferrite_backend::{Act, Backend, ExpertWeights, PagedKv, QkRope, StepInput};
@@ -557,24 +554,9 @@ impl<B: Backend> Model<B> {
         // Whether the previous layer's down projection handed this layer's attention norm
         // over to its Q, K, V ([`Backend::matmul_add_for_norm`]) instead of writing h.
         let mut handed = false;
-        // Whether the previous layer's FFN output y is still to be added to x: its add and
-        // this layer's attention norm then run with the Q, K, V where the backend fuses them
-        // ([`Backend::add_rms_norm_matmuls`]), else as add_rms_norm + matmuls.
-        let mut pending = false;
         for (il, l) in self.layers.iter().enumerate() {
             // Attention block (h = rms_norm(x) · attn_norm).
-            if pending {
-                let qkv = [&l.wq, &l.wk, &l.wv];
-                let mut outs = [&mut *q, &mut *k, &mut *v];
-                let norm = (&l.attn_norm, cfg.rms_eps);
-                if be.add_rms_norm_matmuls((x, y, x_alt), norm, &qkv, &mut outs)? {
-                    std::mem::swap(&mut x, &mut x_alt);
-                } else {
-                    be.add_rms_norm(x, y, &l.attn_norm, cfg.rms_eps, h)?;
-                    be.matmuls(h, &qkv, &mut outs)?;
-                }
-                pending = false;
-            } else if defer || handed {
+            if defer || handed {
                 be.rms_norm_matmuls(
                     x,
                     (&l.attn_norm, cfg.rms_eps),
@@ -644,14 +626,13 @@ impl<B: Backend> Model<B> {
                     y,
                 )?;
             }
-            // x += y: with the next layer's attention input (above), or after the last
-            // layer with the output norm.
+            // x += y, h = the next layer's attention input (or the output norm's result).
             handed = false;
-            if il + 1 < self.layers.len() {
-                pending = true;
-            } else {
-                be.add_rms_norm(x, y, &self.out_norm, cfg.rms_eps, h)?;
-            }
+            let next_norm = self
+                .layers
+                .get(il + 1)
+                .map_or(&self.out_norm, |n| &n.attn_norm);
+            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
         }
 
         if defer {

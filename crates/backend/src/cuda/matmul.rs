@@ -170,11 +170,6 @@ pub struct Kernels {
     /// `gemvq_multi_tcvf_q4_k_q6_k_r1` / `gemvq_multi_tcnvf_q4_k_q6_k_r1`, the same launches
     /// with the V tiles dispatched first (the same bits).
     qkv_vtc: Option<([CudaFunction; 6], CudaFunction)>,
-    /// The one-row grouped Q, K, V launches that add the residual and normalise x in every
-    /// block ([`add_rms_norm_matmuls`]; MATMUL.md round 68; `FERRITE_NORM_ADD`, sm_90+ with
-    /// the tensor-core tile): all Q4_K, and Q4_K Q, K with a Q6_K V on the tile (with
-    /// `qkv_vtc` only; its V-first order as `FERRITE_QKV_VFIRST` says).
-    qkv_add: Option<QkvAdd>,
     /// How rows too long for the 16-row tensor-core tile are done (`FERRITE_GEMV_TC`, a
     /// tuning switch).
     gemvq_tc_long: TcLong,
@@ -534,26 +529,6 @@ impl Kernels {
         } else {
             None
         };
-        // FERRITE_NORM_ADD: the most columns of x for the add + norm inside the Q, K, V
-        // launch (default ADD_MAX_COLS; 0 off).
-        let add_cols = usize::try_from(switches::int_or("FERRITE_NORM_ADD", ADD_MAX_COLS as i64))?
-            .min(ADD_MAX_COLS);
-        let qkv_add = match &qkv_vtc {
-            Some(_) if add_cols > 0 => {
-                let vf = if switches::int_or("FERRITE_QKV_VFIRST", 1) != 0 {
-                    "f"
-                } else {
-                    ""
-                };
-                let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
-                Some(QkvAdd {
-                    max_cols: add_cols,
-                    q4_k: one("gemvq_multi_tca_q4_k_r1")?,
-                    q4_k_q6_k: one(&format!("gemvq_multi_tcav{vf}_q4_k_q6_k_r1"))?,
-                })
-            }
-            _ => None,
-        };
         let qkv_norm = if norm_qkv {
             let one = |name: &str| function_smem(&m, name, GEMVQ_BULK_MAX_SMEM);
             Some(QkvNorm {
@@ -654,7 +629,6 @@ impl Kernels {
             swiglu_pipe,
             swiglu_qh,
             qkv_vtc,
-            qkv_add,
             gemvq_tc_long,
             gemvq_tck_cols,
             gemvq_tck_q8_cols,
@@ -1218,32 +1192,6 @@ struct QkvNorm {
     q4_k_q6_k: CudaFunction,
     q8_0: CudaFunction,
 }
-
-/// The one-row grouped Q, K, V kernels that add the residual and normalise x in every block
-/// (matmul.cu `gemvq_multi_tca_q4_k_r1`, `gemvq_multi_tcav[f]_q4_k_q6_k_r1`).
-struct QkvAdd {
-    /// The most columns of x taken (`FERRITE_NORM_ADD`, at most [`ADD_MAX_COLS`]).
-    max_cols: usize,
-    q4_k: CudaFunction,
-    q4_k_q6_k: CudaFunction,
-}
-
-/// Kernel argument of the `gemvq_multi_tca*` launches (`NormAdd` in matmul.cu): the residual
-/// x, the added y, the norm's weight, and where block 0 stores x + y.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct NormAddArgs {
-    x: u64,
-    y: u64,
-    nw: u64,
-    xo: u64,
-}
-
-// SAFETY: plain old data laid out as the C struct (4 pointers).
-unsafe impl super::launch::ScalarArg for NormAddArgs {}
-
-/// Most columns of [`add_rms_norm_matmuls`]'s x (matmul.cu `TC_ADD_MAX_GROUPS` groups of 32).
-const ADD_MAX_COLS: usize = 8192;
 
 /// The scratch of the handed-over planes, grown to `n` columns.
 fn norm_planes(
@@ -1944,7 +1892,7 @@ pub fn matmuls(
         }
         let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.by_ref().take(j - i).collect();
         match paths[i] {
-            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group, GroupNorm::Plain)?,
+            Some(q) if j - i >= 2 => multi_launch(be, x, xq, q, &ws[i..j], group, None)?,
             Some(true) => {
                 let xq = xq.ok_or_else(|| anyhow!("matmuls: int8 scratch missing"))?;
                 for out in group {
@@ -1967,16 +1915,6 @@ pub fn matmuls(
 /// quantized-x GEMV on `xq` (`q`) or the f32 GEMV on x.
 /// `handed`: the planes of x ⊙ n and their group sums that [`matmul_add_for_norm`] left, read
 /// instead of `xq` by the launch's NORM form (one row; [`handed_kernel`]), with the norm's eps.
-/// What a grouped quantized-x launch ([`multi_launch`]) takes for its x.
-enum GroupNorm<'a> {
-    /// x's planes as quantized for the launch.
-    Plain,
-    /// The planes of x ⊙ n a producer handed over with their groups' Σ x², and eps.
-    Handed(&'a NormPlanes, f32),
-    /// The residual add and the norm done in every block (`gemvq_multi_tca*`), and eps.
-    Add(NormAddArgs, f32),
-}
-
 fn multi_launch(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -1984,14 +1922,10 @@ fn multi_launch(
     q: bool,
     ws: &[&CudaWeight],
     outs: Vec<&mut &mut Act<CudaSlice<f32>>>,
-    norm: GroupNorm<'_>,
+    handed: Option<(&NormPlanes, f32)>,
 ) -> Result<()> {
     use cudarc::driver::DevicePtrMut;
     let (t, n_in, rows) = (ws[0].dtype, ws[0].shape[1], x.rows);
-    let handed = match norm {
-        GroupNorm::Handed(p, eps) => Some((p, eps)),
-        _ => None,
-    };
     ensure!(
         (2..=3).contains(&ws.len()) && ws.len() == outs.len(),
         "matmuls: a group of {} weights",
@@ -2098,32 +2032,6 @@ fn multi_launch(
         rows as i32,
         ks as i32,
     );
-    if let GroupNorm::Add(na, eps) = norm {
-        // The residual add and the norm in every block: the tile for every weight.
-        let k = be
-            .matmul
-            .qkv_add
-            .as_ref()
-            .ok_or_else(|| anyhow!("add_rms_norm_matmuls: no kernels"))?;
-        ensure!(
-            q && rows == 1 && tc.is_some() && t == GgmlType::Q4K && (!mixed || vtc.is_some()),
-            "add_rms_norm_matmuls: not the one-row tensor-core Q, K, V launch"
-        );
-        let f = if mixed { &k.q4_k_q6_k } else { &k.q4_k };
-        let rb2 = ws[ws.len() - 1].row_bytes() as i64;
-        let mut launch = be.stream.kernel(f);
-        launch.arg(&sg).arg(&rb);
-        if mixed {
-            launch.arg(&rb2);
-        }
-        launch.arg(&n_in_i).arg(&na).arg(&eps);
-        // SAFETY: every weight holds n rows of rb bytes (the mixed form's third n2 rows of
-        // rb2) and every output one row of n floats (checked by the caller); na's x, y and
-        // norm weight hold n_in floats each, its xo n_in floats, apart from x and y.
-        unsafe { launch.launch(cfg) }?;
-        drop(guards);
-        return Ok(());
-    }
     if q {
         let (pq, pd, cap) = match (handed, xq) {
             (Some((p, _)), _) => (&p.q, &p.d, p.cap),
@@ -2867,28 +2775,17 @@ fn handed_kernel(
 /// Whether [`matmuls`] of `ws` at `rows` rows is one grouped launch that has a NORM form
 /// ([`handed_kernel`]): the consumers [`matmul_add_for_norm`] can hand the norm to.
 fn takes_handed(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<bool> {
-    if be.matmul.qkv_norm.is_none() {
-        return Ok(false);
-    }
-    let (Some(tc), [a, .., c]) = (grouped_one_row(be, ws, rows)?, ws) else {
-        return Ok(false);
-    };
-    Ok(handed_kernel(be, a.dtype, c.dtype, tc, rows).is_some())
-}
-
-/// Whether [`matmuls`] of the three `ws` at `rows` = 1 is one grouped quantized-x launch, and
-/// then whether on the tensor-core tile (`Some(true)`) or the lane code.
-fn grouped_one_row(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<Option<bool>> {
     let [a, b, c] = ws else {
-        return Ok(None);
+        return Ok(false);
     };
-    if rows != 1
+    if be.matmul.qkv_norm.is_none()
+        || rows != 1
         || !ws.iter().all(|w| gemv_path(w, rows) == Some(true))
         || a.dtype != b.dtype
         || !ws.iter().all(|w| w.shape[1] == a.shape[1])
         || (c.dtype != a.dtype && mixed_kernels(be, a.dtype, c.dtype).is_none())
     {
-        return Ok(None);
+        return Ok(false);
     }
     // multi_launch's plan for the group.
     let n_min = ws
@@ -2909,81 +2806,12 @@ fn grouped_one_row(be: &CudaBackend, ws: &[&CudaWeight], rows: usize) -> Result<
         rows,
         GemvKind::Grouped,
     )?;
-    Ok(match tc {
-        Some(TcForm::Full(_)) => Some(true),
-        None => Some(false),
-        Some(_) => None,
-    })
-}
-
-/// `x_alt = x + y` and `outs[i] = (rms_norm(x_alt) · norm) · ws[i]ᵀ` as one grouped launch
-/// whose blocks each add the residual and normalise x (`gemvq_multi_tca*`, MATMUL.md round
-/// 68): one decode row, Q and K of Q4_K and V of Q4_K or Q6_K, all on the tensor-core tile.
-/// `false` (nothing done) elsewhere. Each output is bitwise `add_norm_planes` + the NORM
-/// Q, K, V launch's; `x_alt` bitwise `x + y`.
-pub fn add_rms_norm_matmuls(
-    be: &CudaBackend,
-    (x, y, x_alt): (&Act<CudaSlice<f32>>, &Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
-    (norm, eps): (&CudaWeight, f32),
-    ws: &[&CudaWeight],
-    outs: &mut [&mut Act<CudaSlice<f32>>],
-) -> Result<bool> {
-    use cudarc::driver::{DevicePtr, DevicePtrMut};
-    let (rows, n_in) = (x.rows, x.cols);
-    let Some(k) = be.matmul.qkv_add.as_ref() else {
-        return Ok(false);
+    let tc = match tc {
+        Some(TcForm::Full(_)) => true,
+        None => false,
+        Some(_) => return Ok(false),
     };
-    if rows != 1
-        || !n_in.is_multiple_of(32)
-        || n_in > k.max_cols
-        || norm.dtype != GgmlType::F32
-        || ws.len() != outs.len()
-    {
-        return Ok(false);
-    }
-    let [a, _, c] = ws else {
-        return Ok(false);
-    };
-    if a.dtype != GgmlType::Q4K
-        || !matches!(c.dtype, GgmlType::Q4K | GgmlType::Q6K)
-        || a.shape[1] != n_in
-        || grouped_one_row(be, ws, rows)? != Some(true)
-    {
-        return Ok(false);
-    }
-    for (w, out) in ws.iter().zip(outs.iter()) {
-        crate::check_matmul(x, &w.shape, out)?;
-        check_weight(w, "add_rms_norm_matmuls")?;
-        ensure!(
-            out.buf.len() >= w.shape[0],
-            "add_rms_norm_matmuls: output buffer smaller than its shape"
-        );
-    }
-    ensure!(
-        (y.rows, y.cols, x_alt.rows, x_alt.cols) == (1, n_in, 1, n_in)
-            && x.buf.len() >= n_in
-            && y.buf.len() >= n_in
-            && x_alt.buf.len() >= n_in,
-        "add_rms_norm_matmuls: x, y and the sum's buffer must be one row of {n_in}"
-    );
-    let nw = super::ops::f32_vec(norm, n_in)?;
-    let (xp, _gx) = x.buf.device_ptr(&be.stream);
-    let (yp, _gy) = y.buf.device_ptr(&be.stream);
-    let (np, _gn) = nw.device_ptr(&be.stream);
-    let (op, _go) = x_alt.buf.device_ptr_mut(&be.stream);
-    ensure!(
-        op != xp && op != yp,
-        "add_rms_norm_matmuls: the sum must go out of place"
-    );
-    let na = NormAddArgs {
-        x: xp,
-        y: yp,
-        nw: np,
-        xo: op,
-    };
-    let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.iter_mut().collect();
-    multi_launch(be, x, None, true, ws, group, GroupNorm::Add(na, eps))?;
-    Ok(true)
+    Ok(handed_kernel(be, a.dtype, c.dtype, tc, rows).is_some())
 }
 
 /// `outs[i] = (rms_norm(x) · norm) · ws[i]ᵀ` on the planes [`matmul_add_for_norm`] just left
@@ -3023,7 +2851,7 @@ pub fn rms_norm_matmuls_handed(
         );
     }
     let group: Vec<&mut &mut Act<CudaSlice<f32>>> = outs.iter_mut().collect();
-    multi_launch(be, x, None, true, ws, group, GroupNorm::Handed(p, eps))?;
+    multi_launch(be, x, None, true, ws, group, Some((p, eps)))?;
     Ok(true)
 }
 

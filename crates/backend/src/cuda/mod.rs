@@ -540,16 +540,6 @@ impl Backend for CudaBackend {
         self.matmuls(h, ws, outs)
     }
 
-    fn add_rms_norm_matmuls(
-        &self,
-        xy: (&Act<CudaSlice<f32>>, &Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
-        norm: (&CudaWeight, f32),
-        ws: &[&CudaWeight],
-        outs: &mut [&mut Act<CudaSlice<f32>>],
-    ) -> Result<bool> {
-        matmul::add_rms_norm_matmuls(self, xy, norm, ws, outs)
-    }
-
     fn rms_norm_matmul_swiglu(
         &self,
         x: &Act<CudaSlice<f32>>,

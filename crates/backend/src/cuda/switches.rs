@@ -235,11 +235,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "QK-norm + RoPE inside the one-row keys-before-the-wait cluster decode attention (Qwen3's rotation: both norms, NeoX over 128 dims): 1 (default), 0 the qk_norm_rope launch before it (ATTENTION.md, 23rd session)",
     ),
     (
-        "FERRITE_NORM_ADD",
-        Accepts::Range(0, 8192),
-        "one-row decode, where no producer hands the attention norm over (after a MoE or a lane-code down projection): the most columns of x for which the grouped Q, K, V launch adds the residual and normalises x in every block (MATMUL.md round 68); default 8192, 0 off (add_rms_norm + matmuls)",
-    ),
-    (
         "FERRITE_QKV_VFIRST",
         Accepts::OneOf(&[0, 1]),
         "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 (default) its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",

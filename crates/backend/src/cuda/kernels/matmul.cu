@@ -1841,65 +1841,6 @@ __device__ __forceinline__ void tc_norm_scale(const float* __restrict__ pss, int
 
 // EMU_TC_END
 
-// The residual add and RMSNorm before a grouped Q, K, V launch, done by every block of that
-// launch (gemvq_multi_tca_*; matmul.rs `add_rms_norm_matmuls`, MATMUL.md round 68), where no
-// producer hands the norm over: the previous layer's FFN output y is a plain GEMV's or the
-// MoE's combine, whose blocks own no whole 32-element groups. The one-block add_rms_norm_v4
-// launch it replaces stood between the producer's end and the projections' wait.
-//  Plan: after the PDL wait each warp takes the 32-element groups warp, warp + 8, ... of the
-//  row, TC_ADD_GP of them at once (their x, y and weight loads all issued first: one L2
-//  round trip a pass, one pass at 2048 columns, two at 4096); per group add_norm_lane's
-//  operations: s = x + y, the group's Σ s² (xor butterfly), the two int8 planes of s ⊙ n
-//  (quant_q8_lane) — into the block's staged x (tc_stage_x's layout) instead of global
-//  memory — and block 0 alone stores s to xo (out of place: every block reads x). Then
-//  tc_norm_scale on the group sums in shared memory: the NORM consumer's 1 / rms, applied at
-//  tc_store. So each output is bitwise add_norm_planes + the NORM Q, K, V launch's.
-//  Bytes: 12 bytes a column from L2 a block (x, y, n); 2048 columns × 320 blocks ≈ 7.9 MB
-//  on Qwen3-30B-A3B, spread over the launch's first wave.
-struct NormAdd {
-    const float* x;   // the residual before the add
-    const float* y;   // what is added to it
-    const float* nw;  // the norm's weight
-    float* xo;        // x + y (block 0 writes it)
-};
-#define TC_ADD_MAX_GROUPS 256  // columns <= 8192 (matmul.rs ADD_MAX_COLS)
-#define TC_ADD_GP 8            // groups a warp loads at once
-
-__device__ __forceinline__ void tc_add_norm_stage(const NormAdd& na, uint8_t* xs, int n_in, float eps, float* sn) {
-    __shared__ float gss[TC_ADD_MAX_GROUPS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, ng = n_in / QK;
-    const bool store = blockIdx.x == 0;
-    float2* ds = (float2*)(xs + 2 * n_in + 128);
-    for (int g0 = warp; g0 < ng; g0 += GEMV_WARPS * TC_ADD_GP) {
-        float xv[TC_ADD_GP], yv[TC_ADD_GP], nv[TC_ADD_GP];
-#pragma unroll
-        for (int j = 0; j < TC_ADD_GP; j++) {
-            const int o = (g0 + j * GEMV_WARPS) * QK + lane;
-            if (o < n_in) {
-                xv[j] = na.x[o];
-                yv[j] = na.y[o];
-                nv[j] = na.nw[o];
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < TC_ADD_GP; j++) {
-            const int g = g0 + j * GEMV_WARPS, o = g * QK + lane;
-            if (g < ng) {  // warp-uniform
-                const float s = xv[j] + yv[j];
-                if (store) na.xo[o] = s;
-                float ss = s * s;
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-                quant_q8_lane(s * nv[j], lane, (int8_t*)xs, n_in + 64, o, ds + g);
-                if (lane == 0) gss[g] = ss;
-            }
-        }
-    }
-    __syncthreads();
-    tc_norm_scale<1>(gss, n_in, 1, eps, sn);
-    __syncthreads();
-}
-
 // A block's ticket after it has written its share of some outputs: adds `n` to *t and sets
 // *last (shared) where that completes `total`. The block barrier orders every thread's writes
 // before thread 0's fence (cumulative) and atomic; in the last block, thread 0's fence after
@@ -1926,17 +1867,13 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-// ADD (one row, NORM): x's planes and group sums computed by the block itself from the
-// residual add (tc_add_norm_stage on *na) instead of staged from a producer's.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false, bool ADD = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                int bx, uint8_t* smem, uint64_t* bar,
-                                               const float* __restrict__ pss = nullptr, float eps = 0.0f,
-                                               const NormAdd* na = nullptr) {
+                                               const float* __restrict__ pss = nullptr, float eps = 0.0f) {
     static_assert(!W4 || TYPE == GGML_Q4_K, "gemvq_tc_block: W4 is the Q4_K tile's");
-    static_assert(!ADD || (NORM && R == 1 && !HALF && !SWIGLU), "gemvq_tc_block: ADD is the one-row NORM tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -1952,9 +1889,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
-    if constexpr (ADD) {
-        tc_add_norm_stage(*na, xs, n_in, eps, sn);
-    } else if (XS) {
+    if (XS) {
         // x's loads first, the group sums' while they are in flight (one round trip for both).
         TcXStage st;
         tc_stage_x_load(st, xq, xd, n_in);
@@ -2333,16 +2268,13 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
 // NWT: rows per warp of the plain lane code (GEMV_NW; 4 for gemvq_add_n_q8_0's 32-row blocks).
 // SOUT (plain rows, one x row): the block's sums go to sout[output - first row of the block]
 // (shared memory) instead of out.
-// ADD (TC, NORM, one row): the tile's x from the residual add on *na (gemvq_tc_block's ADD).
-template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false, int NWT = GEMV_NW, bool SOUT = false,
-          bool ADD = false>
+template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false, int NWT = GEMV_NW, bool SOUT = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
                                       int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f,
-                                      float* sout = nullptr, const NormAdd* na = nullptr) {
+                                      float* sout = nullptr) {
     static_assert(!SOUT || (R == 1 && !SWIGLU && !TC), "gemvq: SOUT is for one plain row");
-    static_assert(!ADD || (TC && NORM && R == 1), "gemvq: ADD is the one-row NORM tile's");
     constexpr int NW = NWT;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
     __shared__ float red[GEMV_WARPS][R * NW];
@@ -2359,8 +2291,8 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
         // (NORM && TC: the lane-code instances never take this branch nor instantiate the
         // tile's NORM form.)
-        gemvq_tc_block<TYPE, R, SWIGLU, false, NORM && TC, false, ADD>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
-                                                                       bx, gemv_smem, &gemv_bar, pss, eps, na);
+        gemvq_tc_block<TYPE, R, SWIGLU, false, NORM && TC>(W, W2, rb, n_out, n_in, xq, xd, rows, out, bx,
+                                                           gemv_smem, &gemv_bar, pss, eps);
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
@@ -2620,38 +2552,6 @@ GEMVQ_MULTI_NORM_KERNEL(q8_0, GGML_Q8_0, false, _n, (GEMV_WARPS * 32))
 GEMVQ_MIXED_NORM_KERNEL(false, , false)
 GEMVQ_MIXED_NORM_KERNEL(true, v, false)
 GEMVQ_MIXED_NORM_KERNEL(true, vf, true)
-// The grouped Q, K, V launch that adds the residual and normalises x itself (gemvq's ADD;
-// one row: matmul.rs `add_rms_norm_matmuls`): gemvq_multi_tca_q4_k_r1 (all Q4_K) and
-// gemvq_multi_tcav<f>_q4_k_q6_k_r1 (the Q6_K V on the tile, f: its tiles first). No x planes
-// in: the tiles' x comes from na. Bounds as their NORM forms'.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1))
-    gemvq_multi_tca_q4_k_r1(GemvSegs sg, long long rb, int n_in, NormAdd na, float eps) {
-    int bx = blockIdx.x;
-    const int s = gemv_seg(sg, bx);
-    const uint8_t* W = s == 0 ? sg.w0 : (s == 1 ? sg.w1 : sg.w2);
-    float* out = s == 0 ? sg.out0 : (s == 1 ? sg.out1 : sg.out2);
-    const int n_out = s == 0 ? sg.n0 : (s == 1 ? sg.n1 : sg.n2);
-    gemvq<GGML_Q4_K, 1, false, true, true, GEMV_NW, false, true>(W, W, rb, n_out, n_in, nullptr, nullptr, 1, out, 1,
-                                                                bx, nullptr, eps, nullptr, &na);
-}
-#define GEMVQ_MIXED_ADD_KERNEL(V, VF)                                                                          \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 3)                                           \
-        gemvq_multi_tca##V##_q4_k_q6_k_r1(GemvSegs sg, long long rb, long long rb2, int n_in, NormAdd na,      \
-                                          float eps) {                                                         \
-        int bx = mixed_bx<VF>();                                                                               \
-        const int s = gemv_seg(sg, bx);                                                                        \
-        if (s < 2) {                                                                                           \
-            const uint8_t* W = s == 0 ? sg.w0 : sg.w1;                                                         \
-            gemvq<GGML_Q4_K, 1, false, true, true, GEMV_NW, false, true>(                                      \
-                W, W, rb, s == 0 ? sg.n0 : sg.n1, n_in, nullptr, nullptr, 1, s == 0 ? sg.out0 : sg.out1, 1, bx, \
-                nullptr, eps, nullptr, &na);                                                                   \
-        } else {                                                                                               \
-            gemvq<GGML_Q6_K, 1, false, true, true, GEMV_NW, false, true>(                                      \
-                sg.w2, sg.w2, rb2, sg.n2, n_in, nullptr, nullptr, 1, sg.out2, 1, bx, nullptr, eps, nullptr, &na); \
-        }                                                                                                      \
-    }
-GEMVQ_MIXED_ADD_KERNEL(v, false)
-GEMVQ_MIXED_ADD_KERNEL(vf, true)
 // The two-tile one-row blocks (gemvq_tct_block): the signature of gemvq_tc_<type>_r1 (rows
 // must be 1, ks is unused), three blocks per SM as the one-tile kernel's.
 #define GEMVQ_TCT_KERNEL(name, TYPE)                                                                         \
