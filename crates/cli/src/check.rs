@@ -1105,6 +1105,18 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 });
             }
         }
+        // Qwen3.5's Q5_K in-projections (the linear layers' attn_qkv of the 35B-A3B and the
+        // 9B): the 16-row tensor-core tile at decode and verify rows, the prefill at 17.
+        for n_in in [2048, 4096] {
+            for rows in [1, 3, 16, 17] {
+                add(Op::Matmul {
+                    ty: GgmlType::Q5K,
+                    n_in,
+                    n_out: 8192,
+                    rows,
+                });
+            }
+        }
         // The output head (vocabulary 151936): the types lm_heads are stored in; and the
         // 2048-column Q6_K one of Qwen3-30B-A3B (at one row the two-tile tensor-core block).
         for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4K] {

@@ -410,6 +410,18 @@ impl Kernels {
                 let f = function_smem(&m, &format!("gemvq_tct_{name}_r1"), GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((t, f));
             }
+            // Q5_K has the 16-row tile alone (gemvq_tc_q4k's Q5; MATMUL.md round 69), unless
+            // FERRITE_GEMV_TC5=0: rows too long for it take the lane code.
+            if switches::int_or("FERRITE_GEMV_TC5", 1) != 0 {
+                fams.push((
+                    GgmlType::Q5K,
+                    [
+                        all("_tc_q5_k")?,
+                        all("_swiglu_tc_q5_k")?,
+                        all("_multi_tc_q5_k")?,
+                    ],
+                ));
+            }
             // Q8_0 has the K-split tile alone (its long rows: tc_form).
             if gemvq_tck_q8_cols != 0 {
                 split.push((GgmlType::Q8_0, all("_tck_q8_0")?));
@@ -1424,7 +1436,8 @@ fn tct_kernel(
     tc.tct.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)
 }
 
-/// Weight types with a tensor-core decode GEMV (`gemvq_tc_q4k`, `gemvq_tc_q6k` in matmul.cu).
+/// Weight types with every tensor-core decode GEMV form (`gemvq_tc_q4k`, `gemvq_tc_q6k` in
+/// matmul.cu); Q5_K has the 16-row tile's families alone, Q8_0 the K-split tile alone.
 const TC_TYPES: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
 
 /// The tensor-core kernels: per type of [`TC_TYPES`] its families (as `Kernels::gemvq`:

@@ -235,6 +235,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "QK-norm + RoPE inside the one-row keys-before-the-wait cluster decode attention (Qwen3's rotation: both norms, NeoX over 128 dims): 1 (default), 0 the qk_norm_rope launch before it (ATTENTION.md, 23rd session)",
     ),
     (
+        "FERRITE_GEMV_TC5",
+        Accepts::OneOf(&[0, 1]),
+        "Q5_K decode GEMVs on the 16-row tensor-core tile (gemvq_tc_q5_k; the Qwen3.5 linear layers' in-projection): 1 (default), 0 the lane code (MATMUL.md round 69)",
+    ),
+    (
         "FERRITE_QKV_VFIRST",
         Accepts::OneOf(&[0, 1]),
         "the one-row mixed Q, K, V launch with V on the tensor-core tile: 1 (default) its blocks in reverse order, the Q6_K V tiles dispatched first; 0 in order (MATMUL.md round 52)",

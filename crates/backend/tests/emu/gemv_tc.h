@@ -14,6 +14,7 @@
 #define QK 32
 #define QK_K 256
 #define Q4_K_BYTES 144
+#define Q5_K_BYTES 176
 #define Q8_0_BYTES 34
 #define Q6_K_BYTES 210
 

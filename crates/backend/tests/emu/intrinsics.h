@@ -44,6 +44,9 @@ using std::min;
 static inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t sh) {
     return (uint32_t)((((uint64_t)hi << 32) | lo) >> (sh & 31));
 }
+static inline uint32_t __funnelshift_l(uint32_t lo, uint32_t hi, uint32_t sh) {
+    return (uint32_t)(((((uint64_t)hi << 32) | lo) << (sh & 31)) >> 32);
+}
 
 static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     const uint64_t v = (uint64_t)y << 32 | x;

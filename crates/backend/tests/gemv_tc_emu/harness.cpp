@@ -1,5 +1,5 @@
-// Host emulation of matmul.cu's tensor-core Q4_K, Q6_K and Q8_0 GEMVs (gemvq_tc_q4k,
-// gemvq_tc_q6k, gemvq_tc_q80, tc_stage_x: the section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section;
+// Host emulation of matmul.cu's tensor-core Q4_K, Q5_K, Q6_K and Q8_0 GEMVs (gemvq_tc_q4k and
+// its Q5 form, gemvq_tc_q6k, gemvq_tc_q80, tc_stage_x: the section between its EMU_TC markers, with kq_pair_scales from the EMU_KQ section;
 // written next to this file as kq.cuh and tc.cuh by emu::build_gemv_tc, with the prelude
 // gemv_tc.h). One block (r0 = 0) on the host, every thread a fiber (../emu/fibers.h); emulated:
 //  - tc_mma / tc_mma_s8: mma.sync m16n8k32 u8 (s8) x s8 -> s32: the 32 lanes deposit their
@@ -19,8 +19,9 @@
 // k0 .. k0 + n_in of kx (0: x is n_in wide).
 // q8: the Q8_0 tile (gemvq_tc_q80), its rows 16 bytes apart beyond their length in the slots,
 // as gemvq_tck_block lays them out.
+// q5: the Q5_K rows of gemvq_tc_q4k's Q5 (the 16-row tile only).
 struct Cfg {
-    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0, norm, q8;
+    int n_in, n_out, R, rows, swiglu, staged, q6, half, kx, k0, norm, q8, q5;
 };
 static Cfg cfg;
 static const uint8_t *s0, *s1;
@@ -58,6 +59,9 @@ static void body_r() {
         else if (cfg.q8)
             gemvq_tc_q80<R, SW, true>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0, cfg.n_in + 64,
                                       cfg.n_in);
+        else if (cfg.q5)
+            gemvq_tc_q4k<R, SW, true, H, false, false, false, true>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da,
+                                                                    cfg.rows, out, 0, cfg.n_in + 64, cfg.n_in);
         else if (cfg.norm)
             gemvq_tc_q4k<R, SW, true, H, true>(s0, s1, rb, cfg.n_out, cfg.n_in, xa, da, cfg.rows, out, 0,
                                                cfg.n_in + 64, cfg.n_in, sn);
@@ -74,6 +78,9 @@ static void body_r() {
         else if (cfg.q8)
             gemvq_tc_q80<R, SW, false>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0, nx,
                                        cfg.n_in);
+        else if (cfg.q5)
+            gemvq_tc_q4k<R, SW, false, H, false, false, false, true>(s0, s1, rb, cfg.n_out, nx, xq + k0,
+                                                                     xd + k0 / QK, cfg.rows, out, 0, nx, cfg.n_in);
         else if (cfg.norm)
             gemvq_tc_q4k<R, SW, false, H, true>(s0, s1, rb, cfg.n_out, nx, xq + k0, xd + k0 / QK, cfg.rows, out, 0,
                                                 nx, cfg.n_in, sn);
@@ -133,16 +140,42 @@ static double ref_dot_q8(const uint8_t* row, int n_in, const int8_t* xr, const f
     return acc;
 }
 
+// The same for a Q5_K row (ggml's layout: d, dmin, the scales, qh[32], qs[128]; weight
+// 32 j + k takes nibble j % 2 of qs byte 32 (j / 2) + k and bit j of qh byte k as its fifth).
+static double ref_dot_q5(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
+    double acc = 0;
+    for (int sb = 0; sb < n_in / QK_K; sb++) {
+        const uint8_t* b = row + sb * Q5_K_BYTES;
+        const double d = h2f(b[0] | b[1] << 8), dmin = h2f(b[2] | b[3] << 8);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            scale_min(j, b + 4, sc, m);
+            int64_t s = 0;
+            for (int k = 0; k < 32; k++) {
+                const uint8_t qb = b[48 + 32 * (j / 2) + k];
+                const int q = (j % 2 ? qb >> 4 : qb & 15) | ((b[16 + k] >> j) & 1) << 4;
+                const int e = sb * QK_K + 32 * j + k;
+                s += (int64_t)q * (127 * xr[e] + xr[n_in + e]);
+            }
+            const float2 ds = dr[sb * 8 + j];
+            acc += d * sc * ds.x * (double)s - dmin * m * ds.y;
+        }
+    }
+    return acc;
+}
+
 static double ref_dot(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
-    return cfg.q6 ? ref_dot_q6(row, n_in, xr, dr)
-                  : cfg.q8 ? ref_dot_q8(row, n_in, xr, dr) : ref_dot_q4(row, n_in, xr, dr);
+    return cfg.q6   ? ref_dot_q6(row, n_in, xr, dr)
+           : cfg.q8 ? ref_dot_q8(row, n_in, xr, dr)
+           : cfg.q5 ? ref_dot_q5(row, n_in, xr, dr)
+                    : ref_dot_q4(row, n_in, xr, dr);
 }
 
 static bool run(const Cfg& c, std::vector<float>* row0) {
     cfg = c;
     // Tile rows (outputs): 16 plain / 8 SwiGLU pairs; HALF (8-row tile, slots of 4 rows) 8 / 4.
     const int n_in = c.n_in, nb = n_in / QK, ns = c.half ? 4 : 8, tile = c.swiglu ? ns : 2 * ns;
-    const int bytes = c.q6 ? Q6_K_BYTES : c.q8 ? 8 * Q8_0_BYTES : Q4_K_BYTES;  // per 256 columns
+    const int bytes = c.q6 ? Q6_K_BYTES : c.q8 ? 8 * Q8_0_BYTES : c.q5 ? Q5_K_BYTES : Q4_K_BYTES;  // per 256
     rb = (long long)(n_in / QK_K) * bytes;
     // Weights: 2 ns tile rows (plain: rows 0..2ns-1; SwiGLU: gate rows 0..ns-1, up rows the next
     // ns).
@@ -245,7 +278,7 @@ static bool run(const Cfg& c, std::vector<float>* row0) {
     const double nmse = err / (ref2 > 0 ? ref2 : 1);
     if (!(nmse <= 1e-11)) ok = false;
     printf("%s%s n_in %5d (x %5d from %5d) n_out %2d R %d rows %d swiglu %d staged %d norm %d: NMSE %.2e %s\n",
-           c.q6 ? "q6_K" : c.q8 ? "q8_0" : "q4_K", c.half ? " half" : "", c.n_in, nx, c.k0, c.n_out, c.R, c.rows, c.swiglu,
+           c.q6 ? "q6_K" : c.q8 ? "q8_0" : c.q5 ? "q5_K" : "q4_K", c.half ? " half" : "", c.n_in, nx, c.k0, c.n_out, c.R, c.rows, c.swiglu,
            c.staged, c.norm, nmse, ok ? "OK" : "MISMATCH");
     if (row0) {
         const int n = min(tile, c.n_out);
@@ -304,6 +337,12 @@ int main() {
         // partial tile too; R = 3 reads x from global memory.
         {{4096, 8, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1}, {4096, 8, 3, 3, 1, 0, 0, 0, 0, 0, 1, 1}},
         {{8192, 5, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1}, {8192, 5, 3, 2, 1, 0, 0, 0, 0, 0, 1, 1}},
+        // Q5_K (gemvq_tc_q4k's Q5): Qwen3.5's in-projection widths, a partial tile, one
+        // super-block (warp 0 alone), SwiGLU.
+        {{2048, 16, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1}, {2048, 16, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
+        {{4096, 13, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1}, {4096, 13, 3, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
+        {{256, 16, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1}, {256, 16, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 1}},
+        {{768, 5, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1}, {768, 5, 3, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1}},
     };
     for (const auto& p : pairs) {
         std::vector<float> row0;

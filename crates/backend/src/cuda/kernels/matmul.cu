@@ -1465,6 +1465,16 @@ __device__ __forceinline__ void tc_b_words(const int4 xv, uint32_t mlo, uint32_t
     wb[3] = (uint32_t)xv.w & mhi;
 }
 
+// A Q5_K lifetime's four A words from the lane's 16 nibble bytes w and its 16 qh bytes q
+// (gemvq_tc_q4k's Q5): rot(w, nrot) & nmask | rot(q, qr) & hmask, rot a left rotation.
+__device__ __forceinline__ void q5_a(const uint4 w, const uint4 q, uint32_t nrot, uint32_t qr, uint32_t nmask,
+                                     uint32_t hmask, uint32_t (&a)[4]) {
+    const uint32_t wv[4] = {w.x, w.y, w.z, w.w}, qv[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        a[i] = (__funnelshift_l(wv[i], wv[i], nrot) & nmask) | (__funnelshift_l(qv[i], qv[i], qr) & hmask);
+}
+
 // XS (R = 1): x was staged in shared memory by the block (tc_stage_x): planes xplane bytes
 // apart, its scales at xd; otherwise global x (planes n_in apart, rows 2 n_in apart).
 // kcols: the tile's columns where x is wider (a K slice, gemvq_tck_block; 0: n_in).
@@ -1477,7 +1487,16 @@ __device__ __forceinline__ void tc_b_words(const int4 xv, uint32_t mlo, uint32_t
 // super-blocks w, w + 4, ..., alternately into the eight-warp kernel's partials of warps w
 // (w, w + 8, ...) and w + 4 (w + 4, w + 12, ...), by swapping two accumulator sets after
 // each super-block: every sum is the eight-warp kernel's, in its order.
-template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false, bool W4 = false>
+// Q5 (gemvq_tc_q5_k_r<R>; MATMUL.md round 69): Q5_K rows, the Q4_K layout with qh[32] (the
+// fifth bits) between the scales and the nibbles (176-byte super-blocks). Per row and
+// super-block the lane also loads its 16 qh bytes (the bytes 16 e .. of every 32-byte run
+// of nibbles its A words come from: one load serves the four chunks); byte l of chunk cc
+// has its fifth bit at bit 2 cc + sel of qh[l] (sel: the lane's nibble, t >> 1). A bytes:
+// the low nibble with its bit at bit 4 (v, 0..31), or the high nibble rotated down to bits
+// 3..6 with its bit at bit 7 (8 v: the byte holds 8 v exactly, and hs = 1/8 undoes it), so
+// each A word is two rotations, a mask and one LOP3 (q5_a) where Q4_K's is one mask.
+template <int R, bool SWIGLU, bool XS, bool HALF = false, bool NORM = false, bool G2 = false, bool W4 = false,
+          bool Q5 = false>
 __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s1, long long rb, int n_out,
                                              int n_in, const int8_t* __restrict__ xq,
                                              const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -1490,7 +1509,12 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     const uint8_t* p1 = HALF ? p0 : p0 + 4 * (size_t)rb;
     const uint32_t amask = (t >> 1) ? 0xF0F0F0F0u : 0x0F0F0F0Fu;
     const KqPairSel sel0 = kq_pair_sel(t >> 1), sel1 = kq_pair_sel(2 + (t >> 1));
-    const float hs = e ? 0.0625f : 1.0f;  // column t's sub-block is odd: 16x high nibbles
+    // Column t's sub-block is odd: 16x high nibbles (Q5: 8x, q5_a).
+    const float hs = e ? (Q5 ? 0.125f : 0.0625f) : 1.0f;
+    constexpr int SB_BYTES = Q5 ? Q5_K_BYTES : Q4_K_BYTES, QS_OFF = Q5 ? 48 : 16;  // the nibbles' offset
+    // Q5: the lane's rotations (nibble; the fifth bit of chunk cc: by qrot - 2 cc) and masks.
+    const uint32_t nrot = (t >> 1) ? 31u : 0u, qrot = 4u + 2u * (uint32_t)(t >> 1);
+    const uint32_t nmask = (t >> 1) ? 0x78787878u : 0x0F0F0F0Fu, hmask = (t >> 1) ? 0x80808080u : 0x10101010u;
     const int q = g >> 1;                  // B: this lane's column slice
     const bool bval = (q & 1) == (t >> 1), bhi = q >= 2;
     // The x words go to b0 (k 0..15) or b1 (k 16..31) or neither: masks of one unconditional
@@ -1511,23 +1535,38 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     int nsw = 0;  // W4: super-blocks taken (which set acc is)
 #pragma unroll SB_UNROLL
     for (int sb = warp; sb < nsb; sb += WS) {
-        const size_t off = (size_t)sb * Q4_K_BYTES;
+        const size_t off = (size_t)sb * SB_BYTES;
         const uint8_t* b0 = p0 + off;
         const uint8_t* b1 = p1 + off;
         const uint4 h0 = *(const uint4*)b0, h1 = HALF ? h0 : *(const uint4*)b1;
         const float d0 = h2f(h0.x & 0xFFFF), n0 = h2f(h0.x >> 16);
         const float d1 = h2f(h1.x & 0xFFFF), n1 = h2f(h1.x >> 16);
+        uint4 qh0 = make_uint4(0, 0, 0, 0), qh1 = qh0;  // Q5: the lane's fifth bits
+        if constexpr (Q5) {
+            qh0 = *(const uint4*)(b0 + 16 + 16 * e);
+            qh1 = HALF ? qh0 : *(const uint4*)(b1 + 16 + 16 * e);
+        }
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             const int c = 2 * half;
-            const uint4 wa0 = *(const uint4*)(b0 + 16 + 32 * c + 16 * e);
-            const uint4 wb0 = *(const uint4*)(b0 + 48 + 32 * c + 16 * e);
-            const uint4 wa1 = HALF ? wa0 : *(const uint4*)(b1 + 16 + 32 * c + 16 * e);
-            const uint4 wb1 = HALF ? wb0 : *(const uint4*)(b1 + 48 + 32 * c + 16 * e);
-            const uint32_t A0[4] = {wa0.x & amask, wa0.y & amask, wa0.z & amask, wa0.w & amask};
-            const uint32_t A1[4] = {wa1.x & amask, wa1.y & amask, wa1.z & amask, wa1.w & amask};
-            const uint32_t A2[4] = {wb0.x & amask, wb0.y & amask, wb0.z & amask, wb0.w & amask};
-            const uint32_t A3[4] = {wb1.x & amask, wb1.y & amask, wb1.z & amask, wb1.w & amask};
+            const uint4 wa0 = *(const uint4*)(b0 + QS_OFF + 32 * c + 16 * e);
+            const uint4 wb0 = *(const uint4*)(b0 + QS_OFF + 32 + 32 * c + 16 * e);
+            const uint4 wa1 = HALF ? wa0 : *(const uint4*)(b1 + QS_OFF + 32 * c + 16 * e);
+            const uint4 wb1 = HALF ? wb0 : *(const uint4*)(b1 + QS_OFF + 32 + 32 * c + 16 * e);
+            uint32_t A0[4], A1[4], A2[4], A3[4];
+            if constexpr (Q5) {
+                // Chunk c (A0, A1) and c + 1 (A2, A3): the fifth bit rotated to bit 4 or 7.
+                const uint32_t ra = (qrot - 2u * (uint32_t)c) & 31u, rb2 = (qrot - 2u * (uint32_t)(c + 1)) & 31u;
+                q5_a(wa0, qh0, nrot, ra, nmask, hmask, A0);
+                q5_a(wa1, qh1, nrot, ra, nmask, hmask, A1);
+                q5_a(wb0, qh0, nrot, rb2, nmask, hmask, A2);
+                q5_a(wb1, qh1, nrot, rb2, nmask, hmask, A3);
+            } else {
+                A0[0] = wa0.x & amask, A0[1] = wa0.y & amask, A0[2] = wa0.z & amask, A0[3] = wa0.w & amask;
+                A1[0] = wa1.x & amask, A1[1] = wa1.y & amask, A1[2] = wa1.z & amask, A1[3] = wa1.w & amask;
+                A2[0] = wb0.x & amask, A2[1] = wb0.y & amask, A2[2] = wb0.z & amask, A2[3] = wb0.w & amask;
+                A3[0] = wb1.x & amask, A3[1] = wb1.y & amask, A3[2] = wb1.z & amask, A3[3] = wb1.w & amask;
+            }
             const KqPairSel sel = half ? sel1 : sel0;
             const uint32_t sm0 = kq_pair_scales(sel, h0.y, h0.z, h0.w);
             const uint32_t sm1 = kq_pair_scales(sel, h1.y, h1.z, h1.w);
@@ -1862,7 +1901,8 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // R = 1 (not for the HALF tile: its long rows' x would take the shared memory of a block),
 // then gemvq_tc_q4k / gemvq_tc_q6k. The tile: 16 rows (plain: rows r0.. and r0 + 8.. of W in
 // the two slots), 8 SwiGLU pairs (rows r0.. of W, the gate, and of W2, the up), or HALF 8
-// rows (r0.. and r0 + 4..). TYPE: Q4_K or Q6_K (any other is the Q6_K form: never launched).
+// rows (r0.. and r0 + 4..). TYPE: Q4_K, Q5_K (the Q4_K form's Q5) or Q6_K (any other is the
+// Q6_K form: never launched).
 // NORM (Q4_K, the SwiGLU of gemvq_swiglu_tcn_q4_k): x's planes are those of x ⊙ n, written
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
@@ -1907,6 +1947,9 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         if (TYPE == GGML_Q4_K)
             gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM, false, W4>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane,
                                                                0, sn);
+        else if (TYPE == GGML_Q5_K)
+            gemvq_tc_q4k<R, SWIGLU, XS, HALF, NORM, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0,
+                                                                        plane, 0, sn);
         else
             gemvq_tc_q6k<R, SWIGLU, XS, HALF, NORM>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, 0, sn);
     }
@@ -2287,7 +2330,7 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t gemv_bar;
     if (gemv_dyn_smem() == 0) __trap();  // the launcher always passes the slots on sm_90+
-    if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q6_K)) {
+    if (TC && (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K || TYPE == GGML_Q6_K)) {
         if (ks != 1) __trap();  // the tensor-core launches are ks = 1
         // (NORM && TC: the lane-code instances never take this branch nor instantiate the
         // tile's NORM form.)
@@ -2511,6 +2554,7 @@ GEMVQ_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
+GEMVQ_TC_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
 // The grouped Q, K, V launch on the attention input's handed-over norm (gemvq's NORM; one
 // row: matmul.rs `rms_norm_matmuls_handed`): gemvq_multi_tcn_q4_k_r1 (the tensor-core form),
