@@ -410,9 +410,15 @@ impl Kernels {
                 let f = function_smem(&m, &format!("gemvq_tct_{name}_r1"), GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((t, f));
             }
-            // Q5_K has the 16-row tile alone (gemvq_tc_q4k's Q5; MATMUL.md round 69), unless
-            // FERRITE_GEMV_TC5=0: rows too long for it take the lane code.
-            if switches::int_or("FERRITE_GEMV_TC5", 1) != 0 {
+            // Q5_K has the 16-row tile (gemvq_tc_q4k's Q5; MATMUL.md round 69) and, with
+            // FERRITE_GEMV_TC5=2 (default), its two-tile block; 0: the lane code. Rows too
+            // long for the tile take the lane code.
+            let tc5 = switches::int_or("FERRITE_GEMV_TC5", 2);
+            if tc5 >= 2 {
+                let f = function_smem(&m, "gemvq_tct_q5_k_r1", GEMVQ_BULK_MAX_SMEM)?;
+                tct.push((GgmlType::Q5K, f));
+            }
+            if tc5 != 0 {
                 fams.push((
                     GgmlType::Q5K,
                     [

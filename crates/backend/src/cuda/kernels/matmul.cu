@@ -2002,6 +2002,9 @@ __device__ __forceinline__ void gemvq_tct_block(const uint8_t* __restrict__ W, l
         gemv_bulk_wait(bars + t);
         if (TYPE == GGML_Q4_K)
             gemvq_tc_q4k<1, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, r0, n_in + 64);
+        else if (TYPE == GGML_Q5_K)
+            gemvq_tc_q4k<1, false, true, false, false, false, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out,
+                                                                          r0, n_in + 64);
         else
             gemvq_tc_q6k<1, false, true>(s0, s1, rb, n_out, n_in, xa, da, 1, out, r0, n_in + 64);
         __syncthreads();  // tc_store's shared sums are the next tile's
@@ -2609,6 +2612,7 @@ GEMVQ_MIXED_NORM_KERNEL(true, vf, true)
         gemvq_tct_block<TYPE>(W, rb, n_out, n_in, xq, xd, out, gemv_smem, bars);                              \
     }
 GEMVQ_TCT_KERNEL(q4_k, GGML_Q4_K)
+GEMVQ_TCT_KERNEL(q5_k, GGML_Q5_K)
 GEMVQ_TCT_KERNEL(q6_k, GGML_Q6_K)
 // The FFN norm handed from the o-projection to the SwiGLU (Q4_K; gemvq_tc2_add_q4k and
 // gemvq_tc_block's NORM form): gemvq_tc2_add_q4_k_r<R> (blocks of 512 threads, two tiles) and
