@@ -414,6 +414,7 @@ impl Kernels {
             // FERRITE_GEMV_TC5=2 (default), its two-tile block; 0: the lane code. Rows too
             // long for the tile take the lane code.
             let tc5 = switches::int_or("FERRITE_GEMV_TC5", 2);
+            // (3: the two-tile block up to TCT5_WIDE_SMEM.)
             if tc5 >= 2 {
                 let f = function_smem(&m, "gemvq_tct_q5_k_r1", GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((GgmlType::Q5K, f));
@@ -438,6 +439,11 @@ impl Kernels {
                 split,
                 tct,
                 tct_on: switches::int_or("FERRITE_GEMV_TCT", 1) != 0,
+                tct5_max_smem: if tc5 >= 3 {
+                    TCT5_WIDE_SMEM
+                } else {
+                    TCT_MAX_SMEM
+                },
                 mixed: all("_multi_tc_q4_k_q6_k")?,
             })
         } else {
@@ -1435,7 +1441,12 @@ fn tct_kernel(
         || kind != GemvKind::Plain
         || rows != 1
         || n_out < TCT_MIN_OUT
-        || tct_smem(rb, n_in) as usize > TCT_MAX_SMEM
+        || tct_smem(rb, n_in) as usize
+            > if t == GgmlType::Q5K {
+                tc.tct5_max_smem
+            } else {
+                TCT_MAX_SMEM
+            }
     {
         return None;
     }
@@ -1459,6 +1470,9 @@ struct TcKernels {
     tct: Vec<(GgmlType, CudaFunction)>,
     /// Whether those launches take it (`FERRITE_GEMV_TCT`).
     tct_on: bool,
+    /// Most shared memory of the Q5_K two-tile block ([`TCT_MAX_SMEM`], or with
+    /// `FERRITE_GEMV_TC5=3` [`TCT5_WIDE_SMEM`]: two blocks per SM, Qwen3.5-9B's 4096 columns).
+    tct5_max_smem: usize,
     mixed: [CudaFunction; 6],
 }
 
@@ -1470,6 +1484,10 @@ const TCT_MIN_OUT: usize = 8192;
 /// Most shared memory of the two-tile block (four 8-row slots and the staged x): three blocks
 /// per SM, as the one-tile kernel. Q6_K up to 2048 columns (59 KB), Q4_K up to 3072.
 const TCT_MAX_SMEM: usize = 64 * 1024;
+
+/// The Q5_K two-tile block's limit with `FERRITE_GEMV_TC5=3`: two blocks per SM (a 4096-column
+/// Q5_K tile pair and x: 99 KB).
+const TCT5_WIDE_SMEM: usize = 110 * 1024;
 
 /// The two-tile block's shared memory for rows of `rb` bytes and `n_in` columns: two one-tile
 /// blocks' slots and one staged x.
