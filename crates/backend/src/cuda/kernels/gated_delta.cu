@@ -416,6 +416,134 @@ GD_KERNEL(8, 4)
 GD_KERNEL(8, 8)
 GD_KERNEL(16, 8)
 
+// The decode step's causal convolution inside the gated delta rule's launch (one row:
+// gated_delta.rs `linear_core`; GATED_DELTA.md, 29th session). The decoder runs the β/α
+// projections before it, so the in-projection's output xin is two launches back: complete
+// when this grid starts (every kernel triggers its dependents after its own PDL wait).
+//  Plan: before the PDL wait each block convolves the channels it consumes, causal_conv1d's
+//  operations for one row (s = Σ_j taps_j e_j over e = [state; x], SiLU), into the staged
+//  chunk's q / k / v slots that gd_stage would have copied: the key head's q and k (2 dk
+//  channels, also convolved by the head's other blocks) and its own COLS v channels; it
+//  writes the new state of its v channels, which no other block reads. The q and k
+//  channels' new state is written by the gated_rms_norm launch after this one (its
+//  `shift` arguments, before its own wait): by then every block of this grid has read the
+//  old state (the reads precede each block's wait, its trigger follows it). After the wait
+//  only a and b are loaded; the rest is gd_body's one-row chunk, so the outputs and the
+//  delta state are bitwise the two launches'.
+template <int R, int L>
+__device__ __forceinline__ void gdc_body(const float* __restrict__ xin, const uint8_t* __restrict__ cw, int wtype,
+                                         long long wrb, float* __restrict__ cstate, int K,
+                                         const float* __restrict__ a_in, const float* __restrict__ b_in,
+                                         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias,
+                                         float* __restrict__ state, float* __restrict__ out, int nk, int nv, int dk,
+                                         int dv, int tiled, int vec_i) {
+    using Ly = GdLayout<R, L>;
+    __shared__ __align__(16) float smem[Ly::STAGE + Ly::OPART];
+    float* st = smem;
+    float* op = smem + Ly::STAGE;
+    const bool vec = vec_i != 0;
+    const int h = blockIdx.x;
+    const int rg = (threadIdx.x & 31) % L, lc = threadIdx.x / L;
+    const int col0 = blockIdx.y * Ly::COLS, col = col0 + lc;
+    const bool active = col < dv;
+    const int kh = tiled ? h % nk : h / (nv / nk);
+    const int key_dim = nk * dk;
+    const int conv_dim = 2 * key_dim + nv * dv;
+    const int i0 = rg * R;
+    const int hist = K - 1, cols = min(Ly::COLS, dv - col0), nch = 2 * dk + cols;
+    for (int i = threadIdx.x; i < nch; i += GD_THREADS) {
+        int c, dst;
+        if (i < 2 * dk) {
+            const int which = i >= dk, e = i - which * dk;
+            c = which * key_dim + kh * dk + e;
+            dst = Ly::OFF_QK + which * Ly::DKP + gd_perm<R, L>(e);
+        } else {
+            const int j = i - 2 * dk;
+            c = 2 * key_dim + h * dv + col0 + j;
+            dst = Ly::OFF_V + j;
+        }
+        const uint8_t* wr = cw + (long long)c * wrb;
+        float e[GD_MAX_K], taps[GD_MAX_K];
+#pragma unroll
+        for (int j = 0; j < GD_MAX_K; j++) {
+            if (j < K) {
+                taps[j] = ggml_get(wr, wtype, j);
+                e[j] = j < hist ? __ldcg(cstate + (long long)j * conv_dim + c) : __ldcg(xin + c);
+            }
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < GD_MAX_K; j++)
+            if (j < K) sum += taps[j] * e[j];
+        st[dst] = gd_silu(sum);
+        if (i >= 2 * dk) {
+#pragma unroll
+            for (int r = 0; r < GD_MAX_K - 1; r++)
+                if (r < hist) cstate[(long long)r * conv_dim + c] = e[r + 1];
+        }
+    }
+    PDL_ENTRY();
+    if (threadIdx.x == 0) {
+        st[Ly::RAW_A] = a_in[h];
+        st[Ly::RAW_B] = b_in[h];
+    }
+    float* S = state + ((long long)h * dv + (active ? col : 0)) * dk + i0;
+    float s[R];
+    if (active) {
+        if (vec) {
+#pragma unroll
+            for (int m = 0; m < R / 4; m++) {
+                float4 f = i0 + 4 * m < dk ? reinterpret_cast<const float4*>(S)[m] : make_float4(0.f, 0.f, 0.f, 0.f);
+                s[4 * m] = f.x;
+                s[4 * m + 1] = f.y;
+                s[4 * m + 2] = f.z;
+                s[4 * m + 3] = f.w;
+            }
+        } else {
+#pragma unroll
+            for (int ii = 0; ii < R; ii++) s[ii] = i0 + ii < dk ? S[ii] : 0.f;
+        }
+    } else {
+#pragma unroll
+        for (int ii = 0; ii < R; ii++) s[ii] = 0.f;
+    }
+    const float scale = 1.f / sqrtf((float)dk);
+    const float A = ssm_a[h], dtb = dt_bias[h];
+    __syncthreads();
+    gd_prep<R, L>(st, 1, dk, A, dtb, scale);
+    __syncthreads();
+    GdIn<R> x0;
+    gd_lds<R, L>(x0, st, 0, lc, rg, active);
+    op[lc * L + rg] = gd_step<R, L>(s, x0);
+    __syncthreads();
+    gd_flush<R, L>(op, out, 0, 1, h, col0, nv, dv);
+    if (active) {
+        if (vec) {
+#pragma unroll
+            for (int m = 0; m < R / 4; m++)
+                if (i0 + 4 * m < dk)
+                    reinterpret_cast<float4*>(S)[m] = make_float4(s[4 * m], s[4 * m + 1], s[4 * m + 2], s[4 * m + 3]);
+        } else {
+#pragma unroll
+            for (int ii = 0; ii < R; ii++)
+                if (i0 + ii < dk) S[ii] = s[ii];
+        }
+    }
+}
+
+#define GDC_KERNEL(R, L)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(GD_THREADS) gated_delta_conv_r##R##_l##L(                  \
+        const float* __restrict__ xin, const uint8_t* __restrict__ cw, int wtype, long long wrb,            \
+        float* __restrict__ cstate, int K, const float* __restrict__ a_in, const float* __restrict__ b_in,  \
+        const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ state,      \
+        float* __restrict__ out, int nk, int nv, int dk, int dv, int tiled, int vec) {                      \
+        gdc_body<R, L>(xin, cw, wtype, wrb, cstate, K, a_in, b_in, ssm_a, dt_bias, state, out, nk, nv, dk, dv, \
+                       tiled, vec);                                                                         \
+    }
+GDC_KERNEL(8, 4)
+GDC_KERNEL(8, 8)
+GDC_KERNEL(16, 8)
+
 __device__ __forceinline__ float gd_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -434,11 +562,34 @@ __device__ __forceinline__ void gd_planes(float v, long long f, int cols, int8_t
 
 // x, z: n_heads_total heads of head_dim floats; x normalised and gated in place.
 // xq, xd (or null): x's int8 planes for the next GEMV (rows of `cols`; head_dim % 32 == 0).
+// shift (or null): after gated_delta_conv, the new convolution state of the q and k channels
+// (shift.n of them, the first of each state row; gdc_body's plan): row r <- row r + 1, the
+// last row <- the in-projection's x, as causal_conv1d writes it for one row. Before this
+// grid's wait: that grid's blocks read the old rows before they triggered this launch.
+struct ConvShift {
+    float* state;     // this layer's [K-1][C]
+    const float* x;   // the in-projection's row (C floats)
+    int n, C, K;
+};
 extern "C" __global__ void gated_rms_norm(float* __restrict__ x, const float* __restrict__ z,
                                           const float* __restrict__ w, int n_heads_total, int head_dim,
-                                          float eps, int8_t* __restrict__ xq, float2* __restrict__ xd, int cols) {
+                                          float eps, int8_t* __restrict__ xq, float2* __restrict__ xd, int cols,
+                                          ConvShift shift) {
     int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
+    if (shift.state != nullptr) {
+        const int hist = shift.K - 1;
+        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < shift.n; c += gridDim.x * blockDim.x) {
+            float ns[GD_MAX_K - 1];
+#pragma unroll
+            for (int r = 0; r < GD_MAX_K - 1; r++)
+                if (r < hist)
+                    ns[r] = r + 1 < hist ? __ldcg(shift.state + (long long)(r + 1) * shift.C + c) : __ldcg(shift.x + c);
+#pragma unroll
+            for (int r = 0; r < GD_MAX_K - 1; r++)
+                if (r < hist) shift.state[(long long)r * shift.C + c] = ns[r];
+        }
+    }
     float* hx = x + (long long)head * head_dim;
     const float* hz = z + (long long)head * head_dim;
     if (head_dim <= 32 * GN_MAX) {
