@@ -417,19 +417,19 @@ GD_KERNEL(8, 8)
 GD_KERNEL(16, 8)
 
 // The decode step's causal convolution inside the gated delta rule's launch (one row:
-// gated_delta.rs `linear_core`; GATED_DELTA.md, 29th session). The decoder runs the β/α
-// projections before it, so the in-projection's output xin is two launches back: complete
-// when this grid starts (every kernel triggers its dependents after its own PDL wait).
-//  Plan: before the PDL wait each block convolves the channels it consumes, causal_conv1d's
-//  operations for one row (s = Σ_j taps_j e_j over e = [state; x], SiLU), into the staged
-//  chunk's q / k / v slots that gd_stage would have copied: the key head's q and k (2 dk
-//  channels, also convolved by the head's other blocks) and its own COLS v channels; it
-//  writes the new state of its v channels, which no other block reads. The q and k
-//  channels' new state is written by the gated_rms_norm launch after this one (its
-//  `shift` arguments, before its own wait): by then every block of this grid has read the
-//  old state (the reads precede each block's wait, its trigger follows it). After the wait
-//  only a and b are loaded; the rest is gd_body's one-row chunk, so the outputs and the
-//  delta state are bitwise the two launches'.
+// gated_delta.rs `linear_core`; GATED_DELTA.md, 29th session).
+//  Plan: each block convolves the channels it consumes, causal_conv1d's operations for one
+//  row (s = Σ_j taps_j e_j over e = [state; x], SiLU), into the staged chunk's q / k / v
+//  slots that gd_stage would have copied: the key head's q and k (2 dk channels, also
+//  convolved by the head's other blocks) and its own COLS v channels (thread i takes the
+//  block's channels i, i + 128, ...: at most GDC_NCH). The taps load before the PDL wait;
+//  after it one round of loads (every channel's state rows and x, a, b, the lane's delta
+//  state) replaces the conv launch's round trip and gd_stage's. The block writes the new
+//  state of its v channels, which no other block reads; the q and k channels' new state is
+//  written by the gated_rms_norm launch after this one (its `shift`, before its own wait),
+//  so this grid triggers its dependents only once its state loads have returned (they are
+//  consumed first). The rest is gd_body's one-row chunk: the outputs and both states are
+//  bitwise the three launches'.
 template <int R, int L>
 __device__ __forceinline__ void gdc_body(const float* __restrict__ xin, const uint8_t* __restrict__ cw, int wtype,
                                          long long wrb, float* __restrict__ cstate, int K,
@@ -438,6 +438,7 @@ __device__ __forceinline__ void gdc_body(const float* __restrict__ xin, const ui
                                          float* __restrict__ state, float* __restrict__ out, int nk, int nv, int dk,
                                          int dv, int tiled, int vec_i) {
     using Ly = GdLayout<R, L>;
+    constexpr int NCH = (2 * Ly::DKP + Ly::COLS + GD_THREADS - 1) / GD_THREADS;  // channels a thread
     __shared__ __align__(16) float smem[Ly::STAGE + Ly::OPART];
     float* st = smem;
     float* op = smem + Ly::STAGE;
@@ -450,42 +451,42 @@ __device__ __forceinline__ void gdc_body(const float* __restrict__ xin, const ui
     const int key_dim = nk * dk;
     const int conv_dim = 2 * key_dim + nv * dv;
     const int i0 = rg * R;
-    const int hist = K - 1, cols = min(Ly::COLS, dv - col0), nch = 2 * dk + cols;
-    for (int i = threadIdx.x; i < nch; i += GD_THREADS) {
-        int c, dst;
+    const int hist = K - 1, nch = 2 * dk + min(Ly::COLS, dv - col0);
+    // The thread's channels (c < 0: none) and their staged slots; their taps (weights).
+    int ch[NCH], dst[NCH];
+    float taps[NCH][GD_MAX_K];
+#pragma unroll
+    for (int u = 0; u < NCH; u++) {
+        const int i = threadIdx.x + u * GD_THREADS;
+        ch[u] = -1;
+        dst[u] = 0;
         if (i < 2 * dk) {
             const int which = i >= dk, e = i - which * dk;
-            c = which * key_dim + kh * dk + e;
-            dst = Ly::OFF_QK + which * Ly::DKP + gd_perm<R, L>(e);
-        } else {
+            ch[u] = which * key_dim + kh * dk + e;
+            dst[u] = Ly::OFF_QK + which * Ly::DKP + gd_perm<R, L>(e);
+        } else if (i < nch) {
             const int j = i - 2 * dk;
-            c = 2 * key_dim + h * dv + col0 + j;
-            dst = Ly::OFF_V + j;
+            ch[u] = 2 * key_dim + h * dv + col0 + j;
+            dst[u] = Ly::OFF_V + j;
         }
-        const uint8_t* wr = cw + (long long)c * wrb;
-        float e[GD_MAX_K], taps[GD_MAX_K];
-#pragma unroll
-        for (int j = 0; j < GD_MAX_K; j++) {
-            if (j < K) {
-                taps[j] = ggml_get(wr, wtype, j);
-                e[j] = j < hist ? __ldcg(cstate + (long long)j * conv_dim + c) : __ldcg(xin + c);
-            }
-        }
-        float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < GD_MAX_K; j++)
-            if (j < K) sum += taps[j] * e[j];
-        st[dst] = gd_silu(sum);
-        if (i >= 2 * dk) {
-#pragma unroll
-            for (int r = 0; r < GD_MAX_K - 1; r++)
-                if (r < hist) cstate[(long long)r * conv_dim + c] = e[r + 1];
-        }
+            taps[u][j] = ch[u] >= 0 && j < K ? ggml_get(cw + (long long)ch[u] * wrb, wtype, j) : 0.f;
     }
-    PDL_ENTRY();
+    const float A = ssm_a[h], dtb = dt_bias[h];
+    pdl_wait();
+    float e[NCH][GD_MAX_K];
+#pragma unroll
+    for (int u = 0; u < NCH; u++)
+#pragma unroll
+        for (int j = 0; j < GD_MAX_K; j++)
+            e[u][j] = ch[u] >= 0 && j < K
+                          ? (j < hist ? __ldcg(cstate + (long long)j * conv_dim + ch[u]) : __ldcg(xin + ch[u]))
+                          : 0.f;
+    float ra = 0.f, rb = 0.f;
     if (threadIdx.x == 0) {
-        st[Ly::RAW_A] = a_in[h];
-        st[Ly::RAW_B] = b_in[h];
+        ra = a_in[h];
+        rb = b_in[h];
     }
     float* S = state + ((long long)h * dv + (active ? col : 0)) * dk + i0;
     float s[R];
@@ -507,8 +508,31 @@ __device__ __forceinline__ void gdc_body(const float* __restrict__ xin, const ui
 #pragma unroll
         for (int ii = 0; ii < R; ii++) s[ii] = 0.f;
     }
+#pragma unroll
+    for (int u = 0; u < NCH; u++) {
+        if (ch[u] < 0) continue;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < GD_MAX_K; j++)
+            if (j < K) sum += taps[u][j] * e[u][j];
+        st[dst[u]] = gd_silu(sum);
+    }
+    // Every state load has returned (consumed above): the successor may advance the q and k
+    // channels' state; this block's v channels get theirs here.
+    pdl_launch_dependents();
+#pragma unroll
+    for (int u = 0; u < NCH; u++) {
+        const int i = threadIdx.x + u * GD_THREADS;
+        if (ch[u] < 0 || i < 2 * dk) continue;
+#pragma unroll
+        for (int r = 0; r < GD_MAX_K - 1; r++)
+            if (r < hist) cstate[(long long)r * conv_dim + ch[u]] = e[u][r + 1];
+    }
+    if (threadIdx.x == 0) {
+        st[Ly::RAW_A] = ra;
+        st[Ly::RAW_B] = rb;
+    }
     const float scale = 1.f / sqrtf((float)dk);
-    const float A = ssm_a[h], dtb = dt_bias[h];
     __syncthreads();
     gd_prep<R, L>(st, 1, dk, A, dtb, scale);
     __syncthreads();
@@ -565,7 +589,8 @@ __device__ __forceinline__ void gd_planes(float v, long long f, int cols, int8_t
 // shift (or null): after gated_delta_conv, the new convolution state of the q and k channels
 // (shift.n of them, the first of each state row; gdc_body's plan): row r <- row r + 1, the
 // last row <- the in-projection's x, as causal_conv1d writes it for one row. Before this
-// grid's wait: that grid's blocks read the old rows before they triggered this launch.
+// grid's wait: that grid's blocks trigger this launch only once their reads of the old rows
+// have returned.
 struct ConvShift {
     float* state;     // this layer's [K-1][C]
     const float* x;   // the in-projection's row (C floats)
