@@ -302,30 +302,6 @@ pub struct QkRope<'a, W, I> {
     pub rope: &'a Rope,
 }
 
-/// [`Backend::linear_core`] as its three ops: [`Backend::causal_conv1d`] into `conv`,
-/// [`Backend::gated_delta_rule`] on it, [`Backend::gated_rms_norm`] (the trait's default,
-/// and a backend's own fallback).
-pub fn linear_core_ops<B: Backend + ?Sized>(
-    be: &B,
-    kv: &mut B::Kv,
-    c: LinearCore<'_, B::Buf, B::Weight>,
-    conv: &mut Act<B::Buf>,
-    out: &mut Act<B::Buf>,
-) -> Result<()> {
-    be.causal_conv1d(kv, c.layer, c.mixed, c.conv, conv)?;
-    let d = DeltaArgs {
-        layer: c.layer,
-        qkv: &*conv,
-        a: c.a,
-        b: c.b,
-        ssm_a: c.ssm_a,
-        dt_bias: c.dt_bias,
-        shape: c.shape,
-    };
-    be.gated_delta_rule(kv, d, out)?;
-    be.gated_rms_norm(out, c.z, c.norm, c.shape.v_head_dim, c.eps)
-}
-
 /// [`Backend::qk_norm_rope_attention`] as its two ops: [`Backend::qk_norm_rope`] on q and k in
 /// place, then [`Backend::attention`] (the trait's default, and a backend's own fallback).
 pub fn qk_norm_rope_then_attention<B: Backend + ?Sized>(
@@ -438,29 +414,6 @@ pub struct DeltaArgs<'a, B, W> {
     /// `[n_v_heads]`: the bias added to `a` before the softplus.
     pub dt_bias: &'a W,
     pub shape: DeltaShape,
-}
-
-/// The operands of a linear-attention layer's core at one step ([`Backend::linear_core`]):
-/// the convolution's input and taps, the delta rule's gates and parameters, the output gate.
-pub struct LinearCore<'a, B, W> {
-    /// Index of this linear-attention layer among the model's linear-attention layers.
-    pub layer: usize,
-    /// `[rows, conv_dim]`: the in-projection's output, the convolution's input.
-    pub mixed: &'a Act<B>,
-    /// `[conv_dim, kernel]`: the convolution's taps.
-    pub conv: &'a W,
-    /// `[rows, n_v_heads]`: the decay input and the write-strength logits ([`DeltaArgs`]).
-    pub a: &'a Act<B>,
-    pub b: &'a Act<B>,
-    /// `[n_v_heads]`: `-exp(A_log)` and the decay's bias ([`DeltaArgs`]).
-    pub ssm_a: &'a W,
-    pub dt_bias: &'a W,
-    pub shape: DeltaShape,
-    /// `[rows, n_v_heads * v_head_dim]`: the output gate of the gated RMSNorm.
-    pub z: &'a Act<B>,
-    /// `[v_head_dim]`: the gated RMSNorm's weight, and its eps.
-    pub norm: &'a W,
-    pub eps: f32,
 }
 
 /// The three stacked expert matrices of one MoE layer, each `[n_experts, n_out, n_in]` (a
@@ -872,20 +825,6 @@ pub trait Backend: Send + Sync {
         a: DeltaArgs<'_, Self::Buf, Self::Weight>,
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
-    /// A linear-attention layer's core: `conv = causal_conv1d(mixed)` (continuing the
-    /// convolution state), `out = gated_delta_rule(conv, a, b)` (continuing the recurrent
-    /// state), then `gated_rms_norm(out, z, norm)`. Equals those three ops, bitwise, and
-    /// leaves the same states; `conv` is scratch that a backend fusing them may leave
-    /// unwritten (CUDA at one row: the convolution inside the delta rule's launch).
-    fn linear_core(
-        &self,
-        kv: &mut Self::Kv,
-        c: LinearCore<'_, Self::Buf, Self::Weight>,
-        conv: &mut Act<Self::Buf>,
-        out: &mut Act<Self::Buf>,
-    ) -> Result<()> {
-        linear_core_ops(self, kv, c, conv, out)
-    }
     /// Gated RMSNorm in place on each `head_dim`-sized head:
     /// `x = x / rms(x) · w · silu(z)` (`w` has `head_dim` elements, `z` is shaped like `x`).
     fn gated_rms_norm(

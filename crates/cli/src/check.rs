@@ -154,9 +154,6 @@ const SNAPSHOT_NMSE: f64 = GATED_DELTA_NMSE;
 /// Gated RMSNorm (f32 reduction against the CPU's f64 one) and the sigmoid gate: elementwise.
 const GATED_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
 const SIGMOID_GATE_NMSE: f64 = ELEMENTWISE_NMSE;
-/// The linear-attention core: the delta rule's error carried through the gated RMSNorm (a
-/// per-head rescaling: relative errors unchanged), the conv's and the norm's far below it.
-const LINEAR_CORE_NMSE: f64 = GATED_DELTA_NMSE;
 
 /// RMSNorm epsilon used by the cases (Qwen3's).
 const EPS: f32 = 1e-6;
@@ -309,8 +306,6 @@ const OPS: &[&str] = &[
     "gated_delta_rule",
     "gated_rms_norm",
     "sigmoid_gate",
-    // The three as one op (conv1d, the delta rule, the gated norm).
-    "linear_core",
     // State snapshots for speculative rollback (kv_snapshots, kv_snapshot, kv_restore).
     "kv_snapshot/kv_restore",
 ];
@@ -554,15 +549,6 @@ enum Op {
         fill: usize,
         draft: usize,
         rows: usize,
-    },
-    /// linear_core (conv1d, the delta rule and the gated RMSNorm, as a linear-attention
-    /// layer runs them): on a fresh cache a call of `prefill` rows (none at 0), `steps`
-    /// one-row calls, then the checked one-row call. A fused backend's state upkeep (CUDA's
-    /// convolution inside the delta rule's launch) shows in the checked output.
-    LinearCore {
-        shape: DeltaShape,
-        prefill: usize,
-        steps: usize,
     },
     GatedRmsNorm {
         rows: usize,
@@ -916,17 +902,6 @@ fn describe(op: &Op) -> (&'static str, String) {
             "kv_snapshot/kv_restore",
             format!(
                 "kv_snapshot/restore {} fill={fill} draft={draft} rows={rows}",
-                delta_name(shape)
-            ),
-        ),
-        Op::LinearCore {
-            shape,
-            prefill,
-            steps,
-        } => (
-            "linear_core",
-            format!(
-                "linear_core {} prefill={prefill} steps={steps}",
                 delta_name(shape)
             ),
         ),
@@ -2108,27 +2083,6 @@ pub fn cases(quick: bool) -> Vec<Case> {
             });
         }
     }
-    // The linear-attention core as the decoder runs it: Qwen3.5's dims, the tiny oracle's,
-    // the odd scalar-load shape and a kernel-1 convolution; decode from a fresh cache and
-    // after a prompt (its state handed from the prefill's ops to the one-row form).
-    for shape in [
-        q35,
-        ds(16, 32, 128, 128, 4, false),
-        ds(2, 4, 32, 32, 4, false),
-        ds(1, 3, 6, 7, 2, true),
-        ds(2, 4, 5, 27, 1, false),
-    ] {
-        for (prefill, steps) in [(0, 0), (0, 3), (37, 2)] {
-            if quick && shape.conv_dim() > 1000 {
-                continue;
-            }
-            add(Op::LinearCore {
-                shape,
-                prefill,
-                steps,
-            });
-        }
-    }
     // Gated RMSNorm over the value heads (Qwen3.5: 32 × 128; the tiny oracle: 4 × 32; odd).
     for (heads, head_dim) in [(32, 128), (4, 32), (3, 40)] {
         for rows in [1, 5, 64, 200] {
@@ -2873,39 +2827,6 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, c);
             h.out2 = Some((rows, shape.value_dim()));
         }
-        Op::LinearCore {
-            shape,
-            prefill,
-            steps,
-        } => {
-            // Weights: conv taps (f32), ssm_a, dt_bias, the gated norm's (around 1). Per call
-            // (the checked one first, then the prefill, then the steps): mixed, a, b, z.
-            let (c, k, nv, vd) = (
-                shape.conv_dim(),
-                shape.conv_kernel,
-                shape.n_v_heads,
-                shape.value_dim(),
-            );
-            let taps = rng.normals(c * k, 0.5);
-            h.weights
-                .push((GgmlType::F32, vec![c, k], f32_bytes(&taps)));
-            push_decay_weights(&mut h, &mut rng, nv);
-            let w: Vec<f32> = (0..shape.v_head_dim)
-                .map(|_| 1.0 + 0.1 * rng.normal())
-                .collect();
-            h.weights
-                .push((GgmlType::F32, vec![shape.v_head_dim], f32_bytes(&w)));
-            let calls = std::iter::once(1)
-                .chain((prefill > 0).then_some(prefill))
-                .chain(std::iter::repeat_n(1, steps));
-            for n in calls {
-                h.acts.push((rng.normals(n * c, 1.0), n, c));
-                h.acts.push((rng.normals(n * nv, 1.0), n, nv));
-                h.acts.push((rng.normals(n * nv, 2.0), n, nv));
-                h.acts.push((rng.normals(n * vd, 2.0), n, vd));
-            }
-            h.out = (1, vd);
-        }
         Op::GatedRmsNorm {
             rows,
             heads,
@@ -3128,16 +3049,6 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             }
             kv = Some(cache);
         }
-        Op::LinearCore { shape, .. } => {
-            // Two linear layers; the case uses layer 1. The calls before the checked one.
-            let mut cache = be.kv_new_hybrid(1, HYBRID_ATTN, 1, 2, *shape)?;
-            for g in a[4..].chunks(4) {
-                let mut conv = be.zeros(g[0].rows, shape.conv_dim())?;
-                let mut o = be.zeros(g[0].rows, shape.value_dim())?;
-                be.linear_core(&mut cache, linear_core_args::<B>(&w, g, *shape), &mut conv, &mut o)?;
-            }
-            kv = Some(cache);
-        }
         Op::Snapshot {
             shape, fill, draft, ..
         } => {
@@ -3197,28 +3108,6 @@ fn delta_args<'a, B: Backend>(
         ssm_a: &w[0],
         dt_bias: &w[1],
         shape,
-    }
-}
-
-/// A linear_core case's operands for one call: weights (taps, ssm_a, dt_bias, norm) and the
-/// call's four activations (mixed, a, b, z); layer 1.
-fn linear_core_args<'a, B: Backend>(
-    w: &'a [B::Weight],
-    a: &'a [Act<B::Buf>],
-    shape: DeltaShape,
-) -> ferrite_backend::LinearCore<'a, B::Buf, B::Weight> {
-    ferrite_backend::LinearCore {
-        layer: 1,
-        mixed: &a[0],
-        conv: &w[0],
-        a: &a[1],
-        b: &a[2],
-        ssm_a: &w[1],
-        dt_bias: &w[2],
-        shape,
-        z: &a[3],
-        norm: &w[3],
-        eps: EPS,
     }
 }
 
@@ -3614,14 +3503,6 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 .as_mut()
                 .ok_or_else(|| anyhow::anyhow!("no second output"))?;
             be.gated_delta_rule(kv, delta_args::<B>(&p.w[1..], &p.a[1..4], *shape), o2)
-        }
-        Op::LinearCore { shape, .. } => {
-            let kv =
-                p.kv.as_mut()
-                    .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
-            let mut conv = be.zeros(1, shape.conv_dim())?;
-            let c = linear_core_args::<B>(&p.w, &p.a[..4], *shape);
-            be.linear_core(kv, c, &mut conv, &mut p.out)
         }
         Op::GatedRmsNorm { head_dim, .. } => {
             be.gated_rms_norm(&mut p.out, &p.a[1], &p.w[0], *head_dim, EPS)
@@ -4027,7 +3908,6 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::GatedDelta { .. } => GATED_DELTA_NMSE,
         Op::Snapshot { .. } => SNAPSHOT_NMSE,
         Op::GatedRmsNorm { .. } => GATED_NORM_NMSE,
-        Op::LinearCore { .. } => LINEAR_CORE_NMSE,
         Op::SigmoidGate { .. } => SIGMOID_GATE_NMSE,
         // The projection's threshold: the gate's own error is far below it.
         Op::GateMatmul { rows, n_out, .. } => matmul_nmse(GgmlType::Q4K, *n_out, *rows),
@@ -4159,13 +4039,6 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             // Restore: 2 layers × (read + write); the ops: layer 1 read + write.
             let moved_state = (2 * 2 + 2) * (conv + state);
             f(moved_state + ins + out + out2 + h.weights[0].2.len())
-        }
-        // The checked call: mixed, a, b, z and the taps in, out, both states read and written.
-        Op::LinearCore { shape, .. } => {
-            let ins: usize = h.acts[..4].iter().map(|(x, _, _)| x.len() * 4).sum();
-            let conv = (shape.conv_kernel - 1) * shape.conv_dim() * 4;
-            let state = shape.n_v_heads * shape.k_head_dim * shape.v_head_dim * 4;
-            f(ins + out + h.weights[0].2.len() + 2 * (conv + state))
         }
         // x and z (or gate) in, x out.
         Op::GatedRmsNorm { .. } | Op::SigmoidGate { .. } => f(acts + out),

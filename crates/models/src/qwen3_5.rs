@@ -38,7 +38,7 @@
 use std::borrow::Cow;
 
 use anyhow::{bail, Context, Result};
-use ferrite_backend::{Act, AttnArgs, Backend, DeltaShape, HostTensor, LinearCore, StepInput};
+use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor, StepInput};
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
@@ -215,11 +215,9 @@ pub(crate) fn forward_layers<B: Backend>(
                 norm,
                 out,
             } => {
-                // qkv and z first: one quantization of h serves both (a launch between them
-                // would invalidate it); then the two small β/α projections (float GEMVs) in
-                // one launch, so that the convolution, the delta rule and the gated norm
-                // come last as one op (on CUDA at decode the convolution runs inside the
-                // delta rule's launch: the in-projection is complete by then).
+                // qkv and z before the convolution: one quantization of h serves both (a
+                // launch between them would invalidate it); the two small β/α projections
+                // (float GEMVs) in one launch.
                 let mixer_norm = (&l.attn_norm, eps);
                 if defer {
                     be.rms_norm_matmuls(
@@ -229,25 +227,29 @@ pub(crate) fn forward_layers<B: Backend>(
                         &mut [&mut hb.mixed, &mut hb.z],
                         h,
                     )?;
-                    be.rms_norm_matmuls(x, mixer_norm, &[b, wa], &mut [&mut hb.b, &mut hb.a], h)?;
                 } else {
                     be.matmuls(h, &[qkv, z], &mut [&mut hb.mixed, &mut hb.z])?;
+                }
+                be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv)?;
+                if defer {
+                    be.rms_norm_matmuls(x, mixer_norm, &[b, wa], &mut [&mut hb.b, &mut hb.a], h)?;
+                } else {
                     be.matmuls(h, &[b, wa], &mut [&mut hb.b, &mut hb.a])?;
                 }
-                let core = LinearCore {
-                    layer: *slot,
-                    mixed: &hb.mixed,
-                    conv,
-                    a: &hb.a,
-                    b: &hb.b,
-                    ssm_a,
-                    dt_bias,
-                    shape: delta,
-                    z: &hb.z,
-                    norm,
-                    eps,
-                };
-                be.linear_core(kv, core, &mut hb.conv, &mut hb.core)?;
+                be.gated_delta_rule(
+                    kv,
+                    DeltaArgs {
+                        layer: *slot,
+                        qkv: &hb.conv,
+                        a: &hb.a,
+                        b: &hb.b,
+                        ssm_a,
+                        dt_bias,
+                        shape: delta,
+                    },
+                    &mut hb.core,
+                )?;
+                be.gated_rms_norm(&mut hb.core, &hb.z, norm, delta.v_head_dim, eps)?;
                 if defer {
                     be.matmul_add(&hb.core, out, x, y)?;
                 } else if handed.is_some() {

@@ -77,9 +77,6 @@ pub struct Kernels {
     /// The chunked prefill kernel, when the device grants its 181 KiB of shared memory per
     /// block (run only when [`chunked_on`]).
     chunked: Option<CudaFunction>,
-    /// `gated_delta_conv_r<R>_l<L>` (as `delta`): the one-row delta rule with the causal
-    /// convolution inside ([`linear_core`]; `FERRITE_DELTA_CONV`, on by default: None off).
-    conv_delta: Option<[CudaFunction; 3]>,
     gated_rms_norm: CudaFunction,
     sigmoid_gate: CudaFunction,
     /// Whether `gated_rms_norm` and the per-element `sigmoid_gate` write their output's int8
@@ -108,15 +105,6 @@ impl Kernels {
                 )
                 .ok()
                 .map(|_| f)
-            },
-            conv_delta: if super::switches::int_or("FERRITE_DELTA_CONV", 1) != 0 {
-                Some([
-                    function(&m, "gated_delta_conv_r8_l4")?,
-                    function(&m, "gated_delta_conv_r8_l8")?,
-                    function(&m, "gated_delta_conv_r16_l8")?,
-                ])
-            } else {
-                None
             },
             gated_rms_norm: function(&m, "gated_rms_norm")?,
             sigmoid_gate: function(&m, "sigmoid_gate")?,
@@ -454,42 +442,6 @@ pub fn gated_rms_norm(
     head_dim: usize,
     eps: f32,
 ) -> Result<()> {
-    gated_rms_norm_shift(be, x, z, (w, head_dim, eps), ConvShift::NONE)
-}
-
-/// Kernel argument of `gated_rms_norm` (`ConvShift` in gated_delta.cu): the q and k channels'
-/// convolution state to advance after `gated_delta_conv`, or a null state for none.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct ConvShift {
-    state: u64,
-    x: u64,
-    n: i32,
-    c: i32,
-    k: i32,
-}
-
-impl ConvShift {
-    const NONE: ConvShift = ConvShift {
-        state: 0,
-        x: 0,
-        n: 0,
-        c: 0,
-        k: 0,
-    };
-}
-
-// SAFETY: plain old data laid out as the C struct (two pointers, three ints, tail padding).
-unsafe impl super::launch::ScalarArg for ConvShift {}
-
-/// [`gated_rms_norm`], also advancing a convolution state (`shift`, before its PDL wait).
-fn gated_rms_norm_shift(
-    be: &CudaBackend,
-    x: &mut Act<CudaSlice<f32>>,
-    z: &Act<CudaSlice<f32>>,
-    (w, head_dim, eps): (&CudaWeight, usize, f32),
-    shift: ConvShift,
-) -> Result<()> {
     check_shape("gated_rms_norm z", z, x.rows, x.cols)?;
     ensure!(
         head_dim > 0 && x.cols.is_multiple_of(head_dim),
@@ -524,114 +476,14 @@ fn gated_rms_norm_shift(
         .arg(&hd)
         .arg(&eps);
     super::ops::xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
-    launch.arg(&cols).arg(&shift);
+    launch.arg(&cols);
     // SAFETY: heads × head_dim floats in x and z; one warp per head; the int8 scratch (when
-    // passed) holds ≥ rows rows of ≥ cols elements (xq_for_producer), cols % 32 == 0; a
-    // shift's state holds K-1 rows of C floats and its x C floats, n ≤ C (linear_core).
+    // passed) holds ≥ rows rows of ≥ cols elements (xq_for_producer), cols % 32 == 0.
     unsafe { launch.launch(cfg) }?;
     if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
         xq.record_producer(be, &x.buf, x.rows, x.cols);
     }
     Ok(())
-}
-
-/// [`Backend::linear_core`] at one row: the convolution inside the delta rule's launch
-/// (`gated_delta_conv_r<R>_l<L>`), then `gated_rms_norm` advancing the q and k channels'
-/// convolution state (gated_delta.cu, gdc_body's plan); `false` (nothing done) for more rows
-/// or with `FERRITE_DELTA_CONV=0`. The outputs and both states are bitwise the three ops'.
-pub fn linear_core(
-    be: &CudaBackend,
-    kv: &mut CudaKv,
-    c: &crate::LinearCore<'_, CudaSlice<f32>, CudaWeight>,
-    out: &mut Act<CudaSlice<f32>>,
-) -> Result<bool> {
-    use cudarc::driver::{DevicePtr, DevicePtrMut};
-    let Some(funcs) = be.gated_delta.conv_delta.as_ref() else {
-        return Ok(false);
-    };
-    if c.mixed.rows != 1 {
-        return Ok(false);
-    }
-    let ds = delta_state(kv, c.layer)?;
-    ensure!(ds.shape == c.shape, "linear_core: cache shape differs");
-    let d = ds.shape;
-    let (conv_dim, kernel, nv) = (d.conv_dim(), d.conv_kernel, d.n_v_heads);
-    check_shape("linear_core mixed", c.mixed, 1, conv_dim)?;
-    check_shape("linear_core a", c.a, 1, nv)?;
-    check_shape("linear_core b", c.b, 1, nv)?;
-    check_shape("linear_core out", out, 1, d.value_dim())?;
-    ensure!(
-        c.conv.shape == [conv_dim, kernel],
-        "linear_core: convolution weight {:?}, expected [{conv_dim}, {kernel}]",
-        c.conv.shape
-    );
-    let ssm_a = f32_vec(c.ssm_a, nv)?;
-    let dt_bias = f32_vec(c.dt_bias, nv)?;
-    let (variant, lanes) = match d.k_head_dim {
-        0..=32 => (0, 4),
-        33..=64 => (1, 8),
-        _ => (2, 8),
-    };
-    let vec = i32::from(d.k_head_dim % 4 == 0 && conv_dim % 4 == 0);
-    let (clen, slen) = (ds.conv_len(), ds.state_len());
-    let DeltaState { conv, state, .. } = ds;
-    let mut cstate = conv.slice_mut(c.layer * clen..(c.layer + 1) * clen);
-    let mut state = state.slice_mut(c.layer * slen..(c.layer + 1) * slen);
-    let (wtype, wrb) = (c.conv.dtype.id() as i32, c.conv.row_bytes() as i64);
-    let (nk, nv_i, dk, dv) = (
-        d.n_k_heads as i32,
-        i32_of(nv, "value heads")?,
-        d.k_head_dim as i32,
-        i32_of(d.v_head_dim, "value head dim")?,
-    );
-    let (ki, tiled) = (kernel as i32, i32::from(d.tiled_v_heads));
-    let cfg = LaunchConfig {
-        grid_dim: (
-            nv as u32,
-            (d.v_head_dim as u32).div_ceil((DELTA_THREADS / lanes) as u32),
-            1,
-        ),
-        block_dim: (DELTA_THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: shapes checked above; the convolution state view is this layer's (K-1) ×
-    // conv_dim floats, the delta state view its nv × dv × dk floats (16-byte aligned when
-    // `vec`, as gated_delta_rule's); one block per (value head, 128/lanes columns), static
-    // shared memory only; the block's channels are inside conv_dim.
-    unsafe {
-        be.stream
-            .kernel(&funcs[variant])
-            .arg(&c.mixed.buf)
-            .arg(&c.conv.data)
-            .arg(&wtype)
-            .arg(&wrb)
-            .arg(&mut cstate)
-            .arg(&ki)
-            .arg(&c.a.buf)
-            .arg(&c.b.buf)
-            .arg(&ssm_a)
-            .arg(&dt_bias)
-            .arg(&mut state)
-            .arg(&mut out.buf)
-            .arg(&nk)
-            .arg(&nv_i)
-            .arg(&dk)
-            .arg(&dv)
-            .arg(&tiled)
-            .arg(&vec)
-            .launch(cfg)
-    }?;
-    let (sp, _gs) = cstate.device_ptr_mut(&be.stream);
-    let (xp, _gx) = c.mixed.buf.device_ptr(&be.stream);
-    let shift = ConvShift {
-        state: sp,
-        x: xp,
-        n: i32_of(2 * d.key_dim(), "key channels")?,
-        c: i32_of(conv_dim, "channels")?,
-        k: ki,
-    };
-    gated_rms_norm_shift(be, out, c.z, (c.norm, d.v_head_dim, c.eps), shift)?;
-    Ok(true)
 }
 
 pub fn sigmoid_gate(

@@ -411,11 +411,10 @@ impl Kernels {
                 tct.push((t, f));
             }
             // Q5_K has the 16-row tile (gemvq_tc_q4k's Q5; MATMUL.md round 69) and, with
-            // FERRITE_GEMV_TC5=2, its two-tile block at three blocks per SM, with 3 (default)
-            // also at two (4096 columns); 0: the lane code. Rows too long for the tile take
-            // the lane code.
-            let tc5 = switches::int_or("FERRITE_GEMV_TC5", 3);
-            // (3: the two-tile block up to TCT5_WIDE_SMEM too.)
+            // FERRITE_GEMV_TC5=2 (default), its two-tile block; 0: the lane code. Rows too
+            // long for the tile take the lane code.
+            let tc5 = switches::int_or("FERRITE_GEMV_TC5", 2);
+            // (3: the two-tile block up to TCT5_WIDE_SMEM.)
             if tc5 >= 2 {
                 let f = function_smem(&m, "gemvq_tct_q5_k_r1", GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((GgmlType::Q5K, f));
@@ -1471,8 +1470,8 @@ struct TcKernels {
     tct: Vec<(GgmlType, CudaFunction)>,
     /// Whether those launches take it (`FERRITE_GEMV_TCT`).
     tct_on: bool,
-    /// Most shared memory of the Q5_K two-tile block ([`TCT5_WIDE_SMEM`]: two blocks per SM,
-    /// Qwen3.5-9B's 4096 columns; with `FERRITE_GEMV_TC5=2` [`TCT_MAX_SMEM`]).
+    /// Most shared memory of the Q5_K two-tile block ([`TCT_MAX_SMEM`], or with
+    /// `FERRITE_GEMV_TC5=3` [`TCT5_WIDE_SMEM`]: two blocks per SM, Qwen3.5-9B's 4096 columns).
     tct5_max_smem: usize,
     mixed: [CudaFunction; 6],
 }
@@ -1486,8 +1485,8 @@ const TCT_MIN_OUT: usize = 8192;
 /// per SM, as the one-tile kernel. Q6_K up to 2048 columns (59 KB), Q4_K up to 3072.
 const TCT_MAX_SMEM: usize = 64 * 1024;
 
-/// The Q5_K two-tile block's limit (`FERRITE_GEMV_TC5=3`, the default): two blocks per SM (a
-/// 4096-column Q5_K tile pair and x: 98 KB; MATMUL.md round 69: +0.7% on Qwen3.5-9B).
+/// The Q5_K two-tile block's limit with `FERRITE_GEMV_TC5=3`: two blocks per SM (a 4096-column
+/// Q5_K tile pair and x: 99 KB).
 const TCT5_WIDE_SMEM: usize = 110 * 1024;
 
 /// The two-tile block's shared memory for rows of `rb` bytes and `n_in` columns: two one-tile

@@ -764,19 +764,6 @@ impl Backend for CudaBackend {
         gated_delta::gated_rms_norm(self, x, z, w, head_dim, eps)
     }
 
-    fn linear_core(
-        &self,
-        kv: &mut attention::CudaKv,
-        c: crate::LinearCore<'_, CudaSlice<f32>, CudaWeight>,
-        conv: &mut Act<CudaSlice<f32>>,
-        out: &mut Act<CudaSlice<f32>>,
-    ) -> Result<()> {
-        if gated_delta::linear_core(self, kv, &c, out)? {
-            return Ok(());
-        }
-        crate::linear_core_ops(self, kv, c, conv, out)
-    }
-
     fn sigmoid_gate(&self, x: &mut Act<CudaSlice<f32>>, gate: &Act<CudaSlice<f32>>) -> Result<()> {
         gated_delta::sigmoid_gate(self, x, gate)
     }
