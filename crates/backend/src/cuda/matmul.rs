@@ -411,23 +411,19 @@ impl Kernels {
                 tct.push((t, f));
             }
             // Q5_K has the 16-row tile (gemvq_tc_q4k's Q5; MATMUL.md round 69) and, with
-            // FERRITE_GEMV_TC5=2 (default), its two-tile block; 0: the lane code. Rows too
-            // long for the tile take the lane code.
-            let tc5 = switches::int_or("FERRITE_GEMV_TC5", 2);
-            // (3: the two-tile block up to TCT5_WIDE_SMEM.)
+            // FERRITE_GEMV_TC5=2, its two-tile block at three blocks per SM, with 3 (default)
+            // also at two (4096 columns); 0: the lane code. Rows too long for the tile take
+            // the lane code.
+            let tc5 = switches::int_or("FERRITE_GEMV_TC5", 3);
+            // (3: the two-tile block up to TCT5_WIDE_SMEM too.)
             if tc5 >= 2 {
                 let f = function_smem(&m, "gemvq_tct_q5_k_r1", GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((GgmlType::Q5K, f));
             }
             if tc5 != 0 {
-                fams.push((
-                    GgmlType::Q5K,
-                    [
-                        all("_tc_q5_k")?,
-                        all("_swiglu_tc_q5_k")?,
-                        all("_multi_tc_q5_k")?,
-                    ],
-                ));
+                // The plain kernel alone (tc_form takes Q5_K for plain launches only).
+                let plain = all("_tc_q5_k")?;
+                fams.push((GgmlType::Q5K, [plain.clone(), plain.clone(), plain]));
             }
             // Q8_0 has the K-split tile alone (its long rows: tc_form).
             if gemvq_tck_q8_cols != 0 {
@@ -1470,8 +1466,8 @@ struct TcKernels {
     tct: Vec<(GgmlType, CudaFunction)>,
     /// Whether those launches take it (`FERRITE_GEMV_TCT`).
     tct_on: bool,
-    /// Most shared memory of the Q5_K two-tile block ([`TCT_MAX_SMEM`], or with
-    /// `FERRITE_GEMV_TC5=3` [`TCT5_WIDE_SMEM`]: two blocks per SM, Qwen3.5-9B's 4096 columns).
+    /// Most shared memory of the Q5_K two-tile block ([`TCT5_WIDE_SMEM`]: two blocks per SM,
+    /// Qwen3.5-9B's 4096 columns; with `FERRITE_GEMV_TC5=2` [`TCT_MAX_SMEM`]).
     tct5_max_smem: usize,
     mixed: [CudaFunction; 6],
 }
@@ -1485,8 +1481,8 @@ const TCT_MIN_OUT: usize = 8192;
 /// per SM, as the one-tile kernel. Q6_K up to 2048 columns (59 KB), Q4_K up to 3072.
 const TCT_MAX_SMEM: usize = 64 * 1024;
 
-/// The Q5_K two-tile block's limit with `FERRITE_GEMV_TC5=3`: two blocks per SM (a 4096-column
-/// Q5_K tile pair and x: 99 KB).
+/// The Q5_K two-tile block's limit (`FERRITE_GEMV_TC5=3`, the default): two blocks per SM (a
+/// 4096-column Q5_K tile pair and x: 98 KB; MATMUL.md round 69: +0.7% on Qwen3.5-9B).
 const TCT5_WIDE_SMEM: usize = 110 * 1024;
 
 /// The two-tile block's shared memory for rows of `rb` bytes and `n_in` columns: two one-tile
@@ -1707,6 +1703,11 @@ fn tc_form(
             return None;
         }
         return split(cols);
+    }
+    if t == GgmlType::Q5K && kind != GemvKind::Plain {
+        // Q5_K's SwiGLU and grouped launches stay on the lane code (matmul.cu builds its plain
+        // tile alone).
+        return None;
     }
     let fams = tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
     let full = (tc_smem(rb, 8) + tc_x_bytes(n_in)) as usize;

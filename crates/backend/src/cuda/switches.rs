@@ -237,7 +237,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_TC5",
         Accepts::OneOf(&[0, 1, 2, 3]),
-        "Q5_K decode GEMVs on the tensor-core tile (gemvq_tc_q5_k; the Qwen3.5 linear layers' in-projection): 2 (default) with the two-tile block for the one-row launches it fits at three blocks per SM (gemvq_tct_q5_k), 3 also at two per SM (4096 columns), 1 the one-tile block alone, 0 the lane code (MATMUL.md round 69)",
+        "Q5_K decode GEMVs on the tensor-core tile (gemvq_tc_q5_k; the Qwen3.5 linear layers' in-projection): 3 (default) with the two-tile block for the one-row launches it fits at three or two blocks per SM (gemvq_tct_q5_k; 4096 columns at two), 2 at three only, 1 the one-tile block alone, 0 the lane code (MATMUL.md round 69)",
     ),
     (
         "FERRITE_QKV_VFIRST",

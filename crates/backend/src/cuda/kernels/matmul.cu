@@ -2557,8 +2557,18 @@ GEMVQ_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_ALL_R(q6_k, GGML_Q6_K)
 GEMVQ_MIXED_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMVQ_TC_ALL_R(q4_k, GGML_Q4_K)
-GEMVQ_TC_ALL_R(q5_k, GGML_Q5_K)
 GEMVQ_TC_ALL_R(q6_k, GGML_Q6_K)
+// gemvq_tc_q5_k_r<R>: Q5_K's 16-row tile (gemvq_tc_q4k's Q5), the plain launch alone: its
+// SwiGLU and grouped forms, not measured against the lane code, are not built (MATMUL.md
+// round 69).
+#define GEMVQ_TC_PLAIN_KERNEL(name, TYPE, R)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TC_MINB(TYPE, R))                    \
+        gemvq_tc_##name##_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,             \
+                               const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,       \
+                               float* __restrict__ out, int ks) {                                            \
+        gemvq<TYPE, R, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, ks, blockIdx.x);               \
+    }
+GEMV_EACH_R(GEMVQ_TC_PLAIN_KERNEL, q5_k, GGML_Q5_K)
 // The grouped Q, K, V launch on the attention input's handed-over norm (gemvq's NORM; one
 // row: matmul.rs `rms_norm_matmuls_handed`): gemvq_multi_tcn_q4_k_r1 (the tensor-core form),
 // gemvq_multi_tcn_q4_k_q6_k_r1 (Q4_K Q, K on it + Q6_K V on the lane code, as the mixed
