@@ -140,34 +140,10 @@ static double ref_dot_q8(const uint8_t* row, int n_in, const int8_t* xr, const f
     return acc;
 }
 
-// The same for a Q5_K row (ggml's layout: d, dmin, the scales, qh[32], qs[128]; weight
-// 32 j + k takes nibble j % 2 of qs byte 32 (j / 2) + k and bit j of qh byte k as its fifth).
-static double ref_dot_q5(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
-    double acc = 0;
-    for (int sb = 0; sb < n_in / QK_K; sb++) {
-        const uint8_t* b = row + sb * Q5_K_BYTES;
-        const double d = h2f(b[0] | b[1] << 8), dmin = h2f(b[2] | b[3] << 8);
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            scale_min(j, b + 4, sc, m);
-            int64_t s = 0;
-            for (int k = 0; k < 32; k++) {
-                const uint8_t qb = b[48 + 32 * (j / 2) + k];
-                const int q = (j % 2 ? qb >> 4 : qb & 15) | ((b[16 + k] >> j) & 1) << 4;
-                const int e = sb * QK_K + 32 * j + k;
-                s += (int64_t)q * (127 * xr[e] + xr[n_in + e]);
-            }
-            const float2 ds = dr[sb * 8 + j];
-            acc += d * sc * ds.x * (double)s - dmin * m * ds.y;
-        }
-    }
-    return acc;
-}
-
 static double ref_dot(const uint8_t* row, int n_in, const int8_t* xr, const float2* dr) {
     return cfg.q6   ? ref_dot_q6(row, n_in, xr, dr)
            : cfg.q8 ? ref_dot_q8(row, n_in, xr, dr)
-           : cfg.q5 ? ref_dot_q5(row, n_in, xr, dr)
+           : cfg.q5 ? ref_dot_k(row, n_in, xr, dr, true)
                     : ref_dot_q4(row, n_in, xr, dr);
 }
 
