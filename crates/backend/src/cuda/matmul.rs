@@ -415,7 +415,6 @@ impl Kernels {
             // also at two (4096 columns); 0: the lane code. Rows too long for the tile take
             // the lane code.
             let tc5 = switches::int_or("FERRITE_GEMV_TC5", 3);
-            // (3: the two-tile block up to TCT5_WIDE_SMEM too.)
             if tc5 >= 2 {
                 let f = function_smem(&m, "gemvq_tct_q5_k_r1", GEMVQ_BULK_MAX_SMEM)?;
                 tct.push((GgmlType::Q5K, f));
@@ -1450,7 +1449,8 @@ fn tct_kernel(
 }
 
 /// Weight types with every tensor-core decode GEMV form (`gemvq_tc_q4k`, `gemvq_tc_q6k` in
-/// matmul.cu); Q5_K has the 16-row tile's families alone, Q8_0 the K-split tile alone.
+/// matmul.cu); Q5_K has the 16-row tile's plain kernel and the two-tile block alone, Q8_0 the
+/// K-split tile alone.
 const TC_TYPES: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
 
 /// The tensor-core kernels: per type of [`TC_TYPES`] its families (as `Kernels::gemvq`:
