@@ -189,6 +189,24 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 // qw / kw: the heads' norm weights (head_dim floats), or null for no norm.
 // Rotary pairs per lane held in registers by qk_norm_rope (head_dim <= 256: half <= 128).
 #define QKR_PAIRS 4
+// The register form (qk_norm_rope's heads of at most QKR_REGS * 32 elements, a multiple of
+// 32, NeoX pairs half = 32 HOFF apart, so that a pair lies in one lane: Qwen3.5's 256-dim
+// heads rotated on 64 dims, Qwen3's 128 on 128): the lane's elements lane + 32 k all loaded
+// at once after the PDL wait (one L2 round trip where the loops took one per step: the
+// 28th session's lesson from gated_rms_norm), their norm weights before it, then the loops'
+// operations in their order on registers: the same bits.
+#define QKR_REGS 8
+template <int HOFF>
+__device__ __forceinline__ void qkr_rotate(float (&v)[QKR_REGS], const float (&inv_freq)[QKR_PAIRS], float pos) {
+#pragma unroll
+    for (int j = 0; j < HOFF; j++) {
+        const float x0 = v[j], x1 = v[j + HOFF];
+        const float a = pos * inv_freq[j];
+        const float c = cosf(a), s = sinf(a);
+        v[j] = x0 * c - x1 * s;
+        v[j + HOFF] = x0 * s + x1 * c;
+    }
+}
 
 extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
                                         const float* __restrict__ qw, const float* __restrict__ kw,
@@ -218,6 +236,17 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
             inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
         }
     }
+    const int hoff = half / 32;
+    const bool regs = neox && half % 32 == 0 && (hoff == 1 || hoff == 2 || hoff == 4) && head_dim % 32 == 0 &&
+                      head_dim <= 32 * QKR_REGS;
+    float nv[QKR_REGS];  // the register form's norm weights
+    if (regs) {
+#pragma unroll
+        for (int m = 0; m < QKR_REGS; m++) {
+            const int i = lane + 32 * m;
+            nv[m] = norm && warp < total && i < head_dim ? w[i] : 1.f;
+        }
+    }
     PDL_ENTRY();
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp;
@@ -229,6 +258,32 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
         long long kh = warp - nq;
         hp = k + kh * head_dim;
         t = (int)(kh / k_heads);
+    }
+    if (regs) {
+        float v[QKR_REGS];
+#pragma unroll
+        for (int m = 0; m < QKR_REGS; m++) v[m] = lane + 32 * m < head_dim ? hp[lane + 32 * m] : 0.f;
+        const float pos = (float)positions[t];
+        if (norm) {
+            float ss = 0.f;
+#pragma unroll
+            for (int m = 0; m < QKR_REGS; m++)
+                if (lane + 32 * m < head_dim) ss += v[m] * v[m];
+            ss = warp_sum(ss);
+            const float scale = rsqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+            for (int m = 0; m < QKR_REGS; m++) v[m] = (v[m] * scale) * nv[m];
+        }
+        if (hoff == 1)
+            qkr_rotate<1>(v, inv_freq, pos);
+        else if (hoff == 2)
+            qkr_rotate<2>(v, inv_freq, pos);
+        else
+            qkr_rotate<4>(v, inv_freq, pos);
+#pragma unroll
+        for (int m = 0; m < QKR_REGS; m++)
+            if (lane + 32 * m < head_dim) hp[lane + 32 * m] = v[m];
+        return;
     }
     float scale = 1.f;
     if (norm) {
