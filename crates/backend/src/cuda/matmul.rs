@@ -400,9 +400,9 @@ impl Kernels {
                 fams.push((
                     t,
                     [
-                        all(&format!("_tc_{name}"))?,
-                        all(&format!("_swiglu_tc_{name}"))?,
-                        all(&format!("_multi_tc_{name}"))?,
+                        Some(all(&format!("_tc_{name}"))?),
+                        Some(all(&format!("_swiglu_tc_{name}"))?),
+                        Some(all(&format!("_multi_tc_{name}"))?),
                     ],
                 ));
                 half.push((t, all(&format!("_tch_{name}"))?));
@@ -420,9 +420,8 @@ impl Kernels {
                 tct.push((GgmlType::Q5K, f));
             }
             if tc5 != 0 {
-                // The plain kernel alone (tc_form takes Q5_K for plain launches only).
-                let plain = all("_tc_q5_k")?;
-                fams.push((GgmlType::Q5K, [plain.clone(), plain.clone(), plain]));
+                // The plain family alone: its SwiGLU and grouped launches keep the lane code.
+                fams.push((GgmlType::Q5K, [Some(all("_tc_q5_k")?), None, None]));
             }
             // Q8_0 has the K-split tile alone (its long rows: tc_form).
             if gemvq_tck_q8_cols != 0 {
@@ -1369,7 +1368,7 @@ fn gemvq_launch(
             };
             (f, cfg, Some(ks as i32))
         }
-        Some(TcForm::Full(tc)) => (&tc[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
+        Some(TcForm::Full(tc)) => (&tc[ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
     };
     let cfg = LaunchConfig {
@@ -1453,11 +1452,12 @@ fn tct_kernel(
 /// K-split tile alone.
 const TC_TYPES: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
 
-/// The tensor-core kernels: per type of [`TC_TYPES`] its families (as `Kernels::gemvq`:
-/// plain, SwiGLU, grouped) and its 8-row-tile kernels (`gemvq_tch_<type>_r<R>`), and the
-/// mixed Q4_K + Q6_K grouped launch (Q and K on the tensor cores, V the lane code).
+/// The tensor-core kernels: per type its 16-row tile's families by [`GemvKind`] (as
+/// `Kernels::gemvq`: plain, SwiGLU, grouped; `None` where that kind keeps the lane code) and,
+/// per type of [`TC_TYPES`], its 8-row-tile kernels (`gemvq_tch_<type>_r<R>`), and the mixed
+/// Q4_K + Q6_K grouped launch (Q and K on the tensor cores, V the lane code).
 struct TcKernels {
-    fams: Vec<(GgmlType, [[CudaFunction; 6]; 3])>,
+    fams: Vec<(GgmlType, [Option<[CudaFunction; 6]>; 3])>,
     half: Vec<(GgmlType, [CudaFunction; 6])>,
     /// `gemvq_tck_<type>_r<R>`: the K-split tile for long rows (`TcLong::Split`).
     split: Vec<(GgmlType, [CudaFunction; 6])>,
@@ -1654,8 +1654,8 @@ const GEMVQ_TC_Q6K_MIN_OUT: usize = 8192;
 /// How a quantized-x launch takes the tensor cores.
 #[derive(Clone, Copy)]
 enum TcForm<'a> {
-    /// The 16-row tile (families: plain, SwiGLU, grouped).
-    Full(&'a [[CudaFunction; 6]; 3]),
+    /// The 16-row tile: the launch kind's kernels by R.
+    Full(&'a [CudaFunction; 6]),
     /// The 8-row tile (plain launches only).
     Half(&'a [CudaFunction; 6]),
     /// Two 16-row tiles per block (`gemvq_tct_<type>_r1`: one-row plain launches where
@@ -1672,6 +1672,17 @@ enum GemvKind {
     Plain,
     Swiglu,
     Grouped,
+}
+
+impl GemvKind {
+    /// The kind's index among a type's kernel families (plain, SwiGLU, grouped).
+    fn family(self) -> usize {
+        match self {
+            GemvKind::Plain => 0,
+            GemvKind::Swiglu => 1,
+            GemvKind::Grouped => 2,
+        }
+    }
 }
 
 /// The tensor-core form a weight of type `t` with `n_out` rows of `n_in` columns (rb bytes)
@@ -1704,12 +1715,11 @@ fn tc_form(
         }
         return split(cols);
     }
-    if t == GgmlType::Q5K && kind != GemvKind::Plain {
-        // Q5_K's SwiGLU and grouped launches stay on the lane code (matmul.cu builds its plain
-        // tile alone).
-        return None;
-    }
-    let fams = tc.fams.iter().find(|(ty, _)| *ty == t).map(|(_, f)| f)?;
+    let fams = tc
+        .fams
+        .iter()
+        .find(|(ty, _)| *ty == t)
+        .and_then(|(_, f)| f[kind.family()].as_ref())?;
     let full = (tc_smem(rb, 8) + tc_x_bytes(n_in)) as usize;
     if full <= GEMVQ_TC_MAX_SMEM {
         if t == GgmlType::Q6K && n_out < be.matmul.gemvq_tc6_min {
@@ -2109,7 +2119,7 @@ fn multi_launch(
             }
         } else {
             match tc {
-                Some(tc) => &tc[2][ri],
+                Some(tc) => &tc[ri],
                 None => &fams[2][ri],
             }
         };
