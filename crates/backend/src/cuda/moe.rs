@@ -280,7 +280,7 @@ pub fn moe_shared(
         && gate.dtype == GgmlType::F32
         && gate.shape.iter().product::<usize>() == hidden
         && d_slots <= be.matmul.gemvq_moe_smem
-        && quantized_path_fits(be, x, experts, routing.n_experts, ffn)
+        && quantized_path_slots(be, x, experts, routing.n_experts, ffn).is_some()
         && [&sg.data, &su.data, &sd.data, &gate.data]
             .iter()
             .all(|b| aligned16(be, b));
@@ -307,27 +307,29 @@ pub fn moe_shared(
     Ok(true)
 }
 
-/// The quantized-activation path's conditions beyond its weight types (moe_with's choice,
-/// which `moe_shared` makes too): the in-kernel routing's width, gate and up of one type,
-/// 32-multiples, the bulk-copy slots within the limit, 16-byte aligned buffers.
-fn quantized_path_fits(
+/// The quantized-activation path's bulk-copy slots ([`bulk_smem`]) where its conditions
+/// beyond the weight types hold (moe_with's choice, which `moe_shared` makes too): the
+/// in-kernel routing's width, gate and up of one type, 32-multiples, the slots within the
+/// limit, 16-byte aligned buffers; `None` elsewhere.
+fn quantized_path_slots(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
     experts: ExpertWeights<'_, CudaWeight>,
     n_experts: usize,
     ffn: usize,
-) -> bool {
+) -> Option<(u32, u32)> {
     let (g, u, d) = (experts.gate, experts.up, experts.down);
     let hidden = x.cols;
-    n_experts <= MOE_ROUTE_MAX
-        && bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes()).is_some()
+    let fits = n_experts <= MOE_ROUTE_MAX
         && g.dtype == u.dtype
         && hidden.is_multiple_of(32)
         && ffn.is_multiple_of(32)
         && aligned16(be, &x.buf)
         && aligned16(be, &g.data)
         && aligned16(be, &u.data)
-        && aligned16(be, &d.data)
+        && aligned16(be, &d.data);
+    fits.then(|| bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes()))
+        .flatten()
 }
 
 fn moe_with(
@@ -398,9 +400,9 @@ fn moe_with(
         && matmul::quantized_x(g.dtype)
         && matmul::quantized_x(d.dtype)
         && pairs <= 65535;
-    let bulk = bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes());
-    let quantized_decode = (quantized_decode_types(g.dtype, d.dtype, rows) || exact_prefill)
-        && quantized_path_fits(be, x, experts, n_experts, ffn);
+    let bulk = quantized_path_slots(be, x, experts, n_experts, ffn);
+    let quantized_decode =
+        (quantized_decode_types(g.dtype, d.dtype, rows) || exact_prefill) && bulk.is_some();
 
     let mut guard = be
         .moe
