@@ -75,8 +75,9 @@ pub fn run(a: &RunArgs) -> Result<()> {
     // Read and checked before the model loads: a missing prompt file or a parameter out of
     // range fails at once, not after a load of many gigabytes.
     let text = prompt_text(a)?;
-    params(a).validate()?;
-    crate::on_backend!(&a.model, be => run_on(crate::load::engine(be, &a.model)?, a, &text))
+    let params = params(a);
+    params.validate()?;
+    crate::on_backend!(&a.model, be => run_on(crate::load::engine(be, &a.model)?, a, &text, &params))
 }
 
 /// What `run` asks the engine to generate.
@@ -132,7 +133,12 @@ fn prompt_text(a: &RunArgs) -> Result<String> {
     Ok(text)
 }
 
-fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs, text: &str) -> Result<()> {
+fn run_on<B: Backend>(
+    engine: Engine<B>,
+    a: &RunArgs,
+    text: &str,
+    params: &GenerateParams,
+) -> Result<()> {
     let tok = &engine.tok;
     let prompt = if a.chat {
         let tmpl = tok
@@ -153,9 +159,8 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs, text: &str) -> Result<()> 
     };
     tracing::info!("prompt: {} tokens", prompt.len());
 
-    let params = params(a);
     // A prompt the context cannot hold fails here, before the gate's work.
-    engine.context_for(prompt.len(), &params)?;
+    engine.context_for(prompt.len(), params)?;
 
     if !a.no_gate {
         let n = prompt.len().min(a.gate_tokens as usize);
@@ -170,7 +175,7 @@ fn run_on<B: Backend>(engine: Engine<B>, a: &RunArgs, text: &str) -> Result<()> 
     }
 
     let mut stdout = std::io::stdout().lock();
-    let g = engine.generate(&prompt, &params, &mut |s| {
+    let g = engine.generate(&prompt, params, &mut |s| {
         // A closed pipe is the reader's choice; stop writing but finish cleanly.
         let _ = stdout.write_all(s.as_bytes()).and_then(|_| stdout.flush());
     })?;
