@@ -88,7 +88,7 @@ pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 /// Whether `FERRITE_DIAG_SKIP` (a timing diagnostic that leaves launches out: wrong outputs)
 /// is on, as the backend itself reads it: `bench` then skips its gate and refuses to record.
 pub fn timing_diagnostic() -> bool {
-    switches::diag_skip() != 0
+    switches::diag_skip() != 0 || switches::diag_dq() != 0
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
@@ -96,6 +96,10 @@ pub fn timing_diagnostic() -> bool {
 pub fn full_source(name: &str, src: &str) -> String {
     if matches!(name, "matmul" | "mmw" | "moe") {
         format!("{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")
+    } else if name == "attention" && switches::diag_dq() != 0 {
+        // FERRITE_DIAG_DQ, a timing diagnostic (wrong outputs): attention.cu's q8_dequant8.
+        let dq = switches::diag_dq();
+        format!("{COMMON_CUH}\n#define ATTN_DIAG_DQ {dq}\n#line 1 \"{name}.cu\"\n{src}")
     } else {
         format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")
     }

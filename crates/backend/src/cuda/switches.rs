@@ -125,6 +125,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8, 4 the Q8_0 o-projection handing the FFN norm over, 8 the decode attention, 16 QK-norm + RoPE (DECODE_STEP.md)",
     ),
     (
+        "FERRITE_DIAG_DQ",
+        Accepts::OneOf(&[0, 1, 2]),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the q8_0 cache's dequantization in the attention kernels replaced by a cheaper one on the same bytes, 1 two FP8 E4M3 conversions a word and no scale, 2 two byte permutes a word (FP8 E5M2 into f16) and no scale (ATTENTION.md)",
+    ),
+    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",
@@ -333,6 +338,13 @@ pub(crate) fn int_or(name: &str, default: i64) -> i64 {
 pub(crate) fn diag_skip() -> i64 {
     static MASK: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MASK.get_or_init(|| int_or("FERRITE_DIAG_SKIP", 0))
+}
+
+/// `FERRITE_DIAG_DQ` (0 unless set): the q8_0 cache's dequantization a timing diagnostic
+/// replaces. Read once.
+pub(crate) fn diag_dq() -> i64 {
+    static DQ: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *DQ.get_or_init(|| int_or("FERRITE_DIAG_DQ", 0))
 }
 
 /// Checks every switch that is set (called when a CUDA device is opened).

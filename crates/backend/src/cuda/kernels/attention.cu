@@ -490,6 +490,22 @@ __device__ __forceinline__ void decode_tail_merge(const float* __restrict__ part
 // exponent that makes them 1024 + b + 128 exactly (byte_perm), less 1152 (exact), times the
 // block scale d (one rounding). Feeds the f16 fragment code of decode_tc_loop unchanged.
 __device__ __forceinline__ uint4 q8_dequant8(uint2 qv, uint32_t d2) {
+#if defined(ATTN_DIAG_DQ) && ATTN_DIAG_DQ == 1
+    // FERRITE_DIAG_DQ=1 (timing only, wrong values): the bytes as FP8 E4M3 pairs, no scale.
+    uint32_t e[4];
+    const uint32_t src[4] = {qv.x & 0xffffu, qv.x >> 16, qv.y & 0xffffu, qv.y >> 16};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const unsigned short h = (unsigned short)src[i];
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(e[i]) : "h"(h));
+    }
+    return make_uint4(e[0], e[1], e[2], e[3]);
+#elif defined(ATTN_DIAG_DQ) && ATTN_DIAG_DQ == 2
+    // FERRITE_DIAG_DQ=2 (timing only, wrong values): the bytes as FP8 E5M2 (an f16's high
+    // byte), no scale.
+    return make_uint4(__byte_perm(qv.x, 0u, 0x1404u), __byte_perm(qv.x, 0u, 0x3424u),
+                      __byte_perm(qv.y, 0u, 0x1404u), __byte_perm(qv.y, 0u, 0x3424u));
+#endif
     const uint32_t t0 = qv.x ^ 0x80808080u, t1 = qv.y ^ 0x80808080u;
     const __half2 bias = __float2half2_rn(1152.0f);
     const __half2 d = *reinterpret_cast<const __half2*>(&d2);
