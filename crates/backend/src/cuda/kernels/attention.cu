@@ -632,25 +632,25 @@ struct DtcNew {
     unsigned short* kc;
     unsigned short* vc;
     int pos;
+    // The lane's words of the new key as the cache holds them (dtc_new_prep): k0, k1 dims
+    // 4 l .. 4 l + 3 of k (after QK-norm and RoPE under ROPE), v0, v1 those of v.
+    uint32_t k0, k1, v0, v1;
 };
 // Two f32 as the f16 cache holds them (f32_to_f16_sat: the kv store's bits), packed.
 __device__ __forceinline__ uint32_t dtc_f16_pair(float x, float y) {
     return (uint32_t)f32_to_f16_sat(x) | ((uint32_t)f32_to_f16_sat(y) << 16);
 }
-// PRE: the new position's key in the fragments of the warp whose tile holds it (warp-uniform:
-// `base` is). Lane l converts dims 4 l .. 4 l + 3 of the new k and v rows (one 16-byte load
-// each), stores them into the cache row, and the fragments gather them by shuffles: K's
-// piece c of lane (g, tq) is dims 32 c + 8 tq .. + 7 (lanes 8 c + 2 tq, + 1), V's pieces dims
-// 8 g .. + 7 and 64 + 8 g .. + 7 (lanes 2 g, + 1 and 16 + 2 g, + 1). The tile holding the
-// position ends there (end − 1 = pos), so its keys past it are the loop's clamped copies
-// (masked, p = 0): they take zeros, which add what the plain loop's finite copies add:
-// nothing. The lanes with keys below it keep their cache loads.
-template <int HD, int NP, bool ROPE = false>
-__device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2], const DtcNew& nw, int base,
-                                            int lane, const RopeTab* rt = nullptr) {
-    static_assert(HD == 128 && NP == 4, "dtc_f16_new: hd 128 (a lane per 4 dims)");
-    if (nw.pos < base || nw.pos >= base + 16) return;
-    const int g = lane >> 2, tq = lane & 3;
+// PRE: the new position's key as the cache holds it, by every warp right after the PDL wait
+// (decode_tc_loop, before q's loads): lane l converts dims 4 l .. 4 l + 3 of the new k and v
+// rows (one 16-byte load each; under ROPE k's QK-norm and rotation first); dtc_f16_new stores
+// them and gathers them into the fragments. Why every warp, with no branch: the words were made
+// in dtc_f16_new, inside the loop after q's norm and rotation, so their loads went out only
+// after q's had returned — a second L2 round trip on the launch's chain; under a branch, the
+// compiler sinks the loads back into it. Here they share q's round trip (1 KB a warp from L2,
+// ~40 instructions a warp).
+template <int HD, bool ROPE = false>
+__device__ __forceinline__ void dtc_new_prep(DtcNew& nw, int lane, const RopeTab* rt = nullptr) {
+    static_assert(HD == 128, "dtc_new_prep: hd 128 (a lane per 4 dims)");
     float4 a = *reinterpret_cast<const float4*>(nw.k + 4 * lane);
     const float4 b = *reinterpret_cast<const float4*>(nw.v + 4 * lane);
     if constexpr (ROPE) {
@@ -673,8 +673,23 @@ __device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2
         }
         a = make_float4(x[0], x[1], x[2], x[3]);
     }
-    const uint32_t k0 = dtc_f16_pair(a.x, a.y), k1 = dtc_f16_pair(a.z, a.w);
-    const uint32_t v0 = dtc_f16_pair(b.x, b.y), v1 = dtc_f16_pair(b.z, b.w);
+    nw.k0 = dtc_f16_pair(a.x, a.y), nw.k1 = dtc_f16_pair(a.z, a.w);
+    nw.v0 = dtc_f16_pair(b.x, b.y), nw.v1 = dtc_f16_pair(b.z, b.w);
+}
+// PRE: the new position's key stored into the cache row and put in the fragments by the warp
+// whose tile holds it (warp-uniform: `base` is), from the words dtc_new_prep made: K's piece c of lane
+// (g, tq) is dims 32 c + 8 tq .. + 7 (lanes 8 c + 2 tq, + 1), V's pieces dims 8 g .. + 7 and
+// 64 + 8 g .. + 7 (lanes 2 g, + 1 and 16 + 2 g, + 1). The tile holding the position ends there
+// (end − 1 = pos), so its keys past it are the loop's clamped copies (masked, p = 0): they take
+// zeros, which add what the plain loop's finite copies add: nothing. The lanes with keys below
+// it keep their cache loads.
+template <int HD, int NP>
+__device__ __forceinline__ void dtc_f16_new(uint4 (&kw)[2][NP], uint4 (&vw)[4][2], const DtcNew& nw, int base,
+                                            int lane) {
+    static_assert(HD == 128 && NP == 4, "dtc_f16_new: hd 128 (a lane per 4 dims)");
+    if (nw.pos < base || nw.pos >= base + 16) return;
+    const int g = lane >> 2, tq = lane & 3;
+    const uint32_t k0 = nw.k0, k1 = nw.k1, v0 = nw.v0, v1 = nw.v1;
     *reinterpret_cast<uint2*>(nw.kc + (long long)nw.pos * HD + 4 * lane) = make_uint2(k0, k1);
     *reinterpret_cast<uint2*>(nw.vc + (long long)nw.pos * HD + 4 * lane) = make_uint2(v0, v1);
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
@@ -770,6 +785,8 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
 
+    // PRE: the new key's words first (dtc_new_prep: their loads share q's round trip).
+    if constexpr (PRE) dtc_new_prep<HD, ROPE>(nw, lane, rt);
     // q's A fragments: row g = head h0 + g; words as the K words (dims 32 c + 8 tq + 2 w).
     uint32_t qa[KS][2];
     {
@@ -908,7 +925,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
         } else if constexpr (PRE) {
             // The warp's one tile (chunks of at most 16 × NW keys: attn_decode_impl), loaded
             // before the PDL wait; the new position's key from the step's rows.
-            dtc_f16_new<HD, NP, ROPE>(tile.k, tile.v, nw, base, lane, rt);
+            dtc_f16_new<HD, NP>(tile.k, tile.v, nw, base, lane);
 #pragma unroll
             for (int n = 0; n < 2; n++)
 #pragma unroll
@@ -1021,6 +1038,18 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // empty splits take part in both barriers and their merge share. ATTENTION.md, "The split
 // merge in a cluster".
 // cluster_sync_all, ld_cluster_f32: common.cuh.
+// The split merge's second cluster barrier: execution only. It keeps every block alive until
+// the other blocks' reads of its partial have returned (each reader used the values before it
+// arrives), which needs no release / acquire; cluster_sync_all's release arrive is a
+// MEMBAR.ALL.GPU, here a wait for the emit's global stores (ATTENTION.md, 30th session).
+__device__ __forceinline__ void cluster_sync_exec() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+    __trap();  // clusters are sm_90+; the launcher never picks these kernels below
+#endif
+}
 
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
           bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false>
@@ -1146,8 +1175,7 @@ __device__ __forceinline__ void attn_decode_impl(
                                              page_stride);
         } else if constexpr (PRE) {
             // One row (the launcher's rule): its new key at pos_t, its k/v rows at row 0.
-            const DtcNew nw{knew + kvh * HD, vnew + kvh * HD,
-                            reinterpret_cast<unsigned short*>(kc) + head_base,
+            const DtcNew nw{knew + kvh * HD, vnew + kvh * HD, reinterpret_cast<unsigned short*>(kc) + head_base,
                             reinterpret_cast<unsigned short*>(vc) + head_base, pos_t};
             decode_tc_loop<HD, GB, false, false, false, true, ROPE>(q, kc, vc, ks, vs, t, n_heads, h0, head_base,
                                                                     start, end, scale_log2, sm_acc, sm_m, sm_l,
@@ -1328,7 +1356,7 @@ __device__ __forceinline__ void attn_decode_impl(
             }
             decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
         }
-        cluster_sync_all();  // no block leaves while its partial may still be read
+        cluster_sync_exec();  // no block leaves while its partial may still be read
         return;
     }
 
