@@ -88,20 +88,29 @@ pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 /// Whether `FERRITE_DIAG_SKIP` (a timing diagnostic that leaves launches out: wrong outputs)
 /// is on, as the backend itself reads it: `bench` then skips its gate and refuses to record.
 pub fn timing_diagnostic() -> bool {
-    switches::diag_skip() != 0 || switches::diag_dq() != 0
+    switches::diag_skip() != 0 || switches::diag_dq() != 0 || switches::diag_clbar() != 0
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
 /// the files that dequantize weights to bf16).
 pub fn full_source(name: &str, src: &str) -> String {
+    // Timing diagnostics compiled in (wrong outputs or outside the memory model: bench skips
+    // its gate and refuses to record): FERRITE_DIAG_DQ (attention.cu's q8_dequant8) and
+    // FERRITE_DIAG_CLBAR (common.cuh's cluster_sync_diag).
+    let mut defs = String::new();
+    if name == "attention" && switches::diag_dq() != 0 {
+        defs += &format!("#define ATTN_DIAG_DQ {}\n", switches::diag_dq());
+    }
+    // (Each file gets the define only for its own bit, so the other's machine code is the
+    // default's and its cache entry too.)
+    let clbar = switches::diag_clbar() & if name == "attention" { 1 } else { 2 };
+    if matches!(name, "attention" | "matmul") && clbar != 0 {
+        defs += &format!("#define DIAG_CLBAR {clbar}\n");
+    }
     if matches!(name, "matmul" | "mmw" | "moe") {
-        format!("{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")
-    } else if name == "attention" && switches::diag_dq() != 0 {
-        // FERRITE_DIAG_DQ, a timing diagnostic (wrong outputs): attention.cu's q8_dequant8.
-        let dq = switches::diag_dq();
-        format!("{COMMON_CUH}\n#define ATTN_DIAG_DQ {dq}\n#line 1 \"{name}.cu\"\n{src}")
+        format!("{defs}{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")
     } else {
-        format!("{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")
+        format!("{defs}{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")
     }
 }
 

@@ -130,6 +130,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the q8_0 cache's dequantization in the attention kernels replaced by a cheaper one on the same bytes, 1 two FP8 E4M3 conversions a word and no scale, 2 two byte permutes a word (FP8 E5M2 into f16) and no scale (ATTENTION.md)",
     ),
     (
+        "FERRITE_DIAG_CLBAR",
+        Accepts::Range(0, 3),
+        "diagnostic, timing only (outside the memory model: bench skips its gate and refuses --record): a bit mask of cluster barriers made relaxed after a CTA-scope fence instead of release / acquire, 1 the decode attention's split merge, 2 the MoE gate/up's h exchange (ATTENTION.md)",
+    ),
+    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",
@@ -345,6 +350,13 @@ pub(crate) fn diag_skip() -> i64 {
 pub(crate) fn diag_dq() -> i64 {
     static DQ: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *DQ.get_or_init(|| int_or("FERRITE_DIAG_DQ", 0))
+}
+
+/// `FERRITE_DIAG_CLBAR`'s mask (0 unless set): the cluster barriers a timing diagnostic
+/// relaxes. Read once.
+pub(crate) fn diag_clbar() -> i64 {
+    static MASK: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *MASK.get_or_init(|| int_or("FERRITE_DIAG_CLBAR", 0))
 }
 
 /// Checks every switch that is set (called when a CUDA device is opened).

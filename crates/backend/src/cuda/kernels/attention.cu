@@ -1037,20 +1037,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // the partials' round trip through L2, all on the last block's critical path. Blocks of
 // empty splits take part in both barriers and their merge share. ATTENTION.md, "The split
 // merge in a cluster".
-// cluster_sync_all, ld_cluster_f32: common.cuh.
-// The split merge's second cluster barrier: execution only. It keeps every block alive until
-// the other blocks' reads of its partial have returned (each reader used the values before it
-// arrives), which needs no release / acquire; cluster_sync_all's release arrive is a
-// MEMBAR.ALL.GPU, here a wait for the emit's global stores (ATTENTION.md, 30th session).
-__device__ __forceinline__ void cluster_sync_exec() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#else
-    __trap();  // clusters are sm_90+; the launcher never picks these kernels below
-#endif
-}
-
+// cluster_sync_all, cluster_sync_exec, ld_cluster_f32: common.cuh.
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
           bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false>
 __device__ __forceinline__ void attn_decode_impl(
@@ -1341,7 +1328,7 @@ __device__ __forceinline__ void attn_decode_impl(
     if (single) return;
 
     if constexpr (CL) {
-        cluster_sync_all();
+        cluster_sync_diag(1);
         // This block's share: 32-element output blocks split, split + n_splits, ... (the
         // cluster's blocks are the row's splits in order: rank = split), one warp each.
         for (int b = split + warp * n_splits; b < GB * HD / 32; b += NW * n_splits) {

@@ -197,6 +197,36 @@ __device__ __forceinline__ void cluster_sync_all() {
 #endif
 }
 
+// An execution barrier of the cluster (no memory ordering), for the last barrier of an exchange:
+// it keeps every block alive until the others' reads of its shared memory have returned (each
+// reader used the values before it arrives), which needs no release / acquire; a release
+// arrive is a MEMBAR.ALL.GPU, a wait for every global store before it (ATTENTION.md, 30th
+// session: the decode attention's split merge).
+__device__ __forceinline__ void cluster_sync_exec() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+    __trap();  // clusters are sm_90+; the launcher never picks these kernels below
+#endif
+}
+
+// cluster_sync_all, or under FERRITE_DIAG_CLBAR's bit `bit` (a timing diagnostic: DIAG_CLBAR is
+// defined for the build) a relaxed cluster barrier after a CTA-scope fence, which drops the
+// release's MEMBAR.ALL.GPU and stands outside the memory model's guarantees for the shared
+// memory it publishes. Bits: 1 the decode attention's split merge, 2 the MoE gate/up's h.
+__device__ __forceinline__ void cluster_sync_diag(int bit) {
+#if defined(DIAG_CLBAR) && __CUDA_ARCH__ >= 900
+    if (DIAG_CLBAR & bit) {
+        asm volatile("fence.acq_rel.cta;\n" ::: "memory");
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+        asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+        return;
+    }
+#endif
+    cluster_sync_all();
+}
+
 // The float at `p` (this block's shared memory) in the shared memory of cluster block `rank`.
 // The shared::cluster address of `p` (this block's shared memory) in cluster block `rank`.
 __device__ __forceinline__ uint32_t cluster_addr(const void* p, int rank) {

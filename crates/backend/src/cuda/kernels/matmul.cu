@@ -3043,6 +3043,17 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
         }
         __syncthreads();
         const int rank = cluster_rank();
+#if defined(DIAG_CLBAR) && (DIAG_CLBAR & 2)
+        // FERRITE_DIAG_CLBAR bit 2 (timing diagnostic): rank 0 reads rank 1's outputs after
+        // cluster_sync_diag's relaxed barrier, and an execution barrier keeps rank 1 until then.
+        cluster_sync_diag(2);
+        if (rank == 0 && warp == 0) {
+            const int grp = r0 / QK;
+            const float v = lane < MOE_GU_ROWS ? hs[lane] : ld_cluster_f32(&hs[lane - MOE_GU_ROWS], 1);
+            quant_q8_lane(v, lane, hq + (size_t)p * 2 * ffn, ffn, grp * QK + lane, hd + (size_t)p * (ffn / QK) + grp);
+        }
+        cluster_sync_exec();
+#else
         if (rank == 1 && threadIdx.x < MOE_GU_ROWS) st_cluster_f32(&hs[MOE_GU_ROWS + threadIdx.x], 0, hs[threadIdx.x]);
         cluster_sync_all();
         if (rank == 0 && warp == 0) {
@@ -3050,6 +3061,7 @@ __device__ __forceinline__ void gemvq_moe_gu(const uint8_t* __restrict__ G, cons
             quant_q8_lane(hs[lane], lane, hq + (size_t)p * 2 * ffn, ffn, grp * QK + lane,
                           hd + (size_t)p * (ffn / QK) + grp);
         }
+#endif
         return;
     }
     if (bulk && valid) mbar_wait(&bar, 0);
