@@ -1788,6 +1788,18 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 q8: false,
             });
         }
+        // Its decode and verify rows at depths of several splits: the SIMT loop's
+        // cluster-merge form at hd 256 (2..16 splits), both cache types.
+        for q8 in [false, true] {
+            for (pos0, rows) in [(100, 1), (300, 1), (300, 3)] {
+                add(Op::Attention {
+                    shape: q35moe,
+                    pos0,
+                    rows,
+                    q8,
+                });
+            }
+        }
         // The tensor-core prefill's edges (64 query slots per block): a group that leaves
         // slots empty (6: 10 rows, 60 slots), wide groups (16, 32: 4 and 2 rows per block),
         // one head per group at hd 256 (64 rows per block, 32-key tiles), a key bound off the

@@ -255,6 +255,11 @@ pub struct Kernels {
     /// 2..=[`CLUSTER_MAX_SPLITS`]); `None` below sm_90, where the tensor-core kernels are off,
     /// or with `FERRITE_ATTN_CLUSTER=0`.
     decode_cl: [Option<Vec<CudaFunction>>; 2],
+    /// The SIMT loop at head dim [`DECODE_CL_SIMT_HEAD_DIM`] with the same cluster merge
+    /// (`attn_decode[_q8]_cl_256_<gb>`: Qwen3.5's gated attention), `[f16, q8_0]` by log2
+    /// heads per block; `None` below sm_90 or with `FERRITE_ATTN_CLUSTER=0` (ATTENTION.md,
+    /// 30th session).
+    decode_cl_simt: [Option<Vec<CudaFunction>>; 2],
     /// The f16 cluster-merge kernels that load each warp's keys before the PDL wait
     /// (`attn_decode_tc_clp_128_<gb>`, one row only: ATTENTION.md, "Keys loaded before the
     /// wait"; on by default); `None` with `FERRITE_ATTN_PRE=0` or where `decode_cl[0]` is.
@@ -413,6 +418,26 @@ impl Kernels {
             cl_family(dtc != 0, "tc_cl_")?,
             cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
+        // The SIMT loop's cluster-merge kernels at its one head size that has them.
+        let simt_cl = |pre: &str| -> Result<Option<Vec<CudaFunction>>> {
+            if !clusters {
+                return Ok(None);
+            }
+            (0..4)
+                .map(|i| {
+                    let name = format!("attn_decode_{pre}cl_{DECODE_CL_SIMT_HEAD_DIM}_{}", 1 << i);
+                    let f = function(&m, &name)?;
+                    f.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                        1,
+                    )
+                    .with_context(|| format!("{name}: clusters of 16 blocks"))?;
+                    Ok(f)
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some)
+        };
+        let decode_cl_simt = [simt_cl("")?, simt_cl("q8_")?];
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
         let decode_clpr = cl_family(
@@ -460,6 +485,7 @@ impl Kernels {
             decode: [decode("", "")?, decode("q8_", "")?],
             decode_tc,
             decode_cl,
+            decode_cl_simt,
             decode_clp,
             decode_clpr,
             decode_pre,
@@ -551,6 +577,9 @@ impl DecodeTuning {
 fn fast_index(head_dim: usize) -> Option<usize> {
     FAST_HEAD_DIMS.iter().position(|&d| d == head_dim)
 }
+
+/// The head dim whose SIMT decode loop has a cluster-merge form (`attn_decode[_q8]_cl_256_<gb>`).
+const DECODE_CL_SIMT_HEAD_DIM: usize = 256;
 
 /// Most splits a decode launch merges through a thread-block cluster (the cluster is the
 /// splits of one head block and row; 16 is Hopper's largest, non-portable, cluster).
@@ -945,9 +974,14 @@ fn attention_impl(
         // The tensor-core loop at its head size; its cluster-merge form where the cache's
         // splits fit one cluster.
         let tc_dim = head_dim == DECODE_TC_HEAD_DIM;
-        let cl = be.attention.decode_cl[q8]
-            .as_ref()
-            .filter(|_| tc_dim && (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits));
+        let cl_fams = if tc_dim && be.attention.decode_tc[q8].is_some() {
+            be.attention.decode_cl[q8].as_ref()
+        } else if head_dim == DECODE_CL_SIMT_HEAD_DIM {
+            be.attention.decode_cl_simt[q8].as_ref()
+        } else {
+            None
+        };
+        let cl = cl_fams.filter(|_| (2..=CLUSTER_MAX_SPLITS).contains(&kv.n_splits));
         // One f16 row whose chunks are one tile: the forms whose warps load their keys before
         // the PDL wait, with the cluster merge or past a cluster's splits (the ticket merge).
         let pre_ok =

@@ -1454,6 +1454,21 @@ DECODE_KERNEL(256, 1)
 DECODE_KERNEL(256, 2)
 DECODE_KERNEL(256, 4)
 DECODE_KERNEL(256, 8)
+// The SIMT loop at head dim 256 (Qwen3.5's gated attention) with the split merge through the
+// cluster (CL, as the tensor-core forms at 128): attn_decode[_q8]_cl_256_<GB>, taken where the
+// cache's split count is 2..16 (attention.rs CLUSTER_MAX_SPLITS); longer caches keep the ticket
+// merge of attn_decode[_q8]_256_<GB>.
+#define DECODE_CL_KERNEL(HD, GB)                                                             \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_cl_##HD##_##GB(DECODE_ARGS) { \
+        attn_decode_impl<HD, GB, false, false, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attn_decode_q8_cl_##HD##_##GB(DECODE_ARGS) { \
+        attn_decode_impl<HD, GB, true, false, true, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
+    }
+DECODE_CL_KERNEL(256, 1)
+DECODE_CL_KERNEL(256, 2)
+DECODE_CL_KERNEL(256, 4)
+DECODE_CL_KERNEL(256, 8)
 
 // The tensor-core main loop (decode_tc_loop): f16 and q8_0 caches, hd 128, contiguous (the
 // step's rows stored by the launch) and paged (stored by kv_store_paged before it).
