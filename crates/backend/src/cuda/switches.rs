@@ -182,7 +182,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_ATTN_CLUSTER",
         Accepts::OneOf(&[0, 1]),
-        "decode attention's split merge through a thread-block cluster (sm_90, 2-16 splits; 0 = the ticket merge, ATTENTION.md)",
+        "decode attention's split merge through a thread-block cluster (sm_90, 2-16 splits: the tensor-core loop at head_dim 128, the SIMT loop at 256; 0 = the ticket merge, ATTENTION.md)",
     ),
     (
         "FERRITE_ATTN_DTC",
@@ -338,25 +338,28 @@ pub(crate) fn int_or(name: &str, default: i64) -> i64 {
     get(name).ok().flatten().map_or(default, |xs| xs[0])
 }
 
-/// `FERRITE_DIAG_SKIP`'s mask (0 unless set): which one-row launches a timing diagnostic
-/// leaves out. Read once.
+/// The timing diagnostics' values (0 unless set), read once: `FERRITE_DIAG_SKIP`'s mask,
+/// `FERRITE_DIAG_DQ` and `FERRITE_DIAG_CLBAR`'s mask.
+fn diags() -> &'static [i64; 3] {
+    static D: std::sync::OnceLock<[i64; 3]> = std::sync::OnceLock::new();
+    D.get_or_init(|| {
+        ["FERRITE_DIAG_SKIP", "FERRITE_DIAG_DQ", "FERRITE_DIAG_CLBAR"].map(|n| int_or(n, 0))
+    })
+}
+
+/// `FERRITE_DIAG_SKIP`'s mask: which one-row launches a timing diagnostic leaves out.
 pub(crate) fn diag_skip() -> i64 {
-    static MASK: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *MASK.get_or_init(|| int_or("FERRITE_DIAG_SKIP", 0))
+    diags()[0]
 }
 
-/// `FERRITE_DIAG_DQ` (0 unless set): the q8_0 cache's dequantization a timing diagnostic
-/// replaces. Read once.
+/// `FERRITE_DIAG_DQ`: the q8_0 cache's dequantization a timing diagnostic replaces.
 pub(crate) fn diag_dq() -> i64 {
-    static DQ: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *DQ.get_or_init(|| int_or("FERRITE_DIAG_DQ", 0))
+    diags()[1]
 }
 
-/// `FERRITE_DIAG_CLBAR`'s mask (0 unless set): the cluster barriers a timing diagnostic
-/// relaxes. Read once.
+/// `FERRITE_DIAG_CLBAR`'s mask: the cluster barriers a timing diagnostic relaxes.
 pub(crate) fn diag_clbar() -> i64 {
-    static MASK: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *MASK.get_or_init(|| int_or("FERRITE_DIAG_CLBAR", 0))
+    diags()[2]
 }
 
 /// Checks every switch that is set (called when a CUDA device is opened).

@@ -677,9 +677,9 @@ __device__ __forceinline__ void dtc_new_prep(DtcNew& nw, int lane, const RopeTab
     nw.v0 = dtc_f16_pair(b.x, b.y), nw.v1 = dtc_f16_pair(b.z, b.w);
 }
 // PRE: the new position's key stored into the cache row and put in the fragments by the warp
-// whose tile holds it (warp-uniform: `base` is), from the words dtc_new_prep made: K's piece c of lane
-// (g, tq) is dims 32 c + 8 tq .. + 7 (lanes 8 c + 2 tq, + 1), V's pieces dims 8 g .. + 7 and
-// 64 + 8 g .. + 7 (lanes 2 g, + 1 and 16 + 2 g, + 1). The tile holding the position ends there
+// whose tile holds it (warp-uniform: `base` is), from the words dtc_new_prep made: K's piece c
+// of lane (g, tq) is dims 32 c + 8 tq .. + 7 (lanes 8 c + 2 tq, + 1), V's pieces dims 8 g ..
+// + 7 and 64 + 8 g .. + 7 (lanes 2 g, + 1 and 16 + 2 g, + 1). The tile holding the position ends there
 // (end − 1 = pos), so its keys past it are the loop's clamped copies (masked, p = 0): they take
 // zeros, which add what the plain loop's finite copies add: nothing. The lanes with keys below
 // it keep their cache loads.
@@ -1026,14 +1026,14 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 }
 // EMU_DTC_END
 
-// The split merge through the cluster (CL: attn_decode_tc[_q8]_cl_128_<gb>, a launch whose
-// clusters are the n_splits blocks of one (head block, row), n_splits ≤ 16): each block
-// leaves its partial (acc, m, l) in its own shared memory; one cluster barrier (release /
-// acquire) makes them visible; then every block merges a share of the 32-element output
-// blocks (block r takes blocks r, r + n_splits, ..., one warp per 32-block) reading the
-// partials of the n_active splits straight from their shared memory (mapa +
-// ld.shared::cluster), and emits them; a second barrier keeps every block (and its shared
-// memory) alive until all reads are done. Instead of the ticket path's fence, atomic and
+// The split merge through the cluster (CL: attn_decode_tc[_q8]_cl_128_<gb> and the SIMT loop's
+// attn_decode[_q8]_cl_256_<gb>, a launch whose clusters are the n_splits blocks of one (head
+// block, row), n_splits ≤ 16): each block leaves its partial (acc, m, l) in its own shared
+// memory; one cluster barrier (release / acquire) makes them visible; then every block merges a
+// share of the 32-element output blocks (block r takes blocks r, r + n_splits, ..., one warp
+// per 32-block) reading the partials of the n_active splits straight from their shared memory
+// (mapa + ld.shared::cluster), and emits them; a second barrier (execution only:
+// cluster_sync_exec) keeps every block (and its shared memory) alive until all reads are done. Instead of the ticket path's fence, atomic and
 // the partials' round trip through L2, all on the last block's critical path. Blocks of
 // empty splits take part in both barriers and their merge share. ATTENTION.md, "The split
 // merge in a cluster".
