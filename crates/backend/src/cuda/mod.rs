@@ -85,8 +85,10 @@ pub struct CudaBackend {
 /// [`COMMON_CUH`].
 pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 
-/// Whether `FERRITE_DIAG_SKIP` (a timing diagnostic that leaves launches out: wrong outputs)
-/// is on, as the backend itself reads it: `bench` then skips its gate and refuses to record.
+/// Whether a timing diagnostic is on, as the backend itself reads them (`FERRITE_DIAG_SKIP`
+/// leaves launches out, `FERRITE_DIAG_DQ` swaps a dequantization: wrong outputs;
+/// `FERRITE_DIAG_CLBAR` relaxes cluster barriers past the memory model's guarantees): `bench`
+/// then skips its gate and refuses to record.
 pub fn timing_diagnostic() -> bool {
     switches::diag_skip() != 0 || switches::diag_dq() != 0 || switches::diag_clbar() != 0
 }
