@@ -371,23 +371,20 @@ impl Kernels {
             ])
         };
         let dtc = super::switches::int_or("FERRITE_ATTN_DTC", 1);
-        // `attn_decode_<pre>128_<gb><post>` for every heads-per-block, where `on`.
-        let tc_family_post =
-            |on: bool, pre: &str, post: &str| -> Result<Option<Vec<CudaFunction>>> {
+        // `attn_decode_<pre><hd>_<gb><post>` for every heads-per-block, where `on`.
+        let family =
+            |on: bool, pre: &str, hd: usize, post: &str| -> Result<Option<Vec<CudaFunction>>> {
                 if !on {
                     return Ok(None);
                 }
                 [1, 2, 4, 8]
                     .iter()
-                    .map(|gb| {
-                        function(
-                            &m,
-                            &format!("attn_decode_{pre}{DECODE_TC_HEAD_DIM}_{gb}{post}"),
-                        )
-                    })
+                    .map(|gb| function(&m, &format!("attn_decode_{pre}{hd}_{gb}{post}")))
                     .collect::<Result<Vec<_>>>()
                     .map(Some)
             };
+        let tc_family_post =
+            |on: bool, pre: &str, post: &str| family(on, pre, DECODE_TC_HEAD_DIM, post);
         let tc_family = |on: bool, pre: &str| tc_family_post(on, pre, "");
         // q8_0 contiguous caches whose splits do not take the cluster merge: the loop that
         // issues its next tile's loads before this tile's MMAs.
@@ -401,8 +398,8 @@ impl Kernels {
         // Clusters of up to 16 blocks: the non-portable size, allowed per kernel.
         let clusters =
             arch == "compute_90a" && super::switches::int_or("FERRITE_ATTN_CLUSTER", 1) != 0;
-        let cl_family = |on: bool, pre: &str| -> Result<Option<Vec<CudaFunction>>> {
-            let Some(fs) = tc_family(on && clusters, pre)? else {
+        let cl_family_hd = |on: bool, pre: &str, hd: usize| -> Result<Option<Vec<CudaFunction>>> {
+            let Some(fs) = family(on && clusters, pre, hd, "")? else {
                 return Ok(None);
             };
             for f in &fs {
@@ -414,30 +411,16 @@ impl Kernels {
             }
             Ok(Some(fs))
         };
+        let cl_family = |on: bool, pre: &str| cl_family_hd(on, pre, DECODE_TC_HEAD_DIM);
         let decode_cl = [
             cl_family(dtc != 0, "tc_cl_")?,
             cl_family(dtc == 1, "tc_q8_cl_")?,
         ];
         // The SIMT loop's cluster-merge kernels at its one head size that has them.
-        let simt_cl = |pre: &str| -> Result<Option<Vec<CudaFunction>>> {
-            if !clusters {
-                return Ok(None);
-            }
-            (0..4)
-                .map(|i| {
-                    let name = format!("attn_decode_{pre}cl_{DECODE_CL_SIMT_HEAD_DIM}_{}", 1 << i);
-                    let f = function(&m, &name)?;
-                    f.set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                        1,
-                    )
-                    .with_context(|| format!("{name}: clusters of 16 blocks"))?;
-                    Ok(f)
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(Some)
-        };
-        let decode_cl_simt = [simt_cl("")?, simt_cl("q8_")?];
+        let decode_cl_simt = [
+            cl_family_hd(true, "cl_", DECODE_CL_SIMT_HEAD_DIM)?,
+            cl_family_hd(true, "q8_cl_", DECODE_CL_SIMT_HEAD_DIM)?,
+        ];
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
         let decode_clpr = cl_family(
@@ -974,7 +957,7 @@ fn attention_impl(
         // The tensor-core loop at its head size; its cluster-merge form where the cache's
         // splits fit one cluster.
         let tc_dim = head_dim == DECODE_TC_HEAD_DIM;
-        let cl_fams = if tc_dim && be.attention.decode_tc[q8].is_some() {
+        let cl_fams = if tc_dim {
             be.attention.decode_cl[q8].as_ref()
         } else if head_dim == DECODE_CL_SIMT_HEAD_DIM {
             be.attention.decode_cl_simt[q8].as_ref()

@@ -219,8 +219,7 @@ __device__ __forceinline__ void cluster_sync_diag(int bit) {
 #if defined(DIAG_CLBAR) && __CUDA_ARCH__ >= 900
     if (DIAG_CLBAR & bit) {
         asm volatile("fence.acq_rel.cta;\n" ::: "memory");
-        asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-        asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+        cluster_sync_exec();
         return;
     }
 #endif
