@@ -30,6 +30,7 @@ pub mod moe;
 pub mod nvrtc;
 pub mod ops;
 pub(crate) mod switches;
+mod timeline;
 
 use std::sync::Arc;
 
@@ -90,7 +91,10 @@ pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 /// `FERRITE_DIAG_CLBAR` relaxes cluster barriers past the memory model's guarantees): `bench`
 /// then skips its gate and refuses to record.
 pub fn timing_diagnostic() -> bool {
-    switches::diag_skip() != 0 || switches::diag_dq() != 0 || switches::diag_clbar() != 0
+    switches::diag_skip() != 0
+        || switches::diag_dq() != 0
+        || switches::diag_clbar() != 0
+        || switches::diag_tl() != 0
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
@@ -109,6 +113,9 @@ pub fn full_source(name: &str, src: &str) -> String {
     if matches!(name, "attention" | "matmul") && clbar != 0 {
         defs += &format!("#define DIAG_CLBAR {clbar}\n");
     }
+    if switches::diag_tl() != 0 {
+        defs += "#define FERRITE_TL 1\n";
+    }
     if matches!(name, "matmul" | "mmw" | "moe") {
         format!("{defs}{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")
     } else {
@@ -126,19 +133,27 @@ pub fn load_module(
     src: &str,
 ) -> Result<Arc<CudaModule>> {
     let full = full_source(name, src);
+    let mut module = None;
     if switches::int_or("FERRITE_KERNEL_PTX", 0) != 1 {
         let loaded = nvrtc::compile_cubin(name, &full, arch, false).and_then(|bin| {
             ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))
                 .map_err(anyhow::Error::from)
         });
         match loaded {
-            Ok(m) => return Ok(m),
+            Ok(m) => module = Some(m),
             Err(e) => tracing::warn!("{name} kernels as CUBIN: {e:#}; loading them as PTX"),
         }
     }
-    let ptx = nvrtc::compile(name, &full, arch)?;
-    ctx.load_module(ptx)
-        .with_context(|| format!("loading the {name} kernels"))
+    let module = match module {
+        Some(m) => m,
+        None => ctx
+            .load_module(nvrtc::compile(name, &full, arch)?)
+            .with_context(|| format!("loading the {name} kernels"))?,
+    };
+    if switches::diag_tl() != 0 {
+        timeline::register(name, &module);
+    }
+    Ok(module)
 }
 
 /// Compiles every kernel file's CUBIN in parallel (one thread each; NVRTC is thread-safe
@@ -898,6 +913,9 @@ impl Backend for CudaBackend {
     }
 
     fn replay(&self, g: &CudaGraph) -> Result<()> {
+        if switches::diag_tl() != 0 {
+            return timeline::replay(&self.stream, g);
+        }
         g.launch()?;
         Ok(())
     }

@@ -135,6 +135,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (outside the memory model: bench skips its gate and refuses --record): a bit mask of cluster barriers made relaxed after a CTA-scope fence instead of release / acquire, 1 the decode attention's split merge, 2 the MoE gate/up's h exchange (ATTENTION.md)",
     ),
     (
+        "FERRITE_DIAG_TL",
+        Accepts::Range(0, 1_000_000),
+        "diagnostic, timing only (bench skips its gate and refuses --record): n > 0 writes the block timeline of the n-th decode-graph replay (every kernel block's PDL wait entry and return, and the tensor-core GEMVs' ends, by %globaltimer) to FERRITE_DIAG_TL_OUT (default ferrite-timeline.tsv); tools/timeline.py reads it (DECODE_STEP.md)",
+    ),
+    (
         "FERRITE_NORM_ROUTER",
         Accepts::OneOf(&[0, 1]),
         "a MoE block's input RMSNorm and router GEMV in one launch at decode: 0 two launches, 1 one (MOE.md)",
@@ -339,11 +344,17 @@ pub(crate) fn int_or(name: &str, default: i64) -> i64 {
 }
 
 /// The timing diagnostics' values (0 unless set), read once: `FERRITE_DIAG_SKIP`'s mask,
-/// `FERRITE_DIAG_DQ` and `FERRITE_DIAG_CLBAR`'s mask.
-fn diags() -> &'static [i64; 3] {
-    static D: std::sync::OnceLock<[i64; 3]> = std::sync::OnceLock::new();
+/// `FERRITE_DIAG_DQ`, `FERRITE_DIAG_CLBAR`'s mask and `FERRITE_DIAG_TL`'s replay.
+fn diags() -> &'static [i64; 4] {
+    static D: std::sync::OnceLock<[i64; 4]> = std::sync::OnceLock::new();
     D.get_or_init(|| {
-        ["FERRITE_DIAG_SKIP", "FERRITE_DIAG_DQ", "FERRITE_DIAG_CLBAR"].map(|n| int_or(n, 0))
+        [
+            "FERRITE_DIAG_SKIP",
+            "FERRITE_DIAG_DQ",
+            "FERRITE_DIAG_CLBAR",
+            "FERRITE_DIAG_TL",
+        ]
+        .map(|n| int_or(n, 0))
     })
 }
 
@@ -360,6 +371,11 @@ pub(crate) fn diag_dq() -> i64 {
 /// `FERRITE_DIAG_CLBAR`'s mask: the cluster barriers a timing diagnostic relaxes.
 pub(crate) fn diag_clbar() -> i64 {
     diags()[2]
+}
+
+/// `FERRITE_DIAG_TL`: which decode-graph replay (1-based) the block timeline records, 0 none.
+pub(crate) fn diag_tl() -> i64 {
+    diags()[3]
 }
 
 /// Checks every switch that is set (called when a CUDA device is opened).

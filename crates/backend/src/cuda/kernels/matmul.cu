@@ -1410,6 +1410,7 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
         out[(size_t)r * n_out + o] = v;
         if (hs != nullptr) hs[row] = v;
     }
+    TL_STAMP(TL_END);
 }
 
 // tc_store's sums for a two-tile block (G2): group tg = threadIdx.x / 256 of 8 warps adds its

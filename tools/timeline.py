@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Reads the block timeline of one decode step (FERRITE_DIAG_TL; DECODE_STEP.md).
+
+Usage: timeline.py ferrite-timeline.tsv [--layers A:B] [--blocks]
+
+Stamps: kind 1 a block's PDL wait entry (the block runs, past whatever it issued before its
+wait), 2 the wait's return (the predecessor grid has completed), 3 a tensor-core GEMV's block
+written its outputs. A launch is the blocks of one (module, grid, warps a block) in time
+order, each block index once. Per launch, in the order the step started them (µs from the
+step's first stamp):
+
+  start    the first block's wait entry
+  dep      the first wait return: when the predecessor completed (the launch's chain start)
+  chain    the next launch's dep minus this one's: the launch's share of the step's chain
+  early    blocks that entered their wait before dep (their copies issued under PDL)
+  last_in  the last block's wait entry (the last wave's start)
+  end      the last block's output stamp (tensor-core GEMVs only)
+"""
+import argparse
+import collections
+import sys
+
+
+def read(path):
+    rows = []
+    with open(path) as f:
+        next(f)
+        for line in f:
+            m, kind, t, sm, warps, grid, block = line.split("\t")
+            rows.append((int(t), m, int(kind), int(sm), int(warps), int(grid), int(block)))
+    rows.sort()
+    return rows
+
+
+def launches(rows):
+    """Groups the stamps into launches: per (module, grid, warps), a block index seen twice
+    (wait entry) starts the next launch of that key."""
+    open_l = {}
+    out = []
+    for t, m, kind, sm, warps, grid, block in rows:
+        key = (m, grid, warps)
+        cur = open_l.get(key)
+        if kind == 1:
+            if cur is None or block in cur["in"]:
+                cur = {"key": key, "in": {}, "out": {}, "end": {}, "sm": {}}
+                open_l[key] = cur
+                out.append(cur)
+            cur["in"][block] = t
+            cur["sm"][block] = sm
+        elif cur is not None:
+            d = cur["out"] if kind == 2 else cur["end"]
+            d.setdefault(block, t)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path")
+    ap.add_argument("--first", type=int, default=0, help="first launch to print")
+    ap.add_argument("--count", type=int, default=10**9, help="launches to print")
+    ap.add_argument("--summary", action="store_true", help="per kind of launch: mean chain and early blocks")
+    ap.add_argument("--launch", type=int, help="one launch's blocks: starts and ends per 0.5 µs from its dep")
+    a = ap.parse_args()
+    rows = read(a.path)
+    if not rows:
+        sys.exit("no stamps")
+    t0 = rows[0][0]
+    ls = launches(rows)
+    ls.sort(key=lambda l: min(l["in"].values()))
+    for l in ls:
+        l["start"] = min(l["in"].values())
+        l["dep"] = min(l["out"].values()) if l["out"] else None
+        l["last_in"] = max(l["in"].values())
+        l["end_t"] = max(l["end"].values()) if l["end"] else None
+        l["early"] = sum(1 for t in l["in"].values() if l["dep"] is not None and t < l["dep"])
+    deps = [l for l in ls if l["dep"] is not None]
+    deps.sort(key=lambda l: l["dep"])
+    for i, l in enumerate(deps):
+        l["chain"] = (deps[i + 1]["dep"] - l["dep"]) if i + 1 < len(deps) else None
+    us = lambda t: "" if t is None else f"{(t - t0) / 1000:9.2f}"
+    if a.launch is not None:
+        l = ls[a.launch]
+        base = l["dep"] if l["dep"] is not None else l["start"]
+        hist = collections.Counter()
+        for t in l["in"].values():
+            hist[("in", (t - base) // 500)] += 1
+        for t in l["end"].values():
+            hist[("end", (t - base) // 500)] += 1
+        bins = sorted({b for _, b in hist})
+        print(f"launch {a.launch} {l['key']}: blocks by 0.5 µs bin from dep (negative: before it)")
+        for b in bins:
+            print(f"{b * 0.5:7.1f} in {hist[('in', b)]:5d} end {hist[('end', b)]:5d}")
+        return
+    if a.summary:
+        agg = collections.OrderedDict()
+        for l in deps:
+            k = l["key"]
+            s = agg.setdefault(k, [0, 0.0, 0, 0.0, 0])
+            s[0] += 1
+            if l.get("chain") is not None:
+                s[1] += l["chain"] / 1000
+            s[2] += l["early"]
+            if l["end_t"] is not None:
+                s[3] += (l["end_t"] - l["dep"]) / 1000
+                s[4] += 1
+        print(f"{'module':<12}{'grid':>7}{'warps':>6}{'n':>5}{'chain µs':>10}{'total':>9}{'early':>7}{'dep→end':>9}")
+        for (m, grid, warps), (n, ch, early, de, ne) in sorted(agg.items(), key=lambda kv: -kv[1][1]):
+            print(f"{m:<12}{grid:>7}{warps:>6}{n:>5}{ch / n:>10.2f}{ch:>9.1f}{early / n:>7.0f}"
+                  + (f"{de / ne:>9.2f}" if ne else ""))
+        step = (deps[-1]["dep"] - deps[0]["dep"]) / 1000
+        print(f"step (first dep to last dep): {step:.1f} µs over {len(deps)} launches")
+        return
+    print(f"{'#':>4} {'module':<12}{'grid':>7}{'warps':>6}{'start':>10}{'dep':>10}{'chain':>8}{'early':>7}{'last_in':>10}{'end':>10}")
+    for i, l in enumerate(ls[a.first:a.first + a.count], a.first):
+        m, grid, warps = l["key"]
+        ch = "" if l.get("chain") is None else f"{l['chain'] / 1000:8.2f}"
+        print(f"{i:>4} {m:<12}{grid:>7}{warps:>6}{us(l['start'])}{us(l['dep']) or ' ' * 10:>10}{ch:>8}"
+              f"{l['early']:>7}{us(l['last_in'])}{us(l['end_t']):>10}")
+
+
+if __name__ == "__main__":
+    main()
