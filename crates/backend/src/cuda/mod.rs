@@ -46,6 +46,9 @@ use crate::{
 /// (prepended to each `.cu` before compilation).
 pub const COMMON_CUH: &str = include_str!("kernels/common.cuh");
 
+/// The block timeline's stamps (`FERRITE_DIAG_TL`), prepended only when that is set.
+const TIMELINE_CUH: &str = include_str!("kernels/timeline.cuh");
+
 /// A weight in VRAM, in its file type (quantized blocks exactly as stored in the GGUF).
 /// 1-D weights (norm scales) are converted to f32 at upload: they are tiny and read often.
 pub struct CudaWeight {
@@ -115,6 +118,7 @@ pub fn full_source(name: &str, src: &str) -> String {
     }
     if switches::diag_tl() != 0 {
         defs += "#define FERRITE_TL 1\n";
+        defs += TIMELINE_CUH;
     }
     if matches!(name, "matmul" | "mmw" | "moe") {
         format!("{defs}{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")

@@ -127,41 +127,12 @@ __device__ float ggml_get(const uint8_t* row, int type, int i) {
 // gate/up/SwiGLU prefill launch (mmw.cu) calls the same function, so the two agree.
 __device__ __forceinline__ float swiglu_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// The block timeline (FERRITE_DIAG_TL, a timing diagnostic; DECODE_STEP.md): with FERRITE_TL
-// defined (mod.rs full_source, only then) each block's thread (0, 0, 0) stamps %globaltimer
-// with its SM, its block index and its grid's size into the module's ferrite_tl buffer — at
-// the PDL wait's entry (TL_WAIT_IN: the block runs, past whatever it issues before its wait),
-// at its return (TL_WAIT_OUT: the predecessor grid has completed) and where a kernel's block
-// has written its outputs (TL_END; tc_store and the other common epilogues). The host zeroes
-// ferrite_tl_n before one chosen graph replay and reads the stamps after it (mod.rs
-// timeline). Without FERRITE_TL every hook is empty: the default kernels' machine code.
-#define TL_WAIT_IN 1u
-#define TL_WAIT_OUT 2u
-#define TL_END 3u
-#ifdef FERRITE_TL
-#define FERRITE_TL_CAP (1u << 20)
-__device__ unsigned int ferrite_tl_n;
-__device__ unsigned long long ferrite_tl[2 * FERRITE_TL_CAP];
-__device__ __forceinline__ void tl_stamp(unsigned kind) {
-    if ((threadIdx.x | threadIdx.y | threadIdx.z) != 0) return;
-    unsigned long long t;
-    unsigned smid;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    const unsigned i = atomicAdd(&ferrite_tl_n, 1u);
-    if (i >= FERRITE_TL_CAP) return;
-    const unsigned long long grid = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
-    const unsigned long long blk = blockIdx.x + (unsigned long long)gridDim.x * (blockIdx.y + (unsigned long long)gridDim.y * blockIdx.z);
-    ferrite_tl[2 * i] = t;
-    // kind (4 bits) | threads a block / 32 (6) | SM (8) | grid (23) | block (23)
-    ferrite_tl[2 * i + 1] = ((unsigned long long)kind << 60) | ((unsigned long long)(blockDim.x * blockDim.y * blockDim.z / 32) << 54) |
-                            ((unsigned long long)(smid & 0xFF) << 46) | ((grid & 0x7FFFFF) << 23) | (blk & 0x7FFFFF);
-}
-#define TL_STAMP(kind) tl_stamp(kind)
-#else
-#define TL_STAMP(kind) \
-    do {               \
-    } while (0)
+// The block timeline's hooks (FERRITE_DIAG_TL): kernels/timeline.cuh defines them when the
+// switch is set; otherwise they are empty.
+#ifndef FERRITE_TL
+#define TL_WAIT_BEGIN()
+#define TL_WAIT_DONE()
+#define TL_STAMP_END()
 #endif
 
 // Programmatic dependent launch (launch.rs). Kernels are launched so that they may start
@@ -173,11 +144,11 @@ __device__ __forceinline__ void tl_stamp(unsigned kind) {
 // blocks retire, and its wait covers the whole chain (this grid cannot complete before its
 // own wait returned). Before sm_90 (and when launched without the attribute) both are no-ops.
 __device__ __forceinline__ void pdl_wait() {
-    TL_STAMP(TL_WAIT_IN);
+    TL_WAIT_BEGIN();
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    TL_STAMP(TL_WAIT_OUT);
+    TL_WAIT_DONE();
 }
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900

@@ -576,6 +576,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // PDL entry. Before sm_90 only the PDL entry.
 // The copies of bulk_prologue_spans, issued by the calling thread alone (no barrier, no
 // PDL entry): the two-tile block's group leaders (gemvq_tc2_add_q4k) each issue their tile's.
+// INIT = false (a ring's refill, gemvq_swiglu_r_q4k): the barrier was initialised once and
+// this arms its next phase.
+template <bool INIT = true>
 __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
                                                  size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
@@ -594,7 +597,7 @@ __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const
             }
         }
         if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
-        mbar_init(bar);
+        if (INIT) mbar_init(bar);
         mbar_expect(bar, total);
 #pragma unroll
         for (int m = 0; m < 2; m++)
@@ -1410,7 +1413,7 @@ __device__ __forceinline__ void tc_store(float (&acc)[R][2], int rows, float* __
         out[(size_t)r * n_out + o] = v;
         if (hs != nullptr) hs[row] = v;
     }
-    TL_STAMP(TL_END);
+    TL_STAMP_END();
 }
 
 // tc_store's sums for a two-tile block (G2): group tg = threadIdx.x / 256 of 8 warps adds its
@@ -2302,6 +2305,73 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
 #endif
 }
 
+// The one-row Q4_K SwiGLU on the handed-over FFN norm as rings of four-warp blocks
+// (gemvq_swiglu_tcnr_q4_k_r1; matmul.rs `rms_norm_matmul_swiglu_handed`, FERRITE_SWIGLU_RQ4;
+// MATMUL.md round 70): each block a ring of nb SwiGLU tiles (8 gate rows in slot 0, their 8
+// up rows in slot 1: the one-tile block's layout, gemvq_tc_block), several blocks per SM.
+//  Why: the block timeline (FERRITE_DIAG_TL) of the one-tile four-warp blocks
+//  (gemvq_swiglu_tcnw4_q4_k_r1, four per SM) shows the launch moving in lock-step waves. Its
+//  first wave (528 tiles, 19.5 MB) is copied during the attention and o-projection, and at
+//  the wait all 528 blocks stage x and compute at once: no block ends for ~4 us, and no copy
+//  is in flight meanwhile (every slot is held by a computed tile). The next wave then starts
+//  together, copies together (the DRAM saturated), computes together (the DRAM idle): ~64% of
+//  the launch's time copying, ~2.9 TB/s. A block here refills a slot as soon as its tile is
+//  computed while its other tiles are in flight, so the SM's copies overlap its compute.
+//  (Round 57's ring of one eight-warp block per SM computed one tile at a time with all its
+//  warps and, at 150-190 KB, could not sit beside the o-projection's blocks before its wait:
+//  it lost the first wave's early copies. Here a block of two slots is ~83 KB.)
+//  Tiles: block b takes the contiguous range [b tiles / G, (b + 1) tiles / G); the sums are
+//  gemvq_tc_q4k's W4 (the eight-warp tile's, in its order): the one-tile kernels' bits.
+//  x: staged once after the PDL wait with the row's 1 / rms (tc_norm_scale). Shared memory:
+//  nb buffers of two slots, then x.
+__device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
+                                                   long long rb, int n_out, int n_in, int nb,
+                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                                   float* __restrict__ out, const float* __restrict__ pss,
+                                                   float eps, uint8_t* smem, uint64_t* bars) {
+#if __CUDA_ARCH__ >= 900
+    constexpr int NS = 8;
+    const int tiles = (n_out + NS - 1) / NS;
+    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
+    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
+    const size_t slot = tc_slot(rb, NS);
+    uint8_t* xs = smem + (size_t)nb * 2 * slot;
+    // Thread 0: tile i into buffer b (the rows' spans as the one-tile block copies them).
+    auto issue = [&](int i, int b) {
+        const int r0 = i * NS, nrows = min(NS, n_out - r0);
+        bulk_issue_spans<false>(W + (size_t)r0 * (size_t)rb, nrows, W2 + (size_t)r0 * (size_t)rb, nrows, rb, slot,
+                                smem + (size_t)b * 2 * slot, bars + b);
+    };
+    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int b = 0; b < nb && lo + b < hi; b++) issue(lo + b, b);
+    PDL_ENTRY();
+    __shared__ float sn[1];
+    {
+        TcXStage st;
+        tc_stage_x_load(st, xq, xd, n_in);
+        tc_norm_scale<1>(pss, n_in, 1, eps, sn);
+        tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
+    }
+    const float2* da = (const float2*)(xs + 2 * n_in + 128);
+    // Every tile's rows sit at the same offset in their 16-byte units (rb % 16 == 0).
+    const size_t ma = (size_t)W & 15, mb = (size_t)W2 & 15;
+    for (int i = lo, b = 0, ph = 0; i < hi; i++) {
+        mbar_wait(bars + b, (uint32_t)ph);
+        uint8_t* s0 = smem + (size_t)b * 2 * slot;
+        gemvq_tc_q4k<1, true, true, false, true, false, true>(s0 + ma, s0 + slot + mb, rb, n_out, n_in,
+                                                              (const int8_t*)xs, da, 1, out, i * NS, n_in + 64, 0, sn);
+        __syncthreads();  // buffer b read by every warp (and tc_store's sums before the next tile's)
+        if (threadIdx.x == 0 && i + nb < hi) issue(i + nb, b);
+        if (++b == nb) {
+            b = 0;
+            ph ^= 1;
+        }
+    }
+#endif
+}
+
 // As gemv(), over quantized x. SWIGLU: a row group is (gate row o, up row o) of W and W2 and
 // stores silu(gate) * up at out[o]; otherwise NW consecutive rows of W.
 // TC: the tensor-core form (gemvq_tc_q4k / gemvq_tc_q6k; ks = 1, sm_90+ only: the
@@ -2744,6 +2814,18 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
     gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);
+}
+// gemvq_swiglu_tcnr_q4_k_r1: the Q4_K SwiGLU rings (gemvq_swiglu_r_q4k), four warps, two or
+// more blocks per SM.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 2)
+    gemvq_swiglu_tcnr_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
+                              const float2* __restrict__ xd, float* __restrict__ out,
+                              const float* __restrict__ pss, float eps) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
+    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
+    gemvq_swiglu_r_q4k(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
