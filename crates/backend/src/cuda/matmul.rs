@@ -130,6 +130,11 @@ pub struct Kernels {
     /// SwiGLU of `tc2` as rings of nb tiles in blocks of four warps, with the most blocks per
     /// SM (`FERRITE_SWIGLU_RQ4_BPS`, 0: as many as fit); None: the one-tile blocks.
     swiglu_ring: Option<(CudaFunction, usize, usize)>,
+    /// Its tile counters (`RING_COUNTERS` pairs, zero between launches: each launch's last
+    /// block resets its pair) and the next pair a launch takes, in turn: launches in flight
+    /// together never share one.
+    ring_ctr: Option<CudaSlice<u32>>,
+    ring_next: std::sync::atomic::AtomicUsize,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -638,6 +643,15 @@ impl Kernels {
             } else {
                 None
             },
+            ring_ctr: if switches::int_or("FERRITE_SWIGLU_RQ4", 0) >= 1 {
+                let st = ctx.default_stream();
+                let c = st.alloc_zeros::<u32>(2 * RING_COUNTERS)?;
+                st.synchronize()?;
+                Some(c)
+            } else {
+                None
+            },
+            ring_next: std::sync::atomic::AtomicUsize::new(0),
             swiglu_ring: match usize::try_from(switches::int_or("FERRITE_SWIGLU_RQ4", 0))? {
                 nb if nb >= 1 && tc2.is_some() => Some((
                     function_smem(&m, "gemvq_swiglu_tcnr_q4_k_r1", PIPE_MAX_SMEM)?,
@@ -1549,6 +1563,10 @@ const SWIGLU_PIPE_NB: usize = 2;
 /// (2.6 KB with h's copy, `PIPE_QH_MAX`: the driver refuses a limit whose sum with it passes
 /// 227 KB).
 const PIPE_MAX_SMEM: usize = 224 * 1024;
+
+/// Tile-counter pairs of the Q4_K SwiGLU rings, taken in turn by their launches (a step has
+/// one a layer; a pair is reused only this many launches later, long after its launch ended).
+const RING_COUNTERS: usize = 128;
 
 /// Most outputs a ring block quantizes for the down projection (`PIPE_QH_MAX` in matmul.cu:
 /// its shared copy of h); a ring whose blocks would take more groups writes no planes.
@@ -3156,9 +3174,19 @@ pub fn rms_norm_matmul_swiglu_handed(
             let per_sm = if *bps > 0 { fit.min(*bps) } else { fit };
             let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
             let nb_i = nb as i32;
+            let Some(ctrs) = be.matmul.ring_ctr.as_ref() else {
+                bail!("rms_norm_matmul_swiglu: the ring's counters were not allocated");
+            };
+            let pair = be
+                .matmul
+                .ring_next
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                % RING_COUNTERS;
+            let ctr = ctrs.slice(2 * pair..2 * pair + 2);
             // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
-            // and x that gemvq_swiglu_r_q4k lays out, nb ≤ PIPE_MAX_NB; every block takes a
-            // contiguous range of 8-output tiles.
+            // and x that gemvq_swiglu_r_q4k lays out, nb ≤ PIPE_MAX_NB; ctr is a pair of
+            // counters at zero that no other launch in flight uses (RING_COUNTERS in turn) and
+            // that this launch leaves at zero.
             unsafe {
                 be.stream
                     .kernel(f)
@@ -3173,6 +3201,7 @@ pub fn rms_norm_matmul_swiglu_handed(
                     .arg(&mut out.buf)
                     .arg(&ss)
                     .arg(&eps)
+                    .arg(&ctr)
                     .launch(LaunchConfig {
                         grid_dim: (u32::try_from(blocks)?, 1, 1),
                         block_dim,

@@ -2320,15 +2320,25 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
 //  (Round 57's ring of one eight-warp block per SM computed one tile at a time with all its
 //  warps and, at 150-190 KB, could not sit beside the o-projection's blocks before its wait:
 //  it lost the first wave's early copies. Here a block of two slots is ~83 KB.)
-//  Tiles: block b takes the contiguous range [b tiles / G, (b + 1) tiles / G); the sums are
-//  gemvq_tc_q4k's W4 (the eight-warp tile's, in its order): the one-tile kernels' bits.
+//  Tiles: drawn one at a time from ctr[0] by thread 0 (the draw for a slot's next tile goes
+//  out when the slot is refilled, so its round trip is hidden by a tile's compute): a block
+//  that became resident earlier, or computes faster, takes more, and the launch ends together
+//  (contiguous static ranges of 5-6 tiles a block left its last blocks ~4 us behind its
+//  median). A slot's tile index is in tsl[b], written before its barrier is armed (the
+//  arrive releases it to the waiters); -1: no more tiles (the barrier armed with no bytes).
+//  A block's first failed draw takes a ticket of ctr[1]; the last block's ticket resets both
+//  counters to zero for the next launch (every draw of this launch is then done). ctr ==
+//  nullptr: block b takes the contiguous range [b tiles / G, (b + 1) tiles / G).
+//  The sums are gemvq_tc_q4k's W4 (the eight-warp tile's, in its order): the one-tile
+//  kernels' bits, whichever block computes a tile.
 //  x: staged once after the PDL wait with the row's 1 / rms (tc_norm_scale). Shared memory:
 //  nb buffers of two slots, then x.
 __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                    long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                                    float* __restrict__ out, const float* __restrict__ pss,
-                                                   float eps, uint8_t* smem, uint64_t* bars) {
+                                                   float eps, uint8_t* smem, uint64_t* bars,
+                                                   unsigned* __restrict__ ctr) {
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = 8;
     const int tiles = (n_out + NS - 1) / NS;
@@ -2336,16 +2346,35 @@ __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W
     const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
     const size_t slot = tc_slot(rb, NS);
     uint8_t* xs = smem + (size_t)nb * 2 * slot;
-    // Thread 0: tile i into buffer b (the rows' spans as the one-tile block copies them).
+    __shared__ int tsl[PIPE_MAX_NB];
+    // Thread 0: tile i (-1: none) into buffer b (the rows' spans as the one-tile block copies
+    // them; none: the barrier's phase completes with no bytes).
     auto issue = [&](int i, int b) {
-        const int r0 = i * NS, nrows = min(NS, n_out - r0);
+        tsl[b] = i;
+        const int r0 = max(i, 0) * NS, nrows = i < 0 ? 0 : min(NS, n_out - r0);
         bulk_issue_spans<false>(W + (size_t)r0 * (size_t)rb, nrows, W2 + (size_t)r0 * (size_t)rb, nrows, rb, slot,
                                 smem + (size_t)b * 2 * slot, bars + b);
     };
+    // Thread 0's draws: the next tile, or -1 once they are spent (the block's ticket then).
+    bool spent = false;
+    auto draw = [&]() -> int {
+        if (spent) return -1;
+        const unsigned t = atomicAdd(ctr, 1u);
+        if (t < (unsigned)tiles) return (int)t;
+        spent = true;
+        if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
+            ctr[0] = 0;
+            ctr[1] = 0;
+        }
+        return -1;
+    };
+    int nxt = -1;  // thread 0: the tile drawn for the next refill
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
     __syncthreads();
-    if (threadIdx.x == 0)
-        for (int b = 0; b < nb && lo + b < hi; b++) issue(lo + b, b);
+    if (threadIdx.x == 0) {
+        for (int b = 0; b < nb; b++) issue(ctr ? draw() : (lo + b < hi ? lo + b : -1), b);
+        if (ctr) nxt = draw();
+    }
     PDL_ENTRY();
     __shared__ float sn[1];
     {
@@ -2357,13 +2386,22 @@ __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W
     const float2* da = (const float2*)(xs + 2 * n_in + 128);
     // Every tile's rows sit at the same offset in their 16-byte units (rb % 16 == 0).
     const size_t ma = (size_t)W & 15, mb = (size_t)W2 & 15;
-    for (int i = lo, b = 0, ph = 0; i < hi; i++) {
+    for (int k = 0, b = 0, ph = 0;; k++) {
         mbar_wait(bars + b, (uint32_t)ph);
+        const int i = tsl[b];
+        if (i < 0) break;
         uint8_t* s0 = smem + (size_t)b * 2 * slot;
         gemvq_tc_q4k<1, true, true, false, true, false, true>(s0 + ma, s0 + slot + mb, rb, n_out, n_in,
                                                               (const int8_t*)xs, da, 1, out, i * NS, n_in + 64, 0, sn);
-        __syncthreads();  // buffer b read by every warp (and tc_store's sums before the next tile's)
-        if (threadIdx.x == 0 && i + nb < hi) issue(i + nb, b);
+        __syncthreads();  // buffer b and tsl[b] read by every warp (and tc_store's sums before the next tile's)
+        if (threadIdx.x == 0) {
+            if (ctr) {
+                issue(nxt, b);
+                if (nxt >= 0) nxt = draw();
+            } else {
+                issue(lo + k + nb < hi ? lo + k + nb : -1, b);
+            }
+        }
         if (++b == nb) {
             b = 0;
             ph ^= 1;
@@ -2821,11 +2859,11 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 2)
     gemvq_swiglu_tcnr_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                               int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
                               const float2* __restrict__ xd, float* __restrict__ out,
-                              const float* __restrict__ pss, float eps) {
+                              const float* __restrict__ pss, float eps, unsigned* __restrict__ ctr) {
     extern __shared__ __align__(128) uint8_t gemv_smem[];
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_r_q4k(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars);
+    gemvq_swiglu_r_q4k(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, ctr);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
