@@ -64,7 +64,9 @@ def main():
     rows = read(a.path)
     if not rows:
         sys.exit("no stamps")
-    t0 = rows[0][0]
+    # The step's first wait entry (an output stamp of a block that never took its slots
+    # before, as a kernel without a PDL wait would, carries no time of this step).
+    t0 = min(r[0] for r in rows if r[2] == 1)
     ls = launches(rows)
     ls.sort(key=lambda l: min(l["in"].values()))
     for l in ls:

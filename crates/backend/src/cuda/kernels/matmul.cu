@@ -2356,25 +2356,27 @@ __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W
         bulk_issue_spans<false>(W + (size_t)r0 * (size_t)rb, nrows, W2 + (size_t)r0 * (size_t)rb, nrows, rb, slot,
                                 smem + (size_t)b * 2 * slot, bars + b);
     };
-    // Thread 0's draws: the next tile, or -1 once they are spent (the block's ticket then).
+    // Thread 0's draws, none of them waited for where it is issued: the first nb tiles in one
+    // draw before the wait; then each refill's draw goes out at the refill before it, and its
+    // value is read only at its own refill (the round trip hidden by a tile's compute). The
+    // first draw past the tiles takes the block's ticket, whose value is read after the loop.
+    unsigned nraw = 0, ticket = 0;
     bool spent = false;
-    auto draw = [&]() -> int {
-        if (spent) return -1;
-        const unsigned t = atomicAdd(ctr, 1u);
-        if (t < (unsigned)tiles) return (int)t;
-        spent = true;
-        if (atomicAdd(ctr + 1, 1u) == gridDim.x - 1) {
-            ctr[0] = 0;
-            ctr[1] = 0;
-        }
-        return -1;
-    };
-    int nxt = -1;  // thread 0: the tile drawn for the next refill
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int b = 0; b < nb; b++) issue(ctr ? draw() : (lo + b < hi ? lo + b : -1), b);
-        if (ctr) nxt = draw();
+        if (ctr) {
+            const unsigned t0 = atomicAdd(ctr, (unsigned)nb);
+            for (int b = 0; b < nb; b++) issue(t0 + b < (unsigned)tiles ? (int)(t0 + b) : -1, b);
+            if (t0 + nb > (unsigned)tiles) {
+                spent = true;
+                ticket = atomicAdd(ctr + 1, 1u);
+            } else {
+                nraw = atomicAdd(ctr, 1u);
+            }
+        } else {
+            for (int b = 0; b < nb; b++) issue(lo + b < hi ? lo + b : -1, b);
+        }
     }
     PDL_ENTRY();
     __shared__ float sn[1];
@@ -2396,17 +2398,28 @@ __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W
                                                               (const int8_t*)xs, da, 1, out, i * NS, n_in + 64, 0, sn);
         __syncthreads();  // buffer b and tsl[b] read by every warp (and tc_store's sums before the next tile's)
         if (threadIdx.x == 0) {
-            if (ctr) {
-                issue(nxt, b);
-                if (nxt >= 0) nxt = draw();
-            } else {
+            if (!ctr) {
                 issue(lo + k + nb < hi ? lo + k + nb : -1, b);
+            } else if (spent) {
+                issue(-1, b);
+            } else if (nraw < (unsigned)tiles) {
+                issue((int)nraw, b);
+                nraw = atomicAdd(ctr, 1u);
+            } else {
+                issue(-1, b);
+                spent = true;
+                ticket = atomicAdd(ctr + 1, 1u);
             }
         }
         if (++b == nb) {
             b = 0;
             ph ^= 1;
         }
+    }
+    // The last block's ticket: every draw of the launch is done; the counters back to zero.
+    if (threadIdx.x == 0 && ctr && ticket == gridDim.x - 1) {
+        ctr[0] = 0;
+        ctr[1] = 0;
     }
 #endif
 }
