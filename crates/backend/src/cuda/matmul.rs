@@ -130,9 +130,9 @@ pub struct Kernels {
     /// SwiGLU of `tc2` as rings of nb tiles in blocks of four warps, with the most blocks per
     /// SM (`FERRITE_SWIGLU_RQ4_BPS`, 0: as many as fit); None: the one-tile blocks.
     swiglu_ring: Option<(CudaFunction, usize, usize)>,
-    /// Its tile counters (`RING_COUNTERS` pairs, zero between launches: each launch's last
-    /// block resets its pair) and the next pair a launch takes, in turn: launches in flight
-    /// together never share one.
+    /// Its tile counters (`RING_COUNTERS` sets of `RING_GROUPS` counters and tickets, zero
+    /// between launches: each group's last block resets its two) and the next set a launch
+    /// takes, in turn: launches in flight together never share one.
     ring_ctr: Option<CudaSlice<u32>>,
     ring_next: std::sync::atomic::AtomicUsize,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
@@ -645,7 +645,7 @@ impl Kernels {
             },
             ring_ctr: if switches::int_or("FERRITE_SWIGLU_RQ4", 0) >= 1 {
                 let st = ctx.default_stream();
-                let c = st.alloc_zeros::<u32>(2 * RING_COUNTERS)?;
+                let c = st.alloc_zeros::<u32>(2 * RING_GROUPS * RING_COUNTERS)?;
                 st.synchronize()?;
                 Some(c)
             } else {
@@ -1564,9 +1564,12 @@ const SWIGLU_PIPE_NB: usize = 2;
 /// 227 KB).
 const PIPE_MAX_SMEM: usize = 224 * 1024;
 
-/// Tile-counter pairs of the Q4_K SwiGLU rings, taken in turn by their launches (a step has
-/// one a layer; a pair is reused only this many launches later, long after its launch ended).
+/// Tile-counter sets of the Q4_K SwiGLU rings, taken in turn by their launches (a step has
+/// one a layer; a set is reused only this many launches later, long after its launch ended).
 const RING_COUNTERS: usize = 128;
+
+/// The counters and tickets of one ring launch's tile groups (`RING_GROUPS` in matmul.cu).
+const RING_GROUPS: usize = 8;
 
 /// Most outputs a ring block quantizes for the down projection (`PIPE_QH_MAX` in matmul.cu:
 /// its shared copy of h); a ring whose blocks would take more groups writes no planes.
@@ -3182,9 +3185,10 @@ pub fn rms_norm_matmul_swiglu_handed(
                 .ring_next
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                 % RING_COUNTERS;
-            let ctr = ctrs.slice(2 * pair..2 * pair + 2);
+            let set = 2 * RING_GROUPS;
+            let ctr = ctrs.slice(set * pair..set * (pair + 1));
             // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
-            // and x that gemvq_swiglu_r_q4k lays out, nb ≤ PIPE_MAX_NB; ctr is a pair of
+            // and x that gemvq_swiglu_r_q4k lays out, nb ≤ PIPE_MAX_NB; ctr is a set of
             // counters at zero that no other launch in flight uses (RING_COUNTERS in turn) and
             // that this launch leaves at zero.
             unsafe {

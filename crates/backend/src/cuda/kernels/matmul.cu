@@ -2244,6 +2244,7 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  (which would hold warp 0, and so the next tile, ~0.15 us a group).
 #define PIPE_QH_MAX 256  // matmul.rs PIPE_QH_MAX
 #define PIPE_MAX_NB 8    // matmul.rs PIPE_MAX_NB
+#define RING_GROUPS 8    // matmul.rs RING_GROUPS: the Q4_K SwiGLU rings' tile counters
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                    long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
@@ -2356,24 +2357,30 @@ __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W
         bulk_issue_spans<false>(W + (size_t)r0 * (size_t)rb, nrows, W2 + (size_t)r0 * (size_t)rb, nrows, rb, slot,
                                 smem + (size_t)b * 2 * slot, bars + b);
     };
-    // Thread 0's draws, none of them waited for where it is issued: the first nb tiles in one
-    // draw before the wait; then each refill's draw goes out at the refill before it, and its
-    // value is read only at its own refill (the round trip hidden by a tile's compute). The
-    // first draw past the tiles takes the block's ticket, whose value is read after the loop.
+    // Thread 0's draws, none of them waited for where it is issued: block b's first nb tiles
+    // are nb b .. nb b + nb - 1, no draw (264 blocks drawing one counter at once took ~5 us,
+    // so that most blocks issued their copies only at the wait). The later tiles, from
+    // first = G nb on, are dealt to RING_GROUPS counters (group g: blocks b ≡ g, tiles
+    // first + g + RING_GROUPS j, j = ctr[g]++: one counter drawn by all blocks at a tile's
+    // pace serialised them too); a block's draw for a refill goes out at the refill before
+    // and is read only there (its round trip hidden by a tile's compute). A block's first draw
+    // past its group's tiles takes the group's ticket ctr[RING_GROUPS + g], read after the
+    // loop; the group's last block resets the group's two counters.
     unsigned nraw = 0, ticket = 0;
     bool spent = false;
+    const int grp = (int)(blockIdx.x % RING_GROUPS);
+    const unsigned first = (unsigned)nb * gridDim.x + (unsigned)grp;  // the group's first drawn tile
+    const unsigned gblocks = (gridDim.x - (unsigned)grp + RING_GROUPS - 1) / RING_GROUPS;
+    auto tile_of = [&](unsigned j) { return first + RING_GROUPS * j; };
     if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
     __syncthreads();
     if (threadIdx.x == 0) {
         if (ctr) {
-            const unsigned t0 = atomicAdd(ctr, (unsigned)nb);
-            for (int b = 0; b < nb; b++) issue(t0 + b < (unsigned)tiles ? (int)(t0 + b) : -1, b);
-            if (t0 + nb > (unsigned)tiles) {
-                spent = true;
-                ticket = atomicAdd(ctr + 1, 1u);
-            } else {
-                nraw = atomicAdd(ctr, 1u);
+            for (int b = 0; b < nb; b++) {
+                const int i = nb * (int)blockIdx.x + b;
+                issue(i < tiles ? i : -1, b);
             }
+            nraw = tile_of(atomicAdd(ctr + grp, 1u));
         } else {
             for (int b = 0; b < nb; b++) issue(lo + b < hi ? lo + b : -1, b);
         }
@@ -2404,11 +2411,11 @@ __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W
                 issue(-1, b);
             } else if (nraw < (unsigned)tiles) {
                 issue((int)nraw, b);
-                nraw = atomicAdd(ctr, 1u);
+                nraw = tile_of(atomicAdd(ctr + grp, 1u));
             } else {
                 issue(-1, b);
                 spent = true;
-                ticket = atomicAdd(ctr + 1, 1u);
+                ticket = atomicAdd(ctr + RING_GROUPS + grp, 1u);
             }
         }
         if (++b == nb) {
@@ -2416,10 +2423,10 @@ __device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W
             ph ^= 1;
         }
     }
-    // The last block's ticket: every draw of the launch is done; the counters back to zero.
-    if (threadIdx.x == 0 && ctr && ticket == gridDim.x - 1) {
-        ctr[0] = 0;
-        ctr[1] = 0;
+    // The group's last ticket: every draw of the group is done; its counters back to zero.
+    if (threadIdx.x == 0 && ctr && ticket == gblocks - 1) {
+        ctr[grp] = 0;
+        ctr[RING_GROUPS + grp] = 0;
     }
 #endif
 }
