@@ -126,15 +126,6 @@ pub struct Kernels {
     /// `gemvq_swiglu_tcnw4_q4_k_r1` (MATMUL.md round 49; `FERRITE_SWIGLU_W4=0`: None): the
     /// one-row SwiGLU of `tc2` in blocks of four warps.
     swiglu_w4: Option<CudaFunction>,
-    /// `gemvq_swiglu_tcnr_q4_k_r1` (MATMUL.md round 70; `FERRITE_SWIGLU_RQ4=nb`): the one-row
-    /// SwiGLU of `tc2` as rings of nb tiles in blocks of four warps, with the most blocks per
-    /// SM (`FERRITE_SWIGLU_RQ4_BPS`, 0: as many as fit); None: the one-tile blocks.
-    swiglu_ring: Option<(CudaFunction, usize, usize)>,
-    /// Its tile counters (`RING_COUNTERS` sets of `RING_GROUPS` counters and tickets, zero
-    /// between launches: each group's last block resets its two) and the next set a launch
-    /// takes, in turn: launches in flight together never share one.
-    ring_ctr: Option<CudaSlice<u32>>,
-    ring_next: std::sync::atomic::AtomicUsize,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -642,23 +633,6 @@ impl Kernels {
                 )?)
             } else {
                 None
-            },
-            ring_ctr: if switches::int_or("FERRITE_SWIGLU_RQ4", 0) >= 1 {
-                let st = ctx.default_stream();
-                let c = st.alloc_zeros::<u32>(2 * RING_GROUPS * RING_COUNTERS)?;
-                st.synchronize()?;
-                Some(c)
-            } else {
-                None
-            },
-            ring_next: std::sync::atomic::AtomicUsize::new(0),
-            swiglu_ring: match usize::try_from(switches::int_or("FERRITE_SWIGLU_RQ4", 0))? {
-                nb if nb >= 1 && tc2.is_some() => Some((
-                    function_smem(&m, "gemvq_swiglu_tcnr_q4_k_r1", PIPE_MAX_SMEM)?,
-                    nb.min(PIPE_MAX_NB),
-                    usize::try_from(switches::int_or("FERRITE_SWIGLU_RQ4_BPS", 0))?,
-                )),
-                _ => None,
             },
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
@@ -1563,13 +1537,6 @@ const SWIGLU_PIPE_NB: usize = 2;
 /// (2.6 KB with h's copy, `PIPE_QH_MAX`: the driver refuses a limit whose sum with it passes
 /// 227 KB).
 const PIPE_MAX_SMEM: usize = 224 * 1024;
-
-/// Tile-counter sets of the Q4_K SwiGLU rings, taken in turn by their launches (a step has
-/// one a layer; a set is reused only this many launches later, long after its launch ended).
-const RING_COUNTERS: usize = 128;
-
-/// The counters and tickets of one ring launch's tile groups (`RING_GROUPS` in matmul.cu).
-const RING_GROUPS: usize = 8;
 
 /// Most outputs a ring block quantizes for the down projection (`PIPE_QH_MAX` in matmul.cu:
 /// its shared copy of h); a ring whose blocks would take more groups writes no planes.
@@ -3158,62 +3125,6 @@ pub fn rms_norm_matmul_swiglu_handed(
     }
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
-    }
-    // The rings (one row; gemvq_swiglu_tcnr_q4_k_r1): nb buffers of the one-tile block's two
-    // slots, then x; the same sums in the same order.
-    if let (true, 1, Some((f, nb, bps))) =
-        (gate.dtype == GgmlType::Q4K, rows, &be.matmul.swiglu_ring)
-    {
-        let buf = tc_smem(rb, 8) as usize;
-        let x = tc_x_bytes(n_in) as usize;
-        if rb.is_multiple_of(16) && buf + x <= PIPE_MAX_SMEM {
-            let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
-            let smem = u32::try_from(nb * buf + x)?;
-            let block_dim = tc_block_dim(true);
-            let fit = f
-                .occupancy_max_active_blocks_per_multiprocessor(block_dim.0, smem as usize, None)
-                .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
-                .max(1) as usize;
-            let per_sm = if *bps > 0 { fit.min(*bps) } else { fit };
-            let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-            let nb_i = nb as i32;
-            let Some(ctrs) = be.matmul.ring_ctr.as_ref() else {
-                bail!("rms_norm_matmul_swiglu: the ring's counters were not allocated");
-            };
-            let pair = be
-                .matmul
-                .ring_next
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                % RING_COUNTERS;
-            let set = 2 * RING_GROUPS;
-            let ctr = ctrs.slice(set * pair..set * (pair + 1));
-            // SAFETY: as below (the same buffers); the ring's shared memory is the nb buffers
-            // and x that gemvq_swiglu_r_q4k lays out, nb ≤ PIPE_MAX_NB; ctr is a set of
-            // counters at zero that no other launch in flight uses (RING_COUNTERS in turn) and
-            // that this launch leaves at zero.
-            unsafe {
-                be.stream
-                    .kernel(f)
-                    .arg(&gate.data)
-                    .arg(&up.data)
-                    .arg(&rb_i)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&nb_i)
-                    .arg(&xqs)
-                    .arg(&xd)
-                    .arg(&mut out.buf)
-                    .arg(&ss)
-                    .arg(&eps)
-                    .arg(&ctr)
-                    .launch(LaunchConfig {
-                        grid_dim: (u32::try_from(blocks)?, 1, 1),
-                        block_dim,
-                        shared_mem_bytes: smem,
-                    })
-            }?;
-            return Ok(true);
-        }
     }
     // The W4 form (one row): four warps a block, the same sums in the same order.
     let w4 = be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1);

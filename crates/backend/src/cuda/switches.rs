@@ -135,16 +135,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "diagnostic, timing only (outside the memory model: bench skips its gate and refuses --record): a bit mask of cluster barriers made relaxed after a CTA-scope fence instead of release / acquire, 1 the decode attention's split merge, 2 the MoE gate/up's h exchange (ATTENTION.md)",
     ),
     (
-        "FERRITE_SWIGLU_RQ4",
-        Accepts::Range(0, 8),
-        "the one-row Q4_K SwiGLU on the handed-over FFN norm as rings of nb tiles in blocks of four warps (the same bits): 0 the one-tile blocks (default), nb >= 1 the rings (MATMUL.md round 70)",
-    ),
-    (
-        "FERRITE_SWIGLU_RQ4_BPS",
-        Accepts::Range(0, 8),
-        "the most ring blocks per SM of FERRITE_SWIGLU_RQ4, 0 as many as fit (MATMUL.md round 70)",
-    ),
-    (
         "FERRITE_DIAG_TL",
         Accepts::Range(0, 1_000_000),
         "diagnostic, timing only (bench skips its gate and refuses --record): n > 0 writes the block timeline of the n-th decode-graph replay (every kernel block's PDL wait entry and return, and the tensor-core GEMVs' ends, by %globaltimer) to FERRITE_DIAG_TL_OUT (default ferrite-timeline.tsv); tools/timeline.py reads it (DECODE_STEP.md)",

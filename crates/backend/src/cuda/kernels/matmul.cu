@@ -576,9 +576,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 // PDL entry. Before sm_90 only the PDL entry.
 // The copies of bulk_prologue_spans, issued by the calling thread alone (no barrier, no
 // PDL entry): the two-tile block's group leaders (gemvq_tc2_add_q4k) each issue their tile's.
-// INIT = false (a ring's refill, gemvq_swiglu_r_q4k): the barrier was initialised once and
-// this arms its next phase.
-template <bool INIT = true>
 __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb,
                                                  size_t slot, uint8_t* smem, uint64_t* bar) {
 #if __CUDA_ARCH__ >= 900
@@ -597,7 +594,7 @@ __device__ __forceinline__ void bulk_issue_spans(const uint8_t* a, int na, const
             }
         }
         if (gemv_diag == 2) total = 0, len[0] = len[1] = 0;
-        if (INIT) mbar_init(bar);
+        mbar_init(bar);
         mbar_expect(bar, total);
 #pragma unroll
         for (int m = 0; m < 2; m++)
@@ -2243,8 +2240,6 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  block's groups in one round at its end rather than one after each group's last tile
 //  (which would hold warp 0, and so the next tile, ~0.15 us a group).
 #define PIPE_QH_MAX 256  // matmul.rs PIPE_QH_MAX
-#define PIPE_MAX_NB 8    // matmul.rs PIPE_MAX_NB
-#define RING_GROUPS 8    // matmul.rs RING_GROUPS: the Q4_K SwiGLU rings' tile counters
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                    long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
@@ -2304,130 +2299,6 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     if (qh)
         for (int k = warp; k < ghi - glo; k += GEMV_WARPS)
             quant_q8_lane(hsm[k * QK + lane], lane, hq, n_out, (glo + k) * QK + lane, hd + glo + k);
-#endif
-}
-
-// The one-row Q4_K SwiGLU on the handed-over FFN norm as rings of four-warp blocks
-// (gemvq_swiglu_tcnr_q4_k_r1; matmul.rs `rms_norm_matmul_swiglu_handed`, FERRITE_SWIGLU_RQ4;
-// MATMUL.md round 70): each block a ring of nb SwiGLU tiles (8 gate rows in slot 0, their 8
-// up rows in slot 1: the one-tile block's layout, gemvq_tc_block), several blocks per SM.
-//  Why: the block timeline (FERRITE_DIAG_TL) of the one-tile four-warp blocks
-//  (gemvq_swiglu_tcnw4_q4_k_r1, four per SM) shows the launch moving in lock-step waves. Its
-//  first wave (528 tiles, 19.5 MB) is copied during the attention and o-projection, and at
-//  the wait all 528 blocks stage x and compute at once: no block ends for ~4 us, and no copy
-//  is in flight meanwhile (every slot is held by a computed tile). The next wave then starts
-//  together, copies together (the DRAM saturated), computes together (the DRAM idle): ~64% of
-//  the launch's time copying, ~2.9 TB/s. A block here refills a slot as soon as its tile is
-//  computed while its other tiles are in flight, so the SM's copies overlap its compute.
-//  (Round 57's ring of one eight-warp block per SM computed one tile at a time with all its
-//  warps and, at 150-190 KB, could not sit beside the o-projection's blocks before its wait:
-//  it lost the first wave's early copies. Here a block of two slots is ~83 KB.)
-//  Tiles: drawn one at a time from ctr[0] by thread 0 (the draw for a slot's next tile goes
-//  out when the slot is refilled, so its round trip is hidden by a tile's compute): a block
-//  that became resident earlier, or computes faster, takes more, and the launch ends together
-//  (contiguous static ranges of 5-6 tiles a block left its last blocks ~4 us behind its
-//  median). A slot's tile index is in tsl[b], written before its barrier is armed (the
-//  arrive releases it to the waiters); -1: no more tiles (the barrier armed with no bytes).
-//  A block's first failed draw takes a ticket of ctr[1]; the last block's ticket resets both
-//  counters to zero for the next launch (every draw of this launch is then done). ctr ==
-//  nullptr: block b takes the contiguous range [b tiles / G, (b + 1) tiles / G).
-//  The sums are gemvq_tc_q4k's W4 (the eight-warp tile's, in its order): the one-tile
-//  kernels' bits, whichever block computes a tile.
-//  x: staged once after the PDL wait with the row's 1 / rms (tc_norm_scale). Shared memory:
-//  nb buffers of two slots, then x.
-__device__ __forceinline__ void gemvq_swiglu_r_q4k(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
-                                                   long long rb, int n_out, int n_in, int nb,
-                                                   const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                                   float* __restrict__ out, const float* __restrict__ pss,
-                                                   float eps, uint8_t* smem, uint64_t* bars,
-                                                   unsigned* __restrict__ ctr) {
-#if __CUDA_ARCH__ >= 900
-    constexpr int NS = 8;
-    const int tiles = (n_out + NS - 1) / NS;
-    const int lo = (int)((long long)blockIdx.x * tiles / gridDim.x);
-    const int hi = (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
-    const size_t slot = tc_slot(rb, NS);
-    uint8_t* xs = smem + (size_t)nb * 2 * slot;
-    __shared__ int tsl[PIPE_MAX_NB];
-    // Thread 0: tile i (-1: none) into buffer b (the rows' spans as the one-tile block copies
-    // them; none: the barrier's phase completes with no bytes).
-    auto issue = [&](int i, int b) {
-        tsl[b] = i;
-        const int r0 = max(i, 0) * NS, nrows = i < 0 ? 0 : min(NS, n_out - r0);
-        bulk_issue_spans<false>(W + (size_t)r0 * (size_t)rb, nrows, W2 + (size_t)r0 * (size_t)rb, nrows, rb, slot,
-                                smem + (size_t)b * 2 * slot, bars + b);
-    };
-    // Thread 0's draws, none of them waited for where it is issued: block b's first nb tiles
-    // are nb b .. nb b + nb - 1, no draw (264 blocks drawing one counter at once took ~5 us,
-    // so that most blocks issued their copies only at the wait). The later tiles, from
-    // first = G nb on, are dealt to RING_GROUPS counters (group g: blocks b ≡ g, tiles
-    // first + g + RING_GROUPS j, j = ctr[g]++: one counter drawn by all blocks at a tile's
-    // pace serialised them too); a block's draw for a refill goes out at the refill before
-    // and is read only there (its round trip hidden by a tile's compute). A block's first draw
-    // past its group's tiles takes the group's ticket ctr[RING_GROUPS + g], read after the
-    // loop; the group's last block resets the group's two counters.
-    unsigned nraw = 0, ticket = 0;
-    bool spent = false;
-    const int grp = (int)(blockIdx.x % RING_GROUPS);
-    const unsigned first = (unsigned)nb * gridDim.x + (unsigned)grp;  // the group's first drawn tile
-    const unsigned gblocks = (gridDim.x - (unsigned)grp + RING_GROUPS - 1) / RING_GROUPS;
-    auto tile_of = [&](unsigned j) { return first + RING_GROUPS * j; };
-    if (threadIdx.x < nb) mbar_init(bars + threadIdx.x);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        if (ctr) {
-            for (int b = 0; b < nb; b++) {
-                const int i = nb * (int)blockIdx.x + b;
-                issue(i < tiles ? i : -1, b);
-            }
-            nraw = tile_of(atomicAdd(ctr + grp, 1u));
-        } else {
-            for (int b = 0; b < nb; b++) issue(lo + b < hi ? lo + b : -1, b);
-        }
-    }
-    PDL_ENTRY();
-    __shared__ float sn[1];
-    {
-        TcXStage st;
-        tc_stage_x_load(st, xq, xd, n_in);
-        tc_norm_scale<1>(pss, n_in, 1, eps, sn);
-        tc_stage_x_store(st, xs, xq, xd, n_in);  // ends with the barrier sn needs too
-    }
-    const float2* da = (const float2*)(xs + 2 * n_in + 128);
-    // Every tile's rows sit at the same offset in their 16-byte units (rb % 16 == 0).
-    const size_t ma = (size_t)W & 15, mb = (size_t)W2 & 15;
-    for (int k = 0, b = 0, ph = 0;; k++) {
-        mbar_wait(bars + b, (uint32_t)ph);
-        const int i = tsl[b];
-        if (i < 0) break;
-        uint8_t* s0 = smem + (size_t)b * 2 * slot;
-        gemvq_tc_q4k<1, true, true, false, true, false, true>(s0 + ma, s0 + slot + mb, rb, n_out, n_in,
-                                                              (const int8_t*)xs, da, 1, out, i * NS, n_in + 64, 0, sn);
-        __syncthreads();  // buffer b and tsl[b] read by every warp (and tc_store's sums before the next tile's)
-        if (threadIdx.x == 0) {
-            if (!ctr) {
-                issue(lo + k + nb < hi ? lo + k + nb : -1, b);
-            } else if (spent) {
-                issue(-1, b);
-            } else if (nraw < (unsigned)tiles) {
-                issue((int)nraw, b);
-                nraw = tile_of(atomicAdd(ctr + grp, 1u));
-            } else {
-                issue(-1, b);
-                spent = true;
-                ticket = atomicAdd(ctr + RING_GROUPS + grp, 1u);
-            }
-        }
-        if (++b == nb) {
-            b = 0;
-            ph ^= 1;
-        }
-    }
-    // The group's last ticket: every draw of the group is done; its counters back to zero.
-    if (threadIdx.x == 0 && ctr && ticket == gblocks - 1) {
-        ctr[grp] = 0;
-        ctr[RING_GROUPS + grp] = 0;
-    }
 #endif
 }
 
@@ -2860,6 +2731,7 @@ GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
 GEMVQ_TCK_ALL_R(q8_0, GGML_Q8_0)
 GEMVQ_TCKN_FORM(, q8_0, GGML_Q8_0, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q8_0, 1)))
 GEMVQ_TCKN_FORM(w4, q8_0, GGML_Q8_0, true, (GEMV_WARPS / 2 * 32, 4))
+#define PIPE_MAX_NB 8  // matmul.rs PIPE_MAX_NB
 // gemvq_swiglu_tcnp_q8_0_r1: the Q8_0 SwiGLU ring (gemvq_swiglu_p_q80), eight warps, one block
 // per SM.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
@@ -2872,18 +2744,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
     if (nb < 1 || nb > PIPE_MAX_NB) __trap();
     gemvq_swiglu_p_q80(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, hq, hd);
-}
-// gemvq_swiglu_tcnr_q4_k_r1: the Q4_K SwiGLU rings (gemvq_swiglu_r_q4k), four warps, two or
-// more blocks per SM.
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 2)
-    gemvq_swiglu_tcnr_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                              int n_out, int n_in, int nb, const int8_t* __restrict__ xq,
-                              const float2* __restrict__ xd, float* __restrict__ out,
-                              const float* __restrict__ pss, float eps, unsigned* __restrict__ ctr) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    __shared__ __align__(8) uint64_t bars[PIPE_MAX_NB];
-    if (nb < 1 || nb > PIPE_MAX_NB) __trap();
-    gemvq_swiglu_r_q4k(W, W2, rb, n_out, n_in, nb, xq, xd, out, pss, eps, gemv_smem, bars, ctr);
 }
 GEMVQ_MIXED_TC_ALL_R(q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
 GEMV_EACH_R(GEMVQ_MIXED_TCV_KERNEL, q4_k, GGML_Q4_K, q6_k, GGML_Q6_K)
