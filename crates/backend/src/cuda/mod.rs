@@ -91,8 +91,9 @@ pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 
 /// Whether a timing diagnostic is on, as the backend itself reads them (`FERRITE_DIAG_SKIP`
 /// leaves launches out, `FERRITE_DIAG_DQ` swaps a dequantization: wrong outputs;
-/// `FERRITE_DIAG_CLBAR` relaxes cluster barriers past the memory model's guarantees): `bench`
-/// then skips its gate and refuses to record.
+/// `FERRITE_DIAG_CLBAR` relaxes cluster barriers past the memory model's guarantees;
+/// `FERRITE_DIAG_TL` stamps every block, ~5% slower): `bench` then skips its gate and
+/// refuses to record.
 pub fn timing_diagnostic() -> bool {
     switches::diag_skip() != 0
         || switches::diag_dq() != 0

@@ -11,7 +11,9 @@
 // reads the stamps after it (timeline.rs). A block's three slots are taken by one atomic
 // issued before the wait, whose return the wait hides; the stamps after it are plain stores
 // (the slot kept in shared memory for TL_END): no round trip is added to a block's path once
-// its wait has returned.
+// its wait has returned. (A block whose thread 0 took no slots, having no PDL wait, would
+// put its TL_END at an undefined slot inside the buffer; tools/timeline.py places stamps by
+// their own words, and every kernel with a tc_store has its wait.)
 #define TL_WAIT_IN 1u
 #define TL_WAIT_OUT 2u
 #define TL_END 3u
