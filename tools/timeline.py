@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads the block timeline of one decode step (FERRITE_DIAG_TL; DECODE_STEP.md).
 
-Usage: timeline.py ferrite-timeline.tsv [--layers A:B] [--blocks]
+Usage: timeline.py ferrite-timeline.tsv [--summary | --launch I | --first I --count N]
 
 Stamps: kind 1 a block's PDL wait entry (the block runs, past whatever it issued before its
 wait), 2 the wait's return (the predecessor grid has completed), 3 a tensor-core GEMV's block
@@ -42,11 +42,10 @@ def launches(rows):
         cur = open_l.get(key)
         if kind == 1:
             if cur is None or block in cur["in"]:
-                cur = {"key": key, "in": {}, "out": {}, "end": {}, "sm": {}}
+                cur = {"key": key, "in": {}, "out": {}, "end": {}}
                 open_l[key] = cur
                 out.append(cur)
             cur["in"][block] = t
-            cur["sm"][block] = sm
         elif cur is not None:
             d = cur["out"] if kind == 2 else cur["end"]
             d.setdefault(block, t)

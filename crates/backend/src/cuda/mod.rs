@@ -105,8 +105,9 @@ pub fn timing_diagnostic() -> bool {
 /// the files that dequantize weights to bf16).
 pub fn full_source(name: &str, src: &str) -> String {
     // Timing diagnostics compiled in (wrong outputs or outside the memory model: bench skips
-    // its gate and refuses to record): FERRITE_DIAG_DQ (attention.cu's q8_dequant8) and
-    // FERRITE_DIAG_CLBAR (common.cuh's cluster_sync_diag).
+    // its gate and refuses to record): FERRITE_DIAG_DQ (attention.cu's q8_dequant8),
+    // FERRITE_DIAG_CLBAR (common.cuh's cluster_sync_diag) and FERRITE_DIAG_TL (the block
+    // timeline's stamps, kernels/timeline.cuh: the outputs unchanged, every file).
     let mut defs = String::new();
     if name == "attention" && switches::diag_dq() != 0 {
         defs += &format!("#define ATTN_DIAG_DQ {}\n", switches::diag_dq());
