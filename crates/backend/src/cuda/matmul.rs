@@ -273,6 +273,13 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
         "gemv_l2ef",
         switches::int_or("FERRITE_L2_EVICT_FIRST", 1) as i32,
     )?;
+    // The Q4_K SwiGLU's wave-ahead prefetch (round 72): a wave is its four-warp blocks'
+    // four per SM (`__launch_bounds__(128, 4)`).
+    let sms = ctx.attribute(
+        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+    )?;
+    set("swiglu_pf", switches::int_or("FERRITE_SWIGLU_PF", 0) as i32)?;
+    set("swiglu_pf_ahead", 4 * sms)?;
     stream.synchronize()?;
     Ok(())
 }

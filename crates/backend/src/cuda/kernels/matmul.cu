@@ -423,6 +423,11 @@ __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
 __constant__ int gemv_pf_head;
+// The one-row Q4_K SwiGLU's wave-ahead L2 prefetch (gemvq_tc_block, W4 NORM SwiGLU;
+// FERRITE_SWIGLU_PF, MATMUL.md round 72): 0 none, 1 the blocks of its first wave, 2 every
+// block, each the tile of block bx + swiglu_pf_ahead (a wave: the blocks resident at once).
+__constant__ int swiglu_pf;
+__constant__ int swiglu_pf_ahead;
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
@@ -1939,6 +1944,17 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     } else if (NORM) {
         tc_norm_scale<R>(pss, n_in, rows, eps, sn);
         __syncthreads();
+    }
+    if constexpr (SWIGLU && NORM && W4) {
+        // Past x's loads: this wave computes with no copy in flight (its tiles landed before
+        // its wait), so the next wave's tiles are fetched into L2 meanwhile (a hint).
+        const int mode = swiglu_pf, ahead = swiglu_pf_ahead;
+        const int rn = r0 + ahead * NS, n = min(NS, n_out - rn);
+        if (mode != 0 && threadIdx.x == 0 && (mode == 2 || bx < ahead) && n > 0) {
+            const unsigned bytes = (unsigned)((long long)n * rb) & ~15u;
+            prefetch_l2(W + (size_t)rn * (size_t)rb, bytes);
+            prefetch_l2(W2 + (size_t)rn * (size_t)rb, bytes);
+        }
     }
     if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
