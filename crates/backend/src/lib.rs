@@ -596,15 +596,6 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// The weights that the op after the next one reads (the SwiGLU's gate and up, named
-    /// before the o-projection that hands its norm over): a backend may have that next
-    /// launch prefetch their first rows while memory idles. A hint, taken by the next
-    /// [`Backend::matmul_add_for_norm`]; no result depends on it.
-    fn prefetch_hint(&self, ws: &[&Self::Weight]) -> Result<()> {
-        let _ = ws;
-        Ok(())
-    }
-
     /// [`Backend::matmul_add`] whose result feeds `rms_norm(out) · norm` next (the consumer
     /// being [`Backend::rms_norm_matmul_swiglu`] or [`Backend::rms_norm_matmuls`] with the same
     /// `norm`): a backend may prepare that input in the projection's epilogue. Same `out` as

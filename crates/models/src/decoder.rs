@@ -590,7 +590,6 @@ impl<B: Backend> Model<B> {
             if let Some((wg, wu, wd)) = handed_ffn(be, &l.wo, &l.ffn, t) {
                 // x += o(att), handing rms_norm(x) · ffn_norm over to the SwiGLU;
                 // y = down(SwiGLU), added with the next norm below.
-                be.prefetch_hint(&[wg, wu])?;
                 be.matmul_add_for_norm(att, &l.wo, x, y, norm)?;
                 be.rms_norm_matmul_swiglu(x, norm, wg, wu, (&mut *gate, &mut *up), act, h)?;
                 // x += down(act), handing the next layer's attention norm over to its Q, K, V

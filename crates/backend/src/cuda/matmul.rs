@@ -163,11 +163,6 @@ pub struct Kernels {
     /// `FERRITE_SWIGLU_QH` (on by default; MATMUL.md round 63): the ring also writes h's int8
     /// planes into the GEMV scratch for the down projection (no quant_x launch between them).
     swiglu_qh: bool,
-    /// `FERRITE_RING_PF` (MATMUL.md round 71): tiles a ring block that the Q8_0 o-projection
-    /// (`gemvq_add_n_q8_0_r1`) prefetches into L2 for the SwiGLU ring after it; 0: none.
-    ring_pf_tiles: usize,
-    /// The gate and up weights named by [`prefetch_hint`] for the next `matmul_add_for_norm`.
-    ring_next: Mutex<Option<RingNext>>,
     /// `gemvq_multi_tcv_q4_k_q6_k_r<R>` and `gemvq_multi_tcnv_q4_k_q6_k_r1` (MATMUL.md round
     /// 51; `FERRITE_QKV_VTC`): the mixed Q, K, V launches (plain, on the handed-over norm)
     /// with the Q6_K V on the tensor-core tile too. None: V on the lane code. With
@@ -273,13 +268,6 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
         "gemv_l2ef",
         switches::int_or("FERRITE_L2_EVICT_FIRST", 1) as i32,
     )?;
-    // The Q4_K SwiGLU's wave-ahead prefetch (round 72): a wave is its four-warp blocks'
-    // four per SM (`__launch_bounds__(128, 4)`).
-    let sms = ctx.attribute(
-        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-    )?;
-    set("swiglu_pf", switches::int_or("FERRITE_SWIGLU_PF", 0) as i32)?;
-    set("swiglu_pf_ahead", 4 * sms)?;
     stream.synchronize()?;
     Ok(())
 }
@@ -535,8 +523,6 @@ impl Kernels {
             None
         };
         let swiglu_qh = switches::int_or("FERRITE_SWIGLU_QH", 1) == 1;
-        let ring_pf_tiles =
-            usize::try_from(switches::int_or("FERRITE_RING_PF", RING_PF_TILES as i64))?;
         // FERRITE_QKV_VTC=1: the mixed Q, K, V launches' Q6_K V on the tensor cores (round 51);
         // FERRITE_QKV_VFIRST=1 (default): at one row, the forms with their V tiles first
         // (round 52).
@@ -660,8 +646,6 @@ impl Kernels {
             tckn_q8,
             swiglu_pipe,
             swiglu_qh,
-            ring_pf_tiles,
-            ring_next: Mutex::new(None),
             qkv_vtc,
             gemvq_tc_long,
             gemvq_tck_cols,
@@ -1557,120 +1541,6 @@ const PIPE_MAX_SMEM: usize = 224 * 1024;
 /// Most outputs a ring block quantizes for the down projection (`PIPE_QH_MAX` in matmul.cu:
 /// its shared copy of h); a ring whose blocks would take more groups writes no planes.
 const PIPE_QH_MAX: usize = 256;
-
-/// Tiles a SwiGLU ring block that the Q8_0 o-projection prefetches into L2 for it
-/// (`FERRITE_RING_PF`; MATMUL.md round 71).
-const RING_PF_TILES: usize = 2;
-
-/// The weights a [`prefetch_hint`] named: the gate's and the up's device addresses, their
-/// row bytes, rows and columns.
-#[derive(Clone, Copy)]
-struct RingNext {
-    gate: u64,
-    up: u64,
-    rb: usize,
-    n_out: usize,
-    n_in: usize,
-}
-
-/// Kernel argument of `gemvq_add_n_q8_0_r1` (`RingPf` in matmul.cu): the SwiGLU ring's gate
-/// and up rows, their row bytes and count, the ring's blocks, the tiles a block to prefetch
-/// and whether its ranges are whole 32-row groups; `w` = 0: no prefetch.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct RingPf {
-    w: u64,
-    w2: u64,
-    rb: i64,
-    n_out: i32,
-    grid: i32,
-    tiles: i32,
-    qh: i32,
-}
-
-// SAFETY: plain old data laid out as the C struct (three 8-byte fields, four ints).
-unsafe impl super::launch::ScalarArg for RingPf {}
-
-/// The one-row Q8_0 SwiGLU ring's launch shape for `n_out` rows of `rb` bytes over `n_in`
-/// columns: (blocks, tiles a block, dynamic shared memory, whether its blocks take whole
-/// 32-row groups and write h's planes if the scratch exists); None where the ring does not
-/// take them.
-fn ring_plan(
-    be: &CudaBackend,
-    f: &CudaFunction,
-    nb: usize,
-    rb: usize,
-    n_in: usize,
-    n_out: usize,
-) -> Result<Option<(usize, usize, u32, bool)>> {
-    let buf = tc_smem(rb + 16, 8) as usize;
-    let x = tc_x_bytes(n_in) as usize;
-    if !(rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM) {
-        return Ok(None);
-    }
-    let nb = nb.min((PIPE_MAX_SMEM - x) / buf).max(1);
-    let smem = u32::try_from(nb * buf + x)?;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(tc_block_dim(false).0, smem as usize, None)
-        .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
-        .max(1) as usize;
-    let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
-    let qh = be.matmul.swiglu_qh
-        && n_out.is_multiple_of(32)
-        && (n_out / 32).div_ceil(blocks) * 32 <= PIPE_QH_MAX;
-    Ok(Some((blocks, nb, smem, qh)))
-}
-
-/// [`Backend::prefetch_hint`]: Q8_0 gate and up weights (the two a SwiGLU ring reads) are
-/// kept for the next [`matmul_add_for_norm`]; anything else clears the hint.
-pub fn prefetch_hint(be: &CudaBackend, ws: &[&CudaWeight]) -> Result<()> {
-    let next = match ws {
-        [g, u]
-            if g.dtype == GgmlType::Q8_0
-                && u.dtype == GgmlType::Q8_0
-                && g.shape.len() == 2
-                && g.shape == u.shape =>
-        {
-            Some(RingNext {
-                gate: g.data.device_ptr(&be.stream).0,
-                up: u.data.device_ptr(&be.stream).0,
-                rb: g.row_bytes(),
-                n_out: g.shape[0],
-                n_in: g.shape[1],
-            })
-        }
-        _ => None,
-    };
-    *be.matmul
-        .ring_next
-        .lock()
-        .map_err(|_| anyhow!("matmul: prefetch hint lock poisoned"))? = next;
-    Ok(())
-}
-
-/// The `RingPf` argument of the Q8_0 o-projection: the hinted SwiGLU's ring, where one runs
-/// after it and `FERRITE_RING_PF` asks for tiles; otherwise none.
-fn ring_pf(be: &CudaBackend, next: Option<RingNext>) -> Result<RingPf> {
-    let (Some(n), Some((f, nb)), t) = (next, &be.matmul.swiglu_pipe, be.matmul.ring_pf_tiles)
-    else {
-        return Ok(RingPf::default());
-    };
-    if t == 0 {
-        return Ok(RingPf::default());
-    }
-    let Some((blocks, _, _, qh)) = ring_plan(be, f, *nb, n.rb, n.n_in, n.n_out)? else {
-        return Ok(RingPf::default());
-    };
-    Ok(RingPf {
-        w: n.gate,
-        w2: n.up,
-        rb: i64::try_from(n.rb)?,
-        n_out: i32::try_from(n.n_out)?,
-        grid: i32::try_from(blocks)?,
-        tiles: i32::try_from(t)?,
-        qh: i32::from(qh),
-    })
-}
 
 /// Most slices of the K-split tile (the partial-sum scratch is sized for it).
 const TCK_MAX_SPLITS: usize = 8;
@@ -2839,12 +2709,6 @@ pub fn matmul_add_for_norm(
         .as_mut()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: plane scratch missing"))?;
     let (rb_i, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
-    let next = be
-        .matmul
-        .ring_next
-        .lock()
-        .map_err(|_| anyhow!("matmul: prefetch hint lock poisoned"))?
-        .take();
     if let Some(plan) = tckn {
         tckn_launch(be, xq, w, out, &nw, p, plan)?;
     } else if switches::diag_skip() & 4 != 0 && add_n_fits(be, w, rows) {
@@ -2858,12 +2722,10 @@ pub fn matmul_add_for_norm(
         };
         let xd = xq.d.slice(..n_in / 32 * 2);
         let xqs = xq.q.slice(..2 * n_in);
-        let pf = ring_pf(be, next)?;
         // SAFETY: w holds n_out rows of rb bytes (checked), 16-byte aligned; the int8 scratch
         // holds n_in quantized values of x; out (the residual, read and written in place by
         // the one lane of each element) n_out floats; the plane scratch GEMV_MAX_ROWS rows of
-        // n_out; the norm weight n_out floats; one block per 32 rows (n_out % 32 == 0); pf
-        // names rows of the hinted weights only (ring_prefetch reads nothing: an L2 hint).
+        // n_out; the norm weight n_out floats; one block per 32 rows (n_out % 32 == 0).
         unsafe {
             be.stream
                 .kernel(f)
@@ -2878,7 +2740,6 @@ pub fn matmul_add_for_norm(
                 .arg(&mut p.q)
                 .arg(&mut p.d)
                 .arg(&mut p.ss)
-                .arg(&pf)
                 .launch(cfg)
         }?;
     } else if rows > TC2_MAX_ROWS || w.dtype != GgmlType::Q4K {
@@ -3174,13 +3035,25 @@ pub fn rms_norm_matmul_swiglu_handed(
     if let (true, 1, Some((f, nb))) = (q8, rows, &be.matmul.swiglu_pipe) {
         // The ring (gemvq_swiglu_tcnp_q8_0_r1): whole rows of 16-byte units in the slots, 16
         // bytes apart beyond their length.
-        if let Some((blocks, nb, smem, qh)) = ring_plan(be, f, *nb, rb, n_in, n_out)? {
+        let buf = tc_smem(rb + 16, 8) as usize;
+        let x = tc_x_bytes(n_in) as usize;
+        if rb.is_multiple_of(16) && n_in.is_multiple_of(256) && buf + x <= PIPE_MAX_SMEM {
+            let nb = (*nb).min((PIPE_MAX_SMEM - x) / buf).max(1);
+            let smem = u32::try_from(nb * buf + x)?;
             let block_dim = tc_block_dim(false);
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(block_dim.0, smem as usize, None)
+                .context("rms_norm_matmul_swiglu: the ring kernel's occupancy")?
+                .max(1) as usize;
+            let blocks = n_out.div_ceil(8).min(per_sm * be.sm_count.max(1));
             let nb_i = nb as i32;
             // h's planes for the down projection (FERRITE_SWIGLU_QH): in the GEMV scratch, if
             // it exists and holds a row of n_out, whole 32-row groups, and no block takes more
             // groups than its shared copy of h holds.
-            let mut hguard = if qh {
+            let mut hguard = if be.matmul.swiglu_qh
+                && n_out.is_multiple_of(32)
+                && (n_out / 32).div_ceil(blocks) * 32 <= PIPE_QH_MAX
+            {
                 xq_for_producer(be, 1, n_out)?
             } else {
                 None

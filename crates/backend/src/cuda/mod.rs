@@ -545,10 +545,6 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn prefetch_hint(&self, ws: &[&CudaWeight]) -> Result<()> {
-        matmul::prefetch_hint(self, ws)
-    }
-
     fn matmul_add_for_norm(
         &self,
         x: &Act<CudaSlice<f32>>,

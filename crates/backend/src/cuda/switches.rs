@@ -235,16 +235,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
     ),
     (
-        "FERRITE_RING_PF",
-        Accepts::Range(0, 8),
-        "tiles a block of the one-row Q8_0 SwiGLU ring that the o-projection before it (gemvq_add_n_q8_0_r1) prefetches into L2 once its PDL wait has returned, while DRAM idles: 2 (default), 0 none (MATMUL.md round 71)",
-    ),
-    (
-        "FERRITE_SWIGLU_PF",
-        Accepts::Range(0, 2),
-        "the one-row Q4_K SwiGLU (gemvq_swiglu_tcnw4_q4_k) prefetching into L2, past its x's loads, the tile of the block one wave (four blocks per SM) ahead: 0 (default) none, 1 from its first wave's blocks, 2 from every block (MATMUL.md round 72)",
-    ),
-    (
         "FERRITE_SWIGLU_QH",
         Accepts::OneOf(&[0, 1]),
         "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",

@@ -423,11 +423,6 @@ __constant__ int gemv_pf_mode;
 __constant__ int gemv_diag;  // diagnostic, matmul.rs set_gemv_prefetch
 // Mode 1's head in bytes per row (matmul.rs GEMV_PF_HEAD; FERRITE_GEMV_PF_HEAD).
 __constant__ int gemv_pf_head;
-// The one-row Q4_K SwiGLU's wave-ahead L2 prefetch (gemvq_tc_block, W4 NORM SwiGLU;
-// FERRITE_SWIGLU_PF, MATMUL.md round 72): 0 none, 1 the blocks of its first wave, 2 every
-// block, each the tile of block bx + swiglu_pf_ahead (a wave: the blocks resident at once).
-__constant__ int swiglu_pf;
-__constant__ int swiglu_pf_ahead;
 
 __device__ __forceinline__ void gemv_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
                                               int r0, int r1) {
@@ -1945,17 +1940,6 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         tc_norm_scale<R>(pss, n_in, rows, eps, sn);
         __syncthreads();
     }
-    if constexpr (SWIGLU && NORM && W4) {
-        // Past x's loads: this wave computes with no copy in flight (its tiles landed before
-        // its wait), so the next wave's tiles are fetched into L2 meanwhile (a hint).
-        const int mode = swiglu_pf, ahead = swiglu_pf_ahead;
-        const int rn = r0 + ahead * NS, n = min(NS, n_out - rn);
-        if (mode != 0 && threadIdx.x == 0 && (mode == 2 || bx < ahead) && n > 0) {
-            const unsigned bytes = (unsigned)((long long)n * rb) & ~15u;
-            prefetch_l2(W + (size_t)rn * (size_t)rb, bytes);
-            prefetch_l2(W2 + (size_t)rn * (size_t)rb, bytes);
-        }
-    }
     if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
@@ -2256,46 +2240,6 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
 //  block's groups in one round at its end rather than one after each group's last tile
 //  (which would hold warp 0, and so the next tile, ~0.15 us a group).
 #define PIPE_QH_MAX 256  // matmul.rs PIPE_QH_MAX
-// The ring's tiles of block b of G: [lo, hi) (8 outputs a tile; qh: whole 32-row groups).
-__device__ __forceinline__ void ring_tiles(int b, int G, int n_out, bool qh, int& lo, int& hi) {
-    constexpr int NS = 8, GT = QK / NS;
-    const int tiles = (n_out + NS - 1) / NS, groups = n_out / QK;
-    lo = qh ? GT * (int)((long long)b * groups / G) : (int)((long long)b * tiles / G);
-    hi = qh ? GT * (int)((long long)(b + 1) * groups / G) : (int)((long long)(b + 1) * tiles / G);
-}
-
-// The first tiles of the SwiGLU ring after this launch, prefetched into L2 by its producer
-// (gemvq_add_n_q8_0_r1; matmul.rs `RingPf`, FERRITE_RING_PF; MATMUL.md round 71): w = null
-// for none. The o-projection's 32-row blocks hold 139 KB of shared memory each, so the ring's
-// blocks (150 KB) become resident only as they exit, and its first tiles (nb a block, ~18 MB
-// at Qwen3-8B) were copied from DRAM after that; meanwhile DRAM idles: the o-projection's own
-// rows landed before its PDL wait, and after it the blocks only read x and compute.
-struct RingPf {
-    const uint8_t* w;   // gate rows
-    const uint8_t* w2;  // up rows
-    long long rb;       // bytes a row
-    int n_out;          // rows of each
-    int grid;           // the ring's blocks
-    int tiles;          // tiles a ring block to prefetch
-    int qh;             // the ring's ranges are whole 32-row groups (ring_tiles)
-};
-
-// Thread 0 of block bx of nbx: one bulk L2 prefetch of the gate and of the up rows of the
-// first pf.tiles tiles of ring blocks bx, bx + nbx, ... (a hint: nothing written, no
-// completion to wait for).
-__device__ __forceinline__ void ring_prefetch(const RingPf& pf, int bx, int nbx) {
-    if (pf.w == nullptr || threadIdx.x != 0) return;
-    for (int b = bx; b < pf.grid; b += nbx) {
-        int lo, hi;
-        ring_tiles(b, pf.grid, pf.n_out, pf.qh != 0, lo, hi);
-        const int r0 = 8 * lo, n = min(8 * min(hi - lo, pf.tiles), pf.n_out - r0);
-        if (n <= 0) continue;
-        const unsigned bytes = (unsigned)((long long)n * pf.rb) & ~15u;
-        prefetch_l2(pf.w + (size_t)r0 * (size_t)pf.rb, bytes);
-        prefetch_l2(pf.w2 + (size_t)r0 * (size_t)pf.rb, bytes);
-    }
-}
-
 __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                    long long rb, int n_out, int n_in, int nb,
                                                    const int8_t* __restrict__ xq, const float2* __restrict__ xd,
@@ -2307,9 +2251,11 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
     __shared__ float hsm[PIPE_QH_MAX];
     const bool qh = hq != nullptr;
     if (qh && n_out % QK != 0) __trap();  // the launcher passes planes only for whole groups
-    int lo, hi;
-    ring_tiles(blockIdx.x, gridDim.x, n_out, qh, lo, hi);
-    const int glo = lo / GT, ghi = hi / GT;  // qh: the block's groups
+    const int tiles = (n_out + NS - 1) / NS, groups = n_out / QK;
+    const int glo = (int)((long long)blockIdx.x * groups / gridDim.x);
+    const int ghi = (int)((long long)(blockIdx.x + 1) * groups / gridDim.x);
+    const int lo = qh ? GT * glo : (int)((long long)blockIdx.x * tiles / gridDim.x);
+    const int hi = qh ? GT * ghi : (int)((long long)(blockIdx.x + 1) * tiles / gridDim.x);
     if (qh && (hi - lo) * NS > PIPE_QH_MAX) __trap();  // the launcher's bound
     const long long srs = rb + PAD;
     const size_t slot = tc_slot(srs, NS);
@@ -2368,14 +2314,13 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
 // the Q4_K tensor-core tile (gemvq_tc_block's NORM; the Q, K, V launch's Q4_K segments).
 // NWT: rows per warp of the plain lane code (GEMV_NW; 4 for gemvq_add_n_q8_0's 32-row blocks).
 // SOUT (plain rows, one x row): the block's sums go to sout[output - first row of the block]
-// (shared memory) instead of out; pf (or nullptr): the SwiGLU ring's first tiles, prefetched
-// into L2 once the PDL wait has returned (ring_prefetch).
+// (shared memory) instead of out.
 template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false, int NWT = GEMV_NW, bool SOUT = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
                                       int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f,
-                                      float* sout = nullptr, const RingPf* pf = nullptr) {
+                                      float* sout = nullptr) {
     static_assert(!SOUT || (R == 1 && !SWIGLU && !TC), "gemvq: SOUT is for one plain row");
     constexpr int NW = NWT;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
@@ -2398,9 +2343,6 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
         return;
     }
     gemv_bulk_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, per_block, gemv_smem, &gemv_bar);
-    if constexpr (SOUT) {
-        if (pf != nullptr) ring_prefetch(*pf, bx, gridDim.x);  // past the wait: DRAM idles
-    }
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
@@ -2744,15 +2686,14 @@ GEMV_EACH_R(GEMVQ_SWIGLU_N_KERNEL, q8_0, GGML_Q8_0)
 // group's sum of the plain GEMV + add_norm_planes, without that launch. One block per SM
 // (32 rows x 4352 bytes at 4096 columns), one wave.
 // (Held to 128 registers, so that two SwiGLU blocks fit beside it: no gain, MATMUL.md round 55.)
-// pf: the SwiGLU ring's first tiles for its L2 prefetch (ring_prefetch; pf.w null: none).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     gemvq_add_n_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                         const int8_t* __restrict__ xq, const float2* __restrict__ xd, float* __restrict__ x,
                         const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
-                        float* __restrict__ pss, const RingPf pf) {
+                        float* __restrict__ pss) {
     __shared__ float sums[32];
     gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1, blockIdx.x,
-                                                      nullptr, 0.0f, sums, &pf);
+                                                      nullptr, 0.0f, sums);
     __syncthreads();
     const int lane = threadIdx.x & 31, o = blockIdx.x * 32 + lane;
     if (threadIdx.x < 32)
