@@ -268,6 +268,10 @@ fn set_gemv_switches(ctx: &Arc<CudaContext>, m: &Arc<CudaModule>) -> Result<()> 
         "gemv_l2ef",
         switches::int_or("FERRITE_L2_EVICT_FIRST", 1) as i32,
     )?;
+    set(
+        "gemv_add_n_px",
+        switches::int_or("FERRITE_ADD_N_PX", 1) as i32,
+    )?;
     stream.synchronize()?;
     Ok(())
 }

@@ -235,6 +235,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q8_0 SwiGLU on the handed-over FFN norm on the tensor-core tile as persistent blocks (one per SM), each a ring of this many 8-output tiles (gemvq_swiglu_tcnp_q8_0): 2 (default), 0 the lane code (MATMUL.md round 57)",
     ),
     (
+        "FERRITE_ADD_N_PX",
+        Accepts::OneOf(&[0, 1]),
+        "the Q8_0 o-projection handing the FFN norm over (gemvq_add_n_q8_0_r1) loading its epilogue's norm weight before its PDL wait and its residual right after it: 1 (default), 0 both after its barrier (the same bits; MATMUL.md round 73)",
+    ),
+    (
         "FERRITE_SWIGLU_QH",
         Accepts::OneOf(&[0, 1]),
         "the Q8_0 SwiGLU ring writing h's int8 planes for the down projection itself: 1 (default) on, 0 a quant_x launch between them (MATMUL.md round 63)",

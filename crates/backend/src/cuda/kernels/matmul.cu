@@ -2314,13 +2314,15 @@ __device__ __forceinline__ void gemvq_swiglu_p_q80(const uint8_t* __restrict__ W
 // the Q4_K tensor-core tile (gemvq_tc_block's NORM; the Q, K, V launch's Q4_K segments).
 // NWT: rows per warp of the plain lane code (GEMV_NW; 4 for gemvq_add_n_q8_0's 32-row blocks).
 // SOUT (plain rows, one x row): the block's sums go to sout[output - first row of the block]
-// (shared memory) instead of out.
+// (shared memory) instead of out; xe_src (or nullptr): a float loaded into *xe_dst right
+// after the PDL wait (gemvq_add_n_q8_0_r1's residual).
 template <int TYPE, int R, bool SWIGLU, bool TC = false, bool NORM = false, int NWT = GEMV_NW, bool SOUT = false>
 __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                       int n_out, int n_in, const int8_t* __restrict__ xq,
                                       const float2* __restrict__ xd, int rows, float* __restrict__ out, int ks,
                                       int bx, const float* __restrict__ pss = nullptr, float eps = 0.0f,
-                                      float* sout = nullptr) {
+                                      float* sout = nullptr, const float* xe_src = nullptr,
+                                      float* xe_dst = nullptr) {
     static_assert(!SOUT || (R == 1 && !SWIGLU && !TC), "gemvq: SOUT is for one plain row");
     constexpr int NW = NWT;
     constexpr int PER = SWIGLU ? 1 : NW;  // outputs per row group
@@ -2346,6 +2348,9 @@ __device__ __forceinline__ void gemvq(const uint8_t* __restrict__ W, const uint8
 #else
     gemv_prologue(W, SWIGLU ? W2 : nullptr, rb, n_out, r0, r0 + per_block);
 #endif
+    if constexpr (SOUT) {
+        if (xe_src != nullptr) *xe_dst = *xe_src;  // past the PDL wait
+    }
     __shared__ float sn[NORM ? R : 1];
     if (NORM) {
         tc_norm_scale<R>(pss, n_in, rows, eps, sn);
@@ -2686,18 +2691,30 @@ GEMV_EACH_R(GEMVQ_SWIGLU_N_KERNEL, q8_0, GGML_Q8_0)
 // group's sum of the plain GEMV + add_norm_planes, without that launch. One block per SM
 // (32 rows x 4352 bytes at 4096 columns), one wave.
 // (Held to 128 registers, so that two SwiGLU blocks fit beside it: no gain, MATMUL.md round 55.)
+// gemv_add_n_px (FERRITE_ADD_N_PX; MATMUL.md round 73): the epilogue's loads go out early, as
+// gemvq_tc2_add_q4k's PX form (round 28): warp 0's norm weight n[o] before the PDL wait, its
+// residual x[o] right after it (x's last writer is launches back, but only the wait orders
+// it), so that their round trip overlaps the copy and the compute instead of following the
+// block's barrier. The same values into the same operations: the same bits.
+__constant__ int gemv_add_n_px;
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 1)
     gemvq_add_n_q8_0_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                         const int8_t* __restrict__ xq, const float2* __restrict__ xd, float* __restrict__ x,
                         const float* __restrict__ nw, int8_t* __restrict__ pq, float2* __restrict__ pd,
                         float* __restrict__ pss) {
     __shared__ float sums[32];
-    gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1, blockIdx.x,
-                                                      nullptr, 0.0f, sums);
-    __syncthreads();
     const int lane = threadIdx.x & 31, o = blockIdx.x * 32 + lane;
-    if (threadIdx.x < 32)
-        add_norm_lane(x + o, sums[lane], nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x);
+    const bool early = gemv_add_n_px != 0 && threadIdx.x < 32;
+    float xo = 0.f, no = 0.f;  // early: x[o], n[o]
+    if (early) no = nw[o];
+    gemvq<GGML_Q8_0, 1, false, false, false, 4, true>(W, W, rb, n_out, n_in, xq, xd, 1, nullptr, 1, blockIdx.x,
+                                                      nullptr, 0.0f, sums, early ? x + o : nullptr, &xo);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const float xv = early ? xo : x[o];
+        add_norm_lane(x + o, sums[lane], early ? no : nw[o], lane, pq, n_out, o, pd + blockIdx.x, pss + blockIdx.x,
+                      &xv);
+    }
 }
 GEMVQ_TCH_ALL_R(q4_k, GGML_Q4_K)
 GEMVQ_TCH_ALL_R(q6_k, GGML_Q6_K)
