@@ -2635,8 +2635,20 @@ GEMVQ_TCT_KERNEL(q6_k, GGML_Q6_K)
 // gemvq_swiglu_tcn_q4_k_r<R> (the SwiGLU tensor-core kernel with the deferred scale; bounds
 // as its plain form's).
 // One two-tile o-projection kernel (PX: gemvq_tc2_add_q4k's early epilogue loads).
+// The one-row kernels are held to TC2_R1_MAXNREG registers so that a block fits on an SM
+// beside a block of the decode attention before it (attn_decode_tc_clpr_128_4: 147 registers,
+// 19,456 of an SM's 65,536 for its four warps; 16 warps at 90 registers take 49,152, at 88
+// 45,056): at 90 the ~18 blocks on the attention's SMs became resident only as those exited,
+// so their tiles were copied after the o-projection's dep and set its end (MATMUL.md round 74).
+#define TC2_R1_MAXNREG 88
+#define TC2_BOUNDS_1 __maxnreg__(TC2_R1_MAXNREG)  // (not with __launch_bounds__: NVRTC refuses both)
+#define TC2_BOUNDS_2 __launch_bounds__(2 * GEMV_WARPS * 32, 1)
+#define TC2_BOUNDS_4 TC2_BOUNDS_2
+#define TC2_BOUNDS_8 TC2_BOUNDS_2
+#define TC2_BOUNDS_9 TC2_BOUNDS_2
+#define TC2_BOUNDS_16 TC2_BOUNDS_2
 #define GEMVQ_TC2_ADD_KERNEL(kname, R, PX)                                                                   \
-    extern "C" __global__ void __launch_bounds__(2 * GEMV_WARPS * 32, 1)                                    \
+    extern "C" __global__ void TC2_BOUNDS_##R                                                                \
         kname(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const int8_t* __restrict__ xq, \
               const float2* __restrict__ xd, int rows, float* __restrict__ x, const float* __restrict__ nw,  \
               int8_t* __restrict__ pq, float2* __restrict__ pd, float* __restrict__ pss) {                   \
