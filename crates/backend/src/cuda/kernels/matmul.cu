@@ -2674,11 +2674,8 @@ GEMV_EACH_R(GEMVQ_TC2_KERNEL_R, _)
 // gemvq_swiglu_tcnw4_q4_k_r1 (the default; FERRITE_SWIGLU_W4=0 the eight-warp kernel;
 // MATMUL.md round 49): the one-row NORM SwiGLU in blocks of four warps (gemvq_tc_q4k's W4:
 // the eight-warp kernel's bits), four blocks per SM: a third more weight bytes in flight per
-// SM, each warp's prologue and epilogue over twice the tile work. Bounds for six blocks (80
-// registers; shared memory still holds four): two of its blocks (20,480 registers) fit beside
-// a block of the two-tile o-projection before it (45,056), where at 87 only one did, so more
-// of its first wave's tiles land before its dep (MATMUL.md round 75).
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 6)
+// SM, each warp's prologue and epilogue over twice the tile work.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
     gemvq_swiglu_tcnw4_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
                                int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
