@@ -2640,9 +2640,7 @@ GEMVQ_TCT_KERNEL(q6_k, GGML_Q6_K)
 // 19,456 of an SM's 65,536 for its four warps; 16 warps at 90 registers take 49,152, at 88
 // 45,056): at 90 the ~18 blocks on the attention's SMs became resident only as those exited,
 // so their tiles were copied after the o-projection's dep and set its end (MATMUL.md round 74).
-// At 80 (40,960; no spills) two blocks of the four-warp SwiGLU after it (11,264 each) fit
-// beside it too, where at 88 one did (round 76).
-#define TC2_R1_MAXNREG 80
+#define TC2_R1_MAXNREG 88
 #define TC2_BOUNDS_1 __maxnreg__(TC2_R1_MAXNREG)  // (not with __launch_bounds__: NVRTC refuses both)
 #define TC2_BOUNDS_2 __launch_bounds__(2 * GEMV_WARPS * 32, 1)
 #define TC2_BOUNDS_4 TC2_BOUNDS_2
