@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Reads the block timeline of one decode step (FERRITE_DIAG_TL; DECODE_STEP.md).
 
-Usage: timeline.py ferrite-timeline.tsv [--summary | --launch I | --first I --count N]
+Usage: timeline.py ferrite-timeline.tsv [--summary | --launch I | --late I | --first I --count N]
 
 Stamps: kind 1 a block's PDL wait entry (the block runs, past whatever it issued before its
 wait), 2 the wait's return (the predecessor grid has completed), 3 a tensor-core GEMV's block
@@ -15,6 +15,10 @@ step's first stamp):
   early    blocks that entered their wait before dep (their copies issued under PDL)
   last_in  the last block's wait entry (the last wave's start)
   end      the last block's output stamp (tensor-core GEMVs only)
+
+`--late I`: the SMs of launch I's blocks that entered their wait after its dep (their copies
+issued only then), and how many of them ran a block of the launch before it (its blocks'
+SMs): a launch whose blocks do not fit beside its predecessor's (MATMUL.md round 74).
 """
 import argparse
 import collections
@@ -42,10 +46,11 @@ def launches(rows):
         cur = open_l.get(key)
         if kind == 1:
             if cur is None or block in cur["in"]:
-                cur = {"key": key, "in": {}, "out": {}, "end": {}}
+                cur = {"key": key, "in": {}, "out": {}, "end": {}, "sm": {}}
                 open_l[key] = cur
                 out.append(cur)
             cur["in"][block] = t
+            cur["sm"][block] = sm
         elif cur is not None:
             d = cur["out"] if kind == 2 else cur["end"]
             d.setdefault(block, t)
@@ -59,6 +64,7 @@ def main():
     ap.add_argument("--count", type=int, default=10**9, help="launches to print")
     ap.add_argument("--summary", action="store_true", help="per kind of launch: mean chain and early blocks")
     ap.add_argument("--launch", type=int, help="one launch's blocks: starts and ends per 0.5 µs from its dep")
+    ap.add_argument("--late", type=int, help="one launch's blocks that entered after its dep: their SMs")
     a = ap.parse_args()
     rows = read(a.path)
     if not rows:
@@ -91,6 +97,18 @@ def main():
         print(f"launch {a.launch} {l['key']}: blocks by 0.5 µs bin from dep (negative: before it)")
         for b in bins:
             print(f"{b * 0.5:7.1f} in {hist[('in', b)]:5d} end {hist[('end', b)]:5d}")
+        return
+    if a.late is not None:
+        if a.late == 0:
+            sys.exit("--late: launch 0 has no launch before it")
+        l, prev = ls[a.late], ls[a.late - 1]
+        if l["dep"] is None:
+            sys.exit(f"--late: launch {a.late} has no wait return")
+        late = sorted(l["sm"][b] for b, t in l["in"].items() if t >= l["dep"])
+        prev_sms = set(prev["sm"].values())
+        print(f"launch {a.late} {l['key']}: {len(late)} of {len(l['in'])} blocks entered at or after its dep")
+        print(f"  their SMs: {late}")
+        print(f"  on an SM of launch {a.late - 1} {prev['key']}: {sum(1 for s in late if s in prev_sms)}")
         return
     if a.summary:
         agg = collections.OrderedDict()
