@@ -1504,6 +1504,11 @@ DECODE_CL_KERNEL(256, 8)
         attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true>( \
             DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
     }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                          \
+        attn_decode_tc_clprb_128_##GB(DECODE_ARGS, AttnRope ar) {                            \
+        attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true>( \
+            DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
+    }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                            \
         attn_decode_tc_pre_128_##GB(DECODE_ARGS) {                                                           \
         attn_decode_impl<128, GB, false, false, true, true, false, false, true>(DECODE_PASS, UNPAGED_PASS(capacity)); \
