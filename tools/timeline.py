@@ -51,7 +51,7 @@ def launches(rows):
                 out.append(cur)
             cur["in"][block] = t
             cur["sm"][block] = sm
-        elif cur is not None:
+        elif cur is not None and kind in (2, 3):
             d = cur["out"] if kind == 2 else cur["end"]
             d.setdefault(block, t)
     return out

@@ -112,6 +112,12 @@
 
 #define ATT_NEG (-1.0e30f)
 #define ATT_FULL 0xffffffffu
+// The block timeline's marks inside the decode launch (timeline.cuh; empty unless
+// FERRITE_DIAG_TL compiled it in).
+#ifndef FERRITE_TL
+#define TL_MARK(k)
+#define TL_MARK_AFTER(k, v)
+#endif
 #define DECODE_THREADS 128
 #define DECODE_MIN_CHUNK 32  // attention.rs DECODE_MIN_CHUNK (the launcher passes min_chunk)
 #define PREFILL_THREADS 256
@@ -844,6 +850,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
             qa[2 * c + 1][1] = on ? tc_pack_f16(b.z * scale_log2, b.w * scale_log2) : 0u;
         }
     }
+    if constexpr (ROPE) TL_MARK_AFTER(0, qa[KS - 1][1]);
     float acc[KS][4];
 #pragma unroll
     for (int i = 0; i < KS; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
@@ -1291,6 +1298,7 @@ __device__ __forceinline__ void attn_decode_impl(
         }
     }
     __syncthreads();
+    if constexpr (ROPE) TL_MARK(1);
     // The block's state per (head, dim): the whole answer when it is the row's only split,
     // else a partial (m, l, acc) for the merge below (CL: in this block's shared memory).
     __shared__ float sm_part[CL ? GB : 1][CL ? HD : 1];
@@ -1329,6 +1337,7 @@ __device__ __forceinline__ void attn_decode_impl(
 
     if constexpr (CL) {
         cluster_sync_diag(1);
+        if constexpr (ROPE) TL_MARK(2);
         // This block's share: 32-element output blocks split, split + n_splits, ... (the
         // cluster's blocks are the row's splits in order: rank = split), one warp each.
         for (int b = split + warp * n_splits; b < GB * HD / 32; b += NW * n_splits) {
@@ -1343,7 +1352,9 @@ __device__ __forceinline__ void attn_decode_impl(
             }
             decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
         }
+        if constexpr (ROPE) TL_MARK(3);
         cluster_sync_exec();  // no block leaves while its partial may still be read
+        if constexpr (ROPE) TL_MARK(4);
         return;
     }
 

@@ -17,6 +17,11 @@
 #define TL_WAIT_IN 1u
 #define TL_WAIT_OUT 2u
 #define TL_END 3u
+// TL_MARK(k) (k < TL_MARKS): a point inside a block's path after its wait, kind TL_MARK0 + k
+// (attention.cu's decode launch: where its chain goes after the wait).
+#define TL_MARK0 4u
+#define TL_MARKS 5u
+#define TL_SLOTS (3u + TL_MARKS)
 #define FERRITE_TL_CAP (1u << 20)
 __device__ unsigned int ferrite_tl_n;
 __device__ unsigned long long ferrite_tl[2 * FERRITE_TL_CAP];
@@ -45,7 +50,7 @@ __device__ __forceinline__ void tl_put(unsigned i, unsigned kind, unsigned long 
     unsigned long long tl_in = 0;                                                                  \
     if (tl_thread()) {                                                                             \
         tl_in = tl_now();                                                                          \
-        tl_i = atomicAdd(&ferrite_tl_n, 3u);                                                       \
+        tl_i = atomicAdd(&ferrite_tl_n, TL_SLOTS);                                                       \
     }
 #define TL_WAIT_DONE()                                                                             \
     if (tl_thread()) {                                                                             \
@@ -56,3 +61,12 @@ __device__ __forceinline__ void tl_put(unsigned i, unsigned kind, unsigned long 
     }
 #define TL_STAMP_END()                                                                             \
     if (tl_thread()) tl_put(tl_slot + 2, TL_END, tl_now())
+#define TL_MARK(k)                                                                                 \
+    if (tl_thread()) tl_put(tl_slot + 3 + (k), TL_MARK0 + (k), tl_now())
+// TL_MARK after the 32-bit value v exists (an empty volatile asm that takes it: the timer's
+// read, another volatile asm, stays after it).
+#define TL_MARK_AFTER(k, v)                                                                        \
+    do {                                                                                           \
+        asm volatile("" ::"r"(v));                                                                 \
+        TL_MARK(k);                                                                                \
+    } while (0)
