@@ -426,7 +426,11 @@ impl Kernels {
         let rope = super::switches::int_or("FERRITE_ATTN_ROPE", 1);
         let decode_clpr = cl_family(
             dtc != 0 && pre != 0 && rope != 0,
-            if rope == 2 { "tc_clprp_" } else { "tc_clpr_" },
+            match rope {
+                2 => "tc_clprp_",
+                3 => "tc_clpra_",
+                _ => "tc_clpr_",
+            },
         )?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
         let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 3);

@@ -128,6 +128,42 @@ __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #endif
 }
+// PUSH 2: the merging block's mbarrier (one arrival, made visible to the cluster), its
+// expected bytes, the wait for its phase 0, and a float stored into cluster block `rank`'s
+// shared memory at p's offset completing `bytes` 4 of that block's mbarrier at bar's offset.
+__device__ __forceinline__ void attn_mbar_init(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void attn_mbar_expect(uint64_t* bar, uint32_t bytes) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void attn_mbar_wait0(uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(b)
+            : "memory");
+    }
+#endif
+}
+__device__ __forceinline__ void st_async_f32(float* p, int rank, float v, uint64_t* bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(cluster_addr(p, rank)),
+                 "r"(__float_as_uint(v)), "r"(cluster_addr(bar, rank))
+                 : "memory");
+#endif
+}
 #ifndef FERRITE_TL
 #define TL_MARK(k)
 #define TL_MARK_AFTER(k, v)
@@ -1060,7 +1096,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, cluster_sync_exec, ld_cluster_f32: common.cuh.
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
-          bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false, bool PUSH = false>
+          bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false, int PUSH = 0>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -1142,8 +1178,20 @@ __device__ __forceinline__ void attn_decode_impl(
         __syncthreads();
     }
     // PUSH: this block has started (the others may write its shared memory once every block
-    // of the cluster has arrived: the wait before the pushes).
-    if constexpr (PUSH) cluster_arrive_relaxed();
+    // of the cluster has arrived: the wait before the pushes). PUSH 2: first its mbarrier,
+    // armed for the bytes the active splits will send it (one arrival: this expect).
+    __shared__ uint64_t rbar;
+    if constexpr (CL && PUSH == 2) {
+        if (n_active > 1 && tid == 0) {
+            constexpr int NB = GB * HD / 32;
+            const int nown = (NB - split + n_splits - 1) / n_splits;
+            attn_mbar_init(&rbar);
+            attn_mbar_expect(&rbar, (uint32_t)(n_active * (nown * 128 + GB * 8)));
+        }
+    }
+    if constexpr (CL && PUSH) {
+        if (n_active > 1) cluster_arrive_relaxed();
+    }
     PDL_ENTRY();
 
     const int kvd = (n_heads / group) * HD;
@@ -1347,6 +1395,14 @@ __device__ __forceinline__ void attn_decode_impl(
         }
         if (single) {
             decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
+        } else if constexpr (CL && PUSH == 2) {
+            const int b = idx / 32;
+            st_async_f32(&sm_recv[((b / n_splits) * n_splits + split) * 32 + lane], b % n_splits, a, &rbar);
+            if (d == 0)
+                for (int r = 0; r < n_splits; r++) {
+                    st_async_f32(&sm_rml[split][g][0], r, mx, &rbar);
+                    st_async_f32(&sm_rml[split][g][1], r, lsum, &rbar);
+                }
         } else if constexpr (CL && PUSH) {
             const int b = idx / 32;
             st_cluster_f32(&sm_recv[((b / n_splits) * n_splits + split) * 32 + lane], b % n_splits, a);
@@ -1373,9 +1429,13 @@ __device__ __forceinline__ void attn_decode_impl(
     if (single) return;
 
     if constexpr (CL && PUSH) {
-        // The pushes above published by the barrier's release / acquire; after it every read
-        // is of this block's own shared memory, so no block waits for another's to leave.
-        cluster_sync_diag(1);
+        // The pushes above published by the barrier's release / acquire (PUSH 2: by the
+        // mbarrier's transaction count, no fence); after it every read is of this block's own
+        // shared memory, so no block waits for another's to leave.
+        if constexpr (PUSH == 2)
+            attn_mbar_wait0(&rbar);
+        else
+            cluster_sync_diag(1);
         if constexpr (ROPE) TL_MARK(2);
         for (int b = split + warp * n_splits, j = warp; b < GB * HD / 32; b += NW * n_splits, j += NW) {
             const int idx = b * 32 + lane, g = idx / HD, d = idx % HD;
@@ -1575,7 +1635,12 @@ DECODE_CL_KERNEL(256, 8)
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
         attn_decode_tc_clprp_128_##GB(DECODE_ARGS, AttnRope ar) {                            \
-        attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true, true>( \
+        attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true, 1>( \
+            DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
+        attn_decode_tc_clpra_128_##GB(DECODE_ARGS, AttnRope ar) {                            \
+        attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true, 2>( \
             DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                            \
