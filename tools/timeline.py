@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Reads the block timeline of one decode step (FERRITE_DIAG_TL; DECODE_STEP.md).
 
-Usage: timeline.py ferrite-timeline.tsv [--summary | --launch I | --late I | --first I --count N]
+Usage: timeline.py ferrite-timeline.tsv [--summary | --launch I | --late I | --marks MODULE | --first I --count N]
 
 Stamps: kind 1 a block's PDL wait entry (the block runs, past whatever it issued before its
 wait), 2 the wait's return (the predecessor grid has completed), 3 a tensor-core GEMV's block
-written its outputs. A launch is the blocks of one (module, grid, warps a block) in time
+written its outputs, 4 + k a kernel's TL_MARK(k) (timeline.cuh: points on a block's path
+after its wait). A launch is the blocks of one (module, grid, warps a block) in time
 order, each block index once. Per launch, in the order the step started them (µs from the
 step's first stamp):
 
@@ -19,6 +20,11 @@ step's first stamp):
 `--late I`: the SMs of launch I's blocks that entered their wait after its dep (their copies
 issued only then), and how many of them ran a block of the launch before it (its blocks'
 SMs): a launch whose blocks do not fit beside its predecessor's (MATMUL.md round 74).
+
+`--marks MODULE`: over the launches of MODULE whose blocks stamped TL_MARKs (attention.cu's
+decode launch: ATTENTION.md, 33rd session), per mark its first and last block's time from the
+launch's dep (mean over the launches, with the last wait return and the next launch's dep):
+where the launch's chain goes after its wait.
 """
 import argparse
 import collections
@@ -46,7 +52,7 @@ def launches(rows):
         cur = open_l.get(key)
         if kind == 1:
             if cur is None or block in cur["in"]:
-                cur = {"key": key, "in": {}, "out": {}, "end": {}, "sm": {}}
+                cur = {"key": key, "in": {}, "out": {}, "end": {}, "sm": {}, "marks": {}}
                 open_l[key] = cur
                 out.append(cur)
             cur["in"][block] = t
@@ -54,6 +60,8 @@ def launches(rows):
         elif cur is not None and kind in (2, 3):
             d = cur["out"] if kind == 2 else cur["end"]
             d.setdefault(block, t)
+        elif cur is not None and kind >= 4:
+            cur["marks"].setdefault(kind - 4, {}).setdefault(block, t)
     return out
 
 
@@ -65,6 +73,7 @@ def main():
     ap.add_argument("--summary", action="store_true", help="per kind of launch: mean chain and early blocks")
     ap.add_argument("--launch", type=int, help="one launch's blocks: starts and ends per 0.5 µs from its dep")
     ap.add_argument("--late", type=int, help="one launch's blocks that entered after its dep: their SMs")
+    ap.add_argument("--marks", help="a module's launches with TL_MARKs: each mark's first and last block from dep")
     a = ap.parse_args()
     rows = read(a.path)
     if not rows:
@@ -109,6 +118,27 @@ def main():
         print(f"launch {a.late} {l['key']}: {len(late)} of {len(l['in'])} blocks entered at or after its dep")
         print(f"  their SMs: {late}")
         print(f"  on an SM of launch {a.late - 1} {prev['key']}: {sum(1 for s in late if s in prev_sms)}")
+        return
+    if a.marks is not None:
+        rows_m = collections.defaultdict(list)  # name -> values (µs from dep), one per launch
+        n = 0
+        for l in deps:
+            if l["key"][0] != a.marks or not l["marks"] or l.get("chain") is None:
+                continue
+            n += 1
+            dep = l["dep"]
+            rows_m["wait return, last"].append((max(l["out"].values()) - dep) / 1000)
+            for k, blocks in sorted(l["marks"].items()):
+                ts = sorted(blocks.values())
+                rows_m[f"mark {k}, first"].append((ts[0] - dep) / 1000)
+                rows_m[f"mark {k}, last"].append((ts[-1] - dep) / 1000)
+            rows_m["next launch's dep"].append(l["chain"] / 1000)
+        if not n:
+            sys.exit(f"--marks: no launch of {a.marks} has marks")
+        print(f"{a.marks}: µs from the launch's dep, over {n} launches")
+        print(f"{'':<24}{'mean':>8}{'min':>8}{'max':>8}")
+        for name, v in rows_m.items():
+            print(f"{name:<24}{sum(v) / len(v):>8.2f}{min(v):>8.2f}{max(v):>8.2f}")
         return
     if a.summary:
         agg = collections.OrderedDict()

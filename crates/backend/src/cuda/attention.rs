@@ -423,14 +423,9 @@ impl Kernels {
         ];
         let pre = super::switches::int_or("FERRITE_ATTN_PRE", 2);
         let decode_clp = cl_family(dtc != 0 && pre != 0, "tc_clp_")?;
-        let rope = super::switches::int_or("FERRITE_ATTN_ROPE", 1);
         let decode_clpr = cl_family(
-            dtc != 0 && pre != 0 && rope != 0,
-            match rope {
-                2 => "tc_clprp_",
-                3 => "tc_clpra_",
-                _ => "tc_clpr_",
-            },
+            dtc != 0 && pre != 0 && super::switches::int_or("FERRITE_ATTN_ROPE", 1) != 0,
+            "tc_clpr_",
         )?;
         let decode_pre = tc_family(dtc != 0 && pre == 2, "tc_pre_")?;
         let merge = super::switches::int_or("FERRITE_ATTN_MERGE", 3);

@@ -251,8 +251,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_ROPE",
-        Accepts::OneOf(&[0, 1, 2, 3]),
-        "QK-norm + RoPE inside the one-row keys-before-the-wait cluster decode attention (Qwen3's rotation: both norms, NeoX over 128 dims): 1 (default), 2 the same with the split merge's partials pushed into the merging blocks' shared memory before a cluster barrier, 3 pushed by st.async on the merging blocks' mbarriers (no barrier), 0 the qk_norm_rope launch before it (ATTENTION.md, 23rd session)",
+        Accepts::OneOf(&[0, 1]),
+        "QK-norm + RoPE inside the one-row keys-before-the-wait cluster decode attention (Qwen3's rotation: both norms, NeoX over 128 dims): 1 (default), 0 the qk_norm_rope launch before it (ATTENTION.md, 23rd session)",
     ),
     (
         "FERRITE_GEMV_TC5",

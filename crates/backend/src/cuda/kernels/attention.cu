@@ -114,56 +114,6 @@
 #define ATT_FULL 0xffffffffu
 // The block timeline's marks inside the decode launch (timeline.cuh; empty unless
 // FERRITE_DIAG_TL compiled it in).
-// The push merge's split cluster barrier (attn_decode_impl PUSH): an arrive that orders
-// nothing, at the start, and its wait before the first write into another block's shared
-// memory (which must have started). CLUSTER_MAX: attention.rs CLUSTER_MAX_SPLITS.
-#define CLUSTER_MAX 16
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#endif
-}
-// PUSH 2: the merging block's mbarrier (one arrival, made visible to the cluster), its
-// expected bytes, the wait for its phase 0, and a float stored into cluster block `rank`'s
-// shared memory at p's offset completing `bytes` 4 of that block's mbarrier at bar's offset.
-__device__ __forceinline__ void attn_mbar_init(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void attn_mbar_expect(uint64_t* bar, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void attn_mbar_wait0(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(b)
-            : "memory");
-    }
-#endif
-}
-__device__ __forceinline__ void st_async_f32(float* p, int rank, float v, uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(cluster_addr(p, rank)),
-                 "r"(__float_as_uint(v)), "r"(cluster_addr(bar, rank))
-                 : "memory");
-#endif
-}
 #ifndef FERRITE_TL
 #define TL_MARK(k)
 #define TL_MARK_AFTER(k, v)
@@ -1096,7 +1046,7 @@ __device__ __forceinline__ void decode_tc_loop(const float* __restrict__ q, cons
 // merge in a cluster".
 // cluster_sync_all, cluster_sync_exec, ld_cluster_f32: common.cuh.
 template <int HD, int GB, bool Q8, bool PAGED, bool STORE, bool TC = false, bool CL = false, bool PIPE = false,
-          bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false, int PUSH = 0>
+          bool PRE = false, bool SEP = false, bool TAIL = false, bool ROPE = false>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const float* __restrict__ knew, const float* __restrict__ vnew,
     unsigned char* __restrict__ kc, unsigned char* __restrict__ vc,
@@ -1176,21 +1126,6 @@ __device__ __forceinline__ void attn_decode_impl(
         static_assert(PRE && HD == 128 && DECODE_THREADS == 128, "ROPE: the PRE form at hd 128");
         rope_tab_fill(*rtab, ar, (float)pos_t);
         __syncthreads();
-    }
-    // PUSH: this block has started (the others may write its shared memory once every block
-    // of the cluster has arrived: the wait before the pushes). PUSH 2: first its mbarrier,
-    // armed for the bytes the active splits will send it (one arrival: this expect).
-    __shared__ uint64_t rbar;
-    if constexpr (CL && PUSH == 2) {
-        if (n_active > 1 && tid == 0) {
-            constexpr int NB = GB * HD / 32;
-            const int nown = (NB - split + n_splits - 1) / n_splits;
-            attn_mbar_init(&rbar);
-            attn_mbar_expect(&rbar, (uint32_t)(n_active * (nown * 128 + GB * 8)));
-        }
-    }
-    if constexpr (CL && PUSH) {
-        if (n_active > 1) cluster_arrive_relaxed();
     }
     PDL_ENTRY();
 
@@ -1366,21 +1301,9 @@ __device__ __forceinline__ void attn_decode_impl(
     if constexpr (ROPE) TL_MARK(1);
     // The block's state per (head, dim): the whole answer when it is the row's only split,
     // else a partial (m, l, acc) for the merge below (CL: in this block's shared memory).
-    __shared__ float sm_part[CL && !PUSH ? GB : 1][CL && !PUSH ? HD : 1];
-    __shared__ float sm_pml[CL && !PUSH ? GB : 1][2];
-    // PUSH: what the merge below reads, written here by every active split: output block b
-    // (32 elements) is merged by rank b % n_splits into its slot j = b / n_splits, split s's
-    // piece at sm_recv[(j n_splits + s) 32 ..]; every split's (m, l) per head to every rank.
-    constexpr int RECV = CL && PUSH ? (GB * HD / 32 + CLUSTER_MAX - 1) * 32 : 1;
-    __shared__ float sm_recv[RECV];
-    __shared__ float sm_rml[CL && PUSH ? CLUSTER_MAX : 1][CL && PUSH ? GB : 1][2];
+    __shared__ float sm_part[CL ? GB : 1][CL ? HD : 1];
+    __shared__ float sm_pml[CL ? GB : 1][2];
     const bool single = n_active == 1;  // uniform across the block
-    if constexpr (CL && PUSH) {
-        if (!single) {
-            if (n_splits > CLUSTER_MAX) __trap();  // the launcher's clusters hold at most 16
-            cluster_wait();  // every block of the cluster has started (its arrive above)
-        }
-    }
     for (int idx = tid; idx < (CL && idle ? 0 : GB * HD); idx += DECODE_THREADS) {  // whole warps per 32-block
         const int g = idx / HD, d = idx % HD;
         float mx = ATT_NEG;
@@ -1395,22 +1318,6 @@ __device__ __forceinline__ void attn_decode_impl(
         }
         if (single) {
             decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
-        } else if constexpr (CL && PUSH == 2) {
-            const int b = idx / 32;
-            st_async_f32(&sm_recv[((b / n_splits) * n_splits + split) * 32 + lane], b % n_splits, a, &rbar);
-            if (d == 0)
-                for (int r = 0; r < n_splits; r++) {
-                    st_async_f32(&sm_rml[split][g][0], r, mx, &rbar);
-                    st_async_f32(&sm_rml[split][g][1], r, lsum, &rbar);
-                }
-        } else if constexpr (CL && PUSH) {
-            const int b = idx / 32;
-            st_cluster_f32(&sm_recv[((b / n_splits) * n_splits + split) * 32 + lane], b % n_splits, a);
-            if (d == 0)
-                for (int r = 0; r < n_splits; r++) {
-                    st_cluster_f32(&sm_rml[split][g][0], r, mx);
-                    st_cluster_f32(&sm_rml[split][g][1], r, lsum);
-                }
         } else if constexpr (CL) {
             sm_part[g][d] = a;
             if (d == 0) {
@@ -1428,31 +1335,6 @@ __device__ __forceinline__ void attn_decode_impl(
     }
     if (single) return;
 
-    if constexpr (CL && PUSH) {
-        // The pushes above published by the barrier's release / acquire (PUSH 2: by the
-        // mbarrier's transaction count, no fence); after it every read is of this block's own
-        // shared memory, so no block waits for another's to leave.
-        if constexpr (PUSH == 2)
-            attn_mbar_wait0(&rbar);
-        else
-            cluster_sync_diag(1);
-        if constexpr (ROPE) TL_MARK(2);
-        for (int b = split + warp * n_splits, j = warp; b < GB * HD / 32; b += NW * n_splits, j += NW) {
-            const int idx = b * 32 + lane, g = idx / HD, d = idx % HD;
-            float mx = ATT_NEG;
-            for (int s = 0; s < n_active; s++) mx = fmaxf(mx, sm_rml[s][g][0]);
-            float a = 0.f, lsum = 0.f;
-            for (int s = 0; s < n_active; s++) {
-                const float c = exp2f(sm_rml[s][g][0] - mx);
-                a = fmaf(sm_recv[(j * n_splits + s) * 32 + lane], c, a);
-                lsum = fmaf(sm_rml[s][g][1], c, lsum);
-            }
-            decode_emit(a * (1.f / lsum), out, xq, xd, t, n_heads, HD, h0 + g, d);
-        }
-        if constexpr (ROPE) TL_MARK(3);
-        if constexpr (ROPE) TL_MARK(4);
-        return;
-    }
     if constexpr (CL) {
         cluster_sync_diag(1);
         if constexpr (ROPE) TL_MARK(2);
@@ -1631,16 +1513,6 @@ DECODE_CL_KERNEL(256, 8)
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
         attn_decode_tc_clpr_128_##GB(DECODE_ARGS, AttnRope ar) {                             \
         attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true>( \
-            DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
-        attn_decode_tc_clprp_128_##GB(DECODE_ARGS, AttnRope ar) {                            \
-        attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true, 1>( \
-            DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
-    }                                                                                        \
-    extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                             \
-        attn_decode_tc_clpra_128_##GB(DECODE_ARGS, AttnRope ar) {                            \
-        attn_decode_impl<128, GB, false, false, true, true, true, false, true, false, false, true, 2>( \
             DECODE_PASS, UNPAGED_PASS(capacity), ar);                                        \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, DECODE_PRE_MINB)                            \
