@@ -119,6 +119,10 @@ pub fn full_source(name: &str, src: &str) -> String {
         defs += &format!("#define DIAG_CLBAR {clbar}\n");
     }
     if switches::diag_tl() != 0 {
+        // The decode attention's five marks (attention.cu TL_MARK; ATTENTION.md, 33rd session).
+        if name == "attention" {
+            defs += "#define TL_MARK_SLOTS 5u\n";
+        }
         defs += "#define FERRITE_TL 1\n";
         defs += TIMELINE_CUH;
     }

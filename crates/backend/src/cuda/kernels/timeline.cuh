@@ -8,7 +8,8 @@
 // block runs, past whatever it issues before its wait), at its return (TL_WAIT_OUT: the
 // predecessor grid has completed) and where a tensor-core GEMV's block has written its
 // outputs (TL_END; tc_store). The host zeroes ferrite_tl_n before one chosen graph replay and
-// reads the stamps after it (timeline.rs). A block's three slots are taken by one atomic
+// reads the stamps after it (timeline.rs). A block's slots (three, and TL_MARK_SLOTS more
+// in a file whose kernels mark points: TL_MARK) are taken by one atomic
 // issued before the wait, whose return the wait hides; the stamps after it are plain stores
 // (the slot kept in shared memory for TL_END): no round trip is added to a block's path once
 // its wait has returned. (A block whose thread 0 took no slots, having no PDL wait, would
@@ -17,11 +18,16 @@
 #define TL_WAIT_IN 1u
 #define TL_WAIT_OUT 2u
 #define TL_END 3u
-// TL_MARK(k) (k < TL_MARKS): a point inside a block's path after its wait, kind TL_MARK0 + k
-// (attention.cu's decode launch: where its chain goes after the wait).
+// TL_MARK(k) (k < TL_MARK_SLOTS): a point inside a block's path after its wait, kind
+// TL_MARK0 + k (attention.cu's decode launch: where its chain goes after the wait).
+// TL_MARK_SLOTS is defined before this file for the files that mark (mod.rs full_source), so
+// that the others keep three slots a block (the buffer holds a whole step of the larger
+// models, and the recorded step is not lengthened by the marks' slots).
+#ifndef TL_MARK_SLOTS
+#define TL_MARK_SLOTS 0
+#endif
 #define TL_MARK0 4u
-#define TL_MARKS 5u
-#define TL_SLOTS (3u + TL_MARKS)
+#define TL_SLOTS (3u + TL_MARK_SLOTS)
 #define FERRITE_TL_CAP (1u << 20)
 __device__ unsigned int ferrite_tl_n;
 __device__ unsigned long long ferrite_tl[2 * FERRITE_TL_CAP];
@@ -50,7 +56,7 @@ __device__ __forceinline__ void tl_put(unsigned i, unsigned kind, unsigned long 
     unsigned long long tl_in = 0;                                                                  \
     if (tl_thread()) {                                                                             \
         tl_in = tl_now();                                                                          \
-        tl_i = atomicAdd(&ferrite_tl_n, TL_SLOTS);                                                       \
+        tl_i = atomicAdd(&ferrite_tl_n, TL_SLOTS);                                                 \
     }
 #define TL_WAIT_DONE()                                                                             \
     if (tl_thread()) {                                                                             \
@@ -62,7 +68,10 @@ __device__ __forceinline__ void tl_put(unsigned i, unsigned kind, unsigned long 
 #define TL_STAMP_END()                                                                             \
     if (tl_thread()) tl_put(tl_slot + 2, TL_END, tl_now())
 #define TL_MARK(k)                                                                                 \
-    if (tl_thread()) tl_put(tl_slot + 3 + (k), TL_MARK0 + (k), tl_now())
+    do {                                                                                           \
+        static_assert((k) < TL_MARK_SLOTS, "TL_MARK: more marks than this file's TL_MARK_SLOTS"); \
+        if (tl_thread()) tl_put(tl_slot + 3 + (k), TL_MARK0 + (k), tl_now());                      \
+    } while (0)
 // TL_MARK after the 32-bit value v exists (an empty volatile asm that takes it: the timer's
 // read, another volatile asm, stays after it).
 #define TL_MARK_AFTER(k, v)                                                                        \
