@@ -6,7 +6,8 @@
 //! before their wait returns, and at what rate the later waves start (a block starts where
 //! another has ended). With the switch set, every kernel file is compiled with `FERRITE_TL`
 //! (common.cuh `TL_STAMP`): each block's first thread stamps `%globaltimer` at its PDL wait's
-//! entry and return, and the tensor-core GEMVs at their output, into the module's
+//! entry and return, the tensor-core GEMVs at their output and the decode attention at its
+//! marks (timeline.cuh `TL_MARK`), into the module's
 //! `ferrite_tl` buffer. Before the chosen graph replay this zeroes every module's count; after
 //! it, it waits for the step and writes one line a stamp (tools/timeline.py reads them).
 
