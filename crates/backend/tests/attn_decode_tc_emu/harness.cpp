@@ -23,6 +23,7 @@
 #define DECODE_THREADS 128
 #define ATT_NEG (-1.0e30f)
 #define ATT_FULL 0xffffffffu
+#define TL_MARK_AFTER(k, v)  // the block timeline's marks (timeline.cuh): nothing on the host
 
 
 // f32 -> f16 bits, rounded to nearest even (finite values, as the cache holds).
