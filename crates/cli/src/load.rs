@@ -116,6 +116,15 @@ pub fn open(args: &ModelArgs) -> Result<(std::path::PathBuf, ModelFile)> {
 /// a moment).
 pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
     let t0 = Instant::now();
+    if let ModelFile::Safetensors(c) = file {
+        let infos = c.tensor_infos();
+        let fp8 = infos.iter().filter(|t| c.is_fp8_weight(&t.name)).count();
+        if fp8 > 0 {
+            tracing::info!(
+                "{fp8} FP8 (E4M3) weights with block scales: converted to BF16 as they load"
+            );
+        }
+    }
     let bar = ProgressBar::hidden();
     let model = Model::load(be, file, &|done, total| {
         if done == 1 && total > 4 {

@@ -135,6 +135,10 @@ pub fn info(a: &InfoArgs) -> Result<()> {
         let (ty, bytes) = match (src.tensor(n), &file) {
             (Some(t), _) => (t.dtype.name().to_string(), t.data.len()),
             (None, ModelFile::Safetensors(c)) => match c.tensor_info(n) {
+                // Uploaded as BF16: two bytes an element.
+                Some(i) if c.is_fp8_weight(n) => {
+                    (format!("{} (BF16 at load)", i.dtype), 2 * i.n_bytes())
+                }
                 Some(i) => (format!("{} (not loadable)", i.dtype), i.n_bytes()),
                 None => continue,
             },

@@ -113,8 +113,43 @@ fn info_describes_checkpoint() {
     assert!(out.status.success(), "{s}");
     assert!(s.contains("F8_E4M3 (not loadable)      1 tensors"), "{s}");
     let out = ferrite(&["bench", "--model", dir.to_str().unwrap(), "--device", "cpu"]);
-    std::fs::remove_dir_all(&dir).ok();
     assert_clean_error(&out, &format!("tensor '{q}' is stored as F8_E4M3"));
+
+    // With its block scales (an FP8 checkpoint): converted to BF16 at load, and it runs.
+    let scale = (1.0f32 / 448.0).to_le_bytes();
+    let mut tensors: Vec<_> = st.tensors().into_iter().filter(|(n, _)| n != q).collect();
+    tensors.push((
+        q.to_string(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F8_E4M3, vec![128, 128], &fp8)
+            .unwrap(),
+    ));
+    tensors.push((
+        format!("{q}_scale_inv"),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 1], &scale).unwrap(),
+    ));
+    safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
+    let out = ferrite(&["info", "--model", dir.to_str().unwrap()]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.contains("F8_E4M3 (BF16 at load)      1 tensors"), "{s}");
+    let logits = dir.join("logits.safetensors");
+    let out = ferrite(&[
+        "logits",
+        "--model",
+        dir.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--output",
+        logits.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    std::fs::remove_dir_all(&dir).ok();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("1 FP8 (E4M3) weights with block scales: converted to BF16"),
+        "{err}"
+    );
 }
 
 fn assert_clean_error(out: &Output, needle: &str) {

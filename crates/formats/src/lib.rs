@@ -13,4 +13,4 @@ pub mod tensor;
 
 pub use error::{FormatError, Result};
 pub use quant::GgmlType;
-pub use tensor::{TensorSource, TensorView};
+pub use tensor::{OwnedTensor, TensorSource, TensorView};

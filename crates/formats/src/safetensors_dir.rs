@@ -6,7 +6,10 @@
 //! byte length). BF16/F16/F32 tensors are handed out as [`TensorView`]s; tensors in other
 //! dtypes (I64 position ids, FP8 weights, U8 packed data, ...) stay listed with their
 //! safetensors dtype and can be read raw, but [`TensorSource::tensor`] does not return them
-//! and [`TensorSource::require_tensor`] names the dtype.
+//! and [`TensorSource::require_tensor`] names the dtype. The exception is an FP8 (E4M3)
+//! weight with its `_scale_inv` block scales (the "fine-grained FP8" checkpoints:
+//! `quantization_config.quant_method = "fp8"`): [`TensorSource::converted`] returns it as
+//! BF16 ([`crate::quant::fp8`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -16,7 +19,7 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::quant::GgmlType;
-use crate::tensor::{TensorSource, TensorView};
+use crate::tensor::{OwnedTensor, TensorSource, TensorView};
 use crate::{FormatError, Result};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -59,6 +62,9 @@ pub struct SafetensorsCheckpoint {
     /// Shard order, then data-offset order within a shard (the order the bytes lie in).
     tensors: Vec<SafetensorsTensorInfo>,
     index: HashMap<String, usize>,
+    /// `quantization_config.weight_block_size` of an FP8 checkpoint (rows, columns of a
+    /// scale's tile), when config.json gives one.
+    fp8_block: Option<[usize; 2]>,
 }
 
 impl std::fmt::Debug for SafetensorsCheckpoint {
@@ -149,8 +155,10 @@ impl SafetensorsCheckpoint {
             (vec![weights.clone()], None)
         };
 
+        let fp8_block = fp8_block_of(&config).map_err(|what| corrupt(&config_path, what))?;
         let mut ckpt = SafetensorsCheckpoint {
             dir,
+            fp8_block,
             config,
             shards: Vec::with_capacity(shard_names.len()),
             tensors: Vec::new(),
@@ -262,12 +270,69 @@ impl SafetensorsCheckpoint {
     pub fn tensor_info(&self, name: &str) -> Option<&SafetensorsTensorInfo> {
         self.index.get(name).map(|&i| &self.tensors[i])
     }
+    /// Whether tensor `name` is an FP8 (E4M3) weight stored with its `_scale_inv` block
+    /// scales, which [`TensorSource::converted`] hands out as BF16.
+    pub fn is_fp8_weight(&self, name: &str) -> bool {
+        self.tensor_info(name)
+            .is_some_and(|t| t.dtype == Dtype::F8_E4M3)
+            && self.index.contains_key(&format!("{name}_scale_inv"))
+    }
     /// The stored bytes of any tensor, whatever its dtype (FP8 weights, I64 buffers, ...).
     pub fn raw_tensor(&self, name: &str) -> Option<(&SafetensorsTensorInfo, &[u8])> {
         let info = self.tensor_info(name)?;
         let bytes = self.shards[info.shard].map.get(info.start..info.end)?;
         Some((info, bytes))
     }
+}
+
+/// The FP8 scale tile of config.json's `quantization_config` (`weight_block_size`, two
+/// positive integers), if it names one. Other quantization methods are not this reader's to
+/// refuse (the model loader names them); a malformed block size is an error.
+fn fp8_block_of(config: &serde_json::Value) -> std::result::Result<Option<[usize; 2]>, String> {
+    let Some(b) = config
+        .get("quantization_config")
+        .and_then(|q| q.get("weight_block_size"))
+        .filter(|b| !b.is_null())
+    else {
+        return Ok(None);
+    };
+    let dims: Option<Vec<usize>> = b.as_array().map(|a| {
+        a.iter()
+            .filter_map(|v| v.as_u64().and_then(|v| usize::try_from(v).ok()))
+            .filter(|&v| v > 0)
+            .collect()
+    });
+    match dims.as_deref() {
+        Some(&[r, c]) if b.as_array().is_some_and(|a| a.len() == 2) => Ok(Some([r, c])),
+        _ => Err(format!(
+            "quantization_config.weight_block_size is {b}, expected two positive integers"
+        )),
+    }
+}
+
+/// The scales of an FP8 weight as f32 (they are stored as F32, BF16 or F16).
+fn scales_f32(name: &str, info: &SafetensorsTensorInfo, bytes: &[u8]) -> Result<Vec<f32>> {
+    let v = match info.dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        d => {
+            return Err(FormatError::BadTensor {
+                name: name.to_owned(),
+                what: format!("FP8 block scales stored as {d} (expected F32, BF16 or F16)"),
+            })
+        }
+    };
+    Ok(v)
 }
 
 /// (tensor name, shard path) pairs of an index's `weight_map`.
@@ -332,5 +397,51 @@ impl TensorSource for SafetensorsCheckpoint {
                 dtype: info.dtype.to_string(),
             }),
         }
+    }
+    fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+    fn converted(&self, name: &str) -> Option<Result<OwnedTensor>> {
+        let (info, codes) = self.raw_tensor(name)?;
+        if info.dtype != Dtype::F8_E4M3 {
+            return None;
+        }
+        let scale_name = format!("{name}_scale_inv");
+        let (sinfo, sbytes) = self.raw_tensor(&scale_name)?;
+        let convert = || -> Result<OwnedTensor> {
+            let scales = scales_f32(&scale_name, sinfo, sbytes)?;
+            let n = info.shape.len();
+            // No block size in config.json: only a scale per matrix (one tile) is unambiguous.
+            let block = match self.fp8_block {
+                Some(b) => b,
+                None if n >= 2 && sinfo.shape[sinfo.shape.len().saturating_sub(2)..] == [1, 1] => {
+                    [info.shape[n - 2], info.shape[n - 1]]
+                }
+                None => {
+                    return Err(FormatError::BadTensor {
+                        name: name.to_owned(),
+                        what: format!(
+                            "FP8 weight with block scales of shape {:?}, but config.json's \
+                             quantization_config gives no weight_block_size",
+                            sinfo.shape
+                        ),
+                    })
+                }
+            };
+            let data = crate::quant::fp8::dequantize_block_scaled_bf16(
+                name,
+                codes,
+                &info.shape,
+                &scales,
+                &sinfo.shape,
+                block,
+            )?;
+            Ok(OwnedTensor {
+                dtype: GgmlType::BF16,
+                shape: info.shape.clone(),
+                data,
+            })
+        };
+        Some(convert())
     }
 }

@@ -37,6 +37,15 @@ impl TensorView<'_> {
     }
 }
 
+/// A tensor made at load from a stored form ferrite does not compute with (a safetensors FP8
+/// weight and its block scales, as BF16): owned, in the same terms as [`TensorView`].
+#[derive(Clone, Debug)]
+pub struct OwnedTensor {
+    pub dtype: GgmlType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
 /// Anything that holds named tensors: a GGUF file or a safetensors checkpoint.
 pub trait TensorSource: Send + Sync {
     /// The tensor with this name, or `None`.
@@ -48,5 +57,16 @@ pub trait TensorSource: Send + Sync {
     fn require_tensor(&self, name: &str) -> crate::Result<TensorView<'_>> {
         self.tensor(name)
             .ok_or_else(|| crate::FormatError::MissingTensor(name.to_owned()))
+    }
+    /// Tensor `name` converted at load, where it is stored in a form ferrite converts (a
+    /// safetensors FP8 weight with its `_scale_inv` block scales, to BF16); `None` where
+    /// it is not one (a plain view, absent, or stored in a type without a conversion).
+    fn converted(&self, _name: &str) -> Option<crate::Result<OwnedTensor>> {
+        None
+    }
+    /// Whether the source stores a tensor of this name, in any type (an optional weight
+    /// stored in a type that needs converting is present, not absent).
+    fn has(&self, name: &str) -> bool {
+        self.tensor(name).is_some()
     }
 }

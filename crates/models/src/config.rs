@@ -287,8 +287,36 @@ fn from_gguf_qwen35(f: &GgufFile, arch: Arch, vocab: usize) -> Result<ModelConfi
     Ok(cfg)
 }
 
+/// A checkpoint's `quantization_config`, if any, must be one ferrite loads: "fp8" (E4M3
+/// weights with `_scale_inv` block scales, converted to BF16 at load). Other methods store
+/// their weights under other names and types (AWQ's `qweight`, compressed-tensors' packed
+/// ints), which would otherwise surface as a missing tensor at the first layer.
+fn check_quantization(config: &serde_json::Value) -> Result<()> {
+    let Some(q) = config.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(());
+    };
+    let method = q
+        .get("quant_method")
+        .and_then(|m| m.as_str())
+        .unwrap_or("(no quant_method)");
+    anyhow::ensure!(
+        method == "fp8",
+        "config.json: the checkpoint is quantized with '{method}', which ferrite does not load \
+         (from safetensors it loads unquantized checkpoints and FP8 ones with block scales, \
+         quant_method \"fp8\"; other quantizations load as GGUF)"
+    );
+    if let Some(f) = q.get("fmt").and_then(|f| f.as_str()) {
+        anyhow::ensure!(
+            f == "e4m3",
+            "config.json: FP8 checkpoint in format '{f}'; ferrite loads E4M3 (fmt \"e4m3\")"
+        );
+    }
+    Ok(())
+}
+
 /// Reads a Hugging Face `config.json` (text models; VLM wrappers' `text_config` too).
 pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
+    check_quantization(config)?;
     let arch_name = config["architectures"]
         .get(0)
         .and_then(|v| v.as_str())

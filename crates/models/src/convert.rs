@@ -122,8 +122,8 @@ pub fn hf_to_gguf(src: &Path, dst: &Path) -> Result<()> {
         gguf_name(Tensor::OutputNorm),
         file.need(Tensor::OutputNorm)?,
     ));
-    if let Some(o) = file.get(Tensor::Output) {
-        tensors.push((gguf_name(Tensor::Output), o));
+    if file.has(Tensor::Output) {
+        tensors.push((gguf_name(Tensor::Output), file.need(Tensor::Output)?));
     }
 
     for (name, t) in &tensors {

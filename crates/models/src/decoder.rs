@@ -321,7 +321,7 @@ pub(crate) fn check_layer_count(
 ) -> Result<()> {
     let extra = layer_tensor(cfg.n_layers + file.mtp_layers());
     anyhow::ensure!(
-        file.tensors().tensor(&extra).is_none(),
+        !file.tensors().has(&extra),
         "{} gives {} layers, but the weights have more (the file holds '{extra}'): the \
          configuration does not belong to these weights",
         file.config_source(),
@@ -389,9 +389,9 @@ impl<B: Backend> Model<B> {
             });
             progress(i + 1, cfg.n_layers);
         }
-        let output = match file.get(Tensor::Output) {
-            Some(_) => Some(up(Tensor::Output)?),
-            None => None,
+        let output = match file.has(Tensor::Output) {
+            true => Some(up(Tensor::Output)?),
+            false => None,
         };
         Ok(Model {
             embed: up(Tensor::Embed)?,

@@ -45,7 +45,7 @@ use crate::config::ModelConfig;
 use crate::decoder::{
     deferred_ffn, ffn_half, handed_ffn, Ffn, FfnScratch, Model, SharedExpert, Workspace,
 };
-use crate::source::{host, ModelFile};
+use crate::source::ModelFile;
 
 /// How a layer mixes tokens.
 pub(crate) enum Mixer<W> {
@@ -586,16 +586,13 @@ pub(crate) fn load<B: Backend>(
     let names = match file {
         ModelFile::Gguf(_) => Names::Gguf,
         // The text model of a vision-language wrapper sits under `model.language_model.`.
-        ModelFile::Safetensors(_) => Names::Hf(
-            if src
-                .tensor("model.language_model.embed_tokens.weight")
-                .is_some()
-            {
+        ModelFile::Safetensors(_) => {
+            Names::Hf(if src.has("model.language_model.embed_tokens.weight") {
                 "model.language_model."
             } else {
                 "model."
-            },
-        ),
+            })
+        }
     };
     let hf = matches!(names, Names::Hf(_));
     crate::decoder::check_layer_count(file, &cfg, |i| names.of(W::AttnNorm(i)))?;
@@ -713,9 +710,9 @@ pub(crate) fn load<B: Backend>(
     }
     let embed = up(W::Embed)?;
     let out_norm = up_norm(W::OutputNorm)?;
-    let output = match src.tensor(&names.of(W::Output)) {
-        Some(_) => Some(up(W::Output)?),
-        None => None,
+    let output = match src.has(&names.of(W::Output)) {
+        true => Some(up(W::Output)?),
+        false => None,
     };
     Ok(Model::from_hybrid(cfg, embed, layers, out_norm, output))
 }
@@ -799,21 +796,13 @@ pub(crate) fn hf_to_gguf(file: &ModelFile, cfg: &ModelConfig, dst: &std::path::P
     }
 
     let src = file.tensors();
-    let hf_prefix = if src
-        .tensor("model.language_model.embed_tokens.weight")
-        .is_some()
-    {
+    let hf_prefix = if src.has("model.language_model.embed_tokens.weight") {
         "model.language_model."
     } else {
         "model."
     };
     let (hf, gg) = (Names::Hf(hf_prefix), Names::Gguf);
-    let get = |x: W| -> Result<HostTensor<'_>> {
-        let name = hf.of(x);
-        src.tensor(&name)
-            .map(host)
-            .with_context(|| format!("model file has no tensor '{name}'"))
-    };
+    let get = |x: W| -> Result<HostTensor<'_>> { crate::source::require(src, &hf.of(x)) };
     let order = tiled_order(&d);
     let reorder = d.n_v_heads != d.n_k_heads;
     // Rows `start..` of a 2-D tensor: value heads of `rows_per_head` rows each → tiled.
@@ -919,8 +908,8 @@ pub(crate) fn hf_to_gguf(file: &ModelFile, cfg: &ModelConfig, dst: &std::path::P
         }
     }
     out.push((gg.of(W::OutputNorm), plus_one(&get(W::OutputNorm)?)?));
-    if let Some(t) = src.tensor(&hf.of(W::Output)) {
-        out.push((gg.of(W::Output), host(t)));
+    if src.has(&hf.of(W::Output)) {
+        out.push((gg.of(W::Output), get(W::Output)?));
     }
 
     for (name, t) in &out {

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use ferrite_backend::HostTensor;
 use ferrite_formats::gguf::GgufFile;
 use ferrite_formats::safetensors_dir::SafetensorsCheckpoint;
-use ferrite_formats::{FormatError, TensorSource, TensorView};
+use ferrite_formats::{FormatError, OwnedTensor, TensorSource, TensorView};
 
 use crate::config::{self, ModelConfig};
 
@@ -123,9 +123,10 @@ impl ModelFile {
         }
     }
 
-    /// The tensor, if present.
-    pub fn get(&self, t: Tensor) -> Option<HostTensor<'_>> {
-        self.tensors().tensor(&self.name(t)).map(host)
+    /// Whether the file stores this tensor (in any type: an optional weight stored as FP8
+    /// is present, and loading it converts it or names what is missing).
+    pub fn has(&self, t: Tensor) -> bool {
+        self.tensors().has(&self.name(t))
     }
 
     /// The tensor, with a clear error naming it when absent or stored in a type ferrite
@@ -186,22 +187,15 @@ impl ModelFile {
     pub fn hf_experts(&self, p: &str, n_experts: usize) -> Result<[HostTensor<'_>; 3]> {
         let src = self.tensors();
         let fused = format!("{p}.gate_up_proj");
-        match src.require_tensor(&fused) {
-            Ok(gu) => {
-                let down = require(src, &format!("{p}.down_proj"))?;
-                let [gate, up] = split_gate_up(gu)?;
-                return Ok([gate, up, down]);
-            }
-            // Not fused: stored per expert.
-            Err(FormatError::MissingTensor(_)) => {}
-            Err(e) => return Err(load_error(&fused, e)),
+        if src.has(&fused) {
+            let down = require(src, &format!("{p}.down_proj"))?;
+            let [gate, up] = split_gate_up(require(src, &fused)?)?;
+            return Ok([gate, up, down]);
         }
+        // Not fused: stored per expert.
         let stack = |w: &str| -> Result<HostTensor<'_>> {
-            let parts: Vec<TensorView<'_>> = (0..n_experts)
-                .map(|e| {
-                    let name = format!("{p}.{e}.{w}.weight");
-                    src.require_tensor(&name).map_err(|e| load_error(&name, e))
-                })
+            let parts: Vec<HostTensor<'_>> = (0..n_experts)
+                .map(|e| require(src, &format!("{p}.{e}.{w}.weight")))
                 .collect::<Result<_>>()?;
             stack_experts(&parts)
         };
@@ -227,11 +221,18 @@ pub(crate) fn check_shape(
 }
 
 /// Tensor `name` of `src`, or an error that says why there is none: absent, or stored in a
-/// type ferrite does not load (an FP8 or integer tensor of a safetensors checkpoint).
+/// type ferrite does not load (an integer tensor, or an FP8 weight without its block scales,
+/// of a safetensors checkpoint). An FP8 weight with its `_scale_inv` scales comes converted
+/// to BF16 ([`ferrite_formats::quant::fp8`]).
 pub(crate) fn require<'a>(src: &'a dyn TensorSource, name: &str) -> Result<HostTensor<'a>> {
-    src.require_tensor(name)
-        .map(host)
-        .map_err(|e| load_error(name, e))
+    match src.require_tensor(name) {
+        Ok(v) => Ok(host(v)),
+        Err(e @ FormatError::UnsupportedDtype { .. }) => match src.converted(name) {
+            Some(t) => t.map(owned).map_err(|e| load_error(name, e)),
+            None => Err(load_error(name, e)),
+        },
+        Err(e) => Err(load_error(name, e)),
+    }
 }
 
 /// [`require`], refused unless the tensor's row-major shape is `want` ([`check_shape`]).
@@ -252,7 +253,8 @@ fn load_error(name: &str, e: FormatError) -> anyhow::Error {
         FormatError::MissingTensor(_) => anyhow::anyhow!("model file has no tensor '{name}'"),
         FormatError::UnsupportedDtype { dtype, .. } => anyhow::anyhow!(
             "tensor '{name}' is stored as {dtype}, which ferrite cannot load from safetensors \
-             (it loads F32, F16 and BF16 there; quantized weights come as GGUF)"
+             (it loads F32, F16 and BF16 there, and F8_E4M3 weights with their \
+             '_scale_inv' block scales; quantized weights come as GGUF)"
         ),
         e => e.into(),
     }
@@ -266,8 +268,16 @@ pub(crate) fn host(v: TensorView<'_>) -> HostTensor<'_> {
     }
 }
 
+fn owned<'a>(t: OwnedTensor) -> HostTensor<'a> {
+    HostTensor {
+        dtype: t.dtype,
+        shape: t.shape,
+        data: Cow::Owned(t.data),
+    }
+}
+
 /// Concatenates per-expert `[n_out, n_in]` matrices into one `[n_experts, n_out, n_in]`.
-fn stack_experts<'a>(parts: &[TensorView<'_>]) -> Result<HostTensor<'a>> {
+fn stack_experts<'a>(parts: &[HostTensor<'_>]) -> Result<HostTensor<'a>> {
     let first = parts.first().context("no experts")?;
     let mut data = Vec::with_capacity(first.data.len() * parts.len());
     for p in parts {
@@ -275,10 +285,10 @@ fn stack_experts<'a>(parts: &[TensorView<'_>]) -> Result<HostTensor<'a>> {
             p.shape == first.shape && p.dtype == first.dtype,
             "experts differ in shape or type"
         );
-        data.extend_from_slice(p.data);
+        data.extend_from_slice(&p.data);
     }
     let mut shape = vec![parts.len()];
-    shape.extend_from_slice(first.shape);
+    shape.extend_from_slice(&first.shape);
     Ok(HostTensor {
         dtype: first.dtype,
         shape,
@@ -287,7 +297,7 @@ fn stack_experts<'a>(parts: &[TensorView<'_>]) -> Result<HostTensor<'a>> {
 }
 
 /// Splits a fused `[n_experts, 2*ffn, n_in]` gate/up tensor (gate rows first) in two.
-fn split_gate_up<'a>(gu: TensorView<'_>) -> Result<[HostTensor<'a>; 2]> {
+fn split_gate_up<'a>(gu: HostTensor<'_>) -> Result<[HostTensor<'a>; 2]> {
     let [e, two_f, n_in] = gu.shape[..] else {
         bail!(
             "fused gate_up_proj has shape {:?}, expected 3 dims",

@@ -3,11 +3,13 @@
 //! dequantized inside the dot product).
 //!
 //! One module per family: [`legacy`] (q4_0 q4_1 q8_0), [`k_quants`] (q4_K q5_K q6_K),
-//! [`float`] (f32 f16 bf16).
+//! [`float`] (f32 f16 bf16); [`fp8`] (E4M3 with block scales, the Hugging Face FP8
+//! checkpoints' weights: not a ggml type, converted to BF16 at load).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod float;
+pub mod fp8;
 pub mod k_quants;
 pub mod legacy;
 
