@@ -4,14 +4,14 @@
 Uses the numpy (de)quantizers of the `gguf` Python package (gguf-py, from llama.cpp),
 generated with gguf 0.19.0 / numpy 2.4.6 (the versions are also recorded in the output).
 
-For each type (f32 f16 bf16 q4_0 q4_1 q8_0 q4_K q5_K q6_K) it writes, with a fixed seed:
+For each type (f32 f16 bf16 q4_0 q4_1 q8_0 q4_K q5_K q6_K mxfp4) it writes, with a fixed seed:
 
 - `dequant`: N_BLOCKS random blocks (random bytes, except that f16 scale fields d/dmin/m
   are finite, sane values: random bits could be NaN/inf) and their f32 values from
   `gguf.quants.dequantize`;
 - `quant`: N_BLOCKS blocks' worth of f32 input (gaussian rows at several magnitudes plus
   edge cases: all zero, constant, single outlier, all positive, all negative) and, where
-  gguf-py implements the quantizer (f32 f16 bf16 q4_0 q4_1 q8_0; not the K-quants in
+  gguf-py implements the quantizer (f32 f16 bf16 q4_0 q4_1 q8_0 mxfp4; not the K-quants in
   0.19.0), the bytes of `gguf.quants.quantize`. The inputs are kept for every type so
   the Rust tests can also check round-trip error.
 
@@ -45,6 +45,8 @@ TYPES = [
     ("q4_K", T.Q4_K),
     ("q5_K", T.Q5_K),
     ("q6_K", T.Q6_K),
+    # Last, so that adding it left the other types' vectors unchanged.
+    ("mxfp4", T.MXFP4),
 ]
 
 # byte offsets of the f16 scale fields in each block (d, dmin/m); they get sane values
@@ -55,7 +57,12 @@ F16_FIELDS = {
     "q4_K": [0, 2],
     "q5_K": [0, 2],
     "q6_K": [208],
+    "mxfp4": [],
 }
+
+# byte offsets of E8M0 scale fields: exponents 2^-30 .. 2^10 (random bytes reach 2^128,
+# where the products overflow)
+E8M0_FIELDS = {"mxfp4": [0]}
 
 
 def sane_f16(rng, n):
@@ -87,6 +94,8 @@ def random_blocks(rng, name, qtype):
     blocks = rng.integers(0, 256, (N_BLOCKS, type_size), dtype=np.uint8)
     for off in F16_FIELDS[name]:
         blocks[:, off : off + 2] = sane_f16(rng, N_BLOCKS)
+    for off in E8M0_FIELDS.get(name, []):
+        blocks[:, off] = rng.integers(97, 138, N_BLOCKS, dtype=np.uint8)
     return blocks.reshape(-1), N_BLOCKS * block_size
 
 

@@ -942,7 +942,7 @@ fn describe(op: &Op) -> (&'static str, String) {
     }
 }
 
-const ALL_TYPES: [GgmlType; 9] = GgmlType::ALL;
+const ALL_TYPES: [GgmlType; 10] = GgmlType::ALL;
 
 /// Weight types of real model files, checked at the real shapes.
 const MAIN_TYPES: [GgmlType; 5] = [
@@ -2248,6 +2248,8 @@ fn synth_blocks(ty: GgmlType, row: &mut [u8], rng: &mut Rng) {
             }
             // ql[128] | qh[64] | scales[16] | d
             GgmlType::Q6K => put_f16(&mut b[208..210], sign * 0.0003 * u),
+            // e (E8M0) | qs[16]: a scale of 2^-9 .. 2^-6, weights up to ~0.09.
+            GgmlType::MXFP4 => b[0] = 118 + (rng.next() % 4) as u8,
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {}
         }
     }

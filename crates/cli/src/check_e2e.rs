@@ -180,7 +180,13 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
         Preset::TinyQwen35,
         Preset::TinyQwen35Moe,
     ] {
-        for quant in [SynthQuant::Q8_0, SynthQuant::F16, SynthQuant::Q4_K_M] {
+        // The MoE presets also as llama.cpp's MXFP4_MOE (MXFP4 experts).
+        let moe = matches!(preset, Preset::TinyQwen3Moe | Preset::TinyQwen35Moe);
+        let mxfp4 = moe.then_some(SynthQuant::MXFP4_MOE);
+        for quant in [SynthQuant::Q8_0, SynthQuant::F16, SynthQuant::Q4_K_M]
+            .into_iter()
+            .chain(mxfp4)
+        {
             let path = scratch.join(format!("{preset:?}-{quant:?}.gguf"));
             synth::synth(&SynthArgs {
                 preset,

@@ -125,6 +125,19 @@ pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
             );
         }
     }
+    if let (ModelFile::Gguf(g), Some(_)) = (file, be.device_memory()) {
+        let n = g
+            .tensor_infos()
+            .iter()
+            .filter(|t| t.dtype == ferrite_formats::GgmlType::MXFP4)
+            .count();
+        if n > 0 {
+            tracing::info!(
+                "{n} MXFP4 tensors: held on the GPU as BF16 (the same values; no MXFP4 \
+                 kernels yet)"
+            );
+        }
+    }
     let bar = ProgressBar::hidden();
     let model = Model::load(be, file, &|done, total| {
         if done == 1 && total > 4 {

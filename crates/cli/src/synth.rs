@@ -102,6 +102,9 @@ pub enum SynthQuant {
     /// the "use_more_bits" layers.
     #[value(name = "Q4_K_M")]
     Q4_K_M,
+    /// llama.cpp's MXFP4_MOE mix: the routed experts MXFP4, the other matrices Q8_0.
+    #[value(name = "MXFP4_MOE")]
+    MXFP4_MOE,
 }
 
 impl SynthQuant {
@@ -112,6 +115,7 @@ impl SynthQuant {
             SynthQuant::Q8_0 => 7,
             SynthQuant::Q4_K_M => 15,
             SynthQuant::BF16 => 32,
+            SynthQuant::MXFP4_MOE => 38,
         }
     }
     fn name(self) -> &'static str {
@@ -120,6 +124,7 @@ impl SynthQuant {
             SynthQuant::BF16 => "BF16",
             SynthQuant::Q8_0 => "Q8_0",
             SynthQuant::Q4_K_M => "Q4_K_M",
+            SynthQuant::MXFP4_MOE => "MXFP4_MOE",
         }
     }
 }
@@ -431,7 +436,8 @@ fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: u
         _ => match q {
             SynthQuant::F16 => GgmlType::F16,
             SynthQuant::BF16 => GgmlType::BF16,
-            SynthQuant::Q8_0 => GgmlType::Q8_0,
+            // The experts are set to MXFP4 by name ([`plan`]).
+            SynthQuant::Q8_0 | SynthQuant::MXFP4_MOE => GgmlType::Q8_0,
             SynthQuant::Q4_K_M => match role {
                 Role::Output => GgmlType::Q6K,
                 Role::AttnV if n_expert == 8 => GgmlType::Q8_0,
@@ -458,9 +464,25 @@ fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: u
 
 /// The tensors of the model, in file order.
 fn plan(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
-    if let Some(hy) = d.hybrid {
-        return plan_hybrid(d, &hy, vocab, q);
+    let mut p = match d.hybrid {
+        Some(hy) => plan_hybrid(d, &hy, vocab, q),
+        None => plan_layers(d, vocab, q),
+    };
+    if q == SynthQuant::MXFP4_MOE {
+        // llama.cpp's MXFP4_MOE: the routed experts' stacked matrices (`*_exps`) in MXFP4.
+        for t in &mut p {
+            let row = *t.shape.last().unwrap();
+            if t.name.ends_with("_exps.weight") && row.is_multiple_of(GgmlType::MXFP4.block_size())
+            {
+                t.dtype = GgmlType::MXFP4;
+            }
+        }
     }
+    p
+}
+
+/// [`plan`] of the models without linear-attention layers.
+fn plan_layers(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
     let mut v = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, role: Role, layer: usize| {
         let row = *shape.last().unwrap();
@@ -1310,9 +1332,13 @@ mod tests {
             SynthQuant::F16 => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::F16),
             SynthQuant::BF16 => assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::BF16),
             // Rows of 128 don't fit Q4_K/Q6_K blocks: Q8_0 fallback; rows of 256 do.
-            SynthQuant::Q8_0 | SynthQuant::Q4_K_M => {
+            SynthQuant::Q8_0 | SynthQuant::Q4_K_M | SynthQuant::MXFP4_MOE => {
                 assert_eq!(ty("blk.0.attn_q.weight"), GgmlType::Q8_0)
             }
+        }
+        if quant == SynthQuant::MXFP4_MOE && d.moe.is_some() {
+            assert_eq!(ty("blk.0.ffn_gate_exps.weight"), GgmlType::MXFP4);
+            assert_eq!(ty("blk.1.ffn_down_exps.weight"), GgmlType::MXFP4);
         }
         if let Some(m) = d.moe {
             assert_eq!(
@@ -1388,6 +1414,7 @@ mod tests {
                 SynthQuant::BF16,
                 SynthQuant::Q8_0,
                 SynthQuant::Q4_K_M,
+                SynthQuant::MXFP4_MOE,
             ] {
                 check_file(preset, quant, &t.0);
             }

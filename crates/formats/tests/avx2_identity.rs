@@ -59,6 +59,13 @@ fn random_row(t: GgmlType, n: usize, rng: &mut StdRng) -> Vec<u8> {
                 c.copy_from_slice(&half::bf16::from_f32(value(rng)).to_bits().to_le_bytes());
             }
         }
+        // e (E8M0, any exponent a real file holds: 2^-30 .. 2^10) | qs[16] (any bits)
+        GgmlType::MXFP4 => {
+            rng.fill(&mut row[..]);
+            for b in row.chunks_exact_mut(t.type_size()) {
+                b[0] = rng.random_range(97..=137);
+            }
+        }
         _ => {
             rng.fill(&mut row[..]);
             // scale fields: q4_0/q8_0 d at 0; q4_1 d, m at 0, 2; q4_K/q5_K d, dmin at 0, 2

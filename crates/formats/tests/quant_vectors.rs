@@ -5,7 +5,7 @@
 //! Checked here:
 //! - `dequantize` is bit-exact with gguf-py for every type (random blocks);
 //! - `quantize` is byte-exact with gguf-py where gguf-py has a quantizer (f32 f16 bf16 q4_0
-//!   q4_1 q8_0). gguf-py 0.19 has none for q4_K/q5_K/q6_K: those are only checked for
+//!   q4_1 q8_0 mxfp4). gguf-py 0.19 has none for q4_K/q5_K/q6_K: those are only checked for
 //!   round-trip error here (and by construction against ggml's C reference);
 //! - `dot` is within a rounding-error bound of an f64 dot of the dequantized row, and
 //!   `dot_many` is bit-identical to `dot`;
@@ -251,6 +251,8 @@ fn roundtrip_bound(t: GgmlType) -> f64 {
         GgmlType::Q4K => 0.105,  // 0.071
         GgmlType::Q5K => 0.055,  // 0.036
         GgmlType::Q6K => 0.027,  // 0.0177
+        // E2M1 codes: 2 significant bits, a power-of-two scale per 32 (0.115)
+        GgmlType::MXFP4 => 0.17,
     }
 }
 

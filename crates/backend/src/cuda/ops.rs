@@ -80,17 +80,31 @@ fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-/// Weights go to VRAM as stored; 1-D weights (norm scales) as f32.
+/// Weights go to VRAM as stored; 1-D weights (norm scales) as f32. MXFP4 weights, for which
+/// there are no kernels yet, go as BF16: every MXFP4 value (two significant bits times a
+/// power of two) is a BF16 number, so the kernels compute on exactly the stored weights, at
+/// BF16's size.
 pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
     let n = t.validate()?;
+    let f32s = |t: &HostTensor<'_>| -> Result<Vec<f32>> {
+        let mut f = vec![0f32; n];
+        quant::dequantize(t.dtype, &t.data, &mut f)?;
+        Ok(f)
+    };
     let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) =
         if t.shape.len() == 1 && t.dtype != GgmlType::F32 {
-            let mut f = vec![0f32; n];
-            quant::dequantize(t.dtype, &t.data, &mut f)?;
+            let f = f32s(t)?;
             (
                 GgmlType::F32,
                 Cow::Owned(f.iter().flat_map(|v| v.to_le_bytes()).collect()),
             )
+        } else if t.dtype == GgmlType::MXFP4 {
+            let f = f32s(t)?;
+            let bf: Vec<u8> = f
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect();
+            (GgmlType::BF16, Cow::Owned(bf))
         } else {
             (t.dtype, Cow::Borrowed(&t.data[..]))
         };

@@ -600,6 +600,8 @@ pub(super) unsafe fn dot_many(t: GgmlType, row: &[u8], xs: &[f32], n_in: usize, 
         GgmlType::Q4K => many_b256::<Q4K>(r, x, n_in, out, n_in / 256),
         GgmlType::Q5K => many_b256::<Q5K>(r, x, n_in, out, n_in / 256),
         GgmlType::Q6K => many_b256::<Q6K>(r, x, n_in, out, n_in / 256),
+        // No explicit kernel: the portable code (which LLVM vectorises) is the result.
+        GgmlType::MXFP4 => super::fp4::dot_many_mxfp4(row, xs, n_in, out),
     }
 }
 

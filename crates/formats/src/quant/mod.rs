@@ -3,12 +3,13 @@
 //! dequantized inside the dot product).
 //!
 //! One module per family: [`legacy`] (q4_0 q4_1 q8_0), [`k_quants`] (q4_K q5_K q6_K),
-//! [`float`] (f32 f16 bf16); [`fp8`] (E4M3 with block scales, the Hugging Face FP8
+//! [`float`] (f32 f16 bf16), [`fp4`] (mxfp4); [`fp8`] (E4M3 with block scales, the Hugging Face FP8
 //! checkpoints' weights: not a ggml type, converted to BF16 at load).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod float;
+pub mod fp4;
 pub mod fp8;
 pub mod k_quants;
 pub mod legacy;
@@ -27,10 +28,11 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     BF16,
+    MXFP4,
 }
 
 impl GgmlType {
-    pub const ALL: [GgmlType; 9] = [
+    pub const ALL: [GgmlType; 10] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -40,6 +42,7 @@ impl GgmlType {
         GgmlType::Q5K,
         GgmlType::Q6K,
         GgmlType::BF16,
+        GgmlType::MXFP4,
     ];
 
     /// The ggml type id (as stored in GGUF tensor infos).
@@ -54,6 +57,7 @@ impl GgmlType {
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::BF16 => 30,
+            GgmlType::MXFP4 => 39,
         }
     }
 
@@ -68,7 +72,7 @@ impl GgmlType {
     /// ggml's name for type id `id`, supported or not (`None` for ids ggml never had or
     /// has retired), for errors about files that use one ferrite does not load.
     pub fn name_of_id(id: u32) -> Option<&'static str> {
-        const NAMES: [(u32, &str); 32] = [
+        const NAMES: [(u32, &str); 33] = [
             (0, "f32"),
             (1, "f16"),
             (2, "q4_0"),
@@ -101,6 +105,7 @@ impl GgmlType {
             (34, "tq1_0"),
             (35, "tq2_0"),
             (39, "mxfp4"),
+            (40, "nvfp4"),
         ];
         NAMES.iter().find(|(i, _)| *i == id).map(|(_, n)| *n)
     }
@@ -117,6 +122,7 @@ impl GgmlType {
             GgmlType::Q5K => "q5_K",
             GgmlType::Q6K => "q6_K",
             GgmlType::BF16 => "bf16",
+            GgmlType::MXFP4 => "mxfp4",
         }
     }
 
@@ -124,7 +130,7 @@ impl GgmlType {
     pub fn block_size(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::MXFP4 => 32,
             GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 256,
         }
     }
@@ -140,6 +146,7 @@ impl GgmlType {
             GgmlType::Q4K => 2 + 2 + 12 + 128,
             GgmlType::Q5K => 2 + 2 + 12 + 32 + 128,
             GgmlType::Q6K => 128 + 64 + 16 + 2,
+            GgmlType::MXFP4 => fp4::MXFP4_BYTES,
         }
     }
 
@@ -297,6 +304,7 @@ macro_rules! blockwise {
 /// `t.bytes_for(out.len())`.
 pub fn dequantize(t: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
     check_len(t, out.len(), data.len())?;
+    use fp4::*;
     use k_quants::*;
     use legacy::*;
     match t {
@@ -309,6 +317,7 @@ pub fn dequantize(t: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
         GgmlType::Q4K => blockwise!(data, out, Q4_K_BYTES, QK_K, dequant_block_q4_k),
         GgmlType::Q5K => blockwise!(data, out, Q5_K_BYTES, QK_K, dequant_block_q5_k),
         GgmlType::Q6K => blockwise!(data, out, Q6_K_BYTES, QK_K, dequant_block_q6_k),
+        GgmlType::MXFP4 => blockwise!(data, out, MXFP4_BYTES, QK_MXFP4, dequant_block_mxfp4),
     }
     Ok(())
 }
@@ -320,6 +329,7 @@ pub fn dequantize(t: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
 /// `t.bytes_for(x.len())`. Allocation-free; one row at a time (callers parallelise over rows).
 pub fn quantize(t: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
     check_len(t, x.len(), out.len())?;
+    use fp4::*;
     use k_quants::*;
     use legacy::*;
     match t {
@@ -332,6 +342,7 @@ pub fn quantize(t: GgmlType, x: &[f32], out: &mut [u8]) -> Result<()> {
         GgmlType::Q4K => blockwise!(x, out, QK_K, Q4_K_BYTES, quant_block_q4_k),
         GgmlType::Q5K => blockwise!(x, out, QK_K, Q5_K_BYTES, quant_block_q5_k),
         GgmlType::Q6K => blockwise!(x, out, QK_K, Q6_K_BYTES, quant_block_q6_k),
+        GgmlType::MXFP4 => blockwise!(x, out, QK_MXFP4, MXFP4_BYTES, quant_block_mxfp4),
     }
     Ok(())
 }
@@ -388,6 +399,7 @@ fn dot_dispatch(t: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         GgmlType::Q4K => k_quants::dot_q4_k(row, x),
         GgmlType::Q5K => k_quants::dot_q5_k(row, x),
         GgmlType::Q6K => k_quants::dot_q6_k(row, x),
+        GgmlType::MXFP4 => fp4::dot_mxfp4(row, x),
     }
 }
 
@@ -437,5 +449,6 @@ fn dot_many_dispatch(t: GgmlType, row: &[u8], xs: &[f32], n_in: usize, out: &mut
         GgmlType::Q4K => k_quants::dot_many_q4_k(row, xs, n_in, out),
         GgmlType::Q5K => k_quants::dot_many_q5_k(row, xs, n_in, out),
         GgmlType::Q6K => k_quants::dot_many_q6_k(row, xs, n_in, out),
+        GgmlType::MXFP4 => fp4::dot_many_mxfp4(row, xs, n_in, out),
     }
 }

@@ -1,0 +1,159 @@
+//! MXFP4, the OCP microscaling FP4 type as ggml stores it (GGUF type 39; llama.cpp's
+//! `MXFP4_MOE` files hold their expert weights in it).
+//!
+//! Block layout (17 bytes for 32 weights):
+//!
+//! ```text
+//! mxfp4  17 B: e: u8 (E8M0) | qs: [u8; 16]   w[j]    = E2M1[qs[j] & 0xF] · 2^(e − 127)
+//!                                             w[j+16] = E2M1[qs[j] >> 4]  · 2^(e − 127)
+//! ```
+//!
+//! E2M1 codes are sign | 2 exponent bits | 1 mantissa bit: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+//! ggml keeps them doubled as integers (`kvalues_mxfp4`) and halves the scale instead
+//! (`GGML_E8M0_TO_FP32_HALF`: 2^(e − 128), subnormal for e < 2); the products are the same
+//! exact numbers, and this module evaluates ggml's expressions (an i8 times the half scale,
+//! in f32), so dequantization is bit-exact with `dequantize_row_mxfp4`. Nibble order as in
+//! q4_0: low nibbles the first half of the block, high nibbles the second.
+//!
+//! Every MXFP4 weight has at most two significant bits, so it is exactly representable in
+//! BF16 (same exponent range as f32): a backend without MXFP4 kernels may run the weights as
+//! BF16 and compute on the very same values.
+
+use super::{dot_impl, dot_many_impl};
+
+pub const QK_MXFP4: usize = 32;
+pub const MXFP4_BYTES: usize = 1 + QK_MXFP4 / 2;
+
+/// ggml's `kvalues_mxfp4`: the E2M1 values times two, by code.
+pub const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// `GGML_E8M0_TO_FP32_HALF`: 2^(e − 128) as an f32 (subnormal for e = 0 and 1).
+#[inline(always)]
+pub fn e8m0_to_f32_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        u32::from(e - 1) << 23
+    };
+    f32::from_bits(bits)
+}
+
+#[inline(always)]
+pub(crate) fn dequant_block_mxfp4(b: &[u8; MXFP4_BYTES], out: &mut [f32; QK_MXFP4]) {
+    let d = e8m0_to_f32_half(b[0]);
+    let (lo, hi) = out.split_at_mut(QK_MXFP4 / 2);
+    for ((q, o0), o1) in b[1..].iter().zip(lo).zip(hi) {
+        *o0 = f32::from(KVALUES_MXFP4[usize::from(q & 0xF)]) * d;
+        *o1 = f32::from(KVALUES_MXFP4[usize::from(q >> 4)]) * d;
+    }
+}
+
+/// ggml's `best_index_mxfp4`: the first code whose value is nearest `x` (strict `<`).
+#[inline(always)]
+fn best_index(x: f32, d: f32) -> u8 {
+    let mut best = 0u8;
+    let mut best_err = (f32::from(KVALUES_MXFP4[0]) * d - x).abs();
+    for (i, &k) in KVALUES_MXFP4.iter().enumerate().skip(1) {
+        let err = (f32::from(k) * d - x).abs();
+        if err < best_err {
+            best = i as u8;
+            best_err = err;
+        }
+    }
+    best
+}
+
+/// `quantize_row_mxfp4_ref`: e = ⌊log2 amax⌋ − 2 + 127 (0 for an all-zero block), each
+/// weight the nearest code. ggml casts the exponent with C's `(uint8_t)`, undefined outside
+/// 0..=255; here it saturates (only blocks with amax < 2⁻¹²⁵ or > 2¹²⁸ reach that).
+pub(crate) fn quant_block_mxfp4(x: &[f32; QK_MXFP4], out: &mut [u8; MXFP4_BYTES]) {
+    let mut amax = 0.0f32;
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+        }
+    }
+    let e = if amax > 0.0 {
+        (amax.log2().floor() - 2.0 + 127.0) as u8
+    } else {
+        0
+    };
+    let d = e8m0_to_f32_half(e);
+    out[0] = e;
+    for j in 0..QK_MXFP4 / 2 {
+        out[1 + j] = best_index(x[j], d) | (best_index(x[j + QK_MXFP4 / 2], d) << 4);
+    }
+}
+
+#[inline(always)]
+pub(crate) fn dot_mxfp4(row: &[u8], x: &[f32]) -> f32 {
+    dot_impl(row, x, dequant_block_mxfp4)
+}
+
+#[inline(always)]
+pub(crate) fn dot_many_mxfp4(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32]) {
+    dot_many_impl(row, xs, n_in, out, dequant_block_mxfp4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The E2M1 value of a code from its bit fields (sign, 2 exponent bits with bias 1,
+    /// 1 mantissa bit; exponent 0 subnormal), independent of the table.
+    fn e2m1(code: u8) -> f32 {
+        let sign = if code & 8 != 0 { -1.0 } else { 1.0 };
+        let (exp, man) = ((code >> 1) & 3, f32::from(code & 1));
+        sign * if exp == 0 {
+            man * 0.5
+        } else {
+            (1.0 + man * 0.5) * f32::powi(2.0, i32::from(exp) - 1)
+        }
+    }
+
+    #[test]
+    fn table_and_scale_are_the_ocp_values() {
+        for c in 0..16u8 {
+            assert_eq!(
+                f32::from(KVALUES_MXFP4[usize::from(c)]) * 0.5,
+                e2m1(c),
+                "{c}"
+            );
+        }
+        for e in 0..=254u8 {
+            // 2^(e − 127) / 2, subnormals included.
+            assert_eq!(
+                e8m0_to_f32_half(e) as f64,
+                2f64.powi(i32::from(e) - 128),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn blocks_decode_and_round_trip() {
+        // A hand-built block: scale 2^(130 − 127) = 8, codes 0..15 then 15..0.
+        let mut b = [0u8; MXFP4_BYTES];
+        b[0] = 130;
+        for j in 0..16 {
+            b[1 + j] = (j as u8) | ((15 - j as u8) << 4);
+        }
+        let mut w = [0f32; QK_MXFP4];
+        dequant_block_mxfp4(&b, &mut w);
+        for j in 0..16 {
+            assert_eq!(w[j], e2m1(j as u8) * 8.0);
+            assert_eq!(w[j + 16], e2m1(15 - j as u8) * 8.0);
+        }
+        // Values on the grid quantize back to themselves (the block's largest magnitude,
+        // 6 · 8 = 48, gives e = ⌊log2 48⌋ − 2 + 127 = 130).
+        let mut q = [0u8; MXFP4_BYTES];
+        quant_block_mxfp4(&w, &mut q);
+        let mut back = [0f32; QK_MXFP4];
+        dequant_block_mxfp4(&q, &mut back);
+        assert_eq!(back, w);
+        assert_eq!(q[0], 130);
+        // An all-zero block.
+        quant_block_mxfp4(&[0.0; QK_MXFP4], &mut q);
+        assert_eq!(q, [0u8; MXFP4_BYTES]);
+    }
+}
