@@ -117,12 +117,14 @@ pub fn open(args: &ModelArgs) -> Result<(std::path::PathBuf, ModelFile)> {
 pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
     let t0 = Instant::now();
     if let ModelFile::Safetensors(c) = file {
-        let infos = c.tensor_infos();
-        let fp8 = infos.iter().filter(|t| c.is_fp8_weight(&t.name)).count();
-        if fp8 > 0 {
-            tracing::info!(
-                "{fp8} FP8 (E4M3) weights with block scales: converted to BF16 as they load"
-            );
+        let mut forms = std::collections::BTreeMap::new();
+        for t in c.tensor_infos() {
+            if let Some(f) = c.quantized_form(&t.name) {
+                *forms.entry(f.name()).or_insert(0usize) += 1;
+            }
+        }
+        for (what, n) in forms {
+            tracing::info!("{n} {what} weights: converted to BF16 as they load");
         }
     }
     if let (ModelFile::Gguf(g), Some(_)) = (file, be.device_memory()) {

@@ -136,9 +136,10 @@ pub fn info(a: &InfoArgs) -> Result<()> {
             (Some(t), _) => (t.dtype.name().to_string(), t.data.len()),
             (None, ModelFile::Safetensors(c)) => match c.tensor_info(n) {
                 // Uploaded as BF16: two bytes an element.
-                Some(i) if c.is_fp8_weight(n) => {
-                    (format!("{} (BF16 at load)", i.dtype), 2 * i.n_bytes())
-                }
+                Some(i) if c.quantized_form(n).is_some() => (
+                    format!("{} (BF16 at load)", i.dtype),
+                    2 * c.converted_elements(n).unwrap_or(0),
+                ),
                 Some(i) => (format!("{} (not loadable)", i.dtype), i.n_bytes()),
                 None => continue,
             },

@@ -147,7 +147,7 @@ fn info_describes_checkpoint() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(
-        err.contains("1 FP8 (E4M3) weights with block scales: converted to BF16"),
+        err.contains("1 FP8 (E4M3, block scales) weights: converted to BF16 as they load"),
         "{err}"
     );
 }

@@ -26,6 +26,30 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// How a quantized weight of a checkpoint is stored (each converted to BF16 at load).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantizedForm {
+    /// E4M3 codes, F32/BF16/F16 `_scale_inv` per `weight_block_size` tile ("fine-grained
+    /// FP8": Qwen's and DeepSeek's FP8 releases).
+    Fp8Blocks,
+    /// E4M3 codes, a `_scale` per tensor or per row (ModelOpt FP8, compressed-tensors FP8).
+    Fp8Scaled,
+    /// ModelOpt NVFP4: E2M1 codes two a byte, an E4M3 `_scale` per 16 weights, an f32
+    /// `_scale_2` per tensor.
+    Nvfp4,
+}
+
+impl QuantizedForm {
+    /// For logs: "NVFP4", "FP8 (E4M3, block scales)", ...
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantizedForm::Fp8Blocks => "FP8 (E4M3, block scales)",
+            QuantizedForm::Fp8Scaled => "FP8 (E4M3)",
+            QuantizedForm::Nvfp4 => "NVFP4",
+        }
+    }
+}
+
 /// One tensor of a checkpoint.
 #[derive(Clone, Debug)]
 pub struct SafetensorsTensorInfo {
@@ -270,12 +294,35 @@ impl SafetensorsCheckpoint {
     pub fn tensor_info(&self, name: &str) -> Option<&SafetensorsTensorInfo> {
         self.index.get(name).map(|&i| &self.tensors[i])
     }
-    /// Whether tensor `name` is an FP8 (E4M3) weight stored with its `_scale_inv` block
-    /// scales, which [`TensorSource::converted`] hands out as BF16.
-    pub fn is_fp8_weight(&self, name: &str) -> bool {
-        self.tensor_info(name)
-            .is_some_and(|t| t.dtype == Dtype::F8_E4M3)
-            && self.index.contains_key(&format!("{name}_scale_inv"))
+    /// The quantized form tensor `name` is stored in, if it is a weight that
+    /// [`TensorSource::converted`] hands out as BF16: an FP8 (E4M3) weight with `_scale_inv`
+    /// block scales or a `_scale` (one a tensor or a row), or an NVFP4 weight (packed bytes
+    /// with E4M3 `_scale` and an f32 `_scale_2`, ModelOpt's layout).
+    pub fn quantized_form(&self, name: &str) -> Option<QuantizedForm> {
+        let info = self.tensor_info(name)?;
+        let dtype = |suffix: &str| {
+            self.tensor_info(&format!("{name}{suffix}"))
+                .map(|t| t.dtype)
+        };
+        match info.dtype {
+            Dtype::F8_E4M3 if dtype("_scale_inv").is_some() => Some(QuantizedForm::Fp8Blocks),
+            Dtype::F8_E4M3 if dtype("_scale").is_some() => Some(QuantizedForm::Fp8Scaled),
+            Dtype::U8 if dtype("_scale") == Some(Dtype::F8_E4M3) && dtype("_scale_2").is_some() => {
+                Some(QuantizedForm::Nvfp4)
+            }
+            _ => None,
+        }
+    }
+    /// Elements of weight `name` once converted (`None` unless [`Self::quantized_form`]):
+    /// NVFP4 packs two a byte.
+    pub fn converted_elements(&self, name: &str) -> Option<usize> {
+        let form = self.quantized_form(name)?;
+        let n: usize = self.tensor_info(name)?.shape.iter().product();
+        Some(if form == QuantizedForm::Nvfp4 {
+            2 * n
+        } else {
+            n
+        })
     }
     /// The stored bytes of any tensor, whatever its dtype (FP8 weights, I64 buffers, ...).
     pub fn raw_tensor(&self, name: &str) -> Option<(&SafetensorsTensorInfo, &[u8])> {
@@ -402,40 +449,113 @@ impl TensorSource for SafetensorsCheckpoint {
         self.index.contains_key(name)
     }
     fn converted(&self, name: &str) -> Option<Result<OwnedTensor>> {
+        let form = self.quantized_form(name)?;
         let (info, codes) = self.raw_tensor(name)?;
-        if info.dtype != Dtype::F8_E4M3 {
-            return None;
-        }
-        let scale_name = format!("{name}_scale_inv");
-        let (sinfo, sbytes) = self.raw_tensor(&scale_name)?;
+        // `quantized_form` found the companions; an error rather than a panic all the same.
+        let companion = |n: &str| {
+            self.raw_tensor(n)
+                .ok_or_else(|| FormatError::MissingTensor(n.to_owned()))
+        };
         let convert = || -> Result<OwnedTensor> {
-            let scales = scales_f32(&scale_name, sinfo, sbytes)?;
             let n = info.shape.len();
-            // No block size in config.json: only a scale per matrix (one tile) is unambiguous.
-            let block = match self.fp8_block {
-                Some(b) => b,
-                None if n >= 2 && sinfo.shape[sinfo.shape.len().saturating_sub(2)..] == [1, 1] => {
-                    [info.shape[n - 2], info.shape[n - 1]]
-                }
-                None => {
+            let fp8 = |scale_name: &str,
+                       per_tile: bool,
+                       block_of: &dyn Fn(&[usize]) -> Result<[usize; 2]>| {
+                let (sinfo, sbytes) = companion(scale_name)?;
+                let scales = scales_f32(scale_name, sinfo, sbytes)?;
+                let block = block_of(&sinfo.shape)?;
+                // The tile grid's shape: the weight's leading dims, then the tiles.
+                let mut grid = info.shape[..n.saturating_sub(2)].to_vec();
+                grid.extend(
+                    info.shape[n.saturating_sub(2)..]
+                        .iter()
+                        .zip(block)
+                        .map(|(d, b)| d.div_ceil(b)),
+                );
+                if !per_tile && scales.len() != grid.iter().product::<usize>() {
                     return Err(FormatError::BadTensor {
                         name: name.to_owned(),
                         what: format!(
-                            "FP8 weight with block scales of shape {:?}, but config.json's \
-                             quantization_config gives no weight_block_size",
-                            sinfo.shape
+                            "FP8 weight of shape {:?}: its scales of shape {:?} are neither one \
+                             per tensor nor one per row",
+                            info.shape, sinfo.shape
                         ),
+                    });
+                }
+                // Block scales are stored in the grid's shape (a transposed grid of as many
+                // tiles is refused there); a scale per tensor or per row in any of the shapes
+                // writers use ([], [1], [rows], [rows, 1]).
+                let stored = if per_tile { &sinfo.shape } else { &grid };
+                crate::quant::fp8::dequantize_block_scaled_bf16(
+                    name,
+                    codes,
+                    &info.shape,
+                    &scales,
+                    stored,
+                    block,
+                )
+            };
+            let data = match form {
+                QuantizedForm::Fp8Blocks => fp8(&format!("{name}_scale_inv"), true, &|sshape| {
+                    match self.fp8_block {
+                        Some(b) => Ok(b),
+                        // No block size in config.json: only one scale a matrix is unambiguous.
+                        None if n >= 2
+                            && sshape.iter().product::<usize>()
+                                == sshape[..sshape.len().saturating_sub(2)]
+                                    .iter()
+                                    .product::<usize>() =>
+                        {
+                            Ok([info.shape[n - 2], info.shape[n - 1]])
+                        }
+                        None => Err(FormatError::BadTensor {
+                            name: name.to_owned(),
+                            what: format!(
+                                "FP8 weight with block scales of shape {sshape:?}, but \
+                                 config.json's quantization_config gives no weight_block_size"
+                            ),
+                        }),
+                    }
+                })?,
+                // ModelOpt FP8 (one scale a tensor) and compressed-tensors FP8 (one a tensor
+                // or one a row).
+                QuantizedForm::Fp8Scaled => fp8(&format!("{name}_scale"), false, &|sshape| {
+                    let per_row = sshape.iter().product::<usize>() > 1;
+                    Ok(match (n >= 2, per_row) {
+                        (true, true) => [1, info.shape[n - 1]],
+                        (true, false) => [info.shape[n - 2], info.shape[n - 1]],
+                        (false, _) => [1, 1],
                     })
+                })?,
+                QuantizedForm::Nvfp4 => {
+                    let (sinfo, sbytes) = companion(&format!("{name}_scale"))?;
+                    let g_name = format!("{name}_scale_2");
+                    let (ginfo, gbytes) = companion(&g_name)?;
+                    let global = scales_f32(&g_name, ginfo, gbytes)?;
+                    let [global] = global[..] else {
+                        return Err(FormatError::BadTensor {
+                            name: g_name,
+                            what: format!(
+                                "NVFP4 global scale of shape {:?}, expected one value",
+                                ginfo.shape
+                            ),
+                        });
+                    };
+                    let (data, shape) = crate::quant::fp4::nvfp4_to_bf16(
+                        name,
+                        codes,
+                        &info.shape,
+                        sbytes,
+                        &sinfo.shape,
+                        global,
+                    )?;
+                    return Ok(OwnedTensor {
+                        dtype: GgmlType::BF16,
+                        shape,
+                        data,
+                    });
                 }
             };
-            let data = crate::quant::fp8::dequantize_block_scaled_bf16(
-                name,
-                codes,
-                &info.shape,
-                &scales,
-                &sinfo.shape,
-                block,
-            )?;
             Ok(OwnedTensor {
                 dtype: GgmlType::BF16,
                 shape: info.shape.clone(),

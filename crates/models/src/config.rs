@@ -287,25 +287,37 @@ fn from_gguf_qwen35(f: &GgufFile, arch: Arch, vocab: usize) -> Result<ModelConfi
     Ok(cfg)
 }
 
-/// A checkpoint's `quantization_config`, if any, must be one ferrite loads: "fp8" (E4M3
-/// weights with `_scale_inv` block scales, converted to BF16 at load). Other methods store
-/// their weights under other names and types (AWQ's `qweight`, compressed-tensors' packed
-/// ints), which would otherwise surface as a missing tensor at the first layer.
+/// A checkpoint's `quantization_config`, if any, must be one ferrite loads (converting the
+/// weights to BF16 at load): "fp8" (E4M3 weights with `_scale_inv` block scales), "modelopt"
+/// with `quant_algo` "FP8" or "NVFP4", or "compressed-tensors" in its "float-quantized"
+/// format (E4M3 with a scale per tensor or row). Other methods store their weights under
+/// other names and types (AWQ's `qweight`, packed integers), which would otherwise surface as
+/// a missing tensor at the first layer.
 fn check_quantization(config: &serde_json::Value) -> Result<()> {
     let Some(q) = config.get("quantization_config").filter(|q| !q.is_null()) else {
         return Ok(());
     };
-    let method = q
-        .get("quant_method")
-        .and_then(|m| m.as_str())
-        .unwrap_or("(no quant_method)");
+    let field = |k: &str| q.get(k).and_then(|m| m.as_str());
+    let method = field("quant_method").unwrap_or("(no quant_method)");
+    let supported = match method {
+        "fp8" => true,
+        "modelopt" => matches!(field("quant_algo"), Some("FP8" | "NVFP4")),
+        "compressed-tensors" => field("format") == Some("float-quantized"),
+        _ => false,
+    };
     anyhow::ensure!(
-        method == "fp8",
-        "config.json: the checkpoint is quantized with '{method}', which ferrite does not load \
-         (from safetensors it loads unquantized checkpoints and FP8 ones with block scales, \
-         quant_method \"fp8\"; other quantizations load as GGUF)"
+        supported,
+        "config.json: the checkpoint is quantized with '{method}'{}, which ferrite does not \
+         load (from safetensors it loads unquantized checkpoints and FP8 or NVFP4 ones: \
+         quant_method \"fp8\", \"modelopt\" FP8 / NVFP4, compressed-tensors \
+         \"float-quantized\"; other quantizations load as GGUF)",
+        match (field("quant_algo"), field("format")) {
+            (Some(a), _) => format!(" ({a})"),
+            (None, Some(f)) => format!(" (format '{f}')"),
+            _ => String::new(),
+        }
     );
-    if let Some(f) = q.get("fmt").and_then(|f| f.as_str()) {
+    if let Some(f) = field("fmt") {
         anyhow::ensure!(
             f == "e4m3",
             "config.json: FP8 checkpoint in format '{f}'; ferrite loads E4M3 (fmt \"e4m3\")"

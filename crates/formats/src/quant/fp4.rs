@@ -20,6 +20,7 @@
 //! BF16 and compute on the very same values.
 
 use super::{dot_impl, dot_many_impl};
+use crate::{FormatError, Result};
 
 pub const QK_MXFP4: usize = 32;
 pub const MXFP4_BYTES: usize = 1 + QK_MXFP4 / 2;
@@ -95,6 +96,62 @@ pub(crate) fn dot_many_mxfp4(row: &[u8], xs: &[f32], n_in: usize, out: &mut [f32
     dot_many_impl(row, xs, n_in, out, dequant_block_mxfp4)
 }
 
+/// Weights per NVFP4 scale.
+pub const NVFP4_GROUP: usize = 16;
+
+/// Dequantizes an NVFP4 weight as NVIDIA's ModelOpt checkpoints store it to BF16
+/// (little-endian bytes). `packed` holds two E2M1 codes a byte, the element of even index
+/// in the low nibble, in a row-major `[…, rows, cols / 2]` tensor (`packed_shape`); `scales`
+/// one E4M3 code per 16 weights of a row (`[…, rows, cols / 16]`), and `global` the tensor's
+/// `weight_scale_2`. A weight is `E2M1 · e4m3(scale) · global`: the first product is exact
+/// (six significant bits), the second is rounded to f32 and then to BF16 (nearest-even).
+/// Returns the bytes and the weight's shape (`cols` = twice the packed width).
+pub fn nvfp4_to_bf16(
+    name: &str,
+    packed: &[u8],
+    packed_shape: &[usize],
+    scales: &[u8],
+    scale_shape: &[usize],
+    global: f32,
+) -> Result<(Vec<u8>, Vec<usize>)> {
+    let bad = |what: String| FormatError::BadTensor {
+        name: name.to_owned(),
+        what,
+    };
+    let Some((&half_cols, lead)) = packed_shape.split_last() else {
+        return Err(bad("NVFP4 weight with no dimensions".into()));
+    };
+    let cols = 2 * half_cols;
+    let mut shape = lead.to_vec();
+    shape.push(cols);
+    let mut want = lead.to_vec();
+    want.push(cols.div_ceil(NVFP4_GROUP));
+    if scale_shape != want.as_slice() || packed.len() != shape.iter().product::<usize>() / 2 {
+        return Err(bad(format!(
+            "NVFP4 weight of packed shape {packed_shape:?} needs E4M3 scales of shape \
+             {want:?} (one per {NVFP4_GROUP} weights), found {scale_shape:?}"
+        )));
+    }
+    if !global.is_finite() {
+        return Err(bad(format!("NVFP4 global scale {global} is not finite")));
+    }
+    if let Some(i) = scales.iter().position(|&c| c & 0x7f == 0x7f) {
+        return Err(bad(format!("NVFP4 scale {i} is NaN")));
+    }
+    let groups = want.last().copied().unwrap_or(0);
+    let mut out = Vec::with_capacity(packed.len() * 4);
+    for (i, &b) in packed.iter().enumerate() {
+        let (row, c) = (i / half_cols, 2 * (i % half_cols));
+        let s = super::fp8::e4m3_to_f32(scales[row * groups + c / NVFP4_GROUP]);
+        for (nib, col) in [(b & 0xF, c), (b >> 4, c + 1)] {
+            debug_assert_eq!(col / NVFP4_GROUP, c / NVFP4_GROUP);
+            let v = f32::from(KVALUES_MXFP4[usize::from(nib)]) * 0.5 * s * global;
+            out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+        }
+    }
+    Ok((out, shape))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +185,33 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn nvfp4_weights_decode() {
+        // One row of 32 weights (two groups) packed in 16 bytes: element 2j in the low
+        // nibble of byte j. Group scales 2 and 0.5 (E4M3 0x40 and 0x30), global 0.25.
+        let packed: Vec<u8> = (0..16u8).map(|j| j | ((15 - j) << 4)).collect();
+        let (out, shape) =
+            nvfp4_to_bf16("w", &packed, &[1, 16], &[0x40, 0x30], &[1, 2], 0.25).unwrap();
+        assert_eq!(shape, vec![1, 32]);
+        for c in 0..32 {
+            let code = if c % 2 == 0 {
+                (c / 2) as u8
+            } else {
+                15 - (c / 2) as u8
+            };
+            let s = if c < 16 { 2.0 } else { 0.5 };
+            let got = half::bf16::from_le_bytes([out[2 * c], out[2 * c + 1]]).to_f32();
+            assert_eq!(got, e2m1(code) * s * 0.25, "{c}");
+        }
+        let e = nvfp4_to_bf16("w", &packed, &[1, 16], &[0x40], &[1, 1], 1.0).unwrap_err();
+        assert!(
+            format!("{e}").contains("needs E4M3 scales of shape [1, 2]"),
+            "{e}"
+        );
+        let e = nvfp4_to_bf16("w", &packed, &[1, 16], &[0x40, 0x7f], &[1, 2], 1.0).unwrap_err();
+        assert!(format!("{e}").contains("scale 1 is NaN"), "{e}");
     }
 
     #[test]
