@@ -80,6 +80,15 @@ fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
     }
 }
 
+/// The type a weight of type `t` is held in on the device: as stored, except MXFP4 (no
+/// kernels yet), held as BF16 ([`upload`]).
+pub(crate) fn device_type(t: GgmlType) -> GgmlType {
+    match t {
+        GgmlType::MXFP4 => GgmlType::BF16,
+        t => t,
+    }
+}
+
 /// Weights go to VRAM as stored; 1-D weights (norm scales) as f32. MXFP4 weights, for which
 /// there are no kernels yet, go as BF16: every MXFP4 value (two significant bits times a
 /// power of two) is a BF16 number, so the kernels compute on exactly the stored weights, at
@@ -98,7 +107,8 @@ pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
                 GgmlType::F32,
                 Cow::Owned(f.iter().flat_map(|v| v.to_le_bytes()).collect()),
             )
-        } else if t.dtype == GgmlType::MXFP4 {
+        } else if device_type(t.dtype) != t.dtype {
+            // Held as BF16 (the only type `device_type` maps to), decoded exactly.
             let f = f32s(t)?;
             let bf: Vec<u8> = f
                 .iter()
