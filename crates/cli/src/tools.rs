@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ferrite_formats::GgmlType;
 use ferrite_models::{Logits, ModelFile};
 
 use crate::load;
@@ -125,22 +126,29 @@ pub fn info(a: &InfoArgs) -> Result<()> {
         }
         Err(e) => println!("architecture:  not runnable: {e:#}"),
     }
-    // Per-type tensor counts and bytes.
+    // Per-type tensor counts and stored bytes, and the bytes the weights take on a GPU.
     let src = file.tensors();
     let mut by_type: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let mut held = 0usize;
     let names = src.tensor_names();
     for n in &names {
-        // A safetensors tensor of a type ferrite does not compute with (FP8, integers) is
-        // listed but not a view: counted under its stored type, marked.
-        let (ty, bytes) = match (src.tensor(n), &file) {
-            (Some(t), _) => (t.dtype.name().to_string(), t.data.len()),
+        // A safetensors tensor of a type ferrite does not compute with (integers, an FP8
+        // weight without its scales) is listed but not a view: counted under its stored
+        // type, marked. Converted weights (FP8, NVFP4) and MXFP4 are held as BF16.
+        let (ty, bytes, on_gpu) = match (src.tensor(n), &file) {
+            (Some(t), _) if t.dtype == GgmlType::MXFP4 => (
+                format!("{} (BF16 on a GPU)", t.dtype.name()),
+                t.data.len(),
+                2 * t.n_elements(),
+            ),
+            (Some(t), _) => (t.dtype.name().to_string(), t.data.len(), t.data.len()),
             (None, ModelFile::Safetensors(c)) => match c.tensor_info(n) {
-                // Uploaded as BF16: two bytes an element.
                 Some(i) if c.quantized_form(n).is_some() => (
                     format!("{} (BF16 at load)", i.dtype),
+                    i.n_bytes(),
                     2 * c.converted_elements(n).unwrap_or(0),
                 ),
-                Some(i) => (format!("{} (not loadable)", i.dtype), i.n_bytes()),
+                Some(i) => (format!("{} (not loadable)", i.dtype), i.n_bytes(), 0),
                 None => continue,
             },
             (None, ModelFile::Gguf(_)) => continue,
@@ -148,16 +156,18 @@ pub fn info(a: &InfoArgs) -> Result<()> {
         let e = by_type.entry(ty).or_default();
         e.0 += 1;
         e.1 += bytes;
+        held += on_gpu;
     }
     let total: usize = by_type.values().map(|v| v.1).sum();
     if let Ok(c) = file.config() {
-        // What a GPU needs: the weights as stored, plus an f16 KV cache per token for the
-        // full-attention layers (a hybrid's linear-attention layers keep a fixed-size state).
+        // What a GPU needs: the weights as it holds them, plus an f16 KV cache per token for
+        // the full-attention layers (a hybrid's linear-attention layers keep a fixed-size
+        // state).
         let full_layers = c.hybrid.as_ref().map_or(c.n_layers, |h| h.counts().1);
         let kv_per_1k = 1000 * full_layers * 2 * c.attn.n_kv_heads * c.attn.head_dim * 2;
         println!(
             "VRAM:          {:.2} GiB of weights + {:.1} MiB of f16 KV cache per 1000 tokens",
-            total as f64 / (1u64 << 30) as f64,
+            held as f64 / (1u64 << 30) as f64,
             kv_per_1k as f64 / (1 << 20) as f64
         );
     }

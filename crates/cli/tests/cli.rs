@@ -130,7 +130,11 @@ fn info_describes_checkpoint() {
     safetensors::serialize_to_file(tensors, None, &dir.join("model.safetensors")).unwrap();
     let out = ferrite(&["info", "--model", dir.to_str().unwrap()]);
     let s = String::from_utf8_lossy(&out.stdout);
-    assert!(s.contains("F8_E4M3 (BF16 at load)      1 tensors"), "{s}");
+    // Listed with its stored bytes (one a weight: 16 KiB).
+    assert!(
+        s.contains("F8_E4M3 (BF16 at load)      1 tensors         0.02 MiB"),
+        "{s}"
+    );
     let logits = dir.join("logits.safetensors");
     let out = ferrite(&[
         "logits",
