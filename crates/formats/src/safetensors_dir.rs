@@ -6,10 +6,10 @@
 //! byte length). BF16/F16/F32 tensors are handed out as [`TensorView`]s; tensors in other
 //! dtypes (I64 position ids, FP8 weights, U8 packed data, ...) stay listed with their
 //! safetensors dtype and can be read raw, but [`TensorSource::tensor`] does not return them
-//! and [`TensorSource::require_tensor`] names the dtype. The exception is an FP8 (E4M3)
-//! weight with its `_scale_inv` block scales (the "fine-grained FP8" checkpoints:
-//! `quantization_config.quant_method = "fp8"`): [`TensorSource::converted`] returns it as
-//! BF16 ([`crate::quant::fp8`]).
+//! and [`TensorSource::require_tensor`] names the dtype. The exceptions are the quantized
+//! weights of FP8 and NVFP4 checkpoints stored with their scales ([`QuantizedForm`]):
+//! [`TensorSource::converted`] returns them as BF16 ([`crate::quant::fp8`],
+//! [`crate::quant::fp4`]).
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -382,6 +382,53 @@ fn scales_f32(name: &str, info: &SafetensorsTensorInfo, bytes: &[u8]) -> Result<
     Ok(v)
 }
 
+/// The tile of an FP8 weight's `_scale_inv` block scales: config.json's
+/// `weight_block_size`, or, where it gives none, the whole matrix when there is one scale a
+/// matrix (any other grid would be a guess).
+fn fp8_tile(
+    name: &str,
+    shape: &[usize],
+    scale_shape: &[usize],
+    configured: Option<[usize; 2]>,
+) -> Result<[usize; 2]> {
+    let n = shape.len();
+    let lead = |s: &[usize]| s[..s.len().saturating_sub(2)].iter().product::<usize>();
+    match configured {
+        Some(b) => Ok(b),
+        None if n >= 2 && scale_shape.iter().product::<usize>() == lead(scale_shape) => {
+            Ok([shape[n - 2], shape[n - 1]])
+        }
+        None => Err(FormatError::BadTensor {
+            name: name.to_owned(),
+            what: format!(
+                "FP8 weight with block scales of shape {scale_shape:?}, but config.json's \
+                 quantization_config gives no weight_block_size"
+            ),
+        }),
+    }
+}
+
+/// The tile and the tile grid of an FP8 weight of a 2-D `shape` whose `_scale` is one a
+/// tensor or one a row, in any of the shapes writers use ([], [1], [rows], [rows, 1]).
+fn scale_per_tensor_or_row(
+    name: &str,
+    shape: &[usize],
+    scale_shape: &[usize],
+) -> Result<([usize; 2], Vec<usize>)> {
+    let count: usize = scale_shape.iter().product();
+    match *shape {
+        [rows, cols] if count == 1 => Ok(([rows, cols], vec![1, 1])),
+        [rows, cols] if count == rows => Ok(([1, cols], vec![rows, 1])),
+        _ => Err(FormatError::BadTensor {
+            name: name.to_owned(),
+            what: format!(
+                "FP8 weight of shape {shape:?}: its scales of shape {scale_shape:?} are neither \
+                 one a tensor nor one a row"
+            ),
+        }),
+    }
+}
+
 /// (tensor name, shard path) pairs of an index's `weight_map`.
 type WeightMap = Vec<(String, PathBuf)>;
 
@@ -457,82 +504,34 @@ impl TensorSource for SafetensorsCheckpoint {
                 .ok_or_else(|| FormatError::MissingTensor(n.to_owned()))
         };
         let convert = || -> Result<OwnedTensor> {
-            let n = info.shape.len();
-            let fp8 = |scale_name: &str,
-                       per_tile: bool,
-                       block_of: &dyn Fn(&[usize]) -> Result<[usize; 2]>| {
-                let (sinfo, sbytes) = companion(scale_name)?;
-                let scales = scales_f32(scale_name, sinfo, sbytes)?;
-                let block = block_of(&sinfo.shape)?;
-                // The tile grid's shape: the weight's leading dims, then the tiles.
-                let mut grid = info.shape[..n.saturating_sub(2)].to_vec();
-                grid.extend(
-                    info.shape[n.saturating_sub(2)..]
-                        .iter()
-                        .zip(block)
-                        .map(|(d, b)| d.div_ceil(b)),
-                );
-                if !per_tile && scales.len() != grid.iter().product::<usize>() {
-                    return Err(FormatError::BadTensor {
-                        name: name.to_owned(),
-                        what: format!(
-                            "FP8 weight of shape {:?}: its scales of shape {:?} are neither one \
-                             per tensor nor one per row",
-                            info.shape, sinfo.shape
-                        ),
-                    });
+            let (data, shape) = match form {
+                QuantizedForm::Fp8Blocks | QuantizedForm::Fp8Scaled => {
+                    let blocks = form == QuantizedForm::Fp8Blocks;
+                    let scale_name =
+                        format!("{name}{}", if blocks { "_scale_inv" } else { "_scale" });
+                    let (sinfo, sbytes) = companion(&scale_name)?;
+                    let scales = scales_f32(&scale_name, sinfo, sbytes)?;
+                    let (block, grid) = if blocks {
+                        let tile = fp8_tile(name, &info.shape, &sinfo.shape, self.fp8_block)?;
+                        (tile, sinfo.shape.clone())
+                    } else {
+                        scale_per_tensor_or_row(name, &info.shape, &sinfo.shape)?
+                    };
+                    let data = crate::quant::fp8::dequantize_block_scaled_bf16(
+                        name,
+                        codes,
+                        &info.shape,
+                        &scales,
+                        &grid,
+                        block,
+                    )?;
+                    (data, info.shape.clone())
                 }
-                // Block scales are stored in the grid's shape (a transposed grid of as many
-                // tiles is refused there); a scale per tensor or per row in any of the shapes
-                // writers use ([], [1], [rows], [rows, 1]).
-                let stored = if per_tile { &sinfo.shape } else { &grid };
-                crate::quant::fp8::dequantize_block_scaled_bf16(
-                    name,
-                    codes,
-                    &info.shape,
-                    &scales,
-                    stored,
-                    block,
-                )
-            };
-            let data = match form {
-                QuantizedForm::Fp8Blocks => fp8(&format!("{name}_scale_inv"), true, &|sshape| {
-                    match self.fp8_block {
-                        Some(b) => Ok(b),
-                        // No block size in config.json: only one scale a matrix is unambiguous.
-                        None if n >= 2
-                            && sshape.iter().product::<usize>()
-                                == sshape[..sshape.len().saturating_sub(2)]
-                                    .iter()
-                                    .product::<usize>() =>
-                        {
-                            Ok([info.shape[n - 2], info.shape[n - 1]])
-                        }
-                        None => Err(FormatError::BadTensor {
-                            name: name.to_owned(),
-                            what: format!(
-                                "FP8 weight with block scales of shape {sshape:?}, but \
-                                 config.json's quantization_config gives no weight_block_size"
-                            ),
-                        }),
-                    }
-                })?,
-                // ModelOpt FP8 (one scale a tensor) and compressed-tensors FP8 (one a tensor
-                // or one a row).
-                QuantizedForm::Fp8Scaled => fp8(&format!("{name}_scale"), false, &|sshape| {
-                    let per_row = sshape.iter().product::<usize>() > 1;
-                    Ok(match (n >= 2, per_row) {
-                        (true, true) => [1, info.shape[n - 1]],
-                        (true, false) => [info.shape[n - 2], info.shape[n - 1]],
-                        (false, _) => [1, 1],
-                    })
-                })?,
                 QuantizedForm::Nvfp4 => {
                     let (sinfo, sbytes) = companion(&format!("{name}_scale"))?;
                     let g_name = format!("{name}_scale_2");
                     let (ginfo, gbytes) = companion(&g_name)?;
-                    let global = scales_f32(&g_name, ginfo, gbytes)?;
-                    let [global] = global[..] else {
+                    let [global] = scales_f32(&g_name, ginfo, gbytes)?[..] else {
                         return Err(FormatError::BadTensor {
                             name: g_name,
                             what: format!(
@@ -541,24 +540,19 @@ impl TensorSource for SafetensorsCheckpoint {
                             ),
                         });
                     };
-                    let (data, shape) = crate::quant::fp4::nvfp4_to_bf16(
+                    crate::quant::fp4::nvfp4_to_bf16(
                         name,
                         codes,
                         &info.shape,
                         sbytes,
                         &sinfo.shape,
                         global,
-                    )?;
-                    return Ok(OwnedTensor {
-                        dtype: GgmlType::BF16,
-                        shape,
-                        data,
-                    });
+                    )?
                 }
             };
             Ok(OwnedTensor {
                 dtype: GgmlType::BF16,
-                shape: info.shape.clone(),
+                shape,
                 data,
             })
         };
