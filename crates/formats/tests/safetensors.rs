@@ -405,3 +405,75 @@ fn random_corruption_never_panics() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The quantized forms' malformed companions are errors naming the weight, never panics or
+/// silently wrong weights; a tensor without its scales is not converted at all.
+#[test]
+fn quantized_forms_with_malformed_scales_are_refused() {
+    let w = "model.layers.0.mlp.up_proj.weight";
+    let case = |tensors: Vec<Spec>, config: &str| -> Option<String> {
+        let dir = scratch_dir("quant");
+        std::fs::write(dir.join("model.safetensors"), serialize(&tensors)).unwrap();
+        write_config(&dir, config);
+        let ckpt = SafetensorsCheckpoint::open(&dir).unwrap();
+        let r = ckpt.converted(w).map(|r| r.map(|t| (t.shape, t.dtype)));
+        std::fs::remove_dir_all(&dir).ok();
+        r.map(|r| match r {
+            Ok((shape, dtype)) => format!("ok {shape:?} {dtype}"),
+            Err(e) => format!("{e}"),
+        })
+    };
+    let fp8 = |scale: &'static str, dt: Dtype, shape: Vec<usize>| {
+        vec![
+            (w, Dtype::F8_E4M3, vec![4, 8], vec![0x38u8; 32]),
+            spec(scale, dt, shape, 7),
+        ]
+    };
+    let s = |suffix: &str| -> &'static str { Box::leak(format!("{w}{suffix}").into_boxed_str()) };
+    let block_cfg =
+        r#"{"quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 4]}}"#;
+    // Block scales: the grid of 2 x 4 tiles is [2, 2]; a transposed or short grid is refused.
+    let ok = case(fp8(s("_scale_inv"), Dtype::BF16, vec![2, 2]), block_cfg);
+    assert_eq!(ok.as_deref(), Some("ok [4, 8] bf16"));
+    let e = case(fp8(s("_scale_inv"), Dtype::BF16, vec![1, 4]), block_cfg).unwrap();
+    assert!(
+        e.contains(w) && e.contains("needs scales of shape [2, 2]"),
+        "{e}"
+    );
+    let e = case(fp8(s("_scale_inv"), Dtype::I32, vec![2, 2]), block_cfg).unwrap();
+    assert!(e.contains("stored as I32"), "{e}");
+    // A scale per tensor or per row, in the shapes writers use; three for four rows is neither.
+    for shape in [vec![], vec![1], vec![4], vec![4, 1]] {
+        let r = case(fp8(s("_scale"), Dtype::F32, shape.clone()), "{}");
+        assert_eq!(r.as_deref(), Some("ok [4, 8] bf16"), "{shape:?}");
+    }
+    let e = case(fp8(s("_scale"), Dtype::F32, vec![3]), "{}").unwrap();
+    assert!(e.contains("neither one a tensor nor one a row"), "{e}");
+    // NVFP4: 8 weights a row packed in 4 bytes, one E4M3 scale per 16 (here one a row).
+    let nvfp4 = |scale_shape: Vec<usize>, global: Vec<usize>| {
+        vec![
+            spec(w, Dtype::U8, vec![4, 4], 3),
+            (
+                s("_scale"),
+                Dtype::F8_E4M3,
+                scale_shape.clone(),
+                vec![0x38u8; scale_shape.iter().product()],
+            ),
+            spec(s("_scale_2"), Dtype::F32, global, 5),
+        ]
+    };
+    let ok = case(nvfp4(vec![4, 1], vec![]), "{}");
+    assert_eq!(ok.as_deref(), Some("ok [4, 8] bf16"));
+    let e = case(nvfp4(vec![4, 2], vec![]), "{}").unwrap();
+    assert!(e.contains("needs E4M3 scales of shape [4, 1]"), "{e}");
+    let e = case(nvfp4(vec![4, 1], vec![2]), "{}").unwrap();
+    assert!(e.contains("expected one value"), "{e}");
+    // Without scales nothing is converted (the loader then names the dtype).
+    assert_eq!(
+        case(
+            vec![(w, Dtype::F8_E4M3, vec![4, 8], vec![0x38u8; 32])],
+            "{}"
+        ),
+        None
+    );
+}
