@@ -139,16 +139,30 @@ pub fn nvfp4_to_bf16(
         return Err(bad(format!("NVFP4 scale {i} is NaN")));
     }
     let groups = want.last().copied().unwrap_or(0);
-    let mut out = Vec::with_capacity(packed.len() * 4);
-    for (i, &b) in packed.iter().enumerate() {
-        let (row, c) = (i / half_cols, 2 * (i % half_cols));
-        let s = super::fp8::e4m3_to_f32(scales[row * groups + c / NVFP4_GROUP]);
-        for (nib, col) in [(b & 0xF, c), (b >> 4, c + 1)] {
-            debug_assert_eq!(col / NVFP4_GROUP, c / NVFP4_GROUP);
-            let v = f32::from(KVALUES_MXFP4[usize::from(nib)]) * 0.5 * s * global;
-            out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
-        }
+    let mut out = vec![0u8; packed.len() * 4];
+    if half_cols == 0 {
+        return Ok((out, shape));
     }
+    // Row by row, in parallel; a group's 16 weights are 8 bytes and share a scale.
+    use rayon::prelude::*;
+    out.par_chunks_mut(4 * half_cols)
+        .zip(packed.par_chunks(half_cols))
+        .zip(scales.par_chunks(groups))
+        .for_each(|((o, p), sc)| {
+            for ((o, p), &sc) in o
+                .chunks_mut(2 * NVFP4_GROUP)
+                .zip(p.chunks(NVFP4_GROUP / 2))
+                .zip(sc)
+            {
+                let s = super::fp8::e4m3_to_f32(sc);
+                for (o, &b) in o.chunks_exact_mut(4).zip(p) {
+                    for (o, nib) in o.chunks_exact_mut(2).zip([b & 0xF, b >> 4]) {
+                        let v = f32::from(KVALUES_MXFP4[usize::from(nib)]) * 0.5 * s * global;
+                        o.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+                    }
+                }
+            }
+        });
     Ok((out, shape))
 }
 

@@ -115,13 +115,25 @@ pub fn dequantize_block_scaled_bf16(
     }
     let table: [f32; 256] = std::array::from_fn(|c| e4m3_to_f32(c as u8));
     let mut out = vec![0u8; total * 2];
-    let mat = rows * cols;
-    for (i, (o, &c)) in out.chunks_exact_mut(2).zip(codes).enumerate() {
-        let (b, r, col) = (i / mat, (i % mat) / cols, i % cols);
-        let s = scales[(b * srows + r / block[0]) * scols + col / block[1]];
-        let v = half::bf16::from_f32(table[c as usize] * s);
-        o.copy_from_slice(&v.to_bits().to_le_bytes());
+    if cols == 0 {
+        return Ok(out);
     }
+    // Row by row (in parallel: a checkpoint's billions of weights are decoded at load), each
+    // row in runs of `block[1]` codes that share a scale.
+    use rayon::prelude::*;
+    out.par_chunks_mut(2 * cols)
+        .zip(codes.par_chunks(cols))
+        .enumerate()
+        .for_each(|(row, (o, c))| {
+            let (b, r) = (row / rows, row % rows);
+            let srow = &scales[(b * srows + r / block[0]) * scols..][..scols];
+            for ((o, c), &s) in o.chunks_mut(2 * block[1]).zip(c.chunks(block[1])).zip(srow) {
+                for (o, &c) in o.chunks_exact_mut(2).zip(c) {
+                    let v = half::bf16::from_f32(table[usize::from(c)] * s);
+                    o.copy_from_slice(&v.to_bits().to_le_bytes());
+                }
+            }
+        });
     Ok(out)
 }
 
