@@ -297,7 +297,13 @@ fn check_quantization(config: &serde_json::Value) -> Result<()> {
     let Some(q) = config.get("quantization_config").filter(|q| !q.is_null()) else {
         return Ok(());
     };
-    let field = |k: &str| q.get(k).and_then(|m| m.as_str());
+    // ModelOpt writes its fields at the top or (hf_quant_config.json's layout) under
+    // "quantization".
+    let field = |k: &str| {
+        q.get(k)
+            .or_else(|| q.get("quantization").and_then(|n| n.get(k)))
+            .and_then(|m| m.as_str())
+    };
     let method = field("quant_method").unwrap_or("(no quant_method)");
     let supported = match method {
         "fp8" => true,

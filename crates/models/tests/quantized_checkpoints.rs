@@ -426,6 +426,10 @@ fn fp8_moe_and_hybrid_checkpoints_load() {
 fn modelopt_and_compressed_tensors_checkpoints_load() {
     let modelopt = |algo: &str| serde_json::json!({"quant_method": "modelopt", "quant_algo": algo, "group_size": 16});
     let ct = serde_json::json!({"quant_method": "compressed-tensors", "format": "float-quantized"});
+    // ModelOpt's other layout: its fields under "quantization".
+    let nested =
+        serde_json::json!({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}});
+    check("llama-tiny", "nvfp4-nested", Scheme::Nvfp4, nested);
     for name in ["qwen3-tiny", "qwen3-moe-tiny", "qwen35-tiny"] {
         check(name, "fp8-tensor", Scheme::Fp8Tensor, modelopt("FP8"));
         check(name, "fp8-rows", Scheme::Fp8Rows, ct.clone());
