@@ -3,8 +3,9 @@
 //! must reproduce them, from the safetensors checkpoint and from the same model written as
 //! GGUF.
 
-use std::path::{Path, PathBuf};
+mod common;
 
+use common::{data_dir, nmse, read_oracle};
 use ferrite_backend::cpu::CpuBackend;
 use ferrite_models::{Logits, Model, ModelFile};
 
@@ -19,57 +20,6 @@ const ORACLE_NMSE: f64 = 1e-5;
 /// permutation and Qwen3.5's tiled value-head order, which only reorder the terms of dot
 /// products (f32 rounding: ~1e-14 for llama, ~1e-12 through Qwen3.5's recurrence).
 const FORMAT_NMSE: f64 = 1e-10;
-
-fn data_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle")
-}
-
-struct Oracle {
-    tokens: Vec<u32>,
-    logits: Vec<f32>,
-    vocab: usize,
-}
-
-fn read_oracle(dir: &Path) -> Oracle {
-    let bytes = std::fs::read(dir.join("oracle.safetensors")).expect("oracle.safetensors");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
-    let t = st.tensor("tokens").unwrap();
-    let tokens: Vec<u32> = match t.dtype() {
-        safetensors::Dtype::I64 => t
-            .data()
-            .chunks(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect(),
-        safetensors::Dtype::I32 => t
-            .data()
-            .chunks(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect(),
-        d => panic!("tokens dtype {d:?}"),
-    };
-    let l = st.tensor("logits").unwrap();
-    let vocab = l.shape()[1];
-    let logits = l
-        .data()
-        .chunks(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    Oracle {
-        tokens,
-        logits,
-        vocab,
-    }
-}
-
-fn nmse(a: &[f32], reference: &[f32]) -> f64 {
-    let mse: f64 = a
-        .iter()
-        .zip(reference)
-        .map(|(x, y)| ((x - y) as f64).powi(2))
-        .sum::<f64>();
-    let pow: f64 = reference.iter().map(|y| (*y as f64).powi(2)).sum::<f64>();
-    mse / pow
-}
 
 fn argmax(v: &[f32]) -> usize {
     v.iter()

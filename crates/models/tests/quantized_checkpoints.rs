@@ -8,16 +8,15 @@
 //! checkpoint must give exactly that checkpoint's logits. Against transformers' logits of the
 //! unquantized model it differs by the FP8 rounding only.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{data_dir, nmse, read_oracle};
 use ferrite_backend::cpu::CpuBackend;
 use ferrite_formats::quant::fp8::f32_to_e4m3;
 use ferrite_models::{Logits, Model, ModelFile};
 use safetensors::Dtype;
-
-fn data_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle")
-}
 
 /// NMSE of the quantized model's logits against transformers' logits of the BF16 model: a
 /// sanity bound (the exact comparison with the dequantized twin is what tests the
@@ -330,33 +329,6 @@ fn fp8_config(block: Option<[usize; 2]>) -> serde_json::Value {
     q
 }
 
-fn oracle(dir: &Path) -> (Vec<u32>, Vec<f32>) {
-    let bytes = std::fs::read(dir.join("oracle.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor("tokens").unwrap();
-    let tokens = match t.dtype() {
-        Dtype::I64 => t
-            .data()
-            .chunks(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect(),
-        Dtype::I32 => t
-            .data()
-            .chunks(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect(),
-        d => panic!("tokens dtype {d:?}"),
-    };
-    let logits = st
-        .tensor("logits")
-        .unwrap()
-        .data()
-        .chunks(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    (tokens, logits)
-}
-
 fn logits(dir: &Path, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
     let be = CpuBackend::new();
     let file = ModelFile::open(dir)?;
@@ -366,21 +338,18 @@ fn logits(dir: &Path, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
     m.run(&be, &mut ws, &mut kv, 0, tokens, Logits::All)
 }
 
-fn nmse(a: &[f32], reference: &[f32]) -> f64 {
-    let mse: f64 = a
-        .iter()
-        .zip(reference)
-        .map(|(x, y)| ((x - y) as f64).powi(2))
-        .sum();
-    mse / reference.iter().map(|y| (*y as f64).powi(2)).sum::<f64>()
-}
-
 fn check(name: &str, tag: &str, scheme: Scheme, config: serde_json::Value) {
     let (quant, reference, n) = write_pair(name, tag, scheme, config);
     assert!(n > 0, "{name}: no projection weights quantized");
-    let (tokens, want) = oracle(&data_dir().join(name));
-    let got = logits(&quant, &tokens).expect("quantized checkpoint loads");
-    let exact = logits(&reference, &tokens).expect("reference checkpoint loads");
+    let o = read_oracle(&data_dir().join(name));
+    let (tokens, want) = (&o.tokens, &o.logits);
+    let got = logits(&quant, tokens).expect("quantized checkpoint loads");
+    let exact = logits(&reference, tokens).expect("reference checkpoint loads");
+    assert_eq!(
+        got.len(),
+        tokens.len() * o.vocab,
+        "{name} {tag}: logits of every position"
+    );
     std::fs::remove_dir_all(quant.parent().unwrap()).ok();
     assert!(
         got == exact,
@@ -388,7 +357,7 @@ fn check(name: &str, tag: &str, scheme: Scheme, config: serde_json::Value) {
          twin's (NMSE {:e})",
         nmse(&got, &exact)
     );
-    let e = nmse(&got, &want);
+    let e = nmse(&got, want);
     println!("{name} {tag}: {n} weights, NMSE vs transformers (BF16 model) = {e:.3e}");
     assert!(e < oracle_bound(scheme), "{name} {tag}: NMSE {e:e}");
 }
@@ -438,7 +407,7 @@ fn modelopt_and_compressed_tensors_checkpoints_load() {
 }
 
 fn load_error(dir: &Path) -> String {
-    let (tokens, _) = oracle(&data_dir().join("qwen3-tiny"));
+    let tokens = read_oracle(&data_dir().join("qwen3-tiny")).tokens;
     let e = logits(dir, &tokens[..2]).expect_err("loaded");
     format!("{e:#}")
 }
@@ -464,7 +433,7 @@ fn fp8_checkpoints_that_cannot_load_say_why() {
         Scheme::Fp8Blocks([4096, 4096], ScaleType::F32),
         fp8_config(None),
     );
-    let (tokens, _) = oracle(&data_dir().join("qwen3-tiny"));
+    let tokens = read_oracle(&data_dir().join("qwen3-tiny")).tokens;
     assert_eq!(
         logits(&one, &tokens).unwrap(),
         logits(&one_ref, &tokens).unwrap()

@@ -1,0 +1,55 @@
+//! What the model tests share: the oracle checkpoints of tests/data/oracle (transformers'
+//! tiny random-weight models and their fp32 logits) and the error measure they are held to.
+
+use std::path::{Path, PathBuf};
+
+pub fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle")
+}
+
+pub struct Oracle {
+    pub tokens: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub vocab: usize,
+}
+
+pub fn read_oracle(dir: &Path) -> Oracle {
+    let bytes = std::fs::read(dir.join("oracle.safetensors")).expect("oracle.safetensors");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
+    let t = st.tensor("tokens").unwrap();
+    let tokens: Vec<u32> = match t.dtype() {
+        safetensors::Dtype::I64 => t
+            .data()
+            .chunks(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect(),
+        safetensors::Dtype::I32 => t
+            .data()
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect(),
+        d => panic!("tokens dtype {d:?}"),
+    };
+    let l = st.tensor("logits").unwrap();
+    let vocab = l.shape()[1];
+    let logits = l
+        .data()
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    Oracle {
+        tokens,
+        logits,
+        vocab,
+    }
+}
+
+pub fn nmse(a: &[f32], reference: &[f32]) -> f64 {
+    let mse: f64 = a
+        .iter()
+        .zip(reference)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum::<f64>();
+    let pow: f64 = reference.iter().map(|y| (*y as f64).powi(2)).sum::<f64>();
+    mse / pow
+}
