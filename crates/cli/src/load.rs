@@ -128,15 +128,17 @@ pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
         }
     }
     if let (ModelFile::Gguf(g), Some(_)) = (file, be.device_memory()) {
-        let n = g
-            .tensor_infos()
-            .iter()
-            .filter(|t| t.dtype == ferrite_formats::GgmlType::MXFP4)
-            .count();
-        if n > 0 {
+        let mut held = std::collections::BTreeMap::new();
+        for t in g.tensor_infos() {
+            let d = ferrite_backend::cuda::ops::device_type(t.dtype);
+            if d != t.dtype {
+                let (ty, d) = (t.dtype.name().to_uppercase(), d.name().to_uppercase());
+                *held.entry((ty, d)).or_insert(0usize) += 1;
+            }
+        }
+        for ((ty, d), n) in held {
             tracing::info!(
-                "{n} MXFP4 tensors: held on the GPU as BF16 (the same values; no MXFP4 \
-                 kernels yet)"
+                "{n} {ty} tensors: held on the GPU as {d} (the same values; no {ty} kernels yet)"
             );
         }
     }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrite_formats::GgmlType;
+use ferrite_backend::cuda::ops::device_type;
 use ferrite_models::{Logits, ModelFile};
 
 use crate::load;
@@ -136,10 +136,14 @@ pub fn info(a: &InfoArgs) -> Result<()> {
         // weight without its scales) is listed but not a view: counted under its stored
         // type, marked. Converted weights (FP8, NVFP4) and MXFP4 are held as BF16.
         let (ty, bytes, on_gpu) = match (src.tensor(n), &file) {
-            (Some(t), _) if t.dtype == GgmlType::MXFP4 => (
-                format!("{} (BF16 on a GPU)", t.dtype.name()),
+            (Some(t), _) if device_type(t.dtype) != t.dtype => (
+                format!(
+                    "{} ({} on a GPU)",
+                    t.dtype.name(),
+                    device_type(t.dtype).name().to_uppercase()
+                ),
                 t.data.len(),
-                2 * t.n_elements(),
+                device_type(t.dtype).bytes_for(t.n_elements())?,
             ),
             (Some(t), _) => (t.dtype.name().to_string(), t.data.len(), t.data.len()),
             (None, ModelFile::Safetensors(c)) => match c.tensor_info(n) {

@@ -82,7 +82,7 @@ fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
 
 /// The type a weight of type `t` is held in on the device: as stored, except MXFP4 (no
 /// kernels yet), held as BF16 ([`upload`]).
-pub(crate) fn device_type(t: GgmlType) -> GgmlType {
+pub fn device_type(t: GgmlType) -> GgmlType {
     match t {
         GgmlType::MXFP4 => GgmlType::BF16,
         t => t,
@@ -95,29 +95,22 @@ pub(crate) fn device_type(t: GgmlType) -> GgmlType {
 /// BF16's size.
 pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
     let n = t.validate()?;
-    let f32s = |t: &HostTensor<'_>| -> Result<Vec<f32>> {
+    // 1-D weights as f32, a type without kernels in the type it is held in (decoded, then
+    // encoded: exact for MXFP4 into BF16), the rest as stored.
+    let held = if t.shape.len() == 1 {
+        GgmlType::F32
+    } else {
+        device_type(t.dtype)
+    };
+    let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) = if held == t.dtype {
+        (t.dtype, Cow::Borrowed(&t.data[..]))
+    } else {
         let mut f = vec![0f32; n];
         quant::dequantize(t.dtype, &t.data, &mut f)?;
-        Ok(f)
+        let mut out = vec![0u8; held.bytes_for(n)?];
+        quant::quantize(held, &f, &mut out)?;
+        (held, Cow::Owned(out))
     };
-    let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) =
-        if t.shape.len() == 1 && t.dtype != GgmlType::F32 {
-            let f = f32s(t)?;
-            (
-                GgmlType::F32,
-                Cow::Owned(f.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            )
-        } else if device_type(t.dtype) != t.dtype {
-            // Held as BF16 (the only type `device_type` maps to), decoded exactly.
-            let f = f32s(t)?;
-            let bf: Vec<u8> = f
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
-                .collect();
-            (GgmlType::BF16, Cow::Owned(bf))
-        } else {
-            (t.dtype, Cow::Borrowed(&t.data[..]))
-        };
     let data = if bytes.is_empty() {
         be.stream.alloc_zeros::<u8>(1)?
     } else {

@@ -158,7 +158,7 @@ pub fn nvfp4_to_bf16(
                 for (o, &b) in o.chunks_exact_mut(4).zip(p) {
                     for (o, nib) in o.chunks_exact_mut(2).zip([b & 0xF, b >> 4]) {
                         let v = f32::from(KVALUES_MXFP4[usize::from(nib)]) * 0.5 * s * global;
-                        o.copy_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
+                        o.copy_from_slice(&super::float::f32_to_bf16(v).to_le_bytes());
                     }
                 }
             }

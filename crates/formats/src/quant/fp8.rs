@@ -129,8 +129,8 @@ pub fn dequantize_block_scaled_bf16(
             let srow = &scales[(b * srows + r / block[0]) * scols..][..scols];
             for ((o, c), &s) in o.chunks_mut(2 * block[1]).zip(c.chunks(block[1])).zip(srow) {
                 for (o, &c) in o.chunks_exact_mut(2).zip(c) {
-                    let v = half::bf16::from_f32(table[usize::from(c)] * s);
-                    o.copy_from_slice(&v.to_bits().to_le_bytes());
+                    let v = super::float::f32_to_bf16(table[usize::from(c)] * s);
+                    o.copy_from_slice(&v.to_le_bytes());
                 }
             }
         });
