@@ -357,7 +357,8 @@ fn fp8_block_of(config: &serde_json::Value) -> std::result::Result<Option<[usize
     }
 }
 
-/// The scales of an FP8 weight as f32 (they are stored as F32, BF16 or F16).
+/// A quantized weight's scales as f32 (FP8 scales, NVFP4's global scale: stored as F32, BF16
+/// or F16).
 fn scales_f32(name: &str, info: &SafetensorsTensorInfo, bytes: &[u8]) -> Result<Vec<f32>> {
     let v = match info.dtype {
         Dtype::F32 => bytes
@@ -375,7 +376,7 @@ fn scales_f32(name: &str, info: &SafetensorsTensorInfo, bytes: &[u8]) -> Result<
         d => {
             return Err(FormatError::BadTensor {
                 name: name.to_owned(),
-                what: format!("FP8 block scales stored as {d} (expected F32, BF16 or F16)"),
+                what: format!("scales stored as {d} (expected F32, BF16 or F16)"),
             })
         }
     };
