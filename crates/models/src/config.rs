@@ -72,6 +72,10 @@ pub struct HybridConfig {
     /// attention (`layer_types`).
     pub linear: Vec<bool>,
     pub delta: DeltaShape,
+    /// Multi-token-prediction layers the checkpoint says it has (Hugging Face
+    /// `mtp_num_hidden_layers`, GGUF `nextn_predict_layers`): the draft head of
+    /// [`crate::mtp`], loaded only on request ([`crate::Model::load_mtp`]).
+    pub mtp_layers: usize,
 }
 
 impl HybridConfig {
@@ -281,6 +285,7 @@ fn from_gguf_qwen35(f: &GgufFile, arch: Arch, vocab: usize) -> Result<ModelConfi
         hybrid: Some(HybridConfig {
             linear: (0..n_layers).map(|i| (i + 1) % every != 0).collect(),
             delta,
+            mtp_layers: mtp,
         }),
     };
     validate(&cfg)?;
@@ -548,7 +553,11 @@ fn from_hf_qwen35(arch: Arch, c: &serde_json::Value) -> Result<ModelConfig> {
         max_ctx: get_usize("max_position_embeddings").unwrap_or(32768),
         qk_norm: true,
         moe,
-        hybrid: Some(HybridConfig { linear, delta }),
+        hybrid: Some(HybridConfig {
+            linear,
+            delta,
+            mtp_layers: get_usize("mtp_num_hidden_layers").unwrap_or(0),
+        }),
     };
     validate(&cfg)?;
     Ok(cfg)

@@ -333,13 +333,15 @@ pub(crate) fn check_layer_count(
 /// A loaded model: configuration plus weights in backend memory.
 pub struct Model<B: Backend> {
     pub cfg: ModelConfig,
-    embed: B::Weight,
+    pub(crate) embed: B::Weight,
     layers: Vec<Layer<B::Weight>>,
     /// Qwen3.5's hybrid layers ([`crate::qwen3_5`]); empty for the plain decoders.
     hybrid: Vec<crate::qwen3_5::Layer<B::Weight>>,
     out_norm: B::Weight,
     /// `None` when the output projection is tied to the embedding.
-    output: Option<B::Weight>,
+    pub(crate) output: Option<B::Weight>,
+    /// The multi-token-prediction head, once [`Model::load_mtp`] has loaded it.
+    pub(crate) mtp: Option<crate::mtp::Mtp<B::Weight>>,
 }
 
 impl<B: Backend> Model<B> {
@@ -399,6 +401,7 @@ impl<B: Backend> Model<B> {
             output,
             layers,
             hybrid: vec![],
+            mtp: None,
             cfg,
         })
     }
@@ -418,6 +421,7 @@ impl<B: Backend> Model<B> {
             hybrid,
             out_norm,
             output,
+            mtp: None,
         }
     }
 
@@ -426,7 +430,10 @@ impl<B: Backend> Model<B> {
     pub fn new_kv(&self, be: &B, capacity: usize) -> Result<B::Kv> {
         match &self.cfg.hybrid {
             Some(h) => {
+                // The MTP head's attention layers, when loaded, take the slots after the
+                // model's own.
                 let (n_lin, n_attn) = h.counts();
+                let n_attn = n_attn + self.mtp.as_ref().map_or(0, |m| m.layers.len());
                 be.kv_new_hybrid(n_attn, self.cfg.attn, capacity, n_lin, h.delta)
             }
             None => be.kv_new(self.cfg.n_layers, self.cfg.attn, capacity),
@@ -657,7 +664,12 @@ impl<B: Backend> Model<B> {
     /// The output projection of the step's last row, or of every row; `ws.h` holds
     /// `rms_norm(x) · output_norm` of every row (the layers fuse that norm with their last
     /// residual add).
-    fn output_logits(&self, be: &B, ws: &mut Workspace<B>, which: Logits) -> Result<()> {
+    pub(crate) fn output_logits(
+        &self,
+        be: &B,
+        ws: &mut Workspace<B>,
+        which: Logits,
+    ) -> Result<()> {
         let t = ws.step.rows;
         // Logits::SeqLast: the last row of each sequence of the step.
         let seq_ends: Vec<usize> = match (which, &ws.step.batch) {
@@ -772,7 +784,7 @@ pub struct Workspace<B: Backend> {
 pub const TOP_K_MAX: usize = 64;
 
 impl<B: Backend> Workspace<B> {
-    fn set_rows(&mut self, t: usize) -> Result<()> {
+    pub(crate) fn set_rows(&mut self, t: usize) -> Result<()> {
         for a in [
             &mut self.x,
             &mut self.x2,
@@ -797,5 +809,10 @@ impl<B: Backend> Workspace<B> {
     /// Most rows one step can hold.
     pub fn capacity(&self) -> usize {
         self.step.capacity
+    }
+    /// `rms_norm(x) · output_norm` of every row of the last step: the hidden states the
+    /// output projection reads (after [`Model::mtp_forward`], the MTP head's).
+    pub fn hidden(&self) -> &Act<B::Buf> {
+        &self.h
     }
 }

@@ -374,7 +374,7 @@ fn defers_norms<B: Backend>(be: &B, layers: &[Layer<B::Weight>], rows: usize) ->
 }
 
 /// An f32 weight `1 + w`: transformers' zero-centred RMSNorm scale, as it computes it.
-fn plus_one(t: &HostTensor<'_>) -> Result<HostTensor<'static>> {
+pub(crate) fn plus_one(t: &HostTensor<'_>) -> Result<HostTensor<'static>> {
     map_f32(t, |w| 1.0 + w)
 }
 
@@ -570,52 +570,85 @@ impl Names {
     }
 }
 
-/// Uploads a Qwen3.5 model from a Hugging Face checkpoint or a llama.cpp GGUF file.
-/// The files differ in more than names: llama.cpp's converter stores the zero-centred norms
-/// as `1 + w`, `A_log` as `-exp(A_log)`, the conv taps squeezed to `[channels, kernel]`,
-/// and the value heads in tiled order (see [`DeltaShape::tiled_v_heads`], set from the
-/// format by [`crate::config`]); this loader brings Hugging Face tensors to the same form.
-pub(crate) fn load<B: Backend>(
-    be: &B,
-    file: &ModelFile,
-    cfg: ModelConfig,
-    progress: &dyn Fn(usize, usize),
-) -> Result<Model<B>> {
-    let hy = cfg.hybrid.clone().context("not a hybrid model")?;
-    let src = file.tensors();
-    let names = match file {
-        ModelFile::Gguf(_) => Names::Gguf,
-        // The text model of a vision-language wrapper sits under `model.language_model.`.
-        ModelFile::Safetensors(_) => {
-            Names::Hf(if src.has("model.language_model.embed_tokens.weight") {
-                "model.language_model."
-            } else {
-                "model."
-            })
+/// Reads a Qwen3.5 checkpoint's tensors in one format's names and conventions, and uploads
+/// them in the form the forward pass takes. The formats differ in more than names:
+/// llama.cpp's converter stores the zero-centred norms as `1 + w`, `A_log` as `-exp(A_log)`,
+/// the conv taps squeezed to `[channels, kernel]`, and the value heads in tiled order (see
+/// [`DeltaShape::tiled_v_heads`], set from the format by [`crate::config`]); this reader
+/// brings Hugging Face tensors to the same form.
+pub(crate) struct Reader<'f> {
+    file: &'f ModelFile,
+    cfg: &'f ModelConfig,
+    names: Names,
+}
+
+impl<'f> Reader<'f> {
+    /// The reader of `file`'s text model: llama.cpp's names in a GGUF, Hugging Face names
+    /// under `model.` or (vision-language wrappers) `model.language_model.`.
+    pub(crate) fn new(file: &'f ModelFile, cfg: &'f ModelConfig) -> Self {
+        let names = match file {
+            ModelFile::Gguf(_) => Names::Gguf,
+            ModelFile::Safetensors(_) => Names::Hf(
+                if file.tensors().has("model.language_model.embed_tokens.weight") {
+                    "model.language_model."
+                } else {
+                    "model."
+                },
+            ),
+        };
+        Reader { file, cfg, names }
+    }
+
+    /// The same checkpoint's layers under another Hugging Face prefix (the MTP head's
+    /// `mtp.layers.{j}`).
+    pub(crate) fn with_prefix(&self, prefix: &'static str) -> Self {
+        Reader {
+            file: self.file,
+            cfg: self.cfg,
+            names: Names::Hf(prefix),
         }
-    };
-    let hf = matches!(names, Names::Hf(_));
-    crate::decoder::check_layer_count(file, &cfg, |i| names.of(W::AttnNorm(i)))?;
-    let get = |w: W| -> Result<HostTensor<'_>> {
-        let name = names.of(w);
-        match shape_of(&cfg, w) {
-            Some(want) => crate::source::require_shaped(src, &name, &want, file.config_source()),
+    }
+
+    fn hf(&self) -> bool {
+        matches!(self.names, Names::Hf(_))
+    }
+
+    fn get(&self, w: W) -> Result<HostTensor<'f>> {
+        let src = self.file.tensors();
+        let name = self.names.of(w);
+        match shape_of(self.cfg, w) {
+            Some(want) => {
+                crate::source::require_shaped(src, &name, &want, self.file.config_source())
+            }
             None => crate::source::require(src, &name),
         }
-    };
-    let up = |w: W| -> Result<B::Weight> { be.upload(&get(w)?) };
-    // Zero-centred RMSNorm weights: Hugging Face stores w, GGUF 1 + w.
-    let up_norm = |w: W| -> Result<B::Weight> {
-        let t = get(w)?;
-        be.upload(&if hf { plus_one(&t)? } else { t })
-    };
-    let d: DeltaShape = hy.delta;
+    }
 
-    let mut layers = Vec::with_capacity(cfg.n_layers);
-    let (mut n_lin, mut n_attn) = (0, 0);
-    for (i, &linear) in hy.linear.iter().enumerate() {
+    fn up<B: Backend>(&self, be: &B, w: W) -> Result<B::Weight> {
+        be.upload(&self.get(w)?)
+    }
+
+    /// A zero-centred RMSNorm weight: Hugging Face stores w, GGUF 1 + w.
+    fn up_norm<B: Backend>(&self, be: &B, w: W) -> Result<B::Weight> {
+        let t = self.get(w)?;
+        be.upload(&if self.hf() { plus_one(&t)? } else { t })
+    }
+
+    /// Layer `i`: Gated DeltaNet (`linear`) or gated attention, with its FFN; `slot` numbers
+    /// it among the layers of its kind (its state or KV cache).
+    pub(crate) fn layer<B: Backend>(
+        &self,
+        be: &B,
+        i: usize,
+        linear: bool,
+        slot: usize,
+    ) -> Result<Layer<B::Weight>> {
+        let (cfg, file, names) = (self.cfg, self.file, &self.names);
+        let hf = self.hf();
+        let d = cfg.hybrid.as_ref().context("not a hybrid model")?.delta;
+        let up = |w: W| self.up(be, w);
         let mixer = if linear {
-            let mut conv = get(W::Conv(i))?;
+            let mut conv = self.get(W::Conv(i))?;
             let n: usize = conv.shape.iter().product();
             anyhow::ensure!(
                 n == d.conv_dim() * d.conv_kernel,
@@ -628,9 +661,9 @@ pub(crate) fn load<B: Backend>(
                 d.conv_kernel
             );
             conv.shape = vec![d.conv_dim(), d.conv_kernel];
-            let ssm_a = get(W::SsmA(i))?;
-            let m = Mixer::Linear {
-                slot: n_lin,
+            let ssm_a = self.get(W::SsmA(i))?;
+            Mixer::Linear {
+                slot,
                 qkv: up(W::Qkv(i))?,
                 z: up(W::Z(i))?,
                 b: up(W::B(i))?,
@@ -644,33 +677,30 @@ pub(crate) fn load<B: Backend>(
                 dt_bias: up(W::DtBias(i))?,
                 norm: up(W::SsmNorm(i))?,
                 out: up(W::SsmOut(i))?,
-            };
-            n_lin += 1;
-            m
+            }
         } else {
-            let [q, gate] = split_query_gate(&get(W::Q(i))?, cfg.attn.n_heads, cfg.attn.head_dim)?;
-            let m = Mixer::Attention {
-                slot: n_attn,
+            let [q, gate] =
+                split_query_gate(&self.get(W::Q(i))?, cfg.attn.n_heads, cfg.attn.head_dim)?;
+            Mixer::Attention {
+                slot,
                 q: be.upload(&q)?,
                 gate: be.upload(&gate)?,
                 k: up(W::K(i))?,
                 v: up(W::V(i))?,
                 o: up(W::O(i))?,
-                q_norm: up_norm(W::QNorm(i))?,
-                k_norm: up_norm(W::KNorm(i))?,
-            };
-            n_attn += 1;
-            m
+                q_norm: self.up_norm(be, W::QNorm(i))?,
+                k_norm: self.up_norm(be, W::KNorm(i))?,
+            }
         };
         let ffn = match &cfg.moe {
             Some(m) => {
                 let n = m.routing.n_experts;
-                let [g, u, dn] = match &names {
+                let [g, u, dn] = match names {
                     Names::Gguf => file.experts(i, n)?,
                     Names::Hf(p) => file.hf_experts(&format!("{p}layers.{i}.mlp.experts"), n)?,
                 };
-                crate::decoder::check_experts(file, &cfg, i, [&g, &u, &dn])?;
-                let mut seg = get(W::SharedExpertGate(i))?;
+                crate::decoder::check_experts(file, cfg, i, [&g, &u, &dn])?;
+                let mut seg = self.get(W::SharedExpertGate(i))?;
                 anyhow::ensure!(
                     seg.shape.iter().product::<usize>() == cfg.hidden,
                     "tensor '{}' has shape {:?}, but {}'s dimensions need {} elements: the \
@@ -700,18 +730,38 @@ pub(crate) fn load<B: Backend>(
                 down: up(W::Down(i))?,
             },
         };
-        layers.push(Layer {
-            attn_norm: up_norm(W::AttnNorm(i))?,
+        Ok(Layer {
+            attn_norm: self.up_norm(be, W::AttnNorm(i))?,
             mixer,
-            ffn_norm: up_norm(W::FfnNorm(i))?,
+            ffn_norm: self.up_norm(be, W::FfnNorm(i))?,
             ffn,
-        });
+        })
+    }
+}
+
+/// Uploads a Qwen3.5 model from a Hugging Face checkpoint or a llama.cpp GGUF file
+/// (see [`Reader`] for how the two differ).
+pub(crate) fn load<B: Backend>(
+    be: &B,
+    file: &ModelFile,
+    cfg: ModelConfig,
+    progress: &dyn Fn(usize, usize),
+) -> Result<Model<B>> {
+    let hy = cfg.hybrid.clone().context("not a hybrid model")?;
+    let r = Reader::new(file, &cfg);
+    crate::decoder::check_layer_count(file, &cfg, |i| r.names.of(W::AttnNorm(i)))?;
+    let mut layers = Vec::with_capacity(cfg.n_layers);
+    let (mut n_lin, mut n_attn) = (0, 0);
+    for (i, &linear) in hy.linear.iter().enumerate() {
+        let slot = if linear { &mut n_lin } else { &mut n_attn };
+        layers.push(r.layer(be, i, linear, *slot)?);
+        *slot += 1;
         progress(i + 1, cfg.n_layers);
     }
-    let embed = up(W::Embed)?;
-    let out_norm = up_norm(W::OutputNorm)?;
-    let output = match src.has(&names.of(W::Output)) {
-        true => Some(up(W::Output)?),
+    let embed = r.up(be, W::Embed)?;
+    let out_norm = r.up_norm(be, W::OutputNorm)?;
+    let output = match file.tensors().has(&r.names.of(W::Output)) {
+        true => Some(r.up(be, W::Output)?),
         false => None,
     };
     Ok(Model::from_hybrid(cfg, embed, layers, out_norm, output))

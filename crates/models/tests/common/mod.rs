@@ -1,5 +1,7 @@
 //! What the model tests share: the oracle checkpoints of tests/data/oracle (transformers'
 //! tiny random-weight models and their fp32 logits) and the error measure they are held to.
+// Each test crate that includes this module reads only part of it.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 
