@@ -3,12 +3,13 @@
 
 use std::time::Instant;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use ferrite_backend::Backend;
 use ferrite_models::{Logits, Model, Workspace, TOP_K_MAX};
 use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
+use crate::speculative::{MtpDrafter, SpecStats, Speculator};
 
 /// A model, the backend it lives on, and its tokenizer.
 pub struct Engine<B: Backend> {
@@ -28,6 +29,9 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     /// Context length to allocate; `None` = prompt + max_tokens, capped at the model's.
     pub context: Option<usize>,
+    /// Speculative decoding with the model's MTP head, this many draft tokens a step
+    /// (0 = off; greedy only; the head must be loaded, [`Model::load_mtp`]).
+    pub mtp_depth: usize,
 }
 
 impl GenerateParams {
@@ -37,6 +41,17 @@ impl GenerateParams {
     pub fn validate(&self) -> Result<()> {
         self.sampler.validate()?;
         ensure!(self.max_tokens > 0, "max_tokens must be at least 1");
+        ensure!(
+            self.mtp_depth <= crate::speculative::MAX_DEPTH,
+            "the MTP draft depth must be 0 (off) to {}, not {}",
+            crate::speculative::MAX_DEPTH,
+            self.mtp_depth
+        );
+        ensure!(
+            self.mtp_depth == 0 || self.sampler.is_plain_greedy(),
+            "speculative decoding with the MTP head is greedy only: it needs temperature 0 \
+             and no repetition, presence or frequency penalty"
+        );
         Ok(())
     }
 }
@@ -49,6 +64,7 @@ impl Default for GenerateParams {
             stop: vec![],
             ignore_eos: false,
             context: None,
+            mtp_depth: 0,
         }
     }
 }
@@ -73,6 +89,8 @@ pub struct Generation {
     /// Seconds spent on the prompt (one batched forward) and on the decode steps.
     pub prefill_s: f64,
     pub decode_s: f64,
+    /// Speculative decoding's counts, when it ran.
+    pub spec: Option<SpecStats>,
 }
 
 impl Generation {
@@ -230,7 +248,7 @@ struct FeedStep<B: Backend> {
 pub struct Sequence<'e, B: Backend> {
     be: &'e B,
     model: &'e Model<B>,
-    kv: B::Kv,
+    pub(crate) kv: B::Kv,
     /// Positions the cache holds.
     ctx: usize,
     prefill: Option<Workspace<B>>,
@@ -264,19 +282,31 @@ impl<'e, B: Backend> Sequence<'e, B> {
     /// Appends `tokens` in one batched forward per chunk; logits of the last one follow.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<()> {
         let (be, m) = (self.be, self.model);
-        let ws = match &mut self.prefill {
-            Some(ws) if ws.capacity() >= tokens.len().min(PREFILL_CHUNK) => ws,
-            slot => {
-                slot.insert(m.workspace(be, tokens.len().clamp(1, PREFILL_CHUNK), Logits::Last)?)
-            }
-        };
+        let mut pos = self.pos;
+        let (ws, kv) = self.prefill_and_kv(tokens.len())?;
         for chunk in tokens.chunks(ws.capacity()) {
-            be.set_step(&mut ws.step, chunk, self.pos)?;
-            m.forward(be, ws, &mut self.kv, Logits::Last)?;
-            self.pos += chunk.len();
+            be.set_step(&mut ws.step, chunk, pos)?;
+            m.forward(be, ws, kv, Logits::Last)?;
+            pos += chunk.len();
         }
+        self.pos = pos;
         self.last_was_decode = false;
         Ok(())
+    }
+
+    /// The prefill workspace, made (or remade larger) for prompts of `n` tokens in chunks
+    /// of at most [`PREFILL_CHUNK`], and the cache.
+    pub(crate) fn prefill_and_kv(&mut self, n: usize) -> Result<(&mut Workspace<B>, &mut B::Kv)> {
+        let (be, m) = (self.be, self.model);
+        if self
+            .prefill
+            .as_ref()
+            .is_none_or(|ws| ws.capacity() < n.min(PREFILL_CHUNK))
+        {
+            self.prefill = Some(m.workspace(be, n.clamp(1, PREFILL_CHUNK), Logits::Last)?);
+        }
+        let ws = self.prefill.as_mut().context("the prefill workspace")?;
+        Ok((ws, &mut self.kv))
     }
 
     /// Appends one token with the decode step. The first step runs eagerly (kernels size
@@ -451,10 +481,12 @@ impl<B: Backend> Engine<B> {
         let mut sampler = Sampler::new(p.sampler.clone(), self.model.cfg.vocab);
         // Without penalties the logits need not cross to the host: greedy is an argmax on the
         // device, and top-k sampling needs only the k best, selected on the device.
-        let no_penalties = p.sampler.repetition_penalty == 1.0
-            && p.sampler.presence_penalty == 0.0
-            && p.sampler.frequency_penalty == 0.0;
-        let device_greedy = no_penalties && p.sampler.temperature <= 0.0;
+        let no_penalties = p.sampler.no_penalties();
+        let device_greedy = p.sampler.is_plain_greedy();
+        ensure!(
+            p.mtp_depth == 0 || self.model.has_mtp(),
+            "speculative decoding needs the model's MTP head loaded"
+        );
         let device_top_k = no_penalties && (1..=TOP_K_MAX).contains(&p.sampler.top_k);
         let mut stops = StopChecker::new(p.stop.iter().cloned());
         let mut detok = IncrementalDecoder::new(true);
@@ -468,12 +500,19 @@ impl<B: Backend> Engine<B> {
             prompt_tokens: prompt.len(),
             prefill_s: 0.0,
             decode_s: 0.0,
+            spec: None,
         };
         let mut text = String::new();
         let mut emitted = 0;
 
         let t0 = Instant::now();
-        seq.prefill(prompt)?;
+        let mut spec = match p.mtp_depth {
+            0 => None,
+            k => Some(Speculator::new(&self.be, &self.model, k)?),
+        };
+        if spec.is_none() {
+            seq.prefill(prompt)?;
+        }
         let mut next = |seq: &mut Sequence<'_, B>, history: &[u32]| -> Result<u32> {
             if device_greedy {
                 seq.greedy()
@@ -483,7 +522,10 @@ impl<B: Backend> Engine<B> {
                 Ok(sampler.sample(&mut seq.logits()?, history))
             }
         };
-        let mut tok = next(&mut seq, &history)?;
+        let mut tok = match &mut spec {
+            Some(s) => s.prefill(&mut seq, prompt)?,
+            None => next(&mut seq, &history)?,
+        };
         out.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         // Greedy on the device: the tokens after `tok` come from chains of decode steps fed
@@ -516,7 +558,16 @@ impl<B: Backend> Engine<B> {
             if out.tokens.len() >= p.max_tokens || seq.pos - queue.len() >= ctx {
                 break;
             }
-            if device_greedy {
+            if let Some(s) = &mut spec {
+                // A speculative step: one verify of the drafts, 1..=depth+1 tokens.
+                if queue.is_empty() {
+                    let n = (p.max_tokens - out.tokens.len()).min(ctx - seq.pos);
+                    queue.extend(s.step(&mut seq, &mut MtpDrafter, tok, n)?);
+                }
+                tok = queue
+                    .pop_front()
+                    .ok_or_else(|| anyhow::anyhow!("an empty speculative step"))?;
+            } else if device_greedy {
                 if queue.is_empty() {
                     // As many steps as the token-by-token loop could still take, at most a chunk.
                     let n = seq
@@ -534,6 +585,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         out.decode_s = t1.elapsed().as_secs_f64();
+        out.spec = spec.map(|s| s.stats);
         if out.finish == FinishReason::Length {
             text.push_str(&detok.flush());
             if let StopCheck::Stop { len, .. } = stops.check(&text) {

@@ -71,6 +71,19 @@ impl Default for SamplerConfig {
 }
 
 impl SamplerConfig {
+    /// No repetition, presence or frequency penalty: the logits need no history.
+    pub fn no_penalties(&self) -> bool {
+        self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+
+    /// Greedy (temperature 0) with no penalty: the choice is the logits' argmax, which the
+    /// device can make.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.no_penalties() && self.temperature <= 0.0
+    }
+
     /// Refuses values outside what each parameter means: NaN or infinite values, a negative
     /// temperature, `top_p` outside (0, 1], `min_p` outside [0, 1], a repetition penalty
     /// that is not positive. (The server's OpenAI ranges are narrower and checked there.)

@@ -822,8 +822,7 @@ fn sample_next<B: Backend>(
     src: &mut dyn NextLogits,
 ) -> Outcome {
     let p = &a.params.sampler;
-    let no_penalties =
-        p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
+    let no_penalties = p.no_penalties();
     let sampled = if a.params.logprobs.is_none() && no_penalties && p.temperature <= 0.0 {
         src.greedy().map(|t| (t, None))
     } else if a.params.logprobs.is_none() && no_penalties && (1..=TOP_K_MAX).contains(&p.top_k) {
