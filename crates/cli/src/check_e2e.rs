@@ -9,6 +9,9 @@ use anyhow::{Context, Result};
 use ferrite_backend::cpu::CpuBackend;
 use ferrite_backend::Backend;
 use ferrite_engine::sampler::argmax;
+use ferrite_engine::speculative::{
+    plain_greedy, speculative_greedy, Drafter, MtpDrafter, ScriptedDrafter, MAX_DEPTH,
+};
 use ferrite_models::{Logits, Model, ModelFile};
 
 use crate::synth::{self, Preset, SynthArgs, SynthQuant};
@@ -169,6 +172,9 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             &name,
             &tokens,
         )?);
+        if dir.join("mtp_oracle.safetensors").exists() {
+            lines.extend(mtp_lines(be, &cpu, dir, &name, &file, &tokens)?);
+        }
     }
 
     // 2. Synthetic GGUFs in llama.cpp's layout and quant mixes.
@@ -239,6 +245,111 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
         failed += usize::from(!l.ok);
     }
     Ok(failed)
+}
+
+/// Greedy tokens gate 3 compares, plain against speculative.
+const GATE3_TOKENS: usize = 32;
+
+/// The MTP head of an oracle checkpoint that has one (`mtp.safetensors`, see
+/// tools/oracle/mtp_oracle.py): its logits on the backend, fed transformers' hidden states,
+/// against the float64 oracle and the CPU; then gate 3, speculation K = 1..=8 against plain
+/// greedy decode on the backend, token for token.
+fn mtp_lines<B: Backend>(
+    be: &B,
+    cpu: &CpuBackend,
+    dir: &Path,
+    name: &str,
+    file: &ModelFile,
+    tokens: &[u32],
+) -> Result<Vec<Line>> {
+    let bytes = std::fs::read(dir.join("mtp_oracle.safetensors"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    let f32s = |n: &str| -> Result<Vec<f32>> {
+        Ok(st
+            .tensor(n)?
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect())
+    };
+    let (hidden_in, oracle) = (f32s("hidden_in")?, f32s("logits")?);
+    let tokens_in: Vec<u32> = st
+        .tensor("tokens_in")?
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    fn head<B: Backend>(be: &B, file: &ModelFile, h: &[f32], t: &[u32]) -> Result<Vec<f32>> {
+        let mut m = Model::load(be, file, &|_, _| {})?;
+        m.load_mtp(be, file)?;
+        let mut kv = m.new_kv(be, t.len())?;
+        let mut ws = m.workspace(be, t.len(), Logits::All)?;
+        let hidden = be.from_host(h, t.len(), m.cfg.hidden)?;
+        be.set_step(&mut ws.step, t, 0)?;
+        m.mtp_forward(be, &mut ws, &hidden, &mut kv, Logits::All)?;
+        be.to_host(&ws.logits)
+    }
+    let test = head(be, file, &hidden_in, &tokens_in)?;
+    let reference = head(cpu, file, &hidden_in, &tokens_in)?;
+    let vocab = oracle.len() / tokens_in.len().max(1);
+    let mut lines = vec![
+        compare(
+            format!("{name} MTP head: {} vs oracle", be.name()),
+            &test,
+            &oracle,
+            vocab,
+        ),
+        compare(
+            format!("{name} MTP head: {} vs cpu", be.name()),
+            &test,
+            &reference,
+            vocab,
+        ),
+    ];
+    let mut m = Model::load(be, file, &|_, _| {})?;
+    m.load_mtp(be, file)?;
+    let prompt = &tokens[..tokens.len().min(8)];
+    let truth = plain_greedy(be, &m, prompt, GATE3_TOKENS + MAX_DEPTH)?;
+    let want = &truth[..GATE3_TOKENS];
+    // The random-weight head's drafts (nearly all rejected: the rollback path), then a
+    // scripted continuation accepted whole or in part (the accepting paths).
+    let mut runs: Vec<(usize, String, Box<dyn Drafter<B>>)> = (1..=MAX_DEPTH)
+        .map(|k| {
+            (
+                k,
+                "MTP head".to_string(),
+                Box::new(MtpDrafter) as Box<dyn Drafter<B>>,
+            )
+        })
+        .collect();
+    for (k, right) in [(1, 1), (3, 3), (3, 1), (8, 8), (8, 5)] {
+        let d = ScriptedDrafter {
+            truth: truth.clone(),
+            prompt_len: prompt.len(),
+            right,
+            vocab: m.cfg.vocab,
+        };
+        runs.push((k, format!("{right} right a step"), Box::new(d)));
+    }
+    for (depth, how, mut drafter) in runs {
+        let (got, _, st) = speculative_greedy(be, &m, prompt, GATE3_TOKENS, depth, &mut *drafter)?;
+        let first_diff = want.iter().zip(&got).position(|(a, b)| a != b);
+        lines.push(Line {
+            what: format!("gate3 {name} depth {depth}, {how}"),
+            ok: got == want,
+            detail: match first_diff {
+                None => format!(
+                    "{GATE3_TOKENS} tokens identical to greedy; {}/{} drafts accepted in {} steps",
+                    st.accepted, st.drafted, st.steps
+                ),
+                Some(i) => format!(
+                    "token {i} differs: greedy {} vs speculative {}",
+                    want[i], got[i]
+                ),
+            },
+        });
+    }
+    Ok(lines)
 }
 
 /// The prefill/decode gate on full-width cuts of the benchmark presets (section 3 of [`run`]).

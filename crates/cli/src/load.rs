@@ -175,9 +175,18 @@ pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
 
 /// Model + tokenizer on backend `be`.
 pub fn engine<B: Backend>(be: B, args: &ModelArgs) -> Result<Engine<B>> {
+    engine_with(be, args, false)
+}
+
+/// [`engine`], with the model's MTP head loaded too when `mtp` (speculative decoding).
+pub fn engine_with<B: Backend>(be: B, args: &ModelArgs, mtp: bool) -> Result<Engine<B>> {
     let (path, file) = open(args)?;
     let tok = tokenizer_for(&file, &path)?
         .with_context(|| format!("{} has no tokenizer (tokenizer.json)", path.display()))?;
-    let model = model(&be, &file)?;
+    let mut model = model(&be, &file)?;
+    if mtp {
+        model.load_mtp(&be, &file)?;
+        tracing::info!("loaded the MTP head for speculative decoding");
+    }
     Ok(Engine { be, model, tok })
 }

@@ -64,6 +64,13 @@ pub struct RunArgs {
     /// whole long prompt it would cost as many decode steps as the prompt has tokens.
     #[arg(long, default_value_t = RUN_GATE_TOKENS, value_parser = clap::value_parser!(u32).range(1..))]
     pub gate_tokens: u32,
+    /// Speculative decoding with the model's own multi-token-prediction head (Qwen3.5
+    /// checkpoints' `mtp.*` tensors): draft K tokens a step with the head, verify them in one
+    /// forward of the model, keep those it agrees with. The output is the model's greedy
+    /// output either way; K trades draft work against tokens per verify (1 to 8; 0 = off).
+    /// Greedy only (temperature 0, no repetition penalty).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
+    pub mtp_depth: u32,
 }
 
 /// Prompt tokens `run`'s gate checks by default: enough rows for the prefill kernels (the
@@ -77,7 +84,8 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let text = prompt_text(a)?;
     let params = params(a);
     params.validate()?;
-    crate::on_backend!(&a.model, be => run_on(crate::load::engine(be, &a.model)?, a, &text, &params))
+    let mtp = params.mtp_depth > 0;
+    crate::on_backend!(&a.model, be => run_on(crate::load::engine_with(be, &a.model, mtp)?, a, &text, &params))
 }
 
 /// What `run` asks the engine to generate.
@@ -94,6 +102,7 @@ fn params(a: &RunArgs) -> GenerateParams {
             ..SamplerConfig::default()
         },
         stop: a.stop.clone(),
+        mtp_depth: a.mtp_depth as usize,
         ..GenerateParams::default()
     }
 }
@@ -188,6 +197,16 @@ fn run_on<B: Backend>(
         g.decode_tps(),
         g.finish
     );
+    if let Some(st) = g.spec {
+        tracing::info!(
+            "MTP speculation, depth {}: {}/{} drafts accepted ({:.0}%), {:.2} tokens per verify step",
+            params.mtp_depth,
+            st.accepted,
+            st.drafted,
+            100.0 * st.acceptance(),
+            st.tokens_per_step()
+        );
+    }
     tracing::debug!("generated ids: {:?}", g.tokens);
     Ok(())
 }

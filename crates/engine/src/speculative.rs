@@ -138,7 +138,8 @@ pub struct Speculator<'e, B: Backend> {
 
 impl<'e, B: Backend> Speculator<'e, B> {
     /// Speculation `depth` tokens deep (1..=[`MAX_DEPTH`]) for sequences of `model`, whose
-    /// MTP head must be loaded ([`Model::load_mtp`]) if [`MtpDrafter`] drafts.
+    /// MTP head must be loaded ([`Model::load_mtp`]) if [`MtpDrafter`] drafts; without a
+    /// head the steps skip its catch-up (a [`ScriptedDrafter`] needs none).
     pub fn new(be: &'e B, model: &'e Model<B>, depth: usize) -> Result<Self> {
         ensure!(
             (1..=MAX_DEPTH).contains(&depth),
@@ -182,11 +183,15 @@ impl<'e, B: Backend> Speculator<'e, B> {
             } else {
                 next.push(prompt[end]);
             }
-            be.set_step(&mut self.draft.step, &next, start)?;
-            m.mtp_forward(be, &mut self.draft, ws.hidden(), kv, Logits::Last)?;
+            if m.has_mtp() {
+                be.set_step(&mut self.draft.step, &next, start)?;
+                m.mtp_forward(be, &mut self.draft, ws.hidden(), kv, Logits::Last)?;
+            }
         }
         seq.pos = prompt.len();
-        self.pending = Some(greedy(be, &mut self.draft)?[0]);
+        if m.has_mtp() {
+            self.pending = Some(greedy(be, &mut self.draft)?[0]);
+        }
         Ok(first)
     }
 
@@ -247,4 +252,86 @@ impl<'e, B: Backend> Speculator<'e, B> {
         }
         Ok(a[..=j].to_vec())
     }
+}
+
+/// Drafts a known greedy continuation, right for the first `right` drafts of each step and
+/// wrong after (the truth's token + 1): every acceptance length on demand, for gate 3 and to
+/// measure speculation's cost at a chosen acceptance where no trained head is at hand.
+pub struct ScriptedDrafter {
+    /// The greedy tokens after the prompt (the first one is the prefill's).
+    pub truth: Vec<u32>,
+    pub prompt_len: usize,
+    pub right: usize,
+    pub vocab: usize,
+}
+
+impl<B: Backend> Drafter<B> for ScriptedDrafter {
+    fn draft(
+        &mut self,
+        _spec: &mut Speculator<'_, B>,
+        _kv: &mut B::Kv,
+        n: usize,
+        _t: u32,
+        k: usize,
+    ) -> Result<Vec<u32>> {
+        // The token at position p is truth[p - prompt_len].
+        (0..k)
+            .map(|i| {
+                let t = *self
+                    .truth
+                    .get(n + 1 + i - self.prompt_len)
+                    .context("the scripted continuation is too short")?;
+                Ok(if i < self.right {
+                    t
+                } else {
+                    (t + 1) % self.vocab as u32
+                })
+            })
+            .collect()
+    }
+}
+
+/// Gate 3's reference: the greedy tokens of `n` steps after `prompt` by plain decode
+/// (prefill, then one-row decode steps: the captured graph where the backend has graphs).
+pub fn plain_greedy<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    prompt: &[u32],
+    n: usize,
+) -> Result<Vec<u32>> {
+    ensure!(n > 0, "at least one token");
+    let mut s = Sequence::new(be, model, prompt.len() + n + 1)?;
+    s.prefill(prompt)?;
+    let mut out = vec![s.greedy()?];
+    while out.len() < n {
+        s.decode(out[out.len() - 1])?;
+        out.push(s.greedy()?);
+    }
+    Ok(out)
+}
+
+/// Gate 3's other side: the greedy tokens of `n` steps after `prompt` by speculation
+/// `depth` deep with `drafter`, the tokens each step gave, and the counts. Equal to
+/// [`plain_greedy`]'s, whatever the drafter.
+pub fn speculative_greedy<B: Backend>(
+    be: &B,
+    model: &Model<B>,
+    prompt: &[u32],
+    n: usize,
+    depth: usize,
+    drafter: &mut dyn Drafter<B>,
+) -> Result<(Vec<u32>, Vec<usize>, SpecStats)> {
+    ensure!(n > 0, "at least one token");
+    let ctx = prompt.len() + n + 1;
+    let mut s = Sequence::new(be, model, ctx)?;
+    let mut spec = Speculator::new(be, model, depth)?;
+    let mut out = vec![spec.prefill(&mut s, prompt)?];
+    let mut sizes = vec![];
+    while out.len() < n {
+        let room = (n - out.len()).min(ctx - s.pos);
+        let got = spec.step(&mut s, drafter, out[out.len() - 1], room)?;
+        sizes.push(got.len());
+        out.extend(got);
+    }
+    Ok((out, sizes, spec.stats))
 }

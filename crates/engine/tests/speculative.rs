@@ -5,8 +5,9 @@
 //! a scripted drafter also drives every acceptance length 0..=K on purpose.
 
 use ferrite_backend::cpu::CpuBackend;
-use ferrite_backend::Backend;
-use ferrite_engine::speculative::{Drafter, MtpDrafter, Speculator, MAX_DEPTH};
+use ferrite_engine::speculative::{
+    plain_greedy, speculative_greedy, Drafter, MtpDrafter, ScriptedDrafter, Speculator, MAX_DEPTH,
+};
 use ferrite_engine::{Engine, GenerateParams, Sequence};
 use ferrite_models::{Model, ModelFile};
 use ferrite_tokenizer::Tokenizer;
@@ -26,19 +27,12 @@ fn load(name: &str) -> (CpuBackend, Model<CpuBackend>) {
     (be, m)
 }
 
-/// Plain greedy decode: prefill, then one-row decode steps.
 fn plain(be: &CpuBackend, m: &Model<CpuBackend>, n: usize) -> Vec<u32> {
-    let mut s = Sequence::new(be, m, PROMPT.len() + n + 1).unwrap();
-    s.prefill(&PROMPT).unwrap();
-    let mut out = vec![s.greedy().unwrap()];
-    while out.len() < n {
-        s.decode(*out.last().unwrap()).unwrap();
-        out.push(s.greedy().unwrap());
-    }
-    out
+    plain_greedy(be, m, &PROMPT, n).unwrap()
 }
 
-/// Speculative greedy decode of `n` tokens with `drafter`; also returns the step sizes.
+/// Speculative greedy decode of `n` tokens with `drafter`, checking each step's size and
+/// the sequence's position as it goes.
 fn speculative(
     be: &CpuBackend,
     m: &Model<CpuBackend>,
@@ -72,6 +66,9 @@ fn mtp_speculation_is_token_identical_to_greedy_for_every_depth() {
         for depth in 1..=MAX_DEPTH {
             let (got, _, st) = speculative(&be, &m, depth, &mut MtpDrafter, GEN);
             assert_eq!(got, want, "{name}: depth {depth} differs from greedy");
+            let (f, _, st2) =
+                speculative_greedy(&be, &m, &PROMPT, GEN, depth, &mut MtpDrafter).unwrap();
+            assert_eq!((f, st2), (got.clone(), st));
             println!(
                 "{name} depth {depth}: {} steps, {}/{} drafts accepted, {} replays",
                 st.steps, st.accepted, st.drafted, st.replays
@@ -85,36 +82,6 @@ fn mtp_speculation_is_token_identical_to_greedy_for_every_depth() {
     }
 }
 
-/// Drafts the true greedy continuation, wrong from draft index `wrong_at` of each step on
-/// (so the target accepts exactly `wrong_at` drafts a step, or all when it is past k).
-struct Scripted {
-    truth: Vec<u32>,
-    wrong_at: usize,
-}
-
-impl Drafter<CpuBackend> for Scripted {
-    fn draft(
-        &mut self,
-        _spec: &mut Speculator<'_, CpuBackend>,
-        _kv: &mut <CpuBackend as Backend>::Kv,
-        n: usize,
-        _t: u32,
-        k: usize,
-    ) -> anyhow::Result<Vec<u32>> {
-        // The token at position n + i + 1 is the truth's index n + i + 1 - len(prompt).
-        Ok((0..k)
-            .map(|i| {
-                let t = self.truth[n + i + 1 - PROMPT.len()];
-                if i >= self.wrong_at {
-                    (t + 1) % 1024
-                } else {
-                    t
-                }
-            })
-            .collect())
-    }
-}
-
 #[test]
 fn every_acceptance_length_rolls_back_exactly() {
     for name in MODELS {
@@ -122,9 +89,11 @@ fn every_acceptance_length_rolls_back_exactly() {
         let truth = plain(&be, &m, GEN + MAX_DEPTH + 1);
         for depth in [1, 3, 8] {
             for wrong_at in 0..=depth {
-                let mut d = Scripted {
+                let mut d = ScriptedDrafter {
                     truth: truth.clone(),
-                    wrong_at,
+                    prompt_len: PROMPT.len(),
+                    right: wrong_at,
+                    vocab: 1024,
                 };
                 let (got, sizes, st) = speculative(&be, &m, depth, &mut d, GEN);
                 assert_eq!(
@@ -194,4 +163,40 @@ fn generate_with_mtp_depth_matches_plain_greedy() {
             .to_string();
         assert!(err.contains("greedy only"), "{err}");
     }
+}
+
+/// Without a head (a GGUF, or `load_mtp` not called) a scripted drafter still speculates:
+/// the steps skip the head's catch-up. This is how speculation's cost is measured on
+/// synthetic models, which have no trained head.
+#[test]
+fn scripted_speculation_needs_no_head() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/data/oracle/qwen35-tiny");
+    let be = CpuBackend::new();
+    let file = ModelFile::open(&dir).unwrap();
+    let m: Model<CpuBackend> = Model::load(&be, &file, &|_, _| {}).unwrap();
+    assert!(!m.has_mtp());
+    let truth = plain(&be, &m, GEN + MAX_DEPTH + 1);
+    let mut d = ScriptedDrafter {
+        truth: truth.clone(),
+        prompt_len: PROMPT.len(),
+        right: 2,
+        vocab: 1024,
+    };
+    let (got, sizes, st) = speculative(&be, &m, 4, &mut d, GEN);
+    assert_eq!(got, truth[..GEN]);
+    assert!(
+        sizes[..sizes.len() - 1].iter().all(|&s| s == 3),
+        "{sizes:?}"
+    );
+    assert_eq!(st.replays, st.steps - 1);
+    // The MTP drafter, though, needs the head.
+    let mut s = Sequence::new(&be, &m, 64).unwrap();
+    let mut spec = Speculator::new(&be, &m, 2).unwrap();
+    let t = spec.prefill(&mut s, &PROMPT).unwrap();
+    let e = spec
+        .step(&mut s, &mut MtpDrafter, t, 8)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no draft pending"), "{e}");
 }

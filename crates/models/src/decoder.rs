@@ -664,12 +664,7 @@ impl<B: Backend> Model<B> {
     /// The output projection of the step's last row, or of every row; `ws.h` holds
     /// `rms_norm(x) · output_norm` of every row (the layers fuse that norm with their last
     /// residual add).
-    pub(crate) fn output_logits(
-        &self,
-        be: &B,
-        ws: &mut Workspace<B>,
-        which: Logits,
-    ) -> Result<()> {
+    pub(crate) fn output_logits(&self, be: &B, ws: &mut Workspace<B>, which: Logits) -> Result<()> {
         let t = ws.step.rows;
         // Logits::SeqLast: the last row of each sequence of the step.
         let seq_ends: Vec<usize> = match (which, &ws.step.batch) {

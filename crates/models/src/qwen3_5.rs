@@ -589,7 +589,10 @@ impl<'f> Reader<'f> {
         let names = match file {
             ModelFile::Gguf(_) => Names::Gguf,
             ModelFile::Safetensors(_) => Names::Hf(
-                if file.tensors().has("model.language_model.embed_tokens.weight") {
+                if file
+                    .tensors()
+                    .has("model.language_model.embed_tokens.weight")
+                {
                     "model.language_model."
                 } else {
                     "model."

@@ -83,7 +83,10 @@ fn check_head(name: &str) {
     let dh = be.to_host(ws.hidden()).unwrap();
     let (e, eh) = (nmse(&logits, &o.logits), nmse(&dh, &o.draft_hidden));
     println!("{name}: MTP logits NMSE {e:.2e}, draft hidden NMSE {eh:.2e}");
-    assert!(e < ORACLE_NMSE && eh < ORACLE_NMSE, "{name}: {e:e} / {eh:e}");
+    assert!(
+        e < ORACLE_NMSE && eh < ORACLE_NMSE,
+        "{name}: {e:e} / {eh:e}"
+    );
     assert_eq!(argmaxes(&logits, vocab), argmaxes(&o.logits, vocab));
 
     // Token by token (the decode shape): the same rows, one step each, the head's cache
