@@ -60,6 +60,18 @@ pub struct BenchArgs {
     /// token back before the next step is launched (the host loop).
     #[arg(long, default_value_t = ferrite_engine::generate::FEED_CHUNK)]
     pub feed_chunk: usize,
+    /// Also time greedy decode with speculation K tokens deep (a third test, tgN-mtpK; 0 =
+    /// off): drafts from the checkpoint's MTP head where it has one (Hugging Face Qwen3.5
+    /// checkpoints), otherwise, or with --draft-right, scripted drafts of the known greedy
+    /// continuation. Its tokens must equal plain greedy decode's (gate 3) or nothing is
+    /// recorded.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
+    pub mtp_depth: u32,
+    /// Scripted drafts (models without an MTP head: synthetic ones): how many of each
+    /// step's K drafts are right, the rest wrong, to time speculation at a chosen
+    /// acceptance. Default with no head: all K.
+    #[arg(long)]
+    pub draft_right: Option<usize>,
 }
 
 /// One measurement, as appended to bench/results.jsonl.
@@ -169,15 +181,16 @@ fn bench_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 
 /// The KV cache capacity of the tests: `--context`, at least --depth plus the longer test.
 fn bench_context(a: &BenchArgs) -> Result<usize> {
-    let need = a.depth + a.prompt_tokens.max(a.gen_tokens + 2);
+    let need = a.depth + a.prompt_tokens.max(a.gen_tokens + 2 + a.mtp_depth as usize);
     let ctx = a.context.unwrap_or(need);
     anyhow::ensure!(
         ctx >= need,
         "--context {ctx} is too small: the tests need {need} positions (--depth {} plus the \
-         longer of --prompt-tokens {} and --gen-tokens {} + 2)",
+         longer of --prompt-tokens {} and --gen-tokens {} + 2 + --mtp-depth {})",
         a.depth,
         a.prompt_tokens,
-        a.gen_tokens
+        a.gen_tokens,
+        a.mtp_depth
     );
     Ok(ctx)
 }
@@ -204,7 +217,20 @@ fn bench_on<B: Backend>(
     a: &BenchArgs,
     ctx: usize,
 ) -> Result<()> {
-    let model = load::model(be, file)?;
+    let mut model = load::model(be, file)?;
+    let spec_depth = a.mtp_depth as usize;
+    // Speculation's drafter: the MTP head unless scripted drafts are asked for or there is
+    // no head to load.
+    let head = spec_depth > 0
+        && a.draft_right.is_none()
+        && match model.load_mtp(be, file) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("speculation: scripted drafts, all right ({e:#})");
+                false
+            }
+        };
+    let model = model;
     let cfg = model.cfg.clone();
     if ctx > cfg.max_ctx {
         // Timed like any other positions, but not a context the model can be used at.
@@ -268,9 +294,59 @@ fn bench_on<B: Backend>(
     let fill = bench_tokens(depth, cfg.vocab, 11);
     let prompt = bench_tokens(a.prompt_tokens, cfg.vocab, 13);
 
+    // Speculation's test decodes from the same start as the decode test: the fill, then the
+    // prompt's first token. Its reference (gate 3) is plain greedy decode from there.
+    let spec_prompt: Vec<u32> = fill.iter().chain(&prompt[..1]).copied().collect();
+    let truth = if spec_depth > 0 {
+        ferrite_engine::speculative::plain_greedy(
+            be,
+            &model,
+            &spec_prompt,
+            a.gen_tokens + spec_depth + 2,
+        )?
+    } else {
+        vec![]
+    };
+    let right = a.draft_right.unwrap_or(spec_depth);
+    let mut sp = Vec::new();
+    let mut spec_stats = ferrite_engine::SpecStats::default();
+
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     for _ in 0..a.reps {
+        if spec_depth > 0 {
+            use ferrite_engine::speculative::{Drafter, MtpDrafter, ScriptedDrafter, Speculator};
+            let mut scripted = ScriptedDrafter {
+                truth: truth.clone(),
+                prompt_len: spec_prompt.len(),
+                right,
+                vocab: cfg.vocab,
+            };
+            let drafter: &mut dyn Drafter<B> = if head { &mut MtpDrafter } else { &mut scripted };
+            let mut seq = Sequence::new(be, &model, ctx)?;
+            let mut spec = Speculator::new(be, &model, spec_depth)?;
+            let mut out = vec![spec.prefill(&mut seq, &spec_prompt)?];
+            // The first step is untimed (its kernels size their scratch then).
+            let got = spec.step(&mut seq, drafter, out[0], a.gen_tokens + 1)?;
+            out.extend(got);
+            let t0 = Instant::now();
+            let start = out.len();
+            while out.len() < start + a.gen_tokens {
+                let room = (start + a.gen_tokens - out.len()).min(ctx - seq.pos);
+                let got = spec.step(&mut seq, drafter, out[out.len() - 1], room)?;
+                out.extend(got);
+            }
+            sp.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());
+            let n = out.len().min(truth.len());
+            anyhow::ensure!(
+                out[..n] == truth[..n],
+                "gate 3 FAILED: speculative decode (depth {spec_depth}) gave {:?} where plain \
+                 greedy decode gives {:?}",
+                &out[..n],
+                &truth[..n]
+            );
+            spec_stats = spec.stats;
+        }
         // Prefill test: fill the cache to `depth` (untimed), then time the prompt.
         let mut seq = Sequence::new(be, &model, ctx)?;
         if !fill.is_empty() {
@@ -324,6 +400,7 @@ fn bench_on<B: Backend>(
         tg.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());
     }
     let (pp, tg) = (median(pp), median(tg));
+    let sp = (spec_depth > 0).then(|| median(sp));
     let vram_used_gib = be
         .device_memory()
         .map(|(used, _)| used as f64 / (1u64 << 30) as f64);
@@ -333,7 +410,40 @@ fn bench_on<B: Backend>(
     let device = be.device_name();
     let date = utc_now();
     let kv_cache = a.model.kv_cache_q8.then_some("q8_0");
-    let records = vec![
+    let spec_record = sp.map(|sp| Record {
+        date: date.clone(),
+        git_sha: env!("FERRITE_GIT_SHA"),
+        gpu: device.clone(),
+        engine: "ferrite",
+        backend: be.name(),
+        model: label.clone(),
+        quant: quant.clone(),
+        test: format!("tg{}-mtp{spec_depth}", a.gen_tokens),
+        depth,
+        tokens_per_s: sp,
+        // Several tokens per verify: bytes per token are not one weight pass each.
+        achieved_gb_s: None,
+        roofline_pct: None,
+        bytes_per_token: None,
+        copy_bandwidth_gb_s: bw / 1e9,
+        vram_used_gib,
+        reps: a.reps,
+        gate_tokens: gate_prompt.len(),
+        kv_cache,
+        context: a.context,
+        decode_loop: Some(format!(
+            "speculative, {}: {}/{} drafts accepted, {:.2} tokens per verify (last rep)",
+            if head {
+                "MTP head".to_string()
+            } else {
+                format!("scripted drafts, {right} of {spec_depth} right")
+            },
+            spec_stats.accepted,
+            spec_stats.drafted,
+            spec_stats.tokens_per_step()
+        )),
+    });
+    let mut records = vec![
         Record {
             date: date.clone(),
             git_sha: env!("FERRITE_GIT_SHA"),
@@ -383,6 +493,7 @@ fn bench_on<B: Backend>(
             }),
         },
     ];
+    records.extend(spec_record);
     if a.json {
         for r in &records {
             println!("{}", serde_json::to_string(r)?);
@@ -401,12 +512,12 @@ fn bench_on<B: Backend>(
             ))
         );
         println!(
-            "{:<8} {:>12} {:>12} {:>10}",
+            "{:<12} {:>12} {:>12} {:>10}",
             "test", "tokens/s", "GB/s", "roofline"
         );
         for r in &records {
             println!(
-                "{:<8} {:>12.1} {:>12} {:>10}",
+                "{:<12} {:>12.1} {:>12} {:>10}",
                 r.test,
                 r.tokens_per_s,
                 r.achieved_gb_s.map_or("-".into(), |v| format!("{v:.1}")),
