@@ -14,6 +14,10 @@
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
+#   spec35   speculation's cost on Qwen3.5-9B Q4_K_M (no trained head: scripted drafts,
+#            bench --mtp-depth K --draft-right R) at K = 1, 2, 4 with every draft right and
+#            with none right: tokens/s against plain decode's tg128 (not recorded; the steps
+#            run eagerly, without CUDA graphs, which this measures the price of)
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
@@ -114,6 +118,16 @@ for stage in "$@"; do
             [ $p = qwen3.5-35b-a3b ] && FERRITE_MMQ=1 $F bench --model "$f" --reps 1 --gen-tokens 8 2>&1 | grep -i gate | tee -a "$OUT/bench.log"
             rm -f "$f"
         done
+        ;;
+    spec35)
+        f=$(synth qwen3.5-9b Q4_K_M | tail -1)
+        for k in 1 2 4; do
+            for r in $k 0; do
+                echo "-- depth $k, $r right" | tee -a "$OUT/spec.log"
+                $F bench --model "$f" --label qwen3.5-9b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $r 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
+            done
+        done
+        rm -f "$f"
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)

@@ -32,8 +32,8 @@
 //!
 //! Checkpoints: `Qwen3_5ForCausalLM` keeps the text model under `model.`; the released
 //! vision-language checkpoints (`Qwen3_5ForConditionalGeneration`) under
-//! `model.language_model.`. Their `mtp.*` tensors (the multi-token-prediction head) stay in
-//! the file for speculative decoding; this forward pass does not read them.
+//! `model.language_model.`. Their `mtp.*` tensors (the multi-token-prediction head) are
+//! read only on request, by [`crate::mtp`], for speculative decoding.
 
 use std::borrow::Cow;
 
@@ -791,8 +791,8 @@ fn reorder_blocks(data: &mut [u8], start: usize, block_bytes: usize, order: &[us
 /// Writes a Qwen3.5 safetensors checkpoint as llama.cpp's converter writes a `qwen35` /
 /// `qwen35moe` GGUF (metadata keys, tensor names, `1 + w` norms, `-exp(A_log)`, squeezed
 /// conv taps, tiled value heads). Tensors keep their stored type except the f32 ones the
-/// converter computes. The MTP tensors are not written (llama.cpp writes them only when
-/// asked; ferrite does not use them yet).
+/// converter computes. The MTP tensors are not written: llama.cpp's converter leaves them
+/// out of `qwen35` files, and ferrite reads the head from Hugging Face checkpoints.
 pub(crate) fn hf_to_gguf(file: &ModelFile, cfg: &ModelConfig, dst: &std::path::Path) -> Result<()> {
     use ferrite_formats::gguf::GgufWriter;
     let hy = cfg.hybrid.as_ref().context("not a hybrid model")?;
