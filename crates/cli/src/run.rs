@@ -66,9 +66,10 @@ pub struct RunArgs {
     pub gate_tokens: u32,
     /// Speculative decoding with the model's own multi-token-prediction head (Qwen3.5
     /// checkpoints' `mtp.*` tensors): draft K tokens a step with the head, verify them in one
-    /// forward of the model, keep those it agrees with. The output is the model's greedy
-    /// output either way; K trades draft work against tokens per verify (1 to 8; 0 = off).
-    /// Greedy only (temperature 0, no repetition penalty).
+    /// forward of the model, keep those it agrees with. Greedy output is the model's greedy
+    /// output either way; with sampling (--temperature > 0) drafts are kept by speculative
+    /// sampling, which leaves every token's distribution as plain sampling's. K trades draft
+    /// work against tokens per verify (1 to 8; 0 = off). Not with --repeat-penalty.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
     pub mtp_depth: u32,
 }

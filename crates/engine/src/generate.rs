@@ -30,7 +30,8 @@ pub struct GenerateParams {
     /// Context length to allocate; `None` = prompt + max_tokens, capped at the model's.
     pub context: Option<usize>,
     /// Speculative decoding with the model's MTP head, this many draft tokens a step
-    /// (0 = off; greedy only; the head must be loaded, [`Model::load_mtp`]).
+    /// (0 = off; no repetition, presence or frequency penalty; the head must be loaded,
+    /// [`Model::load_mtp`]).
     pub mtp_depth: usize,
 }
 
@@ -48,9 +49,9 @@ impl GenerateParams {
             self.mtp_depth
         );
         ensure!(
-            self.mtp_depth == 0 || self.sampler.is_plain_greedy(),
-            "speculative decoding with the MTP head is greedy only: it needs temperature 0 \
-             and no repetition, presence or frequency penalty"
+            self.mtp_depth == 0 || self.sampler.no_penalties(),
+            "speculative decoding with the MTP head does not take a repetition, presence or \
+             frequency penalty"
         );
         Ok(())
     }
@@ -513,18 +514,26 @@ impl<B: Backend> Engine<B> {
         if spec.is_none() {
             seq.prefill(prompt)?;
         }
-        let mut next = |seq: &mut Sequence<'_, B>, history: &[u32]| -> Result<u32> {
-            if device_greedy {
-                seq.greedy()
-            } else if device_top_k {
-                Ok(sampler.sample_top_k(&seq.top_k(p.sampler.top_k)?))
-            } else {
-                Ok(sampler.sample(&mut seq.logits()?, history))
-            }
-        };
+        let next =
+            |seq: &mut Sequence<'_, B>, sampler: &mut Sampler, history: &[u32]| -> Result<u32> {
+                if device_greedy {
+                    seq.greedy()
+                } else if device_top_k {
+                    Ok(sampler.sample_top_k(&seq.top_k(p.sampler.top_k)?))
+                } else {
+                    Ok(sampler.sample(&mut seq.logits()?, history))
+                }
+            };
         let mut tok = match &mut spec {
-            Some(s) => s.prefill(&mut seq, prompt)?,
-            None => next(&mut seq, &history)?,
+            // Greedy first token on the device; a sampled one from the host's logits.
+            Some(s) if device_greedy => s.prefill(&mut seq, prompt)?,
+            Some(s) => {
+                let be = &self.be;
+                s.prefill_with(&mut seq, prompt, &mut |ws| {
+                    Ok(sampler.sample(&mut be.to_host(&ws.logits)?, &history))
+                })?
+            }
+            None => next(&mut seq, &mut sampler, &history)?,
         };
         out.prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
@@ -562,7 +571,11 @@ impl<B: Backend> Engine<B> {
                 // A speculative step: one verify of the drafts, 1..=depth+1 tokens.
                 if queue.is_empty() {
                     let n = (p.max_tokens - out.tokens.len()).min(ctx - seq.pos);
-                    queue.extend(s.step(&mut seq, &mut MtpDrafter, tok, n)?);
+                    queue.extend(if device_greedy {
+                        s.step(&mut seq, &mut MtpDrafter, tok, n)?
+                    } else {
+                        s.step_sampled(&mut seq, &mut MtpDrafter, &mut sampler, &history, tok, n)?
+                    });
                 }
                 tok = queue
                     .pop_front()
@@ -581,7 +594,7 @@ impl<B: Backend> Engine<B> {
                     .ok_or_else(|| anyhow::anyhow!("an empty greedy chain"))?;
             } else {
                 seq.decode(tok)?;
-                tok = next(&mut seq, &history)?;
+                tok = next(&mut seq, &mut sampler, &history)?;
             }
         }
         out.decode_s = t1.elapsed().as_secs_f64();

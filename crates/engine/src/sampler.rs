@@ -209,8 +209,61 @@ impl Sampler {
     /// output, or only the last N tokens as llama.cpp's `penalty_last_n`). Ids in `history`
     /// outside the vocabulary are ignored.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        match self.candidates(logits, history) {
+            Some(greedy) => greedy,
+            None => self.draw(),
+        }
+    }
+
+    /// The distribution [`Sampler::sample`] draws from (temperature, penalties, top-k, top-p
+    /// and min-p applied), as `(id, probability)` pairs summing to 1, without drawing:
+    /// speculative sampling compares it with the draft's. Greedy is the one token with
+    /// probability 1. `logits` is modified as by `sample`.
+    pub fn distribution(&mut self, logits: &mut [f32], history: &[u32]) -> Vec<(u32, f64)> {
+        if let Some(greedy) = self.candidates(logits, history) {
+            return vec![(greedy, 1.0)];
+        }
+        let sum = match self.shape() {
+            Ok(sum) => sum,
+            Err(best) => return vec![(best, 1.0)],
+        };
+        self.cands
+            .iter()
+            .filter(|c| c.v > 0.0)
+            .map(|c| (c.id, c.v as f64 / sum))
+            .collect()
+    }
+
+    /// A draw from `dist` (`(id, probability)` pairs, not necessarily normalized) with this
+    /// sampler's RNG; the last token with mass where rounding runs past the end.
+    pub fn pick(&mut self, dist: &[(u32, f64)]) -> u32 {
+        let sum: f64 = dist.iter().map(|d| d.1).sum();
+        let u = self.rng.random::<f64>() * sum;
+        let mut acc = 0f64;
+        for &(id, p) in dist {
+            acc += p;
+            if u < acc {
+                return id;
+            }
+        }
+        dist.iter()
+            .rev()
+            .find(|d| d.1 > 0.0)
+            .or(dist.first())
+            .map_or(0, |d| d.0)
+    }
+
+    /// A uniform number in [0, 1) from this sampler's RNG.
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
+    /// Sanitizes `logits` (NaN → -inf, +inf → MAX), applies the penalties, and either gives
+    /// the greedy token (temperature not positive; `Some`) or fills `self.cands` with the
+    /// finite candidates, cut to the top-k, for [`Sampler::shape`] (`None`).
+    fn candidates(&mut self, logits: &mut [f32], history: &[u32]) -> Option<u32> {
         if logits.is_empty() {
-            return 0;
+            return Some(0);
         }
         // Branch-free so it vectorizes: NaN -> -inf, +inf -> MAX.
         for l in logits.iter_mut() {
@@ -226,7 +279,7 @@ impl Sampler {
         // Greedy unless the temperature is a positive number (NaN included).
         #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !(self.cfg.temperature > 0.0) {
-            return argmax(logits);
+            return Some(argmax(logits));
         }
 
         // Candidates: all finite-probability tokens.
@@ -240,7 +293,7 @@ impl Sampler {
                 .map(|(i, &v)| Cand { id: i as u32, v }),
         );
         if cands.is_empty() {
-            return 0;
+            return Some(0);
         }
 
         // top-k: partition so the k best come first, drop the rest, and sort them (best
@@ -252,7 +305,7 @@ impl Sampler {
             cands.truncate(k);
             cands.sort_unstable_by(desc);
         }
-        self.draw()
+        None
     }
 
     /// Samples from the `top_k` best candidates already selected on the device: `(id, logit)`
@@ -283,6 +336,32 @@ impl Sampler {
 
     /// Temperature softmax, top-p, min-p and the seeded draw over `self.cands`.
     fn draw(&mut self) -> u32 {
+        let sum = match self.shape() {
+            Ok(sum) => sum,
+            Err(best) => return best,
+        };
+        // Draw: inverse CDF over the (deterministically ordered) survivors.
+        let cands = &self.cands;
+        let u: f64 = self.rng.random::<f64>() * sum;
+        let mut acc = 0f64;
+        for c in cands.iter() {
+            acc += c.v as f64;
+            if u < acc {
+                return c.id;
+            }
+        }
+        // Rounding put u at the very end: take the last token with non-zero mass.
+        cands
+            .iter()
+            .rev()
+            .find(|c| c.v > 0.0)
+            .map_or(cands[0].id, |c| c.id)
+    }
+
+    /// Turns `self.cands`' logits into unnormalized probabilities: temperature softmax, then
+    /// top-p and min-p cut the set. Their sum, or `Err(the most likely token)` where min-p
+    /// keeps nothing.
+    fn shape(&mut self) -> Result<f64, u32> {
         let cands = &mut self.cands;
         // softmax(logits / T), unnormalized: exp((l - max) / T), the max gets 1.
         let max = cands.iter().map(|c| c.v).fold(f32::NEG_INFINITY, f32::max);
@@ -311,28 +390,13 @@ impl Sampler {
                 .id;
             cands.retain(|c| c.v >= min_p);
             if cands.is_empty() {
-                return best; // min_p > 1 keeps nothing: the most likely token
+                return Err(best); // min_p > 1 keeps nothing: the most likely token
             }
             if cands.len() != before {
                 sum = cands.iter().map(|c| c.v as f64).sum();
             }
         }
-
-        // Draw: inverse CDF over the (deterministically ordered) survivors.
-        let u: f64 = self.rng.random::<f64>() * sum;
-        let mut acc = 0f64;
-        for c in cands.iter() {
-            acc += c.v as f64;
-            if u < acc {
-                return c.id;
-            }
-        }
-        // Rounding put u at the very end: take the last token with non-zero mass.
-        cands
-            .iter()
-            .rev()
-            .find(|c| c.v > 0.0)
-            .map_or(cands[0].id, |c| c.id)
+        Ok(sum)
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {

@@ -1,6 +1,9 @@
-//! Greedy speculative decoding with the model's own MTP head ([`ferrite_models::mtp`]).
+//! Speculative decoding with the model's own MTP head ([`ferrite_models::mtp`]): greedy
+//! ([`Speculator::step`]) and sampled ([`Speculator::step_sampled`], speculative sampling:
+//! every token distributed as plain sampling would give it).
 //!
-//! One step, from position `n` with the token `t` that goes there (not yet in the cache):
+//! One greedy step, from position `n` with the token `t` that goes there (not yet in the
+//! cache):
 //!
 //! ```text
 //! draft     d1 = the head's greedy choice after its row (h[n-1], t)      (already run)
@@ -30,6 +33,7 @@ use ferrite_backend::{Act, Backend};
 use ferrite_models::{Logits, Model, Workspace};
 
 use crate::generate::{Sequence, PREFILL_CHUNK};
+use crate::sampler::Sampler;
 
 /// Deepest draft [`Speculator`] accepts (the gate tests 1..=MAX_DEPTH).
 pub const MAX_DEPTH: usize = 8;
@@ -65,6 +69,9 @@ impl SpecStats {
     }
 }
 
+/// A probability distribution over token ids: `(id, probability)` pairs, summing to 1.
+pub type Distribution = Vec<(u32, f64)>;
+
 /// Where a draft comes from: the MTP head in production; tests script their own to drive
 /// every acceptance length.
 pub trait Drafter<B: Backend> {
@@ -78,6 +85,24 @@ pub trait Drafter<B: Backend> {
         t: u32,
         k: usize,
     ) -> Result<Vec<u32>>;
+
+    /// Drafts for speculative sampling ([`Speculator::step_sampled`]): `k` tokens, each
+    /// with the distribution (`(id, probability)`, summing to 1) it was drawn from, given
+    /// `history` (the prompt and output, `t` included) and the drafts before it.
+    #[allow(clippy::too_many_arguments)]
+    fn draft_sampled(
+        &mut self,
+        spec: &mut Speculator<'_, B>,
+        kv: &mut B::Kv,
+        n: usize,
+        t: u32,
+        k: usize,
+        sampler: &mut Sampler,
+        history: &[u32],
+    ) -> Result<Vec<(u32, Distribution)>> {
+        let _ = (spec, kv, n, t, k, sampler, history);
+        anyhow::bail!("this drafter drafts for greedy decoding only")
+    }
 }
 
 /// The MTP head as the drafter (see the module docs).
@@ -104,6 +129,39 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
             m.mtp_forward(be, &mut spec.draft, &spec.hid, kv, Logits::Last)?;
             d = greedy(be, &mut spec.draft)?[0];
             out.push(d);
+        }
+        Ok(out)
+    }
+
+    fn draft_sampled(
+        &mut self,
+        spec: &mut Speculator<'_, B>,
+        kv: &mut B::Kv,
+        n: usize,
+        _t: u32,
+        k: usize,
+        sampler: &mut Sampler,
+        history: &[u32],
+    ) -> Result<Vec<(u32, Distribution)>> {
+        ensure!(
+            spec.pending.is_some(),
+            "no draft pending: prefill first, with the MTP head loaded"
+        );
+        let (be, m) = (spec.be, spec.model);
+        let mut out: Vec<(u32, Distribution)> = Vec::with_capacity(k);
+        let mut hist = history.to_vec();
+        for i in 0..k {
+            if let Some(&(d, _)) = out.last() {
+                // (the previous row's draft hidden state, its draft) at position n - 1 + i.
+                let h = spec.draft.hidden();
+                be.copy_rows(h, h.rows - 1, &mut spec.hid)?;
+                be.set_step(&mut spec.draft.step, &[d], n - 1 + i)?;
+                m.mtp_forward(be, &mut spec.draft, &spec.hid, kv, Logits::Last)?;
+            }
+            let q = sampler.distribution(&mut be.to_host(&spec.draft.logits)?, &hist);
+            let d = sampler.pick(&q);
+            hist.push(d);
+            out.push((d, q));
         }
         Ok(out)
     }
@@ -162,6 +220,18 @@ impl<'e, B: Backend> Speculator<'e, B> {
     /// Prefills `prompt` into `seq` (which must be empty) chunk by chunk, the head catching
     /// up on each chunk's hidden states; returns the target's greedy first token.
     pub fn prefill(&mut self, seq: &mut Sequence<'_, B>, prompt: &[u32]) -> Result<u32> {
+        let be = self.be;
+        self.prefill_with(seq, prompt, &mut |ws| Ok(greedy(be, ws)?[0]))
+    }
+
+    /// [`Speculator::prefill`] with the first token chosen by `choose` from the workspace
+    /// holding the last position's logits.
+    pub fn prefill_with(
+        &mut self,
+        seq: &mut Sequence<'_, B>,
+        prompt: &[u32],
+        choose: &mut dyn FnMut(&mut Workspace<B>) -> Result<u32>,
+    ) -> Result<u32> {
         ensure!(seq.pos == 0, "speculative prefill needs an empty sequence");
         ensure!(!prompt.is_empty(), "the prompt is empty");
         let (be, m) = (self.be, self.model);
@@ -178,7 +248,7 @@ impl<'e, B: Backend> Speculator<'e, B> {
             let end = start + chunk.len();
             let mut next = prompt[start + 1..end.min(prompt.len())].to_vec();
             if end == prompt.len() {
-                first = greedy(be, ws)?[0];
+                first = choose(ws)?;
                 next.push(first);
             } else {
                 next.push(prompt[end]);
@@ -226,6 +296,29 @@ impl<'e, B: Backend> Speculator<'e, B> {
         m.forward(be, &mut self.verify, &mut seq.kv, Logits::All)?;
         let a = greedy(be, &mut self.verify)?;
         let j = drafts.iter().zip(&a).take_while(|(d, a)| d == a).count();
+        let out = a[..=j].to_vec();
+        self.finish(seq, &rows, &out)?;
+        self.pending = match m.has_mtp() {
+            true => Some(greedy(be, &mut self.draft)?[0]),
+            false => None,
+        };
+        Ok(out)
+    }
+
+    /// After a verify of `rows` (the step's token and its drafts) at the sequence's
+    /// position: `out` are the step's new tokens, the accepted drafts and the target's
+    /// token after them. Rolls the state back where drafts were rejected, advances the
+    /// sequence, lets the head catch up (its last row's logits then in `self.draft`), and
+    /// counts.
+    fn finish(&mut self, seq: &mut Sequence<'_, B>, rows: &[u32], out: &[u32]) -> Result<()> {
+        let (be, m) = (self.be, self.model);
+        let (n, k, j) = (seq.pos, rows.len() - 1, out.len() - 1);
+        ensure!(
+            j <= k,
+            "{} new tokens from a verify of {} rows",
+            out.len(),
+            rows.len()
+        );
         self.stats.steps += 1;
         self.stats.drafted += k;
         self.stats.accepted += j;
@@ -240,7 +333,7 @@ impl<'e, B: Backend> Speculator<'e, B> {
         seq.pos = n + j + 1;
         // The head catches up on the target's hidden states of the accepted rows.
         if m.has_mtp() {
-            be.set_step(&mut self.draft.step, &a[..=j], n)?;
+            be.set_step(&mut self.draft.step, out, n)?;
             m.mtp_forward(
                 be,
                 &mut self.draft,
@@ -248,9 +341,92 @@ impl<'e, B: Backend> Speculator<'e, B> {
                 &mut seq.kv,
                 Logits::Last,
             )?;
-            self.pending = Some(greedy(be, &mut self.draft)?[0]);
         }
-        Ok(a[..=j].to_vec())
+        Ok(())
+    }
+
+    /// [`Speculator::step`] for sampling (temperature > 0, top-k, top-p, min-p; no
+    /// penalties): speculative sampling (Leviathan et al., Chen et al. 2023). The head's
+    /// drafts are drawn from its own distribution q under the same sampler settings; draft
+    /// `d` is kept with probability min(1, p(d) / q(d)) against the target's p at that
+    /// row; the first rejected one is replaced by a draw from max(0, p − q) renormalized,
+    /// and when every draft is kept one more token is drawn from the last row's p. Each
+    /// token is then distributed exactly as plain sampling from p would give it. `history`
+    /// is the prompt and output so far, `t` included.
+    pub fn step_sampled(
+        &mut self,
+        seq: &mut Sequence<'_, B>,
+        drafter: &mut dyn Drafter<B>,
+        sampler: &mut Sampler,
+        history: &[u32],
+        t: u32,
+        n_max: usize,
+    ) -> Result<Vec<u32>> {
+        ensure!(n_max >= 1, "a speculative step needs room for one token");
+        let (be, m) = (self.be, self.model);
+        let n = seq.pos;
+        let k = self.depth.min(n_max - 1);
+        let vocab = m.cfg.vocab;
+        // Draft: d(i+1) ~ q(i+1), the drafter's distribution given the drafts before it.
+        let (drafts, qs): (Vec<u32>, Vec<Distribution>) = if k > 0 {
+            drafter
+                .draft_sampled(self, &mut seq.kv, n, t, k, sampler, history)?
+                .into_iter()
+                .unzip()
+        } else {
+            (vec![], vec![])
+        };
+        ensure!(
+            drafts.len() == k,
+            "the drafter gave {} drafts, not {k}",
+            drafts.len()
+        );
+        // Verify: the target's logits at every row.
+        let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
+        be.kv_snapshot(&mut seq.kv, 0)?;
+        be.set_step(&mut self.verify.step, &rows, n)?;
+        m.forward(be, &mut self.verify, &mut seq.kv, Logits::All)?;
+        let logits = be.to_host(&self.verify.logits)?;
+        let mut out = Vec::with_capacity(k + 1);
+        let mut hist = history.to_vec();
+        let mut dense_q = vec![0f64; vocab];
+        for (i, row) in logits.chunks_exact(vocab).enumerate() {
+            let p = sampler.distribution(&mut row.to_vec(), &hist);
+            if i == k {
+                out.push(sampler.pick(&p));
+                break;
+            }
+            let d = drafts[i];
+            let pd = p.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
+            let qd = qs[i].iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
+            let keep = if qd > 0.0 {
+                sampler.uniform() < (pd / qd).min(1.0)
+            } else {
+                pd > 0.0
+            };
+            if keep {
+                out.push(d);
+                hist.push(d);
+                continue;
+            }
+            // The residual max(0, p − q): what p has that the draft under-proposed.
+            for &(id, q) in &qs[i] {
+                dense_q[id as usize] = q;
+            }
+            let residual: Vec<(u32, f64)> = p
+                .iter()
+                .map(|&(id, pp)| (id, (pp - dense_q[id as usize]).max(0.0)))
+                .filter(|x| x.1 > 0.0)
+                .collect();
+            out.push(if residual.is_empty() {
+                sampler.pick(&p)
+            } else {
+                sampler.pick(&residual)
+            });
+            break;
+        }
+        self.finish(seq, &rows, &out)?;
+        Ok(out)
     }
 }
 

@@ -155,13 +155,22 @@ fn generate_with_mtp_depth_matches_plain_greedy() {
             let st = g.spec.expect("speculation ran");
             assert_eq!(st.accepted + st.steps, GEN - 1);
         }
-        // Sampling is refused, with the reason.
+        // Sampling runs through speculative sampling (its distribution is tested above):
+        // seeded, it repeats itself.
         p.sampler.temperature = 0.7;
+        p.sampler.seed = Some(5);
+        let a = e.generate(&PROMPT, &p, &mut |_| {}).unwrap();
+        let b = e.generate(&PROMPT, &p, &mut |_| {}).unwrap();
+        assert_eq!(a.tokens.len(), GEN);
+        assert_eq!(a.tokens, b.tokens);
+        assert!(a.spec.is_some());
+        // Penalties are refused, with the reason.
+        p.sampler.repetition_penalty = 1.1;
         let err = e
             .generate(&PROMPT, &p, &mut |_| {})
             .unwrap_err()
             .to_string();
-        assert!(err.contains("greedy only"), "{err}");
+        assert!(err.contains("penalty"), "{err}");
     }
 }
 
@@ -199,4 +208,155 @@ fn scripted_speculation_needs_no_head() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("no draft pending"), "{e}");
+}
+
+/// Drafts every token from a fixed distribution `q`, whatever the context.
+struct FixedQ(Vec<(u32, f64)>);
+
+impl Drafter<CpuBackend> for FixedQ {
+    fn draft(
+        &mut self,
+        _: &mut Speculator<'_, CpuBackend>,
+        _: &mut <CpuBackend as ferrite_backend::Backend>::Kv,
+        _: usize,
+        _: u32,
+        _: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        anyhow::bail!("sampling only")
+    }
+    fn draft_sampled(
+        &mut self,
+        _: &mut Speculator<'_, CpuBackend>,
+        _: &mut <CpuBackend as ferrite_backend::Backend>::Kv,
+        _: usize,
+        _: u32,
+        k: usize,
+        sampler: &mut ferrite_engine::Sampler,
+        _: &[u32],
+    ) -> anyhow::Result<Vec<(u32, ferrite_engine::speculative::Distribution)>> {
+        Ok((0..k)
+            .map(|_| (sampler.pick(&self.0), self.0.clone()))
+            .collect())
+    }
+}
+
+/// Speculative sampling keeps the target's distribution: the first token of a sampled
+/// speculative step (a draft kept with probability min(1, p/q), or a draw from the
+/// residual max(0, p − q)) is distributed as plain sampling from the target's p. Top-k 6
+/// keeps six outcomes; 1500 seeded trials; Pearson's χ² against p, 5 degrees of freedom.
+/// Drafts from the random-weight head (q far from p: the residual path) and from a fixed q
+/// over p's six tokens and two it excludes (both paths).
+#[test]
+fn speculative_sampling_keeps_the_targets_distribution() {
+    use ferrite_engine::{Sampler, SamplerConfig};
+    /// χ²(5) exceeds 20.5 with probability 0.001: a correct sampler fails this test only for
+    /// about one seed choice in a thousand, and the seeds are fixed, so it does not flake.
+    const CHI2_5_P001: f64 = 20.5;
+    const TRIALS: usize = 1500;
+    let cfg = SamplerConfig {
+        temperature: 1.0,
+        top_k: 6,
+        ..SamplerConfig::default()
+    };
+    for name in MODELS {
+        let (be, m) = load(name);
+        // The step's token t: the greedy first token; p = the target's distribution after it.
+        let t = plain(&be, &m, 1)[0];
+        let mut s = Sequence::new(&be, &m, 16).unwrap();
+        let history: Vec<u32> = PROMPT.iter().copied().chain([t]).collect();
+        s.prefill(&history).unwrap();
+        let p = Sampler::new(cfg.clone(), 1024).distribution(&mut s.logits().unwrap(), &history);
+        assert_eq!(p.len(), 6);
+        let fixed: Vec<(u32, f64)> = p
+            .iter()
+            .map(|x| x.0)
+            .chain([1000, 1001])
+            .map(|id| (id, 1.0 / 8.0))
+            .collect();
+        let mut drafters: Vec<(&str, Box<dyn Drafter<CpuBackend>>)> = vec![
+            ("MTP head", Box::new(MtpDrafter)),
+            ("fixed q", Box::new(FixedQ(fixed))),
+        ];
+        for (what, drafter) in &mut drafters {
+            let mut counts = vec![0usize; 6];
+            let (mut kept, mut drafted) = (0, 0);
+            for trial in 0..TRIALS {
+                let seed = Some(trial as u64);
+                let mut sampler = Sampler::new(
+                    SamplerConfig {
+                        seed,
+                        ..cfg.clone()
+                    },
+                    1024,
+                );
+                let mut seq = Sequence::new(&be, &m, 16).unwrap();
+                let mut spec = Speculator::new(&be, &m, 2).unwrap();
+                assert_eq!(spec.prefill(&mut seq, &PROMPT).unwrap(), t);
+                let out = spec
+                    .step_sampled(&mut seq, &mut **drafter, &mut sampler, &history, t, 3)
+                    .unwrap();
+                let i = p
+                    .iter()
+                    .position(|x| x.0 == out[0])
+                    .expect("a token p allows");
+                counts[i] += 1;
+                kept += spec.stats.accepted;
+                drafted += spec.stats.drafted;
+            }
+            let chi2: f64 = p
+                .iter()
+                .zip(&counts)
+                .map(|(&(_, pi), &c)| {
+                    let e = pi * TRIALS as f64;
+                    (c as f64 - e).powi(2) / e
+                })
+                .sum();
+            println!("{name}, {what}: counts {counts:?}, χ² {chi2:.2}, {kept}/{drafted} kept");
+            assert!(
+                chi2 < CHI2_5_P001,
+                "{name}, {what}: χ² {chi2} ≥ {CHI2_5_P001}"
+            );
+            if *what == "fixed q" {
+                // Kept and rejected drafts both occur (3/4 of q's mass is on p's tokens).
+                assert!(kept > drafted / 4 && kept < drafted, "{kept}/{drafted}");
+            }
+        }
+    }
+}
+
+/// Sampling at a temperature so low that p and q are one-hot gives greedy's tokens through
+/// the sampled path (draws, acceptance tests, rollbacks), for every depth.
+#[test]
+fn cold_speculative_sampling_is_greedy() {
+    use ferrite_engine::{Sampler, SamplerConfig};
+    for name in MODELS {
+        let (be, m) = load(name);
+        let want = plain(&be, &m, GEN);
+        for depth in [1, 3, 8] {
+            let mut sampler = Sampler::new(
+                SamplerConfig {
+                    temperature: 1e-4,
+                    seed: Some(1),
+                    ..SamplerConfig::default()
+                },
+                1024,
+            );
+            let ctx = PROMPT.len() + GEN + 1;
+            let mut s = Sequence::new(&be, &m, ctx).unwrap();
+            let mut spec = Speculator::new(&be, &m, depth).unwrap();
+            let mut hist = PROMPT.to_vec();
+            let mut out = vec![spec.prefill(&mut s, &PROMPT).unwrap()];
+            while out.len() < GEN {
+                let t = out[out.len() - 1];
+                hist.push(t);
+                let room = (GEN - out.len()).min(ctx - s.pos);
+                let got = spec
+                    .step_sampled(&mut s, &mut MtpDrafter, &mut sampler, &hist, t, room)
+                    .unwrap();
+                hist.extend(&got[..got.len() - 1]);
+                out.extend(got);
+            }
+            assert_eq!(out, want, "{name}: depth {depth}");
+        }
+    }
 }
