@@ -44,6 +44,12 @@ pub struct ServeArgs {
     /// Largest request body in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// Speculative decoding with the model's own multi-token-prediction head (Qwen3.5
+    /// checkpoints' `mtp.*` tensors), K drafts a step (1 to 8; 0 = off). Greedy requests
+    /// get the model's greedy output, sampled ones speculative sampling (the same
+    /// distribution); requests with logprobs or penalties decode without it.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
+    pub mtp_depth: u32,
 }
 
 /// Default `--max-context` cap: the CPU backend allocates each sequence's KV contiguously,
@@ -59,7 +65,8 @@ pub fn serve(a: &ServeArgs) -> Result<()> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| model_name(&path));
-    crate::on_backend!(&a.model, be => serve_on(crate::load::engine(be, &a.model)?, a, name))
+    let mtp = a.mtp_depth > 0;
+    crate::on_backend!(&a.model, be => serve_on(crate::load::engine_with(be, &a.model, mtp)?, a, name))
 }
 
 fn model_name(path: &Path) -> String {
@@ -93,6 +100,7 @@ where
         page_size: PAGE_SIZE,
         prefill_chunk: a.prefill_chunk,
         max_waiting: a.max_waiting,
+        mtp_depth: a.mtp_depth as usize,
     };
     let sched = Scheduler::spawn(engine, cfg)?;
     tracing::info!("scheduler: {:?}", sched.config());

@@ -253,6 +253,7 @@ fn small_kv_budget_waits_and_preempts_and_finishes_everything() {
         page_size: 16,
         prefill_chunk: 64,
         max_waiting: 64,
+        mtp_depth: 0,
     });
     let p = RequestParams {
         max_tokens: 40,
@@ -350,6 +351,13 @@ fn unservable_settings_are_refused() {
                 ..SchedulerConfig::default()
             },
             "max_context must be at least 2",
+        ),
+        (
+            SchedulerConfig {
+                mtp_depth: 2,
+                ..SchedulerConfig::default()
+            },
+            "needs the model's MTP head",
         ),
     ] {
         let err = Scheduler::spawn(default_engine(), cfg)

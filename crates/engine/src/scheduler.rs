@@ -54,6 +54,7 @@ use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::batch::{Batch, BatchConfig};
 use crate::generate::{Engine, FinishReason, Sequence};
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
+use crate::speculative::{MtpDrafter, Speculator};
 
 /// Scheduler limits, fixed at start-up.
 #[derive(Clone, Debug)]
@@ -71,6 +72,9 @@ pub struct SchedulerConfig {
     pub prefill_chunk: usize,
     /// Most requests waiting for admission; more are refused ([`SubmitError::QueueFull`]).
     pub max_waiting: usize,
+    /// Speculative decoding with the model's MTP head, this many drafts a step (0 = off;
+    /// the head must be loaded). Requests with logprobs or penalties decode without it.
+    pub mtp_depth: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -82,6 +86,7 @@ impl Default for SchedulerConfig {
             page_size: 16,
             prefill_chunk: 256,
             max_waiting: 64,
+            mtp_depth: 0,
         }
     }
 }
@@ -210,6 +215,9 @@ pub struct Stats {
     pub max_step_seqs: AtomicUsize,
     /// Whether steps are batched over a paged KV cache (false: one sequence per step).
     pub batched: std::sync::atomic::AtomicBool,
+    /// Speculative decoding: draft tokens proposed by the MTP head and kept by the model.
+    pub spec_drafted: AtomicU64,
+    pub spec_accepted: AtomicU64,
 }
 
 /// A pool of fixed-size KV pages; a sequence's block table is a `Vec` of page ids.
@@ -296,6 +304,20 @@ impl Scheduler {
         // One prompt token and one generated token.
         ensure!(cfg.max_context >= 2, "max_context must be at least 2");
         cfg.max_context = cfg.max_context.min(engine.model.cfg.max_ctx);
+        ensure!(
+            cfg.mtp_depth <= crate::speculative::MAX_DEPTH,
+            "the MTP draft depth must be 0 (off) to {}",
+            crate::speculative::MAX_DEPTH
+        );
+        ensure!(
+            cfg.mtp_depth == 0 || engine.model.has_mtp(),
+            "speculative decoding needs the model's MTP head loaded"
+        );
+        ensure!(
+            cfg.mtp_depth == 0 || cfg.prefill_chunk <= crate::generate::PREFILL_CHUNK,
+            "with speculative decoding the prefill chunk must be at most {} tokens",
+            crate::generate::PREFILL_CHUNK
+        );
         if cfg.kv_tokens < cfg.max_context {
             tracing::warn!(
                 "KV budget of {} tokens is below the context of {}; raised to it",
@@ -436,6 +458,11 @@ struct Active<'e, B: Backend> {
     /// Per-sequence mode: `None` while waiting (never admitted, or preempted). Batched mode:
     /// always `None` (the KV lives in the batch's pages).
     seq: Option<Sequence<'e, B>>,
+    /// Speculative decoding's state (per-sequence mode, `mtp_depth` > 0, a request it
+    /// serves: no logprobs, no penalties); made with `seq`.
+    spec: Option<Speculator<'e, B>>,
+    /// New tokens the next speculative step may give: its drafts plus one (pages reserved).
+    room: usize,
     /// Tokens in the KV cache.
     cached: usize,
     /// Context the sequence's KV is allocated for.
@@ -514,6 +541,8 @@ impl<'e, B: Backend> Loop<'e, B> {
             params: r.params,
             sink: r.sink,
             seq: None,
+            spec: None,
+            room: 1,
             cached: 0,
             ctx,
             feed: r.prompt,
@@ -564,9 +593,21 @@ impl<'e, B: Backend> Loop<'e, B> {
                 Some(_) => Ok(None),
                 None => Sequence::new(self.be, self.model, a.ctx).map(Some),
             };
+            let speculates = self.batch.is_none()
+                && self.cfg.mtp_depth > 0
+                && a.params.logprobs.is_none()
+                && a.params.sampler.no_penalties();
+            let seq = seq.and_then(|seq| {
+                let spec = match speculates {
+                    true => Some(Speculator::new(self.be, self.model, self.cfg.mtp_depth)?),
+                    false => None,
+                };
+                Ok((seq, spec))
+            });
             match seq {
-                Ok(seq) => {
+                Ok((seq, spec)) => {
                     a.seq = seq;
+                    a.spec = spec;
                     a.cached = 0;
                     a.id = self.next_id;
                     self.next_id += 1;
@@ -583,7 +624,22 @@ impl<'e, B: Backend> Loop<'e, B> {
 
     /// Gives running sequence `i` a page for its pending token, preempting the newest
     /// sequences while the pool is dry. Returns whether `i` is still running (at index `i`).
+    /// A speculating sequence gets room for its drafts too where the pool has it (otherwise
+    /// its step drafts nothing: `room` 1).
     fn reserve_decode_page(&mut self, i: usize) -> bool {
+        let a = &mut self.running[i];
+        a.room = 1;
+        if a.spec.is_some() {
+            let left = a.params.max_tokens.saturating_sub(a.generated.len());
+            let room = (self.cfg.mtp_depth + 1)
+                .min(left)
+                .min(a.ctx - a.cached)
+                .max(1);
+            if self.pages.grow(&mut a.pages, a.cached + room) {
+                a.room = room;
+                return true;
+            }
+        }
         loop {
             let a = &mut self.running[i];
             if self.pages.grow(&mut a.pages, a.cached + 1) {
@@ -661,8 +717,10 @@ impl<'e, B: Backend> Loop<'e, B> {
         st.decode_steps
             .fetch_add(n_decode as u64, Ordering::Relaxed);
 
-        // Run the rows. `failed[j]`: planned entry j's error (the whole step's, if batched).
+        // Run the rows. `failed[j]`: planned entry j's error (the whole step's, if batched);
+        // `spoken[j]`: the tokens a speculative step gave entry j.
         let mut failed: Vec<Option<String>> = vec![None; plan.len()];
+        let mut spoken: Vec<Option<Vec<u32>>> = vec![None; plan.len()];
         match &mut self.batch {
             Some(batch) => {
                 let rows: Vec<SeqRows<'_>> = plan
@@ -693,10 +751,44 @@ impl<'e, B: Backend> Loop<'e, B> {
                 for (j, p) in plan.iter().enumerate() {
                     let a = &mut self.running[p.i];
                     let seq = a.seq.as_mut().expect("running sequences have a sequence");
-                    let r = match (p.prefill, a.pending) {
-                        (Some((s, e)), _) => seq.prefill(&a.feed[s..e]),
-                        (None, Some(t)) => seq.decode(t),
-                        (None, None) => Ok(()),
+                    let r = match (p.prefill, a.pending, &mut a.spec) {
+                        // The head catches up on every chunk but the last, whose next token
+                        // is sampled below.
+                        (Some((s, e)), _, spec) => {
+                            seq.prefill(&a.feed[s..e])
+                                .and_then(|()| match (spec, a.feed.get(e)) {
+                                    (Some(sp), Some(&next)) => {
+                                        sp.after_prefill_chunk(seq, &a.feed[s..e], s, next)
+                                    }
+                                    _ => Ok(()),
+                                })
+                        }
+                        (None, Some(t), Some(sp)) => {
+                            let before = sp.stats;
+                            let out = if a.params.sampler.temperature <= 0.0 {
+                                sp.step(seq, &mut MtpDrafter, t, a.room)
+                            } else {
+                                sp.step_sampled(
+                                    seq,
+                                    &mut MtpDrafter,
+                                    &mut a.sampler,
+                                    &a.generated,
+                                    t,
+                                    a.room,
+                                )
+                            };
+                            st.spec_drafted.fetch_add(
+                                (sp.stats.drafted - before.drafted) as u64,
+                                Ordering::Relaxed,
+                            );
+                            st.spec_accepted.fetch_add(
+                                (sp.stats.accepted - before.accepted) as u64,
+                                Ordering::Relaxed,
+                            );
+                            out.map(|out| spoken[j] = Some(out))
+                        }
+                        (None, Some(t), None) => seq.decode(t),
+                        (None, None, _) => Ok(()),
                     };
                     st.steps.fetch_add(1, Ordering::Relaxed);
                     st.step_seqs.fetch_add(1, Ordering::Relaxed);
@@ -718,6 +810,19 @@ impl<'e, B: Backend> Loop<'e, B> {
                 gone.push(p.i);
                 continue;
             }
+            if let Some(out) = spoken[j].take() {
+                // A speculative step: the pending token and the kept drafts went into the
+                // cache; its tokens are handled in order until one ends the request.
+                a.cached += out.len();
+                a.pending = None;
+                for t in out {
+                    if let Outcome::Remove = on_token(a, self.tok, t, None) {
+                        gone.push(p.i);
+                        break;
+                    }
+                }
+                continue;
+            }
             let sample = match p.prefill {
                 Some((s, e)) => {
                     a.cached += e - s;
@@ -736,7 +841,16 @@ impl<'e, B: Backend> Loop<'e, B> {
             let outcome = match (&mut self.batch, a.seq.take()) {
                 (Some(batch), _) => sample_next(a, self.tok, &mut BatchRow { batch, row: j }),
                 (None, Some(mut seq)) => {
-                    let o = sample_next(a, self.tok, &mut seq);
+                    let mut o = sample_next(a, self.tok, &mut seq);
+                    // The prompt's last chunk: the head catches up on it with the token
+                    // just sampled.
+                    if let (Outcome::Continue, Some(sp), Some((s, e)), Some(t)) =
+                        (&o, &mut a.spec, p.prefill, a.pending)
+                    {
+                        if let Err(err) = sp.after_prefill_chunk(&mut seq, &a.feed[s..e], s, t) {
+                            o = fail(a, &err);
+                        }
+                    }
                     a.seq = Some(seq);
                     o
                 }
@@ -758,6 +872,7 @@ impl<'e, B: Backend> Loop<'e, B> {
         let mut a = self.running.remove(i);
         self.pages.release(&mut a.pages);
         a.seq = None;
+        a.spec = None;
         a.cached = 0;
         a.feed.truncate(a.prompt_len);
         a.feed.extend_from_slice(&a.generated);

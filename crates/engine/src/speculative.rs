@@ -265,6 +265,46 @@ impl<'e, B: Backend> Speculator<'e, B> {
         Ok(first)
     }
 
+    /// For callers that prefill in their own chunks (the scheduler): after
+    /// `seq.prefill(chunk)` of the tokens at positions `start..`, the head catches up on the
+    /// chunk's hidden states; `next` is the token after the chunk (the prompt's next one, or
+    /// after the last chunk the first generated token). The chunk must have gone through
+    /// one forward (at most [`PREFILL_CHUNK`] tokens).
+    pub fn after_prefill_chunk(
+        &mut self,
+        seq: &mut Sequence<'_, B>,
+        chunk: &[u32],
+        start: usize,
+        next: u32,
+    ) -> Result<()> {
+        let (be, m) = (self.be, self.model);
+        ensure!(
+            !chunk.is_empty() && chunk.len() <= PREFILL_CHUNK && seq.pos == start + chunk.len(),
+            "the head catches up on one prefilled chunk at a time ({} tokens at {start}, the \
+             sequence at {})",
+            chunk.len(),
+            seq.pos
+        );
+        if start == 0 {
+            be.kv_snapshots(&mut seq.kv, 1)?;
+        }
+        if !m.has_mtp() {
+            return Ok(());
+        }
+        let tokens: Vec<u32> = chunk[1..].iter().copied().chain([next]).collect();
+        let (ws, kv) = seq.prefill_and_kv(chunk.len())?;
+        ensure!(
+            ws.hidden().rows == chunk.len(),
+            "the last prefill forward held {} rows, not the chunk's {}",
+            ws.hidden().rows,
+            chunk.len()
+        );
+        be.set_step(&mut self.draft.step, &tokens, start)?;
+        m.mtp_forward(be, &mut self.draft, ws.hidden(), kv, Logits::Last)?;
+        self.pending = Some(greedy(be, &mut self.draft)?[0]);
+        Ok(())
+    }
+
     /// One speculative step from the token `t` (the last one returned, not yet in the
     /// cache): at most `n_max` (≥ 1) new tokens, the last of which is not appended, like
     /// [`Sequence::greedy_chain`]'s; the sequence advances by as many positions as tokens

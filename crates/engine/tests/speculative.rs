@@ -360,3 +360,112 @@ fn cold_speculative_sampling_is_greedy() {
         }
     }
 }
+
+/// The serving scheduler with `mtp_depth`: greedy requests, alone and together, get the
+/// plain greedy tokens (the prompt prefilled in chunks of 4, the head catching up on each);
+/// `max_tokens` cuts a speculative step short; a seeded sampled request repeats itself; a
+/// request with logprobs decodes without speculation and still gets the greedy tokens.
+#[test]
+fn scheduler_speculates_and_serves_the_same_tokens() {
+    use ferrite_engine::scheduler::{Event, Request, RequestParams, Scheduler, SchedulerConfig};
+    use std::sync::mpsc;
+    let collect = |rx: mpsc::Receiver<Event>| -> Vec<u32> {
+        let mut out = vec![];
+        loop {
+            match rx
+                .recv_timeout(std::time::Duration::from_secs(120))
+                .unwrap()
+            {
+                Event::Token { id, .. } => out.push(id),
+                Event::Done { usage, .. } => {
+                    assert_eq!(usage.completion_tokens, out.len());
+                    return out;
+                }
+                Event::Error(e) => panic!("{e}"),
+            }
+        }
+    };
+    for name in MODELS {
+        let (be, model) = load(name);
+        let want = plain(&be, &model, GEN);
+        let other: Vec<u32> = vec![1, 5, 6, 7, 8, 9, 10, 11, 12];
+        let want_other = plain_greedy(&be, &model, &other, GEN).unwrap();
+        let engine = Engine {
+            be,
+            model,
+            tok: tiny_tokenizer(),
+        };
+        let s = Scheduler::spawn(
+            engine,
+            SchedulerConfig {
+                mtp_depth: 3,
+                prefill_chunk: 4,
+                max_context: 128,
+                ..SchedulerConfig::default()
+            },
+        )
+        .unwrap();
+        let submit = |prompt: &[u32], params: RequestParams| {
+            let (tx, rx) = mpsc::channel();
+            s.submit(Request {
+                prompt: prompt.to_vec(),
+                params,
+                sink: Box::new(tx),
+            })
+            .unwrap();
+            rx
+        };
+        let greedy = RequestParams {
+            max_tokens: GEN,
+            ignore_eos: true,
+            ..RequestParams::default()
+        };
+        assert_eq!(
+            collect(submit(&PROMPT, greedy.clone())),
+            want,
+            "{name} alone"
+        );
+        let (a, b) = (
+            submit(&PROMPT, greedy.clone()),
+            submit(&other, greedy.clone()),
+        );
+        assert_eq!(collect(a), want, "{name} together");
+        assert_eq!(collect(b), want_other, "{name} together, the other");
+        let short = RequestParams {
+            max_tokens: 5,
+            ..greedy.clone()
+        };
+        assert_eq!(
+            collect(submit(&PROMPT, short)),
+            want[..5],
+            "{name} max_tokens"
+        );
+        let mut sampled = greedy.clone();
+        sampled.sampler.temperature = 0.8;
+        sampled.sampler.seed = Some(3);
+        let x = collect(submit(&PROMPT, sampled.clone()));
+        assert_eq!(x.len(), GEN);
+        assert_eq!(
+            collect(submit(&PROMPT, sampled)),
+            x,
+            "{name} seeded sampling"
+        );
+        let logprobs = RequestParams {
+            logprobs: Some(2),
+            ..greedy
+        };
+        let drafted = s
+            .stats()
+            .spec_drafted
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(collect(submit(&PROMPT, logprobs)), want, "{name} logprobs");
+        let st = s.stats();
+        assert!(drafted > 0, "{name}: the scheduler speculated");
+        assert_eq!(
+            st.spec_drafted.load(std::sync::atomic::Ordering::Relaxed),
+            drafted,
+            "{name}: a request with logprobs does not speculate"
+        );
+        s.shutdown();
+    }
+}

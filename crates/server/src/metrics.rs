@@ -142,6 +142,18 @@ impl Metrics {
             "Tokens decoded (one decode row of one sequence each).",
             stats.decode_steps.load(Ordering::Relaxed),
         );
+        counter(
+            o,
+            "ferrite_spec_draft_tokens_total",
+            "Draft tokens the MTP head proposed (speculative decoding).",
+            stats.spec_drafted.load(Ordering::Relaxed),
+        );
+        counter(
+            o,
+            "ferrite_spec_accepted_tokens_total",
+            "Draft tokens the model kept (speculative decoding).",
+            stats.spec_accepted.load(Ordering::Relaxed),
+        );
         self.ttft.write(
             o,
             "ferrite_time_to_first_token_seconds",
