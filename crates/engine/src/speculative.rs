@@ -120,13 +120,9 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
         let mut d = spec.pending.context("no draft pending: prefill first")?;
         let mut out = Vec::with_capacity(k);
         out.push(d);
-        let (be, m) = (spec.be, spec.model);
+        let be = spec.be;
         for i in 1..k {
-            // (the previous row's draft hidden state, its draft) at position n - 1 + i.
-            let h = spec.draft.hidden();
-            be.copy_rows(h, h.rows - 1, &mut spec.hid)?;
-            be.set_step(&mut spec.draft.step, &[d], n - 1 + i)?;
-            m.mtp_forward(be, &mut spec.draft, &spec.hid, kv, Logits::Last)?;
+            spec.chain(kv, d, n - 1 + i)?;
             d = greedy(be, &mut spec.draft)?[0];
             out.push(d);
         }
@@ -147,16 +143,12 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
             spec.pending.is_some(),
             "no draft pending: prefill first, with the MTP head loaded"
         );
-        let (be, m) = (spec.be, spec.model);
+        let be = spec.be;
         let mut out: Vec<(u32, Distribution)> = Vec::with_capacity(k);
         let mut hist = history.to_vec();
         for i in 0..k {
             if let Some(&(d, _)) = out.last() {
-                // (the previous row's draft hidden state, its draft) at position n - 1 + i.
-                let h = spec.draft.hidden();
-                be.copy_rows(h, h.rows - 1, &mut spec.hid)?;
-                be.set_step(&mut spec.draft.step, &[d], n - 1 + i)?;
-                m.mtp_forward(be, &mut spec.draft, &spec.hid, kv, Logits::Last)?;
+                spec.chain(kv, d, n - 1 + i)?;
             }
             let q = sampler.distribution(&mut be.to_host(&spec.draft.logits)?, &hist);
             let d = sampler.pick(&q);
@@ -215,6 +207,16 @@ impl<'e, B: Backend> Speculator<'e, B> {
             pending: None,
             stats: SpecStats::default(),
         })
+    }
+
+    /// One chained draft step: the head on (its own last draft hidden state, the token `d`
+    /// drafted from it) at position `pos`; its logits then in `self.draft`.
+    fn chain(&mut self, kv: &mut B::Kv, d: u32, pos: usize) -> Result<()> {
+        let (be, m) = (self.be, self.model);
+        let h = self.draft.hidden();
+        be.copy_rows(h, h.rows - 1, &mut self.hid)?;
+        be.set_step(&mut self.draft.step, &[d], pos)?;
+        m.mtp_forward(be, &mut self.draft, &self.hid, kv, Logits::Last)
     }
 
     /// Prefills `prompt` into `seq` (which must be empty) chunk by chunk, the head catching
