@@ -14,10 +14,11 @@
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
-#   spec35   speculation's cost on Qwen3.5-9B Q4_K_M (no trained head: scripted drafts,
-#            bench --mtp-depth K --draft-right R) at K = 1, 2, 4 with every draft right and
-#            with none right: tokens/s against plain decode's tg128 (not recorded; the steps
-#            run eagerly, without CUDA graphs, which this measures the price of)
+#   spec35   speculation's cost on Qwen3.5-9B Q4_K_M with a random MTP head (synth --mtp):
+#            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
+#            at K = 1, 2, 4 with every draft right and with none right: tokens/s against plain
+#            decode's tg128 (not recorded; the steps run eagerly, without CUDA graphs, which
+#            this measures the price of); first the e2e check's gate-3 lines
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
@@ -60,9 +61,9 @@ mkdir -p "$M" "$FERRITE_CACHE_DIR"
 [ -f target/kernel-cache.txz ] && tar xJf target/kernel-cache.txz -C "$FERRITE_CACHE_DIR"
 RES="$OUT/results.jsonl"
 
-synth() { # preset quant
+synth() { # preset quant [more synth args]
     local f="$M/$1-$2.gguf"
-    [ -f "$f" ] || $F synth --preset "$1" --quant "$2" --output "$f" 2>&1 | tail -1
+    [ -f "$f" ] || $F synth --preset "$1" --quant "$2" --output "$f" "${@:3}" 2>&1 | tail -1
     echo "$f"
 }
 
@@ -120,14 +121,14 @@ for stage in "$@"; do
         done
         ;;
     spec35)
-        f=$(synth qwen3.5-9b Q4_K_M | tail -1)
+        f=$(synth qwen3.5-9b Q4_K_M --mtp | tail -1)
         for k in 1 2 4; do
             for r in $k 0; do
                 echo "-- depth $k, $r right" | tee -a "$OUT/spec.log"
                 $F bench --model "$f" --label qwen3.5-9b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $r 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
             done
         done
-        rm -f "$f"
+        rm -f "$f" "${f%.gguf}.mtp.safetensors"
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)

@@ -61,15 +61,16 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = ferrite_engine::generate::FEED_CHUNK)]
     pub feed_chunk: usize,
     /// Also time greedy decode with speculation K tokens deep (a third test, tgN-mtpK; 0 =
-    /// off): drafts from the checkpoint's MTP head where it has one (Hugging Face Qwen3.5
-    /// checkpoints), otherwise, or with --draft-right, scripted drafts of the known greedy
-    /// continuation. Its tokens must equal plain greedy decode's (gate 3) or nothing is
-    /// recorded.
+    /// off): drafts from the model's MTP head where it has one (Hugging Face Qwen3.5
+    /// checkpoints, or `X.mtp.safetensors` beside `X.gguf`: `synth --mtp`), otherwise, or
+    /// with --draft-right, scripted drafts of the known greedy continuation (the head, when
+    /// there is one, still runs for its cost). Its tokens must equal plain greedy decode's
+    /// (gate 3) or nothing is recorded.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
     pub mtp_depth: u32,
-    /// Scripted drafts (models without an MTP head: synthetic ones): how many of each
-    /// step's K drafts are right, the rest wrong, to time speculation at a chosen
-    /// acceptance. Default with no head: all K.
+    /// Scripted drafts: how many of each step's K drafts are right, the rest wrong, to time
+    /// speculation at a chosen acceptance (a random head's drafts are all wrong). Default
+    /// without a head: all K.
     #[arg(long)]
     pub draft_right: Option<usize>,
 }
@@ -220,16 +221,16 @@ fn bench_on<B: Backend>(
     let mut model = load::model(be, file)?;
     let spec_depth = a.mtp_depth as usize;
     // Speculation's drafter: the MTP head unless scripted drafts are asked for or there is
-    // no head to load.
-    let head = spec_depth > 0
-        && a.draft_right.is_none()
+    // no head to load (scripted drafts then still run a loaded head for its cost).
+    let loaded = spec_depth > 0
         && match model.load_mtp(be, file) {
             Ok(()) => true,
             Err(e) => {
-                eprintln!("speculation: scripted drafts, all right ({e:#})");
+                eprintln!("speculation: scripted drafts, no head ({e:#})");
                 false
             }
         };
+    let head = loaded && a.draft_right.is_none();
     let model = model;
     let cfg = model.cfg.clone();
     if ctx > cfg.max_ctx {
@@ -321,6 +322,7 @@ fn bench_on<B: Backend>(
                 prompt_len: spec_prompt.len(),
                 right,
                 vocab: cfg.vocab,
+                run_head: loaded,
             };
             let drafter: &mut dyn Drafter<B> = if head { &mut MtpDrafter } else { &mut scripted };
             let mut seq = Sequence::new(be, &model, ctx)?;
@@ -473,7 +475,14 @@ fn bench_on<B: Backend>(
             if head {
                 "MTP head".to_string()
             } else {
-                format!("scripted drafts, {right} of {spec_depth} right")
+                format!(
+                    "scripted drafts, {right} of {spec_depth} right{}",
+                    if loaded {
+                        ", the head run for its cost"
+                    } else {
+                        ""
+                    }
+                )
             },
             spec_stats.accepted,
             spec_stats.drafted,

@@ -201,6 +201,7 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
                 vocab: None,
                 seed: 1,
                 layers: None,
+                mtp: false,
             })?;
             let file = ModelFile::open(&path)?;
             let tokens: Vec<u32> = (0..40u32).map(|i| 100 + (i * 7919) % 5000).collect();
@@ -328,6 +329,7 @@ fn mtp_lines<B: Backend>(
             prompt_len: prompt.len(),
             right,
             vocab: m.cfg.vocab,
+            run_head: true,
         };
         runs.push((k, format!("{right} right a step"), Box::new(d)));
     }
@@ -370,6 +372,7 @@ fn full_width_gates<B: Backend>(be: &B, scratch: &Path) -> Result<Vec<Line>> {
             vocab: None,
             seed: 1,
             layers: Some(layers),
+            mtp: false,
         })?;
         let file = ModelFile::open(&path)?;
         let m = Model::load(be, &file, &|_, _| {})?;

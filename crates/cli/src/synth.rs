@@ -50,6 +50,12 @@ pub struct SynthArgs {
     /// can run, for comparing backends on those shapes.
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Also write a random multi-token-prediction head (Qwen3.5 presets) beside the GGUF, as
+    /// OUTPUT with the extension `.mtp.safetensors`, in Hugging Face's names (where
+    /// `--mtp-depth` finds it): speculative decoding then runs at the real head's cost,
+    /// drafting badly (random weights).
+    #[arg(long)]
+    pub mtp: bool,
 }
 
 /// Model presets: real dimensions for benchmarks, tiny ones for tests.
@@ -954,6 +960,10 @@ const CHUNK_BYTES: usize = 64 << 20;
 /// Write the GGUF described by `args`.
 pub fn synth(args: &SynthArgs) -> Result<()> {
     let mut d = args.preset.dims();
+    anyhow::ensure!(
+        !args.mtp || d.hybrid.is_some(),
+        "--mtp: only the Qwen3.5 presets have an MTP head"
+    );
     if let Some(n) = args.layers {
         anyhow::ensure!(
             (1..=d.n_layer).contains(&n),
@@ -1058,6 +1068,95 @@ pub fn synth(args: &SynthArgs) -> Result<()> {
         total as f64 / 1e9,
         secs,
         total as f64 / 1e9 / secs.max(1e-9)
+    );
+    if args.mtp {
+        write_mtp(
+            &d,
+            args.seed,
+            &args.output.with_extension("mtp.safetensors"),
+        )?;
+    }
+    Ok(())
+}
+
+/// A random Qwen3.5 MTP head for `d` (see [`SynthArgs::mtp`]): bf16 tensors named as the
+/// released checkpoints name them (`mtp.fc`, the three norms, and one full-attention layer
+/// `mtp.layers.0.*` with the model's FFN, experts one tensor each), drawn as the GGUF's
+/// (matrices 0.02·N(0, 1); the zero-centred norms, stored as w for a scale of 1 + w,
+/// 0.02·N(0, 1)).
+fn write_mtp(d: &ArchDims, seed: u64, path: &std::path::Path) -> Result<()> {
+    let hy = d
+        .hybrid
+        .context("--mtp: only the Qwen3.5 presets have an MTP head")?;
+    let (h, qd, kvd) = (d.hidden, d.n_head * d.head_dim, d.n_head_kv * d.head_dim);
+    let l = |n: &str| format!("mtp.layers.0.{n}");
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![
+        ("mtp.fc.weight".into(), vec![h, 2 * h]),
+        ("mtp.pre_fc_norm_embedding.weight".into(), vec![h]),
+        ("mtp.pre_fc_norm_hidden.weight".into(), vec![h]),
+        ("mtp.norm.weight".into(), vec![h]),
+        (l("input_layernorm.weight"), vec![h]),
+        (l("post_attention_layernorm.weight"), vec![h]),
+        (l("self_attn.q_proj.weight"), vec![2 * qd, h]),
+        (l("self_attn.k_proj.weight"), vec![kvd, h]),
+        (l("self_attn.v_proj.weight"), vec![kvd, h]),
+        (l("self_attn.o_proj.weight"), vec![h, qd]),
+        (l("self_attn.q_norm.weight"), vec![d.head_dim]),
+        (l("self_attn.k_norm.weight"), vec![d.head_dim]),
+    ];
+    match d.moe {
+        None => {
+            shapes.push((l("mlp.gate_proj.weight"), vec![d.ffn, h]));
+            shapes.push((l("mlp.up_proj.weight"), vec![d.ffn, h]));
+            shapes.push((l("mlp.down_proj.weight"), vec![h, d.ffn]));
+        }
+        Some(e) => {
+            let (ef, sf) = (e.expert_ffn, hy.shared_expert_ffn);
+            shapes.push((l("mlp.gate.weight"), vec![e.n_expert, h]));
+            for x in 0..e.n_expert {
+                let p = |n: &str| l(&format!("mlp.experts.{x}.{n}"));
+                shapes.push((p("gate_proj.weight"), vec![ef, h]));
+                shapes.push((p("up_proj.weight"), vec![ef, h]));
+                shapes.push((p("down_proj.weight"), vec![h, ef]));
+            }
+            shapes.push((l("mlp.shared_expert.gate_proj.weight"), vec![sf, h]));
+            shapes.push((l("mlp.shared_expert.up_proj.weight"), vec![sf, h]));
+            shapes.push((l("mlp.shared_expert.down_proj.weight"), vec![h, sf]));
+            shapes.push((l("mlp.shared_expert_gate.weight"), vec![1, h]));
+        }
+    }
+    let data: Vec<Vec<u8>> = shapes
+        .par_iter()
+        .enumerate()
+        .map(|(i, (_, shape))| {
+            let mut rng = SplitMix64(chunk_seed(seed ^ 0x4D54_5000, i, 0));
+            let n: usize = shape.iter().product();
+            (0..n)
+                .flat_map(|_| {
+                    let x = 0.02 * rng.normalish();
+                    ferrite_formats::quant::float::f32_to_bf16(x).to_le_bytes()
+                })
+                .collect()
+        })
+        .collect();
+    let views = shapes
+        .iter()
+        .zip(&data)
+        .map(|((name, shape), bytes)| {
+            let v = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::BF16,
+                shape.clone(),
+                bytes,
+            )?;
+            Ok((name.clone(), v))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize_to_file(views, None, path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    tracing::info!(
+        "wrote a random MTP head ({} tensors) to {}",
+        shapes.len(),
+        path.display()
     );
     Ok(())
 }
@@ -1238,6 +1337,7 @@ mod tests {
                     vocab: None,
                     seed: 3,
                     layers: None,
+                    mtp: false,
                 })
                 .unwrap();
                 let f = GgufFile::open(&out).unwrap();
@@ -1297,6 +1397,7 @@ mod tests {
             vocab: None,
             seed: 7,
             layers: None,
+            mtp: false,
         };
         synth(&args).unwrap();
         let f = GgufFile::open(&out).unwrap();
@@ -1433,6 +1534,7 @@ mod tests {
                 vocab: None,
                 seed,
                 layers: None,
+                mtp: false,
             })
             .unwrap();
             std::fs::read(out).unwrap()
@@ -1452,6 +1554,7 @@ mod tests {
             vocab: None,
             seed: 0,
             layers,
+            mtp: false,
         };
         synth(&args(Some(2), "two.gguf")).unwrap();
         let f = GgufFile::open(t.0.join("two.gguf")).unwrap();
@@ -1474,6 +1577,7 @@ mod tests {
             vocab: Some(t.0.join("missing.gguf")),
             seed: 0,
             layers: None,
+            mtp: false,
         })
         .unwrap_err();
         assert!(format!("{e:#}").contains("missing.gguf"), "{e:#}");

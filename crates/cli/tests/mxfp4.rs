@@ -69,6 +69,7 @@ fn mxfp4_experts_compute_as_their_values() {
             vocab: None,
             seed: 3,
             layers: None,
+            mtp: false,
         })
         .unwrap();
         let f32s = dir.join(format!("{preset:?}-f32.gguf"));

@@ -481,17 +481,23 @@ pub struct ScriptedDrafter {
     pub prompt_len: usize,
     pub right: usize,
     pub vocab: usize,
+    /// Also run the MTP head's chained draft steps (their choices unused) where a head is
+    /// loaded: timing then includes what drafting with the head costs.
+    pub run_head: bool,
 }
 
 impl<B: Backend> Drafter<B> for ScriptedDrafter {
     fn draft(
         &mut self,
-        _spec: &mut Speculator<'_, B>,
-        _kv: &mut B::Kv,
+        spec: &mut Speculator<'_, B>,
+        kv: &mut B::Kv,
         n: usize,
         _t: u32,
         k: usize,
     ) -> Result<Vec<u32>> {
+        if self.run_head && spec.model.has_mtp() {
+            MtpDrafter.draft(spec, kv, n, _t, k)?;
+        }
         // The token at position p is truth[p - prompt_len].
         (0..k)
             .map(|i| {

@@ -94,6 +94,7 @@ fn every_acceptance_length_rolls_back_exactly() {
                     prompt_len: PROMPT.len(),
                     right: wrong_at,
                     vocab: 1024,
+                    run_head: true,
                 };
                 let (got, sizes, st) = speculative(&be, &m, depth, &mut d, GEN);
                 assert_eq!(
@@ -191,6 +192,7 @@ fn scripted_speculation_needs_no_head() {
         prompt_len: PROMPT.len(),
         right: 2,
         vocab: 1024,
+        run_head: false,
     };
     let (got, sizes, st) = speculative(&be, &m, 4, &mut d, GEN);
     assert_eq!(got, truth[..GEN]);

@@ -22,6 +22,10 @@
 //! with the token it drafted, one position on, reusing its layer
 //! (`mtp_num_hidden_layers` = 1 in the released checkpoints).
 //!
+//! The head's tensors use Hugging Face's names and conventions wherever they are read from:
+//! the checkpoint, an `mtp.safetensors` beside it, or for a GGUF model `X.gguf` a file
+//! `X.mtp.safetensors` (llama.cpp's converter does not write Qwen3.5's head).
+//!
 //! `fc` is applied as two matrices (its input columns split at load: the embedding's half
 //! and the hidden state's half), `u = e·Feᵀ + g·Fhᵀ`, so no concatenation op is needed.
 
@@ -85,13 +89,13 @@ impl<B: Backend> Model<B> {
             .hybrid
             .as_ref()
             .context("speculative decoding with an MTP head needs a Qwen3.5 model")?;
-        let ModelFile::Safetensors(ckpt) = file else {
-            anyhow::bail!(
-                "the MTP head is read from Hugging Face checkpoints (`mtp.*` tensors); \
-                 llama.cpp's converter does not write Qwen3.5's into GGUF files"
-            )
+        // Beside a checkpoint directory: `mtp.safetensors`; beside `X.gguf`:
+        // `X.mtp.safetensors` (llama.cpp's converter leaves Qwen3.5's head out of GGUF files;
+        // `ferrite synth --mtp` writes one there).
+        let beside = match file {
+            ModelFile::Safetensors(c) => c.dir().join("mtp.safetensors"),
+            ModelFile::Gguf(g) => g.path().with_extension("mtp.safetensors"),
         };
-        let beside = ckpt.dir().join("mtp.safetensors");
         let separate;
         let file = if file.tensors().has("mtp.fc.weight") || !beside.is_file() {
             file
@@ -108,10 +112,9 @@ impl<B: Backend> Model<B> {
         };
         anyhow::ensure!(
             n_layers > 0 && src.has("mtp.fc.weight"),
-            "{} has no multi-token-prediction head: speculative decoding needs the \
+            "the model has no multi-token-prediction head: speculative decoding needs the \
              checkpoint's `mtp.*` tensors (in it or in {}), which some re-packaged \
              checkpoints drop{}",
-            ckpt.dir().display(),
             beside.display(),
             match hy.mtp_layers {
                 0 => String::new(),
