@@ -119,6 +119,13 @@ pub fn info(a: &InfoArgs) -> Result<()> {
             if let Some(h) = &c.hybrid {
                 let (lin, full) = h.counts();
                 println!("layers:        {lin} linear attention (Gated DeltaNet) + {full} full attention");
+                println!(
+                    "MTP head:      {}",
+                    match ferrite_models::mtp::head_location(&file) {
+                        Some(w) => format!("{w} (speculative decoding: --mtp-depth K)"),
+                        None => "none".into(),
+                    }
+                );
             }
             println!("vocab:         {}", c.vocab);
             println!("context:       {}", c.max_ctx);

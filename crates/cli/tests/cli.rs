@@ -93,6 +93,18 @@ fn info_describes_checkpoint() {
     );
     assert!(s.contains("bf16"), "{s}");
 
+    // A Qwen3.5 checkpoint with its MTP head beside it says where the head is.
+    let out = ferrite(&[
+        "info",
+        "--model",
+        data("oracle/qwen35-tiny").to_str().unwrap(),
+    ]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("MTP head:") && s.contains("mtp.safetensors (speculative decoding"),
+        "{s}"
+    );
+
     // A weight stored as FP8: listed under its type as not loadable, and `run` names it.
     let src = data("oracle/qwen3-tiny");
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();

@@ -76,6 +76,26 @@ fn split_columns(t: &HostTensor<'_>, at: usize) -> Result<[HostTensor<'static>; 
     Ok([mk(a, at), mk(b, cols - at)])
 }
 
+/// Where a head for `file` would be if not in it: beside a checkpoint directory
+/// `mtp.safetensors`; beside `X.gguf`, `X.mtp.safetensors` (llama.cpp's converter leaves
+/// Qwen3.5's head out of GGUF files; `ferrite synth --mtp` writes one there).
+fn beside_path(file: &ModelFile) -> std::path::PathBuf {
+    match file {
+        ModelFile::Safetensors(c) => c.dir().join("mtp.safetensors"),
+        ModelFile::Gguf(g) => g.path().with_extension("mtp.safetensors"),
+    }
+}
+
+/// Where `file`'s MTP head is, for `ferrite info`: in the checkpoint, in the file beside it
+/// ([`Model::load_mtp`] looks in both), or `None`.
+pub fn head_location(file: &ModelFile) -> Option<String> {
+    if file.tensors().has("mtp.fc.weight") {
+        return Some("in the checkpoint (mtp.*)".into());
+    }
+    let beside = beside_path(file);
+    beside.is_file().then(|| format!("in {}", beside.display()))
+}
+
 impl<B: Backend> Model<B> {
     /// Loads the checkpoint's MTP head (Hugging Face `mtp.*` tensors, in the checkpoint
     /// itself or in an `mtp.safetensors` beside it, as some releases ship the head), after
@@ -89,13 +109,7 @@ impl<B: Backend> Model<B> {
             .hybrid
             .as_ref()
             .context("speculative decoding with an MTP head needs a Qwen3.5 model")?;
-        // Beside a checkpoint directory: `mtp.safetensors`; beside `X.gguf`:
-        // `X.mtp.safetensors` (llama.cpp's converter leaves Qwen3.5's head out of GGUF files;
-        // `ferrite synth --mtp` writes one there).
-        let beside = match file {
-            ModelFile::Safetensors(c) => c.dir().join("mtp.safetensors"),
-            ModelFile::Gguf(g) => g.path().with_extension("mtp.safetensors"),
-        };
+        let beside = beside_path(file);
         let separate;
         let file = if file.tensors().has("mtp.fc.weight") || !beside.is_file() {
             file
