@@ -599,7 +599,12 @@ impl<'e, B: Backend> Loop<'e, B> {
                 && a.params.sampler.no_penalties();
             let seq = seq.and_then(|seq| {
                 let spec = match speculates {
-                    true => Some(Speculator::new(self.be, self.model, self.cfg.mtp_depth)?),
+                    true => Some(Speculator::with_chunk(
+                        self.be,
+                        self.model,
+                        self.cfg.mtp_depth,
+                        self.cfg.prefill_chunk,
+                    )?),
                     false => None,
                 };
                 Ok((seq, spec))
@@ -815,6 +820,9 @@ impl<'e, B: Backend> Loop<'e, B> {
                 // cache; its tokens are handled in order until one ends the request.
                 a.cached += out.len();
                 a.pending = None;
+                self.stats
+                    .decode_steps
+                    .fetch_add(out.len() as u64 - 1, Ordering::Relaxed);
                 for t in out {
                     if let Outcome::Remove = on_token(a, self.tok, t, None) {
                         gone.push(p.i);

@@ -191,6 +191,12 @@ impl<'e, B: Backend> Speculator<'e, B> {
     /// MTP head must be loaded ([`Model::load_mtp`]) if [`MtpDrafter`] drafts; without a
     /// head the steps skip its catch-up (a [`ScriptedDrafter`] needs none).
     pub fn new(be: &'e B, model: &'e Model<B>, depth: usize) -> Result<Self> {
+        Self::with_chunk(be, model, depth, PREFILL_CHUNK)
+    }
+
+    /// [`Speculator::new`] for prompts prefilled in chunks of at most `chunk` tokens
+    /// ([`Speculator::after_prefill_chunk`]): the head's workspace holds that many rows.
+    pub fn with_chunk(be: &'e B, model: &'e Model<B>, depth: usize, chunk: usize) -> Result<Self> {
         ensure!(
             (1..=MAX_DEPTH).contains(&depth),
             "the speculation depth must be 1 to {MAX_DEPTH}, not {depth}"
@@ -201,7 +207,11 @@ impl<'e, B: Backend> Speculator<'e, B> {
             be,
             model,
             depth,
-            draft: model.workspace(be, PREFILL_CHUNK.max(depth + 1), Logits::Last)?,
+            draft: model.workspace(
+                be,
+                chunk.clamp(1, PREFILL_CHUNK).max(depth + 1),
+                Logits::Last,
+            )?,
             hid,
             verify: model.workspace(be, depth + 1, Logits::All)?,
             pending: None,
@@ -271,7 +281,7 @@ impl<'e, B: Backend> Speculator<'e, B> {
     /// `seq.prefill(chunk)` of the tokens at positions `start..`, the head catches up on the
     /// chunk's hidden states; `next` is the token after the chunk (the prompt's next one, or
     /// after the last chunk the first generated token). The chunk must have gone through
-    /// one forward (at most [`PREFILL_CHUNK`] tokens).
+    /// one forward, of at most the `chunk` tokens the speculator was made for.
     pub fn after_prefill_chunk(
         &mut self,
         seq: &mut Sequence<'_, B>,
@@ -281,7 +291,9 @@ impl<'e, B: Backend> Speculator<'e, B> {
     ) -> Result<()> {
         let (be, m) = (self.be, self.model);
         ensure!(
-            !chunk.is_empty() && chunk.len() <= PREFILL_CHUNK && seq.pos == start + chunk.len(),
+            !chunk.is_empty()
+                && chunk.len() <= self.draft.capacity()
+                && seq.pos == start + chunk.len(),
             "the head catches up on one prefilled chunk at a time ({} tokens at {start}, the \
              sequence at {})",
             chunk.len(),
