@@ -328,14 +328,18 @@ fn bench_on<B: Backend>(
             let mut seq = Sequence::new(be, &model, ctx)?;
             let mut spec = Speculator::new(be, &model, spec_depth)?;
             let mut out = vec![spec.prefill(&mut seq, &spec_prompt)?];
+            // What a drafter may look up: the prompt and the output so far.
+            let mut history: Vec<u32> = spec_prompt.iter().chain(&out).copied().collect();
             // The first step is untimed (its kernels size their scratch then).
-            let got = spec.step(&mut seq, drafter, out[0], a.gen_tokens + 1)?;
+            let got = spec.step(&mut seq, drafter, &history, out[0], a.gen_tokens + 1)?;
+            history.extend(&got);
             out.extend(got);
             let t0 = Instant::now();
             let start = out.len();
             while out.len() < start + a.gen_tokens {
                 let room = (start + a.gen_tokens - out.len()).min(ctx - seq.pos);
-                let got = spec.step(&mut seq, drafter, out[out.len() - 1], room)?;
+                let got = spec.step(&mut seq, drafter, &history, out[out.len() - 1], room)?;
+                history.extend(&got);
                 out.extend(got);
             }
             sp.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());

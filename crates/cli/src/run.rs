@@ -72,6 +72,13 @@ pub struct RunArgs {
     /// work against tokens per verify (1 to 8; 0 = off). Not with --repeat-penalty.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
     pub mtp_depth: u32,
+    /// Speculative decoding with n-gram drafts from the prompt and the output so far (prompt
+    /// lookup; any model, no extra weights): up to K drafts a step where the text's last few
+    /// tokens occurred before, verified in one forward as with --mtp-depth; fast where the
+    /// output repeats its input (code edits, quotes, lists), a plain step elsewhere (1 to 8;
+    /// 0 = off). Not with --mtp-depth or --repeat-penalty.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8), conflicts_with = "mtp_depth")]
+    pub lookup_depth: u32,
 }
 
 /// Prompt tokens `run`'s gate checks by default: enough rows for the prefill kernels (the
@@ -104,6 +111,7 @@ fn params(a: &RunArgs) -> GenerateParams {
         },
         stop: a.stop.clone(),
         mtp_depth: a.mtp_depth as usize,
+        lookup_depth: a.lookup_depth as usize,
         ..GenerateParams::default()
     }
 }
@@ -200,8 +208,9 @@ fn run_on<B: Backend>(
     );
     if let Some(st) = g.spec {
         tracing::info!(
-            "MTP speculation, depth {}: {}/{} drafts accepted ({:.0}%), {:.2} tokens per verify step",
-            params.mtp_depth,
+            "{} speculation, depth {}: {}/{} drafts accepted ({:.0}%), {:.2} tokens per verify step",
+            if params.mtp_depth > 0 { "MTP" } else { "lookup" },
+            params.mtp_depth.max(params.lookup_depth),
             st.accepted,
             st.drafted,
             100.0 * st.acceptance(),

@@ -199,3 +199,46 @@ fn greedy_generation_fills_the_context() {
     assert_eq!(g.tokens[..ANSWER.len()], ANSWER);
     assert_eq!(g.finish, FinishReason::Length);
 }
+
+/// Prompt lookup speculation on the real model (gate 3): greedy output with n-gram drafts
+/// at depths 1, 4 and 8 is the plain greedy output, token for token, and on a prompt the
+/// answer repeats most drafts are kept; sampled (seeded) it runs and repeats itself.
+#[test]
+fn lookup_speculation_gives_the_greedy_answer() {
+    let e = engine();
+    let chat = |text: &str| {
+        let tmpl = e.tok.compile_chat_template().unwrap().unwrap();
+        let msgs = [ferrite_tokenizer::ChatMessage::new("user", text)];
+        let rendered = tmpl.render(&msgs, &e.tok.render_options(true)).unwrap();
+        e.tok.encode(&rendered, false, true).unwrap()
+    };
+    let prompt = chat(
+        "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, \
+         honeydew, kiwi, lemon, mango.",
+    );
+    let mut p = GenerateParams {
+        max_tokens: 40,
+        ..GenerateParams::default()
+    };
+    let plain = e.generate(&prompt, &p, &mut |_| {}).unwrap();
+    for depth in [1, 4, 8] {
+        p.lookup_depth = depth;
+        let g = e.generate(&prompt, &p, &mut |_| {}).unwrap();
+        assert_eq!(g.tokens, plain.tokens, "depth {depth}");
+        assert_eq!(g.text, plain.text);
+        let st = g.spec.expect("speculation ran");
+        println!(
+            "lookup depth {depth}: {st:?}, {:.2} tokens a step",
+            st.tokens_per_step()
+        );
+        assert!(st.acceptance() > 0.5, "depth {depth}: {st:?}");
+    }
+    // The known answer too.
+    p.max_tokens = 32;
+    assert_eq!(e.generate(&PROMPT, &p, &mut |_| {}).unwrap().tokens, ANSWER);
+    p.sampler.temperature = 0.7;
+    p.sampler.seed = Some(11);
+    let a = e.generate(&prompt, &p, &mut |_| {}).unwrap();
+    let b = e.generate(&prompt, &p, &mut |_| {}).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+}

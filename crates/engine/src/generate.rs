@@ -9,7 +9,7 @@ use ferrite_models::{Logits, Model, Workspace, TOP_K_MAX};
 use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
-use crate::speculative::{MtpDrafter, SpecStats, Speculator};
+use crate::speculative::{Drafter, MtpDrafter, PromptLookup, SpecStats, Speculator};
 
 /// A model, the backend it lives on, and its tokenizer.
 pub struct Engine<B: Backend> {
@@ -33,6 +33,10 @@ pub struct GenerateParams {
     /// (0 = off; no repetition, presence or frequency penalty; the head must be loaded,
     /// [`Model::load_mtp`]).
     pub mtp_depth: usize,
+    /// Speculative decoding with n-gram drafts from the text so far
+    /// ([`crate::speculative::PromptLookup`]), up to this many a step (0 = off; not with
+    /// `mtp_depth`, nor with penalties). Any model.
+    pub lookup_depth: usize,
 }
 
 impl GenerateParams {
@@ -42,16 +46,20 @@ impl GenerateParams {
     pub fn validate(&self) -> Result<()> {
         self.sampler.validate()?;
         ensure!(self.max_tokens > 0, "max_tokens must be at least 1");
+        let max = crate::speculative::MAX_DEPTH;
+        for (what, d) in [("MTP", self.mtp_depth), ("lookup", self.lookup_depth)] {
+            ensure!(
+                d <= max,
+                "the {what} draft depth must be 0 (off) to {max}, not {d}"
+            );
+        }
         ensure!(
-            self.mtp_depth <= crate::speculative::MAX_DEPTH,
-            "the MTP draft depth must be 0 (off) to {}, not {}",
-            crate::speculative::MAX_DEPTH,
-            self.mtp_depth
+            self.mtp_depth == 0 || self.lookup_depth == 0,
+            "drafts come from the MTP head or from lookup, not both"
         );
         ensure!(
-            self.mtp_depth == 0 || self.sampler.no_penalties(),
-            "speculative decoding with the MTP head does not take a repetition, presence or \
-             frequency penalty"
+            self.mtp_depth + self.lookup_depth == 0 || self.sampler.no_penalties(),
+            "speculative decoding does not take a repetition, presence or frequency penalty"
         );
         Ok(())
     }
@@ -66,6 +74,7 @@ impl Default for GenerateParams {
             ignore_eos: false,
             context: None,
             mtp_depth: 0,
+            lookup_depth: 0,
         }
     }
 }
@@ -507,9 +516,14 @@ impl<B: Backend> Engine<B> {
         let mut emitted = 0;
 
         let t0 = Instant::now();
-        let mut spec = match p.mtp_depth {
+        // Speculation: its state, and where its drafts come from.
+        let mut spec = match p.mtp_depth.max(p.lookup_depth) {
             0 => None,
             k => Some(Speculator::new(&self.be, &self.model, k)?),
+        };
+        let mut drafter: Box<dyn Drafter<B>> = match p.mtp_depth {
+            0 => Box::new(PromptLookup::default()),
+            _ => Box::new(MtpDrafter),
         };
         if spec.is_none() {
             seq.prefill(prompt)?;
@@ -572,9 +586,9 @@ impl<B: Backend> Engine<B> {
                 if queue.is_empty() {
                     let n = (p.max_tokens - out.tokens.len()).min(ctx - seq.pos);
                     queue.extend(if device_greedy {
-                        s.step(&mut seq, &mut MtpDrafter, tok, n)?
+                        s.step(&mut seq, &mut *drafter, &history, tok, n)?
                     } else {
-                        s.step_sampled(&mut seq, &mut MtpDrafter, &mut sampler, &history, tok, n)?
+                        s.step_sampled(&mut seq, &mut *drafter, &mut sampler, &history, tok, n)?
                     });
                 }
                 tok = queue

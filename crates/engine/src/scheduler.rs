@@ -771,7 +771,8 @@ impl<'e, B: Backend> Loop<'e, B> {
                         (None, Some(t), Some(sp)) => {
                             let before = sp.stats;
                             let out = if a.params.sampler.temperature <= 0.0 {
-                                sp.step(seq, &mut MtpDrafter, t, a.room)
+                                // The head reads no history (the generated tokens stand in).
+                                sp.step(seq, &mut MtpDrafter, &a.generated, t, a.room)
                             } else {
                                 sp.step_sampled(
                                     seq,

@@ -10,9 +10,10 @@
 //!           d(i+1) = head(its own draft hidden state, di) at position n-1+i, i = 1..k-1
 //! verify    the target on [t, d1 .. dk] at positions n .. n+k, every row's argmax a0 .. ak
 //! accept    j = the longest prefix with di = a(i-1); the new tokens are a0 .. aj
-//! rollback  when j < k: the linear-attention state goes back to its snapshot taken before
-//!           the verify and [t, d1 .. dj] run again (attention rows are addressed by
-//!           position: the rejected ones are overwritten before anything reads them)
+//! rollback  when j < k on a hybrid model: the linear-attention state goes back to its
+//!           snapshot taken before the verify and [t, d1 .. dj] run again (attention rows are
+//!           addressed by position: the rejected ones are overwritten before anything reads
+//!           them, so an attention-only model needs no rollback)
 //! catch up  the head on (h[n+i], ai), i = 0..j, at positions n..n+j: its cache gets the
 //!           target's true hidden states, and its last row drafts the next step's d1
 //! ```
@@ -46,7 +47,7 @@ pub struct SpecStats {
     /// Draft tokens proposed and accepted.
     pub drafted: usize,
     pub accepted: usize,
-    /// Verify steps that rejected a draft and replayed the accepted rows.
+    /// Verify steps that rejected a draft and replayed the accepted rows (hybrid models).
     pub replays: usize,
 }
 
@@ -72,11 +73,13 @@ impl SpecStats {
 /// A probability distribution over token ids: `(id, probability)` pairs, summing to 1.
 pub type Distribution = Vec<(u32, f64)>;
 
-/// Where a draft comes from: the MTP head in production; tests script their own to drive
-/// every acceptance length.
+/// Where a draft comes from: the MTP head ([`MtpDrafter`]), n-gram lookup in the text so far
+/// ([`PromptLookup`]); tests script their own to drive every acceptance length.
 pub trait Drafter<B: Backend> {
-    /// The next `k` draft tokens after the token `t` at position `n`; the first may come
-    /// from the state [`Speculator`] left after its last catch-up.
+    /// Up to `k` draft tokens after the token `t` at position `n` (fewer, or none, where the
+    /// drafter has no guess); `history` is the prompt and output so far, `t` included. The
+    /// head's first draft comes from the state [`Speculator`] left after its last catch-up.
+    #[allow(clippy::too_many_arguments)]
     fn draft(
         &mut self,
         spec: &mut Speculator<'_, B>,
@@ -84,11 +87,12 @@ pub trait Drafter<B: Backend> {
         n: usize,
         t: u32,
         k: usize,
+        history: &[u32],
     ) -> Result<Vec<u32>>;
 
-    /// Drafts for speculative sampling ([`Speculator::step_sampled`]): `k` tokens, each
-    /// with the distribution (`(id, probability)`, summing to 1) it was drawn from, given
-    /// `history` (the prompt and output, `t` included) and the drafts before it.
+    /// Drafts for speculative sampling ([`Speculator::step_sampled`]): up to `k` tokens,
+    /// each with the distribution (`(id, probability)`, summing to 1) it was drawn from,
+    /// given `history` (the prompt and output, `t` included) and the drafts before it.
     #[allow(clippy::too_many_arguments)]
     fn draft_sampled(
         &mut self,
@@ -116,6 +120,7 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
         n: usize,
         _t: u32,
         k: usize,
+        _history: &[u32],
     ) -> Result<Vec<u32>> {
         let mut d = spec.pending.context("no draft pending: prefill first")?;
         let mut out = Vec::with_capacity(k);
@@ -327,22 +332,23 @@ impl<'e, B: Backend> Speculator<'e, B> {
         &mut self,
         seq: &mut Sequence<'_, B>,
         drafter: &mut dyn Drafter<B>,
+        history: &[u32],
         t: u32,
         n_max: usize,
     ) -> Result<Vec<u32>> {
         ensure!(n_max >= 1, "a speculative step needs room for one token");
         let (be, m) = (self.be, self.model);
         let n = seq.pos;
-        let k = self.depth.min(n_max - 1);
-        let drafts = if k > 0 {
-            drafter.draft(self, &mut seq.kv, n, t, k)?
+        let k_max = self.depth.min(n_max - 1);
+        let drafts = if k_max > 0 {
+            drafter.draft(self, &mut seq.kv, n, t, k_max, history)?
         } else {
             vec![]
         };
+        let k = drafts.len();
         ensure!(
-            drafts.len() == k,
-            "the drafter gave {} drafts, not {k}",
-            drafts.len()
+            k <= k_max,
+            "the drafter gave {k} drafts, more than the {k_max} asked for"
         );
         let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
         be.kv_snapshot(&mut seq.kv, 0)?;
@@ -376,9 +382,11 @@ impl<'e, B: Backend> Speculator<'e, B> {
         self.stats.steps += 1;
         self.stats.drafted += k;
         self.stats.accepted += j;
-        if j < k {
-            // Rejected drafts went through the linear-attention state: restore it and run
-            // the accepted rows again, which also leaves their hidden states for the head.
+        // Rejected drafts went through a hybrid model's linear-attention state: restore it
+        // and run the accepted rows again, which also leaves their hidden states for the
+        // head. An attention-only model needs neither: its rejected rows are overwritten
+        // before any query reads them.
+        if j < k && (m.cfg.hybrid.is_some() || m.has_mtp()) {
             self.stats.replays += 1;
             be.kv_restore(&mut seq.kv, 0)?;
             be.set_step(&mut self.verify.step, &rows[..=j], n)?;
@@ -419,21 +427,21 @@ impl<'e, B: Backend> Speculator<'e, B> {
         ensure!(n_max >= 1, "a speculative step needs room for one token");
         let (be, m) = (self.be, self.model);
         let n = seq.pos;
-        let k = self.depth.min(n_max - 1);
+        let k_max = self.depth.min(n_max - 1);
         let vocab = m.cfg.vocab;
         // Draft: d(i+1) ~ q(i+1), the drafter's distribution given the drafts before it.
-        let (drafts, qs): (Vec<u32>, Vec<Distribution>) = if k > 0 {
+        let (drafts, qs): (Vec<u32>, Vec<Distribution>) = if k_max > 0 {
             drafter
-                .draft_sampled(self, &mut seq.kv, n, t, k, sampler, history)?
+                .draft_sampled(self, &mut seq.kv, n, t, k_max, sampler, history)?
                 .into_iter()
                 .unzip()
         } else {
             (vec![], vec![])
         };
+        let k = drafts.len();
         ensure!(
-            drafts.len() == k,
-            "the drafter gave {} drafts, not {k}",
-            drafts.len()
+            k <= k_max,
+            "the drafter gave {k} drafts, more than the {k_max} asked for"
         );
         // Verify: the target's logits at every row.
         let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
@@ -484,6 +492,70 @@ impl<'e, B: Backend> Speculator<'e, B> {
     }
 }
 
+/// Prompt lookup decoding: n-gram drafts from the text so far, as llama.cpp's `lookup` and
+/// transformers' `prompt_lookup_num_tokens` draft. The longest suffix of the history, of
+/// `max_ngram` tokens down to one, that occurred earlier; the tokens that followed its latest
+/// earlier occurrence are the drafts. No weights and almost no work; right where the output
+/// repeats its input or itself (code edits, quotations, lists, structured data), silent
+/// (no drafts, a plain step) where nothing repeats. Its drafts are deterministic: for
+/// sampling, q is all on the draft, so a draft is kept with probability p(draft) and a
+/// rejection draws from p without it.
+pub struct PromptLookup {
+    pub max_ngram: usize,
+}
+
+impl Default for PromptLookup {
+    fn default() -> Self {
+        PromptLookup { max_ngram: 3 }
+    }
+}
+
+impl PromptLookup {
+    /// Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
+    /// of `history` (at most `max_ngram` tokens) seen before; none when no suffix recurs.
+    pub fn lookup(&self, history: &[u32], k: usize) -> Vec<u32> {
+        let len = history.len();
+        for n in (1..=self.max_ngram.min(len.saturating_sub(1))).rev() {
+            let suffix = &history[len - n..];
+            if let Some(i) = (0..len - n).rev().find(|&i| &history[i..i + n] == suffix) {
+                return history[i + n..(i + n + k).min(len)].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+impl<B: Backend> Drafter<B> for PromptLookup {
+    fn draft(
+        &mut self,
+        _spec: &mut Speculator<'_, B>,
+        _kv: &mut B::Kv,
+        _n: usize,
+        _t: u32,
+        k: usize,
+        history: &[u32],
+    ) -> Result<Vec<u32>> {
+        Ok(self.lookup(history, k))
+    }
+
+    fn draft_sampled(
+        &mut self,
+        _spec: &mut Speculator<'_, B>,
+        _kv: &mut B::Kv,
+        _n: usize,
+        _t: u32,
+        k: usize,
+        _sampler: &mut Sampler,
+        history: &[u32],
+    ) -> Result<Vec<(u32, Distribution)>> {
+        Ok(self
+            .lookup(history, k)
+            .into_iter()
+            .map(|d| (d, vec![(d, 1.0)]))
+            .collect())
+    }
+}
+
 /// Drafts a known greedy continuation, right for the first `right` drafts of each step and
 /// wrong after (the truth's token + 1): every acceptance length on demand, for gate 3 and to
 /// measure speculation's cost at a chosen acceptance where no trained head is at hand.
@@ -504,11 +576,12 @@ impl<B: Backend> Drafter<B> for ScriptedDrafter {
         spec: &mut Speculator<'_, B>,
         kv: &mut B::Kv,
         n: usize,
-        _t: u32,
+        t: u32,
         k: usize,
+        history: &[u32],
     ) -> Result<Vec<u32>> {
         if self.run_head && spec.model.has_mtp() {
-            MtpDrafter.draft(spec, kv, n, _t, k)?;
+            MtpDrafter.draft(spec, kv, n, t, k, history)?;
         }
         // The token at position p is truth[p - prompt_len].
         (0..k)
@@ -562,12 +635,36 @@ pub fn speculative_greedy<B: Backend>(
     let mut s = Sequence::new(be, model, ctx)?;
     let mut spec = Speculator::new(be, model, depth)?;
     let mut out = vec![spec.prefill(&mut s, prompt)?];
+    let mut history: Vec<u32> = prompt.iter().chain(&out).copied().collect();
     let mut sizes = vec![];
     while out.len() < n {
         let room = (n - out.len()).min(ctx - s.pos);
-        let got = spec.step(&mut s, drafter, out[out.len() - 1], room)?;
+        let got = spec.step(&mut s, drafter, &history, out[out.len() - 1], room)?;
         sizes.push(got.len());
+        history.extend(&got);
         out.extend(got);
     }
     Ok((out, sizes, spec.stats))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PromptLookup;
+
+    #[test]
+    fn lookup_takes_the_longest_recurring_suffix_and_its_latest_occurrence() {
+        let l = PromptLookup { max_ngram: 3 };
+        // "a b c d a b c" -> the trigram "a b c" occurred at 0, followed by "d a b c".
+        assert_eq!(l.lookup(&[1, 2, 3, 4, 1, 2, 3], 2), vec![4, 1]);
+        // The continuation may run into the suffix itself.
+        assert_eq!(l.lookup(&[1, 2, 3, 4, 1, 2, 3], 8), vec![4, 1, 2, 3]);
+        // Latest occurrence wins: "x 9" at 1 and 4; 4 is followed by 7.
+        assert_eq!(l.lookup(&[5, 8, 9, 6, 8, 9, 7, 8, 9], 1), vec![7]);
+        // Only a unigram recurs.
+        assert_eq!(l.lookup(&[1, 2, 3, 2], 3), vec![3, 2]);
+        // Nothing recurs; too short.
+        assert!(l.lookup(&[1, 2, 3], 3).is_empty());
+        assert!(l.lookup(&[1], 3).is_empty());
+        assert!(l.lookup(&[], 3).is_empty());
+    }
 }

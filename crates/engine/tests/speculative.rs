@@ -47,8 +47,9 @@ fn speculative(
     let mut sizes = vec![];
     while out.len() < n {
         let room = (n - out.len()).min(ctx - s.pos);
+        let history: Vec<u32> = PROMPT.iter().chain(&out).copied().collect();
         let got = spec
-            .step(&mut s, drafter, *out.last().unwrap(), room)
+            .step(&mut s, drafter, &history, *out.last().unwrap(), room)
             .unwrap();
         assert!((1..=depth + 1).contains(&got.len()) && got.len() <= room);
         assert_eq!(s.pos, PROMPT.len() + out.len() - 1 + got.len());
@@ -206,7 +207,7 @@ fn scripted_speculation_needs_no_head() {
     let mut spec = Speculator::new(&be, &m, 2).unwrap();
     let t = spec.prefill(&mut s, &PROMPT).unwrap();
     let e = spec
-        .step(&mut s, &mut MtpDrafter, t, 8)
+        .step(&mut s, &mut MtpDrafter, &[], t, 8)
         .unwrap_err()
         .to_string();
     assert!(e.contains("no draft pending"), "{e}");
@@ -223,6 +224,7 @@ impl Drafter<CpuBackend> for FixedQ {
         _: usize,
         _: u32,
         _: usize,
+        _: &[u32],
     ) -> anyhow::Result<Vec<u32>> {
         anyhow::bail!("sampling only")
     }
@@ -469,5 +471,30 @@ fn scheduler_speculates_and_serves_the_same_tokens() {
             "{name}: a request with logprobs does not speculate"
         );
         s.shutdown();
+    }
+}
+
+/// Gate 3 with prompt-lookup drafts on the hybrid models (their rollback and replay): a
+/// prompt holding a continuation to look up, and greedy output equal to plain greedy decode
+/// at every depth.
+#[test]
+fn lookup_speculation_is_token_identical_to_greedy() {
+    use ferrite_engine::speculative::PromptLookup;
+    for name in MODELS {
+        let (be, m) = load(name);
+        // The prompt, its greedy continuation, the prompt again: the continuation is there to
+        // be looked up.
+        let g = plain(&be, &m, 20);
+        let prompt: Vec<u32> = PROMPT.iter().chain(&g).chain(&PROMPT).copied().collect();
+        let want = plain_greedy(&be, &m, &prompt, GEN).unwrap();
+        let mut drafted = 0;
+        for depth in 1..=MAX_DEPTH {
+            let mut d = PromptLookup::default();
+            let (got, _, st) = speculative_greedy(&be, &m, &prompt, GEN, depth, &mut d).unwrap();
+            assert_eq!(got, want, "{name}: depth {depth}");
+            drafted += st.drafted;
+            println!("{name} lookup depth {depth}: {st:?}");
+        }
+        assert!(drafted > 0, "{name}: lookup found something to draft");
     }
 }
