@@ -73,38 +73,39 @@ impl SpecStats {
 /// A probability distribution over token ids: `(id, probability)` pairs, summing to 1.
 pub type Distribution = Vec<(u32, f64)>;
 
+/// What a step asks its drafter for: up to `k` drafts after the token `t` at position `n`;
+/// `history` is the prompt and output so far, `t` included.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftAsk<'a> {
+    pub n: usize,
+    pub t: u32,
+    pub k: usize,
+    pub history: &'a [u32],
+}
+
 /// Where a draft comes from: the MTP head ([`MtpDrafter`]), n-gram lookup in the text so far
 /// ([`PromptLookup`]); tests script their own to drive every acceptance length.
 pub trait Drafter<B: Backend> {
-    /// Up to `k` draft tokens after the token `t` at position `n` (fewer, or none, where the
-    /// drafter has no guess); `history` is the prompt and output so far, `t` included. The
+    /// Up to `ask.k` draft tokens (fewer, or none, where the drafter has no guess). The
     /// head's first draft comes from the state [`Speculator`] left after its last catch-up.
-    #[allow(clippy::too_many_arguments)]
     fn draft(
         &mut self,
         spec: &mut Speculator<'_, B>,
         kv: &mut B::Kv,
-        n: usize,
-        t: u32,
-        k: usize,
-        history: &[u32],
+        ask: DraftAsk<'_>,
     ) -> Result<Vec<u32>>;
 
-    /// Drafts for speculative sampling ([`Speculator::step_sampled`]): up to `k` tokens,
-    /// each with the distribution (`(id, probability)`, summing to 1) it was drawn from,
-    /// given `history` (the prompt and output, `t` included) and the drafts before it.
-    #[allow(clippy::too_many_arguments)]
+    /// Drafts for speculative sampling ([`Speculator::step_sampled`]): up to `ask.k`
+    /// tokens, each with the distribution (`(id, probability)`, summing to 1) it was drawn
+    /// from, given the history and the drafts before it.
     fn draft_sampled(
         &mut self,
         spec: &mut Speculator<'_, B>,
         kv: &mut B::Kv,
-        n: usize,
-        t: u32,
-        k: usize,
+        ask: DraftAsk<'_>,
         sampler: &mut Sampler,
-        history: &[u32],
     ) -> Result<Vec<(u32, Distribution)>> {
-        let _ = (spec, kv, n, t, k, sampler, history);
+        let _ = (spec, kv, ask, sampler);
         anyhow::bail!("this drafter drafts for greedy decoding only")
     }
 }
@@ -117,11 +118,9 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
         &mut self,
         spec: &mut Speculator<'_, B>,
         kv: &mut B::Kv,
-        n: usize,
-        _t: u32,
-        k: usize,
-        _history: &[u32],
+        ask: DraftAsk<'_>,
     ) -> Result<Vec<u32>> {
+        let (n, k) = (ask.n, ask.k);
         let mut d = spec.pending.context("no draft pending: prefill first")?;
         let mut out = Vec::with_capacity(k);
         out.push(d);
@@ -138,22 +137,19 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
         &mut self,
         spec: &mut Speculator<'_, B>,
         kv: &mut B::Kv,
-        n: usize,
-        _t: u32,
-        k: usize,
+        ask: DraftAsk<'_>,
         sampler: &mut Sampler,
-        history: &[u32],
     ) -> Result<Vec<(u32, Distribution)>> {
         ensure!(
             spec.pending.is_some(),
             "no draft pending: prefill first, with the MTP head loaded"
         );
         let be = spec.be;
-        let mut out: Vec<(u32, Distribution)> = Vec::with_capacity(k);
-        let mut hist = history.to_vec();
-        for i in 0..k {
+        let mut out: Vec<(u32, Distribution)> = Vec::with_capacity(ask.k);
+        let mut hist = ask.history.to_vec();
+        for i in 0..ask.k {
             if let Some(&(d, _)) = out.last() {
-                spec.chain(kv, d, n - 1 + i)?;
+                spec.chain(kv, d, ask.n - 1 + i)?;
             }
             let q = sampler.distribution(&mut be.to_host(&spec.draft.logits)?, &hist);
             let d = sampler.pick(&q);
@@ -341,19 +337,17 @@ impl<'e, B: Backend> Speculator<'e, B> {
         let n = seq.pos;
         let k_max = self.depth.min(n_max - 1);
         let drafts = if k_max > 0 {
-            drafter.draft(self, &mut seq.kv, n, t, k_max, history)?
+            let ask = DraftAsk {
+                n,
+                t,
+                k: k_max,
+                history,
+            };
+            drafter.draft(self, &mut seq.kv, ask)?
         } else {
             vec![]
         };
-        let k = drafts.len();
-        ensure!(
-            k <= k_max,
-            "the drafter gave {k} drafts, more than the {k_max} asked for"
-        );
-        let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
-        be.kv_snapshot(&mut seq.kv, 0)?;
-        be.set_step(&mut self.verify.step, &rows, n)?;
-        m.forward(be, &mut self.verify, &mut seq.kv, Logits::All)?;
+        let rows = self.verify(seq, t, &drafts, k_max)?;
         let a = greedy(be, &mut self.verify)?;
         let j = drafts.iter().zip(&a).take_while(|(d, a)| d == a).count();
         let out = a[..=j].to_vec();
@@ -363,6 +357,29 @@ impl<'e, B: Backend> Speculator<'e, B> {
             false => None,
         };
         Ok(out)
+    }
+
+    /// The verify forward: the target over the step's token `t` and its `drafts` (at most
+    /// `k_max`) at the sequence's position, every row's logits then in `self.verify`, after a
+    /// snapshot of the linear-attention state. Returns the rows.
+    fn verify(
+        &mut self,
+        seq: &mut Sequence<'_, B>,
+        t: u32,
+        drafts: &[u32],
+        k_max: usize,
+    ) -> Result<Vec<u32>> {
+        let (be, m) = (self.be, self.model);
+        ensure!(
+            drafts.len() <= k_max,
+            "the drafter gave {} drafts, more than the {k_max} asked for",
+            drafts.len()
+        );
+        let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
+        be.kv_snapshot(&mut seq.kv, 0)?;
+        be.set_step(&mut self.verify.step, &rows, seq.pos)?;
+        m.forward(be, &mut self.verify, &mut seq.kv, Logits::All)?;
+        Ok(rows)
     }
 
     /// After a verify of `rows` (the step's token and its drafts) at the sequence's
@@ -432,22 +449,24 @@ impl<'e, B: Backend> Speculator<'e, B> {
         // Draft: d(i+1) ~ q(i+1), the drafter's distribution given the drafts before it.
         let (drafts, qs): (Vec<u32>, Vec<Distribution>) = if k_max > 0 {
             drafter
-                .draft_sampled(self, &mut seq.kv, n, t, k_max, sampler, history)?
+                .draft_sampled(
+                    self,
+                    &mut seq.kv,
+                    DraftAsk {
+                        n,
+                        t,
+                        k: k_max,
+                        history,
+                    },
+                    sampler,
+                )?
                 .into_iter()
                 .unzip()
         } else {
             (vec![], vec![])
         };
         let k = drafts.len();
-        ensure!(
-            k <= k_max,
-            "the drafter gave {k} drafts, more than the {k_max} asked for"
-        );
-        // Verify: the target's logits at every row.
-        let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
-        be.kv_snapshot(&mut seq.kv, 0)?;
-        be.set_step(&mut self.verify.step, &rows, n)?;
-        m.forward(be, &mut self.verify, &mut seq.kv, Logits::All)?;
+        let rows = self.verify(seq, t, &drafts, k_max)?;
         let logits = be.to_host(&self.verify.logits)?;
         let mut out = Vec::with_capacity(k + 1);
         let mut hist = history.to_vec();
@@ -528,28 +547,22 @@ impl PromptLookup {
 impl<B: Backend> Drafter<B> for PromptLookup {
     fn draft(
         &mut self,
-        _spec: &mut Speculator<'_, B>,
-        _kv: &mut B::Kv,
-        _n: usize,
-        _t: u32,
-        k: usize,
-        history: &[u32],
+        _: &mut Speculator<'_, B>,
+        _: &mut B::Kv,
+        ask: DraftAsk<'_>,
     ) -> Result<Vec<u32>> {
-        Ok(self.lookup(history, k))
+        Ok(self.lookup(ask.history, ask.k))
     }
 
     fn draft_sampled(
         &mut self,
-        _spec: &mut Speculator<'_, B>,
-        _kv: &mut B::Kv,
-        _n: usize,
-        _t: u32,
-        k: usize,
-        _sampler: &mut Sampler,
-        history: &[u32],
+        _: &mut Speculator<'_, B>,
+        _: &mut B::Kv,
+        ask: DraftAsk<'_>,
+        _: &mut Sampler,
     ) -> Result<Vec<(u32, Distribution)>> {
         Ok(self
-            .lookup(history, k)
+            .lookup(ask.history, ask.k)
             .into_iter()
             .map(|d| (d, vec![(d, 1.0)]))
             .collect())
@@ -575,20 +588,17 @@ impl<B: Backend> Drafter<B> for ScriptedDrafter {
         &mut self,
         spec: &mut Speculator<'_, B>,
         kv: &mut B::Kv,
-        n: usize,
-        t: u32,
-        k: usize,
-        history: &[u32],
+        ask: DraftAsk<'_>,
     ) -> Result<Vec<u32>> {
         if self.run_head && spec.model.has_mtp() {
-            MtpDrafter.draft(spec, kv, n, t, k, history)?;
+            MtpDrafter.draft(spec, kv, ask)?;
         }
         // The token at position p is truth[p - prompt_len].
-        (0..k)
+        (0..ask.k)
             .map(|i| {
                 let t = *self
                     .truth
-                    .get(n + 1 + i - self.prompt_len)
+                    .get(ask.n + 1 + i - self.prompt_len)
                     .context("the scripted continuation is too short")?;
                 Ok(if i < self.right {
                     t

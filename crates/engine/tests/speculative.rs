@@ -6,7 +6,8 @@
 
 use ferrite_backend::cpu::CpuBackend;
 use ferrite_engine::speculative::{
-    plain_greedy, speculative_greedy, Drafter, MtpDrafter, ScriptedDrafter, Speculator, MAX_DEPTH,
+    plain_greedy, speculative_greedy, DraftAsk, Drafter, MtpDrafter, ScriptedDrafter, Speculator,
+    MAX_DEPTH,
 };
 use ferrite_engine::{Engine, GenerateParams, Sequence};
 use ferrite_models::{Model, ModelFile};
@@ -216,29 +217,21 @@ fn scripted_speculation_needs_no_head() {
 /// Drafts every token from a fixed distribution `q`, whatever the context.
 struct FixedQ(Vec<(u32, f64)>);
 
+type Spec<'e> = Speculator<'e, CpuBackend>;
+type Kv = <CpuBackend as ferrite_backend::Backend>::Kv;
+
 impl Drafter<CpuBackend> for FixedQ {
-    fn draft(
-        &mut self,
-        _: &mut Speculator<'_, CpuBackend>,
-        _: &mut <CpuBackend as ferrite_backend::Backend>::Kv,
-        _: usize,
-        _: u32,
-        _: usize,
-        _: &[u32],
-    ) -> anyhow::Result<Vec<u32>> {
+    fn draft(&mut self, _: &mut Spec<'_>, _: &mut Kv, _: DraftAsk<'_>) -> anyhow::Result<Vec<u32>> {
         anyhow::bail!("sampling only")
     }
     fn draft_sampled(
         &mut self,
-        _: &mut Speculator<'_, CpuBackend>,
-        _: &mut <CpuBackend as ferrite_backend::Backend>::Kv,
-        _: usize,
-        _: u32,
-        k: usize,
+        _: &mut Spec<'_>,
+        _: &mut Kv,
+        ask: DraftAsk<'_>,
         sampler: &mut ferrite_engine::Sampler,
-        _: &[u32],
     ) -> anyhow::Result<Vec<(u32, ferrite_engine::speculative::Distribution)>> {
-        Ok((0..k)
+        Ok((0..ask.k)
             .map(|_| (sampler.pick(&self.0), self.0.clone()))
             .collect())
     }
