@@ -81,6 +81,9 @@ pub struct RunArgs {
     pub lookup_depth: u32,
 }
 
+/// Greedy tokens `run`'s speculation gate compares (gate 3: with and without speculation).
+const SPEC_GATE_TOKENS: usize = 8;
+
 /// Prompt tokens `run`'s gate checks by default: enough rows for the prefill kernels (the
 /// decode kernels take up to 16), few enough decode steps to cost little before generating.
 pub const RUN_GATE_TOKENS: u32 = 64;
@@ -189,6 +192,36 @@ fn run_on<B: Backend>(
             prompt.len(),
             g.prefill_argmax,
             g.max_abs_diff
+        );
+    }
+
+    // Gate 3 on the same prompt: a short greedy run with the speculation asked for must give
+    // plain greedy decode's tokens (on a GPU the verify's several rows and the decode step
+    // take different kernels).
+    let depth = params.mtp_depth.max(params.lookup_depth);
+    if !a.no_gate && depth > 0 {
+        use ferrite_engine::speculative::{
+            plain_greedy, speculative_greedy, Drafter, MtpDrafter, PromptLookup,
+        };
+        let n = prompt.len().min(a.gate_tokens as usize);
+        let (be, m) = (&engine.be, &engine.model);
+        let plain = plain_greedy(be, m, &prompt[..n], SPEC_GATE_TOKENS)?;
+        let mut drafter: Box<dyn Drafter<B>> = match params.mtp_depth {
+            0 => Box::new(PromptLookup::default()),
+            _ => Box::new(MtpDrafter),
+        };
+        let (fast, _, st) =
+            speculative_greedy(be, m, &prompt[..n], SPEC_GATE_TOKENS, depth, &mut *drafter)?;
+        anyhow::ensure!(
+            fast == plain,
+            "speculation gate FAILED: greedy decode with speculation {depth} deep gave {fast:?} \
+             where plain greedy decode gives {plain:?}"
+        );
+        tracing::info!(
+            "speculation gate passed: {SPEC_GATE_TOKENS} greedy tokens identical with \
+             speculation {depth} deep ({}/{} drafts kept)",
+            st.accepted,
+            st.drafted
         );
     }
 
