@@ -56,7 +56,8 @@ pub struct RunArgs {
     /// Stop before this string (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Skip the prefill/decode argmax gate that runs before generation.
+    /// Skip the gates that run before generation: the prefill/decode argmax gate, and with
+    /// speculation its own (a few greedy tokens with and without it must agree).
     #[arg(long)]
     pub no_gate: bool,
     /// Prompt tokens the prefill/decode gate checks: the prompt's first N (all of it when
