@@ -358,30 +358,33 @@ fn cold_speculative_sampling_is_greedy() {
     }
 }
 
+/// A request's tokens, from its events.
+fn collect(rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>) -> Vec<u32> {
+    use ferrite_engine::scheduler::Event;
+    let mut out = vec![];
+    loop {
+        match rx
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .unwrap()
+        {
+            Event::Token { id, .. } => out.push(id),
+            Event::Done { usage, .. } => {
+                assert_eq!(usage.completion_tokens, out.len());
+                return out;
+            }
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+}
+
 /// The serving scheduler with `mtp_depth`: greedy requests, alone and together, get the
 /// plain greedy tokens (the prompt prefilled in chunks of 4, the head catching up on each);
 /// `max_tokens` cuts a speculative step short; a seeded sampled request repeats itself; a
 /// request with logprobs decodes without speculation and still gets the greedy tokens.
 #[test]
 fn scheduler_speculates_and_serves_the_same_tokens() {
-    use ferrite_engine::scheduler::{Event, Request, RequestParams, Scheduler, SchedulerConfig};
+    use ferrite_engine::scheduler::{Request, RequestParams, Scheduler, SchedulerConfig};
     use std::sync::mpsc;
-    let collect = |rx: mpsc::Receiver<Event>| -> Vec<u32> {
-        let mut out = vec![];
-        loop {
-            match rx
-                .recv_timeout(std::time::Duration::from_secs(120))
-                .unwrap()
-            {
-                Event::Token { id, .. } => out.push(id),
-                Event::Done { usage, .. } => {
-                    assert_eq!(usage.completion_tokens, out.len());
-                    return out;
-                }
-                Event::Error(e) => panic!("{e}"),
-            }
-        }
-    };
     for name in MODELS {
         let (be, model) = load(name);
         let want = plain(&be, &model, GEN);
@@ -490,4 +493,69 @@ fn lookup_speculation_is_token_identical_to_greedy() {
         }
         assert!(drafted > 0, "{name}: lookup found something to draft");
     }
+}
+
+/// Speculating sequences under a KV budget too small for all of them: they wait, get
+/// preempted (dropping their speculation state) and re-prefilled (the head catching up
+/// again), and each still gets its plain greedy tokens.
+#[test]
+fn scheduler_speculation_survives_preemption() {
+    use ferrite_engine::scheduler::{Request, RequestParams, Scheduler, SchedulerConfig};
+    use std::sync::atomic::Ordering;
+    let prompts: Vec<Vec<u32>> = vec![
+        PROMPT.to_vec(),
+        vec![1, 5, 6, 7, 8, 9, 10, 11, 12],
+        vec![1, 300, 301, 302],
+        vec![1, 900, 17, 17, 17, 17, 17],
+    ];
+    let (be, model) = load("qwen35-tiny");
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| plain_greedy(&be, &model, p, GEN).unwrap())
+        .collect();
+    let engine = Engine {
+        be,
+        model,
+        tok: tiny_tokenizer(),
+    };
+    // 6 pages of 16: four sequences of up to 9 + 40 tokens need 16.
+    let s = Scheduler::spawn(
+        engine,
+        SchedulerConfig {
+            mtp_depth: 3,
+            max_batch: 4,
+            max_context: 64,
+            kv_tokens: 96,
+            prefill_chunk: 4,
+            ..SchedulerConfig::default()
+        },
+    )
+    .unwrap();
+    let rxs: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            s.submit(Request {
+                prompt: p.clone(),
+                params: RequestParams {
+                    max_tokens: GEN,
+                    ignore_eos: true,
+                    ..RequestParams::default()
+                },
+                sink: Box::new(tx),
+            })
+            .unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in rxs.into_iter().enumerate() {
+        assert_eq!(collect(rx), want[i], "request {i}");
+    }
+    let st = s.stats();
+    assert!(
+        st.preemptions.load(Ordering::Relaxed) > 0,
+        "the budget forced preemptions"
+    );
+    assert!(st.spec_drafted.load(Ordering::Relaxed) > 0);
+    s.shutdown();
 }
