@@ -102,7 +102,7 @@ impl<B: Backend> Model<B> {
     /// which [`Model::new_kv`] makes room for its attention layers and
     /// [`Model::mtp_forward`] runs it. `file` must be the checkpoint the model was loaded
     /// from. The number of layers is the config's `mtp_num_hidden_layers`, or where it is
-    /// absent the `mtp.layers.{j}` present.
+    /// absent the `mtp.layers.{j}` present; it must be one.
     pub fn load_mtp(&mut self, be: &B, file: &ModelFile) -> Result<()> {
         let cfg = &self.cfg;
         let hy = cfg
@@ -134,6 +134,13 @@ impl<B: Backend> Model<B> {
                 0 => String::new(),
                 n => format!(" (its config says {n} MTP layer(s))"),
             }
+        );
+        // vLLM runs layer `step % n` at draft step `step`, each with its own cache; the
+        // released checkpoints have one layer, the only case built and checked here.
+        anyhow::ensure!(
+            n_layers == 1,
+            "an MTP head of {n_layers} layers: only one-layer heads (the released Qwen3.5 \
+             checkpoints') are supported"
         );
         let h = cfg.hidden;
         let need = |name: &str, shape: &[usize]| {
