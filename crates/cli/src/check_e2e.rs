@@ -214,11 +214,16 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
                 &reference,
                 vocab,
             ));
-            lines.push(gate_line(
+            let m = Model::load(be, &file, &|_, _| {})?;
+            lines.push(gate_line(be, &m, &what, &tokens)?);
+            // Speculation's verify (several rows) against the decode step, every architecture
+            // and quant mix: scripted drafts kept whole and in part.
+            lines.extend(gate3_lines(
                 be,
-                &Model::load(be, &file, &|_, _| {})?,
+                &m,
                 &what,
-                &tokens,
+                &tokens[..8],
+                &[(4, Some(4)), (4, Some(2))],
             )?);
             std::fs::remove_file(&path).ok();
         }
@@ -310,34 +315,47 @@ fn mtp_lines<B: Backend>(
     let mut m = Model::load(be, file, &|_, _| {})?;
     m.load_mtp(be, file)?;
     let prompt = &tokens[..tokens.len().min(8)];
-    let truth = plain_greedy(be, &m, prompt, GATE3_TOKENS + MAX_DEPTH)?;
-    let want = &truth[..GATE3_TOKENS];
     // The random-weight head's drafts (nearly all rejected: the rollback path), then a
     // scripted continuation accepted whole or in part (the accepting paths).
-    let mut runs: Vec<(usize, String, Box<dyn Drafter<B>>)> = (1..=MAX_DEPTH)
-        .map(|k| {
-            (
-                k,
-                "MTP head".to_string(),
-                Box::new(MtpDrafter) as Box<dyn Drafter<B>>,
-            )
-        })
-        .collect();
-    for (k, right) in [(1, 1), (3, 3), (3, 1), (8, 8), (8, 5)] {
-        let d = ScriptedDrafter {
-            truth: truth.clone(),
-            prompt_len: prompt.len(),
-            right,
-            vocab: m.cfg.vocab,
-            run_head: true,
+    let heads = (1..=MAX_DEPTH).map(|k| (k, None));
+    let scripted = [(1, 1), (3, 3), (3, 1), (8, 8), (8, 5)].map(|(k, r)| (k, Some(r)));
+    let runs: Vec<_> = heads.chain(scripted).collect();
+    lines.extend(gate3_lines(be, &m, name, prompt, &runs)?);
+    Ok(lines)
+}
+
+/// Gate 3 on `m` after `prompt`: for each run `(depth, right)`, greedy decode with
+/// speculation `depth` deep — drafts from the MTP head (`right` = `None`) or scripted with
+/// `right` of each step's drafts right (a loaded head still run for its cost) — must give
+/// plain greedy decode's [`GATE3_TOKENS`] tokens.
+fn gate3_lines<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    what: &str,
+    prompt: &[u32],
+    runs: &[(usize, Option<usize>)],
+) -> Result<Vec<Line>> {
+    let truth = plain_greedy(be, m, prompt, GATE3_TOKENS + MAX_DEPTH)?;
+    let want = &truth[..GATE3_TOKENS];
+    let mut lines = Vec::new();
+    for &(depth, right) in runs {
+        let (how, mut drafter): (String, Box<dyn Drafter<B>>) = match right {
+            None => ("MTP head".into(), Box::new(MtpDrafter)),
+            Some(right) => (
+                format!("{right} right a step"),
+                Box::new(ScriptedDrafter {
+                    truth: truth.clone(),
+                    prompt_len: prompt.len(),
+                    right,
+                    vocab: m.cfg.vocab,
+                    run_head: true,
+                }),
+            ),
         };
-        runs.push((k, format!("{right} right a step"), Box::new(d)));
-    }
-    for (depth, how, mut drafter) in runs {
-        let (got, _, st) = speculative_greedy(be, &m, prompt, GATE3_TOKENS, depth, &mut *drafter)?;
+        let (got, _, st) = speculative_greedy(be, m, prompt, GATE3_TOKENS, depth, &mut *drafter)?;
         let first_diff = want.iter().zip(&got).position(|(a, b)| a != b);
         lines.push(Line {
-            what: format!("gate3 {name} depth {depth}, {how}"),
+            what: format!("gate3 {what} depth {depth}, {how}"),
             ok: got == want,
             detail: match first_diff {
                 None => format!(
@@ -381,6 +399,16 @@ fn full_width_gates<B: Backend>(be: &B, scratch: &Path) -> Result<Vec<Line>> {
             let what = format!("{preset:?} {layers} layers Q4_K_M, {n} tokens");
             lines.push(gate_line(be, &m, &what, &tokens)?);
         }
+        // Speculation's verify rows at real widths against the decode step.
+        let prompt: Vec<u32> = (0..8u32).map(|i| 100 + (i * 7919) % 5000).collect();
+        let what = format!("{preset:?} {layers} layers Q4_K_M");
+        lines.extend(gate3_lines(
+            be,
+            &m,
+            &what,
+            &prompt,
+            &[(4, Some(4)), (4, Some(2))],
+        )?);
         drop(m);
         std::fs::remove_file(&path).ok();
     }
