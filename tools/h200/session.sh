@@ -18,7 +18,8 @@
 #            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
 #            at K = 1, 2, 4 with every draft right and with none right: tokens/s against plain
 #            decode's tg128 (not recorded; the steps run eagerly, without CUDA graphs, which
-#            this measures the price of); first the e2e check's gate-3 lines
+#            this measures the price of)
+#   spec8b   the same on Qwen3-8B Q4_K_M (no head: scripted drafts only), K = 2, 4
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
@@ -129,6 +130,15 @@ for stage in "$@"; do
             done
         done
         rm -f "$f" "${f%.gguf}.mtp.safetensors"
+        ;;
+    spec8b)
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        for k in 2 4; do
+            for r in $k 0; do
+                echo "-- depth $k, $r right" | tee -a "$OUT/spec.log"
+                $F bench --model "$f" --label qwen3-8b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $r 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
+            done
+        done
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)
