@@ -158,6 +158,41 @@ fn generate_with_mtp_depth_matches_plain_greedy() {
             let st = g.spec.expect("speculation ran");
             assert_eq!(st.accepted + st.steps, GEN - 1);
         }
+        // A stop string inside a step's tokens ends the generation where plain decoding
+        // ends it, with the same text.
+        let stop = format!("t{}t{}", want[10], want[11]);
+        let stopped = GenerateParams {
+            stop: vec![stop.clone()],
+            mtp_depth: 0,
+            ..p.clone()
+        };
+        let base_stop = e.generate(&PROMPT, &stopped, &mut |_| {}).unwrap();
+        assert_eq!(
+            base_stop.finish,
+            ferrite_engine::FinishReason::Stop,
+            "{stop}"
+        );
+        for depth in [1, 4, 8] {
+            let g = e
+                .generate(
+                    &PROMPT,
+                    &GenerateParams {
+                        mtp_depth: depth,
+                        ..stopped.clone()
+                    },
+                    &mut |_| {},
+                )
+                .unwrap();
+            assert_eq!(
+                (g.tokens, g.text, g.finish),
+                (
+                    base_stop.tokens.clone(),
+                    base_stop.text.clone(),
+                    base_stop.finish
+                ),
+                "{name}: depth {depth}, stop {stop}"
+            );
+        }
         // Sampling runs through speculative sampling (its distribution is tested above):
         // seeded, it repeats itself.
         p.sampler.temperature = 0.7;
