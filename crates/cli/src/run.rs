@@ -199,18 +199,11 @@ fn run_on<B: Backend>(
     // Gate 3 on the same prompt: a short greedy run with the speculation asked for must give
     // plain greedy decode's tokens (on a GPU the verify's several rows and the decode step
     // take different kernels).
-    let depth = params.mtp_depth.max(params.lookup_depth);
-    if !a.no_gate && depth > 0 {
-        use ferrite_engine::speculative::{
-            plain_greedy, speculative_greedy, Drafter, MtpDrafter, PromptLookup,
-        };
+    if let (false, Some((depth, _, mut drafter))) = (a.no_gate, params.speculation::<B>()) {
+        use ferrite_engine::speculative::{plain_greedy, speculative_greedy};
         let n = prompt.len().min(a.gate_tokens as usize);
         let (be, m) = (&engine.be, &engine.model);
         let plain = plain_greedy(be, m, &prompt[..n], SPEC_GATE_TOKENS)?;
-        let mut drafter: Box<dyn Drafter<B>> = match params.mtp_depth {
-            0 => Box::new(PromptLookup::default()),
-            _ => Box::new(MtpDrafter),
-        };
         let (fast, _, st) =
             speculative_greedy(be, m, &prompt[..n], SPEC_GATE_TOKENS, depth, &mut *drafter)?;
         anyhow::ensure!(
@@ -240,11 +233,9 @@ fn run_on<B: Backend>(
         g.decode_tps(),
         g.finish
     );
-    if let Some(st) = g.spec {
+    if let (Some(st), Some((depth, what, _))) = (g.spec, params.speculation::<B>()) {
         tracing::info!(
-            "{} speculation, depth {}: {}/{} drafts accepted ({:.0}%), {:.2} tokens per verify step",
-            if params.mtp_depth > 0 { "MTP" } else { "lookup" },
-            params.mtp_depth.max(params.lookup_depth),
+            "{what} speculation, depth {depth}: {}/{} drafts accepted ({:.0}%), {:.2} tokens per verify step",
             st.accepted,
             st.drafted,
             100.0 * st.acceptance(),

@@ -63,6 +63,16 @@ impl GenerateParams {
         );
         Ok(())
     }
+
+    /// The speculation asked for: its depth, where its drafts come from (a name for logs,
+    /// and the drafter), or `None` when off.
+    pub fn speculation<B: Backend>(&self) -> Option<(usize, &'static str, Box<dyn Drafter<B>>)> {
+        match (self.mtp_depth, self.lookup_depth) {
+            (0, 0) => None,
+            (0, k) => Some((k, "lookup", Box::new(PromptLookup::default()))),
+            (k, _) => Some((k, "MTP", Box::new(MtpDrafter))),
+        }
+    }
 }
 
 impl Default for GenerateParams {
@@ -517,13 +527,9 @@ impl<B: Backend> Engine<B> {
 
         let t0 = Instant::now();
         // Speculation: its state, and where its drafts come from.
-        let mut spec = match p.mtp_depth.max(p.lookup_depth) {
-            0 => None,
-            k => Some(Speculator::new(&self.be, &self.model, k)?),
-        };
-        let mut drafter: Box<dyn Drafter<B>> = match p.mtp_depth {
-            0 => Box::new(PromptLookup::default()),
-            _ => Box::new(MtpDrafter),
+        let mut spec = match p.speculation::<B>() {
+            None => None,
+            Some((k, _, drafter)) => Some((Speculator::new(&self.be, &self.model, k)?, drafter)),
         };
         if spec.is_none() {
             seq.prefill(prompt)?;
@@ -540,8 +546,8 @@ impl<B: Backend> Engine<B> {
             };
         let mut tok = match &mut spec {
             // Greedy first token on the device; a sampled one from the host's logits.
-            Some(s) if device_greedy => s.prefill(&mut seq, prompt)?,
-            Some(s) => {
+            Some((s, _)) if device_greedy => s.prefill(&mut seq, prompt)?,
+            Some((s, _)) => {
                 let be = &self.be;
                 s.prefill_with(&mut seq, prompt, &mut |ws| {
                     Ok(sampler.sample(&mut be.to_host(&ws.logits)?, &history))
@@ -581,14 +587,14 @@ impl<B: Backend> Engine<B> {
             if out.tokens.len() >= p.max_tokens || seq.pos - queue.len() >= ctx {
                 break;
             }
-            if let Some(s) = &mut spec {
+            if let Some((s, drafter)) = &mut spec {
                 // A speculative step: one verify of the drafts, 1..=depth+1 tokens.
                 if queue.is_empty() {
                     let n = (p.max_tokens - out.tokens.len()).min(ctx - seq.pos);
                     queue.extend(if device_greedy {
-                        s.step(&mut seq, &mut *drafter, &history, tok, n)?
+                        s.step(&mut seq, &mut **drafter, &history, tok, n)?
                     } else {
-                        s.step_sampled(&mut seq, &mut *drafter, &mut sampler, &history, tok, n)?
+                        s.step_sampled(&mut seq, &mut **drafter, &mut sampler, &history, tok, n)?
                     });
                 }
                 tok = queue
@@ -612,7 +618,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         out.decode_s = t1.elapsed().as_secs_f64();
-        out.spec = spec.map(|s| s.stats);
+        out.spec = spec.map(|(s, _)| s.stats);
         if out.finish == FinishReason::Length {
             text.push_str(&detok.flush());
             if let StopCheck::Stop { len, .. } = stops.check(&text) {

@@ -121,10 +121,11 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
         ask: DraftAsk<'_>,
     ) -> Result<Vec<u32>> {
         let (n, k) = (ask.n, ask.k);
-        let mut d = spec.pending.context("no draft pending: prefill first")?;
+        ensure!(spec.head_ready, "no draft pending: prefill first");
+        let be = spec.be;
+        let mut d = greedy(be, &mut spec.draft)?[0];
         let mut out = Vec::with_capacity(k);
         out.push(d);
-        let be = spec.be;
         for i in 1..k {
             spec.chain(kv, d, n - 1 + i)?;
             d = greedy(be, &mut spec.draft)?[0];
@@ -141,7 +142,7 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
         sampler: &mut Sampler,
     ) -> Result<Vec<(u32, Distribution)>> {
         ensure!(
-            spec.pending.is_some(),
+            spec.head_ready,
             "no draft pending: prefill first, with the MTP head loaded"
         );
         let be = spec.be;
@@ -160,6 +161,22 @@ impl<B: Backend> Drafter<B> for MtpDrafter {
     }
 }
 
+/// The head on the target's hidden states `hidden` paired with `tokens` (row i: the token
+/// after hidden state i) at positions `start..`: its cache gets those rows, and its last
+/// row's logits (the next step's first draft) land in `draft`.
+fn catch_up<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    draft: &mut Workspace<B>,
+    hidden: &Act<B::Buf>,
+    kv: &mut B::Kv,
+    tokens: &[u32],
+    start: usize,
+) -> Result<()> {
+    be.set_step(&mut draft.step, tokens, start)?;
+    m.mtp_forward(be, draft, hidden, kv, Logits::Last)
+}
+
 fn greedy<B: Backend>(be: &B, ws: &mut Workspace<B>) -> Result<Vec<u32>> {
     be.argmax(&ws.logits, &mut ws.argmax)?;
     Ok(be
@@ -169,8 +186,8 @@ fn greedy<B: Backend>(be: &B, ws: &mut Workspace<B>) -> Result<Vec<u32>> {
         .collect())
 }
 
-/// The state speculative decoding adds to a [`Sequence`]: the head's workspace and its
-/// pending draft, the verify workspace, the counts.
+/// The state speculative decoding adds to a [`Sequence`]: the head's workspace, the verify
+/// workspace, the counts.
 pub struct Speculator<'e, B: Backend> {
     be: &'e B,
     model: &'e Model<B>,
@@ -182,8 +199,9 @@ pub struct Speculator<'e, B: Backend> {
     hid: Act<B::Buf>,
     /// The target's verify steps: up to `depth + 1` rows, every row's logits.
     verify: Workspace<B>,
-    /// The head's greedy choice after its last row: the next step's first draft.
-    pending: Option<u32>,
+    /// Whether the head has caught up on the sequence, its last row's logits (the next
+    /// step's first draft) in `draft`.
+    head_ready: bool,
     pub stats: SpecStats,
 }
 
@@ -215,7 +233,7 @@ impl<'e, B: Backend> Speculator<'e, B> {
             )?,
             hid,
             verify: model.workspace(be, depth + 1, Logits::All)?,
-            pending: None,
+            head_ready: false,
             stats: SpecStats::default(),
         })
     }
@@ -247,33 +265,21 @@ impl<'e, B: Backend> Speculator<'e, B> {
     ) -> Result<u32> {
         ensure!(seq.pos == 0, "speculative prefill needs an empty sequence");
         ensure!(!prompt.is_empty(), "the prompt is empty");
-        let (be, m) = (self.be, self.model);
-        be.kv_snapshots(&mut seq.kv, 1)?;
         let cap = seq.prefill_and_kv(prompt.len())?.0.capacity();
         let mut first = 0;
         for (ci, chunk) in prompt.chunks(cap).enumerate() {
-            let start = ci * cap;
-            let (ws, kv) = seq.prefill_and_kv(prompt.len())?;
-            be.set_step(&mut ws.step, chunk, start)?;
-            m.forward(be, ws, kv, Logits::Last)?;
-            // The head's rows pair each hidden state with the token after it: the prompt's
-            // next token, or after the last one the target's first choice.
-            let end = start + chunk.len();
-            let mut next = prompt[start + 1..end.min(prompt.len())].to_vec();
-            if end == prompt.len() {
-                first = choose(ws)?;
-                next.push(first);
-            } else {
-                next.push(prompt[end]);
-            }
-            if m.has_mtp() {
-                be.set_step(&mut self.draft.step, &next, start)?;
-                m.mtp_forward(be, &mut self.draft, ws.hidden(), kv, Logits::Last)?;
-            }
-        }
-        seq.pos = prompt.len();
-        if m.has_mtp() {
-            self.pending = Some(greedy(be, &mut self.draft)?[0]);
+            let (start, end) = (ci * cap, ci * cap + chunk.len());
+            seq.prefill(chunk)?;
+            // The head pairs the chunk's last hidden state with the prompt's next token, or
+            // after the last chunk with the target's first choice.
+            let next = match prompt.get(end) {
+                Some(&t) => t,
+                None => {
+                    first = choose(seq.prefill_and_kv(chunk.len())?.0)?;
+                    first
+                }
+            };
+            self.after_prefill_chunk(seq, chunk, start, next)?;
         }
         Ok(first)
     }
@@ -314,9 +320,8 @@ impl<'e, B: Backend> Speculator<'e, B> {
             ws.hidden().rows,
             chunk.len()
         );
-        be.set_step(&mut self.draft.step, &tokens, start)?;
-        m.mtp_forward(be, &mut self.draft, ws.hidden(), kv, Logits::Last)?;
-        self.pending = Some(greedy(be, &mut self.draft)?[0]);
+        catch_up(be, m, &mut self.draft, ws.hidden(), kv, &tokens, start)?;
+        self.head_ready = true;
         Ok(())
     }
 
@@ -332,31 +337,37 @@ impl<'e, B: Backend> Speculator<'e, B> {
         t: u32,
         n_max: usize,
     ) -> Result<Vec<u32>> {
-        ensure!(n_max >= 1, "a speculative step needs room for one token");
-        let (be, m) = (self.be, self.model);
-        let n = seq.pos;
-        let k_max = self.depth.min(n_max - 1);
-        let drafts = if k_max > 0 {
-            let ask = DraftAsk {
-                n,
-                t,
-                k: k_max,
-                history,
-            };
+        let be = self.be;
+        let ask = self.ask(seq, history, t, n_max)?;
+        let drafts = if ask.k > 0 {
             drafter.draft(self, &mut seq.kv, ask)?
         } else {
             vec![]
         };
-        let rows = self.verify(seq, t, &drafts, k_max)?;
+        let rows = self.verify(seq, t, &drafts, ask.k)?;
         let a = greedy(be, &mut self.verify)?;
         let j = drafts.iter().zip(&a).take_while(|(d, a)| d == a).count();
         let out = a[..=j].to_vec();
         self.finish(seq, &rows, &out)?;
-        self.pending = match m.has_mtp() {
-            true => Some(greedy(be, &mut self.draft)?[0]),
-            false => None,
-        };
         Ok(out)
+    }
+
+    /// What a step from the token `t` at the sequence's position asks its drafter for: as
+    /// many drafts as the depth allows and `n_max` (≥ 1) new tokens leave room for.
+    fn ask<'h>(
+        &self,
+        seq: &Sequence<'_, B>,
+        history: &'h [u32],
+        t: u32,
+        n_max: usize,
+    ) -> Result<DraftAsk<'h>> {
+        ensure!(n_max >= 1, "a speculative step needs room for one token");
+        Ok(DraftAsk {
+            n: seq.pos,
+            t,
+            k: self.depth.min(n_max - 1),
+            history,
+        })
     }
 
     /// The verify forward: the target over the step's token `t` and its `drafts` (at most
@@ -412,14 +423,8 @@ impl<'e, B: Backend> Speculator<'e, B> {
         seq.pos = n + j + 1;
         // The head catches up on the target's hidden states of the accepted rows.
         if m.has_mtp() {
-            be.set_step(&mut self.draft.step, out, n)?;
-            m.mtp_forward(
-                be,
-                &mut self.draft,
-                self.verify.hidden(),
-                &mut seq.kv,
-                Logits::Last,
-            )?;
+            let hidden = self.verify.hidden();
+            catch_up(be, m, &mut self.draft, hidden, &mut seq.kv, out, n)?;
         }
         Ok(())
     }
@@ -441,32 +446,20 @@ impl<'e, B: Backend> Speculator<'e, B> {
         t: u32,
         n_max: usize,
     ) -> Result<Vec<u32>> {
-        ensure!(n_max >= 1, "a speculative step needs room for one token");
         let (be, m) = (self.be, self.model);
-        let n = seq.pos;
-        let k_max = self.depth.min(n_max - 1);
+        let ask = self.ask(seq, history, t, n_max)?;
         let vocab = m.cfg.vocab;
         // Draft: d(i+1) ~ q(i+1), the drafter's distribution given the drafts before it.
-        let (drafts, qs): (Vec<u32>, Vec<Distribution>) = if k_max > 0 {
+        let (drafts, qs): (Vec<u32>, Vec<Distribution>) = if ask.k > 0 {
             drafter
-                .draft_sampled(
-                    self,
-                    &mut seq.kv,
-                    DraftAsk {
-                        n,
-                        t,
-                        k: k_max,
-                        history,
-                    },
-                    sampler,
-                )?
+                .draft_sampled(self, &mut seq.kv, ask, sampler)?
                 .into_iter()
                 .unzip()
         } else {
             (vec![], vec![])
         };
         let k = drafts.len();
-        let rows = self.verify(seq, t, &drafts, k_max)?;
+        let rows = self.verify(seq, t, &drafts, ask.k)?;
         let logits = be.to_host(&self.verify.logits)?;
         let mut out = Vec::with_capacity(k + 1);
         let mut hist = history.to_vec();
