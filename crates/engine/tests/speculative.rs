@@ -117,6 +117,31 @@ fn every_acceptance_length_rolls_back_exactly() {
     }
 }
 
+/// A tiny model with [`tiny_tokenizer`], as an engine.
+fn tiny_engine(be: CpuBackend, model: Model<CpuBackend>) -> Engine<CpuBackend> {
+    Engine {
+        be,
+        model,
+        tok: tiny_tokenizer(),
+    }
+}
+
+/// Queues a request on `s`; its events come to the receiver.
+fn submit(
+    s: &ferrite_engine::scheduler::Scheduler,
+    prompt: &[u32],
+    params: ferrite_engine::scheduler::RequestParams,
+) -> std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.submit(ferrite_engine::scheduler::Request {
+        prompt: prompt.to_vec(),
+        params,
+        sink: Box::new(tx),
+    })
+    .unwrap();
+    rx
+}
+
 /// A word-level tokenizer over the tiny models' 1024 ids ("t0" .. "t1023"; eos "t2"), so
 /// [`Engine::generate`] can run them.
 fn tiny_tokenizer() -> Tokenizer {
@@ -137,11 +162,7 @@ fn generate_with_mtp_depth_matches_plain_greedy() {
     for name in MODELS {
         let (be, model) = load(name);
         let want = plain(&be, &model, GEN);
-        let e = Engine {
-            be,
-            model,
-            tok: tiny_tokenizer(),
-        };
+        let e = tiny_engine(be, model);
         let mut p = GenerateParams {
             max_tokens: GEN,
             ignore_eos: true,
@@ -418,18 +439,13 @@ fn collect(rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>) -> V
 /// request with logprobs decodes without speculation and still gets the greedy tokens.
 #[test]
 fn scheduler_speculates_and_serves_the_same_tokens() {
-    use ferrite_engine::scheduler::{Request, RequestParams, Scheduler, SchedulerConfig};
-    use std::sync::mpsc;
+    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
     for name in MODELS {
         let (be, model) = load(name);
         let want = plain(&be, &model, GEN);
         let other: Vec<u32> = vec![1, 5, 6, 7, 8, 9, 10, 11, 12];
         let want_other = plain_greedy(&be, &model, &other, GEN).unwrap();
-        let engine = Engine {
-            be,
-            model,
-            tok: tiny_tokenizer(),
-        };
+        let engine = tiny_engine(be, model);
         let s = Scheduler::spawn(
             engine,
             SchedulerConfig {
@@ -440,16 +456,7 @@ fn scheduler_speculates_and_serves_the_same_tokens() {
             },
         )
         .unwrap();
-        let submit = |prompt: &[u32], params: RequestParams| {
-            let (tx, rx) = mpsc::channel();
-            s.submit(Request {
-                prompt: prompt.to_vec(),
-                params,
-                sink: Box::new(tx),
-            })
-            .unwrap();
-            rx
-        };
+        let submit = |prompt: &[u32], params: RequestParams| submit(&s, prompt, params);
         let greedy = RequestParams {
             max_tokens: GEN,
             ignore_eos: true,
@@ -535,7 +542,7 @@ fn lookup_speculation_is_token_identical_to_greedy() {
 /// again), and each still gets its plain greedy tokens.
 #[test]
 fn scheduler_speculation_survives_preemption() {
-    use ferrite_engine::scheduler::{Request, RequestParams, Scheduler, SchedulerConfig};
+    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
     use std::sync::atomic::Ordering;
     let prompts: Vec<Vec<u32>> = vec![
         PROMPT.to_vec(),
@@ -548,11 +555,7 @@ fn scheduler_speculation_survives_preemption() {
         .iter()
         .map(|p| plain_greedy(&be, &model, p, GEN).unwrap())
         .collect();
-    let engine = Engine {
-        be,
-        model,
-        tok: tiny_tokenizer(),
-    };
+    let engine = tiny_engine(be, model);
     // 6 pages of 16: four sequences of up to 9 + 40 tokens need 16.
     let s = Scheduler::spawn(
         engine,
@@ -569,18 +572,12 @@ fn scheduler_speculation_survives_preemption() {
     let rxs: Vec<_> = prompts
         .iter()
         .map(|p| {
-            let (tx, rx) = std::sync::mpsc::channel();
-            s.submit(Request {
-                prompt: p.clone(),
-                params: RequestParams {
-                    max_tokens: GEN,
-                    ignore_eos: true,
-                    ..RequestParams::default()
-                },
-                sink: Box::new(tx),
-            })
-            .unwrap();
-            rx
+            let params = RequestParams {
+                max_tokens: GEN,
+                ignore_eos: true,
+                ..RequestParams::default()
+            };
+            submit(&s, p, params)
         })
         .collect();
     for (i, rx) in rxs.into_iter().enumerate() {
