@@ -316,7 +316,7 @@ fn bench_on<B: Backend>(
     let mut tg = Vec::new();
     for _ in 0..a.reps {
         if spec_depth > 0 {
-            use ferrite_engine::speculative::{Drafter, MtpDrafter, ScriptedDrafter, Speculator};
+            use ferrite_engine::speculative::{Drafter, MtpDrafter, ScriptedDrafter};
             let mut scripted = ScriptedDrafter {
                 truth: truth.clone(),
                 prompt_len: spec_prompt.len(),
@@ -325,33 +325,17 @@ fn bench_on<B: Backend>(
                 run_head: loaded,
             };
             let drafter: &mut dyn Drafter<B> = if head { &mut MtpDrafter } else { &mut scripted };
-            let mut seq = Sequence::new(be, &model, ctx)?;
-            let mut spec = Speculator::new(be, &model, spec_depth)?;
-            let mut out = vec![spec.prefill(&mut seq, &spec_prompt)?];
-            // What a drafter may look up: the prompt and the output so far.
-            let mut history: Vec<u32> = spec_prompt.iter().chain(&out).copied().collect();
-            // The first step is untimed (its kernels size their scratch then).
-            let got = spec.step(&mut seq, drafter, &history, out[0], a.gen_tokens + 1)?;
-            history.extend(&got);
-            out.extend(got);
-            let t0 = Instant::now();
-            let start = out.len();
-            while out.len() < start + a.gen_tokens {
-                let room = (start + a.gen_tokens - out.len()).min(ctx - seq.pos);
-                let got = spec.step(&mut seq, drafter, &history, out[out.len() - 1], room)?;
-                history.extend(&got);
-                out.extend(got);
-            }
-            sp.push(a.gen_tokens as f64 / t0.elapsed().as_secs_f64());
-            let n = out.len().min(truth.len());
-            anyhow::ensure!(
-                out[..n] == truth[..n],
-                "gate 3 FAILED: speculative decode (depth {spec_depth}) gave {:?} where plain \
-                 greedy decode gives {:?}",
-                &out[..n],
-                &truth[..n]
-            );
-            spec_stats = spec.stats;
+            let (tps, st) = speculative_decode(
+                be,
+                &model,
+                ctx,
+                &spec_prompt,
+                &truth,
+                (spec_depth, drafter),
+                a.gen_tokens,
+            )?;
+            sp.push(tps);
+            spec_stats = st;
         }
         // Prefill test: fill the cache to `depth` (untimed), then time the prompt.
         let mut seq = Sequence::new(be, &model, ctx)?;
@@ -545,6 +529,48 @@ fn bench_on<B: Backend>(
         );
     }
     Ok(())
+}
+
+/// The speculative decode test: `prompt` prefilled, one untimed step (its kernels size
+/// their scratch then), then `gen` tokens timed, speculating `depth` deep with `drafter`.
+/// Its tokens must be `truth`'s, plain greedy decode's (gate 3). Tokens/s and the counts.
+fn speculative_decode<B: Backend>(
+    be: &B,
+    model: &ferrite_models::Model<B>,
+    ctx: usize,
+    prompt: &[u32],
+    truth: &[u32],
+    (depth, drafter): (usize, &mut dyn ferrite_engine::speculative::Drafter<B>),
+    gen: usize,
+) -> Result<(f64, ferrite_engine::SpecStats)> {
+    let mut seq = Sequence::new(be, model, ctx)?;
+    let mut spec = ferrite_engine::Speculator::new(be, model, depth)?;
+    let mut out = vec![spec.prefill(&mut seq, prompt)?];
+    // What a drafter may look up: the prompt and the output so far.
+    let mut history: Vec<u32> = prompt.iter().chain(&out).copied().collect();
+    let mut t0 = None;
+    let mut end = gen + 1;
+    while out.len() < end {
+        let room = (end - out.len()).min(ctx - seq.pos);
+        let got = spec.step(&mut seq, drafter, &history, out[out.len() - 1], room)?;
+        history.extend(&got);
+        out.extend(got);
+        if t0.is_none() {
+            // The clock starts after the first step.
+            t0 = Some(Instant::now());
+            end = out.len() + gen;
+        }
+    }
+    let tps = gen as f64 / t0.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    let n = out.len().min(truth.len());
+    anyhow::ensure!(
+        out[..n] == truth[..n],
+        "gate 3 FAILED: speculative decode (depth {depth}) gave {:?} where plain greedy \
+         decode gives {:?}",
+        &out[..n],
+        &truth[..n]
+    );
+    Ok((tps, spec.stats))
 }
 
 /// The current UTC time as ISO 8601 (no time-zone crate needed for UTC).
