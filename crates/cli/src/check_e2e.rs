@@ -66,11 +66,20 @@ fn all_logits<B: Backend>(be: &B, file: &ModelFile, tokens: &[u32]) -> Result<(V
     ))
 }
 
-fn read_oracle(dir: &Path) -> Result<(Vec<u32>, Vec<f32>)> {
-    let bytes = std::fs::read(dir.join("oracle.safetensors"))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)?;
-    let t = st.tensor("tokens")?;
-    let tokens = match t.dtype() {
+/// Tensor `name` of an oracle file as f32 values.
+fn read_f32s(st: &safetensors::SafeTensors<'_>, name: &str) -> Result<Vec<f32>> {
+    Ok(st
+        .tensor(name)?
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect())
+}
+
+/// Token ids `name` of an oracle file (I64, or I32).
+fn read_ids(st: &safetensors::SafeTensors<'_>, name: &str) -> Result<Vec<u32>> {
+    let t = st.tensor(name)?;
+    Ok(match t.dtype() {
         safetensors::Dtype::I64 => t
             .data()
             .chunks_exact(8)
@@ -81,14 +90,13 @@ fn read_oracle(dir: &Path) -> Result<(Vec<u32>, Vec<f32>)> {
             .chunks_exact(4)
             .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
             .collect(),
-    };
-    let l = st.tensor("logits")?;
-    let logits = l
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    Ok((tokens, logits))
+    })
+}
+
+fn read_oracle(dir: &Path) -> Result<(Vec<u32>, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("oracle.safetensors"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    Ok((read_ids(&st, "tokens")?, read_f32s(&st, "logits")?))
 }
 
 /// One comparison's outcome, printed as a line.
@@ -270,24 +278,14 @@ fn mtp_lines<B: Backend>(
 ) -> Result<Vec<Line>> {
     let bytes = std::fs::read(dir.join("mtp_oracle.safetensors"))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)?;
-    let f32s = |n: &str| -> Result<Vec<f32>> {
-        Ok(st
-            .tensor(n)?
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect())
-    };
-    let (hidden_in, oracle) = (f32s("hidden_in")?, f32s("logits")?);
-    let tokens_in: Vec<u32> = st
-        .tensor("tokens_in")?
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect();
-    fn head<B: Backend>(be: &B, file: &ModelFile, h: &[f32], t: &[u32]) -> Result<Vec<f32>> {
+    let (hidden_in, oracle) = (read_f32s(&st, "hidden_in")?, read_f32s(&st, "logits")?);
+    let tokens_in = read_ids(&st, "tokens_in")?;
+    fn with_head<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
         let mut m = Model::load(be, file, &|_, _| {})?;
         m.load_mtp(be, file)?;
+        Ok(m)
+    }
+    fn head<B: Backend>(be: &B, m: &Model<B>, h: &[f32], t: &[u32]) -> Result<Vec<f32>> {
         let mut kv = m.new_kv(be, t.len())?;
         let mut ws = m.workspace(be, t.len(), Logits::All)?;
         let hidden = be.from_host(h, t.len(), m.cfg.hidden)?;
@@ -295,8 +293,9 @@ fn mtp_lines<B: Backend>(
         m.mtp_forward(be, &mut ws, &hidden, &mut kv, Logits::All)?;
         be.to_host(&ws.logits)
     }
-    let test = head(be, file, &hidden_in, &tokens_in)?;
-    let reference = head(cpu, file, &hidden_in, &tokens_in)?;
+    let m = with_head(be, file)?;
+    let test = head(be, &m, &hidden_in, &tokens_in)?;
+    let reference = head(cpu, &with_head(cpu, file)?, &hidden_in, &tokens_in)?;
     let vocab = oracle.len() / tokens_in.len().max(1);
     let mut lines = vec![
         compare(
@@ -312,8 +311,6 @@ fn mtp_lines<B: Backend>(
             vocab,
         ),
     ];
-    let mut m = Model::load(be, file, &|_, _| {})?;
-    m.load_mtp(be, file)?;
     let prompt = &tokens[..tokens.len().min(8)];
     // The random-weight head's drafts (nearly all rejected: the rollback path), then a
     // scripted continuation accepted whole or in part (the accepting paths).
