@@ -124,12 +124,6 @@ impl SamplerConfig {
             ..Default::default()
         }
     }
-
-    fn has_penalties(&self) -> bool {
-        self.repetition_penalty != 1.0
-            || self.presence_penalty != 0.0
-            || self.frequency_penalty != 0.0
-    }
 }
 
 /// Index of the largest logit; ties go to the lowest id, NaN counts as `-inf`. Returns 0 for
@@ -273,7 +267,7 @@ impl Sampler {
                 l.min(f32::MAX)
             };
         }
-        if self.cfg.has_penalties() {
+        if !self.cfg.no_penalties() {
             self.apply_penalties(logits, history);
         }
         // Greedy unless the temperature is a positive number (NaN included).
