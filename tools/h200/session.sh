@@ -17,8 +17,8 @@
 #   spec35   speculation's cost on Qwen3.5-9B Q4_K_M with a random MTP head (synth --mtp):
 #            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
 #            at K = 1, 2, 4 with every draft right and with none right: tokens/s against plain
-#            decode's tg128 (not recorded; the steps run eagerly, without CUDA graphs, which
-#            this measures the price of)
+#            decode's tg128 (not recorded), each with the step's forwards as graphs (default)
+#            and eager (FERRITE_SPEC_GRAPHS=0)
 #   spec8b   the same on Qwen3-8B Q4_K_M (no head: scripted drafts only), K = 2, 4
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
@@ -125,8 +125,10 @@ for stage in "$@"; do
         f=$(synth qwen3.5-9b Q4_K_M --mtp | tail -1)
         for k in 1 2 4; do
             for r in $k 0; do
-                echo "-- depth $k, $r right" | tee -a "$OUT/spec.log"
-                $F bench --model "$f" --label qwen3.5-9b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $r 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
+                for g in 1 0; do
+                    echo "-- depth $k, $r right, FERRITE_SPEC_GRAPHS=$g" | tee -a "$OUT/spec.log"
+                    FERRITE_SPEC_GRAPHS=$g $F bench --model "$f" --label qwen3.5-9b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $r 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
+                done
             done
         done
         rm -f "$f" "${f%.gguf}.mtp.safetensors"

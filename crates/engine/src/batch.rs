@@ -161,25 +161,7 @@ impl<'e, B: Backend> Batch<'e, B> {
         if !decode_only {
             m.forward(be, ws, kv, Logits::SeqLast)?;
         } else {
-            let g = &mut self.graphs[n - 1];
-            match g {
-                GraphState::Eager => {
-                    m.forward(be, ws, kv, Logits::SeqLast)?;
-                    *g = GraphState::Capture;
-                }
-                GraphState::Capture => {
-                    match be.capture(&mut || m.forward(be, ws, kv, Logits::SeqLast))? {
-                        // A captured graph has recorded the step, not run it.
-                        Some(gr) => {
-                            be.replay(&gr)?;
-                            *g = GraphState::Replay(gr);
-                        }
-                        None => *g = GraphState::Unsupported,
-                    }
-                }
-                GraphState::Replay(gr) => be.replay(gr)?,
-                GraphState::Unsupported => m.forward(be, ws, kv, Logits::SeqLast)?,
-            }
+            self.graphs[n - 1].run(be, &mut || m.forward(be, ws, kv, Logits::SeqLast))?;
             // A replay does not run the host-side bookkeeping of the forward pass.
             ws.logits.set_rows(n)?;
         }

@@ -244,6 +244,37 @@ pub(crate) enum GraphState<G> {
     Unsupported,
 }
 
+impl<G> GraphState<G> {
+    /// Runs `step` as the decode step runs: eagerly the first time (kernels size their
+    /// scratch buffers then), captured as a graph the second where the backend has graphs
+    /// (and replayed at once: a capture records the step, it does not run it), replayed every
+    /// later time. A replay runs none of the step's host-side bookkeeping (an activation's
+    /// row count, say): the caller redoes what it reads of that.
+    pub(crate) fn run<B: Backend<Graph = G>>(
+        &mut self,
+        be: &B,
+        step: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            GraphState::Eager => {
+                step()?;
+                *self = GraphState::Capture;
+            }
+            GraphState::Capture => match be.capture(step)? {
+                Some(g) => {
+                    be.replay(&g)?;
+                    *self = GraphState::Replay(g);
+                }
+                // No graphs on this backend: `capture` ran the step; keep running eagerly.
+                None => *self = GraphState::Unsupported,
+            },
+            GraphState::Replay(g) => be.replay(g)?,
+            GraphState::Unsupported => step()?,
+        }
+        Ok(())
+    }
+}
+
 /// Entries of a sequence's greedy token log ([`Sequence::greedy_chain`]): a ring indexed by
 /// position, so one chain reads at most this many tokens.
 pub const FEED_LOG: usize = 256;
@@ -336,23 +367,8 @@ impl<'e, B: Backend> Sequence<'e, B> {
         let (be, m) = (self.be, self.model);
         be.set_step(&mut self.decode.step, &[token], self.pos)?;
         let (ws, kv) = (&mut self.decode, &mut self.kv);
-        match &self.graph {
-            GraphState::Eager => {
-                m.forward(be, ws, kv, Logits::Last)?;
-                self.graph = GraphState::Capture;
-            }
-            GraphState::Capture => match be.capture(&mut || m.forward(be, ws, kv, Logits::Last))? {
-                // A captured graph has recorded the step, not run it.
-                Some(g) => {
-                    be.replay(&g)?;
-                    self.graph = GraphState::Replay(g);
-                }
-                // No graphs on this backend: `capture` ran the step; keep running eagerly.
-                None => self.graph = GraphState::Unsupported,
-            },
-            GraphState::Replay(g) => be.replay(g)?,
-            GraphState::Unsupported => m.forward(be, ws, kv, Logits::Last)?,
-        }
+        self.graph
+            .run(be, &mut || m.forward(be, ws, kv, Logits::Last))?;
         self.pos += 1;
         self.last_was_decode = true;
         Ok(())
@@ -392,21 +408,7 @@ impl<'e, B: Backend> Sequence<'e, B> {
             be.argmax_feed(&ws.logits, &mut ws.argmax, &mut ws.step, log, FEED_LOG)
         };
         for _ in 0..n {
-            match &f.graph {
-                GraphState::Eager => {
-                    step(ws)?;
-                    f.graph = GraphState::Capture;
-                }
-                GraphState::Capture => match be.capture(&mut || step(ws))? {
-                    Some(g) => {
-                        be.replay(&g)?;
-                        f.graph = GraphState::Replay(g);
-                    }
-                    None => f.graph = GraphState::Unsupported,
-                },
-                GraphState::Replay(g) => be.replay(g)?,
-                GraphState::Unsupported => step(ws)?,
-            }
+            f.graph.run(be, &mut || step(ws))?;
         }
         self.pos += n;
         self.last_was_decode = true;

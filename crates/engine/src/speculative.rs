@@ -25,6 +25,16 @@
 //! computes each row as a one-row step does (the CPU backend); elsewhere rounding may
 //! differ between the two shapes and a near-tie can flip, which the gate would show.
 //!
+//! **Graphs.** Where the backend has graphs, each forward of a step is captured once per
+//! shape and replayed after, as the plain decode step is (`GraphState`): the target's
+//! forward of r rows (a verify of r = k+1 rows, or a replay of r ≤ k), the head's catch-up
+//! on the target's r hidden states, and its one-row chained draft. Tokens and positions are
+//! device inputs written before each (`Backend::set_step`), every buffer they touch is the
+//! speculator's or the sequence's own, and no launch depends on the position (the decode
+//! attention's split count follows the cache's capacity), so a shape's graph serves every
+//! step. The snapshot, restore and argmax reads stay eager. `FERRITE_SPEC_GRAPHS=0` runs
+//! every forward eagerly (to measure what the graphs save).
+//!
 //! The rollback replays the accepted rows rather than keeping a state per row: Gated
 //! DeltaNet's state is tens of MB per sequence on real models, and a replay costs one
 //! forward of at most k+1 rows, which on a bandwidth-bound GPU costs about one decode step.
@@ -33,7 +43,7 @@ use anyhow::{ensure, Context, Result};
 use ferrite_backend::{Act, Backend};
 use ferrite_models::{Logits, Model, Workspace};
 
-use crate::generate::{Sequence, PREFILL_CHUNK};
+use crate::generate::{GraphState, Sequence, PREFILL_CHUNK};
 use crate::sampler::Sampler;
 
 /// Deepest draft [`Speculator`] accepts (the gate tests 1..=MAX_DEPTH).
@@ -186,8 +196,33 @@ fn greedy<B: Backend>(be: &B, ws: &mut Workspace<B>) -> Result<Vec<u32>> {
         .collect())
 }
 
+/// A forward of the speculative step, by shape: what one graph records (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Pass {
+    /// The target over r rows of the verify workspace (a verify, or a replay after one).
+    Target(usize),
+    /// The head over the target's r hidden states in the verify workspace.
+    CatchUp(usize),
+    /// The head's one-row chained draft.
+    Chain,
+}
+
+/// The graph of `pass`, made on first use: eager for good where `eager` (then
+/// [`GraphState::run`] runs the forward every time).
+fn graph_of<G>(
+    graphs: &mut std::collections::HashMap<Pass, GraphState<G>>,
+    eager: bool,
+    pass: Pass,
+) -> &mut GraphState<G> {
+    graphs.entry(pass).or_insert(if eager {
+        GraphState::Unsupported
+    } else {
+        GraphState::Eager
+    })
+}
+
 /// The state speculative decoding adds to a [`Sequence`]: the head's workspace, the verify
-/// workspace, the counts.
+/// workspace, their graphs, the counts.
 pub struct Speculator<'e, B: Backend> {
     be: &'e B,
     model: &'e Model<B>,
@@ -202,6 +237,9 @@ pub struct Speculator<'e, B: Backend> {
     /// Whether the head has caught up on the sequence, its last row's logits (the next
     /// step's first draft) in `draft`.
     head_ready: bool,
+    graphs: std::collections::HashMap<Pass, GraphState<B::Graph>>,
+    /// `FERRITE_SPEC_GRAPHS=0`: every forward eager.
+    eager: bool,
     pub stats: SpecStats,
 }
 
@@ -234,6 +272,8 @@ impl<'e, B: Backend> Speculator<'e, B> {
             hid,
             verify: model.workspace(be, depth + 1, Logits::All)?,
             head_ready: false,
+            graphs: Default::default(),
+            eager: std::env::var("FERRITE_SPEC_GRAPHS").is_ok_and(|v| v == "0"),
             stats: SpecStats::default(),
         })
     }
@@ -242,10 +282,49 @@ impl<'e, B: Backend> Speculator<'e, B> {
     /// drafted from it) at position `pos`; its logits then in `self.draft`.
     fn chain(&mut self, kv: &mut B::Kv, d: u32, pos: usize) -> Result<()> {
         let (be, m) = (self.be, self.model);
-        let h = self.draft.hidden();
-        be.copy_rows(h, h.rows - 1, &mut self.hid)?;
-        be.set_step(&mut self.draft.step, &[d], pos)?;
-        m.mtp_forward(be, &mut self.draft, &self.hid, kv, Logits::Last)
+        let Speculator {
+            draft,
+            hid,
+            graphs,
+            eager,
+            ..
+        } = self;
+        let h = draft.hidden();
+        be.copy_rows(h, h.rows - 1, hid)?;
+        be.set_step(&mut draft.step, &[d], pos)?;
+        graph_of(graphs, *eager, Pass::Chain)
+            .run(be, &mut || m.mtp_forward(be, draft, hid, kv, Logits::Last))?;
+        draft.replayed(1, Logits::Last)
+    }
+
+    /// The target's forward over `rows` at position `pos` in the verify workspace, every
+    /// row's logits and hidden states then there.
+    fn target(&mut self, kv: &mut B::Kv, rows: &[u32], pos: usize) -> Result<()> {
+        let (be, m) = (self.be, self.model);
+        let ws = &mut self.verify;
+        be.set_step(&mut ws.step, rows, pos)?;
+        graph_of(&mut self.graphs, self.eager, Pass::Target(rows.len()))
+            .run(be, &mut || m.forward(be, ws, kv, Logits::All))?;
+        ws.replayed(rows.len(), Logits::All)
+    }
+
+    /// The head's catch-up on the target's hidden states in the verify workspace, row i
+    /// paired with `tokens[i]`, at positions `pos..`; its last row's logits then in `draft`.
+    fn catch_up_verified(&mut self, kv: &mut B::Kv, tokens: &[u32], pos: usize) -> Result<()> {
+        let (be, m) = (self.be, self.model);
+        let Speculator {
+            draft,
+            verify,
+            graphs,
+            eager,
+            ..
+        } = self;
+        be.set_step(&mut draft.step, tokens, pos)?;
+        let hidden = verify.hidden();
+        graph_of(graphs, *eager, Pass::CatchUp(tokens.len())).run(be, &mut || {
+            m.mtp_forward(be, draft, hidden, kv, Logits::Last)
+        })?;
+        draft.replayed(tokens.len(), Logits::Last)
     }
 
     /// Prefills `prompt` into `seq` (which must be empty) chunk by chunk, the head catching
@@ -380,16 +459,14 @@ impl<'e, B: Backend> Speculator<'e, B> {
         drafts: &[u32],
         k_max: usize,
     ) -> Result<Vec<u32>> {
-        let (be, m) = (self.be, self.model);
         ensure!(
             drafts.len() <= k_max,
             "the drafter gave {} drafts, more than the {k_max} asked for",
             drafts.len()
         );
         let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
-        be.kv_snapshot(&mut seq.kv, 0)?;
-        be.set_step(&mut self.verify.step, &rows, seq.pos)?;
-        m.forward(be, &mut self.verify, &mut seq.kv, Logits::All)?;
+        self.be.kv_snapshot(&mut seq.kv, 0)?;
+        self.target(&mut seq.kv, &rows, seq.pos)?;
         Ok(rows)
     }
 
@@ -417,14 +494,12 @@ impl<'e, B: Backend> Speculator<'e, B> {
         if j < k && (m.cfg.hybrid.is_some() || m.has_mtp()) {
             self.stats.replays += 1;
             be.kv_restore(&mut seq.kv, 0)?;
-            be.set_step(&mut self.verify.step, &rows[..=j], n)?;
-            m.forward(be, &mut self.verify, &mut seq.kv, Logits::All)?;
+            self.target(&mut seq.kv, &rows[..=j], n)?;
         }
         seq.pos = n + j + 1;
         // The head catches up on the target's hidden states of the accepted rows.
         if m.has_mtp() {
-            let hidden = self.verify.hidden();
-            catch_up(be, m, &mut self.draft, hidden, &mut seq.kv, out, n)?;
+            self.catch_up_verified(&mut seq.kv, out, n)?;
         }
         Ok(())
     }

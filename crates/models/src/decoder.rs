@@ -805,6 +805,18 @@ impl<B: Backend> Workspace<B> {
     pub fn capacity(&self) -> usize {
         self.step.capacity
     }
+    /// What a forward of `t` rows with logits `which` leaves in this workspace's host-side
+    /// row counts, set without running it: a graph replay of such a forward runs its
+    /// kernels but none of its bookkeeping.
+    pub fn replayed(&mut self, t: usize, which: Logits) -> Result<()> {
+        self.set_rows(t)?;
+        self.logits.set_rows(match which {
+            Logits::All => t,
+            Logits::Last => 1,
+            Logits::SeqLast => anyhow::bail!("a replayed batched step sets its own logits rows"),
+        })
+    }
+
     /// `rms_norm(x) · output_norm` of every row of the last step: the hidden states the
     /// output projection reads (after [`Model::mtp_forward`], the MTP head's).
     pub fn hidden(&self) -> &Act<B::Buf> {
