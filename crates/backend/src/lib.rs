@@ -161,6 +161,8 @@ pub struct Segment {
     pub rows: usize,
     /// Position of its first row.
     pub pos0: usize,
+    /// How many of its last rows' logits the step returns ([`SeqRows::logits`]).
+    pub logits: usize,
 }
 
 /// One sequence's part of a batched step (the input of [`Backend::set_batch`]).
@@ -172,6 +174,10 @@ pub struct SeqRows<'a> {
     /// Its block table: page `pages[j]` holds positions `j·page_size..(j+1)·page_size`. Must
     /// cover every position up to the step's last row of the sequence.
     pub pages: &'a [u32],
+    /// How many of its last rows' logits the step returns (the model's `Logits::SeqLast`):
+    /// 1 (a decode row, a prefill chunk's last row), or all of them (a speculative verify:
+    /// its token and its drafts). At least 1, at most its rows.
+    pub logits: usize,
 }
 
 /// Size of a paged KV cache ([`Backend::kv_new_paged`]).
@@ -245,10 +251,16 @@ impl BatchLayout {
                 s.pages.len(),
                 s.pages.len() * page_size
             );
+            anyhow::ensure!(
+                (1..=n).contains(&s.logits),
+                "sequence {i} of the step asks for {} rows' logits of its {n}",
+                s.logits
+            );
             l.segs.push(Segment {
                 row0: l.tokens.len(),
                 rows: n,
                 pos0: s.pos0,
+                logits: s.logits,
             });
             for (j, &t) in s.tokens.iter().enumerate() {
                 l.tokens.push(

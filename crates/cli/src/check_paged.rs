@@ -137,6 +137,7 @@ impl PagedCase {
                         tokens: &zeros[..f.4],
                         pos0: f.3,
                         pages: &d.pages[i],
+                        logits: 1,
                     }
                 })
                 .collect();
@@ -183,6 +184,7 @@ impl PagedCase {
                 tokens: &tokens[..r],
                 pos0,
                 pages,
+                logits: 1,
             })
             .collect();
         be.set_batch(&mut step, &rows)?;

@@ -50,6 +50,15 @@ pub struct ServeArgs {
     /// distribution); requests with logprobs or penalties decode without it.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8))]
     pub mtp_depth: u32,
+    /// Speculative decoding with n-gram drafts from each request's prompt and output so far
+    /// (prompt lookup; any model, no extra weights, in batched steps too): up to K drafts a
+    /// step where the text's last few tokens occurred before, verified with the step's other
+    /// rows; fast where the output repeats its input (code edits, quotes, lists, JSON), a
+    /// plain decode row elsewhere (1 to 8; 0 = off). Greedy requests get the model's greedy
+    /// output, sampled ones the same distribution; requests with logprobs or penalties
+    /// decode without it. Not with --mtp-depth.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8), conflicts_with = "mtp_depth")]
+    pub lookup_depth: u32,
 }
 
 /// Default `--max-context` cap: the CPU backend allocates each sequence's KV contiguously,
@@ -101,6 +110,7 @@ where
         prefill_chunk: a.prefill_chunk,
         max_waiting: a.max_waiting,
         mtp_depth: a.mtp_depth as usize,
+        lookup_depth: a.lookup_depth as usize,
     };
     let sched = Scheduler::spawn(engine, cfg)?;
     tracing::info!("scheduler: {:?}", sched.config());

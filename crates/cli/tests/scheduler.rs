@@ -1,8 +1,9 @@
 //! The serving scheduler on the default model (SmolLM2-135M-Instruct, CPU backend):
 //! batching identity (batched steps over the paged KV cache: decode rows and prefill chunks
 //! of several sequences in one step give each sequence the tokens it gets alone), admission
-//! waiting and preemption under a small KV budget, and a disconnected client freeing its
-//! sequence.
+//! waiting and preemption under a small KV budget, a disconnected client freeing its
+//! sequence, and speculative decoding with prompt-lookup drafts verified inside batched
+//! steps.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -254,6 +255,7 @@ fn small_kv_budget_waits_and_preempts_and_finishes_everything() {
         prefill_chunk: 64,
         max_waiting: 64,
         mtp_depth: 0,
+        lookup_depth: 0,
     });
     let p = RequestParams {
         max_tokens: 40,
@@ -359,10 +361,152 @@ fn unservable_settings_are_refused() {
             },
             "needs the model's MTP head",
         ),
+        (
+            SchedulerConfig {
+                lookup_depth: 9,
+                ..SchedulerConfig::default()
+            },
+            "draft depth must be 0 (off) to 8",
+        ),
     ] {
         let err = Scheduler::spawn(default_engine(), cfg)
             .err()
             .expect("refused");
         assert!(err.to_string().contains(msg), "{err}");
     }
+}
+
+/// Prompts whose continuations repeat what they hold, so that lookup drafts are right.
+const REPEATING: [&str; 3] = [
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
+    "red, green, blue, red, green, blue, red, green, blue, red,",
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat",
+];
+
+/// Prompt-lookup speculation in batched steps: greedy requests together with it give the
+/// tokens plain decoding gives each alone, drafts are kept, a `max_tokens` inside a step cuts
+/// it there, logprobs requests (which do not speculate) are unchanged, and seeded sampling
+/// repeats; then the same under a KV budget that forces preemptions.
+#[test]
+fn lookup_drafts_in_batched_steps_keep_each_requests_output() {
+    let (plain, prompts) = scheduler(SchedulerConfig {
+        max_batch: 8,
+        max_context: 256,
+        kv_tokens: 8 * 256,
+        prefill_chunk: 16,
+        ..SchedulerConfig::default()
+    });
+    let e = default_engine();
+    let mut prompts: Vec<Vec<u32>> = prompts[..3].to_vec();
+    prompts.extend(
+        REPEATING
+            .iter()
+            .map(|p| e.tok.encode(p, true, false).expect("tokenizes")),
+    );
+    let spec_cfg = SchedulerConfig {
+        max_batch: 8,
+        max_context: 256,
+        kv_tokens: 8 * 256,
+        prefill_chunk: 16,
+        lookup_depth: 4,
+        ..SchedulerConfig::default()
+    };
+    let spec = Scheduler::spawn(e, spec_cfg.clone()).expect("scheduler starts");
+    let greedy = RequestParams {
+        max_tokens: 40,
+        ignore_eos: true,
+        ..RequestParams::default()
+    };
+    let want = alone(&plain, &prompts, &greedy);
+    let got = together(&spec, &prompts, &greedy);
+    for (i, (x, y)) in want.iter().zip(&got).enumerate() {
+        assert_eq!(x.tokens, y.tokens, "prompt {i}: speculative output differs");
+        assert_eq!(x.text, y.text);
+        assert_eq!(y.completion_tokens, 40);
+    }
+    wait_idle(&spec);
+    let st = spec.stats();
+    let (drafted, kept) = (
+        st.spec_drafted.load(Ordering::SeqCst),
+        st.spec_accepted.load(Ordering::SeqCst),
+    );
+    println!("lookup depth 4: {kept} of {drafted} drafts kept");
+    assert!(st.batched.load(Ordering::SeqCst), "steps are batched");
+    assert!(
+        kept > 20 && kept <= drafted,
+        "{kept} of {drafted} drafts kept on prompts that repeat themselves"
+    );
+    // Fewer decode steps than tokens: verifies gave several tokens at once.
+    assert!(st.max_step_seqs.load(Ordering::SeqCst) > 1);
+
+    // max_tokens cuts a step short: 5 tokens exactly, plain decoding's first 5.
+    let short = RequestParams {
+        max_tokens: 5,
+        ..greedy.clone()
+    };
+    let five = together(&spec, &prompts[3..], &short);
+    for (x, y) in want[3..].iter().zip(&five) {
+        assert_eq!(y.tokens, x.tokens[..5]);
+        assert_eq!(y.finish, FinishReason::Length);
+    }
+
+    // Logprobs requests decode plainly, beside speculating ones.
+    let lp = RequestParams {
+        max_tokens: 12,
+        logprobs: Some(3),
+        ..RequestParams::default()
+    };
+    let lp_want = alone(&plain, &prompts[3..], &lp);
+    let before = spec.stats().spec_drafted.load(Ordering::SeqCst);
+    let lp_got = together(&spec, &prompts[3..], &lp);
+    assert_eq!(spec.stats().spec_drafted.load(Ordering::SeqCst), before);
+    for (x, y) in lp_want.iter().zip(&lp_got) {
+        assert_eq!(x.tokens, y.tokens);
+        assert_eq!(x.logprobs, y.logprobs);
+    }
+
+    // Seeded sampling with lookup drafts repeats itself, batched or alone.
+    let sampled = RequestParams {
+        max_tokens: 24,
+        ignore_eos: true,
+        sampler: SamplerConfig {
+            temperature: 0.7,
+            top_k: 20,
+            seed: Some(11),
+            ..SamplerConfig::greedy()
+        },
+        ..RequestParams::default()
+    };
+    let s1 = together(&spec, &prompts, &sampled);
+    let s2 = alone(&spec, &prompts, &sampled);
+    for (x, y) in s1.iter().zip(&s2) {
+        assert_eq!(
+            x.tokens, y.tokens,
+            "seeded sampling with drafts does not repeat"
+        );
+        assert_eq!(x.tokens.len(), 24);
+    }
+    wait_idle(&spec);
+    drop(spec);
+
+    // Under a KV budget too small for all: preemptions, and still plain decoding's tokens.
+    let e = default_engine();
+    let tight = Scheduler::spawn(
+        e,
+        SchedulerConfig {
+            max_batch: 4,
+            max_context: 128,
+            kv_tokens: 128,
+            page_size: 16,
+            prefill_chunk: 64,
+            ..spec_cfg
+        },
+    )
+    .expect("scheduler starts");
+    let got = together(&tight, &prompts[2..6], &greedy);
+    assert!(tight.stats().preemptions.load(Ordering::SeqCst) > 0);
+    for (x, y) in want[2..6].iter().zip(&got) {
+        assert_eq!(x.tokens, y.tokens, "preempted speculative output differs");
+    }
+    wait_idle(&tight);
 }

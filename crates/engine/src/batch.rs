@@ -21,7 +21,7 @@
 //! invariant); larger batches run the tensor-core GEMM, whose bf16 operand rounding differs
 //! slightly from the GEMV's.
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use ferrite_backend::{Act, Backend, PagedKv, SeqRows};
 use ferrite_models::{Logits, Model, Workspace, TOP_K_MAX};
 
@@ -40,6 +40,9 @@ pub struct BatchConfig {
     pub max_seqs: usize,
     /// Most rows in one step (decode rows plus prefill chunks).
     pub max_rows: usize,
+    /// Most logits rows one step returns: `max_seqs`, more where sequences verify drafts
+    /// ([`SeqRows::logits`]); at most `max_rows`.
+    pub max_logits: usize,
 }
 
 /// The paged KV cache and workspace of batched steps (see the module doc).
@@ -51,9 +54,11 @@ pub struct Batch<'e, B: Backend> {
     cfg: BatchConfig,
     /// Decode-only steps of `n` sequences: `graphs[n - 1]`.
     graphs: Vec<GraphState<B::Graph>>,
-    /// Sequences in the last step.
+    /// Logits rows of the last step.
     n: usize,
-    /// Device top-k values of the last step, `[max_seqs, TOP_K_MAX]`.
+    /// Each sequence's logits rows in the last step.
+    seq_rows: Vec<std::ops::Range<usize>>,
+    /// Device top-k values of the last step, `[max_logits, TOP_K_MAX]`.
     top_vals: Act<B::Buf>,
     /// Per-step caches of what the sequences asked for.
     greedy: Option<Vec<u32>>,
@@ -91,10 +96,11 @@ impl<'e, B: Backend> Batch<'e, B> {
     /// in the KV cache (hybrid linear-attention models) and on backends without paged caches.
     pub fn new(be: &'e B, model: &'e Model<B>, cfg: BatchConfig) -> Result<Self> {
         ensure!(
-            cfg.max_seqs >= 1 && cfg.max_rows >= cfg.max_seqs,
-            "a batch of {} rows for {} sequences",
+            cfg.max_seqs >= 1 && (cfg.max_seqs..=cfg.max_rows).contains(&cfg.max_logits),
+            "a batch of {} rows for {} sequences and {} logits rows",
             cfg.max_rows,
-            cfg.max_seqs
+            cfg.max_seqs,
+            cfg.max_logits
         );
         let kv = model.new_paged_kv(
             be,
@@ -106,9 +112,15 @@ impl<'e, B: Backend> Batch<'e, B> {
                 q8_0: false,
             },
         )?;
-        let ws =
-            model.batch_workspace(be, cfg.max_rows, cfg.max_seqs, cfg.max_pages, cfg.page_size)?;
-        let mut top_vals = be.zeros(cfg.max_seqs, TOP_K_MAX)?;
+        let ws = model.batch_workspace(
+            be,
+            cfg.max_rows,
+            cfg.max_seqs,
+            cfg.max_logits,
+            cfg.max_pages,
+            cfg.page_size,
+        )?;
+        let mut top_vals = be.zeros(cfg.max_logits, TOP_K_MAX)?;
         top_vals.set_rows(1)?;
         let mut b = Batch {
             be,
@@ -118,6 +130,7 @@ impl<'e, B: Backend> Batch<'e, B> {
             cfg,
             graphs: (0..cfg.max_seqs).map(|_| GraphState::Eager).collect(),
             n: 0,
+            seq_rows: Vec::new(),
             top_vals,
             greedy: None,
             top: None,
@@ -135,9 +148,10 @@ impl<'e, B: Backend> Batch<'e, B> {
     }
 
     /// Runs one step over `seqs` (their rows in this order); afterwards sequence `i`'s
-    /// next-token logits are row `i` ([`Batch::greedy`], [`Batch::top_k`],
-    /// [`Batch::logits`]). Each sequence's pages must cover its positions; its earlier
-    /// positions must have been filled by earlier steps with the same pages.
+    /// logits are the rows [`Batch::rows_of`]`(i)` ([`Batch::greedy`], [`Batch::top_k`],
+    /// [`Batch::logits`]): row `i` where every sequence asks for one. Each sequence's pages
+    /// must cover its positions; its earlier positions must have been filled by earlier
+    /// steps with the same pages.
     pub fn step(&mut self, seqs: &[SeqRows<'_>]) -> Result<()> {
         let n = seqs.len();
         ensure!(
@@ -153,7 +167,14 @@ impl<'e, B: Backend> Batch<'e, B> {
             );
         }
         self.n = 0;
+        self.seq_rows.clear();
         (self.greedy, self.top, self.host) = (None, None, None);
+        let n_logits: usize = seqs.iter().map(|s| s.logits).sum();
+        ensure!(
+            n_logits <= self.cfg.max_logits,
+            "a step asking for {n_logits} logits rows (at most {})",
+            self.cfg.max_logits
+        );
         let (be, m) = (self.be, self.model);
         let decode_only = seqs.iter().all(|s| s.tokens.len() == 1);
         be.set_batch(&mut self.ws.step, seqs)?;
@@ -165,7 +186,12 @@ impl<'e, B: Backend> Batch<'e, B> {
             // A replay does not run the host-side bookkeeping of the forward pass.
             ws.logits.set_rows(n)?;
         }
-        self.n = n;
+        self.n = n_logits;
+        let mut row = 0;
+        for s in seqs {
+            self.seq_rows.push(row..row + s.logits);
+            row += s.logits;
+        }
         Ok(())
     }
 
@@ -192,6 +218,7 @@ impl<'e, B: Backend> Batch<'e, B> {
                 tokens: &tokens[..*n],
                 pos0: 0,
                 pages,
+                logits: 1,
             })
             .collect();
         self.be.set_batch(&mut self.ws.step, &seqs)?;
@@ -199,9 +226,23 @@ impl<'e, B: Backend> Batch<'e, B> {
             .forward(self.be, &mut self.ws, &mut self.kv, Logits::SeqLast)
     }
 
-    /// The greedy choice of every sequence of the last step (on the device; n ids read).
+    /// The model's vocabulary: the length of a logits row.
+    pub fn vocab(&self) -> usize {
+        self.model.cfg.vocab
+    }
+
+    /// Sequence `i`'s logits rows in the last step.
+    pub fn rows_of(&self, i: usize) -> Result<std::ops::Range<usize>> {
+        self.seq_rows
+            .get(i)
+            .cloned()
+            .with_context(|| format!("sequence {i} of a step of {}", self.seq_rows.len()))
+    }
+
+    /// The greedy choice of logits row `i` of the last step (every row's taken on the
+    /// device; one read).
     pub fn greedy(&mut self, i: usize) -> Result<u32> {
-        ensure!(i < self.n, "sequence {i} of a step of {}", self.n);
+        ensure!(i < self.n, "logits row {i} of a step of {}", self.n);
         if self.greedy.is_none() {
             let ws = &mut self.ws;
             self.be.argmax(&ws.logits, &mut ws.argmax)?;
@@ -211,10 +252,10 @@ impl<'e, B: Backend> Batch<'e, B> {
         Ok(self.greedy.as_ref().expect("just set")[i])
     }
 
-    /// The `k ≤ TOP_K_MAX` best `(token, logit)` of sequence `i`, best first (selected on
-    /// the device for every sequence at once: the first k of the best TOP_K_MAX).
+    /// The `k ≤ TOP_K_MAX` best `(token, logit)` of logits row `i`, best first (selected
+    /// on the device for every row at once: the first k of the best TOP_K_MAX).
     pub fn top_k(&mut self, i: usize, k: usize) -> Result<Vec<(u32, f32)>> {
-        ensure!(i < self.n, "sequence {i} of a step of {}", self.n);
+        ensure!(i < self.n, "logits row {i} of a step of {}", self.n);
         ensure!(
             (1..=TOP_K_MAX).contains(&k),
             "top-k on the device needs 1 ≤ k ≤ {TOP_K_MAX}"
@@ -236,9 +277,9 @@ impl<'e, B: Backend> Batch<'e, B> {
             .collect())
     }
 
-    /// Sequence `i`'s logits on the host (all sequences' cross once per step).
+    /// Logits row `i` on the host (every row's cross once per step).
     pub fn logits(&mut self, i: usize) -> Result<Vec<f32>> {
-        ensure!(i < self.n, "sequence {i} of a step of {}", self.n);
+        ensure!(i < self.n, "logits row {i} of a step of {}", self.n);
         if self.host.is_none() {
             self.host = Some(self.be.to_host(&self.ws.logits)?);
         }
@@ -258,6 +299,7 @@ mod tests {
             max_pages,
             max_seqs,
             max_rows,
+            max_logits: max_seqs,
         }
     }
 

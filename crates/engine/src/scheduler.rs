@@ -54,7 +54,9 @@ use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 use crate::batch::{Batch, BatchConfig};
 use crate::generate::{Engine, FinishReason, Sequence};
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
-use crate::speculative::{MtpDrafter, Speculator};
+use crate::speculative::{
+    accept_greedy, accept_sampled, Drafter, MtpDrafter, PromptLookup, Speculator,
+};
 
 /// Scheduler limits, fixed at start-up.
 #[derive(Clone, Debug)]
@@ -75,6 +77,11 @@ pub struct SchedulerConfig {
     /// Speculative decoding with the model's MTP head, this many drafts a step (0 = off;
     /// the head must be loaded). Requests with logprobs or penalties decode without it.
     pub mtp_depth: usize,
+    /// Speculative decoding with prompt-lookup drafts ([`PromptLookup`]: n-gram matches in
+    /// the prompt and the output so far), up to this many a step (0 = off); any model, in
+    /// batched steps too. Not together with `mtp_depth`. Requests with logprobs or
+    /// penalties decode without it.
+    pub lookup_depth: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -87,7 +94,15 @@ impl Default for SchedulerConfig {
             prefill_chunk: 256,
             max_waiting: 64,
             mtp_depth: 0,
+            lookup_depth: 0,
         }
+    }
+}
+
+impl SchedulerConfig {
+    /// Most drafts a speculative step verifies (0: no speculation).
+    fn spec_depth(&self) -> usize {
+        self.mtp_depth.max(self.lookup_depth)
     }
 }
 
@@ -305,16 +320,21 @@ impl Scheduler {
         ensure!(cfg.max_context >= 2, "max_context must be at least 2");
         cfg.max_context = cfg.max_context.min(engine.model.cfg.max_ctx);
         ensure!(
-            cfg.mtp_depth <= crate::speculative::MAX_DEPTH,
-            "the MTP draft depth must be 0 (off) to {}",
+            cfg.mtp_depth <= crate::speculative::MAX_DEPTH
+                && cfg.lookup_depth <= crate::speculative::MAX_DEPTH,
+            "a draft depth must be 0 (off) to {}",
             crate::speculative::MAX_DEPTH
+        );
+        ensure!(
+            cfg.mtp_depth == 0 || cfg.lookup_depth == 0,
+            "speculative decoding drafts with the MTP head or by prompt lookup, not both"
         );
         ensure!(
             cfg.mtp_depth == 0 || engine.model.has_mtp(),
             "speculative decoding needs the model's MTP head loaded"
         );
         ensure!(
-            cfg.mtp_depth == 0 || cfg.prefill_chunk <= crate::generate::PREFILL_CHUNK,
+            cfg.spec_depth() == 0 || cfg.prefill_chunk <= crate::generate::PREFILL_CHUNK,
             "with speculative decoding the prefill chunk must be at most {} tokens",
             crate::generate::PREFILL_CHUNK
         );
@@ -432,12 +452,16 @@ fn batch_for<'e, B: Backend>(
     if model.cfg.hybrid.is_some() {
         return None;
     }
+    // Every running sequence may verify its drafts in a step (lookup drafts; MTP heads
+    // belong to hybrid models, which never batch).
+    let per_seq = 1 + cfg.lookup_depth;
     let bc = BatchConfig {
         n_pages,
         page_size: cfg.page_size,
         max_pages: cfg.max_context.div_ceil(cfg.page_size),
         max_seqs: cfg.max_batch,
-        max_rows: cfg.prefill_chunk + cfg.max_batch,
+        max_rows: cfg.prefill_chunk + cfg.max_batch * per_seq,
+        max_logits: cfg.max_batch * per_seq,
     };
     match Batch::new(be, model, bc) {
         Ok(b) => Some(b),
@@ -458,8 +482,10 @@ struct Active<'e, B: Backend> {
     /// Per-sequence mode: `None` while waiting (never admitted, or preempted). Batched mode:
     /// always `None` (the KV lives in the batch's pages).
     seq: Option<Sequence<'e, B>>,
-    /// Speculative decoding's state (per-sequence mode, `mtp_depth` > 0, a request it
-    /// serves: no logprobs, no penalties); made with `seq`.
+    /// Whether its decode steps speculate (a draft depth set, no logprobs, no penalties).
+    speculates: bool,
+    /// Speculative decoding's state in per-sequence mode; made with `seq`. (Batched steps
+    /// verify lookup drafts without one.)
     spec: Option<Speculator<'e, B>>,
     /// New tokens the next speculative step may give: its drafts plus one (pages reserved).
     room: usize,
@@ -541,6 +567,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             params: r.params,
             sink: r.sink,
             seq: None,
+            speculates: false,
             spec: None,
             room: 1,
             cached: 0,
@@ -593,25 +620,25 @@ impl<'e, B: Backend> Loop<'e, B> {
                 Some(_) => Ok(None),
                 None => Sequence::new(self.be, self.model, a.ctx).map(Some),
             };
-            let speculates = self.batch.is_none()
-                && self.cfg.mtp_depth > 0
+            let speculates = self.cfg.spec_depth() > 0
                 && a.params.logprobs.is_none()
                 && a.params.sampler.no_penalties();
             let seq = seq.and_then(|seq| {
-                let spec = match speculates {
-                    true => Some(Speculator::with_chunk(
+                let spec = match (speculates, &seq) {
+                    (true, Some(_)) => Some(Speculator::with_chunk(
                         self.be,
                         self.model,
-                        self.cfg.mtp_depth,
+                        self.cfg.spec_depth(),
                         self.cfg.prefill_chunk,
                     )?),
-                    false => None,
+                    _ => None,
                 };
                 Ok((seq, spec))
             });
             match seq {
                 Ok((seq, spec)) => {
                     a.seq = seq;
+                    a.speculates = speculates;
                     a.spec = spec;
                     a.cached = 0;
                     a.id = self.next_id;
@@ -634,9 +661,9 @@ impl<'e, B: Backend> Loop<'e, B> {
     fn reserve_decode_page(&mut self, i: usize) -> bool {
         let a = &mut self.running[i];
         a.room = 1;
-        if a.spec.is_some() {
+        if a.speculates {
             let left = a.params.max_tokens.saturating_sub(a.generated.len());
-            let room = (self.cfg.mtp_depth + 1)
+            let room = (self.cfg.spec_depth() + 1)
                 .min(left)
                 .min(a.ctx - a.cached)
                 .max(1);
@@ -666,6 +693,15 @@ impl<'e, B: Backend> Loop<'e, B> {
         }
     }
 
+    /// A batched step's drafts for running sequence `a`'s decode rows: prompt lookup where
+    /// it speculates (per-sequence mode drafts inside its `Speculator` step instead).
+    fn lookup_drafts(&self, a: &Active<'e, B>) -> Vec<u32> {
+        if self.batch.is_none() || !a.speculates || a.room < 2 {
+            return Vec::new();
+        }
+        PromptLookup::default().lookup(&history(a), a.room - 1)
+    }
+
     /// The rows of this iteration's step: a decode row for every sequence with a pending
     /// token (pages reserved), then up to `prefill_chunk` prompt tokens over the sequences
     /// still prefilling, oldest first, in chunks whose boundaries depend only on the sequence.
@@ -678,7 +714,11 @@ impl<'e, B: Backend> Loop<'e, B> {
         }
         let mut plan: Vec<Planned> = (0..self.running.len())
             .filter(|&i| self.running[i].pending.is_some())
-            .map(|i| Planned { i, prefill: None })
+            .map(|i| Planned {
+                i,
+                prefill: None,
+                drafts: self.lookup_drafts(&self.running[i]),
+            })
             .collect();
         let c = self.cfg.prefill_chunk;
         let mut budget = c;
@@ -698,6 +738,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             plan.push(Planned {
                 i,
                 prefill: Some((start, end)),
+                drafts: Vec::new(),
             });
         }
         plan
@@ -728,19 +769,29 @@ impl<'e, B: Backend> Loop<'e, B> {
         let mut spoken: Vec<Option<Vec<u32>>> = vec![None; plan.len()];
         match &mut self.batch {
             Some(batch) => {
-                let rows: Vec<SeqRows<'_>> = plan
+                // A decode row's tokens: the pending one, then its drafts (a verify, every
+                // row's logits wanted).
+                let verify: Vec<Vec<u32>> = plan
                     .iter()
                     .map(|p| {
                         let a = &self.running[p.i];
-                        let tokens = match (p.prefill, &a.pending) {
-                            (Some((s, e)), _) => &a.feed[s..e],
-                            (None, Some(t)) => std::slice::from_ref(t),
-                            (None, None) => &[],
+                        a.pending.iter().chain(&p.drafts).copied().collect()
+                    })
+                    .collect();
+                let rows: Vec<SeqRows<'_>> = plan
+                    .iter()
+                    .zip(&verify)
+                    .map(|(p, v)| {
+                        let a = &self.running[p.i];
+                        let (tokens, logits) = match p.prefill {
+                            Some((s, e)) => (&a.feed[s..e], 1),
+                            None => (&v[..], v.len().max(1)),
                         };
                         SeqRows {
                             tokens,
                             pos0: a.cached,
                             pages: &a.pages,
+                            logits,
                         }
                     })
                     .collect();
@@ -750,11 +801,34 @@ impl<'e, B: Backend> Loop<'e, B> {
                 if let Err(e) = batch.step(&rows) {
                     tracing::error!("batched step failed: {e:#}");
                     failed.fill(Some(format!("{e:#}")));
+                } else {
+                    // Verified drafts: the tokens each such sequence keeps.
+                    for (j, p) in plan.iter().enumerate() {
+                        if p.drafts.is_empty() {
+                            continue;
+                        }
+                        let a = &mut self.running[p.i];
+                        match accept_batched(batch, j, a, &p.drafts) {
+                            Ok(out) => {
+                                st.spec_drafted
+                                    .fetch_add(p.drafts.len() as u64, Ordering::Relaxed);
+                                st.spec_accepted
+                                    .fetch_add(out.len() as u64 - 1, Ordering::Relaxed);
+                                spoken[j] = Some(out);
+                            }
+                            Err(e) => failed[j] = Some(format!("{e:#}")),
+                        }
+                    }
                 }
             }
             None => {
                 for (j, p) in plan.iter().enumerate() {
                     let a = &mut self.running[p.i];
+                    // What a speculative step's drafter may look up.
+                    let hist = match (&a.spec, p.prefill) {
+                        (Some(_), None) => history(a),
+                        _ => Vec::new(),
+                    };
                     let seq = a.seq.as_mut().expect("running sequences have a sequence");
                     let r = match (p.prefill, a.pending, &mut a.spec) {
                         // The head catches up on every chunk but the last, whose next token
@@ -770,18 +844,15 @@ impl<'e, B: Backend> Loop<'e, B> {
                         }
                         (None, Some(t), Some(sp)) => {
                             let before = sp.stats;
+                            let mut lookup = PromptLookup::default();
+                            let drafter: &mut dyn Drafter<B> = match self.cfg.mtp_depth {
+                                0 => &mut lookup,
+                                _ => &mut MtpDrafter,
+                            };
                             let out = if a.params.sampler.temperature <= 0.0 {
-                                // The head reads no history (the generated tokens stand in).
-                                sp.step(seq, &mut MtpDrafter, &a.generated, t, a.room)
+                                sp.step(seq, drafter, &hist, t, a.room)
                             } else {
-                                sp.step_sampled(
-                                    seq,
-                                    &mut MtpDrafter,
-                                    &mut a.sampler,
-                                    &a.generated,
-                                    t,
-                                    a.room,
-                                )
+                                sp.step_sampled(seq, drafter, &mut a.sampler, &hist, t, a.room)
                             };
                             st.spec_drafted.fetch_add(
                                 (sp.stats.drafted - before.drafted) as u64,
@@ -848,7 +919,17 @@ impl<'e, B: Backend> Loop<'e, B> {
                 continue;
             }
             let outcome = match (&mut self.batch, a.seq.take()) {
-                (Some(batch), _) => sample_next(a, self.tok, &mut BatchRow { batch, row: j }),
+                (Some(batch), _) => match batch.rows_of(j) {
+                    Ok(rows) => sample_next(
+                        a,
+                        self.tok,
+                        &mut BatchRow {
+                            batch,
+                            row: rows.end - 1,
+                        },
+                    ),
+                    Err(e) => fail(a, &e),
+                },
                 (None, Some(mut seq)) => {
                     let mut o = sample_next(a, self.tok, &mut seq);
                     // The prompt's last chunk: the head catches up on it with the token
@@ -896,10 +977,58 @@ impl<'e, B: Backend> Loop<'e, B> {
 
 /// One entry of an iteration's plan: running sequence `i`, with a decode row (its pending
 /// token) or the prefill chunk `feed[start..end]`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Planned {
     i: usize,
     prefill: Option<(usize, usize)>,
+    /// A decode row's drafts to verify in the same step (batched prompt lookup).
+    drafts: Vec<u32>,
+}
+
+/// The text a sequence's drafter may look up: its prompt and what it has generated (the
+/// pending token last).
+fn history<B: Backend>(a: &Active<'_, B>) -> Vec<u32> {
+    a.feed[..a.prompt_len]
+        .iter()
+        .chain(&a.generated)
+        .copied()
+        .collect()
+}
+
+/// The tokens sequence `a` (entry `j` of the last batched step) keeps of its verified
+/// `drafts`: greedy acceptance, or speculative sampling with the lookup's q all on each
+/// draft.
+fn accept_batched<B: Backend>(
+    batch: &mut Batch<'_, B>,
+    j: usize,
+    a: &mut Active<'_, B>,
+    drafts: &[u32],
+) -> Result<Vec<u32>> {
+    let rows = batch.rows_of(j)?;
+    ensure!(
+        rows.len() == drafts.len() + 1,
+        "a verify of {} drafts came back with {} logits rows",
+        drafts.len(),
+        rows.len()
+    );
+    if a.params.sampler.temperature <= 0.0 {
+        let choices = rows.map(|r| batch.greedy(r)).collect::<Result<Vec<_>>>()?;
+        return Ok(accept_greedy(drafts, &choices));
+    }
+    let mut logits = Vec::new();
+    for r in rows {
+        logits.extend(batch.logits(r)?);
+    }
+    let qs: Vec<_> = drafts.iter().map(|&d| vec![(d, 1.0)]).collect();
+    let hist = history(a);
+    Ok(accept_sampled(
+        &mut a.sampler,
+        &logits,
+        batch.vocab(),
+        drafts,
+        &qs,
+        &hist,
+    ))
 }
 
 /// Where a sequence's latest logits are: its own workspace, or a row of the batched step.

@@ -424,9 +424,7 @@ impl<'e, B: Backend> Speculator<'e, B> {
             vec![]
         };
         let rows = self.verify(seq, t, &drafts, ask.k)?;
-        let a = greedy(be, &mut self.verify)?;
-        let j = drafts.iter().zip(&a).take_while(|(d, a)| d == a).count();
-        let out = a[..=j].to_vec();
+        let out = accept_greedy(&drafts, &greedy(be, &mut self.verify)?);
         self.finish(seq, &rows, &out)?;
         Ok(out)
     }
@@ -533,50 +531,75 @@ impl<'e, B: Backend> Speculator<'e, B> {
         } else {
             (vec![], vec![])
         };
-        let k = drafts.len();
         let rows = self.verify(seq, t, &drafts, ask.k)?;
         let logits = be.to_host(&self.verify.logits)?;
-        let mut out = Vec::with_capacity(k + 1);
-        let mut hist = history.to_vec();
-        let mut dense_q = vec![0f64; vocab];
-        for (i, row) in logits.chunks_exact(vocab).enumerate() {
-            let p = sampler.distribution(&mut row.to_vec(), &hist);
-            if i == k {
-                out.push(sampler.pick(&p));
-                break;
-            }
-            let d = drafts[i];
-            let pd = p.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
-            let qd = qs[i].iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
-            let keep = if qd > 0.0 {
-                sampler.uniform() < (pd / qd).min(1.0)
-            } else {
-                pd > 0.0
-            };
-            if keep {
-                out.push(d);
-                hist.push(d);
-                continue;
-            }
-            // The residual max(0, p − q): what p has that the draft under-proposed.
-            for &(id, q) in &qs[i] {
-                dense_q[id as usize] = q;
-            }
-            let residual: Vec<(u32, f64)> = p
-                .iter()
-                .map(|&(id, pp)| (id, (pp - dense_q[id as usize]).max(0.0)))
-                .filter(|x| x.1 > 0.0)
-                .collect();
-            out.push(if residual.is_empty() {
-                sampler.pick(&p)
-            } else {
-                sampler.pick(&residual)
-            });
-            break;
-        }
+        let out = accept_sampled(sampler, &logits, vocab, &drafts, &qs, history);
         self.finish(seq, &rows, &out)?;
         Ok(out)
     }
+}
+
+/// Greedy acceptance: the target's choices `a` after each row of a verify of k `drafts`
+/// (k + 1 of them) give the longest prefix of drafts it agrees with and its own token after
+/// that prefix.
+pub fn accept_greedy(drafts: &[u32], a: &[u32]) -> Vec<u32> {
+    let j = drafts.iter().zip(a).take_while(|(d, a)| d == a).count();
+    a[..=j.min(a.len().saturating_sub(1))].to_vec()
+}
+
+/// Speculative sampling's acceptance ([`Speculator::step_sampled`]) over a verify's `logits`
+/// (k + 1 rows of `vocab`: after the step's token and after each of its k `drafts`), each
+/// draft drawn from its distribution in `qs`; `history` is the text so far, the step's token
+/// included. Returns the step's new tokens: the kept drafts, then the replacement of the
+/// first rejected one or, with all kept, one more token drawn from the last row.
+pub fn accept_sampled(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    vocab: usize,
+    drafts: &[u32],
+    qs: &[Distribution],
+    history: &[u32],
+) -> Vec<u32> {
+    let k = drafts.len();
+    let mut out = Vec::with_capacity(k + 1);
+    let mut hist = history.to_vec();
+    let mut dense_q = vec![0f64; vocab];
+    for (i, row) in logits.chunks_exact(vocab).enumerate() {
+        let p = sampler.distribution(&mut row.to_vec(), &hist);
+        if i == k {
+            out.push(sampler.pick(&p));
+            break;
+        }
+        let d = drafts[i];
+        let pd = p.iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
+        let qd = qs[i].iter().find(|x| x.0 == d).map_or(0.0, |x| x.1);
+        let keep = if qd > 0.0 {
+            sampler.uniform() < (pd / qd).min(1.0)
+        } else {
+            pd > 0.0
+        };
+        if keep {
+            out.push(d);
+            hist.push(d);
+            continue;
+        }
+        // The residual max(0, p − q): what p has that the draft under-proposed.
+        for &(id, q) in &qs[i] {
+            dense_q[id as usize] = q;
+        }
+        let residual: Vec<(u32, f64)> = p
+            .iter()
+            .map(|&(id, pp)| (id, (pp - dense_q[id as usize]).max(0.0)))
+            .filter(|x| x.1 > 0.0)
+            .collect();
+        out.push(if residual.is_empty() {
+            sampler.pick(&p)
+        } else {
+            sampler.pick(&residual)
+        });
+        break;
+    }
+    out
 }
 
 /// Prompt lookup decoding: n-gram drafts from the text so far, as llama.cpp's `lookup` and

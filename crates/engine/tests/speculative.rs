@@ -433,23 +433,34 @@ fn collect(rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>) -> V
     }
 }
 
-/// The serving scheduler with `mtp_depth`: greedy requests, alone and together, get the
-/// plain greedy tokens (the prompt prefilled in chunks of 4, the head catching up on each);
+/// The serving scheduler with `mtp_depth`, and with `lookup_depth` (a prompt holding its
+/// continuation to look up): greedy requests, alone and together, get the plain greedy
+/// tokens (the prompt prefilled in chunks of 4, the head catching up on each);
 /// `max_tokens` cuts a speculative step short; a seeded sampled request repeats itself; a
 /// request with logprobs decodes without speculation and still gets the greedy tokens.
 #[test]
 fn scheduler_speculates_and_serves_the_same_tokens() {
     use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
-    for name in MODELS {
+    for (name, mtp_depth, lookup_depth) in
+        MODELS.iter().flat_map(|&name| [(name, 3, 0), (name, 0, 3)])
+    {
         let (be, model) = load(name);
-        let want = plain(&be, &model, GEN);
+        let prompt: Vec<u32> = match lookup_depth {
+            0 => PROMPT.to_vec(),
+            _ => {
+                let g = plain(&be, &model, 20);
+                PROMPT.iter().chain(&g).chain(&PROMPT).copied().collect()
+            }
+        };
+        let want = plain_greedy(&be, &model, &prompt, GEN).unwrap();
         let other: Vec<u32> = vec![1, 5, 6, 7, 8, 9, 10, 11, 12];
         let want_other = plain_greedy(&be, &model, &other, GEN).unwrap();
         let engine = tiny_engine(be, model);
         let s = Scheduler::spawn(
             engine,
             SchedulerConfig {
-                mtp_depth: 3,
+                mtp_depth,
+                lookup_depth,
                 prefill_chunk: 4,
                 max_context: 128,
                 ..SchedulerConfig::default()
@@ -463,12 +474,12 @@ fn scheduler_speculates_and_serves_the_same_tokens() {
             ..RequestParams::default()
         };
         assert_eq!(
-            collect(submit(&PROMPT, greedy.clone())),
+            collect(submit(&prompt, greedy.clone())),
             want,
             "{name} alone"
         );
         let (a, b) = (
-            submit(&PROMPT, greedy.clone()),
+            submit(&prompt, greedy.clone()),
             submit(&other, greedy.clone()),
         );
         assert_eq!(collect(a), want, "{name} together");
@@ -478,17 +489,17 @@ fn scheduler_speculates_and_serves_the_same_tokens() {
             ..greedy.clone()
         };
         assert_eq!(
-            collect(submit(&PROMPT, short)),
+            collect(submit(&prompt, short)),
             want[..5],
             "{name} max_tokens"
         );
         let mut sampled = greedy.clone();
         sampled.sampler.temperature = 0.8;
         sampled.sampler.seed = Some(3);
-        let x = collect(submit(&PROMPT, sampled.clone()));
+        let x = collect(submit(&prompt, sampled.clone()));
         assert_eq!(x.len(), GEN);
         assert_eq!(
-            collect(submit(&PROMPT, sampled)),
+            collect(submit(&prompt, sampled)),
             x,
             "{name} seeded sampling"
         );
@@ -500,7 +511,7 @@ fn scheduler_speculates_and_serves_the_same_tokens() {
             .stats()
             .spec_drafted
             .load(std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(collect(submit(&PROMPT, logprobs)), want, "{name} logprobs");
+        assert_eq!(collect(submit(&prompt, logprobs)), want, "{name} logprobs");
         let st = s.stats();
         assert!(drafted > 0, "{name}: the scheduler speculated");
         assert_eq!(

@@ -260,7 +260,9 @@ pub enum Logits {
     /// Every position (`ferrite logits`, oracle checks).
     All,
     /// The last row of each sequence of a batched step ([`Backend::set_batch`]), in the
-    /// step's sequence order: row `i` of the logits belongs to sequence `i` (serving).
+    /// step's sequence order: row `i` of the logits belongs to sequence `i` (serving). A
+    /// sequence that asks for more ([`ferrite_backend::SeqRows::logits`]: a speculative
+    /// verify) gets its last rows', in order, and the rows after them move down.
     SeqLast,
 }
 
@@ -453,24 +455,27 @@ impl<B: Backend> Model<B> {
 
     /// Activation buffers for batched steps ([`Backend::set_batch`]) of up to `max_rows`
     /// rows from up to `max_seqs` sequences, each with a block table of up to `max_pages`
-    /// pages of `page_size` positions; their logits come with [`Logits::SeqLast`].
+    /// pages of `page_size` positions; their logits come with [`Logits::SeqLast`], at most
+    /// `max_logits` rows a step (`max_seqs`, or more where sequences verify drafts).
     pub fn batch_workspace(
         &self,
         be: &B,
         max_rows: usize,
         max_seqs: usize,
+        max_logits: usize,
         max_pages: usize,
         page_size: usize,
     ) -> Result<Workspace<B>> {
         anyhow::ensure!(
-            (1..=max_rows).contains(&max_seqs),
-            "a batched workspace of {max_rows} rows for {max_seqs} sequences"
+            (1..=max_rows).contains(&max_seqs) && (max_seqs..=max_rows).contains(&max_logits),
+            "a batched workspace of {max_rows} rows for {max_seqs} sequences and {max_logits} \
+             logits rows"
         );
         let mut ws = self.workspace(be, max_rows, Logits::Last)?;
         ws.step = be.batch_step_input(max_rows, max_seqs, max_pages, page_size)?;
-        ws.last = be.zeros(max_seqs, self.cfg.hidden)?;
-        ws.logits = be.zeros(max_seqs, self.cfg.vocab)?;
-        ws.top_ids = be.step_input(max_seqs * TOP_K_MAX)?.tokens;
+        ws.last = be.zeros(max_logits, self.cfg.hidden)?;
+        ws.logits = be.zeros(max_logits, self.cfg.vocab)?;
+        ws.top_ids = be.step_input(max_logits * TOP_K_MAX)?.tokens;
         Ok(ws)
     }
 
@@ -666,9 +671,13 @@ impl<B: Backend> Model<B> {
     /// residual add).
     pub(crate) fn output_logits(&self, be: &B, ws: &mut Workspace<B>, which: Logits) -> Result<()> {
         let t = ws.step.rows;
-        // Logits::SeqLast: the last row of each sequence of the step.
+        // Logits::SeqLast: the last rows of each sequence of the step (one, or a verify's).
         let seq_ends: Vec<usize> = match (which, &ws.step.batch) {
-            (Logits::SeqLast, Some(b)) => b.segs.iter().map(|s| s.row0 + s.rows - 1).collect(),
+            (Logits::SeqLast, Some(b)) => b
+                .segs
+                .iter()
+                .flat_map(|s| s.row0 + s.rows - s.logits..s.row0 + s.rows)
+                .collect(),
             _ => Vec::new(),
         };
         let Workspace {
@@ -701,7 +710,7 @@ impl<B: Backend> Model<B> {
                     .set_rows(n)
                     .context("this workspace keeps fewer sequences' logits")?;
                 if n == t {
-                    // One row per sequence (a decode step): h is those rows, in order.
+                    // Every row's logits (decode rows, verifies): h is those rows, in order.
                     be.matmul(h, out_w, logits)?;
                 } else {
                     last.set_rows(n)?;

@@ -2,7 +2,8 @@
 //! cache — decode rows and prefill chunks of several sequences at different positions, their
 //! pages scattered through a shared pool — gives bitwise the same logits for every sequence
 //! as that sequence run alone through the single-sequence API (contiguous cache, one prefill
-//! of the whole prompt).
+//! of the whole prompt), for the last row of each sequence or for several of its last rows
+//! (a speculative verify's).
 
 use std::path::{Path, PathBuf};
 
@@ -35,8 +36,9 @@ const MAX_PAGES: usize = 16;
 
 /// Runs `lens.len()` sequences of random tokens through batched steps of a random schedule
 /// (each step: a random subset of the unfinished sequences, each with a chunk of 1..=12
-/// tokens, then decode-only steps) and compares every sequence's logits after each of its
-/// chunks with the logits of the same position from the sequence alone.
+/// tokens, some asking for the logits of several of their last rows, then decode-only steps)
+/// and compares every sequence's logits after each of its chunks with the logits of the same
+/// positions from the sequence alone.
 fn check_batched_identity(name: &str, lens: &[usize], seed: u64) {
     let file = ModelFile::open(&data_dir().join(name)).expect("checkpoint opens");
     let be = CpuBackend::new();
@@ -78,11 +80,11 @@ fn check_batched_identity(name: &str, lens: &[usize], seed: u64) {
         )
         .unwrap();
     let mut ws = m
-        .batch_workspace(&be, max_rows, seqs.len(), MAX_PAGES, PAGE)
+        .batch_workspace(&be, max_rows, seqs.len(), max_rows, MAX_PAGES, PAGE)
         .unwrap();
     let mut done = vec![0usize; seqs.len()];
     let mut pages: Vec<Vec<u32>> = vec![vec![]; seqs.len()];
-    let (mut steps, mut checked, mut mixed) = (0, 0, 0);
+    let (mut steps, mut checked, mut mixed, mut several) = (0, 0, 0, 0);
     while done.iter().zip(&seqs).any(|(d, s)| *d < s.len()) {
         // The first steps mix prefill chunks and single rows; after that, decode only.
         let decode_only = steps >= 6;
@@ -97,52 +99,65 @@ fn check_batched_identity(name: &str, lens: &[usize], seed: u64) {
             } else {
                 (1 + rng.below(12)).min(left)
             };
+            // Logits of its last l rows: one, or (a third of the chunks) up to all of them.
+            let l = if n > 1 && rng.below(3) == 0 {
+                several += 1;
+                1 + rng.below(n)
+            } else {
+                1
+            };
             while pages[i].len() * PAGE < done[i] + n {
                 pages[i].push(pool.pop().expect("enough pages"));
             }
-            plan.push((i, n));
+            plan.push((i, n, l));
         }
         if plan.is_empty() {
             continue;
         }
-        if plan.iter().any(|&(_, n)| n > 1) && plan.iter().any(|&(_, n)| n == 1) {
+        if plan.iter().any(|&(_, n, _)| n > 1) && plan.iter().any(|&(_, n, _)| n == 1) {
             mixed += 1;
         }
         let rows: Vec<SeqRows> = plan
             .iter()
-            .map(|&(i, n)| SeqRows {
+            .map(|&(i, n, l)| SeqRows {
                 tokens: &seqs[i][done[i]..done[i] + n],
                 pos0: done[i],
                 pages: &pages[i],
+                logits: l,
             })
             .collect();
         be.set_batch(&mut ws.step, &rows).unwrap();
         m.forward(&be, &mut ws, &mut kv, Logits::SeqLast).unwrap();
         let logits = be.to_host(&ws.logits).unwrap();
-        assert_eq!(logits.len(), plan.len() * vocab);
-        for (j, &(i, n)) in plan.iter().enumerate() {
-            let pos = done[i] + n - 1;
-            let got = &logits[j * vocab..(j + 1) * vocab];
-            let want = &alone[i][pos * vocab..(pos + 1) * vocab];
-            let same = got
-                .iter()
-                .zip(want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                same,
-                "{name}: sequence {i} at position {pos} (step {steps}, {} sequences, \
-                 {} rows): batched logits differ from the sequence alone",
-                plan.len(),
-                ws.step.rows
-            );
-            checked += 1;
+        let wanted: usize = plan.iter().map(|p| p.2).sum();
+        assert_eq!(logits.len(), wanted * vocab);
+        let mut row = 0;
+        for &(i, n, l) in &plan {
+            for pos in done[i] + n - l..done[i] + n {
+                let got = &logits[row * vocab..(row + 1) * vocab];
+                let want = &alone[i][pos * vocab..(pos + 1) * vocab];
+                let same = got
+                    .iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{name}: sequence {i} at position {pos} (step {steps}, {} sequences, \
+                     {} rows): batched logits differ from the sequence alone",
+                    plan.len(),
+                    ws.step.rows
+                );
+                checked += 1;
+                row += 1;
+            }
             done[i] += n;
         }
         steps += 1;
     }
     assert!(
-        mixed > 0,
-        "the schedule never mixed prefill chunks and decode rows"
+        mixed > 0 && several > 0,
+        "the schedule never mixed prefill chunks and decode rows ({mixed}) or asked for \
+         several rows' logits ({several})"
     );
     println!("{name}: {steps} batched steps, {checked} sequence logits bitwise equal");
 }
@@ -154,7 +169,7 @@ fn batched_steps_equal_sequences_alone_qwen3() {
 
 #[test]
 fn batched_steps_equal_sequences_alone_llama() {
-    check_batched_identity("llama-tiny", &[30, 2, 17, 9], 2);
+    check_batched_identity("llama-tiny", &[30, 2, 17, 9], 4);
 }
 
 #[test]
@@ -176,18 +191,20 @@ fn paged_and_contiguous_caches_refuse_the_other_step_kind() {
         max_rows: 2,
         q8_0: false,
     };
-    let mut ws = m.batch_workspace(&be, 8, 2, MAX_PAGES, PAGE).unwrap();
+    let mut ws = m.batch_workspace(&be, 8, 2, 2, MAX_PAGES, PAGE).unwrap();
     let (p0, p1) = ([0u32, 1], [2u32]);
     let rows = [
         SeqRows {
             tokens: &[5, 6, 7],
             pos0: 0,
             pages: &p0,
+            logits: 1,
         },
         SeqRows {
             tokens: &[9],
             pos0: 0,
             pages: &p1,
+            logits: 1,
         },
     ];
     be.set_batch(&mut ws.step, &rows).unwrap();
@@ -207,6 +224,7 @@ fn paged_and_contiguous_caches_refuse_the_other_step_kind() {
         tokens: &[1, 2, 3, 4, 5],
         pos0: 0,
         pages: &p1,
+        logits: 1,
     }];
     assert!(be.set_batch(&mut ws.step, &short).is_err());
     // Hybrid models keep their per-sequence caches.

@@ -1600,6 +1600,7 @@ mod tests {
             row0,
             rows,
             pos0: 0,
+            logits: 1,
         };
         let u = |decode, row0, rows| Unit { decode, row0, rows };
         // Decode rows, a long prefill chunk, a short chunk and more decode rows.
