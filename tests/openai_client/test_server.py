@@ -387,6 +387,33 @@ class Saturation(unittest.TestCase):
             s.stop()
 
 
+class Speculation(unittest.TestCase):
+    def test_lookup_drafts_serve_the_plain_greedy_answer(self):
+        """`serve --lookup-depth 4`: a chat answer that repeats its prompt gets the default
+        server's greedy tokens, streamed or not, and /metrics counts kept drafts."""
+        msgs = [{"role": "user", "content":
+                 "Repeat this list exactly: apples, pears, plums, cherries, grapes, figs, "
+                 "dates, lemons, limes, melons."}]
+        want = chat(msgs, max_tokens=40)
+        s = Server("--lookup-depth", "4")
+        try:
+            c = s.client()
+            got = c.chat.completions.create(model=s.model, messages=msgs, temperature=0,
+                                            max_tokens=40)
+            self.assertEqual(got.choices[0].message.content, want.choices[0].message.content)
+            self.assertEqual(got.usage.completion_tokens, want.usage.completion_tokens)
+            stream = c.chat.completions.create(model=s.model, messages=msgs, temperature=0,
+                                               max_tokens=40, stream=True)
+            text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+            self.assertEqual(text, want.choices[0].message.content)
+            metrics = s.get("/metrics")[1]
+            kept = [l for l in metrics.splitlines()
+                    if l.startswith("ferrite_spec_accepted_tokens_total")]
+            self.assertTrue(kept and float(kept[0].split()[-1]) > 0, metrics)
+        finally:
+            s.stop()
+
+
 class ApiKey(unittest.TestCase):
     def test_key_required_when_set(self):
         s = Server("--api-key", KEY)
