@@ -72,6 +72,11 @@ pub struct CpuKv {
     /// Snapshot slots ([`Backend::kv_snapshots`]): per slot a copy of `conv` and `delta`.
     snapshots: Vec<LinearState>,
     slots: SnapshotSlots,
+    /// Row-state slots ([`Backend::kv_row_states`]): per row the state after it, and per
+    /// linear layer the rows of its last tracked conv and delta-rule calls.
+    row_states: Vec<LinearState>,
+    row_conv_rows: Vec<usize>,
+    row_delta_rows: Vec<usize>,
 }
 
 /// A copy of a cache's linear-attention state: (`conv`, `delta`), per layer.
@@ -641,6 +646,9 @@ impl Backend for CpuBackend {
             delta: vec![],
             delta_shape: None,
             snapshots: vec![],
+            row_states: vec![],
+            row_conv_rows: vec![],
+            row_delta_rows: vec![],
             slots: SnapshotSlots::default(),
         })
     }
@@ -672,6 +680,9 @@ impl Backend for CpuBackend {
             delta: vec![],
             delta_shape: None,
             snapshots: vec![],
+            row_states: vec![],
+            row_conv_rows: vec![],
+            row_delta_rows: vec![],
             slots: SnapshotSlots::default(),
         })
     }
@@ -731,6 +742,33 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn kv_row_states(&self, kv: &mut CpuKv, rows: usize) -> Result<bool> {
+        kv.row_states = (0..rows)
+            .map(|_| (kv.conv.clone(), kv.delta.clone()))
+            .collect();
+        kv.row_conv_rows = vec![0; kv.conv.len()];
+        kv.row_delta_rows = vec![0; kv.delta.len()];
+        Ok(true)
+    }
+
+    fn kv_restore_row(&self, kv: &mut CpuKv, row: usize) -> Result<()> {
+        ensure!(
+            kv.row_conv_rows
+                .iter()
+                .chain(&kv.row_delta_rows)
+                .all(|&n| row < n),
+            "kv_restore_row: no tracked step left a state after row {row} in every layer"
+        );
+        let (conv, delta) = &kv.row_states[row];
+        for (dst, src) in kv.conv.iter_mut().zip(conv) {
+            dst.copy_from_slice(src);
+        }
+        for (dst, src) in kv.delta.iter_mut().zip(delta) {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+
     fn causal_conv1d(
         &self,
         kv: &mut CpuKv,
@@ -771,6 +809,13 @@ impl Backend for CpuBackend {
             });
         let rows = hist + x.rows;
         kv.conv[layer].copy_from_slice(&e[(rows - hist) * c..]);
+        if x.rows <= kv.row_states.len() {
+            // The state after row t: the kernel - 1 inputs ending at it.
+            for t in 0..x.rows {
+                kv.row_states[t].0[layer].copy_from_slice(&e[(t + 1) * c..(t + 1 + hist) * c]);
+            }
+            kv.row_conv_rows[layer] = x.rows;
+        }
         Ok(())
     }
 
@@ -790,7 +835,8 @@ impl Backend for CpuBackend {
         check_shape("gated_delta_rule out", out, rows, ds.value_dim())?;
         let ssm_a = dequant_vec(a.ssm_a, nv)?;
         let dt_bias = dequant_vec(a.dt_bias, nv)?;
-        gated_delta::heads(
+        let track = rows <= kv.row_states.len();
+        let after = gated_delta::heads_tracked(
             &ds,
             rows,
             &a.qkv.buf,
@@ -801,7 +847,17 @@ impl Backend for CpuBackend {
             self.chunked_delta,
             &mut kv.delta[a.layer],
             &mut out.buf,
+            track,
         );
+        if track {
+            let per_head = ds.k_head_dim * ds.v_head_dim;
+            for (h, states) in after.iter().enumerate() {
+                for (t, st) in states.chunks_exact(per_head).enumerate() {
+                    kv.row_states[t].1[a.layer][h * per_head..][..per_head].copy_from_slice(st);
+                }
+            }
+            kv.row_delta_rows[a.layer] = rows;
+        }
         Ok(())
     }
 

@@ -47,9 +47,11 @@ fn l2_normalize(x: &mut [f32]) {
 /// `g = ssm_a · softplus(a + dt_bias)` and `β = σ(b)` (`a`, `b`: `[rows, n_v_heads]`), then
 /// [`recurrent`] — or, with `chunked` and more than one row, [`chunked`] — on that head's
 /// state. `states` is `[n_v_heads][dk][dv]`, carried in and out; `out` is `[rows,
-/// value_dim]`.
+/// value_dim]`. With `track`, the recurrence runs token by token and each head's state after
+/// every token is returned (per head `[rows][dk][dv]`; empty without `track`): a speculative
+/// verify's rollback takes the state after its last accepted row from there.
 #[allow(clippy::too_many_arguments)]
-pub fn heads(
+pub fn heads_tracked(
     ds: &DeltaShape,
     rows: usize,
     qkv: &[f32],
@@ -60,12 +62,13 @@ pub fn heads(
     chunked_form: bool,
     states: &mut [f32],
     out: &mut [f32],
-) {
+    track: bool,
+) -> Vec<Vec<f32>> {
     let (nv, dk, dv) = (ds.n_v_heads, ds.k_head_dim, ds.v_head_dim);
     let (key_dim, c) = (ds.key_dim(), ds.conv_dim());
     let scale = 1.0 / (dk as f32).sqrt();
     // One task per value head: gather its inputs, run the delta rule on its state.
-    let per_head: Vec<Vec<f32>> = states
+    let per_head: Vec<(Vec<f32>, Vec<f32>)> = states
         .par_chunks_mut(dk * dv)
         .enumerate()
         .map(|(h, state)| {
@@ -88,6 +91,7 @@ pub fn heads(
                 beta[t] = crate::cpu::sigmoid(b[t * nv + h]);
             }
             let mut o = vec![0f32; rows * dv];
+            let mut after = Vec::new();
             let x = HeadInputs {
                 q: &q,
                 k: &k,
@@ -97,22 +101,61 @@ pub fn heads(
                 dk,
                 dv,
             };
-            if chunked_form && rows > 1 {
+            if track {
+                // Token by token (the recurrence over one-token slices is the recurrence),
+                // the state kept after each.
+                after.reserve(rows * dk * dv);
+                for t in 0..rows {
+                    recurrent(&x.tokens(t, t + 1), state, &mut o[t * dv..][..dv]);
+                    after.extend_from_slice(state);
+                }
+            } else if chunked_form && rows > 1 {
                 chunked(&x, CHUNK, state, &mut o);
             } else {
                 recurrent(&x, state, &mut o);
             }
-            o
+            (o, after)
         })
         .collect();
-    for (h, o) in per_head.iter().enumerate() {
+    for (h, (o, _)) in per_head.iter().enumerate() {
         for t in 0..rows {
             out[t * nv * dv + h * dv..][..dv].copy_from_slice(&o[t * dv..][..dv]);
         }
     }
+    per_head.into_iter().map(|(_, after)| after).collect()
+}
+
+/// [`heads_tracked`] without the states after each token.
+#[allow(clippy::too_many_arguments)]
+pub fn heads(
+    ds: &DeltaShape,
+    rows: usize,
+    qkv: &[f32],
+    a: &[f32],
+    b: &[f32],
+    ssm_a: &[f32],
+    dt_bias: &[f32],
+    chunked_form: bool,
+    states: &mut [f32],
+    out: &mut [f32],
+) {
+    heads_tracked(
+        ds,
+        rows,
+        qkv,
+        a,
+        b,
+        ssm_a,
+        dt_bias,
+        chunked_form,
+        states,
+        out,
+        false,
+    );
 }
 
 /// One value head's inputs over `T` tokens.
+#[derive(Clone, Copy)]
 pub struct HeadInputs<'a> {
     /// `[T, dk]`, L2-normalised and scaled by `dk^-1/2`.
     pub q: &'a [f32],
@@ -126,6 +169,22 @@ pub struct HeadInputs<'a> {
     pub beta: &'a [f32],
     pub dk: usize,
     pub dv: usize,
+}
+
+impl<'a> HeadInputs<'a> {
+    /// Tokens `a..b` of these inputs.
+    pub fn tokens(&self, a: usize, b: usize) -> HeadInputs<'a> {
+        let (dk, dv) = (self.dk, self.dv);
+        HeadInputs {
+            q: &self.q[a * dk..b * dk],
+            k: &self.k[a * dk..b * dk],
+            v: &self.v[a * dv..b * dv],
+            g: &self.g[a..b],
+            beta: &self.beta[a..b],
+            dk,
+            dv,
+        }
+    }
 }
 
 fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -811,6 +811,24 @@ pub trait Backend: Send + Sync {
     /// rollback after rejected draft tokens); the slot keeps its contents, so one snapshot
     /// can be restored several times. An error for a slot that was never written.
     fn kv_restore(&self, kv: &mut Self::Kv, slot: usize) -> Result<()>;
+    /// Gives a hybrid cache `rows` row-state slots (0: none), replacing any it had: while it
+    /// has them, every [`Backend::causal_conv1d`] and [`Backend::gated_delta_rule`] call of
+    /// at most `rows` rows also leaves the state after each of its rows (conv and recurrent,
+    /// per layer) in that row's slot. A speculative verify's rejected drafts are then rolled
+    /// back by [`Backend::kv_restore_row`] with no replay. Returns false, having done nothing,
+    /// where the backend does not keep them (the caller then snapshots and replays); caches
+    /// without linear-attention state take slots that hold nothing. Runs outside graph
+    /// capture.
+    fn kv_row_states(&self, kv: &mut Self::Kv, rows: usize) -> Result<bool> {
+        let _ = (kv, rows);
+        Ok(false)
+    }
+    /// Copies the state after row `row` of the last tracked call (every linear layer's) into
+    /// the cache's linear-attention state. An error where no tracked call had that row.
+    fn kv_restore_row(&self, kv: &mut Self::Kv, row: usize) -> Result<()> {
+        let _ = (kv, row);
+        anyhow::bail!("this backend keeps no per-row states")
+    }
     /// Causal depthwise convolution over time followed by SiLU, continuing the stored
     /// state of linear layer `layer`: with `w` `[channels, kernel]` and the input extended
     /// on the left by the state, `out[t][c] = silu(Σ_j w[c][j] · x[t - (kernel-1) + j][c])`;

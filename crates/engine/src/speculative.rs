@@ -10,10 +10,10 @@
 //!           d(i+1) = head(its own draft hidden state, di) at position n-1+i, i = 1..k-1
 //! verify    the target on [t, d1 .. dk] at positions n .. n+k, every row's argmax a0 .. ak
 //! accept    j = the longest prefix with di = a(i-1); the new tokens are a0 .. aj
-//! rollback  when j < k on a hybrid model: the linear-attention state goes back to its
-//!           snapshot taken before the verify and [t, d1 .. dj] run again (attention rows are
-//!           addressed by position: the rejected ones are overwritten before anything reads
-//!           them, so an attention-only model needs no rollback)
+//! rollback  when j < k on a hybrid model: the linear-attention state becomes the one the
+//!           verify left after row j (attention rows are addressed by position: the rejected
+//!           ones are overwritten before anything reads them, so an attention-only model
+//!           needs no rollback)
 //! catch up  the head on (h[n+i], ai), i = 0..j, at positions n..n+j: its cache gets the
 //!           target's true hidden states, and its last row drafts the next step's d1
 //! ```
@@ -35,9 +35,14 @@
 //! step. The snapshot, restore and argmax reads stay eager. `FERRITE_SPEC_GRAPHS=0` runs
 //! every forward eagerly (to measure what the graphs save).
 //!
-//! The rollback replays the accepted rows rather than keeping a state per row: Gated
-//! DeltaNet's state is tens of MB per sequence on real models, and a replay costs one
-//! forward of at most k+1 rows, which on a bandwidth-bound GPU costs about one decode step.
+//! **Rollback.** Where the backend keeps per-row states (`Backend::kv_row_states`: the
+//! verify's conv and delta-rule calls also leave the state after each of their rows in a
+//! slot of its own), a rejection copies row j's state back (`kv_restore_row`): one copy of
+//! the state, ~48 MB on Qwen3.5-9B, written k+1 times by each verify. Elsewhere, or with
+//! `FERRITE_SPEC_REPLAY=1`, the state goes back to a snapshot taken before the verify and
+//! [t, d1 .. dj] run again: one more forward of up to k rows, about one more decode step on
+//! a bandwidth-bound GPU. Either way the head catches up on the first j+1 rows of the
+//! verify's (or the replay's) hidden states.
 
 use anyhow::{ensure, Context, Result};
 use ferrite_backend::{Act, Backend};
@@ -57,7 +62,9 @@ pub struct SpecStats {
     /// Draft tokens proposed and accepted.
     pub drafted: usize,
     pub accepted: usize,
-    /// Verify steps that rejected a draft and replayed the accepted rows (hybrid models).
+    /// Verify steps that rejected a draft on a hybrid model (its state rolled back).
+    pub rollbacks: usize,
+    /// Rollbacks that replayed the accepted rows (no per-row states kept).
     pub replays: usize,
 }
 
@@ -240,6 +247,11 @@ pub struct Speculator<'e, B: Backend> {
     graphs: std::collections::HashMap<Pass, GraphState<B::Graph>>,
     /// `FERRITE_SPEC_GRAPHS=0`: every forward eager.
     eager: bool,
+    /// Rollbacks by replay even where the backend keeps per-row states
+    /// (`FERRITE_SPEC_REPLAY=1`, [`Speculator::with_replay`]).
+    replay: bool,
+    /// The sequence's cache keeps the verify's per-row states (set at its prefill).
+    row_states: bool,
     pub stats: SpecStats,
 }
 
@@ -249,6 +261,13 @@ impl<'e, B: Backend> Speculator<'e, B> {
     /// head the steps skip its catch-up (a [`ScriptedDrafter`] needs none).
     pub fn new(be: &'e B, model: &'e Model<B>, depth: usize) -> Result<Self> {
         Self::with_chunk(be, model, depth, PREFILL_CHUNK)
+    }
+
+    /// Rollbacks by replay whatever the backend keeps (for tests and measurements: the
+    /// two forms must give the same tokens). Set before the prefill.
+    pub fn with_replay(mut self) -> Self {
+        self.replay = true;
+        self
     }
 
     /// [`Speculator::new`] for prompts prefilled in chunks of at most `chunk` tokens
@@ -274,6 +293,8 @@ impl<'e, B: Backend> Speculator<'e, B> {
             head_ready: false,
             graphs: Default::default(),
             eager: std::env::var("FERRITE_SPEC_GRAPHS").is_ok_and(|v| v == "0"),
+            replay: std::env::var("FERRITE_SPEC_REPLAY").is_ok_and(|v| v == "1"),
+            row_states: false,
             stats: SpecStats::default(),
         })
     }
@@ -387,6 +408,7 @@ impl<'e, B: Backend> Speculator<'e, B> {
         );
         if start == 0 {
             be.kv_snapshots(&mut seq.kv, 1)?;
+            self.row_states = !self.replay && be.kv_row_states(&mut seq.kv, self.depth + 1)?;
         }
         if !m.has_mtp() {
             return Ok(());
@@ -463,7 +485,9 @@ impl<'e, B: Backend> Speculator<'e, B> {
             drafts.len()
         );
         let rows: Vec<u32> = std::iter::once(t).chain(drafts.iter().copied()).collect();
-        self.be.kv_snapshot(&mut seq.kv, 0)?;
+        if !self.row_states {
+            self.be.kv_snapshot(&mut seq.kv, 0)?;
+        }
         self.target(&mut seq.kv, &rows, seq.pos)?;
         Ok(rows)
     }
@@ -485,14 +509,27 @@ impl<'e, B: Backend> Speculator<'e, B> {
         self.stats.steps += 1;
         self.stats.drafted += k;
         self.stats.accepted += j;
-        // Rejected drafts went through a hybrid model's linear-attention state: restore it
-        // and run the accepted rows again, which also leaves their hidden states for the
-        // head. An attention-only model needs neither: its rejected rows are overwritten
-        // before any query reads them.
-        if j < k && (m.cfg.hybrid.is_some() || m.has_mtp()) {
-            self.stats.replays += 1;
-            be.kv_restore(&mut seq.kv, 0)?;
-            self.target(&mut seq.kv, &rows[..=j], n)?;
+        // Rejected drafts went through a hybrid model's linear-attention state: it takes
+        // the state after the last kept row, or goes back to the snapshot and the kept rows
+        // run again. An attention-only model needs neither: its rejected rows are
+        // overwritten before any query reads them. The head then reads the kept rows'
+        // hidden states (a causal step's first j+1 rows are what those rows alone give).
+        if j < k {
+            match (m.cfg.hybrid.is_some(), self.row_states) {
+                (true, false) => {
+                    self.stats.rollbacks += 1;
+                    self.stats.replays += 1;
+                    be.kv_restore(&mut seq.kv, 0)?;
+                    self.target(&mut seq.kv, &rows[..=j], n)?;
+                }
+                (hybrid, _) => {
+                    if hybrid {
+                        self.stats.rollbacks += 1;
+                        be.kv_restore_row(&mut seq.kv, j)?;
+                    }
+                    self.verify.truncate(j + 1, Logits::All)?;
+                }
+            }
         }
         seq.pos = n + j + 1;
         // The head catches up on the target's hidden states of the accepted rows.

@@ -41,9 +41,24 @@ fn speculative(
     drafter: &mut dyn Drafter<CpuBackend>,
     n: usize,
 ) -> (Vec<u32>, Vec<usize>, ferrite_engine::SpecStats) {
+    speculative_with(be, m, depth, drafter, n, false)
+}
+
+/// [`speculative`], rolling back by replay where `replay` (not from per-row states).
+fn speculative_with(
+    be: &CpuBackend,
+    m: &Model<CpuBackend>,
+    depth: usize,
+    drafter: &mut dyn Drafter<CpuBackend>,
+    n: usize,
+    replay: bool,
+) -> (Vec<u32>, Vec<usize>, ferrite_engine::SpecStats) {
     let ctx = PROMPT.len() + n + 1;
     let mut s = Sequence::new(be, m, ctx).unwrap();
     let mut spec = Speculator::new(be, m, depth).unwrap();
+    if replay {
+        spec = spec.with_replay();
+    }
     let mut out = vec![spec.prefill(&mut s, &PROMPT).unwrap()];
     let mut sizes = vec![];
     while out.len() < n {
@@ -89,7 +104,7 @@ fn every_acceptance_length_rolls_back_exactly() {
     for name in MODELS {
         let (be, m) = load(name);
         let truth = plain(&be, &m, GEN + MAX_DEPTH + 1);
-        for depth in [1, 3, 8] {
+        for (depth, replay) in [1, 3, 8].into_iter().flat_map(|d| [(d, false), (d, true)]) {
             for wrong_at in 0..=depth {
                 let mut d = ScriptedDrafter {
                     truth: truth.clone(),
@@ -98,11 +113,11 @@ fn every_acceptance_length_rolls_back_exactly() {
                     vocab: 1024,
                     run_head: true,
                 };
-                let (got, sizes, st) = speculative(&be, &m, depth, &mut d, GEN);
+                let (got, sizes, st) = speculative_with(&be, &m, depth, &mut d, GEN, replay);
                 assert_eq!(
                     got,
                     truth[..GEN],
-                    "{name}: depth {depth}, {wrong_at} right drafts a step"
+                    "{name}: depth {depth}, {wrong_at} right drafts a step, replay {replay}"
                 );
                 // Each step takes the right drafts plus the target's own token (fewer only
                 // at the end, where the room runs out).
@@ -111,7 +126,9 @@ fn every_acceptance_length_rolls_back_exactly() {
                     sizes[..sizes.len() - 1].iter().all(|&s| s == full),
                     "{sizes:?}"
                 );
-                assert_eq!(st.replays > 0, wrong_at < depth, "{name}: {st:?}");
+                assert_eq!(st.rollbacks > 0, wrong_at < depth, "{name}: {st:?}");
+                // Per-row states on the CPU: a replay only where asked for.
+                assert_eq!(st.replays, if replay { st.rollbacks } else { 0 }, "{st:?}");
             }
         }
     }
@@ -258,7 +275,7 @@ fn scripted_speculation_needs_no_head() {
         sizes[..sizes.len() - 1].iter().all(|&s| s == 3),
         "{sizes:?}"
     );
-    assert_eq!(st.replays, st.steps - 1);
+    assert_eq!((st.rollbacks, st.replays), (st.steps - 1, 0));
     // The MTP drafter, though, needs the head.
     let mut s = Sequence::new(&be, &m, 64).unwrap();
     let mut spec = Speculator::new(&be, &m, 2).unwrap();

@@ -826,6 +826,19 @@ impl<B: Backend> Workspace<B> {
         })
     }
 
+    /// Keeps the first `t` rows of the last step's activations and logits (`which`: the
+    /// logits it asked for): what a step of those `t` rows alone leaves, the model being
+    /// causal (every op row-wise but attention, which reads earlier positions only).
+    pub fn truncate(&mut self, t: usize, which: Logits) -> Result<()> {
+        anyhow::ensure!(
+            t >= 1 && t <= self.step.rows,
+            "truncate to {t} rows of a step of {}",
+            self.step.rows
+        );
+        self.step.rows = t;
+        self.replayed(t, which)
+    }
+
     /// `rms_norm(x) · output_norm` of every row of the last step: the hidden states the
     /// output projection reads (after [`Model::mtp_forward`], the MTP head's).
     pub fn hidden(&self) -> &Act<B::Buf> {
