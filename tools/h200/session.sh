@@ -17,8 +17,8 @@
 #   spec35   speculation's cost on Qwen3.5-9B Q4_K_M with a random MTP head (synth --mtp):
 #            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
 #            at K = 1, 2, 4 with every draft right and with none right: tokens/s against plain
-#            decode's tg128 (not recorded), each with the step's forwards as graphs (default)
-#            and eager (FERRITE_SPEC_GRAPHS=0)
+#            decode's tg128 (not recorded); all right also eager (FERRITE_SPEC_GRAPHS=0),
+#            none right also rolled back by replay (FERRITE_SPEC_REPLAY=1)
 #   spec8b   the same on Qwen3-8B Q4_K_M (no head: scripted drafts only), K = 2, 4
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
@@ -124,11 +124,12 @@ for stage in "$@"; do
     spec35)
         f=$(synth qwen3.5-9b Q4_K_M --mtp | tail -1)
         for k in 1 2 4; do
-            for r in $k 0; do
-                for g in 1 0; do
-                    echo "-- depth $k, $r right, FERRITE_SPEC_GRAPHS=$g" | tee -a "$OUT/spec.log"
-                    FERRITE_SPEC_GRAPHS=$g $F bench --model "$f" --label qwen3.5-9b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $r 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
-                done
+            # every draft right: graphs (default) / eager; none right: the rollback from
+            # per-row states (default) / by replay
+            for m in "$k" "$k FERRITE_SPEC_GRAPHS=0" "0" "0 FERRITE_SPEC_REPLAY=1"; do
+                set -- $m
+                echo "-- depth $k, $1 right ${2:-default}" | tee -a "$OUT/spec.log"
+                env ${2:-FERRITE_SPEC_GRAPHS=1} $F bench --model "$f" --label qwen3.5-9b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $1 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
             done
         done
         rm -f "$f" "${f%.gguf}.mtp.safetensors"

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaView, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaView, DevicePtr, LaunchConfig};
 use ferrite_formats::GgmlType;
 
 use super::attention::{self, CudaKv};
@@ -124,6 +124,15 @@ pub struct DeltaState {
     pub state: CudaSlice<f32>,
     /// Snapshot slots (`kv_snapshots`): per slot a buffer like `conv` and one like `state`.
     pub snapshots: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// Row-state slots (`kv_row_states`): `[row]` of a buffer like `conv` and of one like
+    /// `state`, each the state after that row of the last tracked call (calls of at most
+    /// `row_slots` rows write them), and per layer the rows of its last tracked conv and
+    /// delta-rule calls (host-side, for `kv_restore_row`'s check).
+    pub row_conv: Option<CudaSlice<f32>>,
+    pub row_state: Option<CudaSlice<f32>>,
+    pub row_slots: usize,
+    pub row_conv_rows: Vec<usize>,
+    pub row_delta_rows: Vec<usize>,
 }
 
 impl DeltaState {
@@ -177,6 +186,11 @@ pub fn kv_new_hybrid(
         conv: be.stream.alloc_zeros::<f32>(conv.max(1))?,
         state: be.stream.alloc_zeros::<f32>(state.max(1))?,
         snapshots: vec![],
+        row_conv: None,
+        row_state: None,
+        row_slots: 0,
+        row_conv_rows: vec![0; n_linear_layers],
+        row_delta_rows: vec![0; n_linear_layers],
     });
     Ok(kv)
 }
@@ -249,6 +263,82 @@ pub fn kv_restore(be: &CudaBackend, kv: &mut CudaKv, slot: usize) -> Result<()> 
     Ok(())
 }
 
+/// `rows` row-state slots for a hybrid cache (`Backend::kv_row_states`): device buffers of
+/// `rows` times its conv and recurrent state (all layers), written by the conv and
+/// delta-rule kernels for calls of at most `rows` rows. Caches without linear-attention
+/// state keep nothing.
+pub fn kv_row_states(be: &CudaBackend, kv: &mut CudaKv, rows: usize) -> Result<()> {
+    let Some(ds) = kv.delta.as_mut() else {
+        return Ok(());
+    };
+    (ds.row_conv, ds.row_state, ds.row_slots) = (None, None, 0);
+    ds.row_conv_rows.fill(0);
+    ds.row_delta_rows.fill(0);
+    if rows == 0 {
+        return Ok(());
+    }
+    let (conv, state) = (ds.conv.len(), ds.state.len());
+    let bytes = rows
+        .checked_mul((conv + state) * 4)
+        .context("row-state size overflows")?;
+    let (free, _) = be.mem_info()?;
+    ensure!(
+        bytes + (64 << 20) <= free,
+        "{rows} row states need {:.2} GiB; {:.2} GiB free",
+        bytes as f64 / (1u64 << 30) as f64,
+        free as f64 / (1u64 << 30) as f64
+    );
+    ds.row_conv = Some(be.stream.alloc_zeros::<f32>(rows * conv)?);
+    ds.row_state = Some(be.stream.alloc_zeros::<f32>(rows * state)?);
+    ds.row_slots = rows;
+    Ok(())
+}
+
+/// Copies the state after row `row` of the last tracked call (every layer) into the cache's
+/// conv and recurrent state: two device-to-device copies, capturable in a graph.
+pub fn kv_restore_row(be: &CudaBackend, kv: &mut CudaKv, row: usize) -> Result<()> {
+    let Some(ds) = kv.delta.as_mut() else {
+        return Ok(());
+    };
+    ensure!(
+        ds.row_conv_rows
+            .iter()
+            .chain(&ds.row_delta_rows)
+            .all(|&n| row < n),
+        "kv_restore_row: no tracked step left a state after row {row} in every layer"
+    );
+    let (conv, state) = (ds.conv.len(), ds.state.len());
+    let (Some(rc), Some(rs)) = (&ds.row_conv, &ds.row_state) else {
+        anyhow::bail!("kv_restore_row: the cache keeps no row states");
+    };
+    be.stream
+        .memcpy_dtod(&rc.slice(row * conv..(row + 1) * conv), &mut ds.conv)?;
+    be.stream
+        .memcpy_dtod(&rs.slice(row * state..(row + 1) * state), &mut ds.state)?;
+    Ok(())
+}
+
+/// Where a call of `rows` rows on layer `layer` leaves its per-row states: the device
+/// address of row 0's slot for the layer in `buf` (`per_row` floats a row, `layer_len` a
+/// layer) and the stride between rows, or a null address (no tracking).
+fn row_slot(
+    be: &CudaBackend,
+    buf: &Option<CudaSlice<f32>>,
+    slots: usize,
+    rows: usize,
+    layer: usize,
+    layer_len: usize,
+) -> (u64, i64) {
+    match buf {
+        Some(b) if rows <= slots => {
+            let per_row = b.len() / slots;
+            let base = b.device_ptr(&be.stream).0;
+            (base + (layer * layer_len * 4) as u64, per_row as i64)
+        }
+        _ => (0, 0),
+    }
+}
+
 /// The cache's linear-attention state, checked for layer `layer`.
 fn delta_state(kv: &mut CudaKv, layer: usize) -> Result<&mut DeltaState> {
     let ds = kv
@@ -300,6 +390,10 @@ pub fn causal_conv1d(
         return Ok(());
     }
     let len = ds.conv_len();
+    let (rs, rs_stride) = row_slot(be, &ds.row_conv, ds.row_slots, x.rows, layer, len);
+    if rs != 0 {
+        ds.row_conv_rows[layer] = x.rows;
+    }
     let mut state = ds.conv.slice_mut(layer * len..(layer + 1) * len);
     let (wtype, wrb) = (w.dtype.id() as i32, w.row_bytes() as i64);
     let (rows, ci, ki) = (
@@ -317,7 +411,9 @@ pub fn causal_conv1d(
         shared_mem_bytes: 0,
     };
     // SAFETY: x and out hold rows × c floats (checked), the weight c rows of `kernel` taps,
-    // the state view (kernel-1) × c floats; one thread per (channel, run of rows).
+    // the state view (kernel-1) × c floats; one thread per (channel, run of rows). A row
+    // slot (rs, when not null) holds rows ≤ row_slots slots of stride rs_stride floats,
+    // this layer's (kernel-1) × c of each at rs.
     unsafe {
         be.stream
             .kernel(&be.gated_delta.conv)
@@ -330,6 +426,8 @@ pub fn causal_conv1d(
             .arg(&rows)
             .arg(&ci)
             .arg(&ki)
+            .arg(&rs)
+            .arg(&rs_stride)
             .launch(cfg)
     }?;
     Ok(())
@@ -363,6 +461,12 @@ pub fn gated_delta_rule(
     // float4 loads of q, k and the state: every run starts on a multiple of 4 floats.
     let vec = i32::from(d.k_head_dim % 4 == 0 && d.conv_dim() % 4 == 0);
     let len = ds.state_len();
+    // Row states: the sequential kernel writes them (a tracked call never takes the chunked
+    // one, which ignores them).
+    let (rs, rs_stride) = row_slot(be, &ds.row_state, ds.row_slots, rows, a.layer, len);
+    if rs != 0 {
+        ds.row_delta_rows[a.layer] = rows;
+    }
     let mut state = ds.state.slice_mut(a.layer * len..(a.layer + 1) * len);
     let rows_i = i32_of(rows, "rows")?;
     let (nk, nv_i, dk, dv) = (
@@ -378,7 +482,7 @@ pub fn gated_delta_rule(
         .gated_delta
         .chunked
         .as_ref()
-        .filter(|_| rows >= CHUNKED_MIN_ROWS && chunked_on())
+        .filter(|_| rs == 0 && rows >= CHUNKED_MIN_ROWS && chunked_on())
     {
         Some(f) => (
             f,
@@ -429,6 +533,8 @@ pub fn gated_delta_rule(
             .arg(&dv)
             .arg(&tiled)
             .arg(&vec)
+            .arg(&rs)
+            .arg(&rs_stride)
             .launch(cfg)
     }?;
     Ok(())

@@ -769,6 +769,14 @@ impl Backend for CudaBackend {
         gated_delta::kv_snapshot(self, kv, slot)
     }
 
+    fn kv_row_states(&self, kv: &mut attention::CudaKv, rows: usize) -> Result<bool> {
+        gated_delta::kv_row_states(self, kv, rows).map(|()| true)
+    }
+
+    fn kv_restore_row(&self, kv: &mut attention::CudaKv, row: usize) -> Result<()> {
+        gated_delta::kv_restore_row(self, kv, row)
+    }
+
     fn kv_restore(&self, kv: &mut attention::CudaKv, slot: usize) -> Result<()> {
         gated_delta::kv_restore(self, kv, slot)
     }

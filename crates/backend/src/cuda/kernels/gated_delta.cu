@@ -51,9 +51,12 @@ __device__ __forceinline__ float gd_sigmoid(float x) { return 1.f / (1.f + expf(
 __device__ __forceinline__ float gd_softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
 // x, out: [rows][C]; w: C rows of K taps stored as `wtype`; state: this layer's [K-1][C].
+// row_states (null: none): row t's slot for this layer at row_states + t*row_stride, [K-1][C]
+// each: the state after row t (a speculative verify's rollback copies one back).
 extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint8_t* __restrict__ w,
                                          int wtype, long long w_row_bytes, float* __restrict__ state,
-                                         float* __restrict__ out, int rows, int C, int K) {
+                                         float* __restrict__ out, int rows, int C, int K,
+                                         float* __restrict__ row_states, long long row_stride) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     // The taps (weights: no kernel writes them) before the PDL wait, so that their load is
     // not a round trip of its own on the layer's chain (GATED_DELTA.md, 28th session).
@@ -79,6 +82,15 @@ extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint
             }
         }
         out[(long long)t * C + c] = gd_silu(s);
+    }
+    if (blockIdx.y == 0 && row_states != nullptr) {
+        // The state after each row t: rows t+1..t+1+hist of e (before the state is written).
+        for (int t = 0; t < rows; t++)
+            for (int r = 0; r < hist; r++) {
+                int i = t + 1 + r;
+                row_states[(long long)t * row_stride + (long long)r * C + c] =
+                    i < hist ? state[(long long)i * C + c] : x[(long long)(i - hist) * C + c];
+            }
     }
     if (blockIdx.y == 0) {
         // The new state: rows rows..rows+hist of e (all read before any is written).
@@ -271,6 +283,22 @@ __device__ __forceinline__ void gd_lds(GdIn<R>& in, const float* st, int t, int 
     in.beta = st[Ly::BETA + t];
 }
 
+// The lane's R state rows to their place in a state buffer laid out as `state` (S: the
+// lane's run there).
+template <int R>
+__device__ __forceinline__ void gd_store(float* S, const float (&s)[R], int i0, int dk, bool vec) {
+    if (vec) {
+#pragma unroll
+        for (int m = 0; m < R / 4; m++)
+            if (i0 + 4 * m < dk)
+                reinterpret_cast<float4*>(S)[m] = make_float4(s[4 * m], s[4 * m + 1], s[4 * m + 2], s[4 * m + 3]);
+    } else {
+#pragma unroll
+        for (int ii = 0; ii < R; ii++)
+            if (i0 + ii < dk) S[ii] = s[ii];
+    }
+}
+
 // One token of the recurrence on the lane's R state rows (the CPU's formula order):
 // S ← e^g S;  kv = Sᵀk;  S ← S + k (β (v − Sᵀk))ᵀ;  o = Sᵀq on the updated state. Returns
 // the lane's partial of o (its R rows); the L partials are summed by gd_flush.
@@ -317,7 +345,9 @@ __device__ __forceinline__ void gd_flush(const float* op, float* __restrict__ ou
 
 // qkv: [rows][2*nk*dk + nv*dv] (after conv + SiLU); a_in, b_in: [rows][nv]; ssm_a, dt_bias:
 // [nv]; state: this layer's [nv][dv][dk] (column-major per head: a column's dk values are
-// contiguous, so a lane's R rows are one aligned run); out: [rows][nv*dv].
+// contiguous, so a lane's R rows are one aligned run); out: [rows][nv*dv]. row_states (null:
+// none): the state after token t to row_states + t*row_stride, laid out as `state` (the
+// speculative verify's per-row states; one more store of the lane's run per token).
 // L lanes per state column, R rows per lane (dk <= L*R); GD_THREADS threads = COLS columns.
 // Chunks of GD_CHUNK tokens: staged by cp.async one chunk ahead (double buffer), prepared
 // (norms, decay, beta) by the whole block, then run token by token from shared memory.
@@ -326,7 +356,8 @@ __device__ __forceinline__ void gd_body(const float* __restrict__ qkv, const flo
                                         const float* __restrict__ b_in, const float* __restrict__ ssm_a,
                                         const float* __restrict__ dt_bias, float* __restrict__ state,
                                         float* __restrict__ out, int rows, int nk, int nv, int dk, int dv,
-                                        int tiled, int vec_i) {
+                                        int tiled, int vec_i, float* __restrict__ row_states,
+                                        long long row_stride) {
     using Ly = GdLayout<R, L>;
     __shared__ __align__(16) float smem[2 * Ly::STAGE + Ly::OPART];
     if (rows <= 0) return;
@@ -342,7 +373,9 @@ __device__ __forceinline__ void gd_body(const float* __restrict__ qkv, const flo
     float* op = smem + 2 * Ly::STAGE;
     const int nchunks = (rows + GD_CHUNK - 1) / GD_CHUNK;
     gd_stage<R, L>(smem, qkv, a_in, b_in, 0, min(GD_CHUNK, rows), h, kh, col0, nv, dk, dv, key_dim, conv_dim, vec);
-    float* S = state + ((long long)h * dv + (active ? col : 0)) * dk + i0;
+    const long long s_off = ((long long)h * dv + (active ? col : 0)) * dk + i0;
+    float* S = state + s_off;
+    float* RS = row_states != nullptr && active ? row_states + s_off : nullptr;
     float s[R];
     if (active) {
         if (vec) {
@@ -383,34 +416,27 @@ __device__ __forceinline__ void gd_body(const float* __restrict__ qkv, const flo
         for (int t = 0; t < nt; t += 2) {
             if (t + 1 < nt) gd_lds<R, L>(x1, st, t + 1, lc, rg, active);
             op[(t * Ly::COLS + lc) * L + rg] = gd_step<R, L>(s, x0);
+            if (RS != nullptr) gd_store<R>(RS + (long long)(t0 + t) * row_stride, s, i0, dk, vec);
             if (t + 1 >= nt) break;
             if (t + 2 < nt) gd_lds<R, L>(x0, st, t + 2, lc, rg, active);
             op[((t + 1) * Ly::COLS + lc) * L + rg] = gd_step<R, L>(s, x1);
+            if (RS != nullptr) gd_store<R>(RS + (long long)(t0 + t + 1) * row_stride, s, i0, dk, vec);
         }
     }
     __syncthreads();
     gd_flush<R, L>(op, out, (nchunks - 1) * GD_CHUNK, rows - (nchunks - 1) * GD_CHUNK, h, col0, nv, dv);
-    if (active) {
-        if (vec) {
-#pragma unroll
-            for (int m = 0; m < R / 4; m++)
-                if (i0 + 4 * m < dk)
-                    reinterpret_cast<float4*>(S)[m] = make_float4(s[4 * m], s[4 * m + 1], s[4 * m + 2], s[4 * m + 3]);
-        } else {
-#pragma unroll
-            for (int ii = 0; ii < R; ii++)
-                if (i0 + ii < dk) S[ii] = s[ii];
-        }
-    }
+    if (active) gd_store<R>(S, s, i0, dk, vec);
 }
 
 #define GD_KERNEL(R, L)                                                                                   \
     extern "C" __global__ void __launch_bounds__(GD_THREADS) gated_delta_r##R##_l##L(                     \
         const float* __restrict__ qkv, const float* __restrict__ a_in, const float* __restrict__ b_in,  \
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ state,  \
-        float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled, int vec) {        \
+        float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled, int vec,          \
+        float* __restrict__ row_states, long long row_stride) {                                         \
         PDL_ENTRY();                                                                                    \
-        gd_body<R, L>(qkv, a_in, b_in, ssm_a, dt_bias, state, out, rows, nk, nv, dk, dv, tiled, vec);   \
+        gd_body<R, L>(qkv, a_in, b_in, ssm_a, dt_bias, state, out, rows, nk, nv, dk, dv, tiled, vec,    \
+                      row_states, row_stride);                                                          \
     }
 GD_KERNEL(8, 4)
 GD_KERNEL(8, 8)
@@ -899,7 +925,12 @@ extern "C" __global__ void __launch_bounds__(GDC_THREADS)
     gated_delta_chunked(const float* __restrict__ qkv, const float* __restrict__ a_in,
                         const float* __restrict__ b_in, const float* __restrict__ ssm_a,
                         const float* __restrict__ dt_bias, float* __restrict__ state, float* __restrict__ out,
-                        int rows, int nk, int nv, int dk, int dv, int tiled, int vec) {
+                        int rows, int nk, int nv, int dk, int dv, int tiled, int vec,
+                        float* __restrict__ row_states, long long row_stride) {
+    // The sequential kernel's arguments; row states are never asked of this one (the
+    // launcher takes the sequential kernel for tracked calls).
+    (void)row_states;
+    (void)row_stride;
     PDL_ENTRY();
     extern __shared__ __align__(16) float gdc_smem[];
     gdc_body(gdc_smem, qkv, a_in, b_in, ssm_a, dt_bias, state, out, rows, nk, nv, dk, dv, tiled, vec);
