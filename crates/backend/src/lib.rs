@@ -824,7 +824,8 @@ pub trait Backend: Send + Sync {
         Ok(false)
     }
     /// Copies the state after row `row` of the last tracked call (every linear layer's) into
-    /// the cache's linear-attention state. An error where no tracked call had that row.
+    /// the cache's linear-attention state. The caller must name a row that call had (the CPU
+    /// backend checks it; a backend whose calls replay as graphs cannot).
     fn kv_restore_row(&self, kv: &mut Self::Kv, row: usize) -> Result<()> {
         let _ = (kv, row);
         anyhow::bail!("this backend keeps no per-row states")

@@ -126,13 +126,11 @@ pub struct DeltaState {
     pub snapshots: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// Row-state slots (`kv_row_states`): `[row]` of a buffer like `conv` and of one like
     /// `state`, each the state after that row of the last tracked call (calls of at most
-    /// `row_slots` rows write them), and per layer the rows of its last tracked conv and
-    /// delta-rule calls (host-side, for `kv_restore_row`'s check).
+    /// `row_slots` rows write them). Which rows the last call wrote is not kept here: its
+    /// launch may be a graph's replay, which runs no host code.
     pub row_conv: Option<CudaSlice<f32>>,
     pub row_state: Option<CudaSlice<f32>>,
     pub row_slots: usize,
-    pub row_conv_rows: Vec<usize>,
-    pub row_delta_rows: Vec<usize>,
 }
 
 impl DeltaState {
@@ -189,8 +187,6 @@ pub fn kv_new_hybrid(
         row_conv: None,
         row_state: None,
         row_slots: 0,
-        row_conv_rows: vec![0; n_linear_layers],
-        row_delta_rows: vec![0; n_linear_layers],
     });
     Ok(kv)
 }
@@ -272,8 +268,6 @@ pub fn kv_row_states(be: &CudaBackend, kv: &mut CudaKv, rows: usize) -> Result<(
         return Ok(());
     };
     (ds.row_conv, ds.row_state, ds.row_slots) = (None, None, 0);
-    ds.row_conv_rows.fill(0);
-    ds.row_delta_rows.fill(0);
     if rows == 0 {
         return Ok(());
     }
@@ -295,17 +289,17 @@ pub fn kv_row_states(be: &CudaBackend, kv: &mut CudaKv, rows: usize) -> Result<(
 }
 
 /// Copies the state after row `row` of the last tracked call (every layer) into the cache's
-/// conv and recurrent state: two device-to-device copies, capturable in a graph.
+/// conv and recurrent state: two device-to-device copies, capturable in a graph. The caller
+/// vouches that the last tracked call had that row (the CPU backend checks it; here calls
+/// may replay as graphs, which leave no host-side record).
 pub fn kv_restore_row(be: &CudaBackend, kv: &mut CudaKv, row: usize) -> Result<()> {
     let Some(ds) = kv.delta.as_mut() else {
         return Ok(());
     };
     ensure!(
-        ds.row_conv_rows
-            .iter()
-            .chain(&ds.row_delta_rows)
-            .all(|&n| row < n),
-        "kv_restore_row: no tracked step left a state after row {row} in every layer"
+        row < ds.row_slots,
+        "kv_restore_row: row {row} of {} row-state slots",
+        ds.row_slots
     );
     let (conv, state) = (ds.conv.len(), ds.state.len());
     let (Some(rc), Some(rs)) = (&ds.row_conv, &ds.row_state) else {
@@ -391,9 +385,6 @@ pub fn causal_conv1d(
     }
     let len = ds.conv_len();
     let (rs, rs_stride) = row_slot(be, &ds.row_conv, ds.row_slots, x.rows, layer, len);
-    if rs != 0 {
-        ds.row_conv_rows[layer] = x.rows;
-    }
     let mut state = ds.conv.slice_mut(layer * len..(layer + 1) * len);
     let (wtype, wrb) = (w.dtype.id() as i32, w.row_bytes() as i64);
     let (rows, ci, ki) = (
@@ -464,9 +455,6 @@ pub fn gated_delta_rule(
     // Row states: the sequential kernel writes them (a tracked call never takes the chunked
     // one, which ignores them).
     let (rs, rs_stride) = row_slot(be, &ds.row_state, ds.row_slots, rows, a.layer, len);
-    if rs != 0 {
-        ds.row_delta_rows[a.layer] = rows;
-    }
     let mut state = ds.state.slice_mut(a.layer * len..(a.layer + 1) * len);
     let rows_i = i32_of(rows, "rows")?;
     let (nk, nv_i, dk, dv) = (
