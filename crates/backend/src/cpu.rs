@@ -752,12 +752,17 @@ impl Backend for CpuBackend {
     }
 
     fn kv_restore_row(&self, kv: &mut CpuKv, row: usize) -> Result<()> {
+        // Every layer a tracked call ran must have had the row (layers it did not run keep
+        // their state either way).
         ensure!(
-            kv.row_conv_rows
-                .iter()
-                .chain(&kv.row_delta_rows)
-                .all(|&n| row < n),
-            "kv_restore_row: no tracked step left a state after row {row} in every layer"
+            row < kv.row_states.len()
+                && kv
+                    .row_conv_rows
+                    .iter()
+                    .chain(&kv.row_delta_rows)
+                    .all(|&n| n == 0 || row < n)
+                && kv.row_delta_rows.iter().any(|&n| n > 0),
+            "kv_restore_row: no tracked call left a state after row {row}"
         );
         let (conv, delta) = &kv.row_states[row];
         for (dst, src) in kv.conv.iter_mut().zip(conv) {

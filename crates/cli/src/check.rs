@@ -543,12 +543,15 @@ enum Op {
     /// other rows, snapshot into slot 0; then the checked part restores slot 1 and runs
     /// `rows` new rows (out: the conv output, out2: the delta rule's). A restore that does
     /// not bring back the post-fill state, or a snapshot that aliases the live state or
-    /// another slot, changes both outputs.
+    /// another slot, changes both outputs. With `row`, the cache also keeps `draft` row
+    /// states (kv_row_states) and the checked part restores the state after draft row `row`
+    /// (kv_restore_row) instead: the speculative verify's rollback.
     Snapshot {
         shape: DeltaShape,
         fill: usize,
         draft: usize,
         rows: usize,
+        row: Option<usize>,
     },
     GatedRmsNorm {
         rows: usize,
@@ -898,11 +901,13 @@ fn describe(op: &Op) -> (&'static str, String) {
             fill,
             draft,
             rows,
+            row,
         } => (
             "kv_snapshot/kv_restore",
             format!(
-                "kv_snapshot/restore {} fill={fill} draft={draft} rows={rows}",
-                delta_name(shape)
+                "kv_snapshot/restore {} fill={fill} draft={draft} rows={rows}{}",
+                delta_name(shape),
+                row.map_or(String::new(), |r| format!(" row={r}"))
             ),
         ),
         Op::GatedRmsNorm {
@@ -2087,12 +2092,16 @@ pub fn cases(quick: bool) -> Vec<Case> {
             if quick && (shape.conv_dim() > 1000 || rows > 5) {
                 continue;
             }
-            add(Op::Snapshot {
-                shape,
-                fill,
-                draft,
-                rows,
-            });
+            // The snapshot slot, then the row states after the first and the last draft row.
+            for row in [None, Some(0), Some(draft - 1)] {
+                add(Op::Snapshot {
+                    shape,
+                    fill,
+                    draft,
+                    rows,
+                    row,
+                });
+            }
         }
     }
     // Gated RMSNorm over the value heads (Qwen3.5: 32 × 128; the tiny oracle: 4 × 32; odd).
@@ -2824,6 +2833,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             fill,
             draft,
             rows,
+            ..
         } => {
             // Weights: conv taps (f32), ssm_a, dt_bias (as the Conv1d and GatedDelta cases).
             let (c, k, nv) = (shape.conv_dim(), shape.conv_kernel, shape.n_v_heads);
@@ -3064,10 +3074,20 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             kv = Some(cache);
         }
         Op::Snapshot {
-            shape, fill, draft, ..
+            shape,
+            fill,
+            draft,
+            row,
+            ..
         } => {
             let mut cache = be.kv_new_hybrid(1, HYBRID_ATTN, 1, 2, *shape)?;
             be.kv_snapshots(&mut cache, 2)?;
+            if row.is_some() {
+                anyhow::ensure!(
+                    be.kv_row_states(&mut cache, *draft)?,
+                    "this backend keeps no row states"
+                );
+            }
             // Bad slots are errors on every backend.
             anyhow::ensure!(
                 be.kv_restore(&mut cache, 1).is_err(),
@@ -3506,11 +3526,14 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                     .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
             be.gated_delta_rule(kv, delta_args::<B>(&p.w, &p.a[..3], *shape), &mut p.out)
         }
-        Op::Snapshot { shape, .. } => {
+        Op::Snapshot { shape, row, .. } => {
             let kv =
                 p.kv.as_mut()
                     .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
-            be.kv_restore(kv, 1)?;
+            match row {
+                Some(r) => be.kv_restore_row(kv, *r)?,
+                None => be.kv_restore(kv, 1)?,
+            }
             be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out)?;
             let o2 = p
                 .out2
