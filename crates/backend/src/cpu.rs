@@ -82,6 +82,16 @@ pub struct CpuKv {
 /// A copy of a cache's linear-attention state: (`conv`, `delta`), per layer.
 type LinearState = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// Copies a saved linear-attention state (a snapshot or a row state) into the live one.
+fn load_state(conv: &mut [Vec<f32>], delta: &mut [Vec<f32>], saved: &LinearState) {
+    for (dst, src) in conv.iter_mut().zip(&saved.0) {
+        dst.copy_from_slice(src);
+    }
+    for (dst, src) in delta.iter_mut().zip(&saved.1) {
+        dst.copy_from_slice(src);
+    }
+}
+
 impl CpuKv {
     fn delta_shape(&self, layer: usize) -> Result<DeltaShape> {
         ensure!(
@@ -732,13 +742,7 @@ impl Backend for CpuBackend {
 
     fn kv_restore(&self, kv: &mut CpuKv, slot: usize) -> Result<()> {
         kv.slots.restore(slot)?;
-        let (conv, delta) = &kv.snapshots[slot];
-        for (dst, src) in kv.conv.iter_mut().zip(conv) {
-            dst.copy_from_slice(src);
-        }
-        for (dst, src) in kv.delta.iter_mut().zip(delta) {
-            dst.copy_from_slice(src);
-        }
+        load_state(&mut kv.conv, &mut kv.delta, &kv.snapshots[slot]);
         Ok(())
     }
 
@@ -764,13 +768,7 @@ impl Backend for CpuBackend {
                 && kv.row_delta_rows.iter().any(|&n| n > 0),
             "kv_restore_row: no tracked call left a state after row {row}"
         );
-        let (conv, delta) = &kv.row_states[row];
-        for (dst, src) in kv.conv.iter_mut().zip(conv) {
-            dst.copy_from_slice(src);
-        }
-        for (dst, src) in kv.delta.iter_mut().zip(delta) {
-            dst.copy_from_slice(src);
-        }
+        load_state(&mut kv.conv, &mut kv.delta, &kv.row_states[row]);
         Ok(())
     }
 
