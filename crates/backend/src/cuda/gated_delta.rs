@@ -170,13 +170,11 @@ pub fn kv_new_hybrid(
     let state = n_linear_layers
         .checked_mul(delta.n_v_heads * delta.k_head_dim * delta.v_head_dim)
         .context("linear-attention state size overflows")?;
-    let (free, _) = be.mem_info()?;
-    ensure!(
-        (conv + state) * 4 + (64 << 20) <= free,
-        "linear-attention state of {n_linear_layers} layers needs {:.2} GiB; {:.2} GiB free",
-        ((conv + state) * 4) as f64 / (1u64 << 30) as f64,
-        free as f64 / (1u64 << 30) as f64
-    );
+    ensure_free(
+        be,
+        (conv + state) * 4,
+        &format!("linear-attention state of {n_linear_layers} layers"),
+    )?;
     let mut kv = attention::kv_new(be, n_attn_layers, shape, capacity)?;
     kv.delta = Some(DeltaState {
         shape: delta,
@@ -191,6 +189,19 @@ pub fn kv_new_hybrid(
     Ok(kv)
 }
 
+/// An error naming `what` where `bytes` more would leave the device under 64 MB free (room
+/// for the context's own bookkeeping and small allocations).
+fn ensure_free(be: &CudaBackend, bytes: usize, what: &str) -> Result<()> {
+    let (free, _) = be.mem_info()?;
+    ensure!(
+        bytes + (64 << 20) <= free,
+        "{what}: {:.2} GiB needed, {:.2} GiB free",
+        bytes as f64 / (1u64 << 30) as f64,
+        free as f64 / (1u64 << 30) as f64
+    );
+    Ok(())
+}
+
 /// `n` snapshot slots for the cache: for a hybrid cache, device buffers the size of its conv
 /// and recurrent state (all layers) per slot, allocated here so that snapshots and restores
 /// are plain copies. Caches without linear-attention state get slots that hold nothing.
@@ -203,13 +214,7 @@ pub fn kv_snapshots(be: &CudaBackend, kv: &mut CudaKv, n: usize) -> Result<()> {
         let bytes = n
             .checked_mul((conv + state) * 4)
             .context("snapshot size overflows")?;
-        let (free, _) = be.mem_info()?;
-        ensure!(
-            bytes + (64 << 20) <= free,
-            "{n} state snapshots need {:.2} GiB; {:.2} GiB free",
-            bytes as f64 / (1u64 << 30) as f64,
-            free as f64 / (1u64 << 30) as f64
-        );
+        ensure_free(be, bytes, &format!("{n} state snapshots"))?;
         for _ in 0..n {
             ds.snapshots.push((
                 be.stream.alloc_zeros::<f32>(conv)?,
@@ -275,13 +280,7 @@ pub fn kv_row_states(be: &CudaBackend, kv: &mut CudaKv, rows: usize) -> Result<(
     let bytes = rows
         .checked_mul((conv + state) * 4)
         .context("row-state size overflows")?;
-    let (free, _) = be.mem_info()?;
-    ensure!(
-        bytes + (64 << 20) <= free,
-        "{rows} row states need {:.2} GiB; {:.2} GiB free",
-        bytes as f64 / (1u64 << 30) as f64,
-        free as f64 / (1u64 << 30) as f64
-    );
+    ensure_free(be, bytes, &format!("{rows} row states"))?;
     ds.row_conv = Some(be.stream.alloc_zeros::<f32>(rows * conv)?);
     ds.row_state = Some(be.stream.alloc_zeros::<f32>(rows * state)?);
     ds.row_slots = rows;
