@@ -839,7 +839,7 @@ impl Backend for CpuBackend {
         let ssm_a = dequant_vec(a.ssm_a, nv)?;
         let dt_bias = dequant_vec(a.dt_bias, nv)?;
         let track = rows <= kv.row_states.len();
-        let after = gated_delta::heads_tracked(
+        let after = gated_delta::heads(
             &ds,
             rows,
             &a.qkv.buf,

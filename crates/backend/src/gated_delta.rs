@@ -51,7 +51,7 @@ fn l2_normalize(x: &mut [f32]) {
 /// every token is returned (per head `[rows][dk][dv]`; empty without `track`): a speculative
 /// verify's rollback takes the state after its last accepted row from there.
 #[allow(clippy::too_many_arguments)]
-pub fn heads_tracked(
+pub fn heads(
     ds: &DeltaShape,
     rows: usize,
     qkv: &[f32],
@@ -123,35 +123,6 @@ pub fn heads_tracked(
         }
     }
     per_head.into_iter().map(|(_, after)| after).collect()
-}
-
-/// [`heads_tracked`] without the states after each token.
-#[allow(clippy::too_many_arguments)]
-pub fn heads(
-    ds: &DeltaShape,
-    rows: usize,
-    qkv: &[f32],
-    a: &[f32],
-    b: &[f32],
-    ssm_a: &[f32],
-    dt_bias: &[f32],
-    chunked_form: bool,
-    states: &mut [f32],
-    out: &mut [f32],
-) {
-    heads_tracked(
-        ds,
-        rows,
-        qkv,
-        a,
-        b,
-        ssm_a,
-        dt_bias,
-        chunked_form,
-        states,
-        out,
-        false,
-    );
 }
 
 /// One value head's inputs over `T` tokens.

@@ -83,7 +83,7 @@ fn cpu_call(
     };
     let mut out = vec![0f32; c.rows * s.nv * s.dv];
     gated_delta::heads(
-        &ds, c.rows, &c.qkv, &c.a, &c.b, ssm_a, dt_bias, chunked, st, &mut out,
+        &ds, c.rows, &c.qkv, &c.a, &c.b, ssm_a, dt_bias, chunked, st, &mut out, false,
     );
     out
 }
