@@ -54,9 +54,8 @@ pub struct Batch<'e, B: Backend> {
     cfg: BatchConfig,
     /// Decode-only steps of `n` sequences: `graphs[n - 1]`.
     graphs: Vec<GraphState<B::Graph>>,
-    /// Logits rows of the last step.
-    n: usize,
-    /// Each sequence's logits rows in the last step.
+    /// Each sequence's logits rows in the last step (empty before a step, or after one that
+    /// failed).
     seq_rows: Vec<std::ops::Range<usize>>,
     /// Device top-k values of the last step, `[max_logits, TOP_K_MAX]`.
     top_vals: Act<B::Buf>,
@@ -129,7 +128,6 @@ impl<'e, B: Backend> Batch<'e, B> {
             ws,
             cfg,
             graphs: (0..cfg.max_seqs).map(|_| GraphState::Eager).collect(),
-            n: 0,
             seq_rows: Vec::new(),
             top_vals,
             greedy: None,
@@ -166,7 +164,6 @@ impl<'e, B: Backend> Batch<'e, B> {
                 self.cfg.n_pages
             );
         }
-        self.n = 0;
         self.seq_rows.clear();
         (self.greedy, self.top, self.host) = (None, None, None);
         let n_logits: usize = seqs.iter().map(|s| s.logits).sum();
@@ -186,7 +183,6 @@ impl<'e, B: Backend> Batch<'e, B> {
             // A replay does not run the host-side bookkeeping of the forward pass.
             ws.logits.set_rows(n)?;
         }
-        self.n = n_logits;
         let mut row = 0;
         for s in seqs {
             self.seq_rows.push(row..row + s.logits);
@@ -231,6 +227,11 @@ impl<'e, B: Backend> Batch<'e, B> {
         self.model.cfg.vocab
     }
 
+    /// Logits rows of the last step.
+    fn n_rows(&self) -> usize {
+        self.seq_rows.last().map_or(0, |r| r.end)
+    }
+
     /// Sequence `i`'s logits rows in the last step.
     pub fn rows_of(&self, i: usize) -> Result<std::ops::Range<usize>> {
         self.seq_rows
@@ -242,11 +243,12 @@ impl<'e, B: Backend> Batch<'e, B> {
     /// The greedy choice of logits row `i` of the last step (every row's taken on the
     /// device; one read).
     pub fn greedy(&mut self, i: usize) -> Result<u32> {
-        ensure!(i < self.n, "logits row {i} of a step of {}", self.n);
+        let n = self.n_rows();
+        ensure!(i < n, "logits row {i} of a step of {n}");
         if self.greedy.is_none() {
             let ws = &mut self.ws;
             self.be.argmax(&ws.logits, &mut ws.argmax)?;
-            let ids = self.be.read_i32(&ws.argmax, self.n)?;
+            let ids = self.be.read_i32(&ws.argmax, n)?;
             self.greedy = Some(ids.into_iter().map(|t| t as u32).collect());
         }
         Ok(self.greedy.as_ref().expect("just set")[i])
@@ -255,7 +257,8 @@ impl<'e, B: Backend> Batch<'e, B> {
     /// The `k ≤ TOP_K_MAX` best `(token, logit)` of logits row `i`, best first (selected
     /// on the device for every row at once: the first k of the best TOP_K_MAX).
     pub fn top_k(&mut self, i: usize, k: usize) -> Result<Vec<(u32, f32)>> {
-        ensure!(i < self.n, "logits row {i} of a step of {}", self.n);
+        let n = self.n_rows();
+        ensure!(i < n, "logits row {i} of a step of {n}");
         ensure!(
             (1..=TOP_K_MAX).contains(&k),
             "top-k on the device needs 1 ≤ k ≤ {TOP_K_MAX}"
@@ -266,9 +269,9 @@ impl<'e, B: Backend> Batch<'e, B> {
             let be = self.be;
             let ws = &mut self.ws;
             self.top_vals.cols = kk;
-            self.top_vals.set_rows(self.n)?;
+            self.top_vals.set_rows(n)?;
             be.top_k(&ws.logits, kk, &mut ws.top_ids, &mut self.top_vals)?;
-            let ids = be.read_i32(&ws.top_ids, self.n * kk)?;
+            let ids = be.read_i32(&ws.top_ids, n * kk)?;
             self.top = Some((ids, be.to_host(&self.top_vals)?));
         }
         let (ids, vals) = self.top.as_ref().expect("just set");
@@ -279,7 +282,8 @@ impl<'e, B: Backend> Batch<'e, B> {
 
     /// Logits row `i` on the host (every row's cross once per step).
     pub fn logits(&mut self, i: usize) -> Result<Vec<f32>> {
-        ensure!(i < self.n, "logits row {i} of a step of {}", self.n);
+        let n = self.n_rows();
+        ensure!(i < n, "logits row {i} of a step of {n}");
         if self.host.is_none() {
             self.host = Some(self.be.to_host(&self.ws.logits)?);
         }
