@@ -1019,14 +1019,13 @@ fn accept_batched<B: Backend>(
     for r in rows {
         logits.extend(batch.logits(r)?);
     }
-    let qs: Vec<_> = drafts.iter().map(|&d| vec![(d, 1.0)]).collect();
     let hist = history(a);
     Ok(accept_sampled(
         &mut a.sampler,
         &logits,
         batch.vocab(),
         drafts,
-        &qs,
+        &PromptLookup::q(drafts),
         &hist,
     ))
 }

@@ -515,21 +515,18 @@ impl<'e, B: Backend> Speculator<'e, B> {
         // overwritten before any query reads them. The head then reads the kept rows'
         // hidden states (a causal step's first j+1 rows are what those rows alone give).
         if j < k {
-            match (m.cfg.hybrid.is_some(), self.row_states) {
-                (true, false) => {
-                    self.stats.rollbacks += 1;
+            if m.cfg.hybrid.is_some() {
+                self.stats.rollbacks += 1;
+                if self.row_states {
+                    be.kv_restore_row(&mut seq.kv, j)?;
+                } else {
                     self.stats.replays += 1;
                     be.kv_restore(&mut seq.kv, 0)?;
                     self.target(&mut seq.kv, &rows[..=j], n)?;
                 }
-                (hybrid, _) => {
-                    if hybrid {
-                        self.stats.rollbacks += 1;
-                        be.kv_restore_row(&mut seq.kv, j)?;
-                    }
-                    self.verify.truncate(j + 1, Logits::All)?;
-                }
             }
+            // After a replay the verify workspace already holds those j+1 rows.
+            self.verify.truncate(j + 1, Logits::All)?;
         }
         seq.pos = n + j + 1;
         // The head catches up on the target's hidden states of the accepted rows.
@@ -580,8 +577,9 @@ impl<'e, B: Backend> Speculator<'e, B> {
 /// (k + 1 of them) give the longest prefix of drafts it agrees with and its own token after
 /// that prefix.
 pub fn accept_greedy(drafts: &[u32], a: &[u32]) -> Vec<u32> {
+    debug_assert_eq!(a.len(), drafts.len() + 1, "one choice per verify row");
     let j = drafts.iter().zip(a).take_while(|(d, a)| d == a).count();
-    a[..=j.min(a.len().saturating_sub(1))].to_vec()
+    a[..=j].to_vec()
 }
 
 /// Speculative sampling's acceptance ([`Speculator::step_sampled`]) over a verify's `logits`
@@ -658,6 +656,12 @@ impl Default for PromptLookup {
 }
 
 impl PromptLookup {
+    /// The distributions lookup drafts are drawn from, for speculative sampling: each all
+    /// on its draft (the lookup is deterministic).
+    pub fn q(drafts: &[u32]) -> Vec<Distribution> {
+        drafts.iter().map(|&d| vec![(d, 1.0)]).collect()
+    }
+
     /// Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
     /// of `history` (at most `max_ngram` tokens) seen before; none when no suffix recurs.
     pub fn lookup(&self, history: &[u32], k: usize) -> Vec<u32> {
@@ -689,11 +693,8 @@ impl<B: Backend> Drafter<B> for PromptLookup {
         ask: DraftAsk<'_>,
         _: &mut Sampler,
     ) -> Result<Vec<(u32, Distribution)>> {
-        Ok(self
-            .lookup(ask.history, ask.k)
-            .into_iter()
-            .map(|d| (d, vec![(d, 1.0)]))
-            .collect())
+        let drafts = self.lookup(ask.history, ask.k);
+        Ok(drafts.iter().copied().zip(Self::q(&drafts)).collect())
     }
 }
 
