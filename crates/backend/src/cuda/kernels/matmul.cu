@@ -104,6 +104,13 @@ __device__ __forceinline__ uint16_t ld2(const uint8_t* p) {
 // ---------------------------------------------------------------------------------------
 // GEMV
 
+// PAD_ROWS: an R-row instantiation serves rows <= R (R in GEMV_R: 3 rows run R = 4, 5..7
+// run R = 8). Its per-row loops stop at `rows` (a warp-uniform branch) instead of computing
+// the last real row again for the padded ones: the few-row GEMVs are issue-bound, each row
+// costing its x loads, MMAs or FMAs and its float epilogue (MATMUL.md round 77). The padded
+// accumulators stay zero and are never stored. r = 0 is never tested, so the R = 1 kernels
+// are unchanged.
+
 // Byte k of w (< 256) minus the constant B, exactly: prmt builds the float 2^23 + byte and one
 // FADD subtracts 2^23 + B (both exact: every value involved is an integer below 2^24). Same
 // bits as (byte_f<K>(w) - B), one instruction fewer.
@@ -142,7 +149,8 @@ __device__ __forceinline__ void fma4(float (&acc)[R][NW], const float* __restric
                                      int e, const float (&wv)[NW][4]) {
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        const int rr = r < rows ? r : rows - 1;
+        if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+        const int rr = r;
         const float4 xv = __ldg((const float4*)(x + (size_t)rr * n_in + e));
 #pragma unroll
         for (int w = 0; w < NW; w++) {
@@ -160,7 +168,8 @@ __device__ __forceinline__ void fma1(float (&acc)[R][NW], const float* __restric
                                      int e, const float (&wv)[NW]) {
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        const int rr = r < rows ? r : rows - 1;
+        if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+        const int rr = r;
         const float xv = __ldg(x + (size_t)rr * n_in + e);
 #pragma unroll
         for (int w = 0; w < NW; w++) acc[r][w] = fmaf(wv[w], xv, acc[r][w]);
@@ -385,7 +394,8 @@ __device__ __forceinline__ void gemv_lane_norm(const uint8_t* const (&wr)[NW], i
         const float4 nv = __ldg((const float4*)nw + i);
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const int rr = r < rows ? r : rows - 1;
+            if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+            const int rr = r;
             const float4 xv = __ldg((const float4*)(x + (size_t)rr * n_in) + i);
             ss[r] = fmaf(xv.x, xv.x, ss[r]);
             ss[r] = fmaf(xv.y, xv.y, ss[r]);
@@ -1043,7 +1053,8 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             }
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const int rr = r < rows ? r : rows - 1;
+                if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+                const int rr = r;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)u * QK;
                 const int4* xp = (const int4*)xr;
                 const int4* yp = (const int4*)(xr + n_in);
@@ -1120,7 +1131,8 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             }
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const int rr = r < rows ? r : rows - 1;
+                if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+                const int rr = r;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
                 const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
                 const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 32));
@@ -1176,7 +1188,8 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
             }
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const int rr = r < rows ? r : rows - 1;
+                if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+                const int rr = r;
                 const int e = s * QK_K + 128 * n + 32 * p + 16 * c;
                 const int8_t* xr = xq + (size_t)rr * 2 * n_in + e;
                 const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 64));
@@ -1576,7 +1589,8 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
             const int xs = sb * QK_K + 64 * c;  // first column of the lifetime
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const int rr = r < rows ? r : rows - 1;
+                if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+                const int rr = r;
                 // b0 words (k 0..15) or b1 words (k 16..31): one load, masked into each.
                 const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 2 * c + t;
@@ -1694,7 +1708,8 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
             const int xs = sb * QK_K + 128 * h;  // first column of the lifetime
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const int rr = r < rows ? r : rows - 1;
+                if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+                const int rr = r;
                 const int8_t* xr = xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs;
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + t;
                 // b0 words (quads 0..3) or b1 words (quads 4..7), per plane: one unconditional
@@ -1796,7 +1811,8 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
             const int xs = sb * QK_K + 128 * h;  // first column of the lifetime
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                const int rr = r < rows ? r : rows - 1;
+                if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
+                const int rr = r;
                 const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
                 const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + mt;
                 const int4 xv = XS ? *xp : __ldg(xp);
