@@ -20,6 +20,10 @@
 #            decode's tg128 (not recorded); all right also eager (FERRITE_SPEC_GRAPHS=0),
 #            none right also rolled back by replay (FERRITE_SPEC_REPLAY=1)
 #   spec8b   the same on Qwen3-8B Q4_K_M (no head: scripted drafts only), K = 2, 4
+#   rows     Qwen3-8B and Qwen3.5-9B Q4_K_M: pp of n = 1, 2, 3, 4, 5, 8, 9 tokens (the cost of a
+#            forward of n rows on the few-row decode GEMVs)
+#   trigger  FERRITE_ATTN_TRIGGER 0 / 1 / 2: its qk_norm_rope cases, then tg128 A/B on Qwen3-8B
+#            Q8_0 and Q4_K_M and Qwen3-30B-A3B Q4_K_M, two rounds
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
@@ -142,6 +146,28 @@ for stage in "$@"; do
                 $F bench --model "$f" --label qwen3-8b --reps 2 --prompt-tokens 64 --mtp-depth $k --draft-right $r 2>&1 | tee -a "$OUT/spec.log" | grep -E "tg128|gate"
             done
         done
+        ;;
+    rows)
+        # What a forward of n rows costs (prefill of n tokens: eager, so with its launches) on
+        # the few-row decode GEMVs: the verify of a speculative step and serve's batched steps.
+        for p in qwen3-8b qwen3.5-9b; do
+            f=$(synth $p Q4_K_M | tail -1)
+            for n in 1 2 3 4 5 8 9; do
+                echo "$p rows $n $($F bench --model "$f" --reps 3 --prompt-tokens $n --gen-tokens 2 2>&1 | grep -E "pp$n |rror" | tr '\n' ' ')"
+            done | tee -a "$OUT/rows.txt"
+            rm -f "$f"
+        done
+        ;;
+    trigger)
+        # Where the decode attention lets the o-projection launch (FERRITE_ATTN_TRIGGER:
+        # 0 at its entry, the default; 1 after the key loop; 2 at its exit; ATTENTION.md).
+        $F check --device cuda --filter qk_norm_rope 2>&1 | tail -1
+        for v in 1 2; do FERRITE_ATTN_TRIGGER=$v $F check --device cuda --filter qk_norm_rope 2>&1 | tail -1; done
+        for pq in qwen3-8b:Q8_0 qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M; do
+            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
+            ab_switch FERRITE_ATTN_TRIGGER "0 1 2" "$f" "$pq"
+            rm -f "$f"
+        done | tee "$OUT/trigger-ab.txt"
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)
