@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use ferrite_backend::cpu::CpuBackend;
-use ferrite_backend::Backend;
+use ferrite_backend::{Backend, SeqRows};
 use ferrite_engine::sampler::argmax;
 use ferrite_engine::speculative::{
     plain_greedy, speculative_greedy, Drafter, MtpDrafter, ScriptedDrafter, MAX_DEPTH,
 };
+use ferrite_engine::{Batch, BatchConfig};
 use ferrite_models::{Logits, Model, ModelFile};
 
 use crate::synth::{self, Preset, SynthArgs, SynthQuant};
@@ -233,6 +234,10 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
                 &tokens[..8],
                 &[(4, Some(4)), (4, Some(2))],
             )?);
+            // Serve's batched steps (plain decoders; hybrid models step one sequence at a time).
+            if m.cfg.hybrid.is_none() {
+                lines.push(batch_line(be, &m, &what)?);
+            }
             std::fs::remove_file(&path).ok();
         }
     }
@@ -367,6 +372,133 @@ fn gate3_lines<B: Backend>(
         });
     }
     Ok(lines)
+}
+
+/// Tokens each sequence of [`batch_line`] leaves for its decode-only steps.
+const BATCH_DECODE_TAIL: usize = 4;
+
+/// Serve's batched steps ([`Batch`]: one paged cache for several sequences, prefill chunks
+/// mixed with other sequences' single rows, chunks asking for all their rows' logits as a
+/// prompt-lookup verify does, then decode-only steps, captured as a graph per batch size
+/// where the backend has graphs): every logits row a step returns against the same position
+/// of the sequence alone on the same backend (one prefill over a contiguous cache). On the
+/// CPU bitwise equal (NMSE 0); on CUDA within the e2e tolerances (the alone prefill runs the
+/// tensor-core GEMMs, the batched steps mostly the decode GEMVs).
+fn batch_line<B: Backend>(be: &B, m: &Model<B>, what: &str) -> Result<Line> {
+    const PAGE: usize = 16;
+    const CHUNK: usize = 8;
+    const SEVERAL: usize = 4;
+    let lens = [21usize, 6, 35, 13];
+    let seqs: Vec<Vec<u32>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            (0..n)
+                .map(|p| 100 + ((i * 131 + p * 7919) % 5000) as u32)
+                .collect()
+        })
+        .collect();
+    let alone: Vec<Vec<f32>> = seqs
+        .iter()
+        .map(|toks| -> Result<Vec<f32>> {
+            let mut kv = m.new_kv(be, toks.len())?;
+            let mut ws = m.workspace(be, toks.len(), Logits::All)?;
+            m.run(be, &mut ws, &mut kv, 0, toks, Logits::All)
+        })
+        .collect::<Result<_>>()?;
+    let vocab = m.cfg.vocab;
+    let max_len = lens.iter().copied().max().unwrap_or(1);
+    let n_pages: usize = lens.iter().map(|n| n.div_ceil(PAGE)).sum::<usize>() + 2;
+    let mut batch = Batch::new(
+        be,
+        m,
+        BatchConfig {
+            n_pages,
+            page_size: PAGE,
+            max_pages: max_len.div_ceil(PAGE),
+            max_seqs: seqs.len(),
+            max_rows: seqs.len() * CHUNK,
+            max_logits: seqs.len() * SEVERAL,
+        },
+    )?;
+    let mut next_page = 0u32;
+    let mut pages: Vec<Vec<u32>> = vec![vec![]; seqs.len()];
+    let mut done = vec![0usize; seqs.len()];
+    let (mut test, mut reference) = (Vec::new(), Vec::new());
+    let (mut steps, mut mixed, mut several, mut decode_steps) = (0usize, 0, 0, 0);
+    while done.iter().zip(&lens).any(|(d, n)| d < n) {
+        // Mixed steps until every sequence is down to its tail, then decode only.
+        let decode_only = done
+            .iter()
+            .zip(&lens)
+            .all(|(d, n)| n - d <= BATCH_DECODE_TAIL);
+        let mut plan = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            let left = len - done[i];
+            let (n, l) = if decode_only {
+                if left == 0 {
+                    continue;
+                }
+                (1, 1)
+            } else {
+                if left <= BATCH_DECODE_TAIL || (steps + i) % 4 == 3 {
+                    continue;
+                }
+                let n = (1 + (steps * 5 + i * 3) % CHUNK).min(left - BATCH_DECODE_TAIL);
+                // A lookup verify asks for every row's logits: its token and its drafts.
+                let l = if n > 1 && n <= SEVERAL && (steps + i) % 3 == 0 {
+                    n
+                } else {
+                    1
+                };
+                (n, l)
+            };
+            while pages[i].len() * PAGE < done[i] + n {
+                pages[i].push(next_page);
+                next_page += 1;
+            }
+            plan.push((i, n, l));
+        }
+        mixed += usize::from(plan.iter().any(|p| p.1 > 1) && plan.iter().any(|p| p.1 == 1));
+        several += plan.iter().filter(|p| p.2 > 1).count();
+        decode_steps += usize::from(decode_only);
+        let rows: Vec<SeqRows<'_>> = plan
+            .iter()
+            .map(|&(i, n, l)| SeqRows {
+                tokens: &seqs[i][done[i]..done[i] + n],
+                pos0: done[i],
+                pages: &pages[i],
+                logits: l,
+            })
+            .collect();
+        batch.step(&rows)?;
+        for (k, &(i, n, l)) in plan.iter().enumerate() {
+            let r = batch.rows_of(k)?;
+            anyhow::ensure!(
+                r.len() == l,
+                "sequence {i}: {} logits rows, {l} asked",
+                r.len()
+            );
+            for (row, pos) in r.zip(done[i] + n - l..done[i] + n) {
+                test.extend(batch.logits(row)?);
+                reference.extend_from_slice(&alone[i][pos * vocab..(pos + 1) * vocab]);
+            }
+            done[i] += n;
+        }
+        steps += 1;
+    }
+    let mut line = compare(
+        format!("batch {what}: {} steps vs alone", be.name()),
+        &test,
+        &reference,
+        vocab,
+    );
+    line.ok &= mixed > 0 && several > 0 && decode_steps >= 3;
+    line.detail = format!(
+        "{}; {steps} steps ({mixed} mixed, {decode_steps} decode-only), {several} verify chunks",
+        line.detail
+    );
+    Ok(line)
 }
 
 /// The prefill/decode gate on full-width cuts of the benchmark presets (section 3 of [`run`]).
