@@ -1090,7 +1090,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
         let real = [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)];
         for ty in MAIN_TYPES {
             for &(n_in, n_out) in &real {
-                for rows in [1, 8, 9, 17, 64, 512] {
+                // 3 and 5: padded instantiations (R = 4, 8) at real widths.
+                for rows in [1, 3, 5, 8, 9, 17, 64, 512] {
                     add(Op::Matmul {
                         ty,
                         n_in,
@@ -3634,6 +3635,11 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
         be.add_assign(out2(&mut p.out2)?, &p.a[2])?;
     }
     norm_deferred_untouched(be, op, &p)?;
+    if let Op::Matmul { rows, .. } = op {
+        if (2..=ROW_INVARIANT_ROWS).contains(rows) {
+            matmul_rows_same_as_alone(be, op, &mut p)?;
+        }
+    }
     if let Op::MatmulAdd { .. } = op {
         matmul_add_same_as_composition(be, op, h, &mut p)?;
     }
@@ -3675,6 +3681,39 @@ fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Resu
             },
             v.len()
         );
+    }
+    Ok(())
+}
+
+/// Row counts up to which a matmul must give every row the bits of that row's one-row call:
+/// a speculative verify (K + 1 ≤ 9 rows) and a batched decode step (up to 16 sequences) must
+/// reproduce the decode step's logits exactly, or greedy output with speculation stops being
+/// plain greedy output (gate 3) and a sequence served in a batch stops being the sequence
+/// alone. CUDA's decode GEMVs serve these rows (`GEMV_MAX_ROWS`); on the CPU every row count
+/// is one `dot_many` lane per output.
+const ROW_INVARIANT_ROWS: usize = 16;
+
+/// A matmul of 2..=[`ROW_INVARIANT_ROWS`] rows against each of its rows run alone on the same
+/// backend: bitwise equal (R-invariance of the decode GEMVs; the padded rows of an R-row
+/// instantiation must not reach a real row).
+fn matmul_rows_same_as_alone<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
+    let Op::Matmul {
+        n_in, n_out, rows, ..
+    } = *op
+    else {
+        bail!("matmul_rows_same_as_alone: not a matmul case")
+    };
+    let x = be.to_host(&p.a[0])?;
+    let all = be.to_host(&p.out)?;
+    for r in 0..rows {
+        let x1 = be.from_host(&x[r * n_in..(r + 1) * n_in], 1, n_in)?;
+        let mut o1 = be.zeros(1, n_out)?;
+        be.matmul(&x1, &p.w[0], &mut o1)?;
+        ensure_same_bits(
+            &be.to_host(&o1)?,
+            &all[r * n_out..(r + 1) * n_out],
+            &format!("matmul: row {r} of {rows} differs from the row alone"),
+        )?;
     }
     Ok(())
 }
