@@ -150,6 +150,8 @@ for stage in "$@"; do
     rows)
         # What a forward of n rows costs (prefill of n tokens: eager, so with its launches) on
         # the few-row decode GEMVs: the verify of a speculative step and serve's batched steps.
+        # First the GEMVs alone at the real widths (µs by row count).
+        $F check --device cuda --perf --filter "matmul " 2>&1 | grep -E -- "->(4096|12288|1024) rows=[0-9] " | tee "$OUT/rows-perf.txt"
         for p in qwen3-8b qwen3.5-9b; do
             f=$(synth $p Q4_K_M | tail -1)
             for n in 1 2 3 4 5 8 9; do
