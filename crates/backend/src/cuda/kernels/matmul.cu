@@ -150,8 +150,7 @@ __device__ __forceinline__ void fma4(float (&acc)[R][NW], const float* __restric
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-        const int rr = r;
-        const float4 xv = __ldg((const float4*)(x + (size_t)rr * n_in + e));
+        const float4 xv = __ldg((const float4*)(x + (size_t)r * n_in + e));
 #pragma unroll
         for (int w = 0; w < NW; w++) {
             acc[r][w] = fmaf(wv[w][0], xv.x, acc[r][w]);
@@ -169,8 +168,7 @@ __device__ __forceinline__ void fma1(float (&acc)[R][NW], const float* __restric
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-        const int rr = r;
-        const float xv = __ldg(x + (size_t)rr * n_in + e);
+        const float xv = __ldg(x + (size_t)r * n_in + e);
 #pragma unroll
         for (int w = 0; w < NW; w++) acc[r][w] = fmaf(wv[w], xv, acc[r][w]);
     }
@@ -395,8 +393,7 @@ __device__ __forceinline__ void gemv_lane_norm(const uint8_t* const (&wr)[NW], i
 #pragma unroll
         for (int r = 0; r < R; r++) {
             if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-            const int rr = r;
-            const float4 xv = __ldg((const float4*)(x + (size_t)rr * n_in) + i);
+            const float4 xv = __ldg((const float4*)(x + (size_t)r * n_in) + i);
             ss[r] = fmaf(xv.x, xv.x, ss[r]);
             ss[r] = fmaf(xv.y, xv.y, ss[r]);
             ss[r] = fmaf(xv.z, xv.z, ss[r]);
@@ -1054,12 +1051,11 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-                const int rr = r;
-                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)u * QK;
+                const int8_t* xr = xq + (size_t)r * 2 * n_in + (size_t)u * QK;
                 const int4* xp = (const int4*)xr;
                 const int4* yp = (const int4*)(xr + n_in);
                 const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1), y0 = __ldg(yp), y1 = __ldg(yp + 1);
-                const float2 ds = __ldg(xd + (size_t)rr * nb + u);
+                const float2 ds = __ldg(xd + (size_t)r * nb + u);
                 const uint32_t xv[8] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w,
                                         (uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t yv[8] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w,
@@ -1132,11 +1128,10 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-                const int rr = r;
-                const int8_t* xr = xq + (size_t)rr * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
+                const int8_t* xr = xq + (size_t)r * 2 * n_in + (size_t)s * QK_K + 64 * g + 16 * h;
                 const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 32));
                 const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 32));
-                const float4 ds = __ldg((const float4*)(xd + (size_t)rr * nb + (size_t)s * 8 + 2 * g));
+                const float4 ds = __ldg((const float4*)(xd + (size_t)r * nb + (size_t)s * 8 + 2 * g));
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
@@ -1189,13 +1184,12 @@ __device__ __forceinline__ void gemvq_lane(const uint8_t* const (&wr)[NW], int n
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-                const int rr = r;
                 const int e = s * QK_K + 128 * n + 32 * p + 16 * c;
-                const int8_t* xr = xq + (size_t)rr * 2 * n_in + e;
+                const int8_t* xr = xq + (size_t)r * 2 * n_in + e;
                 const int4 x0 = __ldg((const int4*)xr), x1 = __ldg((const int4*)(xr + 64));
                 const int4 y0 = __ldg((const int4*)(xr + n_in)), y1 = __ldg((const int4*)(xr + n_in + 64));
-                const float dxa = __ldg(xd + (size_t)rr * nb + e / QK).x;
-                const float dxb = __ldg(xd + (size_t)rr * nb + e / QK + 2).x;
+                const float dxa = __ldg(xd + (size_t)r * nb + e / QK).x;
+                const float dxb = __ldg(xd + (size_t)r * nb + e / QK + 2).x;
                 const uint32_t xa[4] = {(uint32_t)x0.x, (uint32_t)x0.y, (uint32_t)x0.z, (uint32_t)x0.w};
                 const uint32_t xb[4] = {(uint32_t)x1.x, (uint32_t)x1.y, (uint32_t)x1.z, (uint32_t)x1.w};
                 const uint32_t ya[4] = {(uint32_t)y0.x, (uint32_t)y0.y, (uint32_t)y0.z, (uint32_t)y0.w};
@@ -1590,10 +1584,9 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-                const int rr = r;
                 // b0 words (k 0..15) or b1 words (k 16..31): one load, masked into each.
-                const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
-                const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 2 * c + t;
+                const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)r * 2 * n_in) + xoff + xs);
+                const float2* dp = xd + (XS ? 0 : (size_t)r * nb) + (size_t)sb * 8 + 2 * c + t;
                 const int4 xv = XS ? *xp : __ldg(xp);
                 const float2 ds = XS ? *dp : __ldg(dp);
                 uint32_t wa[4], wb[4];
@@ -1709,9 +1702,8 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-                const int rr = r;
-                const int8_t* xr = xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs;
-                const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + t;
+                const int8_t* xr = xq + (XS ? 0 : (size_t)r * 2 * n_in) + xoff + xs;
+                const float2* dp = xd + (XS ? 0 : (size_t)r * nb) + (size_t)sb * 8 + 4 * h + t;
                 // b0 words (quads 0..3) or b1 words (quads 4..7), per plane: one unconditional
                 // load of each plane (every lane's 16 columns lie inside the lifetime's 128),
                 // masked into each, as the Q4_K form does (MATMUL.md rounds 11 and 53: the
@@ -1812,9 +1804,8 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (r > 0 && r >= rows) break;  // padded rows: skipped (PAD_ROWS)
-                const int rr = r;
-                const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)rr * 2 * n_in) + xoff + xs);
-                const float2* dp = xd + (XS ? 0 : (size_t)rr * nb) + (size_t)sb * 8 + 4 * h + mt;
+                const int4* xp = (const int4*)(xq + (XS ? 0 : (size_t)r * 2 * n_in) + xoff + xs);
+                const float2* dp = xd + (XS ? 0 : (size_t)r * nb) + (size_t)sb * 8 + 4 * h + mt;
                 const int4 xv = XS ? *xp : __ldg(xp);
                 const float dx = (XS ? *dp : __ldg(dp)).x;
                 uint32_t wa[4], wb[4];
