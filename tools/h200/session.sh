@@ -22,6 +22,8 @@
 #   spec8b   the same on Qwen3-8B Q4_K_M (no head: scripted drafts only), K = 2, 4
 #   rows     Qwen3-8B and Qwen3.5-9B Q4_K_M: pp of n = 1, 2, 3, 4, 5, 8, 9 tokens (the cost of a
 #            forward of n rows on the few-row decode GEMVs)
+#   batch    Qwen3-8B Q4_K_M and Q8_0: bench --batch N (serve's batched decode step) at N = 2, 3,
+#            4, 5, 8, 9, 16 against tg128 alone
 #   trigger  FERRITE_ATTN_TRIGGER 0 / 1 / 2: its qk_norm_rope cases, then tg128 A/B on Qwen3-8B
 #            Q8_0 and Q4_K_M and Qwen3-30B-A3B Q4_K_M, two rounds
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
@@ -157,6 +159,17 @@ for stage in "$@"; do
             for n in 1 2 3 4 5 8 9; do
                 echo "$p rows $n $($F bench --model "$f" --reps 3 --prompt-tokens $n --gen-tokens 2 2>&1 | grep -E "pp$n |rror" | tr '\n' ' ')"
             done | tee -a "$OUT/rows.txt"
+            rm -f "$f"
+        done
+        ;;
+    batch)
+        # serve's batched decode step at N sequences (bench --batch N: tg128-bN, all tokens/s
+        # and the step's % of the roofline) against tg128 alone.
+        for pq in qwen3-8b:Q4_K_M qwen3-8b:Q8_0; do
+            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
+            for n in 2 3 4 5 8 9 16; do
+                echo "$pq $($F bench --model "$f" --reps 2 --prompt-tokens 64 --batch $n 2>&1 | grep -E "tg128|rror" | tr '\n' ' ')"
+            done | tee -a "$OUT/batch.txt"
             rm -f "$f"
         done
         ;;

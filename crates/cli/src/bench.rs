@@ -73,6 +73,14 @@ pub struct BenchArgs {
     /// without a head: all K.
     #[arg(long)]
     pub draft_right: Option<usize>,
+    /// Also time greedy decode of N sequences together (a further test, tg<gen>-b<N>; 0 = off):
+    /// serve's batched step over one paged cache (on a GPU a graph per batch size), each
+    /// sequence from its own first token at --depth, one read of every row's choice a step.
+    /// Reports the tokens of all sequences per second; for dense models also the achieved
+    /// bandwidth of a step (one pass over the weights plus every sequence's cache) and its %
+    /// of the roofline: how close a step of N rows stays to a step of one.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub batch: u32,
 }
 
 /// One measurement, as appended to bench/results.jsonl.
@@ -183,6 +191,7 @@ fn bench_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 /// The KV cache capacity of the tests: `--context`, at least --depth plus the longer test.
 fn bench_context(a: &BenchArgs) -> Result<usize> {
     let need = a.depth + a.prompt_tokens.max(a.gen_tokens + 2 + a.mtp_depth as usize);
+    // (The batched test decodes gen_tokens + 2 positions from --depth: within `need`.)
     let ctx = a.context.unwrap_or(need);
     anyhow::ensure!(
         ctx >= need,
@@ -194,6 +203,82 @@ fn bench_context(a: &BenchArgs) -> Result<usize> {
         a.mtp_depth
     );
     Ok(ctx)
+}
+
+/// Positions per page of the batched test's cache (serve's default page size).
+const BATCH_PAGE: usize = 16;
+
+/// Prompt rows per prefill step of the batched test's fill.
+const BATCH_FILL_CHUNK: usize = 512;
+
+/// Greedy decode of `first.len()` sequences together through serve's batched step
+/// ([`ferrite_engine::Batch`]), each filled with `fill` (untimed) and then fed its first
+/// token; returns every sequence's tokens per second over `gen` steps. The first two steps
+/// (eager, then captured as a graph where the backend has graphs) are not timed.
+fn batched_decode<B: Backend>(
+    be: &B,
+    model: &ferrite_models::Model<B>,
+    ctx: usize,
+    fill: &[u32],
+    first: &[u32],
+    gen: usize,
+) -> Result<f64> {
+    use ferrite_backend::SeqRows;
+    use ferrite_engine::{Batch, BatchConfig};
+    let n = first.len();
+    let per_seq = ctx.div_ceil(BATCH_PAGE);
+    let mut batch = Batch::new(
+        be,
+        model,
+        BatchConfig {
+            n_pages: n * per_seq,
+            page_size: BATCH_PAGE,
+            max_pages: per_seq,
+            max_seqs: n,
+            max_rows: n.max(fill.len().min(BATCH_FILL_CHUNK)),
+            max_logits: n,
+        },
+    )?;
+    let pages: Vec<Vec<u32>> = (0..n)
+        .map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect())
+        .collect();
+    for p in &pages {
+        for (c, chunk) in fill.chunks(BATCH_FILL_CHUNK).enumerate() {
+            batch.step(&[SeqRows {
+                tokens: chunk,
+                pos0: c * BATCH_FILL_CHUNK,
+                pages: p,
+                logits: 1,
+            }])?;
+        }
+    }
+    let mut cur = first.to_vec();
+    let mut pos = fill.len();
+    let step = |batch: &mut Batch<'_, B>, cur: &mut Vec<u32>, pos: &mut usize| -> Result<()> {
+        let rows: Vec<SeqRows<'_>> = (0..n)
+            .map(|i| SeqRows {
+                tokens: std::slice::from_ref(&cur[i]),
+                pos0: *pos,
+                pages: &pages[i],
+                logits: 1,
+            })
+            .collect();
+        batch.step(&rows)?;
+        let next = (0..n)
+            .map(|i| batch.greedy(i))
+            .collect::<Result<Vec<_>>>()?;
+        *cur = next;
+        *pos += 1;
+        Ok(())
+    };
+    for _ in 0..2 {
+        step(&mut batch, &mut cur, &mut pos)?;
+    }
+    let t0 = Instant::now();
+    for _ in 0..gen {
+        step(&mut batch, &mut cur, &mut pos)?;
+    }
+    Ok((n * gen) as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// Decode steps of the check that greedy decoding fed on the device gives the host loop's
@@ -231,6 +316,11 @@ fn bench_on<B: Backend>(
             }
         };
     let head = loaded && a.draft_right.is_none();
+    anyhow::ensure!(
+        a.batch == 0 || model.cfg.hybrid.is_none(),
+        "--batch: hybrid (linear-attention) models step one sequence at a time in `serve`; \
+         there is no batched step to time"
+    );
     let model = model;
     let cfg = model.cfg.clone();
     if ctx > cfg.max_ctx {
@@ -312,9 +402,28 @@ fn bench_on<B: Backend>(
     let mut sp = Vec::new();
     let mut spec_stats = ferrite_engine::SpecStats::default();
 
+    let n_batch = a.batch as usize;
+    // The batched test's first tokens: the decode test's, then others from the prompt.
+    let batch_first: Vec<u32> = (0..n_batch)
+        .map(|i| {
+            prompt[i % prompt.len()].wrapping_add((i / prompt.len()) as u32) % cfg.vocab as u32
+        })
+        .collect();
+    let mut bt = Vec::new();
+
     let mut pp = Vec::new();
     let mut tg = Vec::new();
     for _ in 0..a.reps {
+        if n_batch > 0 {
+            bt.push(batched_decode(
+                be,
+                &model,
+                ctx,
+                &fill,
+                &batch_first,
+                a.gen_tokens,
+            )?);
+        }
         if spec_depth > 0 {
             use ferrite_engine::speculative::{Drafter, MtpDrafter, ScriptedDrafter};
             let mut scripted = ScriptedDrafter {
@@ -391,6 +500,7 @@ fn bench_on<B: Backend>(
     }
     let (pp, tg) = (median(pp), median(tg));
     let sp = (spec_depth > 0).then(|| median(sp));
+    let bt = (n_batch > 0).then(|| median(bt));
     let vram_used_gib = be
         .device_memory()
         .map(|(used, _)| used as f64 / (1u64 << 30) as f64);
@@ -479,6 +589,26 @@ fn bench_on<B: Backend>(
         ..records[1].clone()
     });
     records.extend(spec_record);
+    // The batched test's record: all sequences' tokens per second; a step reads the weights
+    // once and every sequence's cache (dense models: a MoE step's experts depend on the rows'
+    // routing, so its bytes are not known here).
+    let batch_record = bt.map(|bt| {
+        let steps = bt / n_batch as f64;
+        let bytes_step = (cfg.moe.is_none()).then(|| weight_bytes + n_batch as u64 * kv_bytes);
+        Record {
+            test: format!("tg{}-b{n_batch}", a.gen_tokens),
+            tokens_per_s: bt,
+            achieved_gb_s: bytes_step.map(|b| steps * b as f64 / 1e9),
+            roofline_pct: bytes_step.map(|b| 100.0 * steps * b as f64 / bw),
+            bytes_per_token: None,
+            decode_loop: Some(format!(
+                "batched, {n_batch} sequences a step (serve's step), every row's greedy choice \
+                 read a step"
+            )),
+            ..records[1].clone()
+        }
+    });
+    records.extend(batch_record);
     if a.json {
         for r in &records {
             println!("{}", serde_json::to_string(r)?);

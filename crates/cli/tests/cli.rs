@@ -401,6 +401,8 @@ fn synth_tiny_model_runs() {
         "12",
         "--gate-tokens",
         "4",
+        "--batch",
+        "3",
         "--json",
     ]);
     std::fs::remove_file(&path).ok();
@@ -415,5 +417,19 @@ fn synth_tiny_model_runs() {
     assert!(
         stdout.contains(r#""test":"tg12""#) && stdout.contains(r#""decode_loop":"fed 8""#),
         "{stdout}"
+    );
+    // --batch 3: three sequences in serve's batched step, with their step's bandwidth.
+    let batched: serde_json::Value = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|r| r["test"] == "tg12-b3")
+        .unwrap_or_else(|| panic!("no tg12-b3 record: {stdout}"));
+    assert!(
+        batched["tokens_per_s"].as_f64().is_some_and(|t| t > 0.0),
+        "{batched}"
+    );
+    assert!(
+        batched["roofline_pct"].as_f64().is_some_and(|p| p > 0.0),
+        "{batched}"
     );
 }
