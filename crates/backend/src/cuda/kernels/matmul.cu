@@ -1888,6 +1888,199 @@ __device__ __forceinline__ void tc_norm_scale(const float* __restrict__ pss, int
 
 // EMU_TC_END
 
+// ---------------------------------------------------------------------------------------
+// 1f. The token-major Q4_K GEMV on integer sub-block scales (an experiment: MATMUL.md round 78;
+//     `FERRITE_GEMV_TM=1` runs it for plain Q4_K matmuls of up to 16 rows)
+//
+// The decode GEMVs above spend the MMA's N dimension on a row's sub-blocks, so every x row
+// repeats the tile's MMAs, its x loads and a float epilogue per sub-block (MATMUL.md, "The
+// few-row GEMVs"). Here N is the tokens (x rows), and the float work is once per super-block:
+//  - x: `quant_x_q8s`, one warp per 256 columns of a row (lane l: columns 8 l .. 8 l + 7):
+//    the two int8 planes of `quant_q8_lane` (v ~ d (127 hi + lo), d = amax / 127^2) with
+//    amax over the 256 columns, d at xs[row][block], and per 32 columns the integer
+//    sum of 127 hi + lo at xsum[row][sub-block] (the min term's).
+//  - A block of TM_WARPS warps owns 16 output rows (one m16 tile); warp w takes super-blocks
+//    w, w + TM_WARPS, ... Per super-block and sub-block j: the 16 rows' 32 nibbles as the u8
+//    A operand (lane (g, t): rows g and g + 8, qs bytes 8 t .. 8 t + 7 of the sub-block's
+//    32-byte run: one 8-byte load a row serves sub-blocks 2 p and 2 p + 1 as its low and high
+//    nibbles; the K order inside an MMA is any order A and B share), one MMA with x's hi
+//    plane and one with its lo plane as B (column n: token 8 nt + n, the same 8 bytes of its
+//    row), and the int32 sums scaled by the row's 6-bit scale into integer accumulators:
+//    hi and lo apart (Σ_j sc_j S_j ≤ 63 · 15 · 127 · 256 ≈ 3.1e7; 127 hi + lo would not fit).
+//    The mins: Σ_j m_j xsum_j, integers. Then per (row, token) once a super-block:
+//    acc += dx d (127 HI + LO) − dx dmin M, in floats.
+//  - Bytes: the weights once (144 a row and super-block) whatever the row count; per
+//    super-block a warp issues 16 MMAs a token tile and ~100 integer operations, against the
+//    one-row tile's 8 MMAs a token (MATMUL.md round 78 for the count and the measurement).
+//  - Bits: each (row, token) output is the same operations in the same order for every row
+//    count R (a token's tile only picks which B column it is), so verify rows keep decode's
+//    bits; they are not the other GEMVs' bits (x scaled per 256, not per 32).
+// EMU_TM_BEGIN (host emulation: tests/gemv_tm_emu.rs)
+#define TM_WARPS 4
+
+// Sub-block j's 6-bit scale and min from a Q4_K super-block's 12 scale bytes q (ggml's
+// get_scale_min_k4).
+__device__ __forceinline__ void tm_scale_min(const uint8_t* q, int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// One warp: 256-column block `blk` of x row `row` into the planes (hi at xq[row][2 n_in],
+// lo n_in after it), its scale and its 8 sub-block sums.
+__device__ __forceinline__ void tm_quant_block(const float* __restrict__ x, int n_in, int row, int blk,
+                                               int8_t* __restrict__ xq, float* __restrict__ xs,
+                                               int* __restrict__ xsum) {
+    const int lane = threadIdx.x & 31;
+    const float* xb = x + (size_t)row * n_in + (size_t)blk * QK_K + 8 * lane;
+    float v[8];
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        v[i] = xb[i];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float d1 = amax / 127.0f, d = d1 / 127.0f;
+    int8_t* hr = xq + (size_t)row * 2 * n_in + (size_t)blk * QK_K + 8 * lane;
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int hi = 0, lo = 0;
+        if (amax > 0.0f) {
+            hi = (int)rintf(v[i] * (127.0f / amax));
+            lo = (int)rintf((v[i] - (float)hi * d1) / d);
+            lo = lo > 127 ? 127 : (lo < -127 ? -127 : lo);
+        }
+        hr[i] = (int8_t)hi;
+        hr[n_in + i] = (int8_t)lo;
+        s += 127 * hi + lo;
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if ((lane & 3) == 0) xsum[(size_t)row * (n_in / QK) + (size_t)blk * 8 + (lane >> 2)] = s;
+    if (lane == 0) xs[(size_t)row * (n_in / QK_K) + blk] = amax > 0.0f ? d : 0.0f;
+}
+
+// The 16 output rows o0 .. o0 + 15 of a [n_out, n_in] Q4_K weight W (rows rb bytes apart)
+// for x rows 0 .. rows - 1 (rows <= R; R a multiple of 8), into out[token][n_out].
+template <int R>
+__device__ __forceinline__ void gemv_tm_q4k(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                            const int8_t* __restrict__ xq, const float* __restrict__ xs,
+                                            const int* __restrict__ xsum, int rows, float* __restrict__ out,
+                                            int o0) {
+    constexpr int NT = R / 8;  // token tiles
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row_a = min(o0 + g, n_out - 1), row_b = min(o0 + g + 8, n_out - 1);
+    const uint8_t* wa = W + (size_t)row_a * (size_t)rb;
+    const uint8_t* wb = W + (size_t)row_b * (size_t)rb;
+    const int nsb = n_in / QK_K, nb = n_in / QK;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int sb = warp; sb < nsb; sb += TM_WARPS) {
+        const uint8_t* ba = wa + (size_t)sb * Q4_K_BYTES;
+        const uint8_t* bb = wb + (size_t)sb * Q4_K_BYTES;
+        int sca[8], ma[8], scb[8], mb[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            tm_scale_min(ba + 4, j, sca[j], ma[j]);
+            tm_scale_min(bb + 4, j, scb[j], mb[j]);
+        }
+        int hs[NT][4], ls[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) hs[nt][q] = ls[nt][q] = 0;
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const uint2 qa = *(const uint2*)(ba + 16 + 32 * p + 8 * t);
+            const uint2 qb = *(const uint2*)(bb + 16 + 32 * p + 8 * t);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {  // low nibbles: sub-block 2 p; high: 2 p + 1
+                const int j = 2 * p + h;
+                const uint32_t a0 = (qa.x >> (4 * h)) & 0x0F0F0F0Fu, a1 = (qb.x >> (4 * h)) & 0x0F0F0F0Fu;
+                const uint32_t a2 = (qa.y >> (4 * h)) & 0x0F0F0F0Fu, a3 = (qb.y >> (4 * h)) & 0x0F0F0F0Fu;
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const int tok = min(8 * nt + g, rows - 1);
+                    const int8_t* xr = xq + (size_t)tok * 2 * n_in + (size_t)sb * QK_K + 32 * j + 8 * t;
+                    const uint2 xh = *(const uint2*)xr, xl = *(const uint2*)(xr + n_in);
+                    int ch[4] = {0, 0, 0, 0}, cl[4] = {0, 0, 0, 0};
+                    tc_mma(ch, a0, a1, a2, a3, xh.x, xh.y);
+                    tc_mma(cl, a0, a1, a2, a3, xl.x, xl.y);
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const int sc = q < 2 ? sca[j] : scb[j];
+                        hs[nt][q] += sc * ch[q];
+                        ls[nt][q] += sc * cl[q];
+                    }
+                }
+            }
+        }
+        const float da = h2f(*(const uint16_t*)ba), dma = h2f(*(const uint16_t*)(ba + 2));
+        const float db = h2f(*(const uint16_t*)bb), dmb = h2f(*(const uint16_t*)(bb + 2));
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int tok = min(8 * nt + 2 * t + (q & 1), rows - 1);
+                const int* xsr = xsum + (size_t)tok * nb + (size_t)sb * 8;
+                int m = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) m += (q < 2 ? ma[j] : mb[j]) * xsr[j];
+                const float dx = xs[(size_t)tok * nsb + sb];
+                const long long s = 127LL * hs[nt][q] + ls[nt][q];
+                const float d = q < 2 ? da : db, dm = q < 2 ? dma : dmb;
+                acc[nt][q] = fmaf(dx * d, (float)s, fmaf(-(dx * dm), (float)m, acc[nt][q]));
+            }
+    }
+    // The warps' partials added in warp order.
+    __shared__ float red[TM_WARPS][NT][16][8];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) red[warp][nt][g + 8 * (q >> 1)][2 * t + (q & 1)] = acc[nt][q];
+    __syncthreads();
+    for (int i = threadIdx.x; i < NT * 128; i += blockDim.x) {
+        const int nt = i / 128, r = (i / 8) % 16, c = i % 8;
+        const int tok = 8 * nt + c, o = o0 + r;
+        float v = red[0][nt][r][c];
+#pragma unroll
+        for (int w = 1; w < TM_WARPS; w++) v += red[w][nt][r][c];
+        if (tok < rows && o < n_out) out[(size_t)tok * n_out + o] = v;
+    }
+}
+// EMU_TM_END
+
+// x rows into the planes, scales and sums of gemv_tm_q4k: one warp per 256 columns of a row.
+extern "C" __global__ void __launch_bounds__(TM_WARPS * 32)
+    quant_x_q8s(const float* __restrict__ x, int rows, int n_in, int8_t* __restrict__ xq, float* __restrict__ xs,
+                int* __restrict__ xsum) {
+    PDL_ENTRY();
+    const int nsb = n_in / QK_K;
+    const long long w = (long long)blockIdx.x * TM_WARPS + (threadIdx.x >> 5);
+    if (w >= (long long)rows * nsb) return;  // whole warp
+    tm_quant_block(x, n_in, (int)(w / nsb), (int)(w % nsb), xq, xs, xsum);
+}
+
+#define GEMV_TM_KERNEL(R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(TM_WARPS * 32)                                                \
+        gemv_tm_q4k_r##R(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                    \
+                         const int8_t* __restrict__ xq, const float* __restrict__ xs,                         \
+                         const int* __restrict__ xsum, int rows, float* __restrict__ out) {                   \
+        PDL_ENTRY();                                                                                           \
+        gemv_tm_q4k<R>(W, rb, n_out, n_in, xq, xs, xsum, rows, out, blockIdx.x * 16);                          \
+    }
+GEMV_TM_KERNEL(8)
+GEMV_TM_KERNEL(16)
+
 // A block's ticket after it has written its share of some outputs: adds `n` to *t and sets
 // *last (shared) where that completes `total`. The block barrier orders every thread's writes
 // before thread 0's fence (cumulative) and atomic; in the last block, thread 0's fence after
