@@ -24,6 +24,8 @@
 #            forward of n rows on the few-row decode GEMVs)
 #   batch    Qwen3-8B Q4_K_M and Q8_0: bench --batch N (serve's batched decode step) at N = 2, 3,
 #            4, 5, 8, 9, 16 against tg128 alone
+#   tm       the token-major Q4_K GEMV (FERRITE_GEMV_TM=1): its matmul check cases, then check
+#            --perf of the Q4_K matmuls with it off and on
 #   trigger  FERRITE_ATTN_TRIGGER 0 / 1 / 2: its qk_norm_rope cases, then tg128 A/B on Qwen3-8B
 #            Q8_0 and Q4_K_M and Qwen3-30B-A3B Q4_K_M, two rounds
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
@@ -172,6 +174,16 @@ for stage in "$@"; do
             done | tee -a "$OUT/batch.txt"
             rm -f "$f"
         done
+        ;;
+    tm)
+        # The token-major Q4_K GEMV (FERRITE_GEMV_TM=1, MATMUL.md round 78): its check (the
+        # plain Q4_K matmul cases, with the row-invariance assertion), then µs by row count
+        # at the real widths against the default GEMVs.
+        FERRITE_GEMV_TM=1 $F check --device cuda --filter "matmul q4_K" 2>&1 | tee "$OUT/check-tm.log" | tail -2
+        for v in 0 1; do
+            echo "FERRITE_GEMV_TM=$v"
+            FERRITE_GEMV_TM=$v $F check --device cuda --perf --filter "matmul q4_K" 2>&1 | grep -E -- "->(4096|12288|1024) rows=([1-9]|1[0-6]) "
+        done | tee "$OUT/tm-perf.txt"
         ;;
     trigger)
         # Where the decode attention lets the o-projection launch (FERRITE_ATTN_TRIGGER:

@@ -200,6 +200,11 @@ pub struct Kernels {
     pub(crate) moe_down_prefetch: bool,
     /// x f32 → int8 blocks of 32 with (scale, scaled sum), run before the quantized GEMV.
     quant_x: CudaFunction,
+    /// The token-major Q4_K GEMV (matmul.cu section 1f, MATMUL.md round 78) for plain Q4_K
+    /// matmuls of up to GEMV_MAX_ROWS rows where `FERRITE_GEMV_TM=1` (an experiment: off by
+    /// default), and its scratch.
+    tm: Option<TmKernels>,
+    tm_scratch: Mutex<Option<TmScratch>>,
     /// `quant_x_q8`'s `early` argument: 1 (unless `FERRITE_QX_EARLY=0`), the GEMV after it
     /// launched before its own wait (MATMUL.md round 25).
     quant_x_early: i32,
@@ -665,6 +670,18 @@ impl Kernels {
             gemvq_moe_shared,
             moe_down_prefetch: switches::int_or("FERRITE_MOE_PF", 1) != 0,
             quant_x: function(&m, "quant_x_q8")?,
+            tm: if switches::int_or("FERRITE_GEMV_TM", 0) != 0 {
+                Some(TmKernels {
+                    quant: function(&m, "quant_x_q8s")?,
+                    gemv: [
+                        function(&m, "gemv_tm_q4k_r8")?,
+                        function(&m, "gemv_tm_q4k_r16")?,
+                    ],
+                })
+            } else {
+                None
+            },
+            tm_scratch: Mutex::new(None),
             quant_x_early: i32::from(switches::int_or("FERRITE_QX_EARLY", 1) != 0),
             bulk,
             one_wave: bulk && one_wave != 0,
@@ -1042,6 +1059,16 @@ pub fn matmul(
         return Ok(());
     }
 
+    if let Some(tm) = &be.matmul.tm {
+        if rows <= GEMV_MAX_ROWS
+            && w.dtype == GgmlType::Q4K
+            && n_out > F32_SMALL_OUT
+            && n_in % QK_K == 0
+        {
+            return tm_launch(be, tm, x, w, out);
+        }
+    }
+
     if rows <= GEMV_MAX_ROWS && uses_gemvq(w, rows) {
         let xq = quantize_x(be, x)?;
         let xq = xq
@@ -1074,6 +1101,104 @@ pub fn matmul(
         return Ok(());
     }
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
+}
+
+/// Columns of a Q4_K super-block (one x scale of the token-major GEMV).
+const QK_K: usize = 256;
+
+/// `quant_x_q8s` and `gemv_tm_q4k_r8` / `_r16` ([`tm_launch`]).
+struct TmKernels {
+    quant: CudaFunction,
+    gemv: [CudaFunction; 2],
+}
+
+/// x as the token-major GEMV reads it (`quant_x_q8s`): the two int8 planes per row, a scale
+/// per 256 columns, an integer sum per 32; sized for GEMV_MAX_ROWS rows of `cap` columns.
+struct TmScratch {
+    q: CudaSlice<i8>,
+    s: CudaSlice<f32>,
+    sum: CudaSlice<i32>,
+    cap: usize,
+    retired: Vec<TmScratch>,
+}
+
+impl Grown for TmScratch {
+    fn retired(&mut self) -> &mut Vec<Self> {
+        &mut self.retired
+    }
+}
+
+/// The token-major Q4_K GEMV (`FERRITE_GEMV_TM=1`; matmul.cu section 1f): x quantized with
+/// one scale per 256 columns, then one launch of 16-row tiles whose MMAs take up to 8 (R = 8)
+/// or 16 (R = 16) x rows as their N columns. Shapes checked by [`matmul`].
+fn tm_launch(
+    be: &CudaBackend,
+    tm: &TmKernels,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    let (rows, n_in, n_out) = (x.rows, x.cols, w.shape[0]);
+    let mut guard = lock_grown(
+        &be.matmul.tm_scratch,
+        "token-major GEMV",
+        |s: &TmScratch| s.cap >= n_in,
+        || {
+            Ok(TmScratch {
+                q: be.stream.alloc_zeros::<i8>(2 * GEMV_MAX_ROWS * n_in)?,
+                s: be.stream.alloc_zeros::<f32>(GEMV_MAX_ROWS * n_in / QK_K)?,
+                sum: be.stream.alloc_zeros::<i32>(GEMV_MAX_ROWS * n_in / 32)?,
+                cap: n_in,
+                retired: Vec::new(),
+            })
+        },
+    )?;
+    let sc = guard
+        .as_mut()
+        .ok_or_else(|| anyhow!("matmul: token-major scratch missing"))?;
+    let (rows_i, n_in_i, n_out_i) = (rows as i32, n_in as i32, n_out as i32);
+    let rb = w.row_bytes() as i64;
+    let warps = rows * n_in / QK_K;
+    // SAFETY: x holds rows × n_in floats (checked by matmul); the scratch holds GEMV_MAX_ROWS
+    // ≥ rows rows of n_in columns: planes 2·n_in bytes a row, n_in / 256 scales and n_in / 32
+    // sums; one warp per 256 columns of a row.
+    unsafe {
+        be.stream
+            .kernel(&tm.quant)
+            .arg(&x.buf)
+            .arg(&rows_i)
+            .arg(&n_in_i)
+            .arg(&mut sc.q)
+            .arg(&mut sc.s)
+            .arg(&mut sc.sum)
+            .launch(LaunchConfig {
+                grid_dim: (warps.div_ceil(4) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })
+    }?;
+    let func = &tm.gemv[usize::from(rows > 8)];
+    // SAFETY: W holds n_out rows of rb bytes (checked by matmul); the kernel reads the
+    // scratch's first `rows` rows and writes rows × n_out floats of out; 16 rows a block.
+    unsafe {
+        be.stream
+            .kernel(func)
+            .arg(&w.data)
+            .arg(&rb)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(&sc.q)
+            .arg(&sc.s)
+            .arg(&sc.sum)
+            .arg(&rows_i)
+            .arg(&mut out.buf)
+            .launch(LaunchConfig {
+                grid_dim: (n_out.div_ceil(16) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })
+    }?;
+    Ok(())
 }
 
 /// Whether a matmul of a `t` weight with `n_out` outputs on `rows` rows runs the

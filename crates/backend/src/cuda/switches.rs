@@ -70,6 +70,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "one-row decode: the attention input's RMSNorm handed from the down projection to the grouped Q, K, V launch: 2 (default) by the K-split Q4_K tile's pair tickets (MATMUL.md round 42; the lane code's group tickets, round 43, lost), 0 off",
     ),
     (
+        "FERRITE_GEMV_TM",
+        Accepts::OneOf(&[0, 1]),
+        "1: plain Q4_K matmuls of up to 16 rows on the token-major GEMV with integer sub-block scales (x scaled per 256 columns; an experiment, MATMUL.md round 78); 0 (default) the decode GEMVs",
+    ),
+    (
         "FERRITE_QX_EARLY",
         Accepts::OneOf(&[0, 1]),
         "quant_x_q8 lets the GEMV after it launch before its own wait (MATMUL.md round 25)",
