@@ -22,10 +22,12 @@
 #define QK 32
 #define QK_K 256
 #define Q4_K_BYTES 144
+#define Q5_K_BYTES 176
 
 #include "mma.h"
 #include "rng.h"
 #include "tm.cuh"
+#include "q4k_ref.h"  // scale_min: ggml's get_scale_min_k4, the reference's own
 
 static const uint32_t POISON = 0x7fc0dead;
 
@@ -99,16 +101,6 @@ static void quantize(int rows) {
         }
 }
 
-static void scale_min(const uint8_t* q, int j, int& sc, int& m) {
-    if (j < 4) {
-        sc = q[j] & 63;
-        m = q[j + 4] & 63;
-    } else {
-        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 // Row o of W against x row r, in double, from the planes, scales and sums the kernel reads.
 static double ref(int o, int r) {
     const int n = S.n_in, nsb = n / QK_K;
@@ -120,7 +112,7 @@ static double ref(int o, int r) {
         const double dx = S.xs[(size_t)r * nsb + sb];
         for (int j = 0; j < 8; j++) {
             int sc, m;
-            scale_min(b + 4, j, sc, m);
+            scale_min(j, b + 4, sc, m);
             long long s = 0;
             for (int k = 0; k < 32; k++) {
                 const uint8_t qb = b[16 + 32 * (j / 2) + k];
