@@ -3637,7 +3637,7 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     norm_deferred_untouched(be, op, &p)?;
     if let Op::Matmul { rows, .. } = op {
         if (2..=ROW_INVARIANT_ROWS).contains(rows) {
-            matmul_rows_same_as_alone(be, op, &mut p)?;
+            matmul_rows_same_as_alone(be, op, &p)?;
         }
     }
     if let Op::MatmulAdd { .. } = op {
@@ -3696,7 +3696,7 @@ const ROW_INVARIANT_ROWS: usize = 16;
 /// A matmul of 2..=[`ROW_INVARIANT_ROWS`] rows against each of its rows run alone on the same
 /// backend: bitwise equal (R-invariance of the decode GEMVs; the padded rows of an R-row
 /// instantiation must not reach a real row).
-fn matmul_rows_same_as_alone<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
+fn matmul_rows_same_as_alone<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Result<()> {
     let Op::Matmul {
         n_in, n_out, rows, ..
     } = *op
