@@ -432,4 +432,38 @@ fn synth_tiny_model_runs() {
         batched["roofline_pct"].as_f64().is_some_and(|p| p > 0.0),
         "{batched}"
     );
+
+    // A hybrid model has no batched step: --batch is refused with the reason, nothing timed.
+    let hybrid = tmp("bench-batch-hybrid.gguf");
+    let out = ferrite(&[
+        "synth",
+        "--preset",
+        "tiny-qwen3.5",
+        "--quant",
+        "Q8_0",
+        "--output",
+        hybrid.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ferrite(&[
+        "bench",
+        "--model",
+        hybrid.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--reps",
+        "1",
+        "--prompt-tokens",
+        "4",
+        "--gen-tokens",
+        "2",
+        "--batch",
+        "2",
+    ]);
+    std::fs::remove_file(&hybrid).ok();
+    assert_clean_error(&out, "--batch: hybrid (linear-attention) models");
 }
