@@ -1,5 +1,6 @@
 //! Host emulation of the token-major Q4_K GEMV (`tm_quant_block` and `gemv_tm_q4k` in
-//! `kernels/matmul.cu`, the section between its EMU_TM markers): compiled unchanged with g++
+//! `kernels/matmul.cu`, the section between its EMU_TM markers, with common.cuh's EMU_SM
+//! scale decode): compiled unchanged with g++
 //! (`gemv_tm_emu/harness.cpp` on `emu/fibers.h`, mma.sync m16n8k32 emulated) and run on random
 //! Q4_K rows and x rows with outliers. Checks the quantization (planes within half a step, the
 //! sub-block sums), each output against a double-precision sum over the same integers and
@@ -13,10 +14,13 @@ mod emu;
 #[test]
 fn token_major_gemv_emulated_matches_reference() {
     const SRC: &str = include_str!("../src/cuda/kernels/matmul.cu");
+    const COMMON: &str = include_str!("../src/cuda/kernels/common.cuh");
     let tm = emu::section(SRC, "// EMU_TM_BEGIN", "// EMU_TM_END");
+    let sm = emu::section(COMMON, "// EMU_SM_BEGIN", "// EMU_SM_END");
     let Some(exe) = emu::build(
         "gemv-tm-emu",
         &[
+            ("sm.cuh", sm),
             ("tm.cuh", tm),
             ("harness.cpp", include_str!("gemv_tm_emu/harness.cpp")),
         ],

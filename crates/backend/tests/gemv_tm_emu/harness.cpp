@@ -26,6 +26,7 @@
 
 #include "mma.h"
 #include "rng.h"
+#include "sm.cuh"  // common.cuh's scale_min_k4_int
 #include "tm.cuh"
 #include "q4k_ref.h"  // scale_min: ggml's get_scale_min_k4, the reference's own
 

@@ -50,15 +50,26 @@ __device__ __forceinline__ float bf16_at(const uint8_t* p) {
     return __uint_as_float(u);
 }
 
-// ggml's get_scale_min_k4: 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block.
-__device__ __forceinline__ void scale_min_k4(int j, const uint8_t* s, float* sc, float* m) {
+// EMU_SM_BEGIN (host emulation: tests/gemv_tm_emu.rs)
+// ggml's get_scale_min_k4: 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block
+// (s: its 12 scale bytes).
+__device__ __forceinline__ void scale_min_k4_int(int j, const uint8_t* s, int& sc, int& m) {
     if (j < 4) {
-        *sc = (float)(s[j] & 63);
-        *m = (float)(s[j + 4] & 63);
+        sc = s[j] & 63;
+        m = s[j + 4] & 63;
     } else {
-        *sc = (float)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
-        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
+}
+// EMU_SM_END
+
+// The same as floats (exact: at most 63).
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t* s, float* sc, float* m) {
+    int si, mi;
+    scale_min_k4_int(j, s, si, mi);
+    *sc = (float)si;
+    *m = (float)mi;
 }
 
 // Element i of a row stored as `type` (row points at the row's first byte).

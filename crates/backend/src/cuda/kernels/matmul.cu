@@ -1918,18 +1918,6 @@ __device__ __forceinline__ void tc_norm_scale(const float* __restrict__ pss, int
 // EMU_TM_BEGIN (host emulation: tests/gemv_tm_emu.rs)
 #define TM_WARPS 4
 
-// Sub-block j's 6-bit scale and min from a Q4_K super-block's 12 scale bytes q (ggml's
-// get_scale_min_k4).
-__device__ __forceinline__ void tm_scale_min(const uint8_t* q, int j, int& sc, int& m) {
-    if (j < 4) {
-        sc = q[j] & 63;
-        m = q[j + 4] & 63;
-    } else {
-        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 // One warp: 256-column block `blk` of x row `row` into the planes (hi at xq[row][2 n_in],
 // lo n_in after it), its scale and its 8 sub-block sums.
 __device__ __forceinline__ void tm_quant_block(const float* __restrict__ x, int n_in, int row, int blk,
@@ -1990,8 +1978,8 @@ __device__ __forceinline__ void gemv_tm_q4k(const uint8_t* __restrict__ W, long 
         int sca[8], ma[8], scb[8], mb[8];
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            tm_scale_min(ba + 4, j, sca[j], ma[j]);
-            tm_scale_min(bb + 4, j, scb[j], mb[j]);
+            scale_min_k4_int(j, ba + 4, sca[j], ma[j]);
+            scale_min_k4_int(j, bb + 4, scb[j], mb[j]);
         }
         int hs[NT][4], ls[NT][4];
 #pragma unroll
