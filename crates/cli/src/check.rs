@@ -3689,9 +3689,9 @@ fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Resu
 /// a speculative verify (K + 1 ≤ 9 rows) and a batched decode step (up to 16 sequences) must
 /// reproduce the decode step's logits exactly, or greedy output with speculation stops being
 /// plain greedy output (gate 3) and a sequence served in a batch stops being the sequence
-/// alone. CUDA's decode GEMVs serve these rows (`GEMV_MAX_ROWS`); on the CPU every row count
-/// is one `dot_many` lane per output.
-const ROW_INVARIANT_ROWS: usize = 16;
+/// alone. CUDA's decode GEMVs serve these rows; on the CPU every row count is one `dot_many`
+/// lane per output.
+const ROW_INVARIANT_ROWS: usize = GEMV_MAX_ROWS;
 
 /// A matmul of 2..=[`ROW_INVARIANT_ROWS`] rows against each of its rows run alone on the same
 /// backend: bitwise equal (R-invariance of the decode GEMVs; the padded rows of an R-row

@@ -17,6 +17,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig,
 };
+use ferrite_formats::quant::k_quants::QK_K;
 use ferrite_formats::GgmlType;
 
 use super::launch::{KernelArg, LaunchExt};
@@ -1103,9 +1104,6 @@ pub fn matmul(
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
 }
 
-/// Columns of a Q4_K super-block (one x scale of the token-major GEMV).
-const QK_K: usize = 256;
-
 /// `quant_x_q8s` and `gemv_tm_q4k_r8` / `_r16` ([`tm_launch`]).
 struct TmKernels {
     quant: CudaFunction,
@@ -1680,9 +1678,8 @@ const TCK_MAX_SPLITS: usize = 8;
 /// 210-byte super-blocks: multiples of 8); None where it does not apply (one slice, too many,
 /// or misaligned).
 fn tck_split(t: GgmlType, n_in: usize, max_cols: usize) -> Option<(usize, usize)> {
-    // Columns per super-block; super-blocks per 16-byte aligned slice start (Q4_K's are 144
-    // bytes, Q6_K's 210: 16 divides 8 x 210).
-    const QK_K: usize = 256;
+    // Super-blocks per 16-byte aligned slice start (Q4_K's are 144 bytes, Q6_K's 210: 16
+    // divides 8 x 210).
     let align = match t {
         // Q8_0: 8 blocks of 34 bytes, 272 (16 x 17).
         GgmlType::Q4K | GgmlType::Q8_0 => 1,
