@@ -69,6 +69,10 @@ pub struct CpuKv {
     /// Per linear layer: the recurrent state, `[n_v_heads, k_head_dim, v_head_dim]`.
     delta: Vec<Vec<f32>>,
     delta_shape: Option<DeltaShape>,
+    /// Linear-attention states per layer: 1 for one sequence's cache, the pool's size for a
+    /// pooled one ([`Backend::kv_new_paged_hybrid`]); `conv[l]` and `delta[l]` hold them
+    /// one after another.
+    state_slots: usize,
     /// Snapshot slots ([`Backend::kv_snapshots`]): per slot a copy of `conv` and `delta`.
     snapshots: Vec<LinearState>,
     slots: SnapshotSlots,
@@ -93,6 +97,24 @@ fn load_state(conv: &mut [Vec<f32>], delta: &mut [Vec<f32>], saved: &LinearState
 }
 
 impl CpuKv {
+    /// Floats of one state slot of a layer: (conv, recurrent).
+    fn state_lens(&self) -> (usize, usize) {
+        self.delta_shape.map_or((0, 0), |d| {
+            (
+                (d.conv_kernel - 1) * d.conv_dim(),
+                d.n_v_heads * d.k_head_dim * d.v_head_dim,
+            )
+        })
+    }
+    /// Snapshots and row states copy the whole linear-attention state: one sequence's only.
+    fn ensure_one_state(&self, what: &str) -> Result<()> {
+        ensure!(
+            self.state_slots <= 1,
+            "{what}: a cache of {} sequences' states takes no snapshots or row states",
+            self.state_slots
+        );
+        Ok(())
+    }
     fn delta_shape(&self, layer: usize) -> Result<DeltaShape> {
         ensure!(
             layer < self.delta.len(),
@@ -102,6 +124,67 @@ impl CpuKv {
         self.delta_shape
             .context("this cache holds no linear-attention state")
     }
+}
+
+/// The convolution of `causal_conv1d` over one sequence's rows `x` (`[rows, c]`) continuing
+/// `state` (`[kernel - 1, c]`), which then keeps the last `kernel - 1` inputs. Returns the
+/// input extended on the left by the old state (`[kernel - 1 + rows, c]`), from which the
+/// state after any row can be read.
+fn conv_rows(
+    x: &[f32],
+    c: usize,
+    kernel: usize,
+    wf: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+) -> Vec<f32> {
+    let hist = kernel - 1;
+    let rows = x.len() / c;
+    let mut e = Vec::with_capacity((hist + rows) * c);
+    e.extend_from_slice(state);
+    e.extend_from_slice(x);
+    out.par_chunks_mut(c).enumerate().for_each(|(t, o)| {
+        for (ch, y) in o.iter_mut().enumerate() {
+            let taps = &wf[ch * kernel..][..kernel];
+            let s: f32 = taps
+                .iter()
+                .enumerate()
+                .map(|(j, &wj)| wj * e[(t + j) * c + ch])
+                .sum();
+            *y = silu(s);
+        }
+    });
+    state.copy_from_slice(&e[rows * c..]);
+    e
+}
+
+/// `kv` with zeroed linear-attention state for `n_layers` Gated DeltaNet layers of shape
+/// `delta`, `slots` sequences' worth.
+fn with_linear_state(
+    mut kv: CpuKv,
+    n_layers: usize,
+    delta: DeltaShape,
+    slots: usize,
+) -> Result<CpuKv> {
+    ensure!(
+        delta.conv_kernel >= 1
+            && delta.n_k_heads > 0
+            && delta.n_v_heads.is_multiple_of(delta.n_k_heads),
+        "bad linear-attention shape {delta:?}"
+    );
+    ensure!(slots >= 1, "a hybrid cache needs at least one state slot");
+    kv.delta_shape = Some(delta);
+    kv.state_slots = slots;
+    let (conv, state) = kv.state_lens();
+    let alloc = |n: usize| -> Result<Vec<Vec<f32>>> {
+        let len = n
+            .checked_mul(slots)
+            .context("linear-attention state size overflows")?;
+        Ok((0..n_layers).map(|_| vec![0.0; len]).collect())
+    };
+    kv.conv = alloc(conv)?;
+    kv.delta = alloc(state)?;
+    Ok(kv)
 }
 
 /// The CPU reference backend. Uses the global rayon pool (its size is set by the caller).
@@ -361,6 +444,7 @@ impl Backend for CpuBackend {
         let batch = StepBatch::new(
             vec![0; capacity],
             vec![0; max_seqs * max_pages],
+            vec![0; 3 * max_seqs],
             max_seqs,
             max_pages,
             page_size,
@@ -382,6 +466,7 @@ impl Backend for CpuBackend {
         step.positions[..n].copy_from_slice(&l.positions);
         b.row_seq[..n].copy_from_slice(&l.row_seq);
         b.block_tables[..l.block_tables.len()].copy_from_slice(&l.block_tables);
+        b.seg_info[..l.seg_info.len()].copy_from_slice(&l.seg_info);
         b.segs = l.segs;
         b.max_page = l.max_page;
         step.rows = n;
@@ -655,6 +740,7 @@ impl Backend for CpuBackend {
             conv: vec![],
             delta: vec![],
             delta_shape: None,
+            state_slots: 0,
             snapshots: vec![],
             row_states: vec![],
             row_conv_rows: vec![],
@@ -689,6 +775,7 @@ impl Backend for CpuBackend {
             conv: vec![],
             delta: vec![],
             delta_shape: None,
+            state_slots: 0,
             snapshots: vec![],
             row_states: vec![],
             row_conv_rows: vec![],
@@ -705,22 +792,44 @@ impl Backend for CpuBackend {
         n_linear_layers: usize,
         delta: DeltaShape,
     ) -> Result<CpuKv> {
+        let kv = self.kv_new(n_attn_layers, shape, capacity)?;
+        with_linear_state(kv, n_linear_layers, delta, 1)
+    }
+
+    fn kv_new_paged_hybrid(
+        &self,
+        n_attn_layers: usize,
+        shape: AttnShape,
+        paged: PagedKv,
+        n_linear_layers: usize,
+        delta: DeltaShape,
+        state_slots: usize,
+    ) -> Result<CpuKv> {
+        let kv = self.kv_new_paged(n_attn_layers, shape, paged)?;
+        with_linear_state(kv, n_linear_layers, delta, state_slots)
+    }
+
+    fn kv_clear_state(&self, kv: &mut CpuKv, slot: usize) -> Result<()> {
+        if kv.delta_shape.is_none() {
+            return Ok(());
+        }
         ensure!(
-            delta.conv_kernel >= 1
-                && delta.n_k_heads > 0
-                && delta.n_v_heads.is_multiple_of(delta.n_k_heads),
-            "bad linear-attention shape {delta:?}"
+            slot < kv.state_slots,
+            "kv_clear_state: slot {slot} of a cache of {}",
+            kv.state_slots
         );
-        let mut kv = self.kv_new(n_attn_layers, shape, capacity)?;
-        let conv = (delta.conv_kernel - 1) * delta.conv_dim();
-        let state = delta.n_v_heads * delta.k_head_dim * delta.v_head_dim;
-        kv.conv = vec![vec![0.0; conv]; n_linear_layers];
-        kv.delta = vec![vec![0.0; state]; n_linear_layers];
-        kv.delta_shape = Some(delta);
-        Ok(kv)
+        let (cl, dl) = kv.state_lens();
+        for c in &mut kv.conv {
+            c[slot * cl..][..cl].fill(0.0);
+        }
+        for d in &mut kv.delta {
+            d[slot * dl..][..dl].fill(0.0);
+        }
+        Ok(())
     }
 
     fn kv_snapshots(&self, kv: &mut CpuKv, n: usize) -> Result<()> {
+        kv.ensure_one_state("kv_snapshots")?;
         kv.snapshots = (0..n)
             .map(|_| (kv.conv.clone(), kv.delta.clone()))
             .collect();
@@ -747,6 +856,7 @@ impl Backend for CpuBackend {
     }
 
     fn kv_row_states(&self, kv: &mut CpuKv, rows: usize) -> Result<bool> {
+        kv.ensure_one_state("kv_row_states")?;
         kv.row_states = (0..rows)
             .map(|_| (kv.conv.clone(), kv.delta.clone()))
             .collect();
@@ -779,6 +889,7 @@ impl Backend for CpuBackend {
         x: &Act<Vec<f32>>,
         w: &CpuWeight,
         out: &mut Act<Vec<f32>>,
+        batch: Option<&StepBatch<Vec<i32>>>,
     ) -> Result<()> {
         let ds = kv.delta_shape(layer)?;
         let (c, kernel) = (ds.conv_dim(), ds.conv_kernel);
@@ -789,29 +900,34 @@ impl Backend for CpuBackend {
             "causal_conv1d: weight {:?}, expected [{c}, {kernel}]",
             w.shape
         );
+        let segs = crate::check_delta_batch("causal_conv1d", batch, x.rows, kv.state_slots)?;
         let wf = dequant_vec(w, c * kernel)?;
-        // The input extended on the left by the state: e = [state (kernel-1 rows); x].
-        let hist = kernel - 1;
-        let mut e = Vec::with_capacity((hist + x.rows) * c);
-        e.extend_from_slice(&kv.conv[layer]);
-        e.extend_from_slice(&x.buf[..x.len()]);
+        let (len, _) = kv.state_lens();
+        if let Some(segs) = segs {
+            // Each sequence's rows on its own state slot, as a call on them alone.
+            for sg in segs {
+                let rows = sg.row0..sg.row0 + sg.rows;
+                conv_rows(
+                    &x.buf[rows.start * c..rows.end * c],
+                    c,
+                    kernel,
+                    &wf,
+                    &mut kv.conv[layer][sg.state * len..][..len],
+                    &mut out.buf[rows.start * c..rows.end * c],
+                );
+            }
+            return Ok(());
+        }
         let n = out.len();
-        out.buf[..n]
-            .par_chunks_mut(c)
-            .enumerate()
-            .for_each(|(t, o)| {
-                for (ch, y) in o.iter_mut().enumerate() {
-                    let taps = &wf[ch * kernel..][..kernel];
-                    let s: f32 = taps
-                        .iter()
-                        .enumerate()
-                        .map(|(j, &wj)| wj * e[(t + j) * c + ch])
-                        .sum();
-                    *y = silu(s);
-                }
-            });
-        let rows = hist + x.rows;
-        kv.conv[layer].copy_from_slice(&e[(rows - hist) * c..]);
+        let e = conv_rows(
+            &x.buf[..x.len()],
+            c,
+            kernel,
+            &wf,
+            &mut kv.conv[layer],
+            &mut out.buf[..n],
+        );
+        let hist = kernel - 1;
         if x.rows <= kv.row_states.len() {
             // The state after row t: the kernel - 1 inputs ending at it.
             for t in 0..x.rows {
@@ -827,6 +943,7 @@ impl Backend for CpuBackend {
         kv: &mut CpuKv,
         a: DeltaArgs<'_, Vec<f32>, CpuWeight>,
         out: &mut Act<Vec<f32>>,
+        batch: Option<&StepBatch<Vec<i32>>>,
     ) -> Result<()> {
         let ds = kv.delta_shape(a.layer)?;
         ensure!(ds == a.shape, "gated_delta_rule: cache shape differs");
@@ -836,8 +953,31 @@ impl Backend for CpuBackend {
         check_shape("gated_delta_rule a", a.a, rows, nv)?;
         check_shape("gated_delta_rule b", a.b, rows, nv)?;
         check_shape("gated_delta_rule out", out, rows, ds.value_dim())?;
+        let segs = crate::check_delta_batch("gated_delta_rule", batch, rows, kv.state_slots)?;
         let ssm_a = dequant_vec(a.ssm_a, nv)?;
         let dt_bias = dequant_vec(a.dt_bias, nv)?;
+        if let Some(segs) = segs {
+            // Each sequence's rows on its own state slot, as a call on them alone.
+            let (_, len) = kv.state_lens();
+            let (c, vd) = (ds.conv_dim(), ds.value_dim());
+            for sg in segs {
+                let r = sg.row0..sg.row0 + sg.rows;
+                gated_delta::heads(
+                    &ds,
+                    sg.rows,
+                    &a.qkv.buf[r.start * c..r.end * c],
+                    &a.a.buf[r.start * nv..r.end * nv],
+                    &a.b.buf[r.start * nv..r.end * nv],
+                    &ssm_a,
+                    &dt_bias,
+                    self.chunked_delta,
+                    &mut kv.delta[a.layer][sg.state * len..][..len],
+                    &mut out.buf[r.start * vd..r.end * vd],
+                    false,
+                );
+            }
+            return Ok(());
+        }
         let track = rows <= kv.row_states.len();
         let after = gated_delta::heads(
             &ds,

@@ -114,6 +114,10 @@ pub struct StepBatch<I> {
     /// Block tables, `[max_seqs][max_pages]` page ids (i32): entry `j` of sequence `s` is the
     /// page holding its positions `j·page_size .. (j+1)·page_size`.
     pub block_tables: I,
+    /// Per sequence `[row0, rows, state slot]` (i32, `[max_seqs][3]`): where its rows sit and
+    /// which linear-attention state it continues ([`Segment`] on the device; read by the
+    /// Gated DeltaNet ops of a hybrid model's batched step).
+    pub seg_info: I,
     pub max_seqs: usize,
     pub max_pages: usize,
     /// Positions per page (a power of two); must equal the paged cache's.
@@ -132,6 +136,7 @@ impl<I> StepBatch<I> {
     pub fn new(
         row_seq: I,
         block_tables: I,
+        seg_info: I,
         max_seqs: usize,
         max_pages: usize,
         page_size: usize,
@@ -143,6 +148,7 @@ impl<I> StepBatch<I> {
         Ok(StepBatch {
             row_seq,
             block_tables,
+            seg_info,
             max_seqs,
             max_pages,
             page_size,
@@ -163,6 +169,8 @@ pub struct Segment {
     pub pos0: usize,
     /// How many of its last rows' logits the step returns ([`SeqRows::logits`]).
     pub logits: usize,
+    /// Its linear-attention state slot ([`SeqRows::state`]).
+    pub state: usize,
 }
 
 /// One sequence's part of a batched step (the input of [`Backend::set_batch`]).
@@ -178,6 +186,11 @@ pub struct SeqRows<'a> {
     /// 1 (a decode row, a prefill chunk's last row), or all of them (a speculative verify:
     /// its token and its drafts). At least 1, at most its rows.
     pub logits: usize,
+    /// The slot of the cache's linear-attention state pool this sequence continues
+    /// ([`Backend::kv_new_paged_hybrid`]; cleared for a new sequence by
+    /// [`Backend::kv_clear_state`]). Two sequences of one step must not share a slot. Caches
+    /// without linear-attention state ignore it.
+    pub state: usize,
 }
 
 /// Size of a paged KV cache ([`Backend::kv_new_paged`]).
@@ -204,6 +217,8 @@ pub struct BatchLayout {
     pub row_seq: Vec<i32>,
     /// `[seqs.len()][max_pages]`, unused entries 0.
     pub block_tables: Vec<i32>,
+    /// `[seqs.len()][3]`: each sequence's first row, rows and state slot.
+    pub seg_info: Vec<i32>,
     pub segs: Vec<Segment>,
     pub max_page: usize,
 }
@@ -237,6 +252,7 @@ impl BatchLayout {
             positions: Vec::with_capacity(rows),
             row_seq: Vec::with_capacity(rows),
             block_tables: vec![0; seqs.len() * max_pages],
+            seg_info: Vec::with_capacity(3 * seqs.len()),
             segs: Vec::with_capacity(seqs.len()),
             max_page: 0,
         };
@@ -256,11 +272,20 @@ impl BatchLayout {
                 "sequence {i} of the step asks for {} rows' logits of its {n}",
                 s.logits
             );
+            anyhow::ensure!(
+                !seqs[..i].iter().any(|o| o.state == s.state),
+                "sequences of one step share linear-attention state slot {}",
+                s.state
+            );
+            let state = i32::try_from(s.state)
+                .map_err(|_| anyhow::anyhow!("state slot {} does not fit in i32", s.state))?;
+            l.seg_info.extend([l.tokens.len() as i32, n as i32, state]);
             l.segs.push(Segment {
                 row0: l.tokens.len(),
                 rows: n,
                 pos0: s.pos0,
                 logits: s.logits,
+                state: s.state,
             });
             for (j, &t) in s.tokens.iter().enumerate() {
                 l.tokens.push(
@@ -792,6 +817,37 @@ pub trait Backend: Send + Sync {
         n_linear_layers: usize,
         delta: DeltaShape,
     ) -> Result<Self::Kv>;
+    /// The cache of batched steps for a hybrid model: the paged attention cache of
+    /// [`Backend::kv_new_paged`] for its `n_attn_layers` attention layers, plus a pool of
+    /// `state_slots` linear-attention states (conv and recurrent, every one of the
+    /// `n_linear_layers` layers, as [`Backend::kv_new_hybrid`] keeps one), all zero. A
+    /// sequence of a batched step continues the slot its [`SeqRows::state`] names; the
+    /// scheduler clears a slot ([`Backend::kv_clear_state`]) before a new sequence takes
+    /// it. Pooled caches take no snapshots or row states (speculation runs per sequence).
+    fn kv_new_paged_hybrid(
+        &self,
+        n_attn_layers: usize,
+        shape: AttnShape,
+        paged: PagedKv,
+        n_linear_layers: usize,
+        delta: DeltaShape,
+        state_slots: usize,
+    ) -> Result<Self::Kv> {
+        let _ = (
+            n_attn_layers,
+            shape,
+            paged,
+            n_linear_layers,
+            delta,
+            state_slots,
+        );
+        anyhow::bail!("this backend has no batched caches for hybrid (linear-attention) models")
+    }
+    /// Zeroes linear-attention state slot `slot` of a cache (every layer's conv and
+    /// recurrent state): the state of a sequence before its first token. Caches without
+    /// linear-attention state have nothing to clear. A device operation on the backend's
+    /// stream where it has one.
+    fn kv_clear_state(&self, kv: &mut Self::Kv, slot: usize) -> Result<()>;
     /// Gives a cache `n` state snapshot slots ([`Backend::kv_snapshot`],
     /// [`Backend::kv_restore`]), all empty, replacing any it had: for a hybrid cache each
     /// slot is preallocated room for the conv and recurrent state of every linear layer, so
@@ -834,6 +890,11 @@ pub trait Backend: Send + Sync {
     /// state of linear layer `layer`: with `w` `[channels, kernel]` and the input extended
     /// on the left by the state, `out[t][c] = silu(Σ_j w[c][j] · x[t - (kernel-1) + j][c])`;
     /// then the state keeps the last `kernel - 1` inputs.
+    ///
+    /// `batch`: `None` for the rows of one sequence (a cache of one state); a batched step's
+    /// layout ([`Backend::set_batch`], its segments non-empty) over a pooled cache
+    /// ([`Backend::kv_new_paged_hybrid`]): each segment's rows continue its own state slot,
+    /// exactly as a call on that segment alone would.
     fn causal_conv1d(
         &self,
         kv: &mut Self::Kv,
@@ -841,6 +902,7 @@ pub trait Backend: Send + Sync {
         x: &Act<Self::Buf>,
         w: &Self::Weight,
         out: &mut Act<Self::Buf>,
+        batch: Option<&StepBatch<Self::IBuf>>,
     ) -> Result<()>;
     /// The gated delta rule (Gated DeltaNet), continuing the recurrent state of linear
     /// layer `a.layer`. Per token and value head, with `q`, `k` L2-normalised (eps 1e-6),
@@ -850,11 +912,13 @@ pub trait Backend: Send + Sync {
     /// `out` is `[rows, n_v_heads * v_head_dim]`. The result must equal the token-by-token
     /// recurrence however the backend evaluates it (chunked for prefill: see
     /// [`gated_delta`]).
+    /// `batch`: as for [`Backend::causal_conv1d`].
     fn gated_delta_rule(
         &self,
         kv: &mut Self::Kv,
         a: DeltaArgs<'_, Self::Buf, Self::Weight>,
         out: &mut Act<Self::Buf>,
+        batch: Option<&StepBatch<Self::IBuf>>,
     ) -> Result<()>;
     /// Gated RMSNorm in place on each `head_dim`-sized head:
     /// `x = x / rms(x) · w · silu(z)` (`w` has `head_dim` elements, `z` is shaped like `x`).
@@ -1078,6 +1142,45 @@ pub fn check_single_sequence_step<I>(step: &StepInput<I>) -> Result<()> {
 }
 
 /// The shape checks every backend's `copy_rows` makes.
+/// The segments a Gated DeltaNet op of `rows` rows runs on a cache of `slots` linear-attention
+/// states: `None` for one sequence's rows (a cache of one state), or a batched step's
+/// segments, checked to tile the rows and to name slots the cache has. Shared by the
+/// backends so they accept and reject the same calls.
+pub fn check_delta_batch<'b, I>(
+    what: &str,
+    batch: Option<&'b StepBatch<I>>,
+    rows: usize,
+    slots: usize,
+) -> Result<Option<&'b [Segment]>> {
+    let Some(b) = batch else {
+        anyhow::ensure!(
+            slots == 1,
+            "{what}: a cache of {slots} linear-attention states needs a batched step's segments"
+        );
+        return Ok(None);
+    };
+    let segs = &b.segs;
+    anyhow::ensure!(
+        !segs.is_empty(),
+        "{what}: the batched step has no sequences (set_batch first)"
+    );
+    let mut next = 0;
+    for s in segs {
+        anyhow::ensure!(
+            s.row0 == next && s.rows > 0,
+            "{what}: segments of the step do not tile its rows"
+        );
+        anyhow::ensure!(
+            s.state < slots,
+            "{what}: state slot {} of a cache of {slots}",
+            s.state
+        );
+        next += s.rows;
+    }
+    anyhow::ensure!(next == rows, "{what}: {rows} rows for a step of {next}");
+    Ok(Some(segs))
+}
+
 pub fn check_copy_rows<B>(x: &Act<B>, start: usize, out: &Act<B>) -> Result<()> {
     anyhow::ensure!(
         start + out.rows <= x.rows,

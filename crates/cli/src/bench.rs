@@ -242,13 +242,15 @@ fn batched_decode<B: Backend>(
     let pages: Vec<Vec<u32>> = (0..n)
         .map(|i| ((i * per_seq) as u32..((i + 1) * per_seq) as u32).collect())
         .collect();
-    for p in &pages {
+    for (i, p) in pages.iter().enumerate() {
+        batch.clear_state(i)?;
         for (c, chunk) in fill.chunks(BATCH_FILL_CHUNK).enumerate() {
             batch.step(&[SeqRows {
                 tokens: chunk,
                 pos0: c * BATCH_FILL_CHUNK,
                 pages: p,
                 logits: 1,
+                state: i,
             }])?;
         }
     }
@@ -261,6 +263,7 @@ fn batched_decode<B: Backend>(
                 pos0: *pos,
                 pages: &pages[i],
                 logits: 1,
+                state: i,
             })
             .collect();
         batch.step(&rows)?;

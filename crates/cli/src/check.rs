@@ -3066,10 +3066,15 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             if *fill > 0 {
                 if let Op::Conv1d { .. } = op {
                     let mut o = be.zeros(*fill, shape.conv_dim())?;
-                    be.causal_conv1d(&mut cache, 1, &a[1], &w[0], &mut o)?;
+                    be.causal_conv1d(&mut cache, 1, &a[1], &w[0], &mut o, None)?;
                 } else {
                     let mut o = be.zeros(*fill, shape.value_dim())?;
-                    be.gated_delta_rule(&mut cache, delta_args::<B>(&w, &a[3..6], *shape), &mut o)?;
+                    be.gated_delta_rule(
+                        &mut cache,
+                        delta_args::<B>(&w, &a[3..6], *shape),
+                        &mut o,
+                        None,
+                    )?;
                 }
             }
             kv = Some(cache);
@@ -3157,9 +3162,9 @@ fn snapshot_step<B: Backend>(
 ) -> Result<()> {
     let rows = a[0].rows;
     let mut o = be.zeros(rows, shape.conv_dim())?;
-    be.causal_conv1d(kv, 1, &a[0], &w[0], &mut o)?;
+    be.causal_conv1d(kv, 1, &a[0], &w[0], &mut o, None)?;
     let mut o = be.zeros(rows, shape.value_dim())?;
-    be.gated_delta_rule(kv, delta_args::<B>(&w[1..], &a[1..4], shape), &mut o)
+    be.gated_delta_rule(kv, delta_args::<B>(&w[1..], &a[1..4], shape), &mut o, None)
 }
 
 /// Resets the output of an in-place op to its input (not part of the timed op).
@@ -3519,13 +3524,18 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             let kv =
                 p.kv.as_mut()
                     .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
-            be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out)
+            be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out, None)
         }
         Op::GatedDelta { shape, .. } => {
             let kv =
                 p.kv.as_mut()
                     .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
-            be.gated_delta_rule(kv, delta_args::<B>(&p.w, &p.a[..3], *shape), &mut p.out)
+            be.gated_delta_rule(
+                kv,
+                delta_args::<B>(&p.w, &p.a[..3], *shape),
+                &mut p.out,
+                None,
+            )
         }
         Op::Snapshot { shape, row, .. } => {
             let kv =
@@ -3535,12 +3545,12 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 Some(r) => be.kv_restore_row(kv, *r)?,
                 None => be.kv_restore(kv, 1)?,
             }
-            be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out)?;
+            be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out, None)?;
             let o2 = p
                 .out2
                 .as_mut()
                 .ok_or_else(|| anyhow::anyhow!("no second output"))?;
-            be.gated_delta_rule(kv, delta_args::<B>(&p.w[1..], &p.a[1..4], *shape), o2)
+            be.gated_delta_rule(kv, delta_args::<B>(&p.w[1..], &p.a[1..4], *shape), o2, None)
         }
         Op::GatedRmsNorm { head_dim, .. } => {
             be.gated_rms_norm(&mut p.out, &p.a[1], &p.w[0], *head_dim, EPS)

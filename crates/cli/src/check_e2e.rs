@@ -421,6 +421,11 @@ fn batch_line<B: Backend>(be: &B, m: &Model<B>, what: &str) -> Result<Line> {
             max_logits: seqs.len() * SEVERAL,
         },
     )?;
+    // Sequence i continues state slot i (a hybrid model's linear-attention state); the
+    // graph warm-up wrote there.
+    for i in 0..seqs.len() {
+        batch.clear_state(i)?;
+    }
     let mut next_page = 0u32;
     let mut pages: Vec<Vec<u32>> = vec![vec![]; seqs.len()];
     let mut done = vec![0usize; seqs.len()];
@@ -469,6 +474,7 @@ fn batch_line<B: Backend>(be: &B, m: &Model<B>, what: &str) -> Result<Line> {
                 pos0: done[i],
                 pages: &pages[i],
                 logits: l,
+                state: i,
             })
             .collect();
         batch.step(&rows)?;

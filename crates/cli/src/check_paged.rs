@@ -138,6 +138,7 @@ impl PagedCase {
                         pos0: f.3,
                         pages: &d.pages[i],
                         logits: 1,
+                        state: i,
                     }
                 })
                 .collect();
@@ -180,11 +181,13 @@ impl PagedCase {
             .seqs
             .iter()
             .zip(&d.pages)
-            .map(|(&(pos0, r), pages)| SeqRows {
+            .enumerate()
+            .map(|(i, (&(pos0, r), pages))| SeqRows {
                 tokens: &tokens[..r],
                 pos0,
                 pages,
                 logits: 1,
+                state: i,
             })
             .collect();
         be.set_batch(&mut step, &rows)?;

@@ -91,8 +91,8 @@ fn warm_up_plan(c: &BatchConfig) -> Vec<(usize, Vec<u32>)> {
 }
 
 impl<'e, B: Backend> Batch<'e, B> {
-    /// Allocates the paged cache and the workspace. Fails for models whose state is not all
-    /// in the KV cache (hybrid linear-attention models) and on backends without paged caches.
+    /// Allocates the paged cache (for a hybrid model also `max_seqs` linear-attention state
+    /// slots) and the workspace. Fails on backends without paged caches.
     pub fn new(be: &'e B, model: &'e Model<B>, cfg: BatchConfig) -> Result<Self> {
         ensure!(
             cfg.max_seqs >= 1 && (cfg.max_seqs..=cfg.max_rows).contains(&cfg.max_logits),
@@ -110,6 +110,7 @@ impl<'e, B: Backend> Batch<'e, B> {
                 max_rows: cfg.max_seqs,
                 q8_0: false,
             },
+            cfg.max_seqs,
         )?;
         let ws = model.batch_workspace(
             be,
@@ -145,11 +146,28 @@ impl<'e, B: Backend> Batch<'e, B> {
         &self.cfg
     }
 
+    /// Readies state slot `slot` (`0..max_seqs`) for a new sequence: a hybrid model's
+    /// linear-attention state there is zeroed (the state before a first token); nothing to
+    /// do for other models, whose state is all in pages. Call before the sequence's first
+    /// step, and again whenever it starts over (a preempted sequence's re-prefill).
+    pub fn clear_state(&mut self, slot: usize) -> Result<()> {
+        ensure!(
+            slot < self.cfg.max_seqs,
+            "state slot {slot} of a batch of {} sequences",
+            self.cfg.max_seqs
+        );
+        if self.model.cfg.hybrid.is_some() {
+            self.be.kv_clear_state(&mut self.kv, slot)?;
+        }
+        Ok(())
+    }
+
     /// Runs one step over `seqs` (their rows in this order); afterwards sequence `i`'s
     /// logits are the rows [`Batch::rows_of`]`(i)` ([`Batch::greedy`], [`Batch::top_k`],
     /// [`Batch::logits`]): row `i` where every sequence asks for one. Each sequence's pages
     /// must cover its positions; its earlier positions must have been filled by earlier
-    /// steps with the same pages.
+    /// steps with the same pages and, for a hybrid model, the same state slot
+    /// ([`SeqRows::state`], cleared by [`Batch::clear_state`] before its first step).
     pub fn step(&mut self, seqs: &[SeqRows<'_>]) -> Result<()> {
         let n = seqs.len();
         ensure!(
@@ -210,11 +228,13 @@ impl<'e, B: Backend> Batch<'e, B> {
         let tokens = vec![0u32; rows];
         let seqs: Vec<SeqRows<'_>> = plan
             .iter()
-            .map(|(n, pages)| SeqRows {
+            .enumerate()
+            .map(|(i, (n, pages))| SeqRows {
                 tokens: &tokens[..*n],
                 pos0: 0,
                 pages,
                 logits: 1,
+                state: i,
             })
             .collect();
         self.be.set_batch(&mut self.ws.step, &seqs)?;

@@ -353,6 +353,7 @@ impl Scheduler {
         let pages = PagePool::new(cfg.kv_tokens.div_ceil(cfg.page_size), cfg.page_size);
         stats.kv_pages_total.store(pages.total(), Ordering::Relaxed);
         let (tok2, stats2, cfg2) = (tok.clone(), stats.clone(), cfg.clone());
+        let cfg2_max_batch = cfg.max_batch;
         let thread = std::thread::Builder::new()
             .name("ferrite-scheduler".into())
             .spawn(move || {
@@ -368,6 +369,7 @@ impl Scheduler {
                     batch,
                     waiting: VecDeque::new(),
                     running: Vec::new(),
+                    free_states: (0..cfg2_max_batch).rev().collect(),
                     next_id: 0,
                 };
                 l.run(rx);
@@ -441,19 +443,23 @@ impl Drop for Scheduler {
     }
 }
 
-/// The batched step over a paged cache for this model and backend, or `None` (hybrid
-/// models, backends without paged caches, or no memory for it): one sequence per step then.
+/// The batched step over a paged cache for this model and backend, or `None` (speculating
+/// hybrid models, backends without paged caches, or no memory for it): one sequence per
+/// step then.
 fn batch_for<'e, B: Backend>(
     be: &'e B,
     model: &'e ferrite_models::Model<B>,
     cfg: &SchedulerConfig,
     n_pages: usize,
 ) -> Option<Batch<'e, B>> {
-    if model.cfg.hybrid.is_some() {
+    if model.cfg.hybrid.is_some() && cfg.spec_depth() > 0 {
+        // A verify's rejected drafts would have advanced the sequence's linear-attention
+        // state past them; per sequence, the speculator rolls that back (row states), a
+        // batched step has no such rollback. Hybrid models speculate one sequence a step.
         return None;
     }
-    // Every running sequence may verify its drafts in a step (lookup drafts; MTP heads
-    // belong to hybrid models, which never batch).
+    // Every running sequence may verify its drafts in a step (lookup drafts; an MTP head's
+    // model, a hybrid one, does not batch while it speculates).
     let per_seq = 1 + cfg.lookup_depth;
     let bc = BatchConfig {
         n_pages,
@@ -482,6 +488,9 @@ struct Active<'e, B: Backend> {
     /// Per-sequence mode: `None` while waiting (never admitted, or preempted). Batched mode:
     /// always `None` (the KV lives in the batch's pages).
     seq: Option<Sequence<'e, B>>,
+    /// Batched mode, while running: the batch's state slot it holds ([`SeqRows::state`]: a
+    /// hybrid model's linear-attention state; every running sequence holds one).
+    state: Option<usize>,
     /// Whether its decode steps speculate (a draft depth set, no logprobs, no penalties).
     speculates: bool,
     /// Speculative decoding's state in per-sequence mode; made with `seq`. (Batched steps
@@ -523,6 +532,9 @@ struct Loop<'e, B: Backend> {
     pages: PagePool,
     /// The batched step (`None`: one sequence per step, each with its own `Sequence`).
     batch: Option<Batch<'e, B>>,
+    /// The batch's state slots no running sequence holds (`max_batch` in all: a running
+    /// sequence always finds one).
+    free_states: Vec<usize>,
     waiting: VecDeque<Active<'e, B>>,
     /// In admission order: the last one is the newest.
     running: Vec<Active<'e, B>>,
@@ -567,6 +579,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             params: r.params,
             sink: r.sink,
             seq: None,
+            state: None,
             speculates: false,
             spec: None,
             room: 1,
@@ -602,6 +615,7 @@ impl<'e, B: Backend> Loop<'e, B> {
     fn remove(&mut self, i: usize) {
         let mut a = self.running.remove(i);
         self.pages.release(&mut a.pages);
+        self.free_states.extend(a.state.take());
     }
 
     /// Waiting requests join the batch, oldest first, while there is a slot and pages for
@@ -616,8 +630,15 @@ impl<'e, B: Backend> Loop<'e, B> {
             }
             let mut a = self.waiting.pop_front().expect("front exists");
             self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
-            let seq = match self.batch {
-                Some(_) => Ok(None),
+            // Batched: a state slot, cleared (the sequence starts from its first token).
+            let seq = match &mut self.batch {
+                Some(batch) => match self.free_states.pop() {
+                    Some(slot) => {
+                        a.state = Some(slot);
+                        batch.clear_state(slot).map(|()| None)
+                    }
+                    None => Err(anyhow::anyhow!("no free state slot in the batch")),
+                },
                 None => Sequence::new(self.be, self.model, a.ctx).map(Some),
             };
             let speculates = self.cfg.spec_depth() > 0
@@ -649,6 +670,7 @@ impl<'e, B: Backend> Loop<'e, B> {
                     a.sink
                         .send(Event::Error(format!("allocating the sequence: {e:#}")));
                     self.pages.release(&mut a.pages);
+                    self.free_states.extend(a.state.take());
                 }
             }
         }
@@ -792,6 +814,9 @@ impl<'e, B: Backend> Loop<'e, B> {
                             pos0: a.cached,
                             pages: &a.pages,
                             logits,
+                            state: a
+                                .state
+                                .expect("running sequences of a batch hold a state slot"),
                         }
                     })
                     .collect();
@@ -961,6 +986,7 @@ impl<'e, B: Backend> Loop<'e, B> {
     fn preempt(&mut self, i: usize) {
         let mut a = self.running.remove(i);
         self.pages.release(&mut a.pages);
+        self.free_states.extend(a.state.take());
         a.seq = None;
         a.spec = None;
         a.cached = 0;

@@ -442,15 +442,18 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// A paged KV cache shared by the sequences of batched steps (plain decoders only: a
-    /// hybrid model's linear-attention state belongs to one sequence).
-    pub fn new_paged_kv(&self, be: &B, paged: PagedKv) -> Result<B::Kv> {
-        anyhow::ensure!(
-            self.cfg.hybrid.is_none(),
-            "batched steps over a paged KV cache are not supported for hybrid \
-             (linear-attention) models"
-        );
-        be.kv_new_paged(self.cfg.n_layers, self.cfg.attn, paged)
+    /// A paged KV cache shared by the sequences of batched steps. For a hybrid model also a
+    /// pool of `seqs` linear-attention states, one for each sequence that may be running at
+    /// once ([`ferrite_backend::SeqRows::state`]); the MTP head's layers are not in it
+    /// (batched steps do not speculate with the head).
+    pub fn new_paged_kv(&self, be: &B, paged: PagedKv, seqs: usize) -> Result<B::Kv> {
+        match &self.cfg.hybrid {
+            Some(h) => {
+                let (n_lin, n_attn) = h.counts();
+                be.kv_new_paged_hybrid(n_attn, self.cfg.attn, paged, n_lin, h.delta, seqs)
+            }
+            None => be.kv_new_paged(self.cfg.n_layers, self.cfg.attn, paged),
+        }
     }
 
     /// Activation buffers for batched steps ([`Backend::set_batch`]) of up to `max_rows`

@@ -230,7 +230,9 @@ pub(crate) fn forward_layers<B: Backend>(
                 } else {
                     be.matmuls(h, &[qkv, z], &mut [&mut hb.mixed, &mut hb.z])?;
                 }
-                be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv)?;
+                // A batched step's sequences each continue their own state.
+                let batch = step.batch.as_ref();
+                be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv, batch)?;
                 if defer {
                     be.rms_norm_matmuls(x, mixer_norm, &[b, wa], &mut [&mut hb.b, &mut hb.a], h)?;
                 } else {
@@ -248,6 +250,7 @@ pub(crate) fn forward_layers<B: Backend>(
                         shape: delta,
                     },
                     &mut hb.core,
+                    batch,
                 )?;
                 be.gated_rms_norm(&mut hb.core, &hb.z, norm, delta.v_head_dim, eps)?;
                 if defer {

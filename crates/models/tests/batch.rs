@@ -77,6 +77,7 @@ fn check_batched_identity(name: &str, lens: &[usize], seed: u64) {
                 max_rows: seqs.len(),
                 q8_0: false,
             },
+            seqs.len(),
         )
         .unwrap();
     let mut ws = m
@@ -124,6 +125,7 @@ fn check_batched_identity(name: &str, lens: &[usize], seed: u64) {
                 pos0: done[i],
                 pages: &pages[i],
                 logits: l,
+                state: i,
             })
             .collect();
         be.set_batch(&mut ws.step, &rows).unwrap();
@@ -177,6 +179,18 @@ fn batched_steps_equal_sequences_alone_moe() {
     check_batched_identity("qwen3-moe-tiny", &[12, 25, 3, 19, 40], 3);
 }
 
+/// Qwen3.5 hybrids: each sequence's Gated DeltaNet layers continue its own state slot of the
+/// pooled cache, its gated attention layers read its own pages.
+#[test]
+fn batched_steps_equal_sequences_alone_qwen35() {
+    check_batched_identity("qwen35-tiny", &[19, 4, 37, 1, 26], 5);
+}
+
+#[test]
+fn batched_steps_equal_sequences_alone_qwen35_moe() {
+    check_batched_identity("qwen35-moe-tiny", &[28, 9, 2, 33], 8);
+}
+
 /// The single-sequence API keeps working next to batched steps: a batched step of several
 /// sequences on a contiguous cache is refused, and a paged cache refuses set_step.
 #[test]
@@ -199,12 +213,14 @@ fn paged_and_contiguous_caches_refuse_the_other_step_kind() {
             pos0: 0,
             pages: &p0,
             logits: 1,
+            state: 0,
         },
         SeqRows {
             tokens: &[9],
             pos0: 0,
             pages: &p1,
             logits: 1,
+            state: 1,
         },
     ];
     be.set_batch(&mut ws.step, &rows).unwrap();
@@ -214,7 +230,7 @@ fn paged_and_contiguous_caches_refuse_the_other_step_kind() {
         .unwrap_err();
     assert!(format!("{e:#}").contains("paged"), "{e:#}");
 
-    let mut kv = m.new_paged_kv(&be, paged).unwrap();
+    let mut kv = m.new_paged_kv(&be, paged, 2).unwrap();
     be.set_step(&mut ws.step, &[5, 6], 0).unwrap();
     let e = m.forward(&be, &mut ws, &mut kv, Logits::Last).unwrap_err();
     assert!(format!("{e:#}").contains("batched step"), "{e:#}");
@@ -225,10 +241,43 @@ fn paged_and_contiguous_caches_refuse_the_other_step_kind() {
         pos0: 0,
         pages: &p1,
         logits: 1,
+        state: 0,
     }];
     assert!(be.set_batch(&mut ws.step, &short).is_err());
-    // Hybrid models keep their per-sequence caches.
+    // Two sequences of a step on one state slot are refused.
+    let shared = [
+        rows[0],
+        SeqRows {
+            state: 0,
+            ..rows[1]
+        },
+    ];
+    let e = be.set_batch(&mut ws.step, &shared).unwrap_err();
+    assert!(format!("{e:#}").contains("state slot"), "{e:#}");
+
+    // A hybrid model's pooled cache: its state slots are checked, and it takes only batched
+    // steps (a single-sequence step names no slot).
     let hybrid = ModelFile::open(&data_dir().join("qwen35-tiny")).unwrap();
     let h: Model<CpuBackend> = Model::load(&be, &hybrid, &|_, _| {}).unwrap();
-    assert!(h.new_paged_kv(&be, paged).is_err());
+    let mut hkv = h.new_paged_kv(&be, paged, 2).unwrap();
+    let mut hws = h.batch_workspace(&be, 8, 2, 2, MAX_PAGES, PAGE).unwrap();
+    be.set_batch(&mut hws.step, &rows).unwrap();
+    h.forward(&be, &mut hws, &mut hkv, Logits::SeqLast).unwrap();
+    let outside = [
+        rows[0],
+        SeqRows {
+            state: 2,
+            ..rows[1]
+        },
+    ];
+    be.set_batch(&mut hws.step, &outside).unwrap();
+    let e = h
+        .forward(&be, &mut hws, &mut hkv, Logits::SeqLast)
+        .unwrap_err();
+    assert!(format!("{e:#}").contains("state slot 2"), "{e:#}");
+    assert!(be.kv_clear_state(&mut hkv, 2).is_err());
+    be.set_step(&mut hws.step, &[5, 6], 0).unwrap();
+    assert!(h.forward(&be, &mut hws, &mut hkv, Logits::Last).is_err());
+    // Pooled caches take no snapshots (speculation runs per sequence).
+    assert!(be.kv_snapshots(&mut hkv, 1).is_err());
 }

@@ -1613,6 +1613,7 @@ mod tests {
             rows,
             pos0: 0,
             logits: 1,
+            state: 0,
         };
         let u = |decode, row0, rows| Unit { decode, row0, rows };
         // Decode rows, a long prefill chunk, a short chunk and more decode rows.

@@ -17,7 +17,7 @@ use ferrite_formats::GgmlType;
 use super::attention::{self, CudaKv};
 use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, CudaBackend, CudaWeight};
-use crate::{check_shape, Act, AttnShape, DeltaArgs, DeltaShape};
+use crate::{check_shape, Act, AttnShape, DeltaArgs, DeltaShape, StepBatch};
 
 pub const SRC: &str = include_str!("kernels/gated_delta.cu");
 
@@ -117,10 +117,16 @@ impl Kernels {
 pub struct DeltaState {
     pub shape: DeltaShape,
     pub n_layers: usize,
-    /// Per layer the last `conv_kernel - 1` convolution inputs: `[layer][kernel-1][conv_dim]`.
+    /// Sequences' states held: 1 for one sequence's cache, the pool's size for a pooled one
+    /// (`kv_new_paged_hybrid`). Slot-major: slot `s` is `[layer]` of the layouts below,
+    /// `s · n_layers · len` floats in, so clearing a slot is one contiguous range.
+    pub slots: usize,
+    /// Per layer the last `conv_kernel - 1` convolution inputs:
+    /// `[slot][layer][kernel-1][conv_dim]`.
     pub conv: CudaSlice<f32>,
     /// Per layer the recurrent state, column-major per value head (the CPU's transpose):
-    /// `[layer][n_v_heads][v_head_dim][k_head_dim]`, so a state column is one aligned run.
+    /// `[slot][layer][n_v_heads][v_head_dim][k_head_dim]`, so a state column is one aligned
+    /// run.
     pub state: CudaSlice<f32>,
     /// Snapshot slots (`kv_snapshots`): per slot a buffer like `conv` and one like `state`.
     pub snapshots: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
@@ -152,6 +158,64 @@ pub fn kv_new_hybrid(
     n_linear_layers: usize,
     delta: DeltaShape,
 ) -> Result<CudaKv> {
+    check_delta_shape(&delta)?;
+    let mut kv = attention::kv_new(be, n_attn_layers, shape, capacity)?;
+    kv.delta = Some(delta_state(be, n_linear_layers, delta, 1)?);
+    Ok(kv)
+}
+
+/// The cache of a hybrid model's batched steps: the paged attention cache of
+/// [`attention::kv_new_paged`] plus `slots` sequences' Gated DeltaNet states.
+pub fn kv_new_paged_hybrid(
+    be: &CudaBackend,
+    n_attn_layers: usize,
+    shape: AttnShape,
+    paged: crate::PagedKv,
+    n_linear_layers: usize,
+    delta: DeltaShape,
+    slots: usize,
+) -> Result<CudaKv> {
+    check_delta_shape(&delta)?;
+    ensure!(
+        (1..=i32::MAX as usize).contains(&slots),
+        "a hybrid cache of {slots} state slots"
+    );
+    let ds = delta_state(be, n_linear_layers, delta, slots)?;
+    let mut kv = attention::kv_new_paged(be, n_attn_layers, shape, paged)?;
+    kv.delta = Some(ds);
+    Ok(kv)
+}
+
+/// Zeroes state slot `slot` (every layer's conv and recurrent state): two memsets on the
+/// stream. Caches without linear-attention state have nothing to clear.
+pub fn kv_clear_state(be: &CudaBackend, kv: &mut CudaKv, slot: usize) -> Result<()> {
+    let Some(ds) = kv.delta.as_mut() else {
+        return Ok(());
+    };
+    ensure!(
+        slot < ds.slots,
+        "kv_clear_state: slot {slot} of a cache of {}",
+        ds.slots
+    );
+    let (conv, state) = (ds.n_layers * ds.conv_len(), ds.n_layers * ds.state_len());
+    be.stream
+        .memset_zeros(&mut ds.conv.slice_mut(slot * conv..(slot + 1) * conv))?;
+    be.stream
+        .memset_zeros(&mut ds.state.slice_mut(slot * state..(slot + 1) * state))?;
+    Ok(())
+}
+
+/// Snapshots and row states copy the whole state: one sequence's caches only.
+fn ensure_one_state(ds: &DeltaState, what: &str) -> Result<()> {
+    ensure!(
+        ds.slots == 1,
+        "{what}: a cache of {} sequences' states takes no snapshots or row states",
+        ds.slots
+    );
+    Ok(())
+}
+
+fn check_delta_shape(delta: &DeltaShape) -> Result<()> {
     ensure!(
         (1..=MAX_CONV_KERNEL).contains(&delta.conv_kernel)
             && delta.n_k_heads > 0
@@ -164,29 +228,40 @@ pub fn kv_new_hybrid(
         "linear-attention key head dim {} is not supported on CUDA (at most {MAX_K_HEAD_DIM})",
         delta.k_head_dim
     );
-    let conv = n_linear_layers
-        .checked_mul((delta.conv_kernel - 1) * delta.conv_dim())
-        .context("linear-attention state size overflows")?;
-    let state = n_linear_layers
-        .checked_mul(delta.n_v_heads * delta.k_head_dim * delta.v_head_dim)
-        .context("linear-attention state size overflows")?;
+    Ok(())
+}
+
+/// Zeroed Gated DeltaNet state of `n_linear_layers` layers for `slots` sequences.
+fn delta_state(
+    be: &CudaBackend,
+    n_linear_layers: usize,
+    delta: DeltaShape,
+    slots: usize,
+) -> Result<DeltaState> {
+    let per_layer = |len: usize| {
+        n_linear_layers
+            .checked_mul(len)
+            .and_then(|n| n.checked_mul(slots))
+            .context("linear-attention state size overflows")
+    };
+    let conv = per_layer((delta.conv_kernel - 1) * delta.conv_dim())?;
+    let state = per_layer(delta.n_v_heads * delta.k_head_dim * delta.v_head_dim)?;
     ensure_free(
         be,
         (conv + state) * 4,
-        &format!("linear-attention state of {n_linear_layers} layers"),
+        &format!("linear-attention state of {n_linear_layers} layers, {slots} sequences"),
     )?;
-    let mut kv = attention::kv_new(be, n_attn_layers, shape, capacity)?;
-    kv.delta = Some(DeltaState {
+    Ok(DeltaState {
         shape: delta,
         n_layers: n_linear_layers,
+        slots,
         conv: be.stream.alloc_zeros::<f32>(conv.max(1))?,
         state: be.stream.alloc_zeros::<f32>(state.max(1))?,
         snapshots: vec![],
         row_conv: None,
         row_state: None,
         row_slots: 0,
-    });
-    Ok(kv)
+    })
 }
 
 /// An error naming `what` where `bytes` more would leave the device under 64 MB free (room
@@ -208,6 +283,7 @@ fn ensure_free(be: &CudaBackend, bytes: usize, what: &str) -> Result<()> {
 pub fn kv_snapshots(be: &CudaBackend, kv: &mut CudaKv, n: usize) -> Result<()> {
     kv.slots = crate::SnapshotSlots::new(0);
     if let Some(ds) = kv.delta.as_mut() {
+        ensure_one_state(ds, "kv_snapshots")?;
         // Free the old slots before asking for the new ones.
         ds.snapshots.clear();
         let (conv, state) = (ds.conv.len(), ds.state.len());
@@ -272,6 +348,7 @@ pub fn kv_row_states(be: &CudaBackend, kv: &mut CudaKv, rows: usize) -> Result<(
     let Some(ds) = kv.delta.as_mut() else {
         return Ok(());
     };
+    ensure_one_state(ds, "kv_row_states")?;
     (ds.row_conv, ds.row_state, ds.row_slots) = (None, None, 0);
     if rows == 0 {
         return Ok(());
@@ -333,7 +410,7 @@ fn row_slot(
 }
 
 /// The cache's linear-attention state, checked for layer `layer`.
-fn delta_state(kv: &mut CudaKv, layer: usize) -> Result<&mut DeltaState> {
+fn delta_of(kv: &mut CudaKv, layer: usize) -> Result<&mut DeltaState> {
     let ds = kv
         .delta
         .as_mut()
@@ -358,6 +435,34 @@ fn f32_vec(w: &CudaWeight, n: usize) -> Result<CudaView<'_, f32>> {
     unsafe { w.data.transmute::<f32>(n) }.context("weight buffer too small")
 }
 
+/// The segment arguments of a conv or delta-rule launch: the device address of the step's
+/// `[row0, rows, slot]` table and the floats between two slots' states (both 0 for one
+/// sequence's call), the grid's z (sequences) and the most rows of one sequence.
+fn segment_args(
+    be: &CudaBackend,
+    what: &str,
+    batch: Option<&StepBatch<CudaSlice<i32>>>,
+    rows: usize,
+    ds: &DeltaState,
+    layer_len: usize,
+) -> Result<(u64, i64, u32, usize)> {
+    Ok(
+        match crate::check_delta_batch(what, batch, rows, ds.slots)? {
+            None => (0, 0, 1, rows),
+            Some(segs) => {
+                let b = batch.expect("segments come from a batch");
+                let most = segs.iter().map(|s| s.rows).max().unwrap_or(0);
+                (
+                    b.seg_info.device_ptr(&be.stream).0,
+                    (ds.n_layers * layer_len) as i64,
+                    u32::try_from(segs.len()).context("sequences in a step")?,
+                    most,
+                )
+            }
+        },
+    )
+}
+
 fn i32_of(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).with_context(|| format!("{what} {x} does not fit in i32"))
 }
@@ -369,8 +474,9 @@ pub fn causal_conv1d(
     x: &Act<CudaSlice<f32>>,
     w: &CudaWeight,
     out: &mut Act<CudaSlice<f32>>,
+    batch: Option<&StepBatch<CudaSlice<i32>>>,
 ) -> Result<()> {
-    let ds = delta_state(kv, layer)?;
+    let ds = delta_of(kv, layer)?;
     let (c, kernel) = (ds.shape.conv_dim(), ds.shape.conv_kernel);
     check_shape("causal_conv1d x", x, x.rows, c)?;
     check_shape("causal_conv1d out", out, x.rows, c)?;
@@ -383,8 +489,16 @@ pub fn causal_conv1d(
         return Ok(());
     }
     let len = ds.conv_len();
-    let (rs, rs_stride) = row_slot(be, &ds.row_conv, ds.row_slots, x.rows, layer, len);
-    let mut state = ds.conv.slice_mut(layer * len..(layer + 1) * len);
+    let (segs, slot_stride, n_seqs, most_rows) =
+        segment_args(be, "causal_conv1d", batch, x.rows, ds, len)?;
+    // Row states: calls of one sequence only (a batched step never tracks them).
+    let (rs, rs_stride) = if segs == 0 {
+        row_slot(be, &ds.row_conv, ds.row_slots, x.rows, layer, len)
+    } else {
+        (0, 0)
+    };
+    // Slot 0's layer `layer`; the kernel adds slot · slot_stride for each sequence.
+    let mut state = ds.conv.slice_mut(layer * len..);
     let (wtype, wrb) = (w.dtype.id() as i32, w.row_bytes() as i64);
     let (rows, ci, ki) = (
         i32_of(x.rows, "rows")?,
@@ -394,8 +508,8 @@ pub fn causal_conv1d(
     let cfg = LaunchConfig {
         grid_dim: (
             (c as u32).div_ceil(256),
-            (x.rows as u32).div_ceil(CONV_ROWS as u32),
-            1,
+            (most_rows as u32).div_ceil(CONV_ROWS as u32),
+            n_seqs,
         ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
@@ -403,7 +517,9 @@ pub fn causal_conv1d(
     // SAFETY: x and out hold rows × c floats (checked), the weight c rows of `kernel` taps,
     // the state view (kernel-1) × c floats; one thread per (channel, run of rows). A row
     // slot (rs, when not null) holds rows ≤ row_slots slots of stride rs_stride floats,
-    // this layer's (kernel-1) × c of each at rs.
+    // this layer's (kernel-1) × c of each at rs. Segments (segs, when not null): the step's
+    // table of n_seqs [row0, rows, slot] tiling x's rows (checked), each slot < the pool's
+    // slots, so state + slot · slot_stride stays in the pool.
     unsafe {
         be.stream
             .kernel(&be.gated_delta.conv)
@@ -418,6 +534,8 @@ pub fn causal_conv1d(
             .arg(&ki)
             .arg(&rs)
             .arg(&rs_stride)
+            .arg(&segs)
+            .arg(&slot_stride)
             .launch(cfg)
     }?;
     Ok(())
@@ -428,8 +546,9 @@ pub fn gated_delta_rule(
     kv: &mut CudaKv,
     a: DeltaArgs<'_, CudaSlice<f32>, CudaWeight>,
     out: &mut Act<CudaSlice<f32>>,
+    batch: Option<&StepBatch<CudaSlice<i32>>>,
 ) -> Result<()> {
-    let ds = delta_state(kv, a.layer)?;
+    let ds = delta_of(kv, a.layer)?;
     ensure!(ds.shape == a.shape, "gated_delta_rule: cache shape differs");
     let d = ds.shape;
     let rows = a.qkv.rows;
@@ -451,10 +570,17 @@ pub fn gated_delta_rule(
     // float4 loads of q, k and the state: every run starts on a multiple of 4 floats.
     let vec = i32::from(d.k_head_dim % 4 == 0 && d.conv_dim() % 4 == 0);
     let len = ds.state_len();
+    let (segs, slot_stride, n_seqs, _) =
+        segment_args(be, "gated_delta_rule", batch, rows, ds, len)?;
     // Row states: the sequential kernel writes them (a tracked call never takes the chunked
-    // one, which ignores them).
-    let (rs, rs_stride) = row_slot(be, &ds.row_state, ds.row_slots, rows, a.layer, len);
-    let mut state = ds.state.slice_mut(a.layer * len..(a.layer + 1) * len);
+    // one, which ignores them); calls of one sequence only.
+    let (rs, rs_stride) = if segs == 0 {
+        row_slot(be, &ds.row_state, ds.row_slots, rows, a.layer, len)
+    } else {
+        (0, 0)
+    };
+    // Slot 0's layer; the kernel adds slot · slot_stride for each sequence.
+    let mut state = ds.state.slice_mut(a.layer * len..);
     let rows_i = i32_of(rows, "rows")?;
     let (nk, nv_i, dk, dv) = (
         d.n_k_heads as i32,
@@ -469,7 +595,7 @@ pub fn gated_delta_rule(
         .gated_delta
         .chunked
         .as_ref()
-        .filter(|_| rs == 0 && rows >= CHUNKED_MIN_ROWS && chunked_on())
+        .filter(|_| rs == 0 && segs == 0 && rows >= CHUNKED_MIN_ROWS && chunked_on())
     {
         Some(f) => (
             f,
@@ -489,7 +615,7 @@ pub fn gated_delta_rule(
                 grid_dim: (
                     nv as u32,
                     (d.v_head_dim as u32).div_ceil((DELTA_THREADS / lanes) as u32),
-                    1,
+                    n_seqs,
                 ),
                 block_dim: (DELTA_THREADS as u32, 1, 1),
                 shared_mem_bytes: 0,
@@ -522,6 +648,8 @@ pub fn gated_delta_rule(
             .arg(&vec)
             .arg(&rs)
             .arg(&rs_stride)
+            .arg(&segs)
+            .arg(&slot_stride)
             .launch(cfg)
     }?;
     Ok(())

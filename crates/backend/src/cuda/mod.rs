@@ -372,6 +372,7 @@ impl Backend for CudaBackend {
             self.stream.alloc_zeros::<i32>(capacity.max(1))?,
             self.stream
                 .alloc_zeros::<i32>((max_seqs * max_pages).max(1))?,
+            self.stream.alloc_zeros::<i32>((3 * max_seqs).max(1))?,
             max_seqs,
             max_pages,
             page_size,
@@ -399,6 +400,8 @@ impl Backend for CudaBackend {
         s.memcpy_htod(&l.row_seq, &mut b.row_seq.slice_mut(..n))?;
         let nb = l.block_tables.len();
         s.memcpy_htod(&l.block_tables, &mut b.block_tables.slice_mut(..nb))?;
+        let ns = l.seg_info.len();
+        s.memcpy_htod(&l.seg_info, &mut b.seg_info.slice_mut(..ns))?;
         b.segs = l.segs;
         b.max_page = l.max_page;
         step.rows = n;
@@ -777,6 +780,30 @@ impl Backend for CudaBackend {
         gated_delta::kv_restore_row(self, kv, row)
     }
 
+    fn kv_new_paged_hybrid(
+        &self,
+        n_attn_layers: usize,
+        shape: AttnShape,
+        paged: crate::PagedKv,
+        n_linear_layers: usize,
+        delta: crate::DeltaShape,
+        state_slots: usize,
+    ) -> Result<attention::CudaKv> {
+        gated_delta::kv_new_paged_hybrid(
+            self,
+            n_attn_layers,
+            shape,
+            paged,
+            n_linear_layers,
+            delta,
+            state_slots,
+        )
+    }
+
+    fn kv_clear_state(&self, kv: &mut attention::CudaKv, slot: usize) -> Result<()> {
+        gated_delta::kv_clear_state(self, kv, slot)
+    }
+
     fn kv_restore(&self, kv: &mut attention::CudaKv, slot: usize) -> Result<()> {
         gated_delta::kv_restore(self, kv, slot)
     }
@@ -788,8 +815,9 @@ impl Backend for CudaBackend {
         x: &Act<CudaSlice<f32>>,
         w: &CudaWeight,
         out: &mut Act<CudaSlice<f32>>,
+        batch: Option<&crate::StepBatch<CudaSlice<i32>>>,
     ) -> Result<()> {
-        gated_delta::causal_conv1d(self, kv, layer, x, w, out)
+        gated_delta::causal_conv1d(self, kv, layer, x, w, out, batch)
     }
 
     fn gated_delta_rule(
@@ -797,8 +825,9 @@ impl Backend for CudaBackend {
         kv: &mut attention::CudaKv,
         a: crate::DeltaArgs<'_, CudaSlice<f32>, CudaWeight>,
         out: &mut Act<CudaSlice<f32>>,
+        batch: Option<&crate::StepBatch<CudaSlice<i32>>>,
     ) -> Result<()> {
-        gated_delta::gated_delta_rule(self, kv, a, out)
+        gated_delta::gated_delta_rule(self, kv, a, out, batch)
     }
 
     fn gated_rms_norm(

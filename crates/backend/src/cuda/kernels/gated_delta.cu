@@ -12,6 +12,12 @@
 //   state of its channel after its reads: no other thread touches that channel's state, so
 //   there is no race and no second kernel. Bytes: rows*C*4 in + out, 2*(K-1)*C*4 state.
 //   Taps are read with ggml_get (F32 in GGUF files, BF16/F16 in Hugging Face ones).
+// - Batched steps of a hybrid model (several sequences, each on its own slot of a pooled
+//   state: Backend::kv_new_paged_hybrid): both kernels take `segs`, per sequence [row0,
+//   rows, state slot] in device memory (written by set_batch, so a captured decode step
+//   replays for other sequences), and run one sequence per blockIdx.z: its rows and its
+//   slot (state + slot * slot_stride), the same code and the same bits as a call on that
+//   sequence alone. segs null: the whole call is one sequence on `state` (grid z = 1).
 // - gated_delta_rule: the recurrence, token by token, in f32 with the state resident in
 //   VRAM ([n_v_heads][dv][dk] per layer: column-major per head, so the dk values of one
 //   state column are contiguous). Block = (value head h, COLS = 128/L state columns), 128
@@ -53,10 +59,12 @@ __device__ __forceinline__ float gd_softplus(float x) { return x > 20.f ? x : lo
 // x, out: [rows][C]; w: C rows of K taps stored as `wtype`; state: this layer's [K-1][C].
 // row_states (null: none): row t's slot for this layer at row_states + t*row_stride, [K-1][C]
 // each: the state after row t (a speculative verify's rollback copies one back).
+// segs (null: one sequence): [row0, rows, slot] of sequence blockIdx.z (file header).
 extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint8_t* __restrict__ w,
                                          int wtype, long long w_row_bytes, float* __restrict__ state,
                                          float* __restrict__ out, int rows, int C, int K,
-                                         float* __restrict__ row_states, long long row_stride) {
+                                         float* __restrict__ row_states, long long row_stride,
+                                         const int* __restrict__ segs, long long slot_stride) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     // The taps (weights: no kernel writes them) before the PDL wait, so that their load is
     // not a round trip of its own on the layer's chain (GATED_DELTA.md, 28th session).
@@ -68,6 +76,14 @@ extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint
     }
     PDL_ENTRY();
     if (c >= C) return;
+    if (segs != nullptr) {
+        const int* sg = segs + 3 * blockIdx.z;
+        const long long row0 = sg[0];
+        rows = sg[1];
+        x += row0 * C;
+        out += row0 * C;
+        state += sg[2] * slot_stride;
+    }
     int hist = K - 1;
     int t0 = blockIdx.y * CONV_ROWS;
     int t1 = min(t0 + CONV_ROWS, rows);
@@ -433,8 +449,19 @@ __device__ __forceinline__ void gd_body(const float* __restrict__ qkv, const flo
         const float* __restrict__ qkv, const float* __restrict__ a_in, const float* __restrict__ b_in,  \
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ state,  \
         float* __restrict__ out, int rows, int nk, int nv, int dk, int dv, int tiled, int vec,          \
-        float* __restrict__ row_states, long long row_stride) {                                         \
+        float* __restrict__ row_states, long long row_stride, const int* __restrict__ segs,             \
+        long long slot_stride) {                                                                        \
         PDL_ENTRY();                                                                                    \
+        if (segs != nullptr) {                                                                          \
+            const int* sg = segs + 3 * blockIdx.z;                                                      \
+            const long long row0 = sg[0];                                                               \
+            rows = sg[1];                                                                               \
+            qkv += row0 * (2 * nk * dk + nv * dv);                                                      \
+            a_in += row0 * nv;                                                                          \
+            b_in += row0 * nv;                                                                          \
+            out += row0 * nv * dv;                                                                      \
+            state += sg[2] * slot_stride;                                                               \
+        }                                                                                               \
         gd_body<R, L>(qkv, a_in, b_in, ssm_a, dt_bias, state, out, rows, nk, nv, dk, dv, tiled, vec,    \
                       row_states, row_stride);                                                          \
     }
@@ -926,11 +953,14 @@ extern "C" __global__ void __launch_bounds__(GDC_THREADS)
                         const float* __restrict__ b_in, const float* __restrict__ ssm_a,
                         const float* __restrict__ dt_bias, float* __restrict__ state, float* __restrict__ out,
                         int rows, int nk, int nv, int dk, int dv, int tiled, int vec,
-                        float* __restrict__ row_states, long long row_stride) {
-    // The sequential kernel's arguments; row states are never asked of this one (the
-    // launcher takes the sequential kernel for tracked calls).
+                        float* __restrict__ row_states, long long row_stride, const int* __restrict__ segs,
+                        long long slot_stride) {
+    // The sequential kernel's arguments; row states and segments are never asked of this
+    // one (the launcher takes the sequential kernel for tracked and batched calls).
     (void)row_states;
     (void)row_stride;
+    (void)segs;
+    (void)slot_stride;
     PDL_ENTRY();
     extern __shared__ __align__(16) float gdc_smem[];
     gdc_body(gdc_smem, qkv, a_in, b_in, ssm_a, dt_bias, state, out, rows, nk, nv, dk, dv, tiled, vec);
