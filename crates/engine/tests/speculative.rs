@@ -2,7 +2,9 @@
 //! plain greedy decode, on the two tiny Qwen3.5 oracle models (hybrid: the rollback of
 //! the Gated DeltaNet state is exercised) with their MTP heads (tests/data/oracle/*/
 //! mtp.safetensors, see tools/oracle/mtp_oracle.py). Random-weight heads draft badly, so
-//! a scripted drafter also drives every acceptance length 0..=K on purpose.
+//! a scripted drafter also drives every acceptance length 0..=K on purpose. The serving
+//! scheduler on the same models: speculating per sequence, and batching them without
+//! speculation.
 
 use ferrite_backend::cpu::CpuBackend;
 use ferrite_engine::speculative::{
@@ -618,4 +620,60 @@ fn scheduler_speculation_survives_preemption() {
     );
     assert!(st.spec_drafted.load(Ordering::Relaxed) > 0);
     s.shutdown();
+}
+
+/// Hybrid models served without speculation take the scheduler's batched steps, each running
+/// sequence on its own linear-attention state slot of the pooled cache. Six requests through
+/// a batch of three under a KV budget too small for all of them: slots pass from finished
+/// sequences to new ones (cleared first), preempted sequences are re-prefilled from a cleared
+/// slot, and every request still gets its plain greedy tokens.
+#[test]
+fn scheduler_batches_hybrid_models() {
+    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
+    use std::sync::atomic::Ordering;
+    for name in MODELS {
+        let (be, model) = load(name);
+        let prompts: Vec<Vec<u32>> = (0..6u32)
+            .map(|i| (0..3 + 2 * i).map(|j| 1 + (i * 97 + j * 31) % 1000).collect())
+            .collect();
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| plain_greedy(&be, &model, p, GEN).unwrap())
+            .collect();
+        // 6 pages of 16: three sequences of up to 13 + 40 tokens need 12.
+        let s = Scheduler::spawn(
+            tiny_engine(be, model),
+            SchedulerConfig {
+                max_batch: 3,
+                max_context: 64,
+                kv_tokens: 96,
+                prefill_chunk: 4,
+                ..SchedulerConfig::default()
+            },
+        )
+        .unwrap();
+        let params = RequestParams {
+            max_tokens: GEN,
+            ignore_eos: true,
+            ..RequestParams::default()
+        };
+        let rxs: Vec<_> = prompts
+            .iter()
+            .map(|p| submit(&s, p, params.clone()))
+            .collect();
+        for (i, rx) in rxs.into_iter().enumerate() {
+            assert_eq!(collect(rx), want[i], "{name}: request {i}");
+        }
+        let st = s.stats();
+        assert!(st.batched.load(Ordering::SeqCst), "{name}: batched steps");
+        assert!(
+            st.max_step_seqs.load(Ordering::Relaxed) > 1,
+            "{name}: steps held several sequences"
+        );
+        assert!(
+            st.preemptions.load(Ordering::Relaxed) > 0,
+            "{name}: the budget forced preemptions"
+        );
+        s.shutdown();
+    }
 }
