@@ -31,7 +31,7 @@ use ferrite_backend::cuda::matmul as cuda_matmul;
 use ferrite_backend::cuda::CudaBackend;
 use ferrite_backend::{
     Act, AttnArgs, AttnShape, Backend, DeltaArgs, DeltaShape, ExpertWeights, HostTensor,
-    MoeRouting, QkRope, Rope, RopeStyle, StepInput,
+    MoeRouting, PagedKv, QkRope, Rope, RopeStyle, SeqRows, StepBatch, StepInput,
 };
 use ferrite_formats::{quant, GgmlType};
 use rayon::prelude::*;
@@ -151,6 +151,14 @@ const GATED_DELTA_NMSE: f64 = 1e-9;
 /// carried recurrence: skipping the restore or restoring the other slot gave NMSE ≥ 2e-2 in
 /// every case (measured on the CPU by breaking the harness on purpose).
 const SNAPSHOT_NMSE: f64 = GATED_DELTA_NMSE;
+/// Batched conv + delta rule: each segment runs the one-sequence arithmetic on its own slot,
+/// so its outputs differ from the CPU's only as those ops' do. A segment on another slot, or
+/// a slot left uncleared, starts from a different state: the case's first rows then differ
+/// at the inputs' scale.
+const DELTA_BATCH_NMSE: f64 = GATED_DELTA_NMSE;
+/// Rows each state slot takes in a [`Op::DeltaBatch`] case before the checked steps (so no
+/// slot's state is zero unless cleared).
+const DELTA_BATCH_DIRTY: usize = 3;
 /// Gated RMSNorm (f32 reduction against the CPU's f64 one) and the sigmoid gate: elementwise.
 const GATED_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
 const SIGMOID_GATE_NMSE: f64 = ELEMENTWISE_NMSE;
@@ -308,6 +316,9 @@ const OPS: &[&str] = &[
     "sigmoid_gate",
     // State snapshots for speculative rollback (kv_snapshots, kv_snapshot, kv_restore).
     "kv_snapshot/kv_restore",
+    // Batched steps of hybrid models: the pooled state, clearing a slot, and the conv and
+    // delta rule on each sequence's own slot.
+    "kv_new_paged_hybrid/kv_clear_state",
 ];
 
 #[derive(Clone, Debug)]
@@ -552,6 +563,18 @@ enum Op {
         draft: usize,
         rows: usize,
         row: Option<usize>,
+    },
+    /// A hybrid model's batched step on a pooled cache (`kv_new_paged_hybrid`): sequence `i`
+    /// of `rows.len()` on state slot `rows.len() - i` of `rows.len() + 1` (reversed, slot 0
+    /// unused: a slot offset or stride error shows). Every slot first takes 3 rows of a
+    /// batched step (its state no longer zero), the even sequences' slots are cleared
+    /// (`kv_clear_state`), a batched step feeds sequence `i` `fills[i]` rows (those with any),
+    /// then the checked step runs `rows[i]` rows of each (out: the conv output, out2: the
+    /// delta rule's). The CPU runs each segment as a call on that sequence alone.
+    DeltaBatch {
+        shape: DeltaShape,
+        fills: Vec<usize>,
+        rows: Vec<usize>,
     },
     GatedRmsNorm {
         rows: usize,
@@ -908,6 +931,13 @@ fn describe(op: &Op) -> (&'static str, String) {
                 "kv_snapshot/restore {} fill={fill} draft={draft} rows={rows}{}",
                 delta_name(shape),
                 row.map_or(String::new(), |r| format!(" row={r}"))
+            ),
+        ),
+        Op::DeltaBatch { shape, fills, rows } => (
+            "kv_new_paged_hybrid/kv_clear_state",
+            format!(
+                "batched causal_conv1d + gated_delta_rule {} fills={fills:?} rows={rows:?}",
+                delta_name(shape)
             ),
         ),
         Op::GatedRmsNorm {
@@ -2105,6 +2135,27 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
     }
+    // Batched steps of a hybrid model (serve): decode rows only (one row a sequence: the
+    // graph-captured step), prefill chunks beside decode rows (segments longer than a
+    // convolution thread's run), and one sequence; Qwen3.5's dims, the tiny oracle's, the
+    // odd scalar-load shape and a kernel-1 convolution.
+    for shape in [
+        q35,
+        ds(2, 4, 32, 32, 4, false),
+        ds(1, 3, 6, 7, 2, true),
+        ds(2, 4, 5, 27, 1, false),
+    ] {
+        for (fills, rows) in [
+            (vec![5, 0, 17, 2], vec![1, 1, 1, 1]),
+            (vec![0, 9, 33], vec![7, 1, 20]),
+            (vec![4], vec![1]),
+        ] {
+            if quick && (shape.conv_dim() > 1000 || rows.iter().any(|&r| r > 5)) {
+                continue;
+            }
+            add(Op::DeltaBatch { shape, fills, rows });
+        }
+    }
     // Gated RMSNorm over the value heads (Qwen3.5: 32 × 128; the tiny oracle: 4 × 32; odd).
     for (heads, head_dim) in [(32, 128), (4, 32), (3, 40)] {
         for rows in [1, 5, 64, 200] {
@@ -2852,6 +2903,29 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, c);
             h.out2 = Some((rows, shape.value_dim()));
         }
+        Op::DeltaBatch {
+            shape,
+            ref fills,
+            ref rows,
+        } => {
+            // Weights: conv taps (f32), ssm_a, dt_bias (as the Snapshot cases).
+            let (c, k, nv) = (shape.conv_dim(), shape.conv_kernel, shape.n_v_heads);
+            let taps = rng.normals(c * k, 0.5);
+            h.weights
+                .push((GgmlType::F32, vec![c, k], f32_bytes(&taps)));
+            push_decay_weights(&mut h, &mut rng, nv);
+            // Per step (checked, dirtying, fill): conv input, qkv, a, b over all its rows.
+            let total = rows.iter().sum::<usize>();
+            let dirty = DELTA_BATCH_DIRTY * (rows.len() + 1);
+            for n in [total, dirty, fills.iter().sum()] {
+                h.acts.push((rng.normals(n * c, 1.0), n, c));
+                h.acts.push((rng.normals(n * c, 1.0), n, c));
+                h.acts.push((rng.normals(n * nv, 1.0), n, nv));
+                h.acts.push((rng.normals(n * nv, 2.0), n, nv));
+            }
+            h.out = (total, c);
+            h.out2 = Some((total, shape.value_dim()));
+        }
         Op::GatedRmsNorm {
             rows,
             heads,
@@ -3079,6 +3153,56 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             }
             kv = Some(cache);
         }
+        Op::DeltaBatch { shape, fills, rows } => {
+            let n = rows.len();
+            let slot_of = |i: usize| n - i;
+            let longest = fills.iter().chain(rows).copied().max().unwrap_or(1);
+            let page_size = longest.max(DELTA_BATCH_DIRTY).next_power_of_two();
+            let paged = PagedKv {
+                n_pages: 1,
+                page_size,
+                max_pages: 1,
+                max_rows: n + 1,
+                q8_0: false,
+            };
+            let mut cache = be.kv_new_paged_hybrid(1, HYBRID_ATTN, paged, 2, *shape, n + 1)?;
+            // A batched step input over `(rows, slot)` segments (positions from 0 in page 0:
+            // the linear-attention ops read none).
+            let zeros = vec![0u32; longest.max(DELTA_BATCH_DIRTY)];
+            let seg_step = |segs: &[(usize, usize)]| -> Result<StepInput<B::IBuf>> {
+                let total = segs.iter().map(|s| s.0).sum::<usize>();
+                let mut st = be.batch_step_input(total, segs.len(), 1, page_size)?;
+                let seqs: Vec<SeqRows<'_>> = segs
+                    .iter()
+                    .map(|&(r, slot)| SeqRows {
+                        tokens: &zeros[..r],
+                        pos0: 0,
+                        pages: &[0],
+                        logits: 1,
+                        state: slot,
+                    })
+                    .collect();
+                be.set_batch(&mut st, &seqs)?;
+                Ok(st)
+            };
+            let every: Vec<(usize, usize)> = (0..=n).map(|s| (DELTA_BATCH_DIRTY, s)).collect();
+            let st = seg_step(&every)?;
+            delta_step(be, &mut cache, &w, &a[4..8], *shape, st.batch.as_ref())?;
+            for i in (0..n).step_by(2) {
+                be.kv_clear_state(&mut cache, slot_of(i))?;
+            }
+            let fed: Vec<(usize, usize)> = (0..n)
+                .filter(|&i| fills[i] > 0)
+                .map(|i| (fills[i], slot_of(i)))
+                .collect();
+            if !fed.is_empty() {
+                let st = seg_step(&fed)?;
+                delta_step(be, &mut cache, &w, &a[8..12], *shape, st.batch.as_ref())?;
+            }
+            let checked: Vec<(usize, usize)> = (0..n).map(|i| (rows[i], slot_of(i))).collect();
+            step = seg_step(&checked)?;
+            kv = Some(cache);
+        }
         Op::Snapshot {
             shape,
             fill,
@@ -3104,11 +3228,11 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
                 "kv_snapshot into slot 2 of 2 succeeded"
             );
             if *fill > 0 {
-                snapshot_step(be, &mut cache, &w, &a[4..8], *shape)?;
+                delta_step(be, &mut cache, &w, &a[4..8], *shape, None)?;
             }
             be.kv_snapshot(&mut cache, 1)?;
             if *draft > 0 {
-                snapshot_step(be, &mut cache, &w, &a[8..12], *shape)?;
+                delta_step(be, &mut cache, &w, &a[8..12], *shape, None)?;
             }
             be.kv_snapshot(&mut cache, 0)?;
             kv = Some(cache);
@@ -3153,18 +3277,19 @@ fn delta_args<'a, B: Backend>(
 
 /// One step of a snapshot case outside the checked part: conv1d and the delta rule on layer 1
 /// over `a` (conv input, qkv, a, b), outputs discarded.
-fn snapshot_step<B: Backend>(
+fn delta_step<B: Backend>(
     be: &B,
     kv: &mut B::Kv,
     w: &[B::Weight],
     a: &[Act<B::Buf>],
     shape: DeltaShape,
+    batch: Option<&StepBatch<B::IBuf>>,
 ) -> Result<()> {
     let rows = a[0].rows;
     let mut o = be.zeros(rows, shape.conv_dim())?;
-    be.causal_conv1d(kv, 1, &a[0], &w[0], &mut o, None)?;
+    be.causal_conv1d(kv, 1, &a[0], &w[0], &mut o, batch)?;
     let mut o = be.zeros(rows, shape.value_dim())?;
-    be.gated_delta_rule(kv, delta_args::<B>(&w[1..], &a[1..4], shape), &mut o, None)
+    be.gated_delta_rule(kv, delta_args::<B>(&w[1..], &a[1..4], shape), &mut o, batch)
 }
 
 /// Resets the output of an in-place op to its input (not part of the timed op).
@@ -3551,6 +3676,23 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 .as_mut()
                 .ok_or_else(|| anyhow::anyhow!("no second output"))?;
             be.gated_delta_rule(kv, delta_args::<B>(&p.w[1..], &p.a[1..4], *shape), o2, None)
+        }
+        Op::DeltaBatch { shape, .. } => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no hybrid cache"))?;
+            let batch = p.step.batch.as_ref();
+            be.causal_conv1d(kv, 1, &p.a[0], &p.w[0], &mut p.out, batch)?;
+            let o2 = p
+                .out2
+                .as_mut()
+                .ok_or_else(|| anyhow::anyhow!("no second output"))?;
+            be.gated_delta_rule(
+                kv,
+                delta_args::<B>(&p.w[1..], &p.a[1..4], *shape),
+                o2,
+                batch,
+            )
         }
         Op::GatedRmsNorm { head_dim, .. } => {
             be.gated_rms_norm(&mut p.out, &p.a[1], &p.w[0], *head_dim, EPS)
@@ -3993,6 +4135,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::Conv1d { .. } => CONV1D_NMSE,
         Op::GatedDelta { .. } => GATED_DELTA_NMSE,
         Op::Snapshot { .. } => SNAPSHOT_NMSE,
+        Op::DeltaBatch { .. } => DELTA_BATCH_NMSE,
         Op::GatedRmsNorm { .. } => GATED_NORM_NMSE,
         Op::SigmoidGate { .. } => SIGMOID_GATE_NMSE,
         // The projection's threshold: the gate's own error is far below it.
@@ -4125,6 +4268,15 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             // Restore: 2 layers × (read + write); the ops: layer 1 read + write.
             let moved_state = (2 * 2 + 2) * (conv + state);
             f(moved_state + ins + out + out2 + h.weights[0].2.len())
+        }
+        // Each sequence's conv and recurrent state read and written, the checked step's
+        // inputs, both outputs, the taps.
+        Op::DeltaBatch { shape, rows, .. } => {
+            let conv = (shape.conv_kernel - 1) * shape.conv_dim() * 4;
+            let state = shape.n_v_heads * shape.k_head_dim * shape.v_head_dim * 4;
+            let out2 = rows.iter().sum::<usize>() * shape.value_dim() * 4;
+            let ins: usize = h.acts[..4].iter().map(|(x, _, _)| x.len() * 4).sum();
+            f(2 * rows.len() * (conv + state) + ins + out + out2 + h.weights[0].2.len())
         }
         // x and z (or gate) in, x out.
         Op::GatedRmsNorm { .. } | Op::SigmoidGate { .. } => f(acts + out),

@@ -634,7 +634,11 @@ fn scheduler_batches_hybrid_models() {
     for name in MODELS {
         let (be, model) = load(name);
         let prompts: Vec<Vec<u32>> = (0..6u32)
-            .map(|i| (0..3 + 2 * i).map(|j| 1 + (i * 97 + j * 31) % 1000).collect())
+            .map(|i| {
+                (0..3 + 2 * i)
+                    .map(|j| 1 + (i * 97 + j * 31) % 1000)
+                    .collect()
+            })
             .collect();
         let want: Vec<Vec<u32>> = prompts
             .iter()
