@@ -319,11 +319,6 @@ fn bench_on<B: Backend>(
             }
         };
     let head = loaded && a.draft_right.is_none();
-    anyhow::ensure!(
-        a.batch == 0 || model.cfg.hybrid.is_none(),
-        "--batch: hybrid (linear-attention) models step one sequence at a time in `serve`; \
-         there is no batched step to time"
-    );
     let model = model;
     let cfg = model.cfg.clone();
     if ctx > cfg.max_ctx {
@@ -380,8 +375,20 @@ fn bench_on<B: Backend>(
 
     let bw = be.copy_bandwidth()?;
     let weight_bytes = weight_bytes_per_token(file)?;
-    // The cache type the model was loaded with (a q8_0 cache: 1.0625 bytes per element).
-    let kv_per_pos = ((cfg.n_layers * 2 * cfg.attn.n_kv_heads * cfg.attn.head_dim) as f64
+    // The cache type the model was loaded with (a q8_0 cache: 1.0625 bytes per element), in
+    // the attention layers; a hybrid model's Gated DeltaNet layers instead read and write
+    // their f32 state (conv and recurrent) once a token whatever the depth.
+    let (n_attn_layers, state_bytes) = match &cfg.hybrid {
+        Some(h) => {
+            let (n_lin, n_attn) = h.counts();
+            let d = h.delta;
+            let state =
+                (d.conv_kernel - 1) * d.conv_dim() + d.n_v_heads * d.k_head_dim * d.v_head_dim;
+            (n_attn, (2 * n_lin * state * 4) as u64)
+        }
+        None => (cfg.n_layers, 0),
+    };
+    let kv_per_pos = ((n_attn_layers * 2 * cfg.attn.n_kv_heads * cfg.attn.head_dim) as f64
         * be.kv_bytes_per_element())
     .round() as u64;
     let depth = a.depth;
@@ -507,8 +514,9 @@ fn bench_on<B: Backend>(
     let vram_used_gib = be
         .device_memory()
         .map(|(used, _)| used as f64 / (1u64 << 30) as f64);
-    // Average KV bytes read per decode token over the generated span.
-    let kv_bytes = kv_per_pos * (depth as u64 + a.gen_tokens as u64 / 2);
+    // Average KV bytes read per decode token over the generated span (and the linear
+    // layers' state).
+    let kv_bytes = kv_per_pos * (depth as u64 + a.gen_tokens as u64 / 2) + state_bytes;
     let bytes_tg = weight_bytes + kv_bytes;
     let device = be.device_name();
     let date = utc_now();
@@ -593,8 +601,8 @@ fn bench_on<B: Backend>(
     });
     records.extend(spec_record);
     // The batched test's record: all sequences' tokens per second; a step reads the weights
-    // once and every sequence's cache (dense models: a MoE step's experts depend on the rows'
-    // routing, so its bytes are not known here).
+    // once and every sequence's cache and state (dense models: a MoE step's experts depend on
+    // the rows' routing, so its bytes are not known here).
     let batch_record = bt.map(|bt| {
         let steps = bt / n_batch as f64;
         let bytes_step = (cfg.moe.is_none()).then(|| weight_bytes + n_batch as u64 * kv_bytes);

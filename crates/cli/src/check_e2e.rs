@@ -234,10 +234,8 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
                 &tokens[..8],
                 &[(4, Some(4)), (4, Some(2))],
             )?);
-            // Serve's batched steps (plain decoders; hybrid models step one sequence at a time).
-            if m.cfg.hybrid.is_none() {
-                lines.push(batch_line(be, &m, &what)?);
-            }
+            // Serve's batched steps (hybrid models: each sequence on its own state slot).
+            lines.push(batch_line(be, &m, &what)?);
             std::fs::remove_file(&path).ok();
         }
     }
