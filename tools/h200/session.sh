@@ -24,6 +24,9 @@
 #            forward of n rows on the few-row decode GEMVs)
 #   batch    Qwen3-8B Q4_K_M and Q8_0: bench --batch N (serve's batched decode step) at N = 2, 3,
 #            4, 5, 8, 9, 16 against tg128 alone
+#   batch35  the same on Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M (hybrid: each sequence on its
+#            own Gated DeltaNet state slot) at N = 2, 4, 8, 16, after the batched conv/delta
+#            check cases
 #   tm       the token-major Q4_K GEMV (FERRITE_GEMV_TM=1): its matmul check cases, then check
 #            --perf of the Q4_K matmuls with it off and on
 #   trigger  FERRITE_ATTN_TRIGGER 0 / 1 / 2: its qk_norm_rope cases, then tg128 A/B on Qwen3-8B
@@ -172,6 +175,18 @@ for stage in "$@"; do
             for n in 2 3 4 5 8 9 16; do
                 echo "$pq $($F bench --model "$f" --reps 2 --prompt-tokens 64 --batch $n 2>&1 | grep -E "tg128|rror" | tr '\n' ' ')"
             done | tee -a "$OUT/batch.txt"
+            rm -f "$f"
+        done
+        ;;
+    batch35)
+        # Hybrid models in serve's batched step: the segmented conv / delta-rule cases, then
+        # bench --batch N against tg128 alone.
+        $F check --device cuda --filter "batched causal_conv1d" 2>&1 | tee "$OUT/check-batch35.log" | tail -2
+        for pq in qwen3.5-9b:Q4_K_M qwen3.5-35b-a3b:Q4_K_M; do
+            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
+            for n in 2 4 8 16; do
+                echo "$pq $($F bench --model "$f" --reps 2 --prompt-tokens 64 --batch $n 2>&1 | grep -E "tg128|rror" | tr '\n' ' ')"
+            done | tee -a "$OUT/batch35.txt"
             rm -f "$f"
         done
         ;;

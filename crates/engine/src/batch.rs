@@ -5,6 +5,10 @@
 //! the scheduler's `PagePool` hands out) — and one workspace whose steps hold the rows of
 //! many sequences: the decode rows of every running sequence plus prefill chunks. Every op
 //! but attention is row-wise, so a step costs one pass over the weights for all its rows.
+//! A hybrid model's Gated DeltaNet layers are not row-wise either: the cache holds a pool of
+//! `max_seqs` linear-attention states, and each sequence of a step continues the slot its
+//! [`SeqRows::state`] names (the scheduler's; [`Batch::clear_state`] readies one for a new
+//! sequence).
 //!
 //! **Graphs.** A step whose sequences each bring one row (pure decode) is captured as a graph
 //! per batch size, like the single-sequence decode step: the first step of a size runs
@@ -15,7 +19,8 @@
 //! their final size before any graph records their addresses.
 //!
 //! **Identity.** A row's arithmetic does not depend on the other rows of its step (row-wise
-//! ops; attention reads only the row's own sequence, in position order). On the CPU backend a
+//! ops; attention reads only the row's own sequence, in position order; the linear layers
+//! run each sequence's rows on its own state as a call on that sequence alone). On the CPU backend a
 //! sequence's logits are therefore bitwise those of the sequence run alone
 //! (`crates/models/tests/batch.rs`). On CUDA, rows ≤ 16 run the f32 GEMV (row-count
 //! invariant); larger batches run the tensor-core GEMM, whose bf16 operand rounding differs

@@ -30,9 +30,13 @@
 //! iteration runs one backend step whose rows come from every runnable sequence (matmuls,
 //! norms and FFNs see all rows at once; attention reads each row's own sequence through its
 //! block table). Pure decode steps are captured as graphs per batch size on backends that
-//! have them. Hybrid (linear-attention) models keep per-sequence state that is not in pages:
-//! for them (and on a backend without paged caches) every sequence keeps its own
-//! contiguous cache and steps (`Sequence`), with the same plan and the same pages accounting.
+//! have them. Hybrid (linear-attention) models also keep state that is not in pages: the
+//! batch holds a pool of `max_batch` such states, and every running sequence holds one slot
+//! of it (taken and cleared at admission, given back when it finishes or is preempted). A
+//! speculating hybrid model (and any model on a backend without paged caches) runs every
+//! sequence with its own contiguous cache and steps (`Sequence`) instead, with the same
+//! plan and the same pages accounting: a batched verify has no way to roll one sequence's
+//! state back past its rejected drafts.
 //!
 //! **Determinism.** Each sequence's computation is independent of the others: every op is
 //! row-wise but attention, which reads only the row's own sequence in position order; its
