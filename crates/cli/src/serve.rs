@@ -59,6 +59,14 @@ pub struct ServeArgs {
     /// decode without it. Not with --mtp-depth.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=8), conflicts_with = "mtp_depth")]
     pub lookup_depth: u32,
+    /// Turn off the prefix cache. By default the keys and values of every full 16-token KV
+    /// page are kept after their request, and a later request that starts with the same
+    /// tokens (a shared system prompt, the earlier turns of a conversation) takes them instead
+    /// of prefilling them again (`usage.prompt_tokens_details.cached_tokens`); kept pages are
+    /// evicted, oldest first, as soon as a request needs the room. Batched steps of plain
+    /// decoders only (hybrid Qwen3.5 models keep state outside the pages).
+    #[arg(long)]
+    pub no_prefix_cache: bool,
 }
 
 /// Default `--max-context` cap: the CPU backend allocates each sequence's KV contiguously,
@@ -111,6 +119,7 @@ where
         max_waiting: a.max_waiting,
         mtp_depth: a.mtp_depth as usize,
         lookup_depth: a.lookup_depth as usize,
+        prefix_cache: !a.no_prefix_cache,
     };
     let sched = Scheduler::spawn(engine, cfg)?;
     tracing::info!("scheduler: {:?}", sched.config());

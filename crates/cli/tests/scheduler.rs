@@ -2,8 +2,8 @@
 //! batching identity (batched steps over the paged KV cache: decode rows and prefill chunks
 //! of several sequences in one step give each sequence the tokens it gets alone), admission
 //! waiting and preemption under a small KV budget, a disconnected client freeing its
-//! sequence, and speculative decoding with prompt-lookup drafts verified inside batched
-//! steps.
+//! sequence, speculative decoding with prompt-lookup drafts verified inside batched steps,
+//! and the prefix cache.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
@@ -51,6 +51,7 @@ struct Out {
     text: String,
     finish: FinishReason,
     completion_tokens: usize,
+    cached_tokens: usize,
 }
 
 fn submit(s: &Scheduler, prompt: &[u32], params: &RequestParams) -> mpsc::Receiver<Event> {
@@ -71,6 +72,7 @@ fn collect(rx: mpsc::Receiver<Event>) -> Out {
         text: String::new(),
         finish: FinishReason::Length,
         completion_tokens: 0,
+        cached_tokens: 0,
     };
     loop {
         match rx.recv_timeout(Duration::from_secs(120)).expect("an event") {
@@ -90,6 +92,7 @@ fn collect(rx: mpsc::Receiver<Event>) -> Out {
                 o.text.push_str(&text);
                 o.finish = finish;
                 o.completion_tokens = usage.completion_tokens;
+                o.cached_tokens = usage.cached_tokens;
                 return o;
             }
             Event::Error(e) => panic!("generation failed: {e}"),
@@ -256,6 +259,8 @@ fn small_kv_budget_waits_and_preempts_and_finishes_everything() {
         max_waiting: 64,
         mtp_depth: 0,
         lookup_depth: 0,
+        // Re-admitted sequences find their own released pages (until others evict them).
+        prefix_cache: true,
     });
     let p = RequestParams {
         max_tokens: 40,
@@ -509,4 +514,109 @@ fn lookup_drafts_in_batched_steps_keep_each_requests_output() {
         assert_eq!(x.tokens, y.tokens, "preempted speculative output differs");
     }
     wait_idle(&tight);
+}
+
+/// The prefix cache: requests that share a system prompt, and a conversation's next turn
+/// (which starts with the earlier turn and its answer), take those pages from the cache and
+/// get exactly the tokens they get without it (the cached keys and values are those they
+/// would have computed: bitwise on the CPU), alone and together; `usage.cached_tokens` says
+/// how many prompt tokens were not prefilled.
+#[test]
+fn prefix_cache_keeps_every_requests_output() {
+    const SYSTEM: &str = "You are a careful assistant. You answer questions about geography, \
+        history, cooking and science in two short sentences, in plain English, without lists \
+        and without repeating the question. ";
+    let e = default_engine();
+    let enc = |t: &str| e.tok.encode(t, true, false).expect("tokenizes");
+    let shared: Vec<Vec<u32>> = PROMPTS[..3]
+        .iter()
+        .map(|p| enc(&format!("{SYSTEM}{p}")))
+        .collect();
+    let common = shared[0]
+        .iter()
+        .zip(&shared[1])
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(
+        common >= 32,
+        "the system prompt spans two pages ({common} tokens)"
+    );
+    let question = e
+        .tok
+        .encode(" Why is that?", false, false)
+        .expect("tokenizes");
+    drop(e);
+    let p = RequestParams {
+        max_tokens: 24,
+        ignore_eos: true,
+        ..RequestParams::default()
+    };
+    let mut runs = Vec::new();
+    for cache in [false, true] {
+        let (s, _) = scheduler(SchedulerConfig {
+            max_batch: 4,
+            max_context: 512,
+            kv_tokens: 4 * 512,
+            prefill_chunk: 16,
+            prefix_cache: cache,
+            ..SchedulerConfig::default()
+        });
+        let first = alone(&s, &shared, &p);
+        assert_eq!(s.stats().prefix_cache.load(Ordering::SeqCst), cache);
+        // The next turn: the first conversation, its answer, a new question.
+        let mut turn: Vec<u32> = shared[0].iter().chain(&first[0].tokens).copied().collect();
+        turn.extend(&question);
+        let second = collect(submit(&s, &turn, &p));
+        let both = together(&s, &shared, &p);
+        let hits = s.stats().prefix_hit_tokens.load(Ordering::SeqCst);
+        println!(
+            "prefix cache {cache}: cached tokens of the first requests {:?}, of the next turn \
+             {} (of {}), together {:?}",
+            first.iter().map(|o| o.cached_tokens).collect::<Vec<_>>(),
+            second.cached_tokens,
+            turn.len(),
+            both.iter().map(|o| o.cached_tokens).collect::<Vec<_>>()
+        );
+        wait_idle(&s);
+        if cache {
+            assert_eq!(first[0].cached_tokens, 0, "nothing cached before the first");
+            for o in &first[1..] {
+                assert_eq!(
+                    o.cached_tokens,
+                    common / 16 * 16,
+                    "the system prompt's pages"
+                );
+            }
+            // Every full page the first conversation filled: its prompt and answer but the
+            // last answer token (sampled, never fed).
+            let filled = shared[0].len() + first[0].tokens.len() - 1;
+            assert_eq!(
+                second.cached_tokens,
+                (filled / 16 * 16).min((turn.len() - 1) / 16 * 16),
+                "the next turn takes the first turn's pages, its answer's too"
+            );
+            assert!(second.cached_tokens > common, "the answer's pages too");
+            assert!(both.iter().all(|o| o.cached_tokens > 0));
+            assert!(hits > 0);
+            assert!(s.stats().kv_pages_cached.load(Ordering::SeqCst) > 0);
+        } else {
+            assert!(first.iter().chain(&both).all(|o| o.cached_tokens == 0));
+            assert_eq!(hits, 0);
+        }
+        runs.push((first, second, both));
+    }
+    let (off, on) = (&runs[0], &runs[1]);
+    for (i, (x, y)) in off.0.iter().zip(&on.0).enumerate() {
+        assert_eq!(
+            x.tokens, y.tokens,
+            "request {i}: the cache changed its output"
+        );
+    }
+    assert_eq!(off.1.tokens, on.1.tokens, "the next turn's output changed");
+    for (i, (x, y)) in off.2.iter().zip(&on.2).enumerate() {
+        assert_eq!(
+            x.tokens, y.tokens,
+            "request {i} together: the cache changed its output"
+        );
+    }
 }

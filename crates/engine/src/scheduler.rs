@@ -57,6 +57,7 @@ use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 use crate::batch::{Batch, BatchConfig};
 use crate::generate::{Engine, FinishReason, Sequence};
+use crate::pages::{PagePool, PrefixHit};
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
 use crate::speculative::{
     accept_greedy, accept_sampled, Drafter, MtpDrafter, PromptLookup, Speculator,
@@ -86,6 +87,11 @@ pub struct SchedulerConfig {
     /// batched steps too. Not together with `mtp_depth`. Requests with logprobs or
     /// penalties decode without it.
     pub lookup_depth: usize,
+    /// Keep the keys and values of full KV pages for later requests that start with the same
+    /// tokens ([`crate::pages`]: automatic prefix caching); their prefill then starts after
+    /// the cached pages. Batched steps of models whose state is all in pages (not hybrid
+    /// ones); idle cached pages are evicted before any request waits for pages.
+    pub prefix_cache: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -99,6 +105,7 @@ impl Default for SchedulerConfig {
             max_waiting: 64,
             mtp_depth: 0,
             lookup_depth: 0,
+            prefix_cache: true,
         }
     }
 }
@@ -147,6 +154,8 @@ pub struct TokenLogprob {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 /// What a request's sink receives, in order: `Token`s, then exactly one `Done` or `Error`.
@@ -237,64 +246,12 @@ pub struct Stats {
     /// Speculative decoding: draft tokens proposed by the MTP head and kept by the model.
     pub spec_drafted: AtomicU64,
     pub spec_accepted: AtomicU64,
-}
-
-/// A pool of fixed-size KV pages; a sequence's block table is a `Vec` of page ids.
-#[derive(Debug)]
-pub struct PagePool {
-    page_size: usize,
-    total: usize,
-    free: Vec<u32>,
-}
-
-impl PagePool {
-    pub fn new(total_pages: usize, page_size: usize) -> PagePool {
-        assert!(page_size > 0, "page size must be positive");
-        PagePool {
-            page_size,
-            total: total_pages,
-            // Popped from the end: page 0 is handed out first.
-            free: (0..total_pages as u32).rev().collect(),
-        }
-    }
-
-    pub fn page_size(&self) -> usize {
-        self.page_size
-    }
-
-    pub fn total(&self) -> usize {
-        self.total
-    }
-
-    pub fn used(&self) -> usize {
-        self.total - self.free.len()
-    }
-
-    pub fn available(&self) -> usize {
-        self.free.len()
-    }
-
-    /// Pages needed to hold `tokens` tokens.
-    pub fn pages_for(&self, tokens: usize) -> usize {
-        tokens.div_ceil(self.page_size)
-    }
-
-    /// Grows `table` to hold `tokens` tokens; all or nothing (`false`: not enough free pages,
-    /// `table` unchanged).
-    pub fn grow(&mut self, table: &mut Vec<u32>, tokens: usize) -> bool {
-        let need = self.pages_for(tokens).saturating_sub(table.len());
-        if need > self.free.len() {
-            return false;
-        }
-        let at = self.free.len() - need;
-        table.extend(self.free.drain(at..).rev());
-        true
-    }
-
-    /// Returns every page of `table` to the pool.
-    pub fn release(&mut self, table: &mut Vec<u32>) {
-        self.free.append(table);
-    }
+    /// Prefix cache: prompt tokens taken from cached pages instead of prefilled (re-prefills
+    /// after preemption included), and the cached pages no sequence holds (evictable).
+    pub prefix_hit_tokens: AtomicU64,
+    pub kv_pages_cached: AtomicUsize,
+    /// Whether the prefix cache is on.
+    pub prefix_cache: std::sync::atomic::AtomicBool,
 }
 
 /// Handle to the scheduler thread. Dropping it (or [`Scheduler::shutdown`]) lets the thread
@@ -363,6 +320,15 @@ impl Scheduler {
             .spawn(move || {
                 let batch = batch_for(&be, &model, &cfg2, pages.total());
                 stats2.batched.store(batch.is_some(), Ordering::SeqCst);
+                // Pages are real only in batched steps; a hybrid model's state is not in them.
+                let pages = if cfg2.prefix_cache && batch.is_some() && model.cfg.hybrid.is_none() {
+                    pages.with_prefix_cache()
+                } else {
+                    pages
+                };
+                stats2
+                    .prefix_cache
+                    .store(pages.caches_prefixes(), Ordering::SeqCst);
                 let mut l = Loop {
                     be: &be,
                     model: &model,
@@ -504,6 +470,11 @@ struct Active<'e, B: Backend> {
     room: usize,
     /// Tokens in the KV cache.
     cached: usize,
+    /// Its first pages registered in the prefix cache (taken from it at admission, or
+    /// registered as they filled), and the registration to chain the next one from.
+    prefix: PrefixHit,
+    /// Prompt tokens that came from the prefix cache at its first admission (usage).
+    cached_prompt: usize,
     /// Context the sequence's KV is allocated for.
     ctx: usize,
     /// Tokens to prefill: the prompt, plus the generated tokens after a preemption.
@@ -570,6 +541,8 @@ impl<'e, B: Backend> Loop<'e, B> {
         let s = &self.stats;
         s.running.store(self.running.len(), Ordering::Relaxed);
         s.kv_pages_used.store(self.pages.used(), Ordering::Relaxed);
+        s.kv_pages_cached
+            .store(self.pages.cached_idle(), Ordering::Relaxed);
     }
 
     fn enqueue(&mut self, r: Request) {
@@ -588,6 +561,8 @@ impl<'e, B: Backend> Loop<'e, B> {
             spec: None,
             room: 1,
             cached: 0,
+            prefix: PrefixHit::NONE,
+            cached_prompt: 0,
             ctx,
             feed: r.prompt,
             prefilled: 0,
@@ -629,7 +604,14 @@ impl<'e, B: Backend> Loop<'e, B> {
             let Some(a) = self.waiting.front_mut() else {
                 break;
             };
+            // Cached pages of its prefix first (at least its last token is prefilled: its
+            // logits give the next token), then pages for the rest of its prefill.
+            let ps = self.pages.page_size();
+            let reusable = (a.feed.len() - 1) / ps * ps;
+            a.prefix = self.pages.lookup(&mut a.pages, &a.feed[..reusable]);
             if !self.pages.grow(&mut a.pages, a.feed.len()) {
+                self.pages.release(&mut a.pages);
+                a.prefix = PrefixHit::NONE;
                 break;
             }
             let mut a = self.waiting.pop_front().expect("front exists");
@@ -665,7 +647,14 @@ impl<'e, B: Backend> Loop<'e, B> {
                     a.seq = seq;
                     a.speculates = speculates;
                     a.spec = spec;
-                    a.cached = 0;
+                    a.cached = a.prefix.pages * self.pages.page_size();
+                    a.prefilled = a.cached;
+                    if a.generated.is_empty() {
+                        a.cached_prompt = a.cached;
+                    }
+                    self.stats
+                        .prefix_hit_tokens
+                        .fetch_add(a.cached as u64, Ordering::Relaxed);
                     a.id = self.next_id;
                     self.next_id += 1;
                     self.running.push(a);
@@ -674,6 +663,7 @@ impl<'e, B: Backend> Loop<'e, B> {
                     a.sink
                         .send(Event::Error(format!("allocating the sequence: {e:#}")));
                     self.pages.release(&mut a.pages);
+                    a.prefix = PrefixHit::NONE;
                     self.free_states.extend(a.state.take());
                 }
             }
@@ -979,6 +969,15 @@ impl<'e, B: Backend> Loop<'e, B> {
                 gone.push(p.i);
             }
         }
+        // Pages the step filled join the prefix cache (those of finished sequences too: a
+        // conversation's next turn starts with them).
+        if self.pages.caches_prefixes() {
+            for (j, p) in plan.iter().enumerate() {
+                if failed[j].is_none() {
+                    register_filled(&mut self.pages, &mut self.running[p.i]);
+                }
+            }
+        }
         gone.sort_unstable();
         for &i in gone.iter().rev() {
             self.remove(i);
@@ -990,6 +989,7 @@ impl<'e, B: Backend> Loop<'e, B> {
     fn preempt(&mut self, i: usize) {
         let mut a = self.running.remove(i);
         self.pages.release(&mut a.pages);
+        a.prefix = PrefixHit::NONE;
         self.free_states.extend(a.state.take());
         a.seq = None;
         a.spec = None;
@@ -1013,6 +1013,26 @@ struct Planned {
     prefill: Option<(usize, usize)>,
     /// A decode row's drafts to verify in the same step (batched prompt lookup).
     drafts: Vec<u32>,
+}
+
+/// Registers sequence `a`'s pages whose positions all hold computed keys and values (below
+/// `a.cached`) in the prefix cache, in order, chaining each to the one before.
+fn register_filled<B: Backend>(pool: &mut PagePool, a: &mut Active<'_, B>) {
+    let ps = pool.page_size();
+    // Its tokens: the prompt, then what it generated (a re-prefill's feed is the same).
+    let known = a.prompt_len + a.generated.len();
+    let full = (a.cached.min(known) / ps).min(a.pages.len());
+    while a.prefix.pages < full {
+        let j = a.prefix.pages;
+        let tokens: Vec<u32> = (j * ps..(j + 1) * ps)
+            .map(|p| match p.checked_sub(a.prompt_len) {
+                None => a.feed[p],
+                Some(g) => a.generated[g],
+            })
+            .collect();
+        a.prefix.parent = pool.register(a.pages[j], a.prefix.parent, &tokens);
+        a.prefix.pages += 1;
+    }
 }
 
 /// The text a sequence's drafter may look up: its prompt and what it has generated (the
@@ -1219,6 +1239,7 @@ fn finish<B: Backend>(a: &mut Active<'_, B>, _tok: &Tokenizer, finish: FinishRea
         usage: Usage {
             prompt_tokens: a.prompt_len,
             completion_tokens: a.generated.len(),
+            cached_tokens: a.cached_prompt,
         },
     });
     Outcome::Remove
@@ -1227,39 +1248,6 @@ fn finish<B: Backend>(a: &mut Active<'_, B>, _tok: &Tokenizer, finish: FinishRea
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pages_grow_all_or_nothing_and_release() {
-        let mut pool = PagePool::new(4, 16);
-        let (mut a, mut b) = (vec![], vec![]);
-        assert!(pool.grow(&mut a, 1));
-        assert_eq!(a.len(), 1);
-        assert!(pool.grow(&mut a, 16), "16 tokens still fit one page");
-        assert_eq!(a.len(), 1);
-        assert!(pool.grow(&mut a, 17));
-        assert_eq!(a.len(), 2);
-        assert!(!pool.grow(&mut b, 3 * 16), "3 pages asked, 2 free");
-        assert!(b.is_empty(), "a failed grow takes nothing");
-        assert!(pool.grow(&mut b, 32));
-        assert_eq!((pool.used(), pool.available()), (4, 0));
-        let mut all: Vec<u32> = a.iter().chain(&b).copied().collect();
-        all.sort();
-        assert_eq!(all, vec![0, 1, 2, 3], "every page handed out once");
-        pool.release(&mut a);
-        assert!(a.is_empty());
-        assert_eq!(pool.used(), 2);
-        assert!(pool.grow(&mut b, 64));
-        assert_eq!(pool.used(), 4);
-    }
-
-    #[test]
-    fn pages_for_rounds_up() {
-        let pool = PagePool::new(8, 16);
-        assert_eq!(pool.pages_for(0), 0);
-        assert_eq!(pool.pages_for(1), 1);
-        assert_eq!(pool.pages_for(16), 1);
-        assert_eq!(pool.pages_for(17), 2);
-    }
 
     #[test]
     fn log_softmax_top_is_normalized_and_sorted() {

@@ -267,6 +267,7 @@ fn total_usage(us: &[Usage]) -> Usage {
     Usage {
         prompt_tokens: us.first().map_or(0, |u| u.prompt_tokens),
         completion_tokens: us.iter().map(|u| u.completion_tokens).sum(),
+        cached_tokens: us.first().map_or(0, |u| u.cached_tokens),
     }
 }
 

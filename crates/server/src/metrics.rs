@@ -120,6 +120,12 @@ impl Metrics {
         );
         counter(
             o,
+            "ferrite_prefix_cache_hit_tokens_total",
+            "Prompt tokens whose keys and values came from the prefix cache instead of prefill.",
+            stats.prefix_hit_tokens.load(Ordering::Relaxed),
+        );
+        counter(
+            o,
             "ferrite_preemptions_total",
             "Sequences preempted for lack of KV pages.",
             stats.preemptions.load(Ordering::Relaxed),
@@ -181,6 +187,12 @@ impl Metrics {
             "ferrite_kv_pages_used",
             "KV cache pages in use.",
             stats.kv_pages_used.load(Ordering::Relaxed),
+        );
+        gauge(
+            o,
+            "ferrite_kv_pages_cached",
+            "KV cache pages no sequence holds, kept for the prefix cache (evictable).",
+            stats.kv_pages_cached.load(Ordering::Relaxed),
         );
         gauge(
             o,

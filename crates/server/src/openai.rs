@@ -607,6 +607,13 @@ pub struct UsageOut {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// OpenAI's breakdown of the prompt: `cached_tokens` came from the prefix cache.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 impl From<ferrite_engine::scheduler::Usage> for UsageOut {
@@ -615,6 +622,9 @@ impl From<ferrite_engine::scheduler::Usage> for UsageOut {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
         }
     }
 }
