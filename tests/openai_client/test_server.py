@@ -142,6 +142,21 @@ class Chat(unittest.TestCase):
         self.assertGreater(r.usage.prompt_tokens, one.usage.prompt_tokens + 10)
         self.assertTrue(r.choices[0].message.content)
 
+    def test_prefix_cache_reports_cached_tokens(self):
+        # A long system prompt, asked twice: the second request's prompt starts with pages
+        # the first one left in the prefix cache; its answer is the same.
+        system = ("You are a meticulous geography tutor. Answer every question in one short "
+                  "sentence, name the country and its capital, and never use lists. ") * 2
+        msgs = [{"role": "system", "content": system},
+                {"role": "user", "content": "What is the capital of Italy?"}]
+        first = chat(msgs)
+        second = chat(msgs)
+        self.assertEqual(second.choices[0].message.content, first.choices[0].message.content)
+        self.assertGreaterEqual(second.usage.prompt_tokens_details.cached_tokens, 32)
+        self.assertLess(second.usage.prompt_tokens_details.cached_tokens,
+                        second.usage.prompt_tokens)
+        self.assertEqual(second.usage.prompt_tokens, first.usage.prompt_tokens)
+
     def test_streaming_matches_non_streaming(self):
         msgs = [{"role": "user", "content": "Name three fruits."}]
         full = chat(msgs, max_tokens=30)
@@ -358,7 +373,8 @@ class BadInput(unittest.TestCase):
         for name in ("ferrite_requests_total", "ferrite_prompt_tokens_total",
                      "ferrite_generation_tokens_total", "ferrite_time_to_first_token_seconds_bucket",
                      "ferrite_inter_token_latency_seconds_count", "ferrite_requests_running",
-                     "ferrite_requests_waiting", "ferrite_kv_pages_used"):
+                     "ferrite_requests_waiting", "ferrite_kv_pages_used", "ferrite_kv_pages_cached",
+                     "ferrite_prefix_cache_hit_tokens_total"):
             self.assertIn(name, text)
         models = SERVER.client().models.list()
         self.assertEqual(models.data[0].id, SERVER.model)
