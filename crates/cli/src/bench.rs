@@ -137,36 +137,18 @@ fn ftype_name(ft: u32) -> String {
     }
 }
 
-/// Weight bytes one decode token must read: every matrix, the output projection (or the
-/// tied embedding), only `top_k / n_experts` of the expert stacks, and one embedding row
-/// (negligible, ignored).
-fn weight_bytes_per_token(file: &ModelFile) -> Result<u64> {
-    let cfg = file.config()?;
-    let src = file.tensors();
-    let names = src.tensor_names();
-    let has_output = names
-        .iter()
-        .any(|n| n == "output.weight" || n == "lm_head.weight");
-    let expert_frac = cfg
+/// Weight bytes a decode step reads: every weight as the model holds it (after any
+/// quantization at load), the routed experts' top-k share, and the token embedding only where
+/// it is also the output projection.
+fn weight_bytes_per_token<B: Backend>(m: &ferrite_models::Model<B>) -> u64 {
+    let w = m.weight_bytes;
+    let expert_frac = m
+        .cfg
         .moe
         .as_ref()
-        .map_or(1.0, |m| m.routing.top_k as f64 / m.routing.n_experts as f64);
-    let mut total = 0f64;
-    for n in &names {
-        let Some(t) = src.tensor(n) else { continue };
-        let bytes = t.data.len() as f64;
-        let is_embed = n == "token_embd.weight" || n == "model.embed_tokens.weight";
-        if is_embed {
-            if !has_output {
-                total += bytes;
-            }
-        } else if n.contains("_exps") || n.contains(".experts.") {
-            total += bytes * expert_frac;
-        } else {
-            total += bytes;
-        }
-    }
-    Ok(total as u64)
+        .map_or(1.0, |e| e.routing.top_k as f64 / e.routing.n_experts as f64);
+    let embed = if m.ties_output() { w.embed } else { 0 };
+    w.other + embed + (w.experts as f64 * expert_frac) as u64
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -306,7 +288,7 @@ fn bench_on<B: Backend>(
     a: &BenchArgs,
     ctx: usize,
 ) -> Result<()> {
-    let mut model = load::model(be, file)?;
+    let mut model = load::model(be, file, a.model.quantize)?;
     let spec_depth = a.mtp_depth as usize;
     // Speculation's drafter: the MTP head unless scripted drafts are asked for or there is
     // no head to load (scripted drafts then still run a loaded head for its cost).
@@ -342,7 +324,11 @@ fn bench_on<B: Backend>(
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default()
     });
-    let quant = quant.unwrap_or_else(|| "unknown".into());
+    let quant = match a.model.quantize {
+        // Not the file's type: the mix it was quantized to as it loaded.
+        Some(q) => format!("{} (at load)", q.mix().name()),
+        None => quant.unwrap_or_else(|| "unknown".into()),
+    };
 
     // Gate first: no timing is worth anything if prefill and decode disagree. Under the
     // backend's timing diagnostic (FERRITE_DIAG_SKIP: launches left out, wrong outputs) the
@@ -374,7 +360,7 @@ fn bench_on<B: Backend>(
     }
 
     let bw = be.copy_bandwidth()?;
-    let weight_bytes = weight_bytes_per_token(file)?;
+    let weight_bytes = weight_bytes_per_token(&model);
     // The cache type the model was loaded with (a q8_0 cache: 1.0625 bytes per element), in
     // the attention layers; a hybrid model's Gated DeltaNet layers instead read and write
     // their f32 state (conv and recurrent) once a token whatever the depth.

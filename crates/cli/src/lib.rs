@@ -43,6 +43,33 @@ pub struct ModelArgs {
     /// its cache in f32 and refuses this flag.
     #[arg(long)]
     pub kv_cache_q8: bool,
+    /// Quantize the checkpoint's float matrices as they load (F32, F16, BF16, and the FP8 /
+    /// NVFP4 weights decoded to BF16): q8_0 (8.5 bits a weight) or q4_k_m (llama.cpp's
+    /// Q4_K_M mix, ~4.9 bits). A decode step reads every weight once, so fewer bytes are a
+    /// faster step; each matrix becomes what llama.cpp's quantizer makes of it, so the
+    /// answers change as a quantized GGUF's do. Norms, routers and the convolution taps stay
+    /// float; tensors stored quantized keep their type.
+    #[arg(long, value_enum)]
+    pub quantize: Option<Quantize>,
+}
+
+/// The mixes `--quantize` applies at load.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum Quantize {
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_k_m")]
+    Q4_K_M,
+}
+
+impl Quantize {
+    pub fn mix(self) -> ferrite_models::mix::Mix {
+        match self {
+            Quantize::Q8_0 => ferrite_models::mix::Mix::Q8_0,
+            Quantize::Q4_K_M => ferrite_models::mix::Mix::Q4_K_M,
+        }
+    }
 }
 
 /// Resolves `--model` (or the default) to a path.

@@ -114,7 +114,11 @@ pub fn open(args: &ModelArgs) -> Result<(std::path::PathBuf, ModelFile)> {
 
 /// Uploads the weights with a progress bar (shown only on a terminal, for models that take
 /// a moment).
-pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
+pub fn model<B: Backend>(
+    be: &B,
+    file: &ModelFile,
+    quantize: Option<crate::Quantize>,
+) -> Result<Model<B>> {
     let t0 = Instant::now();
     if let ModelFile::Safetensors(c) = file {
         let mut forms = std::collections::BTreeMap::new();
@@ -143,17 +147,28 @@ pub fn model<B: Backend>(be: &B, file: &ModelFile) -> Result<Model<B>> {
         }
     }
     let bar = ProgressBar::hidden();
-    let model = Model::load(be, file, &|done, total| {
-        if done == 1 && total > 4 {
-            bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-            bar.set_length(total as u64);
-            bar.set_style(
-                ProgressStyle::with_template("loading {bar:40} {pos}/{len} layers {elapsed}")
-                    .expect("valid template"),
-            );
-        }
-        bar.set_position(done as u64);
-    })?;
+    if let Some(q) = quantize {
+        tracing::info!(
+            "quantizing float matrices to {} as they load",
+            q.mix().name()
+        );
+    }
+    let model = Model::load_quantized(
+        be,
+        file,
+        &|done, total| {
+            if done == 1 && total > 4 {
+                bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
+                bar.set_length(total as u64);
+                bar.set_style(
+                    ProgressStyle::with_template("loading {bar:40} {pos}/{len} layers {elapsed}")
+                        .expect("valid template"),
+                );
+            }
+            bar.set_position(done as u64);
+        },
+        quantize.map(crate::Quantize::mix),
+    )?;
     bar.finish_and_clear();
     if let Some((used, total)) = be.device_memory() {
         tracing::info!(
@@ -183,7 +198,7 @@ pub fn engine_with<B: Backend>(be: B, args: &ModelArgs, mtp: bool) -> Result<Eng
     let (path, file) = open(args)?;
     let tok = tokenizer_for(&file, &path)?
         .with_context(|| format!("{} has no tokenizer (tokenizer.json)", path.display()))?;
-    let mut model = model(&be, &file)?;
+    let mut model = model(&be, &file, args.quantize)?;
     if mtp {
         model.load_mtp(&be, &file)?;
         tracing::info!("loaded the MTP head for speculative decoding");

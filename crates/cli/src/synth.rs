@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use ferrite_formats::gguf::{GgufFile, GgufValue, GgufWriter};
 use ferrite_formats::GgmlType;
+use ferrite_models::mix::{self, Mix, MixModel, Role};
 use rayon::prelude::*;
 
 /// Arguments of `ferrite synth`.
@@ -114,6 +115,16 @@ pub enum SynthQuant {
 }
 
 impl SynthQuant {
+    /// The type rules of this mix.
+    fn mix(self) -> Mix {
+        match self {
+            SynthQuant::F16 => Mix::F16,
+            SynthQuant::BF16 => Mix::BF16,
+            SynthQuant::Q8_0 => Mix::Q8_0,
+            SynthQuant::Q4_K_M => Mix::Q4_K_M,
+            SynthQuant::MXFP4_MOE => Mix::MXFP4_MOE,
+        }
+    }
     /// `general.file_type` (llama.cpp's `llama_ftype`).
     fn file_type(self) -> u32 {
         match self {
@@ -125,13 +136,7 @@ impl SynthQuant {
         }
     }
     fn name(self) -> &'static str {
-        match self {
-            SynthQuant::F16 => "F16",
-            SynthQuant::BF16 => "BF16",
-            SynthQuant::Q8_0 => "Q8_0",
-            SynthQuant::Q4_K_M => "Q4_K_M",
-            SynthQuant::MXFP4_MOE => "MXFP4_MOE",
-        }
+        self.mix().name()
     }
 }
 
@@ -393,27 +398,6 @@ enum Init {
     NegDecay,
 }
 
-/// What kind of tensor, for choosing its type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    Norm,
-    TokenEmbd,
-    Output,
-    AttnQ,
-    AttnK,
-    AttnV,
-    AttnOut,
-    FfnGateUp,
-    FfnDown,
-    Router,
-    /// Qwen3.5's fused linear-attention `attn_qkv` (Q5_K in the Q4_K_M mix).
-    AttnQkv,
-    /// Other matrices (linear-attention z/α/β/out): the mix's base type.
-    Other,
-    /// Small matrices llama.cpp never quantizes (`ssm_conv1d`, the shared-expert gate).
-    KeepF32,
-}
-
 /// One tensor of the plan.
 #[derive(Clone, Debug)]
 struct TensorPlan {
@@ -424,48 +408,13 @@ struct TensorPlan {
     init: Init,
 }
 
-/// llama.cpp's `use_more_bits`: the first and last eighth of the layers and every third one
-/// in between get more bits in the Q4_K_M mix.
-fn use_more_bits(i_layer: usize, n_layers: usize) -> bool {
-    let (i, n) = (i_layer as i64, n_layers as i64);
-    i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
-}
-
-/// The type of one tensor under a mix (following `llama_tensor_get_type` for Q4_K_M), then
-/// the block-size fallback.
+/// The type of one tensor under a mix ([`mix::tensor_type`] with this model's facts).
 fn tensor_type(q: SynthQuant, role: Role, layer: usize, d: &ArchDims, row_len: usize) -> GgmlType {
-    let n_expert = d.moe.map_or(0, |m| m.n_expert);
-    let t = match role {
-        // 1-D tensors and the MoE router stay F32 in every mix (the converter forces
-        // ffn_gate_inp to F32 and llama-quantize never quantizes it).
-        Role::Norm | Role::Router | Role::KeepF32 => return GgmlType::F32,
-        _ => match q {
-            SynthQuant::F16 => GgmlType::F16,
-            SynthQuant::BF16 => GgmlType::BF16,
-            // The experts are set to MXFP4 by name ([`plan`]).
-            SynthQuant::Q8_0 | SynthQuant::MXFP4_MOE => GgmlType::Q8_0,
-            SynthQuant::Q4_K_M => match role {
-                Role::Output => GgmlType::Q6K,
-                Role::AttnV if n_expert == 8 => GgmlType::Q8_0,
-                Role::AttnV if use_more_bits(layer, d.n_layer) => GgmlType::Q6K,
-                Role::AttnK if n_expert == 8 => GgmlType::Q8_0,
-                Role::AttnOut if n_expert == 8 => GgmlType::Q5K,
-                Role::FfnDown if use_more_bits(layer, d.n_layer) => GgmlType::Q6K,
-                Role::AttnQkv => GgmlType::Q5K,
-                _ => GgmlType::Q4K,
-            },
-        },
+    let m = MixModel {
+        n_layers: d.n_layer,
+        n_experts: d.moe.map_or(0, |m| m.n_expert),
     };
-    if row_len.is_multiple_of(t.block_size()) {
-        t
-    } else if row_len.is_multiple_of(GgmlType::Q8_0.block_size())
-        && t != GgmlType::F16
-        && t != GgmlType::BF16
-    {
-        GgmlType::Q8_0
-    } else {
-        GgmlType::F16
-    }
+    mix::tensor_type(q.mix(), role, layer, m, row_len)
 }
 
 /// The tensors of the model, in file order.
@@ -1179,21 +1128,6 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
-    }
-
-    #[test]
-    fn use_more_bits_matches_llama_cpp() {
-        // 36 layers: n/8 = 4, 7n/8 = 31 -> 0..4, 31..36 and 4 + 3k + 2.
-        let got: Vec<usize> = (0..36).filter(|&i| use_more_bits(i, 36)).collect();
-        assert_eq!(
-            got,
-            vec![0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35]
-        );
-        // 2 layers: n/8 = 0, 7n/8 = 1 -> layer 1, and layer 0 since (0 - 0) % 3 != 2.
-        assert_eq!(
-            (0..2).filter(|&i| use_more_bits(i, 2)).collect::<Vec<_>>(),
-            vec![1]
-        );
     }
 
     #[test]

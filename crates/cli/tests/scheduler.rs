@@ -31,6 +31,7 @@ fn default_engine() -> ferrite_engine::Engine<ferrite_backend::cpu::CpuBackend> 
             device: Device::Cpu,
             threads: None,
             kv_cache_q8: false,
+            quantize: None,
         },
     )
     .expect("default model loads")

@@ -24,9 +24,10 @@
 //! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
-use ferrite_backend::{Act, Backend, ExpertWeights, PagedKv, QkRope, StepInput};
+use ferrite_backend::{Act, Backend, ExpertWeights, HostTensor, PagedKv, QkRope, StepInput};
 
 use crate::config::{ModelConfig, MoeConfig};
+use crate::mix::{LoadQuant, Mix, MixModel, Role};
 use crate::source::{ModelFile, Tensor};
 
 /// A layer's feed-forward network: a SwiGLU MLP, or routed experts (Qwen3-MoE), with a
@@ -332,9 +333,54 @@ pub(crate) fn check_layer_count(
     Ok(())
 }
 
+/// A logical tensor's kind for a quantization mix, and its layer.
+fn role_of(t: Tensor) -> (Role, usize) {
+    use Tensor::*;
+    match t {
+        Embed => (Role::TokenEmbd, 0),
+        Output => (Role::Output, 0),
+        OutputNorm => (Role::Norm, 0),
+        AttnNorm(i) | QNorm(i) | KNorm(i) | FfnNorm(i) => (Role::Norm, i),
+        Q(i) => (Role::AttnQ, i),
+        K(i) => (Role::AttnK, i),
+        V(i) => (Role::AttnV, i),
+        O(i) => (Role::AttnOut, i),
+        Gate(i) | Up(i) => (Role::FfnGateUp, i),
+        Down(i) => (Role::FfnDown, i),
+        Router(i) => (Role::Router, i),
+    }
+}
+
+/// Bytes of the weights a model uploaded (as handed to the backend: after any quantization
+/// at load), by what a decode step reads of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    /// The token embedding (a decode step reads one row, unless it is also the output
+    /// projection: no separate output weight).
+    pub embed: u64,
+    /// Stacked routed experts (a step reads its routed share).
+    pub experts: u64,
+    /// Everything else (read whole every step).
+    pub other: u64,
+}
+
+impl WeightBytes {
+    /// Counts `t`, of `role`, into its share (stacked experts are the 3-D tensors).
+    pub(crate) fn count(&mut self, t: &HostTensor<'_>, role: Role) {
+        let n = t.data.len() as u64;
+        match role {
+            Role::TokenEmbd => self.embed += n,
+            _ if t.shape.len() == 3 => self.experts += n,
+            _ => self.other += n,
+        }
+    }
+}
+
 /// A loaded model: configuration plus weights in backend memory.
 pub struct Model<B: Backend> {
     pub cfg: ModelConfig,
+    /// What its weights take in backend memory, by kind.
+    pub weight_bytes: WeightBytes,
     pub(crate) embed: B::Weight,
     layers: Vec<Layer<B::Weight>>,
     /// Qwen3.5's hybrid layers ([`crate::qwen3_5`]); empty for the plain decoders.
@@ -349,13 +395,44 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     /// Uploads every weight; `progress(done, total)` is called after each layer.
     pub fn load(be: &B, file: &ModelFile, progress: &dyn Fn(usize, usize)) -> Result<Self> {
+        Self::load_quantized(be, file, progress, None)
+    }
+
+    /// [`Model::load`], quantizing the float matrices to `quantize`'s types as they load
+    /// ([`crate::mix`]; tensors stored quantized keep their type).
+    pub fn load_quantized(
+        be: &B,
+        file: &ModelFile,
+        progress: &dyn Fn(usize, usize),
+        quantize: Option<Mix>,
+    ) -> Result<Self> {
         let cfg = file.config()?;
         if cfg.arch.is_hybrid() {
-            return crate::qwen3_5::load(be, file, cfg, progress);
+            return crate::qwen3_5::load(be, file, cfg, progress, quantize);
         }
         check_layer_count(file, &cfg, |i| file.name(Tensor::AttnNorm(i)))?;
+        let quant = quantize.map(|mix| LoadQuant {
+            mix,
+            model: MixModel {
+                n_layers: cfg.n_layers,
+                n_experts: cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts),
+            },
+        });
+        // Uploads `t` (of `role` in `layer`), quantized first where the load asks for it.
+        let bytes = std::cell::Cell::new(WeightBytes::default());
+        let put = |t: HostTensor<'_>, role: Role, layer: usize| -> Result<B::Weight> {
+            let t = match &quant {
+                Some(q) => q.apply(t, role, layer)?,
+                None => t,
+            };
+            let mut b = bytes.get();
+            b.count(&t, role);
+            bytes.set(b);
+            be.upload(&t)
+        };
         let up = |t: Tensor| -> Result<B::Weight> {
-            be.upload(&file.need_shaped(t, &shape_of(&cfg, t))?)
+            let (role, layer) = role_of(t);
+            put(file.need_shaped(t, &shape_of(&cfg, t))?, role, layer)
         };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
@@ -365,9 +442,9 @@ impl<B: Backend> Model<B> {
                 check_experts(file, &cfg, i, [&g, &u, &d])?;
                 Ffn::Moe {
                     router: up(Tensor::Router(i))?,
-                    gate: be.upload(&g)?,
-                    up: be.upload(&u)?,
-                    down: be.upload(&d)?,
+                    gate: put(g, Role::FfnGateUp, i)?,
+                    up: put(u, Role::FfnGateUp, i)?,
+                    down: put(d, Role::FfnDown, i)?,
                     shared: None,
                 }
             } else {
@@ -397,14 +474,16 @@ impl<B: Backend> Model<B> {
             true => Some(up(Tensor::Output)?),
             false => None,
         };
+        let (embed, out_norm) = (up(Tensor::Embed)?, up(Tensor::OutputNorm)?);
         Ok(Model {
-            embed: up(Tensor::Embed)?,
-            out_norm: up(Tensor::OutputNorm)?,
+            embed,
+            out_norm,
             output,
             layers,
             hybrid: vec![],
             mtp: None,
             cfg,
+            weight_bytes: bytes.get(),
         })
     }
 
@@ -415,9 +494,11 @@ impl<B: Backend> Model<B> {
         hybrid: Vec<crate::qwen3_5::Layer<B::Weight>>,
         out_norm: B::Weight,
         output: Option<B::Weight>,
+        weight_bytes: WeightBytes,
     ) -> Self {
         Model {
             cfg,
+            weight_bytes,
             embed,
             layers: vec![],
             hybrid,
@@ -425,6 +506,11 @@ impl<B: Backend> Model<B> {
             output,
             mtp: None,
         }
+    }
+
+    /// Whether the output projection is the token embedding (no weight of its own).
+    pub fn ties_output(&self) -> bool {
+        self.output.is_none()
     }
 
     /// A KV cache for one sequence of up to `capacity` tokens (for hybrid models also the

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod convert;
 pub mod decoder;
+pub mod mix;
 pub mod mtp;
 pub mod qwen3_5;
 pub mod source;

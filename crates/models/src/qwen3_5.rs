@@ -39,6 +39,9 @@ use std::borrow::Cow;
 
 use anyhow::{bail, Context, Result};
 use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor, StepInput};
+
+use crate::decoder::WeightBytes;
+use crate::mix::{LoadQuant, Mix, MixModel, Role};
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
@@ -456,6 +459,32 @@ enum W {
     SharedExpertGate(usize),
 }
 
+impl W {
+    /// Its kind for a quantization mix, and the layer the mix's rules see (a V projection's
+    /// is given by the caller: llama.cpp counts the attn_v tensors).
+    fn role(self) -> (Role, usize) {
+        use W::*;
+        match self {
+            Embed => (Role::TokenEmbd, 0),
+            Output => (Role::Output, 0),
+            OutputNorm => (Role::Norm, 0),
+            AttnNorm(i) | FfnNorm(i) | SsmA(i) | DtBias(i) | SsmNorm(i) | QNorm(i) | KNorm(i) => {
+                (Role::Norm, i)
+            }
+            Qkv(i) => (Role::AttnQkv, i),
+            Z(i) | B(i) | A(i) | SsmOut(i) => (Role::Other, i),
+            Conv(i) | SharedExpertGate(i) => (Role::KeepF32, i),
+            Q(i) => (Role::AttnQ, i),
+            K(i) => (Role::AttnK, i),
+            V(i) => (Role::AttnV, i),
+            O(i) => (Role::AttnOut, i),
+            Gate(i) | Up(i) | SharedGate(i) | SharedUp(i) => (Role::FfnGateUp, i),
+            Down(i) | SharedDown(i) => (Role::FfnDown, i),
+            Router(i) => (Role::Router, i),
+        }
+    }
+}
+
 /// The row-major shape weight `w` of a Qwen3.5 model must have under `cfg` (as stored, in
 /// either format); `None` for the two whose stored shape varies (the conv taps and the
 /// shared expert's gate vector, each checked by its element count where it is read).
@@ -583,6 +612,10 @@ pub(crate) struct Reader<'f> {
     file: &'f ModelFile,
     cfg: &'f ModelConfig,
     names: Names,
+    /// Float matrices quantized as they load (`--quantize`).
+    quant: Option<LoadQuant>,
+    /// What it has uploaded.
+    bytes: std::cell::Cell<WeightBytes>,
 }
 
 impl<'f> Reader<'f> {
@@ -602,16 +635,38 @@ impl<'f> Reader<'f> {
                 },
             ),
         };
-        Reader { file, cfg, names }
+        Reader {
+            file,
+            cfg,
+            names,
+            quant: None,
+            bytes: Default::default(),
+        }
+    }
+
+    /// The same reader quantizing float matrices to `mix` as it uploads them.
+    pub(crate) fn quantized(mut self, mix: Option<Mix>) -> Self {
+        self.quant = mix.map(|mix| LoadQuant {
+            mix,
+            model: MixModel {
+                n_layers: self.cfg.n_layers,
+                n_experts: self.cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts),
+            },
+        });
+        self
     }
 
     /// The same checkpoint's layers under another Hugging Face prefix (the MTP head's
     /// `mtp.layers.{j}`).
+    /// Its weights stay as stored (the head is small, and its own checks compare it with its
+    /// float oracle).
     pub(crate) fn with_prefix(&self, prefix: &'static str) -> Self {
         Reader {
             file: self.file,
             cfg: self.cfg,
             names: Names::Hf(prefix),
+            quant: None,
+            bytes: Default::default(),
         }
     }
 
@@ -631,13 +686,33 @@ impl<'f> Reader<'f> {
     }
 
     fn up<B: Backend>(&self, be: &B, w: W) -> Result<B::Weight> {
-        be.upload(&self.get(w)?)
+        let (role, layer) = w.role();
+        self.put(be, self.get(w)?, role, layer)
+    }
+
+    /// Uploads `t` (of `role` in `layer`), quantized first where the load asks for it.
+    fn put<B: Backend>(
+        &self,
+        be: &B,
+        t: HostTensor<'_>,
+        role: Role,
+        layer: usize,
+    ) -> Result<B::Weight> {
+        let t = match &self.quant {
+            Some(q) => q.apply(t, role, layer)?,
+            None => t,
+        };
+        let mut b = self.bytes.get();
+        b.count(&t, role);
+        self.bytes.set(b);
+        be.upload(&t)
     }
 
     /// A zero-centred RMSNorm weight: Hugging Face stores w, GGUF 1 + w.
     fn up_norm<B: Backend>(&self, be: &B, w: W) -> Result<B::Weight> {
         let t = self.get(w)?;
-        be.upload(&if self.hf() { plus_one(&t)? } else { t })
+        let t = if self.hf() { plus_one(&t)? } else { t };
+        self.put(be, t, Role::Norm, 0)
     }
 
     /// Layer `i`: Gated DeltaNet (`linear`) or gated attention, with its FFN; `slot` numbers
@@ -674,12 +749,17 @@ impl<'f> Reader<'f> {
                 z: up(W::Z(i))?,
                 b: up(W::B(i))?,
                 a: up(W::A(i))?,
-                conv: be.upload(&conv)?,
-                ssm_a: be.upload(&if hf {
-                    map_f32(&ssm_a, |x| -x.exp())?
-                } else {
-                    ssm_a
-                })?,
+                conv: self.put(be, conv, Role::KeepF32, i)?,
+                ssm_a: self.put(
+                    be,
+                    if hf {
+                        map_f32(&ssm_a, |x| -x.exp())?
+                    } else {
+                        ssm_a
+                    },
+                    Role::Norm,
+                    i,
+                )?,
                 dt_bias: up(W::DtBias(i))?,
                 norm: up(W::SsmNorm(i))?,
                 out: up(W::SsmOut(i))?,
@@ -689,10 +769,12 @@ impl<'f> Reader<'f> {
                 split_query_gate(&self.get(W::Q(i))?, cfg.attn.n_heads, cfg.attn.head_dim)?;
             Mixer::Attention {
                 slot,
-                q: be.upload(&q)?,
-                gate: be.upload(&gate)?,
+                q: self.put(be, q, Role::AttnQ, i)?,
+                gate: self.put(be, gate, Role::AttnQ, i)?,
                 k: up(W::K(i))?,
-                v: up(W::V(i))?,
+                // llama.cpp's "more bits" rule counts the attn_v tensors: this one's number
+                // among them is the layer's attention slot.
+                v: self.put(be, self.get(W::V(i))?, Role::AttnV, slot)?,
                 o: up(W::O(i))?,
                 q_norm: self.up_norm(be, W::QNorm(i))?,
                 k_norm: self.up_norm(be, W::KNorm(i))?,
@@ -719,14 +801,14 @@ impl<'f> Reader<'f> {
                 seg.shape = vec![1, cfg.hidden];
                 Ffn::Moe {
                     router: up(W::Router(i))?,
-                    gate: be.upload(&g)?,
-                    up: be.upload(&u)?,
-                    down: be.upload(&dn)?,
+                    gate: self.put(be, g, Role::FfnGateUp, i)?,
+                    up: self.put(be, u, Role::FfnGateUp, i)?,
+                    down: self.put(be, dn, Role::FfnDown, i)?,
                     shared: Some(SharedExpert {
                         gate: up(W::SharedGate(i))?,
                         up: up(W::SharedUp(i))?,
                         down: up(W::SharedDown(i))?,
-                        gate_w: be.upload(&seg)?,
+                        gate_w: self.put(be, seg, Role::KeepF32, i)?,
                     }),
                 }
             }
@@ -752,9 +834,10 @@ pub(crate) fn load<B: Backend>(
     file: &ModelFile,
     cfg: ModelConfig,
     progress: &dyn Fn(usize, usize),
+    quantize: Option<Mix>,
 ) -> Result<Model<B>> {
     let hy = cfg.hybrid.clone().context("not a hybrid model")?;
-    let r = Reader::new(file, &cfg);
+    let r = Reader::new(file, &cfg).quantized(quantize);
     crate::decoder::check_layer_count(file, &cfg, |i| r.names.of(W::AttnNorm(i)))?;
     let mut layers = Vec::with_capacity(cfg.n_layers);
     let (mut n_lin, mut n_attn) = (0, 0);
@@ -770,7 +853,10 @@ pub(crate) fn load<B: Backend>(
         true => Some(r.up(be, W::Output)?),
         false => None,
     };
-    Ok(Model::from_hybrid(cfg, embed, layers, out_norm, output))
+    let bytes = r.bytes.get();
+    Ok(Model::from_hybrid(
+        cfg, embed, layers, out_norm, output, bytes,
+    ))
 }
 
 /// llama.cpp's converter's value-head reorder (`_LinearAttentionVReorderBase`): along a
