@@ -546,7 +546,6 @@ fn prefix_cache_keeps_every_requests_output() {
         .tok
         .encode(" Why is that?", false, false)
         .expect("tokenizes");
-    drop(e);
     let p = RequestParams {
         max_tokens: 24,
         ignore_eos: true,
@@ -569,6 +568,29 @@ fn prefix_cache_keeps_every_requests_output() {
         turn.extend(&question);
         let second = collect(submit(&s, &turn, &p));
         let both = together(&s, &shared, &p);
+        // Three copies of a prompt not seen yet, together (as `n` choices are): with the
+        // cache the later copies wait for the first one's pages and prefill only the rest.
+        let fresh = enc(&format!(
+            "Three friends walked along the old canal on a grey morning in late autumn, \
+             talking about the books they had read that year and the ones they still meant \
+             to read. {}",
+            PROMPTS[5]
+        ));
+        let before = s.stats().prefill_tokens.load(Ordering::SeqCst);
+        let copies = together(&s, &[fresh.clone(), fresh.clone(), fresh.clone()], &p);
+        let prefilled = s.stats().prefill_tokens.load(Ordering::SeqCst) - before;
+        let rest = fresh.len() - (fresh.len() - 1) / 16 * 16;
+        assert_eq!(
+            prefilled as usize,
+            if cache {
+                fresh.len() + 2 * rest
+            } else {
+                3 * fresh.len()
+            },
+            "prompt tokens prefilled for three copies of {}",
+            fresh.len()
+        );
+        assert!(copies.iter().all(|o| o.tokens == copies[0].tokens));
         let hits = s.stats().prefix_hit_tokens.load(Ordering::SeqCst);
         println!(
             "prefix cache {cache}: cached tokens of the first requests {:?}, of the next turn \
@@ -604,7 +626,7 @@ fn prefix_cache_keeps_every_requests_output() {
             assert!(first.iter().chain(&both).all(|o| o.cached_tokens == 0));
             assert_eq!(hits, 0);
         }
-        runs.push((first, second, both));
+        runs.push((first, second, both, copies));
     }
     let (off, on) = (&runs[0], &runs[1]);
     for (i, (x, y)) in off.0.iter().zip(&on.0).enumerate() {
@@ -620,4 +642,8 @@ fn prefix_cache_keeps_every_requests_output() {
             "request {i} together: the cache changed its output"
         );
     }
+    assert_eq!(
+        off.3[0].tokens, on.3[0].tokens,
+        "the copies' output changed"
+    );
 }

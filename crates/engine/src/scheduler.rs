@@ -608,6 +608,14 @@ impl<'e, B: Backend> Loop<'e, B> {
             // logits give the next token), then pages for the rest of its prefill.
             let ps = self.pages.page_size();
             let reusable = (a.feed.len() - 1) / ps * ps;
+            if self.pages.caches_prefixes()
+                && prefix_in_flight(&a.feed[..reusable], ps, &self.running)
+            {
+                // A running sequence is prefilling pages this one could take from the cache
+                // (`n` choices of one prompt, requests sharing a system prompt that arrived
+                // together): wait for them rather than compute them twice.
+                break;
+            }
             a.prefix = self.pages.lookup(&mut a.pages, &a.feed[..reusable]);
             if !self.pages.grow(&mut a.pages, a.feed.len()) {
                 self.pages.release(&mut a.pages);
@@ -1013,6 +1021,20 @@ struct Planned {
     prefill: Option<(usize, usize)>,
     /// A decode row's drafts to verify in the same step (batched prompt lookup).
     drafts: Vec<u32>,
+}
+
+/// Whether a sequence of `running` is still to register (prefill) full pages that spell the
+/// start of `tokens` (whole pages of a waiting sequence's feed that it could take from the
+/// prefix cache).
+fn prefix_in_flight<B: Backend>(tokens: &[u32], ps: usize, running: &[Active<'_, B>]) -> bool {
+    running.iter().any(|r| {
+        let shared = tokens
+            .chunks_exact(ps)
+            .zip(r.feed.chunks_exact(ps))
+            .take_while(|(a, b)| a == b)
+            .count();
+        shared > r.prefix.pages
+    })
 }
 
 /// Registers sequence `a`'s pages whose positions all hold computed keys and values (below
