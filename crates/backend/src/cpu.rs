@@ -828,6 +828,25 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn kv_copy_state(&self, kv: &mut CpuKv, from: usize, to: usize) -> Result<()> {
+        if kv.delta_shape.is_none() {
+            return Ok(());
+        }
+        ensure!(
+            from < kv.state_slots && to < kv.state_slots,
+            "kv_copy_state: slots {from} -> {to} of a cache of {}",
+            kv.state_slots
+        );
+        let (cl, dl) = kv.state_lens();
+        for c in &mut kv.conv {
+            c.copy_within(from * cl..(from + 1) * cl, to * cl);
+        }
+        for d in &mut kv.delta {
+            d.copy_within(from * dl..(from + 1) * dl, to * dl);
+        }
+        Ok(())
+    }
+
     fn kv_snapshots(&self, kv: &mut CpuKv, n: usize) -> Result<()> {
         kv.ensure_one_state("kv_snapshots")?;
         kv.snapshots = (0..n)

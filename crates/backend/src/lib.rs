@@ -848,6 +848,11 @@ pub trait Backend: Send + Sync {
     /// linear-attention state have nothing to clear. A device operation on the backend's
     /// stream where it has one.
     fn kv_clear_state(&self, kv: &mut Self::Kv, slot: usize) -> Result<()>;
+    /// Copies linear-attention state slot `from` over slot `to` (every layer's conv and
+    /// recurrent state; `from` is unchanged): a prefix cache's saved state handed to a new
+    /// sequence, or a sequence's state saved for later ones. Caches without linear-attention
+    /// state have nothing to copy. A device copy on the backend's stream where it has one.
+    fn kv_copy_state(&self, kv: &mut Self::Kv, from: usize, to: usize) -> Result<()>;
     /// Gives a cache `n` state snapshot slots ([`Backend::kv_snapshot`],
     /// [`Backend::kv_restore`]), all empty, replacing any it had: for a hybrid cache each
     /// slot is preallocated room for the conv and recurrent state of every linear layer, so

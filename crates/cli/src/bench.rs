@@ -219,6 +219,7 @@ fn batched_decode<B: Backend>(
             max_seqs: n,
             max_rows: n.max(fill.len().min(BATCH_FILL_CHUNK)),
             max_logits: n,
+            state_snapshots: 0,
         },
     )?;
     let pages: Vec<Vec<u32>> = (0..n)

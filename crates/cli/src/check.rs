@@ -316,9 +316,9 @@ const OPS: &[&str] = &[
     "sigmoid_gate",
     // State snapshots for speculative rollback (kv_snapshots, kv_snapshot, kv_restore).
     "kv_snapshot/kv_restore",
-    // Batched steps of hybrid models: the pooled state, clearing a slot, and the conv and
-    // delta rule on each sequence's own slot.
-    "kv_new_paged_hybrid/kv_clear_state",
+    // Batched steps of hybrid models: the pooled state, clearing and copying a slot, and the
+    // conv and delta rule on each sequence's own slot.
+    "kv_new_paged_hybrid/kv_clear_state/kv_copy_state",
 ];
 
 #[derive(Clone, Debug)]
@@ -568,7 +568,8 @@ enum Op {
     /// of `rows.len()` on state slot `rows.len() - i` of `rows.len() + 1` (reversed, slot 0
     /// unused: a slot offset or stride error shows). Every slot first takes 3 rows of a
     /// batched step (its state no longer zero), the even sequences' slots are cleared
-    /// (`kv_clear_state`), a batched step feeds sequence `i` `fills[i]` rows (those with any),
+    /// (`kv_clear_state`), sequence 1's takes a copy of slot 0's (`kv_copy_state`), a
+    /// batched step feeds sequence `i` `fills[i]` rows (those with any),
     /// then the checked step runs `rows[i]` rows of each (out: the conv output, out2: the
     /// delta rule's). The CPU runs each segment as a call on that sequence alone.
     DeltaBatch {
@@ -934,7 +935,7 @@ fn describe(op: &Op) -> (&'static str, String) {
             ),
         ),
         Op::DeltaBatch { shape, fills, rows } => (
-            "kv_new_paged_hybrid/kv_clear_state",
+            "kv_new_paged_hybrid/kv_clear_state/kv_copy_state",
             format!(
                 "batched causal_conv1d + gated_delta_rule {} fills={fills:?} rows={rows:?}",
                 delta_name(shape)
@@ -3190,6 +3191,10 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             delta_step(be, &mut cache, &w, &a[4..8], *shape, st.batch.as_ref())?;
             for i in (0..n).step_by(2) {
                 be.kv_clear_state(&mut cache, slot_of(i))?;
+            }
+            // Sequence 1 continues a copy of the unused slot 0's state.
+            if n > 1 {
+                be.kv_copy_state(&mut cache, 0, slot_of(1))?;
             }
             let fed: Vec<(usize, usize)> = (0..n)
                 .filter(|&i| fills[i] > 0)

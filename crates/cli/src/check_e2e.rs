@@ -417,6 +417,7 @@ fn batch_line<B: Backend>(be: &B, m: &Model<B>, what: &str) -> Result<Line> {
             max_seqs: seqs.len(),
             max_rows: seqs.len() * CHUNK,
             max_logits: seqs.len() * SEVERAL,
+            state_snapshots: 0,
         },
     )?;
     // Sequence i continues state slot i (a hybrid model's linear-attention state); the

@@ -48,6 +48,9 @@ pub struct BatchConfig {
     /// Most logits rows one step returns: `max_seqs`, more where sequences verify drafts
     /// ([`SeqRows::logits`]); at most `max_rows`.
     pub max_logits: usize,
+    /// A hybrid model's saved linear-attention states beside the sequences' own
+    /// ([`Batch::save_state`], [`Batch::load_state`]: the prefix cache's); 0 otherwise.
+    pub state_snapshots: usize,
 }
 
 /// The paged KV cache and workspace of batched steps (see the module doc).
@@ -115,7 +118,7 @@ impl<'e, B: Backend> Batch<'e, B> {
                 max_rows: cfg.max_seqs,
                 q8_0: false,
             },
-            cfg.max_seqs,
+            cfg.max_seqs + cfg.state_snapshots,
         )?;
         let ws = model.batch_workspace(
             be,
@@ -165,6 +168,40 @@ impl<'e, B: Backend> Batch<'e, B> {
             self.be.kv_clear_state(&mut self.kv, slot)?;
         }
         Ok(())
+    }
+
+    /// Saves sequence state slot `slot`'s linear-attention state (a hybrid model's) as
+    /// snapshot `snap` (`0..state_snapshots`); nothing for other models.
+    pub fn save_state(&mut self, slot: usize, snap: usize) -> Result<()> {
+        let at = self.snapshot(snap)?;
+        ensure!(
+            slot < self.cfg.max_seqs,
+            "state slot {slot} of {}",
+            self.cfg.max_seqs
+        );
+        self.be.kv_copy_state(&mut self.kv, slot, at)
+    }
+
+    /// Starts sequence state slot `slot` from snapshot `snap` (instead of
+    /// [`Batch::clear_state`]): the state after the cached pages it takes.
+    pub fn load_state(&mut self, snap: usize, slot: usize) -> Result<()> {
+        let at = self.snapshot(snap)?;
+        ensure!(
+            slot < self.cfg.max_seqs,
+            "state slot {slot} of {}",
+            self.cfg.max_seqs
+        );
+        self.be.kv_copy_state(&mut self.kv, at, slot)
+    }
+
+    /// The cache's state slot holding snapshot `snap` (after the sequences' slots).
+    fn snapshot(&self, snap: usize) -> Result<usize> {
+        ensure!(
+            snap < self.cfg.state_snapshots,
+            "state snapshot {snap} of {}",
+            self.cfg.state_snapshots
+        );
+        Ok(self.cfg.max_seqs + snap)
     }
 
     /// Runs one step over `seqs` (their rows in this order); afterwards sequence `i`'s
@@ -329,6 +366,7 @@ mod tests {
             max_seqs,
             max_rows,
             max_logits: max_seqs,
+            state_snapshots: 0,
         }
     }
 

@@ -20,6 +20,15 @@
 //! (they are evicted in their turn). Nothing is ever matched by a hash alone: the index keys
 //! are the tokens themselves.
 //!
+//! **Saved states** (hybrid models). A Qwen3.5 model's Gated DeltaNet layers carry a state
+//! that no page holds: a sequence can take cached pages only up to a position whose state was
+//! saved. With [`PagePool::with_states`] the pool also hands out numbered state snapshots: the
+//! scheduler saves a sequence's state when its cached tokens end on a page boundary and
+//! attaches the snapshot to the registered page that ends there; a lookup then takes pages
+//! only up to the deepest one with a state, which the new sequence starts from. Snapshots are
+//! fewer than pages: the least recently used one is reused first (its page stays cached, no
+//! longer a place to resume), and a page evicted gives its snapshot back.
+//!
 //! **Eviction.** A page held by no sequence goes back to the free list, unless it is
 //! registered: then it stays in the index as *idle* (its keys and values kept for the next
 //! sequence with that prefix) and is evicted, least recently released first, only when the
@@ -59,14 +68,32 @@ struct PrefixCache {
     idle_at: Vec<Option<u64>>,
     tick: u64,
     next_id: PrefixId,
+    /// Per page: the saved state after its last position, where one is kept.
+    state_of: Vec<Option<u32>>,
+    /// Saved states (`None`: pages only).
+    states: Option<StateSnapshots>,
+}
+
+/// The numbered state snapshots of a hybrid model's prefix cache (module doc).
+#[derive(Debug, Default)]
+struct StateSnapshots {
+    /// Per snapshot: the page it is attached to.
+    page_of: Vec<Option<u32>>,
+    /// Snapshots by the tick of their last use (saved or resumed from), oldest first.
+    lru: BTreeMap<u64, u32>,
+    used_at: Vec<Option<u64>>,
+    free: Vec<u32>,
 }
 
 /// What [`PagePool::lookup`] found: the registered pages now at the start of the block table,
-/// and the registration to chain the sequence's next page from.
+/// the registration to chain the sequence's next page from (and that registration's page),
+/// and with saved states the snapshot to start from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefixHit {
     pub pages: usize,
     pub parent: PrefixId,
+    pub parent_page: Option<u32>,
+    pub state: Option<u32>,
 }
 
 impl PrefixHit {
@@ -74,6 +101,8 @@ impl PrefixHit {
     pub const NONE: PrefixHit = PrefixHit {
         pages: 0,
         parent: ROOT,
+        parent_page: None,
+        state: None,
     };
 }
 
@@ -96,10 +125,96 @@ impl PagePool {
         self.cache = Some(PrefixCache {
             entry: vec![None; self.total],
             idle_at: vec![None; self.total],
+            state_of: vec![None; self.total],
             next_id: ROOT + 1,
             ..PrefixCache::default()
         });
         self
+    }
+
+    /// A prefix cache of a hybrid model: `n` state snapshots (numbered `0..n`) besides the
+    /// pages, and lookups that stop at the deepest page with a saved state (module doc).
+    pub fn with_states(self, n: usize) -> PagePool {
+        let mut p = if self.cache.is_some() {
+            self
+        } else {
+            self.with_prefix_cache()
+        };
+        let c = p.cache.as_mut().expect("just made");
+        c.states = Some(StateSnapshots {
+            page_of: vec![None; n],
+            used_at: vec![None; n],
+            free: (0..n as u32).rev().collect(),
+            ..StateSnapshots::default()
+        });
+        p
+    }
+
+    /// Whether lookups need saved states (a hybrid model's cache).
+    pub fn saves_states(&self) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.states.is_some())
+    }
+
+    /// A snapshot to save the state after registered page `page` in, attached to it (the
+    /// least recently used one when none is free, taken from its page); `None` where the
+    /// page has one already, is not registered, or the pool keeps no states.
+    pub fn state_slot_for(&mut self, page: u32) -> Option<u32> {
+        let c = self.cache.as_mut()?;
+        if c.state_of[page as usize].is_some() || c.entry[page as usize].is_none() {
+            return None;
+        }
+        let st = c.states.as_mut()?;
+        let snap = match st.free.pop() {
+            Some(s) => s,
+            None => {
+                let (_, s) = st.lru.pop_first()?;
+                st.used_at[s as usize] = None;
+                if let Some(old) = st.page_of[s as usize].take() {
+                    c.state_of[old as usize] = None;
+                }
+                s
+            }
+        };
+        st.page_of[snap as usize] = Some(page);
+        c.state_of[page as usize] = Some(snap);
+        c.tick += 1;
+        st.lru.insert(c.tick, snap);
+        st.used_at[snap as usize] = Some(c.tick);
+        Some(snap)
+    }
+
+    /// Moves the snapshot attached to page `from` to registered page `to` (a sequence's
+    /// rolling state, saved again further on): returns it, or `None` (nothing moved) where
+    /// `from` has none any more (reused meanwhile), `to` has one or is not registered.
+    pub fn move_state(&mut self, from: u32, to: u32) -> Option<u32> {
+        let c = self.cache.as_mut()?;
+        if c.state_of[to as usize].is_some() || c.entry[to as usize].is_none() {
+            return None;
+        }
+        let snap = c.state_of[from as usize].take()?;
+        let st = c.states.as_mut()?;
+        st.page_of[snap as usize] = Some(to);
+        c.state_of[to as usize] = Some(snap);
+        c.tick += 1;
+        if let Some(t) = st.used_at[snap as usize].replace(c.tick) {
+            st.lru.remove(&t);
+        }
+        st.lru.insert(c.tick, snap);
+        Some(snap)
+    }
+
+    /// Drops the saved state attached to `page` (one that could not be written).
+    pub fn forget_state(&mut self, page: u32) {
+        let Some(c) = self.cache.as_mut() else {
+            return;
+        };
+        if let (Some(s), Some(st)) = (c.state_of[page as usize].take(), c.states.as_mut()) {
+            st.page_of[s as usize] = None;
+            if let Some(t) = st.used_at[s as usize].take() {
+                st.lru.remove(&t);
+            }
+            st.free.push(s);
+        }
     }
 
     pub fn caches_prefixes(&self) -> bool {
@@ -185,6 +300,8 @@ impl PagePool {
             return PrefixHit::NONE;
         };
         let mut hit = PrefixHit::NONE;
+        // With saved states: the deepest hit so far that has one.
+        let mut resume = PrefixHit::NONE;
         for page_tokens in tokens.chunks_exact(self.page_size) {
             let key = (hit.parent, Box::<[u32]>::from(page_tokens));
             let Some(&p) = c.index.get(&key) else {
@@ -200,40 +317,62 @@ impl PagePool {
                 .as_ref()
                 .expect("indexed pages are registered")
                 .0;
+            hit.parent_page = Some(p);
+            if let Some(s) = c.state_of[p as usize] {
+                resume = PrefixHit {
+                    state: Some(s),
+                    ..hit
+                };
+            }
         }
-        hit
+        let Some(st) = c.states.as_mut() else {
+            return hit;
+        };
+        // A hybrid model resumes only where a state was saved: the snapshot is used now, and
+        // the pages past it go back.
+        if let Some(s) = resume.state {
+            c.tick += 1;
+            if let Some(t) = st.used_at[s as usize].replace(c.tick) {
+                st.lru.remove(&t);
+            }
+            st.lru.insert(c.tick, s);
+        }
+        let mut past = table.split_off(resume.pages);
+        self.release(&mut past);
+        resume
     }
 
     /// Registers `page` (held, its positions all computed) as the page after `parent` holding
-    /// `tokens`; returns the registration to chain the sequence's next page from: the page's
-    /// own, or that of a page registered earlier with the same parent and tokens (this one
-    /// then stays unregistered: it is freed as any page when released). Without a prefix
-    /// cache: [`ROOT`], registering nothing.
-    pub fn register(&mut self, page: u32, parent: PrefixId, tokens: &[u32]) -> PrefixId {
+    /// `tokens`; returns the registration to chain the sequence's next page from and its
+    /// page: the page's own, or those of a page registered earlier with the same parent and
+    /// tokens (this one then stays unregistered: it is freed as any page when released).
+    /// Without a prefix cache: [`ROOT`] and the page, registering nothing.
+    pub fn register(&mut self, page: u32, parent: PrefixId, tokens: &[u32]) -> (PrefixId, u32) {
         debug_assert_eq!(tokens.len(), self.page_size);
         debug_assert!(
             self.holders[page as usize] > 0,
             "registering a page nobody holds"
         );
         let Some(c) = &mut self.cache else {
-            return ROOT;
+            return (ROOT, page);
         };
         let key = (parent, Box::<[u32]>::from(tokens));
         if let Some(&p) = c.index.get(&key) {
-            return c.entry[p as usize]
+            let id = c.entry[p as usize]
                 .as_ref()
                 .expect("indexed pages are registered")
                 .0;
+            return (id, p);
         }
         if let Some((id, _)) = &c.entry[page as usize] {
             // Registered before under another key (cannot happen for a page written once).
-            return *id;
+            return (*id, page);
         }
         let id = c.next_id;
         c.next_id += 1;
         c.index.insert(key.clone(), page);
         c.entry[page as usize] = Some((id, key));
-        id
+        (id, page)
     }
 }
 
@@ -251,6 +390,14 @@ impl PrefixCache {
         self.idle_at[p as usize] = None;
         if let Some((_, key)) = self.entry[p as usize].take() {
             self.index.remove(&key);
+        }
+        // Its saved state, if any, goes back too.
+        if let (Some(s), Some(st)) = (self.state_of[p as usize].take(), self.states.as_mut()) {
+            st.page_of[s as usize] = None;
+            if let Some(t) = st.used_at[s as usize].take() {
+                st.lru.remove(&t);
+            }
+            st.free.push(s);
         }
         Some(p)
     }
@@ -307,7 +454,7 @@ mod tests {
     fn register_all(pool: &mut PagePool, table: &[u32], tokens: &[u32]) -> PrefixId {
         let mut parent = ROOT;
         for (p, t) in table.iter().zip(tokens.chunks_exact(pool.page_size())) {
-            parent = pool.register(*p, parent, t);
+            parent = pool.register(*p, parent, t).0;
         }
         parent
     }
@@ -330,12 +477,10 @@ mod tests {
         assert_eq!(pool.used(), 3, "shared pages count once");
         // The whole of t: three pages, chained to the last registration.
         let mut c = vec![];
+        let hit = pool.lookup(&mut c, &t);
         assert_eq!(
-            pool.lookup(&mut c, &t),
-            PrefixHit {
-                pages: 3,
-                parent: last
-            }
+            (hit.pages, hit.parent, hit.parent_page),
+            (3, last, Some(a[2]))
         );
         pool.release(&mut c);
         pool.release(&mut b);
@@ -382,7 +527,7 @@ mod tests {
         // Its child is still indexed under the dead parent id, so it is never matched again,
         // even when the evicted page number is registered anew with the same tokens.
         let reused = c[0];
-        let id = pool.register(reused, ROOT, &ta[..2]);
+        let (id, _) = pool.register(reused, ROOT, &ta[..2]);
         let mut y = vec![];
         let hit = pool.lookup(&mut y, &ta);
         assert_eq!(
@@ -430,5 +575,73 @@ mod tests {
         pool.release(&mut a);
         assert_eq!((pool.cached_idle(), pool.available()), (0, 4));
         assert_eq!(pool.lookup(&mut a, &t), PrefixHit::NONE);
+    }
+
+    #[test]
+    fn hybrid_lookups_stop_at_the_deepest_saved_state() {
+        let mut pool = PagePool::new(8, 2).with_states(2);
+        assert!(pool.saves_states());
+        let t = toks(40, 8);
+        let mut a = vec![];
+        assert!(pool.grow(&mut a, 8));
+        register_all(&mut pool, &a, &t);
+        // Pages registered but no state saved: nothing to resume from.
+        let mut b = vec![];
+        assert_eq!(pool.lookup(&mut b, &t), PrefixHit::NONE);
+        assert!(b.is_empty(), "the pages taken went back");
+        assert_eq!(pool.used(), 4);
+        // States after pages 1 and 2 (tokens 0..4 and 0..6).
+        let s1 = pool.state_slot_for(a[1]).unwrap();
+        let s2 = pool.state_slot_for(a[2]).unwrap();
+        assert_eq!(pool.state_slot_for(a[2]), None, "already saved");
+        let hit = pool.lookup(&mut b, &t);
+        assert_eq!((hit.pages, hit.state, b.len()), (3, Some(s2), 3));
+        pool.release(&mut b);
+        // A prompt that stops inside page 2: resume after page 1.
+        let hit = pool.lookup(&mut b, &t[..5]);
+        assert_eq!((hit.pages, hit.state), (2, Some(s1)));
+        pool.release(&mut b);
+        // A third state takes the least recently used snapshot (s2's: s1 was used last).
+        let s3 = pool.state_slot_for(a[3]).unwrap();
+        assert_eq!(s3, s2);
+        let hit = pool.lookup(&mut b, &t);
+        assert_eq!((hit.pages, hit.state), (4, Some(s3)));
+        pool.release(&mut b);
+        let hit = pool.lookup(&mut b, &t[..6]);
+        assert_eq!(
+            (hit.pages, hit.state),
+            (2, Some(s1)),
+            "page 2's state was taken"
+        );
+        pool.release(&mut b);
+        // Evicting pages frees their snapshots.
+        pool.release(&mut a);
+        let mut c = vec![];
+        assert!(
+            pool.grow(&mut c, 16),
+            "all eight pages, the idle ones evicted"
+        );
+        let fresh = pool.register(c[0], ROOT, &[1, 2]).1;
+        assert!(pool.state_slot_for(fresh).is_some());
+        assert!(
+            pool.state_slot_for(c[1]).is_none(),
+            "an unregistered page takes none"
+        );
+        pool.release(&mut c);
+        let mut d = vec![];
+        assert_eq!(pool.lookup(&mut d, &[1, 2, 3]).pages, 1);
+        // A rolling state moves on: its old page no longer resumes anything.
+        let next = pool.register(d[0], ROOT, &[1, 2]).1;
+        assert_eq!(next, fresh, "the same prefix registers as the same page");
+        pool.release(&mut d);
+        let mut e = vec![];
+        assert!(pool.grow(&mut e, 2));
+        let (id, _) = pool.register(e[0], ROOT, &[9, 9]);
+        let moved = pool.move_state(fresh, e[0]).expect("moved");
+        assert_eq!(pool.move_state(fresh, e[0]), None, "nothing left to move");
+        let mut f = vec![];
+        assert_eq!(pool.lookup(&mut f, &[1, 2, 3]), PrefixHit::NONE);
+        let hit = pool.lookup(&mut f, &[9, 9, 1]);
+        assert_eq!((hit.pages, hit.parent, hit.state), (1, id, Some(moved)));
     }
 }

@@ -320,11 +320,14 @@ impl Scheduler {
             .spawn(move || {
                 let batch = batch_for(&be, &model, &cfg2, pages.total());
                 stats2.batched.store(batch.is_some(), Ordering::SeqCst);
-                // Pages are real only in batched steps; a hybrid model's state is not in them.
-                let pages = if cfg2.prefix_cache && batch.is_some() && model.cfg.hybrid.is_none() {
-                    pages.with_prefix_cache()
-                } else {
-                    pages
+                // Pages are real only in batched steps; a hybrid model's prefix cache also needs
+                // the states saved where cached pages end.
+                let pages = match &batch {
+                    Some(b) if cfg2.prefix_cache => match model.cfg.hybrid {
+                        Some(_) => pages.with_states(b.config().state_snapshots),
+                        None => pages.with_prefix_cache(),
+                    },
+                    _ => pages,
                 };
                 stats2
                     .prefix_cache
@@ -438,6 +441,14 @@ fn batch_for<'e, B: Backend>(
         max_seqs: cfg.max_batch,
         max_rows: cfg.prefill_chunk + cfg.max_batch * per_seq,
         max_logits: cfg.max_batch * per_seq,
+        // A hybrid model's prefix cache resumes from saved states: each running sequence
+        // holds at most two (its prompt's and a rolling one), as many again stay for the
+        // finished ones (the least recently used reused first).
+        state_snapshots: if model.cfg.hybrid.is_some() && cfg.prefix_cache {
+            3 * cfg.max_batch
+        } else {
+            0
+        },
     };
     match Batch::new(be, model, bc) {
         Ok(b) => Some(b),
@@ -475,6 +486,9 @@ struct Active<'e, B: Backend> {
     prefix: PrefixHit,
     /// Prompt tokens that came from the prefix cache at its first admission (usage).
     cached_prompt: usize,
+    /// A hybrid model's prefix cache: the page whose saved state this sequence moves along
+    /// as it passes page boundaries past its prompt's (its prompt's own stays).
+    rolling_state: Option<u32>,
     /// Context the sequence's KV is allocated for.
     ctx: usize,
     /// Tokens to prefill: the prompt, plus the generated tokens after a preemption.
@@ -563,6 +577,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             cached: 0,
             prefix: PrefixHit::NONE,
             cached_prompt: 0,
+            rolling_state: None,
             ctx,
             feed: r.prompt,
             prefilled: 0,
@@ -629,7 +644,12 @@ impl<'e, B: Backend> Loop<'e, B> {
                 Some(batch) => match self.free_states.pop() {
                     Some(slot) => {
                         a.state = Some(slot);
-                        batch.clear_state(slot).map(|()| None)
+                        // A hybrid model's state after the cached pages, or the first one.
+                        match a.prefix.state {
+                            Some(snap) => batch.load_state(snap as usize, slot),
+                            None => batch.clear_state(slot),
+                        }
+                        .map(|()| None)
                     }
                     None => Err(anyhow::anyhow!("no free state slot in the batch")),
                 },
@@ -754,7 +774,16 @@ impl<'e, B: Backend> Loop<'e, B> {
                 continue;
             }
             let start = a.prefilled;
-            let end = ((start / c + 1) * c).min(a.feed.len());
+            let mut end = ((start / c + 1) * c).min(a.feed.len());
+            if self.pages.saves_states() {
+                // A hybrid model's prefix cache resumes only where a state was saved: end a
+                // chunk on the prompt's last page boundary (it depends only on the prompt).
+                let ps = self.pages.page_size();
+                let boundary = (a.feed.len() - 1) / ps * ps;
+                if start < boundary && boundary < end {
+                    end = boundary;
+                }
+            }
             if end - start > budget {
                 break;
             }
@@ -982,7 +1011,11 @@ impl<'e, B: Backend> Loop<'e, B> {
         if self.pages.caches_prefixes() {
             for (j, p) in plan.iter().enumerate() {
                 if failed[j].is_none() {
-                    register_filled(&mut self.pages, &mut self.running[p.i]);
+                    let a = &mut self.running[p.i];
+                    register_filled(&mut self.pages, a);
+                    if let Some(batch) = self.batch.as_mut() {
+                        save_boundary_state(&mut self.pages, batch, a);
+                    }
                 }
             }
         }
@@ -998,6 +1031,7 @@ impl<'e, B: Backend> Loop<'e, B> {
         let mut a = self.running.remove(i);
         self.pages.release(&mut a.pages);
         a.prefix = PrefixHit::NONE;
+        a.rolling_state = None;
         self.free_states.extend(a.state.take());
         a.seq = None;
         a.spec = None;
@@ -1052,8 +1086,53 @@ fn register_filled<B: Backend>(pool: &mut PagePool, a: &mut Active<'_, B>) {
                 Some(g) => a.generated[g],
             })
             .collect();
-        a.prefix.parent = pool.register(a.pages[j], a.prefix.parent, &tokens);
+        let (id, page) = pool.register(a.pages[j], a.prefix.parent, &tokens);
+        a.prefix.parent = id;
+        a.prefix.parent_page = Some(page);
         a.prefix.pages += 1;
+    }
+}
+
+/// A hybrid model's prefix cache: where sequence `a`'s cached tokens end on a page boundary
+/// and the registered page ending there has no state saved, saves the sequence's
+/// linear-attention state there for later sequences to resume from. The prompt's last
+/// boundary gets a snapshot of its own (a shared system prompt's place); every later boundary
+/// (a decode step's, a long prompt's earlier chunk ends) moves the sequence's one rolling
+/// snapshot forward (a conversation's next turn resumes from the last), so a sequence holds
+/// at most two.
+fn save_boundary_state<B: Backend>(
+    pool: &mut PagePool,
+    batch: &mut Batch<'_, B>,
+    a: &mut Active<'_, B>,
+) {
+    let ps = pool.page_size();
+    if !pool.saves_states()
+        || a.cached == 0
+        || a.cached % ps != 0
+        || a.prefix.pages * ps != a.cached
+    {
+        return;
+    }
+    let (Some(page), Some(slot)) = (a.prefix.parent_page, a.state) else {
+        return;
+    };
+    let prompt_boundary = a.cached == (a.feed.len() - 1) / ps * ps;
+    let snap = match a.rolling_state {
+        Some(old) if !prompt_boundary => pool
+            .move_state(old, page)
+            .or_else(|| pool.state_slot_for(page)),
+        _ => pool.state_slot_for(page),
+    };
+    let Some(snap) = snap else {
+        return;
+    };
+    if !prompt_boundary {
+        a.rolling_state = Some(page);
+    }
+    if let Err(e) = batch.save_state(slot, snap as usize) {
+        // Nothing may resume from a snapshot that was not written.
+        tracing::error!("saving a prefix state failed: {e:#}");
+        pool.forget_state(page);
     }
 }
 

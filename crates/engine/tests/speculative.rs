@@ -681,3 +681,69 @@ fn scheduler_batches_hybrid_models() {
         s.shutdown();
     }
 }
+
+/// The prefix cache on hybrid models: a request resumes from the Gated DeltaNet state saved
+/// where an earlier request's cached pages end (a prompt's last page boundary, every page
+/// boundary its decode crossed), takes the pages before it, and prefills only the rest: a
+/// shared prefix and a conversation's next turn, each with its plain greedy tokens.
+#[test]
+fn hybrid_prefix_cache_resumes_from_saved_states() {
+    use ferrite_engine::scheduler::{Event, RequestParams, Scheduler, SchedulerConfig};
+    use std::sync::atomic::Ordering;
+    for name in MODELS {
+        let (be, model) = load(name);
+        let first: Vec<u32> = (0..40u32).map(|i| 1 + (i * 37) % 1000).collect();
+        let want_first = plain_greedy(&be, &model, &first, GEN).unwrap();
+        // The first 33 tokens, then other ones: the state after page 2 (token 32) resumes it.
+        let mut shared: Vec<u32> = first[..33].to_vec();
+        shared.extend([5, 6, 7, 8, 9]);
+        let want_shared = plain_greedy(&be, &model, &shared, GEN).unwrap();
+        // The next turn: the first prompt, its answer, more.
+        let mut turn: Vec<u32> = first.iter().chain(&want_first).copied().collect();
+        turn.extend([11, 12, 13]);
+        let want_turn = plain_greedy(&be, &model, &turn, GEN).unwrap();
+        let s = Scheduler::spawn(
+            tiny_engine(be, model),
+            SchedulerConfig {
+                max_batch: 2,
+                max_context: 160,
+                prefill_chunk: 8,
+                ..SchedulerConfig::default()
+            },
+        )
+        .unwrap();
+        let params = RequestParams {
+            max_tokens: GEN,
+            ignore_eos: true,
+            ..RequestParams::default()
+        };
+        // Tokens and the prompt tokens that came from the cache.
+        let run = |prompt: &[u32]| -> (Vec<u32>, usize) {
+            let rx = submit(&s, prompt, params.clone());
+            let mut out = vec![];
+            loop {
+                match rx
+                    .recv_timeout(std::time::Duration::from_secs(120))
+                    .unwrap()
+                {
+                    Event::Token { id, .. } => out.push(id),
+                    Event::Done { usage, .. } => return (out, usage.cached_tokens),
+                    Event::Error(e) => panic!("{e}"),
+                }
+            }
+        };
+        assert_eq!(run(&first), (want_first.clone(), 0), "{name}: first");
+        assert_eq!(run(&shared), (want_shared, 32), "{name}: shared prefix");
+        // The first conversation's last page boundary: 40 + 40 tokens less the last answer
+        // token (never fed) ends inside page 4, so the state saved after page 4 (80 → 64).
+        let (got, cached) = run(&turn);
+        assert_eq!(got, want_turn, "{name}: next turn");
+        assert_eq!(
+            cached,
+            (first.len() + want_first.len() - 1) / 16 * 16,
+            "{name}"
+        );
+        assert!(s.stats().prefix_cache.load(Ordering::SeqCst));
+        s.shutdown();
+    }
+}

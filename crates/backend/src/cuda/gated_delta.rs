@@ -205,6 +205,37 @@ pub fn kv_clear_state(be: &CudaBackend, kv: &mut CudaKv, slot: usize) -> Result<
     Ok(())
 }
 
+/// Copies state slot `from` over slot `to` (every layer's conv and recurrent state): two
+/// device-to-device copies of one contiguous range each. Caches without linear-attention
+/// state have nothing to copy.
+pub fn kv_copy_state(be: &CudaBackend, kv: &mut CudaKv, from: usize, to: usize) -> Result<()> {
+    let Some(ds) = kv.delta.as_mut() else {
+        return Ok(());
+    };
+    ensure!(
+        from < ds.slots && to < ds.slots,
+        "kv_copy_state: slots {from} -> {to} of a cache of {}",
+        ds.slots
+    );
+    if from == to {
+        return Ok(());
+    }
+    let (conv_len, state_len) = (ds.n_layers * ds.conv_len(), ds.n_layers * ds.state_len());
+    for (buf, len) in [(&mut ds.conv, conv_len), (&mut ds.state, state_len)] {
+        // Two disjoint ranges of one allocation, split apart.
+        let (lo, hi) = (from.min(to), from.max(to));
+        let (mut a, mut b) = buf.split_at_mut(hi * len);
+        let mut a = a.slice_mut(lo * len..(lo + 1) * len);
+        let mut b = b.slice_mut(..len);
+        if from < to {
+            be.stream.memcpy_dtod(&a, &mut b)?;
+        } else {
+            be.stream.memcpy_dtod(&b, &mut a)?;
+        }
+    }
+    Ok(())
+}
+
 /// Snapshots and row states copy the whole state: one sequence's caches only.
 fn ensure_one_state(ds: &DeltaState, what: &str) -> Result<()> {
     ensure!(

@@ -804,6 +804,10 @@ impl Backend for CudaBackend {
         gated_delta::kv_clear_state(self, kv, slot)
     }
 
+    fn kv_copy_state(&self, kv: &mut attention::CudaKv, from: usize, to: usize) -> Result<()> {
+        gated_delta::kv_copy_state(self, kv, from, to)
+    }
+
     fn kv_restore(&self, kv: &mut attention::CudaKv, slot: usize) -> Result<()> {
         gated_delta::kv_restore(self, kv, slot)
     }
