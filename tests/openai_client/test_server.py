@@ -285,6 +285,22 @@ class Completions(unittest.TestCase):
         self.assertEqual(chunks[-1].usage.completion_tokens, full.usage.completion_tokens)
         self.assertEqual(chunks[-1].usage.prompt_tokens, full.usage.prompt_tokens)
 
+    def test_logit_bias(self):
+        # Forcing one token makes every greedy step choose it; banning the greedy answer's
+        # first token makes the model say something else.
+        prompt = "The capital of France is"
+        base = self.complete(prompt, max_tokens=3, logprobs=1)
+        paris = tokenize(" Paris")
+        self.assertEqual(len(paris), 1, paris)
+        forced = self.complete(prompt, max_tokens=3, logprobs=1, logit_bias={str(paris[0]): 100})
+        self.assertEqual(forced.choices[0].text, " Paris" * 3)
+        banned = self.complete(prompt, max_tokens=3, logprobs=1,
+                               logit_bias={str(paris[0]): -100})
+        self.assertNotIn("Paris", banned.choices[0].text)
+        self.assertIn("Paris", base.choices[0].text)
+        with self.assertRaises(openai.BadRequestError):
+            self.complete(prompt, logit_bias={"99999999": 1})
+
     def test_logprobs(self):
         r = self.complete("1, 2, 3,", max_tokens=3, logprobs=2)
         lp = r.choices[0].logprobs
@@ -340,7 +356,7 @@ class BadInput(unittest.TestCase):
                     param="chat_template_kwargs")
         self.expect(400, self.good(chat_template_kwargs=[True]))
         self.expect(400, self.good(response_format={"type": "json_object"}), param="response_format")
-        self.expect(400, self.good(logit_bias={"1": 5}), param="logit_bias")
+        self.expect(400, self.good(logit_bias={"1": 500}), param="logit_bias")
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         self.expect(400, self.good(tools=[tool], tool_choice="required"), param="tool_choice")
         self.expect(400, {"model": SERVER.model, "prompt": [1, 2], "n": -1}, path="/v1/completions")

@@ -53,6 +53,10 @@ pub struct SamplerConfig {
     pub frequency_penalty: f32,
     /// RNG seed; `None` = seeded from the OS entropy source.
     pub seed: Option<u64>,
+    /// OpenAI `logit_bias`: `(token, bias)` pairs added to those tokens' logits before any
+    /// other step (after the penalties; ids past the logits are ignored); `-100` all but
+    /// bans a token, `100` all but forces it.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplerConfig {
@@ -66,6 +70,7 @@ impl Default for SamplerConfig {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -76,6 +81,7 @@ impl SamplerConfig {
         self.repetition_penalty == 1.0
             && self.presence_penalty == 0.0
             && self.frequency_penalty == 0.0
+            && self.logit_bias.is_empty()
     }
 
     /// Greedy (temperature 0) with no penalty: the choice is the logits' argmax, which the
@@ -113,6 +119,12 @@ impl SamplerConfig {
             ("frequency_penalty", self.frequency_penalty),
         ] {
             anyhow::ensure!(v.is_finite(), "{name} must be a finite number, got {v}");
+        }
+        for &(t, b) in &self.logit_bias {
+            anyhow::ensure!(
+                (-100.0..=100.0).contains(&b),
+                "logit_bias of token {t} must be in [-100, 100], got {b}"
+            );
         }
         Ok(())
     }
@@ -269,6 +281,11 @@ impl Sampler {
         }
         if !self.cfg.no_penalties() {
             self.apply_penalties(logits, history);
+            for &(t, b) in &self.cfg.logit_bias {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l += b;
+                }
+            }
         }
         // Greedy unless the temperature is a positive number (NaN included).
         #[allow(clippy::neg_cmp_op_on_partial_ord)]
@@ -1082,5 +1099,39 @@ mod tests {
                 assert_eq!(a, b);
             }
         }
+    }
+
+    /// logit_bias moves greedy and sampled choices, bans a token at -100, and leaves the
+    /// other tokens' logits as they were.
+    #[test]
+    fn logit_bias_moves_the_choice() {
+        let logits = [0.1f32, 5.0, 2.0, 4.5, -1.0];
+        let with = |bias: Vec<(u32, f32)>, temperature: f32| SamplerConfig {
+            temperature,
+            logit_bias: bias,
+            seed: Some(7),
+            ..Default::default()
+        };
+        let greedy = |c: SamplerConfig| Sampler::new(c, 5).sample(&mut logits.clone(), &[]);
+        assert_eq!(greedy(with(vec![], 0.0)), 1);
+        assert_eq!(greedy(with(vec![(3, 1.0)], 0.0)), 3, "4.5 + 1 beats 5");
+        assert_eq!(greedy(with(vec![(1, -100.0)], 0.0)), 3, "banned");
+        assert_eq!(
+            greedy(with(vec![(9, 50.0)], 0.0)),
+            1,
+            "ids past the logits ignored"
+        );
+        assert!(
+            !with(vec![(1, 0.5)], 0.0).no_penalties(),
+            "biased logits go to the host"
+        );
+        // Sampling at a high temperature never draws the banned token.
+        let mut s = Sampler::new(with(vec![(1, -100.0), (3, -100.0)], 2.0), 5);
+        for _ in 0..200 {
+            let t = s.sample(&mut logits.clone(), &[]);
+            assert!(t != 1 && t != 3, "drew banned token {t}");
+        }
+        assert!(with(vec![(0, 101.0)], 1.0).validate().is_err());
+        assert!(with(vec![(0, f32::NAN)], 1.0).validate().is_err());
     }
 }

@@ -444,7 +444,9 @@ async fn chat_inner(
     let body = body.map_err(body_error)?;
     let req: ChatRequest = parse(&body)?;
     let ctx = st.sched.config().max_context;
-    let (max, mut params) = req.common.validate(&st.cfg.model_id, ctx)?;
+    let (max, mut params) = req
+        .common
+        .validate(&st.cfg.model_id, ctx, st.tok().vocab_size())?;
     params.logprobs = req.logprobs()?;
     let msgs = req.messages()?;
     let tools = req.tools_json()?;
@@ -528,7 +530,9 @@ async fn completions_inner(
     let body = body.map_err(body_error)?;
     let req: CompletionRequest = parse(&body)?;
     let ctx = st.sched.config().max_context;
-    let (max, mut params) = req.common.validate(&st.cfg.model_id, ctx)?;
+    let (max, mut params) = req
+        .common
+        .validate(&st.cfg.model_id, ctx, st.tok().vocab_size())?;
     params.logprobs = req.logprobs()?;
     if req.echo.unwrap_or(false) {
         return Err(ApiError::invalid("echo", "echo is not supported"));

@@ -233,6 +233,7 @@ impl Common {
         &self,
         served_model: &str,
         max_context: usize,
+        vocab: usize,
     ) -> Result<(Option<usize>, RequestParams), ApiError> {
         if self.model != served_model {
             return Err(ApiError::new(
@@ -258,17 +259,7 @@ impl Common {
                 ));
             }
         }
-        let biased = match &self.logit_bias {
-            None | Some(Value::Null) => false,
-            Some(Value::Object(m)) => !m.is_empty(),
-            Some(_) => true,
-        };
-        if biased {
-            return Err(ApiError::invalid(
-                "logit_bias",
-                "logit_bias is not supported",
-            ));
-        }
+        let logit_bias = logit_bias(self.logit_bias.as_ref(), vocab)?;
         if let Some(n) = self.n {
             if !(1..=MAX_CHOICES as i64).contains(&n) {
                 return Err(ApiError::invalid(
@@ -364,6 +355,7 @@ impl Common {
                 presence_penalty,
                 frequency_penalty,
                 seed: self.seed.map(|s| s as u64),
+                logit_bias,
             },
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
@@ -601,6 +593,48 @@ impl Prompt {
     }
 }
 
+/// Most entries of a `logit_bias` map.
+const MAX_LOGIT_BIAS: usize = 1024;
+
+/// OpenAI's `logit_bias`: `{"token id": bias}` with biases in [-100, 100], ids in the
+/// vocabulary; sorted by id.
+fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::invalid("logit_bias", m);
+    let m = match v {
+        None | Some(Value::Null) => return Ok(vec![]),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(bad("logit_bias must be an object of token id → bias".into())),
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(bad(format!(
+            "at most {MAX_LOGIT_BIAS} logit_bias entries, got {}",
+            m.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(m.len());
+    for (k, b) in m {
+        let id: u32 = k
+            .parse()
+            .map_err(|_| bad(format!("logit_bias key \"{k}\" is not a token id")))?;
+        if id as usize >= vocab {
+            return Err(bad(format!(
+                "logit_bias token id {id} is outside the vocabulary (0..{vocab})"
+            )));
+        }
+        let b = b
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                bad(format!(
+                    "logit_bias of token {id} must be a number in [-100, 100], got {b}"
+                ))
+            })?;
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|e| e.0);
+    Ok(out)
+}
+
 /// `usage` of a response.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct UsageOut {
@@ -698,7 +732,7 @@ mod tests {
             v[k] = x.clone();
         }
         let r: ChatRequest = parse(v.to_string().as_bytes())?;
-        r.common.validate("m", 100)
+        r.common.validate("m", 100, 1000)
     }
 
     #[test]
@@ -736,7 +770,12 @@ mod tests {
                 "response_format",
             ),
             (json!({"response_format": "json"}), "response_format"),
+            // Outside the vocabulary (1000 here), out of range, not an id, not a number.
             (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
+            (json!({"logit_bias": {"5": 150}}), "logit_bias"),
+            (json!({"logit_bias": {"five": 1}}), "logit_bias"),
+            (json!({"logit_bias": {"5": "1"}}), "logit_bias"),
+            (json!({"logit_bias": [5, 1]}), "logit_bias"),
         ];
         for (extra, param) in cases {
             let e = common(extra.clone()).unwrap_err();
@@ -806,9 +845,19 @@ mod tests {
     }
 
     #[test]
+    fn logit_bias_maps_to_the_sampler() {
+        let (_, p) = common(json!({"logit_bias": {"7": 2.5, "5": -100}})).unwrap();
+        assert_eq!(p.sampler.logit_bias, vec![(5, -100.0), (7, 2.5)]);
+        assert!(
+            !p.sampler.no_penalties(),
+            "biased requests sample from host logits"
+        );
+    }
+
+    #[test]
     fn unknown_model_is_404() {
         let r: ChatRequest = parse(br#"{"model": "gpt-4", "messages": []}"#).unwrap();
-        let e = r.common.validate("m", 100).unwrap_err();
+        let e = r.common.validate("m", 100, 1000).unwrap_err();
         assert_eq!(e.status, StatusCode::NOT_FOUND);
         assert_eq!(e.code.as_deref(), Some("model_not_found"));
     }
