@@ -142,6 +142,15 @@ class Chat(unittest.TestCase):
         self.assertGreater(r.usage.prompt_tokens, one.usage.prompt_tokens + 10)
         self.assertTrue(r.choices[0].message.content)
 
+    def test_json_mode(self):
+        msgs = [{"role": "user", "content": "Describe Paris as a JSON object with the keys "
+                 "name, country and population."}]
+        for kw in ({}, {"temperature": 0.8, "seed": 3}):
+            r = chat(msgs, max_tokens=200, response_format={"type": "json_object"}, **kw)
+            obj = json.loads(r.choices[0].message.content)
+            self.assertIsInstance(obj, dict)
+            self.assertEqual(r.choices[0].finish_reason, "stop")
+
     def test_prefix_cache_reports_cached_tokens(self):
         # A long system prompt, asked twice: the second request's prompt starts with pages
         # the first one left in the prefix cache; its answer is the same.
@@ -355,7 +364,8 @@ class BadInput(unittest.TestCase):
         self.expect(400, self.good(chat_template_kwargs={"enable_thinking": "no"}),
                     param="chat_template_kwargs")
         self.expect(400, self.good(chat_template_kwargs=[True]))
-        self.expect(400, self.good(response_format={"type": "json_object"}), param="response_format")
+        self.expect(400, self.good(response_format={"type": "json_schema", "json_schema": {}}),
+                    param="response_format")
         self.expect(400, self.good(logit_bias={"1": 500}), param="logit_bias")
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         self.expect(400, self.good(tools=[tool], tool_choice="required"), param="tool_choice")

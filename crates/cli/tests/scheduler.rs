@@ -647,3 +647,64 @@ fn prefix_cache_keeps_every_requests_output() {
         "the copies' output changed"
     );
 }
+
+/// JSON mode (`response_format: json_object`): greedy and sampled requests, alone and beside
+/// a plain one, each give one JSON object and stop there; a short `max_tokens` cuts it.
+#[test]
+fn json_mode_gives_one_json_object() {
+    let (s, prompts) = scheduler(SchedulerConfig {
+        max_batch: 4,
+        max_context: 512,
+        kv_tokens: 4 * 512,
+        prefill_chunk: 16,
+        ..SchedulerConfig::default()
+    });
+    let e = default_engine();
+    let prompt = e
+        .tok
+        .encode(
+            "Describe the city of Paris as a JSON object with the keys name, country and \
+             population.",
+            true,
+            false,
+        )
+        .expect("tokenizes");
+    drop(e);
+    let json = |temperature: f32, max_tokens: usize| RequestParams {
+        max_tokens,
+        json_object: true,
+        sampler: SamplerConfig {
+            temperature,
+            seed: Some(5),
+            ..SamplerConfig::greedy()
+        },
+        ..RequestParams::default()
+    };
+    let plain = RequestParams {
+        max_tokens: 24,
+        ..RequestParams::default()
+    };
+    let rxs = [
+        submit(&s, &prompt, &json(0.0, 200)),
+        submit(&s, &prompt, &json(0.9, 200)),
+        submit(&s, &prompts[0], &plain),
+    ];
+    let outs: Vec<Out> = rxs.into_iter().map(collect).collect();
+    for (i, o) in outs[..2].iter().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(&o.text)
+            .unwrap_or_else(|e| panic!("request {i}: not JSON ({e}): {:?}", o.text));
+        assert!(v.is_object(), "request {i}: {v}");
+        assert_eq!(o.finish, FinishReason::Stop, "request {i}: {:?}", o.text);
+        println!("JSON mode {i}: {}", o.text);
+    }
+    // The plain request beside them is what it is alone.
+    assert_eq!(
+        outs[2].tokens,
+        collect(submit(&s, &prompts[0], &plain)).tokens
+    );
+    // Cut short: a prefix of an object, finish "length".
+    let cut = collect(submit(&s, &prompt, &json(0.0, 3)));
+    assert_eq!(cut.finish, FinishReason::Length);
+    assert!(cut.text.trim_start().starts_with('{'), "{:?}", cut.text);
+    assert!(serde_json::from_str::<serde_json::Value>(&cut.text).is_err());
+}

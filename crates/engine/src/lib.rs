@@ -2,6 +2,7 @@
 
 pub mod batch;
 pub mod generate;
+pub mod json_mode;
 pub mod pages;
 pub mod sampler;
 pub mod scheduler;

@@ -57,6 +57,7 @@ use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 use crate::batch::{Batch, BatchConfig};
 use crate::generate::{Engine, FinishReason, Sequence};
+use crate::json_mode::{self, JsonState};
 use crate::pages::{PagePool, PrefixHit};
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
 use crate::speculative::{
@@ -128,6 +129,9 @@ pub struct RequestParams {
     /// `Some(k)`: report the log-probability of every generated token and of the `k` most
     /// likely alternatives (raw model distribution, before penalties and temperature).
     pub logprobs: Option<usize>,
+    /// JSON mode: the output is held to one JSON object ([`crate::json_mode`]); sampled from
+    /// host logits, without speculation.
+    pub json_object: bool,
 }
 
 impl Default for RequestParams {
@@ -138,6 +142,7 @@ impl Default for RequestParams {
             stop: vec![],
             ignore_eos: false,
             logprobs: None,
+            json_object: false,
         }
     }
 }
@@ -503,6 +508,8 @@ struct Active<'e, B: Backend> {
     detok: IncrementalDecoder,
     text: String,
     emitted: usize,
+    /// JSON mode: the output so far, as the validator has read it.
+    json: Option<JsonState>,
 }
 
 /// What became of a sequence after a step.
@@ -567,6 +574,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             prompt_len: r.prompt.len(),
             sampler: Sampler::new(r.params.sampler.clone(), vocab),
             stops: StopChecker::new(r.params.stop.iter().cloned()),
+            json: r.params.json_object.then(JsonState::default),
             params: r.params,
             sink: r.sink,
             seq: None,
@@ -657,7 +665,8 @@ impl<'e, B: Backend> Loop<'e, B> {
             };
             let speculates = self.cfg.spec_depth() > 0
                 && a.params.logprobs.is_none()
-                && a.params.sampler.no_penalties();
+                && a.params.sampler.no_penalties()
+                && a.json.is_none();
             let seq = seq.and_then(|seq| {
                 let spec = match (speculates, &seq) {
                     (true, Some(_)) => Some(Speculator::with_chunk(
@@ -1226,17 +1235,26 @@ fn sample_next<B: Backend>(
 ) -> Outcome {
     let p = &a.params.sampler;
     let no_penalties = p.no_penalties();
-    let sampled = if a.params.logprobs.is_none() && no_penalties && p.temperature <= 0.0 {
+    // The device's choice where the raw logits decide (no logprobs, penalties or JSON mask).
+    let device = a.params.logprobs.is_none() && no_penalties && a.json.is_none();
+    let sampled = if device && p.temperature <= 0.0 {
         src.greedy().map(|t| (t, None))
-    } else if a.params.logprobs.is_none() && no_penalties && (1..=TOP_K_MAX).contains(&p.top_k) {
+    } else if device && (1..=TOP_K_MAX).contains(&p.top_k) {
         let k = p.top_k;
         src.top_k(k).map(|c| (a.sampler.sample_top_k(&c), None))
     } else {
-        src.logits().map(|mut logits| {
+        src.logits().and_then(|mut logits| {
             let raw = a
                 .params
                 .logprobs
                 .map(|k| (log_softmax_top(&logits, k), logits.clone()));
+            if let Some(js) = &a.json {
+                let left = json_mode::mask(js, tok, a.params.ignore_eos, &mut logits);
+                anyhow::ensure!(
+                    left > 0,
+                    "no token of the vocabulary continues the JSON output"
+                );
+            }
             let t = if p.temperature <= 0.0 && no_penalties {
                 argmax(&logits)
             } else {
@@ -1247,7 +1265,7 @@ fn sample_next<B: Backend>(
                 logprob: raw[t as usize] - lse,
                 top,
             });
-            (t, lp)
+            Ok((t, lp))
         })
     };
     match sampled {
@@ -1288,6 +1306,13 @@ fn on_token<B: Backend>(
     logprob: Option<TokenLogprob>,
 ) -> Outcome {
     a.generated.push(t);
+    if let Some(js) = &mut a.json {
+        // The mask let only continuations through (end-of-sequence has no bytes to read).
+        if !tok.is_special(t) {
+            let ok = tok.token_bytes(t).iter().all(|&b| js.feed(b));
+            debug_assert!(ok, "a token past the JSON mask");
+        }
+    }
     let eos = !a.params.ignore_eos && tok.eos_ids().contains(&t);
     let mut stop = eos;
     let mut delta = String::new();

@@ -246,17 +246,23 @@ impl Common {
             )
             .with_code("model_not_found"));
         }
+        let mut json_object = false;
         if let Some(f) = self.response_format.as_ref().filter(|f| !f.is_null()) {
             let ty = f.get("type").and_then(Value::as_str);
-            if ty != Some("text") {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!(
-                        "response_format type {} is not supported: ferrite does not constrain \
-                         its output (only \"text\")",
-                        ty.map_or_else(|| f.to_string(), |t| format!("\"{t}\""))
-                    ),
-                ));
+            match ty {
+                Some("text") => {}
+                // JSON mode: the output held to one JSON object (engine json_mode.rs).
+                Some("json_object") => json_object = true,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "response_format",
+                        format!(
+                            "response_format type {} is not supported (\"text\" and \
+                             \"json_object\" are; no JSON schemas)",
+                            ty.map_or_else(|| f.to_string(), |t| format!("\"{t}\""))
+                        ),
+                    ));
+                }
             }
         }
         let logit_bias = logit_bias(self.logit_bias.as_ref(), vocab)?;
@@ -360,6 +366,7 @@ impl Common {
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs: None,
+            json_object,
         };
         Ok((max_tokens, params))
     }
@@ -762,10 +769,6 @@ mod tests {
             (json!({"top_k": -2}), "top_k"),
             (json!({"presence_penalty": 5.0}), "presence_penalty"),
             (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
-            (
                 json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
                 "response_format",
             ),
@@ -842,6 +845,14 @@ mod tests {
         ] {
             assert!(common(extra.clone()).is_ok(), "{extra}");
         }
+    }
+
+    #[test]
+    fn json_object_asks_for_json_mode() {
+        let (_, p) = common(json!({"response_format": {"type": "json_object"}})).unwrap();
+        assert!(p.json_object);
+        let (_, p) = common(json!({"response_format": {"type": "text"}})).unwrap();
+        assert!(!p.json_object);
     }
 
     #[test]
