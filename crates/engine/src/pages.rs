@@ -55,13 +55,16 @@ pub struct PagePool {
     cache: Option<PrefixCache>,
 }
 
+/// A registered page's index key: its parent's registration and its tokens.
+type IndexKey = (PrefixId, Box<[u32]>);
+
 /// The index of registered pages (module doc).
 #[derive(Debug, Default)]
 struct PrefixCache {
     /// (parent id, the page's tokens) → page.
-    index: HashMap<(PrefixId, Box<[u32]>), u32>,
+    index: HashMap<IndexKey, u32>,
     /// Per page: its registration (id and index key) while it has one.
-    entry: Vec<Option<(PrefixId, (PrefixId, Box<[u32]>))>>,
+    entry: Vec<Option<(PrefixId, IndexKey)>>,
     /// Registered pages no sequence holds, by the tick of their release (oldest first).
     idle: BTreeMap<u64, u32>,
     /// Per page: its key in `idle` while it is idle.

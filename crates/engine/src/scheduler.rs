@@ -1117,7 +1117,7 @@ fn save_boundary_state<B: Backend>(
     let ps = pool.page_size();
     if !pool.saves_states()
         || a.cached == 0
-        || a.cached % ps != 0
+        || !a.cached.is_multiple_of(ps)
         || a.prefix.pages * ps != a.cached
     {
         return;
