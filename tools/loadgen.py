@@ -3,8 +3,10 @@
 
 Sends N streaming /v1/completions requests at concurrency C, each with a prompt of about
 P tokens (token ids, so the length is exact) and G generated tokens (ignore_eos), and reports
-output tokens/s, time to first token and inter-token latency (p50/p99), and errors.
-Standard library only.
+output tokens/s, time to first token and inter-token latency (p50/p99), prompt tokens the
+server's prefix cache served (`usage.prompt_tokens_details.cached_tokens`), and errors.
+`--shared-prefix S`: every prompt starts with the same S tokens (a system prompt), then its
+own. Standard library only.
 
     python3 tools/loadgen.py --url http://127.0.0.1:8080 -n 32 -c 8 --prompt-tokens 128 --gen-tokens 64
 """
@@ -27,15 +29,18 @@ def percentile(xs, p):
 def one(args, model, seed):
     rng = random.Random(seed)
     # Ordinary-word token ids well inside any vocabulary; distinct per request.
-    prompt = [rng.randrange(1000, 20000) for _ in range(args.prompt_tokens)]
+    shared = random.Random(-1)
+    prefix = [shared.randrange(1000, 20000) for _ in range(min(args.shared_prefix, args.prompt_tokens))]
+    prompt = prefix + [rng.randrange(1000, 20000) for _ in range(args.prompt_tokens - len(prefix))]
     body = {"model": model, "prompt": prompt, "max_tokens": args.gen_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(args.url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     if args.api_key:
         req.add_header("Authorization", f"Bearer {args.api_key}")
     t0 = time.perf_counter()
     times = []
+    cached = 0
     with urllib.request.urlopen(req, timeout=args.timeout) as r:
         for line in r:
             line = line.strip()
@@ -46,11 +51,13 @@ def one(args, model, seed):
                 raise RuntimeError(chunk["error"]["message"])
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 times.append(time.perf_counter())
+            usage = chunk.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
     if not times:
         raise RuntimeError("no tokens")
     ttft = times[0] - t0
     itl = [b - a for a, b in zip(times, times[1:])]
-    return ttft, itl, args.gen_tokens
+    return ttft, itl, args.gen_tokens, cached
 
 
 def main():
@@ -62,6 +69,8 @@ def main():
     ap.add_argument("-c", "--concurrency", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="the first S prompt tokens are the same in every request")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args()
@@ -75,12 +84,13 @@ def main():
             model = json.load(r)["data"][0]["id"]
 
     t0 = time.perf_counter()
-    ttfts, itls, tokens, errors = [], [], 0, []
+    ttfts, itls, tokens, errors, cached = [], [], 0, [], 0
     with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:
         futs = [ex.submit(one, args, model, i) for i in range(args.requests)]
         for f in concurrent.futures.as_completed(futs):
             try:
-                ttft, itl, n = f.result()
+                ttft, itl, n, c = f.result()
+                cached += c
                 ttfts.append(ttft)
                 itls.extend(itl)
                 tokens += n
@@ -90,6 +100,7 @@ def main():
     s = {
         "model": model, "requests": args.requests, "concurrency": args.concurrency,
         "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+        "shared_prefix": args.shared_prefix, "cached_prompt_tokens": cached,
         "wall_s": round(wall, 2), "output_tok_s": round(tokens / wall, 1),
         "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
         "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
