@@ -151,6 +151,21 @@ class Chat(unittest.TestCase):
             self.assertIsInstance(obj, dict)
             self.assertEqual(r.choices[0].finish_reason, "stop")
 
+    def test_structured_output(self):
+        schema = {"type": "object",
+                  "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
+                                 "continent": {"enum": ["Europe", "Asia"]}},
+                  "required": ["city", "population", "continent"],
+                  "additionalProperties": False}
+        msgs = [{"role": "user", "content": "Give the city, population and continent of Paris."}]
+        r = chat(msgs, max_tokens=200, response_format={
+            "type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+        obj = json.loads(r.choices[0].message.content)
+        self.assertEqual(set(obj), {"city", "population", "continent"})
+        self.assertIsInstance(obj["city"], str)
+        self.assertIsInstance(obj["population"], int)
+        self.assertIn(obj["continent"], ["Europe", "Asia"])
+
     def test_prefix_cache_reports_cached_tokens(self):
         # A long system prompt, asked twice: the second request's prompt starts with pages
         # the first one left in the prefix cache; its answer is the same.
@@ -365,6 +380,9 @@ class BadInput(unittest.TestCase):
                     param="chat_template_kwargs")
         self.expect(400, self.good(chat_template_kwargs=[True]))
         self.expect(400, self.good(response_format={"type": "json_schema", "json_schema": {}}),
+                    param="response_format")
+        self.expect(400, self.good(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"minimum": 3}}}}}),
                     param="response_format")
         self.expect(400, self.good(logit_bias={"1": 500}), param="logit_bias")
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

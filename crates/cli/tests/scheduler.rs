@@ -7,9 +7,11 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferrite_cli::{load, Device, ModelArgs};
+use ferrite_engine::json_mode::Schema;
 use ferrite_engine::scheduler::{Event, Request, RequestParams, Scheduler, SchedulerConfig};
 use ferrite_engine::{FinishReason, SamplerConfig};
 
@@ -672,7 +674,7 @@ fn json_mode_gives_one_json_object() {
     drop(e);
     let json = |temperature: f32, max_tokens: usize| RequestParams {
         max_tokens,
-        json_object: true,
+        json: Some(Arc::new(Schema::any_object())),
         sampler: SamplerConfig {
             temperature,
             seed: Some(5),
@@ -707,4 +709,40 @@ fn json_mode_gives_one_json_object() {
     assert_eq!(cut.finish, FinishReason::Length);
     assert!(cut.text.trim_start().starts_with('{'), "{:?}", cut.text);
     assert!(serde_json::from_str::<serde_json::Value>(&cut.text).is_err());
+
+    // A schema (structured output): exactly its keys, the required ones, the types asked.
+    let schema = Schema::compile(&serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "country": {"type": "string"},
+            "population": {"type": "integer"},
+            "capital": {"type": "boolean"},
+            "continent": {"enum": ["Europe", "Asia", "Africa"]}
+        },
+        "required": ["name", "population", "capital"],
+        "additionalProperties": false
+    }))
+    .expect("compiles");
+    for temperature in [0.0, 0.9] {
+        let p = RequestParams {
+            json: Some(Arc::new(schema.clone())),
+            ..json(temperature, 300)
+        };
+        let o = collect(submit(&s, &prompt, &p));
+        println!("schema, temperature {temperature}: {}", o.text);
+        let v: serde_json::Value = serde_json::from_str(&o.text)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", o.text));
+        let m = v.as_object().expect("an object");
+        assert!(m["name"].is_string() && m["population"].is_i64() && m["capital"].is_boolean());
+        let keys = ["name", "country", "population", "capital", "continent"];
+        assert!(m.keys().all(|k| keys.contains(&k.as_str())), "{v}");
+        if let Some(c) = m.get("continent") {
+            assert!(
+                ["Europe", "Asia", "Africa"].contains(&c.as_str().unwrap()),
+                "{v}"
+            );
+        }
+        assert_eq!(o.finish, FinishReason::Stop, "{:?}", o.text);
+    }
 }

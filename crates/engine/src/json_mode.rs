@@ -1,24 +1,284 @@
-//! JSON mode (OpenAI's `response_format: {"type": "json_object"}`): the output is held to
-//! one JSON object (RFC 8259) by masking, at every step, the tokens whose bytes cannot
-//! continue it.
+//! JSON output (OpenAI's `response_format`): `{"type": "json_object"}` holds the output to
+//! one JSON object (RFC 8259), `{"type": "json_schema", ...}` to one object of a schema
+//! (structured outputs), by masking, at every step, the tokens whose bytes cannot continue it.
 //!
-//! [`JsonState`] is an incremental validator over bytes: a pushdown automaton whose stack is
-//! the open containers (at most [`MAX_DEPTH`]) and whose mode is where in the grammar the
-//! next byte falls (inside a string, a number, a literal, between tokens). It is `Copy`, so a
+//! A [`Schema`] is compiled from a JSON Schema into a small arena of [`Node`]s; `json_object`
+//! is the schema "any object". [`JsonState`] reads the output byte by byte: a pushdown
+//! automaton whose stack holds one frame a value being read (an object with the properties
+//! it has seen and the keys a partial key can still become, an array, a string, a number, a
+//! literal, an enum's remaining candidates), at most [`MAX_DEPTH`] deep. It is `Copy`, so a
 //! candidate token is tried on a copy ([`JsonState::accepts`]). [`mask`] runs that over the
 //! vocabulary (in parallel: ~150k tokens of a few bytes each) and leaves `-inf` on every
 //! token that cannot come next; the sampler then picks among the rest as it would anyway
-//! (greedy, temperature, top-k/p, penalties), so a JSON-mode request samples from the model's
+//! (greedy, temperature, top-k/p, penalties), so the request samples from the model's
 //! distribution restricted to valid continuations. Once the object is closed only an
-//! end-of-sequence token may follow (whitespace where the request ignores EOS), so
-//! generation ends there. Strings may hold any bytes but unescaped control characters (a
-//! multi-byte character split over tokens is fine: bytes ≥ 0x80 are string content).
+//! end-of-sequence token may follow (whitespace where the request ignores EOS).
+//!
+//! What a schema may say (anything else is refused when it is compiled, rather than ignored):
+//! `type` (one of object, array, string, number, integer, boolean, null), `properties`,
+//! `required`, `additionalProperties`, `items`, `enum`, `const`, `$ref` into `$defs` /
+//! `definitions`, and the annotations `title`, `description`, `default`, `examples`,
+//! `$schema`, `$id`, `format` (not enforced), `strict`. The root must be an object. An object
+//! with `properties` takes exactly those keys (each at most once, the required ones before it
+//! closes; extra keys are never produced, which every `additionalProperties` allows); one
+//! without takes any keys with any values. Keys are written as the schema spells them (no
+//! escapes); strings may hold any bytes but unescaped control characters (a multi-byte
+//! character split over tokens is fine: bytes ≥ 0x80 are string content).
 
+use std::collections::HashMap;
+
+use anyhow::{bail, ensure, Context, Result};
 use ferrite_tokenizer::Tokenizer;
 use rayon::prelude::*;
+use serde::Deserialize;
 
-/// Deepest nesting of objects and arrays a JSON-mode output may reach.
-pub const MAX_DEPTH: usize = 32;
+/// Deepest nesting of values (objects, arrays, and the scalar being read) in the output.
+pub const MAX_DEPTH: usize = 24;
+/// Most properties of one object, and most values of one enum (bit masks).
+pub const MAX_CHOICES: usize = 64;
+
+type NodeId = u16;
+
+/// One schema node.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Node {
+    /// Any JSON value.
+    Any,
+    /// An object: with `props`, exactly those keys (`required` a bit mask over them);
+    /// without, any keys with any values.
+    Object {
+        props: Vec<(Vec<u8>, NodeId)>,
+        required: u64,
+    },
+    Array {
+        items: NodeId,
+    },
+    String,
+    Number {
+        integer: bool,
+    },
+    Boolean,
+    Null,
+    /// One of these values, as JSON text (serde_json's compact form).
+    Enum(Vec<Vec<u8>>),
+}
+
+/// A compiled schema: its nodes, the root first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Schema {
+    nodes: Vec<Node>,
+}
+
+const ANY: NodeId = 1;
+
+impl Schema {
+    /// `json_object`: any object.
+    pub fn any_object() -> Schema {
+        Schema {
+            nodes: vec![
+                Node::Object {
+                    props: vec![],
+                    required: 0,
+                },
+                Node::Any,
+            ],
+        }
+    }
+
+    /// Compiles a JSON Schema (module doc says which keywords); an error names what is not
+    /// supported.
+    pub fn compile(schema: &serde_json::Value) -> Result<Schema> {
+        let mut c = Compiler {
+            nodes: vec![Node::Any, Node::Any],
+            root: schema,
+            refs: HashMap::new(),
+        };
+        let root = c.node(schema, "schema")?;
+        ensure!(
+            matches!(c.nodes[root as usize], Node::Object { .. }),
+            "the schema's root must be an object"
+        );
+        // Root first: move it to slot 0 (every reference to it is `root`, now 0).
+        c.nodes.swap(0, root as usize);
+        let fix = |id: NodeId| match id {
+            0 => root,
+            x if x == root => 0,
+            x => x,
+        };
+        for n in &mut c.nodes {
+            match n {
+                Node::Object { props, .. } => props.iter_mut().for_each(|p| p.1 = fix(p.1)),
+                Node::Array { items } => *items = fix(*items),
+                _ => {}
+            }
+        }
+        Ok(Schema { nodes: c.nodes })
+    }
+
+    fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id as usize]
+    }
+}
+
+struct Compiler<'a> {
+    nodes: Vec<Node>,
+    root: &'a serde_json::Value,
+    /// `$ref` targets already given a node (recursive schemas point back to it).
+    refs: HashMap<String, NodeId>,
+}
+
+const ANNOTATIONS: [&str; 8] = [
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "format",
+    "strict",
+];
+
+impl Compiler<'_> {
+    fn push(&mut self, n: Node) -> Result<NodeId> {
+        ensure!(
+            self.nodes.len() < NodeId::MAX as usize,
+            "the schema is too large"
+        );
+        self.nodes.push(n);
+        Ok((self.nodes.len() - 1) as NodeId)
+    }
+
+    fn node(&mut self, s: &serde_json::Value, at: &str) -> Result<NodeId> {
+        let obj = match s {
+            serde_json::Value::Bool(true) => return Ok(ANY),
+            serde_json::Value::Object(o) => o,
+            _ => bail!("{at}: a schema must be an object"),
+        };
+        if let Some(r) = obj.get("$ref") {
+            let r = r
+                .as_str()
+                .with_context(|| format!("{at}: $ref must be a string"))?;
+            return self.reference(r, at);
+        }
+        for k in obj.keys() {
+            let known = matches!(
+                k.as_str(),
+                "type"
+                    | "properties"
+                    | "required"
+                    | "additionalProperties"
+                    | "items"
+                    | "enum"
+                    | "const"
+                    | "$defs"
+                    | "definitions"
+            ) || ANNOTATIONS.contains(&k.as_str());
+            ensure!(known, "{at}: the schema keyword \"{k}\" is not supported");
+        }
+        if let Some(c) = obj.get("const") {
+            return self.push(Node::Enum(vec![serde_json::to_vec(c)?]));
+        }
+        if let Some(e) = obj.get("enum") {
+            let e = e
+                .as_array()
+                .with_context(|| format!("{at}: enum must be an array"))?;
+            ensure!(
+                (1..=MAX_CHOICES).contains(&e.len()),
+                "{at}: enum of {} values (1 to {MAX_CHOICES})",
+                e.len()
+            );
+            let values = e.iter().map(serde_json::to_vec).collect::<Result<_, _>>()?;
+            return self.push(Node::Enum(values));
+        }
+        let ty = match obj.get("type") {
+            // Properties without a type: an object's.
+            None if obj.contains_key("properties") || obj.contains_key("required") => "object",
+            None => return Ok(ANY),
+            Some(serde_json::Value::String(t)) => t.as_str(),
+            Some(t) => bail!("{at}: type {t} is not supported (one type name)"),
+        };
+        match ty {
+            "object" => {
+                let id = self.push(Node::Any)?;
+                let mut props = vec![];
+                let mut required = 0u64;
+                if let Some(p) = obj.get("properties") {
+                    let p = p
+                        .as_object()
+                        .with_context(|| format!("{at}: properties must be an object"))?;
+                    ensure!(
+                        p.len() <= MAX_CHOICES,
+                        "{at}: {} properties (at most {MAX_CHOICES})",
+                        p.len()
+                    );
+                    for (k, v) in p {
+                        // A key the model writes between quotes, as it is spelled.
+                        let key = serde_json::to_vec(k)?;
+                        ensure!(
+                            !k.is_empty() && key.len() == k.len() + 2,
+                            "{at}: property name {k:?} needs escapes (not supported)"
+                        );
+                        let child = self.node(v, &format!("{at}.properties.{k}"))?;
+                        props.push((key[1..key.len() - 1].to_vec(), child));
+                    }
+                }
+                if let Some(r) = obj.get("required") {
+                    let r = r
+                        .as_array()
+                        .with_context(|| format!("{at}: required must be an array"))?;
+                    for name in r {
+                        let name = name
+                            .as_str()
+                            .with_context(|| format!("{at}: required names are strings"))?;
+                        let i = props
+                            .iter()
+                            .position(|(k, _)| k == name.as_bytes())
+                            .with_context(|| {
+                                format!("{at}: required property {name:?} is not in properties")
+                            })?;
+                        required |= 1 << i;
+                    }
+                }
+                self.nodes[id as usize] = Node::Object { props, required };
+                Ok(id)
+            }
+            "array" => {
+                let id = self.push(Node::Any)?;
+                let items = match obj.get("items") {
+                    Some(i) => self.node(i, &format!("{at}.items"))?,
+                    None => ANY,
+                };
+                self.nodes[id as usize] = Node::Array { items };
+                Ok(id)
+            }
+            "string" => self.push(Node::String),
+            "number" => self.push(Node::Number { integer: false }),
+            "integer" => self.push(Node::Number { integer: true }),
+            "boolean" => self.push(Node::Boolean),
+            "null" => self.push(Node::Null),
+            t => bail!("{at}: type \"{t}\" is not supported"),
+        }
+    }
+
+    /// `#/$defs/Name` or `#/definitions/Name`, compiled once.
+    fn reference(&mut self, r: &str, at: &str) -> Result<NodeId> {
+        if let Some(&id) = self.refs.get(r) {
+            return Ok(id);
+        }
+        let target = r
+            .strip_prefix("#/")
+            .map(|p| p.split('/').collect::<Vec<_>>())
+            .filter(|p| p.len() == 2 && (p[0] == "$defs" || p[0] == "definitions"))
+            .and_then(|p| self.root.get(p[0])?.get(p[1]))
+            .with_context(|| format!("{at}: $ref {r:?} (only #/$defs/… and #/definitions/…)"))?;
+        // A placeholder first, so that a recursive reference finds it.
+        let id = self.push(Node::Any)?;
+        self.refs.insert(r.to_string(), id);
+        let body = self.node(target, r)?;
+        self.nodes[id as usize] = self.nodes[body as usize].clone();
+        Ok(id)
+    }
+}
 
 /// Where a number is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,60 +293,88 @@ enum Num {
     Exp,
 }
 
+/// What a frame expects next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
-    /// Before the top-level object: whitespace or `{`.
-    Top,
-    /// A value is expected (after `:`, or after `,` in an array).
-    Value,
-    /// After `[`: a value or `]`.
-    ArrayStart,
+    /// Before the root object: whitespace or `{`.
+    Root,
+    /// The root object is closed: whitespace only.
+    Done,
     /// After `{`: a key or `}`.
-    ObjectStart,
+    ObjOpen,
     /// After `,` in an object: a key.
+    ObjKey,
+    /// Inside a key of listed properties (`cand`: those it can still become; `pos` bytes in).
     Key,
+    /// Inside a free key (an object without listed properties).
+    FreeKey,
     /// After a key: `:`.
     Colon,
-    /// After a value in a container: `,` or the container's close.
-    After,
-    Str {
-        key: bool,
-    },
-    Esc {
-        key: bool,
-    },
-    Hex {
-        key: bool,
-        left: u8,
-    },
+    /// After `:`: the property's value.
+    ObjValue,
+    /// After a property's value: `,` or `}`.
+    ObjAfter,
+    /// After `[`: a value or `]`.
+    ArrOpen,
+    /// After `,` in an array: a value.
+    ArrValue,
+    /// After an item: `,` or `]`.
+    ArrAfter,
+    Str,
+    Esc,
+    Hex(u8),
     Num(Num),
-    /// Inside `true` (0), `false` (1) or `null` (2), `at` bytes matched.
-    Lit {
-        which: u8,
-        at: u8,
-    },
-    /// The top-level object is closed: whitespace only.
-    Done,
+    /// Inside `true` (0), `false` (1) or `null` (2), `pos` bytes matched.
+    Lit(u8),
+    /// Inside an enum value (`cand`: the values it can still be; `pos` bytes in).
+    Enum,
+}
+
+/// One value being read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Frame {
+    node: NodeId,
+    mode: Mode,
+    /// Objects: properties seen. Free keys: the string sub-state (0 plain, 1 escape, 2..=5
+    /// hex digits left + 1).
+    seen: u64,
+    /// Keys or enum values still possible.
+    cand: u64,
+    pos: u16,
+    /// Objects: the property whose value is being read.
+    prop: u8,
+    /// Numbers: integers only.
+    integer: bool,
+}
+
+impl Frame {
+    fn new(node: NodeId, mode: Mode) -> Frame {
+        Frame {
+            node,
+            mode,
+            seen: 0,
+            cand: 0,
+            pos: 0,
+            prop: 0,
+            integer: false,
+        }
+    }
 }
 
 const LITERALS: [&[u8]; 3] = [b"true", b"false", b"null"];
 
-/// An incremental JSON-object validator (module doc).
+/// The reader of a JSON output against a [`Schema`] (module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct JsonState {
-    /// Open containers, `{` or `[`, innermost last.
-    stack: [u8; MAX_DEPTH],
+    stack: [Frame; MAX_DEPTH],
     depth: u8,
-    mode: Mode,
 }
 
 impl Default for JsonState {
     fn default() -> Self {
-        JsonState {
-            stack: [0; MAX_DEPTH],
-            depth: 0,
-            mode: Mode::Top,
-        }
+        let mut stack = [Frame::new(0, Mode::Root); MAX_DEPTH];
+        stack[0] = Frame::new(0, Mode::Root);
+        JsonState { stack, depth: 1 }
     }
 }
 
@@ -94,192 +382,384 @@ fn is_ws(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
+fn bit(i: usize) -> u64 {
+    1u64 << i
+}
+
+/// Mask of the first `n` choices.
+fn all(n: usize) -> u64 {
+    if n >= 64 {
+        u64::MAX
+    } else {
+        bit(n) - 1
+    }
+}
+
 impl JsonState {
-    /// Whether the top-level object is complete.
+    /// Whether the root object is complete.
     pub fn complete(&self) -> bool {
-        self.mode == Mode::Done
+        self.depth == 1 && self.stack[0].mode == Mode::Done
     }
 
-    /// Whether `bytes` can follow what was fed so far (the state unchanged).
-    pub fn accepts(&self, bytes: &[u8]) -> bool {
-        let mut s = *self;
-        bytes.iter().all(|&b| s.feed(b))
+    /// Whether `bytes` can follow what was read so far (the state unchanged).
+    pub fn accepts(&self, s: &Schema, bytes: &[u8]) -> bool {
+        let mut st = *self;
+        bytes.iter().all(|&b| st.feed(s, b))
+    }
+
+    fn top(&mut self) -> &mut Frame {
+        &mut self.stack[self.depth as usize - 1]
+    }
+
+    fn push(&mut self, f: Frame) -> bool {
+        if self.depth as usize == MAX_DEPTH {
+            return false;
+        }
+        self.stack[self.depth as usize] = f;
+        self.depth += 1;
+        true
+    }
+
+    /// The value on top is complete: pop it and move its parent on.
+    fn value_done(&mut self) {
+        self.depth -= 1;
+        let p = self.top();
+        p.mode = match p.mode {
+            Mode::Root => Mode::Done,
+            Mode::ObjValue => {
+                p.seen |= bit(p.prop as usize);
+                Mode::ObjAfter
+            }
+            Mode::ArrOpen | Mode::ArrValue => Mode::ArrAfter,
+            m => m,
+        };
+    }
+
+    /// Starts a value of `node` with byte `b` (pushing its frame).
+    fn start(&mut self, s: &Schema, node: NodeId, b: u8) -> bool {
+        let kind = s.node(node);
+        let f = |mode| Frame::new(node, mode);
+        match (kind, b) {
+            (Node::Any | Node::Object { .. }, b'{') => self.push(f(Mode::ObjOpen)),
+            (Node::Any | Node::Array { .. }, b'[') => self.push(f(Mode::ArrOpen)),
+            (Node::Any | Node::String, b'"') => self.push(f(Mode::Str)),
+            (Node::Any | Node::Number { .. }, b'-' | b'0'..=b'9') => {
+                let mut fr = f(Mode::Num(match b {
+                    b'-' => Num::Minus,
+                    b'0' => Num::Zero,
+                    _ => Num::Int,
+                }));
+                fr.integer = matches!(kind, Node::Number { integer: true });
+                self.push(fr)
+            }
+            (Node::Any | Node::Boolean, b't') => self.push(lit(node, 0)),
+            (Node::Any | Node::Boolean, b'f') => self.push(lit(node, 1)),
+            (Node::Any | Node::Null, b'n') => self.push(lit(node, 2)),
+            (Node::Enum(values), _) => {
+                let mut fr = f(Mode::Enum);
+                fr.cand = values
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, v)| v.first() == Some(&b))
+                    .fold(0, |m, (i, _)| m | bit(i));
+                fr.pos = 1;
+                fr.cand != 0 && self.push(fr)
+            }
+            _ => false,
+        }
     }
 
     /// Feeds one byte; `false` (the state then undefined) where it cannot continue the
-    /// object.
-    pub fn feed(&mut self, b: u8) -> bool {
-        match self.mode {
-            Mode::Top | Mode::Done if is_ws(b) => true,
-            Mode::Top => b == b'{' && self.open(b),
+    /// output.
+    pub fn feed(&mut self, s: &Schema, b: u8) -> bool {
+        let f = *self.top();
+        let structural = matches!(
+            f.mode,
+            Mode::Root
+                | Mode::Done
+                | Mode::ObjOpen
+                | Mode::ObjKey
+                | Mode::Colon
+                | Mode::ObjValue
+                | Mode::ObjAfter
+                | Mode::ArrOpen
+                | Mode::ArrValue
+                | Mode::ArrAfter
+        );
+        if structural && is_ws(b) {
+            return true;
+        }
+        match f.mode {
+            Mode::Root => b == b'{' && self.start(s, 0, b),
             Mode::Done => false,
-            Mode::Value
-            | Mode::ArrayStart
-            | Mode::ObjectStart
-            | Mode::Key
-            | Mode::Colon
-            | Mode::After
-                if is_ws(b) =>
-            {
-                true
+            Mode::ObjOpen | Mode::ObjKey => {
+                let Node::Object { props, required } = s.node_of_object(f.node) else {
+                    return false;
+                };
+                if f.mode == Mode::ObjOpen && b == b'}' {
+                    return f.seen & *required == *required && {
+                        self.value_done();
+                        true
+                    };
+                }
+                if b != b'"' {
+                    return false;
+                }
+                let t = self.top();
+                if props.is_empty() {
+                    // `seen` carries the key's escape state (a free object tracks no keys).
+                    t.mode = Mode::FreeKey;
+                    t.seen = 0;
+                } else {
+                    t.mode = Mode::Key;
+                    t.cand = all(props.len()) & !f.seen;
+                    t.pos = 0;
+                }
+                t.cand != 0 || props.is_empty()
             }
-            Mode::ArrayStart if b == b']' => self.close(b),
-            Mode::Value | Mode::ArrayStart => self.start_value(b),
-            Mode::ObjectStart if b == b'}' => self.close(b),
-            Mode::ObjectStart | Mode::Key => {
-                self.mode = Mode::Str { key: true };
-                b == b'"'
+            Mode::Key => {
+                let Node::Object { props, .. } = s.node_of_object(f.node) else {
+                    return false;
+                };
+                let pos = f.pos as usize;
+                let t = self.top();
+                if b == b'"' {
+                    // The key ends: exactly one listed key is this long.
+                    let done =
+                        (0..props.len()).find(|&i| f.cand & bit(i) != 0 && props[i].0.len() == pos);
+                    return match done {
+                        Some(i) => {
+                            t.prop = i as u8;
+                            t.mode = Mode::Colon;
+                            true
+                        }
+                        None => false,
+                    };
+                }
+                t.cand = (0..props.len())
+                    .filter(|&i| f.cand & bit(i) != 0 && props[i].0.get(pos) == Some(&b))
+                    .fold(0, |m, i| m | bit(i));
+                t.pos += 1;
+                t.cand != 0
+            }
+            Mode::FreeKey => {
+                // A free key is a string: `seen` carries its escape state.
+                let t = self.top();
+                match (t.seen, b) {
+                    (0, b'"') => {
+                        t.mode = Mode::Colon;
+                        t.prop = 0;
+                        true
+                    }
+                    (0, b'\\') => {
+                        t.seen = 1;
+                        true
+                    }
+                    (0, _) => b >= 0x20,
+                    (1, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
+                        t.seen = 0;
+                        true
+                    }
+                    (1, b'u') => {
+                        t.seen = 5;
+                        true
+                    }
+                    (n, _) if n >= 2 && b.is_ascii_hexdigit() => {
+                        t.seen = if n == 2 { 0 } else { n - 1 };
+                        true
+                    }
+                    _ => false,
+                }
             }
             Mode::Colon => {
-                self.mode = Mode::Value;
+                self.top().mode = Mode::ObjValue;
                 b == b':'
             }
-            Mode::After => match b {
+            Mode::ObjValue => {
+                let child = match s.node_of_object(f.node) {
+                    Node::Object { props, .. } if !props.is_empty() => props[f.prop as usize].1,
+                    _ => ANY,
+                };
+                self.start(s, child, b)
+            }
+            Mode::ObjAfter => {
+                let Node::Object { props, required } = s.node_of_object(f.node) else {
+                    return false;
+                };
+                match b {
+                    b',' => {
+                        // Another key must be possible.
+                        let more = props.is_empty() || all(props.len()) & !f.seen != 0;
+                        self.top().mode = Mode::ObjKey;
+                        more
+                    }
+                    b'}' => {
+                        let free = props.is_empty();
+                        (free || f.seen & *required == *required) && {
+                            self.value_done();
+                            true
+                        }
+                    }
+                    _ => false,
+                }
+            }
+            Mode::ArrOpen if b == b']' => {
+                self.value_done();
+                true
+            }
+            Mode::ArrOpen | Mode::ArrValue => {
+                let items = match s.node(f.node) {
+                    Node::Array { items } => *items,
+                    _ => ANY,
+                };
+                self.start(s, items, b)
+            }
+            Mode::ArrAfter => match b {
                 b',' => {
-                    self.mode = if self.top() == b'{' {
-                        Mode::Key
-                    } else {
-                        Mode::Value
-                    };
+                    self.top().mode = Mode::ArrValue;
                     true
                 }
-                b'}' | b']' => self.close(b),
+                b']' => {
+                    self.value_done();
+                    true
+                }
                 _ => false,
             },
-            Mode::Str { key } => match b {
+            Mode::Str => match b {
                 b'"' => {
-                    if key {
-                        self.mode = Mode::Colon;
-                    } else {
-                        self.value_done();
-                    }
+                    self.value_done();
                     true
                 }
                 b'\\' => {
-                    self.mode = Mode::Esc { key };
+                    self.top().mode = Mode::Esc;
                     true
                 }
                 _ => b >= 0x20,
             },
-            Mode::Esc { key } => match b {
-                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
-                    self.mode = Mode::Str { key };
-                    true
-                }
-                b'u' => {
-                    self.mode = Mode::Hex { key, left: 4 };
-                    true
-                }
-                _ => false,
-            },
-            Mode::Hex { key, left } => {
-                self.mode = if left == 1 {
-                    Mode::Str { key }
+            Mode::Esc => {
+                self.top().mode = match b {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Mode::Str,
+                    b'u' => Mode::Hex(4),
+                    _ => return false,
+                };
+                true
+            }
+            Mode::Hex(left) => {
+                self.top().mode = if left == 1 {
+                    Mode::Str
                 } else {
-                    Mode::Hex {
-                        key,
-                        left: left - 1,
-                    }
+                    Mode::Hex(left - 1)
                 };
                 b.is_ascii_hexdigit()
             }
-            Mode::Num(n) => self.number(n, b),
-            Mode::Lit { which, at } => {
+            Mode::Num(n) => self.number(s, n, f.integer, b),
+            Mode::Lit(which) => {
                 let lit = LITERALS[which as usize];
-                if b != lit[at as usize] {
+                if b != lit[f.pos as usize] {
                     return false;
                 }
-                if at as usize + 1 == lit.len() {
+                if f.pos as usize + 1 == lit.len() {
                     self.value_done();
                 } else {
-                    self.mode = Mode::Lit { which, at: at + 1 };
+                    self.top().pos += 1;
                 }
                 true
+            }
+            Mode::Enum => {
+                let Node::Enum(values) = s.node(f.node) else {
+                    return false;
+                };
+                let pos = f.pos as usize;
+                let next = (0..values.len())
+                    .filter(|&i| f.cand & bit(i) != 0 && values[i].get(pos) == Some(&b))
+                    .fold(0, |m, i| m | bit(i));
+                if next != 0 {
+                    let t = self.top();
+                    t.cand = next;
+                    t.pos += 1;
+                    return true;
+                }
+                // No value goes on with `b`: one that is complete ends here, and `b` is read
+                // after it.
+                let complete =
+                    (0..values.len()).any(|i| f.cand & bit(i) != 0 && values[i].len() == pos);
+                complete && {
+                    self.value_done();
+                    self.feed(s, b)
+                }
             }
         }
     }
 
-    fn top(&self) -> u8 {
-        self.stack[self.depth as usize - 1]
-    }
-
-    fn open(&mut self, b: u8) -> bool {
-        if self.depth as usize == MAX_DEPTH {
-            return false;
-        }
-        self.stack[self.depth as usize] = b;
-        self.depth += 1;
-        self.mode = if b == b'{' {
-            Mode::ObjectStart
-        } else {
-            Mode::ArrayStart
-        };
-        true
-    }
-
-    fn close(&mut self, b: u8) -> bool {
-        let want = if b == b'}' { b'{' } else { b'[' };
-        if self.depth == 0 || self.top() != want {
-            return false;
-        }
-        self.depth -= 1;
-        self.value_done();
-        true
-    }
-
-    /// A value ended: the container's next, or the end of the top-level object.
-    fn value_done(&mut self) {
-        self.mode = if self.depth == 0 {
-            Mode::Done
-        } else {
-            Mode::After
-        };
-    }
-
-    fn start_value(&mut self, b: u8) -> bool {
-        self.mode = match b {
-            b'{' | b'[' => return self.open(b),
-            b'"' => Mode::Str { key: false },
-            b'-' => Mode::Num(Num::Minus),
-            b'0' => Mode::Num(Num::Zero),
-            b'1'..=b'9' => Mode::Num(Num::Int),
-            b't' => Mode::Lit { which: 0, at: 1 },
-            b'f' => Mode::Lit { which: 1, at: 1 },
-            b'n' => Mode::Lit { which: 2, at: 1 },
-            _ => return false,
-        };
-        true
-    }
-
-    fn number(&mut self, n: Num, b: u8) -> bool {
+    fn number(&mut self, s: &Schema, n: Num, integer: bool, b: u8) -> bool {
         let digit = b.is_ascii_digit();
         let next = match (n, b) {
             (Num::Minus, b'0') => Num::Zero,
             (Num::Minus, _) if digit => Num::Int,
             (Num::Int, _) if digit => Num::Int,
-            (Num::Zero | Num::Int, b'.') => Num::Dot,
+            (Num::Zero | Num::Int, b'.') if !integer => Num::Dot,
             (Num::Dot | Num::Frac, _) if digit => Num::Frac,
-            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') => Num::E,
+            (Num::Zero | Num::Int | Num::Frac, b'e' | b'E') if !integer => Num::E,
             (Num::E, b'+' | b'-') => Num::ESign,
             (Num::E | Num::ESign | Num::Exp, _) if digit => Num::Exp,
             // A complete number ends at the first byte that cannot extend it, which is then
             // read as what follows the value.
             (Num::Zero | Num::Int | Num::Frac | Num::Exp, _) => {
                 self.value_done();
-                return self.feed(b);
+                return self.feed(s, b);
             }
             _ => return false,
         };
-        self.mode = Mode::Num(next);
+        self.top().mode = Mode::Num(next);
         true
     }
 }
 
-/// Sets to `-inf` every logit whose token cannot come next in a JSON-mode output at `state`:
-/// tokens whose bytes `state` does not accept, special tokens, and end-of-sequence tokens
-/// until the object is complete; once it is, every token but end-of-sequence (and, where
-/// `ignore_eos`, whitespace). Returns how many tokens remain possible.
-pub fn mask(state: &JsonState, tok: &Tokenizer, ignore_eos: bool, logits: &mut [f32]) -> usize {
+fn lit(node: NodeId, which: u8) -> Frame {
+    let mut f = Frame::new(node, Mode::Lit(which));
+    f.pos = 1;
+    f
+}
+
+impl Schema {
+    /// The object node a frame reads (a free object of `Any` is any object).
+    fn node_of_object(&self, id: NodeId) -> &Node {
+        static FREE: Node = Node::Object {
+            props: Vec::new(),
+            required: 0,
+        };
+        match self.node(id) {
+            Node::Any => &FREE,
+            n => n,
+        }
+    }
+}
+
+/// `response_format` as a request gives it.
+#[derive(Debug, Deserialize)]
+struct JsonSchemaFormat {
+    schema: Option<serde_json::Value>,
+}
+
+/// The [`Schema`] of an OpenAI `response_format` object's `json_schema` member
+/// (`{"name": ..., "schema": {...}, "strict": ...}`).
+pub fn schema_of_response_format(json_schema: &serde_json::Value) -> Result<Schema> {
+    let f: JsonSchemaFormat = serde_json::from_value(json_schema.clone())
+        .context("json_schema must be an object with a \"schema\"")?;
+    Schema::compile(&f.schema.context("json_schema has no \"schema\"")?)
+}
+
+/// Sets to `-inf` every logit whose token cannot come next in a JSON output of `schema` at
+/// `state`: tokens whose bytes `state` does not accept, special tokens, and end-of-sequence
+/// tokens until the object is complete; once it is, every token but end-of-sequence (and,
+/// where `ignore_eos`, whitespace). Returns how many tokens remain possible.
+pub fn mask(
+    state: &JsonState,
+    schema: &Schema,
+    tok: &Tokenizer,
+    ignore_eos: bool,
+    logits: &mut [f32],
+) -> usize {
     let eos = tok.eos_ids();
     let done = state.complete();
     let vocab = tok.vocab_size();
@@ -298,7 +778,7 @@ pub fn mask(state: &JsonState, tok: &Tokenizer, ignore_eos: bool, logits: &mut [
                     false
                 } else {
                     let bytes = tok.token_bytes(id);
-                    !bytes.is_empty() && state.accepts(bytes)
+                    !bytes.is_empty() && state.accepts(schema, bytes)
                 };
                 if ok {
                     kept += 1;
@@ -314,34 +794,32 @@ pub fn mask(state: &JsonState, tok: &Tokenizer, ignore_eos: bool, logits: &mut [
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
-    fn valid(s: &str) -> bool {
+    fn reads(s: &Schema, text: &str) -> bool {
         let mut st = JsonState::default();
-        s.bytes().all(|b| st.feed(b)) && st.complete()
+        text.bytes().all(|b| st.feed(s, b)) && st.complete()
     }
 
-    fn prefix_ok(s: &str) -> bool {
-        JsonState::default().accepts(s.as_bytes())
+    fn prefix_ok(s: &Schema, text: &str) -> bool {
+        JsonState::default().accepts(s, text.as_bytes())
     }
 
     #[test]
-    fn whole_objects() {
-        for s in [
+    fn any_object_reads_whole_objects() {
+        let s = Schema::any_object();
+        for t in [
             "{}",
             " { } ",
             r#"{"a": 1}"#,
             r#"{"a": -0.5e+10, "b": [true, false, null, "x\"y\\u00e9"], "c": {"d": []}}"#,
             "{\"k\":\n[1,2 ,3]}\n",
             r#"{"é": "ü ✓"}"#,
-            r#"{"n": 0, "m": 10.25E-3}"#,
+            r#"{"n": 0, "m": 10.25E-3, "k\"ey": {}}"#,
         ] {
-            assert!(valid(s), "{s}");
+            assert!(reads(&s, t), "{t}");
         }
-    }
-
-    #[test]
-    fn not_objects() {
-        for s in [
+        for t in [
             "[]",
             "1",
             "\"x\"",
@@ -362,36 +840,138 @@ mod tests {
             "{}x",
             "{}{}",
         ] {
-            assert!(!valid(s), "{s}");
+            assert!(!reads(&s, t), "{t}");
         }
     }
 
-    /// Prefixes: what a token may continue, including numbers ending at a delimiter inside
-    /// the same token and literals split over tokens.
+    /// Prefixes: what a token may continue, numbers ending at a delimiter inside the same
+    /// token, literals and escapes split over tokens.
     #[test]
     fn prefixes_and_splits() {
-        assert!(prefix_ok(""));
-        assert!(prefix_ok("  {"));
-        assert!(!prefix_ok("Sure"));
-        assert!(prefix_ok("{\"ke"));
-        assert!(prefix_ok("{\"a\": 12"));
-        assert!(prefix_ok("{\"a\": 12}"));
-        assert!(prefix_ok("{\"a\": fa"));
-        assert!(!prefix_ok("{\"a\": fx"));
-        let mut s = JsonState::default();
+        let s = Schema::any_object();
+        assert!(prefix_ok(&s, ""));
+        assert!(prefix_ok(&s, "  {"));
+        assert!(!prefix_ok(&s, "Sure"));
+        assert!(prefix_ok(&s, "{\"ke"));
+        assert!(prefix_ok(&s, "{\"a\": 12"));
+        assert!(prefix_ok(&s, "{\"a\": 12}"));
+        assert!(prefix_ok(&s, "{\"a\": fa"));
+        assert!(!prefix_ok(&s, "{\"a\": fx"));
+        let mut st = JsonState::default();
         for piece in ["{\"a", "\": [1", "2, tr", "ue], \"b\": \"\\u00", "e9\"}"] {
-            assert!(s.accepts(piece.as_bytes()), "{piece}");
-            piece.bytes().for_each(|b| assert!(s.feed(b)));
+            assert!(st.accepts(&s, piece.as_bytes()), "{piece}");
+            piece.bytes().for_each(|b| assert!(st.feed(&s, b)));
         }
-        assert!(s.complete());
-        assert!(s.accepts(b" \n"));
-        assert!(!s.accepts(b","));
+        assert!(st.complete());
+        assert!(st.accepts(&s, b" \n"));
+        assert!(!st.accepts(&s, b","));
+        let deep = "{\"a\":".to_string() + &"[".repeat(MAX_DEPTH - 2);
+        assert!(prefix_ok(&s, &deep));
+        assert!(!prefix_ok(&s, &(deep + "[")));
+    }
+
+    fn person() -> Schema {
+        Schema::compile(&json!({
+            "type": "object",
+            "title": "Person",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer", "description": "years"},
+                "nick": {"type": "string"},
+                "tags": {"type": "array", "items": {"enum": ["a", "ab", 1, 12, true, null]}},
+                "home": {"$ref": "#/$defs/Place"},
+                "alive": {"type": "boolean"},
+                "spouse": {"type": "null"}
+            },
+            "required": ["name", "age"],
+            "additionalProperties": false,
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {"city": {"const": "Paris"}, "near": {"$ref": "#/$defs/Place"}},
+                    "required": ["city"]
+                }
+            }
+        }))
+        .unwrap()
     }
 
     #[test]
-    fn nesting_is_bounded() {
-        let deep = "{\"a\":".to_string() + &"[".repeat(MAX_DEPTH - 1);
-        assert!(prefix_ok(&deep));
-        assert!(!prefix_ok(&(deep + "[")));
+    fn schema_objects() {
+        let s = person();
+        for t in [
+            r#"{"name": "Ann", "age": 41}"#,
+            r#"{"age": -3, "name": "", "nick": "a\"b"}"#,
+            r#"{"name": "A", "age": 1, "tags": ["ab", 12, "a", 1, true, null]}"#,
+            r#"{"name": "A", "age": 1, "home": {"city": "Paris", "near": {"city": "Paris"}}}"#,
+            r#"{"name":"A","age":1,"alive":false,"spouse":null,"tags":[]}"#,
+        ] {
+            assert!(reads(&s, t), "{t}");
+        }
+        for t in [
+            r#"{"name": "Ann"}"#,                        // age is required
+            r#"{"name": "Ann", "age": 4.5}"#,            // an integer
+            r#"{"name": "Ann", "age": 4e1}"#,            // an integer
+            r#"{"name": "Ann", "age": 4, "name": "B"}"#, // twice
+            r#"{"name": "Ann", "age": 4, "x": 1}"#,      // not a property
+            r#"{"nam": "Ann", "age": 4}"#,
+            r#"{"names": "Ann", "age": 4}"#,
+            r#"{"name": 3, "age": 4}"#,
+            r#"{"name": "A", "age": 1, "tags": ["b"]}"#,
+            r#"{"name": "A", "age": 1, "tags": [123]}"#,
+            r#"{"name": "A", "age": 1, "tags": [false]}"#,
+            r#"{"name": "A", "age": 1, "home": {"city": "Lyon"}}"#,
+            r#"{"name": "A", "age": 1, "home": {}}"#,
+            r#"{"name": "A", "age": 1, "alive": null}"#,
+            r#"{"name": "A", "age": 1,}"#,
+        ] {
+            assert!(!reads(&s, t), "{t}");
+        }
+        // Every property used: no comma can follow.
+        assert!(!prefix_ok(
+            &s,
+            r#"{"name":"A","age":1,"nick":"n","tags":[],"home":{"city":"Paris"},"alive":true,"spouse":null,"#
+        ));
+        // A key prefix narrows the candidates.
+        assert!(prefix_ok(&s, r#"{"na"#));
+        assert!(!prefix_ok(&s, r#"{"nx"#));
+    }
+
+    #[test]
+    fn unsupported_schemas_are_refused() {
+        for (s, what) in [
+            (json!({"type": "array"}), "root"),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}}),
+                "maxLength",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": []}}}),
+                "anyOf",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": ["string", "null"]}}}),
+                "type",
+            ),
+            (
+                json!({"type": "object", "required": ["b"], "properties": {"a": {}}}),
+                "required",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}),
+                "$ref",
+            ),
+            (
+                json!({"type": "object", "properties": {"a\"b": {}}}),
+                "escapes",
+            ),
+        ] {
+            let e = Schema::compile(&s).unwrap_err().to_string();
+            assert!(e.contains(what), "{s}: {e}");
+        }
+        assert!(schema_of_response_format(&json!({"name": "x"})).is_err());
+        assert!(
+            schema_of_response_format(&json!({"name": "x", "schema": {"type": "object"}})).is_ok()
+        );
     }
 }

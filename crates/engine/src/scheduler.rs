@@ -57,7 +57,7 @@ use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 use crate::batch::{Batch, BatchConfig};
 use crate::generate::{Engine, FinishReason, Sequence};
-use crate::json_mode::{self, JsonState};
+use crate::json_mode::{self, JsonState, Schema};
 use crate::pages::{PagePool, PrefixHit};
 use crate::sampler::{argmax, Sampler, SamplerConfig, StopCheck, StopChecker};
 use crate::speculative::{
@@ -129,9 +129,9 @@ pub struct RequestParams {
     /// `Some(k)`: report the log-probability of every generated token and of the `k` most
     /// likely alternatives (raw model distribution, before penalties and temperature).
     pub logprobs: Option<usize>,
-    /// JSON mode: the output is held to one JSON object ([`crate::json_mode`]); sampled from
-    /// host logits, without speculation.
-    pub json_object: bool,
+    /// JSON output: held to one object of this schema ([`crate::json_mode`]: `json_object`
+    /// is [`Schema::any_object`]); sampled from host logits, without speculation.
+    pub json: Option<Arc<Schema>>,
 }
 
 impl Default for RequestParams {
@@ -142,7 +142,7 @@ impl Default for RequestParams {
             stop: vec![],
             ignore_eos: false,
             logprobs: None,
-            json_object: false,
+            json: None,
         }
     }
 }
@@ -508,8 +508,8 @@ struct Active<'e, B: Backend> {
     detok: IncrementalDecoder,
     text: String,
     emitted: usize,
-    /// JSON mode: the output so far, as the validator has read it.
-    json: Option<JsonState>,
+    /// JSON output: its schema and the output so far, as the reader has read it.
+    json: Option<(Arc<Schema>, JsonState)>,
 }
 
 /// What became of a sequence after a step.
@@ -574,7 +574,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             prompt_len: r.prompt.len(),
             sampler: Sampler::new(r.params.sampler.clone(), vocab),
             stops: StopChecker::new(r.params.stop.iter().cloned()),
-            json: r.params.json_object.then(JsonState::default),
+            json: r.params.json.clone().map(|s| (s, JsonState::default())),
             params: r.params,
             sink: r.sink,
             seq: None,
@@ -1248,8 +1248,8 @@ fn sample_next<B: Backend>(
                 .params
                 .logprobs
                 .map(|k| (log_softmax_top(&logits, k), logits.clone()));
-            if let Some(js) = &a.json {
-                let left = json_mode::mask(js, tok, a.params.ignore_eos, &mut logits);
+            if let Some((schema, js)) = &a.json {
+                let left = json_mode::mask(js, schema, tok, a.params.ignore_eos, &mut logits);
                 anyhow::ensure!(
                     left > 0,
                     "no token of the vocabulary continues the JSON output"
@@ -1306,10 +1306,10 @@ fn on_token<B: Backend>(
     logprob: Option<TokenLogprob>,
 ) -> Outcome {
     a.generated.push(t);
-    if let Some(js) = &mut a.json {
+    if let Some((schema, js)) = &mut a.json {
         // The mask let only continuations through (end-of-sequence has no bytes to read).
         if !tok.is_special(t) {
-            let ok = tok.token_bytes(t).iter().all(|&b| js.feed(b));
+            let ok = tok.token_bytes(t).iter().all(|&b| js.feed(schema, b));
             debug_assert!(ok, "a token past the JSON mask");
         }
     }

@@ -7,6 +7,9 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
+
+use ferrite_engine::json_mode::{schema_of_response_format, Schema};
 use ferrite_engine::scheduler::RequestParams;
 use ferrite_engine::SamplerConfig;
 use serde::{Deserialize, Serialize};
@@ -246,19 +249,27 @@ impl Common {
             )
             .with_code("model_not_found"));
         }
-        let mut json_object = false;
+        // JSON output: one object (json_object) or one object of a schema (json_schema),
+        // held to it by the engine (json_mode.rs).
+        let mut json = None;
         if let Some(f) = self.response_format.as_ref().filter(|f| !f.is_null()) {
             let ty = f.get("type").and_then(Value::as_str);
             match ty {
                 Some("text") => {}
-                // JSON mode: the output held to one JSON object (engine json_mode.rs).
-                Some("json_object") => json_object = true,
+                Some("json_object") => json = Some(Arc::new(Schema::any_object())),
+                Some("json_schema") => {
+                    let spec = f.get("json_schema").unwrap_or(&Value::Null);
+                    let schema = schema_of_response_format(spec).map_err(|e| {
+                        ApiError::invalid("response_format", format!("json_schema: {e:#}"))
+                    })?;
+                    json = Some(Arc::new(schema));
+                }
                 _ => {
                     return Err(ApiError::invalid(
                         "response_format",
                         format!(
-                            "response_format type {} is not supported (\"text\" and \
-                             \"json_object\" are; no JSON schemas)",
+                            "response_format type {} is not supported (\"text\", \
+                             \"json_object\" and \"json_schema\" are)",
                             ty.map_or_else(|| f.to_string(), |t| format!("\"{t}\""))
                         ),
                     ));
@@ -366,7 +377,7 @@ impl Common {
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
             logprobs: None,
-            json_object,
+            json,
         };
         Ok((max_tokens, params))
     }
@@ -772,6 +783,16 @@ mod tests {
                 json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
                 "response_format",
             ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema":
+                    {"name": "x", "schema": {"type": "object", "properties":
+                        {"a": {"type": "string", "pattern": "^a"}}}}}}),
+                "response_format",
+            ),
+            (
+                json!({"response_format": {"type": "xml"}}),
+                "response_format",
+            ),
             (json!({"response_format": "json"}), "response_format"),
             // Outside the vocabulary (1000 here), out of range, not an id, not a number.
             (json!({"logit_bias": {"50256": -100}}), "logit_bias"),
@@ -848,11 +869,19 @@ mod tests {
     }
 
     #[test]
-    fn json_object_asks_for_json_mode() {
+    fn json_formats_ask_for_json_output() {
         let (_, p) = common(json!({"response_format": {"type": "json_object"}})).unwrap();
-        assert!(p.json_object);
+        assert_eq!(p.json.as_deref(), Some(&Schema::any_object()));
+        let (_, p) = common(
+            json!({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "p", "strict": true,
+            "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                       "required": ["a"], "additionalProperties": false}}}}),
+        )
+        .unwrap();
+        assert!(p.json.is_some());
         let (_, p) = common(json!({"response_format": {"type": "text"}})).unwrap();
-        assert!(!p.json_object);
+        assert!(p.json.is_none());
     }
 
     #[test]
