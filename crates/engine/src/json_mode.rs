@@ -8,11 +8,17 @@
 //! it has seen and the keys a partial key can still become, an array, a string, a number, a
 //! literal, an enum's remaining candidates), at most [`MAX_DEPTH`] deep. It is `Copy`, so a
 //! candidate token is tried on a copy ([`JsonState::accepts`]). [`mask`] runs that over the
-//! vocabulary (in parallel: ~150k tokens of a few bytes each) and leaves `-inf` on every
-//! token that cannot come next; the sampler then picks among the rest as it would anyway
+//! vocabulary (in parallel: ~150k tokens of a few bytes each; a token whose first byte cannot
+//! come next is dropped without a trial, a run of plain string bytes inside a string kept
+//! without one) and leaves `-inf` on every token that cannot come next; the sampler then picks among the rest as it would anyway
 //! (greedy, temperature, top-k/p, penalties), so the request samples from the model's
 //! distribution restricted to valid continuations. Once the object is closed only an
 //! end-of-sequence token may follow (whitespace where the request ignores EOS).
+//!
+//! Cost (`cargo run --release -p ferrite-engine --example json_mask_speed`, Qwen3's 151,669
+//! tokens, 2 threads of this development machine): 2.0–2.9 ms a step with the two shortcuts,
+//! 4.9–6.8 ms with full trials only; the trials parallelise, so a 16-core host takes a
+//! fraction of that. It is paid on the host for each JSON request's step.
 //!
 //! What a schema may say (anything else is refused when it is compiled, rather than ignored):
 //! `type` (one of object, array, string, number, integer, boolean, null), `properties`,
@@ -401,6 +407,14 @@ impl JsonState {
         self.depth == 1 && self.stack[0].mode == Mode::Done
     }
 
+    /// Whether the next bytes are read as string content (a string value or a free key, not
+    /// in an escape): any run of bytes without a quote, a backslash or a control character
+    /// is accepted there.
+    pub fn in_string(&self) -> bool {
+        let f = &self.stack[self.depth as usize - 1];
+        f.mode == Mode::Str || (f.mode == Mode::FreeKey && f.seen == 0)
+    }
+
     /// Whether `bytes` can follow what was read so far (the state unchanged).
     pub fn accepts(&self, s: &Schema, bytes: &[u8]) -> bool {
         let mut st = *self;
@@ -763,6 +777,11 @@ pub fn mask(
     let eos = tok.eos_ids();
     let done = state.complete();
     let vocab = tok.vocab_size();
+    // Most tokens fail on their first byte: which first bytes can come next, tried once.
+    let first: [bool; 256] = std::array::from_fn(|b| state.accepts(schema, &[b as u8]));
+    // Inside a string, a token of plain string bytes goes through without a trial.
+    let in_string = state.in_string();
+    let plain = |bytes: &[u8]| bytes.iter().all(|&b| b >= 0x20 && b != b'"' && b != b'\\');
     logits
         .par_chunks_mut(4096)
         .enumerate()
@@ -774,11 +793,15 @@ pub fn mask(
                     false
                 } else if eos.contains(&id) {
                     done && !ignore_eos
-                } else if tok.is_special(id) || (done && !ignore_eos) {
+                } else if done && !ignore_eos {
                     false
                 } else {
+                    // Cheapest tests first: most tokens fail on their first byte.
                     let bytes = tok.token_bytes(id);
-                    !bytes.is_empty() && state.accepts(schema, bytes)
+                    !bytes.is_empty()
+                        && first[bytes[0] as usize]
+                        && !tok.is_special(id)
+                        && ((in_string && plain(bytes)) || state.accepts(schema, bytes))
                 };
                 if ok {
                     kept += 1;
@@ -935,6 +958,37 @@ mod tests {
         // A key prefix narrows the candidates.
         assert!(prefix_ok(&s, r#"{"na"#));
         assert!(!prefix_ok(&s, r#"{"nx"#));
+    }
+
+    /// The mask's shortcuts (first bytes, plain string runs) keep exactly the tokens a full
+    /// trial keeps, at every point of an output.
+    #[test]
+    fn shortcuts_equal_full_trials() {
+        let s = person();
+        let text = r#"{"name": "A\u00e9 b", "age": -12, "tags": ["ab", 12, null], "home": {"city": "Paris"}}"#;
+        let pieces: Vec<Vec<u8>> = [
+            "{", "\"", "name", "\":", " \"", "A", "\\u", "00e9", " b", "\",", "age", "12", "-1",
+            "2,", "\"ab\"", "[\"", "null", "]", "}", " ", "\n", "tr", "ue", "Paris", "\"}", ", \"",
+        ]
+        .iter()
+        .map(|p| p.as_bytes().to_vec())
+        .collect();
+        let mut st = JsonState::default();
+        for (i, b) in text.bytes().enumerate() {
+            let first: [bool; 256] = std::array::from_fn(|c| st.accepts(&s, &[c as u8]));
+            for p in &pieces {
+                let plain = p.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\');
+                let fast = first[p[0] as usize] && ((st.in_string() && plain) || st.accepts(&s, p));
+                assert_eq!(
+                    fast,
+                    st.accepts(&s, p),
+                    "at byte {i}, piece {:?}",
+                    String::from_utf8_lossy(p)
+                );
+            }
+            assert!(st.feed(&s, b), "byte {i}");
+        }
+        assert!(st.complete());
     }
 
     #[test]
