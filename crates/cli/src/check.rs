@@ -2355,6 +2355,23 @@ fn push_decay_weights(h: &mut HostData, rng: &mut Rng, nv: usize) {
     }
 }
 
+/// The operands of conv + delta-rule steps on `shape` (the Snapshot and DeltaBatch cases):
+/// the weights (conv taps as f32, ssm_a, dt_bias), then per step of `n` rows its conv input,
+/// qkv, a and b.
+fn push_delta_steps(h: &mut HostData, rng: &mut Rng, shape: &DeltaShape, steps: &[usize]) {
+    let (c, k, nv) = (shape.conv_dim(), shape.conv_kernel, shape.n_v_heads);
+    let taps = rng.normals(c * k, 0.5);
+    h.weights
+        .push((GgmlType::F32, vec![c, k], f32_bytes(&taps)));
+    push_decay_weights(h, rng, nv);
+    for &n in steps {
+        h.acts.push((rng.normals(n * c, 1.0), n, c));
+        h.acts.push((rng.normals(n * c, 1.0), n, c));
+        h.acts.push((rng.normals(n * nv, 1.0), n, nv));
+        h.acts.push((rng.normals(n * nv, 2.0), n, nv));
+    }
+}
+
 /// An f32 weight's stored bytes.
 fn f32_bytes(w: &[f32]) -> Vec<u8> {
     w.iter().flat_map(|v| v.to_le_bytes()).collect()
@@ -2888,20 +2905,9 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             rows,
             ..
         } => {
-            // Weights: conv taps (f32), ssm_a, dt_bias (as the Conv1d and GatedDelta cases).
-            let (c, k, nv) = (shape.conv_dim(), shape.conv_kernel, shape.n_v_heads);
-            let taps = rng.normals(c * k, 0.5);
-            h.weights
-                .push((GgmlType::F32, vec![c, k], f32_bytes(&taps)));
-            push_decay_weights(&mut h, &mut rng, nv);
-            // Per step (checked rows, fill, draft): conv input, qkv, a, b.
-            for n in [rows, fill, draft] {
-                h.acts.push((rng.normals(n * c, 1.0), n, c));
-                h.acts.push((rng.normals(n * c, 1.0), n, c));
-                h.acts.push((rng.normals(n * nv, 1.0), n, nv));
-                h.acts.push((rng.normals(n * nv, 2.0), n, nv));
-            }
-            h.out = (rows, c);
+            // Steps: the checked rows, the fill, the draft.
+            push_delta_steps(&mut h, &mut rng, &shape, &[rows, fill, draft]);
+            h.out = (rows, shape.conv_dim());
             h.out2 = Some((rows, shape.value_dim()));
         }
         Op::DeltaBatch {
@@ -2909,22 +2915,16 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             ref fills,
             ref rows,
         } => {
-            // Weights: conv taps (f32), ssm_a, dt_bias (as the Snapshot cases).
-            let (c, k, nv) = (shape.conv_dim(), shape.conv_kernel, shape.n_v_heads);
-            let taps = rng.normals(c * k, 0.5);
-            h.weights
-                .push((GgmlType::F32, vec![c, k], f32_bytes(&taps)));
-            push_decay_weights(&mut h, &mut rng, nv);
-            // Per step (checked, dirtying, fill): conv input, qkv, a, b over all its rows.
+            // Steps (all their sequences' rows): the checked one, the dirtying, the fill.
             let total = rows.iter().sum::<usize>();
             let dirty = DELTA_BATCH_DIRTY * (rows.len() + 1);
-            for n in [total, dirty, fills.iter().sum()] {
-                h.acts.push((rng.normals(n * c, 1.0), n, c));
-                h.acts.push((rng.normals(n * c, 1.0), n, c));
-                h.acts.push((rng.normals(n * nv, 1.0), n, nv));
-                h.acts.push((rng.normals(n * nv, 2.0), n, nv));
-            }
-            h.out = (total, c);
+            push_delta_steps(
+                &mut h,
+                &mut rng,
+                &shape,
+                &[total, dirty, fills.iter().sum()],
+            );
+            h.out = (total, shape.conv_dim());
             h.out2 = Some((total, shape.value_dim()));
         }
         Op::GatedRmsNorm {

@@ -435,6 +435,13 @@ fn cold_speculative_sampling_is_greedy() {
 
 /// A request's tokens, from its events.
 fn collect(rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>) -> Vec<u32> {
+    collect_cached(rx).0
+}
+
+/// A request's tokens and the prompt tokens its usage says came from the prefix cache.
+fn collect_cached(
+    rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>,
+) -> (Vec<u32>, usize) {
     use ferrite_engine::scheduler::Event;
     let mut out = vec![];
     loop {
@@ -445,7 +452,7 @@ fn collect(rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>) -> V
             Event::Token { id, .. } => out.push(id),
             Event::Done { usage, .. } => {
                 assert_eq!(usage.completion_tokens, out.len());
-                return out;
+                return (out, usage.cached_tokens);
             }
             Event::Error(e) => panic!("{e}"),
         }
@@ -688,7 +695,7 @@ fn scheduler_batches_hybrid_models() {
 /// shared prefix and a conversation's next turn, each with its plain greedy tokens.
 #[test]
 fn hybrid_prefix_cache_resumes_from_saved_states() {
-    use ferrite_engine::scheduler::{Event, RequestParams, Scheduler, SchedulerConfig};
+    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
     use std::sync::atomic::Ordering;
     for name in MODELS {
         let (be, model) = load(name);
@@ -718,20 +725,7 @@ fn hybrid_prefix_cache_resumes_from_saved_states() {
             ..RequestParams::default()
         };
         // Tokens and the prompt tokens that came from the cache.
-        let run = |prompt: &[u32]| -> (Vec<u32>, usize) {
-            let rx = submit(&s, prompt, params.clone());
-            let mut out = vec![];
-            loop {
-                match rx
-                    .recv_timeout(std::time::Duration::from_secs(120))
-                    .unwrap()
-                {
-                    Event::Token { id, .. } => out.push(id),
-                    Event::Done { usage, .. } => return (out, usage.cached_tokens),
-                    Event::Error(e) => panic!("{e}"),
-                }
-            }
-        };
+        let run = |prompt: &[u32]| collect_cached(submit(&s, prompt, params.clone()));
         assert_eq!(run(&first), (want_first.clone(), 0), "{name}: first");
         assert_eq!(run(&shared), (want_shared, 32), "{name}: shared prefix");
         // The first conversation's last page boundary: 40 + 40 tokens less the last answer
