@@ -21,9 +21,10 @@
 //! fraction of that. It is paid on the host for each JSON request's step.
 //!
 //! What a schema may say (anything else is refused when it is compiled, rather than ignored):
-//! `type` (one of object, array, string, number, integer, boolean, null), `properties`,
-//! `required`, `additionalProperties`, `items`, `enum`, `const`, `$ref` into `$defs` /
-//! `definitions`, and the annotations `title`, `description`, `default`, `examples`,
+//! `type` (object, array, string, number, integer, boolean, null, or a list of them),
+//! `properties`, `required`, `additionalProperties`, `items`, `enum`, `const`, `anyOf` /
+//! `oneOf` whose alternatives start with different bytes (`Optional[X]`: X or null), `$ref`
+//! into `$defs` / `definitions`, and the annotations `title`, `description`, `default`, `examples`,
 //! `$schema`, `$id`, `format` (not enforced), `strict`. The root must be an object. An object
 //! with `properties` takes exactly those keys (each at most once, the required ones before it
 //! closes; extra keys are never produced, which every `additionalProperties` allows); one
@@ -67,6 +68,20 @@ pub enum Node {
     Null,
     /// One of these values, as JSON text (serde_json's compact form).
     Enum(Vec<Vec<u8>>),
+    /// One of these alternatives, told apart by their first byte (`anyOf`, a list of
+    /// types: `Optional[X]` is X or null): each with the set of bytes it can start with.
+    Union(Vec<(NodeId, ByteSet)>),
+}
+
+/// A set of bytes.
+pub type ByteSet = [u64; 4];
+
+fn set_has(s: &ByteSet, b: u8) -> bool {
+    s[(b >> 6) as usize] & (1 << (b & 63)) != 0
+}
+
+fn set_add(s: &mut ByteSet, b: u8) {
+    s[(b >> 6) as usize] |= 1 << (b & 63);
 }
 
 /// A compiled schema: its nodes, the root first.
@@ -178,8 +193,27 @@ impl Compiler<'_> {
                     | "const"
                     | "$defs"
                     | "definitions"
+                    | "anyOf"
+                    | "oneOf"
             ) || ANNOTATIONS.contains(&k.as_str());
             ensure!(known, "{at}: the schema keyword \"{k}\" is not supported");
+        }
+        if let Some(alts) = obj.get("anyOf").or_else(|| obj.get("oneOf")) {
+            ensure!(
+                !obj.contains_key("type")
+                    && !obj.contains_key("enum")
+                    && !obj.contains_key("properties"),
+                "{at}: anyOf / oneOf beside type, enum or properties is not supported"
+            );
+            let alts = alts
+                .as_array()
+                .with_context(|| format!("{at}: anyOf must be an array"))?;
+            let ids = alts
+                .iter()
+                .enumerate()
+                .map(|(i, a)| self.node(a, &format!("{at}.anyOf[{i}]")))
+                .collect::<Result<Vec<_>>>()?;
+            return self.union(ids, at);
         }
         if let Some(c) = obj.get("const") {
             return self.push(Node::Enum(vec![serde_json::to_vec(c)?]));
@@ -201,7 +235,17 @@ impl Compiler<'_> {
             None if obj.contains_key("properties") || obj.contains_key("required") => "object",
             None => return Ok(ANY),
             Some(serde_json::Value::String(t)) => t.as_str(),
-            Some(t) => bail!("{at}: type {t} is not supported (one type name)"),
+            Some(serde_json::Value::Array(types)) => {
+                // A list of types: each one with the schema's other keywords.
+                let mut ids = vec![];
+                for t in types {
+                    let mut one = obj.clone();
+                    one.insert("type".into(), t.clone());
+                    ids.push(self.node(&serde_json::Value::Object(one), at)?);
+                }
+                return self.union(ids, at);
+            }
+            Some(t) => bail!("{at}: type {t} is not supported"),
         };
         match ty {
             "object" => {
@@ -264,6 +308,51 @@ impl Compiler<'_> {
             "null" => self.push(Node::Null),
             t => bail!("{at}: type \"{t}\" is not supported"),
         }
+    }
+
+    /// The bytes a value of node `id` can start with.
+    fn first_bytes(&self, id: NodeId) -> ByteSet {
+        let mut set = [0u64; 4];
+        let mut add = |bytes: &[u8]| bytes.iter().for_each(|&b| set_add(&mut set, b));
+        match &self.nodes[id as usize] {
+            Node::Any => return [u64::MAX; 4],
+            Node::Object { .. } => add(b"{"),
+            Node::Array { .. } => add(b"["),
+            Node::String => add(b"\""),
+            Node::Number { .. } => add(b"-0123456789"),
+            Node::Boolean => add(b"tf"),
+            Node::Null => add(b"n"),
+            Node::Enum(values) => values.iter().for_each(|v| add(&v[..1])),
+            Node::Union(alts) => {
+                for (_, s) in alts {
+                    for (a, b) in set.iter_mut().zip(s) {
+                        *a |= b;
+                    }
+                }
+            }
+        }
+        set
+    }
+
+    /// A union of `ids`, refused where two alternatives can start with the same byte (the
+    /// reader could not tell which one it is reading).
+    fn union(&mut self, ids: Vec<NodeId>, at: &str) -> Result<NodeId> {
+        ensure!(
+            (1..=MAX_CHOICES).contains(&ids.len()),
+            "{at}: {} alternatives (1 to {MAX_CHOICES})",
+            ids.len()
+        );
+        let alts: Vec<(NodeId, ByteSet)> = ids.iter().map(|&i| (i, self.first_bytes(i))).collect();
+        for (i, (_, a)) in alts.iter().enumerate() {
+            for (_, b) in &alts[..i] {
+                ensure!(
+                    a.iter().zip(b).all(|(x, y)| x & y == 0),
+                    "{at}: the alternatives of anyOf / a type list must start differently \
+                     (e.g. an object or null; not two objects or two strings)"
+                );
+            }
+        }
+        self.push(Node::Union(alts))
     }
 
     /// `#/$defs/Name` or `#/definitions/Name`, compiled once.
@@ -469,6 +558,10 @@ impl JsonState {
             (Node::Any | Node::Boolean, b't') => self.push(lit(node, 0)),
             (Node::Any | Node::Boolean, b'f') => self.push(lit(node, 1)),
             (Node::Any | Node::Null, b'n') => self.push(lit(node, 2)),
+            (Node::Union(alts), _) => match alts.iter().find(|(_, set)| set_has(set, b)) {
+                Some(&(alt, _)) => self.start(s, alt, b),
+                None => false,
+            },
             (Node::Enum(values), _) => {
                 let mut fr = f(Mode::Enum);
                 fr.cand = values
@@ -991,6 +1084,40 @@ mod tests {
         assert!(st.complete());
     }
 
+    /// `Optional[X]` as pydantic writes it (`anyOf` with null) and type lists.
+    #[test]
+    fn unions() {
+        let s = Schema::compile(&json!({
+            "type": "object",
+            "properties": {
+                "a": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": null},
+                "b": {"type": ["integer", "null"]},
+                "c": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "array", "items": {"type": "boolean"}}, {"enum": [1, 2]}]}
+            },
+            "required": ["a", "b"],
+            "$defs": {"P": {"type": "object", "properties": {"x": {"type": "number"}}}}
+        }))
+        .unwrap();
+        for t in [
+            r#"{"a": "s", "b": 1}"#,
+            r#"{"a": null, "b": null, "c": {"x": 1.5}}"#,
+            r#"{"a": null, "b": -2, "c": [true, false]}"#,
+            r#"{"a": "", "b": 0, "c": 2}"#,
+        ] {
+            assert!(reads(&s, t), "{t}");
+        }
+        for t in [
+            r#"{"a": 1, "b": 1}"#,
+            r#"{"a": null, "b": 1.5}"#,
+            r#"{"a": null, "b": "x"}"#,
+            r#"{"a": null, "b": 1, "c": 3}"#,
+            r#"{"a": null, "b": 1, "c": [1]}"#,
+            r#"{"a": null, "b": 1, "c": "p"}"#,
+        ] {
+            assert!(!reads(&s, t), "{t}");
+        }
+    }
+
     #[test]
     fn unsupported_schemas_are_refused() {
         for (s, what) in [
@@ -1001,11 +1128,19 @@ mod tests {
             ),
             (
                 json!({"type": "object", "properties": {"a": {"anyOf": []}}}),
-                "anyOf",
+                "alternatives",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": ["string", "null"]}}}),
-                "type",
+                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"enum": ["x"]}]}}}),
+                "start differently",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": ["integer", "number"]}}}),
+                "start differently",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": [{}, {"type": "null"}]}}}),
+                "start differently",
             ),
             (
                 json!({"type": "object", "required": ["b"], "properties": {"a": {}}}),
