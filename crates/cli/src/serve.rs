@@ -63,8 +63,10 @@ pub struct ServeArgs {
     /// page are kept after their request, and a later request that starts with the same
     /// tokens (a shared system prompt, the earlier turns of a conversation) takes them instead
     /// of prefilling them again (`usage.prompt_tokens_details.cached_tokens`); kept pages are
-    /// evicted, oldest first, as soon as a request needs the room. Batched steps of plain
-    /// decoders only (hybrid Qwen3.5 models keep state outside the pages).
+    /// evicted, oldest first, as soon as a request needs the room. Hybrid (Qwen3.5) models
+    /// also save their Gated DeltaNet state where cached pages end (3 × --max-batch saved
+    /// states) and resume from it. Batched steps only (not with --mtp-depth or
+    /// --lookup-depth on hybrid models).
     #[arg(long)]
     pub no_prefix_cache: bool,
 }
