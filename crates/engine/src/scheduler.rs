@@ -446,9 +446,9 @@ fn batch_for<'e, B: Backend>(
         max_seqs: cfg.max_batch,
         max_rows: cfg.prefill_chunk + cfg.max_batch * per_seq,
         max_logits: cfg.max_batch * per_seq,
-        // A hybrid model's prefix cache resumes from saved states: each running sequence
-        // holds at most two (its prompt's and a rolling one), as many again stay for the
-        // finished ones (the least recently used reused first).
+        // A hybrid model's prefix cache resumes from saved states: a running sequence saves
+        // one at each prompt chunk end and one rolling one, fewer where pages are shared
+        // (the least recently used reused first).
         state_snapshots: if model.cfg.hybrid.is_some() && cfg.prefix_cache {
             3 * cfg.max_batch
         } else {
@@ -1104,11 +1104,11 @@ fn register_filled<B: Backend>(pool: &mut PagePool, a: &mut Active<'_, B>) {
 
 /// A hybrid model's prefix cache: where sequence `a`'s cached tokens end on a page boundary
 /// and the registered page ending there has no state saved, saves the sequence's
-/// linear-attention state there for later sequences to resume from. The prompt's last
-/// boundary gets a snapshot of its own (a shared system prompt's place); every later boundary
-/// (a decode step's, a long prompt's earlier chunk ends) moves the sequence's one rolling
-/// snapshot forward (a conversation's next turn resumes from the last), so a sequence holds
-/// at most two.
+/// linear-attention state there for later sequences to resume from. Each boundary within
+/// the prompt (its chunk ends, its last page boundary) gets a snapshot of its own (where a
+/// shared system prompt may end); every boundary past it (a decode step's) moves the
+/// sequence's one rolling snapshot forward (a conversation's next turn resumes from the
+/// last).
 fn save_boundary_state<B: Backend>(
     pool: &mut PagePool,
     batch: &mut Batch<'_, B>,
@@ -1125,9 +1125,12 @@ fn save_boundary_state<B: Backend>(
     let (Some(page), Some(slot)) = (a.prefix.parent_page, a.state) else {
         return;
     };
-    let prompt_boundary = a.cached == (a.feed.len() - 1) / ps * ps;
+    // Boundaries inside the prompt (its chunk ends, its last page boundary) each keep a state
+    // of their own: where a shared prefix ends is not known, and a page two prompts share has
+    // one state for both. Past the prompt, one rolling state follows the decode.
+    let in_prompt = a.cached <= a.feed.len();
     let snap = match a.rolling_state {
-        Some(old) if !prompt_boundary => pool
+        Some(old) if !in_prompt => pool
             .move_state(old, page)
             .or_else(|| pool.state_slot_for(page)),
         _ => pool.state_slot_for(page),
@@ -1135,7 +1138,7 @@ fn save_boundary_state<B: Backend>(
     let Some(snap) = snap else {
         return;
     };
-    if !prompt_boundary {
+    if !in_prompt {
         a.rolling_state = Some(page);
     }
     if let Err(e) = batch.save_state(slot, snap as usize) {
