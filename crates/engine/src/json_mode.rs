@@ -401,8 +401,6 @@ enum Mode {
     ObjKey,
     /// Inside a key of listed properties (`cand`: those it can still become; `pos` bytes in).
     Key,
-    /// Inside a free key (an object without listed properties).
-    FreeKey,
     /// After a key: `:`.
     Colon,
     /// After `:`: the property's value.
@@ -415,9 +413,18 @@ enum Mode {
     ArrValue,
     /// After an item: `,` or `]`.
     ArrAfter,
-    Str,
-    Esc,
-    Hex(u8),
+    /// Inside a string: a string value (its own frame), or with `key` a free key (an object
+    /// without listed properties, in the object's frame: its close quote expects `:`).
+    Str {
+        key: bool,
+    },
+    Esc {
+        key: bool,
+    },
+    Hex {
+        key: bool,
+        left: u8,
+    },
     Num(Num),
     /// Inside `true` (0), `false` (1) or `null` (2), `pos` bytes matched.
     Lit(u8),
@@ -430,8 +437,7 @@ enum Mode {
 struct Frame {
     node: NodeId,
     mode: Mode,
-    /// Objects: properties seen. Free keys: the string sub-state (0 plain, 1 escape, 2..=5
-    /// hex digits left + 1).
+    /// Objects: properties seen.
     seen: u64,
     /// Keys or enum values still possible.
     cand: u64,
@@ -501,7 +507,7 @@ impl JsonState {
     /// is accepted there.
     pub fn in_string(&self) -> bool {
         let f = &self.stack[self.depth as usize - 1];
-        f.mode == Mode::Str || (f.mode == Mode::FreeKey && f.seen == 0)
+        matches!(f.mode, Mode::Str { .. })
     }
 
     /// Whether `bytes` can follow what was read so far (the state unchanged).
@@ -545,7 +551,7 @@ impl JsonState {
         match (kind, b) {
             (Node::Any | Node::Object { .. }, b'{') => self.push(f(Mode::ObjOpen)),
             (Node::Any | Node::Array { .. }, b'[') => self.push(f(Mode::ArrOpen)),
-            (Node::Any | Node::String, b'"') => self.push(f(Mode::Str)),
+            (Node::Any | Node::String, b'"') => self.push(f(Mode::Str { key: false })),
             (Node::Any | Node::Number { .. }, b'-' | b'0'..=b'9') => {
                 let mut fr = f(Mode::Num(match b {
                     b'-' => Num::Minus,
@@ -614,9 +620,7 @@ impl JsonState {
                 }
                 let t = self.top();
                 if props.is_empty() {
-                    // `seen` carries the key's escape state (a free object tracks no keys).
-                    t.mode = Mode::FreeKey;
-                    t.seen = 0;
+                    t.mode = Mode::Str { key: true };
                 } else {
                     t.mode = Mode::Key;
                     t.cand = all(props.len()) & !f.seen;
@@ -648,35 +652,6 @@ impl JsonState {
                     .fold(0, |m, i| m | bit(i));
                 t.pos += 1;
                 t.cand != 0
-            }
-            Mode::FreeKey => {
-                // A free key is a string: `seen` carries its escape state.
-                let t = self.top();
-                match (t.seen, b) {
-                    (0, b'"') => {
-                        t.mode = Mode::Colon;
-                        t.prop = 0;
-                        true
-                    }
-                    (0, b'\\') => {
-                        t.seen = 1;
-                        true
-                    }
-                    (0, _) => b >= 0x20,
-                    (1, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
-                        t.seen = 0;
-                        true
-                    }
-                    (1, b'u') => {
-                        t.seen = 5;
-                        true
-                    }
-                    (n, _) if n >= 2 && b.is_ascii_hexdigit() => {
-                        t.seen = if n == 2 { 0 } else { n - 1 };
-                        true
-                    }
-                    _ => false,
-                }
             }
             Mode::Colon => {
                 self.top().mode = Mode::ObjValue;
@@ -732,30 +707,40 @@ impl JsonState {
                 }
                 _ => false,
             },
-            Mode::Str => match b {
+            Mode::Str { key } => match b {
+                b'"' if key => {
+                    // A free key ends: its value follows the colon.
+                    let t = self.top();
+                    t.mode = Mode::Colon;
+                    t.prop = 0;
+                    true
+                }
                 b'"' => {
                     self.value_done();
                     true
                 }
                 b'\\' => {
-                    self.top().mode = Mode::Esc;
+                    self.top().mode = Mode::Esc { key };
                     true
                 }
                 _ => b >= 0x20,
             },
-            Mode::Esc => {
+            Mode::Esc { key } => {
                 self.top().mode = match b {
-                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Mode::Str,
-                    b'u' => Mode::Hex(4),
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Mode::Str { key },
+                    b'u' => Mode::Hex { key, left: 4 },
                     _ => return false,
                 };
                 true
             }
-            Mode::Hex(left) => {
+            Mode::Hex { key, left } => {
                 self.top().mode = if left == 1 {
-                    Mode::Str
+                    Mode::Str { key }
                 } else {
-                    Mode::Hex(left - 1)
+                    Mode::Hex {
+                        key,
+                        left: left - 1,
+                    }
                 };
                 b.is_ascii_hexdigit()
             }
