@@ -99,8 +99,9 @@ fn warm_up_plan(c: &BatchConfig) -> Vec<(usize, Vec<u32>)> {
 }
 
 impl<'e, B: Backend> Batch<'e, B> {
-    /// Allocates the paged cache (for a hybrid model also `max_seqs` linear-attention state
-    /// slots) and the workspace. Fails on backends without paged caches.
+    /// Allocates the paged cache (for a hybrid model also `max_seqs + state_snapshots`
+    /// linear-attention state slots) and the workspace. Fails on backends without paged
+    /// caches.
     pub fn new(be: &'e B, model: &'e Model<B>, cfg: BatchConfig) -> Result<Self> {
         ensure!(
             cfg.max_seqs >= 1 && (cfg.max_seqs..=cfg.max_rows).contains(&cfg.max_logits),
@@ -159,11 +160,7 @@ impl<'e, B: Backend> Batch<'e, B> {
     /// do for other models, whose state is all in pages. Call before the sequence's first
     /// step, and again whenever it starts over (a preempted sequence's re-prefill).
     pub fn clear_state(&mut self, slot: usize) -> Result<()> {
-        ensure!(
-            slot < self.cfg.max_seqs,
-            "state slot {slot} of a batch of {} sequences",
-            self.cfg.max_seqs
-        );
+        let slot = self.seq_slot(slot)?;
         if self.model.cfg.hybrid.is_some() {
             self.be.kv_clear_state(&mut self.kv, slot)?;
         }
@@ -173,25 +170,25 @@ impl<'e, B: Backend> Batch<'e, B> {
     /// Saves sequence state slot `slot`'s linear-attention state (a hybrid model's) as
     /// snapshot `snap` (`0..state_snapshots`); nothing for other models.
     pub fn save_state(&mut self, slot: usize, snap: usize) -> Result<()> {
-        let at = self.snapshot(snap)?;
-        ensure!(
-            slot < self.cfg.max_seqs,
-            "state slot {slot} of {}",
-            self.cfg.max_seqs
-        );
+        let (at, slot) = (self.snapshot(snap)?, self.seq_slot(slot)?);
         self.be.kv_copy_state(&mut self.kv, slot, at)
     }
 
     /// Starts sequence state slot `slot` from snapshot `snap` (instead of
     /// [`Batch::clear_state`]): the state after the cached pages it takes.
     pub fn load_state(&mut self, snap: usize, slot: usize) -> Result<()> {
-        let at = self.snapshot(snap)?;
+        let (at, slot) = (self.snapshot(snap)?, self.seq_slot(slot)?);
+        self.be.kv_copy_state(&mut self.kv, at, slot)
+    }
+
+    /// Sequence state slot `slot`, checked (`0..max_seqs`).
+    fn seq_slot(&self, slot: usize) -> Result<usize> {
         ensure!(
             slot < self.cfg.max_seqs,
-            "state slot {slot} of {}",
+            "state slot {slot} of a batch of {} sequences",
             self.cfg.max_seqs
         );
-        self.be.kv_copy_state(&mut self.kv, at, slot)
+        Ok(slot)
     }
 
     /// The cache's state slot holding snapshot `snap` (after the sequences' slots).

@@ -1114,12 +1114,8 @@ fn save_boundary_state<B: Backend>(
     batch: &mut Batch<'_, B>,
     a: &mut Active<'_, B>,
 ) {
-    let ps = pool.page_size();
-    if !pool.saves_states()
-        || a.cached == 0
-        || !a.cached.is_multiple_of(ps)
-        || a.prefix.pages * ps != a.cached
-    {
+    // Its registered pages end exactly where its cached tokens do (none registered: no page).
+    if !pool.saves_states() || a.prefix.pages * pool.page_size() != a.cached {
         return;
     }
     let (Some(page), Some(slot)) = (a.prefix.parent_page, a.state) else {
