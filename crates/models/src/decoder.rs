@@ -366,13 +366,59 @@ pub struct WeightBytes {
 
 impl WeightBytes {
     /// Counts `t`, of `role`, into its share (stacked experts are the 3-D tensors).
-    pub(crate) fn count(&mut self, t: &HostTensor<'_>, role: Role) {
+    fn count(&mut self, t: &HostTensor<'_>, role: Role) {
         let n = t.data.len() as u64;
         match role {
             Role::TokenEmbd => self.embed += n,
             _ if t.shape.len() == 3 => self.experts += n,
             _ => self.other += n,
         }
+    }
+}
+
+/// How a loader hands weights to the backend: each quantized first where the load asks for
+/// it (`--quantize`), its bytes counted ([`WeightBytes`]).
+pub(crate) struct Uploader {
+    quant: Option<LoadQuant>,
+    bytes: std::cell::Cell<WeightBytes>,
+}
+
+impl Uploader {
+    /// For a model of `cfg`, quantizing its float matrices to `mix` (`None`: as stored).
+    pub(crate) fn new(cfg: &ModelConfig, mix: Option<Mix>) -> Uploader {
+        Uploader {
+            quant: mix.map(|mix| LoadQuant {
+                mix,
+                model: MixModel {
+                    n_layers: cfg.n_layers,
+                    n_experts: cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts),
+                },
+            }),
+            bytes: Default::default(),
+        }
+    }
+
+    /// Uploads `t` (of `role` in `layer`).
+    pub(crate) fn put<B: Backend>(
+        &self,
+        be: &B,
+        t: HostTensor<'_>,
+        role: Role,
+        layer: usize,
+    ) -> Result<B::Weight> {
+        let t = match &self.quant {
+            Some(q) => q.apply(t, role, layer)?,
+            None => t,
+        };
+        let mut b = self.bytes.get();
+        b.count(&t, role);
+        self.bytes.set(b);
+        be.upload(&t)
+    }
+
+    /// What it has uploaded so far.
+    pub(crate) fn bytes(&self) -> WeightBytes {
+        self.bytes.get()
     }
 }
 
@@ -411,25 +457,8 @@ impl<B: Backend> Model<B> {
             return crate::qwen3_5::load(be, file, cfg, progress, quantize);
         }
         check_layer_count(file, &cfg, |i| file.name(Tensor::AttnNorm(i)))?;
-        let quant = quantize.map(|mix| LoadQuant {
-            mix,
-            model: MixModel {
-                n_layers: cfg.n_layers,
-                n_experts: cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts),
-            },
-        });
-        // Uploads `t` (of `role` in `layer`), quantized first where the load asks for it.
-        let bytes = std::cell::Cell::new(WeightBytes::default());
-        let put = |t: HostTensor<'_>, role: Role, layer: usize| -> Result<B::Weight> {
-            let t = match &quant {
-                Some(q) => q.apply(t, role, layer)?,
-                None => t,
-            };
-            let mut b = bytes.get();
-            b.count(&t, role);
-            bytes.set(b);
-            be.upload(&t)
-        };
+        let upl = Uploader::new(&cfg, quantize);
+        let put = |t: HostTensor<'_>, role: Role, layer: usize| upl.put(be, t, role, layer);
         let up = |t: Tensor| -> Result<B::Weight> {
             let (role, layer) = role_of(t);
             put(file.need_shaped(t, &shape_of(&cfg, t))?, role, layer)
@@ -483,7 +512,7 @@ impl<B: Backend> Model<B> {
             hybrid: vec![],
             mtp: None,
             cfg,
-            weight_bytes: bytes.get(),
+            weight_bytes: upl.bytes(),
         })
     }
 

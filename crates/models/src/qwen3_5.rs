@@ -40,8 +40,8 @@ use std::borrow::Cow;
 use anyhow::{bail, Context, Result};
 use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor, StepInput};
 
-use crate::decoder::WeightBytes;
-use crate::mix::{LoadQuant, Mix, MixModel, Role};
+use crate::decoder::Uploader;
+use crate::mix::{Mix, Role};
 use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
@@ -612,10 +612,8 @@ pub(crate) struct Reader<'f> {
     file: &'f ModelFile,
     cfg: &'f ModelConfig,
     names: Names,
-    /// Float matrices quantized as they load (`--quantize`).
-    quant: Option<LoadQuant>,
-    /// What it has uploaded.
-    bytes: std::cell::Cell<WeightBytes>,
+    /// Hands the weights to the backend (quantized as the load asks, counted).
+    upl: Uploader,
 }
 
 impl<'f> Reader<'f> {
@@ -639,20 +637,13 @@ impl<'f> Reader<'f> {
             file,
             cfg,
             names,
-            quant: None,
-            bytes: Default::default(),
+            upl: Uploader::new(cfg, None),
         }
     }
 
     /// The same reader quantizing float matrices to `mix` as it uploads them.
     pub(crate) fn quantized(mut self, mix: Option<Mix>) -> Self {
-        self.quant = mix.map(|mix| LoadQuant {
-            mix,
-            model: MixModel {
-                n_layers: self.cfg.n_layers,
-                n_experts: self.cfg.moe.as_ref().map_or(0, |m| m.routing.n_experts),
-            },
-        });
+        self.upl = Uploader::new(self.cfg, mix);
         self
     }
 
@@ -665,8 +656,7 @@ impl<'f> Reader<'f> {
             file: self.file,
             cfg: self.cfg,
             names: Names::Hf(prefix),
-            quant: None,
-            bytes: Default::default(),
+            upl: Uploader::new(self.cfg, None),
         }
     }
 
@@ -698,14 +688,7 @@ impl<'f> Reader<'f> {
         role: Role,
         layer: usize,
     ) -> Result<B::Weight> {
-        let t = match &self.quant {
-            Some(q) => q.apply(t, role, layer)?,
-            None => t,
-        };
-        let mut b = self.bytes.get();
-        b.count(&t, role);
-        self.bytes.set(b);
-        be.upload(&t)
+        self.upl.put(be, t, role, layer)
     }
 
     /// A zero-centred RMSNorm weight: Hugging Face stores w, GGUF 1 + w.
@@ -853,7 +836,7 @@ pub(crate) fn load<B: Backend>(
         true => Some(r.up(be, W::Output)?),
         false => None,
     };
-    let bytes = r.bytes.get();
+    let bytes = r.upl.bytes();
     Ok(Model::from_hybrid(
         cfg, embed, layers, out_norm, output, bytes,
     ))
