@@ -99,12 +99,8 @@ fn load_state(conv: &mut [Vec<f32>], delta: &mut [Vec<f32>], saved: &LinearState
 impl CpuKv {
     /// Floats of one state slot of a layer: (conv, recurrent).
     fn state_lens(&self) -> (usize, usize) {
-        self.delta_shape.map_or((0, 0), |d| {
-            (
-                (d.conv_kernel - 1) * d.conv_dim(),
-                d.n_v_heads * d.k_head_dim * d.v_head_dim,
-            )
-        })
+        self.delta_shape
+            .map_or((0, 0), |d| (d.conv_state_len(), d.recurrent_state_len()))
     }
     /// Snapshots and row states copy the whole linear-attention state: one sequence's only.
     fn ensure_one_state(&self, what: &str) -> Result<()> {

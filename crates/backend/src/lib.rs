@@ -434,6 +434,15 @@ impl DeltaShape {
     pub fn conv_dim(&self) -> usize {
         2 * self.key_dim() + self.value_dim()
     }
+    /// Floats of one layer's convolution state: the last `conv_kernel - 1` inputs of every
+    /// channel.
+    pub fn conv_state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+    }
+    /// Floats of one layer's recurrent state: `[k_head_dim, v_head_dim]` per value head.
+    pub fn recurrent_state_len(&self) -> usize {
+        self.n_v_heads * self.k_head_dim * self.v_head_dim
+    }
 }
 
 /// The operands of one Gated DeltaNet call (after the convolution).

@@ -369,8 +369,7 @@ fn bench_on<B: Backend>(
         Some(h) => {
             let (n_lin, n_attn) = h.counts();
             let d = h.delta;
-            let state =
-                (d.conv_kernel - 1) * d.conv_dim() + d.n_v_heads * d.k_head_dim * d.v_head_dim;
+            let state = d.conv_state_len() + d.recurrent_state_len();
             (n_attn, (2 * n_lin * state * 4) as u64)
         }
         None => (cfg.n_layers, 0),

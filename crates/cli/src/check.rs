@@ -4252,22 +4252,18 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::TopK { k, .. } => f(acts * k),
         Op::Graph { .. } => f(3 * out),
         // x in, out, the taps, the state read and written.
-        Op::Conv1d { shape, .. } => f(h.acts[0].0.len() * 4
-            + out
-            + h.weights[0].2.len()
-            + 2 * (shape.conv_kernel - 1) * shape.conv_dim() * 4),
+        Op::Conv1d { shape, .. } => {
+            f(h.acts[0].0.len() * 4 + out + h.weights[0].2.len() + 2 * shape.conv_state_len() * 4)
+        }
         // qkv, a, b in, out, the recurrent state read and written.
         Op::GatedDelta { shape, .. } => {
             let ins: usize = h.acts[..3].iter().map(|(x, _, _)| x.len() * 4).sum();
-            let state = shape.n_v_heads * shape.k_head_dim * shape.v_head_dim * 4;
-            f(ins + out + 2 * state)
+            f(ins + out + 2 * shape.recurrent_state_len() * 4)
         }
         // The restore of both layers' conv and recurrent state, then the checked step's
         // conv1d and delta rule (as their cases).
         Op::Snapshot { shape, rows, .. } => {
-            let (c, nv) = (shape.conv_dim(), shape.n_v_heads);
-            let conv = (shape.conv_kernel - 1) * c * 4;
-            let state = nv * shape.k_head_dim * shape.v_head_dim * 4;
+            let (conv, state) = (shape.conv_state_len() * 4, shape.recurrent_state_len() * 4);
             let out2 = rows * shape.value_dim() * 4;
             let ins: usize = h.acts[..4].iter().map(|(x, _, _)| x.len() * 4).sum();
             // Restore: 2 layers × (read + write); the ops: layer 1 read + write.
@@ -4277,8 +4273,7 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         // Each sequence's conv and recurrent state read and written, the checked step's
         // inputs, both outputs, the taps.
         Op::DeltaBatch { shape, rows, .. } => {
-            let conv = (shape.conv_kernel - 1) * shape.conv_dim() * 4;
-            let state = shape.n_v_heads * shape.k_head_dim * shape.v_head_dim * 4;
+            let (conv, state) = (shape.conv_state_len() * 4, shape.recurrent_state_len() * 4);
             let out2 = rows.iter().sum::<usize>() * shape.value_dim() * 4;
             let ins: usize = h.acts[..4].iter().map(|(x, _, _)| x.len() * 4).sum();
             f(2 * rows.len() * (conv + state) + ins + out + out2 + h.weights[0].2.len())

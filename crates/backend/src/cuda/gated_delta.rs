@@ -141,10 +141,10 @@ pub struct DeltaState {
 
 impl DeltaState {
     fn conv_len(&self) -> usize {
-        (self.shape.conv_kernel - 1) * self.shape.conv_dim()
+        self.shape.conv_state_len()
     }
     fn state_len(&self) -> usize {
-        self.shape.n_v_heads * self.shape.k_head_dim * self.shape.v_head_dim
+        self.shape.recurrent_state_len()
     }
 }
 
@@ -275,8 +275,8 @@ fn delta_state(
             .and_then(|n| n.checked_mul(slots))
             .context("linear-attention state size overflows")
     };
-    let conv = per_layer((delta.conv_kernel - 1) * delta.conv_dim())?;
-    let state = per_layer(delta.n_v_heads * delta.k_head_dim * delta.v_head_dim)?;
+    let conv = per_layer(delta.conv_state_len())?;
+    let state = per_layer(delta.recurrent_state_len())?;
     ensure_free(
         be,
         (conv + state) * 4,
