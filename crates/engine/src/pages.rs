@@ -178,11 +178,7 @@ impl PagePool {
                 s
             }
         };
-        st.page_of[snap as usize] = Some(page);
-        c.state_of[page as usize] = Some(snap);
-        c.tick += 1;
-        st.lru.insert(c.tick, snap);
-        st.used_at[snap as usize] = Some(c.tick);
+        c.attach(snap, page);
         Some(snap)
     }
 
@@ -195,28 +191,14 @@ impl PagePool {
             return None;
         }
         let snap = c.state_of[from as usize].take()?;
-        let st = c.states.as_mut()?;
-        st.page_of[snap as usize] = Some(to);
-        c.state_of[to as usize] = Some(snap);
-        c.tick += 1;
-        if let Some(t) = st.used_at[snap as usize].replace(c.tick) {
-            st.lru.remove(&t);
-        }
-        st.lru.insert(c.tick, snap);
+        c.attach(snap, to);
         Some(snap)
     }
 
     /// Drops the saved state attached to `page` (one that could not be written).
     pub fn forget_state(&mut self, page: u32) {
-        let Some(c) = self.cache.as_mut() else {
-            return;
-        };
-        if let (Some(s), Some(st)) = (c.state_of[page as usize].take(), c.states.as_mut()) {
-            st.page_of[s as usize] = None;
-            if let Some(t) = st.used_at[s as usize].take() {
-                st.lru.remove(&t);
-            }
-            st.free.push(s);
+        if let Some(c) = self.cache.as_mut() {
+            c.drop_state(page);
         }
     }
 
@@ -328,17 +310,13 @@ impl PagePool {
                 };
             }
         }
-        let Some(st) = c.states.as_mut() else {
+        if c.states.is_none() {
             return hit;
-        };
+        }
         // A hybrid model resumes only where a state was saved: the snapshot is used now, and
         // the pages past it go back.
         if let Some(s) = resume.state {
-            c.tick += 1;
-            if let Some(t) = st.used_at[s as usize].replace(c.tick) {
-                st.lru.remove(&t);
-            }
-            st.lru.insert(c.tick, s);
+            c.touch(s);
         }
         let mut past = table.split_off(resume.pages);
         self.release(&mut past);
@@ -395,14 +373,40 @@ impl PrefixCache {
             self.index.remove(&key);
         }
         // Its saved state, if any, goes back too.
-        if let (Some(s), Some(st)) = (self.state_of[p as usize].take(), self.states.as_mut()) {
+        self.drop_state(p);
+        Some(p)
+    }
+
+    /// Marks snapshot `s` used now (the newest in the reuse order).
+    fn touch(&mut self, s: u32) {
+        let Some(st) = self.states.as_mut() else {
+            return;
+        };
+        self.tick += 1;
+        if let Some(t) = st.used_at[s as usize].replace(self.tick) {
+            st.lru.remove(&t);
+        }
+        st.lru.insert(self.tick, s);
+    }
+
+    /// Attaches snapshot `s` to `page` (which has none) and marks it used.
+    fn attach(&mut self, s: u32, page: u32) {
+        if let Some(st) = self.states.as_mut() {
+            st.page_of[s as usize] = Some(page);
+        }
+        self.state_of[page as usize] = Some(s);
+        self.touch(s);
+    }
+
+    /// Frees `page`'s snapshot, if it has one.
+    fn drop_state(&mut self, page: u32) {
+        if let (Some(s), Some(st)) = (self.state_of[page as usize].take(), self.states.as_mut()) {
             st.page_of[s as usize] = None;
             if let Some(t) = st.used_at[s as usize].take() {
                 st.lru.remove(&t);
             }
             st.free.push(s);
         }
-        Some(p)
     }
 }
 

@@ -53,9 +53,9 @@ pub struct SamplerConfig {
     pub frequency_penalty: f32,
     /// RNG seed; `None` = seeded from the OS entropy source.
     pub seed: Option<u64>,
-    /// OpenAI `logit_bias`: `(token, bias)` pairs added to those tokens' logits before any
-    /// other step (after the penalties; ids past the logits are ignored); `-100` all but
-    /// bans a token, `100` all but forces it.
+    /// OpenAI `logit_bias`: `(token, bias)` pairs added to those tokens' logits after the
+    /// penalties and before temperature and the filters (ids past the logits are ignored);
+    /// `-100` all but bans a token, `100` all but forces it.
     pub logit_bias: Vec<(u32, f32)>,
 }
 
