@@ -677,25 +677,14 @@ impl<'f> Reader<'f> {
 
     fn up<B: Backend>(&self, be: &B, w: W) -> Result<B::Weight> {
         let (role, layer) = w.role();
-        self.put(be, self.get(w)?, role, layer)
-    }
-
-    /// Uploads `t` (of `role` in `layer`), quantized first where the load asks for it.
-    fn put<B: Backend>(
-        &self,
-        be: &B,
-        t: HostTensor<'_>,
-        role: Role,
-        layer: usize,
-    ) -> Result<B::Weight> {
-        self.upl.put(be, t, role, layer)
+        self.upl.put(be, self.get(w)?, role, layer)
     }
 
     /// A zero-centred RMSNorm weight: Hugging Face stores w, GGUF 1 + w.
     fn up_norm<B: Backend>(&self, be: &B, w: W) -> Result<B::Weight> {
         let t = self.get(w)?;
         let t = if self.hf() { plus_one(&t)? } else { t };
-        self.put(be, t, Role::Norm, 0)
+        self.upl.put(be, t, Role::Norm, 0)
     }
 
     /// Layer `i`: Gated DeltaNet (`linear`) or gated attention, with its FFN; `slot` numbers
@@ -732,8 +721,8 @@ impl<'f> Reader<'f> {
                 z: up(W::Z(i))?,
                 b: up(W::B(i))?,
                 a: up(W::A(i))?,
-                conv: self.put(be, conv, Role::KeepF32, i)?,
-                ssm_a: self.put(
+                conv: self.upl.put(be, conv, Role::KeepF32, i)?,
+                ssm_a: self.upl.put(
                     be,
                     if hf {
                         map_f32(&ssm_a, |x| -x.exp())?
@@ -752,12 +741,12 @@ impl<'f> Reader<'f> {
                 split_query_gate(&self.get(W::Q(i))?, cfg.attn.n_heads, cfg.attn.head_dim)?;
             Mixer::Attention {
                 slot,
-                q: self.put(be, q, Role::AttnQ, i)?,
-                gate: self.put(be, gate, Role::AttnQ, i)?,
+                q: self.upl.put(be, q, Role::AttnQ, i)?,
+                gate: self.upl.put(be, gate, Role::AttnQ, i)?,
                 k: up(W::K(i))?,
                 // llama.cpp's "more bits" rule counts the attn_v tensors: this one's number
                 // among them is the layer's attention slot.
-                v: self.put(be, self.get(W::V(i))?, Role::AttnV, slot)?,
+                v: self.upl.put(be, self.get(W::V(i))?, Role::AttnV, slot)?,
                 o: up(W::O(i))?,
                 q_norm: self.up_norm(be, W::QNorm(i))?,
                 k_norm: self.up_norm(be, W::KNorm(i))?,
@@ -784,14 +773,14 @@ impl<'f> Reader<'f> {
                 seg.shape = vec![1, cfg.hidden];
                 Ffn::Moe {
                     router: up(W::Router(i))?,
-                    gate: self.put(be, g, Role::FfnGateUp, i)?,
-                    up: self.put(be, u, Role::FfnGateUp, i)?,
-                    down: self.put(be, dn, Role::FfnDown, i)?,
+                    gate: self.upl.put(be, g, Role::FfnGateUp, i)?,
+                    up: self.upl.put(be, u, Role::FfnGateUp, i)?,
+                    down: self.upl.put(be, dn, Role::FfnDown, i)?,
                     shared: Some(SharedExpert {
                         gate: up(W::SharedGate(i))?,
                         up: up(W::SharedUp(i))?,
                         down: up(W::SharedDown(i))?,
-                        gate_w: self.put(be, seg, Role::KeepF32, i)?,
+                        gate_w: self.upl.put(be, seg, Role::KeepF32, i)?,
                     }),
                 }
             }
