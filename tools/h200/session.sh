@@ -29,8 +29,6 @@
 #            check cases
 #   tm       the token-major Q4_K GEMV (FERRITE_GEMV_TM=1): its matmul check cases, then check
 #            --perf of the Q4_K matmuls with it off and on
-#   trigger  FERRITE_ATTN_TRIGGER 0 / 1 / 2: its qk_norm_rope cases, then tg128 A/B on Qwen3-8B
-#            Q8_0 and Q4_K_M and Qwen3-30B-A3B Q4_K_M, two rounds
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
@@ -199,17 +197,6 @@ for stage in "$@"; do
             echo "FERRITE_GEMV_TM=$v"
             FERRITE_GEMV_TM=$v $F check --device cuda --perf --filter "matmul q4_K" 2>&1 | grep -E -- "->(4096|12288|1024) rows=([1-9]|1[0-6]) "
         done | tee "$OUT/tm-perf.txt"
-        ;;
-    trigger)
-        # Where the decode attention lets the o-projection launch (FERRITE_ATTN_TRIGGER:
-        # 0 at its entry, the default; 1 after the key loop; 2 at its exit; ATTENTION.md).
-        $F check --device cuda --filter qk_norm_rope 2>&1 | tail -1
-        for v in 1 2; do FERRITE_ATTN_TRIGGER=$v $F check --device cuda --filter qk_norm_rope 2>&1 | tail -1; done
-        for pq in qwen3-8b:Q8_0 qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M; do
-            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
-            ab_switch FERRITE_ATTN_TRIGGER "0 1 2" "$f" "$pq"
-            rm -f "$f"
-        done | tee "$OUT/trigger-ab.txt"
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)

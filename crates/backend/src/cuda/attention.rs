@@ -321,18 +321,6 @@ struct PagedKernels {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>, arch: &'static str) -> Result<Self> {
         let m = load_module(ctx, arch, "attention", SRC)?;
-        {
-            let stream = ctx.default_stream();
-            let mut sym = m.get_global("attn_trigger", &stream)?;
-            // SAFETY: attn_trigger is a 4-byte `__constant__ int` (attention.cu).
-            let mut v =
-                unsafe { sym.transmute_mut::<i32>(1) }.context("attn_trigger is not an int")?;
-            stream.memcpy_htod(
-                &[super::switches::int_or("FERRITE_ATTN_TRIGGER", 0) as i32],
-                &mut v,
-            )?;
-            stream.synchronize()?;
-        }
         let decode = |pre: &str, post: &str| {
             FAST_HEAD_DIMS
                 .iter()

@@ -260,11 +260,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "QK-norm + RoPE inside the one-row keys-before-the-wait cluster decode attention (Qwen3's rotation: both norms, NeoX over 128 dims): 1 (default), 0 the qk_norm_rope launch before it (ATTENTION.md, 23rd session)",
     ),
     (
-        "FERRITE_ATTN_TRIGGER",
-        Accepts::OneOf(&[0, 1, 2]),
-        "where the ROPE decode attention lets the o-projection launch: 0 (default) after its PDL wait, 1 after its key loop, 2 at its exit (ATTENTION.md, 33rd session)",
-    ),
-    (
         "FERRITE_GEMV_TC5",
         Accepts::OneOf(&[0, 1, 2, 3]),
         "Q5_K decode GEMVs on the tensor-core tile (gemvq_tc_q5_k; the Qwen3.5 linear layers' in-projection): 3 (default) with the two-tile block for the one-row launches it fits at three or two blocks per SM (gemvq_tct_q5_k; 4096 columns at two), 2 at three only, 1 the one-tile block alone, 0 the lane code (MATMUL.md round 69)",

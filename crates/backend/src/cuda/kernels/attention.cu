@@ -119,7 +119,6 @@
 #define TL_MARK_AFTER(k, v)
 #endif
 #define DECODE_THREADS 128
-__constant__ int attn_trigger;  // FERRITE_ATTN_TRIGGER (attention.rs)
 #define DECODE_MIN_CHUNK 32  // attention.rs DECODE_MIN_CHUNK (the launcher passes min_chunk)
 #define PREFILL_THREADS 256
 
@@ -1128,14 +1127,7 @@ __device__ __forceinline__ void attn_decode_impl(
         rope_tab_fill(*rtab, ar, (float)pos_t);
         __syncthreads();
     }
-    // ROPE: where the successor (the o-projection) may launch (attn_trigger: 0 here, 1
-    // after the key loop, 2 at the exit).
-    if constexpr (ROPE) {
-        pdl_wait();
-        if (attn_trigger == 0) pdl_launch_dependents();
-    } else {
-        PDL_ENTRY();
-    }
+    PDL_ENTRY();
 
     const int kvd = (n_heads / group) * HD;
     if constexpr (STORE && !PRE) {
@@ -1307,9 +1299,6 @@ __device__ __forceinline__ void attn_decode_impl(
     }
     __syncthreads();
     if constexpr (ROPE) TL_MARK(1);
-    if constexpr (ROPE) {
-        if (attn_trigger == 1) pdl_launch_dependents();
-    }
     // The block's state per (head, dim): the whole answer when it is the row's only split,
     // else a partial (m, l, acc) for the merge below (CL: in this block's shared memory).
     __shared__ float sm_part[CL ? GB : 1][CL ? HD : 1];
