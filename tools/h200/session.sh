@@ -27,6 +27,9 @@
 #   batch35  the same on Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M (hybrid: each sequence on its
 #            own Gated DeltaNet state slot) at N = 2, 4, 8, 16, after the batched conv/delta
 #            check cases
+#   prefix   serve's prefix cache on / off: 48 requests at 16, 512-token prompts sharing 448,
+#            64 generated (tools/loadgen.py --shared-prefix), on Qwen3-8B and Qwen3.5-9B
+#            Q4_K_M (PREFIX_MODELS="preset:quant ..." for others; bench/serving.md)
 #   tm       the token-major Q4_K GEMV (FERRITE_GEMV_TM=1): its matmul check cases, then check
 #            --perf of the Q4_K matmuls with it off and on
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
@@ -185,6 +188,25 @@ for stage in "$@"; do
             for n in 2 4 8 16; do
                 echo "$pq $($F bench --model "$f" --reps 2 --prompt-tokens 64 --batch $n 2>&1 | grep -E "tg128|rror" | tr '\n' ' ')"
             done | tee -a "$OUT/batch35.txt"
+            rm -f "$f"
+        done
+        ;;
+    prefix)
+        for pq in ${PREFIX_MODELS:-qwen3-8b:Q4_K_M qwen3.5-9b:Q4_K_M}; do
+            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
+            for flag in "" --no-prefix-cache; do
+                $F serve --model "$f" --device cuda --port 18080 --max-batch 16 --max-context 1024 $flag \
+                    > "$OUT/serve-prefix.log" 2>&1 &
+                pid=$!
+                for _ in $(seq 1 600); do
+                    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:18080/health', timeout=1)" 2>/dev/null && break
+                    sleep 0.2
+                done
+                L="python3 tools/loadgen.py --url http://127.0.0.1:18080 --json -c 16 --prompt-tokens 512"
+                $L -n 16 --gen-tokens 8 > /dev/null  # warm-up (graphs), no shared prefix
+                echo "$pq ${flag:-cache}: $($L -n 48 --gen-tokens 64 --shared-prefix 448)"
+                kill $pid; wait $pid 2>/dev/null
+            done | tee -a "$OUT/prefix.txt"
             rm -f "$f"
         done
         ;;
