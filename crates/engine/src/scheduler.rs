@@ -489,8 +489,9 @@ struct Active<'e, B: Backend> {
     /// Its first pages registered in the prefix cache (taken from it at admission, or
     /// registered as they filled), and the registration to chain the next one from.
     prefix: PrefixHit,
-    /// Prompt tokens that came from the prefix cache at its first admission (usage).
-    cached_prompt: usize,
+    /// Prompt tokens that came from the prefix cache at its first admission (usage; `None`
+    /// before it: a later admission, after a preemption, finds pages it computed itself).
+    cached_prompt: Option<usize>,
     /// A hybrid model's prefix cache: the page whose saved state this sequence moves along
     /// as it passes page boundaries past its prompt's (its prompt's own stays).
     rolling_state: Option<u32>,
@@ -584,7 +585,7 @@ impl<'e, B: Backend> Loop<'e, B> {
             room: 1,
             cached: 0,
             prefix: PrefixHit::NONE,
-            cached_prompt: 0,
+            cached_prompt: None,
             rolling_state: None,
             ctx,
             feed: r.prompt,
@@ -686,9 +687,7 @@ impl<'e, B: Backend> Loop<'e, B> {
                     a.spec = spec;
                     a.cached = a.prefix.pages * self.pages.page_size();
                     a.prefilled = a.cached;
-                    if a.generated.is_empty() {
-                        a.cached_prompt = a.cached;
-                    }
+                    a.cached_prompt.get_or_insert(a.cached);
                     self.stats
                         .prefix_hit_tokens
                         .fetch_add(a.cached as u64, Ordering::Relaxed);
@@ -1364,7 +1363,7 @@ fn finish<B: Backend>(a: &mut Active<'_, B>, _tok: &Tokenizer, finish: FinishRea
         usage: Usage {
             prompt_tokens: a.prompt_len,
             completion_tokens: a.generated.len(),
-            cached_tokens: a.cached_prompt,
+            cached_tokens: a.cached_prompt.unwrap_or(0),
         },
     });
     Outcome::Remove

@@ -741,3 +741,87 @@ fn hybrid_prefix_cache_resumes_from_saved_states() {
         s.shutdown();
     }
 }
+
+/// A sink that holds the scheduler thread at its request's first token: it says so on
+/// `held`, then waits for `go` (the test then knows where every sequence stands).
+struct HoldAtFirstToken {
+    tx: std::sync::mpsc::Sender<ferrite_engine::scheduler::Event>,
+    hold: Option<(std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>)>,
+}
+
+impl ferrite_engine::scheduler::EventSink for HoldAtFirstToken {
+    fn send(&mut self, ev: ferrite_engine::scheduler::Event) -> bool {
+        let ok = self.tx.send(ev).is_ok();
+        if let Some((held, go)) = self.hold.take() {
+            let _ = held.send(());
+            let _ = go.recv();
+        }
+        ok
+    }
+}
+
+/// `usage.cached_tokens` counts the prompt tokens the prefix cache gave a request at its
+/// first admission: a request preempted in the middle of its prefill finds its own pages in
+/// the cache when it is admitted again, and those were computed for it, not cached for it.
+#[test]
+fn a_request_preempted_mid_prefill_reports_no_cached_tokens_of_its_own() {
+    use ferrite_engine::scheduler::{Request, RequestParams, Scheduler, SchedulerConfig};
+    use std::sync::atomic::Ordering;
+    for name in MODELS {
+        let (be, model) = load(name);
+        let a: Vec<u32> = vec![1, 900, 901, 902];
+        let b: Vec<u32> = (0..48u32).map(|i| 3 + (i * 53) % 1000).collect();
+        let want_a = plain_greedy(&be, &model, &a, GEN).unwrap();
+        let want_b = plain_greedy(&be, &model, &b, 1).unwrap();
+        // 4 pages of 16. A decodes one token a step while B prefills 2 prompt tokens a step:
+        // A needs its second page when B has prefilled 24 tokens (its first page registered),
+        // and preempts B. B's first page stays cached until A finishes (A needs 3 pages).
+        let s = Scheduler::spawn(
+            tiny_engine(be, model),
+            SchedulerConfig {
+                max_batch: 2,
+                max_context: 64,
+                kv_tokens: 64,
+                page_size: 16,
+                prefill_chunk: 2,
+                ..SchedulerConfig::default()
+            },
+        )
+        .unwrap();
+        let params = |max_tokens| RequestParams {
+            max_tokens,
+            ignore_eos: true,
+            ..RequestParams::default()
+        };
+        let (tx, rx_a) = std::sync::mpsc::channel();
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let (go, go_rx) = std::sync::mpsc::channel();
+        s.submit(Request {
+            prompt: a.clone(),
+            params: params(GEN),
+            sink: Box::new(HoldAtFirstToken {
+                tx,
+                hold: Some((held_tx, go_rx)),
+            }),
+        })
+        .unwrap();
+        // A has prefilled its prompt and holds the scheduler at its first token: B comes in
+        // while A decodes.
+        held.recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap();
+        let rx_b = submit(&s, &b, params(1));
+        go.send(()).unwrap();
+        assert_eq!(collect(rx_a), want_a, "{name}: A");
+        assert_eq!(collect_cached(rx_b), (want_b, 0), "{name}: B");
+        assert!(
+            s.stats().preemptions.load(Ordering::Relaxed) > 0,
+            "{name}: A preempted B"
+        );
+        assert_eq!(
+            s.stats().prefix_hit_tokens.load(Ordering::Relaxed),
+            16,
+            "{name}: B took its own first page back"
+        );
+        s.shutdown();
+    }
+}
