@@ -90,8 +90,9 @@ pub struct SchedulerConfig {
     pub lookup_depth: usize,
     /// Keep the keys and values of full KV pages for later requests that start with the same
     /// tokens ([`crate::pages`]: automatic prefix caching); their prefill then starts after
-    /// the cached pages. Batched steps of models whose state is all in pages (not hybrid
-    /// ones); idle cached pages are evicted before any request waits for pages.
+    /// the cached pages. Hybrid models resume from a Gated DeltaNet state saved where a
+    /// cached page ends ([`crate::pages`]); idle cached pages are evicted before any request
+    /// waits for pages.
     pub prefix_cache: bool,
 }
 
@@ -371,7 +372,7 @@ impl Scheduler {
         if req.params.max_tokens == 0 {
             return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
         }
-        if n + req.params.max_tokens > self.cfg.max_context {
+        if n.saturating_add(req.params.max_tokens) > self.cfg.max_context {
             return Err(SubmitError::Invalid(format!(
                 "the prompt is {n} tokens and max_tokens is {}, but the context is {} tokens",
                 req.params.max_tokens, self.cfg.max_context
