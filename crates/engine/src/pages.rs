@@ -97,6 +97,10 @@ pub struct PrefixHit {
     pub parent: PrefixId,
     pub parent_page: Option<u32>,
     pub state: Option<u32>,
+    /// Pages of the tokens the cache held (≥ `pages`): with saved states, where the matching
+    /// chain ends past the last saved state. Its tokens are computed again, and a state saved
+    /// where they end (a shared prefix's end) lets later sequences resume there.
+    pub matched: usize,
 }
 
 impl PrefixHit {
@@ -106,6 +110,7 @@ impl PrefixHit {
         parent: ROOT,
         parent_page: None,
         state: None,
+        matched: 0,
     };
 }
 
@@ -298,6 +303,7 @@ impl PagePool {
             self.holders[p as usize] += 1;
             table.push(p);
             hit.pages += 1;
+            hit.matched = hit.pages;
             hit.parent = c.entry[p as usize]
                 .as_ref()
                 .expect("indexed pages are registered")
@@ -320,7 +326,10 @@ impl PagePool {
         }
         let mut past = table.split_off(resume.pages);
         self.release(&mut past);
-        resume
+        PrefixHit {
+            matched: hit.pages,
+            ..resume
+        }
     }
 
     /// Registers `page` (held, its positions all computed) as the page after `parent` holding
@@ -592,9 +601,16 @@ mod tests {
         let mut a = vec![];
         assert!(pool.grow(&mut a, 8));
         register_all(&mut pool, &a, &t);
-        // Pages registered but no state saved: nothing to resume from.
+        // Pages registered but no state saved: nothing to resume from (the four pages that
+        // matched are named, for a state to be saved where they end).
         let mut b = vec![];
-        assert_eq!(pool.lookup(&mut b, &t), PrefixHit::NONE);
+        assert_eq!(
+            pool.lookup(&mut b, &t),
+            PrefixHit {
+                matched: 4,
+                ..PrefixHit::NONE
+            }
+        );
         assert!(b.is_empty(), "the pages taken went back");
         assert_eq!(pool.used(), 4);
         // States after pages 1 and 2 (tokens 0..4 and 0..6).
@@ -603,6 +619,7 @@ mod tests {
         assert_eq!(pool.state_slot_for(a[2]), None, "already saved");
         let hit = pool.lookup(&mut b, &t);
         assert_eq!((hit.pages, hit.state, b.len()), (3, Some(s2), 3));
+        assert_eq!(hit.matched, 4, "page 3 matched too, past the last state");
         pool.release(&mut b);
         // A prompt that stops inside page 2: resume after page 1.
         let hit = pool.lookup(&mut b, &t[..5]);
@@ -647,7 +664,8 @@ mod tests {
         let moved = pool.move_state(fresh, e[0]).expect("moved");
         assert_eq!(pool.move_state(fresh, e[0]), None, "nothing left to move");
         let mut f = vec![];
-        assert_eq!(pool.lookup(&mut f, &[1, 2, 3]), PrefixHit::NONE);
+        let hit = pool.lookup(&mut f, &[1, 2, 3]);
+        assert_eq!((hit.pages, hit.state, hit.matched), (0, None, 1));
         let hit = pool.lookup(&mut f, &[9, 9, 1]);
         assert_eq!((hit.pages, hit.parent, hit.state), (1, id, Some(moved)));
     }

@@ -786,11 +786,15 @@ impl<'e, B: Backend> Loop<'e, B> {
             let mut end = ((start / c + 1) * c).min(a.feed.len());
             if self.pages.saves_states() {
                 // A hybrid model's prefix cache resumes only where a state was saved: end a
-                // chunk on the prompt's last page boundary (it depends only on the prompt).
+                // chunk on the prompt's last page boundary (it depends only on the prompt),
+                // and where the cached pages it found stopped matching (the end of a prefix
+                // it shares with an earlier prompt, which saved no state there: the next
+                // prompts sharing it resume at its end, not at the chunk end before it).
                 let ps = self.pages.page_size();
-                let boundary = (a.feed.len() - 1) / ps * ps;
-                if start < boundary && boundary < end {
-                    end = boundary;
+                for boundary in [(a.feed.len() - 1) / ps * ps, a.prefix.matched * ps] {
+                    if start < boundary && boundary < end {
+                        end = boundary;
+                    }
                 }
             }
             if end - start > budget {

@@ -742,6 +742,53 @@ fn hybrid_prefix_cache_resumes_from_saved_states() {
     }
 }
 
+/// A hybrid model's prefix cache where the shared prefix ends inside a prefill chunk: the
+/// first prompt saves states only at its chunk ends, none of which is where a second prompt
+/// stops sharing it; the second prompt (which finds the shared pages but no state on them)
+/// ends a chunk there and saves one, and the third resumes from it.
+#[test]
+fn hybrid_prefix_cache_saves_a_state_where_a_shared_prefix_ends() {
+    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
+    for name in MODELS {
+        let (be, model) = load(name);
+        // 48 shared tokens (three pages of 16), then 32 of each prompt's own.
+        let system: Vec<u32> = (0..48u32).map(|i| 1 + (i * 37) % 1000).collect();
+        let prompt = |k: u32| -> Vec<u32> {
+            let mut p = system.clone();
+            p.extend((0..32u32).map(|i| 2 + (i * 11 + 97 * k) % 1000));
+            p
+        };
+        let prompts: Vec<Vec<u32>> = (0..3).map(prompt).collect();
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| plain_greedy(&be, &model, p, GEN).unwrap())
+            .collect();
+        let s = Scheduler::spawn(
+            tiny_engine(be, model),
+            SchedulerConfig {
+                max_batch: 2,
+                max_context: 160,
+                // Chunks of 64: the first prompt's states at 64 (a chunk end and its last
+                // page boundary), none at 48.
+                prefill_chunk: 64,
+                ..SchedulerConfig::default()
+            },
+        )
+        .unwrap();
+        let params = RequestParams {
+            max_tokens: GEN,
+            ignore_eos: true,
+            ..RequestParams::default()
+        };
+        let run = |p: &[u32]| collect_cached(submit(&s, p, params.clone()));
+        assert_eq!(run(&prompts[0]), (want[0].clone(), 0), "{name}: first");
+        // Its three shared pages are cached but carry no state: it starts from the root.
+        assert_eq!(run(&prompts[1]), (want[1].clone(), 0), "{name}: second");
+        assert_eq!(run(&prompts[2]), (want[2].clone(), 48), "{name}: third");
+        s.shutdown();
+    }
+}
+
 /// A sink that holds the scheduler thread at its request's first token: it says so on
 /// `held`, then waits for `go` (the test then knows where every sequence stands).
 struct HoldAtFirstToken {
