@@ -438,6 +438,23 @@ fn collect(rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>) -> V
     collect_cached(rx).0
 }
 
+/// Greedy to `max_tokens`, whatever the tokens (the tests compare with plain greedy).
+fn greedy_params(max_tokens: usize) -> ferrite_engine::scheduler::RequestParams {
+    ferrite_engine::scheduler::RequestParams {
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Each prompt's plain greedy continuation of GEN tokens (what the scheduler must give).
+fn plain_greedy_all(be: &CpuBackend, m: &Model<CpuBackend>, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .map(|p| plain_greedy(be, m, p, GEN).unwrap())
+        .collect()
+}
+
 /// A request's tokens and the prompt tokens its usage says came from the prefix cache.
 fn collect_cached(
     rx: std::sync::mpsc::Receiver<ferrite_engine::scheduler::Event>,
@@ -636,7 +653,7 @@ fn scheduler_speculation_survives_preemption() {
 /// slot, and every request still gets its plain greedy tokens.
 #[test]
 fn scheduler_batches_hybrid_models() {
-    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
+    use ferrite_engine::scheduler::{Scheduler, SchedulerConfig};
     use std::sync::atomic::Ordering;
     for name in MODELS {
         let (be, model) = load(name);
@@ -647,10 +664,7 @@ fn scheduler_batches_hybrid_models() {
                     .collect()
             })
             .collect();
-        let want: Vec<Vec<u32>> = prompts
-            .iter()
-            .map(|p| plain_greedy(&be, &model, p, GEN).unwrap())
-            .collect();
+        let want = plain_greedy_all(&be, &model, &prompts);
         // 6 pages of 16: three sequences of up to 13 + 40 tokens need 12.
         let s = Scheduler::spawn(
             tiny_engine(be, model),
@@ -663,11 +677,7 @@ fn scheduler_batches_hybrid_models() {
             },
         )
         .unwrap();
-        let params = RequestParams {
-            max_tokens: GEN,
-            ignore_eos: true,
-            ..RequestParams::default()
-        };
+        let params = greedy_params(GEN);
         let rxs: Vec<_> = prompts
             .iter()
             .map(|p| submit(&s, p, params.clone()))
@@ -695,7 +705,7 @@ fn scheduler_batches_hybrid_models() {
 /// shared prefix and a conversation's next turn, each with its plain greedy tokens.
 #[test]
 fn hybrid_prefix_cache_resumes_from_saved_states() {
-    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
+    use ferrite_engine::scheduler::{Scheduler, SchedulerConfig};
     use std::sync::atomic::Ordering;
     for name in MODELS {
         let (be, model) = load(name);
@@ -719,11 +729,7 @@ fn hybrid_prefix_cache_resumes_from_saved_states() {
             },
         )
         .unwrap();
-        let params = RequestParams {
-            max_tokens: GEN,
-            ignore_eos: true,
-            ..RequestParams::default()
-        };
+        let params = greedy_params(GEN);
         // Tokens and the prompt tokens that came from the cache.
         let run = |prompt: &[u32]| collect_cached(submit(&s, prompt, params.clone()));
         assert_eq!(run(&first), (want_first.clone(), 0), "{name}: first");
@@ -748,7 +754,7 @@ fn hybrid_prefix_cache_resumes_from_saved_states() {
 /// ends a chunk there and saves one, and the third resumes from it.
 #[test]
 fn hybrid_prefix_cache_saves_a_state_where_a_shared_prefix_ends() {
-    use ferrite_engine::scheduler::{RequestParams, Scheduler, SchedulerConfig};
+    use ferrite_engine::scheduler::{Scheduler, SchedulerConfig};
     for name in MODELS {
         let (be, model) = load(name);
         // 48 shared tokens (three pages of 16), then 32 of each prompt's own.
@@ -759,10 +765,7 @@ fn hybrid_prefix_cache_saves_a_state_where_a_shared_prefix_ends() {
             p
         };
         let prompts: Vec<Vec<u32>> = (0..3).map(prompt).collect();
-        let want: Vec<Vec<u32>> = prompts
-            .iter()
-            .map(|p| plain_greedy(&be, &model, p, GEN).unwrap())
-            .collect();
+        let want = plain_greedy_all(&be, &model, &prompts);
         let s = Scheduler::spawn(
             tiny_engine(be, model),
             SchedulerConfig {
@@ -775,11 +778,7 @@ fn hybrid_prefix_cache_saves_a_state_where_a_shared_prefix_ends() {
             },
         )
         .unwrap();
-        let params = RequestParams {
-            max_tokens: GEN,
-            ignore_eos: true,
-            ..RequestParams::default()
-        };
+        let params = greedy_params(GEN);
         let run = |p: &[u32]| collect_cached(submit(&s, p, params.clone()));
         assert_eq!(run(&prompts[0]), (want[0].clone(), 0), "{name}: first");
         // Its three shared pages are cached but carry no state: it starts from the root.
@@ -812,7 +811,7 @@ impl ferrite_engine::scheduler::EventSink for HoldAtFirstToken {
 /// the cache when it is admitted again, and those were computed for it, not cached for it.
 #[test]
 fn a_request_preempted_mid_prefill_reports_no_cached_tokens_of_its_own() {
-    use ferrite_engine::scheduler::{Request, RequestParams, Scheduler, SchedulerConfig};
+    use ferrite_engine::scheduler::{Request, Scheduler, SchedulerConfig};
     use std::sync::atomic::Ordering;
     for name in MODELS {
         let (be, model) = load(name);
@@ -835,11 +834,7 @@ fn a_request_preempted_mid_prefill_reports_no_cached_tokens_of_its_own() {
             },
         )
         .unwrap();
-        let params = |max_tokens| RequestParams {
-            max_tokens,
-            ignore_eos: true,
-            ..RequestParams::default()
-        };
+        let params = greedy_params;
         let (tx, rx_a) = std::sync::mpsc::channel();
         let (held_tx, held) = std::sync::mpsc::channel();
         let (go, go_rx) = std::sync::mpsc::channel();
