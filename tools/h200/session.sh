@@ -193,22 +193,16 @@ for stage in "$@"; do
         done
         ;;
     prefix)
+        # tools/h200/serve_bench.sh at 16 sequences, 48 requests of 512 + 64 tokens sharing
+        # 448, serve's default chunk (256) and a 1024-token context, cache on then off.
         for pq in ${PREFIX_MODELS:-qwen3-8b:Q4_K_M qwen3.5-9b:Q4_K_M}; do
-            f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
             for flag in "" --no-prefix-cache; do
-                $F serve --model "$f" --device cuda --port 18080 --max-batch 16 --max-context 1024 $flag \
-                    > "$OUT/serve-prefix.log" 2>&1 &
-                pid=$!
-                for _ in $(seq 1 600); do
-                    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:18080/health', timeout=1)" 2>/dev/null && break
-                    sleep 0.2
-                done
-                L="python3 tools/loadgen.py --url http://127.0.0.1:18080 --json -c 16 --prompt-tokens 512"
-                $L -n 16 --gen-tokens 8 > /dev/null  # warm-up (graphs), no shared prefix
-                echo "$pq ${flag:-cache}: $($L -n 48 --gen-tokens 64 --shared-prefix 448)"
-                kill $pid; wait $pid 2>/dev/null
+                mkdir -p "$OUT/prefix-${pq%%:*}$flag"
+                OUT="$OUT/prefix-${pq%%:*}$flag" F=$F PRESET="${pq%%:*}" QUANT="${pq##*:}" SHARED=448 \
+                    CTX=1024 CHUNK=256 SERVE_FLAGS="$flag" tools/h200/serve_bench.sh 16 48 512 64 > /dev/null
+                echo "$pq ${flag:-cache}: $(cat "$OUT/prefix-${pq%%:*}$flag/loadgen.json")"
             done | tee -a "$OUT/prefix.txt"
-            rm -f "$f"
+            rm -f "$M/${pq%%:*}-${pq##*:}.gguf"
         done
         ;;
     tm)
