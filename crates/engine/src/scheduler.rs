@@ -1126,8 +1126,9 @@ fn save_boundary_state<B: Backend>(
         return;
     };
     // Boundaries inside the prompt (its chunk ends, its last page boundary) each keep a state
-    // of their own: where a shared prefix ends is not known, and a page two prompts share has
-    // one state for both. Past the prompt, one rolling state follows the decode.
+    // of their own: a shared prefix's end is known only to the next prompt that shares it
+    // (`plan` cuts a chunk there), and a page two prompts share has one state for both. Past
+    // the prompt, one rolling state follows the decode.
     let in_prompt = a.cached <= a.feed.len();
     let snap = match a.rolling_state {
         Some(old) if !in_prompt => pool
