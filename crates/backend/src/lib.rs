@@ -509,6 +509,21 @@ pub trait Backend: Send + Sync {
 
     /// Moves a weight into backend memory, keeping its storage type.
     fn upload(&self, t: &HostTensor<'_>) -> Result<Self::Weight>;
+    /// Moves a stacked-experts weight (experts × rows × columns) into backend memory, or,
+    /// once the budget [`Backend::set_expert_budget`] set is spent, into host memory that
+    /// the backend's kernels read in place (a GPU over its bus). Backends whose memory is
+    /// the host's upload it as any other weight.
+    fn upload_experts(&self, t: &HostTensor<'_>) -> Result<Self::Weight> {
+        self.upload(t)
+    }
+    /// How many bytes of stacked experts [`Backend::upload_experts`] may place in device
+    /// memory from now on (`None`: no limit, the default). Ignored by backends without
+    /// memory of their own.
+    fn set_expert_budget(&self, _bytes: Option<u64>) {}
+    /// Bytes of stacked experts held in host memory rather than device memory so far.
+    fn host_expert_bytes(&self) -> u64 {
+        0
+    }
     /// A zero-filled activation matrix with `rows` active rows and that capacity.
     fn zeros(&self, rows: usize, cols: usize) -> Result<Act<Self::Buf>>;
     /// A step input buffer for up to `capacity` rows.

@@ -289,7 +289,7 @@ fn bench_on<B: Backend>(
     a: &BenchArgs,
     ctx: usize,
 ) -> Result<()> {
-    let mut model = load::model(be, file, a.model.quantize)?;
+    let mut model = load::model(be, file, &a.model)?;
     let spec_depth = a.mtp_depth as usize;
     // Speculation's drafter: the MTP head unless scripted drafts are asked for or there is
     // no head to load (scripted drafts then still run a loaded head for its cost).

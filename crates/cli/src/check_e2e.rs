@@ -236,6 +236,12 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             )?);
             // Serve's batched steps (hybrid models: each sequence on its own state slot).
             lines.push(batch_line(be, &m, &what)?);
+            drop(m);
+            // Experts held in host memory (a model larger than the GPU): the same kernels
+            // reading the same bytes across the bus, so the same logits, bit for bit.
+            if moe && be.device_memory().is_some() {
+                lines.extend(host_expert_lines(be, &file, &what, &tokens, &test)?);
+            }
             std::fs::remove_file(&path).ok();
         }
     }
@@ -262,6 +268,45 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
         failed += usize::from(!l.ok);
     }
     Ok(failed)
+}
+
+/// `file` loaded with every stacked expert in host memory (an expert budget of 0 bytes):
+/// its logits on `tokens` must equal `in_vram`'s (the same load in device memory) exactly,
+/// and its prefill/decode gate (the decode step graph-captured) must pass.
+fn host_expert_lines<B: Backend>(
+    be: &B,
+    file: &ModelFile,
+    what: &str,
+    tokens: &[u32],
+    in_vram: &[f32],
+) -> Result<Vec<Line>> {
+    let before = be.host_expert_bytes();
+    be.set_expert_budget(Some(0));
+    let run = || -> Result<(Vec<f32>, Line)> {
+        let (logits, _) = all_logits(be, file, tokens)?;
+        let m = Model::load(be, file, &|_, _| {})?;
+        let gate = gate_line(be, &m, &format!("{what}, experts in host memory"), tokens)?;
+        Ok((logits, gate))
+    };
+    let result = run();
+    be.set_expert_budget(None);
+    let (logits, gate) = result?;
+    let held = be.host_expert_bytes() - before;
+    let differ = logits
+        .iter()
+        .zip(in_vram)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    let exact = Line {
+        what: format!("{what}: experts in host memory vs in VRAM"),
+        ok: held > 0 && differ == 0 && logits.len() == in_vram.len(),
+        detail: format!(
+            "{differ} of {} logits differ (want 0 bits); {:.1} MB of experts held in host memory",
+            in_vram.len(),
+            held as f64 / 1e6 / 2.0 // two loads above
+        ),
+    };
+    Ok(vec![exact, gate])
 }
 
 /// Greedy tokens gate 3 compares, plain against speculative.

@@ -51,6 +51,15 @@ pub struct ModelArgs {
     /// float; tensors stored quantized keep their type.
     #[arg(long, value_enum)]
     pub quantize: Option<Quantize>,
+    /// GPU memory the weights may take, in GiB. A mixture-of-experts model larger than this
+    /// keeps the stacked experts of its last layers in pinned host memory, which the GPU
+    /// reads in place over its bus: it runs, at the bus's speed for those experts (a
+    /// decode step reads its routed experts' bytes across PCIe), instead of failing to
+    /// load. Default: the GPU's free memory at load less 6 GiB for the KV cache,
+    /// activations and workspaces. Models that fit are unaffected; dense weights always go
+    /// to the GPU.
+    #[arg(long, value_name = "GIB")]
+    pub vram_weights: Option<f64>,
 }
 
 /// The mixes `--quantize` applies at load.

@@ -112,14 +112,136 @@ pub fn open(args: &ModelArgs) -> Result<(std::path::PathBuf, ModelFile)> {
     Ok((path, file))
 }
 
+/// GPU memory left free by default for what is not weights: the KV cache, activations,
+/// CUDA graphs and workspaces (`--vram-weights` sets the weights' share directly). A run at
+/// the default context takes well under a GiB of it; the rest is headroom for serving.
+const VRAM_RESERVE_GIB: f64 = 6.0;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// A checkpoint's weights as the GPU holds them ([`ferrite_backend::cuda::ops::upload`]'s
+/// types): bytes of stacked experts and of everything else. Counts every tensor in the file
+/// at its stored (or converted) size, so a `--quantize` load, which shrinks the float
+/// matrices, takes less than this.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuFootprint {
+    pub experts: u64,
+    pub dense: u64,
+}
+
+impl GpuFootprint {
+    pub fn of(file: &ModelFile) -> GpuFootprint {
+        let mut f = GpuFootprint::default();
+        let mut add = |expert: bool, n: u64| {
+            if expert {
+                f.experts += n
+            } else {
+                f.dense += n
+            }
+        };
+        match file {
+            ModelFile::Gguf(g) => {
+                for t in g.tensor_infos() {
+                    let n: usize = t.shape.iter().product();
+                    let held = if t.shape.len() == 1 {
+                        4 * n
+                    } else {
+                        let d = ferrite_backend::cuda::ops::device_type(t.dtype);
+                        d.bytes_for(n).unwrap_or(t.n_bytes)
+                    };
+                    add(t.shape.len() == 3, held as u64);
+                }
+            }
+            ModelFile::Safetensors(c) => {
+                for t in c.tensor_infos() {
+                    let n: usize = t.shape.iter().product();
+                    let held = if let Some(m) = c.converted_elements(&t.name) {
+                        2 * m // BF16
+                    } else if t.shape.len() == 1 {
+                        4 * n
+                    } else if let Some(g) = t.ggml {
+                        g.bytes_for(n).unwrap_or(0)
+                    } else {
+                        c.raw_tensor(&t.name).map_or(0, |(_, b)| b.len())
+                    };
+                    // Checkpoints store experts one matrix each (`mlp.experts.E.gate_proj`)
+                    // or stacked (`mlp.experts.gate_up_proj`); the loader stacks them either
+                    // way. By name: other tensors are 3-D too (Qwen3.5's conv taps). The
+                    // MTP head's experts (`mtp.*`, loaded on request) always go to the GPU.
+                    let expert = t.name.contains(".experts.") && !t.name.starts_with("mtp.");
+                    add(expert, held as u64);
+                }
+            }
+        }
+        f
+    }
+}
+
+/// How many bytes of stacked experts may go to the GPU when its weights may take `budget`
+/// bytes: `None` when everything fits (no limit), else what the dense weights leave (0 when
+/// they take it all: every expert in host memory, the dense weights tried as they are).
+pub fn expert_budget(budget: u64, f: GpuFootprint) -> Option<u64> {
+    if f.dense.saturating_add(f.experts) <= budget || f.experts == 0 {
+        None
+    } else {
+        Some(budget.saturating_sub(f.dense))
+    }
+}
+
+/// Sets the backend's expert budget for `file` ([`expert_budget`]) where the backend has
+/// device memory, saying what it decided.
+fn plan_experts<B: Backend>(be: &B, file: &ModelFile, vram_weights: Option<f64>) -> Result<()> {
+    let Some((used, total)) = be.device_memory() else {
+        anyhow::ensure!(
+            vram_weights.is_none(),
+            "--vram-weights: the CPU backend holds its weights in host memory (GPU only)"
+        );
+        return Ok(());
+    };
+    let budget = match vram_weights {
+        Some(g) => {
+            anyhow::ensure!(
+                g.is_finite() && g >= 0.0,
+                "--vram-weights {g}: expected a size in GiB, 0 or more"
+            );
+            (g * GIB) as u64
+        }
+        None => total
+            .saturating_sub(used)
+            .saturating_sub((VRAM_RESERVE_GIB * GIB) as u64),
+    };
+    let f = GpuFootprint::of(file);
+    be.set_expert_budget(expert_budget(budget, f));
+    if f.dense.saturating_add(f.experts) > budget {
+        let what = if f.experts == 0 {
+            "a dense model's weights all go to the GPU; the load may run out of memory"
+        } else if f.dense > budget {
+            "every expert will be held in host memory, and the dense weights may not fit"
+        } else {
+            "the experts that do not fit are held in pinned host memory and read over the bus"
+        };
+        tracing::warn!(
+            "the weights take ~{:.2} GiB on the GPU ({:.2} GiB of them experts), more than the \
+             {:.2} GiB {}: {what}",
+            (f.dense + f.experts) as f64 / GIB,
+            f.experts as f64 / GIB,
+            budget as f64 / GIB,
+            if vram_weights.is_some() {
+                "--vram-weights allows"
+            } else {
+                "free for them (the free memory less the reserve for the KV cache)"
+            },
+        );
+    }
+    Ok(())
+}
+
 /// Uploads the weights with a progress bar (shown only on a terminal, for models that take
-/// a moment).
-pub fn model<B: Backend>(
-    be: &B,
-    file: &ModelFile,
-    quantize: Option<crate::Quantize>,
-) -> Result<Model<B>> {
+/// a moment), experts past the GPU's room in host memory ([`plan_experts`]).
+pub fn model<B: Backend>(be: &B, file: &ModelFile, args: &ModelArgs) -> Result<Model<B>> {
+    let quantize = args.quantize;
     let t0 = Instant::now();
+    plan_experts(be, file, args.vram_weights)?;
     if let ModelFile::Safetensors(c) = file {
         let mut forms = std::collections::BTreeMap::new();
         for t in c.tensor_infos() {
@@ -170,6 +292,15 @@ pub fn model<B: Backend>(
         quantize.map(crate::Quantize::mix),
     )?;
     bar.finish_and_clear();
+    let host = be.host_expert_bytes();
+    if host > 0 {
+        tracing::info!(
+            "{:.2} GiB of experts held in host memory (of {:.2} GiB): the GPU reads them over \
+             its bus, so steps that route to them are bound by it",
+            host as f64 / GIB,
+            model.weight_bytes.experts as f64 / GIB
+        );
+    }
     if let Some((used, total)) = be.device_memory() {
         tracing::info!(
             "device memory: {:.2} GiB used of {:.2} GiB",
@@ -198,10 +329,95 @@ pub fn engine_with<B: Backend>(be: B, args: &ModelArgs, mtp: bool) -> Result<Eng
     let (path, file) = open(args)?;
     let tok = tokenizer_for(&file, &path)?
         .with_context(|| format!("{} has no tokenizer (tokenizer.json)", path.display()))?;
-    let mut model = model(&be, &file, args.quantize)?;
+    let mut model = model(&be, &file, args)?;
     if mtp {
         model.load_mtp(&be, &file)?;
         tracing::info!("loaded the MTP head for speculative decoding");
     }
     Ok(Engine { be, model, tok })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn oracle(name: &str) -> ModelFile {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle");
+        ModelFile::open(&dir.join(name)).unwrap()
+    }
+
+    /// The oracle checkpoints store experts one matrix each (`mlp.experts.E.*`); the
+    /// footprint counts them as experts at BF16's 2 bytes, and the shared expert and the MTP
+    /// head's experts (which never leave the GPU) as dense.
+    #[test]
+    fn footprint_splits_experts_from_the_rest() {
+        let dense = GpuFootprint::of(&oracle("qwen3-tiny"));
+        assert_eq!(dense.experts, 0);
+        assert!(dense.dense > 0);
+        for moe in ["qwen3-moe-tiny", "qwen35-moe-tiny"] {
+            let f = GpuFootprint::of(&oracle(moe));
+            let ModelFile::Safetensors(c) = oracle(moe) else {
+                unreachable!()
+            };
+            let experts: u64 = c
+                .tensor_infos()
+                .iter()
+                .filter(|t| t.name.contains(".experts.") && !t.name.starts_with("mtp."))
+                .map(|t| 2 * t.shape.iter().product::<usize>() as u64)
+                .sum();
+            assert!(experts > 0, "{moe}");
+            assert_eq!(f.experts, experts, "{moe}");
+            assert!(f.dense > 0, "{moe}");
+        }
+    }
+
+    /// A GGUF's stacked experts (3-D `ffn_*_exps`) are what the loader uploads as experts.
+    #[test]
+    fn footprint_of_a_gguf_matches_the_loaded_experts() {
+        use crate::synth::{Preset, SynthArgs, SynthQuant};
+        let path =
+            std::env::temp_dir().join(format!("ferrite-footprint-{}.gguf", std::process::id()));
+        crate::synth::synth(&SynthArgs {
+            preset: Preset::TinyQwen3Moe,
+            quant: SynthQuant::Q4_K_M,
+            output: path.clone(),
+            vocab: None,
+            seed: 1,
+            layers: None,
+            mtp: false,
+        })
+        .unwrap();
+        let file = ModelFile::open(&path).unwrap();
+        let f = GpuFootprint::of(&file);
+        let be = ferrite_backend::cpu::CpuBackend::new();
+        let m = Model::load(&be, &file, &|_, _| {}).unwrap();
+        std::fs::remove_file(&path).ok();
+        assert!(f.experts > 0);
+        assert_eq!(f.experts, m.weight_bytes.experts);
+        // The rest as the GPU holds it: norms widened to f32, so at least what the CPU load
+        // counts.
+        assert!(f.dense >= m.weight_bytes.other + m.weight_bytes.embed);
+    }
+
+    #[test]
+    fn expert_budget_is_what_the_dense_weights_leave() {
+        let f = GpuFootprint {
+            experts: 100,
+            dense: 30,
+        };
+        // Everything fits: no limit.
+        assert_eq!(expert_budget(130, f), None);
+        assert_eq!(expert_budget(1000, f), None);
+        // Experts spill: what the dense weights leave.
+        assert_eq!(expert_budget(129, f), Some(99));
+        assert_eq!(expert_budget(30, f), Some(0));
+        // The dense weights alone too large: every expert in host memory.
+        assert_eq!(expert_budget(10, f), Some(0));
+        // A dense model is never limited (nothing to move; the load reports its own error).
+        let dense = GpuFootprint {
+            experts: 0,
+            dense: 30,
+        };
+        assert_eq!(expert_budget(10, dense), None);
+    }
 }

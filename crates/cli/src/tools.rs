@@ -29,7 +29,7 @@ pub fn logits(a: &LogitsArgs) -> Result<()> {
 }
 
 fn logits_on<B: ferrite_backend::Backend>(be: &B, file: &ModelFile, a: &LogitsArgs) -> Result<()> {
-    let model = load::model(be, file, a.model.quantize)?;
+    let model = load::model(be, file, &a.model)?;
     anyhow::ensure!(!a.tokens.is_empty(), "--tokens is empty");
     if let Some(&bad) = a.tokens.iter().find(|&&t| t as usize >= model.cfg.vocab) {
         anyhow::bail!(

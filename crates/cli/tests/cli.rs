@@ -323,6 +323,11 @@ fn run_checks_the_context_before_the_gate() {
         &run_without_model("--max-tokens", "0"),
         "max_tokens must be at least 1",
     );
+    // --vram-weights is the GPU's: the CPU backend refuses it rather than ignoring it.
+    assert_clean_error(
+        &run_with("hi", "4", &["--vram-weights", "1"]),
+        "--vram-weights: the CPU backend holds its weights in host memory",
+    );
     let out = run(&"word ".repeat(300), "1");
     std::fs::remove_file(&path).ok();
     let stderr = String::from_utf8_lossy(&out.stderr);

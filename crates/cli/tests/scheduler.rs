@@ -34,6 +34,7 @@ fn default_engine() -> ferrite_engine::Engine<ferrite_backend::cpu::CpuBackend> 
             threads: None,
             kv_cache_q8: false,
             quantize: None,
+            vram_weights: None,
         },
     )
     .expect("default model loads")

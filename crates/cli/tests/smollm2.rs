@@ -27,6 +27,7 @@ fn engine() -> ferrite_engine::Engine<ferrite_backend::cpu::CpuBackend> {
             threads: None,
             kv_cache_q8: false,
             quantize: None,
+            vram_weights: None,
         },
     )
     .expect("default model loads")

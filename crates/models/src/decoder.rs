@@ -413,7 +413,13 @@ impl Uploader {
         let mut b = self.bytes.get();
         b.count(&t, role);
         self.bytes.set(b);
-        be.upload(&t)
+        if t.shape.len() == 3 {
+            // Stacked experts: the backend may hold them in host memory when its device
+            // memory runs short (`Backend::upload_experts`).
+            be.upload_experts(&t)
+        } else {
+            be.upload(&t)
+        }
     }
 
     /// What it has uploaded so far.

@@ -555,7 +555,7 @@ pub fn causal_conv1d(
         be.stream
             .kernel(&be.gated_delta.conv)
             .arg(&x.buf)
-            .arg(&w.data)
+            .arg(&*w.data)
             .arg(&wtype)
             .arg(&wrb)
             .arg(&mut state)

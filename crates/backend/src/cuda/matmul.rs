@@ -1046,7 +1046,7 @@ pub fn matmul(
             unsafe {
                 be.stream
                     .kernel(func)
-                    .arg(&w.data)
+                    .arg(&*w.data)
                     .arg(&rb)
                     .arg(&n_out_i)
                     .arg(&n_in_i)
@@ -1089,7 +1089,7 @@ pub fn matmul(
         unsafe {
             be.stream
                 .kernel(&be.matmul.gemv[ti][ri])
-                .arg(&w.data)
+                .arg(&*w.data)
                 .arg(&rb)
                 .arg(&n_out_i)
                 .arg(&n_in_i)
@@ -1181,7 +1181,7 @@ fn tm_launch(
     unsafe {
         be.stream
             .kernel(func)
-            .arg(&w.data)
+            .arg(&*w.data)
             .arg(&rb)
             .arg(&n_out_i)
             .arg(&n_in_i)
@@ -1516,9 +1516,9 @@ fn gemvq_launch(
         _ => None,
     };
     let mut launch = be.stream.kernel(f);
-    launch.arg(&w.data);
+    launch.arg(&*w.data);
     if let Some(up) = up {
-        launch.arg(&up.data);
+        launch.arg(&*up.data);
     }
     launch
         .arg(&rb)
@@ -2349,8 +2349,8 @@ pub fn matmul_swiglu(
         unsafe {
             be.stream
                 .kernel(&fams[ri])
-                .arg(&gate.data)
-                .arg(&up.data)
+                .arg(&*gate.data)
+                .arg(&*up.data)
                 .arg(&rb)
                 .arg(&n_out_i)
                 .arg(&n_in_i)
@@ -2438,7 +2438,7 @@ pub fn matmul_add(
     unsafe {
         be.stream
             .kernel(f)
-            .arg(&w.data)
+            .arg(&*w.data)
             .arg(&rb)
             .arg(&n_out_i)
             .arg(&n_in_i)
@@ -2514,7 +2514,7 @@ pub fn rms_norm_matmuls(
             unsafe {
                 be.stream
                     .kernel(&deferred_kernels(be, t, 0)?[ri])
-                    .arg(&ws[i].data)
+                    .arg(&*ws[i].data)
                     .arg(&rb)
                     .arg(&n_out_i)
                     .arg(&n_in_i)
@@ -2623,8 +2623,8 @@ pub fn rms_norm_matmul_swiglu(
     unsafe {
         be.stream
             .kernel(&deferred_kernels(be, gate.dtype, 2)?[gemv_r_index(rows)?])
-            .arg(&gate.data)
-            .arg(&up.data)
+            .arg(&*gate.data)
+            .arg(&*up.data)
             .arg(&rb)
             .arg(&n_out_i)
             .arg(&n_in_i)
@@ -2855,7 +2855,7 @@ pub fn matmul_add_for_norm(
         unsafe {
             be.stream
                 .kernel(f)
-                .arg(&w.data)
+                .arg(&*w.data)
                 .arg(&rb_i)
                 .arg(&n_out_i)
                 .arg(&n_in_i)
@@ -2909,7 +2909,7 @@ pub fn matmul_add_for_norm(
         unsafe {
             be.stream
                 .kernel(&tc2[0][gemv_r_index(rows)?])
-                .arg(&w.data)
+                .arg(&*w.data)
                 .arg(&rb_i)
                 .arg(&n_out_i)
                 .arg(&n_in_i)
@@ -3084,7 +3084,7 @@ fn tckn_launch(
     unsafe {
         be.stream
             .kernel(f)
-            .arg(&w.data)
+            .arg(&*w.data)
             .arg(&rb_i)
             .arg(&n_out_i)
             .arg(&n_in_i)
@@ -3194,8 +3194,8 @@ pub fn rms_norm_matmul_swiglu_handed(
             };
             let mut launch = be.stream.kernel(f);
             launch
-                .arg(&gate.data)
-                .arg(&up.data)
+                .arg(&*gate.data)
+                .arg(&*up.data)
                 .arg(&rb_i)
                 .arg(&n_out_i)
                 .arg(&n_in_i)
@@ -3230,8 +3230,8 @@ pub fn rms_norm_matmul_swiglu_handed(
         unsafe {
             be.stream
                 .kernel(&fs[gemv_r_index(rows)?])
-                .arg(&gate.data)
-                .arg(&up.data)
+                .arg(&*gate.data)
+                .arg(&*up.data)
                 .arg(&rb_i)
                 .arg(&n_out_i)
                 .arg(&n_in_i)
@@ -3265,8 +3265,8 @@ pub fn rms_norm_matmul_swiglu_handed(
     unsafe {
         be.stream
             .kernel(w4.unwrap_or(&tc2[1][gemv_r_index(rows)?]))
-            .arg(&gate.data)
-            .arg(&up.data)
+            .arg(&*gate.data)
+            .arg(&*up.data)
             .arg(&rb_i)
             .arg(&n_out_i)
             .arg(&n_in_i)
@@ -3420,7 +3420,7 @@ fn mm_launch(
         unsafe {
             be.stream
                 .kernel(&be.matmul.mm[ti][bi])
-                .arg(&w.data)
+                .arg(&*w.data)
                 .arg(&rb)
                 .arg(&n_out_i)
                 .arg(&n_in_i)

@@ -262,7 +262,7 @@ fn launch_mm(
     unsafe {
         be.stream
             .kernel(&be.mmq.mm[ti][bi])
-            .arg(&w.data)
+            .arg(&*w.data)
             .arg(&rb_i)
             .arg(&n_out_i)
             .arg(&n_in_i)

@@ -254,8 +254,8 @@ pub fn matmul_swiglu(
         unsafe {
             be.stream
                 .kernel(&be.mmw.swiglu[ti][ti_tile])
-                .arg(&gate.data)
-                .arg(&up.data)
+                .arg(&*gate.data)
+                .arg(&*up.data)
                 .arg(&rb_i)
                 .arg(&n_out_i)
                 .arg(&n_in_i)

@@ -51,19 +51,77 @@ const TIMELINE_CUH: &str = include_str!("kernels/timeline.cuh");
 
 /// A weight in VRAM, in its file type (quantized blocks exactly as stored in the GGUF).
 /// 1-D weights (norm scales) are converted to f32 at upload: they are tiny and read often.
+///
+/// Stacked experts past the expert budget ([`ops::upload_experts`]) live in pinned host
+/// memory mapped into the device's address space instead: `data` is then that memory's
+/// device address, which every kernel reads as it reads VRAM (each load crossing the bus),
+/// so no kernel knows where its weight is.
 pub struct CudaWeight {
     pub dtype: GgmlType,
     /// Row-major shape; the last dimension is contiguous.
     pub shape: Vec<usize>,
-    pub data: CudaSlice<u8>,
+    /// The bytes' device address. Dropped by [`CudaWeight`]'s `Drop`: freed as device
+    /// memory, or, for a host-held weight, released with `host`.
+    pub data: std::mem::ManuallyDrop<CudaSlice<u8>>,
+    /// The pinned host memory `data` maps, for a weight held in host memory.
+    host: Option<cudarc::driver::PinnedHostSlice<u8>>,
 }
 
 impl CudaWeight {
+    /// A weight in device memory.
+    pub(crate) fn in_vram(dtype: GgmlType, shape: Vec<usize>, data: CudaSlice<u8>) -> Self {
+        CudaWeight {
+            dtype,
+            shape,
+            data: std::mem::ManuallyDrop::new(data),
+            host: None,
+        }
+    }
+
+    /// A weight in pinned host memory `host`, `data` being its device address.
+    pub(crate) fn in_host(
+        dtype: GgmlType,
+        shape: Vec<usize>,
+        data: CudaSlice<u8>,
+        host: cudarc::driver::PinnedHostSlice<u8>,
+    ) -> Self {
+        CudaWeight {
+            dtype,
+            shape,
+            data: std::mem::ManuallyDrop::new(data),
+            host: Some(host),
+        }
+    }
+
     /// Bytes of one row (the last dimension).
     pub fn row_bytes(&self) -> usize {
         self.shape
             .last()
             .map_or(0, |&n| n / self.dtype.block_size() * self.dtype.type_size())
+    }
+
+    /// Whether the weight is held in host memory (read by the kernels across the bus).
+    pub fn in_host_memory(&self) -> bool {
+        self.host.is_some()
+    }
+}
+
+impl Drop for CudaWeight {
+    fn drop(&mut self) {
+        // SAFETY: `data` is taken once, here, and not used after.
+        let data = unsafe { std::mem::ManuallyDrop::take(&mut self.data) };
+        if self.host.is_some() {
+            // Host memory is not the device allocator's to free: wait for every kernel
+            // that may still read it, forget the device view, and let `host` free the
+            // pages (PinnedHostSlice's own drop).
+            let stream = data.stream().clone();
+            data.leak();
+            if let Err(e) = stream.synchronize() {
+                tracing::warn!("synchronizing before freeing a host-held weight: {e}");
+            }
+        } else {
+            drop(data);
+        }
     }
 }
 
@@ -82,6 +140,8 @@ pub struct CudaBackend {
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
+    /// How many bytes of stacked experts may still go to VRAM ([`ops::upload_experts`]).
+    pub expert_budget: ops::ExpertBudget,
 }
 
 /// The bf16 decoders shared by the prefill matmul kernels (`matmul.cu`'s `mm_`, the wgmma
@@ -286,6 +346,7 @@ impl CudaBackend {
             attention: attention::Kernels::load(&ctx, arch)?,
             moe: moe::Kernels::load(&ctx, arch)?,
             gated_delta: gated_delta::Kernels::load(&ctx, arch)?,
+            expert_budget: Default::default(),
             ctx,
             stream,
             arch,
@@ -338,6 +399,18 @@ impl Backend for CudaBackend {
 
     fn upload(&self, t: &HostTensor<'_>) -> Result<CudaWeight> {
         ops::upload(self, t)
+    }
+
+    fn upload_experts(&self, t: &HostTensor<'_>) -> Result<CudaWeight> {
+        ops::upload_experts(self, t)
+    }
+
+    fn set_expert_budget(&self, bytes: Option<u64>) {
+        self.expert_budget.set(bytes);
+    }
+
+    fn host_expert_bytes(&self) -> u64 {
+        self.expert_budget.host_bytes()
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> Result<Act<CudaSlice<f32>>> {

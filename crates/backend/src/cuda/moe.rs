@@ -557,11 +557,11 @@ fn moe_with(
             .kernel(&be.moe.gate_up)
             .arg(&x.buf)
             .arg(&s.ids)
-            .arg(&g.data)
+            .arg(&*g.data)
             .arg(&g_ty)
             .arg(&g_rb)
             .arg(&g_a16)
-            .arg(&u.data)
+            .arg(&*u.data)
             .arg(&u_ty)
             .arg(&u_rb)
             .arg(&u_a16)
@@ -585,7 +585,7 @@ fn moe_with(
             .arg(&s.h)
             .arg(&s.ids)
             .arg(&s.wts)
-            .arg(&d.data)
+            .arg(&*d.data)
             .arg(&d_ty)
             .arg(&d_rb)
             .arg(&d_a16)
@@ -717,8 +717,8 @@ fn quantized_experts(
     let pf_rb = if be.matmul.moe_down_prefetch { d_rb } else { 0 };
     let mut launch = be.stream.kernel(gu_kernel);
     launch
-        .arg(&g.data)
-        .arg(&u.data)
+        .arg(&*g.data)
+        .arg(&*u.data)
         .arg(&gu_rb)
         .arg(&ff)
         .arg(&hid)
@@ -731,10 +731,13 @@ fn quantized_experts(
         .arg(&mut s.hq)
         .arg(&mut s.hd)
         .arg(&mut s.tickets)
-        .arg(&d.data)
+        .arg(&*d.data)
         .arg(&pf_rb);
     if let Some(sh) = &shared {
-        launch.arg(&sh.w.0.data).arg(&sh.w.1.data).arg(&sh.w.2.data);
+        launch
+            .arg(&*sh.w.0.data)
+            .arg(&*sh.w.1.data)
+            .arg(&*sh.w.2.data);
     }
     if gu_cluster {
         launch.cluster((2, 1, 1));
@@ -762,7 +765,7 @@ fn quantized_experts(
         .stream
         .kernel(shared.as_ref().map_or(&dk[1], |sh| sh.down));
     launch
-        .arg(&d.data)
+        .arg(&*d.data)
         .arg(&d_rb)
         .arg(&hid)
         .arg(&ff)
@@ -774,7 +777,7 @@ fn quantized_experts(
         .arg(&norm)
         .arg(&mut out.buf);
     if let Some(sh) = &shared {
-        launch.arg(&sh.w.2.data).arg(&x.buf).arg(&sh.gate.data);
+        launch.arg(&*sh.w.2.data).arg(&x.buf).arg(&*sh.gate.data);
     }
     // SAFETY: as above; down has `hidden` rows of d_rb bytes per expert (and the shared
     // expert's down `hidden` rows of the same type and size: moe_shared checked them); out
@@ -855,8 +858,8 @@ fn grouped_experts(
     unsafe {
         be.stream
             .kernel(&be.moe.mm_gu[gi])
-            .arg(&g.data)
-            .arg(&u.data)
+            .arg(&*g.data)
+            .arg(&*u.data)
             .arg(&gu_rb)
             .arg(&ff)
             .arg(&hid)
@@ -880,7 +883,7 @@ fn grouped_experts(
     unsafe {
         be.stream
             .kernel(&be.moe.mm_down[di])
-            .arg(&d.data)
+            .arg(&*d.data)
             .arg(&d_rb)
             .arg(&hid)
             .arg(&ff)

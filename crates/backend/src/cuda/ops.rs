@@ -1,9 +1,10 @@
 //! Launchers for the small ops (`kernels/elementwise.cu`) and weight upload.
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use ferrite_formats::{quant, GgmlType};
 
@@ -94,6 +95,17 @@ pub fn device_type(t: GgmlType) -> GgmlType {
 /// power of two) is a BF16 number, so the kernels compute on exactly the stored weights, at
 /// BF16's size.
 pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
+    let (dtype, bytes) = held(t)?;
+    let data = if bytes.is_empty() {
+        be.stream.alloc_zeros::<u8>(1)?
+    } else {
+        be.stream.clone_htod(&bytes[..])?
+    };
+    Ok(CudaWeight::in_vram(dtype, t.shape.clone(), data))
+}
+
+/// What a weight is held as on the device: its type and bytes ([`upload`]'s conversions).
+fn held<'a>(t: &'a HostTensor<'_>) -> Result<(GgmlType, Cow<'a, [u8]>)> {
     let n = t.validate()?;
     // 1-D weights as f32, a type without kernels in the type it is held in (decoded, then
     // encoded: exact for MXFP4 into BF16), the rest as stored.
@@ -111,16 +123,103 @@ pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
         quant::quantize(held, &f, &mut out)?;
         (held, Cow::Owned(out))
     };
-    let data = if bytes.is_empty() {
-        be.stream.alloc_zeros::<u8>(1)?
-    } else {
-        be.stream.clone_htod(&bytes[..])?
-    };
-    Ok(CudaWeight {
-        dtype,
-        shape: t.shape.clone(),
-        data,
-    })
+    Ok((dtype, bytes))
+}
+
+/// Where stacked experts go: device memory up to `limit` bytes of them, host memory after
+/// ([`upload_experts`]). `limit` is `u64::MAX` until a load sets one.
+#[derive(Debug)]
+pub struct ExpertBudget {
+    limit: AtomicU64,
+    device: AtomicU64,
+    host: AtomicU64,
+}
+
+impl Default for ExpertBudget {
+    fn default() -> Self {
+        ExpertBudget {
+            limit: AtomicU64::new(u64::MAX),
+            device: AtomicU64::new(0),
+            host: AtomicU64::new(0),
+        }
+    }
+}
+
+impl ExpertBudget {
+    /// From now on, at most `bytes` more of experts in device memory (`None`: no limit).
+    pub fn set(&self, bytes: Option<u64>) {
+        let placed = self.device.load(Ordering::Relaxed);
+        let limit = bytes.map_or(u64::MAX, |b| placed.saturating_add(b));
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    /// Bytes of experts placed in host memory so far.
+    pub fn host_bytes(&self) -> u64 {
+        self.host.load(Ordering::Relaxed)
+    }
+
+    /// Takes `n` bytes of the budget if they fit (true: the weight goes to device memory),
+    /// else counts them as host-held. Loads upload one tensor at a time, so the check and
+    /// the add need not be one atomic step.
+    fn place(&self, n: u64) -> bool {
+        let device = self.device.load(Ordering::Relaxed);
+        if device.saturating_add(n) <= self.limit.load(Ordering::Relaxed) {
+            self.device.store(device + n, Ordering::Relaxed);
+            true
+        } else {
+            self.host.fetch_add(n, Ordering::Relaxed);
+            false
+        }
+    }
+}
+
+/// [`upload`] for stacked experts: into VRAM while the backend's [`ExpertBudget`] lasts,
+/// else into pinned host memory mapped into the device's address space
+/// (`CU_MEMHOSTALLOC_DEVICEMAP`), whose device address the kernels read as they read VRAM.
+/// A decode step then moves its routed experts' bytes across the bus (PCIe: ~50 GB/s at
+/// best against VRAM's ~4.3 TB/s), so a model whose experts do not all fit runs, slower,
+/// instead of failing to load. Pinned, not pageable: the GPU cannot fault host pages in.
+pub fn upload_experts(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
+    let (dtype, bytes) = held(t)?;
+    if bytes.is_empty() || be.expert_budget.place(bytes.len() as u64) {
+        return upload(be, t);
+    }
+    let len = bytes.len();
+    let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP
+        | cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+    // SAFETY: the memory is written whole below before any kernel can read it.
+    let mut host =
+        unsafe { be.ctx.alloc_pinned_with_flags::<u8>(len, flags) }.with_context(|| {
+            format!(
+                "pinning {:.2} GiB of host memory for experts that do not fit in the GPU's \
+             (experts past the host's memory are not supported: use a smaller quantization \
+             or a machine with more memory)",
+                len as f64 / (1u64 << 30) as f64
+            )
+        })?;
+    {
+        use rayon::prelude::*;
+        const CHUNK: usize = 16 << 20;
+        let dst = host.as_mut_slice()?;
+        dst.par_chunks_mut(CHUNK)
+            .zip(bytes.par_chunks(CHUNK))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+    }
+    let mut dptr: cudarc::driver::sys::CUdeviceptr = 0;
+    // SAFETY: `host` is a live DEVICEMAP allocation of `len` bytes; the call writes dptr.
+    unsafe {
+        cudarc::driver::sys::cuMemHostGetDevicePointer_v2(
+            &mut dptr,
+            host.as_mut_ptr()? as *mut std::ffi::c_void,
+            0,
+        )
+        .result()
+        .context("mapping pinned host memory into the device's address space")?;
+    }
+    // SAFETY: dptr addresses `len` bytes (the mapping above); CudaWeight's Drop leaks this
+    // view rather than freeing it as device memory, and frees `host` after it.
+    let data = unsafe { be.stream.upgrade_device_ptr::<u8>(dptr, len) };
+    Ok(CudaWeight::in_host(dtype, t.shape.clone(), data, host))
 }
 
 /// The f32 view of a 1-D weight uploaded by [`upload`].
@@ -161,7 +260,7 @@ pub fn embed(
     unsafe {
         be.stream
             .kernel(&be.ops.embed)
-            .arg(&table.data)
+            .arg(&*table.data)
             .arg(&ty)
             .arg(&rb)
             .arg(&step.tokens)
@@ -465,7 +564,7 @@ pub fn add_rms_norm_gemv(
         .arg(&eps);
     xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
     launch
-        .arg(&wm.data)
+        .arg(&*wm.data)
         .arg(&n_out_i)
         .arg(&ks_i)
         .arg(&mut out.buf);
