@@ -181,6 +181,14 @@ pub fn info(a: &InfoArgs) -> Result<()> {
             held as f64 / (1u64 << 30) as f64,
             kv_per_1k as f64 / (1 << 20) as f64
         );
+        let experts = load::GpuFootprint::of(&file).experts;
+        if experts > 0 {
+            println!(
+                "               {:.2} GiB of the weights are routed experts (what does not fit \
+                 the GPU is held in host memory: --vram-weights)",
+                experts as f64 / (1u64 << 30) as f64
+            );
+        }
     }
     println!(
         "tensors:       {} ({:.2} MiB)",
