@@ -52,12 +52,11 @@ pub struct ModelArgs {
     #[arg(long, value_enum)]
     pub quantize: Option<Quantize>,
     /// GPU memory the weights may take, in GiB. A mixture-of-experts model larger than this
-    /// keeps the stacked experts of its last layers in pinned host memory, which the GPU
-    /// reads in place over its bus: it runs, at the bus's speed for those experts (a
-    /// decode step reads its routed experts' bytes across PCIe), instead of failing to
-    /// load. Default: the GPU's free memory at load less 6 GiB for the KV cache,
-    /// activations and workspaces. Models that fit are unaffected; dense weights always go
-    /// to the GPU.
+    /// keeps the stacked experts that do not fit (in load order: mostly the last layers') in
+    /// pinned host memory, which the GPU reads in place over its bus: it runs, at the bus's
+    /// speed for those experts (a decode step reads its routed experts' bytes across PCIe),
+    /// instead of failing to load. Default: the GPU's free memory at load less 6 GiB for
+    /// the KV cache, activations and workspaces. Dense weights always go to the GPU.
     #[arg(long, value_name = "GIB")]
     pub vram_weights: Option<f64>,
 }

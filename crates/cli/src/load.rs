@@ -164,12 +164,16 @@ impl GpuFootprint {
                     } else {
                         c.raw_tensor(&t.name).map_or(0, |(_, b)| b.len())
                     };
+                    // Not counted: the MTP head (`mtp.*`, loaded only for speculation,
+                    // after the model: its experts then go where the budget left says) and
+                    // a vision tower (`visual.*`, not loaded).
+                    if t.name.starts_with("mtp.") || t.name.contains("visual.") {
+                        continue;
+                    }
                     // Checkpoints store experts one matrix each (`mlp.experts.E.gate_proj`)
                     // or stacked (`mlp.experts.gate_up_proj`); the loader stacks them either
-                    // way. By name: other tensors are 3-D too (Qwen3.5's conv taps). The
-                    // MTP head's experts (`mtp.*`, loaded on request) always go to the GPU.
-                    let expert = t.name.contains(".experts.") && !t.name.starts_with("mtp.");
-                    add(expert, held as u64);
+                    // way. By name: other tensors are 3-D too (Qwen3.5's conv taps).
+                    add(t.name.contains(".experts."), held as u64);
                 }
             }
         }
@@ -216,7 +220,8 @@ fn plan_experts<B: Backend>(be: &B, file: &ModelFile, vram_weights: Option<f64>)
         let what = if f.experts == 0 {
             "a dense model's weights all go to the GPU; the load may run out of memory"
         } else if f.dense > budget {
-            "every expert will be held in host memory, and the dense weights may not fit"
+            "every expert will be held in host memory (the dense weights go to the GPU \
+             regardless)"
         } else {
             "the experts that do not fit are held in pinned host memory and read over the bus"
         };
@@ -295,10 +300,9 @@ pub fn model<B: Backend>(be: &B, file: &ModelFile, args: &ModelArgs) -> Result<M
     let host = be.host_expert_bytes();
     if host > 0 {
         tracing::info!(
-            "{:.2} GiB of experts held in host memory (of {:.2} GiB): the GPU reads them over \
-             its bus, so steps that route to them are bound by it",
+            "{:.2} GiB of experts held in host memory: the GPU reads them over its bus, so \
+             steps that route to them are bound by it",
             host as f64 / GIB,
-            model.weight_bytes.experts as f64 / GIB
         );
     }
     if let Some((used, total)) = be.device_memory() {
@@ -347,8 +351,8 @@ mod tests {
     }
 
     /// The oracle checkpoints store experts one matrix each (`mlp.experts.E.*`); the
-    /// footprint counts them as experts at BF16's 2 bytes, and the shared expert and the MTP
-    /// head's experts (which never leave the GPU) as dense.
+    /// footprint counts them as experts at BF16's 2 bytes, the shared expert as dense, and
+    /// the MTP head (`mtp.safetensors`, loaded only for speculation) not at all.
     #[test]
     fn footprint_splits_experts_from_the_rest() {
         let dense = GpuFootprint::of(&oracle("qwen3-tiny"));

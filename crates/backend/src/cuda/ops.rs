@@ -96,12 +96,17 @@ pub fn device_type(t: GgmlType) -> GgmlType {
 /// BF16's size.
 pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
     let (dtype, bytes) = held(t)?;
+    to_vram(be, dtype, &t.shape, &bytes)
+}
+
+/// A weight of `dtype` and `shape` from its held bytes, in VRAM.
+fn to_vram(be: &CudaBackend, dtype: GgmlType, shape: &[usize], bytes: &[u8]) -> Result<CudaWeight> {
     let data = if bytes.is_empty() {
         be.stream.alloc_zeros::<u8>(1)?
     } else {
-        be.stream.clone_htod(&bytes[..])?
+        be.stream.clone_htod(bytes)?
     };
-    Ok(CudaWeight::in_vram(dtype, t.shape.clone(), data))
+    Ok(CudaWeight::in_vram(dtype, shape.to_vec(), data))
 }
 
 /// What a weight is held as on the device: its type and bytes ([`upload`]'s conversions).
@@ -182,7 +187,7 @@ impl ExpertBudget {
 pub fn upload_experts(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
     let (dtype, bytes) = held(t)?;
     if bytes.is_empty() || be.expert_budget.place(bytes.len() as u64) {
-        return upload(be, t);
+        return to_vram(be, dtype, &t.shape, &bytes);
     }
     let len = bytes.len();
     let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP
