@@ -331,7 +331,7 @@ mod tests {
             (3, 64, 32, 16, 0.3),
             (4, 7, 8, 8, 0.5),
         ] {
-            let mut r = Rng(seed * 0x9E37_79B9_7F4A_7C15);
+            let mut r = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let mut q: Vec<f32> = (0..t_len * dk).map(|_| r.normal()).collect();
             let mut k: Vec<f32> = (0..t_len * dk).map(|_| r.normal()).collect();
             for t in 0..t_len {

@@ -141,7 +141,7 @@ pub fn info(a: &InfoArgs) -> Result<()> {
     for n in &names {
         // A safetensors tensor of a type ferrite does not compute with (integers, an FP8
         // weight without its scales) is listed but not a view: counted under its stored
-        // type, marked. Converted weights (FP8, NVFP4) and MXFP4 are held as BF16.
+        // type, marked. Converted weights (FP8, NVFP4) are held as BF16, MXFP4 as Q8_0.
         let (ty, bytes, on_gpu) = match (src.tensor(n), &file) {
             (Some(t), _) if device_type(t.dtype) != t.dtype => (
                 format!(

@@ -3541,7 +3541,7 @@ mod tests {
 
     #[test]
     fn every_type_has_kernels() {
-        // Directly, or in the type the upload holds it in (MXFP4 as BF16).
+        // Directly, or in the type the upload holds it in (MXFP4 as Q8_0, or BF16).
         for t in GgmlType::ALL {
             let d = crate::cuda::ops::device_type(t);
             assert!(type_index(d).is_ok(), "{t} held as {d}");

@@ -82,18 +82,21 @@ fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
 }
 
 /// The type a weight of type `t` is held in on the device: as stored, except MXFP4 (no
-/// kernels yet), held as BF16 ([`upload`]).
+/// kernels of its own), held as Q8_0 ([`upload`]; as BF16 in the rare tensor whose block
+/// scales Q8_0's f16 cannot hold).
 pub fn device_type(t: GgmlType) -> GgmlType {
     match t {
-        GgmlType::MXFP4 => GgmlType::BF16,
+        GgmlType::MXFP4 => GgmlType::Q8_0,
         t => t,
     }
 }
 
 /// Weights go to VRAM as stored; 1-D weights (norm scales) as f32. MXFP4 weights, for which
-/// there are no kernels yet, go as BF16: every MXFP4 value (two significant bits times a
-/// power of two) is a BF16 number, so the kernels compute on exactly the stored weights, at
-/// BF16's size.
+/// there are no kernels of their own, go as Q8_0 blocks of the very same numbers
+/// ([`quant::fp4::mxfp4_to_q8_0`]: the doubled codes as int8, the half scale as the f16
+/// scale), onto the tuned Q8_0 kernels at 8.5 bits a weight; a tensor with a block scale
+/// outside f16's range goes as BF16, which also holds every MXFP4 value exactly (two
+/// significant bits times a power of two), at 16 bits a weight.
 pub fn upload(be: &CudaBackend, t: &HostTensor<'_>) -> Result<CudaWeight> {
     let (dtype, bytes) = held(t)?;
     to_vram(be, dtype, &t.shape, &bytes)
@@ -119,9 +122,21 @@ fn held<'a>(t: &'a HostTensor<'_>) -> Result<(GgmlType, Cow<'a, [u8]>)> {
     } else {
         device_type(t.dtype)
     };
+    let q8 = || quant::fp4::mxfp4_to_q8_0(&t.data);
     let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) = if held == t.dtype {
         (t.dtype, Cow::Borrowed(&t.data[..]))
+    } else if let Some(b) = (t.dtype == GgmlType::MXFP4 && held == GgmlType::Q8_0)
+        .then(q8)
+        .flatten()
+    {
+        (GgmlType::Q8_0, Cow::Owned(b))
     } else {
+        // MXFP4 whose scales Q8_0 cannot hold: BF16 (exact), as before Q8_0 was tried.
+        let held = if held == GgmlType::Q8_0 && t.dtype == GgmlType::MXFP4 {
+            GgmlType::BF16
+        } else {
+            held
+        };
         let mut f = vec![0f32; n];
         quant::dequantize(t.dtype, &t.data, &mut f)?;
         let mut out = vec![0u8; held.bytes_for(n)?];
