@@ -62,7 +62,7 @@ run)
             fer new synth --preset "$p" --quant "$q" --output "$M/m.gguf" 2>&1 | tail -1
             for v in old new old new; do
                 echo "-- $v"
-                fer $v bench --model "$M/m.gguf" --reps "$reps" 2>&1 | grep -E "tg128|gate"
+                fer $v bench --model "$M/m.gguf" --reps "$reps" 2>&1 | grep -E "tg128|gate|memory in use"
             done | tee -a "$OUT/bench.log"
             rm -f "$M/m.gguf"
             shift 2
