@@ -509,6 +509,11 @@ pub trait Backend: Send + Sync {
 
     /// Moves a weight into backend memory, keeping its storage type.
     fn upload(&self, t: &HostTensor<'_>) -> Result<Self::Weight>;
+    /// Bytes `t` takes once uploaded (the backend may hold a type in another: the CUDA
+    /// backend's MXFP4 as Q8_0, 1-D weights as f32). What a decode step reads of it.
+    fn held_bytes(&self, t: &HostTensor<'_>) -> u64 {
+        t.data.len() as u64
+    }
     /// Moves a stacked-experts weight (experts × rows × columns) into backend memory, or,
     /// once the budget [`Backend::set_expert_budget`] set is spent, into host memory that
     /// the backend's kernels read in place (a GPU over its bus). Backends whose memory is

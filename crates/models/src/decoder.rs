@@ -351,8 +351,8 @@ fn role_of(t: Tensor) -> (Role, usize) {
     }
 }
 
-/// Bytes of the weights a model uploaded (as handed to the backend: after any quantization
-/// at load), by what a decode step reads of them.
+/// Bytes of the weights a model uploaded (after any quantization at load, in the types the
+/// backend holds them in: [`Backend::held_bytes`]), by what a decode step reads of them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WeightBytes {
     /// The token embedding (a decode step reads one row, unless it is also the output
@@ -365,9 +365,9 @@ pub struct WeightBytes {
 }
 
 impl WeightBytes {
-    /// Counts `t`, of `role`, into its share (stacked experts are the 3-D tensors).
-    fn count(&mut self, t: &HostTensor<'_>, role: Role) {
-        let n = t.data.len() as u64;
+    /// Counts `t`, of `role`, into its share (stacked experts are the 3-D tensors), at the
+    /// `n` bytes the backend holds it in.
+    fn count(&mut self, t: &HostTensor<'_>, role: Role, n: u64) {
         match role {
             Role::TokenEmbd => self.embed += n,
             _ if t.shape.len() == 3 => self.experts += n,
@@ -411,7 +411,7 @@ impl Uploader {
             None => t,
         };
         let mut b = self.bytes.get();
-        b.count(&t, role);
+        b.count(&t, role, be.held_bytes(&t));
         self.bytes.set(b);
         if t.shape.len() == 3 {
             // Stacked experts: the backend may hold them in host memory when its device

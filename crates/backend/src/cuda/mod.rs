@@ -401,6 +401,10 @@ impl Backend for CudaBackend {
         ops::upload(self, t)
     }
 
+    fn held_bytes(&self, t: &HostTensor<'_>) -> u64 {
+        ops::held_bytes(t)
+    }
+
     fn upload_experts(&self, t: &HostTensor<'_>) -> Result<CudaWeight> {
         ops::upload_experts(self, t)
     }

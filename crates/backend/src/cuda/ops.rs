@@ -112,6 +112,19 @@ fn to_vram(be: &CudaBackend, dtype: GgmlType, shape: &[usize], bytes: &[u8]) -> 
     Ok(CudaWeight::in_vram(dtype, shape.to_vec(), data))
 }
 
+/// Bytes [`upload`] will hold `t` in (its stored size where it cannot tell: a malformed
+/// tensor, which the upload then refuses). An MXFP4 tensor whose block scales Q8_0 cannot
+/// hold is counted as Q8_0, though it goes as BF16.
+pub fn held_bytes(t: &HostTensor<'_>) -> u64 {
+    let n: usize = t.shape.iter().product();
+    let held = if t.shape.len() == 1 {
+        GgmlType::F32
+    } else {
+        device_type(t.dtype)
+    };
+    held.bytes_for(n).map_or(t.data.len(), |b| b) as u64
+}
+
 /// What a weight is held as on the device: its type and bytes ([`upload`]'s conversions).
 fn held<'a>(t: &'a HostTensor<'_>) -> Result<(GgmlType, Cow<'a, [u8]>)> {
     let n = t.validate()?;
