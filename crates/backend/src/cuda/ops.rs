@@ -128,33 +128,31 @@ pub fn held_bytes(t: &HostTensor<'_>) -> u64 {
 /// What a weight is held as on the device: its type and bytes ([`upload`]'s conversions).
 fn held<'a>(t: &'a HostTensor<'_>) -> Result<(GgmlType, Cow<'a, [u8]>)> {
     let n = t.validate()?;
-    // 1-D weights as f32, a type without kernels in the type it is held in (decoded, then
-    // encoded: exact for MXFP4 into BF16), the rest as stored.
+    // 1-D weights as f32, a type without kernels in the type it is held in, the rest as
+    // stored.
     let held = if t.shape.len() == 1 {
         GgmlType::F32
     } else {
         device_type(t.dtype)
     };
-    let q8 = || quant::fp4::mxfp4_to_q8_0(&t.data);
-    let (dtype, bytes): (GgmlType, Cow<'_, [u8]>) = if held == t.dtype {
-        (t.dtype, Cow::Borrowed(&t.data[..]))
-    } else if let Some(b) = (t.dtype == GgmlType::MXFP4 && held == GgmlType::Q8_0)
-        .then(q8)
-        .flatten()
-    {
-        (GgmlType::Q8_0, Cow::Owned(b))
-    } else {
-        // MXFP4 whose scales Q8_0 cannot hold: BF16 (exact), as before Q8_0 was tried.
-        let held = if held == GgmlType::Q8_0 && t.dtype == GgmlType::MXFP4 {
-            GgmlType::BF16
-        } else {
-            held
-        };
+    // Decoded, then encoded in `to` (exact for MXFP4 into BF16).
+    let convert = |to: GgmlType| -> Result<(GgmlType, Cow<'a, [u8]>)> {
         let mut f = vec![0f32; n];
         quant::dequantize(t.dtype, &t.data, &mut f)?;
-        let mut out = vec![0u8; held.bytes_for(n)?];
-        quant::quantize(held, &f, &mut out)?;
-        (held, Cow::Owned(out))
+        let mut out = vec![0u8; to.bytes_for(n)?];
+        quant::quantize(to, &f, &mut out)?;
+        Ok((to, Cow::Owned(out)))
+    };
+    let (dtype, bytes) = if held == t.dtype {
+        (t.dtype, Cow::Borrowed(&t.data[..]))
+    } else if t.dtype == GgmlType::MXFP4 && held == GgmlType::Q8_0 {
+        match quant::fp4::mxfp4_to_q8_0(&t.data) {
+            Some(b) => (GgmlType::Q8_0, Cow::Owned(b)),
+            // A block scale f16 cannot hold: BF16, which holds every MXFP4 value.
+            None => convert(GgmlType::BF16)?,
+        }
+    } else {
+        convert(held)?
     };
     Ok((dtype, bytes))
 }
@@ -870,4 +868,54 @@ pub fn copy_bandwidth(be: &CudaBackend) -> Result<f64> {
         best = best.min(t0.elapsed().as_secs_f64());
     }
     Ok(2.0 * N as f64 / best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(dtype: GgmlType, shape: Vec<usize>, data: Vec<u8>) -> HostTensor<'static> {
+        HostTensor {
+            dtype,
+            shape,
+            data: Cow::Owned(data),
+        }
+    }
+
+    /// What the upload holds (no device needed): MXFP4 as Q8_0 of the same numbers, or as
+    /// BF16 where a block scale is past f16; 1-D weights as f32; the rest as stored, borrowed.
+    #[test]
+    fn held_forms() {
+        use quant::fp4::{MXFP4_BYTES, QK_MXFP4};
+        let block = |e: u8| -> Vec<u8> {
+            let mut b = vec![e];
+            b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+            b
+        };
+        let decode = |ty: GgmlType, bytes: &[u8]| {
+            let mut f = vec![0f32; 2 * QK_MXFP4];
+            quant::dequantize(ty, bytes, &mut f).unwrap();
+            f
+        };
+        for (e2, want) in [(127u8, GgmlType::Q8_0), (200, GgmlType::BF16)] {
+            let data = [block(120), block(e2)].concat();
+            assert_eq!(data.len(), 2 * MXFP4_BYTES);
+            let t = tensor(GgmlType::MXFP4, vec![1, 2 * QK_MXFP4], data.clone());
+            let (ty, bytes) = held(&t).unwrap();
+            assert_eq!(ty, want, "second block's scale {e2}");
+            assert_eq!(held_bytes(&t), GgmlType::Q8_0.bytes_for(64).unwrap() as u64);
+            assert_eq!(
+                decode(ty, &bytes),
+                decode(GgmlType::MXFP4, &data),
+                "scale {e2}"
+            );
+        }
+        let norm = tensor(GgmlType::F16, vec![4], vec![0, 60, 0, 64, 0, 0, 0, 188]);
+        let (ty, bytes) = held(&norm).unwrap();
+        assert_eq!((ty, bytes.len()), (GgmlType::F32, 16));
+        assert_eq!(held_bytes(&norm), 16);
+        let q8 = tensor(GgmlType::Q8_0, vec![1, 32], vec![0; 34]);
+        let (ty, bytes) = held(&q8).unwrap();
+        assert!(ty == GgmlType::Q8_0 && matches!(bytes, Cow::Borrowed(_)));
+    }
 }
