@@ -12,8 +12,7 @@
 #   bench8b  synth Qwen3-8B Q4_K_M, Q8_0, F16 and bench pp512/tg128 each (--record)
 #   bench30b synth Qwen3-30B-A3B Q4_K_M and bench it
 #   hostexp  Qwen3-30B-A3B Q4_K_M tg32 with its experts all in VRAM, about half in host memory
-#            (--vram-weights 10) and all there (--vram-weights 1; also on the plain per-row
-#            expert kernels, FERRITE_HOST_EXPERTS_FAST=0), not recorded
+#            (--vram-weights 10) and all there (--vram-weights 1), not recorded
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
@@ -121,10 +120,9 @@ for stage in "$@"; do
         # Q4_K_M tg128 with every expert in VRAM, about half, and none (not recorded). The
         # logits' bit-for-bit check is the e2e check's "experts in host memory" lines.
         f=$(synth qwen3-30b-a3b Q4_K_M | tail -1)
-        for v in none 10 1 1:plain; do
-            a=(); [ $v != none ] && a=(--vram-weights ${v%:plain})
-            fast=1; [ $v = 1:plain ] && fast=0
-            echo "vram-weights $v: $(FERRITE_HOST_EXPERTS_FAST=$fast $F bench --model "$f" --reps 1 --prompt-tokens 64 --gen-tokens 32 "${a[@]}" 2>&1 | grep -E 'tg32|host memory|rror|gate' | tr '\n' ' ')"
+        for v in none 10 1; do
+            a=(); [ $v != none ] && a=(--vram-weights $v)
+            echo "vram-weights $v: $($F bench --model "$f" --reps 1 --prompt-tokens 64 --gen-tokens 32 "${a[@]}" 2>&1 | grep -E 'tg32|host memory|rror|gate' | tr '\n' ' ')"
         done
         rm -f "$f"
         ;;

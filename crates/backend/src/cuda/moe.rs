@@ -321,7 +321,6 @@ fn quantized_path_slots(
     let (g, u, d) = (experts.gate, experts.up, experts.down);
     let hidden = x.cols;
     let fits = n_experts <= MOE_ROUTE_MAX
-        && fast_paths_for(experts)
         && g.dtype == u.dtype
         && hidden.is_multiple_of(32)
         && ffn.is_multiple_of(32)
@@ -331,16 +330,6 @@ fn quantized_path_slots(
         && aligned16(be, &d.data);
     fits.then(|| bulk_smem(be, g.dtype, g.row_bytes(), hidden, d.row_bytes()))
         .flatten()
-}
-
-/// Whether these experts may take the bulk-copy and grouped kernels: always in VRAM; in host
-/// memory unless `FERRITE_HOST_EXPERTS_FAST=0` keeps them to the plain per-row kernels (a
-/// fallback should a bulk copy from host memory misbehave on some platform).
-fn fast_paths_for(experts: ExpertWeights<'_, CudaWeight>) -> bool {
-    let host = [experts.gate, experts.up, experts.down]
-        .iter()
-        .any(|w| w.in_host_memory());
-    !host || super::switches::int_or("FERRITE_HOST_EXPERTS_FAST", 1) == 1
 }
 
 fn moe_with(
@@ -389,7 +378,6 @@ fn moe_with(
         (Some(gi), Some(di))
             if rows > DECODE_MAX_ROWS
                 && g.dtype == u.dtype
-                && fast_paths_for(experts)
                 && n_experts <= SORT_MAX_EXPERTS
                 && x_a16
                 && aligned16(be, &g.data)

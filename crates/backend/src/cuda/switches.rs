@@ -155,11 +155,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE down kernel: hidden rows per pass of a warp's slot (the same bits either way; MOE.md)",
     ),
     (
-        "FERRITE_HOST_EXPERTS_FAST",
-        Accepts::OneOf(&[0, 1]),
-        "experts held in host memory (--vram-weights) on the bulk-copy decode and grouped prefill expert kernels: 1 (default) yes, 0 only the plain per-row kernels (ops::upload_experts)",
-    ),
-    (
         "FERRITE_MOE_PF",
         Accepts::OneOf(&[0, 1]),
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
