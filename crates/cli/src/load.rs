@@ -215,7 +215,25 @@ fn plan_experts<B: Backend>(be: &B, file: &ModelFile, vram_weights: Option<f64>)
             .saturating_sub((VRAM_RESERVE_GIB * GIB) as u64),
     };
     let f = GpuFootprint::of(file);
-    be.set_expert_budget(expert_budget(budget, f));
+    let limit = expert_budget(budget, f);
+    be.set_expert_budget(limit);
+    if let Some(limit) = limit {
+        // The experts past the budget are pinned: warn now, before the load has spent its
+        // time, where the host lacks the memory (a machine whose memory grows on demand may
+        // report less than it can give: a warning, not a refusal).
+        let pinned = f.experts.saturating_sub(limit);
+        let available = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| mem_available(&m));
+        if let Some(avail) = available.filter(|&a| a < pinned) {
+            tracing::warn!(
+                "~{:.2} GiB of experts are to be pinned in host memory, and the host reports \
+                 {:.2} GiB available: the load may fail when pinning",
+                pinned as f64 / GIB,
+                avail as f64 / GIB
+            );
+        }
+    }
     if f.dense.saturating_add(f.experts) > budget {
         let what = if f.experts == 0 {
             "a dense model's weights all go to the GPU; the load may run out of memory"
@@ -239,6 +257,13 @@ fn plan_experts<B: Backend>(be: &B, file: &ModelFile, vram_weights: Option<f64>)
         );
     }
     Ok(())
+}
+
+/// `MemAvailable` of a /proc/meminfo text, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Uploads the weights with a progress bar (shown only on a terminal, for models that take
@@ -401,6 +426,15 @@ mod tests {
         // The rest as the GPU holds it: norms widened to f32, so at least what the CPU load
         // counts.
         assert!(f.dense >= m.weight_bytes.other + m.weight_bytes.embed);
+    }
+
+    #[test]
+    fn mem_available_reads_meminfo() {
+        let m =
+            "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   65536 kB\n";
+        assert_eq!(mem_available(m), Some(65536 * 1024));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+        assert_eq!(mem_available("MemAvailable: lots kB\n"), None);
     }
 
     #[test]
