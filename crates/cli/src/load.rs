@@ -320,7 +320,23 @@ pub fn model<B: Backend>(be: &B, file: &ModelFile, args: &ModelArgs) -> Result<M
             bar.set_position(done as u64);
         },
         quantize.map(crate::Quantize::mix),
-    )?;
+    )
+    .with_context(|| match be.device_memory() {
+        Some((used, total)) => {
+            let f = GpuFootprint::of(file);
+            format!(
+                "loading the weights onto {} ({:.2} GiB free now of {:.2}; the model's weights \
+                 take ~{:.2} GiB on a GPU, {:.2} of them routed experts, which --vram-weights \
+                 can hold in host memory)",
+                be.name(),
+                total.saturating_sub(used) as f64 / GIB,
+                total as f64 / GIB,
+                (f.dense + f.experts) as f64 / GIB,
+                f.experts as f64 / GIB
+            )
+        }
+        None => format!("loading the weights onto {}", be.name()),
+    })?;
     bar.finish_and_clear();
     let host = be.host_expert_bytes();
     if host > 0 {

@@ -410,16 +410,29 @@ impl Uploader {
             Some(q) => q.apply(t, role, layer)?,
             None => t,
         };
+        let held = be.held_bytes(&t);
         let mut b = self.bytes.get();
-        b.count(&t, role, be.held_bytes(&t));
+        b.count(&t, role, held);
         self.bytes.set(b);
-        if t.shape.len() == 3 {
+        let done = if t.shape.len() == 3 {
             // Stacked experts: the backend may hold them in host memory when its device
             // memory runs short (`Backend::upload_experts`).
             be.upload_experts(&t)
         } else {
             be.upload(&t)
-        }
+        };
+        // Which weight, and what the load had placed before it: an out-of-memory error
+        // says how far the model got.
+        done.with_context(|| {
+            format!(
+                "uploading the {role:?} weight of layer {layer} ({:?} {}, {:.1} MiB) after \
+                 {:.2} GiB of weights",
+                t.shape,
+                t.dtype,
+                held as f64 / (1u64 << 20) as f64,
+                (b.embed + b.experts + b.other - held) as f64 / (1u64 << 30) as f64
+            )
+        })
     }
 
     /// What it has uploaded so far.
