@@ -154,6 +154,12 @@ impl GpuFootprint {
             }
             ModelFile::Safetensors(c) => {
                 for t in c.tensor_infos() {
+                    // Not counted: the MTP head (`mtp.*`, loaded only for speculation,
+                    // after the model: its experts then go where the budget left says) and
+                    // a vision tower (`visual.*`, not loaded).
+                    if t.name.starts_with("mtp.") || t.name.contains("visual.") {
+                        continue;
+                    }
                     let n: usize = t.shape.iter().product();
                     let held = if let Some(m) = c.converted_elements(&t.name) {
                         2 * m // BF16
@@ -164,12 +170,6 @@ impl GpuFootprint {
                     } else {
                         c.raw_tensor(&t.name).map_or(0, |(_, b)| b.len())
                     };
-                    // Not counted: the MTP head (`mtp.*`, loaded only for speculation,
-                    // after the model: its experts then go where the budget left says) and
-                    // a vision tower (`visual.*`, not loaded).
-                    if t.name.starts_with("mtp.") || t.name.contains("visual.") {
-                        continue;
-                    }
                     // Checkpoints store experts one matrix each (`mlp.experts.E.gate_proj`)
                     // or stacked (`mlp.experts.gate_up_proj`); the loader stacks them either
                     // way. By name: other tensors are 3-D too (Qwen3.5's conv taps).
