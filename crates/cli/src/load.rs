@@ -143,12 +143,9 @@ impl GpuFootprint {
             ModelFile::Gguf(g) => {
                 for t in g.tensor_infos() {
                     let n: usize = t.shape.iter().product();
-                    let held = if t.shape.len() == 1 {
-                        4 * n
-                    } else {
-                        let d = ferrite_backend::cuda::ops::device_type(t.dtype);
-                        d.bytes_for(n).unwrap_or(t.n_bytes)
-                    };
+                    let held = ferrite_backend::cuda::ops::held_type(t.dtype, &t.shape)
+                        .bytes_for(n)
+                        .unwrap_or(t.n_bytes);
                     add(t.shape.len() == 3, held as u64);
                 }
             }

@@ -117,24 +117,25 @@ fn to_vram(be: &CudaBackend, dtype: GgmlType, shape: &[usize], bytes: &[u8]) -> 
 /// hold is counted as Q8_0, though it goes as BF16.
 pub fn held_bytes(t: &HostTensor<'_>) -> u64 {
     let n: usize = t.shape.iter().product();
-    let held = if t.shape.len() == 1 {
+    held_type(t.dtype, &t.shape)
+        .bytes_for(n)
+        .map_or(t.data.len(), |b| b) as u64
+}
+
+/// The type [`upload`] holds a weight of `dtype` and `shape` in: 1-D weights as f32, a type
+/// without kernels in [`device_type`]'s, the rest as stored.
+pub fn held_type(dtype: GgmlType, shape: &[usize]) -> GgmlType {
+    if shape.len() == 1 {
         GgmlType::F32
     } else {
-        device_type(t.dtype)
-    };
-    held.bytes_for(n).map_or(t.data.len(), |b| b) as u64
+        device_type(dtype)
+    }
 }
 
 /// What a weight is held as on the device: its type and bytes ([`upload`]'s conversions).
 fn held<'a>(t: &'a HostTensor<'_>) -> Result<(GgmlType, Cow<'a, [u8]>)> {
     let n = t.validate()?;
-    // 1-D weights as f32, a type without kernels in the type it is held in, the rest as
-    // stored.
-    let held = if t.shape.len() == 1 {
-        GgmlType::F32
-    } else {
-        device_type(t.dtype)
-    };
+    let held = held_type(t.dtype, &t.shape);
     // Decoded, then encoded in `to` (exact for MXFP4 into BF16).
     let convert = |to: GgmlType| -> Result<(GgmlType, Cow<'a, [u8]>)> {
         let mut f = vec![0f32; n];
