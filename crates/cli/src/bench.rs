@@ -305,16 +305,17 @@ fn bench_on<B: Backend>(
     let model = model;
     // The roofline and the records assume every weight in device memory; experts read over
     // the bus are another measurement (bench/host_experts.md).
+    let host_experts = be.host_expert_bytes();
     anyhow::ensure!(
-        !(a.record && be.host_expert_bytes() > 0),
+        !(a.record && host_experts > 0),
         "experts held in host memory (--vram-weights, or a model larger than the GPU): not \
          recorded; bench/results.jsonl holds runs with every weight in VRAM"
     );
-    if be.host_expert_bytes() > 0 {
+    if host_experts > 0 {
         eprintln!(
             "note: {:.2} GiB of experts in host memory; the roofline below counts them as VRAM \
              bytes",
-            be.host_expert_bytes() as f64 / (1u64 << 30) as f64
+            host_experts as f64 / (1u64 << 30) as f64
         );
     }
     let cfg = model.cfg.clone();
