@@ -11,7 +11,7 @@
 #   tools/h200/ab.sh run [--check] [--perf FILTER]... [--bench PRESET:QUANT]... [--reps N]
 #   --check         ferrite check --device cuda --e2e on the new build (log in $OUT)
 #   --perf FILTER   ferrite check --perf --filter FILTER on both builds (µs lines only)
-#   --bench P:Q     synth preset P at quant Q, then tg128 old, new, old, new (--reps each)
+#   --bench P:Q     synth preset P at quant Q, then pp512 and tg128 old, new, old, new (--reps each)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-}
@@ -62,7 +62,7 @@ run)
             fer new synth --preset "$p" --quant "$q" --output "$M/m.gguf" 2>&1 | tail -1
             for v in old new old new; do
                 echo "-- $v"
-                fer $v bench --model "$M/m.gguf" --reps "$reps" 2>&1 | grep -E "tg128|gate|memory in use"
+                fer $v bench --model "$M/m.gguf" --reps "$reps" 2>&1 | grep -E "pp512|tg128|gate|memory in use"
             done | tee -a "$OUT/bench.log"
             rm -f "$M/m.gguf"
             shift 2

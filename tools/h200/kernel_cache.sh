@@ -3,6 +3,9 @@
 # that the H200 machine skips NVRTC at start-up (crates/backend/src/cuda/nvrtc.rs):
 #
 #   tools/h200/kernel_cache.sh      -> target/kernel-cache.txz (~3.5 MB; carry it with the binary)
+#   tools/h200/kernel_cache.sh mmw  -> the same, only the named modules compiled anew, the
+#                                      other CUBINs taken from the existing archive (minutes
+#                                      instead of ~8 here)
 #
 # xz, not gzip: the modules' CUBINs are ~31 MB, 8.5 MB gzipped, and a call carries at most 64 MB
 # with the working tree (~45 MB).
@@ -12,6 +15,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
+if [ $# -gt 0 ]; then
+    [ -f target/kernel-cache.txz ] || { echo "no target/kernel-cache.txz to start from" >&2; exit 1; }
+    tar xJf target/kernel-cache.txz -C "$dir"
+    export FERRITE_NVRTC_ONLY=$(IFS=,; echo "$*")
+fi
 FERRITE_CACHE_DIR="$dir" cargo test --release -p ferrite-backend --test nvrtc_compile -- --nocapture \
     | grep -E "CUBIN|skipped" || true
 ls "$dir"/kernels/*.cubin > /dev/null 2>&1 || { echo "no CUBIN was built (is NVRTC installed?)" >&2; exit 1; }

@@ -19,6 +19,24 @@ fn kernels_compile() {
         eprintln!("skipped: NVRTC or the CUDA headers are not installed here");
         return;
     }
+    // `FERRITE_NVRTC_ONLY=mmw,moe` (tools/h200/kernel_cache.sh MODULE...): only those modules'
+    // sm_90a CUBINs, to refresh a kernel cache after a change to a few files.
+    if let Ok(only) = std::env::var("FERRITE_NVRTC_ONLY") {
+        let only: Vec<&str> = only.split(',').map(str::trim).collect();
+        for (name, src) in cuda::sources() {
+            if only.contains(&name) {
+                let cubin = cuda::nvrtc::compile_cubin(
+                    name,
+                    &cuda::full_source(name, src),
+                    "compute_90a",
+                    false,
+                )
+                .unwrap_or_else(|e| panic!("sm_90a {name}: {e:#}"));
+                println!("sm_90a {name}: {} bytes of CUBIN", cubin.len());
+            }
+        }
+        return;
+    }
     for arch in ["compute_90a", "compute_80"] {
         let out = cuda::compile_all(arch).unwrap_or_else(|e| panic!("{arch}: {e:#}"));
         for (name, bytes) in out {

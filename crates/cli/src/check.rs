@@ -3792,8 +3792,8 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
         be.add_assign(out2(&mut p.out2)?, &p.a[2])?;
     }
     norm_deferred_untouched(be, op, &p)?;
-    if let Op::Matmul { rows, .. } = op {
-        if (2..=ROW_INVARIANT_ROWS).contains(rows) {
+    if let Op::Matmul { rows, n_out, .. } = op {
+        if (2..=ROW_INVARIANT_ROWS).contains(rows) || (*rows > 1 && *n_out <= ROUTER_MAX_OUT) {
             matmul_rows_same_as_alone(be, op, &p)?;
         }
     }
@@ -3850,7 +3850,14 @@ fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Resu
 /// lane per output.
 const ROW_INVARIANT_ROWS: usize = GEMV_MAX_ROWS;
 
-/// A matmul of 2..=[`ROW_INVARIANT_ROWS`] rows against each of its rows run alone on the same
+/// Outputs up to which a weight is router-like (CUDA's `F32_SMALL_OUT`): its matmul must give
+/// every row that row's one-row bits at ANY row count, prefill included, since a MoE router's
+/// choices must not depend on how many tokens arrive together (a prefill routed unlike the
+/// decode changes the experts, and with them the answer).
+const ROUTER_MAX_OUT: usize = 256;
+
+/// A matmul of 2..=[`ROW_INVARIANT_ROWS`] rows (any count for [`ROUTER_MAX_OUT`] outputs or
+/// fewer) against each of its rows run alone on the same
 /// backend: bitwise equal (R-invariance of the decode GEMVs; the padded rows of an R-row
 /// instantiation must not reach a real row).
 fn matmul_rows_same_as_alone<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Result<()> {

@@ -98,6 +98,9 @@ pub(crate) struct MoeSharedKernels {
 /// The compiled matmul kernels, indexed like [`TYPES`].
 pub struct Kernels {
     gemv: Vec<[CudaFunction; 6]>,
+    /// `gemv_<type>_rows`: the 16-row GEMV over every 16-row chunk of a prefill in one launch
+    /// (grid y = the chunk), for small-output weights such as the MoE routers.
+    gemv_rows: Vec<CudaFunction>,
     /// `gemv_swiglu_<type>_r<R>` (float types only: the quantized ones use gemvq_swiglu).
     gemv_swiglu: Vec<Option<[CudaFunction; 6]>>,
     /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch on f32 x (float types; the
@@ -317,6 +320,7 @@ impl Kernels {
         let m = load_module(ctx, arch, "matmul", SRC)?;
         ctx.bind_to_thread()?;
         let mut gemv = Vec::with_capacity(TYPES.len());
+        let mut gemv_rows = Vec::with_capacity(TYPES.len());
         let mut mm = Vec::with_capacity(TYPES.len());
         let mut gemvq = Vec::with_capacity(TYPES.len());
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
@@ -341,6 +345,7 @@ impl Kernels {
                 None
             });
             gemv.push(per_r(&m, &format!("gemv_{name}"), false)?);
+            gemv_rows.push(function(&m, &format!("gemv_{name}_rows"))?);
             gemv_swiglu.push(if quantized_x(ty) {
                 None
             } else {
@@ -628,6 +633,7 @@ impl Kernels {
         };
         Ok(Kernels {
             gemv,
+            gemv_rows,
             gemv_swiglu,
             gemv_multi,
             gemv_deferred,
@@ -1032,31 +1038,33 @@ pub fn matmul(
     let (rb, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
 
     if rows > GEMV_MAX_ROWS && n_out <= F32_SMALL_OUT {
-        let func = &be.matmul.gemv[ti][GEMV_R.len() - 1];
+        // The 16-row GEMV's arithmetic for every row (routing stays the decode's), every
+        // 16-row chunk of x a grid row of one launch.
         let groups = row_groups(n_out);
         let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
-        let cfg = gemv_config(groups, ks);
+        let chunks = rows.div_ceil(GEMV_MAX_ROWS);
+        ensure!(
+            chunks <= 65_535,
+            "matmul: {rows} rows exceed the small-output GEMV's grid"
+        );
+        let mut cfg = gemv_config(groups, ks);
+        cfg.grid_dim.1 = chunks as u32;
         let ks_i = ks as i32;
-        for r0 in (0..rows).step_by(GEMV_MAX_ROWS) {
-            let n = GEMV_MAX_ROWS.min(rows - r0);
-            let xs = x.buf.slice(r0 * n_in..(r0 + n) * n_in);
-            let mut ys = out.buf.slice_mut(r0 * n_out..(r0 + n) * n_out);
-            let n_i = n as i32;
-            // SAFETY: as below, for the row range r0..r0+n of x and out.
-            unsafe {
-                be.stream
-                    .kernel(func)
-                    .arg(&*w.data)
-                    .arg(&rb)
-                    .arg(&n_out_i)
-                    .arg(&n_in_i)
-                    .arg(&xs)
-                    .arg(&n_i)
-                    .arg(&mut ys)
-                    .arg(&ks_i)
-                    .launch(cfg)
-            }?;
-        }
+        // SAFETY: shapes and buffer sizes checked above; block (x, y) reads rows 16 y ..
+        // min(16 y + 16, rows) of x and writes the same rows of out.
+        unsafe {
+            be.stream
+                .kernel(&be.matmul.gemv_rows[ti])
+                .arg(&*w.data)
+                .arg(&rb)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&x.buf)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&ks_i)
+                .launch(cfg)
+        }?;
         return Ok(());
     }
 
@@ -3341,11 +3349,21 @@ pub(crate) fn with_bf16<R>(
     x: &Act<CudaSlice<f32>>,
     f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
 ) -> Result<R> {
-    let (rows, n_in) = (x.rows, x.cols);
+    with_bf16_rows(be, &x.buf, x.rows, x.cols, f)
+}
+
+/// [`with_bf16`] of the first `rows` rows of `n_in` floats in `x`.
+pub(crate) fn with_bf16_rows<R>(
+    be: &CudaBackend,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    n_in: usize,
+    f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
+) -> Result<R> {
     let kp = n_in.div_ceil(MM_TK) * MM_TK;
     let need = rows * kp;
     ensure!(
-        x.buf.len() >= rows * n_in,
+        x.len() >= rows * n_in,
         "matmul: input [{rows}, {n_in}] exceeds its buffer"
     );
     ensure!(
@@ -3377,7 +3395,7 @@ pub(crate) fn with_bf16<R>(
     unsafe {
         be.stream
             .kernel(&be.matmul.mm_x)
-            .arg(&x.buf)
+            .arg(x)
             .arg(&rows_i)
             .arg(&n_in_i)
             .arg(&kp_i)

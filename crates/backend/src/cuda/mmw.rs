@@ -87,6 +87,10 @@ pub struct Kernels {
     swiglu: Vec<Tiles>,
     /// The [`MIXED`] kernels.
     mixed: Vec<Tiles>,
+    /// `mmw_moe_gu_<type>_n64` and `mmw_moe_down_<type>_n64` of each of [`TYPES`]: a MoE
+    /// prefill's grouped expert GEMMs ([`moe_gate_up`], [`moe_down`]); empty where wgmma is
+    /// not available or `FERRITE_MMW_MOE=0` (moe.cu's mma.sync forms instead).
+    moe: Vec<[CudaFunction; 2]>,
 }
 
 impl Kernels {
@@ -95,24 +99,38 @@ impl Kernels {
             mm: Vec::new(),
             swiglu: Vec::new(),
             mixed: Vec::new(),
+            moe: Vec::new(),
         };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
         }
         let m = load_module(ctx, arch, "mmw", SRC)?;
         ctx.bind_to_thread()?;
+        let with_smem = |name: String, (tm, bn): (usize, usize)| -> Result<CudaFunction> {
+            let f = function(&m, &name)?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem(tm, bn) as i32,
+            )
+            .with_context(|| format!("{name}: raising the shared-memory limit"))?;
+            Ok(f)
+        };
         let tiles = |family: &str| -> Result<Tiles> {
-            let g = |(tm, bn): (usize, usize)| -> Result<CudaFunction> {
-                let name = format!("mmw_{family}_n{bn}");
-                let f = function(&m, &name)?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem(tm, bn) as i32,
-                )
-                .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-                Ok(f)
-            };
+            let g = |t: (usize, usize)| with_smem(format!("mmw_{family}_n{}", t.1), t);
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
+        };
+        let moe = if super::switches::int_or("FERRITE_MMW_MOE", 1) != 0 {
+            TYPES
+                .iter()
+                .map(|(_, n)| -> Result<[CudaFunction; 2]> {
+                    Ok([
+                        with_smem(format!("mmw_moe_gu_{n}_n{MOE_TN}"), (TM, MOE_TN))?,
+                        with_smem(format!("mmw_moe_down_{n}_n{MOE_TN}"), (TM, MOE_TN))?,
+                    ])
+                })
+                .collect::<Result<_>>()?
+        } else {
+            Vec::new()
         };
         Ok(Kernels {
             mm: TYPES.iter().map(|(_, n)| tiles(n)).collect::<Result<_>>()?,
@@ -124,6 +142,7 @@ impl Kernels {
                 .iter()
                 .map(|(_, _, n)| tiles(n))
                 .collect::<Result<_>>()?,
+            moe,
         })
     }
 }
@@ -407,6 +426,140 @@ fn launch(
             .launch(cfg)
     }?;
     Ok(())
+}
+
+/// Pairs per tile of the grouped expert GEMMs: moe.cu's `GM_TN`, whose tile table
+/// (`moe_sort`) they read; 128 × 64 tiles (two consumer warpgroups).
+pub(crate) const MOE_TN: usize = 64;
+
+/// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
+/// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;
+/// `max_tiles` the grid's worst case, `top_k` the pairs per token.
+pub(crate) struct MoeTiles<'a> {
+    pub offsets: &'a CudaSlice<i32>,
+    pub n_tiles: &'a CudaSlice<i32>,
+    pub tiles: &'a CudaSlice<i32>,
+    pub list: &'a CudaSlice<i32>,
+    pub max_tiles: usize,
+    pub top_k: usize,
+}
+
+/// Index in [`TYPES`] of the grouped expert GEMMs for gate/up experts of type `gu` and down
+/// experts of type `down`, or `None` where they are not loaded (not sm_90a, `FERRITE_MMW=0`,
+/// `FERRITE_MMW_MOE=0`) or a type has none.
+pub(crate) fn moe_kernels(
+    be: &CudaBackend,
+    gu: GgmlType,
+    down: GgmlType,
+) -> Option<(usize, usize)> {
+    if be.mmw.moe.is_empty() {
+        return None;
+    }
+    let i = |t: GgmlType| TYPES.iter().position(|&(u, _)| u == t);
+    Some((i(gu)?, i(down)?))
+}
+
+/// The grid of a grouped expert GEMM: every tile the routing could yield by `out_tiles`
+/// output tiles.
+fn moe_config(t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchConfig> {
+    ensure!(
+        t.max_tiles < (1 << 31) && out_tiles <= 65535,
+        "mmw: MoE grid of {} tiles by {out_tiles} is too large",
+        t.max_tiles
+    );
+    Ok(LaunchConfig {
+        grid_dim: (t.max_tiles as u32, out_tiles as u32, 1),
+        block_dim: (threads(TM), 1, 1),
+        shared_mem_bytes: smem(TM, MOE_TN) as u32,
+    })
+}
+
+/// A MoE prefill's gate/up + SwiGLU on the wgmma pipeline: `h[p] = silu(gate_e x_t) ⊙ (up_e
+/// x_t)` for every list position p of the tile table (pair list[p] = token t, slot; e its
+/// expert), x (`rows × hidden` f32) converted to bf16 once. `g`, `u`: `[n_experts, ffn,
+/// hidden]` of type `TYPES[ti]`; h holds `pairs × ffn` floats (checked by the caller, moe.rs).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_gate_up(
+    be: &CudaBackend,
+    ti: usize,
+    x: &CudaSlice<f32>,
+    (rows, hidden, ffn): (usize, usize, usize),
+    g: &CudaWeight,
+    u: &CudaWeight,
+    t: &MoeTiles<'_>,
+    h: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let cfg = moe_config(t, ffn.div_ceil(TM / 2))?;
+    let (rb, n_out, n_in, tk) = (
+        g.row_bytes() as i64,
+        ffn as i32,
+        hidden as i32,
+        t.top_k as i32,
+    );
+    super::matmul::with_bf16_rows(be, x, rows, hidden, |xb, kp| {
+        let kp = kp as i32;
+        // SAFETY: the tile table comes from moe_sort (experts < n_experts, positions and
+        // counts within the pairs); g and u hold n_experts·ffn rows of rb bytes; xb holds
+        // rows × kp bf16 (tokens < rows); h ≥ pairs × ffn floats.
+        unsafe {
+            be.stream
+                .kernel(&be.mmw.moe[ti][0])
+                .arg(&*g.data)
+                .arg(&*u.data)
+                .arg(&rb)
+                .arg(&n_out)
+                .arg(&n_in)
+                .arg(xb)
+                .arg(&kp)
+                .arg(t.offsets)
+                .arg(t.n_tiles)
+                .arg(t.tiles)
+                .arg(t.list)
+                .arg(&tk)
+                .arg(h)
+                .launch(cfg)
+        }?;
+        Ok(())
+    })
+}
+
+/// A MoE prefill's down projections on the wgmma pipeline: `y[list[p]] = down_e h[p]` for every
+/// list position p (h `pairs × ffn` f32 in list order, converted to bf16 once); `d`:
+/// `[n_experts, hidden, ffn]` of type `TYPES[ti]`; y holds `pairs × hidden` floats.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_down(
+    be: &CudaBackend,
+    ti: usize,
+    h: &CudaSlice<f32>,
+    (pairs, ffn, hidden): (usize, usize, usize),
+    d: &CudaWeight,
+    t: &MoeTiles<'_>,
+    y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let cfg = moe_config(t, hidden.div_ceil(TM))?;
+    let (rb, n_out, n_in) = (d.row_bytes() as i64, hidden as i32, ffn as i32);
+    super::matmul::with_bf16_rows(be, h, pairs, ffn, |hb, kp| {
+        let kp = kp as i32;
+        // SAFETY: as moe_gate_up; d holds n_experts·hidden rows of rb bytes, hb pairs × kp
+        // bf16 (list positions < pairs), y ≥ pairs × hidden floats (pairs < pairs).
+        unsafe {
+            be.stream
+                .kernel(&be.mmw.moe[ti][1])
+                .arg(&*d.data)
+                .arg(&rb)
+                .arg(&n_out)
+                .arg(&n_in)
+                .arg(hb)
+                .arg(&kp)
+                .arg(t.offsets)
+                .arg(t.n_tiles)
+                .arg(t.tiles)
+                .arg(t.list)
+                .arg(y)
+                .launch(cfg)
+        }?;
+        Ok(())
+    })
 }
 
 #[cfg(test)]

@@ -7,7 +7,9 @@
 //! combine with its own in-kernel routing. Other decode (float experts): three launches
 //! (route, gate/up, down + combine), f32 math. Prefill (more rows): route, a device-side counting sort of the
 //! (token, slot) pairs by expert, a grouped gate/up+SwiGLU GEMM and a grouped down GEMM on
-//! the tensor cores (bf16 inputs, f32 accumulation), then the combine in top-k order. No
+//! the tensor cores (bf16 inputs, f32 accumulation; on sm_90a mmw.cu's wgmma pipeline,
+//! [`super::mmw::moe_gate_up`] / [`super::mmw::moe_down`], elsewhere moe.cu's mma.sync
+//! kernels), then the combine in top-k order. No
 //! launch depends on host knowledge of the routing (grids are sized from the worst case),
 //! so a captured graph replays correctly whatever experts the tokens pick. Scratch
 //! buffers (routing ids/weights, SwiGLU activations) live in [`Kernels`] and grow on first
@@ -812,7 +814,7 @@ fn grouped_experts(
         ne,
         tk,
         hid,
-        ff,
+        ff: _,
         rows: rows_i,
         pairs: pairs_i,
     } = dims;
@@ -847,6 +849,78 @@ fn grouped_experts(
             .launch(cfg)
     }?;
 
+    // 5–6 on the wgmma pipeline where it is loaded (sm_90a; mmw.rs): the same tiles, 3–4×
+    // the mma.sync kernels' rate (MOE.md, 41st session).
+    if let Some((mgi, mdi)) = super::mmw::moe_kernels(be, g.dtype, d.dtype) {
+        const _: () = assert!(super::mmw::MOE_TN == GM_TN);
+        let t = super::mmw::MoeTiles {
+            offsets: &s.offsets,
+            n_tiles: &s.n_tiles,
+            tiles: &s.tiles,
+            list: &s.list,
+            max_tiles,
+            top_k,
+        };
+        super::mmw::moe_gate_up(be, mgi, &x.buf, (rows, hidden, ffn), g, u, &t, &mut s.h)?;
+        super::mmw::moe_down(be, mdi, &s.h, (pairs, ffn, hidden), d, &t, &mut s.y)?;
+    } else {
+        grouped_mma_sync(
+            be,
+            x,
+            s,
+            (g, u, d),
+            (gi, di),
+            (gu_rb, d_rb),
+            dims,
+            (ffn, hidden),
+            max_tiles,
+        )?;
+    }
+
+    // 7. Combine in top-k order: one thread per output element.
+    let n = rows * hidden;
+    let blocks = n.div_ceil(256);
+    ensure!(
+        blocks < (1usize << 31),
+        "moe: grid of {blocks} blocks is too large"
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: y holds pairs × hidden, ids/wts pairs, out rows × hidden (checked by the caller).
+    unsafe {
+        be.stream
+            .kernel(&be.moe.combine)
+            .arg(&s.y)
+            .arg(&s.ids)
+            .arg(&s.wts)
+            .arg(&mut out.buf)
+            .arg(&rows_i)
+            .arg(&tk)
+            .arg(&hid)
+            .arg(&ne)
+            .launch(cfg)
+    }?;
+    Ok(())
+}
+
+/// Steps 5 and 6 of [`grouped_experts`] on moe.cu's mma.sync kernels (`moe_mm_gu_<type>`,
+/// `moe_mm_down_<type>`): where the wgmma forms are not loaded.
+#[allow(clippy::too_many_arguments)]
+fn grouped_mma_sync(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    s: &mut Scratch,
+    (g, u, d): (&CudaWeight, &CudaWeight, &CudaWeight),
+    (gi, di): (usize, usize),
+    (gu_rb, d_rb): (i64, i64),
+    dims: Dims,
+    (ffn, hidden): (usize, usize),
+    max_tiles: usize,
+) -> Result<()> {
+    let Dims { tk, hid, ff, .. } = dims;
     // 5. Gate/up + SwiGLU: grid (worst-case tiles, ffn / 64); surplus tiles exit at once.
     let cfg = LaunchConfig {
         grid_dim: (max_tiles as u32, ffn.div_ceil(GM_GU_OUT) as u32, 1),
@@ -894,33 +968,6 @@ fn grouped_experts(
             .arg(&s.list)
             .arg(&tk)
             .arg(&mut s.y)
-            .launch(cfg)
-    }?;
-
-    // 7. Combine in top-k order: one thread per output element.
-    let n = rows * hidden;
-    let blocks = n.div_ceil(256);
-    ensure!(
-        blocks < (1usize << 31),
-        "moe: grid of {blocks} blocks is too large"
-    );
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: y holds pairs × hidden, ids/wts pairs, out rows × hidden (checked by the caller).
-    unsafe {
-        be.stream
-            .kernel(&be.moe.combine)
-            .arg(&s.y)
-            .arg(&s.ids)
-            .arg(&s.wts)
-            .arg(&mut out.buf)
-            .arg(&rows_i)
-            .arg(&tk)
-            .arg(&hid)
-            .arg(&ne)
             .launch(cfg)
     }?;
     Ok(())

@@ -35,6 +35,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill matmuls on wgmma (sm_90a): 0 off (mm_), 1 on, 2 on without the 64x256 tile (MATMUL.md)",
     ),
     (
+        "FERRITE_MMW_MOE",
+        Accepts::OneOf(&[0, 1]),
+        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on (MOE.md)",
+    ),
+    (
         "FERRITE_MMW_FUSE",
         Accepts::OneOf(&[0, 1, 2, 3]),
         "wgmma prefill fusions, a bit mask: 1 Q4_K Q, K + Q6_K V in one launch, 2 gate, up and SwiGLU in one (default 3; MATMUL.md)",

@@ -766,7 +766,23 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
                            const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {        \
         gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x);                           \
     }
-#define GEMV_ALL_R(name, TYPE) GEMV_EACH_R(GEMV_KERNEL, name, TYPE)
+#define GEMV_ALL_R(name, TYPE) GEMV_EACH_R(GEMV_KERNEL, name, TYPE) GEMV_ROWS_KERNEL(name, TYPE)
+
+// gemv_<type>_rows: a small-output weight (n_out <= F32_SMALL_OUT: the MoE routers, Qwen3.5's
+// beta / alpha projections) at more than 16 rows, i.e. in a prefill. Block (x, y) is block x of
+// the 16-row launch on rows 16 y .. 16 y + 15, so every row's sums are the 16-row launch's (a
+// lane's fmaf chain depends on (type, n_in, ks) alone, never on R or the row's place) and the
+// routing stays the decode's, as before; but in one launch, not one per 16 rows (Qwen3-30B-A3B
+// at pp512: 32 launches of ~8 µs a layer, a quarter of the forward: MOE.md, 41st session).
+#define GEMV_ROWS_KERNEL(name, TYPE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
+        gemv_##name##_rows(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,               \
+                           const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {        \
+        const int r0 = 16 * (int)blockIdx.y;                                                                \
+        const int n = rows - r0 < 16 ? rows - r0 : 16;                                                      \
+        gemv<TYPE, 16>(W, rb, n_out, n_in, x + (size_t)r0 * (size_t)n_in, n, out + (size_t)r0 * (size_t)n_out, \
+                       ks, nullptr, blockIdx.x);                                                            \
+    }
 
 // Up to three weights of one type and row length reading the same x (Q, K, V) in one launch:
 // blocks [0, b0) are weight 0's row groups, [b0, b0 + b1) weight 1's, the rest weight 2's. Each

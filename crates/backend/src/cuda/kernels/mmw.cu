@@ -141,10 +141,17 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // so the fused launch computes what the unfused one does. (The fast-math form, __expf and
 // __fdividef, was 0.6% faster at pp512: not worth a second rounding of the FFN's activations.)
 
-template <int TYPE, int TM, int BN, bool SWIGLU = false>
+// MOE (the grouped expert GEMMs, `mmw_moe_*` below): the block's tokens are one tile of moe_sort's
+// list (`mlist`: its pair positions' entries, `rows` of them), W (and W2) the tile's expert. With
+// SWIGLU (gate/up) token t's x row is that of the pair's token, mlist[t] / mtk, and its output
+// row is t (the caller offsets `out` to the tile's first list position: h in list order);
+// without (down) x row t is row t (the caller offsets xb to the tile's h rows) and its output
+// row is the pair, mlist[t] (y by pair, for moe_combine).
+template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
-                                    float* __restrict__ out, int oy) {
+                                    float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
+                                    int mtk = 1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN>;
     constexpr int NACC = BN / 2;
@@ -158,7 +165,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // The ring's start as a generic pointer: the staged epilogue's [token][column] f32 tile.
     float* const stage = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
     const int tid = threadIdx.x, wgi = tid >> 7;
-    const int t0 = blockIdx.x * BN;
+    const int t0 = MOE ? 0 : blockIdx.x * BN;
     const int nk = kp / MMW_TK;
 
     if (wgi < MMW_PRODUCERS) {
@@ -190,6 +197,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                              "r"(d[4]), "r"(d[5]), "r"(d[6]), "r"(d[7]) : "memory");
             }
         };
+        // MOE gate/up: the x rows of this thread's copies (fixed: its tokens n are the same
+        // every step), each the row of its pair's token.
+        constexpr int NCP = BN * 8 / MMW_PTHREADS;
+        int xr[NCP];
+#pragma unroll
+        for (int i = 0; i < NCP; i++) {
+            const int n = (ptid + MMW_PTHREADS * i) >> 3;
+            xr[i] = MOE && SWIGLU ? mlist[n < rows ? n : 0] / mtk : 0;
+        }
         // x of step kt into its stage (once the consumers released the stage's previous use,
         // step kt - STAGES), one cp.async group per step (empty past the last step).
         auto copy_b = [&](int kt) {
@@ -198,10 +214,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 const int k = kt * MMW_TK;
                 const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE + S::A_BYTES;
 #pragma unroll
-                for (int i = 0; i < BN * 8 / MMW_PTHREADS; i++) {
+                for (int i = 0; i < NCP; i++) {
                     const int c = ptid + MMW_PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
                     const int t = t0 + n;
-                    const uint16_t* src = xb + (size_t)(t < rows ? t : 0) * kp + k + kc;
+                    const int xrow = MOE && SWIGLU ? xr[i] : (t < rows ? t : 0);
+                    const uint16_t* src = xb + (size_t)xrow * kp + k + kc;
                     cp_async16(base + mmw_off<BN>(n, kc), src, t < rows ? 16 : 0);
                 }
             }
@@ -306,7 +323,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             v.z = swiglu_f(v.z, u.z);
             v.w = swiglu_f(v.w, u.w);
         }
-        float* dst = out + (size_t)tt * n_out + o;
+        const size_t orow = MOE && !SWIGLU ? (size_t)mlist[tt] : (size_t)tt;
+        float* dst = out + orow * n_out + o;
         if (vec && o + 3 < n_out) {
             *reinterpret_cast<float4*>(dst) = v;
         } else {
@@ -359,6 +377,81 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     MMW_SWIGLU1(name, TYPE, 128, 128)                                                                       \
     MMW_SWIGLU1(name, TYPE, 128, 64)                                                                        \
     MMW_SWIGLU1(name, TYPE, 64, 256)
+
+// The grouped expert GEMMs of a MoE prefill (moe.rs `grouped_experts`; MOE.md, 41st session):
+// moe.cu's moe_sort orders the (token, slot) pairs by expert into tiles of 64 (GM_TN there,
+// BN here) and writes the tile table; block (x, y) takes tile x (surplus tiles of the
+// worst-case grid exit at once) and output tile y of the tile's expert, on the wgmma pipeline
+// above (128 × 64 tiles). Gate/up: W, W2 the gate and up experts [n_experts, ffn, hidden], x
+// the bf16 scratch of the tokens' rows (gathered per pair), h[list position][ffn] = silu(gate)
+// ⊙ up in f32. Down: W the down experts [n_experts, hidden, ffn], xb the bf16 copy of h, y[pair]
+// [hidden] in f32; moe_combine then adds each token's slots in top-k order. The numerics of
+// moe.cu's mma.sync forms (bf16 x, h and weights, f32 accumulation; the order of the f32
+// additions inside a K step differs).
+// The block's weight rows (`bytes` from p: one expert's output tile, contiguous) into L2 by one
+// bulk prefetch at the block's start: an expert's rows serve only its tile's few pairs, so
+// unlike the dense launches' (read by every token tile of a weight tile at once, from L2) they
+// come from DRAM, and the producers' two steps of raw loads in flight (MMW_RAW) would pay
+// DRAM's latency on every step. The range widened to 16-byte bounds (prefetch_l2's rule).
+// Only where a block's rows are at most MMW_MOE_PF_MAX bytes: one block an SM, so 132 of
+// them then claim ≤ 42 MB of L2; BF16 gate/up rows (512 KB a block) evicted each other's
+// before use and lost 12% at rows=64 (Q4_K, Q6_K, Q8_0 gained 3-6%: MOE.md).
+#define MMW_MOE_PF_MAX (320 * 1024)
+__device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes) {
+    if (threadIdx.x == 0 && bytes > 0) {
+        const size_t a = (size_t)p & ~(size_t)15, b = ((size_t)p + bytes + 15) & ~(size_t)15;
+        prefetch_l2((const void*)a, (unsigned int)(b - a));
+    }
+}
+#define MMW_MOE_ROWS(o0, n, n_out) ((size_t)((o0) + (n) <= (n_out) ? (n) : ((n_out) > (o0) ? (n_out) - (o0) : 0)))
+
+#define MMW_MOE(name, TYPE)                                                                                \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(128), 1) mmw_moe_gu_##name##_n64(              \
+        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
+        const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
+        const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
+        int top_k, float* __restrict__ h) {                                                                 \
+        PDL_ENTRY();                                                                                        \
+        const int tile = blockIdx.x;                                                                        \
+        if (tile >= *n_tiles) return; /* whole block, before any barrier */                                 \
+        const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
+        const int cnt = min(64, offsets[e + 1] - start);                                                    \
+        const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
+        const int o0 = blockIdx.y * 64;                                                                     \
+        const size_t span = MMW_MOE_ROWS(o0, 64, n_out) * (size_t)rb;                                       \
+        if (2 * span <= MMW_MOE_PF_MAX) {                                                                   \
+            mmw_moe_prefetch(Wg + eo + (size_t)o0 * (size_t)rb, span);                                      \
+            mmw_moe_prefetch(Wu + eo + (size_t)o0 * (size_t)rb, span);                                      \
+        }                                                                                                   \
+        mmw<TYPE, 128, 64, true, true>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,                      \
+                                       h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k); \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(128), 1) mmw_moe_down_##name##_n64(            \
+        const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
+        int kp, const int* __restrict__ offsets, const int* __restrict__ n_tiles,                          \
+        const int* __restrict__ tiles, const int* __restrict__ list, float* __restrict__ y) {              \
+        PDL_ENTRY();                                                                                        \
+        const int tile = blockIdx.x;                                                                        \
+        if (tile >= *n_tiles) return;                                                                       \
+        const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
+        const int cnt = min(64, offsets[e + 1] - start);                                                    \
+        const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
+        const int o0 = blockIdx.y * 128;                                                                    \
+        const size_t span = MMW_MOE_ROWS(o0, 128, n_out) * (size_t)rb;                                      \
+        if (span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);               \
+        mmw<TYPE, 128, 64, false, true>(W + eo, nullptr, rb, n_out, n_in, hb + (size_t)start * (size_t)kp,  \
+                                        kp, cnt, y, blockIdx.y, list + start, 1);                           \
+    }
+
+MMW_MOE(f32, GGML_F32)
+MMW_MOE(f16, GGML_F16)
+MMW_MOE(bf16, GGML_BF16)
+MMW_MOE(q8_0, GGML_Q8_0)
+MMW_MOE(q4_0, GGML_Q4_0)
+MMW_MOE(q4_1, GGML_Q4_1)
+MMW_MOE(q4_k, GGML_Q4_K)
+MMW_MOE(q5_k, GGML_Q5_K)
+MMW_MOE(q6_k, GGML_Q6_K)
 
 MMW_KERNEL(f32, GGML_F32)
 MMW_KERNEL(f16, GGML_F16)
