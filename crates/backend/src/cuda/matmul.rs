@@ -1035,7 +1035,7 @@ pub fn matmul(
             "matmul: weight buffer is not 16-byte aligned"
         );
     }
-    let (rb, n_out_i, n_in_i, rows_i) = (rb as i64, n_out as i32, n_in as i32, rows as i32);
+    let rb = rb as i64;
 
     if rows > GEMV_MAX_ROWS && n_out <= F32_SMALL_OUT {
         // The 16-row GEMV's arithmetic for every row (routing stays the decode's), every
@@ -1049,23 +1049,8 @@ pub fn matmul(
         );
         let mut cfg = gemv_config(groups, ks);
         cfg.grid_dim.1 = chunks as u32;
-        let ks_i = ks as i32;
-        // SAFETY: shapes and buffer sizes checked above; block (x, y) reads rows 16 y ..
-        // min(16 y + 16, rows) of x and writes the same rows of out.
-        unsafe {
-            be.stream
-                .kernel(&be.matmul.gemv_rows[ti])
-                .arg(&*w.data)
-                .arg(&rb)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(&x.buf)
-                .arg(&rows_i)
-                .arg(&mut out.buf)
-                .arg(&ks_i)
-                .launch(cfg)
-        }?;
-        return Ok(());
+        // Block (x, y) reads rows 16 y .. min(16 y + 16, rows) of x and writes those of out.
+        return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg);
     }
 
     if let Some(tm) = &be.matmul.tm {
@@ -1090,26 +1075,49 @@ pub fn matmul(
         let ri = gemv_r_index(rows)?;
         let groups = row_groups(n_out);
         let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
-        let ks_i = ks as i32;
         let _keep = KeepXq::new(be, x);
-        // SAFETY: shapes and buffer sizes checked above; the kernel reads n_out rows of rb
-        // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
-        unsafe {
-            be.stream
-                .kernel(&be.matmul.gemv[ti][ri])
-                .arg(&*w.data)
-                .arg(&rb)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(&x.buf)
-                .arg(&rows_i)
-                .arg(&mut out.buf)
-                .arg(&ks_i)
-                .launch(gemv_config(groups, ks))
-        }?;
-        return Ok(());
+        return float_gemv(
+            be,
+            &be.matmul.gemv[ti][ri],
+            w,
+            x,
+            out,
+            ks,
+            gemv_config(groups, ks),
+        );
     }
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
+}
+
+/// One launch of a `gemv_<type>_*` kernel of [`matmul`] (whose checks it relies on) with K split
+/// `ks` ways.
+fn float_gemv(
+    be: &CudaBackend,
+    func: &CudaFunction,
+    w: &CudaWeight,
+    x: &Act<CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+    ks: usize,
+    cfg: LaunchConfig,
+) -> Result<()> {
+    let (rb, n_out, n_in) = (w.row_bytes() as i64, w.shape[0] as i32, w.shape[1] as i32);
+    let (rows, ks) = (x.rows as i32, ks as i32);
+    // SAFETY: matmul checked the shapes and buffer sizes: the kernel reads n_out rows of rb
+    // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
+    unsafe {
+        be.stream
+            .kernel(func)
+            .arg(&*w.data)
+            .arg(&rb)
+            .arg(&n_out)
+            .arg(&n_in)
+            .arg(&x.buf)
+            .arg(&rows)
+            .arg(&mut out.buf)
+            .arg(&ks)
+            .launch(cfg)
+    }?;
+    Ok(())
 }
 
 /// `quant_x_q8s` and `gemv_tm_q4k_r8` / `_r16` ([`tm_launch`]).
