@@ -101,6 +101,10 @@ pub struct Kernels {
     /// `gemv_<type>_rows`: the 16-row GEMV over every 16-row chunk of a prefill in one launch
     /// (grid y = the chunk), for small-output weights such as the MoE routers.
     gemv_rows: Vec<CudaFunction>,
+    /// `gemv_<type>_rowsg`: the same, each block taking `rows_bpb` of its blocks in turn
+    /// (`FERRITE_GEMV_ROWS_G`; 1, the default, takes `gemv_rows`).
+    gemv_rowsg: Vec<CudaFunction>,
+    rows_bpb: usize,
     /// `gemv_swiglu_<type>_r<R>` (float types only: the quantized ones use gemvq_swiglu).
     gemv_swiglu: Vec<Option<[CudaFunction; 6]>>,
     /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch on f32 x (float types; the
@@ -321,6 +325,7 @@ impl Kernels {
         ctx.bind_to_thread()?;
         let mut gemv = Vec::with_capacity(TYPES.len());
         let mut gemv_rows = Vec::with_capacity(TYPES.len());
+        let mut gemv_rowsg = Vec::with_capacity(TYPES.len());
         let mut mm = Vec::with_capacity(TYPES.len());
         let mut gemvq = Vec::with_capacity(TYPES.len());
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
@@ -346,6 +351,7 @@ impl Kernels {
             });
             gemv.push(per_r(&m, &format!("gemv_{name}"), false)?);
             gemv_rows.push(function(&m, &format!("gemv_{name}_rows"))?);
+            gemv_rowsg.push(function(&m, &format!("gemv_{name}_rowsg"))?);
             gemv_swiglu.push(if quantized_x(ty) {
                 None
             } else {
@@ -634,6 +640,8 @@ impl Kernels {
         Ok(Kernels {
             gemv,
             gemv_rows,
+            gemv_rowsg,
+            rows_bpb: switches::int_or("FERRITE_GEMV_ROWS_G", 1).max(1) as usize,
             gemv_swiglu,
             gemv_multi,
             gemv_deferred,
@@ -1050,7 +1058,30 @@ pub fn matmul(
         let mut cfg = gemv_config(groups, ks);
         cfg.grid_dim.1 = chunks as u32;
         // Block (x, y) reads rows 16 y .. min(16 y + 16, rows) of x and writes those of out.
-        return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg);
+        let bpb = be.matmul.rows_bpb;
+        if bpb == 1 {
+            return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg);
+        }
+        // Block (x, y) takes blocks x·bpb .. of the rows kernel's chunk y.
+        cfg.grid_dim.0 = cfg.grid_dim.0.div_ceil(bpb as u32);
+        let (n_out_i, n_in_i) = (n_out as i32, n_in as i32);
+        let (rows_i, ks_i, bpb_i) = (rows as i32, ks as i32, bpb as i32);
+        // SAFETY: as float_gemv's; blocks past the weight's row groups compute nothing.
+        unsafe {
+            be.stream
+                .kernel(&be.matmul.gemv_rowsg[ti])
+                .arg(&*w.data)
+                .arg(&rb)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&x.buf)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&ks_i)
+                .arg(&bpb_i)
+                .launch(cfg)
+        }?;
+        return Ok(());
     }
 
     if let Some(tm) = &be.matmul.tm {
