@@ -12,6 +12,8 @@
 #   --check         ferrite check --device cuda --e2e on the new build (log in $OUT)
 #   --perf FILTER   ferrite check --perf --filter FILTER on both builds (µs lines only)
 #   --bench P:Q     synth preset P at quant Q, then pp512 and tg128 old, new, old, new (--reps each)
+#   --switch VAR=a,b P:Q   the new build alone on preset P at quant Q with switch VAR at a, b, ...
+#                   in turn, two rounds (a switch's A/B inside one binary)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-}
@@ -66,6 +68,19 @@ run)
             done | tee -a "$OUT/bench.log"
             rm -f "$M/m.gguf"
             shift 2
+            ;;
+        --switch)
+            var=${2%%=*} vals=${2#*=} p=${3%%:*} q=${3##*:}
+            echo "== switch $var over $vals, $p $q $(date -u +%T)"
+            fer new synth --preset "$p" --quant "$q" --output "$M/m.gguf" 2>&1 | tail -1
+            for r in 1 2; do
+                for v in ${vals//,/ }; do
+                    echo "$var=$v $(env "$var=$v" FERRITE_CACHE_DIR=/tmp/ab-new/cache /tmp/ab-new/ferrite bench \
+                        --model "$M/m.gguf" --reps "$reps" 2>&1 | grep -E "pp512|tg128|rror" | tr -s ' ' | tr '\n' ' ')"
+                done
+            done | tee -a "$OUT/switch.log"
+            rm -f "$M/m.gguf"
+            shift 3
             ;;
         *) echo "unknown option $1" >&2; exit 2 ;;
         esac

@@ -36,6 +36,8 @@
 #            --perf of the Q4_K matmuls with it off and on
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
+#   ptrace   where a pp512 forward's time goes, per kernel (CUPTI; TRACE_MODELS as trace's,
+#            default Qwen3-30B-A3B Q4_K_M)
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
 #            injection, tools/h200/kernel_trace.{c,py}); the raw trace comes back gzipped.
 #            TRACE_MODELS="preset:quant ..." traces others (e.g. "qwen3-8b:Q8_0
@@ -266,6 +268,21 @@ for stage in "$@"; do
             python3 tools/h200/kernel_trace.py /tmp/trace.txt --order > "$OUT/trace-$p-$q.txt" 2>&1
             head -20 "$OUT/trace-$p-$q.txt"
             gzip -c /tmp/trace.txt > "$OUT/trace-$p-$q-raw.txt.gz"
+            rm -f "$f"
+        done
+        ;;
+    ptrace)
+        # Where a pp512 forward's time goes, per kernel (CUPTI, tools/h200/prefill_trace.py):
+        # TRACE_MODELS="preset:quant ..." (default Qwen3-30B-A3B Q4_K_M), one ptrace-<preset>-<quant>.txt each.
+        C=/usr/local/cuda/targets/x86_64-linux
+        nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$C/include \
+            tools/h200/kernel_trace.c -L$C/lib -lcupti -o /tmp/libktrace.so || continue
+        for pq in ${TRACE_MODELS:-qwen3-30b-a3b:Q4_K_M}; do
+            p=${pq%%:*} q=${pq##*:}
+            f=$(synth "$p" "$q" | tail -1)
+            LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
+                TRACE_OUT=/tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "pp512|rror"
+            python3 tools/h200/prefill_trace.py /tmp/trace.txt --top 20 | tee "$OUT/ptrace-$p-$q.txt"
             rm -f "$f"
         done
         ;;
