@@ -378,16 +378,6 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     MMW_SWIGLU1(name, TYPE, 128, 64)                                                                        \
     MMW_SWIGLU1(name, TYPE, 64, 256)
 
-// The grouped expert GEMMs of a MoE prefill (moe.rs `grouped_experts`; MOE.md, 41st session):
-// moe.cu's moe_sort orders the (token, slot) pairs by expert into tiles of 64 (GM_TN there,
-// BN here) and writes the tile table; block (x, y) takes tile x (surplus tiles of the
-// worst-case grid exit at once) and output tile y of the tile's expert, on the wgmma pipeline
-// above (128 × 64 tiles). Gate/up: W, W2 the gate and up experts [n_experts, ffn, hidden], x
-// the bf16 scratch of the tokens' rows (gathered per pair), h[list position][ffn] = silu(gate)
-// ⊙ up in f32. Down: W the down experts [n_experts, hidden, ffn], xb the bf16 copy of h, y[pair]
-// [hidden] in f32; moe_combine then adds each token's slots in top-k order. The numerics of
-// moe.cu's mma.sync forms (bf16 x, h and weights, f32 accumulation; the order of the f32
-// additions inside a K step differs).
 // The block's weight rows (`bytes` from p: one expert's output tile, contiguous) into L2 by one
 // bulk prefetch at the block's start: an expert's rows serve only its tile's few pairs, so
 // unlike the dense launches' (read by every token tile of a weight tile at once, from L2) they
@@ -405,6 +395,16 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
 }
 #define MMW_MOE_ROWS(o0, n, n_out) ((size_t)((o0) + (n) <= (n_out) ? (n) : ((n_out) > (o0) ? (n_out) - (o0) : 0)))
 
+// The grouped expert GEMMs of a MoE prefill (moe.rs `grouped_experts`; MOE.md, 41st session):
+// moe.cu's moe_sort orders the (token, slot) pairs by expert into tiles of 64 (GM_TN there,
+// BN here) and writes the tile table; block (x, y) takes tile x (surplus tiles of the
+// worst-case grid exit at once) and output tile y of the tile's expert, on the wgmma pipeline
+// above (128 × 64 tiles). Gate/up: W, W2 the gate and up experts [n_experts, ffn, hidden], x
+// the bf16 scratch of the tokens' rows (gathered per pair), h[list position][ffn] = silu(gate)
+// ⊙ up in f32. Down: W the down experts [n_experts, hidden, ffn], xb the bf16 copy of h, y[pair]
+// [hidden] in f32; moe_combine then adds each token's slots in top-k order. The numerics of
+// moe.cu's mma.sync forms (bf16 x, h and weights, f32 accumulation; the order of the f32
+// additions inside a K step differs).
 #define MMW_MOE(name, TYPE)                                                                                \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(128), 1) mmw_moe_gu_##name##_n64(              \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
