@@ -93,8 +93,13 @@ pub struct Kernels {
     mixed: Vec<Tiles>,
     /// `mmw_moe_gu_<type>_n64` and `mmw_moe_down_<type>_n64` of each of [`TYPES`]: a MoE
     /// prefill's grouped expert GEMMs ([`moe_gate_up`], [`moe_down`]); empty where wgmma is
-    /// not available or `FERRITE_MMW_MOE=0` (moe.cu's mma.sync forms instead).
+    /// not available or `FERRITE_MMW_MOE=0` (moe.cu's mma.sync forms instead). With
+    /// `FERRITE_MMW_MOE=2` the `mmw_moe2_*` forms (64-output tiles, two blocks an SM; built,
+    /// not yet measured).
     moe: Vec<[CudaFunction; 2]>,
+    /// Their tile: outputs a block (gate and up rows together for the gate/up) and dynamic
+    /// shared memory.
+    moe_tile: (usize, usize),
 }
 
 impl Kernels {
@@ -104,6 +109,7 @@ impl Kernels {
             swiglu: Vec::new(),
             mixed: Vec::new(),
             moe: Vec::new(),
+            moe_tile: (TM, smem(TM, MOE_TN)),
         };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
@@ -123,14 +129,27 @@ impl Kernels {
             let g = |t: (usize, usize)| with_smem(format!("mmw_{family}_n{}", t.1), t);
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
-        let moe = if super::switches::int_or("FERRITE_MMW_MOE", 1) != 0 {
+        let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 1);
+        let (family, moe_tile) = if moe_mode == 2 {
+            ("moe2", (MOE2_TM, MOE2_SMEM))
+        } else {
+            ("moe", (TM, smem(TM, MOE_TN)))
+        };
+        let moe = if moe_mode != 0 {
             TYPES
                 .iter()
                 .map(|(_, n)| -> Result<[CudaFunction; 2]> {
-                    Ok([
-                        with_smem(format!("mmw_moe_gu_{n}_n{MOE_TN}"), (TM, MOE_TN))?,
-                        with_smem(format!("mmw_moe_down_{n}_n{MOE_TN}"), (TM, MOE_TN))?,
-                    ])
+                    let g = |part: &str| -> Result<CudaFunction> {
+                        let name = format!("mmw_{family}_{part}_{n}_n{MOE_TN}");
+                        let f = function(&m, &name)?;
+                        f.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            moe_tile.1 as i32,
+                        )
+                        .with_context(|| format!("{name}: raising the shared-memory limit"))?;
+                        Ok(f)
+                    };
+                    Ok([g("gu")?, g("down")?])
                 })
                 .collect::<Result<_>>()?
         } else {
@@ -147,6 +166,7 @@ impl Kernels {
                 .map(|(_, _, n)| tiles(n))
                 .collect::<Result<_>>()?,
             moe,
+            moe_tile,
         })
     }
 }
@@ -435,6 +455,11 @@ fn launch(
 /// Pairs per tile of the grouped expert GEMMs: moe.cu's `GM_TN`, whose tile table
 /// (`moe_sort`) they read; 128 × 64 tiles (two consumer warpgroups).
 pub(crate) const MOE_TN: usize = 64;
+/// The `mmw_moe2_*` tile: 64 outputs (one consumer warpgroup) and the dynamic shared memory
+/// of its six stages (MmwShape<64, 64, 2> in mmw.cu: as many 16 KB stages as fit 96 KB, and
+/// 1 KB of alignment slack), two blocks an SM.
+const MOE2_TM: usize = 64;
+const MOE2_SMEM: usize = (96 * 1024 / ((MOE2_TM + MOE_TN) * TK * 2)) * (MOE2_TM + MOE_TN) * TK * 2 + 1024;
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
 /// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;
@@ -465,7 +490,8 @@ pub(crate) fn moe_kernels(
 
 /// The grid of a grouped expert GEMM: every tile the routing could yield by `out_tiles`
 /// output tiles.
-fn moe_config(t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchConfig> {
+fn moe_config(be: &CudaBackend, t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchConfig> {
+    let (tm, smem) = be.mmw.moe_tile;
     ensure!(
         t.max_tiles < (1 << 31) && out_tiles <= 65535,
         "mmw: MoE grid of {} tiles by {out_tiles} is too large",
@@ -473,8 +499,8 @@ fn moe_config(t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchConfig> {
     );
     Ok(LaunchConfig {
         grid_dim: (t.max_tiles as u32, out_tiles as u32, 1),
-        block_dim: (threads(TM), 1, 1),
-        shared_mem_bytes: smem(TM, MOE_TN) as u32,
+        block_dim: (threads(tm), 1, 1),
+        shared_mem_bytes: smem as u32,
     })
 }
 
@@ -493,7 +519,7 @@ pub(crate) fn moe_gate_up(
     t: &MoeTiles<'_>,
     h: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let cfg = moe_config(t, ffn.div_ceil(TM / 2))?;
+    let cfg = moe_config(be, t, ffn.div_ceil(be.mmw.moe_tile.0 / 2))?;
     let (rb, n_out, n_in, tk) = (
         g.row_bytes() as i64,
         ffn as i32,
@@ -540,7 +566,7 @@ pub(crate) fn moe_down(
     t: &MoeTiles<'_>,
     y: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let cfg = moe_config(t, hidden.div_ceil(TM))?;
+    let cfg = moe_config(be, t, hidden.div_ceil(be.mmw.moe_tile.0))?;
     let (rb, n_out, n_in) = (d.row_bytes() as i64, hidden as i32, ffn as i32);
     super::matmul::with_bf16_rows(be, h, pairs, ffn, |hb, kp| {
         let kp = kp as i32;

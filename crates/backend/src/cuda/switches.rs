@@ -41,8 +41,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_MOE",
-        Accepts::OneOf(&[0, 1]),
-        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on (MOE.md)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on, 2 on 64-output tiles two blocks an SM (built, not measured; MOE.md)",
     ),
     (
         "FERRITE_MMW_FUSE",

@@ -112,13 +112,15 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 }
 
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
-// 224 KB, at most 7 (two named barriers each, 16 per block).
-template <int TM, int BN>
+// 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
+// the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB.
+template <int TM, int BN, int BPS = 1>
 struct MmwShape {
     static constexpr int A_BYTES = TM * MMW_TK * 2;
     static constexpr int B_BYTES = BN * MMW_TK * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
-    static constexpr int STAGES = (224 * 1024 / STAGE) < 7 ? (224 * 1024 / STAGE) : 7;
+    static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : 96 * 1024;
+    static constexpr int STAGES = (BUDGET / STAGE) < 7 ? (BUDGET / STAGE) : 7;
     static constexpr int SMEM = STAGES * STAGE + 1024;  // + alignment slack; mmw.rs smem() mirrors it
     static constexpr int THREADS = MMW_THREADS(TM);
     static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
@@ -147,13 +149,13 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // row is t (the caller offsets `out` to the tile's first list position: h in list order);
 // without (down) x row t is row t (the caller offsets xb to the tile's h rows) and its output
 // row is the pair, mlist[t] (y by pair, for moe_combine).
-template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false>
+template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
                                     int mtk = 1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
-    using S = MmwShape<TM, BN>;
+    using S = MmwShape<TM, BN, BPS>;
     constexpr int NACC = BN / 2;
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
     constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
@@ -443,15 +445,66 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
                                         kp, cnt, y, blockIdx.y, list + start, 1);                           \
     }
 
+// mmw_moe2_{gu,down}_<type>_n64 (`FERRITE_MMW_MOE=2`; built, not yet measured: MOE.md, 41st
+// session): the same on 64-output tiles (one consumer warpgroup, 384 threads) with 6 stages
+// (97 KB), two blocks an SM, so that one block's step waits (about one load round trip each:
+// MOE.md) overlap the other's. Gate/up: 32 outputs a block.
+#define MMW_MOE2(name, TYPE)                                                                               \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(64), 2) mmw_moe2_gu_##name##_n64(              \
+        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
+        const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
+        const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
+        int top_k, float* __restrict__ h) {                                                                 \
+        PDL_ENTRY();                                                                                        \
+        const int tile = blockIdx.x;                                                                        \
+        if (tile >= *n_tiles) return;                                                                       \
+        const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
+        const int cnt = min(64, offsets[e + 1] - start);                                                    \
+        const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
+        const int o0 = blockIdx.y * 32;                                                                     \
+        const size_t span = MMW_MOE_ROWS(o0, 32, n_out) * (size_t)rb;                                       \
+        if (4 * span <= MMW_MOE_PF_MAX) {                                                                   \
+            mmw_moe_prefetch(Wg + eo + (size_t)o0 * (size_t)rb, span);                                      \
+            mmw_moe_prefetch(Wu + eo + (size_t)o0 * (size_t)rb, span);                                      \
+        }                                                                                                   \
+        mmw<TYPE, 64, 64, true, true, 2>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,                    \
+                                         h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k); \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(64), 2) mmw_moe2_down_##name##_n64(            \
+        const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
+        int kp, const int* __restrict__ offsets, const int* __restrict__ n_tiles,                          \
+        const int* __restrict__ tiles, const int* __restrict__ list, float* __restrict__ y) {              \
+        PDL_ENTRY();                                                                                        \
+        const int tile = blockIdx.x;                                                                        \
+        if (tile >= *n_tiles) return;                                                                       \
+        const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
+        const int cnt = min(64, offsets[e + 1] - start);                                                    \
+        const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
+        const int o0 = blockIdx.y * 64;                                                                     \
+        const size_t span = MMW_MOE_ROWS(o0, 64, n_out) * (size_t)rb;                                       \
+        if (2 * span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);           \
+        mmw<TYPE, 64, 64, false, true, 2>(W + eo, nullptr, rb, n_out, n_in, hb + (size_t)start * (size_t)kp, \
+                                          kp, cnt, y, blockIdx.y, list + start, 1);                         \
+    }
+
 MMW_MOE(f32, GGML_F32)
+MMW_MOE2(f32, GGML_F32)
 MMW_MOE(f16, GGML_F16)
+MMW_MOE2(f16, GGML_F16)
 MMW_MOE(bf16, GGML_BF16)
+MMW_MOE2(bf16, GGML_BF16)
 MMW_MOE(q8_0, GGML_Q8_0)
+MMW_MOE2(q8_0, GGML_Q8_0)
 MMW_MOE(q4_0, GGML_Q4_0)
+MMW_MOE2(q4_0, GGML_Q4_0)
 MMW_MOE(q4_1, GGML_Q4_1)
+MMW_MOE2(q4_1, GGML_Q4_1)
 MMW_MOE(q4_k, GGML_Q4_K)
+MMW_MOE2(q4_k, GGML_Q4_K)
 MMW_MOE(q5_k, GGML_Q5_K)
+MMW_MOE2(q5_k, GGML_Q5_K)
 MMW_MOE(q6_k, GGML_Q6_K)
+MMW_MOE2(q6_k, GGML_Q6_K)
 
 MMW_KERNEL(f32, GGML_F32)
 MMW_KERNEL(f16, GGML_F16)
