@@ -459,7 +459,8 @@ pub(crate) const MOE_TN: usize = 64;
 /// of its six stages (MmwShape<64, 64, 2> in mmw.cu: as many 16 KB stages as fit 96 KB, and
 /// 1 KB of alignment slack), two blocks an SM.
 const MOE2_TM: usize = 64;
-const MOE2_SMEM: usize = (96 * 1024 / ((MOE2_TM + MOE_TN) * TK * 2)) * (MOE2_TM + MOE_TN) * TK * 2 + 1024;
+const MOE2_SMEM: usize =
+    (96 * 1024 / ((MOE2_TM + MOE_TN) * TK * 2)) * (MOE2_TM + MOE_TN) * TK * 2 + 1024;
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
 /// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;
