@@ -1060,28 +1060,13 @@ pub fn matmul(
         // Block (x, y) reads rows 16 y .. min(16 y + 16, rows) of x and writes those of out.
         let bpb = be.matmul.rows_bpb;
         if bpb == 1 {
-            return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg);
+            return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg, None);
         }
-        // Block (x, y) takes blocks x·bpb .. of the rows kernel's chunk y.
+        // Block (x, y) takes blocks x·bpb .. of the rows kernel's chunk y (those past the
+        // weight's row groups compute nothing).
         cfg.grid_dim.0 = cfg.grid_dim.0.div_ceil(bpb as u32);
-        let (n_out_i, n_in_i) = (n_out as i32, n_in as i32);
-        let (rows_i, ks_i, bpb_i) = (rows as i32, ks as i32, bpb as i32);
-        // SAFETY: as float_gemv's; blocks past the weight's row groups compute nothing.
-        unsafe {
-            be.stream
-                .kernel(&be.matmul.gemv_rowsg[ti])
-                .arg(&*w.data)
-                .arg(&rb)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(&x.buf)
-                .arg(&rows_i)
-                .arg(&mut out.buf)
-                .arg(&ks_i)
-                .arg(&bpb_i)
-                .launch(cfg)
-        }?;
-        return Ok(());
+        let f = &be.matmul.gemv_rowsg[ti];
+        return float_gemv(be, f, w, x, out, ks, cfg, Some(bpb as i32));
     }
 
     if let Some(tm) = &be.matmul.tm {
@@ -1107,21 +1092,16 @@ pub fn matmul(
         let groups = row_groups(n_out);
         let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let _keep = KeepXq::new(be, x);
-        return float_gemv(
-            be,
-            &be.matmul.gemv[ti][ri],
-            w,
-            x,
-            out,
-            ks,
-            gemv_config(groups, ks),
-        );
+        let cfg = gemv_config(groups, ks);
+        return float_gemv(be, &be.matmul.gemv[ti][ri], w, x, out, ks, cfg, None);
     }
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
 }
 
-/// One launch of a `gemv_<type>_*` kernel of [`matmul`] (whose checks it relies on) with K split
-/// `ks` ways.
+/// One launch of a float-x GEMV kernel (`gemv_<type>_*`, the deferred forms) whose caller
+/// checked the shapes and buffers, with K split `ks` ways; `extra`, the argument after ks that
+/// some take.
+#[allow(clippy::too_many_arguments)]
 fn float_gemv(
     be: &CudaBackend,
     func: &CudaFunction,
@@ -1130,24 +1110,26 @@ fn float_gemv(
     out: &mut Act<CudaSlice<f32>>,
     ks: usize,
     cfg: LaunchConfig,
+    extra: Option<i32>,
 ) -> Result<()> {
     let (rb, n_out, n_in) = (w.row_bytes() as i64, w.shape[0] as i32, w.shape[1] as i32);
     let (rows, ks) = (x.rows as i32, ks as i32);
-    // SAFETY: matmul checked the shapes and buffer sizes: the kernel reads n_out rows of rb
-    // bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
-    unsafe {
-        be.stream
-            .kernel(func)
-            .arg(&*w.data)
-            .arg(&rb)
-            .arg(&n_out)
-            .arg(&n_in)
-            .arg(&x.buf)
-            .arg(&rows)
-            .arg(&mut out.buf)
-            .arg(&ks)
-            .launch(cfg)
-    }?;
+    let mut launch = be.stream.kernel(func);
+    launch
+        .arg(&*w.data)
+        .arg(&rb)
+        .arg(&n_out)
+        .arg(&n_in)
+        .arg(&x.buf)
+        .arg(&rows)
+        .arg(&mut out.buf)
+        .arg(&ks);
+    if let Some(e) = &extra {
+        launch.arg(e);
+    }
+    // SAFETY: the caller checked the shapes and buffer sizes: the kernel reads n_out rows of
+    // rb bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 
@@ -2473,28 +2455,9 @@ pub fn matmul_add(
     let groups = row_groups(n_out);
     let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
     let f = &deferred_kernels(be, w.dtype, 1)?[gemv_r_index(rows)?];
-    let (rb, n_out_i, n_in_i, rows_i, ks_i) = (
-        w.row_bytes() as i64,
-        n_out as i32,
-        n_in as i32,
-        rows as i32,
-        ks as i32,
-    );
-    // SAFETY: w holds n_out rows of rb bytes (checked), x rows×n_in floats and out
-    // rows×n_out; each output is read and written by the one lane that stores it.
-    unsafe {
-        be.stream
-            .kernel(f)
-            .arg(&*w.data)
-            .arg(&rb)
-            .arg(&n_out_i)
-            .arg(&n_in_i)
-            .arg(&x.buf)
-            .arg(&rows_i)
-            .arg(&mut out.buf)
-            .arg(&ks_i)
-            .launch(gemv_config(groups, ks))
-    }?;
+    // (w holds n_out rows of rb bytes, checked; each output is read and written by the one
+    // lane that stores it.)
+    float_gemv(be, f, w, x, out, ks, gemv_config(groups, ks), None)?;
     Ok(true)
 }
 

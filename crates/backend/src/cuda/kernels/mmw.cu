@@ -407,8 +407,10 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
 // [hidden] in f32; moe_combine then adds each token's slots in top-k order. The numerics of
 // moe.cu's mma.sync forms (bf16 x, h and weights, f32 accumulation; the order of the f32
 // additions inside a K step differs).
-#define MMW_MOE(name, TYPE)                                                                                \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(128), 1) mmw_moe_gu_##name##_n64(              \
+// One form of the grouped GEMMs: `mmw_<form>_gu_<type>_n64` and `mmw_<form>_down_<type>_n64` on
+// TM-output tiles at BPS blocks an SM (the L2 prefetch's cap shared between them).
+#define MMW_MOE_FORM(form, name, TYPE, TM, BPS)                                                           \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_##form##_gu_##name##_n64(       \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
         const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
@@ -419,16 +421,16 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
         const int cnt = min(64, offsets[e + 1] - start);                                                    \
         const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
-        const int o0 = blockIdx.y * 64;                                                                     \
-        const size_t span = MMW_MOE_ROWS(o0, 64, n_out) * (size_t)rb;                                       \
-        if (2 * span <= MMW_MOE_PF_MAX) {                                                                   \
+        const int o0 = blockIdx.y * ((TM) / 2);                                                             \
+        const size_t span = MMW_MOE_ROWS(o0, (TM) / 2, n_out) * (size_t)rb;                                 \
+        if (2 * (BPS) * span <= MMW_MOE_PF_MAX) {                                                           \
             mmw_moe_prefetch(Wg + eo + (size_t)o0 * (size_t)rb, span);                                      \
             mmw_moe_prefetch(Wu + eo + (size_t)o0 * (size_t)rb, span);                                      \
         }                                                                                                   \
-        mmw<TYPE, 128, 64, true, true>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,                      \
-                                       h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k); \
+        mmw<TYPE, TM, 64, true, true, BPS>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,                  \
+                                           h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k); \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(128), 1) mmw_moe_down_##name##_n64(            \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_##form##_down_##name##_n64(     \
         const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
         int kp, const int* __restrict__ offsets, const int* __restrict__ n_tiles,                          \
         const int* __restrict__ tiles, const int* __restrict__ list, float* __restrict__ y) {              \
@@ -438,54 +440,21 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
         const int cnt = min(64, offsets[e + 1] - start);                                                    \
         const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
-        const int o0 = blockIdx.y * 128;                                                                    \
-        const size_t span = MMW_MOE_ROWS(o0, 128, n_out) * (size_t)rb;                                      \
-        if (span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);               \
-        mmw<TYPE, 128, 64, false, true>(W + eo, nullptr, rb, n_out, n_in, hb + (size_t)start * (size_t)kp,  \
-                                        kp, cnt, y, blockIdx.y, list + start, 1);                           \
+        const int o0 = blockIdx.y * (TM);                                                                   \
+        const size_t span = MMW_MOE_ROWS(o0, TM, n_out) * (size_t)rb;                                       \
+        if ((BPS) * span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);       \
+        mmw<TYPE, TM, 64, false, true, BPS>(W + eo, nullptr, rb, n_out, n_in,                               \
+                                            hb + (size_t)start * (size_t)kp, kp, cnt, y, blockIdx.y,        \
+                                            list + start, 1);                                               \
     }
+// The default: 128-output tiles (two consumer warpgroups), one block an SM.
+#define MMW_MOE(name, TYPE) MMW_MOE_FORM(moe, name, TYPE, 128, 1)
 
 // mmw_moe2_{gu,down}_<type>_n64 (`FERRITE_MMW_MOE=2`; built, not yet measured: MOE.md, 41st
 // session): the same on 64-output tiles (one consumer warpgroup, 384 threads) with 6 stages
 // (97 KB), two blocks an SM, so that one block's step waits (about one load round trip each:
 // MOE.md) overlap the other's. Gate/up: 32 outputs a block.
-#define MMW_MOE2(name, TYPE)                                                                               \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(64), 2) mmw_moe2_gu_##name##_n64(              \
-        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
-        const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
-        const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
-        int top_k, float* __restrict__ h) {                                                                 \
-        PDL_ENTRY();                                                                                        \
-        const int tile = blockIdx.x;                                                                        \
-        if (tile >= *n_tiles) return;                                                                       \
-        const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
-        const int cnt = min(64, offsets[e + 1] - start);                                                    \
-        const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
-        const int o0 = blockIdx.y * 32;                                                                     \
-        const size_t span = MMW_MOE_ROWS(o0, 32, n_out) * (size_t)rb;                                       \
-        if (4 * span <= MMW_MOE_PF_MAX) {                                                                   \
-            mmw_moe_prefetch(Wg + eo + (size_t)o0 * (size_t)rb, span);                                      \
-            mmw_moe_prefetch(Wu + eo + (size_t)o0 * (size_t)rb, span);                                      \
-        }                                                                                                   \
-        mmw<TYPE, 64, 64, true, true, 2>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,                    \
-                                         h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k); \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(64), 2) mmw_moe2_down_##name##_n64(            \
-        const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
-        int kp, const int* __restrict__ offsets, const int* __restrict__ n_tiles,                          \
-        const int* __restrict__ tiles, const int* __restrict__ list, float* __restrict__ y) {              \
-        PDL_ENTRY();                                                                                        \
-        const int tile = blockIdx.x;                                                                        \
-        if (tile >= *n_tiles) return;                                                                       \
-        const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
-        const int cnt = min(64, offsets[e + 1] - start);                                                    \
-        const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
-        const int o0 = blockIdx.y * 64;                                                                     \
-        const size_t span = MMW_MOE_ROWS(o0, 64, n_out) * (size_t)rb;                                       \
-        if (2 * span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);           \
-        mmw<TYPE, 64, 64, false, true, 2>(W + eo, nullptr, rb, n_out, n_in, hb + (size_t)start * (size_t)kp, \
-                                          kp, cnt, y, blockIdx.y, list + start, 1);                         \
-    }
+#define MMW_MOE2(name, TYPE) MMW_MOE_FORM(moe2, name, TYPE, 64, 2)
 
 MMW_MOE(f32, GGML_F32)
 MMW_MOE2(f32, GGML_F32)
