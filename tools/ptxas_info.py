@@ -7,13 +7,15 @@ NVRTC alone (no GPU, no cuobjdump: tools/sass_census.py needs that for the instr
 MODULE is a file of crates/backend/src/cuda/kernels/ (matmul, mmw, moe, attention, ...),
 compiled as the backend compiles it (common.cuh, and mm_decode.cuh for matmul / mmw / moe,
 prepended; mod.rs `full_source`, without the timing diagnostics) for sm_90a, with
-`--ptxas-options=-v`. Needs libnvrtc.so.13 under $CUDA_HOME/lib64 or lib and the CUDA headers
-under $CUDA_HOME/include.
+`--ptxas-options=-v` (sass_census.py's NVRTC loader). Needs libnvrtc.so.13 under
+$CUDA_HOME/lib64 or lib and the CUDA headers under $CUDA_HOME/include.
 """
-import ctypes
 import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_census import nvrtc_program  # noqa: E402  (the NVRTC loader, beside this file)
 
 KDIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "crates", "backend", "src", "cuda", "kernels")
 
@@ -31,26 +33,7 @@ def source(module):
 
 
 def main(module, pattern):
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    lib = next((p for p in (f"{home}/lib64/libnvrtc.so.13", f"{home}/lib/libnvrtc.so.13") if os.path.exists(p)), None)
-    if lib is None:
-        sys.exit(f"no libnvrtc.so.13 under {home}/lib64 or {home}/lib (set CUDA_HOME)")
-    nv = ctypes.CDLL(lib)
-    prog = ctypes.c_void_p()
-    src = source(module).encode()
-    if nv.nvrtcCreateProgram(ctypes.byref(prog), src, f"{module}.cu".encode(), 0, None, None) != 0:
-        sys.exit("nvrtcCreateProgram failed")
-    opts = [b"--std=c++17", b"-default-device", b"-arch=sm_90a", f"-I{home}/include".encode(),
-            b"--ptxas-options=-v"]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    rc = nv.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    nv.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    nv.nvrtcGetProgramLog(prog, log)
-    text = log.value.decode(errors="replace")
-    if rc != 0:
-        sys.exit(f"compile failed ({rc}):\n{text}")
+    _, text = nvrtc_program(source(module), name=f"{module}.cu", extra=("--ptxas-options=-v",))
     rx = re.compile(pattern or ".")
     name = None
     for line in text.splitlines():

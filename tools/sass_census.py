@@ -95,6 +95,12 @@ def sass_by_function(cuobjdump, cubin):
 
 
 def nvrtc_cubin(src, arch="sm_90a"):
+    return nvrtc_program(src, arch)[0]
+
+
+def nvrtc_program(src, arch="sm_90a", name="matmul.cu", extra=()):
+    """The CUBIN of `src` compiled by NVRTC as the backend compiles it (plus `extra` options),
+    and NVRTC's program log (ptxas's report with --ptxas-options=-v: tools/ptxas_info.py)."""
     home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     lib = None
     for d in ("lib64", "lib"):
@@ -109,9 +115,10 @@ def nvrtc_cubin(src, arch="sm_90a"):
     if lib is None:
         sys.exit(f"no libnvrtc.so.13 under {home}/lib64 or {home}/lib (set CUDA_HOME)")
     prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"matmul.cu", 0, None, None):
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), name.encode(), 0, None, None):
         sys.exit("nvrtcCreateProgram failed")
     opts = [b"--std=c++17", b"-default-device", f"-arch={arch}".encode(), f"-I{home}/include".encode()]
+    opts += [o.encode() for o in extra]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
@@ -123,7 +130,7 @@ def nvrtc_cubin(src, arch="sm_90a"):
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
     buf = ctypes.create_string_buffer(n.value)
     lib.nvrtcGetCUBIN(prog, buf)
-    return buf.raw
+    return buf.raw, log.value.decode(errors="replace")
 
 
 def census(cuobjdump, cubin, fun):
