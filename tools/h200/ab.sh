@@ -4,6 +4,8 @@
 #
 # Here (the development machine), per build:
 #   tools/h200/ab.sh pack new        # cargo build --profile dist, kernel CUBIN cache, xz
+#   tools/h200/ab.sh pack new mmw    # the same, only the named modules' CUBINs compiled anew
+#                                    # (the rest from target/kernel-cache.txz: kernel_cache.sh)
 #   (check out the baseline)  tools/h200/ab.sh pack old
 #   -> target/ab/ferrite-{new,old}.xz and target/ab/kc-{new,old}.txz (carry all four and
 #      this script; ~14 MB: with the ~45 MB working tree under a call's 64 MB)
@@ -21,11 +23,12 @@ shift || true
 case "$mode" in
 pack)
     tag=${1:?pack needs a tag: new or old}
+    shift
     mkdir -p target/ab
     touch crates/cli/build.rs
     cargo build --profile dist -p ferrite-cli 2>&1 | grep -E "^(warning|error)" || true
     xz -6 -T0 -c target/dist/ferrite > "target/ab/ferrite-$tag.xz"
-    tools/h200/kernel_cache.sh > /dev/null && cp target/kernel-cache.txz "target/ab/kc-$tag.txz"
+    tools/h200/kernel_cache.sh "$@" > /dev/null && cp target/kernel-cache.txz "target/ab/kc-$tag.txz"
     ls -l "target/ab/ferrite-$tag.xz" "target/ab/kc-$tag.txz"
     ;;
 run)
