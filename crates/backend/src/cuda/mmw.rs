@@ -69,8 +69,19 @@ fn threads(tm: usize) -> u32 {
 /// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7, and 1 KB of slack for
 /// aligning the ring to the swizzle atoms.
 fn smem(tm: usize, bn: usize) -> usize {
+    ring_smem(tm, bn, 224 * 1024)
+}
+
+/// [`smem`] with the stages' budget `budget` bytes (MmwShape's BUDGET: 96 KB at two blocks
+/// an SM).
+const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
     let stage = (tm + bn) * TK * 2;
-    (224 * 1024 / stage).min(7) * stage + 1024
+    let stages = if budget / stage < 7 {
+        budget / stage
+    } else {
+        7
+    };
+    stages * stage + 1024
 }
 
 /// Mixed-type groups with a kernel (`mmw_<a>_<b>_n<BN>`: weights 0 and 1 of type a, weight 2
@@ -116,17 +127,19 @@ impl Kernels {
         }
         let m = load_module(ctx, arch, "mmw", SRC)?;
         ctx.bind_to_thread()?;
-        let with_smem = |name: String, (tm, bn): (usize, usize)| -> Result<CudaFunction> {
+        // Kernel `name` with its dynamic shared-memory limit raised to `bytes`.
+        let with_smem = |name: String, bytes: usize| -> Result<CudaFunction> {
             let f = function(&m, &name)?;
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem(tm, bn) as i32,
+                bytes as i32,
             )
             .with_context(|| format!("{name}: raising the shared-memory limit"))?;
             Ok(f)
         };
         let tiles = |family: &str| -> Result<Tiles> {
-            let g = |t: (usize, usize)| with_smem(format!("mmw_{family}_n{}", t.1), t);
+            let g =
+                |(tm, bn): (usize, usize)| with_smem(format!("mmw_{family}_n{bn}"), smem(tm, bn));
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
         let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 1);
@@ -139,15 +152,8 @@ impl Kernels {
             TYPES
                 .iter()
                 .map(|(_, n)| -> Result<[CudaFunction; 2]> {
-                    let g = |part: &str| -> Result<CudaFunction> {
-                        let name = format!("mmw_{family}_{part}_{n}_n{MOE_TN}");
-                        let f = function(&m, &name)?;
-                        f.set_attribute(
-                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            moe_tile.1 as i32,
-                        )
-                        .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-                        Ok(f)
+                    let g = |part: &str| {
+                        with_smem(format!("mmw_{family}_{part}_{n}_n{MOE_TN}"), moe_tile.1)
                     };
                     Ok([g("gu")?, g("down")?])
                 })
@@ -456,11 +462,9 @@ fn launch(
 /// (`moe_sort`) they read; 128 × 64 tiles (two consumer warpgroups).
 pub(crate) const MOE_TN: usize = 64;
 /// The `mmw_moe2_*` tile: 64 outputs (one consumer warpgroup) and the dynamic shared memory
-/// of its six stages (MmwShape<64, 64, 2> in mmw.cu: as many 16 KB stages as fit 96 KB, and
-/// 1 KB of alignment slack), two blocks an SM.
+/// of its stages (MmwShape<64, 64, 2> in mmw.cu: a 96 KB budget), two blocks an SM.
 const MOE2_TM: usize = 64;
-const MOE2_SMEM: usize =
-    (96 * 1024 / ((MOE2_TM + MOE_TN) * TK * 2)) * (MOE2_TM + MOE_TN) * TK * 2 + 1024;
+const MOE2_SMEM: usize = ring_smem(MOE2_TM, MOE_TN, 96 * 1024);
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
 /// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;

@@ -822,7 +822,6 @@ fn grouped_experts(
         u.row_bytes() == g.row_bytes(),
         "moe: gate and up rows differ in size"
     );
-    let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
     ensure!(
         max_tiles < (1usize << 31) && pairs * hidden < (1usize << 62),
         "moe: {pairs} pairs is too many"
@@ -871,7 +870,6 @@ fn grouped_experts(
             s,
             (g, u, d),
             (gi, di),
-            (gu_rb, d_rb),
             dims,
             (ffn, hidden),
             max_tiles,
@@ -916,12 +914,12 @@ fn grouped_mma_sync(
     s: &mut Scratch,
     (g, u, d): (&CudaWeight, &CudaWeight, &CudaWeight),
     (gi, di): (usize, usize),
-    (gu_rb, d_rb): (i64, i64),
     dims: Dims,
     (ffn, hidden): (usize, usize),
     max_tiles: usize,
 ) -> Result<()> {
     let Dims { tk, hid, ff, .. } = dims;
+    let (gu_rb, d_rb) = (g.row_bytes() as i64, d.row_bytes() as i64);
     // 5. Gate/up + SwiGLU: grid (worst-case tiles, ffn / 64); surplus tiles exit at once.
     let cfg = LaunchConfig {
         grid_dim: (max_tiles as u32, ffn.div_ceil(GM_GU_OUT) as u32, 1),
