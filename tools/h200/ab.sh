@@ -78,8 +78,8 @@ run)
             fer new synth --preset "$p" --quant "$q" --output "$M/m.gguf" 2>&1 | tail -1
             for r in 1 2; do
                 for v in ${vals//,/ }; do
-                    echo "$var=$v $(env "$var=$v" FERRITE_CACHE_DIR=/tmp/ab-new/cache /tmp/ab-new/ferrite bench \
-                        --model "$M/m.gguf" --reps "$reps" 2>&1 | grep -E "pp512|tg128|rror" | tr -s ' ' | tr '\n' ' ')"
+                    echo "$var=$v $(export "$var=$v"; fer new bench --model "$M/m.gguf" --reps "$reps" 2>&1 |
+                        grep -E "pp512|tg128|rror" | tr -s ' ' | tr '\n' ' ')"
                 done
             done | tee -a "$OUT/switch.log"
             rm -f "$M/m.gguf"

@@ -84,6 +84,19 @@ synth() { # preset quant [more synth args]
     echo "$f"
 }
 
+# The CUPTI kernel tracer (tools/h200/kernel_trace.c) built as /tmp/libktrace.so, and
+# `traced FILE command...`: the command with every kernel's start and end logged to FILE.
+KT_C=/usr/local/cuda/targets/x86_64-linux
+ktrace_build() {
+    nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$KT_C/include \
+        tools/h200/kernel_trace.c -L$KT_C/lib -lcupti -o /tmp/libktrace.so
+}
+traced() {
+    local t=$1
+    shift
+    LD_LIBRARY_PATH="$KT_C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so TRACE_OUT="$t" "$@"
+}
+
 # Two rounds of tg128 on model file $3 with switch $1 at each value of $2 in turn (labelled
 # by $4); further arguments go to bench.
 ab_switch() { # VAR "values" model label [bench args...]
@@ -257,14 +270,11 @@ for stage in "$@"; do
     trace)
         # PDL overlaps the kernels, so ncu's one-at-a-time times do not add up to a step;
         # CUPTI's start/end of each graph kernel do (kernel_trace.py: end-to-end gaps).
-        C=/usr/local/cuda/targets/x86_64-linux
-        nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$C/include \
-            tools/h200/kernel_trace.c -L$C/lib -lcupti -o /tmp/libktrace.so || continue
+        ktrace_build || continue
         for pq in ${TRACE_MODELS:-qwen3-8b:Q4_K_M}; do
             p=${pq%%:*} q=${pq##*:}
             f=$(synth "$p" "$q" | tail -1)
-            LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
-                TRACE_OUT=/tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
+            traced /tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
             python3 tools/h200/kernel_trace.py /tmp/trace.txt --order > "$OUT/trace-$p-$q.txt" 2>&1
             head -20 "$OUT/trace-$p-$q.txt"
             gzip -c /tmp/trace.txt > "$OUT/trace-$p-$q-raw.txt.gz"
@@ -274,14 +284,11 @@ for stage in "$@"; do
     ptrace)
         # Where a pp512 forward's time goes, per kernel (CUPTI, tools/h200/prefill_trace.py):
         # TRACE_MODELS="preset:quant ..." (default Qwen3-30B-A3B Q4_K_M), one ptrace-<preset>-<quant>.txt each.
-        C=/usr/local/cuda/targets/x86_64-linux
-        nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$C/include \
-            tools/h200/kernel_trace.c -L$C/lib -lcupti -o /tmp/libktrace.so || continue
+        ktrace_build || continue
         for pq in ${TRACE_MODELS:-qwen3-30b-a3b:Q4_K_M}; do
             p=${pq%%:*} q=${pq##*:}
             f=$(synth "$p" "$q" | tail -1)
-            LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
-                TRACE_OUT=/tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "pp512|rror"
+            traced /tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "pp512|rror"
             python3 tools/h200/prefill_trace.py /tmp/trace.txt --top 20 | tee "$OUT/ptrace-$p-$q.txt"
             rm -f "$f"
         done
@@ -294,12 +301,10 @@ for stage in "$@"; do
                 echo "FERRITE_DEFER_NORM_Q=$v $(FERRITE_DEFER_NORM_Q=$v $F bench --model "$f" --reps 2 2>&1 | grep -E 'tg128|gate|rror' | tr '\n' ' ')"
             done
         done | tee "$OUT/normq-ab.txt"
-        C=/usr/local/cuda/targets/x86_64-linux
-        if nvcc -shared -Xcompiler -fPIC -DKREC=CUpti_ActivityKernel10 -I$C/include \
-            tools/h200/kernel_trace.c -L$C/lib -lcupti -o /tmp/libktrace.so; then
+        if ktrace_build; then
             for v in 0 1; do
-                FERRITE_DEFER_NORM_Q=$v LD_LIBRARY_PATH="$C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so \
-                    TRACE_OUT=/tmp/trace-q$v.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "tg128|rror"
+                FERRITE_DEFER_NORM_Q=$v traced /tmp/trace-q$v.txt $F bench --model "$f" --reps 1 2>&1 |
+                    grep -E "tg128|rror"
             done
             python3 tools/h200/kernel_trace.py /tmp/trace-q1.txt --vs /tmp/trace-q0.txt | tee "$OUT/normq-vs.txt" | head -24
         fi
