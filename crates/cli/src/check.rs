@@ -1121,8 +1121,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
         let real = [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)];
         for ty in MAIN_TYPES {
             for &(n_in, n_out) in &real {
-                // 3 and 5: padded instantiations (R = 4, 8) at real widths.
-                for rows in [1, 3, 5, 8, 9, 17, 64, 512] {
+                // 3 and 5: padded instantiations (R = 4, 8) at real widths; 2, 8 and 16 full
+                // ones (a batched step's rows).
+                for rows in [1, 2, 3, 5, 8, 9, 16, 17, 64, 512] {
                     add(Op::Matmul {
                         ty,
                         n_in,
@@ -1138,6 +1139,18 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     ty,
                     n_in: 4096,
                     n_out: 4096,
+                    rows,
+                });
+            }
+        }
+        // The MoE routers (f32, Qwen3-30B-A3B's 2048 -> 128 and Qwen3.5-35B-A3B's 2048 -> 256)
+        // at decode, a full 16-row tile and a prefill (the rows kernel: ROUTER_MAX_OUT).
+        for n_out in [128, 256] {
+            for rows in [1, 16, 512] {
+                add(Op::Matmul {
+                    ty: GgmlType::F32,
+                    n_in: 2048,
+                    n_out,
                     rows,
                 });
             }

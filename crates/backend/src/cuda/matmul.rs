@@ -101,10 +101,6 @@ pub struct Kernels {
     /// `gemv_<type>_rows`: the 16-row GEMV over every 16-row chunk of a prefill in one launch
     /// (grid y = the chunk), for small-output weights such as the MoE routers.
     gemv_rows: Vec<CudaFunction>,
-    /// `gemv_<type>_rowsg`: the same, each block taking `rows_bpb` of its blocks in turn
-    /// (`FERRITE_GEMV_ROWS_G`; 1, the default, takes `gemv_rows`).
-    gemv_rowsg: Vec<CudaFunction>,
-    rows_bpb: usize,
     /// `gemv_swiglu_<type>_r<R>` (float types only: the quantized ones use gemvq_swiglu).
     gemv_swiglu: Vec<Option<[CudaFunction; 6]>>,
     /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch on f32 x (float types; the
@@ -325,7 +321,6 @@ impl Kernels {
         ctx.bind_to_thread()?;
         let mut gemv = Vec::with_capacity(TYPES.len());
         let mut gemv_rows = Vec::with_capacity(TYPES.len());
-        let mut gemv_rowsg = Vec::with_capacity(TYPES.len());
         let mut mm = Vec::with_capacity(TYPES.len());
         let mut gemvq = Vec::with_capacity(TYPES.len());
         let mut gemvq_moe = Vec::with_capacity(TYPES.len());
@@ -351,7 +346,6 @@ impl Kernels {
             });
             gemv.push(per_r(&m, &format!("gemv_{name}"), false)?);
             gemv_rows.push(function(&m, &format!("gemv_{name}_rows"))?);
-            gemv_rowsg.push(function(&m, &format!("gemv_{name}_rowsg"))?);
             gemv_swiglu.push(if quantized_x(ty) {
                 None
             } else {
@@ -640,8 +634,6 @@ impl Kernels {
         Ok(Kernels {
             gemv,
             gemv_rows,
-            gemv_rowsg,
-            rows_bpb: switches::int_or("FERRITE_GEMV_ROWS_G", 1).max(1) as usize,
             gemv_swiglu,
             gemv_multi,
             gemv_deferred,
@@ -1058,15 +1050,7 @@ pub fn matmul(
         let mut cfg = gemv_config(groups, ks);
         cfg.grid_dim.1 = chunks as u32;
         // Block (x, y) reads rows 16 y .. min(16 y + 16, rows) of x and writes those of out.
-        let bpb = be.matmul.rows_bpb;
-        if bpb == 1 {
-            return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg, None);
-        }
-        // Block (x, y) takes blocks x·bpb .. of the rows kernel's chunk y (those past the
-        // weight's row groups compute nothing).
-        cfg.grid_dim.0 = cfg.grid_dim.0.div_ceil(bpb as u32);
-        let f = &be.matmul.gemv_rowsg[ti];
-        return float_gemv(be, f, w, x, out, ks, cfg, Some(bpb as i32));
+        return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg);
     }
 
     if let Some(tm) = &be.matmul.tm {
@@ -1093,15 +1077,13 @@ pub fn matmul(
         let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let _keep = KeepXq::new(be, x);
         let cfg = gemv_config(groups, ks);
-        return float_gemv(be, &be.matmul.gemv[ti][ri], w, x, out, ks, cfg, None);
+        return float_gemv(be, &be.matmul.gemv[ti][ri], w, x, out, ks, cfg);
     }
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
 }
 
 /// One launch of a float-x GEMV kernel (`gemv_<type>_*`, the deferred forms) whose caller
-/// checked the shapes and buffers, with K split `ks` ways; `extra`, the argument after ks that
-/// some take.
-#[allow(clippy::too_many_arguments)]
+/// checked the shapes and buffers, with K split `ks` ways.
 fn float_gemv(
     be: &CudaBackend,
     func: &CudaFunction,
@@ -1110,7 +1092,6 @@ fn float_gemv(
     out: &mut Act<CudaSlice<f32>>,
     ks: usize,
     cfg: LaunchConfig,
-    extra: Option<i32>,
 ) -> Result<()> {
     let (rb, n_out, n_in) = (w.row_bytes() as i64, w.shape[0] as i32, w.shape[1] as i32);
     let (rows, ks) = (x.rows as i32, ks as i32);
@@ -1124,9 +1105,6 @@ fn float_gemv(
         .arg(&rows)
         .arg(&mut out.buf)
         .arg(&ks);
-    if let Some(e) = &extra {
-        launch.arg(e);
-    }
     // SAFETY: the caller checked the shapes and buffer sizes: the kernel reads n_out rows of
     // rb bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
     unsafe { launch.launch(cfg) }?;
@@ -2457,7 +2435,7 @@ pub fn matmul_add(
     let f = &deferred_kernels(be, w.dtype, 1)?[gemv_r_index(rows)?];
     // (w holds n_out rows of rb bytes, checked; each output is read and written by the one
     // lane that stores it.)
-    float_gemv(be, f, w, x, out, ks, gemv_config(groups, ks), None)?;
+    float_gemv(be, f, w, x, out, ks, gemv_config(groups, ks))?;
     Ok(true)
 }
 

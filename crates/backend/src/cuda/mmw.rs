@@ -104,9 +104,10 @@ pub struct Kernels {
     mixed: Vec<Tiles>,
     /// `mmw_moe_gu_<type>_n64` and `mmw_moe_down_<type>_n64` of each of [`TYPES`]: a MoE
     /// prefill's grouped expert GEMMs ([`moe_gate_up`], [`moe_down`]); empty where wgmma is
-    /// not available or `FERRITE_MMW_MOE=0` (moe.cu's mma.sync forms instead). With
-    /// `FERRITE_MMW_MOE=2` the `mmw_moe2_*` forms (64-output tiles, two blocks an SM; built,
-    /// not yet measured).
+    /// not available or `FERRITE_MMW_MOE=0` (moe.cu's mma.sync forms instead). By default
+    /// (`FERRITE_MMW_MOE=2`) the `mmw_moe2_*` forms (64-output tiles, two blocks an SM:
+    /// +9.7% on Qwen3-30B-A3B's pp512, MOE.md 42nd session); `FERRITE_MMW_MOE=1` the
+    /// 128-output ones, one block an SM.
     moe: Vec<[CudaFunction; 2]>,
     /// Their tile: outputs a block (gate and up rows together for the gate/up) and dynamic
     /// shared memory.
@@ -142,7 +143,7 @@ impl Kernels {
                 |(tm, bn): (usize, usize)| with_smem(format!("mmw_{family}_n{bn}"), smem(tm, bn));
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
-        let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 1);
+        let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 2);
         let (family, moe_tile) = if moe_mode == 2 {
             ("moe2", (MOE2_TM, MOE2_SMEM))
         } else {

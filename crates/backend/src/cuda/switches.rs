@@ -35,14 +35,9 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill matmuls on wgmma (sm_90a): 0 off (mm_), 1 on, 2 on without the 64x256 tile (MATMUL.md)",
     ),
     (
-        "FERRITE_GEMV_ROWS_G",
-        Accepts::Range(1, 64),
-        "a small-output weight's prefill GEMV (MoE routers): row groups a block takes in turn, x from L1 after the first (default 1; built, not measured: MOE.md)",
-    ),
-    (
         "FERRITE_MMW_MOE",
         Accepts::OneOf(&[0, 1, 2]),
-        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on, 2 on 64-output tiles two blocks an SM (built, not measured; MOE.md)",
+        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 (default) on 64-output tiles two blocks an SM (MOE.md)",
     ),
     (
         "FERRITE_MMW_FUSE",

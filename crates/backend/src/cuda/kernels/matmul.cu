@@ -109,7 +109,12 @@ __device__ __forceinline__ uint16_t ld2(const uint8_t* p) {
 // the last real row again for the padded ones: the few-row GEMVs are issue-bound, each row
 // costing its x loads, MMAs or FMAs and its float epilogue (MATMUL.md round 77). The padded
 // accumulators stay zero and are never stored. r = 0 is never tested, so the R = 1 kernels
-// are unchanged.
+// are unchanged. The cost of the skip at a full tile: with `rows` a variable, each row's x
+// loads wait behind its test (one load latency per row per step, not one per step); with rows
+// the constant R (the call inlined with it) the tests fold away and every row's loads issue
+// together, as before the skip, in more registers. Only gemv_<type>_rows takes that form
+// (MOE.md, 42nd session): in the R-row kernels the extra registers are the whole kernel's, and
+// made the padded tiles 35-40% slower (Q4_K at 3 and 5 rows) where the full ones gained 22%.
 
 // Byte k of w (< 256) minus the constant B, exactly: prmt builds the float 2^23 + byte and one
 // FADD subtracts 2^23 + B (both exact: every value involved is an integer below 2^24). Same
@@ -767,7 +772,7 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
         gemv<TYPE, R>(W, rb, n_out, n_in, x, rows, out, ks, nullptr, blockIdx.x);                           \
     }
 #define GEMV_ALL_R(name, TYPE) \
-    GEMV_EACH_R(GEMV_KERNEL, name, TYPE) GEMV_ROWS_KERNEL(name, TYPE) GEMV_ROWSG_KERNEL(name, TYPE)
+    GEMV_EACH_R(GEMV_KERNEL, name, TYPE) GEMV_ROWS_KERNEL(name, TYPE)
 
 // gemv_<type>_rows: a small-output weight (n_out <= F32_SMALL_OUT: the MoE routers, Qwen3.5's
 // beta / alpha projections) at more than 16 rows, i.e. in a prefill. Block (x, y) is block x of
@@ -781,28 +786,12 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
                            const float* __restrict__ x, int rows, float* __restrict__ out, int ks) {        \
         const int r0 = 16 * (int)blockIdx.y;                                                                \
         const int n = rows - r0 < 16 ? rows - r0 : 16;                                                      \
-        gemv<TYPE, 16>(W, rb, n_out, n_in, x + (size_t)r0 * (size_t)n_in, n, out + (size_t)r0 * (size_t)n_out, \
-                       ks, nullptr, blockIdx.x);                                                            \
-    }
-
-// gemv_<type>_rowsg (FERRITE_GEMV_ROWS_G = bpb > 1; built, not yet measured: MOE.md, 41st
-// session): the rows kernel with each block taking bpb of the 16-row launch's blocks in turn
-// (blocks x·bpb .. x·bpb + bpb − 1 of chunk y), so that its 16 x rows, read from L2 by the first,
-// come from L1 for the others (the rows kernel reads them once per two outputs: Qwen3-30B-A3B's
-// router 64 times a chunk, 48.8 µs a layer at pp512 on an H100). The same gemv calls, each row's
-// sums those of the 16-row launch; a barrier between them, as `red` is reused.
-#define GEMV_ROWSG_KERNEL(name, TYPE)                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                           \
-        gemv_##name##_rowsg(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,              \
-                            const float* __restrict__ x, int rows, float* __restrict__ out, int ks,        \
-                            int bpb) {                                                                      \
-        const int r0 = 16 * (int)blockIdx.y;                                                                \
-        const int n = rows - r0 < 16 ? rows - r0 : 16;                                                      \
-        for (int i = 0; i < bpb; i++) {                                                                     \
-            if (i > 0) __syncthreads();                                                                     \
-            gemv<TYPE, 16>(W, rb, n_out, n_in, x + (size_t)r0 * (size_t)n_in, n,                            \
-                           out + (size_t)r0 * (size_t)n_out, ks, nullptr, (int)blockIdx.x * bpb + i);      \
-        }                                                                                                   \
+        const float* xc = x + (size_t)r0 * (size_t)n_in;                                                    \
+        float* oc = out + (size_t)r0 * (size_t)n_out;                                                       \
+        if (n == 16) /* a full chunk: rows the constant 16 (PAD_ROWS) */                                    \
+            gemv<TYPE, 16>(W, rb, n_out, n_in, xc, 16, oc, ks, nullptr, blockIdx.x);                        \
+        else                                                                                                \
+            gemv<TYPE, 16>(W, rb, n_out, n_in, xc, n, oc, ks, nullptr, blockIdx.x);                         \
     }
 
 // Up to three weights of one type and row length reading the same x (Q, K, V) in one launch:
