@@ -288,7 +288,8 @@ for stage in "$@"; do
         for pq in ${TRACE_MODELS:-qwen3-30b-a3b:Q4_K_M}; do
             p=${pq%%:*} q=${pq##*:}
             f=$(synth "$p" "$q" | tail -1)
-            traced /tmp/trace.txt $F bench --model "$f" --reps 1 2>&1 | grep -E "pp512|rror"
+            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
+            traced /tmp/trace.txt $F bench --model "$f" --reps 1 --gate-tokens $g 2>&1 | grep -E "pp512|rror"
             python3 tools/h200/prefill_trace.py /tmp/trace.txt --top 20 | tee "$OUT/ptrace-$p-$q.txt"
             rm -f "$f"
         done
