@@ -54,11 +54,8 @@ const TYPES: [(GgmlType, &str); 9] = [
 const TK: usize = 64;
 const _: () = assert!(TK == super::matmul::MM_TK);
 /// The instantiated tiles (outputs TM × tokens BN), as `mmw_<type>_n<BN>`, in kernel-array
-/// order: two consumer warpgroups of 64 outputs at 128 or 64 tokens, one at 256 tokens; and
-/// [`B2`], one at 64 tokens two blocks an SM (`mmw_<type>_n64x2`).
-const TILES: [(usize, usize); 4] = [(128, 128), (128, 64), (64, 256), (64, 64)];
-/// Index in [`TILES`] of the two-blocks-an-SM tile (MmwShape<64, 64, 2>: a 96 KB ring).
-const B2: usize = 3;
+/// order: two consumer warpgroups of 64 outputs at 128 or 64 tokens, one at 256 tokens.
+const TILES: [(usize, usize); 3] = [(128, 128), (128, 64), (64, 256)];
 /// Outputs per block of the n128 / n64 tiles (the tile rules count grids of these).
 const TM: usize = 128;
 
@@ -68,18 +65,11 @@ fn threads(tm: usize) -> u32 {
     (256 + 2 * tm) as u32
 }
 
-/// Dynamic shared memory of tile `ti_tile`'s kernels (MmwShape::SMEM in mmw.cu): as many
-/// stages of A (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB (96 KB for [`B2`]), at most
-/// 7, and 1 KB of slack for aligning the ring to the swizzle atoms.
-fn smem(ti_tile: usize) -> usize {
-    let (tm, bn) = TILES[ti_tile];
-    ring_smem(tm, bn, if ti_tile == B2 { 96 } else { 224 } * 1024)
-}
-
-/// A tile's kernel name suffix: `n<BN>`, `n64x2` for [`B2`].
-fn tile_name(ti_tile: usize) -> String {
-    let suffix = if ti_tile == B2 { "x2" } else { "" };
-    format!("n{}{suffix}", TILES[ti_tile].1)
+/// Dynamic shared memory of a tile's kernel (MmwShape::SMEM in mmw.cu): as many stages of A
+/// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7, and 1 KB of slack for
+/// aligning the ring to the swizzle atoms.
+fn smem(tm: usize, bn: usize) -> usize {
+    ring_smem(tm, bn, 224 * 1024)
 }
 
 /// [`smem`] with the stages' budget `budget` bytes (MmwShape's BUDGET: 96 KB at two blocks
@@ -100,7 +90,7 @@ const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
 const MIXED: [(GgmlType, GgmlType, &str); 1] = [(GgmlType::Q4K, GgmlType::Q6K, "q4_k_q6_k")];
 
 /// The [`TILES`] kernels of one family.
-type Tiles = [CudaFunction; 4];
+type Tiles = [CudaFunction; 3];
 
 /// The compiled kernels (x is converted to bf16 into matmul.rs's scratch by its
 /// `with_bf16`, the same kernel and buffer as `mm_`'s). Every list is empty where wgmma is
@@ -131,7 +121,7 @@ impl Kernels {
             swiglu: Vec::new(),
             mixed: Vec::new(),
             moe: Vec::new(),
-            moe_tile: (TM, ring_smem(TM, MOE_TN, 224 * 1024)),
+            moe_tile: (TM, smem(TM, MOE_TN)),
         };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
@@ -149,14 +139,15 @@ impl Kernels {
             Ok(f)
         };
         let tiles = |family: &str| -> Result<Tiles> {
-            let g = |t: usize| with_smem(format!("mmw_{family}_{}", tile_name(t)), smem(t));
-            Ok([g(0)?, g(1)?, g(2)?, g(B2)?])
+            let g =
+                |(tm, bn): (usize, usize)| with_smem(format!("mmw_{family}_n{bn}"), smem(tm, bn));
+            Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
         let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 2);
         let (family, moe_tile) = if moe_mode == 2 {
             ("moe2", (MOE2_TM, MOE2_SMEM))
         } else {
-            ("moe", (TM, ring_smem(TM, MOE_TN, 224 * 1024)))
+            ("moe", (TM, smem(TM, MOE_TN)))
         };
         let moe = if moe_mode != 0 {
             TYPES
@@ -361,46 +352,19 @@ fn config(rows: usize, ti_tile: usize, out_tiles: usize) -> Result<LaunchConfig>
     Ok(LaunchConfig {
         grid_dim: (rows.div_ceil(bn) as u32, out_tiles as u32, 1),
         block_dim: (threads(tm), 1, 1),
-        shared_mem_bytes: smem(ti_tile) as u32,
+        shared_mem_bytes: smem(tm, bn) as u32,
     })
 }
 
-/// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows: the
-/// one-block tiles' rule, then [`B2`] where `FERRITE_MMW_B2` asks for it ([`b2_tile`]).
+/// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows.
 fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
-    let t = if mode() == 1 && wide_tile(rows, n_total, sm_count) {
+    if mode() == 1 && wide_tile(rows, n_total, sm_count) {
         2
     } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
         0
     } else {
         1
-    };
-    if b2_tile(b2_mode(), t, rows, n_total, sm_count) {
-        B2
-    } else {
-        t
     }
-}
-
-/// Whether a launch whose one-block tile is `t` takes [`B2`] (64 × 64, two blocks an SM)
-/// under `FERRITE_MMW_B2` = `mode`: 0 never; 1 where `t` is the 128 × 64 tile (grids that
-/// leave more than half the SMs idle on 128 × 128: Qwen3-30B-A3B's o-projection, 128 blocks on
-/// 132 SMs); 2 also where `t`'s grid is less than two waves (Qwen3-30B-A3B's Q, K, V on the
-/// wide tile: 160 blocks, 1.2 waves).
-fn b2_tile(mode: i64, t: usize, rows: usize, n_total: usize, sm_count: usize) -> bool {
-    let (tm, bn) = TILES[t];
-    let blocks = rows.div_ceil(bn) * n_total.div_ceil(tm);
-    match mode {
-        1 => t == 1,
-        2 => t == 1 || blocks < 2 * sm_count,
-        _ => false,
-    }
-}
-
-/// `FERRITE_MMW_B2` (read once): see [`b2_tile`].
-fn b2_mode() -> i64 {
-    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_B2", 0))
 }
 
 /// One launch of a `kernels` family (`mmw_<type>_n<BN>` or a [`MIXED`] one) on the bf16 x in
@@ -640,31 +604,11 @@ mod tests {
 
     #[test]
     fn shared_memory_fits_the_h200() {
-        for t in 0..TILES.len() {
-            assert!(smem(t) <= 227 * 1024, "{:?}: {}", TILES[t], smem(t));
+        for (tm, bn) in TILES {
+            assert!(smem(tm, bn) <= 227 * 1024, "{tm}x{bn}: {}", smem(tm, bn));
         }
-        assert_eq!(smem(0), 7 * 32768 + 1024);
-        assert_eq!(smem(2), 5 * 40960 + 1024);
-        // Two blocks an SM: 6 stages of 16 KB each, twice within the SM's 228 KB.
-        assert_eq!(smem(B2), 6 * 16384 + 1024);
-        assert!(2 * smem(B2) <= 227 * 1024);
-        assert_eq!(smem(B2), MOE2_SMEM);
-    }
-
-    #[test]
-    fn two_block_tile_where_the_switch_asks() {
-        // Qwen3-30B-A3B at 512 rows on 132 SMs: the o-projection (2048 outputs) is 128 blocks
-        // of 128 × 64; the Q, K, V (5120) 160 of the wide tile; Qwen3-8B's gate + up (24576)
-        // 768 wide.
-        let t_o = tile_index(512, 2048, 132);
-        assert_eq!(TILES[t_o], (128, 64));
-        assert!(!b2_tile(0, t_o, 512, 2048, 132));
-        assert!(b2_tile(1, t_o, 512, 2048, 132));
-        let t_qkv = tile_index(512, 5120, 132);
-        assert_eq!(t_qkv, 2);
-        assert!(!b2_tile(1, t_qkv, 512, 5120, 132));
-        assert!(b2_tile(2, t_qkv, 512, 5120, 132));
-        assert!(!b2_tile(2, 2, 512, 24576, 132));
+        assert_eq!(smem(128, 128), 7 * 32768 + 1024);
+        assert_eq!(smem(64, 256), 5 * 40960 + 1024);
     }
 
     #[test]

@@ -35,11 +35,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill matmuls on wgmma (sm_90a): 0 off (mm_), 1 on, 2 on without the 64x256 tile (MATMUL.md)",
     ),
     (
-        "FERRITE_MMW_B2",
-        Accepts::OneOf(&[0, 1, 2]),
-        "dense prefill matmuls on the 64x64 wgmma tile two blocks an SM: 0 never, 1 instead of the 128x64 tile, 2 also for grids under two waves (MATMUL.md round 80)",
-    ),
-    (
         "FERRITE_MMW_MOE",
         Accepts::OneOf(&[0, 1, 2]),
         "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 (default) on 64-output tiles two blocks an SM (MOE.md)",

@@ -10,8 +10,7 @@
 // warpgroup's 64 rows, and runs asynchronously to the threads that feed it. Measured: Qwen3-8B
 // Q4_K_M pp512 10,476 (mm_) → 16,591 tok/s.
 //
-// The plan, per block (tile TM outputs × BN tokens: 128 × 128, 128 × 64, 64 × 256, or 64 × 64
-// two blocks an SM):
+// The plan, per block (tile TM outputs × BN tokens: 128 × 128, 128 × 64, or 64 × 256):
 // - Warpgroups 0 and 1 produce: per K step of 64 they decode the TM weight rows' 64 elements
 //   to bf16 (256 / TM threads per row, 16-element chunks; the raw bytes loaded MMW_RAW steps
 //   ahead into registers, after the step's proxy fence (see `step`); the decoders are
@@ -114,7 +113,7 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
 // 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
-// the MoE GEMMs' `mmw_moe2_*`, the dense `_n64x2`) as many as fit 96 KB.
+// the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB.
 template <int TM, int BN, int BPS = 1>
 struct MmwShape {
     static constexpr int A_BYTES = TM * MMW_TK * 2;
@@ -347,10 +346,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
 // with Q they fill the wide-tile grid (MATMUL.md round 13). Weights 0 and 1 are of type TA,
 // weight 2 of TB: Q4_K_M stores V as Q6_K in half the layers, Q and K as Q4_K (the branch is
 // uniform per block; the kernel holds both producers).
-#define MMW_KERNEL1(name, TA, TB, TM, BN) MMW_KERNEL1B(name, TA, TB, TM, BN, 1, )
-// BPS blocks an SM (MmwShape's stage budget), the kernel's name ending in SUF.
-#define MMW_KERNEL1B(name, TA, TB, TM, BN, BPS, SUF)                                                        \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_##name##_n##BN##SUF(            \
+#define MMW_KERNEL1(name, TA, TB, TM, BN)                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_##name##_n##BN(                   \
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
@@ -358,38 +355,30 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
         if (TA == TB || g < 2)                                                                              \
-            mmw<TA, TM, BN, false, false, BPS>(g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr,                    \
-                                               g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                        \
-                                               g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows,        \
-                                               g == 0 ? out0 : (g == 1 ? out1 : out2),                      \
-                                               y - (g == 0 ? 0 : (g == 1 ? e1 : e2)));                      \
+            mmw<TA, TM, BN>(g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),   \
+                            g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows,                           \
+                            g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2))); \
         else                                                                                                \
-            mmw<TB, TM, BN, false, false, BPS>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2);     \
+            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2);                        \
     }
 // The first half of a SwiGLU FFN in one launch: out = silu(gate · x) ⊙ (up · x), TM / 2
 // outputs per block (`mmw_row`), no gate or up written.
-#define MMW_SWIGLU1(name, TYPE, TM, BN) MMW_SWIGLU1B(name, TYPE, TM, BN, 1, )
-#define MMW_SWIGLU1B(name, TYPE, TM, BN, BPS, SUF)                                                          \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_swiglu_##name##_n##BN##SUF(     \
+#define MMW_SWIGLU1(name, TYPE, TM, BN)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_swiglu_##name##_n##BN(            \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {                      \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, TM, BN, true, false, BPS>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y);        \
+        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y);                    \
     }
 // n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
-// warpgroup, m64n256: each decoded weight serves twice the tokens); n64x2: 64 outputs × 64
-// tokens, two blocks an SM (6 stages in 96 KB, ≤ 85 registers: the MoE GEMMs' `mmw_moe2_*`
-// tile, +9.7% there, MOE.md 42nd session) for the grids that leave SMs idle or end in a partial
-// wave on the one-block tiles (`FERRITE_MMW_B2`, mmw.rs `tile_index`; MATMUL.md round 80).
+// warpgroup, m64n256: each decoded weight serves twice the tokens).
 #define MMW_KERNEL(name, TYPE)                                                                              \
     MMW_KERNEL1(name, TYPE, TYPE, 128, 128)                                                                 \
     MMW_KERNEL1(name, TYPE, TYPE, 128, 64)                                                                  \
     MMW_KERNEL1(name, TYPE, TYPE, 64, 256)                                                                  \
-    MMW_KERNEL1B(name, TYPE, TYPE, 64, 64, 2, x2)                                                           \
     MMW_SWIGLU1(name, TYPE, 128, 128)                                                                       \
     MMW_SWIGLU1(name, TYPE, 128, 64)                                                                        \
-    MMW_SWIGLU1(name, TYPE, 64, 256)                                                                        \
-    MMW_SWIGLU1B(name, TYPE, 64, 64, 2, x2)
+    MMW_SWIGLU1(name, TYPE, 64, 256)
 
 // The block's weight rows (`bytes` from p: one expert's output tile, contiguous) into L2 by one
 // bulk prefetch at the block's start: an expert's rows serve only its tile's few pairs, so
@@ -500,4 +489,3 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 128)
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 64)
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
-MMW_KERNEL1B(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 64, 2, x2)
