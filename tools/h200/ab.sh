@@ -7,8 +7,10 @@
 #   tools/h200/ab.sh pack new mmw    # the same, only the named modules' CUBINs compiled anew
 #                                    # (the rest from target/kernel-cache.txz: kernel_cache.sh)
 #   (check out the baseline)  tools/h200/ab.sh pack old
-#   -> target/ab/ferrite-{new,old}.xz and target/ab/kc-{new,old}.txz (carry all four and
-#      this script; ~14 MB: with the ~45 MB working tree under a call's 64 MB)
+#   -> target/ab/ferrite-{new,old}.xz and target/ab/kc-{new,old}.txz (carry them and this
+#      script; ~14 MB beside the ~53 MB working tree, near a call's 64 MiB). Where the two
+#      builds differ in a few modules, one archive with both builds' CUBINs as kc-new.txz and
+#      no kc-old.txz carries less (run then gives both builds that archive).
 # There (the H200 machine, OUT set):
 #   tools/h200/ab.sh run [--check] [--perf FILTER]... [--bench PRESET:QUANT]... [--reps N]
 #   --check         ferrite check --device cuda --e2e on the new build (log in $OUT)
@@ -38,7 +40,11 @@ run)
     for v in old new; do
         mkdir -p "/tmp/ab-$v/cache"
         xz -dc "target/ab/ferrite-$v.xz" > "/tmp/ab-$v/ferrite" && chmod +x "/tmp/ab-$v/ferrite"
-        tar xJf "target/ab/kc-$v.txz" -C "/tmp/ab-$v/cache"
+        # Without kc-old.txz the old build reads kc-new.txz too (one archive holding both
+        # builds' CUBINs: each looks up its own keys; a smaller carry than two archives).
+        kc="target/ab/kc-$v.txz"
+        [ -f "$kc" ] || kc=target/ab/kc-new.txz
+        tar xJf "$kc" -C "/tmp/ab-$v/cache"
     done
     fer() { local v=$1; shift; FERRITE_CACHE_DIR="/tmp/ab-$v/cache" "/tmp/ab-$v/ferrite" "$@"; }
     reps=2
