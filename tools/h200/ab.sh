@@ -10,7 +10,8 @@
 #   -> target/ab/ferrite-{new,old}.xz and target/ab/kc-{new,old}.txz (carry them and this
 #      script; ~14 MB beside the ~53 MB working tree, near a call's 64 MiB). Where the two
 #      builds differ in a few modules, one archive with both builds' CUBINs as kc-new.txz and
-#      no kc-old.txz carries less (run then gives both builds that archive).
+#      no kc-old.txz carries less (run then gives both builds that archive): `pack new
+#      MODULE...` writes one when target/kernel-cache.txz is the old build's cache.
 # There (the H200 machine, OUT set):
 #   tools/h200/ab.sh run [--check] [--perf FILTER]... [--bench PRESET:QUANT]... [--reps N]
 #   --check         ferrite check --device cuda --e2e on the new build (log in $OUT)
