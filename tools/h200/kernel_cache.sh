@@ -7,8 +7,9 @@
 #                                      other CUBINs taken from the existing archive (minutes
 #                                      instead of ~8 here)
 #
-# xz, not gzip: the modules' CUBINs are ~31 MB, 8.5 MB gzipped, and a call carries at most 64 MB
-# with the working tree (~45 MB).
+# xz, not gzip: the modules' CUBINs are ~31 MB, 8.5 MB gzipped, and a call carries at most 64 MiB
+# with the working tree (~53 MB). A partial rebuild keeps the archive's earlier CUBINs of the
+# modules it compiles anew beside the new ones (tools/h200/ab.sh: one archive for two builds).
 # Needs NVRTC 13.0 and the CUDA headers here (CUDA_HOME); the cache key includes the NVRTC
 # version, so an archive made with another version is simply not used there.
 set -euo pipefail

@@ -3863,11 +3863,12 @@ fn norm_deferred_untouched<B: Backend>(be: &B, op: &Op, p: &Prepared<B>) -> Resu
 /// lane per output.
 const ROW_INVARIANT_ROWS: usize = GEMV_MAX_ROWS;
 
-/// Outputs up to which a weight is router-like (CUDA's `F32_SMALL_OUT`): its matmul must give
-/// every row that row's one-row bits at ANY row count, prefill included, since a MoE router's
-/// choices must not depend on how many tokens arrive together (a prefill routed unlike the
-/// decode changes the experts, and with them the answer).
-const ROUTER_MAX_OUT: usize = 256;
+/// Outputs up to which a weight is router-like (the CUDA GEMV's small-output bound, whose
+/// prefill takes `gemv_<type>_rows`): its matmul must give every row that row's one-row bits at
+/// ANY row count, prefill included, since a MoE router's choices must not depend on how many
+/// tokens arrive together (a prefill routed unlike the decode changes the experts, and with
+/// them the answer).
+const ROUTER_MAX_OUT: usize = cuda_matmul::F32_SMALL_OUT;
 
 /// A matmul of 2..=[`ROW_INVARIANT_ROWS`] rows (any count for [`ROUTER_MAX_OUT`] outputs or
 /// fewer) against each of its rows run alone on the same

@@ -121,7 +121,7 @@ impl Kernels {
             swiglu: Vec::new(),
             mixed: Vec::new(),
             moe: Vec::new(),
-            moe_tile: (TM, smem(TM, MOE_TN)),
+            moe_tile: moe_form(1).1,
         };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
@@ -144,11 +144,7 @@ impl Kernels {
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
         let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 2);
-        let (family, moe_tile) = if moe_mode == 2 {
-            ("moe2", (MOE2_TM, MOE2_SMEM))
-        } else {
-            ("moe", (TM, smem(TM, MOE_TN)))
-        };
+        let (family, moe_tile) = moe_form(moe_mode);
         let moe = if moe_mode != 0 {
             TYPES
                 .iter()
@@ -460,12 +456,19 @@ fn launch(
 }
 
 /// Pairs per tile of the grouped expert GEMMs: moe.cu's `GM_TN`, whose tile table
-/// (`moe_sort`) they read; 128 × 64 tiles (two consumer warpgroups).
+/// (`moe_sort`) they read.
 pub(crate) const MOE_TN: usize = 64;
-/// The `mmw_moe2_*` tile: 64 outputs (one consumer warpgroup) and the dynamic shared memory
-/// of its stages (MmwShape<64, 64, 2> in mmw.cu: a 96 KB budget), two blocks an SM.
-const MOE2_TM: usize = 64;
-const MOE2_SMEM: usize = ring_smem(MOE2_TM, MOE_TN, 96 * 1024);
+/// The grouped GEMMs' kernel family under `FERRITE_MMW_MOE` = `mode` (1 or 2) and its tile:
+/// outputs a block and dynamic shared memory. 2 (the default): `mmw_moe2_*`, 64 outputs (one
+/// consumer warpgroup) with MmwShape<64, 64, 2>'s 96 KB of stages, two blocks an SM; 1:
+/// `mmw_moe_*`, 128 outputs (two consumer warpgroups), one block an SM.
+fn moe_form(mode: i64) -> (&'static str, (usize, usize)) {
+    if mode == 2 {
+        ("moe2", (64, ring_smem(64, MOE_TN, 96 * 1024)))
+    } else {
+        ("moe", (TM, smem(TM, MOE_TN)))
+    }
+}
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
 /// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;

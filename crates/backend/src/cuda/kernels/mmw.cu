@@ -401,7 +401,7 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
 // moe.cu's moe_sort orders the (token, slot) pairs by expert into tiles of 64 (GM_TN there,
 // BN here) and writes the tile table; block (x, y) takes tile x (surplus tiles of the
 // worst-case grid exit at once) and output tile y of the tile's expert, on the wgmma pipeline
-// above (128 × 64 tiles). Gate/up: W, W2 the gate and up experts [n_experts, ffn, hidden], x
+// above (TM × 64 tiles: MMW_MOE, MMW_MOE2 below). Gate/up: W, W2 the gate and up experts [n_experts, ffn, hidden], x
 // the bf16 scratch of the tokens' rows (gathered per pair), h[list position][ffn] = silu(gate)
 // ⊙ up in f32. Down: W the down experts [n_experts, hidden, ffn], xb the bf16 copy of h, y[pair]
 // [hidden] in f32; moe_combine then adds each token's slots in top-k order. The numerics of
