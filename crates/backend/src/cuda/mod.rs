@@ -159,6 +159,7 @@ pub fn timing_diagnostic() -> bool {
         || switches::diag_dq() != 0
         || switches::diag_clbar() != 0
         || switches::diag_tl() != 0
+        || switches::diag_mmw() != 0
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
@@ -169,6 +170,15 @@ pub fn full_source(name: &str, src: &str) -> String {
     // FERRITE_DIAG_CLBAR (common.cuh's cluster_sync_diag) and FERRITE_DIAG_TL (the block
     // timeline's stamps, kernels/timeline.cuh: the outputs unchanged, every file).
     let mut defs = String::new();
+    if name == "mmw" && mmw::ring() {
+        defs += "#define MMW_RING 1\n";
+    }
+    if name == "mmw" && switches::int_or("FERRITE_MMW_XAFTER", 0) != 0 {
+        defs += "#define MMW_XAFTER 1\n";
+    }
+    if name == "mmw" && switches::diag_mmw() != 0 {
+        defs += &format!("#define MMW_DIAG {}\n", switches::diag_mmw());
+    }
     if name == "attention" && switches::diag_dq() != 0 {
         defs += &format!("#define ATTN_DIAG_DQ {}\n", switches::diag_dq());
     }

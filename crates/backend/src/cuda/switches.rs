@@ -40,6 +40,16 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 (default) on 64-output tiles two blocks an SM (MOE.md)",
     ),
     (
+        "FERRITE_MMW_RING",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill producers: 1 the quantized weights' raw bytes through a shared-memory ring filled by bulk copies, 0 (default) loaded into registers (MATMUL.md round 81)",
+    ),
+    (
+        "FERRITE_MMW_XAFTER",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill producers: 1 a step's x copies issued after its proxy fence instead of before its decode (MATMUL.md round 81)",
+    ),
+    (
         "FERRITE_MMW_FUSE",
         Accepts::OneOf(&[0, 1, 2, 3]),
         "wgmma prefill fusions, a bit mask: 1 Q4_K Q, K + Q6_K V in one launch, 2 gate, up and SwiGLU in one (default 3; MATMUL.md)",
@@ -133,6 +143,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_DIAG_SKIP",
         Accepts::Range(0, 31),
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): a bit mask of one-row launches left out, 1 add_rms_norm, 2 quant_x_q8, 4 the Q8_0 o-projection handing the FFN norm over, 8 the decode attention, 16 QK-norm + RoPE (DECODE_STEP.md)",
+    ),
+    (
+        "FERRITE_DIAG_MMW",
+        Accepts::Range(0, 3),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the wgmma prefill producers (mmw.cu), a bit mask: 1 no raw weight loads after the first steps (the same registers decoded again), 2 no proxy fence before a stage is published (MATMUL.md round 81)",
     ),
     (
         "FERRITE_DIAG_DQ",
@@ -360,14 +375,15 @@ pub(crate) fn int_or(name: &str, default: i64) -> i64 {
 
 /// The timing diagnostics' values (0 unless set), read once: `FERRITE_DIAG_SKIP`'s mask,
 /// `FERRITE_DIAG_DQ`, `FERRITE_DIAG_CLBAR`'s mask and `FERRITE_DIAG_TL`'s replay.
-fn diags() -> &'static [i64; 4] {
-    static D: std::sync::OnceLock<[i64; 4]> = std::sync::OnceLock::new();
+fn diags() -> &'static [i64; 5] {
+    static D: std::sync::OnceLock<[i64; 5]> = std::sync::OnceLock::new();
     D.get_or_init(|| {
         [
             "FERRITE_DIAG_SKIP",
             "FERRITE_DIAG_DQ",
             "FERRITE_DIAG_CLBAR",
             "FERRITE_DIAG_TL",
+            "FERRITE_DIAG_MMW",
         ]
         .map(|n| int_or(n, 0))
     })
@@ -376,6 +392,11 @@ fn diags() -> &'static [i64; 4] {
 /// `FERRITE_DIAG_SKIP`'s mask: which one-row launches a timing diagnostic leaves out.
 pub(crate) fn diag_skip() -> i64 {
     diags()[0]
+}
+
+/// `FERRITE_DIAG_MMW`: what of the wgmma prefill producers a timing diagnostic leaves out.
+pub(crate) fn diag_mmw() -> i64 {
+    diags()[4]
 }
 
 /// `FERRITE_DIAG_DQ`: the q8_0 cache's dequantization a timing diagnostic replaces.
