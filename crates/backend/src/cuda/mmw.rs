@@ -65,51 +65,23 @@ fn threads(tm: usize) -> u32 {
     (256 + 2 * tm) as u32
 }
 
-/// Bytes of 256 elements of a row of type `ty` where the producers read them from the raw ring
-/// (MmwRaw<TYPE>::SB in mmw.cu: the quantized types; MATMUL.md round 81), else 0 (the float
-/// types' register path, and every type under `FERRITE_MMW_RING=0`).
-fn raw_sb(ty: GgmlType) -> usize {
-    if !ring() {
-        return 0;
-    }
-    match ty {
-        GgmlType::Q8_0 => 8 * 34,
-        GgmlType::Q4_0 => 8 * 18,
-        GgmlType::Q4_1 => 8 * 20,
-        GgmlType::Q4K => 144,
-        GgmlType::Q5K => 176,
-        GgmlType::Q6K => 210,
-        _ => 0,
-    }
+/// Dynamic shared memory of a tile's kernel (MmwShape::SMEM in mmw.cu): as many stages of A
+/// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7, and 1 KB of slack for
+/// aligning the ring to the swizzle atoms.
+fn smem(tm: usize, bn: usize) -> usize {
+    ring_smem(tm, bn, 224 * 1024)
 }
 
-/// `FERRITE_MMW_RING` (default 1): the raw ring for the quantized types (mod.rs compiles mmw.cu
-/// with MMW_RING 0 otherwise).
-pub(crate) fn ring() -> bool {
-    super::switches::int_or("FERRITE_MMW_RING", 0) != 0
-}
-
-/// Dynamic shared memory of a tile's kernel for weights of type `ty` (MmwShape::SMEM in mmw.cu):
-/// the raw ring (two slots of tm rows of the 16-byte-aligned window around 256 elements'
-/// bytes), as many stages of A (tm × 64 bf16) and B (bn × 64 bf16) as fit beside it in 224 KB,
-/// at most 7, 64 bytes for the ring's mbarriers and 1 KB of slack for aligning the stages to
-/// the swizzle atoms.
-fn smem(tm: usize, bn: usize, ty: GgmlType) -> usize {
-    ring_smem(tm, bn, 224 * 1024, ty)
-}
-
-/// [`smem`] with `budget` bytes for the stages and the raw ring (MmwShape's BUDGET: 108 KB at
-/// two blocks an SM).
-fn ring_smem(tm: usize, bn: usize, budget: usize, ty: GgmlType) -> usize {
-    let sb = raw_sb(ty);
-    let raw = if sb > 0 {
-        2 * tm * ((sb + 30) / 16 * 16)
-    } else {
-        0
-    };
+/// [`smem`] with the stages' budget `budget` bytes (MmwShape's BUDGET: 96 KB at two blocks
+/// an SM).
+const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
     let stage = (tm + bn) * TK * 2;
-    let stages = ((budget - raw) / stage).min(7);
-    stages * stage + raw + 64 + 1024
+    let stages = if budget / stage < 7 {
+        budget / stage
+    } else {
+        7
+    };
+    stages * stage + 1024
 }
 
 /// Mixed-type groups with a kernel (`mmw_<a>_<b>_n<BN>`: weights 0 and 1 of type a, weight 2
@@ -117,15 +89,8 @@ fn ring_smem(tm: usize, bn: usize, budget: usize, ty: GgmlType) -> usize {
 /// projection's launch was 7% of a Qwen3-8B Q4_K_M pp512 forward (MATMUL.md round 13).
 const MIXED: [(GgmlType, GgmlType, &str); 1] = [(GgmlType::Q4K, GgmlType::Q6K, "q4_k_q6_k")];
 
-/// A compiled kernel and the dynamic shared memory its launches take ([`smem`]: the raw ring's
-/// share depends on the weight type).
-pub struct Tile {
-    f: CudaFunction,
-    smem: usize,
-}
-
 /// The [`TILES`] kernels of one family.
-type Tiles = [Tile; 3];
+type Tiles = [CudaFunction; 3];
 
 /// The compiled kernels (x is converted to bf16 into matmul.rs's scratch by its
 /// `with_bf16`, the same kernel and buffer as `mm_`'s). Every list is empty where wgmma is
@@ -143,9 +108,10 @@ pub struct Kernels {
     /// (`FERRITE_MMW_MOE=2`) the `mmw_moe2_*` forms (64-output tiles, two blocks an SM:
     /// +9.7% on Qwen3-30B-A3B's pp512, MOE.md 42nd session); `FERRITE_MMW_MOE=1` the
     /// 128-output ones, one block an SM.
-    moe: Vec<[Tile; 2]>,
-    /// Their tile's outputs a block (gate and up rows together for the gate/up).
-    moe_tile: usize,
+    moe: Vec<[CudaFunction; 2]>,
+    /// Their tile: outputs a block (gate and up rows together for the gate/up) and dynamic
+    /// shared memory.
+    moe_tile: (usize, usize),
 }
 
 impl Kernels {
@@ -163,34 +129,28 @@ impl Kernels {
         let m = load_module(ctx, arch, "mmw", SRC)?;
         ctx.bind_to_thread()?;
         // Kernel `name` with its dynamic shared-memory limit raised to `bytes`.
-        let with_smem = |name: String, bytes: usize| -> Result<Tile> {
+        let with_smem = |name: String, bytes: usize| -> Result<CudaFunction> {
             let f = function(&m, &name)?;
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
             )
             .with_context(|| format!("{name}: raising the shared-memory limit"))?;
-            Ok(Tile { f, smem: bytes })
+            Ok(f)
         };
-        // A family's kernels, sized for the largest raw ring of its weight types.
-        let tiles = |family: &str, types: &[GgmlType]| -> Result<Tiles> {
-            let g = |(tm, bn): (usize, usize)| {
-                let bytes = types.iter().map(|&ty| smem(tm, bn, ty)).max().unwrap_or(0);
-                with_smem(format!("mmw_{family}_n{bn}"), bytes)
-            };
+        let tiles = |family: &str| -> Result<Tiles> {
+            let g =
+                |(tm, bn): (usize, usize)| with_smem(format!("mmw_{family}_n{bn}"), smem(tm, bn));
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
         let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 2);
-        let (family, moe_tile, moe_budget) = moe_form(moe_mode);
+        let (family, moe_tile) = moe_form(moe_mode);
         let moe = if moe_mode != 0 {
             TYPES
                 .iter()
-                .map(|&(ty, n)| -> Result<[Tile; 2]> {
+                .map(|(_, n)| -> Result<[CudaFunction; 2]> {
                     let g = |part: &str| {
-                        with_smem(
-                            format!("mmw_{family}_{part}_{n}_n{MOE_TN}"),
-                            ring_smem(moe_tile, MOE_TN, moe_budget, ty),
-                        )
+                        with_smem(format!("mmw_{family}_{part}_{n}_n{MOE_TN}"), moe_tile.1)
                     };
                     Ok([g("gu")?, g("down")?])
                 })
@@ -199,17 +159,14 @@ impl Kernels {
             Vec::new()
         };
         Ok(Kernels {
-            mm: TYPES
-                .iter()
-                .map(|&(ty, n)| tiles(n, &[ty]))
-                .collect::<Result<_>>()?,
+            mm: TYPES.iter().map(|(_, n)| tiles(n)).collect::<Result<_>>()?,
             swiglu: TYPES
                 .iter()
-                .map(|&(ty, n)| tiles(&format!("swiglu_{n}"), &[ty]))
+                .map(|(_, n)| tiles(&format!("swiglu_{n}")))
                 .collect::<Result<_>>()?,
             mixed: MIXED
                 .iter()
-                .map(|&(a, b, n)| tiles(n, &[a, b]))
+                .map(|(_, _, n)| tiles(n))
                 .collect::<Result<_>>()?,
             moe,
             moe_tile,
@@ -334,13 +291,7 @@ pub fn matmul_swiglu(
     // The tile rule counts gate and up rows together (2 n_out), as the grouped launch would;
     // a block covers tm / 2 outputs.
     let ti_tile = tile_index(rows, 2 * n_out, be.sm_count);
-    let kernel = &be.mmw.swiglu[ti][ti_tile];
-    let cfg = config(
-        rows,
-        ti_tile,
-        n_out.div_ceil(TILES[ti_tile].0 / 2),
-        kernel.smem,
-    )?;
+    let cfg = config(rows, ti_tile, n_out.div_ceil(TILES[ti_tile].0 / 2))?;
     super::matmul::with_bf16(be, x, |xb, kp| {
         let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
             (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
@@ -348,7 +299,7 @@ pub fn matmul_swiglu(
         // bf16 (zero beyond n_in), act rows×n_out floats; blocks cover n_out outputs by tm / 2.
         unsafe {
             be.stream
-                .kernel(&kernel.f)
+                .kernel(&be.mmw.swiglu[ti][ti_tile])
                 .arg(&*gate.data)
                 .arg(&*up.data)
                 .arg(&rb_i)
@@ -388,7 +339,7 @@ fn check_weight(w: &CudaWeight) -> Result<()> {
 }
 
 /// The launch shape of tile `ti_tile` over `rows` tokens and `out_tiles` output tiles.
-fn config(rows: usize, ti_tile: usize, out_tiles: usize, smem: usize) -> Result<LaunchConfig> {
+fn config(rows: usize, ti_tile: usize, out_tiles: usize) -> Result<LaunchConfig> {
     let (tm, bn) = TILES[ti_tile];
     ensure!(
         out_tiles <= 65535,
@@ -397,7 +348,7 @@ fn config(rows: usize, ti_tile: usize, out_tiles: usize, smem: usize) -> Result<
     Ok(LaunchConfig {
         grid_dim: (rows.div_ceil(bn) as u32, out_tiles as u32, 1),
         block_dim: (threads(tm), 1, 1),
-        shared_mem_bytes: smem as u32,
+        shared_mem_bytes: smem(tm, bn) as u32,
     })
 }
 
@@ -472,7 +423,7 @@ fn launch(
     let ti_tile = tile_index(rows, n_total, be.sm_count);
     let tiles = ns.map(|n| (n as usize).div_ceil(TILES[ti_tile].0));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
-    let cfg = config(rows, ti_tile, e2 + tiles[2], kernels[ti_tile].smem)?;
+    let cfg = config(rows, ti_tile, e2 + tiles[2])?;
     let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
         (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
     // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
@@ -480,7 +431,7 @@ fn launch(
     // and only the present weights have tiles.
     unsafe {
         be.stream
-            .kernel(&kernels[ti_tile].f)
+            .kernel(&kernels[ti_tile])
             .arg(&wp[0])
             .arg(&wp[1])
             .arg(&wp[2])
@@ -507,16 +458,15 @@ fn launch(
 /// Pairs per tile of the grouped expert GEMMs: moe.cu's `GM_TN`, whose tile table
 /// (`moe_sort`) they read.
 pub(crate) const MOE_TN: usize = 64;
-/// The grouped GEMMs' kernel family under `FERRITE_MMW_MOE` = `mode` (1 or 2), its tile's
-/// outputs a block and the shared-memory budget of its stages and raw ring ([`ring_smem`]).
-/// 2 (the default): `mmw_moe2_*`, 64 outputs (one consumer warpgroup) in MmwShape<.., 64, 64,
-/// 2>'s 108 KB, two blocks an SM; 1: `mmw_moe_*`, 128 outputs (two consumer warpgroups) in 224
-/// KB, one block an SM.
-fn moe_form(mode: i64) -> (&'static str, usize, usize) {
+/// The grouped GEMMs' kernel family under `FERRITE_MMW_MOE` = `mode` (1 or 2) and its tile:
+/// outputs a block and dynamic shared memory. 2 (the default): `mmw_moe2_*`, 64 outputs (one
+/// consumer warpgroup) with MmwShape<64, 64, 2>'s 96 KB of stages, two blocks an SM; 1:
+/// `mmw_moe_*`, 128 outputs (two consumer warpgroups), one block an SM.
+fn moe_form(mode: i64) -> (&'static str, (usize, usize)) {
     if mode == 2 {
-        ("moe2", 64, 108 * 1024)
+        ("moe2", (64, ring_smem(64, MOE_TN, 96 * 1024)))
     } else {
-        ("moe", TM, 224 * 1024)
+        ("moe", (TM, smem(TM, MOE_TN)))
     }
 }
 
@@ -549,13 +499,8 @@ pub(crate) fn moe_kernels(
 
 /// The grid of a grouped expert GEMM: every tile the routing could yield by `out_tiles`
 /// output tiles.
-fn moe_config(
-    be: &CudaBackend,
-    t: &MoeTiles<'_>,
-    out_tiles: usize,
-    smem: usize,
-) -> Result<LaunchConfig> {
-    let tm = be.mmw.moe_tile;
+fn moe_config(be: &CudaBackend, t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchConfig> {
+    let (tm, smem) = be.mmw.moe_tile;
     ensure!(
         t.max_tiles < (1 << 31) && out_tiles <= 65535,
         "mmw: MoE grid of {} tiles by {out_tiles} is too large",
@@ -583,8 +528,7 @@ pub(crate) fn moe_gate_up(
     t: &MoeTiles<'_>,
     h: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let kernel = &be.mmw.moe[ti][0];
-    let cfg = moe_config(be, t, ffn.div_ceil(be.mmw.moe_tile / 2), kernel.smem)?;
+    let cfg = moe_config(be, t, ffn.div_ceil(be.mmw.moe_tile.0 / 2))?;
     let (rb, n_out, n_in, tk) = (
         g.row_bytes() as i64,
         ffn as i32,
@@ -598,7 +542,7 @@ pub(crate) fn moe_gate_up(
         // rows × kp bf16 (tokens < rows); h ≥ pairs × ffn floats.
         unsafe {
             be.stream
-                .kernel(&kernel.f)
+                .kernel(&be.mmw.moe[ti][0])
                 .arg(&*g.data)
                 .arg(&*u.data)
                 .arg(&rb)
@@ -631,8 +575,7 @@ pub(crate) fn moe_down(
     t: &MoeTiles<'_>,
     y: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let kernel = &be.mmw.moe[ti][1];
-    let cfg = moe_config(be, t, hidden.div_ceil(be.mmw.moe_tile), kernel.smem)?;
+    let cfg = moe_config(be, t, hidden.div_ceil(be.mmw.moe_tile.0))?;
     let (rb, n_out, n_in) = (d.row_bytes() as i64, hidden as i32, ffn as i32);
     super::matmul::with_bf16_rows(be, h, pairs, ffn, |hb, kp| {
         let kp = kp as i32;
@@ -640,7 +583,7 @@ pub(crate) fn moe_down(
         // bf16 (list positions < pairs), y ≥ pairs × hidden floats (pairs < pairs).
         unsafe {
             be.stream
-                .kernel(&kernel.f)
+                .kernel(&be.mmw.moe[ti][1])
                 .arg(&*d.data)
                 .arg(&rb)
                 .arg(&n_out)
@@ -664,34 +607,11 @@ mod tests {
 
     #[test]
     fn shared_memory_fits_the_h200() {
-        // One block an SM ≤ 227 KB; the MoE form at two blocks an SM ≤ 113 KB a block (228
-        // KB an SM, 1 KB of each block reserved).
-        for &(ty, _) in &TYPES {
-            for (tm, bn) in TILES {
-                assert!(
-                    smem(tm, bn, ty) <= 227 * 1024,
-                    "{ty} {tm}x{bn}: {}",
-                    smem(tm, bn, ty)
-                );
-            }
-            let (_, tm, budget) = moe_form(2);
-            let moe2 = ring_smem(tm, MOE_TN, budget, ty);
-            assert!(moe2 <= 113 * 1024, "{ty} moe2: {moe2}");
+        for (tm, bn) in TILES {
+            assert!(smem(tm, bn) <= 227 * 1024, "{tm}x{bn}: {}", smem(tm, bn));
         }
-        // Float types: no raw ring (7 and 5 stages, as before it); Q4_K at 128 x 128: two slots
-        // of 128 rows of 160 bytes beside 5 stages; Q8_0 at 64 x 256: 2 x 64 x 288 beside 4.
-        assert_eq!(smem(128, 128, GgmlType::F16), 7 * 32768 + 64 + 1024);
-        assert_eq!(smem(64, 256, GgmlType::BF16), 5 * 40960 + 64 + 1024);
-        if ring() {
-            assert_eq!(
-                smem(128, 128, GgmlType::Q4K),
-                5 * 32768 + 2 * 128 * 160 + 64 + 1024
-            );
-            assert_eq!(
-                smem(64, 256, GgmlType::Q8_0),
-                4 * 40960 + 2 * 64 * 288 + 64 + 1024
-            );
-        }
+        assert_eq!(smem(128, 128), 7 * 32768 + 1024);
+        assert_eq!(smem(64, 256), 5 * 40960 + 1024);
     }
 
     #[test]
@@ -701,13 +621,13 @@ mod tests {
         // 384 tiles of 32 outputs: the same blocks, each half gate, half up.
         let ti = tile_index(512, 2 * 12288, 132);
         assert_eq!(TILES[ti], (64, 256));
-        let fused = config(512, ti, 12288usize.div_ceil(TILES[ti].0 / 2), 0).unwrap();
-        let grouped = config(512, ti, 2 * 12288usize.div_ceil(TILES[ti].0), 0).unwrap();
+        let fused = config(512, ti, 12288usize.div_ceil(TILES[ti].0 / 2)).unwrap();
+        let grouped = config(512, ti, 2 * 12288usize.div_ceil(TILES[ti].0)).unwrap();
         assert_eq!(fused.grid_dim, (2, 384, 1));
         assert_eq!(fused.grid_dim, grouped.grid_dim);
         assert_eq!(fused.block_dim, (384, 1, 1));
         // Past the grid's y limit: an error, not a truncated launch.
-        assert!(config(512, ti, 65536, 0).is_err());
+        assert!(config(512, ti, 65536).is_err());
     }
 
     #[test]

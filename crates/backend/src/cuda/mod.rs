@@ -170,9 +170,6 @@ pub fn full_source(name: &str, src: &str) -> String {
     // FERRITE_DIAG_CLBAR (common.cuh's cluster_sync_diag) and FERRITE_DIAG_TL (the block
     // timeline's stamps, kernels/timeline.cuh: the outputs unchanged, every file).
     let mut defs = String::new();
-    if name == "mmw" && mmw::ring() {
-        defs += "#define MMW_RING 1\n";
-    }
     if name == "mmw" && switches::int_or("FERRITE_MMW_XAFTER", 0) != 0 {
         defs += "#define MMW_XAFTER 1\n";
     }

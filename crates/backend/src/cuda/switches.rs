@@ -40,11 +40,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 (default) on 64-output tiles two blocks an SM (MOE.md)",
     ),
     (
-        "FERRITE_MMW_RING",
-        Accepts::OneOf(&[0, 1]),
-        "wgmma prefill producers: 1 the quantized weights' raw bytes through a shared-memory ring filled by bulk copies, 0 (default) loaded into registers (MATMUL.md round 81)",
-    ),
-    (
         "FERRITE_MMW_XAFTER",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill producers: 1 a step's x copies issued after its proxy fence instead of before its decode (MATMUL.md round 81)",

@@ -49,60 +49,14 @@ struct Raw16 {
     uint32_t s0, s1, s2, s3;
 };
 
-// The raw loads from global memory (read-only path), or with SH from shared memory (mmw.cu's
-// raw ring: the same bytes at the same offsets modulo 16, copied there by bulk copies).
-template <bool SH>
-__device__ __forceinline__ uint32_t ldr32(const void* p) {
-    if constexpr (SH) {
-        uint32_t v;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"((uint32_t)__cvta_generic_to_shared(p)));
-        return v;
-    } else {
-        return __ldg((const unsigned int*)p);
-    }
-}
-template <bool SH>
-__device__ __forceinline__ uint4 ldr128(const void* p) {
-    if constexpr (SH) {
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"((uint32_t)__cvta_generic_to_shared(p)));
-        return v;
-    } else {
-        return __ldg((const uint4*)p);
-    }
-}
-template <bool SH>
-__device__ __forceinline__ uint32_t ldr16(const uint8_t* p) {
-    if constexpr (SH) {
-        uint16_t v;
-        asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"((uint32_t)__cvta_generic_to_shared(p)));
-        return v;
-    } else {
-        return ld2c(p);
-    }
-}
-template <bool SH>
-__device__ __forceinline__ int ldr8s(const uint8_t* p) {
-    if constexpr (SH) {
-        int v;
-        asm volatile("ld.shared.s8 %0, [%1];" : "=r"(v) : "r"((uint32_t)__cvta_generic_to_shared(p)));
-        return v;
-    } else {
-        return (int)__ldg((const signed char*)p);
-    }
-}
-
 // Loads the 16 bytes at p (2-byte aligned) as aligned words: w[0..4] plus the shift (0/16).
-template <bool SH = false>
 __device__ __forceinline__ void ld16u(const uint8_t* p, uint32_t* w, uint32_t& sh) {
     const size_t a = (size_t)p;
-    const uint8_t* q = (const uint8_t*)(a & ~(size_t)3);
+    const uint32_t* q = (const uint32_t*)(a & ~(size_t)3);
     sh = (uint32_t)(a & 3) * 8;
 #pragma unroll
-    for (int i = 0; i < 4; i++) w[i] = ldr32<SH>(q + 4 * i);
-    w[4] = sh ? ldr32<SH>(q + 16) : 0u;
+    for (int i = 0; i < 4; i++) w[i] = __ldg(q + i);
+    w[4] = sh ? __ldg(q + 4) : 0u;
 }
 
 // N 16-byte loads at p (16-byte aligned) into w[0 .. 4N).
@@ -115,12 +69,8 @@ __device__ __forceinline__ void ld16v(const uint8_t* p, uint32_t* w) {
     }
 }
 
-// With SH (quantized types only) `row` points into shared memory: mmw.cu's raw ring, where a
-// copy of the row's bytes sits at the same offsets modulo 16 (k0 and n_in then count from the
-// copy's first element).
-template <int TYPE, bool SH = false>
+template <int TYPE>
 __device__ __forceinline__ void raw16(const uint8_t* __restrict__ row, int k0, int n_in, Raw16& r) {
-    static_assert(!SH || (TYPE != GGML_F32 && TYPE != GGML_F16 && TYPE != GGML_BF16), "raw ring: quantized types");
     if (TYPE == GGML_F32) {
         if (k0 + 16 <= n_in && (n_in & 3) == 0) {
             ld16v<4>(row + 4 * (size_t)k0, r.w);
@@ -140,37 +90,37 @@ __device__ __forceinline__ void raw16(const uint8_t* __restrict__ row, int k0, i
         if (k0 >= n_in) return;  // whole 16-element chunk beyond the row (quant rows are whole blocks)
         if (TYPE == GGML_Q8_0) {
             const uint8_t* blk = row + (size_t)(k0 / QK) * Q8_0_BYTES;
-            r.s0 = ldr16<SH>(blk);
-            ld16u<SH>(blk + 2 + (k0 & 16), r.w, r.s1);
+            r.s0 = ld2c(blk);
+            ld16u(blk + 2 + (k0 & 16), r.w, r.s1);
         } else if (TYPE == GGML_Q4_0) {
             const uint8_t* blk = row + (size_t)(k0 / QK) * Q4_0_BYTES;
-            r.s0 = ldr16<SH>(blk);
-            ld16u<SH>(blk + 2, r.w, r.s1);
+            r.s0 = ld2c(blk);
+            ld16u(blk + 2, r.w, r.s1);
         } else if (TYPE == GGML_Q4_1) {
             const uint8_t* blk = row + (size_t)(k0 / QK) * Q4_1_BYTES;  // 4-aligned
-            r.s0 = ldr32<SH>(blk);
+            r.s0 = __ldg((const unsigned int*)blk);
 #pragma unroll
-            for (int i = 0; i < 4; i++) r.w[i] = ldr32<SH>(blk + 4 + 4 * i);
+            for (int i = 0; i < 4; i++) r.w[i] = __ldg((const unsigned int*)(blk + 4) + i);
         } else if (TYPE == GGML_Q4_K || TYPE == GGML_Q5_K) {
             const bool q4 = TYPE == GGML_Q4_K;
             const uint8_t* blk = row + (size_t)(k0 / QK_K) * (q4 ? Q4_K_BYTES : Q5_K_BYTES);  // 16-aligned
             const int rr = k0 % QK_K, g = rr / 64, l0 = rr % 32;
-            const uint4 h = ldr128<SH>(blk);
+            const uint4 h = __ldg((const uint4*)blk);
             r.s0 = h.x; r.s1 = h.y; r.s2 = h.z; r.s3 = h.w;
-            const uint4 qv = ldr128<SH>(blk + (q4 ? 16 : 48) + 32 * g + l0);
+            const uint4 qv = __ldg((const uint4*)(blk + (q4 ? 16 : 48) + 32 * g + l0));
             r.w[0] = qv.x; r.w[1] = qv.y; r.w[2] = qv.z; r.w[3] = qv.w;
             if (!q4) {
-                const uint4 hv = ldr128<SH>(blk + 16 + l0);
+                const uint4 hv = __ldg((const uint4*)(blk + 16 + l0));
                 r.w[4] = hv.x; r.w[5] = hv.y; r.w[6] = hv.z; r.w[7] = hv.w;
             }
         } else if (TYPE == GGML_Q6_K) {
             const uint8_t* blk = row + (size_t)(k0 / QK_K) * Q6_K_BYTES;  // 2-aligned
             const int rr = k0 % QK_K, n = rr / 128, r2 = rr % 128, quarter = r2 / 32, l0 = r2 % 32;
-            ld16u<SH>(blk + 64 * n + l0 + (quarter & 1) * 32, r.w, r.s2);
+            ld16u(blk + 64 * n + l0 + (quarter & 1) * 32, r.w, r.s2);
             uint32_t sh2;
-            ld16u<SH>(blk + 128 + 32 * n + l0, r.w + 5, sh2);  // same alignment as the ql run
-            r.s0 = ldr16<SH>(blk + 208);
-            r.s1 = (uint32_t)ldr8s<SH>(blk + 192 + 8 * n + l0 / 16 + 2 * quarter);
+            ld16u(blk + 128 + 32 * n + l0, r.w + 5, sh2);  // same alignment as the ql run
+            r.s0 = ld2c(blk + 208);
+            r.s1 = (uint32_t)(int)__ldg((const signed char*)(blk + 192 + 8 * n + l0 / 16 + 2 * quarter));
         }
     }
 }

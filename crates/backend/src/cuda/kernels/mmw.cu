@@ -47,6 +47,11 @@
 #define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: 256 / TM per output row
 #define MMW_THREADS(TM) (MMW_PTHREADS + 2 * (TM))  // + TM / 64 consumer warpgroups
 #define MMW_RAW 2                           // steps of raw weight bytes in flight per thread
+// MMW_XAFTER (`FERRITE_MMW_XAFTER=1`): a step's x copies issued after its proxy fence instead of
+// before its decode (MATMUL.md round 81).
+#ifndef MMW_XAFTER
+#define MMW_XAFTER 0
+#endif
 // The staged epilogue: row pitch of stage[token][column] in floats (TM + 4: a fragment store's
 // 4 token rows land 8 banks apart, conflict-free; 16-byte aligned rows), and its barrier (the
 // stages' barriers are 1..14).
@@ -111,75 +116,21 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The raw ring (quantized types; MATMUL.md round 81): each producer row's raw weight bytes reach
-// shared memory by bulk copies, a super-step of MMW_RAW_G K steps (256 elements: one K-quant
-// super-block, eight 32-element blocks) per copy, two super-steps in flight, so that no
-// producer thread holds a global load across the stage's proxy fence (which waits for every
-// load the thread has outstanding: the register path paid about one load round trip a step).
-// A row's copy is the 16-byte-aligned window around its super-step's bytes (rows need not be
-// 16-byte aligned: Q6_K at 768 columns is 630 bytes), so a slot holds SB + 15 bytes rounded up.
-// MMW_RING=0 (`FERRITE_MMW_RING=0`): every type on the register path, as before round 81.
-#ifndef MMW_RING
-#define MMW_RING 0
-#endif
-#ifndef MMW_XAFTER
-#define MMW_XAFTER 0
-#endif
-#define MMW_RAW_G 4
-template <int TYPE>
-struct MmwRaw {
-    static constexpr int SB = TYPE == GGML_Q8_0   ? 8 * Q8_0_BYTES
-                              : TYPE == GGML_Q4_0 ? 8 * Q4_0_BYTES
-                              : TYPE == GGML_Q4_1 ? 8 * Q4_1_BYTES
-                              : TYPE == GGML_Q4_K ? Q4_K_BYTES
-                              : TYPE == GGML_Q5_K ? Q5_K_BYTES
-                              : TYPE == GGML_Q6_K ? Q6_K_BYTES
-                                                  : 0;  // float types: the register path
-    static constexpr bool ON = MMW_RING != 0 && SB > 0;
-    static constexpr int SLOT = ON ? (SB + 15 + 15) / 16 * 16 : 0;
-};
-
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
-// 224 KB beside the raw ring (two slots of TM rows), at most 7 (two named barriers each, 16 per
-// block); with BPS = 2 (two blocks an SM: the MoE GEMMs' `mmw_moe2_*`) as many as fit 108 KB.
-// Then the raw ring, its two mbarriers, and 1 KB of slack for the ring's alignment. mmw.rs
-// `smem` mirrors SMEM.
-template <int TYPE, int TM, int BN, int BPS = 1>
+// 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
+// the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB.
+template <int TM, int BN, int BPS = 1>
 struct MmwShape {
     static constexpr int A_BYTES = TM * MMW_TK * 2;
     static constexpr int B_BYTES = BN * MMW_TK * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
-    static constexpr int RAW = 2 * TM * MmwRaw<TYPE>::SLOT;
-    static constexpr int BUDGET = (BPS == 1 ? 224 * 1024 : 108 * 1024) - RAW;
+    static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : 96 * 1024;
     static constexpr int STAGES = (BUDGET / STAGE) < 7 ? (BUDGET / STAGE) : 7;
-    static constexpr int SMEM = STAGES * STAGE + RAW + 64 + 1024;
+    static constexpr int SMEM = STAGES * STAGE + 1024;  // + alignment slack; mmw.rs smem() mirrors it
     static constexpr int THREADS = MMW_THREADS(TM);
     static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
     static_assert(BN * MMW_SP(TM) * 4 <= STAGES * STAGE, "the staged epilogue must fit the ring");
 };
-
-// The raw ring's mbarriers: `count` arrivals a phase (one per row: its copy's issuer).
-__device__ __forceinline__ void mmw_mbar_init(uint32_t bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mmw_mbar_expect(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mmw_bulk(uint32_t dst, size_t src, uint32_t bytes, uint32_t bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-__device__ __forceinline__ void mmw_mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done) {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    }
-}
 
 // SWIGLU: W is the gate weight, W2 the up weight (same type and shape); the tile's TM rows are
 // TM / 2 outputs, each 16-row MMA group 8 gate rows then the same outputs' 8 up rows
@@ -209,8 +160,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
                                     int mtk = 1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
-    using S = MmwShape<TYPE, TM, BN, BPS>;
-    using RAWR = MmwRaw<TYPE>;
+    using S = MmwShape<TM, BN, BPS>;
     constexpr int NACC = BN / 2;
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
     constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
@@ -224,16 +174,6 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int tid = threadIdx.x, wgi = tid >> 7;
     const int t0 = MOE ? 0 : blockIdx.x * BN;
     const int nk = kp / MMW_TK;
-    // The raw ring after the stages: two slots of TM rows, then their two mbarriers.
-    const uint32_t raw0 = s0 + S::STAGES * S::STAGE, rbar0 = raw0 + S::RAW;
-    if constexpr (RAWR::ON) {
-        if (tid == 0) {
-            mmw_mbar_init(rbar0, TM);
-            mmw_mbar_init(rbar0 + 8, TM);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        __syncthreads();
-    }
 
     if (wgi < MMW_PRODUCERS) {
         // ---- producers: thread (row r, part h) decodes the NCH chunks h, h + TPR, .. (16 k
@@ -245,40 +185,13 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         // nibbles of chunk h's bytes, one load; other types two).
         Raw16 sets[MMW_RAW][NCH];
         auto load = [&](int kt, Raw16 (&rr)[NCH]) {
-            const int k = kt * MMW_TK + 16 * h;
-            if constexpr (RAWR::ON) {
-                // From the raw ring: super-step j's copy of the row, k and n_in counted from its
-                // first element (the copy keeps the bytes' offsets modulo 16).
-                const int j = kt / MMW_RAW_G, kb = j * (MMW_RAW_G * MMW_TK);
-                const uint32_t off = (uint32_t)(((size_t)wrow + (size_t)j * RAWR::SB) & 15);
-                const uint8_t* srow = mmw_smem + (raw0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)) +
-                                      ((j & 1) * TM + r) * RAWR::SLOT + off;
-                raw16<TYPE, true>(srow, k - kb, n_in - kb, rr[0]);
-                if (NCH == 2 && !KQ) raw16<TYPE, true>(srow, k + 32 - kb, n_in - kb, rr[NCH - 1]);
-            } else {
 #if defined(MMW_DIAG) && (MMW_DIAG & 1)
-                if (kt >= MMW_RAW) return;  // FERRITE_DIAG_MMW bit 1: timing only
+            if (kt >= MMW_RAW) return;  // FERRITE_DIAG_MMW bit 1: timing only
 #endif
-                // (K-quants at TPR = 2: chunk h's bytes also hold chunk h + 2, so one load.)
-                raw16<TYPE>(wrow, k, n_in, rr[0]);
-                if (NCH == 2 && !KQ) raw16<TYPE>(wrow, k + 32, n_in, rr[NCH - 1]);
-            }
-        };
-        // Super-step j of the row into its slot, by the row's first thread: the 16-byte-aligned
-        // window around the row's bytes of elements 256 j .. 256 j + 255 (none past the row's
-        // end; its arrival still counts).
-        const int nsb = (nk + MMW_RAW_G - 1) / MMW_RAW_G;
-        auto issue = [&](int j) {
-            if (RAWR::ON && h == 0 && j < nsb) {
-                const size_t src = (size_t)wrow + (size_t)j * RAWR::SB;
-                const long long avail = rb - (long long)j * RAWR::SB;
-                const long long len = avail < RAWR::SB ? (avail > 0 ? avail : 0) : RAWR::SB;
-                const size_t a = src & ~(size_t)15;
-                const uint32_t bytes = len > 0 ? (uint32_t)(((src + (size_t)len + 15) & ~(size_t)15) - a) : 0u;
-                const uint32_t bar = rbar0 + 8 * (j & 1);
-                mmw_mbar_expect(bar, bytes);
-                if (bytes) mmw_bulk(raw0 + ((j & 1) * TM + r) * RAWR::SLOT, a, bytes, bar);
-            }
+            const int k = kt * MMW_TK + 16 * h;
+            // (K-quants at TPR = 2: chunk h's bytes also hold chunk h + 2, so one load.)
+            raw16<TYPE>(wrow, k, n_in, rr[0]);
+            if (NCH == 2 && !KQ) raw16<TYPE>(wrow, k + 32, n_in, rr[NCH - 1]);
         };
         auto store_a = [&](int kt, const Raw16 (&rr)[NCH]) {
             const int k = kt * MMW_TK;
@@ -353,46 +266,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             // fence, which is why two sets suffice (MATMUL.md).
             if (kt + MMW_RAW < nk) load(kt + MMW_RAW, cur);
         };
-        if constexpr (RAWR::ON) {
-            // Step kt: x of step kt + XLEAD issued; at a super-step's first step the slot
-            // read in the super-step before refilled two super-steps ahead (a row's slot is
-            // read by its own TPR threads, one warp: __syncwarp orders their reads before the
-            // copy) and this super-step's copies waited for; the raw bytes read and decoded
-            // into the stage; published as the register path does.
-            issue(0);
-            issue(1);
 #pragma unroll
-            for (int j = 0; j < MMW_XLEAD; j++) copy_b(j);
-            Raw16 cur[NCH];
-            for (int kt = 0; kt < nk; kt++) {
-                copy_b(kt + MMW_XLEAD);
-                if (kt % MMW_RAW_G == 0) {
-                    const int j = kt / MMW_RAW_G;
-                    if (j >= 1) {
-                        __syncwarp();
-                        issue(j + 1);
-                    }
-                    mmw_mbar_wait(rbar0 + 8 * (j & 1), (uint32_t)((j >> 1) & 1));
-                }
-                load(kt, cur);
-                store_a(kt, cur);
-                asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
-#if !(defined(MMW_DIAG) && (MMW_DIAG & 2))  // FERRITE_DIAG_MMW bit 2: timing only
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-                mmw_bar_arrive(FULL0 + kt % MMW_STAGES, MMW_BAR);
-            }
-        } else {
+        for (int j = 0; j < MMW_RAW; j++)
+            if (j < nk) load(j, sets[j]);
+#pragma unroll
+        for (int j = 0; j < MMW_XLEAD; j++) copy_b(j);
+        for (int kt = 0; kt < nk; kt += MMW_RAW) {
 #pragma unroll
             for (int j = 0; j < MMW_RAW; j++)
-                if (j < nk) load(j, sets[j]);
-#pragma unroll
-            for (int j = 0; j < MMW_XLEAD; j++) copy_b(j);
-            for (int kt = 0; kt < nk; kt += MMW_RAW) {
-#pragma unroll
-                for (int j = 0; j < MMW_RAW; j++)
-                    if (kt + j < nk) step(kt + j, sets[j]);
-            }
+                if (kt + j < nk) step(kt + j, sets[j]);
         }
     } else {
         // ---- consumers: warpgroup c owns outputs 64c.. of the tile ----
