@@ -66,8 +66,9 @@ fn threads(tm: usize) -> u32 {
 }
 
 /// Dynamic shared memory of a tile's kernel (MmwShape::SMEM in mmw.cu): as many stages of A
-/// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7, and 1 KB of slack for
-/// aligning the ring to the swizzle atoms.
+/// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7, 64 bytes for the stages'
+/// x mbarriers (`FERRITE_MMW_XTMA`) and 1 KB of slack for aligning the ring to the swizzle
+/// atoms.
 fn smem(tm: usize, bn: usize) -> usize {
     ring_smem(tm, bn, 224 * 1024)
 }
@@ -81,7 +82,60 @@ const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
     } else {
         7
     };
-    stages * stage + 1024
+    stages * stage + 64 + 1024
+}
+
+/// `FERRITE_MMW_XTMA` (read once; default 0): the x tiles of the dense launches and the MoE
+/// downs by tensor copies (mod.rs compiles mmw.cu with MMW_XTMA 1, whose kernels then take
+/// [`x_map`] as their last argument; MATMUL.md round 82).
+pub(crate) fn xtma() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_XTMA", 0) != 0)
+}
+
+/// The tensor map of a bf16 scratch of `rows` rows of `kp` for the x tiles of tile width `bn`:
+/// boxes of 64 elements (one 128-byte line, the 128-byte swizzle of mmw_off) × bn rows; rows
+/// past `rows` read as zeros.
+fn x_map(
+    be: &CudaBackend,
+    xb: &CudaSlice<u16>,
+    rows: usize,
+    kp: usize,
+    bn: usize,
+) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys;
+    ensure!(
+        rows > 0 && kp.is_multiple_of(TK) && xb.len() >= rows * kp && bn <= 256,
+        "mmw: tensor map of [{rows}, {kp}] bf16 (buffer {}) in boxes of {bn} rows",
+        xb.len()
+    );
+    let (ptr, _guard) = xb.device_ptr(&be.stream);
+    let dims: [u64; 2] = [kp as u64, rows as u64];
+    let strides: [u64; 1] = [(kp * 2) as u64];
+    let boxd: [u32; 2] = [TK as u32, bn as u32];
+    let elem: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: every pointer is to a live local array of the rank the call is given (2, and
+    // rank - 1 strides); the map is written by the call before it is read.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxd.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .with_context(|| format!("encoding the tensor map of a [{rows}, {kp}] bf16 x"))?;
+        Ok(map.assume_init())
+    }
 }
 
 /// Mixed-type groups with a kernel (`mmw_<a>_<b>_n<BN>`: weights 0 and 1 of type a, weight 2
@@ -295,22 +349,27 @@ pub fn matmul_swiglu(
     super::matmul::with_bf16(be, x, |xb, kp| {
         let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
             (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
+        let map = xtma()
+            .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
+            .transpose()?;
+        let mut launch = be.stream.kernel(&be.mmw.swiglu[ti][ti_tile]);
+        launch
+            .arg(&*gate.data)
+            .arg(&*up.data)
+            .arg(&rb_i)
+            .arg(&n_out_i)
+            .arg(&n_in_i)
+            .arg(xb)
+            .arg(&kp_i)
+            .arg(&rows_i)
+            .arg(&mut act.buf);
+        if let Some(map) = &map {
+            launch.arg(map);
+        }
         // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp
-        // bf16 (zero beyond n_in), act rows×n_out floats; blocks cover n_out outputs by tm / 2.
-        unsafe {
-            be.stream
-                .kernel(&be.mmw.swiglu[ti][ti_tile])
-                .arg(&*gate.data)
-                .arg(&*up.data)
-                .arg(&rb_i)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(xb)
-                .arg(&kp_i)
-                .arg(&rows_i)
-                .arg(&mut act.buf)
-                .launch(cfg)
-        }?;
+        // bf16 (zero beyond n_in; the map describes it), act rows×n_out floats; blocks cover
+        // n_out outputs by tm / 2.
+        unsafe { launch.launch(cfg) }?;
         Ok(())
     })?;
     Ok(true)
@@ -426,32 +485,36 @@ fn launch(
     let cfg = config(rows, ti_tile, e2 + tiles[2])?;
     let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
         (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
+    let map = xtma()
+        .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
+        .transpose()?;
+    let mut launch = be.stream.kernel(&kernels[ti_tile]);
+    launch
+        .arg(&wp[0])
+        .arg(&wp[1])
+        .arg(&wp[2])
+        .arg(&rbs[0])
+        .arg(&rbs[1])
+        .arg(&rbs[2])
+        .arg(&ns[0])
+        .arg(&ns[1])
+        .arg(&ns[2])
+        .arg(&e1_i)
+        .arg(&e2_i)
+        .arg(&n_in_i)
+        .arg(xb)
+        .arg(&kp_i)
+        .arg(&rows_i)
+        .arg(&op[0])
+        .arg(&op[1])
+        .arg(&op[2]);
+    if let Some(map) = &map {
+        launch.arg(map);
+    }
     // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
-    // n_in), each out rows×n_out floats; block y < e1 uses weight 0, < e2 weight 1, else 2,
-    // and only the present weights have tiles.
-    unsafe {
-        be.stream
-            .kernel(&kernels[ti_tile])
-            .arg(&wp[0])
-            .arg(&wp[1])
-            .arg(&wp[2])
-            .arg(&rbs[0])
-            .arg(&rbs[1])
-            .arg(&rbs[2])
-            .arg(&ns[0])
-            .arg(&ns[1])
-            .arg(&ns[2])
-            .arg(&e1_i)
-            .arg(&e2_i)
-            .arg(&n_in_i)
-            .arg(xb)
-            .arg(&kp_i)
-            .arg(&rows_i)
-            .arg(&op[0])
-            .arg(&op[1])
-            .arg(&op[2])
-            .launch(cfg)
-    }?;
+    // n_in; the map describes it), each out rows×n_out floats; block y < e1 uses weight 0,
+    // < e2 weight 1, else 2, and only the present weights have tiles.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 
@@ -578,25 +641,30 @@ pub(crate) fn moe_down(
     let cfg = moe_config(be, t, hidden.div_ceil(be.mmw.moe_tile.0))?;
     let (rb, n_out, n_in) = (d.row_bytes() as i64, hidden as i32, ffn as i32);
     super::matmul::with_bf16_rows(be, h, pairs, ffn, |hb, kp| {
+        let map = xtma()
+            .then(|| x_map(be, hb, pairs, kp, MOE_TN))
+            .transpose()?;
         let kp = kp as i32;
+        let mut launch = be.stream.kernel(&be.mmw.moe[ti][1]);
+        launch
+            .arg(&*d.data)
+            .arg(&rb)
+            .arg(&n_out)
+            .arg(&n_in)
+            .arg(hb)
+            .arg(&kp)
+            .arg(t.offsets)
+            .arg(t.n_tiles)
+            .arg(t.tiles)
+            .arg(t.list)
+            .arg(y);
+        if let Some(map) = &map {
+            launch.arg(map);
+        }
         // SAFETY: as moe_gate_up; d holds n_experts·hidden rows of rb bytes, hb pairs × kp
-        // bf16 (list positions < pairs), y ≥ pairs × hidden floats (pairs < pairs).
-        unsafe {
-            be.stream
-                .kernel(&be.mmw.moe[ti][1])
-                .arg(&*d.data)
-                .arg(&rb)
-                .arg(&n_out)
-                .arg(&n_in)
-                .arg(hb)
-                .arg(&kp)
-                .arg(t.offsets)
-                .arg(t.n_tiles)
-                .arg(t.tiles)
-                .arg(t.list)
-                .arg(y)
-                .launch(cfg)
-        }?;
+        // bf16 (list positions < pairs; the map describes them, a tile's rows past pairs read
+        // as zeros), y ≥ pairs × hidden floats (pairs < pairs).
+        unsafe { launch.launch(cfg) }?;
         Ok(())
     })
 }
@@ -610,8 +678,8 @@ mod tests {
         for (tm, bn) in TILES {
             assert!(smem(tm, bn) <= 227 * 1024, "{tm}x{bn}: {}", smem(tm, bn));
         }
-        assert_eq!(smem(128, 128), 7 * 32768 + 1024);
-        assert_eq!(smem(64, 256), 5 * 40960 + 1024);
+        assert_eq!(smem(128, 128), 7 * 32768 + 64 + 1024);
+        assert_eq!(smem(64, 256), 5 * 40960 + 64 + 1024);
     }
 
     #[test]

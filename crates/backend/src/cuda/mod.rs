@@ -173,6 +173,9 @@ pub fn full_source(name: &str, src: &str) -> String {
     if name == "mmw" && switches::int_or("FERRITE_MMW_XAFTER", 0) != 0 {
         defs += "#define MMW_XAFTER 1\n";
     }
+    if name == "mmw" && mmw::xtma() {
+        defs += "#define MMW_XTMA 1\n";
+    }
     if name == "mmw" && switches::diag_mmw() != 0 {
         defs += &format!("#define MMW_DIAG {}\n", switches::diag_mmw());
     }

@@ -40,6 +40,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 (default) on 64-output tiles two blocks an SM (MOE.md)",
     ),
     (
+        "FERRITE_MMW_XTMA",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill: 1 the x tiles of the dense launches and the MoE downs by one 2-D tensor copy (TMA) a step instead of the producers' cp.async (MATMUL.md round 82)",
+    ),
+    (
         "FERRITE_MMW_XAFTER",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill producers: 1 a step's x copies issued after its proxy fence instead of before its decode (MATMUL.md round 81)",

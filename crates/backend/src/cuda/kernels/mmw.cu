@@ -52,6 +52,49 @@
 #ifndef MMW_XAFTER
 #define MMW_XAFTER 0
 #endif
+// MMW_XTMA (`FERRITE_MMW_XTMA=1`; MATMUL.md round 82): the x tiles of the dense launches and the
+// MoE downs by one 2-D tensor copy a step (TMA, the 128-byte swizzle: mmw_off's layout) on a
+// per-stage mbarrier the consumers wait on, instead of BN × 8 16-byte cp.async spread over the
+// producer threads (8 a thread a step, their address arithmetic, and a wait for them before
+// every stage's fence). The MoE gate/up gathers its x rows by token and keeps cp.async.
+#ifndef MMW_XTMA
+#define MMW_XTMA 0
+#endif
+// A CUtensorMap (opaque, 128 bytes, 64-byte aligned), passed as a __grid_constant__ parameter.
+struct __align__(128) MmwTmap {
+    unsigned long long v[16];
+};
+#if MMW_XTMA
+#define MMW_XMAP_PARAM , const __grid_constant__ MmwTmap xmap
+#define MMW_XMAP &xmap
+#else
+#define MMW_XMAP_PARAM
+#define MMW_XMAP nullptr
+#endif
+__device__ __forceinline__ void mmw_mbar_init1(uint32_t bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mmw_mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    }
+}
+// The box at element column c0, row r0 of the map into shared dst (1 KB aligned for the
+// swizzle), announced on bar as `bytes` by the calling thread.
+__device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int c0, int r0, uint32_t bar,
+                                          uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];" ::"r"(dst),
+        "l"((unsigned long long)map), "r"(c0), "r"(r0), "r"(bar)
+        : "memory");
+}
 // The staged epilogue: row pitch of stage[token][column] in floats (TM + 4: a fragment store's
 // 4 token rows land 8 banks apart, conflict-free; 16-byte aligned rows), and its barrier (the
 // stages' barriers are 1..14).
@@ -126,7 +169,8 @@ struct MmwShape {
     static constexpr int STAGE = A_BYTES + B_BYTES;
     static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : 96 * 1024;
     static constexpr int STAGES = (BUDGET / STAGE) < 7 ? (BUDGET / STAGE) : 7;
-    static constexpr int SMEM = STAGES * STAGE + 1024;  // + alignment slack; mmw.rs smem() mirrors it
+    // + the x tiles' mbarriers (MMW_XTMA) and the alignment slack; mmw.rs smem() mirrors it.
+    static constexpr int SMEM = STAGES * STAGE + 64 + 1024;
     static constexpr int THREADS = MMW_THREADS(TM);
     static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
     static_assert(BN * MMW_SP(TM) * 4 <= STAGES * STAGE, "the staged epilogue must fit the ring");
@@ -158,7 +202,7 @@ template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int B
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
-                                    int mtk = 1) {
+                                    int mtk = 1, const MmwTmap* xmap = nullptr, int xrow0 = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN, BPS>;
     constexpr int NACC = BN / 2;
@@ -174,6 +218,17 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int tid = threadIdx.x, wgi = tid >> 7;
     const int t0 = MOE ? 0 : blockIdx.x * BN;
     const int nk = kp / MMW_TK;
+    // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
+    // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
+    constexpr bool XT = MMW_XTMA && !(MOE && SWIGLU);
+    const uint32_t xbar0 = s0 + MMW_STAGES * S::STAGE;
+    if constexpr (XT) {
+        if (tid == 0) {
+            for (int i = 0; i < MMW_STAGES; i++) mmw_mbar_init1(xbar0 + 8 * i);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+    }
 
     if (wgi < MMW_PRODUCERS) {
         // ---- producers: thread (row r, part h) decodes the NCH chunks h, h + TPR, .. (16 k
@@ -219,6 +274,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         // x of step kt into its stage (once the consumers released the stage's previous use,
         // step kt - STAGES), one cp.async group per step (empty past the last step).
         auto copy_b = [&](int kt) {
+            if (XT) {
+                if (kt < nk) {
+                    if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + kt % MMW_STAGES, MMW_BAR);
+                    if (ptid == 0)
+                        mmw_tma_x(s0 + (kt % MMW_STAGES) * S::STAGE + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0,
+                                  xbar0 + 8 * (kt % MMW_STAGES), (uint32_t)S::B_BYTES);
+                }
+                return;
+            }
             if (kt < nk) {
                 if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + kt % MMW_STAGES, MMW_BAR);
                 const int k = kt * MMW_TK;
@@ -246,11 +310,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         auto step = [&](int kt, Raw16 (&cur)[NCH]) {
 #if MMW_XAFTER
             store_a(kt, cur);
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD - 1) : "memory");
+            if (!XT) asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD - 1) : "memory");
 #else
             copy_b(kt + MMW_XLEAD);
             store_a(kt, cur);
-            asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
+            if (!XT) asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
 #endif
 #if !(defined(MMW_DIAG) && (MMW_DIAG & 2))  // FERRITE_DIAG_MMW bit 2: timing only
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -285,6 +349,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % MMW_STAGES;
             mmw_bar_sync(FULL0 + s, MMW_BAR);
+            if (XT) mmw_mbar_wait(xbar0 + 8 * s, (uint32_t)((kt / MMW_STAGES) & 1));
             const uint32_t a = s0 + s * S::STAGE + mmw_off<TM>(64 * c, 0);
             const uint32_t b = s0 + s * S::STAGE + S::A_BYTES;
             asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -369,24 +434,25 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
-        float* __restrict__ out1, float* __restrict__ out2) {                                              \
+        float* __restrict__ out1, float* __restrict__ out2 MMW_XMAP_PARAM) {                               \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
         if (TA == TB || g < 2)                                                                              \
             mmw<TA, TM, BN>(g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),   \
                             g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows,                           \
-                            g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2))); \
+                            g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2)),  \
+                            nullptr, 1, MMW_XMAP);                                                          \
         else                                                                                                \
-            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2);                        \
+            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2, nullptr, 1, MMW_XMAP);  \
     }
 // The first half of a SwiGLU FFN in one launch: out = silu(gate · x) ⊙ (up · x), TM / 2
 // outputs per block (`mmw_row`), no gate or up written.
 #define MMW_SWIGLU1(name, TYPE, TM, BN)                                                                     \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_swiglu_##name##_n##BN(            \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
-        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out) {                      \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out MMW_XMAP_PARAM) {       \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y);                    \
+        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, nullptr, 1, MMW_XMAP); \
     }
 // n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
 // warpgroup, m64n256: each decoded weight serves twice the tokens).
@@ -451,7 +517,7 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_##form##_down_##name##_n64(     \
         const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
         int kp, const int* __restrict__ offsets, const int* __restrict__ n_tiles,                          \
-        const int* __restrict__ tiles, const int* __restrict__ list, float* __restrict__ y) {              \
+        const int* __restrict__ tiles, const int* __restrict__ list, float* __restrict__ y MMW_XMAP_PARAM) { \
         PDL_ENTRY();                                                                                        \
         const int tile = blockIdx.x;                                                                        \
         if (tile >= *n_tiles) return;                                                                       \
@@ -463,7 +529,7 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         if ((BPS) * span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);       \
         mmw<TYPE, TM, 64, false, true, BPS>(W + eo, nullptr, rb, n_out, n_in,                               \
                                             hb + (size_t)start * (size_t)kp, kp, cnt, y, blockIdx.y,        \
-                                            list + start, 1);                                               \
+                                            list + start, 1, MMW_XMAP, start);                              \
     }
 // `FERRITE_MMW_MOE=1`: 128-output tiles (two consumer warpgroups), one block an SM.
 #define MMW_MOE(name, TYPE) MMW_MOE_FORM(moe, name, TYPE, 128, 1)
