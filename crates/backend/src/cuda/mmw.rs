@@ -90,7 +90,68 @@ const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
 /// [`x_map`] as their last argument; MATMUL.md round 82).
 pub(crate) fn xtma() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_XTMA", 0) != 0)
+    *ON.get_or_init(|| rs() || super::switches::int_or("FERRITE_MMW_XTMA", 0) != 0)
+}
+
+/// `FERRITE_MMW_RS` (read once; default 0): the Q4_K launches on 128-output tiles decode their
+/// A fragments in the consumers' registers from raw bytes brought by tensor copies (mod.rs
+/// compiles mmw.cu with MMW_RS 1 and MMW_XTMA 1; the dense kernels then also take
+/// [`w_maps`]' maps; the 64 × 256 tile is not used; MATMUL.md round 83).
+pub(crate) fn rs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 0) != 0)
+}
+
+/// The two tensor maps of a Q4_K weight for the RS kernels, over its rows as bytes: boxes of
+/// 16 bytes (a super-block's d, dmin and scales) and of 32 (a 64-element group's quants), each
+/// `box_rows` rows; rows past the weight read as zeros. Other types: zeroed maps (their
+/// kernels never read them).
+fn w_maps(
+    be: &CudaBackend,
+    w: &CudaWeight,
+    box_rows: usize,
+) -> Result<[cudarc::driver::sys::CUtensorMap; 2]> {
+    use cudarc::driver::sys;
+    // SAFETY: a CUtensorMap is plain bytes; a zeroed one is passed only to kernels that do
+    // not read it.
+    let zero = || unsafe { std::mem::zeroed::<sys::CUtensorMap>() };
+    if w.dtype != GgmlType::Q4K {
+        return Ok([zero(), zero()]);
+    }
+    let (n_out, rb) = (w.shape[0], w.row_bytes());
+    ensure!(
+        rb % 16 == 0 && n_out > 0 && box_rows <= 256,
+        "mmw: tensor maps of [{n_out}] rows of {rb} bytes"
+    );
+    let (ptr, _guard) = w.data.device_ptr(&be.stream);
+    let dims: [u64; 2] = [rb as u64, n_out as u64];
+    let strides: [u64; 1] = [rb as u64];
+    let elem: [u32; 2] = [1, 1];
+    let map = |inner: u32| -> Result<sys::CUtensorMap> {
+        let boxd: [u32; 2] = [inner, box_rows as u32];
+        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+        // SAFETY: as x_map's.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                2,
+                ptr as *mut std::ffi::c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxd.as_ptr(),
+                elem.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            .result()
+            .with_context(|| format!("encoding a tensor map of a {:?} Q4_K weight", w.shape))?;
+            Ok(map.assume_init())
+        }
+    };
+    Ok([map(16)?, map(32)?])
 }
 
 /// The tensor map of a bf16 scratch of `rows` rows of `kp` for the x tiles of tile width `bn`:
@@ -366,6 +427,16 @@ pub fn matmul_swiglu(
         if let Some(map) = &map {
             launch.arg(map);
         }
+        // The RS kernels' weight maps: gate's and up's, boxes of a tile's tm / 2 rows.
+        let wm = if rs() {
+            let box_rows = TILES[ti_tile].0 / 2;
+            Some((w_maps(be, gate, box_rows)?, w_maps(be, up, box_rows)?))
+        } else {
+            None
+        };
+        if let Some((g, u)) = &wm {
+            launch.arg(&g[0]).arg(&g[1]).arg(&u[0]).arg(&u[1]);
+        }
         // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp
         // bf16 (zero beyond n_in; the map describes it), act rows×n_out floats; blocks cover
         // n_out outputs by tm / 2.
@@ -413,7 +484,7 @@ fn config(rows: usize, ti_tile: usize, out_tiles: usize) -> Result<LaunchConfig>
 
 /// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows.
 fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
-    if mode() == 1 && wide_tile(rows, n_total, sm_count) {
+    if mode() == 1 && !rs() && wide_tile(rows, n_total, sm_count) {
         2
     } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
         0
@@ -510,6 +581,20 @@ fn launch(
         .arg(&op[2]);
     if let Some(map) = &map {
         launch.arg(map);
+    }
+    // The RS kernels' weight maps, three weights' (absent ones: weight 0's, never read).
+    let wm = if rs() {
+        let box_rows = TILES[ti_tile].0;
+        let mut m = Vec::with_capacity(3);
+        for g in 0..3 {
+            m.push(w_maps(be, ws[g.min(ws.len() - 1)], box_rows)?);
+        }
+        m
+    } else {
+        Vec::new()
+    };
+    for pair in &wm {
+        launch.arg(&pair[0]).arg(&pair[1]);
     }
     // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
     // n_in; the map describes it), each out rows×n_out floats; block y < e1 uses weight 0,

@@ -176,6 +176,9 @@ pub fn full_source(name: &str, src: &str) -> String {
     if name == "mmw" && mmw::xtma() {
         defs += "#define MMW_XTMA 1\n";
     }
+    if name == "mmw" && mmw::rs() {
+        defs += "#define MMW_RS 1\n";
+    }
     if name == "mmw" && switches::diag_mmw() != 0 {
         defs += &format!("#define MMW_DIAG {}\n", switches::diag_mmw());
     }

@@ -40,6 +40,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 (default) on 64-output tiles two blocks an SM (MOE.md)",
     ),
     (
+        "FERRITE_MMW_RS",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill: 1 the Q4_K launches decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on; the 64x256 tile off; MATMUL.md round 83)",
+    ),
+    (
         "FERRITE_MMW_XTMA",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill: 1 the x tiles of the dense launches and the MoE downs by one 2-D tensor copy (TMA) a step instead of the producers' cp.async (MATMUL.md round 82)",

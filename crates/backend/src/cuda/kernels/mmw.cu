@@ -64,12 +64,41 @@
 struct __align__(128) MmwTmap {
     unsigned long long v[16];
 };
+// MMW_RS (`FERRITE_MMW_RS=1`, which compiles MMW_XTMA in too; MATMUL.md round 83): the Q4_K
+// launches on 128-output tiles take A from registers. The producers' thread 0 brings each
+// stage's raw weight bytes by tensor copies beside x (two maps a weight over its rows as bytes:
+// the super-block headers, 16 bytes a row, and the step's 64-element group of quants, 32
+// bytes a row), and each consumer thread decodes its own A fragment from them (dec16's
+// arithmetic, so the same bf16 weights) right before its wgmma: no producer decode, shared
+// bf16 A tile, proxy fence or FULL barrier. The consumer's decode overlaps the previous
+// step's asynchronous MMAs (two register sets of A).
+#ifndef MMW_RS
+#define MMW_RS 0
+#endif
 #if MMW_XTMA
 #define MMW_XMAP_PARAM , const __grid_constant__ MmwTmap xmap
 #define MMW_XMAP &xmap
 #else
 #define MMW_XMAP_PARAM
 #define MMW_XMAP nullptr
+#endif
+#if MMW_RS
+// A launch's weight maps: weight i's headers and quants (three weights: the grouped Q, K, V).
+#define MMW_WMAP_PARAM                                                                             \
+    , const __grid_constant__ MmwTmap wm0h, const __grid_constant__ MmwTmap wm0q,                  \
+        const __grid_constant__ MmwTmap wm1h, const __grid_constant__ MmwTmap wm1q,                \
+        const __grid_constant__ MmwTmap wm2h, const __grid_constant__ MmwTmap wm2q
+#define MMW_WMAP(g) ((g) == 0 ? &wm0h : ((g) == 1 ? &wm1h : &wm2h)), ((g) == 0 ? &wm0q : ((g) == 1 ? &wm1q : &wm2q))
+// The SwiGLU launch's: gate's and up's.
+#define MMW_WMAP2_PARAM                                                                            \
+    , const __grid_constant__ MmwTmap wgh, const __grid_constant__ MmwTmap wgq,                    \
+        const __grid_constant__ MmwTmap wuh, const __grid_constant__ MmwTmap wuq
+#define MMW_WMAP2 &wgh, &wgq, &wuh, &wuq
+#else
+#define MMW_WMAP_PARAM
+#define MMW_WMAP(g) nullptr, nullptr
+#define MMW_WMAP2_PARAM
+#define MMW_WMAP2 nullptr, nullptr, nullptr, nullptr
 #endif
 __device__ __forceinline__ void mmw_mbar_init1(uint32_t bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
@@ -84,16 +113,20 @@ __device__ __forceinline__ void mmw_mbar_wait(uint32_t bar, uint32_t parity) {
             : "memory");
     }
 }
-// The box at element column c0, row r0 of the map into shared dst (1 KB aligned for the
-// swizzle), announced on bar as `bytes` by the calling thread.
-__device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int c0, int r0, uint32_t bar,
-                                          uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+// The box at element column c0, row r0 of the map into shared dst (128-byte aligned; 1 KB for
+// the swizzle), completing on bar; mmw_tma_x announces `bytes` on bar first (the calling
+// thread's arrival).
+__device__ __forceinline__ void mmw_tma(uint32_t dst, const MmwTmap* map, int c0, int r0, uint32_t bar) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
         "[%4];" ::"r"(dst),
         "l"((unsigned long long)map), "r"(c0), "r"(r0), "r"(bar)
         : "memory");
+}
+__device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int c0, int r0, uint32_t bar,
+                                          uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    mmw_tma(dst, map, c0, r0, bar);
 }
 // The staged epilogue: row pitch of stage[token][column] in floats (TM + 4: a fragment store's
 // 4 token rows land 8 banks apart, conflict-free; 16-byte aligned rows), and its barrier (the
@@ -153,6 +186,23 @@ __device__ __forceinline__ void mmw_wgmma_n64(float (&d)[32], uint64_t da, uint6
         : "l"(da), "l"(db), "r"(1));
 }
 
+// A from registers (MMW_RS, below): a[0..3] the warp's A fragment of the k16 step, as
+// mma.sync m16n8k16's (rows g, g + 8 of the warp's 16; columns 2t, 2t + 1, then + 8).
+__device__ __forceinline__ void mmw_wgmma_rs_n128(float (&d)[64], const uint32_t* a, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+__device__ __forceinline__ void mmw_wgmma_rs_n64(float (&d)[32], const uint32_t* a, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
 template <int N>
 __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 #pragma unroll
@@ -202,7 +252,9 @@ template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int B
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
-                                    int mtk = 1, const MmwTmap* xmap = nullptr, int xrow0 = 0) {
+                                    int mtk = 1, const MmwTmap* xmap = nullptr, int xrow0 = 0,
+                                    const MmwTmap* wmh = nullptr, const MmwTmap* wmq = nullptr,
+                                    const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN, BPS>;
     constexpr int NACC = BN / 2;
@@ -220,7 +272,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int nk = kp / MMW_TK;
     // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
-    constexpr bool XT = MMW_XTMA && !(MOE && SWIGLU);
+    constexpr bool RS = MMW_RS && TYPE == GGML_Q4_K && TM == 128 && !MOE;
+    constexpr bool XT = (MMW_XTMA || RS) && !(MOE && SWIGLU);
     const uint32_t xbar0 = s0 + MMW_STAGES * S::STAGE;
     if constexpr (XT) {
         if (tid == 0) {
@@ -230,7 +283,28 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         __syncthreads();
     }
 
-    if (wgi < MMW_PRODUCERS) {
+    if (RS && wgi < MMW_PRODUCERS) {
+        // ---- RS producers: thread 0 copies each stage's x box and its raw A (the headers
+        // [TM][16] at the stage's start, the step's quants [TM][32] after them; SWIGLU: gate
+        // rows then up rows in each), as far ahead as the stages allow; the others keep the
+        // EMPTY barriers' count ----
+        constexpr int BR = SWIGLU ? TM / 2 : TM;  // rows a weight box
+        for (int kt = 0; kt < nk; kt++) {
+            const int s = kt % MMW_STAGES;
+            if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
+            if (tid == 0) {
+                const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
+                const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = oy * BR;
+                mmw_tma_x(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar, (uint32_t)(S::B_BYTES + TM * 48));
+                mmw_tma(st, wmh, cb, r0, bar);
+                mmw_tma(st + TM * 16, wmq, cq, r0, bar);
+                if (SWIGLU) {
+                    mmw_tma(st + BR * 16, wmh2, cb, r0, bar);
+                    mmw_tma(st + TM * 16 + BR * 32, wmq2, cq, r0, bar);
+                }
+            }
+        }
+    } else if (wgi < MMW_PRODUCERS) {
         // ---- producers: thread (row r, part h) decodes the NCH chunks h, h + TPR, .. (16 k
         // each) of its row's 64-k step: TPR = 2 (TM = 128: chunks h, h + 2) or 4 (TM = 64) ----
         const int ptid = tid, r = ptid / TPR, h = ptid % TPR;
@@ -346,6 +420,81 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         float acc[NACC];
 #pragma unroll
         for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
+        if constexpr (RS) {
+            // Thread (g, t) of warp w: A rows g and g + 8 of the warp's 16, i.e. raw rows ra and
+            // rb2 (SWIGLU: the gate and the up row of output 8 (4c + w) + g, mmw_row's order).
+            const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+            const int ra = SWIGLU ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
+            const int rb2 = SWIGLU ? TM / 2 + ra : ra + 8;
+            // Step kt's A fragments (16 registers: k16 step kk's four at 4 kk) from the stage's
+            // raw bytes. In the step's 64-element group of a super-block, bytes 2t, 2t + 1,
+            // 2t + 8, 2t + 9 (and 16 + those) hold columns 2t, 2t + 1, 2t + 8, 2t + 9 of k16
+            // steps 0 (1) in their low nibbles, of steps 2 (3) in their high ones; sub-blocks
+            // 2G and 2G + 1 (dec16's values: fmaf(q, d · sc, -dmin · m), then the bf16 pack).
+            auto decode = [&](int kt, uint32_t (&a)[16]) {
+                const uint32_t st = s0 + (kt % MMW_STAGES) * S::STAGE;
+                const int G = kt & 3;
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    const int rho = half ? rb2 : ra;
+                    uint32_t h0, h1, h2, h3;
+                    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+                                 : "=r"(h0), "=r"(h1), "=r"(h2), "=r"(h3)
+                                 : "r"(st + rho * 16));
+                    float sc0, mn0, sc1, mn1;
+                    scale_min_w(2 * G, h1, h2, h3, &sc0, &mn0);
+                    scale_min_w(2 * G + 1, h1, h2, h3, &sc1, &mn1);
+                    const float d = h2f(h0 & 0xFFFF), dmin = h2f(h0 >> 16);
+                    const float ds0 = d * sc0, dm0 = dmin * mn0, ds1 = d * sc1, dm1 = dmin * mn1;
+                    const uint32_t q = st + TM * 16 + rho * 32 + 2 * t;
+                    uint16_t b0, b1, b2, b3;
+                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b0) : "r"(q));
+                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b1) : "r"(q + 8));
+                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b2) : "r"(q + 16));
+                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b3) : "r"(q + 24));
+                    const uint32_t w0 = (uint32_t)b0 | ((uint32_t)b1 << 16), w1 = (uint32_t)b2 | ((uint32_t)b3 << 16);
+#pragma unroll
+                    for (int kk = 0; kk < 4; kk++) {
+                        const uint32_t ww = (kk & 1) ? w1 : w0;
+                        const uint32_t qn = (kk >= 2 ? ww >> 4 : ww) & 0x0F0F0F0Fu;
+                        const float ds = kk >= 2 ? ds1 : ds0, dm = kk >= 2 ? dm1 : dm0;
+                        a[4 * kk + half] = pack_bf16(fmaf(byte_f<0>(qn), ds, -dm), fmaf(byte_f<1>(qn), ds, -dm));
+                        a[4 * kk + 2 + half] = pack_bf16(fmaf(byte_f<2>(qn), ds, -dm), fmaf(byte_f<3>(qn), ds, -dm));
+                    }
+                }
+            };
+            // Step kt: its stage's copies waited for, A decoded into a (the other set may still
+            // feed the previous step's MMAs), four wgmmas issued; then the previous step's
+            // group waited for and its stage released.
+            auto cstep = [&](int kt, uint32_t (&a)[16]) {
+                const int s = kt % MMW_STAGES;
+                mmw_mbar_wait(xbar0 + 8 * s, (uint32_t)((kt / MMW_STAGES) & 1));
+                decode(kt, a);
+                // The fragment's registers written before the fence (wgmma reads them
+                // asynchronously; nothing may move past it).
+#pragma unroll
+                for (int i = 0; i < 16; i++) asm volatile("" : "+r"(a[i])::"memory");
+                const uint32_t b = s0 + s * S::STAGE + S::A_BYTES;
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int kk = 0; kk < MMW_TK / 16; kk++) {
+                    const uint64_t db = mmw_desc<BN>(b + mmw_off<BN>(0, 16 * kk));
+                    if constexpr (BN == 128) mmw_wgmma_rs_n128(acc, a + 4 * kk, db);
+                    else mmw_wgmma_rs_n64(acc, a + 4 * kk, db);
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                if (kt >= 1) {
+                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                    mmw_fence_acc(acc);
+                    if (kt - 1 + MMW_STAGES < nk) mmw_bar_arrive(EMPTY0 + (kt - 1) % MMW_STAGES, MMW_BAR);
+                }
+            };
+            uint32_t a0[16], a1[16];
+            for (int kt = 0; kt < nk; kt += 2) {
+                cstep(kt, a0);
+                if (kt + 1 < nk) cstep(kt + 1, a1);
+            }
+        } else
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % MMW_STAGES;
             mmw_bar_sync(FULL0 + s, MMW_BAR);
@@ -434,14 +583,14 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
-        float* __restrict__ out1, float* __restrict__ out2 MMW_XMAP_PARAM) {                               \
+        float* __restrict__ out1, float* __restrict__ out2 MMW_XMAP_PARAM MMW_WMAP_PARAM) {                \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
         if (TA == TB || g < 2)                                                                              \
             mmw<TA, TM, BN>(g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),   \
                             g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows,                           \
                             g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2)),  \
-                            nullptr, 1, MMW_XMAP);                                                          \
+                            nullptr, 1, MMW_XMAP, 0, MMW_WMAP(g));                                          \
         else                                                                                                \
             mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2, nullptr, 1, MMW_XMAP);  \
     }
@@ -450,9 +599,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
 #define MMW_SWIGLU1(name, TYPE, TM, BN)                                                                     \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_swiglu_##name##_n##BN(            \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
-        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out MMW_XMAP_PARAM) {       \
+        const uint16_t* __restrict__ xb, int kp, int rows,                                                 \
+        float* __restrict__ out MMW_XMAP_PARAM MMW_WMAP2_PARAM) {                                          \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, nullptr, 1, MMW_XMAP); \
+        mmw<TYPE, TM, BN, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, nullptr, 1, MMW_XMAP, \
+                                0, MMW_WMAP2);                                                              \
     }
 // n128, n64: 128 outputs (two consumer warpgroups); n256: 64 outputs × 256 tokens (one consumer
 // warpgroup, m64n256: each decoded weight serves twice the tokens).
