@@ -9,6 +9,7 @@
 __device__ __forceinline__ float h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
 __device__ __forceinline__ float b2f(uint16_t u) { return __uint_as_float((uint32_t)u << 16); }
 
+// EMU_DEC_BEGIN (host emulation: tests/mmw_rs_emu.rs)
 // Byte k (0..3) of w, which must be < 256 as an unsigned value, as an exact float plus 2^23.
 // (prmt builds the bits 0x4B0000bb = 8388608 + bb.)
 template <int K>
@@ -38,6 +39,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
     __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half) = the lower k
     return *reinterpret_cast<uint32_t*>(&v);
 }
+// EMU_DEC_END
 
 __device__ __forceinline__ uint16_t ld2c(const uint8_t* p) { return __ldg((const unsigned short*)p); }
 

@@ -203,6 +203,48 @@ __device__ __forceinline__ void mmw_wgmma_rs_n64(float (&d)[32], const uint32_t*
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
+// Shared-memory loads at a shared address (the RS consumers' raw bytes).
+__device__ __forceinline__ uint4 mmw_lds128(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint32_t mmw_lds16(uint32_t a) {
+    uint16_t v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(a));
+    return v;
+}
+
+// EMU_RS_BEGIN (host emulation: tests/mmw_rs_emu.rs)
+// One A row's part of a k step's four k16 fragments for the RS consumers (MMW_RS): `hdr` the
+// shared address of the row's Q4_K super-block header (d, dmin, the 12 scale bytes), `qs` of the
+// row's 32 quant bytes of the step's 64-element group G, t the thread's index in its quad,
+// `half` 0 for the fragment's row g, 1 for g + 8. Bytes 2t, 2t + 1, 2t + 8, 2t + 9 (and 16 +
+// those) hold columns 2t, 2t + 1, 2t + 8, 2t + 9 of k16 steps 0 (1) in their low nibbles and of
+// steps 2 (3) in their high ones, whose sub-blocks are 2G and 2G + 1; the values are dec16's,
+// fmaf(q, d · sc, −dmin · m) packed to bf16. Step kk's registers are a[4 kk .. 4 kk + 3], as
+// mma.sync m16n8k16's A: (row g, columns 2t, 2t + 1), (g + 8, same), (g, 2t + 8, 2t + 9),
+// (g + 8, same).
+__device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int t, int half, uint32_t (&a)[16]) {
+    const uint4 h = mmw_lds128(hdr);
+    float sc0, mn0, sc1, mn1;
+    scale_min_w(2 * G, h.y, h.z, h.w, &sc0, &mn0);
+    scale_min_w(2 * G + 1, h.y, h.z, h.w, &sc1, &mn1);
+    const float d = h2f(h.x & 0xFFFF), dmin = h2f(h.x >> 16);
+    const float ds0 = d * sc0, dm0 = dmin * mn0, ds1 = d * sc1, dm1 = dmin * mn1;
+    const uint32_t q = qs + 2 * t;
+    const uint32_t w0 = mmw_lds16(q) | (mmw_lds16(q + 8) << 16), w1 = mmw_lds16(q + 16) | (mmw_lds16(q + 24) << 16);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const uint32_t ww = (kk & 1) ? w1 : w0;
+        const uint32_t qn = (kk >= 2 ? ww >> 4 : ww) & 0x0F0F0F0Fu;
+        const float ds = kk >= 2 ? ds1 : ds0, dm = kk >= 2 ? dm1 : dm0;
+        a[4 * kk + half] = pack_bf16(fmaf(byte_f<0>(qn), ds, -dm), fmaf(byte_f<1>(qn), ds, -dm));
+        a[4 * kk + 2 + half] = pack_bf16(fmaf(byte_f<2>(qn), ds, -dm), fmaf(byte_f<3>(qn), ds, -dm));
+    }
+}
+// EMU_RS_END
+
 template <int N>
 __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 #pragma unroll
@@ -426,42 +468,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
             const int ra = SWIGLU ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
             const int rb2 = SWIGLU ? TM / 2 + ra : ra + 8;
-            // Step kt's A fragments (16 registers: k16 step kk's four at 4 kk) from the stage's
-            // raw bytes. In the step's 64-element group of a super-block, bytes 2t, 2t + 1,
-            // 2t + 8, 2t + 9 (and 16 + those) hold columns 2t, 2t + 1, 2t + 8, 2t + 9 of k16
-            // steps 0 (1) in their low nibbles, of steps 2 (3) in their high ones; sub-blocks
-            // 2G and 2G + 1 (dec16's values: fmaf(q, d · sc, -dmin · m), then the bf16 pack).
+            // Step kt's A fragments (mmw_rs_row for the thread's two rows).
             auto decode = [&](int kt, uint32_t (&a)[16]) {
                 const uint32_t st = s0 + (kt % MMW_STAGES) * S::STAGE;
-                const int G = kt & 3;
-#pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const int rho = half ? rb2 : ra;
-                    uint32_t h0, h1, h2, h3;
-                    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
-                                 : "=r"(h0), "=r"(h1), "=r"(h2), "=r"(h3)
-                                 : "r"(st + rho * 16));
-                    float sc0, mn0, sc1, mn1;
-                    scale_min_w(2 * G, h1, h2, h3, &sc0, &mn0);
-                    scale_min_w(2 * G + 1, h1, h2, h3, &sc1, &mn1);
-                    const float d = h2f(h0 & 0xFFFF), dmin = h2f(h0 >> 16);
-                    const float ds0 = d * sc0, dm0 = dmin * mn0, ds1 = d * sc1, dm1 = dmin * mn1;
-                    const uint32_t q = st + TM * 16 + rho * 32 + 2 * t;
-                    uint16_t b0, b1, b2, b3;
-                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b0) : "r"(q));
-                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b1) : "r"(q + 8));
-                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b2) : "r"(q + 16));
-                    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(b3) : "r"(q + 24));
-                    const uint32_t w0 = (uint32_t)b0 | ((uint32_t)b1 << 16), w1 = (uint32_t)b2 | ((uint32_t)b3 << 16);
-#pragma unroll
-                    for (int kk = 0; kk < 4; kk++) {
-                        const uint32_t ww = (kk & 1) ? w1 : w0;
-                        const uint32_t qn = (kk >= 2 ? ww >> 4 : ww) & 0x0F0F0F0Fu;
-                        const float ds = kk >= 2 ? ds1 : ds0, dm = kk >= 2 ? dm1 : dm0;
-                        a[4 * kk + half] = pack_bf16(fmaf(byte_f<0>(qn), ds, -dm), fmaf(byte_f<1>(qn), ds, -dm));
-                        a[4 * kk + 2 + half] = pack_bf16(fmaf(byte_f<2>(qn), ds, -dm), fmaf(byte_f<3>(qn), ds, -dm));
-                    }
-                }
+                mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
+                mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
             };
             // Step kt: its stage's copies waited for, A decoded into a (the other set may still
             // feed the previous step's MMAs), four wgmmas issued; then the previous step's

@@ -1,0 +1,125 @@
+// Host emulation of mmw.cu's RS fragment decode (`mmw_rs_row`, the section between its EMU_RS
+// markers, written next to this file as rs.cuh by mmw_rs_emu.rs, on mm_decode.cuh's EMU_DEC
+// section: byte_f, scale_min_w, pack_bf16). A 128-row Q4_K tile of random super-blocks
+// (random d, dmin, all 64 scale and min values, every nibble) is laid out as the RS
+// producers' tensor copies leave it in a stage (headers [128][16], then one group's quants
+// [128][32]); every consumer thread (warpgroup c, warp w, lane g·4 + t) decodes its two rows
+// for each group G of the super-block, plain and SwiGLU row orders (mmw.cu's ra / rb2).
+// Checked: each of the 4 k16 steps' four registers holds, as mma.sync m16n8k16's A fragment
+// places them, the bf16 (round to nearest even) of ggml's value d · sc · q − dmin · m of the
+// element it stands for (by ggml's own layout, q4k_ref.h's scale_min), bit for bit; and that
+// every element of the tile is covered once per step. Prints one line per configuration and
+// "ALL OK"; exit status 1 on a mismatch.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "fibers.h"
+#include "intrinsics.h"
+
+#define QK 32
+#define QK_K 256
+#define Q4_K_BYTES 144
+#define Q5_K_BYTES 176
+
+// bf16 pairs: the device's __floats2bfloat162_rn (round to nearest even; no NaN here).
+struct __nv_bfloat162 {
+    uint16_t x, y;
+};
+static uint16_t bf16_rn(float f) {
+    const uint32_t u = f2u(f);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+static __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {bf16_rn(a), bf16_rn(b)}; }
+
+// The stage: shared addresses are offsets into this buffer.
+static uint8_t smem[128 * 48];
+static uint4 mmw_lds128(uint32_t a) {
+    uint4 v;
+    memcpy(&v, smem + a, 16);
+    return v;
+}
+static uint32_t mmw_lds16(uint32_t a) {
+    uint16_t v;
+    memcpy(&v, smem + a, 2);
+    return v;
+}
+
+#include "dec.cuh"
+#include "rs.cuh"
+#include "q4k_ref.h"  // scale_min: ggml's get_scale_min_k4
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd() {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+// An f16's bits for a value in [2^-14, 2^-6): random mantissa, random exponent.
+static uint16_t rnd_f16() { return (uint16_t)((1 + rnd() % 8) << 10 | (rnd() & 1023)); }
+
+int main() {
+    const int TM = 128;
+    std::vector<uint8_t> rows(TM * Q4_K_BYTES);
+    int bad = 0;
+    for (int trial = 0; trial < 8; trial++) {
+        for (auto& b : rows) b = (uint8_t)rnd();
+        for (int r = 0; r < TM; r++) {
+            const uint16_t d = rnd_f16(), dmin = rnd_f16();
+            memcpy(&rows[r * Q4_K_BYTES], &d, 2);
+            memcpy(&rows[r * Q4_K_BYTES + 2], &dmin, 2);
+        }
+        for (int swiglu = 0; swiglu < 2; swiglu++) {
+            for (int G = 0; G < 4; G++) {
+                // The stage as the producers' copies leave it.
+                for (int r = 0; r < TM; r++) {
+                    memcpy(smem + r * 16, &rows[r * Q4_K_BYTES], 16);
+                    memcpy(smem + TM * 16 + r * 32, &rows[r * Q4_K_BYTES + 16 + 32 * G], 32);
+                }
+                std::vector<int> seen(TM * 64, 0);
+                for (int c = 0; c < 2; c++)
+                    for (int w = 0; w < 4; w++)
+                        for (int lane = 0; lane < 32; lane++) {
+                            const int g = lane >> 2, t = lane & 3;
+                            const int ra = swiglu ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
+                            const int rb2 = swiglu ? TM / 2 + ra : ra + 8;
+                            uint32_t a[16];
+                            mmw_rs_row(ra * 16, TM * 16 + ra * 32, G, t, 0, a);
+                            mmw_rs_row(rb2 * 16, TM * 16 + rb2 * 32, G, t, 1, a);
+                            for (int kk = 0; kk < 4; kk++)
+                                for (int reg = 0; reg < 4; reg++)
+                                    for (int e = 0; e < 2; e++) {
+                                        const int row = (reg & 1) ? rb2 : ra;
+                                        const int col = 16 * kk + 2 * t + (reg >= 2 ? 8 : 0) + e;
+                                        // ggml: element 64 G + col of the super-block is sub-block
+                                        // j = 2 G + col / 32, quant byte 32 G + col % 32's nibble.
+                                        const uint8_t* b = &rows[row * Q4_K_BYTES];
+                                        const int j = 2 * G + col / 32;
+                                        const uint8_t qb = b[16 + 32 * G + col % 32];
+                                        const int q = col < 32 ? qb & 15 : qb >> 4;
+                                        int sc, m;
+                                        scale_min(j, b + 4, sc, m);
+                                        const float ds = h2f(b[0] | b[1] << 8) * (float)sc;
+                                        const float dm = h2f(b[2] | b[3] << 8) * (float)m;
+                                        const uint16_t want = bf16_rn(fmaf((float)q, ds, -dm));
+                                        const uint16_t got = (uint16_t)(a[4 * kk + reg] >> (16 * e));
+                                        seen[row * 64 + col]++;
+                                        if (got != want && bad++ < 10)
+                                            printf("MISMATCH trial %d swiglu %d G %d c %d w %d lane %d kk %d reg %d e %d: %04x != %04x\n",
+                                                   trial, swiglu, G, c, w, lane, kk, reg, e, got, want);
+                                    }
+                        }
+                for (int i = 0; i < TM * 64; i++)
+                    if (seen[i] != 1 && bad++ < 10) printf("COVERAGE row %d col %d seen %d times\n", i / 64, i % 64, seen[i]);
+            }
+            printf("trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
+        }
+    }
+    if (bad) return 1;
+    printf("ALL OK\n");
+    return 0;
+}
