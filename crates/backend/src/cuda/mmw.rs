@@ -118,10 +118,16 @@ fn w_maps(
     if w.dtype != GgmlType::Q4K {
         return Ok([zero(), zero()]);
     }
-    let (n_out, rb) = (w.shape[0], w.row_bytes());
+    // Rows over every leading dimension (stacked experts: n_experts · n_out).
+    let n_out: usize = w.shape[..w.shape.len() - 1].iter().product();
+    let rb = w.row_bytes();
     ensure!(
-        rb % 16 == 0 && n_out > 0 && box_rows <= 256,
+        rb.is_multiple_of(16) && n_out > 0 && box_rows <= 256,
         "mmw: tensor maps of [{n_out}] rows of {rb} bytes"
+    );
+    ensure!(
+        !w.in_host_memory(),
+        "FERRITE_MMW_RS: a weight held in host memory has no tensor map; run without the switch"
     );
     let (ptr, _guard) = w.data.device_ptr(&be.stream);
     let dims: [u64; 2] = [rb as u64, n_out as u64];
@@ -685,27 +691,35 @@ pub(crate) fn moe_gate_up(
     );
     super::matmul::with_bf16_rows(be, x, rows, hidden, |xb, kp| {
         let kp = kp as i32;
+        // The RS kernels' weight maps: gate's and up's experts, boxes of a tile's outputs.
+        let wm = if rs() {
+            let box_rows = be.mmw.moe_tile.0 / 2;
+            Some((w_maps(be, g, box_rows)?, w_maps(be, u, box_rows)?))
+        } else {
+            None
+        };
+        let mut launch = be.stream.kernel(&be.mmw.moe[ti][0]);
+        launch
+            .arg(&*g.data)
+            .arg(&*u.data)
+            .arg(&rb)
+            .arg(&n_out)
+            .arg(&n_in)
+            .arg(xb)
+            .arg(&kp)
+            .arg(t.offsets)
+            .arg(t.n_tiles)
+            .arg(t.tiles)
+            .arg(t.list)
+            .arg(&tk)
+            .arg(h);
+        if let Some((gm, um)) = &wm {
+            launch.arg(&gm[0]).arg(&gm[1]).arg(&um[0]).arg(&um[1]);
+        }
         // SAFETY: the tile table comes from moe_sort (experts < n_experts, positions and
-        // counts within the pairs); g and u hold n_experts·ffn rows of rb bytes; xb holds
-        // rows × kp bf16 (tokens < rows); h ≥ pairs × ffn floats.
-        unsafe {
-            be.stream
-                .kernel(&be.mmw.moe[ti][0])
-                .arg(&*g.data)
-                .arg(&*u.data)
-                .arg(&rb)
-                .arg(&n_out)
-                .arg(&n_in)
-                .arg(xb)
-                .arg(&kp)
-                .arg(t.offsets)
-                .arg(t.n_tiles)
-                .arg(t.tiles)
-                .arg(t.list)
-                .arg(&tk)
-                .arg(h)
-                .launch(cfg)
-        }?;
+        // counts within the pairs); g and u hold n_experts·ffn rows of rb bytes (the maps
+        // describe them); xb holds rows × kp bf16 (tokens < rows); h ≥ pairs × ffn floats.
+        unsafe { launch.launch(cfg) }?;
         Ok(())
     })
 }
@@ -745,6 +759,10 @@ pub(crate) fn moe_down(
             .arg(y);
         if let Some(map) = &map {
             launch.arg(map);
+        }
+        let wm = rs().then(|| w_maps(be, d, be.mmw.moe_tile.0)).transpose()?;
+        if let Some(m) = &wm {
+            launch.arg(&m[0]).arg(&m[1]);
         }
         // SAFETY: as moe_gate_up; d holds n_experts·hidden rows of rb bytes, hb pairs × kp
         // bf16 (list positions < pairs; the map describes them, a tile's rows past pairs read

@@ -94,11 +94,16 @@ struct __align__(128) MmwTmap {
     , const __grid_constant__ MmwTmap wgh, const __grid_constant__ MmwTmap wgq,                    \
         const __grid_constant__ MmwTmap wuh, const __grid_constant__ MmwTmap wuq
 #define MMW_WMAP2 &wgh, &wgq, &wuh, &wuq
+// The MoE down's: its experts', rows of every expert.
+#define MMW_WMAP1_PARAM , const __grid_constant__ MmwTmap wdh, const __grid_constant__ MmwTmap wdq
+#define MMW_WMAP1 &wdh, &wdq
 #else
 #define MMW_WMAP_PARAM
 #define MMW_WMAP(g) nullptr, nullptr
 #define MMW_WMAP2_PARAM
 #define MMW_WMAP2 nullptr, nullptr, nullptr, nullptr
+#define MMW_WMAP1_PARAM
+#define MMW_WMAP1 nullptr, nullptr
 #endif
 __device__ __forceinline__ void mmw_mbar_init1(uint32_t bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
@@ -296,7 +301,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
                                     int mtk = 1, const MmwTmap* xmap = nullptr, int xrow0 = 0,
                                     const MmwTmap* wmh = nullptr, const MmwTmap* wmq = nullptr,
-                                    const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr) {
+                                    const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr, int wrow0 = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     using S = MmwShape<TM, BN, BPS>;
     constexpr int NACC = BN / 2;
@@ -314,10 +319,12 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int nk = kp / MMW_TK;
     // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
-    constexpr bool RS = MMW_RS && TYPE == GGML_Q4_K && TM == 128 && !MOE;
+    // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
+    // the producers' cp.async: its rows are gathered by token).
+    constexpr bool RS = MMW_RS && TYPE == GGML_Q4_K && (TM == 128 || (MOE && BN == 64));
     constexpr bool XT = (MMW_XTMA || RS) && !(MOE && SWIGLU);
     const uint32_t xbar0 = s0 + MMW_STAGES * S::STAGE;
-    if constexpr (XT) {
+    if constexpr (XT || RS) {
         if (tid == 0) {
             for (int i = 0; i < MMW_STAGES; i++) mmw_mbar_init1(xbar0 + 8 * i);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -326,24 +333,43 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     }
 
     if (RS && wgi < MMW_PRODUCERS) {
-        // ---- RS producers: thread 0 copies each stage's x box and its raw A (the headers
-        // [TM][16] at the stage's start, the step's quants [TM][32] after them; SWIGLU: gate
-        // rows then up rows in each), as far ahead as the stages allow; the others keep the
-        // EMPTY barriers' count ----
+        // ---- RS producers: thread 0 copies each stage's raw A (the headers [TM][16] at the
+        // stage's start, the step's quants [TM][32] after them; SWIGLU: gate rows then up
+        // rows in each; rows wrow0 + oy · BR.. of the maps) and x's box, as far ahead as the
+        // stages allow. The MoE gate/up's gathered x rows: every producer's cp.async as the
+        // register path's, waited for and fenced, then the FULL barrier. Otherwise the others
+        // keep the EMPTY barriers' count ----
         constexpr int BR = SWIGLU ? TM / 2 : TM;  // rows a weight box
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % MMW_STAGES;
             if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
+            const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
             if (tid == 0) {
-                const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
-                const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = oy * BR;
-                mmw_tma_x(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar, (uint32_t)(S::B_BYTES + TM * 48));
+                const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                             "r"((uint32_t)((XT ? S::B_BYTES : 0) + TM * 48))
+                             : "memory");
+                if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
                 mmw_tma(st, wmh, cb, r0, bar);
                 mmw_tma(st + TM * 16, wmq, cq, r0, bar);
                 if (SWIGLU) {
                     mmw_tma(st + BR * 16, wmh2, cb, r0, bar);
                     mmw_tma(st + TM * 16 + BR * 32, wmq2, cq, r0, bar);
                 }
+            }
+            if constexpr (!XT) {
+                constexpr int NCP = BN * 8 / MMW_PTHREADS;
+#pragma unroll
+                for (int i = 0; i < NCP; i++) {
+                    const int c = tid + MMW_PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
+                    const int xrow = mlist[n < rows ? n : 0] / mtk;
+                    cp_async16(st + S::A_BYTES + mmw_off<BN>(n, kc), xb + (size_t)xrow * kp + kt * MMW_TK + kc,
+                               n < rows ? 16 : 0);
+                }
+                asm volatile("cp.async.commit_group;\n" ::: "memory");
+                asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mmw_bar_arrive(FULL0 + s, MMW_BAR);
             }
         }
     } else if (wgi < MMW_PRODUCERS) {
@@ -479,6 +505,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             // group waited for and its stage released.
             auto cstep = [&](int kt, uint32_t (&a)[16]) {
                 const int s = kt % MMW_STAGES;
+                if (!XT) mmw_bar_sync(FULL0 + s, MMW_BAR);
                 mmw_mbar_wait(xbar0 + 8 * s, (uint32_t)((kt / MMW_STAGES) & 1));
                 decode(kt, a);
                 // The fragment's registers written before the fence (wgmma reads them
@@ -660,7 +687,7 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
         const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
-        int top_k, float* __restrict__ h) {                                                                 \
+        int top_k, float* __restrict__ h MMW_WMAP2_PARAM) {                                                 \
         PDL_ENTRY();                                                                                        \
         const int tile = blockIdx.x;                                                                        \
         if (tile >= *n_tiles) return; /* whole block, before any barrier */                                 \
@@ -674,12 +701,14 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
             mmw_moe_prefetch(Wu + eo + (size_t)o0 * (size_t)rb, span);                                      \
         }                                                                                                   \
         mmw<TYPE, TM, 64, true, true, BPS>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,                  \
-                                           h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k); \
+                                           h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k, \
+                                           nullptr, 0, MMW_WMAP2, e * n_out);                               \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_##form##_down_##name##_n64(     \
         const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
         int kp, const int* __restrict__ offsets, const int* __restrict__ n_tiles,                          \
-        const int* __restrict__ tiles, const int* __restrict__ list, float* __restrict__ y MMW_XMAP_PARAM) { \
+        const int* __restrict__ tiles, const int* __restrict__ list,                                       \
+        float* __restrict__ y MMW_XMAP_PARAM MMW_WMAP1_PARAM) {                                            \
         PDL_ENTRY();                                                                                        \
         const int tile = blockIdx.x;                                                                        \
         if (tile >= *n_tiles) return;                                                                       \
@@ -691,7 +720,8 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         if ((BPS) * span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);       \
         mmw<TYPE, TM, 64, false, true, BPS>(W + eo, nullptr, rb, n_out, n_in,                               \
                                             hb + (size_t)start * (size_t)kp, kp, cnt, y, blockIdx.y,        \
-                                            list + start, 1, MMW_XMAP, start);                              \
+                                            list + start, 1, MMW_XMAP, start, MMW_WMAP1, nullptr, nullptr,  \
+                                            e * n_out);                                                     \
     }
 // `FERRITE_MMW_MOE=1`: 128-output tiles (two consumer warpgroups), one block an SM.
 #define MMW_MOE(name, TYPE) MMW_MOE_FORM(moe, name, TYPE, 128, 1)
