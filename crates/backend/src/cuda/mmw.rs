@@ -102,6 +102,45 @@ pub(crate) fn rs() -> bool {
     *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 0) != 0)
 }
 
+/// A 2-D tiled tensor map: `dims` (innermost first) of `ty` elements at `ptr`, rows `stride`
+/// bytes apart, boxes of `boxd`, elements past the dims read as zeros.
+fn tensor_map(
+    ptr: u64,
+    ty: cudarc::driver::sys::CUtensorMapDataType,
+    dims: [u64; 2],
+    stride: u64,
+    boxd: [u32; 2],
+    swizzle: cudarc::driver::sys::CUtensorMapSwizzle,
+) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys;
+    let strides: [u64; 1] = [stride];
+    let elem: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: every pointer is to a live local array of the rank the call is given (2, and
+    // rank - 1 strides); the map is written by the call before it is read.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            ty,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxd.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .with_context(|| {
+            format!("encoding a tensor map of {dims:?} ({stride}-byte rows) in boxes of {boxd:?}")
+        })?;
+        Ok(map.assume_init())
+    }
+}
+
 /// The two tensor maps of a Q4_K weight for the RS kernels, over its rows as bytes: boxes of
 /// 16 bytes (a super-block's d, dmin and scales) and of 32 (a 64-element group's quants), each
 /// `box_rows` rows; rows past the weight read as zeros. Other types: zeroed maps (their
@@ -112,11 +151,11 @@ fn w_maps(
     box_rows: usize,
 ) -> Result<[cudarc::driver::sys::CUtensorMap; 2]> {
     use cudarc::driver::sys;
-    // SAFETY: a CUtensorMap is plain bytes; a zeroed one is passed only to kernels that do
-    // not read it.
-    let zero = || unsafe { std::mem::zeroed::<sys::CUtensorMap>() };
     if w.dtype != GgmlType::Q4K {
-        return Ok([zero(), zero()]);
+        // SAFETY: a CUtensorMap is plain bytes; a zeroed one is passed only to kernels that
+        // do not read it.
+        let zero = unsafe { std::mem::zeroed::<sys::CUtensorMap>() };
+        return Ok([zero, zero]);
     }
     // Rows over every leading dimension (stacked experts: n_experts · n_out).
     let n_out: usize = w.shape[..w.shape.len() - 1].iter().product();
@@ -130,32 +169,15 @@ fn w_maps(
         "FERRITE_MMW_RS: a weight held in host memory has no tensor map; run without the switch"
     );
     let (ptr, _guard) = w.data.device_ptr(&be.stream);
-    let dims: [u64; 2] = [rb as u64, n_out as u64];
-    let strides: [u64; 1] = [rb as u64];
-    let elem: [u32; 2] = [1, 1];
-    let map = |inner: u32| -> Result<sys::CUtensorMap> {
-        let boxd: [u32; 2] = [inner, box_rows as u32];
-        let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-        // SAFETY: as x_map's.
-        unsafe {
-            sys::cuTensorMapEncodeTiled(
-                map.as_mut_ptr(),
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                2,
-                ptr as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxd.as_ptr(),
-                elem.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-            .result()
-            .with_context(|| format!("encoding a tensor map of a {:?} Q4_K weight", w.shape))?;
-            Ok(map.assume_init())
-        }
+    let map = |inner: u32| {
+        tensor_map(
+            ptr,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            [rb as u64, n_out as u64],
+            rb as u64,
+            [inner, box_rows as u32],
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+        )
     };
     Ok([map(16)?, map(32)?])
 }
@@ -177,32 +199,14 @@ fn x_map(
         xb.len()
     );
     let (ptr, _guard) = xb.device_ptr(&be.stream);
-    let dims: [u64; 2] = [kp as u64, rows as u64];
-    let strides: [u64; 1] = [(kp * 2) as u64];
-    let boxd: [u32; 2] = [TK as u32, bn as u32];
-    let elem: [u32; 2] = [1, 1];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
-    // SAFETY: every pointer is to a live local array of the rank the call is given (2, and
-    // rank - 1 strides); the map is written by the call before it is read.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxd.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-        .result()
-        .with_context(|| format!("encoding the tensor map of a [{rows}, {kp}] bf16 x"))?;
-        Ok(map.assume_init())
-    }
+    tensor_map(
+        ptr,
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        [kp as u64, rows as u64],
+        (kp * 2) as u64,
+        [TK as u32, bn as u32],
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )
 }
 
 /// Mixed-type groups with a kernel (`mmw_<a>_<b>_n<BN>`: weights 0 and 1 of type a, weight 2
