@@ -261,14 +261,14 @@ for stage in "$@"; do
         sv() { [ "$1" = FERRITE_MMW ] && echo 2 || echo 1; }
         for sw in NONE FERRITE_MMW_XTMA FERRITE_MMW_XAFTER FERRITE_MMW FERRITE_MMW_RS; do
             for c in "q4_K 4096->12288 rows=512" "q6_K 12288->4096 rows=512" "q8_0 4096->12288 rows=512" "q4_K 4096->4096 rows=512"; do
-                echo "$sw $(env $sw=$(sv $sw) $F check --device cuda --perf --filter "matmul $c" 2>&1 | grep " µs " | sed -E 's/NMSE.*(OK|FAIL)//')"
+                echo "$sw $(env $sw=$(sv $sw) timeout 60 $F check --device cuda --perf --filter "matmul $c" 2>&1 | grep " µs " | sed -E 's/NMSE.*(OK|FAIL)//')"
             done
         done | tee -a "$OUT/mmwx.log"
         for p in qwen3-8b qwen3-30b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
             for r in 1 2; do
                 for sw in NONE FERRITE_MMW_XTMA FERRITE_MMW_XAFTER FERRITE_MMW FERRITE_MMW_RS; do
-                    echo "$p $sw round $r: $(env $sw=$(sv $sw) $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+                    echo "$p $sw round $r: $(env $sw=$(sv $sw) timeout 90 $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
                 done
             done
             rm -f "$f"
