@@ -67,8 +67,8 @@ fn threads(tm: usize) -> u32 {
 
 /// Dynamic shared memory of a tile's kernel (MmwShape::SMEM in mmw.cu): as many stages of A
 /// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7, 64 bytes for the stages'
-/// x mbarriers (`FERRITE_MMW_XTMA`) and 1 KB of slack for aligning the ring to the swizzle
-/// atoms.
+/// mbarriers (`FERRITE_MMW_XTMA`, `FERRITE_MMW_RS`) and 1 KB of slack for aligning the ring
+/// to the swizzle atoms.
 fn smem(tm: usize, bn: usize) -> usize {
     ring_smem(tm, bn, 224 * 1024)
 }
@@ -592,14 +592,12 @@ fn launch(
     if let Some(map) = &map {
         launch.arg(map);
     }
-    // The RS kernels' weight maps, three weights' (absent ones: weight 0's, never read).
+    // The RS kernels' weight maps, three weights' (absent ones: the last present weight's,
+    // never read).
     let wm = if rs() {
-        let box_rows = TILES[ti_tile].0;
-        let mut m = Vec::with_capacity(3);
-        for g in 0..3 {
-            m.push(w_maps(be, ws[g.min(ws.len() - 1)], box_rows)?);
-        }
-        m
+        (0..3)
+            .map(|g| w_maps(be, ws[g.min(ws.len() - 1)], TILES[ti_tile].0))
+            .collect::<Result<Vec<_>>>()?
     } else {
         Vec::new()
     };

@@ -50,17 +50,7 @@ static uint32_t mmw_lds16(uint32_t a) {
 #include "dec.cuh"
 #include "rs.cuh"
 #include "q4k_ref.h"  // scale_min: ggml's get_scale_min_k4
-
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static uint32_t rnd() {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-
-// An f16's bits for a value in [2^-14, 2^-6): random mantissa, random exponent.
-static uint16_t rnd_f16() { return (uint16_t)((1 + rnd() % 8) << 10 | (rnd() & 1023)); }
+#include "rng.h"      // rnd, rnd_f16
 
 int main() {
     const int TM = 128;

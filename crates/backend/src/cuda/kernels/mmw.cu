@@ -119,8 +119,8 @@ __device__ __forceinline__ void mmw_mbar_wait(uint32_t bar, uint32_t parity) {
     }
 }
 // The box at element column c0, row r0 of the map into shared dst (128-byte aligned; 1 KB for
-// the swizzle), completing on bar; mmw_tma_x announces `bytes` on bar first (the calling
-// thread's arrival).
+// the swizzle), completing on bar; mmw_expect is the calling thread's arrival on bar,
+// announcing `bytes` of copies; mmw_tma_x both.
 __device__ __forceinline__ void mmw_tma(uint32_t dst, const MmwTmap* map, int c0, int r0, uint32_t bar) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
@@ -128,9 +128,12 @@ __device__ __forceinline__ void mmw_tma(uint32_t dst, const MmwTmap* map, int c0
         "l"((unsigned long long)map), "r"(c0), "r"(r0), "r"(bar)
         : "memory");
 }
+__device__ __forceinline__ void mmw_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int c0, int r0, uint32_t bar,
                                           uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    mmw_expect(bar, bytes);
     mmw_tma(dst, map, c0, r0, bar);
 }
 // The staged epilogue: row pitch of stage[token][column] in floats (TM + 4: a fragment store's
@@ -266,7 +269,8 @@ struct MmwShape {
     static constexpr int STAGE = A_BYTES + B_BYTES;
     static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : 96 * 1024;
     static constexpr int STAGES = (BUDGET / STAGE) < 7 ? (BUDGET / STAGE) : 7;
-    // + the x tiles' mbarriers (MMW_XTMA) and the alignment slack; mmw.rs smem() mirrors it.
+    // + the stages' mbarriers (MMW_XTMA, MMW_RS) and the alignment slack; mmw.rs smem()
+    // mirrors it.
     static constexpr int SMEM = STAGES * STAGE + 64 + 1024;
     static constexpr int THREADS = MMW_THREADS(TM);
     static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
@@ -332,78 +336,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         __syncthreads();
     }
 
-    if (RS && wgi < MMW_PRODUCERS) {
-        // ---- RS producers: thread 0 copies each stage's raw A (the headers [TM][16] at the
-        // stage's start, the step's quants [TM][32] after them; SWIGLU: gate rows then up
-        // rows in each; rows wrow0 + oy · BR.. of the maps) and x's box, as far ahead as the
-        // stages allow. The MoE gate/up's gathered x rows: every producer's cp.async as the
-        // register path's, waited for and fenced, then the FULL barrier. Otherwise the others
-        // keep the EMPTY barriers' count ----
-        constexpr int BR = SWIGLU ? TM / 2 : TM;  // rows a weight box
-        for (int kt = 0; kt < nk; kt++) {
-            const int s = kt % MMW_STAGES;
-            if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
-            const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
-            if (tid == 0) {
-                const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
-                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                             "r"((uint32_t)((XT ? S::B_BYTES : 0) + TM * 48))
-                             : "memory");
-                if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
-                mmw_tma(st, wmh, cb, r0, bar);
-                mmw_tma(st + TM * 16, wmq, cq, r0, bar);
-                if (SWIGLU) {
-                    mmw_tma(st + BR * 16, wmh2, cb, r0, bar);
-                    mmw_tma(st + TM * 16 + BR * 32, wmq2, cq, r0, bar);
-                }
-            }
-            if constexpr (!XT) {
-                constexpr int NCP = BN * 8 / MMW_PTHREADS;
-#pragma unroll
-                for (int i = 0; i < NCP; i++) {
-                    const int c = tid + MMW_PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
-                    const int xrow = mlist[n < rows ? n : 0] / mtk;
-                    cp_async16(st + S::A_BYTES + mmw_off<BN>(n, kc), xb + (size_t)xrow * kp + kt * MMW_TK + kc,
-                               n < rows ? 16 : 0);
-                }
-                asm volatile("cp.async.commit_group;\n" ::: "memory");
-                asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                mmw_bar_arrive(FULL0 + s, MMW_BAR);
-            }
-        }
-    } else if (wgi < MMW_PRODUCERS) {
-        // ---- producers: thread (row r, part h) decodes the NCH chunks h, h + TPR, .. (16 k
-        // each) of its row's 64-k step: TPR = 2 (TM = 128: chunks h, h + 2) or 4 (TM = 64) ----
-        const int ptid = tid, r = ptid / TPR, h = ptid % TPR;
-        const int o = mmw_row<SWIGLU>(oy, TM, r), lo = o < n_out ? o : n_out - 1;
-        const uint8_t* wrow = (SWIGLU && (r & 8) ? W2 : W) + (size_t)lo * (size_t)rb;
-        // MMW_RAW steps of raw weight bytes in flight (K-quants: chunk h + 2 is the high
-        // nibbles of chunk h's bytes, one load; other types two).
-        Raw16 sets[MMW_RAW][NCH];
-        auto load = [&](int kt, Raw16 (&rr)[NCH]) {
-#if defined(MMW_DIAG) && (MMW_DIAG & 1)
-            if (kt >= MMW_RAW) return;  // FERRITE_DIAG_MMW bit 1: timing only
-#endif
-            const int k = kt * MMW_TK + 16 * h;
-            // (K-quants at TPR = 2: chunk h's bytes also hold chunk h + 2, so one load.)
-            raw16<TYPE>(wrow, k, n_in, rr[0]);
-            if (NCH == 2 && !KQ) raw16<TYPE>(wrow, k + 32, n_in, rr[NCH - 1]);
-        };
-        auto store_a = [&](int kt, const Raw16 (&rr)[NCH]) {
-            const int k = kt * MMW_TK;
-            const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE;
-#pragma unroll
-            for (int i = 0; i < NCH; i++) {
-                const int c = h + TPR * i;
-                uint32_t d[8];
-                dec16<TYPE>(rr[KQ ? 0 : i], k + 16 * c, n_in, d);
-                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<TM>(r, 16 * c)),
-                             "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]) : "memory");
-                asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<TM>(r, 16 * c + 8)),
-                             "r"(d[4]), "r"(d[5]), "r"(d[6]), "r"(d[7]) : "memory");
-            }
-        };
+    if (wgi < MMW_PRODUCERS) {
+        const int ptid = tid;
         // MOE gate/up: the x rows of this thread's copies (fixed: its tokens n are the same
         // every step), each the row of its pair's token.
         constexpr int NCP = BN * 8 / MMW_PTHREADS;
@@ -440,47 +374,110 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             }
             asm volatile("cp.async.commit_group;\n" ::: "memory");
         };
-        // Step kt: x of step kt + XLEAD issued (its stage released by the consumers' step
-        // kt + XLEAD - STAGES), the weights of step kt decoded into its stage (free: its x
-        // was issued XLEAD steps ago, after the release), the raw bytes of step kt + MMW_RAW
-        // loaded into the set just decoded, then step kt published once its x copies (the
-        // group XLEAD behind the newest) landed. The producers may lead the consumers by
-        // STAGES - XLEAD steps (3 on the 64 × 256 tile's 5 stages); the first version (4
-        // stages, XLEAD 2) let them lead by two at most and every step paid the handoffs in
-        // series (MATMUL.md round 13); XLEAD 3 on the 5-7 stage rings measured 0.4% slower
-        // than 2 at pp512 (round 14).
-        auto step = [&](int kt, Raw16 (&cur)[NCH]) {
+        if constexpr (RS) {
+            // ---- RS producers: thread 0 copies each stage's raw A (the headers [TM][16] at the
+            // stage's start, the step's quants [TM][32] after them; SWIGLU: gate rows then up
+            // rows in each; rows wrow0 + oy · BR.. of the maps) and x's box, as far ahead as the
+            // stages allow. The MoE gate/up's gathered x rows: every producer's copy_b, waited
+            // for and fenced, then the FULL barrier. Otherwise the others keep the EMPTY
+            // barriers' count ----
+            constexpr int BR = SWIGLU ? TM / 2 : TM;  // rows a weight box
+            for (int kt = 0; kt < nk; kt++) {
+                const int s = kt % MMW_STAGES;
+                const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
+                if (!XT) copy_b(kt);  // its EMPTY barrier, then the x rows (one cp.async group)
+                else if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
+                if (tid == 0) {
+                    const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
+                    mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 48));
+                    if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
+                    mmw_tma(st, wmh, cb, r0, bar);
+                    mmw_tma(st + TM * 16, wmq, cq, r0, bar);
+                    if (SWIGLU) {
+                        mmw_tma(st + BR * 16, wmh2, cb, r0, bar);
+                        mmw_tma(st + TM * 16 + BR * 32, wmq2, cq, r0, bar);
+                    }
+                }
+                if constexpr (!XT) {
+                    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    mmw_bar_arrive(FULL0 + s, MMW_BAR);
+                }
+            }
+        } else {
+            // ---- producers: thread (row r, part h) decodes the NCH chunks h, h + TPR, .. (16 k
+            // each) of its row's 64-k step: TPR = 2 (TM = 128: chunks h, h + 2) or 4 (TM = 64) ----
+            const int r = ptid / TPR, h = ptid % TPR;
+            const int o = mmw_row<SWIGLU>(oy, TM, r), lo = o < n_out ? o : n_out - 1;
+            const uint8_t* wrow = (SWIGLU && (r & 8) ? W2 : W) + (size_t)lo * (size_t)rb;
+            // MMW_RAW steps of raw weight bytes in flight (K-quants: chunk h + 2 is the high
+            // nibbles of chunk h's bytes, one load; other types two).
+            Raw16 sets[MMW_RAW][NCH];
+            auto load = [&](int kt, Raw16 (&rr)[NCH]) {
+#if defined(MMW_DIAG) && (MMW_DIAG & 1)
+                if (kt >= MMW_RAW) return;  // FERRITE_DIAG_MMW bit 1: timing only
+#endif
+                const int k = kt * MMW_TK + 16 * h;
+                // (K-quants at TPR = 2: chunk h's bytes also hold chunk h + 2, so one load.)
+                raw16<TYPE>(wrow, k, n_in, rr[0]);
+                if (NCH == 2 && !KQ) raw16<TYPE>(wrow, k + 32, n_in, rr[NCH - 1]);
+            };
+            auto store_a = [&](int kt, const Raw16 (&rr)[NCH]) {
+                const int k = kt * MMW_TK;
+                const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE;
+#pragma unroll
+                for (int i = 0; i < NCH; i++) {
+                    const int c = h + TPR * i;
+                    uint32_t d[8];
+                    dec16<TYPE>(rr[KQ ? 0 : i], k + 16 * c, n_in, d);
+                    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<TM>(r, 16 * c)),
+                                 "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]) : "memory");
+                    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(base + mmw_off<TM>(r, 16 * c + 8)),
+                                 "r"(d[4]), "r"(d[5]), "r"(d[6]), "r"(d[7]) : "memory");
+                }
+            };
+            // Step kt: x of step kt + XLEAD issued (its stage released by the consumers' step
+            // kt + XLEAD - STAGES), the weights of step kt decoded into its stage (free: its x
+            // was issued XLEAD steps ago, after the release), the raw bytes of step kt + MMW_RAW
+            // loaded into the set just decoded, then step kt published once its x copies (the
+            // group XLEAD behind the newest) landed. The producers may lead the consumers by
+            // STAGES - XLEAD steps (3 on the 64 × 256 tile's 5 stages); the first version (4
+            // stages, XLEAD 2) let them lead by two at most and every step paid the handoffs in
+            // series (MATMUL.md round 13); XLEAD 3 on the 5-7 stage rings measured 0.4% slower
+            // than 2 at pp512 (round 14).
+            auto step = [&](int kt, Raw16 (&cur)[NCH]) {
 #if MMW_XAFTER
-            store_a(kt, cur);
-            if (!XT) asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD - 1) : "memory");
+                store_a(kt, cur);
+                if (!XT) asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD - 1) : "memory");
 #else
-            copy_b(kt + MMW_XLEAD);
-            store_a(kt, cur);
-            if (!XT) asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
+                copy_b(kt + MMW_XLEAD);
+                store_a(kt, cur);
+                if (!XT) asm volatile("cp.async.wait_group %0;\n" ::"n"(MMW_XLEAD) : "memory");
 #endif
 #if !(defined(MMW_DIAG) && (MMW_DIAG & 2))  // FERRITE_DIAG_MMW bit 2: timing only
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
-            mmw_bar_arrive(FULL0 + kt % MMW_STAGES, MMW_BAR);
+                mmw_bar_arrive(FULL0 + kt % MMW_STAGES, MMW_BAR);
 #if MMW_XAFTER
-            copy_b(kt + MMW_XLEAD);
+                copy_b(kt + MMW_XLEAD);
 #endif
-            // After the fence: it compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC, and the
-            // membar waits for every load the thread has outstanding. Issued before it (the
-            // previous version), the raw loads were waited for at once, every step; issued
-            // here they have the next step's decode and copies to land in before the next
-            // fence, which is why two sets suffice (MATMUL.md).
-            if (kt + MMW_RAW < nk) load(kt + MMW_RAW, cur);
-        };
-#pragma unroll
-        for (int j = 0; j < MMW_RAW; j++)
-            if (j < nk) load(j, sets[j]);
-#pragma unroll
-        for (int j = 0; j < MMW_XLEAD; j++) copy_b(j);
-        for (int kt = 0; kt < nk; kt += MMW_RAW) {
+                // After the fence: it compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC, and the
+                // membar waits for every load the thread has outstanding. Issued before it (the
+                // previous version), the raw loads were waited for at once, every step; issued
+                // here they have the next step's decode and copies to land in before the next
+                // fence, which is why two sets suffice (MATMUL.md).
+                if (kt + MMW_RAW < nk) load(kt + MMW_RAW, cur);
+            };
 #pragma unroll
             for (int j = 0; j < MMW_RAW; j++)
-                if (kt + j < nk) step(kt + j, sets[j]);
+                if (j < nk) load(j, sets[j]);
+#pragma unroll
+            for (int j = 0; j < MMW_XLEAD; j++) copy_b(j);
+            for (int kt = 0; kt < nk; kt += MMW_RAW) {
+#pragma unroll
+                for (int j = 0; j < MMW_RAW; j++)
+                    if (kt + j < nk) step(kt + j, sets[j]);
+            }
         }
     } else {
         // ---- consumers: warpgroup c owns outputs 64c.. of the tile ----
