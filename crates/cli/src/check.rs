@@ -1269,9 +1269,16 @@ pub fn cases(quick: bool) -> Vec<Case> {
         ),
         // Prefill rows: the fused wgmma gate/up/SwiGLU launch on sm_90a, each tile (64 ×
         // 256 on the full 12288-output grid at 300 rows, a partial token tile; 128 × 128 and
-        // 128 × 64 elsewhere) and a partial last output tile (300 outputs).
+        // 128 × 64 elsewhere) and a partial last output tile (300 outputs); F16 and BF16 for
+        // the TA form's gate-then-up tile rows (FERRITE_MMW_TA).
         (
-            &[GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q8_0],
+            &[
+                GgmlType::Q4K,
+                GgmlType::Q6K,
+                GgmlType::Q8_0,
+                GgmlType::F16,
+                GgmlType::BF16,
+            ],
             (512, 300),
             &[(512, 300), (4096, 12288)],
             &[64, 300],

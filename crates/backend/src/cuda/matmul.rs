@@ -3340,6 +3340,19 @@ pub(crate) fn with_bf16_rows<R>(
     n_in: usize,
     f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
 ) -> Result<R> {
+    with_scratch_rows(be, x, rows, n_in, &be.matmul.mm_x, f)
+}
+
+/// [`with_bf16_rows`] with the conversion kernel `cvt` (`mm_x_bf16`'s arguments; mmw.cu's
+/// `mmw_x_f16` writes f16 into the same scratch).
+pub(crate) fn with_scratch_rows<R>(
+    be: &CudaBackend,
+    x: &CudaSlice<f32>,
+    rows: usize,
+    n_in: usize,
+    cvt_kernel: &CudaFunction,
+    f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
+) -> Result<R> {
     let kp = n_in.div_ceil(MM_TK) * MM_TK;
     let need = rows * kp;
     ensure!(
@@ -3374,7 +3387,7 @@ pub(crate) fn with_bf16_rows<R>(
     // SAFETY: x holds rows×n_in floats (checked); xb holds ≥ rows×kp bf16.
     unsafe {
         be.stream
-            .kernel(&be.matmul.mm_x)
+            .kernel(cvt_kernel)
             .arg(x)
             .arg(&rows_i)
             .arg(&n_in_i)

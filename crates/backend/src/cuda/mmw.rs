@@ -93,6 +93,17 @@ pub(crate) fn xtma() -> bool {
     *ON.get_or_init(|| rs() || super::switches::int_or("FERRITE_MMW_XTMA", 0) != 0)
 }
 
+/// `FERRITE_MMW_TA` (read once; default 0): F16 and BF16 weights on the `mmw_ta_*` kernels,
+/// whose weight tiles and x tiles come by tensor copies as stored, with no producer decode
+/// (F16 with an f16 x scratch and f16 MMAs; MATMUL.md round 84).
+pub(crate) fn ta() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA", 0) != 0)
+}
+
+/// The TA form's weight types, in kernel-array order (`mmw_ta_<name>_n<BN>`).
+const TA_TYPES: [(GgmlType, &str); 2] = [(GgmlType::F16, "f16"), (GgmlType::BF16, "bf16")];
+
 /// `FERRITE_MMW_RS` (read once; default 0): the Q4_K launches on 128-output tiles decode their
 /// A fragments in the consumers' registers from raw bytes brought by tensor copies (mod.rs
 /// compiles mmw.cu with MMW_RS 1 and MMW_XTMA 1; the dense kernels then also take
@@ -182,6 +193,37 @@ fn w_maps(
     Ok([map(16)?, map(32)?])
 }
 
+/// The TA kernels' tensor map of a 16-bit weight `[n_out, n_in]` (F16 or BF16, rows as
+/// stored): boxes of 64 elements (one 128-byte line, the 128-byte swizzle of mmw_off) ×
+/// `box_rows` rows; elements past the weight read as zeros.
+fn a16_map(
+    be: &CudaBackend,
+    w: &CudaWeight,
+    box_rows: usize,
+) -> Result<cudarc::driver::sys::CUtensorMap> {
+    use cudarc::driver::sys;
+    let (n_out, n_in, rb) = (w.shape[0], w.shape[1], w.row_bytes());
+    ensure!(
+        rb == 2 * n_in && rb.is_multiple_of(16) && box_rows <= 256 && !w.in_host_memory(),
+        "mmw: a 16-bit tensor map of [{n_out}, {n_in}] {} in boxes of {box_rows} rows",
+        w.dtype
+    );
+    let ty = if w.dtype == GgmlType::F16 {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    };
+    let (ptr, _guard) = w.data.device_ptr(&be.stream);
+    tensor_map(
+        ptr,
+        ty,
+        [n_in as u64, n_out as u64],
+        rb as u64,
+        [TK as u32, box_rows as u32],
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )
+}
+
 /// The tensor map of a bf16 scratch of `rows` rows of `kp` for the x tiles of tile width `bn`:
 /// boxes of 64 elements (one 128-byte line, the 128-byte swizzle of mmw_off) × bn rows; rows
 /// past `rows` read as zeros.
@@ -237,6 +279,11 @@ pub struct Kernels {
     /// Their tile: outputs a block (gate and up rows together for the gate/up) and dynamic
     /// shared memory.
     moe_tile: (usize, usize),
+    /// `mmw_ta_<type>_n<BN>` and `mmw_ta_swiglu_<type>_n<BN>` of each of [`TA_TYPES`]; empty
+    /// unless `FERRITE_MMW_TA` is on.
+    ta: Vec<(Tiles, Tiles)>,
+    /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
+    x_f16: Option<CudaFunction>,
 }
 
 impl Kernels {
@@ -247,6 +294,8 @@ impl Kernels {
             mixed: Vec::new(),
             moe: Vec::new(),
             moe_tile: moe_form(1).1,
+            ta: Vec::new(),
+            x_f16: None,
         };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
@@ -295,6 +344,24 @@ impl Kernels {
                 .collect::<Result<_>>()?,
             moe,
             moe_tile,
+            ta: if ta() {
+                TA_TYPES
+                    .iter()
+                    .map(|(_, n)| {
+                        Ok((
+                            tiles(&format!("ta_{n}"))?,
+                            tiles(&format!("ta_swiglu_{n}"))?,
+                        ))
+                    })
+                    .collect::<Result<_>>()?
+            } else {
+                Vec::new()
+            },
+            x_f16: if ta() {
+                Some(function(&m, "mmw_x_f16")?)
+            } else {
+                None
+            },
         })
     }
 }
@@ -319,6 +386,32 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
     let (ptr, _g) = w.data.device_ptr(&be.stream);
     (ptr % 16 == 0).then_some(ti)
+}
+
+/// Index in [`TA_TYPES`] of the TA kernels for `w` (already on this path: [`kernel_index`]),
+/// or `None` where they do not apply (switched off, another type, rows not a whole number
+/// of 16-byte units, a weight in host memory).
+fn ta_index(be: &CudaBackend, w: &CudaWeight) -> Option<usize> {
+    if be.mmw.ta.is_empty() || w.shape.len() != 2 || w.shape[1] % 8 != 0 || w.in_host_memory() {
+        return None;
+    }
+    TA_TYPES.iter().position(|&(t, _)| t == w.dtype)
+}
+
+/// `f(scratch, kp)` on x converted for a launch family: f16 for the TA form's F16 weights
+/// (`ta == Some(0)`), bf16 otherwise (matmul.rs `with_bf16_rows`).
+fn with_x<R>(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    ta: Option<usize>,
+    f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
+) -> Result<R> {
+    match (ta, &be.mmw.x_f16) {
+        (Some(0), Some(cvt)) => {
+            super::matmul::with_scratch_rows(be, &x.buf, x.rows, x.cols, cvt, f)
+        }
+        _ => super::matmul::with_bf16(be, x, f),
+    }
 }
 
 /// Whether a matmul takes the 64 × 256 tile: more than 128 rows (a 256-token tile at least
@@ -352,7 +445,15 @@ pub fn matmuls(
     else {
         return Ok(false);
     };
-    super::matmul::with_bf16(be, x, |xb, kp| {
+    // The TA form where it applies to every weight (one type: one x scratch format).
+    let ta = ta_index(be, ws[0]).filter(|&t| ws.iter().all(|w| ta_index(be, w) == Some(t)));
+    with_x(be, x, ta, |xb, kp| {
+        if let Some(t) = ta {
+            for (wg, og) in ws.chunks(3).zip(outs.chunks_mut(3)) {
+                launch(be, xb, kp, x.rows, wg, &be.mmw.ta[t].0, og, true)?;
+            }
+            return Ok(());
+        }
         let mut i = 0;
         while i < ws.len() {
             // Three weights whose types have a mixed kernel, else a run of up to three of one
@@ -377,7 +478,16 @@ pub fn matmuls(
                     (j, &be.mmw.mm[tis[i]])
                 }
             };
-            launch(be, xb, kp, x.rows, &ws[i..j], kernels, &mut outs[i..j])?;
+            launch(
+                be,
+                xb,
+                kp,
+                x.rows,
+                &ws[i..j],
+                kernels,
+                &mut outs[i..j],
+                false,
+            )?;
             i = j;
         }
         Ok(())
@@ -417,13 +527,18 @@ pub fn matmul_swiglu(
     // a block covers tm / 2 outputs.
     let ti_tile = tile_index(rows, 2 * n_out, be.sm_count);
     let cfg = config(rows, ti_tile, n_out.div_ceil(TILES[ti_tile].0 / 2))?;
-    super::matmul::with_bf16(be, x, |xb, kp| {
+    let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
+    with_x(be, x, ta, |xb, kp| {
         let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
             (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
-        let map = xtma()
+        let map = (xtma() || ta.is_some())
             .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
             .transpose()?;
-        let mut launch = be.stream.kernel(&be.mmw.swiglu[ti][ti_tile]);
+        let kernels = match ta {
+            Some(t) => &be.mmw.ta[t].1,
+            None => &be.mmw.swiglu[ti],
+        };
+        let mut launch = be.stream.kernel(&kernels[ti_tile]);
         launch
             .arg(&*gate.data)
             .arg(&*up.data)
@@ -437,15 +552,24 @@ pub fn matmul_swiglu(
         if let Some(map) = &map {
             launch.arg(map);
         }
-        // The RS kernels' weight maps: gate's and up's, boxes of a tile's tm / 2 rows.
-        let wm = if rs() {
-            let box_rows = TILES[ti_tile].0 / 2;
+        // The RS kernels' weight maps: gate's and up's, boxes of a tile's tm / 2 rows; the TA
+        // kernels' likewise, one a weight.
+        let box_rows = TILES[ti_tile].0 / 2;
+        let wm = if rs() && ta.is_none() {
             Some((w_maps(be, gate, box_rows)?, w_maps(be, up, box_rows)?))
         } else {
             None
         };
         if let Some((g, u)) = &wm {
             launch.arg(&g[0]).arg(&g[1]).arg(&u[0]).arg(&u[1]);
+        }
+        let am = if ta.is_some() {
+            Some((a16_map(be, gate, box_rows)?, a16_map(be, up, box_rows)?))
+        } else {
+            None
+        };
+        if let Some((g, u)) = &am {
+            launch.arg(g).arg(u);
         }
         // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp
         // bf16 (zero beyond n_in; the map describes it), act rows×n_out floats; blocks cover
@@ -503,8 +627,10 @@ fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
     }
 }
 
-/// One launch of a `kernels` family (`mmw_<type>_n<BN>` or a [`MIXED`] one) on the bf16 x in
-/// `xb` (`rows` rows of `kp`) for 1–3 weights (one grid over their output tiles in order).
+/// One launch of a `kernels` family (`mmw_<type>_n<BN>`, a [`MIXED`] one, or with `ta` a
+/// `mmw_ta_<type>_n<BN>`) on the x in `xb` (`rows` rows of `kp`; bf16, or f16 for the TA
+/// form's F16) for 1–3 weights (one grid over their output tiles in order).
+#[allow(clippy::too_many_arguments)]
 fn launch(
     be: &CudaBackend,
     xb: &CudaSlice<u16>,
@@ -513,6 +639,7 @@ fn launch(
     ws: &[&CudaWeight],
     kernels: &Tiles,
     outs: &mut [&mut Act<CudaSlice<f32>>],
+    ta: bool,
 ) -> Result<()> {
     ensure!(
         (1..=3).contains(&ws.len()) && ws.len() == outs.len(),
@@ -566,7 +693,7 @@ fn launch(
     let cfg = config(rows, ti_tile, e2 + tiles[2])?;
     let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
         (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
-    let map = xtma()
+    let map = (xtma() || ta)
         .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
         .transpose()?;
     let mut launch = be.stream.kernel(&kernels[ti_tile]);
@@ -594,7 +721,7 @@ fn launch(
     }
     // The RS kernels' weight maps, three weights' (absent ones: the last present weight's,
     // never read).
-    let wm = if rs() {
+    let wm = if rs() && !ta {
         (0..3)
             .map(|g| w_maps(be, ws[g.min(ws.len() - 1)], TILES[ti_tile].0))
             .collect::<Result<Vec<_>>>()?
@@ -603,6 +730,17 @@ fn launch(
     };
     for pair in &wm {
         launch.arg(&pair[0]).arg(&pair[1]);
+    }
+    // The TA kernels' weight maps, boxes of the tile's rows (absent weights: as above).
+    let am = if ta {
+        (0..3)
+            .map(|g| a16_map(be, ws[g.min(ws.len() - 1)], TILES[ti_tile].0))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        Vec::new()
+    };
+    for m in &am {
+        launch.arg(m);
     }
     // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
     // n_in; the map describes it), each out rows×n_out floats; block y < e1 uses weight 0,

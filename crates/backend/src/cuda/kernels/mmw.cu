@@ -170,28 +170,40 @@ __device__ __forceinline__ void mmw_bar_arrive(int id, int n) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
 }
 
+// The SS forms: A and B from shared memory by descriptor. H: f16 operands (MMW_TA's F16
+// weights with the f16 x scratch), else bf16. The accumulator operand lists: MMW_D<N>.
+#define MMW_D128 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+#define MMW_D64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define MMW_D32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define MMW_SS256(TY)                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 0;\n}\n" \
+                 : MMW_D128                                                                  \
+                 : "l"(da), "l"(db), "r"(1))
+#define MMW_SS128(TY)                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+                 : MMW_D64                                                                  \
+                 : "l"(da), "l"(db), "r"(1))
+#define MMW_SS64(TY)                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                 : MMW_D32                                                                  \
+                 : "l"(da), "l"(db), "r"(1))
+template <bool H = false>
 __device__ __forceinline__ void mmw_wgmma_n256(float (&d)[128], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(da), "l"(db), "r"(1));
+    if constexpr (H) MMW_SS256("f16");
+    else MMW_SS256("bf16");
 }
-
+template <bool H = false>
 __device__ __forceinline__ void mmw_wgmma_n128(float (&d)[64], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(1));
+    if constexpr (H) MMW_SS128("f16");
+    else MMW_SS128("bf16");
 }
-
+template <bool H = false>
 __device__ __forceinline__ void mmw_wgmma_n64(float (&d)[32], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(1));
+    if constexpr (H) MMW_SS64("f16");
+    else MMW_SS64("bf16");
 }
 
 // A from registers (MMW_RS, below): a[0..3] the warp's A fragment of the k16 step, as
@@ -200,14 +212,14 @@ __device__ __forceinline__ void mmw_wgmma_rs_n128(float (&d)[64], const uint32_t
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : MMW_D64
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 __device__ __forceinline__ void mmw_wgmma_rs_n64(float (&d)[32], const uint32_t* a, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : MMW_D32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
@@ -299,7 +311,12 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // row is t (the caller offsets `out` to the tile's first list position: h in list order);
 // without (down) x row t is row t (the caller offsets xb to the tile's h rows) and its output
 // row is the pair, mlist[t] (y by pair, for moe_combine).
-template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1>
+// TA (the `mmw_ta_*` kernels, 16-bit weights: MATMUL.md round 84): A as well as x by tensor
+// copies, the weights' rows as they are stored (bf16, or f16 with an f16 x scratch and f16
+// wgmma: H), so no producer decodes, stores or fences; SWIGLU's tile rows are then the TM / 2
+// gate rows followed by the same outputs' up rows (two boxes; the epilogue pairs column o with
+// o + TM / 2 as it does for mmw_row's order), wmh / wmh2 the gate's and up's maps.
+template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
@@ -325,8 +342,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
     // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
     // the producers' cp.async: its rows are gathered by token).
-    constexpr bool RS = MMW_RS && TYPE == GGML_Q4_K && (TM == 128 || (MOE && BN == 64));
-    constexpr bool XT = (MMW_XTMA || RS) && !(MOE && SWIGLU);
+    constexpr bool RS = MMW_RS && !TA && TYPE == GGML_Q4_K && (TM == 128 || (MOE && BN == 64));
+    constexpr bool XT = (MMW_XTMA || RS || TA) && !(MOE && SWIGLU);
+    static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
+    constexpr bool H = TA && TYPE == GGML_F16;  // f16 operands
     const uint32_t xbar0 = s0 + MMW_STAGES * S::STAGE;
     if constexpr (XT || RS) {
         if (tid == 0) {
@@ -374,7 +393,24 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             }
             asm volatile("cp.async.commit_group;\n" ::: "memory");
         };
-        if constexpr (RS) {
+        if constexpr (TA) {
+            // ---- TA producers: thread 0 copies each stage's A (one box of TM rows, or the gate's
+            // and the up's TM / 2) and x, as far ahead as the stages allow; the others keep the
+            // EMPTY barriers' count ----
+            constexpr int BR = SWIGLU ? TM / 2 : TM;  // rows a weight box
+            for (int kt = 0; kt < nk; kt++) {
+                const int s = kt % MMW_STAGES;
+                if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
+                if (tid == 0) {
+                    const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
+                    const int k = kt * MMW_TK, r0 = wrow0 + oy * BR;
+                    mmw_expect(bar, (uint32_t)S::STAGE);
+                    mmw_tma(st + S::A_BYTES, xmap, k, xrow0 + t0, bar);
+                    mmw_tma(st, wmh, k, r0, bar);
+                    if (SWIGLU) mmw_tma(st + BR * 128, wmh2, k, r0, bar);
+                }
+            }
+        } else if constexpr (RS) {
             // ---- RS producers: thread 0 copies each stage's raw A (the headers [TM][16] at the
             // stage's start, the step's quants [TM][32] after them; SWIGLU: gate rows then up
             // rows in each; rows wrow0 + oy · BR.. of the maps) and x's box, as far ahead as the
@@ -532,7 +568,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         } else
         for (int kt = 0; kt < nk; kt++) {
             const int s = kt % MMW_STAGES;
-            mmw_bar_sync(FULL0 + s, MMW_BAR);
+            if (!TA) mmw_bar_sync(FULL0 + s, MMW_BAR);
             if (XT) mmw_mbar_wait(xbar0 + 8 * s, (uint32_t)((kt / MMW_STAGES) & 1));
             const uint32_t a = s0 + s * S::STAGE + mmw_off<TM>(64 * c, 0);
             const uint32_t b = s0 + s * S::STAGE + S::A_BYTES;
@@ -542,9 +578,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 // k16 step kk starts at core-matrix column 2kk.
                 const uint64_t da = mmw_desc<TM>(a + mmw_off<TM>(0, 16 * kk));
                 const uint64_t db = mmw_desc<BN>(b + mmw_off<BN>(0, 16 * kk));
-                if constexpr (BN == 256) mmw_wgmma_n256(acc, da, db);
-                else if constexpr (BN == 128) mmw_wgmma_n128(acc, da, db);
-                else mmw_wgmma_n64(acc, da, db);
+                if constexpr (BN == 256) mmw_wgmma_n256<H>(acc, da, db);
+                else if constexpr (BN == 128) mmw_wgmma_n128<H>(acc, da, db);
+                else mmw_wgmma_n64<H>(acc, da, db);
             }
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             if (kt >= 1) {
@@ -568,7 +604,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int rr = 64 * c + 16 * w + g + (e >= 2 ? 8 : 0), t = 8 * j + 2 * t4 + (e & 1);
-                const int col = SWIGLU ? (rr >> 4) * 8 + (rr & 7) + ((rr & 8) ? TM / 2 : 0) : rr;
+                const int col = SWIGLU && !TA ? (rr >> 4) * 8 + (rr & 7) + ((rr & 8) ? TM / 2 : 0) : rr;
                 stage[t * MMW_SP(TM) + col] = acc[4 * j + e];
             }
         }
@@ -762,3 +798,80 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 128)
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 64)
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
+
+// ---- The TA form (16-bit weights, `FERRITE_MMW_TA`; MATMUL.md round 84) ----
+// A Hopper GEMM as the hardware intends it: producer thread 0 brings each stage's weight rows
+// and x tile by tensor copies in the 128-byte swizzle that the wgmma descriptors read, and the
+// consumers' MMAs are all the block computes; the weights are used as stored (BF16 with the
+// bf16 x scratch, exactly the producers' numerics; F16 with an f16 x scratch, mmw_x_f16, and
+// f16 wgmma, where the producers round both to bf16). The kernels are MMW_KERNEL1's and
+// MMW_SWIGLU1's with x's tensor map and the weights' (boxes of a tile's rows: TM, or TM / 2
+// for the gate and the up) as their last parameters.
+#define MMW_TA_KERNEL1(name, TYPE, TM, BN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_ta_##name##_n##BN(                \
+        const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
+        long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
+        float* __restrict__ out1, float* __restrict__ out2, const __grid_constant__ MmwTmap xmap,           \
+        const __grid_constant__ MmwTmap wm0, const __grid_constant__ MmwTmap wm1,                          \
+        const __grid_constant__ MmwTmap wm2) {                                                             \
+        PDL_ENTRY();                                                                                        \
+        const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
+        mmw<TYPE, TM, BN, false, false, 1, true>(                                                           \
+            g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
+            g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
+            y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, &xmap, 0,                                    \
+            g == 0 ? &wm0 : (g == 1 ? &wm1 : &wm2));                                                        \
+    }
+#define MMW_TA_SWIGLU1(name, TYPE, TM, BN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_ta_swiglu_##name##_n##BN(         \
+        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out,                        \
+        const __grid_constant__ MmwTmap xmap, const __grid_constant__ MmwTmap wg,                          \
+        const __grid_constant__ MmwTmap wu) {                                                              \
+        PDL_ENTRY();                                                                                        \
+        mmw<TYPE, TM, BN, true, false, 1, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y,     \
+                                                nullptr, 1, &xmap, 0, &wg, nullptr, &wu);                   \
+    }
+#define MMW_TA_KERNEL(name, TYPE)                                                                           \
+    MMW_TA_KERNEL1(name, TYPE, 128, 128)                                                                    \
+    MMW_TA_KERNEL1(name, TYPE, 128, 64)                                                                     \
+    MMW_TA_KERNEL1(name, TYPE, 64, 256)                                                                     \
+    MMW_TA_SWIGLU1(name, TYPE, 128, 128)                                                                    \
+    MMW_TA_SWIGLU1(name, TYPE, 128, 64)                                                                     \
+    MMW_TA_SWIGLU1(name, TYPE, 64, 256)
+MMW_TA_KERNEL(f16, GGML_F16)
+MMW_TA_KERNEL(bf16, GGML_BF16)
+
+// x [rows, n_in] f32 -> xb [rows, kp] f16 for the TA form's F16 weights (matmul.cu's mm_x_bf16
+// with f16 in place of bf16: kp % 64 == 0, zero beyond n_in; one 16-byte vector of xb a
+// thread). Values beyond f16's range saturate to ±65504 (a NaN stays one), as an f16 GEMM's
+// input would be clamped rather than become infinite.
+__device__ __forceinline__ uint32_t mmw_pack_f16(float a, float b) {
+    const float m = 65504.0f;
+    a = a != a ? a : fminf(fmaxf(a, -m), m);
+    b = b != b ? b : fminf(fmaxf(b, -m), m);
+    __half2 v = __floats2half2_rn(a, b);  // .x = a (low half) = the lower k
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    mmw_x_f16(const float* __restrict__ x, int rows, int n_in, int kp, uint16_t* __restrict__ xb) {
+    PDL_ENTRY();
+    const int per_row = kp >> 3;
+    const long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= (long long)rows * per_row) return;
+    const int t = (int)(u / per_row), c = (int)(u % per_row) * 8;
+    const float* xr = x + (size_t)t * n_in;
+    float v[8];
+    if ((n_in & 3) == 0 && c + 8 <= n_in) {
+        const float4 a = __ldg((const float4*)(xr + c)), b = __ldg((const float4*)(xr + c + 4));
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = c + i < n_in ? __ldg(xr + c + i) : 0.0f;
+    }
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) o[i] = mmw_pack_f16(v[2 * i], v[2 * i + 1]);
+    *(uint4*)(xb + (size_t)t * kp + c) = make_uint4(o[0], o[1], o[2], o[3]);
+}
