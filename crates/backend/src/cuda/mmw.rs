@@ -392,7 +392,11 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
 /// or `None` where they do not apply (switched off, another type, rows not a whole number
 /// of 16-byte units, a weight in host memory).
 fn ta_index(be: &CudaBackend, w: &CudaWeight) -> Option<usize> {
-    if be.mmw.ta.is_empty() || w.shape.len() != 2 || w.shape[1] % 8 != 0 || w.in_host_memory() {
+    if be.mmw.ta.is_empty()
+        || w.shape.len() != 2
+        || !w.shape[1].is_multiple_of(8)
+        || w.in_host_memory()
+    {
         return None;
     }
     TA_TYPES.iter().position(|&(t, _)| t == w.dtype)
