@@ -3612,28 +3612,11 @@ GEMVQ_MOE_KERNELS(q6_k, GGML_Q6_K)
 #define MM_LDS 72  // smem row stride in bf16 (144 B)
 
 // x [rows, n_in] f32 -> xb [rows, kp] bf16 (kp % 64 == 0, zero beyond n_in); one 16-B vector
-// of xb per thread.
+// of xb per thread (mm_decode.cuh x_scratch16).
 extern "C" __global__ void __launch_bounds__(256)
     mm_x_bf16(const float* __restrict__ x, int rows, int n_in, int kp, uint16_t* __restrict__ xb) {
     PDL_ENTRY();
-    const int per_row = kp >> 3;
-    const long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (u >= (long long)rows * per_row) return;
-    const int t = (int)(u / per_row), c = (int)(u % per_row) * 8;
-    const float* xr = x + (size_t)t * n_in;
-    uint32_t o[4];
-    if ((n_in & 3) == 0 && c + 8 <= n_in) {
-        const float4 a = __ldg((const float4*)(xr + c)), b = __ldg((const float4*)(xr + c + 4));
-        o[0] = pack_bf16(a.x, a.y); o[1] = pack_bf16(a.z, a.w);
-        o[2] = pack_bf16(b.x, b.y); o[3] = pack_bf16(b.z, b.w);
-    } else {
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = c + i < n_in ? __ldg(xr + c + i) : 0.0f;
-#pragma unroll
-        for (int i = 0; i < 4; i++) o[i] = pack_bf16(v[2 * i], v[2 * i + 1]);
-    }
-    *(uint4*)(xb + (size_t)t * kp + c) = make_uint4(o[0], o[1], o[2], o[3]);
+    x_scratch16<false>(x, rows, n_in, kp, xb);
 }
 
 // BN tokens per block (128 or 64). Dynamic smem: 2 * (MM_TM + BN) * MM_LDS * 2 bytes.

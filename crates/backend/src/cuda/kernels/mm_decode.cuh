@@ -41,6 +41,41 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
 }
 // EMU_DEC_END
 
+// Two floats as f16 (.x = a, the low half), saturated to ±65504 (a NaN stays one): the TA
+// form's f16 x scratch, whose values an f16 GEMM's input would clamp rather than overflow.
+__device__ __forceinline__ uint32_t pack_f16_sat(float a, float b) {
+    const float m = 65504.0f;
+    a = a != a ? a : fminf(fmaxf(a, -m), m);
+    b = b != b ? b : fminf(fmaxf(b, -m), m);
+    __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The prefill's 16-bit x scratch, one thread's 16-byte vector: x [rows, n_in] f32 -> xb
+// [rows, kp] (kp % 64 == 0, zero beyond n_in) as bf16 (matmul.cu mm_x_bf16) or, F16, as
+// pack_f16_sat's f16 (mmw.cu mmw_x_f16, the TA form's F16 weights).
+template <bool F16>
+__device__ __forceinline__ void x_scratch16(const float* __restrict__ x, int rows, int n_in, int kp,
+                                            uint16_t* __restrict__ xb) {
+    const int per_row = kp >> 3;
+    const long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= (long long)rows * per_row) return;
+    const int t = (int)(u / per_row), c = (int)(u % per_row) * 8;
+    const float* xr = x + (size_t)t * n_in;
+    float v[8];
+    if ((n_in & 3) == 0 && c + 8 <= n_in) {
+        const float4 a = __ldg((const float4*)(xr + c)), b = __ldg((const float4*)(xr + c + 4));
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = c + i < n_in ? __ldg(xr + c + i) : 0.0f;
+    }
+    uint32_t o[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) o[i] = F16 ? pack_f16_sat(v[2 * i], v[2 * i + 1]) : pack_bf16(v[2 * i], v[2 * i + 1]);
+    *(uint4*)(xb + (size_t)t * kp + c) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 __device__ __forceinline__ uint16_t ld2c(const uint8_t* p) { return __ldg((const unsigned short*)p); }
 
 // Raw (undecoded) bytes of 16 consecutive weight elements of one row, held in registers

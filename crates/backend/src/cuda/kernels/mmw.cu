@@ -843,35 +843,10 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 MMW_TA_KERNEL(f16, GGML_F16)
 MMW_TA_KERNEL(bf16, GGML_BF16)
 
-// x [rows, n_in] f32 -> xb [rows, kp] f16 for the TA form's F16 weights (matmul.cu's mm_x_bf16
-// with f16 in place of bf16: kp % 64 == 0, zero beyond n_in; one 16-byte vector of xb a
-// thread). Values beyond f16's range saturate to ±65504 (a NaN stays one), as an f16 GEMM's
-// input would be clamped rather than become infinite.
-__device__ __forceinline__ uint32_t mmw_pack_f16(float a, float b) {
-    const float m = 65504.0f;
-    a = a != a ? a : fminf(fmaxf(a, -m), m);
-    b = b != b ? b : fminf(fmaxf(b, -m), m);
-    __half2 v = __floats2half2_rn(a, b);  // .x = a (low half) = the lower k
-    return *reinterpret_cast<uint32_t*>(&v);
-}
+// x [rows, n_in] f32 -> xb [rows, kp] f16 for the TA form's F16 weights (mm_x_bf16's form:
+// mm_decode.cuh x_scratch16, values beyond f16's range saturated).
 extern "C" __global__ void __launch_bounds__(256)
     mmw_x_f16(const float* __restrict__ x, int rows, int n_in, int kp, uint16_t* __restrict__ xb) {
     PDL_ENTRY();
-    const int per_row = kp >> 3;
-    const long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (u >= (long long)rows * per_row) return;
-    const int t = (int)(u / per_row), c = (int)(u % per_row) * 8;
-    const float* xr = x + (size_t)t * n_in;
-    float v[8];
-    if ((n_in & 3) == 0 && c + 8 <= n_in) {
-        const float4 a = __ldg((const float4*)(xr + c)), b = __ldg((const float4*)(xr + c + 4));
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = c + i < n_in ? __ldg(xr + c + i) : 0.0f;
-    }
-    uint32_t o[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) o[i] = mmw_pack_f16(v[2 * i], v[2 * i + 1]);
-    *(uint4*)(xb + (size_t)t * kp + c) = make_uint4(o[0], o[1], o[2], o[3]);
+    x_scratch16<true>(x, rows, n_in, kp, xb);
 }
