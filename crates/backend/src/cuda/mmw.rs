@@ -85,32 +85,36 @@ const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
     stages * stage + 64 + 1024
 }
 
-/// `FERRITE_MMW_XTMA` (read once; default 0): the x tiles of the dense launches and the MoE
-/// downs by tensor copies (mod.rs compiles mmw.cu with MMW_XTMA 1, whose kernels then take
-/// [`x_map`] as their last argument; MATMUL.md round 82).
+/// `FERRITE_MMW_XTMA` (read once; default 1, and on whenever [`rs`] is): the x tiles of the
+/// dense launches and the MoE downs by tensor copies (mod.rs compiles mmw.cu with MMW_XTMA 1,
+/// whose kernels then take [`x_map`] as their last argument; MATMUL.md round 82: Qwen3-8B
+/// Q4_K_M pp512 +8% on an H100). `FERRITE_MMW_RS=0 FERRITE_MMW_XTMA=0`: the producers' cp.async.
 pub(crate) fn xtma() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| rs() || super::switches::int_or("FERRITE_MMW_XTMA", 0) != 0)
+    *ON.get_or_init(|| rs() || super::switches::int_or("FERRITE_MMW_XTMA", 1) != 0)
 }
 
-/// `FERRITE_MMW_TA` (read once; default 0): F16 and BF16 weights on the `mmw_ta_*` kernels,
+/// `FERRITE_MMW_TA` (read once; default 1): F16 and BF16 weights on the `mmw_ta_*` kernels,
 /// whose weight tiles and x tiles come by tensor copies as stored, with no producer decode
-/// (F16 with an f16 x scratch and f16 MMAs; MATMUL.md round 84).
+/// (F16 with an f16 x scratch and f16 MMAs; MATMUL.md round 84: Qwen3-8B F16 pp512 +41% on
+/// an H100).
 pub(crate) fn ta() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA", 0) != 0)
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA", 1) != 0)
 }
 
 /// The TA form's weight types, in kernel-array order (`mmw_ta_<name>_n<BN>`).
 const TA_TYPES: [(GgmlType, &str); 2] = [(GgmlType::F16, "f16"), (GgmlType::BF16, "bf16")];
 
-/// `FERRITE_MMW_RS` (read once; default 0): the Q4_K launches on 128-output tiles decode their
-/// A fragments in the consumers' registers from raw bytes brought by tensor copies (mod.rs
-/// compiles mmw.cu with MMW_RS 1 and MMW_XTMA 1; the dense kernels then also take
-/// [`w_maps`]' maps; the 64 × 256 tile is not used; MATMUL.md round 83).
+/// `FERRITE_MMW_RS` (read once; default 1): the Q4_K launches on 128-output tiles and the MoE
+/// grouped GEMMs decode their A fragments in the consumers' registers from raw bytes brought
+/// by tensor copies (mod.rs compiles mmw.cu with MMW_RS 1 and MMW_XTMA 1; the dense kernels
+/// then also take [`w_maps`]' maps; the 64 × 256 tile keeps its producers, with x by tensor
+/// copies; MATMUL.md rounds 83, 84: on an H100 the 128-output tiles 1.44–1.49× faster,
+/// Qwen3-30B-A3B pp512 +3.2%).
 pub(crate) fn rs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 0) != 0)
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 1) != 0)
 }
 
 /// A 2-D tiled tensor map: `dims` (innermost first) of `ty` elements at `ptr`, rows `stride`
@@ -622,7 +626,7 @@ fn config(rows: usize, ti_tile: usize, out_tiles: usize) -> Result<LaunchConfig>
 
 /// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows.
 fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
-    if mode() == 1 && !rs() && wide_tile(rows, n_total, sm_count) {
+    if mode() == 1 && wide_tile(rows, n_total, sm_count) {
         2
     } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
         0
@@ -780,19 +784,19 @@ pub(crate) struct MoeTiles<'a> {
     pub top_k: usize,
 }
 
-/// Index in [`TYPES`] of the grouped expert GEMMs for gate/up experts of type `gu` and down
-/// experts of type `down`, or `None` where they are not loaded (not sm_90a, `FERRITE_MMW=0`,
-/// `FERRITE_MMW_MOE=0`) or a type has none.
-pub(crate) fn moe_kernels(
-    be: &CudaBackend,
-    gu: GgmlType,
-    down: GgmlType,
-) -> Option<(usize, usize)> {
-    if be.mmw.moe.is_empty() {
+/// Index in [`TYPES`] of the grouped expert GEMMs for the gate, up and down experts `[g, u,
+/// d]`, or `None` where they are not loaded (not sm_90a, `FERRITE_MMW=0`, `FERRITE_MMW_MOE=0`),
+/// a type has none, or a Q4_K expert tensor is held in host memory under the RS form (its
+/// kernels read the experts by tensor maps, which host memory has none of: moe.cu's mma.sync
+/// forms take those).
+pub(crate) fn moe_kernels(be: &CudaBackend, [g, u, d]: [&CudaWeight; 3]) -> Option<(usize, usize)> {
+    if be.mmw.moe.is_empty()
+        || (rs() && [g, u, d].iter().any(|w| w.dtype == GgmlType::Q4K && w.in_host_memory()))
+    {
         return None;
     }
     let i = |t: GgmlType| TYPES.iter().position(|&(u, _)| u == t);
-    Some((i(gu)?, i(down)?))
+    Some((i(g.dtype)?, i(d.dtype)?))
 }
 
 /// The grid of a grouped expert GEMM: every tile the routing could yield by `out_tiles`

@@ -851,7 +851,7 @@ fn grouped_experts(
     // 5–6 on the wgmma pipeline where it is loaded (sm_90a; mmw.rs): the same tiles and
     // buffers; Qwen3-30B-A3B's pp512 +5.6% over the mma.sync kernels, +8% with the L2
     // prefetch (MOE.md, 41st session).
-    if let Some((mgi, mdi)) = super::mmw::moe_kernels(be, g.dtype, d.dtype) {
+    if let Some((mgi, mdi)) = super::mmw::moe_kernels(be, [g, u, d]) {
         const _: () = assert!(super::mmw::MOE_TN == GM_TN);
         let t = super::mmw::MoeTiles {
             offsets: &s.offsets,

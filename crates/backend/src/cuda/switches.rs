@@ -42,17 +42,17 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_RS",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill: 1 the Q4_K launches decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on; the 64x256 tile off; MATMUL.md round 83)",
+        "wgmma prefill: 1 (default) the Q4_K launches on 128-output tiles and the MoE GEMMs decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on), 0 the producers decode (MATMUL.md rounds 83-84)",
     ),
     (
         "FERRITE_MMW_TA",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill: 1 F16 and BF16 weights on the mmw_ta kernels (weight and x tiles by tensor copies as stored, no producer decode; F16 with f16 x; MATMUL.md round 84)",
+        "wgmma prefill: 1 (default) F16 and BF16 weights on the mmw_ta kernels (weight and x tiles by tensor copies as stored, no producer decode; F16 with f16 x), 0 the producers' bf16 path (MATMUL.md round 84)",
     ),
     (
         "FERRITE_MMW_XTMA",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill: 1 the x tiles of the dense launches and the MoE downs by one 2-D tensor copy (TMA) a step instead of the producers' cp.async (MATMUL.md round 82)",
+        "wgmma prefill: 1 (default; always with FERRITE_MMW_RS=1) the x tiles of the dense launches and the MoE downs by one 2-D tensor copy (TMA) a step, 0 the producers' cp.async (MATMUL.md round 82)",
     ),
     (
         "FERRITE_MMW_XAFTER",
