@@ -103,6 +103,17 @@ pub(crate) fn ta() -> bool {
     *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA", 1) != 0)
 }
 
+/// `FERRITE_MMW_RSW` (read once; default 0; only with [`rs`]): Q4_K launches on the 64 × 256
+/// tile take the register-A form too (`mmw_rsw_*`: one consumer warpgroup decoding its 64 rows
+/// for 256 tokens beside one producer warpgroup; MATMUL.md round 85).
+pub(crate) fn rsw() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RSW", 0) != 0)
+}
+
+/// Threads of an `mmw_rsw_*` block (MMW_THREADS_P(64, 1) in mmw.cu).
+const RSW_THREADS: u32 = 256;
+
 /// The TA form's weight types, in kernel-array order (`mmw_ta_<name>_n<BN>`).
 const TA_TYPES: [(GgmlType, &str); 2] = [(GgmlType::F16, "f16"), (GgmlType::BF16, "bf16")];
 
@@ -288,6 +299,8 @@ pub struct Kernels {
     ta: Vec<(Tiles, Tiles)>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
+    /// `mmw_rsw_q4_k_n256` and `mmw_rsw_swiglu_q4_k_n256` under [`rsw`].
+    rsw: Option<(CudaFunction, CudaFunction)>,
 }
 
 impl Kernels {
@@ -300,6 +313,7 @@ impl Kernels {
             moe_tile: moe_form(1).1,
             ta: Vec::new(),
             x_f16: None,
+            rsw: None,
         };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
@@ -363,6 +377,15 @@ impl Kernels {
             },
             x_f16: if ta() {
                 Some(function(&m, "mmw_x_f16")?)
+            } else {
+                None
+            },
+            rsw: if rsw() {
+                let (tm, bn) = TILES[2];
+                Some((
+                    with_smem("mmw_rsw_q4_k_n256".into(), smem(tm, bn))?,
+                    with_smem("mmw_rsw_swiglu_q4_k_n256".into(), smem(tm, bn))?,
+                ))
             } else {
                 None
             },
@@ -534,19 +557,30 @@ pub fn matmul_swiglu(
     // The tile rule counts gate and up rows together (2 n_out), as the grouped launch would;
     // a block covers tm / 2 outputs.
     let ti_tile = tile_index(rows, 2 * n_out, be.sm_count);
-    let cfg = config(rows, ti_tile, n_out.div_ceil(TILES[ti_tile].0 / 2))?;
+    let mut cfg = config(rows, ti_tile, n_out.div_ceil(TILES[ti_tile].0 / 2))?;
     let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
+    // Q4_K on the wide tile under FERRITE_MMW_RSW: the register-A form's kernel.
+    let rsw = be
+        .mmw
+        .rsw
+        .as_ref()
+        .filter(|_| ti_tile == 2 && gate.dtype == GgmlType::Q4K)
+        .map(|k| &k.1);
+    if rsw.is_some() {
+        cfg.block_dim.0 = RSW_THREADS;
+    }
     with_x(be, x, ta, |xb, kp| {
         let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
             (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
         let map = (xtma() || ta.is_some())
             .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
             .transpose()?;
-        let kernels = match ta {
-            Some(t) => &be.mmw.ta[t].1,
-            None => &be.mmw.swiglu[ti],
+        let kernel = match (ta, rsw) {
+            (Some(t), _) => &be.mmw.ta[t].1[ti_tile],
+            (None, Some(k)) => k,
+            (None, None) => &be.mmw.swiglu[ti][ti_tile],
         };
-        let mut launch = be.stream.kernel(&kernels[ti_tile]);
+        let mut launch = be.stream.kernel(kernel);
         launch
             .arg(&*gate.data)
             .arg(&*up.data)
@@ -698,13 +732,21 @@ fn launch(
     let ti_tile = tile_index(rows, n_total, be.sm_count);
     let tiles = ns.map(|n| (n as usize).div_ceil(TILES[ti_tile].0));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
-    let cfg = config(rows, ti_tile, e2 + tiles[2])?;
+    let mut cfg = config(rows, ti_tile, e2 + tiles[2])?;
+    // Q4_K weights on the wide tile under FERRITE_MMW_RSW: the register-A form's kernel.
+    let mut kernel = &kernels[ti_tile];
+    if let (Some(rsw), true) = (&be.mmw.rsw, ti_tile == 2 && !ta) {
+        if ws.iter().all(|w| w.dtype == GgmlType::Q4K) {
+            kernel = &rsw.0;
+            cfg.block_dim.0 = RSW_THREADS;
+        }
+    }
     let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
         (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
     let map = (xtma() || ta)
         .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
         .transpose()?;
-    let mut launch = be.stream.kernel(&kernels[ti_tile]);
+    let mut launch = be.stream.kernel(kernel);
     launch
         .arg(&wp[0])
         .arg(&wp[1])
@@ -791,7 +833,10 @@ pub(crate) struct MoeTiles<'a> {
 /// forms take those).
 pub(crate) fn moe_kernels(be: &CudaBackend, [g, u, d]: [&CudaWeight; 3]) -> Option<(usize, usize)> {
     if be.mmw.moe.is_empty()
-        || (rs() && [g, u, d].iter().any(|w| w.dtype == GgmlType::Q4K && w.in_host_memory()))
+        || (rs()
+            && [g, u, d]
+                .iter()
+                .any(|w| w.dtype == GgmlType::Q4K && w.in_host_memory()))
     {
         return None;
     }

@@ -45,6 +45,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill: 1 (default) the Q4_K launches on 128-output tiles and the MoE GEMMs decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on), 0 the producers decode (MATMUL.md rounds 83-84)",
     ),
     (
+        "FERRITE_MMW_RSW",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill, with FERRITE_MMW_RS: 1 the Q4_K launches on the 64x256 tile decode A in the consumers' registers too (mmw_rsw kernels; MATMUL.md round 85)",
+    ),
+    (
         "FERRITE_MMW_TA",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill: 1 (default) F16 and BF16 weights on the mmw_ta kernels (weight and x tiles by tensor copies as stored, no producer decode; F16 with f16 x), 0 the producers' bf16 path (MATMUL.md round 84)",

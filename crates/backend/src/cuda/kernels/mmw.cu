@@ -46,6 +46,8 @@
 #define MMW_PRODUCERS 2                     // producer warpgroups
 #define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: 256 / TM per output row
 #define MMW_THREADS(TM) (MMW_PTHREADS + 2 * (TM))  // + TM / 64 consumer warpgroups
+// With P producer warpgroups (the RS wide tile's one: `mmw_rsw_*`).
+#define MMW_THREADS_P(TM, P) (128 * (P) + 2 * (TM))
 #define MMW_RAW 2                           // steps of raw weight bytes in flight per thread
 // MMW_XAFTER (`FERRITE_MMW_XAFTER=1`): a step's x copies issued after its proxy fence instead of
 // before its decode (MATMUL.md round 81).
@@ -208,6 +210,13 @@ __device__ __forceinline__ void mmw_wgmma_n64(float (&d)[32], uint64_t da, uint6
 
 // A from registers (MMW_RS, below): a[0..3] the warp's A fragment of the k16 step, as
 // mma.sync m16n8k16's (rows g, g + 8 of the warp's 16; columns 2t, 2t + 1, then + 8).
+__device__ __forceinline__ void mmw_wgmma_rs_n256(float (&d)[128], const uint32_t* a, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+        : MMW_D128
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
 __device__ __forceinline__ void mmw_wgmma_rs_n128(float (&d)[64], const uint32_t* a, uint64_t db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -274,7 +283,7 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
 // 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
 // the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB.
-template <int TM, int BN, int BPS = 1>
+template <int TM, int BN, int BPS = 1, int P = MMW_PRODUCERS>
 struct MmwShape {
     static constexpr int A_BYTES = TM * MMW_TK * 2;
     static constexpr int B_BYTES = BN * MMW_TK * 2;
@@ -284,8 +293,9 @@ struct MmwShape {
     // + the stages' mbarriers (MMW_XTMA, MMW_RS) and the alignment slack; mmw.rs smem()
     // mirrors it.
     static constexpr int SMEM = STAGES * STAGE + 64 + 1024;
-    static constexpr int THREADS = MMW_THREADS(TM);
-    static constexpr int TPR = MMW_PTHREADS / TM;  // producer threads per output row: 2 or 4
+    static constexpr int PTHREADS = 128 * P;
+    static constexpr int THREADS = MMW_THREADS_P(TM, P);
+    static constexpr int TPR = PTHREADS / TM;  // producer threads per output row: 1, 2 or 4
     static_assert(BN * MMW_SP(TM) * 4 <= STAGES * STAGE, "the staged epilogue must fit the ring");
 };
 
@@ -316,7 +326,10 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // wgmma: H), so no producer decodes, stores or fences; SWIGLU's tile rows are then the TM / 2
 // gate rows followed by the same outputs' up rows (two boxes; the epilogue pairs column o with
 // o + TM / 2 as it does for mmw_row's order), wmh / wmh2 the gate's and up's maps.
-template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false>
+// P: producer warpgroups (1: the RS wide tile, `mmw_rsw_*`, whose 256 threads leave its consumer
+// warpgroup the registers of 128 accumulators and two A sets).
+template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false,
+          int P = MMW_PRODUCERS>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
@@ -324,7 +337,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                                     const MmwTmap* wmh = nullptr, const MmwTmap* wmq = nullptr,
                                     const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr, int wrow0 = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
-    using S = MmwShape<TM, BN, BPS>;
+    using S = MmwShape<TM, BN, BPS, P>;
     constexpr int NACC = BN / 2;
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
     constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
@@ -342,7 +355,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
     // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
     // the producers' cp.async: its rows are gathered by token).
-    constexpr bool RS = MMW_RS && !TA && TYPE == GGML_Q4_K && (TM == 128 || (MOE && BN == 64));
+    constexpr bool RS = MMW_RS && !TA && TYPE == GGML_Q4_K &&
+                        (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
+    static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup is the RS wide tile's");
     constexpr bool XT = (MMW_XTMA || RS || TA) && !(MOE && SWIGLU);
     static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
     constexpr bool H = TA && TYPE == GGML_F16;  // f16 operands
@@ -355,15 +370,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         __syncthreads();
     }
 
-    if (wgi < MMW_PRODUCERS) {
+    if (wgi < P) {
         const int ptid = tid;
         // MOE gate/up: the x rows of this thread's copies (fixed: its tokens n are the same
         // every step), each the row of its pair's token.
-        constexpr int NCP = BN * 8 / MMW_PTHREADS;
+        constexpr int NCP = BN * 8 / S::PTHREADS;
         int xr[NCP];
 #pragma unroll
         for (int i = 0; i < NCP; i++) {
-            const int n = (ptid + MMW_PTHREADS * i) >> 3;
+            const int n = (ptid + S::PTHREADS * i) >> 3;
             xr[i] = MOE && SWIGLU ? mlist[n < rows ? n : 0] / mtk : 0;
         }
         // x of step kt into its stage (once the consumers released the stage's previous use,
@@ -384,7 +399,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 const uint32_t base = s0 + (kt % MMW_STAGES) * S::STAGE + S::A_BYTES;
 #pragma unroll
                 for (int i = 0; i < NCP; i++) {
-                    const int c = ptid + MMW_PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
+                    const int c = ptid + S::PTHREADS * i, n = c >> 3, kc = (c & 7) * 8;
                     const int t = t0 + n;
                     const int xrow = MOE && SWIGLU ? xr[i] : (t < rows ? t : 0);
                     const uint16_t* src = xb + (size_t)xrow * kp + k + kc;
@@ -517,7 +532,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         }
     } else {
         // ---- consumers: warpgroup c owns outputs 64c.. of the tile ----
-        const int c = wgi - MMW_PRODUCERS;
+        const int c = wgi - P;
         float acc[NACC];
 #pragma unroll
         for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
@@ -550,7 +565,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
 #pragma unroll
                 for (int kk = 0; kk < MMW_TK / 16; kk++) {
                     const uint64_t db = mmw_desc<BN>(b + mmw_off<BN>(0, 16 * kk));
-                    if constexpr (BN == 128) mmw_wgmma_rs_n128(acc, a + 4 * kk, db);
+                    if constexpr (BN == 256) mmw_wgmma_rs_n256(acc, a + 4 * kk, db);
+                    else if constexpr (BN == 128) mmw_wgmma_rs_n128(acc, a + 4 * kk, db);
                     else mmw_wgmma_rs_n64(acc, a + 4 * kk, db);
                 }
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -612,7 +628,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // ---- all warpgroups: the staged tile to `out`, 16-byte stores of 4 outputs along a
     // token's row (SWIGLU: silu(gate) · up computed here, 12 warps sharing the math that
     // the 4 consumer warps alone ran latency-bound: MATMUL.md round 14) ----
-    if (wgi < MMW_PRODUCERS) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if (wgi < P) asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
     constexpr int OUTS = SWIGLU ? TM / 2 : TM, NQ = OUTS / 4;
     const int ob = oy * OUTS;
@@ -794,6 +810,36 @@ MMW_KERNEL(q4_1, GGML_Q4_1)
 MMW_KERNEL(q4_k, GGML_Q4_K)
 MMW_KERNEL(q5_k, GGML_Q5_K)
 MMW_KERNEL(q6_k, GGML_Q6_K)
+// The register-A form on the 64 × 256 tile (MMW_RS; `FERRITE_MMW_RSW`, MATMUL.md round 85):
+// one consumer warpgroup decodes its 64 rows' A fragments for 256 tokens (the decode per
+// FLOP of the producers' wide tile, without the producers' stores and fence), beside one
+// producer warpgroup (thread 0's tensor copies), so that its 128 accumulators and two A
+// register sets fit: 256 threads, up to 255 registers. Q4_K weights only (MMW_KERNEL1's and
+// MMW_SWIGLU1's parameters).
+#if MMW_RS
+#define MMW_RSW_KERNEL(name, TYPE)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(64, 1), 1) mmw_rsw_##name##_n256(           \
+        const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
+        long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
+        float* __restrict__ out1, float* __restrict__ out2 MMW_XMAP_PARAM MMW_WMAP_PARAM) {                \
+        PDL_ENTRY();                                                                                        \
+        const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
+        mmw<TYPE, 64, 256, false, false, 1, false, 1>(                                                      \
+            g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
+            g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
+            y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, MMW_XMAP, 0, MMW_WMAP(g));                    \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(64, 1), 1) mmw_rsw_swiglu_##name##_n256(    \
+        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
+        const uint16_t* __restrict__ xb, int kp, int rows,                                                 \
+        float* __restrict__ out MMW_XMAP_PARAM MMW_WMAP2_PARAM) {                                          \
+        PDL_ENTRY();                                                                                        \
+        mmw<TYPE, 64, 256, true, false, 1, false, 1>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, \
+                                                     nullptr, 1, MMW_XMAP, 0, MMW_WMAP2);                   \
+    }
+MMW_RSW_KERNEL(q4_k, GGML_Q4_K)
+#endif
 // Mixed groups (weights 0, 1 of the first type, weight 2 of the second): Q4_K_M's Q, K, V.
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 128)
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 64)
