@@ -88,7 +88,7 @@ const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
 /// `FERRITE_MMW_XTMA` (read once; default 1, and on whenever [`rs`] is): the x tiles of the
 /// dense launches and the MoE downs by tensor copies (mod.rs compiles mmw.cu with MMW_XTMA 1,
 /// whose kernels then take [`x_map`] as their last argument; MATMUL.md round 82: Qwen3-8B
-/// Q4_K_M pp512 +8% on an H100). `FERRITE_MMW_RS=0 FERRITE_MMW_XTMA=0`: the producers' cp.async.
+/// Q4_K_M pp512 +8% on an H100). `FERRITE_MMW_XTMA=0` (RS off): the producers' cp.async.
 pub(crate) fn xtma() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| rs() || super::switches::int_or("FERRITE_MMW_XTMA", 1) != 0)
@@ -117,15 +117,15 @@ const RSW_THREADS: u32 = 256;
 /// The TA form's weight types, in kernel-array order (`mmw_ta_<name>_n<BN>`).
 const TA_TYPES: [(GgmlType, &str); 2] = [(GgmlType::F16, "f16"), (GgmlType::BF16, "bf16")];
 
-/// `FERRITE_MMW_RS` (read once; default 1): the Q4_K launches on 128-output tiles and the MoE
+/// `FERRITE_MMW_RS` (read once; default 0): the Q4_K launches on 128-output tiles and the MoE
 /// grouped GEMMs decode their A fragments in the consumers' registers from raw bytes brought
 /// by tensor copies (mod.rs compiles mmw.cu with MMW_RS 1 and MMW_XTMA 1; the dense kernels
 /// then also take [`w_maps`]' maps; the 64 × 256 tile keeps its producers, with x by tensor
-/// copies; MATMUL.md rounds 83, 84: on an H100 the 128-output tiles 1.44–1.49× faster,
-/// Qwen3-30B-A3B pp512 +3.2%).
+/// copies, unless [`rsw`]; MATMUL.md rounds 83–85: on an H100 the 128-output tiles 1.44–1.49×
+/// faster, Qwen3-30B-A3B pp512 +3.2%). Off until its checks run beside the wide tile.
 pub(crate) fn rs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 1) != 0)
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 0) != 0)
 }
 
 /// A 2-D tiled tensor map: `dims` (innermost first) of `ty` elements at `ptr`, rows `stride`

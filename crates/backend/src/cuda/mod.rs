@@ -166,9 +166,9 @@ pub fn timing_diagnostic() -> bool {
 /// the files that dequantize weights to bf16).
 pub fn full_source(name: &str, src: &str) -> String {
     let mut defs = String::new();
-    // The wgmma prefill's forms (MATMUL.md rounds 81-84): x by tensor copies and the Q4_K
-    // register-A form on by default (FERRITE_MMW_XTMA, FERRITE_MMW_RS), the x copies after
-    // the fence (FERRITE_MMW_XAFTER, −17% on an H100) kept as a switch.
+    // The wgmma prefill's forms (MATMUL.md rounds 81-85): x by tensor copies on by default
+    // (FERRITE_MMW_XTMA); the Q4_K register-A form (FERRITE_MMW_RS) and the x copies after
+    // the fence (FERRITE_MMW_XAFTER, −17% on an H100) as switches.
     if name == "mmw" {
         if switches::int_or("FERRITE_MMW_XAFTER", 0) != 0 {
             defs += "#define MMW_XAFTER 1\n";

@@ -42,7 +42,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_RS",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill: 1 (default) the Q4_K launches on 128-output tiles and the MoE GEMMs decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on), 0 the producers decode (MATMUL.md rounds 83-84)",
+        "wgmma prefill: 1 the Q4_K launches on 128-output tiles and the MoE GEMMs decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on), 0 (default) the producers decode (MATMUL.md rounds 83-85)",
     ),
     (
         "FERRITE_MMW_RSW",
