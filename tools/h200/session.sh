@@ -16,12 +16,11 @@
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
-#   mmwxcheck  the wgmma prefill forms of MATMUL.md rounds 81-83: the matmul and moe checks with
-#            FERRITE_MMW_XTMA=1, FERRITE_MMW_XAFTER=1 and FERRITE_MMW_RS=1 (~5 minutes)
-#   mmwx     then check --perf of four prefill shapes and pp512 of Qwen3-8B and Qwen3-30B-A3B
-#            Q4_K_M under default / XTMA / XAFTER / MMW=2 (no 64x256 tile: RS's baseline) / RS in
-#            turn, two rounds (~6 minutes; a separate call). The kernel cache needs the mmw
-#            builds: kernel_cache.sh mmw, then again with each switch set
+#   rs       the register-A prefill forms (MATMUL.md rounds 83-85), in one call: the matmul and
+#            moe checks with FERRITE_MMW_RS=1 (beside the 64x256 tile) and with
+#            FERRITE_MMW_RSW=1 too, then pp512 of Qwen3-8B and Qwen3-30B-A3B Q4_K_M under the
+#            default / RS / RS + RSW in turn, two rounds (~8 minutes). The kernel cache needs
+#            the RS build: `FERRITE_MMW_RS=1 tools/h200/kernel_cache.sh mmw` after the full one
 #   spec35   speculation's cost on Qwen3.5-9B Q4_K_M with a random MTP head (synth --mtp):
 #            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
 #            at K = 1, 2, 4 with every draft right and with none right: tokens/s against plain
@@ -249,30 +248,21 @@ for stage in "$@"; do
             FERRITE_GEMV_TM=$v $F check --device cuda --perf --filter "matmul q4_K" 2>&1 | grep -E -- "->(4096|12288|1024) rows=([1-9]|1[0-6]) "
         done | tee "$OUT/tm-perf.txt"
         ;;
-    mmwxcheck)
-        for sw in FERRITE_MMW_XTMA FERRITE_MMW_XAFTER FERRITE_MMW_RS; do
+    rs)
+        for v in "FERRITE_MMW_RS=1" "FERRITE_MMW_RS=1 FERRITE_MMW_RSW=1"; do
             for f in matmul moe; do
-                echo "$sw=1 check $f: $(env $sw=1 timeout 120 $F check --device cuda --filter $f 2>&1 | tee "$OUT/check-$sw-$f.log" | grep -E "cases in|FAIL" | head -5 | tr '\n' ' ')"
+                echo "[$v] check $f: $(env $v timeout 120 $F check --device cuda --filter $f 2>&1 | tee "$OUT/check-${v// /_}-$f.log" | grep -E "cases in|FAIL" | head -5 | tr '\n' ' ')"
             done
-        done | tee -a "$OUT/mmwx.log"
-        ;;
-    mmwx)
-        # (FERRITE_MMW=2 is set to 2, the others to 1)
-        sv() { [ "$1" = FERRITE_MMW ] && echo 2 || echo 1; }
-        for sw in NONE FERRITE_MMW_XTMA FERRITE_MMW_XAFTER FERRITE_MMW FERRITE_MMW_RS; do
-            for c in "q4_K 4096->12288 rows=512" "q6_K 12288->4096 rows=512" "q8_0 4096->12288 rows=512" "q4_K 4096->4096 rows=512"; do
-                echo "$sw $(env $sw=$(sv $sw) timeout 60 $F check --device cuda --perf --filter "matmul $c" 2>&1 | grep " µs " | sed -E 's/NMSE.*(OK|FAIL)//')"
-            done
-        done | tee -a "$OUT/mmwx.log"
+        done | tee -a "$OUT/rs.log"
         for p in qwen3-8b qwen3-30b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
             for r in 1 2; do
-                for sw in NONE FERRITE_MMW_XTMA FERRITE_MMW_XAFTER FERRITE_MMW FERRITE_MMW_RS; do
-                    echo "$p $sw round $r: $(env $sw=$(sv $sw) timeout 90 $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+                for v in "X=0" "FERRITE_MMW_RS=1" "FERRITE_MMW_RS=1 FERRITE_MMW_RSW=1"; do
+                    echo "$p [$v] round $r: $(env $v timeout 90 $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
                 done
             done
             rm -f "$f"
-        done | tee -a "$OUT/mmwx.log"
+        done | tee -a "$OUT/rs.log"
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)
