@@ -18,8 +18,8 @@
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
 #   rs       the register-A prefill forms (MATMUL.md rounds 83-85), in one call: the matmul and
 #            moe checks with FERRITE_MMW_RS=1 (beside the 64x256 tile) and with
-#            FERRITE_MMW_RSW=1 too, then pp512 of Qwen3-8B and Qwen3-30B-A3B Q4_K_M under the
-#            default / RS / RS + RSW in turn, two rounds (~8 minutes). The kernel cache needs
+#            FERRITE_MMW_RSW=1 too, then pp512 of Qwen3-8B and Qwen3-30B-A3B Q4_K_M and Qwen3-8B
+#            Q8_0 under the default / RS / RS + RSW in turn, two rounds (~10 minutes). The kernel cache needs
 #            the RS build: `FERRITE_MMW_RS=1 tools/h200/kernel_cache.sh mmw` after the full one
 #   spec35   speculation's cost on Qwen3.5-9B Q4_K_M with a random MTP head (synth --mtp):
 #            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
@@ -254,11 +254,12 @@ for stage in "$@"; do
                 echo "[$v] check $f: $(env $v timeout 120 $F check --device cuda --filter $f 2>&1 | tee "$OUT/check-${v// /_}-$f.log" | grep -E "cases in|FAIL" | head -5 | tr '\n' ' ')"
             done
         done | tee -a "$OUT/rs.log"
-        for p in qwen3-8b qwen3-30b-a3b; do
-            f=$(synth $p Q4_K_M | tail -1)
+        for pq in qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M qwen3-8b:Q8_0; do
+            p=${pq%:*}
+            f=$(synth $p ${pq#*:} | tail -1)
             for r in 1 2; do
                 for v in "X=0" "FERRITE_MMW_RS=1" "FERRITE_MMW_RS=1 FERRITE_MMW_RSW=1"; do
-                    echo "$p [$v] round $r: $(env $v timeout 90 $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+                    echo "$pq [$v] round $r: $(env $v timeout 90 $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
                 done
             done
             rm -f "$f"

@@ -114,6 +114,11 @@ pub(crate) fn rsw() -> bool {
 /// Threads of an `mmw_rsw_*` block (MMW_THREADS_P(64, 1) in mmw.cu).
 const RSW_THREADS: u32 = 256;
 
+/// Index of `t`'s `mmw_rsw_*` kernels (Q4_K 0, Q8_0 1).
+fn rsw_index(t: GgmlType) -> Option<usize> {
+    [GgmlType::Q4K, GgmlType::Q8_0].iter().position(|&u| u == t)
+}
+
 /// The TA form's weight types, in kernel-array order (`mmw_ta_<name>_n<BN>`).
 const TA_TYPES: [(GgmlType, &str); 2] = [(GgmlType::F16, "f16"), (GgmlType::BF16, "bf16")];
 
@@ -177,7 +182,7 @@ fn w_maps(
     box_rows: usize,
 ) -> Result<[cudarc::driver::sys::CUtensorMap; 2]> {
     use cudarc::driver::sys;
-    if w.dtype != GgmlType::Q4K {
+    if !rs_type(w.dtype) {
         // SAFETY: a CUtensorMap is plain bytes; a zeroed one is passed only to kernels that
         // do not read it.
         let zero = unsafe { std::mem::zeroed::<sys::CUtensorMap>() };
@@ -205,7 +210,27 @@ fn w_maps(
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
         )
     };
+    if w.dtype == GgmlType::Q8_0 {
+        // One span a row a step (MMW_RS_Q80_SPAN: the step's two 34-byte blocks, rounded up
+        // to whole 16-byte units); the second map is not read.
+        let m = map(RS_Q80_SPAN)?;
+        return Ok([m, m]);
+    }
     Ok([map(16)?, map(32)?])
+}
+
+/// Bytes a Q8_0 row's span of a K step in the RS form (MMW_RS_Q80_SPAN in mmw.cu).
+const RS_Q80_SPAN: u32 = 80;
+
+/// Weight types of the RS form (mmw.cu's RS: Q4_K, and Q8_0 by spans).
+fn rs_type(t: GgmlType) -> bool {
+    matches!(t, GgmlType::Q4K | GgmlType::Q8_0)
+}
+
+/// Whether a weight of an RS type can be read by the RS kernels' tensor maps: in device memory,
+/// rows a whole number of 16-byte units (Q8_0 rows of 256·k elements; Q4_K's always are).
+fn rs_mappable(w: &CudaWeight) -> bool {
+    !w.in_host_memory() && w.row_bytes().is_multiple_of(16)
 }
 
 /// The TA kernels' tensor map of a 16-bit weight `[n_out, n_in]` (F16 or BF16, rows as
@@ -299,8 +324,9 @@ pub struct Kernels {
     ta: Vec<(Tiles, Tiles)>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
-    /// `mmw_rsw_q4_k_n256` and `mmw_rsw_swiglu_q4_k_n256` under [`rsw`].
-    rsw: Option<(CudaFunction, CudaFunction)>,
+    /// `mmw_rsw_<type>_n256` and `mmw_rsw_swiglu_<type>_n256` under [`rsw`], for Q4_K and
+    /// Q8_0 (in that order).
+    rsw: Option<[(CudaFunction, CudaFunction); 2]>,
 }
 
 impl Kernels {
@@ -382,10 +408,13 @@ impl Kernels {
             },
             rsw: if rsw() {
                 let (tm, bn) = TILES[2];
-                Some((
-                    with_smem("mmw_rsw_q4_k_n256".into(), smem(tm, bn))?,
-                    with_smem("mmw_rsw_swiglu_q4_k_n256".into(), smem(tm, bn))?,
-                ))
+                let pair = |n: &str| -> Result<(CudaFunction, CudaFunction)> {
+                    Ok((
+                        with_smem(format!("mmw_rsw_{n}_n256"), smem(tm, bn))?,
+                        with_smem(format!("mmw_rsw_swiglu_{n}_n256"), smem(tm, bn))?,
+                    ))
+                };
+                Some([pair("q4_k")?, pair("q8_0")?])
             } else {
                 None
             },
@@ -410,6 +439,9 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
         return None;
     }
     let ti = TYPES.iter().position(|&(t, _)| t == w.dtype)?;
+    if rs() && rs_type(w.dtype) && !rs_mappable(w) {
+        return None; // the RS kernels of its type read it by tensor maps (matmul.rs mm_ instead)
+    }
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
     let (ptr, _g) = w.data.device_ptr(&be.stream);
     (ptr % 16 == 0).then_some(ti)
@@ -564,8 +596,9 @@ pub fn matmul_swiglu(
         .mmw
         .rsw
         .as_ref()
-        .filter(|_| ti_tile == 2 && gate.dtype == GgmlType::Q4K)
-        .map(|k| &k.1);
+        .zip(rsw_index(gate.dtype))
+        .filter(|_| ti_tile == 2)
+        .map(|(k, r)| &k[r].1);
     if rsw.is_some() {
         cfg.block_dim.0 = RSW_THREADS;
     }
@@ -735,9 +768,9 @@ fn launch(
     let mut cfg = config(rows, ti_tile, e2 + tiles[2])?;
     // Q4_K weights on the wide tile under FERRITE_MMW_RSW: the register-A form's kernel.
     let mut kernel = &kernels[ti_tile];
-    if let (Some(rsw), true) = (&be.mmw.rsw, ti_tile == 2 && !ta) {
-        if ws.iter().all(|w| w.dtype == GgmlType::Q4K) {
-            kernel = &rsw.0;
+    if let (Some(rsw), Some(r), true) = (&be.mmw.rsw, rsw_index(ws[0].dtype), ti_tile == 2 && !ta) {
+        if ws.iter().all(|w| w.dtype == ws[0].dtype) {
+            kernel = &rsw[r].0;
             cfg.block_dim.0 = RSW_THREADS;
         }
     }
@@ -828,15 +861,15 @@ pub(crate) struct MoeTiles<'a> {
 
 /// Index in [`TYPES`] of the grouped expert GEMMs for the gate, up and down experts `[g, u,
 /// d]`, or `None` where they are not loaded (not sm_90a, `FERRITE_MMW=0`, `FERRITE_MMW_MOE=0`),
-/// a type has none, or a Q4_K expert tensor is held in host memory under the RS form (its
-/// kernels read the experts by tensor maps, which host memory has none of: moe.cu's mma.sync
-/// forms take those).
+/// a type has none, or under the RS form an expert tensor of an RS type its tensor maps cannot
+/// read (held in host memory, or rows not whole 16-byte units: moe.cu's mma.sync forms take
+/// those).
 pub(crate) fn moe_kernels(be: &CudaBackend, [g, u, d]: [&CudaWeight; 3]) -> Option<(usize, usize)> {
     if be.mmw.moe.is_empty()
         || (rs()
             && [g, u, d]
                 .iter()
-                .any(|w| w.dtype == GgmlType::Q4K && w.in_host_memory()))
+                .any(|w| rs_type(w.dtype) && !rs_mappable(w)))
     {
         return None;
     }

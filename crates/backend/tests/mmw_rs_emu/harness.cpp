@@ -8,8 +8,10 @@
 // Checked: each of the 4 k16 steps' four registers holds, as mma.sync m16n8k16's A fragment
 // places them, the bf16 (round to nearest even) of ggml's value d · sc · q − dmin · m of the
 // element it stands for (by ggml's own layout, q4k_ref.h's scale_min), bit for bit; and that
-// every element of the tile is covered once per step. Prints one line per configuration and
-// "ALL OK"; exit status 1 on a mismatch.
+// every element of the tile is covered once per step. The Q8_0 form (`mmw_rs_row_q80`) the
+// same way on a tile of random Q8_0 rows, each row's 80-byte span of a step (two blocks, then
+// junk) as its producer copies it: each register the bf16 of q · d of its element. Prints one
+// line per configuration and "ALL OK"; exit status 1 on a mismatch.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -35,7 +37,7 @@ static uint16_t bf16_rn(float f) {
 static __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {bf16_rn(a), bf16_rn(b)}; }
 
 // The stage: shared addresses are offsets into this buffer.
-static uint8_t smem[128 * 48];
+static uint8_t smem[128 * 80];
 static uint4 mmw_lds128(uint32_t a) {
     uint4 v;
     memcpy(&v, smem + a, 16);
@@ -107,6 +109,48 @@ int main() {
                     if (seen[i] != 1 && bad++ < 10) printf("COVERAGE row %d col %d seen %d times\n", i / 64, i % 64, seen[i]);
             }
             printf("trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
+        }
+    }
+    // The Q8_0 form: a step's two blocks (f16 d, 32 int8 quants each) a row, in 80-byte spans.
+    const int SPAN = MMW_RS_Q80_SPAN, QB = 34;
+    for (int trial = 0; trial < 8; trial++) {
+        for (int i = 0; i < TM * SPAN; i++) smem[i] = (uint8_t)rnd();
+        for (int r = 0; r < TM; r++)
+            for (int b = 0; b < 2; b++) {
+                const uint16_t d = rnd_f16();
+                memcpy(smem + r * SPAN + QB * b, &d, 2);
+            }
+        for (int swiglu = 0; swiglu < 2; swiglu++) {
+            std::vector<int> seen(TM * 64, 0);
+            for (int c = 0; c < 2; c++)
+                for (int w = 0; w < 4; w++)
+                    for (int lane = 0; lane < 32; lane++) {
+                        const int g = lane >> 2, t = lane & 3;
+                        const int ra = swiglu ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
+                        const int rb2 = swiglu ? TM / 2 + ra : ra + 8;
+                        uint32_t a[16];
+                        mmw_rs_row_q80(ra * SPAN, t, 0, a);
+                        mmw_rs_row_q80(rb2 * SPAN, t, 1, a);
+                        for (int kk = 0; kk < 4; kk++)
+                            for (int reg = 0; reg < 4; reg++)
+                                for (int e = 0; e < 2; e++) {
+                                    const int row = (reg & 1) ? rb2 : ra;
+                                    const int col = 16 * kk + 2 * t + (reg >= 2 ? 8 : 0) + e;
+                                    // ggml: element col of the step is quant col % 32 of block col / 32.
+                                    const uint8_t* blk = smem + row * SPAN + QB * (col / 32);
+                                    const float d = h2f(blk[0] | blk[1] << 8);
+                                    const int q = (int8_t)blk[2 + col % 32];
+                                    const uint16_t want = bf16_rn((float)q * d);
+                                    const uint16_t got = (uint16_t)(a[4 * kk + reg] >> (16 * e));
+                                    seen[row * 64 + col]++;
+                                    if (got != want && bad++ < 10)
+                                        printf("Q8_0 MISMATCH trial %d swiglu %d c %d w %d lane %d kk %d reg %d e %d: %04x != %04x\n",
+                                               trial, swiglu, c, w, lane, kk, reg, e, got, want);
+                                }
+                    }
+            for (int i = 0; i < TM * 64; i++)
+                if (seen[i] != 1 && bad++ < 10) printf("Q8_0 COVERAGE row %d col %d seen %d times\n", i / 64, i % 64, seen[i]);
+            printf("q8_0 trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
         }
     }
     if (bad) return 1;

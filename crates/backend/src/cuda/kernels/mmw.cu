@@ -66,8 +66,9 @@
 struct __align__(128) MmwTmap {
     unsigned long long v[16];
 };
-// MMW_RS (`FERRITE_MMW_RS=1`, which compiles MMW_XTMA in too; MATMUL.md round 83): the Q4_K
-// launches on 128-output tiles take A from registers. The producers' thread 0 brings each
+// MMW_RS (`FERRITE_MMW_RS=1`, which compiles MMW_XTMA in too; MATMUL.md rounds 83, 85): the
+// Q4_K launches on 128-output tiles take A from registers (and the Q8_0 ones, by one span of a
+// row's two blocks a step: mmw_rs_row_q80). The producers' thread 0 brings each
 // stage's raw weight bytes by tensor copies beside x (two maps a weight over its rows as bytes:
 // the super-block headers, 16 bytes a row, and the step's 64-element group of quants, 32
 // bytes a row), and each consumer thread decodes its own A fragment from them (dec16's
@@ -272,6 +273,24 @@ __device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int
         a[4 * kk + 2 + half] = pack_bf16(fmaf(byte_f<2>(qn), ds, -dm), fmaf(byte_f<3>(qn), ds, -dm));
     }
 }
+
+// The Q8_0 form: `row` the shared address of the row's span of the step as the RS producers
+// copy it (MMW_RS_Q80_SPAN bytes from the step's first byte: its two 34-byte blocks, f16 d and
+// 32 int8 quants each), t and half as mmw_rs_row's. Columns 2t, 2t + 1, 2t + 8, 2t + 9 of k16
+// step kk are quants 16 (kk % 2) + those of block kk / 2; the values dec16's, (q + 128 − 128)
+// · d exactly as its Q8_0 branch computes them, packed to bf16.
+#define MMW_RS_Q80_SPAN 80
+__device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int t, int half, uint32_t (&a)[16]) {
+    const float d0 = h2f((uint16_t)mmw_lds16(row)), d1 = h2f((uint16_t)mmw_lds16(row + 34));
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        const uint32_t q = row + 34 * (kk >> 1) + 2 + 16 * (kk & 1) + 2 * t;
+        const uint32_t w = (mmw_lds16(q) | (mmw_lds16(q + 8) << 16)) ^ 0x80808080u;
+        const float d = kk >= 2 ? d1 : d0;
+        a[4 * kk + half] = pack_bf16((byte_f<0>(w) - 128.0f) * d, (byte_f<1>(w) - 128.0f) * d);
+        a[4 * kk + 2 + half] = pack_bf16((byte_f<2>(w) - 128.0f) * d, (byte_f<3>(w) - 128.0f) * d);
+    }
+}
 // EMU_RS_END
 
 template <int N>
@@ -355,7 +374,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
     // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
     // the producers' cp.async: its rows are gathered by token).
-    constexpr bool RS = MMW_RS && !TA && TYPE == GGML_Q4_K &&
+    constexpr bool Q80 = TYPE == GGML_Q8_0;  // RS: the Q8_0 form (one span a row a step)
+    constexpr bool RS = MMW_RS && !TA && (TYPE == GGML_Q4_K || Q80) &&
                         (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
     static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup is the RS wide tile's");
     constexpr bool XT = (MMW_XTMA || RS || TA) && !(MOE && SWIGLU);
@@ -438,7 +458,16 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
                 if (!XT) copy_b(kt);  // its EMPTY barrier, then the x rows (one cp.async group)
                 else if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
-                if (tid == 0) {
+                if (tid == 0 && Q80) {
+                    // Q8_0: one span of MMW_RS_Q80_SPAN bytes a row from the step's two blocks
+                    // (68 bytes; the rest, the next step's first bytes or zeros past the row, is
+                    // not read), rows [TM] (SWIGLU: gate rows then up rows).
+                    const int cb = kt * 2 * Q8_0_BYTES, r0 = wrow0 + oy * BR;
+                    mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * MMW_RS_Q80_SPAN));
+                    if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
+                    mmw_tma(st, wmh, cb, r0, bar);
+                    if (SWIGLU) mmw_tma(st + BR * MMW_RS_Q80_SPAN, wmh2, cb, r0, bar);
+                } else if (tid == 0) {
                     const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 48));
                     if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
@@ -545,8 +574,13 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             // Step kt's A fragments (mmw_rs_row for the thread's two rows).
             auto decode = [&](int kt, uint32_t (&a)[16]) {
                 const uint32_t st = s0 + (kt % MMW_STAGES) * S::STAGE;
-                mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
-                mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
+                if constexpr (Q80) {
+                    mmw_rs_row_q80(st + ra * MMW_RS_Q80_SPAN, t, 0, a);
+                    mmw_rs_row_q80(st + rb2 * MMW_RS_Q80_SPAN, t, 1, a);
+                } else {
+                    mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
+                    mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
+                }
             };
             // Step kt: its stage's copies waited for, A decoded into a (the other set may still
             // feed the previous step's MMAs), four wgmmas issued; then the previous step's
@@ -814,7 +848,7 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
 // one consumer warpgroup decodes its 64 rows' A fragments for 256 tokens (the decode per
 // FLOP of the producers' wide tile, without the producers' stores and fence), beside one
 // producer warpgroup (thread 0's tensor copies), so that its 128 accumulators and two A
-// register sets fit: 256 threads, up to 255 registers. Q4_K weights only (MMW_KERNEL1's and
+// register sets fit: 256 threads, up to 255 registers. Q4_K and Q8_0 weights (MMW_KERNEL1's and
 // MMW_SWIGLU1's parameters).
 #if MMW_RS
 #define MMW_RSW_KERNEL(name, TYPE)                                                                          \
@@ -839,6 +873,7 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
                                                      nullptr, 1, MMW_XMAP, 0, MMW_WMAP2);                   \
     }
 MMW_RSW_KERNEL(q4_k, GGML_Q4_K)
+MMW_RSW_KERNEL(q8_0, GGML_Q8_0)
 #endif
 // Mixed groups (weights 0, 1 of the first type, weight 2 of the second): Q4_K_M's Q, K, V.
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 128)
