@@ -54,10 +54,45 @@ static uint32_t mmw_lds16(uint32_t a) {
 #include "q4k_ref.h"  // scale_min: ggml's get_scale_min_k4
 #include "rng.h"      // rnd, rnd_f16
 
+static const int TM = 128;
+static int bad = 0;
+
+// Every consumer thread (warpgroup c, warp w, lane g·4 + t) of the tile decodes its two rows
+// (mmw.cu's ra / rb2 for the row order) by decode(ra, rb2, t, a); each register half must be
+// want(row, col) for the element mma.sync m16n8k16's A fragment places there, and every element
+// of the step must be covered once. `label` names the configuration in the messages.
+template <typename Decode, typename Want>
+static void check_tile(bool swiglu, Decode decode, Want want, const char* label) {
+    std::vector<int> seen(TM * 64, 0);
+    for (int c = 0; c < 2; c++)
+        for (int w = 0; w < 4; w++)
+            for (int lane = 0; lane < 32; lane++) {
+                const int g = lane >> 2, t = lane & 3;
+                const int ra = swiglu ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
+                const int rb2 = swiglu ? TM / 2 + ra : ra + 8;
+                uint32_t a[16];
+                decode(ra, rb2, t, a);
+                for (int kk = 0; kk < 4; kk++)
+                    for (int reg = 0; reg < 4; reg++)
+                        for (int e = 0; e < 2; e++) {
+                            const int row = (reg & 1) ? rb2 : ra;
+                            const int col = 16 * kk + 2 * t + (reg >= 2 ? 8 : 0) + e;
+                            const uint16_t want_v = want(row, col);
+                            const uint16_t got = (uint16_t)(a[4 * kk + reg] >> (16 * e));
+                            seen[row * 64 + col]++;
+                            if (got != want_v && bad++ < 10)
+                                printf("MISMATCH %s c %d w %d lane %d kk %d reg %d e %d: %04x != %04x\n", label, c, w,
+                                       lane, kk, reg, e, got, want_v);
+                        }
+            }
+    for (int i = 0; i < TM * 64; i++)
+        if (seen[i] != 1 && bad++ < 10) printf("COVERAGE %s row %d col %d seen %d times\n", label, i / 64, i % 64, seen[i]);
+}
+
 int main() {
-    const int TM = 128;
+    char label[96];
+    // Q4_K: a tile of random super-blocks, one 64-element group G a step.
     std::vector<uint8_t> rows(TM * Q4_K_BYTES);
-    int bad = 0;
     for (int trial = 0; trial < 8; trial++) {
         for (auto& b : rows) b = (uint8_t)rnd();
         for (int r = 0; r < TM; r++) {
@@ -72,46 +107,33 @@ int main() {
                     memcpy(smem + r * 16, &rows[r * Q4_K_BYTES], 16);
                     memcpy(smem + TM * 16 + r * 32, &rows[r * Q4_K_BYTES + 16 + 32 * G], 32);
                 }
-                std::vector<int> seen(TM * 64, 0);
-                for (int c = 0; c < 2; c++)
-                    for (int w = 0; w < 4; w++)
-                        for (int lane = 0; lane < 32; lane++) {
-                            const int g = lane >> 2, t = lane & 3;
-                            const int ra = swiglu ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
-                            const int rb2 = swiglu ? TM / 2 + ra : ra + 8;
-                            uint32_t a[16];
-                            mmw_rs_row(ra * 16, TM * 16 + ra * 32, G, t, 0, a);
-                            mmw_rs_row(rb2 * 16, TM * 16 + rb2 * 32, G, t, 1, a);
-                            for (int kk = 0; kk < 4; kk++)
-                                for (int reg = 0; reg < 4; reg++)
-                                    for (int e = 0; e < 2; e++) {
-                                        const int row = (reg & 1) ? rb2 : ra;
-                                        const int col = 16 * kk + 2 * t + (reg >= 2 ? 8 : 0) + e;
-                                        // ggml: element 64 G + col of the super-block is sub-block
-                                        // j = 2 G + col / 32, quant byte 32 G + col % 32's nibble.
-                                        const uint8_t* b = &rows[row * Q4_K_BYTES];
-                                        const int j = 2 * G + col / 32;
-                                        const uint8_t qb = b[16 + 32 * G + col % 32];
-                                        const int q = col < 32 ? qb & 15 : qb >> 4;
-                                        int sc, m;
-                                        scale_min(j, b + 4, sc, m);
-                                        const float ds = h2f(b[0] | b[1] << 8) * (float)sc;
-                                        const float dm = h2f(b[2] | b[3] << 8) * (float)m;
-                                        const uint16_t want = bf16_rn(fmaf((float)q, ds, -dm));
-                                        const uint16_t got = (uint16_t)(a[4 * kk + reg] >> (16 * e));
-                                        seen[row * 64 + col]++;
-                                        if (got != want && bad++ < 10)
-                                            printf("MISMATCH trial %d swiglu %d G %d c %d w %d lane %d kk %d reg %d e %d: %04x != %04x\n",
-                                                   trial, swiglu, G, c, w, lane, kk, reg, e, got, want);
-                                    }
-                        }
-                for (int i = 0; i < TM * 64; i++)
-                    if (seen[i] != 1 && bad++ < 10) printf("COVERAGE row %d col %d seen %d times\n", i / 64, i % 64, seen[i]);
+                snprintf(label, sizeof label, "q4_K trial %d swiglu %d G %d", trial, swiglu, G);
+                check_tile(
+                    swiglu,
+                    [&](int ra, int rb2, int t, uint32_t(&a)[16]) {
+                        mmw_rs_row(ra * 16, TM * 16 + ra * 32, G, t, 0, a);
+                        mmw_rs_row(rb2 * 16, TM * 16 + rb2 * 32, G, t, 1, a);
+                    },
+                    [&](int row, int col) {
+                        // ggml: element 64 G + col of the super-block is sub-block j = 2 G +
+                        // col / 32, quant byte 32 G + col % 32's nibble.
+                        const uint8_t* b = &rows[row * Q4_K_BYTES];
+                        const int j = 2 * G + col / 32;
+                        const uint8_t qb = b[16 + 32 * G + col % 32];
+                        const int q = col < 32 ? qb & 15 : qb >> 4;
+                        int sc, m;
+                        scale_min(j, b + 4, sc, m);
+                        const float ds = h2f(b[0] | b[1] << 8) * (float)sc;
+                        const float dm = h2f(b[2] | b[3] << 8) * (float)m;
+                        return bf16_rn(fmaf((float)q, ds, -dm));
+                    },
+                    label);
             }
             printf("trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
         }
     }
-    // The Q8_0 form: a step's two blocks (f16 d, 32 int8 quants each) a row, in 80-byte spans.
+    // The Q8_0 form: a step's two blocks (f16 d, 32 int8 quants each) a row, in 80-byte spans
+    // as the producer copies them (the rest junk).
     const int SPAN = MMW_RS_Q80_SPAN, QB = 34;
     for (int trial = 0; trial < 8; trial++) {
         for (int i = 0; i < TM * SPAN; i++) smem[i] = (uint8_t)rnd();
@@ -121,35 +143,20 @@ int main() {
                 memcpy(smem + r * SPAN + QB * b, &d, 2);
             }
         for (int swiglu = 0; swiglu < 2; swiglu++) {
-            std::vector<int> seen(TM * 64, 0);
-            for (int c = 0; c < 2; c++)
-                for (int w = 0; w < 4; w++)
-                    for (int lane = 0; lane < 32; lane++) {
-                        const int g = lane >> 2, t = lane & 3;
-                        const int ra = swiglu ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
-                        const int rb2 = swiglu ? TM / 2 + ra : ra + 8;
-                        uint32_t a[16];
-                        mmw_rs_row_q80(ra * SPAN, t, 0, a);
-                        mmw_rs_row_q80(rb2 * SPAN, t, 1, a);
-                        for (int kk = 0; kk < 4; kk++)
-                            for (int reg = 0; reg < 4; reg++)
-                                for (int e = 0; e < 2; e++) {
-                                    const int row = (reg & 1) ? rb2 : ra;
-                                    const int col = 16 * kk + 2 * t + (reg >= 2 ? 8 : 0) + e;
-                                    // ggml: element col of the step is quant col % 32 of block col / 32.
-                                    const uint8_t* blk = smem + row * SPAN + QB * (col / 32);
-                                    const float d = h2f(blk[0] | blk[1] << 8);
-                                    const int q = (int8_t)blk[2 + col % 32];
-                                    const uint16_t want = bf16_rn((float)q * d);
-                                    const uint16_t got = (uint16_t)(a[4 * kk + reg] >> (16 * e));
-                                    seen[row * 64 + col]++;
-                                    if (got != want && bad++ < 10)
-                                        printf("Q8_0 MISMATCH trial %d swiglu %d c %d w %d lane %d kk %d reg %d e %d: %04x != %04x\n",
-                                               trial, swiglu, c, w, lane, kk, reg, e, got, want);
-                                }
-                    }
-            for (int i = 0; i < TM * 64; i++)
-                if (seen[i] != 1 && bad++ < 10) printf("Q8_0 COVERAGE row %d col %d seen %d times\n", i / 64, i % 64, seen[i]);
+            snprintf(label, sizeof label, "q8_0 trial %d swiglu %d", trial, swiglu);
+            check_tile(
+                swiglu,
+                [&](int ra, int rb2, int t, uint32_t(&a)[16]) {
+                    mmw_rs_row_q80(ra * SPAN, t, 0, a);
+                    mmw_rs_row_q80(rb2 * SPAN, t, 1, a);
+                },
+                [&](int row, int col) {
+                    // ggml: element col of the step is quant col % 32 of block col / 32.
+                    const uint8_t* blk = smem + row * SPAN + QB * (col / 32);
+                    const float d = h2f(blk[0] | blk[1] << 8);
+                    return bf16_rn((float)(int8_t)blk[2 + col % 32] * d);
+                },
+                label);
             printf("q8_0 trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
         }
     }
