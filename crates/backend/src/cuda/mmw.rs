@@ -462,7 +462,7 @@ fn ta_index(be: &CudaBackend, w: &CudaWeight) -> Option<usize> {
 }
 
 /// `f(scratch, kp)` on x converted for a launch family: f16 for the TA form's F16 weights
-/// (`ta == Some(0)`), bf16 otherwise (matmul.rs `with_bf16_rows`).
+/// (`ta` naming F16 in [`TA_TYPES`]), bf16 otherwise (matmul.rs `with_bf16_rows`).
 fn with_x<R>(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -470,7 +470,7 @@ fn with_x<R>(
     f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
 ) -> Result<R> {
     match (ta, &be.mmw.x_f16) {
-        (Some(0), Some(cvt)) => {
+        (Some(t), Some(cvt)) if TA_TYPES[t].0 == GgmlType::F16 => {
             super::matmul::with_scratch_rows(be, &x.buf, x.rows, x.cols, cvt, f)
         }
         _ => super::matmul::with_bf16(be, x, f),

@@ -43,11 +43,11 @@
 
 #define MMW_TK 64
 #define MMW_XLEAD 2                         // steps the x copies run ahead of the decode
-#define MMW_PRODUCERS 2                     // producer warpgroups
-#define MMW_PTHREADS (128 * MMW_PRODUCERS)  // producer threads: 256 / TM per output row
-#define MMW_THREADS(TM) (MMW_PTHREADS + 2 * (TM))  // + TM / 64 consumer warpgroups
-// With P producer warpgroups (the RS wide tile's one: `mmw_rsw_*`).
+#define MMW_PRODUCERS 2  // producer warpgroups (256 threads: 256 / TM per output row)
+// Threads of a block: P producer warpgroups (the RS wide tile's one: `mmw_rsw_*`) + TM / 64
+// consumer warpgroups; MMW_THREADS with the usual two.
 #define MMW_THREADS_P(TM, P) (128 * (P) + 2 * (TM))
+#define MMW_THREADS(TM) MMW_THREADS_P(TM, MMW_PRODUCERS)
 #define MMW_RAW 2                           // steps of raw weight bytes in flight per thread
 // MMW_XAFTER (`FERRITE_MMW_XAFTER=1`): a step's x copies issued after its proxy fence instead of
 // before its decode (MATMUL.md round 81).
