@@ -152,7 +152,8 @@ pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 /// Whether a timing diagnostic is on, as the backend itself reads them (`FERRITE_DIAG_SKIP`
 /// leaves launches out, `FERRITE_DIAG_DQ` swaps a dequantization: wrong outputs;
 /// `FERRITE_DIAG_CLBAR` relaxes cluster barriers past the memory model's guarantees;
-/// `FERRITE_DIAG_TL` stamps every block, ~5% slower): `bench` then skips its gate and
+/// `FERRITE_DIAG_TL` stamps every block, ~5% slower; `FERRITE_DIAG_MMW` and
+/// `FERRITE_GEMV_DIAG` leave loads or compute out): `bench` then skips its gate and
 /// refuses to record.
 pub fn timing_diagnostic() -> bool {
     switches::diag_skip() != 0
@@ -160,6 +161,7 @@ pub fn timing_diagnostic() -> bool {
         || switches::diag_clbar() != 0
         || switches::diag_tl() != 0
         || switches::diag_mmw() != 0
+        || switches::diag_gemv() != 0
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for

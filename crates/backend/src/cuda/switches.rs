@@ -197,7 +197,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
-        "GEMV copy/compute timing (MATMUL.md round 8)",
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the decode GEMVs' copy / compute timed apart, 1 no compute, 2 no weight copies of the bulk-copy tiles, 3 the compute before the copies' wait (MATMUL.md round 8)",
     ),
     (
         "FERRITE_GEMVQ_SMEM",
@@ -389,9 +389,10 @@ pub(crate) fn int_or(name: &str, default: i64) -> i64 {
 }
 
 /// The timing diagnostics' values (0 unless set), read once: `FERRITE_DIAG_SKIP`'s mask,
-/// `FERRITE_DIAG_DQ`, `FERRITE_DIAG_CLBAR`'s mask and `FERRITE_DIAG_TL`'s replay.
-fn diags() -> &'static [i64; 5] {
-    static D: std::sync::OnceLock<[i64; 5]> = std::sync::OnceLock::new();
+/// `FERRITE_DIAG_DQ`, `FERRITE_DIAG_CLBAR`'s mask, `FERRITE_DIAG_TL`'s replay,
+/// `FERRITE_DIAG_MMW`'s mask and `FERRITE_GEMV_DIAG`'s mode.
+fn diags() -> &'static [i64; 6] {
+    static D: std::sync::OnceLock<[i64; 6]> = std::sync::OnceLock::new();
     D.get_or_init(|| {
         [
             "FERRITE_DIAG_SKIP",
@@ -399,6 +400,7 @@ fn diags() -> &'static [i64; 5] {
             "FERRITE_DIAG_CLBAR",
             "FERRITE_DIAG_TL",
             "FERRITE_DIAG_MMW",
+            "FERRITE_GEMV_DIAG",
         ]
         .map(|n| int_or(n, 0))
     })
@@ -412,6 +414,12 @@ pub(crate) fn diag_skip() -> i64 {
 /// `FERRITE_DIAG_MMW`: what of the wgmma prefill producers a timing diagnostic leaves out.
 pub(crate) fn diag_mmw() -> i64 {
     diags()[4]
+}
+
+/// `FERRITE_GEMV_DIAG`: what of the decode GEMVs a timing diagnostic leaves out (1 the
+/// compute, 2 the weight copies, 3 the wait before the compute).
+pub(crate) fn diag_gemv() -> i64 {
+    diags()[5]
 }
 
 /// `FERRITE_DIAG_DQ`: the q8_0 cache's dequantization a timing diagnostic replaces.
