@@ -103,34 +103,47 @@ pub(crate) fn ta() -> bool {
     *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA", 1) != 0)
 }
 
-/// `FERRITE_MMW_RSW` (read once; default 0; only with [`rs`]): Q4_K launches on the 64 × 256
+/// `FERRITE_MMW_RSW` (read once; default 1; only with [`rs`]): Q4_K launches on the 64 × 256
 /// tile take the register-A form too (`mmw_rsw_*`: one consumer warpgroup decoding its 64 rows
-/// for 256 tokens beside one producer warpgroup; MATMUL.md round 85).
+/// for 256 tokens beside one producer warpgroup; MATMUL.md rounds 85–86: Qwen3-8B Q4_K_M
+/// pp512 +15% on an H100 with [`rs`]).
 pub(crate) fn rsw() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RSW", 0) != 0)
+    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RSW", 1) != 0)
+}
+
+/// `FERRITE_MMW_RS_Q8` (read once; default 0; only with [`rs`]): Q8_0 weights take the RS form
+/// too (mmw.cu's MMW_RS_Q8: one 80-byte span a row a step). Off: its first run on a device
+/// stopped on an illegal instruction in every Q8_0 case (MATMUL.md round 86).
+pub(crate) fn rs_q8() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q8", 0) != 0)
 }
 
 /// Threads of an `mmw_rsw_*` block (MMW_THREADS_P(64, 1) in mmw.cu).
 const RSW_THREADS: u32 = 256;
 
-/// Index of `t`'s `mmw_rsw_*` kernels (Q4_K 0, Q8_0 1).
+/// Index of `t`'s `mmw_rsw_*` kernels (Q4_K 0, Q8_0 1 under [`rs_q8`]).
 fn rsw_index(t: GgmlType) -> Option<usize> {
-    [GgmlType::Q4K, GgmlType::Q8_0].iter().position(|&u| u == t)
+    match t {
+        GgmlType::Q4K => Some(0),
+        GgmlType::Q8_0 if rs_q8() => Some(1),
+        _ => None,
+    }
 }
 
 /// The TA form's weight types, in kernel-array order (`mmw_ta_<name>_n<BN>`).
 const TA_TYPES: [(GgmlType, &str); 2] = [(GgmlType::F16, "f16"), (GgmlType::BF16, "bf16")];
 
-/// `FERRITE_MMW_RS` (read once; default 0): the Q4_K launches on 128-output tiles and the MoE
+/// `FERRITE_MMW_RS` (read once; default 1): the Q4_K launches on 128-output tiles and the MoE
 /// grouped GEMMs decode their A fragments in the consumers' registers from raw bytes brought
 /// by tensor copies (mod.rs compiles mmw.cu with MMW_RS 1 and MMW_XTMA 1; the dense kernels
 /// then also take [`w_maps`]' maps; the 64 × 256 tile keeps its producers, with x by tensor
-/// copies, unless [`rsw`]; MATMUL.md rounds 83–85: on an H100 the 128-output tiles 1.44–1.49×
-/// faster, Qwen3-30B-A3B pp512 +3.2%). Off until its checks run beside the wide tile.
+/// copies, unless [`rsw`]; MATMUL.md rounds 83–86: on an H100 the 128-output tiles 1.44–1.49×
+/// faster, Qwen3-30B-A3B pp512 +3.3%, with [`rsw`] +4.2% and Qwen3-8B Q4_K_M +15%).
 pub(crate) fn rs() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 0) != 0)
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_RS", 1) != 0)
 }
 
 /// A 2-D tiled tensor map: `dims` (innermost first) of `ty` elements at `ptr`, rows `stride`
@@ -222,9 +235,9 @@ fn w_maps(
 /// Bytes a Q8_0 row's span of a K step in the RS form (MMW_RS_Q80_SPAN in mmw.cu).
 const RS_Q80_SPAN: u32 = 80;
 
-/// Weight types of the RS form (mmw.cu's RS: Q4_K, and Q8_0 by spans).
+/// Weight types of the RS form (mmw.cu's RS: Q4_K, and Q8_0 by spans under [`rs_q8`]).
 fn rs_type(t: GgmlType) -> bool {
-    matches!(t, GgmlType::Q4K | GgmlType::Q8_0)
+    t == GgmlType::Q4K || (t == GgmlType::Q8_0 && rs_q8())
 }
 
 /// Whether a weight of an RS type can be read by the RS kernels' tensor maps: in device memory,
@@ -325,8 +338,8 @@ pub struct Kernels {
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_rsw_<type>_n256` and `mmw_rsw_swiglu_<type>_n256` under [`rsw`], for Q4_K and
-    /// Q8_0 (in that order).
-    rsw: Option<[(CudaFunction, CudaFunction); 2]>,
+    /// (under [`rs_q8`]) Q8_0, in that order ([`rsw_index`]).
+    rsw: Option<Vec<(CudaFunction, CudaFunction)>>,
 }
 
 impl Kernels {
@@ -414,7 +427,12 @@ impl Kernels {
                         with_smem(format!("mmw_rsw_swiglu_{n}_n256"), smem(tm, bn))?,
                     ))
                 };
-                Some([pair("q4_k")?, pair("q8_0")?])
+                let names: &[&str] = if rs_q8() {
+                    &["q4_k", "q8_0"]
+                } else {
+                    &["q4_k"]
+                };
+                Some(names.iter().map(|n| pair(n)).collect::<Result<Vec<_>>>()?)
             } else {
                 None
             },

@@ -42,12 +42,17 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_RS",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill: 1 the Q4_K launches on 128-output tiles and the MoE GEMMs decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on), 0 (default) the producers decode (MATMUL.md rounds 83-85)",
+        "wgmma prefill: 1 (default) the Q4_K launches on 128-output tiles and the MoE GEMMs decode A in the consumers' registers from raw bytes brought by tensor copies (and FERRITE_MMW_XTMA on), 0 the producers decode (MATMUL.md rounds 83-86)",
+    ),
+    (
+        "FERRITE_MMW_RS_Q8",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill, with FERRITE_MMW_RS: 1 Q8_0 weights take the register-A form too (one 80-byte span a row a step; an illegal instruction on an H100, under investigation: MATMUL.md round 86), 0 (default) Q8_0 on the producers' form",
     ),
     (
         "FERRITE_MMW_RSW",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill, with FERRITE_MMW_RS: 1 the Q4_K launches on the 64x256 tile decode A in the consumers' registers too (mmw_rsw kernels; MATMUL.md round 85)",
+        "wgmma prefill, with FERRITE_MMW_RS: 1 (default) the Q4_K launches on the 64x256 tile decode A in the consumers' registers too (mmw_rsw kernels), 0 that tile's producers decode (MATMUL.md rounds 85-86)",
     ),
     (
         "FERRITE_MMW_TA",

@@ -78,6 +78,12 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS
 #define MMW_RS 0
 #endif
+// MMW_RS_Q8 (FERRITE_MMW_RS_Q8, off): the Q8_0 form of RS. Its first run on a device (an H100,
+// MATMUL.md round 86) stopped on an illegal instruction in every Q8_0 case; Q8_0 weights stay
+// on the producers' form until that is found.
+#ifndef MMW_RS_Q8
+#define MMW_RS_Q8 0
+#endif
 #if MMW_XTMA
 #define MMW_XMAP_PARAM , const __grid_constant__ MmwTmap xmap
 #define MMW_XMAP &xmap
@@ -375,7 +381,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
     // the producers' cp.async: its rows are gathered by token).
     constexpr bool Q80 = TYPE == GGML_Q8_0;  // RS: the Q8_0 form (one span a row a step)
-    constexpr bool RS = MMW_RS && !TA && (TYPE == GGML_Q4_K || Q80) &&
+    constexpr bool RS = MMW_RS && !TA && (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8)) &&
                         (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
     static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup is the RS wide tile's");
     constexpr bool XT = (MMW_XTMA || RS || TA) && !(MOE && SWIGLU);
@@ -873,7 +879,9 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
                                                      nullptr, 1, MMW_XMAP, 0, MMW_WMAP2);                   \
     }
 MMW_RSW_KERNEL(q4_k, GGML_Q4_K)
+#if MMW_RS_Q8
 MMW_RSW_KERNEL(q8_0, GGML_Q8_0)
+#endif
 #endif
 // Mixed groups (weights 0, 1 of the first type, weight 2 of the second): Q4_K_M's Q, K, V.
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 128)
