@@ -224,8 +224,8 @@ fn w_maps(
         )
     };
     if w.dtype == GgmlType::Q8_0 {
-        // One span a row a step (MMW_RS_Q80_SPAN: the step's two 34-byte blocks, rounded up
-        // to whole 16-byte units); the second map is not read.
+        // One span a row a step (MMW_RS_Q80_SPAN bytes from the 16-byte unit holding the
+        // step's two 34-byte blocks: a box starts at a whole unit); the second map is not read.
         let m = map(RS_Q80_SPAN)?;
         return Ok([m, m]);
     }

@@ -9,7 +9,8 @@
 // places them, the bf16 (round to nearest even) of ggml's value d · sc · q − dmin · m of the
 // element it stands for (by ggml's own layout, q4k_ref.h's scale_min), bit for bit; and that
 // every element of the tile is covered once per step. The Q8_0 form (`mmw_rs_row_q80`) the
-// same way on a tile of random Q8_0 rows, each row's 80-byte span of a step (two blocks, then
+// same way on a tile of random Q8_0 rows, each row's 80-byte span of a step (two blocks at the
+// step's offset in it, around them
 // junk) as its producer copies it: each register the bf16 of q · d of its element. Prints one
 // line per configuration and "ALL OK"; exit status 1 on a mismatch.
 #include <cmath>
@@ -133,26 +134,35 @@ int main() {
         }
     }
     // The Q8_0 form: a step's two blocks (f16 d, 32 int8 quants each) a row, in 80-byte spans
-    // as the producer copies them (the rest junk).
+    // as the producer copies them, from the 16-byte unit holding the blocks: at step kt they
+    // sit mmw_rs_q80_off(kt) bytes into the span (kt = 0..3: offsets 0, 4, 8, 12; the rest
+    // junk).
     const int SPAN = MMW_RS_Q80_SPAN, QB = 34;
     for (int trial = 0; trial < 8; trial++) {
+        const int kt = trial % 4 + 4 * (trial / 4) * 5;  // 0..3, then 20..23: the same offsets
+        const int off = (int)mmw_rs_q80_off(kt);
+        if (off != (kt * MMW_RS_Q80_STEP) % 16 || mmw_rs_q80_col(kt) + off != kt * MMW_RS_Q80_STEP ||
+            off + 2 * QB > SPAN) {
+            printf("q8_0 step %d: span offset %d FAIL\n", kt, off);
+            bad = true;
+        }
         for (int i = 0; i < TM * SPAN; i++) smem[i] = (uint8_t)rnd();
         for (int r = 0; r < TM; r++)
             for (int b = 0; b < 2; b++) {
                 const uint16_t d = rnd_f16();
-                memcpy(smem + r * SPAN + QB * b, &d, 2);
+                memcpy(smem + r * SPAN + off + QB * b, &d, 2);
             }
         for (int swiglu = 0; swiglu < 2; swiglu++) {
-            snprintf(label, sizeof label, "q8_0 trial %d swiglu %d", trial, swiglu);
+            snprintf(label, sizeof label, "q8_0 trial %d step %d swiglu %d", trial, kt, swiglu);
             check_tile(
                 swiglu,
                 [&](int ra, int rb2, int t, uint32_t(&a)[16]) {
-                    mmw_rs_row_q80(ra * SPAN, t, 0, a);
-                    mmw_rs_row_q80(rb2 * SPAN, t, 1, a);
+                    mmw_rs_row_q80(ra * SPAN, kt, t, 0, a);
+                    mmw_rs_row_q80(rb2 * SPAN, kt, t, 1, a);
                 },
                 [&](int row, int col) {
                     // ggml: element col of the step is quant col % 32 of block col / 32.
-                    const uint8_t* blk = smem + row * SPAN + QB * (col / 32);
+                    const uint8_t* blk = smem + row * SPAN + off + QB * (col / 32);
                     const float d = h2f(blk[0] | blk[1] << 8);
                     return bf16_rn((float)(int8_t)blk[2 + col % 32] * d);
                 },

@@ -280,13 +280,21 @@ __device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int
     }
 }
 
-// The Q8_0 form: `row` the shared address of the row's span of the step as the RS producers
-// copy it (MMW_RS_Q80_SPAN bytes from the step's first byte: its two 34-byte blocks, f16 d and
-// 32 int8 quants each), t and half as mmw_rs_row's. Columns 2t, 2t + 1, 2t + 8, 2t + 9 of k16
-// step kk are quants 16 (kk % 2) + those of block kk / 2; the values dec16's, (q + 128 − 128)
-// · d exactly as its Q8_0 branch computes them, packed to bf16.
+// The Q8_0 form: step kt's two 34-byte blocks (f16 d, 32 int8 quants each) start at byte
+// MMW_RS_Q80_STEP · kt of a row, which is a 16-byte unit only every fourth step; a tensor copy's
+// box starts at a whole 16-byte unit (its first try started at the blocks' byte and stopped on
+// an illegal instruction: MATMUL.md round 86), so the producers copy MMW_RS_Q80_SPAN bytes from
+// mmw_rs_q80_col(kt), the unit holding the step's first byte, which sits mmw_rs_q80_off(kt) =
+// 0, 4, 8 or 12 bytes into the span (12 + 68 = 80: the blocks always fit). `row` is the shared
+// address of the row's span, t and half as mmw_rs_row's. Columns 2t, 2t + 1, 2t + 8, 2t + 9 of
+// k16 step kk are quants 16 (kk % 2) + those of block kk / 2; the values dec16's, (q + 128 −
+// 128) · d exactly as its Q8_0 branch computes them, packed to bf16.
 #define MMW_RS_Q80_SPAN 80
-__device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int t, int half, uint32_t (&a)[16]) {
+#define MMW_RS_Q80_STEP 68
+__device__ __forceinline__ int mmw_rs_q80_col(int kt) { return (kt * MMW_RS_Q80_STEP) & ~15; }
+__device__ __forceinline__ uint32_t mmw_rs_q80_off(int kt) { return (uint32_t)(kt * MMW_RS_Q80_STEP) & 15u; }
+__device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int half, uint32_t (&a)[16]) {
+    row += mmw_rs_q80_off(kt);
     const float d0 = h2f((uint16_t)mmw_lds16(row)), d1 = h2f((uint16_t)mmw_lds16(row + 34));
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
@@ -465,10 +473,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 if (!XT) copy_b(kt);  // its EMPTY barrier, then the x rows (one cp.async group)
                 else if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
                 if (tid == 0 && Q80) {
-                    // Q8_0: one span of MMW_RS_Q80_SPAN bytes a row from the step's two blocks
-                    // (68 bytes; the rest, the next step's first bytes or zeros past the row, is
-                    // not read), rows [TM] (SWIGLU: gate rows then up rows).
-                    const int cb = kt * 2 * Q8_0_BYTES, r0 = wrow0 + oy * BR;
+                    // Q8_0: one span of MMW_RS_Q80_SPAN bytes a row from the 16-byte unit
+                    // holding the step's two blocks (68 bytes; the bytes around them, of the
+                    // steps either side or zeros past the row, are not read), rows [TM]
+                    // (SWIGLU: gate rows then up rows).
+                    const int cb = mmw_rs_q80_col(kt), r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * MMW_RS_Q80_SPAN));
                     if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
                     mmw_tma(st, wmh, cb, r0, bar);
@@ -581,8 +590,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             auto decode = [&](int kt, uint32_t (&a)[16]) {
                 const uint32_t st = s0 + (kt % MMW_STAGES) * S::STAGE;
                 if constexpr (Q80) {
-                    mmw_rs_row_q80(st + ra * MMW_RS_Q80_SPAN, t, 0, a);
-                    mmw_rs_row_q80(st + rb2 * MMW_RS_Q80_SPAN, t, 1, a);
+                    mmw_rs_row_q80(st + ra * MMW_RS_Q80_SPAN, kt, t, 0, a);
+                    mmw_rs_row_q80(st + rb2 * MMW_RS_Q80_SPAN, kt, t, 1, a);
                 } else {
                     mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
                     mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
