@@ -347,16 +347,17 @@ fn bench_on<B: Backend>(
     };
 
     // Gate first: no timing is worth anything if prefill and decode disagree. Under the
-    // backend's timing diagnostic (FERRITE_DIAG_SKIP: launches left out, wrong outputs) the
-    // gate cannot pass; it is skipped and nothing is recorded.
+    // backend's timing diagnostics (FERRITE_DIAG_*, FERRITE_GEMV_DIAG: launches, loads or
+    // compute left out, wrong outputs) the gate cannot pass; it is skipped and nothing is
+    // recorded.
     let gate_prompt = bench_tokens(a.gate_tokens.max(2), cfg.vocab, 7);
     let diag = ferrite_backend::cuda::timing_diagnostic();
     if diag {
         anyhow::ensure!(
             !a.record,
-            "FERRITE_DIAG_SKIP is a timing diagnostic with wrong outputs: not recorded"
+            "a timing diagnostic (FERRITE_DIAG_* or FERRITE_GEMV_DIAG) is on, with wrong outputs: not recorded"
         );
-        eprintln!("gate: SKIPPED (FERRITE_DIAG_SKIP: a timing diagnostic, the outputs are wrong)");
+        eprintln!("gate: SKIPPED (a timing diagnostic is on: FERRITE_DIAG_* or FERRITE_GEMV_DIAG; the outputs are wrong)");
     } else {
         let g = ferrite_engine::gate(be, &model, &gate_prompt)?;
         anyhow::ensure!(g.passed(), "prefill/decode gate FAILED: {}", g.describe());

@@ -112,12 +112,14 @@ pub(crate) fn rsw() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RSW", 1) != 0)
 }
 
-/// `FERRITE_MMW_RS_Q8` (read once; default 0; only with [`rs`]): Q8_0 weights take the RS form
-/// too (mmw.cu's MMW_RS_Q8: one 80-byte span a row a step). Off: its first run on a device
-/// stopped on an illegal instruction in every Q8_0 case (MATMUL.md round 86).
+/// `FERRITE_MMW_RS_Q8` (read once; default 1; only with [`rs`]): Q8_0 weights take the RS form
+/// too (mmw.cu's MMW_RS_Q8: one 80-byte span a row a step, from the 16-byte unit holding the
+/// step's blocks; MATMUL.md round 86: Qwen3-8B Q8_0 pp512 +43% on an H100). Q8_0 rows that
+/// are not whole 16-byte units (n_in not a multiple of 256) have no map and take `mm_` (dense)
+/// or moe.cu's forms (experts) under it.
 pub(crate) fn rs_q8() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q8", 0) != 0)
+    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q8", 1) != 0)
 }
 
 /// Threads of an `mmw_rsw_*` block (MMW_THREADS_P(64, 1) in mmw.cu).

@@ -78,9 +78,8 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS
 #define MMW_RS 0
 #endif
-// MMW_RS_Q8 (FERRITE_MMW_RS_Q8, off): the Q8_0 form of RS. Its first run on a device (an H100,
-// MATMUL.md round 86) stopped on an illegal instruction in every Q8_0 case; Q8_0 weights stay
-// on the producers' form until that is found.
+// MMW_RS_Q8 (FERRITE_MMW_RS_Q8, on by default with RS): the Q8_0 form of RS (mmw_rs_row_q80;
+// MATMUL.md round 86). Without it the RS build's Q8_0 launches keep the producers' form.
 #ifndef MMW_RS_Q8
 #define MMW_RS_Q8 0
 #endif
