@@ -16,11 +16,12 @@
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
-#   rs       the register-A prefill forms (MATMUL.md rounds 83-85), in one call: the matmul and
-#            moe checks with FERRITE_MMW_RS=1 (beside the 64x256 tile) and with
-#            FERRITE_MMW_RSW=1 too, then pp512 of Qwen3-8B and Qwen3-30B-A3B Q4_K_M and Qwen3-8B
-#            Q8_0 under the default / RS / RS + RSW in turn, two rounds (~10 minutes). The kernel cache needs
-#            the RS build: `FERRITE_MMW_RS=1 tools/h200/kernel_cache.sh mmw` after the full one
+#   bound    the decode step without its weight copies (FERRITE_GEMV_DIAG 0 / 2 / 1: all, no
+#            bulk weight copies, no GEMV compute) on Qwen3-8B Q4_K_M and Q8_0 and Qwen3-30B-A3B
+#            (BOUND_MODELS="preset:quant ..." for others), then Qwen3-8B Q4_K_M's block timeline
+#            with and without the copies (tools/timeline.py --summary of each; the cache needs
+#            the stamped CUBINs beside the plain ones, after the full build: `FERRITE_DIAG_TL=1
+#            tools/h200/kernel_cache.sh attention elementwise gated_delta matmul mmq mmw moe`)
 #   spec35   speculation's cost on Qwen3.5-9B Q4_K_M with a random MTP head (synth --mtp):
 #            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
 #            at K = 1, 2, 4 with every draft right and with none right: tokens/s against plain
@@ -248,22 +249,28 @@ for stage in "$@"; do
             FERRITE_GEMV_TM=$v $F check --device cuda --perf --filter "matmul q4_K" 2>&1 | grep -E -- "->(4096|12288|1024) rows=([1-9]|1[0-6]) "
         done | tee "$OUT/tm-perf.txt"
         ;;
-    rs)
-        for v in "FERRITE_MMW_RS=1" "FERRITE_MMW_RS=1 FERRITE_MMW_RSW=1"; do
-            for f in matmul moe; do
-                echo "[$v] check $f: $(env $v timeout 120 $F check --device cuda --filter $f 2>&1 | tee "$OUT/check-${v// /_}-$f.log" | grep -E "cases in|FAIL" | head -5 | tr '\n' ' ')"
+    bound)
+        # What the decode step is without its weight traffic (FERRITE_GEMV_DIAG, a timing
+        # diagnostic: 0 all, 2 no bulk weight copies, 1 no GEMV compute; MATMUL.md round 86,
+        # DECODE_STEP.md 45th session), tg128 at 64 prompt tokens, then the block timeline
+        # (FERRITE_DIAG_TL, replay 100) with and without the copies: which launches hold the
+        # chain. The timeline's stamps change every kernel's source: the cache needs their
+        # CUBINs too (the stage list above), or the machine compiles them (minutes).
+        for pq in ${BOUND_MODELS:-qwen3-8b:Q4_K_M qwen3-8b:Q8_0 qwen3-30b-a3b:Q4_K_M}; do
+            f=$(synth ${pq%:*} ${pq#*:} | tail -1)
+            for d in 0 2 1; do
+                echo "$pq GEMV_DIAG=$d $(FERRITE_GEMV_DIAG=$d $F bench --model "$f" --reps 2 --prompt-tokens 64 --gate-tokens 4 2>&1 | grep -E 'tg128|rror' | tr -s ' ' | tr '\n' ' ')"
             done
-        done | tee -a "$OUT/rs.log"
-        for pq in qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M qwen3-8b:Q8_0; do
-            p=${pq%:*}
-            f=$(synth $p ${pq#*:} | tail -1)
-            for r in 1 2; do
-                for v in "X=0" "FERRITE_MMW_RS=1" "FERRITE_MMW_RS=1 FERRITE_MMW_RSW=1"; do
-                    echo "$pq [$v] round $r: $(env $v timeout 90 $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+            if [ "$pq" = qwen3-8b:Q4_K_M ]; then
+                for d in 0 2; do
+                    FERRITE_DIAG_TL=100 FERRITE_DIAG_TL_OUT="/tmp/tl-$d.tsv" FERRITE_GEMV_DIAG=$d $F bench --model "$f" \
+                        --reps 1 --gate-tokens 8 --prompt-tokens 64 2>&1 | grep -E 'tg128|rror'
+                    python3 tools/timeline.py "/tmp/tl-$d.tsv" --summary > "$OUT/tl-summary-$d.txt" 2>&1
+                    gzip -c "/tmp/tl-$d.tsv" > "$OUT/tl-$d.tsv.gz"
                 done
-            done
+            fi
             rm -f "$f"
-        done | tee -a "$OUT/rs.log"
+        done | tee -a "$OUT/bound.log"
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)
