@@ -4,7 +4,8 @@
 //! stage) and run for every consumer thread of a 128-row Q4_K tile, plain and SwiGLU row
 //! orders, every 64-element group. Checks each A register against the bf16 of ggml's value of
 //! the element mma.sync m16n8k16's A fragment places there (bit for bit) and that each element
-//! is covered once; and the Q8_0 form (`mmw_rs_row_q80`) on a tile of random Q8_0 spans. What
+//! is covered once; the Q8_0 form (`mmw_rs_row_q80`) on a tile of random Q8_0 spans at each
+//! step offset; and the Q6_K form (`mmw_rs_row_q6k`) against ggml's Q6_K dequantization. What
 //! it cannot see: the wgmma itself, the tensor copies, ptxas, timing.
 
 #[path = "emu/mod.rs"]

@@ -10,9 +10,11 @@
 // element it stands for (by ggml's own layout, q4k_ref.h's scale_min), bit for bit; and that
 // every element of the tile is covered once per step. The Q8_0 form (`mmw_rs_row_q80`) the
 // same way on a tile of random Q8_0 rows, each row's 80-byte span of a step (two blocks at the
-// step's offset in it, around them
-// junk) as its producer copies it: each register the bf16 of q · d of its element. Prints one
-// line per configuration and "ALL OK"; exit status 1 on a mismatch.
+// step's offset in it, junk around them) as its producer copies it: each register the bf16 of
+// q · d of its element. The Q6_K form (`mmw_rs_row_q6k`) on random super-blocks at every
+// super-block offset and quarter pair, its two spans a row as its producer would copy them:
+// each register the bf16 of ggml's dequantize_row_q6_K value. Prints one line per
+// configuration and "ALL OK"; exit status 1 on a mismatch.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -37,8 +39,11 @@ static uint16_t bf16_rn(float f) {
 }
 static __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {bf16_rn(a), bf16_rn(b)}; }
 
-// The stage: shared addresses are offsets into this buffer.
-static uint8_t smem[128 * 80];
+// The stage: shared addresses are offsets into this buffer (large enough for the Q6_K form's
+// two spans a row, the largest).
+#define MMW_RS_Q6_QL_BYTES 80
+#define MMW_RS_Q6_HI_BYTES 96
+static uint8_t smem[128 * (MMW_RS_Q6_QL_BYTES + MMW_RS_Q6_HI_BYTES)];
 static uint4 mmw_lds128(uint32_t a) {
     uint4 v;
     memcpy(&v, smem + a, 16);
@@ -168,6 +173,69 @@ int main() {
                 },
                 label);
             printf("q8_0 trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
+        }
+    }
+    // The Q6_K form: a tile of random super-blocks (210 bytes: ql, qh, scales, d); at step kt
+    // each row's two spans as the producer copies them, from the 16-byte units below the
+    // half's ql bytes and below bytes 128..209 (the rest junk), against ggml's
+    // dequantize_row_q6_K of the super-block. Steps over every super-block offset (kt / 4 =
+    // 0..7) and each quarter pair.
+    {
+        const int QL = MMW_RS_Q6_QL, HI = MMW_RS_Q6_HI, HIB = TM * QL;
+        if (QL != MMW_RS_Q6_QL_BYTES || HI != MMW_RS_Q6_HI_BYTES) {
+            printf("q6_k spans %d, %d: the harness's buffer is for %d, %d FAIL\n", QL, HI, MMW_RS_Q6_QL_BYTES,
+                   MMW_RS_Q6_HI_BYTES);
+            bad++;
+        }
+        std::vector<uint8_t> sbs(TM * 210);
+        std::vector<float> y(TM * 256);
+        for (int trial = 0; trial < 16; trial++) {
+            const int sb = trial % 8, j = (trial + trial / 8 * 2) % 4, kt = 4 * sb + j;
+            const int n = j / 2, off = (int)mmw_rs_q6k_off(kt);
+            if (off != (210 * sb) % 16 || mmw_rs_q6k_qlcol(kt) + off != 210 * sb + 64 * n ||
+                mmw_rs_q6k_hicol(kt) + off != 210 * sb + 128 || off + 64 > QL || off + 82 > HI) {
+                printf("q6_k step %d: span offset %d FAIL\n", kt, off);
+                bad++;
+            }
+            for (auto& b : sbs) b = (uint8_t)rnd();
+            for (int r = 0; r < TM; r++) {
+                uint8_t* b = sbs.data() + r * 210;
+                const uint16_t d = rnd_f16();
+                memcpy(b + 208, &d, 2);
+                // ggml's dequantize_row_q6_K, one super-block.
+                const uint8_t *ql = b, *qh = b + 128;
+                const int8_t* sc = (const int8_t*)(b + 192);
+                const float df = h2f(d);
+                float* yr = y.data() + r * 256;
+                for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8, yr += 128)
+                    for (int l = 0; l < 32; l++) {
+                        const int is = l / 16;
+                        const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                        const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                        const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                        const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                        yr[l + 0] = df * sc[is + 0] * q1;
+                        yr[l + 32] = df * sc[is + 2] * q2;
+                        yr[l + 64] = df * sc[is + 4] * q3;
+                        yr[l + 96] = df * sc[is + 6] * q4;
+                    }
+                // The spans: junk around the copied bytes.
+                for (int i = 0; i < QL; i++) smem[r * QL + i] = (uint8_t)rnd();
+                for (int i = 0; i < HI; i++) smem[HIB + r * HI + i] = (uint8_t)rnd();
+                memcpy(smem + r * QL + off, b + 64 * n, 64);
+                memcpy(smem + HIB + r * HI + off, b + 128, 82);
+            }
+            for (int swiglu = 0; swiglu < 2; swiglu++) {
+                snprintf(label, sizeof label, "q6_k trial %d step %d swiglu %d", trial, kt, swiglu);
+                check_tile(
+                    swiglu,
+                    [&](int ra, int rb2, int t, uint32_t(&a)[16]) {
+                        mmw_rs_row_q6k(ra * QL, HIB + ra * HI, kt, t, 0, a);
+                        mmw_rs_row_q6k(rb2 * QL, HIB + rb2 * HI, kt, t, 1, a);
+                    },
+                    [&](int row, int col) { return bf16_rn(y[row * 256 + 64 * j + col]); }, label);
+                printf("q6_k trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
+            }
         }
     }
     if (bad) return 1;

@@ -304,6 +304,42 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
         a[4 * kk + 2 + half] = pack_bf16((byte_f<2>(w) - 128.0f) * d, (byte_f<3>(w) - 128.0f) * d);
     }
 }
+
+// The Q6_K form (MATMUL.md round 86, "Next": built and emulated, not yet used by a kernel).
+// Super-block kt / 4 of a row (210 bytes: ql[128], qh[64], scales[16] int8, d f16) starts
+// mmw_rs_q6k_off(kt) = 2 (kt / 4) mod 16 bytes past a 16-byte unit, so its step kt (64
+// elements: half n = (kt % 4) / 2 of the super-block, nibble half odd = kt % 2) comes in two
+// boxes from the units below its bytes: MMW_RS_Q6_QL bytes from mmw_rs_q6k_qlcol(kt) (the
+// half's 64 ql bytes) and MMW_RS_Q6_HI from mmw_rs_q6k_hicol(kt) (bytes 128..209: qh, the
+// scales, d; 82 + 14 <= 96). Element e of the step is, as dec16's Q6_K branch reads it,
+// q = ((ql[64 n + e] >> 4 odd) & 15) | ((qh[32 n + e % 32] >> (4 odd + 2 (e / 32))) & 3) << 4,
+// (q − 32) · (d · sc[8 n + 4 odd + e / 16]): dec16's values. `ql` and `hi` are the shared
+// addresses of the row's two spans; t and half as mmw_rs_row's (element 16 kk + 2t, 2t + 1 and
+// 2t + 8, 2t + 9 of k16 step kk).
+#define MMW_RS_Q6_QL 80
+#define MMW_RS_Q6_HI 96
+__device__ __forceinline__ uint32_t mmw_rs_q6k_off(int kt) { return (uint32_t)(2 * (kt >> 2)) & 15u; }
+__device__ __forceinline__ int mmw_rs_q6k_qlcol(int kt) { return ((kt >> 2) * 210 + 64 * ((kt & 3) >> 1)) & ~15; }
+__device__ __forceinline__ int mmw_rs_q6k_hicol(int kt) { return ((kt >> 2) * 210 + 128) & ~15; }
+__device__ __forceinline__ void mmw_rs_row_q6k(uint32_t ql, uint32_t hi, int kt, int t, int half, uint32_t (&a)[16]) {
+    const uint32_t off = mmw_rs_q6k_off(kt);
+    const int n = (kt & 3) >> 1, odd = kt & 1;
+    ql += off;
+    hi += off;
+    const float d = h2f((uint16_t)mmw_lds16(hi + 80));
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        // The step's scale kk (its bytes 2-aligned: the byte pair holding it).
+        const uint32_t sp = mmw_lds16(hi + 64 + 8 * n + 4 * odd + (kk & ~1));
+        const float ds = d * (float)(int)(int8_t)(uint8_t)(sp >> (8 * (kk & 1)));
+        const uint32_t l = ql + 16 * kk + 2 * t, h = hi + 32 * n + 16 * (kk & 1) + 2 * t;
+        const uint32_t lw = mmw_lds16(l) | (mmw_lds16(l + 8) << 16);
+        const uint32_t hw = mmw_lds16(h) | (mmw_lds16(h + 8) << 16);
+        const uint32_t q = ((lw >> (4 * odd)) & 0x0F0F0F0Fu) | (((hw >> (4 * odd + 2 * (kk >> 1))) & 0x03030303u) << 4);
+        a[4 * kk + half] = pack_bf16((byte_f<0>(q) - 32.0f) * ds, (byte_f<1>(q) - 32.0f) * ds);
+        a[4 * kk + 2 + half] = pack_bf16((byte_f<2>(q) - 32.0f) * ds, (byte_f<3>(q) - 32.0f) * ds);
+    }
+}
 // EMU_RS_END
 
 template <int N>
