@@ -69,14 +69,32 @@ fn threads(tm: usize) -> u32 {
 /// (tm × 64 bf16) and B (bn × 64 bf16) as fit 224 KB, at most 7, 64 bytes for the stages'
 /// mbarriers (`FERRITE_MMW_XTMA`, `FERRITE_MMW_RS`) and 1 KB of slack for aligning the ring
 /// to the swizzle atoms.
+/// Under [`rs_q6`] every dense tile takes the larger of that and the RS Q6_K form's ring (its
+/// raw A rows are RS_Q6_QL + RS_Q6_HI bytes: fewer, larger stages), so that one limit serves
+/// both (the mixed Q, K, V launch runs both forms).
 fn smem(tm: usize, bn: usize) -> usize {
-    ring_smem(tm, bn, 224 * 1024)
+    let plain = ring_smem(tm, bn, 224 * 1024);
+    if rs_q6() {
+        plain.max(ring_smem_row(
+            tm,
+            bn,
+            224 * 1024,
+            (RS_Q6_QL + RS_Q6_HI) as usize,
+        ))
+    } else {
+        plain
+    }
 }
 
 /// [`smem`] with the stages' budget `budget` bytes (MmwShape's BUDGET: 96 KB at two blocks
 /// an SM).
 const fn ring_smem(tm: usize, bn: usize, budget: usize) -> usize {
-    let stage = (tm + bn) * TK * 2;
+    ring_smem_row(tm, bn, budget, TK * 2)
+}
+
+/// [`ring_smem`] with A rows of `arow` bytes (MmwShape's AROW).
+const fn ring_smem_row(tm: usize, bn: usize, budget: usize, arow: usize) -> usize {
+    let stage = tm * arow + bn * TK * 2;
     let stages = if budget / stage < 7 {
         budget / stage
     } else {
@@ -125,13 +143,31 @@ pub(crate) fn rs_q8() -> bool {
 /// Threads of an `mmw_rsw_*` block (MMW_THREADS_P(64, 1) in mmw.cu).
 const RSW_THREADS: u32 = 256;
 
-/// Index of `t`'s `mmw_rsw_*` kernels (Q4_K 0, Q8_0 1 under [`rs_q8`]).
-fn rsw_index(t: GgmlType) -> Option<usize> {
-    match t {
-        GgmlType::Q4K => Some(0),
-        GgmlType::Q8_0 if rs_q8() => Some(1),
-        _ => None,
+/// `FERRITE_MMW_RS_Q6` (read once; default 0; only with [`rs`]): dense Q6_K weights take the
+/// RS form too (mmw.cu's MMW_RS_Q6: two spans a row a step, larger stages; MATMUL.md round 86:
+/// built, not yet run on a device). Q6_K rows that are not whole 16-byte units (n_in not a
+/// multiple of 2048) have no map and take `mm_` under it; MoE experts keep the producers.
+pub(crate) fn rs_q6() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 0) != 0)
+}
+
+/// The types of the `mmw_rsw_*` kernels, in their order in `Kernels::rsw`: Q4_K, then Q8_0
+/// under [`rs_q8`] and Q6_K under [`rs_q6`].
+fn rsw_types() -> Vec<(GgmlType, &'static str)> {
+    let mut v = vec![(GgmlType::Q4K, "q4_k")];
+    if rs_q8() {
+        v.push((GgmlType::Q8_0, "q8_0"));
     }
+    if rs_q6() {
+        v.push((GgmlType::Q6K, "q6_k"));
+    }
+    v
+}
+
+/// Index of `t`'s `mmw_rsw_*` kernels ([`rsw_types`]).
+fn rsw_index(t: GgmlType) -> Option<usize> {
+    rsw_types().iter().position(|&(u, _)| u == t)
 }
 
 /// The TA form's weight types, in kernel-array order (`mmw_ta_<name>_n<BN>`).
@@ -195,9 +231,10 @@ fn w_maps(
     be: &CudaBackend,
     w: &CudaWeight,
     box_rows: usize,
+    moe: bool,
 ) -> Result<[cudarc::driver::sys::CUtensorMap; 2]> {
     use cudarc::driver::sys;
-    if !rs_type(w.dtype) {
+    if !rs_type(w.dtype, moe) {
         // SAFETY: a CUtensorMap is plain bytes; a zeroed one is passed only to kernels that
         // do not read it.
         let zero = unsafe { std::mem::zeroed::<sys::CUtensorMap>() };
@@ -225,6 +262,11 @@ fn w_maps(
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
         )
     };
+    if w.dtype == GgmlType::Q6K {
+        // Two spans a row a step (mmw_rs_row_q6k): the half's ql bytes and the super-block's
+        // bytes 128..209, each from the 16-byte unit below them.
+        return Ok([map(RS_Q6_QL)?, map(RS_Q6_HI)?]);
+    }
     if w.dtype == GgmlType::Q8_0 {
         // One span a row a step (MMW_RS_Q80_SPAN bytes from the 16-byte unit holding the
         // step's two 34-byte blocks: a box starts at a whole unit); the second map is not read.
@@ -237,9 +279,17 @@ fn w_maps(
 /// Bytes a Q8_0 row's span of a K step in the RS form (MMW_RS_Q80_SPAN in mmw.cu).
 const RS_Q80_SPAN: u32 = 80;
 
-/// Weight types of the RS form (mmw.cu's RS: Q4_K, and Q8_0 by spans under [`rs_q8`]).
-fn rs_type(t: GgmlType) -> bool {
-    t == GgmlType::Q4K || (t == GgmlType::Q8_0 && rs_q8())
+/// Bytes a Q6_K row's two spans of a K step in the RS form (MMW_RS_Q6_QL, MMW_RS_Q6_HI in
+/// mmw.cu).
+const RS_Q6_QL: u32 = 80;
+const RS_Q6_HI: u32 = 96;
+
+/// Weight types of the RS form (mmw.cu's RS: Q4_K, Q8_0 by spans under [`rs_q8`], and Q6_K
+/// by two spans under [`rs_q6`] on the dense launches only, `moe` false).
+fn rs_type(t: GgmlType, moe: bool) -> bool {
+    t == GgmlType::Q4K
+        || (t == GgmlType::Q8_0 && rs_q8())
+        || (t == GgmlType::Q6K && !moe && rs_q6())
 }
 
 /// Whether a weight of an RS type can be read by the RS kernels' tensor maps: in device memory,
@@ -339,8 +389,8 @@ pub struct Kernels {
     ta: Vec<(Tiles, Tiles)>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
-    /// `mmw_rsw_<type>_n256` and `mmw_rsw_swiglu_<type>_n256` under [`rsw`], for Q4_K and
-    /// (under [`rs_q8`]) Q8_0, in that order ([`rsw_index`]).
+    /// `mmw_rsw_<type>_n256` and `mmw_rsw_swiglu_<type>_n256` under [`rsw`], for
+    /// [`rsw_types`] in order ([`rsw_index`]).
     rsw: Option<Vec<(CudaFunction, CudaFunction)>>,
 }
 
@@ -459,7 +509,7 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
         return None;
     }
     let ti = TYPES.iter().position(|&(t, _)| t == w.dtype)?;
-    if rs() && rs_type(w.dtype) && !rs_mappable(w) {
+    if rs() && rs_type(w.dtype, false) && !rs_mappable(w) {
         return None; // the RS kernels of its type read it by tensor maps (matmul.rs mm_ instead)
     }
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
@@ -651,7 +701,10 @@ pub fn matmul_swiglu(
         // kernels' likewise, one a weight.
         let box_rows = TILES[ti_tile].0 / 2;
         let wm = if rs() && ta.is_none() {
-            Some((w_maps(be, gate, box_rows)?, w_maps(be, up, box_rows)?))
+            Some((
+                w_maps(be, gate, box_rows, false)?,
+                w_maps(be, up, box_rows, false)?,
+            ))
         } else {
             None
         };
@@ -826,7 +879,7 @@ fn launch(
     // never read).
     let wm = if rs() && !ta {
         (0..3)
-            .map(|g| w_maps(be, ws[g.min(ws.len() - 1)], TILES[ti_tile].0))
+            .map(|g| w_maps(be, ws[g.min(ws.len() - 1)], TILES[ti_tile].0, false))
             .collect::<Result<Vec<_>>>()?
     } else {
         Vec::new()
@@ -889,7 +942,7 @@ pub(crate) fn moe_kernels(be: &CudaBackend, [g, u, d]: [&CudaWeight; 3]) -> Opti
         || (rs()
             && [g, u, d]
                 .iter()
-                .any(|w| rs_type(w.dtype) && !rs_mappable(w)))
+                .any(|w| rs_type(w.dtype, true) && !rs_mappable(w)))
     {
         return None;
     }
@@ -940,7 +993,10 @@ pub(crate) fn moe_gate_up(
         // The RS kernels' weight maps: gate's and up's experts, boxes of a tile's outputs.
         let wm = if rs() {
             let box_rows = be.mmw.moe_tile.0 / 2;
-            Some((w_maps(be, g, box_rows)?, w_maps(be, u, box_rows)?))
+            Some((
+                w_maps(be, g, box_rows, true)?,
+                w_maps(be, u, box_rows, true)?,
+            ))
         } else {
             None
         };
@@ -1006,7 +1062,9 @@ pub(crate) fn moe_down(
         if let Some(map) = &map {
             launch.arg(map);
         }
-        let wm = rs().then(|| w_maps(be, d, be.mmw.moe_tile.0)).transpose()?;
+        let wm = rs()
+            .then(|| w_maps(be, d, be.mmw.moe_tile.0, true))
+            .transpose()?;
         if let Some(m) = &wm {
             launch.arg(&m[0]).arg(&m[1]);
         }
@@ -1029,6 +1087,21 @@ mod tests {
         }
         assert_eq!(smem(128, 128), 7 * 32768 + 64 + 1024);
         assert_eq!(smem(64, 256), 5 * 40960 + 64 + 1024);
+        // The RS Q6_K form's rings (FERRITE_MMW_RS_Q6: raw A rows of 176 bytes), which smem
+        // takes under that switch where they are larger: they fit too.
+        let q6 = (RS_Q6_QL + RS_Q6_HI) as usize;
+        for (tm, bn) in TILES {
+            let r = ring_smem_row(tm, bn, 224 * 1024, q6);
+            assert!(r <= 227 * 1024, "{tm}x{bn} (Q6_K RS): {r}");
+        }
+        assert_eq!(
+            ring_smem_row(128, 128, 224 * 1024, q6),
+            5 * (22528 + 16384) + 64 + 1024
+        );
+        assert_eq!(
+            ring_smem_row(64, 256, 224 * 1024, q6),
+            5 * (11264 + 32768) + 64 + 1024
+        );
     }
 
     #[test]

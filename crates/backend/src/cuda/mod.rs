@@ -185,6 +185,9 @@ pub fn full_source(name: &str, src: &str) -> String {
         if mmw::rs_q8() {
             defs += "#define MMW_RS_Q8 1\n";
         }
+        if mmw::rs_q6() {
+            defs += "#define MMW_RS_Q6 1\n";
+        }
     }
     // Timing diagnostics compiled in (wrong outputs or outside the memory model: bench skips
     // its gate and refuses to record): FERRITE_DIAG_MMW (mmw.cu's producers), FERRITE_DIAG_DQ

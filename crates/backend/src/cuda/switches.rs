@@ -50,6 +50,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill, with FERRITE_MMW_RS: 1 (default) Q8_0 weights take the register-A form too (one 80-byte span a row a step; Qwen3-8B Q8_0 pp512 +43% on an H100), 0 Q8_0 on the producers' form (MATMUL.md round 86)",
     ),
     (
+        "FERRITE_MMW_RS_Q6",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill, with FERRITE_MMW_RS: 1 dense Q6_K weights take the register-A form too (two spans a row a step; built, not yet run on a device: MATMUL.md round 86), 0 (default) Q6_K on the producers' form",
+    ),
+    (
         "FERRITE_MMW_RSW",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill, with FERRITE_MMW_RS: 1 (default) the Q4_K launches on the 64x256 tile decode A in the consumers' registers too (mmw_rsw kernels), 0 that tile's producers decode (MATMUL.md rounds 85-86)",

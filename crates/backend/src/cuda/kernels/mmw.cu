@@ -83,6 +83,12 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS_Q8
 #define MMW_RS_Q8 0
 #endif
+// MMW_RS_Q6 (FERRITE_MMW_RS_Q6, off): the Q6_K form of RS on the dense launches (mmw_rs_row_q6k;
+// MATMUL.md round 86, built, not run on a device). Its stage's raw A is MMW_RS_Q6_ROW bytes a
+// row (the two spans), so its MmwShape has larger stages.
+#ifndef MMW_RS_Q6
+#define MMW_RS_Q6 0
+#endif
 #if MMW_XTMA
 #define MMW_XMAP_PARAM , const __grid_constant__ MmwTmap xmap
 #define MMW_XMAP &xmap
@@ -305,7 +311,8 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
     }
 }
 
-// The Q6_K form (MATMUL.md round 86, "Next": built and emulated, not yet used by a kernel).
+// The Q6_K form (MATMUL.md round 86; the dense launches under MMW_RS_Q6, off: not yet run on
+// a device).
 // Super-block kt / 4 of a row (210 bytes: ql[128], qh[64], scales[16] int8, d f16) starts
 // mmw_rs_q6k_off(kt) = 2 (kt / 4) mod 16 bytes past a 16-byte unit, so its step kt (64
 // elements: half n = (kt % 4) / 2 of the super-block, nibble half odd = kt % 2) comes in two
@@ -318,6 +325,7 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
 // 2t + 8, 2t + 9 of k16 step kk).
 #define MMW_RS_Q6_QL 80
 #define MMW_RS_Q6_HI 96
+#define MMW_RS_Q6_ROW (MMW_RS_Q6_QL + MMW_RS_Q6_HI)
 __device__ __forceinline__ uint32_t mmw_rs_q6k_off(int kt) { return (uint32_t)(2 * (kt >> 2)) & 15u; }
 __device__ __forceinline__ int mmw_rs_q6k_qlcol(int kt) { return ((kt >> 2) * 210 + 64 * ((kt & 3) >> 1)) & ~15; }
 __device__ __forceinline__ int mmw_rs_q6k_hicol(int kt) { return ((kt >> 2) * 210 + 128) & ~15; }
@@ -351,9 +359,11 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
 // 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
 // the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB.
-template <int TM, int BN, int BPS = 1, int P = MMW_PRODUCERS>
+// AROW: bytes a row of the stage's A region (a bf16 row of the step; the RS Q6_K form's raw
+// spans are more).
+template <int TM, int BN, int BPS = 1, int P = MMW_PRODUCERS, int AROW = MMW_TK * 2>
 struct MmwShape {
-    static constexpr int A_BYTES = TM * MMW_TK * 2;
+    static constexpr int A_BYTES = TM * AROW;
     static constexpr int B_BYTES = BN * MMW_TK * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
     static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : 96 * 1024;
@@ -405,7 +415,13 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                                     const MmwTmap* wmh = nullptr, const MmwTmap* wmq = nullptr,
                                     const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr, int wrow0 = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
-    using S = MmwShape<TM, BN, BPS, P>;
+    // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
+    // the producers' cp.async: its rows are gathered by token); Q6_K (MMW_RS_Q6) the dense ones.
+    constexpr bool Q80 = TYPE == GGML_Q8_0;  // RS: the Q8_0 form (one span a row a step)
+    constexpr bool Q6 = TYPE == GGML_Q6_K;   // RS: the Q6_K form (two spans a row a step)
+    constexpr bool RS = MMW_RS && !TA && (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8) || (Q6 && MMW_RS_Q6 && !MOE)) &&
+                        (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
+    using S = MmwShape<TM, BN, BPS, P, RS && Q6 ? MMW_RS_Q6_ROW : MMW_TK * 2>;
     constexpr int NACC = BN / 2;
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
     constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
@@ -421,11 +437,6 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int nk = kp / MMW_TK;
     // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
-    // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
-    // the producers' cp.async: its rows are gathered by token).
-    constexpr bool Q80 = TYPE == GGML_Q8_0;  // RS: the Q8_0 form (one span a row a step)
-    constexpr bool RS = MMW_RS && !TA && (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8)) &&
-                        (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
     static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup is the RS wide tile's");
     constexpr bool XT = (MMW_XTMA || RS || TA) && !(MOE && SWIGLU);
     static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
@@ -517,6 +528,20 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                     if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
                     mmw_tma(st, wmh, cb, r0, bar);
                     if (SWIGLU) mmw_tma(st + BR * MMW_RS_Q80_SPAN, wmh2, cb, r0, bar);
+                } else if (tid == 0 && Q6) {
+                    // Q6_K: the ql spans [TM][MMW_RS_Q6_QL] at the stage's start, the hi spans
+                    // [TM][MMW_RS_Q6_HI] after them (mmw_rs_row_q6k; SWIGLU: gate rows then up
+                    // rows in each), from the 16-byte units below the step's bytes.
+                    const int cl = mmw_rs_q6k_qlcol(kt), chh = mmw_rs_q6k_hicol(kt), r0 = wrow0 + oy * BR;
+                    const uint32_t hb = st + TM * MMW_RS_Q6_QL;
+                    mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * MMW_RS_Q6_ROW));
+                    if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
+                    mmw_tma(st, wmh, cl, r0, bar);
+                    mmw_tma(hb, wmq, chh, r0, bar);
+                    if (SWIGLU) {
+                        mmw_tma(st + BR * MMW_RS_Q6_QL, wmh2, cl, r0, bar);
+                        mmw_tma(hb + BR * MMW_RS_Q6_HI, wmq2, chh, r0, bar);
+                    }
                 } else if (tid == 0) {
                     const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 48));
@@ -627,6 +652,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 if constexpr (Q80) {
                     mmw_rs_row_q80(st + ra * MMW_RS_Q80_SPAN, kt, t, 0, a);
                     mmw_rs_row_q80(st + rb2 * MMW_RS_Q80_SPAN, kt, t, 1, a);
+                } else if constexpr (Q6) {
+                    const uint32_t hb = st + TM * MMW_RS_Q6_QL;
+                    mmw_rs_row_q6k(st + ra * MMW_RS_Q6_QL, hb + ra * MMW_RS_Q6_HI, kt, t, 0, a);
+                    mmw_rs_row_q6k(st + rb2 * MMW_RS_Q6_QL, hb + rb2 * MMW_RS_Q6_HI, kt, t, 1, a);
                 } else {
                     mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
                     mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
@@ -925,6 +954,9 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
 MMW_RSW_KERNEL(q4_k, GGML_Q4_K)
 #if MMW_RS_Q8
 MMW_RSW_KERNEL(q8_0, GGML_Q8_0)
+#endif
+#if MMW_RS_Q6
+MMW_RSW_KERNEL(q6_k, GGML_Q6_K)
 #endif
 #endif
 // Mixed groups (weights 0, 1 of the first type, weight 2 of the second): Q4_K_M's Q, K, V.
