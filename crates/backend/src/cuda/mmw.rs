@@ -153,16 +153,19 @@ pub(crate) fn rs_q6() -> bool {
 }
 
 /// The types of the `mmw_rsw_*` kernels, in their order in `Kernels::rsw`: Q4_K, then Q8_0
-/// under [`rs_q8`] and Q6_K under [`rs_q6`].
-fn rsw_types() -> Vec<(GgmlType, &'static str)> {
-    let mut v = vec![(GgmlType::Q4K, "q4_k")];
-    if rs_q8() {
-        v.push((GgmlType::Q8_0, "q8_0"));
-    }
-    if rs_q6() {
-        v.push((GgmlType::Q6K, "q6_k"));
-    }
-    v
+/// under [`rs_q8`] and Q6_K under [`rs_q6`] (read once: every wide-tile launch asks).
+fn rsw_types() -> &'static [(GgmlType, &'static str)] {
+    static T: std::sync::OnceLock<Vec<(GgmlType, &'static str)>> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut v = vec![(GgmlType::Q4K, "q4_k")];
+        if rs_q8() {
+            v.push((GgmlType::Q8_0, "q8_0"));
+        }
+        if rs_q6() {
+            v.push((GgmlType::Q6K, "q6_k"));
+        }
+        v
+    })
 }
 
 /// Index of `t`'s `mmw_rsw_*` kernels ([`rsw_types`]).
@@ -293,7 +296,8 @@ fn rs_type(t: GgmlType, moe: bool) -> bool {
 }
 
 /// Whether a weight of an RS type can be read by the RS kernels' tensor maps: in device memory,
-/// rows a whole number of 16-byte units (Q8_0 rows of 256·k elements; Q4_K's always are).
+/// rows a whole number of 16-byte units (Q8_0 rows of 256·k elements, Q6_K rows of 2048·k;
+/// Q4_K's always are).
 fn rs_mappable(w: &CudaWeight) -> bool {
     !w.in_host_memory() && w.row_bytes().is_multiple_of(16)
 }
@@ -479,12 +483,12 @@ impl Kernels {
                         with_smem(format!("mmw_rsw_swiglu_{n}_n256"), smem(tm, bn))?,
                     ))
                 };
-                let names: &[&str] = if rs_q8() {
-                    &["q4_k", "q8_0"]
-                } else {
-                    &["q4_k"]
-                };
-                Some(names.iter().map(|n| pair(n)).collect::<Result<Vec<_>>>()?)
+                Some(
+                    rsw_types()
+                        .iter()
+                        .map(|&(_, n)| pair(n))
+                        .collect::<Result<Vec<_>>>()?,
+                )
             } else {
                 None
             },

@@ -28,6 +28,8 @@
 #define QK_K 256
 #define Q4_K_BYTES 144
 #define Q5_K_BYTES 176
+#define Q6_K_BYTES 210
+#define Q8_0_BYTES 34
 
 // bf16 pairs: the device's __floats2bfloat162_rn (round to nearest even; no NaN here).
 struct __nv_bfloat162 {

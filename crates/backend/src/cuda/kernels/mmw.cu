@@ -295,15 +295,15 @@ __device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int
 // k16 step kk are quants 16 (kk % 2) + those of block kk / 2; the values dec16's, (q + 128 −
 // 128) · d exactly as its Q8_0 branch computes them, packed to bf16.
 #define MMW_RS_Q80_SPAN 80
-#define MMW_RS_Q80_STEP 68
+#define MMW_RS_Q80_STEP (2 * Q8_0_BYTES)
 __device__ __forceinline__ int mmw_rs_q80_col(int kt) { return (kt * MMW_RS_Q80_STEP) & ~15; }
 __device__ __forceinline__ uint32_t mmw_rs_q80_off(int kt) { return (uint32_t)(kt * MMW_RS_Q80_STEP) & 15u; }
 __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int half, uint32_t (&a)[16]) {
     row += mmw_rs_q80_off(kt);
-    const float d0 = h2f((uint16_t)mmw_lds16(row)), d1 = h2f((uint16_t)mmw_lds16(row + 34));
+    const float d0 = h2f((uint16_t)mmw_lds16(row)), d1 = h2f((uint16_t)mmw_lds16(row + Q8_0_BYTES));
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
-        const uint32_t q = row + 34 * (kk >> 1) + 2 + 16 * (kk & 1) + 2 * t;
+        const uint32_t q = row + Q8_0_BYTES * (kk >> 1) + 2 + 16 * (kk & 1) + 2 * t;
         const uint32_t w = (mmw_lds16(q) | (mmw_lds16(q + 8) << 16)) ^ 0x80808080u;
         const float d = kk >= 2 ? d1 : d0;
         a[4 * kk + half] = pack_bf16((byte_f<0>(w) - 128.0f) * d, (byte_f<1>(w) - 128.0f) * d);
@@ -314,7 +314,7 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
 // The Q6_K form (MATMUL.md round 86; the dense launches under MMW_RS_Q6, off: not yet run on
 // a device).
 // Super-block kt / 4 of a row (210 bytes: ql[128], qh[64], scales[16] int8, d f16) starts
-// mmw_rs_q6k_off(kt) = 2 (kt / 4) mod 16 bytes past a 16-byte unit, so its step kt (64
+// mmw_rs_q6k_off(kt) = 210 (kt / 4) mod 16 bytes past a 16-byte unit, so its step kt (64
 // elements: half n = (kt % 4) / 2 of the super-block, nibble half odd = kt % 2) comes in two
 // boxes from the units below its bytes: MMW_RS_Q6_QL bytes from mmw_rs_q6k_qlcol(kt) (the
 // half's 64 ql bytes) and MMW_RS_Q6_HI from mmw_rs_q6k_hicol(kt) (bytes 128..209: qh, the
@@ -326,9 +326,9 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
 #define MMW_RS_Q6_QL 80
 #define MMW_RS_Q6_HI 96
 #define MMW_RS_Q6_ROW (MMW_RS_Q6_QL + MMW_RS_Q6_HI)
-__device__ __forceinline__ uint32_t mmw_rs_q6k_off(int kt) { return (uint32_t)(2 * (kt >> 2)) & 15u; }
-__device__ __forceinline__ int mmw_rs_q6k_qlcol(int kt) { return ((kt >> 2) * 210 + 64 * ((kt & 3) >> 1)) & ~15; }
-__device__ __forceinline__ int mmw_rs_q6k_hicol(int kt) { return ((kt >> 2) * 210 + 128) & ~15; }
+__device__ __forceinline__ uint32_t mmw_rs_q6k_off(int kt) { return (uint32_t)((kt >> 2) * Q6_K_BYTES) & 15u; }
+__device__ __forceinline__ int mmw_rs_q6k_qlcol(int kt) { return ((kt >> 2) * Q6_K_BYTES + 64 * ((kt & 3) >> 1)) & ~15; }
+__device__ __forceinline__ int mmw_rs_q6k_hicol(int kt) { return ((kt >> 2) * Q6_K_BYTES + 128) & ~15; }
 __device__ __forceinline__ void mmw_rs_row_q6k(uint32_t ql, uint32_t hi, int kt, int t, int half, uint32_t (&a)[16]) {
     const uint32_t off = mmw_rs_q6k_off(kt);
     const int n = (kt & 3) >> 1, odd = kt & 1;
