@@ -95,8 +95,10 @@ def table():
         lines.append(
             f"¹ prefill/decode gate run at {', '.join(map(str, sorted(short_gates)))} tokens instead of "
             f"{DEFAULT_GATE_TOKENS}: a prompt that short runs the decode kernels (≤ 16 rows), so the "
-            "gate checks their row-count invariance, not the prefill kernels; the model's "
-            "32-token gate passes with exact prefill (FERRITE_MMQ=1). See crates/backend/src/cuda/MOE.md."
+            "gate checks their row-count invariance, not the prefill kernels. On random weights the "
+            "model's 32-token gate fails by a near tie of its 256-expert routers, even with exact "
+            "prefill (FERRITE_MMQ=1: the decode's token ranked 7.3e-3 below the prefill's). See "
+            "crates/backend/src/cuda/MOE.md."
         )
     return "\n".join(lines)
 
