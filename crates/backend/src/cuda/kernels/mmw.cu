@@ -792,7 +792,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                             g == 0 ? out0 : (g == 1 ? out1 : out2), y - (g == 0 ? 0 : (g == 1 ? e1 : e2)),  \
                             nullptr, 1, MMW_XMAP, 0, MMW_WMAP(g));                                          \
         else                                                                                                \
-            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2, nullptr, 1, MMW_XMAP);  \
+            mmw<TB, TM, BN>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2, nullptr, 1, MMW_XMAP, 0, \
+                            MMW_WMAP(2));                                                                   \
     }
 // The first half of a SwiGLU FFN in one launch: out = silu(gate · x) ⊙ (up · x), TM / 2
 // outputs per block (`mmw_row`), no gate or up written.
