@@ -170,9 +170,8 @@ pub fn full_source(name: &str, src: &str) -> String {
     let mut defs = String::new();
     // The wgmma prefill's forms (MATMUL.md rounds 81-85): x by tensor copies on by default
     // (FERRITE_MMW_XTMA), and the register-A form for Q4_K (FERRITE_MMW_RS, FERRITE_MMW_RSW)
-    // and Q8_0 (FERRITE_MMW_RS_Q8); its dense Q6_K form (FERRITE_MMW_RS_Q6, not yet run on a
-    // device) and the x copies after the fence (FERRITE_MMW_XAFTER, −17% on an H100) as
-    // switches, off.
+    // and Q8_0 (FERRITE_MMW_RS_Q8) and dense Q6_K (FERRITE_MMW_RS_Q6); the x copies after the
+    // fence (FERRITE_MMW_XAFTER, −17% on an H100) as a switch, off.
     if name == "mmw" {
         if switches::int_or("FERRITE_MMW_XAFTER", 0) != 0 {
             defs += "#define MMW_XAFTER 1\n";

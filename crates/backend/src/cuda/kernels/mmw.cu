@@ -83,8 +83,8 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS_Q8
 #define MMW_RS_Q8 0
 #endif
-// MMW_RS_Q6 (FERRITE_MMW_RS_Q6, off): the Q6_K form of RS on the dense launches (mmw_rs_row_q6k;
-// MATMUL.md round 86, built, not run on a device). Its stage's raw A is MMW_RS_Q6_ROW bytes a
+// MMW_RS_Q6 (FERRITE_MMW_RS_Q6, on by default with RS): the Q6_K form of RS on the dense
+// launches (mmw_rs_row_q6k; MATMUL.md rounds 86, 87). Its stage's raw A is MMW_RS_Q6_ROW bytes a
 // row (the two spans), so its MmwShape has larger stages.
 #ifndef MMW_RS_Q6
 #define MMW_RS_Q6 0
@@ -311,8 +311,7 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
     }
 }
 
-// The Q6_K form (MATMUL.md round 86; the dense launches under MMW_RS_Q6, off: not yet run on
-// a device).
+// The Q6_K form (MATMUL.md rounds 86, 87; the dense launches under MMW_RS_Q6).
 // Super-block kt / 4 of a row (210 bytes: ql[128], qh[64], scales[16] int8, d f16) starts
 // mmw_rs_q6k_off(kt) = 210 (kt / 4) mod 16 bytes past a 16-byte unit, so its step kt (64
 // elements: half n = (kt % 4) / 2 of the super-block, nibble half odd = kt % 2) comes in two
