@@ -144,9 +144,10 @@ pub(crate) fn rs_q8() -> bool {
 const RSW_THREADS: u32 = 256;
 
 /// `FERRITE_MMW_RS_Q6` (read once; default 1; only with [`rs`]): dense Q6_K weights take the
-/// RS form too (mmw.cu's MMW_RS_Q6: two spans a row a step, larger stages; MATMUL.md rounds 86,
-/// 87: Qwen3-8B Q4_K_M pp512 +3.4% on an H100). Q6_K rows that are not whole 16-byte units (n_in not a
-/// multiple of 2048) have no map and take `mm_` under it; MoE experts keep the producers.
+/// RS form too (mmw.cu's MMW_RS_Q6: two spans a row a step, larger stages; MATMUL.md rounds
+/// 86, 87: Qwen3-8B Q4_K_M pp512 +3.4% on an H100). Q6_K rows that are not whole 16-byte
+/// units (n_in not a multiple of 2048) have no map and take `mm_` under it; MoE experts keep
+/// the producers.
 pub(crate) fn rs_q6() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 1) != 0)
