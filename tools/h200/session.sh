@@ -16,8 +16,8 @@
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
-#   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the cache of the off
-#            form first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
+#   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
+#            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
 #   bound    the decode step without its weight copies (FERRITE_GEMV_DIAG 0 / 2 / 1: all, no
 #            bulk weight copies, no GEMV compute) on Qwen3-8B Q4_K_M and Q8_0 and Qwen3-30B-A3B
@@ -253,10 +253,10 @@ for stage in "$@"; do
         done | tee "$OUT/tm-perf.txt"
         ;;
     rsq6)
-        # The register-A form for Q6_K (FERRITE_MMW_RS_Q6, MATMUL.md rounds 86, 87; the cache needs
-        # `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw` for the off form): the matmul check under it (its
-        # Q6_K cases, the mixed Q, K, V groups), then pp512 of Qwen3-8B Q4_K_M (V and half the
-        # downs Q6_K) off / on, two rounds.
+        # The register-A form for Q6_K (FERRITE_MMW_RS_Q6, on by default; MATMUL.md rounds 86,
+        # 87; the off form's CUBIN needs `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`):
+        # the matmul check under it (its Q6_K cases, the mixed Q, K, V groups), then pp512 of
+        # Qwen3-8B Q4_K_M (V and half the downs Q6_K) off / on, two rounds.
         echo "check matmul [RS_Q6]: $(FERRITE_MMW_RS_Q6=1 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-rsq6.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/rsq6.log"
         f=$(synth qwen3-8b Q4_K_M | tail -1)
         for r in 1 2; do

@@ -52,7 +52,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_RS_Q6",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill, with FERRITE_MMW_RS: 1 dense Q6_K weights take the register-A form too (two spans a row a step; built, not yet run on a device: MATMUL.md round 86), 0 (default) Q6_K on the producers' form",
+        "wgmma prefill, with FERRITE_MMW_RS: 1 (default) dense Q6_K weights take the register-A form too (two spans a row a step; Qwen3-8B Q4_K_M pp512 +3.4% on an H100), 0 Q6_K on the producers' form (MATMUL.md rounds 86-87)",
     ),
     (
         "FERRITE_MMW_RSW",
