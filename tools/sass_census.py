@@ -17,9 +17,10 @@ machine code with the working tree's (a refactor that should not change the kern
 round 11 item 7).
 
 Needs NVRTC 13 (libnvrtc.so.13 under $CUDA_HOME/lib64 or lib) and cuobjdump ($CUOBJDUMP, or
-on PATH; PyPI's `nvidia-cuda-cuobjdump` wheel holds one under nvidia/cu13/bin). The trimmed module's machine code is the full module's to within a few
-instructions (gemvq_swiglu_tc_q4_k_r1 1216 either way; gemvq_tc_q4_k_r1 1104 vs 1112,
-gemvq_tc_q6_k_r1 856 vs 864), so compare variants with each other, taken the same way.
+on PATH; PyPI's `nvidia-cuda-cuobjdump` wheel holds one under nvidia/cu13/bin). The trimmed
+module's machine code is the full module's to within a few instructions
+(gemvq_swiglu_tc_q4_k_r1 1216 either way; gemvq_tc_q4_k_r1 1104 vs 1112, gemvq_tc_q6_k_r1 856
+vs 864), so compare variants with each other, taken the same way.
 """
 import argparse
 import collections
