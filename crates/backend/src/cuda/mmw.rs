@@ -153,6 +153,14 @@ pub(crate) fn rs_q6() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 1) != 0)
 }
 
+/// Steps of the RS MoE gate/up's gathered x copies in flight past the one its producers
+/// publish (`FERRITE_MMW_GU_LEAD`, default 0; the kernel caps it at its stages less two; 0:
+/// each step's copies waited for as soon as issued, the form before the 48th session).
+pub(crate) fn gu_lead() -> i64 {
+    static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_LEAD", 0).clamp(0, 8))
+}
+
 /// The types of the `mmw_rsw_*` kernels, in their order in `Kernels::rsw`: Q4_K, then Q8_0
 /// under [`rs_q8`] and Q6_K under [`rs_q6`] (read once: every wide-tile launch asks).
 fn rsw_types() -> &'static [(GgmlType, &'static str)] {
@@ -382,12 +390,15 @@ pub struct Kernels {
     /// `mmw_moe_gu_<type>_n64` and `mmw_moe_down_<type>_n64` of each of [`TYPES`]: a MoE
     /// prefill's grouped expert GEMMs ([`moe_gate_up`], [`moe_down`]); empty where wgmma is
     /// not available or `FERRITE_MMW_MOE=0` (moe.cu's mma.sync forms instead). By default
-    /// (`FERRITE_MMW_MOE=2`) the `mmw_moe2_*` forms (64-output tiles, two blocks an SM:
-    /// +9.7% on Qwen3-30B-A3B's pp512, MOE.md 42nd session); `FERRITE_MMW_MOE=1` the
-    /// 128-output ones, one block an SM.
-    moe: Vec<[CudaFunction; 2]>,
+    /// (`FERRITE_MMW_MOE=3`) the RS Q4_K experts on the `mmw_moe3_*` forms (64-output tiles,
+    /// one producer warpgroup, three blocks an SM: pp512 +8.8% on Qwen3-30B-A3B and +8.7% on
+    /// Qwen3.5-35B-A3B, MOE.md 48th session) and every other type on the `mmw_moe2_*` forms
+    /// (64-output tiles, two blocks an SM: +9.7% on Qwen3-30B-A3B's pp512, MOE.md 42nd
+    /// session), as under `FERRITE_MMW_MOE=2` every type; `FERRITE_MMW_MOE=1` the 128-output
+    /// ones, one block an SM.
+    moe: Vec<[MoeFn; 2]>,
     /// Their tile: outputs a block (gate and up rows together for the gate/up) and dynamic
-    /// shared memory.
+    /// shared memory (of the `FERRITE_MMW_MOE=1` or 2 form; each [`MoeFn`] has its own).
     moe_tile: (usize, usize),
     /// `mmw_ta_<type>_n<BN>` and `mmw_ta_swiglu_<type>_n<BN>` of each of [`TA_TYPES`]; empty
     /// unless `FERRITE_MMW_TA` is on.
@@ -431,14 +442,32 @@ impl Kernels {
                 |(tm, bn): (usize, usize)| with_smem(format!("mmw_{family}_n{bn}"), smem(tm, bn));
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
-        let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 2);
-        let (family, moe_tile) = moe_form(moe_mode);
+        let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 3);
+        let (family, moe_tile) = moe_form(moe_mode.min(2));
         let moe = if moe_mode != 0 {
             TYPES
                 .iter()
-                .map(|(_, n)| -> Result<[CudaFunction; 2]> {
-                    let g = |part: &str| {
-                        with_smem(format!("mmw_{family}_{part}_{n}_n{MOE_TN}"), moe_tile.1)
+                .map(|&(t, n)| -> Result<[MoeFn; 2]> {
+                    // FERRITE_MMW_MOE=3: the RS Q4_K experts on `mmw_moe3_*` (one producer
+                    // warpgroup, three blocks an SM), every other type on moe2's.
+                    let three = moe_mode == 3 && rs() && t == GgmlType::Q4K;
+                    let g = |part: &str| -> Result<MoeFn> {
+                        Ok(if three {
+                            MoeFn {
+                                f: with_smem(format!("mmw_moe3_{part}_{n}_n{MOE_TN}"), MOE3_SMEM)?,
+                                threads: (128 + 2 * moe_tile.0) as u32,
+                                smem: MOE3_SMEM,
+                            }
+                        } else {
+                            MoeFn {
+                                f: with_smem(
+                                    format!("mmw_{family}_{part}_{n}_n{MOE_TN}"),
+                                    moe_tile.1,
+                                )?,
+                                threads: threads(moe_tile.0),
+                                smem: moe_tile.1,
+                            }
+                        })
                     };
                     Ok([g("gu")?, g("down")?])
                 })
@@ -914,7 +943,8 @@ fn launch(
 /// (`moe_sort`) they read.
 pub(crate) const MOE_TN: usize = 64;
 /// The grouped GEMMs' kernel family under `FERRITE_MMW_MOE` = `mode` (1 or 2) and its tile:
-/// outputs a block and dynamic shared memory. 2 (the default): `mmw_moe2_*`, 64 outputs (one
+/// outputs a block and dynamic shared memory. 2 (and under the default 3, every type but the
+/// RS Q4_K experts'): `mmw_moe2_*`, 64 outputs (one
 /// consumer warpgroup) with MmwShape<64, 64, 2>'s 96 KB of stages, two blocks an SM; 1:
 /// `mmw_moe_*`, 128 outputs (two consumer warpgroups), one block an SM.
 fn moe_form(mode: i64) -> (&'static str, (usize, usize)) {
@@ -924,6 +954,19 @@ fn moe_form(mode: i64) -> (&'static str, (usize, usize)) {
         ("moe", (TM, smem(TM, MOE_TN)))
     }
 }
+
+/// A grouped expert GEMM's kernel with its block size and dynamic shared memory (the
+/// `FERRITE_MMW_MOE=3` form's differ from moe2's).
+pub(crate) struct MoeFn {
+    f: CudaFunction,
+    threads: u32,
+    smem: usize,
+}
+
+/// The stages' budget of the three-blocks-an-SM form (mmw.cu MMW_MOE3_BUDGET) and its dynamic
+/// shared memory: six stages of 64 raw RS Q4_K A rows (48 bytes) and 64 bf16 x rows.
+const MOE3_BUDGET: usize = 72 * 1024;
+const MOE3_SMEM: usize = ring_smem_row(64, MOE_TN, MOE3_BUDGET, 48);
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
 /// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;
@@ -957,8 +1000,7 @@ pub(crate) fn moe_kernels(be: &CudaBackend, [g, u, d]: [&CudaWeight; 3]) -> Opti
 
 /// The grid of a grouped expert GEMM: every tile the routing could yield by `out_tiles`
 /// output tiles.
-fn moe_config(be: &CudaBackend, t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchConfig> {
-    let (tm, smem) = be.mmw.moe_tile;
+fn moe_config(k: &MoeFn, t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchConfig> {
     ensure!(
         t.max_tiles < (1 << 31) && out_tiles <= 65535,
         "mmw: MoE grid of {} tiles by {out_tiles} is too large",
@@ -966,8 +1008,8 @@ fn moe_config(be: &CudaBackend, t: &MoeTiles<'_>, out_tiles: usize) -> Result<La
     );
     Ok(LaunchConfig {
         grid_dim: (t.max_tiles as u32, out_tiles as u32, 1),
-        block_dim: (threads(tm), 1, 1),
-        shared_mem_bytes: smem as u32,
+        block_dim: (k.threads, 1, 1),
+        shared_mem_bytes: k.smem as u32,
     })
 }
 
@@ -986,7 +1028,8 @@ pub(crate) fn moe_gate_up(
     t: &MoeTiles<'_>,
     h: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let cfg = moe_config(be, t, ffn.div_ceil(be.mmw.moe_tile.0 / 2))?;
+    let k = &be.mmw.moe[ti][0];
+    let cfg = moe_config(k, t, ffn.div_ceil(be.mmw.moe_tile.0 / 2))?;
     let (rb, n_out, n_in, tk) = (
         g.row_bytes() as i64,
         ffn as i32,
@@ -1005,7 +1048,7 @@ pub(crate) fn moe_gate_up(
         } else {
             None
         };
-        let mut launch = be.stream.kernel(&be.mmw.moe[ti][0]);
+        let mut launch = be.stream.kernel(&k.f);
         launch
             .arg(&*g.data)
             .arg(&*u.data)
@@ -1044,14 +1087,15 @@ pub(crate) fn moe_down(
     t: &MoeTiles<'_>,
     y: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    let cfg = moe_config(be, t, hidden.div_ceil(be.mmw.moe_tile.0))?;
+    let k = &be.mmw.moe[ti][1];
+    let cfg = moe_config(k, t, hidden.div_ceil(be.mmw.moe_tile.0))?;
     let (rb, n_out, n_in) = (d.row_bytes() as i64, hidden as i32, ffn as i32);
     super::matmul::with_bf16_rows(be, h, pairs, ffn, |hb, kp| {
         let map = xtma()
             .then(|| x_map(be, hb, pairs, kp, MOE_TN))
             .transpose()?;
         let kp = kp as i32;
-        let mut launch = be.stream.kernel(&be.mmw.moe[ti][1]);
+        let mut launch = be.stream.kernel(&k.f);
         launch
             .arg(&*d.data)
             .arg(&rb)
@@ -1087,6 +1131,10 @@ mod tests {
 
     #[test]
     fn shared_memory_fits_the_h200() {
+        // Three moe3 blocks an SM: each its dynamic shared memory, 1 KB static (the kernel's
+        // barrier words and epilogue) and the 1 KB the driver reserves a block, in 228 KB.
+        assert_eq!(MOE3_SMEM, 6 * (64 * 48 + 64 * 128) + 64 + 1024);
+        assert!(3 * (MOE3_SMEM + 2048) <= 228 * 1024, "{MOE3_SMEM}");
         for (tm, bn) in TILES {
             assert!(smem(tm, bn) <= 227 * 1024, "{tm}x{bn}: {}", smem(tm, bn));
         }

@@ -188,6 +188,10 @@ pub fn full_source(name: &str, src: &str) -> String {
         if mmw::rs_q6() {
             defs += "#define MMW_RS_Q6 1\n";
         }
+        let gu_lead = mmw::gu_lead();
+        if gu_lead != 0 {
+            defs += &format!("#define MMW_GU_LEAD {gu_lead}\n");
+        }
     }
     // Timing diagnostics compiled in (wrong outputs or outside the memory model: bench skips
     // its gate and refuses to record): FERRITE_DIAG_MMW (mmw.cu's producers), FERRITE_DIAG_DQ

@@ -36,8 +36,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_MOE",
-        Accepts::OneOf(&[0, 1, 2]),
-        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 (default) on 64-output tiles two blocks an SM (MOE.md)",
+        Accepts::OneOf(&[0, 1, 2, 3]),
+        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 on 64-output tiles two blocks an SM, 3 (default) as 2 but the RS Q4_K experts on one producer warpgroup, three blocks an SM (MOE.md)",
     ),
     (
         "FERRITE_MMW_RS",
@@ -53,6 +53,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_MMW_RS_Q6",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill, with FERRITE_MMW_RS: 1 (default) dense Q6_K weights take the register-A form too (two spans a row a step; Qwen3-8B Q4_K_M pp512 +3.4% on an H100), 0 Q6_K on the producers' form (MATMUL.md rounds 86-87)",
+    ),
+    (
+        "FERRITE_MMW_GU_LEAD",
+        Accepts::Range(0, 8),
+        "wgmma prefill, with FERRITE_MMW_RS: steps of the MoE gate/up's gathered x copies kept in flight past the step the producers publish (capped at the ring's stages less two; 0, the default: each step's copies waited for at once; 4 measured -4.5% on pp512) (MOE.md, 48th session)",
     ),
     (
         "FERRITE_MMW_RSW",

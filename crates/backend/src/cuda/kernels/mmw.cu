@@ -89,6 +89,12 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS_Q6
 #define MMW_RS_Q6 0
 #endif
+// MMW_GU_LEAD (`FERRITE_MMW_GU_LEAD`, default 0): under RS, steps of the MoE gate/up's gathered
+// x copies (cp.async) the producers keep in flight past the step they publish, at most
+// STAGES - 2 (0: each step's copies waited for as soon as issued; MOE.md, 48th session).
+#ifndef MMW_GU_LEAD
+#define MMW_GU_LEAD 0
+#endif
 #if MMW_XTMA
 #define MMW_XMAP_PARAM , const __grid_constant__ MmwTmap xmap
 #define MMW_XMAP &xmap
@@ -154,6 +160,12 @@ __device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int 
 // 4 token rows land 8 banks apart, conflict-free; 16-byte aligned rows), and its barrier (the
 // stages' barriers are 1..14).
 #define MMW_SP(TM) ((TM) + 4)
+// The stages' budget at three blocks an SM (`mmw_moe3_*`; mmw.rs MOE3_BUDGET): three blocks
+// of six 11 KB stages (RS Q4_K's raw A rows, MMW_RS_Q4K_ROW) with their slack fit 227 KB.
+#define MMW_MOE3_BUDGET (72 * 1024)
+// Bytes a row of an RS Q4_K stage's raw A (the header's 16 and the step's 32 quant bytes):
+// the three-blocks-an-SM form's stages hold those instead of a bf16 row's 128.
+#define MMW_RS_Q4K_ROW 48
 #define MMW_EPI_BAR 15
 
 // The bf16 decoders (h2f, raw16, dec16, ..) come from mm_decode.cuh, prepended by mod.rs.
@@ -357,7 +369,7 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
 // 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
-// the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB.
+// the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB, with BPS = 3 (`mmw_moe3_*`) 72 KB.
 // AROW: bytes a row of the stage's A region (a bf16 row of the step; the RS Q6_K form's raw
 // spans are more).
 template <int TM, int BN, int BPS = 1, int P = MMW_PRODUCERS, int AROW = MMW_TK * 2>
@@ -365,7 +377,7 @@ struct MmwShape {
     static constexpr int A_BYTES = TM * AROW;
     static constexpr int B_BYTES = BN * MMW_TK * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
-    static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : 96 * 1024;
+    static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : (BPS == 2 ? 96 * 1024 : MMW_MOE3_BUDGET);
     static constexpr int STAGES = (BUDGET / STAGE) < 7 ? (BUDGET / STAGE) : 7;
     // + the stages' mbarriers (MMW_XTMA, MMW_RS) and the alignment slack; mmw.rs smem()
     // mirrors it.
@@ -420,7 +432,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     constexpr bool Q6 = TYPE == GGML_Q6_K;   // RS: the Q6_K form (two spans a row a step)
     constexpr bool RS = MMW_RS && !TA && (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8) || (Q6 && MMW_RS_Q6 && !MOE)) &&
                         (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
-    using S = MmwShape<TM, BN, BPS, P, RS && Q6 ? MMW_RS_Q6_ROW : MMW_TK * 2>;
+    using S = MmwShape<TM, BN, BPS, P,
+                       RS && Q6 ? MMW_RS_Q6_ROW : (RS && TYPE == GGML_Q4_K && BPS == 3 ? MMW_RS_Q4K_ROW : MMW_TK * 2)>;
     constexpr int NACC = BN / 2;
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
     constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
@@ -512,11 +525,20 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             // for and fenced, then the FULL barrier. Otherwise the others keep the EMPTY
             // barriers' count ----
             constexpr int BR = SWIGLU ? TM / 2 : TM;  // rows a weight box
-            for (int kt = 0; kt < nk; kt++) {
+            // GL: steps of the gathered x copies in flight past the one being published (the
+            // MoE gate/up; 0: each step's copies issued and waited for at once, one L2 round
+            // trip a step). At most STAGES - 2: the copies of step kt + GL wait for the
+            // consumers' release of step kt + GL - STAGES, which they give in step kt + GL -
+            // STAGES + 1, whose FULL barrier must already be published (kt - 1 at the latest).
+            constexpr int GL = XT ? 0 : (MMW_GU_LEAD < MMW_STAGES - 2 ? MMW_GU_LEAD : (MMW_STAGES > 2 ? MMW_STAGES - 2 : 0));
+            // Step kt's copies into its stage: the x rows (copy_b: the EMPTY barrier, then one
+            // cp.async group, empty past the last step) and thread 0's tensor copies.
+            auto issue = [&](int kt) {
+                if (!XT) copy_b(kt);
+                if (kt >= nk) return;
                 const int s = kt % MMW_STAGES;
                 const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
-                if (!XT) copy_b(kt);  // its EMPTY barrier, then the x rows (one cp.async group)
-                else if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
+                if (XT && kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
                 if (tid == 0 && Q80) {
                     // Q8_0: one span of MMW_RS_Q80_SPAN bytes a row from the 16-byte unit
                     // holding the step's two blocks (68 bytes; the bytes around them, of the
@@ -552,10 +574,16 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                         mmw_tma(st + TM * 16 + BR * 32, wmq2, cq, r0, bar);
                     }
                 }
+            };
+            for (int j = 0; j < GL; j++) issue(j);
+            for (int kt = 0; kt < nk; kt++) {
+                issue(kt + GL);
                 if constexpr (!XT) {
-                    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+                    // Step kt's group is the GL-th newest: waited for, fenced to the async
+                    // proxy (the wgmma reads x), published.
+                    asm volatile("cp.async.wait_group %0;\n" ::"n"(GL) : "memory");
                     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    mmw_bar_arrive(FULL0 + s, MMW_BAR);
+                    mmw_bar_arrive(FULL0 + kt % MMW_STAGES, MMW_BAR);
                 }
             }
         } else {
@@ -844,8 +872,9 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
 // additions inside a K step differs).
 // One form of the grouped GEMMs: `mmw_<form>_gu_<type>_n64` and `mmw_<form>_down_<type>_n64` on
 // TM-output tiles at BPS blocks an SM (the L2 prefetch's cap shared between them).
-#define MMW_MOE_FORM(form, name, TYPE, TM, BPS)                                                           \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_##form##_gu_##name##_n64(       \
+#define MMW_MOE_FORM(form, name, TYPE, TM, BPS) MMW_MOE_FORM_P(form, name, TYPE, TM, BPS, MMW_PRODUCERS)
+#define MMW_MOE_FORM_P(form, name, TYPE, TM, BPS, P)                                                      \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), BPS) mmw_##form##_gu_##name##_n64(  \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
         const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
@@ -862,11 +891,11 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
             mmw_moe_prefetch(Wg + eo + (size_t)o0 * (size_t)rb, span);                                      \
             mmw_moe_prefetch(Wu + eo + (size_t)o0 * (size_t)rb, span);                                      \
         }                                                                                                   \
-        mmw<TYPE, TM, 64, true, true, BPS>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,                  \
+        mmw<TYPE, TM, 64, true, true, BPS, false, P>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,        \
                                            h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k, \
                                            nullptr, 0, MMW_WMAP2, e * n_out);                               \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), BPS) mmw_##form##_down_##name##_n64(     \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), BPS) mmw_##form##_down_##name##_n64( \
         const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
         int kp, const int* __restrict__ offsets, const int* __restrict__ n_tiles,                          \
         const int* __restrict__ tiles, const int* __restrict__ list,                                       \
@@ -880,7 +909,7 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         const int o0 = blockIdx.y * (TM);                                                                   \
         const size_t span = MMW_MOE_ROWS(o0, TM, n_out) * (size_t)rb;                                       \
         if ((BPS) * span <= MMW_MOE_PF_MAX) mmw_moe_prefetch(W + eo + (size_t)o0 * (size_t)rb, span);       \
-        mmw<TYPE, TM, 64, false, true, BPS>(W + eo, nullptr, rb, n_out, n_in,                               \
+        mmw<TYPE, TM, 64, false, true, BPS, false, P>(W + eo, nullptr, rb, n_out, n_in,                     \
                                             hb + (size_t)start * (size_t)kp, kp, cnt, y, blockIdx.y,        \
                                             list + start, 1, MMW_XMAP, start, MMW_WMAP1, nullptr, nullptr,  \
                                             e * n_out);                                                     \
@@ -894,6 +923,15 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
 // Gate/up: 32 outputs a block. Qwen3-30B-A3B pp512 +9.7% over the form above (H100; MOE.md,
 // 42nd session).
 #define MMW_MOE2(name, TYPE) MMW_MOE_FORM(moe2, name, TYPE, 64, 2)
+
+// mmw_moe3_{gu,down}_q4_k_n64 (`FERRITE_MMW_MOE=3`, RS only): the RS Q4_K form on 64-output
+// tiles with one producer warpgroup (thread 0's tensor copies; the gate/up's gathered x rows,
+// four cp.async a thread a step), 256 threads, six stages of 11 KB (raw A rows of 48 bytes),
+// three blocks an SM: a third more consumer warps an SM to hide their decode's latency.
+// moe2's 74-75 registers fit the 85 of three 256-thread blocks. Other types keep moe2.
+#if MMW_RS
+MMW_MOE_FORM_P(moe3, q4_k, GGML_Q4_K, 64, 3, 1)
+#endif
 
 MMW_MOE(f32, GGML_F32)
 MMW_MOE2(f32, GGML_F32)
