@@ -161,6 +161,21 @@ pub(crate) fn gu_lead() -> i64 {
     *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_LEAD", 0).clamp(0, 8))
 }
 
+/// `FERRITE_MMW_RS_Q6_MOE` (read once; only with [`rs_q6`]): 0 the MoE GEMMs' Q6_K experts on
+/// the producers' form, 1 on the RS form at two blocks an SM (`mmw_moe2_*`), 2 (default) on the
+/// RS form at three (`mmw_moe3_*`, under `FERRITE_MMW_MOE=3`). mod.rs compiles mmw.cu with
+/// MMW_RS_Q6_MOE where it is not 0.
+pub(crate) fn rs_q6_moe() -> i64 {
+    static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        if rs_q6() {
+            super::switches::int_or("FERRITE_MMW_RS_Q6_MOE", 2)
+        } else {
+            0
+        }
+    })
+}
+
 /// The types of the `mmw_rsw_*` kernels, in their order in `Kernels::rsw`: Q4_K, then Q8_0
 /// under [`rs_q8`] and Q6_K under [`rs_q6`] (read once: every wide-tile launch asks).
 fn rsw_types() -> &'static [(GgmlType, &'static str)] {
@@ -255,9 +270,20 @@ fn w_maps(
     // Rows over every leading dimension (stacked experts: n_experts · n_out).
     let n_out: usize = w.shape[..w.shape.len() - 1].iter().product();
     let rb = w.row_bytes();
+    // The MoE Q6_K rows in groups whose bytes are whole 16-byte units (mmw.cu mmw_q6_groups):
+    // a map of n_out / g rows of g · rb bytes, boxes of box_rows / g.
+    let g = if moe && w.dtype == GgmlType::Q6K {
+        q6_groups(rb)
+    } else {
+        1
+    };
     ensure!(
-        rb.is_multiple_of(16) && n_out > 0 && box_rows <= 256,
-        "mmw: tensor maps of [{n_out}] rows of {rb} bytes"
+        (g * rb).is_multiple_of(16)
+            && n_out > 0
+            && box_rows <= 256
+            && box_rows.is_multiple_of(g)
+            && w.shape[w.shape.len() - 2].is_multiple_of(g),
+        "mmw: tensor maps of [{n_out}] rows of {rb} bytes in groups of {g}"
     );
     ensure!(
         !w.in_host_memory(),
@@ -268,9 +294,9 @@ fn w_maps(
         tensor_map(
             ptr,
             sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
-            [rb as u64, n_out as u64],
-            rb as u64,
-            [inner, box_rows as u32],
+            [(g * rb) as u64, (n_out / g) as u64],
+            (g * rb) as u64,
+            [inner, (box_rows / g) as u32],
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
         )
     };
@@ -297,18 +323,32 @@ const RS_Q6_QL: u32 = 80;
 const RS_Q6_HI: u32 = 96;
 
 /// Weight types of the RS form (mmw.cu's RS: Q4_K, Q8_0 by spans under [`rs_q8`], and Q6_K
-/// by two spans under [`rs_q6`] on the dense launches only, `moe` false).
+/// by two spans under [`rs_q6`] on the dense launches, and on the MoE GEMMs (`moe`) under
+/// [`rs_q6_moe`]).
 fn rs_type(t: GgmlType, moe: bool) -> bool {
     t == GgmlType::Q4K
         || (t == GgmlType::Q8_0 && rs_q8())
-        || (t == GgmlType::Q6K && !moe && rs_q6())
+        || (t == GgmlType::Q6K && rs_q6() && (!moe || rs_q6_moe() != 0))
+}
+
+/// Rows of `rb` bytes a group whose bytes are whole 16-byte units: 16 / gcd(rb, 16) (mmw.cu
+/// mmw_q6_groups; Q6_K expert rows of 768 columns, 630 bytes: 8; of 512, 420 bytes: 4).
+fn q6_groups(rb: usize) -> usize {
+    16 / (1usize << rb.trailing_zeros().min(4))
 }
 
 /// Whether a weight of an RS type can be read by the RS kernels' tensor maps: in device memory,
 /// rows a whole number of 16-byte units (Q8_0 rows of 256·k elements, Q6_K rows of 2048·k;
-/// Q4_K's always are).
-fn rs_mappable(w: &CudaWeight) -> bool {
-    !w.in_host_memory() && w.row_bytes().is_multiple_of(16)
+/// Q4_K's always are), or for the MoE GEMMs' (`moe`) Q6_K experts groups of rows that are
+/// (`q6_groups`: each expert's rows a whole number of groups).
+fn rs_mappable(w: &CudaWeight, moe: bool) -> bool {
+    let rb = w.row_bytes();
+    !w.in_host_memory()
+        && (rb.is_multiple_of(16)
+            || (moe
+                && w.dtype == GgmlType::Q6K
+                && w.shape.len() >= 2
+                && w.shape[w.shape.len() - 2].is_multiple_of(q6_groups(rb))))
 }
 
 /// The TA kernels' tensor map of a 16-bit weight `[n_out, n_in]` (F16 or BF16, rows as
@@ -450,13 +490,20 @@ impl Kernels {
                 .map(|&(t, n)| -> Result<[MoeFn; 2]> {
                     // FERRITE_MMW_MOE=3: the RS Q4_K experts on `mmw_moe3_*` (one producer
                     // warpgroup, three blocks an SM), every other type on moe2's.
-                    let three = moe_mode == 3 && rs() && t == GgmlType::Q4K;
+                    let three = moe_mode == 3
+                        && rs()
+                        && (t == GgmlType::Q4K || (t == GgmlType::Q6K && rs_q6_moe() == 2));
                     let g = |part: &str| -> Result<MoeFn> {
                         Ok(if three {
+                            let smem = if t == GgmlType::Q6K {
+                                MOE3_SMEM_Q6
+                            } else {
+                                MOE3_SMEM
+                            };
                             MoeFn {
-                                f: with_smem(format!("mmw_moe3_{part}_{n}_n{MOE_TN}"), MOE3_SMEM)?,
+                                f: with_smem(format!("mmw_moe3_{part}_{n}_n{MOE_TN}"), smem)?,
                                 threads: (128 + 2 * moe_tile.0) as u32,
-                                smem: MOE3_SMEM,
+                                smem,
                             }
                         } else {
                             MoeFn {
@@ -543,7 +590,7 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
         return None;
     }
     let ti = TYPES.iter().position(|&(t, _)| t == w.dtype)?;
-    if rs() && rs_type(w.dtype, false) && !rs_mappable(w) {
+    if rs() && rs_type(w.dtype, false) && !rs_mappable(w, false) {
         return None; // the RS kernels of its type read it by tensor maps (matmul.rs mm_ instead)
     }
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
@@ -967,9 +1014,12 @@ pub(crate) struct MoeFn {
 /// shared memory: six stages of 64 raw RS Q4_K A rows (48 bytes) and 64 bf16 x rows.
 const MOE3_BUDGET: usize = 72 * 1024;
 const MOE3_SMEM: usize = ring_smem_row(64, MOE_TN, MOE3_BUDGET, 48);
+/// The same for the RS Q6_K experts (`FERRITE_MMW_RS_Q6_MOE=2`): three stages of raw A rows
+/// of RS_Q6_QL + RS_Q6_HI bytes.
+const MOE3_SMEM_Q6: usize = ring_smem_row(64, MOE_TN, MOE3_BUDGET, (RS_Q6_QL + RS_Q6_HI) as usize);
 // Three moe3 blocks an SM: each its dynamic shared memory, 1 KB static (the kernel's barrier
 // words and epilogue) and the 1 KB the driver reserves a block, in the SM's 228 KB.
-const _: () = assert!(3 * (MOE3_SMEM + 2048) <= 228 * 1024);
+const _: () = assert!(3 * (MOE3_SMEM + 2048) <= 228 * 1024 && MOE3_SMEM_Q6 <= MOE3_SMEM);
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
 /// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;
@@ -993,7 +1043,7 @@ pub(crate) fn moe_kernels(be: &CudaBackend, [g, u, d]: [&CudaWeight; 3]) -> Opti
         || (rs()
             && [g, u, d]
                 .iter()
-                .any(|w| rs_type(w.dtype, true) && !rs_mappable(w)))
+                .any(|w| rs_type(w.dtype, true) && !rs_mappable(w, true)))
     {
         return None;
     }
@@ -1131,6 +1181,17 @@ pub(crate) fn moe_down(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn q6_groups_make_whole_units() {
+        // Qwen3-30B-A3B's Q6_K down experts (768 columns), Qwen3.5-35B-A3B's (512), an
+        // attn_v of 1024 columns, and rows of 2048 columns (already whole units).
+        for (rb, g) in [(630, 8), (420, 4), (840, 2), (1680, 1)] {
+            assert_eq!(q6_groups(rb), g, "{rb}");
+            assert!((g * rb).is_multiple_of(16));
+            assert!(!(g / 2 * rb).is_multiple_of(16) || g == 1, "{rb}: {g} is not the least");
+        }
+    }
 
     #[test]
     fn shared_memory_fits_the_h200() {

@@ -60,6 +60,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill, with FERRITE_MMW_RS: steps of the MoE gate/up's gathered x copies kept in flight past the step the producers publish (capped at the ring's stages less two; 0, the default: each step's copies waited for at once; 4 measured -4.5% on pp512) (MOE.md, 48th session)",
     ),
     (
+        "FERRITE_MMW_RS_Q6_MOE",
+        Accepts::OneOf(&[0, 1, 2]),
+        "wgmma prefill, with FERRITE_MMW_RS_Q6: the MoE GEMMs' Q6_K experts 0 on the producers' form, 1 on the register-A form (their rows read by tensor maps over groups of rows that are whole 16-byte units) at two blocks an SM, 2 (default) the same at three blocks an SM under FERRITE_MMW_MOE=3 (MOE.md, 48th session)",
+    ),
+    (
         "FERRITE_MMW_RSW",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill, with FERRITE_MMW_RS: 1 (default) the Q4_K launches on the 64x256 tile decode A in the consumers' registers too (mmw_rsw kernels), 0 that tile's producers decode (MATMUL.md rounds 85-86)",

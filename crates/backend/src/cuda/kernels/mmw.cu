@@ -89,6 +89,13 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS_Q6
 #define MMW_RS_Q6 0
 #endif
+// MMW_RS_Q6_MOE (FERRITE_MMW_RS_Q6_MOE, with MMW_RS_Q6): the Q6_K form on the MoE GEMMs too. Their
+// rows need not be whole 16-byte units (Qwen3-30B-A3B's down experts: 630 bytes, Qwen3.5-35B-A3B's
+// 420), so their maps read groups of QG rows (mmw_q6_groups: 8 and 4 there), whose QG · rb bytes
+// are, one box a row of the group (MOE.md, 48th session).
+#ifndef MMW_RS_Q6_MOE
+#define MMW_RS_Q6_MOE 0
+#endif
 // MMW_GU_LEAD (`FERRITE_MMW_GU_LEAD`, default 0): under RS, steps of the MoE gate/up's gathered
 // x copies (cp.async) the producers keep in flight past the step they publish, at most
 // STAGES - 2 (0: each step's copies waited for as soon as issued; MOE.md, 48th session).
@@ -340,6 +347,13 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
 __device__ __forceinline__ uint32_t mmw_rs_q6k_off(int kt) { return (uint32_t)((kt >> 2) * Q6_K_BYTES) & 15u; }
 __device__ __forceinline__ int mmw_rs_q6k_qlcol(int kt) { return ((kt >> 2) * Q6_K_BYTES + 64 * ((kt & 3) >> 1)) & ~15; }
 __device__ __forceinline__ int mmw_rs_q6k_hicol(int kt) { return ((kt >> 2) * Q6_K_BYTES + 128) & ~15; }
+// Rows of rb bytes a group whose bytes are whole 16-byte units: 16 / gcd(rb, 16) (mmw.rs
+// q6_groups). The MoE GEMMs' Q6_K maps (MMW_RS_Q6_MOE) are [experts' rows / QG][QG · rb] bytes;
+// row j · QG + i of a box of BR rows is box i's row j, at shared row i · BR / QG + j.
+__device__ __forceinline__ int mmw_q6_groups(long long rb) {
+    const int low = (int)(rb & -rb);
+    return 16 / (low < 16 ? low : 16);
+}
 __device__ __forceinline__ void mmw_rs_row_q6k(uint32_t ql, uint32_t hi, int kt, int t, int half, uint32_t (&a)[16]) {
     const uint32_t off = mmw_rs_q6k_off(kt);
     const int n = (kt & 3) >> 1, odd = kt & 1;
@@ -427,10 +441,12 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                                     const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr, int wrow0 = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
-    // the producers' cp.async: its rows are gathered by token); Q6_K (MMW_RS_Q6) the dense ones.
+    // the producers' cp.async: its rows are gathered by token); Q6_K (MMW_RS_Q6) the dense ones,
+    // and the MoE ones under MMW_RS_Q6_MOE.
     constexpr bool Q80 = TYPE == GGML_Q8_0;  // RS: the Q8_0 form (one span a row a step)
     constexpr bool Q6 = TYPE == GGML_Q6_K;   // RS: the Q6_K form (two spans a row a step)
-    constexpr bool RS = MMW_RS && !TA && (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8) || (Q6 && MMW_RS_Q6 && !MOE)) &&
+    constexpr bool RS = MMW_RS && !TA &&
+                        (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8) || (Q6 && MMW_RS_Q6 && (!MOE || MMW_RS_Q6_MOE))) &&
                         (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
     using S = MmwShape<TM, BN, BPS, P,
                        RS && Q6 ? MMW_RS_Q6_ROW : (RS && TYPE == GGML_Q4_K && BPS == 3 ? MMW_RS_Q4K_ROW : MMW_TK * 2)>;
@@ -447,6 +463,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int tid = threadIdx.x, wgi = tid >> 7;
     const int t0 = MOE ? 0 : blockIdx.x * BN;
     const int nk = kp / MMW_TK;
+    // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
+    const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
     // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
     static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup is the RS wide tile's");
@@ -557,11 +575,26 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                     const uint32_t hb = st + TM * MMW_RS_Q6_QL;
                     mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * MMW_RS_Q6_ROW));
                     if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
-                    mmw_tma(st, wmh, cl, r0, bar);
-                    mmw_tma(hb, wmq, chh, r0, bar);
-                    if (SWIGLU) {
-                        mmw_tma(st + BR * MMW_RS_Q6_QL, wmh2, cl, r0, bar);
-                        mmw_tma(hb + BR * MMW_RS_Q6_HI, wmq2, chh, r0, bar);
+                    if (MOE && QG > 1) {
+                        // Box i of each span: rows i, QG + i, .. of the tile (BR / QG of them),
+                        // from the unit below the step's bytes in row i of the group.
+                        const int gr = BR / QG, y0 = r0 / QG, sb = (kt >> 2) * Q6_K_BYTES;
+                        for (int i = 0; i < QG; i++) {
+                            const int b = i * (int)rb + sb, bl = (b + 64 * ((kt & 3) >> 1)) & ~15, bh = (b + 128) & ~15;
+                            mmw_tma(st + i * gr * MMW_RS_Q6_QL, wmh, bl, y0, bar);
+                            mmw_tma(hb + i * gr * MMW_RS_Q6_HI, wmq, bh, y0, bar);
+                            if (SWIGLU) {
+                                mmw_tma(st + (BR + i * gr) * MMW_RS_Q6_QL, wmh2, bl, y0, bar);
+                                mmw_tma(hb + (BR + i * gr) * MMW_RS_Q6_HI, wmq2, bh, y0, bar);
+                            }
+                        }
+                    } else {
+                        mmw_tma(st, wmh, cl, r0, bar);
+                        mmw_tma(hb, wmq, chh, r0, bar);
+                        if (SWIGLU) {
+                            mmw_tma(st + BR * MMW_RS_Q6_QL, wmh2, cl, r0, bar);
+                            mmw_tma(hb + BR * MMW_RS_Q6_HI, wmq2, chh, r0, bar);
+                        }
                     }
                 } else if (tid == 0) {
                     const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
@@ -673,6 +706,13 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
             const int ra = SWIGLU ? (4 * c + w) * 8 + g : 64 * c + 16 * w + g;
             const int rb2 = SWIGLU ? TM / 2 + ra : ra + 8;
+            // The MoE Q6_K groups (QG > 1): rows ra, rb2 at shared rows qa, qb of the boxes (row
+            // l of a weight's BR is box l % QG's row l / QG), their group bytes qia, qib.
+            constexpr int BRC = SWIGLU ? TM / 2 : TM;
+            const int gra = QG > 1 ? BRC / QG : 0;
+            const int qa = QG > 1 ? (ra / BRC) * BRC + (ra % BRC % QG) * gra + ra % BRC / QG : ra;
+            const int qb = QG > 1 ? (rb2 / BRC) * BRC + (rb2 % BRC % QG) * gra + rb2 % BRC / QG : rb2;
+            const uint32_t qia = (uint32_t)((long long)(ra % BRC % QG) * rb), qib = (uint32_t)((long long)(rb2 % BRC % QG) * rb);
             // Step kt's A fragments (mmw_rs_row for the thread's two rows).
             auto decode = [&](int kt, uint32_t (&a)[16]) {
                 const uint32_t st = s0 + (kt % MMW_STAGES) * S::STAGE;
@@ -681,8 +721,18 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                     mmw_rs_row_q80(st + rb2 * MMW_RS_Q80_SPAN, kt, t, 1, a);
                 } else if constexpr (Q6) {
                     const uint32_t hb = st + TM * MMW_RS_Q6_QL;
-                    mmw_rs_row_q6k(st + ra * MMW_RS_Q6_QL, hb + ra * MMW_RS_Q6_HI, kt, t, 0, a);
-                    mmw_rs_row_q6k(st + rb2 * MMW_RS_Q6_QL, hb + rb2 * MMW_RS_Q6_HI, kt, t, 1, a);
+                    if (MOE && QG > 1) {
+                        // Row r's spans at its shared row qa (qb), its bytes (i · rb + the
+                        // super-block's) & 15 into them: mmw_rs_row_q6k adds the super-block's
+                        // part, so the row's own goes in the addresses (mod 2^32).
+                        const uint32_t sb = (uint32_t)((kt >> 2) * Q6_K_BYTES), fo = sb & 15u;
+                        const uint32_t da = ((qia + sb) & 15u) - fo, db = ((qib + sb) & 15u) - fo;
+                        mmw_rs_row_q6k(st + qa * MMW_RS_Q6_QL + da, hb + qa * MMW_RS_Q6_HI + da, kt, t, 0, a);
+                        mmw_rs_row_q6k(st + qb * MMW_RS_Q6_QL + db, hb + qb * MMW_RS_Q6_HI + db, kt, t, 1, a);
+                    } else {
+                        mmw_rs_row_q6k(st + ra * MMW_RS_Q6_QL, hb + ra * MMW_RS_Q6_HI, kt, t, 0, a);
+                        mmw_rs_row_q6k(st + rb2 * MMW_RS_Q6_QL, hb + rb2 * MMW_RS_Q6_HI, kt, t, 1, a);
+                    }
                 } else {
                     mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
                     mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
@@ -931,6 +981,11 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
 // moe2's 74-75 registers fit the 85 of three 256-thread blocks. Other types keep moe2.
 #if MMW_RS
 MMW_MOE_FORM_P(moe3, q4_k, GGML_Q4_K, 64, 3, 1)
+#endif
+// mmw_moe3_{gu,down}_q6_k_n64: the same for the RS Q6_K experts (MMW_RS_Q6_MOE; three stages
+// of 19 KB: raw A rows of MMW_RS_Q6_ROW bytes).
+#if MMW_RS && MMW_RS_Q6 && MMW_RS_Q6_MOE
+MMW_MOE_FORM_P(moe3, q6_k, GGML_Q6_K, 64, 3, 1)
 #endif
 
 MMW_MOE(f32, GGML_F32)
