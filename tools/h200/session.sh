@@ -19,6 +19,9 @@
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
 #            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
+#   moe4w    the RS MoE experts on 160-thread blocks (FERRITE_MMW_MOE=4, built, not measured;
+#            MOE.md 48th session): moe check under it, then pp512 of Qwen3-30B-A3B and
+#            Qwen3.5-35B-A3B Q4_K_M at MOE=3 / 4 in turn, two rounds, and the 30B's trace under 4
 #   bound    the decode step without its weight copies (FERRITE_GEMV_DIAG 0 / 2 / 1: all, no
 #            bulk weight copies, no GEMV compute) on Qwen3-8B Q4_K_M and Q8_0 and Qwen3-30B-A3B
 #            (BOUND_MODELS="preset:quant ..." for others), then Qwen3-8B Q4_K_M's block timeline
@@ -251,6 +254,27 @@ for stage in "$@"; do
             echo "FERRITE_GEMV_TM=$v"
             FERRITE_GEMV_TM=$v $F check --device cuda --perf --filter "matmul q4_K" 2>&1 | grep -E -- "->(4096|12288|1024) rows=([1-9]|1[0-6]) "
         done | tee "$OUT/tm-perf.txt"
+        ;;
+    moe4w)
+        # The RS MoE experts on one consumer warpgroup and one producer warp (160 threads; Q4_K
+        # four blocks an SM, Q6_K three), whose wgmmas ptxas keeps asynchronous, against moe3's
+        # 256-thread blocks, whose it serializes (MOE.md, 48th session).
+        echo "check moe [MOE=4]: $(FERRITE_MMW_MOE=4 $F check --device cuda --filter moe 2>&1 | tee "$OUT/check-moe4w.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/moe4w.log"
+        for pq in qwen3-30b-a3b:Q4_K_M qwen3.5-35b-a3b:Q4_K_M; do
+            p=${pq%%:*} q=${pq##*:}
+            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
+            f=$(synth "$p" "$q" | tail -1)
+            for r in 1 2; do
+                for v in 3 4; do
+                    echo "$p FERRITE_MMW_MOE=$v $(FERRITE_MMW_MOE=$v $F bench --model "$f" --reps 2 --gen-tokens 16 --gate-tokens $g 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+                done
+            done | tee -a "$OUT/moe4w.log"
+            if [ "$p" = qwen3-30b-a3b ] && ktrace_build; then
+                FERRITE_MMW_MOE=4 traced /tmp/trace.txt $F bench --model "$f" --reps 1 --gate-tokens $g 2>&1 | grep -E "pp512|rror"
+                python3 tools/h200/prefill_trace.py /tmp/trace.txt --top 8 | tee "$OUT/ptrace-moe4w.txt"
+            fi
+            rm -f "$f"
+        done
         ;;
     rsq6)
         # The register-A form for Q6_K (FERRITE_MMW_RS_Q6, on by default; MATMUL.md rounds 86,

@@ -490,19 +490,24 @@ impl Kernels {
                 .map(|&(t, n)| -> Result<[MoeFn; 2]> {
                     // FERRITE_MMW_MOE=3: the RS Q4_K experts on `mmw_moe3_*` (one producer
                     // warpgroup, three blocks an SM), every other type on moe2's.
-                    let three = moe_mode == 3
+                    let three = moe_mode >= 3
                         && rs()
                         && (t == GgmlType::Q4K || (t == GgmlType::Q6K && rs_q6_moe() == 2));
+                    // FERRITE_MMW_MOE=4 (built, not measured): those on 160-thread blocks, one
+                    // producer warp (`mmw_moe4w_*` for Q4_K, `mmw_moe3w_*` for Q6_K).
+                    let warp = moe_mode == 4;
                     let g = |part: &str| -> Result<MoeFn> {
                         Ok(if three {
-                            let smem = if t == GgmlType::Q6K {
-                                MOE3_SMEM_Q6
-                            } else {
-                                MOE3_SMEM
+                            let q6 = t == GgmlType::Q6K;
+                            let (form, smem, threads) = match (warp, q6) {
+                                (false, false) => ("moe3", MOE3_SMEM, 128 + 2 * moe_tile.0),
+                                (false, true) => ("moe3", MOE3_SMEM_Q6, 128 + 2 * moe_tile.0),
+                                (true, false) => ("moe4w", MOE4W_SMEM, 32 + 2 * moe_tile.0),
+                                (true, true) => ("moe3w", MOE3_SMEM_Q6, 32 + 2 * moe_tile.0),
                             };
                             MoeFn {
-                                f: with_smem(format!("mmw_moe3_{part}_{n}_n{MOE_TN}"), smem)?,
-                                threads: (128 + 2 * moe_tile.0) as u32,
+                                f: with_smem(format!("mmw_{form}_{part}_{n}_n{MOE_TN}"), smem)?,
+                                threads: threads as u32,
                                 smem,
                             }
                         } else {
@@ -1020,6 +1025,9 @@ const MOE3_SMEM_Q6: usize = ring_smem_row(64, MOE_TN, MOE3_BUDGET, (RS_Q6_QL + R
 // Three moe3 blocks an SM: each its dynamic shared memory, 1 KB static (the kernel's barrier
 // words and epilogue) and the 1 KB the driver reserves a block, in the SM's 228 KB.
 const _: () = assert!(3 * (MOE3_SMEM + 2048) <= 228 * 1024 && MOE3_SMEM_Q6 <= MOE3_SMEM);
+/// The four-blocks-an-SM form's (`mmw_moe4w_*`, mmw.cu MMW_MOE4_BUDGET): four 11 KB stages.
+const MOE4W_SMEM: usize = ring_smem_row(64, MOE_TN, 48 * 1024, 48);
+const _: () = assert!(4 * (MOE4W_SMEM + 2048) <= 228 * 1024);
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
 /// offsets, the tile count, the tiles (expert, first list position) and the sorted pairs;
@@ -1189,7 +1197,10 @@ mod tests {
         for (rb, g) in [(630, 8), (420, 4), (840, 2), (1680, 1)] {
             assert_eq!(q6_groups(rb), g, "{rb}");
             assert!((g * rb).is_multiple_of(16));
-            assert!(!(g / 2 * rb).is_multiple_of(16) || g == 1, "{rb}: {g} is not the least");
+            assert!(
+                !(g / 2 * rb).is_multiple_of(16) || g == 1,
+                "{rb}: {g} is not the least"
+            );
         }
     }
 

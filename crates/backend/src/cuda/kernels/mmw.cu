@@ -45,8 +45,9 @@
 #define MMW_XLEAD 2                         // steps the x copies run ahead of the decode
 #define MMW_PRODUCERS 2  // producer warpgroups (256 threads: 256 / TM per output row)
 // Threads of a block: P producer warpgroups (the RS wide tile's one: `mmw_rsw_*`) + TM / 64
-// consumer warpgroups; MMW_THREADS with the usual two.
-#define MMW_THREADS_P(TM, P) (128 * (P) + 2 * (TM))
+// consumer warpgroups; MMW_THREADS with the usual two. P = 0: the consumer warpgroups first,
+// then one producer warp (the RS MoE forms `mmw_moe4w_*`, `mmw_moe3w_*`).
+#define MMW_THREADS_P(TM, P) ((P) ? 128 * (P) + 2 * (TM) : 2 * (TM) + 32)
 #define MMW_THREADS(TM) MMW_THREADS_P(TM, MMW_PRODUCERS)
 #define MMW_RAW 2                           // steps of raw weight bytes in flight per thread
 // MMW_XAFTER (`FERRITE_MMW_XAFTER=1`): a step's x copies issued after its proxy fence instead of
@@ -170,6 +171,8 @@ __device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int 
 // The stages' budget at three blocks an SM (`mmw_moe3_*`; mmw.rs MOE3_BUDGET): three blocks
 // of six 11 KB stages (RS Q4_K's raw A rows, MMW_RS_Q4K_ROW) with their slack fit 227 KB.
 #define MMW_MOE3_BUDGET (72 * 1024)
+// ... and at four (`mmw_moe4w_*`: 160-thread blocks): four such stages, 46 KB with the slack.
+#define MMW_MOE4_BUDGET (48 * 1024)
 // Bytes a row of an RS Q4_K stage's raw A (the header's 16 and the step's 32 quant bytes):
 // the three-blocks-an-SM form's stages hold those instead of a bf16 row's 128.
 #define MMW_RS_Q4K_ROW 48
@@ -391,12 +394,13 @@ struct MmwShape {
     static constexpr int A_BYTES = TM * AROW;
     static constexpr int B_BYTES = BN * MMW_TK * 2;
     static constexpr int STAGE = A_BYTES + B_BYTES;
-    static constexpr int BUDGET = BPS == 1 ? 224 * 1024 : (BPS == 2 ? 96 * 1024 : MMW_MOE3_BUDGET);
+    static constexpr int BUDGET =
+        BPS == 1 ? 224 * 1024 : (BPS == 2 ? 96 * 1024 : (BPS == 3 ? MMW_MOE3_BUDGET : MMW_MOE4_BUDGET));
     static constexpr int STAGES = (BUDGET / STAGE) < 7 ? (BUDGET / STAGE) : 7;
     // + the stages' mbarriers (MMW_XTMA, MMW_RS) and the alignment slack; mmw.rs smem()
     // mirrors it.
     static constexpr int SMEM = STAGES * STAGE + 64 + 1024;
-    static constexpr int PTHREADS = 128 * P;
+    static constexpr int PTHREADS = P ? 128 * P : 32;
     static constexpr int THREADS = MMW_THREADS_P(TM, P);
     static constexpr int TPR = PTHREADS / TM;  // producer threads per output row: 1, 2 or 4
     static_assert(BN * MMW_SP(TM) * 4 <= STAGES * STAGE, "the staged epilogue must fit the ring");
@@ -449,10 +453,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                         (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8) || (Q6 && MMW_RS_Q6 && (!MOE || MMW_RS_Q6_MOE))) &&
                         (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
     using S = MmwShape<TM, BN, BPS, P,
-                       RS && Q6 ? MMW_RS_Q6_ROW : (RS && TYPE == GGML_Q4_K && BPS == 3 ? MMW_RS_Q4K_ROW : MMW_TK * 2)>;
+                       RS && Q6 ? MMW_RS_Q6_ROW : (RS && TYPE == GGML_Q4_K && MOE && P <= 1 ? MMW_RS_Q4K_ROW : MMW_TK * 2)>;
     constexpr int NACC = BN / 2;
     constexpr bool KQ = TYPE == GGML_Q4_K || TYPE == GGML_Q5_K;
-    constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = 4 / TPR;
+    constexpr int MMW_STAGES = S::STAGES, MMW_BAR = S::THREADS, TPR = S::TPR, NCH = TPR ? 4 / TPR : 1;
     constexpr int FULL0 = 1, EMPTY0 = 1 + MMW_STAGES;
     extern __shared__ __align__(1024) uint8_t mmw_smem[];
     // The swizzle atoms must sit on 1 KB boundaries: the ring starts at the first one (the
@@ -461,13 +465,15 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // The ring's start as a generic pointer: the staged epilogue's [token][column] f32 tile.
     float* const stage = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
     const int tid = threadIdx.x, wgi = tid >> 7;
+    // P = 0: consumer warpgroups 0 .. TM / 64 - 1, then the producer warp.
+    const bool producer = P ? wgi < P : tid >= 2 * TM;
     const int t0 = MOE ? 0 : blockIdx.x * BN;
     const int nk = kp / MMW_TK;
     // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
     const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
     // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
-    static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup is the RS wide tile's");
+    static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup or warp is the RS forms'");
     constexpr bool XT = (MMW_XTMA || RS || TA) && !(MOE && SWIGLU);
     static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
     constexpr bool H = TA && TYPE == GGML_F16;  // f16 operands
@@ -480,8 +486,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         __syncthreads();
     }
 
-    if (wgi < P) {
-        const int ptid = tid;
+    if (producer) {
+        const int ptid = P ? tid : tid - 2 * TM;
         // MOE gate/up: the x rows of this thread's copies (fixed: its tokens n are the same
         // every step), each the row of its pair's token.
         constexpr int NCP = BN * 8 / S::PTHREADS;
@@ -557,7 +563,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 const int s = kt % MMW_STAGES;
                 const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
                 if (XT && kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
-                if (tid == 0 && Q80) {
+                if (ptid == 0 && Q80) {
                     // Q8_0: one span of MMW_RS_Q80_SPAN bytes a row from the 16-byte unit
                     // holding the step's two blocks (68 bytes; the bytes around them, of the
                     // steps either side or zeros past the row, are not read), rows [TM]
@@ -567,7 +573,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                     if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
                     mmw_tma(st, wmh, cb, r0, bar);
                     if (SWIGLU) mmw_tma(st + BR * MMW_RS_Q80_SPAN, wmh2, cb, r0, bar);
-                } else if (tid == 0 && Q6) {
+                } else if (ptid == 0 && Q6) {
                     // Q6_K: the ql spans [TM][MMW_RS_Q6_QL] at the stage's start, the hi spans
                     // [TM][MMW_RS_Q6_HI] after them (mmw_rs_row_q6k; SWIGLU: gate rows then up
                     // rows in each), from the 16-byte units below the step's bytes.
@@ -596,7 +602,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                             mmw_tma(hb + BR * MMW_RS_Q6_HI, wmq2, chh, r0, bar);
                         }
                     }
-                } else if (tid == 0) {
+                } else if (ptid == 0) {
                     const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 48));
                     if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
@@ -696,7 +702,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         }
     } else {
         // ---- consumers: warpgroup c owns outputs 64c.. of the tile ----
-        const int c = wgi - P;
+        const int c = P ? wgi - P : wgi;
         float acc[NACC];
 #pragma unroll
         for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
@@ -818,7 +824,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // ---- all warpgroups: the staged tile to `out`, 16-byte stores of 4 outputs along a
     // token's row (SWIGLU: silu(gate) · up computed here, 12 warps sharing the math that
     // the 4 consumer warps alone ran latency-bound: MATMUL.md round 14) ----
-    if (wgi < P) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if (producer) asm volatile("cp.async.wait_all;\n" ::: "memory");
     __syncthreads();
     constexpr int OUTS = SWIGLU ? TM / 2 : TM, NQ = OUTS / 4;
     const int ob = oy * OUTS;
@@ -986,6 +992,19 @@ MMW_MOE_FORM_P(moe3, q4_k, GGML_Q4_K, 64, 3, 1)
 // of 19 KB: raw A rows of MMW_RS_Q6_ROW bytes).
 #if MMW_RS && MMW_RS_Q6 && MMW_RS_Q6_MOE
 MMW_MOE_FORM_P(moe3, q6_k, GGML_Q6_K, 64, 3, 1)
+#endif
+// mmw_moe4w_{gu,down}_q4_k_n64 and mmw_moe3w_{gu,down}_q6_k_n64 (`FERRITE_MMW_MOE=4`; built, not
+// measured: MOE.md, 48th session): the RS experts' blocks as one consumer warpgroup (warps 0-3)
+// and one producer warp (thread 0's tensor copies; the gate/up's gathered x rows, 16 cp.async a
+// lane a step), 160 threads. moe3's 256-thread blocks cap a thread at 80 registers, under which
+// ptxas serializes the wgmmas (C7512, "insufficient register resources": each waits for the one
+// before); at 160 threads Q4_K's four blocks an SM leave 96 (its kernels take 95 at two blocks
+// an SM unserialized) and Q6_K's three, 136 (108).
+#if MMW_RS
+MMW_MOE_FORM_P(moe4w, q4_k, GGML_Q4_K, 64, 4, 0)
+#endif
+#if MMW_RS && MMW_RS_Q6 && MMW_RS_Q6_MOE
+MMW_MOE_FORM_P(moe3w, q6_k, GGML_Q6_K, 64, 3, 0)
 #endif
 
 MMW_MOE(f32, GGML_F32)
