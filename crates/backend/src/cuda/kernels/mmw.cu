@@ -984,7 +984,8 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
 // tiles with one producer warpgroup (thread 0's tensor copies; the gate/up's gathered x rows,
 // four cp.async a thread a step), 256 threads, six stages of 11 KB (raw A rows of 48 bytes),
 // three blocks an SM: a third more consumer warps an SM to hide their decode's latency.
-// moe2's 74-75 registers fit the 85 of three 256-thread blocks. Other types keep moe2.
+// moe2's 74-75 registers fit the 85 of three 256-thread blocks (at that cap ptxas serializes
+// the wgmmas, C7512, as it does moe2's: MOE.md, 48th session). Other types keep moe2.
 #if MMW_RS
 MMW_MOE_FORM_P(moe3, q4_k, GGML_Q4_K, 64, 3, 1)
 #endif
