@@ -86,7 +86,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_FUSE",
-        Accepts::OneOf(&[0, 1, 2, 3, 4]),
+        Accepts::OneOf(&[0, 1, 2, 3]),
         "wgmma prefill fusions, a bit mask: 1 Q4_K Q, K + Q6_K V in one launch, 2 gate, up and SwiGLU in one (default 3; MATMUL.md)",
     ),
     (
@@ -261,7 +261,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_ATTN_MERGE",
-        Accepts::OneOf(&[0, 1, 2, 3, 4]),
+        Accepts::OneOf(&[0, 1, 2, 3]),
         "decode attention's split merge for caches past a cluster's 16 splits: 3 (default) by the decode launch's own last blocks, a (head, 32 dims) piece each (decode_tail_merge), where they fit; 1 as a launch of its own (attn_decode_merge: a block per head and 32 dims); 2 the same except for the keys-before-the-wait form (caches of 1-4 K positions); 0 the ticket merge, the last split's block merging alone (ATTENTION.md)",
     ),
     (
@@ -316,7 +316,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_GEMV_TC5",
-        Accepts::OneOf(&[0, 1, 2, 3, 4]),
+        Accepts::OneOf(&[0, 1, 2, 3]),
         "Q5_K decode GEMVs on the tensor-core tile (gemvq_tc_q5_k; the Qwen3.5 linear layers' in-projection): 3 (default) with the two-tile block for the one-row launches it fits at three or two blocks per SM (gemvq_tct_q5_k; 4096 columns at two), 2 at three only, 1 the one-tile block alone, 0 the lane code (MATMUL.md round 69)",
     ),
     (
