@@ -62,7 +62,13 @@ const TM: usize = 128;
 /// Threads of a block with TM outputs: two producer warpgroups and TM / 64 consumer ones
 /// (MMW_THREADS in mmw.cu).
 fn threads(tm: usize) -> u32 {
-    (256 + 2 * tm) as u32
+    threads_p(tm, 2)
+}
+
+/// Threads of a block with TM outputs and `p` producer warpgroups, or with `p` = 0 one
+/// producer warp (MMW_THREADS_P in mmw.cu).
+const fn threads_p(tm: usize, p: usize) -> u32 {
+    (if p > 0 { 128 * p } else { 32 } + 2 * tm) as u32
 }
 
 /// Dynamic shared memory of a tile's kernel (MmwShape::SMEM in mmw.cu): as many stages of A
@@ -141,13 +147,13 @@ pub(crate) fn rs_q8() -> bool {
 }
 
 /// Threads of an `mmw_rsw_*` block (MMW_THREADS_P(64, 1) in mmw.cu).
-const RSW_THREADS: u32 = 256;
+const RSW_THREADS: u32 = threads_p(64, 1);
 
 /// `FERRITE_MMW_RS_Q6` (read once; default 1; only with [`rs`]): dense Q6_K weights take the
 /// RS form too (mmw.cu's MMW_RS_Q6: two spans a row a step, larger stages; MATMUL.md rounds
 /// 86, 87: Qwen3-8B Q4_K_M pp512 +3.4% on an H100). Q6_K rows that are not whole 16-byte
-/// units (n_in not a multiple of 2048) have no map and take `mm_` under it; MoE experts keep
-/// the producers.
+/// units (n_in not a multiple of 2048) have no map and take `mm_` under it; the MoE experts
+/// take it under [`rs_q6_moe`].
 pub(crate) fn rs_q6() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 1) != 0)
@@ -488,8 +494,9 @@ impl Kernels {
             TYPES
                 .iter()
                 .map(|&(t, n)| -> Result<[MoeFn; 2]> {
-                    // FERRITE_MMW_MOE=3: the RS Q4_K experts on `mmw_moe3_*` (one producer
-                    // warpgroup, three blocks an SM), every other type on moe2's.
+                    // FERRITE_MMW_MOE=3: the RS Q4_K experts, and the Q6_K ones under
+                    // FERRITE_MMW_RS_Q6_MOE=2, on `mmw_moe3_*` (one producer warpgroup, three
+                    // blocks an SM), every other type on moe2's.
                     let three = moe_mode >= 3
                         && rs()
                         && (t == GgmlType::Q4K || (t == GgmlType::Q6K && rs_q6_moe() == 2));
@@ -500,14 +507,14 @@ impl Kernels {
                         Ok(if three {
                             let q6 = t == GgmlType::Q6K;
                             let (form, smem, threads) = match (warp, q6) {
-                                (false, false) => ("moe3", MOE3_SMEM, 128 + 2 * moe_tile.0),
-                                (false, true) => ("moe3", MOE3_SMEM_Q6, 128 + 2 * moe_tile.0),
-                                (true, false) => ("moe4w", MOE4W_SMEM, 32 + 2 * moe_tile.0),
-                                (true, true) => ("moe3w", MOE3_SMEM_Q6, 32 + 2 * moe_tile.0),
+                                (false, false) => ("moe3", MOE3_SMEM, threads_p(moe_tile.0, 1)),
+                                (false, true) => ("moe3", MOE3_SMEM_Q6, threads_p(moe_tile.0, 1)),
+                                (true, false) => ("moe4w", MOE4W_SMEM, threads_p(moe_tile.0, 0)),
+                                (true, true) => ("moe3w", MOE3_SMEM_Q6, threads_p(moe_tile.0, 0)),
                             };
                             MoeFn {
                                 f: with_smem(format!("mmw_{form}_{part}_{n}_n{MOE_TN}"), smem)?,
-                                threads: threads as u32,
+                                threads,
                                 smem,
                             }
                         } else {
@@ -996,7 +1003,7 @@ fn launch(
 pub(crate) const MOE_TN: usize = 64;
 /// The grouped GEMMs' kernel family under `FERRITE_MMW_MOE` = `mode` (1 or 2) and its tile:
 /// outputs a block and dynamic shared memory. 2 (and under the default 3, every type but the
-/// RS Q4_K experts'): `mmw_moe2_*`, 64 outputs (one
+/// RS Q4_K and Q6_K experts'): `mmw_moe2_*`, 64 outputs (one
 /// consumer warpgroup) with MmwShape<64, 64, 2>'s 96 KB of stages, two blocks an SM; 1:
 /// `mmw_moe_*`, 128 outputs (two consumer warpgroups), one block an SM.
 fn moe_form(mode: i64) -> (&'static str, (usize, usize)) {
@@ -1025,8 +1032,10 @@ const MOE3_SMEM_Q6: usize = ring_smem_row(64, MOE_TN, MOE3_BUDGET, (RS_Q6_QL + R
 // Three moe3 blocks an SM: each its dynamic shared memory, 1 KB static (the kernel's barrier
 // words and epilogue) and the 1 KB the driver reserves a block, in the SM's 228 KB.
 const _: () = assert!(3 * (MOE3_SMEM + 2048) <= 228 * 1024 && MOE3_SMEM_Q6 <= MOE3_SMEM);
-/// The four-blocks-an-SM form's (`mmw_moe4w_*`, mmw.cu MMW_MOE4_BUDGET): four 11 KB stages.
-const MOE4W_SMEM: usize = ring_smem_row(64, MOE_TN, 48 * 1024, 48);
+/// The four-blocks-an-SM form's (`mmw_moe4w_*`): its stages' budget (mmw.cu MMW_MOE4_BUDGET)
+/// and shared memory, four 11 KB stages.
+const MOE4W_BUDGET: usize = 48 * 1024;
+const MOE4W_SMEM: usize = ring_smem_row(64, MOE_TN, MOE4W_BUDGET, 48);
 const _: () = assert!(4 * (MOE4W_SMEM + 2048) <= 228 * 1024);
 
 /// The tile table moe.cu's `moe_sort` writes (moe.rs `Scratch`): the per-expert list
