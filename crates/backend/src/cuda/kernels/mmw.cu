@@ -386,7 +386,8 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
 
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
 // 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
-// the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB, with BPS = 3 (`mmw_moe3_*`) 72 KB.
+// the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB, with BPS = 3 (`mmw_moe3_*`) 72 KB, with
+// BPS = 4 (`mmw_moe4w_*`) 48 KB.
 // AROW: bytes a row of the stage's A region (a bf16 row of the step; the RS Q6_K form's raw
 // spans are more).
 template <int TM, int BN, int BPS = 1, int P = MMW_PRODUCERS, int AROW = MMW_TK * 2>
