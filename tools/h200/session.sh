@@ -19,7 +19,7 @@
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
 #            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
-#   moe4w    the RS MoE experts on 160-thread blocks (FERRITE_MMW_MOE=4, built, not measured;
+#   moe4w    the RS MoE experts on 160-thread blocks (FERRITE_MMW_MOE=4, the default since the 49th session;
 #            MOE.md 48th session): moe check under it, then pp512 of Qwen3-30B-A3B and
 #            Qwen3.5-35B-A3B Q4_K_M at MOE=3 / 4 in turn, two rounds, and the 30B's trace under 4
 #   bound    the decode step without its weight copies (FERRITE_GEMV_DIAG 0 / 2 / 1: all, no

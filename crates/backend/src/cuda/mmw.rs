@@ -169,7 +169,7 @@ pub(crate) fn gu_lead() -> i64 {
 
 /// `FERRITE_MMW_RS_Q6_MOE` (read once; only with [`rs_q6`]): 0 the MoE GEMMs' Q6_K experts on
 /// the producers' form, 1 on the RS form at two blocks an SM (`mmw_moe2_*`), 2 (default) on the
-/// RS form at three (`mmw_moe3_*`, under `FERRITE_MMW_MOE=3`). mod.rs compiles mmw.cu with
+/// RS form at three (`mmw_moe3_*` under `FERRITE_MMW_MOE=3`, `mmw_moe3w_*` under 4). mod.rs compiles mmw.cu with
 /// MMW_RS_Q6_MOE where it is not 0.
 pub(crate) fn rs_q6_moe() -> i64 {
     static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
@@ -436,9 +436,12 @@ pub struct Kernels {
     /// `mmw_moe_gu_<type>_n64` and `mmw_moe_down_<type>_n64` of each of [`TYPES`]: a MoE
     /// prefill's grouped expert GEMMs ([`moe_gate_up`], [`moe_down`]); empty where wgmma is
     /// not available or `FERRITE_MMW_MOE=0` (moe.cu's mma.sync forms instead). By default
-    /// (`FERRITE_MMW_MOE=3`) the RS Q4_K experts on the `mmw_moe3_*` forms (64-output tiles,
-    /// one producer warpgroup, three blocks an SM: pp512 +8.8% on Qwen3-30B-A3B and +8.7% on
-    /// Qwen3.5-35B-A3B, MOE.md 48th session) and every other type on the `mmw_moe2_*` forms
+    /// (`FERRITE_MMW_MOE=4`) the RS Q4_K experts on the `mmw_moe4w_*` forms and the RS Q6_K
+    /// ones on `mmw_moe3w_*` (64-output tiles, one consumer warpgroup and one producer warp,
+    /// four and three blocks an SM: pp512 +1.0% on Qwen3-30B-A3B and +3.7% on Qwen3.5-35B-A3B
+    /// over `FERRITE_MMW_MOE=3`, MOE.md 49th session); under 3 those on the `mmw_moe3_*`
+    /// forms (one producer warpgroup, three blocks an SM: +8.8% and +8.7% over 2, MOE.md 48th
+    /// session); every other type on the `mmw_moe2_*` forms
     /// (64-output tiles, two blocks an SM: +9.7% on Qwen3-30B-A3B's pp512, MOE.md 42nd
     /// session), as under `FERRITE_MMW_MOE=2` every type; `FERRITE_MMW_MOE=1` the 128-output
     /// ones, one block an SM.
@@ -488,7 +491,7 @@ impl Kernels {
                 |(tm, bn): (usize, usize)| with_smem(format!("mmw_{family}_n{bn}"), smem(tm, bn));
             Ok([g(TILES[0])?, g(TILES[1])?, g(TILES[2])?])
         };
-        let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 3);
+        let moe_mode = super::switches::int_or("FERRITE_MMW_MOE", 4);
         let (family, moe_tile) = moe_form(moe_mode.min(2));
         let moe = if moe_mode != 0 {
             TYPES
@@ -500,8 +503,8 @@ impl Kernels {
                     let three = moe_mode >= 3
                         && rs()
                         && (t == GgmlType::Q4K || (t == GgmlType::Q6K && rs_q6_moe() == 2));
-                    // FERRITE_MMW_MOE=4 (built, not measured): those on 160-thread blocks, one
-                    // producer warp (`mmw_moe4w_*` for Q4_K, `mmw_moe3w_*` for Q6_K).
+                    // FERRITE_MMW_MOE=4 (the default): those on 160-thread blocks, one producer
+                    // warp (`mmw_moe4w_*` for Q4_K, `mmw_moe3w_*` for Q6_K; MOE.md 49th session).
                     let warp = moe_mode == 4;
                     let g = |part: &str| -> Result<MoeFn> {
                         Ok(if three {

@@ -37,7 +37,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_MOE",
         Accepts::OneOf(&[0, 1, 2, 3, 4]),
-        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 on 64-output tiles two blocks an SM, 3 (default) as 2 but the RS Q4_K and Q6_K experts on one producer warpgroup, three blocks an SM, 4 (built, not measured) those on one producer warp, 160 threads: Q4_K four blocks an SM, Q6_K three (MOE.md)",
+        "a MoE prefill's grouped expert GEMMs on wgmma (sm_90a): 0 off (moe.cu's mma.sync forms), 1 on 128-output tiles one block an SM, 2 on 64-output tiles two blocks an SM, 3 as 2 but the RS Q4_K and Q6_K experts on one producer warpgroup, three blocks an SM, 4 (default) those on one producer warp, 160 threads: Q4_K four blocks an SM, Q6_K three (MOE.md, 49th session)",
     ),
     (
         "FERRITE_MMW_RS",
@@ -62,7 +62,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_RS_Q6_MOE",
         Accepts::OneOf(&[0, 1, 2]),
-        "wgmma prefill, with FERRITE_MMW_RS_Q6: the MoE GEMMs' Q6_K experts 0 on the producers' form, 1 on the register-A form (their rows read by tensor maps over groups of rows that are whole 16-byte units) at two blocks an SM, 2 (default) the same at three blocks an SM under FERRITE_MMW_MOE=3 (MOE.md, 48th session)",
+        "wgmma prefill, with FERRITE_MMW_RS_Q6: the MoE GEMMs' Q6_K experts 0 on the producers' form, 1 on the register-A form (their rows read by tensor maps over groups of rows that are whole 16-byte units) at two blocks an SM, 2 (default) the same at three blocks an SM under FERRITE_MMW_MOE=3 or 4 (MOE.md, 48th session)",
     ),
     (
         "FERRITE_MMW_RSW",
