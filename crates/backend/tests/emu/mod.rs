@@ -47,11 +47,12 @@ pub fn build(name: &str, files: &[(&str, &str)]) -> Option<PathBuf> {
 
 /// [`build`] for a harness of matmul.cu's tensor-core GEMV code (gemv_tc_emu, gemv_tc2_emu):
 /// with `gemv_tc.h` (the harnesses' common prelude) and the sections it includes — EMU_Q8 of
-/// common.cuh, EMU_KQ and EMU_TC of matmul.cu.
+/// common.cuh, EMU_KQ of mm_decode.cuh and EMU_TC of matmul.cu.
 #[allow(dead_code)]
 pub fn build_gemv_tc(name: &str, harness: &str) -> Option<PathBuf> {
     const SRC: &str = include_str!("../../src/cuda/kernels/matmul.cu");
     const COMMON: &str = include_str!("../../src/cuda/kernels/common.cuh");
+    const DEC: &str = include_str!("../../src/cuda/kernels/mm_decode.cuh");
     build(
         name,
         &[
@@ -60,7 +61,7 @@ pub fn build_gemv_tc(name: &str, harness: &str) -> Option<PathBuf> {
                 "q8.cuh",
                 section(COMMON, "// EMU_Q8_BEGIN", "// EMU_Q8_END"),
             ),
-            ("kq.cuh", section(SRC, "// EMU_KQ_BEGIN", "// EMU_KQ_END")),
+            ("kq.cuh", section(DEC, "// EMU_KQ_BEGIN", "// EMU_KQ_END")),
             ("tc.cuh", section(SRC, "// EMU_TC_BEGIN", "// EMU_TC_END")),
             ("harness.cpp", harness),
         ],

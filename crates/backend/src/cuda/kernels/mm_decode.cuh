@@ -17,6 +17,22 @@ __device__ __forceinline__ float byte_f(uint32_t w) {
     return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - 8388608.0f;
 }
 
+// Byte k of w (< 256) minus the constant B, exactly: prmt builds the float 2^23 + byte and one
+// FADD subtracts 2^23 + B (both exact: every value involved is an integer below 2^24). Same
+// bits as (byte_f<K>(w) - B), one instruction fewer.
+template <int K, int B>
+__device__ __forceinline__ float byte_fb(uint32_t w) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K)) - (8388608.0f + (float)B);
+}
+
+// Byte k (0..3) of w as the float 2^23 + byte exactly (byte_f before its subtraction): where
+// the byte is then multiplied by c, fmaf(byte_v<K>(w), c, -2^23 c) is byte · c rounded once,
+// exact where that product fits a float's 24 bits (a K-quant's 6-bit scale times its f16 d).
+template <int K>
+__device__ __forceinline__ float byte_v(uint32_t w) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + K));
+}
+
 // Byte k of the 12 K-quant scale bytes held in three words.
 __device__ __forceinline__ uint32_t sbyte(uint32_t s0, uint32_t s1, uint32_t s2, int k) {
     uint32_t w = k < 4 ? s0 : (k < 8 ? s1 : s2);
@@ -34,6 +50,31 @@ __device__ __forceinline__ void scale_min_w(int j, uint32_t s0, uint32_t s1, uin
         *m = (float)((a >> 4) | ((hi >> 6) << 4));
     }
 }
+
+// EMU_KQ_BEGIN (host emulation: tests/gemv_tc_emu.rs, tests/mmw_rs_emu.rs)
+// Per-lane constants of kq_pair_scales for sub-block pair g (0..3) of a K-quant super-block.
+struct KqPairSel {
+    uint32_t perm;   // byte_perm selector: bytes b, b+1 of the first word, b, b+1 of the second
+    uint32_t shift;  // 0 for g < 2, 2 for g >= 2 (where the top two bits come from)
+    bool upper;      // g >= 2: the low four bits come from the third scale word
+};
+__device__ __forceinline__ KqPairSel kq_pair_sel(int g) {
+    const uint32_t b = 2u * (uint32_t)(g & 1);
+    return {b | (b + 1) << 4 | (b + 4) << 8 | (b + 5) << 12, g < 2 ? 0u : 2u, g >= 2};
+}
+// The scales and mins of sub-blocks 2g and 2g+1 (ggml's get_scale_min_k4) from the 12 scale
+// bytes (words s0 s1 s2) as the bytes (sc0, sc1, m0, m1) of one word, without a branch on g
+// (g varies across a GEMV warp's lanes, and by step in mmw.cu's RS consumers, where ggml's
+// two-branch form cost ~60 instructions a step). H gathers bytes b, b+1 of s0 and s1; for
+// g < 2 the values are H & 0x3F. For g >= 2 the low four bits are the nibbles of s2's bytes b, b+1 (low
+// nibbles: scales, high: mins) and the top two are bits 6-7 of H's bytes:
+// (L & 0x0F) | ((H >> 2) & 0x30) per byte (the shift's carry between bytes is masked off).
+__device__ __forceinline__ uint32_t kq_pair_scales(KqPairSel sel, uint32_t s0, uint32_t s1, uint32_t s2) {
+    const uint32_t H = __byte_perm(s0, s1, sel.perm);
+    const uint32_t L = sel.upper ? __byte_perm(s2, s2 >> 4, sel.perm) : H;
+    return (L & 0x0F0F0F0Fu) | ((H >> sel.shift) & 0x30303030u);
+}
+// EMU_KQ_END
 
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
     __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // .x = a (low half) = the lower k

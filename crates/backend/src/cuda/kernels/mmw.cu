@@ -189,10 +189,12 @@ __device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int 
 // (the hardware applies the XOR on the absolute address bits, hence the 1 KB alignment).
 // The no-swizzle layout (core matrices of 8 rows × 16 B) measured no faster than mm_ in every
 // arrangement tried (MATMUL.md round 13).
+// The start address field is addr >> 4 in bits 0-13: a shared address is below 2^18 (the
+// window is 228 KB), so no mask, and a constant offset from a 16-byte aligned base folds into
+// one add (the mask cost ~5 instructions a wgmma in the RS consumers' loops).
 template <int R>
 __device__ __forceinline__ uint64_t mmw_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           ((uint64_t)1 << 62);
+    return (uint64_t)(addr >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 // Byte offset of element (r, k) (k < 64) in a tile of that layout.
 template <int R>
@@ -288,13 +290,16 @@ __device__ __forceinline__ uint32_t mmw_lds16(uint32_t a) {
 // fmaf(q, d · sc, −dmin · m) packed to bf16. Step kk's registers are a[4 kk .. 4 kk + 3], as
 // mma.sync m16n8k16's A: (row g, columns 2t, 2t + 1), (g + 8, same), (g, 2t + 8, 2t + 9),
 // (g + 8, same).
+// The scales of sub-blocks 2G, 2G + 1 come from kq_pair_scales (no branch on G, a runtime
+// value of the consumers' two-step loop) and d · sc, dmin · m from byte_v: exact products (an
+// f16 times a 6-bit integer), the same bits as ggml's order of operations.
 __device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int t, int half, uint32_t (&a)[16]) {
     const uint4 h = mmw_lds128(hdr);
-    float sc0, mn0, sc1, mn1;
-    scale_min_w(2 * G, h.y, h.z, h.w, &sc0, &mn0);
-    scale_min_w(2 * G + 1, h.y, h.z, h.w, &sc1, &mn1);
+    const uint32_t sm = kq_pair_scales(kq_pair_sel(G), h.y, h.z, h.w);  // bytes sc0, sc1, m0, m1
     const float d = h2f(h.x & 0xFFFF), dmin = h2f(h.x >> 16);
-    const float ds0 = d * sc0, dm0 = dmin * mn0, ds1 = d * sc1, dm1 = dmin * mn1;
+    const float d23 = d * 8388608.0f, m23 = dmin * 8388608.0f;
+    const float ds0 = fmaf(byte_v<0>(sm), d, -d23), ds1 = fmaf(byte_v<1>(sm), d, -d23);
+    const float dm0 = fmaf(byte_v<2>(sm), dmin, -m23), dm1 = fmaf(byte_v<3>(sm), dmin, -m23);
     const uint32_t q = qs + 2 * t;
     const uint32_t w0 = mmw_lds16(q) | (mmw_lds16(q + 8) << 16), w1 = mmw_lds16(q + 16) | (mmw_lds16(q + 24) << 16);
 #pragma unroll
@@ -372,8 +377,8 @@ __device__ __forceinline__ void mmw_rs_row_q6k(uint32_t ql, uint32_t hi, int kt,
         const uint32_t lw = mmw_lds16(l) | (mmw_lds16(l + 8) << 16);
         const uint32_t hw = mmw_lds16(h) | (mmw_lds16(h + 8) << 16);
         const uint32_t q = ((lw >> (4 * odd)) & 0x0F0F0F0Fu) | (((hw >> (4 * odd + 2 * (kk >> 1))) & 0x03030303u) << 4);
-        a[4 * kk + half] = pack_bf16((byte_f<0>(q) - 32.0f) * ds, (byte_f<1>(q) - 32.0f) * ds);
-        a[4 * kk + 2 + half] = pack_bf16((byte_f<2>(q) - 32.0f) * ds, (byte_f<3>(q) - 32.0f) * ds);
+        a[4 * kk + half] = pack_bf16(byte_fb<0, 32>(q) * ds, byte_fb<1, 32>(q) * ds);
+        a[4 * kk + 2 + half] = pack_bf16(byte_fb<2, 32>(q) * ds, byte_fb<3, 32>(q) * ds);
     }
 }
 // EMU_RS_END
@@ -722,7 +727,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             const uint32_t qia = (uint32_t)((long long)(ra % BRC % QG) * rb), qib = (uint32_t)((long long)(rb2 % BRC % QG) * rb);
             // Step kt's A fragments (mmw_rs_row for the thread's two rows).
             auto decode = [&](int kt, uint32_t (&a)[16]) {
-                const uint32_t st = s0 + (kt % MMW_STAGES) * S::STAGE;
+                const uint32_t st = s0 + ((unsigned)kt % MMW_STAGES) * S::STAGE;
                 if constexpr (Q80) {
                     mmw_rs_row_q80(st + ra * MMW_RS_Q80_SPAN, kt, t, 0, a);
                     mmw_rs_row_q80(st + rb2 * MMW_RS_Q80_SPAN, kt, t, 1, a);
@@ -749,19 +754,22 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             // feed the previous step's MMAs), four wgmmas issued; then the previous step's
             // group waited for and its stage released.
             auto cstep = [&](int kt, uint32_t (&a)[16]) {
-                const int s = kt % MMW_STAGES;
+                // kt >= 0: unsigned, so that % and / by a power of two are a mask and a shift.
+                const int s = (int)((unsigned)kt % MMW_STAGES);
                 if (!XT) mmw_bar_sync(FULL0 + s, MMW_BAR);
-                mmw_mbar_wait(xbar0 + 8 * s, (uint32_t)((kt / MMW_STAGES) & 1));
+                mmw_mbar_wait(xbar0 + 8 * s, ((unsigned)kt / MMW_STAGES) & 1u);
                 decode(kt, a);
                 // The fragment's registers written before the fence (wgmma reads them
                 // asynchronously; nothing may move past it).
 #pragma unroll
                 for (int i = 0; i < 16; i++) asm volatile("" : "+r"(a[i])::"memory");
-                const uint32_t b = s0 + s * S::STAGE + S::A_BYTES;
+                // k16 step kk starts 32 kk bytes into x's lines (mmw_off(0, 16 kk)): the
+                // descriptor's address field (bytes / 16) plus 2 kk, one add a wgmma.
+                const uint64_t b = mmw_desc<BN>(s0 + s * S::STAGE + S::A_BYTES);
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
                 for (int kk = 0; kk < MMW_TK / 16; kk++) {
-                    const uint64_t db = mmw_desc<BN>(b + mmw_off<BN>(0, 16 * kk));
+                    const uint64_t db = b + (uint64_t)(mmw_off<BN>(0, 16 * kk) >> 4);
                     if constexpr (BN == 256) mmw_wgmma_rs_n256(acc, a + 4 * kk, db);
                     else if constexpr (BN == 128) mmw_wgmma_rs_n128(acc, a + 4 * kk, db);
                     else mmw_wgmma_rs_n64(acc, a + 4 * kk, db);
@@ -770,7 +778,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 if (kt >= 1) {
                     asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                     mmw_fence_acc(acc);
-                    if (kt - 1 + MMW_STAGES < nk) mmw_bar_arrive(EMPTY0 + (kt - 1) % MMW_STAGES, MMW_BAR);
+                    if (kt - 1 + MMW_STAGES < nk) mmw_bar_arrive(EMPTY0 + (int)((unsigned)(kt - 1) % MMW_STAGES), MMW_BAR);
                 }
             };
             uint32_t a0[16], a1[16];
