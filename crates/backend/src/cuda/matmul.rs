@@ -101,6 +101,10 @@ pub struct Kernels {
     /// `gemv_<type>_rows`: the 16-row GEMV over every 16-row chunk of a prefill in one launch
     /// (grid y = the chunk), for small-output weights such as the MoE routers.
     gemv_rows: Vec<CudaFunction>,
+    /// `gemv_f32_xs_j1` and `_j2`: f32 small-output weights at prefill with x held in the
+    /// lanes' registers (the same sums as `gemv_f32_rows`, where each lane's chain reads one or
+    /// two quads: [`xs_plan`]); `None` under `FERRITE_GEMV_ROWS_XS=0`.
+    gemv_f32_xs: Option<[CudaFunction; 2]>,
     /// `gemv_swiglu_<type>_r<R>` (float types only: the quantized ones use gemvq_swiglu).
     gemv_swiglu: Vec<Option<[CudaFunction; 6]>>,
     /// `gemv_multi_<type>_r<R>`: 2–3 weights in one launch on f32 x (float types; the
@@ -631,9 +635,18 @@ impl Kernels {
         } else {
             super::moe::MOE_BULK_DEFAULT_SMEM
         };
+        let gemv_f32_xs = if switches::int_or("FERRITE_GEMV_ROWS_XS", 1) != 0 {
+            Some([
+                function(&m, "gemv_f32_xs_j1")?,
+                function(&m, "gemv_f32_xs_j2")?,
+            ])
+        } else {
+            None
+        };
         Ok(Kernels {
             gemv,
             gemv_rows,
+            gemv_f32_xs,
             gemv_swiglu,
             gemv_multi,
             gemv_deferred,
@@ -826,6 +839,25 @@ fn gemvq_steps(t: GgmlType, n_in: usize) -> usize {
 /// `GEMV_TARGET_WARPS_PER_SM` warps per SM, capped by the steps a row has. A function of the
 /// shape only, never of the row count: the reduction order of an output (lane chains,
 /// butterfly, then the ks warp totals in warp order) must not depend on R.
+/// Rows of x a `gemv_f32_xs` block holds (XS_RB in matmul.cu) and outputs a k-group takes a
+/// batch (XS_OB).
+const XS_RB: usize = 8;
+const XS_OB: usize = 4;
+/// Outputs a `gemv_f32_xs` k-group streams past its rows: 16 (Qwen3-30B-A3B's router, 128
+/// outputs at ks = 8: 8 × 64 blocks at pp512, x read 8 times instead of 64).
+const XS_OPB: usize = 16;
+
+/// `gemv_f32_xs_j<J>`'s plan for an f32 small-output weight at ks: (J, outputs a k-group), where
+/// each lane's chain reads exactly J ≤ 2 quads (n_in = 128 ks J), or `None` (gemv_f32_rows).
+fn xs_plan(t: GgmlType, n_in: usize, n_out: usize, ks: usize) -> Option<(usize, usize)> {
+    if t != GgmlType::F32 || !n_in.is_multiple_of(4 * 32 * ks) {
+        return None;
+    }
+    let j = n_in / (4 * 32 * ks);
+    let opb = XS_OPB.min(n_out.next_multiple_of(XS_OB));
+    (1..=2).contains(&j).then_some((j, opb))
+}
+
 fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
     static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let target = *TARGET.get_or_init(|| {
@@ -1047,6 +1079,44 @@ pub fn matmul(
             chunks <= 65_535,
             "matmul: {rows} rows exceed the small-output GEMV's grid"
         );
+        if let (Some(xs), Some((j, opb))) =
+            (&be.matmul.gemv_f32_xs, xs_plan(w.dtype, n_in, n_out, ks))
+        {
+            // Block (x, y): rows XS_RB y.. of x in registers, outputs of GEMV_WARPS / ks
+            // k-groups of opb each.
+            let per_block = GEMV_WARPS / ks * opb;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    n_out.div_ceil(per_block) as u32,
+                    rows.div_ceil(XS_RB) as u32,
+                    1,
+                ),
+                block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            ensure!(
+                rows.div_ceil(XS_RB) <= 65_535,
+                "matmul: {rows} rows exceed the small-output GEMV's grid"
+            );
+            let (rb, n_out_i, n_in_i) = (rb, n_out as i32, n_in as i32);
+            let (rows_i, ks_i, opb_i) = (rows as i32, ks as i32, opb as i32);
+            let mut launch = be.stream.kernel(&xs[j - 1]);
+            launch
+                .arg(&*w.data)
+                .arg(&rb)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&x.buf)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&ks_i)
+                .arg(&opb_i);
+            // SAFETY: as float_gemv's: the kernel reads n_out rows of rb bytes of W (the rows
+            // past n_out clamped to the last) and rows × n_in floats of x, and writes rows ×
+            // n_out floats of out.
+            unsafe { launch.launch(cfg) }?;
+            return Ok(());
+        }
         let mut cfg = gemv_config(groups, ks);
         cfg.grid_dim.1 = chunks as u32;
         // Block (x, y) reads rows 16 y .. min(16 y + 16, rows) of x and writes those of out.

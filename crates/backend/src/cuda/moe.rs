@@ -129,6 +129,8 @@ pub struct Kernels {
     down: CudaFunction,
     sort: CudaFunction,
     combine: CudaFunction,
+    /// `moe_combine4`: the same, four outputs a thread (hidden a multiple of 4).
+    combine4: CudaFunction,
     /// Grouped prefill GEMMs, indexed like [`TYPES`].
     mm_gu: Vec<CudaFunction>,
     mm_down: Vec<CudaFunction>,
@@ -150,6 +152,7 @@ impl Kernels {
             down: function(&m, "moe_down")?,
             sort: function(&m, "moe_sort")?,
             combine: function(&m, "moe_combine")?,
+            combine4: function(&m, "moe_combine4")?,
             mm_gu,
             mm_down,
             scratch: Mutex::new(None),
@@ -876,8 +879,14 @@ fn grouped_experts(
         )?;
     }
 
-    // 7. Combine in top-k order: one thread per output element.
-    let n = rows * hidden;
+    // 7. Combine in top-k order: one thread per output element, or per four where the rows
+    // are whole 16-byte units (moe_combine4: the same sums).
+    let four = hidden.is_multiple_of(4);
+    let n = if four {
+        rows * hidden / 4
+    } else {
+        rows * hidden
+    };
     let blocks = n.div_ceil(256);
     ensure!(
         blocks < (1usize << 31),
@@ -891,7 +900,11 @@ fn grouped_experts(
     // SAFETY: y holds pairs × hidden, ids/wts pairs, out rows × hidden (checked by the caller).
     unsafe {
         be.stream
-            .kernel(&be.moe.combine)
+            .kernel(if four {
+                &be.moe.combine4
+            } else {
+                &be.moe.combine
+            })
             .arg(&s.y)
             .arg(&s.ids)
             .arg(&s.wts)

@@ -55,6 +55,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill, with FERRITE_MMW_RS: 1 (default) dense Q6_K weights take the register-A form too (two spans a row a step; Qwen3-8B Q4_K_M pp512 +3.4% on an H100), 0 Q6_K on the producers' form (MATMUL.md rounds 86-87)",
     ),
     (
+        "FERRITE_GEMV_ROWS_XS",
+        Accepts::OneOf(&[0, 1]),
+        "f32 small-output weights (the MoE routers) at prefill: 1 (default) on gemv_f32_xs (x held in registers, the same sums), 0 on gemv_f32_rows (MOE.md, 49th session)",
+    ),
+    (
         "FERRITE_MMW_GU_LEAD",
         Accepts::Range(0, 8),
         "wgmma prefill, with FERRITE_MMW_RS: steps of the MoE gate/up's gathered x copies kept in flight past the step the producers publish (capped at the ring's stages less two; 0, the default: each step's copies waited for at once; 4 measured -4.5% on pp512) (MOE.md, 48th session)",

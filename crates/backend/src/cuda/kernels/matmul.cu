@@ -766,6 +766,101 @@ __device__ __forceinline__ void gemv(const uint8_t* __restrict__ W, long long rb
             gemv<TYPE, 16>(W, rb, n_out, n_in, xc, n, oc, ks, nullptr, blockIdx.x);                         \
     }
 
+// gemv_f32_xs_j<J>: gemv_f32_rows's sums with x held in registers. There every block (NW = 2
+// outputs × 16 rows, ks warps a row group) reads its 16 rows of x whole, so at Qwen3-30B-A3B's
+// router (2048 -> 128, ks = 8) a pp512 reads x 64 times from L2 (268 MB: 40 µs a layer, 8% of
+// the forward; MOE.md, 49th session). Here a block's lanes hold XS_RB rows of x, each lane the J
+// quads its chain reads (i = lane + 32 kw + 32 ks j, as gemv_lane; n_in / 4 = 32 ks J exactly:
+// matmul.rs picks this kernel only then), and stream the weight rows of the k-group's `opb`
+// outputs past them, XS_OB at a time. Per (row, output): the lane's fmaf chain is gemv_lane's
+// (quads in j order, .x .. .w each), the 32 lanes' partials add in the xor butterfly's pairs,
+// and the ks warp totals in warp order, so every output has gemv_f32_rows's bits (and the
+// one-row decode GEMV's: check's matmul_rows_same_as_alone). The lanes reduce by a
+// reduce-scatter over the batch's XS_RB · XS_OB = 32 values: at each level (xor 16, 8, .., 1)
+// lane l keeps the half of its values that its bit selects and adds its partner's partial of
+// each, the butterfly's very pair sums (own + other, the same bits in either lane), so that
+// after five levels lane l holds value l: 31 shuffles for 32 values instead of 160.
+#define XS_RB 8
+#define XS_OB 4
+// One level of that reduce-scatter: lane l keeps values [0, OFF) of its half (values OFF.. where
+// its bit OFF is set), adding the partner's partial of each (a template: every index a constant,
+// so the values stay in registers).
+template <int OFF>
+__device__ __forceinline__ void xs_level(float (&acc)[XS_RB * XS_OB], int lane) {
+    const bool hi = lane & OFF;
+#pragma unroll
+    for (int m = 0; m < OFF; m++) {
+        const float send = hi ? acc[m] : acc[m + OFF], keep = hi ? acc[m + OFF] : acc[m];
+        acc[m] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+    }
+}
+template <int J>
+__device__ __forceinline__ void gemv_f32_xs(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
+                                            const float* __restrict__ x, int rows, float* __restrict__ out, int ks,
+                                            int opb) {
+    __shared__ float red[GEMV_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int kg = warp / ks, kw = warp % ks, KG = GEMV_WARPS / ks;
+    const int r0 = (int)blockIdx.y * XS_RB;
+    const int us = 32 * ks, u0 = lane + 32 * kw;
+    const int ob0 = ((int)blockIdx.x * KG + kg) * opb;
+    // The block's weight rows (every k-group's) into L2, then the PDL wait (x is the last
+    // kernel's output).
+    gemv_prologue(W, nullptr, rb, n_out, (int)blockIdx.x * KG * opb, ((int)blockIdx.x + 1) * KG * opb);
+    float4 xv[XS_RB][J];
+#pragma unroll
+    for (int r = 0; r < XS_RB; r++) {
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            xv[r][j] = r0 + r < rows ? __ldg((const float4*)(x + (size_t)(r0 + r) * n_in) + u0 + us * j)
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int b = 0; b < opb; b += XS_OB) {
+        float acc[XS_RB * XS_OB];  // value r · XS_OB + q: row r0 + r, output ob0 + b + q
+#pragma unroll
+        for (int v = 0; v < XS_RB * XS_OB; v++) acc[v] = 0.0f;
+#pragma unroll
+        for (int q = 0; q < XS_OB; q++) {
+            const int o = min(ob0 + b + q, n_out - 1);  // past n_out: computed, not stored
+            const float4* wr = (const float4*)(W + (size_t)o * (size_t)rb);
+#pragma unroll
+            for (int j = 0; j < J; j++) {
+                const float4 w4 = __ldcs(wr + u0 + us * j);
+#pragma unroll
+                for (int r = 0; r < XS_RB; r++) {
+                    float& a = acc[r * XS_OB + q];
+                    a = fmaf(w4.x, xv[r][j].x, a);
+                    a = fmaf(w4.y, xv[r][j].y, a);
+                    a = fmaf(w4.z, xv[r][j].z, a);
+                    a = fmaf(w4.w, xv[r][j].w, a);
+                }
+            }
+        }
+        xs_level<16>(acc, lane);
+        xs_level<8>(acc, lane);
+        xs_level<4>(acc, lane);
+        xs_level<2>(acc, lane);
+        xs_level<1>(acc, lane);
+        red[warp][lane] = acc[0];
+        __syncthreads();
+        if (kw == 0) {
+            float v = red[warp][lane];
+            for (int k = 1; k < ks; k++) v += red[warp + k][lane];
+            const int r = lane / XS_OB, o = ob0 + b + lane % XS_OB;
+            if (r0 + r < rows && o < n_out && b + lane % XS_OB < opb) out[(size_t)(r0 + r) * n_out + o] = v;
+        }
+        __syncthreads();
+    }
+}
+#define GEMV_F32_XS_KERNEL(J)                                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                                        \
+        gemv_f32_xs_j##J(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,                  \
+                         const float* __restrict__ x, int rows, float* __restrict__ out, int ks, int opb) { \
+        gemv_f32_xs<J>(W, rb, n_out, n_in, x, rows, out, ks, opb);                                          \
+    }
+GEMV_F32_XS_KERNEL(1)
+GEMV_F32_XS_KERNEL(2)
+
 // Up to three weights of one type and row length reading the same x (Q, K, V) in one launch:
 // blocks [0, b0) are weight 0's row groups, [b0, b0 + b1) weight 1's, the rest weight 2's. Each
 // output is computed exactly as by a single-weight launch with the same ks.

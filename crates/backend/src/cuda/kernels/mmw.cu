@@ -320,7 +320,8 @@ __device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int
 // 0, 4, 8 or 12 bytes into the span (12 + 68 = 80: the blocks always fit). `row` is the shared
 // address of the row's span, t and half as mmw_rs_row's. Columns 2t, 2t + 1, 2t + 8, 2t + 9 of
 // k16 step kk are quants 16 (kk % 2) + those of block kk / 2; the values dec16's, (q + 128 −
-// 128) · d exactly as its Q8_0 branch computes them, packed to bf16.
+// 128) · d exactly as its Q8_0 branch computes them (the − 128 folded into byte_fb's one FADD:
+// the same exact integer), packed to bf16.
 #define MMW_RS_Q80_SPAN 80
 #define MMW_RS_Q80_STEP (2 * Q8_0_BYTES)
 __device__ __forceinline__ int mmw_rs_q80_col(int kt) { return (kt * MMW_RS_Q80_STEP) & ~15; }
@@ -333,8 +334,8 @@ __device__ __forceinline__ void mmw_rs_row_q80(uint32_t row, int kt, int t, int 
         const uint32_t q = row + Q8_0_BYTES * (kk >> 1) + 2 + 16 * (kk & 1) + 2 * t;
         const uint32_t w = (mmw_lds16(q) | (mmw_lds16(q + 8) << 16)) ^ 0x80808080u;
         const float d = kk >= 2 ? d1 : d0;
-        a[4 * kk + half] = pack_bf16((byte_f<0>(w) - 128.0f) * d, (byte_f<1>(w) - 128.0f) * d);
-        a[4 * kk + 2 + half] = pack_bf16((byte_f<2>(w) - 128.0f) * d, (byte_f<3>(w) - 128.0f) * d);
+        a[4 * kk + half] = pack_bf16(byte_fb<0, 128>(w) * d, byte_fb<1, 128>(w) * d);
+        a[4 * kk + 2 + half] = pack_bf16(byte_fb<2, 128>(w) * d, byte_fb<3, 128>(w) * d);
     }
 }
 
