@@ -159,6 +159,13 @@ pub(crate) fn rs_q6() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 1) != 0)
 }
 
+/// `FERRITE_MOE_H_BF16` (read once): a MoE prefill's gate/up writes h as the bf16 rows the down
+/// reads (1, the default), or as f32 rows converted before the down (0).
+pub(crate) fn moe_h_bf16() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| super::switches::int_or("FERRITE_MOE_H_BF16", 1) != 0)
+}
+
 /// Steps of the RS MoE gate/up's gathered x copies in flight past the one its producers
 /// publish (`FERRITE_MMW_GU_LEAD`, default 0; the kernel caps it at its stages less two; 0:
 /// each step's copies waited for as soon as issued, the form before the 48th session).
@@ -391,9 +398,9 @@ fn a16_map(
 /// The tensor map of a bf16 scratch of `rows` rows of `kp` for the x tiles of tile width `bn`:
 /// boxes of 64 elements (one 128-byte line, the 128-byte swizzle of mmw_off) × bn rows; rows
 /// past `rows` read as zeros.
-fn x_map(
+fn x_map<X: cudarc::driver::DevicePtr<u16>>(
     be: &CudaBackend,
-    xb: &CudaSlice<u16>,
+    xb: &X,
     rows: usize,
     kp: usize,
     bn: usize,
@@ -1090,6 +1097,10 @@ fn moe_config(k: &MoeFn, t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchCon
 /// x_t)` for every list position p of the tile table (pair list[p] = token t, slot; e its
 /// expert), x (`rows × hidden` f32) converted to bf16 once. `g`, `u`: `[n_experts, ffn,
 /// hidden]` of type `TYPES[ti]`; h holds `pairs × ffn` floats (checked by the caller, moe.rs).
+/// `h_bf16`: h's rows written as bf16 instead (`pairs × ffn` uint16 at the buffer's start;
+/// ffn a multiple of [`TK`]), which [`moe_down`] then reads as its x scratch: the f32 rows'
+/// conversion (`mm_x_bf16`, the same rounding) saved, and half the bytes written (MOE.md,
+/// 49th session).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_gate_up(
     be: &CudaBackend,
@@ -1100,7 +1111,13 @@ pub(crate) fn moe_gate_up(
     u: &CudaWeight,
     t: &MoeTiles<'_>,
     h: &mut CudaSlice<f32>,
+    h_bf16: bool,
 ) -> Result<()> {
+    ensure!(
+        !h_bf16 || ffn.is_multiple_of(TK),
+        "mmw: bf16 h rows need ffn ({ffn}) a multiple of {TK}"
+    );
+    let hbf = h_bf16 as i32;
     let k = &be.mmw.moe[ti][0];
     let cfg = moe_config(k, t, ffn.div_ceil(be.mmw.moe_tile.0 / 2))?;
     let (rb, n_out, n_in, tk) = (
@@ -1135,7 +1152,8 @@ pub(crate) fn moe_gate_up(
             .arg(t.tiles)
             .arg(t.list)
             .arg(&tk)
-            .arg(h);
+            .arg(h)
+            .arg(&hbf);
         if let Some((gm, um)) = &wm {
             launch.arg(&gm[0]).arg(&gm[1]).arg(&um[0]).arg(&um[1]);
         }
@@ -1148,8 +1166,9 @@ pub(crate) fn moe_gate_up(
 }
 
 /// A MoE prefill's down projections on the wgmma pipeline: `y[list[p]] = down_e h[p]` for every
-/// list position p (h `pairs × ffn` f32 in list order, converted to bf16 once); `d`:
-/// `[n_experts, hidden, ffn]` of type `TYPES[ti]`; y holds `pairs × hidden` floats.
+/// list position p (h `pairs × ffn` f32 in list order, converted to bf16 once; `h_bf16`: h
+/// already holds those bf16 rows, as [`moe_gate_up`] wrote them); `d`: `[n_experts, hidden,
+/// ffn]` of type `TYPES[ti]`; y holds `pairs × hidden` floats.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_down(
     be: &CudaBackend,
@@ -1159,22 +1178,51 @@ pub(crate) fn moe_down(
     d: &CudaWeight,
     t: &MoeTiles<'_>,
     y: &mut CudaSlice<f32>,
+    h_bf16: bool,
+) -> Result<()> {
+    if h_bf16 {
+        ensure!(
+            ffn.is_multiple_of(TK) && 2 * h.len() >= pairs * ffn,
+            "mmw: bf16 h rows [{pairs}, {ffn}] exceed their buffer"
+        );
+        // SAFETY: the view's bytes are h's first pairs · ffn · 2 (checked above), which
+        // moe_gate_up wrote as bf16; nothing writes h while the down reads it (one stream).
+        let hb = unsafe { h.transmute::<u16>(pairs * ffn) }
+            .ok_or_else(|| anyhow::anyhow!("mmw: bf16 view of h"))?;
+        return moe_down_bf16(be, ti, &hb, (pairs, ffn, ffn, hidden), d, t, y);
+    }
+    super::matmul::with_bf16_rows(be, h, pairs, ffn, |hb, kp| {
+        moe_down_bf16(be, ti, hb, (pairs, ffn, kp, hidden), d, t, y)
+    })
+}
+
+/// [`moe_down`] on its bf16 rows `hb` (`pairs × kp`: ffn columns, kp a multiple of [`TK`]).
+fn moe_down_bf16<H: cudarc::driver::DevicePtr<u16>>(
+    be: &CudaBackend,
+    ti: usize,
+    hb: &H,
+    (pairs, ffn, kp, hidden): (usize, usize, usize, usize),
+    d: &CudaWeight,
+    t: &MoeTiles<'_>,
+    y: &mut CudaSlice<f32>,
 ) -> Result<()> {
     let k = &be.mmw.moe[ti][1];
     let cfg = moe_config(k, t, hidden.div_ceil(be.mmw.moe_tile.0))?;
     let (rb, n_out, n_in) = (d.row_bytes() as i64, hidden as i32, ffn as i32);
-    super::matmul::with_bf16_rows(be, h, pairs, ffn, |hb, kp| {
+    {
         let map = xtma()
             .then(|| x_map(be, hb, pairs, kp, MOE_TN))
             .transpose()?;
         let kp = kp as i32;
+        // hb's device address (a slice or a view of h), held across the launch.
+        let (hp, _hb_guard) = hb.device_ptr(&be.stream);
         let mut launch = be.stream.kernel(&k.f);
         launch
             .arg(&*d.data)
             .arg(&rb)
             .arg(&n_out)
             .arg(&n_in)
-            .arg(hb)
+            .arg(&hp)
             .arg(&kp)
             .arg(t.offsets)
             .arg(t.n_tiles)
@@ -1195,7 +1243,7 @@ pub(crate) fn moe_down(
         // as zeros), y ≥ pairs × hidden floats (pairs < pairs).
         unsafe { launch.launch(cfg) }?;
         Ok(())
-    })
+    }
 }
 
 #[cfg(test)]

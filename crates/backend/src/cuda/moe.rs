@@ -864,8 +864,21 @@ fn grouped_experts(
             max_tiles,
             top_k,
         };
-        super::mmw::moe_gate_up(be, mgi, &x.buf, (rows, hidden, ffn), g, u, &t, &mut s.h)?;
-        super::mmw::moe_down(be, mdi, &s.h, (pairs, ffn, hidden), d, &t, &mut s.y)?;
+        // h as the down's bf16 rows straight from the gate/up where they are whole steps
+        // (`FERRITE_MOE_H_BF16`, default on; MOE.md, 49th session).
+        let hbf = super::mmw::moe_h_bf16() && ffn.is_multiple_of(64);
+        super::mmw::moe_gate_up(
+            be,
+            mgi,
+            &x.buf,
+            (rows, hidden, ffn),
+            g,
+            u,
+            &t,
+            &mut s.h,
+            hbf,
+        )?;
+        super::mmw::moe_down(be, mdi, &s.h, (pairs, ffn, hidden), d, &t, &mut s.y, hbf)?;
     } else {
         grouped_mma_sync(
             be,

@@ -60,6 +60,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "f32 small-output weights (the MoE routers) at prefill: 1 (default) on gemv_f32_xs (x held in registers, the same sums), 0 on gemv_f32_rows (MOE.md, 49th session)",
     ),
     (
+        "FERRITE_MOE_H_BF16",
+        Accepts::OneOf(&[0, 1]),
+        "a MoE prefill on the wgmma GEMMs: 1 (default) the gate/up writes h as the bf16 rows the down reads, 0 as f32 rows converted before the down (MOE.md, 49th session)",
+    ),
+    (
         "FERRITE_MMW_GU_LEAD",
         Accepts::Range(0, 8),
         "wgmma prefill, with FERRITE_MMW_RS: steps of the MoE gate/up's gathered x copies kept in flight past the step the producers publish (capped at the ring's stages less two; 0, the default: each step's copies waited for at once; 4 measured -4.5% on pp512) (MOE.md, 48th session)",

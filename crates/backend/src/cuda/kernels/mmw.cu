@@ -449,7 +449,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
                                     int mtk = 1, const MmwTmap* xmap = nullptr, int xrow0 = 0,
                                     const MmwTmap* wmh = nullptr, const MmwTmap* wmq = nullptr,
-                                    const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr, int wrow0 = 0) {
+                                    const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr, int wrow0 = 0,
+                                    int hbf = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
     // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
     // the producers' cp.async: its rows are gathered by token); Q6_K (MMW_RS_Q6) the dense ones,
@@ -851,6 +852,19 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             v.w = swiglu_f(v.w, u.w);
         }
         const size_t orow = MOE && !SWIGLU ? (size_t)mlist[tt] : (size_t)tt;
+        if (MOE && SWIGLU && hbf) {
+            // The MoE gate/up's h as bf16 rows for the down (`out` holds uint16 then; n_out a
+            // multiple of 64 so that the rows are the down's x scratch rows): pack_bf16, the
+            // rounding of the conversion the down's input took before (mm_x_bf16).
+            uint16_t* dst16 = reinterpret_cast<uint16_t*>(out) + orow * n_out + o;
+            if (o + 3 < n_out) {
+                *reinterpret_cast<uint2*>(dst16) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+            } else {
+                const float vs[4] = {v.x, v.y, v.z, v.w};
+                for (int k = 0; k < 4 && o + k < n_out; k++) dst16[k] = (uint16_t)(pack_bf16(vs[k], 0.0f) & 0xFFFF);
+            }
+            continue;
+        }
         float* dst = out + orow * n_out + o;
         if (vec && o + 3 < n_out) {
             *reinterpret_cast<float4*>(dst) = v;
@@ -944,7 +958,7 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
         const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
-        int top_k, float* __restrict__ h MMW_WMAP2_PARAM) {                                                 \
+        int top_k, float* __restrict__ h, int h_bf16 MMW_WMAP2_PARAM) {                                     \
         PDL_ENTRY();                                                                                        \
         const int tile = blockIdx.x;                                                                        \
         if (tile >= *n_tiles) return; /* whole block, before any barrier */                                 \
@@ -957,9 +971,13 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
             mmw_moe_prefetch(Wg + eo + (size_t)o0 * (size_t)rb, span);                                      \
             mmw_moe_prefetch(Wu + eo + (size_t)o0 * (size_t)rb, span);                                      \
         }                                                                                                   \
-        mmw<TYPE, TM, 64, true, true, BPS, false, P>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt,        \
-                                           h + (size_t)start * (size_t)n_out, blockIdx.y, list + start, top_k, \
-                                           nullptr, 0, MMW_WMAP2, e * n_out);                               \
+        /* h_bf16: h holds uint16 rows (bf16; the down reads them as its x scratch) */                     \
+        float* const ht = h_bf16 ? reinterpret_cast<float*>(reinterpret_cast<uint16_t*>(h) +               \
+                                                            (size_t)start * (size_t)n_out)                  \
+                                 : h + (size_t)start * (size_t)n_out;                                       \
+        mmw<TYPE, TM, 64, true, true, BPS, false, P>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt, ht,    \
+                                           blockIdx.y, list + start, top_k, nullptr, 0, MMW_WMAP2,          \
+                                           e * n_out, h_bf16);                                              \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), BPS) mmw_##form##_down_##name##_n64( \
         const uint8_t* __restrict__ W, long long rb, int n_out, int n_in, const uint16_t* __restrict__ hb,  \
