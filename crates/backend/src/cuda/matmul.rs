@@ -1098,29 +1098,13 @@ pub fn matmul(
                 rows.div_ceil(XS_RB) <= 65_535,
                 "matmul: {rows} rows exceed the small-output GEMV's grid"
             );
-            let (rb, n_out_i, n_in_i) = (rb, n_out as i32, n_in as i32);
-            let (rows_i, ks_i, opb_i) = (rows as i32, ks as i32, opb as i32);
-            let mut launch = be.stream.kernel(&xs[j - 1]);
-            launch
-                .arg(&*w.data)
-                .arg(&rb)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(&x.buf)
-                .arg(&rows_i)
-                .arg(&mut out.buf)
-                .arg(&ks_i)
-                .arg(&opb_i);
-            // SAFETY: as float_gemv's: the kernel reads n_out rows of rb bytes of W (the rows
-            // past n_out clamped to the last) and rows × n_in floats of x, and writes rows ×
-            // n_out floats of out.
-            unsafe { launch.launch(cfg) }?;
-            return Ok(());
+            // (The rows past n_out that a k-group's last batch computes read the last row.)
+            return float_gemv(be, &xs[j - 1], w, x, out, ks, cfg, Some(opb as i32));
         }
         let mut cfg = gemv_config(groups, ks);
         cfg.grid_dim.1 = chunks as u32;
         // Block (x, y) reads rows 16 y .. min(16 y + 16, rows) of x and writes those of out.
-        return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg);
+        return float_gemv(be, &be.matmul.gemv_rows[ti], w, x, out, ks, cfg, None);
     }
 
     if let Some(tm) = &be.matmul.tm {
@@ -1147,13 +1131,15 @@ pub fn matmul(
         let ks = split_k(gemv_steps(w.dtype, n_in), groups, be.sm_count);
         let _keep = KeepXq::new(be, x);
         let cfg = gemv_config(groups, ks);
-        return float_gemv(be, &be.matmul.gemv[ti][ri], w, x, out, ks, cfg);
+        return float_gemv(be, &be.matmul.gemv[ti][ri], w, x, out, ks, cfg, None);
     }
     mm_launch(be, x, w, out, ti, rb, n_out, n_in, rows)
 }
 
 /// One launch of a float-x GEMV kernel (`gemv_<type>_*`, the deferred forms) whose caller
-/// checked the shapes and buffers, with K split `ks` ways.
+/// checked the shapes and buffers, with K split `ks` ways (`opb`: `gemv_f32_xs_j*`'s extra
+/// argument).
+#[allow(clippy::too_many_arguments)]
 fn float_gemv(
     be: &CudaBackend,
     func: &CudaFunction,
@@ -1162,6 +1148,7 @@ fn float_gemv(
     out: &mut Act<CudaSlice<f32>>,
     ks: usize,
     cfg: LaunchConfig,
+    opb: Option<i32>,
 ) -> Result<()> {
     let (rb, n_out, n_in) = (w.row_bytes() as i64, w.shape[0] as i32, w.shape[1] as i32);
     let (rows, ks) = (x.rows as i32, ks as i32);
@@ -1175,6 +1162,10 @@ fn float_gemv(
         .arg(&rows)
         .arg(&mut out.buf)
         .arg(&ks);
+    // gemv_f32_xs_j*: the outputs a k-group takes.
+    if let Some(opb) = &opb {
+        launch.arg(opb);
+    }
     // SAFETY: the caller checked the shapes and buffer sizes: the kernel reads n_out rows of
     // rb bytes of W and rows×n_in floats of x, and writes rows×n_out floats of out.
     unsafe { launch.launch(cfg) }?;
@@ -2505,7 +2496,7 @@ pub fn matmul_add(
     let f = &deferred_kernels(be, w.dtype, 1)?[gemv_r_index(rows)?];
     // (w holds n_out rows of rb bytes, checked; each output is read and written by the one
     // lane that stores it.)
-    float_gemv(be, f, w, x, out, ks, gemv_config(groups, ks))?;
+    float_gemv(be, f, w, x, out, ks, gemv_config(groups, ks), None)?;
     Ok(true)
 }
 
