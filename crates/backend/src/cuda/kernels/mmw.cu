@@ -1022,8 +1022,9 @@ MMW_MOE_FORM_P(moe3, q4_k, GGML_Q4_K, 64, 3, 1)
 #if MMW_RS && MMW_RS_Q6 && MMW_RS_Q6_MOE
 MMW_MOE_FORM_P(moe3, q6_k, GGML_Q6_K, 64, 3, 1)
 #endif
-// mmw_moe4w_{gu,down}_q4_k_n64 and mmw_moe3w_{gu,down}_q6_k_n64 (`FERRITE_MMW_MOE=4`; built, not
-// measured: MOE.md, 48th session): the RS experts' blocks as one consumer warpgroup (warps 0-3)
+// mmw_moe4w_{gu,down}_q4_k_n64 and mmw_moe3w_{gu,down}_q6_k_n64 (`FERRITE_MMW_MOE=4`, the default:
+// pp512 +1.0% / +3.7% on Qwen3-30B-A3B / Qwen3.5-35B-A3B over moe3; MOE.md, 48th and 49th
+// sessions): the RS experts' blocks as one consumer warpgroup (warps 0-3)
 // and one producer warp (thread 0's tensor copies; the gate/up's gathered x rows, 16 cp.async a
 // lane a step), 160 threads. moe3's 256-thread blocks cap a thread at 80 registers, under which
 // ptxas serializes the wgmmas (C7512, "insufficient register resources": each waits for the one
