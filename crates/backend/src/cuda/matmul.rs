@@ -834,11 +834,6 @@ fn gemvq_steps(t: GgmlType, n_in: usize) -> usize {
     }
 }
 
-/// Warps splitting the K dimension of one GEMV row group (1, 2, 4 or 8 = GEMV_WARPS), for
-/// rows of `steps` warp steps in a launch of `groups` row groups: the fewest that give
-/// `GEMV_TARGET_WARPS_PER_SM` warps per SM, capped by the steps a row has. A function of the
-/// shape only, never of the row count: the reduction order of an output (lane chains,
-/// butterfly, then the ks warp totals in warp order) must not depend on R.
 /// Rows of x a `gemv_f32_xs` block holds (XS_RB in matmul.cu) and outputs a k-group takes a
 /// batch (XS_OB).
 const XS_RB: usize = 8;
@@ -858,6 +853,11 @@ fn xs_plan(t: GgmlType, n_in: usize, n_out: usize, ks: usize) -> Option<(usize, 
     (1..=2).contains(&j).then_some((j, opb))
 }
 
+/// Warps splitting the K dimension of one GEMV row group (1, 2, 4 or 8 = GEMV_WARPS), for
+/// rows of `steps` warp steps in a launch of `groups` row groups: the fewest that give
+/// `GEMV_TARGET_WARPS_PER_SM` warps per SM, capped by the steps a row has. A function of the
+/// shape only, never of the row count: the reduction order of an output (lane chains,
+/// butterfly, then the ks warp totals in warp order) must not depend on R.
 fn split_k(steps: usize, groups: usize, sm_count: usize) -> usize {
     static TARGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let target = *TARGET.get_or_init(|| {

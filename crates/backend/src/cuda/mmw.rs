@@ -159,11 +159,13 @@ pub(crate) fn rs_q6() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 1) != 0)
 }
 
-/// `FERRITE_MOE_H_BF16` (read once): a MoE prefill's gate/up writes h as the bf16 rows the down
-/// reads (1, the default), or as f32 rows converted before the down (0).
-pub(crate) fn moe_h_bf16() -> bool {
+/// Whether a MoE prefill's gate/up writes h as the bf16 rows the down reads: where ffn is a
+/// whole number of K steps (the rows are then the down's x scratch rows) and
+/// `FERRITE_MOE_H_BF16` (read once) is 1, the default; else h is f32, converted before the down.
+pub(crate) fn moe_h_bf16(ffn: usize) -> bool {
     static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| super::switches::int_or("FERRITE_MOE_H_BF16", 1) != 0)
+    ffn.is_multiple_of(TK)
+        && *V.get_or_init(|| super::switches::int_or("FERRITE_MOE_H_BF16", 1) != 0)
 }
 
 /// Steps of the RS MoE gate/up's gathered x copies in flight past the one its producers
@@ -1209,41 +1211,39 @@ fn moe_down_bf16<H: cudarc::driver::DevicePtr<u16>>(
     let k = &be.mmw.moe[ti][1];
     let cfg = moe_config(k, t, hidden.div_ceil(be.mmw.moe_tile.0))?;
     let (rb, n_out, n_in) = (d.row_bytes() as i64, hidden as i32, ffn as i32);
-    {
-        let map = xtma()
-            .then(|| x_map(be, hb, pairs, kp, MOE_TN))
-            .transpose()?;
-        let kp = kp as i32;
-        // hb's device address (a slice or a view of h), held across the launch.
-        let (hp, _hb_guard) = hb.device_ptr(&be.stream);
-        let mut launch = be.stream.kernel(&k.f);
-        launch
-            .arg(&*d.data)
-            .arg(&rb)
-            .arg(&n_out)
-            .arg(&n_in)
-            .arg(&hp)
-            .arg(&kp)
-            .arg(t.offsets)
-            .arg(t.n_tiles)
-            .arg(t.tiles)
-            .arg(t.list)
-            .arg(y);
-        if let Some(map) = &map {
-            launch.arg(map);
-        }
-        let wm = rs()
-            .then(|| w_maps(be, d, be.mmw.moe_tile.0, true))
-            .transpose()?;
-        if let Some(m) = &wm {
-            launch.arg(&m[0]).arg(&m[1]);
-        }
-        // SAFETY: as moe_gate_up; d holds n_experts·hidden rows of rb bytes, hb pairs × kp
-        // bf16 (list positions < pairs; the map describes them, a tile's rows past pairs read
-        // as zeros), y ≥ pairs × hidden floats (pairs < pairs).
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+    let map = xtma()
+        .then(|| x_map(be, hb, pairs, kp, MOE_TN))
+        .transpose()?;
+    let kp = kp as i32;
+    // hb's device address (a slice or a view of h), held across the launch.
+    let (hp, _hb_guard) = hb.device_ptr(&be.stream);
+    let mut launch = be.stream.kernel(&k.f);
+    launch
+        .arg(&*d.data)
+        .arg(&rb)
+        .arg(&n_out)
+        .arg(&n_in)
+        .arg(&hp)
+        .arg(&kp)
+        .arg(t.offsets)
+        .arg(t.n_tiles)
+        .arg(t.tiles)
+        .arg(t.list)
+        .arg(y);
+    if let Some(map) = &map {
+        launch.arg(map);
     }
+    let wm = rs()
+        .then(|| w_maps(be, d, be.mmw.moe_tile.0, true))
+        .transpose()?;
+    if let Some(m) = &wm {
+        launch.arg(&m[0]).arg(&m[1]);
+    }
+    // SAFETY: as moe_gate_up; d holds n_experts·hidden rows of rb bytes, hb pairs × kp
+    // bf16 (list positions < pairs; the map describes them, a tile's rows past pairs read
+    // as zeros), y ≥ pairs × hidden floats (pairs < pairs).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
 }
 
 #[cfg(test)]

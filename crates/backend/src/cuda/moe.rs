@@ -866,7 +866,7 @@ fn grouped_experts(
         };
         // h as the down's bf16 rows straight from the gate/up where they are whole steps
         // (`FERRITE_MOE_H_BF16`, default on; MOE.md, 49th session).
-        let hbf = super::mmw::moe_h_bf16() && ffn.is_multiple_of(64);
+        let hbf = super::mmw::moe_h_bf16(ffn);
         super::mmw::moe_gate_up(
             be,
             mgi,
