@@ -16,6 +16,11 @@
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
 #   bench35  synth Qwen3.5-9B and Qwen3.5-35B-A3B Q4_K_M, bench each; 9B also at depth 8192
 #   q8kv     Qwen3-8B Q4_K_M with --kv-cache-q8 at depth 0 and 32768 (not recorded)
+#   guxg     the MoE gate/up's x gathered into list order and taken by tensor copies
+#            (FERRITE_MMW_GU_XG, bits: 1 the gather, 2 tile-major blocks; MOE.md 50th session;
+#            the cache needs each value's mmw CUBIN: `FERRITE_MMW_GU_XG=v tools/h200/kernel_cache.sh
+#            mmw`): moe check under 1 and 3, then pp512 of GUXG_MODELS (default Qwen3-30B-A3B
+#            Q4_K_M) at GUXG_VALS (default "0 1 3") in turn, two rounds
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
 #            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
@@ -273,6 +278,24 @@ for stage in "$@"; do
                 FERRITE_MMW_MOE=4 traced /tmp/trace.txt $F bench --model "$f" --reps 1 --gate-tokens $g 2>&1 | grep -E "pp512|rror"
                 python3 tools/h200/prefill_trace.py /tmp/trace.txt --top 8 | tee "$OUT/ptrace-moe4w.txt"
             fi
+            rm -f "$f"
+        done
+        ;;
+    guxg)
+        # The MoE gate/up's x by one tensor copy a step over rows gathered in list order, and its
+        # blocks tile-major (FERRITE_MMW_GU_XG bits 1, 2; MOE.md, 50th session).
+        for v in 1 3; do
+            echo "check moe [GU_XG=$v]: $(FERRITE_MMW_GU_XG=$v $F check --device cuda --filter moe 2>&1 | tee "$OUT/check-guxg$v.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/guxg.log"
+        done
+        for pq in ${GUXG_MODELS:-qwen3-30b-a3b:Q4_K_M}; do
+            p=${pq%%:*} q=${pq##*:}
+            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
+            f=$(synth "$p" "$q" | tail -1)
+            for r in 1 2; do
+                for v in ${GUXG_VALS:-0 1 3}; do
+                    echo "$p GU_XG=$v $(FERRITE_MMW_GU_XG=$v $F bench --model "$f" --reps 2 --gen-tokens 16 --gate-tokens $g 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+                done
+            done | tee -a "$OUT/guxg.log"
             rm -f "$f"
         done
         ;;

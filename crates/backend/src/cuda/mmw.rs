@@ -176,6 +176,21 @@ pub(crate) fn gu_lead() -> i64 {
     *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_LEAD", 0).clamp(0, 8))
 }
 
+/// `FERRITE_MMW_GU_XG` (read once; bits, default 0): bit 1 gathers a MoE prefill's x rows into
+/// list order before the gate/up (`mmw_moe_x_gather`, into the down's output buffer, free until
+/// the down) so that the gate/up takes its x tiles by tensor copies (only with [`xtma`]); bit 2
+/// orders the gate/up's blocks tile-major. mod.rs compiles mmw.cu with MMW_GU_XG where it is not
+/// 0 (MOE.md, 50th session).
+pub(crate) fn gu_xg() -> i64 {
+    static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_XG", 0).clamp(0, 3))
+}
+
+/// Whether the gate/up takes its x rows gathered in list order ([`gu_xg`] bit 1 with [`xtma`]).
+fn gu_xt() -> bool {
+    gu_xg() & 1 != 0 && xtma()
+}
+
 /// `FERRITE_MMW_RS_Q6_MOE` (read once; only with [`rs_q6`]): 0 the MoE GEMMs' Q6_K experts on
 /// the producers' form, 1 on the RS form at two blocks an SM (`mmw_moe2_*`), 2 (default) on the
 /// RS form at three (`mmw_moe3_*` under `FERRITE_MMW_MOE=3`, `mmw_moe3w_*` under 4). mod.rs compiles mmw.cu with
@@ -463,6 +478,8 @@ pub struct Kernels {
     ta: Vec<(Tiles, Tiles)>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
+    /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
+    x_gather: Option<CudaFunction>,
     /// `mmw_rsw_<type>_n256` and `mmw_rsw_swiglu_<type>_n256` under [`rsw`], for
     /// [`rsw_types`] in order ([`rsw_index`]).
     rsw: Option<Vec<(CudaFunction, CudaFunction)>>,
@@ -478,6 +495,7 @@ impl Kernels {
             moe_tile: moe_form(1).1,
             ta: Vec::new(),
             x_f16: None,
+            x_gather: None,
             rsw: None,
         };
         if arch != "compute_90a" || mode() == 0 {
@@ -573,6 +591,11 @@ impl Kernels {
             },
             x_f16: if ta() {
                 Some(function(&m, "mmw_x_f16")?)
+            } else {
+                None
+            },
+            x_gather: if gu_xt() {
+                Some(function(&m, "mmw_moe_x_gather")?)
             } else {
                 None
             },
@@ -1102,7 +1125,8 @@ fn moe_config(k: &MoeFn, t: &MoeTiles<'_>, out_tiles: usize) -> Result<LaunchCon
 /// `h_bf16`: h's rows written as bf16 instead (`pairs × ffn` uint16 at the buffer's start;
 /// ffn a multiple of [`TK`]), which [`moe_down`] then reads as its x scratch: the f32 rows'
 /// conversion (`mm_x_bf16`, the same rounding) saved, and half the bytes written (MOE.md,
-/// 49th session).
+/// 49th session). `xg`: scratch of at least `pairs × hidden` floats, free until the down (its
+/// output), which holds x's rows gathered in list order under [`gu_xt`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_gate_up(
     be: &CudaBackend,
@@ -1114,6 +1138,7 @@ pub(crate) fn moe_gate_up(
     t: &MoeTiles<'_>,
     h: &mut CudaSlice<f32>,
     h_bf16: bool,
+    xg: &mut CudaSlice<f32>,
 ) -> Result<()> {
     ensure!(
         !h_bf16 || ffn.is_multiple_of(TK),
@@ -1128,6 +1153,77 @@ pub(crate) fn moe_gate_up(
         hidden as i32,
         t.top_k as i32,
     );
+    if let Some(gather) = &be.mmw.x_gather {
+        // x's rows in list order (pair p: its token's row), bf16 as mm_x_bf16 rounds them,
+        // into xg's bytes, and the gate/up's x tiles by tensor copies over them.
+        let pairs = rows * t.top_k;
+        let kp = hidden.div_ceil(TK) * TK;
+        ensure!(
+            x.len() >= rows * hidden
+                && 2 * xg.len() >= pairs * kp
+                && t.list.len() >= pairs
+                && pairs * kp / 8 <= i32::MAX as usize,
+            "mmw: gathered x [{pairs}, {kp}] exceeds its scratch ({} floats)",
+            xg.len()
+        );
+        // SAFETY: the view is xg's first pairs · kp · 2 bytes (checked above); the gate/up
+        // reads it before the down overwrites xg (one stream).
+        let mut xgb = unsafe { xg.transmute_mut::<u16>(pairs * kp) }
+            .ok_or_else(|| anyhow::anyhow!("mmw: bf16 view of the gathered x"))?;
+        let (pairs_i, kp_i) = (pairs as i32, kp as i32);
+        let cvt = LaunchConfig {
+            grid_dim: ((pairs * kp / 8).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = be.stream.kernel(gather);
+        launch
+            .arg(x)
+            .arg(&pairs_i)
+            .arg(&n_in)
+            .arg(&kp_i)
+            .arg(t.list)
+            .arg(&tk)
+            .arg(&mut xgb);
+        // SAFETY: x holds rows × hidden floats, list pairs positions of pair ids < rows ·
+        // top_k (moe_sort), xgb pairs × kp bf16 (checked above).
+        unsafe { launch.launch(cvt) }?;
+        let xmap = x_map(be, &xgb, pairs, kp, MOE_TN)?;
+        let wm = rs()
+            .then(|| -> Result<_> {
+                let box_rows = be.mmw.moe_tile.0 / 2;
+                Ok((
+                    w_maps(be, g, box_rows, true)?,
+                    w_maps(be, u, box_rows, true)?,
+                ))
+            })
+            .transpose()?;
+        let (xp, _xg_guard) = xgb.device_ptr(&be.stream);
+        let mut launch = be.stream.kernel(&k.f);
+        launch
+            .arg(&*g.data)
+            .arg(&*u.data)
+            .arg(&rb)
+            .arg(&n_out)
+            .arg(&n_in)
+            .arg(&xp)
+            .arg(&kp_i)
+            .arg(t.offsets)
+            .arg(t.n_tiles)
+            .arg(t.tiles)
+            .arg(t.list)
+            .arg(&tk)
+            .arg(h)
+            .arg(&hbf)
+            .arg(&xmap);
+        if let Some((gm, um)) = &wm {
+            launch.arg(&gm[0]).arg(&gm[1]).arg(&um[0]).arg(&um[1]);
+        }
+        // SAFETY: as below, x now the map's pairs × kp bf16 rows in list order (the tile's
+        // rows from its first list position; rows past pairs read as zeros).
+        unsafe { launch.launch(cfg) }?;
+        return Ok(());
+    }
     super::matmul::with_bf16_rows(be, x, rows, hidden, |xb, kp| {
         let kp = kp as i32;
         // The RS kernels' weight maps: gate's and up's experts, boxes of a tile's outputs.

@@ -191,6 +191,9 @@ pub fn full_source(name: &str, src: &str) -> String {
         if mmw::rs_q6_moe() != 0 {
             defs += "#define MMW_RS_Q6_MOE 1\n";
         }
+        if mmw::gu_xg() != 0 {
+            defs += &format!("#define MMW_GU_XG {}\n", mmw::gu_xg());
+        }
         let gu_lead = mmw::gu_lead();
         if gu_lead != 0 {
             defs += &format!("#define MMW_GU_LEAD {gu_lead}\n");

@@ -877,6 +877,7 @@ fn grouped_experts(
             &t,
             &mut s.h,
             hbf,
+            &mut s.y,
         )?;
         super::mmw::moe_down(be, mdi, &s.h, (pairs, ffn, hidden), d, &t, &mut s.y, hbf)?;
     } else {

@@ -65,6 +65,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill on the wgmma GEMMs: 1 (default) the gate/up writes h as the bf16 rows the down reads, 0 as f32 rows converted before the down (MOE.md, 49th session)",
     ),
     (
+        "FERRITE_MMW_GU_XG",
+        Accepts::Range(0, 3),
+        "wgmma prefill, MoE gate/up (bits): 1 gathers x's rows into the expert-sorted pair order first so that its x tiles come by one tensor copy a step; 2 orders its blocks tile-major; 0 (default) neither (MOE.md, 50th session)",
+    ),
+    (
         "FERRITE_MMW_GU_LEAD",
         Accepts::Range(0, 8),
         "wgmma prefill, with FERRITE_MMW_RS: steps of the MoE gate/up's gathered x copies kept in flight past the step the producers publish (capped at the ring's stages less two; 0, the default: each step's copies waited for at once; 4 measured -4.5% on pp512) (MOE.md, 48th session)",

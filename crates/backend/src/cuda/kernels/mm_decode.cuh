@@ -94,15 +94,17 @@ __device__ __forceinline__ uint32_t pack_f16_sat(float a, float b) {
 
 // The prefill's 16-bit x scratch, one thread's 16-byte vector: x [rows, n_in] f32 -> xb
 // [rows, kp] (kp % 64 == 0, zero beyond n_in) as bf16 (matmul.cu mm_x_bf16) or, F16, as
-// pack_f16_sat's f16 (mmw.cu mmw_x_f16, the TA form's F16 weights).
+// pack_f16_sat's f16 (mmw.cu mmw_x_f16, the TA form's F16 weights). `gather`: row t of xb is
+// row gather[t] / div of x (mmw.cu mmw_moe_x_gather: a MoE prefill's pairs in list order).
 template <bool F16>
 __device__ __forceinline__ void x_scratch16(const float* __restrict__ x, int rows, int n_in, int kp,
-                                            uint16_t* __restrict__ xb) {
+                                            uint16_t* __restrict__ xb, const int* __restrict__ gather = nullptr,
+                                            int div = 1) {
     const int per_row = kp >> 3;
     const long long u = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= (long long)rows * per_row) return;
     const int t = (int)(u / per_row), c = (int)(u % per_row) * 8;
-    const float* xr = x + (size_t)t * n_in;
+    const float* xr = x + (size_t)(gather ? __ldg(gather + t) / div : t) * n_in;
     float v[8];
     if ((n_in & 3) == 0 && c + 8 <= n_in) {
         const float4 a = __ldg((const float4*)(xr + c)), b = __ldg((const float4*)(xr + c + 4));

@@ -103,12 +103,31 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_GU_LEAD
 #define MMW_GU_LEAD 0
 #endif
+// MMW_GU_XG (`FERRITE_MMW_GU_XG`, bits; default 0): the MoE gate/up's x.
+//   bit 1: the x rows gathered once into list order before the launch (mmw_moe_x_gather: pair
+//          p's row is its token's, bf16 as mm_x_bf16 rounds it), so that the gate/up takes its
+//          x tile by one tensor copy a step as the down does (only with MMW_XTMA), instead of the
+//          producers' 512 cp.async a step from the token rows (MOE.md, 50th session);
+//   bit 2: the gate/up's blocks in tile-major order (a tile's output blocks adjacent: its x rows
+//          read by blocks resident together rather than once per wave of output tiles).
+#ifndef MMW_GU_XG
+#define MMW_GU_XG 0
+#endif
+#define MMW_GU_XT ((MMW_GU_XG & 1) && MMW_XTMA)
 #if MMW_XTMA
 #define MMW_XMAP_PARAM , const __grid_constant__ MmwTmap xmap
 #define MMW_XMAP &xmap
 #else
 #define MMW_XMAP_PARAM
 #define MMW_XMAP nullptr
+#endif
+// The gate/up's x map (MMW_GU_XT) and the x rows' first row, the tile's first list position.
+#if MMW_GU_XT
+#define MMW_GU_XMAP_PARAM MMW_XMAP_PARAM
+#define MMW_GU_XMAP(start) MMW_XMAP, (start)
+#else
+#define MMW_GU_XMAP_PARAM
+#define MMW_GU_XMAP(start) nullptr, 0
 #endif
 #if MMW_RS
 // A launch's weight maps: weight i's headers and quants (three weights: the grouped Q, K, V).
@@ -482,7 +501,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
     // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
     static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup or warp is the RS forms'");
-    constexpr bool XT = (MMW_XTMA || RS || TA) && !(MOE && SWIGLU);
+    constexpr bool XT = (MMW_XTMA || RS || TA) && (!(MOE && SWIGLU) || MMW_GU_XT);
     static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
     constexpr bool H = TA && TYPE == GGML_F16;  // f16 operands
     const uint32_t xbar0 = s0 + MMW_STAGES * S::STAGE;
@@ -503,7 +522,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
 #pragma unroll
         for (int i = 0; i < NCP; i++) {
             const int n = (ptid + S::PTHREADS * i) >> 3;
-            xr[i] = MOE && SWIGLU ? mlist[n < rows ? n : 0] / mtk : 0;
+            xr[i] = MOE && SWIGLU && !XT ? mlist[n < rows ? n : 0] / mtk : 0;
         }
         // x of step kt into its stage (once the consumers released the stage's previous use,
         // step kt - STAGES), one cp.async group per step (empty past the last step).
@@ -958,14 +977,18 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, const int* __restrict__ offsets,                          \
         const int* __restrict__ n_tiles, const int* __restrict__ tiles, const int* __restrict__ list,      \
-        int top_k, float* __restrict__ h, int h_bf16 MMW_WMAP2_PARAM) {                                     \
+        int top_k, float* __restrict__ h, int h_bf16 MMW_GU_XMAP_PARAM MMW_WMAP2_PARAM) {                   \
         PDL_ENTRY();                                                                                        \
-        const int tile = blockIdx.x;                                                                        \
+        int tile = blockIdx.x, oy = blockIdx.y;                                                             \
+        if (MMW_GU_XG & 2) { /* tile-major: block b = tile · gridDim.y + oy */                              \
+            const unsigned b = blockIdx.x + gridDim.x * blockIdx.y;                                         \
+            tile = (int)(b / gridDim.y), oy = (int)(b % gridDim.y);                                         \
+        }                                                                                                   \
         if (tile >= *n_tiles) return; /* whole block, before any barrier */                                 \
         const int e = tiles[2 * tile], start = tiles[2 * tile + 1];                                         \
         const int cnt = min(64, offsets[e + 1] - start);                                                    \
         const size_t eo = (size_t)e * (size_t)n_out * (size_t)rb;                                           \
-        const int o0 = blockIdx.y * ((TM) / 2);                                                             \
+        const int o0 = oy * ((TM) / 2);                                                                     \
         const size_t span = MMW_MOE_ROWS(o0, (TM) / 2, n_out) * (size_t)rb;                                 \
         if (2 * (BPS) * span <= MMW_MOE_PF_MAX) {                                                           \
             mmw_moe_prefetch(Wg + eo + (size_t)o0 * (size_t)rb, span);                                      \
@@ -976,7 +999,7 @@ __device__ __forceinline__ void mmw_moe_prefetch(const uint8_t* p, size_t bytes)
                                                             (size_t)start * (size_t)n_out)                  \
                                  : h + (size_t)start * (size_t)n_out;                                       \
         mmw<TYPE, TM, 64, true, true, BPS, false, P>(Wg + eo, Wu + eo, rb, n_out, n_in, xb, kp, cnt, ht,    \
-                                           blockIdx.y, list + start, top_k, nullptr, 0, MMW_WMAP2,          \
+                                           oy, list + start, top_k, MMW_GU_XMAP(start), MMW_WMAP2,          \
                                            e * n_out, h_bf16);                                              \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), BPS) mmw_##form##_down_##name##_n64( \
@@ -1149,6 +1172,17 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
     MMW_TA_SWIGLU1(name, TYPE, 64, 256)
 MMW_TA_KERNEL(f16, GGML_F16)
 MMW_TA_KERNEL(bf16, GGML_BF16)
+
+// A MoE prefill's x gathered into list order for the gate/up's tensor copies (MMW_GU_XG bit 1):
+// xg [pairs, kp] bf16, row p the row of pair list[p]'s token (list[p] / top_k) of x [rows, n_in]
+// f32, rounded as mm_x_bf16 rounds it (x_scratch16), so the gate/up multiplies the same bf16
+// values. One thread writes 8 columns (16 bytes) of one row.
+extern "C" __global__ void __launch_bounds__(256)
+    mmw_moe_x_gather(const float* __restrict__ x, int pairs, int n_in, int kp, const int* __restrict__ list,
+                     int top_k, uint16_t* __restrict__ xg) {
+    PDL_ENTRY();
+    x_scratch16<false>(x, pairs, n_in, kp, xg, list, top_k);
+}
 
 // x [rows, n_in] f32 -> xb [rows, kp] f16 for the TA form's F16 weights (mm_x_bf16's form:
 // mm_decode.cuh x_scratch16, values beyond f16's range saturated).
