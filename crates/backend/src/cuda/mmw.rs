@@ -176,14 +176,15 @@ pub(crate) fn gu_lead() -> i64 {
     *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_LEAD", 0).clamp(0, 8))
 }
 
-/// `FERRITE_MMW_GU_XG` (read once; bits, default 0): bit 1 gathers a MoE prefill's x rows into
+/// `FERRITE_MMW_GU_XG` (read once; bits, default 3): bit 1 gathers a MoE prefill's x rows into
 /// list order before the gate/up (`mmw_moe_x_gather`, into the down's output buffer, free until
 /// the down) so that the gate/up takes its x tiles by tensor copies (only with [`xtma`]); bit 2
-/// orders the gate/up's blocks tile-major. mod.rs compiles mmw.cu with MMW_GU_XG where it is not
-/// 0 (MOE.md, 50th session).
+/// orders the gate/up's blocks tile-major. pp512 on an H100 against 0: Qwen3-30B-A3B +5.3%,
+/// Qwen3.5-35B-A3B +4.6% (MOE.md, 50th session). mod.rs compiles mmw.cu with MMW_GU_XG where it
+/// is not 0.
 pub(crate) fn gu_xg() -> i64 {
     static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_XG", 0).clamp(0, 3))
+    *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_XG", 3).clamp(0, 3))
 }
 
 /// Whether the gate/up takes its x rows gathered in list order ([`gu_xg`] bit 1 with [`xtma`]).

@@ -59,7 +59,8 @@
 // MoE downs by one 2-D tensor copy a step (TMA, the 128-byte swizzle: mmw_off's layout) on a
 // per-stage mbarrier the consumers wait on, instead of BN × 8 16-byte cp.async spread over the
 // producer threads (8 a thread a step, their address arithmetic, and a wait for them before
-// every stage's fence). The MoE gate/up gathers its x rows by token and keeps cp.async.
+// every stage's fence). The MoE gate/up's x rows are its pairs' tokens': cp.async, or one tensor
+// copy a step over them gathered in list order first (MMW_GU_XG).
 #ifndef MMW_XTMA
 #define MMW_XTMA 0
 #endif
@@ -103,7 +104,8 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_GU_LEAD
 #define MMW_GU_LEAD 0
 #endif
-// MMW_GU_XG (`FERRITE_MMW_GU_XG`, bits; default 0): the MoE gate/up's x.
+// MMW_GU_XG (`FERRITE_MMW_GU_XG`, bits; mod.rs defines it, 3 by default): the MoE gate/up's x.
+// Both bits: pp512 (H100) Qwen3-30B-A3B +5.3%, Qwen3.5-35B-A3B +4.6%; bit 2 alone +0.8% there.
 //   bit 1: the x rows gathered once into list order before the launch (mmw_moe_x_gather: pair
 //          p's row is its token's, bf16 as mm_x_bf16 rounds it), so that the gate/up takes its
 //          x tile by one tensor copy a step as the down does (only with MMW_XTMA), instead of the
@@ -450,7 +452,8 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 
 // MOE (the grouped expert GEMMs, `mmw_moe_*` below): the block's tokens are one tile of moe_sort's
 // list (`mlist`: its pair positions' entries, `rows` of them), W (and W2) the tile's expert. With
-// SWIGLU (gate/up) token t's x row is that of the pair's token, mlist[t] / mtk, and its output
+// SWIGLU (gate/up) token t's x row is that of the pair's token, mlist[t] / mtk (under MMW_GU_XT
+// row xrow0 + t of the rows gathered in list order: the same values), and its output
 // row is t (the caller offsets `out` to the tile's first list position: h in list order);
 // without (down) x row t is row t (the caller offsets xb to the tile's h rows) and its output
 // row is the pair, mlist[t] (y by pair, for moe_combine).
@@ -471,9 +474,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                                     const MmwTmap* wmh2 = nullptr, const MmwTmap* wmq2 = nullptr, int wrow0 = 0,
                                     int hbf = 0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (mmw.rs loads this file there only)
-    // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up still by
-    // the producers' cp.async: its rows are gathered by token); Q6_K (MMW_RS_Q6) the dense ones,
-    // and the MoE ones under MMW_RS_Q6_MOE.
+    // RS: the dense launches' 128-output tiles and the MoE GEMMs' (x for the gate/up by the
+    // producers' cp.async from its token rows unless MMW_GU_XT gathered them in list order);
+    // Q6_K (MMW_RS_Q6) the dense ones, and the MoE ones under MMW_RS_Q6_MOE.
     constexpr bool Q80 = TYPE == GGML_Q8_0;  // RS: the Q8_0 form (one span a row a step)
     constexpr bool Q6 = TYPE == GGML_Q6_K;   // RS: the Q6_K form (two spans a row a step)
     constexpr bool RS = MMW_RS && !TA &&
@@ -498,8 +501,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int nk = kp / MMW_TK;
     // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
     const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
-    // XT: x by tensor copies (MMW_XTMA; not the gate/up's gathered rows), on the stages'
-    // mbarriers after the ring (x row xrow0 + t of the map is the tile's token t).
+    // XT: x by tensor copies (MMW_XTMA; the gate/up's only under MMW_GU_XT, its map then over
+    // the rows gathered in list order), on the stages' mbarriers after the ring (x row xrow0 + t
+    // of the map is the tile's token t).
     static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup or warp is the RS forms'");
     constexpr bool XT = (MMW_XTMA || RS || TA) && (!(MOE && SWIGLU) || MMW_GU_XT);
     static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
