@@ -11,8 +11,8 @@
 //
 // 1. moe_route: one warp per token. Max (warp shuffle), exps into shared memory, their sum
 //    (lane-strided partials + xor butterfly: ulp-level differences from the CPU's order), then top_k rounds of a warp-wide
-//    arg-max over (probability desc, id asc); the winner is marked taken (-1 in shared
-//    memory). Lane 0 writes (id, p/sum) per slot and renormalises if asked. A token's
+//    arg-max over (probability desc, id asc) by two redux.sync; the winner is marked taken (-1
+//    in shared memory). Lane 0 writes (id, p/sum) per slot and renormalises if asked. A token's
 //    routing depends only on its own logits (batch-invariant). Bytes: rows·n_experts·4 in,
 //    rows·top_k·8 out.
 // 2. moe_gate_up: one warp per (token, slot, ffn row): reads the expert id of its slot,
@@ -252,10 +252,17 @@ __device__ __forceinline__ float row_dot(const uint8_t* row, int type, int align
 // ---------------------------------------------------------------- kernels
 
 // One warp (block of 32) per token; dynamic shared memory: n_experts floats.
+// The top_k rounds pick by two redux.sync (matmul.cu moe_route_pick's form: the max key, p's bits
+// + 1, then the lowest id holding it: the shuffle butterfly's (max p, lowest id) choice), and the
+// weights wait in shared memory for the renormalisation: lane 0 once read them back from global
+// memory one dependent load at a time, ~10 µs a Qwen3-30B-A3B prefill layer (MOE.md, 50th
+// session). Same max, exps, sum, choices and divisions: the same ids and weights.
+#define MOE_ROUTE_TOPK 64
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_experts, int top_k, int norm,
                                      int* __restrict__ ids, float* __restrict__ wts) {
     PDL_ENTRY();
     extern __shared__ float p[];
+    __shared__ float sw[MOE_ROUTE_TOPK];  // top_k <= MOE_ROUTE_TOPK (moe.rs MAX_TOP_K)
     const int t = blockIdx.x, lane = threadIdx.x;
     const float* l = logits + (long long)t * n_experts;
     float mx = __int_as_float(0xff800000);  // -inf
@@ -271,29 +278,29 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_exp
     int* my_ids = ids + (long long)t * top_k;
     float* my_w = wts + (long long)t * top_k;
     for (int k = 0; k < top_k; ++k) {
-        // Probabilities are >= 0, taken ones are -1: the -2 start loses to everything.
+        // Each lane's best untaken probability (>= 0; taken ones are -1), ascending e: the
+        // lowest id of a tie stays.
         float bv = -2.f;
         int bi = 0x7fffffff;
         for (int e = lane; e < n_experts; e += 32) {
             float v = p[e];
-            if (v > bv) { bv = v; bi = e; }  // ascending e: the lowest id of a tie stays
+            if (v > bv) { bv = v; bi = e; }
         }
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
+        const unsigned key = bv >= 0.f ? __float_as_uint(bv) + 1u : 0u;
+        const unsigned m = __reduce_max_sync(0xffffffffu, key);
+        const int win = (int)__reduce_min_sync(0xffffffffu, (key == m && m != 0u) ? (unsigned)bi : 0x7fffffffu);
         if (lane == 0) {
-            my_ids[k] = bi;
-            my_w[k] = bv / sum;
-            p[bi] = -1.f;
+            my_ids[k] = win;
+            sw[k] = __uint_as_float(m - 1u) / sum;
+            if (win < n_experts) p[win] = -1.f;
         }
         __syncwarp();
     }
-    if (norm && lane == 0) {
+    if (lane == 0) {
         float s = 0.f;
-        for (int k = 0; k < top_k; ++k) s += my_w[k];
-        for (int k = 0; k < top_k; ++k) my_w[k] = my_w[k] / s;
+        if (norm)
+            for (int k = 0; k < top_k; ++k) s += sw[k];
+        for (int k = 0; k < top_k; ++k) my_w[k] = norm ? sw[k] / s : sw[k];
     }
 }
 
