@@ -187,6 +187,14 @@ pub(crate) fn gu_xg() -> i64 {
     *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_GU_XG", 3).clamp(0, 3))
 }
 
+/// `FERRITE_MMW_RSW_MIXED` (read once; default 1): Q4_K_M's mixed Q, K, V groups (Q4_K, Q4_K,
+/// Q6_K) on the wide tile by the RS form (`mmw_rsw_q4_k_q6_k_n256`) instead of the producers'
+/// `mmw_q4_k_q6_k_n256` (MATMUL.md round 89).
+fn rsw_mixed() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| super::switches::int_or("FERRITE_MMW_RSW_MIXED", 1) != 0)
+}
+
 /// Whether the gate/up takes its x rows gathered in list order ([`gu_xg`] bit 1 with [`xtma`]).
 fn gu_xt() -> bool {
     gu_xg() & 1 != 0 && xtma()
@@ -484,6 +492,9 @@ pub struct Kernels {
     /// `mmw_rsw_<type>_n256` and `mmw_rsw_swiglu_<type>_n256` under [`rsw`], for
     /// [`rsw_types`] in order ([`rsw_index`]).
     rsw: Option<Vec<(CudaFunction, CudaFunction)>>,
+    /// `mmw_rsw_q4_k_q6_k_n256`: the [`MIXED`] Q, K, V on the RS wide tile, under [`rsw`] and
+    /// [`rs_q6`] where `FERRITE_MMW_RSW_MIXED` is 1 (the default).
+    rsw_mixed: Option<CudaFunction>,
 }
 
 impl Kernels {
@@ -498,6 +509,7 @@ impl Kernels {
             x_f16: None,
             x_gather: None,
             rsw: None,
+            rsw_mixed: None,
         };
         if arch != "compute_90a" || mode() == 0 {
             return Ok(off);
@@ -614,6 +626,12 @@ impl Kernels {
                         .map(|&(_, n)| pair(n))
                         .collect::<Result<Vec<_>>>()?,
                 )
+            } else {
+                None
+            },
+            rsw_mixed: if rsw() && rs_q6() && rsw_mixed() {
+                let (tm, bn) = TILES[2];
+                Some(with_smem("mmw_rsw_q4_k_q6_k_n256".into(), smem(tm, bn))?)
             } else {
                 None
             },
@@ -973,6 +991,17 @@ fn launch(
     if let (Some(rsw), Some(r), true) = (&be.mmw.rsw, rsw_index(ws[0].dtype), ti_tile == 2 && !ta) {
         if ws.iter().all(|w| w.dtype == ws[0].dtype) {
             kernel = &rsw[r].0;
+            cfg.block_dim.0 = RSW_THREADS;
+        }
+    }
+    // The mixed Q, K, V (Q4_K, Q4_K, Q6_K) on the wide tile: its RS kernel, each block the form
+    // of its weight's type.
+    if let (Some(mixed), true) = (&be.mmw.rsw_mixed, ti_tile == 2 && !ta && ws.len() == 3) {
+        if ws[0].dtype == GgmlType::Q4K
+            && ws[1].dtype == GgmlType::Q4K
+            && ws[2].dtype == GgmlType::Q6K
+        {
+            kernel = mixed;
             cfg.block_dim.0 = RSW_THREADS;
         }
     }

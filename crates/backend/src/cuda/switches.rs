@@ -65,6 +65,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill on the wgmma GEMMs: 1 (default) the gate/up writes h as the bf16 rows the down reads, 0 as f32 rows converted before the down (MOE.md, 49th session)",
     ),
     (
+        "FERRITE_MMW_RSW_MIXED",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill, with FERRITE_MMW_RS_Q6: Q4_K_M's mixed Q, K, V groups (Q4_K, Q4_K, Q6_K) on the wide tile by the register-A form (1, the default) or the producers' form (0) (MATMUL.md round 89)",
+    ),
+    (
         "FERRITE_MMW_GU_XG",
         Accepts::Range(0, 3),
         "wgmma prefill, MoE gate/up (bits): 1 gathers x's rows into the expert-sorted pair order first so that its x tiles come by one tensor copy a step; 2 orders its blocks tile-major; 3 (default) both: pp512 +5.3% on Qwen3-30B-A3B; 0 neither (MOE.md, 50th session)",

@@ -1127,6 +1127,28 @@ MMW_RSW_KERNEL(q8_0, GGML_Q8_0)
 #if MMW_RS_Q6
 MMW_RSW_KERNEL(q6_k, GGML_Q6_K)
 #endif
+// mmw_rsw_q4_k_q6_k_n256 (`FERRITE_MMW_RSW_MIXED`, default 1; MATMUL.md round 89): MMW_KERNEL1's
+// mixed Q, K, V of Q4_K_M (weights 0 and 1 Q4_K, weight 2 Q6_K) on the RS wide tile, each block
+// the form of its weight's type (the branch uniform per block), where the producers' mixed wide
+// tile (`mmw_q4_k_q6_k_n256`) took 55 µs a Qwen3-30B-A3B layer against the all-Q4_K layers'
+// `mmw_rsw_q4_k_n256` 35 (H100). mmw.rs smem() sizes the ring for both forms.
+#if MMW_RS_Q6
+extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(64, 1), 1) mmw_rsw_q4_k_q6_k_n256(
+    const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2, long long rb0,
+    long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in, const uint16_t* __restrict__ xb,
+    int kp, int rows, float* __restrict__ out0, float* __restrict__ out1,
+    float* __restrict__ out2 MMW_XMAP_PARAM MMW_WMAP_PARAM) {
+    PDL_ENTRY();
+    const int y = blockIdx.y, g = (y >= e1) + (y >= e2);
+    if (g < 2)
+        mmw<GGML_Q4_K, 64, 256, false, false, 1, false, 1>(g == 0 ? W0 : W1, nullptr, g == 0 ? rb0 : rb1,
+                                                           g == 0 ? n0 : n1, n_in, xb, kp, rows, g == 0 ? out0 : out1,
+                                                           y - (g == 0 ? 0 : e1), nullptr, 1, MMW_XMAP, 0, MMW_WMAP(g));
+    else
+        mmw<GGML_Q6_K, 64, 256, false, false, 1, false, 1>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2,
+                                                           nullptr, 1, MMW_XMAP, 0, MMW_WMAP(2));
+}
+#endif
 #endif
 // Mixed groups (weights 0, 1 of the first type, weight 2 of the second): Q4_K_M's Q, K, V.
 MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 128, 128)
