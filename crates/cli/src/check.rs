@@ -1600,9 +1600,11 @@ pub fn cases(quick: bool) -> Vec<Case> {
 
     // --- fused QK-norm + RoPE: Qwen3-8B (32/8 × 128, NeoX, norm), Llama GGUF (adjacent
     // pairs, no norm), Qwen3.5 full attention (16/2 × 256, NeoX on 64 dims), SmolLM2
-    // (9/3 × 64), odd shapes (36 pairs: lanes wrap; 3 of 4 pairs rotated).
+    // (9/3 × 64), odd shapes (36 pairs: lanes wrap; 3 of 4 pairs rotated), head counts that
+    // leave a prefill warp's last group of heads short (6/3 × 128: groups of 4, 2 and 3).
     let qk = [
         (32, 8, 128, 128, RopeStyle::Neox, 1e6f32, true),
+        (6, 3, 128, 128, RopeStyle::Neox, 1e6, true),
         (32, 8, 128, 128, RopeStyle::Neox, 1e6, false),
         (32, 8, 128, 128, RopeStyle::Adjacent, 5e5, false),
         (16, 2, 256, 64, RopeStyle::Neox, 1e7, true),

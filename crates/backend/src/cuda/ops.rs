@@ -613,6 +613,19 @@ pub fn add_rms_norm_gemv(
 
 /// Rotary pairs per lane of `qk_norm_rope` (QKR_PAIRS in elementwise.cu).
 const QKR_PAIRS: usize = 4;
+/// Registers a lane of the heads one warp of `qk_norm_rope`'s register form takes (QKR_HREGS),
+/// at four or eight a head (heads of up to 128 or 256 elements).
+const QKR_HREGS: usize = 16;
+/// Rows from which `qk_norm_rope` gives a warp several heads: a prefill's, whose warps are
+/// plenty either way (a decode step's few heads keep one a warp).
+const QKR_HEADS_MIN_ROWS: usize = 32;
+
+/// `FERRITE_QKR_HEADS` (read once; default 1): several heads a warp in `qk_norm_rope`'s
+/// register form on prefills (MATMUL.md round 90).
+fn qkr_heads() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| super::switches::int_or("FERRITE_QKR_HEADS", 1) != 0)
+}
 
 #[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope(
@@ -644,21 +657,36 @@ pub fn qk_norm_rope(
     let qw = q_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let kw = k_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
-    let warps = q.rows * (q_heads + k_heads);
+    // Heads a warp (the kernel's register form only, on prefills): 16 registers a lane of them,
+    // so that a token's angles are computed once per 4 heads of up to 128 elements (2 of 256)
+    // instead of once a head (`FERRITE_QKR_HEADS=0`: one a warp; MATMUL.md round 90).
+    let half = rope.rot_dim / 2;
+    let regs = rope.style == RopeStyle::Neox
+        && half % 32 == 0
+        && matches!(half / 32, 1 | 2 | 4)
+        && head_dim % 32 == 0
+        && head_dim <= 256;
+    let hpw = if regs && q.rows >= QKR_HEADS_MIN_ROWS && qkr_heads() {
+        QKR_HREGS / head_dim.div_ceil(32).max(4).next_power_of_two()
+    } else {
+        1
+    };
+    let warps = q.rows * (q_heads.div_ceil(hpw) + k_heads.div_ceil(hpw));
     if warps == 0 {
         return Ok(());
     }
-    let (rows, qh, kh, hd, rd) = (
+    let (rows, qh, kh, hd, rd, hpw) = (
         q.rows as i32,
         q_heads as i32,
         k_heads as i32,
         head_dim as i32,
         rope.rot_dim as i32,
+        hpw as i32,
     );
     let neox = i32::from(rope.style == RopeStyle::Neox);
     // A null device pointer: that head family has no norm weight.
     let null: u64 = 0;
-    // 8 warps per block; one warp per (row, head).
+    // 8 warps per block; one warp per (row, hpw heads).
     let cfg = grid_1d(warps * 32, 256);
     // SAFETY: q is [rows, q_heads·head_dim], k [rows, k_heads·head_dim] (checked, same rows
     // as the step); norm weights hold head_dim floats (f32_vec); the kernel returns for
@@ -683,6 +711,7 @@ pub fn qk_norm_rope(
             .arg(&neox)
             .arg(&rope.theta)
             .arg(&eps)
+            .arg(&hpw)
             .launch(cfg)
     }?;
     Ok(())

@@ -65,6 +65,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill on the wgmma GEMMs: 1 (default) the gate/up writes h as the bf16 rows the down reads, 0 as f32 rows converted before the down (MOE.md, 49th session)",
     ),
     (
+        "FERRITE_QKR_HEADS",
+        Accepts::OneOf(&[0, 1]),
+        "prefill QK-norm + RoPE (qk_norm_rope's register form): 1 (default) a warp takes several heads of a token and computes their rotary angles once; 0 one head a warp (MATMUL.md round 90)",
+    ),
+    (
         "FERRITE_MMW_RSW_MIXED",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill, with FERRITE_MMW_RS_Q6: Q4_K_M's mixed Q, K, V groups (Q4_K, Q4_K, Q6_K) on the wide tile by the register-A form (1, the default: pp512 +1.7% on Qwen3-30B-A3B, +2.9% on Qwen3-8B Q4_K_M) or the producers' form (0) (MATMUL.md round 89)",

@@ -196,27 +196,87 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 // 28th session's lesson from gated_rms_norm), their norm weights before it, then the loops'
 // operations in their order on registers: the same bits.
 #define QKR_REGS 8
+// The rotation of the register form by the angles' cosines and sines (qkr_angles: per rotary
+// pair j of the lane, computed once for every head of the warp: they depend on the token and
+// the pair only).
 template <int HOFF>
-__device__ __forceinline__ void qkr_rotate(float (&v)[QKR_REGS], const float (&inv_freq)[QKR_PAIRS], float pos) {
+__device__ __forceinline__ void qkr_angles(float (&c)[QKR_PAIRS], float (&s)[QKR_PAIRS], const float (&inv_freq)[QKR_PAIRS],
+                                           float pos) {
+#pragma unroll
+    for (int j = 0; j < HOFF; j++) {
+        const float a = pos * inv_freq[j];
+        c[j] = cosf(a);
+        s[j] = sinf(a);
+    }
+}
+template <int HOFF, int N>
+__device__ __forceinline__ void qkr_rotate(float (&v)[N], const float (&c)[QKR_PAIRS], const float (&s)[QKR_PAIRS]) {
 #pragma unroll
     for (int j = 0; j < HOFF; j++) {
         const float x0 = v[j], x1 = v[j + HOFF];
-        const float a = pos * inv_freq[j];
-        const float c = cosf(a), s = sinf(a);
-        v[j] = x0 * c - x1 * s;
-        v[j + HOFF] = x0 * s + x1 * c;
+        v[j] = x0 * c[j] - x1 * s[j];
+        v[j + HOFF] = x0 * s[j] + x1 * c[j];
+    }
+}
+// Elements a lane holds at most across the register form's heads (`hpw`, the launcher's: 16 / NR
+// heads of NR registers a lane, i.e. 4 heads of up to 128 elements or 2 of 256, for prefills; else
+// 1). One warp a head recomputed the same angles (two sincos a lane, and the powf before the
+// wait) for every head of a token: 36 times a Qwen3-30B-A3B token (MATMUL.md round 90).
+#define QKR_HREGS 16
+
+// The register form on a warp's nh heads (nh <= QKR_HREGS / NR) of at most 32 NR elements each: every
+// head's elements loaded at once (one L2 round trip for the warp's heads), then each head
+// normalised, rotated by the warp's angles and stored.
+template <int NR>
+__device__ __forceinline__ void qkr_heads(float* __restrict__ hp0, int nh, int head_dim, int hoff, bool norm,
+                                          const float (&nv)[QKR_REGS], const float (&cs)[QKR_PAIRS],
+                                          const float (&sn)[QKR_PAIRS], float eps, int lane) {
+    constexpr int HH = QKR_HREGS / NR;
+    float vh[HH][NR];
+#pragma unroll
+    for (int h = 0; h < HH; h++)
+#pragma unroll
+        for (int m = 0; m < NR; m++)
+            vh[h][m] = h < nh && lane + 32 * m < head_dim ? hp0[(long long)h * head_dim + lane + 32 * m] : 0.f;
+#pragma unroll
+    for (int h = 0; h < HH; h++) {
+        if (h >= nh) break;
+        float* hp = hp0 + (long long)h * head_dim;
+        float(&v)[NR] = vh[h];
+        if (norm) {
+            float ss = 0.f;
+#pragma unroll
+            for (int m = 0; m < NR; m++)
+                if (lane + 32 * m < head_dim) ss += v[m] * v[m];
+            ss = warp_sum(ss);
+            const float scale = rsqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+            for (int m = 0; m < NR; m++) v[m] = (v[m] * scale) * nv[m];
+        }
+        if (hoff == 1)
+            qkr_rotate<1>(v, cs, sn);
+        else if (hoff == 2)
+            qkr_rotate<2>(v, cs, sn);
+        else if constexpr (NR >= 8)
+            qkr_rotate<4>(v, cs, sn);
+#pragma unroll
+        for (int m = 0; m < NR; m++)
+            if (lane + 32 * m < head_dim) hp[lane + 32 * m] = v[m];
     }
 }
 
-extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
+// Warp w takes heads h0 .. h0 + hpw - 1 (fewer at the end) of one row of q (w < rows · ceil(q_heads
+// / hpw)) or of k (after them).
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
                                         const float* __restrict__ qw, const float* __restrict__ kw,
                                         const int* __restrict__ positions, int rows, int q_heads,
                                         int k_heads, int head_dim, int rot_dim, int neox,
-                                        float theta, float eps) {
+                                        float theta, float eps, int hpw) {
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
-    long long nq = (long long)rows * q_heads;
-    long long total = nq + (long long)rows * k_heads;
+    const int qg = (q_heads + hpw - 1) / hpw, kg = (k_heads + hpw - 1) / hpw;
+    long long nq = (long long)rows * qg;
+    long long total = nq + (long long)rows * kg;
     const float* w = warp < nq ? qw : kw;
     const bool norm = w != nullptr;
     const int half = rot_dim / 2;
@@ -249,68 +309,65 @@ extern "C" __global__ void qk_norm_rope(float* __restrict__ q, float* __restrict
     }
     PDL_ENTRY();
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
-    float* hp;
-    int t;
+    float* hp0;
+    int t, nh;
     if (warp < nq) {
-        hp = q + warp * head_dim;
-        t = (int)(warp / q_heads);
+        t = (int)(warp / qg);
+        const int h0 = (int)(warp % qg) * hpw;
+        nh = min(hpw, q_heads - h0);
+        hp0 = q + ((long long)t * q_heads + h0) * head_dim;
     } else {
-        long long kh = warp - nq;
-        hp = k + kh * head_dim;
-        t = (int)(kh / k_heads);
-    }
-    if (regs) {
-        float v[QKR_REGS];
-#pragma unroll
-        for (int m = 0; m < QKR_REGS; m++) v[m] = lane + 32 * m < head_dim ? hp[lane + 32 * m] : 0.f;
-        const float pos = (float)positions[t];
-        if (norm) {
-            float ss = 0.f;
-#pragma unroll
-            for (int m = 0; m < QKR_REGS; m++)
-                if (lane + 32 * m < head_dim) ss += v[m] * v[m];
-            ss = warp_sum(ss);
-            const float scale = rsqrtf(ss / (float)head_dim + eps);
-#pragma unroll
-            for (int m = 0; m < QKR_REGS; m++) v[m] = (v[m] * scale) * nv[m];
-        }
-        if (hoff == 1)
-            qkr_rotate<1>(v, inv_freq, pos);
-        else if (hoff == 2)
-            qkr_rotate<2>(v, inv_freq, pos);
-        else
-            qkr_rotate<4>(v, inv_freq, pos);
-#pragma unroll
-        for (int m = 0; m < QKR_REGS; m++)
-            if (lane + 32 * m < head_dim) hp[lane + 32 * m] = v[m];
-        return;
-    }
-    float scale = 1.f;
-    if (norm) {
-        float ss = 0.f;
-        for (int i = lane; i < head_dim; i += 32) ss += hp[i] * hp[i];
-        ss = warp_sum(ss);
-        scale = rsqrtf(ss / (float)head_dim + eps);
+        const long long kw_ = warp - nq;
+        t = (int)(kw_ / kg);
+        const int h0 = (int)(kw_ % kg) * hpw;
+        nh = min(hpw, k_heads - h0);
+        hp0 = k + ((long long)t * k_heads + h0) * head_dim;
     }
     const float pos = (float)positions[t];
-#pragma unroll
-    for (int j = 0; j < QKR_PAIRS; j++) {
-        const int p = lane + 32 * j;
-        if (p >= half) break;
-        int ia = neox ? p : 2 * p;
-        int ib = neox ? p + half : 2 * p + 1;
-        float x0 = hp[ia], x1 = hp[ib];
-        if (norm) {
-            x0 = (x0 * scale) * wa[j];
-            x1 = (x1 * scale) * wb[j];
-        }
-        float a = pos * inv_freq[j];
-        float c = cosf(a), s = sinf(a);
-        hp[ia] = x0 * c - x1 * s;
-        hp[ib] = x0 * s + x1 * c;
+    if (regs) {
+        float cs[QKR_PAIRS], sn[QKR_PAIRS];
+        if (hoff == 1)
+            qkr_angles<1>(cs, sn, inv_freq, pos);
+        else if (hoff == 2)
+            qkr_angles<2>(cs, sn, inv_freq, pos);
+        else
+            qkr_angles<4>(cs, sn, inv_freq, pos);
+        // Heads of at most 128 elements on four registers a lane, else eight.
+        if (head_dim <= 128)
+            qkr_heads<4>(hp0, nh, head_dim, hoff, norm, nv, cs, sn, eps, lane);
+        else
+            qkr_heads<QKR_REGS>(hp0, nh, head_dim, hoff, norm, nv, cs, sn, eps, lane);
+        return;
     }
-    if (norm)
-        for (int i = rot_dim + lane; i < head_dim; i += 32) hp[i] = (hp[i] * scale) * w[i];
+#pragma unroll 1
+    for (int h = 0; h < nh; h++) {
+        float* hp = hp0 + (long long)h * head_dim;
+        float scale = 1.f;
+        if (norm) {
+            float ss = 0.f;
+            for (int i = lane; i < head_dim; i += 32) ss += hp[i] * hp[i];
+            ss = warp_sum(ss);
+            scale = rsqrtf(ss / (float)head_dim + eps);
+        }
+#pragma unroll
+        for (int j = 0; j < QKR_PAIRS; j++) {
+            const int p = lane + 32 * j;
+            if (p >= half) break;
+            int ia = neox ? p : 2 * p;
+            int ib = neox ? p + half : 2 * p + 1;
+            float x0 = hp[ia], x1 = hp[ib];
+            if (norm) {
+                x0 = (x0 * scale) * wa[j];
+                x1 = (x1 * scale) * wb[j];
+            }
+            float a = pos * inv_freq[j];
+            float c = cosf(a), s = sinf(a);
+            hp[ia] = x0 * c - x1 * s;
+            hp[ib] = x0 * s + x1 * c;
+        }
+        if (norm)
+            for (int i = rot_dim + lane; i < head_dim; i += 32) hp[i] = (hp[i] * scale) * w[i];
+    }
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
