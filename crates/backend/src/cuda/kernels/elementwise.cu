@@ -204,9 +204,10 @@ __device__ __forceinline__ void qkr_angles(float (&c)[QKR_PAIRS], float (&s)[QKR
                                            float pos) {
 #pragma unroll
     for (int j = 0; j < HOFF; j++) {
+        // One range reduction for both (the pair the one-head form's cosf(a), sinf(a) compiled to:
+        // the same bits).
         const float a = pos * inv_freq[j];
-        c[j] = cosf(a);
-        s[j] = sinf(a);
+        sincosf(a, &s[j], &c[j]);
     }
 }
 template <int HOFF, int N>
