@@ -663,9 +663,9 @@ pub fn qk_norm_rope(
     // instead of once a head (`FERRITE_QKR_HEADS=0`: one a warp; MATMUL.md round 90).
     let half = rope.rot_dim / 2;
     let regs = rope.style == RopeStyle::Neox
-        && half % 32 == 0
+        && half.is_multiple_of(32)
         && matches!(half / 32, 1 | 2 | 4)
-        && head_dim % 32 == 0
+        && head_dim.is_multiple_of(32)
         && head_dim <= 256;
     let hpw = if regs && q.rows >= QKR_HEADS_MIN_ROWS && qkr_heads() {
         QKR_HREGS / head_dim.div_ceil(32).max(4).next_power_of_two()
