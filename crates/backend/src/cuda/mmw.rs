@@ -1184,6 +1184,52 @@ pub(crate) fn moe_gate_up(
         hidden as i32,
         t.top_k as i32,
     );
+    // The launch on x's bf16 rows at device address `xp` (rows of kp; `xmap`: their tensor map
+    // under the gathered form, whose rows are in list order).
+    let run = |xp: u64,
+               kp: i32,
+               xmap: Option<&cudarc::driver::sys::CUtensorMap>,
+               h: &mut CudaSlice<f32>| {
+        // The RS kernels' weight maps: gate's and up's experts, boxes of a tile's outputs.
+        let wm = rs()
+            .then(|| -> Result<_> {
+                let box_rows = be.mmw.moe_tile.0 / 2;
+                Ok((
+                    w_maps(be, g, box_rows, true)?,
+                    w_maps(be, u, box_rows, true)?,
+                ))
+            })
+            .transpose()?;
+        let mut launch = be.stream.kernel(&k.f);
+        launch
+            .arg(&*g.data)
+            .arg(&*u.data)
+            .arg(&rb)
+            .arg(&n_out)
+            .arg(&n_in)
+            .arg(&xp)
+            .arg(&kp)
+            .arg(t.offsets)
+            .arg(t.n_tiles)
+            .arg(t.tiles)
+            .arg(t.list)
+            .arg(&tk)
+            .arg(h)
+            .arg(&hbf);
+        if let Some(m) = xmap {
+            launch.arg(m);
+        }
+        if let Some((gm, um)) = &wm {
+            launch.arg(&gm[0]).arg(&gm[1]).arg(&um[0]).arg(&um[1]);
+        }
+        // SAFETY: the tile table comes from moe_sort (experts < n_experts, positions and
+        // counts within the pairs); g and u hold n_experts·ffn rows of rb bytes (the maps
+        // describe them); x at xp holds rows × kp bf16 (tokens < rows), or under the gathered
+        // form pairs × kp in list order (the map's; rows past pairs read as zeros); h ≥ pairs ×
+        // ffn floats.
+        unsafe { launch.launch(cfg) }?;
+        Ok(())
+    };
     if let Some(gather) = &be.mmw.x_gather {
         // x's rows in list order (pair p: its token's row), bf16 as mm_x_bf16 rounds them,
         // into xg's bytes, and the gate/up's x tiles by tensor copies over them.
@@ -1220,77 +1266,12 @@ pub(crate) fn moe_gate_up(
         // top_k (moe_sort), xgb pairs × kp bf16 (checked above).
         unsafe { launch.launch(cvt) }?;
         let xmap = x_map(be, &xgb, pairs, kp, MOE_TN)?;
-        let wm = rs()
-            .then(|| -> Result<_> {
-                let box_rows = be.mmw.moe_tile.0 / 2;
-                Ok((
-                    w_maps(be, g, box_rows, true)?,
-                    w_maps(be, u, box_rows, true)?,
-                ))
-            })
-            .transpose()?;
         let (xp, _xg_guard) = xgb.device_ptr(&be.stream);
-        let mut launch = be.stream.kernel(&k.f);
-        launch
-            .arg(&*g.data)
-            .arg(&*u.data)
-            .arg(&rb)
-            .arg(&n_out)
-            .arg(&n_in)
-            .arg(&xp)
-            .arg(&kp_i)
-            .arg(t.offsets)
-            .arg(t.n_tiles)
-            .arg(t.tiles)
-            .arg(t.list)
-            .arg(&tk)
-            .arg(h)
-            .arg(&hbf)
-            .arg(&xmap);
-        if let Some((gm, um)) = &wm {
-            launch.arg(&gm[0]).arg(&gm[1]).arg(&um[0]).arg(&um[1]);
-        }
-        // SAFETY: as below, x now the map's pairs × kp bf16 rows in list order (the tile's
-        // rows from its first list position; rows past pairs read as zeros).
-        unsafe { launch.launch(cfg) }?;
-        return Ok(());
+        return run(xp, kp_i, Some(&xmap), h);
     }
     super::matmul::with_bf16_rows(be, x, rows, hidden, |xb, kp| {
-        let kp = kp as i32;
-        // The RS kernels' weight maps: gate's and up's experts, boxes of a tile's outputs.
-        let wm = if rs() {
-            let box_rows = be.mmw.moe_tile.0 / 2;
-            Some((
-                w_maps(be, g, box_rows, true)?,
-                w_maps(be, u, box_rows, true)?,
-            ))
-        } else {
-            None
-        };
-        let mut launch = be.stream.kernel(&k.f);
-        launch
-            .arg(&*g.data)
-            .arg(&*u.data)
-            .arg(&rb)
-            .arg(&n_out)
-            .arg(&n_in)
-            .arg(xb)
-            .arg(&kp)
-            .arg(t.offsets)
-            .arg(t.n_tiles)
-            .arg(t.tiles)
-            .arg(t.list)
-            .arg(&tk)
-            .arg(h)
-            .arg(&hbf);
-        if let Some((gm, um)) = &wm {
-            launch.arg(&gm[0]).arg(&gm[1]).arg(&um[0]).arg(&um[1]);
-        }
-        // SAFETY: the tile table comes from moe_sort (experts < n_experts, positions and
-        // counts within the pairs); g and u hold n_experts·ffn rows of rb bytes (the maps
-        // describe them); xb holds rows × kp bf16 (tokens < rows); h ≥ pairs × ffn floats.
-        unsafe { launch.launch(cfg) }?;
-        Ok(())
+        let (xp, _xb_guard) = xb.device_ptr(&be.stream);
+        run(xp, kp as i32, None, h)
     })
 }
 
