@@ -21,6 +21,10 @@
 #            the cache needs each value's mmw CUBIN: `FERRITE_MMW_GU_XG=v tools/h200/kernel_cache.sh
 #            mmw`): moe check under 1 and 3, then pp512 of GUXG_MODELS (default Qwen3-30B-A3B
 #            Q4_K_M) at GUXG_VALS (default "0 1 3") in turn, two rounds
+#   rsq5     the Q5_K register-A form (FERRITE_MMW_RS_Q5, off until measured; MATMUL.md round 91;
+#            its CUBIN first: `FERRITE_MMW_RS_Q5=1 tools/h200/kernel_cache.sh mmw`): the matmul
+#            check under it, then pp512 of Qwen3.5-35B-A3B and Qwen3.5-9B Q4_K_M (their Q5_K
+#            in-projections) off / on in turn, two rounds
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
 #            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
@@ -296,6 +300,20 @@ for stage in "$@"; do
                     echo "$p GU_XG=$v $(FERRITE_MMW_GU_XG=$v $F bench --model "$f" --reps 2 --gen-tokens 16 --gate-tokens $g 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
                 done
             done | tee -a "$OUT/guxg.log"
+            rm -f "$f"
+        done
+        ;;
+    rsq5)
+        # The register-A form for Q5_K (FERRITE_MMW_RS_Q5; MATMUL.md round 91).
+        echo "check matmul [RS_Q5]: $(FERRITE_MMW_RS_Q5=1 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-rsq5.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/rsq5.log"
+        for p in qwen3.5-35b-a3b qwen3.5-9b; do
+            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
+            f=$(synth "$p" Q4_K_M | tail -1)
+            for r in 1 2; do
+                for v in 0 1; do
+                    echo "$p RS_Q5=$v round $r: $(FERRITE_MMW_RS_Q5=$v $F bench --model "$f" --reps 2 --gen-tokens 16 --gate-tokens $g 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+                done
+            done | tee -a "$OUT/rsq5.log"
             rm -f "$f"
         done
         ;;

@@ -5,7 +5,8 @@
 //! orders, every 64-element group. Checks each A register against the bf16 of ggml's value of
 //! the element mma.sync m16n8k16's A fragment places there (bit for bit) and that each element
 //! is covered once; the Q8_0 form (`mmw_rs_row_q80`) on a tile of random Q8_0 spans at each
-//! step offset; and the Q6_K form (`mmw_rs_row_q6k`) against ggml's Q6_K dequantization. What
+//! step offset; the Q6_K form (`mmw_rs_row_q6k`) against ggml's Q6_K dequantization; and the Q5_K
+//! form (`mmw_rs_row::<true>`) against ggml's Q5_K values. What
 //! it cannot see: the wgmma itself, the tensor copies, ptxas, timing.
 
 #[path = "emu/mod.rs"]

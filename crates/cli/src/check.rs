@@ -1156,9 +1156,10 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
         // Qwen3.5's Q5_K in-projections (the linear layers' attn_qkv of the 35B-A3B and the
-        // 9B): the 16-row tensor-core tile at decode and verify rows, the prefill at 17.
+        // 9B): the 16-row tensor-core tile at decode and verify rows, the prefill at 17 and at
+        // 512 (the wide tile: its register-A form under FERRITE_MMW_RS_Q5).
         for n_in in [2048, 4096] {
-            for rows in [1, 3, 16, 17] {
+            for rows in [1, 3, 16, 17, 512] {
                 add(Op::Matmul {
                     ty: GgmlType::Q5K,
                     n_in,

@@ -159,6 +159,16 @@ pub(crate) fn rs_q6() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 1) != 0)
 }
 
+/// `FERRITE_MMW_RS_Q5` (read once; default 0, only with [`rs`]): Q5_K weights on the RS form
+/// too (mmw.cu's MMW_RS_Q5: the Q4_K form's decode with each nibble's fifth bit from qh, the
+/// super-block's first 48 bytes and the step's 32 quant bytes by two tensor copies a row;
+/// MATMUL.md round 91). Built and checked by host emulation (tests/mmw_rs_emu.rs), not yet
+/// measured on a GPU: off until it is.
+pub(crate) fn rs_q5() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q5", 0) != 0)
+}
+
 /// Whether a MoE prefill's gate/up writes h as the bf16 rows the down reads: where ffn is a
 /// whole number of K steps (the rows are then the down's x scratch rows) and
 /// `FERRITE_MOE_H_BF16` (read once) is 1, the default; else h is f32, converted before the down.
@@ -217,7 +227,8 @@ pub(crate) fn rs_q6_moe() -> i64 {
 }
 
 /// The types of the `mmw_rsw_*` kernels, in their order in `Kernels::rsw`: Q4_K, then Q8_0
-/// under [`rs_q8`] and Q6_K under [`rs_q6`] (read once: every wide-tile launch asks).
+/// under [`rs_q8`], Q6_K under [`rs_q6`] and Q5_K under [`rs_q5`] (read once: every wide-tile
+/// launch asks).
 fn rsw_types() -> &'static [(GgmlType, &'static str)] {
     static T: std::sync::OnceLock<Vec<(GgmlType, &'static str)>> = std::sync::OnceLock::new();
     T.get_or_init(|| {
@@ -227,6 +238,9 @@ fn rsw_types() -> &'static [(GgmlType, &'static str)] {
         }
         if rs_q6() {
             v.push((GgmlType::Q6K, "q6_k"));
+        }
+        if rs_q5() {
+            v.push((GgmlType::Q5K, "q5_k"));
         }
         v
     })
@@ -345,6 +359,11 @@ fn w_maps(
         // bytes 128..209, each from the 16-byte unit below them.
         return Ok([map(RS_Q6_QL)?, map(RS_Q6_HI)?]);
     }
+    if w.dtype == GgmlType::Q5K {
+        // The super-block's first 48 bytes (d, dmin, scales, qh) and the step's 32 quant bytes
+        // (mmw_rs_row<true>).
+        return Ok([map(48)?, map(32)?]);
+    }
     if w.dtype == GgmlType::Q8_0 {
         // One span a row a step (MMW_RS_Q80_SPAN bytes from the 16-byte unit holding the
         // step's two 34-byte blocks: a box starts at a whole unit); the second map is not read.
@@ -362,13 +381,14 @@ const RS_Q80_SPAN: u32 = 80;
 const RS_Q6_QL: u32 = 80;
 const RS_Q6_HI: u32 = 96;
 
-/// Weight types of the RS form (mmw.cu's RS: Q4_K, Q8_0 by spans under [`rs_q8`], and Q6_K
-/// by two spans under [`rs_q6`] on the dense launches, and on the MoE GEMMs (`moe`) under
-/// [`rs_q6_moe`]).
+/// Weight types of the RS form (mmw.cu's RS: Q4_K, Q8_0 by spans under [`rs_q8`], Q6_K by
+/// two spans under [`rs_q6`] on the dense launches, and on the MoE GEMMs (`moe`) under
+/// [`rs_q6_moe`], and Q5_K on the dense launches under [`rs_q5`]).
 fn rs_type(t: GgmlType, moe: bool) -> bool {
     t == GgmlType::Q4K
         || (t == GgmlType::Q8_0 && rs_q8())
         || (t == GgmlType::Q6K && rs_q6() && (!moe || rs_q6_moe() != 0))
+        || (t == GgmlType::Q5K && rs_q5() && !moe)
 }
 
 /// Rows of `rb` bytes a group whose bytes are whole 16-byte units: 16 / gcd(rb, 16) (mmw.cu

@@ -188,6 +188,9 @@ pub fn full_source(name: &str, src: &str) -> String {
         if mmw::rs_q6() {
             defs += "#define MMW_RS_Q6 1\n";
         }
+        if mmw::rs_q5() {
+            defs += "#define MMW_RS_Q5 1\n";
+        }
         if mmw::rs_q6_moe() != 0 {
             defs += "#define MMW_RS_Q6_MOE 1\n";
         }

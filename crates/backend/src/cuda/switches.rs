@@ -65,6 +65,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "a MoE prefill on the wgmma GEMMs: 1 (default) the gate/up writes h as the bf16 rows the down reads, 0 as f32 rows converted before the down (MOE.md, 49th session)",
     ),
     (
+        "FERRITE_MMW_RS_Q5",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill, with FERRITE_MMW_RS: 1 puts Q5_K weights on the register-A form too (built and checked by host emulation, not yet measured: 0, the default, keeps the producers' form) (MATMUL.md round 91)",
+    ),
+    (
         "FERRITE_QKR_HEADS",
         Accepts::OneOf(&[0, 1]),
         "prefill QK-norm + RoPE (qk_norm_rope's register form): 1 (default) a warp takes several heads of a token and computes their rotary angles once (pp512 +2.2% on Qwen3-30B-A3B, +2.1% on Qwen3-8B Q4_K_M); 0 one head a warp (MATMUL.md round 90)",

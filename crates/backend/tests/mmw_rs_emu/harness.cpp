@@ -13,7 +13,8 @@
 // step's offset in it, junk around them) as its producer copies it: each register the bf16 of
 // q · d of its element. The Q6_K form (`mmw_rs_row_q6k`) on random super-blocks at every
 // super-block offset and quarter pair, its two spans a row as its producer would copy them:
-// each register the bf16 of ggml's dequantize_row_q6_K value. Prints one line per
+// each register the bf16 of ggml's dequantize_row_q6_K value; the Q5_K form (`mmw_rs_row<true>`)
+// as the Q4_K one with each nibble's fifth bit from qh. Prints one line per
 // configuration and "ALL OK"; exit status 1 on a mismatch.
 #include <cmath>
 #include <cstdint>
@@ -138,6 +139,49 @@ int main() {
                     label);
             }
             printf("trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
+        }
+    }
+    // The Q5_K form (`mmw_rs_row<true>`): a tile of random super-blocks (176 bytes: d, dmin,
+    // scales, qh[32], qs[128]); the stage as its producer's copies leave it (each row's first 48
+    // bytes [128][48], then one group's quants [128][32]), against ggml's dequantize_row_q5_K:
+    // element 64 G + l (l < 32) is ql[32 G + l]'s low nibble + 16 if bit 2G of qh[l], element
+    // 64 G + 32 + l its high nibble + 16 if bit 2G + 1, times d · sc minus dmin · m of sub-block
+    // 2G (2G + 1).
+    std::vector<uint8_t> q5(TM * Q5_K_BYTES);
+    for (int trial = 0; trial < 8; trial++) {
+        for (auto& b : q5) b = (uint8_t)rnd();
+        for (int r = 0; r < TM; r++) {
+            const uint16_t d = rnd_f16(), dmin = rnd_f16();
+            memcpy(&q5[r * Q5_K_BYTES], &d, 2);
+            memcpy(&q5[r * Q5_K_BYTES + 2], &dmin, 2);
+        }
+        for (int swiglu = 0; swiglu < 2; swiglu++) {
+            for (int G = 0; G < 4; G++) {
+                for (int r = 0; r < TM; r++) {
+                    memcpy(smem + r * 48, &q5[r * Q5_K_BYTES], 48);
+                    memcpy(smem + TM * 48 + r * 32, &q5[r * Q5_K_BYTES + 48 + 32 * G], 32);
+                }
+                snprintf(label, sizeof label, "q5_K trial %d swiglu %d G %d", trial, swiglu, G);
+                check_tile(
+                    swiglu,
+                    [&](int ra, int rb2, int t, uint32_t(&a)[16]) {
+                        mmw_rs_row<true>(ra * 48, TM * 48 + ra * 32, G, t, 0, a);
+                        mmw_rs_row<true>(rb2 * 48, TM * 48 + rb2 * 32, G, t, 1, a);
+                    },
+                    [&](int row, int col) {
+                        const uint8_t* b = &q5[row * Q5_K_BYTES];
+                        const int j = 2 * G + col / 32, l = col % 32;
+                        const uint8_t qb = b[48 + 32 * G + l];
+                        const int q = (col < 32 ? qb & 15 : qb >> 4) + ((b[16 + l] >> j) & 1 ? 16 : 0);
+                        int sc, m;
+                        scale_min(j, b + 4, sc, m);
+                        const float ds = h2f(b[0] | b[1] << 8) * (float)sc;
+                        const float dm = h2f(b[2] | b[3] << 8) * (float)m;
+                        return bf16_rn(fmaf((float)q, ds, -dm));
+                    },
+                    label);
+            }
+            printf("q5_K trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
         }
     }
     // The Q8_0 form: a step's two blocks (f16 d, 32 int8 quants each) a row, in 80-byte spans

@@ -91,6 +91,11 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS_Q6
 #define MMW_RS_Q6 0
 #endif
+// MMW_RS_Q5 (FERRITE_MMW_RS_Q5, off until measured): the Q5_K form of RS on the dense launches
+// (mmw_rs_row<true>: the Q4_K form with each nibble's fifth bit from qh; MATMUL.md round 91).
+#ifndef MMW_RS_Q5
+#define MMW_RS_Q5 0
+#endif
 // MMW_RS_Q6_MOE (FERRITE_MMW_RS_Q6_MOE, with MMW_RS_Q6): the Q6_K form on the MoE GEMMs too. Their
 // rows need not be whole 16-byte units (Qwen3-30B-A3B's down experts: 630 bytes, Qwen3.5-35B-A3B's
 // 420), so their maps read groups of QG rows (mmw_q6_groups: 8 and 4 there), whose QG · rb bytes
@@ -314,6 +319,10 @@ __device__ __forceinline__ uint32_t mmw_lds16(uint32_t a) {
 // The scales of sub-blocks 2G, 2G + 1 come from kq_pair_scales (no branch on G, a runtime
 // value of the consumers' two-step loop) and d · sc, dmin · m from byte_v: exact products (an
 // f16 times a 6-bit integer), the same bits as ggml's order of operations.
+// Q5 (the Q5_K form, MMW_RS_Q5): `hdr` is the row's first 48 bytes of its super-block, the same
+// header then qh[32]; each nibble's fifth bit is bit 2G (low nibbles) or 2G + 1 (high ones) of
+// the qh byte at the quant byte's offset in the group (dec16's Q5_K branch: sub-block j's bit j).
+template <bool Q5 = false>
 __device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int t, int half, uint32_t (&a)[16]) {
     const uint4 h = mmw_lds128(hdr);
     const uint32_t sm = kq_pair_scales(kq_pair_sel(G), h.y, h.z, h.w);  // bytes sc0, sc1, m0, m1
@@ -323,10 +332,20 @@ __device__ __forceinline__ void mmw_rs_row(uint32_t hdr, uint32_t qs, int G, int
     const float dm0 = fmaf(byte_v<2>(sm), dmin, -m23), dm1 = fmaf(byte_v<3>(sm), dmin, -m23);
     const uint32_t q = qs + 2 * t;
     const uint32_t w0 = mmw_lds16(q) | (mmw_lds16(q + 8) << 16), w1 = mmw_lds16(q + 16) | (mmw_lds16(q + 24) << 16);
+    uint32_t h0 = 0, h1 = 0;  // Q5: the qh bytes at the quant bytes' offsets, bit 2G down to bit 0
+    if constexpr (Q5) {
+        const uint32_t qh = hdr + 16 + 2 * t;
+        h0 = (mmw_lds16(qh) | (mmw_lds16(qh + 8) << 16)) >> (2 * G);
+        h1 = (mmw_lds16(qh + 16) | (mmw_lds16(qh + 24) << 16)) >> (2 * G);
+    }
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
         const uint32_t ww = (kk & 1) ? w1 : w0;
-        const uint32_t qn = (kk >= 2 ? ww >> 4 : ww) & 0x0F0F0F0Fu;
+        uint32_t qn = (kk >= 2 ? ww >> 4 : ww) & 0x0F0F0F0Fu;
+        if constexpr (Q5) {
+            const uint32_t hh = (kk & 1) ? h1 : h0;
+            qn |= ((kk >= 2 ? hh >> 1 : hh) & 0x01010101u) << 4;
+        }
         const float ds = kk >= 2 ? ds1 : ds0, dm = kk >= 2 ? dm1 : dm0;
         a[4 * kk + half] = pack_bf16(fmaf(byte_f<0>(qn), ds, -dm), fmaf(byte_f<1>(qn), ds, -dm));
         a[4 * kk + 2 + half] = pack_bf16(fmaf(byte_f<2>(qn), ds, -dm), fmaf(byte_f<3>(qn), ds, -dm));
@@ -479,8 +498,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // Q6_K (MMW_RS_Q6) the dense ones, and the MoE ones under MMW_RS_Q6_MOE.
     constexpr bool Q80 = TYPE == GGML_Q8_0;  // RS: the Q8_0 form (one span a row a step)
     constexpr bool Q6 = TYPE == GGML_Q6_K;   // RS: the Q6_K form (two spans a row a step)
+    constexpr bool Q5 = TYPE == GGML_Q5_K;   // RS: the Q5_K form (the Q4_K one's plus qh)
     constexpr bool RS = MMW_RS && !TA &&
-                        (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8) || (Q6 && MMW_RS_Q6 && (!MOE || MMW_RS_Q6_MOE))) &&
+                        (TYPE == GGML_Q4_K || (Q80 && MMW_RS_Q8) || (Q6 && MMW_RS_Q6 && (!MOE || MMW_RS_Q6_MOE)) ||
+                         (Q5 && MMW_RS_Q5 && !MOE)) &&
                         (TM == 128 || (MOE && BN == 64) || (P == 1 && TM == 64 && BN == 256));
     using S = MmwShape<TM, BN, BPS, P,
                        RS && Q6 ? MMW_RS_Q6_ROW : (RS && TYPE == GGML_Q4_K && MOE && P <= 1 ? MMW_RS_Q4K_ROW : MMW_TK * 2)>;
@@ -633,6 +654,19 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                             mmw_tma(hb + BR * MMW_RS_Q6_HI, wmq2, chh, r0, bar);
                         }
                     }
+                } else if (ptid == 0 && Q5) {
+                    // Q5_K: the super-block's first 48 bytes (header and qh) [TM][48] at the stage's
+                    // start, the step's 32 quant bytes [TM][32] after them (SWIGLU: gate rows then
+                    // up rows in each).
+                    const int cb = (kt >> 2) * Q5_K_BYTES, cq = cb + 48 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
+                    mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 80));
+                    if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
+                    mmw_tma(st, wmh, cb, r0, bar);
+                    mmw_tma(st + TM * 48, wmq, cq, r0, bar);
+                    if (SWIGLU) {
+                        mmw_tma(st + BR * 48, wmh2, cb, r0, bar);
+                        mmw_tma(st + TM * 48 + BR * 32, wmq2, cq, r0, bar);
+                    }
                 } else if (ptid == 0) {
                     const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 48));
@@ -770,6 +804,9 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                         mmw_rs_row_q6k(st + ra * MMW_RS_Q6_QL, hb + ra * MMW_RS_Q6_HI, kt, t, 0, a);
                         mmw_rs_row_q6k(st + rb2 * MMW_RS_Q6_QL, hb + rb2 * MMW_RS_Q6_HI, kt, t, 1, a);
                     }
+                } else if constexpr (Q5) {
+                    mmw_rs_row<true>(st + ra * 48, st + TM * 48 + ra * 32, kt & 3, t, 0, a);
+                    mmw_rs_row<true>(st + rb2 * 48, st + TM * 48 + rb2 * 32, kt & 3, t, 1, a);
                 } else {
                     mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
                     mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
@@ -1126,6 +1163,9 @@ MMW_RSW_KERNEL(q8_0, GGML_Q8_0)
 #endif
 #if MMW_RS_Q6
 MMW_RSW_KERNEL(q6_k, GGML_Q6_K)
+#endif
+#if MMW_RS_Q5
+MMW_RSW_KERNEL(q5_k, GGML_Q5_K)
 #endif
 // mmw_rsw_q4_k_q6_k_n256 (`FERRITE_MMW_RSW_MIXED`, default 1; MATMUL.md round 89): MMW_KERNEL1's
 // mixed Q, K, V of Q4_K_M (weights 0 and 1 Q4_K, weight 2 Q6_K) on the RS wide tile, each block
