@@ -88,9 +88,9 @@ extern "C" __global__ void causal_conv1d(const float* __restrict__ x, const uint
     int t0 = blockIdx.y * CONV_ROWS;
     int t1 = min(t0 + CONV_ROWS, rows);
     // The block's rows of e = [state; x] (t0 .. t1 + hist - 1) loaded once, all at once, into a
-    // window of registers; then each row's taps in order from it. (Row by row from memory each
-    // row paid its own round trip: 24.6 µs a Qwen3.5-35B-A3B pp512 layer; GATED_DELTA.md, 50th
-    // session.) The same products and sums: the same bits.
+    // window of registers; then each row's taps in order from it, where each row once loaded its
+    // K values itself (the launch took 24.6 µs a Qwen3.5-35B-A3B pp512 layer; this form gained
+    // 0.6% of that pp512: GATED_DELTA.md, 50th session). The same products and sums: the same bits.
     float win[CONV_ROWS + GD_MAX_K - 1];
 #pragma unroll
     for (int i = 0; i < CONV_ROWS + GD_MAX_K - 1; i++) {

@@ -254,9 +254,10 @@ __device__ __forceinline__ float row_dot(const uint8_t* row, int type, int align
 // One warp (block of 32) per token; dynamic shared memory: n_experts floats.
 // The top_k rounds pick by two redux.sync (matmul.cu moe_route_pick's form: the max key, p's bits
 // + 1, then the lowest id holding it: the shuffle butterfly's (max p, lowest id) choice), and the
-// weights wait in shared memory for the renormalisation: lane 0 once read them back from global
-// memory one dependent load at a time, ~10 µs a Qwen3-30B-A3B prefill layer (MOE.md, 50th
-// session). Same max, exps, sum, choices and divisions: the same ids and weights.
+// weights wait in shared memory for the renormalisation, where lane 0 once read them back from
+// global memory one dependent load at a time (the launch added ~10 µs a Qwen3-30B-A3B prefill
+// layer; this form gained 0.4% of its pp512: MOE.md, 50th session). Same max, exps, sum, choices
+// and divisions: the same ids and weights.
 #define MOE_ROUTE_TOPK 64
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int n_experts, int top_k, int norm,
                                      int* __restrict__ ids, float* __restrict__ wts) {
