@@ -129,7 +129,7 @@ fn chunked_kernel_emulated_matches_recurrence() {
     ];
     let mut worst = 0f64;
     for (ci, &(s, fill, rows)) in cases.iter().enumerate() {
-        let mut r = Rng((ci as u64 + 1) * 0x9E37_79B9_7F4A_7C15);
+        let mut r = Rng((ci as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let (nv, dk, dv) = (s.nv, s.dk, s.dv);
         let conv = 2 * s.nk * dk + nv * dv;
         // As `ferrite check`: ssm_a = −exp(U[−3, 3]), dt_bias ~ −1 + 0.5 N, qkv ~ N(0, 1),
