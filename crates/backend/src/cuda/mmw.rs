@@ -513,8 +513,8 @@ pub struct Kernels {
     /// `mmw_rsw_<type>_n256` and `mmw_rsw_swiglu_<type>_n256` under [`rsw`], for
     /// [`rsw_types`] in order ([`rsw_index`]).
     rsw: Option<Vec<(CudaFunction, CudaFunction)>>,
-    /// `mmw_rsw_q4_k_q6_k_n256`: the [`MIXED`] Q, K, V on the RS wide tile, under [`rsw`] and
-    /// [`rs_q6`] where `FERRITE_MMW_RSW_MIXED` is 1 (the default).
+    /// `mmw_rsw_q4_k_q6_k_n256`: the [`MIXED`] Q, K, V (its one entry) on the RS wide tile,
+    /// under [`rsw`] and [`rs_q6`] where `FERRITE_MMW_RSW_MIXED` is 1 (the default).
     rsw_mixed: Option<CudaFunction>,
 }
 
@@ -652,7 +652,10 @@ impl Kernels {
             },
             rsw_mixed: if rsw() && rs_q6() && rsw_mixed() {
                 let (tm, bn) = TILES[2];
-                Some(with_smem("mmw_rsw_q4_k_q6_k_n256".into(), smem(tm, bn))?)
+                Some(with_smem(
+                    format!("mmw_rsw_{}_n256", MIXED[0].2),
+                    smem(tm, bn),
+                )?)
             } else {
                 None
             },
@@ -1007,22 +1010,27 @@ fn launch(
     let tiles = ns.map(|n| (n as usize).div_ceil(TILES[ti_tile].0));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
     let mut cfg = config(rows, ti_tile, e2 + tiles[2])?;
-    // Q4_K weights on the wide tile under FERRITE_MMW_RSW: the register-A form's kernel.
+    // On the wide tile, the register-A form's kernel where there is one: `mmw_rsw_<type>` for a
+    // group of one RS type (FERRITE_MMW_RSW), `mmw_rsw_q4_k_q6_k` for the mixed Q, K, V (each
+    // block the form of its weight's type).
     let mut kernel = &kernels[ti_tile];
-    if let (Some(rsw), Some(r), true) = (&be.mmw.rsw, rsw_index(ws[0].dtype), ti_tile == 2 && !ta) {
-        if ws.iter().all(|w| w.dtype == ws[0].dtype) {
-            kernel = &rsw[r].0;
-            cfg.block_dim.0 = RSW_THREADS;
-        }
-    }
-    // The mixed Q, K, V (Q4_K, Q4_K, Q6_K) on the wide tile: its RS kernel, each block the form
-    // of its weight's type.
-    if let (Some(mixed), true) = (&be.mmw.rsw_mixed, ti_tile == 2 && !ta && ws.len() == 3) {
-        if ws[0].dtype == GgmlType::Q4K
-            && ws[1].dtype == GgmlType::Q4K
-            && ws[2].dtype == GgmlType::Q6K
+    if ti_tile == 2 && !ta {
+        let rs_kernel = if ws.iter().all(|w| w.dtype == ws[0].dtype) {
+            be.mmw
+                .rsw
+                .as_ref()
+                .zip(rsw_index(ws[0].dtype))
+                .map(|(rsw, r)| &rsw[r].0)
+        } else if ws.len() == 3
+            && ws[1].dtype == ws[0].dtype
+            && (ws[0].dtype, ws[2].dtype) == (MIXED[0].0, MIXED[0].1)
         {
-            kernel = mixed;
+            be.mmw.rsw_mixed.as_ref()
+        } else {
+            None
+        };
+        if let Some(f) = rs_kernel {
+            kernel = f;
             cfg.block_dim.0 = RSW_THREADS;
         }
     }

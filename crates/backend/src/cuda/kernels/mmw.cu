@@ -654,28 +654,20 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                             mmw_tma(hb + BR * MMW_RS_Q6_HI, wmq2, chh, r0, bar);
                         }
                     }
-                } else if (ptid == 0 && Q5) {
-                    // Q5_K: the super-block's first 48 bytes (header and qh) [TM][48] at the stage's
-                    // start, the step's 32 quant bytes [TM][32] after them (SWIGLU: gate rows then
-                    // up rows in each).
-                    const int cb = (kt >> 2) * Q5_K_BYTES, cq = cb + 48 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
-                    mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 80));
-                    if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
-                    mmw_tma(st, wmh, cb, r0, bar);
-                    mmw_tma(st + TM * 48, wmq, cq, r0, bar);
-                    if (SWIGLU) {
-                        mmw_tma(st + BR * 48, wmh2, cb, r0, bar);
-                        mmw_tma(st + TM * 48 + BR * 32, wmq2, cq, r0, bar);
-                    }
                 } else if (ptid == 0) {
-                    const int cb = (kt >> 2) * Q4_K_BYTES, cq = cb + 16 + 32 * (kt & 3), r0 = wrow0 + oy * BR;
-                    mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * 48));
+                    // Q4_K (and Q5_K): the super-block's first HB bytes (the header; Q5_K's also qh)
+                    // [TM][HB] at the stage's start, the step's 32 quant bytes [TM][32] after them
+                    // (SWIGLU: gate rows then up rows in each).
+                    constexpr int HB = Q5 ? 48 : 16;
+                    const int cb = (kt >> 2) * (Q5 ? Q5_K_BYTES : Q4_K_BYTES), cq = cb + HB + 32 * (kt & 3);
+                    const int r0 = wrow0 + oy * BR;
+                    mmw_expect(bar, (uint32_t)((XT ? S::B_BYTES : 0) + TM * (HB + 32)));
                     if (XT) mmw_tma(st + S::A_BYTES, xmap, kt * MMW_TK, xrow0 + t0, bar);
                     mmw_tma(st, wmh, cb, r0, bar);
-                    mmw_tma(st + TM * 16, wmq, cq, r0, bar);
+                    mmw_tma(st + TM * HB, wmq, cq, r0, bar);
                     if (SWIGLU) {
-                        mmw_tma(st + BR * 16, wmh2, cb, r0, bar);
-                        mmw_tma(st + TM * 16 + BR * 32, wmq2, cq, r0, bar);
+                        mmw_tma(st + BR * HB, wmh2, cb, r0, bar);
+                        mmw_tma(st + TM * HB + BR * 32, wmq2, cq, r0, bar);
                     }
                 }
             };
@@ -804,12 +796,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                         mmw_rs_row_q6k(st + ra * MMW_RS_Q6_QL, hb + ra * MMW_RS_Q6_HI, kt, t, 0, a);
                         mmw_rs_row_q6k(st + rb2 * MMW_RS_Q6_QL, hb + rb2 * MMW_RS_Q6_HI, kt, t, 1, a);
                     }
-                } else if constexpr (Q5) {
-                    mmw_rs_row<true>(st + ra * 48, st + TM * 48 + ra * 32, kt & 3, t, 0, a);
-                    mmw_rs_row<true>(st + rb2 * 48, st + TM * 48 + rb2 * 32, kt & 3, t, 1, a);
                 } else {
-                    mmw_rs_row(st + ra * 16, st + TM * 16 + ra * 32, kt & 3, t, 0, a);
-                    mmw_rs_row(st + rb2 * 16, st + TM * 16 + rb2 * 32, kt & 3, t, 1, a);
+                    constexpr uint32_t HB = Q5 ? 48 : 16;  // the producer's header bytes a row
+                    mmw_rs_row<Q5>(st + ra * HB, st + TM * HB + ra * 32, kt & 3, t, 0, a);
+                    mmw_rs_row<Q5>(st + rb2 * HB, st + TM * HB + rb2 * 32, kt & 3, t, 1, a);
                 }
             };
             // Step kt: its stage's copies waited for, A decoded into a (the other set may still
@@ -1133,10 +1123,14 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
 // one consumer warpgroup decodes its 64 rows' A fragments for 256 tokens (the decode per
 // FLOP of the producers' wide tile, without the producers' stores and fence), beside one
 // producer warpgroup (thread 0's tensor copies), so that its 128 accumulators and two A
-// register sets fit: 256 threads, up to 255 registers. Q4_K and Q8_0 weights (MMW_KERNEL1's and
-// MMW_SWIGLU1's parameters).
+// register sets fit: 256 threads, up to 255 registers. The RS types' weights and the mixed Q, K,
+// V below (MMW_KERNEL1's and MMW_SWIGLU1's parameters).
 #if MMW_RS
-#define MMW_RSW_KERNEL(name, TYPE)                                                                          \
+// MMW_RSW_KERNEL1: MMW_KERNEL1's grouped launch on this tile (weights 0 and 1 of type TA, weight
+// 2 of TB, each block the form of its weight's type). MMW_RSW_SEL: weight g's value of a, b, c in
+// the TA branch (`same`: TA == TB; otherwise only weights 0 and 1 come there).
+#define MMW_RSW_SEL(same, a, b, c) ((same) ? (g == 0 ? (a) : (g == 1 ? (b) : (c))) : (g == 0 ? (a) : (b)))
+#define MMW_RSW_KERNEL1(name, TA, TB)                                                                       \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(64, 1), 1) mmw_rsw_##name##_n256(           \
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
@@ -1144,11 +1138,17 @@ MMW_KERNEL(q6_k, GGML_Q6_K)
         float* __restrict__ out1, float* __restrict__ out2 MMW_XMAP_PARAM MMW_WMAP_PARAM) {                \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
-        mmw<TYPE, 64, 256, false, false, 1, false, 1>(                                                      \
-            g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
-            g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
-            y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, MMW_XMAP, 0, MMW_WMAP(g));                    \
-    }                                                                                                       \
+        if (TA == TB || g < 2)                                                                              \
+            mmw<TA, 64, 256, false, false, 1, false, 1>(                                                    \
+                MMW_RSW_SEL(TA == TB, W0, W1, W2), nullptr, MMW_RSW_SEL(TA == TB, rb0, rb1, rb2),            \
+                MMW_RSW_SEL(TA == TB, n0, n1, n2), n_in, xb, kp, rows, MMW_RSW_SEL(TA == TB, out0, out1, out2),\
+                y - MMW_RSW_SEL(TA == TB, 0, e1, e2), nullptr, 1, MMW_XMAP, 0, MMW_WMAP(g));                 \
+        else                                                                                                \
+            mmw<TB, 64, 256, false, false, 1, false, 1>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2,     \
+                                                        y - e2, nullptr, 1, MMW_XMAP, 0, MMW_WMAP(2));      \
+    }
+#define MMW_RSW_KERNEL(name, TYPE)                                                                          \
+    MMW_RSW_KERNEL1(name, TYPE, TYPE)                                                                       \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(64, 1), 1) mmw_rsw_swiglu_##name##_n256(    \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, int rows,                                                 \
@@ -1173,21 +1173,7 @@ MMW_RSW_KERNEL(q5_k, GGML_Q5_K)
 // tile (`mmw_q4_k_q6_k_n256`) took 55 µs a Qwen3-30B-A3B layer against the all-Q4_K layers'
 // `mmw_rsw_q4_k_n256` 35 (H100). mmw.rs smem() sizes the ring for both forms.
 #if MMW_RS_Q6
-extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(64, 1), 1) mmw_rsw_q4_k_q6_k_n256(
-    const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2, long long rb0,
-    long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in, const uint16_t* __restrict__ xb,
-    int kp, int rows, float* __restrict__ out0, float* __restrict__ out1,
-    float* __restrict__ out2 MMW_XMAP_PARAM MMW_WMAP_PARAM) {
-    PDL_ENTRY();
-    const int y = blockIdx.y, g = (y >= e1) + (y >= e2);
-    if (g < 2)
-        mmw<GGML_Q4_K, 64, 256, false, false, 1, false, 1>(g == 0 ? W0 : W1, nullptr, g == 0 ? rb0 : rb1,
-                                                           g == 0 ? n0 : n1, n_in, xb, kp, rows, g == 0 ? out0 : out1,
-                                                           y - (g == 0 ? 0 : e1), nullptr, 1, MMW_XMAP, 0, MMW_WMAP(g));
-    else
-        mmw<GGML_Q6_K, 64, 256, false, false, 1, false, 1>(W2, nullptr, rb2, n2, n_in, xb, kp, rows, out2, y - e2,
-                                                           nullptr, 1, MMW_XMAP, 0, MMW_WMAP(2));
-}
+MMW_RSW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K)
 #endif
 #endif
 // Mixed groups (weights 0, 1 of the first type, weight 2 of the second): Q4_K_M's Q, K, V.
