@@ -98,81 +98,45 @@ static void check_tile(bool swiglu, Decode decode, Want want, const char* label)
         if (seen[i] != 1 && bad++ < 10) printf("COVERAGE %s row %d col %d seen %d times\n", label, i / 64, i % 64, seen[i]);
 }
 
-int main() {
-    char label[96];
-    // Q4_K: a tile of random super-blocks, one 64-element group G a step.
-    std::vector<uint8_t> rows(TM * Q4_K_BYTES);
+// The Q4_K form, or with Q5 the Q5_K form: a tile of random super-blocks (random d, dmin, all
+// 64 scale and min values, every nibble; Q5_K also qh[32] after the header), the stage as its
+// producer's copies leave it (each row's first HB bytes, the header and Q5_K's qh, [128][HB], then
+// one group's quants [128][32]), against ggml's dequantize_row_q4_K / _q5_K: element 64 G + l
+// (l < 32) is quant byte 32 G + l's low nibble, element 64 G + 32 + l its high one, Q5_K's + 16
+// where bit 2G (2G + 1) of qh[l] is set, times d · sc minus dmin · m of sub-block 2G (2G + 1).
+template <bool Q5>
+static void check_kq(char* label, size_t label_len) {
+    const int SB = Q5 ? Q5_K_BYTES : Q4_K_BYTES, HB = Q5 ? 48 : 16;
+    const char* name = Q5 ? "q5_K" : "q4_K";
+    std::vector<uint8_t> rows(TM * SB);
     for (int trial = 0; trial < 8; trial++) {
         for (auto& b : rows) b = (uint8_t)rnd();
         for (int r = 0; r < TM; r++) {
             const uint16_t d = rnd_f16(), dmin = rnd_f16();
-            memcpy(&rows[r * Q4_K_BYTES], &d, 2);
-            memcpy(&rows[r * Q4_K_BYTES + 2], &dmin, 2);
+            memcpy(&rows[r * SB], &d, 2);
+            memcpy(&rows[r * SB + 2], &dmin, 2);
         }
         for (int swiglu = 0; swiglu < 2; swiglu++) {
             for (int G = 0; G < 4; G++) {
                 // The stage as the producers' copies leave it.
                 for (int r = 0; r < TM; r++) {
-                    memcpy(smem + r * 16, &rows[r * Q4_K_BYTES], 16);
-                    memcpy(smem + TM * 16 + r * 32, &rows[r * Q4_K_BYTES + 16 + 32 * G], 32);
+                    memcpy(smem + r * HB, &rows[r * SB], HB);
+                    memcpy(smem + TM * HB + r * 32, &rows[r * SB + HB + 32 * G], 32);
                 }
-                snprintf(label, sizeof label, "q4_K trial %d swiglu %d G %d", trial, swiglu, G);
+                snprintf(label, label_len, "%s trial %d swiglu %d G %d", name, trial, swiglu, G);
                 check_tile(
                     swiglu,
                     [&](int ra, int rb2, int t, uint32_t(&a)[16]) {
-                        mmw_rs_row(ra * 16, TM * 16 + ra * 32, G, t, 0, a);
-                        mmw_rs_row(rb2 * 16, TM * 16 + rb2 * 32, G, t, 1, a);
+                        mmw_rs_row<Q5>(ra * HB, TM * HB + ra * 32, G, t, 0, a);
+                        mmw_rs_row<Q5>(rb2 * HB, TM * HB + rb2 * 32, G, t, 1, a);
                     },
                     [&](int row, int col) {
                         // ggml: element 64 G + col of the super-block is sub-block j = 2 G +
-                        // col / 32, quant byte 32 G + col % 32's nibble.
-                        const uint8_t* b = &rows[row * Q4_K_BYTES];
-                        const int j = 2 * G + col / 32;
-                        const uint8_t qb = b[16 + 32 * G + col % 32];
-                        const int q = col < 32 ? qb & 15 : qb >> 4;
-                        int sc, m;
-                        scale_min(j, b + 4, sc, m);
-                        const float ds = h2f(b[0] | b[1] << 8) * (float)sc;
-                        const float dm = h2f(b[2] | b[3] << 8) * (float)m;
-                        return bf16_rn(fmaf((float)q, ds, -dm));
-                    },
-                    label);
-            }
-            printf("trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
-        }
-    }
-    // The Q5_K form (`mmw_rs_row<true>`): a tile of random super-blocks (176 bytes: d, dmin,
-    // scales, qh[32], qs[128]); the stage as its producer's copies leave it (each row's first 48
-    // bytes [128][48], then one group's quants [128][32]), against ggml's dequantize_row_q5_K:
-    // element 64 G + l (l < 32) is ql[32 G + l]'s low nibble + 16 if bit 2G of qh[l], element
-    // 64 G + 32 + l its high nibble + 16 if bit 2G + 1, times d · sc minus dmin · m of sub-block
-    // 2G (2G + 1).
-    std::vector<uint8_t> q5(TM * Q5_K_BYTES);
-    for (int trial = 0; trial < 8; trial++) {
-        for (auto& b : q5) b = (uint8_t)rnd();
-        for (int r = 0; r < TM; r++) {
-            const uint16_t d = rnd_f16(), dmin = rnd_f16();
-            memcpy(&q5[r * Q5_K_BYTES], &d, 2);
-            memcpy(&q5[r * Q5_K_BYTES + 2], &dmin, 2);
-        }
-        for (int swiglu = 0; swiglu < 2; swiglu++) {
-            for (int G = 0; G < 4; G++) {
-                for (int r = 0; r < TM; r++) {
-                    memcpy(smem + r * 48, &q5[r * Q5_K_BYTES], 48);
-                    memcpy(smem + TM * 48 + r * 32, &q5[r * Q5_K_BYTES + 48 + 32 * G], 32);
-                }
-                snprintf(label, sizeof label, "q5_K trial %d swiglu %d G %d", trial, swiglu, G);
-                check_tile(
-                    swiglu,
-                    [&](int ra, int rb2, int t, uint32_t(&a)[16]) {
-                        mmw_rs_row<true>(ra * 48, TM * 48 + ra * 32, G, t, 0, a);
-                        mmw_rs_row<true>(rb2 * 48, TM * 48 + rb2 * 32, G, t, 1, a);
-                    },
-                    [&](int row, int col) {
-                        const uint8_t* b = &q5[row * Q5_K_BYTES];
+                        // col / 32, quant byte 32 G + col % 32's nibble (+ 16 by qh's bit j).
+                        const uint8_t* b = &rows[row * SB];
                         const int j = 2 * G + col / 32, l = col % 32;
-                        const uint8_t qb = b[48 + 32 * G + l];
-                        const int q = (col < 32 ? qb & 15 : qb >> 4) + ((b[16 + l] >> j) & 1 ? 16 : 0);
+                        const uint8_t qb = b[HB + 32 * G + l];
+                        const int q = (col < 32 ? qb & 15 : qb >> 4) + (Q5 && (b[16 + l] >> j) & 1 ? 16 : 0);
                         int sc, m;
                         scale_min(j, b + 4, sc, m);
                         const float ds = h2f(b[0] | b[1] << 8) * (float)sc;
@@ -181,9 +145,17 @@ int main() {
                     },
                     label);
             }
-            printf("q5_K trial %d %s: %s\n", trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
+            printf("%s trial %d %s: %s\n", name, trial, swiglu ? "swiglu" : "plain", bad ? "FAIL" : "ok");
         }
     }
+}
+
+int main() {
+    char label[96];
+    // Q4_K, and Q5_K (`mmw_rs_row<true>`): a tile of random super-blocks, one 64-element group
+    // G a step.
+    check_kq<false>(label, sizeof label);
+    check_kq<true>(label, sizeof label);
     // The Q8_0 form: a step's two blocks (f16 d, 32 int8 quants each) a row, in 80-byte spans
     // as the producer copies them, from the 16-byte unit holding the blocks: at step kt they
     // sit mmw_rs_q80_off(kt) bytes into the span (kt = 0..3: offsets 0, 4, 8, 12; the rest
