@@ -668,7 +668,8 @@ pub fn qk_norm_rope(
         && head_dim.is_multiple_of(32)
         && head_dim <= 256;
     let hpw = if regs && q.rows >= QKR_HEADS_MIN_ROWS && qkr_heads() {
-        QKR_HREGS / head_dim.div_ceil(32).max(4).next_power_of_two()
+        // The kernel's registers a head (qkr_heads<NR>): 4 for heads of up to 128 elements, else 8.
+        QKR_HREGS / if head_dim <= 128 { 4 } else { 8 }
     } else {
         1
     };
