@@ -118,16 +118,31 @@ traced() {
     LD_LIBRARY_PATH="$KT_C/lib:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH=/tmp/libktrace.so TRACE_OUT="$t" "$@"
 }
 
-# Two rounds of tg128 on model file $3 with switch $1 at each value of $2 in turn (labelled
-# by $4); further arguments go to bench.
-ab_switch() { # VAR "values" model label [bench args...]
-    local var=$1 vals=$2 f=$3 label=$4 r v
-    shift 4
+# Two rounds of bench on model file $4 with switch $2 at each value of $3 in turn (labelled by
+# $5), printing the lines that match $1; further arguments go to bench.
+ab_runs() { # PATTERN VAR "values" model label [bench args...]
+    local pat=$1 var=$2 vals=$3 f=$4 label=$5 r v
+    shift 5
     for r in 1 2; do
         for v in $vals; do
-            echo "$label $var=$v $(env "$var=$v" $F bench --model "$f" --reps 2 "$@" 2>&1 | grep -E 'tg128|rror' | tr '\n' ' ')"
+            echo "$label $var=$v $(env "$var=$v" $F bench --model "$f" --reps 2 "$@" 2>&1 | grep -E "$pat" | tr -s ' ' | tr '\n' ' ')"
         done
     done
+}
+# tg128 (ab_switch) or pp512 with the prefill/decode gate of `gate_tokens` tokens (ab_pp, 16
+# generated tokens) in that A/B.
+ab_switch() { # VAR "values" model label [bench args...]
+    ab_runs 'tg128|rror' "$@"
+}
+ab_pp() { # VAR "values" model label [bench args...]
+    local var=$1 vals=$2 f=$3 label=$4
+    shift 4
+    ab_runs 'pp512|gate|rror' "$var" "$vals" "$f" "$label" --gen-tokens 16 --gate-tokens "$(gate_tokens "$label")" "$@"
+}
+# The prefill/decode gate's length for a preset (bench35's: MOE.md says why the Qwen3.5-35B-A3B
+# gate is 16 tokens on random weights).
+gate_tokens() { # preset (or a label starting with it)
+    case "$1" in qwen3.5-35b-a3b*) echo 16 ;; *) echo 32 ;; esac
 }
 
 for stage in "$@"; do
@@ -174,7 +189,7 @@ for stage in "$@"; do
         # and the 32-token gate with exact prefill (FERRITE_MMQ=1), not recorded.
         for p in qwen3.5-9b qwen3.5-35b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
-            g=32; [ $p = qwen3.5-35b-a3b ] && g=16
+            g=$(gate_tokens "$p")
             for d in 0 8192; do
                 $F bench --model "$f" --label $p --depth $d --prompt-tokens 512 --gate-tokens $g --reps 3 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -6
             done
@@ -234,7 +249,7 @@ for stage in "$@"; do
         $F check --device cuda --filter "batched causal_conv1d" 2>&1 | tee "$OUT/check-batch35.log" | tail -2
         for pq in qwen3.5-9b:Q4_K_M qwen3.5-35b-a3b:Q4_K_M; do
             f=$(synth "${pq%%:*}" "${pq##*:}" | tail -1)
-            g=32; [ "${pq%%:*}" = qwen3.5-35b-a3b ] && g=16  # MOE.md: its 32-token gate on random routers
+            g=$(gate_tokens "$pq")
             for n in 2 4 8 16; do
                 echo "$pq $($F bench --model "$f" --reps 2 --prompt-tokens 64 --gate-tokens $g --batch $n 2>&1 | grep -E "tg128|rror" | tr '\n' ' ')"
             done | tee -a "$OUT/batch35.txt"
@@ -271,15 +286,10 @@ for stage in "$@"; do
         echo "check moe [MOE=4]: $(FERRITE_MMW_MOE=4 $F check --device cuda --filter moe 2>&1 | tee "$OUT/check-moe4w.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/moe4w.log"
         for pq in qwen3-30b-a3b:Q4_K_M qwen3.5-35b-a3b:Q4_K_M; do
             p=${pq%%:*} q=${pq##*:}
-            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
             f=$(synth "$p" "$q" | tail -1)
-            for r in 1 2; do
-                for v in 3 4; do
-                    echo "$p FERRITE_MMW_MOE=$v $(FERRITE_MMW_MOE=$v $F bench --model "$f" --reps 2 --gen-tokens 16 --gate-tokens $g 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
-                done
-            done | tee -a "$OUT/moe4w.log"
+            ab_pp FERRITE_MMW_MOE "3 4" "$f" "$p" | tee -a "$OUT/moe4w.log"
             if [ "$p" = qwen3-30b-a3b ] && ktrace_build; then
-                FERRITE_MMW_MOE=4 traced /tmp/trace.txt $F bench --model "$f" --reps 1 --gate-tokens $g 2>&1 | grep -E "pp512|rror"
+                FERRITE_MMW_MOE=4 traced /tmp/trace.txt $F bench --model "$f" --reps 1 --gate-tokens "$(gate_tokens "$p")" 2>&1 | grep -E "pp512|rror"
                 python3 tools/h200/prefill_trace.py /tmp/trace.txt --top 8 | tee "$OUT/ptrace-moe4w.txt"
             fi
             rm -f "$f"
@@ -293,13 +303,8 @@ for stage in "$@"; do
         done
         for pq in ${GUXG_MODELS:-qwen3-30b-a3b:Q4_K_M}; do
             p=${pq%%:*} q=${pq##*:}
-            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
             f=$(synth "$p" "$q" | tail -1)
-            for r in 1 2; do
-                for v in ${GUXG_VALS:-0 1 3}; do
-                    echo "$p GU_XG=$v $(FERRITE_MMW_GU_XG=$v $F bench --model "$f" --reps 2 --gen-tokens 16 --gate-tokens $g 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
-                done
-            done | tee -a "$OUT/guxg.log"
+            ab_pp FERRITE_MMW_GU_XG "${GUXG_VALS:-0 1 3}" "$f" "$p" | tee -a "$OUT/guxg.log"
             rm -f "$f"
         done
         ;;
@@ -307,13 +312,8 @@ for stage in "$@"; do
         # The register-A form for Q5_K (FERRITE_MMW_RS_Q5; MATMUL.md round 91).
         echo "check matmul [RS_Q5]: $(FERRITE_MMW_RS_Q5=1 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-rsq5.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/rsq5.log"
         for p in qwen3.5-35b-a3b qwen3.5-9b; do
-            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
             f=$(synth "$p" Q4_K_M | tail -1)
-            for r in 1 2; do
-                for v in 0 1; do
-                    echo "$p RS_Q5=$v round $r: $(FERRITE_MMW_RS_Q5=$v $F bench --model "$f" --reps 2 --gen-tokens 16 --gate-tokens $g 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
-                done
-            done | tee -a "$OUT/rsq5.log"
+            ab_pp FERRITE_MMW_RS_Q5 "0 1" "$f" "$p" | tee -a "$OUT/rsq5.log"
             rm -f "$f"
         done
         ;;
@@ -324,11 +324,7 @@ for stage in "$@"; do
         # Qwen3-8B Q4_K_M (V and half the downs Q6_K) off / on, two rounds.
         echo "check matmul [RS_Q6]: $(FERRITE_MMW_RS_Q6=1 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-rsq6.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/rsq6.log"
         f=$(synth qwen3-8b Q4_K_M | tail -1)
-        for r in 1 2; do
-            for v in 0 1; do
-                echo "RS_Q6=$v round $r: $(FERRITE_MMW_RS_Q6=$v $F bench --model "$f" --reps 2 --gen-tokens 16 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
-            done
-        done | tee -a "$OUT/rsq6.log"
+        ab_pp FERRITE_MMW_RS_Q6 "0 1" "$f" qwen3-8b | tee -a "$OUT/rsq6.log"
         rm -f "$f"
         ;;
     bound)
@@ -399,8 +395,7 @@ for stage in "$@"; do
         for pq in ${TRACE_MODELS:-qwen3-30b-a3b:Q4_K_M}; do
             p=${pq%%:*} q=${pq##*:}
             f=$(synth "$p" "$q" | tail -1)
-            g=32; [ "$p" = qwen3.5-35b-a3b ] && g=16 # bench35's gate length (MOE.md says why)
-            traced /tmp/trace.txt $F bench --model "$f" --reps 1 --gate-tokens $g 2>&1 | grep -E "pp512|rror"
+            traced /tmp/trace.txt $F bench --model "$f" --reps 1 --gate-tokens "$(gate_tokens "$p")" 2>&1 | grep -E "pp512|rror"
             python3 tools/h200/prefill_trace.py /tmp/trace.txt --top 20 | tee "$OUT/ptrace-$p-$q.txt"
             rm -f "$f"
         done
