@@ -1133,6 +1133,17 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 }
             }
         }
+        // The TA form's 128 × 256 tile (FERRITE_MMW_TA_TILE=2: its grid of 2 × 96 blocks
+        // fills the SMs) with a partial last output tile (12200 = 95 × 128 + 40) and a partial
+        // token tile (300 = 256 + 44).
+        for ty in [GgmlType::F16, GgmlType::BF16] {
+            add(Op::Matmul {
+                ty,
+                n_in: 4096,
+                n_out: 12200,
+                rows: 300,
+            });
+        }
         for ty in [GgmlType::Q5K, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32] {
             for rows in [1, 9, 64] {
                 add(Op::Matmul {

@@ -127,6 +127,39 @@ pub(crate) fn ta() -> bool {
     *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA", 1) != 0)
 }
 
+/// `FERRITE_MMW_TA_TILE` (read once; default 2): the TA form's tiles. 0: the quantized
+/// launches' rule (the 64 × 256 tile on full grids of long prefills); 1: only the 128-output
+/// tiles (128 × 128, 128 × 64); 2: as 1, but the 128 × 256 tile (`mmw_ta_*_w`, two consumer
+/// warpgroups of m64n256) where its grid fills the SMs at least once (MATMUL.md round 92).
+fn ta_tile_mode() -> i64 {
+    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_TILE", 2))
+}
+
+/// The TA form's 128 × 256 tile (outputs × tokens) and its block: two consumer warpgroups
+/// and one producer warp (mmw.cu MMW_THREADS_P(128, 0)).
+const TA_WIDE: (usize, usize) = (128, 256);
+const TA_WIDE_THREADS: u32 = threads_p(128, 0);
+
+/// A TA launch's tile: `Ok(ti)` an index in [`TILES`], `Err(())` the [`TA_WIDE`] tile.
+fn ta_tile(rows: usize, n_total: usize, sm_count: usize) -> std::result::Result<usize, ()> {
+    match ta_tile_mode() {
+        0 => Ok(tile_index(rows, n_total, sm_count)),
+        m => {
+            let wide = m == 2
+                && rows > 128
+                && rows.div_ceil(TA_WIDE.1) * n_total.div_ceil(TA_WIDE.0) >= sm_count.max(1);
+            if wide {
+                Err(())
+            } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
+                Ok(0)
+            } else {
+                Ok(1)
+            }
+        }
+    }
+}
+
 /// `FERRITE_MMW_RSW` (read once; default 1; only with [`rs`]): Q4_K launches on the 64 × 256
 /// tile take the register-A form too (`mmw_rsw_*`: one consumer warpgroup decoding its 64 rows
 /// for 256 tokens beside one producer warpgroup; MATMUL.md rounds 85–86: Qwen3-8B Q4_K_M
@@ -506,6 +539,8 @@ pub struct Kernels {
     /// `mmw_ta_<type>_n<BN>` and `mmw_ta_swiglu_<type>_n<BN>` of each of [`TA_TYPES`]; empty
     /// unless `FERRITE_MMW_TA` is on.
     ta: Vec<(Tiles, Tiles)>,
+    /// `mmw_ta_<type>_w` and `mmw_ta_swiglu_<type>_w`, the [`TA_WIDE`] tile, likewise.
+    ta_w: Vec<(CudaFunction, CudaFunction)>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
@@ -527,6 +562,7 @@ impl Kernels {
             moe: Vec::new(),
             moe_tile: moe_form(1).1,
             ta: Vec::new(),
+            ta_w: Vec::new(),
             x_f16: None,
             x_gather: None,
             rsw: None,
@@ -617,6 +653,20 @@ impl Kernels {
                         Ok((
                             tiles(&format!("ta_{n}"))?,
                             tiles(&format!("ta_swiglu_{n}"))?,
+                        ))
+                    })
+                    .collect::<Result<_>>()?
+            } else {
+                Vec::new()
+            },
+            ta_w: if ta() {
+                let bytes = ring_smem(TA_WIDE.0, TA_WIDE.1, 224 * 1024);
+                TA_TYPES
+                    .iter()
+                    .map(|(_, n)| {
+                        Ok((
+                            with_smem(format!("mmw_ta_{n}_w"), bytes)?,
+                            with_smem(format!("mmw_ta_swiglu_{n}_w"), bytes)?,
                         ))
                     })
                     .collect::<Result<_>>()?
@@ -754,7 +804,7 @@ pub fn matmuls(
     with_x(be, x, ta, |xb, kp| {
         if let Some(t) = ta {
             for (wg, og) in ws.chunks(3).zip(outs.chunks_mut(3)) {
-                launch(be, xb, kp, x.rows, wg, &be.mmw.ta[t].0, og, true)?;
+                launch(be, xb, kp, x.rows, wg, &be.mmw.ta[t].0, og, Some(t))?;
             }
             return Ok(());
         }
@@ -790,7 +840,7 @@ pub fn matmuls(
                 &ws[i..j],
                 kernels,
                 &mut outs[i..j],
-                false,
+                None,
             )?;
             i = j;
         }
@@ -829,9 +879,19 @@ pub fn matmul_swiglu(
     );
     // The tile rule counts gate and up rows together (2 n_out), as the grouped launch would;
     // a block covers tm / 2 outputs.
-    let ti_tile = tile_index(rows, 2 * n_out, be.sm_count);
-    let mut cfg = config(rows, ti_tile, n_out.div_ceil(TILES[ti_tile].0 / 2))?;
     let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
+    // The TA form's own tile rule; its 128 × 256 tile as `wide` (grid and block set below).
+    let (ti_tile, wide) = match ta.map(|_| ta_tile(rows, 2 * n_out, be.sm_count)) {
+        Some(Err(())) => (0, true),
+        Some(Ok(ti)) => (ti, false),
+        None => (tile_index(rows, 2 * n_out, be.sm_count), false),
+    };
+    let (tm, bn) = if wide { TA_WIDE } else { TILES[ti_tile] };
+    let mut cfg = if wide {
+        wide_config(rows, n_out.div_ceil(tm / 2))?
+    } else {
+        config(rows, ti_tile, n_out.div_ceil(tm / 2))?
+    };
     // Q4_K on the wide tile under FERRITE_MMW_RSW: the register-A form's kernel.
     let rsw = be
         .mmw
@@ -847,9 +907,10 @@ pub fn matmul_swiglu(
         let (rb_i, n_out_i, n_in_i, kp_i, rows_i) =
             (rb as i64, n_out as i32, n_in as i32, kp as i32, rows as i32);
         let map = (xtma() || ta.is_some())
-            .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
+            .then(|| x_map(be, xb, rows, kp, bn))
             .transpose()?;
         let kernel = match (ta, rsw) {
+            (Some(t), _) if wide => &be.mmw.ta_w[t].1,
             (Some(t), _) => &be.mmw.ta[t].1[ti_tile],
             (None, Some(k)) => k,
             (None, None) => &be.mmw.swiglu[ti][ti_tile],
@@ -870,7 +931,7 @@ pub fn matmul_swiglu(
         }
         // The RS kernels' weight maps: gate's and up's, boxes of a tile's tm / 2 rows; the TA
         // kernels' likewise, one a weight.
-        let box_rows = TILES[ti_tile].0 / 2;
+        let box_rows = tm / 2;
         let wm = if rs() && ta.is_none() {
             Some((
                 w_maps(be, gate, box_rows, false)?,
@@ -921,6 +982,20 @@ fn check_weight(w: &CudaWeight) -> Result<()> {
     Ok(())
 }
 
+/// The launch shape of the TA form's [`TA_WIDE`] tile over `rows` tokens and `out_tiles`
+/// output tiles.
+fn wide_config(rows: usize, out_tiles: usize) -> Result<LaunchConfig> {
+    ensure!(
+        out_tiles <= 65535,
+        "mmw: {out_tiles} output tiles exceed the grid limit"
+    );
+    Ok(LaunchConfig {
+        grid_dim: (rows.div_ceil(TA_WIDE.1) as u32, out_tiles as u32, 1),
+        block_dim: (TA_WIDE_THREADS, 1, 1),
+        shared_mem_bytes: ring_smem(TA_WIDE.0, TA_WIDE.1, 224 * 1024) as u32,
+    })
+}
+
 /// The launch shape of tile `ti_tile` over `rows` tokens and `out_tiles` output tiles.
 fn config(rows: usize, ti_tile: usize, out_tiles: usize) -> Result<LaunchConfig> {
     let (tm, bn) = TILES[ti_tile];
@@ -946,9 +1021,10 @@ fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
     }
 }
 
-/// One launch of a `kernels` family (`mmw_<type>_n<BN>`, a [`MIXED`] one, or with `ta` a
-/// `mmw_ta_<type>_n<BN>`) on the x in `xb` (`rows` rows of `kp`; bf16, or f16 for the TA
-/// form's F16) for 1–3 weights (one grid over their output tiles in order).
+/// One launch of a `kernels` family (`mmw_<type>_n<BN>`, a [`MIXED`] one, or with `ta` (the
+/// index in [`TA_TYPES`]) a `mmw_ta_<type>_n<BN>`, or its [`TA_WIDE`] `mmw_ta_<type>_w` where
+/// [`ta_tile`] picks it) on the x in `xb` (`rows` rows of `kp`; bf16, or f16 for the TA form's
+/// F16) for 1–3 weights (one grid over their output tiles in order).
 #[allow(clippy::too_many_arguments)]
 fn launch(
     be: &CudaBackend,
@@ -958,8 +1034,9 @@ fn launch(
     ws: &[&CudaWeight],
     kernels: &Tiles,
     outs: &mut [&mut Act<CudaSlice<f32>>],
-    ta: bool,
+    ta_t: Option<usize>,
 ) -> Result<()> {
+    let ta = ta_t.is_some();
     ensure!(
         (1..=3).contains(&ws.len()) && ws.len() == outs.len(),
         "mmw: a group of {} weights",
@@ -1006,14 +1083,27 @@ fn launch(
         rbs[g] = rbs[0];
         op[g] = op[0];
     }
-    let ti_tile = tile_index(rows, n_total, be.sm_count);
-    let tiles = ns.map(|n| (n as usize).div_ceil(TILES[ti_tile].0));
+    // The TA form's own tile rule; its 128 × 256 tile as `wide`.
+    let (ti_tile, wide) = match ta_t.map(|_| ta_tile(rows, n_total, be.sm_count)) {
+        Some(Err(())) => (0, true),
+        Some(Ok(ti)) => (ti, false),
+        None => (tile_index(rows, n_total, be.sm_count), false),
+    };
+    let (tm, bn) = if wide { TA_WIDE } else { TILES[ti_tile] };
+    let tiles = ns.map(|n| (n as usize).div_ceil(tm));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
-    let mut cfg = config(rows, ti_tile, e2 + tiles[2])?;
+    let mut cfg = if wide {
+        wide_config(rows, e2 + tiles[2])?
+    } else {
+        config(rows, ti_tile, e2 + tiles[2])?
+    };
     // On the wide tile, the register-A form's kernel where there is one: `mmw_rsw_<type>` for a
     // group of one RS type (FERRITE_MMW_RSW), `mmw_rsw_q4_k_q6_k` for the mixed Q, K, V (each
     // block the form of its weight's type).
-    let mut kernel = &kernels[ti_tile];
+    let mut kernel = match ta_t {
+        Some(t) if wide => &be.mmw.ta_w[t].0,
+        _ => &kernels[ti_tile],
+    };
     if ti_tile == 2 && !ta {
         let rs_kernel = if ws.iter().all(|w| w.dtype == ws[0].dtype) {
             be.mmw
@@ -1037,7 +1127,7 @@ fn launch(
     let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
         (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
     let map = (xtma() || ta)
-        .then(|| x_map(be, xb, rows, kp, TILES[ti_tile].1))
+        .then(|| x_map(be, xb, rows, kp, bn))
         .transpose()?;
     let mut launch = be.stream.kernel(kernel);
     launch
@@ -1066,7 +1156,7 @@ fn launch(
     // never read).
     let wm = if rs() && !ta {
         (0..3)
-            .map(|g| w_maps(be, ws[g.min(ws.len() - 1)], TILES[ti_tile].0, false))
+            .map(|g| w_maps(be, ws[g.min(ws.len() - 1)], tm, false))
             .collect::<Result<Vec<_>>>()?
     } else {
         Vec::new()
@@ -1077,7 +1167,7 @@ fn launch(
     // The TA kernels' weight maps, boxes of the tile's rows (absent weights: as above).
     let am = if ta {
         (0..3)
-            .map(|g| a16_map(be, ws[g.min(ws.len() - 1)], TILES[ti_tile].0))
+            .map(|g| a16_map(be, ws[g.min(ws.len() - 1)], tm))
             .collect::<Result<Vec<_>>>()?
     } else {
         Vec::new()
@@ -1451,5 +1541,22 @@ mod tests {
         assert!(!wide_tile(512, 1024, 132));
         assert!(!wide_tile(128, 12288, 132));
         assert!(wide_tile(129, 12288, 132));
+    }
+
+    #[test]
+    fn ta_wide_tile_where_its_grid_fills_the_sms() {
+        if ta_tile_mode() != 2 {
+            return; // FERRITE_MMW_TA_TILE set in the environment: another rule
+        }
+        // Qwen3-8B F16 at 512 rows on 132 SMs: the fused gate/up (2 × 12288 rows, 2 × 192
+        // blocks) and a 12288-output weight (2 × 96) take the 128 × 256 tile; Q, K, V
+        // grouped (6144: 2 × 48) and O or down (4096: 2 × 32) the 128-output ones; ≤ 128
+        // rows never.
+        assert_eq!(ta_tile(512, 24576, 132), Err(()));
+        assert_eq!(ta_tile(512, 12288, 132), Err(()));
+        assert!(ta_tile(512, 6144, 132).is_ok());
+        assert!(ta_tile(512, 4096, 132).is_ok());
+        assert!(ta_tile(128, 1 << 20, 132).is_ok());
+        assert_eq!(ta_tile(300, 12200, 132), Err(()));
     }
 }

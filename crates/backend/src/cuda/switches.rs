@@ -105,6 +105,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill: 1 (default) F16 and BF16 weights on the mmw_ta kernels (weight and x tiles by tensor copies as stored, no producer decode; F16 with f16 x), 0 the producers' bf16 path (MATMUL.md round 84)",
     ),
     (
+        "FERRITE_MMW_TA_TILE",
+        Accepts::OneOf(&[0, 1, 2]),
+        "wgmma prefill, the TA form's tiles: 0 the quantized launches' rule (64x256 on full grids), 1 only the 128-output tiles, 2 (default) as 1 with the 128x256 tile (two m64n256 consumer warpgroups) where its grid fills the SMs (MATMUL.md round 92)",
+    ),
+    (
         "FERRITE_MMW_XTMA",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill: 1 (default; always with FERRITE_MMW_RS=1) the x tiles of the dense launches and the MoE downs by one 2-D tensor copy (TMA) a step, 0 the producers' cp.async (MATMUL.md round 82)",

@@ -525,7 +525,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // XT: x by tensor copies (MMW_XTMA; the gate/up's only under MMW_GU_XT, its map then over
     // the rows gathered in list order), on the stages' mbarriers after the ring (x row xrow0 + t
     // of the map is the tile's token t).
-    static_assert(P == MMW_PRODUCERS || RS, "mmw: one producer warpgroup or warp is the RS forms'");
+    static_assert(P == MMW_PRODUCERS || RS || TA, "mmw: one producer warpgroup or warp is the RS and TA forms'");
     constexpr bool XT = (MMW_XTMA || RS || TA) && (!(MOE && SWIGLU) || MMW_GU_XT);
     static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
     constexpr bool H = TA && TYPE == GGML_F16;  // f16 operands
@@ -584,7 +584,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             for (int kt = 0; kt < nk; kt++) {
                 const int s = kt % MMW_STAGES;
                 if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
-                if (tid == 0) {
+                if (ptid == 0) {
                     const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
                     const int k = kt * MMW_TK, r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)S::STAGE);
@@ -1215,13 +1215,43 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
         mmw<TYPE, TM, BN, true, false, 1, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y,     \
                                                 nullptr, 1, &xmap, 0, &wg, nullptr, &wu);                   \
     }
+// The 128 × 256 tile (`mmw_ta_*_w`; MATMUL.md round 92): two consumer warpgroups of m64n256
+// (128 accumulators a thread) and one producer warp (P = 0: 288 threads, a ceiling of 224
+// registers), four 48 KB stages. A step's 48 KB of copies feed 1,024 tensor-core cycles
+// against the 32 KB a 512 of the 128 × 128 tile and the 40 KB a 512 of the 64 × 256 one.
+#define MMW_TA_KERNEL1W(name, TYPE)                                                                         \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(128, 0), 1) mmw_ta_##name##_w(              \
+        const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
+        long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
+        float* __restrict__ out1, float* __restrict__ out2, const __grid_constant__ MmwTmap xmap,           \
+        const __grid_constant__ MmwTmap wm0, const __grid_constant__ MmwTmap wm1,                          \
+        const __grid_constant__ MmwTmap wm2) {                                                             \
+        PDL_ENTRY();                                                                                        \
+        const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
+        mmw<TYPE, 128, 256, false, false, 1, true, 0>(                                                      \
+            g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
+            g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
+            y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, &xmap, 0,                                    \
+            g == 0 ? &wm0 : (g == 1 ? &wm1 : &wm2));                                                        \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(128, 0), 1) mmw_ta_swiglu_##name##_w(       \
+        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out,                        \
+        const __grid_constant__ MmwTmap xmap, const __grid_constant__ MmwTmap wg,                          \
+        const __grid_constant__ MmwTmap wu) {                                                              \
+        PDL_ENTRY();                                                                                        \
+        mmw<TYPE, 128, 256, true, false, 1, true, 0>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, \
+                                                     nullptr, 1, &xmap, 0, &wg, nullptr, &wu);              \
+    }
 #define MMW_TA_KERNEL(name, TYPE)                                                                           \
     MMW_TA_KERNEL1(name, TYPE, 128, 128)                                                                    \
     MMW_TA_KERNEL1(name, TYPE, 128, 64)                                                                     \
     MMW_TA_KERNEL1(name, TYPE, 64, 256)                                                                     \
     MMW_TA_SWIGLU1(name, TYPE, 128, 128)                                                                    \
     MMW_TA_SWIGLU1(name, TYPE, 128, 64)                                                                     \
-    MMW_TA_SWIGLU1(name, TYPE, 64, 256)
+    MMW_TA_SWIGLU1(name, TYPE, 64, 256)                                                                     \
+    MMW_TA_KERNEL1W(name, TYPE)
 MMW_TA_KERNEL(f16, GGML_F16)
 MMW_TA_KERNEL(bf16, GGML_BF16)
 
