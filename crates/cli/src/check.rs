@@ -1236,6 +1236,23 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
     }
+    // A prefill's three 16-bit weights in one TA launch (the 128 × 256 tile with K in two
+    // parts under FERRITE_MMW_TA_TILE=3: each output zeroed, then both parts added), each of
+    // the last two outputs checked.
+    if !quick {
+        for ty in [GgmlType::F16, GgmlType::BF16] {
+            for check_v in [false, true] {
+                add(Op::Matmuls {
+                    ty,
+                    n_in: 4096,
+                    n_out: 1024,
+                    rows: 512,
+                    v: Some(ty),
+                    check_v,
+                });
+            }
+        }
+    }
     // Q, K (Q4_K) and V (Q6_K) as the Q4_K_M mix stores them: one mixed-type launch; both
     // outputs after the first weight's are checked (the segment boundaries differ per type).
     // Rows 17, 64 and 300: the prefill matmul's mixed launch (wgmma on sm_90a), its 128- and

@@ -130,7 +130,9 @@ pub(crate) fn ta() -> bool {
 /// `FERRITE_MMW_TA_TILE` (read once; default 2): the TA form's tiles. 0: the quantized
 /// launches' rule (the 64 × 256 tile on full grids of long prefills); 1: only the 128-output
 /// tiles (128 × 128, 128 × 64); 2: as 1, but the 128 × 256 tile (`mmw_ta_*_w`, two consumer
-/// warpgroups of m64n256) where its grid fills the SMs at least once (MATMUL.md round 92).
+/// warpgroups of m64n256) where its grid fills the SMs at least once (MATMUL.md round 92); 3:
+/// as 2, and the plain launches whose 128 × 256 grid does not fill the SMs on that tile too,
+/// their K split in two (each half's sums added into the zeroed output; MATMUL.md round 93).
 fn ta_tile_mode() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_TILE", 2))
@@ -141,24 +143,35 @@ fn ta_tile_mode() -> i64 {
 const TA_WIDE: (usize, usize) = (128, 256);
 const TA_WIDE_THREADS: u32 = threads_p(128, 0);
 
-/// A TA launch's tile: `Ok(ti)` an index in [`TILES`], `Err(())` the [`TA_WIDE`] tile.
-fn ta_tile(rows: usize, n_total: usize, sm_count: usize) -> std::result::Result<usize, ()> {
-    match ta_tile_mode() {
-        0 => Ok(tile_index(rows, n_total, sm_count)),
-        m => {
-            let wide = m == 2
-                && rows > 128
-                && rows.div_ceil(TA_WIDE.1) * n_total.div_ceil(TA_WIDE.0) >= sm_count.max(1);
-            if wide {
-                Err(())
-            } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
-                Ok(0)
-            } else {
-                Ok(1)
-            }
-        }
+/// A TA launch's tile: `Ok(ti)` an index in [`TILES`], `Err(parts)` the [`TA_WIDE`] tile with
+/// K in `parts` (1, or 2 where `may_split`: a launch without the SwiGLU of at least
+/// [`TA_SPLIT_MIN_STEPS`] K steps of 64).
+fn ta_tile(
+    rows: usize,
+    n_total: usize,
+    n_in: usize,
+    sm_count: usize,
+    may_split: bool,
+) -> std::result::Result<usize, u32> {
+    let mode = ta_tile_mode();
+    if mode == 0 {
+        return Ok(tile_index(rows, n_total, sm_count));
+    }
+    let blocks = rows.div_ceil(TA_WIDE.1) * n_total.div_ceil(TA_WIDE.0);
+    if mode >= 2 && rows > 128 && blocks >= sm_count.max(1) {
+        Err(1)
+    } else if mode >= 3 && rows > 128 && may_split && n_in.div_ceil(TK) >= TA_SPLIT_MIN_STEPS {
+        Err(2)
+    } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
+        Ok(0)
+    } else {
+        Ok(1)
     }
 }
+
+/// K steps of 64 a launch needs before [`ta_tile`] splits it (each part then at least 8 steps,
+/// twice the ring's four stages).
+const TA_SPLIT_MIN_STEPS: usize = 16;
 
 /// `FERRITE_MMW_RSW` (read once; default 1; only with [`rs`]): Q4_K launches on the 64 × 256
 /// tile take the register-A form too (`mmw_rsw_*`: one consumer warpgroup decoding its 64 rows
@@ -881,8 +894,8 @@ pub fn matmul_swiglu(
     // a block covers tm / 2 outputs.
     let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
     // The TA form's own tile rule; its 128 × 256 tile as `wide` (grid and block set below).
-    let (ti_tile, wide) = match ta.map(|_| ta_tile(rows, 2 * n_out, be.sm_count)) {
-        Some(Err(())) => (0, true),
+    let (ti_tile, wide) = match ta.map(|_| ta_tile(rows, 2 * n_out, n_in, be.sm_count, false)) {
+        Some(Err(_)) => (0, true),
         Some(Ok(ti)) => (ti, false),
         None => (tile_index(rows, 2 * n_out, be.sm_count), false),
     };
@@ -1084,10 +1097,11 @@ fn launch(
         op[g] = op[0];
     }
     // The TA form's own tile rule; its 128 × 256 tile as `wide`.
-    let (ti_tile, wide) = match ta_t.map(|_| ta_tile(rows, n_total, be.sm_count)) {
-        Some(Err(())) => (0, true),
-        Some(Ok(ti)) => (ti, false),
-        None => (tile_index(rows, n_total, be.sm_count), false),
+    let (ti_tile, wide, parts) = match ta_t.map(|_| ta_tile(rows, n_total, n_in, be.sm_count, true))
+    {
+        Some(Err(parts)) => (0, true, parts),
+        Some(Ok(ti)) => (ti, false, 1),
+        None => (tile_index(rows, n_total, be.sm_count), false, 1),
     };
     let (tm, bn) = if wide { TA_WIDE } else { TILES[ti_tile] };
     let tiles = ns.map(|n| (n as usize).div_ceil(tm));
@@ -1097,6 +1111,14 @@ fn launch(
     } else {
         config(rows, ti_tile, e2 + tiles[2])?
     };
+    if parts > 1 {
+        // The parts add into the outputs (mmw.cu SPLITK): zero them first.
+        cfg.grid_dim.2 = parts;
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            let n = rows * w.shape[0];
+            be.stream.memset_zeros(&mut out.buf.slice_mut(0..n))?;
+        }
+    }
     // On the wide tile, the register-A form's kernel where there is one: `mmw_rsw_<type>` for a
     // group of one RS type (FERRITE_MMW_RSW), `mmw_rsw_q4_k_q6_k` for the mixed Q, K, V (each
     // block the form of its weight's type).
@@ -1545,18 +1567,28 @@ mod tests {
 
     #[test]
     fn ta_wide_tile_where_its_grid_fills_the_sms() {
-        if ta_tile_mode() != 2 {
+        let mode = ta_tile_mode();
+        if mode < 2 {
             return; // FERRITE_MMW_TA_TILE set in the environment: another rule
         }
         // Qwen3-8B F16 at 512 rows on 132 SMs: the fused gate/up (2 × 12288 rows, 2 × 192
         // blocks) and a 12288-output weight (2 × 96) take the 128 × 256 tile; Q, K, V
-        // grouped (6144: 2 × 48) and O or down (4096: 2 × 32) the 128-output ones; ≤ 128
-        // rows never.
-        assert_eq!(ta_tile(512, 24576, 132), Err(()));
-        assert_eq!(ta_tile(512, 12288, 132), Err(()));
-        assert!(ta_tile(512, 6144, 132).is_ok());
-        assert!(ta_tile(512, 4096, 132).is_ok());
-        assert!(ta_tile(128, 1 << 20, 132).is_ok());
-        assert_eq!(ta_tile(300, 12200, 132), Err(()));
+        // grouped (6144: 2 × 48) and O or down (4096: 2 × 32) the 128-output ones under mode
+        // 2, the wide one with K in two parts under 3 (never the SwiGLU); ≤ 128 rows never.
+        assert_eq!(ta_tile(512, 24576, 4096, 132, false), Err(1));
+        assert_eq!(ta_tile(512, 12288, 4096, 132, true), Err(1));
+        assert_eq!(ta_tile(300, 12200, 4096, 132, true), Err(1));
+        assert!(ta_tile(128, 1 << 20, 4096, 132, true).is_ok());
+        assert!(ta_tile(512, 4096, 4096, 132, false).is_ok());
+        for (n_out, n_in) in [(6144, 4096), (4096, 4096), (4096, 12288)] {
+            let t = ta_tile(512, n_out, n_in, 132, true);
+            if mode == 3 {
+                assert_eq!(t, Err(2));
+            } else {
+                assert!(t.is_ok());
+            }
+        }
+        // Too few K steps to split.
+        assert!(ta_tile(512, 4096, 512, 132, true).is_ok());
     }
 }

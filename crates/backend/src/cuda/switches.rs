@@ -106,8 +106,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_TA_TILE",
-        Accepts::OneOf(&[0, 1, 2]),
-        "wgmma prefill, the TA form's tiles: 0 the quantized launches' rule (64x256 on full grids), 1 only the 128-output tiles, 2 (default) as 1 with the 128x256 tile (two m64n256 consumer warpgroups) where its grid fills the SMs (MATMUL.md round 92)",
+        Accepts::OneOf(&[0, 1, 2, 3]),
+        "wgmma prefill, the TA form's tiles: 0 the quantized launches' rule (64x256 on full grids), 1 only the 128-output tiles, 2 (default) as 1 with the 128x256 tile (two m64n256 consumer warpgroups) where its grid fills the SMs (MATMUL.md round 92), 3 as 2 with the other plain launches on the 128x256 tile too, K in two parts added into the zeroed output (round 93)",
     ),
     (
         "FERRITE_MMW_XTMA",

@@ -519,7 +519,14 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // P = 0: consumer warpgroups 0 .. TM / 64 - 1, then the producer warp.
     const bool producer = P ? wgi < P : tid >= 2 * TM;
     const int t0 = MOE ? 0 : blockIdx.x * BN;
-    const int nk = kp / MMW_TK;
+    // TA split over K (mmw.rs `TaTile::Wide` with a split; not the SwiGLU): gridDim.z blocks
+    // share a tile, block z taking K steps kt0 .. kt0 + nk and adding its sums into the zeroed
+    // output. Two parts: 0 + a + b is a + b in either order, so the result does not depend on
+    // which block adds first.
+    constexpr bool SPLITK = TA && !SWIGLU;
+    const int nk_all = kp / MMW_TK;
+    const int kt0 = SPLITK ? (int)((long long)nk_all * blockIdx.z / gridDim.z) : 0;
+    const int nk = SPLITK ? (int)((long long)nk_all * (blockIdx.z + 1) / gridDim.z) - kt0 : nk_all;
     // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
     const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
     // XT: x by tensor copies (MMW_XTMA; the gate/up's only under MMW_GU_XT, its map then over
@@ -586,7 +593,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
                 if (ptid == 0) {
                     const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
-                    const int k = kt * MMW_TK, r0 = wrow0 + oy * BR;
+                    const int k = (kt0 + kt) * MMW_TK, r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)S::STAGE);
                     mmw_tma(st + S::A_BYTES, xmap, k, xrow0 + t0, bar);
                     mmw_tma(st, wmh, k, r0, bar);
@@ -916,7 +923,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             continue;
         }
         float* dst = out + orow * n_out + o;
-        if (vec && o + 3 < n_out) {
+        if (SPLITK && gridDim.z > 1) {
+            // One part of the sum: added (red.global.add) into the zeroed output.
+            const float vs[4] = {v.x, v.y, v.z, v.w};
+            for (int k = 0; k < 4 && o + k < n_out; k++) atomicAdd(dst + k, vs[k]);
+        } else if (vec && o + 3 < n_out) {
             *reinterpret_cast<float4*>(dst) = v;
         } else {
             const float vs[4] = {v.x, v.y, v.z, v.w};
