@@ -215,6 +215,14 @@ pub(crate) fn rs_q5() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q5", 0) != 0)
 }
 
+/// `FERRITE_MMW_TSHIFT` (read once; default 0): a dense launch's last token tile, where the
+/// rows end inside it, read from a tile's length before the end (mmw.cu MMW_TSHIFT: its x box
+/// inside the map, no zero fill by the tensor copy; MATMUL.md round 93).
+pub(crate) fn tshift() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TSHIFT", 0) != 0)
+}
+
 /// Whether a MoE prefill's gate/up writes h as the bf16 rows the down reads: where ffn is a
 /// whole number of K steps (the rows are then the down's x scratch rows) and
 /// `FERRITE_MOE_H_BF16` (read once) is 1, the default; else h is f32, converted before the down.

@@ -197,6 +197,9 @@ pub fn full_source(name: &str, src: &str) -> String {
         if mmw::gu_xg() != 0 {
             defs += &format!("#define MMW_GU_XG {}\n", mmw::gu_xg());
         }
+        if mmw::tshift() {
+            defs += "#define MMW_TSHIFT 1\n";
+        }
         let gu_lead = mmw::gu_lead();
         if gu_lead != 0 {
             defs += &format!("#define MMW_GU_LEAD {gu_lead}\n");

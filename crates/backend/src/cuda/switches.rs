@@ -110,6 +110,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill, the TA form's tiles: 0 the quantized launches' rule (64x256 on full grids), 1 only the 128-output tiles, 2 (default) as 1 with the 128x256 tile (two m64n256 consumer warpgroups) where its grid fills the SMs (MATMUL.md round 92), 3 as 2 with the other plain launches on the 128x256 tile too, K in two parts added into the zeroed output (round 93)",
     ),
     (
+        "FERRITE_MMW_TSHIFT",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill: 1 a dense launch's last token tile, where the rows end inside it, read from a tile's length before the end (its x box inside the map: no zero fill; MATMUL.md round 93), 0 (default) from the tile's start",
+    ),
+    (
         "FERRITE_MMW_XTMA",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill: 1 (default; always with FERRITE_MMW_RS=1) the x tiles of the dense launches and the MoE downs by one 2-D tensor copy (TMA) a step, 0 the producers' cp.async (MATMUL.md round 82)",

@@ -120,6 +120,13 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_GU_XG
 #define MMW_GU_XG 0
 #endif
+// MMW_TSHIFT (`FERRITE_MMW_TSHIFT=1`; MATMUL.md round 93): a dense launch's last token tile, where
+// the rows end inside it, read from BN rows before the end instead of past it (its x box then
+// lies inside the map, without the tensor copy's zero fill; the rows it shares with the tile
+// before are computed twice and stored once).
+#ifndef MMW_TSHIFT
+#define MMW_TSHIFT 0
+#endif
 #define MMW_GU_XT ((MMW_GU_XG & 1) && MMW_XTMA)
 #if MMW_XTMA
 #define MMW_XMAP_PARAM , const __grid_constant__ MmwTmap xmap
@@ -518,7 +525,11 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int tid = threadIdx.x, wgi = tid >> 7;
     // P = 0: consumer warpgroups 0 .. TM / 64 - 1, then the producer warp.
     const bool producer = P ? wgi < P : tid >= 2 * TM;
-    const int t0 = MOE ? 0 : blockIdx.x * BN;
+    // The token tile: rows tn .. tn + BN; read from t0 (MMW_TSHIFT: the last of several tiles
+    // ends at the last row, so that its x box lies inside the map, the rows before tn read
+    // again and not stored).
+    const int tn = MOE ? 0 : blockIdx.x * BN;
+    const int t0 = MMW_TSHIFT && !MOE && rows > BN && tn + BN > rows ? rows - BN : tn;
     // TA split over K (mmw.rs `TaTile::Wide` with a split; not the SwiGLU): gridDim.z blocks
     // share a tile, block z taking K steps kt0 .. kt0 + nk and adding its sums into the zeroed
     // output. Two parts: 0 + a + b is a + b in either order, so the result does not depend on
@@ -899,7 +910,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const bool vec = n_out % 4 == 0 && ((unsigned long long)out & 15) == 0;
     for (int i = tid; i < BN * NQ; i += S::THREADS) {
         const int t = i / NQ, q = i % NQ, tt = t0 + t, o = ob + 4 * q;
-        if (tt >= rows || o >= n_out) continue;
+        if (tt >= rows || o >= n_out || (MMW_TSHIFT && tt < tn)) continue;
         float4 v = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + 4 * q);
         if constexpr (SWIGLU) {
             const float4 u = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + TM / 2 + 4 * q);
