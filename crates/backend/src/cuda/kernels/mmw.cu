@@ -1211,8 +1211,10 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 // f16 wgmma, where the producers round both to bf16). The kernels are MMW_KERNEL1's and
 // MMW_SWIGLU1's with x's tensor map and the weights' (boxes of a tile's rows: TM, or TM / 2
 // for the gate and the up) as their last parameters.
-#define MMW_TA_KERNEL1(name, TYPE, TM, BN)                                                                  \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_ta_##name##_n##BN(                \
+// MMW_TA_KERNEL1P / MMW_TA_SWIGLU1P: the kernel `kname` on tile TM × BN with P producer
+// warpgroups (0: one producer warp).
+#define MMW_TA_KERNEL1P(kname, TYPE, TM, BN, P)                                                             \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), 1) kname(                            \
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
@@ -1221,51 +1223,32 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
         const __grid_constant__ MmwTmap wm2) {                                                             \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
-        mmw<TYPE, TM, BN, false, false, 1, true>(                                                           \
+        mmw<TYPE, TM, BN, false, false, 1, true, P>(                                                        \
             g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
             g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
             y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, &xmap, 0,                                    \
             g == 0 ? &wm0 : (g == 1 ? &wm1 : &wm2));                                                        \
     }
-#define MMW_TA_SWIGLU1(name, TYPE, TM, BN)                                                                  \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS(TM), 1) mmw_ta_swiglu_##name##_n##BN(         \
+#define MMW_TA_SWIGLU1P(kname, TYPE, TM, BN, P)                                                             \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), 1) kname(                            \
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out,                        \
         const __grid_constant__ MmwTmap xmap, const __grid_constant__ MmwTmap wg,                          \
         const __grid_constant__ MmwTmap wu) {                                                              \
         PDL_ENTRY();                                                                                        \
-        mmw<TYPE, TM, BN, true, false, 1, true>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y,     \
-                                                nullptr, 1, &xmap, 0, &wg, nullptr, &wu);                   \
+        mmw<TYPE, TM, BN, true, false, 1, true, P>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y,  \
+                                                   nullptr, 1, &xmap, 0, &wg, nullptr, &wu);                \
     }
+#define MMW_TA_KERNEL1(name, TYPE, TM, BN) MMW_TA_KERNEL1P(mmw_ta_##name##_n##BN, TYPE, TM, BN, MMW_PRODUCERS)
+#define MMW_TA_SWIGLU1(name, TYPE, TM, BN) \
+    MMW_TA_SWIGLU1P(mmw_ta_swiglu_##name##_n##BN, TYPE, TM, BN, MMW_PRODUCERS)
 // The 128 × 256 tile (`mmw_ta_*_w`; MATMUL.md round 92): two consumer warpgroups of m64n256
 // (128 accumulators a thread) and one producer warp (P = 0: 288 threads, a ceiling of 224
 // registers), four 48 KB stages. A step's 48 KB of copies feed 1,024 tensor-core cycles
 // against the 32 KB a 512 of the 128 × 128 tile and the 40 KB a 512 of the 64 × 256 one.
-#define MMW_TA_KERNEL1W(name, TYPE)                                                                         \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(128, 0), 1) mmw_ta_##name##_w(              \
-        const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
-        long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
-        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
-        float* __restrict__ out1, float* __restrict__ out2, const __grid_constant__ MmwTmap xmap,           \
-        const __grid_constant__ MmwTmap wm0, const __grid_constant__ MmwTmap wm1,                          \
-        const __grid_constant__ MmwTmap wm2) {                                                             \
-        PDL_ENTRY();                                                                                        \
-        const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
-        mmw<TYPE, 128, 256, false, false, 1, true, 0>(                                                      \
-            g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
-            g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
-            y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, &xmap, 0,                                    \
-            g == 0 ? &wm0 : (g == 1 ? &wm1 : &wm2));                                                        \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(128, 0), 1) mmw_ta_swiglu_##name##_w(       \
-        const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
-        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out,                        \
-        const __grid_constant__ MmwTmap xmap, const __grid_constant__ MmwTmap wg,                          \
-        const __grid_constant__ MmwTmap wu) {                                                              \
-        PDL_ENTRY();                                                                                        \
-        mmw<TYPE, 128, 256, true, false, 1, true, 0>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y, \
-                                                     nullptr, 1, &xmap, 0, &wg, nullptr, &wu);              \
-    }
+#define MMW_TA_KERNEL1W(name, TYPE)                              \
+    MMW_TA_KERNEL1P(mmw_ta_##name##_w, TYPE, 128, 256, 0)        \
+    MMW_TA_SWIGLU1P(mmw_ta_swiglu_##name##_w, TYPE, 128, 256, 0)
 #define MMW_TA_KERNEL(name, TYPE)                                                                           \
     MMW_TA_KERNEL1(name, TYPE, 128, 128)                                                                    \
     MMW_TA_KERNEL1(name, TYPE, 128, 64)                                                                     \
