@@ -21,10 +21,13 @@
 #            the cache needs each value's mmw CUBIN: `FERRITE_MMW_GU_XG=v tools/h200/kernel_cache.sh
 #            mmw`): moe check under 1 and 3, then pp512 of GUXG_MODELS (default Qwen3-30B-A3B
 #            Q4_K_M) at GUXG_VALS (default "0 1 3") in turn, two rounds
-#   rsq5     the Q5_K register-A form (FERRITE_MMW_RS_Q5, off until measured; MATMUL.md round 91;
-#            its CUBIN first: `FERRITE_MMW_RS_Q5=1 tools/h200/kernel_cache.sh mmw`): the matmul
+#   rsq5     the Q5_K register-A form (FERRITE_MMW_RS_Q5, on by default; MATMUL.md rounds 91, 93;
+#            the off form's CUBIN first: `FERRITE_MMW_RS_Q5=0 tools/h200/kernel_cache.sh mmw`): the matmul
 #            check under it, then pp512 of Qwen3.5-35B-A3B and Qwen3.5-9B Q4_K_M (their Q5_K
 #            in-projections) off / on in turn, two rounds
+#   tshift   a dense launch's last token tile read inside x's tensor map (FERRITE_MMW_TSHIFT, on by
+#            default; MATMUL.md round 93; the off form's CUBIN: `FERRITE_MMW_TSHIFT=0
+#            tools/h200/kernel_cache.sh mmw`): pp300 of Qwen3-8B Q4_K_M and F16 off / on, two rounds
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
 #            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
@@ -316,6 +319,15 @@ for stage in "$@"; do
             ab_pp FERRITE_MMW_RS_Q5 "0 1" "$f" "$p" | tee -a "$OUT/rsq5.log"
             rm -f "$f"
         done
+        ;;
+    tshift)
+        # A dense launch's last token tile read inside x's map (FERRITE_MMW_TSHIFT, on by
+        # default; MATMUL.md round 93).
+        for q in Q4_K_M F16; do
+            f=$(synth qwen3-8b $q | tail -1)
+            ab_runs 'pp300|gate|rror' FERRITE_MMW_TSHIFT "0 1" "$f" "qwen3-8b $q" --prompt-tokens 300 --gen-tokens 16 --gate-tokens 16
+            rm -f "$f"
+        done | tee "$OUT/tshift.log"
         ;;
     rsq6)
         # The register-A form for Q6_K (FERRITE_MMW_RS_Q6, on by default; MATMUL.md rounds 86,

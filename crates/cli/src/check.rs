@@ -1236,9 +1236,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
         }
     }
-    // A prefill's three 16-bit weights in one TA launch (the 128 × 256 tile with K in two
-    // parts under FERRITE_MMW_TA_TILE=3: each output zeroed, then both parts added), each of
-    // the last two outputs checked.
+    // A prefill's three 16-bit weights in one TA launch (Qwen3-8B's Q, K, V: 6144 outputs at
+    // 512 rows, the 128-output tiles), each of the last two outputs checked.
     if !quick {
         for ty in [GgmlType::F16, GgmlType::BF16] {
             for check_v in [false, true] {

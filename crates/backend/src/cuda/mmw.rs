@@ -130,9 +130,9 @@ pub(crate) fn ta() -> bool {
 /// `FERRITE_MMW_TA_TILE` (read once; default 2): the TA form's tiles. 0: the quantized
 /// launches' rule (the 64 × 256 tile on full grids of long prefills); 1: only the 128-output
 /// tiles (128 × 128, 128 × 64); 2: as 1, but the 128 × 256 tile (`mmw_ta_*_w`, two consumer
-/// warpgroups of m64n256) where its grid fills the SMs at least once (MATMUL.md round 92); 3:
-/// as 2, and the plain launches whose 128 × 256 grid does not fill the SMs on that tile too,
-/// their K split in two (each half's sums added into the zeroed output; MATMUL.md round 93).
+/// warpgroups of m64n256) where its grid fills the SMs at least once (MATMUL.md round 92; the
+/// launches whose grid does not fill them, with K split in two on that tile and the halves
+/// added into the zeroed output, measured slower: round 93).
 fn ta_tile_mode() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_TILE", 2))
@@ -143,35 +143,24 @@ fn ta_tile_mode() -> i64 {
 const TA_WIDE: (usize, usize) = (128, 256);
 const TA_WIDE_THREADS: u32 = threads_p(128, 0);
 
-/// A TA launch's tile: `Ok(ti)` an index in [`TILES`], `Err(parts)` the [`TA_WIDE`] tile with
-/// K in `parts` (1, or 2 where `may_split`: a launch without the SwiGLU of at least
-/// [`TA_SPLIT_MIN_STEPS`] K steps of 64).
-fn ta_tile(
-    rows: usize,
-    n_total: usize,
-    n_in: usize,
-    sm_count: usize,
-    may_split: bool,
-) -> std::result::Result<usize, u32> {
-    let mode = ta_tile_mode();
-    if mode == 0 {
-        return Ok(tile_index(rows, n_total, sm_count));
-    }
-    let blocks = rows.div_ceil(TA_WIDE.1) * n_total.div_ceil(TA_WIDE.0);
-    if mode >= 2 && rows > 128 && blocks >= sm_count.max(1) {
-        Err(1)
-    } else if mode >= 3 && rows > 128 && may_split && n_in.div_ceil(TK) >= TA_SPLIT_MIN_STEPS {
-        Err(2)
-    } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
-        Ok(0)
-    } else {
-        Ok(1)
+/// A TA launch's tile: `Ok(ti)` an index in [`TILES`], `Err(())` the [`TA_WIDE`] tile.
+fn ta_tile(rows: usize, n_total: usize, sm_count: usize) -> std::result::Result<usize, ()> {
+    match ta_tile_mode() {
+        0 => Ok(tile_index(rows, n_total, sm_count)),
+        m => {
+            let wide = m == 2
+                && rows > 128
+                && rows.div_ceil(TA_WIDE.1) * n_total.div_ceil(TA_WIDE.0) >= sm_count.max(1);
+            if wide {
+                Err(())
+            } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
+                Ok(0)
+            } else {
+                Ok(1)
+            }
+        }
     }
 }
-
-/// K steps of 64 a launch needs before [`ta_tile`] splits it (each part then at least 8 steps,
-/// twice the ring's four stages).
-const TA_SPLIT_MIN_STEPS: usize = 16;
 
 /// `FERRITE_MMW_RSW` (read once; default 1; only with [`rs`]): Q4_K launches on the 64 × 256
 /// tile take the register-A form too (`mmw_rsw_*`: one consumer warpgroup decoding its 64 rows
@@ -205,22 +194,22 @@ pub(crate) fn rs_q6() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q6", 1) != 0)
 }
 
-/// `FERRITE_MMW_RS_Q5` (read once; default 0, only with [`rs`]): Q5_K weights on the RS form
+/// `FERRITE_MMW_RS_Q5` (read once; default 1, only with [`rs`]): Q5_K weights on the RS form
 /// too (mmw.cu's MMW_RS_Q5: the Q4_K form's decode with each nibble's fifth bit from qh, the
 /// super-block's first 48 bytes and the step's 32 quant bytes by two tensor copies a row;
-/// MATMUL.md round 91). Built and checked by host emulation (tests/mmw_rs_emu.rs), not yet
-/// measured on a GPU: off until it is.
+/// MATMUL.md round 91; measured in round 93: Qwen3.5-35B-A3B Q4_K_M pp512 +1.5% on an H100).
 pub(crate) fn rs_q5() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q5", 0) != 0)
+    *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q5", 1) != 0)
 }
 
-/// `FERRITE_MMW_TSHIFT` (read once; default 0): a dense launch's last token tile, where the
+/// `FERRITE_MMW_TSHIFT` (read once; default 1): a dense launch's last token tile, where the
 /// rows end inside it, read from a tile's length before the end (mmw.cu MMW_TSHIFT: its x box
-/// inside the map, no zero fill by the tensor copy; MATMUL.md round 93).
+/// inside the map, no zero fill by the tensor copy; MATMUL.md round 93: pp300 on an H100
+/// +69% on Qwen3-8B Q4_K_M, +30% on F16).
 pub(crate) fn tshift() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TSHIFT", 0) != 0)
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TSHIFT", 1) != 0)
 }
 
 /// Whether a MoE prefill's gate/up writes h as the bf16 rows the down reads: where ffn is a
@@ -902,8 +891,8 @@ pub fn matmul_swiglu(
     // a block covers tm / 2 outputs.
     let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
     // The TA form's own tile rule; its 128 × 256 tile as `wide` (grid and block set below).
-    let (ti_tile, wide) = match ta.map(|_| ta_tile(rows, 2 * n_out, n_in, be.sm_count, false)) {
-        Some(Err(_)) => (0, true),
+    let (ti_tile, wide) = match ta.map(|_| ta_tile(rows, 2 * n_out, be.sm_count)) {
+        Some(Err(())) => (0, true),
         Some(Ok(ti)) => (ti, false),
         None => (tile_index(rows, 2 * n_out, be.sm_count), false),
     };
@@ -1105,11 +1094,10 @@ fn launch(
         op[g] = op[0];
     }
     // The TA form's own tile rule; its 128 × 256 tile as `wide`.
-    let (ti_tile, wide, parts) = match ta_t.map(|_| ta_tile(rows, n_total, n_in, be.sm_count, true))
-    {
-        Some(Err(parts)) => (0, true, parts),
-        Some(Ok(ti)) => (ti, false, 1),
-        None => (tile_index(rows, n_total, be.sm_count), false, 1),
+    let (ti_tile, wide) = match ta_t.map(|_| ta_tile(rows, n_total, be.sm_count)) {
+        Some(Err(())) => (0, true),
+        Some(Ok(ti)) => (ti, false),
+        None => (tile_index(rows, n_total, be.sm_count), false),
     };
     let (tm, bn) = if wide { TA_WIDE } else { TILES[ti_tile] };
     let tiles = ns.map(|n| (n as usize).div_ceil(tm));
@@ -1119,14 +1107,6 @@ fn launch(
     } else {
         config(rows, ti_tile, e2 + tiles[2])?
     };
-    if parts > 1 {
-        // The parts add into the outputs (mmw.cu SPLITK): zero them first.
-        cfg.grid_dim.2 = parts;
-        for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            let n = rows * w.shape[0];
-            be.stream.memset_zeros(&mut out.buf.slice_mut(0..n))?;
-        }
-    }
     // On the wide tile, the register-A form's kernel where there is one: `mmw_rsw_<type>` for a
     // group of one RS type (FERRITE_MMW_RSW), `mmw_rsw_q4_k_q6_k` for the mixed Q, K, V (each
     // block the form of its weight's type).
@@ -1575,28 +1555,18 @@ mod tests {
 
     #[test]
     fn ta_wide_tile_where_its_grid_fills_the_sms() {
-        let mode = ta_tile_mode();
-        if mode < 2 {
+        if ta_tile_mode() != 2 {
             return; // FERRITE_MMW_TA_TILE set in the environment: another rule
         }
         // Qwen3-8B F16 at 512 rows on 132 SMs: the fused gate/up (2 × 12288 rows, 2 × 192
         // blocks) and a 12288-output weight (2 × 96) take the 128 × 256 tile; Q, K, V
-        // grouped (6144: 2 × 48) and O or down (4096: 2 × 32) the 128-output ones under mode
-        // 2, the wide one with K in two parts under 3 (never the SwiGLU); ≤ 128 rows never.
-        assert_eq!(ta_tile(512, 24576, 4096, 132, false), Err(1));
-        assert_eq!(ta_tile(512, 12288, 4096, 132, true), Err(1));
-        assert_eq!(ta_tile(300, 12200, 4096, 132, true), Err(1));
-        assert!(ta_tile(128, 1 << 20, 4096, 132, true).is_ok());
-        assert!(ta_tile(512, 4096, 4096, 132, false).is_ok());
-        for (n_out, n_in) in [(6144, 4096), (4096, 4096), (4096, 12288)] {
-            let t = ta_tile(512, n_out, n_in, 132, true);
-            if mode == 3 {
-                assert_eq!(t, Err(2));
-            } else {
-                assert!(t.is_ok());
-            }
-        }
-        // Too few K steps to split.
-        assert!(ta_tile(512, 4096, 512, 132, true).is_ok());
+        // grouped (6144: 2 × 48) and O or down (4096: 2 × 32) the 128-output ones; ≤ 128
+        // rows never.
+        assert_eq!(ta_tile(512, 24576, 132), Err(()));
+        assert_eq!(ta_tile(512, 12288, 132), Err(()));
+        assert!(ta_tile(512, 6144, 132).is_ok());
+        assert!(ta_tile(512, 4096, 132).is_ok());
+        assert!(ta_tile(128, 1 << 20, 132).is_ok());
+        assert_eq!(ta_tile(300, 12200, 132), Err(()));
     }
 }

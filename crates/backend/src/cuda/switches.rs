@@ -67,7 +67,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_RS_Q5",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill, with FERRITE_MMW_RS: 1 puts Q5_K weights on the register-A form too (built and checked by host emulation, not yet measured: 0, the default, keeps the producers' form) (MATMUL.md round 91)",
+        "wgmma prefill, with FERRITE_MMW_RS: 1 (default) puts Q5_K weights on the register-A form too (Qwen3.5-35B-A3B pp512 +1.5% on an H100), 0 keeps the producers' form (MATMUL.md rounds 91, 93)",
     ),
     (
         "FERRITE_QKR_HEADS",
@@ -106,13 +106,13 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_TA_TILE",
-        Accepts::OneOf(&[0, 1, 2, 3]),
-        "wgmma prefill, the TA form's tiles: 0 the quantized launches' rule (64x256 on full grids), 1 only the 128-output tiles, 2 (default) as 1 with the 128x256 tile (two m64n256 consumer warpgroups) where its grid fills the SMs (MATMUL.md round 92), 3 as 2 with the other plain launches on the 128x256 tile too, K in two parts added into the zeroed output (round 93)",
+        Accepts::OneOf(&[0, 1, 2]),
+        "wgmma prefill, the TA form's tiles: 0 the quantized launches' rule (64x256 on full grids), 1 only the 128-output tiles, 2 (default) as 1 with the 128x256 tile (two m64n256 consumer warpgroups) where its grid fills the SMs (MATMUL.md round 92)",
     ),
     (
         "FERRITE_MMW_TSHIFT",
         Accepts::OneOf(&[0, 1]),
-        "wgmma prefill: 1 a dense launch's last token tile, where the rows end inside it, read from a tile's length before the end (its x box inside the map: no zero fill; MATMUL.md round 93), 0 (default) from the tile's start",
+        "wgmma prefill: 1 (default) a dense launch's last token tile, where the rows end inside it, read from a tile's length before the end (its x box inside the map: no zero fill; MATMUL.md round 93), 0 from the tile's start",
     ),
     (
         "FERRITE_MMW_XTMA",

@@ -91,8 +91,8 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_RS_Q6
 #define MMW_RS_Q6 0
 #endif
-// MMW_RS_Q5 (FERRITE_MMW_RS_Q5, off until measured): the Q5_K form of RS on the dense launches
-// (mmw_rs_row<true>: the Q4_K form with each nibble's fifth bit from qh; MATMUL.md round 91).
+// MMW_RS_Q5 (FERRITE_MMW_RS_Q5, on by default with RS): the Q5_K form of RS on the dense launches
+// (mmw_rs_row<true>: the Q4_K form with each nibble's fifth bit from qh; MATMUL.md rounds 91, 93).
 #ifndef MMW_RS_Q5
 #define MMW_RS_Q5 0
 #endif
@@ -120,10 +120,11 @@ struct __align__(128) MmwTmap {
 #ifndef MMW_GU_XG
 #define MMW_GU_XG 0
 #endif
-// MMW_TSHIFT (`FERRITE_MMW_TSHIFT=1`; MATMUL.md round 93): a dense launch's last token tile, where
-// the rows end inside it, read from BN rows before the end instead of past it (its x box then
-// lies inside the map, without the tensor copy's zero fill; the rows it shares with the tile
-// before are computed twice and stored once).
+// MMW_TSHIFT (`FERRITE_MMW_TSHIFT`, on by default; MATMUL.md round 93): a dense launch's last
+// token tile, where the rows end inside it, read from BN rows before the end instead of past it
+// (its x box then lies inside the map, without the tensor copy's zero fill, which cost up to
+// twice the tile's time; the rows it shares with the tile before are computed twice and stored
+// once).
 #ifndef MMW_TSHIFT
 #define MMW_TSHIFT 0
 #endif
@@ -530,14 +531,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // again and not stored).
     const int tn = MOE ? 0 : blockIdx.x * BN;
     const int t0 = MMW_TSHIFT && !MOE && rows > BN && tn + BN > rows ? rows - BN : tn;
-    // TA split over K (mmw.rs `TaTile::Wide` with a split; not the SwiGLU): gridDim.z blocks
-    // share a tile, block z taking K steps kt0 .. kt0 + nk and adding its sums into the zeroed
-    // output. Two parts: 0 + a + b is a + b in either order, so the result does not depend on
-    // which block adds first.
-    constexpr bool SPLITK = TA && !SWIGLU;
-    const int nk_all = kp / MMW_TK;
-    const int kt0 = SPLITK ? (int)((long long)nk_all * blockIdx.z / gridDim.z) : 0;
-    const int nk = SPLITK ? (int)((long long)nk_all * (blockIdx.z + 1) / gridDim.z) - kt0 : nk_all;
+    const int nk = kp / MMW_TK;
     // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
     const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
     // XT: x by tensor copies (MMW_XTMA; the gate/up's only under MMW_GU_XT, its map then over
@@ -604,7 +598,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
                 if (ptid == 0) {
                     const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
-                    const int k = (kt0 + kt) * MMW_TK, r0 = wrow0 + oy * BR;
+                    const int k = kt * MMW_TK, r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)S::STAGE);
                     mmw_tma(st + S::A_BYTES, xmap, k, xrow0 + t0, bar);
                     mmw_tma(st, wmh, k, r0, bar);
@@ -934,11 +928,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             continue;
         }
         float* dst = out + orow * n_out + o;
-        if (SPLITK && gridDim.z > 1) {
-            // One part of the sum: added (red.global.add) into the zeroed output.
-            const float vs[4] = {v.x, v.y, v.z, v.w};
-            for (int k = 0; k < 4 && o + k < n_out; k++) atomicAdd(dst + k, vs[k]);
-        } else if (vec && o + 3 < n_out) {
+        if (vec && o + 3 < n_out) {
             *reinterpret_cast<float4*>(dst) = v;
         } else {
             const float vs[4] = {v.x, v.y, v.z, v.w};
