@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use ferrite_formats::GgmlType;
@@ -143,22 +143,65 @@ fn ta_tile_mode() -> i64 {
 const TA_WIDE: (usize, usize) = (128, 256);
 const TA_WIDE_THREADS: u32 = threads_p(128, 0);
 
-/// A TA launch's tile: `Ok(ti)` an index in [`TILES`], `Err(())` the [`TA_WIDE`] tile.
-fn ta_tile(rows: usize, n_total: usize, sm_count: usize) -> std::result::Result<usize, ()> {
-    match ta_tile_mode() {
-        0 => Ok(tile_index(rows, n_total, sm_count)),
-        m => {
-            let wide = m == 2
-                && rows > 128
-                && rows.div_ceil(TA_WIDE.1) * n_total.div_ceil(TA_WIDE.0) >= sm_count.max(1);
-            if wide {
-                Err(())
-            } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
-                Ok(0)
-            } else {
-                Ok(1)
-            }
+/// A launch's tile: one of [`TILES`] (by index), or the TA form's [`TA_WIDE`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Tile {
+    Std(usize),
+    TaWide,
+}
+
+impl Tile {
+    /// The tile for a launch of `n_total` outputs on `rows` rows: the TA form's rule (`ta`,
+    /// [`ta_tile_mode`]) or the quantized launches' ([`tile_index`]).
+    fn pick(ta: bool, rows: usize, n_total: usize, sm_count: usize) -> Tile {
+        let mode = if ta { ta_tile_mode() } else { 0 };
+        if mode == 0 {
+            return Tile::Std(tile_index(rows, n_total, sm_count));
         }
+        if mode == 2
+            && rows > 128
+            && rows.div_ceil(TA_WIDE.1) * n_total.div_ceil(TA_WIDE.0) >= sm_count.max(1)
+        {
+            Tile::TaWide
+        } else if super::matmul::token_tile(rows, n_total, sm_count) == 128 {
+            Tile::Std(0)
+        } else {
+            Tile::Std(1)
+        }
+    }
+
+    /// Outputs × tokens.
+    fn dims(self) -> (usize, usize) {
+        match self {
+            Tile::Std(i) => TILES[i],
+            Tile::TaWide => TA_WIDE,
+        }
+    }
+
+    /// The index of the kernel in a [`Tiles`] family (the wide tile has its own kernels).
+    fn index(self) -> Option<usize> {
+        match self {
+            Tile::Std(i) => Some(i),
+            Tile::TaWide => None,
+        }
+    }
+
+    /// The launch shape over `rows` tokens and `out_tiles` output tiles.
+    fn config(self, rows: usize, out_tiles: usize) -> Result<LaunchConfig> {
+        ensure!(
+            out_tiles <= 65535,
+            "mmw: {out_tiles} output tiles exceed the grid limit"
+        );
+        let (tm, bn) = self.dims();
+        let (threads, smem_bytes) = match self {
+            Tile::Std(_) => (threads(tm), smem(tm, bn)),
+            Tile::TaWide => (TA_WIDE_THREADS, ring_smem(tm, bn, 224 * 1024)),
+        };
+        Ok(LaunchConfig {
+            grid_dim: (rows.div_ceil(bn) as u32, out_tiles as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem_bytes as u32,
+        })
     }
 }
 
@@ -891,24 +934,16 @@ pub fn matmul_swiglu(
     // a block covers tm / 2 outputs.
     let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
     // The TA form's own tile rule; its 128 × 256 tile as `wide` (grid and block set below).
-    let (ti_tile, wide) = match ta.map(|_| ta_tile(rows, 2 * n_out, be.sm_count)) {
-        Some(Err(())) => (0, true),
-        Some(Ok(ti)) => (ti, false),
-        None => (tile_index(rows, 2 * n_out, be.sm_count), false),
-    };
-    let (tm, bn) = if wide { TA_WIDE } else { TILES[ti_tile] };
-    let mut cfg = if wide {
-        wide_config(rows, n_out.div_ceil(tm / 2))?
-    } else {
-        config(rows, ti_tile, n_out.div_ceil(tm / 2))?
-    };
+    let tile = Tile::pick(ta.is_some(), rows, 2 * n_out, be.sm_count);
+    let (tm, bn) = tile.dims();
+    let mut cfg = tile.config(rows, n_out.div_ceil(tm / 2))?;
     // Q4_K on the wide tile under FERRITE_MMW_RSW: the register-A form's kernel.
     let rsw = be
         .mmw
         .rsw
         .as_ref()
         .zip(rsw_index(gate.dtype))
-        .filter(|_| ti_tile == 2)
+        .filter(|_| tile == Tile::Std(2))
         .map(|(k, r)| &k[r].1);
     if rsw.is_some() {
         cfg.block_dim.0 = RSW_THREADS;
@@ -919,11 +954,11 @@ pub fn matmul_swiglu(
         let map = (xtma() || ta.is_some())
             .then(|| x_map(be, xb, rows, kp, bn))
             .transpose()?;
-        let kernel = match (ta, rsw) {
-            (Some(t), _) if wide => &be.mmw.ta_w[t].1,
-            (Some(t), _) => &be.mmw.ta[t].1[ti_tile],
-            (None, Some(k)) => k,
-            (None, None) => &be.mmw.swiglu[ti][ti_tile],
+        let kernel = match (ta, rsw, tile.index()) {
+            (Some(t), _, None) => &be.mmw.ta_w[t].1,
+            (Some(t), _, Some(i)) => &be.mmw.ta[t].1[i],
+            (None, Some(k), _) => k,
+            (None, None, i) => &be.mmw.swiglu[ti][i.context("mmw: the wide TA tile without TA")?],
         };
         let mut launch = be.stream.kernel(kernel);
         launch
@@ -990,34 +1025,6 @@ fn check_weight(w: &CudaWeight) -> Result<()> {
         n_out * rb
     );
     Ok(())
-}
-
-/// The launch shape of the TA form's [`TA_WIDE`] tile over `rows` tokens and `out_tiles`
-/// output tiles.
-fn wide_config(rows: usize, out_tiles: usize) -> Result<LaunchConfig> {
-    ensure!(
-        out_tiles <= 65535,
-        "mmw: {out_tiles} output tiles exceed the grid limit"
-    );
-    Ok(LaunchConfig {
-        grid_dim: (rows.div_ceil(TA_WIDE.1) as u32, out_tiles as u32, 1),
-        block_dim: (TA_WIDE_THREADS, 1, 1),
-        shared_mem_bytes: ring_smem(TA_WIDE.0, TA_WIDE.1, 224 * 1024) as u32,
-    })
-}
-
-/// The launch shape of tile `ti_tile` over `rows` tokens and `out_tiles` output tiles.
-fn config(rows: usize, ti_tile: usize, out_tiles: usize) -> Result<LaunchConfig> {
-    let (tm, bn) = TILES[ti_tile];
-    ensure!(
-        out_tiles <= 65535,
-        "mmw: {out_tiles} output tiles exceed the grid limit"
-    );
-    Ok(LaunchConfig {
-        grid_dim: (rows.div_ceil(bn) as u32, out_tiles as u32, 1),
-        block_dim: (threads(tm), 1, 1),
-        shared_mem_bytes: smem(tm, bn) as u32,
-    })
 }
 
 /// Index in [`TILES`] of the tile for a launch of `n_total` outputs on `rows` rows.
@@ -1094,27 +1101,20 @@ fn launch(
         op[g] = op[0];
     }
     // The TA form's own tile rule; its 128 × 256 tile as `wide`.
-    let (ti_tile, wide) = match ta_t.map(|_| ta_tile(rows, n_total, be.sm_count)) {
-        Some(Err(())) => (0, true),
-        Some(Ok(ti)) => (ti, false),
-        None => (tile_index(rows, n_total, be.sm_count), false),
-    };
-    let (tm, bn) = if wide { TA_WIDE } else { TILES[ti_tile] };
+    let tile = Tile::pick(ta, rows, n_total, be.sm_count);
+    let (tm, bn) = tile.dims();
     let tiles = ns.map(|n| (n as usize).div_ceil(tm));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
-    let mut cfg = if wide {
-        wide_config(rows, e2 + tiles[2])?
-    } else {
-        config(rows, ti_tile, e2 + tiles[2])?
-    };
+    let mut cfg = tile.config(rows, e2 + tiles[2])?;
     // On the wide tile, the register-A form's kernel where there is one: `mmw_rsw_<type>` for a
     // group of one RS type (FERRITE_MMW_RSW), `mmw_rsw_q4_k_q6_k` for the mixed Q, K, V (each
     // block the form of its weight's type).
-    let mut kernel = match ta_t {
-        Some(t) if wide => &be.mmw.ta_w[t].0,
-        _ => &kernels[ti_tile],
+    let mut kernel = match (ta_t, tile.index()) {
+        (Some(t), None) => &be.mmw.ta_w[t].0,
+        (_, Some(i)) => &kernels[i],
+        (None, None) => bail!("mmw: the wide TA tile without TA"),
     };
-    if ti_tile == 2 && !ta {
+    if tile == Tile::Std(2) && !ta {
         let rs_kernel = if ws.iter().all(|w| w.dtype == ws[0].dtype) {
             be.mmw
                 .rsw
@@ -1531,15 +1531,23 @@ mod tests {
         // Qwen3-8B at 512 rows: gate + up grouped are 2 × 192 tiles of 64 outputs on the wide
         // tile; the fused launch takes the same tile (the rule counts 2 × 12288 outputs) and
         // 384 tiles of 32 outputs: the same blocks, each half gate, half up.
-        let ti = tile_index(512, 2 * 12288, 132);
-        assert_eq!(TILES[ti], (64, 256));
-        let fused = config(512, ti, 12288usize.div_ceil(TILES[ti].0 / 2)).unwrap();
-        let grouped = config(512, ti, 2 * 12288usize.div_ceil(TILES[ti].0)).unwrap();
+        let tile = Tile::pick(false, 512, 2 * 12288, 132);
+        assert_eq!(tile.dims(), (64, 256));
+        let fused = tile
+            .config(512, 12288usize.div_ceil(tile.dims().0 / 2))
+            .unwrap();
+        let grouped = tile
+            .config(512, 2 * 12288usize.div_ceil(tile.dims().0))
+            .unwrap();
         assert_eq!(fused.grid_dim, (2, 384, 1));
         assert_eq!(fused.grid_dim, grouped.grid_dim);
         assert_eq!(fused.block_dim, (384, 1, 1));
         // Past the grid's y limit: an error, not a truncated launch.
-        assert!(config(512, ti, 65536).is_err());
+        assert!(tile.config(512, 65536).is_err());
+        // The TA form's wide tile: 288 threads, four 48 KB stages.
+        let wide = Tile::TaWide.config(512, 192).unwrap();
+        assert_eq!((wide.grid_dim, wide.block_dim), ((2, 192, 1), (288, 1, 1)));
+        assert_eq!(wide.shared_mem_bytes as usize, 4 * 49152 + 64 + 1024);
     }
 
     #[test]
@@ -1562,11 +1570,14 @@ mod tests {
         // blocks) and a 12288-output weight (2 × 96) take the 128 × 256 tile; Q, K, V
         // grouped (6144: 2 × 48) and O or down (4096: 2 × 32) the 128-output ones; ≤ 128
         // rows never.
-        assert_eq!(ta_tile(512, 24576, 132), Err(()));
-        assert_eq!(ta_tile(512, 12288, 132), Err(()));
-        assert!(ta_tile(512, 6144, 132).is_ok());
-        assert!(ta_tile(512, 4096, 132).is_ok());
-        assert!(ta_tile(128, 1 << 20, 132).is_ok());
-        assert_eq!(ta_tile(300, 12200, 132), Err(()));
+        let ta = |rows, n| Tile::pick(true, rows, n, 132);
+        assert_eq!(ta(512, 24576), Tile::TaWide);
+        assert_eq!(ta(512, 12288), Tile::TaWide);
+        assert_eq!(ta(300, 12200), Tile::TaWide);
+        for (rows, n) in [(512, 6144), (512, 4096), (128, 1 << 20)] {
+            assert!(matches!(ta(rows, n), Tile::Std(0 | 1)), "{rows} x {n}");
+        }
+        // The quantized launches keep their rule (the 64 × 256 tile on full grids).
+        assert_eq!(Tile::pick(false, 512, 12288, 132), Tile::Std(2));
     }
 }
