@@ -25,6 +25,8 @@
 #            the off form's CUBIN first: `FERRITE_MMW_RS_Q5=0 tools/h200/kernel_cache.sh mmw`): the matmul
 #            check under it, then pp512 of Qwen3.5-35B-A3B and Qwen3.5-9B Q4_K_M (their Q5_K
 #            in-projections) off / on in turn, two rounds
+#   f16      Qwen3-8B F16's prefill against cuBLAS: tools/h200/cublas_shapes.py, check --perf of the
+#            16-bit matmuls, the pp512 trace (ptrace)
 #   tshift   a dense launch's last token tile read inside x's tensor map (FERRITE_MMW_TSHIFT, on by
 #            default; MATMUL.md round 93; the off form's CUBIN: `FERRITE_MMW_TSHIFT=0
 #            tools/h200/kernel_cache.sh mmw`): pp300 of Qwen3-8B Q4_K_M and F16 off / on, two rounds
@@ -319,6 +321,13 @@ for stage in "$@"; do
             ab_pp FERRITE_MMW_RS_Q5 "0 1" "$f" "$p" | tee -a "$OUT/rsq5.log"
             rm -f "$f"
         done
+        ;;
+    f16)
+        # Qwen3-8B F16's prefill against cuBLAS (MATMUL.md round 92): cuBLAS at the forward's
+        # GEMM shapes, `check --perf` of the 16-bit matmul cases, then the pp512 trace.
+        python3 tools/h200/cublas_shapes.py 2>&1 | tee "$OUT/cublas.txt"
+        $F check --device cuda --perf --filter f16 2>&1 | grep -E "rows=(300|512)|cases in|FAIL" | tee "$OUT/perf-f16.txt"
+        TRACE_MODELS=qwen3-8b:F16 "$0" ptrace
         ;;
     tshift)
         # A dense launch's last token tile read inside x's map (FERRITE_MMW_TSHIFT, on by
