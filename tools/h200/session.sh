@@ -331,10 +331,11 @@ for stage in "$@"; do
         ;;
     tshift)
         # A dense launch's last token tile read inside x's map (FERRITE_MMW_TSHIFT, on by
-        # default; MATMUL.md round 93).
+        # default; MATMUL.md round 93). The gate at 300 tokens too, so that its prefill runs the
+        # shifted tile (a 16-token gate prefills on the GEMVs).
         for q in Q4_K_M F16; do
             f=$(synth qwen3-8b $q | tail -1)
-            ab_runs 'pp300|gate|rror' FERRITE_MMW_TSHIFT "0 1" "$f" "qwen3-8b $q" --prompt-tokens 300 --gen-tokens 16 --gate-tokens 16
+            ab_runs 'pp300|gate|rror' FERRITE_MMW_TSHIFT "0 1" "$f" "qwen3-8b $q" --prompt-tokens 300 --gen-tokens 16 --gate-tokens 300
             rm -f "$f"
         done | tee "$OUT/tshift.log"
         ;;

@@ -142,6 +142,8 @@ fn ta_tile_mode() -> i64 {
 /// and one producer warp (mmw.cu MMW_THREADS_P(128, 0)).
 const TA_WIDE: (usize, usize) = (128, 256);
 const TA_WIDE_THREADS: u32 = threads_p(128, 0);
+/// Its dynamic shared memory: four 48 KB stages of the 224 KB budget (MmwShape's at P = 0).
+const TA_WIDE_SMEM: usize = ring_smem(TA_WIDE.0, TA_WIDE.1, 224 * 1024);
 
 /// A launch's tile: one of [`TILES`] (by index), or the TA form's [`TA_WIDE`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -195,7 +197,7 @@ impl Tile {
         let (tm, bn) = self.dims();
         let (threads, smem_bytes) = match self {
             Tile::Std(_) => (threads(tm), smem(tm, bn)),
-            Tile::TaWide => (TA_WIDE_THREADS, ring_smem(tm, bn, 224 * 1024)),
+            Tile::TaWide => (TA_WIDE_THREADS, TA_WIDE_SMEM),
         };
         Ok(LaunchConfig {
             grid_dim: (rows.div_ceil(bn) as u32, out_tiles as u32, 1),
@@ -713,13 +715,12 @@ impl Kernels {
                 Vec::new()
             },
             ta_w: if ta() {
-                let bytes = ring_smem(TA_WIDE.0, TA_WIDE.1, 224 * 1024);
                 TA_TYPES
                     .iter()
                     .map(|(_, n)| {
                         Ok((
-                            with_smem(format!("mmw_ta_{n}_w"), bytes)?,
-                            with_smem(format!("mmw_ta_swiglu_{n}_w"), bytes)?,
+                            with_smem(format!("mmw_ta_{n}_w"), TA_WIDE_SMEM)?,
+                            with_smem(format!("mmw_ta_swiglu_{n}_w"), TA_WIDE_SMEM)?,
                         ))
                     })
                     .collect::<Result<_>>()?
@@ -933,7 +934,7 @@ pub fn matmul_swiglu(
     // The tile rule counts gate and up rows together (2 n_out), as the grouped launch would;
     // a block covers tm / 2 outputs.
     let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
-    // The TA form's own tile rule; its 128 × 256 tile as `wide` (grid and block set below).
+    // The tile: the TA form's own rule (its 128 × 256 tile among them) or the quantized one.
     let tile = Tile::pick(ta.is_some(), rows, 2 * n_out, be.sm_count);
     let (tm, bn) = tile.dims();
     let mut cfg = tile.config(rows, n_out.div_ceil(tm / 2))?;
@@ -1040,7 +1041,7 @@ fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
 
 /// One launch of a `kernels` family (`mmw_<type>_n<BN>`, a [`MIXED`] one, or with `ta` (the
 /// index in [`TA_TYPES`]) a `mmw_ta_<type>_n<BN>`, or its [`TA_WIDE`] `mmw_ta_<type>_w` where
-/// [`ta_tile`] picks it) on the x in `xb` (`rows` rows of `kp`; bf16, or f16 for the TA form's
+/// [`Tile::pick`] picks it) on the x in `xb` (`rows` rows of `kp`; bf16, or f16 for the TA form's
 /// F16) for 1–3 weights (one grid over their output tiles in order).
 #[allow(clippy::too_many_arguments)]
 fn launch(
@@ -1100,7 +1101,7 @@ fn launch(
         rbs[g] = rbs[0];
         op[g] = op[0];
     }
-    // The TA form's own tile rule; its 128 × 256 tile as `wide`.
+    // The tile: the TA form's own rule (its 128 × 256 tile among them) or the quantized one.
     let tile = Tile::pick(ta, rows, n_total, be.sm_count);
     let (tm, bn) = tile.dims();
     let tiles = ns.map(|n| (n as usize).div_ceil(tm));
@@ -1376,11 +1377,8 @@ pub(crate) fn moe_gate_up(
         let mut xgb = unsafe { xg.transmute_mut::<u16>(pairs * kp) }
             .ok_or_else(|| anyhow::anyhow!("mmw: bf16 view of the gathered x"))?;
         let (pairs_i, kp_i) = (pairs as i32, kp as i32);
-        let cvt = LaunchConfig {
-            grid_dim: ((pairs * kp / 8).div_ceil(256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        // One thread a 16-byte vector of a row.
+        let cvt = super::ops::grid_1d(pairs * kp / 8, 256);
         let mut launch = be.stream.kernel(gather);
         launch
             .arg(x)

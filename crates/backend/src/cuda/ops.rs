@@ -73,7 +73,8 @@ impl Kernels {
     }
 }
 
-fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
+/// A 1-D launch of `n` threads in blocks of `threads` (at least one block).
+pub(crate) fn grid_1d(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((n as u32).div_ceil(threads).max(1), 1, 1),
         block_dim: (threads, 1, 1),
