@@ -138,22 +138,6 @@ fn ta_tile_mode() -> i64 {
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_TILE", 2))
 }
 
-/// `FERRITE_MMW_TA_CL` (read once; default 0): the TA form's 128-output tiles on clusters of
-/// that many consecutive output tiles sharing the x tile by TMA multicast (`mmw_ta_*_c2_n<BN>`,
-/// MATMUL.md round 94), where the launch's output tiles are a multiple of it; 0 or 1: no
-/// clusters.
-fn ta_cluster() -> usize {
-    static CL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CL.get_or_init(|| match super::switches::int_or("FERRITE_MMW_TA_CL", 0) {
-        2 => 2,
-        _ => 1,
-    })
-}
-
-/// The cluster form's shared memory past [`smem`]'s: its EMPTY mbarriers (mmw.cu, after the
-/// FULL ones).
-const TA_CL_SMEM: usize = 64;
-
 /// The TA form's 128 × 256 tile (outputs × tokens) and its block: two consumer warpgroups
 /// and one producer warp (mmw.cu MMW_THREADS_P(128, 0)).
 const TA_WIDE: (usize, usize) = (128, 256);
@@ -612,9 +596,6 @@ pub struct Kernels {
     ta: Vec<(Tiles, Tiles)>,
     /// `mmw_ta_<type>_w` and `mmw_ta_swiglu_<type>_w`, the [`TA_WIDE`] tile, likewise.
     ta_w: Vec<(CudaFunction, CudaFunction)>,
-    /// `mmw_ta_<type>_c2_n128` and `_n64`, the 128-output tiles on clusters of two
-    /// ([`ta_cluster`]); empty unless that is on.
-    ta_c: Vec<[CudaFunction; 2]>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
@@ -637,7 +618,6 @@ impl Kernels {
             moe_tile: moe_form(1).1,
             ta: Vec::new(),
             ta_w: Vec::new(),
-            ta_c: Vec::new(),
             x_f16: None,
             x_gather: None,
             rsw: None,
@@ -742,19 +722,6 @@ impl Kernels {
                             with_smem(format!("mmw_ta_{n}_w"), TA_WIDE_SMEM)?,
                             with_smem(format!("mmw_ta_swiglu_{n}_w"), TA_WIDE_SMEM)?,
                         ))
-                    })
-                    .collect::<Result<_>>()?
-            } else {
-                Vec::new()
-            },
-            ta_c: if ta() && ta_cluster() > 1 {
-                TA_TYPES
-                    .iter()
-                    .map(|(_, n)| {
-                        let g = |(tm, bn): (usize, usize)| {
-                            with_smem(format!("mmw_ta_{n}_c2_n{bn}"), smem(tm, bn) + TA_CL_SMEM)
-                        };
-                        Ok([g(TILES[0])?, g(TILES[1])?])
                     })
                     .collect::<Result<_>>()?
             } else {
@@ -1168,26 +1135,12 @@ fn launch(
             cfg.block_dim.0 = RSW_THREADS;
         }
     }
-    // The TA 128-output tiles on clusters of consecutive output tiles (FERRITE_MMW_TA_CL),
-    // where the grid's output tiles divide into them: each block copies 1 / cl of x's box.
-    let cl = ta_cluster();
-    let cluster = match (ta_t, tile) {
-        (Some(t), Tile::Std(i @ (0 | 1))) if cl > 1 && (e2 + tiles[2]).is_multiple_of(cl) => {
-            kernel = &be.mmw.ta_c[t][i];
-            cfg.shared_mem_bytes += TA_CL_SMEM as u32;
-            Some(cl)
-        }
-        _ => None,
-    };
     let (e1_i, e2_i, n_in_i, kp_i, rows_i) =
         (e1 as i32, e2 as i32, n_in as i32, kp as i32, rows as i32);
     let map = (xtma() || ta)
-        .then(|| x_map(be, xb, rows, kp, bn / cluster.unwrap_or(1)))
+        .then(|| x_map(be, xb, rows, kp, bn))
         .transpose()?;
     let mut launch = be.stream.kernel(kernel);
-    if let Some(cl) = cluster {
-        launch.cluster((1, cl as u32, 1));
-    }
     launch
         .arg(&wp[0])
         .arg(&wp[1])
@@ -1550,12 +1503,6 @@ mod tests {
         assert_eq!(MOE3_SMEM, 6 * (64 * 48 + 64 * 128) + 64 + 1024);
         for (tm, bn) in TILES {
             assert!(smem(tm, bn) <= 227 * 1024, "{tm}x{bn}: {}", smem(tm, bn));
-        }
-        // The TA cluster form's (the 128-output tiles with its EMPTY mbarriers), beside the
-        // 1 KB of static shared memory its kernels have.
-        for (tm, bn) in &TILES[..2] {
-            let cl = smem(*tm, *bn) + TA_CL_SMEM + 1024;
-            assert!(cl <= 227 * 1024, "{tm}x{bn}: {cl}");
         }
         // The bf16 A rows' rings (smem without FERRITE_MMW_RS_Q6).
         assert_eq!(ring_smem(128, 128, 224 * 1024), 7 * 32768 + 64 + 1024);

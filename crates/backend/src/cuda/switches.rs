@@ -110,11 +110,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill, the TA form's tiles: 0 the quantized launches' rule (64x256 on full grids), 1 only the 128-output tiles, 2 (default) as 1 with the 128x256 tile (two m64n256 consumer warpgroups) where its grid fills the SMs (MATMUL.md round 92)",
     ),
     (
-        "FERRITE_MMW_TA_CL",
-        Accepts::OneOf(&[0, 1, 2]),
-        "wgmma prefill, the TA form's 128-output tiles: 2 on clusters of two output tiles that share the x tile by TMA multicast (each block copies half of it from L2), 0 (default) or 1 every block its own x (MATMUL.md round 94)",
-    ),
-    (
         "FERRITE_MMW_TSHIFT",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill: 1 (default) a dense launch's last token tile, where the rows end inside it, read from a tile's length before the end (its x box inside the map: no zero fill; MATMUL.md round 93), 0 from the tile's start",

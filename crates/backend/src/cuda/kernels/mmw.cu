@@ -198,27 +198,6 @@ __device__ __forceinline__ void mmw_tma_x(uint32_t dst, const MmwTmap* map, int 
     mmw_expect(bar, bytes);
     mmw_tma(dst, map, c0, r0, bar);
 }
-// mmw_tma's box into the same shared offset of every block of the cluster in `mask` (bit i:
-// cluster block i), completing on each one's mbarrier at bar's offset (the TA cluster form).
-__device__ __forceinline__ void mmw_tma_mc(uint32_t dst, const MmwTmap* map, int c0, int r0, uint32_t bar,
-                                           uint16_t mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-        "l"((unsigned long long)map), "r"(c0), "r"(r0), "r"(bar), "h"(mask)
-        : "memory");
-}
-// An arrival on the mbarrier at bar's offset in cluster block `rank`'s shared memory (the TA
-// cluster form's consumers freeing a stage that every block of the cluster fills). Its default
-// semantics, release at CTA scope: what it publishes is that the warpgroup's MMAs have read the
-// stage, which their wait_group already completed, so no store needs ordering before it. The
-// `.release.cluster` form compiled to a MEMBAR.ALL.GPU before each arrival, and each step of
-// the pipeline took ~1 µs (MATMUL.md round 94).
-__device__ __forceinline__ void mmw_mbar_arrive_cl(uint32_t bar, int rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(bar), "r"(rank));
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(r) : "memory");
-}
 // The staged epilogue: row pitch of stage[token][column] in floats (TM + 4: a fragment store's
 // 4 token rows land 8 banks apart, conflict-free; 16-byte aligned rows), and its barrier (the
 // stages' barriers are 1..14).
@@ -512,15 +491,8 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // o + TM / 2 as it does for mmw_row's order), wmh / wmh2 the gate's and up's maps.
 // P: producer warpgroups (1: the RS wide tile, `mmw_rsw_*`, whose 256 threads leave its consumer
 // warpgroup the registers of 128 accumulators and two A sets).
-// CL (TA only; MATMUL.md round 94): the blocks of CL consecutive output tiles form a cluster
-// that shares the x tile: block rank r copies x's token rows r · BN / CL.. (a box of BN / CL
-// rows: the x map's) into the same stage offset of every block of the cluster (TMA multicast),
-// so each block reads its A and 1 / CL of x from L2 instead of both. A stage is then filled by
-// every block's copies, so it is free only once the consumers of all CL blocks released it:
-// the EMPTY barriers become mbarriers (`ebar`) of CL · TM / 64 arrivals, one a consumer
-// warpgroup of each block, which the producer thread waits on.
 template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false,
-          int P = MMW_PRODUCERS, int CL = 1>
+          int P = MMW_PRODUCERS>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
@@ -569,26 +541,13 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     constexpr bool XT = (MMW_XTMA || RS || TA) && (!(MOE && SWIGLU) || MMW_GU_XT);
     static_assert(!TA || ((TYPE == GGML_F16 || TYPE == GGML_BF16) && !MOE), "mmw: TA is the dense 16-bit form");
     constexpr bool H = TA && TYPE == GGML_F16;  // f16 operands
-    constexpr bool TC = TA && CL > 1;           // the cluster form
-    static_assert(CL == 1 || (TA && BN % (8 * CL) == 0 && CL <= 4), "mmw: clusters of the TA form only");
     const uint32_t xbar0 = s0 + MMW_STAGES * S::STAGE;
-    // The cluster form's EMPTY mbarriers: the 64 bytes after the FULL ones (its launcher adds
-    // them to the shared memory, mmw.rs TA_CL_SMEM; static ones would cost the block 1 KB more,
-    // past the SM's 227 KB).
-    const uint32_t ebar0 = xbar0 + 64;
     if constexpr (XT || RS) {
         if (tid == 0) {
             for (int i = 0; i < MMW_STAGES; i++) mmw_mbar_init1(xbar0 + 8 * i);
-            if (TC)
-                for (int i = 0; i < MMW_STAGES; i++)
-                    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ebar0 + 8 * i), "r"(CL * TM / 64)
-                                 : "memory");
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
-        // The cluster form: every block's barriers initialized before any copy or arrival of
-        // another block reaches them.
-        if (TC) cluster_sync_all();
-        else __syncthreads();
+        __syncthreads();
     }
 
     if (producer) {
@@ -634,24 +593,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             // and the up's TM / 2) and x, as far ahead as the stages allow; the others keep the
             // EMPTY barriers' count ----
             constexpr int BR = SWIGLU ? TM / 2 : TM;  // rows a weight box
-            if (TC && ptid == 0) {
-                // The cluster form: thread 0 alone, on the EMPTY mbarriers; its A, and its
-                // share of x into every block of the cluster.
-                constexpr int XR = BN / CL;  // x rows a block copies
-                const int rank = cluster_rank();
-                for (int kt = 0; kt < nk; kt++) {
-                    const int s = kt % MMW_STAGES;
-                    if (kt >= MMW_STAGES) mmw_mbar_wait(ebar0 + 8 * s, (uint32_t)((kt / MMW_STAGES + 1) & 1));
-                    const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
-                    const int k = kt * MMW_TK, r0 = wrow0 + oy * BR;
-                    mmw_expect(bar, (uint32_t)S::STAGE);
-                    mmw_tma(st, wmh, k, r0, bar);
-                    if (SWIGLU) mmw_tma(st + BR * 128, wmh2, k, r0, bar);
-                    mmw_tma_mc(st + S::A_BYTES + rank * XR * 128, xmap, k, xrow0 + t0 + rank * XR, bar,
-                               (uint16_t)((1u << CL) - 1));
-                }
-            }
-            for (int kt = 0; kt < (TC ? 0 : nk); kt++) {
+            for (int kt = 0; kt < nk; kt++) {
                 const int s = kt % MMW_STAGES;
                 if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
                 if (ptid == 0) {
@@ -929,15 +871,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             if (kt >= 1) {
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 mmw_fence_acc(acc);
-                if (kt - 1 + MMW_STAGES < nk) {
-                    // The cluster form: lane r of the warpgroup's first warp frees the stage in
-                    // block r (the warpgroup's MMAs reading it are complete).
-                    if constexpr (TC) {
-                        if ((tid & 127) < CL) mmw_mbar_arrive_cl(ebar0 + 8 * ((kt - 1) % MMW_STAGES), tid & 127);
-                    } else {
-                        mmw_bar_arrive(EMPTY0 + (kt - 1) % MMW_STAGES, MMW_BAR);
-                    }
-                }
+                if (kt - 1 + MMW_STAGES < nk) mmw_bar_arrive(EMPTY0 + (kt - 1) % MMW_STAGES, MMW_BAR);
             }
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -1269,10 +1203,7 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 // for the gate and the up) as their last parameters.
 // MMW_TA_KERNEL1P / MMW_TA_SWIGLU1P: the kernel `kname` on tile TM × BN with P producer
 // warpgroups (0: one producer warp).
-#define MMW_TA_KERNEL1P(kname, TYPE, TM, BN, P) MMW_TA_KERNEL1PC(kname, TYPE, TM, BN, P, 1)
-// ... on clusters of CL output tiles (the grid's y a multiple of CL; x's map in boxes of BN / CL
-// rows).
-#define MMW_TA_KERNEL1PC(kname, TYPE, TM, BN, P, CL)                                                        \
+#define MMW_TA_KERNEL1P(kname, TYPE, TM, BN, P)                                                             \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), 1) kname(                            \
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
@@ -1282,7 +1213,7 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
         const __grid_constant__ MmwTmap wm2) {                                                             \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
-        mmw<TYPE, TM, BN, false, false, 1, true, P, CL>(                                                    \
+        mmw<TYPE, TM, BN, false, false, 1, true, P>(                                                        \
             g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
             g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
             y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, &xmap, 0,                                    \
@@ -1308,12 +1239,7 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 #define MMW_TA_KERNEL1W(name, TYPE)                              \
     MMW_TA_KERNEL1P(mmw_ta_##name##_w, TYPE, 128, 256, 0)        \
     MMW_TA_SWIGLU1P(mmw_ta_swiglu_##name##_w, TYPE, 128, 256, 0)
-// The 128-output tiles on clusters of two (`mmw_ta_*_c2_n<BN>`; MATMUL.md round 94).
-#define MMW_TA_KERNEL1C(name, TYPE, BN) \
-    MMW_TA_KERNEL1PC(mmw_ta_##name##_c2_n##BN, TYPE, 128, BN, MMW_PRODUCERS, 2)
 #define MMW_TA_KERNEL(name, TYPE)                                                                           \
-    MMW_TA_KERNEL1C(name, TYPE, 128)                                                                        \
-    MMW_TA_KERNEL1C(name, TYPE, 64)                                                                         \
     MMW_TA_KERNEL1(name, TYPE, 128, 128)                                                                    \
     MMW_TA_KERNEL1(name, TYPE, 128, 64)                                                                     \
     MMW_TA_KERNEL1(name, TYPE, 64, 256)                                                                     \
