@@ -138,6 +138,16 @@ fn ta_tile_mode() -> i64 {
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_TILE", 2))
 }
 
+/// `FERRITE_MMW_TA_KS` (read once; default 2): the TA form's plain launches whose 128 × 256
+/// tiles would not fill the SMs (the 4096-output projections at 512 rows: 64 blocks) on that
+/// tile with K split between the two blocks of a cluster, added through shared memory
+/// (`mmw_ta_*_wk`, MATMUL.md round 95), where the split grid fills at least three quarters of
+/// the SMs; 0: the 128-output tiles there.
+fn ta_ks() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_KS", 2) == 2)
+}
+
 /// The TA form's 128 × 256 tile (outputs × tokens) and its block: two consumer warpgroups
 /// and one producer warp (mmw.cu MMW_THREADS_P(128, 0)).
 const TA_WIDE: (usize, usize) = (128, 256);
@@ -145,11 +155,13 @@ const TA_WIDE_THREADS: u32 = threads_p(128, 0);
 /// Its dynamic shared memory: four 48 KB stages of the 224 KB budget (MmwShape's at P = 0).
 const TA_WIDE_SMEM: usize = ring_smem(TA_WIDE.0, TA_WIDE.1, 224 * 1024);
 
-/// A launch's tile: one of [`TILES`] (by index), or the TA form's [`TA_WIDE`].
+/// A launch's tile: one of [`TILES`] (by index), or the TA form's [`TA_WIDE`], whole or with
+/// K split between a cluster's two blocks ([`ta_ks`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Tile {
     Std(usize),
     TaWide,
+    TaWideK,
 }
 
 impl Tile {
@@ -172,11 +184,29 @@ impl Tile {
         }
     }
 
+    /// A TA plain launch's tile once [`ta_ks`] has its say: the 128-output tiles become the
+    /// wide one with K split in two where their launch has `out_tiles` output tiles (of 128)
+    /// on more than 128 `rows` and the split wide grid fills at least three quarters of the
+    /// SMs (the unsplit wide tile, where [`Tile::pick`] chose it, fills them already).
+    fn split_k(self, rows: usize, out_tiles: usize, sm_count: usize) -> Tile {
+        match self {
+            Tile::Std(0 | 1)
+                if ta_ks()
+                    && ta_tile_mode() == 2
+                    && rows > 128
+                    && 4 * 2 * rows.div_ceil(TA_WIDE.1) * out_tiles >= 3 * sm_count =>
+            {
+                Tile::TaWideK
+            }
+            t => t,
+        }
+    }
+
     /// Outputs × tokens.
     fn dims(self) -> (usize, usize) {
         match self {
             Tile::Std(i) => TILES[i],
-            Tile::TaWide => TA_WIDE,
+            Tile::TaWide | Tile::TaWideK => TA_WIDE,
         }
     }
 
@@ -184,7 +214,7 @@ impl Tile {
     fn index(self) -> Option<usize> {
         match self {
             Tile::Std(i) => Some(i),
-            Tile::TaWide => None,
+            Tile::TaWide | Tile::TaWideK => None,
         }
     }
 
@@ -197,10 +227,14 @@ impl Tile {
         let (tm, bn) = self.dims();
         let (threads, smem_bytes) = match self {
             Tile::Std(_) => (threads(tm), smem(tm, bn)),
-            Tile::TaWide => (TA_WIDE_THREADS, TA_WIDE_SMEM),
+            Tile::TaWide | Tile::TaWideK => (TA_WIDE_THREADS, TA_WIDE_SMEM),
         };
         Ok(LaunchConfig {
-            grid_dim: (rows.div_ceil(bn) as u32, out_tiles as u32, 1),
+            grid_dim: (
+                rows.div_ceil(bn) as u32,
+                out_tiles as u32,
+                if self == Tile::TaWideK { 2 } else { 1 },
+            ),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem_bytes as u32,
         })
@@ -596,6 +630,9 @@ pub struct Kernels {
     ta: Vec<(Tiles, Tiles)>,
     /// `mmw_ta_<type>_w` and `mmw_ta_swiglu_<type>_w`, the [`TA_WIDE`] tile, likewise.
     ta_w: Vec<(CudaFunction, CudaFunction)>,
+    /// `mmw_ta_<type>_wk`: that tile with K split between a cluster's two blocks
+    /// ([`Tile::TaWideK`]), likewise.
+    ta_wk: Vec<CudaFunction>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
@@ -618,6 +655,7 @@ impl Kernels {
             moe_tile: moe_form(1).1,
             ta: Vec::new(),
             ta_w: Vec::new(),
+            ta_wk: Vec::new(),
             x_f16: None,
             x_gather: None,
             rsw: None,
@@ -723,6 +761,14 @@ impl Kernels {
                             with_smem(format!("mmw_ta_swiglu_{n}_w"), TA_WIDE_SMEM)?,
                         ))
                     })
+                    .collect::<Result<_>>()?
+            } else {
+                Vec::new()
+            },
+            ta_wk: if ta() {
+                TA_TYPES
+                    .iter()
+                    .map(|(_, n)| with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM))
                     .collect::<Result<_>>()?
             } else {
                 Vec::new()
@@ -1103,14 +1149,22 @@ fn launch(
     }
     // The tile: the TA form's own rule (its 128 × 256 tile among them) or the quantized one.
     let tile = Tile::pick(ta, rows, n_total, be.sm_count);
-    let (tm, bn) = tile.dims();
-    let tiles = ns.map(|n| (n as usize).div_ceil(tm));
+    let tiles = ns.map(|n| (n as usize).div_ceil(tile.dims().0));
     let (e1, e2) = (tiles[0], tiles[0] + tiles[1]);
+    // The TA 128-output tiles: the wide one with K split where that fills the SMs (its
+    // outputs a block are theirs, 128, so the output tiles stay).
+    let tile = if ta {
+        tile.split_k(rows, e2 + tiles[2], be.sm_count)
+    } else {
+        tile
+    };
+    let (tm, bn) = tile.dims();
     let mut cfg = tile.config(rows, e2 + tiles[2])?;
     // On the wide tile, the register-A form's kernel where there is one: `mmw_rsw_<type>` for a
     // group of one RS type (FERRITE_MMW_RSW), `mmw_rsw_q4_k_q6_k` for the mixed Q, K, V (each
     // block the form of its weight's type).
     let mut kernel = match (ta_t, tile.index()) {
+        (Some(t), None) if tile == Tile::TaWideK => &be.mmw.ta_wk[t],
         (Some(t), None) => &be.mmw.ta_w[t].0,
         (_, Some(i)) => &kernels[i],
         (None, None) => bail!("mmw: the wide TA tile without TA"),
@@ -1141,6 +1195,10 @@ fn launch(
         .then(|| x_map(be, xb, rows, kp, bn))
         .transpose()?;
     let mut launch = be.stream.kernel(kernel);
+    if tile == Tile::TaWideK {
+        // The K halves' blocks: one cluster along the grid's z.
+        launch.cluster((1, 1, 2));
+    }
     launch
         .arg(&wp[0])
         .arg(&wp[1])
@@ -1577,5 +1635,28 @@ mod tests {
         }
         // The quantized launches keep their rule (the 64 × 256 tile on full grids).
         assert_eq!(Tile::pick(false, 512, 12288, 132), Tile::Std(2));
+    }
+
+    #[test]
+    fn ta_k_split_where_the_wide_grid_falls_short() {
+        if ta_tile_mode() != 2 || !ta_ks() {
+            return; // FERRITE_MMW_TA_TILE or FERRITE_MMW_TA_KS set in the environment
+        }
+        // Qwen3-8B F16 at 512 (or 300) rows on 132 SMs: Q, K, V grouped (48 output tiles:
+        // 2 × 2 × 48 split blocks) and O or down (32: 128 blocks) split; K or V alone (8: 32
+        // blocks) and 128 rows not.
+        let pick = |rows, n| {
+            let t = Tile::pick(true, rows, n, 132);
+            t.split_k(rows, n / 128, 132)
+        };
+        for (rows, n) in [(512, 6144), (512, 4096), (300, 4096)] {
+            assert_eq!(pick(rows, n), Tile::TaWideK, "{rows} x {n}");
+        }
+        for (rows, n) in [(512, 1024), (128, 4096)] {
+            assert!(matches!(pick(rows, n), Tile::Std(0 | 1)), "{rows} x {n}");
+        }
+        assert_eq!(pick(512, 24576), Tile::TaWide);
+        let k = Tile::TaWideK.config(512, 32).unwrap();
+        assert_eq!((k.grid_dim, k.block_dim.0), ((2, 32, 2), TA_WIDE_THREADS));
     }
 }

@@ -269,6 +269,20 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
 #endif
 }
 
+__device__ __forceinline__ float4 ld_cluster_f32x4(const float* p, int rank) {
+#if __CUDA_ARCH__ >= 900
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(cluster_addr(p, rank))
+                 : "memory");
+    return v;
+#else
+    __trap();
+    return make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
+}
+
 __device__ __forceinline__ void st_cluster_f32(float* p, int rank, float v) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(p, rank)), "f"(v) : "memory");

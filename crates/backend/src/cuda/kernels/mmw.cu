@@ -491,8 +491,15 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // o + TM / 2 as it does for mmw_row's order), wmh / wmh2 the gate's and up's maps.
 // P: producer warpgroups (1: the RS wide tile, `mmw_rsw_*`, whose 256 threads leave its consumer
 // warpgroup the registers of 128 accumulators and two A sets).
+// KS (the TA form's plain launches only; MATMUL.md round 95): the tile's K steps split between
+// the KS = 2 blocks of a cluster (grid z, the cluster's rank: block r the steps r · ceil(nk / 2)
+// on), each block staging its partial sums as usual; then, after a cluster barrier, block r
+// stores token rows r · BN / 2.. of the tile, each output the two partial sums added (the first
+// half's plus the second's, in that order in both blocks), the other block's read from its
+// shared memory (DSMEM). The wide tile's 64 blocks of a 4096-output projection at 512 rows
+// become 128 with no memset and no atomics.
 template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false,
-          int P = MMW_PRODUCERS>
+          int P = MMW_PRODUCERS, int KS = 1>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
                                     int n_out, int n_in, const uint16_t* __restrict__ xb, int kp, int rows,
                                     float* __restrict__ out, int oy, const int* __restrict__ mlist = nullptr,
@@ -531,7 +538,12 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // again and not stored).
     const int tn = MOE ? 0 : blockIdx.x * BN;
     const int t0 = MMW_TSHIFT && !MOE && rows > BN && tn + BN > rows ? rows - BN : tn;
-    const int nk = kp / MMW_TK;
+    static_assert(KS == 1 || (KS == 2 && TA && !SWIGLU), "mmw: the K split is the TA form's plain launches'");
+    // KS: this block's steps kb .. kb + nk of the tile's K steps.
+    const int ks_rank = KS > 1 ? cluster_rank() : 0;
+    const int nk_all = kp / MMW_TK, nk_half = (nk_all + 1) / 2;
+    const int kb = KS > 1 && ks_rank ? nk_half : 0;
+    const int nk = KS > 1 ? (ks_rank ? nk_all - nk_half : nk_half) : nk_all;
     // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
     const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
     // XT: x by tensor copies (MMW_XTMA; the gate/up's only under MMW_GU_XT, its map then over
@@ -598,7 +610,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
                 if (kt >= MMW_STAGES) mmw_bar_sync(EMPTY0 + s, MMW_BAR);
                 if (ptid == 0) {
                     const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
-                    const int k = kt * MMW_TK, r0 = wrow0 + oy * BR;
+                    const int k = (kb + kt) * MMW_TK, r0 = wrow0 + oy * BR;
                     mmw_expect(bar, (uint32_t)S::STAGE);
                     mmw_tma(st + S::A_BYTES, xmap, k, xrow0 + t0, bar);
                     mmw_tma(st, wmh, k, r0, bar);
@@ -898,14 +910,24 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // token's row (SWIGLU: silu(gate) · up computed here, 12 warps sharing the math that
     // the 4 consumer warps alone ran latency-bound: MATMUL.md round 14) ----
     if (producer) asm volatile("cp.async.wait_all;\n" ::: "memory");
-    __syncthreads();
+    // KS: both blocks' partial tiles staged and visible to the other before either reads.
+    if (KS > 1) cluster_sync_all();
+    else __syncthreads();
     constexpr int OUTS = SWIGLU ? TM / 2 : TM, NQ = OUTS / 4;
+    constexpr int TR = BN / KS;  // token rows this block stores (KS: rows ks_rank · TR..)
     const int ob = oy * OUTS;
     const bool vec = n_out % 4 == 0 && ((unsigned long long)out & 15) == 0;
-    for (int i = tid; i < BN * NQ; i += S::THREADS) {
-        const int t = i / NQ, q = i % NQ, tt = t0 + t, o = ob + 4 * q;
+    for (int i = tid; i < TR * NQ; i += S::THREADS) {
+        const int t = i / NQ + ks_rank * TR, q = i % NQ, tt = t0 + t, o = ob + 4 * q;
         if (tt >= rows || o >= n_out || (MMW_TSHIFT && tt < tn)) continue;
         float4 v = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + 4 * q);
+        if constexpr (KS > 1) {
+            // The other block's partial sums of the same outputs: the first K half's plus the
+            // second's.
+            const float4 u = ld_cluster_f32x4(stage + t * MMW_SP(TM) + 4 * q, ks_rank ^ 1);
+            v = ks_rank ? make_float4(u.x + v.x, u.y + v.y, u.z + v.z, u.w + v.w)
+                        : make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+        }
         if constexpr (SWIGLU) {
             const float4 u = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + TM / 2 + 4 * q);
             v.x = swiglu_f(v.x, u.x);
@@ -935,6 +957,8 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             for (int k = 0; k < 4 && o + k < n_out; k++) dst[k] = vs[k];
         }
     }
+    // KS: neither block exits (its shared memory released) before the other has read it.
+    if (KS > 1) cluster_sync_exec();
 #else
     __trap();
 #endif
@@ -1203,7 +1227,9 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 // for the gate and the up) as their last parameters.
 // MMW_TA_KERNEL1P / MMW_TA_SWIGLU1P: the kernel `kname` on tile TM × BN with P producer
 // warpgroups (0: one producer warp).
-#define MMW_TA_KERNEL1P(kname, TYPE, TM, BN, P)                                                             \
+#define MMW_TA_KERNEL1P(kname, TYPE, TM, BN, P) MMW_TA_KERNEL1PK(kname, TYPE, TM, BN, P, 1)
+// ... with the K steps split between the KS blocks of a cluster along the grid's z.
+#define MMW_TA_KERNEL1PK(kname, TYPE, TM, BN, P, KS)                                                        \
     extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(TM, P), 1) kname(                            \
         const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
         long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
@@ -1213,7 +1239,7 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
         const __grid_constant__ MmwTmap wm2) {                                                             \
         PDL_ENTRY();                                                                                        \
         const int y = blockIdx.y, g = (y >= e1) + (y >= e2);                                                \
-        mmw<TYPE, TM, BN, false, false, 1, true, P>(                                                        \
+        mmw<TYPE, TM, BN, false, false, 1, true, P, KS>(                                                    \
             g == 0 ? W0 : (g == 1 ? W1 : W2), nullptr, g == 0 ? rb0 : (g == 1 ? rb1 : rb2),                  \
             g == 0 ? n0 : (g == 1 ? n1 : n2), n_in, xb, kp, rows, g == 0 ? out0 : (g == 1 ? out1 : out2),    \
             y - (g == 0 ? 0 : (g == 1 ? e1 : e2)), nullptr, 1, &xmap, 0,                                    \
@@ -1238,6 +1264,7 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 // against the 32 KB a 512 of the 128 × 128 tile and the 40 KB a 512 of the 64 × 256 one.
 #define MMW_TA_KERNEL1W(name, TYPE)                              \
     MMW_TA_KERNEL1P(mmw_ta_##name##_w, TYPE, 128, 256, 0)        \
+    MMW_TA_KERNEL1PK(mmw_ta_##name##_wk, TYPE, 128, 256, 0, 2)   \
     MMW_TA_SWIGLU1P(mmw_ta_swiglu_##name##_w, TYPE, 128, 256, 0)
 #define MMW_TA_KERNEL(name, TYPE)                                                                           \
     MMW_TA_KERNEL1(name, TYPE, 128, 128)                                                                    \
