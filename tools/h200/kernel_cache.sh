@@ -7,6 +7,10 @@
 #                                      other CUBINs taken from the existing archive (minutes
 #                                      instead of ~8 here)
 #
+# Every module is compiled with common.cuh and mm_decode.cuh before it: a change there changes
+# every module's cache key, so rebuild them all (no arguments); a partial archive would leave the
+# GPU machine compiling the rest with NVRTC at start-up (minutes of its time).
+#
 # xz, not gzip: the modules' CUBINs are ~31 MB, 8.5 MB gzipped, and a call carries at most 64 MiB
 # with the working tree (~53 MB). A partial rebuild keeps the archive's earlier CUBINs of the
 # modules it compiles anew beside the new ones (tools/h200/ab.sh: one archive for two builds).

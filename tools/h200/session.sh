@@ -30,6 +30,10 @@
 #   tshift   a dense launch's last token tile read inside x's tensor map (FERRITE_MMW_TSHIFT, on by
 #            default; MATMUL.md round 93; the off form's CUBIN: `FERRITE_MMW_TSHIFT=0
 #            tools/h200/kernel_cache.sh mmw`): pp300 of Qwen3-8B Q4_K_M and F16 off / on, two rounds
+#   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, off
+#            by default until measured; MATMUL.md round 95; the same CUBIN serves both values):
+#            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
+#            pp512 and pp300 (gate at 300) off / on, two rounds
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
 #            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
@@ -343,6 +347,20 @@ for stage in "$@"; do
             ab_runs 'pp300|gate|rror' FERRITE_MMW_TSHIFT "0 1" "$f" "qwen3-8b $q" --prompt-tokens 300 --gen-tokens 16 --gate-tokens $g
             rm -f "$f"
         done | tee "$OUT/tshift.log"
+        ;;
+    taks)
+        # The K-split wide tile (FERRITE_MMW_TA_KS=2; MATMUL.md round 95): checked first, then
+        # timed against the 128-output tiles it replaces.
+        echo "check matmul under it: $(FERRITE_MMW_TA_KS=2 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-matmul-ks.log" | grep -E 'cases in|FAIL|rror' | head -5 | tr '\n' ' ')"
+        for v in 0 2; do
+            FERRITE_MMW_TA_KS=$v $F check --device cuda --perf --filter f16 > "$OUT/perf-f16-ks$v.txt" 2>&1
+            echo "FERRITE_MMW_TA_KS=$v"
+            grep -E 'f16 (4096|12288)->[0-9]+ rows=(512|300)|f16 f16 f16|cases in|FAIL' "$OUT/perf-f16-ks$v.txt"
+        done
+        f=$(synth qwen3-8b F16 | tail -1)
+        ab_pp FERRITE_MMW_TA_KS "0 2" "$f" "qwen3-8b F16"
+        ab_runs 'pp300|gate|rror' FERRITE_MMW_TA_KS "0 2" "$f" "qwen3-8b F16" --prompt-tokens 300 --gen-tokens 16 --gate-tokens 300
+        rm -f "$f"
         ;;
     rsq6)
         # The register-A form for Q6_K (FERRITE_MMW_RS_Q6, on by default; MATMUL.md rounds 86,

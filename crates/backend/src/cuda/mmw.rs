@@ -138,14 +138,15 @@ fn ta_tile_mode() -> i64 {
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_TILE", 2))
 }
 
-/// `FERRITE_MMW_TA_KS` (read once; default 2): the TA form's plain launches whose 128 × 256
-/// tiles would not fill the SMs (the 4096-output projections at 512 rows: 64 blocks) on that
-/// tile with K split between the two blocks of a cluster, added through shared memory
+/// `FERRITE_MMW_TA_KS` (read once; default 0): 2 puts the TA form's plain launches whose
+/// 128 × 256 tiles would not fill the SMs (the 4096-output projections at 512 rows: 64 blocks)
+/// on that tile with K split between the two blocks of a cluster, added through shared memory
 /// (`mmw_ta_*_wk`, MATMUL.md round 95), where the split grid fills at least three quarters of
-/// the SMs; 0: the 128-output tiles there.
+/// the SMs; 0: the 128-output tiles there. Off until it has run on a GPU (built and checked
+/// on the host only).
 fn ta_ks() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_KS", 2) == 2)
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_KS", 0) == 2)
 }
 
 /// The TA form's 128 × 256 tile (outputs × tokens) and its block: two consumer warpgroups
@@ -1639,16 +1640,21 @@ mod tests {
 
     #[test]
     fn ta_k_split_where_the_wide_grid_falls_short() {
-        if ta_tile_mode() != 2 || !ta_ks() {
-            return; // FERRITE_MMW_TA_TILE or FERRITE_MMW_TA_KS set in the environment
+        if ta_tile_mode() != 2 {
+            return; // FERRITE_MMW_TA_TILE set in the environment: another rule
         }
-        // Qwen3-8B F16 at 512 (or 300) rows on 132 SMs: Q, K, V grouped (48 output tiles:
-        // 2 × 2 × 48 split blocks) and O or down (32: 128 blocks) split; K or V alone (8: 32
-        // blocks) and 128 rows not.
         let pick = |rows, n| {
             let t = Tile::pick(true, rows, n, 132);
             t.split_k(rows, n / 128, 132)
         };
+        if !ta_ks() {
+            // Off (the default; FERRITE_MMW_TA_KS=2 turns it on): the 128-output tiles stay.
+            assert!(matches!(pick(512, 4096), Tile::Std(0 | 1)));
+            return;
+        }
+        // Qwen3-8B F16 at 512 (or 300) rows on 132 SMs: Q, K, V grouped (48 output tiles:
+        // 2 × 2 × 48 split blocks) and O or down (32: 128 blocks) split; K or V alone (8: 32
+        // blocks) and 128 rows not.
         for (rows, n) in [(512, 6144), (512, 4096), (300, 4096)] {
             assert_eq!(pick(rows, n), Tile::TaWideK, "{rows} x {n}");
         }
