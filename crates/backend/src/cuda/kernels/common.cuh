@@ -269,6 +269,8 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, int rank) {
 #endif
 }
 
+// The same for four floats (p 16-byte aligned): mmw.cu's K-split TA tile reading the other
+// block's partial sums.
 __device__ __forceinline__ float4 ld_cluster_f32x4(const float* p, int rank) {
 #if __CUDA_ARCH__ >= 900
     float4 v;
