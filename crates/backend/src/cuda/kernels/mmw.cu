@@ -494,9 +494,8 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // KS (the TA form's plain launches only; MATMUL.md round 95): the tile's K steps split between
 // the KS = 2 blocks of a cluster (grid z, the cluster's rank: block r the steps r · ceil(nk / 2)
 // on), each block staging its partial sums as usual; then, after a cluster barrier, block r
-// stores token rows r · BN / 2.. of the tile, each output the two partial sums added (the first
-// half's plus the second's, in that order in both blocks), the other block's read from its
-// shared memory (DSMEM). The wide tile's 64 blocks of a 4096-output projection at 512 rows
+// stores token rows r · BN / 2.. of the tile, each output the two partial sums added, the other
+// block's read from its shared memory (DSMEM). The wide tile's 64 blocks of a 4096-output projection at 512 rows
 // become 128 with no memset and no atomics.
 template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false,
           int P = MMW_PRODUCERS, int KS = 1>
@@ -922,11 +921,10 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
         if (tt >= rows || o >= n_out || (MMW_TSHIFT && tt < tn)) continue;
         float4 v = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + 4 * q);
         if constexpr (KS > 1) {
-            // The other block's partial sums of the same outputs: the first K half's plus the
-            // second's.
+            // Plus the other block's partial sums of the same outputs (one addition: the same
+            // sum whichever block stores it).
             const float4 u = ld_cluster_f32x4(stage + t * MMW_SP(TM) + 4 * q, ks_rank ^ 1);
-            v = ks_rank ? make_float4(u.x + v.x, u.y + v.y, u.z + v.z, u.w + v.w)
-                        : make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+            v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
         }
         if constexpr (SWIGLU) {
             const float4 u = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + TM / 2 + 4 * q);
