@@ -740,40 +740,19 @@ impl Kernels {
                 .collect::<Result<_>>()?,
             moe,
             moe_tile,
-            ta: if ta() {
-                TA_TYPES
-                    .iter()
-                    .map(|(_, n)| {
-                        Ok((
-                            tiles(&format!("ta_{n}"))?,
-                            tiles(&format!("ta_swiglu_{n}"))?,
-                        ))
-                    })
-                    .collect::<Result<_>>()?
-            } else {
-                Vec::new()
-            },
-            ta_w: if ta() {
-                TA_TYPES
-                    .iter()
-                    .map(|(_, n)| {
-                        Ok((
-                            with_smem(format!("mmw_ta_{n}_w"), TA_WIDE_SMEM)?,
-                            with_smem(format!("mmw_ta_swiglu_{n}_w"), TA_WIDE_SMEM)?,
-                        ))
-                    })
-                    .collect::<Result<_>>()?
-            } else {
-                Vec::new()
-            },
-            ta_wk: if ta() {
-                TA_TYPES
-                    .iter()
-                    .map(|(_, n)| with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM))
-                    .collect::<Result<_>>()?
-            } else {
-                Vec::new()
-            },
+            ta: per_ta_type(|n| {
+                Ok((
+                    tiles(&format!("ta_{n}"))?,
+                    tiles(&format!("ta_swiglu_{n}"))?,
+                ))
+            })?,
+            ta_w: per_ta_type(|n| {
+                Ok((
+                    with_smem(format!("mmw_ta_{n}_w"), TA_WIDE_SMEM)?,
+                    with_smem(format!("mmw_ta_swiglu_{n}_w"), TA_WIDE_SMEM)?,
+                ))
+            })?,
+            ta_wk: per_ta_type(|n| with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM))?,
             x_f16: if ta() {
                 Some(function(&m, "mmw_x_f16")?)
             } else {
@@ -837,6 +816,15 @@ fn kernel_index(be: &CudaBackend, w: &CudaWeight, rows: usize) -> Option<usize> 
     // 16-byte loads need a 16-byte aligned base (cudaMalloc gives 256).
     let (ptr, _g) = w.data.device_ptr(&be.stream);
     (ptr % 16 == 0).then_some(ti)
+}
+
+/// `load(name)` for each of [`TA_TYPES`] in order (the TA kernel lists, indexed as
+/// [`ta_index`]), or none where `FERRITE_MMW_TA` is off.
+fn per_ta_type<T>(load: impl Fn(&str) -> Result<T>) -> Result<Vec<T>> {
+    if !ta() {
+        return Ok(Vec::new());
+    }
+    TA_TYPES.iter().map(|(_, n)| load(n)).collect()
 }
 
 /// Index in [`TA_TYPES`] of the TA kernels for `w` (already on this path: [`kernel_index`]),
