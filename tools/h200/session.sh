@@ -30,8 +30,8 @@
 #   tshift   a dense launch's last token tile read inside x's tensor map (FERRITE_MMW_TSHIFT, on by
 #            default; MATMUL.md round 93; the off form's CUBIN: `FERRITE_MMW_TSHIFT=0
 #            tools/h200/kernel_cache.sh mmw`): pp300 of Qwen3-8B Q4_K_M and F16 off / on, two rounds
-#   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, off
-#            by default until measured; MATMUL.md round 95; the same CUBIN serves both values):
+#   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, on
+#            by default since the 53rd session; MATMUL.md round 95; the same CUBIN serves both values):
 #            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
 #            pp512 and pp300 (gate at 300) off / on, two rounds
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
@@ -424,7 +424,7 @@ for stage in "$@"; do
     attn_detail)
         f=$(synth qwen3-8b Q4_K_M | tail -1)
         "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
-            --kernel-name attn_prefill_tc_128 --launch-skip 40 --launch-count 1 --set full \
+            --kernel-name attn_prefill_tc_128 --launch-skip 8 --launch-count 1 --set full \
             $F bench --model "$f" --reps 1 --gen-tokens 4 --gate-tokens 2 > "$OUT/ncu_attn.txt" 2>&1
         grep -E "attn_prefill|Duration|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per|Issue Slots|Block Limit|Pipe|Stall|L2 Hit|Executed Ipc" "$OUT/ncu_attn.txt" | head -60
         rm -f "$f"

@@ -112,7 +112,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MMW_TA_KS",
         Accepts::OneOf(&[0, 2]),
-        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: 2 the TA form's plain launches whose 128x256 tiles would not fill the SMs on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs), 0 (default; the split not yet run on a GPU) the 128-output tiles there (MATMUL.md round 95)",
+        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: 2 (default) the TA form's plain launches whose 128x256 tiles would not fill the SMs on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs), 0 the 128-output tiles there (MATMUL.md round 95)",
     ),
     (
         "FERRITE_MMW_TSHIFT",
