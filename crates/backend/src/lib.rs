@@ -619,6 +619,26 @@ pub trait Backend: Send + Sync {
         self.matmul(x, up, u)?;
         self.swiglu(g, u, act)
     }
+    /// The SwiGLU MLP `out = down · (silu(gate · x) ⊙ (up · x))`: [`Backend::matmul_swiglu`]
+    /// into `act`, then [`Backend::matmul`] of `down`. `g`, `u` and `act` are scratch; a
+    /// backend may leave `act` holding what its down projection read instead of the f32
+    /// activations (CUDA's prefill: their 16-bit rounding, written by the gate/up launch in
+    /// place of the f32 rows and the down's conversion of them). `out` equals the composition's
+    /// bitwise.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_mlp(
+        &self,
+        x: &Act<Self::Buf>,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        gu: (&mut Act<Self::Buf>, &mut Act<Self::Buf>),
+        act: &mut Act<Self::Buf>,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.matmul_swiglu(x, gate, up, gu, act)?;
+        self.matmul(act, down, out)
+    }
     /// Whether [`Backend::rms_norm_matmuls`] and [`Backend::rms_norm_matmul_swiglu`] on
     /// `rows` rows of every one of `ws` defer the RMSNorm into the projection (no norm
     /// launch: `rms_norm(x) · n · W = s · ((x ⊙ n) · W)` with `s = 1 / rms(x)` per row,

@@ -284,6 +284,7 @@ const OPS: &[&str] = &[
     "matmul",
     "matmuls",
     "matmul_swiglu",
+    "swiglu_mlp",
     // The deferred-RMSNorm decode projections and the residual add in a projection's epilogue.
     "rms_norm_matmuls",
     "rms_norm_matmul_swiglu",
@@ -360,7 +361,8 @@ enum Op {
     },
     /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`. With `down`,
     /// the down projection (`[n_in, n_out]`, type `ty`) of that output follows and is what is
-    /// checked: the FFN's two decode GEMVs in a row, the second on the first's quantized output.
+    /// checked (`swiglu_mlp`): the FFN's two decode GEMVs in a row, the second on the first's
+    /// quantized output, or at prefill the gate/up launch writing the down's 16-bit x.
     MatmulSwiglu {
         ty: GgmlType,
         n_in: usize,
@@ -693,9 +695,9 @@ fn describe(op: &Op) -> (&'static str, String) {
             rows,
             down,
         } => (
-            "matmul_swiglu",
+            if *down { "swiglu_mlp" } else { "matmul_swiglu" },
             if *down {
-                format!("matmul_swiglu+down {ty} {n_in}->{n_out}->{n_in} rows={rows}")
+                format!("swiglu_mlp {ty} {n_in}->{n_out}->{n_in} rows={rows}")
             } else {
                 format!("matmul_swiglu {ty} {n_in}->{n_out} rows={rows}")
             },
@@ -1287,7 +1289,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
         &'a [usize],
         bool,
     );
-    let sets: [SwigluSet; 4] = [
+    let sets: [SwigluSet; 5] = [
         (
             &[GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q5K, GgmlType::BF16],
             (512, 300),
@@ -1311,6 +1313,18 @@ pub fn cases(quick: bool) -> Vec<Case> {
             &[(512, 300), (4096, 12288)],
             &[64, 300],
             false,
+        ),
+        // Prefill rows with the down (`swiglu_mlp`): on sm_90a the TA form's gate/up writes
+        // the down's 16-bit x itself (mmw.rs swiglu_mlp) — the F16 and BF16 FFN of Qwen3-8B at
+        // a partial token tile (300: the last tile shifted) and at whole ones, a small FFN of
+        // 384 (the smaller tiles), and one whose 328 columns are not whole 64-column steps (the
+        // composition instead).
+        (
+            &[GgmlType::F16, GgmlType::BF16],
+            (512, 328),
+            &[(512, 328), (512, 384), (4096, 12288)],
+            &[300, 512],
+            true,
         ),
         // Many 8-pair tensor-core tiles (more than a wave), the last one half full.
         (
@@ -3453,10 +3467,9 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         }
         Op::MatmulSwiglu { down: true, .. } => {
             let [x, g, u, h] = &mut p.a[..] else {
-                bail!("matmul_swiglu+down: expected 4 activations")
+                bail!("swiglu_mlp: expected 4 activations")
             };
-            be.matmul_swiglu(x, &p.w[0], &p.w[1], (g, u), h)?;
-            be.matmul(h, &p.w[2], &mut p.out)
+            be.swiglu_mlp(x, &p.w[0], &p.w[1], &p.w[2], (g, u), h, &mut p.out)
         }
         Op::RmsNormMatmuls { .. } => {
             let [x, h] = &mut p.a[..] else {

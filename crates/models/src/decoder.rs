@@ -249,8 +249,7 @@ pub(crate) fn swiglu_mlp<B: Backend>(
     (gate, up, act): MlpScratch<'_, B>,
     out: &mut Act<B::Buf>,
 ) -> Result<()> {
-    be.matmul_swiglu(h, w.gate, w.up, (gate, up), act)?;
-    be.matmul(act, w.down, out)
+    be.swiglu_mlp(h, w.gate, w.up, w.down, (gate, up), act, out)
 }
 
 /// Which positions' logits a forward pass returns.

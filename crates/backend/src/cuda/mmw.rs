@@ -283,6 +283,13 @@ pub(crate) fn rs_q5() -> bool {
     *ON.get_or_init(|| rs() && super::switches::int_or("FERRITE_MMW_RS_Q5", 1) != 0)
 }
 
+/// `FERRITE_MMW_HX` (read once; default 1): the TA form's gate/up launch writes the down's
+/// 16-bit x rows itself ([`swiglu_mlp`]; MATMUL.md round 96); 0: f32 h, converted by the down.
+fn hx() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_HX", 1) != 0)
+}
+
 /// `FERRITE_MMW_TSHIFT` (read once; default 1): a dense launch's last token tile, where the
 /// rows end inside it, read from a tile's length before the end (mmw.cu MMW_TSHIFT: its x box
 /// inside the map, no zero fill by the tensor copy; MATMUL.md round 93: pp300 on an H100
@@ -949,6 +956,67 @@ pub fn matmul_swiglu(
     up: &CudaWeight,
     act: &mut Act<CudaSlice<f32>>,
 ) -> Result<bool> {
+    swiglu(be, x, gate, up, act, None)
+}
+
+/// `out = down · SwiGLU(x)` where the gate/up launch can hand the down its x (the TA form, the
+/// down of the gate's type, its K whole steps): that launch writes h as the down's 16-bit x
+/// rows into `act`'s first bytes (`hbf`, mmw.cu; the rounding of the conversion it replaces,
+/// so `out` is bitwise the composition's), in place of the f32 rows the down converted, and the
+/// down reads them there. Per Qwen3-8B F16 layer at 512 rows that is 24 MB of f32 written and
+/// read and 12 MB of f16 written by a launch of its own, against 12 MB written by the gate/up
+/// (MATMUL.md round 96). `Ok(false)`, nothing done, where it does not apply.
+pub fn swiglu_mlp(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    down: &CudaWeight,
+    act: &mut Act<CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    if !hx() {
+        return Ok(false);
+    }
+    let (rows, n_ff) = (x.rows, gate.shape[0]);
+    let Some(td) = kernel_index(be, down, rows).and_then(|_| ta_index(be, down)) else {
+        return Ok(false);
+    };
+    if down.shape[1] != n_ff
+        || !n_ff.is_multiple_of(TK)
+        || TA_TYPES[td].0 != gate.dtype
+        || !swiglu(be, x, gate, up, act, Some(td))?
+    {
+        return Ok(false);
+    }
+    // SAFETY: the view is act's first rows · n_ff · 2 bytes (act holds rows · n_ff floats:
+    // checked by the launch), which the gate/up launch wrote as 16-bit rows; nothing writes
+    // act while the down reads it (one stream).
+    let hb = unsafe { act.buf.transmute::<u16>(rows * n_ff) }
+        .context("mmw: 16-bit view of the SwiGLU output")?;
+    launch(
+        be,
+        &hb,
+        n_ff,
+        rows,
+        &[down],
+        &be.mmw.ta[td].0,
+        &mut [out],
+        Some(td),
+    )?;
+    Ok(true)
+}
+
+/// [`matmul_swiglu`]; with `h16` (an index in [`TA_TYPES`]: the TA form of that type, or
+/// nothing done) h written as the down's 16-bit x rows ([`swiglu_mlp`]).
+fn swiglu(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    gate: &CudaWeight,
+    up: &CudaWeight,
+    act: &mut Act<CudaSlice<f32>>,
+    h16: Option<usize>,
+) -> Result<bool> {
     if gate.dtype != up.dtype || gate.shape != up.shape || fuse() & 2 == 0 {
         return Ok(false);
     }
@@ -969,6 +1037,9 @@ pub fn matmul_swiglu(
     // The tile rule counts gate and up rows together (2 n_out), as the grouped launch would;
     // a block covers tm / 2 outputs.
     let ta = ta_index(be, gate).filter(|&t| ta_index(be, up) == Some(t));
+    if h16.is_some() && ta != h16 {
+        return Ok(false);
+    }
     // The tile: the TA form's own rule (its 128 × 256 tile among them) or the quantized one.
     let tile = Tile::pick(ta.is_some(), rows, 2 * n_out, be.sm_count);
     let (tm, bn) = tile.dims();
@@ -1029,8 +1100,9 @@ pub fn matmul_swiglu(
         } else {
             None
         };
+        let hbf = h16.is_some() as i32;
         if let Some((g, u)) = &am {
-            launch.arg(g).arg(u);
+            launch.arg(g).arg(u).arg(&hbf);
         }
         // SAFETY: checked above: gate and up hold n_out rows of rb bytes each, xb rows×kp
         // bf16 (zero beyond n_in; the map describes it), act rows×n_out floats; blocks cover
@@ -1079,9 +1151,9 @@ fn tile_index(rows: usize, n_total: usize, sm_count: usize) -> usize {
 /// [`Tile::pick`] picks it) on the x in `xb` (`rows` rows of `kp`; bf16, or f16 for the TA form's
 /// F16) for 1–3 weights (one grid over their output tiles in order).
 #[allow(clippy::too_many_arguments)]
-fn launch(
+fn launch<X: DevicePtr<u16>>(
     be: &CudaBackend,
-    xb: &CudaSlice<u16>,
+    xb: &X,
     kp: usize,
     rows: usize,
     ws: &[&CudaWeight],
@@ -1183,6 +1255,8 @@ fn launch(
     let map = (xtma() || ta)
         .then(|| x_map(be, xb, rows, kp, bn))
         .transpose()?;
+    // xb's device address (a slice or a view), held across the launch.
+    let (xp, _xb_guard) = xb.device_ptr(&be.stream);
     let mut launch = be.stream.kernel(kernel);
     if tile == Tile::TaWideK {
         // The K halves' blocks: one cluster along the grid's z.
@@ -1201,7 +1275,7 @@ fn launch(
         .arg(&e1_i)
         .arg(&e2_i)
         .arg(&n_in_i)
-        .arg(xb)
+        .arg(&xp)
         .arg(&kp_i)
         .arg(&rows_i)
         .arg(&op[0])

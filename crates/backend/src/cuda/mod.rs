@@ -746,6 +746,26 @@ impl Backend for CudaBackend {
         self.swiglu(g, u, act)
     }
 
+    fn swiglu_mlp(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        gu: (&mut Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
+        act: &mut Act<CudaSlice<f32>>,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        // A prefill on the TA form (16-bit weights): the gate/up launch writes the down's
+        // 16-bit x itself (mmw.rs swiglu_mlp). Not under exact prefill (its own path below).
+        let exact = [gate, up, down].iter().any(|w| mmq::takes(self, w, x.rows));
+        if !exact && mmw::swiglu_mlp(self, x, gate, up, down, act, out)? {
+            return Ok(());
+        }
+        self.matmul_swiglu(x, gate, up, gu, act)?;
+        self.matmul(act, down, out)
+    }
+
     fn copy_rows(
         &self,
         x: &Act<CudaSlice<f32>>,

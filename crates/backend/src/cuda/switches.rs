@@ -115,6 +115,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill, with FERRITE_MMW_TA_TILE=2: 2 (default) the TA form's plain launches whose 128x256 tiles would not fill the SMs on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs), 0 the 128-output tiles there (MATMUL.md round 95)",
     ),
     (
+        "FERRITE_MMW_HX",
+        Accepts::OneOf(&[0, 1]),
+        "wgmma prefill: 1 (default) the TA form's (F16, BF16) fused gate/up/SwiGLU launch writes the down projection's 16-bit x rows itself (MATMUL.md round 96), 0 f32 rows that the down converts",
+    ),
+    (
         "FERRITE_MMW_TSHIFT",
         Accepts::OneOf(&[0, 1]),
         "wgmma prefill: 1 (default) a dense launch's last token tile, where the rows end inside it, read from a tile's length before the end (its x box inside the map: no zero fill; MATMUL.md round 93), 0 from the tile's start",

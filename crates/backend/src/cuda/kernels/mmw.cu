@@ -934,16 +934,20 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             v.w = swiglu_f(v.w, u.w);
         }
         const size_t orow = MOE && !SWIGLU ? (size_t)mlist[tt] : (size_t)tt;
-        if (MOE && SWIGLU && hbf) {
-            // The MoE gate/up's h as bf16 rows for the down (`out` holds uint16 then; n_out a
-            // multiple of 64 so that the rows are the down's x scratch rows): pack_bf16, the
-            // rounding of the conversion the down's input took before (mm_x_bf16).
+        if (SWIGLU && (MOE || TA) && hbf) {
+            // The gate/up's h as 16-bit rows for the down (`out` holds uint16 then; n_out a
+            // multiple of 64 so that the rows are the down's x scratch rows), rounded as the
+            // conversion the down's input took before: the MoE experts' and BF16 weights' bf16
+            // (pack_bf16, mm_x_bf16), F16 weights' f16 (pack_f16_sat, mmw_x_f16).
             uint16_t* dst16 = reinterpret_cast<uint16_t*>(out) + orow * n_out + o;
             if (o + 3 < n_out) {
-                *reinterpret_cast<uint2*>(dst16) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+                *reinterpret_cast<uint2*>(dst16) =
+                    H ? make_uint2(pack_f16_sat(v.x, v.y), pack_f16_sat(v.z, v.w))
+                      : make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
             } else {
                 const float vs[4] = {v.x, v.y, v.z, v.w};
-                for (int k = 0; k < 4 && o + k < n_out; k++) dst16[k] = (uint16_t)(pack_bf16(vs[k], 0.0f) & 0xFFFF);
+                for (int k = 0; k < 4 && o + k < n_out; k++)
+                    dst16[k] = (uint16_t)((H ? pack_f16_sat(vs[k], 0.0f) : pack_bf16(vs[k], 0.0f)) & 0xFFFF);
             }
             continue;
         }
@@ -1222,7 +1226,8 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 // bf16 x scratch, exactly the producers' numerics; F16 with an f16 x scratch, mmw_x_f16, and
 // f16 wgmma, where the producers round both to bf16). The kernels are MMW_KERNEL1's and
 // MMW_SWIGLU1's with x's tensor map and the weights' (boxes of a tile's rows: TM, or TM / 2
-// for the gate and the up) as their last parameters.
+// for the gate and the up) as their last parameters; the SwiGLU ones then `hbf` (1: h written as
+// the down's 16-bit x rows instead of f32, mmw.rs swiglu_mlp; MATMUL.md round 96).
 // MMW_TA_KERNEL1P / MMW_TA_SWIGLU1P: the kernel `kname` on tile TM × BN with P producer
 // warpgroups (0: one producer warp).
 #define MMW_TA_KERNEL1P(kname, TYPE, TM, BN, P) MMW_TA_KERNEL1PK(kname, TYPE, TM, BN, P, 1)
@@ -1248,10 +1253,11 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
         const uint8_t* __restrict__ Wg, const uint8_t* __restrict__ Wu, long long rb, int n_out, int n_in, \
         const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out,                        \
         const __grid_constant__ MmwTmap xmap, const __grid_constant__ MmwTmap wg,                          \
-        const __grid_constant__ MmwTmap wu) {                                                              \
+        const __grid_constant__ MmwTmap wu, int hbf) {                                                     \
         PDL_ENTRY();                                                                                        \
         mmw<TYPE, TM, BN, true, false, 1, true, P>(Wg, Wu, rb, n_out, n_in, xb, kp, rows, out, blockIdx.y,  \
-                                                   nullptr, 1, &xmap, 0, &wg, nullptr, &wu);                \
+                                                   nullptr, 1, &xmap, 0, &wg, nullptr, &wu, nullptr, 0,     \
+                                                   hbf);                                                    \
     }
 #define MMW_TA_KERNEL1(name, TYPE, TM, BN) MMW_TA_KERNEL1P(mmw_ta_##name##_n##BN, TYPE, TM, BN, MMW_PRODUCERS)
 #define MMW_TA_SWIGLU1(name, TYPE, TM, BN) \
