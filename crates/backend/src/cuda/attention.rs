@@ -99,6 +99,18 @@ const TC_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 const TC_THREADS: usize = 128;
 const TC_SLOTS: usize = 64;
 
+/// `FERRITE_ATTN_TC2` (read once; default 0): 1 runs a contiguous f16 cache's tensor-core
+/// prefill on `attn_prefill_tc2_<hd>`, two groups of 4 warps a block taking alternate key
+/// tiles, merged at the end (ATTENTION.md 53rd session); 0 the one-group kernel.
+fn tc2() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_TC2", 0) != 0)
+}
+
+/// The largest head dim with an `attn_prefill_tc2_<hd>`: at 256 its 128 accumulators a thread
+/// would spill under the two-blocks-an-SM register ceiling (128).
+const TC2_MAX_HEAD_DIM: usize = 128;
+
 /// Dynamic shared memory of `attn_prefill_tc[_q8]_<hd>` (TcShape::SMEM in attention.cu): q as
 /// f16 [64][hd + 8] and double-buffered f16 K and V tiles [2][keys][hd + 8]; q8_0 (`q8` = 1),
 /// one f16 K and V tile and the double-buffered raw stages (int8 + one f16 scale per 32).
@@ -136,7 +148,7 @@ fn decode_kernel<'a>(
 /// Both take the same arguments.
 #[allow(clippy::too_many_arguments)]
 fn prefill_kernel<'a>(
-    tc: &'a [Option<Vec<CudaFunction>>; 2],
+    (tc, tc_threads): (&'a [Option<Vec<CudaFunction>>; 2], usize),
     simt: &'a [Vec<CudaFunction>; 2],
     q8: usize,
     head_dim: usize,
@@ -155,7 +167,15 @@ fn prefill_kernel<'a>(
     if let Some(f) = tc_kernel {
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(TC_SLOTS / group) as u32, n_kv_heads as u32, 1),
-            block_dim: (TC_THREADS as u32, 1, 1),
+            block_dim: (
+                if q8 == 0 && head_dim <= TC2_MAX_HEAD_DIM {
+                    tc_threads
+                } else {
+                    TC_THREADS
+                } as u32,
+                1,
+                1,
+            ),
             shared_mem_bytes: tc_smem(head_dim, q8) as u32,
         };
         return Some((f, cfg));
@@ -302,6 +322,10 @@ pub struct Kernels {
     /// Tensor-core prefill, `[f16, q8_0]`, per [`TC_HEAD_DIMS`] entry; `None` where
     /// `FERRITE_ATTN_TC` keeps that cache type on the SIMT kernel (0: both, 2: q8_0).
     prefill_tc: [Option<Vec<CudaFunction>>; 2],
+    /// Threads of a `prefill_tc[0]` block up to [`TC2_MAX_HEAD_DIM`]: 256 for
+    /// `attn_prefill_tc2_*` ([`tc2`]), else [`TC_THREADS`] (the q8_0 and paged kernels and
+    /// head dim 256 always).
+    prefill_tc_threads: usize,
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
@@ -339,8 +363,10 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
         };
         let ptc = super::switches::int_or("FERRITE_ATTN_TC", 1);
-        // `attn_prefill_tc[_q8]_<hd><post>` for every TC head size, where `on`.
+        // `attn_prefill_tc_[q8_]<hd><post>` for every TC head size, where `on` (`tc2`:
+        // `attn_prefill_tc2_<hd>` where there is one, [`TC2_MAX_HEAD_DIM`]).
         let prefill_tc_family = |on: bool,
+                                 tc2: bool,
                                  q8: usize,
                                  post: &str|
          -> Result<Option<Vec<CudaFunction>>> {
@@ -351,7 +377,8 @@ impl Kernels {
             TC_HEAD_DIMS
                 .iter()
                 .map(|&hd| {
-                    let name = format!("attn_prefill_tc_{pre}{hd}{post}");
+                    let base = if tc2 && hd <= TC2_MAX_HEAD_DIM { "tc2" } else { "tc" };
+                    let name = format!("attn_prefill_{base}_{pre}{hd}{post}");
                     let smem = tc_smem(hd, q8);
                     let f = function(&m, &name)?;
                     f.set_attribute(
@@ -364,10 +391,13 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
                 .map(Some)
         };
+        // The contiguous f16 cache's kernels with two key groups (`attn_prefill_tc2_<hd>`,
+        // 256 threads) where FERRITE_ATTN_TC2 is on.
+        let tc2 = tc2();
         let prefill_tc = |post: &str| -> Result<[Option<Vec<CudaFunction>>; 2]> {
             Ok([
-                prefill_tc_family(ptc != 0, 0, post)?,
-                prefill_tc_family(ptc == 1, 1, post)?,
+                prefill_tc_family(ptc != 0, tc2 && post.is_empty(), 0, post)?,
+                prefill_tc_family(ptc == 1, false, 1, post)?,
             ])
         };
         let dtc = super::switches::int_or("FERRITE_ATTN_DTC", 1);
@@ -479,6 +509,7 @@ impl Kernels {
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
+            prefill_tc_threads: if tc2 { 2 * TC_THREADS } else { TC_THREADS },
             generic: function(&m, "attn_generic")?,
             paged: PagedKernels {
                 kv_store: [
@@ -1125,7 +1156,7 @@ fn attention_impl(
 
     // 2b. Prefill: query tiles × kv heads (the tensor-core kernel where it applies).
     let pre = prefill_kernel(
-        &be.attention.prefill_tc,
+        (&be.attention.prefill_tc, be.attention.prefill_tc_threads),
         &be.attention.prefill,
         q8,
         head_dim,
@@ -1454,7 +1485,7 @@ fn attention_paged(
         let pre = (!u.decode)
             .then(|| {
                 prefill_kernel(
-                    &kern.prefill_tc,
+                    (&kern.prefill_tc, TC_THREADS),
                     &kern.prefill,
                     q8,
                     head_dim,

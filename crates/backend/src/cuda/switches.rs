@@ -285,6 +285,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill attention on the tensor cores (1 = f16 and q8_0 caches, 2 = f16 only, 0 = the SIMT kernel; ATTENTION.md)",
     ),
     (
+        "FERRITE_ATTN_TC2",
+        Accepts::OneOf(&[0, 1]),
+        "tensor-core prefill attention on a contiguous f16 cache: 1 two groups of 4 warps a block taking alternate key tiles, merged at the end (attn_prefill_tc2_*; ATTENTION.md 53rd session), 0 (default) one group",
+    ),
+    (
         "FERRITE_GEMV_WARPS",
         Accepts::Range(1, 256),
         "float GEMV: resident-warp goal per SM that sets its K split (default 32; MATMUL.md round 15)",

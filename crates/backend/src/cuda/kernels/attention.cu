@@ -1805,7 +1805,7 @@ __device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src, int sr
                  : "memory");
 }
 
-template <int HD, bool Q8, bool PAGED>
+template <int HD, bool Q8, bool PAGED, int G = 1>
 __device__ __forceinline__ void attn_prefill_tc_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
@@ -1813,6 +1813,7 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
     int capacity, float scale_log2, PAGED_ARGS) {
     using S = TcShape<HD, Q8>;
+    static_assert(G == 1 || (G == 2 && !Q8), "attn_prefill_tc: two key groups on f16 caches only");
     constexpr int BKV = S::BKV, LDS = S::LDS;
     constexpr int NS = BKV / 8;   // S n-tiles (8 keys) per warp
     constexpr int NO = HD / 8;    // O n-tiles (8 dims) per warp
@@ -1828,7 +1829,10 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     __shared__ int s_pos[TC_SLOTS];
     __shared__ int s_kmax;
 
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31;
+    // G = 2: key group kg (threads kg · 128 ..) takes the key tiles kg, kg + 2, ...; gtid is a
+    // thread's index in its group (G = 1: the block's).
+    const int kg = G == 2 ? tid >> 7 : 0, gtid = tid & (TC_THREADS - 1);
     const int g = lane >> 2, t4 = lane & 3;
     const int rpt = TC_SLOTS / group;  // rows per tile (host guarantees 1 ≤ group ≤ 64)
     const int tile = gridDim.x - 1 - blockIdx.x;
@@ -1844,7 +1848,7 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
         if (P >= 0) atomicMax(&s_kmax, P + 1);
     }
     // q → f16 (pre-scaled), one float4 per step; invalid slots are zeros.
-    for (int i = tid; i < TC_SLOTS * HD / 4; i += TC_THREADS) {
+    for (int i = tid; i < TC_SLOTS * HD / 4; i += G * TC_THREADS) {
         const int slot = i / (HD / 4), c = (i % (HD / 4)) * 4;
         const int r = slot / group, gi = slot % group, t = tile * rpt + r;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1907,11 +1911,13 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
             asm volatile("cp.async.commit_group;\n" ::: "memory");
             return;
         }
-        for (int c = tid; c < BKV * CPR; c += TC_THREADS) {
+        // G = 2: each group's own (single) buffer, filled by its threads.
+        const int fb = G == 2 ? kg : buf;
+        for (int c = gtid; c < BKV * CPR; c += TC_THREADS) {
             const int kr = c / CPR, col = (c % CPR) * 8;
             long long e;
             const int bytes = key_src(k0 + kr, col, 16, e);
-            const uint32_t off = (uint32_t)((buf * BKV + kr) * LDS + col) * 2;
+            const uint32_t off = (uint32_t)((fb * BKV + kr) * LDS + col) * 2;
             cp_async16(sK0 + off, kbase + e, bytes);
             cp_async16(sV0 + off, vbase + e, bytes);
         }
@@ -1945,22 +1951,31 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     const uint32_t kb = ((lane & 7) + ((lane >> 4) << 3)) * LDS * 2 + ((lane >> 3) & 1) * 16;
     const uint32_t vb = (lane & 15) * LDS * 2 + (lane >> 4) * 16;
 
-    if (n_tiles > 0) load_tile(0);
-    for (int it = 0; it < n_tiles; it++) {
-        if (it + 1 < n_tiles) {
-            load_tile(it + 1);
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        } else {
+    // G = 1: tile it + 1 in flight while tile it is computed, one barrier pair a tile. G = 2:
+    // each group its tiles one at a time in its own buffer, on its own named barrier (1 + kg);
+    // the other group's warps (and the other block's) cover the copy's latency.
+    if (G == 1 && n_tiles > 0) load_tile(0);
+    for (int it = kg; it < n_tiles; it += G) {
+        if constexpr (G == 2) {
+            load_tile(it);
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+            asm volatile("bar.sync %0, %1;\n" ::"r"(1 + kg), "n"(TC_THREADS) : "memory");
+        } else {
+            if (it + 1 < n_tiles) {
+                load_tile(it + 1);
+                asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+            } else {
+                asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+            }
+            __syncthreads();
         }
-        __syncthreads();
         if constexpr (Q8) {
             dequant_tile(it & 1);
             __syncthreads();
         }
         const int k0 = it * BKV;
         if (k0 <= wmax) {  // warp-uniform: some row of this warp sees keys of this tile
-            const int buf = Q8 ? 0 : it & 1;
+            const int buf = Q8 ? 0 : (G == 2 ? kg : it & 1);
             const uint32_t kt = sK0 + buf * BKV * LDS * 2 + kb;
             const uint32_t vt = sV0 + buf * BKV * LDS * 2 + vb;
             float s[NS][4];
@@ -2035,7 +2050,51 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
                 }
             }
         }
-        __syncthreads();  // tile it's buffer is free for tile it + 2
+        // Tile it's buffer is free for tile it + 2 (G = 2: for the group's next tile).
+        if constexpr (G == 2) {
+            asm volatile("bar.sync %0, %1;\n" ::"r"(1 + kg), "n"(TC_THREADS) : "memory");
+        } else {
+            __syncthreads();
+        }
+    }
+    if constexpr (G == 2) {
+        // The two groups' partial softmax states merged: group 1 leaves its m, l (per-thread
+        // partial sums) and O accumulators in shared memory, group 0 rescales both to the
+        // larger maximum and adds (a group without keys: m = ATT_NEG, weight exp2 → 0). A thread's partner is
+        // the group-1 thread of the same warp index and lane: the same slots and fragment.
+        // The K and V tiles' region (both groups are past their last tile at the barrier):
+        // O as [warp][n-tile][4][lane] (64 · HD floats), then m, l as [warp][4][lane].
+        float* xo = reinterpret_cast<float*>(sK);
+        static_assert((TC_SLOTS * HD + 4 * 4 * 32) * 4 <= 4 * BKV * LDS * 2,
+                      "attn_prefill_tc: the merge's floats fit the K and V tiles");
+        float* xml = xo + 4 * NO * 4 * 32;
+        __syncthreads();
+        if (kg == 1) {
+#pragma unroll
+            for (int j = 0; j < NO; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) xo[((warp * NO + j) * 4 + c) * 32 + lane] = o_acc[j][c];
+            xml[(warp * 4 + 0) * 32 + lane] = m0;
+            xml[(warp * 4 + 1) * 32 + lane] = m1;
+            xml[(warp * 4 + 2) * 32 + lane] = l0;
+            xml[(warp * 4 + 3) * 32 + lane] = l1;
+        }
+        __syncthreads();
+        if (kg == 1) return;
+        const float mb0 = xml[(warp * 4 + 0) * 32 + lane], mb1 = xml[(warp * 4 + 1) * 32 + lane];
+        const float lb0 = xml[(warp * 4 + 2) * 32 + lane], lb1 = xml[(warp * 4 + 3) * 32 + lane];
+        const float n0 = fmaxf(m0, mb0), n1 = fmaxf(m1, mb1);
+        const float a0 = exp2f(m0 - n0), b0 = exp2f(mb0 - n0), a1 = exp2f(m1 - n1), b1 = exp2f(mb1 - n1);
+        l0 = l0 * a0 + lb0 * b0;
+        l1 = l1 * a1 + lb1 * b1;
+#pragma unroll
+        for (int j = 0; j < NO; j++) {
+            const float* p = xo + (warp * NO + j) * 4 * 32 + lane;
+            o_acc[j][0] = o_acc[j][0] * a0 + p[0] * b0;
+            o_acc[j][1] = o_acc[j][1] * a0 + p[32] * b0;
+            o_acc[j][2] = o_acc[j][2] * a1 + p[64] * b1;
+            o_acc[j][3] = o_acc[j][3] * a1 + p[96] * b1;
+        }
     }
 
 #pragma unroll
@@ -2070,6 +2129,18 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
                                            rows, n_heads, group, capacity, scale_log2,       \
                                            PAGED_PASS);                                      \
     }
+// attn_prefill_tc2_<hd> (FERRITE_ATTN_TC2): the f16 kernel with two key groups of 4 warps
+// (G = 2): at 128 threads a pp512 launch of Qwen3-8B was 256 blocks of 4 warps, 11% occupancy,
+// 1.06 instructions a cycle, its heaviest blocks 8 key tiles in a row (ncu, ATTENTION.md 53rd
+// session); two groups halve that chain and double the warps, at ≤ 128 registers (two
+// 256-thread blocks an SM, as the shared memory allows).
+#define PREFILL_TC2_KERNEL(HD)                                                               \
+    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2) attn_prefill_tc2_##HD(PREFILL_ARGS) { \
+        PDL_ENTRY();                                                                         \
+        attn_prefill_tc_impl<HD, false, false, 2>(q, kc, vc, ks, vs, positions, out, layer_off, \
+                                                  rows, n_heads, group, capacity, scale_log2, \
+                                                  UNPAGED_PASS(capacity));                   \
+    }
 #define PREFILL_TC_KERNEL(HD)                                                                \
     PREFILL_TC_KERNEL1(attn_prefill_tc_##HD, HD, false)                                      \
     PREFILL_TC_KERNEL1(attn_prefill_tc_q8_##HD, HD, true)
@@ -2077,6 +2148,9 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
 PREFILL_TC_KERNEL(64)
 PREFILL_TC_KERNEL(128)
 PREFILL_TC_KERNEL(256)
+// Not at 256: its 128 accumulators a thread spill under the 128-register ceiling.
+PREFILL_TC2_KERNEL(64)
+PREFILL_TC2_KERNEL(128)
 
 // ---------------------------------------------------------------------------------------
 // Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
