@@ -287,7 +287,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_ATTN_TC2",
         Accepts::OneOf(&[0, 1]),
-        "tensor-core prefill attention on a contiguous f16 cache: 1 two groups of 4 warps a block taking alternate key tiles, merged at the end (attn_prefill_tc2_*; ATTENTION.md 53rd session), 0 (default) one group",
+        "tensor-core prefill attention on a contiguous f16 cache, head dims up to 128: 1 two groups of 4 warps a block taking alternate key tiles, merged at the end (default; attn_prefill_tc2_*; ATTENTION.md 53rd session), 0 one group",
     ),
     (
         "FERRITE_GEMV_WARPS",

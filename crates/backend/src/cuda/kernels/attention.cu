@@ -2129,7 +2129,7 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
                                            rows, n_heads, group, capacity, scale_log2,       \
                                            PAGED_PASS);                                      \
     }
-// attn_prefill_tc2_<hd> (FERRITE_ATTN_TC2): the f16 kernel with two key groups of 4 warps
+// attn_prefill_tc2_<hd> (FERRITE_ATTN_TC2, on by default): the f16 kernel with two key groups of 4 warps
 // (G = 2): at 128 threads a pp512 launch of Qwen3-8B was 256 blocks of 4 warps, 11% occupancy,
 // 1.06 instructions a cycle, its heaviest blocks 8 key tiles in a row (ncu, ATTENTION.md 53rd
 // session); two groups halve that chain and double the warps, at ≤ 128 registers (two
