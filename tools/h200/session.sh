@@ -66,8 +66,9 @@
 #            --perf of the Q4_K matmuls with it off and on
 #   profile  ncu per kernel of one Qwen3-8B Q4_K_M decode step, grouped by tools/h200/ncu_step.py
 #   gemv_detail  ncu --set full of the two largest Qwen3-8B Q4_K_M decode GEMVs
-#   attn_detail  ncu --set full of one pp512 prefill attention launch (attn_prefill_tc_128) of
-#            Qwen3-8B Q4_K_M: where its ~34 µs a layer go (pipes, stalls, occupancy)
+#   attn_detail  ncu --set full of one pp512 prefill attention launch (attn_prefill_tc2_128, or
+#            attn_prefill_tc_128 under FERRITE_ATTN_TC2=0) of Qwen3-8B Q4_K_M: pipes, stalls,
+#            occupancy (ATTENTION.md 53rd session)
 #   ptrace   where a pp512 forward's time goes, per kernel (CUPTI; TRACE_MODELS as trace's,
 #            default Qwen3-30B-A3B Q4_K_M)
 #   trace    what each kernel adds to a Qwen3-8B Q4_K_M decode step in the real graph (CUPTI
@@ -424,7 +425,7 @@ for stage in "$@"; do
     attn_detail)
         f=$(synth qwen3-8b Q4_K_M | tail -1)
         "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --clock-control none \
-            --kernel-name attn_prefill_tc_128 --launch-skip 8 --launch-count 1 --set full \
+            --kernel-name regex:"attn_prefill_tc2?_128" --launch-skip 8 --launch-count 1 --set full \
             $F bench --model "$f" --reps 1 --gen-tokens 4 --gate-tokens 2 > "$OUT/ncu_attn.txt" 2>&1
         grep -E "attn_prefill|Duration|Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per|Issue Slots|Block Limit|Pipe|Stall|L2 Hit|Executed Ipc" "$OUT/ncu_attn.txt" | head -60
         rm -f "$f"

@@ -1764,6 +1764,10 @@ PREFILL_KERNEL(256)
 // - O += P·V: P's f32 accumulators are the A fragment of the next MMA after packing to f16
 //   (the C layout of two n-tiles is the A layout of one k16 step); V [pos][hd] is k-major, so
 //   its B fragments come from ldmatrix.trans. O is HD/8 n-tiles × 4 f32 per thread.
+// - attn_prefill_tc2_<hd> (G = 2, 256 threads, the default for f16 caches up to hd 128): two
+//   groups of 4 warps over the same 64 slots, group g taking key tiles g, g + 2, ... one at a
+//   time into its own buffer (the double buffer's halves), then one merge of the two softmax
+//   states through shared memory (below the loop; ATTENTION.md 53rd session).
 // Bytes: each block reads its kv head's K and V rows 0..bound once (L2 serves the other
 // query tiles of the head). Work per warp and 64-key tile at HD = 128: 128 MMAs (64 for S, 64
 // for P·V), 8 + 32 + 32 ldmatrix.x4.
@@ -2060,8 +2064,9 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     if constexpr (G == 2) {
         // The two groups' partial softmax states merged: group 1 leaves its m, l (per-thread
         // partial sums) and O accumulators in shared memory, group 0 rescales both to the
-        // larger maximum and adds (a group without keys: m = ATT_NEG, weight exp2 → 0). A thread's partner is
-        // the group-1 thread of the same warp index and lane: the same slots and fragment.
+        // larger maximum and adds (a group without keys: m = ATT_NEG, weight exp2 → 0). A
+        // thread's partner is the group-1 thread of the same warp index and lane: the same
+        // slots and fragment.
         // The K and V tiles' region (both groups are past their last tile at the barrier):
         // O as [warp][n-tile][4][lane] (64 · HD floats), then m, l as [warp][4][lane].
         float* xo = reinterpret_cast<float*>(sK);
