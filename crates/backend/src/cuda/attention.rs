@@ -112,6 +112,10 @@ fn tc2() -> bool {
 /// would spill under the two-blocks-an-SM register ceiling (128).
 const TC2_MAX_HEAD_DIM: usize = 128;
 
+/// A tensor-core prefill kernel and its threads a block: [`TC_THREADS`], or twice that for
+/// `attn_prefill_tc2_<hd>` (two key groups).
+type TcPrefill = (CudaFunction, usize);
+
 /// Dynamic shared memory of `attn_prefill_tc[_q8]_<hd>` (TcShape::SMEM in attention.cu): q as
 /// f16 [64][hd + 8] and double-buffered f16 K and V tiles [2][keys][hd + 8]; q8_0 (`q8` = 1),
 /// one f16 K and V tile and the double-buffered raw stages (int8 + one f16 scale per 32).
@@ -149,7 +153,7 @@ fn decode_kernel<'a>(
 /// Both take the same arguments.
 #[allow(clippy::too_many_arguments)]
 fn prefill_kernel<'a>(
-    (tc, tc_threads): (&'a [Option<Vec<CudaFunction>>; 2], usize),
+    tc: &'a [Option<Vec<TcPrefill>>; 2],
     simt: &'a [Vec<CudaFunction>; 2],
     q8: usize,
     head_dim: usize,
@@ -165,18 +169,10 @@ fn prefill_kernel<'a>(
         .position(|&h| h == head_dim)
         .filter(|_| group <= TC_SLOTS)
         .and_then(|i| tc[q8].as_ref()?.get(i));
-    if let Some(f) = tc_kernel {
+    if let Some((f, threads)) = tc_kernel {
         let cfg = LaunchConfig {
             grid_dim: (rows.div_ceil(TC_SLOTS / group) as u32, n_kv_heads as u32, 1),
-            block_dim: (
-                if q8 == 0 && head_dim <= TC2_MAX_HEAD_DIM {
-                    tc_threads
-                } else {
-                    TC_THREADS
-                } as u32,
-                1,
-                1,
-            ),
+            block_dim: (*threads as u32, 1, 1),
             shared_mem_bytes: tc_smem(head_dim, q8) as u32,
         };
         return Some((f, cfg));
@@ -322,11 +318,7 @@ pub struct Kernels {
     prefill: [Vec<CudaFunction>; 2],
     /// Tensor-core prefill, `[f16, q8_0]`, per [`TC_HEAD_DIMS`] entry; `None` where
     /// `FERRITE_ATTN_TC` keeps that cache type on the SIMT kernel (0: both, 2: q8_0).
-    prefill_tc: [Option<Vec<CudaFunction>>; 2],
-    /// Threads of a `prefill_tc[0]` block up to [`TC2_MAX_HEAD_DIM`]: 256 for
-    /// `attn_prefill_tc2_*` ([`tc2`]), else [`TC_THREADS`] (the q8_0 and paged kernels and
-    /// head dim 256 always).
-    prefill_tc_threads: usize,
+    prefill_tc: [Option<Vec<TcPrefill>>; 2],
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
@@ -337,7 +329,7 @@ struct PagedKernels {
     kv_store: [CudaFunction; 2],
     decode: [Vec<Vec<CudaFunction>>; 2],
     prefill: [Vec<CudaFunction>; 2],
-    prefill_tc: [Option<Vec<CudaFunction>>; 2],
+    prefill_tc: [Option<Vec<TcPrefill>>; 2],
     /// `attn_decode_tc[_q8]_128_<gb>_paged` (as `decode_tc`).
     decode_tc: [Option<Vec<CudaFunction>>; 2],
     generic: CudaFunction,
@@ -370,7 +362,7 @@ impl Kernels {
                                  tc2: bool,
                                  q8: usize,
                                  post: &str|
-         -> Result<Option<Vec<CudaFunction>>> {
+         -> Result<Option<Vec<TcPrefill>>> {
             if !on {
                 return Ok(None);
             }
@@ -378,7 +370,8 @@ impl Kernels {
             TC_HEAD_DIMS
                 .iter()
                 .map(|&hd| {
-                    let base = if tc2 && hd <= TC2_MAX_HEAD_DIM { "tc2" } else { "tc" };
+                    let two = tc2 && hd <= TC2_MAX_HEAD_DIM;
+                    let base = if two { "tc2" } else { "tc" };
                     let name = format!("attn_prefill_{base}_{pre}{hd}{post}");
                     let smem = tc_smem(hd, q8);
                     let f = function(&m, &name)?;
@@ -387,7 +380,7 @@ impl Kernels {
                         smem as i32,
                     )
                     .with_context(|| format!("{name}: {smem} B of shared memory"))?;
-                    Ok(f)
+                    Ok((f, if two { 2 * TC_THREADS } else { TC_THREADS }))
                 })
                 .collect::<Result<Vec<_>>>()
                 .map(Some)
@@ -395,7 +388,7 @@ impl Kernels {
         // The contiguous f16 cache's kernels with two key groups (`attn_prefill_tc2_<hd>`,
         // 256 threads) where FERRITE_ATTN_TC2 is on.
         let tc2 = tc2();
-        let prefill_tc = |post: &str| -> Result<[Option<Vec<CudaFunction>>; 2]> {
+        let prefill_tc = |post: &str| -> Result<[Option<Vec<TcPrefill>>; 2]> {
             Ok([
                 prefill_tc_family(ptc != 0, tc2 && post.is_empty(), 0, post)?,
                 prefill_tc_family(ptc == 1, false, 1, post)?,
@@ -510,7 +503,6 @@ impl Kernels {
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
-            prefill_tc_threads: if tc2 { 2 * TC_THREADS } else { TC_THREADS },
             generic: function(&m, "attn_generic")?,
             paged: PagedKernels {
                 kv_store: [
@@ -1157,7 +1149,7 @@ fn attention_impl(
 
     // 2b. Prefill: query tiles × kv heads (the tensor-core kernel where it applies).
     let pre = prefill_kernel(
-        (&be.attention.prefill_tc, be.attention.prefill_tc_threads),
+        &be.attention.prefill_tc,
         &be.attention.prefill,
         q8,
         head_dim,
@@ -1486,7 +1478,7 @@ fn attention_paged(
         let pre = (!u.decode)
             .then(|| {
                 prefill_kernel(
-                    (&kern.prefill_tc, TC_THREADS),
+                    &kern.prefill_tc,
                     &kern.prefill,
                     q8,
                     head_dim,
