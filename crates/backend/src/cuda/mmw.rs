@@ -982,10 +982,8 @@ pub fn swiglu_mlp(
     let Some(td) = kernel_index(be, down, rows).and_then(|_| ta_index(be, down)) else {
         return Ok(false);
     };
-    if down.shape[1] != n_ff
-        || !n_ff.is_multiple_of(TK)
-        || TA_TYPES[td].0 != gate.dtype
-        || !swiglu(be, x, gate, up, act, Some(td))?
+    // swiglu() does nothing unless gate and up are on the TA form of the down's type.
+    if down.shape[1] != n_ff || !n_ff.is_multiple_of(TK) || !swiglu(be, x, gate, up, act, Some(td))?
     {
         return Ok(false);
     }

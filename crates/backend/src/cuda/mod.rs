@@ -757,9 +757,9 @@ impl Backend for CudaBackend {
         out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
         // A prefill on the TA form (16-bit weights): the gate/up launch writes the down's
-        // 16-bit x itself (mmw.rs swiglu_mlp). Not under exact prefill (its own path below).
-        let exact = [gate, up, down].iter().any(|w| mmq::takes(self, w, x.rows));
-        if !exact && mmw::swiglu_mlp(self, x, gate, up, down, act, out)? {
+        // 16-bit x itself (mmw.rs swiglu_mlp). Exact prefill (mmq.rs) takes quantized weights
+        // only, so it never meets this path.
+        if mmw::swiglu_mlp(self, x, gate, up, down, act, out)? {
             return Ok(());
         }
         self.matmul_swiglu(x, gate, up, gu, act)?;
