@@ -1145,6 +1145,17 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 n_out: 12200,
                 rows: 300,
             });
+            // Its stream-K form (FERRITE_MMW_TA_KS=3: grids of fewer tiles than SMs): a partial
+            // last output tile (4000 = 31 × 128 + 32) over a partial token tile, three token
+            // tiles (640 rows: 132 blocks, 44 a token tile), a long K at 300 rows.
+            for (n_in, n_out, rows) in [(4096, 4000, 300), (4096, 4096, 640), (12288, 4096, 300)] {
+                add(Op::Matmul {
+                    ty,
+                    n_in,
+                    n_out,
+                    rows,
+                });
+            }
         }
         for ty in [GgmlType::Q5K, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32] {
             for rows in [1, 9, 64] {

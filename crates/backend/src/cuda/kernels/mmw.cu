@@ -1281,6 +1281,225 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 MMW_TA_KERNEL(f16, GGML_F16)
 MMW_TA_KERNEL(bf16, GGML_BF16)
 
+// ---- The wide TA tile by stream-K (`mmw_ta_<type>_wsk`; MATMUL.md round 97) ----
+// Where the 128 × 256 tiles of a 16-bit launch number fewer than the SMs (Qwen3-8B at 512 rows:
+// Q, K, V grouped 96 tiles of 64 K steps, O and the down 64 of 64 and 192), neither whole tiles
+// (one wave, a quarter to a half of the SMs idle) nor round 95's halves (1.45 waves for Q, K, V;
+// a cluster exchange for a 32-step half of O) spread the work evenly. Here the launch's
+// ntiles · nk tile steps are cut into G (= the SMs, a multiple of the token tiles) equal ranges,
+// block b taking steps ⌊b·U/G⌋ .. ⌊(b+1)·U/G⌋ in tile-major order: at most nk of them (the
+// launcher takes this form where ntiles ≤ G), so a block's range is the end of one tile (a
+// "part": from step kb > 0) and the start of the next (its "head": from step 0), or one of the two.
+// - Producer warp (lane 0): each step's x box and weight box by tensor copies, as the wide tile,
+//   across the block's segments without a break (the ring's steps are counted over the block).
+// - Consumers (two warpgroups of m64n256, 128 accumulators a thread): a part's sums go to
+//   global memory straight from the fragments (`part`, block b's slot: [2 warpgroups][32][128
+//   threads] float4, 128 KB a block, one 16-byte store a thread a row: coalesced, no shared
+//   staging, so the producer keeps filling the ring for the head meanwhile), then a fence and
+//   one increment of the tile's counter (`flags`). The head (a block's last segment) waits
+//   until the tile's parts (blocks b + 1 .. : they start on it at their own beginning, so they
+//   are done first) have all counted in, adds their sums in block order (one fixed order: the
+//   same result whatever the timing), resets the counter for the next launch, and stores the
+//   tile as the wide tile does (staged through the then idle ring).
+// - Tile order tau = token tile · (output tiles) + output tile: with G a multiple of the token
+//   tiles, blocks b and b + G / tx take the same weight tile at the same K steps for the other
+//   token tile, so the weights come from DRAM about once, as with the plain grid.
+// - Deadlock-free: G ≤ the SMs and one block an SM (193 KB of shared memory), and dependents
+//   launch (PDL) only once every block of this grid runs, so each block waited on is resident.
+// 2·128·256·64 MACs a step against its 48 KB of copies, the wide tile's; the parts cost 128 KB
+// written and read again (L2) a tile boundary.
+template <int TYPE>
+__device__ __forceinline__ void mmw_ta_sk(int n0, int n1, int n2, int e1, int e2, int kp, int rows, float* out0,
+                                          float* out1, float* out2, const MmwTmap* xmap, const MmwTmap* wm0,
+                                          const MmwTmap* wm1, const MmwTmap* wm2, int tx, int ntiles,
+                                          float4* __restrict__ part, int* __restrict__ flags) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int TM = 128, BN = 256;
+    using S = MmwShape<TM, BN, 1, 0>;
+    constexpr int NST = S::STAGES, NACC = BN / 2, BAR = S::THREADS, EMPTY0 = 1 + NST;
+    constexpr bool H = TYPE == GGML_F16;
+    extern __shared__ __align__(1024) uint8_t mmw_smem[];
+    const uint32_t s0 = ((uint32_t)__cvta_generic_to_shared(mmw_smem) + 1023u) & ~1023u;
+    float* const stage = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
+    const int tid = threadIdx.x, b = blockIdx.x, G = gridDim.x;
+    const bool producer = tid >= 2 * TM;
+    const int nk = kp / MMW_TK, ty = ntiles / tx;
+    const long long U = (long long)ntiles * nk;
+    auto start = [&](int bb) { return (long long)bb * U / G; };
+    const long long u0 = start(b), u1 = start(b + 1);
+    const int W = (int)(u1 - u0);  // the block's steps (≤ nk)
+    // The last segment is a head where a tile starts inside the range.
+    const long long lastb = ((u1 - 1) / nk) * nk;
+    const bool has_head = W > 0 && lastb >= u0;
+    const uint32_t xbar0 = s0 + NST * S::STAGE;
+    if (tid == 0) {
+        for (int i = 0; i < NST; i++) mmw_mbar_init1(xbar0 + 8 * i);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    // Tile tau: its weight g, output tile oy of it, token tile tn (read from t0: MMW_TSHIFT).
+    struct Tl {
+        int g, oy, tn, t0;
+    };
+    auto tile = [&](int tau) {
+        Tl r;
+        const int xt = tau / ty, y = tau % ty;
+        r.g = (y >= e1) + (y >= e2);
+        r.oy = y - (r.g == 0 ? 0 : (r.g == 1 ? e1 : e2));
+        r.tn = xt * BN;
+        r.t0 = MMW_TSHIFT && rows > BN && r.tn + BN > rows ? rows - BN : r.tn;
+        return r;
+    };
+    if (producer) {
+        const bool lead = tid == 2 * TM;
+        int j = 0;
+        for (long long u = u0; u < u1;) {
+            const int tau = (int)(u / nk), kb = (int)(u % nk);
+            const int ke = (int)min((long long)nk, kb + (u1 - u));
+            const Tl tl = tile(tau);
+            for (int k = kb; k < ke; k++, j++) {
+                const int s = j % NST;
+                if (j >= NST) mmw_bar_sync(EMPTY0 + s, BAR);
+                if (lead) {
+                    const uint32_t st = s0 + s * S::STAGE, bar = xbar0 + 8 * s;
+                    mmw_expect(bar, (uint32_t)S::STAGE);
+                    mmw_tma(st + S::A_BYTES, xmap, k * MMW_TK, tl.t0, bar);
+                    mmw_tma(st, tl.g == 0 ? wm0 : (tl.g == 1 ? wm1 : wm2), k * MMW_TK, tl.oy * TM, bar);
+                }
+            }
+            u += ke - kb;
+        }
+    } else {
+        const int c = tid >> 7, ct = tid & 127;
+        float acc[NACC];
+        int j = 0;
+        for (long long u = u0; u < u1;) {
+            const int tau = (int)(u / nk), kb = (int)(u % nk);
+            const int ke = (int)min((long long)nk, kb + (u1 - u));
+#pragma unroll
+            for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
+            for (int k = kb; k < ke; k++, j++) {
+                const int s = j % NST;
+                mmw_mbar_wait(xbar0 + 8 * s, (uint32_t)((j / NST) & 1));
+                const uint32_t a = s0 + s * S::STAGE + mmw_off<TM>(64 * c, 0);
+                const uint32_t bx = s0 + s * S::STAGE + S::A_BYTES;
+                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+                for (int kk = 0; kk < MMW_TK / 16; kk++) {
+                    const uint64_t da = mmw_desc<TM>(a + mmw_off<TM>(0, 16 * kk));
+                    const uint64_t db = mmw_desc<BN>(bx + mmw_off<BN>(0, 16 * kk));
+                    mmw_wgmma_n256<H>(acc, da, db);
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                if (k > kb) {
+                    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+                    mmw_fence_acc(acc);
+                    if (j - 1 + NST < W) mmw_bar_arrive(EMPTY0 + (j - 1) % NST, BAR);
+                }
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            mmw_fence_acc(acc);
+            // The segment's last stage released here (the loop releases each step's
+            // predecessor), where the producer still has a step to bring into it.
+            if (j - 1 + NST < W) mmw_bar_arrive(EMPTY0 + (j - 1) % NST, BAR);
+            float4* const mine = part + (size_t)(b * 2 + c) * (NACC / 4) * 128 + ct;
+            if (kb > 0) {
+                // A part: its sums to this block's slot, then counted in on the tile.
+#pragma unroll
+                for (int i = 0; i < NACC / 4; i++)
+                    __stcg(mine + i * 128, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+                __threadfence();
+                mmw_bar_sync(MMW_EPI_BAR, 2 * TM);
+                if (tid == 0) atomicAdd(flags + tau, 1);
+            } else if (ke < nk) {
+                // The head of a tile with parts: blocks b + 1 .. whose ranges start before the
+                // tile's end, each one part.
+                const long long tend = (long long)(tau + 1) * nk;
+                int nparts = 0;
+                while (b + 1 + nparts < G && start(b + 1 + nparts) < tend) nparts++;
+                if (tid == 0) {
+                    int got = 0;
+                    for (;;) {
+                        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(got) : "l"(flags + tau) : "memory");
+                        if (got >= nparts) break;
+                        __nanosleep(64);
+                    }
+                    flags[tau] = 0;  // for the next launch (kernel order publishes it)
+                }
+                mmw_bar_sync(MMW_EPI_BAR, 2 * TM);
+                for (int p = 1; p <= nparts; p++) {
+                    const float4* src = part + (size_t)((b + p) * 2 + c) * (NACC / 4) * 128 + ct;
+#pragma unroll
+                    for (int i = 0; i < NACC / 4; i++) {
+                        const float4 v = __ldcg(src + i * 128);
+                        acc[4 * i] += v.x;
+                        acc[4 * i + 1] += v.y;
+                        acc[4 * i + 2] += v.z;
+                        acc[4 * i + 3] += v.w;
+                    }
+                }
+            }
+            u += ke - kb;
+        }
+        if (has_head) {
+            // The head's tile to stage[token][column] once both warpgroups' MMAs are done with
+            // the ring (the producer brought nothing after the head's last step).
+            const int w = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+            mmw_bar_sync(MMW_EPI_BAR, 2 * TM);
+#pragma unroll
+            for (int jj = 0; jj < BN / 8; jj++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int rr = 64 * c + 16 * w + g + (e >= 2 ? 8 : 0), t = 8 * jj + 2 * t4 + (e & 1);
+                    stage[t * MMW_SP(TM) + rr] = acc[4 * jj + e];
+                }
+            }
+        }
+    }
+    if (!has_head) return;
+    __syncthreads();
+    // ---- all warps: the head's tile to `out` (the wide tile's store) ----
+    const Tl tl = tile((int)(lastb / nk));
+    const int n_out = tl.g == 0 ? n0 : (tl.g == 1 ? n1 : n2);
+    float* const out = tl.g == 0 ? out0 : (tl.g == 1 ? out1 : out2);
+    constexpr int NQ = TM / 4;
+    const int ob = tl.oy * TM;
+    const bool vec = n_out % 4 == 0 && ((unsigned long long)out & 15) == 0;
+    for (int i = tid; i < BN * NQ; i += S::THREADS) {
+        const int t = i / NQ, q = i % NQ, tt = tl.t0 + t, o = ob + 4 * q;
+        if (tt >= rows || o >= n_out || (MMW_TSHIFT && tt < tl.tn)) continue;
+        const float4 v = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + 4 * q);
+        float* dst = out + (size_t)tt * n_out + o;
+        if (vec && o + 3 < n_out) {
+            *reinterpret_cast<float4*>(dst) = v;
+        } else {
+            const float vs[4] = {v.x, v.y, v.z, v.w};
+            for (int k = 0; k < 4 && o + k < n_out; k++) dst[k] = vs[k];
+        }
+    }
+#else
+    __trap();
+#endif
+}
+// The launch: MMW_TA_KERNEL1PK's parameters, then the token tiles, the tiles, and the parts'
+// and counters' scratch (mmw.rs SkScratch: G slots of 128 KB, a zeroed counter a tile).
+#define MMW_TA_SK_KERNEL(name, TYPE)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MMW_THREADS_P(128, 0), 1) mmw_ta_##name##_wsk(             \
+        const uint8_t* __restrict__ W0, const uint8_t* __restrict__ W1, const uint8_t* __restrict__ W2,    \
+        long long rb0, long long rb1, long long rb2, int n0, int n1, int n2, int e1, int e2, int n_in,     \
+        const uint16_t* __restrict__ xb, int kp, int rows, float* __restrict__ out0,                       \
+        float* __restrict__ out1, float* __restrict__ out2, const __grid_constant__ MmwTmap xmap,           \
+        const __grid_constant__ MmwTmap wm0, const __grid_constant__ MmwTmap wm1,                          \
+        const __grid_constant__ MmwTmap wm2, int tx, int ntiles, float4* __restrict__ part,                \
+        int* __restrict__ flags) {                                                                         \
+        PDL_ENTRY();                                                                                        \
+        (void)W0, (void)W1, (void)W2, (void)rb0, (void)rb1, (void)rb2, (void)n_in, (void)xb;                \
+        mmw_ta_sk<TYPE>(n0, n1, n2, e1, e2, kp, rows, out0, out1, out2, &xmap, &wm0, &wm1, &wm2, tx, ntiles, \
+                        part, flags);                                                                       \
+    }
+MMW_TA_SK_KERNEL(f16, GGML_F16)
+MMW_TA_SK_KERNEL(bf16, GGML_BF16)
+
 // A MoE prefill's x gathered into list order for the gate/up's tensor copies (MMW_GU_XG bit 1):
 // xg [pairs, kp] bf16, row p the row of pair list[p]'s token (list[p] / top_k) of x [rows, n_in]
 // f32, rounded as mm_x_bf16 rounds it (x_scratch16), so the gate/up multiplies the same bf16
