@@ -231,8 +231,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_DIAG_MMW",
-        Accepts::Range(0, 3),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the wgmma prefill producers (mmw.cu), a bit mask: 1 no raw weight loads after the first steps (the same registers decoded again), 2 no proxy fence before a stage is published (MATMUL.md round 81)",
+        Accepts::Range(0, 7),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the wgmma prefill (mmw.cu), a bit mask: 1 no raw weight loads after the first steps (the same registers decoded again), 2 no proxy fence before a stage is published (MATMUL.md round 81), 4 the stream-K form's parts neither written nor waited for (MATMUL.md round 97)",
     ),
     (
         "FERRITE_DIAG_DQ",

@@ -1318,6 +1318,11 @@ __device__ __forceinline__ void mmw_ta_sk(int n0, int n1, int n2, int e1, int e2
     using S = MmwShape<TM, BN, 1, 0>;
     constexpr int NST = S::STAGES, NACC = BN / 2, BAR = S::THREADS, EMPTY0 = 1 + NST;
     constexpr bool H = TYPE == GGML_F16;
+#if defined(MMW_DIAG) && (MMW_DIAG & 4)
+    constexpr bool PARTS = false;  // FERRITE_DIAG_MMW bit 4: timing only, the parts left out
+#else
+    constexpr bool PARTS = true;
+#endif
     extern __shared__ __align__(1024) uint8_t mmw_smem[];
     const uint32_t s0 = ((uint32_t)__cvta_generic_to_shared(mmw_smem) + 1023u) & ~1023u;
     float* const stage = reinterpret_cast<float*>(mmw_smem + (s0 - (uint32_t)__cvta_generic_to_shared(mmw_smem)));
@@ -1403,7 +1408,7 @@ __device__ __forceinline__ void mmw_ta_sk(int n0, int n1, int n2, int e1, int e2
             // predecessor), where the producer still has a step to bring into it.
             if (j - 1 + NST < W) mmw_bar_arrive(EMPTY0 + (j - 1) % NST, BAR);
             float4* const mine = part + (size_t)(b * 2 + c) * (NACC / 4) * 128 + ct;
-            if (kb > 0) {
+            if (PARTS && kb > 0) {
                 // A part: its sums to this block's slot, then counted in on the tile.
 #pragma unroll
                 for (int i = 0; i < NACC / 4; i++)
@@ -1411,7 +1416,7 @@ __device__ __forceinline__ void mmw_ta_sk(int n0, int n1, int n2, int e1, int e2
                 __threadfence();
                 mmw_bar_sync(MMW_EPI_BAR, 2 * TM);
                 if (tid == 0) atomicAdd(flags + tau, 1);
-            } else if (ke < nk) {
+            } else if (PARTS && ke < nk) {
                 // The head of a tile with parts: blocks b + 1 .. whose ranges start before the
                 // tile's end, each one part.
                 const long long tend = (long long)(tau + 1) * nk;
