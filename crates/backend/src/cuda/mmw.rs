@@ -144,8 +144,10 @@ fn ta_tile_mode() -> i64 {
 /// (`mmw_ta_*_wk`, MATMUL.md round 95), where the split grid fills at least three quarters of
 /// the SMs; 0: the 128-output tiles there. On the H100 the split took Qwen3-8B F16's down from
 /// 100.4 to 86.6 µs and its pp512 from ~31,950 to ~32,710 tok/s.
-/// 3: stream-K there instead ([`Tile::TaWideSk`], MATMUL.md round 97), where each block of
-/// the launch gets at least [`SK_MIN_STEPS`] K steps; the cluster split elsewhere.
+/// 3: stream-K there instead ([`Tile::TaWideSk`], MATMUL.md round 97) where the cluster
+/// split's grid would take more than one wave (Qwen3-8B's Q, K, V: 192 blocks) and each block
+/// of the launch gets at least [`SK_MIN_STEPS`] K steps; the cluster split elsewhere. 4:
+/// stream-K wherever those steps hold (O and the down too).
 fn ta_ks() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_KS", 2))
@@ -211,10 +213,11 @@ impl Tile {
         let g = sk_grid(tx, sm_count);
         match self {
             Tile::Std(0 | 1)
-                if ta_ks() == 3
+                if ta_ks() >= 3
                     && ta_tile_mode() == 2
                     && rows > 128
                     && tx * out_tiles <= g
+                    && (ta_ks() == 4 || 2 * tx * out_tiles > sm_count)
                     && tx * out_tiles * (kp / 64) >= SK_MIN_STEPS * g =>
             {
                 Tile::TaWideSk { sm: sm_count }
@@ -1799,7 +1802,7 @@ mod tests {
             let t = Tile::pick(true, rows, n, 132);
             t.split_k(rows, 4096, n / 128, 132)
         };
-        if ta_ks() == 3 {
+        if ta_ks() >= 3 {
             return; // stream-K: `stream_k_where_every_block_gets_its_steps`
         }
         if ta_ks() != 2 {
@@ -1823,19 +1826,19 @@ mod tests {
 
     #[test]
     fn stream_k_where_every_block_gets_its_steps() {
-        if ta_tile_mode() != 2 || ta_ks() != 3 {
+        if ta_tile_mode() != 2 || ta_ks() < 3 {
             return; // the default (cluster split) or another rule from the environment
         }
         let pick = |rows, kp, n| Tile::pick(true, rows, n, 132).split_k(rows, kp, n / 128, 132);
-        // Qwen3-8B F16 at 512 rows: Q, K, V (96 tiles of 64 steps: 46 a block), O (64 of 64:
-        // 31), down (64 of 192: 93) by stream-K; K or V alone (16 tiles: 7 a block) split in
-        // a cluster instead where that fills the SMs, here not.
-        for (kp, n) in [(4096, 6144), (4096, 4096), (12288, 4096)] {
-            assert_eq!(pick(512, kp, n), Tile::TaWideSk { sm: 132 }, "{kp} -> {n}");
+        // Qwen3-8B F16 at 512 rows: Q, K, V (96 tiles of 64 steps: 46 a block) by stream-K;
+        // O (64 of 64: 31) and the down (64 of 192: 93) too under 4, split in a cluster (128
+        // blocks, one wave) under 3; K or V alone (16 tiles: 7 a block) neither.
+        assert_eq!(pick(512, 4096, 6144), Tile::TaWideSk { sm: 132 });
+        let o = if ta_ks() == 4 { Tile::TaWideSk { sm: 132 } } else { Tile::TaWideK };
+        for (rows, kp, n) in [(512, 4096, 4096), (512, 12288, 4096), (300, 4096, 4096)] {
+            assert_eq!(pick(rows, kp, n), o, "{rows}: {kp} -> {n}");
         }
         assert!(matches!(pick(512, 4096, 1024), Tile::Std(0 | 1)));
-        // 300 rows: two token tiles, as 512.
-        assert_eq!(pick(300, 4096, 4096), Tile::TaWideSk { sm: 132 });
         // Three token tiles: 132 blocks (a whole number a token tile).
         let c = Tile::TaWideSk { sm: 132 }.config(640, 32).unwrap();
         assert_eq!((c.grid_dim, c.block_dim.0), ((132, 1, 1), TA_WIDE_THREADS));

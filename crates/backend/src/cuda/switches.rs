@@ -111,8 +111,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_TA_KS",
-        Accepts::OneOf(&[0, 2, 3]),
-        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: the TA form's plain launches whose 128x256 tiles would not fill the SMs. 2 (default) on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs; MATMUL.md round 95); 3 by stream-K: the launch's tile steps in equal ranges over one block an SM, the partial tiles added by the block that holds the tile's first steps (mmw_ta_*_wsk, where each block gets at least 16 steps; else as 2; MATMUL.md round 97); 0 the 128-output tiles there",
+        Accepts::OneOf(&[0, 2, 3, 4]),
+        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: the TA form's plain launches whose 128x256 tiles would not fill the SMs. 2 (default) on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs; MATMUL.md round 95); 3 by stream-K where the cluster split would take more than one wave: the launch's tile steps in equal ranges over one block an SM, the partial tiles added by the block that holds the tile's first steps (mmw_ta_*_wsk, where each block gets at least 16 steps; else as 2; MATMUL.md round 97); 4 stream-K wherever those steps hold; 0 the 128-output tiles there",
     ),
     (
         "FERRITE_MMW_HX",
