@@ -1564,6 +1564,11 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (q6, q6, 4096, d8, 1, (q6, 12288)),
             (q4, q6, 2048, [4096, 512, 512], 1, (q6, 6144)),
             (q4, q6, 512, [384, 128, 128], 1, (q6, 1024)),
+            // Prefills: the add + RMSNorm handing h to the Q, K, V as their 16-bit x
+            // (FERRITE_NORM_X16; f16 for the TA form's F16, bf16 otherwise).
+            (GgmlType::F16, GgmlType::F16, 4096, d8, 300, (GgmlType::F16, 12288)),
+            (GgmlType::BF16, GgmlType::BF16, 4096, d8, 300, (GgmlType::BF16, 12288)),
+            (q4, q6, 4096, d8, 300, (q6, 12288)),
         ]
     };
     for &(ty, ty_v, n_in, n_outs, rows, down) in qkv {

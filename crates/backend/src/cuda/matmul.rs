@@ -240,6 +240,88 @@ pub struct Kernels {
     /// replaced: kept alive because a graph captured earlier (batched serving steps of more
     /// than GEMV_MAX_ROWS rows run this path inside graphs) may still point at them.
     xb: Mutex<BfScratch>,
+    /// What the 16-bit x scratch holds and which form the prefill last converted x to
+    /// ([`XbState`]).
+    xb_state: Mutex<XbState>,
+}
+
+/// The prefill's 16-bit x forms: bf16 (`mm_x_bf16`, every weight type but the TA form's F16)
+/// and f16 (`mmw_x_f16`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum X16 {
+    Bf16,
+    F16,
+}
+
+/// The x scratch's hand-over (`FERRITE_NORM_X16`): `src` is (x's device address, rows, cols,
+/// the launch count right after the producer, form) where the launch just issued wrote x's
+/// 16-bit rows into the scratch as the conversion would (ops.rs add_rms_norm); only the next
+/// launch's conversion of that x, in that form, is then skipped. `last`: the form of the last
+/// conversion, the one a producer writes (a model's prefill matmuls all take one form).
+#[derive(Default)]
+struct XbState {
+    src: Option<(u64, usize, usize, u64, X16)>,
+    last: Option<X16>,
+}
+
+/// `FERRITE_NORM_X16` (read once; default 0): a prefill's add + RMSNorm also writes its h as
+/// the 16-bit x of the matmuls that read h next (Q, K, V; gate/up), which then skip their
+/// conversion launch (MATMUL.md round 98).
+fn norm_x16() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| switches::int_or("FERRITE_NORM_X16", 0) != 0)
+}
+
+/// The 16-bit x scratch, locked, for a producer of `[rows, cols]` that can write it in the
+/// form the prefill last converted to: prefill rows, whole 64-column K steps (no padding to
+/// zero), a scratch already large enough (never grown here).
+pub(crate) struct XbProducer<'a> {
+    guard: std::sync::MutexGuard<'a, BfScratch>,
+    pub(crate) kind: X16,
+}
+
+impl XbProducer<'_> {
+    pub(crate) fn buf(&mut self) -> &mut CudaSlice<u16> {
+        self.guard.0.as_mut().expect("xb_for_producer checked the scratch")
+    }
+
+    /// Records that the launch just issued wrote `x`'s 16-bit rows.
+    pub(crate) fn record(&self, be: &CudaBackend, x: &CudaSlice<f32>, rows: usize, cols: usize) {
+        let (ptr, _g) = x.device_ptr(&be.stream);
+        if let Ok(mut st) = be.matmul.xb_state.lock() {
+            st.src = Some((ptr, rows, cols, super::launch::launch_count(), self.kind));
+        }
+    }
+}
+
+/// [`XbProducer`] for `[rows, cols]`, or `None` where it does not apply.
+pub(crate) fn xb_for_producer(
+    be: &CudaBackend,
+    rows: usize,
+    cols: usize,
+) -> Result<Option<XbProducer<'_>>> {
+    if !norm_x16() || rows <= GEMV_MAX_ROWS || !cols.is_multiple_of(MM_TK) {
+        return Ok(None);
+    }
+    let Some(kind) = be
+        .matmul
+        .xb_state
+        .lock()
+        .map_err(|_| anyhow!("matmul: x scratch state lock poisoned"))?
+        .last
+    else {
+        return Ok(None);
+    };
+    let guard = be
+        .matmul
+        .xb
+        .lock()
+        .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
+    Ok(guard
+        .0
+        .as_ref()
+        .is_some_and(|b| b.len() >= rows * cols)
+        .then_some(XbProducer { guard, kind }))
 }
 
 /// The bf16 copy of x for the prefill matmuls (`mm_` here, `mmw`): the buffer in use and the
@@ -711,6 +793,7 @@ impl Kernels {
             mm,
             mm_x,
             xb: Mutex::new((None, Vec::new())),
+            xb_state: Mutex::new(XbState::default()),
         })
     }
 }
@@ -3401,17 +3484,18 @@ pub(crate) fn with_bf16_rows<R>(
     n_in: usize,
     f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
 ) -> Result<R> {
-    with_scratch_rows(be, x, rows, n_in, &be.matmul.mm_x, f)
+    with_scratch_rows(be, x, rows, n_in, (&be.matmul.mm_x, X16::Bf16), f)
 }
 
-/// [`with_bf16_rows`] with the conversion kernel `cvt` (`mm_x_bf16`'s arguments; mmw.cu's
-/// `mmw_x_f16` writes f16 into the same scratch).
+/// [`with_bf16_rows`] with the conversion kernel `cvt` of form `kind` (`mm_x_bf16`'s
+/// arguments; mmw.cu's `mmw_x_f16` writes f16 into the same scratch). No conversion where the
+/// launch just before wrote x's rows there in that form ([`XbState`]).
 pub(crate) fn with_scratch_rows<R>(
     be: &CudaBackend,
     x: &CudaSlice<f32>,
     rows: usize,
     n_in: usize,
-    cvt_kernel: &CudaFunction,
+    (cvt_kernel, kind): (&CudaFunction, X16),
     f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
 ) -> Result<R> {
     let kp = n_in.div_ceil(MM_TK) * MM_TK;
@@ -3430,15 +3514,31 @@ pub(crate) fn with_scratch_rows<R>(
         .lock()
         .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
     let (cur, retired) = &mut *guard;
+    let mut grown = false;
     if cur.as_ref().is_none_or(|b| b.len() < need) {
         let fresh = be.stream.alloc_zeros::<u16>(need.next_power_of_two())?;
         if let Some(old) = cur.replace(fresh) {
             retired.push(old);
         }
+        grown = true;
     }
     let xb = cur
         .as_mut()
         .ok_or_else(|| anyhow!("matmul: bf16 scratch missing"))?;
+    // Handed over by the launch just before (XbState): the rows are there already.
+    let handed = {
+        let mut st = be
+            .matmul
+            .xb_state
+            .lock()
+            .map_err(|_| anyhow!("matmul: x scratch state lock poisoned"))?;
+        st.last = Some(kind);
+        let (ptr, _g) = x.device_ptr(&be.stream);
+        st.src.take() == Some((ptr, rows, n_in, super::launch::launch_count(), kind)) && !grown
+    };
+    if handed {
+        return f(xb, kp);
+    }
     let (rows_i, n_in_i, kp_i) = (rows as i32, n_in as i32, kp as i32);
     let cvt = LaunchConfig {
         grid_dim: ((need / 8).div_ceil(256) as u32, 1, 1),

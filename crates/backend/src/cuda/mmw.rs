@@ -904,7 +904,14 @@ fn with_x<R>(
 ) -> Result<R> {
     match (ta, &be.mmw.x_f16) {
         (Some(t), Some(cvt)) if TA_TYPES[t].0 == GgmlType::F16 => {
-            super::matmul::with_scratch_rows(be, &x.buf, x.rows, x.cols, cvt, f)
+            super::matmul::with_scratch_rows(
+                be,
+                &x.buf,
+                x.rows,
+                x.cols,
+                (cvt, super::matmul::X16::F16),
+                f,
+            )
         }
         _ => super::matmul::with_bf16(be, x, f),
     }

@@ -27,6 +27,9 @@ pub struct Kernels {
     topk_rows: CudaFunction,
     rms_norm_v4: CudaFunction,
     add_rms_norm_v4: CudaFunction,
+    /// `add_rms_norm_v4_xbf16`, `add_rms_norm_v4_xf16`: it also writing h as a prefill's
+    /// 16-bit x ([`add_rms_norm`], `FERRITE_NORM_X16`).
+    add_rms_norm_v4_x16: [CudaFunction; 2],
     add_rms_norm_gemv_f32: CudaFunction,
     argmax_rows_mb: CudaFunction,
     /// `argmax_feed`: one row's argmax_rows_mb, its last block feeding the token to the next
@@ -56,6 +59,10 @@ impl Kernels {
             topk_rows: function(&m, "topk_rows")?,
             rms_norm_v4: function(&m, "rms_norm_v4")?,
             add_rms_norm_v4: function(&m, "add_rms_norm_v4")?,
+            add_rms_norm_v4_x16: [
+                function(&m, "add_rms_norm_v4_xbf16")?,
+                function(&m, "add_rms_norm_v4_xf16")?,
+            ],
             // The form that loads its router weights before its PDL wait (FERRITE_ROUTER_PRE=0:
             // after the norm, from L2).
             add_rms_norm_gemv_f32: function(
@@ -498,6 +505,26 @@ pub fn add_rms_norm(
         if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
             xq.record_producer(be, &h.buf, x.rows, x.cols);
         }
+        return Ok(());
+    }
+    // A prefill's h read next by matmuls (their x converted to 16 bits, matmul.rs
+    // `with_scratch_rows`): the kernel writes that 16-bit x too, recorded as h's.
+    if let (Some(threads), Some(mut xb)) = (v4, super::matmul::xb_for_producer(be, x.rows, x.cols)?) {
+        let kernel = &be.ops.add_rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)];
+        // SAFETY: as below; xb holds rows × cols 16-bit values (xb_for_producer).
+        unsafe {
+            be.stream
+                .kernel(kernel)
+                .arg(&mut x.buf)
+                .arg(&y.buf)
+                .arg(&wv)
+                .arg(&mut h.buf)
+                .arg(&cols)
+                .arg(&eps)
+                .arg(xb.buf())
+                .launch(norm_v4_config(x.rows, threads))
+        }?;
+        xb.record(be, &h.buf, x.rows, x.cols);
         return Ok(());
     }
     let mut launch = be.stream.kernel(if v4.is_some() {

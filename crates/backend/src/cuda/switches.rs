@@ -165,6 +165,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "Q4_K decode: the FFN's RMSNorm handed from the o-projection to the SwiGLU (MATMUL.md round 24)",
     ),
     (
+        "FERRITE_NORM_X16",
+        Accepts::OneOf(&[0, 1]),
+        "prefill: 1 the add + RMSNorm also writes h as the 16-bit x of the matmuls that read it next (Q, K, V; gate/up), which then skip their conversion launch (MATMUL.md round 98); 0 (default) the conversion",
+    ),
+    (
         "FERRITE_NORM_QKV",
         Accepts::OneOf(&[0, 2]),
         "one-row decode: the attention input's RMSNorm handed from the down projection to the grouped Q, K, V launch: 2 (default) by the K-split Q4_K tile's pair tickets (MATMUL.md round 42; the lane code's group tickets, round 43, lost), 0 off",

@@ -486,11 +486,15 @@ __device__ __forceinline__ float norm_scale(float ss, float* partial, int cols, 
 }
 
 // h = rms_norm(x (+ y)) · w for row blockIdx.x; ADD also stores x + y into x. xq / xd as in
-// add_rms_norm (null: no quantization).
-template <bool ADD>
+// add_rms_norm (null: no quantization). X16 (a prefill's hand-over to the matmuls that read h
+// next, ops.rs add_rms_norm): h also as 16-bit rows of `cols` into xb, 1 bf16 (pack_bf16), 2 f16
+// (pack_f16_sat) — the rounding of the prefill's x conversion (mm_decode.cuh x_scratch16), so
+// the matmuls read the bits the conversion would have written.
+template <bool ADD, int X16 = 0>
 __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* __restrict__ h, int cols,
-                                            float eps, int8_t* __restrict__ xq, float2* __restrict__ xd) {
+                                            float eps, int8_t* __restrict__ xq, float2* __restrict__ xd,
+                                            uint16_t* __restrict__ xb = nullptr) {
     __shared__ float partial[32];
     const int chunks = cols >> 2;
     const int tid = threadIdx.x;
@@ -534,6 +538,10 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const float o[4] = {(v[j].x * scale) * wv[j].x, (v[j].y * scale) * wv[j].y, (v[j].z * scale) * wv[j].z,
                             (v[j].w * scale) * wv[j].w};
         if (valid) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
+        if (X16 && valid)
+            *reinterpret_cast<uint2*>(xb + r * cols + 4 * c) =
+                X16 == 2 ? make_uint2(pack_f16_sat(o[0], o[1]), pack_f16_sat(o[2], o[3]))
+                         : make_uint2(pack_bf16(o[0], o[1]), pack_bf16(o[2], o[3]));
         if (xq != nullptr)
             quant_q8_vec4(o, valid, xq + r * 2 * cols, cols, 4 * c, xd + r * (cols / QK) + (4 * c) / QK);
     }
@@ -543,6 +551,18 @@ extern "C" __global__ void add_rms_norm_v4(float* __restrict__ x, const float* _
                                            const float* __restrict__ w, float* __restrict__ h, int cols, float eps,
                                            int8_t* __restrict__ xq, float2* __restrict__ xd) {
     norm_row_v4<true>(x, y, w, h, cols, eps, xq, xd);
+}
+
+// add_rms_norm_v4 handing h over to a prefill's matmuls as their bf16 / f16 x (X16 above).
+extern "C" __global__ void add_rms_norm_v4_xbf16(float* __restrict__ x, const float* __restrict__ y,
+                                                 const float* __restrict__ w, float* __restrict__ h, int cols,
+                                                 float eps, uint16_t* __restrict__ xb) {
+    norm_row_v4<true, 1>(x, y, w, h, cols, eps, nullptr, nullptr, xb);
+}
+extern "C" __global__ void add_rms_norm_v4_xf16(float* __restrict__ x, const float* __restrict__ y,
+                                                const float* __restrict__ w, float* __restrict__ h, int cols,
+                                                float eps, uint16_t* __restrict__ xb) {
+    norm_row_v4<true, 2>(x, y, w, h, cols, eps, nullptr, nullptr, xb);
 }
 
 extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float* __restrict__ w,
