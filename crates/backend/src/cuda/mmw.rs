@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use ferrite_formats::GgmlType;
@@ -144,24 +144,9 @@ fn ta_tile_mode() -> i64 {
 /// (`mmw_ta_*_wk`, MATMUL.md round 95), where the split grid fills at least three quarters of
 /// the SMs; 0: the 128-output tiles there. On the H100 the split took Qwen3-8B F16's down from
 /// 100.4 to 86.6 µs and its pp512 from ~31,950 to ~32,710 tok/s.
-/// 3: stream-K there instead ([`Tile::TaWideSk`], MATMUL.md round 97) where the cluster
-/// split's grid would take more than one wave (Qwen3-8B's Q, K, V: 192 blocks) and each block
-/// of the launch gets at least [`SK_MIN_STEPS`] K steps; the cluster split elsewhere. 4:
-/// stream-K wherever those steps hold (O and the down too).
-fn ta_ks() -> i64 {
-    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_KS", 2))
-}
-
-/// Fewest K steps a block of a stream-K launch: below it the parts' 128 KB round trips
-/// through L2 (a write, and a read by the tile's head block for each) weigh more than the
-/// steps they spread (a 64-step tile over more than four blocks).
-const SK_MIN_STEPS: usize = 16;
-
-/// A stream-K launch's blocks: one an SM, a whole number per token tile (so that the blocks
-/// of one weight tile's token tiles run its K steps together), `tx` token tiles.
-fn sk_grid(tx: usize, sm_count: usize) -> usize {
-    (sm_count / tx.max(1)) * tx.max(1)
+fn ta_ks() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_KS", 2) == 2)
 }
 
 /// The TA form's 128 × 256 tile (outputs × tokens) and its block: two consumer warpgroups
@@ -178,8 +163,6 @@ enum Tile {
     Std(usize),
     TaWide,
     TaWideK,
-    /// The wide tile by stream-K over `sm` blocks (`mmw_ta_*_wsk`).
-    TaWideSk { sm: usize },
 }
 
 impl Tile {
@@ -206,24 +189,10 @@ impl Tile {
     /// wide one with K split in two where their launch has `out_tiles` output tiles (of 128)
     /// on more than 128 `rows` and the split wide grid fills at least three quarters of the
     /// SMs (the unsplit wide tile, where [`Tile::pick`] chose it, fills them already).
-    /// Under `FERRITE_MMW_TA_KS=3`, stream-K over the K steps (`kp` / 64 a tile) where every
-    /// block gets [`SK_MIN_STEPS`].
-    fn split_k(self, rows: usize, kp: usize, out_tiles: usize, sm_count: usize) -> Tile {
-        let tx = rows.div_ceil(TA_WIDE.1);
-        let g = sk_grid(tx, sm_count);
+    fn split_k(self, rows: usize, out_tiles: usize, sm_count: usize) -> Tile {
         match self {
             Tile::Std(0 | 1)
-                if ta_ks() >= 3
-                    && ta_tile_mode() == 2
-                    && rows > 128
-                    && tx * out_tiles <= g
-                    && (ta_ks() == 4 || 2 * tx * out_tiles > sm_count)
-                    && tx * out_tiles * (kp / 64) >= SK_MIN_STEPS * g =>
-            {
-                Tile::TaWideSk { sm: sm_count }
-            }
-            Tile::Std(0 | 1)
-                if ta_ks() >= 2
+                if ta_ks()
                     && ta_tile_mode() == 2
                     && rows > 128
                     && 4 * 2 * rows.div_ceil(TA_WIDE.1) * out_tiles >= 3 * sm_count =>
@@ -238,7 +207,7 @@ impl Tile {
     fn dims(self) -> (usize, usize) {
         match self {
             Tile::Std(i) => TILES[i],
-            Tile::TaWide | Tile::TaWideK | Tile::TaWideSk { .. } => TA_WIDE,
+            Tile::TaWide | Tile::TaWideK => TA_WIDE,
         }
     }
 
@@ -246,7 +215,7 @@ impl Tile {
     fn index(self) -> Option<usize> {
         match self {
             Tile::Std(i) => Some(i),
-            Tile::TaWide | Tile::TaWideK | Tile::TaWideSk { .. } => None,
+            Tile::TaWide | Tile::TaWideK => None,
         }
     }
 
@@ -259,15 +228,8 @@ impl Tile {
         let (tm, bn) = self.dims();
         let (threads, smem_bytes) = match self {
             Tile::Std(_) => (threads(tm), smem(tm, bn)),
-            Tile::TaWide | Tile::TaWideK | Tile::TaWideSk { .. } => (TA_WIDE_THREADS, TA_WIDE_SMEM),
+            Tile::TaWide | Tile::TaWideK => (TA_WIDE_THREADS, TA_WIDE_SMEM),
         };
-        if let Tile::TaWideSk { sm } = self {
-            return Ok(LaunchConfig {
-                grid_dim: (sk_grid(rows.div_ceil(bn), sm) as u32, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: smem_bytes as u32,
-            });
-        }
         Ok(LaunchConfig {
             grid_dim: (
                 rows.div_ceil(bn) as u32,
@@ -679,10 +641,6 @@ pub struct Kernels {
     /// `mmw_ta_<type>_wk`: that tile with K split between a cluster's two blocks
     /// ([`Tile::TaWideK`]), likewise.
     ta_wk: Vec<CudaFunction>,
-    /// `mmw_ta_<type>_wsk`: that tile by stream-K ([`Tile::TaWideSk`]), likewise.
-    ta_sk: Vec<CudaFunction>,
-    /// Its parts' slots and tiles' counters, allocated at its first launch.
-    sk_scratch: std::sync::Mutex<Option<SkScratch>>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
@@ -706,8 +664,6 @@ impl Kernels {
             ta: Vec::new(),
             ta_w: Vec::new(),
             ta_wk: Vec::new(),
-            ta_sk: Vec::new(),
-            sk_scratch: std::sync::Mutex::new(None),
             x_f16: None,
             x_gather: None,
             rsw: None,
@@ -804,8 +760,6 @@ impl Kernels {
                 ))
             })?,
             ta_wk: per_ta_type(|n| with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM))?,
-            ta_sk: per_ta_type(|n| with_smem(format!("mmw_ta_{n}_wsk"), TA_WIDE_SMEM))?,
-            sk_scratch: std::sync::Mutex::new(None),
             x_f16: if ta() {
                 Some(function(&m, "mmw_x_f16")?)
             } else {
@@ -903,16 +857,14 @@ fn with_x<R>(
     f: impl FnOnce(&CudaSlice<u16>, usize) -> Result<R>,
 ) -> Result<R> {
     match (ta, &be.mmw.x_f16) {
-        (Some(t), Some(cvt)) if TA_TYPES[t].0 == GgmlType::F16 => {
-            super::matmul::with_scratch_rows(
-                be,
-                &x.buf,
-                x.rows,
-                x.cols,
-                (cvt, super::matmul::X16::F16),
-                f,
-            )
-        }
+        (Some(t), Some(cvt)) if TA_TYPES[t].0 == GgmlType::F16 => super::matmul::with_scratch_rows(
+            be,
+            &x.buf,
+            x.rows,
+            x.cols,
+            (cvt, super::matmul::X16::F16),
+            f,
+        ),
         _ => super::matmul::with_bf16(be, x, f),
     }
 }
@@ -1266,7 +1218,7 @@ fn launch<X: DevicePtr<u16>>(
     // The TA 128-output tiles: the wide one with K split where that fills the SMs (its
     // outputs a block are theirs, 128, so the output tiles stay).
     let tile = if ta {
-        tile.split_k(rows, kp, e2 + tiles[2], be.sm_count)
+        tile.split_k(rows, e2 + tiles[2], be.sm_count)
     } else {
         tile
     };
@@ -1277,7 +1229,6 @@ fn launch<X: DevicePtr<u16>>(
     // block the form of its weight's type).
     let mut kernel = match (ta_t, tile.index()) {
         (Some(t), None) if tile == Tile::TaWideK => &be.mmw.ta_wk[t],
-        (Some(t), None) if matches!(tile, Tile::TaWideSk { .. }) => &be.mmw.ta_sk[t],
         (Some(t), None) => &be.mmw.ta_w[t].0,
         (_, Some(i)) => &kernels[i],
         (None, None) => bail!("mmw: the wide TA tile without TA"),
@@ -1359,59 +1310,11 @@ fn launch<X: DevicePtr<u16>>(
     for m in &am {
         launch.arg(m);
     }
-    // Stream-K: the token tiles, the tiles, and the scratch (sized for one block an SM).
-    let (tx_i, ntiles_i) = (
-        rows.div_ceil(bn) as i32,
-        (rows.div_ceil(bn) * (e2 + tiles[2])) as i32,
-    );
-    let mut sk = None;
-    if matches!(tile, Tile::TaWideSk { .. }) {
-        ensure!(
-            ntiles_i as u32 <= cfg.grid_dim.0 && cfg.grid_dim.0 as usize <= be.sm_count,
-            "mmw: stream-K over {} blocks for {ntiles_i} tiles",
-            cfg.grid_dim.0
-        );
-        let guard = lock_sk(be)?;
-        sk = Some(guard);
-    }
-    if let Some(sc) = sk.as_ref().and_then(|g| g.as_ref()) {
-        launch
-            .arg(&tx_i)
-            .arg(&ntiles_i)
-            .arg(&sc.part)
-            .arg(&sc.flags);
-    }
     // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
     // n_in; the map describes it), each out rows×n_out floats; block y < e1 uses weight 0,
     // < e2 weight 1, else 2, and only the present weights have tiles.
     unsafe { launch.launch(cfg) }?;
     Ok(())
-}
-
-/// A stream-K launch's scratch ([`Tile::TaWideSk`]): a 128 × 256 f32 part for each block of
-/// one an SM, and a counter a tile (at most one a block), zero between launches (each tile's
-/// head block resets its own).
-struct SkScratch {
-    part: CudaSlice<f32>,
-    flags: CudaSlice<i32>,
-}
-
-/// The stream-K scratch, locked; allocated at its first use (a prefill of more than 128 rows:
-/// never inside a captured decode step).
-fn lock_sk(be: &CudaBackend) -> Result<std::sync::MutexGuard<'_, Option<SkScratch>>> {
-    let mut guard = be
-        .mmw
-        .sk_scratch
-        .lock()
-        .map_err(|_| anyhow!("mmw: stream-K scratch lock poisoned"))?;
-    if guard.is_none() {
-        let (tm, bn) = TA_WIDE;
-        *guard = Some(SkScratch {
-            part: be.stream.alloc_zeros::<f32>(be.sm_count * tm * bn)?,
-            flags: be.stream.alloc_zeros::<i32>(be.sm_count)?,
-        });
-    }
-    Ok(guard)
 }
 
 /// Pairs per tile of the grouped expert GEMMs: moe.cu's `GM_TN`, whose tile table
@@ -1807,12 +1710,9 @@ mod tests {
         }
         let pick = |rows, n| {
             let t = Tile::pick(true, rows, n, 132);
-            t.split_k(rows, 4096, n / 128, 132)
+            t.split_k(rows, n / 128, 132)
         };
-        if ta_ks() >= 3 {
-            return; // stream-K: `stream_k_where_every_block_gets_its_steps`
-        }
-        if ta_ks() != 2 {
+        if !ta_ks() {
             // Off (FERRITE_MMW_TA_KS=0): the 128-output tiles stay.
             assert!(matches!(pick(512, 4096), Tile::Std(0 | 1)));
             return;
@@ -1829,26 +1729,5 @@ mod tests {
         assert_eq!(pick(512, 24576), Tile::TaWide);
         let k = Tile::TaWideK.config(512, 32).unwrap();
         assert_eq!((k.grid_dim, k.block_dim.0), ((2, 32, 2), TA_WIDE_THREADS));
-    }
-
-    #[test]
-    fn stream_k_where_every_block_gets_its_steps() {
-        if ta_tile_mode() != 2 || ta_ks() < 3 {
-            return; // the default (cluster split) or another rule from the environment
-        }
-        let pick = |rows, kp, n| Tile::pick(true, rows, n, 132).split_k(rows, kp, n / 128, 132);
-        // Qwen3-8B F16 at 512 rows: Q, K, V (96 tiles of 64 steps: 46 a block) by stream-K;
-        // O (64 of 64: 31) and the down (64 of 192: 93) too under 4, split in a cluster (128
-        // blocks, one wave) under 3; K or V alone (16 tiles: 7 a block) neither.
-        assert_eq!(pick(512, 4096, 6144), Tile::TaWideSk { sm: 132 });
-        let o = if ta_ks() == 4 { Tile::TaWideSk { sm: 132 } } else { Tile::TaWideK };
-        for (rows, kp, n) in [(512, 4096, 4096), (512, 12288, 4096), (300, 4096, 4096)] {
-            assert_eq!(pick(rows, kp, n), o, "{rows}: {kp} -> {n}");
-        }
-        assert!(matches!(pick(512, 4096, 1024), Tile::Std(0 | 1)));
-        // Three token tiles: 132 blocks (a whole number a token tile).
-        let c = Tile::TaWideSk { sm: 132 }.config(640, 32).unwrap();
-        assert_eq!((c.grid_dim, c.block_dim.0), ((132, 1, 1), TA_WIDE_THREADS));
-        assert_eq!(sk_grid(5, 132), 130);
     }
 }

@@ -509,9 +509,11 @@ pub fn add_rms_norm(
     }
     // A prefill's h read next by matmuls (their x converted to 16 bits, matmul.rs
     // `with_scratch_rows`): the kernel writes that 16-bit x too, recorded as h's.
-    if let (Some(threads), Some(mut xb)) = (v4, super::matmul::xb_for_producer(be, x.rows, x.cols)?) {
+    if let (Some(threads), Some(mut xb)) = (v4, super::matmul::xb_for_producer(be, x.rows, x.cols)?)
+    {
         let kernel = &be.ops.add_rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)];
-        // SAFETY: as below; xb holds rows × cols 16-bit values (xb_for_producer).
+        let buf = xb.buf()?;
+        // SAFETY: as below; the scratch holds rows × cols 16-bit values (xb_for_producer).
         unsafe {
             be.stream
                 .kernel(kernel)
@@ -521,7 +523,7 @@ pub fn add_rms_norm(
                 .arg(&mut h.buf)
                 .arg(&cols)
                 .arg(&eps)
-                .arg(xb.buf())
+                .arg(buf)
                 .launch(norm_v4_config(x.rows, threads))
         }?;
         xb.record(be, &h.buf, x.rows, x.cols);

@@ -111,8 +111,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_TA_KS",
-        Accepts::OneOf(&[0, 2, 3, 4]),
-        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: the TA form's plain launches whose 128x256 tiles would not fill the SMs. 2 (default) on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs; MATMUL.md round 95); 3 by stream-K where the cluster split would take more than one wave: the launch's tile steps in equal ranges over one block an SM, the partial tiles added by the block that holds the tile's first steps (mmw_ta_*_wsk, where each block gets at least 16 steps; else as 2; MATMUL.md round 97); 4 stream-K wherever those steps hold; 0 the 128-output tiles there",
+        Accepts::OneOf(&[0, 2]),
+        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: 2 (default) the TA form's plain launches whose 128x256 tiles would not fill the SMs on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs), 0 the 128-output tiles there (MATMUL.md round 95)",
     ),
     (
         "FERRITE_MMW_HX",
@@ -167,7 +167,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_NORM_X16",
         Accepts::OneOf(&[0, 1]),
-        "prefill: 1 the add + RMSNorm also writes h as the 16-bit x of the matmuls that read it next (Q, K, V; gate/up), which then skip their conversion launch (MATMUL.md round 98); 0 (default) the conversion",
+        "prefill: 1 (default) the add + RMSNorm also writes h as the 16-bit x of the matmuls that read it next (Q, K, V; gate/up), which then skip their conversion launch (MATMUL.md round 98); 0 the conversion launch",
     ),
     (
         "FERRITE_NORM_QKV",
@@ -236,8 +236,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_DIAG_MMW",
-        Accepts::Range(0, 7),
-        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the wgmma prefill (mmw.cu), a bit mask: 1 no raw weight loads after the first steps (the same registers decoded again), 2 no proxy fence before a stage is published (MATMUL.md round 81), 4 the stream-K form's parts neither written nor waited for (MATMUL.md round 97)",
+        Accepts::Range(0, 3),
+        "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the wgmma prefill producers (mmw.cu), a bit mask: 1 no raw weight loads after the first steps (the same registers decoded again), 2 no proxy fence before a stage is published (MATMUL.md round 81)",
     ),
     (
         "FERRITE_DIAG_DQ",
