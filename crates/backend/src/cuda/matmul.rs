@@ -289,7 +289,8 @@ impl XbProducer<'_> {
             .ok_or_else(|| anyhow!("matmul: x scratch missing"))
     }
 
-    /// Records that the launch just issued wrote `x`'s 16-bit rows.
+    /// Records that the launch just issued wrote `x`'s 16-bit rows. (A poisoned state lock
+    /// records nothing: the consumer then converts, as without the hand-over.)
     pub(crate) fn record(&self, be: &CudaBackend, x: &CudaSlice<f32>, rows: usize, cols: usize) {
         let (ptr, _g) = x.device_ptr(&be.stream);
         if let Ok(mut st) = be.matmul.xb_state.lock() {
