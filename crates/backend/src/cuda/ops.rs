@@ -508,31 +508,18 @@ pub fn add_rms_norm(
         return Ok(());
     }
     // A prefill's h read next by matmuls (their x converted to 16 bits, matmul.rs
-    // `with_scratch_rows`): the kernel writes that 16-bit x too, recorded as h's.
-    if let (Some(threads), Some(mut xb)) = (v4, super::matmul::xb_for_producer(be, x.rows, x.cols)?)
-    {
-        let kernel = &be.ops.add_rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)];
-        let buf = xb.buf()?;
-        // SAFETY: as below; the scratch holds rows × cols 16-bit values (xb_for_producer).
-        unsafe {
-            be.stream
-                .kernel(kernel)
-                .arg(&mut x.buf)
-                .arg(&y.buf)
-                .arg(&wv)
-                .arg(&mut h.buf)
-                .arg(&cols)
-                .arg(&eps)
-                .arg(buf)
-                .launch(norm_v4_config(x.rows, threads))
-        }?;
-        xb.record(be, &h.buf, x.rows, x.cols);
-        return Ok(());
-    }
-    let mut launch = be.stream.kernel(if v4.is_some() {
-        &be.ops.add_rms_norm_v4
-    } else {
-        &be.ops.add_rms_norm
+    // `with_scratch_rows`): the v4 kernel's `_x16` form writes that 16-bit x too, recorded as
+    // h's.
+    let mut x16 = match v4 {
+        Some(_) => super::matmul::xb_for_producer(be, x.rows, x.cols)?,
+        None => None,
+    };
+    let mut launch = be.stream.kernel(match (&x16, v4) {
+        (Some(xb), _) => {
+            &be.ops.add_rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)]
+        }
+        (None, Some(_)) => &be.ops.add_rms_norm_v4,
+        (None, None) => &be.ops.add_rms_norm,
     });
     launch
         .arg(&mut x.buf)
@@ -541,13 +528,21 @@ pub fn add_rms_norm(
         .arg(&mut h.buf)
         .arg(&cols)
         .arg(&eps);
-    xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut()));
+    match x16.as_mut() {
+        Some(xb) => {
+            launch.arg(xb.buf()?);
+        }
+        None => xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut())),
+    }
     // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows);
     // one block per row, at most 1024 threads (32 warps: the kernel's shared partials; the
     // v4 kernel's chunks fit NORM_NV rounds and its rows are 16-byte aligned, see
-    // norm_v4_threads); the scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a multiple
-    // of 32) elements.
+    // norm_v4_threads); the int8 scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a
+    // multiple of 32) elements, the 16-bit one rows × cols (xb_for_producer).
     unsafe { launch.launch(cfg) }?;
+    if let Some(xb) = &x16 {
+        xb.record(be, &h.buf, x.rows, x.cols);
+    }
     if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
         xq.record_producer(be, &h.buf, x.rows, x.cols);
     }
