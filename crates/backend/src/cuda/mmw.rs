@@ -138,15 +138,21 @@ fn ta_tile_mode() -> i64 {
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_TILE", 2))
 }
 
-/// `FERRITE_MMW_TA_KS` (read once; default 2): 2 puts the TA form's plain launches whose
-/// 128 × 256 tiles would not fill the SMs (the 4096-output projections at 512 rows: 64 blocks)
-/// on that tile with K split between the two blocks of a cluster, added through shared memory
+/// `FERRITE_MMW_TA_KS` (read once; default 2): the most blocks of a cluster the TA form's plain
+/// launches split a tile's K between ([`Tile::split_k`]). 2 puts the launches whose 128 × 256
+/// tiles would not fill the SMs (the 4096-output projections at 512 rows: 64 blocks) on that
+/// tile with K split between the two blocks of a cluster, added through shared memory
 /// (`mmw_ta_*_wk`, MATMUL.md round 95), where the split grid fills at least three quarters of
-/// the SMs; 0: the 128-output tiles there. On the H100 the split took Qwen3-8B F16's down from
-/// 100.4 to 86.6 µs and its pp512 from ~31,950 to ~32,710 tok/s.
-fn ta_ks() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_KS", 2) == 2)
+/// the SMs; 4 also lets four blocks split it (`mmw_ta_*_wk4`, round 99) where that takes fewer
+/// waves of tile time (Q, K, V's 96 tiles: three waves of quarter tiles against two of halves);
+/// 0 (or any other value): the 128-output tiles there. On the H100 the two-way split took
+/// Qwen3-8B F16's down from 100.4 to 86.6 µs and its pp512 from ~31,950 to ~32,710 tok/s.
+fn ta_ks() -> usize {
+    static KS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *KS.get_or_init(|| match super::switches::int_or("FERRITE_MMW_TA_KS", 2) {
+        v @ (2 | 4) => v as usize,
+        _ => 0,
+    })
 }
 
 /// The TA form's 128 × 256 tile (outputs × tokens) and its block: two consumer warpgroups
@@ -157,12 +163,12 @@ const TA_WIDE_THREADS: u32 = threads_p(128, 0);
 const TA_WIDE_SMEM: usize = ring_smem(TA_WIDE.0, TA_WIDE.1, 224 * 1024);
 
 /// A launch's tile: one of [`TILES`] (by index), or the TA form's [`TA_WIDE`], whole or with
-/// K split between a cluster's two blocks ([`ta_ks`]).
+/// K split between a cluster's 2 or 4 blocks ([`ta_ks`]; the count its field).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Tile {
     Std(usize),
     TaWide,
-    TaWideK,
+    TaWideK(u32),
 }
 
 impl Tile {
@@ -188,16 +194,29 @@ impl Tile {
     /// A TA plain launch's tile once [`ta_ks`] has its say: the 128-output tiles become the
     /// wide one with K split in two where their launch has `out_tiles` output tiles (of 128)
     /// on more than 128 `rows` and the split wide grid fills at least three quarters of the
-    /// SMs (the unsplit wide tile, where [`Tile::pick`] chose it, fills them already).
-    fn split_k(self, rows: usize, out_tiles: usize, sm_count: usize) -> Tile {
+    /// SMs (the unsplit wide tile, where [`Tile::pick`] chose it, fills them already); split in
+    /// four instead (under `FERRITE_MMW_TA_KS=4`) where that takes fewer waves of whole-tile
+    /// time, ceil(4 · blocks / SMs) / 4 against ceil(2 · blocks / SMs) / 2, and K has at least
+    /// 16 steps of 64 (every block at least 4: the kernel's split leaves none empty).
+    fn split_k(self, rows: usize, out_tiles: usize, k_steps: usize, sm_count: usize) -> Tile {
+        let max_ks = ta_ks();
+        let blocks = rows.div_ceil(TA_WIDE.1) * out_tiles;
+        let sm = sm_count.max(1);
         match self {
             Tile::Std(0 | 1)
-                if ta_ks()
+                if max_ks >= 2
                     && ta_tile_mode() == 2
                     && rows > 128
-                    && 4 * 2 * rows.div_ceil(TA_WIDE.1) * out_tiles >= 3 * sm_count =>
+                    && k_steps >= 2
+                    && 4 * 2 * blocks >= 3 * sm =>
             {
-                Tile::TaWideK
+                // Waves of whole-tile time, in quarters: ceil(ks · blocks / sm) · 4 / ks.
+                let quarters = |ks: usize| (ks * blocks).div_ceil(sm) * 4 / ks;
+                if max_ks >= 4 && k_steps >= 16 && quarters(4) < quarters(2) {
+                    Tile::TaWideK(4)
+                } else {
+                    Tile::TaWideK(2)
+                }
             }
             t => t,
         }
@@ -207,7 +226,7 @@ impl Tile {
     fn dims(self) -> (usize, usize) {
         match self {
             Tile::Std(i) => TILES[i],
-            Tile::TaWide | Tile::TaWideK => TA_WIDE,
+            Tile::TaWide | Tile::TaWideK(_) => TA_WIDE,
         }
     }
 
@@ -215,7 +234,7 @@ impl Tile {
     fn index(self) -> Option<usize> {
         match self {
             Tile::Std(i) => Some(i),
-            Tile::TaWide | Tile::TaWideK => None,
+            Tile::TaWide | Tile::TaWideK(_) => None,
         }
     }
 
@@ -228,13 +247,13 @@ impl Tile {
         let (tm, bn) = self.dims();
         let (threads, smem_bytes) = match self {
             Tile::Std(_) => (threads(tm), smem(tm, bn)),
-            Tile::TaWide | Tile::TaWideK => (TA_WIDE_THREADS, TA_WIDE_SMEM),
+            Tile::TaWide | Tile::TaWideK(_) => (TA_WIDE_THREADS, TA_WIDE_SMEM),
         };
         Ok(LaunchConfig {
             grid_dim: (
                 rows.div_ceil(bn) as u32,
                 out_tiles as u32,
-                if self == Tile::TaWideK { 2 } else { 1 },
+                if let Tile::TaWideK(ks) = self { ks } else { 1 },
             ),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem_bytes as u32,
@@ -638,9 +657,9 @@ pub struct Kernels {
     ta: Vec<(Tiles, Tiles)>,
     /// `mmw_ta_<type>_w` and `mmw_ta_swiglu_<type>_w`, the [`TA_WIDE`] tile, likewise.
     ta_w: Vec<(CudaFunction, CudaFunction)>,
-    /// `mmw_ta_<type>_wk`: that tile with K split between a cluster's two blocks
-    /// ([`Tile::TaWideK`]), likewise.
-    ta_wk: Vec<CudaFunction>,
+    /// `mmw_ta_<type>_wk` and `mmw_ta_<type>_wk4`: that tile with K split between a
+    /// cluster's two and four blocks ([`Tile::TaWideK`]), likewise.
+    ta_wk: Vec<(CudaFunction, CudaFunction)>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
@@ -759,7 +778,12 @@ impl Kernels {
                     with_smem(format!("mmw_ta_swiglu_{n}_w"), TA_WIDE_SMEM)?,
                 ))
             })?,
-            ta_wk: per_ta_type(|n| with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM))?,
+            ta_wk: per_ta_type(|n| {
+                Ok((
+                    with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM)?,
+                    with_smem(format!("mmw_ta_{n}_wk4"), TA_WIDE_SMEM)?,
+                ))
+            })?,
             x_f16: if ta() {
                 Some(function(&m, "mmw_x_f16")?)
             } else {
@@ -1218,7 +1242,7 @@ fn launch<X: DevicePtr<u16>>(
     // The TA 128-output tiles: the wide one with K split where that fills the SMs (its
     // outputs a block are theirs, 128, so the output tiles stay).
     let tile = if ta {
-        tile.split_k(rows, e2 + tiles[2], be.sm_count)
+        tile.split_k(rows, e2 + tiles[2], kp / TK, be.sm_count)
     } else {
         tile
     };
@@ -1228,7 +1252,8 @@ fn launch<X: DevicePtr<u16>>(
     // group of one RS type (FERRITE_MMW_RSW), `mmw_rsw_q4_k_q6_k` for the mixed Q, K, V (each
     // block the form of its weight's type).
     let mut kernel = match (ta_t, tile.index()) {
-        (Some(t), None) if tile == Tile::TaWideK => &be.mmw.ta_wk[t],
+        (Some(t), None) if tile == Tile::TaWideK(2) => &be.mmw.ta_wk[t].0,
+        (Some(t), None) if tile == Tile::TaWideK(4) => &be.mmw.ta_wk[t].1,
         (Some(t), None) => &be.mmw.ta_w[t].0,
         (_, Some(i)) => &kernels[i],
         (None, None) => bail!("mmw: the wide TA tile without TA"),
@@ -1261,9 +1286,9 @@ fn launch<X: DevicePtr<u16>>(
     // xb's device address (a slice or a view), held across the launch.
     let (xp, _xb_guard) = xb.device_ptr(&be.stream);
     let mut launch = be.stream.kernel(kernel);
-    if tile == Tile::TaWideK {
-        // The K halves' blocks: one cluster along the grid's z.
-        launch.cluster((1, 1, 2));
+    if let Tile::TaWideK(ks) = tile {
+        // The K parts' blocks: one cluster along the grid's z.
+        launch.cluster((1, 1, ks));
     }
     launch
         .arg(&wp[0])
@@ -1708,26 +1733,35 @@ mod tests {
         if ta_tile_mode() != 2 {
             return; // FERRITE_MMW_TA_TILE set in the environment: another rule
         }
+        // K = 4096: 64 steps of 64.
         let pick = |rows, n| {
             let t = Tile::pick(true, rows, n, 132);
-            t.split_k(rows, n / 128, 132)
+            t.split_k(rows, n / 128, 64, 132)
         };
-        if !ta_ks() {
+        if ta_ks() == 0 {
             // Off (FERRITE_MMW_TA_KS=0): the 128-output tiles stay.
             assert!(matches!(pick(512, 4096), Tile::Std(0 | 1)));
             return;
         }
-        // Qwen3-8B F16 at 512 (or 300) rows on 132 SMs: Q, K, V grouped (48 output tiles:
-        // 2 × 2 × 48 split blocks) and O or down (32: 128 blocks) split; K or V alone (8: 32
-        // blocks) and 128 rows not.
-        for (rows, n) in [(512, 6144), (512, 4096), (300, 4096)] {
-            assert_eq!(pick(rows, n), Tile::TaWideK, "{rows} x {n}");
+        // Qwen3-8B F16 at 512 (or 300) rows on 132 SMs: O or down (32 output tiles: 2 × 32
+        // blocks) split in two (in four: 256 blocks, two waves of quarter tiles, no fewer);
+        // Q, K, V grouped (48: 96 blocks) in two, or in four where allowed (384 blocks: three
+        // waves of quarters against two of halves); K or V alone (8: 16 blocks) and 128 rows
+        // not.
+        for (rows, n) in [(512, 4096), (300, 4096)] {
+            assert_eq!(pick(rows, n), Tile::TaWideK(2), "{rows} x {n}");
         }
+        let qkv = if ta_ks() == 4 { 4 } else { 2 };
+        assert_eq!(pick(512, 6144), Tile::TaWideK(qkv));
+        // Too few K steps to give each of four blocks four: two.
+        assert_eq!(Tile::Std(0).split_k(512, 48, 15, 132), Tile::TaWideK(2));
         for (rows, n) in [(512, 1024), (128, 4096)] {
             assert!(matches!(pick(rows, n), Tile::Std(0 | 1)), "{rows} x {n}");
         }
         assert_eq!(pick(512, 24576), Tile::TaWide);
-        let k = Tile::TaWideK.config(512, 32).unwrap();
+        let k = Tile::TaWideK(2).config(512, 32).unwrap();
         assert_eq!((k.grid_dim, k.block_dim.0), ((2, 32, 2), TA_WIDE_THREADS));
+        let k = Tile::TaWideK(4).config(512, 48).unwrap();
+        assert_eq!(k.grid_dim, (2, 48, 4));
     }
 }

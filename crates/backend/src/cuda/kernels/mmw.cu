@@ -491,12 +491,14 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // o + TM / 2 as it does for mmw_row's order), wmh / wmh2 the gate's and up's maps.
 // P: producer warpgroups (1: the RS wide tile, `mmw_rsw_*`, whose 256 threads leave its consumer
 // warpgroup the registers of 128 accumulators and two A sets).
-// KS (the TA form's plain launches only; MATMUL.md round 95): the tile's K steps split between
-// the KS = 2 blocks of a cluster (grid z, the cluster's rank: block r the steps r · ceil(nk / 2)
-// on), each block staging its partial sums as usual; then, after a cluster barrier, block r
-// stores token rows r · BN / 2.. of the tile, each output the two partial sums added, the other
-// block's read from its shared memory (DSMEM). The wide tile's 64 blocks of a 4096-output projection at 512 rows
-// become 128 with no memset and no atomics.
+// KS (the TA form's plain launches only; MATMUL.md rounds 95, 99): the tile's K steps split
+// between the KS = 2 or 4 blocks of a cluster (grid z, the cluster's rank: block r the steps
+// r · ceil(nk / KS) on), each block staging its partial sums as usual; then, after a cluster
+// barrier, block r stores token rows r · BN / KS.. of the tile, each output the KS partial sums
+// added in rank order (the same sum whichever block stores it), the other blocks' read from
+// their shared memory (DSMEM). The wide tile's 64 blocks of a 4096-output projection at 512
+// rows become 128 with no memset and no atomics; Q, K, V's 96 become 384 at KS = 4 (three
+// full waves of quarter-K blocks where KS = 2's 192 take two of half-K ones).
 template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false,
           int P = MMW_PRODUCERS, int KS = 1>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
@@ -537,12 +539,13 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // again and not stored).
     const int tn = MOE ? 0 : blockIdx.x * BN;
     const int t0 = MMW_TSHIFT && !MOE && rows > BN && tn + BN > rows ? rows - BN : tn;
-    static_assert(KS == 1 || (KS == 2 && TA && !SWIGLU), "mmw: the K split is the TA form's plain launches'");
-    // KS: this block's steps kb .. kb + nk of the tile's K steps.
+    static_assert(KS == 1 || ((KS == 2 || KS == 4) && TA && !SWIGLU), "mmw: the K split is the TA form's plain launches'");
+    // KS: this block's steps kb .. kb + nk of the tile's K steps (the launcher splits only K of
+    // at least KS steps a block, so that every block has one: mmw.rs Tile::split_k).
     const int ks_rank = KS > 1 ? cluster_rank() : 0;
-    const int nk_all = kp / MMW_TK, nk_half = (nk_all + 1) / 2;
-    const int kb = KS > 1 && ks_rank ? nk_half : 0;
-    const int nk = KS > 1 ? (ks_rank ? nk_all - nk_half : nk_half) : nk_all;
+    const int nk_all = kp / MMW_TK, nk_part = (nk_all + KS - 1) / KS;
+    const int kb = ks_rank * nk_part;
+    const int nk = KS > 1 ? min(nk_part, nk_all - kb) : nk_all;
     // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
     const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
     // XT: x by tensor copies (MMW_XTMA; the gate/up's only under MMW_GU_XT, its map then over
@@ -909,7 +912,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     // token's row (SWIGLU: silu(gate) · up computed here, 12 warps sharing the math that
     // the 4 consumer warps alone ran latency-bound: MATMUL.md round 14) ----
     if (producer) asm volatile("cp.async.wait_all;\n" ::: "memory");
-    // KS: both blocks' partial tiles staged and visible to the other before either reads.
+    // KS: every block's partial tile staged and visible to the others before any reads.
     if (KS > 1) cluster_sync_all();
     else __syncthreads();
     constexpr int OUTS = SWIGLU ? TM / 2 : TM, NQ = OUTS / 4;
@@ -919,12 +922,18 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     for (int i = tid; i < TR * NQ; i += S::THREADS) {
         const int t = i / NQ + ks_rank * TR, q = i % NQ, tt = t0 + t, o = ob + 4 * q;
         if (tt >= rows || o >= n_out || (MMW_TSHIFT && tt < tn)) continue;
-        float4 v = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + 4 * q);
+        const float* const sp = stage + t * MMW_SP(TM) + 4 * q;
+        float4 v = *reinterpret_cast<const float4*>(sp);
         if constexpr (KS > 1) {
-            // Plus the other block's partial sums of the same outputs (one addition: the same
-            // sum whichever block stores it).
-            const float4 u = ld_cluster_f32x4(stage + t * MMW_SP(TM) + 4 * q, ks_rank ^ 1);
-            v = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+            // The KS partial sums of the same outputs added in rank order, this block's from its
+            // own shared memory (the same sum whichever block stores it; at KS = 2 one addition).
+            float4 a = ks_rank == 0 ? v : ld_cluster_f32x4(sp, 0);
+#pragma unroll
+            for (int r = 1; r < KS; r++) {
+                const float4 u = r == ks_rank ? v : ld_cluster_f32x4(sp, r);
+                a = make_float4(a.x + u.x, a.y + u.y, a.z + u.z, a.w + u.w);
+            }
+            v = a;
         }
         if constexpr (SWIGLU) {
             const float4 u = *reinterpret_cast<const float4*>(stage + t * MMW_SP(TM) + TM / 2 + 4 * q);
@@ -959,7 +968,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
             for (int k = 0; k < 4 && o + k < n_out; k++) dst[k] = vs[k];
         }
     }
-    // KS: neither block exits (its shared memory released) before the other has read it.
+    // KS: no block exits (its shared memory released) before the others have read it.
     if (KS > 1) cluster_sync_exec();
 #else
     __trap();
@@ -1269,6 +1278,7 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 #define MMW_TA_KERNEL1W(name, TYPE)                              \
     MMW_TA_KERNEL1P(mmw_ta_##name##_w, TYPE, 128, 256, 0)        \
     MMW_TA_KERNEL1PK(mmw_ta_##name##_wk, TYPE, 128, 256, 0, 2)   \
+    MMW_TA_KERNEL1PK(mmw_ta_##name##_wk4, TYPE, 128, 256, 0, 4)  \
     MMW_TA_SWIGLU1P(mmw_ta_swiglu_##name##_w, TYPE, 128, 256, 0)
 #define MMW_TA_KERNEL(name, TYPE)                                                                           \
     MMW_TA_KERNEL1(name, TYPE, 128, 128)                                                                    \
