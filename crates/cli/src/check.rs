@@ -487,6 +487,17 @@ enum Op {
         /// The cache in q8_0 blocks (`Backend::kv_new_q8`; the CPU reference keeps f32).
         q8: bool,
     },
+    /// A prefill's attention over an f16 cache filled to `pos0`, then its o-projection (`[qd,
+    /// qd]` of type `ty`, qd = heads × head_dim), after a first matmul of the same weight on q
+    /// (the Q, K, V projections' place: the prefill's 16-bit x form), as the decoder runs
+    /// them: on CUDA the attention writes the projection's 16-bit x (`FERRITE_ATTN_X16`).
+    /// Checked: the projection's output.
+    AttnO {
+        shape: AttnShape,
+        pos0: usize,
+        rows: usize,
+        ty: GgmlType,
+    },
     /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then one decode row of
     /// attention over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: one
     /// launch where the cache takes the keys-before-the-wait cluster form). Checked: the output.
@@ -834,6 +845,18 @@ fn describe(op: &Op) -> (&'static str, String) {
                 shape.n_kv_heads,
                 if *q8 { " q8_0" } else { "" },
                 if *rows == 1 { "decode" } else { "multi" }
+            ),
+        ),
+        Op::AttnO {
+            shape,
+            pos0,
+            rows,
+            ty,
+        } => (
+            "attention",
+            format!(
+                "attention+o {ty:?} hd={} heads={}/kv{} rows={rows} pos0={pos0}",
+                shape.head_dim, shape.n_heads, shape.n_kv_heads
             ),
         ),
         Op::AttnRope { shape, pos0 } => (
@@ -1779,6 +1802,29 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     q8: false,
                 });
             }
+        }
+    }
+    // A prefill's attention and its o-projection in a row (the attention's 16-bit hand-over
+    // to the projection on CUDA): F16 and BF16 weights (f16 and bf16 x), Q4_K (bf16 x), whole
+    // and partial token tiles, from an empty cache and after 100 positions.
+    if !quick {
+        let shape = AttnShape {
+            n_heads: 8,
+            n_kv_heads: 2,
+            head_dim: 128,
+        };
+        for (ty, rows, pos0) in [
+            (GgmlType::F16, 64, 100),
+            (GgmlType::F16, 300, 0),
+            (GgmlType::BF16, 300, 0),
+            (GgmlType::Q4K, 300, 0),
+        ] {
+            add(Op::AttnO {
+                shape,
+                pos0,
+                rows,
+                ty,
+            });
         }
     }
     // Qwen3-8B's shape (32 heads over 8 KV heads of 128) at decode depths and prefills.
@@ -2851,9 +2897,12 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (pick.len(), cols);
         }
         Op::Paged(ref c) => c.gen(&mut rng, &mut h),
-        Op::Attention { .. } | Op::AttnRope { .. } => {
+        Op::Attention { .. } | Op::AttnRope { .. } | Op::AttnO { .. } => {
             let (shape, pos0, rows) = match *op {
                 Op::Attention {
+                    shape, pos0, rows, ..
+                }
+                | Op::AttnO {
                     shape, pos0, rows, ..
                 } => (shape, pos0, rows),
                 Op::AttnRope { shape, pos0 } => (shape, pos0, 1),
@@ -2879,6 +2928,12 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, qd);
             h.tokens = vec![0; rows];
             h.pos0 = pos0;
+            if let Op::AttnO { ty, .. } = *op {
+                // The o-projection, and the attention's output (out2).
+                h.weights
+                    .push((ty, vec![qd, qd], gen_weight(ty, &[qd, qd], seed ^ 0x0a77)?));
+                h.out2 = Some((rows, qd));
+            }
             if let Op::AttnRope { .. } = *op {
                 // The q and k norm weights; q and k again (a[3], a[4]: the op rotates them in
                 // place where it runs as two ops, so each run starts from these).
@@ -3166,7 +3221,7 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
             kv = Some(cache);
             step = s;
         }
-        Op::Attention { .. } | Op::AttnRope { .. } => {
+        Op::Attention { .. } | Op::AttnRope { .. } | Op::AttnO { .. } => {
             let (shape, pos0, rows, q8) = match op {
                 Op::Attention {
                     shape,
@@ -3174,6 +3229,9 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
                     rows,
                     q8,
                 } => (shape, pos0, rows, q8),
+                Op::AttnO {
+                    shape, pos0, rows, ..
+                } => (shape, pos0, rows, &false),
                 Op::AttnRope { shape, pos0 } => (shape, pos0, &1, &false),
                 _ => unreachable!(),
             };
@@ -3613,6 +3671,28 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 },
                 &mut p.out,
             )
+        }
+        Op::AttnO { shape, .. } => {
+            let kv =
+                p.kv.as_mut()
+                    .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
+            // The projection before the attention (Q, K, V's place), into out: the 16-bit x
+            // form the prefill's matmuls take.
+            be.matmul(&p.a[0], &p.w[0], &mut p.out)?;
+            let att = out2(&mut p.out2)?;
+            be.attention(
+                kv,
+                &p.step,
+                AttnArgs {
+                    layer: 1,
+                    q: &p.a[0],
+                    k: &p.a[1],
+                    v: &p.a[2],
+                    shape: *shape,
+                },
+                att,
+            )?;
+            be.matmul(att, &p.w[0], &mut p.out)
         }
         Op::Attention { shape, .. } => {
             let kv =
@@ -4207,6 +4287,18 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
                     ATTN_F16_TC_NMSE
                 }
         }
+        // The attention's error carries through the projection (a linear map of random
+        // weights keeps its relative size); the projection adds its own.
+        Op::AttnO {
+            rows, shape, ty, ..
+        } => {
+            let att = if be.kv_bytes_per_element() >= 4.0 {
+                ATTN_F32_NMSE
+            } else {
+                ATTN_F16_TC_NMSE
+            };
+            att + matmul_nmse(*ty, shape.n_heads * shape.head_dim, *rows)
+        }
         Op::Attention {
             rows, q8, shape, ..
         } => {
@@ -4405,6 +4497,15 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::AttnRope { shape, pos0 } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
             f((pos0 + 1) * kvd * 2) * kv_elem_bytes(be, false) + f(acts + out)
+        }
+        // The cache, q, k, v, the weight twice (two matmuls), the attention's output written
+        // and read, the projection's written twice.
+        Op::AttnO {
+            shape, pos0, rows, ..
+        } => {
+            let kvd = shape.n_kv_heads * shape.head_dim;
+            f((pos0 + rows) * kvd * 2) * kv_elem_bytes(be, false)
+                + f(2 * h.weights[0].2.len() + acts + 4 * out)
         }
         Op::Moe { routing, rows, .. } => {
             // The distinct experts the tokens chose (from the CPU routing of the same logits).

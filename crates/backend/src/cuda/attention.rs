@@ -116,6 +116,16 @@ const TC2_MAX_HEAD_DIM: usize = 128;
 /// `attn_prefill_tc2_<hd>` (two key groups).
 type TcPrefill = (CudaFunction, usize);
 
+/// `FERRITE_ATTN_X16` (read once; default 1): a contiguous f16 cache's prefill on the two-group
+/// kernel also writes its output as the o-projection's 16-bit x (`attn_prefill_tc2_<hd>_x{bf16,
+/// f16}`, into the prefill matmuls' x scratch, matmul.rs `xb_for_producer`), which then skips
+/// its conversion launch, as the norms' hand-over does for Q, K, V and gate/up (MATMUL.md
+/// round 99).
+fn attn_x16() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_X16", 1) != 0)
+}
+
 /// Dynamic shared memory of `attn_prefill_tc[_q8]_<hd>` (TcShape::SMEM in attention.cu): q as
 /// f16 [64][hd + 8] and double-buffered f16 K and V tiles [2][keys][hd + 8]; q8_0 (`q8` = 1),
 /// one f16 K and V tile and the double-buffered raw stages (int8 + one f16 scale per 32).
@@ -319,6 +329,10 @@ pub struct Kernels {
     /// Tensor-core prefill, `[f16, q8_0]`, per [`TC_HEAD_DIMS`] entry; `None` where
     /// `FERRITE_ATTN_TC` keeps that cache type on the SIMT kernel (0: both, 2: q8_0).
     prefill_tc: [Option<Vec<TcPrefill>>; 2],
+    /// `attn_prefill_tc2_<hd>_x{bf16,f16}` per [`TC_HEAD_DIMS`] entry where the f16 prefill
+    /// takes `attn_prefill_tc2_<hd>` and [`attn_x16`] is on: the same kernel writing the
+    /// o-projection's 16-bit x too, `[bf16, f16]`.
+    prefill_tc2_x16: Vec<Option<[CudaFunction; 2]>>,
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
@@ -503,6 +517,26 @@ impl Kernels {
             tuning: DecodeTuning::from_env(),
             prefill: [prefill("", "")?, prefill("q8_", "")?],
             prefill_tc: prefill_tc("")?,
+            prefill_tc2_x16: TC_HEAD_DIMS
+                .iter()
+                .map(|&hd| {
+                    if ptc == 0 || !tc2 || hd > TC2_MAX_HEAD_DIM || !attn_x16() {
+                        return Ok(None);
+                    }
+                    let f = |form: &str| -> Result<CudaFunction> {
+                        let name = format!("attn_prefill_tc2_{hd}_x{form}");
+                        let f = function(&m, &name)?;
+                        let smem = tc_smem(hd, 0);
+                        f.set_attribute(
+                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem as i32,
+                        )
+                        .with_context(|| format!("{name}: {smem} B of shared memory"))?;
+                        Ok(f)
+                    };
+                    Ok(Some([f("bf16")?, f("f16")?]))
+                })
+                .collect::<Result<Vec<_>>>()?,
             generic: function(&m, "attn_generic")?,
             paged: PagedKernels {
                 kv_store: [
@@ -1158,26 +1192,48 @@ fn attention_impl(
         n_kv_heads,
     );
     if let Some((func, cfg)) = pre {
+        // The two-group f16 kernel's `_x16` form where the o-projection's 16-bit x can be
+        // written beside the output (a prefill of whole 64-column rows, the scratch large
+        // enough: xb_for_producer), recorded as the output's.
+        let x16_pair = TC_HEAD_DIMS
+            .iter()
+            .position(|&h| h == head_dim)
+            .and_then(|i| be.attention.prefill_tc2_x16[i].as_ref())
+            .filter(|_| q8 == 0 && cfg.block_dim.0 as usize == 2 * TC_THREADS);
+        let mut x16 = match x16_pair {
+            Some(_) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
+            None => None,
+        };
+        let func = match (&x16, x16_pair) {
+            (Some(xb), Some(pair)) => &pair[usize::from(xb.kind == super::matmul::X16::F16)],
+            _ => func,
+        };
+        let mut launch = be.stream.kernel(func);
+        launch
+            .arg(&q.buf)
+            .arg(&kv.k)
+            .arg(&kv.v)
+            .arg(&kv.k_scales)
+            .arg(&kv.v_scales)
+            .arg(&step.positions)
+            .arg(&mut out.buf)
+            .arg(&layer_off)
+            .arg(&rows_i)
+            .arg(&n_heads_i)
+            .arg(&group_i)
+            .arg(&capacity)
+            .arg(&scale_log2);
+        if let Some(xb) = x16.as_mut() {
+            launch.arg(xb.buf()?);
+        }
         // SAFETY: shapes checked above; each block writes only its own (row, head) outputs
-        // (both kernels take the same arguments; the tc one ignores the q8_0 scales).
-        unsafe {
-            be.stream
-                .kernel(func)
-                .arg(&q.buf)
-                .arg(&kv.k)
-                .arg(&kv.v)
-                .arg(&kv.k_scales)
-                .arg(&kv.v_scales)
-                .arg(&step.positions)
-                .arg(&mut out.buf)
-                .arg(&layer_off)
-                .arg(&rows_i)
-                .arg(&n_heads_i)
-                .arg(&group_i)
-                .arg(&capacity)
-                .arg(&scale_log2)
-                .launch(cfg)
-        }?;
+        // (both kernels take the same arguments; the tc one ignores the q8_0 scales); the
+        // `_x16` forms also the same elements of the 16-bit scratch, which holds rows × (n_heads
+        // · head_dim) (xb_for_producer).
+        unsafe { launch.launch(cfg) }?;
+        if let Some(xb) = &x16 {
+            xb.record(be, &out.buf, rows, n_heads * head_dim);
+        }
         return Ok(true);
     }
 

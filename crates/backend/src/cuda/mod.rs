@@ -230,9 +230,9 @@ pub fn full_source(name: &str, src: &str) -> String {
         defs += "#define FERRITE_TL 1\n";
         defs += TIMELINE_CUH;
     }
-    // (elementwise.cu: the norms' 16-bit hand-over to the prefill matmuls rounds with
-    // mm_decode.cuh's pack_bf16 / pack_f16_sat.)
-    if matches!(name, "matmul" | "mmw" | "moe" | "elementwise") {
+    // (elementwise.cu and attention.cu: the norms' and the prefill attention's 16-bit
+    // hand-over to the prefill matmuls rounds with mm_decode.cuh's pack_bf16 / pack_f16_sat.)
+    if matches!(name, "matmul" | "mmw" | "moe" | "elementwise" | "attention") {
         format!("{defs}{COMMON_CUH}\n#line 1 \"mm_decode.cuh\"\n{MM_DECODE_CUH}\n#line 1 \"{name}.cu\"\n{src}")
     } else {
         format!("{defs}{COMMON_CUH}\n#line 1 \"{name}.cu\"\n{src}")

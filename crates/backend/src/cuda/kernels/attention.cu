@@ -1809,13 +1809,17 @@ __device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src, int sr
                  : "memory");
 }
 
-template <int HD, bool Q8, bool PAGED, int G = 1>
+// XO (the tc2 kernels' `_x16` forms, attention.rs prefill_x16): the output also written as the
+// o-projection's 16-bit x rows into `xo` ([rows][n_heads · HD], the prefill matmuls' x scratch),
+// rounded as their conversion launch rounds it: 1 bf16 (pack_bf16, mm_x_bf16), 2 f16
+// (pack_f16_sat, mmw_x_f16); the o-projection then skips that launch (matmul.rs XbState).
+template <int HD, bool Q8, bool PAGED, int G = 1, int XO = 0>
 __device__ __forceinline__ void attn_prefill_tc_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
     const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
-    int capacity, float scale_log2, PAGED_ARGS) {
+    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr) {
     using S = TcShape<HD, Q8>;
     static_assert(G == 1 || (G == 2 && !Q8), "attn_prefill_tc: two key groups on f16 caches only");
     constexpr int BKV = S::BKV, LDS = S::LDS;
@@ -2113,11 +2117,15 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
         if ((half ? P1 : P0) < 0) continue;
         const int r = slot / group, gi = slot % group, t = tile * rpt + r;
         const float inv = 1.f / (half ? l1 : l0);
-        float* o = out + ((long long)t * n_heads + kvh * group + gi) * HD + 2 * t4;
+        const long long oi = ((long long)t * n_heads + kvh * group + gi) * HD + 2 * t4;
+        float* o = out + oi;
 #pragma unroll
-        for (int j = 0; j < NO; j++)
-            *reinterpret_cast<float2*>(o + j * 8) =
-                make_float2(o_acc[j][2 * half] * inv, o_acc[j][2 * half + 1] * inv);
+        for (int j = 0; j < NO; j++) {
+            const float v0 = o_acc[j][2 * half] * inv, v1 = o_acc[j][2 * half + 1] * inv;
+            *reinterpret_cast<float2*>(o + j * 8) = make_float2(v0, v1);
+            if constexpr (XO != 0)
+                *reinterpret_cast<uint32_t*>(xo + oi + j * 8) = XO == 2 ? pack_f16_sat(v0, v1) : pack_bf16(v0, v1);
+        }
     }
 }
 
@@ -2139,13 +2147,22 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
 // 1.06 instructions a cycle, its heaviest blocks 8 key tiles in a row (ncu, ATTENTION.md 53rd
 // session); two groups halve that chain and double the warps, at ≤ 128 registers (two
 // 256-thread blocks an SM, as the shared memory allows).
-#define PREFILL_TC2_KERNEL(HD)                                                               \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2) attn_prefill_tc2_##HD(PREFILL_ARGS) { \
+// `_xbf16` / `_xf16`: the same with the output also as the o-projection's 16-bit x (XO above;
+// XARG / XPASS the extra parameter and its pass, or TC2_NONE).
+#define TC2_NONE
+#define TC2_XO_ARG , unsigned short* __restrict__ xo
+#define TC2_XO_PASS , xo
+#define PREFILL_TC2_KERNEL1(NAME, HD, XO, XARG, XPASS)                                      \
+    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2) NAME(PREFILL_ARGS XARG) { \
         PDL_ENTRY();                                                                         \
-        attn_prefill_tc_impl<HD, false, false, 2>(q, kc, vc, ks, vs, positions, out, layer_off, \
-                                                  rows, n_heads, group, capacity, scale_log2, \
-                                                  UNPAGED_PASS(capacity));                   \
+        attn_prefill_tc_impl<HD, false, false, 2, XO>(q, kc, vc, ks, vs, positions, out, layer_off, \
+                                                      rows, n_heads, group, capacity, scale_log2, \
+                                                      UNPAGED_PASS(capacity) XPASS);         \
     }
+#define PREFILL_TC2_KERNEL(HD)                                                               \
+    PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD, HD, 0, TC2_NONE, TC2_NONE)                    \
+    PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xbf16, HD, 1, TC2_XO_ARG, TC2_XO_PASS)       \
+    PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xf16, HD, 2, TC2_XO_ARG, TC2_XO_PASS)
 #define PREFILL_TC_KERNEL(HD)                                                                \
     PREFILL_TC_KERNEL1(attn_prefill_tc_##HD, HD, false)                                      \
     PREFILL_TC_KERNEL1(attn_prefill_tc_q8_##HD, HD, true)
