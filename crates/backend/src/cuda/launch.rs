@@ -34,6 +34,39 @@ static PDL: AtomicBool = AtomicBool::new(false);
 /// ran between a producer and itself (the GEMV input quantized by add_rms_norm, matmul.rs).
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
+/// How many clusters of `dims` blocks of `func` (with `cfg`'s block size and dynamic shared
+/// memory) the device can hold resident at once (`cuOccupancyMaxActiveClusters`): a cluster
+/// needs its blocks on SMs of one GPC, so large blocks in clusters of four may leave SMs idle
+/// that single blocks would fill (mmw.rs sizes its K split's waves by it).
+pub fn max_active_clusters(
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    dims: (u32, u32, u32),
+) -> Result<u32, DriverError> {
+    // SAFETY: a zeroed attribute is a valid value; its id's union member is set.
+    let mut attr: CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = dims.0;
+    attr.value.clusterDim.y = dims.1;
+    attr.value.clusterDim.z = dims.2;
+    let config = CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: std::ptr::null_mut(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `config` and `attr` outlive the call, which only reads them.
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) }.result()?;
+    Ok(n.max(0) as u32)
+}
+
 /// The number of kernel launches (and activation copies, [`note_copy`]) issued so far.
 pub fn launch_count() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)

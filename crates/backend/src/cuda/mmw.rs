@@ -196,12 +196,22 @@ impl Tile {
     /// on more than 128 `rows` and the split wide grid fills at least three quarters of the
     /// SMs (the unsplit wide tile, where [`Tile::pick`] chose it, fills them already); split in
     /// four instead (under `FERRITE_MMW_TA_KS=4`) where that takes fewer waves of whole-tile
-    /// time, ceil(4 · blocks / SMs) / 4 against ceil(2 · blocks / SMs) / 2, and K has at least
-    /// 16 steps of 64 (every block at least 4: the kernel's split leaves none empty).
-    fn split_k(self, rows: usize, out_tiles: usize, k_steps: usize, sm_count: usize) -> Tile {
+    /// time, ceil(4 · blocks / slots₄) / 4 against ceil(2 · blocks / slots₂) / 2, and K has at
+    /// least 16 steps of 64 (every block at least 4: the kernel's split leaves none empty).
+    /// `slots`: the blocks of clusters of 2 and of 4 the device holds at once
+    /// ([`Kernels::ta_wave_slots`]; 0 where unknown: the SM count).
+    fn split_k(
+        self,
+        rows: usize,
+        out_tiles: usize,
+        k_steps: usize,
+        sm_count: usize,
+        slots: [usize; 2],
+    ) -> Tile {
         let max_ks = ta_ks();
         let blocks = rows.div_ceil(TA_WIDE.1) * out_tiles;
         let sm = sm_count.max(1);
+        let wave = |i: usize| if slots[i] > 0 { slots[i] } else { sm };
         match self {
             Tile::Std(0 | 1)
                 if max_ks >= 2
@@ -210,8 +220,8 @@ impl Tile {
                     && k_steps >= 2
                     && 4 * 2 * blocks >= 3 * sm =>
             {
-                // Waves of whole-tile time, in quarters: ceil(ks · blocks / sm) · 4 / ks.
-                let quarters = |ks: usize| (ks * blocks).div_ceil(sm) * 4 / ks;
+                // Waves of whole-tile time, in quarters: ceil(ks · blocks / slots) · 4 / ks.
+                let quarters = |ks: usize| (ks * blocks).div_ceil(wave(ks / 4)) * 4 / ks;
                 if max_ks >= 4 && k_steps >= 16 && quarters(4) < quarters(2) {
                     Tile::TaWideK(4)
                 } else {
@@ -660,6 +670,11 @@ pub struct Kernels {
     /// `mmw_ta_<type>_wk` and `mmw_ta_<type>_wk4`: that tile with K split between a
     /// cluster's two and four blocks ([`Tile::TaWideK`]), likewise.
     ta_wk: Vec<(CudaFunction, CudaFunction)>,
+    /// The wide tile's blocks resident at once in clusters of 2 and of 4
+    /// (`cuOccupancyMaxActiveClusters` × the cluster size, of the first `ta_wk` pair; 0 where
+    /// unknown): one block an SM, but a cluster's blocks share a GPC, so clusters of four may
+    /// leave SMs idle ([`Tile::split_k`] counts its waves by these).
+    ta_wave_slots: [usize; 2],
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
@@ -683,6 +698,7 @@ impl Kernels {
             ta: Vec::new(),
             ta_w: Vec::new(),
             ta_wk: Vec::new(),
+            ta_wave_slots: [0; 2],
             x_f16: None,
             x_gather: None,
             rsw: None,
@@ -754,6 +770,24 @@ impl Kernels {
         } else {
             Vec::new()
         };
+        let ta_wk = per_ta_type(|n| {
+            Ok((
+                with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM)?,
+                with_smem(format!("mmw_ta_{n}_wk4"), TA_WIDE_SMEM)?,
+            ))
+        })?;
+        // A failed query leaves 0 (the SM count is used instead).
+        let ta_wave_slots = match ta_wk.first() {
+            Some((k2, k4)) => [(k2, 2u32), (k4, 4)].map(|(f, ks)| {
+                Tile::TaWideK(ks)
+                    .config(512, 48)
+                    .ok()
+                    .and_then(|cfg| super::launch::max_active_clusters(f, cfg, (1, 1, ks)).ok())
+                    .map_or(0, |n| n as usize * ks as usize)
+            }),
+            None => [0; 2],
+        };
+        tracing::debug!("mmw: the wide TA tile's blocks resident in clusters of 2 and 4: {ta_wave_slots:?}");
         Ok(Kernels {
             mm: TYPES.iter().map(|(_, n)| tiles(n)).collect::<Result<_>>()?,
             swiglu: TYPES
@@ -778,12 +812,8 @@ impl Kernels {
                     with_smem(format!("mmw_ta_swiglu_{n}_w"), TA_WIDE_SMEM)?,
                 ))
             })?,
-            ta_wk: per_ta_type(|n| {
-                Ok((
-                    with_smem(format!("mmw_ta_{n}_wk"), TA_WIDE_SMEM)?,
-                    with_smem(format!("mmw_ta_{n}_wk4"), TA_WIDE_SMEM)?,
-                ))
-            })?,
+            ta_wk,
+            ta_wave_slots,
             x_f16: if ta() {
                 Some(function(&m, "mmw_x_f16")?)
             } else {
@@ -1242,7 +1272,13 @@ fn launch<X: DevicePtr<u16>>(
     // The TA 128-output tiles: the wide one with K split where that fills the SMs (its
     // outputs a block are theirs, 128, so the output tiles stay).
     let tile = if ta {
-        tile.split_k(rows, e2 + tiles[2], kp / TK, be.sm_count)
+        tile.split_k(
+            rows,
+            e2 + tiles[2],
+            kp / TK,
+            be.sm_count,
+            be.mmw.ta_wave_slots,
+        )
     } else {
         tile
     };
@@ -1736,7 +1772,7 @@ mod tests {
         // K = 4096: 64 steps of 64.
         let pick = |rows, n| {
             let t = Tile::pick(true, rows, n, 132);
-            t.split_k(rows, n / 128, 64, 132)
+            t.split_k(rows, n / 128, 64, 132, [0; 2])
         };
         if ta_ks() == 0 {
             // Off (FERRITE_MMW_TA_KS=0): the 128-output tiles stay.
@@ -1754,7 +1790,22 @@ mod tests {
         let qkv = if ta_ks() == 4 { 4 } else { 2 };
         assert_eq!(pick(512, 6144), Tile::TaWideK(qkv));
         // Too few K steps to give each of four blocks four: two.
-        assert_eq!(Tile::Std(0).split_k(512, 48, 15, 132), Tile::TaWideK(2));
+        assert_eq!(
+            Tile::Std(0).split_k(512, 48, 15, 132, [0; 2]),
+            Tile::TaWideK(2)
+        );
+        if ta_ks() == 4 {
+            // Clusters of four holding only 120 blocks at once (30 clusters): four waves of
+            // quarters, no fewer than two of halves.
+            assert_eq!(
+                Tile::Std(0).split_k(512, 48, 64, 132, [132, 120]),
+                Tile::TaWideK(2)
+            );
+            assert_eq!(
+                Tile::Std(0).split_k(512, 48, 64, 132, [132, 128]),
+                Tile::TaWideK(4)
+            );
+        }
         for (rows, n) in [(512, 1024), (128, 4096)] {
             assert!(matches!(pick(rows, n), Tile::Std(0 | 1)), "{rows} x {n}");
         }
