@@ -3672,44 +3672,26 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 &mut p.out,
             )
         }
-        Op::AttnO { shape, .. } => {
+        Op::Attention { shape, .. } | Op::AttnO { shape, .. } => {
             let kv =
                 p.kv.as_mut()
                     .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
-            // The projection before the attention (Q, K, V's place), into out: the 16-bit x
-            // form the prefill's matmuls take.
+            let args = AttnArgs {
+                layer: 1,
+                q: &p.a[0],
+                k: &p.a[1],
+                v: &p.a[2],
+                shape: *shape,
+            };
+            if let Op::Attention { .. } = op {
+                return be.attention(kv, &p.step, args, &mut p.out);
+            }
+            // AttnO: the projection before the attention (Q, K, V's place), into out: the
+            // 16-bit x form the prefill's matmuls take; then the attention and its projection.
             be.matmul(&p.a[0], &p.w[0], &mut p.out)?;
             let att = out2(&mut p.out2)?;
-            be.attention(
-                kv,
-                &p.step,
-                AttnArgs {
-                    layer: 1,
-                    q: &p.a[0],
-                    k: &p.a[1],
-                    v: &p.a[2],
-                    shape: *shape,
-                },
-                att,
-            )?;
+            be.attention(kv, &p.step, args, att)?;
             be.matmul(att, &p.w[0], &mut p.out)
-        }
-        Op::Attention { shape, .. } => {
-            let kv =
-                p.kv.as_mut()
-                    .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
-            be.attention(
-                kv,
-                &p.step,
-                AttnArgs {
-                    layer: 1,
-                    q: &p.a[0],
-                    k: &p.a[1],
-                    v: &p.a[2],
-                    shape: *shape,
-                },
-                &mut p.out,
-            )
         }
         Op::AttnRope { shape, .. } => {
             let kv =

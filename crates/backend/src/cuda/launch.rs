@@ -49,7 +49,20 @@ pub fn max_active_clusters(
     attr.value.clusterDim.x = dims.0;
     attr.value.clusterDim.y = dims.1;
     attr.value.clusterDim.z = dims.2;
-    let config = CUlaunchConfig {
+    let config = driver_config(cfg, std::ptr::null_mut(), std::slice::from_mut(&mut attr));
+    let mut n: std::ffi::c_int = 0;
+    // SAFETY: `config` and `attr` outlive the call, which only reads them.
+    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) }.result()?;
+    Ok(n.max(0) as u32)
+}
+
+/// The driver's launch configuration for `cfg` on `stream` with `attrs` (none: a null list).
+fn driver_config(
+    cfg: LaunchConfig,
+    stream: sys::CUstream,
+    attrs: &mut [CUlaunchAttribute],
+) -> CUlaunchConfig {
+    CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
         gridDimZ: cfg.grid_dim.2,
@@ -57,14 +70,14 @@ pub fn max_active_clusters(
         blockDimY: cfg.block_dim.1,
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: std::ptr::null_mut(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    let mut n: std::ffi::c_int = 0;
-    // SAFETY: `config` and `attr` outlive the call, which only reads them.
-    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) }.result()?;
-    Ok(n.max(0) as u32)
+        hStream: stream,
+        attrs: if attrs.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            attrs.as_mut_ptr()
+        },
+        numAttrs: attrs.len() as u32,
+    }
 }
 
 /// The number of kernel launches (and activation copies, [`note_copy`]) issued so far.
@@ -231,22 +244,7 @@ impl Launch<'_> {
             attrs[n_attrs].value.clusterDim.z = z;
             n_attrs += 1;
         }
-        let config = CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
-            attrs: if n_attrs > 0 {
-                attrs.as_mut_ptr()
-            } else {
-                std::ptr::null_mut()
-            },
-            numAttrs: n_attrs as u32,
-        };
+        let config = driver_config(cfg, self.stream.cu_stream(), &mut attrs[..n_attrs]);
         self.stream.context().bind_to_thread()?;
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
         // SAFETY: `params` points at live values (the borrowed scalars, `devs` here) for the
