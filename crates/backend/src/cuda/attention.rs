@@ -1195,11 +1195,18 @@ fn attention_impl(
         // The two-group f16 kernel's `_x16` form where the o-projection's 16-bit x can be
         // written beside the output (a prefill of whole 64-column rows, the scratch large
         // enough: xb_for_producer), recorded as the output's.
+        // (The pick must be that kernel itself: the SIMT one has 256 threads too.)
         let x16_pair = TC_HEAD_DIMS
             .iter()
             .position(|&h| h == head_dim)
-            .and_then(|i| be.attention.prefill_tc2_x16[i].as_ref())
-            .filter(|_| q8 == 0 && cfg.block_dim.0 as usize == 2 * TC_THREADS);
+            .filter(|&i| {
+                let tc = be.attention.prefill_tc[0].as_ref().and_then(|v| v.get(i));
+                q8 == 0
+                    && tc.is_some_and(|(f, threads)| {
+                        *threads == 2 * TC_THREADS && std::ptr::eq(f, func)
+                    })
+            })
+            .and_then(|i| be.attention.prefill_tc2_x16[i].as_ref());
         let mut x16 = match x16_pair {
             Some(_) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
             None => None,

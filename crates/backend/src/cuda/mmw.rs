@@ -787,7 +787,9 @@ impl Kernels {
             }),
             None => [0; 2],
         };
-        tracing::debug!("mmw: the wide TA tile's blocks resident in clusters of 2 and 4: {ta_wave_slots:?}");
+        tracing::debug!(
+            "mmw: the wide TA tile's blocks resident in clusters of 2 and 4: {ta_wave_slots:?}"
+        );
         Ok(Kernels {
             mm: TYPES.iter().map(|(_, n)| tiles(n)).collect::<Result<_>>()?,
             swiglu: TYPES
