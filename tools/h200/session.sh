@@ -30,6 +30,10 @@
 #   tshift   a dense launch's last token tile read inside x's tensor map (FERRITE_MMW_TSHIFT, on by
 #            default; MATMUL.md round 93; the off form's CUBIN: `FERRITE_MMW_TSHIFT=0
 #            tools/h200/kernel_cache.sh mmw`): pp300 of Qwen3-8B Q4_K_M and F16 off / on, two rounds
+#   attnx16  the prefill attention writing the o-projection's 16-bit x (FERRITE_ATTN_X16, off by
+#            default until measured; MATMUL.md round 99; the same CUBIN serves both values): its
+#            attention+o check cases under 1, then Qwen3-8B Q4_K_M and F16 pp512 off / on, two
+#            rounds; with 1 the default after that, `session.sh check` under it
 #   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, on
 #            by default since the 53rd session; MATMUL.md round 95; the same CUBIN serves both values):
 #            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
@@ -335,6 +339,14 @@ for stage in "$@"; do
         python3 tools/h200/cublas_shapes.py 2>&1 | tee "$OUT/cublas.txt"
         $F check --device cuda --perf --filter f16 2>&1 | grep -E "rows=(300|512)|cases in|FAIL" | tee "$OUT/perf-f16.txt"
         TRACE_MODELS=qwen3-8b:F16 "$0" ptrace
+        ;;
+    attnx16)
+        FERRITE_ATTN_X16=1 $F check --device cuda --filter "attention+o" 2>&1 | tee "$OUT/check-attnx16.log" | tail -6
+        for q in Q4_K_M F16; do
+            f=$(synth qwen3-8b $q | tail -1)
+            ab_pp FERRITE_ATTN_X16 "0 1" "$f" "qwen3-8b $q"
+            rm -f "$f"
+        done
         ;;
     tshift)
         # A dense launch's last token tile read inside x's map (FERRITE_MMW_TSHIFT, on by

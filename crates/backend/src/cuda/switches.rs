@@ -111,8 +111,8 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     ),
     (
         "FERRITE_MMW_TA_KS",
-        Accepts::OneOf(&[0, 2]),
-        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: 2 (default) the TA form's plain launches whose 128x256 tiles would not fill the SMs on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs), 0 the 128-output tiles there (MATMUL.md round 95)",
+        Accepts::OneOf(&[0, 2, 4]),
+        "wgmma prefill, with FERRITE_MMW_TA_TILE=2: 2 (default) the TA form's plain launches whose 128x256 tiles would not fill the SMs on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs), 4 also between four blocks where that takes fewer waves of the clusters the device holds (MATMUL.md round 99), 0 the 128-output tiles there (MATMUL.md round 95)",
     ),
     (
         "FERRITE_MMW_HX",
@@ -288,6 +288,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_ATTN_TC",
         Accepts::OneOf(&[0, 1, 2]),
         "prefill attention on the tensor cores (1 = f16 and q8_0 caches, 2 = f16 only, 0 = the SIMT kernel; ATTENTION.md)",
+    ),
+    (
+        "FERRITE_ATTN_X16",
+        Accepts::OneOf(&[0, 1]),
+        "prefill attention on the two-group kernel: 1 also writes its output as the o-projection's 16-bit x, which then skips its conversion launch (MATMUL.md round 99), 0 (default until measured) the conversion launch",
     ),
     (
         "FERRITE_ATTN_TC2",
