@@ -551,6 +551,43 @@ mod tests {
         assert_eq!(parse(Accepts::List(4), "4,64,-2,0"), None);
     }
 
+    /// Every switch the CUDA sources read by name through `int_or` or `get` is in the registry: an unregistered one panics at its first read on a GPU, which no host test
+    /// would otherwise reach.
+    #[test]
+    fn every_switch_read_is_registered() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cuda");
+        let mut read = 0;
+        for entry in std::fs::read_dir(&dir).expect("src/cuda") {
+            let path = entry.expect("a directory entry").path();
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let src = std::fs::read_to_string(&path).expect("a source file");
+            for pat in ["int_or(\"", "get(\""] {
+                for (i, _) in src.match_indices(pat) {
+                    let rest = &src[i + pat.len()..];
+                    let Some(name) = rest.split('"').next().filter(|n| {
+                        n.starts_with("FERRITE_")
+                            && n.chars()
+                                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+                    }) else {
+                        continue;
+                    };
+                    read += 1;
+                    assert!(
+                        SWITCHES.iter().any(|(n, ..)| *n == name),
+                        "{name} (read in {}) is not in SWITCHES",
+                        path.display()
+                    );
+                }
+            }
+        }
+        assert!(
+            read > 50,
+            "only {read} switch reads found: the scan is broken"
+        );
+    }
+
     #[test]
     fn every_switch_describes_its_values() {
         for (name, a, what) in SWITCHES {
