@@ -497,8 +497,9 @@ __device__ __forceinline__ int mmw_row(int oy, int tm, int r) {
 // barrier, block r stores token rows r · BN / KS.. of the tile, each output the KS partial sums
 // added in rank order (the same sum whichever block stores it), the other blocks' read from
 // their shared memory (DSMEM). The wide tile's 64 blocks of a 4096-output projection at 512
-// rows become 128 with no memset and no atomics; Q, K, V's 96 become 384 at KS = 4 (three
-// full waves of quarter-K blocks where KS = 2's 192 take two of half-K ones).
+// rows become 128 with no memset and no atomics; Q, K, V's 96 would become 384 at KS = 4,
+// three waves of quarter-K blocks where a device holds 128 blocks in clusters of four (the
+// 132-SM Hopper cards hold 120, four waves: the launcher keeps KS = 2 there, round 99).
 template <int TYPE, int TM, int BN, bool SWIGLU = false, bool MOE = false, int BPS = 1, bool TA = false,
           int P = MMW_PRODUCERS, int KS = 1>
 __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
