@@ -267,8 +267,8 @@ struct XbState {
 /// `FERRITE_NORM_X16` (read once; default 1): a prefill's add + RMSNorm also writes its h as
 /// the 16-bit x of the matmuls that read h next (Q, K, V; gate/up), which then skip their
 /// conversion launch (MATMUL.md round 98: pp512 +0.8% on Qwen3-8B F16, +1.9% on Q4_K_M, an
-/// H100).
-fn norm_x16() -> bool {
+/// H100). The norm's switch (ops.rs add_rms_norm); each producer has its own.
+pub(crate) fn norm_x16() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| switches::int_or("FERRITE_NORM_X16", 1) != 0)
 }
@@ -299,13 +299,14 @@ impl XbProducer<'_> {
     }
 }
 
-/// [`XbProducer`] for `[rows, cols]`, or `None` where it does not apply.
+/// [`XbProducer`] for `[rows, cols]`, or `None` where it does not apply. (Whether a producer
+/// hands over at all is its own switch: [`norm_x16`], attention.rs `attn_x16`.)
 pub(crate) fn xb_for_producer(
     be: &CudaBackend,
     rows: usize,
     cols: usize,
 ) -> Result<Option<XbProducer<'_>>> {
-    if !norm_x16() || rows <= GEMV_MAX_ROWS || !cols.is_multiple_of(MM_TK) {
+    if rows <= GEMV_MAX_ROWS || !cols.is_multiple_of(MM_TK) {
         return Ok(None);
     }
     let Some(kind) = be

@@ -511,8 +511,8 @@ pub fn add_rms_norm(
     // `with_scratch_rows`): the v4 kernel's `_x16` form writes that 16-bit x too, recorded as
     // h's.
     let mut x16 = match v4 {
-        Some(_) => super::matmul::xb_for_producer(be, x.rows, x.cols)?,
-        None => None,
+        Some(_) if super::matmul::norm_x16() => super::matmul::xb_for_producer(be, x.rows, x.cols)?,
+        _ => None,
     };
     let mut launch = be.stream.kernel(match (&x16, v4) {
         (Some(xb), _) => {
