@@ -4272,14 +4272,18 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         // The attention's error carries through the projection (a linear map of random
         // weights keeps its relative size); the projection adds its own.
         Op::AttnO {
-            rows, shape, ty, ..
+            shape,
+            pos0,
+            rows,
+            ty,
         } => {
-            let att = if be.kv_bytes_per_element() >= 4.0 {
-                ATTN_F32_NMSE
-            } else {
-                ATTN_F16_TC_NMSE
+            let att = Op::Attention {
+                shape: *shape,
+                pos0: *pos0,
+                rows: *rows,
+                q8: false,
             };
-            att + matmul_nmse(*ty, shape.n_heads * shape.head_dim, *rows)
+            threshold(be, &att) + matmul_nmse(*ty, shape.n_heads * shape.head_dim, *rows)
         }
         Op::Attention {
             rows, q8, shape, ..

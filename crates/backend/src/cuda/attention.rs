@@ -370,35 +370,37 @@ impl Kernels {
                 .collect::<Result<Vec<_>>>()
         };
         let ptc = super::switches::int_or("FERRITE_ATTN_TC", 1);
+        // A tensor-core prefill kernel with the dynamic shared memory its head size takes.
+        let tc_function = |name: &str, hd: usize, q8: usize| -> Result<CudaFunction> {
+            let smem = tc_smem(hd, q8);
+            let f = function(&m, name)?;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .with_context(|| format!("{name}: {smem} B of shared memory"))?;
+            Ok(f)
+        };
         // `attn_prefill_tc_[q8_]<hd><post>` for every TC head size, where `on` (`tc2`:
         // `attn_prefill_tc2_<hd>` where there is one, [`TC2_MAX_HEAD_DIM`]).
-        let prefill_tc_family = |on: bool,
-                                 tc2: bool,
-                                 q8: usize,
-                                 post: &str|
-         -> Result<Option<Vec<TcPrefill>>> {
-            if !on {
-                return Ok(None);
-            }
-            let pre = if q8 == 1 { "q8_" } else { "" };
-            TC_HEAD_DIMS
-                .iter()
-                .map(|&hd| {
-                    let two = tc2 && hd <= TC2_MAX_HEAD_DIM;
-                    let base = if two { "tc2" } else { "tc" };
-                    let name = format!("attn_prefill_{base}_{pre}{hd}{post}");
-                    let smem = tc_smem(hd, q8);
-                    let f = function(&m, &name)?;
-                    f.set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                    .with_context(|| format!("{name}: {smem} B of shared memory"))?;
-                    Ok((f, if two { 2 * TC_THREADS } else { TC_THREADS }))
-                })
-                .collect::<Result<Vec<_>>>()
-                .map(Some)
-        };
+        let prefill_tc_family =
+            |on: bool, tc2: bool, q8: usize, post: &str| -> Result<Option<Vec<TcPrefill>>> {
+                if !on {
+                    return Ok(None);
+                }
+                let pre = if q8 == 1 { "q8_" } else { "" };
+                TC_HEAD_DIMS
+                    .iter()
+                    .map(|&hd| {
+                        let two = tc2 && hd <= TC2_MAX_HEAD_DIM;
+                        let base = if two { "tc2" } else { "tc" };
+                        let f =
+                            tc_function(&format!("attn_prefill_{base}_{pre}{hd}{post}"), hd, q8)?;
+                        Ok((f, if two { 2 * TC_THREADS } else { TC_THREADS }))
+                    })
+                    .collect::<Result<Vec<_>>>()
+                    .map(Some)
+            };
         // The contiguous f16 cache's kernels with two key groups (`attn_prefill_tc2_<hd>`,
         // 256 threads) where FERRITE_ATTN_TC2 is on.
         let tc2 = tc2();
@@ -523,17 +525,8 @@ impl Kernels {
                     if ptc == 0 || !tc2 || hd > TC2_MAX_HEAD_DIM || !attn_x16() {
                         return Ok(None);
                     }
-                    let f = |form: &str| -> Result<CudaFunction> {
-                        let name = format!("attn_prefill_tc2_{hd}_x{form}");
-                        let f = function(&m, &name)?;
-                        let smem = tc_smem(hd, 0);
-                        f.set_attribute(
-                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            smem as i32,
-                        )
-                        .with_context(|| format!("{name}: {smem} B of shared memory"))?;
-                        Ok(f)
-                    };
+                    let f =
+                        |form: &str| tc_function(&format!("attn_prefill_tc2_{hd}_x{form}"), hd, 0);
                     Ok(Some([f("bf16")?, f("f16")?]))
                 })
                 .collect::<Result<Vec<_>>>()?,
@@ -1195,16 +1188,14 @@ fn attention_impl(
         // The two-group f16 kernel's `_x16` form where the o-projection's 16-bit x can be
         // written beside the output (a prefill of whole 64-column rows, the scratch large
         // enough: xb_for_producer), recorded as the output's.
-        // (The pick must be that kernel itself: the SIMT one has 256 threads too.)
+        // The pick must be that kernel itself (the f16 family's entry: where a `_x16` pair is
+        // loaded, the two-group one), not the SIMT one, whose blocks are 256 threads too.
         let x16_pair = TC_HEAD_DIMS
             .iter()
             .position(|&h| h == head_dim)
             .filter(|&i| {
                 let tc = be.attention.prefill_tc[0].as_ref().and_then(|v| v.get(i));
-                q8 == 0
-                    && tc.is_some_and(|(f, threads)| {
-                        *threads == 2 * TC_THREADS && std::ptr::eq(f, func)
-                    })
+                tc.is_some_and(|(f, _)| std::ptr::eq(f, func))
             })
             .and_then(|i| be.attention.prefill_tc2_x16[i].as_ref());
         let mut x16 = match x16_pair {

@@ -43,17 +43,23 @@ pub fn max_active_clusters(
     cfg: LaunchConfig,
     dims: (u32, u32, u32),
 ) -> Result<u32, DriverError> {
-    // SAFETY: a zeroed attribute is a valid value; its id's union member is set.
-    let mut attr: CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = dims.0;
-    attr.value.clusterDim.y = dims.1;
-    attr.value.clusterDim.z = dims.2;
+    let mut attr = cluster_attr(dims);
     let config = driver_config(cfg, std::ptr::null_mut(), std::slice::from_mut(&mut attr));
     let mut n: std::ffi::c_int = 0;
     // SAFETY: `config` and `attr` outlive the call, which only reads them.
     unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &config) }.result()?;
     Ok(n.max(0) as u32)
+}
+
+/// The launch attribute grouping a grid's blocks into clusters of `dims`.
+fn cluster_attr((x, y, z): (u32, u32, u32)) -> CUlaunchAttribute {
+    // SAFETY: a zeroed attribute is a valid value; its id's union member is set.
+    let mut attr: CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = x;
+    attr.value.clusterDim.y = y;
+    attr.value.clusterDim.z = z;
+    attr
 }
 
 /// The driver's launch configuration for `cfg` on `stream` with `attrs` (none: a null list).
@@ -237,11 +243,8 @@ impl Launch<'_> {
             attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
             n_attrs += 1;
         }
-        if let Some((x, y, z)) = self.cluster {
-            attrs[n_attrs].id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n_attrs].value.clusterDim.x = x;
-            attrs[n_attrs].value.clusterDim.y = y;
-            attrs[n_attrs].value.clusterDim.z = z;
+        if let Some(dims) = self.cluster {
+            attrs[n_attrs] = cluster_attr(dims);
             n_attrs += 1;
         }
         let config = driver_config(cfg, self.stream.cu_stream(), &mut attrs[..n_attrs]);

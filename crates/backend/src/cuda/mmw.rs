@@ -144,7 +144,9 @@ fn ta_tile_mode() -> i64 {
 /// tile with K split between the two blocks of a cluster, added through shared memory
 /// (`mmw_ta_*_wk`, MATMUL.md round 95), where the split grid fills at least three quarters of
 /// the SMs; 4 also lets four blocks split it (`mmw_ta_*_wk4`, round 99) where that takes fewer
-/// waves of tile time (Q, K, V's 96 tiles: three waves of quarter tiles against two of halves);
+/// waves of tile time with the clusters the device holds at once (Q, K, V's 96 tiles: three
+/// waves of quarter tiles against two of halves where 128 blocks fit in clusters of four; the
+/// 132-SM Hopper cards hold 120, so two there);
 /// 0 (or any other value): the 128-output tiles there. On the H100 the two-way split took
 /// Qwen3-8B F16's down from 100.4 to 86.6 µs and its pp512 from ~31,950 to ~32,710 tok/s.
 fn ta_ks() -> usize {
@@ -776,8 +778,9 @@ impl Kernels {
                 with_smem(format!("mmw_ta_{n}_wk4"), TA_WIDE_SMEM)?,
             ))
         })?;
-        // A failed query leaves 0 (the SM count is used instead).
-        let ta_wave_slots = match ta_wk.first() {
+        // Asked only where the four-way split may be taken; a failed query leaves 0 (the SM
+        // count is used instead).
+        let ta_wave_slots = match ta_wk.first().filter(|_| ta_ks() == 4) {
             Some((k2, k4)) => [(k2, 2u32), (k4, 4)].map(|(f, ks)| {
                 Tile::TaWideK(ks)
                     .config(512, 48)
