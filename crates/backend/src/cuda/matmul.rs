@@ -299,6 +299,22 @@ impl XbProducer<'_> {
     }
 }
 
+/// The 16-bit x scratch, locked (always before [`lock_xb_state`] where both are held).
+fn lock_xb(be: &CudaBackend) -> Result<std::sync::MutexGuard<'_, BfScratch>> {
+    be.matmul
+        .xb
+        .lock()
+        .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))
+}
+
+/// What the 16-bit x scratch holds ([`XbState`]), locked.
+fn lock_xb_state(be: &CudaBackend) -> Result<std::sync::MutexGuard<'_, XbState>> {
+    be.matmul
+        .xb_state
+        .lock()
+        .map_err(|_| anyhow!("matmul: x scratch state lock poisoned"))
+}
+
 /// [`XbProducer`] for `[rows, cols]`, or `None` where it does not apply. (Whether a producer
 /// hands over at all is its own switch: [`norm_x16`], attention.rs `attn_x16`.)
 pub(crate) fn xb_for_producer(
@@ -309,20 +325,10 @@ pub(crate) fn xb_for_producer(
     if rows <= GEMV_MAX_ROWS || !cols.is_multiple_of(MM_TK) {
         return Ok(None);
     }
-    let Some(kind) = be
-        .matmul
-        .xb_state
-        .lock()
-        .map_err(|_| anyhow!("matmul: x scratch state lock poisoned"))?
-        .last
-    else {
+    let Some(kind) = lock_xb_state(be)?.last else {
         return Ok(None);
     };
-    let guard = be
-        .matmul
-        .xb
-        .lock()
-        .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
+    let guard = lock_xb(be)?;
     Ok(guard
         .0
         .as_ref()
@@ -3514,11 +3520,7 @@ pub(crate) fn with_scratch_rows<R>(
         need / 8 <= i32::MAX as usize && kp <= i32::MAX as usize,
         "matmul: [{rows}, {n_in}] activations too large for the bf16 scratch"
     );
-    let mut guard = be
-        .matmul
-        .xb
-        .lock()
-        .map_err(|_| anyhow!("matmul: bf16 scratch lock poisoned"))?;
+    let mut guard = lock_xb(be)?;
     let (cur, retired) = &mut *guard;
     let mut grown = false;
     if cur.as_ref().is_none_or(|b| b.len() < need) {
@@ -3533,11 +3535,7 @@ pub(crate) fn with_scratch_rows<R>(
         .ok_or_else(|| anyhow!("matmul: bf16 scratch missing"))?;
     // Handed over by the launch just before (XbState): the rows are there already.
     let handed = {
-        let mut st = be
-            .matmul
-            .xb_state
-            .lock()
-            .map_err(|_| anyhow!("matmul: x scratch state lock poisoned"))?;
+        let mut st = lock_xb_state(be)?;
         st.last = Some(kind);
         let (ptr, _g) = x.device_ptr(&be.stream);
         st.src.take() == Some((ptr, rows, n_in, super::launch::launch_count(), kind)) && !grown
