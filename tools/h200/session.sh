@@ -34,6 +34,10 @@
 #            default until measured; MATMUL.md round 99; the same CUBIN serves both values): its
 #            attention+o check cases under 1, then Qwen3-8B Q4_K_M and F16 pp512 off / on, two
 #            rounds; with 1 the default after that, `session.sh check` under it
+#   cat      the concatenated 192-output tile for Q, K, V of 16-bit weights (FERRITE_MMW_TA_CAT,
+#            off by default until measured; MATMUL.md round 100): the grouped 16-bit matmul
+#            checks under 1 and 2, check --perf of the 512-row ones under 0 and 1, then Qwen3-8B
+#            F16 pp512 off / on, two rounds
 #   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, on
 #            by default since the 53rd session; MATMUL.md round 95; the same CUBIN serves both values):
 #            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
@@ -339,6 +343,17 @@ for stage in "$@"; do
         python3 tools/h200/cublas_shapes.py 2>&1 | tee "$OUT/cublas.txt"
         $F check --device cuda --perf --filter f16 2>&1 | grep -E "rows=(300|512)|cases in|FAIL" | tee "$OUT/perf-f16.txt"
         TRACE_MODELS=qwen3-8b:F16 "$0" ptrace
+        ;;
+    cat)
+        for v in 1 2; do
+            FERRITE_MMW_TA_CAT=$v $F check --device cuda --filter " x2 rows=" 2>&1 | grep -E "f16|cases in|FAIL" | tee "$OUT/check-cat$v.log" | tail -4
+        done
+        for v in 0 1; do
+            echo "FERRITE_MMW_TA_CAT=$v: $(FERRITE_MMW_TA_CAT=$v $F check --device cuda --perf --filter "f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first" 2>&1 | grep -E "rows=512" | tr -s ' ')"
+        done
+        f=$(synth qwen3-8b F16 | tail -1)
+        ab_pp FERRITE_MMW_TA_CAT "0 1" "$f" "qwen3-8b F16"
+        rm -f "$f"
         ;;
     attnx16)
         FERRITE_ATTN_X16=1 $F check --device cuda --filter "attention+o" 2>&1 | tee "$OUT/check-attnx16.log" | tail -6

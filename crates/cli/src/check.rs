@@ -350,14 +350,15 @@ enum Op {
     /// or `[n_out, n_in]` for small outputs: see `matmuls_first_rows`; then the checked
     /// `[n_out, n_in]` one): at decode rows one grouped launch. With `v`, a
     /// third `[n_out, n_in]` weight of type `v` follows (Q4_K_M's Q, K, V: one mixed-type
-    /// launch), and `check_v` picks which of the last two outputs is checked.
+    /// launch), and `checked` says which output is checked (0 the first, 1 the second, 2 the
+    /// third; 1 without `v`).
     Matmuls {
         ty: GgmlType,
         n_in: usize,
         n_out: usize,
         rows: usize,
         v: Option<GgmlType>,
-        check_v: bool,
+        checked: usize,
     },
     /// `silu(gate · x) ⊙ (up · x)` (`matmul_swiglu`), gate and up of type `ty`. With `down`,
     /// the down projection (`[n_in, n_out]`, type `ty`) of that output follows and is what is
@@ -684,7 +685,7 @@ fn describe(op: &Op) -> (&'static str, String) {
             n_out,
             rows,
             v,
-            check_v,
+            checked,
         } => (
             "matmuls",
             match v {
@@ -695,7 +696,7 @@ fn describe(op: &Op) -> (&'static str, String) {
                 Some(v) => format!(
                     "matmuls {ty} {ty} {v}: {} + {n_in}->{n_out} x2 rows={rows} (checked: {})",
                     matmuls_first_rows(*n_out),
-                    if *check_v { "the third" } else { "the second" }
+                    ["the first", "the second", "the third"][*checked]
                 ),
             },
         ),
@@ -1266,7 +1267,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                         n_out,
                         rows,
                         v: None,
-                        check_v: false,
+                        checked: 1,
                     });
                 }
             }
@@ -1276,15 +1277,29 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // 512 rows, the 128-output tiles), each of the last two outputs checked.
     if !quick {
         for ty in [GgmlType::F16, GgmlType::BF16] {
-            for check_v in [false, true] {
+            for checked in [0, 1, 2] {
                 add(Op::Matmuls {
                     ty,
                     n_in: 4096,
                     n_out: 1024,
                     rows: 512,
                     v: Some(ty),
-                    check_v,
+                    checked,
                 });
+            }
+            // The concatenated 192-output tile's partial last tile (4096 + 512 + 512 = 26⅔
+            // tiles) and a partial last token tile (300 rows, 128-token blocks 2 and 3 of 4).
+            for (n_out, rows) in [(512, 512), (1024, 300)] {
+                for checked in [0, 2] {
+                    add(Op::Matmuls {
+                        ty,
+                        n_in: 4096,
+                        n_out,
+                        rows,
+                        v: Some(ty),
+                        checked,
+                    });
+                }
             }
         }
     }
@@ -1300,14 +1315,14 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 if quick && rows > 9 {
                     continue;
                 }
-                for check_v in [false, true] {
+                for checked in [1, 2] {
                     add(Op::Matmuls {
                         ty: GgmlType::Q4K,
                         n_in,
                         n_out,
                         rows,
                         v: Some(v),
-                        check_v,
+                        checked,
                     });
                 }
             }
@@ -2613,7 +2628,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             n_out,
             rows,
             v,
-            ..
+            checked,
         } => {
             let first = [matmuls_first_rows(n_out), n_in];
             h.weights
@@ -2631,12 +2646,15 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 ));
             }
             h.acts.push((rng.normals(rows * n_in, 1.0), rows, n_in));
-            h.acts.push((vec![0.0; rows * first[0]], rows, first[0]));
-            if v.is_some() {
-                // The output of the weight not checked.
-                h.acts.push((vec![0.0; rows * n_out], rows, n_out));
+            // The outputs not checked, in weight order.
+            let outs = [first[0], n_out, n_out];
+            let n_w = if v.is_some() { 3 } else { 2 };
+            for (g, &n) in outs[..n_w].iter().enumerate() {
+                if g != checked {
+                    h.acts.push((vec![0.0; rows * n], rows, n));
+                }
             }
-            h.out = (rows, n_out);
+            h.out = (rows, outs[checked]);
         }
         Op::MatmulSwiglu {
             ty,
@@ -3530,22 +3548,24 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::RmsNorm { .. } => be.rms_norm(&p.a[0], &p.w[0], EPS, &mut p.out),
         Op::HeadRmsNorm { head_dim, .. } => be.head_rms_norm(&mut p.out, &p.w[0], *head_dim, EPS),
         Op::Matmul { .. } => be.matmul(&p.a[0], &p.w[0], &mut p.out),
-        Op::Matmuls { v: None, .. } => {
-            let [x, first] = &mut p.a[..] else {
-                bail!("matmuls: expected 2 activations")
+        Op::Matmuls { checked, .. } => {
+            // x, then the outputs not checked in weight order; the checked one is `out`.
+            let Some((x, others)) = p.a.split_first_mut() else {
+                bail!("matmuls: no activations")
             };
-            be.matmuls(x, &[&p.w[0], &p.w[1]], &mut [first, &mut p.out])
-        }
-        Op::Matmuls { check_v, .. } => {
-            let [x, first, other] = &mut p.a[..] else {
-                bail!("matmuls: expected 3 activations")
-            };
-            let ws = [&p.w[0], &p.w[1], &p.w[2]];
-            if *check_v {
-                be.matmuls(x, &ws, &mut [first, other, &mut p.out])
-            } else {
-                be.matmuls(x, &ws, &mut [first, &mut p.out, other])
+            let ws: Vec<_> = p.w.iter().collect();
+            let mut others = others.iter_mut();
+            let mut out = Some(&mut p.out);
+            let mut outs = Vec::with_capacity(ws.len());
+            for g in 0..ws.len() {
+                outs.push(match out.take_if(|_| g == *checked) {
+                    Some(o) => o,
+                    None => others
+                        .next()
+                        .ok_or_else(|| anyhow::anyhow!("matmuls: too few activations"))?,
+                });
             }
+            be.matmuls(x, &ws, &mut outs)
         }
         Op::MatmulSwiglu { down: false, .. } => {
             let [x, g, u] = &mut p.a[..] else {

@@ -157,6 +157,36 @@ fn ta_ks() -> usize {
     })
 }
 
+/// `FERRITE_MMW_TA_CAT` (read once; default 0 until measured): the 192-output tile over the
+/// grouped weights' rows one after another ([`cat_tile`]): 1 where it takes fewer waves than
+/// the K-split wide tile, 2 wherever it applies (a check setting), 0 never.
+fn ta_cat() -> i64 {
+    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_CAT", 0))
+}
+
+/// The concatenated tile (`mmw_ta_<type>_ck`, mmw.cu MMW_CAT_*; MATMUL.md round 100): 192
+/// outputs of the group's rows one after another × 256 tokens, K split between a cluster's
+/// two blocks; two warpgroups (256 threads) and four 56 KB stages.
+const TA_CAT: (usize, usize) = (192, 256);
+const TA_CAT_THREADS: u32 = 256;
+const TA_CAT_SMEM: usize = ring_smem(TA_CAT.0, TA_CAT.1, 224 * 1024);
+
+/// Whether a TA launch that [`Tile::split_k`] put on the K-split wide tile (`wide_blocks`
+/// blocks) takes the concatenated tile instead: its weights' outputs `ns` all multiples of 64
+/// (a 64-row box is one weight's), and under `FERRITE_MMW_TA_CAT=1` fewer waves of whole-tile
+/// time, ceil(cat blocks / slots) · 3/4 against ceil(wide blocks / slots) · 1/2 (its block
+/// computes 1.5 times the wide tile's half). `slots`: blocks resident at once (one an SM).
+fn cat_tile(mode: i64, rows: usize, ns: &[usize], wide_blocks: usize, slots: usize) -> bool {
+    let n_total: usize = ns.iter().sum();
+    if mode == 0 || ns.iter().any(|n| !n.is_multiple_of(64)) || n_total == 0 {
+        return false;
+    }
+    let blocks = 2 * rows.div_ceil(TA_CAT.1) * n_total.div_ceil(TA_CAT.0);
+    let slots = slots.max(1);
+    mode == 2 || 3 * blocks.div_ceil(slots) < 2 * wide_blocks.div_ceil(slots)
+}
+
 /// The TA form's 128 × 256 tile (outputs × tokens) and its block: two consumer warpgroups
 /// and one producer warp (mmw.cu MMW_THREADS_P(128, 0)).
 const TA_WIDE: (usize, usize) = (128, 256);
@@ -677,6 +707,8 @@ pub struct Kernels {
     /// unknown): one block an SM, but a cluster's blocks share a GPC, so clusters of four may
     /// leave SMs idle ([`Tile::split_k`] counts its waves by these).
     ta_wave_slots: [usize; 2],
+    /// `mmw_ta_<type>_ck`: the concatenated 192-output tile ([`TA_CAT`]), likewise.
+    ta_ck: Vec<CudaFunction>,
     /// `mmw_x_f16`: x into the scratch as f16, for the TA form's F16 weights.
     x_f16: Option<CudaFunction>,
     /// `mmw_moe_x_gather`: a MoE prefill's x rows in list order as bf16 (under [`gu_xt`]).
@@ -700,6 +732,7 @@ impl Kernels {
             ta: Vec::new(),
             ta_w: Vec::new(),
             ta_wk: Vec::new(),
+            ta_ck: Vec::new(),
             ta_wave_slots: [0; 2],
             x_f16: None,
             x_gather: None,
@@ -818,6 +851,7 @@ impl Kernels {
                 ))
             })?,
             ta_wk,
+            ta_ck: per_ta_type(|n| with_smem(format!("mmw_ta_{n}_ck"), TA_CAT_SMEM))?,
             ta_wave_slots,
             x_f16: if ta() {
                 Some(function(&m, "mmw_x_f16")?)
@@ -1287,6 +1321,13 @@ fn launch<X: DevicePtr<u16>>(
     } else {
         tile
     };
+    if let (Some(t), Tile::TaWideK(2)) = (ta_t, tile) {
+        let ns_u = ns.map(|n| n as usize);
+        let wide_blocks = 2 * rows.div_ceil(TA_WIDE.1) * (e2 + tiles[2]);
+        if cat_tile(ta_cat(), rows, &ns_u[..ws.len()], wide_blocks, be.sm_count) {
+            return launch_cat(be, xb, kp, rows, ws, &ns, &op, t);
+        }
+    }
     let (tm, bn) = tile.dims();
     let mut cfg = tile.config(rows, e2 + tiles[2])?;
     // On the wide tile, the register-A form's kernel where there is one: `mmw_rsw_<type>` for a
@@ -1379,6 +1420,67 @@ fn launch<X: DevicePtr<u16>>(
     // SAFETY: checked above: each W holds n_out rows of rb bytes, xb rows×kp bf16 (zero beyond
     // n_in; the map describes it), each out rows×n_out floats; block y < e1 uses weight 0,
     // < e2 weight 1, else 2, and only the present weights have tiles.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// [`launch`]'s group on the concatenated tile ([`TA_CAT`], `mmw_ta_<type>_ck`): `ns` and `op`
+/// its weights' outputs and output pointers as [`launch`] filled them (absent weights: 0
+/// outputs, never reached).
+#[allow(clippy::too_many_arguments)]
+fn launch_cat<X: DevicePtr<u16>>(
+    be: &CudaBackend,
+    xb: &X,
+    kp: usize,
+    rows: usize,
+    ws: &[&CudaWeight],
+    ns: &[i32; 3],
+    op: &[u64; 3],
+    t: usize,
+) -> Result<()> {
+    let mut ns = *ns;
+    for n in ns.iter_mut().skip(ws.len()) {
+        *n = 0;
+    }
+    let n_total: usize = ns.iter().map(|&n| n as usize).sum();
+    let out_tiles = n_total.div_ceil(TA_CAT.0);
+    ensure!(
+        out_tiles <= 65535 && kp / TK >= 2,
+        "mmw: the concatenated tile for {n_total} outputs and K of {kp}"
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(TA_CAT.1) as u32, out_tiles as u32, 2),
+        block_dim: (TA_CAT_THREADS, 1, 1),
+        shared_mem_bytes: TA_CAT_SMEM as u32,
+    };
+    let map = x_map(be, xb, rows, kp, TA_CAT.1)?;
+    // Boxes of 64 rows (absent weights: the last present weight's map, never read).
+    let am = (0..3)
+        .map(|g| a16_map(be, ws[g.min(ws.len() - 1)], 64))
+        .collect::<Result<Vec<_>>>()?;
+    let (kp_i, rows_i) = (kp as i32, rows as i32);
+    // xb held across the launch (its map has the address).
+    let (_xp, _xb_guard) = xb.device_ptr(&be.stream);
+    let mut launch = be.stream.kernel(&be.mmw.ta_ck[t]);
+    // The K halves' blocks: one cluster along the grid's z.
+    launch.cluster((1, 1, 2));
+    launch
+        .arg(&ns[0])
+        .arg(&ns[1])
+        .arg(&ns[2])
+        .arg(&kp_i)
+        .arg(&rows_i)
+        .arg(&op[0])
+        .arg(&op[1])
+        .arg(&op[2])
+        .arg(&map)
+        .arg(&am[0])
+        .arg(&am[1])
+        .arg(&am[2]);
+    // SAFETY: as [`launch`]'s: each weight holds ns[g] rows (multiples of 64, [`cat_tile`]) of
+    // 2 · n_in bytes that its map describes, x rows × kp 16-bit (its map), each out rows ×
+    // ns[g] floats; a tile's rows past the last weight's read weight 0's first rows and are not
+    // stored.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
@@ -1819,5 +1921,23 @@ mod tests {
         assert_eq!((k.grid_dim, k.block_dim.0), ((2, 32, 2), TA_WIDE_THREADS));
         let k = Tile::TaWideK(4).config(512, 48).unwrap();
         assert_eq!(k.grid_dim, (2, 48, 4));
+    }
+
+    #[test]
+    fn concatenated_tile_where_it_takes_fewer_waves() {
+        // Qwen3-8B's Q, K, V at 512 rows: 192 wide half-K blocks (two waves of halves) against
+        // 128 concatenated ones (one wave of three quarters).
+        assert!(cat_tile(1, 512, &[4096, 1024, 1024], 192, 132));
+        // A partial last tile (5120 outputs: 27 tiles, 108 blocks) against 160.
+        assert!(cat_tile(1, 512, &[4096, 512, 512], 160, 132));
+        // O (4096 outputs, 128 wide blocks: one wave already) and Qwen3-14B's Q, K, V (7168:
+        // 152 blocks, two waves either way) keep the wide tile.
+        assert!(!cat_tile(1, 512, &[4096], 128, 132));
+        assert!(!cat_tile(1, 512, &[5120, 1024, 1024], 224, 132));
+        // Outputs not whole 64-row boxes never take it; mode 2 wherever they are; 0 never.
+        assert!(!cat_tile(2, 512, &[4096, 1000, 1000], 192, 132));
+        assert!(cat_tile(2, 512, &[4096], 128, 132));
+        assert!(!cat_tile(0, 512, &[4096, 1024, 1024], 192, 132));
+        assert_eq!(TA_CAT_SMEM, 4 * 56 * 1024 + 64 + 1024);
     }
 }

@@ -1292,6 +1292,187 @@ MMW_KERNEL1(q4_k_q6_k, GGML_Q4_K, GGML_Q6_K, 64, 256)
 MMW_TA_KERNEL(f16, GGML_F16)
 MMW_TA_KERNEL(bf16, GGML_BF16)
 
+// ---- The concatenated 192-output tile (`mmw_ta_<type>_ck`; MATMUL.md round 100) ----
+// Q, K and V of a 16-bit model in one wave. At Qwen3-8B's 512 rows their 4096 + 1024 + 1024
+// outputs make 48 tiles of the 128 × 256 wide tile, 192 blocks with K split in two: 1.45 waves
+// on 132 SMs, two waves of half-K blocks (59 µs on an H100 against cuBLAS's 38). Taken one after
+// another, their rows make 32 tiles of 192 outputs: 128 half-K blocks, one wave of blocks 1.5×
+// as long, three quarters of the time.
+//
+// The plan, per block (192 outputs × 256 tokens × half of K; a cluster of the two K halves
+// along z, as `mmw_ta_*_wk`):
+// - Tile rows: rows oy · 192.. of the weights' rows one after another (weight 0's n0, then
+//   weight 1's n1, weight 2's n2; each a multiple of 64, so that a 64-row box is one weight's).
+//   Stage A: three 64-row boxes, each by the tensor map of the weight holding it (a box past the
+//   last weight's rows reads weight 0's first 64; those outputs are not stored); stage B: x's box
+//   of the 256 tokens. 56 KB a stage in the 128-byte swizzle, four stages (224 KB).
+// - Two warpgroups and no producer warp: 192 × 256 f32 accumulators are 192 a thread over 256
+//   threads (a producer warp would cap every thread at 168 registers, and a producer warpgroup
+//   at 128: the SM's four register files hold a quarter of the warps each; setmaxnreg cannot
+//   lift ptxas's limit). Warpgroup w issues per k16 an m64n256k16 on rows 64w.. (all tokens)
+//   and an m64n128k16 on rows 128.. (tokens 128w..): 192 tensor-core cycles each, 24 K MACs.
+// - Thread 0 issues the tensor copies: the first four steps at the start, then step kt - 1 + 4
+//   once both warpgroups have released step kt - 1's stage (an mbarrier of two arrivals, one a
+//   warpgroup after its wgmma.wait_group), three steps of copies in flight.
+// - Epilogue as the wide tile's K split: the fragments staged as [token][output] f32 in the
+//   ring, a cluster barrier, block r stores token rows 128 r.. of the tile, each output its
+//   own partial sum plus the other block's (DSMEM): the same K halves, in the same order, as
+//   `mmw_ta_*_wk`, so the same sums. Output o of the concatenation goes to out[g] column o
+//   minus weight g's first row.
+#define MMW_CAT_TM 192
+#define MMW_CAT_BN 256
+#define MMW_CAT_STAGES 4
+#define MMW_CAT_STAGE ((MMW_CAT_TM + MMW_CAT_BN) * MMW_TK * 2)
+#define MMW_CAT_SP (MMW_CAT_TM + 4)  // the staged tile's row pitch in floats (as MMW_SP)
+static_assert(MMW_CAT_BN * MMW_CAT_SP * 4 <= MMW_CAT_STAGES * MMW_CAT_STAGE, "the staged epilogue must fit the ring");
+
+struct MmwCat {
+    const MmwTmap* map[3];  // the weights' tensor maps, boxes of 64 rows
+    float* out[3];          // their outputs, [rows][n[g]]
+    int n[3];               // their output counts, multiples of 64
+};
+// The weight holding row r of the concatenation, and that weight's first row; element g of a
+// field by selects (indexed, the struct went to the stack: 64 bytes, 44 local loads and stores).
+__device__ __forceinline__ int mmw_cat_g(const MmwCat& c, int r) { return (r >= c.n[0]) + (r >= c.n[0] + c.n[1]); }
+template <typename T>
+__device__ __forceinline__ T mmw_cat_sel(const T (&f)[3], int g) {
+    return g == 0 ? f[0] : (g == 1 ? f[1] : f[2]);
+}
+__device__ __forceinline__ int mmw_cat_first(const MmwCat& c, int g) {
+    return g == 0 ? 0 : (g == 1 ? c.n[0] : c.n[0] + c.n[1]);
+}
+
+template <int TYPE>
+__device__ __forceinline__ void mmw_cat(const MmwCat& cat, const MmwTmap* xmap, int kp, int rows) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool H = TYPE == GGML_F16;
+    constexpr int S = MMW_CAT_STAGES;
+    extern __shared__ __align__(1024) uint8_t mmw_smem[];
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(mmw_smem);
+    const uint32_t s0 = (sbase + 1023u) & ~1023u;
+    float* const stage = reinterpret_cast<float*>(mmw_smem + (s0 - sbase));
+    const uint32_t full0 = s0 + S * MMW_CAT_STAGE, empty0 = full0 + 8 * S;
+    const int tid = threadIdx.x, wg = tid >> 7;
+    const int oy = blockIdx.y, tn = blockIdx.x * MMW_CAT_BN;
+    const int t0 = MMW_TSHIFT && rows > MMW_CAT_BN && tn + MMW_CAT_BN > rows ? rows - MMW_CAT_BN : tn;
+    const int rank = cluster_rank();
+    const int nk_all = kp / MMW_TK, nk_part = (nk_all + 1) / 2, kb = rank * nk_part;
+    const int nk = min(nk_part, nk_all - kb);
+    const int n_out = cat.n[0] + cat.n[1] + cat.n[2];
+    if (tid == 0) {
+        for (int i = 0; i < S; i++) {
+            mmw_mbar_init1(full0 + 8 * i);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" ::"r"(empty0 + 8 * i) : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    // Thread 0: step kt's boxes into its stage.
+    auto issue = [&](int kt) {
+        const int s = kt % S;
+        const uint32_t st = s0 + s * MMW_CAT_STAGE, bar = full0 + 8 * s;
+        const int k = (kb + kt) * MMW_TK;
+        mmw_expect(bar, (uint32_t)MMW_CAT_STAGE);
+        mmw_tma(st + MMW_CAT_TM * 128, xmap, k, t0, bar);
+#pragma unroll
+        for (int j = 0; j < 3; j++) {
+            // (A box past the last weight's rows reads weight 0's first 64 rows.)
+            const int rj = oy * MMW_CAT_TM + 64 * j, r = rj < n_out ? rj : 0, g = mmw_cat_g(cat, r);
+            mmw_tma(st + j * 64 * 128, mmw_cat_sel(cat.map, g), k, r - mmw_cat_first(cat, g), bar);
+        }
+    };
+    if (tid == 0)
+        for (int kt = 0; kt < S && kt < nk; kt++) issue(kt);
+
+    float acc[128], acc2[64];  // rows 64 wg.. × tokens 0..255; rows 128.. × tokens 128 wg..
+#pragma unroll
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc2[i] = 0.0f;
+    // The zeros in their registers before the first wgmma (ptxas sank acc2's zeros between the
+    // first step's wgmmas and then ran every wgmma alone: its C7515).
+    mmw_fence_acc(acc);
+    mmw_fence_acc(acc2);
+    for (int kt = 0; kt < nk; kt++) {
+        const int s = kt % S;
+        mmw_mbar_wait(full0 + 8 * s, (uint32_t)((kt / S) & 1));
+        const uint32_t st = s0 + s * MMW_CAT_STAGE, b = st + MMW_CAT_TM * 128;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        // The step's four k16 wgmmas on each accumulator set, chained (one commit group).
+#pragma unroll
+        for (int kk = 0; kk < MMW_TK / 16; kk++) {
+            const uint32_t ko = mmw_off<64>(0, 16 * kk);
+            mmw_wgmma_n256<H>(acc, mmw_desc<64>(st + 64 * wg * 128 + ko), mmw_desc<256>(b + ko));
+        }
+#pragma unroll
+        for (int kk = 0; kk < MMW_TK / 16; kk++) {
+            const uint32_t ko = mmw_off<64>(0, 16 * kk);
+            mmw_wgmma_n128<H>(acc2, mmw_desc<64>(st + 128 * 128 + ko), mmw_desc<128>(b + 128 * wg * 128 + ko));
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (kt >= 1) {
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            mmw_fence_acc(acc);
+            mmw_fence_acc(acc2);
+            const int sp = (kt - 1) % S;
+            if ((tid & 127) == 0)
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(empty0 + 8 * sp) : "memory");
+            if (tid == 0 && kt - 1 + S < nk) {
+                mmw_mbar_wait(empty0 + 8 * sp, (uint32_t)(((kt - 1) / S) & 1));
+                issue(kt - 1 + S);
+            }
+        }
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    mmw_fence_acc(acc);
+    mmw_fence_acc(acc2);
+    // Both warpgroups' MMAs done reading the ring: the fragments to stage[token][output].
+    __syncthreads();
+    const int w = (tid >> 5) & 3, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 32; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            stage[(8 * j + 2 * t4 + (e & 1)) * MMW_CAT_SP + 64 * wg + 16 * w + g8 + (e >= 2 ? 8 : 0)] = acc[4 * j + e];
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            stage[(128 * wg + 8 * j + 2 * t4 + (e & 1)) * MMW_CAT_SP + 128 + 16 * w + g8 + (e >= 2 ? 8 : 0)] =
+                acc2[4 * j + e];
+    // Both blocks' partial tiles staged and visible to each other.
+    cluster_sync_all();
+    constexpr int NQ = MMW_CAT_TM / 4, TR = MMW_CAT_BN / 2;
+    for (int i = tid; i < TR * NQ; i += 256) {
+        const int t = i / NQ + rank * TR, q = i % NQ, tt = t0 + t, o = oy * MMW_CAT_TM + 4 * q;
+        if (tt >= rows || o >= n_out || (MMW_TSHIFT && tt < tn)) continue;
+        const float* const sp = stage + t * MMW_CAT_SP + 4 * q;
+        const float4 v = *reinterpret_cast<const float4*>(sp), u = ld_cluster_f32x4(sp, rank ^ 1);
+        const float4 a = make_float4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
+        const int g = mmw_cat_g(cat, o);
+        float* const dst =
+            mmw_cat_sel(cat.out, g) + (size_t)tt * mmw_cat_sel(cat.n, g) + (o - mmw_cat_first(cat, g));
+        if ((((unsigned long long)dst) & 15) == 0) *reinterpret_cast<float4*>(dst) = a;
+        else dst[0] = a.x, dst[1] = a.y, dst[2] = a.z, dst[3] = a.w;
+    }
+    // No block leaves (its shared memory released) before the other has read it.
+    cluster_sync_exec();
+#else
+    __trap();
+#endif
+}
+#define MMW_TA_CAT(name, TYPE)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1) mmw_ta_##name##_ck(                               \
+        int n0, int n1, int n2, int kp, int rows, float* __restrict__ out0, float* __restrict__ out1,      \
+        float* __restrict__ out2, const __grid_constant__ MmwTmap xmap, const __grid_constant__ MmwTmap wm0, \
+        const __grid_constant__ MmwTmap wm1, const __grid_constant__ MmwTmap wm2) {                        \
+        PDL_ENTRY();                                                                                        \
+        const MmwCat cat = {{&wm0, &wm1, &wm2}, {out0, out1, out2}, {n0, n1, n2}};                         \
+        mmw_cat<TYPE>(cat, &xmap, kp, rows);                                                                \
+    }
+MMW_TA_CAT(f16, GGML_F16)
+MMW_TA_CAT(bf16, GGML_BF16)
+
 // A MoE prefill's x gathered into list order for the gate/up's tensor copies (MMW_GU_XG bit 1):
 // xg [pairs, kp] bf16, row p the row of pair list[p]'s token (list[p] / top_k) of x [rows, n_in]
 // f32, rounded as mm_x_bf16 rounds it (x_scratch16), so the gate/up multiplies the same bf16
