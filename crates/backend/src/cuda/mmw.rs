@@ -1438,10 +1438,6 @@ fn launch_cat<X: DevicePtr<u16>>(
     op: &[u64; 3],
     t: usize,
 ) -> Result<()> {
-    let mut ns = *ns;
-    for n in ns.iter_mut().skip(ws.len()) {
-        *n = 0;
-    }
     let n_total: usize = ns.iter().map(|&n| n as usize).sum();
     let out_tiles = n_total.div_ceil(TA_CAT.0);
     ensure!(
