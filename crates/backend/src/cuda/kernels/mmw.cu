@@ -167,8 +167,8 @@ struct __align__(128) MmwTmap {
 #define MMW_WMAP1_PARAM
 #define MMW_WMAP1 nullptr, nullptr
 #endif
-__device__ __forceinline__ void mmw_mbar_init1(uint32_t bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+__device__ __forceinline__ void mmw_mbar_init(uint32_t bar, uint32_t count = 1) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mmw_mbar_wait(uint32_t bar, uint32_t parity) {
     uint32_t done = 0;
@@ -438,6 +438,21 @@ __device__ __forceinline__ void mmw_fence_acc(float (&d)[N]) {
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// A dense launch's token tile tn..tn + bn of `rows`: the first row of its x box. Under
+// MMW_TSHIFT the last of several tiles ends at the last row, so that its box lies inside the
+// map (the rows before tn read again and not stored; MATMUL.md round 93).
+__device__ __forceinline__ int mmw_t0(int tn, int rows, int bn) {
+    return MMW_TSHIFT && rows > bn && tn + bn > rows ? rows - bn : tn;
+}
+// The K split between the `ks` blocks of a cluster (MATMUL.md rounds 95, 99): block `rank`
+// takes the steps kb .. kb + nk of the kp / MMW_TK, rank · ceil(steps / ks) on. One rule for
+// every split kernel, so that the same halves give the same sums.
+__device__ __forceinline__ void mmw_k_part(int kp, int ks, int rank, int& kb, int& nk) {
+    const int all = kp / MMW_TK, part = (all + ks - 1) / ks;
+    kb = rank * part;
+    nk = ks > 1 ? min(part, all - kb) : all;
+}
+
 // A block's tile: TM outputs (64 per consumer warpgroup) × BN tokens. Stages: as many as fit
 // 224 KB, at most 7 (two named barriers each, 16 per block); with BPS = 2 (two blocks an SM:
 // the MoE GEMMs' `mmw_moe2_*`) as many as fit 96 KB, with BPS = 3 (`mmw_moe3_*`) 72 KB, with
@@ -535,18 +550,16 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const int tid = threadIdx.x, wgi = tid >> 7;
     // P = 0: consumer warpgroups 0 .. TM / 64 - 1, then the producer warp.
     const bool producer = P ? wgi < P : tid >= 2 * TM;
-    // The token tile: rows tn .. tn + BN; read from t0 (MMW_TSHIFT: the last of several tiles
-    // ends at the last row, so that its x box lies inside the map, the rows before tn read
-    // again and not stored).
+    // The token tile: rows tn .. tn + BN, its x box from row t0 (mmw_t0; a MoE tile is a list
+    // segment, read from its start).
     const int tn = MOE ? 0 : blockIdx.x * BN;
-    const int t0 = MMW_TSHIFT && !MOE && rows > BN && tn + BN > rows ? rows - BN : tn;
+    const int t0 = MOE ? tn : mmw_t0(tn, rows, BN);
     static_assert(KS == 1 || ((KS == 2 || KS == 4) && TA && !SWIGLU), "mmw: the K split is the TA form's plain launches'");
     // KS: this block's steps kb .. kb + nk of the tile's K steps (the launcher splits only K of
     // at least KS steps a block, so that every block has one: mmw.rs Tile::split_k).
     const int ks_rank = KS > 1 ? cluster_rank() : 0;
-    const int nk_all = kp / MMW_TK, nk_part = (nk_all + KS - 1) / KS;
-    const int kb = ks_rank * nk_part;
-    const int nk = KS > 1 ? min(nk_part, nk_all - kb) : nk_all;
+    int kb, nk;
+    mmw_k_part(kp, KS, ks_rank, kb, nk);
     // The MoE Q6_K maps' rows a group (mmw_q6_groups; 1 where rows are whole units).
     const int QG = (MOE && RS && Q6) ? mmw_q6_groups(rb) : 1;
     // XT: x by tensor copies (MMW_XTMA; the gate/up's only under MMW_GU_XT, its map then over
@@ -559,7 +572,7 @@ __device__ __forceinline__ void mmw(const uint8_t* __restrict__ W, const uint8_t
     const uint32_t xbar0 = s0 + MMW_STAGES * S::STAGE;
     if constexpr (XT || RS) {
         if (tid == 0) {
-            for (int i = 0; i < MMW_STAGES; i++) mmw_mbar_init1(xbar0 + 8 * i);
+            for (int i = 0; i < MMW_STAGES; i++) mmw_mbar_init(xbar0 + 8 * i);
             asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         }
         __syncthreads();
@@ -1354,15 +1367,15 @@ __device__ __forceinline__ void mmw_cat(const MmwCat& cat, const MmwTmap* xmap, 
     const uint32_t full0 = s0 + S * MMW_CAT_STAGE, empty0 = full0 + 8 * S;
     const int tid = threadIdx.x, wg = tid >> 7;
     const int oy = blockIdx.y, tn = blockIdx.x * MMW_CAT_BN;
-    const int t0 = MMW_TSHIFT && rows > MMW_CAT_BN && tn + MMW_CAT_BN > rows ? rows - MMW_CAT_BN : tn;
+    const int t0 = mmw_t0(tn, rows, MMW_CAT_BN);
     const int rank = cluster_rank();
-    const int nk_all = kp / MMW_TK, nk_part = (nk_all + 1) / 2, kb = rank * nk_part;
-    const int nk = min(nk_part, nk_all - kb);
+    int kb, nk;
+    mmw_k_part(kp, 2, rank, kb, nk);
     const int n_out = cat.n[0] + cat.n[1] + cat.n[2];
     if (tid == 0) {
         for (int i = 0; i < S; i++) {
-            mmw_mbar_init1(full0 + 8 * i);
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" ::"r"(empty0 + 8 * i) : "memory");
+            mmw_mbar_init(full0 + 8 * i);
+            mmw_mbar_init(empty0 + 8 * i, 2);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
