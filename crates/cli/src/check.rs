@@ -1274,7 +1274,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
         }
     }
     // A prefill's three 16-bit weights in one TA launch (Qwen3-8B's Q, K, V: 6144 outputs at
-    // 512 rows, the 128-output tiles), each of the last two outputs checked.
+    // 512 rows: the K-split wide tile, or under FERRITE_MMW_TA_CAT the concatenated one),
+    // each of the three outputs checked.
     if !quick {
         for ty in [GgmlType::F16, GgmlType::BF16] {
             for checked in [0, 1, 2] {
@@ -1288,7 +1289,8 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 });
             }
             // The concatenated 192-output tile's partial last tile (4096 + 512 + 512 = 26⅔
-            // tiles) and a partial last token tile (300 rows, 128-token blocks 2 and 3 of 4).
+            // tiles), and a last token tile that the rows end inside (300 rows: the second
+            // 256-token tile read from row 44 under MMW_TSHIFT, its rows from 256 stored).
             for (n_out, rows) in [(512, 512), (1024, 300)] {
                 for checked in [0, 2] {
                     add(Op::Matmuls {

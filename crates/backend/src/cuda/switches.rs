@@ -556,8 +556,9 @@ mod tests {
         assert_eq!(parse(Accepts::List(4), "4,64,-2,0"), None);
     }
 
-    /// Every switch the CUDA sources read by name through `int_or` or `get` is in the registry: an unregistered one panics at its first read on a GPU, which no host test
-    /// would otherwise reach.
+    /// Every switch the CUDA sources read by name through `int_or` or `get` is in the registry:
+    /// an unregistered one panics at its first read on a GPU, which no host test would
+    /// otherwise reach.
     #[test]
     fn every_switch_read_is_registered() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cuda");
