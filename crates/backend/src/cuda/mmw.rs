@@ -998,7 +998,9 @@ pub fn matmuls(
     with_x(be, x, ta, |xb, kp| {
         if let Some(t) = ta {
             for (wg, og) in ws.chunks(3).zip(outs.chunks_mut(3)) {
-                launch(be, xb, kp, x.rows, wg, &be.mmw.ta[t].0, og, Some(t))?;
+                if !super::blas::gemms(be, xb, kp, x.rows, wg, og, TA_TYPES[t].0)? {
+                    launch(be, xb, kp, x.rows, wg, &be.mmw.ta[t].0, og, Some(t))?;
+                }
             }
             return Ok(());
         }
@@ -1090,6 +1092,9 @@ pub fn swiglu_mlp(
     // act while the down reads it (one stream).
     let hb = unsafe { act.buf.transmute::<u16>(rows * n_ff) }
         .context("mmw: 16-bit view of the SwiGLU output")?;
+    if super::blas::gemms(be, &hb, n_ff, rows, &[down], &mut [out], TA_TYPES[td].0)? {
+        return Ok(true);
+    }
     launch(
         be,
         &hb,

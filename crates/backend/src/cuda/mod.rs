@@ -21,6 +21,7 @@
 //! Every kernel is launched through [`launch`] (programmatic dependent launch on Hopper).
 
 pub mod attention;
+pub mod blas;
 pub mod gated_delta;
 pub mod launch;
 pub mod matmul;
@@ -140,6 +141,9 @@ pub struct CudaBackend {
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
+    /// cuBLASLt for the 16-bit weights' dense prefill GEMMs, where `FERRITE_CUBLASLT` asks
+    /// for it and the library is present ([`blas`]).
+    pub blas: Option<blas::Lt>,
     /// How many bytes of stacked experts may still go to VRAM ([`ops::upload_experts`]).
     pub expert_budget: ops::ExpertBudget,
 }
@@ -384,7 +388,9 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
         let device_name = ctx.name()?;
+        let blas = blas::Lt::new(&stream)?;
         Ok(CudaBackend {
+            blas,
             ops: ops::Kernels::load(&ctx, arch)?,
             matmul: matmul::Kernels::load(&ctx, arch)?,
             mmq: mmq::Kernels::load(&ctx, arch)?,

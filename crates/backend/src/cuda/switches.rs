@@ -115,6 +115,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "wgmma prefill, with FERRITE_MMW_TA_TILE=2: 2 (default) the TA form's plain launches whose 128x256 tiles would not fill the SMs on that tile with K split between the two blocks of a cluster, their partial sums added through shared memory (where that grid fills three quarters of the SMs), 4 also between four blocks where that takes fewer waves of the clusters the device holds (MATMUL.md round 99), 0 the 128-output tiles there (MATMUL.md round 95)",
     ),
     (
+        "FERRITE_CUBLASLT",
+        Accepts::OneOf(&[0, 1, 2, 3]),
+        "cuBLASLt for the 16-bit weights' dense prefill GEMMs, a bit mask: bit 0 the single ones (the o-projection, the down after the fused SwiGLU), bit 1 the grouped ones (Q, K, V, one GEMM a weight); 0 (default until measured) every one on mmw; without libcublasLt, mmw with a warning (cuda/blas.rs, MATMUL.md round 101)",
+    ),
+    (
         "FERRITE_MMW_TA_CAT",
         Accepts::OneOf(&[0, 1, 2]),
         "wgmma prefill, with FERRITE_MMW_TA_KS=2: 1 the TA form's K-split launches of weights whose outputs are all multiples of 64 (Q, K, V) on a 192-output tile over their rows one after another (mmw_ta_*_ck: two warpgroups of m64n256 + m64n128, K split in a cluster of two) where that takes fewer waves than the 128-output wide tile (Qwen3-8B's Q, K, V at 512 rows: one wave of 128 blocks instead of 192 blocks), 2 wherever it applies (a check setting), 0 (default until measured) never (MATMUL.md round 100)",

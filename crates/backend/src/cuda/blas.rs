@@ -1,0 +1,322 @@
+//! cuBLASLt for the dense prefill GEMMs of 16-bit weights (`FERRITE_CUBLASLT`, off by default
+//! until measured; MATMUL.md round 101).
+//!
+//! DESIGN.md allows cuBLASLt for dense bf16/f16 prefill GEMMs and nothing else: decode, the
+//! quantized matmuls, attention, norms, MoE and the delta rule stay ours. The case for it is
+//! the 4096-input projections of Qwen3-8B F16 at 512 rows, where our wgmma tiles still trail
+//! cuBLAS by a fixed cost a tile (MATMUL.md rounds 92–95, H100: Q, K, V 59 µs against 38 as
+//! one 6144-output GEMM, O 34 against 26, the down 87 against 72). The gate/up stays on
+//! mmw's fused SwiGLU, which also writes the down's 16-bit x (round 96): cuBLASLt has no
+//! SwiGLU epilogue, and its unfused gate + up (142 µs) would add the f32 round trip of both
+//! outputs that the fused launch (156 µs) never writes.
+//!
+//! The operands. mmw's launches take x as 16-bit rows of `kp` elements (zero past `n_in`) and
+//! the weight as `[n_out, n_in]` rows; they write `y[rows, n_out]` f32. In cuBLASLt's
+//! column-major terms: D (`n_out` × `rows`, ld `n_out`) = op(A) · B with A the weight read as
+//! an `n_in` × `n_out` matrix (ld `n_in`) transposed, B the x rows as `n_in` × `rows` (ld
+//! `kp`); f32 accumulation (`CUBLAS_COMPUTE_32F`) and f32 D, no C (β = 0). The same products
+//! as mmw's kernels, summed in cuBLAS's order: the check's NMSE bound and the argmax gate are
+//! what hold it to the CPU reference, as they hold mmw.
+//!
+//! The algorithm: cuBLASLt's heuristic's first choice, asked once a shape and kept. Two
+//! lessons of other engines shape the calls. cuBLASLt picks kernels by the operands'
+//! alignment, so the preference pins 16-byte alignment for every operand and a call whose
+//! operands are not 16-byte aligned runs mmw instead; and a graph captured around cuBLASLt
+//! was not stable across replays with other buffers, so a capturing stream runs mmw too
+//! (prefills are not captured today; the guard keeps it so).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, Context, Result};
+use cudarc::cublaslt::{result as lt, sys};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use ferrite_formats::GgmlType;
+
+use super::{CudaBackend, CudaWeight};
+use crate::Act;
+
+/// The workspace cuBLASLt may use: NVIDIA's recommendation for Hopper (32 MiB).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// The alignment pinned in the heuristic's preference and required of every operand at a
+/// call, in bytes: 16, the widest vector load cuBLASLt's kernels take.
+const ALIGN: u64 = 16;
+
+/// `FERRITE_CUBLASLT` (read once; default 0), a bit mask: bit 0 the single 16-bit prefill
+/// matmuls on cuBLASLt (the o-projection, the down after the fused SwiGLU), bit 1 the grouped
+/// ones (Q, K, V: one GEMM a weight). 0 leaves every one on mmw.
+pub(crate) fn mode() -> i64 {
+    static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| super::switches::int_or("FERRITE_CUBLASLT", 0))
+}
+
+/// A GEMM's shape: what its descriptors and its algorithm depend on.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct Shape {
+    bf16: bool,
+    n_out: usize,
+    n_in: usize,
+    rows: usize,
+    /// x's row stride in elements.
+    kp: usize,
+}
+
+/// The descriptors and the algorithm of one [`Shape`], made once.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created by Plan::new and is destroyed once, here.
+        unsafe {
+            for l in [self.a, self.b, self.d] {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+fn cublas(what: &str) -> impl FnOnce(lt::CublasError) -> anyhow::Error + '_ {
+    move |e| anyhow!("cuBLASLt {what}: {e:?}")
+}
+
+impl Plan {
+    fn new(handle: sys::cublasLtHandle_t, s: Shape) -> Result<Self> {
+        let t16 = if s.bf16 {
+            sys::cudaDataType::CUDA_R_16BF
+        } else {
+            sys::cudaDataType::CUDA_R_16F
+        };
+        let f32t = sys::cudaDataType::CUDA_R_32F;
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
+            .map_err(cublas("matmul descriptor"))?;
+        // Built field by field so that Drop frees whatever was made if a later step fails.
+        let mut plan = Plan {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+            // SAFETY: a plain-data struct; overwritten by the heuristic's choice below.
+            algo: unsafe { std::mem::zeroed() },
+        };
+        // cublasOperation_t's CUBLAS_OP_T (the bindings name the enum only through cublas).
+        let trans: i32 = 1;
+        // SAFETY: desc is live; the attribute is the operation enum (an int), passed by size.
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                (&trans) as *const _ as *const _,
+                std::mem::size_of_val(&trans),
+            )
+        }
+        .map_err(cublas("transposed A"))?;
+        plan.a = lt::create_matrix_layout(t16, s.n_in as u64, s.n_out as u64, s.n_in as i64)
+            .map_err(cublas("weight layout"))?;
+        plan.b = lt::create_matrix_layout(t16, s.n_in as u64, s.rows as u64, s.kp as i64)
+            .map_err(cublas("x layout"))?;
+        plan.d = lt::create_matrix_layout(f32t, s.n_out as u64, s.rows as u64, s.n_out as i64)
+            .map_err(cublas("output layout"))?;
+        let pref = lt::create_matmul_pref().map_err(cublas("preference"))?;
+        let chosen = (|| {
+            // SAFETY: pref is live; each attribute is passed by its documented type's size.
+            unsafe {
+                let ws = WORKSPACE_BYTES as u64;
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    (&ws) as *const _ as *const _,
+                    8,
+                )?;
+                for attr in [
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                ] {
+                    let a = ALIGN as u32;
+                    lt::set_matmul_pref_attribute(pref, attr, (&a) as *const _ as *const _, 4)?;
+                }
+                // C is D's layout (β = 0: never read).
+                lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
+            }
+        })();
+        // SAFETY: pref was created above and is not used after.
+        let _ = unsafe { lt::destroy_matmul_pref(pref) };
+        let chosen = chosen.map_err(cublas("algorithm heuristic"))?;
+        plan.algo = chosen.algo;
+        tracing::debug!(
+            "cuBLASLt plan for {s:?}: workspace {} bytes, {} waves",
+            chosen.workspaceSize,
+            chosen.wavesCount
+        );
+        Ok(plan)
+    }
+}
+
+/// A cuBLASLt handle, its workspace and the plans made so far.
+pub struct Lt {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    plans: Mutex<HashMap<Shape, Plan>>,
+}
+
+// SAFETY: the handle is only used under `plans`' lock or by calls cuBLASLt documents as
+// thread-safe on one handle (cublasLtMatmul with caller-owned descriptors); the plans' raw
+// descriptors are read-only after creation and used under the lock.
+unsafe impl Send for Lt {}
+unsafe impl Sync for Lt {}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        if let Ok(mut plans) = self.plans.lock() {
+            plans.clear();
+        }
+        // SAFETY: the handle was created by Lt::new and is destroyed once, here.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+impl Lt {
+    /// The handle and workspace when [`mode`] asks for cuBLASLt; `None` when it does not, or
+    /// (with a warning) when the library is not installed or does not start: mmw then runs
+    /// every prefill GEMM.
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Option<Self>> {
+        if mode() == 0 {
+            return Ok(None);
+        }
+        // SAFETY: only probes for the shared library.
+        if !unsafe { sys::is_culib_present() } {
+            tracing::warn!(
+                "FERRITE_CUBLASLT is set but libcublasLt was not found: prefill GEMMs stay on mmw"
+            );
+            return Ok(None);
+        }
+        stream.context().bind_to_thread()?;
+        let handle = match lt::create_handle() {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!("cuBLASLt did not start ({e:?}): prefill GEMMs stay on mmw");
+                return Ok(None);
+            }
+        };
+        let workspace = match stream.alloc_zeros::<u8>(WORKSPACE_BYTES) {
+            Ok(w) => w,
+            Err(e) => {
+                // SAFETY: created just above, not used after.
+                let _ = unsafe { lt::destroy_handle(handle) };
+                return Err(e).context("cuBLASLt workspace");
+            }
+        };
+        Ok(Some(Lt {
+            handle,
+            workspace,
+            plans: Mutex::new(HashMap::new()),
+        }))
+    }
+}
+
+/// `outs[i] = x · ws[i]ᵀ` by cuBLASLt, one GEMM a weight, for x in `xb` (`rows` 16-bit rows of
+/// `kp` elements, the type of `t16`) where [`mode`] takes this group (a single weight under
+/// bit 0, a group under bit 1), every weight is `t16` in device memory, every operand is
+/// [`ALIGN`]ed and the stream is not capturing. `Ok(false)`, nothing done, otherwise (mmw's
+/// launch then runs); the shapes were checked by the caller (mmw.rs `launch` checks the same).
+pub(crate) fn gemms<X: DevicePtr<u16>>(
+    be: &CudaBackend,
+    xb: &X,
+    kp: usize,
+    rows: usize,
+    ws: &[&CudaWeight],
+    outs: &mut [&mut Act<CudaSlice<f32>>],
+    t16: GgmlType,
+) -> Result<bool> {
+    let bit = if ws.len() == 1 { 1 } else { 2 };
+    let Some(ltx) = be.blas.as_ref().filter(|_| mode() & bit != 0) else {
+        return Ok(false);
+    };
+    let aligned = |p: u64| p.is_multiple_of(ALIGN);
+    let (xp, _gx) = xb.device_ptr(&be.stream);
+    let applies = matches!(t16, GgmlType::F16 | GgmlType::BF16)
+        && ws.len() == outs.len()
+        && aligned(xp)
+        && (kp * 2) as u64 % ALIGN == 0
+        && xb.len() >= rows * kp
+        && ws.iter().zip(outs.iter()).all(|(w, o)| {
+            let (n_out, n_in) = (w.shape[0], w.shape[1]);
+            w.dtype == t16
+                && !w.in_host_memory()
+                && n_in <= kp
+                && (n_in * 2) as u64 % ALIGN == 0
+                && (n_out * 4) as u64 % ALIGN == 0
+                && w.data.len() >= n_out * n_in * 2
+                && aligned(w.data.device_ptr(&be.stream).0)
+                && aligned(o.buf.device_ptr(&be.stream).0)
+                && o.rows == rows
+                && o.cols == n_out
+                && o.buf.len() >= rows * n_out
+        });
+    if !applies {
+        return Ok(false);
+    }
+    if be.stream.capture_status()?
+        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    {
+        return Ok(false);
+    }
+    let mut plans = ltx
+        .plans
+        .lock()
+        .map_err(|_| anyhow!("cuBLASLt plans: lock poisoned"))?;
+    for (w, out) in ws.iter().zip(outs.iter_mut()) {
+        let s = Shape {
+            bf16: t16 == GgmlType::BF16,
+            n_out: w.shape[0],
+            n_in: w.shape[1],
+            rows,
+            kp,
+        };
+        let plan = match plans.entry(s) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(Plan::new(ltx.handle, s)?),
+        };
+        let (wp, _gw) = w.data.device_ptr(&be.stream);
+        let (op, _go) = out.buf.device_ptr_mut(&be.stream);
+        let (wsp, _gws) = ltx.workspace.device_ptr(&be.stream);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // A GEMM writes an activation as a kernel would: counted as a launch, so that a
+        // 16-bit x handed over before it is not taken for one handed over after it.
+        super::launch::note_copy();
+        // SAFETY: the plan's layouts describe these buffers (checked above: the weight holds
+        // n_out · n_in 16-bit values, x rows · kp, out rows · n_out floats); the workspace is
+        // WORKSPACE_BYTES, the preference's bound; the stream is the backend's one stream.
+        unsafe {
+            lt::matmul(
+                ltx.handle,
+                plan.desc,
+                (&alpha) as *const f32 as *const _,
+                (&beta) as *const f32 as *const _,
+                wp as *const _,
+                plan.a,
+                xp as *const _,
+                plan.b,
+                op as *const _,
+                plan.d,
+                op as *mut _,
+                plan.d,
+                &plan.algo,
+                wsp as *mut _,
+                WORKSPACE_BYTES,
+                be.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(cublas("matmul"))?;
+    }
+    Ok(true)
+}
