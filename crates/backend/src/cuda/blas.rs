@@ -246,15 +246,15 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
     let applies = matches!(t16, GgmlType::F16 | GgmlType::BF16)
         && ws.len() == outs.len()
         && aligned(xp)
-        && (kp * 2) as u64 % ALIGN == 0
+        && aligned(kp as u64 * 2)
         && xb.len() >= rows * kp
         && ws.iter().zip(outs.iter()).all(|(w, o)| {
             let (n_out, n_in) = (w.shape[0], w.shape[1]);
             w.dtype == t16
                 && !w.in_host_memory()
                 && n_in <= kp
-                && (n_in * 2) as u64 % ALIGN == 0
-                && (n_out * 4) as u64 % ALIGN == 0
+                && aligned(n_in as u64 * 2)
+                && aligned(n_out as u64 * 4)
                 && w.data.len() >= n_out * n_in * 2
                 && aligned(w.data.device_ptr(&be.stream).0)
                 && aligned(o.buf.device_ptr(&be.stream).0)
