@@ -38,6 +38,10 @@
 #            off by default until measured; MATMUL.md round 100): the grouped 16-bit matmul
 #            checks under 1 and 2, check --perf of the 512-row ones under 0 and 1, then Qwen3-8B
 #            F16 pp512 off / on, two rounds
+#   lt       the 16-bit prefill GEMMs on cuBLASLt (FERRITE_CUBLASLT, off by default until measured;
+#            MATMUL.md round 101; no CUBIN of its own): the f16/bf16 checks under 3, check --perf of
+#            the 512-row Q, K, V group, O, down and K/V shapes under 0 and 1/2, then Qwen3-8B F16
+#            pp512 under 0, 1, 3 in turn, two rounds
 #   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, on
 #            by default since the 53rd session; MATMUL.md round 95; the same CUBIN serves both values):
 #            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
@@ -353,6 +357,19 @@ for stage in "$@"; do
         done
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_MMW_TA_CAT "0 1" "$f" "qwen3-8b F16"
+        rm -f "$f"
+        ;;
+    lt)
+        FERRITE_CUBLASLT=3 $F check --device cuda --filter "f16" 2>&1 | tee "$OUT/check-lt3.log" | tail -6
+        echo "group: $(FERRITE_CUBLASLT=0 $F check --device cuda --perf --filter "f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first" 2>&1 | grep -E "rows=512" | tr -s ' ')"
+        echo "group LT=2: $(FERRITE_CUBLASLT=2 $F check --device cuda --perf --filter "f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first" 2>&1 | grep -E "rows=512" | tr -s ' ')"
+        for shape in "4096->4096" "12288->4096" "4096->1024"; do
+            for v in 0 1; do
+                echo "LT=$v: $(FERRITE_CUBLASLT=$v $F check --device cuda --perf --filter "matmul f16 $shape rows=512" 2>&1 | grep -E "rows=512" | tr -s ' ')"
+            done
+        done
+        f=$(synth qwen3-8b F16 | tail -1)
+        ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
         rm -f "$f"
         ;;
     attnx16)
