@@ -39,6 +39,11 @@ use crate::Act;
 /// The workspace cuBLASLt may use: NVIDIA's recommendation for Hopper (32 MiB).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
+/// Plans kept at most: one a (weight shape, row count), so a server meeting many prompt
+/// lengths would otherwise grow the map without bound. Past it the map is emptied (a plan is
+/// the heuristic's answer, made again on the next call of its shape).
+const MAX_PLANS: usize = 1024;
+
 /// The alignment pinned in the heuristic's preference and required of every operand at a
 /// call, in bytes: 16, the widest vector load cuBLASLt's kernels take.
 const ALIGN: u64 = 16;
@@ -168,9 +173,8 @@ pub struct Lt {
     plans: Mutex<HashMap<Shape, Plan>>,
 }
 
-// SAFETY: the handle is only used under `plans`' lock or by calls cuBLASLt documents as
-// thread-safe on one handle (cublasLtMatmul with caller-owned descriptors); the plans' raw
-// descriptors are read-only after creation and used under the lock.
+// SAFETY: the handle, the workspace and the plans' descriptors are used only under `plans`'
+// lock (plan making and every cublasLtMatmul call), so one thread at a time.
 unsafe impl Send for Lt {}
 unsafe impl Sync for Lt {}
 
@@ -282,6 +286,9 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
             rows,
             kp,
         };
+        if plans.len() >= MAX_PLANS && !plans.contains_key(&s) {
+            plans.clear();
+        }
         let plan = match plans.entry(s) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => e.insert(Plan::new(ltx.handle, s)?),
