@@ -138,7 +138,7 @@ impl Plan {
                     pref,
                     sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                     (&ws) as *const _ as *const _,
-                    8,
+                    std::mem::size_of_val(&ws),
                 )?;
                 for attr in [
                     sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
@@ -147,7 +147,8 @@ impl Plan {
                     sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                 ] {
                     let a = ALIGN as u32;
-                    lt::set_matmul_pref_attribute(pref, attr, (&a) as *const _ as *const _, 4)?;
+                    let size = std::mem::size_of_val(&a);
+                    lt::set_matmul_pref_attribute(pref, attr, (&a) as *const _ as *const _, size)?;
                 }
                 // C is D's layout (β = 0: never read).
                 lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
@@ -230,8 +231,8 @@ impl Lt {
 /// `outs[i] = x · ws[i]ᵀ` by cuBLASLt, one GEMM a weight, for x in `xb` (`rows` 16-bit rows of
 /// `kp` elements, the type of `t16`) where [`mode`] takes this group (a single weight under
 /// bit 0, a group under bit 1), every weight is `t16` in device memory, every operand is
-/// [`ALIGN`]ed and the stream is not capturing. `Ok(false)`, nothing done, otherwise (mmw's
-/// launch then runs); the shapes were checked by the caller (mmw.rs `launch` checks the same).
+/// [`ALIGN`]ed, every buffer holds its shape and the stream is not capturing. `Ok(false)`,
+/// nothing done, otherwise (mmw's launch then runs, with its own checks).
 pub(crate) fn gemms<X: DevicePtr<u16>>(
     be: &CudaBackend,
     xb: &X,

@@ -91,8 +91,9 @@ pub fn launch_count() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
 }
 
-/// Counts a device-to-device copy into an activation as a launch (it may overwrite a
-/// producer's output just as a kernel could).
+/// Counts a write into an activation by anything but our kernels (a device-to-device copy, a
+/// cuBLASLt GEMM: blas.rs) as a launch: it may overwrite a producer's output just as a kernel
+/// could.
 pub fn note_copy() {
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
 }
