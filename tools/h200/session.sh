@@ -42,6 +42,10 @@
 #            MATMUL.md round 101; no CUBIN of its own): the f16/bf16 checks under 3, check --perf of
 #            the 512-row Q, K, V group, O, down and K/V shapes under 0 and 1/2, then Qwen3-8B F16
 #            pp512 under 0, 1, 3 in turn, two rounds
+#   f16ab    rounds 99-101 together in one short call (for a call with little device time): the
+#            f16 checks under FERRITE_CUBLASLT=3 first, then Qwen3-8B F16 pp512 under (CAT, X16,
+#            LT) = (0,0,0), (0,1,3), (1,1,1), (0,0,0) once each, then the checks under
+#            FERRITE_MMW_TA_CAT=1 and FERRITE_ATTN_X16=1; `lt cat attnx16` are the full stages
 #   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, on
 #            by default since the 53rd session; MATMUL.md round 95; the same CUBIN serves both values):
 #            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
@@ -371,6 +375,18 @@ for stage in "$@"; do
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
         rm -f "$f"
+        ;;
+    f16ab)
+        FERRITE_CUBLASLT=3 $F check --device cuda --filter "f16" 2>&1 | tee "$OUT/check-lt3.log" | tail -4
+        f=$(synth qwen3-8b F16 | tail -1)
+        for v in "0 0 0" "0 1 3" "1 1 1" "0 0 0"; do
+            read -r c x l <<<"$v"
+            echo "qwen3-8b F16 CAT=$c X16=$x LT=$l $(FERRITE_MMW_TA_CAT=$c FERRITE_ATTN_X16=$x FERRITE_CUBLASLT=$l \
+                $F bench --model "$f" --reps 2 --gen-tokens 8 --gate-tokens 32 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+        done
+        rm -f "$f"
+        FERRITE_MMW_TA_CAT=1 $F check --device cuda --filter " x2 rows=" 2>&1 | tee "$OUT/check-cat1.log" | tail -4
+        FERRITE_ATTN_X16=1 $F check --device cuda --filter "attention+o" 2>&1 | tee "$OUT/check-attnx16.log" | tail -4
         ;;
     attnx16)
         FERRITE_ATTN_X16=1 $F check --device cuda --filter "attention+o" 2>&1 | tee "$OUT/check-attnx16.log" | tail -6
