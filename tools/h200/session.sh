@@ -157,6 +157,17 @@ ab_runs() { # PATTERN VAR "values" model label [bench args...]
         done
     done
 }
+# `ferrite check --device cuda --filter FILTER` under the switch setting VAR=V, logged whole to
+# $OUT/LOG, its last TAIL lines (default 6) shown.
+check_under() { # VAR=V filter log [tail]
+    env "$1" $F check --device cuda --filter "$2" 2>&1 | tee "$OUT/$3" | tail -"${4:-6}"
+}
+# The 512-row `check --perf` lines of the cases matching FILTER under VAR=V, on one line.
+perf512() { # VAR=V filter
+    env "$1" $F check --device cuda --perf --filter "$2" 2>&1 | grep -E "rows=512" | tr -s ' '
+}
+# The grouped 16-bit Q, K, V case at Qwen3-8B's shapes (cat, lt).
+F16_QKV512="f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first"
 # tg128 (ab_switch) or pp512 with the prefill/decode gate of `gate_tokens` tokens (ab_pp, 16
 # generated tokens) in that A/B.
 ab_switch() { # VAR "values" model label [bench args...]
@@ -357,19 +368,19 @@ for stage in "$@"; do
             FERRITE_MMW_TA_CAT=$v $F check --device cuda --filter " x2 rows=" 2>&1 | grep -E "f16|cases in|FAIL" | tee "$OUT/check-cat$v.log" | tail -4
         done
         for v in 0 1; do
-            echo "FERRITE_MMW_TA_CAT=$v: $(FERRITE_MMW_TA_CAT=$v $F check --device cuda --perf --filter "f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first" 2>&1 | grep -E "rows=512" | tr -s ' ')"
+            echo "FERRITE_MMW_TA_CAT=$v: $(perf512 FERRITE_MMW_TA_CAT=$v "$F16_QKV512")"
         done
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_MMW_TA_CAT "0 1" "$f" "qwen3-8b F16"
         rm -f "$f"
         ;;
     lt)
-        FERRITE_CUBLASLT=3 $F check --device cuda --filter "f16" 2>&1 | tee "$OUT/check-lt3.log" | tail -6
-        echo "group: $(FERRITE_CUBLASLT=0 $F check --device cuda --perf --filter "f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first" 2>&1 | grep -E "rows=512" | tr -s ' ')"
-        echo "group LT=2: $(FERRITE_CUBLASLT=2 $F check --device cuda --perf --filter "f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first" 2>&1 | grep -E "rows=512" | tr -s ' ')"
+        check_under FERRITE_CUBLASLT=3 "f16" check-lt3.log
+        echo "group: $(perf512 FERRITE_CUBLASLT=0 "$F16_QKV512")"
+        echo "group LT=2: $(perf512 FERRITE_CUBLASLT=2 "$F16_QKV512")"
         for shape in "4096->4096" "12288->4096" "4096->1024"; do
             for v in 0 1; do
-                echo "LT=$v: $(FERRITE_CUBLASLT=$v $F check --device cuda --perf --filter "matmul f16 $shape rows=512" 2>&1 | grep -E "rows=512" | tr -s ' ')"
+                echo "LT=$v: $(perf512 FERRITE_CUBLASLT=$v "matmul f16 $shape rows=512")"
             done
         done
         f=$(synth qwen3-8b F16 | tail -1)
@@ -377,7 +388,7 @@ for stage in "$@"; do
         rm -f "$f"
         ;;
     f16ab)
-        FERRITE_CUBLASLT=3 $F check --device cuda --filter "f16" 2>&1 | tee "$OUT/check-lt3.log" | tail -4
+        check_under FERRITE_CUBLASLT=3 "f16" check-lt3.log 4
         f=$(synth qwen3-8b F16 | tail -1)
         for v in "0 0 0" "0 1 3" "1 1 1" "0 0 0"; do
             read -r c x l <<<"$v"
@@ -385,11 +396,11 @@ for stage in "$@"; do
                 $F bench --model "$f" --reps 2 --gen-tokens 8 --gate-tokens 32 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
         done
         rm -f "$f"
-        FERRITE_MMW_TA_CAT=1 $F check --device cuda --filter " x2 rows=" 2>&1 | tee "$OUT/check-cat1.log" | tail -4
-        FERRITE_ATTN_X16=1 $F check --device cuda --filter "attention+o" 2>&1 | tee "$OUT/check-attnx16.log" | tail -4
+        check_under FERRITE_MMW_TA_CAT=1 " x2 rows=" check-cat1.log 4
+        check_under FERRITE_ATTN_X16=1 "attention+o" check-attnx16.log 4
         ;;
     attnx16)
-        FERRITE_ATTN_X16=1 $F check --device cuda --filter "attention+o" 2>&1 | tee "$OUT/check-attnx16.log" | tail -6
+        check_under FERRITE_ATTN_X16=1 "attention+o" check-attnx16.log
         for q in Q4_K_M F16; do
             f=$(synth qwen3-8b $q | tail -1)
             ab_pp FERRITE_ATTN_X16 "0 1" "$f" "qwen3-8b $q"
