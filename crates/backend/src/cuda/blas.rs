@@ -300,7 +300,7 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
         let (alpha, beta) = (1.0f32, 0.0f32);
         // A GEMM writes an activation as a kernel would: counted as a launch, so that a
         // 16-bit x handed over before it is not taken for one handed over after it.
-        super::launch::note_copy();
+        super::launch::note_write();
         // SAFETY: the plan's layouts describe these buffers (checked above: the weight holds
         // n_out · n_in 16-bit values, x rows · kp, out rows · n_out floats); the workspace is
         // WORKSPACE_BYTES, the preference's bound; the stream is the backend's one stream.

@@ -86,7 +86,8 @@ fn driver_config(
     }
 }
 
-/// The number of kernel launches (and activation copies, [`note_copy`]) issued so far.
+/// The number of kernel launches (and other writes into activations, [`note_write`]) issued so
+/// far.
 pub fn launch_count() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
 }
@@ -94,7 +95,7 @@ pub fn launch_count() -> u64 {
 /// Counts a write into an activation by anything but our kernels (a device-to-device copy, a
 /// cuBLASLt GEMM: blas.rs) as a launch: it may overwrite a producer's output just as a kernel
 /// could.
-pub fn note_copy() {
+pub fn note_write() {
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
 }
 

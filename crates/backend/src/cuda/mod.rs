@@ -783,7 +783,7 @@ impl Backend for CudaBackend {
         crate::check_copy_rows(x, start, out)?;
         let n = out.len();
         let src = x.buf.slice(start * x.cols..start * x.cols + n);
-        launch::note_copy();
+        launch::note_write();
         self.stream.memcpy_dtod(&src, &mut out.buf.slice_mut(..n))?;
         Ok(())
     }
@@ -795,7 +795,7 @@ impl Backend for CudaBackend {
         out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
         crate::check_gather_rows(x, rows, out)?;
-        launch::note_copy();
+        launch::note_write();
         let c = x.cols;
         for (i, &r) in rows.iter().enumerate() {
             let src = x.buf.slice(r * c..(r + 1) * c);
