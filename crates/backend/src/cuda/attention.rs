@@ -116,14 +116,14 @@ const TC2_MAX_HEAD_DIM: usize = 128;
 /// `attn_prefill_tc2_<hd>` (two key groups).
 type TcPrefill = (CudaFunction, usize);
 
-/// `FERRITE_ATTN_X16` (read once; default 0 until it has run on a GPU): 1 has a contiguous f16
+/// `FERRITE_ATTN_X16` (read once; default 1, MATMUL.md round 99): 1 has a contiguous f16
 /// cache's prefill on the two-group kernel also write its output as the o-projection's 16-bit
 /// x (`attn_prefill_tc2_<hd>_x{bf16,f16}`, into the prefill matmuls' x scratch, matmul.rs
 /// `xb_for_producer`), which then skips its conversion launch, as the norms' hand-over does
 /// for Q, K, V and gate/up (MATMUL.md round 99).
 fn attn_x16() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_X16", 0) != 0)
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_X16", 1) != 0)
 }
 
 /// Dynamic shared memory of `attn_prefill_tc[_q8]_<hd>` (TcShape::SMEM in attention.cu): q as

@@ -1,5 +1,5 @@
-//! cuBLASLt for the dense prefill GEMMs of 16-bit weights (`FERRITE_CUBLASLT`, off by default
-//! until measured; MATMUL.md round 101).
+//! cuBLASLt for the dense prefill GEMMs of 16-bit weights (`FERRITE_CUBLASLT`; the o-projection
+//! and the down by default, Q, K, V stay on mmw's concatenated tile; MATMUL.md round 101).
 //!
 //! DESIGN.md allows cuBLASLt for dense bf16/f16 prefill GEMMs and nothing else: decode, the
 //! quantized matmuls, attention, norms, MoE and the delta rule stay ours. The case for it is
@@ -48,12 +48,17 @@ const MAX_PLANS: usize = 1024;
 /// call, in bytes: 16, the widest vector load cuBLASLt's kernels take.
 const ALIGN: u64 = 16;
 
-/// `FERRITE_CUBLASLT` (read once; default 0), a bit mask: bit 0 the single 16-bit prefill
+/// `FERRITE_CUBLASLT` (read once; default 1), a bit mask: bit 0 the single 16-bit prefill
 /// matmuls on cuBLASLt (the o-projection, the down after the fused SwiGLU), bit 1 the grouped
 /// ones (Q, K, V: one GEMM a weight). 0 leaves every one on mmw.
+///
+/// The default is bit 0 alone (MATMUL.md round 101, H100, Qwen3-8B F16 pp512): with Q, K, V on
+/// the concatenated tile (`FERRITE_MMW_TA_CAT=1`) the o-projection and the down on cuBLASLt
+/// gained 0.8–0.9% in four pairs; Q, K, V as three cuBLASLt GEMMs (bit 1) gained nothing
+/// against mmw's grouped launch and lose to the concatenated tile.
 pub(crate) fn mode() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| super::switches::int_or("FERRITE_CUBLASLT", 0))
+    *MODE.get_or_init(|| super::switches::int_or("FERRITE_CUBLASLT", 1))
 }
 
 /// A GEMM's shape: what its descriptors and its algorithm depend on.
@@ -191,17 +196,21 @@ impl Drop for Lt {
 
 impl Lt {
     /// The handle and workspace when [`mode`] asks for cuBLASLt; `None` when it does not, or
-    /// (with a warning) when the library is not installed or does not start: mmw then runs
-    /// every prefill GEMM.
+    /// when the library is not installed or does not start: mmw then runs every prefill GEMM.
+    /// Its absence is a warning only where `FERRITE_CUBLASLT` was set by hand (the default's
+    /// gain is under 1%, not worth alarming a user whose CUDA install lacks the library).
     pub fn new(stream: &Arc<CudaStream>) -> Result<Option<Self>> {
         if mode() == 0 {
             return Ok(None);
         }
         // SAFETY: only probes for the shared library.
         if !unsafe { sys::is_culib_present() } {
-            tracing::warn!(
-                "FERRITE_CUBLASLT is set but libcublasLt was not found: prefill GEMMs stay on mmw"
-            );
+            let msg = "libcublasLt was not found: the 16-bit prefill GEMMs stay on mmw";
+            if std::env::var_os("FERRITE_CUBLASLT").is_some() {
+                tracing::warn!("FERRITE_CUBLASLT is set but {msg}");
+            } else {
+                tracing::debug!("{msg}");
+            }
             return Ok(None);
         }
         stream.context().bind_to_thread()?;
@@ -243,9 +252,9 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
     t16: GgmlType,
 ) -> Result<bool> {
     let bit = if ws.len() == 1 { 1 } else { 2 };
-    let Some(ltx) = be.blas.as_ref().filter(|_| mode() & bit != 0) else {
+    if mode() & bit == 0 {
         return Ok(false);
-    };
+    }
     let aligned = |p: u64| p.is_multiple_of(ALIGN);
     let (xp, _gx) = xb.device_ptr(&be.stream);
     let applies = matches!(t16, GgmlType::F16 | GgmlType::BF16)
@@ -275,6 +284,17 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
     {
         return Ok(false);
     }
+    // Made here, at the first GEMM that takes it (never under capture: the workspace is an
+    // allocation). One that cannot start leaves this backend's prefill GEMMs on mmw.
+    let made = be.blas.get_or_init(|| {
+        Lt::new(&be.stream).unwrap_or_else(|e| {
+            tracing::warn!("cuBLASLt did not start ({e:#}): the 16-bit prefill GEMMs stay on mmw");
+            None
+        })
+    });
+    let Some(ltx) = made.as_ref() else {
+        return Ok(false);
+    };
     let mut plans = ltx
         .plans
         .lock()

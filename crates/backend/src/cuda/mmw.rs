@@ -157,12 +157,13 @@ fn ta_ks() -> usize {
     })
 }
 
-/// `FERRITE_MMW_TA_CAT` (read once; default 0 until measured): the 192-output tile over the
-/// grouped weights' rows one after another ([`cat_tile`]): 1 where it takes fewer waves than
-/// the K-split wide tile, 2 wherever it applies (a check setting), 0 never.
+/// `FERRITE_MMW_TA_CAT` (read once; default 1): the 192-output tile over the grouped weights'
+/// rows one after another ([`cat_tile`]): 1 where it takes fewer waves than the K-split wide
+/// tile, 2 wherever it applies (a check setting), 0 never. On the H100 (MATMUL.md round 100,
+/// 59th session) 1 took Qwen3-8B F16 pp512 from ~34,700 to ~35,800 tok/s.
 fn ta_cat() -> i64 {
     static MODE: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_CAT", 0))
+    *MODE.get_or_init(|| super::switches::int_or("FERRITE_MMW_TA_CAT", 1))
 }
 
 /// The concatenated tile (`mmw_ta_<type>_ck`, mmw.cu MMW_CAT_*; MATMUL.md round 100): 192

@@ -142,8 +142,9 @@ pub struct CudaBackend {
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
     /// cuBLASLt for the 16-bit weights' dense prefill GEMMs, where `FERRITE_CUBLASLT` asks
-    /// for it and the library is present ([`blas`]).
-    pub blas: Option<blas::Lt>,
+    /// for it and the library is present ([`blas`]); made at the first such GEMM, so that a
+    /// model without 16-bit weights never loads the library or holds its workspace.
+    pub blas: std::sync::OnceLock<Option<blas::Lt>>,
     /// How many bytes of stacked experts may still go to VRAM ([`ops::upload_experts`]).
     pub expert_budget: ops::ExpertBudget,
 }
@@ -388,9 +389,8 @@ impl CudaBackend {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
         let device_name = ctx.name()?;
-        let blas = blas::Lt::new(&stream)?;
         Ok(CudaBackend {
-            blas,
+            blas: std::sync::OnceLock::new(),
             ops: ops::Kernels::load(&ctx, arch)?,
             matmul: matmul::Kernels::load(&ctx, arch)?,
             mmq: mmq::Kernels::load(&ctx, arch)?,

@@ -117,12 +117,12 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_CUBLASLT",
         Accepts::OneOf(&[0, 1, 2, 3]),
-        "cuBLASLt for the 16-bit weights' dense prefill GEMMs, a bit mask: bit 0 the single ones (the o-projection, the down after the fused SwiGLU), bit 1 the grouped ones (Q, K, V, one GEMM a weight); 0 (default until measured) every one on mmw; without libcublasLt, mmw with a warning (cuda/blas.rs, MATMUL.md round 101)",
+        "cuBLASLt for the 16-bit weights' dense prefill GEMMs, a bit mask: bit 0 the single ones (the o-projection, the down after the fused SwiGLU), bit 1 the grouped ones (Q, K, V, one GEMM a weight); 1 (default) bit 0 alone, 0 every one on mmw; without libcublasLt, mmw (with a warning where set by hand) (cuda/blas.rs, MATMUL.md round 101)",
     ),
     (
         "FERRITE_MMW_TA_CAT",
         Accepts::OneOf(&[0, 1, 2]),
-        "wgmma prefill, with FERRITE_MMW_TA_KS=2: 1 the TA form's K-split launches of weights whose outputs are all multiples of 64 (Q, K, V) on a 192-output tile over their rows one after another (mmw_ta_*_ck: two warpgroups of m64n256 + m64n128, K split in a cluster of two) where that takes fewer waves than the 128-output wide tile (Qwen3-8B's Q, K, V at 512 rows: one wave of 128 blocks instead of 192 blocks), 2 wherever it applies (a check setting), 0 (default until measured) never (MATMUL.md round 100)",
+        "wgmma prefill, with FERRITE_MMW_TA_KS=2: 1 the TA form's K-split launches of weights whose outputs are all multiples of 64 (Q, K, V) on a 192-output tile over their rows one after another (mmw_ta_*_ck: two warpgroups of m64n256 + m64n128, K split in a cluster of two) where that takes fewer waves than the 128-output wide tile (Qwen3-8B's Q, K, V at 512 rows: one wave of 128 blocks instead of 192 blocks), the default, 2 wherever it applies (a check setting), 0 never (MATMUL.md round 100)",
     ),
     (
         "FERRITE_MMW_HX",
@@ -302,7 +302,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_ATTN_X16",
         Accepts::OneOf(&[0, 1]),
-        "prefill attention on the two-group kernel: 1 also writes its output as the o-projection's 16-bit x, which then skips its conversion launch (MATMUL.md round 99), 0 (default until measured) the conversion launch",
+        "prefill attention on the two-group kernel: 1 (default) also writes its output as the o-projection's 16-bit x, which then skips its conversion launch (MATMUL.md round 99), 0 the conversion launch",
     ),
     (
         "FERRITE_ATTN_TC2",
