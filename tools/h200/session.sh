@@ -30,19 +30,19 @@
 #   tshift   a dense launch's last token tile read inside x's tensor map (FERRITE_MMW_TSHIFT, on by
 #            default; MATMUL.md round 93; the off form's CUBIN: `FERRITE_MMW_TSHIFT=0
 #            tools/h200/kernel_cache.sh mmw`): pp300 of Qwen3-8B Q4_K_M and F16 off / on, two rounds
-#   attnx16  the prefill attention writing the o-projection's 16-bit x (FERRITE_ATTN_X16, off by
-#            default until measured; MATMUL.md round 99; the same CUBIN serves both values): its
-#            attention+o check cases under 1, then Qwen3-8B Q4_K_M and F16 pp512 off / on, two
-#            rounds; with 1 the default after that, `session.sh check` under it
+#   attnx16  the prefill attention writing the o-projection's 16-bit x (FERRITE_ATTN_X16, on by
+#            default since the 59th session; MATMUL.md round 99; the same CUBIN serves both
+#            values): its attention+o check cases under 1, then Qwen3-8B Q4_K_M and F16 pp512
+#            off / on, two rounds
 #   cat      the concatenated 192-output tile for Q, K, V of 16-bit weights (FERRITE_MMW_TA_CAT,
-#            off by default until measured; MATMUL.md round 100): the grouped 16-bit matmul
+#            on by default since the 59th session; MATMUL.md round 100): the grouped 16-bit matmul
 #            checks under 1 and 2, check --perf of the 512-row ones under 0 and 1, then Qwen3-8B
 #            F16 pp512 off / on, two rounds
-#   lt       the 16-bit prefill GEMMs on cuBLASLt (FERRITE_CUBLASLT, off by default until measured;
-#            MATMUL.md round 101; no CUBIN of its own): the f16/bf16 checks under 3, check --perf of
-#            the 512-row Q, K, V group, O, down and K/V shapes under 0 and 1/2, then Qwen3-8B F16
-#            pp512 under 0, 1, 3 in turn, two rounds
-#   f16ab    rounds 99-101 together in one short call (for a call with little device time): the
+#   lt       the 16-bit prefill GEMMs on cuBLASLt (FERRITE_CUBLASLT, 1 by default since the 59th
+#            session; MATMUL.md round 101; no CUBIN of its own): the f16/bf16 checks under 3, then
+#            Qwen3-8B F16 pp512 under 0, 1, 3 in turn, two rounds
+#   f16ab    rounds 99-101 together in one short call (the 59th session's first; all three on by
+#            default since, so (1,1,1) is the default and (0,0,0) all three off): the
 #            f16 checks under FERRITE_CUBLASLT=3 first, then Qwen3-8B F16 pp512 under (CAT, X16,
 #            LT) = (0,0,0), (0,1,3), (1,1,1), (0,0,0) once each, then the checks under
 #            FERRITE_MMW_TA_CAT=1 and FERRITE_ATTN_X16=1; `lt cat attnx16` are the full stages
@@ -375,14 +375,9 @@ for stage in "$@"; do
         rm -f "$f"
         ;;
     lt)
+        # No check --perf here: it times each case inside a captured graph, where cuBLASLt never
+        # runs (blas.rs), so its lines would be mmw's under every value.
         check_under FERRITE_CUBLASLT=3 "f16" check-lt3.log
-        echo "group: $(perf512 FERRITE_CUBLASLT=0 "$F16_QKV512")"
-        echo "group LT=2: $(perf512 FERRITE_CUBLASLT=2 "$F16_QKV512")"
-        for shape in "4096->4096" "12288->4096" "4096->1024"; do
-            for v in 0 1; do
-                echo "LT=$v: $(perf512 FERRITE_CUBLASLT=$v "matmul f16 $shape rows=512")"
-            done
-        done
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
         rm -f "$f"
