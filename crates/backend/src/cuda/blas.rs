@@ -172,11 +172,12 @@ impl Plan {
     }
 }
 
-/// A cuBLASLt handle, its workspace and the plans made so far.
+/// A cuBLASLt handle, its workspace and the plans made so far (`None`: a shape whose plan could
+/// not be made, left to mmw).
 pub struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    plans: Mutex<HashMap<Shape, Plan>>,
+    plans: Mutex<HashMap<Shape, Option<Plan>>>,
 }
 
 // SAFETY: the handle, the workspace and the plans' descriptors are used only under `plans`'
@@ -299,20 +300,44 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
         .plans
         .lock()
         .map_err(|_| anyhow!("cuBLASLt plans: lock poisoned"))?;
-    for (w, out) in ws.iter().zip(outs.iter_mut()) {
-        let s = Shape {
+    let shapes: Vec<Shape> = ws
+        .iter()
+        .map(|w| Shape {
             bf16: t16 == GgmlType::BF16,
             n_out: w.shape[0],
             n_in: w.shape[1],
             rows,
             kp,
-        };
+        })
+        .collect();
+    // Every plan before any GEMM, so that a shape cuBLASLt cannot plan leaves the whole call
+    // to mmw (with one warning a shape) rather than failing the prefill, now that it is on by
+    // default.
+    for &s in &shapes {
         if plans.len() >= MAX_PLANS && !plans.contains_key(&s) {
             plans.clear();
         }
-        let plan = match plans.entry(s) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(Plan::new(ltx.handle, s)?),
+        if let std::collections::hash_map::Entry::Vacant(e) = plans.entry(s) {
+            e.insert(Plan::new(ltx.handle, s).map_or_else(
+                |err| {
+                    tracing::warn!("no cuBLASLt plan for {s:?} ({err:#}): it stays on mmw");
+                    None
+                },
+                Some,
+            ));
+        }
+    }
+    if shapes
+        .iter()
+        .any(|s| plans.get(s).is_none_or(|p| p.is_none()))
+    {
+        return Ok(false);
+    }
+    for ((w, out), s) in ws.iter().zip(outs.iter_mut()).zip(&shapes) {
+        let Some(Some(plan)) = plans.get(s) else {
+            return Err(anyhow!(
+                "cuBLASLt plan for {s:?} missing after it was checked"
+            ));
         };
         let (wp, _gw) = w.data.device_ptr(&be.stream);
         let (op, _go) = out.buf.device_ptr_mut(&be.stream);
