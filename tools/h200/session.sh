@@ -39,8 +39,9 @@
 #            checks under 1 and 2, check --perf of the 512-row ones under 0 and 1, then Qwen3-8B
 #            F16 pp512 off / on, two rounds
 #   lt       the 16-bit prefill GEMMs on cuBLASLt (FERRITE_CUBLASLT, 1 by default since the 59th
-#            session; MATMUL.md round 101; no CUBIN of its own): the f16/bf16 checks under 3, then
-#            Qwen3-8B F16 pp512 under 0, 1, 3 in turn, two rounds
+#            session; MATMUL.md round 101; no CUBIN of its own): the f16/bf16 checks under 3,
+#            check --perf --eager of the 512-row O, down, K/V shapes under 0 / 1 and the Q, K, V
+#            group under 0 / 2, then Qwen3-8B F16 pp512 under 0, 1, 3 in turn, two rounds
 #   f16ab    rounds 99-101 together in one short call (the 59th session's first; all three on by
 #            default since, so (1,1,1) is the default and (0,0,0) all three off): the
 #            f16 checks under FERRITE_CUBLASLT=3 first, then Qwen3-8B F16 pp512 under (CAT, X16,
@@ -162,9 +163,10 @@ ab_runs() { # PATTERN VAR "values" model label [bench args...]
 check_under() { # VAR=V filter log [tail]
     env "$1" $F check --device cuda --filter "$2" 2>&1 | tee "$OUT/$3" | tail -"${4:-6}"
 }
-# The 512-row `check --perf` lines of the cases matching FILTER under VAR=V, on one line.
-perf512() { # VAR=V filter
-    env "$1" $F check --device cuda --perf --filter "$2" 2>&1 | grep -E "rows=512" | tr -s ' '
+# The 512-row `check --perf` lines of the cases matching FILTER under VAR=V, on one line;
+# further arguments go to check (--eager: launches back to back, no graph).
+perf512() { # VAR=V filter [check args...]
+    env "$1" $F check --device cuda --perf --filter "$2" "${@:3}" 2>&1 | grep -E "rows=512" | tr -s ' '
 }
 # The grouped 16-bit Q, K, V case at Qwen3-8B's shapes (cat, lt).
 F16_QKV512="f16 f16 f16: 4096 + 4096->1024 x2 rows=512 (checked: the first"
@@ -375,9 +377,16 @@ for stage in "$@"; do
         rm -f "$f"
         ;;
     lt)
-        # No check --perf here: it times each case inside a captured graph, where cuBLASLt never
-        # runs (blas.rs), so its lines would be mmw's under every value.
+        # check --perf --eager: a graph-captured timing would be mmw's under every value
+        # (cuBLASLt never runs under capture, blas.rs); eager times include launch overhead.
         check_under FERRITE_CUBLASLT=3 "f16" check-lt3.log
+        for shape in "4096->4096" "12288->4096" "4096->1024"; do
+            for v in 0 1; do
+                echo "LT=$v: $(perf512 FERRITE_CUBLASLT=$v "matmul f16 $shape rows=512" --eager)"
+            done
+        done
+        echo "group LT=0: $(perf512 FERRITE_CUBLASLT=0 "$F16_QKV512" --eager)"
+        echo "group LT=2: $(perf512 FERRITE_CUBLASLT=2 "$F16_QKV512" --eager)"
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
         rm -f "$f"

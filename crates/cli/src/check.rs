@@ -180,6 +180,11 @@ pub struct CheckArgs {
     /// Also time each case on the backend under test: µs, GB/s, % of the copy bandwidth.
     #[arg(long)]
     pub perf: bool,
+    /// With --perf: time launches back to back instead of replaying a captured graph. A path
+    /// that never runs under capture (cuBLASLt's prefill GEMMs) is only timed this way; the
+    /// times then include the host's launch overhead.
+    #[arg(long, requires = "perf")]
+    pub eager: bool,
     /// Run only the cases whose name contains this text.
     #[arg(long)]
     pub filter: Option<String>,
@@ -4536,25 +4541,35 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
 }
 
 /// Median µs per op: warm-up, then 5 batches of `reps` runs, each closed by a device
-/// synchronisation (a 1-element read back). Where the backend has graphs the `reps` runs are
-/// captured once and the batches replay that graph: the time is then what the op costs
-/// inside a captured decode step (no host launch overhead, only the device's gaps between
-/// kernels). Otherwise the runs are launched back to back.
-fn time_case<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>, reps: usize) -> Result<f64> {
+/// synchronisation (a 1-element read back). Where the backend has graphs and `eager` is false
+/// the `reps` runs are captured once and the batches replay that graph: the time is then what
+/// the op costs inside a captured decode step (no host launch overhead, only the device's gaps
+/// between kernels). Otherwise the runs are launched back to back, as a prefill's are.
+fn time_case<B: Backend>(
+    be: &B,
+    op: &Op,
+    p: &mut Prepared<B>,
+    reps: usize,
+    eager: bool,
+) -> Result<f64> {
     let tiny = be.from_host(&[0.0], 1, 1)?;
     for _ in 0..3 {
         exec(be, op, p)?;
     }
     be.to_host(&tiny)?;
     let reps = reps.max(1);
-    let graph = be.capture(&mut || {
-        for _ in 0..reps {
-            exec(be, op, p)?;
-        }
-        Ok(())
-    });
-    // Not capturable: time eager launches.
-    let graph = graph.unwrap_or_default();
+    // Not capturable, or not asked for: time eager launches.
+    let graph = if eager {
+        None
+    } else {
+        be.capture(&mut || {
+            for _ in 0..reps {
+                exec(be, op, p)?;
+            }
+            Ok(())
+        })
+        .unwrap_or_default()
+    };
     let mut per = Vec::new();
     for _ in 0..5 {
         let t0 = Instant::now();
@@ -4706,7 +4721,7 @@ fn check_case<B: Backend>(
         _ => bail!("output kinds differ"),
     };
     if args.perf && !matches!(c.op, Op::Graph { .. }) {
-        let us = time_case(be, &c.op, &mut p, args.reps)?;
+        let us = time_case(be, &c.op, &mut p, args.reps, args.eager)?;
         let gbs = bytes_moved(be, &c.op, &h) / (us * 1e-6) / 1e9;
         text += &format!(
             "  {us:>10.1} µs {gbs:>8.1} GB/s {:>5.1}%",

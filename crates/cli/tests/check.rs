@@ -46,3 +46,30 @@ fn check_filter_and_perf() {
         "{stdout}"
     );
 }
+
+/// `--eager` times the same cases by launches back to back (no graph): the same lines, and
+/// it is refused without --perf.
+#[test]
+fn check_perf_eager() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_ferrite"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "check", "--device", "cpu", "--quick", "--filter", "swiglu", "--perf", "--eager", "--reps",
+        "2",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains(" OK")).collect();
+    assert!(!lines.is_empty(), "{stdout}");
+    assert!(
+        lines.iter().all(|l| l.contains("µs") && l.contains("GB/s")),
+        "{stdout}"
+    );
+    let out = run(&["check", "--device", "cpu", "--quick", "--eager"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--perf"));
+}
