@@ -196,18 +196,16 @@ impl Drop for Lt {
 }
 
 impl Lt {
-    /// The handle and workspace when [`mode`] asks for cuBLASLt; `None` when it does not, or
-    /// when the library is not installed or does not start: mmw then runs every prefill GEMM.
-    /// Its absence is a warning only where `FERRITE_CUBLASLT` was set by hand (the default's
-    /// gain is under 1%, not worth alarming a user whose CUDA install lacks the library).
-    pub fn new(stream: &Arc<CudaStream>) -> Result<Option<Self>> {
-        if mode() == 0 {
-            return Ok(None);
-        }
+    /// The handle and workspace (made by [`gemms`] at the first GEMM that takes them); `None`
+    /// when the library is not installed, an error when it does not start: mmw then runs every
+    /// prefill GEMM. Its absence is a warning only where `FERRITE_CUBLASLT` was set by hand
+    /// (the default's gain is under 1%, not worth alarming a user whose CUDA install lacks the
+    /// library).
+    fn new(stream: &Arc<CudaStream>) -> Result<Option<Self>> {
         // SAFETY: only probes for the shared library.
         if !unsafe { sys::is_culib_present() } {
             let msg = "libcublasLt was not found: the 16-bit prefill GEMMs stay on mmw";
-            if std::env::var_os("FERRITE_CUBLASLT").is_some() {
+            if matches!(super::switches::get("FERRITE_CUBLASLT"), Ok(Some(_))) {
                 tracing::warn!("FERRITE_CUBLASLT is set but {msg}");
             } else {
                 tracing::debug!("{msg}");
@@ -215,13 +213,7 @@ impl Lt {
             return Ok(None);
         }
         stream.context().bind_to_thread()?;
-        let handle = match lt::create_handle() {
-            Ok(h) => h,
-            Err(e) => {
-                tracing::warn!("cuBLASLt did not start ({e:?}): prefill GEMMs stay on mmw");
-                return Ok(None);
-            }
-        };
+        let handle = lt::create_handle().map_err(cublas("handle"))?;
         let workspace = match stream.alloc_zeros::<u8>(WORKSPACE_BYTES) {
             Ok(w) => w,
             Err(e) => {
@@ -327,18 +319,14 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
             ));
         }
     }
-    if shapes
+    let Some(chosen) = shapes
         .iter()
-        .any(|s| plans.get(s).is_none_or(|p| p.is_none()))
-    {
+        .map(|s| plans.get(s).and_then(Option::as_ref))
+        .collect::<Option<Vec<&Plan>>>()
+    else {
         return Ok(false);
-    }
-    for ((w, out), s) in ws.iter().zip(outs.iter_mut()).zip(&shapes) {
-        let Some(Some(plan)) = plans.get(s) else {
-            return Err(anyhow!(
-                "cuBLASLt plan for {s:?} missing after it was checked"
-            ));
-        };
+    };
+    for ((w, out), plan) in ws.iter().zip(outs.iter_mut()).zip(chosen) {
         let (wp, _gw) = w.data.device_ptr(&be.stream);
         let (op, _go) = out.buf.device_ptr_mut(&be.stream);
         let (wsp, _gws) = ltx.workspace.device_ptr(&be.stream);
