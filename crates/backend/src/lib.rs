@@ -639,6 +639,35 @@ pub trait Backend: Send + Sync {
         self.matmul_swiglu(x, gate, up, gu, act)?;
         self.matmul(act, down, out)
     }
+    /// [`Backend::swiglu_mlp`] added to the residual: `res += down · SwiGLU(x)`, `out` scratch
+    /// (the composition: `swiglu_mlp` into `out`, then [`Backend::add_assign`]). A backend whose
+    /// down adds in its GEMM's epilogue ([`Backend::adds_in_epilogue`]) writes no `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_mlp_add(
+        &self,
+        x: &Act<Self::Buf>,
+        gate: &Self::Weight,
+        up: &Self::Weight,
+        down: &Self::Weight,
+        gu: (&mut Act<Self::Buf>, &mut Act<Self::Buf>),
+        act: &mut Act<Self::Buf>,
+        res: &mut Act<Self::Buf>,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.swiglu_mlp(x, gate, up, down, gu, act, out)?;
+        self.add_assign(res, out)
+    }
+    /// Whether [`Backend::matmul_add`] of `w` on `rows` rows (and [`Backend::swiglu_mlp_add`]
+    /// with `w` as its down) adds the residual in the projection's own epilogue, so that a
+    /// decoder does better with it and a plain RMSNorm after ([`Backend::rms_norm_for`]) than
+    /// with the projection and an add + RMSNorm (CUDA: 16-bit weights at prefill rows on
+    /// cuBLASLt, where the f32 output is no longer written and read back). The sum is the same
+    /// f32 addition either way; the projection's own summation order may differ from its plain
+    /// call's (another GEMM algorithm), within the matmul's tolerance. The CPU backend: never.
+    fn adds_in_epilogue(&self, w: &Self::Weight, rows: usize) -> bool {
+        let _ = (w, rows);
+        false
+    }
     /// Whether [`Backend::rms_norm_matmuls`] and [`Backend::rms_norm_matmul_swiglu`] on
     /// `rows` rows of every one of `ws` defer the RMSNorm into the projection (no norm
     /// launch: `rms_norm(x) · n · W = s · ((x ⊙ n) · W)` with `s = 1 / rms(x)` per row,
@@ -653,7 +682,8 @@ pub trait Backend: Send + Sync {
 
     /// `out += x · wᵀ`: a projection added to the residual stream in its own epilogue.
     /// `y` is scratch for the projection (a backend that adds in the kernel leaves it
-    /// untouched). Equals `matmul(x, w, y)` followed by `add_assign(out, y)` bitwise.
+    /// untouched). Equals `matmul(x, w, y)` followed by `add_assign(out, y)` bitwise, but
+    /// where [`Backend::adds_in_epilogue`] (there the projection's sums within its tolerance).
     fn matmul_add(
         &self,
         x: &Act<Self::Buf>,
@@ -759,6 +789,37 @@ pub trait Backend: Send + Sync {
         step: &StepInput<Self::IBuf>,
         rope: &Rope,
     ) -> Result<()>;
+    /// [`Backend::add_rms_norm`] whose `h` is read next only as the x of one call of
+    /// [`Backend::matmuls`], [`Backend::matmul_swiglu`] or [`Backend::swiglu_mlp`] (or `_add`)
+    /// of the weights `readers` on x's rows, and written again before anything else reads it. A
+    /// backend whose matmuls there read a 16-bit copy of x that the norm writes may leave h's
+    /// f32 rows unwritten (CUDA at prefill rows: a third of the launch's bytes). The values the
+    /// readers compute are the same.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_for(
+        &self,
+        x: &mut Act<Self::Buf>,
+        y: &Act<Self::Buf>,
+        w: &Self::Weight,
+        eps: f32,
+        h: &mut Act<Self::Buf>,
+        readers: &[&Self::Weight],
+    ) -> Result<()> {
+        let _ = readers;
+        self.add_rms_norm(x, y, w, eps, h)
+    }
+    /// [`Backend::rms_norm`] with `out` read next as [`Backend::add_rms_norm_for`]'s `h` is.
+    fn rms_norm_for(
+        &self,
+        x: &Act<Self::Buf>,
+        w: &Self::Weight,
+        eps: f32,
+        out: &mut Act<Self::Buf>,
+        readers: &[&Self::Weight],
+    ) -> Result<()> {
+        let _ = readers;
+        self.rms_norm(x, w, eps, out)
+    }
     /// The residual add fused with the next RMSNorm: `x += y`, then `h = x / rms(x) * w`
     /// row by row. Equals [`Backend::add_assign`] followed by [`Backend::rms_norm`] (the
     /// CPU backend bitwise).

@@ -1541,6 +1541,12 @@ pub fn cases(quick: bool) -> Vec<Case> {
             (GgmlType::F16, 1),
             (GgmlType::Q8_0, 1),
             (GgmlType::Q8_0, 9),
+            // Prefill rows: 16-bit weights add in the o-projection's cuBLASLt epilogue and a
+            // plain norm hands h to the gate/up as their 16-bit x alone (its f32 rows
+            // unwritten); Q4_K the add + norm handing over the same way.
+            (GgmlType::F16, 300),
+            (GgmlType::BF16, 300),
+            (GgmlType::Q4K, 300),
         ] {
             add(Op::AddNormSwiglu {
                 ty,
@@ -3615,8 +3621,22 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             };
             let x = out2(&mut p.out2)?;
             let norm = (&p.w[0], EPS);
-            be.matmul_add_for_norm(att, &p.w[3], x, y, norm)?;
-            be.rms_norm_matmul_swiglu(x, norm, &p.w[1], &p.w[2], (g, u), &mut p.out, h)
+            let (wo, gu) = (&p.w[3], [&p.w[1], &p.w[2]]);
+            if be.defers_rms_norm_after(wo, &gu, att.rows) {
+                be.matmul_add_for_norm(att, wo, x, y, norm)?;
+                return be.rms_norm_matmul_swiglu(x, norm, gu[0], gu[1], (g, u), &mut p.out, h);
+            }
+            // As the decoder's dense layer where the o-projection does not hand the norm over:
+            // the add in its epilogue and a plain norm, or the add + norm; the gate and up alone
+            // read h (poisoned, as above).
+            if be.adds_in_epilogue(wo, att.rows) {
+                be.matmul_add(att, wo, x, y)?;
+                be.rms_norm_for(x, norm.0, EPS, h, &gu)?;
+            } else {
+                be.matmul(att, wo, y)?;
+                be.add_rms_norm_for(x, y, norm.0, EPS, h, &gu)?;
+            }
+            be.matmul_swiglu(h, gu[0], gu[1], (g, u), &mut p.out)
         }
         Op::AddNormMatmuls { .. } => {
             let [_, y, h, act] = &mut p.a[..] else {
@@ -3636,8 +3656,16 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                 be.matmul_add_for_norm(act, wd, x, y, norm)?;
                 return be.rms_norm_matmuls(x, norm, &ws, &mut outs, h);
             }
-            be.matmul(act, wd, y)?;
-            be.add_rms_norm(x, y, norm.0, EPS, h)?;
+            // As the decoder: the add in the down's epilogue and a plain norm where the backend
+            // has one, else the add + norm; either norm told that Q, K, V alone read h (h is
+            // poisoned: a reader of its f32 rows where the norm left them unwritten shows).
+            if be.adds_in_epilogue(wd, act.rows) {
+                be.matmul_add(act, wd, x, y)?;
+                be.rms_norm_for(x, norm.0, EPS, h, &ws)?;
+            } else {
+                be.matmul(act, wd, y)?;
+                be.add_rms_norm_for(x, y, norm.0, EPS, h, &ws)?;
+            }
             be.matmuls(h, &ws, &mut outs)
         }
         Op::Rope { head_dim, rope, .. } => be.rope(&mut p.out, *head_dim, &p.step, rope),
@@ -3982,6 +4010,9 @@ fn run_once<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<(Output, Prepar
     if let Op::MatmulAdd { .. } = op {
         matmul_add_same_as_composition(be, op, h, &mut p)?;
     }
+    if let Op::MatmulSwiglu { down: true, .. } = op {
+        swiglu_mlp_add_same_as_composition(be, op, h, &p)?;
+    }
     if let Op::AddNormSwiglu { .. } = op {
         add_for_norm_same_as_matmul_add(be, op, h, &mut p)?;
     }
@@ -4105,6 +4136,41 @@ fn matmul_add_same_as_composition<B: Backend>(
         &be.to_host(&p.out)?,
         &be.to_host(&q.out)?,
         "matmul_add: out differs from matmul + add_assign's",
+    )
+}
+
+/// `swiglu_mlp_add` (the down added to a residual; CUDA at prefill rows of 16-bit weights: in
+/// cuBLASLt's epilogue, β = 1) against the op's own `swiglu_mlp` output added to that residual
+/// by `add_assign`: bitwise equal (the same GEMM algorithm, its output added once in f32).
+fn swiglu_mlp_add_same_as_composition<B: Backend>(
+    be: &B,
+    op: &Op,
+    h: &HostData,
+    p: &Prepared<B>,
+) -> Result<()> {
+    let &Op::MatmulSwiglu { n_in, rows, .. } = op else {
+        bail!("swiglu_mlp_add: not a swiglu_mlp case")
+    };
+    let res0: Vec<f32> = (0..rows * n_in)
+        .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
+        .collect();
+    let mut want = be.from_host(&res0, rows, n_in)?;
+    let mut got = be.from_host(&res0, rows, n_in)?;
+    let mut y = be.from_host(&vec![f32::NAN; rows * n_in], rows, n_in)?;
+    let mut q = twin(be, op, h)?;
+    {
+        let [x, g, u, a] = &mut q.a[..] else {
+            bail!("swiglu_mlp: expected 4 activations")
+        };
+        be.swiglu_mlp_add(x, &q.w[0], &q.w[1], &q.w[2], (g, u), a, &mut got, &mut y)?;
+    }
+    let mut done = be.zeros(rows, n_in)?;
+    be.copy_rows(&p.out, 0, &mut done)?;
+    be.add_assign(&mut want, &done)?;
+    ensure_same_bits(
+        &be.to_host(&got)?,
+        &be.to_host(&want)?,
+        "swiglu_mlp_add: the residual differs from swiglu_mlp + add_assign's",
     )
 }
 

@@ -697,7 +697,9 @@ impl<B: Backend> Model<B> {
         // projections before them, so no norm or add runs on its own.
         let defer = self.defers_norms(be, t);
         if !defer {
-            be.rms_norm(x, first_norm, cfg.rms_eps, h)?;
+            // Read next only by the first layer's Q, K, V ([`Backend::rms_norm_for`]).
+            let readers = self.qkv_readers(0);
+            be.rms_norm_for(x, first_norm, cfg.rms_eps, h, &readers)?;
         }
         // Whether the previous layer's down projection handed this layer's attention norm
         // over to its Q, K, V ([`Backend::matmul_add_for_norm`]) instead of writing h.
@@ -752,6 +754,39 @@ impl<B: Backend> Model<B> {
                     continue;
                 }
                 be.matmul(act, wd, y)?;
+            } else if let Ffn::Dense {
+                gate: wg,
+                up: wu,
+                down: wd,
+            } = &l.ffn
+            {
+                // x += o(att), h = rms_norm(x) · ffn_norm: the add in the projection's epilogue
+                // where the backend has one ([`Backend::adds_in_epilogue`]), else with the
+                // norm. h is read next by the gate and up alone ([`Backend::add_rms_norm_for`]).
+                let (fnorm, eps) = norm;
+                if be.adds_in_epilogue(&l.wo, t) {
+                    be.matmul_add(att, &l.wo, x, y)?;
+                    be.rms_norm_for(x, fnorm, eps, h, &[wg, wu])?;
+                } else {
+                    be.matmul(att, &l.wo, y)?;
+                    be.add_rms_norm_for(x, y, fnorm, eps, h, &[wg, wu])?;
+                }
+                // x += down(SwiGLU(h)), h = the next layer's attention input (read by its Q,
+                // K, V alone) or the output norm's result.
+                let next_norm = self
+                    .layers
+                    .get(il + 1)
+                    .map_or(&self.out_norm, |n| &n.attn_norm);
+                let readers = self.qkv_readers(il + 1);
+                if be.adds_in_epilogue(wd, t) {
+                    be.swiglu_mlp_add(h, wg, wu, wd, (&mut *gate, &mut *up), act, x, y)?;
+                    be.rms_norm_for(x, next_norm, eps, h, &readers)?;
+                } else {
+                    be.swiglu_mlp(h, wg, wu, wd, (&mut *gate, &mut *up), act, y)?;
+                    be.add_rms_norm_for(x, y, next_norm, eps, h, &readers)?;
+                }
+                handed = false;
+                continue;
             } else {
                 be.matmul(att, &l.wo, y)?;
 
@@ -787,6 +822,14 @@ impl<B: Backend> Model<B> {
             be.rms_norm(x, &self.out_norm, cfg.rms_eps, h)?;
         }
         self.output_logits(be, ws, which)
+    }
+
+    /// The weights that read layer `il`'s attention input h: its Q, K, V (none past the last
+    /// layer, where h is the output norm's result).
+    fn qkv_readers(&self, il: usize) -> Vec<&B::Weight> {
+        self.layers
+            .get(il)
+            .map_or_else(Vec::new, |l| vec![&l.wq, &l.wk, &l.wv])
     }
 
     /// Whether a step of `rows` rows runs with the RMSNorms deferred into the projections

@@ -1230,7 +1230,7 @@ fn attention_impl(
         // · head_dim) (xb_for_producer).
         unsafe { launch.launch(cfg) }?;
         if let Some(xb) = &x16 {
-            xb.record(be, &out.buf, rows, n_heads * head_dim);
+            xb.record(be, &out.buf, rows, n_heads * head_dim, false);
         }
         return Ok(true);
     }

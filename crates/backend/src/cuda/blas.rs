@@ -14,7 +14,8 @@
 //! the weight as `[n_out, n_in]` rows; they write `y[rows, n_out]` f32. In cuBLASLt's
 //! column-major terms: D (`n_out` × `rows`, ld `n_out`) = op(A) · B with A the weight read as
 //! an `n_in` × `n_out` matrix (ld `n_in`) transposed, B the x rows as `n_in` × `rows` (ld
-//! `kp`); f32 accumulation (`CUBLAS_COMPUTE_32F`) and f32 D, no C (β = 0). The same products
+//! `kp`); f32 accumulation (`CUBLAS_COMPUTE_32F`) and f32 D, C only where the residual is
+//! added in the epilogue (β = 1, C = D in place: `gemms`' `accumulate`). The same products
 //! as mmw's kernels, summed in cuBLAS's order: the check's NMSE bound and the argmax gate are
 //! what hold it to the CPU reference, as they hold mmw.
 //!
@@ -155,7 +156,7 @@ impl Plan {
                     let size = std::mem::size_of_val(&a);
                     lt::set_matmul_pref_attribute(pref, attr, (&a) as *const _ as *const _, size)?;
                 }
-                // C is D's layout (β = 0: never read).
+                // C is D's layout (read where β = 1, in place: gemms' `accumulate`).
                 lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
             }
         })();
@@ -230,7 +231,9 @@ impl Lt {
     }
 }
 
-/// `outs[i] = x · ws[i]ᵀ` by cuBLASLt, one GEMM a weight, for x in `xb` (`rows` 16-bit rows of
+/// `outs[i] = x · ws[i]ᵀ` (with `accumulate`, `outs[i] += x · ws[i]ᵀ`: β = 1 and C = D, the
+/// residual added in cuBLASLt's epilogue, MATMUL.md round 102) by cuBLASLt, one GEMM a weight,
+/// for x in `xb` (`rows` 16-bit rows of
 /// `kp` elements, the type of `t16`) where [`mode`] takes this group (a single weight under
 /// bit 0, a group under bit 1), every weight is `t16` in device memory, every operand is
 /// [`ALIGN`]ed, every buffer holds its shape and the stream is not capturing. `Ok(false)`,
@@ -243,6 +246,7 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
     ws: &[&CudaWeight],
     outs: &mut [&mut Act<CudaSlice<f32>>],
     t16: GgmlType,
+    accumulate: bool,
 ) -> Result<bool> {
     let bit = if ws.len() == 1 { 1 } else { 2 };
     if mode() & bit == 0 {
@@ -330,7 +334,9 @@ pub(crate) fn gemms<X: DevicePtr<u16>>(
         let (wp, _gw) = w.data.device_ptr(&be.stream);
         let (op, _go) = out.buf.device_ptr_mut(&be.stream);
         let (wsp, _gws) = ltx.workspace.device_ptr(&be.stream);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        // β = 1: D = acc + C in f32, C = D in place (the same layout, which cuBLASLt requires
+        // of an in-place C) — the sum add_rms_norm would form of this output and the residual.
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         // A GEMM writes an activation as a kernel would: counted as a launch, so that a
         // 16-bit x handed over before it is not taken for one handed over after it.
         super::launch::note_write();

@@ -258,9 +258,12 @@ pub(crate) enum X16 {
 /// 16-bit rows into the scratch as the conversion would (ops.rs add_rms_norm); only the next
 /// launch's conversion of that x, in that form, is then skipped. `last`: the form of the last
 /// conversion, the one a producer writes (a model's prefill matmuls all take one form).
+/// `f32_missing`: the producer left x's f32 rows unwritten (its readers all take the 16-bit
+/// ones: ops.rs `x16_only`), so a conversion of that x instead of the hand-over is an error.
 #[derive(Default)]
 struct XbState {
     src: Option<(u64, usize, usize, u64, X16)>,
+    f32_missing: bool,
     last: Option<X16>,
 }
 
@@ -289,13 +292,29 @@ impl XbProducer<'_> {
             .ok_or_else(|| anyhow!("matmul: x scratch missing"))
     }
 
-    /// Records that the launch just issued wrote `x`'s 16-bit rows. (A poisoned state lock
-    /// records nothing: the consumer then converts, as without the hand-over.)
-    pub(crate) fn record(&self, be: &CudaBackend, x: &CudaSlice<f32>, rows: usize, cols: usize) {
+    /// Records that the launch just issued wrote `x`'s 16-bit rows, and whether it left x's
+    /// f32 rows unwritten (`f32_missing`). (A poisoned state lock records nothing: the consumer
+    /// then converts, as without the hand-over; a producer that leaves the f32 rows unwritten
+    /// checks the record first, [`XbProducer::recordable`].)
+    pub(crate) fn record(
+        &self,
+        be: &CudaBackend,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        f32_missing: bool,
+    ) {
         let (ptr, _g) = x.device_ptr(&be.stream);
         if let Ok(mut st) = be.matmul.xb_state.lock() {
             st.src = Some((ptr, rows, cols, super::launch::launch_count(), self.kind));
+            st.f32_missing = f32_missing;
         }
+    }
+
+    /// Whether [`XbProducer::record`] can record (the state lock is not poisoned): a producer
+    /// may leave x's f32 rows unwritten only where it can.
+    pub(crate) fn recordable(&self, be: &CudaBackend) -> bool {
+        be.matmul.xb_state.lock().is_ok()
     }
 }
 
@@ -3538,7 +3557,18 @@ pub(crate) fn with_scratch_rows<R>(
         let mut st = lock_xb_state(be)?;
         st.last = Some(kind);
         let (ptr, _g) = x.device_ptr(&be.stream);
-        st.src.take() == Some((ptr, rows, n_in, super::launch::launch_count(), kind)) && !grown
+        let src = st.src.take();
+        let missing = std::mem::take(&mut st.f32_missing);
+        let handed =
+            src == Some((ptr, rows, n_in, super::launch::launch_count(), kind)) && !grown;
+        // A producer that left this x's f32 rows unwritten promised that its readers take the
+        // hand-over (ops.rs `x16_only`): converting them instead would read stale floats.
+        ensure!(
+            handed || !missing || src.is_none_or(|s| s.0 != ptr),
+            "matmul: x [{rows}, {n_in}] was handed over as 16-bit rows only, but this launch \
+             cannot take them (an internal error: ops.rs x16_only and this path disagree)"
+        );
+        handed
     };
     if handed {
         return f(xb, kp);

@@ -963,6 +963,33 @@ fn with_x<R>(
     }
 }
 
+/// The 16-bit x form in which the prefill matmuls of `ws` on `rows` rows read x, where every one
+/// of them takes it from the 16-bit scratch on this path (no exact int8 prefill, a kernel for
+/// each weight): f16 where all are F16 weights on the TA form ([`with_x`]), bf16 otherwise. A
+/// norm whose readers are these matmuls alone may then write only that x (ops.rs
+/// `x16_only`). `None` where any weight goes elsewhere (mmq.rs, matmul.rs's GEMVs, a
+/// weight no kernel here takes). [`matmuls`], [`matmul_swiglu`] and [`swiglu_mlp`] choose
+/// their form as here; matmul.rs `with_scratch_rows` errors if one does not take the
+/// hand-over after all.
+pub(crate) fn x16_readers(
+    be: &CudaBackend,
+    ws: &[&CudaWeight],
+    rows: usize,
+) -> Option<super::matmul::X16> {
+    if ws.is_empty()
+        || ws
+            .iter()
+            .any(|w| super::mmq::takes(be, w, rows) || kernel_index(be, w, rows).is_none())
+    {
+        return None;
+    }
+    let ta = ta_index(be, ws[0]).filter(|&t| ws.iter().all(|w| ta_index(be, w) == Some(t)));
+    Some(match (ta, &be.mmw.x_f16) {
+        (Some(t), Some(_)) if TA_TYPES[t].0 == GgmlType::F16 => super::matmul::X16::F16,
+        _ => super::matmul::X16::Bf16,
+    })
+}
+
 /// Whether a matmul takes the 64 × 256 tile: more than 128 rows (a 256-token tile at least
 /// half full) and a 128 × 128 grid that fills at least half the SMs (the smaller grids keep
 /// more blocks with the 128-output tiles).
@@ -999,7 +1026,7 @@ pub fn matmuls(
     with_x(be, x, ta, |xb, kp| {
         if let Some(t) = ta {
             for (wg, og) in ws.chunks(3).zip(outs.chunks_mut(3)) {
-                if !super::blas::gemms(be, xb, kp, x.rows, wg, og, TA_TYPES[t].0)? {
+                if !super::blas::gemms(be, xb, kp, x.rows, wg, og, TA_TYPES[t].0, false)? {
                     launch(be, xb, kp, x.rows, wg, &be.mmw.ta[t].0, og, Some(t))?;
                 }
             }
@@ -1067,6 +1094,11 @@ pub fn matmul_swiglu(
 /// down reads them there. Per Qwen3-8B F16 layer at 512 rows that is 24 MB of f32 written and
 /// read and 12 MB of f16 written by a launch of its own, against 12 MB written by the gate/up
 /// (MATMUL.md round 96). `Ok(false)`, nothing done, where it does not apply.
+///
+/// With `residual`, the down's output is added to it instead (`residual += down · h`, `out`
+/// scratch): in cuBLASLt's epilogue where it takes the down ([`adds_in_epilogue`]), else
+/// mmw's launch into `out` and an `add_assign`.
+#[allow(clippy::too_many_arguments)]
 pub fn swiglu_mlp(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -1075,6 +1107,7 @@ pub fn swiglu_mlp(
     down: &CudaWeight,
     act: &mut Act<CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
+    residual: Option<&mut Act<CudaSlice<f32>>>,
 ) -> Result<bool> {
     if !hx() {
         return Ok(false);
@@ -1093,20 +1126,78 @@ pub fn swiglu_mlp(
     // act while the down reads it (one stream).
     let hb = unsafe { act.buf.transmute::<u16>(rows * n_ff) }
         .context("mmw: 16-bit view of the SwiGLU output")?;
-    if super::blas::gemms(be, &hb, n_ff, rows, &[down], &mut [out], TA_TYPES[td].0)? {
-        return Ok(true);
-    }
-    launch(
-        be,
-        &hb,
-        n_ff,
-        rows,
-        &[down],
-        &be.mmw.ta[td].0,
-        &mut [out],
-        Some(td),
-    )?;
+    down_launch(be, &hb, n_ff, rows, down, td, out, residual)?;
     Ok(true)
+}
+
+/// `out = x · wᵀ` for one TA-form weight (`td` its index in [`TA_TYPES`]) on x in the 16-bit
+/// scratch `xb`: cuBLASLt where it takes it, else mmw's launch. With `residual`, `residual +=
+/// x · wᵀ` instead (`out` scratch): cuBLASLt's epilogue adds it, or mmw writes `out` and an
+/// `add_assign` adds it.
+#[allow(clippy::too_many_arguments)]
+fn down_launch<X: DevicePtr<u16>>(
+    be: &CudaBackend,
+    xb: &X,
+    kp: usize,
+    rows: usize,
+    w: &CudaWeight,
+    td: usize,
+    out: &mut Act<CudaSlice<f32>>,
+    residual: Option<&mut Act<CudaSlice<f32>>>,
+) -> Result<()> {
+    let t16 = TA_TYPES[td].0;
+    if let Some(res) = residual {
+        if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *res], t16, true)? {
+            return Ok(());
+        }
+        launch(be, xb, kp, rows, &[w], &be.mmw.ta[td].0, &mut [&mut *out], Some(td))?;
+        return super::ops::add_assign(be, res, out);
+    }
+    if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *out], t16, false)? {
+        return Ok(());
+    }
+    launch(be, xb, kp, rows, &[w], &be.mmw.ta[td].0, &mut [out], Some(td))
+}
+
+/// `out += x · wᵀ` at prefill rows for a 16-bit weight on the TA form (`y` scratch): the residual
+/// added in cuBLASLt's epilogue ([`down_launch`]). `Ok(false)`, nothing done, where this path
+/// does not take `w` (the caller composes matmul and add).
+pub fn matmul_add(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    w: &CudaWeight,
+    out: &mut Act<CudaSlice<f32>>,
+    y: &mut Act<CudaSlice<f32>>,
+) -> Result<bool> {
+    if !adds_in_epilogue(be, w, x.rows) {
+        return Ok(false);
+    }
+    let Some(t) = ta_index(be, w) else {
+        return Ok(false);
+    };
+    crate::check_matmul(x, &w.shape, out)?;
+    crate::check_matmul(x, &w.shape, y)?;
+    check_weight(w)?;
+    with_x(be, x, Some(t), |xb, kp| {
+        down_launch(be, xb, kp, x.rows, w, t, y, Some(out))
+    })?;
+    Ok(true)
+}
+
+/// Whether a prefill projection of `w` on `rows` rows that adds to the residual can add it in
+/// cuBLASLt's epilogue (a 16-bit weight on the TA form, single 16-bit GEMMs on cuBLASLt:
+/// `FERRITE_CUBLASLT` bit 0, and `FERRITE_LT_ADD`, on by default): the decoder then runs
+/// [`matmul_add`] / the down with a residual and a plain RMSNorm after, instead of the
+/// projection and an add + RMSNorm (MATMUL.md round 102). A call cuBLASLt turns down after all
+/// still adds, by mmw and `add_assign`.
+pub(crate) fn adds_in_epilogue(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_LT_ADD", 1) != 0)
+        && super::blas::mode() & 1 != 0
+        && matches!(w.dtype, GgmlType::F16 | GgmlType::BF16)
+        && !super::mmq::takes(be, w, rows)
+        && kernel_index(be, w, rows).is_some()
+        && ta_index(be, w).is_some()
 }
 
 /// [`matmul_swiglu`]; with `h16` (an index in [`TA_TYPES`]: the TA form of that type, or

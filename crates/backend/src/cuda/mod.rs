@@ -613,7 +613,19 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        ops::rms_norm(self, x, w, eps, out)
+        ops::rms_norm(self, x, w, eps, out, None)
+    }
+
+    fn rms_norm_for(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        eps: f32,
+        out: &mut Act<CudaSlice<f32>>,
+        readers: &[&CudaWeight],
+    ) -> Result<()> {
+        let form = mmw::x16_readers(self, readers, x.rows);
+        ops::rms_norm(self, x, w, eps, out, form)
     }
 
     fn head_rms_norm(
@@ -661,7 +673,7 @@ impl Backend for CudaBackend {
         out: &mut Act<CudaSlice<f32>>,
         y: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        if matmul::matmul_add(self, x, w, out)? {
+        if matmul::matmul_add(self, x, w, out)? || mmw::matmul_add(self, x, w, out, y)? {
             return Ok(());
         }
         self.matmul(x, w, y)?;
@@ -767,11 +779,33 @@ impl Backend for CudaBackend {
         // A prefill on the TA form (16-bit weights): the gate/up launch writes the down's
         // 16-bit x itself (mmw.rs swiglu_mlp). Exact prefill (mmq.rs) takes quantized weights
         // only, so it never meets this path.
-        if mmw::swiglu_mlp(self, x, gate, up, down, act, out)? {
+        if mmw::swiglu_mlp(self, x, gate, up, down, act, out, None)? {
             return Ok(());
         }
         self.matmul_swiglu(x, gate, up, gu, act)?;
         self.matmul(act, down, out)
+    }
+
+    fn swiglu_mlp_add(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        gate: &CudaWeight,
+        up: &CudaWeight,
+        down: &CudaWeight,
+        gu: (&mut Act<CudaSlice<f32>>, &mut Act<CudaSlice<f32>>),
+        act: &mut Act<CudaSlice<f32>>,
+        res: &mut Act<CudaSlice<f32>>,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        if mmw::swiglu_mlp(self, x, gate, up, down, act, out, Some(&mut *res))? {
+            return Ok(());
+        }
+        self.matmul_swiglu(x, gate, up, gu, act)?;
+        self.matmul_add(act, down, res, out)
+    }
+
+    fn adds_in_epilogue(&self, w: &CudaWeight, rows: usize) -> bool {
+        mmw::adds_in_epilogue(self, w, rows)
     }
 
     fn copy_rows(
@@ -836,7 +870,20 @@ impl Backend for CudaBackend {
         eps: f32,
         h: &mut Act<CudaSlice<f32>>,
     ) -> Result<()> {
-        ops::add_rms_norm(self, x, y, w, eps, h)
+        ops::add_rms_norm(self, x, y, w, eps, h, None)
+    }
+
+    fn add_rms_norm_for(
+        &self,
+        x: &mut Act<CudaSlice<f32>>,
+        y: &Act<CudaSlice<f32>>,
+        w: &CudaWeight,
+        eps: f32,
+        h: &mut Act<CudaSlice<f32>>,
+        readers: &[&CudaWeight],
+    ) -> Result<()> {
+        let form = mmw::x16_readers(self, readers, x.rows);
+        ops::add_rms_norm(self, x, y, w, eps, h, form)
     }
 
     fn add_rms_norm_matmul(

@@ -30,6 +30,9 @@ pub struct Kernels {
     /// `add_rms_norm_v4_xbf16`, `add_rms_norm_v4_xf16`: it also writing h as a prefill's
     /// 16-bit x ([`add_rms_norm`], `FERRITE_NORM_X16`).
     add_rms_norm_v4_x16: [CudaFunction; 2],
+    /// `rms_norm_v4_xbf16`, `rms_norm_v4_xf16`: the same hand-over from a norm with no add
+    /// (after a projection that added the residual in its epilogue: [`rms_norm`]).
+    rms_norm_v4_x16: [CudaFunction; 2],
     add_rms_norm_gemv_f32: CudaFunction,
     argmax_rows_mb: CudaFunction,
     /// `argmax_feed`: one row's argmax_rows_mb, its last block feeding the token to the next
@@ -62,6 +65,10 @@ impl Kernels {
             add_rms_norm_v4_x16: [
                 function(&m, "add_rms_norm_v4_xbf16")?,
                 function(&m, "add_rms_norm_v4_xf16")?,
+            ],
+            rms_norm_v4_x16: [
+                function(&m, "rms_norm_v4_xbf16")?,
+                function(&m, "rms_norm_v4_xf16")?,
             ],
             // The form that loads its router weights before its PDL wait (FERRITE_ROUTER_PRE=0:
             // after the norm, from L2).
@@ -311,12 +318,16 @@ pub fn embed(
     Ok(())
 }
 
-pub fn rms_norm(
+/// `out = rms_norm(x) · w`. With `readers` (the form in which every reader of `out` takes a
+/// prefill's 16-bit x, [`x16_only`]) the norm hands `out` over to them as that x
+/// (`rms_norm_v4_x16`), and leaves its f32 rows unwritten.
+pub(crate) fn rms_norm(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
     w: &CudaWeight,
     eps: f32,
     out: &mut Act<CudaSlice<f32>>,
+    readers: Option<super::matmul::X16>,
 ) -> Result<()> {
     check_shape("rms_norm out", out, x.rows, x.cols)?;
     if x.rows == 0 {
@@ -324,7 +335,27 @@ pub fn rms_norm(
     }
     let wv = f32_vec(w, x.cols)?;
     let cols = x.cols as i32;
-    if let Some(threads) = norm_v4_threads(be, w, x.cols) {
+    let v4 = norm_v4_threads(be, w, x.cols);
+    if let (Some(threads), Some(mut xb)) = (v4, x16_only(be, x.rows, x.cols, readers)?) {
+        let mut launch =
+            be.stream
+                .kernel(&be.ops.rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)]);
+        launch
+            .arg(&x.buf)
+            .arg(&wv)
+            .arg(&0u64)
+            .arg(&cols)
+            .arg(&eps)
+            .arg(xb.buf()?);
+        // SAFETY: x is [rows, cols] (checked with out); one block per row of `threads` ≤ 1024
+        // covering cols / 4 chunks in ≤ NORM_NV rounds (norm_v4_threads: 16-byte aligned
+        // rows); out's f32 rows are not written (null); the 16-bit scratch holds rows × cols
+        // (xb_for_producer).
+        unsafe { launch.launch(norm_v4_config(x.rows, threads)) }?;
+        xb.record(be, &out.buf, x.rows, x.cols, true);
+        return Ok(());
+    }
+    if let Some(threads) = v4 {
         // The final norm feeds the lm head's quantized-x GEMV at decode: quantize there too.
         let mut fused = super::matmul::xq_for_producer(be, x.rows, x.cols)?;
         let mut launch = be.stream.kernel(&be.ops.rms_norm_v4);
@@ -473,13 +504,44 @@ fn add_rms_norm_threads(cols: usize) -> u32 {
     (cols.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
-pub fn add_rms_norm(
+/// The 16-bit scratch for a norm whose every reader takes a prefill's 16-bit x in the form
+/// `readers` (mmw.rs [`super::mmw::x16_readers`]): the norm writes that x and not its f32
+/// output. `None` (write the f32 output) unless the hand-over applies (`FERRITE_NORM_X16`,
+/// prefill rows, the scratch in that form: [`super::matmul::xb_for_producer`]) and can be
+/// recorded, or under `FERRITE_NORM_X16_ONLY=0`.
+pub(crate) fn x16_only(
+    be: &CudaBackend,
+    rows: usize,
+    cols: usize,
+    readers: Option<super::matmul::X16>,
+) -> Result<Option<super::matmul::XbProducer<'_>>> {
+    let Some(form) = readers else {
+        return Ok(None);
+    };
+    if !super::matmul::norm_x16() || !x16_only_on() {
+        return Ok(None);
+    }
+    Ok(super::matmul::xb_for_producer(be, rows, cols)?
+        .filter(|xb| xb.kind == form && xb.recordable(be)))
+}
+
+/// `FERRITE_NORM_X16_ONLY` (read once; default 1): a prefill norm whose readers all take its
+/// 16-bit hand-over leaves its f32 output unwritten ([`x16_only`]; MATMUL.md round 102).
+fn x16_only_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_NORM_X16_ONLY", 1) != 0)
+}
+
+/// `x += y`, `h = rms_norm(x) · w`; with `readers` as in [`rms_norm`] (h handed over as the
+/// readers' 16-bit x and its f32 rows left unwritten where [`x16_only`] applies).
+pub(crate) fn add_rms_norm(
     be: &CudaBackend,
     x: &mut Act<CudaSlice<f32>>,
     y: &Act<CudaSlice<f32>>,
     w: &CudaWeight,
     eps: f32,
     h: &mut Act<CudaSlice<f32>>,
+    readers: Option<super::matmul::X16>,
 ) -> Result<()> {
     crate::check_add_rms_norm(x, y, w.shape.iter().product(), h)?;
     if x.rows == 0 {
@@ -510,8 +572,16 @@ pub fn add_rms_norm(
     // A prefill's h read next by matmuls (their x converted to 16 bits, matmul.rs
     // `with_scratch_rows`): the v4 kernel's `_x16` form writes that 16-bit x too, recorded as
     // h's.
-    let mut x16 = match v4 {
-        Some(_) if super::matmul::norm_x16() => super::matmul::xb_for_producer(be, x.rows, x.cols)?,
+    let only = match v4 {
+        Some(_) => x16_only(be, x.rows, x.cols, readers)?,
+        None => None,
+    };
+    let h_written = only.is_none();
+    let mut x16 = match (v4, only) {
+        (_, Some(xb)) => Some(xb),
+        (Some(_), None) if super::matmul::norm_x16() => {
+            super::matmul::xb_for_producer(be, x.rows, x.cols)?
+        }
         _ => None,
     };
     let mut launch = be.stream.kernel(match (&x16, v4) {
@@ -521,27 +591,27 @@ pub fn add_rms_norm(
         (None, Some(_)) => &be.ops.add_rms_norm_v4,
         (None, None) => &be.ops.add_rms_norm,
     });
-    launch
-        .arg(&mut x.buf)
-        .arg(&y.buf)
-        .arg(&wv)
-        .arg(&mut h.buf)
-        .arg(&cols)
-        .arg(&eps);
+    launch.arg(&mut x.buf).arg(&y.buf).arg(&wv);
+    if h_written {
+        launch.arg(&mut h.buf);
+    } else {
+        launch.arg(&0u64);
+    }
+    launch.arg(&cols).arg(&eps);
     match x16.as_mut() {
         Some(xb) => {
             launch.arg(xb.buf()?);
         }
         None => xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut())),
     }
-    // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows);
-    // one block per row, at most 1024 threads (32 warps: the kernel's shared partials; the
+    // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows; h
+    // null, not written, where x16_only applies: the x16 kernels test it); one block per row, at most 1024 threads (32 warps: the kernel's shared partials; the
     // v4 kernel's chunks fit NORM_NV rounds and its rows are 16-byte aligned, see
     // norm_v4_threads); the int8 scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a
     // multiple of 32) elements, the 16-bit one rows × cols (xb_for_producer).
     unsafe { launch.launch(cfg) }?;
     if let Some(xb) = &x16 {
-        xb.record(be, &h.buf, x.rows, x.cols);
+        xb.record(be, &h.buf, x.rows, x.cols, !h_written);
     }
     if let Some(xq) = fused.as_mut().and_then(|g| g.as_mut()) {
         xq.record_producer(be, &h.buf, x.rows, x.cols);

@@ -180,6 +180,16 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill: 1 (default) the add + RMSNorm also writes h as the 16-bit x of the matmuls that read it next (Q, K, V; gate/up), which then skip their conversion launch (MATMUL.md round 98); 0 the conversion launch",
     ),
     (
+        "FERRITE_NORM_X16_ONLY",
+        Accepts::OneOf(&[0, 1]),
+        "prefill: 1 (default) a dense layer's RMSNorm whose readers all take its 16-bit hand-over (FERRITE_NORM_X16) leaves its f32 output unwritten (ops.rs x16_only, MATMUL.md round 102); 0 it writes both",
+    ),
+    (
+        "FERRITE_LT_ADD",
+        Accepts::OneOf(&[0, 1]),
+        "prefill of 16-bit weights: 1 (default) the o-projection and the down add the residual in cuBLASLt's epilogue (beta = 1) and a plain RMSNorm follows, where FERRITE_CUBLASLT takes them (mmw.rs adds_in_epilogue, MATMUL.md round 102); 0 their output goes to the add + RMSNorm",
+    ),
+    (
         "FERRITE_NORM_QKV",
         Accepts::OneOf(&[0, 2]),
         "one-row decode: the attention input's RMSNorm handed from the down projection to the grouped Q, K, V launch: 2 (default) by the K-split Q4_K tile's pair tickets (MATMUL.md round 42; the lane code's group tickets, round 43, lost), 0 off",

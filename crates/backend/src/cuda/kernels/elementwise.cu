@@ -489,7 +489,9 @@ __device__ __forceinline__ float norm_scale(float ss, float* partial, int cols, 
 // add_rms_norm (null: no quantization). X16 (a prefill's hand-over to the matmuls that read h
 // next, ops.rs add_rms_norm): h also as 16-bit rows of `cols` into xb, 1 bf16 (pack_bf16), 2 f16
 // (pack_f16_sat) — the rounding of the prefill's x conversion (mm_decode.cuh x_scratch16), so
-// the matmuls read the bits the conversion would have written.
+// the matmuls read the bits the conversion would have written. In the X16 forms h may be null:
+// every reader of h takes the 16-bit rows (ops.rs `x16_only`), and the f32 rows (a third of
+// the launch's bytes at a 4096-column prefill row after an add) are not written.
 template <bool ADD, int X16 = 0>
 __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* __restrict__ h, int cols,
@@ -537,7 +539,7 @@ __device__ __forceinline__ void norm_row_v4(float* __restrict__ x, const float* 
         const bool valid = c < chunks;
         const float o[4] = {(v[j].x * scale) * wv[j].x, (v[j].y * scale) * wv[j].y, (v[j].z * scale) * wv[j].z,
                             (v[j].w * scale) * wv[j].w};
-        if (valid) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
+        if (valid && (!X16 || h != nullptr)) hr[c] = make_float4(o[0], o[1], o[2], o[3]);
         if (X16 && valid)
             *reinterpret_cast<uint2*>(xb + r * cols + 4 * c) =
                 X16 == 2 ? make_uint2(pack_f16_sat(o[0], o[1]), pack_f16_sat(o[2], o[3]))
@@ -563,6 +565,17 @@ extern "C" __global__ void add_rms_norm_v4_xf16(float* __restrict__ x, const flo
                                                 const float* __restrict__ w, float* __restrict__ h, int cols,
                                                 float eps, uint16_t* __restrict__ xb) {
     norm_row_v4<true, 2>(x, y, w, h, cols, eps, nullptr, nullptr, xb);
+}
+
+// rms_norm_v4 handing h over to a prefill's matmuls as their bf16 / f16 x (X16 above): the
+// norm after a projection that added the residual in its own epilogue (ops.rs rms_norm).
+extern "C" __global__ void rms_norm_v4_xbf16(const float* __restrict__ x, const float* __restrict__ w,
+                                             float* __restrict__ out, int cols, float eps, uint16_t* __restrict__ xb) {
+    norm_row_v4<false, 1>(const_cast<float*>(x), nullptr, w, out, cols, eps, nullptr, nullptr, xb);
+}
+extern "C" __global__ void rms_norm_v4_xf16(const float* __restrict__ x, const float* __restrict__ w,
+                                            float* __restrict__ out, int cols, float eps, uint16_t* __restrict__ xb) {
+    norm_row_v4<false, 2>(const_cast<float*>(x), nullptr, w, out, cols, eps, nullptr, nullptr, xb);
 }
 
 extern "C" __global__ void rms_norm_v4(const float* __restrict__ x, const float* __restrict__ w,
