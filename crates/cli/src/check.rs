@@ -3622,7 +3622,9 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             let x = out2(&mut p.out2)?;
             let norm = (&p.w[0], EPS);
             let (wo, gu) = (&p.w[3], [&p.w[1], &p.w[2]]);
-            if be.defers_rms_norm_after(wo, &gu, att.rows) {
+            // The hand-over (quantized weights) or the deferred norm (float weights at decode
+            // rows): the pair as the decoder runs it then.
+            if be.defers_rms_norm_after(wo, &gu, att.rows) || be.defers_rms_norm(&gu, att.rows) {
                 be.matmul_add_for_norm(att, wo, x, y, norm)?;
                 return be.rms_norm_matmul_swiglu(x, norm, gu[0], gu[1], (g, u), &mut p.out, h);
             }
