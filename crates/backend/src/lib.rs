@@ -888,6 +888,40 @@ pub trait Backend: Send + Sync {
         qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
     }
 
+    /// [`Backend::attention`] whose `out` is read next only as the x of one [`Backend::matmul`]
+    /// or [`Backend::matmul_add`] of a weight in `readers` (the o-projection), as
+    /// [`Backend::add_rms_norm_for`]'s h is: a backend whose matmul there reads a 16-bit copy of
+    /// x that the attention writes may leave `out`'s f32 rows unwritten.
+    fn attention_for(
+        &self,
+        kv: &mut Self::Kv,
+        step: &StepInput<Self::IBuf>,
+        a: AttnArgs<'_, Self::Buf>,
+        out: &mut Act<Self::Buf>,
+        readers: &[&Self::Weight],
+    ) -> Result<()> {
+        let _ = readers;
+        self.attention(kv, step, a, out)
+    }
+
+    /// [`Backend::qk_norm_rope_attention`] whose `out` is read next only as the x of one
+    /// [`Backend::matmul`] or [`Backend::matmul_add`] of a weight in `readers` (the
+    /// o-projection), as [`Backend::attention_for`]'s.
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_attention_for(
+        &self,
+        kv: &mut Self::Kv,
+        qk: QkRope<'_, Self::Weight, Self::IBuf>,
+        qkv: QkvMut<'_, Self::Buf>,
+        layer: usize,
+        shape: AttnShape,
+        out: &mut Act<Self::Buf>,
+        readers: &[&Self::Weight],
+    ) -> Result<()> {
+        let _ = readers;
+        self.qk_norm_rope_attention(kv, qk, qkv, layer, shape, out)
+    }
+
     /// A KV cache for `n_layers` layers of `shape`, holding up to `capacity` positions.
     fn kv_new(&self, n_layers: usize, shape: AttnShape, capacity: usize) -> Result<Self::Kv>;
     /// As [`Backend::kv_new`], the cache in q8_0 blocks where the backend has them, whatever

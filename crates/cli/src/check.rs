@@ -497,12 +497,15 @@ enum Op {
     /// qd]` of type `ty`, qd = heads × head_dim), after a first matmul of the same weight on q
     /// (the Q, K, V projections' place: the prefill's 16-bit x form), as the decoder runs
     /// them: on CUDA the attention writes the projection's 16-bit x (`FERRITE_ATTN_X16`).
-    /// Checked: the projection's output.
+    /// Checked: the projection's output, and the attention's (out2) unless `o_only`: then the
+    /// attention is told that the projection alone reads its output (`attention_for`; CUDA may
+    /// leave its f32 rows unwritten, so they are scratch poisoned with NaN, not an output).
     AttnO {
         shape: AttnShape,
         pos0: usize,
         rows: usize,
         ty: GgmlType,
+        o_only: bool,
     },
     /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then one decode row of
     /// attention over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: one
@@ -858,11 +861,15 @@ fn describe(op: &Op) -> (&'static str, String) {
             pos0,
             rows,
             ty,
+            o_only,
         } => (
             "attention",
             format!(
-                "attention+o {ty:?} hd={} heads={}/kv{} rows={rows} pos0={pos0}",
-                shape.head_dim, shape.n_heads, shape.n_kv_heads
+                "attention+o {ty:?} hd={} heads={}/kv{} rows={rows} pos0={pos0}{}",
+                shape.head_dim,
+                shape.n_heads,
+                shape.n_kv_heads,
+                if *o_only { " o-only" } else { "" }
             ),
         ),
         Op::AttnRope { shape, pos0 } => (
@@ -1841,17 +1848,24 @@ pub fn cases(quick: bool) -> Vec<Case> {
             n_kv_heads: 2,
             head_dim: 128,
         };
-        for (ty, rows, pos0) in [
-            (GgmlType::F16, 64, 100),
-            (GgmlType::F16, 300, 0),
-            (GgmlType::BF16, 300, 0),
-            (GgmlType::Q4K, 300, 0),
+        // o-only: as the decoder runs it, the o-projection named as the output's only reader
+        // (its f32 rows may then be left unwritten).
+        for (ty, rows, pos0, o_only) in [
+            (GgmlType::F16, 64, 100, false),
+            (GgmlType::F16, 300, 0, false),
+            (GgmlType::BF16, 300, 0, false),
+            (GgmlType::Q4K, 300, 0, false),
+            (GgmlType::F16, 300, 0, true),
+            (GgmlType::BF16, 300, 0, true),
+            (GgmlType::Q4K, 300, 0, true),
+            (GgmlType::F16, 300, 100, true),
         ] {
             add(Op::AttnO {
                 shape,
                 pos0,
                 rows,
                 ty,
+                o_only,
             });
         }
     }
@@ -2959,11 +2973,15 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.out = (rows, qd);
             h.tokens = vec![0; rows];
             h.pos0 = pos0;
-            if let Op::AttnO { ty, .. } = *op {
-                // The o-projection, and the attention's output (out2).
+            if let Op::AttnO { ty, o_only, .. } = *op {
+                // The o-projection, and the attention's output (out2; o-only: a[3], scratch).
                 h.weights
                     .push((ty, vec![qd, qd], gen_weight(ty, &[qd, qd], seed ^ 0x0a77)?));
-                h.out2 = Some((rows, qd));
+                if o_only {
+                    h.acts.push((vec![f32::NAN; rows * qd], rows, qd));
+                } else {
+                    h.out2 = Some((rows, qd));
+                }
             }
             if let Op::AttnRope { .. } = *op {
                 // The q and k norm weights; q and k again (a[3], a[4]: the op rotates them in
@@ -3746,6 +3764,20 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             // AttnO: the projection before the attention (Q, K, V's place), into out: the
             // 16-bit x form the prefill's matmuls take; then the attention and its projection.
             be.matmul(&p.a[0], &p.w[0], &mut p.out)?;
+            if let Op::AttnO { o_only: true, .. } = op {
+                let [q, k, v, att] = &mut p.a[..] else {
+                    bail!("attention+o: expected 4 activations")
+                };
+                let args = AttnArgs {
+                    layer: 1,
+                    q: &*q,
+                    k: &*k,
+                    v: &*v,
+                    shape: *shape,
+                };
+                be.attention_for(kv, &p.step, args, att, &[&p.w[0]])?;
+                return be.matmul(att, &p.w[0], &mut p.out);
+            }
             let att = out2(&mut p.out2)?;
             be.attention(kv, &p.step, args, att)?;
             be.matmul(att, &p.w[0], &mut p.out)
@@ -4371,6 +4403,7 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
             pos0,
             rows,
             ty,
+            ..
         } => {
             let att = Op::Attention {
                 shape: *shape,

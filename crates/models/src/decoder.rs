@@ -729,7 +729,10 @@ impl<B: Backend> Model<B> {
                 step,
                 rope: &cfg.rope,
             };
-            be.qk_norm_rope_attention(kv, qk, (&mut *q, &mut *k, &*v), il, a, att)?;
+            // att is read next by the o-projection alone, where its 16-bit hand-over applies.
+            let o_reader = [&l.wo];
+            let readers: &[&B::Weight] = if defer { &[] } else { &o_reader };
+            be.qk_norm_rope_attention_for(kv, qk, (&mut *q, &mut *k, &*v), il, a, att, readers)?;
             let norm = (&l.ffn_norm, cfg.rms_eps);
             if defer {
                 // x += o(att), then the FFN with its norm deferred.

@@ -886,7 +886,22 @@ pub fn attention(
     a: AttnArgs<'_, CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    attention_impl(be, kv, step, a, out, None).map(|_| ())
+    attention_impl(be, kv, step, a, out, None, None).map(|_| ())
+}
+
+/// [`attention`] whose output is read next only as the x of matmuls that take it from the
+/// 16-bit scratch in the form `readers` (mmw.rs `x16_readers`: the o-projection): where the
+/// prefill kernel hands the output over in that form, its f32 rows are not written (ops.rs
+/// `x16_only`, `FERRITE_NORM_X16_ONLY`; MATMUL.md round 102).
+pub(crate) fn attention_for(
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    step: &StepInput<CudaSlice<i32>>,
+    a: AttnArgs<'_, CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+    readers: Option<super::matmul::X16>,
+) -> Result<()> {
+    attention_impl(be, kv, step, a, out, None, readers).map(|_| ())
 }
 
 /// [`Backend::qk_norm_rope`] then [`attention`] as one launch: the keys-before-the-wait
@@ -934,10 +949,11 @@ pub fn qk_norm_rope_attention(
     };
     // SAFETY (of the kernel's reads through `rope`): both norm weights hold 128 floats
     // (f32_vec), alive until the launch is enqueued (the guards above).
-    attention_impl(be, kv, qk.step, a, out, Some(rope))
+    attention_impl(be, kv, qk.step, a, out, Some(rope), None)
 }
 
-/// [`attention`]; with `rope`, only by the ROPE decode form, else `false` and nothing done.
+/// [`attention`]; with `rope`, only by the ROPE decode form, else `false` and nothing done;
+/// `readers` as in [`attention_for`].
 fn attention_impl(
     be: &CudaBackend,
     kv: &mut CudaKv,
@@ -945,6 +961,7 @@ fn attention_impl(
     a: AttnArgs<'_, CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
     rope: Option<AttnRope>,
+    readers: Option<super::matmul::X16>,
 ) -> Result<bool> {
     crate::check_attention(step, &a, out)?;
     if kv.paged.is_some() {
@@ -1198,9 +1215,17 @@ fn attention_impl(
                 tc.is_some_and(|(f, _)| std::ptr::eq(f, func))
             })
             .and_then(|i| be.attention.prefill_tc2_x16[i].as_ref());
-        let mut x16 = match x16_pair {
-            Some(_) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
+        // Where the o-projection alone reads the output, from the hand-over, the f32 rows are
+        // left unwritten (a null `out`; ops.rs x16_only).
+        let only = match x16_pair {
+            Some(_) => super::ops::x16_only(be, rows, n_heads * head_dim, readers)?,
             None => None,
+        };
+        let out_written = only.is_none();
+        let mut x16 = match (x16_pair, only) {
+            (_, Some(xb)) => Some(xb),
+            (Some(_), None) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
+            (None, None) => None,
         };
         let func = match (&x16, x16_pair) {
             (Some(xb), Some(pair)) => &pair[usize::from(xb.kind == super::matmul::X16::F16)],
@@ -1213,8 +1238,13 @@ fn attention_impl(
             .arg(&kv.v)
             .arg(&kv.k_scales)
             .arg(&kv.v_scales)
-            .arg(&step.positions)
-            .arg(&mut out.buf)
+            .arg(&step.positions);
+        if out_written {
+            launch.arg(&mut out.buf);
+        } else {
+            launch.arg(&0u64);
+        }
+        launch
             .arg(&layer_off)
             .arg(&rows_i)
             .arg(&n_heads_i)
@@ -1227,10 +1257,11 @@ fn attention_impl(
         // SAFETY: shapes checked above; each block writes only its own (row, head) outputs
         // (both kernels take the same arguments; the tc one ignores the q8_0 scales); the
         // `_x16` forms also the same elements of the 16-bit scratch, which holds rows × (n_heads
-        // · head_dim) (xb_for_producer).
+        // · head_dim) (xb_for_producer), and write no f32 output where it is null (only `_x16`
+        // forms get a null: `only` is one of their scratch grants).
         unsafe { launch.launch(cfg) }?;
         if let Some(xb) = &x16 {
-            xb.record(be, &out.buf, rows, n_heads * head_dim, false);
+            xb.record(be, &out.buf, rows, n_heads * head_dim, !out_written);
         }
         return Ok(true);
     }

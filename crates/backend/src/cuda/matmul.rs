@@ -3559,8 +3559,7 @@ pub(crate) fn with_scratch_rows<R>(
         let (ptr, _g) = x.device_ptr(&be.stream);
         let src = st.src.take();
         let missing = std::mem::take(&mut st.f32_missing);
-        let handed =
-            src == Some((ptr, rows, n_in, super::launch::launch_count(), kind)) && !grown;
+        let handed = src == Some((ptr, rows, n_in, super::launch::launch_count(), kind)) && !grown;
         // A producer that left this x's f32 rows unwritten promised that its readers take the
         // hand-over (ops.rs `x16_only`): converting them instead would read stale floats.
         ensure!(

@@ -1150,13 +1150,31 @@ fn down_launch<X: DevicePtr<u16>>(
         if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *res], t16, true)? {
             return Ok(());
         }
-        launch(be, xb, kp, rows, &[w], &be.mmw.ta[td].0, &mut [&mut *out], Some(td))?;
+        launch(
+            be,
+            xb,
+            kp,
+            rows,
+            &[w],
+            &be.mmw.ta[td].0,
+            &mut [&mut *out],
+            Some(td),
+        )?;
         return super::ops::add_assign(be, res, out);
     }
     if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *out], t16, false)? {
         return Ok(());
     }
-    launch(be, xb, kp, rows, &[w], &be.mmw.ta[td].0, &mut [out], Some(td))
+    launch(
+        be,
+        xb,
+        kp,
+        rows,
+        &[w],
+        &be.mmw.ta[td].0,
+        &mut [out],
+        Some(td),
+    )
 }
 
 /// `out += x · wᵀ` at prefill rows for a 16-bit weight on the TA form (`y` scratch): the residual

@@ -1055,6 +1055,18 @@ impl Backend for CudaBackend {
         attention::attention(self, kv, step, a, out)
     }
 
+    fn attention_for(
+        &self,
+        kv: &mut attention::CudaKv,
+        step: &StepInput<CudaSlice<i32>>,
+        a: AttnArgs<'_, CudaSlice<f32>>,
+        out: &mut Act<CudaSlice<f32>>,
+        readers: &[&CudaWeight],
+    ) -> Result<()> {
+        let form = mmw::x16_readers(self, readers, a.q.rows);
+        attention::attention_for(self, kv, step, a, out, form)
+    }
+
     fn qk_norm_rope_attention(
         &self,
         kv: &mut attention::CudaKv,
@@ -1075,6 +1087,40 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         crate::qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
+    }
+
+    fn qk_norm_rope_attention_for(
+        &self,
+        kv: &mut attention::CudaKv,
+        qk: crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
+        (q, k, v): crate::QkvMut<'_, CudaSlice<f32>>,
+        layer: usize,
+        shape: AttnShape,
+        out: &mut Act<CudaSlice<f32>>,
+        readers: &[&CudaWeight],
+    ) -> Result<()> {
+        // Only prefill rows hand the output over (x16_readers is None at decode rows).
+        let Some(form) = mmw::x16_readers(self, readers, q.rows) else {
+            return self.qk_norm_rope_attention(kv, qk, (q, k, v), layer, shape, out);
+        };
+        self.qk_norm_rope(
+            q,
+            k,
+            qk.q_norm,
+            qk.k_norm,
+            qk.head_dim,
+            qk.eps,
+            qk.step,
+            qk.rope,
+        )?;
+        let args = AttnArgs {
+            layer,
+            q,
+            k,
+            v,
+            shape,
+        };
+        attention::attention_for(self, kv, qk.step, args, out, Some(form))
     }
 
     fn moe(

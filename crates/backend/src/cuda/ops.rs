@@ -337,9 +337,9 @@ pub(crate) fn rms_norm(
     let cols = x.cols as i32;
     let v4 = norm_v4_threads(be, w, x.cols);
     if let (Some(threads), Some(mut xb)) = (v4, x16_only(be, x.rows, x.cols, readers)?) {
-        let mut launch =
-            be.stream
-                .kernel(&be.ops.rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)]);
+        let mut launch = be
+            .stream
+            .kernel(&be.ops.rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)]);
         launch
             .arg(&x.buf)
             .arg(&wv)

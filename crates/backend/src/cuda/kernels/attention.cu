@@ -1812,7 +1812,9 @@ __device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src, int sr
 // XO (the tc2 kernels' `_x16` forms, attention.rs prefill_x16): the output also written as the
 // o-projection's 16-bit x rows into `xo` ([rows][n_heads · HD], the prefill matmuls' x scratch),
 // rounded as their conversion launch rounds it: 1 bf16 (pack_bf16, mm_x_bf16), 2 f16
-// (pack_f16_sat, mmw_x_f16); the o-projection then skips that launch (matmul.rs XbState).
+// (pack_f16_sat, mmw_x_f16); the o-projection then skips that launch (matmul.rs XbState). In
+// those forms `out` may be null: the o-projection alone reads the output, from xo (attention.rs
+// `out_readers`), and its f32 rows (two thirds of the output's bytes) are not written.
 template <int HD, bool Q8, bool PAGED, int G = 1, int XO = 0>
 __device__ __forceinline__ void attn_prefill_tc_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
@@ -2122,7 +2124,7 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
 #pragma unroll
         for (int j = 0; j < NO; j++) {
             const float v0 = o_acc[j][2 * half] * inv, v1 = o_acc[j][2 * half + 1] * inv;
-            *reinterpret_cast<float2*>(o + j * 8) = make_float2(v0, v1);
+            if (XO == 0 || out != nullptr) *reinterpret_cast<float2*>(o + j * 8) = make_float2(v0, v1);
             if constexpr (XO != 0)
                 *reinterpret_cast<uint32_t*>(xo + oi + j * 8) = XO == 2 ? pack_f16_sat(v0, v1) : pack_bf16(v0, v1);
         }
