@@ -336,7 +336,11 @@ pub(crate) fn rms_norm(
     let wv = f32_vec(w, x.cols)?;
     let cols = x.cols as i32;
     let v4 = norm_v4_threads(be, w, x.cols);
-    if let (Some(threads), Some(mut xb)) = (v4, x16_only(be, x.rows, x.cols, readers)?) {
+    let only = match v4 {
+        Some(_) if super::matmul::norm_x16() => x16_only(be, x.rows, x.cols, readers)?,
+        _ => None,
+    };
+    if let (Some(threads), Some(mut xb)) = (v4, only) {
         let mut launch = be
             .stream
             .kernel(&be.ops.rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)]);
@@ -504,11 +508,12 @@ fn add_rms_norm_threads(cols: usize) -> u32 {
     (cols.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
-/// The 16-bit scratch for a norm whose every reader takes a prefill's 16-bit x in the form
-/// `readers` (mmw.rs [`super::mmw::x16_readers`]): the norm writes that x and not its f32
-/// output. `None` (write the f32 output) unless the hand-over applies (`FERRITE_NORM_X16`,
-/// prefill rows, the scratch in that form: [`super::matmul::xb_for_producer`]) and can be
-/// recorded, or under `FERRITE_NORM_X16_ONLY=0`.
+/// The 16-bit scratch for a producer (a norm, the prefill attention) whose every reader takes a
+/// prefill's 16-bit x in the form `readers` (mmw.rs [`super::mmw::x16_readers`]): the producer
+/// writes that x and not its f32 output. `None` (write the f32 output) unless the hand-over
+/// applies (prefill rows, the scratch in that form: [`super::matmul::xb_for_producer`]) and can
+/// be recorded, or under `FERRITE_NORM_X16_ONLY=0`. The producer's own hand-over switch
+/// (`FERRITE_NORM_X16`, `FERRITE_ATTN_X16`) is its caller's to ask.
 pub(crate) fn x16_only(
     be: &CudaBackend,
     rows: usize,
@@ -518,15 +523,16 @@ pub(crate) fn x16_only(
     let Some(form) = readers else {
         return Ok(None);
     };
-    if !super::matmul::norm_x16() || !x16_only_on() {
+    if !x16_only_on() {
         return Ok(None);
     }
     Ok(super::matmul::xb_for_producer(be, rows, cols)?
         .filter(|xb| xb.kind == form && xb.recordable(be)))
 }
 
-/// `FERRITE_NORM_X16_ONLY` (read once; default 1): a prefill norm whose readers all take its
-/// 16-bit hand-over leaves its f32 output unwritten ([`x16_only`]; MATMUL.md round 102).
+/// `FERRITE_NORM_X16_ONLY` (read once; default 1): a prefill norm or attention whose readers all
+/// take its 16-bit hand-over leaves its f32 output unwritten ([`x16_only`]; MATMUL.md round
+/// 102).
 fn x16_only_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| super::switches::int_or("FERRITE_NORM_X16_ONLY", 1) != 0)
@@ -573,8 +579,8 @@ pub(crate) fn add_rms_norm(
     // `with_scratch_rows`): the v4 kernel's `_x16` form writes that 16-bit x too, recorded as
     // h's.
     let only = match v4 {
-        Some(_) => x16_only(be, x.rows, x.cols, readers)?,
-        None => None,
+        Some(_) if super::matmul::norm_x16() => x16_only(be, x.rows, x.cols, readers)?,
+        _ => None,
     };
     let h_written = only.is_none();
     let mut x16 = match (v4, only) {

@@ -182,7 +182,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_NORM_X16_ONLY",
         Accepts::OneOf(&[0, 1]),
-        "prefill: 1 (default) a dense layer's RMSNorm whose readers all take its 16-bit hand-over (FERRITE_NORM_X16) leaves its f32 output unwritten (ops.rs x16_only, MATMUL.md round 102); 0 it writes both",
+        "prefill: 1 (default) a dense layer's RMSNorm or attention whose readers all take its 16-bit hand-over (FERRITE_NORM_X16, FERRITE_ATTN_X16) leaves its f32 output unwritten (ops.rs x16_only, MATMUL.md round 102); 0 it writes both",
     ),
     (
         "FERRITE_LT_ADD",
