@@ -507,12 +507,15 @@ enum Op {
         ty: GgmlType,
         o_only: bool,
     },
-    /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then one decode row of
-    /// attention over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: one
-    /// launch where the cache takes the keys-before-the-wait cluster form). Checked: the output.
+    /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then `rows` rows of attention
+    /// over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: at one decode row
+    /// one launch where the cache takes the keys-before-the-wait cluster form; at prefill rows
+    /// q's norm and rotation inside the prefill attention, `FERRITE_ATTN_RQ`). Checked: the
+    /// output.
     AttnRope {
         shape: AttnShape,
         pos0: usize,
+        rows: usize,
     },
     /// The experts alone (`moe`), or (`shared`) with Qwen3.5's gated shared expert of the
     /// experts' types, by `moe_shared` (CUDA: the shared expert inside the MoE launches; it
@@ -872,11 +875,18 @@ fn describe(op: &Op) -> (&'static str, String) {
                 if *o_only { " o-only" } else { "" }
             ),
         ),
-        Op::AttnRope { shape, pos0 } => (
+        Op::AttnRope { shape, pos0, rows } => (
             "qk_norm_rope_attention",
             format!(
-                "qk_norm_rope+attention hd={} heads={}/kv{} decode pos0={pos0}",
-                shape.head_dim, shape.n_heads, shape.n_kv_heads
+                "qk_norm_rope+attention hd={} heads={}/kv{} {} pos0={pos0}",
+                shape.head_dim,
+                shape.n_heads,
+                shape.n_kv_heads,
+                if *rows == 1 {
+                    "decode".to_string()
+                } else {
+                    format!("rows={rows}")
+                }
             ),
         ),
         Op::Moe {
@@ -1811,6 +1821,28 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 head_dim: 128,
             },
             pos0,
+            rows: 1,
+        });
+    }
+    // Prefills: q's QK-norm and rotation inside the attention (CUDA's two-group kernel), GQA
+    // groups of 4, 8 and 2, from position 0 and after a prefix, a last tile part full.
+    for (n_heads, n_kv_heads, pos0, rows) in [
+        (32, 8, 0, 300),
+        (32, 4, 100, 300),
+        (16, 8, 0, 64),
+        (32, 8, 37, 130),
+    ] {
+        if quick && rows != 300 {
+            continue;
+        }
+        add(Op::AttnRope {
+            shape: AttnShape {
+                n_heads,
+                n_kv_heads,
+                head_dim: 128,
+            },
+            pos0,
+            rows,
         });
     }
 
@@ -2950,7 +2982,7 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 | Op::AttnO {
                     shape, pos0, rows, ..
                 } => (shape, pos0, rows),
-                Op::AttnRope { shape, pos0 } => (shape, pos0, 1),
+                Op::AttnRope { shape, pos0, rows } => (shape, pos0, rows),
                 _ => unreachable!(),
             };
             let qd = shape.n_heads * shape.head_dim;
@@ -3281,7 +3313,7 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
                 Op::AttnO {
                     shape, pos0, rows, ..
                 } => (shape, pos0, rows, &false),
-                Op::AttnRope { shape, pos0 } => (shape, pos0, &1, &false),
+                Op::AttnRope { shape, pos0, rows } => (shape, pos0, rows, &false),
                 _ => unreachable!(),
             };
             let mut cache = if *q8 {
@@ -4608,9 +4640,9 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             let kvd = shape.n_kv_heads * shape.head_dim;
             f((pos0 + rows) * kvd * 2) * kv_elem_bytes(be, *q8) + f(acts + out)
         }
-        Op::AttnRope { shape, pos0 } => {
+        Op::AttnRope { shape, pos0, rows } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
-            f((pos0 + 1) * kvd * 2) * kv_elem_bytes(be, false) + f(acts + out)
+            f((pos0 + rows) * kvd * 2) * kv_elem_bytes(be, false) + f(acts + out)
         }
         // The cache, q, k, v, the weight twice (two matmuls), the attention's output written
         // and read, the projection's written twice.

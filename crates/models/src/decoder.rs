@@ -154,7 +154,11 @@ pub(crate) fn ffn_half<'x, B: Backend>(
         }
         return ffn_block(be, ffn, moe, h, s, y, true);
     }
-    be.add_rms_norm(x, y, norm, eps, h)?;
+    // A dense FFN's gate and up alone read h ([`Backend::add_rms_norm_for`]).
+    match ffn {
+        Ffn::Dense { gate, up, .. } => be.add_rms_norm_for(x, y, norm, eps, h, &[gate, up])?,
+        Ffn::Moe { .. } => be.add_rms_norm(x, y, norm, eps, h)?,
+    }
     ffn_block(be, ffn, moe, h, s, y, false)
 }
 
@@ -812,13 +816,15 @@ impl<B: Backend> Model<B> {
                     y,
                 )?;
             }
-            // x += y, h = the next layer's attention input (or the output norm's result).
+            // x += y, h = the next layer's attention input, read by its Q, K, V alone (or the
+            // output norm's result).
             handed = false;
             let next_norm = self
                 .layers
                 .get(il + 1)
                 .map_or(&self.out_norm, |n| &n.attn_norm);
-            be.add_rms_norm(x, y, next_norm, cfg.rms_eps, h)?;
+            let readers = self.qkv_readers(il + 1);
+            be.add_rms_norm_for(x, y, next_norm, cfg.rms_eps, h, &readers)?;
         }
 
         if defer {

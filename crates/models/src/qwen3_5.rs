@@ -349,9 +349,16 @@ pub(crate) fn forward_layers<B: Backend>(
                 y,
             )?;
         }
-        // x += y, h = the next layer's mixer input (or the output norm's result).
+        // x += y, h = the next layer's mixer input (or the output norm's result). A gated
+        // attention's Q, gate, K, V alone read it ([`Backend::add_rms_norm_for`]); a Gated
+        // DeltaNet's in-projections read it twice (qkv and z, then b and a), so it is written.
         let next_norm = layers.get(il + 1).map_or(out_norm, |n| &n.attn_norm);
-        be.add_rms_norm(x, y, next_norm, eps, h)?;
+        match layers.get(il + 1).map(|n| &n.mixer) {
+            Some(Mixer::Attention { q, gate, k, v, .. }) => {
+                be.add_rms_norm_for(x, y, next_norm, eps, h, &[q, gate, k, v])?
+            }
+            _ => be.add_rms_norm(x, y, next_norm, eps, h)?,
+        }
     }
     if defer {
         be.rms_norm(x, out_norm, eps, h)?;
