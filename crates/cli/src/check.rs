@@ -510,8 +510,7 @@ enum Op {
     /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then `rows` rows of attention
     /// over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: at one decode row
     /// one launch where the cache takes the keys-before-the-wait cluster form; at prefill rows
-    /// q's norm and rotation inside the prefill attention, `FERRITE_ATTN_RQ`). Checked: the
-    /// output.
+    /// the composition). Checked: the output.
     AttnRope {
         shape: AttnShape,
         pos0: usize,
@@ -1824,8 +1823,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
             rows: 1,
         });
     }
-    // Prefills: q's QK-norm and rotation inside the attention (CUDA's two-group kernel), GQA
-    // groups of 4, 8 and 2, from position 0 and after a prefix, a last tile part full.
+    // Prefills (GQA groups of 4, 8 and 2, from position 0 and after a prefix, a last tile part
+    // full): the composition a form that rotates q inside the attention would replace (MATMUL.md
+    // round 102 measured one, 7252348, and removed it: a tie).
     for (n_heads, n_kv_heads, pos0, rows) in [
         (32, 8, 0, 300),
         (32, 4, 100, 300),

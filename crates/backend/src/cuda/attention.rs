@@ -333,10 +333,6 @@ pub struct Kernels {
     /// takes `attn_prefill_tc2_<hd>` and [`attn_x16`] is on: the same kernel writing the
     /// o-projection's 16-bit x too, `[bf16, f16]`.
     prefill_tc2_x16: Vec<Option<[CudaFunction; 2]>>,
-    /// `attn_prefill_tc2_128_r`, `_r_xbf16`, `_r_xf16`: the hd-128 two-group kernel applying q's
-    /// QK-norm and rotation as it loads q ([`qk_norm_rope_attention_prefill`]), where the f16
-    /// prefill takes `attn_prefill_tc2_128` and `FERRITE_ATTN_RQ` is on.
-    prefill_tc2_rq: Option<[CudaFunction; 3]>,
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
@@ -534,12 +530,6 @@ impl Kernels {
                     Ok(Some([f("bf16")?, f("f16")?]))
                 })
                 .collect::<Result<Vec<_>>>()?,
-            prefill_tc2_rq: if ptc != 0 && tc2 && rq() {
-                let f = |post: &str| tc_function(&format!("attn_prefill_tc2_128_r{post}"), 128, 0);
-                Some([f("")?, f("_xbf16")?, f("_xf16")?])
-            } else {
-                None
-            },
             generic: function(&m, "attn_generic")?,
             paged: PagedKernels {
                 kv_store: [
@@ -896,7 +886,7 @@ pub fn attention(
     a: AttnArgs<'_, CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    attention_impl(be, kv, step, a, out, None, None, None).map(|_| ())
+    attention_impl(be, kv, step, a, out, None, None).map(|_| ())
 }
 
 /// [`attention`] whose output is read next only as the x of matmuls that take it from the
@@ -911,92 +901,7 @@ pub(crate) fn attention_for(
     out: &mut Act<CudaSlice<f32>>,
     readers: Option<super::matmul::X16>,
 ) -> Result<()> {
-    attention_impl(be, kv, step, a, out, None, readers, None).map(|_| ())
-}
-
-/// `FERRITE_ATTN_RQ` (read once; default 1): a Qwen3 prefill's attention applies q's QK-norm and
-/// rotation as it loads q, and the qk_norm_rope launch before it takes k alone
-/// ([`qk_norm_rope_attention_prefill`]; MATMUL.md round 102).
-fn rq() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_RQ", 1) != 0)
-}
-
-/// [`Backend::qk_norm_rope`] then [`attention`] at prefill rows with q's half in the attention
-/// (`attn_prefill_tc2_128_r*`, attention.cu RQ): `qk_norm_rope` on k alone, then the attention
-/// normalising and rotating q as it loads it; q is left as the Q, K, V launch wrote it. With
-/// `readers` as in [`attention_for`]. `false` (nothing done) unless the step is a prefill (more
-/// than DECODE_MAX_ROWS rows) of a contiguous f16 cache that the two-group kernel at head dim
-/// 128 takes, and the rotation is a NeoX one over all 128 dims (Qwen3's; q's norm optional).
-pub(crate) fn qk_norm_rope_attention_prefill(
-    be: &CudaBackend,
-    kv: &mut CudaKv,
-    (q, k, v): crate::QkvMut<'_, CudaSlice<f32>>,
-    (layer, shape): (usize, AttnShape),
-    out: &mut Act<CudaSlice<f32>>,
-    qk: &crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
-    readers: Option<super::matmul::X16>,
-) -> Result<bool> {
-    let hd = DECODE_TC_HEAD_DIM;
-    let group = shape.n_heads / shape.n_kv_heads.max(1);
-    // The kernel the prefill would take must be the plain two-group one at hd 128 (the entry of
-    // the f16 family whose `_r` forms are loaded: its threads are 256).
-    let tc2_128 = TC_HEAD_DIMS
-        .iter()
-        .position(|&h| h == hd)
-        .and_then(|i| be.attention.prefill_tc[0].as_ref()?.get(i))
-        .is_some_and(|(_, threads)| *threads == 2 * TC_THREADS);
-    if be.attention.prefill_tc2_rq.is_none()
-        || !tc2_128
-        || kv.paged.is_some()
-        || kv.kv_type != KvType::F16
-        || qk.rope.style != crate::RopeStyle::Neox
-        || qk.head_dim != hd
-        || qk.rope.rot_dim != hd
-        || shape.head_dim != hd
-        || q.rows <= DECODE_MAX_ROWS
-        || group == 0
-        || group > TC_SLOTS
-        || shape.n_heads % shape.n_kv_heads.max(1) != 0
-    {
-        return Ok(false);
-    }
-    let len = |w: &CudaWeight| w.shape.iter().product::<usize>();
-    crate::check_qk_norm_rope(
-        q,
-        k,
-        [qk.q_norm.map(len), qk.k_norm.map(len)],
-        qk.head_dim,
-        qk.step,
-        qk.rope,
-    )?;
-    super::ops::k_norm_rope(be, k, qk.k_norm, qk.head_dim, qk.eps, qk.step, qk.rope)?;
-    let qw = qk.q_norm.map(|w| super::ops::f32_vec(w, hd)).transpose()?;
-    let qwp = match &qw {
-        Some(b) => b.device_ptr(&be.stream).0,
-        None => 0,
-    };
-    let rope = AttnRope {
-        qw: qwp,
-        kw: 0,
-        theta: qk.rope.theta,
-        eps: qk.eps,
-    };
-    let a = AttnArgs {
-        layer,
-        q: &*q,
-        k: &*k,
-        v,
-        shape,
-    };
-    // SAFETY (of the kernel's reads through `rope`): q's norm weights hold 128 floats
-    // (f32_vec), alive until the launch is enqueued (`qw` outlives the call); kw is not read.
-    let done = attention_impl(be, kv, qk.step, a, out, None, readers, Some(rope))?;
-    ensure!(
-        done,
-        "attention: the prefill with q's rotation inside did not run (an internal error)"
-    );
-    Ok(true)
+    attention_impl(be, kv, step, a, out, None, readers).map(|_| ())
 }
 
 /// [`Backend::qk_norm_rope`] then [`attention`] as one launch: the keys-before-the-wait
@@ -1044,14 +949,11 @@ pub fn qk_norm_rope_attention(
     };
     // SAFETY (of the kernel's reads through `rope`): both norm weights hold 128 floats
     // (f32_vec), alive until the launch is enqueued (the guards above).
-    attention_impl(be, kv, qk.step, a, out, Some(rope), None, None)
+    attention_impl(be, kv, qk.step, a, out, Some(rope), None)
 }
 
 /// [`attention`]; with `rope`, only by the ROPE decode form, else `false` and nothing done;
-/// `readers` as in [`attention_for`]; with `prefill_rq` (q's QK-norm and rotation, q as the
-/// Q, K, V launch wrote it), only by the `attn_prefill_tc2_128_r*` kernels, else `false` and
-/// nothing done (the caller checked that they take the step).
-#[allow(clippy::too_many_arguments)]
+/// `readers` as in [`attention_for`].
 fn attention_impl(
     be: &CudaBackend,
     kv: &mut CudaKv,
@@ -1060,7 +962,6 @@ fn attention_impl(
     out: &mut Act<CudaSlice<f32>>,
     rope: Option<AttnRope>,
     readers: Option<super::matmul::X16>,
-    prefill_rq: Option<AttnRope>,
 ) -> Result<bool> {
     crate::check_attention(step, &a, out)?;
     if kv.paged.is_some() {
@@ -1117,15 +1018,6 @@ fn attention_impl(
     if rope.is_some() && (fast.is_none() || rows != 1) {
         return Ok(false);
     }
-    let rq_fns = match prefill_rq {
-        Some(_) => match &be.attention.prefill_tc2_rq {
-            Some(f) if rows > DECODE_MAX_ROWS && q8 == 0 && head_dim == DECODE_TC_HEAD_DIM => {
-                Some(f)
-            }
-            _ => return Ok(false),
-        },
-        None => None,
-    };
 
     // 1. Decode (few rows): one launch stores the rows, attends and merges the splits.
     if let (Some(fi), true) = (fast, rows <= DECODE_MAX_ROWS) {
@@ -1335,25 +1227,8 @@ fn attention_impl(
             (Some(_), None) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
             (None, None) => None,
         };
-        let is_f16 = |xb: &super::matmul::XbProducer<'_>| xb.kind == super::matmul::X16::F16;
-        let func = match (rq_fns, &x16, x16_pair) {
-            // q's norm and rotation inside: the picked kernel must be the one they are forms of.
-            (Some(rq), _, _) => {
-                let tc2_128 = TC_HEAD_DIMS
-                    .iter()
-                    .position(|&h| h == DECODE_TC_HEAD_DIM)
-                    .and_then(|i| be.attention.prefill_tc[0].as_ref()?.get(i))
-                    .is_some_and(|(f, _)| std::ptr::eq(f, func));
-                ensure!(
-                    tc2_128,
-                    "attention: q's rotation inside the prefill needs the two-group kernel"
-                );
-                match &x16 {
-                    Some(xb) => &rq[1 + usize::from(is_f16(xb))],
-                    None => &rq[0],
-                }
-            }
-            (None, Some(xb), Some(pair)) => &pair[usize::from(is_f16(xb))],
+        let func = match (&x16, x16_pair) {
+            (Some(xb), Some(pair)) => &pair[usize::from(xb.kind == super::matmul::X16::F16)],
             _ => func,
         };
         let mut launch = be.stream.kernel(func);
@@ -1376,9 +1251,6 @@ fn attention_impl(
             .arg(&group_i)
             .arg(&capacity)
             .arg(&scale_log2);
-        if let Some(ar) = &prefill_rq {
-            launch.arg(ar);
-        }
         if let Some(xb) = x16.as_mut() {
             launch.arg(xb.buf()?);
         }

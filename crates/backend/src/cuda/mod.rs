@@ -1083,17 +1083,7 @@ impl Backend for CudaBackend {
             v,
             shape,
         };
-        if attention::qk_norm_rope_attention(self, kv, args, out, &qk)?
-            || attention::qk_norm_rope_attention_prefill(
-                self,
-                kv,
-                (&mut *q, &mut *k, v),
-                (layer, shape),
-                out,
-                &qk,
-                None,
-            )?
-        {
+        if attention::qk_norm_rope_attention(self, kv, args, out, &qk)? {
             return Ok(());
         }
         crate::qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
@@ -1113,17 +1103,6 @@ impl Backend for CudaBackend {
         let Some(form) = mmw::x16_readers(self, readers, q.rows) else {
             return self.qk_norm_rope_attention(kv, qk, (q, k, v), layer, shape, out);
         };
-        if attention::qk_norm_rope_attention_prefill(
-            self,
-            kv,
-            (&mut *q, &mut *k, v),
-            (layer, shape),
-            out,
-            &qk,
-            Some(form),
-        )? {
-            return Ok(());
-        }
         self.qk_norm_rope(
             q,
             k,

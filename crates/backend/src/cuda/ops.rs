@@ -750,37 +750,6 @@ pub fn qk_norm_rope(
         step,
         rope,
     )?;
-    qk_norm_rope_launch(be, Some(q), k, (q_norm, k_norm), head_dim, eps, step, rope)
-}
-
-/// [`qk_norm_rope`] on k alone (the same kernel with no q heads): q's half runs inside the
-/// prefill attention (attention.rs `qk_norm_rope_attention_prefill`). The caller checked the
-/// shapes (`check_qk_norm_rope`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn k_norm_rope(
-    be: &CudaBackend,
-    k: &mut Act<CudaSlice<f32>>,
-    k_norm: Option<&CudaWeight>,
-    head_dim: usize,
-    eps: f32,
-    step: &StepInput<CudaSlice<i32>>,
-    rope: &Rope,
-) -> Result<()> {
-    qk_norm_rope_launch(be, None, k, (None, k_norm), head_dim, eps, step, rope)
-}
-
-/// The `qk_norm_rope` launch on q (none: no q heads) and k.
-#[allow(clippy::too_many_arguments)]
-fn qk_norm_rope_launch(
-    be: &CudaBackend,
-    mut q: Option<&mut Act<CudaSlice<f32>>>,
-    k: &mut Act<CudaSlice<f32>>,
-    (q_norm, k_norm): (Option<&CudaWeight>, Option<&CudaWeight>),
-    head_dim: usize,
-    eps: f32,
-    step: &StepInput<CudaSlice<i32>>,
-    rope: &Rope,
-) -> Result<()> {
     ensure!(
         rope.rot_dim <= 2 * 32 * QKR_PAIRS,
         "qk_norm_rope: {} rotary dimensions (the kernel holds up to {} per head)",
@@ -789,9 +758,7 @@ fn qk_norm_rope_launch(
     );
     let qw = q_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let kw = k_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
-    let q_heads = q.as_ref().map_or(0, |q| q.cols / head_dim);
-    let k_heads = k.cols / head_dim;
-    let n_rows = k.rows;
+    let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
     // Heads a warp (the kernel's register form only, on prefills): 16 registers a lane of them,
     // so that a token's angles are computed once per 4 heads of up to 128 elements (2 of 256)
     // instead of once a head (`FERRITE_QKR_HEADS=0`: one a warp; MATMUL.md round 90).
@@ -801,18 +768,18 @@ fn qk_norm_rope_launch(
         && matches!(half / 32, 1 | 2 | 4)
         && head_dim.is_multiple_of(32)
         && head_dim <= 256;
-    let hpw = if regs && n_rows >= QKR_HEADS_MIN_ROWS && qkr_heads() {
+    let hpw = if regs && q.rows >= QKR_HEADS_MIN_ROWS && qkr_heads() {
         // The kernel's registers a head (qkr_heads<NR>): 4 for heads of up to 128 elements, else 8.
         QKR_HREGS / if head_dim <= 128 { 4 } else { 8 }
     } else {
         1
     };
-    let warps = n_rows * (q_heads.div_ceil(hpw) + k_heads.div_ceil(hpw));
+    let warps = q.rows * (q_heads.div_ceil(hpw) + k_heads.div_ceil(hpw));
     if warps == 0 {
         return Ok(());
     }
     let (rows, qh, kh, hd, rd, hpw) = (
-        n_rows as i32,
+        q.rows as i32,
         q_heads as i32,
         k_heads as i32,
         head_dim as i32,
@@ -829,12 +796,7 @@ fn qk_norm_rope_launch(
     // warps past rows·(q_heads + k_heads).
     unsafe {
         let mut b = be.stream.kernel(&be.ops.qk_norm_rope);
-        // No q heads: k's buffer stands in for q's pointer (the kernel takes no q warp).
-        match q.as_mut() {
-            Some(q) => b.arg(&mut q.buf),
-            None => b.arg(&k.buf),
-        };
-        b.arg(&mut k.buf);
+        b.arg(&mut q.buf).arg(&mut k.buf);
         match &qw {
             Some(v) => b.arg(v),
             None => b.arg(&null),

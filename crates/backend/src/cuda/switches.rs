@@ -315,11 +315,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill attention on the two-group kernel: 1 (default) also writes its output as the o-projection's 16-bit x, which then skips its conversion launch (MATMUL.md round 99), 0 the conversion launch",
     ),
     (
-        "FERRITE_ATTN_RQ",
-        Accepts::OneOf(&[0, 1]),
-        "prefill of a Qwen3 attention (NeoX over all 128 dims, f16 cache, the two-group kernel): 1 (default) q's QK-norm and rotation inside the attention as it loads q, qk_norm_rope on k alone (attention.rs qk_norm_rope_attention_prefill, MATMUL.md round 102); 0 qk_norm_rope on both first",
-    ),
-    (
         "FERRITE_ATTN_TC2",
         Accepts::OneOf(&[0, 1]),
         "tensor-core prefill attention on a contiguous f16 cache, head dims up to 128: 1 two groups of 4 warps a block taking alternate key tiles, merged at the end (default; attn_prefill_tc2_*; ATTENTION.md 53rd session), 0 one group",

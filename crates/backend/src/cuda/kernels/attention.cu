@@ -1815,25 +1815,13 @@ __device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src, int sr
 // (pack_f16_sat, mmw_x_f16); the o-projection then skips that launch (matmul.rs XbState). In
 // those forms `out` may be null: the o-projection alone reads the output, from xo (attention.rs
 // `out_readers`), and its f32 rows (two thirds of the output's bytes) are not written.
-//
-// RQ (the tc2 kernels' `_r` forms at hd 128, attention.rs `qk_norm_rope_attention_prefill`):
-// Qwen3's QK-norm (where ar.qw is given) and a NeoX rotation over all 128 dims applied to q as
-// the block loads it, so that the qk_norm_rope launch before it rotates k alone and q is
-// neither written nor read back (16 MB a layer of Qwen3-8B at 512 rows). A warp takes a slot
-// at a time, lane l its dims l + 32 m as qk_norm_rope's register form holds them (elementwise.cu
-// qkr_heads<4>), and runs that form's expressions in its order: Σ x² by m then the warp
-// butterfly, x = (x · s) · w, the angles pos · θ^(−2p/128) by sincosf, the rotation of pairs
-// (m, m + 2): the q qk_norm_rope would have written, bit for bit, then scaled and rounded to
-// f16 as the plain load does.
-template <int HD, bool Q8, bool PAGED, int G = 1, int XO = 0, bool RQ = false>
+template <int HD, bool Q8, bool PAGED, int G = 1, int XO = 0>
 __device__ __forceinline__ void attn_prefill_tc_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
     const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
-    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr,
-    AttnRope ar = {}) {
-    static_assert(!RQ || (HD == 128 && G == 2 && !Q8 && !PAGED), "attn_prefill_tc: RQ is the tc2 form's at hd 128");
+    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr) {
     using S = TcShape<HD, Q8>;
     static_assert(G == 1 || (G == 2 && !Q8), "attn_prefill_tc: two key groups on f16 caches only");
     constexpr int BKV = S::BKV, LDS = S::LDS;
@@ -1869,47 +1857,8 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
         s_pos[tid] = P;
         if (P >= 0) atomicMax(&s_kmax, P + 1);
     }
-    if constexpr (RQ) {
-        // q normalised and rotated on its way in (RQ above): warp wq takes slots wq, wq + 8, ...
-        const int wq = tid >> 5;
-        float nv[4], inv_freq[2];
-#pragma unroll
-        for (int m = 0; m < 4; m++) nv[m] = ar.qw != nullptr ? ar.qw[lane + 32 * m] : 1.f;
-#pragma unroll
-        for (int j = 0; j < 2; j++) inv_freq[j] = 1.0f / powf(ar.theta, (float)(2 * (lane + 32 * j)) / 128.0f);
-        for (int slot = wq; slot < TC_SLOTS; slot += G * TC_THREADS / 32) {
-            const int r = slot / group, gi = slot % group, t = tile * rpt + r;
-            float v[4] = {0.f, 0.f, 0.f, 0.f};
-            if (r < rpt && t < rows) {  // warp-uniform
-                const float* hp = q + ((long long)t * n_heads + kvh * group + gi) * HD;
-#pragma unroll
-                for (int m = 0; m < 4; m++) v[m] = hp[lane + 32 * m];
-                if (ar.qw != nullptr) {
-                    float ss = 0.f;
-#pragma unroll
-                    for (int m = 0; m < 4; m++) ss += v[m] * v[m];
-#pragma unroll
-                    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(ATT_FULL, ss, o);
-                    const float sc = rsqrtf(ss / 128.0f + ar.eps);
-#pragma unroll
-                    for (int m = 0; m < 4; m++) v[m] = (v[m] * sc) * nv[m];
-                }
-                const float pos = (float)positions[t];
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    float c, sn;
-                    sincosf(pos * inv_freq[j], &sn, &c);
-                    const float x0 = v[j], x1 = v[j + 2];
-                    v[j] = x0 * c - x1 * sn;
-                    v[j + 2] = x0 * sn + x1 * c;
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < 4; m++) sQ[slot * LDS + lane + 32 * m] = __float2half_rn(v[m] * scale_log2);
-        }
-    }
     // q → f16 (pre-scaled), one float4 per step; invalid slots are zeros.
-    for (int i = tid; i < (RQ ? 0 : TC_SLOTS * HD / 4); i += G * TC_THREADS) {
+    for (int i = tid; i < TC_SLOTS * HD / 4; i += G * TC_THREADS) {
         const int slot = i / (HD / 4), c = (i % (HD / 4)) * 4;
         const int r = slot / group, gi = slot % group, t = tile * rpt + r;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -2216,15 +2165,6 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD, HD, 0, TC2_NONE, TC2_NONE)                    \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xbf16, HD, 1, TC2_XO_ARG, TC2_XO_PASS)       \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xf16, HD, 2, TC2_XO_ARG, TC2_XO_PASS)
-// `attn_prefill_tc2_128_r[_xbf16|_xf16]`: the same with q's QK-norm and rotation (RQ above; `ar`:
-// q's norm weights, or null, θ and eps; its kw is not read). XPASS2: the xo argument or null.
-#define PREFILL_TC2_RQ1(NAME, XO, XARG, XPASS2)                                             \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2) NAME(PREFILL_ARGS, AttnRope ar XARG) { \
-        PDL_ENTRY();                                                                         \
-        attn_prefill_tc_impl<128, false, false, 2, XO, true>(q, kc, vc, ks, vs, positions, out, layer_off, \
-                                                             rows, n_heads, group, capacity, scale_log2, \
-                                                             UNPAGED_PASS(capacity), XPASS2, ar); \
-    }
 #define PREFILL_TC_KERNEL(HD)                                                                \
     PREFILL_TC_KERNEL1(attn_prefill_tc_##HD, HD, false)                                      \
     PREFILL_TC_KERNEL1(attn_prefill_tc_q8_##HD, HD, true)
@@ -2235,9 +2175,6 @@ PREFILL_TC_KERNEL(256)
 // Not at 256: its 128 accumulators a thread spill under the 128-register ceiling.
 PREFILL_TC2_KERNEL(64)
 PREFILL_TC2_KERNEL(128)
-PREFILL_TC2_RQ1(attn_prefill_tc2_128_r, 0, TC2_NONE, nullptr)
-PREFILL_TC2_RQ1(attn_prefill_tc2_128_r_xbf16, 1, TC2_XO_ARG, xo)
-PREFILL_TC2_RQ1(attn_prefill_tc2_128_r_xf16, 2, TC2_XO_ARG, xo)
 
 // ---------------------------------------------------------------------------------------
 // Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
