@@ -62,6 +62,17 @@ pub(crate) fn mode() -> i64 {
     *MODE.get_or_init(|| super::switches::int_or("FERRITE_CUBLASLT", 1))
 }
 
+/// Answers asked of cuBLASLt's heuristic a shape (it returns them best first).
+const HEURISTIC_CANDIDATES: usize = 8;
+
+/// `FERRITE_CUBLASLT_ALGO` (read once; default 0, the heuristic's first answer): which of the
+/// heuristic's answers a plan takes (past the last: the last). A tuning diagnostic (MATMUL.md
+/// round 103): `check --perf --eager` of a shape under each value times the alternatives.
+fn algo_pick() -> usize {
+    static PICK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PICK.get_or_init(|| super::switches::int_or("FERRITE_CUBLASLT_ALGO", 0).clamp(0, 7) as usize)
+}
+
 /// A GEMM's shape: what its descriptors and its algorithm depend on.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 struct Shape {
@@ -156,8 +167,41 @@ impl Plan {
                     let size = std::mem::size_of_val(&a);
                     lt::set_matmul_pref_attribute(pref, attr, (&a) as *const _ as *const _, size)?;
                 }
-                // C is D's layout (read where β = 1, in place: gemms' `accumulate`).
-                lt::get_matmul_algo_heuristic(handle, desc, plan.a, plan.b, plan.d, plan.d, pref)
+                // C is D's layout (read where β = 1, in place: gemms' `accumulate`). Up to
+                // HEURISTIC_CANDIDATES answers, best first; `FERRITE_CUBLASLT_ALGO` picks one.
+                let mut found: [sys::cublasLtMatmulHeuristicResult_t; HEURISTIC_CANDIDATES] =
+                    std::mem::zeroed();
+                let mut count = 0i32;
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    desc,
+                    plan.a,
+                    plan.b,
+                    plan.d,
+                    plan.d,
+                    pref,
+                    HEURISTIC_CANDIDATES as i32,
+                    found.as_mut_ptr(),
+                    &mut count,
+                )
+                .result()?;
+                let usable: Vec<_> = found[..count.clamp(0, HEURISTIC_CANDIDATES as i32) as usize]
+                    .iter()
+                    .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+                    .copied()
+                    .collect();
+                let pick = usable
+                    .get(algo_pick().min(usable.len().saturating_sub(1)))
+                    .copied()
+                    .ok_or(lt::CublasError(
+                        sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+                    ))?;
+                tracing::debug!(
+                    "cuBLASLt: {} algorithms for {s:?}, taking number {}",
+                    usable.len(),
+                    algo_pick().min(usable.len().saturating_sub(1))
+                );
+                Ok::<_, lt::CublasError>(pick)
             }
         })();
         // SAFETY: pref was created above and is not used after.

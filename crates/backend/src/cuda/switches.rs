@@ -180,6 +180,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill: 1 (default) the add + RMSNorm also writes h as the 16-bit x of the matmuls that read it next (Q, K, V; gate/up), which then skip their conversion launch (MATMUL.md round 98); 0 the conversion launch",
     ),
     (
+        "FERRITE_CUBLASLT_ALGO",
+        Accepts::Range(0, 7),
+        "the cuBLASLt prefill GEMMs' algorithm: 0 (default) the heuristic's first answer, i its (i+1)-th (past the last: the last); a tuning diagnostic (cuda/blas.rs, MATMUL.md round 103)",
+    ),
+    (
         "FERRITE_NORM_X16_ONLY",
         Accepts::OneOf(&[0, 1]),
         "prefill: 1 (default) a dense layer's RMSNorm or attention whose readers all take its 16-bit hand-over (FERRITE_NORM_X16, FERRITE_ATTN_X16) leaves its f32 output unwritten (ops.rs x16_only, MATMUL.md round 102); 0 it writes both",
