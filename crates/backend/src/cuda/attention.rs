@@ -886,7 +886,7 @@ pub fn attention(
     a: AttnArgs<'_, CudaSlice<f32>>,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
-    attention_impl(be, kv, step, a, out, None, None).map(|_| ())
+    attention_impl(be, kv, step, a, out, None, None, false).map(|_| ())
 }
 
 /// [`attention`] whose output is read next only as the x of matmuls that take it from the
@@ -901,7 +901,7 @@ pub(crate) fn attention_for(
     out: &mut Act<CudaSlice<f32>>,
     readers: Option<super::matmul::X16>,
 ) -> Result<()> {
-    attention_impl(be, kv, step, a, out, None, readers).map(|_| ())
+    attention_impl(be, kv, step, a, out, None, readers, false).map(|_| ())
 }
 
 /// [`Backend::qk_norm_rope`] then [`attention`] as one launch: the keys-before-the-wait
@@ -949,11 +949,110 @@ pub fn qk_norm_rope_attention(
     };
     // SAFETY (of the kernel's reads through `rope`): both norm weights hold 128 floats
     // (f32_vec), alive until the launch is enqueued (the guards above).
-    attention_impl(be, kv, qk.step, a, out, Some(rope), None)
+    attention_impl(be, kv, qk.step, a, out, Some(rope), None, false)
+}
+
+/// `FERRITE_KV_FUSE` (read once; default 1): a prefill's keys and values go to an f16 cache from
+/// the qk_norm_rope launch itself ([`qk_norm_rope_attention_stored`]; MATMUL.md round 104).
+fn kv_fuse() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| super::switches::int_or("FERRITE_KV_FUSE", 1) != 0)
+}
+
+/// [`Backend::qk_norm_rope`] then [`attention`] at prefill rows, the step's keys and values
+/// stored into the cache by the qk_norm_rope launch (ops.rs `qk_norm_rope_kv`: kv_store's bits)
+/// instead of a store launch of the attention's: k's rotated rows are not written back to `k`
+/// (nothing reads them after), k and v are not read a second time. `readers` as in
+/// [`attention_for`]. `Ok(false)`, nothing done, unless the step has more than DECODE_MAX_ROWS
+/// rows of one sequence on a contiguous f16 cache with room for them and the rotation is one
+/// qk_norm_rope's register form takes (NeoX, whole 32-pair groups: Qwen3's, Qwen3.5's).
+pub(crate) fn qk_norm_rope_attention_stored(
+    be: &CudaBackend,
+    kv: &mut CudaKv,
+    (q, k, v): crate::QkvMut<'_, CudaSlice<f32>>,
+    (layer, shape): (usize, AttnShape),
+    out: &mut Act<CudaSlice<f32>>,
+    qk: &crate::QkRope<'_, CudaWeight, CudaSlice<i32>>,
+    readers: Option<super::matmul::X16>,
+) -> Result<bool> {
+    let step = qk.step;
+    let rows = q.rows;
+    if !kv_fuse()
+        || kv.paged.is_some()
+        || kv.kv_type != KvType::F16
+        || rows <= DECODE_MAX_ROWS
+        || step.pos0 + rows > kv.capacity
+        || step.positions.len() < rows
+    {
+        return Ok(false);
+    }
+    crate::check_single_sequence_step(step)?;
+    check_cache(kv, layer, shape)?;
+    let len = |w: &CudaWeight| w.shape.iter().product::<usize>();
+    crate::check_qk_norm_rope(
+        q,
+        k,
+        [qk.q_norm.map(len), qk.k_norm.map(len)],
+        qk.head_dim,
+        step,
+        qk.rope,
+    )?;
+    let kvd = shape.n_kv_heads * shape.head_dim;
+    ensure!(
+        qk.head_dim == shape.head_dim
+            && k.cols == kvd
+            && k.rows == rows
+            && v.rows == rows
+            && v.cols == kvd
+            && v.buf.len() >= rows * kvd,
+        "attention: k [{}, {}] and v [{}, {}] do not match {rows} rows of {kvd}",
+        k.rows,
+        k.cols,
+        v.rows,
+        v.cols
+    );
+    let (vp, gv) = v.buf.device_ptr(&be.stream);
+    let (kcp, gk) = kv.k.device_ptr(&be.stream);
+    let (vcp, gvc) = kv.v.device_ptr(&be.stream);
+    let kd = super::ops::KvDst {
+        v: vp,
+        kc: kcp,
+        vc: vcp,
+        layer_off: (layer * kvd * kv.capacity) as i64,
+        capacity: i32::try_from(kv.capacity).context("attention: cache capacity")?,
+    };
+    // SAFETY (of the kernel's accesses through `kd`): v holds rows × kvd floats (checked); the
+    // cache planes hold every layer's n_kv_heads × capacity × head_dim halves (check_cache) and
+    // the kernel writes layer `layer`'s at positions below capacity only; all three buffers
+    // outlive the enqueued launch (borrowed for this call).
+    if !super::ops::qk_norm_rope_kv(
+        be,
+        q,
+        k,
+        (qk.q_norm, qk.k_norm),
+        qk.head_dim,
+        qk.eps,
+        step,
+        qk.rope,
+        kd,
+    )? {
+        return Ok(false);
+    }
+    drop((gv, gk, gvc));
+    let a = AttnArgs {
+        layer,
+        q: &*q,
+        k: &*k,
+        v,
+        shape,
+    };
+    attention_impl(be, kv, step, a, out, None, readers, true)
 }
 
 /// [`attention`]; with `rope`, only by the ROPE decode form, else `false` and nothing done;
-/// `readers` as in [`attention_for`].
+/// `readers` as in [`attention_for`]; `stored`: the step's keys and values are in the cache
+/// already ([`qk_norm_rope_attention_stored`]; prefill rows only), so no store launch runs.
+#[allow(clippy::too_many_arguments)]
 fn attention_impl(
     be: &CudaBackend,
     kv: &mut CudaKv,
@@ -962,6 +1061,7 @@ fn attention_impl(
     out: &mut Act<CudaSlice<f32>>,
     rope: Option<AttnRope>,
     readers: Option<super::matmul::X16>,
+    stored: bool,
 ) -> Result<bool> {
     crate::check_attention(step, &a, out)?;
     if kv.paged.is_some() {
@@ -1172,24 +1272,30 @@ fn attention_impl(
     }
 
     // 2. Store this step's keys and values (f16: a thread per element; q8_0: a warp per
-    // 32-element block).
-    let n = rows * kvd;
-    let store_cfg = store_config(n);
-    let mut store = be.stream.kernel(&be.attention.kv_store[q8]);
-    store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
-    store.arg(&mut kv.k).arg(&mut kv.v);
-    if q8 == 1 {
-        store.arg(&mut kv.k_scales).arg(&mut kv.v_scales);
+    // 32-element block), unless the qk_norm_rope launch did (`stored`).
+    ensure!(
+        !stored || rows > DECODE_MAX_ROWS,
+        "attention: keys stored ahead of a decode step (an internal error)"
+    );
+    if !stored {
+        let n = rows * kvd;
+        let store_cfg = store_config(n);
+        let mut store = be.stream.kernel(&be.attention.kv_store[q8]);
+        store.arg(&k.buf).arg(&v.buf).arg(&step.positions);
+        store.arg(&mut kv.k).arg(&mut kv.v);
+        if q8 == 1 {
+            store.arg(&mut kv.k_scales).arg(&mut kv.v_scales);
+        }
+        store
+            .arg(&layer_off)
+            .arg(&rows_i)
+            .arg(&kv_i)
+            .arg(&hd_i)
+            .arg(&capacity);
+        // SAFETY: k, v hold rows×kvd floats (checked); the kernel bounds-checks positions
+        // against capacity and writes inside layer `layer` of the cache (and its scales).
+        unsafe { store.launch(store_cfg) }?;
     }
-    store
-        .arg(&layer_off)
-        .arg(&rows_i)
-        .arg(&kv_i)
-        .arg(&hd_i)
-        .arg(&capacity);
-    // SAFETY: k, v hold rows×kvd floats (checked); the kernel bounds-checks positions
-    // against capacity and writes inside layer `layer` of the cache (and its scales).
-    unsafe { store.launch(store_cfg) }?;
 
     // 2b. Prefill: query tiles × kv heads (the tensor-core kernel where it applies).
     let pre = prefill_kernel(

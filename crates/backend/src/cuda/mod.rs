@@ -1083,7 +1083,17 @@ impl Backend for CudaBackend {
             v,
             shape,
         };
-        if attention::qk_norm_rope_attention(self, kv, args, out, &qk)? {
+        if attention::qk_norm_rope_attention(self, kv, args, out, &qk)?
+            || attention::qk_norm_rope_attention_stored(
+                self,
+                kv,
+                (&mut *q, &mut *k, v),
+                (layer, shape),
+                out,
+                &qk,
+                None,
+            )?
+        {
             return Ok(());
         }
         crate::qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
@@ -1103,6 +1113,17 @@ impl Backend for CudaBackend {
         let Some(form) = mmw::x16_readers(self, readers, q.rows) else {
             return self.qk_norm_rope_attention(kv, qk, (q, k, v), layer, shape, out);
         };
+        if attention::qk_norm_rope_attention_stored(
+            self,
+            kv,
+            (&mut *q, &mut *k, v),
+            (layer, shape),
+            out,
+            &qk,
+            Some(form),
+        )? {
+            return Ok(());
+        }
         self.qk_norm_rope(
             q,
             k,

@@ -22,6 +22,9 @@ pub struct Kernels {
     rope: CudaFunction,
     add_rms_norm: CudaFunction,
     qk_norm_rope: CudaFunction,
+    /// `qk_norm_rope_kv`: the prefill's k and v stored into the f16 cache by the same launch
+    /// ([`qk_norm_rope_kv`]).
+    qk_norm_rope_kv: CudaFunction,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
     topk_rows: CudaFunction,
@@ -57,6 +60,7 @@ impl Kernels {
             rope: function(&m, "rope")?,
             add_rms_norm: function(&m, "add_rms_norm")?,
             qk_norm_rope: function(&m, "qk_norm_rope")?,
+            qk_norm_rope_kv: function(&m, "qk_norm_rope_kv")?,
             add_assign: function(&m, "add_assign")?,
             swiglu: function(&m, "swiglu")?,
             topk_rows: function(&m, "topk_rows")?,
@@ -756,6 +760,61 @@ pub fn qk_norm_rope(
         rope.rot_dim,
         2 * 32 * QKR_PAIRS
     );
+    qk_norm_rope_launch(be, q, k, (q_norm, k_norm), head_dim, eps, step, rope, None).map(|_| ())
+}
+
+/// The f16 KV cache plane pair a prefill's k and v go to ([`qk_norm_rope_kv`]; elementwise.cu
+/// `KvDst`): v's rows, this layer's K and V planes (elements from `layer_off`), positions a kv
+/// head.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct KvDst {
+    pub(crate) v: u64,
+    pub(crate) kc: u64,
+    pub(crate) vc: u64,
+    pub(crate) layer_off: i64,
+    pub(crate) capacity: i32,
+}
+
+// SAFETY: plain old data laid out as the C struct (three pointers, a long long, an int).
+unsafe impl super::launch::ScalarArg for KvDst {}
+
+/// [`qk_norm_rope`] whose k and v also go straight to the f16 KV cache, as `kv_store` would
+/// write them (elementwise.cu `qk_norm_rope_kv`): k's rotated rows go to the cache instead of
+/// back into `k`, v's rows are stored unchanged, and the attention after it runs no store launch
+/// (attention.rs `qk_norm_rope_attention_stored`). `Ok(false)`, nothing done, where the kernel's
+/// register form does not take the rotation (the caller runs qk_norm_rope and kv_store). The
+/// caller checked the shapes (`check_qk_norm_rope`), v's (`[rows, k.cols]`) and that `kd` is the
+/// layer's cache with room for every position.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qk_norm_rope_kv(
+    be: &CudaBackend,
+    q: &mut Act<CudaSlice<f32>>,
+    k: &mut Act<CudaSlice<f32>>,
+    norms: (Option<&CudaWeight>, Option<&CudaWeight>),
+    head_dim: usize,
+    eps: f32,
+    step: &StepInput<CudaSlice<i32>>,
+    rope: &Rope,
+    kd: KvDst,
+) -> Result<bool> {
+    qk_norm_rope_launch(be, q, k, norms, head_dim, eps, step, rope, Some(kd))
+}
+
+/// The `qk_norm_rope` launch, or with `kd` the `qk_norm_rope_kv` one (`Ok(false)`, nothing done,
+/// where that form's register path does not take the rotation).
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_rope_launch(
+    be: &CudaBackend,
+    q: &mut Act<CudaSlice<f32>>,
+    k: &mut Act<CudaSlice<f32>>,
+    (q_norm, k_norm): (Option<&CudaWeight>, Option<&CudaWeight>),
+    head_dim: usize,
+    eps: f32,
+    step: &StepInput<CudaSlice<i32>>,
+    rope: &Rope,
+    kd: Option<KvDst>,
+) -> Result<bool> {
     let qw = q_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let kw = k_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
@@ -768,15 +827,20 @@ pub fn qk_norm_rope(
         && matches!(half / 32, 1 | 2 | 4)
         && head_dim.is_multiple_of(32)
         && head_dim <= 256;
+    if kd.is_some() && !regs {
+        return Ok(false);
+    }
     let hpw = if regs && q.rows >= QKR_HEADS_MIN_ROWS && qkr_heads() {
         // The kernel's registers a head (qkr_heads<NR>): 4 for heads of up to 128 elements, else 8.
         QKR_HREGS / if head_dim <= 128 { 4 } else { 8 }
     } else {
         1
     };
-    let warps = q.rows * (q_heads.div_ceil(hpw) + k_heads.div_ceil(hpw));
+    // KV: as many warps again as k's, for v.
+    let k_warps = k_heads.div_ceil(hpw) * if kd.is_some() { 2 } else { 1 };
+    let warps = q.rows * (q_heads.div_ceil(hpw) + k_warps);
     if warps == 0 {
-        return Ok(());
+        return Ok(true);
     }
     let (rows, qh, kh, hd, rd, hpw) = (
         q.rows as i32,
@@ -795,7 +859,10 @@ pub fn qk_norm_rope(
     // as the step); norm weights hold head_dim floats (f32_vec); the kernel returns for
     // warps past rows·(q_heads + k_heads).
     unsafe {
-        let mut b = be.stream.kernel(&be.ops.qk_norm_rope);
+        let mut b = be.stream.kernel(match kd {
+            Some(_) => &be.ops.qk_norm_rope_kv,
+            None => &be.ops.qk_norm_rope,
+        });
         b.arg(&mut q.buf).arg(&mut k.buf);
         match &qw {
             Some(v) => b.arg(v),
@@ -814,10 +881,13 @@ pub fn qk_norm_rope(
             .arg(&neox)
             .arg(&rope.theta)
             .arg(&eps)
-            .arg(&hpw)
-            .launch(cfg)
+            .arg(&hpw);
+        if let Some(kd) = &kd {
+            b.arg(kd);
+        }
+        b.launch(cfg)
     }?;
-    Ok(())
+    Ok(true)
 }
 
 pub fn add_assign(

@@ -122,10 +122,6 @@
 #define DECODE_MIN_CHUNK 32  // attention.rs DECODE_MIN_CHUNK (the launcher passes min_chunk)
 #define PREFILL_THREADS 256
 
-__device__ __forceinline__ unsigned short f32_to_f16_sat(float x) {
-    float c = (x != x) ? x : fminf(fmaxf(x, -65504.f), 65504.f);
-    return __half_as_ushort(__float2half_rn(c));
-}
 
 // 8 halves packed in a uint4 → 8 floats.
 __device__ __forceinline__ void unpack8(uint4 u, float* f) {

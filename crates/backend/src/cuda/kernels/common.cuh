@@ -365,3 +365,12 @@ __device__ __forceinline__ void mma_store_c(const float (&acc)[2][NT][4], float*
         }
     }
 }
+
+// A float as the f16 KV cache holds it: saturated to ±65504 (NaN kept), rounded to nearest. The
+// kv store's bits (attention.cu kv_store, and qk_norm_rope_kv in elementwise.cu, which must
+// store what kv_store would).
+__device__ __forceinline__ unsigned short f32_to_f16_sat(float x) {
+    float c = (x != x) ? x : fminf(fmaxf(x, -65504.f), 65504.f);
+    return __half_as_ushort(__float2half_rn(c));
+}
+

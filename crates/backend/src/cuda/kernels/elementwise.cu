@@ -228,10 +228,13 @@ __device__ __forceinline__ void qkr_rotate(float (&v)[N], const float (&c)[QKR_P
 // The register form on a warp's nh heads (nh <= QKR_HREGS / NR) of at most 32 NR elements each: every
 // head's elements loaded at once (one L2 round trip for the warp's heads), then each head
 // normalised, rotated by the warp's angles and stored.
+// kc0 (qk_norm_rope_kv's k warps): each head's result goes to the f16 cache instead, head h at
+// kc0 + h · kc_stride, as f32_to_f16_sat (the kv store's bits), and its f32 rows are not written.
 template <int NR>
 __device__ __forceinline__ void qkr_heads(float* __restrict__ hp0, int nh, int head_dim, int hoff, bool norm,
                                           const float (&nv)[QKR_REGS], const float (&cs)[QKR_PAIRS],
-                                          const float (&sn)[QKR_PAIRS], float eps, int lane) {
+                                          const float (&sn)[QKR_PAIRS], float eps, int lane,
+                                          unsigned short* __restrict__ kc0 = nullptr, long long kc_stride = 0) {
     constexpr int HH = QKR_HREGS / NR;
     float vh[HH][NR];
 #pragma unroll
@@ -260,24 +263,45 @@ __device__ __forceinline__ void qkr_heads(float* __restrict__ hp0, int nh, int h
             qkr_rotate<2>(v, cs, sn);
         else if constexpr (NR >= 8)
             qkr_rotate<4>(v, cs, sn);
+        if (kc0 != nullptr) {
+#pragma unroll
+            for (int m = 0; m < NR; m++)
+                if (lane + 32 * m < head_dim) kc0[h * kc_stride + lane + 32 * m] = f32_to_f16_sat(v[m]);
+            continue;
+        }
 #pragma unroll
         for (int m = 0; m < NR; m++)
             if (lane + 32 * m < head_dim) hp[lane + 32 * m] = v[m];
     }
 }
 
+// The f16 KV cache a prefill's k and v go to (qk_norm_rope_kv): this layer's K and V planes at
+// layer_off, `capacity` positions a kv head.
+struct KvDst {
+    const float* v;
+    unsigned short* kc;
+    unsigned short* vc;
+    long long layer_off;
+    int capacity;
+};
+
 // Warp w takes heads h0 .. h0 + hpw - 1 (fewer at the end) of one row of q (w < rows · ceil(q_heads
-// / hpw)) or of k (after them).
-extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
-                                        const float* __restrict__ qw, const float* __restrict__ kw,
-                                        const int* __restrict__ positions, int rows, int q_heads,
-                                        int k_heads, int head_dim, int rot_dim, int neox,
-                                        float theta, float eps, int hpw) {
+// / hpw)) or of k (after them). KV (qk_norm_rope_kv, the register form only: the launcher checks
+// it applies): the k warps store their heads into the f16 cache at the row's position instead of
+// writing k, and as many warps after them store v's heads there unchanged — kv_store's work (its
+// bits: f32_to_f16_sat, positions outside the cache skipped), so no kv_store launch follows.
+template <bool KV>
+__device__ __forceinline__ void qk_norm_rope_impl(float* __restrict__ q, float* __restrict__ k,
+                                                  const float* __restrict__ qw, const float* __restrict__ kw,
+                                                  const int* __restrict__ positions, int rows, int q_heads,
+                                                  int k_heads, int head_dim, int rot_dim, int neox, float theta,
+                                                  float eps, int hpw, KvDst kd) {
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     const int qg = (q_heads + hpw - 1) / hpw, kg = (k_heads + hpw - 1) / hpw;
     long long nq = (long long)rows * qg;
     long long total = nq + (long long)rows * kg;
+    const long long nv_warps = KV ? (long long)rows * kg : 0;
     const float* w = warp < nq ? qw : kw;
     const bool norm = w != nullptr;
     const int half = rot_dim / 2;
@@ -309,9 +333,25 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restr
         }
     }
     PDL_ENTRY();
+    if constexpr (KV) {
+        if (warp >= total && warp < total + nv_warps) {
+            // v's heads into the cache (no norm, no rotation): a head's elements on NR registers.
+            const long long vw = warp - total;
+            const int t = (int)(vw / kg), h0 = (int)(vw % kg) * hpw, nh = min(hpw, k_heads - h0);
+            const int p = positions[t];
+            if (p < 0 || p >= kd.capacity) return;
+            const float* vp = kd.v + ((long long)t * k_heads + h0) * head_dim;
+            unsigned short* dst = kd.vc + kd.layer_off + ((long long)h0 * kd.capacity + p) * head_dim;
+            for (int h = 0; h < nh; h++)
+                for (int i = lane; i < head_dim; i += 32)
+                    dst[(long long)h * kd.capacity * head_dim + i] = f32_to_f16_sat(vp[(long long)h * head_dim + i]);
+            return;
+        }
+    }
     if (warp >= total) return;  // warp-uniform: blockDim is a multiple of 32
     float* hp0;
     int t, nh;
+    unsigned short* kc0 = nullptr;
     if (warp < nq) {
         t = (int)(warp / qg);
         const int h0 = (int)(warp % qg) * hpw;
@@ -323,6 +363,11 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restr
         const int h0 = (int)(kw_ % kg) * hpw;
         nh = min(hpw, k_heads - h0);
         hp0 = k + ((long long)t * k_heads + h0) * head_dim;
+        if constexpr (KV) {
+            const int p = positions[t];
+            if (p < 0 || p >= kd.capacity) return;  // kv_store skips them too
+            kc0 = kd.kc + kd.layer_off + ((long long)h0 * kd.capacity + p) * head_dim;
+        }
     }
     const float pos = (float)positions[t];
     if (regs) {
@@ -334,12 +379,14 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restr
         else
             qkr_angles<4>(cs, sn, inv_freq, pos);
         // Heads of at most 128 elements on four registers a lane, else eight.
+        const long long kc_stride = (long long)kd.capacity * head_dim;
         if (head_dim <= 128)
-            qkr_heads<4>(hp0, nh, head_dim, hoff, norm, nv, cs, sn, eps, lane);
+            qkr_heads<4>(hp0, nh, head_dim, hoff, norm, nv, cs, sn, eps, lane, kc0, kc_stride);
         else
-            qkr_heads<QKR_REGS>(hp0, nh, head_dim, hoff, norm, nv, cs, sn, eps, lane);
+            qkr_heads<QKR_REGS>(hp0, nh, head_dim, hoff, norm, nv, cs, sn, eps, lane, kc0, kc_stride);
         return;
     }
+    if constexpr (KV) return;  // the launcher takes the KV form only where the register form runs
 #pragma unroll 1
     for (int h = 0; h < nh; h++) {
         float* hp = hp0 + (long long)h * head_dim;
@@ -369,6 +416,25 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restr
         if (norm)
             for (int i = rot_dim + lane; i < head_dim; i += 32) hp[i] = (hp[i] * scale) * w[i];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restrict__ q, float* __restrict__ k,
+                                        const float* __restrict__ qw, const float* __restrict__ kw,
+                                        const int* __restrict__ positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, int rot_dim, int neox,
+                                        float theta, float eps, int hpw) {
+    qk_norm_rope_impl<false>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps,
+                             hpw, KvDst{});
+}
+
+// qk_norm_rope whose k and v go straight to the f16 cache (KV above; ops.rs qk_norm_rope_kv).
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_kv(float* __restrict__ q, float* __restrict__ k,
+                                        const float* __restrict__ qw, const float* __restrict__ kw,
+                                        const int* __restrict__ positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, int rot_dim, int neox,
+                                        float theta, float eps, int hpw, KvDst kd) {
+    qk_norm_rope_impl<true>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps, hpw,
+                            kd);
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
