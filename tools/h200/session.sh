@@ -47,6 +47,9 @@
 #            f16 checks under FERRITE_CUBLASLT=3 first, then Qwen3-8B F16 pp512 under (CAT, X16,
 #            LT) = (0,0,0), (0,1,3), (1,1,1), (0,0,0) once each, then the checks under
 #            FERRITE_MMW_TA_CAT=1 and FERRITE_ATTN_X16=1; `lt cat attnx16` are the full stages
+#   bytes    rounds 102-104 of MATMUL.md (on by default): the 300-row checks, then Qwen3-8B F16
+#            pp512 with FERRITE_NORM_X16_ONLY, FERRITE_LT_ADD and FERRITE_KV_FUSE all 0 / all 1
+#            and Q4_K_M with X16_ONLY and KV_FUSE 0 / 1, two rounds
 #   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, on
 #            by default since the 53rd session; MATMUL.md round 95; the same CUBIN serves both values):
 #            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
@@ -389,6 +392,28 @@ for stage in "$@"; do
         echo "group LT=2: $(perf512 FERRITE_CUBLASLT=2 "$F16_QKV512" --eager)"
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
+        rm -f "$f"
+        ;;
+    bytes)
+        # Rounds 102-104 (all on by default): the prefill checks they touch, then pp512 of
+        # Qwen3-8B F16 under (X16_ONLY, LT_ADD, KV_FUSE) = all off / all on and Q4_K_M under
+        # (X16_ONLY, KV_FUSE), two rounds.
+        check_under FERRITE_KV_FUSE=1 "rows=300" check-bytes.log 4
+        f=$(synth qwen3-8b F16 | tail -1)
+        for r in 1 2; do
+            for v in 0 1; do
+                echo "qwen3-8b F16 X16_ONLY=LT_ADD=KV_FUSE=$v $(FERRITE_NORM_X16_ONLY=$v FERRITE_LT_ADD=$v FERRITE_KV_FUSE=$v \
+                    $F bench --model "$f" --reps 2 --gen-tokens 8 --gate-tokens 32 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+            done
+        done
+        rm -f "$f"
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        for r in 1 2; do
+            for v in 0 1; do
+                echo "qwen3-8b Q4_K_M X16_ONLY=KV_FUSE=$v $(FERRITE_NORM_X16_ONLY=$v FERRITE_KV_FUSE=$v \
+                    $F bench --model "$f" --reps 2 --gen-tokens 8 --gate-tokens 32 2>&1 | grep -E 'pp512|gate|rror' | tr -s ' ' | tr '\n' ' ')"
+            done
+        done
         rm -f "$f"
         ;;
     f16ab)
