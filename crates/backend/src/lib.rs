@@ -341,6 +341,7 @@ pub struct QkRope<'a, W, I> {
 
 /// [`Backend::qk_norm_rope_attention`] as its two ops: [`Backend::qk_norm_rope`] on q and k in
 /// place, then [`Backend::attention`] (the trait's default, and a backend's own fallback).
+#[allow(clippy::too_many_arguments)]
 pub fn qk_norm_rope_then_attention<B: Backend + ?Sized>(
     be: &B,
     kv: &mut B::Kv,
@@ -349,6 +350,7 @@ pub fn qk_norm_rope_then_attention<B: Backend + ?Sized>(
     layer: usize,
     shape: AttnShape,
     out: &mut Act<B::Buf>,
+    readers: &[&B::Weight],
 ) -> Result<()> {
     be.qk_norm_rope(
         q,
@@ -360,7 +362,7 @@ pub fn qk_norm_rope_then_attention<B: Backend + ?Sized>(
         qk.step,
         qk.rope,
     )?;
-    be.attention(
+    be.attention_for(
         kv,
         qk.step,
         AttnArgs {
@@ -371,6 +373,7 @@ pub fn qk_norm_rope_then_attention<B: Backend + ?Sized>(
             shape,
         },
         out,
+        readers,
     )
 }
 
@@ -885,7 +888,7 @@ pub trait Backend: Send + Sync {
         shape: AttnShape,
         out: &mut Act<Self::Buf>,
     ) -> Result<()> {
-        qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
+        qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out, &[])
     }
 
     /// [`Backend::attention`] whose `out` is read next only as the x of one [`Backend::matmul`]

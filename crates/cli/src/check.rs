@@ -1797,42 +1797,28 @@ pub fn cases(quick: bool) -> Vec<Case> {
         add(Op::Paged(c));
     }
 
-    // --- QK-norm + RoPE and the decode attention in one op: Qwen3-8B's and Qwen3-30B-A3B's
-    // heads, GQA 2, at caches of 2, 5 and 15 splits (the cluster form's range, where CUDA folds
-    // the rotation into the launch), one, and 32 and 47 (the tail merge: two launches).
-    for (n_heads, n_kv_heads, pos0) in [
-        (32, 8, 100),
-        (32, 8, 300),
-        (32, 8, 900),
-        (32, 4, 300),
-        (16, 8, 150),
-        (32, 8, 20),
-        (32, 8, 2000),
-        (32, 4, 3000),
-    ] {
-        if quick && pos0 != 300 {
-            continue;
-        }
-        add(Op::AttnRope {
-            shape: AttnShape {
-                n_heads,
-                n_kv_heads,
-                head_dim: 128,
-            },
-            pos0,
-            rows: 1,
-        });
-    }
-    // Prefills (GQA groups of 4, 8 and 2, from position 0 and after a prefix, a last tile part
-    // full): the composition a form that rotates q inside the attention would replace (MATMUL.md
-    // round 102 measured one, 7252348, and removed it: a tie).
+    // --- QK-norm + RoPE and the attention in one op. Decode rows: Qwen3-8B's and
+    // Qwen3-30B-A3B's heads, GQA 2, at caches of 2, 5 and 15 splits (the cluster form's range,
+    // where CUDA folds the rotation into the launch), one, and 32 and 47 (the tail merge: two
+    // launches). Prefills (GQA groups of 4, 8 and 2, from position 0 and after a prefix, a last
+    // tile part full): CUDA's qk_norm_rope storing the keys and values itself
+    // (`FERRITE_KV_FUSE`), and the composition a form rotating q inside the attention would
+    // replace (MATMUL.md round 102 measured one, 7252348, and removed it: a tie).
     for (n_heads, n_kv_heads, pos0, rows) in [
+        (32, 8, 100, 1),
+        (32, 8, 300, 1),
+        (32, 8, 900, 1),
+        (32, 4, 300, 1),
+        (16, 8, 150, 1),
+        (32, 8, 20, 1),
+        (32, 8, 2000, 1),
+        (32, 4, 3000, 1),
         (32, 8, 0, 300),
         (32, 4, 100, 300),
         (16, 8, 0, 64),
         (32, 8, 37, 130),
     ] {
-        if quick && rows != 300 {
+        if quick && pos0 != 300 && rows != 300 {
             continue;
         }
         add(Op::AttnRope {

@@ -282,6 +282,7 @@ impl Lt {
 /// bit 0, a group under bit 1), every weight is `t16` in device memory, every operand is
 /// [`ALIGN`]ed, every buffer holds its shape and the stream is not capturing. `Ok(false)`,
 /// nothing done, otherwise (mmw's launch then runs, with its own checks).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemms<X: DevicePtr<u16>>(
     be: &CudaBackend,
     xb: &X,

@@ -1146,35 +1146,24 @@ fn down_launch<X: DevicePtr<u16>>(
     residual: Option<&mut Act<CudaSlice<f32>>>,
 ) -> Result<()> {
     let t16 = TA_TYPES[td].0;
-    if let Some(res) = residual {
-        if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *res], t16, true)? {
-            return Ok(());
+    let mmw = |y: &mut Act<CudaSlice<f32>>| {
+        launch(be, xb, kp, rows, &[w], &be.mmw.ta[td].0, &mut [y], Some(td))
+    };
+    match residual {
+        Some(res) => {
+            if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *res], t16, true)? {
+                return Ok(());
+            }
+            mmw(out)?;
+            super::ops::add_assign(be, res, out)
         }
-        launch(
-            be,
-            xb,
-            kp,
-            rows,
-            &[w],
-            &be.mmw.ta[td].0,
-            &mut [&mut *out],
-            Some(td),
-        )?;
-        return super::ops::add_assign(be, res, out);
+        None => {
+            if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *out], t16, false)? {
+                return Ok(());
+            }
+            mmw(out)
+        }
     }
-    if super::blas::gemms(be, xb, kp, rows, &[w], &mut [&mut *out], t16, false)? {
-        return Ok(());
-    }
-    launch(
-        be,
-        xb,
-        kp,
-        rows,
-        &[w],
-        &be.mmw.ta[td].0,
-        &mut [out],
-        Some(td),
-    )
 }
 
 /// `out += x · wᵀ` at prefill rows for a 16-bit weight on the TA form (`y` scratch): the residual

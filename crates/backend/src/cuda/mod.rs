@@ -1096,7 +1096,7 @@ impl Backend for CudaBackend {
         {
             return Ok(());
         }
-        crate::qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out)
+        crate::qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out, &[])
     }
 
     fn qk_norm_rope_attention_for(
@@ -1124,24 +1124,7 @@ impl Backend for CudaBackend {
         )? {
             return Ok(());
         }
-        self.qk_norm_rope(
-            q,
-            k,
-            qk.q_norm,
-            qk.k_norm,
-            qk.head_dim,
-            qk.eps,
-            qk.step,
-            qk.rope,
-        )?;
-        let args = AttnArgs {
-            layer,
-            q,
-            k,
-            v,
-            shape,
-        };
-        attention::attention_for(self, kv, qk.step, args, out, Some(form))
+        crate::qk_norm_rope_then_attention(self, kv, qk, (q, k, v), layer, shape, out, readers)
     }
 
     fn moe(
