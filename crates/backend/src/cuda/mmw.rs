@@ -1196,11 +1196,14 @@ pub fn matmul_add(
 /// `FERRITE_CUBLASLT` bit 0, and `FERRITE_LT_ADD`, on by default): the decoder then runs
 /// [`matmul_add`] / the down with a residual and a plain RMSNorm after, instead of the
 /// projection and an add + RMSNorm (MATMUL.md round 102). A call cuBLASLt turns down after all
-/// still adds, by mmw and `add_assign`.
+/// (the first, where the library is missing; a shape it cannot plan) still adds, by mmw and
+/// `add_assign`.
 pub(crate) fn adds_in_epilogue(be: &CudaBackend, w: &CudaWeight, rows: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| super::switches::int_or("FERRITE_LT_ADD", 1) != 0)
         && super::blas::mode() & 1 != 0
+        // Not where cuBLASLt could not start (no library): mmw and an add would run instead.
+        && be.blas.get().is_none_or(Option::is_some)
         && matches!(w.dtype, GgmlType::F16 | GgmlType::BF16)
         && !super::mmq::takes(be, w, rows)
         && kernel_index(be, w, rows).is_some()
