@@ -952,20 +952,6 @@ pub fn qk_norm_rope_attention(
     attention_impl(be, kv, qk.step, a, out, Some(rope), None, false)
 }
 
-/// The two-group prefill kernel's block order (attention.cu `pair_s`) for a grid of `blocks`:
-/// under `FERRITE_ATTN_PAIR=1` (default 0: built, not measured; ATTENTION.md 60th session) and a
-/// grid of one wave (at most two blocks an SM, the kernel's occupancy), the SM count, so that the
-/// i-th heaviest block and the i-th lightest share an SM; else 0, heaviest tile first.
-fn pair_s(be: &CudaBackend, blocks: usize) -> i32 {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_PAIR", 0) != 0);
-    if on && blocks <= 2 * be.sm_count {
-        be.sm_count as i32
-    } else {
-        0
-    }
-}
-
 /// `FERRITE_KV_FUSE` (read once; default 1): a prefill's keys and values go to an f16 cache from
 /// the qk_norm_rope launch itself ([`qk_norm_rope_attention_stored`]; MATMUL.md round 104).
 fn kv_fuse() -> bool {
@@ -1347,19 +1333,10 @@ fn attention_impl(
             (Some(_), None) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
             (None, None) => None,
         };
-        // The two-group kernels (the f16 family's entry at 256 threads, or its `_x16` forms)
-        // take the block order argument (`pair_s`).
-        let tc2_pick = x16.is_some()
-            || TC_HEAD_DIMS
-                .iter()
-                .position(|&h| h == head_dim)
-                .and_then(|i| be.attention.prefill_tc[0].as_ref()?.get(i))
-                .is_some_and(|(f, threads)| std::ptr::eq(f, func) && *threads == 2 * TC_THREADS);
         let func = match (&x16, x16_pair) {
             (Some(xb), Some(pair)) => &pair[usize::from(xb.kind == super::matmul::X16::F16)],
             _ => func,
         };
-        let pair_s = pair_s(be, cfg.grid_dim.0 as usize * cfg.grid_dim.1 as usize);
         let mut launch = be.stream.kernel(func);
         launch
             .arg(&q.buf)
@@ -1380,9 +1357,6 @@ fn attention_impl(
             .arg(&group_i)
             .arg(&capacity)
             .arg(&scale_log2);
-        if tc2_pick {
-            launch.arg(&pair_s);
-        }
         if let Some(xb) = x16.as_mut() {
             launch.arg(xb.buf()?);
         }

@@ -1817,8 +1817,7 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
     const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
-    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr,
-    int pair_s = 0) {
+    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr) {
     using S = TcShape<HD, Q8>;
     static_assert(G == 1 || (G == 2 && !Q8), "attn_prefill_tc: two key groups on f16 caches only");
     constexpr int BKV = S::BKV, LDS = S::LDS;
@@ -1842,20 +1841,8 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     const int kg = G == 2 ? tid >> 7 : 0, gtid = tid & (TC_THREADS - 1);
     const int g = lane >> 2, t4 = lane & 3;
     const int rpt = TC_SLOTS / group;  // rows per tile (host guarantees 1 ≤ group ≤ 64)
-    // Heaviest (latest rows) first. pair_s > 0 (the tc2 kernels under FERRITE_ATTN_PAIR, where
-    // the grid is one wave of two blocks an SM): blocks are ranked by work, every kv head's tile
-    // of a row range together (rank r: tile T − 1 − r / H, head r % H), the first pair_s blocks in
-    // the order dispatched (one an SM) take ranks 0 .. pair_s − 1 and block pair_s + i the rank
-    // N − 1 − i, so that the block sharing an SM with the i-th heaviest is the i-th lightest
-    // (attention.rs `pair_s`; ATTENTION.md 60th session). A bijection of the N blocks.
-    int tile = gridDim.x - 1 - blockIdx.x;
-    int kvh = blockIdx.y;
-    if (pair_s > 0) {
-        const int n = gridDim.x * gridDim.y, lin = blockIdx.y * gridDim.x + blockIdx.x;
-        const int rank = lin < pair_s ? lin : n - 1 - (lin - pair_s);
-        tile = gridDim.x - 1 - rank / gridDim.y;
-        kvh = rank % gridDim.y;
-    }
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int kvh = blockIdx.y;
     const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, 0);
 
     if (tid == 0) s_kmax = 0;
@@ -2159,21 +2146,19 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
 // session); two groups halve that chain and double the warps, at ≤ 128 registers (two
 // 256-thread blocks an SM, as the shared memory allows).
 // `_xbf16` / `_xf16`: the same with the output also as the o-projection's 16-bit x (XO above;
-// XARG / XPASS the extra parameter and its pass, or TC2_NONE / TC2_NO_XO). `pair_s`: the block
-// order above (0: heaviest tile first, every head's in turn).
+// XARG / XPASS the extra parameter and its pass, or TC2_NONE).
 #define TC2_NONE
 #define TC2_XO_ARG , unsigned short* __restrict__ xo
-#define TC2_XO_PASS xo
-#define TC2_NO_XO nullptr
+#define TC2_XO_PASS , xo
 #define PREFILL_TC2_KERNEL1(NAME, HD, XO, XARG, XPASS)                                      \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2) NAME(PREFILL_ARGS, int pair_s XARG) { \
+    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2) NAME(PREFILL_ARGS XARG) { \
         PDL_ENTRY();                                                                         \
         attn_prefill_tc_impl<HD, false, false, 2, XO>(q, kc, vc, ks, vs, positions, out, layer_off, \
                                                       rows, n_heads, group, capacity, scale_log2, \
-                                                      UNPAGED_PASS(capacity), XPASS, pair_s); \
+                                                      UNPAGED_PASS(capacity) XPASS);         \
     }
 #define PREFILL_TC2_KERNEL(HD)                                                               \
-    PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD, HD, 0, TC2_NONE, TC2_NO_XO)                   \
+    PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD, HD, 0, TC2_NONE, TC2_NONE)                    \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xbf16, HD, 1, TC2_XO_ARG, TC2_XO_PASS)       \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xf16, HD, 2, TC2_XO_ARG, TC2_XO_PASS)
 #define PREFILL_TC_KERNEL(HD)                                                                \
