@@ -703,7 +703,13 @@ impl<B: Backend> Model<B> {
         if !defer {
             // Read next only by the first layer's Q, K, V ([`Backend::rms_norm_for`]).
             let readers = self.qkv_readers(0);
-            be.rms_norm_for(x, first_norm, cfg.rms_eps, h, &readers)?;
+            be.rms_norm_for(
+                x,
+                first_norm,
+                cfg.rms_eps,
+                h,
+                readers.as_ref().map_or(&[], |r| r),
+            )?;
         }
         // Whether the previous layer's down projection handed this layer's attention norm
         // over to its Q, K, V ([`Backend::matmul_add_for_norm`]) instead of writing h.
@@ -784,13 +790,14 @@ impl<B: Backend> Model<B> {
                     .layers
                     .get(il + 1)
                     .map_or(&self.out_norm, |n| &n.attn_norm);
-                let readers = self.qkv_readers(il + 1);
+                let next = self.qkv_readers(il + 1);
+                let readers = next.as_ref().map_or(&[][..], |r| r);
                 if be.adds_in_epilogue(wd, t) {
                     be.swiglu_mlp_add(h, wg, wu, wd, (&mut *gate, &mut *up), act, x, y)?;
-                    be.rms_norm_for(x, next_norm, eps, h, &readers)?;
+                    be.rms_norm_for(x, next_norm, eps, h, readers)?;
                 } else {
                     be.swiglu_mlp(h, wg, wu, wd, (&mut *gate, &mut *up), act, y)?;
-                    be.add_rms_norm_for(x, y, next_norm, eps, h, &readers)?;
+                    be.add_rms_norm_for(x, y, next_norm, eps, h, readers)?;
                 }
                 handed = false;
                 continue;
@@ -823,8 +830,9 @@ impl<B: Backend> Model<B> {
                 .layers
                 .get(il + 1)
                 .map_or(&self.out_norm, |n| &n.attn_norm);
-            let readers = self.qkv_readers(il + 1);
-            be.add_rms_norm_for(x, y, next_norm, cfg.rms_eps, h, &readers)?;
+            let next = self.qkv_readers(il + 1);
+            let readers = next.as_ref().map_or(&[][..], |r| r);
+            be.add_rms_norm_for(x, y, next_norm, cfg.rms_eps, h, readers)?;
         }
 
         if defer {
@@ -834,11 +842,10 @@ impl<B: Backend> Model<B> {
     }
 
     /// The weights that read layer `il`'s attention input h: its Q, K, V (none past the last
-    /// layer, where h is the output norm's result).
-    fn qkv_readers(&self, il: usize) -> Vec<&B::Weight> {
-        self.layers
-            .get(il)
-            .map_or_else(Vec::new, |l| vec![&l.wq, &l.wk, &l.wv])
+    /// layer, where h is the output norm's result). An array, not a Vec: asked twice a layer
+    /// on every step, decode's included.
+    fn qkv_readers(&self, il: usize) -> Option<[&B::Weight; 3]> {
+        self.layers.get(il).map(|l| [&l.wq, &l.wk, &l.wv])
     }
 
     /// Whether a step of `rows` rows runs with the RMSNorms deferred into the projections

@@ -340,11 +340,7 @@ pub(crate) fn rms_norm(
     let wv = f32_vec(w, x.cols)?;
     let cols = x.cols as i32;
     let v4 = norm_v4_threads(be, w, x.cols);
-    let only = match v4 {
-        Some(_) if super::matmul::norm_x16() => x16_only(be, x.rows, x.cols, readers)?,
-        _ => None,
-    };
-    if let (Some(threads), Some(mut xb)) = (v4, only) {
+    if let (Some(threads), Some(mut xb)) = (v4, norm_x16_only(be, v4, x.rows, x.cols, readers)?) {
         let mut launch = be
             .stream
             .kernel(&be.ops.rms_norm_v4_x16[usize::from(xb.kind == super::matmul::X16::F16)]);
@@ -534,6 +530,21 @@ pub(crate) fn x16_only(
         .filter(|xb| xb.kind == form && xb.recordable(be)))
 }
 
+/// [`x16_only`] for a vectorised norm (`v4`, its threads where [`norm_v4_threads`] takes the
+/// row: the `_x16` kernels are its forms) under its hand-over switch (`FERRITE_NORM_X16`).
+fn norm_x16_only(
+    be: &CudaBackend,
+    v4: Option<u32>,
+    rows: usize,
+    cols: usize,
+    readers: Option<super::matmul::X16>,
+) -> Result<Option<super::matmul::XbProducer<'_>>> {
+    match v4 {
+        Some(_) if super::matmul::norm_x16() => x16_only(be, rows, cols, readers),
+        _ => Ok(None),
+    }
+}
+
 /// `FERRITE_NORM_X16_ONLY` (read once; default 1): a prefill norm or attention whose readers all
 /// take its 16-bit hand-over leaves its f32 output unwritten ([`x16_only`]; MATMUL.md round
 /// 102).
@@ -582,10 +593,7 @@ pub(crate) fn add_rms_norm(
     // A prefill's h read next by matmuls (their x converted to 16 bits, matmul.rs
     // `with_scratch_rows`): the v4 kernel's `_x16` form writes that 16-bit x too, recorded as
     // h's.
-    let only = match v4 {
-        Some(_) if super::matmul::norm_x16() => x16_only(be, x.rows, x.cols, readers)?,
-        _ => None,
-    };
+    let only = norm_x16_only(be, v4, x.rows, x.cols, readers)?;
     let h_written = only.is_none();
     let mut x16 = match (v4, only) {
         (_, Some(xb)) => Some(xb),
@@ -615,9 +623,9 @@ pub(crate) fn add_rms_norm(
         None => xq_planes(&mut launch, fused.as_mut().and_then(|g| g.as_mut())),
     }
     // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows; h
-    // null, not written, where x16_only applies: the x16 kernels test it); one block per row, at most 1024 threads (32 warps: the kernel's shared partials; the
-    // v4 kernel's chunks fit NORM_NV rounds and its rows are 16-byte aligned, see
-    // norm_v4_threads); the int8 scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a
+    // null, not written, where x16_only applies: the x16 kernels test it); one block per row,
+    // at most 1024 threads (32 warps: the kernel's shared partials; the v4 kernel's chunks fit
+    // NORM_NV rounds and its rows are 16-byte aligned, see norm_v4_threads); the int8 scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a
     // multiple of 32) elements, the 16-bit one rows × cols (xb_for_producer).
     unsafe { launch.launch(cfg) }?;
     if let Some(xb) = &x16 {
