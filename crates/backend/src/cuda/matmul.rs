@@ -134,6 +134,9 @@ pub struct Kernels {
     /// `gemvq_swiglu_tcnw4_q4_k_r1` (MATMUL.md round 49; `FERRITE_SWIGLU_W4=0`: None): the
     /// one-row SwiGLU of `tc2` in blocks of four warps.
     swiglu_w4: Option<CudaFunction>,
+    /// `gemvq_swiglu_tcnw4g_q4_k_r1` (MATMUL.md round 105; `FERRITE_SWIGLU_GL=1`): the W4
+    /// SwiGLU with its tile loaded from global memory into registers, no shared-memory slots.
+    swiglu_gl: Option<CudaFunction>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -773,6 +776,11 @@ impl Kernels {
                     "gemvq_swiglu_tcnw4_q4_k_r1",
                     GEMVQ_BULK_MAX_SMEM,
                 )?)
+            } else {
+                None
+            },
+            swiglu_gl: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_GL", 0) != 0 {
+                Some(function(&m, "gemvq_swiglu_tcnw4g_q4_k_r1")?)
             } else {
                 None
             },
@@ -3415,12 +3423,14 @@ pub fn rms_norm_matmul_swiglu_handed(
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
     }
-    // The W4 form (one row): four warps a block, the same sums in the same order.
-    let w4 = be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1);
+    // The W4 form (one row): four warps a block, the same sums in the same order; its GL form
+    // (the tile from global memory, x alone in shared memory) where the switch asks for it.
+    let gl = be.matmul.swiglu_gl.as_ref().filter(|_| rows == 1);
+    let w4 = gl.or(be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1));
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
         block_dim: tc_block_dim(w4.is_some()),
-        shared_mem_bytes: smem,
+        shared_mem_bytes: if gl.is_some() { tc_x_bytes(n_in) } else { smem },
     };
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
     // n_in values with their scales and group sums (written by the producer just before);

@@ -596,6 +596,21 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
     PDL_ENTRY();
 }
 
+// bulk_issue_spans' two spans (widened to whole 16-byte units) asked of L2 instead of copied
+// into shared memory (gemvq_tc_block's GL): a hint, nothing to wait for.
+__device__ __forceinline__ void prefetch_spans(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb) {
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        const uint8_t* base = m == 0 ? a : b;
+        const int n = m == 0 ? na : nb;
+        if (n > 0) {
+            const size_t a0 = (size_t)base & ~(size_t)15;
+            const size_t a1 = ((size_t)(base + (size_t)n * (size_t)rb) + 15) & ~(size_t)15;
+            prefetch_l2((const void*)a0, (unsigned int)(a1 - a0));
+        }
+    }
+}
+
 // The lane-code GEMV's copies: rows [r0, r0 + per_block) (clamped to n_out) of W into slot 0
 // and, for the fused SwiGLU, of W2 into slot 1.
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
@@ -2192,13 +2207,20 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false>
+// GL (gemvq_swiglu_tcnw4g_q4_k_r1; MATMUL.md round 105): no tile in shared memory. The block
+// asks L2 for its rows (one cp.async.bulk.prefetch.L2 a span, before the PDL wait, as the
+// bulk copies are issued) and the warps load their A words from global memory straight into
+// registers: a tile's bytes no longer hold a shared-memory slot while they are computed, so
+// an SM keeps as many blocks (and their prefetched bytes) in flight as its registers allow.
+// The same loads, in the same lanes, as from the slots: the same sums in the same order.
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false, bool GL = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                int bx, uint8_t* smem, uint64_t* bar,
                                                const float* __restrict__ pss = nullptr, float eps = 0.0f) {
     static_assert(!W4 || TYPE == GGML_Q4_K, "gemvq_tc_block: W4 is the Q4_K tile's");
+    static_assert(!GL || (R == 1 && !HALF), "gemvq_tc_block: GL is the one-row full tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -2207,10 +2229,17 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const int rbeg = SWIGLU ? r0 : r0 + NS;
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
-    const size_t slot = tc_slot(rb, NS);
-    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
-    const uint8_t* s0 = smem + ((size_t)pa & 15);
-    const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
+    const size_t slot = GL ? 0 : tc_slot(rb, NS);
+    if constexpr (GL) {
+        if (threadIdx.x == 0 && gemv_diag != 2)
+            prefetch_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb);
+        PDL_ENTRY();
+    } else {
+        bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem,
+                            bar);
+    }
+    const uint8_t* s0 = GL ? pa : smem + ((size_t)pa & 15);
+    const uint8_t* s1 = GL ? pb : smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
@@ -2224,7 +2253,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         tc_norm_scale<R>(pss, n_in, rows, eps, sn);
         __syncthreads();
     }
-    if (diag != 3) gemv_bulk_wait(bar);
+    if (!GL && diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
@@ -2238,7 +2267,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         else
             gemvq_tc_q6k<R, SWIGLU, XS, HALF, NORM>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, 0, sn);
     }
-    if (diag == 3) gemv_bulk_wait(bar);
+    if (!GL && diag == 3) gemv_bulk_wait(bar);
 #endif
 }
 
@@ -2967,6 +2996,21 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
     __shared__ __align__(8) uint64_t gemv_bar;
     gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
                                                           gemv_smem, &gemv_bar, pss, eps);
+}
+// gemvq_swiglu_tcnw4g_q4_k_r1 (FERRITE_SWIGLU_GL=1; MATMUL.md round 105): the W4 kernel's
+// tile read from global memory into registers (gemvq_tc_block's GL), its rows prefetched
+// into L2 before the PDL wait. Shared memory holds x alone (~9 KB), so the registers set
+// the blocks per SM: GEMVQ_GL_MINB (5 at 128 threads: at most 102 registers).
+#ifndef GEMVQ_GL_MINB
+#define GEMVQ_GL_MINB 5
+#endif
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, GEMVQ_GL_MINB)
+    gemvq_swiglu_tcnw4g_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
+                                int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
+                                int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
+    extern __shared__ __align__(128) uint8_t gemv_smem[];
+    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
+                                                                blockIdx.x, gemv_smem, nullptr, pss, eps);
 }
 // gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
 // residual add (gemvq's NORM; matmul.rs `hands_norm_over`). Bounds as the plain SwiGLU's.
