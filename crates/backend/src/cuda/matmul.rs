@@ -137,6 +137,9 @@ pub struct Kernels {
     /// `gemvq_swiglu_tcnw4g_q4_k_r1` (MATMUL.md round 105; `FERRITE_SWIGLU_GL=1`): the W4
     /// SwiGLU with its tile loaded from global memory into registers, no shared-memory slots.
     swiglu_gl: Option<CudaFunction>,
+    /// `gemvq_tcg_<q4_k|q6_k>_r1` (MATMUL.md round 105; `FERRITE_GEMV_GL=1`): the plain one-row
+    /// tensor-core tile (the lm heads) in the same form.
+    tc_gl: Option<[CudaFunction; 2]>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -759,6 +762,14 @@ impl Kernels {
         } else {
             None
         };
+        let tc_gl = if gemvq_tc.is_some() && switches::int_or("FERRITE_GEMV_GL", 0) != 0 {
+            Some([
+                function(&m, "gemvq_tcg_q4_k_r1")?,
+                function(&m, "gemvq_tcg_q6_k_r1")?,
+            ])
+        } else {
+            None
+        };
         Ok(Kernels {
             gemv,
             gemv_rows,
@@ -784,6 +795,7 @@ impl Kernels {
             } else {
                 None
             },
+            tc_gl,
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
@@ -1687,6 +1699,17 @@ fn gemvq_launch(
         }
         Some(TcForm::Full(tc)) => (&tc[ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
+    };
+    // The plain one-row tile's GL form (FERRITE_GEMV_GL): the same grid, x alone in shared
+    // memory.
+    let gl = match (&be.matmul.tc_gl, &tc, up, rows, w.dtype) {
+        (Some(g), Some(TcForm::Full(_)), None, 1, GgmlType::Q4K) => Some(&g[0]),
+        (Some(g), Some(TcForm::Full(_)), None, 1, GgmlType::Q6K) => Some(&g[1]),
+        _ => None,
+    };
+    let (f, smem) = match gl {
+        Some(g) => (g, tc_x_bytes(n_in)),
+        None => (f, smem),
     };
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,

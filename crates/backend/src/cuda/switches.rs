@@ -380,6 +380,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q4_K SwiGLU of FERRITE_SWIGLU_W4: 1 loads its tile from global memory into registers (gemvq_swiglu_tcnw4g: its rows prefetched into L2 before the PDL wait, x alone in shared memory; the same sums in the same order), 0 (default) through shared-memory slots by bulk copies (MATMUL.md round 105)",
     ),
     (
+        "FERRITE_GEMV_GL",
+        Accepts::OneOf(&[0, 1]),
+        "the plain one-row Q4_K / Q6_K tensor-core tile (the lm heads): 1 loads its tile from global memory into registers (gemvq_tcg: its rows prefetched into L2 before the PDL wait, x alone in shared memory; the same sums in the same order), 0 (default) through shared-memory slots by bulk copies (MATMUL.md round 105)",
+    ),
+    (
         "FERRITE_TCK_W4",
         Accepts::OneOf(&[0, 1, 2]),
         "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",

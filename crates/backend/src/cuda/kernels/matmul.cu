@@ -3012,6 +3012,22 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, GEMVQ_GL_MINB)
     gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
                                                                 blockIdx.x, gemv_smem, nullptr, pss, eps);
 }
+// gemvq_tcg_<q4_k|q6_k>_r1 (FERRITE_GEMV_GL=1; MATMUL.md round 105): the plain one-row
+// 16-row tile (gemvq_tc_q4_k_r1 / gemvq_tc_q6_k_r1: the lm heads) in the same GL form, eight
+// warps; Q6_K three blocks per SM as the slot kernels' bounds (80 registers, no stack), Q4_K two
+// (at three, 80 registers and 40 bytes of stack).
+#define GEMVQ_TCG_MINB(TYPE) ((TYPE) == GGML_Q6_K ? 3 : 2)
+#define GEMVQ_TCG_KERNEL(name, TYPE)                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TCG_MINB(TYPE))                    \
+        gemvq_tcg_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,            \
+                              const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,      \
+                              float* __restrict__ out, int ks) {                                           \
+        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
+        gemvq_tc_block<TYPE, 1, false, false, false, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, \
+                                                                  blockIdx.x, gemv_smem, nullptr);          \
+    }
+GEMVQ_TCG_KERNEL(q4_k, GGML_Q4_K)
+GEMVQ_TCG_KERNEL(q6_k, GGML_Q6_K)
 // gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
 // residual add (gemvq's NORM; matmul.rs `hands_norm_over`). Bounds as the plain SwiGLU's.
 #define GEMVQ_SWIGLU_N_KERNEL(name, TYPE, R)                                                                \
