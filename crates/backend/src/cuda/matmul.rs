@@ -1652,6 +1652,43 @@ fn gemvq_launch(
     } else {
         GemvKind::Plain
     };
+    // The plain one-row 16-row tile's GL form (FERRITE_GEMV_GL): any row length (no slot to
+    // fit: x alone in shared memory), so the long-row downs take it too, one block per 16 rows.
+    let gl = match (&be.matmul.tc_gl, up, rows, w.dtype) {
+        (Some(g), None, 1, GgmlType::Q4K) => Some(&g[0]),
+        (Some(g), None, 1, GgmlType::Q6K) => Some(&g[1]),
+        _ => None,
+    }
+    .filter(|_| {
+        let (wp, _g) = w.data.device_ptr(&be.stream);
+        wp % 16 == 0 && rb % 16 == 0 && n_in.is_multiple_of(QK_K) && tc_x_bytes(n_in) <= 48 * 1024
+    });
+    if let Some(f) = gl {
+        let cfg = LaunchConfig {
+            grid_dim: (u32::try_from(n_out.div_ceil(16))?, 1, 1),
+            block_dim: tc_block_dim(false),
+            shared_mem_bytes: tc_x_bytes(n_in),
+        };
+        let ks_i = 1i32;
+        // SAFETY: w holds n_out rows of rb bytes (16-byte aligned, rows of 16-byte multiples:
+        // the tile's 16-byte loads), the x scratch rows × n_in int8 in two planes and their scale
+        // pairs, out rows × n_out floats; one block per 16 rows.
+        unsafe {
+            be.stream
+                .kernel(f)
+                .arg(&*w.data)
+                .arg(&rb)
+                .arg(&n_out_i)
+                .arg(&n_in_i)
+                .arg(&xqs)
+                .arg(&xd)
+                .arg(&rows_i)
+                .arg(&mut out.buf)
+                .arg(&ks_i)
+                .launch(cfg)
+        }?;
+        return Ok(());
+    }
     let (ks, smem, tc) = gemvq_plan(
         be,
         w.dtype,
@@ -1699,17 +1736,6 @@ fn gemvq_launch(
         }
         Some(TcForm::Full(tc)) => (&tc[ri], gemv_config(groups, ks), Some(ks as i32)),
         None => (&fams[fam][ri], gemv_config(groups, ks), Some(ks as i32)),
-    };
-    // The plain one-row tile's GL form (FERRITE_GEMV_GL): the same grid, x alone in shared
-    // memory.
-    let gl = match (&be.matmul.tc_gl, &tc, up, rows, w.dtype) {
-        (Some(g), Some(TcForm::Full(_)), None, 1, GgmlType::Q4K) => Some(&g[0]),
-        (Some(g), Some(TcForm::Full(_)), None, 1, GgmlType::Q6K) => Some(&g[1]),
-        _ => None,
-    };
-    let (f, smem) = match gl {
-        Some(g) => (g, tc_x_bytes(n_in)),
-        None => (f, smem),
     };
     let cfg = LaunchConfig {
         shared_mem_bytes: smem,

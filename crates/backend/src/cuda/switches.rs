@@ -382,7 +382,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_GEMV_GL",
         Accepts::OneOf(&[0, 1]),
-        "the plain one-row Q4_K / Q6_K tensor-core tile (the lm heads): 1 loads its tile from global memory into registers (gemvq_tcg: its rows prefetched into L2 before the PDL wait, x alone in shared memory; the same sums in the same order), 0 (default) through shared-memory slots by bulk copies (MATMUL.md round 105)",
+        "the plain one-row Q4_K / Q6_K GEMV: 1 on the 16-row tensor-core tile loaded from global memory into registers (gemvq_tcg: its rows prefetched into L2 before the PDL wait, x alone in shared memory) at any row length, so the lm heads (the slot tile's sums in its order) and the long-row downs (the lane code's or the K-split tile's otherwise) take it; 0 (default) the slot, K-split and lane-code forms (MATMUL.md round 105)",
     ),
     (
         "FERRITE_TCK_W4",
