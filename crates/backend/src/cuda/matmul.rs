@@ -140,6 +140,9 @@ pub struct Kernels {
     /// `gemvq_tcg_<q4_k|q6_k>_r1` (MATMUL.md round 105; `FERRITE_GEMV_GL=1`): the plain one-row
     /// tensor-core tile (the lm heads) in the same form.
     tc_gl: Option<[CudaFunction; 2]>,
+    /// `gemvq_tcknw4g_q4_k_r1` (MATMUL.md round 105; `FERRITE_TCK_GL=1`): the one-row K-split
+    /// Q4_K down handing the norm over, its tile slices loaded from global memory.
+    tckn_gl: Option<CudaFunction>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -770,6 +773,11 @@ impl Kernels {
         } else {
             None
         };
+        let tckn_gl = if tckn.is_some() && switches::int_or("FERRITE_TCK_GL", 0) != 0 {
+            Some(function(&m, "gemvq_tcknw4g_q4_k_r1")?)
+        } else {
+            None
+        };
         Ok(Kernels {
             gemv,
             gemv_rows,
@@ -796,6 +804,7 @@ impl Kernels {
                 None
             },
             tc_gl,
+            tckn_gl,
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
@@ -1661,7 +1670,12 @@ fn gemvq_launch(
     }
     .filter(|_| {
         let (wp, _g) = w.data.device_ptr(&be.stream);
-        wp % 16 == 0 && rb % 16 == 0 && n_in.is_multiple_of(QK_K) && tc_x_bytes(n_in) <= 48 * 1024
+        // Whole 16-row tiles: the GL tile reads every row of its tile from global memory.
+        wp % 16 == 0
+            && rb % 16 == 0
+            && n_out.is_multiple_of(16)
+            && n_in.is_multiple_of(QK_K)
+            && tc_x_bytes(n_in) <= 48 * 1024
     });
     if let Some(f) = gl {
         let cfg = LaunchConfig {
@@ -3287,6 +3301,12 @@ fn tckn_launch(
     let sc = tck
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
+    // Its GL form (FERRITE_TCK_GL): the same grid and slices, x's slice alone in shared memory.
+    let gl = be.matmul.tckn_gl.as_ref().filter(|_| w.dtype == GgmlType::Q4K);
+    let (f, w4, smem) = match gl {
+        Some(g) => (g, true, tc_x_bytes(kc)),
+        None => (f, w4, smem),
+    };
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out / 16)?, u32::try_from(ks)?, 1),
         block_dim: tc_block_dim(w4),
@@ -3474,7 +3494,12 @@ pub fn rms_norm_matmul_swiglu_handed(
     }
     // The W4 form (one row): four warps a block, the same sums in the same order; its GL form
     // (the tile from global memory, x alone in shared memory) where the switch asks for it.
-    let gl = be.matmul.swiglu_gl.as_ref().filter(|_| rows == 1);
+    // (GL reads whole 8-row slots of each weight from global memory: n_out a multiple of 8.)
+    let gl = be
+        .matmul
+        .swiglu_gl
+        .as_ref()
+        .filter(|_| rows == 1 && n_out.is_multiple_of(8));
     let w4 = gl.or(be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1));
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),

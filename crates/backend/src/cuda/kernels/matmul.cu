@@ -2450,7 +2450,11 @@ __device__ __forceinline__ void tck_sum(float& v, const float* p, size_t stride,
 // their length in the slots (its loads' bank conflicts two-way instead of four-way); the
 // host's shared memory adds the same (matmul.rs tck_row_pad). Its lane-code down and the
 // norm launch after it took 16.2 + 7.1 us a layer on Qwen3-8B Q8_0 (DECODE_STEP.md).
-template <int TYPE, int R, bool PAIRN = false, bool W4 = false>
+// GL (gemvq_tcknw4g_q4_k_r1, FERRITE_TCK_GL; MATMUL.md round 105): gemvq_tc_block's GL form
+// of the tile: each row's slice asked of L2 (a thread a row) before the PDL wait, the A words
+// loaded from global memory (rows rb apart); x alone in shared memory. The host takes it for
+// whole 16-row tiles only (no row past n_out is read).
+template <int TYPE, int R, bool PAIRN = false, bool W4 = false, bool GL = false>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -2476,26 +2480,36 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const long long srb = (long long)(kn / QK_K) * SBB;  // bytes of a row slice
     const long long srs = srb + PAD;                      // and between rows in a slot
     const size_t slot = tc_slot(srs, NS);
-    if (threadIdx.x == 0) {
-        mbar_init(bar);
-        mbar_expect(bar, (uint32_t)(nrows * srb));
-    }
-    __syncthreads();
-    if (threadIdx.x < nrows) {
-        const int j = threadIdx.x;
-        const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
-        bulk_g2s_w(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srs, (size_t)src, (uint32_t)srb);
+    const uint8_t* gsrc = W + (size_t)r0 * (size_t)rb + (size_t)(k0 / QK_K) * SBB;  // GL: the tile's first slice
+    if constexpr (GL) {
+        if (threadIdx.x < nrows) prefetch_l2(gsrc + (size_t)threadIdx.x * (size_t)rb, (unsigned int)srb);
+    } else {
+        if (threadIdx.x == 0) {
+            mbar_init(bar);
+            mbar_expect(bar, (uint32_t)(nrows * srb));
+        }
+        __syncthreads();
+        if (threadIdx.x < nrows) {
+            const int j = threadIdx.x;
+            const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
+            bulk_g2s_w(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srs, (size_t)src,
+                       (uint32_t)srb);
+        }
     }
     PDL_ENTRY();
-    // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
-    uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);
+    // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc);
+    // GL: x alone.
+    uint8_t* xs = GL ? smem : smem + 2 * tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);
     if (XS) tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
-    gemv_bulk_wait(bar);
+    if (!GL) gemv_bulk_wait(bar);
     float* po = part + (size_t)k * (size_t)rows * (size_t)n_out;
     const int8_t* xa = XS ? (const int8_t*)xs : xq + k0;
     const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
     const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
-    if (TYPE == GGML_Q4_K)
+    if (GL && TYPE == GGML_Q4_K)
+        gemvq_tc_q4k<R, false, XS, false, false, false, W4>(gsrc, gsrc + NS * (size_t)rb, rb, n_out, nx, xa, da,
+                                                             rows, po, r0, kn + 64, kn);
+    else if (TYPE == GGML_Q4_K)
         gemvq_tc_q4k<R, false, XS, false, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0,
                                                              kn + 64, kn);
     else if (TYPE == GGML_Q8_0)
@@ -3079,7 +3093,7 @@ GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
 // gemvq_tckn<W>_<type>_r1: the K-split Q4_K (Q8_0) down projection handing the next layer's
 // attention norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). W empty: eight
 // warps, bounds as the plain one's.
-#define GEMVQ_TCKN_FORM(W, name, TYPE, W4, LB)                                                               \
+#define GEMVQ_TCKN_FORM_GL(W, name, TYPE, W4, LB, GL)                                                        \
     extern "C" __global__ void __launch_bounds__ LB                                                           \
         gemvq_tckn##W##_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,       \
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,        \
@@ -3088,9 +3102,10 @@ GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
                                 float2* __restrict__ pd, float* __restrict__ pss) {                          \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
         __shared__ __align__(8) uint64_t gemv_bar;                                                            \
-        gemvq_tck_block<TYPE, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,        \
-                                           gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                         \
+        gemvq_tck_block<TYPE, 1, true, W4, GL>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,    \
+                                               gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                     \
     }
+#define GEMVQ_TCKN_FORM(W, name, TYPE, W4, LB) GEMVQ_TCKN_FORM_GL(W, name, TYPE, W4, LB, false)
 GEMVQ_TCKN_FORM(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
 // gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
 // one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
@@ -3098,6 +3113,9 @@ GEMVQ_TCKN_FORM(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q
 // blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
 GEMVQ_TCK_FORM(w4, q4_k, GGML_Q4_K, 1, true, (GEMV_WARPS / 2 * 32, 4))
 GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
+// gemvq_tcknw4g_q4_k_r1 (FERRITE_TCK_GL=1; MATMUL.md round 105): the same in the GL form, five
+// blocks per SM (x alone in shared memory).
+GEMVQ_TCKN_FORM_GL(w4g, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 5), true)
 // The Q8_0 K-split tile (gemvq_tc_q80; MATMUL.md round 54): gemvq_tck_q8_0_r<R> for the long
 // rows' plain launches at every R, and the one-row down handing the attention norm over,
 // gemvq_tckn_q8_0_r1 / gemvq_tcknw4_q8_0_r1 (eight warps / four, as Q4_K's).
