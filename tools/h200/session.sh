@@ -47,11 +47,6 @@
 #            f16 checks under FERRITE_CUBLASLT=3 first, then Qwen3-8B F16 pp512 under (CAT, X16,
 #            LT) = (0,0,0), (0,1,3), (1,1,1), (0,0,0) once each, then the checks under
 #            FERRITE_MMW_TA_CAT=1 and FERRITE_ATTN_X16=1; `lt cat attnx16` are the full stages
-#   gl       the one-row tiles from global memory into registers (FERRITE_SWIGLU_GL: the Q4_K
-#            SwiGLU; FERRITE_GEMV_GL: the plain Q4_K / Q6_K GEMV, the lm heads and long-row
-#            downs; FERRITE_TCK_GL: the K-split Q4_K down; MATMUL.md round 105): the checks under
-#            all three, then tg128 of Qwen3-8B Q4_K_M at (0,0,0), (1,0,0), (1,1,0), (1,1,1) and
-#            Qwen3.5-9B at (0,0,0), (1,1,1), two rounds
 #   bytes    rounds 102-104 of MATMUL.md (on by default): the 300-row checks, then Qwen3-8B F16
 #            pp512 with FERRITE_NORM_X16_ONLY, FERRITE_LT_ADD and FERRITE_KV_FUSE all 0 / all 1
 #            and Q4_K_M with X16_ONLY and KV_FUSE 0 / 1, two rounds
@@ -398,28 +393,6 @@ for stage in "$@"; do
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
         rm -f "$f"
-        ;;
-    gl)
-        # Round 105 (FERRITE_SWIGLU_GL, FERRITE_GEMV_GL, FERRITE_TCK_GL, default 0; their CUBINs
-        # are the matmul module's): the swiglu and quantized matmul checks under all three,
-        # then tg128 of Qwen3-8B Q4_K_M under (SWIGLU, GEMV, TCK) = (0,0,0), (1,0,0), (1,1,0),
-        # (1,1,1) in turn, two rounds, and Qwen3.5-9B Q4_K_M at (0,0,0) / (1,1,1) (the gate's
-        # max |Δlogit| shows whether the sums are the slot kernels').
-        FERRITE_TCK_GL=1 FERRITE_GEMV_GL=1 check_under FERRITE_SWIGLU_GL=1 "swiglu" check-gl.log 4
-        FERRITE_TCK_GL=1 FERRITE_GEMV_GL=1 check_under FERRITE_SWIGLU_GL=1 "matmul q" check-gl1.log 4
-        for p in qwen3-8b qwen3.5-9b; do
-            f=$(synth $p Q4_K_M | tail -1)
-            vs=("0 0 0" "1 0 0" "1 1 0" "1 1 1")
-            [ $p = qwen3.5-9b ] && vs=("0 0 0" "1 1 1")
-            for r in 1 2; do
-                for v in "${vs[@]}"; do
-                    read -r a b c <<<"$v"
-                    echo "$p Q4_K_M GL=$a$b$c $(FERRITE_SWIGLU_GL=$a FERRITE_GEMV_GL=$b FERRITE_TCK_GL=$c \
-                        $F bench --model "$f" --reps 2 --prompt-tokens 64 2>&1 | grep -E 'tg128|gate|rror' | tr -s ' ' | tr '\n' ' ')"
-                done
-            done
-            rm -f "$f"
-        done
         ;;
     bytes)
         # Rounds 102-104 (all on by default): the prefill checks they touch, then pp512 of

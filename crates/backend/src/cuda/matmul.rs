@@ -134,15 +134,6 @@ pub struct Kernels {
     /// `gemvq_swiglu_tcnw4_q4_k_r1` (MATMUL.md round 49; `FERRITE_SWIGLU_W4=0`: None): the
     /// one-row SwiGLU of `tc2` in blocks of four warps.
     swiglu_w4: Option<CudaFunction>,
-    /// `gemvq_swiglu_tcnw4g_q4_k_r1` (MATMUL.md round 105; `FERRITE_SWIGLU_GL=1`): the W4
-    /// SwiGLU with its tile loaded from global memory into registers, no shared-memory slots.
-    swiglu_gl: Option<CudaFunction>,
-    /// `gemvq_tcg_<q4_k|q6_k>_r1` (MATMUL.md round 105; `FERRITE_GEMV_GL=1`): the plain one-row
-    /// tensor-core tile (the lm heads) in the same form.
-    tc_gl: Option<[CudaFunction; 2]>,
-    /// `gemvq_tcknw4g_q4_k_r1` (MATMUL.md round 105; `FERRITE_TCK_GL=1`): the one-row K-split
-    /// Q4_K down handing the norm over, its tile slices loaded from global memory.
-    tckn_gl: Option<CudaFunction>,
     /// `add_norm_planes`: the two-tile kernel's epilogue alone, after the plain GEMV, for more
     /// than [`TC2_MAX_ROWS`] rows.
     add_norm_planes: CudaFunction,
@@ -765,19 +756,6 @@ impl Kernels {
         } else {
             None
         };
-        let tc_gl = if gemvq_tc.is_some() && switches::int_or("FERRITE_GEMV_GL", 0) != 0 {
-            Some([
-                function(&m, "gemvq_tcg_q4_k_r1")?,
-                function(&m, "gemvq_tcg_q6_k_r1")?,
-            ])
-        } else {
-            None
-        };
-        let tckn_gl = if tckn.is_some() && switches::int_or("FERRITE_TCK_GL", 0) != 0 {
-            Some(function(&m, "gemvq_tcknw4g_q4_k_r1")?)
-        } else {
-            None
-        };
         Ok(Kernels {
             gemv,
             gemv_rows,
@@ -798,13 +776,6 @@ impl Kernels {
             } else {
                 None
             },
-            swiglu_gl: if tc2.is_some() && switches::int_or("FERRITE_SWIGLU_GL", 0) != 0 {
-                Some(function(&m, "gemvq_swiglu_tcnw4g_q4_k_r1")?)
-            } else {
-                None
-            },
-            tc_gl,
-            tckn_gl,
             tc2,
             add_norm_planes: function(&m, "add_norm_planes")?,
             xqn: Mutex::new(None),
@@ -1661,48 +1632,6 @@ fn gemvq_launch(
     } else {
         GemvKind::Plain
     };
-    // The plain one-row 16-row tile's GL form (FERRITE_GEMV_GL): any row length (no slot to
-    // fit: x alone in shared memory), so the long-row downs take it too, one block per 16 rows.
-    let gl = match (&be.matmul.tc_gl, up, rows, w.dtype) {
-        (Some(g), None, 1, GgmlType::Q4K) => Some(&g[0]),
-        (Some(g), None, 1, GgmlType::Q6K) => Some(&g[1]),
-        _ => None,
-    }
-    .filter(|_| {
-        let (wp, _g) = w.data.device_ptr(&be.stream);
-        // Whole 16-row tiles: the GL tile reads every row of its tile from global memory.
-        wp % 16 == 0
-            && rb % 16 == 0
-            && n_out.is_multiple_of(16)
-            && n_in.is_multiple_of(QK_K)
-            && tc_x_bytes(n_in) <= 48 * 1024
-    });
-    if let Some(f) = gl {
-        let cfg = LaunchConfig {
-            grid_dim: (u32::try_from(n_out.div_ceil(16))?, 1, 1),
-            block_dim: tc_block_dim(false),
-            shared_mem_bytes: tc_x_bytes(n_in),
-        };
-        let ks_i = 1i32;
-        // SAFETY: w holds n_out rows of rb bytes (16-byte aligned, rows of 16-byte multiples:
-        // the tile's 16-byte loads), the x scratch rows × n_in int8 in two planes and their scale
-        // pairs, out rows × n_out floats; one block per 16 rows.
-        unsafe {
-            be.stream
-                .kernel(f)
-                .arg(&*w.data)
-                .arg(&rb)
-                .arg(&n_out_i)
-                .arg(&n_in_i)
-                .arg(&xqs)
-                .arg(&xd)
-                .arg(&rows_i)
-                .arg(&mut out.buf)
-                .arg(&ks_i)
-                .launch(cfg)
-        }?;
-        return Ok(());
-    }
     let (ks, smem, tc) = gemvq_plan(
         be,
         w.dtype,
@@ -3301,12 +3230,6 @@ fn tckn_launch(
     let sc = tck
         .as_ref()
         .ok_or_else(|| anyhow!("matmul_add_for_norm: K-split scratch missing"))?;
-    // Its GL form (FERRITE_TCK_GL): the same grid and slices, x's slice alone in shared memory.
-    let gl = be.matmul.tckn_gl.as_ref().filter(|_| w.dtype == GgmlType::Q4K);
-    let (f, w4, smem) = match gl {
-        Some(g) => (g, true, tc_x_bytes(kc)),
-        None => (f, w4, smem),
-    };
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out / 16)?, u32::try_from(ks)?, 1),
         block_dim: tc_block_dim(w4),
@@ -3492,19 +3415,12 @@ pub fn rms_norm_matmul_swiglu_handed(
     if !matches!(tc, Some(TcForm::Full(_))) {
         bail!("rms_norm_matmul_swiglu: the handed-over planes need the tensor-core SwiGLU");
     }
-    // The W4 form (one row): four warps a block, the same sums in the same order; its GL form
-    // (the tile from global memory, x alone in shared memory) where the switch asks for it.
-    // (GL reads whole 8-row slots of each weight from global memory: n_out a multiple of 8.)
-    let gl = be
-        .matmul
-        .swiglu_gl
-        .as_ref()
-        .filter(|_| rows == 1 && n_out.is_multiple_of(8));
-    let w4 = gl.or(be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1));
+    // The W4 form (one row): four warps a block, the same sums in the same order.
+    let w4 = be.matmul.swiglu_w4.as_ref().filter(|_| rows == 1);
     let cfg = LaunchConfig {
         grid_dim: (u32::try_from(n_out.div_ceil(8))?, 1, 1),
         block_dim: tc_block_dim(w4.is_some()),
-        shared_mem_bytes: if gl.is_some() { tc_x_bytes(n_in) } else { smem },
+        shared_mem_bytes: smem,
     };
     // SAFETY: both weights hold n_out rows of rb bytes (checked); the planes hold rows ×
     // n_in values with their scales and group sums (written by the producer just before);

@@ -375,21 +375,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "the one-row Q4_K SwiGLU on the handed-over FFN norm: 1 (default) in blocks of four warps, four blocks per SM (gemvq_swiglu_tcnw4: the eight-warp kernel's sums in its order), 0 eight warps, three blocks per SM (MATMUL.md round 49)",
     ),
     (
-        "FERRITE_SWIGLU_GL",
-        Accepts::OneOf(&[0, 1]),
-        "the one-row Q4_K SwiGLU of FERRITE_SWIGLU_W4: 1 loads its tile from global memory into registers (gemvq_swiglu_tcnw4g: its rows prefetched into L2 before the PDL wait, x alone in shared memory; the same sums in the same order), 0 (default) through shared-memory slots by bulk copies (MATMUL.md round 105)",
-    ),
-    (
-        "FERRITE_GEMV_GL",
-        Accepts::OneOf(&[0, 1]),
-        "the plain one-row Q4_K / Q6_K GEMV: 1 on the 16-row tensor-core tile loaded from global memory into registers (gemvq_tcg: its rows prefetched into L2 before the PDL wait, x alone in shared memory) at any row length, so the lm heads (the slot tile's sums in its order) and the long-row downs (the lane code's or the K-split tile's otherwise) take it; 0 (default) the slot, K-split and lane-code forms (MATMUL.md round 105)",
-    ),
-    (
-        "FERRITE_TCK_GL",
-        Accepts::OneOf(&[0, 1]),
-        "the one-row K-split Q4_K down handing the next layer's attention norm over: 1 loads its tile slices from global memory into registers (gemvq_tcknw4g: each row's slice prefetched into L2 before the PDL wait, x's slice alone in shared memory, five blocks per SM; the W4 kernel's sums in its order), 0 (default) through shared-memory slots by bulk copies (MATMUL.md round 105)",
-    ),
-    (
         "FERRITE_TCK_W4",
         Accepts::OneOf(&[0, 1, 2]),
         "the one-row K-split Q4_K (and Q8_0) tile (the 12288-column down projections) in blocks of four warps, four blocks per SM (gemvq_tck[n]w4: the eight-warp kernel's sums in its order): 1 (default) the one handing the next layer's attention norm over, 2 also Q4_K's plain one, 0 neither (eight warps, three blocks per SM; MATMUL.md rounds 50, 54)",

@@ -596,21 +596,6 @@ __device__ __forceinline__ void bulk_prologue_spans(const uint8_t* a, int na, co
     PDL_ENTRY();
 }
 
-// bulk_issue_spans' two spans (widened to whole 16-byte units) asked of L2 instead of copied
-// into shared memory (gemvq_tc_block's GL): a hint, nothing to wait for.
-__device__ __forceinline__ void prefetch_spans(const uint8_t* a, int na, const uint8_t* b, int nb, long long rb) {
-#pragma unroll
-    for (int m = 0; m < 2; m++) {
-        const uint8_t* base = m == 0 ? a : b;
-        const int n = m == 0 ? na : nb;
-        if (n > 0) {
-            const size_t a0 = (size_t)base & ~(size_t)15;
-            const size_t a1 = ((size_t)(base + (size_t)n * (size_t)rb) + 15) & ~(size_t)15;
-            prefetch_l2((const void*)a0, (unsigned int)(a1 - a0));
-        }
-    }
-}
-
 // The lane-code GEMV's copies: rows [r0, r0 + per_block) (clamped to n_out) of W into slot 0
 // and, for the fused SwiGLU, of W2 into slot 1.
 __device__ __forceinline__ void gemv_bulk_prologue(const uint8_t* W, const uint8_t* W2, long long rb, int n_out,
@@ -2207,20 +2192,13 @@ __device__ __forceinline__ void tail_ticket(unsigned* t, unsigned n, unsigned to
 // by the producer (gemvq_tc2_add_q4k) with the per-group Σ x² in pss[r][n_in / 32]; after
 // the PDL wait each row's s = 1 / sqrt(Σ / n_in + eps) is summed in a fixed order (lane i
 // takes groups i, i + 32, ...; then the xor butterfly) into shared memory for tc_store.
-// GL (gemvq_swiglu_tcnw4g_q4_k_r1; MATMUL.md round 105): no tile in shared memory. The block
-// asks L2 for its rows (one cp.async.bulk.prefetch.L2 a span, before the PDL wait, as the
-// bulk copies are issued) and the warps load their A words from global memory straight into
-// registers: a tile's bytes no longer hold a shared-memory slot while they are computed, so
-// an SM keeps as many blocks (and their prefetched bytes) in flight as its registers allow.
-// The same loads, in the same lanes, as from the slots: the same sums in the same order.
-template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false, bool GL = false>
+template <int TYPE, int R, bool SWIGLU, bool HALF, bool NORM = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                                long long rb, int n_out, int n_in, const int8_t* __restrict__ xq,
                                                const float2* __restrict__ xd, int rows, float* __restrict__ out,
                                                int bx, uint8_t* smem, uint64_t* bar,
                                                const float* __restrict__ pss = nullptr, float eps = 0.0f) {
     static_assert(!W4 || TYPE == GGML_Q4_K, "gemvq_tc_block: W4 is the Q4_K tile's");
-    static_assert(!GL || (R == 1 && !HALF), "gemvq_tc_block: GL is the one-row full tile's");
 #if __CUDA_ARCH__ >= 900
     constexpr int NS = HALF ? 4 : 8;  // rows per slot
     constexpr bool XS = R == 1 && !HALF;
@@ -2229,17 +2207,10 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
     const int rbeg = SWIGLU ? r0 : r0 + NS;
     const uint8_t* pa = W + (size_t)r0 * (size_t)rb;
     const uint8_t* pb = Wb + (size_t)rbeg * (size_t)rb;
-    const size_t slot = GL ? 0 : tc_slot(rb, NS);
-    if constexpr (GL) {
-        if (threadIdx.x == 0 && gemv_diag != 2)
-            prefetch_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb);
-        PDL_ENTRY();
-    } else {
-        bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem,
-                            bar);
-    }
-    const uint8_t* s0 = GL ? pa : smem + ((size_t)pa & 15);
-    const uint8_t* s1 = GL ? pb : smem + slot + ((size_t)pb & 15);
+    const size_t slot = tc_slot(rb, NS);
+    bulk_prologue_spans(pa, max(0, min(NS, n_out - r0)), pb, max(0, min(NS, n_out - rbeg)), rb, slot, smem, bar);
+    const uint8_t* s0 = smem + ((size_t)pa & 15);
+    const uint8_t* s1 = smem + slot + ((size_t)pb & 15);
     const int diag = gemv_diag;  // timing only (matmul.rs): 1 no compute, 3 no wait before it
     uint8_t* xs = smem + 2 * slot;  // XS: x after the two slots
     __shared__ float sn[NORM ? R : 1];
@@ -2253,7 +2224,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         tc_norm_scale<R>(pss, n_in, rows, eps, sn);
         __syncthreads();
     }
-    if (!GL && diag != 3) gemv_bulk_wait(bar);
+    if (diag != 3) gemv_bulk_wait(bar);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
@@ -2267,7 +2238,7 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         else
             gemvq_tc_q6k<R, SWIGLU, XS, HALF, NORM>(s0, s1, rb, n_out, n_in, xa, da, rows, out, r0, plane, 0, sn);
     }
-    if (!GL && diag == 3) gemv_bulk_wait(bar);
+    if (diag == 3) gemv_bulk_wait(bar);
 #endif
 }
 
@@ -2450,11 +2421,7 @@ __device__ __forceinline__ void tck_sum(float& v, const float* p, size_t stride,
 // their length in the slots (its loads' bank conflicts two-way instead of four-way); the
 // host's shared memory adds the same (matmul.rs tck_row_pad). Its lane-code down and the
 // norm launch after it took 16.2 + 7.1 us a layer on Qwen3-8B Q8_0 (DECODE_STEP.md).
-// GL (gemvq_tcknw4g_q4_k_r1, FERRITE_TCK_GL; MATMUL.md round 105): gemvq_tc_block's GL form
-// of the tile: each row's slice asked of L2 (a thread a row) before the PDL wait, the A words
-// loaded from global memory (rows rb apart); x alone in shared memory. The host takes it for
-// whole 16-row tiles only (no row past n_out is read).
-template <int TYPE, int R, bool PAIRN = false, bool W4 = false, bool GL = false>
+template <int TYPE, int R, bool PAIRN = false, bool W4 = false>
 __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,
                                                 int kc, const int8_t* __restrict__ xq,
                                                 const float2* __restrict__ xd, int rows, float* __restrict__ out,
@@ -2480,36 +2447,26 @@ __device__ __forceinline__ void gemvq_tck_block(const uint8_t* __restrict__ W, l
     const long long srb = (long long)(kn / QK_K) * SBB;  // bytes of a row slice
     const long long srs = srb + PAD;                      // and between rows in a slot
     const size_t slot = tc_slot(srs, NS);
-    const uint8_t* gsrc = W + (size_t)r0 * (size_t)rb + (size_t)(k0 / QK_K) * SBB;  // GL: the tile's first slice
-    if constexpr (GL) {
-        if (threadIdx.x < nrows) prefetch_l2(gsrc + (size_t)threadIdx.x * (size_t)rb, (unsigned int)srb);
-    } else {
-        if (threadIdx.x == 0) {
-            mbar_init(bar);
-            mbar_expect(bar, (uint32_t)(nrows * srb));
-        }
-        __syncthreads();
-        if (threadIdx.x < nrows) {
-            const int j = threadIdx.x;
-            const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
-            bulk_g2s_w(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srs, (size_t)src,
-                       (uint32_t)srb);
-        }
+    if (threadIdx.x == 0) {
+        mbar_init(bar);
+        mbar_expect(bar, (uint32_t)(nrows * srb));
+    }
+    __syncthreads();
+    if (threadIdx.x < nrows) {
+        const int j = threadIdx.x;
+        const uint8_t* src = W + (size_t)(r0 + j) * (size_t)rb + (size_t)(k0 / QK_K) * SBB;
+        bulk_g2s_w(bar, smem + (size_t)(j / NS) * slot + (size_t)(j % NS) * (size_t)srs, (size_t)src, (uint32_t)srb);
     }
     PDL_ENTRY();
-    // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc);
-    // GL: x alone.
-    uint8_t* xs = GL ? smem : smem + 2 * tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);
+    // XS: x after the two slots of the widest slice (the host sizes the shared memory for kc).
+    uint8_t* xs = smem + 2 * tc_slot((long long)(kc / QK_K) * SBB + PAD, NS);
     if (XS) tc_stage_x(xs, xq + k0, xd + k0 / QK, kn, n_in);
-    if (!GL) gemv_bulk_wait(bar);
+    gemv_bulk_wait(bar);
     float* po = part + (size_t)k * (size_t)rows * (size_t)n_out;
     const int8_t* xa = XS ? (const int8_t*)xs : xq + k0;
     const float2* da = XS ? (const float2*)(xs + 2 * kn + 128) : xd + k0 / QK;
     const int nx = XS ? kn : n_in;  // x's row layout: the staged slice, or the whole global row
-    if (GL && TYPE == GGML_Q4_K)
-        gemvq_tc_q4k<R, false, XS, false, false, false, W4>(gsrc, gsrc + NS * (size_t)rb, rb, n_out, nx, xa, da,
-                                                             rows, po, r0, kn + 64, kn);
-    else if (TYPE == GGML_Q4_K)
+    if (TYPE == GGML_Q4_K)
         gemvq_tc_q4k<R, false, XS, false, false, false, W4>(smem, smem + slot, srb, n_out, nx, xa, da, rows, po, r0,
                                                              kn + 64, kn);
     else if (TYPE == GGML_Q8_0)
@@ -3011,37 +2968,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, 4)
     gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out, blockIdx.x,
                                                           gemv_smem, &gemv_bar, pss, eps);
 }
-// gemvq_swiglu_tcnw4g_q4_k_r1 (FERRITE_SWIGLU_GL=1; MATMUL.md round 105): the W4 kernel's
-// tile read from global memory into registers (gemvq_tc_block's GL), its rows prefetched
-// into L2 before the PDL wait. Shared memory holds x alone (~9 KB), so the registers set
-// the blocks per SM: GEMVQ_GL_MINB (5 at 128 threads: at most 102 registers).
-#ifndef GEMVQ_GL_MINB
-#define GEMVQ_GL_MINB 5
-#endif
-extern "C" __global__ void __launch_bounds__(GEMV_WARPS / 2 * 32, GEMVQ_GL_MINB)
-    gemvq_swiglu_tcnw4g_q4_k_r1(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, long long rb,
-                                int n_out, int n_in, const int8_t* __restrict__ xq, const float2* __restrict__ xd,
-                                int rows, float* __restrict__ out, const float* __restrict__ pss, float eps) {
-    extern __shared__ __align__(128) uint8_t gemv_smem[];
-    gemvq_tc_block<GGML_Q4_K, 1, true, false, true, true, true>(W, W2, rb, n_out, n_in, xq, xd, rows, out,
-                                                                blockIdx.x, gemv_smem, nullptr, pss, eps);
-}
-// gemvq_tcg_<q4_k|q6_k>_r1 (FERRITE_GEMV_GL=1; MATMUL.md round 105): the plain one-row
-// 16-row tile (gemvq_tc_q4_k_r1 / gemvq_tc_q6_k_r1: the lm heads) in the same GL form, eight
-// warps; Q6_K three blocks per SM as the slot kernels' bounds (80 registers, no stack), Q4_K two
-// (at three, 80 registers and 40 bytes of stack).
-#define GEMVQ_TCG_MINB(TYPE) ((TYPE) == GGML_Q6_K ? 3 : 2)
-#define GEMVQ_TCG_KERNEL(name, TYPE)                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, GEMVQ_TCG_MINB(TYPE))                    \
-        gemvq_tcg_##name##_r1(const uint8_t* __restrict__ W, long long rb, int n_out, int n_in,            \
-                              const int8_t* __restrict__ xq, const float2* __restrict__ xd, int rows,      \
-                              float* __restrict__ out, int ks) {                                           \
-        extern __shared__ __align__(128) uint8_t gemv_smem[];                                               \
-        gemvq_tc_block<TYPE, 1, false, false, false, false, true>(W, W, rb, n_out, n_in, xq, xd, rows, out, \
-                                                                  blockIdx.x, gemv_smem, nullptr);          \
-    }
-GEMVQ_TCG_KERNEL(q4_k, GGML_Q4_K)
-GEMVQ_TCG_KERNEL(q6_k, GGML_Q6_K)
 // gemvq_swiglu_n_q8_0_r<R>: the Q8_0 SwiGLU on the FFN norm handed over by the o-projection's
 // residual add (gemvq's NORM; matmul.rs `hands_norm_over`). Bounds as the plain SwiGLU's.
 #define GEMVQ_SWIGLU_N_KERNEL(name, TYPE, R)                                                                \
@@ -3093,7 +3019,7 @@ GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
 // gemvq_tckn<W>_<type>_r1: the K-split Q4_K (Q8_0) down projection handing the next layer's
 // attention norm to its Q, K, V (gemvq_tck_block's PAIRN; n_out % 32 == 0). W empty: eight
 // warps, bounds as the plain one's.
-#define GEMVQ_TCKN_FORM_GL(W, name, TYPE, W4, LB, GL)                                                        \
+#define GEMVQ_TCKN_FORM(W, name, TYPE, W4, LB)                                                               \
     extern "C" __global__ void __launch_bounds__ LB                                                           \
         gemvq_tckn##W##_##name##_r1(const uint8_t* __restrict__ W_, long long rb, int n_out, int n_in,       \
                                 const int8_t* __restrict__ xq, const float2* __restrict__ xd, int kc,        \
@@ -3102,10 +3028,9 @@ GEMVQ_TCK_ALL_R(q6_k, GGML_Q6_K)
                                 float2* __restrict__ pd, float* __restrict__ pss) {                          \
         extern __shared__ __align__(128) uint8_t gemv_smem[];                                                 \
         __shared__ __align__(8) uint64_t gemv_bar;                                                            \
-        gemvq_tck_block<TYPE, 1, true, W4, GL>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,    \
-                                               gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                     \
+        gemvq_tck_block<TYPE, 1, true, W4>(W_, rb, n_out, n_in, kc, xq, xd, 1, nullptr, part, tickets,        \
+                                           gemv_smem, &gemv_bar, x, nw, pq, pd, pss);                         \
     }
-#define GEMVQ_TCKN_FORM(W, name, TYPE, W4, LB) GEMVQ_TCKN_FORM_GL(W, name, TYPE, W4, LB, false)
 GEMVQ_TCKN_FORM(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q4_K, 1)))
 // gemvq_tckw4_q4_k_r1 / gemvq_tcknw4_q4_k_r1 (FERRITE_TCK_W4; MATMUL.md round 50): the
 // one-row K-split Q4_K tile, plain and handing the norm over, in blocks of four warps
@@ -3113,9 +3038,6 @@ GEMVQ_TCKN_FORM(, q4_k, GGML_Q4_K, false, (GEMV_WARPS * 32, GEMVQ_TC_MINB(GGML_Q
 // blocks per SM, as the SwiGLU's gemvq_swiglu_tcnw4_q4_k_r1.
 GEMVQ_TCK_FORM(w4, q4_k, GGML_Q4_K, 1, true, (GEMV_WARPS / 2 * 32, 4))
 GEMVQ_TCKN_FORM(w4, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 4))
-// gemvq_tcknw4g_q4_k_r1 (FERRITE_TCK_GL=1; MATMUL.md round 105): the same in the GL form, five
-// blocks per SM (x alone in shared memory).
-GEMVQ_TCKN_FORM_GL(w4g, q4_k, GGML_Q4_K, true, (GEMV_WARPS / 2 * 32, 5), true)
 // The Q8_0 K-split tile (gemvq_tc_q80; MATMUL.md round 54): gemvq_tck_q8_0_r<R> for the long
 // rows' plain launches at every R, and the one-row down handing the attention norm over,
 // gemvq_tckn_q8_0_r1 / gemvq_tcknw4_q8_0_r1 (eight warps / four, as Q4_K's).
