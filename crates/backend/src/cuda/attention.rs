@@ -1365,7 +1365,9 @@ fn attention_impl(
                     .iter()
                     .position(|&h| h == head_dim)
                     .and_then(|i| be.attention.prefill_tc[0].as_ref()?.get(i))
-                    .is_some_and(|(f, threads)| std::ptr::eq(f, func) && *threads == 2 * TC_THREADS);
+                    .is_some_and(|(f, threads)| {
+                        std::ptr::eq(f, func) && *threads == 2 * TC_THREADS
+                    });
             tc2_pick.then(|| pair_s(be, cfg.grid_dim.0 as usize * cfg.grid_dim.1 as usize))
         });
         let func = match (&x16, x16_pair) {
