@@ -50,6 +50,7 @@
 #   pair     the two-group prefill attention's blocks ordered so that a heavy and a light one
 #            share each SM (FERRITE_ATTN_PAIR=1, the tc2p entries): attention checks under it,
 #            then pp512 of Qwen3-8B F16 and Q4_K_M and Qwen3-30B-A3B Q4_K_M under 0 / 1
+#            (PAIR_MODELS="preset:quant ..." for others)
 #   bytes    rounds 102-104 of MATMUL.md (on by default): the 300-row checks, then Qwen3-8B F16
 #            pp512 with FERRITE_NORM_X16_ONLY, FERRITE_LT_ADD and FERRITE_KV_FUSE all 0 / all 1
 #            and Q4_K_M with X16_ONLY and KV_FUSE 0 / 1, two rounds
@@ -401,10 +402,10 @@ for stage in "$@"; do
         # The two-group prefill attention's blocks paired heavy with light a SM
         # (FERRITE_ATTN_PAIR, default 0: the tc2p entries; ATTENTION.md 61st session): the
         # attention checks under 1, then pp512 of Qwen3-8B F16 and Q4_K_M and Qwen3-30B-A3B
-        # Q4_K_M under 0 / 1, two rounds.
+        # Q4_K_M under 0 / 1, two rounds (PAIR_MODELS="preset:quant ..." for others).
         check_under FERRITE_ATTN_PAIR=1 "attention" check-pair.log 4
-        for m in "qwen3-8b F16" "qwen3-8b Q4_K_M" "qwen3-30b-a3b Q4_K_M"; do
-            read -r p q <<<"$m"
+        for m in ${PAIR_MODELS:-qwen3-8b:F16 qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M}; do
+            p=${m%%:*} q=${m#*:}
             f=$(synth "$p" "$q" | tail -1)
             ab_pp FERRITE_ATTN_PAIR "0 1" "$f" "$p $q"
             rm -f "$f"
