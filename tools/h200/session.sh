@@ -47,10 +47,6 @@
 #            f16 checks under FERRITE_CUBLASLT=3 first, then Qwen3-8B F16 pp512 under (CAT, X16,
 #            LT) = (0,0,0), (0,1,3), (1,1,1), (0,0,0) once each, then the checks under
 #            FERRITE_MMW_TA_CAT=1 and FERRITE_ATTN_X16=1; `lt cat attnx16` are the full stages
-#   pair     the two-group prefill attention's blocks ordered so that a heavy and a light one
-#            share each SM (FERRITE_ATTN_PAIR=1, the tc2p entries): attention checks under it,
-#            then pp512 of Qwen3-8B F16 and Q4_K_M and Qwen3-30B-A3B Q4_K_M under 0 / 1
-#            (PAIR_MODELS="preset:quant ..." for others)
 #   bytes    rounds 102-104 of MATMUL.md (on by default): the 300-row checks, then Qwen3-8B F16
 #            pp512 with FERRITE_NORM_X16_ONLY, FERRITE_LT_ADD and FERRITE_KV_FUSE all 0 / all 1
 #            and Q4_K_M with X16_ONLY and KV_FUSE 0 / 1, two rounds
@@ -397,19 +393,6 @@ for stage in "$@"; do
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
         rm -f "$f"
-        ;;
-    pair)
-        # The two-group prefill attention's blocks paired heavy with light a SM
-        # (FERRITE_ATTN_PAIR, default 0: the tc2p entries; ATTENTION.md 61st session): the
-        # attention checks under 1, then pp512 of Qwen3-8B F16 and Q4_K_M and Qwen3-30B-A3B
-        # Q4_K_M under 0 / 1, two rounds (PAIR_MODELS="preset:quant ..." for others).
-        check_under FERRITE_ATTN_PAIR=1 "attention" check-pair.log 4
-        for m in ${PAIR_MODELS:-qwen3-8b:F16 qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M}; do
-            p=${m%%:*} q=${m#*:}
-            f=$(synth "$p" "$q" | tail -1)
-            ab_pp FERRITE_ATTN_PAIR "0 1" "$f" "$p $q"
-            rm -f "$f"
-        done
         ;;
     bytes)
         # Rounds 102-104 (all on by default): the prefill checks they touch, then pp512 of

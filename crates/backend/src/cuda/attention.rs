@@ -108,24 +108,6 @@ fn tc2() -> bool {
     *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_TC2", 1) != 0)
 }
 
-/// `FERRITE_ATTN_PAIR` (read once; default 0): the two-group prefill kernels are their `tc2p`
-/// entries, which take the block order `pair_s` (attention.cu; ATTENTION.md 61st session).
-fn attn_pair() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_PAIR", 0) != 0)
-}
-
-/// The block order a `tc2p` kernel is passed for a grid of `blocks`: where the grid is one wave
-/// (at most two blocks an SM, the kernel's occupancy), the SM count, so that the i-th heaviest
-/// block and the i-th lightest share an SM; else 0, heaviest tile first.
-fn pair_s(be: &CudaBackend, blocks: usize) -> i32 {
-    if blocks <= 2 * be.sm_count {
-        be.sm_count as i32
-    } else {
-        0
-    }
-}
-
 /// The largest head dim with an `attn_prefill_tc2_<hd>`: at 256 its 128 accumulators a thread
 /// would spill under the two-blocks-an-SM register ceiling (128).
 const TC2_MAX_HEAD_DIM: usize = 128;
@@ -411,11 +393,7 @@ impl Kernels {
                     .iter()
                     .map(|&hd| {
                         let two = tc2 && hd <= TC2_MAX_HEAD_DIM;
-                        let base = match (two, attn_pair()) {
-                            (true, true) => "tc2p",
-                            (true, false) => "tc2",
-                            _ => "tc",
-                        };
+                        let base = if two { "tc2" } else { "tc" };
                         let f =
                             tc_function(&format!("attn_prefill_{base}_{pre}{hd}{post}"), hd, q8)?;
                         Ok((f, if two { 2 * TC_THREADS } else { TC_THREADS }))
@@ -547,10 +525,8 @@ impl Kernels {
                     if ptc == 0 || !tc2 || hd > TC2_MAX_HEAD_DIM || !attn_x16() {
                         return Ok(None);
                     }
-                    let base = if attn_pair() { "tc2p" } else { "tc2" };
-                    let f = |form: &str| {
-                        tc_function(&format!("attn_prefill_{base}_{hd}_x{form}"), hd, 0)
-                    };
+                    let f =
+                        |form: &str| tc_function(&format!("attn_prefill_tc2_{hd}_x{form}"), hd, 0);
                     Ok(Some([f("bf16")?, f("f16")?]))
                 })
                 .collect::<Result<Vec<_>>>()?,
@@ -1357,19 +1333,6 @@ fn attention_impl(
             (Some(_), None) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
             (None, None) => None,
         };
-        // Under FERRITE_ATTN_PAIR the two-group kernels (the f16 family's 256-thread entry, or
-        // its `_x16` forms) take the block order before the hand-over's buffer.
-        let pair = attn_pair().then(|| {
-            let tc2_pick = x16_pair.is_some()
-                || TC_HEAD_DIMS
-                    .iter()
-                    .position(|&h| h == head_dim)
-                    .and_then(|i| be.attention.prefill_tc[0].as_ref()?.get(i))
-                    .is_some_and(|(f, threads)| {
-                        std::ptr::eq(f, func) && *threads == 2 * TC_THREADS
-                    });
-            tc2_pick.then(|| pair_s(be, cfg.grid_dim.0 as usize * cfg.grid_dim.1 as usize))
-        });
         let func = match (&x16, x16_pair) {
             (Some(xb), Some(pair)) => &pair[usize::from(xb.kind == super::matmul::X16::F16)],
             _ => func,
@@ -1394,9 +1357,6 @@ fn attention_impl(
             .arg(&group_i)
             .arg(&capacity)
             .arg(&scale_log2);
-        if let Some(Some(ps)) = &pair {
-            launch.arg(ps);
-        }
         if let Some(xb) = x16.as_mut() {
             launch.arg(xb.buf()?);
         }

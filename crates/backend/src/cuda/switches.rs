@@ -180,11 +180,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "prefill: 1 (default) the add + RMSNorm also writes h as the 16-bit x of the matmuls that read it next (Q, K, V; gate/up), which then skip their conversion launch (MATMUL.md round 98); 0 the conversion launch",
     ),
     (
-        "FERRITE_ATTN_PAIR",
-        Accepts::OneOf(&[0, 1]),
-        "prefill attention on the two-group kernel: 1 takes its tc2p entries, which, where the grid is one wave, order the blocks so that the i-th heaviest and the i-th lightest share an SM (attention.rs pair_s; ATTENTION.md 61st session); 0 (default) heaviest tile first",
-    ),
-    (
         "FERRITE_KV_FUSE",
         Accepts::OneOf(&[0, 1]),
         "prefill on a contiguous f16 cache with a NeoX rotation qk_norm_rope's register form takes: 1 (default) the qk_norm_rope launch stores the keys and values itself (rotated k not written back) and no kv_store launch runs (attention.rs qk_norm_rope_attention_stored, MATMUL.md round 104); 0 qk_norm_rope then kv_store",

@@ -1817,8 +1817,7 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
     const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
-    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr,
-    int pair_s = 0) {
+    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr) {
     using S = TcShape<HD, Q8>;
     static_assert(G == 1 || (G == 2 && !Q8), "attn_prefill_tc: two key groups on f16 caches only");
     constexpr int BKV = S::BKV, LDS = S::LDS;
@@ -1842,21 +1841,8 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     const int kg = G == 2 ? tid >> 7 : 0, gtid = tid & (TC_THREADS - 1);
     const int g = lane >> 2, t4 = lane & 3;
     const int rpt = TC_SLOTS / group;  // rows per tile (host guarantees 1 ≤ group ≤ 64)
-    // Heaviest (latest rows) first, every kv head's tiles in turn. pair_s > 0 (the tc2p kernels,
-    // FERRITE_ATTN_PAIR; the host passes the SM count where the grid is one wave of two blocks
-    // an SM): blocks are ranked by work, a row range's tiles of every kv head together (rank r:
-    // tile T − 1 − r / H, head r % H); the first pair_s blocks, dispatched one an SM, take ranks
-    // 0 .. pair_s − 1 and block pair_s + i the rank N − 1 − i, so that the block sharing an SM
-    // with the i-th heaviest is the i-th lightest (ATTENTION.md 60th and 61st sessions). A
-    // bijection of the N blocks. (The default kernels pass 0: this folds away.)
-    int tile = gridDim.x - 1 - blockIdx.x;
-    int kvh = blockIdx.y;
-    if (pair_s > 0) {
-        const int n = gridDim.x * gridDim.y, lin = blockIdx.y * gridDim.x + blockIdx.x;
-        const int rank = lin < pair_s ? lin : n - 1 - (lin - pair_s);
-        tile = gridDim.x - 1 - rank / gridDim.y;
-        kvh = rank % gridDim.y;
-    }
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int kvh = blockIdx.y;
     const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, 0);
 
     if (tid == 0) s_kmax = 0;
@@ -2175,22 +2161,6 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD, HD, 0, TC2_NONE, TC2_NONE)                    \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xbf16, HD, 1, TC2_XO_ARG, TC2_XO_PASS)       \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xf16, HD, 2, TC2_XO_ARG, TC2_XO_PASS)
-// attn_prefill_tc2p_<hd>[_xbf16|_xf16] (FERRITE_ATTN_PAIR=1): the same kernels taking the block
-// order pair_s (above) as their last argument before xo.
-#define PREFILL_TC2P_KERNEL1(NAME, HD, XO, XARG, XPASS)                                     \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2)                           \
-        NAME(PREFILL_ARGS, int pair_s XARG) {                                                 \
-        PDL_ENTRY();                                                                         \
-        attn_prefill_tc_impl<HD, false, false, 2, XO>(q, kc, vc, ks, vs, positions, out, layer_off, \
-                                                      rows, n_heads, group, capacity, scale_log2, \
-                                                      UNPAGED_PASS(capacity), XPASS, pair_s); \
-    }
-#define TC2P_NO_XO nullptr
-#define TC2P_XO_PASS xo
-#define PREFILL_TC2P_KERNEL(HD)                                                              \
-    PREFILL_TC2P_KERNEL1(attn_prefill_tc2p_##HD, HD, 0, TC2_NONE, TC2P_NO_XO)                \
-    PREFILL_TC2P_KERNEL1(attn_prefill_tc2p_##HD##_xbf16, HD, 1, TC2_XO_ARG, TC2P_XO_PASS)    \
-    PREFILL_TC2P_KERNEL1(attn_prefill_tc2p_##HD##_xf16, HD, 2, TC2_XO_ARG, TC2P_XO_PASS)
 #define PREFILL_TC_KERNEL(HD)                                                                \
     PREFILL_TC_KERNEL1(attn_prefill_tc_##HD, HD, false)                                      \
     PREFILL_TC_KERNEL1(attn_prefill_tc_q8_##HD, HD, true)
@@ -2201,8 +2171,6 @@ PREFILL_TC_KERNEL(256)
 // Not at 256: its 128 accumulators a thread spill under the 128-register ceiling.
 PREFILL_TC2_KERNEL(64)
 PREFILL_TC2_KERNEL(128)
-PREFILL_TC2P_KERNEL(64)
-PREFILL_TC2P_KERNEL(128)
 
 // ---------------------------------------------------------------------------------------
 // Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
