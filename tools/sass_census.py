@@ -95,6 +95,24 @@ def sass_by_function(cuobjdump, cubin):
     return out
 
 
+def sass_of_cubin(cuobjdump, cubin):
+    """sass_by_function of CUBIN bytes (through a temporary file)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return sass_by_function(cuobjdump, f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def find_cuobjdump():
+    """$CUOBJDUMP, else cuobjdump on PATH; exits without one."""
+    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
+    if not cuobjdump:
+        sys.exit("no cuobjdump (set CUOBJDUMP or put it on PATH)")
+    return cuobjdump
+
+
 def nvrtc_cubin(src, arch="sm_90a"):
     return nvrtc_program(src, arch)[0]
 
@@ -162,9 +180,7 @@ def main():
     ap.add_argument("--keep", help="also write the cubin here")
     ap.add_argument("--against", metavar="REV", help="compare every kernel's SASS with git revision REV's")
     a = ap.parse_args()
-    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
-    if not cuobjdump:
-        sys.exit("no cuobjdump (set CUOBJDUMP or put it on PATH)")
+    cuobjdump = find_cuobjdump()
     cubin = nvrtc_cubin(trimmed_source(a.src, a.inst or DEFAULT_INST))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
@@ -174,12 +190,8 @@ def main():
         if a.keep:
             shutil.copy(f.name, a.keep)
         if a.against:
-            with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as g:
-                g.write(nvrtc_cubin(trimmed_source(a.src, a.inst or DEFAULT_INST, a.against)))
-            try:
-                now, then = sass_by_function(cuobjdump, f.name), sass_by_function(cuobjdump, g.name)
-            finally:
-                os.unlink(g.name)
+            now = sass_by_function(cuobjdump, f.name)
+            then = sass_of_cubin(cuobjdump, nvrtc_cubin(trimmed_source(a.src, a.inst or DEFAULT_INST, a.against)))
             both = sorted(set(now) & set(then))
             diff = [k for k in both if now[k] != then[k]]
             print(f"against {a.against}: {len(both)} kernels in both, {len(both) - len(diff)} identical, "

@@ -22,10 +22,7 @@ nvdisasm it calls (on PATH or $NVDISASM_PATH). Without a CUDA toolkit, PyPI's wh
 import argparse
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sass_census as sc  # noqa: E402
@@ -36,14 +33,11 @@ WITH_MM_DECODE = {"matmul", "mmw", "moe", "elementwise", "attention"}
 
 def module_source(name, rev=None):
     def read(f):
-        if rev is None:
-            with open(os.path.join(sc.KERNELS, f)) as h:
-                return h.read()
-        r = subprocess.run(["git", "show", f"{rev}:crates/backend/src/cuda/kernels/{f}"], cwd=sc.ROOT,
-                           capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(f"git show {rev}:{f} failed: {r.stderr.strip()}")
-        return r.stdout
+        path = os.path.join(sc.KERNELS, f)
+        if rev is not None:
+            return sc.git_show(rev, path)
+        with open(path) as h:
+            return h.read()
     parts = [read("common.cuh")]
     if name in WITH_MM_DECODE:
         parts.append(read("mm_decode.cuh"))
@@ -56,19 +50,9 @@ def main():
     ap.add_argument("module", help="a kernel file's name without .cu")
     ap.add_argument("--against", default="HEAD", metavar="REV")
     a = ap.parse_args()
-    cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
-    if not cuobjdump:
-        sys.exit("no cuobjdump (set CUOBJDUMP or put it on PATH)")
-    sass = []
-    for rev in (None, a.against):
-        cubin = sc.nvrtc_program(module_source(a.module, rev), name=f"{a.module}.cu")[0]
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(cubin)
-        try:
-            sass.append(sc.sass_by_function(cuobjdump, f.name))
-        finally:
-            os.unlink(f.name)
-    now, then = sass
+    cuobjdump = sc.find_cuobjdump()
+    now, then = (sc.sass_of_cubin(cuobjdump, sc.nvrtc_program(module_source(a.module, rev), name=f"{a.module}.cu")[0])
+                 for rev in (None, a.against))
     if not now:
         sys.exit("cuobjdump gave no kernels (is nvdisasm on PATH or NVDISASM_PATH?)")
     blind = lambda code: [re.sub(r"0x[0-9a-f]+", "#", i) for i in code]  # noqa: E731
