@@ -786,11 +786,7 @@ impl<B: Backend> Model<B> {
                 }
                 // x += down(SwiGLU(h)), h = the next layer's attention input (read by its Q,
                 // K, V alone) or the output norm's result.
-                let next_norm = self
-                    .layers
-                    .get(il + 1)
-                    .map_or(&self.out_norm, |n| &n.attn_norm);
-                let next = self.qkv_readers(il + 1);
+                let (next_norm, next) = self.attn_input(il + 1);
                 let readers = next.as_ref().map_or(&[][..], |r| r);
                 if be.adds_in_epilogue(wd, t) {
                     be.swiglu_mlp_add(h, wg, wu, wd, (&mut *gate, &mut *up), act, x, y)?;
@@ -826,11 +822,7 @@ impl<B: Backend> Model<B> {
             // x += y, h = the next layer's attention input, read by its Q, K, V alone (or the
             // output norm's result).
             handed = false;
-            let next_norm = self
-                .layers
-                .get(il + 1)
-                .map_or(&self.out_norm, |n| &n.attn_norm);
-            let next = self.qkv_readers(il + 1);
+            let (next_norm, next) = self.attn_input(il + 1);
             let readers = next.as_ref().map_or(&[][..], |r| r);
             be.add_rms_norm_for(x, y, next_norm, cfg.rms_eps, h, readers)?;
         }
@@ -846,6 +838,13 @@ impl<B: Backend> Model<B> {
     /// on every step, decode's included.
     fn qkv_readers(&self, il: usize) -> Option<[&B::Weight; 3]> {
         self.layers.get(il).map(|l| [&l.wq, &l.wk, &l.wv])
+    }
+
+    /// Layer `il`'s attention-input norm weight (the output norm past the last layer) and the
+    /// weights that read its result ([`Self::qkv_readers`]).
+    fn attn_input(&self, il: usize) -> (&B::Weight, Option<[&B::Weight; 3]>) {
+        let norm = self.layers.get(il).map_or(&self.out_norm, |n| &n.attn_norm);
+        (norm, self.qkv_readers(il))
     }
 
     /// Whether a step of `rows` rows runs with the RMSNorms deferred into the projections
