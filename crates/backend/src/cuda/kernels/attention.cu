@@ -2120,7 +2120,16 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
             xml[(warp * 4 + 3) * 32 + lane] = l1;
         }
         __syncthreads();
-        if (kg == 1) return;
+        if (kg == 1) {
+            if constexpr (KS) {
+                // Every thread of a split tile's two blocks meets the cluster barriers below.
+                if (ks_split()) {
+                    cluster_sync_all();
+                    cluster_sync_exec();
+                }
+            }
+            return;
+        }
         const float mb0 = xml[(warp * 4 + 0) * 32 + lane], mb1 = xml[(warp * 4 + 1) * 32 + lane];
         const float lb0 = xml[(warp * 4 + 2) * 32 + lane], lb1 = xml[(warp * 4 + 3) * 32 + lane];
         const float n0 = fmaxf(m0, mb0), n1 = fmaxf(m1, mb1);
