@@ -2136,6 +2136,11 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
         const float a0 = exp2f(m0 - n0), b0 = exp2f(mb0 - n0), a1 = exp2f(m1 - n1), b1 = exp2f(mb1 - n1);
         l0 = l0 * a0 + lb0 * b0;
         l1 = l1 * a1 + lb1 * b1;
+        if constexpr (KS) {
+            // The merged state's maxima (the plain kernel needs them no further).
+            m0 = n0;
+            m1 = n1;
+        }
 #pragma unroll
         for (int j = 0; j < NO; j++) {
             const float* p = xo + (warp * NO + j) * 4 * 32 + lane;
