@@ -50,11 +50,6 @@
 #   bytes    rounds 102-104 of MATMUL.md (on by default): the 300-row checks, then Qwen3-8B F16
 #            pp512 with FERRITE_NORM_X16_ONLY, FERRITE_LT_ADD and FERRITE_KV_FUSE all 0 / all 1
 #            and Q4_K_M with X16_ONLY and KV_FUSE 0 / 1, two rounds
-#   ksplit   the two-group prefill attention with its heaviest query tiles' keys split between a
-#            cluster's two blocks (FERRITE_ATTN_KSPLIT, default 0; ATTENTION.md 62nd session): the
-#            attention checks under 2 (every tile split) and 1 (the planned split), then pp512 of
-#            KSPLIT_MODELS (default Qwen3-8B F16 and Q4_K_M, Qwen3-30B-A3B Q4_K_M) under 0 / 1,
-#            two rounds
 #   taks     the TA wide tile with K split between a cluster's two blocks (FERRITE_MMW_TA_KS=2, on
 #            by default since the 53rd session; MATMUL.md round 95; the same CUBIN serves both values):
 #            the matmul check and check --perf of the 16-bit matmuls under it, then Qwen3-8B F16
@@ -398,15 +393,6 @@ for stage in "$@"; do
         f=$(synth qwen3-8b F16 | tail -1)
         ab_pp FERRITE_CUBLASLT "0 1 3" "$f" "qwen3-8b F16"
         rm -f "$f"
-        ;;
-    ksplit)
-        check_under FERRITE_ATTN_KSPLIT=2 "attention" check-ksplit2.log 4
-        check_under FERRITE_ATTN_KSPLIT=1 "attention" check-ksplit1.log 4
-        for m in ${KSPLIT_MODELS:-qwen3-8b:F16 qwen3-8b:Q4_K_M qwen3-30b-a3b:Q4_K_M}; do
-            f=$(synth "${m%%:*}" "${m##*:}" | tail -1)
-            ab_pp FERRITE_ATTN_KSPLIT "0 1" "$f" "${m%%:*} ${m##*:}"
-            rm -f "$f"
-        done
         ;;
     bytes)
         # Rounds 102-104 (all on by default): the prefill checks they touch, then pp512 of

@@ -126,148 +126,6 @@ fn attn_x16() -> bool {
     *ON.get_or_init(|| super::switches::int_or("FERRITE_ATTN_X16", 1) != 0)
 }
 
-/// `FERRITE_ATTN_KSPLIT` (read once; default 0): 1 runs the two-group prefill on its `tc2s`
-/// form where [`ks_plan`] finds a shorter launch (the heaviest query tiles' keys split between
-/// the two blocks of a cluster, merged through distributed shared memory; ATTENTION.md 62nd
-/// session), 2 splits every query tile (the checks' instrument: the merge at every shape), 0
-/// the `tc2` kernels alone.
-fn ksplit() -> i64 {
-    static V: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *V.get_or_init(|| super::switches::int_or("FERRITE_ATTN_KSPLIT", 0))
-}
-
-/// Two-group prefill blocks an SM: 256 threads at ≤ 128 registers and 87 KB of shared memory
-/// at head dim 128 (`__launch_bounds__(256, 2)`).
-const TC2_BLOCKS_PER_SM: usize = 2;
-
-/// Keys per K/V tile of the two-group kernels (TcShape::BKV at head dims up to 128).
-const TC2_KEYS: usize = 64;
-
-/// How many of each kv head's heaviest query tiles the `tc2s` kernels should split (0: the
-/// plain `tc2` kernel), for a prefill of `rows` rows from position `pos0` (contiguous, one
-/// sequence), from a list-scheduling model of the launch in units of one group's key tile:
-/// a block costs [`KS_PROLOGUE`] and then its groups' longer chain (⌈keys tiles / 2⌉; a split
-/// tile's halves take ⌈n / 2⌉ and ⌊n / 2⌋ tiles and then [`KS_MERGE`] together), blocks go to
-/// the earliest free of `slots` in dispatch order (the plain grid: each head's tiles heaviest
-/// first, head after head; the split grid: pairs of blocks, heads fastest, a pair on two slots
-/// at once as a cluster is). The split count with the shortest modelled launch is taken where
-/// it beats the plain kernel's by more than [`KS_MARGIN`]. Grids of more than two waves are
-/// left alone (their waves even the tiles out, and the model's cost grows with them).
-/// `mode` 2 splits every tile.
-fn ks_plan(rows: usize, pos0: usize, group: usize, n_kv: usize, slots: usize, mode: i64) -> usize {
-    if rows == 0 || group == 0 || group > TC_SLOTS || n_kv == 0 || slots == 0 {
-        return 0;
-    }
-    let n_q = rows.div_ceil(TC_SLOTS / group);
-    if mode == 2 {
-        return n_q;
-    }
-    if n_q * n_kv > 2 * slots {
-        return 0;
-    }
-    let (plain, split) = ks_makespans(rows, pos0, group, n_kv, slots);
-    let mut best = (plain - KS_MARGIN, 0);
-    for (i, &e) in split.iter().enumerate() {
-        if e < best.0 {
-            best = (e, i + 1);
-        }
-    }
-    best.1
-}
-
-/// [`ks_plan`]'s model: the plain launch's length and the split launch's at 1, 2, … tiles
-/// split a head.
-fn ks_makespans(
-    rows: usize,
-    pos0: usize,
-    group: usize,
-    n_kv: usize,
-    slots: usize,
-) -> (f64, Vec<f64>) {
-    let rpt = TC_SLOTS / group;
-    let n_q = rows.div_ceil(rpt);
-    // Key tiles of query tile t.
-    let kt = |t: usize| (pos0 + ((t + 1) * rpt).min(rows)).div_ceil(TC2_KEYS);
-    let whole = |t: usize| KS_PROLOGUE + kt(t).div_ceil(2) as f64;
-    let halves = |t: usize| {
-        let n = kt(t);
-        let h = n.div_ceil(2);
-        (h.div_ceil(2).max((n - h).div_ceil(2))) as f64 + KS_PROLOGUE + KS_MERGE
-    };
-    // Earliest-free slot: a linear scan (a few hundred slots, a few hundred blocks).
-    let earliest = |free: &[f64]| {
-        let mut best = 0;
-        for (i, &f) in free.iter().enumerate() {
-            if f < free[best] {
-                best = i;
-            }
-        }
-        best
-    };
-    let plain = {
-        let mut free = vec![0f64; slots];
-        let mut end = 0f64;
-        for _ in 0..n_kv {
-            for t in (0..n_q).rev() {
-                let i = earliest(&free);
-                free[i] += whole(t);
-                end = end.max(free[i]);
-            }
-        }
-        end
-    };
-    let split = |ns: usize| {
-        let mut free = vec![0f64; slots.max(2)];
-        let mut end = 0f64;
-        let pairs = ns + (n_q - ns).div_ceil(2);
-        for pih in 0..pairs {
-            for _ in 0..n_kv {
-                let a = earliest(&free);
-                let fa = free[a];
-                free[a] = f64::INFINITY;
-                let b = earliest(&free);
-                let start = fa.max(free[b]);
-                let (da, db) = if pih < ns {
-                    let d = halves(n_q - 1 - pih);
-                    (d, d)
-                } else {
-                    let t = n_q - 1 - ns - 2 * (pih - ns);
-                    (whole(t), if t >= 1 { whole(t - 1) } else { 0.0 })
-                };
-                free[a] = start + da;
-                free[b] = start + db;
-                end = end.max(free[a]).max(free[b]);
-            }
-        }
-        end
-    };
-    (plain, (1..=n_q).map(split).collect())
-}
-
-/// [`ks_plan`]'s cost of a block before its first key tile (q staged, the first copy landed),
-/// in one group's key tiles.
-const KS_PROLOGUE: f64 = 0.25;
-/// Its cost of a split tile's merge through the cluster (two barriers, a row of remote loads).
-const KS_MERGE: f64 = 0.15;
-/// How much shorter (in key tiles) a split launch must model than the plain one to be taken.
-const KS_MARGIN: f64 = 0.5;
-
-/// [`ks_plan`] of the last call (every layer of a prefill asks the same).
-fn ks_plan_cached(rows: usize, pos0: usize, group: usize, n_kv: usize, slots: usize) -> usize {
-    type Key = (usize, usize, usize, usize, usize);
-    static LAST: std::sync::Mutex<Option<(Key, usize)>> = std::sync::Mutex::new(None);
-    let key = (rows, pos0, group, n_kv, slots);
-    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((k, ns)) = *last {
-        if k == key {
-            return ns;
-        }
-    }
-    let ns = ks_plan(rows, pos0, group, n_kv, slots, ksplit());
-    *last = Some((key, ns));
-    ns
-}
-
 /// Dynamic shared memory of `attn_prefill_tc[_q8]_<hd>` (TcShape::SMEM in attention.cu): q as
 /// f16 [64][hd + 8] and double-buffered f16 K and V tiles [2][keys][hd + 8]; q8_0 (`q8` = 1),
 /// one f16 K and V tile and the double-buffered raw stages (int8 + one f16 scale per 32).
@@ -475,10 +333,6 @@ pub struct Kernels {
     /// takes `attn_prefill_tc2_<hd>` and [`attn_x16`] is on: the same kernel writing the
     /// o-projection's 16-bit x too, `[bf16, f16]`.
     prefill_tc2_x16: Vec<Option<[CudaFunction; 2]>>,
-    /// `attn_prefill_tc2s_<hd>[_xbf16|_xf16]` per [`TC_HEAD_DIMS`] entry where the f16 prefill
-    /// takes `attn_prefill_tc2_<hd>` and [`ksplit`] is on: the split-tile forms, `[f32 output
-    /// only, bf16 x, f16 x]`.
-    prefill_tc2s: Vec<Option<[CudaFunction; 3]>>,
     generic: CudaFunction,
     /// The paged-cache variants (same indexing).
     paged: PagedKernels,
@@ -674,17 +528,6 @@ impl Kernels {
                     let f =
                         |form: &str| tc_function(&format!("attn_prefill_tc2_{hd}_x{form}"), hd, 0);
                     Ok(Some([f("bf16")?, f("f16")?]))
-                })
-                .collect::<Result<Vec<_>>>()?,
-            prefill_tc2s: TC_HEAD_DIMS
-                .iter()
-                .map(|&hd| {
-                    if ptc == 0 || !tc2 || hd > TC2_MAX_HEAD_DIM || ksplit() == 0 {
-                        return Ok(None);
-                    }
-                    let f =
-                        |post: &str| tc_function(&format!("attn_prefill_tc2s_{hd}{post}"), hd, 0);
-                    Ok(Some([f("")?, f("_xbf16")?, f("_xf16")?]))
                 })
                 .collect::<Result<Vec<_>>>()?,
             generic: function(&m, "attn_generic")?,
@@ -1470,25 +1313,14 @@ fn attention_impl(
         // enough: xb_for_producer), recorded as the output's.
         // The pick must be that kernel itself (the f16 family's entry: where a `_x16` pair is
         // loaded, the two-group one), not the SIMT one, whose blocks are 256 threads too.
-        let tc2_index = TC_HEAD_DIMS
+        let x16_pair = TC_HEAD_DIMS
             .iter()
             .position(|&h| h == head_dim)
             .filter(|&i| {
                 let tc = be.attention.prefill_tc[0].as_ref().and_then(|v| v.get(i));
                 tc.is_some_and(|(f, _)| std::ptr::eq(f, func))
-            });
-        let x16_pair = tc2_index.and_then(|i| be.attention.prefill_tc2_x16[i].as_ref());
-        // The split-tile form (FERRITE_ATTN_KSPLIT) where its plan splits some tiles.
-        let tc2s = tc2_index
-            .and_then(|i| be.attention.prefill_tc2s[i].as_ref())
-            .map(|fs| {
-                let slots = TC2_BLOCKS_PER_SM * be.sm_count;
-                (
-                    fs,
-                    ks_plan_cached(rows, step.pos0, group, n_kv_heads, slots),
-                )
             })
-            .filter(|&(_, ns)| ns > 0);
+            .and_then(|i| be.attention.prefill_tc2_x16[i].as_ref());
         // Where the o-projection alone reads the output, from the hand-over, the f32 rows are
         // left unwritten (a null `out`; ops.rs x16_only).
         let only = match x16_pair {
@@ -1501,27 +1333,9 @@ fn attention_impl(
             (Some(_), None) => super::matmul::xb_for_producer(be, rows, n_heads * head_dim)?,
             (None, None) => None,
         };
-        let form = match (&x16, x16_pair) {
-            (Some(xb), Some(_)) => 1 + usize::from(xb.kind == super::matmul::X16::F16),
-            _ => 0,
-        };
-        let func = match (form, x16_pair, tc2s) {
-            (_, _, Some((fs, _))) => &fs[form],
-            (1.., Some(pair), None) => &pair[form - 1],
+        let func = match (&x16, x16_pair) {
+            (Some(xb), Some(pair)) => &pair[usize::from(xb.kind == super::matmul::X16::F16)],
             _ => func,
-        };
-        // The split form's grid: pairs of blocks (a cluster each), ns split tiles and the
-        // rest two whole tiles a pair, for every kv head (attention.cu KS).
-        let cfg = match tc2s {
-            Some((_, ns)) => {
-                let n_q = rows.div_ceil(TC_SLOTS / group);
-                let pairs = ns + (n_q - ns).div_ceil(2);
-                LaunchConfig {
-                    grid_dim: ((2 * pairs * n_kv_heads) as u32, 1, 1),
-                    ..cfg
-                }
-            }
-            None => cfg,
         };
         let mut launch = be.stream.kernel(func);
         launch
@@ -1545,10 +1359,6 @@ fn attention_impl(
             .arg(&scale_log2);
         if let Some(xb) = x16.as_mut() {
             launch.arg(xb.buf()?);
-        }
-        let ns_i = tc2s.map_or(0, |(_, ns)| ns as i32);
-        if tc2s.is_some() {
-            launch.arg(&ns_i).cluster((2, 1, 1));
         }
         // SAFETY: shapes checked above; each block writes only its own (row, head) outputs
         // (both kernels take the same arguments; the tc one ignores the q8_0 scales); the
@@ -2019,28 +1829,6 @@ mod tests {
         let many: Vec<_> = (0..40).map(|i| seg(i, 1)).collect();
         assert_eq!(paged_units(&many, 32), vec![u(true, 0, 32), u(true, 32, 8)]);
         assert_eq!(paged_units(&many, 40), vec![u(true, 0, 40)]);
-    }
-
-    #[test]
-    fn ks_plan_splits_the_heavy_tiles_of_a_short_prefill() {
-        // Qwen3-8B pp512 (group 4: 16 rows a tile, 32 tiles, 8 kv heads) on 132 SMs: the
-        // plain launch is its heaviest tile's 8 key tiles in two groups after its prologue;
-        // splitting the heavy tiles brings the modelled launch under that (at the constants
-        // of this commit: 4.25 → 3.5 with the 8 heaviest tiles of each head split). The
-        // Qwen3-30B-A3B shape (group 8, 4 kv heads) too.
-        let slots = TC2_BLOCKS_PER_SM * 132;
-        let ns = ks_plan(512, 0, 4, 8, slots, 1);
-        let (plain, split) = ks_makespans(512, 0, 4, 8, slots);
-        assert_eq!(plain, KS_PROLOGUE + 4.0);
-        assert!(ns > 0 && ns < 32, "{ns}");
-        assert!(split[ns - 1] + KS_MARGIN <= plain, "{split:?}");
-        assert!(ks_plan(512, 0, 8, 4, slots, 1) > 0);
-        // Behind a long prefix every tile is about as heavy and the grid fills the card:
-        // nothing to split. Mode 2 splits every tile, whatever the model says.
-        assert_eq!(ks_plan(512, 8192, 4, 8, slots, 1), 0);
-        assert_eq!(ks_plan(512, 8192, 4, 8, slots, 2), 32);
-        // More than two waves of tiles: left alone.
-        assert_eq!(ks_plan(8192, 0, 4, 8, slots, 1), 0);
     }
 
     #[test]

@@ -330,11 +330,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "tensor-core prefill attention on a contiguous f16 cache, head dims up to 128: 1 two groups of 4 warps a block taking alternate key tiles, merged at the end (default; attn_prefill_tc2_*; ATTENTION.md 53rd session), 0 one group",
     ),
     (
-        "FERRITE_ATTN_KSPLIT",
-        Accepts::OneOf(&[0, 1, 2]),
-        "two-group prefill attention: 1 splits the keys of the heaviest query tiles between a cluster's two blocks where attention.rs ks_plan finds the launch shorter (attn_prefill_tc2s_*; ATTENTION.md 62nd session), 2 splits every tile (the checks' instrument), 0 (default) the tc2 kernels alone",
-    ),
-    (
         "FERRITE_GEMV_WARPS",
         Accepts::Range(1, 256),
         "float GEMV: resident-warp goal per SM that sets its K split (default 32; MATMUL.md round 15)",

@@ -1811,27 +1811,15 @@ __device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src, int sr
 // (pack_f16_sat, mmw_x_f16); the o-projection then skips that launch (matmul.rs XbState). In
 // those forms `out` may be null: the o-projection alone reads the output, from xo (attention.rs
 // `out_readers`), and its f32 rows (two thirds of the output's bytes) are not written.
-//
-// KS (the tc2 kernels' `tc2s` forms, FERRITE_ATTN_KSPLIT, ATTENTION.md 62nd session): the
-// `n_split` heaviest query tiles of every kv head have their key range split between the two
-// blocks of a cluster (2, 1, 1), which merge their softmax states through distributed shared
-// memory, so that the launch is no longer as long as its heaviest tile's chain. The grid is
-// one-dimensional, in pairs of blocks (a cluster each): pair p is kv head p % n_kv, and its
-// p / n_kv-th pair in that head, heaviest first: the first n_split of a head are its split
-// tiles (block `part` 0 takes key tiles [0, h), part 1 [h, n), h = ⌈n / 2⌉), the rest two
-// whole tiles each (the last one's second block past tile 0 leaves at once). Heads fastest, so
-// that the dispatcher hands out every head's heavy blocks before any light ones.
-template <int HD, bool Q8, bool PAGED, int G = 1, int XO = 0, bool KS = false>
+template <int HD, bool Q8, bool PAGED, int G = 1, int XO = 0>
 __device__ __forceinline__ void attn_prefill_tc_impl(
     const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ ks,
     const unsigned short* __restrict__ vs, const int* __restrict__ positions,
     float* __restrict__ out, long long layer_off, int rows, int n_heads, int group,
-    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr,
-    int n_split = 0) {
+    int capacity, float scale_log2, PAGED_ARGS, unsigned short* __restrict__ xo = nullptr) {
     using S = TcShape<HD, Q8>;
     static_assert(G == 1 || (G == 2 && !Q8), "attn_prefill_tc: two key groups on f16 caches only");
-    static_assert(!KS || (G == 2 && !PAGED), "attn_prefill_tc: key splits on the two-group kernel");
     constexpr int BKV = S::BKV, LDS = S::LDS;
     constexpr int NS = BKV / 8;   // S n-tiles (8 keys) per warp
     constexpr int NO = HD / 8;    // O n-tiles (8 dims) per warp
@@ -1853,20 +1841,8 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     const int kg = G == 2 ? tid >> 7 : 0, gtid = tid & (TC_THREADS - 1);
     const int g = lane >> 2, t4 = lane & 3;
     const int rpt = TC_SLOTS / group;  // rows per tile (host guarantees 1 ≤ group ≤ 64)
-    int tile, kvh;
-    // KS: whether this block is half of a split tile, and which half (its cluster rank);
-    // asked again after the key loop rather than held through it (registers).
-    auto ks_split = [&]() { return (int)(blockIdx.x >> 1) / (n_heads / group) < n_split; };
-    if constexpr (KS) {
-        const int n_kv = n_heads / group, n_q = (rows + rpt - 1) / rpt;
-        const int pair = blockIdx.x >> 1, pih = pair / n_kv, part = blockIdx.x & 1;
-        kvh = pair % n_kv;
-        tile = pih < n_split ? n_q - 1 - pih : n_q - 1 - n_split - 2 * (pih - n_split) - part;
-        if (tile < 0) return;  // a whole pair's missing second tile (no cluster barrier follows)
-    } else {
-        tile = gridDim.x - 1 - blockIdx.x;
-        kvh = blockIdx.y;
-    }
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int kvh = blockIdx.y;
     const int* bt = row_table<PAGED>(row_seq, block_tables, bt_stride, 0);
 
     if (tid == 0) s_kmax = 0;
@@ -1984,17 +1960,8 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     // G = 1: tile it + 1 in flight while tile it is computed, one barrier pair a tile. G = 2:
     // each group its tiles one at a time in its own buffer, on its own named barrier (1 + kg);
     // the other group's warps (and the other block's) cover the copy's latency.
-    // KS: a split tile's half of the key tiles.
-    int it_lo = 0, it_hi = n_tiles;
-    if constexpr (KS) {
-        if (ks_split()) {
-            const int h = (n_tiles + 1) >> 1, part = blockIdx.x & 1;
-            it_lo = part ? h : 0;
-            it_hi = part ? n_tiles : h;
-        }
-    }
     if (G == 1 && n_tiles > 0) load_tile(0);
-    for (int it = it_lo + kg; it < it_hi; it += G) {
+    for (int it = kg; it < n_tiles; it += G) {
         if constexpr (G == 2) {
             load_tile(it);
             asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -2120,27 +2087,13 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
             xml[(warp * 4 + 3) * 32 + lane] = l1;
         }
         __syncthreads();
-        if (kg == 1) {
-            if constexpr (KS) {
-                // Every thread of a split tile's two blocks meets the cluster barriers below.
-                if (ks_split()) {
-                    cluster_sync_all();
-                    cluster_sync_exec();
-                }
-            }
-            return;
-        }
+        if (kg == 1) return;
         const float mb0 = xml[(warp * 4 + 0) * 32 + lane], mb1 = xml[(warp * 4 + 1) * 32 + lane];
         const float lb0 = xml[(warp * 4 + 2) * 32 + lane], lb1 = xml[(warp * 4 + 3) * 32 + lane];
         const float n0 = fmaxf(m0, mb0), n1 = fmaxf(m1, mb1);
         const float a0 = exp2f(m0 - n0), b0 = exp2f(mb0 - n0), a1 = exp2f(m1 - n1), b1 = exp2f(mb1 - n1);
         l0 = l0 * a0 + lb0 * b0;
         l1 = l1 * a1 + lb1 * b1;
-        if constexpr (KS) {
-            // The merged state's maxima (the plain kernel needs them no further).
-            m0 = n0;
-            m1 = n1;
-        }
 #pragma unroll
         for (int j = 0; j < NO; j++) {
             const float* p = xo + (warp * NO + j) * 4 * 32 + lane;
@@ -2148,47 +2101,6 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
             o_acc[j][1] = o_acc[j][1] * a0 + p[32] * b0;
             o_acc[j][2] = o_acc[j][2] * a1 + p[64] * b1;
             o_acc[j][3] = o_acc[j][3] * a1 + p[96] * b1;
-        }
-        if constexpr (KS) {
-            // A split tile's two blocks: part 1's group 0 leaves its merged state in its own
-            // shared memory past the floats above, a thread's own row of NO + 1 float4s (O, then
-            // m0, m1, l0, l1; 4 floats of pad a row: conflict-free 16-byte stores), and part 0's
-            // reads its partner's row there (mapa, cluster rank 1) and merges as above. The
-            // second barrier keeps part 1's shared memory alive until those reads are done.
-            constexpr int RS = NO * 4 + 4;
-            static_assert((TC_SLOTS * HD + 4 * 4 * 32 + 4 * 32 * RS) * 4 <= 4 * BKV * LDS * 2,
-                          "attn_prefill_tc: the split merge's floats fit the K and V tiles");
-            float* row = xml + 4 * 4 * 32 + (warp * 32 + lane) * RS;
-            if (ks_split()) {
-                const int part = blockIdx.x & 1;
-                if (part == 1) {
-#pragma unroll
-                    for (int j = 0; j < NO; j++)
-                        *reinterpret_cast<float4*>(row + 4 * j) =
-                            make_float4(o_acc[j][0], o_acc[j][1], o_acc[j][2], o_acc[j][3]);
-                    *reinterpret_cast<float4*>(row + 4 * NO) = make_float4(m0, m1, l0, l1);
-                }
-                cluster_sync_all();
-                if (part == 1) {
-                    cluster_sync_exec();
-                    return;
-                }
-                const float4 ml = ld_cluster_f32x4(row + 4 * NO, 1);
-                const float k0m = fmaxf(m0, ml.x), k1m = fmaxf(m1, ml.y);
-                const float ka0 = exp2f(m0 - k0m), kb0 = exp2f(ml.x - k0m);
-                const float ka1 = exp2f(m1 - k1m), kb1 = exp2f(ml.y - k1m);
-                l0 = l0 * ka0 + ml.z * kb0;
-                l1 = l1 * ka1 + ml.w * kb1;
-#pragma unroll
-                for (int j = 0; j < NO; j++) {
-                    const float4 p = ld_cluster_f32x4(row + 4 * j, 1);
-                    o_acc[j][0] = o_acc[j][0] * ka0 + p.x * kb0;
-                    o_acc[j][1] = o_acc[j][1] * ka0 + p.y * kb0;
-                    o_acc[j][2] = o_acc[j][2] * ka1 + p.z * kb1;
-                    o_acc[j][3] = o_acc[j][3] * ka1 + p.w * kb1;
-                }
-                cluster_sync_exec();
-            }
         }
     }
 
@@ -2249,22 +2161,6 @@ __device__ __forceinline__ void attn_prefill_tc_impl(
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD, HD, 0, TC2_NONE, TC2_NONE)                    \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xbf16, HD, 1, TC2_XO_ARG, TC2_XO_PASS)       \
     PREFILL_TC2_KERNEL1(attn_prefill_tc2_##HD##_xf16, HD, 2, TC2_XO_ARG, TC2_XO_PASS)
-// attn_prefill_tc2s_<hd>[_xbf16|_xf16] (FERRITE_ATTN_KSPLIT): the same kernels with the heaviest
-// `n_split` query tiles of each kv head split between a cluster's two blocks (KS above), launched
-// on a one-dimensional grid of clusters of two (attention.rs ks_plan).
-#define TC2_XO_NULL , nullptr
-#define PREFILL_TC2S_KERNEL1(NAME, HD, XO, XARG, XPASS)                                     \
-    extern "C" __global__ void __launch_bounds__(2 * TC_THREADS, 2)                          \
-        NAME(PREFILL_ARGS XARG, int n_split) {                                               \
-        PDL_ENTRY();                                                                         \
-        attn_prefill_tc_impl<HD, false, false, 2, XO, true>(                                 \
-            q, kc, vc, ks, vs, positions, out, layer_off, rows, n_heads, group, capacity,    \
-            scale_log2, UNPAGED_PASS(capacity) XPASS, n_split);                              \
-    }
-#define PREFILL_TC2S_KERNEL(HD)                                                              \
-    PREFILL_TC2S_KERNEL1(attn_prefill_tc2s_##HD, HD, 0, TC2_NONE, TC2_XO_NULL)               \
-    PREFILL_TC2S_KERNEL1(attn_prefill_tc2s_##HD##_xbf16, HD, 1, TC2_XO_ARG, TC2_XO_PASS)     \
-    PREFILL_TC2S_KERNEL1(attn_prefill_tc2s_##HD##_xf16, HD, 2, TC2_XO_ARG, TC2_XO_PASS)
 #define PREFILL_TC_KERNEL(HD)                                                                \
     PREFILL_TC_KERNEL1(attn_prefill_tc_##HD, HD, false)                                      \
     PREFILL_TC_KERNEL1(attn_prefill_tc_q8_##HD, HD, true)
@@ -2275,8 +2171,6 @@ PREFILL_TC_KERNEL(256)
 // Not at 256: its 128 accumulators a thread spill under the 128-register ceiling.
 PREFILL_TC2_KERNEL(64)
 PREFILL_TC2_KERNEL(128)
-PREFILL_TC2S_KERNEL(64)
-PREFILL_TC2S_KERNEL(128)
 
 // ---------------------------------------------------------------------------------------
 // Fallback: any head_dim ≤ 512. Grid (ceil(n_heads/4), rows), 128 threads: a warp per head.
