@@ -47,14 +47,18 @@ DEFAULT_INST = [
 DEFAULT_FUN = ["gemvq_swiglu_tc_q4_k_r1", "gemvq_tc_q4_k_r1", "gemvq_tc_q6_k_r1", "gemvq_q6_k_r1"]
 
 
+def read_source(path, rev=None):
+    """The file at `path` in the working tree, or at git revision `rev`."""
+    if rev is not None:
+        return git_show(rev, path)
+    with open(path) as f:
+        return f.read()
+
+
 def trimmed_source(src_path, insts, rev=None):
     # As the backend's full_source (cuda/mod.rs): common.cuh, then mm_decode.cuh, then matmul.cu.
-    names = ("matmul.cu", "common.cuh", "mm_decode.cuh")
-    if rev is None:
-        s, common, mm_decode = (open(src_path if n == "matmul.cu" else os.path.join(KERNELS, n)).read()
-                                for n in names)
-    else:
-        s, common, mm_decode = (git_show(rev, os.path.join(KERNELS, n)) for n in names)
+    s = read_source(src_path if rev is None else os.path.join(KERNELS, "matmul.cu"), rev)
+    common, mm_decode = (read_source(os.path.join(KERNELS, n), rev) for n in ("common.cuh", "mm_decode.cuh"))
     if BLOCK_FIRST not in s or BLOCK_LAST not in s:
         sys.exit(f"{src_path}: the instantiation block ({BLOCK_FIRST} .. {BLOCK_LAST}) moved; update this tool")
     a = s.index(BLOCK_FIRST)

@@ -32,17 +32,8 @@ WITH_MM_DECODE = {"matmul", "mmw", "moe", "elementwise", "attention"}
 
 
 def module_source(name, rev=None):
-    def read(f):
-        path = os.path.join(sc.KERNELS, f)
-        if rev is not None:
-            return sc.git_show(rev, path)
-        with open(path) as h:
-            return h.read()
-    parts = [read("common.cuh")]
-    if name in WITH_MM_DECODE:
-        parts.append(read("mm_decode.cuh"))
-    parts.append(read(f"{name}.cu"))
-    return "\n".join(parts)
+    files = ["common.cuh"] + (["mm_decode.cuh"] if name in WITH_MM_DECODE else []) + [f"{name}.cu"]
+    return "\n".join(sc.read_source(os.path.join(sc.KERNELS, f), rev) for f in files)
 
 
 def main():
