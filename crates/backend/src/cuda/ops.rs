@@ -625,8 +625,9 @@ pub(crate) fn add_rms_norm(
     // SAFETY: x, y, h are [rows, cols] (checked above; distinct buffers by the borrows; h
     // null, not written, where x16_only applies: the x16 kernels test it); one block per row,
     // at most 1024 threads (32 warps: the kernel's shared partials; the v4 kernel's chunks fit
-    // NORM_NV rounds and its rows are 16-byte aligned, see norm_v4_threads); the int8 scratch holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a
-    // multiple of 32) elements, the 16-bit one rows × cols (xb_for_producer).
+    // NORM_NV rounds and its rows are 16-byte aligned, see norm_v4_threads); the int8 scratch
+    // holds GEMV_MAX_ROWS ≥ rows rows of ≥ cols (a multiple of 32) elements, the 16-bit one
+    // rows × cols (xb_for_producer).
     unsafe { launch.launch(cfg) }?;
     if let Some(xb) = &x16 {
         xb.record(be, &h.buf, x.rows, x.cols, !h_written);
