@@ -95,7 +95,10 @@ def sass_by_function(cuobjdump, cubin):
         if m:
             cur = out.setdefault(m.group(1), [])
         elif cur is not None and re.match(r"^\s+/\*[0-9a-f]{4}\*/", l):
-            cur.append(re.sub(r"^\s+/\*[0-9a-f]{4}\*/\s+", "", l).split(" ;")[0].strip())
+            # The address and the encoding comment go (its padding follows the module's
+            # longest line, so it differs between builds of the same code).
+            ins = re.sub(r"^\s+/\*[0-9a-f]{4}\*/\s+", "", l)
+            cur.append(re.sub(r"\s*/\*\s*0x[0-9a-f]+\s*\*/\s*$", "", ins).split(" ;")[0].strip())
     return out
 
 

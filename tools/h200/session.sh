@@ -57,6 +57,9 @@
 #   rsq6     the Q6_K register-A form (FERRITE_MMW_RS_Q6, on by default; the off form's cache
 #            first: `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`): matmul check, then Qwen3-8B
 #            Q4_K_M pp512 off / on, two rounds
+#   predict  MoE experts predicted a layer ahead and prefetched into L2 (FERRITE_MOE_PREDICT; MOE.md
+#            63rd session): Qwen3-30B-A3B and Qwen3.5-35B-A3B tg128 at PREDICT_VALS (default
+#            "0 8 12") in turn, two rounds, with the prefill/decode gate
 #   moe4w    the RS MoE experts on 160-thread blocks (FERRITE_MMW_MOE=4, the default since the 49th session;
 #            MOE.md 48th session): moe check under it, then pp512 of Qwen3-30B-A3B and
 #            Qwen3.5-35B-A3B Q4_K_M at MOE=3 / 4 in turn, two rounds, and the 30B's trace under 4
@@ -322,6 +325,18 @@ for stage in "$@"; do
             echo "FERRITE_GEMV_TM=$v"
             FERRITE_GEMV_TM=$v $F check --device cuda --perf --filter "matmul q4_K" 2>&1 | grep -E -- "->(4096|12288|1024) rows=([1-9]|1[0-6]) "
         done | tee "$OUT/tm-perf.txt"
+        ;;
+    predict)
+        # The MoE experts predicted a layer ahead and prefetched into L2 beside the decode chain
+        # (FERRITE_MOE_PREDICT, off by default; MOE.md, 63rd session): Qwen3-30B-A3B and
+        # Qwen3.5-35B-A3B Q4_K_M tg128 (with the gate of gate_tokens: a hint must leave every
+        # logit as it was) at PREDICT_VALS (default "0 8 12") in turn, two rounds.
+        for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
+            f=$(synth $p Q4_K_M | tail -1)
+            ab_runs 'tg128|gate|prediction|rror' FERRITE_MOE_PREDICT "${PREDICT_VALS:-0 8 12}" "$f" "$p" \
+                --gate-tokens "$(gate_tokens "$p")" | tee -a "$OUT/predict.log"
+            rm -f "$f"
+        done
         ;;
     moe4w)
         # The RS MoE experts on one consumer warpgroup and one producer warp (160 threads; Q4_K

@@ -1098,6 +1098,27 @@ pub trait Backend: Send + Sync {
         out: &mut Act<Self::Buf>,
     ) -> Result<()>;
 
+    /// A hint with no result: bring the experts a MoE layer is likely to route the one decode
+    /// row `x` to toward the compute units before the layer needs them. The prediction is
+    /// the layer's own router on `rms_norm(x) · norm` where `x` is the residual before the
+    /// layer's attention half (the router later sees it with that half's output added).
+    /// CUDA, under graph capture only: a launch beside the step's chain (its own stream)
+    /// computes the prediction and prefetches `predict` experts' gate and up rows into L2
+    /// (`FERRITE_MOE_PREDICT`, MOE.md 63rd session). Nothing a later op computes depends on
+    /// it; the default does nothing.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_prefetch(
+        &self,
+        x: &Act<Self::Buf>,
+        norm: (&Self::Weight, f32),
+        router: &Self::Weight,
+        experts: ExpertWeights<'_, Self::Weight>,
+        routing: MoeRouting,
+    ) -> Result<()> {
+        let _ = (x, norm, router, experts, routing);
+        Ok(())
+    }
+
     /// [`Backend::moe`] and a gated shared expert (Qwen3.5-MoE) in one step, where the backend
     /// fuses them: `out[t] = moe(x)[t] + σ(x[t] · gate) · shared(x[t])`, `shared` a SwiGLU MLP
     /// (gate, up, down: `[ffn, hidden]`, `[ffn, hidden]`, `[hidden, ffn]`, an expert's shapes)

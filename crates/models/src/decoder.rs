@@ -133,6 +133,36 @@ pub(crate) fn deferred_ffn<B: Backend>(
     be.matmul_add(act, wd, x, y)
 }
 
+/// At a decode row, where the next layer (`next`: its FFN and the FFN's norm) is MoE: its
+/// experts predicted from the residual `x` before that layer's attention half (or mixer) and
+/// brought toward the compute units while that half runs (a hint, [`Backend::moe_prefetch`]).
+pub(crate) fn prefetch_experts<B: Backend>(
+    be: &B,
+    cfg: &ModelConfig,
+    x: &Act<B::Buf>,
+    next: Option<(&Ffn<B::Weight>, &B::Weight)>,
+) -> Result<()> {
+    if let (
+        1,
+        Some((
+            Ffn::Moe {
+                router,
+                gate,
+                up,
+                down,
+                ..
+            },
+            norm,
+        )),
+        Some(m),
+    ) = (x.rows, next, cfg.moe.as_ref())
+    {
+        let experts = ExpertWeights { gate, up, down };
+        be.moe_prefetch(x, (norm, cfg.rms_eps), router, experts, m.routing)?;
+    }
+    Ok(())
+}
+
 /// The FFN half of a layer: `x += y`, `h = rms_norm(x) · norm`, then `y = FFN(h)`. A MoE
 /// layer takes the norm and its router in one op ([`Backend::add_rms_norm_matmul`]: on CUDA
 /// at decode one launch instead of two dependent ones); where that op puts the sum out of
@@ -825,6 +855,8 @@ impl<B: Backend> Model<B> {
             let (next_norm, next) = self.attn_input(il + 1);
             let readers = next.as_ref().map_or(&[][..], |r| r);
             be.add_rms_norm_for(x, y, next_norm, cfg.rms_eps, h, readers)?;
+            let next = self.layers.get(il + 1).map(|n| (&n.ffn, &n.ffn_norm));
+            prefetch_experts(be, cfg, x, next)?;
         }
 
         if defer {

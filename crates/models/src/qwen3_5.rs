@@ -46,7 +46,8 @@ use ferrite_formats::{quant, GgmlType};
 
 use crate::config::ModelConfig;
 use crate::decoder::{
-    deferred_ffn, ffn_half, handed_ffn, Ffn, FfnScratch, Model, SharedExpert, Workspace,
+    deferred_ffn, ffn_half, handed_ffn, prefetch_experts, Ffn, FfnScratch, Model, SharedExpert,
+    Workspace,
 };
 use crate::source::ModelFile;
 
@@ -359,6 +360,8 @@ pub(crate) fn forward_layers<B: Backend>(
             }
             _ => be.add_rms_norm(x, y, next_norm, eps, h)?,
         }
+        let next = layers.get(il + 1).map(|n| (&n.ffn, &n.ffn_norm));
+        prefetch_experts(be, cfg, x, next)?;
     }
     if defer {
         be.rms_norm(x, out_norm, eps, h)?;

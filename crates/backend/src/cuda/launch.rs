@@ -127,6 +127,8 @@ pub struct Launch<'a> {
     args: Vec<Arg>,
     /// Thread-block cluster dimensions (sm_90+), if the launch groups its blocks.
     cluster: Option<(u32, u32, u32)>,
+    /// A launch beside the chain ([`Launch::beside`]).
+    beside: bool,
 }
 
 /// `stream.kernel(&func)`: starts a launch on this stream.
@@ -141,6 +143,7 @@ impl LaunchExt for CudaStream {
             func,
             args: Vec::with_capacity(16),
             cluster: None,
+            beside: false,
         }
     }
 }
@@ -211,6 +214,15 @@ impl Launch<'_> {
         self
     }
 
+    /// A launch on a stream beside the decode chain that writes no activation (moe.rs
+    /// `prefetch`): no PDL attribute (it has no programmatic predecessor; its stream's event
+    /// wait orders it) and not counted by [`launch_count`], which tags the chain's hand-overs
+    /// (a norm's int8 planes stay its consumer's across it).
+    pub fn beside(&mut self) -> &mut Self {
+        self.beside = true;
+        self
+    }
+
     /// Submits the kernel to the stream (asynchronously).
     ///
     /// # Safety
@@ -239,7 +251,7 @@ impl Launch<'_> {
         // each with the union member its id reads set.
         let mut attrs: [CUlaunchAttribute; 2] = std::mem::zeroed();
         let mut n_attrs = 0;
-        if pdl_enabled() {
+        if pdl_enabled() && !self.beside {
             attrs[n_attrs].id =
                 CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
@@ -251,7 +263,9 @@ impl Launch<'_> {
         }
         let config = driver_config(cfg, self.stream.cu_stream(), &mut attrs[..n_attrs]);
         self.stream.context().bind_to_thread()?;
-        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        if !self.beside {
+            LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        }
         // SAFETY: `params` points at live values (the borrowed scalars, `devs` here) for the
         // duration of the call, which copies them; the caller vouches for their types.
         sys::cuLaunchKernelEx(

@@ -141,6 +141,9 @@ pub struct CudaBackend {
     pub attention: attention::Kernels,
     pub moe: moe::Kernels,
     pub gated_delta: gated_delta::Kernels,
+    /// The stream and scratch of the MoE expert prediction beside a captured decode step
+    /// ([`moe::prefetch`]).
+    pub moe_side: moe::Side,
     /// cuBLASLt for the 16-bit weights' dense prefill GEMMs, where `FERRITE_CUBLASLT` asks
     /// for it and the library is present ([`blas`]); made at the first such GEMM, so that a
     /// model without 16-bit weights never loads the library or holds its workspace.
@@ -398,6 +401,7 @@ impl CudaBackend {
             attention: attention::Kernels::load(&ctx, arch)?,
             moe: moe::Kernels::load(&ctx, arch)?,
             gated_delta: gated_delta::Kernels::load(&ctx, arch)?,
+            moe_side: moe::Side::new(&stream)?,
             expert_budget: Default::default(),
             ctx,
             stream,
@@ -1138,6 +1142,17 @@ impl Backend for CudaBackend {
         moe::moe(self, x, router_logits, experts, routing, out)
     }
 
+    fn moe_prefetch(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        norm: (&CudaWeight, f32),
+        router: &CudaWeight,
+        experts: ExpertWeights<'_, CudaWeight>,
+        routing: MoeRouting,
+    ) -> Result<()> {
+        moe::prefetch(self, x, norm, router, experts, routing)
+    }
+
     fn moe_shared(
         &self,
         x: &Act<CudaSlice<f32>>,
@@ -1198,10 +1213,14 @@ impl Backend for CudaBackend {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        self.moe_side.begin();
         let recorded = f();
-        // End the capture even when recording failed, so the stream is usable again.
+        // The side stream's launches joined back (moe::prefetch), then the capture ended even
+        // when recording failed, so the stream is usable again.
+        let joined = self.moe_side.end(&self.stream);
         let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
         recorded?;
+        joined?;
         let graph = graph.context("instantiating the captured decode step")?;
         if let Some(g) = &graph {
             g.upload()?;

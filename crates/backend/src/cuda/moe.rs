@@ -17,7 +17,8 @@
 //! so no allocation ever happens inside a capture. Buffers replaced by a bigger one are kept
 //! alive (not freed) because an earlier captured graph may still point at them.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{ensure, Result};
 use cudarc::driver::{
@@ -134,6 +135,8 @@ pub struct Kernels {
     /// Grouped prefill GEMMs, indexed like [`TYPES`].
     mm_gu: Vec<CudaFunction>,
     mm_down: Vec<CudaFunction>,
+    /// `moe_predict_prefetch` ([`prefetch`]).
+    predict: CudaFunction,
     scratch: Mutex<Option<Scratch>>,
 }
 
@@ -155,6 +158,7 @@ impl Kernels {
             combine4: function(&m, "moe_combine4")?,
             mm_gu,
             mm_down,
+            predict: function(&m, "moe_predict_prefetch")?,
             scratch: Mutex::new(None),
         })
     }
@@ -996,5 +1000,166 @@ fn grouped_mma_sync(
             .arg(&mut s.y)
             .launch(cfg)
     }?;
+    Ok(())
+}
+
+/// Experts a [`prefetch`] launch may rank (`MOE_PF_MAX_EXPERTS` in moe.cu: their logits sit
+/// in its shared memory) and may prefetch (`MOE_PF_MAX_PICK`).
+const PF_MAX_EXPERTS: usize = 1024;
+const PF_MAX_PICK: usize = 32;
+/// Widest residual [`prefetch`] takes: x ⊙ n sits in its dynamic shared memory, under the
+/// 48 KB a launch gets without opting in (its static 4.2 KB beside).
+const PF_MAX_HIDDEN: usize = 8192;
+
+/// The stream beside the decode step's chain that [`prefetch`]'s launches run on, and its
+/// scratch: one logit per expert and the launch's ticket. Used only while a step is being
+/// captured ([`CudaBackend`]'s `capture`): the graph then holds the side launches as a branch
+/// forked from the chain after the launch that wrote their x and joined back at the step's
+/// end, so a replay orders them; eager steps run without them.
+pub struct Side {
+    stream: OnceLock<Arc<CudaStream>>,
+    logits: CudaSlice<f32>,
+    ticket: CudaSlice<i32>,
+    /// A capture is in progress (set and cleared around it by `capture`).
+    capturing: AtomicBool,
+    /// The side stream has work since the capture began, to be joined before it ends.
+    forked: AtomicBool,
+}
+
+impl Side {
+    /// The scratch, zeroed (the ticket must start at 0), allocated on `stream` and
+    /// synchronised before any capture can begin.
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        let side = Side {
+            stream: OnceLock::new(),
+            logits: stream.alloc_zeros::<f32>(PF_MAX_EXPERTS)?,
+            ticket: stream.alloc_zeros::<i32>(1)?,
+            capturing: AtomicBool::new(false),
+            forked: AtomicBool::new(false),
+        };
+        stream.synchronize()?;
+        Ok(side)
+    }
+
+    /// Marks the start of a capture on `main`.
+    pub fn begin(&self) {
+        self.forked.store(false, Ordering::Relaxed);
+        self.capturing.store(true, Ordering::Relaxed);
+    }
+
+    /// Before a capture on `main` ends: `main` waits for the side stream's work (a capture
+    /// must end with every stream it forked joined back), and capturing stops.
+    pub fn end(&self, main: &CudaStream) -> Result<()> {
+        self.capturing.store(false, Ordering::Relaxed);
+        if self.forked.swap(false, Ordering::Relaxed) {
+            if let Some(side) = self.stream.get() {
+                main.join(side)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Experts to prefetch a layer (`FERRITE_MOE_PREDICT`, 0: none).
+fn predict_count() -> usize {
+    super::switches::int_or("FERRITE_MOE_PREDICT", 0).max(0) as usize
+}
+
+/// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, one launch on
+/// the side stream ([`Side`]) that ranks the experts by the router on `rms_norm(x) · norm`
+/// and prefetches the first `FERRITE_MOE_PREDICT` of them's gate and up rows into L2
+/// (`moe_predict_prefetch`, its plan in moe.cu). Does nothing (and is no error) outside a
+/// capture, below sm_90 (no bulk prefetch), at more than one row, for experts held in host
+/// memory, or for shapes the kernel does not take (an f32 router and norm, at most 1024
+/// experts, a residual of whole float4s up to [`PF_MAX_HIDDEN`], 16-byte expert spans).
+pub fn prefetch(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    router: &CudaWeight,
+    experts: ExpertWeights<'_, CudaWeight>,
+    routing: MoeRouting,
+) -> Result<()> {
+    let pick = predict_count().min(routing.n_experts).min(PF_MAX_PICK);
+    let side = &be.moe_side;
+    let (g, u) = (experts.gate, experts.up);
+    let hidden = x.cols;
+    // One expert's span of a stack: its rows (shape[1]) of whole blocks (shape[2]).
+    let whole = g.shape.len() == 3 && g.shape[2] % g.dtype.block_size() == 0;
+    let eb = if whole { g.shape[1] * g.row_bytes() } else { 0 };
+    let takes = pick > 0
+        && side.capturing.load(Ordering::Relaxed)
+        && x.rows == 1
+        && !be.arch.starts_with("compute_8")
+        && router.dtype == GgmlType::F32
+        && norm.dtype == GgmlType::F32
+        && router.shape == [routing.n_experts, hidden]
+        && norm.shape.iter().product::<usize>() == hidden
+        && routing.n_experts <= PF_MAX_EXPERTS
+        && hidden % 4 == 0
+        && hidden <= PF_MAX_HIDDEN
+        && whole
+        && g.shape[0] == routing.n_experts
+        && u.shape == g.shape
+        && u.dtype == g.dtype
+        && eb > 0
+        && eb % 16 == 0
+        && !g.in_host_memory()
+        && !u.in_host_memory()
+        && aligned16(be, &g.data)
+        && aligned16(be, &u.data);
+    if !takes {
+        return Ok(());
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::info!(
+            "MoE expert prediction: the top {pick} of {} experts' gate and up rows ({:.1} MB) \
+             prefetched a layer ahead, beside the decode step",
+            routing.n_experts,
+            (2 * pick * eb) as f64 / 1e6
+        )
+    });
+    let stream = match side.stream.get() {
+        Some(s) => s,
+        None => {
+            let s = be.ctx.new_stream()?;
+            side.stream.get_or_init(|| s)
+        }
+    };
+    // The side stream waits for what the chain has issued so far (x's producer included).
+    stream.join(&be.stream)?;
+    side.forked.store(true, Ordering::Relaxed);
+    let (ne, pk) = (
+        i32_arg("n_experts", routing.n_experts)?,
+        i32_arg("pick", pick)?,
+    );
+    let (hid, ebl) = (i32_arg("hidden", hidden)?, eb as i64);
+    let grid = routing.n_experts.div_ceil(MOE_WARPS) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (32 * MOE_WARPS as u32, 1, 1),
+        shared_mem_bytes: (hidden * 4) as u32,
+    };
+    let mut launch = stream.kernel(&be.moe.predict);
+    launch
+        .arg(&x.buf)
+        .arg(&*norm.data)
+        .arg(&eps)
+        .arg(&hid)
+        .arg(&*router.data)
+        .arg(&ne)
+        .arg(&pk)
+        .arg(&*g.data)
+        .arg(&*u.data)
+        .arg(&ebl)
+        .arg(&side.logits)
+        .arg(&side.ticket)
+        .beside();
+    // SAFETY: the arguments match moe_predict_prefetch's parameters; it reads hidden floats
+    // of x and of the norm (checked shapes), n_experts router rows of hidden floats, writes
+    // n_experts ≤ PF_MAX_EXPERTS logits and the ticket, and prefetches whole spans of eb
+    // bytes of experts ids < n_experts of the [n_experts, ..] stacks.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }

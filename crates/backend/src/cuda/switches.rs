@@ -300,6 +300,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE gate/up blocks prefetch their experts' down rows into L2: 0 off, 1 on (MOE.md)",
     ),
     (
+        "FERRITE_MOE_PREDICT",
+        Accepts::Range(0, 32),
+        "MoE decode under graph capture: N > 0 predicts each MoE layer's experts from the residual before its attention half (its router on the normed residual, a launch on a stream beside the step) and prefetches the top N's gate and up rows into L2; 0 (default) off (MOE.md, 63rd session)",
+    ),
+    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the decode GEMVs' copy / compute timed apart, 1 no compute, 2 no weight copies of the bulk-copy tiles, 3 the compute before the copies' wait (MATMUL.md round 8)",
