@@ -135,8 +135,9 @@ pub struct Kernels {
     /// Grouped prefill GEMMs, indexed like [`TYPES`].
     mm_gu: Vec<CudaFunction>,
     mm_down: Vec<CudaFunction>,
-    /// `moe_predict_prefetch` ([`prefetch`]).
+    /// `moe_predict` and `moe_prefetch_experts` ([`prefetch`]).
     predict: CudaFunction,
+    prefetch_experts: CudaFunction,
     scratch: Mutex<Option<Scratch>>,
 }
 
@@ -158,7 +159,8 @@ impl Kernels {
             combine4: function(&m, "moe_combine4")?,
             mm_gu,
             mm_down,
-            predict: function(&m, "moe_predict_prefetch")?,
+            predict: function(&m, "moe_predict")?,
+            prefetch_experts: function(&m, "moe_prefetch_experts")?,
             scratch: Mutex::new(None),
         })
     }
@@ -1004,15 +1006,17 @@ fn grouped_mma_sync(
 }
 
 /// Experts a [`prefetch`] launch may rank (`MOE_PF_MAX_EXPERTS` in moe.cu: their logits sit
-/// in its shared memory) and may prefetch (`MOE_PF_MAX_PICK`).
+/// in its shared memory) and may prefetch.
 const PF_MAX_EXPERTS: usize = 1024;
 const PF_MAX_PICK: usize = 32;
+/// Bytes a `moe_prefetch_experts` block prefetches (`MOE_PF_PIECE` in moe.cu).
+const PF_PIECE: usize = 32768;
 /// Widest residual [`prefetch`] takes: x ⊙ n sits in its dynamic shared memory, under the
 /// 48 KB a launch gets without opting in (its static 4.2 KB beside).
 const PF_MAX_HIDDEN: usize = 8192;
 
 /// The stream beside the decode step's chain that [`prefetch`]'s launches run on, and its
-/// scratch: one logit per expert and the launch's ticket. Used only while a step is being
+/// scratch: one logit per expert, the prediction launch's ticket and the predicted ids. Used only while a step is being
 /// captured ([`CudaBackend`]'s `capture`): the graph then holds the side launches as a branch
 /// forked from the chain after the launch that wrote their x and joined back at the step's
 /// end, so a replay orders them; eager steps run without them.
@@ -1020,6 +1024,7 @@ pub struct Side {
     stream: OnceLock<Arc<CudaStream>>,
     logits: CudaSlice<f32>,
     ticket: CudaSlice<i32>,
+    ids: CudaSlice<i32>,
     /// A capture is in progress (set and cleared around it by `capture`).
     capturing: AtomicBool,
     /// The side stream has work since the capture began, to be joined before it ends.
@@ -1034,6 +1039,7 @@ impl Side {
             stream: OnceLock::new(),
             logits: stream.alloc_zeros::<f32>(PF_MAX_EXPERTS)?,
             ticket: stream.alloc_zeros::<i32>(1)?,
+            ids: stream.alloc_zeros::<i32>(PF_MAX_PICK)?,
             capturing: AtomicBool::new(false),
             forked: AtomicBool::new(false),
         };
@@ -1065,10 +1071,10 @@ fn predict_count() -> usize {
     super::switches::int_or("FERRITE_MOE_PREDICT", 0).max(0) as usize
 }
 
-/// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, one launch on
-/// the side stream ([`Side`]) that ranks the experts by the router on `rms_norm(x) · norm`
-/// and prefetches the first `FERRITE_MOE_PREDICT` of them's gate and up rows into L2
-/// (`moe_predict_prefetch`, its plan in moe.cu). Does nothing (and is no error) outside a
+/// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, two launches on
+/// the side stream ([`Side`]): `moe_predict` ranks the experts by the router on `rms_norm(x) ·
+/// norm` and keeps the first `FERRITE_MOE_PREDICT`, `moe_prefetch_experts` prefetches their
+/// gate and up rows into L2, one piece a block (plans in moe.cu). Does nothing (and is no error) outside a
 /// capture, below sm_90 (no bulk prefetch), at more than one row, for experts held in host
 /// memory, or for shapes the kernel does not take (an f32 router and norm, at most 1024
 /// experts, a residual of whole float4s up to [`PF_MAX_HIDDEN`], 16-byte expert spans).
@@ -1150,16 +1156,35 @@ pub fn prefetch(
         .arg(&*router.data)
         .arg(&ne)
         .arg(&pk)
+        .arg(&side.logits)
+        .arg(&side.ticket)
+        .arg(&side.ids)
+        .beside();
+    // SAFETY: the arguments match moe_predict's parameters; it reads hidden floats of x and of
+    // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
+    // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.
+    unsafe { launch.launch(cfg) }?;
+    if super::switches::int_or("FERRITE_MOE_PREDICT_PF", 1) == 0 {
+        return Ok(()); // the prediction's own cost (a measurement)
+    }
+    // One piece of PF_PIECE bytes a block (`MOE_PF_PIECE` in moe.cu).
+    let pieces = 2 * pick * eb.div_ceil(PF_PIECE);
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from(pieces)?, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = stream.kernel(&be.moe.prefetch_experts);
+    launch
+        .arg(&side.ids)
+        .arg(&pk)
         .arg(&*g.data)
         .arg(&*u.data)
         .arg(&ebl)
-        .arg(&side.logits)
-        .arg(&side.ticket)
         .beside();
-    // SAFETY: the arguments match moe_predict_prefetch's parameters; it reads hidden floats
-    // of x and of the norm (checked shapes), n_experts router rows of hidden floats, writes
-    // n_experts ≤ PF_MAX_EXPERTS logits and the ticket, and prefetches whole spans of eb
-    // bytes of experts ids < n_experts of the [n_experts, ..] stacks.
+    // SAFETY: the arguments match moe_prefetch_experts's parameters; it reads pick ids (each
+    // < n_experts, written by moe_predict before it on this stream) and prefetches pieces of
+    // their eb-byte spans of the [n_experts, ..] stacks, nothing past a span's end.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

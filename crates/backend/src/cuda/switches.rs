@@ -305,6 +305,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "MoE decode under graph capture: N > 0 predicts each MoE layer's experts from the residual before its attention half (its router on the normed residual, a launch on a stream beside the step) and prefetches the top N's gate and up rows into L2; 0 (default) off (MOE.md, 63rd session)",
     ),
     (
+        "FERRITE_MOE_PREDICT_PF",
+        Accepts::OneOf(&[0, 1]),
+        "with FERRITE_MOE_PREDICT: 1 (default) the predicted experts prefetched, 0 the prediction launched alone (its cost on the step; MOE.md, 63rd session)",
+    ),
+    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the decode GEMVs' copy / compute timed apart, 1 no compute, 2 no weight copies of the bulk-copy tiles, 3 the compute before the copies' wait (MATMUL.md round 8)",

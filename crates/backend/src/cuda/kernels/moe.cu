@@ -812,38 +812,33 @@ extern "C" __global__ void moe_combine4(const float4* __restrict__ y, const int*
 }
 
 // ---------------------------------------------------------------------------------------
-// moe_predict_prefetch: a MoE layer's likely experts for the one decode row, their gate and
-// up rows prefetched into L2 ahead of the layer (moe.rs `prefetch`; MOE.md, 63rd session).
+// moe_predict + moe_prefetch_experts: a MoE layer's likely experts for the one decode row,
+// their gate and up rows prefetched into L2 ahead of the layer (moe.rs `prefetch`; MOE.md,
+// 63rd session).
 //
 // The prediction is the layer's own router on rms_norm(x) · n, x the residual before the
 // layer's attention half: the router will see x plus that half's output, which moves the
 // residual's direction by a little (the cross-layer expert prediction of pre-gated and
-// offloading MoE engines). A hint only: launched on a stream of its own beside the decode
-// step's chain (no PDL attribute, no pdl_wait: the fork's event orders it after the launch
-// that wrote x), nothing in the chain waits for it or reads what it writes, and a wrong
-// guess costs DRAM bytes, never a result.
+// offloading MoE engines). A hint only: both launches run on a stream of their own beside the
+// decode step's chain (no PDL attribute, no pdl_wait: the fork's event orders the first after
+// the launch that wrote x, the stream the second after the first), nothing in the chain waits
+// for them or reads what they write, and a wrong guess costs DRAM bytes, never a result.
 //
-// Plan: grid nb blocks × 256 threads (8 warps). Every block: Σ x² (float4 loads, 2 a
-// thread at hidden 2048) → 1 / rms; x ⊙ n / rms into shared memory (hidden floats); warp w of
-// block b takes router rows e = 8 b + w, + 8 nb, ...: one dot of hidden floats a row (16
-// float4 loads a lane at 2048, all in flight), logits[e]. Then a ticket: the launch's last
-// block reads the logits back, warp 0 picks the `pick` largest by rounds of a warp arg-max
-// (lowest id on ties), and the block issues one cp.async.bulk.prefetch.L2 per 32 KB piece
-// of each winner's gate and up spans (expert e: bytes [e·eb, (e + 1)·eb) of each stacked
-// tensor), spread over its threads. Bytes: the router (n_experts · hidden · 4: 1 MB on
-// Qwen3-30B-A3B) read once, x once a block; pick · 2 · eb prefetched (8 experts there:
-// 14.2 MB). The last block resets the ticket (zero between launches and graph replays).
-#define MOE_PF_PIECE 32768ll
+// moe_predict: grid nb blocks × 256 threads (8 warps). Every block: Σ x² (float4 loads) →
+// 1 / rms; x ⊙ n / rms into shared memory (hidden floats); warp w of block b takes router rows
+// e = 8 b + w, + 8 nb, ...: one dot of hidden floats a row (16 float4 loads a lane at 2048, all
+// in flight), logits[e]. Then a ticket: the launch's last block reads the logits back and warp
+// 0 picks the `pick` largest by rounds of a warp arg-max (lowest id on ties) into ids[]; it
+// resets the ticket (zero between launches and graph replays). Bytes: the router (n_experts ·
+// hidden · 4: 1 MB on Qwen3-30B-A3B), x once a block.
 #define MOE_PF_MAX_EXPERTS 1024
-#define MOE_PF_MAX_PICK 32
-extern "C" __global__ void __launch_bounds__(256) moe_predict_prefetch(
-    const float* __restrict__ x, const float* __restrict__ nw, float eps, int hidden,
-    const float* __restrict__ router, int n_experts, int pick, const uint8_t* __restrict__ gate,
-    const uint8_t* __restrict__ up, long long eb, float* __restrict__ logits, int* __restrict__ ticket) {
+extern "C" __global__ void __launch_bounds__(256) moe_predict(const float* __restrict__ x, const float* __restrict__ nw,
+                                                              float eps, int hidden, const float* __restrict__ router,
+                                                              int n_experts, int pick, float* __restrict__ logits,
+                                                              int* __restrict__ ticket, int* __restrict__ ids) {
     extern __shared__ float4 xs4[];  // x ⊙ n / rms, hidden / 4 float4
     __shared__ float red[8];
     __shared__ float lg[MOE_PF_MAX_EXPERTS];
-    __shared__ int ids[MOE_PF_MAX_PICK];
     __shared__ int last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h4 = hidden / 4;
     const float4* x4 = (const float4*)x;
@@ -883,36 +878,43 @@ extern "C" __global__ void __launch_bounds__(256) moe_predict_prefetch(
     __threadfence();
     for (int e = threadIdx.x; e < n_experts; e += blockDim.x) lg[e] = __ldcg(logits + e);
     __syncthreads();
-    if (warp == 0) {
-        for (int k = 0; k < pick; k++) {
-            float bv = __int_as_float(0xff800000);  // -inf
-            int bi = 0x7fffffff;
-            for (int e = lane; e < n_experts; e += 32) {
-                const float v = lg[e];
-                if (v > bv) bv = v, bi = e;  // ascending e: a lane's lowest id of a tie
-            }
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-            }
-            // No finite candidate left (NaN or -inf logits): expert 0, a harmless hint.
-            const int id = bi < n_experts ? bi : 0;
-            if (lane == 0) ids[k] = id;
-            if (lane == (id & 31)) lg[id] = __int_as_float(0xff800000);
-            __syncwarp();
+    if (warp != 0) return;
+    for (int k = 0; k < pick; k++) {
+        float bv = __int_as_float(0xff800000);  // -inf
+        int bi = 0x7fffffff;
+        for (int e = lane; e < n_experts; e += 32) {
+            const float v = lg[e];
+            if (v > bv) bv = v, bi = e;  // ascending e: a lane's lowest id of a tie
         }
-        if (lane == 0) *ticket = 0;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        }
+        // No finite candidate left (NaN or -inf logits): expert 0, a harmless hint.
+        const int id = bi < n_experts ? bi : 0;
+        if (lane == 0) ids[k] = id;
+        if (lane == (id & 31)) lg[id] = __int_as_float(0xff800000);
+        __syncwarp();
     }
-    __syncthreads();
-    const long long np = (eb + MOE_PF_PIECE - 1) / MOE_PF_PIECE;  // pieces of one expert's span
-    const long long n = 2ll * pick * np;
-    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
-        // Piece p of matrix m (0 gate, 1 up) of winner k: the winners' first pieces first.
-        const long long p = i / (2 * pick);
-        const int k = (int)((i / 2) % pick), m = (int)(i & 1);
-        const long long rem = eb - p * MOE_PF_PIECE;
-        prefetch_l2((m ? up : gate) + (size_t)ids[k] * (size_t)eb + (size_t)(p * MOE_PF_PIECE),
-                    (unsigned int)(rem < MOE_PF_PIECE ? rem : MOE_PF_PIECE));
-    }
+    if (lane == 0) *ticket = 0;
+}
+
+// moe_prefetch_experts: one cp.async.bulk.prefetch.L2 a block (thread 0), of piece p of matrix
+// m (0 gate, 1 up) of predicted expert k (block b = (p · pick + k) · 2 + m: every winner's first
+// pieces first): the span of expert e is bytes [e·eb, (e + 1)·eb) of each stacked tensor, cut
+// into MOE_PF_PIECE-byte pieces. One piece a block spreads the copies over the SMs' TMA units:
+// one block issuing all of a layer's pieces (14.2 MB for 8 Qwen3-30B-A3B experts) kept its SM's
+// unit busy ~35 µs, longer than a layer (MOE.md, 63rd session).
+#define MOE_PF_PIECE 32768ll
+extern "C" __global__ void __launch_bounds__(32) moe_prefetch_experts(const int* __restrict__ ids, int pick,
+                                                                      const uint8_t* __restrict__ gate,
+                                                                      const uint8_t* __restrict__ up, long long eb) {
+    if (threadIdx.x != 0) return;
+    const long long b = blockIdx.x, p = b / (2 * pick);
+    const int k = (int)((b / 2) % pick), m = (int)(b & 1);
+    const long long rem = eb - p * MOE_PF_PIECE;
+    if (rem <= 0) return;
+    prefetch_l2((m ? up : gate) + (size_t)__ldg(ids + k) * (size_t)eb + (size_t)(p * MOE_PF_PIECE),
+                (unsigned int)(rem < MOE_PF_PIECE ? rem : MOE_PF_PIECE));
 }
