@@ -59,7 +59,8 @@
 #            Q4_K_M pp512 off / on, two rounds
 #   predict  MoE experts predicted a layer ahead and prefetched into L2 (FERRITE_MOE_PREDICT; MOE.md
 #            63rd session): Qwen3-30B-A3B and Qwen3.5-35B-A3B tg128 at PREDICT_VALS (default
-#            "0 8 12") in turn, two rounds, with the prefill/decode gate
+#            "0 8 12") in turn, two rounds, with the prefill/decode gate; then N = 8 without the
+#            prefetch (FERRITE_MOE_PREDICT_PF=0: the prediction's own cost)
 #   moe4w    the RS MoE experts on 160-thread blocks (FERRITE_MMW_MOE=4, the default since the 49th session;
 #            MOE.md 48th session): moe check under it, then pp512 of Qwen3-30B-A3B and
 #            Qwen3.5-35B-A3B Q4_K_M at MOE=3 / 4 in turn, two rounds, and the 30B's trace under 4
@@ -334,6 +335,9 @@ for stage in "$@"; do
         for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
             ab_runs 'tg128|gate|prediction|rror' FERRITE_MOE_PREDICT "${PREDICT_VALS:-0 8 12}" "$f" "$p" \
+                --gate-tokens "$(gate_tokens "$p")" | tee -a "$OUT/predict.log"
+            # The prediction alone, without its prefetch (FERRITE_MOE_PREDICT_PF=0): its own cost.
+            FERRITE_MOE_PREDICT_PF=0 ab_runs 'tg128|gate|rror' FERRITE_MOE_PREDICT 8 "$f" "$p-pf0" \
                 --gate-tokens "$(gate_tokens "$p")" | tee -a "$OUT/predict.log"
             rm -f "$f"
         done
