@@ -1091,7 +1091,7 @@ pub fn prefetch(
     let (g, u) = (experts.gate, experts.up);
     let hidden = x.cols;
     // One expert's span of a stack: its rows (shape[1]) of whole blocks (shape[2]).
-    let whole = g.shape.len() == 3 && g.shape[2] % g.dtype.block_size() == 0;
+    let whole = g.shape.len() == 3 && g.shape[2].is_multiple_of(g.dtype.block_size());
     let eb = if whole { g.shape[1] * g.row_bytes() } else { 0 };
     let takes = pick > 0
         && side.capturing.load(Ordering::Relaxed)
@@ -1102,14 +1102,14 @@ pub fn prefetch(
         && router.shape == [routing.n_experts, hidden]
         && norm.shape.iter().product::<usize>() == hidden
         && routing.n_experts <= PF_MAX_EXPERTS
-        && hidden % 4 == 0
+        && hidden.is_multiple_of(4)
         && hidden <= PF_MAX_HIDDEN
         && whole
         && g.shape[0] == routing.n_experts
         && u.shape == g.shape
         && u.dtype == g.dtype
         && eb > 0
-        && eb % 16 == 0
+        && eb.is_multiple_of(16)
         && !g.in_host_memory()
         && !u.in_host_memory()
         && aligned16(be, &g.data)
