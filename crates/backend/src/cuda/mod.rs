@@ -161,7 +161,8 @@ pub const MM_DECODE_CUH: &str = include_str!("kernels/mm_decode.cuh");
 /// leaves launches out, `FERRITE_DIAG_DQ` swaps a dequantization: wrong outputs;
 /// `FERRITE_DIAG_CLBAR` relaxes cluster barriers past the memory model's guarantees;
 /// `FERRITE_DIAG_TL` stamps every block, ~5% slower; `FERRITE_DIAG_MMW` and
-/// `FERRITE_GEMV_DIAG` leave loads or compute out): `bench` then skips its gate and
+/// `FERRITE_GEMV_DIAG` leave loads or compute out; `FERRITE_MOE_PREDICT_HITS` makes every MoE
+/// layer wait for its expert prediction): `bench` then skips its gate and
 /// refuses to record.
 pub fn timing_diagnostic() -> bool {
     switches::diag_skip() != 0
@@ -170,6 +171,7 @@ pub fn timing_diagnostic() -> bool {
         || switches::diag_tl() != 0
         || switches::diag_mmw() != 0
         || switches::diag_gemv() != 0
+        || switches::int_or("FERRITE_MOE_PREDICT_HITS", 0) != 0
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for

@@ -138,6 +138,7 @@ pub struct Kernels {
     /// `moe_predict` and `moe_prefetch_experts` ([`prefetch`]).
     predict: CudaFunction,
     prefetch_experts: CudaFunction,
+    predict_hits: CudaFunction,
     scratch: Mutex<Option<Scratch>>,
 }
 
@@ -161,6 +162,7 @@ impl Kernels {
             mm_down,
             predict: function(&m, "moe_predict")?,
             prefetch_experts: function(&m, "moe_prefetch_experts")?,
+            predict_hits: function(&m, "moe_predict_hits")?,
             scratch: Mutex::new(None),
         })
     }
@@ -352,6 +354,7 @@ fn moe_with(
     routing: MoeRouting,
     out: &mut Act<CudaSlice<f32>>,
 ) -> Result<()> {
+    score_prediction(be, router_logits, routing)?;
     let (rows, hidden) = (x.rows, x.cols);
     let MoeRouting {
         n_experts,
@@ -1025,6 +1028,12 @@ pub struct Side {
     logits: CudaSlice<f32>,
     ticket: CudaSlice<i32>,
     ids: CudaSlice<i32>,
+    /// `FERRITE_MOE_PREDICT_HITS`: [hits, true experts] over the replays ([`score_prediction`]),
+    /// logged when the backend is dropped; the chain's stream, to read them then.
+    hits: CudaSlice<u32>,
+    main: Arc<CudaStream>,
+    /// A prediction launched whose layer's routing has not been scored yet.
+    pending: AtomicBool,
     /// A capture is in progress (set and cleared around it by `capture`).
     capturing: AtomicBool,
     /// The side stream has work since the capture began, to be joined before it ends.
@@ -1040,6 +1049,9 @@ impl Side {
             logits: stream.alloc_zeros::<f32>(PF_MAX_EXPERTS)?,
             ticket: stream.alloc_zeros::<i32>(1)?,
             ids: stream.alloc_zeros::<i32>(PF_MAX_PICK)?,
+            hits: stream.alloc_zeros::<u32>(2)?,
+            main: stream.clone(),
+            pending: AtomicBool::new(false),
             capturing: AtomicBool::new(false),
             forked: AtomicBool::new(false),
         };
@@ -1136,6 +1148,7 @@ pub fn prefetch(
     // The side stream waits for what the chain has issued so far (x's producer included).
     stream.join(&be.stream)?;
     side.forked.store(true, Ordering::Relaxed);
+    side.pending.store(true, Ordering::Relaxed);
     let (ne, pk) = (
         i32_arg("n_experts", routing.n_experts)?,
         i32_arg("pick", pick)?,
@@ -1185,6 +1198,72 @@ pub fn prefetch(
     // SAFETY: the arguments match moe_prefetch_experts's parameters; it reads pick ids (each
     // < n_experts, written by moe_predict before it on this stream) and prefetches pieces of
     // their eb-byte spans of the [n_experts, ..] stacks, nothing past a span's end.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        if super::switches::int_or("FERRITE_MOE_PREDICT_HITS", 0) == 0 {
+            return;
+        }
+        let mut h = [0u32; 2];
+        if self.main.memcpy_dtoh(&self.hits, &mut h).is_ok()
+            && self.main.synchronize().is_ok()
+            && h[1] > 0
+        {
+            tracing::info!(
+                "MoE expert prediction: {} of {} routed experts predicted ({:.1}%)",
+                h[0],
+                h[1],
+                100.0 * h[0] as f64 / h[1] as f64
+            );
+        }
+    }
+}
+
+/// `FERRITE_MOE_PREDICT_HITS=1` (a timing diagnostic): at a captured decode step's MoE layer
+/// whose experts [`prefetch`] predicted, the chain waits for the side stream and
+/// `moe_predict_hits` counts how many of the router's top-k the prediction held (logged when
+/// the backend is dropped). Not counted as a launch: it writes nothing the chain reads.
+fn score_prediction(
+    be: &CudaBackend,
+    router_logits: &Act<CudaSlice<f32>>,
+    routing: MoeRouting,
+) -> Result<()> {
+    let side = &be.moe_side;
+    if super::switches::int_or("FERRITE_MOE_PREDICT_HITS", 0) == 0
+        || router_logits.rows != 1
+        || !side.pending.swap(false, Ordering::Relaxed)
+    {
+        return Ok(());
+    }
+    let Some(stream) = side.stream.get() else {
+        return Ok(());
+    };
+    be.stream.join(stream)?;
+    let pick = predict_count().min(routing.n_experts).min(PF_MAX_PICK);
+    let (ne, tk, pk) = (
+        i32_arg("n_experts", routing.n_experts)?,
+        i32_arg("top_k", routing.top_k)?,
+        i32_arg("pick", pick)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = be.stream.kernel(&be.moe.predict_hits);
+    launch
+        .arg(&router_logits.buf)
+        .arg(&ne)
+        .arg(&tk)
+        .arg(&side.ids)
+        .arg(&pk)
+        .arg(&side.hits)
+        .beside();
+    // SAFETY: the arguments match moe_predict_hits's parameters; it reads n_experts ≤
+    // PF_MAX_EXPERTS logits (one row) and pick ids, and adds to the two counters.
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

@@ -310,6 +310,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "with FERRITE_MOE_PREDICT: 1 (default) the predicted experts prefetched, 0 the prediction launched alone (its cost on the step; MOE.md, 63rd session)",
     ),
     (
+        "FERRITE_MOE_PREDICT_HITS",
+        Accepts::OneOf(&[0, 1]),
+        "diagnostic, timing only (bench refuses --record): with FERRITE_MOE_PREDICT, each MoE layer waits for its prediction and counts how many of its routed experts it held, logged at exit (MOE.md, 63rd session)",
+    ),
+    (
         "FERRITE_GEMV_DIAG",
         Accepts::Range(0, 3),
         "diagnostic, timing only (wrong outputs; bench skips its gate and refuses --record): the decode GEMVs' copy / compute timed apart, 1 no compute, 2 no weight copies of the bulk-copy tiles, 3 the compute before the copies' wait (MATMUL.md round 8)",

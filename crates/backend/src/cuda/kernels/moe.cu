@@ -918,3 +918,36 @@ extern "C" __global__ void __launch_bounds__(32) moe_prefetch_experts(const int*
     prefetch_l2((m ? up : gate) + (size_t)__ldg(ids + k) * (size_t)eb + (size_t)(p * MOE_PF_PIECE),
                 (unsigned int)(rem < MOE_PF_PIECE ? rem : MOE_PF_PIECE));
 }
+
+// moe_predict_hits (a diagnostic, FERRITE_MOE_PREDICT_HITS; moe.rs `score_prediction`): one
+// warp, launched on the chain after the side stream's prediction for this layer and the
+// layer's router: of the token's true top_k experts (largest logits, the routing's rounds),
+// how many the prediction's ids[0..pick) hold; hits[0] += that, hits[1] += top_k.
+extern "C" __global__ void __launch_bounds__(32) moe_predict_hits(const float* __restrict__ logits, int n_experts,
+                                                                  int top_k, const int* __restrict__ ids, int pick,
+                                                                  unsigned int* __restrict__ hits) {
+    __shared__ float lg[MOE_PF_MAX_EXPERTS];
+    const int lane = threadIdx.x;
+    for (int e = lane; e < n_experts; e += 32) lg[e] = logits[e];
+    __syncwarp();
+    unsigned int n = 0;
+    for (int k = 0; k < top_k; k++) {
+        float bv = __int_as_float(0xff800000);
+        int bi = 0x7fffffff;
+        for (int e = lane; e < n_experts; e += 32)
+            if (lg[e] > bv) bv = lg[e], bi = e;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        }
+        if (bi >= n_experts) break;
+        for (int j = 0; j < pick; j++) n += ids[j] == bi;
+        if (lane == (bi & 31)) lg[bi] = __int_as_float(0xff800000);
+        __syncwarp();
+    }
+    if (lane == 0) {
+        atomicAdd(hits, n);
+        atomicAdd(hits + 1, (unsigned int)top_k);
+    }
+}
