@@ -60,7 +60,8 @@
 #   predict  MoE experts predicted a layer ahead and prefetched into L2 (FERRITE_MOE_PREDICT; MOE.md
 #            63rd session): Qwen3-30B-A3B and Qwen3.5-35B-A3B tg128 at PREDICT_VALS (default
 #            "0 8 12") in turn, two rounds, with the prefill/decode gate; then N = 8 without the
-#            prefetch (FERRITE_MOE_PREDICT_PF=0: the prediction's own cost)
+#            prefetch (FERRITE_MOE_PREDICT_PF=0: the prediction's own cost), and each N's hit rate
+#            (FERRITE_MOE_PREDICT_HITS=1: how many of the router's top-k the prediction held)
 #   moe4w    the RS MoE experts on 160-thread blocks (FERRITE_MMW_MOE=4, the default since the 49th session;
 #            MOE.md 48th session): moe check under it, then pp512 of Qwen3-30B-A3B and
 #            Qwen3.5-35B-A3B Q4_K_M at MOE=3 / 4 in turn, two rounds, and the 30B's trace under 4
@@ -339,6 +340,12 @@ for stage in "$@"; do
             # The prediction alone, without its prefetch (FERRITE_MOE_PREDICT_PF=0): its own cost.
             FERRITE_MOE_PREDICT_PF=0 ab_runs 'tg128|gate|rror' FERRITE_MOE_PREDICT 8 "$f" "$p-pf0" \
                 --gate-tokens "$(gate_tokens "$p")" | tee -a "$OUT/predict.log"
+            # How many routed experts it held (FERRITE_MOE_PREDICT_HITS: a timing diagnostic).
+            for n in ${PREDICT_VALS:-0 8 12}; do
+                [ "$n" = 0 ] && continue
+                echo "$p PREDICT=$n hits: $(FERRITE_MOE_PREDICT=$n FERRITE_MOE_PREDICT_HITS=1 $F bench --model "$f" \
+                    --reps 1 --prompt-tokens 64 2>&1 | grep -E 'predicted|rror' | sed 's/.*INFO//')" | tee -a "$OUT/predict.log"
+            done
             rm -f "$f"
         done
         ;;

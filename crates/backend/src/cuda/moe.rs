@@ -1078,9 +1078,24 @@ impl Side {
     }
 }
 
+/// The prediction's switches, read once: experts to prefetch a layer (`FERRITE_MOE_PREDICT`,
+/// 0: none), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`) and whether to count its hits
+/// (`FERRITE_MOE_PREDICT_HITS`). The decoder asks at every layer of an eager decode step.
+fn predict_switches() -> (usize, bool, bool) {
+    static S: OnceLock<(usize, bool, bool)> = OnceLock::new();
+    *S.get_or_init(|| {
+        use super::switches::int_or;
+        (
+            int_or("FERRITE_MOE_PREDICT", 0).max(0) as usize,
+            int_or("FERRITE_MOE_PREDICT_PF", 1) != 0,
+            int_or("FERRITE_MOE_PREDICT_HITS", 0) != 0,
+        )
+    })
+}
+
 /// Experts to prefetch a layer (`FERRITE_MOE_PREDICT`, 0: none).
 fn predict_count() -> usize {
-    super::switches::int_or("FERRITE_MOE_PREDICT", 0).max(0) as usize
+    predict_switches().0
 }
 
 /// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, two launches on
@@ -1177,7 +1192,7 @@ pub fn prefetch(
     // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
     // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.
     unsafe { launch.launch(cfg) }?;
-    if super::switches::int_or("FERRITE_MOE_PREDICT_PF", 1) == 0 {
+    if !predict_switches().1 {
         return Ok(()); // the prediction's own cost (a measurement)
     }
     // One piece of PF_PIECE bytes a block (`MOE_PF_PIECE` in moe.cu).
@@ -1204,7 +1219,7 @@ pub fn prefetch(
 
 impl Drop for Side {
     fn drop(&mut self) {
-        if super::switches::int_or("FERRITE_MOE_PREDICT_HITS", 0) == 0 {
+        if !predict_switches().2 {
             return;
         }
         let mut h = [0u32; 2];
@@ -1232,7 +1247,7 @@ fn score_prediction(
     routing: MoeRouting,
 ) -> Result<()> {
     let side = &be.moe_side;
-    if super::switches::int_or("FERRITE_MOE_PREDICT_HITS", 0) == 0
+    if !predict_switches().2
         || router_logits.rows != 1
         || !side.pending.swap(false, Ordering::Relaxed)
     {

@@ -832,6 +832,25 @@ extern "C" __global__ void moe_combine4(const float4* __restrict__ y, const int*
 // resets the ticket (zero between launches and graph replays). Bytes: the router (n_experts ·
 // hidden · 4: 1 MB on Qwen3-30B-A3B), x once a block.
 #define MOE_PF_MAX_EXPERTS 1024
+
+// One round of the prediction's top-k (moe_predict, moe_predict_hits), one warp: the largest
+// untaken logit of lg[0..n) (shared memory; the lowest id of a tie), marked taken (-inf) and
+// returned; n when none is left above -inf (NaN or -inf logits).
+__device__ __forceinline__ int moe_pf_take(float* lg, int n, int lane) {
+    float bv = __int_as_float(0xff800000);  // -inf
+    int bi = 0x7fffffff;
+    for (int e = lane; e < n; e += 32)
+        if (lg[e] > bv) bv = lg[e], bi = e;  // ascending e: a lane's lowest id of a tie
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    if (bi >= n) return n;
+    if (lane == (bi & 31)) lg[bi] = __int_as_float(0xff800000);
+    __syncwarp();
+    return bi;
+}
 extern "C" __global__ void __launch_bounds__(256) moe_predict(const float* __restrict__ x, const float* __restrict__ nw,
                                                               float eps, int hidden, const float* __restrict__ router,
                                                               int n_experts, int pick, float* __restrict__ logits,
@@ -880,22 +899,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_predict(const float* __res
     __syncthreads();
     if (warp != 0) return;
     for (int k = 0; k < pick; k++) {
-        float bv = __int_as_float(0xff800000);  // -inf
-        int bi = 0x7fffffff;
-        for (int e = lane; e < n_experts; e += 32) {
-            const float v = lg[e];
-            if (v > bv) bv = v, bi = e;  // ascending e: a lane's lowest id of a tie
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-        }
-        // No finite candidate left (NaN or -inf logits): expert 0, a harmless hint.
-        const int id = bi < n_experts ? bi : 0;
-        if (lane == 0) ids[k] = id;
-        if (lane == (id & 31)) lg[id] = __int_as_float(0xff800000);
-        __syncwarp();
+        // None left above -inf (NaN or -inf logits): expert 0, a harmless hint.
+        const int id = moe_pf_take(lg, n_experts, lane);
+        if (lane == 0) ids[k] = id < n_experts ? id : 0;
     }
     if (lane == 0) *ticket = 0;
 }
@@ -932,19 +938,9 @@ extern "C" __global__ void __launch_bounds__(32) moe_predict_hits(const float* _
     __syncwarp();
     unsigned int n = 0;
     for (int k = 0; k < top_k; k++) {
-        float bv = __int_as_float(0xff800000);
-        int bi = 0x7fffffff;
-        for (int e = lane; e < n_experts; e += 32)
-            if (lg[e] > bv) bv = lg[e], bi = e;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-        }
-        if (bi >= n_experts) break;
-        for (int j = 0; j < pick; j++) n += ids[j] == bi;
-        if (lane == (bi & 31)) lg[bi] = __int_as_float(0xff800000);
-        __syncwarp();
+        const int id = moe_pf_take(lg, n_experts, lane);
+        if (id >= n_experts) break;
+        for (int j = 0; j < pick; j++) n += ids[j] == id;
     }
     if (lane == 0) {
         atomicAdd(hits, n);
