@@ -382,7 +382,9 @@ impl CudaBackend {
         );
         switches::validate()?;
         let ctx = CudaContext::new(ordinal).context("creating the CUDA context")?;
-        // One stream, in order: no cross-stream events needed (they also break graph capture).
+        // One stream for the chain, in order; cudarc's automatic per-buffer events stay off
+        // (they also break graph capture). The MoE expert prediction's side stream
+        // (moe.rs `Side`) is ordered against it by explicit events.
         // SAFETY: called before any other stream or allocation exists.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().context("creating a CUDA stream")?;

@@ -1019,10 +1019,10 @@ const PF_PIECE: usize = 32768;
 const PF_MAX_HIDDEN: usize = 8192;
 
 /// The stream beside the decode step's chain that [`prefetch`]'s launches run on, and its
-/// scratch: one logit per expert, the prediction launch's ticket and the predicted ids. Used only while a step is being
-/// captured ([`CudaBackend`]'s `capture`): the graph then holds the side launches as a branch
-/// forked from the chain after the launch that wrote their x and joined back at the step's
-/// end, so a replay orders them; eager steps run without them.
+/// scratch: one logit per expert, the prediction launch's ticket and the predicted ids. Used
+/// only while a step is being captured ([`CudaBackend`]'s `capture`): the graph then holds the
+/// side launches as a branch forked from the chain after the launch that wrote their x and
+/// joined back at the step's end, so a replay orders them; eager steps run without them.
 pub struct Side {
     stream: OnceLock<Arc<CudaStream>>,
     logits: CudaSlice<f32>,
@@ -1101,10 +1101,11 @@ fn predict_count() -> usize {
 /// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, two launches on
 /// the side stream ([`Side`]): `moe_predict` ranks the experts by the router on `rms_norm(x) ·
 /// norm` and keeps the first `FERRITE_MOE_PREDICT`, `moe_prefetch_experts` prefetches their
-/// gate and up rows into L2, one piece a block (plans in moe.cu). Does nothing (and is no error) outside a
-/// capture, below sm_90 (no bulk prefetch), at more than one row, for experts held in host
-/// memory, or for shapes the kernel does not take (an f32 router and norm, at most 1024
-/// experts, a residual of whole float4s up to [`PF_MAX_HIDDEN`], 16-byte expert spans).
+/// gate and up rows into L2, one piece a block (plans in moe.cu). Does nothing (and is no
+/// error) outside a capture, below sm_90 (no bulk prefetch: matmul.rs takes the same test), at
+/// more than one row, for experts held in host memory, or for shapes the kernel does not take
+/// (an f32 router and norm, at most 1024 experts, a residual of whole float4s up to
+/// [`PF_MAX_HIDDEN`], 16-byte expert spans).
 pub fn prefetch(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
@@ -1123,7 +1124,7 @@ pub fn prefetch(
     let takes = pick > 0
         && side.capturing.load(Ordering::Relaxed)
         && x.rows == 1
-        && !be.arch.starts_with("compute_8")
+        && (be.arch.starts_with("compute_9") || be.arch.starts_with("compute_1"))
         && router.dtype == GgmlType::F32
         && norm.dtype == GgmlType::F32
         && router.shape == [routing.n_experts, hidden]
