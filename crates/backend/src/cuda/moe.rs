@@ -1105,7 +1105,9 @@ fn predict_count() -> usize {
 /// error) outside a capture, below sm_90 (no bulk prefetch: matmul.rs takes the same test), at
 /// more than one row, for experts held in host memory, or for shapes the kernel does not take
 /// (an f32 router and norm, at most 1024 experts, a residual of whole float4s up to
-/// [`PF_MAX_HIDDEN`], 16-byte expert spans).
+/// [`PF_MAX_HIDDEN`], 16-byte expert spans). The side launch reads x after its producer (the
+/// fork's event); the chain may overwrite x in place later (the next o-projection's residual
+/// add), which could worsen a guess, never a result.
 pub fn prefetch(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
