@@ -171,7 +171,7 @@ pub fn timing_diagnostic() -> bool {
         || switches::diag_tl() != 0
         || switches::diag_mmw() != 0
         || switches::diag_gemv() != 0
-        || switches::int_or("FERRITE_MOE_PREDICT_HITS", 0) != 0
+        || moe::hits_diagnostic()
 }
 
 /// A kernel file as NVRTC compiles it: [`COMMON_CUH`] prepended (and [`MM_DECODE_CUH`] for
@@ -1217,7 +1217,6 @@ impl Backend for CudaBackend {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        self.moe_side.begin();
         let recorded = f();
         // The side stream's launches joined back (moe::prefetch), then the capture ended even
         // when recording failed, so the stream is usable again.

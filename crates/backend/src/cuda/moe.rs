@@ -1034,8 +1034,6 @@ pub struct Side {
     main: Arc<CudaStream>,
     /// A prediction launched whose layer's routing has not been scored yet.
     pending: AtomicBool,
-    /// A capture is in progress (set and cleared around it by `capture`).
-    capturing: AtomicBool,
     /// The side stream has work since the capture began, to be joined before it ends.
     forked: AtomicBool,
 }
@@ -1052,23 +1050,15 @@ impl Side {
             hits: stream.alloc_zeros::<u32>(2)?,
             main: stream.clone(),
             pending: AtomicBool::new(false),
-            capturing: AtomicBool::new(false),
             forked: AtomicBool::new(false),
         };
         stream.synchronize()?;
         Ok(side)
     }
 
-    /// Marks the start of a capture on `main`.
-    pub fn begin(&self) {
-        self.forked.store(false, Ordering::Relaxed);
-        self.capturing.store(true, Ordering::Relaxed);
-    }
-
-    /// Before a capture on `main` ends: `main` waits for the side stream's work (a capture
-    /// must end with every stream it forked joined back), and capturing stops.
+    /// Before a capture on `main` ends: `main` waits for the side stream's work, if the
+    /// capture forked it (a capture must end with every stream it forked joined back).
     pub fn end(&self, main: &CudaStream) -> Result<()> {
-        self.capturing.store(false, Ordering::Relaxed);
         if self.forked.swap(false, Ordering::Relaxed) {
             if let Some(side) = self.stream.get() {
                 main.join(side)?;
@@ -1093,9 +1083,15 @@ fn predict_switches() -> (usize, bool, bool) {
     })
 }
 
-/// Experts to prefetch a layer (`FERRITE_MOE_PREDICT`, 0: none).
-fn predict_count() -> usize {
-    predict_switches().0
+/// Experts to prefetch a layer of `routing` (`FERRITE_MOE_PREDICT`, 0: none), within what the
+/// kernels hold.
+fn predict_pick(routing: MoeRouting) -> usize {
+    predict_switches().0.min(routing.n_experts).min(PF_MAX_PICK)
+}
+
+/// Whether `FERRITE_MOE_PREDICT_HITS` (a timing diagnostic, [`score_prediction`]) is on.
+pub(crate) fn hits_diagnostic() -> bool {
+    predict_switches().2
 }
 
 /// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, two launches on
@@ -1116,7 +1112,7 @@ pub fn prefetch(
     experts: ExpertWeights<'_, CudaWeight>,
     routing: MoeRouting,
 ) -> Result<()> {
-    let pick = predict_count().min(routing.n_experts).min(PF_MAX_PICK);
+    let pick = predict_pick(routing);
     let side = &be.moe_side;
     let (g, u) = (experts.gate, experts.up);
     let hidden = x.cols;
@@ -1124,7 +1120,6 @@ pub fn prefetch(
     let whole = g.shape.len() == 3 && g.shape[2].is_multiple_of(g.dtype.block_size());
     let eb = if whole { g.shape[1] * g.row_bytes() } else { 0 };
     let takes = pick > 0
-        && side.capturing.load(Ordering::Relaxed)
         && x.rows == 1
         && (be.arch.starts_with("compute_9") || be.arch.starts_with("compute_1"))
         && router.dtype == GgmlType::F32
@@ -1144,7 +1139,9 @@ pub fn prefetch(
         && !u.in_host_memory()
         && aligned16(be, &g.data)
         && aligned16(be, &u.data);
-    if !takes {
+    // Only inside a capture of the chain's stream (eager steps run without it).
+    use cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    if !takes || be.stream.capture_status()? != CU_STREAM_CAPTURE_STATUS_ACTIVE {
         return Ok(());
     }
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -1222,7 +1219,7 @@ pub fn prefetch(
 
 impl Drop for Side {
     fn drop(&mut self) {
-        if !predict_switches().2 {
+        if !hits_diagnostic() {
             return;
         }
         let mut h = [0u32; 2];
@@ -1250,9 +1247,7 @@ fn score_prediction(
     routing: MoeRouting,
 ) -> Result<()> {
     let side = &be.moe_side;
-    if !predict_switches().2
-        || router_logits.rows != 1
-        || !side.pending.swap(false, Ordering::Relaxed)
+    if !hits_diagnostic() || router_logits.rows != 1 || !side.pending.swap(false, Ordering::Relaxed)
     {
         return Ok(());
     }
@@ -1260,7 +1255,7 @@ fn score_prediction(
         return Ok(());
     };
     be.stream.join(stream)?;
-    let pick = predict_count().min(routing.n_experts).min(PF_MAX_PICK);
+    let pick = predict_pick(routing);
     let (ne, tk, pk) = (
         i32_arg("n_experts", routing.n_experts)?,
         i32_arg("top_k", routing.top_k)?,
