@@ -397,6 +397,17 @@ pub struct MoeRouting {
     pub norm_topk: bool,
 }
 
+/// Where in a layer's mixer half (its attention, or Gated DeltaNet) the decoder stands, for
+/// [`Backend::moe_prefetch_at`]: a hint about when DRAM has room for the layer's predicted
+/// experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixerPoint {
+    /// The mixer's input projections (Q, K, V; a Gated DeltaNet's in-projections) launched.
+    Projected,
+    /// Its core (the attention; the delta rule) launched.
+    Mixed,
+}
+
 /// Shape of a Gated DeltaNet (linear attention) layer: `n_k_heads` query/key heads of
 /// `k_head_dim`, `n_v_heads` value heads of `v_head_dim` (a multiple of the key heads), and
 /// the short causal convolution's kernel length. The convolution runs over the concatenated
@@ -1116,6 +1127,14 @@ pub trait Backend: Send + Sync {
         routing: MoeRouting,
     ) -> Result<()> {
         let _ = (x, norm, router, experts, routing);
+        Ok(())
+    }
+
+    /// With [`Backend::moe_prefetch`]: the decoder has reached `point` of the layer whose
+    /// experts were predicted. A backend that holds the prediction's prefetch back to a later
+    /// point (CUDA: `FERRITE_MOE_PREDICT_AT`) issues it here; the default does nothing.
+    fn moe_prefetch_at(&self, point: MixerPoint) -> Result<()> {
+        let _ = point;
         Ok(())
     }
 

@@ -24,7 +24,9 @@
 //! `output_norm`). Only the first layer's `attn_norm` is a plain `rms_norm`.
 
 use anyhow::{Context, Result};
-use ferrite_backend::{Act, Backend, ExpertWeights, HostTensor, PagedKv, QkRope, StepInput};
+use ferrite_backend::{
+    Act, Backend, ExpertWeights, HostTensor, MixerPoint, PagedKv, QkRope, StepInput,
+};
 
 use crate::config::{ModelConfig, MoeConfig};
 use crate::mix::{LoadQuant, Mix, MixModel, Role};
@@ -757,6 +759,8 @@ impl<B: Backend> Model<B> {
             } else {
                 be.matmuls(h, &[&l.wq, &l.wk, &l.wv], &mut [&mut *q, &mut *k, &mut *v])?;
             }
+            // The experts predicted for this layer: their prefetch, where it was held back.
+            be.moe_prefetch_at(MixerPoint::Projected)?;
             let (qn, kn) = match &l.qk_norm {
                 Some((qn, kn)) => (Some(qn), Some(kn)),
                 None => (None, None),
@@ -773,6 +777,7 @@ impl<B: Backend> Model<B> {
             let o_reader = [&l.wo];
             let readers: &[&B::Weight] = if defer { &[] } else { &o_reader };
             be.qk_norm_rope_attention_for(kv, qk, (&mut *q, &mut *k, &*v), il, a, att, readers)?;
+            be.moe_prefetch_at(MixerPoint::Mixed)?;
             let norm = (&l.ffn_norm, cfg.rms_eps);
             if defer {
                 // x += o(att), then the FFN with its norm deferred.

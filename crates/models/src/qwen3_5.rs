@@ -38,7 +38,9 @@
 use std::borrow::Cow;
 
 use anyhow::{bail, Context, Result};
-use ferrite_backend::{Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor, StepInput};
+use ferrite_backend::{
+    Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor, MixerPoint, StepInput,
+};
 
 use crate::decoder::Uploader;
 use crate::mix::{Mix, Role};
@@ -234,6 +236,8 @@ pub(crate) fn forward_layers<B: Backend>(
                 } else {
                     be.matmuls(h, &[qkv, z], &mut [&mut hb.mixed, &mut hb.z])?;
                 }
+                // The experts predicted for this layer: their prefetch, where it was held back.
+                be.moe_prefetch_at(MixerPoint::Projected)?;
                 // A batched step's sequences each continue their own state.
                 let batch = step.batch.as_ref();
                 be.causal_conv1d(kv, *slot, &hb.mixed, conv, &mut hb.conv, batch)?;
@@ -256,6 +260,7 @@ pub(crate) fn forward_layers<B: Backend>(
                     &mut hb.core,
                     batch,
                 )?;
+                be.moe_prefetch_at(MixerPoint::Mixed)?;
                 be.gated_rms_norm(&mut hb.core, &hb.z, norm, delta.v_head_dim, eps)?;
                 if defer {
                     be.matmul_add(&hb.core, out, x, y)?;
@@ -282,6 +287,7 @@ pub(crate) fn forward_layers<B: Backend>(
                 } else {
                     be.matmuls(h, &[wq, wg, wk, wv], outs)?;
                 }
+                be.moe_prefetch_at(MixerPoint::Projected)?;
                 be.qk_norm_rope(
                     q,
                     k,
@@ -304,6 +310,7 @@ pub(crate) fn forward_layers<B: Backend>(
                     },
                     att,
                 )?;
+                be.moe_prefetch_at(MixerPoint::Mixed)?;
                 be.sigmoid_gate(att, &hb.attn_gate)?;
                 if defer {
                     be.matmul_add(att, wo, x, y)?;

@@ -1157,6 +1157,10 @@ impl Backend for CudaBackend {
         moe::prefetch(self, x, norm, router, experts, routing)
     }
 
+    fn moe_prefetch_at(&self, point: crate::MixerPoint) -> Result<()> {
+        moe::prefetch_at(self, point)
+    }
+
     fn moe_shared(
         &self,
         x: &Act<CudaSlice<f32>>,

@@ -32,7 +32,7 @@ pub const SRC: &str = include_str!("kernels/moe.cu");
 
 use super::launch::{KernelArg, LaunchExt};
 use super::{function, load_module, matmul, CudaBackend, CudaWeight};
-use crate::{Act, ExpertWeights, MoeRouting};
+use crate::{Act, ExpertWeights, MixerPoint, MoeRouting};
 
 /// Warps per block of the expert kernels (`MOE_WARPS` in moe.cu).
 const MOE_WARPS: usize = 8;
@@ -1036,6 +1036,8 @@ pub struct Side {
     pending: AtomicBool,
     /// The side stream has work since the capture began, to be joined before it ends.
     forked: AtomicBool,
+    /// The prefetch held back to a later point of the layer ([`prefetch_at`]).
+    held: Mutex<Option<HeldPrefetch>>,
 }
 
 impl Side {
@@ -1051,6 +1053,7 @@ impl Side {
             main: stream.clone(),
             pending: AtomicBool::new(false),
             forked: AtomicBool::new(false),
+            held: Mutex::new(None),
         };
         stream.synchronize()?;
         Ok(side)
@@ -1059,6 +1062,10 @@ impl Side {
     /// Before a capture on `main` ends: `main` waits for the side stream's work, if the
     /// capture forked it (a capture must end with every stream it forked joined back).
     pub fn end(&self, main: &CudaStream) -> Result<()> {
+        // A prefetch still held (no later point reached) is dropped with its step.
+        if let Ok(mut h) = self.held.lock() {
+            h.take();
+        }
         if self.forked.swap(false, Ordering::Relaxed) {
             if let Some(side) = self.stream.get() {
                 main.join(side)?;
@@ -1069,29 +1076,94 @@ impl Side {
 }
 
 /// The prediction's switches, read once: experts to prefetch a layer (`FERRITE_MOE_PREDICT`,
-/// 0: none), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`) and whether to count its hits
-/// (`FERRITE_MOE_PREDICT_HITS`). The decoder asks at every layer of an eager decode step.
-fn predict_switches() -> (usize, bool, bool) {
-    static S: OnceLock<(usize, bool, bool)> = OnceLock::new();
+/// 0: none), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`), whether to count its hits
+/// (`FERRITE_MOE_PREDICT_HITS`) and where the prefetch is issued (`FERRITE_MOE_PREDICT_AT`:
+/// 0 with the prediction, 1 after the layer's mixer input projections, 2 after its core). The
+/// decoder asks at every layer of an eager decode step.
+#[derive(Clone, Copy)]
+struct PredictSwitches {
+    pick: usize,
+    pf: bool,
+    hits: bool,
+    at: Option<MixerPoint>,
+}
+
+fn predict_switches() -> PredictSwitches {
+    static S: OnceLock<PredictSwitches> = OnceLock::new();
     *S.get_or_init(|| {
         use super::switches::int_or;
-        (
-            int_or("FERRITE_MOE_PREDICT", 0).max(0) as usize,
-            int_or("FERRITE_MOE_PREDICT_PF", 1) != 0,
-            int_or("FERRITE_MOE_PREDICT_HITS", 0) != 0,
-        )
+        PredictSwitches {
+            pick: int_or("FERRITE_MOE_PREDICT", 0).max(0) as usize,
+            pf: int_or("FERRITE_MOE_PREDICT_PF", 1) != 0,
+            hits: int_or("FERRITE_MOE_PREDICT_HITS", 0) != 0,
+            at: match int_or("FERRITE_MOE_PREDICT_AT", 0) {
+                1 => Some(MixerPoint::Projected),
+                2 => Some(MixerPoint::Mixed),
+                _ => None,
+            },
+        }
     })
 }
 
 /// Experts to prefetch a layer of `routing` (`FERRITE_MOE_PREDICT`, 0: none), within what the
 /// kernels hold.
 fn predict_pick(routing: MoeRouting) -> usize {
-    predict_switches().0.min(routing.n_experts).min(PF_MAX_PICK)
+    predict_switches().pick.min(routing.n_experts).min(PF_MAX_PICK)
 }
 
 /// Whether `FERRITE_MOE_PREDICT_HITS` (a timing diagnostic, [`score_prediction`]) is on.
 pub(crate) fn hits_diagnostic() -> bool {
-    predict_switches().2
+    predict_switches().hits
+}
+
+/// A `moe_prefetch_experts` launch held back to a later point of the layer
+/// (`FERRITE_MOE_PREDICT_AT`): its grid and arguments, the stacks' device addresses.
+struct HeldPrefetch {
+    pieces: u32,
+    pick: i32,
+    gate: u64,
+    up: u64,
+    expert_bytes: i64,
+}
+
+/// Launches `moe_prefetch_experts` for `p` on the side stream.
+fn launch_prefetch(be: &CudaBackend, stream: &CudaStream, p: &HeldPrefetch) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (p.pieces, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = stream.kernel(&be.moe.prefetch_experts);
+    launch
+        .arg(&be.moe_side.ids)
+        .arg(&p.pick)
+        .arg(&p.gate)
+        .arg(&p.up)
+        .arg(&p.expert_bytes)
+        .beside();
+    // SAFETY: the arguments match moe_prefetch_experts's parameters (the stacks as their
+    // device addresses); it reads pick ids (each < n_experts, written by moe_predict before it
+    // on this stream) and prefetches pieces of their expert_bytes spans of the [n_experts, ..]
+    // stacks, nothing past a span's end. The stacks are a loaded model's weights, alive while
+    // any step of it is captured or replayed.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// [`crate::Backend::moe_prefetch_at`] on CUDA: the prefetch [`prefetch`] held back, issued on
+/// the side stream after everything the chain has launched so far, where `point` is
+/// `FERRITE_MOE_PREDICT_AT`'s.
+pub fn prefetch_at(be: &CudaBackend, point: MixerPoint) -> Result<()> {
+    if predict_switches().at != Some(point) {
+        return Ok(());
+    }
+    let side = &be.moe_side;
+    let held = side.held.lock().map_err(|_| anyhow::anyhow!("moe: poisoned lock"))?.take();
+    let (Some(p), Some(stream)) = (held, side.stream.get()) else {
+        return Ok(());
+    };
+    stream.join(&be.stream)?;
+    launch_prefetch(be, stream, &p)
 }
 
 /// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, two launches on
@@ -1192,28 +1264,24 @@ pub fn prefetch(
     // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
     // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.
     unsafe { launch.launch(cfg) }?;
-    if !predict_switches().1 {
+    let sw = predict_switches();
+    if !sw.pf {
         return Ok(()); // the prediction's own cost (a measurement)
     }
     // One piece of PF_PIECE bytes a block (`MOE_PF_PIECE` in moe.cu).
-    let pieces = 2 * pick * eb.div_ceil(PF_PIECE);
-    let cfg = LaunchConfig {
-        grid_dim: (u32::try_from(pieces)?, 1, 1),
-        block_dim: (32, 1, 1),
-        shared_mem_bytes: 0,
+    let (gate, _g) = g.data.device_ptr(&be.stream);
+    let (up, _u) = u.data.device_ptr(&be.stream);
+    let p = HeldPrefetch {
+        pieces: u32::try_from(2 * pick * eb.div_ceil(PF_PIECE))?,
+        pick: pk,
+        gate,
+        up,
+        expert_bytes: ebl,
     };
-    let mut launch = stream.kernel(&be.moe.prefetch_experts);
-    launch
-        .arg(&side.ids)
-        .arg(&pk)
-        .arg(&*g.data)
-        .arg(&*u.data)
-        .arg(&ebl)
-        .beside();
-    // SAFETY: the arguments match moe_prefetch_experts's parameters; it reads pick ids (each
-    // < n_experts, written by moe_predict before it on this stream) and prefetches pieces of
-    // their eb-byte spans of the [n_experts, ..] stacks, nothing past a span's end.
-    unsafe { launch.launch(cfg) }?;
+    if sw.at.is_none() {
+        return launch_prefetch(be, stream, &p);
+    }
+    *side.held.lock().map_err(|_| anyhow::anyhow!("moe: poisoned lock"))? = Some(p);
     Ok(())
 }
 
