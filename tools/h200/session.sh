@@ -350,31 +350,37 @@ for stage in "$@"; do
         done
         ;;
     predictat)
-        # Where the predicted experts' prefetch is issued (FERRITE_MOE_PREDICT_AT: 0 with the
-        # prediction at the layer before's end, 1 after the layer's Q, K, V launch, 2 after its
-        # attention launch; MOE.md, 64th session): Qwen3-30B-A3B and Qwen3.5-35B-A3B Q4_K_M
-        # tg128 at the settings of PREDICT_AT_RUNS ("N:AT ...", N = 0 off), in turn, two rounds;
-        # then the 30B's step traced under each (CUPTI; the side stream's two kernels left out of
-        # the chain's end-to-end gaps) and compared with N = 0 by kernel_trace.py --vs.
-        runs=${PREDICT_AT_RUNS:-0:0 8:0 8:1 8:2 4:1}
+        # Where the predicted experts' prefetch is issued and at what priority
+        # (FERRITE_MOE_PREDICT_AT: 0 with the prediction at the layer before's end, 1 after the
+        # layer's Q, K, V launch, 2 after its attention launch; FERRITE_MOE_PREDICT_PRIO: 1 the
+        # side launches at the greatest priority; MOE.md, 64th session): Qwen3-30B-A3B and
+        # Qwen3.5-35B-A3B Q4_K_M tg128 at the settings of PREDICT_AT_RUNS ("N:AT:PRIO ...",
+        # N = 0 off), in turn, two rounds; then the 30B's step traced under each (CUPTI): the side
+        # launches against the chain (side_trace.py), and the chain's kernels against N = 0
+        # (kernel_trace.py --vs, the side launches left out of its end-to-end gaps).
+        runs=${PREDICT_AT_RUNS:-0:0:0 8:0:0 8:1:0 8:2:0 4:1:0}
+        penv() { echo "FERRITE_MOE_PREDICT=${1%%:*} FERRITE_MOE_PREDICT_AT=$(echo "$1" | cut -d: -f2) FERRITE_MOE_PREDICT_PRIO=$(echo "$1" | cut -d: -f3)"; }
         for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
             for r in 1 2; do
                 for na in $runs; do
-                    echo "$p N:AT=$na $(FERRITE_MOE_PREDICT=${na%%:*} FERRITE_MOE_PREDICT_AT=${na##*:} $F bench --model "$f" \
+                    echo "$p N:AT:PRIO=$na $(env $(penv "$na") $F bench --model "$f" \
                         --reps 2 --gate-tokens "$(gate_tokens "$p")" 2>&1 | grep -E 'tg128|gate|rror' | tr -s ' ' | tr '\n' ' ')"
                 done
             done | tee -a "$OUT/predictat.log"
             if [ "$p" = qwen3-30b-a3b ] && ktrace_build; then
                 for na in $runs; do
-                    FERRITE_MOE_PREDICT=${na%%:*} FERRITE_MOE_PREDICT_AT=${na##*:} traced /tmp/trace-raw.txt $F bench --model "$f" \
-                        --reps 1 --gate-tokens 8 2>&1 | grep -E "tg128|rror" | sed "s/^/trace N:AT=$na /"
-                    grep -v -E 'moe_predict|moe_prefetch_experts' /tmp/trace-raw.txt > "/tmp/trace-${na/:/-}.txt"
+                    t=/tmp/trace-${na//:/-}
+                    env $(penv "$na") traced $t-raw.txt $F bench --model "$f" \
+                        --reps 1 --gate-tokens 8 2>&1 | grep -E "tg128|rror" | sed "s/^/trace N:AT:PRIO=$na /"
+                    grep -v -E 'moe_predict|moe_prefetch_experts' $t-raw.txt > $t.txt
                 done
                 for na in $runs; do
-                    [ "$na" = 0:0 ] && continue
-                    echo "--- N:AT=$na vs 0:0"
-                    python3 tools/h200/kernel_trace.py "/tmp/trace-${na/:/-}.txt" --vs /tmp/trace-0-0.txt | head -24
+                    [ "${na%%:*}" = 0 ] && continue
+                    echo "--- N:AT:PRIO=$na: the side launches"
+                    python3 tools/h200/side_trace.py "/tmp/trace-${na//:/-}-raw.txt"
+                    echo "--- N:AT:PRIO=$na vs ${runs%% *}"
+                    python3 tools/h200/kernel_trace.py "/tmp/trace-${na//:/-}.txt" --vs "/tmp/trace-$(echo "${runs%% *}" | tr : -).txt" | head -12
                 done | tee "$OUT/predictat-trace.txt"
             fi
             rm -f "$f"

@@ -129,6 +129,8 @@ pub struct Launch<'a> {
     cluster: Option<(u32, u32, u32)>,
     /// A launch beside the chain ([`Launch::beside`]).
     beside: bool,
+    /// Its scheduling priority, if set ([`Launch::priority`]).
+    priority: Option<i32>,
 }
 
 /// `stream.kernel(&func)`: starts a launch on this stream.
@@ -144,6 +146,7 @@ impl LaunchExt for CudaStream {
             args: Vec::with_capacity(16),
             cluster: None,
             beside: false,
+            priority: None,
         }
     }
 }
@@ -223,6 +226,14 @@ impl Launch<'_> {
         self
     }
 
+    /// The launch's scheduling priority (`CU_LAUNCH_ATTRIBUTE_PRIORITY`; lower numbers first,
+    /// within the context's stream priority range). A captured graph keeps it only where it
+    /// is instantiated with `CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`.
+    pub fn priority(&mut self, p: i32) -> &mut Self {
+        self.priority = Some(p);
+        self
+    }
+
     /// Submits the kernel to the stream (asynchronously).
     ///
     /// # Safety
@@ -249,7 +260,7 @@ impl Launch<'_> {
             .collect();
         // SAFETY: zeroed attributes are valid values; only the first `n_attrs` are passed,
         // each with the union member its id reads set.
-        let mut attrs: [CUlaunchAttribute; 2] = std::mem::zeroed();
+        let mut attrs: [CUlaunchAttribute; 3] = std::mem::zeroed();
         let mut n_attrs = 0;
         if pdl_enabled() && !self.beside {
             attrs[n_attrs].id =
@@ -259,6 +270,11 @@ impl Launch<'_> {
         }
         if let Some(dims) = self.cluster {
             attrs[n_attrs] = cluster_attr(dims);
+            n_attrs += 1;
+        }
+        if let Some(p) = self.priority {
+            attrs[n_attrs].id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PRIORITY;
+            attrs[n_attrs].value.priority = p;
             n_attrs += 1;
         }
         let config = driver_config(cfg, self.stream.cu_stream(), &mut attrs[..n_attrs]);

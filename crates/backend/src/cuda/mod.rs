@@ -1225,7 +1225,13 @@ impl Backend for CudaBackend {
         // The side stream's launches joined back (moe::prefetch), then the capture ended even
         // when recording failed, so the stream is usable again.
         let joined = self.moe_side.end(&self.stream);
-        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        // The side launches' priority kept where they carry one (FERRITE_MOE_PREDICT_PRIO).
+        let flags = if moe::side_priority().is_some() {
+            CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
+        } else {
+            CUgraphInstantiate_flags(0)
+        };
+        let graph = self.stream.end_capture(flags);
         recorded?;
         joined?;
         let graph = graph.context("instantiating the captured decode step")?;

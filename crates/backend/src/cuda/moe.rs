@@ -1086,6 +1086,7 @@ struct PredictSwitches {
     pf: bool,
     hits: bool,
     at: Option<MixerPoint>,
+    prio: bool,
 }
 
 fn predict_switches() -> PredictSwitches {
@@ -1101,7 +1102,27 @@ fn predict_switches() -> PredictSwitches {
                 2 => Some(MixerPoint::Mixed),
                 _ => None,
             },
+            prio: int_or("FERRITE_MOE_PREDICT_PRIO", 0) != 0,
         }
+    })
+}
+
+/// The side launches' scheduling priority under `FERRITE_MOE_PREDICT_PRIO=1` (with
+/// `FERRITE_MOE_PREDICT` on): the context's greatest, so that their blocks are placed before
+/// the chain's waiting ones as SMs free up. None otherwise (the default launch priority).
+pub(crate) fn side_priority() -> Option<i32> {
+    static P: OnceLock<Option<i32>> = OnceLock::new();
+    *P.get_or_init(|| {
+        let sw = predict_switches();
+        if !sw.prio || sw.pick == 0 {
+            return None;
+        }
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: two out-pointers to live integers; reads the current context's range.
+        let r = unsafe {
+            cudarc::driver::sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+        };
+        (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(greatest)
     })
 }
 
@@ -1141,6 +1162,9 @@ fn launch_prefetch(be: &CudaBackend, stream: &CudaStream, p: &HeldPrefetch) -> R
         .arg(&p.up)
         .arg(&p.expert_bytes)
         .beside();
+    if let Some(pr) = side_priority() {
+        launch.priority(pr);
+    }
     // SAFETY: the arguments match moe_prefetch_experts's parameters (the stacks as their
     // device addresses); it reads pick ids (each < n_experts, written by moe_predict before it
     // on this stream) and prefetches pieces of their expert_bytes spans of the [n_experts, ..]
@@ -1260,6 +1284,9 @@ pub fn prefetch(
         .arg(&side.ticket)
         .arg(&side.ids)
         .beside();
+    if let Some(pr) = side_priority() {
+        launch.priority(pr);
+    }
     // SAFETY: the arguments match moe_predict's parameters; it reads hidden floats of x and of
     // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
     // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.

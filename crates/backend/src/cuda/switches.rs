@@ -315,6 +315,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "with FERRITE_MOE_PREDICT: where the predicted experts' prefetch is issued: 0 (default) with the prediction, at the end of the layer before; 1 after the layer's Q, K, V (or Gated DeltaNet in-projection) launch; 2 after its attention (or delta rule) launch (MOE.md, 64th session)",
     ),
     (
+        "FERRITE_MOE_PREDICT_PRIO",
+        Accepts::OneOf(&[0, 1]),
+        "with FERRITE_MOE_PREDICT: 1 gives the prediction's side launches the context's greatest scheduling priority (the decode graph instantiated with node priorities); 0 (default) the default priority (MOE.md, 64th session)",
+    ),
+    (
         "FERRITE_MOE_PREDICT_HITS",
         Accepts::OneOf(&[0, 1]),
         "diagnostic, timing only (bench refuses --record): with FERRITE_MOE_PREDICT, each MoE layer waits for its prediction and counts how many of its routed experts it held, logged at exit (MOE.md, 63rd session)",
