@@ -371,8 +371,9 @@ for stage in "$@"; do
             if [ "$p" = qwen3-30b-a3b ] && ktrace_build; then
                 for na in $runs; do
                     t=/tmp/trace-${na//:/-}
-                    env $(penv "$na") traced $t-raw.txt $F bench --model "$f" \
-                        --reps 1 --gate-tokens 8 2>&1 | grep -E "tg128|rror" | sed "s/^/trace N:AT:PRIO=$na /"
+                    # (traced is a shell function: the settings exported in a subshell, not by env)
+                    (export $(penv "$na"); traced $t-raw.txt $F bench --model "$f" \
+                        --reps 1 --gate-tokens 8 2>&1) | grep -E "tg128|rror" | sed "s/^/trace N:AT:PRIO=$na /"
                     grep -v -E 'moe_predict|moe_prefetch_experts' $t-raw.txt > $t.txt
                 done
                 for na in $runs; do
