@@ -138,6 +138,8 @@ pub struct Kernels {
     /// `moe_predict` and `moe_prefetch_experts` ([`prefetch`]).
     predict: CudaFunction,
     prefetch_experts: CudaFunction,
+    /// `moe_predict_w`: the prediction in one-warp blocks (`FERRITE_MOE_PREDICT_W`).
+    predict_w: CudaFunction,
     predict_hits: CudaFunction,
     scratch: Mutex<Option<Scratch>>,
 }
@@ -162,6 +164,7 @@ impl Kernels {
             mm_down,
             predict: function(&m, "moe_predict")?,
             prefetch_experts: function(&m, "moe_prefetch_experts")?,
+            predict_w: function(&m, "moe_predict_w")?,
             predict_hits: function(&m, "moe_predict_hits")?,
             scratch: Mutex::new(None),
         })
@@ -1087,6 +1090,7 @@ struct PredictSwitches {
     hits: bool,
     at: Option<MixerPoint>,
     prio: bool,
+    one_warp: bool,
 }
 
 fn predict_switches() -> PredictSwitches {
@@ -1103,6 +1107,7 @@ fn predict_switches() -> PredictSwitches {
                 _ => None,
             },
             prio: int_or("FERRITE_MOE_PREDICT_PRIO", 0) != 0,
+            one_warp: int_or("FERRITE_MOE_PREDICT_W", 1) != 0,
         }
     })
 }
@@ -1265,13 +1270,26 @@ pub fn prefetch(
         i32_arg("pick", pick)?,
     );
     let (hid, ebl) = (i32_arg("hidden", hidden)?, eb as i64);
-    let grid = routing.n_experts.div_ceil(MOE_WARPS) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (32 * MOE_WARPS as u32, 1, 1),
-        shared_mem_bytes: (hidden * 4) as u32,
+    // One router row a one-warp block (moe_predict_w), or eight a block of eight warps.
+    let one_warp = predict_switches().one_warp;
+    let cfg = if one_warp {
+        LaunchConfig {
+            grid_dim: (routing.n_experts as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    } else {
+        LaunchConfig {
+            grid_dim: (routing.n_experts.div_ceil(MOE_WARPS) as u32, 1, 1),
+            block_dim: (32 * MOE_WARPS as u32, 1, 1),
+            shared_mem_bytes: (hidden * 4) as u32,
+        }
     };
-    let mut launch = stream.kernel(&be.moe.predict);
+    let mut launch = stream.kernel(if one_warp {
+        &be.moe.predict_w
+    } else {
+        &be.moe.predict
+    });
     launch
         .arg(&x.buf)
         .arg(&*norm.data)
@@ -1287,9 +1305,10 @@ pub fn prefetch(
     if let Some(pr) = side_priority() {
         launch.priority(pr);
     }
-    // SAFETY: the arguments match moe_predict's parameters; it reads hidden floats of x and of
-    // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
-    // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.
+    // SAFETY: the arguments match the parameters of moe_predict and moe_predict_w (the same
+    // list); each reads hidden floats of x and of the norm (checked shapes) and n_experts router
+    // rows of hidden floats, and writes n_experts ≤ PF_MAX_EXPERTS logits, the ticket and
+    // pick ≤ PF_MAX_PICK ids < n_experts.
     unsafe { launch.launch(cfg) }?;
     let sw = predict_switches();
     if !sw.pf {
