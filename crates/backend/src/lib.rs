@@ -1113,10 +1113,11 @@ pub trait Backend: Send + Sync {
     /// row `x` to toward the compute units before the layer needs them. The prediction is
     /// the layer's own router on `rms_norm(x) · norm` where `x` is the residual before the
     /// layer's attention half (the router later sees it with that half's output added).
-    /// CUDA, under graph capture only: a launch beside the step's chain (its own stream)
-    /// computes the prediction and prefetches `predict` experts' gate and up rows into L2
-    /// (`FERRITE_MOE_PREDICT`, MOE.md 63rd session). Nothing a later op computes depends on
-    /// it; the default does nothing.
+    /// CUDA, under graph capture only: launches beside the step's chain (their own stream)
+    /// compute the prediction and prefetch the first experts' gate and up rows into L2
+    /// (`FERRITE_MOE_PREDICT`, four by default, issued at [`Backend::moe_prefetch_at`]; MOE.md
+    /// 63rd and 64th sessions). Nothing a later op computes depends on it; the default does
+    /// nothing.
     #[allow(clippy::too_many_arguments)]
     fn moe_prefetch(
         &self,

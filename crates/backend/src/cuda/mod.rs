@@ -1225,8 +1225,10 @@ impl Backend for CudaBackend {
         // The side stream's launches joined back (moe::prefetch), then the capture ended even
         // when recording failed, so the stream is usable again.
         let joined = self.moe_side.end(&self.stream);
-        // The side launches' priority kept where they carry one (FERRITE_MOE_PREDICT_PRIO).
-        let flags = if moe::side_priority().is_some() {
+        // The side launches' priority kept where the graph holds them and they carry one
+        // (FERRITE_MOE_PREDICT_PRIO); every other graph instantiated as before.
+        let forked = matches!(joined, Ok(true));
+        let flags = if forked && moe::side_priority().is_some() {
             CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY
         } else {
             CUgraphInstantiate_flags(0)

@@ -138,8 +138,6 @@ pub struct Kernels {
     /// `moe_predict` and `moe_prefetch_experts` ([`prefetch`]).
     predict: CudaFunction,
     prefetch_experts: CudaFunction,
-    /// `moe_predict_w`: the prediction in one-warp blocks (`FERRITE_MOE_PREDICT_W`).
-    predict_w: CudaFunction,
     predict_hits: CudaFunction,
     scratch: Mutex<Option<Scratch>>,
 }
@@ -164,7 +162,6 @@ impl Kernels {
             mm_down,
             predict: function(&m, "moe_predict")?,
             prefetch_experts: function(&m, "moe_prefetch_experts")?,
-            predict_w: function(&m, "moe_predict_w")?,
             predict_hits: function(&m, "moe_predict_hits")?,
             scratch: Mutex::new(None),
         })
@@ -1064,22 +1061,24 @@ impl Side {
 
     /// Before a capture on `main` ends: `main` waits for the side stream's work, if the
     /// capture forked it (a capture must end with every stream it forked joined back).
-    pub fn end(&self, main: &CudaStream) -> Result<()> {
+    /// Returns whether it had (the graph then holds side launches).
+    pub fn end(&self, main: &CudaStream) -> Result<bool> {
         // A prefetch still held (no later point reached) is dropped with its step.
         if let Ok(mut h) = self.held.lock() {
             h.take();
         }
-        if self.forked.swap(false, Ordering::Relaxed) {
+        let forked = self.forked.swap(false, Ordering::Relaxed);
+        if forked {
             if let Some(side) = self.stream.get() {
                 main.join(side)?;
             }
         }
-        Ok(())
+        Ok(forked)
     }
 }
 
 /// The prediction's switches, read once: experts to prefetch a layer (`FERRITE_MOE_PREDICT`,
-/// 0: none), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`), whether to count its hits
+/// 0: none; the defaults are [`PREDICT_DEFAULT`]), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`), whether to count its hits
 /// (`FERRITE_MOE_PREDICT_HITS`) and where the prefetch is issued (`FERRITE_MOE_PREDICT_AT`:
 /// 0 with the prediction, 1 after the layer's mixer input projections, 2 after its core). The
 /// decoder asks at every layer of an eager decode step.
@@ -1090,24 +1089,31 @@ struct PredictSwitches {
     hits: bool,
     at: Option<MixerPoint>,
     prio: bool,
-    one_warp: bool,
 }
+
+/// The defaults of `FERRITE_MOE_PREDICT`, `_AT` and `_PRIO`: four experts, prefetched after
+/// the layer's Q, K, V launch, the side launches at the greatest priority. Measured on an H100
+/// (MOE.md, 64th session; three calls, two rounds each, against 0 in the same rounds):
+/// Qwen3-30B-A3B tg128 +1.1% (552.8 → 558.8 on average), Qwen3.5-35B-A3B +0.5% (470.6 →
+/// 472.9). Eight experts lost on the 30B at either priority, and four at the default priority
+/// tied; issued with the prediction (`_AT=0`) four read the same as here. Not measured on an
+/// H200.
+const PREDICT_DEFAULT: (usize, i64, i64) = (4, 1, 1);
 
 fn predict_switches() -> PredictSwitches {
     static S: OnceLock<PredictSwitches> = OnceLock::new();
     *S.get_or_init(|| {
         use super::switches::int_or;
         PredictSwitches {
-            pick: int_or("FERRITE_MOE_PREDICT", 0).max(0) as usize,
+            pick: int_or("FERRITE_MOE_PREDICT", PREDICT_DEFAULT.0 as i64).max(0) as usize,
             pf: int_or("FERRITE_MOE_PREDICT_PF", 1) != 0,
             hits: int_or("FERRITE_MOE_PREDICT_HITS", 0) != 0,
-            at: match int_or("FERRITE_MOE_PREDICT_AT", 0) {
+            at: match int_or("FERRITE_MOE_PREDICT_AT", PREDICT_DEFAULT.1) {
                 1 => Some(MixerPoint::Projected),
                 2 => Some(MixerPoint::Mixed),
                 _ => None,
             },
-            prio: int_or("FERRITE_MOE_PREDICT_PRIO", 0) != 0,
-            one_warp: int_or("FERRITE_MOE_PREDICT_W", 1) != 0,
+            prio: int_or("FERRITE_MOE_PREDICT_PRIO", PREDICT_DEFAULT.2) != 0,
         }
     })
 }
@@ -1124,9 +1130,8 @@ pub(crate) fn side_priority() -> Option<i32> {
         }
         let (mut least, mut greatest) = (0, 0);
         // SAFETY: two out-pointers to live integers; reads the current context's range.
-        let r = unsafe {
-            cudarc::driver::sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
-        };
+        let r =
+            unsafe { cudarc::driver::sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) };
         (r == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then_some(greatest)
     })
 }
@@ -1134,7 +1139,10 @@ pub(crate) fn side_priority() -> Option<i32> {
 /// Experts to prefetch a layer of `routing` (`FERRITE_MOE_PREDICT`, 0: none), within what the
 /// kernels hold.
 fn predict_pick(routing: MoeRouting) -> usize {
-    predict_switches().pick.min(routing.n_experts).min(PF_MAX_PICK)
+    predict_switches()
+        .pick
+        .min(routing.n_experts)
+        .min(PF_MAX_PICK)
 }
 
 /// Whether `FERRITE_MOE_PREDICT_HITS` (a timing diagnostic, [`score_prediction`]) is on.
@@ -1187,7 +1195,11 @@ pub fn prefetch_at(be: &CudaBackend, point: MixerPoint) -> Result<()> {
         return Ok(());
     }
     let side = &be.moe_side;
-    let held = side.held.lock().map_err(|_| anyhow::anyhow!("moe: poisoned lock"))?.take();
+    let held = side
+        .held
+        .lock()
+        .map_err(|_| anyhow::anyhow!("moe: poisoned lock"))?
+        .take();
     let (Some(p), Some(stream)) = (held, side.stream.get()) else {
         return Ok(());
     };
@@ -1270,26 +1282,13 @@ pub fn prefetch(
         i32_arg("pick", pick)?,
     );
     let (hid, ebl) = (i32_arg("hidden", hidden)?, eb as i64);
-    // One router row a one-warp block (moe_predict_w), or eight a block of eight warps.
-    let one_warp = predict_switches().one_warp;
-    let cfg = if one_warp {
-        LaunchConfig {
-            grid_dim: (routing.n_experts as u32, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    } else {
-        LaunchConfig {
-            grid_dim: (routing.n_experts.div_ceil(MOE_WARPS) as u32, 1, 1),
-            block_dim: (32 * MOE_WARPS as u32, 1, 1),
-            shared_mem_bytes: (hidden * 4) as u32,
-        }
+    let grid = routing.n_experts.div_ceil(MOE_WARPS) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (32 * MOE_WARPS as u32, 1, 1),
+        shared_mem_bytes: (hidden * 4) as u32,
     };
-    let mut launch = stream.kernel(if one_warp {
-        &be.moe.predict_w
-    } else {
-        &be.moe.predict
-    });
+    let mut launch = stream.kernel(&be.moe.predict);
     launch
         .arg(&x.buf)
         .arg(&*norm.data)
@@ -1305,10 +1304,9 @@ pub fn prefetch(
     if let Some(pr) = side_priority() {
         launch.priority(pr);
     }
-    // SAFETY: the arguments match the parameters of moe_predict and moe_predict_w (the same
-    // list); each reads hidden floats of x and of the norm (checked shapes) and n_experts router
-    // rows of hidden floats, and writes n_experts ≤ PF_MAX_EXPERTS logits, the ticket and
-    // pick ≤ PF_MAX_PICK ids < n_experts.
+    // SAFETY: the arguments match moe_predict's parameters; it reads hidden floats of x and of
+    // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
+    // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.
     unsafe { launch.launch(cfg) }?;
     let sw = predict_switches();
     if !sw.pf {
@@ -1327,7 +1325,10 @@ pub fn prefetch(
     if sw.at.is_none() {
         return launch_prefetch(be, stream, &p);
     }
-    *side.held.lock().map_err(|_| anyhow::anyhow!("moe: poisoned lock"))? = Some(p);
+    *side
+        .held
+        .lock()
+        .map_err(|_| anyhow::anyhow!("moe: poisoned lock"))? = Some(p);
     Ok(())
 }
 

@@ -302,7 +302,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MOE_PREDICT",
         Accepts::Range(0, 32),
-        "MoE decode under graph capture: N > 0 predicts each MoE layer's experts from the residual before its attention half (its router on the normed residual, a launch on a stream beside the step) and prefetches the top N's gate and up rows into L2; 0 (default) off (MOE.md, 63rd session)",
+        "MoE decode under graph capture: N > 0 predicts each MoE layer's experts from the residual before its attention half (its router on the normed residual, a launch on a stream beside the step) and prefetches the top N's gate and up rows into L2; default 4; 0 off (MOE.md, 63rd and 64th sessions)",
     ),
     (
         "FERRITE_MOE_PREDICT_PF",
@@ -312,17 +312,12 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_MOE_PREDICT_AT",
         Accepts::OneOf(&[0, 1, 2]),
-        "with FERRITE_MOE_PREDICT: where the predicted experts' prefetch is issued: 0 (default) with the prediction, at the end of the layer before; 1 after the layer's Q, K, V (or Gated DeltaNet in-projection) launch; 2 after its attention (or delta rule) launch (MOE.md, 64th session)",
+        "with FERRITE_MOE_PREDICT: where the predicted experts' prefetch is issued: 0 with the prediction, at the end of the layer before; 1 (default) after the layer's Q, K, V (or Gated DeltaNet in-projection) launch; 2 after its attention (or delta rule) launch (MOE.md, 64th session)",
     ),
     (
         "FERRITE_MOE_PREDICT_PRIO",
         Accepts::OneOf(&[0, 1]),
-        "with FERRITE_MOE_PREDICT: 1 gives the prediction's side launches the context's greatest scheduling priority (the decode graph instantiated with node priorities); 0 (default) the default priority (MOE.md, 64th session)",
-    ),
-    (
-        "FERRITE_MOE_PREDICT_W",
-        Accepts::OneOf(&[0, 1]),
-        "with FERRITE_MOE_PREDICT: 1 (default) the prediction in one-warp blocks, one router row each; 0 in blocks of eight warps (MOE.md, 64th session)",
+        "with FERRITE_MOE_PREDICT: 1 (default) gives the prediction's side launches the context's greatest scheduling priority (the decode graph instantiated with node priorities); 0 the default priority (MOE.md, 64th session)",
     ),
     (
         "FERRITE_MOE_PREDICT_HITS",

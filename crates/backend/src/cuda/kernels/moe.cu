@@ -906,50 +906,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_predict(const float* __res
     if (lane == 0) *ticket = 0;
 }
 
-// moe_predict_w (FERRITE_MOE_PREDICT_W=1, the default): the same prediction in blocks of one warp,
-// one router row a block (grid n_experts × 32 threads, no dynamic shared memory). The 8-warp form
-// above spanned ~11 µs of a ~15 µs attention half on an H100 (its 256-thread blocks wait for room
-// beside the chain's resident blocks; MOE.md, 64th session), while one-warp blocks (the prefetch's)
-// are placed at once. Lane l reads float4s i = l + 32 j of x, the norm and the row together:
-// Σ x² and Σ w·(x·n) in one pass, logit = inv_rms · Σ w·(x·n) (the 8-warp form's value to within
-// rounding: a hint). Then the ticket and top-k rounds as above, by the last block's warp. Bytes:
-// the router once, x and the norm once a block from L2 (16 KB at 2048).
-extern "C" __global__ void __launch_bounds__(32) moe_predict_w(const float* __restrict__ x,
-                                                               const float* __restrict__ nw, float eps, int hidden,
-                                                               const float* __restrict__ router, int n_experts,
-                                                               int pick, float* __restrict__ logits,
-                                                               int* __restrict__ ticket, int* __restrict__ ids) {
-    __shared__ float lg[MOE_PF_MAX_EXPERTS];
-    __shared__ int last;
-    const int lane = threadIdx.x, h4 = hidden / 4, e = blockIdx.x;
-    const float4* x4 = (const float4*)x;
-    const float4* n4 = (const float4*)nw;
-    const float4* r = (const float4*)(router + (size_t)e * (size_t)hidden);
-    float ss = 0.f, acc = 0.f;
-#pragma unroll 4
-    for (int i = lane; i < h4; i += 32) {
-        const float4 v = x4[i], n = __ldg(n4 + i), w = __ldg(r + i);
-        ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        acc += w.x * (v.x * n.x) + w.y * (v.y * n.y) + w.z * (v.z * n.z) + w.w * (v.w * n.w);
-    }
-    ss = moe_warp_sum(ss);
-    acc = moe_warp_sum(acc);
-    if (lane == 0) logits[e] = acc * rsqrtf(ss / (float)hidden + eps);
-    __threadfence();
-    __syncwarp();
-    if (lane == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
-    __syncwarp();
-    if (!last) return;
-    __threadfence();
-    for (int j = lane; j < n_experts; j += 32) lg[j] = __ldcg(logits + j);
-    __syncwarp();
-    for (int k = 0; k < pick; k++) {
-        const int id = moe_pf_take(lg, n_experts, lane);
-        if (lane == 0) ids[k] = id < n_experts ? id : 0;
-    }
-    if (lane == 0) *ticket = 0;
-}
-
 // moe_prefetch_experts: one cp.async.bulk.prefetch.L2 a block (thread 0), of piece p of matrix
 // m (0 gate, 1 up) of predicted expert k (block b = (p · pick + k) · 2 + m: every winner's first
 // pieces first): the span of expert e is bytes [e·eb, (e + 1)·eb) of each stacked tensor, cut
