@@ -357,7 +357,8 @@ for stage in "$@"; do
         # Qwen3.5-35B-A3B Q4_K_M tg128 at the settings of PREDICT_AT_RUNS ("N:AT:PRIO ...",
         # N = 0 off), in turn, two rounds; then the 30B's step traced under each (CUPTI): the side
         # launches against the chain (side_trace.py), and the chain's kernels against N = 0
-        # (kernel_trace.py --vs, the side launches left out of its end-to-end gaps).
+        # (kernel_trace.py --vs, the side launches left out of its end-to-end gaps);
+        # PREDICT_TRACE=0 skips the traces.
         runs=${PREDICT_AT_RUNS:-0:0:0 8:0:0 8:1:0 8:2:0 4:1:0}
         # A setting N:AT:PRIO as environment words.
         penv() {
@@ -372,7 +373,7 @@ for stage in "$@"; do
                         --reps 2 --gate-tokens "$(gate_tokens "$p")" 2>&1 | grep -E 'tg128|gate|rror' | tr -s ' ' | tr '\n' ' ')"
                 done
             done | tee -a "$OUT/predictat.log"
-            if [ "$p" = qwen3-30b-a3b ] && ktrace_build; then
+            if [ "$p" = qwen3-30b-a3b ] && [ "${PREDICT_TRACE:-1}" != 0 ] && ktrace_build; then
                 for na in $runs; do
                     t=/tmp/trace-${na//:/-}
                     # (traced is a shell function: the settings exported in a subshell, not by env)

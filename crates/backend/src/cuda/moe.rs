@@ -1136,6 +1136,15 @@ pub(crate) fn side_priority() -> Option<i32> {
     })
 }
 
+/// Marks `launch` as one of the side stream's ([`super::launch::Launch::beside`]), at
+/// [`side_priority`] where that is set.
+fn side_launch(launch: &mut super::launch::Launch<'_>) {
+    launch.beside();
+    if let Some(pr) = side_priority() {
+        launch.priority(pr);
+    }
+}
+
 /// Experts to prefetch a layer of `routing` (`FERRITE_MOE_PREDICT`, 0: none), within what the
 /// kernels hold.
 fn predict_pick(routing: MoeRouting) -> usize {
@@ -1173,11 +1182,8 @@ fn launch_prefetch(be: &CudaBackend, stream: &CudaStream, p: &HeldPrefetch) -> R
         .arg(&p.pick)
         .arg(&p.gate)
         .arg(&p.up)
-        .arg(&p.expert_bytes)
-        .beside();
-    if let Some(pr) = side_priority() {
-        launch.priority(pr);
-    }
+        .arg(&p.expert_bytes);
+    side_launch(&mut launch);
     // SAFETY: the arguments match moe_prefetch_experts's parameters (the stacks as their
     // device addresses); it reads pick ids (each < n_experts, written by moe_predict before it
     // on this stream) and prefetches pieces of their expert_bytes spans of the [n_experts, ..]
@@ -1299,11 +1305,8 @@ pub fn prefetch(
         .arg(&pk)
         .arg(&side.logits)
         .arg(&side.ticket)
-        .arg(&side.ids)
-        .beside();
-    if let Some(pr) = side_priority() {
-        launch.priority(pr);
-    }
+        .arg(&side.ids);
+    side_launch(&mut launch);
     // SAFETY: the arguments match moe_predict's parameters; it reads hidden floats of x and of
     // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
     // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.
