@@ -29,8 +29,11 @@ def quart(v):
 
 def main():
     path = sys.argv[1]
-    router = sys.argv[sys.argv.index("--router") + 1] if "--router" in sys.argv else "add_rms_norm_gemv_f32"
-    gu = sys.argv[sys.argv.index("--gu") + 1] if "--gu" in sys.argv else "gemvq_moe_gu"
+    def opt(name, default):
+        return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+    router = opt("--router", "add_rms_norm_gemv_f32")
+    gu = opt("--gu", "gemvq_moe_gu")
     ks = []
     for line in open(path):
         p = line.split(None, 5)
@@ -41,7 +44,8 @@ def main():
     chain = [k for k in ks if not side(k[2])]
     routers = [k for k in chain if k[2].startswith(router)]
     gus = [k for k in chain if k[2].startswith(gu)]
-    preds = [k for k in ks if k[2].startswith("moe_predict") and not k[2].startswith("moe_predict_hits")]
+    preds = [k for k in ks
+             if k[2].startswith("moe_predict") and not k[2].startswith("moe_predict_hits")]
     pfs = [k for k in ks if k[2].startswith("moe_prefetch_experts")]
     if not pfs and not preds:
         sys.exit(f"{path}: no side launches in the trace")

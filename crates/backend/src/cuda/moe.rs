@@ -1078,10 +1078,11 @@ impl Side {
 }
 
 /// The prediction's switches, read once: experts to prefetch a layer (`FERRITE_MOE_PREDICT`,
-/// 0: none; the defaults are [`PREDICT_DEFAULT`]), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`), whether to count its hits
-/// (`FERRITE_MOE_PREDICT_HITS`) and where the prefetch is issued (`FERRITE_MOE_PREDICT_AT`:
-/// 0 with the prediction, 1 after the layer's mixer input projections, 2 after its core). The
-/// decoder asks at every layer of an eager decode step.
+/// 0: none), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`), whether to count its hits
+/// (`FERRITE_MOE_PREDICT_HITS`), where the prefetch is issued (`FERRITE_MOE_PREDICT_AT`: 0 with
+/// the prediction, 1 after the layer's mixer input projections, 2 after its core) and at what
+/// priority (`FERRITE_MOE_PREDICT_PRIO`); defaults in [`PREDICT_DEFAULT`]. The decoder asks at
+/// every layer of an eager decode step.
 #[derive(Clone, Copy)]
 struct PredictSwitches {
     pick: usize,
@@ -1159,8 +1160,9 @@ pub(crate) fn hits_diagnostic() -> bool {
     predict_switches().hits
 }
 
-/// A `moe_prefetch_experts` launch held back to a later point of the layer
-/// (`FERRITE_MOE_PREDICT_AT`): its grid and arguments, the stacks' device addresses.
+/// A `moe_prefetch_experts` launch's grid and arguments (the stacks as device addresses):
+/// launched at once, or held back to a later point of the layer (`FERRITE_MOE_PREDICT_AT`,
+/// [`prefetch_at`]) and dropped, if still held, when the capture ends ([`Side::end`]).
 struct HeldPrefetch {
     pieces: u32,
     pick: i32,
@@ -1216,7 +1218,8 @@ pub fn prefetch_at(be: &CudaBackend, point: MixerPoint) -> Result<()> {
 /// [`crate::Backend::moe_prefetch`] on CUDA: while a decode step is captured, two launches on
 /// the side stream ([`Side`]): `moe_predict` ranks the experts by the router on `rms_norm(x) ·
 /// norm` and keeps the first `FERRITE_MOE_PREDICT`, `moe_prefetch_experts` prefetches their
-/// gate and up rows into L2, one piece a block (plans in moe.cu). Does nothing (and is no
+/// gate and up rows into L2, one piece a block (plans in moe.cu), launched here or held back to
+/// [`prefetch_at`] (`FERRITE_MOE_PREDICT_AT`). Does nothing (and is no
 /// error) outside a capture, below sm_90 (no bulk prefetch: matmul.rs takes the same test), at
 /// more than one row, for experts held in host memory, or for shapes the kernel does not take
 /// (an f32 router and norm, at most 1024 experts, a residual of whole float4s up to
