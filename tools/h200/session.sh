@@ -350,20 +350,25 @@ for stage in "$@"; do
         done
         ;;
     predictat)
-        # Where the predicted experts' prefetch is issued and at what priority
-        # (FERRITE_MOE_PREDICT_AT: 0 with the prediction at the layer before's end, 1 after the
-        # layer's Q, K, V launch, 2 after its attention launch; FERRITE_MOE_PREDICT_PRIO: 1 the
-        # side launches at the greatest priority; MOE.md, 64th session): Qwen3-30B-A3B and
-        # Qwen3.5-35B-A3B Q4_K_M tg128 at the settings of PREDICT_AT_RUNS ("N:AT:PRIO ...",
-        # N = 0 off), in turn, two rounds; then the 30B's step traced under each (CUPTI): the side
-        # launches against the chain (side_trace.py), and the chain's kernels against N = 0
-        # (kernel_trace.py --vs, the side launches left out of its end-to-end gaps);
-        # PREDICT_TRACE=0 skips the traces.
+        # Where the predicted experts' prefetch is issued, at what priority and by which
+        # prediction kernel (FERRITE_MOE_PREDICT_AT: 0 with the prediction at the layer before's
+        # end, 1 after the layer's Q, K, V launch, 2 after its attention launch;
+        # FERRITE_MOE_PREDICT_PRIO: 1 the side launches at the greatest priority;
+        # FERRITE_MOE_PREDICT_EARLY: 1 the router rows loaded before the norm; MOE.md, 64th
+        # session): Qwen3-30B-A3B and Qwen3.5-35B-A3B Q4_K_M tg128 at the settings of
+        # PREDICT_AT_RUNS ("N:AT:PRIO[:EARLY] ...", N = 0 off), in turn, two rounds; then the
+        # 30B's step traced under each (CUPTI): the side launches against the chain
+        # (side_trace.py), and the chain's kernels against the first setting (kernel_trace.py
+        # --vs, the side launches left out of its end-to-end gaps); PREDICT_TRACE=0 skips the
+        # traces.
         runs=${PREDICT_AT_RUNS:-0:0:0 8:0:0 8:1:0 8:2:0 4:1:0}
-        # A setting N:AT:PRIO as environment words.
+        # A setting N:AT:PRIO[:EARLY] as environment words (EARLY: FERRITE_MOE_PREDICT_EARLY, 0
+        # unless given).
         penv() {
+            local early
+            early=$(echo "$1" | cut -d: -f4)
             echo "FERRITE_MOE_PREDICT=${1%%:*} FERRITE_MOE_PREDICT_AT=$(echo "$1" | cut -d: -f2)" \
-                "FERRITE_MOE_PREDICT_PRIO=$(echo "$1" | cut -d: -f3)"
+                "FERRITE_MOE_PREDICT_PRIO=$(echo "$1" | cut -d: -f3) FERRITE_MOE_PREDICT_EARLY=${early:-0}"
         }
         for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)

@@ -138,6 +138,9 @@ pub struct Kernels {
     /// `moe_predict` and `moe_prefetch_experts` ([`prefetch`]).
     predict: CudaFunction,
     prefetch_experts: CudaFunction,
+    /// `moe_predict_early`: the prediction with each warp's router row loaded before its norm
+    /// (`FERRITE_MOE_PREDICT_EARLY`).
+    predict_early: CudaFunction,
     predict_hits: CudaFunction,
     scratch: Mutex<Option<Scratch>>,
 }
@@ -162,6 +165,7 @@ impl Kernels {
             mm_down,
             predict: function(&m, "moe_predict")?,
             prefetch_experts: function(&m, "moe_prefetch_experts")?,
+            predict_early: function(&m, "moe_predict_early")?,
             predict_hits: function(&m, "moe_predict_hits")?,
             scratch: Mutex::new(None),
         })
@@ -1080,9 +1084,10 @@ impl Side {
 /// The prediction's switches, read once: experts to prefetch a layer (`FERRITE_MOE_PREDICT`,
 /// 0: none), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`), whether to count its hits
 /// (`FERRITE_MOE_PREDICT_HITS`), where the prefetch is issued (`FERRITE_MOE_PREDICT_AT`: 0 with
-/// the prediction, 1 after the layer's mixer input projections, 2 after its core) and at what
-/// priority (`FERRITE_MOE_PREDICT_PRIO`); defaults in [`PREDICT_DEFAULT`]. The decoder asks at
-/// every layer of an eager decode step.
+/// the prediction, 1 after the layer's mixer input projections, 2 after its core), at what
+/// priority (`FERRITE_MOE_PREDICT_PRIO`) and which prediction kernel runs
+/// (`FERRITE_MOE_PREDICT_EARLY`); defaults in [`PREDICT_DEFAULT`]. The decoder asks at every
+/// layer of an eager decode step.
 #[derive(Clone, Copy)]
 struct PredictSwitches {
     pick: usize,
@@ -1090,6 +1095,7 @@ struct PredictSwitches {
     hits: bool,
     at: Option<MixerPoint>,
     prio: bool,
+    early: bool,
 }
 
 /// The defaults of `FERRITE_MOE_PREDICT`, `_AT` and `_PRIO`: four experts, prefetched after
@@ -1115,6 +1121,7 @@ fn predict_switches() -> PredictSwitches {
                 _ => None,
             },
             prio: int_or("FERRITE_MOE_PREDICT_PRIO", PREDICT_DEFAULT.2) != 0,
+            early: int_or("FERRITE_MOE_PREDICT_EARLY", 0) != 0,
         }
     })
 }
@@ -1297,7 +1304,11 @@ pub fn prefetch(
         block_dim: (32 * MOE_WARPS as u32, 1, 1),
         shared_mem_bytes: (hidden * 4) as u32,
     };
-    let mut launch = stream.kernel(&be.moe.predict);
+    let mut launch = stream.kernel(if predict_switches().early {
+        &be.moe.predict_early
+    } else {
+        &be.moe.predict
+    });
     launch
         .arg(&x.buf)
         .arg(&*norm.data)
@@ -1310,9 +1321,10 @@ pub fn prefetch(
         .arg(&side.ticket)
         .arg(&side.ids);
     side_launch(&mut launch);
-    // SAFETY: the arguments match moe_predict's parameters; it reads hidden floats of x and of
-    // the norm (checked shapes) and n_experts router rows of hidden floats, and writes
-    // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids < n_experts.
+    // SAFETY: the arguments match the parameters of moe_predict and moe_predict_early (one
+    // list); each reads hidden floats of x and of the norm (checked shapes) and n_experts router
+    // rows of hidden floats (the early form's loads past a row's end are predicated off), and
+    // writes n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids.
     unsafe { launch.launch(cfg) }?;
     let sw = predict_switches();
     if !sw.pf {

@@ -320,6 +320,11 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "with FERRITE_MOE_PREDICT: 1 (default) gives the prediction's side launches the context's greatest scheduling priority (the decode graph instantiated with node priorities); 0 the default priority (MOE.md, 64th session)",
     ),
     (
+        "FERRITE_MOE_PREDICT_EARLY",
+        Accepts::OneOf(&[0, 1]),
+        "with FERRITE_MOE_PREDICT: 1 runs the prediction with each warp's router row loaded whole before its norm (moe_predict_early: one DRAM round trip, the same logits), 0 (default) the loop of a few loads in flight (MOE.md, 64th session)",
+    ),
+    (
         "FERRITE_MOE_PREDICT_HITS",
         Accepts::OneOf(&[0, 1]),
         "diagnostic, timing only (bench refuses --record): with FERRITE_MOE_PREDICT, each MoE layer waits for its prediction and counts how many of its routed experts it held, logged at exit (MOE.md, 63rd session)",
