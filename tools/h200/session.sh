@@ -370,6 +370,11 @@ for stage in "$@"; do
             echo "FERRITE_MOE_PREDICT=${1%%:*} FERRITE_MOE_PREDICT_AT=$(echo "$1" | cut -d: -f2)" \
                 "FERRITE_MOE_PREDICT_PRIO=$(echo "$1" | cut -d: -f3) FERRITE_MOE_PREDICT_EARLY=${early:-0}"
         }
+        # The prediction kernels against the CPU (logits by NMSE, picks against their logits).
+        for e in 0 1; do
+            echo "check moe_predict [EARLY=$e]: $(FERRITE_MOE_PREDICT_EARLY=$e $F check --device cuda \
+                --filter moe_predict 2>&1 | grep -E 'cases in|FAIL|ERROR' | head -5 | tr '\n' ' ')"
+        done | tee -a "$OUT/predictat.log"
         for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
             for r in 1 2; do

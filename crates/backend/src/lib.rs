@@ -1139,6 +1139,23 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// The expert prediction's ranking at one row, for `ferrite check`: `out[e] = router[e] ·
+    /// (rms_norm(x) · norm)` (`out` `[1, n_experts]`, `h` scratch `[1, hidden]`). The default
+    /// composes [`Backend::rms_norm`] and [`Backend::matmul`]; CUDA runs
+    /// [`Backend::moe_prefetch`]'s prediction kernel and checks its picks against its own
+    /// logits.
+    fn moe_predict_logits(
+        &self,
+        x: &Act<Self::Buf>,
+        norm: (&Self::Weight, f32),
+        router: &Self::Weight,
+        h: &mut Act<Self::Buf>,
+        out: &mut Act<Self::Buf>,
+    ) -> Result<()> {
+        self.rms_norm(x, norm.0, norm.1, h)?;
+        self.matmul(h, router, out)
+    }
+
     /// [`Backend::moe`] and a gated shared expert (Qwen3.5-MoE) in one step, where the backend
     /// fuses them: `out[t] = moe(x)[t] + σ(x[t] · gate) · shared(x[t])`, `shared` a SwiGLU MLP
     /// (gate, up, down: `[ffn, hidden]`, `[ffn, hidden]`, `[hidden, ffn]`, an expert's shapes)

@@ -306,6 +306,7 @@ const OPS: &[&str] = &[
     "rope",
     "add_rms_norm",
     "add_rms_norm_matmul",
+    "moe_predict_logits",
     "qk_norm_rope",
     "attention",
     "qk_norm_rope_attention",
@@ -457,6 +458,13 @@ enum Op {
         rows: usize,
         cols: usize,
         n_out: usize,
+    },
+    /// The MoE expert prediction at one row (`moe_predict_logits`: on CUDA the kernel of
+    /// `moe_prefetch`, which also checks its picks against its own logits): `out = (rms_norm(x)
+    /// · w) · routerᵀ`, an f32 norm of `cols` and an f32 router `[n_experts, cols]`.
+    MoePredict {
+        cols: usize,
+        n_experts: usize,
     },
     /// Per-head RMSNorm (when `norm`) + RoPE on q and k in one op.
     QkNormRope {
@@ -806,6 +814,10 @@ fn describe(op: &Op) -> (&'static str, String) {
         Op::AddRmsNormMatmul { rows, cols, n_out } => (
             "add_rms_norm_matmul",
             format!("add_rms_norm_matmul cols={cols} router={n_out} rows={rows}"),
+        ),
+        Op::MoePredict { cols, n_experts } => (
+            "moe_predict_logits",
+            format!("moe_predict cols={cols} experts={n_experts}"),
         ),
         Op::QkNormRope {
             rows,
@@ -1735,6 +1747,15 @@ pub fn cases(quick: bool) -> Vec<Case> {
             }
             add(Op::AddRmsNormMatmul { rows, cols, n_out });
         }
+    }
+
+    // --- the MoE expert prediction (one row): Qwen3-30B-A3B's and Qwen3.5-35B-A3B's routers,
+    // a row past the early form's first chunk of loads (4096 columns), odd small shapes.
+    for (cols, n_experts) in [(2048, 128), (2048, 256), (4096, 128), (1024, 60), (96, 3)] {
+        if quick && cols > 1024 {
+            continue;
+        }
+        add(Op::MoePredict { cols, n_experts });
     }
 
     // --- fused QK-norm + RoPE: Qwen3-8B (32/8 × 128, NeoX, norm), Llama GGUF (adjacent
@@ -2885,6 +2906,17 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
             h.tokens = vec![0; rows];
             h.pos0 = pos0;
         }
+        Op::MoePredict { cols, n_experts } => {
+            let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normal()).collect();
+            h.weights.push((GgmlType::F32, vec![cols], f32_bytes(&w)));
+            let wm = rng.normals(n_experts * cols, 0.05);
+            h.weights
+                .push((GgmlType::F32, vec![n_experts, cols], f32_bytes(&wm)));
+            // x (the residual), the composition's h (poisoned).
+            h.acts.push((rng.normals(cols, 2.0), 1, cols));
+            h.acts.push((vec![f32::NAN; cols], 1, cols));
+            h.out = (1, n_experts);
+        }
         Op::AddRmsNormMatmul { rows, cols, n_out } => {
             let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normal()).collect();
             h.weights.push((GgmlType::F32, vec![cols], f32_bytes(&w)));
@@ -3711,6 +3743,12 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
         Op::AddRmsNorm { .. } => {
             be.add_rms_norm(out2(&mut p.out2)?, &p.a[1], &p.w[0], EPS, &mut p.out)
         }
+        Op::MoePredict { .. } => {
+            let [x, h] = &mut p.a[..] else {
+                bail!("moe_predict: expected 2 activations")
+            };
+            be.moe_predict_logits(x, (&p.w[0], EPS), &p.w[1], h, &mut p.out)
+        }
         Op::AddRmsNormMatmul { .. } => {
             // The sum ends in the working copy either way (moved there where the op put it
             // out of place): what run_once reads.
@@ -4356,6 +4394,8 @@ fn threshold<B: Backend>(be: &B, op: &Op) -> f64 {
         Op::AddRmsNorm { .. } => ADD_RMS_NORM_NMSE,
         // The f32 GEMV's accumulation on top of the norm's.
         Op::AddRmsNormMatmul { .. } => MATMUL_GEMV_NMSE,
+        // The same norm and f32 dot products, in the kernel's order.
+        Op::MoePredict { .. } => MATMUL_GEMV_NMSE,
         Op::QkNormRope { .. } => QK_NORM_ROPE_NMSE,
         Op::Graph { .. } => GRAPH_NMSE,
         Op::Matmul {
@@ -4572,6 +4612,8 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
         Op::AddRmsNormMatmul { rows, cols, .. } => {
             f(h.weights[1].2.len() + 4 * rows * cols * 4 + out)
         }
+        // Reads x, the norm and the router; writes the logits.
+        Op::MoePredict { cols, .. } => f(h.weights[1].2.len() + 2 * cols * 4 + out),
         // Reads and writes q and k.
         Op::QkNormRope { .. } => f(2 * acts),
         Op::CopyRows { .. } | Op::GatherRows { .. } => f(2 * out),

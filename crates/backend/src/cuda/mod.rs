@@ -1161,6 +1161,17 @@ impl Backend for CudaBackend {
         moe::prefetch_at(self, point)
     }
 
+    fn moe_predict_logits(
+        &self,
+        x: &Act<CudaSlice<f32>>,
+        norm: (&CudaWeight, f32),
+        router: &CudaWeight,
+        h: &mut Act<CudaSlice<f32>>,
+        out: &mut Act<CudaSlice<f32>>,
+    ) -> Result<()> {
+        moe::predict_logits(self, x, norm, router, h, out)
+    }
+
     fn moe_shared(
         &self,
         x: &Act<CudaSlice<f32>>,

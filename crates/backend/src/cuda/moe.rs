@@ -1244,20 +1244,14 @@ pub fn prefetch(
     let pick = predict_pick(routing);
     let side = &be.moe_side;
     let (g, u) = (experts.gate, experts.up);
-    let hidden = x.cols;
     // One expert's span of a stack: its rows (shape[1]) of whole blocks (shape[2]).
     let whole = g.shape.len() == 3 && g.shape[2].is_multiple_of(g.dtype.block_size());
     let eb = if whole { g.shape[1] * g.row_bytes() } else { 0 };
     let takes = pick > 0
         && x.rows == 1
         && (be.arch.starts_with("compute_9") || be.arch.starts_with("compute_1"))
-        && router.dtype == GgmlType::F32
-        && norm.dtype == GgmlType::F32
-        && router.shape == [routing.n_experts, hidden]
-        && norm.shape.iter().product::<usize>() == hidden
-        && routing.n_experts <= PF_MAX_EXPERTS
-        && hidden.is_multiple_of(4)
-        && hidden <= PF_MAX_HIDDEN
+        && predict_takes(x, norm, router)
+        && router.shape[0] == routing.n_experts
         && whole
         && g.shape[0] == routing.n_experts
         && u.shape == g.shape
@@ -1293,39 +1287,17 @@ pub fn prefetch(
     stream.join(&be.stream)?;
     side.forked.store(true, Ordering::Relaxed);
     side.pending.store(true, Ordering::Relaxed);
-    let (ne, pk) = (
-        i32_arg("n_experts", routing.n_experts)?,
-        i32_arg("pick", pick)?,
-    );
-    let (hid, ebl) = (i32_arg("hidden", hidden)?, eb as i64);
-    let grid = routing.n_experts.div_ceil(MOE_WARPS) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (32 * MOE_WARPS as u32, 1, 1),
-        shared_mem_bytes: (hidden * 4) as u32,
-    };
-    let mut launch = stream.kernel(if predict_switches().early {
-        &be.moe.predict_early
-    } else {
-        &be.moe.predict
-    });
-    launch
-        .arg(&x.buf)
-        .arg(&*norm.data)
-        .arg(&eps)
-        .arg(&hid)
-        .arg(&*router.data)
-        .arg(&ne)
-        .arg(&pk)
-        .arg(&side.logits)
-        .arg(&side.ticket)
-        .arg(&side.ids);
-    side_launch(&mut launch);
-    // SAFETY: the arguments match the parameters of moe_predict and moe_predict_early (one
-    // list); each reads hidden floats of x and of the norm (checked shapes) and n_experts router
-    // rows of hidden floats (the early form's loads past a row's end are predicated off), and
-    // writes n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids.
-    unsafe { launch.launch(cfg) }?;
+    launch_predict(
+        be,
+        stream,
+        x,
+        (norm, eps),
+        router,
+        (routing.n_experts, pick),
+        &side.logits,
+        true,
+    )?;
+    let (pk, ebl) = (i32_arg("pick", pick)?, eb as i64);
     let sw = predict_switches();
     if !sw.pf {
         return Ok(()); // the prediction's own cost (a measurement)
@@ -1347,6 +1319,134 @@ pub fn prefetch(
         .held
         .lock()
         .map_err(|_| anyhow::anyhow!("moe: poisoned lock"))? = Some(p);
+    Ok(())
+}
+
+/// Whether the prediction kernels take this row, norm and router (f32 weights, at most
+/// [`PF_MAX_EXPERTS`] experts, a residual of whole float4s up to [`PF_MAX_HIDDEN`]).
+fn predict_takes(x: &Act<CudaSlice<f32>>, norm: &CudaWeight, router: &CudaWeight) -> bool {
+    let hidden = x.cols;
+    x.rows == 1
+        && router.dtype == GgmlType::F32
+        && norm.dtype == GgmlType::F32
+        && router.shape.len() == 2
+        && router.shape[1] == hidden
+        && router.shape[0] <= PF_MAX_EXPERTS
+        && norm.shape.iter().product::<usize>() == hidden
+        && hidden.is_multiple_of(4)
+        && hidden <= PF_MAX_HIDDEN
+}
+
+/// Launches the prediction (`moe_predict`, or `moe_predict_early` under
+/// `FERRITE_MOE_PREDICT_EARLY`) on `stream`: `logits[e]` for the `n_experts` router rows, the
+/// first `pick` ids into the side's ids. `side`: a launch of the side stream (else one of
+/// `ferrite check` on the chain's stream, after its work, counted as a write). The caller has
+/// checked [`predict_takes`].
+#[allow(clippy::too_many_arguments)]
+fn launch_predict(
+    be: &CudaBackend,
+    stream: &CudaStream,
+    x: &Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    router: &CudaWeight,
+    (n_experts, pick): (usize, usize),
+    logits: &CudaSlice<f32>,
+    side: bool,
+) -> Result<()> {
+    let hidden = x.cols;
+    let (ne, pk, hid) = (
+        i32_arg("n_experts", n_experts)?,
+        i32_arg("pick", pick)?,
+        i32_arg("hidden", hidden)?,
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (n_experts.div_ceil(MOE_WARPS) as u32, 1, 1),
+        block_dim: (32 * MOE_WARPS as u32, 1, 1),
+        shared_mem_bytes: (hidden * 4) as u32,
+    };
+    let mut launch = stream.kernel(if predict_switches().early {
+        &be.moe.predict_early
+    } else {
+        &be.moe.predict
+    });
+    launch
+        .arg(&x.buf)
+        .arg(&*norm.data)
+        .arg(&eps)
+        .arg(&hid)
+        .arg(&*router.data)
+        .arg(&ne)
+        .arg(&pk)
+        .arg(logits)
+        .arg(&be.moe_side.ticket)
+        .arg(&be.moe_side.ids);
+    if side {
+        side_launch(&mut launch);
+    } else {
+        // No PDL attribute (the kernels have no pdl_wait): the stream's order alone.
+        launch.beside();
+    }
+    // SAFETY: the arguments match the parameters of moe_predict and moe_predict_early (one
+    // list); each reads hidden floats of x and of the norm and n_experts router rows of hidden
+    // floats (predict_takes' shapes; the early form's loads past a row's end are predicated
+    // off), and writes n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids.
+    unsafe { launch.launch(cfg) }?;
+    if !side {
+        super::launch::note_write();
+    }
+    Ok(())
+}
+
+/// [`crate::Backend::moe_predict_logits`] on CUDA: the prediction kernel on the chain's stream,
+/// its logits into `out`; then its picks (the first min(n_experts, 32)) read back and checked
+/// to be the top of its own logits (descending, the lower id first on ties): an error names the
+/// first rank that differs. Shapes the kernels do not take run the composition.
+pub fn predict_logits(
+    be: &CudaBackend,
+    x: &Act<CudaSlice<f32>>,
+    (norm, eps): (&CudaWeight, f32),
+    router: &CudaWeight,
+    h: &mut Act<CudaSlice<f32>>,
+    out: &mut Act<CudaSlice<f32>>,
+) -> Result<()> {
+    use crate::Backend;
+    let n_experts = router.shape.first().copied().unwrap_or(0);
+    ensure!(
+        out.rows == x.rows && out.cols == n_experts,
+        "moe_predict_logits: out is {}x{}, want {}x{n_experts}",
+        out.rows,
+        out.cols,
+        x.rows
+    );
+    if !predict_takes(x, norm, router) || n_experts == 0 {
+        be.rms_norm(x, norm, eps, h)?;
+        return be.matmul(h, router, out);
+    }
+    let pick = n_experts.min(PF_MAX_PICK);
+    launch_predict(
+        be,
+        &be.stream,
+        x,
+        (norm, eps),
+        router,
+        (n_experts, pick),
+        &out.buf,
+        false,
+    )?;
+    let got = be.stream.clone_dtoh(&be.moe_side.ids)?;
+    let lg = be.to_host(out)?;
+    let mut order: Vec<usize> = (0..n_experts).collect();
+    order.sort_by(|&a, &b| lg[b].total_cmp(&lg[a]).then(a.cmp(&b)));
+    for (k, &want) in order.iter().take(pick).enumerate() {
+        ensure!(
+            got[k] as usize == want,
+            "moe_predict: pick {k} is expert {} (logit {}), its logits rank expert {want} \
+             (logit {}) there",
+            got[k],
+            lg.get(got[k].max(0) as usize).copied().unwrap_or(f32::NAN),
+            lg[want]
+        );
+    }
     Ok(())
 }
 
