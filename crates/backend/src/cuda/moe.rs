@@ -1226,11 +1226,10 @@ pub fn prefetch_at(be: &CudaBackend, point: MixerPoint) -> Result<()> {
 /// the side stream ([`Side`]): `moe_predict` ranks the experts by the router on `rms_norm(x) ·
 /// norm` and keeps the first `FERRITE_MOE_PREDICT`, `moe_prefetch_experts` prefetches their
 /// gate and up rows into L2, one piece a block (plans in moe.cu), launched here or held back to
-/// [`prefetch_at`] (`FERRITE_MOE_PREDICT_AT`). Does nothing (and is no
-/// error) outside a capture, below sm_90 (no bulk prefetch: matmul.rs takes the same test), at
-/// more than one row, for experts held in host memory, or for shapes the kernel does not take
-/// (an f32 router and norm, at most 1024 experts, a residual of whole float4s up to
-/// [`PF_MAX_HIDDEN`], 16-byte expert spans). The side launch reads x after its producer (the
+/// [`prefetch_at`] (`FERRITE_MOE_PREDICT_AT`). Does nothing (and is no error) outside a
+/// capture, below sm_90 (no bulk prefetch: matmul.rs takes the same test), at more than one
+/// row, for experts held in host memory, or for shapes the kernels do not take
+/// ([`predict_takes`]; 16-byte expert spans). The side launch reads x after its producer (the
 /// fork's event); the chain may overwrite x in place later (the next o-projection's residual
 /// add), which could worsen a guess, never a result.
 pub fn prefetch(
