@@ -1118,7 +1118,6 @@ pub trait Backend: Send + Sync {
     /// (`FERRITE_MOE_PREDICT`, four by default, issued at [`Backend::moe_prefetch_at`]; MOE.md
     /// 63rd and 64th sessions). Nothing a later op computes depends on it; the default does
     /// nothing.
-    #[allow(clippy::too_many_arguments)]
     fn moe_prefetch(
         &self,
         x: &Act<Self::Buf>,

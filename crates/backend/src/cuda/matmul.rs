@@ -216,8 +216,9 @@ pub struct Kernels {
     /// `quant_x_q8`'s `early` argument: 1 (unless `FERRITE_QX_EARLY=0`), the GEMV after it
     /// launched before its own wait (MATMUL.md round 25).
     quant_x_early: i32,
-    /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]).
-    bulk: bool,
+    /// Whether the quantized-x GEMV takes its bulk-copy form ([`gemvq_split`]): sm_90 and
+    /// later (also the test of moe.rs `prefetch`, whose L2 prefetches are bulk operations).
+    pub(crate) bulk: bool,
     /// Bulk-copy quantized-x launches keep to one wave where larger blocks let them
     /// ([`one_wave_split`]; on unless `FERRITE_GEMV_ONE_WAVE=0`).
     one_wave: bool,

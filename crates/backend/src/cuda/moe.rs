@@ -1206,16 +1206,20 @@ fn launch_prefetch(be: &CudaBackend, stream: &CudaStream, p: &HeldPrefetch) -> R
 /// the side stream after everything the chain has launched so far, where `point` is
 /// `FERRITE_MOE_PREDICT_AT`'s.
 pub fn prefetch_at(be: &CudaBackend, point: MixerPoint) -> Result<()> {
+    let side = &be.moe_side;
+    // No side stream yet: nothing was ever predicted (a dense model, or no capture so far).
+    let Some(stream) = side.stream.get() else {
+        return Ok(());
+    };
     if predict_switches().at != Some(point) {
         return Ok(());
     }
-    let side = &be.moe_side;
     let held = side
         .held
         .lock()
         .map_err(|_| anyhow::anyhow!("moe: poisoned lock"))?
         .take();
-    let (Some(p), Some(stream)) = (held, side.stream.get()) else {
+    let Some(p) = held else {
         return Ok(());
     };
     stream.join(&be.stream)?;
@@ -1227,7 +1231,7 @@ pub fn prefetch_at(be: &CudaBackend, point: MixerPoint) -> Result<()> {
 /// norm` and keeps the first `FERRITE_MOE_PREDICT`, `moe_prefetch_experts` prefetches their
 /// gate and up rows into L2, one piece a block (plans in moe.cu), launched here or held back to
 /// [`prefetch_at`] (`FERRITE_MOE_PREDICT_AT`). Does nothing (and is no error) outside a
-/// capture, below sm_90 (no bulk prefetch: matmul.rs takes the same test), at more than one
+/// capture, below sm_90 (no bulk prefetch: matmul.rs's `bulk`), at more than one
 /// row, for experts held in host memory, or for shapes the kernels do not take
 /// ([`predict_takes`]; 16-byte expert spans). The side launch reads x after its producer (the
 /// fork's event); the chain may overwrite x in place later (the next o-projection's residual
@@ -1247,8 +1251,7 @@ pub fn prefetch(
     let whole = g.shape.len() == 3 && g.shape[2].is_multiple_of(g.dtype.block_size());
     let eb = if whole { g.shape[1] * g.row_bytes() } else { 0 };
     let takes = pick > 0
-        && x.rows == 1
-        && (be.arch.starts_with("compute_9") || be.arch.starts_with("compute_1"))
+        && be.matmul.bulk
         && predict_takes(x, norm, router)
         && router.shape[0] == routing.n_experts
         && whole
