@@ -126,7 +126,8 @@ const ADD_RMS_NORM_NMSE: f64 = ELEMENTWISE_NMSE;
 /// error (see ROPE_NMSE) dominates, so RoPE's threshold. A wrong head, pair, weight or
 /// q/k mix-up gives ≥ 1e-2.
 const QK_NORM_ROPE_NMSE: f64 = ROPE_NMSE;
-/// The rotation of the qk_norm_rope+attention cases: Qwen3's (NeoX over all 128 dims).
+/// The rotation of the qk_norm_rope+attention cases: Qwen3's (NeoX over all 128 dims); the
+/// Qwen3.5 cases take its style and base on their own `rot_dim`.
 const ATTN_ROPE: Rope = Rope {
     style: RopeStyle::Neox,
     theta: 1e6,
@@ -515,12 +516,14 @@ enum Op {
         ty: GgmlType,
         o_only: bool,
     },
-    /// QK-norm + RoPE (Qwen3's: both norms, NeoX over all dims) then `rows` rows of attention
-    /// over an f16 cache filled to `pos0`, by `qk_norm_rope_attention` (CUDA: at one decode row
-    /// one launch where the cache takes the keys-before-the-wait cluster form; at prefill rows
-    /// the composition). Checked: the output.
+    /// QK-norm + RoPE (both norms, NeoX over the first `rot_dim` dims: Qwen3's all 128, Qwen3.5's
+    /// 64 of 256) then `rows` rows of attention over an f16 cache filled to `pos0`, by
+    /// `qk_norm_rope_attention` (CUDA: at one decode row one launch where the cache takes the
+    /// keys-before-the-wait cluster form; at prefill rows the keys and values stored by the
+    /// rotation's launch). Checked: the output.
     AttnRope {
         shape: AttnShape,
+        rot_dim: usize,
         pos0: usize,
         rows: usize,
     },
@@ -886,11 +889,21 @@ fn describe(op: &Op) -> (&'static str, String) {
                 if *o_only { " o-only" } else { "" }
             ),
         ),
-        Op::AttnRope { shape, pos0, rows } => (
+        Op::AttnRope {
+            shape,
+            rot_dim,
+            pos0,
+            rows,
+        } => (
             "qk_norm_rope_attention",
             format!(
-                "qk_norm_rope+attention hd={} heads={}/kv{} {} pos0={pos0}",
+                "qk_norm_rope+attention hd={}{} heads={}/kv{} {} pos0={pos0}",
                 shape.head_dim,
+                if *rot_dim == shape.head_dim {
+                    String::new()
+                } else {
+                    format!(" rot={rot_dim}")
+                },
                 shape.n_heads,
                 shape.n_kv_heads,
                 if *rows == 1 {
@@ -1848,6 +1861,31 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 n_kv_heads,
                 head_dim: 128,
             },
+            rot_dim: 128,
+            pos0,
+            rows,
+        });
+    }
+    // Qwen3.5's gated attention layers (heads of 256 rotated on their first 64 dims; 16 query
+    // heads on 2 kv heads in the 35B-A3B, on 4 in the 9B): the decode composition, and the
+    // prefill rows whose keys and values the rotation's launch stores.
+    for (n_kv_heads, pos0, rows) in [
+        (2, 300, 1),
+        (4, 40, 1),
+        (2, 0, 300),
+        (4, 100, 300),
+        (2, 37, 130),
+    ] {
+        if quick && pos0 != 300 && rows != 300 {
+            continue;
+        }
+        add(Op::AttnRope {
+            shape: AttnShape {
+                n_heads: 16,
+                n_kv_heads,
+                head_dim: 256,
+            },
+            rot_dim: 64,
             pos0,
             rows,
         });
@@ -3000,7 +3038,9 @@ fn gen(op: &Op, seed: u64) -> Result<HostData> {
                 | Op::AttnO {
                     shape, pos0, rows, ..
                 } => (shape, pos0, rows),
-                Op::AttnRope { shape, pos0, rows } => (shape, pos0, rows),
+                Op::AttnRope {
+                    shape, pos0, rows, ..
+                } => (shape, pos0, rows),
                 _ => unreachable!(),
             };
             let qd = shape.n_heads * shape.head_dim;
@@ -3331,7 +3371,9 @@ fn prepare<B: Backend>(be: &B, op: &Op, h: &HostData) -> Result<Prepared<B>> {
                 Op::AttnO {
                     shape, pos0, rows, ..
                 } => (shape, pos0, rows, &false),
-                Op::AttnRope { shape, pos0, rows } => (shape, pos0, rows, &false),
+                Op::AttnRope {
+                    shape, pos0, rows, ..
+                } => (shape, pos0, rows, &false),
                 _ => unreachable!(),
             };
             let mut cache = if *q8 {
@@ -3838,17 +3880,21 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.attention(kv, &p.step, args, att)?;
             be.matmul(att, &p.w[0], &mut p.out)
         }
-        Op::AttnRope { shape, .. } => {
+        Op::AttnRope { shape, rot_dim, .. } => {
             let kv =
                 p.kv.as_mut()
                     .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
+            let rope = Rope {
+                rot_dim: *rot_dim,
+                ..ATTN_ROPE
+            };
             let qk = QkRope {
                 q_norm: Some(&p.w[0]),
                 k_norm: Some(&p.w[1]),
                 head_dim: shape.head_dim,
                 eps: EPS,
                 step: &p.step,
-                rope: &ATTN_ROPE,
+                rope: &rope,
             };
             let [q, k, v, ..] = &mut p.a[..] else {
                 bail!("qk_norm_rope+attention: expected 5 activations")
@@ -4665,7 +4711,9 @@ fn bytes_moved<B: Backend>(be: &B, op: &Op, h: &HostData) -> f64 {
             let kvd = shape.n_kv_heads * shape.head_dim;
             f((pos0 + rows) * kvd * 2) * kv_elem_bytes(be, *q8) + f(acts + out)
         }
-        Op::AttnRope { shape, pos0, rows } => {
+        Op::AttnRope {
+            shape, pos0, rows, ..
+        } => {
             let kvd = shape.n_kv_heads * shape.head_dim;
             f((pos0 + rows) * kvd * 2) * kv_elem_bytes(be, false) + f(acts + out)
         }

@@ -22,8 +22,8 @@
 //!     x += Σ_top-k w_e·expert_e(h) + σ(h·w_sg)·shared_expert(h)   (MoE, top-k renormalised)
 //! logits = rms_norm(x) · (1 + output_norm) · Woutᵀ
 //! ```
-//! As in [`crate::decoder`], the QK-norm and the (partial) rotation are one
-//! [`Backend::qk_norm_rope`] and every residual add is fused with the RMSNorm after it
+//! As in [`crate::decoder`], the QK-norm, the (partial) rotation and the attention are one
+//! [`Backend::qk_norm_rope_attention`] and every residual add is fused with the RMSNorm after it
 //! ([`Backend::add_rms_norm`]).
 //!
 //! transformers' zero-centred norms scale by `1 + w`, computed in f32 from the stored
@@ -39,7 +39,7 @@ use std::borrow::Cow;
 
 use anyhow::{bail, Context, Result};
 use ferrite_backend::{
-    Act, AttnArgs, Backend, DeltaArgs, DeltaShape, HostTensor, MixerPoint, StepInput,
+    Act, Backend, DeltaArgs, DeltaShape, HostTensor, MixerPoint, QkRope, StepInput,
 };
 
 use crate::decoder::Uploader;
@@ -288,28 +288,18 @@ pub(crate) fn forward_layers<B: Backend>(
                     be.matmuls(h, &[wq, wg, wk, wv], outs)?;
                 }
                 be.moe_prefetch_at(MixerPoint::Projected)?;
-                be.qk_norm_rope(
-                    q,
-                    k,
-                    Some(q_norm),
-                    Some(k_norm),
-                    a.head_dim,
+                // One op, so a backend may fuse it as the dense decoder's attention half does
+                // (CUDA at prefill rows: the keys and values stored by the rotation's launch).
+                // att is read next by the sigmoid gate, not by a matmul: no hand-over.
+                let qk = QkRope {
+                    q_norm: Some(q_norm),
+                    k_norm: Some(k_norm),
+                    head_dim: a.head_dim,
                     eps,
                     step,
-                    &cfg.rope,
-                )?;
-                be.attention(
-                    kv,
-                    step,
-                    AttnArgs {
-                        layer: *slot,
-                        q,
-                        k,
-                        v,
-                        shape: a,
-                    },
-                    att,
-                )?;
+                    rope: &cfg.rope,
+                };
+                be.qk_norm_rope_attention(kv, qk, (q, k, &*v), *slot, a, att)?;
                 be.moe_prefetch_at(MixerPoint::Mixed)?;
                 be.sigmoid_gate(att, &hb.attn_gate)?;
                 if defer {
