@@ -112,6 +112,9 @@
 #   normq    the Q4_K norm hand-over (FERRITE_DEFER_NORM_Q, on by default; MATMUL.md round 24):
 #            its check cases, Qwen3-8B Q4_K_M tg128 off / on alternating (twice), a CUPTI trace
 #            of each, and the full check with it on
+#   kvfuse   a prefill's keys and values stored by the qk_norm_rope launch (FERRITE_KV_FUSE,
+#            on by default; MATMUL.md rounds 104 and 106): its check cases, then Qwen3.5-9B
+#            Q4_K_M pp512 FERRITE_KV_FUSE 0 / 1 in turn, two rounds
 # Logs and bench/results.jsonl lines are written under $OUT. To compare two builds in one
 # call (a change against its baseline): tools/h200/ab.sh.
 #
@@ -348,6 +351,14 @@ for stage in "$@"; do
             done
             rm -f "$f"
         done
+        ;;
+    kvfuse)
+        echo "check qk_norm_rope: $($F check --device cuda --filter qk_norm_rope 2>&1 \
+            | grep -E 'cases in|FAIL|ERROR' | head -8 | tr '\n' ' ')" | tee -a "$OUT/kvfuse.log"
+        f=$(synth qwen3.5-9b Q4_K_M | tail -1)
+        ab_runs "pp512|gate|rror" FERRITE_KV_FUSE "0 1" "$f" qwen3.5-9b --gen-tokens 8 \
+            | tee -a "$OUT/kvfuse.log"
+        rm -f "$f"
         ;;
     predictat)
         # Where the predicted experts' prefetch is issued, at what priority and by which
