@@ -361,31 +361,24 @@ for stage in "$@"; do
         rm -f "$f"
         ;;
     predictat)
-        # Where the predicted experts' prefetch is issued, at what priority and by which
-        # prediction kernel (FERRITE_MOE_PREDICT_AT: 0 with the prediction at the layer before's
-        # end, 1 after the layer's Q, K, V launch, 2 after its attention launch;
-        # FERRITE_MOE_PREDICT_PRIO: 1 the side launches at the greatest priority;
-        # FERRITE_MOE_PREDICT_EARLY: 1 the router rows loaded before the norm; MOE.md, 64th
-        # session): Qwen3-30B-A3B and Qwen3.5-35B-A3B Q4_K_M tg128 at the settings of
-        # PREDICT_AT_RUNS ("N:AT:PRIO[:EARLY] ...", N = 0 off), in turn, two rounds; then the
-        # 30B's step traced under each (CUPTI): the side launches against the chain
-        # (side_trace.py), and the chain's kernels against the first setting (kernel_trace.py
-        # --vs, the side launches left out of its end-to-end gaps); PREDICT_TRACE=0 skips the
-        # traces.
-        runs=${PREDICT_AT_RUNS:-0:0:0 8:0:0 8:1:0 8:2:0 4:1:0}
-        # A setting N:AT:PRIO[:EARLY] as environment words (EARLY: FERRITE_MOE_PREDICT_EARLY, 0
-        # unless given).
+        # Where the predicted experts' prefetch is issued and at what priority
+        # (FERRITE_MOE_PREDICT_AT: 0 with the prediction at the layer before's end, 1 after the
+        # layer's Q, K, V launch, 2 after its attention launch; FERRITE_MOE_PREDICT_PRIO: 1 the
+        # side launches at the greatest priority; MOE.md, 64th session): Qwen3-30B-A3B and
+        # Qwen3.5-35B-A3B Q4_K_M tg128 at the settings of PREDICT_AT_RUNS ("N:AT:PRIO ...", N = 0
+        # off), in turn, two rounds; then the 30B's step traced under each (CUPTI): the side
+        # launches against the chain (side_trace.py), and the chain's kernels against the first
+        # setting (kernel_trace.py --vs, the side launches left out of its end-to-end gaps);
+        # PREDICT_TRACE=0 skips the traces.
+        runs=${PREDICT_AT_RUNS:-0:0:0 4:1:1 8:1:1}
+        # A setting N:AT:PRIO as environment words.
         penv() {
-            local early
-            early=$(echo "$1" | cut -d: -f4)
             echo "FERRITE_MOE_PREDICT=${1%%:*} FERRITE_MOE_PREDICT_AT=$(echo "$1" | cut -d: -f2)" \
-                "FERRITE_MOE_PREDICT_PRIO=$(echo "$1" | cut -d: -f3) FERRITE_MOE_PREDICT_EARLY=${early:-0}"
+                "FERRITE_MOE_PREDICT_PRIO=$(echo "$1" | cut -d: -f3)"
         }
-        # The prediction kernels against the CPU (logits by NMSE, picks against their logits).
-        for e in 0 1; do
-            echo "check moe_predict [EARLY=$e]: $(FERRITE_MOE_PREDICT_EARLY=$e $F check --device cuda \
-                --filter moe_predict 2>&1 | grep -E 'cases in|FAIL|ERROR' | head -5 | tr '\n' ' ')"
-        done | tee -a "$OUT/predictat.log"
+        # The prediction kernel against the CPU (logits by NMSE, picks against its logits).
+        echo "check moe_predict: $($F check --device cuda --filter moe_predict 2>&1 \
+            | grep -E 'cases in|FAIL|ERROR' | head -5 | tr '\n' ' ')" | tee -a "$OUT/predictat.log"
         for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
             for r in 1 2; do

@@ -1763,7 +1763,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
     }
 
     // --- the MoE expert prediction (one row): Qwen3-30B-A3B's and Qwen3.5-35B-A3B's routers,
-    // a row past the early form's first chunk of loads (4096 columns), odd small shapes.
+    // a wider row (4096 columns), odd small shapes.
     for (cols, n_experts) in [(2048, 128), (2048, 256), (4096, 128), (1024, 60), (96, 3)] {
         if quick && cols > 1024 {
             continue;

@@ -138,9 +138,6 @@ pub struct Kernels {
     /// `moe_predict` and `moe_prefetch_experts` ([`prefetch`]).
     predict: CudaFunction,
     prefetch_experts: CudaFunction,
-    /// `moe_predict_early`: the prediction with each warp's router row loaded before its norm
-    /// (`FERRITE_MOE_PREDICT_EARLY`).
-    predict_early: CudaFunction,
     predict_hits: CudaFunction,
     scratch: Mutex<Option<Scratch>>,
 }
@@ -165,7 +162,6 @@ impl Kernels {
             mm_down,
             predict: function(&m, "moe_predict")?,
             prefetch_experts: function(&m, "moe_prefetch_experts")?,
-            predict_early: function(&m, "moe_predict_early")?,
             predict_hits: function(&m, "moe_predict_hits")?,
             scratch: Mutex::new(None),
         })
@@ -1084,10 +1080,9 @@ impl Side {
 /// The prediction's switches, read once: experts to prefetch a layer (`FERRITE_MOE_PREDICT`,
 /// 0: none), whether to prefetch them (`FERRITE_MOE_PREDICT_PF`), whether to count its hits
 /// (`FERRITE_MOE_PREDICT_HITS`), where the prefetch is issued (`FERRITE_MOE_PREDICT_AT`: 0 with
-/// the prediction, 1 after the layer's mixer input projections, 2 after its core), at what
-/// priority (`FERRITE_MOE_PREDICT_PRIO`) and which prediction kernel runs
-/// (`FERRITE_MOE_PREDICT_EARLY`); defaults in [`PREDICT_DEFAULT`]. The decoder asks at every
-/// layer of an eager decode step.
+/// the prediction, 1 after the layer's mixer input projections, 2 after its core) and at what
+/// priority (`FERRITE_MOE_PREDICT_PRIO`); defaults in [`PREDICT_DEFAULT`]. The decoder asks at
+/// every layer of an eager decode step.
 #[derive(Clone, Copy)]
 struct PredictSwitches {
     pick: usize,
@@ -1095,7 +1090,6 @@ struct PredictSwitches {
     hits: bool,
     at: Option<MixerPoint>,
     prio: bool,
-    early: bool,
 }
 
 /// The defaults of `FERRITE_MOE_PREDICT`, `_AT` and `_PRIO`: four experts, prefetched after
@@ -1121,7 +1115,6 @@ fn predict_switches() -> PredictSwitches {
                 _ => None,
             },
             prio: int_or("FERRITE_MOE_PREDICT_PRIO", PREDICT_DEFAULT.2) != 0,
-            early: int_or("FERRITE_MOE_PREDICT_EARLY", 0) != 0,
         }
     })
 }
@@ -1339,8 +1332,7 @@ fn predict_takes(x: &Act<CudaSlice<f32>>, norm: &CudaWeight, router: &CudaWeight
         && hidden <= PF_MAX_HIDDEN
 }
 
-/// Launches the prediction (`moe_predict`, or `moe_predict_early` under
-/// `FERRITE_MOE_PREDICT_EARLY`) on `stream`: `logits[e]` for the `n_experts` router rows, the
+/// Launches the prediction (`moe_predict`) on `stream`: `logits[e]` for the `n_experts` router rows, the
 /// first `pick` ids into the side's ids. `side`: a launch of the side stream (else one of
 /// `ferrite check` on the chain's stream, after its work, counted as a write). The caller has
 /// checked [`predict_takes`].
@@ -1366,11 +1358,7 @@ fn launch_predict(
         block_dim: (32 * MOE_WARPS as u32, 1, 1),
         shared_mem_bytes: (hidden * 4) as u32,
     };
-    let mut launch = stream.kernel(if predict_switches().early {
-        &be.moe.predict_early
-    } else {
-        &be.moe.predict
-    });
+    let mut launch = stream.kernel(&be.moe.predict);
     launch
         .arg(&x.buf)
         .arg(&*norm.data)
@@ -1388,10 +1376,9 @@ fn launch_predict(
         // No PDL attribute (the kernels have no pdl_wait): the stream's order alone.
         launch.beside();
     }
-    // SAFETY: the arguments match the parameters of moe_predict and moe_predict_early (one
-    // list); each reads hidden floats of x and of the norm and n_experts router rows of hidden
-    // floats (predict_takes' shapes; the early form's loads past a row's end are predicated
-    // off), and writes n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids.
+    // SAFETY: the arguments match moe_predict's parameters; it reads hidden floats of x and of
+    // the norm and n_experts router rows of hidden floats (predict_takes' shapes), and writes
+    // n_experts ≤ PF_MAX_EXPERTS logits, the ticket and pick ≤ PF_MAX_PICK ids.
     unsafe { launch.launch(cfg) }?;
     if !side {
         super::launch::note_write();

@@ -182,7 +182,7 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
     (
         "FERRITE_KV_FUSE",
         Accepts::OneOf(&[0, 1]),
-        "prefill on a contiguous f16 cache with a NeoX rotation qk_norm_rope's register form takes: 1 (default) the qk_norm_rope launch stores the keys and values itself (rotated k not written back) and no kv_store launch runs (attention.rs qk_norm_rope_attention_stored, MATMUL.md round 104); 0 qk_norm_rope then kv_store",
+        "prefill on a contiguous f16 cache with a NeoX rotation qk_norm_rope's register form takes: 1 (default) the qk_norm_rope launch stores the keys and values itself (rotated k not written back) and no kv_store launch runs (attention.rs qk_norm_rope_attention_stored, MATMUL.md rounds 104 and 106: Qwen3 and Qwen3.5 attention layers); 0 qk_norm_rope then kv_store",
     ),
     (
         "FERRITE_CUBLASLT_ALGO",
@@ -318,11 +318,6 @@ pub(crate) const SWITCHES: &[(&str, Accepts, &str)] = &[
         "FERRITE_MOE_PREDICT_PRIO",
         Accepts::OneOf(&[0, 1]),
         "with FERRITE_MOE_PREDICT: 1 (default) gives the prediction's side launches the context's greatest scheduling priority (the decode graph instantiated with node priorities); 0 the default priority (MOE.md, 64th session)",
-    ),
-    (
-        "FERRITE_MOE_PREDICT_EARLY",
-        Accepts::OneOf(&[0, 1]),
-        "with FERRITE_MOE_PREDICT: 1 runs the prediction with each warp's router row loaded whole before its norm (moe_predict_early: one DRAM round trip, the same logits), 0 (default) the loop of a few loads in flight (MOE.md, 64th session)",
     ),
     (
         "FERRITE_MOE_PREDICT_HITS",

@@ -826,9 +826,8 @@ extern "C" __global__ void moe_combine4(const float4* __restrict__ y, const int*
 //
 // moe_predict: grid nb blocks × 256 threads (8 warps). Every block: Σ x² (float4 loads) →
 // 1 / rms; x ⊙ n / rms into shared memory (hidden floats); warp w of block b takes router rows
-// e = 8 b + w, + 8 nb, ...: one dot of hidden floats a row (16 float4 loads a lane at 2048; the
-// unrolled loop reuses their registers, so a few are in flight at a time: see EARLY below),
-// logits[e]. Then a ticket: the launch's last block reads the logits back and warp
+// e = 8 b + w, + 8 nb, ...: one dot of hidden floats a row (16 float4 loads a lane at 2048, all
+// in flight), logits[e]. Then a ticket: the launch's last block reads the logits back and warp
 // 0 picks the `pick` largest by rounds of a warp arg-max (lowest id on ties) into ids[]; it
 // resets the ticket (zero between launches and graph replays). Bytes: the router (n_experts ·
 // hidden · 4: 1 MB on Qwen3-30B-A3B), x once a block.
@@ -852,19 +851,10 @@ __device__ __forceinline__ int moe_pf_take(float* lg, int n, int lane) {
     __syncwarp();
     return bi;
 }
-// EARLY (moe_predict_early, FERRITE_MOE_PREDICT_EARLY=1): each warp's first router row is
-// loaded before the norm, MOE_PF_LOADS float4s a lane (the whole row at hidden 2048) into
-// registers, so its DRAM round trip overlaps the block's Σ x² and x ⊙ n; further rows (or a
-// wider one) a chunk of MOE_PF_LOADS loads at a time, all in flight before their sums. The
-// plain form's loop takes one float4 a lane an iteration (the compiler keeps a few in flight),
-// and the launch spans ~11 µs beside the chain's streams (MOE.md, 64th session). The same sums
-// in the same order: the same logits.
-#define MOE_PF_LOADS 16
-template <bool EARLY>
-__device__ __forceinline__ void moe_predict_body(const float* __restrict__ x, const float* __restrict__ nw, float eps,
-                                                 int hidden, const float* __restrict__ router, int n_experts,
-                                                 int pick, float* __restrict__ logits, int* __restrict__ ticket,
-                                                 int* __restrict__ ids) {
+extern "C" __global__ void __launch_bounds__(256) moe_predict(const float* __restrict__ x, const float* __restrict__ nw,
+                                                              float eps, int hidden, const float* __restrict__ router,
+                                                              int n_experts, int pick, float* __restrict__ logits,
+                                                              int* __restrict__ ticket, int* __restrict__ ids) {
     extern __shared__ float4 xs4[];  // x ⊙ n / rms, hidden / 4 float4
     __shared__ float red[8];
     __shared__ float lg[MOE_PF_MAX_EXPERTS];
@@ -872,16 +862,6 @@ __device__ __forceinline__ void moe_predict_body(const float* __restrict__ x, co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h4 = hidden / 4;
     const float4* x4 = (const float4*)x;
     const float4* n4 = (const float4*)nw;
-    float4 w[EARLY ? MOE_PF_LOADS : 1];
-    if constexpr (EARLY) {
-        const int e0 = blockIdx.x * 8 + warp;
-        const float4* r = (const float4*)(router + (size_t)(e0 < n_experts ? e0 : 0) * (size_t)hidden);
-#pragma unroll
-        for (int j = 0; j < MOE_PF_LOADS; ++j) {
-            const int i = lane + 32 * j;
-            w[j] = e0 < n_experts && i < h4 ? __ldg(r + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < h4; i += blockDim.x) {
         const float4 v = x4[i];
@@ -892,7 +872,7 @@ __device__ __forceinline__ void moe_predict_body(const float* __restrict__ x, co
     __syncthreads();
     float tot = 0.f;
 #pragma unroll
-    for (int w8 = 0; w8 < 8; w8++) tot += red[w8];
+    for (int w = 0; w < 8; w++) tot += red[w];
     const float inv = rsqrtf(tot / (float)hidden + eps);
     for (int i = threadIdx.x; i < h4; i += blockDim.x) {
         const float4 v = x4[i], n = __ldg(n4 + i);
@@ -902,30 +882,9 @@ __device__ __forceinline__ void moe_predict_body(const float* __restrict__ x, co
     for (int e = blockIdx.x * 8 + warp; e < n_experts; e += gridDim.x * 8) {
         const float4* r = (const float4*)(router + (size_t)e * (size_t)hidden);
         float acc = 0.f;
-        if constexpr (EARLY) {
-            for (int i0 = 0; i0 < h4; i0 += 32 * MOE_PF_LOADS) {
-                // The first chunk of the warp's first row is in w already.
-                if (e != (int)blockIdx.x * 8 + warp || i0 != 0) {
-#pragma unroll
-                    for (int j = 0; j < MOE_PF_LOADS; ++j) {
-                        const int i = i0 + lane + 32 * j;
-                        w[j] = i < h4 ? __ldg(r + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < MOE_PF_LOADS; ++j) {
-                    const int i = i0 + lane + 32 * j;
-                    if (i < h4) {
-                        const float4 v = xs4[i];
-                        acc += w[j].x * v.x + w[j].y * v.y + w[j].z * v.z + w[j].w * v.w;
-                    }
-                }
-            }
-        } else {
-            for (int i = lane; i < h4; i += 32) {
-                const float4 wv = __ldg(r + i), v = xs4[i];
-                acc += wv.x * v.x + wv.y * v.y + wv.z * v.z + wv.w * v.w;
-            }
+        for (int i = lane; i < h4; i += 32) {
+            const float4 w = __ldg(r + i), v = xs4[i];
+            acc += w.x * v.x + w.y * v.y + w.z * v.z + w.w * v.w;
         }
         acc = moe_warp_sum(acc);
         if (lane == 0) logits[e] = acc;
@@ -946,15 +905,6 @@ __device__ __forceinline__ void moe_predict_body(const float* __restrict__ x, co
     }
     if (lane == 0) *ticket = 0;
 }
-#define MOE_PREDICT_KERNEL(name, early)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256)                                                           \
-        name(const float* __restrict__ x, const float* __restrict__ nw, float eps, int hidden,                  \
-             const float* __restrict__ router, int n_experts, int pick, float* __restrict__ logits,             \
-             int* __restrict__ ticket, int* __restrict__ ids) {                                                 \
-        moe_predict_body<early>(x, nw, eps, hidden, router, n_experts, pick, logits, ticket, ids);              \
-    }
-MOE_PREDICT_KERNEL(moe_predict, false)
-MOE_PREDICT_KERNEL(moe_predict_early, true)
 
 // moe_prefetch_experts: one cp.async.bulk.prefetch.L2 a block (thread 0), of piece p of matrix
 // m (0 gate, 1 up) of predicted expert k (block b = (p · pick + k) · 2 + m: every winner's first
