@@ -1332,9 +1332,9 @@ fn predict_takes(x: &Act<CudaSlice<f32>>, norm: &CudaWeight, router: &CudaWeight
         && hidden <= PF_MAX_HIDDEN
 }
 
-/// Launches the prediction (`moe_predict`) on `stream`: `logits[e]` for the `n_experts` router rows, the
-/// first `pick` ids into the side's ids. `side`: a launch of the side stream (else one of
-/// `ferrite check` on the chain's stream, after its work, counted as a write). The caller has
+/// Launches the prediction (`moe_predict`) on `stream`: `logits[e]` for the `n_experts` router
+/// rows, the first `pick` ids into the side's ids. `side`: a launch of the side stream (else one
+/// of `ferrite check` on the chain's stream, after its work, counted as a write). The caller has
 /// checked [`predict_takes`].
 #[allow(clippy::too_many_arguments)]
 fn launch_predict(
