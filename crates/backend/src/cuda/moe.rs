@@ -18,7 +18,7 @@
 //! alive (not freed) because an earlier captured graph may still point at them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use anyhow::{ensure, Result};
 use cudarc::driver::{
@@ -1064,7 +1064,7 @@ impl Side {
     /// Returns whether it had (the graph then holds side launches).
     pub fn end(&self, main: &CudaStream) -> Result<bool> {
         // A prefetch still held (no later point reached) is dropped with its step.
-        if let Ok(mut h) = self.held.lock() {
+        if let Ok(mut h) = self.held() {
             h.take();
         }
         let forked = self.forked.swap(false, Ordering::Relaxed);
@@ -1074,6 +1074,13 @@ impl Side {
             }
         }
         Ok(forked)
+    }
+
+    /// The prefetch held back to a later point of the layer ([`prefetch`], [`prefetch_at`]).
+    fn held(&self) -> Result<MutexGuard<'_, Option<HeldPrefetch>>> {
+        self.held
+            .lock()
+            .map_err(|_| anyhow::anyhow!("moe: held prefetch lock poisoned"))
     }
 }
 
@@ -1207,12 +1214,7 @@ pub fn prefetch_at(be: &CudaBackend, point: MixerPoint) -> Result<()> {
     if predict_switches().at != Some(point) {
         return Ok(());
     }
-    let held = side
-        .held
-        .lock()
-        .map_err(|_| anyhow::anyhow!("moe: poisoned lock"))?
-        .take();
-    let Some(p) = held else {
+    let Some(p) = side.held()?.take() else {
         return Ok(());
     };
     stream.join(&be.stream)?;
@@ -1292,7 +1294,6 @@ pub fn prefetch(
         &side.logits,
         true,
     )?;
-    let (pk, ebl) = (i32_arg("pick", pick)?, eb as i64);
     let sw = predict_switches();
     if !sw.pf {
         return Ok(()); // the prediction's own cost (a measurement)
@@ -1302,18 +1303,15 @@ pub fn prefetch(
     let (up, _u) = u.data.device_ptr(&be.stream);
     let p = HeldPrefetch {
         pieces: u32::try_from(2 * pick * eb.div_ceil(PF_PIECE))?,
-        pick: pk,
+        pick: i32_arg("pick", pick)?,
         gate,
         up,
-        expert_bytes: ebl,
+        expert_bytes: eb as i64,
     };
     if sw.at.is_none() {
         return launch_prefetch(be, stream, &p);
     }
-    *side
-        .held
-        .lock()
-        .map_err(|_| anyhow::anyhow!("moe: poisoned lock"))? = Some(p);
+    *side.held()? = Some(p);
     Ok(())
 }
 
@@ -1387,9 +1385,9 @@ fn launch_predict(
 }
 
 /// [`crate::Backend::moe_predict_logits`] on CUDA: the prediction kernel on the chain's stream,
-/// its logits into `out`; then its picks (the first min(n_experts, 32)) read back and checked
-/// to be the top of its own logits (descending, the lower id first on ties): an error names the
-/// first rank that differs. Shapes the kernels do not take run the composition.
+/// its logits into `out`; then its picks (the first min(n_experts, [`PF_MAX_PICK`])) read back
+/// and checked to be the top of its own logits (descending, the lower id first on ties): an
+/// error names the first rank that differs. Shapes the kernels do not take run the composition.
 pub fn predict_logits(
     be: &CudaBackend,
     x: &Act<CudaSlice<f32>>,
