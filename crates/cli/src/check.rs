@@ -1838,19 +1838,29 @@ pub fn cases(quick: bool) -> Vec<Case> {
     // tile part full): CUDA's qk_norm_rope storing the keys and values itself
     // (`FERRITE_KV_FUSE`), and the composition a form rotating q inside the attention would
     // replace (MATMUL.md round 102 measured one, 7252348, and removed it: a tie).
-    for (n_heads, n_kv_heads, pos0, rows) in [
-        (32, 8, 100, 1),
-        (32, 8, 300, 1),
-        (32, 8, 900, 1),
-        (32, 4, 300, 1),
-        (16, 8, 150, 1),
-        (32, 8, 20, 1),
-        (32, 8, 2000, 1),
-        (32, 4, 3000, 1),
-        (32, 8, 0, 300),
-        (32, 4, 100, 300),
-        (16, 8, 0, 64),
-        (32, 8, 37, 130),
+    // Qwen3.5's gated attention layers too (heads of 256 rotated on their first 64 dims; 16
+    // query heads on 2 kv heads in the 35B-A3B, on 4 in the 9B): at one decode row the
+    // composition, at prefill rows the rotation's launch storing the keys and values.
+    const QWEN3: (usize, usize) = (128, 128); // (head_dim, rot_dim)
+    const QWEN35: (usize, usize) = (256, 64);
+    for (n_heads, n_kv_heads, (head_dim, rot_dim), pos0, rows) in [
+        (32, 8, QWEN3, 100, 1),
+        (32, 8, QWEN3, 300, 1),
+        (32, 8, QWEN3, 900, 1),
+        (32, 4, QWEN3, 300, 1),
+        (16, 8, QWEN3, 150, 1),
+        (32, 8, QWEN3, 20, 1),
+        (32, 8, QWEN3, 2000, 1),
+        (32, 4, QWEN3, 3000, 1),
+        (32, 8, QWEN3, 0, 300),
+        (32, 4, QWEN3, 100, 300),
+        (16, 8, QWEN3, 0, 64),
+        (32, 8, QWEN3, 37, 130),
+        (16, 2, QWEN35, 300, 1),
+        (16, 4, QWEN35, 40, 1),
+        (16, 2, QWEN35, 0, 300),
+        (16, 4, QWEN35, 100, 300),
+        (16, 2, QWEN35, 37, 130),
     ] {
         if quick && pos0 != 300 && rows != 300 {
             continue;
@@ -1859,33 +1869,9 @@ pub fn cases(quick: bool) -> Vec<Case> {
             shape: AttnShape {
                 n_heads,
                 n_kv_heads,
-                head_dim: 128,
+                head_dim,
             },
-            rot_dim: 128,
-            pos0,
-            rows,
-        });
-    }
-    // Qwen3.5's gated attention layers (heads of 256 rotated on their first 64 dims; 16 query
-    // heads on 2 kv heads in the 35B-A3B, on 4 in the 9B): the decode composition, and the
-    // prefill rows whose keys and values the rotation's launch stores.
-    for (n_kv_heads, pos0, rows) in [
-        (2, 300, 1),
-        (4, 40, 1),
-        (2, 0, 300),
-        (4, 100, 300),
-        (2, 37, 130),
-    ] {
-        if quick && pos0 != 300 && rows != 300 {
-            continue;
-        }
-        add(Op::AttnRope {
-            shape: AttnShape {
-                n_heads: 16,
-                n_kv_heads,
-                head_dim: 256,
-            },
-            rot_dim: 64,
+            rot_dim,
             pos0,
             rows,
         });
