@@ -174,6 +174,15 @@ ab_runs() { # PATTERN VAR "values" model label [bench args...]
 check_under() { # VAR=V filter log [tail]
     env "$1" $F check --device cuda --filter "$2" 2>&1 | tee "$OUT/$3" | tail -"${4:-6}"
 }
+# `ferrite check --device cuda --filter FILTER` under the switch setting VAR=V ("-" for none) as
+# one line: LABEL, then the summary and the first failures; the whole log to $OUT/LOG if given.
+check_line() { # LABEL VAR=V|- filter [log]
+    local label=$1 filter=$3 log=/dev/null e=()
+    [ "$2" != - ] && e=("$2")
+    [ -n "${4:-}" ] && log="$OUT/$4"
+    echo "$label: $(env "${e[@]}" $F check --device cuda --filter "$filter" 2>&1 | tee "$log" \
+        | grep -E 'cases in|FAIL|ERROR|rror' | head -8 | tr '\n' ' ')"
+}
 # The 512-row `check --perf` lines of the cases matching FILTER under VAR=V, on one line;
 # further arguments go to check (--eager: launches back to back, no graph).
 perf512() { # VAR=V filter [check args...]
@@ -353,8 +362,7 @@ for stage in "$@"; do
         done
         ;;
     kvfuse)
-        echo "check qk_norm_rope: $($F check --device cuda --filter qk_norm_rope 2>&1 \
-            | grep -E 'cases in|FAIL|ERROR' | head -8 | tr '\n' ' ')" | tee -a "$OUT/kvfuse.log"
+        check_line "check qk_norm_rope" - qk_norm_rope | tee -a "$OUT/kvfuse.log"
         f=$(synth qwen3.5-9b Q4_K_M | tail -1)
         ab_runs "pp512|gate|rror" FERRITE_KV_FUSE "0 1" "$f" qwen3.5-9b --gen-tokens 8 \
             | tee -a "$OUT/kvfuse.log"
@@ -377,8 +385,7 @@ for stage in "$@"; do
                 "FERRITE_MOE_PREDICT_PRIO=$(echo "$1" | cut -d: -f3)"
         }
         # The prediction kernel against the CPU (logits by NMSE, picks against its logits).
-        echo "check moe_predict: $($F check --device cuda --filter moe_predict 2>&1 \
-            | grep -E 'cases in|FAIL|ERROR' | head -5 | tr '\n' ' ')" | tee -a "$OUT/predictat.log"
+        check_line "check moe_predict" - moe_predict | tee -a "$OUT/predictat.log"
         for p in qwen3-30b-a3b qwen3.5-35b-a3b; do
             f=$(synth $p Q4_K_M | tail -1)
             for r in 1 2; do
@@ -410,7 +417,7 @@ for stage in "$@"; do
         # The RS MoE experts on one consumer warpgroup and one producer warp (160 threads; Q4_K
         # four blocks an SM, Q6_K three), whose wgmmas ptxas keeps asynchronous, against moe3's
         # 256-thread blocks, whose it serializes (MOE.md, 48th session).
-        echo "check moe [MOE=4]: $(FERRITE_MMW_MOE=4 $F check --device cuda --filter moe 2>&1 | tee "$OUT/check-moe4w.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/moe4w.log"
+        check_line "check moe [MOE=4]" FERRITE_MMW_MOE=4 moe check-moe4w.log | tee -a "$OUT/moe4w.log"
         for pq in qwen3-30b-a3b:Q4_K_M qwen3.5-35b-a3b:Q4_K_M; do
             p=${pq%%:*} q=${pq##*:}
             f=$(synth "$p" "$q" | tail -1)
@@ -426,7 +433,7 @@ for stage in "$@"; do
         # The MoE gate/up's x by one tensor copy a step over rows gathered in list order, and its
         # blocks tile-major (FERRITE_MMW_GU_XG bits 1, 2; MOE.md, 50th session).
         for v in 1 3; do
-            echo "check moe [GU_XG=$v]: $(FERRITE_MMW_GU_XG=$v $F check --device cuda --filter moe 2>&1 | tee "$OUT/check-guxg$v.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/guxg.log"
+            check_line "check moe [GU_XG=$v]" FERRITE_MMW_GU_XG=$v moe check-guxg$v.log | tee -a "$OUT/guxg.log"
         done
         for pq in ${GUXG_MODELS:-qwen3-30b-a3b:Q4_K_M}; do
             p=${pq%%:*} q=${pq##*:}
@@ -437,7 +444,7 @@ for stage in "$@"; do
         ;;
     rsq5)
         # The register-A form for Q5_K (FERRITE_MMW_RS_Q5; MATMUL.md round 91).
-        echo "check matmul [RS_Q5]: $(FERRITE_MMW_RS_Q5=1 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-rsq5.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/rsq5.log"
+        check_line "check matmul [RS_Q5]" FERRITE_MMW_RS_Q5=1 matmul check-rsq5.log | tee -a "$OUT/rsq5.log"
         for p in qwen3.5-35b-a3b qwen3.5-9b; do
             f=$(synth "$p" Q4_K_M | tail -1)
             ab_pp FERRITE_MMW_RS_Q5 "0 1" "$f" "$p" | tee -a "$OUT/rsq5.log"
@@ -537,7 +544,7 @@ for stage in "$@"; do
     taks)
         # The K-split wide tile (FERRITE_MMW_TA_KS=2; MATMUL.md round 95): checked first, then
         # timed against the 128-output tiles it replaces.
-        echo "check matmul under it: $(FERRITE_MMW_TA_KS=2 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-matmul-ks.log" | grep -E 'cases in|FAIL|rror' | head -5 | tr '\n' ' ')"
+        check_line "check matmul under it" FERRITE_MMW_TA_KS=2 matmul check-matmul-ks.log
         for v in 0 2; do
             FERRITE_MMW_TA_KS=$v $F check --device cuda --perf --filter f16 > "$OUT/perf-f16-ks$v.txt" 2>&1
             echo "FERRITE_MMW_TA_KS=$v"
@@ -553,7 +560,7 @@ for stage in "$@"; do
         # 87; the off form's CUBIN needs `FERRITE_MMW_RS_Q6=0 tools/h200/kernel_cache.sh mmw`):
         # the matmul check under it (its Q6_K cases, the mixed Q, K, V groups), then pp512 of
         # Qwen3-8B Q4_K_M (V and half the downs Q6_K) off / on, two rounds.
-        echo "check matmul [RS_Q6]: $(FERRITE_MMW_RS_Q6=1 $F check --device cuda --filter matmul 2>&1 | tee "$OUT/check-rsq6.log" | grep -E 'cases in|FAIL' | head -5 | tr '\n' ' ')" | tee -a "$OUT/rsq6.log"
+        check_line "check matmul [RS_Q6]" FERRITE_MMW_RS_Q6=1 matmul check-rsq6.log | tee -a "$OUT/rsq6.log"
         f=$(synth qwen3-8b Q4_K_M | tail -1)
         ab_pp FERRITE_MMW_RS_Q6 "0 1" "$f" qwen3-8b | tee -a "$OUT/rsq6.log"
         rm -f "$f"
