@@ -114,7 +114,8 @@
 #            of each, and the full check with it on
 #   kvfuse   a prefill's keys and values stored by the qk_norm_rope launch (FERRITE_KV_FUSE,
 #            on by default; MATMUL.md rounds 104 and 106): its check cases, then Qwen3.5-9B
-#            Q4_K_M pp512 FERRITE_KV_FUSE 0 / 1 in turn, two rounds
+#            Q4_K_M pp512 FERRITE_KV_FUSE 0 / 1 in turn, two rounds (KVFUSE_MODELS: the presets,
+#            default qwen3.5-9b; "qwen3.5-9b qwen3.5-35b-a3b" for both)
 # Logs and bench/results.jsonl lines are written under $OUT. To compare two builds in one
 # call (a change against its baseline): tools/h200/ab.sh.
 #
@@ -363,10 +364,12 @@ for stage in "$@"; do
         ;;
     kvfuse)
         check_line "check qk_norm_rope" - qk_norm_rope | tee -a "$OUT/kvfuse.log"
-        f=$(synth qwen3.5-9b Q4_K_M | tail -1)
-        ab_runs "pp512|gate|rror" FERRITE_KV_FUSE "0 1" "$f" qwen3.5-9b --gen-tokens 8 \
-            | tee -a "$OUT/kvfuse.log"
-        rm -f "$f"
+        for p in ${KVFUSE_MODELS:-qwen3.5-9b}; do
+            f=$(synth "$p" Q4_K_M | tail -1)
+            ab_runs "pp512|gate|rror" FERRITE_KV_FUSE "0 1" "$f" "$p" --gen-tokens 8 \
+                --gate-tokens "$(gate_tokens "$p")" | tee -a "$OUT/kvfuse.log"
+            rm -f "$f"
+        done
         ;;
     predictat)
         # Where the predicted experts' prefetch is issued and at what priority
