@@ -384,3 +384,55 @@ fn throughput() {
         );
     }
 }
+
+/// The types converted at load (q5_0, q3_K, iq4_nl; `quant::converted`), against gguf-py's
+/// dequantizers (`tools/quant_vectors/make_converted_vectors.py`): the reference
+/// dequantization, and the converted q8_0 / q6_K blocks' values, bit for bit.
+#[test]
+fn converted_types_keep_gguf_py_values() {
+    use ferrite_formats::quant::converted::ConvertedType;
+    #[derive(Deserialize)]
+    struct Converted {
+        types: Vec<ConvertedVectors>,
+    }
+    #[derive(Deserialize)]
+    struct ConvertedVectors {
+        #[serde(rename = "type")]
+        name: String,
+        n: usize,
+        data: String,
+        f32_bits: String,
+    }
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/quant_vectors/converted.json"
+    );
+    let v: Converted = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for t in ConvertedType::ALL {
+        let tv = v
+            .types
+            .iter()
+            .find(|tv| tv.name == t.name())
+            .unwrap_or_else(|| panic!("no vectors for {t}"));
+        let (data, want) = (hex(&tv.data), f32s(&tv.f32_bits));
+        assert_eq!(want.len(), tv.n);
+        let mut reference = vec![0f32; tv.n];
+        t.dequantize(&data, &mut reference).unwrap();
+        let mut converted = vec![0f32; tv.n];
+        dequantize(t.target(), &t.convert(&data).unwrap(), &mut converted).unwrap();
+        for (i, w) in want.iter().enumerate() {
+            let (r, c) = (reference[i], converted[i]);
+            assert_eq!(
+                r.to_bits(),
+                w.to_bits(),
+                "{t} value {i}: ours {r:e}, gguf-py {w:e}"
+            );
+            assert_eq!(
+                c.to_bits(),
+                w.to_bits(),
+                "{t} value {i} as {}: {c:e}, gguf-py {w:e}",
+                t.target()
+            );
+        }
+    }
+}

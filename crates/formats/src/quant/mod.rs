@@ -4,10 +4,12 @@
 //!
 //! One module per family: [`legacy`] (q4_0 q4_1 q8_0), [`k_quants`] (q4_K q5_K q6_K),
 //! [`float`] (f32 f16 bf16), [`fp4`] (mxfp4); [`fp8`] (E4M3 with block scales, the Hugging Face FP8
-//! checkpoints' weights: not a ggml type, converted to BF16 at load).
+//! checkpoints' weights: not a ggml type, converted to BF16 at load); [`converted`] (q5_0 q3_K
+//! iq4_nl: ggml types converted at load, without loss, to q8_0 or q6_K).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod converted;
 pub mod float;
 pub mod fp4;
 pub mod fp8;
