@@ -141,7 +141,8 @@ pub fn info(a: &InfoArgs) -> Result<()> {
     for n in &names {
         // A safetensors tensor of a type ferrite does not compute with (integers, an FP8
         // weight without its scales) is listed but not a view: counted under its stored
-        // type, marked. Converted weights (FP8, NVFP4) are held as BF16, MXFP4 as Q8_0.
+        // type, marked. Converted weights (FP8, NVFP4) are held as BF16, MXFP4 as Q8_0, and a
+        // GGUF's q5_0, q3_K and iq4_nl tensors as Q8_0 or Q6_K ([`quant::converted`]).
         let (ty, bytes, on_gpu) = match (src.tensor(n), &file) {
             (Some(t), _) if device_type(t.dtype) != t.dtype => (
                 format!(
@@ -162,7 +163,17 @@ pub fn info(a: &InfoArgs) -> Result<()> {
                 Some(i) => (format!("{} (not loadable)", i.dtype), i.n_bytes(), 0),
                 None => continue,
             },
-            (None, ModelFile::Gguf(_)) => continue,
+            (None, ModelFile::Gguf(g)) => match g.tensor_info(n) {
+                Some(i) => match i.converted_from {
+                    Some(from) => (
+                        format!("{from} ({} at load)", i.dtype.name().to_uppercase()),
+                        i.n_bytes,
+                        device_type(i.dtype).bytes_for(i.n_elements())?,
+                    ),
+                    None => continue,
+                },
+                None => continue,
+            },
         };
         let e = by_type.entry(ty).or_default();
         e.0 += 1;
@@ -195,9 +206,10 @@ pub fn info(a: &InfoArgs) -> Result<()> {
         names.len(),
         total as f64 / (1 << 20) as f64
     );
+    let w = by_type.keys().map(|t| t.len()).max().unwrap_or(0).max(6);
     for (ty, (n, b)) in &by_type {
         println!(
-            "  {ty:<6} {n:>6} tensors {:>12.2} MiB",
+            "  {ty:<w$} {n:>6} tensors {:>12.2} MiB",
             *b as f64 / (1 << 20) as f64
         );
     }

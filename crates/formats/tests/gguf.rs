@@ -575,14 +575,30 @@ fn bad_tensor_infos() {
         }
         e => panic!("{e:?}"),
     }
-    // A type ggml has and ferrite does not load is named.
+    // A type ggml has and ferrite does not load is named, with what it loads and converts.
     let mut r = Raw::header(3, 1, 0);
-    r.tensor("t", &[256], 11, 0);
+    r.tensor("t", &[256], 10, 0);
     let e = err_of(r.data(32)).to_string();
     assert!(
-        e.starts_with("tensor 't': unsupported dtype q3_K (ggml type 11; "),
+        e.starts_with("tensor 't': unsupported dtype q2_K (ggml type 10; ")
+            && e.ends_with("and converts q5_0, q3_K, iq4_nl at load)"),
         "{e}"
     );
+    // A type converted at load: its stored bytes are bounds-checked like any other's, and a
+    // row must hold whole blocks of it.
+    let mut r = Raw::header(3, 1, 0);
+    r.tensor("t", &[256], 11, 0);
+    let f = GgufFile::from_bytes(r.data(110)).unwrap();
+    let info = f.tensor_info("t").unwrap();
+    assert_eq!((info.dtype, info.n_bytes), (GgmlType::Q6K, 110));
+    assert!(f.tensor("t").is_none());
+    assert_eq!(f.converted("t").unwrap().unwrap().data.len(), 210);
+    let mut r = Raw::header(3, 1, 0);
+    r.tensor("t", &[256], 11, 0);
+    assert_corrupt(r.data(100), "");
+    let mut r = Raw::header(3, 1, 0);
+    r.tensor("t", &[128], 11, 0);
+    assert_corrupt(r.data(110), "not a multiple of the q3_K block size 256");
 
     let mut r = Raw::header(3, 1, 0);
     r.tensor("t", &[1, 1, 1, 1, 8], 0, 0);

@@ -67,8 +67,9 @@ impl ModelFile {
     pub fn config(&self) -> Result<ModelConfig> {
         match self {
             ModelFile::Gguf(f) => {
+                // The info, not a view: a tensor converted at load has no view.
                 let embd = f
-                    .tensor("token_embd.weight")
+                    .tensor_info("token_embd.weight")
                     .context("GGUF has no token_embd.weight")?;
                 config::from_gguf(f, embd.shape[0])
             }

@@ -8,8 +8,9 @@ use memmap2::Mmap;
 
 use super::value::{GgufValue, GgufValueType};
 use super::{align_up, DEFAULT_ALIGNMENT, GGUF_MAGIC, KEY_ALIGNMENT, KEY_ARCHITECTURE, MAX_DIMS};
-use crate::quant::GgmlType;
-use crate::tensor::{TensorSource, TensorView};
+use crate::quant::converted::ConvertedType;
+use crate::quant::{GgmlType, StoredType};
+use crate::tensor::{OwnedTensor, TensorSource, TensorView};
 use crate::{FormatError, Result};
 
 /// Arrays may nest (an array of arrays), but no real model nests more than a level or two.
@@ -30,7 +31,12 @@ const MIN_TENSOR_INFO_BYTES: u64 = 8 + 4 + 4 + 8;
 #[derive(Clone, Debug, PartialEq)]
 pub struct GgufTensorInfo {
     pub name: String,
+    /// The type ferrite computes with: the stored type, or what `converted_from` becomes.
     pub dtype: GgmlType,
+    /// The stored type, where ferrite converts it at load without loss (q5_0, q3_K, iq4_nl:
+    /// [`crate::quant::converted`]); `n_bytes` are then the stored bytes, and the tensor is
+    /// handed out by [`TensorSource::converted`], not as a view.
+    pub converted_from: Option<ConvertedType>,
     /// Row-major (PyTorch order): the GGUF dims reversed, last dimension contiguous.
     pub shape: Vec<usize>,
     /// Offset of the data from the start of the data section (as stored in the file).
@@ -229,8 +235,12 @@ impl GgufFile {
 }
 
 impl TensorSource for GgufFile {
+    /// A view of the stored bytes; `None` for a tensor converted at load ([`Self::converted`]).
     fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         let info = self.tensor_info(name)?;
+        if info.converted_from.is_some() {
+            return None;
+        }
         Some(TensorView {
             dtype: info.dtype,
             shape: &info.shape,
@@ -239,6 +249,42 @@ impl TensorSource for GgufFile {
     }
     fn tensor_names(&self) -> Vec<String> {
         self.tensors.iter().map(|t| t.name.clone()).collect()
+    }
+    fn require_tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| FormatError::MissingTensor(name.to_owned()))?;
+        match (self.tensor(name), info.converted_from) {
+            (Some(view), _) => Ok(view),
+            (None, from) => Err(FormatError::UnsupportedDtype {
+                name: name.to_owned(),
+                dtype: format!(
+                    "{} (converted to {} at load)",
+                    from.map_or("?", |t| t.name()),
+                    info.dtype
+                ),
+            }),
+        }
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensor_index.contains_key(name)
+    }
+    /// A q5_0, q3_K or iq4_nl tensor as q8_0 / q6_K blocks of the same values.
+    fn converted(&self, name: &str) -> Option<Result<OwnedTensor>> {
+        let info = self.tensor_info(name)?;
+        let from = info.converted_from?;
+        Some(
+            from.convert(self.tensor_data(info))
+                .map(|data| OwnedTensor {
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    data,
+                })
+                .map_err(|e| FormatError::BadTensor {
+                    name: name.to_owned(),
+                    what: e.to_string(),
+                }),
+        )
     }
 }
 
@@ -510,14 +556,16 @@ impl<'a> Cursor<'a> {
             ne.push(d);
         }
         let type_id = self.u32("tensor type")?;
-        let dtype = GgmlType::from_id(type_id).map_err(|_| {
+        let dtype = StoredType::from_id(type_id).map_err(|_| {
             let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
+            let converted: Vec<&str> = ConvertedType::ALL.iter().map(|t| t.name()).collect();
             FormatError::UnsupportedDtype {
                 name: name.clone(),
                 dtype: format!(
-                    "{} (ggml type {type_id}; ferrite loads {})",
+                    "{} (ggml type {type_id}; ferrite loads {}, and converts {} at load)",
                     GgmlType::name_of_id(type_id).unwrap_or("unknown"),
-                    supported.join(", ")
+                    supported.join(", "),
+                    converted.join(", ")
                 ),
             }
         })?;
@@ -534,13 +582,21 @@ impl<'a> Cursor<'a> {
                 dtype.block_size()
             )));
         }
+        let type_size = match dtype {
+            StoredType::Computed(t) => t.type_size(),
+            StoredType::Converted(t) => t.type_size(),
+        };
         let n_bytes = (n_elements / dtype.block_size())
-            .checked_mul(dtype.type_size())
+            .checked_mul(type_size)
             .ok_or_else(|| self.corrupt(format!("tensor '{name}': byte size overflows")))?;
         ne.reverse();
         Ok(GgufTensorInfo {
             name,
-            dtype,
+            dtype: dtype.computed(),
+            converted_from: match dtype {
+                StoredType::Computed(_) => None,
+                StoredType::Converted(t) => Some(t),
+            },
             shape: ne,
             offset,
             n_bytes,

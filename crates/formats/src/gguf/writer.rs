@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use super::value::{GgufValue, GgufValueType};
 use super::{align_up, DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, KEY_ALIGNMENT, MAX_DIMS};
-use crate::quant::GgmlType;
+use crate::quant::StoredType;
 use crate::{FormatError, Result};
 
 /// Big enough that the per-write overhead vanishes next to the disk; writes larger than
@@ -32,7 +32,7 @@ const MAX_TENSOR_NAME_BYTES: usize = 63;
 
 struct PendingTensor {
     name: String,
-    dtype: GgmlType,
+    dtype: StoredType,
     /// Row-major.
     shape: Vec<usize>,
     n_bytes: u64,
@@ -133,7 +133,15 @@ impl<W: Write> GgufWriter<W> {
 
     /// Declare a tensor. `shape` is row-major (last dimension contiguous); the file stores
     /// it reversed, as ggml does. Data must later be written in declaration order.
-    pub fn add_tensor_info(&mut self, name: &str, dtype: GgmlType, shape: &[usize]) -> Result<()> {
+    /// `dtype`: a [`crate::GgmlType`], or a type ferrite converts at load
+    /// ([`crate::quant::converted::ConvertedType`]).
+    pub fn add_tensor_info(
+        &mut self,
+        name: &str,
+        dtype: impl Into<StoredType>,
+        shape: &[usize],
+    ) -> Result<()> {
+        let dtype: StoredType = dtype.into();
         if self.state != State::Building {
             return Err(self.misuse(format!("tensor '{name}' declared after the header")));
         }

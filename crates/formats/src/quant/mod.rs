@@ -173,6 +173,78 @@ impl std::fmt::Display for GgmlType {
     }
 }
 
+/// A tensor's type as a GGUF file stores it: one ferrite computes with, or one it converts at
+/// load ([`converted`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StoredType {
+    Computed(GgmlType),
+    Converted(converted::ConvertedType),
+}
+
+impl StoredType {
+    /// The ggml type id, or an error naming the type (or the id) where ferrite neither
+    /// computes with it nor converts it.
+    pub fn from_id(id: u32) -> Result<Self> {
+        GgmlType::from_id(id)
+            .map(StoredType::Computed)
+            .or_else(|e| {
+                converted::ConvertedType::from_id(id)
+                    .map(StoredType::Converted)
+                    .ok_or(e)
+            })
+    }
+    pub fn id(self) -> u32 {
+        match self {
+            StoredType::Computed(t) => t.id(),
+            StoredType::Converted(t) => t.id(),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            StoredType::Computed(t) => t.name(),
+            StoredType::Converted(t) => t.name(),
+        }
+    }
+    /// The type ferrite computes with: the stored one, or what it is converted to.
+    pub fn computed(self) -> GgmlType {
+        match self {
+            StoredType::Computed(t) => t,
+            StoredType::Converted(t) => t.target(),
+        }
+    }
+    pub fn block_size(self) -> usize {
+        match self {
+            StoredType::Computed(t) => t.block_size(),
+            StoredType::Converted(t) => t.block_size(),
+        }
+    }
+    /// Stored bytes for `n` elements; error if `n` is not a whole number of blocks.
+    pub fn bytes_for(self, n: usize) -> Result<usize> {
+        match self {
+            StoredType::Computed(t) => t.bytes_for(n),
+            StoredType::Converted(t) => t.bytes_for(n),
+        }
+    }
+}
+
+impl From<GgmlType> for StoredType {
+    fn from(t: GgmlType) -> Self {
+        StoredType::Computed(t)
+    }
+}
+
+impl From<converted::ConvertedType> for StoredType {
+    fn from(t: converted::ConvertedType) -> Self {
+        StoredType::Converted(t)
+    }
+}
+
+impl std::fmt::Display for StoredType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 // ======================================================================= row operations
 
 /// Accumulator lanes of [`block_dot`]. 8 independent chains hide the add latency and map onto
