@@ -11,7 +11,6 @@ little-endian hex.
 Usage: pip install gguf==0.19.0 numpy && python3 tools/quant_vectors/make_converted_vectors.py
 """
 
-import json
 import os
 import sys
 from importlib.metadata import version
@@ -50,12 +49,7 @@ def main():
             }
         )
         print(f"{name}: {n} values")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "crates/formats/tests/data/quant_vectors/converted.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(f"wrote {path} ({os.path.getsize(path)} bytes), gguf {out['gguf_version']}")
+    mv.write_vectors(out, "converted.json")
 
 
 if __name__ == "__main__":

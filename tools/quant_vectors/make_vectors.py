@@ -160,8 +160,13 @@ def main():
             }
         )
         print(f"{name}: dequant {n} values, quant {x.size} values, reference bytes: {qhex is not None}")
+    write_vectors(out, "vectors.json")
+
+
+def write_vectors(out, name):
+    """`out` as crates/formats/tests/data/quant_vectors/NAME."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "crates/formats/tests/data/quant_vectors/vectors.json")
+    path = os.path.join(root, "crates/formats/tests/data/quant_vectors", name)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
         f.write("\n")

@@ -3,22 +3,13 @@
 //! file with those tensors stored already converted: bit-identical logits on the CPU, for a
 //! dense, a MoE and a hybrid (Qwen3.5) model, the token embedding included.
 
-use ferrite_backend::cpu::CpuBackend;
+mod common;
+
+use common::{cpu_logits as logits, rewrite_tensors};
 use ferrite_cli::synth::{self, Preset, SynthArgs, SynthQuant};
-use ferrite_formats::gguf::{GgufFile, GgufWriter};
+use ferrite_formats::gguf::GgufFile;
 use ferrite_formats::quant::converted::ConvertedType;
 use ferrite_formats::{GgmlType, TensorSource};
-use ferrite_models::{Logits, Model, ModelFile};
-
-fn logits(path: &std::path::Path, tokens: &[u32]) -> Vec<f32> {
-    let be = CpuBackend::new();
-    let file = ModelFile::open(path).unwrap();
-    let m: Model<CpuBackend> = Model::load(&be, &file, &|_, _| {}).unwrap();
-    let mut kv = m.new_kv(&be, tokens.len()).unwrap();
-    let mut ws = m.workspace(&be, tokens.len(), Logits::All).unwrap();
-    m.run(&be, &mut ws, &mut kv, 0, tokens, Logits::All)
-        .unwrap()
-}
 
 /// Random stored blocks of type `t` for `n` values, with the f16 scale `d` in every block:
 /// weights of at most ~0.15 in magnitude, like the synthetic model's own.
@@ -51,20 +42,9 @@ fn rewrite(
     stored: &std::path::Path,
     converted: &std::path::Path,
 ) -> [usize; 3] {
-    let f = GgufFile::open(src).unwrap();
-    let mut ws = GgufWriter::create(stored).unwrap();
-    let mut wc = GgufWriter::create(converted).unwrap();
-    for (k, v) in f.metadata() {
-        if k != "general.alignment" {
-            ws.add_kv(k.clone(), v.clone()).unwrap();
-            wc.add_kv(k.clone(), v.clone()).unwrap();
-        }
-    }
     let mut counts = [0usize; 3];
-    let mut data = Vec::new();
-    for (i, info) in f.tensor_infos().iter().enumerate() {
+    rewrite_tensors(src, [stored, converted], |i, info, bytes| {
         let row = *info.shape.last().unwrap();
-        let n: usize = info.shape.iter().product();
         let pick = ConvertedType::ALL
             .iter()
             .copied()
@@ -74,32 +54,17 @@ fn rewrite(
             .find(|t| row.is_multiple_of(t.block_size()));
         match pick {
             Some(t) if info.dtype == GgmlType::Q8_0 && info.shape.len() >= 2 => {
-                let blocks = random_blocks(t, n, i as u64 + 1);
+                let blocks = random_blocks(t, info.n_elements(), i as u64 + 1);
                 let conv = t.convert(&blocks).unwrap();
-                ws.add_tensor_info(&info.name, t, &info.shape).unwrap();
-                wc.add_tensor_info(&info.name, t.target(), &info.shape)
-                    .unwrap();
                 counts[ConvertedType::ALL.iter().position(|&x| x == t).unwrap()] += 1;
-                data.push((info.name.clone(), blocks, conv));
+                [(t.into(), blocks), (t.target().into(), conv)]
             }
-            _ => {
-                let bytes = f.tensor_data(info).to_vec();
-                ws.add_tensor_info(&info.name, info.dtype, &info.shape)
-                    .unwrap();
-                wc.add_tensor_info(&info.name, info.dtype, &info.shape)
-                    .unwrap();
-                data.push((info.name.clone(), bytes.clone(), bytes));
-            }
+            _ => [
+                (info.dtype.into(), bytes.to_vec()),
+                (info.dtype.into(), bytes.to_vec()),
+            ],
         }
-    }
-    ws.write_header().unwrap();
-    wc.write_header().unwrap();
-    for (name, s, c) in &data {
-        ws.write_tensor_data(name, s).unwrap();
-        wc.write_tensor_data(name, c).unwrap();
-    }
-    ws.finish().unwrap();
-    wc.finish().unwrap();
+    });
     counts
 }
 

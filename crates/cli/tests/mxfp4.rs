@@ -3,55 +3,28 @@
 //! are F32 (each weight decoded once) gives bit-identical logits, because the CPU's dot
 //! products decode every type into the same 32-weight blocks and sum them in one order.
 
-use ferrite_backend::cpu::CpuBackend;
+mod common;
+
+use common::{cpu_logits as logits, rewrite_tensors};
 use ferrite_cli::synth::{self, Preset, SynthArgs, SynthQuant};
-use ferrite_formats::gguf::{GgufFile, GgufWriter};
 use ferrite_formats::quant::dequantize;
 use ferrite_formats::GgmlType;
-use ferrite_models::{Logits, Model, ModelFile};
-
-fn logits(path: &std::path::Path, tokens: &[u32]) -> Vec<f32> {
-    let be = CpuBackend::new();
-    let file = ModelFile::open(path).unwrap();
-    let m: Model<CpuBackend> = Model::load(&be, &file, &|_, _| {}).unwrap();
-    let mut kv = m.new_kv(&be, tokens.len()).unwrap();
-    let mut ws = m.workspace(&be, tokens.len(), Logits::All).unwrap();
-    m.run(&be, &mut ws, &mut kv, 0, tokens, Logits::All)
-        .unwrap()
-}
 
 /// `src` rewritten with every MXFP4 tensor as F32; the number of tensors converted.
 fn with_f32_experts(src: &std::path::Path, dst: &std::path::Path) -> usize {
-    let f = GgufFile::open(src).unwrap();
-    let mut w = GgufWriter::create(dst).unwrap();
-    for (k, v) in f.metadata() {
-        if k != "general.alignment" {
-            w.add_kv(k.clone(), v.clone()).unwrap();
-        }
-    }
     let mut converted = 0;
-    let mut data = Vec::new();
-    for info in f.tensor_infos() {
-        let bytes = f.tensor_data(info);
-        let (ty, bytes) = if info.dtype == GgmlType::MXFP4 {
-            converted += 1;
-            let mut v = vec![0f32; info.shape.iter().product()];
-            dequantize(GgmlType::MXFP4, bytes, &mut v).unwrap();
-            (
-                GgmlType::F32,
-                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            )
-        } else {
-            (info.dtype, bytes.to_vec())
-        };
-        w.add_tensor_info(&info.name, ty, &info.shape).unwrap();
-        data.push((info.name.clone(), bytes));
-    }
-    w.write_header().unwrap();
-    for (name, bytes) in &data {
-        w.write_tensor_data(name, bytes).unwrap();
-    }
-    w.finish().unwrap();
+    rewrite_tensors(src, [dst], |_, info, bytes| {
+        if info.dtype != GgmlType::MXFP4 {
+            return [(info.dtype.into(), bytes.to_vec())];
+        }
+        converted += 1;
+        let mut v = vec![0f32; info.shape.iter().product()];
+        dequantize(GgmlType::MXFP4, bytes, &mut v).unwrap();
+        [(
+            GgmlType::F32.into(),
+            v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        )]
+    });
     converted
 }
 
