@@ -244,6 +244,25 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             if moe && be.device_memory().is_some() {
                 lines.extend(host_expert_lines(be, &file, &what, &tokens, &test)?);
             }
+            // The types converted at load (q5_0, q3_K, iq4_nl to q8_0 / q6_K): the Q8_0 file
+            // with its matrices stored in them, loaded through the conversion.
+            if quant == SynthQuant::Q8_0 {
+                let conv = scratch.join(format!("{preset:?}-converted.gguf"));
+                let counts = synth::with_converted_types(&path, &conv, 1)?;
+                let file = ModelFile::open(&conv)?;
+                let (test, vocab) = all_logits(be, &file, &tokens)?;
+                let (reference, _) = all_logits(&cpu, &file, &tokens)?;
+                let what = format!("{preset:?} q5_0/q3_K/iq4_nl {counts:?}");
+                lines.push(compare(
+                    format!("{what}: {} vs cpu", be.name()),
+                    &test,
+                    &reference,
+                    vocab,
+                ));
+                let m = Model::load(be, &file, &|_, _| {})?;
+                lines.push(gate_line(be, &m, &what, &tokens)?);
+                std::fs::remove_file(&conv).ok();
+            }
             std::fs::remove_file(&path).ok();
         }
     }

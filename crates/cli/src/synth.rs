@@ -16,8 +16,9 @@
 //! Block-size fallback: a tensor whose row length is not a multiple of its type's block
 //! (e.g. Q4_K's 256 with the tiny presets' hidden size 128) is written as Q8_0 (32-element
 //! blocks), or F16 if even that does not fit. llama.cpp falls back the same way but to
-//! Q5_0/Q5_1 for Q4_K/Q5_K, which ferrite does not implement; Q8_0 is the nearest type we
-//! have that is at least as precise.
+//! Q5_0/Q5_1 for Q4_K/Q5_K; ferrite loads Q5_0 by converting it to Q8_0 (and not Q5_1), so
+//! Q8_0 is what such a tensor computes as either way. (`with_converted_types` writes the
+//! types converted at load, for the tests of that path.)
 
 use std::path::{Path, PathBuf};
 
@@ -901,6 +902,67 @@ fn fill_rows(t: &TensorPlan, ti: usize, seed: u64, row0: usize, out: &mut [u8]) 
             }
             Ok(())
         })
+}
+
+/// `src` (a synthetic GGUF) rewritten to `dst` with its Q8_0 matrices stored in the types
+/// ferrite converts at load (`ferrite_formats::quant::converted`: q5_0, q3_K and iq4_nl in
+/// turn, where a tensor's rows take the type's blocks; the token embedding first). Each block
+/// is random bits under a fixed f16 scale, so the weights are finite and at most ~0.04 in
+/// magnitude, the synthetic matrices' scale. For the e2e check and the tests of those types'
+/// loading; the number of tensors of each type, in `ConvertedType::ALL`'s order.
+pub fn with_converted_types(src: &Path, dst: &Path, seed: u64) -> Result<[usize; 3]> {
+    use ferrite_formats::quant::converted::ConvertedType;
+    let f = GgufFile::open(src)?;
+    let mut w = GgufWriter::create(dst)?;
+    for (k, v) in f.metadata() {
+        if k != "general.alignment" {
+            w.add_kv(k.clone(), v.clone())?;
+        }
+    }
+    let mut counts = [0usize; 3];
+    let mut data = Vec::new();
+    for (i, info) in f.tensor_infos().iter().enumerate() {
+        let row = *info.shape.last().unwrap_or(&1);
+        let pick = ConvertedType::ALL
+            .iter()
+            .copied()
+            .cycle()
+            .skip(i % 3)
+            .take(3)
+            .find(|t| row.is_multiple_of(t.block_size()));
+        match pick {
+            Some(t) if info.dtype == GgmlType::Q8_0 && info.shape.len() >= 2 => {
+                let (d, d_at) = match t {
+                    ConvertedType::Q5_0 => (0.0025f32, 0),
+                    ConvertedType::IQ4NL => (0.0003, 0),
+                    ConvertedType::Q3K => (0.0003, 108),
+                };
+                let d = half::f16::from_f32(d).to_bits().to_le_bytes();
+                let mut rng = SplitMix64(chunk_seed(seed, i, 0));
+                let mut bytes = vec![0u8; t.bytes_for(info.n_elements())?];
+                for b in bytes.chunks_exact_mut(t.type_size()) {
+                    for q in b.chunks_mut(8) {
+                        let r = rng.next().to_le_bytes();
+                        q.copy_from_slice(&r[..q.len()]);
+                    }
+                    b[d_at..d_at + 2].copy_from_slice(&d);
+                }
+                counts[ConvertedType::ALL.iter().position(|&x| x == t).unwrap_or(0)] += 1;
+                w.add_tensor_info(&info.name, t, &info.shape)?;
+                data.push((info.name.clone(), bytes));
+            }
+            _ => {
+                w.add_tensor_info(&info.name, info.dtype, &info.shape)?;
+                data.push((info.name.clone(), f.tensor_data(info).to_vec()));
+            }
+        }
+    }
+    w.write_header()?;
+    for (name, bytes) in &data {
+        w.write_tensor_data(name, bytes)?;
+    }
+    w.finish()?;
+    Ok(counts)
 }
 
 /// Bytes generated per pipeline step (one buffer is written while the next is filled).

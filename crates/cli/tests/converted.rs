@@ -8,64 +8,14 @@ mod common;
 use common::{cpu_logits as logits, rewrite_tensors};
 use ferrite_cli::synth::{self, Preset, SynthArgs, SynthQuant};
 use ferrite_formats::gguf::GgufFile;
-use ferrite_formats::quant::converted::ConvertedType;
-use ferrite_formats::{GgmlType, TensorSource};
+use ferrite_formats::TensorSource;
 
-/// Random stored blocks of type `t` for `n` values, with the f16 scale `d` in every block:
-/// weights of at most ~0.15 in magnitude, like the synthetic model's own.
-fn random_blocks(t: ConvertedType, n: usize, seed: u64) -> Vec<u8> {
-    let (d, d_at) = match t {
-        ConvertedType::Q5_0 => (0.01f32, 0),
-        ConvertedType::IQ4NL => (0.001, 0),
-        ConvertedType::Q3K => (0.001, 108),
-    };
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v: Vec<u8> = (0..t.bytes_for(n).unwrap())
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 32) as u8
-        })
-        .collect();
-    for b in v.chunks_exact_mut(t.type_size()) {
-        b[d_at..d_at + 2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
-    }
-    v
-}
-
-/// `src` rewritten twice: its Q8_0 matrices (in turn q5_0, iq4_nl, q3_K where the rows take
-/// that type's blocks) stored as random blocks of those types (`stored`), and the same blocks
-/// converted (`converted`). The number of tensors of each type.
-fn rewrite(
-    src: &std::path::Path,
-    stored: &std::path::Path,
-    converted: &std::path::Path,
-) -> [usize; 3] {
-    let mut counts = [0usize; 3];
-    rewrite_tensors(src, [stored, converted], |i, info, bytes| {
-        let row = *info.shape.last().unwrap();
-        let pick = ConvertedType::ALL
-            .iter()
-            .copied()
-            .cycle()
-            .skip(i % 3)
-            .take(3)
-            .find(|t| row.is_multiple_of(t.block_size()));
-        match pick {
-            Some(t) if info.dtype == GgmlType::Q8_0 && info.shape.len() >= 2 => {
-                let blocks = random_blocks(t, info.n_elements(), i as u64 + 1);
-                let conv = t.convert(&blocks).unwrap();
-                counts[ConvertedType::ALL.iter().position(|&x| x == t).unwrap()] += 1;
-                [(t.into(), blocks), (t.target().into(), conv)]
-            }
-            _ => [
-                (info.dtype.into(), bytes.to_vec()),
-                (info.dtype.into(), bytes.to_vec()),
-            ],
-        }
+/// `stored` rewritten with each tensor converted at load stored already converted.
+fn converted_twin(stored: &std::path::Path, twin: &std::path::Path) {
+    rewrite_tensors(stored, [twin], |_, info, bytes| match info.converted_from {
+        Some(t) => [(info.dtype.into(), t.convert(bytes).unwrap())],
+        None => [(info.dtype.into(), bytes.to_vec())],
     });
-    counts
 }
 
 #[test]
@@ -92,7 +42,8 @@ fn converted_types_compute_as_their_conversions() {
             dir.join(format!("{preset:?}-stored.gguf")),
             dir.join(format!("{preset:?}-conv.gguf")),
         );
-        let counts = rewrite(&q8, &stored, &conv);
+        let counts = synth::with_converted_types(&q8, &stored, 7).unwrap();
+        converted_twin(&stored, &conv);
         assert!(
             counts.iter().filter(|&&c| c > 0).count() >= 2,
             "{preset:?}: tensors of each type {counts:?}"
