@@ -280,6 +280,28 @@ pub fn model<B: Backend>(be: &B, file: &ModelFile, args: &ModelArgs) -> Result<M
             tracing::info!("{n} {what} weights: converted to BF16 as they load");
         }
     }
+    if let ModelFile::Gguf(g) = file {
+        // Stored in a type converted at load: say so, with what it costs in memory.
+        let mut conv = std::collections::BTreeMap::new();
+        for t in g.tensor_infos() {
+            if let Some(from) = t.converted_from {
+                let e = conv
+                    .entry((from.name(), t.dtype.name()))
+                    .or_insert((0, 0, 0));
+                e.0 += 1;
+                e.1 += t.n_bytes;
+                e.2 += t.dtype.bytes_for(t.n_elements()).unwrap_or(0);
+            }
+        }
+        for ((from, to), (n, stored, held)) in conv {
+            tracing::info!(
+                "{n} {from} tensors: converted to {to} as they load (the same values; {:.1} MiB \
+                 stored, {:.1} MiB held)",
+                stored as f64 / (1u64 << 20) as f64,
+                held as f64 / (1u64 << 20) as f64
+            );
+        }
+    }
     if let (ModelFile::Gguf(g), Some(_)) = (file, be.device_memory()) {
         let mut held = std::collections::BTreeMap::new();
         for t in g.tensor_infos() {
