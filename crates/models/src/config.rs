@@ -131,12 +131,41 @@ impl ModelConfig {
 }
 
 /// Reads a GGUF file's `<arch>.*` hyperparameters (llama.cpp's key names).
+/// llama.cpp writes Llama 3.1's RoPE scaling (`rope_type: "llama3"`: the longer wavelengths'
+/// frequencies divided by up to `factor`, smoothly between two wavelengths) as a
+/// `rope_freqs.weight` tensor of one divisor per rotated pair, with no `rope.scaling.type`
+/// key. ferrite does not apply such divisors yet: a file whose divisors are not all 1 is
+/// refused rather than run with rotations other than its model's.
+fn refuse_rope_freq_factors(f: &GgufFile) -> Result<()> {
+    use ferrite_formats::TensorSource;
+    const NAME: &str = "rope_freqs.weight";
+    if !f.has(NAME) {
+        return Ok(());
+    }
+    let factors = f
+        .require_tensor(NAME)
+        .and_then(|t| t.to_f32())
+        .with_context(|| format!("reading {NAME}"))?;
+    let scaled = factors.iter().filter(|&&x| x != 1.0).count();
+    if scaled == 0 {
+        return Ok(());
+    }
+    let max = factors.iter().copied().fold(1.0f32, f32::max);
+    bail!(
+        "this GGUF scales RoPE by per-frequency divisors ({NAME}: {scaled} of {} frequencies \
+         divided, by up to {max}; Llama 3.1-style \"llama3\" scaling), which ferrite does not \
+         apply yet",
+        factors.len()
+    )
+}
+
 pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
     let arch_name = f
         .get("general.architecture")
         .and_then(|v| v.as_str())
         .context("GGUF has no general.architecture")?;
     let arch = Arch::from_gguf_name(arch_name)?;
+    refuse_rope_freq_factors(f)?;
     if arch.is_hybrid() {
         return from_gguf_qwen35(f, arch, vocab);
     }

@@ -1,0 +1,75 @@
+//! A GGUF with Llama 3.1-style RoPE frequency divisors (`rope_freqs.weight`, how llama.cpp's
+//! converter writes `rope_type: "llama3"`) is refused with a clear error, not run with
+//! unscaled rotations; divisors that are all 1 change nothing and load.
+
+use ferrite_cli::synth::{self, Preset, SynthArgs, SynthQuant};
+use ferrite_formats::gguf::{GgufFile, GgufWriter};
+use ferrite_formats::GgmlType;
+use ferrite_models::ModelFile;
+
+/// `src` with a `rope_freqs.weight` of `factors` appended.
+fn with_rope_freqs(src: &std::path::Path, dst: &std::path::Path, factors: &[f32]) {
+    let f = GgufFile::open(src).unwrap();
+    let mut w = GgufWriter::create(dst).unwrap();
+    for (k, v) in f.metadata() {
+        if k != "general.alignment" {
+            w.add_kv(k.clone(), v.clone()).unwrap();
+        }
+    }
+    for info in f.tensor_infos() {
+        w.add_tensor_info(&info.name, info.dtype, &info.shape)
+            .unwrap();
+    }
+    w.add_tensor_info("rope_freqs.weight", GgmlType::F32, &[factors.len()])
+        .unwrap();
+    w.write_header().unwrap();
+    for info in f.tensor_infos() {
+        w.write_tensor_data(&info.name, f.tensor_data(info))
+            .unwrap();
+    }
+    let bytes: Vec<u8> = factors.iter().flat_map(|x| x.to_le_bytes()).collect();
+    w.write_tensor_data("rope_freqs.weight", &bytes).unwrap();
+    w.finish().unwrap();
+}
+
+#[test]
+fn rope_frequency_divisors_are_refused() {
+    let dir = std::env::temp_dir().join(format!("ferrite-rope-freqs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = dir.join("llama.gguf");
+    synth::synth(&SynthArgs {
+        preset: Preset::TinyLlama,
+        quant: SynthQuant::Q8_0,
+        output: base.clone(),
+        vocab: None,
+        seed: 1,
+        layers: None,
+        mtp: false,
+    })
+    .unwrap();
+    let head_dim = ModelFile::open(&base)
+        .unwrap()
+        .config()
+        .unwrap()
+        .attn
+        .head_dim;
+
+    // Llama 3.1's divisors for this head size: 1 for the short wavelengths, 8 for the long.
+    let scaled: Vec<f32> = (0..head_dim / 2)
+        .map(|i| if i < head_dim / 4 { 1.0 } else { 8.0 })
+        .collect();
+    let path = dir.join("scaled.gguf");
+    with_rope_freqs(&base, &path, &scaled);
+    let err = ModelFile::open(&path).unwrap().config().unwrap_err();
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("rope_freqs.weight") && msg.contains("does not apply yet"),
+        "{msg}"
+    );
+
+    let ones = vec![1.0f32; head_dim / 2];
+    let path = dir.join("ones.gguf");
+    with_rope_freqs(&base, &path, &ones);
+    assert!(ModelFile::open(&path).unwrap().config().is_ok());
+    std::fs::remove_dir_all(&dir).ok();
+}
