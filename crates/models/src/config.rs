@@ -187,6 +187,17 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
     if let Some(t) = f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
         anyhow::ensure!(t == "none", "RoPE scaling '{t}' is not supported yet");
     }
+    // llama.cpp writes Mixtral-style MoE models as `llama` with experts: not this decoder's
+    // dense Llama (whose FFN tensors such a file does not have).
+    if arch == Arch::Llama {
+        if let Some(n) = get_usize("expert_count").filter(|&n| n > 0) {
+            bail!(
+                "this `llama` GGUF has {n} experts a layer ({arch_name}.expert_count; a \
+                 Mixtral-style MoE), which ferrite does not run: its llama is dense (its MoE \
+                 architectures are qwen3moe and qwen35moe)"
+            );
+        }
+    }
     let moe = match arch {
         Arch::Qwen3Moe => Some(MoeConfig {
             routing: MoeRouting {

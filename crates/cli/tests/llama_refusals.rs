@@ -1,14 +1,20 @@
-//! A GGUF with Llama 3.1-style RoPE frequency divisors (`rope_freqs.weight`, how llama.cpp's
-//! converter writes `rope_type: "llama3"`) is refused with a clear error, not run with
-//! unscaled rotations; divisors that are all 1 change nothing and load.
+//! `llama` GGUFs that the dense Llama decoder would run wrongly are refused with a clear error:
+//! Llama 3.1-style RoPE frequency divisors (`rope_freqs.weight`, how llama.cpp's converter
+//! writes `rope_type: "llama3"`; divisors that are all 1 change nothing and load), and
+//! Mixtral-style experts (`llama.expert_count`).
 
 use ferrite_cli::synth::{self, Preset, SynthArgs, SynthQuant};
-use ferrite_formats::gguf::{GgufFile, GgufWriter};
+use ferrite_formats::gguf::{GgufFile, GgufValue, GgufWriter};
 use ferrite_formats::GgmlType;
 use ferrite_models::ModelFile;
 
-/// `src` with a `rope_freqs.weight` of `factors` appended.
-fn with_rope_freqs(src: &std::path::Path, dst: &std::path::Path, factors: &[f32]) {
+/// `src` with the metadata `kv` and a `rope_freqs.weight` of `factors` (where not empty) added.
+fn rewritten(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    kv: &[(&str, GgufValue)],
+    factors: &[f32],
+) {
     let f = GgufFile::open(src).unwrap();
     let mut w = GgufWriter::create(dst).unwrap();
     for (k, v) in f.metadata() {
@@ -16,25 +22,32 @@ fn with_rope_freqs(src: &std::path::Path, dst: &std::path::Path, factors: &[f32]
             w.add_kv(k.clone(), v.clone()).unwrap();
         }
     }
+    for (k, v) in kv {
+        w.add_kv(k.to_string(), v.clone()).unwrap();
+    }
     for info in f.tensor_infos() {
         w.add_tensor_info(&info.name, info.dtype, &info.shape)
             .unwrap();
     }
-    w.add_tensor_info("rope_freqs.weight", GgmlType::F32, &[factors.len()])
-        .unwrap();
+    if !factors.is_empty() {
+        w.add_tensor_info("rope_freqs.weight", GgmlType::F32, &[factors.len()])
+            .unwrap();
+    }
     w.write_header().unwrap();
     for info in f.tensor_infos() {
         w.write_tensor_data(&info.name, f.tensor_data(info))
             .unwrap();
     }
-    let bytes: Vec<u8> = factors.iter().flat_map(|x| x.to_le_bytes()).collect();
-    w.write_tensor_data("rope_freqs.weight", &bytes).unwrap();
+    if !factors.is_empty() {
+        let bytes: Vec<u8> = factors.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.write_tensor_data("rope_freqs.weight", &bytes).unwrap();
+    }
     w.finish().unwrap();
 }
 
 #[test]
-fn rope_frequency_divisors_are_refused() {
-    let dir = std::env::temp_dir().join(format!("ferrite-rope-freqs-{}", std::process::id()));
+fn scaled_rope_and_experts_are_refused() {
+    let dir = std::env::temp_dir().join(format!("ferrite-llama-refusals-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let base = dir.join("llama.gguf");
     synth::synth(&SynthArgs {
@@ -59,7 +72,7 @@ fn rope_frequency_divisors_are_refused() {
         .map(|i| if i < head_dim / 4 { 1.0 } else { 8.0 })
         .collect();
     let path = dir.join("scaled.gguf");
-    with_rope_freqs(&base, &path, &scaled);
+    rewritten(&base, &path, &[], &scaled);
     let err = ModelFile::open(&path).unwrap().config().unwrap_err();
     let msg = format!("{err:#}");
     assert!(
@@ -69,7 +82,20 @@ fn rope_frequency_divisors_are_refused() {
 
     let ones = vec![1.0f32; head_dim / 2];
     let path = dir.join("ones.gguf");
-    with_rope_freqs(&base, &path, &ones);
+    rewritten(&base, &path, &[], &ones);
     assert!(ModelFile::open(&path).unwrap().config().is_ok());
+
+    let path = dir.join("experts.gguf");
+    rewritten(
+        &base,
+        &path,
+        &[("llama.expert_count", GgufValue::U32(8))],
+        &[],
+    );
+    let msg = format!(
+        "{:#}",
+        ModelFile::open(&path).unwrap().config().unwrap_err()
+    );
+    assert!(msg.contains("8 experts a layer"), "{msg}");
     std::fs::remove_dir_all(&dir).ok();
 }
