@@ -1,19 +1,19 @@
 //! `llama` GGUFs that the dense Llama decoder would run wrongly are refused with a clear error:
 //! Llama 3.1-style RoPE frequency divisors (`rope_freqs.weight`, how llama.cpp's converter
-//! writes `rope_type: "llama3"`; divisors that are all 1 change nothing and load), and
-//! Mixtral-style experts (`llama.expert_count`).
+//! writes `rope_type: "llama3"`; divisors that are all 1 change nothing and load),
+//! Mixtral-style experts (`llama.expert_count`) and bias tensors.
 
 use ferrite_cli::synth::{self, Preset, SynthArgs, SynthQuant};
 use ferrite_formats::gguf::{GgufFile, GgufValue, GgufWriter};
 use ferrite_formats::GgmlType;
 use ferrite_models::ModelFile;
 
-/// `src` with the metadata `kv` and a `rope_freqs.weight` of `factors` (where not empty) added.
+/// `src` with the metadata `kv` and the F32 tensors `extra` added.
 fn rewritten(
     src: &std::path::Path,
     dst: &std::path::Path,
     kv: &[(&str, GgufValue)],
-    factors: &[f32],
+    extra: &[(&str, &[f32])],
 ) {
     let f = GgufFile::open(src).unwrap();
     let mut w = GgufWriter::create(dst).unwrap();
@@ -29,18 +29,17 @@ fn rewritten(
         w.add_tensor_info(&info.name, info.dtype, &info.shape)
             .unwrap();
     }
-    if !factors.is_empty() {
-        w.add_tensor_info("rope_freqs.weight", GgmlType::F32, &[factors.len()])
-            .unwrap();
+    for (name, v) in extra {
+        w.add_tensor_info(name, GgmlType::F32, &[v.len()]).unwrap();
     }
     w.write_header().unwrap();
     for info in f.tensor_infos() {
         w.write_tensor_data(&info.name, f.tensor_data(info))
             .unwrap();
     }
-    if !factors.is_empty() {
-        let bytes: Vec<u8> = factors.iter().flat_map(|x| x.to_le_bytes()).collect();
-        w.write_tensor_data("rope_freqs.weight", &bytes).unwrap();
+    for (name, v) in extra {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        w.write_tensor_data(name, &bytes).unwrap();
     }
     w.finish().unwrap();
 }
@@ -72,7 +71,7 @@ fn scaled_rope_and_experts_are_refused() {
         .map(|i| if i < head_dim / 4 { 1.0 } else { 8.0 })
         .collect();
     let path = dir.join("scaled.gguf");
-    rewritten(&base, &path, &[], &scaled);
+    rewritten(&base, &path, &[], &[("rope_freqs.weight", &scaled)]);
     let err = ModelFile::open(&path).unwrap().config().unwrap_err();
     let msg = format!("{err:#}");
     assert!(
@@ -82,7 +81,7 @@ fn scaled_rope_and_experts_are_refused() {
 
     let ones = vec![1.0f32; head_dim / 2];
     let path = dir.join("ones.gguf");
-    rewritten(&base, &path, &[], &ones);
+    rewritten(&base, &path, &[], &[("rope_freqs.weight", &ones)]);
     assert!(ModelFile::open(&path).unwrap().config().is_ok());
 
     let path = dir.join("experts.gguf");
@@ -97,5 +96,17 @@ fn scaled_rope_and_experts_are_refused() {
         ModelFile::open(&path).unwrap().config().unwrap_err()
     );
     assert!(msg.contains("8 experts a layer"), "{msg}");
+
+    let path = dir.join("bias.gguf");
+    let bias = vec![0.5f32; 64];
+    rewritten(&base, &path, &[], &[("blk.0.attn_q.bias", &bias)]);
+    let msg = format!(
+        "{:#}",
+        ModelFile::open(&path).unwrap().config().unwrap_err()
+    );
+    assert!(
+        msg.contains("'blk.0.attn_q.bias': biases are not supported"),
+        "{msg}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

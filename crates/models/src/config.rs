@@ -187,6 +187,14 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
     if let Some(t) = f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
         anyhow::ensure!(t == "none", "RoPE scaling '{t}' is not supported yet");
     }
+    // Biases (a converted model with attention or MLP biases): the decoder has none.
+    if let Some(t) = f.tensor_infos().iter().find(|t| t.name.ends_with(".bias")) {
+        bail!(
+            "tensor '{}': biases are not supported for {arch_name} (the decoder computes \
+             none, so it would leave them out)",
+            t.name
+        );
+    }
     // llama.cpp writes Mixtral-style MoE models as `llama` with experts: not this decoder's
     // dense Llama (whose FFN tensors such a file does not have).
     if arch == Arch::Llama {
@@ -399,6 +407,19 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
     let head_dim = get_usize("head_dim").unwrap_or(hidden / n_heads.max(1));
     if c.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
         bail!("attention_bias = true is not supported for {arch_name}");
+    }
+    // What the decoder does not compute, refused rather than left out of the sums.
+    if c.get("mlp_bias").and_then(|v| v.as_bool()) == Some(true) {
+        bail!("mlp_bias = true is not supported for {arch_name}");
+    }
+    if let Some(act) = c.get("hidden_act").and_then(|v| v.as_str()) {
+        anyhow::ensure!(
+            matches!(act, "silu" | "swish"),
+            "hidden_act '{act}' is not supported for {arch_name} (its MLP is SwiGLU: silu)"
+        );
+    }
+    if c.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true) {
+        bail!("use_sliding_window = true (sliding-window attention) is not supported yet");
     }
     // transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta`/`rope_scaling`.
     let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
@@ -650,4 +671,58 @@ fn validate(c: &ModelConfig) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny Llama's config.json with `extra` merged in.
+    fn llama(extra: serde_json::Value) -> serde_json::Value {
+        let mut c = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    /// What the decoder does not compute is refused by name, not left out of the sums.
+    #[test]
+    fn hf_configs_the_decoder_does_not_compute_are_refused() {
+        assert!(from_hf(&llama(serde_json::json!({}))).is_ok());
+        for (extra, says) in [
+            (serde_json::json!({"mlp_bias": true}), "mlp_bias"),
+            (
+                serde_json::json!({"attention_bias": true}),
+                "attention_bias",
+            ),
+            (
+                serde_json::json!({"hidden_act": "gelu"}),
+                "hidden_act 'gelu'",
+            ),
+            (
+                serde_json::json!({"use_sliding_window": true}),
+                "sliding-window",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+                "RoPE scaling 'llama3'",
+            ),
+        ] {
+            let e = from_hf(&llama(extra.clone())).unwrap_err().to_string();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        // Stated but off: accepted.
+        for extra in [
+            serde_json::json!({"mlp_bias": false, "use_sliding_window": false}),
+            serde_json::json!({"hidden_act": "swish"}),
+        ] {
+            assert!(from_hf(&llama(extra.clone())).is_ok(), "{extra}");
+        }
+    }
 }
