@@ -49,10 +49,27 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def rope(x, pos, theta):
-    # x: [T, heads, hd]; rotate-half (NeoX) layout, as in transformers.
+def llama3_inv_freq(inv, rp):
+    """Llama 3.1's "llama3" RoPE scaling (transformers' _compute_llama3_parameters), float64:
+    wavelengths under original / high_freq_factor keep their frequency, those over
+    original / low_freq_factor are slowed by `factor`, those between are blended."""
+    factor, low, high = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old = rp["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv
+    out = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, out)
+
+
+def rope(x, pos, theta, scaling=None):
+    # x: [T, heads, hd]; rotate-half (NeoX) layout, as in transformers. scaling: the
+    # rope_parameters of a "llama3" scaling, or None.
     hd = x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    if scaling is not None:
+        inv = llama3_inv_freq(inv, scaling)
     fr = pos[:, None] * inv[None, :]
     emb = np.concatenate([fr, fr], axis=-1)
     cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
@@ -68,6 +85,7 @@ def forward(cfg, W, tokens):
     eps = cfg["rms_norm_eps"]
     rp = cfg.get("rope_parameters") or {}
     theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = rp if rp.get("rope_type") == "llama3" else None
     qk_norm = cfg["model_type"].startswith("qwen3")
     n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
     T = len(tokens)
@@ -84,7 +102,7 @@ def forward(cfg, W, tokens):
         if qk_norm:
             q = rmsnorm(q, W[p + "self_attn.q_norm.weight"], eps)
             k = rmsnorm(k, W[p + "self_attn.k_norm.weight"], eps)
-        q, k = rope(q, pos, theta), rope(k, pos, theta)
+        q, k = rope(q, pos, theta, scaling), rope(k, pos, theta, scaling)
         rep = nh // nkv
         att = np.zeros((T, nh, hd))
         for hh in range(nh):
@@ -140,6 +158,9 @@ def main():
         if not os.path.isfile(os.path.join(d, "oracle.safetensors")):
             continue
         cfg = json.load(open(os.path.join(d, "config.json")))
+        if cfg.get("model_type", "").startswith("qwen3_5"):
+            print(f"{name:24s} skipped: a Qwen3.5 hybrid (not covered here)")
+            continue
         W = read_safetensors(os.path.join(d, "model.safetensors"))
         O = read_safetensors(os.path.join(d, "oracle.safetensors"))
         tokens = O["tokens"]

@@ -1368,8 +1368,12 @@ pub fn argmax_row(v: &[f32]) -> usize {
     best
 }
 
-/// `inv_freq[i] = theta^(-2i/rot_dim)`, computed in f32 as Hugging Face computes it.
+/// `inv_freq[i] = theta^(-2i/rot_dim)`, computed in f32 as Hugging Face computes it, or the
+/// table a scaling set ([`Rope::inv_freq`]).
 pub fn rope_inv_freq(rope: &Rope) -> Vec<f32> {
+    if let Some(t) = &rope.inv_freq {
+        return t.to_vec();
+    }
     (0..rope.rot_dim / 2)
         .map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32))
         .collect()

@@ -319,12 +319,15 @@ pub enum RopeStyle {
 }
 
 /// Rotary position embedding parameters.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Rope {
     pub style: RopeStyle,
     pub theta: f32,
     /// Number of leading dimensions of each head that rotate (= head_dim unless partial).
     pub rot_dim: usize,
+    /// The rotary frequencies where a scaling sets them (`rot_dim / 2` of them; Llama 3.1's
+    /// "llama3" scaling slows the long wavelengths). `None`: `theta^(-2i / rot_dim)`.
+    pub inv_freq: Option<std::sync::Arc<[f32]>>,
 }
 
 /// The arguments of [`Backend::qk_norm_rope`] after its q and k, for the ops that include it
@@ -520,6 +523,11 @@ pub trait Backend: Send + Sync {
     }
     /// Bytes per cached key or value element (4 for f32, 2 for f16, ~1.06 for q8_0).
     fn kv_bytes_per_element(&self) -> f64;
+    /// Whether the rotary ops take a frequency table ([`Rope::inv_freq`], a RoPE scaling);
+    /// a model that has one is refused at load where they do not.
+    fn rope_frequency_tables(&self) -> bool {
+        true
+    }
 
     /// Moves a weight into backend memory, keeping its storage type.
     fn upload(&self, t: &HostTensor<'_>) -> Result<Self::Weight>;

@@ -69,6 +69,7 @@ fn qk_norm_rope_is_norms_then_ropes() {
             style,
             theta,
             rot_dim: rot,
+            inv_freq: None,
         };
         for norm in [true, false] {
             for (rows, pos0) in [(1, 0), (1, 1000), (9, 17)] {
@@ -122,6 +123,7 @@ fn fused_ops_check_shapes() {
         style: RopeStyle::Neox,
         theta: 1e4,
         rot_dim: 8,
+        inv_freq: None,
     };
     let mut step = be.step_input(2).unwrap();
     be.set_step(&mut step, &[0, 0], 0).unwrap();

@@ -132,6 +132,7 @@ const ATTN_ROPE: Rope = Rope {
     style: RopeStyle::Neox,
     theta: 1e6,
     rot_dim: 128,
+    inv_freq: None,
 };
 /// Graph capture + replay of RoPE at new positions: as RoPE.
 const GRAPH_NMSE: f64 = ROPE_NMSE;
@@ -1709,6 +1710,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                         style,
                         theta,
                         rot_dim,
+                        inv_freq: None,
                     },
                     pos0,
                 });
@@ -1800,6 +1802,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     style,
                     theta,
                     rot_dim,
+                    inv_freq: None,
                 },
                 norm,
                 pos0,
@@ -3621,6 +3624,7 @@ const GRAPH_ROPE: Rope = Rope {
     style: RopeStyle::Neox,
     theta: 1e6,
     rot_dim: 128,
+    inv_freq: None,
 };
 
 /// The body a graph case captures: restore x from the pristine input, rotate it.
@@ -3872,6 +3876,7 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
                     .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
             let rope = Rope {
                 rot_dim: *rot_dim,
+                inv_freq: None,
                 ..ATTN_ROPE
             };
             let qk = QkRope {

@@ -1,7 +1,8 @@
-//! `llama` GGUFs that the dense Llama decoder would run wrongly are refused with a clear error:
-//! Llama 3.1-style RoPE frequency divisors (`rope_freqs.weight`, how llama.cpp's converter
-//! writes `rope_type: "llama3"`; divisors that are all 1 change nothing and load),
-//! Mixtral-style experts (`llama.expert_count`) and bias tensors.
+//! `llama` GGUF metadata the dense Llama decoder must not ignore: Llama 3.1-style RoPE
+//! frequency divisors (`rope_freqs.weight`, how llama.cpp's converter writes `rope_type:
+//! "llama3"`) become the model's frequency table (all-1 divisors none; a wrong count is an
+//! error), and Mixtral-style experts (`llama.expert_count`) and bias tensors are refused with a
+//! clear error.
 
 use ferrite_cli::synth::{self, Preset, SynthArgs, SynthQuant};
 use ferrite_formats::gguf::{GgufFile, GgufValue, GgufWriter};
@@ -45,7 +46,7 @@ fn rewritten(
 }
 
 #[test]
-fn scaled_rope_and_experts_are_refused() {
+fn rope_divisors_experts_and_biases() {
     let dir = std::env::temp_dir().join(format!("ferrite-llama-refusals-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let base = dir.join("llama.gguf");
@@ -66,23 +67,39 @@ fn scaled_rope_and_experts_are_refused() {
         .attn
         .head_dim;
 
-    // Llama 3.1's divisors for this head size: 1 for the short wavelengths, 8 for the long.
+    // Llama 3.1-style divisors: the frequencies the model runs with are the file's base
+    // frequencies divided by them (the CPU backend's table; the CUDA backend refuses a
+    // table at load, not runnable here).
     let scaled: Vec<f32> = (0..head_dim / 2)
         .map(|i| if i < head_dim / 4 { 1.0 } else { 8.0 })
         .collect();
     let path = dir.join("scaled.gguf");
     rewritten(&base, &path, &[], &[("rope_freqs.weight", &scaled)]);
-    let err = ModelFile::open(&path).unwrap().config().unwrap_err();
-    let msg = format!("{err:#}");
-    assert!(
-        msg.contains("rope_freqs.weight") && msg.contains("does not apply yet"),
-        "{msg}"
+    let rope = ModelFile::open(&path).unwrap().config().unwrap().rope;
+    let table = rope.inv_freq.expect("a frequency table");
+    for (i, (&f, &d)) in table.iter().zip(&scaled).enumerate() {
+        let base = 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32);
+        assert_eq!(f, base / d, "frequency {i}");
+    }
+    // Divisors of the wrong count are an error, not a guess.
+    let path = dir.join("short.gguf");
+    rewritten(&base, &path, &[], &[("rope_freqs.weight", &scaled[1..])]);
+    let msg = format!(
+        "{:#}",
+        ModelFile::open(&path).unwrap().config().unwrap_err()
     );
+    assert!(msg.contains("divisors, but the heads rotate"), "{msg}");
 
     let ones = vec![1.0f32; head_dim / 2];
     let path = dir.join("ones.gguf");
     rewritten(&base, &path, &[], &[("rope_freqs.weight", &ones)]);
-    assert!(ModelFile::open(&path).unwrap().config().is_ok());
+    assert!(ModelFile::open(&path)
+        .unwrap()
+        .config()
+        .unwrap()
+        .rope
+        .inv_freq
+        .is_none());
 
     let path = dir.join("experts.gguf");
     rewritten(

@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use ferrite_backend::{AttnShape, DeltaShape, MoeRouting, Rope, RopeStyle};
 use ferrite_formats::gguf::GgufFile;
+use std::sync::Arc;
 
 /// The architectures ferrite runs. Adding one = a file in this crate + a line in
 /// [`Arch::from_gguf_name`] / [`Arch::from_hf_name`].
@@ -131,32 +132,136 @@ impl ModelConfig {
 }
 
 /// Reads a GGUF file's `<arch>.*` hyperparameters (llama.cpp's key names).
-/// llama.cpp writes Llama 3.1's RoPE scaling (`rope_type: "llama3"`: the longer wavelengths'
-/// frequencies divided by up to `factor`, smoothly between two wavelengths) as a
-/// `rope_freqs.weight` tensor of one divisor per rotated pair, with no `rope.scaling.type`
-/// key. ferrite does not apply such divisors yet: a file whose divisors are not all 1 is
-/// refused rather than run with rotations other than its model's.
-fn refuse_rope_freq_factors(f: &GgufFile) -> Result<()> {
+/// `theta^(-2i / rot_dim)` for each rotated pair, in f32 as Hugging Face computes it (the CPU
+/// backend's unscaled frequencies).
+fn base_inv_freq(theta: f32, rot_dim: usize) -> impl Iterator<Item = f32> {
+    (0..rot_dim / 2).map(move |i| 1.0 / theta.powf((2 * i) as f32 / rot_dim as f32))
+}
+
+/// The frequencies of llama.cpp's `rope_freqs.weight`: how its converter writes Llama 3.1's
+/// "llama3" scaling, one divisor per rotated pair (and no `rope.scaling.type` key). `None`
+/// where the file has none, or divisors that are all 1.
+fn gguf_rope_freqs(f: &GgufFile, theta: f32, rot_dim: usize) -> Result<Option<Arc<[f32]>>> {
     use ferrite_formats::TensorSource;
     const NAME: &str = "rope_freqs.weight";
     if !f.has(NAME) {
-        return Ok(());
+        return Ok(None);
     }
-    let factors = f
+    let div = f
         .require_tensor(NAME)
         .and_then(|t| t.to_f32())
         .with_context(|| format!("reading {NAME}"))?;
-    let scaled = factors.iter().filter(|&&x| x != 1.0).count();
-    if scaled == 0 {
-        return Ok(());
+    anyhow::ensure!(
+        div.len() == rot_dim / 2,
+        "{NAME} has {} divisors, but the heads rotate {} pairs",
+        div.len(),
+        rot_dim / 2
+    );
+    anyhow::ensure!(
+        div.iter().all(|d| d.is_finite() && *d > 0.0),
+        "{NAME}: divisors must be positive and finite"
+    );
+    if div.iter().all(|&d| d == 1.0) {
+        return Ok(None);
     }
-    let max = factors.iter().copied().fold(1.0f32, f32::max);
-    bail!(
-        "this GGUF scales RoPE by per-frequency divisors ({NAME}: {scaled} of {} frequencies \
-         divided, by up to {max}; Llama 3.1-style \"llama3\" scaling), which ferrite does not \
-         apply yet",
-        factors.len()
-    )
+    Ok(Some(
+        base_inv_freq(theta, rot_dim)
+            .zip(&div)
+            .map(|(f, d)| f / d)
+            .collect(),
+    ))
+}
+
+/// The `rope_freqs.weight` divisors llama.cpp's converter writes for a Hugging Face
+/// checkpoint's "llama3" scaling (`LlamaModel.generate_extra_tensors` in
+/// `convert_hf_to_gguf.py`, in f32 as its torch scalars compute): 1 for wavelengths under
+/// `original / high`, `factor` over `original / low`, `1 / ((1 - s) / factor + s)` between.
+/// `None` where the checkpoint has no such scaling.
+pub(crate) fn hf_llama3_divisors(
+    config: &serde_json::Value,
+    rope: &Rope,
+) -> Result<Option<Vec<f32>>> {
+    let c = config.get("text_config").unwrap_or(config);
+    let Some(p) = c
+        .get("rope_parameters")
+        .filter(|p| p.is_object())
+        .or_else(|| c.get("rope_scaling"))
+        .filter(|p| p.get("rope_type").and_then(|v| v.as_str()) == Some("llama3"))
+    else {
+        return Ok(None);
+    };
+    let get = |k: &str| {
+        p.get(k)
+            .and_then(|v| v.as_f64())
+            .with_context(|| format!("llama3 RoPE scaling without '{k}'"))
+    };
+    let (factor, low, high) = (
+        get("factor")? as f32,
+        get("low_freq_factor")?,
+        get("high_freq_factor")?,
+    );
+    let old_ctx = get("original_max_position_embeddings")?;
+    let (low_wavelen, high_wavelen) = ((old_ctx / low) as f32, (old_ctx / high) as f32);
+    Ok(Some(
+        base_inv_freq(rope.theta, rope.rot_dim)
+            .map(|f| {
+                let wavelen = std::f32::consts::TAU / f;
+                if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    factor
+                } else {
+                    let s = (old_ctx as f32 / wavelen - low as f32) / (high - low) as f32;
+                    1.0 / ((1.0 - s) / factor + s)
+                }
+            })
+            .collect(),
+    ))
+}
+
+/// Llama 3.1's "llama3" RoPE scaling (transformers' `_compute_llama3_parameters`, in f32 as
+/// torch evaluates it): wavelengths shorter than `original / high` keep their frequency,
+/// those longer than `original / low` are slowed by `factor`, and those between blend the two
+/// by where `original / wavelength` falls between `low` and `high`.
+fn llama3_inv_freq(theta: f32, rot_dim: usize, p: &serde_json::Value) -> Result<Arc<[f32]>> {
+    let get = |k: &str| {
+        p.get(k)
+            .and_then(|v| v.as_f64())
+            .with_context(|| format!("llama3 RoPE scaling without '{k}'"))
+    };
+    let (factor, low, high) = (
+        get("factor")?,
+        get("low_freq_factor")?,
+        get("high_freq_factor")?,
+    );
+    let old_ctx = get("original_max_position_embeddings")?;
+    anyhow::ensure!(
+        factor > 0.0 && low > 0.0 && high > low,
+        "llama3 RoPE scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0"
+    );
+    // Python floats meet f32 tensors: each is rounded to f32 where it meets one.
+    let (low_wavelen, high_wavelen) = ((old_ctx / low) as f32, (old_ctx / high) as f32);
+    let (factor, low, high_minus_low, old_ctx) = (
+        factor as f32,
+        low as f32,
+        (high - low) as f32,
+        old_ctx as f32,
+    );
+    Ok(base_inv_freq(theta, rot_dim)
+        .map(|f| {
+            let wavelen = std::f32::consts::TAU / f;
+            let v = if wavelen > low_wavelen { f / factor } else { f };
+            let smooth = (old_ctx / wavelen - low) / high_minus_low;
+            let smoothed = (1.0 - smooth) * v / factor + smooth * v;
+            // transformers' `~(wavelen < high) * ~(wavelen > low)`; wavelengths are finite.
+            let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+            if medium {
+                smoothed
+            } else {
+                v
+            }
+        })
+        .collect())
 }
 
 pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
@@ -165,7 +270,6 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
         .and_then(|v| v.as_str())
         .context("GGUF has no general.architecture")?;
     let arch = Arch::from_gguf_name(arch_name)?;
-    refuse_rope_freq_factors(f)?;
     if arch.is_hybrid() {
         return from_gguf_qwen35(f, arch, vocab);
     }
@@ -223,6 +327,8 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
         }),
         _ => None,
     };
+    let theta = get_f32("rope.freq_base").unwrap_or(10000.0);
+    let rot_dim = get_usize("rope.dimension_count").unwrap_or(head_dim);
     let cfg = ModelConfig {
         arch,
         hidden,
@@ -243,8 +349,9 @@ pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
             } else {
                 RopeStyle::Neox
             },
-            theta: get_f32("rope.freq_base").unwrap_or(10000.0),
-            rot_dim: get_usize("rope.dimension_count").unwrap_or(head_dim),
+            theta,
+            rot_dim,
+            inv_freq: gguf_rope_freqs(f, theta, rot_dim)?,
         },
         max_ctx: get_usize("context_length").unwrap_or(4096),
         qk_norm: arch != Arch::Llama,
@@ -326,6 +433,7 @@ fn from_gguf_qwen35(f: &GgufFile, arch: Arch, vocab: usize) -> Result<ModelConfi
             style: RopeStyle::Neox,
             theta: get_f32("rope.freq_base").unwrap_or(10_000_000.0),
             rot_dim: get_usize("rope.dimension_count").unwrap_or(head_dim / 4),
+            inv_freq: None,
         },
         max_ctx: get_usize("context_length").unwrap_or(32768),
         qk_norm: true,
@@ -432,7 +540,7 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
         .and_then(|v| v.as_str())
         .unwrap_or("default");
     anyhow::ensure!(
-        rope_type == "default",
+        matches!(rope_type, "default" | "llama3"),
         "RoPE scaling '{rope_type}' is not supported yet"
     );
     let theta = rope_params
@@ -494,6 +602,16 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
             style: RopeStyle::Neox,
             theta,
             rot_dim: head_dim,
+            inv_freq: match rope_type {
+                "llama3" => Some(llama3_inv_freq(
+                    theta,
+                    head_dim,
+                    rope_params
+                        .or_else(|| c.get("rope_scaling"))
+                        .unwrap_or(&c["rope_scaling"]),
+                )?),
+                _ => None,
+            },
         },
         max_ctx: get_usize("max_position_embeddings").unwrap_or(4096),
         qk_norm: arch != Arch::Llama,
@@ -610,6 +728,7 @@ fn from_hf_qwen35(arch: Arch, c: &serde_json::Value) -> Result<ModelConfig> {
             style: RopeStyle::Neox,
             theta,
             rot_dim,
+            inv_freq: None,
         },
         max_ctx: get_usize("max_position_embeddings").unwrap_or(32768),
         qk_norm: true,
@@ -710,8 +829,12 @@ mod tests {
                 "sliding-window",
             ),
             (
+                serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+                "RoPE scaling 'yarn'",
+            ),
+            (
                 serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
-                "RoPE scaling 'llama3'",
+                "without 'low_freq_factor'",
             ),
         ] {
             let e = from_hf(&llama(extra.clone())).unwrap_err().to_string();
@@ -723,6 +846,46 @@ mod tests {
             serde_json::json!({"hidden_act": "swish"}),
         ] {
             assert!(from_hf(&llama(extra.clone())).is_ok(), "{extra}");
+        }
+    }
+
+    /// transformers' llama3 frequencies: the short wavelengths kept, the long ones divided by
+    /// `factor`, the ones between blended monotonically; and llama.cpp's divisors give the
+    /// same frequencies to within rounding.
+    #[test]
+    fn llama3_frequencies() {
+        let p = serde_json::json!({
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 1024
+        });
+        let c = from_hf(&llama(serde_json::json!({"rope_parameters": p.clone()}))).unwrap();
+        let table = c.rope.inv_freq.clone().unwrap();
+        let base: Vec<f32> = base_inv_freq(c.rope.theta, c.rope.rot_dim).collect();
+        assert_eq!(table.len(), 8);
+        for i in 0..8 {
+            let wavelen = std::f32::consts::TAU / base[i];
+            let ratio = table[i] / base[i];
+            if wavelen < 256.0 {
+                assert_eq!(table[i], base[i], "{i}: kept");
+            } else if wavelen > 1024.0 {
+                assert_eq!(table[i], base[i] / 8.0, "{i}: divided");
+            } else {
+                assert!(
+                    ratio > 1.0 / 8.0 && ratio < 1.0,
+                    "{i}: blended, ratio {ratio}"
+                );
+            }
+        }
+        let div = hf_llama3_divisors(&serde_json::json!({"rope_parameters": p}), &c.rope)
+            .unwrap()
+            .unwrap();
+        for i in 0..8 {
+            let f = base[i] / div[i];
+            assert!(
+                (f - table[i]).abs() <= 2.0 * f32::EPSILON * table[i],
+                "{i}: {f} vs {}",
+                table[i]
+            );
         }
     }
 }

@@ -122,6 +122,24 @@ pub fn hf_to_gguf(src: &Path, dst: &Path) -> Result<()> {
         gguf_name(Tensor::OutputNorm),
         file.need(Tensor::OutputNorm)?,
     ));
+    // Llama 3.1's "llama3" RoPE scaling, as llama.cpp's converter writes it: one frequency
+    // divisor per rotated pair.
+    if let ModelFile::Safetensors(c) = &file {
+        if let Some(div) = crate::config::hf_llama3_divisors(c.config(), &cfg.rope)? {
+            tensors.push((
+                "rope_freqs.weight".into(),
+                HostTensor {
+                    dtype: ferrite_formats::GgmlType::F32,
+                    shape: vec![div.len()],
+                    data: div
+                        .iter()
+                        .flat_map(|x| x.to_le_bytes())
+                        .collect::<Vec<u8>>()
+                        .into(),
+                },
+            ));
+        }
+    }
     if file.has(Tensor::Output) {
         tensors.push((gguf_name(Tensor::Output), file.need(Tensor::Output)?));
     }

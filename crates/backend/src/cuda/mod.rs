@@ -457,6 +457,12 @@ impl Backend for CudaBackend {
         self.attention.kv_type().bytes_per_element()
     }
 
+    /// Not yet: the rotary kernels compute `theta^(-2i / rot_dim)` in place (powf), and a
+    /// table in their arguments changes every rotating kernel of the default path.
+    fn rope_frequency_tables(&self) -> bool {
+        false
+    }
+
     fn upload(&self, t: &HostTensor<'_>) -> Result<CudaWeight> {
         ops::upload(self, t)
     }

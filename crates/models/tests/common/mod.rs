@@ -16,7 +16,12 @@ pub struct Oracle {
 }
 
 pub fn read_oracle(dir: &Path) -> Oracle {
-    let bytes = std::fs::read(dir.join("oracle.safetensors")).expect("oracle.safetensors");
+    read_oracle_file(&dir.join("oracle.safetensors"))
+}
+
+/// An oracle file of `tokens` and `logits` ([`read_oracle`]'s, or another of the same form).
+pub fn read_oracle_file(path: &Path) -> Oracle {
+    let bytes = std::fs::read(path).expect("oracle file");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("valid safetensors");
     let t = st.tensor("tokens").unwrap();
     let tokens: Vec<u32> = match t.dtype() {
