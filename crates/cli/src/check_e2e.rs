@@ -216,17 +216,8 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             })?;
             let file = ModelFile::open(&path)?;
             let tokens: Vec<u32> = (0..40u32).map(|i| 100 + (i * 7919) % 5000).collect();
-            let (test, vocab) = all_logits(be, &file, &tokens)?;
-            let (reference, _) = all_logits(&cpu, &file, &tokens)?;
             let what = format!("{preset:?} {quant:?}");
-            lines.push(compare(
-                format!("{what}: {} vs cpu", be.name()),
-                &test,
-                &reference,
-                vocab,
-            ));
-            let m = Model::load(be, &file, &|_, _| {})?;
-            lines.push(gate_line(be, &m, &what, &tokens)?);
+            let (m, test) = versus_cpu(be, &cpu, &file, &what, &tokens, &mut lines)?;
             // Speculation's verify (several rows) against the decode step, every architecture
             // and quant mix: scripted drafts kept whole and in part.
             lines.extend(gate3_lines(
@@ -249,18 +240,15 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             if quant == SynthQuant::Q8_0 {
                 let conv = scratch.join(format!("{preset:?}-converted.gguf"));
                 let counts = synth::with_converted_types(&path, &conv, 1)?;
-                let file = ModelFile::open(&conv)?;
-                let (test, vocab) = all_logits(be, &file, &tokens)?;
-                let (reference, _) = all_logits(&cpu, &file, &tokens)?;
                 let what = format!("{preset:?} q5_0/q3_K/iq4_nl {counts:?}");
-                lines.push(compare(
-                    format!("{what}: {} vs cpu", be.name()),
-                    &test,
-                    &reference,
-                    vocab,
-                ));
-                let m = Model::load(be, &file, &|_, _| {})?;
-                lines.push(gate_line(be, &m, &what, &tokens)?);
+                versus_cpu(
+                    be,
+                    &cpu,
+                    &ModelFile::open(&conv)?,
+                    &what,
+                    &tokens,
+                    &mut lines,
+                )?;
                 std::fs::remove_file(&conv).ok();
             }
             std::fs::remove_file(&path).ok();
@@ -289,6 +277,29 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
         failed += usize::from(!l.ok);
     }
     Ok(failed)
+}
+
+/// `file`'s logits on `tokens` from `be` against the CPU's, and its prefill/decode gate:
+/// two lines into `lines`. The loaded model and its logits, for the checks that follow.
+fn versus_cpu<B: Backend>(
+    be: &B,
+    cpu: &CpuBackend,
+    file: &ModelFile,
+    what: &str,
+    tokens: &[u32],
+    lines: &mut Vec<Line>,
+) -> Result<(Model<B>, Vec<f32>)> {
+    let (test, vocab) = all_logits(be, file, tokens)?;
+    let (reference, _) = all_logits(cpu, file, tokens)?;
+    lines.push(compare(
+        format!("{what}: {} vs cpu", be.name()),
+        &test,
+        &reference,
+        vocab,
+    ));
+    let m = Model::load(be, file, &|_, _| {})?;
+    lines.push(gate_line(be, &m, what, tokens)?);
+    Ok((m, test))
 }
 
 /// `file` loaded with every stacked expert in host memory (an expert budget of 0 bytes):

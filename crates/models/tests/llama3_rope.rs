@@ -7,24 +7,14 @@
 
 mod common;
 
-use common::{data_dir, nmse, read_oracle, read_oracle_file};
-use ferrite_backend::cpu::CpuBackend;
-use ferrite_models::{Logits, Model, ModelFile};
+use common::{cpu_logits, data_dir, nmse, read_oracle, read_oracle_file};
+use ferrite_models::ModelFile;
 
 /// As oracle.rs's ORACLE_NMSE: f32 against float64, summation order only.
 const ORACLE_NMSE: f64 = 1e-5;
 /// GGUF against safetensors: the frequencies as the file's divisors (f / d) against
 /// transformers' blend computed directly, ~1 ulp apart, plus the Q/K row permutation.
 const FORMAT_NMSE: f64 = 1e-10;
-
-fn logits(file: &ModelFile, tokens: &[u32]) -> Vec<f32> {
-    let be = CpuBackend::new();
-    let m: Model<CpuBackend> = Model::load(&be, file, &|_, _| {}).expect("model loads");
-    let mut kv = m.new_kv(&be, tokens.len()).unwrap();
-    let mut ws = m.workspace(&be, tokens.len(), Logits::All).unwrap();
-    m.run(&be, &mut ws, &mut kv, 0, tokens, Logits::All)
-        .unwrap()
-}
 
 #[test]
 fn llama3_rope_scaling_matches_the_oracle() {
@@ -41,7 +31,7 @@ fn llama3_rope_scaling_matches_the_oracle() {
     let o = read_oracle_file(&src.join("llama3_oracle.safetensors"));
     let file = ModelFile::open(&dir).unwrap();
     assert!(file.config().unwrap().rope.inv_freq.is_some());
-    let ours = logits(&file, &o.tokens);
+    let ours = cpu_logits(&file, &o.tokens);
     let e = nmse(&ours, &o.logits);
     println!("llama3: NMSE vs the numpy oracle = {e:.3e}");
     assert!(e < ORACLE_NMSE, "NMSE {e:e}");
@@ -66,7 +56,7 @@ fn llama3_rope_scaling_matches_the_oracle() {
     ferrite_models::convert::hf_to_gguf(&dir, &gguf).unwrap();
     let gfile = ModelFile::open(&gguf).unwrap();
     assert!(gfile.tensors().has("rope_freqs.weight"));
-    let from_gguf = logits(&gfile, &o.tokens);
+    let from_gguf = cpu_logits(&gfile, &o.tokens);
     let e2 = nmse(&from_gguf, &ours);
     println!("llama3: NMSE GGUF vs safetensors = {e2:.3e}");
     assert!(e2 < FORMAT_NMSE, "NMSE {e2:e}");

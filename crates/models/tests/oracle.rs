@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{data_dir, nmse, read_oracle};
+use common::{cpu_logits, data_dir, nmse, read_oracle};
 use ferrite_backend::cpu::CpuBackend;
 use ferrite_models::{Logits, Model, ModelFile};
 
@@ -27,15 +27,6 @@ fn argmax(v: &[f32]) -> usize {
         .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
 }
 
-fn all_logits(file: &ModelFile, tokens: &[u32]) -> Vec<f32> {
-    let be = CpuBackend::new();
-    let m: Model<CpuBackend> = Model::load(&be, file, &|_, _| {}).expect("model loads");
-    let mut kv = m.new_kv(&be, tokens.len()).unwrap();
-    let mut ws = m.workspace(&be, tokens.len(), Logits::All).unwrap();
-    m.run(&be, &mut ws, &mut kv, 0, tokens, Logits::All)
-        .unwrap()
-}
-
 fn check_model(name: &str) {
     check_model_formats(name, true)
 }
@@ -45,7 +36,7 @@ fn check_model_formats(name: &str, gguf: bool) {
     let dir = data_dir().join(name);
     let o = read_oracle(&dir);
     let file = ModelFile::open(&dir).expect("checkpoint opens");
-    let ours = all_logits(&file, &o.tokens);
+    let ours = cpu_logits(&file, &o.tokens);
     assert_eq!(ours.len(), o.logits.len());
     let e = nmse(&ours, &o.logits);
     println!("{name}: NMSE vs transformers = {e:.3e}");
@@ -68,7 +59,7 @@ fn check_model_formats(name: &str, gguf: bool) {
             std::env::temp_dir().join(format!("ferrite-oracle-{name}-{}.gguf", std::process::id()));
         ferrite_models::convert::hf_to_gguf(&dir, &gguf).expect("convert to GGUF");
         let gfile = ModelFile::open(&gguf).expect("GGUF opens");
-        let from_gguf = all_logits(&gfile, &o.tokens);
+        let from_gguf = cpu_logits(&gfile, &o.tokens);
         std::fs::remove_file(&gguf).ok();
         let e2 = nmse(&from_gguf, &ours);
         println!("{name}: NMSE GGUF vs safetensors = {e2:.3e}");
@@ -199,7 +190,7 @@ fn qwen35_vision_language_wrapper_loads_its_text_model() {
     std::fs::write(out.join("config.json"), config.to_string()).unwrap();
 
     let file = ModelFile::open(&out).expect("wrapper opens");
-    let ours = all_logits(&file, &o.tokens);
+    let ours = cpu_logits(&file, &o.tokens);
     std::fs::remove_dir_all(&out).ok();
     let e = nmse(&ours, &o.logits);
     println!("qwen35-tiny as a VL wrapper: NMSE vs transformers = {e:.3e}");

@@ -60,3 +60,15 @@ pub fn nmse(a: &[f32], reference: &[f32]) -> f64 {
     let pow: f64 = reference.iter().map(|y| (*y as f64).powi(2)).sum::<f64>();
     mse / pow
 }
+
+/// The CPU reference's logits at every position of `tokens`, one prefill of the model `file`.
+pub fn cpu_logits(file: &ferrite_models::ModelFile, tokens: &[u32]) -> Vec<f32> {
+    use ferrite_backend::cpu::CpuBackend;
+    use ferrite_models::{Logits, Model};
+    let be = CpuBackend::new();
+    let m: Model<CpuBackend> = Model::load(&be, file, &|_, _| {}).expect("model loads");
+    let mut kv = m.new_kv(&be, tokens.len()).unwrap();
+    let mut ws = m.workspace(&be, tokens.len(), Logits::All).unwrap();
+    m.run(&be, &mut ws, &mut kv, 0, tokens, Logits::All)
+        .unwrap()
+}
