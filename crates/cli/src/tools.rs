@@ -104,8 +104,17 @@ pub fn info(a: &InfoArgs) -> Result<()> {
             println!("layers:        {}", c.n_layers);
             println!("hidden:        {}", c.hidden);
             println!(
-                "attention:     {} heads, {} kv heads, head dim {}, rope {:?} theta {}",
-                c.attn.n_heads, c.attn.n_kv_heads, c.attn.head_dim, c.rope.style, c.rope.theta
+                "attention:     {} heads, {} kv heads, head dim {}, rope {:?} theta {}{}",
+                c.attn.n_heads,
+                c.attn.n_kv_heads,
+                c.attn.head_dim,
+                c.rope.style,
+                c.rope.theta,
+                if c.rope.inv_freq.is_some() {
+                    " (scaled: llama3 frequencies; CPU backend only for now)"
+                } else {
+                    ""
+                }
             );
             if c.ffn > 0 {
                 println!("ffn:           {}", c.ffn);
