@@ -31,6 +31,10 @@ import traceback
 
 import torch
 import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_oracle import llama3_inv_freq  # noqa: E402
+from llama3_oracle import LLAMA3  # noqa: E402
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -58,6 +62,9 @@ SPECS = [
     ("qwen3-moe-tiny", "qwen3_moe", 2, 2000, {"norm_topk_prob": True}),
     ("qwen3-moe-tiny-nonorm", "qwen3_moe", 2, 3000, {"norm_topk_prob": False}),
     ("llama-tiny", "llama", 2, 4000, {}),
+    # Llama 3.1's "llama3" RoPE scaling (llama3_oracle.py's parameters: frequencies 0-6 kept,
+    # 7-8 blended, 9-15 slowed 8x).
+    ("llama31-tiny", "llama", 2, 7000, {"rope_parameters": LLAMA3}),
     # Qwen3.5 hybrids: layers 0-2 Gated DeltaNet, layer 3 gated full attention.
     ("qwen35-tiny", "qwen3_5", 4, 5000, {}),
     ("qwen35-moe-tiny", "qwen3_5_moe", 4, 6000, {}),
@@ -143,12 +150,16 @@ def make_config(family, layers, extra):
         fields = dict(common, tie_word_embeddings=True, mlp_bias=False, pretraining_tp=1)
     else:
         raise ValueError(family)
+    extra = dict(extra)
+    rp = extra.pop("rope_parameters", {"rope_type": "default", "rope_theta": theta})
+    theta = rp["rope_theta"]
     fields.update(extra)
 
-    rope_forms = [
-        {"rope_parameters": {"rope_type": "default", "rope_theta": theta}},
-        {"rope_theta": theta},
-    ]
+    # transformers 5's rope_parameters, or 4.x's rope_theta (+ rope_scaling for a scaling).
+    legacy = {"rope_theta": theta}
+    if rp["rope_type"] != "default":
+        legacy["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+    rope_forms = [{"rope_parameters": rp}, legacy]
     # Fall back to dropping optional fields if a strict config rejects them.
     drop_sets = [(), ("pretraining_tp",), ("pretraining_tp", "head_dim")]
     last = None
@@ -402,6 +413,8 @@ def build_one(name, family, layers, seed0, extra, out_root):
                 break
         rot = int(HEAD_DIM * PARTIAL_ROTARY) if family in QWEN35 else HEAD_DIM
         exp_inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+        if extra.get("rope_parameters", {}).get("rope_type") == "llama3":
+            exp_inv = torch.from_numpy(llama3_inv_freq(exp_inv.numpy(), extra["rope_parameters"]))
         assert inv is not None and inv.numel() == rot // 2, "no inv_freq"
         assert torch.allclose(inv, exp_inv, rtol=1e-5), ("rope theta mismatch", inv[:3], exp_inv[:3])
         attn = [l.self_attn for l in model.model.layers if hasattr(l, "self_attn")][0]
