@@ -7,7 +7,9 @@ code with ferrite.
 
 - q5_0 and iq4_nl (32-weight blocks, as F32 rows are summed on the CPU): logits bit-identical;
 - with q3_K too (converted to q6_K, whose 256-weight blocks the CPU sums in another order than
-  F32's 32-weight ones): logits within SUM_ORDER_TOL of the F32 file's, the same argmax.
+  F32's 32-weight ones): logits within SUM_ORDER_TOL of the F32 file's, the same argmax;
+- SmolLM2-135M-Instruct (ferrite's default model) with its matrices requantized to q5_0 by
+  gguf-py's quantizer still gives its known answer.
 
 Usage: python3 tests/gguf_py/test_converted_types.py [path/to/ferrite]
 (default: target/release/ferrite); needs `pip install gguf==0.19.0 numpy`. Plain unittest.
@@ -138,6 +140,54 @@ class ConvertedTypes(unittest.TestCase):
             print(f"{preset}: q3_K as q6_K against F32, max |Δlogit| / max |logit| {err:.2e}")
             self.assertLessEqual(err, SUM_ORDER_TOL, preset)
             self.assertTrue((a.argmax(1) == b.argmax(1)).all(), preset)
+
+
+def default_model():
+    """SmolLM2-135M-Instruct Q4_1, where ferrite caches its default model (fetched if absent)."""
+    cache = os.environ.get("FERRITE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ferrite")
+    path = os.path.join(cache, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(path):
+        ferrite("run", "--prompt", "hi", "--max-tokens", "1", "--device", "cpu")
+    return path
+
+
+class SmolLM2AsQ5_0(unittest.TestCase):
+    """The real model's 210 matrices requantized to q5_0 by llama.cpp's own quantizer (gguf-py:
+    Q4_1 values → Q5_0), loaded through the conversion: still SmolLM2's known answer."""
+
+    def test_known_answer(self):
+        r = GGUFReader(default_model())
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "smollm2-q5_0.gguf")
+            w = GGUFWriter(path, bytes(r.fields["general.architecture"].parts[-1]).decode())
+            for f in r.fields.values():
+                if f.name.startswith("GGUF.") or f.name == "general.architecture":
+                    continue
+                vt = f.types[0]
+                if vt == GGUFValueType.ARRAY:
+                    w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
+                else:
+                    w.add_key_value(f.name, f.contents(), vt)
+            n = 0
+            for t in r.tensors:
+                if t.tensor_type == T.Q4_1:
+                    shape = [int(x) for x in reversed(t.shape)]
+                    x = quants.dequantize(np.array(t.data), T.Q4_1).astype(np.float32)
+                    w.add_tensor(t.name, quants.quantize(x.reshape(shape), T.Q5_0),
+                                 raw_dtype=T.Q5_0)
+                    n += 1
+                else:
+                    w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            self.assertEqual(n, 210)
+            out = ferrite("run", "--model", path, "--chat", "--device", "cpu", "--prompt",
+                          "What is the capital of France?").stdout
+            print(f"SmolLM2 as q5_0: {out.strip()!r}")
+            self.assertIn("The capital of France is Paris", out)
 
 
 if __name__ == "__main__":
