@@ -9,7 +9,9 @@ code with ferrite.
 - with q3_K too (converted to q6_K, whose 256-weight blocks the CPU sums in another order than
   F32's 32-weight ones): logits within SUM_ORDER_TOL of the F32 file's, the same argmax;
 - SmolLM2-135M-Instruct (ferrite's default model) with its matrices requantized to q5_0 by
-  gguf-py's quantizer still gives its known answer.
+  gguf-py's quantizer still gives its known answer;
+- a q2_K tensor (a type neither computed with nor converted) is listed by `info` and refused
+  by name by `run`.
 
 Usage: python3 tests/gguf_py/test_converted_types.py [path/to/ferrite]
 (default: target/release/ferrite); needs `pip install gguf==0.19.0 numpy`. Plain unittest.
@@ -140,6 +142,43 @@ class ConvertedTypes(unittest.TestCase):
             print(f"{preset}: q3_K as q6_K against F32, max |Δlogit| / max |logit| {err:.2e}")
             self.assertLessEqual(err, SUM_ORDER_TOL, preset)
             self.assertTrue((a.argmax(1) == b.argmax(1)).all(), preset)
+
+
+class UnloadableType(unittest.TestCase):
+    """A tensor of a type ferrite neither computes with nor converts (q2_K): `info` lists it,
+    `run` stops with its name and type, exit code 1."""
+
+    def test_listed_and_refused(self):
+        with tempfile.TemporaryDirectory() as d:
+            base = os.path.join(d, "q8.gguf")
+            ferrite("synth", "--preset", "tiny-qwen3", "--quant", "Q8_0", "--output", base)
+            r = GGUFReader(base)
+            path = os.path.join(d, "q2.gguf")
+            w = GGUFWriter(path, bytes(r.fields["general.architecture"].parts[-1]).decode())
+            for f in r.fields.values():
+                if f.name.startswith("GGUF.") or f.name == "general.architecture":
+                    continue
+                vt = f.types[0]
+                if vt == GGUFValueType.ARRAY:
+                    w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
+                else:
+                    w.add_key_value(f.name, f.contents(), vt)
+            for t in r.tensors:
+                if t.name == "blk.0.ffn_down.weight":
+                    shape = [int(x) for x in reversed(t.shape)]
+                    raw = np.zeros(shape[:-1] + [shape[-1] // 256 * 84], np.uint8)
+                    w.add_tensor(t.name, raw, raw_dtype=T.Q2_K)
+                else:
+                    w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+            self.assertIn("q2_K (not loadable)", ferrite("info", "--model", path).stdout)
+            run = subprocess.run([BIN, "run", "--model", path, "--prompt", "hi", "--device", "cpu"],
+                                 capture_output=True, text=True)
+            self.assertEqual(run.returncode, 1, run.stderr)
+            self.assertIn("tensor 'blk.0.ffn_down.weight': unsupported type q2_K", run.stderr)
 
 
 def default_model():

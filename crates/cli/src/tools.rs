@@ -181,7 +181,10 @@ pub fn info(a: &InfoArgs) -> Result<()> {
                     ),
                     None => continue,
                 },
-                None => continue,
+                None => match g.unloadable_tensor(n) {
+                    Some(t) => (format!("{} (not loadable)", t.type_name), t.n_bytes, 0),
+                    None => continue,
+                },
             },
         };
         let e = by_type.entry(ty).or_default();

@@ -24,6 +24,10 @@ pub enum FormatError {
     /// FP8 weight without a supported path, ...). It is listed, but not handed out as a view.
     #[error("tensor '{name}': unsupported dtype {dtype}")]
     UnsupportedDtype { name: String, dtype: String },
+    /// A GGUF tensor of a ggml type ferrite neither computes with nor converts (q2_K, ...):
+    /// listed, refused where a model needs it.
+    #[error("tensor '{name}': unsupported type {why}")]
+    UnloadableType { name: String, why: String },
     #[error("{0}")]
     Other(String),
 }

@@ -575,15 +575,27 @@ fn bad_tensor_infos() {
         }
         e => panic!("{e:?}"),
     }
-    // A type ggml has and ferrite does not load is named, with what it loads and converts.
+    // A type ggml has and ferrite does not load: listed and bounds-checked, refused by name
+    // (with what ferrite loads and converts) where it is required.
     let mut r = Raw::header(3, 1, 0);
     r.tensor("t", &[256], 10, 0);
-    let e = err_of(r.data(32)).to_string();
+    let f = GgufFile::from_bytes(r.data(84)).unwrap();
+    assert!(f.tensor_info("t").is_none() && f.tensor("t").is_none() && f.has("t"));
+    assert_eq!(f.tensor_names(), ["t"]);
+    let u = &f.unloadable_tensors()[0];
+    assert_eq!(
+        (u.type_name, &u.shape[..], u.n_bytes),
+        ("q2_K", &[256usize][..], 84)
+    );
+    let e = f.require_tensor("t").unwrap_err().to_string();
     assert!(
-        e.starts_with("tensor 't': unsupported dtype q2_K (ggml type 10; ")
+        e.starts_with("tensor 't': unsupported type q2_K (ggml type 10; ")
             && e.ends_with("and converts q5_0, q3_K, iq4_nl at load)"),
         "{e}"
     );
+    let mut r = Raw::header(3, 1, 0);
+    r.tensor("t", &[256], 10, 0);
+    assert_corrupt(r.data(80), "runs past the end");
     // A type converted at load: its stored bytes are bounds-checked like any other's, and a
     // row must hold whole blocks of it.
     let mut r = Raw::header(3, 1, 0);
@@ -662,9 +674,21 @@ fn random_corruption_never_panics() {
             };
         }
         if let Ok(f) = GgufFile::from_bytes(b) {
+            // A flipped type id may make a tensor one converted at load or one only listed.
             for name in f.tensor_names() {
-                let v = f.tensor(&name).unwrap();
-                assert_eq!(v.data.len(), v.dtype.bytes_for(v.n_elements()).unwrap());
+                match (f.tensor(&name), f.tensor_info(&name)) {
+                    (Some(v), _) => {
+                        assert_eq!(v.data.len(), v.dtype.bytes_for(v.n_elements()).unwrap())
+                    }
+                    (None, Some(info)) => {
+                        let t = f.converted(&name).unwrap().unwrap();
+                        assert_eq!(
+                            t.data.len(),
+                            info.dtype.bytes_for(info.n_elements()).unwrap()
+                        );
+                    }
+                    (None, None) => assert!(f.require_tensor(&name).is_err()),
+                }
             }
         }
     }

@@ -68,10 +68,15 @@ impl ModelFile {
         match self {
             ModelFile::Gguf(f) => {
                 // The info, not a view: a tensor converted at load has no view.
-                let embd = f
-                    .tensor_info("token_embd.weight")
-                    .context("GGUF has no token_embd.weight")?;
-                config::from_gguf(f, embd.shape[0])
+                let vocab = match (
+                    f.tensor_info("token_embd.weight"),
+                    f.unloadable_tensor("token_embd.weight"),
+                ) {
+                    (Some(t), _) => t.shape[0],
+                    (None, Some(t)) => t.shape[0],
+                    (None, None) => anyhow::bail!("GGUF has no token_embd.weight"),
+                };
+                config::from_gguf(f, vocab)
             }
             ModelFile::Safetensors(c) => config::from_hf(c.config()),
         }

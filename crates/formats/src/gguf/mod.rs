@@ -21,7 +21,7 @@ mod reader;
 mod value;
 mod writer;
 
-pub use reader::{GgufFile, GgufTensorInfo};
+pub use reader::{GgufFile, GgufTensorInfo, UnloadableTensor};
 pub use value::{GgufValue, GgufValueType};
 pub use writer::GgufWriter;
 

@@ -45,6 +45,46 @@ pub struct GgufTensorInfo {
     pub n_bytes: usize,
 }
 
+/// A tensor of a ggml type ferrite neither computes with nor converts (q2_K, iq4_xs, ...):
+/// listed (`ferrite info`), bounds-checked like any other, and refused by name where a model
+/// needs it ([`TensorSource::require_tensor`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnloadableTensor {
+    pub name: String,
+    pub type_id: u32,
+    /// ggml's name for the type ("q2_K").
+    pub type_name: &'static str,
+    /// Row-major.
+    pub shape: Vec<usize>,
+    pub offset: u64,
+    pub n_bytes: usize,
+}
+
+impl UnloadableTensor {
+    /// Why it does not load: the type, with what ferrite loads and converts.
+    pub fn why(&self) -> String {
+        unsupported_type(self.type_id)
+    }
+}
+
+/// `"{name} (ggml type {id}; ferrite loads …, and converts … at load)"`.
+fn unsupported_type(type_id: u32) -> String {
+    let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
+    let converted: Vec<&str> = ConvertedType::ALL.iter().map(|t| t.name()).collect();
+    format!(
+        "{} (ggml type {type_id}; ferrite loads {}, and converts {} at load)",
+        GgmlType::name_of_id(type_id).unwrap_or("unknown"),
+        supported.join(", "),
+        converted.join(", ")
+    )
+}
+
+/// A tensor info as parsed: one ferrite loads, or one it only lists.
+enum ParsedTensor {
+    Loadable(GgufTensorInfo),
+    Unloadable(UnloadableTensor),
+}
+
 impl GgufTensorInfo {
     pub fn n_elements(&self) -> usize {
         // Checked when the file was opened: the product fits in usize.
@@ -78,6 +118,8 @@ pub struct GgufFile {
     metadata_index: HashMap<String, usize>,
     tensors: Vec<GgufTensorInfo>,
     tensor_index: HashMap<String, usize>,
+    /// Tensors of types ferrite does not load, in file order.
+    unloadable: Vec<UnloadableTensor>,
     /// Absolute file offset of the data section.
     data_offset: usize,
 }
@@ -125,6 +167,7 @@ impl GgufFile {
             metadata: header.metadata,
             tensor_index: index_of(header.tensors.iter().map(|t| &t.name)),
             tensors: header.tensors,
+            unloadable: header.unloadable,
             data_offset: header.data_offset,
         })
     }
@@ -224,6 +267,13 @@ impl GgufFile {
     pub fn tensor_info(&self, name: &str) -> Option<&GgufTensorInfo> {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
+    /// The tensors of types ferrite does not load (listed by `ferrite info`), in file order.
+    pub fn unloadable_tensors(&self) -> &[UnloadableTensor] {
+        &self.unloadable
+    }
+    pub fn unloadable_tensor(&self, name: &str) -> Option<&UnloadableTensor> {
+        self.unloadable.iter().find(|t| t.name == name)
+    }
     /// The bytes of one tensor (borrowed from the map).
     pub fn tensor_data(&self, info: &GgufTensorInfo) -> &[u8] {
         // Bounds were checked at open for every info this file handed out; `get` keeps a
@@ -247,10 +297,20 @@ impl TensorSource for GgufFile {
             data: self.tensor_data(info),
         })
     }
+    /// Every tensor, those of types ferrite does not load included.
     fn tensor_names(&self) -> Vec<String> {
-        self.tensors.iter().map(|t| t.name.clone()).collect()
+        let names = self.tensors.iter().map(|t| t.name.clone());
+        names
+            .chain(self.unloadable.iter().map(|t| t.name.clone()))
+            .collect()
     }
     fn require_tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        if let Some(t) = self.unloadable_tensor(name) {
+            return Err(FormatError::UnloadableType {
+                name: name.to_owned(),
+                why: t.why(),
+            });
+        }
         let info = self
             .tensor_info(name)
             .ok_or_else(|| FormatError::MissingTensor(name.to_owned()))?;
@@ -267,7 +327,7 @@ impl TensorSource for GgufFile {
         }
     }
     fn has(&self, name: &str) -> bool {
-        self.tensor_index.contains_key(name)
+        self.tensor_index.contains_key(name) || self.unloadable_tensor(name).is_some()
     }
     /// A q5_0, q3_K or iq4_nl tensor as q8_0 / q6_K blocks of the same values.
     fn converted(&self, name: &str) -> Option<Result<OwnedTensor>> {
@@ -297,6 +357,7 @@ struct Header {
     alignment: usize,
     metadata: Vec<(String, GgufValue)>,
     tensors: Vec<GgufTensorInfo>,
+    unloadable: Vec<UnloadableTensor>,
     data_offset: usize,
 }
 
@@ -366,37 +427,45 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
         Vec::with_capacity((n_tensors as usize).min(MAX_RESERVE));
     let mut seen_names: HashMap<String, ()> =
         HashMap::with_capacity((n_tensors as usize).min(MAX_RESERVE));
+    let mut unloadable: Vec<UnloadableTensor> = Vec::new();
     for i in 0..n_tensors {
-        let info = c.tensor_info(i)?;
-        if seen_names.insert(info.name.clone(), ()).is_some() {
-            return Err(c.corrupt(format!("duplicate tensor name '{}'", info.name)));
+        let parsed = c.tensor_info(i)?;
+        let name = match &parsed {
+            ParsedTensor::Loadable(t) => &t.name,
+            ParsedTensor::Unloadable(t) => &t.name,
+        };
+        if seen_names.insert(name.clone(), ()).is_some() {
+            return Err(c.corrupt(format!("duplicate tensor name '{name}'")));
         }
-        tensors.push(info);
+        match parsed {
+            ParsedTensor::Loadable(t) => tensors.push(t),
+            ParsedTensor::Unloadable(t) => unloadable.push(t),
+        }
     }
 
     // The data section starts at the next aligned offset after the header. A file with no
     // tensors (a vocab-only file) may end before that padding; nothing is read there.
     let data_offset = align_up(c.pos as u64, alignment as u64)
         .ok_or_else(|| c.corrupt("data section offset overflows"))?;
-    for t in &tensors {
-        if t.offset % alignment as u64 != 0 {
+    let places = tensors
+        .iter()
+        .map(|t| (&t.name, t.offset, t.n_bytes))
+        .chain(unloadable.iter().map(|t| (&t.name, t.offset, t.n_bytes)));
+    for (name, offset, n_bytes) in places {
+        if offset % alignment as u64 != 0 {
             return Err(c.corrupt(format!(
-                "tensor '{}': offset {} is not a multiple of the alignment {alignment}",
-                t.name, t.offset
+                "tensor '{name}': offset {offset} is not a multiple of the alignment {alignment}"
             )));
         }
         let end = data_offset
-            .checked_add(t.offset)
-            .and_then(|s| s.checked_add(t.n_bytes as u64));
+            .checked_add(offset)
+            .and_then(|s| s.checked_add(n_bytes as u64));
         match end {
             Some(end) if end <= buf.len() as u64 => {}
             _ => {
                 return Err(c.corrupt(format!(
-                    "tensor '{}': data at offset {} + {} bytes runs past the end of the data \
-                     section ({} bytes; the file is truncated)",
-                    t.name,
-                    t.offset,
-                    t.n_bytes,
+                    "tensor '{name}': data at offset {offset} + {n_bytes} bytes runs past the \
+                     end of the data section ({} bytes; the file is truncated)",
                     (buf.len() as u64).saturating_sub(data_offset)
                 )));
             }
@@ -411,6 +480,7 @@ fn parse_header(buf: &[u8], path: &Path) -> Result<Header> {
         alignment,
         metadata,
         tensors,
+        unloadable,
         data_offset,
     })
 }
@@ -536,7 +606,7 @@ impl<'a> Cursor<'a> {
         })
     }
 
-    fn tensor_info(&mut self, index: u64) -> Result<GgufTensorInfo> {
+    fn tensor_info(&mut self, index: u64) -> Result<ParsedTensor> {
         let name = self.strict_string(&format!("tensor name #{index}"))?;
         let n_dims = self.u32("tensor dimension count")?;
         if n_dims as usize > MAX_DIMS {
@@ -556,19 +626,19 @@ impl<'a> Cursor<'a> {
             ne.push(d);
         }
         let type_id = self.u32("tensor type")?;
-        let dtype = StoredType::from_id(type_id).map_err(|_| {
-            let supported: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
-            let converted: Vec<&str> = ConvertedType::ALL.iter().map(|t| t.name()).collect();
-            FormatError::UnsupportedDtype {
-                name: name.clone(),
-                dtype: format!(
-                    "{} (ggml type {type_id}; ferrite loads {}, and converts {} at load)",
-                    GgmlType::name_of_id(type_id).unwrap_or("unknown"),
-                    supported.join(", "),
-                    converted.join(", ")
-                ),
+        // A type ferrite loads, or one ggml has whose blocks are known (listed, not loaded).
+        let dtype = StoredType::from_id(type_id).ok();
+        let (block, type_size) = match dtype {
+            Some(StoredType::Computed(t)) => (t.block_size(), t.type_size()),
+            Some(StoredType::Converted(t)) => (t.block_size(), t.type_size()),
+            None => {
+                GgmlType::block_of_id(type_id).ok_or_else(|| FormatError::UnsupportedDtype {
+                    name: name.clone(),
+                    dtype: unsupported_type(type_id),
+                })?
             }
-        })?;
+        };
+        let type_name = GgmlType::name_of_id(type_id).unwrap_or("unknown");
         let offset = self.u64("tensor offset")?;
 
         let n_elements = ne
@@ -576,30 +646,36 @@ impl<'a> Cursor<'a> {
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
             .ok_or_else(|| self.corrupt(format!("tensor '{name}': element count overflows")))?;
         let row = ne.first().copied().unwrap_or(1);
-        if row % dtype.block_size() != 0 {
+        if row % block != 0 {
             return Err(self.corrupt(format!(
-                "tensor '{name}': row length {row} is not a multiple of the {dtype} block size {}",
-                dtype.block_size()
+                "tensor '{name}': row length {row} is not a multiple of the {type_name} block \
+                 size {block}"
             )));
         }
-        let type_size = match dtype {
-            StoredType::Computed(t) => t.type_size(),
-            StoredType::Converted(t) => t.type_size(),
-        };
-        let n_bytes = (n_elements / dtype.block_size())
+        let n_bytes = (n_elements / block)
             .checked_mul(type_size)
             .ok_or_else(|| self.corrupt(format!("tensor '{name}': byte size overflows")))?;
         ne.reverse();
-        Ok(GgufTensorInfo {
-            name,
-            dtype: dtype.computed(),
-            converted_from: match dtype {
-                StoredType::Computed(_) => None,
-                StoredType::Converted(t) => Some(t),
-            },
-            shape: ne,
-            offset,
-            n_bytes,
+        Ok(match dtype {
+            Some(dtype) => ParsedTensor::Loadable(GgufTensorInfo {
+                name,
+                dtype: dtype.computed(),
+                converted_from: match dtype {
+                    StoredType::Computed(_) => None,
+                    StoredType::Converted(t) => Some(t),
+                },
+                shape: ne,
+                offset,
+                n_bytes,
+            }),
+            None => ParsedTensor::Unloadable(UnloadableTensor {
+                name,
+                type_id,
+                type_name,
+                shape: ne,
+                offset,
+                n_bytes,
+            }),
         })
     }
 }

@@ -409,6 +409,22 @@ mod tests {
         }
     }
 
+    /// ggml's block table (what unloadable tensors are bounds-checked by) agrees with every
+    /// type ferrite loads or converts.
+    #[test]
+    fn ggml_block_table_agrees() {
+        for t in GgmlType::ALL {
+            let want = (t.block_size(), t.type_size());
+            assert_eq!(GgmlType::block_of_id(t.id()), Some(want), "{t}");
+            assert_eq!(GgmlType::name_of_id(t.id()), Some(t.name()));
+        }
+        for t in ConvertedType::ALL {
+            let want = (t.block_size(), t.type_size());
+            assert_eq!(GgmlType::block_of_id(t.id()), Some(want), "{t}");
+            assert_eq!(GgmlType::name_of_id(t.id()), Some(t.name()));
+        }
+    }
+
     #[test]
     fn partial_blocks_are_errors() {
         for t in ConvertedType::ALL {

@@ -74,42 +74,13 @@ impl GgmlType {
     /// ggml's name for type id `id`, supported or not (`None` for ids ggml never had or
     /// has retired), for errors about files that use one ferrite does not load.
     pub fn name_of_id(id: u32) -> Option<&'static str> {
-        const NAMES: [(u32, &str); 33] = [
-            (0, "f32"),
-            (1, "f16"),
-            (2, "q4_0"),
-            (3, "q4_1"),
-            (6, "q5_0"),
-            (7, "q5_1"),
-            (8, "q8_0"),
-            (9, "q8_1"),
-            (10, "q2_K"),
-            (11, "q3_K"),
-            (12, "q4_K"),
-            (13, "q5_K"),
-            (14, "q6_K"),
-            (15, "q8_K"),
-            (16, "iq2_xxs"),
-            (17, "iq2_xs"),
-            (18, "iq3_xxs"),
-            (19, "iq1_s"),
-            (20, "iq4_nl"),
-            (21, "iq3_s"),
-            (22, "iq2_s"),
-            (23, "iq4_xs"),
-            (24, "i8"),
-            (25, "i16"),
-            (26, "i32"),
-            (27, "i64"),
-            (28, "f64"),
-            (29, "iq1_m"),
-            (30, "bf16"),
-            (34, "tq1_0"),
-            (35, "tq2_0"),
-            (39, "mxfp4"),
-            (40, "nvfp4"),
-        ];
-        NAMES.iter().find(|(i, _)| *i == id).map(|(_, n)| *n)
+        GGML_TYPES.iter().find(|t| t.0 == id).map(|t| t.1)
+    }
+
+    /// ggml's (elements, bytes) per block for type id `id`, supported or not: the bounds of a
+    /// tensor ferrite lists but does not load.
+    pub fn block_of_id(id: u32) -> Option<(usize, usize)> {
+        GGML_TYPES.iter().find(|t| t.0 == id).map(|t| (t.2, t.3))
     }
 
     /// ggml's name for the type ("q4_K", "bf16", ...).
@@ -172,6 +143,45 @@ impl std::fmt::Display for GgmlType {
         f.write_str(self.name())
     }
 }
+
+/// Every ggml type (id, name, elements a block, bytes a block), as gguf-py 0.19.0's
+/// `GGML_QUANT_SIZES` lists them; ids ggml never had or retired are absent.
+const GGML_TYPES: [(u32, &str, usize, usize); 34] = [
+    (0, "f32", 1, 4),
+    (1, "f16", 1, 2),
+    (2, "q4_0", 32, 18),
+    (3, "q4_1", 32, 20),
+    (6, "q5_0", 32, 22),
+    (7, "q5_1", 32, 24),
+    (8, "q8_0", 32, 34),
+    (9, "q8_1", 32, 40),
+    (10, "q2_K", 256, 84),
+    (11, "q3_K", 256, 110),
+    (12, "q4_K", 256, 144),
+    (13, "q5_K", 256, 176),
+    (14, "q6_K", 256, 210),
+    (15, "q8_K", 256, 292),
+    (16, "iq2_xxs", 256, 66),
+    (17, "iq2_xs", 256, 74),
+    (18, "iq3_xxs", 256, 98),
+    (19, "iq1_s", 256, 50),
+    (20, "iq4_nl", 32, 18),
+    (21, "iq3_s", 256, 110),
+    (22, "iq2_s", 256, 82),
+    (23, "iq4_xs", 256, 136),
+    (24, "i8", 1, 1),
+    (25, "i16", 1, 2),
+    (26, "i32", 1, 4),
+    (27, "i64", 1, 8),
+    (28, "f64", 1, 8),
+    (29, "iq1_m", 256, 56),
+    (30, "bf16", 1, 2),
+    (34, "tq1_0", 256, 54),
+    (35, "tq2_0", 256, 66),
+    (39, "mxfp4", 32, 17),
+    (40, "nvfp4", 64, 36),
+    (41, "q1_0", 128, 18),
+];
 
 /// A tensor's type as a GGUF file stores it: one ferrite computes with, or one it converts at
 /// load ([`converted`]).
