@@ -61,22 +61,33 @@ def logits(model, out):
     return np.frombuffer(b[8 + n + s : 8 + n + e], dtype="<f4").reshape(t["shape"])
 
 
+def writer_like(r, path):
+    """A GGUFWriter at `path` with the metadata of the file `r` reads."""
+    w = GGUFWriter(path, bytes(r.fields["general.architecture"].parts[-1]).decode())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        if vt == GGUFValueType.ARRAY:
+            w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(f.name, f.contents(), vt)
+    return w
+
+
+def finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def rewrite(src, mixed, f32, with_q3k, seed):
     """`src`'s Q8_0 matrices as random q5_0 / iq4_nl blocks in turn (q3_K where the rows take
     256-blocks and `with_q3k`) into `mixed`, and as gguf-py's dequantization of those blocks
     (F32) into `f32`. The types used."""
     r = GGUFReader(src)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    ws = [GGUFWriter(mixed, arch), GGUFWriter(f32, arch)]
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        vt = f.types[0]
-        for w in ws:
-            if vt == GGUFValueType.ARRAY:
-                w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
-            else:
-                w.add_key_value(f.name, f.contents(), vt)
+    ws = [writer_like(r, mixed), writer_like(r, f32)]
     rng = np.random.default_rng(seed)
     used, i = set(), 0
     for t in r.tensors:
@@ -98,10 +109,7 @@ def rewrite(src, mixed, f32, with_q3k, seed):
         values = quants.dequantize(raw, q).astype(np.float32).reshape(shape)
         ws[1].add_tensor(t.name, values, raw_dtype=T.F32)
     for w in ws:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        finish(w)
     return used
 
 
@@ -154,15 +162,7 @@ class UnloadableType(unittest.TestCase):
             ferrite("synth", "--preset", "tiny-qwen3", "--quant", "Q8_0", "--output", base)
             r = GGUFReader(base)
             path = os.path.join(d, "q2.gguf")
-            w = GGUFWriter(path, bytes(r.fields["general.architecture"].parts[-1]).decode())
-            for f in r.fields.values():
-                if f.name.startswith("GGUF.") or f.name == "general.architecture":
-                    continue
-                vt = f.types[0]
-                if vt == GGUFValueType.ARRAY:
-                    w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
-                else:
-                    w.add_key_value(f.name, f.contents(), vt)
+            w = writer_like(r, path)
             for t in r.tensors:
                 if t.name == "blk.0.ffn_down.weight":
                     shape = [int(x) for x in reversed(t.shape)]
@@ -170,10 +170,7 @@ class UnloadableType(unittest.TestCase):
                     w.add_tensor(t.name, raw, raw_dtype=T.Q2_K)
                 else:
                     w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_tensors_to_file()
-            w.close()
+            finish(w)
             self.assertIn("q2_K (not loadable)", ferrite("info", "--model", path).stdout)
             run = subprocess.run([BIN, "run", "--model", path, "--prompt", "hi", "--device", "cpu"],
                                  capture_output=True, text=True)
@@ -199,15 +196,7 @@ class SmolLM2AsQ5_0(unittest.TestCase):
         r = GGUFReader(default_model())
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "smollm2-q5_0.gguf")
-            w = GGUFWriter(path, bytes(r.fields["general.architecture"].parts[-1]).decode())
-            for f in r.fields.values():
-                if f.name.startswith("GGUF.") or f.name == "general.architecture":
-                    continue
-                vt = f.types[0]
-                if vt == GGUFValueType.ARRAY:
-                    w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1])
-                else:
-                    w.add_key_value(f.name, f.contents(), vt)
+            w = writer_like(r, path)
             n = 0
             for t in r.tensors:
                 if t.tensor_type == T.Q4_1:
@@ -218,10 +207,7 @@ class SmolLM2AsQ5_0(unittest.TestCase):
                     n += 1
                 else:
                     w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_tensors_to_file()
-            w.close()
+            finish(w)
             self.assertEqual(n, 210)
             out = ferrite("run", "--model", path, "--chat", "--device", "cpu", "--prompt",
                           "What is the capital of France?").stdout
