@@ -1374,9 +1374,7 @@ pub fn rope_inv_freq(rope: &Rope) -> Vec<f32> {
     if let Some(t) = &rope.inv_freq {
         return t.to_vec();
     }
-    (0..rope.rot_dim / 2)
-        .map(|i| 1.0 / rope.theta.powf((2 * i) as f32 / rope.rot_dim as f32))
-        .collect()
+    Rope::unscaled_inv_freq(rope.theta, rope.rot_dim).collect()
 }
 
 /// `(cos, sin)` of every rotary frequency at `pos` (angle `pos · inv_freq` in f32).

@@ -330,6 +330,14 @@ pub struct Rope {
     pub inv_freq: Option<std::sync::Arc<[f32]>>,
 }
 
+impl Rope {
+    /// `theta^(-2i / rot_dim)` for each rotated pair, in f32 as Hugging Face computes it: the
+    /// frequencies without a scaling, and what a scaling's table is made from.
+    pub fn unscaled_inv_freq(theta: f32, rot_dim: usize) -> impl Iterator<Item = f32> {
+        (0..rot_dim / 2).map(move |i| 1.0 / theta.powf((2 * i) as f32 / rot_dim as f32))
+    }
+}
+
 /// The arguments of [`Backend::qk_norm_rope`] after its q and k, for the ops that include it
 /// ([`Backend::qk_norm_rope_attention`]).
 #[derive(Clone, Copy)]

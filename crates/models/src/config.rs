@@ -131,13 +131,6 @@ impl ModelConfig {
     }
 }
 
-/// Reads a GGUF file's `<arch>.*` hyperparameters (llama.cpp's key names).
-/// `theta^(-2i / rot_dim)` for each rotated pair, in f32 as Hugging Face computes it (the CPU
-/// backend's unscaled frequencies).
-fn base_inv_freq(theta: f32, rot_dim: usize) -> impl Iterator<Item = f32> {
-    (0..rot_dim / 2).map(move |i| 1.0 / theta.powf((2 * i) as f32 / rot_dim as f32))
-}
-
 /// The frequencies of llama.cpp's `rope_freqs.weight`: how its converter writes Llama 3.1's
 /// "llama3" scaling, one divisor per rotated pair (and no `rope.scaling.type` key). `None`
 /// where the file has none, or divisors that are all 1.
@@ -165,45 +158,110 @@ fn gguf_rope_freqs(f: &GgufFile, theta: f32, rot_dim: usize) -> Result<Option<Ar
         return Ok(None);
     }
     Ok(Some(
-        base_inv_freq(theta, rot_dim)
+        Rope::unscaled_inv_freq(theta, rot_dim)
             .zip(&div)
             .map(|(f, d)| f / d)
             .collect(),
     ))
 }
 
-/// The `rope_freqs.weight` divisors llama.cpp's converter writes for a Hugging Face
-/// checkpoint's "llama3" scaling (`LlamaModel.generate_extra_tensors` in
-/// `convert_hf_to_gguf.py`, in f32 as its torch scalars compute): 1 for wavelengths under
-/// `original / high`, `factor` over `original / low`, `1 / ((1 - s) / factor + s)` between.
-/// `None` where the checkpoint has no such scaling.
-pub(crate) fn hf_llama3_divisors(
-    config: &serde_json::Value,
-    rope: &Rope,
-) -> Result<Option<Vec<f32>>> {
-    let c = config.get("text_config").unwrap_or(config);
-    let Some(p) = c
-        .get("rope_parameters")
-        .filter(|p| p.is_object())
-        .or_else(|| c.get("rope_scaling"))
-        .filter(|p| p.get("rope_type").and_then(|v| v.as_str()) == Some("llama3"))
-    else {
-        return Ok(None);
-    };
-    let get = |k: &str| {
-        p.get(k)
-            .and_then(|v| v.as_f64())
-            .with_context(|| format!("llama3 RoPE scaling without '{k}'"))
-    };
-    let (factor, low, high) = (
-        get("factor")? as f32,
-        get("low_freq_factor")?,
-        get("high_freq_factor")?,
-    );
-    let old_ctx = get("original_max_position_embeddings")?;
-    let (low_wavelen, high_wavelen) = ((old_ctx / low) as f32, (old_ctx / high) as f32);
-    Ok(Some(
-        base_inv_freq(rope.theta, rope.rot_dim)
+/// The RoPE scaling a config.json names: transformers 5 keeps it in `rope_parameters`, 4.x in
+/// `rope_scaling` (`rope_type`, or `type`); "default" where neither names one.
+fn hf_rope_type(c: &serde_json::Value) -> &str {
+    c.get("rope_parameters")
+        .filter(|v| v.is_object())
+        .and_then(|p| p.get("rope_type"))
+        .or_else(|| {
+            c.get("rope_scaling")
+                .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
+        })
+        .and_then(|v| v.as_str())
+        .unwrap_or("default")
+}
+
+/// Llama 3.1's "llama3" RoPE scaling: wavelengths shorter than `original / high` keep their
+/// frequency, those longer than `original / low` are slowed by `factor`, and those between
+/// blend the two by where `original / wavelength` falls between `low` and `high`.
+struct Llama3Scaling {
+    factor: f64,
+    low: f64,
+    high: f64,
+    original: f64,
+}
+
+impl Llama3Scaling {
+    /// The scaling of a config.json (its text model's part) that names "llama3", `None` for
+    /// any other.
+    fn of_hf(c: &serde_json::Value) -> Result<Option<Self>> {
+        if hf_rope_type(c) != "llama3" {
+            return Ok(None);
+        }
+        let p = c
+            .get("rope_parameters")
+            .filter(|v| v.is_object())
+            .or_else(|| c.get("rope_scaling"))
+            .unwrap_or(&serde_json::Value::Null);
+        let get = |k: &str| {
+            p.get(k)
+                .and_then(|v| v.as_f64())
+                .with_context(|| format!("llama3 RoPE scaling without '{k}'"))
+        };
+        let s = Llama3Scaling {
+            factor: get("factor")?,
+            low: get("low_freq_factor")?,
+            high: get("high_freq_factor")?,
+            original: get("original_max_position_embeddings")?,
+        };
+        anyhow::ensure!(
+            s.factor > 0.0 && s.low > 0.0 && s.high > s.low,
+            "llama3 RoPE scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0"
+        );
+        Ok(Some(s))
+    }
+
+    /// The wavelengths below which frequencies are kept and above which they are divided,
+    /// rounded to f32 where (as Python floats) they meet the f32 frequencies.
+    fn bounds(&self) -> (f32, f32) {
+        (
+            (self.original / self.high) as f32,
+            (self.original / self.low) as f32,
+        )
+    }
+
+    /// The frequencies as transformers computes them (`_compute_llama3_parameters`, in f32
+    /// as torch evaluates it).
+    fn inv_freq(&self, theta: f32, rot_dim: usize) -> Arc<[f32]> {
+        let (high_wavelen, low_wavelen) = self.bounds();
+        let (factor, low, high_minus_low, old_ctx) = (
+            self.factor as f32,
+            self.low as f32,
+            (self.high - self.low) as f32,
+            self.original as f32,
+        );
+        Rope::unscaled_inv_freq(theta, rot_dim)
+            .map(|f| {
+                let wavelen = std::f32::consts::TAU / f;
+                let v = if wavelen > low_wavelen { f / factor } else { f };
+                let smooth = (old_ctx / wavelen - low) / high_minus_low;
+                let smoothed = (1.0 - smooth) * v / factor + smooth * v;
+                // transformers' `~(wavelen < high) * ~(wavelen > low)`; wavelengths are finite.
+                let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+                if medium {
+                    smoothed
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+
+    /// The `rope_freqs.weight` divisors llama.cpp's converter writes for it
+    /// (`LlamaModel.generate_extra_tensors` in `convert_hf_to_gguf.py`, in f32 as its torch
+    /// scalars compute): 1, `factor`, or `1 / ((1 - s) / factor + s)` between.
+    fn divisors(&self, theta: f32, rot_dim: usize) -> Vec<f32> {
+        let (high_wavelen, low_wavelen) = self.bounds();
+        let factor = self.factor as f32;
+        Rope::unscaled_inv_freq(theta, rot_dim)
             .map(|f| {
                 let wavelen = std::f32::consts::TAU / f;
                 if wavelen < high_wavelen {
@@ -211,59 +269,26 @@ pub(crate) fn hf_llama3_divisors(
                 } else if wavelen > low_wavelen {
                     factor
                 } else {
-                    let s = (old_ctx as f32 / wavelen - low as f32) / (high - low) as f32;
+                    let s = (self.original as f32 / wavelen - self.low as f32)
+                        / (self.high - self.low) as f32;
                     1.0 / ((1.0 - s) / factor + s)
                 }
             })
-            .collect(),
-    ))
+            .collect()
+    }
 }
 
-/// Llama 3.1's "llama3" RoPE scaling (transformers' `_compute_llama3_parameters`, in f32 as
-/// torch evaluates it): wavelengths shorter than `original / high` keep their frequency,
-/// those longer than `original / low` are slowed by `factor`, and those between blend the two
-/// by where `original / wavelength` falls between `low` and `high`.
-fn llama3_inv_freq(theta: f32, rot_dim: usize, p: &serde_json::Value) -> Result<Arc<[f32]>> {
-    let get = |k: &str| {
-        p.get(k)
-            .and_then(|v| v.as_f64())
-            .with_context(|| format!("llama3 RoPE scaling without '{k}'"))
-    };
-    let (factor, low, high) = (
-        get("factor")?,
-        get("low_freq_factor")?,
-        get("high_freq_factor")?,
-    );
-    let old_ctx = get("original_max_position_embeddings")?;
-    anyhow::ensure!(
-        factor > 0.0 && low > 0.0 && high > low,
-        "llama3 RoPE scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0"
-    );
-    // Python floats meet f32 tensors: each is rounded to f32 where it meets one.
-    let (low_wavelen, high_wavelen) = ((old_ctx / low) as f32, (old_ctx / high) as f32);
-    let (factor, low, high_minus_low, old_ctx) = (
-        factor as f32,
-        low as f32,
-        (high - low) as f32,
-        old_ctx as f32,
-    );
-    Ok(base_inv_freq(theta, rot_dim)
-        .map(|f| {
-            let wavelen = std::f32::consts::TAU / f;
-            let v = if wavelen > low_wavelen { f / factor } else { f };
-            let smooth = (old_ctx / wavelen - low) / high_minus_low;
-            let smoothed = (1.0 - smooth) * v / factor + smooth * v;
-            // transformers' `~(wavelen < high) * ~(wavelen > low)`; wavelengths are finite.
-            let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
-            if medium {
-                smoothed
-            } else {
-                v
-            }
-        })
-        .collect())
+/// The `rope_freqs.weight` divisors llama.cpp's converter writes for a Hugging Face
+/// checkpoint's "llama3" scaling ([`Llama3Scaling::divisors`]); `None` where it has none.
+pub(crate) fn hf_llama3_divisors(
+    config: &serde_json::Value,
+    rope: &Rope,
+) -> Result<Option<Vec<f32>>> {
+    let c = config.get("text_config").unwrap_or(config);
+    Ok(Llama3Scaling::of_hf(c)?.map(|s| s.divisors(rope.theta, rope.rot_dim)))
 }
 
+/// Reads a GGUF file's `<arch>.*` hyperparameters (llama.cpp's key names).
 pub fn from_gguf(f: &GgufFile, vocab: usize) -> Result<ModelConfig> {
     let arch_name = f
         .get("general.architecture")
@@ -531,14 +556,7 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
     }
     // transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta`/`rope_scaling`.
     let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
-    let rope_type = rope_params
-        .and_then(|p| p.get("rope_type"))
-        .or_else(|| {
-            c.get("rope_scaling")
-                .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
-        })
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
+    let rope_type = hf_rope_type(c);
     anyhow::ensure!(
         matches!(rope_type, "default" | "llama3"),
         "RoPE scaling '{rope_type}' is not supported yet"
@@ -602,16 +620,7 @@ pub fn from_hf(config: &serde_json::Value) -> Result<ModelConfig> {
             style: RopeStyle::Neox,
             theta,
             rot_dim: head_dim,
-            inv_freq: match rope_type {
-                "llama3" => Some(llama3_inv_freq(
-                    theta,
-                    head_dim,
-                    rope_params
-                        .or_else(|| c.get("rope_scaling"))
-                        .unwrap_or(&c["rope_scaling"]),
-                )?),
-                _ => None,
-            },
+            inv_freq: Llama3Scaling::of_hf(c)?.map(|s| s.inv_freq(theta, head_dim)),
         },
         max_ctx: get_usize("max_position_embeddings").unwrap_or(4096),
         qk_norm: arch != Arch::Llama,
@@ -860,7 +869,7 @@ mod tests {
         });
         let c = from_hf(&llama(serde_json::json!({"rope_parameters": p.clone()}))).unwrap();
         let table = c.rope.inv_freq.clone().unwrap();
-        let base: Vec<f32> = base_inv_freq(c.rope.theta, c.rope.rot_dim).collect();
+        let base: Vec<f32> = Rope::unscaled_inv_freq(c.rope.theta, c.rope.rot_dim).collect();
         assert_eq!(table.len(), 8);
         for i in 0..8 {
             let wavelen = std::f32::consts::TAU / base[i];
