@@ -274,6 +274,14 @@ impl GgufFile {
     pub fn unloadable_tensor(&self, name: &str) -> Option<&UnloadableTensor> {
         self.unloadable.iter().find(|t| t.name == name)
     }
+    /// A view of `info`'s stored bytes, as its computed type.
+    fn view<'a>(&'a self, info: &'a GgufTensorInfo) -> TensorView<'a> {
+        TensorView {
+            dtype: info.dtype,
+            shape: &info.shape,
+            data: self.tensor_data(info),
+        }
+    }
     /// The bytes of one tensor (borrowed from the map).
     pub fn tensor_data(&self, info: &GgufTensorInfo) -> &[u8] {
         // Bounds were checked at open for every info this file handed out; `get` keeps a
@@ -288,14 +296,7 @@ impl TensorSource for GgufFile {
     /// A view of the stored bytes; `None` for a tensor converted at load ([`Self::converted`]).
     fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         let info = self.tensor_info(name)?;
-        if info.converted_from.is_some() {
-            return None;
-        }
-        Some(TensorView {
-            dtype: info.dtype,
-            shape: &info.shape,
-            data: self.tensor_data(info),
-        })
+        info.converted_from.is_none().then(|| self.view(info))
     }
     /// Every tensor, those of types ferrite does not load included.
     fn tensor_names(&self) -> Vec<String> {
@@ -314,15 +315,11 @@ impl TensorSource for GgufFile {
         let info = self
             .tensor_info(name)
             .ok_or_else(|| FormatError::MissingTensor(name.to_owned()))?;
-        match (self.tensor(name), info.converted_from) {
-            (Some(view), _) => Ok(view),
-            (None, from) => Err(FormatError::UnsupportedDtype {
+        match info.converted_from {
+            None => Ok(self.view(info)),
+            Some(from) => Err(FormatError::UnsupportedDtype {
                 name: name.to_owned(),
-                dtype: format!(
-                    "{} (converted to {} at load)",
-                    from.map_or("?", |t| t.name()),
-                    info.dtype
-                ),
+                dtype: format!("{from} (converted to {} at load)", info.dtype),
             }),
         }
     }
@@ -627,17 +624,13 @@ impl<'a> Cursor<'a> {
         }
         let type_id = self.u32("tensor type")?;
         // A type ferrite loads, or one ggml has whose blocks are known (listed, not loaded).
+        // (ggml's block table agrees with every type ferrite loads: converted.rs's test.)
         let dtype = StoredType::from_id(type_id).ok();
-        let (block, type_size) = match dtype {
-            Some(StoredType::Computed(t)) => (t.block_size(), t.type_size()),
-            Some(StoredType::Converted(t)) => (t.block_size(), t.type_size()),
-            None => {
-                GgmlType::block_of_id(type_id).ok_or_else(|| FormatError::UnsupportedDtype {
-                    name: name.clone(),
-                    dtype: unsupported_type(type_id),
-                })?
-            }
-        };
+        let (block, type_size) =
+            GgmlType::block_of_id(type_id).ok_or_else(|| FormatError::UnsupportedDtype {
+                name: name.clone(),
+                dtype: unsupported_type(type_id),
+            })?;
         let type_name = GgmlType::name_of_id(type_id).unwrap_or("unknown");
         let offset = self.u64("tensor offset")?;
 
