@@ -914,11 +914,7 @@ pub fn with_converted_types(src: &Path, dst: &Path, seed: u64) -> Result<[usize;
     use ferrite_formats::quant::converted::ConvertedType;
     let f = GgufFile::open(src)?;
     let mut w = GgufWriter::create(dst)?;
-    for (k, v) in f.metadata() {
-        if k != "general.alignment" {
-            w.add_kv(k.clone(), v.clone())?;
-        }
-    }
+    w.add_metadata_of(&f)?;
     let mut counts = [0usize; 3];
     let mut data = Vec::new();
     for (i, info) in f.tensor_infos().iter().enumerate() {

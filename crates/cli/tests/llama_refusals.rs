@@ -18,11 +18,7 @@ fn rewritten(
 ) {
     let f = GgufFile::open(src).unwrap();
     let mut w = GgufWriter::create(dst).unwrap();
-    for (k, v) in f.metadata() {
-        if k != "general.alignment" {
-            w.add_kv(k.clone(), v.clone()).unwrap();
-        }
-    }
+    w.add_metadata_of(&f).unwrap();
     for (k, v) in kv {
         w.add_kv(k.to_string(), v.clone()).unwrap();
     }

@@ -27,12 +27,8 @@ pub fn rewrite_tensors<const N: usize>(
 ) {
     let file = GgufFile::open(src).unwrap();
     let mut ws = dsts.map(|d| GgufWriter::create(d).unwrap());
-    for (k, v) in file.metadata() {
-        if k != "general.alignment" {
-            for w in &mut ws {
-                w.add_kv(k.clone(), v.clone()).unwrap();
-            }
-        }
+    for w in &mut ws {
+        w.add_metadata_of(&file).unwrap();
     }
     let mut data = Vec::new();
     for (i, info) in file.tensor_infos().iter().enumerate() {

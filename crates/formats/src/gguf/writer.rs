@@ -131,6 +131,17 @@ impl<W: Write> GgufWriter<W> {
         Ok(())
     }
 
+    /// Every metadata key of `f` but its alignment (this writer lays out its own data): a file's
+    /// metadata under which to write its tensors again, some of them changed.
+    pub fn add_metadata_of(&mut self, f: &super::GgufFile) -> Result<()> {
+        for (k, v) in f.metadata() {
+            if k != KEY_ALIGNMENT {
+                self.add_kv(k.clone(), v.clone())?;
+            }
+        }
+        Ok(())
+    }
+
     /// Declare a tensor. `shape` is row-major (last dimension contiguous); the file stores
     /// it reversed, as ggml does. Data must later be written in declaration order.
     /// `dtype`: a [`crate::GgmlType`], or a type ferrite converts at load
