@@ -13,7 +13,6 @@ Usage: pip install gguf==0.19.0 numpy && python3 tools/quant_vectors/make_conver
 
 import os
 import sys
-from importlib.metadata import version
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -29,18 +28,12 @@ mv.F16_FIELDS.update({"q5_0": [0], "q3_K": [108], "iq4_nl": [0]})
 
 def main():
     rng = np.random.default_rng(SEED)
-    out = {
-        "generator": "tools/quant_vectors/make_converted_vectors.py",
-        "gguf_version": version("gguf"),
-        "numpy_version": np.__version__,
-        "seed": SEED,
-        "types": [],
-    }
+    types = []
     for name, qtype in TYPES:
         raw, n = mv.random_blocks(rng, name, qtype)
         deq = quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
         assert deq.size == n
-        out["types"].append(
+        types.append(
             {
                 "type": name,
                 "n": int(n),
@@ -49,7 +42,7 @@ def main():
             }
         )
         print(f"{name}: {n} values")
-    mv.write_vectors(out, "converted.json")
+    mv.write_vectors("converted.json", "tools/quant_vectors/make_converted_vectors.py", SEED, types)
 
 
 if __name__ == "__main__":

@@ -124,13 +124,7 @@ def quant_inputs(rng, n_elems, block_size):
 
 def main():
     rng = np.random.default_rng(SEED)
-    out = {
-        "generator": "tools/quant_vectors/make_vectors.py",
-        "gguf_version": version("gguf"),
-        "numpy_version": np.__version__,
-        "seed": SEED,
-        "types": [],
-    }
+    types = []
     for name, qtype in TYPES:
         block_size, _ = GGML_QUANT_SIZES[qtype]
         raw, n = random_blocks(rng, name, qtype)
@@ -143,7 +137,7 @@ def main():
             qhex = q.tobytes().hex()
         except NotImplementedError:
             qhex = None
-        out["types"].append(
+        types.append(
             {
                 "type": name,
                 "dequant": {
@@ -160,11 +154,19 @@ def main():
             }
         )
         print(f"{name}: dequant {n} values, quant {x.size} values, reference bytes: {qhex is not None}")
-    write_vectors(out, "vectors.json")
+    write_vectors("vectors.json", "tools/quant_vectors/make_vectors.py", SEED, types)
 
 
-def write_vectors(out, name):
-    """`out` as crates/formats/tests/data/quant_vectors/NAME."""
+def write_vectors(name, generator, seed, types):
+    """The vectors `types` made by `generator` from `seed`, with the versions that made them,
+    as crates/formats/tests/data/quant_vectors/NAME."""
+    out = {
+        "generator": generator,
+        "gguf_version": version("gguf"),
+        "numpy_version": np.__version__,
+        "seed": seed,
+        "types": types,
+    }
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "crates/formats/tests/data/quant_vectors", name)
     with open(path, "w") as f:
