@@ -7,11 +7,11 @@
 
 mod common;
 
-use common::{cpu_logits, data_dir, nmse, read_oracle, read_oracle_file};
+use common::{
+    assert_oracle, cpu_logits, data_dir, nmse, read_oracle, read_oracle_file, ORACLE_NMSE,
+};
 use ferrite_models::ModelFile;
 
-/// As oracle.rs's ORACLE_NMSE: f32 against float64, summation order only.
-const ORACLE_NMSE: f64 = 1e-5;
 /// GGUF against safetensors: the frequencies as the file's divisors (f / d) against
 /// transformers' blend computed directly, ~1 ulp apart, plus the Q/K row permutation.
 const FORMAT_NMSE: f64 = 1e-10;
@@ -32,17 +32,7 @@ fn llama3_rope_scaling_matches_the_oracle() {
     let file = ModelFile::open(&dir).unwrap();
     assert!(file.config().unwrap().rope.inv_freq.is_some());
     let ours = cpu_logits(&file, &o.tokens);
-    let e = nmse(&ours, &o.logits);
-    println!("llama3: NMSE vs the numpy oracle = {e:.3e}");
-    assert!(e < ORACLE_NMSE, "NMSE {e:e}");
-    for (t, (a, b)) in ours
-        .chunks(o.vocab)
-        .zip(o.logits.chunks(o.vocab))
-        .enumerate()
-    {
-        let am = |v: &[f32]| (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b });
-        assert_eq!(am(a), am(b), "argmax differs at position {t}");
-    }
+    assert_oracle("llama3 (numpy float64)", &ours, &o);
     // The scaling changes the answer: far from the unscaled model's logits.
     let plain = read_oracle(&src);
     let e_plain = nmse(&ours, &plain.logits);

@@ -5,27 +5,14 @@
 
 mod common;
 
-use common::{cpu_logits, data_dir, nmse, read_oracle};
+use common::{argmax, assert_oracle, cpu_logits, data_dir, nmse, read_oracle, ORACLE_NMSE};
 use ferrite_backend::cpu::CpuBackend;
 use ferrite_models::{Logits, Model, ModelFile};
-
-/// NMSE = mse(ours, oracle) / mean(oracle²). Both sides compute in f32 from the same
-/// bf16-rounded weights; what differs is summation order (ours: blockwise dot products,
-/// f64 RMSNorm sums; PyTorch: its own GEMM tiling), worth ~1e-12..1e-9 at these sizes.
-/// 1e-5 is the bar and still catches any real error (a wrong rope pairing or
-/// norm gives NMSE ≥ 1e-2).
-const ORACLE_NMSE: f64 = 1e-5;
 
 /// GGUF vs safetensors of the same weights: identical except for the llama Q/K row
 /// permutation and Qwen3.5's tiled value-head order, which only reorder the terms of dot
 /// products (f32 rounding: ~1e-14 for llama, ~1e-12 through Qwen3.5's recurrence).
 const FORMAT_NMSE: f64 = 1e-10;
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold(0, |b, (i, &x)| if x > v[b] { i } else { b })
-}
 
 fn check_model(name: &str) {
     check_model_formats(name, true)
@@ -37,21 +24,7 @@ fn check_model_formats(name: &str, gguf: bool) {
     let o = read_oracle(&dir);
     let file = ModelFile::open(&dir).expect("checkpoint opens");
     let ours = cpu_logits(&file, &o.tokens);
-    assert_eq!(ours.len(), o.logits.len());
-    let e = nmse(&ours, &o.logits);
-    println!("{name}: NMSE vs transformers = {e:.3e}");
-    assert!(e < ORACLE_NMSE, "{name}: NMSE {e:e} ≥ {ORACLE_NMSE:e}");
-    for (t, (a, b)) in ours
-        .chunks(o.vocab)
-        .zip(o.logits.chunks(o.vocab))
-        .enumerate()
-    {
-        assert_eq!(
-            argmax(a),
-            argmax(b),
-            "{name}: argmax differs at position {t}"
-        );
-    }
+    assert_oracle(&format!("{name} (transformers)"), &ours, &o);
 
     // Same weights through GGUF (llama.cpp's names, layout and for llama its Q/K permutation).
     if gguf {
