@@ -531,10 +531,11 @@ pub trait Backend: Send + Sync {
     }
     /// Bytes per cached key or value element (4 for f32, 2 for f16, ~1.06 for q8_0).
     fn kv_bytes_per_element(&self) -> f64;
-    /// Whether the rotary ops take a frequency table ([`Rope::inv_freq`], a RoPE scaling);
-    /// a model that has one is refused at load where they do not.
-    fn rope_frequency_tables(&self) -> bool {
-        true
+    /// Readies a model's rotation before its first step: CUDA copies a RoPE scaling's
+    /// frequency table ([`Rope::inv_freq`]) to the device here, so that a captured step never
+    /// copies it. The rotary ops take any rotation without it; it only moves the copy.
+    fn load_rope(&self, _rope: &Rope) -> Result<()> {
+        Ok(())
     }
 
     /// Moves a weight into backend memory, keeping its storage type.

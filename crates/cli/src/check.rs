@@ -21,6 +21,7 @@
 //! sane f16 scales (the K-quant reference quantizer runs at tens of MB/s).
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -134,6 +135,26 @@ const ATTN_ROPE: Rope = Rope {
     rot_dim: 128,
     inv_freq: None,
 };
+/// A RoPE scaling's frequency table for the scaled cases: the unscaled frequencies with the
+/// longer wavelengths slowed, up to 8× at the longest, as Llama 3.1's "llama3" scaling does
+/// (the kernels take whatever the table holds; this gives them a table unlike theta's).
+fn scaled_inv_freq(theta: f32, rot_dim: usize) -> Arc<[f32]> {
+    let half = rot_dim / 2;
+    Rope::unscaled_inv_freq(theta, rot_dim)
+        .enumerate()
+        .map(|(i, f)| f / (1.0 + 7.0 * i as f32 / (half - 1).max(1) as f32))
+        .collect()
+}
+
+/// The case label's mark of a scaled rotation.
+fn scaled_label(inv_freq: &Option<Arc<[f32]>>) -> &'static str {
+    if inv_freq.is_some() {
+        " scaled"
+    } else {
+        ""
+    }
+}
+
 /// Graph capture + replay of RoPE at new positions: as RoPE.
 const GRAPH_NMSE: f64 = ROPE_NMSE;
 /// Causal conv1d: a K-tap f32 dot product per output then SiLU: FMA contraction and `expf`
@@ -527,6 +548,9 @@ enum Op {
         rot_dim: usize,
         pos0: usize,
         rows: usize,
+        /// A RoPE scaling's frequency table ([`scaled_inv_freq`]; CUDA's `_tab` kernels, the
+        /// composition at a decode row), or `None`: Qwen3's base alone.
+        inv_freq: Option<Arc<[f32]>>,
     },
     /// The experts alone (`moe`), or (`shared`) with Qwen3.5's gated shared expert of the
     /// experts' types, by `moe_shared` (CUDA: the shared expert inside the MoE launches; it
@@ -806,8 +830,11 @@ fn describe(op: &Op) -> (&'static str, String) {
         } => (
             "rope",
             format!(
-                "rope {:?} hd={head_dim} rot={} θ={} heads={heads} rows={rows} pos0={pos0}",
-                rope.style, rope.rot_dim, rope.theta
+                "rope {:?} hd={head_dim} rot={} θ={}{} heads={heads} rows={rows} pos0={pos0}",
+                rope.style,
+                rope.rot_dim,
+                rope.theta,
+                scaled_label(&rope.inv_freq)
             ),
         ),
         Op::AddAssign { rows, cols } => ("add_assign", format!("add_assign {rows}x{cols}")),
@@ -834,9 +861,12 @@ fn describe(op: &Op) -> (&'static str, String) {
         } => (
             "qk_norm_rope",
             format!(
-                "qk_norm_rope {:?} hd={head_dim} rot={} θ={} heads={q_heads}/{k_heads} \
+                "qk_norm_rope {:?} hd={head_dim} rot={} θ={}{} heads={q_heads}/{k_heads} \
                  norm={norm} rows={rows} pos0={pos0}",
-                rope.style, rope.rot_dim, rope.theta
+                rope.style,
+                rope.rot_dim,
+                rope.theta,
+                scaled_label(&rope.inv_freq)
             ),
         ),
         Op::Swiglu { rows, cols } => ("swiglu", format!("swiglu {rows}x{cols}")),
@@ -895,16 +925,18 @@ fn describe(op: &Op) -> (&'static str, String) {
             rot_dim,
             pos0,
             rows,
+            inv_freq,
         } => (
             "qk_norm_rope_attention",
             format!(
-                "qk_norm_rope+attention hd={}{} heads={}/kv{} {} pos0={pos0}",
+                "qk_norm_rope+attention hd={}{}{} heads={}/kv{} {} pos0={pos0}",
                 shape.head_dim,
                 if *rot_dim == shape.head_dim {
                     String::new()
                 } else {
                     format!(" rot={rot_dim}")
                 },
+                scaled_label(inv_freq),
                 shape.n_heads,
                 shape.n_kv_heads,
                 if *rows == 1 {
@@ -1696,21 +1728,24 @@ pub fn cases(quick: bool) -> Vec<Case> {
         (128, 64, 1e7, 8),
         (256, 256, 1e7, 2),
     ];
+    // Llama 3.1's scaled rotation (a frequency table, CUDA's rope_tab): 8 heads of 128.
     for style in [RopeStyle::Adjacent, RopeStyle::Neox] {
-        for &(head_dim, rot_dim, theta, heads) in &ropes {
+        for (&(head_dim, rot_dim, theta, heads), scaled) in
+            ropes.iter().map(|r| (r, false)).chain([(&ropes[0], true)])
+        {
             for (rows, pos0) in [(1, 0), (7, 0), (1, 1000), (64, 1000)] {
                 if quick && rows > 7 {
                     continue;
                 }
                 add(Op::Rope {
                     rows,
-                    heads,
+                    heads: if scaled { 8 } else { heads },
                     head_dim,
                     rope: Rope {
                         style,
                         theta,
                         rot_dim,
-                        inv_freq: None,
+                        inv_freq: scaled.then(|| scaled_inv_freq(theta, rot_dim)),
                     },
                     pos0,
                 });
@@ -1788,7 +1823,18 @@ pub fn cases(quick: bool) -> Vec<Case> {
         (5, 5, 96, 72, RopeStyle::Adjacent, 1e4, true),
         (4, 2, 32, 16, RopeStyle::Neox, 1e4, false),
     ];
-    for &(q_heads, k_heads, head_dim, rot_dim, style, theta, norm) in &qk {
+    // Llama 3.1's scaled rotation (a frequency table, CUDA's qk_norm_rope_tab): its GGUF's
+    // adjacent pairs and a checkpoint's NeoX ones (the register form at prefill rows), no norm;
+    // a partial NeoX rotation with norms.
+    let qk_scaled = [
+        (32, 8, 128, 128, RopeStyle::Adjacent, 5e5f32, false),
+        (32, 8, 128, 128, RopeStyle::Neox, 5e5, false),
+        (16, 2, 256, 64, RopeStyle::Neox, 1e7, true),
+    ];
+    let qk_cases = qk.iter().map(|c| (c, false));
+    for (&(q_heads, k_heads, head_dim, rot_dim, style, theta, norm), scaled) in
+        qk_cases.chain(qk_scaled.iter().map(|c| (c, true)))
+    {
         for (rows, pos0) in [(1, 0), (1, 1000), (7, 3), (512, 0)] {
             if quick && (rows > 7 || q_heads > 16) {
                 continue;
@@ -1802,7 +1848,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                     style,
                     theta,
                     rot_dim,
-                    inv_freq: None,
+                    inv_freq: scaled.then(|| scaled_inv_freq(theta, rot_dim)),
                 },
                 norm,
                 pos0,
@@ -1877,6 +1923,26 @@ pub fn cases(quick: bool) -> Vec<Case> {
             rot_dim,
             pos0,
             rows,
+            inv_freq: None,
+        });
+    }
+    // Scaled by a frequency table: CUDA's composition at a decode row (the one-launch form has
+    // no table), and qk_norm_rope_kv_tab storing the keys and values at prefill rows.
+    for (pos0, rows) in [(300, 1), (0, 300), (37, 130)] {
+        if quick && rows == 130 {
+            continue;
+        }
+        let (head_dim, rot_dim) = QWEN3;
+        add(Op::AttnRope {
+            shape: AttnShape {
+                n_heads: 32,
+                n_kv_heads: 8,
+                head_dim,
+            },
+            rot_dim,
+            pos0,
+            rows,
+            inv_freq: Some(scaled_inv_freq(ATTN_ROPE.theta, rot_dim)),
         });
     }
 
@@ -3870,13 +3936,18 @@ fn exec<B: Backend>(be: &B, op: &Op, p: &mut Prepared<B>) -> Result<()> {
             be.attention(kv, &p.step, args, att)?;
             be.matmul(att, &p.w[0], &mut p.out)
         }
-        Op::AttnRope { shape, rot_dim, .. } => {
+        Op::AttnRope {
+            shape,
+            rot_dim,
+            inv_freq,
+            ..
+        } => {
             let kv =
                 p.kv.as_mut()
                     .ok_or_else(|| anyhow::anyhow!("no KV cache"))?;
             let rope = Rope {
                 rot_dim: *rot_dim,
-                inv_freq: None,
+                inv_freq: inv_freq.clone(),
                 ..ATTN_ROPE
             };
             let qk = QkRope {

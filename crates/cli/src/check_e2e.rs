@@ -97,7 +97,11 @@ fn read_ids(st: &safetensors::SafeTensors<'_>, name: &str) -> Result<Vec<u32>> {
 }
 
 fn read_oracle(dir: &Path) -> Result<(Vec<u32>, Vec<f32>)> {
-    let bytes = std::fs::read(dir.join("oracle.safetensors"))?;
+    read_oracle_file(&dir.join("oracle.safetensors"))
+}
+
+fn read_oracle_file(path: &Path) -> Result<(Vec<u32>, Vec<f32>)> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)?;
     Ok((read_ids(&st, "tokens")?, read_f32s(&st, "logits")?))
 }
@@ -163,17 +167,6 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             .unwrap_or_default();
         let (tokens, oracle) = read_oracle(dir)?;
         let file = ModelFile::open(dir)?;
-        // A model this backend refuses at load (a RoPE frequency table on CUDA): said, not run.
-        if file.config()?.rope.inv_freq.is_some() && !be.rope_frequency_tables() {
-            lines.push(Line {
-                ok: true,
-                what: format!("{name}: {}", be.name()),
-                detail: "not run: a RoPE frequency table (llama3), which this backend refuses \
-                         at load for now; the CPU tests check it"
-                    .into(),
-            });
-            continue;
-        }
         let (test, vocab) = all_logits(be, &file, &tokens)?;
         let (reference, _) = all_logits(&cpu, &file, &tokens)?;
         lines.push(compare(
@@ -196,6 +189,9 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
         )?);
         if dir.join("mtp_oracle.safetensors").exists() {
             lines.extend(mtp_lines(be, &cpu, dir, &name, &file, &tokens)?);
+        }
+        if dir.join(LLAMA3_ORACLE).exists() {
+            lines.extend(llama3_lines(be, &cpu, dir, &name, scratch)?);
         }
     }
 
@@ -350,6 +346,62 @@ fn host_expert_lines<B: Backend>(
         ),
     };
     Ok(vec![exact, gate])
+}
+
+/// The float64 oracle of an oracle checkpoint run with Llama 3.1's "llama3" RoPE scaling
+/// (`llama3.json`, its `rope_parameters`; tools/oracle/llama3_oracle.py).
+const LLAMA3_ORACLE: &str = "llama3_oracle.safetensors";
+
+/// The checkpoint of `dir` with its `rope_parameters` replaced by `llama3.json` (written under
+/// `scratch`), and that checkpoint as llama.cpp's converter writes it (its `rope_freqs.weight`
+/// divisors, adjacent pairs): each on the backend against the float64 oracle and the CPU, and
+/// the prefill/decode gate (the scaled rotation in a captured decode step).
+fn llama3_lines<B: Backend>(
+    be: &B,
+    cpu: &CpuBackend,
+    dir: &Path,
+    name: &str,
+    scratch: &Path,
+) -> Result<Vec<Line>> {
+    let (tokens, oracle) = read_oracle_file(&dir.join(LLAMA3_ORACLE))?;
+    let scaled = scratch.join(format!("{name}-llama3"));
+    std::fs::create_dir_all(&scaled)?;
+    std::fs::copy(
+        dir.join("model.safetensors"),
+        scaled.join("model.safetensors"),
+    )?;
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json"))?)?;
+    config["rope_parameters"] = serde_json::from_slice(&std::fs::read(dir.join("llama3.json"))?)?;
+    std::fs::write(scaled.join("config.json"), config.to_string())?;
+    let gguf = scratch.join(format!("{name}-llama3.gguf"));
+    ferrite_models::convert::hf_to_gguf(&scaled, &gguf)?;
+    let mut lines = Vec::new();
+    for (form, path) in [("safetensors", &scaled), ("GGUF", &gguf)] {
+        let file = ModelFile::open(path)?;
+        let what = format!("{name} llama3 RoPE ({form})");
+        let (test, vocab) = all_logits(be, &file, &tokens)?;
+        let (reference, _) = all_logits(cpu, &file, &tokens)?;
+        lines.push(compare(
+            format!("{what}: {} vs oracle", be.name()),
+            &test,
+            &oracle,
+            vocab,
+        ));
+        lines.push(compare(
+            format!("{what}: {} vs cpu", be.name()),
+            &test,
+            &reference,
+            vocab,
+        ));
+        lines.push(gate_line(
+            be,
+            &Model::load(be, &file, &|_, _| {})?,
+            &what,
+            &tokens,
+        )?);
+    }
+    Ok(lines)
 }
 
 /// Greedy tokens gate 3 compares, plain against speculative.

@@ -507,12 +507,7 @@ impl<B: Backend> Model<B> {
         quantize: Option<Mix>,
     ) -> Result<Self> {
         let cfg = file.config()?;
-        anyhow::ensure!(
-            cfg.rope.inv_freq.is_none() || be.rope_frequency_tables(),
-            "this model scales RoPE (Llama 3.1-style \"llama3\" frequencies), which {} does \
-             not run yet (the CPU backend does: --device cpu)",
-            be.name()
-        );
+        be.load_rope(&cfg.rope)?;
         if cfg.arch.is_hybrid() {
             return crate::qwen3_5::load(be, file, cfg, progress, quantize);
         }

@@ -919,7 +919,9 @@ pub fn qk_norm_rope_attention(
     let (Some(qn), Some(kn)) = (qk.q_norm, qk.k_norm) else {
         return Ok(false);
     };
+    // A RoPE scaling's table (rope_tab) has no place in the launch's argument: the composition.
     if be.attention.decode_clpr.is_none()
+        || qk.rope.inv_freq.is_some()
         || qk.rope.style != crate::RopeStyle::Neox
         || qk.head_dim != DECODE_TC_HEAD_DIM
         || qk.rope.rot_dim != DECODE_TC_HEAD_DIM

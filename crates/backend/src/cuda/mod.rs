@@ -457,10 +457,8 @@ impl Backend for CudaBackend {
         self.attention.kv_type().bytes_per_element()
     }
 
-    /// Not yet: the rotary kernels compute `theta^(-2i / rot_dim)` in place (powf), and a
-    /// table in their arguments changes every rotating kernel of the default path.
-    fn rope_frequency_tables(&self) -> bool {
-        false
+    fn load_rope(&self, rope: &Rope) -> Result<()> {
+        ops::rope_table(self, rope).map(|_| ())
     }
 
     fn upload(&self, t: &HostTensor<'_>) -> Result<CudaWeight> {

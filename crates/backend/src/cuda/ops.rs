@@ -20,11 +20,19 @@ pub struct Kernels {
     rms_norm: CudaFunction,
     head_rms_norm: CudaFunction,
     rope: CudaFunction,
+    /// `rope_tab`, `qk_norm_rope_tab`, `qk_norm_rope_kv_tab`: the three rotations with a RoPE
+    /// scaling's frequency table in theta's place ([`rope_table`]).
+    rope_tab: CudaFunction,
     add_rms_norm: CudaFunction,
     qk_norm_rope: CudaFunction,
     /// `qk_norm_rope_kv`: the prefill's k and v stored into the f16 cache by the same launch
     /// ([`qk_norm_rope_kv`]).
     qk_norm_rope_kv: CudaFunction,
+    qk_norm_rope_tab: CudaFunction,
+    qk_norm_rope_kv_tab: CudaFunction,
+    /// The frequency tables copied to the device ([`rope_table`]), each beside the host table
+    /// it was copied from.
+    rope_tables: Mutex<Vec<(Arc<[f32]>, CudaSlice<f32>)>>,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
     topk_rows: CudaFunction,
@@ -58,9 +66,13 @@ impl Kernels {
             rms_norm: function(&m, "rms_norm")?,
             head_rms_norm: function(&m, "head_rms_norm")?,
             rope: function(&m, "rope")?,
+            rope_tab: function(&m, "rope_tab")?,
             add_rms_norm: function(&m, "add_rms_norm")?,
             qk_norm_rope: function(&m, "qk_norm_rope")?,
             qk_norm_rope_kv: function(&m, "qk_norm_rope_kv")?,
+            qk_norm_rope_tab: function(&m, "qk_norm_rope_tab")?,
+            qk_norm_rope_kv_tab: function(&m, "qk_norm_rope_kv_tab")?,
+            rope_tables: Mutex::new(Vec::new()),
             add_assign: function(&m, "add_assign")?,
             swiglu: function(&m, "swiglu")?,
             topk_rows: function(&m, "topk_rows")?,
@@ -468,6 +480,35 @@ pub fn head_rms_norm(
     Ok(())
 }
 
+/// The device address of `rope`'s frequency table ([`Rope::inv_freq`], a RoPE scaling's) for
+/// the `_tab` kernels, or `None` where the rotation has none (the kernels then compute
+/// `theta^(-2i / rot_dim)` themselves). A table is copied the first time it is asked for and
+/// kept for the backend's life, so the address stays valid in a captured step; the loader asks
+/// before any step (`Backend::load_rope`), so a capture never copies.
+pub(crate) fn rope_table(be: &CudaBackend, rope: &Rope) -> Result<Option<u64>> {
+    let Some(host) = &rope.inv_freq else {
+        return Ok(None);
+    };
+    ensure!(
+        host.len() == rope.rot_dim / 2,
+        "RoPE frequency table of {} values for {} rotary dimensions",
+        host.len(),
+        rope.rot_dim
+    );
+    let mut tables = be
+        .ops
+        .rope_tables
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, dev)) = tables.iter().find(|(h, _)| Arc::ptr_eq(h, host)) {
+        return Ok(Some(dev.device_ptr(&be.stream).0));
+    }
+    let dev = be.stream.clone_htod(&host[..])?;
+    let ptr = dev.device_ptr(&be.stream).0;
+    tables.push((host.clone(), dev));
+    Ok(Some(ptr))
+}
+
 pub fn rope(
     be: &CudaBackend,
     x: &mut Act<CudaSlice<f32>>,
@@ -476,6 +517,7 @@ pub fn rope(
     rope: &Rope,
 ) -> Result<()> {
     crate::check_rope(x, head_dim, step, rope)?;
+    let table = rope_table(be, rope)?;
     let total = x.rows * (x.cols / head_dim) * (rope.rot_dim / 2);
     let (rows, cols, hd, rd) = (
         x.rows as i32,
@@ -484,19 +526,25 @@ pub fn rope(
         rope.rot_dim as i32,
     );
     let neox = i32::from(rope.style == RopeStyle::Neox);
-    // SAFETY: one thread per rotated pair, bounds-checked in the kernel.
+    // SAFETY: one thread per rotated pair, bounds-checked in the kernel; a table holds
+    // rot_dim / 2 floats (rope_table).
     unsafe {
-        be.stream
-            .kernel(&be.ops.rope)
-            .arg(&mut x.buf)
+        let mut b = be.stream.kernel(match table {
+            Some(_) => &be.ops.rope_tab,
+            None => &be.ops.rope,
+        });
+        b.arg(&mut x.buf)
             .arg(&step.positions)
             .arg(&rows)
             .arg(&cols)
             .arg(&hd)
             .arg(&rd)
-            .arg(&neox)
-            .arg(&rope.theta)
-            .launch(grid_1d(total, 256))
+            .arg(&neox);
+        match &table {
+            Some(t) => b.arg(t),
+            None => b.arg(&rope.theta),
+        };
+        b.launch(grid_1d(total, 256))
     }?;
     Ok(())
 }
@@ -826,6 +874,7 @@ fn qk_norm_rope_launch(
 ) -> Result<bool> {
     let qw = q_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
     let kw = k_norm.map(|w| f32_vec(w, head_dim)).transpose()?;
+    let table = rope_table(be, rope)?;
     let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
     // Heads a warp (the kernel's register form only, on prefills): 16 registers a lane of them,
     // so that a token's angles are computed once per 4 heads of up to 128 elements (2 of 256)
@@ -868,9 +917,11 @@ fn qk_norm_rope_launch(
     // as the step); norm weights hold head_dim floats (f32_vec); the kernel returns for
     // warps past rows·(q_heads + k_heads).
     unsafe {
-        let mut b = be.stream.kernel(match kd {
-            Some(_) => &be.ops.qk_norm_rope_kv,
-            None => &be.ops.qk_norm_rope,
+        let mut b = be.stream.kernel(match (kd, table) {
+            (Some(_), None) => &be.ops.qk_norm_rope_kv,
+            (None, None) => &be.ops.qk_norm_rope,
+            (Some(_), Some(_)) => &be.ops.qk_norm_rope_kv_tab,
+            (None, Some(_)) => &be.ops.qk_norm_rope_tab,
         });
         b.arg(&mut q.buf).arg(&mut k.buf);
         match &qw {
@@ -887,10 +938,12 @@ fn qk_norm_rope_launch(
             .arg(&kh)
             .arg(&hd)
             .arg(&rd)
-            .arg(&neox)
-            .arg(&rope.theta)
-            .arg(&eps)
-            .arg(&hpw);
+            .arg(&neox);
+        match &table {
+            Some(t) => b.arg(t),
+            None => b.arg(&rope.theta),
+        };
+        b.arg(&eps).arg(&hpw);
         if let Some(kd) = &kd {
             b.arg(kd);
         }

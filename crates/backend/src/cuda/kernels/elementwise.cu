@@ -34,6 +34,13 @@
 //                 element. The lane's norm weights and rotary frequencies (powf) are loaded
 //                 and computed before the PDL wait (up to QKR_PAIRS pairs per lane:
 //                 rot_dim <= 256, checked by the launcher).
+// - rope_tab, qk_norm_rope_tab, qk_norm_rope_kv_tab: the rotations with a RoPE scaling's
+//                 frequency table (Llama 3.1's "llama3"; ops.rs rope_table) read where theta's
+//                 powf was: rot_dim / 2 floats a launch, from L1/L2 after the first warp. They
+//                 are the same templates with TAB set; with TAB unset rope, qk_norm_rope and
+//                 qk_norm_rope_kv compile to the SASS they had before (their CUBIN .text
+//                 sections byte-identical, compared when the tables came), so the unscaled
+//                 models' path did not change.
 // - topk_rows:    one block per row, k passes: pass j finds the best element strictly after
 //                 the (j-1)-th in the total order (value desc, index asc; NaN as -inf), so
 //                 no selection list is kept; k·cols reads (k ≤ 64: ~40 MB at 150k vocab,
@@ -115,9 +122,13 @@ extern "C" __global__ void head_rms_norm(float* __restrict__ x, const float* __r
     for (int i = lane; i < head_dim; i += 32) h[i] = (h[i] * scale) * w[i];
 }
 
-// One thread per (row, head, pair i < rot_dim/2).
-extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ positions, int rows, int cols,
-                                int head_dim, int rot_dim, int neox, float theta) {
+// One thread per (row, head, pair i < rot_dim/2). TAB (rope_tab): the pair's frequency from
+// the table a RoPE scaling set (`freq`, rot_dim / 2 floats: Llama 3.1's "llama3") instead of
+// theta^(-2i / rot_dim); rope itself compiles to the code it had before the table existed.
+template <bool TAB>
+__device__ __forceinline__ void rope_impl(float* __restrict__ x, const int* __restrict__ positions, int rows,
+                                          int cols, int head_dim, int rot_dim, int neox, float theta,
+                                          const float* __restrict__ freq) {
     PDL_ENTRY();
     int half = rot_dim / 2;
     int heads = cols / head_dim;
@@ -128,7 +139,11 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
     long long rh = idx / half;
     int head = (int)(rh % heads);
     int t = (int)(rh / heads);
-    float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)rot_dim);
+    float inv_freq;
+    if constexpr (TAB)
+        inv_freq = freq[i];
+    else
+        inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)rot_dim);
     float a = (float)positions[t] * inv_freq;
     float c = cosf(a), s = sinf(a);
     float* h = x + (long long)t * cols + (long long)head * head_dim;
@@ -137,6 +152,14 @@ extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ p
     float x0 = h[ia], x1 = h[ib];
     h[ia] = x0 * c - x1 * s;
     h[ib] = x0 * s + x1 * c;
+}
+extern "C" __global__ void rope(float* __restrict__ x, const int* __restrict__ positions, int rows, int cols,
+                                int head_dim, int rot_dim, int neox, float theta) {
+    rope_impl<false>(x, positions, rows, cols, head_dim, rot_dim, neox, theta, nullptr);
+}
+extern "C" __global__ void rope_tab(float* __restrict__ x, const int* __restrict__ positions, int rows, int cols,
+                                    int head_dim, int rot_dim, int neox, const float* __restrict__ freq) {
+    rope_impl<true>(x, positions, rows, cols, head_dim, rot_dim, neox, 0.f, freq);
 }
 
 // x += y; h = (x · rsqrt(mean(x²) + eps)) · w; one block per row. With xq (the launcher
@@ -290,12 +313,15 @@ struct KvDst {
 // it applies): the k warps store their heads into the f16 cache at the row's position instead of
 // writing k, and as many warps after them store v's heads there unchanged — kv_store's work (its
 // bits: f32_to_f16_sat, positions outside the cache skipped), so no kv_store launch follows.
-template <bool KV>
+// TAB (the _tab kernels): the frequencies from a RoPE scaling's table `freq` (rot_dim / 2
+// floats) instead of theta^(-2p / rot_dim), as rope_tab.
+template <bool KV, bool TAB>
 __device__ __forceinline__ void qk_norm_rope_impl(float* __restrict__ q, float* __restrict__ k,
                                                   const float* __restrict__ qw, const float* __restrict__ kw,
                                                   const int* __restrict__ positions, int rows, int q_heads,
                                                   int k_heads, int head_dim, int rot_dim, int neox, float theta,
-                                                  float eps, int hpw, KvDst kd) {
+                                                  float eps, int hpw, KvDst kd,
+                                                  const float* __restrict__ freq) {
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     const int qg = (q_heads + hpw - 1) / hpw, kg = (k_heads + hpw - 1) / hpw;
@@ -318,7 +344,10 @@ __device__ __forceinline__ void qk_norm_rope_impl(float* __restrict__ q, float* 
                 wa[j] = w[neox ? p : 2 * p];
                 wb[j] = w[neox ? p + half : 2 * p + 1];
             }
-            inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
+            if constexpr (TAB)
+                inv_freq[j] = freq[p];
+            else
+                inv_freq[j] = 1.0f / powf(theta, (float)(2 * p) / (float)rot_dim);
         }
     }
     const int hoff = half / 32;
@@ -423,8 +452,8 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope(float* __restr
                                         const int* __restrict__ positions, int rows, int q_heads,
                                         int k_heads, int head_dim, int rot_dim, int neox,
                                         float theta, float eps, int hpw) {
-    qk_norm_rope_impl<false>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps,
-                             hpw, KvDst{});
+    qk_norm_rope_impl<false, false>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta,
+                                    eps, hpw, KvDst{}, nullptr);
 }
 
 // qk_norm_rope whose k and v go straight to the f16 cache (KV above; ops.rs qk_norm_rope_kv).
@@ -433,8 +462,26 @@ extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_kv(float* __re
                                         const int* __restrict__ positions, int rows, int q_heads,
                                         int k_heads, int head_dim, int rot_dim, int neox,
                                         float theta, float eps, int hpw, KvDst kd) {
-    qk_norm_rope_impl<true>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta, eps, hpw,
-                            kd);
+    qk_norm_rope_impl<true, false>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, theta,
+                                   eps, hpw, kd, nullptr);
+}
+
+// The two above with a RoPE scaling's frequency table (TAB): theta's place holds `freq`.
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_tab(float* __restrict__ q, float* __restrict__ k,
+                                        const float* __restrict__ qw, const float* __restrict__ kw,
+                                        const int* __restrict__ positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, int rot_dim, int neox,
+                                        const float* __restrict__ freq, float eps, int hpw) {
+    qk_norm_rope_impl<false, true>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, 0.f,
+                                   eps, hpw, KvDst{}, freq);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) qk_norm_rope_kv_tab(float* __restrict__ q, float* __restrict__ k,
+                                        const float* __restrict__ qw, const float* __restrict__ kw,
+                                        const int* __restrict__ positions, int rows, int q_heads,
+                                        int k_heads, int head_dim, int rot_dim, int neox,
+                                        const float* __restrict__ freq, float eps, int hpw, KvDst kd) {
+    qk_norm_rope_impl<true, true>(q, k, qw, kw, positions, rows, q_heads, k_heads, head_dim, rot_dim, neox, 0.f,
+                                  eps, hpw, kd, freq);
 }
 
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, long long n) {
