@@ -32,7 +32,7 @@ pub struct Kernels {
     qk_norm_rope_kv_tab: CudaFunction,
     /// The frequency tables copied to the device ([`rope_table`]), each beside the host table
     /// it was copied from.
-    rope_tables: Mutex<Vec<(Arc<[f32]>, CudaSlice<f32>)>>,
+    rope_tables: Mutex<Vec<RopeTable>>,
     add_assign: CudaFunction,
     swiglu: CudaFunction,
     topk_rows: CudaFunction,
@@ -52,6 +52,9 @@ pub struct Kernels {
     /// `argmax_rows_mb`'s per-row best key and arrival ticket (zero between launches).
     argmax_scratch: Mutex<Option<ArgmaxScratch>>,
 }
+
+/// A RoPE frequency table on the device, beside the host table it was copied from.
+type RopeTable = (Arc<[f32]>, CudaSlice<f32>);
 
 struct ArgmaxScratch {
     best: CudaSlice<u64>,
