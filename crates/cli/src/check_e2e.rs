@@ -167,26 +167,8 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             .unwrap_or_default();
         let (tokens, oracle) = read_oracle(dir)?;
         let file = ModelFile::open(dir)?;
-        let (test, vocab) = all_logits(be, &file, &tokens)?;
-        let (reference, _) = all_logits(&cpu, &file, &tokens)?;
-        lines.push(compare(
-            format!("{name}: {} vs transformers", be.name()),
-            &test,
-            &oracle,
-            vocab,
-        ));
-        lines.push(compare(
-            format!("{name}: {} vs cpu", be.name()),
-            &test,
-            &reference,
-            vocab,
-        ));
-        lines.push(gate_line(
-            be,
-            &Model::load(be, &file, &|_, _| {})?,
-            &name,
-            &tokens,
-        )?);
+        let oracle = ("transformers", &oracle[..]);
+        lines.extend(oracle_lines(be, &cpu, &file, &name, &tokens, oracle)?);
         if dir.join("mtp_oracle.safetensors").exists() {
             lines.extend(mtp_lines(be, &cpu, dir, &name, &file, &tokens)?);
         }
@@ -380,28 +362,45 @@ fn llama3_lines<B: Backend>(
     for (form, path) in [("safetensors", &scaled), ("GGUF", &gguf)] {
         let file = ModelFile::open(path)?;
         let what = format!("{name} llama3 RoPE ({form})");
-        let (test, vocab) = all_logits(be, &file, &tokens)?;
-        let (reference, _) = all_logits(cpu, &file, &tokens)?;
-        lines.push(compare(
-            format!("{what}: {} vs oracle", be.name()),
+        lines.extend(oracle_lines(
+            be,
+            cpu,
+            &file,
+            &what,
+            &tokens,
+            ("oracle", &oracle),
+        )?);
+    }
+    Ok(lines)
+}
+
+/// `file`'s logits on `tokens` on the backend against an oracle's (named) and the CPU's, and
+/// its prefill/decode gate.
+fn oracle_lines<B: Backend>(
+    be: &B,
+    cpu: &CpuBackend,
+    file: &ModelFile,
+    what: &str,
+    tokens: &[u32],
+    (oracle_name, oracle): (&str, &[f32]),
+) -> Result<Vec<Line>> {
+    let (test, vocab) = all_logits(be, file, tokens)?;
+    let (reference, _) = all_logits(cpu, file, tokens)?;
+    Ok(vec![
+        compare(
+            format!("{what}: {} vs {oracle_name}", be.name()),
             &test,
-            &oracle,
+            oracle,
             vocab,
-        ));
-        lines.push(compare(
+        ),
+        compare(
             format!("{what}: {} vs cpu", be.name()),
             &test,
             &reference,
             vocab,
-        ));
-        lines.push(gate_line(
-            be,
-            &Model::load(be, &file, &|_, _| {})?,
-            &what,
-            &tokens,
-        )?);
-    }
-    Ok(lines)
+        ),
+        gate_line(be, &Model::load(be, file, &|_, _| {})?, what, tokens)?,
+    ])
 }
 
 /// Greedy tokens gate 3 compares, plain against speculative.
