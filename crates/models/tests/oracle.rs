@@ -114,6 +114,13 @@ fn llama_tied_embeddings_matches_transformers() {
     check_model("llama-tiny");
 }
 
+/// Llama 3.1's "llama3" RoPE scaling (`rope_parameters` in its config.json: the frequencies
+/// as transformers' `_compute_llama3_parameters` makes them).
+#[test]
+fn llama31_rope_scaling_matches_transformers() {
+    check_model("llama31-tiny");
+}
+
 #[test]
 fn qwen35_matches_transformers() {
     check_model_formats("qwen35-tiny", true);
