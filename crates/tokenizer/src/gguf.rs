@@ -2,9 +2,11 @@
 //! (`llama_vocab::impl::load` in `src/llama-vocab.cpp`).
 //!
 //! Keys read:
-//! - `tokenizer.ggml.model`: `"gpt2"` (byte-level BPE) is supported; `"llama"`
-//!   (SentencePiece) is not yet.
-//! - `tokenizer.ggml.pre`: the pre-tokenizer name, looked up in [`crate::pretokenizers`].
+//! - `tokenizer.ggml.model`: `"gpt2"` (byte-level BPE) or `"llama"` (SentencePiece BPE:
+//!   Llama 2, Mistral 7B up to v0.3, TinyLlama; see [`sentencepiece`]).
+//! - `tokenizer.ggml.pre`: the pre-tokenizer name, looked up in [`crate::pretokenizers`]
+//!   (byte-level BPE only: llama.cpp's SentencePiece tokenizer has none).
+//! - `tokenizer.ggml.scores`, `tokenizer.ggml.add_space_prefix` (SentencePiece).
 //! - `tokenizer.ggml.tokens`, `tokenizer.ggml.merges` (`"a b"` strings),
 //!   `tokenizer.ggml.token_type` (1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused,
 //!   6 byte).
@@ -46,24 +48,20 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
 
     let model = get_str("tokenizer.ggml.model")
         .ok_or_else(|| invalid("missing tokenizer.ggml.model".into()))?;
-    match model {
-        "gpt2" => {}
-        "llama" => {
-            return Err(TokenizerError::Unsupported(
-                "SentencePiece GGUF tokenizers (tokenizer.ggml.model = \"llama\") are not \
-                 supported yet; supported: \"gpt2\" (byte-level BPE)"
-                    .into(),
-            ))
-        }
+    let spm = match model {
+        "gpt2" => false,
+        "llama" => true,
         other => {
             return Err(TokenizerError::Unsupported(format!(
-                "tokenizer.ggml.model = \"{other}\"; supported: \"gpt2\" (byte-level BPE)"
+                "tokenizer.ggml.model = \"{other}\"; supported: \"gpt2\" (byte-level BPE) and \
+                 \"llama\" (SentencePiece BPE)"
             )))
         }
-    }
-    // llama.cpp falls back to "default" (with a loud warning) when the key is missing.
+    };
+    // llama.cpp falls back to "default" (with a loud warning) when the key is missing. Its
+    // SentencePiece tokenizer reads no pre-tokenizer (the files say "default").
     let pre_name = get_str("tokenizer.ggml.pre").unwrap_or("default");
-    let pre = pretokenizers::lookup(pre_name)?;
+    let pre = pretokenizers::lookup(if spm { "default" } else { pre_name })?;
 
     let tokens = get("tokenizer.ggml.tokens")
         .and_then(GgufValue::as_str_array)
@@ -89,11 +87,6 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
         }
         None => vec![token_type::NORMAL; n],
     };
-    let merges_raw = get("tokenizer.ggml.merges")
-        .and_then(GgufValue::as_str_array)
-        .ok_or_else(|| {
-            invalid("tokenizer.ggml.merges missing or not an array of strings".into())
-        })?;
 
     // A missing, negative or out-of-range id means "no such token": llama.cpp warns and
     // ignores those too (converters write -1, and some ids point past a trimmed vocabulary).
@@ -103,9 +96,10 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
     let eot = id_key("tokenizer.ggml.eot_token_id");
     let eom = id_key("tokenizer.ggml.eom_token_id");
     let pad = id_key("tokenizer.ggml.padding_token_id");
+    // llama.cpp adds BOS by default for SentencePiece vocabularies.
     let add_bos = get("tokenizer.ggml.add_bos_token")
         .and_then(GgufValue::as_bool)
-        .unwrap_or(pre.add_bos_default);
+        .unwrap_or(spm || pre.add_bos_default);
     let add_eos = get("tokenizer.ggml.add_eos_token")
         .and_then(GgufValue::as_bool)
         .unwrap_or(false);
@@ -129,17 +123,38 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
             vocab.insert((*t).to_string(), json!(id));
         }
     }
-    let mut merges = Vec::with_capacity(merges_raw.len());
-    for (i, m) in merges_raw.iter().enumerate() {
-        // The separator is the first space after the first character: llama.cpp searches
-        // from index 1 so that a merge whose left part is a space still splits correctly.
-        let first_len = m.chars().next().map(char::len_utf8).unwrap_or(0);
-        let pos = m[first_len..].find(' ').map(|p| p + first_len);
-        match pos {
-            Some(p) => merges.push(json!([&m[..p], &m[p + 1..]])),
-            None => return Err(invalid(format!("merge #{i} {m:?} has no space separator"))),
+    let merges = if spm {
+        let scores = get("tokenizer.ggml.scores")
+            .and_then(GgufValue::as_f32_array)
+            .ok_or_else(|| {
+                invalid("tokenizer.ggml.scores missing or not an array of floats".into())
+            })?;
+        if scores.len() != n {
+            return Err(invalid(format!(
+                "tokenizer.ggml.scores has {} entries for {n} tokens",
+                scores.len()
+            )));
         }
-    }
+        sentencepiece::merges(&tokens, &types, &scores)
+    } else {
+        let merges_raw = get("tokenizer.ggml.merges")
+            .and_then(GgufValue::as_str_array)
+            .ok_or_else(|| {
+                invalid("tokenizer.ggml.merges missing or not an array of strings".into())
+            })?;
+        let mut merges = Vec::with_capacity(merges_raw.len());
+        for (i, m) in merges_raw.iter().enumerate() {
+            // The separator is the first space after the first character: llama.cpp searches
+            // from index 1 so that a merge whose left part is a space still splits correctly.
+            let first_len = m.chars().next().map(char::len_utf8).unwrap_or(0);
+            let pos = m[first_len..].find(' ').map(|p| p + first_len);
+            match pos {
+                Some(p) => merges.push(json!([&m[..p], &m[p + 1..]])),
+                None => return Err(invalid(format!("merge #{i} {m:?} has no space separator"))),
+            }
+        }
+        merges
+    };
 
     let mut added = Vec::new();
     let mut special = HashSet::new();
@@ -165,6 +180,11 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
         .map(|r| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
         .collect();
     pre_seq.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
+    // llama.cpp's SentencePiece default: a space before the text and after each special token.
+    let add_space_prefix = spm
+        && get("tokenizer.ggml.add_space_prefix")
+            .and_then(GgufValue::as_bool)
+            .unwrap_or(true);
 
     let post_processor = template_processing(
         add_bos
@@ -175,26 +195,36 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
             .flatten(),
     );
 
-    let tokenizer_json = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_seq},
-        "post_processor": post_processor,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null,
-            "continuing_subword_prefix": null, "end_of_word_suffix": null,
-            "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignore_merges,
-            "vocab": vocab, "merges": merges,
-        },
-    });
+    let tokenizer_json = if spm {
+        sentencepiece::tokenizer_json(added, post_processor, vocab, merges, add_space_prefix)
+    } else {
+        json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_seq},
+            "post_processor": post_processor,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignore_merges,
+                "vocab": vocab, "merges": merges,
+            },
+        })
+    };
     let hf: tokenizers::Tokenizer = serde_json::from_value(tokenizer_json)
         .map_err(|e| invalid(format!("building the BPE tokenizer failed: {e}")))?;
 
-    // Bytes of each id: control/user-defined tokens are stored raw, the rest byte-level.
+    // Bytes of each id: control/user-defined tokens are stored raw, the rest byte-level (or
+    // SentencePiece's `▁` and `<0xAB>`).
+    let style = if spm {
+        PieceStyle::SENTENCEPIECE
+    } else {
+        PieceStyle::BYTE_LEVEL
+    };
     let pieces = tokens
         .iter()
         .zip(&types)
@@ -202,7 +232,7 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
             token_type::CONTROL | token_type::UNKNOWN | token_type::USER_DEFINED => {
                 t.as_bytes().to_vec()
             }
-            _ => PieceStyle::BYTE_LEVEL.token_bytes(t),
+            _ => style.token_bytes(t),
         })
         .collect();
 
@@ -214,7 +244,7 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
         eos,
         extra_eos: eot.into_iter().chain(eom).collect(),
         pad,
-        strip_leading_space: false,
+        strip_leading_space: add_space_prefix,
         chat_template: get_str("tokenizer.chat_template").map(str::to_string),
     }))
 }
@@ -244,4 +274,99 @@ fn template_processing(bos: Option<(u32, &str)>, eos: Option<(u32, &str)>) -> Va
         special_tokens.insert(t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]}));
     }
     json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens})
+}
+
+/// llama.cpp's SentencePiece BPE (`llm_tokenizer_spm`, a port of sentencepiece's
+/// `bpe_model.cc`) as a `tokenizers` pipeline, the form Hugging Face's own conversion of these
+/// vocabularies takes (`LlamaConverter`): spaces become `▁` and one `▁` goes before the text
+/// (and after each special token, where llama.cpp adds it too); the text is one word; BPE with
+/// byte fallback to the `<0xAB>` tokens.
+///
+/// llama.cpp merges, at each step, the adjacent pair whose concatenation is the vocabulary's
+/// highest-scoring token (the leftmost of equals). As merges: every split of a token into two
+/// tokens, ranked by the whole token's score, highest first (ties in token order, then by the
+/// halves' ids, as `SentencePieceExtractor` orders them). `tests/vocab.rs` holds the result to
+/// llama.cpp's own vectors (`ggml-vocab-llama-spm.gguf`).
+mod sentencepiece {
+    use std::collections::HashMap;
+
+    use serde_json::{json, Value};
+
+    use super::token_type;
+
+    /// The merges of a SentencePiece BPE vocabulary from its tokens and scores.
+    pub(super) fn merges(tokens: &[&str], types: &[i32], scores: &[f32]) -> Vec<Value> {
+        // Pieces a merge may produce or join: the model's own pieces (normal and
+        // user-defined), not control, unknown, unused or byte tokens.
+        let mergeable = |ty: i32| ty == token_type::NORMAL || ty == token_type::USER_DEFINED;
+        let mut id_of: HashMap<&str, usize> = HashMap::with_capacity(tokens.len());
+        for (id, (&t, &ty)) in tokens.iter().zip(types).enumerate() {
+            if mergeable(ty) {
+                id_of.entry(t).or_insert(id);
+            }
+        }
+        let mut found: Vec<(f32, usize, usize, usize)> = Vec::new();
+        for (id, (&t, &ty)) in tokens.iter().zip(types).enumerate() {
+            if !mergeable(ty) || id_of.get(t) != Some(&id) {
+                continue;
+            }
+            for (split, _) in t.char_indices().skip(1) {
+                let (l, r) = t.split_at(split);
+                if let (Some(&li), Some(&ri)) = (id_of.get(l), id_of.get(r)) {
+                    found.push((scores[id], id, li, ri));
+                }
+            }
+        }
+        // Highest score first; equal scores in token order, then by the halves' ids.
+        found.sort_by(|a, b| {
+            b.0.total_cmp(&a.0)
+                .then(a.1.cmp(&b.1))
+                .then((a.2, a.3).cmp(&(b.2, b.3)))
+        });
+        found
+            .into_iter()
+            .map(|(_, _, l, r)| json!([tokens[l], tokens[r]]))
+            .collect()
+    }
+
+    /// The `tokenizer.json` of a SentencePiece BPE vocabulary.
+    pub(super) fn tokenizer_json(
+        added: Vec<Value>,
+        post_processor: Value,
+        vocab: serde_json::Map<String, Value>,
+        merges: Vec<Value>,
+        add_space_prefix: bool,
+    ) -> Value {
+        let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+        let normalizer = if add_space_prefix {
+            json!({"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "\u{2581}"}, replace]})
+        } else {
+            replace
+        };
+        let mut decoders = vec![
+            json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+            json!({"type": "ByteFallback"}),
+            json!({"type": "Fuse"}),
+        ];
+        if add_space_prefix {
+            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        }
+        json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": normalizer,
+            "pre_tokenizer": null,
+            "post_processor": post_processor,
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": true, "ignore_merges": false,
+                "vocab": vocab, "merges": merges,
+            },
+        })
+    }
 }

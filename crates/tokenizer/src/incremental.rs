@@ -15,7 +15,9 @@ pub struct IncrementalDecoder {
     /// Bytes received but not yet emitted: an incomplete UTF-8 sequence at the end.
     pending: Vec<u8>,
     skip_special: bool,
-    /// Whether anything has been emitted (for the leading-space rule of SentencePiece).
+    /// Whether a token has been taken: SentencePiece's leading space is dropped from the
+    /// first one only (as a decoder's `Strip` after `Fuse`, and llama.cpp's detokenizer), even
+    /// where that token is the space alone.
     started: bool,
 }
 
@@ -35,11 +37,12 @@ impl IncrementalDecoder {
             return String::new();
         }
         let mut bytes = tok.token_bytes(id);
-        if !self.started && self.pending.is_empty() && tok.strip_leading_space() {
+        if !self.started && tok.strip_leading_space() {
             if let Some(rest) = bytes.strip_prefix(b" ") {
                 bytes = rest;
             }
         }
+        self.started = true;
         self.pending.extend_from_slice(bytes);
         self.take_complete()
     }
@@ -93,9 +96,6 @@ impl IncrementalDecoder {
             }
         }
         self.pending.drain(..start);
-        if !out.is_empty() {
-            self.started = true;
-        }
         out
     }
 }

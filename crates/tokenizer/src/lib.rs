@@ -366,6 +366,11 @@ impl PieceStyle {
         byte_level: true,
         strip_leading_space: false,
     };
+    /// SentencePiece's pieces: `▁` is a space, `<0xAB>` a byte.
+    pub(crate) const SENTENCEPIECE: PieceStyle = PieceStyle {
+        byte_level: false,
+        strip_leading_space: true,
+    };
 
     /// Reads the `decoder` of a tokenizer.json: ByteLevel anywhere → byte-level; otherwise
     /// SentencePiece conventions (`▁` is a space, `<0xAB>` a byte), with the leading space

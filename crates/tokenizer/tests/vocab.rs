@@ -82,6 +82,60 @@ fn qwen35_gguf_vectors() {
     check_round_trip("qwen35", &tok, &cases);
 }
 
+/// Llama 3's byte-level BPE (`llama-bpe`: its regex and `ignore_merges`).
+#[test]
+fn llama_bpe_gguf_vectors() {
+    let (tok, cases) = gguf_tokenizer("llama-bpe-gguf", "ggml-vocab-llama-bpe.gguf");
+    assert!(!cases.is_empty());
+    check_cases("llama-bpe", &tok, &cases);
+    check_round_trip("llama-bpe", &tok, &cases);
+}
+
+/// Llama 2's SentencePiece BPE (`tokenizer.ggml.model = "llama"`): scores, byte fallback and
+/// the space prefix, against llama.cpp's vectors.
+#[test]
+fn llama_spm_gguf_vectors() {
+    let (tok, cases) = gguf_tokenizer("llama-spm-gguf", "ggml-vocab-llama-spm.gguf");
+    assert!(!cases.is_empty());
+    check_cases("llama-spm", &tok, &cases);
+    check_round_trip("llama-spm", &tok, &cases);
+}
+
+/// The SentencePiece vocabulary's BOS (added by default), its control tokens (split out only
+/// when parsing special text, with llama.cpp's space before the text after them) and decoding.
+#[test]
+fn llama_spm_special_tokens() {
+    let (tok, _) = gguf_tokenizer("llama-spm-gguf", "ggml-vocab-llama-spm.gguf");
+    let (bos, eos) = (tok.bos_id().unwrap(), tok.eos_id().unwrap());
+    assert_eq!((bos, eos), (1, 2));
+    assert!(tok.is_special(bos) && tok.is_special(eos));
+    let hello = tok.encode("Hello", false, false).unwrap();
+    assert_eq!(
+        tok.encode("Hello", true, false).unwrap(),
+        [&[bos], &hello[..]].concat()
+    );
+    // "</s>" parsed: the token, then " Hello" with the space the text after a special gets.
+    let parsed = tok.encode("</s>Hello", false, true).unwrap();
+    assert_eq!(parsed, [&[eos], &hello[..]].concat());
+    // Not parsed: the characters themselves, never the control token.
+    let plain = tok.encode("</s>Hello", false, false).unwrap();
+    assert!(
+        !plain.contains(&eos) && plain.len() > parsed.len(),
+        "{plain:?}"
+    );
+    assert_eq!(tok.decode(&plain, false).unwrap(), "</s>Hello");
+    // A character outside the vocabulary falls back to its UTF-8 bytes' tokens.
+    let snowman = tok.encode("\u{2603}", false, false).unwrap();
+    let pieces: Vec<&[u8]> = snowman.iter().map(|&id| tok.token_bytes(id)).collect();
+    assert_eq!(pieces.concat(), " \u{2603}".as_bytes(), "{snowman:?}");
+    assert_eq!(
+        snowman.len(),
+        4,
+        "the space, then one token a byte: {snowman:?}"
+    );
+    assert_eq!(tok.decode(&snowman, false).unwrap(), "\u{2603}");
+}
+
 #[test]
 fn qwen3_tokenizer_json_matches_qwen2_vectors() {
     let dir = data_dir().join("qwen3-json");
