@@ -11,6 +11,7 @@
 #   perf     ferrite check --device cuda --perf
 #   bench8b  synth Qwen3-8B Q4_K_M, Q8_0, F16 and bench pp512/tg128 each (--record)
 #   bench30b synth Qwen3-30B-A3B Q4_K_M and bench it
+#   benchllama synth Llama-3.1-8B Q4_K_M (llama3 RoPE scaling, Llama 3 vocabulary) and bench it
 #   hostexp  Qwen3-30B-A3B Q4_K_M tg32 with its experts all in VRAM, about half in host memory
 #            (--vram-weights 10) and all there (--vram-weights 1), not recorded
 #   depth    Qwen3-8B Q4_K_M tg128 at depth 8192 and 32768
@@ -222,6 +223,13 @@ for stage in "$@"; do
             $F bench --model "$f" --label qwen3-8b --reps 3 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -8
             rm -f "$f"
         done
+        ;;
+    benchllama)
+        # Llama-3.1-8B Q4_K_M (Llama 3's vocabulary, the llama3 RoPE scaling: the _tab rotary
+        # kernels, GGUF's adjacent pairs), not among issue 4's targets.
+        f=$(synth llama3.1-8b Q4_K_M | tail -1)
+        $F bench --model "$f" --label llama3.1-8b --reps 3 --record --results "$RES" 2>&1 | tee -a "$OUT/bench.log" | tail -8
+        rm -f "$f"
         ;;
     bench30b)
         f=$(synth qwen3-30b-a3b Q4_K_M | tail -1)

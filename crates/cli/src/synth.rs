@@ -40,8 +40,9 @@ pub struct SynthArgs {
     /// Output .gguf path.
     #[arg(long, short = 'o')]
     pub output: PathBuf,
-    /// GGUF whose `tokenizer.*` metadata is copied (default: the Qwen2 vocabulary shipped in
-    /// the repository at tests/data/tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf).
+    /// GGUF whose `tokenizer.*` metadata is copied (default: the vocabulary shipped in the
+    /// repository at tests/data/tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf; for llama3.1-8b,
+    /// Llama 3's at tests/data/tokenizers/llama-bpe-gguf/ggml-vocab-llama-bpe.gguf).
     #[arg(long)]
     pub vocab: Option<PathBuf>,
     /// Seed of the random weights.
@@ -70,6 +71,10 @@ pub enum Preset {
     /// Qwen3-30B-A3B (MoE, 48 layers, 128 experts, 8 active).
     #[value(name = "qwen3-30b-a3b")]
     Qwen3_30B_A3B,
+    /// Llama-3.1-8B (dense, 32 layers, hidden 4096, GQA 32/8, the "llama3" RoPE scaling as
+    /// `rope_freqs.weight`, Llama 3's vocabulary).
+    #[value(name = "llama3.1-8b")]
+    Llama31_8B,
     /// A 2-layer Llama (hidden 128).
     #[value(name = "tiny-llama")]
     TinyLlama,
@@ -201,6 +206,12 @@ pub struct ArchDims {
     pub moe: Option<MoeDims>,
     /// Qwen3.5's linear-attention layers.
     pub hybrid: Option<HybridDims>,
+    /// Llama 3.1's "llama3" RoPE scaling (factor 8, frequency factors 1 and 4, 8,192 original
+    /// positions), written as llama.cpp's converter writes it: `rope_freqs.weight`.
+    pub llama3_rope: bool,
+    /// The vocabulary GGUF when `--vocab` names none (relative to the repository), where the
+    /// preset's vocabulary is not Qwen2's.
+    pub default_vocab: Option<&'static str>,
 }
 
 impl Preset {
@@ -221,6 +232,8 @@ impl Preset {
             qk_norm,
             moe,
             hybrid: None,
+            llama3_rope: false,
+            default_vocab: None,
         };
         // Qwen3.5's linear-attention dims (both real models share them).
         let q35_linear = |shared_expert_ffn| HybridDims {
@@ -262,8 +275,29 @@ impl Preset {
                 rot_dim: 8,
                 shared_expert_ffn,
             }),
+            llama3_rope: false,
+            default_vocab: None,
         };
         match self {
+            Preset::Llama31_8B => ArchDims {
+                arch: "llama",
+                name: "Llama-3.1-8B (synthetic random weights)",
+                hidden: 4096,
+                n_layer: 32,
+                n_head: 32,
+                n_head_kv: 8,
+                head_dim: 128,
+                ffn: 14336,
+                vocab: Some(128256),
+                context: 131072,
+                rope_theta: 500000.0,
+                rms_eps: 1e-5,
+                qk_norm: false,
+                moe: None,
+                hybrid: None,
+                llama3_rope: true,
+                default_vocab: Some(LLAMA3_VOCAB_REL),
+            },
             Preset::Qwen3_8B => ArchDims {
                 arch: "qwen3",
                 name: "Qwen3-8B (synthetic random weights)",
@@ -280,6 +314,8 @@ impl Preset {
                 qk_norm: true,
                 moe: None,
                 hybrid: None,
+                llama3_rope: false,
+                default_vocab: None,
             },
             Preset::Qwen3_30B_A3B => ArchDims {
                 arch: "qwen3moe",
@@ -303,6 +339,8 @@ impl Preset {
                     expert_ffn: 768,
                 }),
                 hybrid: None,
+                llama3_rope: false,
+                default_vocab: None,
             },
             Preset::TinyLlama => tiny(
                 "llama",
@@ -348,6 +386,8 @@ impl Preset {
                 qk_norm: true,
                 moe: None,
                 hybrid: Some(q35_linear(0)),
+                llama3_rope: false,
+                default_vocab: None,
             },
             Preset::Qwen35_35B_A3B => ArchDims {
                 arch: "qwen35moe",
@@ -370,6 +410,8 @@ impl Preset {
                     expert_ffn: 512,
                 }),
                 hybrid: Some(q35_linear(512)),
+                llama3_rope: false,
+                default_vocab: None,
             },
             Preset::TinyQwen35 => {
                 tiny35("qwen35", "tiny-qwen3.5 (synthetic random weights)", None, 0)
@@ -397,7 +439,15 @@ enum Init {
     Norm,
     /// Qwen3.5's `ssm_a` = -exp(A_log) = -A with A uniform in (0, 16), transformers' init.
     NegDecay,
+    /// `rope_freqs.weight`: the divisors llama.cpp's converter writes for Llama 3.1's "llama3"
+    /// scaling of `theta` ([`LLAMA31_ROPE`]).
+    Llama3RopeDivisors { theta: f32 },
 }
+
+/// Llama 3.1's `rope_parameters` (its config.json's), the scaling [`Init::Llama3RopeDivisors`]
+/// writes.
+const LLAMA31_ROPE: &str = r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#;
 
 /// One tensor of the plan.
 #[derive(Clone, Debug)]
@@ -440,6 +490,18 @@ fn plan(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
 /// [`plan`] of the models without linear-attention layers.
 fn plan_layers(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
     let mut v = Vec::new();
+    let (h, qd, kvd) = (d.hidden, d.n_head * d.head_dim, d.n_head_kv * d.head_dim);
+    if d.llama3_rope {
+        // LlamaModel.generate_extra_tensors writes it first, as F32.
+        v.push(TensorPlan {
+            name: "rope_freqs.weight".into(),
+            shape: vec![d.head_dim / 2],
+            dtype: GgmlType::F32,
+            init: Init::Llama3RopeDivisors {
+                theta: d.rope_theta,
+            },
+        });
+    }
     let mut add = |name: String, shape: Vec<usize>, role: Role, layer: usize| {
         let row = *shape.last().unwrap();
         let init = if role == Role::Norm {
@@ -454,7 +516,6 @@ fn plan_layers(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<TensorPlan> {
             init,
         });
     };
-    let (h, qd, kvd) = (d.hidden, d.n_head * d.head_dim, d.n_head_kv * d.head_dim);
     add(
         "token_embd.weight".into(),
         vec![vocab, h],
@@ -718,10 +779,12 @@ fn arch_metadata(d: &ArchDims, vocab: usize, q: SynthQuant) -> Vec<(String, Gguf
 }
 
 const DEFAULT_VOCAB_REL: &str = "tests/data/tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf";
+/// Llama 3's vocabulary (128,256 tokens), llama.cpp's `ggml-vocab-llama-bpe.gguf`.
+const LLAMA3_VOCAB_REL: &str = "tests/data/tokenizers/llama-bpe-gguf/ggml-vocab-llama-bpe.gguf";
 
 /// The default vocabulary GGUF: searched upward from the executable, from the current
 /// directory, and from this crate's source directory (for `cargo run`/`cargo test`).
-fn default_vocab_path() -> Result<PathBuf> {
+fn default_vocab_path(rel: &str) -> Result<PathBuf> {
     let mut starts: Vec<PathBuf> = Vec::new();
     if let Ok(exe) = std::env::current_exe() {
         starts.extend(exe.parent().map(Path::to_path_buf));
@@ -732,14 +795,14 @@ fn default_vocab_path() -> Result<PathBuf> {
     starts.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
     for s in &starts {
         for dir in s.ancestors() {
-            let p = dir.join(DEFAULT_VOCAB_REL);
+            let p = dir.join(rel);
             if p.is_file() {
                 return Ok(p);
             }
         }
     }
     bail!(
-        "the default vocabulary {DEFAULT_VOCAB_REL} was not found near the executable or the current \
+        "the default vocabulary {rel} was not found near the executable or the current \
          directory; pass --vocab PATH (any GGUF with tokenizer.* metadata, e.g. a llama.cpp ggml-vocab-*.gguf)"
     )
 }
@@ -870,12 +933,17 @@ fn fill_rows(t: &TensorPlan, ti: usize, seed: u64, row0: usize, out: &mut [u8]) 
             let first = row0 + ci * per_task;
             let mut rng = SplitMix64(chunk_seed(seed, ti, first));
             let mut x = vec![0f32; row_len];
+            let divisors = match t.init {
+                Init::Llama3RopeDivisors { theta } => llama3_rope_divisors(theta, 2 * row_len)?,
+                _ => Vec::new(),
+            };
             let draw = |x: &mut [f32], rng: &mut SplitMix64| match t.init {
                 Init::Matrix => x.iter_mut().for_each(|v| *v = 0.02 * rng.normalish()),
                 Init::Norm => x.iter_mut().for_each(|v| *v = 1.0 + 0.02 * rng.normalish()),
                 Init::NegDecay => x.iter_mut().for_each(|v| {
                     *v = -16.0 * ((rng.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
                 }),
+                Init::Llama3RopeDivisors { .. } => x.copy_from_slice(&divisors),
             };
             match &payload {
                 None => {
@@ -902,6 +970,22 @@ fn fill_rows(t: &TensorPlan, ti: usize, seed: u64, row0: usize, out: &mut [u8]) 
             }
             Ok(())
         })
+}
+
+/// The `rope_freqs.weight` of Llama 3.1's scaling ([`LLAMA31_ROPE`]) for `rot_dim` rotated
+/// dimensions at base `theta`, as the model loader reads a checkpoint's.
+fn llama3_rope_divisors(theta: f32, rot_dim: usize) -> Result<Vec<f32>> {
+    let config = serde_json::json!({
+        "rope_parameters": serde_json::from_str::<serde_json::Value>(LLAMA31_ROPE)?,
+    });
+    let rope = ferrite_backend::Rope {
+        style: ferrite_backend::RopeStyle::Adjacent,
+        theta,
+        rot_dim,
+        inv_freq: None,
+    };
+    ferrite_models::config::hf_llama3_divisors(&config, &rope)?
+        .context("the llama3 scaling gave no divisors")
 }
 
 /// `src` (a synthetic GGUF) rewritten to `dst` with its Q8_0 matrices stored in the types
@@ -981,7 +1065,7 @@ pub fn synth(args: &SynthArgs) -> Result<()> {
     }
     let vocab_path = match &args.vocab {
         Some(p) => p.clone(),
-        None => default_vocab_path()?,
+        None => default_vocab_path(d.default_vocab.unwrap_or(DEFAULT_VOCAB_REL))?,
     };
     let (tok_kv, vocab) = tokenizer_metadata(&vocab_path, d.vocab)?;
     let tensors = plan(&d, vocab, args.quant);
@@ -1186,6 +1270,26 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+
+    /// Llama-3.1-8B: its rope_freqs.weight first (F32, one divisor a rotated pair), no QK
+    /// norms, Llama 3's vocabulary; the divisors those of llama.cpp's converter for theta
+    /// 500,000 (checked against gguf-py's read of a written file when the preset came: equal):
+    /// 1 for the short wavelengths, 8 for the long, a blend between.
+    #[test]
+    fn llama31_8b_plan_and_rope_divisors() {
+        let d = Preset::Llama31_8B.dims();
+        assert!(d.llama3_rope && !d.qk_norm);
+        assert_eq!(d.default_vocab, Some(LLAMA3_VOCAB_REL));
+        let p = plan(&d, 128256, SynthQuant::Q4_K_M);
+        assert_eq!(p[0].name, "rope_freqs.weight");
+        assert_eq!((p[0].dtype, &p[0].shape[..]), (GgmlType::F32, &[64][..]));
+        assert!(!p.iter().any(|t| t.name.contains("attn_q_norm")));
+        let div = llama3_rope_divisors(d.rope_theta, d.head_dim).unwrap();
+        assert_eq!(div.len(), 64);
+        assert_eq!((div[0], div[63]), (1.0, 8.0));
+        assert!(div.windows(2).all(|w| w[0] <= w[1]), "{div:?}");
+        assert!(div.iter().any(|&v| v > 1.0 && v < 8.0), "{div:?}");
     }
 
     #[test]

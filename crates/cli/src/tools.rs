@@ -111,7 +111,7 @@ pub fn info(a: &InfoArgs) -> Result<()> {
                 c.rope.style,
                 c.rope.theta,
                 if c.rope.inv_freq.is_some() {
-                    " (scaled: llama3 frequencies; CPU backend only for now)"
+                    " (scaled: llama3 frequencies)"
                 } else {
                     ""
                 }

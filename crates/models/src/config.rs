@@ -280,10 +280,7 @@ impl Llama3Scaling {
 
 /// The `rope_freqs.weight` divisors llama.cpp's converter writes for a Hugging Face
 /// checkpoint's "llama3" scaling ([`Llama3Scaling::divisors`]); `None` where it has none.
-pub(crate) fn hf_llama3_divisors(
-    config: &serde_json::Value,
-    rope: &Rope,
-) -> Result<Option<Vec<f32>>> {
+pub fn hf_llama3_divisors(config: &serde_json::Value, rope: &Rope) -> Result<Option<Vec<f32>>> {
     let c = config.get("text_config").unwrap_or(config);
     Ok(Llama3Scaling::of_hf(c)?.map(|s| s.divisors(rope.theta, rope.rot_dim)))
 }
