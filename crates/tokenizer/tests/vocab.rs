@@ -6,7 +6,7 @@
 mod common;
 
 use common::{data_dir, read_vocab_cases, VocabCase};
-use ferrite_formats::gguf::GgufFile;
+use ferrite_formats::gguf::{GgufFile, GgufValue};
 use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
 fn gguf_tokenizer(dir: &str, name: &str) -> (Tokenizer, Vec<VocabCase>) {
@@ -14,6 +14,22 @@ fn gguf_tokenizer(dir: &str, name: &str) -> (Tokenizer, Vec<VocabCase>) {
     let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let tok = Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let cases = read_vocab_cases(&path.with_extension("gguf.inp"));
+    (tok, cases)
+}
+
+/// The Qwen3.5 vocabulary: Qwen2's (the same tokens, merges and types) with llama.cpp's
+/// `qwen35` pre-tokenizer, built from qwen2-gguf's file with `tokenizer.ggml.pre` replaced (the
+/// repository keeps only the one 6 MB file), and the qwen35 vectors.
+fn qwen35_tokenizer() -> (Tokenizer, Vec<VocabCase>) {
+    let path = data_dir().join("qwen2-gguf/ggml-vocab-qwen2.gguf");
+    let file = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let pre = GgufValue::String("qwen35".into());
+    let get = |key: &str| match key {
+        "tokenizer.ggml.pre" => Some(&pre),
+        _ => file.get(key),
+    };
+    let tok = ferrite_tokenizer::gguf::from_metadata(&get).unwrap();
+    let cases = read_vocab_cases(&data_dir().join("qwen35-gguf/ggml-vocab-qwen35.gguf.inp"));
     (tok, cases)
 }
 
@@ -76,7 +92,7 @@ fn qwen2_gguf_vectors() {
 
 #[test]
 fn qwen35_gguf_vectors() {
-    let (tok, cases) = gguf_tokenizer("qwen35-gguf", "ggml-vocab-qwen35.gguf");
+    let (tok, cases) = qwen35_tokenizer();
     assert!(!cases.is_empty());
     check_cases("qwen35", &tok, &cases);
     check_round_trip("qwen35", &tok, &cases);
@@ -189,7 +205,7 @@ fn qwen_stop_tokens() {
     assert!(!tok.is_special(think));
     assert_eq!(tok.encode("<think>", false, false).unwrap(), vec![think]);
 
-    let (gtok, _) = gguf_tokenizer("qwen35-gguf", "ggml-vocab-qwen35.gguf");
+    let (gtok, _) = qwen35_tokenizer();
     let g_im_end = gtok.token_to_id("<|im_end|>").unwrap();
     assert!(gtok.eos_ids().contains(&g_im_end), "{:?}", gtok.eos_ids());
 }
