@@ -1,6 +1,7 @@
 //! What JSON output costs a step: the time of `json_mode::mask` over a vocabulary, at a few
 //! points of an output (`cargo run --release -p ferrite-engine --example json_mask_speed --
-//! tests/data/tokenizers/qwen3-json/tokenizer.json`).
+//! [PATH]`: a tokenizer.json, or a GGUF with a tokenizer; by default Qwen2's 151,936-token
+//! vocabulary, tests/data/tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf).
 
 use std::time::Instant;
 
@@ -10,8 +11,14 @@ use ferrite_tokenizer::Tokenizer;
 fn main() -> anyhow::Result<()> {
     let path = std::env::args()
         .nth(1)
-        .unwrap_or_else(|| "tests/data/tokenizers/qwen3-json/tokenizer.json".into());
-    let tok = Tokenizer::from_json_file(std::path::Path::new(&path), None)?;
+        .unwrap_or_else(|| "tests/data/tokenizers/qwen2-gguf/ggml-vocab-qwen2.gguf".into());
+    let tok = if path.ends_with(".json") {
+        Tokenizer::from_json_file(std::path::Path::new(&path), None)?
+    } else {
+        Tokenizer::from_gguf(&ferrite_formats::gguf::GgufFile::open(
+            std::path::Path::new(&path),
+        )?)?
+    };
     let schema = Schema::any_object();
     let vocab = tok.vocab_size();
     for (what, prefix) in [

@@ -15,8 +15,8 @@
 //! distribution restricted to valid continuations. Once the object is closed only an
 //! end-of-sequence token may follow (whitespace where the request ignores EOS).
 //!
-//! Cost (`cargo run --release -p ferrite-engine --example json_mask_speed`, Qwen3's 151,669
-//! tokens, 2 threads of this development machine): 2.0–2.9 ms a step with the two shortcuts,
+//! Cost (`cargo run --release -p ferrite-engine --example json_mask_speed` on Qwen3's
+//! tokenizer.json, 151,669 tokens, 2 threads of this development machine): 2.0–2.9 ms a step with the two shortcuts,
 //! 4.9–6.8 ms with full trials only; the trials parallelise, so a 16-core host takes a
 //! fraction of that. It is paid on the host for each JSON request's step.
 //!

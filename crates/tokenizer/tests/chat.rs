@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{data_dir, smollm2_gguf};
+use common::{data_dir, qwen3_json_tokenizer, smollm2_gguf};
 use ferrite_tokenizer::{ChatMessage, ChatTemplate, RenderOptions, Tokenizer};
 use serde_json::Value;
 
@@ -129,12 +129,7 @@ fn qwen3_prompts_by_reading_the_template() {
 
 #[test]
 fn qwen3_rendered_prompt_tokenizes_with_special_tokens() {
-    let dir = data_dir().join("qwen3-json");
-    let tok = Tokenizer::from_json_file(
-        &dir.join("tokenizer.json"),
-        Some(&dir.join("tokenizer_config.json")),
-    )
-    .unwrap();
+    let tok = qwen3_json_tokenizer();
     let tmpl = tok.compile_chat_template().unwrap().unwrap();
     let prompt = tmpl
         .render(&[ChatMessage::new("user", "hi")], &tok.render_options(true))

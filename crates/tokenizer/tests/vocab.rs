@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{data_dir, read_vocab_cases, VocabCase};
+use common::{data_dir, qwen3_json_tokenizer, read_vocab_cases, VocabCase};
 use ferrite_formats::gguf::{GgufFile, GgufValue};
 use ferrite_tokenizer::{IncrementalDecoder, Tokenizer};
 
@@ -154,12 +154,7 @@ fn llama_spm_special_tokens() {
 
 #[test]
 fn qwen3_tokenizer_json_matches_qwen2_vectors() {
-    let dir = data_dir().join("qwen3-json");
-    let tok = Tokenizer::from_json_file(
-        &dir.join("tokenizer.json"),
-        Some(&dir.join("tokenizer_config.json")),
-    )
-    .unwrap();
+    let tok = qwen3_json_tokenizer();
     let cases = read_vocab_cases(&data_dir().join("qwen2-gguf/ggml-vocab-qwen2.gguf.inp"));
     check_cases("qwen3 tokenizer.json", &tok, &cases);
     check_round_trip("qwen3 tokenizer.json", &tok, &cases);
@@ -187,12 +182,7 @@ fn special_tokens_parse_only_when_asked() {
 
 #[test]
 fn qwen_stop_tokens() {
-    let dir = data_dir().join("qwen3-json");
-    let tok = Tokenizer::from_json_file(
-        &dir.join("tokenizer.json"),
-        Some(&dir.join("tokenizer_config.json")),
-    )
-    .unwrap();
+    let tok = qwen3_json_tokenizer();
     let im_end = tok.token_to_id("<|im_end|>").unwrap();
     let eot = tok.token_to_id("<|endoftext|>").unwrap();
     assert_eq!(tok.eos_id(), Some(im_end));

@@ -8,6 +8,20 @@ pub fn data_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/tokenizers")
 }
 
+/// Qwen3's `tokenizer.json` (stored gzipped: 2 MB instead of 11, for the working tree a
+/// device call carries) with its `tokenizer_config.json`.
+pub fn qwen3_json_tokenizer() -> ferrite_tokenizer::Tokenizer {
+    use std::io::Read;
+    let dir = data_dir().join("qwen3-json");
+    let mut json = String::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(dir.join("tokenizer.json.gz")).unwrap())
+        .read_to_string(&mut json)
+        .unwrap();
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+    ferrite_tokenizer::Tokenizer::from_json_str(&json, Some(&config)).unwrap()
+}
+
 /// SmolLM2-135M-Instruct (98 MB, not committed): `FERRITE_SMOLLM2`, else the shared fixtures
 /// next to the workspace. `None` (and a note on stderr) when absent.
 pub fn smollm2_gguf() -> Option<PathBuf> {
