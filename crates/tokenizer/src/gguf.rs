@@ -72,21 +72,10 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
     if n == 0 {
         return Err(invalid("tokenizer.ggml.tokens is empty".into()));
     }
-    let types = match get("tokenizer.ggml.token_type") {
-        Some(v) => {
-            let t = v.as_i32_array().ok_or_else(|| {
-                invalid("tokenizer.ggml.token_type is not an integer array".into())
-            })?;
-            if t.len() != n {
-                return Err(invalid(format!(
-                    "tokenizer.ggml.token_type has {} entries for {n} tokens",
-                    t.len()
-                )));
-            }
-            t
-        }
-        None => vec![token_type::NORMAL; n],
-    };
+    let types = per_token(get, "tokenizer.ggml.token_type", n, "integers", |v| {
+        v.as_i32_array()
+    })?
+    .unwrap_or_else(|| vec![token_type::NORMAL; n]);
 
     // A missing, negative or out-of-range id means "no such token": llama.cpp warns and
     // ignores those too (converters write -1, and some ids point past a trimmed vocabulary).
@@ -124,17 +113,10 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
         }
     }
     let merges = if spm {
-        let scores = get("tokenizer.ggml.scores")
-            .and_then(GgufValue::as_f32_array)
-            .ok_or_else(|| {
-                invalid("tokenizer.ggml.scores missing or not an array of floats".into())
-            })?;
-        if scores.len() != n {
-            return Err(invalid(format!(
-                "tokenizer.ggml.scores has {} entries for {n} tokens",
-                scores.len()
-            )));
-        }
+        let scores = per_token(get, "tokenizer.ggml.scores", n, "floats", |v| {
+            v.as_f32_array()
+        })?
+        .ok_or_else(|| invalid("tokenizer.ggml.scores missing".into()))?;
         sentencepiece::merges(&tokens, &types, &scores)
     } else {
         let merges_raw = get("tokenizer.ggml.merges")
@@ -247,6 +229,29 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
         strip_leading_space: add_space_prefix,
         chat_template: get_str("tokenizer.chat_template").map(str::to_string),
     }))
+}
+
+/// `key`'s array of one value a token (`n` of them), read by `as_array`; `None` where the
+/// metadata has no such key.
+fn per_token<'a, T>(
+    get: &dyn Fn(&str) -> Option<&'a GgufValue>,
+    key: &str,
+    n: usize,
+    kind: &str,
+    as_array: fn(&GgufValue) -> Option<Vec<T>>,
+) -> Result<Option<Vec<T>>> {
+    let invalid = |what: String| TokenizerError::Invalid(format!("GGUF tokenizer: {what}"));
+    let Some(v) = get(key) else {
+        return Ok(None);
+    };
+    let a = as_array(v).ok_or_else(|| invalid(format!("{key} is not an array of {kind}")))?;
+    if a.len() != n {
+        return Err(invalid(format!(
+            "{key} has {} entries for {n} tokens",
+            a.len()
+        )));
+    }
+    Ok(Some(a))
 }
 
 /// A `TemplateProcessing` post-processor that adds BOS before and/or EOS after a sequence;
