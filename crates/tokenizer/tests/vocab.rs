@@ -152,6 +152,33 @@ fn llama_spm_special_tokens() {
     assert_eq!(tok.decode(&snowman, false).unwrap(), "\u{2603}");
 }
 
+/// `tokenizer.ggml.add_space_prefix = false` (llama.cpp's key; true by default): no `▁` is
+/// put before the text, and decoding keeps a leading space.
+#[test]
+fn llama_spm_without_space_prefix() {
+    let path = data_dir().join("llama-spm-gguf/ggml-vocab-llama-spm.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let off = GgufValue::Bool(false);
+    let get = |key: &str| match key {
+        "tokenizer.ggml.add_space_prefix" => Some(&off),
+        _ => file.get(key),
+    };
+    let bare = ferrite_tokenizer::gguf::from_metadata(&get).unwrap();
+    let (prefixed, _) = gguf_tokenizer("llama-spm-gguf", "ggml-vocab-llama-spm.gguf");
+    // The prefix the default adds, written out: the same ids.
+    assert_eq!(
+        bare.encode(" Hello world", false, false).unwrap(),
+        prefixed.encode("Hello world", false, false).unwrap()
+    );
+    // Without it, "Hello" does not start with the "▁Hello" piece.
+    let ids = bare.encode("Hello", false, false).unwrap();
+    assert_ne!(ids, prefixed.encode("Hello", false, false).unwrap());
+    assert!(!bare.token_bytes(ids[0]).starts_with(b" "), "{ids:?}");
+    assert_eq!(bare.decode(&ids, false).unwrap(), "Hello");
+    let spaced = bare.encode(" Hello", false, false).unwrap();
+    assert_eq!(bare.decode(&spaced, false).unwrap(), " Hello");
+}
+
 #[test]
 fn qwen3_tokenizer_json_matches_qwen2_vectors() {
     let tok = qwen3_json_tokenizer();
