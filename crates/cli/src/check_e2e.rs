@@ -167,8 +167,8 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             .unwrap_or_default();
         let (tokens, oracle) = read_oracle(dir)?;
         let file = ModelFile::open(dir)?;
-        let oracle = ("transformers", &oracle[..]);
-        lines.extend(oracle_lines(be, &cpu, &file, &name, &tokens, oracle)?);
+        let oracle = Some(("transformers", &oracle[..]));
+        versus_cpu(be, &cpu, &file, &name, &tokens, oracle, &mut lines)?;
         if dir.join("mtp_oracle.safetensors").exists() {
             lines.extend(mtp_lines(be, &cpu, dir, &name, &file, &tokens)?);
         }
@@ -206,7 +206,7 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
             let file = ModelFile::open(&path)?;
             let tokens: Vec<u32> = (0..40u32).map(|i| 100 + (i * 7919) % 5000).collect();
             let what = format!("{preset:?} {quant:?}");
-            let (m, test) = versus_cpu(be, &cpu, &file, &what, &tokens, &mut lines)?;
+            let (m, test) = versus_cpu(be, &cpu, &file, &what, &tokens, None, &mut lines)?;
             // Speculation's verify (several rows) against the decode step, every architecture
             // and quant mix: scripted drafts kept whole and in part.
             lines.extend(gate3_lines(
@@ -236,6 +236,7 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
                     &ModelFile::open(&conv)?,
                     &what,
                     &tokens,
+                    None,
                     &mut lines,
                 )?;
                 std::fs::remove_file(&conv).ok();
@@ -268,18 +269,28 @@ pub fn run<B: Backend>(be: &B, oracle_dir: &Path, scratch: &Path) -> Result<usiz
     Ok(failed)
 }
 
-/// `file`'s logits on `tokens` from `be` against the CPU's, and its prefill/decode gate:
-/// two lines into `lines`. The loaded model and its logits, for the checks that follow.
+/// `file`'s logits on `tokens` from `be` against an oracle's (named; where there is one) and
+/// the CPU's, and its prefill/decode gate: those lines into `lines`. The loaded model and its
+/// logits, for the checks that follow.
 fn versus_cpu<B: Backend>(
     be: &B,
     cpu: &CpuBackend,
     file: &ModelFile,
     what: &str,
     tokens: &[u32],
+    oracle: Option<(&str, &[f32])>,
     lines: &mut Vec<Line>,
 ) -> Result<(Model<B>, Vec<f32>)> {
     let (test, vocab) = all_logits(be, file, tokens)?;
     let (reference, _) = all_logits(cpu, file, tokens)?;
+    if let Some((oracle_name, oracle)) = oracle {
+        lines.push(compare(
+            format!("{what}: {} vs {oracle_name}", be.name()),
+            &test,
+            oracle,
+            vocab,
+        ));
+    }
     lines.push(compare(
         format!("{what}: {} vs cpu", be.name()),
         &test,
@@ -362,45 +373,10 @@ fn llama3_lines<B: Backend>(
     for (form, path) in [("safetensors", &scaled), ("GGUF", &gguf)] {
         let file = ModelFile::open(path)?;
         let what = format!("{name} llama3 RoPE ({form})");
-        lines.extend(oracle_lines(
-            be,
-            cpu,
-            &file,
-            &what,
-            &tokens,
-            ("oracle", &oracle),
-        )?);
+        let oracle = Some(("oracle", &oracle[..]));
+        versus_cpu(be, cpu, &file, &what, &tokens, oracle, &mut lines)?;
     }
     Ok(lines)
-}
-
-/// `file`'s logits on `tokens` on the backend against an oracle's (named) and the CPU's, and
-/// its prefill/decode gate.
-fn oracle_lines<B: Backend>(
-    be: &B,
-    cpu: &CpuBackend,
-    file: &ModelFile,
-    what: &str,
-    tokens: &[u32],
-    (oracle_name, oracle): (&str, &[f32]),
-) -> Result<Vec<Line>> {
-    let (test, vocab) = all_logits(be, file, tokens)?;
-    let (reference, _) = all_logits(cpu, file, tokens)?;
-    Ok(vec![
-        compare(
-            format!("{what}: {} vs {oracle_name}", be.name()),
-            &test,
-            oracle,
-            vocab,
-        ),
-        compare(
-            format!("{what}: {} vs cpu", be.name()),
-            &test,
-            &reference,
-            vocab,
-        ),
-        gate_line(be, &Model::load(be, file, &|_, _| {})?, what, tokens)?,
-    ])
 }
 
 /// Greedy tokens gate 3 compares, plain against speculative.
