@@ -209,12 +209,18 @@ pub struct ArchDims {
     /// Llama 3.1's "llama3" RoPE scaling (factor 8, frequency factors 1 and 4, 8,192 original
     /// positions), written as llama.cpp's converter writes it: `rope_freqs.weight`.
     pub llama3_rope: bool,
-    /// The vocabulary GGUF when `--vocab` names none (relative to the repository), where the
-    /// preset's vocabulary is not Qwen2's.
-    pub default_vocab: Option<&'static str>,
 }
 
 impl Preset {
+    /// The vocabulary GGUF when `--vocab` names none (relative to the repository): Qwen2's,
+    /// or Llama 3's for Llama-3.1-8B.
+    fn default_vocab(self) -> &'static str {
+        match self {
+            Preset::Llama31_8B => LLAMA3_VOCAB_REL,
+            _ => DEFAULT_VOCAB_REL,
+        }
+    }
+
     pub fn dims(self) -> ArchDims {
         let tiny = |arch, name, qk_norm, moe, rope_theta, rms_eps| ArchDims {
             arch,
@@ -233,7 +239,6 @@ impl Preset {
             moe,
             hybrid: None,
             llama3_rope: false,
-            default_vocab: None,
         };
         // Qwen3.5's linear-attention dims (both real models share them).
         let q35_linear = |shared_expert_ffn| HybridDims {
@@ -276,7 +281,6 @@ impl Preset {
                 shared_expert_ffn,
             }),
             llama3_rope: false,
-            default_vocab: None,
         };
         match self {
             Preset::Llama31_8B => ArchDims {
@@ -296,7 +300,6 @@ impl Preset {
                 moe: None,
                 hybrid: None,
                 llama3_rope: true,
-                default_vocab: Some(LLAMA3_VOCAB_REL),
             },
             Preset::Qwen3_8B => ArchDims {
                 arch: "qwen3",
@@ -315,7 +318,6 @@ impl Preset {
                 moe: None,
                 hybrid: None,
                 llama3_rope: false,
-                default_vocab: None,
             },
             Preset::Qwen3_30B_A3B => ArchDims {
                 arch: "qwen3moe",
@@ -340,7 +342,6 @@ impl Preset {
                 }),
                 hybrid: None,
                 llama3_rope: false,
-                default_vocab: None,
             },
             Preset::TinyLlama => tiny(
                 "llama",
@@ -387,7 +388,6 @@ impl Preset {
                 moe: None,
                 hybrid: Some(q35_linear(0)),
                 llama3_rope: false,
-                default_vocab: None,
             },
             Preset::Qwen35_35B_A3B => ArchDims {
                 arch: "qwen35moe",
@@ -411,7 +411,6 @@ impl Preset {
                 }),
                 hybrid: Some(q35_linear(512)),
                 llama3_rope: false,
-                default_vocab: None,
             },
             Preset::TinyQwen35 => {
                 tiny35("qwen35", "tiny-qwen3.5 (synthetic random weights)", None, 0)
@@ -1065,7 +1064,7 @@ pub fn synth(args: &SynthArgs) -> Result<()> {
     }
     let vocab_path = match &args.vocab {
         Some(p) => p.clone(),
-        None => default_vocab_path(d.default_vocab.unwrap_or(DEFAULT_VOCAB_REL))?,
+        None => default_vocab_path(args.preset.default_vocab())?,
     };
     let (tok_kv, vocab) = tokenizer_metadata(&vocab_path, d.vocab)?;
     let tensors = plan(&d, vocab, args.quant);
@@ -1280,7 +1279,7 @@ mod tests {
     fn llama31_8b_plan_and_rope_divisors() {
         let d = Preset::Llama31_8B.dims();
         assert!(d.llama3_rope && !d.qk_norm);
-        assert_eq!(d.default_vocab, Some(LLAMA3_VOCAB_REL));
+        assert_eq!(Preset::Llama31_8B.default_vocab(), LLAMA3_VOCAB_REL);
         let p = plan(&d, 128256, SynthQuant::Q4_K_M);
         assert_eq!(p[0].name, "rope_freqs.weight");
         assert_eq!((p[0].dtype, &p[0].shape[..]), (GgmlType::F32, &[64][..]));
