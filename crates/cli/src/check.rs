@@ -1729,9 +1729,12 @@ pub fn cases(quick: bool) -> Vec<Case> {
         (256, 256, 1e7, 2),
     ];
     // Llama 3.1's scaled rotation (a frequency table, CUDA's rope_tab): 8 heads of 128.
+    let scaled_rope = (128, 128, 1e6f32, 8);
     for style in [RopeStyle::Adjacent, RopeStyle::Neox] {
-        for (&(head_dim, rot_dim, theta, heads), scaled) in
-            ropes.iter().map(|r| (r, false)).chain([(&ropes[0], true)])
+        for (&(head_dim, rot_dim, theta, heads), scaled) in ropes
+            .iter()
+            .map(|r| (r, false))
+            .chain([(&scaled_rope, true)])
         {
             for (rows, pos0) in [(1, 0), (7, 0), (1, 1000), (64, 1000)] {
                 if quick && rows > 7 {
@@ -1739,7 +1742,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
                 }
                 add(Op::Rope {
                     rows,
-                    heads: if scaled { 8 } else { heads },
+                    heads,
                     head_dim,
                     rope: Rope {
                         style,
