@@ -24,7 +24,7 @@ use std::collections::{HashMap, HashSet};
 use ferrite_formats::gguf::{GgufFile, GgufValue};
 use serde_json::{json, Value};
 
-use crate::{pretokenizers, Parts, PieceStyle, Result, Tokenizer, TokenizerError};
+use crate::{pretokenizers, Bpe, Parts, PieceStyle, Result, Tokenizer, TokenizerError};
 
 /// `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
 pub mod token_type {
@@ -59,9 +59,14 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
         }
     };
     // llama.cpp falls back to "default" (with a loud warning) when the key is missing. Its
-    // SentencePiece tokenizer reads no pre-tokenizer (the files say "default").
-    let pre_name = get_str("tokenizer.ggml.pre").unwrap_or("default");
-    let pre = pretokenizers::lookup(if spm { "default" } else { pre_name })?;
+    // SentencePiece tokenizer reads no pre-tokenizer (the files say "default"): `None`.
+    let pre = if spm {
+        None
+    } else {
+        Some(pretokenizers::lookup(
+            get_str("tokenizer.ggml.pre").unwrap_or("default"),
+        )?)
+    };
 
     let tokens = get("tokenizer.ggml.tokens")
         .and_then(GgufValue::as_str_array)
@@ -88,7 +93,7 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
     // llama.cpp adds BOS by default for SentencePiece vocabularies.
     let add_bos = get("tokenizer.ggml.add_bos_token")
         .and_then(GgufValue::as_bool)
-        .unwrap_or(spm || pre.add_bos_default);
+        .unwrap_or(pre.is_none_or(|p| p.add_bos_default));
     let add_eos = get("tokenizer.ggml.add_eos_token")
         .and_then(GgufValue::as_bool)
         .unwrap_or(false);
@@ -156,17 +161,26 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
         }
     }
 
-    let mut pre_seq: Vec<Value> = pre
-        .regexes
-        .iter()
-        .map(|r| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
-        .collect();
-    pre_seq.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
     // llama.cpp's SentencePiece default: a space before the text and after each special token.
     let add_space_prefix = spm
         && get("tokenizer.ggml.add_space_prefix")
             .and_then(GgufValue::as_bool)
             .unwrap_or(true);
+    // What differs between the two kinds: byte-level BPE splits by the pre-tokenizer's regexes
+    // and maps bytes to printable characters; SentencePiece writes spaces as `▁`, takes the
+    // text as one word and falls back to byte tokens.
+    let (normalizer, pre_tokenizer, decoder) = match pre {
+        Some(pre) => (
+            Value::Null,
+            pre.byte_level_pre_tokenizer(),
+            pretokenizers::BYTE_LEVEL.clone(),
+        ),
+        None => (
+            sentencepiece::normalizer(add_space_prefix),
+            Value::Null,
+            sentencepiece::decoder(add_space_prefix),
+        ),
+    };
 
     let post_processor = template_processing(
         add_bos
@@ -177,26 +191,18 @@ pub fn from_metadata<'a>(get: &dyn Fn(&str) -> Option<&'a GgufValue>) -> Result<
             .flatten(),
     );
 
-    let tokenizer_json = if spm {
-        sentencepiece::tokenizer_json(added, post_processor, vocab, merges, add_space_prefix)
-    } else {
-        json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added,
-            "normalizer": null,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_seq},
-            "post_processor": post_processor,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
-            "model": {
-                "type": "BPE", "dropout": null, "unk_token": null,
-                "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignore_merges,
-                "vocab": vocab, "merges": merges,
-            },
-        })
-    };
+    let tokenizer_json = Bpe {
+        added_tokens: added,
+        normalizer,
+        pre_tokenizer,
+        post_processor,
+        decoder,
+        byte_fallback: spm,
+        ignore_merges: pre.is_some_and(|p| p.ignore_merges),
+        vocab,
+        merges,
+    }
+    .json();
     let hf: tokenizers::Tokenizer = serde_json::from_value(tokenizer_json)
         .map_err(|e| invalid(format!("building the BPE tokenizer failed: {e}")))?;
 
@@ -334,21 +340,21 @@ mod sentencepiece {
             .collect()
     }
 
-    /// The `tokenizer.json` of a SentencePiece BPE vocabulary.
-    pub(super) fn tokenizer_json(
-        added: Vec<Value>,
-        post_processor: Value,
-        vocab: serde_json::Map<String, Value>,
-        merges: Vec<Value>,
-        add_space_prefix: bool,
-    ) -> Value {
+    /// Spaces as `▁`, with one before the text where `add_space_prefix` (the normalizer runs
+    /// on each stretch of text between added tokens, so after each special token too).
+    pub(super) fn normalizer(add_space_prefix: bool) -> Value {
         let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
-        let normalizer = if add_space_prefix {
+        if add_space_prefix {
             json!({"type": "Sequence", "normalizers": [
                 {"type": "Prepend", "prepend": "\u{2581}"}, replace]})
         } else {
             replace
-        };
+        }
+    }
+
+    /// `▁` back to spaces, byte tokens to bytes, and the leading space the normalizer added
+    /// dropped.
+    pub(super) fn decoder(add_space_prefix: bool) -> Value {
         let mut decoders = vec![
             json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
             json!({"type": "ByteFallback"}),
@@ -357,21 +363,6 @@ mod sentencepiece {
         if add_space_prefix {
             decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
         }
-        json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added,
-            "normalizer": normalizer,
-            "pre_tokenizer": null,
-            "post_processor": post_processor,
-            "decoder": {"type": "Sequence", "decoders": decoders},
-            "model": {
-                "type": "BPE", "dropout": null, "unk_token": null,
-                "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                "fuse_unk": false, "byte_fallback": true, "ignore_merges": false,
-                "vocab": vocab, "merges": merges,
-            },
-        })
+        json!({"type": "Sequence", "decoders": decoders})
     }
 }

@@ -98,6 +98,43 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// The parts of a BPE `tokenizer.json` that the builders from GGUF metadata and tiktoken
+/// files choose; [`Bpe::json`] writes the rest.
+pub(crate) struct Bpe {
+    pub added_tokens: Vec<serde_json::Value>,
+    pub normalizer: serde_json::Value,
+    pub pre_tokenizer: serde_json::Value,
+    pub post_processor: serde_json::Value,
+    pub decoder: serde_json::Value,
+    pub byte_fallback: bool,
+    pub ignore_merges: bool,
+    pub vocab: serde_json::Map<String, serde_json::Value>,
+    pub merges: Vec<serde_json::Value>,
+}
+
+impl Bpe {
+    /// The pipeline as the `tokenizers` crate reads it.
+    pub(crate) fn json(self) -> serde_json::Value {
+        serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": self.added_tokens,
+            "normalizer": self.normalizer,
+            "pre_tokenizer": self.pre_tokenizer,
+            "post_processor": self.post_processor,
+            "decoder": self.decoder,
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": self.byte_fallback,
+                "ignore_merges": self.ignore_merges,
+                "vocab": self.vocab, "merges": self.merges,
+            },
+        })
+    }
+}
+
 /// What a builder (tokenizer.json or GGUF) knows besides the `tokenizers` pipeline.
 pub(crate) struct Parts {
     pub hf: tokenizers::Tokenizer,

