@@ -33,6 +33,14 @@ fn qwen35_tokenizer() -> (Tokenizer, Vec<VocabCase>) {
     (tok, cases)
 }
 
+/// A vocabulary's vectors: there are some, every one encodes to llama.cpp's ids, and the ids
+/// decode back to the text ([`check_cases`], [`check_round_trip`]).
+fn check_vectors(label: &str, tok: &Tokenizer, cases: &[VocabCase]) {
+    assert!(!cases.is_empty(), "{label}: no cases");
+    check_cases(label, tok, cases);
+    check_round_trip(label, tok, cases);
+}
+
 /// Encodes every case and reports all mismatches at once.
 fn check_cases(label: &str, tok: &Tokenizer, cases: &[VocabCase]) {
     let mut failures = Vec::new();
@@ -85,26 +93,20 @@ fn check_round_trip(label: &str, tok: &Tokenizer, cases: &[VocabCase]) {
 #[test]
 fn qwen2_gguf_vectors() {
     let (tok, cases) = gguf_tokenizer("qwen2-gguf", "ggml-vocab-qwen2.gguf");
-    assert!(!cases.is_empty());
-    check_cases("qwen2", &tok, &cases);
-    check_round_trip("qwen2", &tok, &cases);
+    check_vectors("qwen2", &tok, &cases);
 }
 
 #[test]
 fn qwen35_gguf_vectors() {
     let (tok, cases) = qwen35_tokenizer();
-    assert!(!cases.is_empty());
-    check_cases("qwen35", &tok, &cases);
-    check_round_trip("qwen35", &tok, &cases);
+    check_vectors("qwen35", &tok, &cases);
 }
 
 /// Llama 3's byte-level BPE (`llama-bpe`: its regex and `ignore_merges`).
 #[test]
 fn llama_bpe_gguf_vectors() {
     let (tok, cases) = gguf_tokenizer("llama-bpe-gguf", "ggml-vocab-llama-bpe.gguf");
-    assert!(!cases.is_empty());
-    check_cases("llama-bpe", &tok, &cases);
-    check_round_trip("llama-bpe", &tok, &cases);
+    check_vectors("llama-bpe", &tok, &cases);
 }
 
 /// Llama 2's SentencePiece BPE (`tokenizer.ggml.model = "llama"`): scores, byte fallback and
@@ -112,9 +114,7 @@ fn llama_bpe_gguf_vectors() {
 #[test]
 fn llama_spm_gguf_vectors() {
     let (tok, cases) = gguf_tokenizer("llama-spm-gguf", "ggml-vocab-llama-spm.gguf");
-    assert!(!cases.is_empty());
-    check_cases("llama-spm", &tok, &cases);
-    check_round_trip("llama-spm", &tok, &cases);
+    check_vectors("llama-spm", &tok, &cases);
 }
 
 /// The SentencePiece vocabulary's BOS (added by default), its control tokens (split out only
@@ -183,8 +183,7 @@ fn llama_spm_without_space_prefix() {
 fn qwen3_tokenizer_json_matches_qwen2_vectors() {
     let tok = qwen3_json_tokenizer();
     let cases = read_vocab_cases(&data_dir().join("qwen2-gguf/ggml-vocab-qwen2.gguf.inp"));
-    check_cases("qwen3 tokenizer.json", &tok, &cases);
-    check_round_trip("qwen3 tokenizer.json", &tok, &cases);
+    check_vectors("qwen3 tokenizer.json", &tok, &cases);
 }
 
 #[test]
