@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Reads the block timeline of one decode step (FERRITE_DIAG_TL; DECODE_STEP.md).
 
-Usage: timeline.py ferrite-timeline.tsv [--summary | --launch I | --late I | --marks MODULE | --first I --count N]
+Usage: timeline.py ferrite-timeline.tsv [--summary | --launch I | --late I | --marks MODULE | --phases
+                                        | --first I --count N]
 
 Stamps: kind 1 a block's PDL wait entry (the block runs, past whatever it issued before its
 wait), 2 the wait's return (the predecessor grid has completed), 3 a tensor-core GEMV's block
@@ -25,6 +26,16 @@ SMs): a launch whose blocks do not fit beside its predecessor's (MATMUL.md round
 decode launch: ATTENTION.md, 33rd session), per mark its first and last block's time from the
 launch's dep (mean over the launches, with the last wait return and the next launch's dep):
 where the launch's chain goes after its wait.
+
+`--phases`: the one-row tensor-core GEMV blocks (matmul.cu gemvq_tc_block, whose three marks
+are 0 x staged, 1 the tile's copy waited for, 2 warp 0's super-block loop done; DECODE_STEP.md,
+68th session), per kind of launch and per wave (the blocks that entered their wait before the
+launch's dep, whose copies went out under PDL, and the later ones), the median µs of each
+phase of a block: `dep` its wait entry to the wait's return, `x` the return to x staged, `tile`
+x staged to the copy waited for (0: it had landed), `loop` the super-block loop, `store` the
+loop's end to the outputs written; `copy` the wait entry (the copies were issued just before
+it) to the copy waited for, an upper bound of the copy's time where `tile` > 0; `block` the wait
+entry to the outputs.
 """
 import argparse
 import collections
@@ -74,6 +85,7 @@ def main():
     ap.add_argument("--launch", type=int, help="one launch's blocks: starts and ends per 0.5 µs from its dep")
     ap.add_argument("--late", type=int, help="one launch's blocks that entered after its dep: their SMs")
     ap.add_argument("--marks", help="a module's launches with TL_MARKs: each mark's first and last block from dep")
+    ap.add_argument("--phases", action="store_true", help="the tensor-core GEMV blocks' phases, per launch kind and wave")
     a = ap.parse_args()
     rows = read(a.path)
     if not rows:
@@ -140,6 +152,9 @@ def main():
         for name, v in rows_m.items():
             print(f"{name:<24}{sum(v) / len(v):>8.2f}{min(v):>8.2f}{max(v):>8.2f}")
         return
+    if a.phases:
+        phases(deps)
+        return
     if a.summary:
         agg = collections.OrderedDict()
         for l in deps:
@@ -165,6 +180,37 @@ def main():
         ch = "" if l.get("chain") is None else f"{l['chain'] / 1000:8.2f}"
         print(f"{i:>4} {m:<12}{grid:>7}{warps:>6}{us(l['start'])}{us(l['dep']) or ' ' * 10:>10}{ch:>8}"
               f"{l['early']:>7}{us(l['last_in'])}{us(l['end_t']):>10}")
+
+
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def phases(deps):
+    """--phases (see the module's doc): per (launch kind, wave) the median of each block phase."""
+    names = ["dep", "x", "tile", "loop", "store", "copy", "block"]
+    agg = collections.OrderedDict()  # (key, wave) -> name -> values (µs)
+    for l in deps:
+        m = l["marks"]
+        if l["key"][0] != "matmul" or not all(k in m for k in (0, 1, 2)):
+            continue
+        for b, t_in in l["in"].items():
+            t_out, end = l["out"].get(b), l["end"].get(b)
+            t0, t1, t2 = m[0].get(b), m[1].get(b), m[2].get(b)
+            if None in (t_out, end, t0, t1, t2):
+                continue
+            wave = "early" if t_in < l["dep"] else "late"
+            v = agg.setdefault((l["key"], wave), {n: [] for n in names})
+            for n, d in zip(names, [t_out - t_in, t0 - t_out, t1 - t0, t2 - t1, end - t2, t1 - t_in, end - t_in]):
+                v[n].append(d / 1000)
+    if not agg:
+        sys.exit("--phases: no matmul launch has the three marks (FERRITE_DIAG_TL on this build?)")
+    print("median µs a block, per launch kind (module, grid, warps) and wave")
+    print(f"{'launch':<26}{'wave':>6}{'blocks':>8}" + "".join(f"{n:>7}" for n in names))
+    for ((mod, grid, warps), wave), v in sorted(agg.items(), key=lambda kv: (-len(kv[1]["dep"]), kv[0][1])):
+        print(f"{f'{mod} {grid} x {warps}':<26}{wave:>6}{len(v['dep']):>8}"
+              + "".join(f"{median(v[n]):>7.2f}" for n in names))
 
 
 if __name__ == "__main__":

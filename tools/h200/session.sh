@@ -72,6 +72,11 @@
 #            with and without the copies (tools/timeline.py --summary of each; the cache needs
 #            the stamped CUBINs beside the plain ones, after the full build: `FERRITE_DIAG_TL=1
 #            tools/h200/kernel_cache.sh attention elementwise gated_delta matmul mmq mmw moe`)
+#   phases   the one-row tensor-core GEMV blocks' phases on Qwen3-8B Q4_K_M (gemvq_tc_block's
+#            marks under FERRITE_DIAG_TL, replay 100; tools/timeline.py --phases: x staging, the
+#            tile's wait, the super-block loop, the store, per launch kind and wave), with and
+#            without the weight copies (FERRITE_GEMV_DIAG 0 / 2); needs the stamped CUBINs as
+#            `bound` does (DECODE_STEP.md, 68th session)
 #   spec35   speculation's cost on Qwen3.5-9B Q4_K_M with a random MTP head (synth --mtp):
 #            bench --mtp-depth K --draft-right R (scripted drafts, the head run for its cost)
 #            at K = 1, 2, 4 with every draft right and with none right: tokens/s against plain
@@ -598,6 +603,19 @@ for stage in "$@"; do
             fi
             rm -f "$f"
         done | tee -a "$OUT/bound.log"
+        ;;
+    phases)
+        f=$(synth qwen3-8b Q4_K_M | tail -1)
+        for d in 0 2; do
+            FERRITE_DIAG_TL=100 FERRITE_DIAG_TL_OUT="/tmp/tl-$d.tsv" FERRITE_GEMV_DIAG=$d $F bench --model "$f" \
+                --reps 1 --gate-tokens 8 --prompt-tokens 64 2>&1 | grep -E 'tg128|rror'
+            echo "GEMV_DIAG=$d:"
+            python3 tools/timeline.py "/tmp/tl-$d.tsv" --phases 2>&1 | tee "$OUT/phases-$d.txt"
+            python3 tools/timeline.py "/tmp/tl-$d.tsv" --summary > "$OUT/tl-summary-$d.txt" 2>&1
+            head -12 "$OUT/tl-summary-$d.txt"
+            gzip -c "/tmp/tl-$d.tsv" > "$OUT/tl-$d.tsv.gz"
+        done
+        echo "untimed by the diagnostics: $($F bench --model "$f" --reps 2 --gate-tokens 8 --prompt-tokens 64 2>&1 | grep -E 'tg128|rror' | tr -s ' ')"
         ;;
     q8kv)
         f=$(synth qwen3-8b Q4_K_M | tail -1)

@@ -237,6 +237,11 @@ pub fn full_source(name: &str, src: &str) -> String {
         if name == "attention" {
             defs += "#define TL_MARK_SLOTS 5u\n";
         }
+        // The one-row tensor-core GEMV block's three (matmul.cu gemvq_tc_block; DECODE_STEP.md,
+        // 68th session).
+        if name == "matmul" {
+            defs += "#define TL_MARK_SLOTS 3u\n";
+        }
         defs += "#define FERRITE_TL 1\n";
         defs += TIMELINE_CUH;
     }

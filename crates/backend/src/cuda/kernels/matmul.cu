@@ -68,6 +68,13 @@
 // GPU run they and the mma tile indexing were checked on the host by compiling this file with
 // g++ against ggml_get, with an emulated mma.sync; see MATMUL.md).
 
+// The block timeline's marks inside the one-row tensor-core GEMV block (gemvq_tc_block; empty
+// unless FERRITE_DIAG_TL compiled them in, with TL_MARK_SLOTS 3 for this file: mod.rs
+// full_source): 0 x staged, 1 the tile's copy waited for, 2 warp 0's super-block loop done.
+// tools/timeline.py --phases reads them (DECODE_STEP.md, 68th session).
+#ifndef FERRITE_TL
+#define TL_MARK(k)
+#endif
 #define GEMV_WARPS 8
 #define GEMV_NW 2
 // Loop unroll depths (iterations of a lane's step loop whose loads can be in flight together):
@@ -1704,6 +1711,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
     }
+    if (!G2) TL_MARK(2);
     if (G2)
         tc_reduce_g2<R>(acc, g2out);
     else
@@ -1823,6 +1831,7 @@ __device__ __forceinline__ void gemvq_tc_q6k(const uint8_t* s0, const uint8_t* s
             }
         }
     }
+    TL_MARK(2);
     tc_store<R, SWIGLU, HALF, NORM>(acc, rows, out, n_out, r0, sn);
 }
 
@@ -1922,6 +1931,7 @@ __device__ __forceinline__ void gemvq_tc_q80(const uint8_t* s0, const uint8_t* s
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
     }
+    TL_MARK(2);
     tc_store<R, SWIGLU, false, NORM, W4>(acc, rows, out, n_out, r0, sn, acc2, hs);
 }
 
@@ -2224,7 +2234,9 @@ __device__ __forceinline__ void gemvq_tc_block(const uint8_t* __restrict__ W, co
         tc_norm_scale<R>(pss, n_in, rows, eps, sn);
         __syncthreads();
     }
+    TL_MARK(0);
     if (diag != 3) gemv_bulk_wait(bar);
+    TL_MARK(1);
     if (diag != 1) {
         const int8_t* xa = XS ? (const int8_t*)xs : xq;
         const float2* da = XS ? (const float2*)(xs + 2 * n_in + 128) : xd;
