@@ -39,6 +39,7 @@ entry to the outputs.
 """
 import argparse
 import collections
+import statistics
 import sys
 
 
@@ -182,11 +183,6 @@ def main():
               f"{l['early']:>7}{us(l['last_in'])}{us(l['end_t']):>10}")
 
 
-def median(v):
-    v = sorted(v)
-    return v[len(v) // 2] if v else float("nan")
-
-
 def phases(deps):
     """--phases (see the module's doc): per (launch kind, wave) the median of each block phase."""
     names = ["dep", "x", "tile", "loop", "store", "copy", "block"]
@@ -210,7 +206,7 @@ def phases(deps):
     print(f"{'launch':<26}{'wave':>6}{'blocks':>8}" + "".join(f"{n:>7}" for n in names))
     for ((mod, grid, warps), wave), v in sorted(agg.items(), key=lambda kv: (-len(kv[1]["dep"]), kv[0][1])):
         print(f"{f'{mod} {grid} x {warps}':<26}{wave:>6}{len(v['dep']):>8}"
-              + "".join(f"{median(v[n]):>7.2f}" for n in names))
+              + "".join(f"{statistics.median_high(v[n]):>7.2f}" for n in names))
 
 
 if __name__ == "__main__":

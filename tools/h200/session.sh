@@ -176,6 +176,16 @@ ab_runs() { # PATTERN VAR "values" model label [bench args...]
         done
     done
 }
+# The block timeline of decode-graph replay 100 of model file $2 under FERRITE_GEMV_DIAG=$1
+# (0 all, 2 no bulk weight copies): its tg128 line, the stamps at /tmp/tl-$1.tsv, gzipped to
+# $OUT/tl-$1.tsv.gz, and tools/timeline.py --summary of them in $OUT/tl-summary-$1.txt.
+timeline_run() { # diag model
+    local d=$1 f=$2
+    FERRITE_DIAG_TL=100 FERRITE_DIAG_TL_OUT="/tmp/tl-$d.tsv" FERRITE_GEMV_DIAG=$d $F bench --model "$f" \
+        --reps 1 --gate-tokens 8 --prompt-tokens 64 2>&1 | grep -E 'tg128|rror'
+    python3 tools/timeline.py "/tmp/tl-$d.tsv" --summary > "$OUT/tl-summary-$d.txt" 2>&1
+    gzip -c "/tmp/tl-$d.tsv" > "$OUT/tl-$d.tsv.gz"
+}
 # `ferrite check --device cuda --filter FILTER` under the switch setting VAR=V, logged whole to
 # $OUT/LOG, its last TAIL lines (default 6) shown.
 check_under() { # VAR=V filter log [tail]
@@ -594,12 +604,7 @@ for stage in "$@"; do
                 echo "$pq GEMV_DIAG=$d $(FERRITE_GEMV_DIAG=$d $F bench --model "$f" --reps 2 --prompt-tokens 64 --gate-tokens 4 2>&1 | grep -E 'tg128|rror' | tr -s ' ' | tr '\n' ' ')"
             done
             if [ "$pq" = qwen3-8b:Q4_K_M ]; then
-                for d in 0 2; do
-                    FERRITE_DIAG_TL=100 FERRITE_DIAG_TL_OUT="/tmp/tl-$d.tsv" FERRITE_GEMV_DIAG=$d $F bench --model "$f" \
-                        --reps 1 --gate-tokens 8 --prompt-tokens 64 2>&1 | grep -E 'tg128|rror'
-                    python3 tools/timeline.py "/tmp/tl-$d.tsv" --summary > "$OUT/tl-summary-$d.txt" 2>&1
-                    gzip -c "/tmp/tl-$d.tsv" > "$OUT/tl-$d.tsv.gz"
-                done
+                for d in 0 2; do timeline_run "$d" "$f"; done
             fi
             rm -f "$f"
         done | tee -a "$OUT/bound.log"
@@ -607,13 +612,10 @@ for stage in "$@"; do
     phases)
         f=$(synth qwen3-8b Q4_K_M | tail -1)
         for d in 0 2; do
-            FERRITE_DIAG_TL=100 FERRITE_DIAG_TL_OUT="/tmp/tl-$d.tsv" FERRITE_GEMV_DIAG=$d $F bench --model "$f" \
-                --reps 1 --gate-tokens 8 --prompt-tokens 64 2>&1 | grep -E 'tg128|rror'
+            timeline_run "$d" "$f"
             echo "GEMV_DIAG=$d:"
             python3 tools/timeline.py "/tmp/tl-$d.tsv" --phases 2>&1 | tee "$OUT/phases-$d.txt"
-            python3 tools/timeline.py "/tmp/tl-$d.tsv" --summary > "$OUT/tl-summary-$d.txt" 2>&1
             head -12 "$OUT/tl-summary-$d.txt"
-            gzip -c "/tmp/tl-$d.tsv" > "$OUT/tl-$d.tsv.gz"
         done
         echo "untimed by the diagnostics: $($F bench --model "$f" --reps 2 --gate-tokens 8 --prompt-tokens 64 2>&1 | grep -E 'tg128|rror' | tr -s ' ')"
         ;;

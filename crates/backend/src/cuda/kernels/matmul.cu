@@ -1711,7 +1711,7 @@ __device__ __forceinline__ void gemvq_tc_q4k(const uint8_t* s0, const uint8_t* s
     if constexpr (W4) {
         if (nsw & 1) tc_swap_acc<R>(acc, acc2);  // acc holds warp w + 4's partial: swap back
     }
-    if (!G2) TL_MARK(2);
+    TL_MARK(2);
     if (G2)
         tc_reduce_g2<R>(acc, g2out);
     else
